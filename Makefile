@@ -1,0 +1,119 @@
+# moec: build the compiler (build/moec), the runtime (build/libmoert.a), tests and demo.
+#
+#   make deps    install the Debian packages moec needs (skips what is there)
+#   make         build/moec and build/libmoert.a
+#   make demo    deps + build + compile lang/models/tiny.moe and train it 20 steps
+#   make test    deps + build + every test (unit, golden, diagnostics, numpy reference, fuzz smoke)
+#   make fuzz    longer fuzzing runs of the front end and the IR parser
+#   make bench   benchmarks (long; never part of make test)
+
+CC      ?= cc
+BUILD   ?= build
+CFLAGS  ?= -O2 -g
+CFLAGS  += -std=c11 -D_GNU_SOURCE -Wall -Wextra -Wno-unused-parameter -Wno-sign-compare \
+           -Wno-missing-field-initializers -fPIC
+ROOT    := $(abspath .)
+CUDA    ?= /usr/local/cuda
+
+DEB_PACKAGES := flex bison libnlopt-dev libopenmpi-dev openmpi-bin libopenblas-dev libcjson-dev \
+                libcmocka-dev python3-numpy clang libclang-rt-14-dev
+PKG_CJSON    := $(shell pkg-config --cflags --libs libcjson 2>/dev/null || echo -lcjson)
+
+COMPILER_SRC := $(wildcard frontend/*.c ir/*.c passes/*.c codegen/*.c)
+RUNTIME_SRC  := $(wildcard runtime/*.c)
+GEN_SRC      := $(BUILD)/gen/parser.c $(BUILD)/gen/lexer.c
+COMPILER_OBJ := $(COMPILER_SRC:%.c=$(BUILD)/obj/%.o) $(BUILD)/obj/gen/parser.o $(BUILD)/obj/gen/lexer.o
+RUNTIME_OBJ  := $(RUNTIME_SRC:%.c=$(BUILD)/obj/%.o)
+INCLUDES     := -I. -Iir -Ifrontend -Ipasses -Icodegen -Iruntime -I$(BUILD)/gen
+
+COMPILER_DEFS := -DMOEC_ROOT=\"$(ROOT)\" -DMOEC_BUILD=\"$(abspath $(BUILD))\"
+
+.PHONY: all deps demo test fuzz bench clean
+all: $(BUILD)/moec $(BUILD)/libmoert.a
+
+deps:
+	@missing=""; for p in $(DEB_PACKAGES); do \
+	  dpkg-query -W -f='$${Status}' $$p 2>/dev/null | grep -q "install ok installed" || missing="$$missing $$p"; \
+	done; \
+	if [ -n "$$missing" ]; then \
+	  echo "# installing:$$missing"; \
+	  SUDO=""; [ "$$(id -u)" = 0 ] || SUDO=sudo; \
+	  $$SUDO apt-get update -q && DEBIAN_FRONTEND=noninteractive $$SUDO apt-get install -y -q $$missing; \
+	else echo "# dependencies present"; fi
+	@if [ -d $(CUDA) ]; then echo "# CUDA found at $(CUDA)"; else echo "# no CUDA toolkit at $(CUDA): CUDA parts are skipped"; fi
+
+$(BUILD)/gen/parser.c $(BUILD)/gen/parser.h: lang/parser.y
+	@mkdir -p $(BUILD)/gen
+	bison -Wall -Werror --defines=$(BUILD)/gen/parser.h -o $(BUILD)/gen/parser.c $<
+
+$(BUILD)/gen/lexer.c $(BUILD)/gen/lexer.h: lang/lexer.l $(BUILD)/gen/parser.h
+	@mkdir -p $(BUILD)/gen
+	flex --header-file=$(BUILD)/gen/lexer.h -o $(BUILD)/gen/lexer.c $<
+
+$(BUILD)/obj/gen/%.o: $(BUILD)/gen/%.c $(BUILD)/gen/parser.h $(BUILD)/gen/lexer.h
+	@mkdir -p $(dir $@)
+	$(CC) $(CFLAGS) -Wno-unused-function $(INCLUDES) -c $< -o $@
+
+$(BUILD)/obj/frontend/%.o: frontend/%.c $(BUILD)/gen/parser.h $(BUILD)/gen/lexer.h
+	@mkdir -p $(dir $@)
+	$(CC) $(CFLAGS) $(INCLUDES) $(COMPILER_DEFS) -MMD -c $< -o $@
+
+$(BUILD)/obj/runtime/%.o: runtime/%.c
+	@mkdir -p $(dir $@)
+	$(CC) $(CFLAGS) $(INCLUDES) -I/usr/include/x86_64-linux-gnu/openblas-pthread $(PKG_CJSON:-l%=) -MMD -c $< -o $@
+
+$(BUILD)/obj/%.o: %.c
+	@mkdir -p $(dir $@)
+	$(CC) $(CFLAGS) $(INCLUDES) $(COMPILER_DEFS) -MMD -c $< -o $@
+
+$(BUILD)/libmoec.a: $(COMPILER_OBJ)
+	@rm -f $@
+	ar rcs $@ $^
+
+$(BUILD)/libmoert.a: $(RUNTIME_OBJ)
+	@rm -f $@
+	ar rcs $@ $^
+
+RUNTIME_LIBS := -lopenblas -lcjson -lm
+
+$(BUILD)/moec: $(BUILD)/obj/moec.o $(BUILD)/libmoec.a
+	$(CC) $(CFLAGS) -o $@ $^ -lm
+
+-include $(shell find $(BUILD)/obj -name '*.d' 2>/dev/null)
+
+# ---- tests ----
+UNIT_SRC  := $(wildcard tests/unit/test_*.c)
+UNIT_BIN  := $(UNIT_SRC:tests/unit/%.c=$(BUILD)/tests/%)
+
+$(BUILD)/tests/%: tests/unit/%.c $(BUILD)/libmoec.a $(BUILD)/libmoert.a
+	@mkdir -p $(dir $@)
+	$(CC) $(CFLAGS) $(INCLUDES) $(COMPILER_DEFS) -o $@ $< $(BUILD)/libmoec.a $(BUILD)/libmoert.a -lcmocka $(RUNTIME_LIBS)
+
+# Sanitizer build of the compiler, used by the diagnostics tests.
+$(BUILD)/asan/moec: $(COMPILER_SRC) moec.c $(GEN_SRC)
+	@mkdir -p $(dir $@)
+	$(CC) -std=c11 -D_GNU_SOURCE -O1 -g -fsanitize=address,undefined -fno-sanitize-recover=undefined \
+	  -fno-omit-frame-pointer $(INCLUDES) $(COMPILER_DEFS) -o $@ moec.c $(COMPILER_SRC) $(GEN_SRC) -lm
+
+# libFuzzer harnesses (clang).
+FUZZ_SRC := $(wildcard tests/fuzz/fuzz_*.c)
+FUZZ_BIN := $(FUZZ_SRC:tests/fuzz/%.c=$(BUILD)/fuzz/%)
+$(BUILD)/fuzz/%: tests/fuzz/%.c $(COMPILER_SRC) $(GEN_SRC)
+	@mkdir -p $(dir $@)
+	clang -std=c11 -D_GNU_SOURCE -O1 -g -fsanitize=fuzzer,address,undefined -Wno-unused-function \
+	  $(INCLUDES) $(COMPILER_DEFS) -o $@ $< $(COMPILER_SRC) $(GEN_SRC) -lm
+
+test: deps all $(UNIT_BIN) $(BUILD)/asan/moec $(FUZZ_BIN)
+	@BUILD=$(BUILD) bash tests/run.sh
+
+fuzz: deps $(FUZZ_BIN)
+	@BUILD=$(BUILD) FUZZ_SECONDS=$${FUZZ_SECONDS:-300} bash tests/fuzz/run.sh
+
+demo: deps all
+	@BUILD=$(BUILD) bash tests/demo.sh
+
+bench: deps all
+	@echo "# no benchmarks in the foundation yet"; echo OK
+
+clean:
+	rm -rf $(BUILD)

@@ -1,0 +1,303 @@
+// The CPU target's emitter: one C statement per IR op, in program order.
+//
+// The emitted program has a parameter table (names, shapes, init, offsets into one flat
+// buffer), three step functions — forward (layer forwards and the loss), backward (the loss
+// gradient and layer backwards) and update (the optimizer) — and a main() that hands them to
+// rt_main(). Every value is an address fixed at compile time: an offset into the activation
+// arena from memplan, the step's input or target, or a parameter's gradient buffer. Shapes and
+// attributes become integer and float literals, so the program has no interpretation left.
+#include <inttypes.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "cg.h"
+
+typedef struct Emit {
+  FILE *out;
+  IrDiag *d;
+  const IrModule *m;
+  const PassMemPlan *plan;
+  int64_t *param_offset;   // floats, by param index
+} Emit;
+
+// The C expression for value v (a pointer of the value's element type).
+static void value_expr(Emit *e, char *buf, size_t n, const IrValue *v) {
+  const PassMemSlot *s = &e->plan->slot[v->func->index][v->id];
+  const char *ctype = v->type.dtype == IR_I32 ? "int32_t" : "float";
+  switch (s->kind) {
+  case PASS_MEM_ARENA: snprintf(buf, n, "((%s *)(A + %" PRId64 "))", ctype, s->offset); return;
+  case PASS_MEM_INPUT: snprintf(buf, n, "((const float *)st->input)"); return;
+  case PASS_MEM_TARGET: snprintf(buf, n, "((const float *)st->target)"); return;
+  case PASS_MEM_GRAD: snprintf(buf, n, "(st->grads + %" PRId64 ")", e->param_offset[s->offset]); return;
+  case PASS_MEM_NONE: break;
+  }
+  UNREACHABLE();
+}
+
+static void operand_expr(Emit *e, char *buf, size_t n, const IrOperand *a) {
+  if (a->param)
+    snprintf(buf, n, "(st->params + %" PRId64 ")", e->param_offset[a->param->index]);
+  else
+    value_expr(e, buf, n, a->value);
+}
+
+static const IrType *arg_type(const IrOp *op, int i) {
+  return op->args[i].param ? &op->args[i].param->type : &op->args[i].value->type;
+}
+
+// Routing shape shared by encode/decode: s m k e g cap.
+static void route_dims(Emit *e, const IrOp *op, int64_t s, int64_t m, int64_t k) {
+  fprintf(e->out, ", %" PRId64 ", %" PRId64 ", %" PRId64 ", %" PRId64 ", %" PRId64 ", %" PRId64 ");\n", s, m, k,
+          ir_op_int(op, "experts", 0), ir_op_int(op, "groups", 1), ir_op_int(op, "capacity", 0));
+}
+
+static bool emit_op(Emit *e, const IrOp *op) {
+  FILE *out = e->out;
+  char a[6][96], r[96] = "";
+  for (int i = 0; i < op->nargs; i++) operand_expr(e, a[i], sizeof a[i], &op->args[i]);
+  if (op->result) value_expr(e, r, sizeof r, op->result);
+  const IrType *t0 = op->nargs ? arg_type(op, 0) : NULL;
+  const IrType *rt = op->result ? &op->result->type : NULL;
+  int64_t n = rt ? ir_type_numel(rt) : 0;
+  fprintf(out, "  ");
+  switch (op->kind) {
+  case IR_OP_MATMUL: {
+    bool ta = ir_op_int(op, "ta", 0), tb = ir_op_int(op, "tb", 0);
+    int64_t k = ta ? t0->dim[0] : t0->dim[1];
+    fprintf(out, "rt_matmul(%s, %s, %s, %" PRId64 ", %" PRId64 ", %" PRId64 ", %d, %d, false);\n", a[0], a[1], r,
+            rt->dim[0], rt->dim[1], k, ta, tb);
+    return true;
+  }
+  case IR_OP_EXPERT_MATMUL: {
+    bool ta = ir_op_int(op, "ta", 0), tb = ir_op_int(op, "tb", 0);
+    int64_t k = ta ? t0->dim[1] : t0->dim[2];
+    fprintf(out, "rt_expert_matmul(%s, %s, %s, %" PRId64 ", %" PRId64 ", %" PRId64 ", %" PRId64 ", %d, %d);\n", a[0],
+            a[1], r, rt->dim[0], rt->dim[1], rt->dim[2], k, ta, tb);
+    return true;
+  }
+  case IR_OP_BIAS:
+    fprintf(out, "rt_bias(%s, %s, %s, %" PRId64 ", %" PRId64 ");\n", a[0], a[1], r, rt->dim[0], rt->dim[1]);
+    return true;
+  case IR_OP_BIAS_GRAD:
+    fprintf(out, "rt_bias_grad(%s, %s, %" PRId64 ", %" PRId64 ");\n", a[0], r, t0->dim[0], t0->dim[1]);
+    return true;
+  case IR_OP_EXPERT_BIAS:
+    fprintf(out, "rt_expert_bias(%s, %s, %s, %" PRId64 ", %" PRId64 ", %" PRId64 ");\n", a[0], a[1], r, rt->dim[0],
+            rt->dim[1], rt->dim[2]);
+    return true;
+  case IR_OP_EXPERT_BIAS_GRAD:
+    fprintf(out, "rt_expert_bias_grad(%s, %s, %" PRId64 ", %" PRId64 ", %" PRId64 ");\n", a[0], r, t0->dim[0],
+            t0->dim[1], t0->dim[2]);
+    return true;
+  case IR_OP_ADD:
+    fprintf(out, "rt_add(%s, %s, %s, %" PRId64 ");\n", a[0], a[1], r, n);
+    return true;
+  case IR_OP_ACT_GELU:
+  case IR_OP_ACT_RELU:
+    fprintf(out, "rt_%s(%s, %s, %" PRId64 ");\n", op->kind == IR_OP_ACT_GELU ? "gelu" : "relu", a[0], r, n);
+    return true;
+  case IR_OP_ACT_GELU_GRAD:
+  case IR_OP_ACT_RELU_GRAD:
+    fprintf(out, "rt_%s_grad(%s, %s, %s, %" PRId64 ");\n", op->kind == IR_OP_ACT_GELU_GRAD ? "gelu" : "relu", a[0],
+            a[1], r, n);
+    return true;
+  case IR_OP_GATE_NOISE:
+    fprintf(out, "rt_gate_noise(st, %s, %s, %" PRId64 ", %" PRId64 ", (float)%.17g, %" PRId64 ");\n", a[0], r,
+            rt->dim[0], rt->dim[1], ir_op_float(op, "sigma", 0), ir_op_int(op, "layer", 0));
+    return true;
+  case IR_OP_GATE_SOFTMAX:
+    fprintf(out, "rt_softmax(%s, %s, %" PRId64 ", %" PRId64 ");\n", a[0], r, rt->dim[0], rt->dim[1]);
+    return true;
+  case IR_OP_GATE_SOFTMAX_GRAD:
+    fprintf(out, "rt_softmax_grad(%s, %s, %s, %" PRId64 ", %" PRId64 ");\n", a[0], a[1], r, rt->dim[0], rt->dim[1]);
+    return true;
+  case IR_OP_GATE_TOPK:
+    fprintf(out, "rt_topk(%s, %s, %" PRId64 ", %" PRId64 ", %" PRId64 ");\n", a[0], r, t0->dim[0], t0->dim[1],
+            rt->dim[1]);
+    return true;
+  case IR_OP_GATE_GATHER:
+    fprintf(out, "rt_gate_gather(%s, %s, %s, %" PRId64 ", %" PRId64 ", %" PRId64 ", %d);\n", a[0], a[1], r,
+            t0->dim[0], t0->dim[1], rt->dim[1], (int)ir_op_int(op, "renorm", 0));
+    return true;
+  case IR_OP_GATE_GATHER_GRAD:
+    fprintf(out, "rt_gate_gather_grad(%s, %s, %s, %s, %" PRId64 ", %" PRId64 ", %" PRId64 ", %d);\n", a[0], a[1],
+            a[2], r, rt->dim[0], rt->dim[1], t0->dim[1], (int)ir_op_int(op, "renorm", 0));
+    return true;
+  case IR_OP_GATE_LOCATIONS:
+    fprintf(out, "rt_gate_locations(st, %s, %s, %" PRId64 ", %" PRId64 ", %" PRId64 ", %" PRId64 ", %" PRId64 ");\n",
+            a[0], r, t0->dim[0], t0->dim[1], ir_op_int(op, "experts", 0), ir_op_int(op, "groups", 1),
+            ir_op_int(op, "capacity", 0));
+    return true;
+  case IR_OP_GATE_AUX_LOSS:
+    fprintf(out, "*%s = rt_aux_loss(%s, %s, %" PRId64 ", %" PRId64 ", %" PRId64 ", %" PRId64 ");\n", r, a[0], a[1],
+            t0->dim[0], t0->dim[1], arg_type(op, 1)->dim[1], ir_op_int(op, "groups", 1));
+    return true;
+  case IR_OP_GATE_AUX_LOSS_GRAD:
+    fprintf(out, "rt_aux_loss_grad(%s, %s, %s, %" PRId64 ", %" PRId64 ", %" PRId64 ", %" PRId64 ", (float)%.17g);\n",
+            a[0], a[1], r, t0->dim[0], t0->dim[1], arg_type(op, 1)->dim[1], ir_op_int(op, "groups", 1),
+            ir_op_float(op, "coef", 0));
+    return true;
+  case IR_OP_GATE_Z_LOSS:
+    fprintf(out, "*%s = rt_z_loss(%s, %" PRId64 ", %" PRId64 ", %" PRId64 ");\n", r, a[0], t0->dim[0], t0->dim[1],
+            ir_op_int(op, "groups", 1));
+    return true;
+  case IR_OP_GATE_Z_LOSS_GRAD:
+    fprintf(out, "rt_z_loss_grad(%s, %s, %" PRId64 ", %" PRId64 ", %" PRId64 ", (float)%.17g);\n", a[0], r,
+            t0->dim[0], t0->dim[1], ir_op_int(op, "groups", 1), ir_op_float(op, "coef", 0));
+    return true;
+  case IR_OP_ORDER_ENCODE:
+    fprintf(out, "rt_order_encode(%s, %s, %s, %s", a[0], a[1], a[2], r);
+    route_dims(e, op, t0->dim[0], t0->dim[1], arg_type(op, 1)->dim[1]);
+    return true;
+  case IR_OP_ORDER_ENCODE_GRAD:
+    fprintf(out, "rt_order_encode_grad(%s, %s, %s, %s", a[0], a[1], a[2], r);
+    route_dims(e, op, rt->dim[0], rt->dim[1], arg_type(op, 1)->dim[1]);
+    return true;
+  case IR_OP_ORDER_DECODE:
+    fprintf(out, "rt_order_decode(%s, %s, %s, %s, %s", a[0], a[1], a[2], a[3], r);
+    route_dims(e, op, rt->dim[0], rt->dim[1], arg_type(op, 1)->dim[1]);
+    return true;
+  case IR_OP_ORDER_DECODE_GRAD_Y:
+    fprintf(out, "rt_order_decode_grad_y(%s, %s, %s, %s, %s", a[0], a[1], a[2], a[3], r);
+    route_dims(e, op, t0->dim[0], t0->dim[1], arg_type(op, 1)->dim[1]);
+    return true;
+  case IR_OP_ORDER_DECODE_GRAD_G:
+    fprintf(out, "rt_order_decode_grad_gates(%s, %s, %s, %s, %s", a[0], a[1], a[2], a[3], r);
+    route_dims(e, op, t0->dim[0], t0->dim[1], arg_type(op, 2)->dim[1]);
+    return true;
+  case IR_OP_LOSS_MSE:
+    fprintf(out, "*%s = rt_mse(%s, %s, %" PRId64 ");\n", r, a[0], a[1], ir_type_numel(t0));
+    return true;
+  case IR_OP_LOSS_MSE_GRAD:
+    fprintf(out, "rt_mse_grad(%s, %s, %s, %" PRId64 ");\n", a[0], a[1], r, n);
+    return true;
+  case IR_OP_PARAM_GRAD: {
+    const PassMemSlot *s = &e->plan->slot[op->args[1].value->func->index][op->args[1].value->id];
+    if (s->kind == PASS_MEM_GRAD && s->offset == op->args[0].param->index)
+      fprintf(out, "/* %s: computed in place */\n", op->args[0].param->name);
+    else
+      fprintf(out, "memcpy(st->grads + %" PRId64 ", %s, %" PRId64 ");\n", e->param_offset[op->args[0].param->index],
+              a[1], ir_type_bytes(&op->args[0].param->type));
+    return true;
+  }
+  case IR_OP_OPT_SGD: {
+    int64_t off = e->param_offset[op->args[0].param->index];
+    fprintf(out, "rt_sgd(st->params + %" PRId64 ", st->grads + %" PRId64 ", %" PRId64 ", (float)%.17g, (float)%.17g);\n",
+            off, off, ir_type_numel(t0), ir_op_float(op, "lr", 0), ir_op_float(op, "weight_decay", 0));
+    return true;
+  }
+  case IR_OP_OPT_ADAMW: {
+    int64_t off = e->param_offset[op->args[0].param->index];
+    fprintf(out,
+            "rt_adamw(st->params + %" PRId64 ", st->grads + %" PRId64 ", st->opt_m + %" PRId64 ", st->opt_v + %" PRId64
+            ", %" PRId64 ", (float)%.17g, (float)%.17g, (float)%.17g, (float)%.17g, (float)%.17g, st->step);\n",
+            off, off, off, off, ir_type_numel(t0), ir_op_float(op, "lr", 0), ir_op_float(op, "beta1", 0.9),
+            ir_op_float(op, "beta2", 0.999), ir_op_float(op, "eps", 1e-8), ir_op_float(op, "weight_decay", 0));
+    return true;
+  }
+  default:
+    break;
+  }
+  ir_error_at(e->d, op->loc, "the CPU target cannot emit op '%s'", ir_op_info[op->kind].name);
+  return false;
+}
+
+static bool emit_func(Emit *e, const IrFunc *f) {
+  fprintf(e->out, "  /* @%s */\n", f->name);
+  for (int i = 0; i < f->nops; i++)
+    if (!emit_op(e, f->ops[i])) return false;
+  return true;
+}
+
+static bool is_suffix(const char *s, const char *suffix) {
+  size_t n = strlen(s), k = strlen(suffix);
+  return n >= k && strcmp(s + n - k, suffix) == 0;
+}
+
+// After a layer forward: fold its aux and z results (rets 1 and 2) into the step's statistics.
+static void emit_layer_stats(Emit *e, const IrFunc *f) {
+  char buf[96];
+  for (int r = 1; r < f->nrets && r < 3; r++) {
+    const IrValue *v = f->rets[r];
+    double coef = v->def ? ir_op_float(v->def, "coef", 0) : 0;
+    value_expr(e, buf, sizeof buf, v);
+    fprintf(e->out, "  st->%s += *%s;\n  st->aux_total += (double)(float)%.17g * *%s;\n", r == 1 ? "aux" : "z", buf,
+            coef, buf);
+  }
+}
+
+static const char *init_name(const IrParam *p) {
+  const char *init = ir_attr_str(p->attrs, p->nattrs, "init", "zeros");
+  if (strcmp(init, "normal") == 0) return "RT_INIT_NORMAL";
+  if (strcmp(init, "ones") == 0) return "RT_INIT_ONES";
+  return "RT_INIT_ZEROS";
+}
+
+bool cg_emit_c(IrDiag *d, FILE *out, const IrModule *m, const PassMemPlan *plan, const char *source_name) {
+  Emit e = {.out = out, .d = d, .m = m, .plan = plan};
+  e.param_offset = calloc((size_t)m->nparams + 1, sizeof *e.param_offset);
+  if (!e.param_offset) return ir_error(d, "out of memory");
+  int64_t total = 0;
+  for (int i = 0; i < m->nparams; i++) {
+    e.param_offset[i] = total;
+    total += ir_type_numel(&m->params[i]->type);
+  }
+  fprintf(out, "/* Generated by moec from %s: the training step of model '%s' for the CPU target.\n"
+               "   Do not edit; change the .moe file and rebuild. */\n",
+          source_name, m->name);
+  fprintf(out, "#include <stdbool.h>\n#include <stdint.h>\n#include <string.h>\n\n#include \"moert.h\"\n\n");
+  fprintf(out, "static const RtParam params[%d] = {\n", m->nparams > 0 ? m->nparams : 1);
+  for (int i = 0; i < m->nparams; i++) {
+    const IrParam *p = m->params[i];
+    fprintf(out, "  {\"%s\", %d, {", p->name, p->type.rank);
+    for (int k = 0; k < p->type.rank; k++) fprintf(out, "%s%" PRId64, k ? ", " : "", p->type.dim[k]);
+    fprintf(out, "}, %s, (float)%.17g, %" PRId64 ", %" PRId64 "},\n", init_name(p),
+            ir_attr_float(p->attrs, p->nattrs, "std", 0), e.param_offset[i], ir_type_numel(&p->type));
+  }
+  fprintf(out, "};\n\n");
+
+  bool ok = true;
+  int nlayers = 0;
+  const IrFunc *last_fwd = NULL;
+  fprintf(out, "static void step_forward(RtStep *st) {\n  unsigned char *A = st->arena;\n  (void)A;\n"
+               "  rt_step_begin_forward(st);\n");
+  for (int i = 0; ok && i < m->nfuncs; i++) {
+    const IrFunc *f = m->funcs[i];
+    if (strcmp(f->name, "loss.fwd") == 0) {
+      char buf[96];
+      ok = emit_func(&e, f);
+      if (last_fwd) {
+        value_expr(&e, buf, sizeof buf, last_fwd->rets[0]);
+        fprintf(out, "  st->output = %s;\n", buf);
+      }
+      value_expr(&e, buf, sizeof buf, f->rets[0]);
+      fprintf(out, "  st->mse = *%s;\n", buf);
+    } else if (is_suffix(f->name, ".fwd")) {
+      ok = emit_func(&e, f);
+      emit_layer_stats(&e, f);
+      last_fwd = f;
+      nlayers++;
+    }
+  }
+  fprintf(out, "}\n\nstatic void step_backward(RtStep *st) {\n  unsigned char *A = st->arena;\n  (void)A;\n");
+  for (int i = 0; ok && i < m->nfuncs; i++)
+    if (is_suffix(m->funcs[i]->name, ".bwd")) ok = emit_func(&e, m->funcs[i]);
+  fprintf(out, "}\n\nstatic void step_update(RtStep *st) {\n");
+  for (int i = 0; ok && i < m->nfuncs; i++)
+    if (strcmp(m->funcs[i]->name, "optimizer") == 0) ok = emit_func(&e, m->funcs[i]);
+  fprintf(out, "}\n\n");
+
+  bool adamw = strcmp(ir_mod_str(m, "optimizer", "sgd"), "adamw") == 0;
+  fprintf(out,
+          "static const RtModel model = {\n"
+          "  .name = \"%s\",\n  .batch = %" PRId64 ", .seqlen = %" PRId64 ", .embed = %" PRId64 ",\n"
+          "  .seed = %" PRId64 "u,\n  .nparams = %d, .params = params, .param_floats = %" PRId64 ",\n"
+          "  .arena_bytes = %" PRId64 ",\n  .opt = %s,\n  .nlayers = %d,\n"
+          "  .forward = step_forward, .backward = step_backward, .update = step_update,\n};\n\n"
+          "int main(int argc, char **argv) { return rt_main(&model, argc, argv); }\n",
+          m->name, ir_mod_int(m, "batch", 1), ir_mod_int(m, "seqlen", 1), ir_mod_int(m, "embed", 1),
+          ir_mod_int(m, "seed", 0), m->nparams, total, plan->arena_bytes, adamw ? "RT_OPT_ADAMW" : "RT_OPT_SGD",
+          nlayers);
+  free(e.param_offset);
+  return ok;
+}

@@ -1,0 +1,1028 @@
+// The checker: a statement tree (from fe_parse) -> a typed FeProgram or FeCluster.
+//
+// The language's schema is data. A Block lists the statements (Fields) it accepts; a Field
+// says how many values of which type follow its keyword, their ranges and defaults, where each
+// goes in the C struct being filled (as offsets), whether the statement has a block and which
+// Block that is, whether it is required or may repeat, and, for fields that only some variants
+// have (`proj` only in `gate xmoe`), which variant. check_block() walks a block against its
+// Block: unknown keywords (with "did you mean"), duplicates, wrong types, ranges, missing
+// required fields. Statements whose shape does not fit the table (`layer NAME x N`, `hook`,
+// `pipeline`, `grad_partition`) have a custom check function named in their Field.
+//
+// After the schema, check_semantics() applies the rules that tie fields together
+// (dp*mp == ep*esp, experts % ep == 0, k <= experts, equal routing groups, ...). A rule runs
+// only when the statements it reads checked cleanly, so one mistake gives one message.
+//
+// Every problem is reported and checking goes on, so one run lists all of a file's errors.
+// Ownership: the FeProgram and everything in it live in the tree's arena; on success the
+// program takes the tree (fe_program_free frees both), on failure the caller keeps the tree.
+#include <ctype.h>
+#include <stddef.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "fe_internal.h"
+
+// ---- the schema's types ----
+typedef enum ValType {
+  V_NONE,      // no value (end of a Field's value list)
+  V_INT,       // integer literal
+  V_NUM,       // integer or floating-point literal
+  V_NUM_STAR,  // number or `*`
+  V_WORD,      // one of Val.words
+  V_BOOL,      // true | false
+  V_IDENT,     // any identifier
+  V_NAME,      // identifier usable inside parameter names: letters, digits, '_'
+  V_STRING,    // "..."
+} ValType;
+
+typedef enum Range {
+  R_ANY,
+  R_POS,       // > 0 (integers: >= 1, and at most INT32_MAX)
+  R_NONNEG,    // >= 0
+  R_UNIT,      // in [0, 1)
+} Range;
+
+// Offsets into the struct being filled are stored plus one, so that 0 means "nowhere".
+#define AT(T, f) (offsetof(T, f) + 1)
+#define SAME 1  // a Field's block fills the same struct as the Block that holds the Field
+
+typedef struct Val {
+  ValType type;
+  Range range;
+  const char *what;            // V_WORD: what the word names, for messages ("gate")
+  const char *const *words;    // V_WORD: the accepted words, NULL-terminated
+  const char *def;             // default, written as in a source file; NULL: none
+  size_t off;                  // AT(): where the value goes
+  size_t loc_off;              // AT(): where its SrcLoc goes
+  size_t star_off;             // AT(): V_NUM_STAR: the bool that `*` sets
+} Val;
+
+typedef struct Ctx Ctx;
+typedef struct Field Field;
+typedef struct Block Block;
+// A statement that checks itself; dst is the struct of the block that holds it.
+typedef void (*CheckFn)(Ctx *c, const FeNode *parent, const FeNode *n, char *dst);
+// Runs after a block's statements are checked (variant-specific fix-ups).
+typedef void (*FinishFn)(Ctx *c, const FeNode *n, const char *variant, char *dst);
+
+enum {
+  F_REQUIRED = 1 << 0,   // must appear
+  F_MANY = 1 << 1,       // may appear more than once
+  F_BLOCK = 1 << 2,      // must have a '{ ... }' block
+  F_BLOCK_OPT = 1 << 3,  // may have a block
+};
+
+struct Field {
+  const char *key;
+  unsigned flags;
+  const char *only;        // the one variant of the enclosing block that has it; NULL: all
+  Val vals[3];             // the values after the keyword (V_NONE ends the list)
+  const Block *block;      // the fields of its block
+  size_t sub;              // AT()/SAME: the struct its block fills, within this block's
+  size_t loc;              // AT(): the statement's SrcLoc
+  size_t present;          // AT(): a bool set when the statement appears
+  CheckFn custom;
+  const char *missing;     // message when a required top-level statement is absent
+};
+
+struct Block {
+  const char *name;        // for "'hidden' belongs in 'ffn'"
+  const Field *fields;
+  int nfields;
+  FinishFn finish;
+};
+
+struct Ctx {
+  IrDiag *d;
+  FeArena *arena;
+  FeProgram *prog;
+  const Block *const *all_blocks;   // every block of this file kind, for "belongs in" notes
+  SrcLoc root_loc;                  // where a missing top-level statement is reported
+  bool model_ok, parallel_ok;
+  const FeNode *parallel_node;
+  const FeNode **layer_nodes;
+  bool *layer_ok;
+};
+
+#define COUNT(a) ((int)(sizeof(a) / sizeof((a)[0])))
+#define BLOCK(name, fields, finish) {name, fields, COUNT(fields), finish}
+
+// ---- words ----
+static const char *const dtypes[] = {"fp32", "bf16", NULL};
+static const char *const optimizers[] = {"sgd", "adamw", NULL};
+static const char *const gates[] = {"gshard", "sigmoid", "xmoe", "expert_choice", "softmoe", NULL};
+static const char *const ffns[] = {"gpt", "mixtral", NULL};
+static const char *const acts[] = {"gelu", "relu", NULL};
+static const char *const orders[] = {"tutel", "gshard", NULL};
+static const char *const algos[] = {"nccl", "1dh", "2dh", NULL};
+static const char *const policies[] = {"fsmoe", "fsmoe-no-iio", "tutel", "tutel-improved",
+                                       "pipemoe-lina", "sequential", NULL};
+static const char *const hook_points[] = {"before_moe_start", "before_dispatch", "after_dispatch",
+                                          "before_combine", "after_combine", "before_moe_end", NULL};
+static const char *const hook_actions[] = {"compress", "record", NULL};
+static const char *const compress_types[] = {"fp16", "bf16", "int8", NULL};
+static const char *const partitions[] = {"auto", "none", "chunk", NULL};
+static const char *const pipeline_words[] = {"auto", NULL};
+
+static void check_layer(Ctx *c, const FeNode *parent, const FeNode *n, char *dst);
+static void check_hook(Ctx *c, const FeNode *parent, const FeNode *n, char *dst);
+static void check_pipeline(Ctx *c, const FeNode *parent, const FeNode *n, char *dst);
+static void check_grad_partition(Ctx *c, const FeNode *parent, const FeNode *n, char *dst);
+static void finish_ffn(Ctx *c, const FeNode *n, const char *variant, char *dst);
+static void finish_gate(Ctx *c, const FeNode *n, const char *variant, char *dst);
+
+// ---- the .moe schema ----
+// optimizer = "optimizer" (sgd | adamw) "{" lr [beta1] [beta2] [eps] [weight_decay] "}"
+static const Field optimizer_fields[] = {
+  {"lr", F_REQUIRED, .vals = {{V_NUM, R_POS, .off = AT(FeOptimizer, lr)}}},
+  {"beta1", 0, "adamw", {{V_NUM, R_UNIT, .def = "0.9", .off = AT(FeOptimizer, beta1)}}},
+  {"beta2", 0, "adamw", {{V_NUM, R_UNIT, .def = "0.999", .off = AT(FeOptimizer, beta2)}}},
+  {"eps", 0, "adamw", {{V_NUM, R_POS, .def = "1e-8", .off = AT(FeOptimizer, eps)}}},
+  {"weight_decay", 0, "adamw", {{V_NUM, R_NONNEG, .def = "0", .off = AT(FeOptimizer, weight_decay)}}},
+};
+static const Block optimizer_block = BLOCK("optimizer", optimizer_fields, NULL);
+
+// model = "model" NAME "{" [dtype] batch seqlen embed [seed] optimizer "}"
+static const Field model_fields[] = {
+  {"dtype", 0, .vals = {{V_WORD, .what = "dtype", .words = dtypes, .def = "fp32",
+                         .off = AT(FeModel, dtype), .loc_off = AT(FeModel, dtype_loc)}}},
+  {"batch", F_REQUIRED, .vals = {{V_INT, R_POS, .off = AT(FeModel, batch)}}},
+  {"seqlen", F_REQUIRED, .vals = {{V_INT, R_POS, .off = AT(FeModel, seqlen)}}},
+  {"embed", F_REQUIRED, .vals = {{V_INT, R_POS, .off = AT(FeModel, embed)}}},
+  {"seed", 0, .vals = {{V_INT, R_NONNEG, .def = "0", .off = AT(FeModel, seed)}}},
+  {"optimizer", F_REQUIRED | F_BLOCK,
+   .vals = {{V_WORD, .what = "optimizer", .words = optimizers, .off = AT(FeModel, optimizer.name)}},
+   .block = &optimizer_block, .sub = AT(FeModel, optimizer), .loc = AT(FeModel, optimizer.loc)},
+};
+static const Block model_block = BLOCK("model", model_fields, NULL);
+
+// parallel = "parallel" "{" [dp] [mp] [ep] [esp] "}"
+static const Field parallel_fields[] = {
+  {"dp", 0, .vals = {{V_INT, R_POS, .def = "1", .off = AT(FeParallel, dp)}}},
+  {"mp", 0, .vals = {{V_INT, R_POS, .def = "1", .off = AT(FeParallel, mp)}}},
+  {"ep", 0, .vals = {{V_INT, R_POS, .def = "1", .off = AT(FeParallel, ep)}}},
+  {"esp", 0, .vals = {{V_INT, R_POS, .def = "1", .off = AT(FeParallel, esp)}}},
+};
+static const Block parallel_block = BLOCK("parallel", parallel_fields, NULL);
+
+// ffn = "ffn" (gpt | mixtral) "{" hidden [act] [bias] "}"       (act, bias: gpt only)
+static const Field ffn_fields[] = {
+  {"hidden", F_REQUIRED, .vals = {{V_INT, R_POS, .off = AT(FeExperts, hidden)}}},
+  {"act", 0, "gpt", {{V_WORD, .what = "activation", .words = acts, .def = "gelu",
+                      .off = AT(FeExperts, act), .loc_off = AT(FeExperts, act_loc)}}},
+  {"bias", 0, "gpt", {{V_BOOL, .def = "true", .off = AT(FeExperts, bias)}}},
+};
+static const Block ffn_block = BLOCK("ffn", ffn_fields, finish_ffn);
+
+// experts = "experts" N "{" ffn "}"
+static const Field experts_fields[] = {
+  {"ffn", F_REQUIRED | F_BLOCK,
+   .vals = {{V_WORD, .what = "ffn", .words = ffns, .off = AT(FeExperts, kind),
+             .loc_off = AT(FeExperts, kind_loc)}},
+   .block = &ffn_block, .sub = SAME},
+};
+static const Block experts_block = BLOCK("experts", experts_fields, NULL);
+
+// gate = "gate" NAME [ "{" [k] [capacity] [noise] [aux_loss] [z_loss] [groups] [proj] [slots] "}" ]
+static const Field gate_fields[] = {
+  {"k", 0, .vals = {{V_INT, R_POS, .def = "1", .off = AT(FeGate, k)}},
+   .loc = AT(FeGate, field_loc[FE_GATE_F_K])},
+  {"capacity", 0, .vals = {{V_NUM_STAR, R_POS, .def = "1.0", .off = AT(FeGate, capacity),
+                            .star_off = AT(FeGate, dropless)}},
+   .loc = AT(FeGate, field_loc[FE_GATE_F_CAPACITY])},
+  {"noise", 0, .vals = {{V_NUM, R_NONNEG, .def = "0", .off = AT(FeGate, noise)}},
+   .loc = AT(FeGate, field_loc[FE_GATE_F_NOISE])},
+  {"aux_loss", 0, .vals = {{V_NUM, R_NONNEG, .def = "0", .off = AT(FeGate, aux_loss)}},
+   .loc = AT(FeGate, field_loc[FE_GATE_F_AUX])},
+  {"z_loss", 0, .vals = {{V_NUM, R_NONNEG, .def = "0", .off = AT(FeGate, z_loss)}},
+   .loc = AT(FeGate, field_loc[FE_GATE_F_Z])},
+  {"groups", 0, .vals = {{V_INT, R_POS, .def = "1", .off = AT(FeGate, groups)}},
+   .loc = AT(FeGate, field_loc[FE_GATE_F_GROUPS])},
+  {"proj", 0, "xmoe", {{V_INT, R_POS, .def = "16", .off = AT(FeGate, proj)}},
+   .loc = AT(FeGate, field_loc[FE_GATE_F_PROJ])},
+  {"slots", 0, "softmoe", {{V_INT, R_POS, .def = "1", .off = AT(FeGate, slots)}},
+   .loc = AT(FeGate, field_loc[FE_GATE_F_SLOTS])},
+};
+static const Block gate_block = BLOCK("gate", gate_fields, finish_gate);
+
+// dispatch = "dispatch" "{" [algo] "}"
+static const Field dispatch_fields[] = {
+  {"algo", 0, .vals = {{V_WORD, .what = "dispatch algorithm", .words = algos, .def = "nccl",
+                        .off = AT(FeMoe, algo), .loc_off = AT(FeMoe, algo_loc)}}},
+};
+static const Block dispatch_block = BLOCK("dispatch", dispatch_fields, NULL);
+
+// moe = "moe" "{" experts gate [order] [dispatch] hook* "}"
+static const Field moe_fields[] = {
+  {"experts", F_REQUIRED | F_BLOCK, .vals = {{V_INT, R_POS, .off = AT(FeMoe, experts.count)}},
+   .block = &experts_block, .sub = AT(FeMoe, experts), .loc = AT(FeMoe, experts.loc)},
+  {"gate", F_REQUIRED | F_BLOCK_OPT,
+   .vals = {{V_WORD, .what = "gate", .words = gates, .off = AT(FeMoe, gate.name),
+             .loc_off = AT(FeMoe, gate.loc)}},
+   .block = &gate_block, .sub = AT(FeMoe, gate)},
+  {"order", 0, .vals = {{V_WORD, .what = "order", .words = orders, .def = "tutel",
+                         .off = AT(FeMoe, order), .loc_off = AT(FeMoe, order_loc)}}},
+  {"dispatch", F_BLOCK, .block = &dispatch_block, .sub = SAME},
+  {"hook", F_MANY, .custom = check_hook},
+};
+static const Block moe_block = BLOCK("moe", moe_fields, NULL);
+
+// attention = "attention" "{" heads "}"
+static const Field attention_fields[] = {
+  {"heads", F_REQUIRED, .vals = {{V_INT, R_POS, .off = AT(FeLayer, heads)}}},
+};
+static const Block attention_block = BLOCK("attention", attention_fields, NULL);
+
+// layer = "layer" NAME ["x" N] "{" [attention] moe "}"
+static const Field layer_fields[] = {
+  {"attention", F_BLOCK, .block = &attention_block, .sub = SAME,
+   .loc = AT(FeLayer, attention_loc), .present = AT(FeLayer, has_attention)},
+  {"moe", F_REQUIRED | F_BLOCK, .block = &moe_block, .sub = AT(FeLayer, moe), .loc = AT(FeLayer, moe.loc)},
+};
+static const Block layer_block = BLOCK("layer", layer_fields, NULL);
+
+// pipeline = "pipeline" ( "auto" ";" | "{" [forward N] [backward N] "}" )
+static const Field pipeline_fields[] = {
+  {"forward", 0, .vals = {{V_INT, R_POS, .def = "1", .off = AT(FeSchedule, pipeline_fwd)}}},
+  {"backward", 0, .vals = {{V_INT, R_POS, .def = "1", .off = AT(FeSchedule, pipeline_bwd)}}},
+};
+static const Block pipeline_block = BLOCK("pipeline", pipeline_fields, NULL);
+
+// schedule = "schedule" "{" [policy] [pipeline] [grad_partition (auto | none | chunk SIZE)] "}"
+static const Field schedule_fields[] = {
+  {"policy", 0, .vals = {{V_WORD, .what = "schedule policy", .words = policies, .def = "sequential",
+                          .off = AT(FeSchedule, policy), .loc_off = AT(FeSchedule, policy_loc)}}},
+  {"pipeline", F_BLOCK_OPT, .block = &pipeline_block, .sub = SAME, .loc = AT(FeSchedule, pipeline_loc),
+   .custom = check_pipeline},
+  {"grad_partition", 0, .vals = {{V_WORD, .words = partitions, .def = "none", .off = AT(FeSchedule, grad_partition)}},
+   .loc = AT(FeSchedule, grad_partition_loc), .custom = check_grad_partition},
+};
+static const Block schedule_block = BLOCK("schedule", schedule_fields, NULL);
+
+// file = model [parallel] [cluster STRING ";"] layer+ [schedule]
+static const Field moe_file_fields[] = {
+  {"model", F_REQUIRED | F_BLOCK, .vals = {{V_NAME, .off = AT(FeProgram, model.name)}},
+   .block = &model_block, .sub = AT(FeProgram, model), .loc = AT(FeProgram, model.loc),
+   .missing = "missing 'model' block"},
+  {"parallel", F_BLOCK, .block = &parallel_block, .sub = AT(FeProgram, parallel),
+   .loc = AT(FeProgram, parallel.loc)},
+  {"cluster", 0, .vals = {{V_STRING, .off = AT(FeProgram, cluster_path), .loc_off = AT(FeProgram, cluster_loc)}}},
+  {"layer", F_REQUIRED | F_MANY | F_BLOCK, .custom = check_layer,
+   .missing = "missing 'layer' block: a model needs at least one layer"},
+  {"schedule", F_BLOCK, .block = &schedule_block, .sub = AT(FeProgram, schedule),
+   .loc = AT(FeProgram, schedule.loc)},
+};
+static const Block moe_file_block = BLOCK("the top level", moe_file_fields, NULL);
+
+static const Block *const moe_blocks[] = {
+  &moe_file_block, &model_block, &optimizer_block, &parallel_block, &layer_block, &attention_block,
+  &moe_block, &experts_block, &ffn_block, &gate_block, &dispatch_block, &schedule_block,
+  &pipeline_block, NULL,
+};
+
+// ---- the .cluster schema ----
+// coefficients = NAME "{" alpha beta "}"       t(n) = alpha + beta * n, t in ms
+static const Field coef_fields[] = {
+  {"alpha", F_REQUIRED, .vals = {{V_NUM, R_NONNEG, .off = AT(FeCollective, alpha)}}},
+  {"beta", F_REQUIRED, .vals = {{V_NUM, R_NONNEG, .off = AT(FeCollective, beta)}}},
+};
+static const Block coef_block = BLOCK("gemm", coef_fields, NULL);
+
+// cluster = "cluster" NAME "{" nodes gpus_per_node gemm alltoall allgather reducescatter allreduce "}"
+static const Field cluster_fields[] = {
+  {"nodes", F_REQUIRED, .vals = {{V_INT, R_POS, .off = AT(FeCluster, nodes)}}},
+  {"gpus_per_node", F_REQUIRED, .vals = {{V_INT, R_POS, .off = AT(FeCluster, gpus_per_node)}}},
+  {"gemm", F_REQUIRED | F_BLOCK, .block = &coef_block, .sub = AT(FeCluster, gemm)},
+  {"alltoall", F_REQUIRED | F_BLOCK, .block = &coef_block, .sub = AT(FeCluster, alltoall)},
+  {"allgather", F_REQUIRED | F_BLOCK, .block = &coef_block, .sub = AT(FeCluster, allgather)},
+  {"reducescatter", F_REQUIRED | F_BLOCK, .block = &coef_block, .sub = AT(FeCluster, reducescatter)},
+  {"allreduce", F_REQUIRED | F_BLOCK, .block = &coef_block, .sub = AT(FeCluster, allreduce)},
+};
+static const Block cluster_block = BLOCK("cluster", cluster_fields, NULL);
+
+// file = cluster
+static const Field cluster_file_fields[] = {
+  {"cluster", F_REQUIRED | F_BLOCK, .vals = {{V_IDENT, .off = AT(FeCluster, name)}},
+   .block = &cluster_block, .sub = SAME, .loc = AT(FeCluster, loc),
+   .missing = "missing 'cluster' block"},
+};
+static const Block cluster_file_block = BLOCK("the top level", cluster_file_fields, NULL);
+
+static const Block *const cluster_blocks[] = {&cluster_file_block, &cluster_block, &coef_block, NULL};
+
+// ---- small helpers ----
+#define PUT(dst, off, T) (*(T *)((dst) + (off) - 1))
+
+static int nvals_of(const Field *f) {
+  int n = 0;
+  while (n < COUNT(f->vals) && f->vals[n].type != V_NONE)
+    n++;
+  return n;
+}
+
+static int nwords(const char *const *words) {
+  int n = 0;
+  while (words[n])
+    n++;
+  return n;
+}
+
+static bool is_root(const FeNode *n) { return n->key[0] == '\0'; }
+
+// A statement's location: its keyword through its last value when they share a line.
+static SrcLoc stmt_loc(const FeNode *n) {
+  SrcLoc loc = n->loc;
+  if (n->nvals > 0) {
+    SrcLoc last = n->vals[n->nvals - 1].loc;
+    if (last.line == loc.line && last.col + last.len > loc.col)
+      loc.len = last.col + last.len - loc.col;
+  }
+  return loc;
+}
+
+static const FeNode *find_kid(const FeNode *n, const char *key) {
+  for (int i = 0; n && i < n->nkids; i++)
+    if (strcmp(n->kids[i]->key, key) == 0)
+      return n->kids[i];
+  return NULL;
+}
+
+// Where the statement `key` of block n is, or fallback when it is not there.
+static SrcLoc kid_loc(const FeNode *n, const char *key, SrcLoc fallback) {
+  const FeNode *k = find_kid(n, key);
+  return k ? stmt_loc(k) : fallback;
+}
+
+static int count_kids(const FeNode *n, const char *key) {
+  int count = 0;
+  for (int i = 0; i < n->nkids; i++)
+    count += strcmp(n->kids[i]->key, key) == 0;
+  return count;
+}
+
+// 'word' for identifiers and numbers, "text" for strings: a value as the user wrote it.
+static const char *shown(const FeValue *v, char *buf, size_t size) {
+  if (v->kind == FE_VAL_STRING)
+    snprintf(buf, size, "\"%s\"", v->text);
+  else
+    snprintf(buf, size, "'%s'", v->text);
+  return buf;
+}
+
+// "fp32 or bf16", "one of gshard, sigmoid, xmoe, expert_choice, softmoe".
+static const char *word_list(const char *const *words, char *buf, size_t size) {
+  int n = nwords(words);
+  size_t len = 0;
+  buf[0] = '\0';
+  if (n > 2)
+    len += snprintf(buf, size, "one of ");
+  for (int i = 0; i < n && len < size; i++) {
+    const char *sep = i == 0 ? "" : n == 2 ? " or " : ", ";
+    len += snprintf(buf + len, size - len, "%s%s", sep, words[i]);
+  }
+  return buf;
+}
+
+static const char *describe(const Val *v, char *buf, size_t size) {
+  switch (v->type) {
+  case V_INT: return "an integer";
+  case V_NUM: return "a number";
+  case V_NUM_STAR: return "a number or '*'";
+  case V_WORD: return word_list(v->words, buf, size);
+  case V_BOOL: return "true or false";
+  case V_IDENT:
+  case V_NAME: return "a name";
+  case V_STRING: return "a string in double quotes";
+  case V_NONE: break;
+  }
+  return "nothing";
+}
+
+static void apply_defaults(const Block *b, char *dst) {
+  for (int i = 0; i < b->nfields; i++) {
+    const Field *f = &b->fields[i];
+    if (f->flags & F_MANY)
+      continue;
+    for (int j = 0; j < nvals_of(f); j++) {
+      const Val *v = &f->vals[j];
+      if (!v->def || !v->off)
+        continue;
+      switch (v->type) {
+      case V_INT: PUT(dst, v->off, int64_t) = strtoll(v->def, NULL, 10); break;
+      case V_NUM:
+      case V_NUM_STAR: PUT(dst, v->off, double) = strtod(v->def, NULL); break;
+      case V_BOOL: PUT(dst, v->off, bool) = strcmp(v->def, "true") == 0; break;
+      default: PUT(dst, v->off, const char *) = v->def; break;
+      }
+    }
+    if (f->block)
+      apply_defaults(f->block, dst + f->sub - 1);
+  }
+}
+
+// ---- values ----
+static bool check_range(Ctx *c, const FeNode *n, const FeValue *v, Range r, bool integer) {
+  double x = v->kind == FE_VAL_INT ? (double)v->i : v->f;
+  switch (r) {
+  case R_ANY:
+    return true;
+  case R_POS:
+    if (integer && v->i < 1)
+      return ir_error_at(c->d, v->loc, "'%s' must be at least 1, got %s", n->key, v->text);
+    if (integer && v->i > INT32_MAX)
+      return ir_error_at(c->d, v->loc, "'%s' is too large: at most %d, got %s", n->key,
+                         INT32_MAX, v->text);
+    if (!integer && !(x > 0))
+      return ir_error_at(c->d, v->loc, "'%s' must be greater than 0, got %s", n->key, v->text);
+    return true;
+  case R_NONNEG:
+    if (x < 0)
+      return ir_error_at(c->d, v->loc, "'%s' must not be negative, got %s", n->key, v->text);
+    return true;
+  case R_UNIT:
+    if (!(x >= 0 && x < 1))
+      return ir_error_at(c->d, v->loc, "'%s' must be in [0, 1), got %s", n->key, v->text);
+    return true;
+  }
+  return true;
+}
+
+// "unknown gate 'gshrad'" with "did you mean 'gshard'?" or the list of choices.
+static bool unknown_word(Ctx *c, const FeValue *v, const char *what, const char *const *words) {
+  char buf[160];
+  ir_error_at(c->d, v->loc, "unknown %s '%s'", what, v->text);
+  const char *best = ir_closest(v->text, words, nwords(words));
+  if (best)
+    ir_note_at(c->d, v->loc, "did you mean '%s'?", best);
+  else
+    ir_note_at(c->d, v->loc, "expected %s", word_list(words, buf, sizeof buf));
+  return false;
+}
+
+static int word_index(const char *const *words, const char *text) {
+  for (int i = 0; words[i]; i++)
+    if (strcmp(words[i], text) == 0)
+      return i;
+  return -1;
+}
+
+// Checks one value against its Val and stores it in dst. False after a diagnostic.
+static bool check_val(Ctx *c, const FeNode *n, const FeValue *v, const Val *spec, char *dst) {
+  char buf[160], shown_buf[96];
+  const char *got = shown(v, shown_buf, sizeof shown_buf);
+  switch (spec->type) {
+  case V_NUM_STAR:
+    if (v->kind == FE_VAL_STAR) {
+      if (spec->star_off)
+        PUT(dst, spec->star_off, bool) = true;
+      break;
+    }
+    // fall through
+  case V_NUM:
+    if (v->kind != FE_VAL_INT && v->kind != FE_VAL_FLOAT)
+      return ir_error_at(c->d, v->loc, "expected %s for '%s', got %s", describe(spec, buf, sizeof buf),
+                         n->key, got);
+    if (!check_range(c, n, v, spec->range, false))
+      return false;
+    if (spec->off)
+      PUT(dst, spec->off, double) = v->kind == FE_VAL_INT ? (double)v->i : v->f;
+    break;
+  case V_INT:
+    if (v->kind != FE_VAL_INT)
+      return ir_error_at(c->d, v->loc, "expected an integer for '%s', got %s", n->key, got);
+    if (!check_range(c, n, v, spec->range, true))
+      return false;
+    if (spec->off)
+      PUT(dst, spec->off, int64_t) = v->i;
+    break;
+  case V_WORD: {
+    if (v->kind != FE_VAL_IDENT)
+      return ir_error_at(c->d, v->loc, "expected %s for '%s', got %s", describe(spec, buf, sizeof buf),
+                         n->key, got);
+    int i = word_index(spec->words, v->text);
+    if (i < 0)
+      return unknown_word(c, v, spec->what ? spec->what : n->key, spec->words);
+    if (spec->off)
+      PUT(dst, spec->off, const char *) = spec->words[i];
+    break;
+  }
+  case V_BOOL: {
+    static const char *const bools[] = {"true", "false", NULL};
+    if (v->kind != FE_VAL_IDENT || word_index(bools, v->text) < 0) {
+      ir_error_at(c->d, v->loc, "expected true or false for '%s', got %s", n->key, got);
+      const char *best = v->kind == FE_VAL_IDENT ? ir_closest(v->text, bools, 2) : NULL;
+      if (best)
+        ir_note_at(c->d, v->loc, "did you mean '%s'?", best);
+      return false;
+    }
+    if (spec->off)
+      PUT(dst, spec->off, bool) = strcmp(v->text, "true") == 0;
+    break;
+  }
+  case V_NAME:
+    if (v->kind == FE_VAL_IDENT) {
+      for (const char *s = v->text; *s; s++)
+        if (!isalnum((unsigned char)*s) && *s != '_')
+          return ir_error_at(c->d, v->loc,
+                             "invalid name %s for '%s': use only letters, digits and '_'", got, n->key);
+      if (isdigit((unsigned char)v->text[0]))
+        return ir_error_at(c->d, v->loc, "invalid name %s for '%s': a name starts with a letter or '_'",
+                           got, n->key);
+    }
+    // fall through
+  case V_IDENT:
+    if (v->kind != FE_VAL_IDENT)
+      return ir_error_at(c->d, v->loc, "expected a name for '%s', got %s", n->key, got);
+    if (spec->off)
+      PUT(dst, spec->off, const char *) = v->text;
+    break;
+  case V_STRING:
+    if (v->kind != FE_VAL_STRING)
+      return ir_error_at(c->d, v->loc, "expected a string in double quotes for '%s', got %s", n->key, got);
+    if (v->text[0] == '\0')
+      return ir_error_at(c->d, v->loc, "empty string for '%s'", n->key);
+    if (spec->off)
+      PUT(dst, spec->off, const char *) = v->text;
+    break;
+  case V_NONE:
+    UNREACHABLE();
+  }
+  if (spec->loc_off)
+    PUT(dst, spec->loc_off, SrcLoc) = v->loc;
+  return true;
+}
+
+// Reports values past the first max. A surplus value on a new line most likely follows a
+// forgotten ';', so that is what the message says.
+static bool check_surplus(Ctx *c, const FeNode *n, int max) {
+  if (n->nvals <= max)
+    return true;
+  const FeValue *extra = &n->vals[max];
+  SrcLoc prev = max > 0 ? n->vals[max - 1].loc : n->loc;
+  if (extra->loc.line > prev.line) {
+    char head[64];
+    FeNode shorter = *n;
+    shorter.nvals = max;
+    return ir_error_at(c->d, fe_stmt_end(&shorter), "expected ';' after '%s'",
+                       fe_stmt_text(&shorter, head, sizeof head, 40));
+  }
+  if (max == 0)
+    return ir_error_at(c->d, extra->loc, "'%s' takes no values, but %d %s given", n->key, n->nvals,
+                       n->nvals == 1 ? "was" : "were");
+  return ir_error_at(c->d, extra->loc, "'%s' takes %d value%s, but %d were given", n->key, max,
+                     max == 1 ? "" : "s", n->nvals);
+}
+
+// The block part of a statement: present when needed, absent when not allowed.
+static bool check_block_form(Ctx *c, const FeNode *n, const Field *f) {
+  char head[64];
+  if ((f->flags & F_BLOCK) && !n->has_block)
+    return ir_error_at(c->d, stmt_loc(n), "'%s' needs a '{ ... }' block",
+                       fe_stmt_text(n, head, sizeof head, 40));
+  if (!(f->flags & (F_BLOCK | F_BLOCK_OPT)) && n->has_block)
+    return ir_error_at(c->d, stmt_loc(n), "'%s' takes no '{ ... }' block; end it with ';'",
+                       fe_stmt_text(n, head, sizeof head, 40));
+  return true;
+}
+
+// ---- blocks ----
+static void check_block(Ctx *c, const FeNode *n, const Block *b, const char *variant, char *dst);
+
+// stmt = KEY value* ( ";" | "{" ... "}" ), checked against its Field.
+static void check_stmt(Ctx *c, const FeNode *parent, const FeNode *n, const Field *f, char *dst) {
+  if (f->present)
+    PUT(dst, f->present, bool) = true;
+  if (f->loc)
+    PUT(dst, f->loc, SrcLoc) = stmt_loc(n);
+  if (f->custom) {
+    f->custom(c, parent, n, dst);
+    return;
+  }
+  if (!check_block_form(c, n, f))
+    return;
+  int nv = nvals_of(f);
+  bool ok = true;
+  if (n->nvals < nv) {
+    char what[160], head[64];
+    ir_error_at(c->d, stmt_loc(n), "expected %s after '%s'", describe(&f->vals[n->nvals], what, sizeof what),
+                fe_stmt_text(n, head, sizeof head, 40));
+    ok = false;
+  }
+  ok &= check_surplus(c, n, nv);
+  for (int i = 0; i < nv && i < n->nvals; i++)
+    ok &= check_val(c, n, &n->vals[i], &f->vals[i], dst);
+  if (ok && f->block && n->has_block) {
+    const char *variant = nv > 0 && f->vals[0].type == V_WORD ? n->vals[0].text : NULL;
+    check_block(c, n, f->block, variant, dst + f->sub - 1);
+  }
+}
+
+static int find_field(const Block *b, const char *key) {
+  for (int i = 0; i < b->nfields; i++)
+    if (strcmp(b->fields[i].key, key) == 0)
+      return i;
+  return -1;
+}
+
+// An unknown keyword in block n: a close field name, or the block it belongs in.
+static void unknown_stmt(Ctx *c, const FeNode *n, const Block *b, const char *variant, const FeNode *k) {
+  char head[64];
+  const char *cands[32];
+  int ncands = 0;
+  for (int i = 0; i < b->nfields && ncands < COUNT(cands); i++)
+    if (!b->fields[i].only || (variant && strcmp(b->fields[i].only, variant) == 0))
+      cands[ncands++] = b->fields[i].key;
+  if (is_root(n))
+    ir_error_at(c->d, k->loc, "unknown statement '%s'", k->key);
+  else
+    ir_error_at(c->d, k->loc, "unknown field '%s' in '%s'", k->key, fe_stmt_text(n, head, sizeof head, 40));
+  const char *best = ir_closest(k->key, cands, ncands);
+  if (best) {
+    ir_note_at(c->d, k->loc, "did you mean '%s'?", best);
+    return;
+  }
+  for (int i = 0; c->all_blocks[i]; i++) {
+    const Block *other = c->all_blocks[i];
+    if (other != b && find_field(other, k->key) >= 0) {
+      if (i == 0)
+        ir_note_at(c->d, k->loc, "'%s' is a top-level statement", k->key);
+      else
+        ir_note_at(c->d, k->loc, "'%s' belongs in '%s'", k->key, other->name);
+      return;
+    }
+  }
+  if (ncands > 0 && ncands <= 12) {
+    char list[256];
+    size_t len = 0;
+    list[0] = '\0';
+    for (int i = 0; i < ncands && len < sizeof list; i++)
+      len += snprintf(list + len, sizeof list - len, "%s%s", i ? ", " : "", cands[i]);
+    ir_note_at(c->d, k->loc, "expected one of: %s", list);
+  }
+}
+
+// block = "{" stmt* "}": every statement known, none twice unless it may repeat, the required
+// ones present. variant is the block's first value (`gate xmoe` -> "xmoe") for `only` fields.
+static void check_block(Ctx *c, const FeNode *n, const Block *b, const char *variant, char *dst) {
+  const FeNode *seen[32] = {0};
+  char head[64];
+  for (int i = 0; i < n->nkids; i++) {
+    const FeNode *k = n->kids[i];
+    int fi = find_field(b, k->key);
+    if (fi < 0) {
+      unknown_stmt(c, n, b, variant, k);
+      continue;
+    }
+    const Field *f = &b->fields[fi];
+    if (f->only && (!variant || strcmp(f->only, variant) != 0)) {
+      ir_error_at(c->d, k->loc, "'%s' is not a field of '%s'", k->key, fe_stmt_text(n, head, sizeof head, 40));
+      ir_note_at(c->d, k->loc, "only '%s %s' has it", n->key, f->only);
+      continue;
+    }
+    if (seen[fi] && !(f->flags & F_MANY)) {
+      ir_error_at(c->d, k->loc, "'%s' given twice", k->key);
+      ir_note_at(c->d, seen[fi]->loc, "first given here");
+      continue;
+    }
+    if (!seen[fi])
+      seen[fi] = k;
+    int errors = c->d->errors;
+    check_stmt(c, n, k, f, dst);
+    if (is_root(n) && strcmp(k->key, "model") == 0) {
+      c->model_ok = c->d->errors == errors;
+      c->root_loc = stmt_loc(k);
+    }
+    if (is_root(n) && strcmp(k->key, "parallel") == 0) {
+      c->parallel_ok = c->d->errors == errors;
+      c->parallel_node = k;
+    }
+  }
+  for (int i = 0; i < b->nfields; i++) {
+    const Field *f = &b->fields[i];
+    if (!(f->flags & F_REQUIRED) || seen[i] || (f->only && (!variant || strcmp(f->only, variant) != 0)))
+      continue;
+    if (is_root(n))
+      ir_error_at(c->d, c->root_loc, "%s", f->missing ? f->missing : "missing statement");
+    else
+      ir_error_at(c->d, stmt_loc(n), "missing '%s' in '%s'", f->key, fe_stmt_text(n, head, sizeof head, 40));
+  }
+  if (b->finish)
+    b->finish(c, n, variant, dst);
+}
+
+// ---- irregular statements ----
+// layer = "layer" NAME ["x" N] "{" ... "}"
+static void check_layer(Ctx *c, const FeNode *parent, const FeNode *n, char *dst) {
+  FeProgram *p = (FeProgram *)dst;
+  char buf[96];
+  if (!p->layers) {
+    int count = count_kids(parent, "layer");
+    p->layers = fe_arena_alloc(c->arena, sizeof(FeLayer) * count);
+    c->layer_nodes = fe_arena_alloc(c->arena, sizeof(FeNode *) * count);
+    c->layer_ok = fe_arena_alloc(c->arena, sizeof(bool) * count);
+    if (!p->layers || !c->layer_nodes || !c->layer_ok) {
+      ir_error(c->d, "out of memory");
+      return;
+    }
+  }
+  int errors = c->d->errors;
+  FeLayer *l = &p->layers[p->nlayers];
+  c->layer_nodes[p->nlayers] = n;
+  p->nlayers++;
+  apply_defaults(&layer_block, (char *)l);
+  l->loc = stmt_loc(n);
+  l->repeat = 1;
+  static const Val name = {V_NAME, .off = AT(FeLayer, name)};
+  static const Val repeat = {V_INT, R_POS, .off = AT(FeLayer, repeat)};
+  if (n->nvals == 0) {
+    ir_error_at(c->d, n->loc, "expected a layer name after 'layer'");
+  } else if (check_val(c, n, &n->vals[0], &name, (char *)l)) {
+    for (int i = 0; i < p->nlayers - 1; i++) {
+      if (p->layers[i].name && strcmp(p->layers[i].name, l->name) == 0) {
+        ir_error_at(c->d, n->vals[0].loc, "layer '%s' defined twice", l->name);
+        ir_note_at(c->d, p->layers[i].loc, "first defined here");
+        break;
+      }
+    }
+  }
+  if (n->nvals >= 2) {
+    const FeValue *x = &n->vals[1];
+    if (x->kind != FE_VAL_IDENT || strcmp(x->text, "x") != 0) {
+      ir_error_at(c->d, x->loc, "expected 'x N' after the layer name, got %s", shown(x, buf, sizeof buf));
+      if (x->kind == FE_VAL_IDENT && x->text[0] == 'x' && isdigit((unsigned char)x->text[1]))
+        ir_note_at(c->d, x->loc, "write 'x %s' with a space", x->text + 1);
+    } else if (n->nvals == 2) {
+      ir_error_at(c->d, x->loc, "expected a repeat count after 'x'");
+    } else {
+      check_val(c, n, &n->vals[2], &repeat, (char *)l);
+    }
+  }
+  check_surplus(c, n, 3);
+  static const Field form = {"layer", F_BLOCK};
+  if (check_block_form(c, n, &form))
+    check_block(c, n, &layer_block, NULL, (char *)l);
+  c->layer_ok[p->nlayers - 1] = c->d->errors == errors;
+}
+
+// hook = "hook" POINT ( "compress" (fp16 | bf16 | int8) | "record" ) ";"
+static void check_hook(Ctx *c, const FeNode *parent, const FeNode *n, char *dst) {
+  FeMoe *m = (FeMoe *)dst;
+  static const Field form = {"hook", 0};
+  static const Val point = {V_WORD, .what = "hook point", .words = hook_points, .off = AT(FeHook, point)};
+  static const Val action = {V_WORD, .what = "hook action", .words = hook_actions, .off = AT(FeHook, action)};
+  static const Val arg = {V_WORD, .what = "compression type", .words = compress_types, .off = AT(FeHook, arg)};
+  if (!m->hooks) {
+    m->hooks = fe_arena_alloc(c->arena, sizeof(FeHook) * count_kids(parent, "hook"));
+    if (!m->hooks) {
+      ir_error(c->d, "out of memory");
+      return;
+    }
+  }
+  if (!check_block_form(c, n, &form))
+    return;
+  FeHook h = {.loc = stmt_loc(n)};
+  if (n->nvals < 2) {
+    ir_error_at(c->d, stmt_loc(n), "expected a hook point and an action after 'hook', "
+                                   "e.g. 'hook before_dispatch compress bf16;'");
+    return;
+  }
+  bool ok = check_val(c, n, &n->vals[0], &point, (char *)&h);
+  ok &= check_val(c, n, &n->vals[1], &action, (char *)&h);
+  if (!ok)
+    return;
+  if (strcmp(h.action, "compress") == 0) {
+    if (n->nvals < 3) {
+      ir_error_at(c->d, stmt_loc(n), "expected fp16, bf16 or int8 after 'compress'");
+      return;
+    }
+    if (!check_val(c, n, &n->vals[2], &arg, (char *)&h) || !check_surplus(c, n, 3))
+      return;
+    if (strcmp(h.point, "before_dispatch") != 0 && strcmp(h.point, "before_combine") != 0) {
+      ir_error_at(c->d, n->vals[0].loc, "'compress' cannot be hooked at '%s'", h.point);
+      ir_note_at(c->d, n->vals[0].loc, "compress at before_dispatch or before_combine: the data is "
+                                       "decompressed at the matching after_ point");
+      return;
+    }
+  } else if (!check_surplus(c, n, 2)) {
+    return;
+  }
+  for (int i = 0; i < m->nhooks; i++) {
+    if (strcmp(m->hooks[i].point, h.point) == 0 && strcmp(m->hooks[i].action, h.action) == 0) {
+      ir_error_at(c->d, h.loc, "hook '%s %s' given twice", h.point, h.action);
+      ir_note_at(c->d, m->hooks[i].loc, "first given here");
+      return;
+    }
+  }
+  m->hooks[m->nhooks++] = h;
+}
+
+// pipeline = "pipeline" ( "auto" ";" | "{" [forward N] [backward N] "}" )
+static void check_pipeline(Ctx *c, const FeNode *parent, const FeNode *n, char *dst) {
+  FeSchedule *s = (FeSchedule *)dst;
+  static const Val autov = {V_WORD, .what = "pipeline setting", .words = pipeline_words};
+  char buf[96];
+  if (n->has_block) {
+    if (n->nvals > 0) {
+      ir_error_at(c->d, n->vals[0].loc, "'pipeline' takes either 'auto' or a '{ ... }' block, not both");
+      return;
+    }
+    s->pipeline_auto = false;
+    check_block(c, n, &pipeline_block, NULL, dst);
+    return;
+  }
+  if (n->nvals == 0) {
+    ir_error_at(c->d, stmt_loc(n), "expected 'auto' or '{ forward N; backward N; }' after 'pipeline'");
+    return;
+  }
+  if (n->vals[0].kind != FE_VAL_IDENT) {
+    ir_error_at(c->d, n->vals[0].loc, "expected 'auto' or '{ forward N; backward N; }' after 'pipeline', "
+                "got %s", shown(&n->vals[0], buf, sizeof buf));
+    return;
+  }
+  if (check_val(c, n, &n->vals[0], &autov, dst) && check_surplus(c, n, 1))
+    s->pipeline_auto = true;
+}
+
+// grad_partition = "grad_partition" ( "auto" | "none" | "chunk" SIZE ) ";"
+// SIZE = INT (bytes) | INT followed by B, KB, MB, GB (or KiB, MiB, GiB; all powers of 1024).
+static void check_grad_partition(Ctx *c, const FeNode *parent, const FeNode *n, char *dst) {
+  FeSchedule *s = (FeSchedule *)dst;
+  static const Field form = {"grad_partition", 0};
+  static const Val how = {V_WORD, .what = "grad_partition mode", .words = partitions,
+                          .off = AT(FeSchedule, grad_partition)};
+  if (!check_block_form(c, n, &form))
+    return;
+  if (n->nvals == 0) {
+    ir_error_at(c->d, stmt_loc(n), "expected auto, none or chunk after 'grad_partition'");
+    return;
+  }
+  if (!check_val(c, n, &n->vals[0], &how, dst))
+    return;
+  if (strcmp(s->grad_partition, "chunk") != 0) {
+    check_surplus(c, n, 1);
+    return;
+  }
+  if (n->nvals < 2) {
+    ir_error_at(c->d, stmt_loc(n), "expected a size after 'chunk', e.g. 'grad_partition chunk 30MB;'");
+    return;
+  }
+  if (!check_surplus(c, n, 2))
+    return;
+  const FeValue *v = &n->vals[1];
+  static const struct { const char *suffix; int64_t scale; } units[] = {
+    {"", 1}, {"B", 1}, {"KB", 1 << 10}, {"KiB", 1 << 10}, {"MB", 1 << 20}, {"MiB", 1 << 20},
+    {"GB", 1 << 30}, {"GiB", 1 << 30},
+  };
+  char *end = NULL;
+  long long count = (v->kind == FE_VAL_INT || v->kind == FE_VAL_IDENT) && isdigit((unsigned char)v->text[0])
+                        ? strtoll(v->text, &end, 10) : -1;
+  int unit = -1;
+  for (int i = 0; end && i < COUNT(units); i++)
+    if (strcmp(end, units[i].suffix) == 0)
+      unit = i;
+  if (unit < 0) {
+    char buf[96];
+    ir_error_at(c->d, v->loc, "expected a size such as 30MB for 'chunk', got %s", shown(v, buf, sizeof buf));
+    return;
+  }
+  if (count < 1)
+    ir_error_at(c->d, v->loc, "the chunk size must be greater than 0, got %s", v->text);
+  else if (count > (INT64_C(1) << 50) / units[unit].scale)
+    ir_error_at(c->d, v->loc, "the chunk size %s is too large", v->text);
+  else
+    s->grad_chunk_bytes = count * units[unit].scale;
+}
+
+// ffn mixtral has no activation choice and no bias.
+static void finish_ffn(Ctx *c, const FeNode *n, const char *variant, char *dst) {
+  FeExperts *e = (FeExperts *)dst;
+  if (variant && strcmp(variant, "mixtral") == 0) {
+    e->act = NULL;
+    e->bias = false;
+  }
+}
+
+// `capacity *` is dropless: no capacity factor.
+static void finish_gate(Ctx *c, const FeNode *n, const char *variant, char *dst) {
+  FeGate *g = (FeGate *)dst;
+  if (g->dropless)
+    g->capacity = 0;
+}
+
+// ---- semantic rules ----
+// Each rule reads only statements that checked cleanly (model_ok, parallel_ok, layer_ok).
+static void check_semantics(Ctx *c, FeProgram *p) {
+  const FeModel *m = &p->model;
+  const FeParallel *par = &p->parallel;
+  const FeNode *pn = c->parallel_node;
+  SrcLoc ploc = par->loc;
+  bool par_ok = c->parallel_ok;
+  // mp/esp groups are consecutive ranks: both factorisations must cover the same world.
+  if (par_ok && par->dp * par->mp != par->ep * par->esp)
+    ir_error_at(c->d, ploc,
+                "dp*mp must equal ep*esp (both are the number of ranks), but dp*mp = %lld*%lld = %lld "
+                "and ep*esp = %lld*%lld = %lld",
+                (long long)par->dp, (long long)par->mp, (long long)(par->dp * par->mp),
+                (long long)par->ep, (long long)par->esp, (long long)(par->ep * par->esp));
+  int64_t tokens = m->batch * m->seqlen;  // both <= INT32_MAX: no overflow
+  bool tokens_ok = c->model_ok && par_ok && tokens % par->mp == 0;
+  if (c->model_ok && par_ok && !tokens_ok)
+    ir_error_at(c->d, kid_loc(pn, "mp", ploc),
+                "mp %lld does not divide the %lld tokens of a step (batch*seqlen = %lld*%lld): "
+                "tokens are split evenly over the mp ranks",
+                (long long)par->mp, (long long)tokens, (long long)m->batch, (long long)m->seqlen);
+  for (int i = 0; i < p->nlayers; i++) {
+    if (!c->layer_ok[i])
+      continue;
+    const FeLayer *l = &p->layers[i];
+    const FeMoe *moe = &l->moe;
+    const FeNode *ln = c->layer_nodes[i];
+    if (par_ok && moe->experts.count % par->ep != 0) {
+      ir_error_at(c->d, moe->experts.loc, "%lld experts cannot be split evenly over ep %lld ranks",
+                  (long long)moe->experts.count, (long long)par->ep);
+      ir_note_at(c->d, kid_loc(pn, "ep", ploc), "the number of experts must be a multiple of ep");
+    }
+    if (moe->gate.k > moe->experts.count)
+      ir_error_at(c->d, moe->gate.field_loc[FE_GATE_F_K], "k %lld is larger than the number of experts (%lld)",
+                  (long long)moe->gate.k, (long long)moe->experts.count);
+    if (par_ok && moe->experts.hidden % par->esp != 0) {
+      const FeNode *ffn = find_kid(find_kid(find_kid(ln, "moe"), "experts"), "ffn");
+      ir_error_at(c->d, kid_loc(ffn, "hidden", moe->experts.kind_loc),
+                  "hidden %lld cannot be split evenly over esp %lld ranks",
+                  (long long)moe->experts.hidden, (long long)par->esp);
+      ir_note_at(c->d, kid_loc(pn, "esp", ploc), "each esp rank holds hidden/esp columns of every expert");
+    }
+    if (tokens_ok && (tokens / par->mp) % moe->gate.groups != 0) {
+      SrcLoc at = moe->gate.field_loc[FE_GATE_F_GROUPS];
+      if (par->mp == 1)
+        ir_error_at(c->d, at, "groups %lld does not divide the %lld tokens of a rank (batch*seqlen = "
+                    "%lld*%lld): routing groups must be equal",
+                    (long long)moe->gate.groups, (long long)tokens, (long long)m->batch, (long long)m->seqlen);
+      else
+        ir_error_at(c->d, at, "groups %lld does not divide the %lld tokens of a rank (batch*seqlen/mp = "
+                    "%lld*%lld/%lld): routing groups must be equal",
+                    (long long)moe->gate.groups, (long long)(tokens / par->mp), (long long)m->batch,
+                    (long long)m->seqlen, (long long)par->mp);
+    }
+    if (l->has_attention) {
+      SrcLoc at = kid_loc(find_kid(ln, "attention"), "heads", l->attention_loc);
+      if (c->model_ok && m->embed % l->heads != 0)
+        ir_error_at(c->d, at, "heads %lld does not divide embed %lld: each head gets embed/heads features",
+                    (long long)l->heads, (long long)m->embed);
+      if (par_ok && l->heads % par->mp != 0) {
+        ir_error_at(c->d, at, "heads %lld cannot be split evenly over mp %lld ranks",
+                    (long long)l->heads, (long long)par->mp);
+        ir_note_at(c->d, kid_loc(pn, "mp", ploc), "each mp rank computes heads/mp of the heads");
+      }
+    }
+  }
+}
+
+// ---- entry points ----
+FeProgram *fe_check(IrDiag *d, FeTree *tree) {
+  int errors = d->errors;
+  const FeNode *root = tree->root;
+  SrcLoc start = {.src = tree->src, .line = 1, .col = 1, .len = 1};
+  if (root->nkids == 0) {
+    ir_error_at(d, start, "empty file: expected a 'model' block");
+    return NULL;
+  }
+  FeProgram *p = fe_arena_alloc(tree->arena, sizeof *p);
+  if (!p) {
+    ir_error(d, "out of memory");
+    return NULL;
+  }
+  Ctx c = {.d = d, .arena = tree->arena, .prog = p, .all_blocks = moe_blocks, .root_loc = start,
+           .parallel_ok = true};
+  // A missing top-level statement is reported at the model when there is one.
+  const FeNode *model = find_kid(root, "model");
+  if (model)
+    c.root_loc = stmt_loc(model);
+  apply_defaults(&moe_file_block, (char *)p);
+  check_block(&c, root, &moe_file_block, NULL, (char *)p);
+  check_semantics(&c, p);
+  if (d->errors != errors)
+    return NULL;
+  p->tree = tree;
+  return p;
+}
+
+bool fe_check_cluster(IrDiag *d, FeTree *tree, FeCluster *out) {
+  int errors = d->errors;
+  SrcLoc start = {.src = tree->src, .line = 1, .col = 1, .len = 1};
+  memset(out, 0, sizeof *out);
+  if (tree->root->nkids == 0)
+    return ir_error_at(d, start, "empty file: expected a 'cluster' block");
+  Ctx c = {.d = d, .arena = tree->arena, .all_blocks = cluster_blocks, .root_loc = start};
+  apply_defaults(&cluster_file_block, (char *)out);
+  check_block(&c, tree->root, &cluster_file_block, NULL, (char *)out);
+  return d->errors == errors;
+}
+
+void fe_program_free(FeProgram *p) {
+  if (p)
+    fe_tree_free(p->tree);  // p itself lives in the tree's arena
+}

@@ -1,0 +1,179 @@
+// The front end: .moe and .cluster text -> a generic statement tree (lang/parser.y) -> a typed,
+// checked program (frontend/check.c) -> IR (frontend/lower.c).
+//
+// Both file kinds share one grammar: a file is a list of statements, and a statement is a
+// keyword, zero or more values, then either ';' or a '{ statement* }' block:
+//
+//   layer block x 12 { moe { gate gshard { k 2; capacity 1.2; } order tutel; } }
+//
+// The grammar stays small and every keyword, field, type and range is checked against the
+// schema in check.c, which gives precise diagnostics ("unknown gate 'gshrad'; did you mean
+// 'gshard'?", "missing field 'hidden' in 'ffn gpt'").
+#ifndef FE_H
+#define FE_H
+
+#include <stdbool.h>
+#include <stdint.h>
+
+#include "../ir/ir.h"
+
+// ---- the statement tree (built by the parser; frontend/ast.c) ----
+typedef enum FeValKind { FE_VAL_IDENT, FE_VAL_INT, FE_VAL_FLOAT, FE_VAL_STRING, FE_VAL_STAR } FeValKind;
+
+typedef struct FeValue {
+  FeValKind kind;
+  const char *text;   // identifier, string contents (unescaped) or the literal as written
+  int64_t i;          // FE_VAL_INT
+  double f;           // FE_VAL_FLOAT (and FE_VAL_INT converted)
+  SrcLoc loc;
+} FeValue;
+
+typedef struct FeNode {
+  const char *key;     // the keyword
+  SrcLoc loc;          // of the keyword
+  FeValue *vals;
+  int nvals;
+  struct FeNode **kids;
+  int nkids;
+  bool has_block;      // written with '{ ... }' rather than ';'
+  SrcLoc end_loc;      // the closing '}' or ';'
+} FeNode;
+
+typedef struct FeArena FeArena;
+
+typedef struct FeTree {
+  FeNode *root;        // key "", kids = top-level statements
+  FeArena *arena;
+  const IrSource *src;
+} FeTree;
+
+// Parses src (a .moe or .cluster file). Syntax errors go through d; returns NULL if any.
+FeTree *fe_parse(IrDiag *d, const IrSource *src);
+void fe_tree_free(FeTree *t);
+
+// ---- the checked program (frontend/check.c) ----
+typedef struct FeOptimizer {
+  SrcLoc loc;
+  const char *name;     // "sgd" | "adamw"
+  double lr, beta1, beta2, eps, weight_decay;
+} FeOptimizer;
+
+typedef struct FeModel {
+  SrcLoc loc;
+  const char *name;
+  const char *dtype;    // "fp32" | "bf16"
+  SrcLoc dtype_loc;
+  int64_t batch, seqlen, embed, seed;
+  FeOptimizer optimizer;
+} FeModel;
+
+typedef struct FeParallel {
+  SrcLoc loc;           // no source when the block is absent (all 1)
+  int64_t dp, mp, ep, esp;
+} FeParallel;
+
+typedef struct FeGate {
+  SrcLoc loc;           // of the gate's name
+  const char *name;     // gshard | sigmoid | xmoe | expert_choice | softmoe
+  int64_t k;            // default 1
+  double capacity;      // default 1.0
+  bool dropless;        // `capacity *`
+  double noise, aux_loss, z_loss;   // defaults 0
+  int64_t groups;       // default 1
+  int64_t proj;         // xmoe, default 16
+  int64_t slots;        // softmoe, default 1
+  SrcLoc field_loc[16]; // where fields were written (index: FE_GATE_F_*), for later diagnostics
+} FeGate;
+enum { FE_GATE_F_K, FE_GATE_F_CAPACITY, FE_GATE_F_NOISE, FE_GATE_F_AUX, FE_GATE_F_Z, FE_GATE_F_GROUPS, FE_GATE_F_PROJ, FE_GATE_F_SLOTS };
+
+typedef struct FeExperts {
+  SrcLoc loc;
+  int64_t count;
+  const char *kind;     // "gpt" | "mixtral" (written `ffn gpt { ... }`)
+  SrcLoc kind_loc;
+  int64_t hidden;
+  const char *act;      // "gelu" | "relu" (gpt; default gelu)
+  SrcLoc act_loc;
+  bool bias;            // gpt; default true
+} FeExperts;
+
+typedef struct FeHook {
+  SrcLoc loc;
+  const char *point;    // before_moe_start | before_dispatch | after_dispatch | before_combine | after_combine | before_moe_end
+  const char *action;   // compress | record
+  const char *arg;      // fp16 | bf16 | int8 for compress, NULL otherwise
+} FeHook;
+
+typedef struct FeMoe {
+  SrcLoc loc;
+  FeExperts experts;
+  FeGate gate;
+  const char *order;    // tutel | gshard (default tutel)
+  SrcLoc order_loc;
+  const char *algo;     // nccl | 1dh | 2dh (default nccl)
+  SrcLoc algo_loc;
+  FeHook *hooks;
+  int nhooks;
+} FeMoe;
+
+typedef struct FeLayer {
+  SrcLoc loc;
+  const char *name;
+  int64_t repeat;       // `x N`, default 1
+  bool has_attention;
+  SrcLoc attention_loc;
+  int64_t heads;
+  FeMoe moe;
+} FeLayer;
+
+typedef struct FeSchedule {
+  SrcLoc loc;           // no source when absent
+  const char *policy;   // default "sequential"
+  SrcLoc policy_loc;
+  bool pipeline_auto;   // default false: forward = backward = 1
+  int64_t pipeline_fwd, pipeline_bwd;
+  SrcLoc pipeline_loc;
+  const char *grad_partition;   // "none" (default) | "auto" | "chunk"
+  int64_t grad_chunk_bytes;
+  SrcLoc grad_partition_loc;
+} FeSchedule;
+
+typedef struct FeCollective { double alpha, beta; } FeCollective;
+
+typedef struct FeCluster {
+  SrcLoc loc;
+  const char *name;
+  int64_t nodes, gpus_per_node;
+  FeCollective gemm, alltoall, allgather, reducescatter, allreduce;
+} FeCluster;
+
+typedef struct FeProgram {
+  FeModel model;
+  FeParallel parallel;
+  const char *cluster_path;   // the `cluster "F";` statement, or NULL
+  SrcLoc cluster_loc;
+  FeLayer *layers;
+  int nlayers;
+  FeSchedule schedule;
+  FeTree *tree;               // owns every string above
+} FeProgram;
+
+// Checks a parsed .moe tree against the language's schema and the semantic rules of the
+// manual (dp*mp == ep*esp, experts % ep == 0, k <= experts, sizes > 0, required fields, ...).
+// Reports every problem found through d; returns NULL if there was any.
+FeProgram *fe_check(IrDiag *d, FeTree *tree);
+// Checks a parsed .cluster tree.
+bool fe_check_cluster(IrDiag *d, FeTree *tree, FeCluster *out);
+void fe_program_free(FeProgram *p);
+
+// Reads, parses and checks a .moe file (or a buffer, for fuzzers). NULL on error.
+FeProgram *fe_load(IrDiag *d, const IrSource *src);
+// Reads, parses and checks a .cluster file; at is where it was named (for "cannot read").
+bool fe_load_cluster(IrDiag *d, const char *path, SrcLoc at, FeCluster *out);
+
+// ---- lowering (frontend/lower.c) ----
+// Refuses, with a diagnostic naming it, every construct that parses and checks but does not
+// run yet; otherwise builds the forward IR module (params, @*.fwd, @loss.fwd).
+IrModule *fe_lower(IrDiag *d, const FeProgram *p);
+
+#endif

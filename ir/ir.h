@@ -1,0 +1,218 @@
+// The moec IR: a module of parameter declarations and functions of SSA tensor values.
+//
+// A module holds, in execution order: one forward function per layer (`@block0.fwd`), the loss
+// (`@loss.fwd`, `@loss.bwd`), one backward function per layer in reverse order (`@block0.bwd`,
+// whose ops may read the forward function's values: the saved activations), and
+// `@optimizer`. Every value has a name unique within its function, a dtype and a concrete
+// shape. Ops come from ir/ops.def; each has 0 or 1 result, operands that are values (`%x`) or
+// parameters (`@name`), named attributes, a SrcLoc and, after scheduling, a phase, chunk,
+// stream and event waits.
+//
+// Text form (printer and parser round-trip exactly, print(parse(print(m))) == print(m)):
+//
+//   module tiny {batch=2, embed=32, seed=42, seqlen=32}
+//   param @block0.moe.gate.wg: f32[32, 4] {init="normal", std=0.17677669529663687}
+//   func @block0.fwd(%x: f32[64, 32]) {
+//     %logits: f32[64, 4] = matmul %x, @block0.moe.gate.wg
+//     %idx: i32[64, 2] = gate.topk %scores {k=2}
+//     param.grad @block0.moe.gate.wg, %dwg
+//     return %out, %aux, %z
+//   }
+//   func @block0.bwd(%dout: f32[64, 32]) saves @block0.fwd {
+//     ...
+//   }
+//
+// Attributes print sorted by key: integers as digits, floats with %.17g (with ".0" added when
+// that looks like an integer), strings in double quotes. Scheduling annotations print after
+// the attributes as `!{stream=inter, chunk=1, phase=bwd, wait=[3, 4], event=5}` only when the
+// op has a stream.
+#ifndef IR_H
+#define IR_H
+
+#include <stdbool.h>
+#include <stdint.h>
+#include <stdio.h>
+
+#include "ir_diag.h"
+
+typedef enum IrOpKind {
+#define IR_OP(E, N, A, R, AT, D) IR_OP_##E,
+#include "ops.def"
+#undef IR_OP
+  IR_OP_COUNT
+} IrOpKind;
+
+typedef struct IrOpInfo {
+  const char *name;
+  int nargs;
+  int nres;
+  const char *attrs;  // required attribute keys, comma-separated
+  const char *doc;
+} IrOpInfo;
+
+extern const IrOpInfo ir_op_info[IR_OP_COUNT];
+// IR_OP_COUNT when name is not an op.
+IrOpKind ir_op_by_name(const char *name);
+
+typedef enum IrDtype { IR_F32, IR_BF16, IR_F16, IR_I32, IR_I8, IR_DTYPE_COUNT } IrDtype;
+const char *ir_dtype_name(IrDtype t);       // "f32", "bf16", "f16", "i32", "i8"
+bool ir_dtype_by_name(const char *name, IrDtype *out);
+int ir_dtype_size(IrDtype t);               // bytes per element
+
+#define IR_MAX_RANK 4
+typedef struct IrType {
+  IrDtype dtype;
+  int rank;                    // 0 is a scalar
+  int64_t dim[IR_MAX_RANK];
+} IrType;
+int64_t ir_type_numel(const IrType *t);
+int64_t ir_type_bytes(const IrType *t);
+bool ir_type_equal(const IrType *a, const IrType *b);
+
+typedef enum IrAttrKind { IR_ATTR_INT, IR_ATTR_FLOAT, IR_ATTR_STR } IrAttrKind;
+typedef struct IrAttr {
+  const char *key;
+  IrAttrKind kind;
+  int64_t i;
+  double f;
+  const char *s;
+} IrAttr;
+
+#define IR_MAX_ATTRS 12
+#define IR_MAX_ARGS 6
+#define IR_MAX_WAITS 8
+
+typedef struct IrFunc IrFunc;
+typedef struct IrOp IrOp;
+
+typedef struct IrParam {
+  const char *name;     // without '@'
+  IrType type;
+  IrAttr attrs[IR_MAX_ATTRS];  // init="normal"|"zeros"|"ones", std=...
+  int nattrs;
+  SrcLoc loc;
+  int index;            // position in module->params
+} IrParam;
+
+typedef struct IrValue {
+  const char *name;     // without '%'
+  IrType type;
+  IrFunc *func;         // the function it belongs to
+  IrOp *def;            // NULL for a function argument
+  int id;               // index in func->values
+} IrValue;
+
+// An operand is a value or a parameter.
+typedef struct IrOperand {
+  IrValue *value;
+  IrParam *param;
+} IrOperand;
+
+typedef enum IrStream { IR_STREAM_NONE, IR_STREAM_COMPUTE, IR_STREAM_INTRA, IR_STREAM_INTER } IrStream;
+typedef enum IrPhase { IR_PHASE_NONE, IR_PHASE_FWD, IR_PHASE_BWD, IR_PHASE_OPT } IrPhase;
+
+struct IrOp {
+  IrOpKind kind;
+  IrValue *result;      // NULL when the op has none
+  IrOperand args[IR_MAX_ARGS];
+  int nargs;
+  IrAttr attrs[IR_MAX_ATTRS];
+  int nattrs;
+  SrcLoc loc;
+  // scheduling annotations (printed only when stream != NONE)
+  IrStream stream;
+  IrPhase phase;
+  int chunk;
+  int event;            // event recorded when the op completes, -1 none
+  int waits[IR_MAX_WAITS];
+  int nwaits;
+  IrFunc *func;
+  int index;            // position in func->ops
+};
+
+struct IrFunc {
+  const char *name;     // without '@'
+  IrValue **args;
+  int nargs;
+  IrValue **values;     // args first, then op results, in order
+  int nvalues, cap_values;
+  IrOp **ops;
+  int nops, cap_ops;
+  IrValue **rets;
+  int nrets;
+  IrFunc *saves;        // forward function whose values this one may read, or NULL
+  SrcLoc loc;
+  int index;
+};
+
+typedef struct IrArena IrArena;
+
+typedef struct IrModule {
+  const char *name;
+  IrAttr attrs[IR_MAX_ATTRS * 2];  // model-level: batch, seqlen, embed, seed, dtype, ...
+  int nattrs;
+  IrParam **params;
+  int nparams, cap_params;
+  IrFunc **funcs;
+  int nfuncs, cap_funcs;
+  IrArena *arena;       // everything above is allocated here; freed by ir_module_free
+} IrModule;
+
+// ---- arena and builder (ir/builder.c) ----
+IrModule *ir_module_new(const char *name);
+void ir_module_free(IrModule *m);
+void *ir_alloc(IrModule *m, size_t bytes);          // zeroed, lives as long as m
+const char *ir_strdup(IrModule *m, const char *s);
+const char *ir_strfmt(IrModule *m, const char *fmt, ...) __attribute__((format(printf, 2, 3)));
+
+IrParam *ir_add_param(IrModule *m, const char *name, IrType type);
+IrParam *ir_find_param(const IrModule *m, const char *name);
+IrFunc *ir_add_func(IrModule *m, const char *name);
+IrFunc *ir_find_func(const IrModule *m, const char *name);
+IrValue *ir_add_arg(IrFunc *f, IrModule *m, const char *name, IrType type);
+// Appends an op; when the op has a result, it is named `name` with type `type` (pass NULL name
+// for result-less ops). Operands are added with ir_op_arg/ir_op_param afterwards.
+IrOp *ir_add_op(IrFunc *f, IrModule *m, IrOpKind kind, const char *name, IrType type);
+void ir_op_arg(IrOp *op, IrValue *v);
+void ir_op_param(IrOp *op, IrParam *p);
+// Finds a value by name in f, then in f->saves.
+IrValue *ir_find_value(const IrFunc *f, const char *name);
+void ir_add_ret(IrFunc *f, IrModule *m, IrValue *v);
+
+// Attributes on ops, params and the module (set replaces an existing key).
+void ir_attrs_set_int(IrAttr *attrs, int *n, const char *key, int64_t v);
+void ir_attrs_set_float(IrAttr *attrs, int *n, const char *key, double v);
+void ir_attrs_set_str(IrModule *m, IrAttr *attrs, int *n, const char *key, const char *v);
+const IrAttr *ir_attrs_get(const IrAttr *attrs, int n, const char *key);
+int64_t ir_attr_int(const IrAttr *attrs, int n, const char *key, int64_t dflt);
+double ir_attr_float(const IrAttr *attrs, int n, const char *key, double dflt);  // ints convert
+const char *ir_attr_str(const IrAttr *attrs, int n, const char *key, const char *dflt);
+#define ir_op_set_int(op, k, v) ir_attrs_set_int((op)->attrs, &(op)->nattrs, k, v)
+#define ir_op_set_float(op, k, v) ir_attrs_set_float((op)->attrs, &(op)->nattrs, k, v)
+#define ir_op_int(op, k, d) ir_attr_int((op)->attrs, (op)->nattrs, k, d)
+#define ir_op_float(op, k, d) ir_attr_float((op)->attrs, (op)->nattrs, k, d)
+#define ir_mod_int(m, k, d) ir_attr_int((m)->attrs, (m)->nattrs, k, d)
+#define ir_mod_float(m, k, d) ir_attr_float((m)->attrs, (m)->nattrs, k, d)
+#define ir_mod_str(m, k, d) ir_attr_str((m)->attrs, (m)->nattrs, k, d)
+
+IrType ir_type(IrDtype dt, int rank, ...);   // ir_type(IR_F32, 2, (int64_t)64, (int64_t)32)
+static inline IrType ir_type0(IrDtype dt) { return (IrType){.dtype = dt, .rank = 0}; }
+static inline IrType ir_type1(IrDtype dt, int64_t a) { return (IrType){.dtype = dt, .rank = 1, .dim = {a}}; }
+static inline IrType ir_type2(IrDtype dt, int64_t a, int64_t b) { return (IrType){.dtype = dt, .rank = 2, .dim = {a, b}}; }
+static inline IrType ir_type3(IrDtype dt, int64_t a, int64_t b, int64_t c) { return (IrType){.dtype = dt, .rank = 3, .dim = {a, b, c}}; }
+
+// ---- printer and parser (ir/print.c, ir/parse.c) ----
+void ir_print(FILE *out, const IrModule *m);
+char *ir_print_to_string(const IrModule *m);   // malloc'd
+// Parses IR text; on error reports through d (file:line:col + caret) and returns NULL.
+IrModule *ir_parse(IrDiag *d, const IrSource *src);
+
+// ---- verifier and shape inference (ir/verify.c, ir/shapes.c) ----
+// Checks structure: arity, required attributes, operand resolution, names unique, dtypes,
+// and that every op's result type equals the inferred one. Reports each problem through d.
+bool ir_verify(IrDiag *d, const IrModule *m);
+// The result type of op from its operands and attributes; false (with a diagnostic) when the
+// operands do not fit the op.
+bool ir_infer_type(IrDiag *d, const IrOp *op, IrType *out);
+
+#endif

@@ -1,0 +1,70 @@
+// The op table and the small type helpers. ir_op_info is generated from ir/ops.def with the
+// same X-macro that makes the IrOpKind enum, so a row added there shows up in the enum, the
+// printer, the parser and the verifier at once.
+#include <string.h>
+
+#include "ir.h"
+
+const IrOpInfo ir_op_info[IR_OP_COUNT] = {
+#define IR_OP(E, N, A, R, AT, D) [IR_OP_##E] = {.name = N, .nargs = A, .nres = R, .attrs = AT, .doc = D},
+#include "ops.def"
+#undef IR_OP
+};
+
+IrOpKind ir_op_by_name(const char *name) {
+  if (!name) return IR_OP_COUNT;
+  for (int k = 0; k < IR_OP_COUNT; k++)
+    if (strcmp(ir_op_info[k].name, name) == 0) return (IrOpKind)k;
+  return IR_OP_COUNT;
+}
+
+static const char *const dtype_names[IR_DTYPE_COUNT] = {
+    [IR_F32] = "f32", [IR_BF16] = "bf16", [IR_F16] = "f16", [IR_I32] = "i32", [IR_I8] = "i8",
+};
+static const int dtype_sizes[IR_DTYPE_COUNT] = {
+    [IR_F32] = 4, [IR_BF16] = 2, [IR_F16] = 2, [IR_I32] = 4, [IR_I8] = 1,
+};
+
+// "?" for a value outside the enum, so a corrupt type still prints (and then fails to parse).
+const char *ir_dtype_name(IrDtype t) {
+  return (unsigned)t < IR_DTYPE_COUNT ? dtype_names[t] : "?";
+}
+
+bool ir_dtype_by_name(const char *name, IrDtype *out) {
+  if (!name) return false;
+  for (int t = 0; t < IR_DTYPE_COUNT; t++)
+    if (strcmp(dtype_names[t], name) == 0) {
+      if (out) *out = (IrDtype)t;
+      return true;
+    }
+  return false;
+}
+
+int ir_dtype_size(IrDtype t) { return (unsigned)t < IR_DTYPE_COUNT ? dtype_sizes[t] : 0; }
+
+// Saturates at INT64_MAX instead of overflowing; 0 for a rank outside [0, IR_MAX_RANK] or a
+// negative dim (the verifier reports those).
+int64_t ir_type_numel(const IrType *t) {
+  if (t->rank < 0 || t->rank > IR_MAX_RANK) return 0;
+  int64_t n = 1;
+  for (int i = 0; i < t->rank; i++) {
+    if (t->dim[i] < 0) return 0;
+    if (__builtin_mul_overflow(n, t->dim[i], &n)) return INT64_MAX;
+  }
+  return n;
+}
+
+int64_t ir_type_bytes(const IrType *t) {
+  int64_t n = ir_type_numel(t), b;
+  if (__builtin_mul_overflow(n, (int64_t)ir_dtype_size(t->dtype), &b)) return INT64_MAX;
+  return b;
+}
+
+// Dims beyond the rank do not take part.
+bool ir_type_equal(const IrType *a, const IrType *b) {
+  if (a->dtype != b->dtype || a->rank != b->rank) return false;
+  if (a->rank < 0 || a->rank > IR_MAX_RANK) return false;
+  for (int i = 0; i < a->rank; i++)
+    if (a->dim[i] != b->dim[i]) return false;
+  return true;
+}

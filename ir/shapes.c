@@ -1,0 +1,387 @@
+// Shape inference: the result type of every op in ir/ops.def from its operands and attributes
+// (semantics in DESIGN.md §2 and the DOC column of ops.def). Each rule checks what it reads —
+// ranks, dtypes, the dimensions that must agree, the attributes that size the result — and
+// names the mismatched operands and dims in its diagnostic, so the verifier (which compares the
+// declared result type against this) and the passes (which use it to build ops) share one set
+// of rules.
+//
+// Shape letters as in ops.def: S tokens, M model dim, E experts, K choices per token,
+// C = groups*capacity slots per expert.
+#include <stdarg.h>
+#include <string.h>
+
+#include "ir.h"
+
+typedef struct Infer {
+  IrDiag *d;
+  const IrOp *op;
+  char names[IR_MAX_ARGS][240];  // "%x (f32[64, 32])" per operand, for messages
+} Infer;
+
+static void type_str(const IrType *t, char *buf, size_t cap) {
+  int n = snprintf(buf, cap, "%s[", ir_dtype_name(t->dtype));
+  int rank = t->rank < 0 ? 0 : t->rank > IR_MAX_RANK ? IR_MAX_RANK : t->rank;
+  for (int i = 0; i < rank && n > 0 && (size_t)n < cap; i++)
+    n += snprintf(buf + n, cap - (size_t)n, "%s%lld", i ? ", " : "", (long long)t->dim[i]);
+  if (n > 0 && (size_t)n < cap) snprintf(buf + n, cap - (size_t)n, "]");
+}
+
+static const char *op_name(const IrOp *op) {
+  return (unsigned)op->kind < IR_OP_COUNT ? ir_op_info[op->kind].name : "?";
+}
+
+static bool fail(Infer *I, const char *fmt, ...) __attribute__((format(printf, 2, 3)));
+static bool fail(Infer *I, const char *fmt, ...) {
+  char msg[768];
+  va_list ap;
+  va_start(ap, fmt);
+  vsnprintf(msg, sizeof msg, fmt, ap);
+  va_end(ap);
+  const IrOp *op = I->op;
+  if (op->loc.src)
+    return ir_error_at(I->d, op->loc, "%s: %s", op_name(op), msg);
+  return ir_error(I->d, "in @%s: op %d (%s): %s", op->func && op->func->name ? op->func->name : "?",
+                  op->index, op_name(op), msg);
+}
+
+static const IrType *ty(const Infer *I, int i) {
+  const IrOperand *a = &I->op->args[i];
+  return a->value ? &a->value->type : &a->param->type;
+}
+
+// The operand as a message names it: "%x (f32[64, 32])".
+static const char *nm(const Infer *I, int i) { return I->names[i]; }
+
+static int64_t dim(const Infer *I, int i, int d) { return ty(I, i)->dim[d]; }
+
+static bool is_float(IrDtype t) { return t == IR_F32 || t == IR_BF16 || t == IR_F16; }
+
+// Operand i is a float tensor of the given rank; `shape` says what it should look like.
+static bool need_float(Infer *I, int i, int rank, const char *shape) {
+  const IrType *t = ty(I, i);
+  if (rank >= 0 && t->rank != rank) return fail(I, "%s must have rank %d (%s)", nm(I, i), rank, shape);
+  if (!is_float(t->dtype)) return fail(I, "%s must be a float tensor (%s)", nm(I, i), shape);
+  return true;
+}
+
+static bool need_i32(Infer *I, int i, int rank, const char *shape) {
+  const IrType *t = ty(I, i);
+  if (t->rank != rank) return fail(I, "%s must have rank %d (%s)", nm(I, i), rank, shape);
+  if (t->dtype != IR_I32) return fail(I, "%s must be i32 (%s)", nm(I, i), shape);
+  return true;
+}
+
+static bool same_dtype(Infer *I, int i, int j) {
+  if (ty(I, i)->dtype == ty(I, j)->dtype) return true;
+  return fail(I, "dtypes differ: %s and %s", nm(I, i), nm(I, j));
+}
+
+// Dimension di of operand i equals dimension dj of operand j; `what` names it ("S", "k", ...).
+static bool same_dim(Infer *I, const char *what, int i, int di, int j, int dj) {
+  if (dim(I, i, di) == dim(I, j, dj)) return true;
+  return fail(I, "%s differs: %s has %s = %lld but %s has %s = %lld", what, nm(I, i), what,
+              (long long)dim(I, i, di), nm(I, j), what, (long long)dim(I, j, dj));
+}
+
+static bool same_type(Infer *I, int i, int j) {
+  if (ir_type_equal(ty(I, i), ty(I, j))) return true;
+  return fail(I, "operand types differ: %s and %s", nm(I, i), nm(I, j));
+}
+
+static bool int_attr(Infer *I, const char *key, int64_t min, int64_t *out) {
+  const IrAttr *a = ir_attrs_get(I->op->attrs, I->op->nattrs, key);
+  if (!a) return fail(I, "missing attribute '%s'", key);
+  if (a->kind != IR_ATTR_INT) return fail(I, "attribute '%s' must be an integer", key);
+  if (a->i < min) return fail(I, "attribute '%s' must be at least %lld, got %lld", key, (long long)min, (long long)a->i);
+  *out = a->i;
+  return true;
+}
+
+// An optional 0/1 attribute (ta, tb) or a required one (renorm).
+static bool flag_attr(Infer *I, const char *key, bool required, int *out) {
+  const IrAttr *a = ir_attrs_get(I->op->attrs, I->op->nattrs, key);
+  *out = 0;
+  if (!a) return required ? fail(I, "missing attribute '%s'", key) : true;
+  if (a->kind != IR_ATTR_INT || (a->i != 0 && a->i != 1))
+    return fail(I, "attribute '%s' must be 0 or 1", key);
+  *out = (int)a->i;
+  return true;
+}
+
+static bool num_attr(Infer *I, const char *key, bool required) {
+  const IrAttr *a = ir_attrs_get(I->op->attrs, I->op->nattrs, key);
+  if (!a) return required ? fail(I, "missing attribute '%s'", key) : true;
+  if (a->kind == IR_ATTR_STR) return fail(I, "attribute '%s' must be a number", key);
+  return true;
+}
+
+// The groups attribute splits the S tokens into equal routing groups.
+static bool groups_attr(Infer *I, int64_t S, int64_t *groups) {
+  if (!int_attr(I, "groups", 1, groups)) return false;
+  if (S % *groups != 0)
+    return fail(I, "%lld tokens do not split into groups=%lld equal routing groups", (long long)S,
+                (long long)*groups);
+  return true;
+}
+
+// experts, groups, capacity of the order ops; *slots = groups * capacity.
+static bool route_attrs(Infer *I, int64_t S, int64_t *experts, int64_t *slots) {
+  int64_t groups, capacity;
+  if (!int_attr(I, "experts", 1, experts) || !groups_attr(I, S, &groups) ||
+      !int_attr(I, "capacity", 1, &capacity))
+    return false;
+  if (__builtin_mul_overflow(groups, capacity, slots))
+    return fail(I, "groups*capacity overflows (groups=%lld, capacity=%lld)", (long long)groups,
+                (long long)capacity);
+  return true;
+}
+
+// idx and loc: i32 [S, K] with the same shape; S and K out.
+static bool routing_pair(Infer *I, int idx, int loc, int64_t experts, int64_t *S, int64_t *K) {
+  if (!need_i32(I, idx, 2, "[S, K]") || !need_i32(I, loc, 2, "[S, K]")) return false;
+  if (!same_dim(I, "S", idx, 0, loc, 0) || !same_dim(I, "K", idx, 1, loc, 1)) return false;
+  *S = dim(I, idx, 0);
+  *K = dim(I, idx, 1);
+  if (*K > experts)
+    return fail(I, "%s has K = %lld choices per token but there are only experts=%lld",
+                nm(I, idx), (long long)*K, (long long)experts);
+  return true;
+}
+
+// A dispatched buffer [E, C, M] must have E = experts and C = groups*capacity.
+static bool dispatched(Infer *I, int i, int64_t experts, int64_t slots) {
+  if (!need_float(I, i, 3, "[E, C, M]")) return false;
+  if (dim(I, i, 0) != experts)
+    return fail(I, "%s has E = %lld but experts=%lld", nm(I, i), (long long)dim(I, i, 0), (long long)experts);
+  if (dim(I, i, 1) != slots)
+    return fail(I, "%s has C = %lld but groups*capacity = %lld", nm(I, i), (long long)dim(I, i, 1),
+                (long long)slots);
+  return true;
+}
+
+static IrType t2(IrDtype dt, int64_t a, int64_t b) { return (IrType){.dtype = dt, .rank = 2, .dim = {a, b}}; }
+static IrType t3(IrDtype dt, int64_t a, int64_t b, int64_t c) {
+  return (IrType){.dtype = dt, .rank = 3, .dim = {a, b, c}};
+}
+
+// The result's byte count must fit in int64 (sizes made from attributes can be anything).
+static bool fits(Infer *I, const IrType *t) {
+  int64_t b = ir_dtype_size(t->dtype);
+  for (int i = 0; i < t->rank; i++)
+    if (__builtin_mul_overflow(b, t->dim[i], &b)) {
+      char s[160];
+      type_str(t, s, sizeof s);
+      return fail(I, "result %s is too large", s);
+    }
+  return true;
+}
+
+// [m,k]x[k,n] over the last two dims (dims `base`, `base+1`), ta/tb: the operand is stored
+// transposed.
+static bool matmul_dims(Infer *I, int base, int64_t *m, int64_t *n) {
+  int ta, tb;
+  if (!flag_attr(I, "ta", false, &ta) || !flag_attr(I, "tb", false, &tb)) return false;
+  int64_t am = dim(I, 0, base + ta), ak = dim(I, 0, base + 1 - ta);
+  int64_t bk = dim(I, 1, base + tb), bn = dim(I, 1, base + 1 - tb);
+  if (ak != bk)
+    return fail(I, "inner dimensions differ: %s has k = %lld%s but %s has k = %lld%s", nm(I, 0),
+                (long long)ak, ta ? " (ta=1)" : "", nm(I, 1), (long long)bk, tb ? " (tb=1)" : "");
+  *m = am;
+  *n = bn;
+  return true;
+}
+
+static bool valid_type(const IrType *t) {
+  if ((unsigned)t->dtype >= IR_DTYPE_COUNT || t->rank < 0 || t->rank > IR_MAX_RANK) return false;
+  for (int i = 0; i < t->rank; i++)
+    if (t->dim[i] < 0) return false;
+  return true;
+}
+
+static bool infer(Infer *I, IrType *out) {
+  const IrOp *op = I->op;
+  int64_t S, K, E, C, m, n;
+  int flag;
+  switch (op->kind) {
+  case IR_OP_MATMUL:
+    if (!need_float(I, 0, 2, "[m, k]") || !need_float(I, 1, 2, "[k, n]") || !same_dtype(I, 0, 1) ||
+        !matmul_dims(I, 0, &m, &n))
+      return false;
+    *out = t2(ty(I, 0)->dtype, m, n);
+    return true;
+  case IR_OP_EXPERT_MATMUL:
+    if (!need_float(I, 0, 3, "[E, m, k]") || !need_float(I, 1, 3, "[E, k, n]") || !same_dtype(I, 0, 1) ||
+        !same_dim(I, "E", 0, 0, 1, 0) || !matmul_dims(I, 1, &m, &n))
+      return false;
+    *out = t3(ty(I, 0)->dtype, dim(I, 0, 0), m, n);
+    return true;
+  case IR_OP_BIAS:
+    if (!need_float(I, 0, 2, "[r, n]") || !need_float(I, 1, 1, "[n]") || !same_dtype(I, 0, 1) ||
+        !same_dim(I, "n", 0, 1, 1, 0))
+      return false;
+    *out = *ty(I, 0);
+    return true;
+  case IR_OP_BIAS_GRAD:
+    if (!need_float(I, 0, 2, "[r, n]")) return false;
+    *out = (IrType){.dtype = ty(I, 0)->dtype, .rank = 1, .dim = {dim(I, 0, 1)}};
+    return true;
+  case IR_OP_EXPERT_BIAS:
+    if (!need_float(I, 0, 3, "[E, C, n]") || !need_float(I, 1, 2, "[E, n]") || !same_dtype(I, 0, 1) ||
+        !same_dim(I, "E", 0, 0, 1, 0) || !same_dim(I, "n", 0, 2, 1, 1))
+      return false;
+    *out = *ty(I, 0);
+    return true;
+  case IR_OP_EXPERT_BIAS_GRAD:
+    if (!need_float(I, 0, 3, "[E, C, n]")) return false;
+    *out = t2(ty(I, 0)->dtype, dim(I, 0, 0), dim(I, 0, 2));
+    return true;
+  case IR_OP_ADD:
+  case IR_OP_ACT_GELU_GRAD:
+  case IR_OP_ACT_RELU_GRAD:
+    if (!need_float(I, 0, -1, "a float tensor") || !same_type(I, 0, 1)) return false;
+    *out = *ty(I, 0);
+    return true;
+  case IR_OP_ACT_GELU:
+  case IR_OP_ACT_RELU:
+    if (!need_float(I, 0, -1, "a float tensor")) return false;
+    *out = *ty(I, 0);
+    return true;
+
+  case IR_OP_GATE_NOISE:
+    if (!need_float(I, 0, 2, "[S, E]") || !num_attr(I, "sigma", true) || !int_attr(I, "layer", 0, &m))
+      return false;
+    *out = *ty(I, 0);
+    return true;
+  case IR_OP_GATE_SOFTMAX:
+    if (!need_float(I, 0, 2, "[S, E]")) return false;
+    *out = *ty(I, 0);
+    return true;
+  case IR_OP_GATE_SOFTMAX_GRAD:
+    if (!need_float(I, 0, 2, "[S, E]") || !same_type(I, 0, 1)) return false;
+    *out = *ty(I, 0);
+    return true;
+  case IR_OP_GATE_TOPK:
+    if (!need_float(I, 0, 2, "[S, E]") || !int_attr(I, "k", 1, &K)) return false;
+    if (K > dim(I, 0, 1))
+      return fail(I, "k = %lld exceeds the E = %lld experts of %s", (long long)K, (long long)dim(I, 0, 1),
+                  nm(I, 0));
+    *out = t2(IR_I32, dim(I, 0, 0), K);
+    return true;
+  case IR_OP_GATE_GATHER:
+    if (!need_float(I, 0, 2, "[S, E]") || !need_i32(I, 1, 2, "[S, K]") || !same_dim(I, "S", 0, 0, 1, 0) ||
+        !flag_attr(I, "renorm", true, &flag))
+      return false;
+    *out = t2(ty(I, 0)->dtype, dim(I, 1, 0), dim(I, 1, 1));
+    return true;
+  case IR_OP_GATE_GATHER_GRAD:
+    if (!need_float(I, 0, 2, "[S, K]") || !need_float(I, 1, 2, "[S, E]") || !need_i32(I, 2, 2, "[S, K]") ||
+        !same_dtype(I, 0, 1) || !same_dim(I, "S", 0, 0, 1, 0) || !same_dim(I, "S", 0, 0, 2, 0) ||
+        !same_dim(I, "K", 0, 1, 2, 1) || !flag_attr(I, "renorm", true, &flag))
+      return false;
+    *out = *ty(I, 1);
+    return true;
+  case IR_OP_GATE_LOCATIONS:
+    if (!need_i32(I, 0, 2, "[S, K]")) return false;
+    S = dim(I, 0, 0);
+    if (!route_attrs(I, S, &E, &C)) return false;
+    if (dim(I, 0, 1) > E)
+      return fail(I, "%s has K = %lld choices per token but there are only experts=%lld", nm(I, 0),
+                  (long long)dim(I, 0, 1), (long long)E);
+    *out = *ty(I, 0);
+    return true;
+  case IR_OP_GATE_AUX_LOSS:
+  case IR_OP_GATE_AUX_LOSS_GRAD:
+    if (!need_float(I, 0, 2, "[S, E]") || !need_i32(I, 1, 2, "[S, K]") || !same_dim(I, "S", 0, 0, 1, 0) ||
+        !groups_attr(I, dim(I, 0, 0), &m) || !num_attr(I, "coef", true))
+      return false;
+    *out = op->kind == IR_OP_GATE_AUX_LOSS ? (IrType){.dtype = IR_F32} : *ty(I, 0);
+    return true;
+  case IR_OP_GATE_Z_LOSS:
+  case IR_OP_GATE_Z_LOSS_GRAD:
+    if (!need_float(I, 0, 2, "[S, E]") || !groups_attr(I, dim(I, 0, 0), &m) || !num_attr(I, "coef", true))
+      return false;
+    *out = op->kind == IR_OP_GATE_Z_LOSS ? (IrType){.dtype = IR_F32} : *ty(I, 0);
+    return true;
+
+  case IR_OP_ORDER_ENCODE:  // (x [S,M], idx, loc) -> [E, C, M]
+    if (!need_float(I, 0, 2, "[S, M]") || !route_attrs(I, dim(I, 0, 0), &E, &C) ||
+        !routing_pair(I, 1, 2, E, &S, &K) || !same_dim(I, "S", 0, 0, 1, 0))
+      return false;
+    *out = t3(ty(I, 0)->dtype, E, C, dim(I, 0, 1));
+    return fits(I, out);
+  case IR_OP_ORDER_ENCODE_GRAD:  // (ddisp [E,C,M], idx, loc) -> [S, M]
+    if (!need_i32(I, 1, 2, "[S, K]") || !route_attrs(I, dim(I, 1, 0), &E, &C) ||
+        !routing_pair(I, 1, 2, E, &S, &K) || !dispatched(I, 0, E, C))
+      return false;
+    *out = t2(ty(I, 0)->dtype, S, dim(I, 0, 2));
+    return true;
+  case IR_OP_ORDER_DECODE:  // (y [E,C,M], idx, loc, gates [S,K]) -> [S, M]
+    if (!need_i32(I, 1, 2, "[S, K]") || !route_attrs(I, dim(I, 1, 0), &E, &C) ||
+        !routing_pair(I, 1, 2, E, &S, &K) || !dispatched(I, 0, E, C) || !need_float(I, 3, 2, "[S, K]") ||
+        !same_dim(I, "S", 1, 0, 3, 0) || !same_dim(I, "K", 1, 1, 3, 1))
+      return false;
+    *out = t2(ty(I, 0)->dtype, S, dim(I, 0, 2));
+    return true;
+  case IR_OP_ORDER_DECODE_GRAD_Y:  // (dout [S,M], idx, loc, gates [S,K]) -> [E, C, M]
+    if (!need_float(I, 0, 2, "[S, M]") || !route_attrs(I, dim(I, 0, 0), &E, &C) ||
+        !routing_pair(I, 1, 2, E, &S, &K) || !same_dim(I, "S", 0, 0, 1, 0) ||
+        !need_float(I, 3, 2, "[S, K]") || !same_dim(I, "S", 1, 0, 3, 0) || !same_dim(I, "K", 1, 1, 3, 1))
+      return false;
+    *out = t3(ty(I, 0)->dtype, E, C, dim(I, 0, 1));
+    return fits(I, out);
+  case IR_OP_ORDER_DECODE_GRAD_G:  // (dout [S,M], y [E,C,M], idx, loc) -> [S, K]
+    if (!need_float(I, 0, 2, "[S, M]") || !route_attrs(I, dim(I, 0, 0), &E, &C) ||
+        !routing_pair(I, 2, 3, E, &S, &K) || !same_dim(I, "S", 0, 0, 2, 0) || !dispatched(I, 1, E, C) ||
+        !same_dim(I, "M", 0, 1, 1, 2))
+      return false;
+    *out = t2(ty(I, 0)->dtype, S, K);
+    return true;
+
+  case IR_OP_LOSS_MSE:
+  case IR_OP_LOSS_MSE_GRAD:
+    if (!need_float(I, 0, -1, "a float tensor") || !same_type(I, 0, 1)) return false;
+    *out = op->kind == IR_OP_LOSS_MSE ? (IrType){.dtype = IR_F32} : *ty(I, 0);
+    return true;
+
+  case IR_OP_PARAM_GRAD:
+    if (!op->args[0].param) return fail(I, "the first operand must be a parameter (@name), not %s", nm(I, 0));
+    if (!op->args[1].value) return fail(I, "the second operand must be a value (%%name), not %s", nm(I, 1));
+    if (!ir_type_equal(ty(I, 0), ty(I, 1)))
+      return fail(I, "the gradient %s does not have the type of %s", nm(I, 1), nm(I, 0));
+    *out = (IrType){0};
+    return true;
+  case IR_OP_OPT_SGD:
+  case IR_OP_OPT_ADAMW:
+    if (!op->args[0].param) return fail(I, "the operand must be a parameter (@name), not %s", nm(I, 0));
+    if (!num_attr(I, "lr", true) || !num_attr(I, "weight_decay", op->kind == IR_OP_OPT_ADAMW))
+      return false;
+    if (op->kind == IR_OP_OPT_ADAMW &&
+        (!num_attr(I, "beta1", true) || !num_attr(I, "beta2", true) || !num_attr(I, "eps", true)))
+      return false;
+    *out = (IrType){0};
+    return true;
+  default:
+    return fail(I, "no shape rule for this op");
+  }
+}
+
+// Ops without a result (param.grad, opt.*) check their operands and give f32[] in *out.
+bool ir_infer_type(IrDiag *d, const IrOp *op, IrType *out) {
+  Infer I = {.d = d, .op = op};
+  *out = (IrType){0};
+  if ((unsigned)op->kind >= IR_OP_COUNT) return fail(&I, "invalid op kind %d", (int)op->kind);
+  const IrOpInfo *info = &ir_op_info[op->kind];
+  if (op->nargs != info->nargs)
+    return fail(&I, "takes %d operand%s, got %d", info->nargs, info->nargs == 1 ? "" : "s", op->nargs);
+  for (int i = 0; i < op->nargs; i++) {
+    const IrOperand *a = &op->args[i];
+    if (!a->value == !a->param) return fail(&I, "operand %d is neither a value nor a parameter", i + 1);
+    const IrType *t = a->value ? &a->value->type : &a->param->type;
+    char ts[128];
+    type_str(t, ts, sizeof ts);
+    const char *name = a->value ? a->value->name : a->param->name;
+    snprintf(I.names[i], sizeof I.names[i], "%c%.100s (%s)", a->value ? '%' : '@', name ? name : "?", ts);
+    if (!valid_type(t)) return fail(&I, "operand %s has an invalid type", I.names[i]);
+  }
+  return infer(&I, out);
+}

@@ -1,0 +1,272 @@
+// moec, the command line: .moe -> checked program -> IR -> passes -> C -> model binary.
+//
+//   moec check F.moe                 parse and check only
+//   moec dump-ir F.moe [--after=PASS | --all]
+//   moec dump-ir F.ir                read IR text back, verify it, print it
+//   moec build F.moe [-o BIN] [-v] [--emit c] [--keep-c F.c] [--cluster C] [--target T]
+//   moec ops | passes                the op table and the pass list
+//
+// Exit status: 0 success, 1 the input has errors (all reported), 2 bad command line.
+#include <stdlib.h>
+#include <string.h>
+#include <unistd.h>
+
+#include "codegen/cg.h"
+#include "frontend/fe.h"
+#include "ir/ir.h"
+#include "passes/pass.h"
+
+#define MOEC_VERSION "0.1.0"
+
+static void usage(FILE *out) {
+  fprintf(out,
+          "usage: moec COMMAND [options]\n"
+          "\n"
+          "commands:\n"
+          "  check F.moe               parse and check a model; report every error\n"
+          "  dump-ir F.moe             print the IR after all passes\n"
+          "      --after=PASS          ... after one pass (lower = before any pass; see 'moec passes')\n"
+          "      --all                 ... after every pass\n"
+          "  dump-ir F.ir              read IR text, verify it and print it again\n"
+          "  build F.moe               compile a model into a training binary\n"
+          "      -o BIN                output (default: the model file's name without .moe)\n"
+          "      -v                    report what the passes decided (memory plan, ...)\n"
+          "      --emit c              write the generated C program to -o (or stdout) instead\n"
+          "      --keep-c F.c          also keep the generated C program as F.c\n"
+          "      --cluster C           cluster profile (overrides the model's 'cluster' statement)\n"
+          "      --target cpu|auto     code generation target (default auto: CPU on this build)\n"
+          "  ops                       list the IR ops\n"
+          "  passes                    list the passes in pipeline order\n"
+          "  --help, --version\n"
+          "\n"
+          "The language manual is lang/manual.md; example models are in lang/models/.\n");
+}
+
+typedef struct Options {
+  const char *input, *output, *after, *emit, *keep_c, *cluster, *target;
+  bool all, verbose;
+} Options;
+
+static bool ends_with(const char *s, const char *suffix) {
+  size_t n = strlen(s), k = strlen(suffix);
+  return n >= k && strcmp(s + n - k, suffix) == 0;
+}
+
+// Parses options after the command; false on a usage error (already reported).
+static bool parse_options(int argc, char **argv, Options *o) {
+  for (int i = 2; i < argc; i++) {
+    const char *a = argv[i];
+    const char **value = NULL;
+    if (strcmp(a, "-o") == 0) value = &o->output;
+    else if (strcmp(a, "--emit") == 0) value = &o->emit;
+    else if (strcmp(a, "--keep-c") == 0) value = &o->keep_c;
+    else if (strcmp(a, "--cluster") == 0) value = &o->cluster;
+    else if (strcmp(a, "--target") == 0) value = &o->target;
+    else if (strncmp(a, "--after=", 8) == 0) o->after = a + 8;
+    else if (strncmp(a, "--target=", 9) == 0) o->target = a + 9;
+    else if (strncmp(a, "--emit=", 7) == 0) o->emit = a + 7;
+    else if (strcmp(a, "--all") == 0) o->all = true;
+    else if (strcmp(a, "-v") == 0 || strcmp(a, "--verbose") == 0) o->verbose = true;
+    else if (a[0] == '-' && a[1]) {
+      fprintf(stderr, "moec: error: unknown option '%s' (see 'moec --help')\n", a);
+      return false;
+    } else if (!o->input) o->input = a;
+    else {
+      fprintf(stderr, "moec: error: more than one input file ('%s' and '%s')\n", o->input, a);
+      return false;
+    }
+    if (value) {
+      if (++i >= argc) {
+        fprintf(stderr, "moec: error: option '%s' needs a value\n", a);
+        return false;
+      }
+      *value = argv[i];
+    }
+  }
+  if (!o->input) {
+    fprintf(stderr, "moec: error: no input file (see 'moec --help')\n");
+    return false;
+  }
+  if (o->after && !pass_known(o->after)) {
+    fprintf(stderr, "moec: error: unknown pass '%s' for --after (see 'moec passes')\n", o->after);
+    return false;
+  }
+  if (o->emit && strcmp(o->emit, "c") != 0) {
+    fprintf(stderr, "moec: error: --emit takes 'c' (the CUDA emitter does not exist yet)\n");
+    return false;
+  }
+  if (o->target && strcmp(o->target, "cpu") != 0 && strcmp(o->target, "auto") != 0) {
+    fprintf(stderr, "moec: error: target '%s' is not supported yet (cpu, auto)\n", o->target);
+    return false;
+  }
+  return true;
+}
+
+// Front end: read, parse, check, load the cluster profile, lower. NULL on error.
+static IrModule *front_end(IrDiag *d, const Options *o, IrSource **src_out) {
+  IrSource *src = ir_source_read(d, o->input);
+  *src_out = src;
+  if (!src) return NULL;
+  FeProgram *p = fe_load(d, src);
+  if (!p) return NULL;
+  FeCluster cluster;
+  bool ok = true;
+  if (o->cluster) ok = fe_load_cluster(d, o->cluster, (SrcLoc){0}, &cluster);
+  else if (p->cluster_path) ok = fe_load_cluster(d, p->cluster_path, p->cluster_loc, &cluster);
+  IrModule *m = ok ? fe_lower(d, p) : NULL;
+  fe_program_free(p);
+  return m;
+}
+
+static int cmd_check(IrDiag *d, const Options *o) {
+  IrSource *src = ir_source_read(d, o->input);
+  if (!src) return 1;
+  FeProgram *p = fe_load(d, src);
+  bool ok = p != NULL;
+  if (p && p->cluster_path) {
+    FeCluster c;
+    ok = fe_load_cluster(d, p->cluster_path, p->cluster_loc, &c);
+  }
+  fe_program_free(p);
+  ir_source_free(src);
+  return ok && d->errors == 0 ? 0 : 1;
+}
+
+static int cmd_dump_ir(IrDiag *d, const Options *o) {
+  IrSource *src = NULL;
+  int status = 1;
+  if (ends_with(o->input, ".ir")) {
+    if (o->after || o->all) {
+      fprintf(stderr, "moec: error: --after and --all apply to .moe inputs; an .ir file is printed as read\n");
+      return 2;
+    }
+    src = ir_source_read(d, o->input);
+    IrModule *m = src ? ir_parse(d, src) : NULL;
+    if (m && ir_verify(d, m)) {
+      ir_print(stdout, m);
+      status = 0;
+    }
+    ir_module_free(m);
+    ir_source_free(src);
+    return status;
+  }
+  IrModule *m = front_end(d, o, &src);
+  if (m) {
+    PassCtx ctx = {.d = d, .verbose = o->verbose, .log = stderr, .dump_out = stdout, .dump_all = o->all};
+    ctx.dump_after = o->all ? NULL : (o->after ? o->after : pass_list[pass_count - 1].name);
+    ctx.stop_after = o->all ? NULL : ctx.dump_after;
+    if (pass_run_pipeline(m, &ctx)) status = 0;
+    pass_ctx_free(&ctx);
+  }
+  ir_module_free(m);
+  ir_source_free(src);
+  return status;
+}
+
+static char *default_output(const char *input) {
+  const char *base = strrchr(input, '/');
+  base = base ? base + 1 : input;
+  size_t n = strlen(base);
+  if (ends_with(base, ".moe")) n -= 4;
+  char *out = malloc(n + 2);
+  if (!out) return NULL;
+  memcpy(out, base, n);
+  out[n] = '\0';
+  if (n == 0) strcpy(out, "a");
+  return out;
+}
+
+static int cmd_build(IrDiag *d, const Options *o) {
+  IrSource *src = NULL;
+  IrModule *m = front_end(d, o, &src);
+  int status = 1;
+  PassCtx ctx = {.d = d, .verbose = o->verbose, .log = stderr};
+  char tmp[] = "/tmp/moec-XXXXXX.c";
+  char *output = NULL;
+  FILE *c = NULL;
+  if (!m || !pass_run_pipeline(m, &ctx)) goto done;
+  if (o->verbose && (!o->target || strcmp(o->target, "auto") == 0))
+    fprintf(stderr, "# target: cpu (this moec has no CUDA backend yet)\n");
+
+  if (o->emit) {  // --emit c: the program only
+    c = o->output ? fopen(o->output, "w") : stdout;
+    if (!c) {
+      ir_error(d, "cannot write '%s'", o->output);
+      goto done;
+    }
+    bool ok = cg_emit_c(d, c, m, ctx.memplan, o->input);
+    if (c != stdout && fclose(c) != 0) ok = ir_error(d, "cannot write '%s'", o->output);
+    c = NULL;
+    status = ok ? 0 : 1;
+    goto done;
+  }
+  const char *c_path = o->keep_c;
+  if (!c_path) {
+    int fd = mkstemps(tmp, 2);
+    if (fd < 0 || !(c = fdopen(fd, "w"))) {
+      ir_error(d, "cannot create a temporary file for the generated program");
+      goto done;
+    }
+    c_path = tmp;
+  } else if (!(c = fopen(c_path, "w"))) {
+    ir_error(d, "cannot write '%s'", c_path);
+    goto done;
+  }
+  bool ok = cg_emit_c(d, c, m, ctx.memplan, o->input);
+  if (fclose(c) != 0) ok = ir_error(d, "cannot write '%s'", c_path);
+  c = NULL;
+  output = o->output ? strdup(o->output) : default_output(o->input);
+  if (ok && output && cg_link(d, c_path, output, o->verbose)) {
+    status = 0;
+    if (o->verbose) fprintf(stderr, "# wrote %s\n", output);
+  }
+  if (!o->keep_c) unlink(tmp);
+done:
+  free(output);
+  pass_ctx_free(&ctx);
+  ir_module_free(m);
+  ir_source_free(src);
+  return status;
+}
+
+static int cmd_ops(void) {
+  for (int i = 0; i < IR_OP_COUNT; i++)
+    printf("%-24s args %d  results %d  %s\n", ir_op_info[i].name, ir_op_info[i].nargs, ir_op_info[i].nres,
+           ir_op_info[i].doc);
+  return 0;
+}
+
+static int cmd_passes(void) {
+  for (int i = 0; i < pass_count; i++) printf("%-10s %s\n", pass_list[i].name, pass_list[i].doc);
+  return 0;
+}
+
+int main(int argc, char **argv) {
+  if (argc < 2 || strcmp(argv[1], "--help") == 0 || strcmp(argv[1], "-h") == 0 || strcmp(argv[1], "help") == 0) {
+    usage(argc < 2 ? stderr : stdout);
+    return argc < 2 ? 2 : 0;
+  }
+  if (strcmp(argv[1], "--version") == 0) {
+    printf("moec %s\n", MOEC_VERSION);
+    return 0;
+  }
+  const char *cmd = argv[1];
+  if (strcmp(cmd, "ops") == 0) return cmd_ops();
+  if (strcmp(cmd, "passes") == 0) return cmd_passes();
+  static const char *const commands[] = {"check", "dump-ir", "build", "ops", "passes"};
+  bool known = false;
+  for (int i = 0; i < 5; i++) known |= strcmp(cmd, commands[i]) == 0;
+  if (!known) {
+    const char *near = ir_closest(cmd, commands, 5);
+    fprintf(stderr, "moec: error: unknown command '%s'%s%s%s (see 'moec --help')\n", cmd,
+            near ? "; did you mean '" : "", near ? near : "", near ? "'?" : "");
+    return 2;
+  }
+  Options o = {0};
+  if (!parse_options(argc, argv, &o)) return 2;
+  IrDiag d;
+  ir_diag_init(&d, stderr);
+  if (strcmp(cmd, "check") == 0) return cmd_check(&d, &o);
+  if (strcmp(cmd, "dump-ir") == 0) return cmd_dump_ir(&d, &o);
+  return cmd_build(&d, &o);
+}

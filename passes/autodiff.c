@@ -1,0 +1,250 @@
+// The `autodiff` pass: reverse mode over each forward function, written out as IR.
+//
+// For every `@L.fwd` it builds `@L.bwd(%dout) saves @L.fwd`: the ops of the forward function
+// in reverse, each replaced by its backward rule (a table-driven switch below, the manual
+// backward of the paper §4.4). The backward reads forward values directly — those are the saved
+// activations, and memplan keeps them alive across the phase boundary. Contributions to one
+// gradient are summed with `add` in the order they appear. The auxiliary losses have no incoming
+// gradient: their coefficient (the `coef` attribute) is the seed. Parameter gradients end in
+// `param.grad`. It also adds `@loss.bwd` and `@optimizer` (one `opt.*` per parameter) and puts
+// the functions in execution order: forwards, loss, backwards in reverse, optimizer.
+#include <string.h>
+
+#include "pass.h"
+
+typedef struct Grad {
+  IrModule *m;
+  IrDiag *d;
+  IrFunc *fwd, *bwd;
+  IrValue **grad;   // by forward value id
+} Grad;
+
+static const char *fresh_name(Grad *g, const char *base) {
+  const char *name = base;
+  for (int n = 1; ir_find_value(g->bwd, name); n++) name = ir_strfmt(g->m, "%s.%d", base, n);
+  return name;
+}
+
+static IrOp *new_op(Grad *g, IrOpKind kind, const char *name) {
+  return ir_add_op(g->bwd, g->m, kind, name ? fresh_name(g, name) : NULL, (IrType){0});
+}
+
+static void copy_attrs(IrOp *to, const IrOp *from) {
+  memcpy(to->attrs, from->attrs, sizeof from->attrs);
+  to->nattrs = from->nattrs;
+  to->loc = from->loc;
+}
+
+static IrValue *typed(Grad *g, IrOp *op) {
+  if (!ir_infer_type(g->d, op, &op->result->type)) UNREACHABLE();
+  return op->result;
+}
+
+// op(args...) with value operands, result named `name`, attributes copied from `like`.
+static IrValue *emit(Grad *g, IrOpKind kind, const char *name, const IrOp *like, int n,
+                     IrOperand *args) {
+  IrOp *op = new_op(g, kind, name);
+  for (int i = 0; i < n; i++) op->args[op->nargs++] = args[i];
+  if (like) copy_attrs(op, like);
+  return typed(g, op);
+}
+#define V(v) ((IrOperand){.value = (v)})
+
+static IrValue *matmul_t(Grad *g, IrOpKind kind, const char *name, IrOperand a, IrOperand b,
+                         bool ta, bool tb, SrcLoc loc) {
+  IrOp *op = new_op(g, kind, name);
+  op->args[op->nargs++] = a;
+  op->args[op->nargs++] = b;
+  if (ta) ir_op_set_int(op, "ta", 1);
+  if (tb) ir_op_set_int(op, "tb", 1);
+  op->loc = loc;
+  return typed(g, op);
+}
+
+// Adds a gradient contribution to forward value v.
+static void accumulate(Grad *g, IrValue *v, IrValue *contribution) {
+  if (!v || v->type.dtype != IR_F32) return;
+  IrValue *old = g->grad[v->id];
+  if (!old) {
+    g->grad[v->id] = contribution;
+    return;
+  }
+  g->grad[v->id] = emit(g, IR_OP_ADD, ir_strfmt(g->m, "d%s", v->name), NULL, 2,
+                        (IrOperand[]){V(old), V(contribution)});
+}
+
+static void param_grad(Grad *g, IrParam *p, IrValue *v) {
+  IrOp *op = new_op(g, IR_OP_PARAM_GRAD, NULL);
+  op->args[op->nargs++] = (IrOperand){.param = p};
+  op->args[op->nargs++] = V(v);
+}
+
+static const char *dname(Grad *g, const IrOperand *a) {
+  if (a->param) {
+    const char *dot = strrchr(a->param->name, '.');
+    return ir_strfmt(g->m, "d%s", dot ? dot + 1 : a->param->name);
+  }
+  return ir_strfmt(g->m, "d%s", a->value->name);
+}
+
+// Backward of a matmul-like op y = op(A)·op(B); dy is y's gradient.
+static void matmul_rule(Grad *g, const IrOp *op, IrValue *dy, IrOpKind kind) {
+  bool ta = ir_op_int(op, "ta", 0), tb = ir_op_int(op, "tb", 0);
+  const IrOperand a = op->args[0], b = op->args[1];
+  // dA = dY·op(B)^T (stored as A is: transposed back when ta), dB = op(A)^T·dY.
+  IrValue *da = ta ? matmul_t(g, kind, dname(g, &a), b, V(dy), tb, true, op->loc)
+                   : matmul_t(g, kind, dname(g, &a), V(dy), b, false, !tb, op->loc);
+  IrValue *db = tb ? matmul_t(g, kind, dname(g, &b), V(dy), a, true, ta, op->loc)
+                   : matmul_t(g, kind, dname(g, &b), a, V(dy), !ta, false, op->loc);
+  if (a.param) param_grad(g, a.param, da); else accumulate(g, a.value, da);
+  if (b.param) param_grad(g, b.param, db); else accumulate(g, b.value, db);
+}
+
+static void bias_rule(Grad *g, const IrOp *op, IrValue *dy, IrOpKind grad_kind) {
+  accumulate(g, op->args[0].value, dy);
+  IrValue *db = emit(g, grad_kind, dname(g, &op->args[1]), NULL, 1, (IrOperand[]){V(dy)});
+  if (op->args[1].param) param_grad(g, op->args[1].param, db); else accumulate(g, op->args[1].value, db);
+}
+
+static bool backward_op(Grad *g, const IrOp *op) {
+  IrValue *dy = op->result ? g->grad[op->result->id] : NULL;
+  const IrOperand *a = op->args;
+  switch (op->kind) {
+  case IR_OP_GATE_AUX_LOSS:
+    if (ir_op_float(op, "coef", 0) != 0)
+      accumulate(g, a[0].value, emit(g, IR_OP_GATE_AUX_LOSS_GRAD, "daux", op, 2, (IrOperand[]){a[0], a[1]}));
+    return true;
+  case IR_OP_GATE_Z_LOSS:
+    if (ir_op_float(op, "coef", 0) != 0)
+      accumulate(g, a[0].value, emit(g, IR_OP_GATE_Z_LOSS_GRAD, "dz", op, 1, (IrOperand[]){a[0]}));
+    return true;
+  case IR_OP_GATE_TOPK:
+  case IR_OP_GATE_LOCATIONS:
+    return true;  // integer results: no gradient
+  default:
+    break;
+  }
+  if (!dy) return true;  // nothing downstream depends on this value
+  switch (op->kind) {
+  case IR_OP_MATMUL: matmul_rule(g, op, dy, IR_OP_MATMUL); return true;
+  case IR_OP_EXPERT_MATMUL: matmul_rule(g, op, dy, IR_OP_EXPERT_MATMUL); return true;
+  case IR_OP_BIAS: bias_rule(g, op, dy, IR_OP_BIAS_GRAD); return true;
+  case IR_OP_EXPERT_BIAS: bias_rule(g, op, dy, IR_OP_EXPERT_BIAS_GRAD); return true;
+  case IR_OP_ADD:
+    accumulate(g, a[0].value, dy);
+    accumulate(g, a[1].value, dy);
+    return true;
+  case IR_OP_GATE_NOISE:  // additive noise: the gradient passes through
+    accumulate(g, a[0].value, dy);
+    return true;
+  case IR_OP_ACT_GELU:
+  case IR_OP_ACT_RELU:
+    accumulate(g, a[0].value, emit(g, op->kind == IR_OP_ACT_GELU ? IR_OP_ACT_GELU_GRAD : IR_OP_ACT_RELU_GRAD,
+                                   dname(g, &a[0]), NULL, 2, (IrOperand[]){V(dy), a[0]}));
+    return true;
+  case IR_OP_GATE_SOFTMAX:
+    accumulate(g, a[0].value, emit(g, IR_OP_GATE_SOFTMAX_GRAD, dname(g, &a[0]), NULL, 2,
+                                   (IrOperand[]){V(dy), V(op->result)}));
+    return true;
+  case IR_OP_GATE_GATHER:
+    accumulate(g, a[0].value, emit(g, IR_OP_GATE_GATHER_GRAD, dname(g, &a[0]), op, 3,
+                                   (IrOperand[]){V(dy), a[0], a[1]}));
+    return true;
+  case IR_OP_ORDER_ENCODE:
+    accumulate(g, a[0].value, emit(g, IR_OP_ORDER_ENCODE_GRAD, dname(g, &a[0]), op, 3,
+                                   (IrOperand[]){V(dy), a[1], a[2]}));
+    return true;
+  case IR_OP_ORDER_DECODE:
+    accumulate(g, a[0].value, emit(g, IR_OP_ORDER_DECODE_GRAD_Y, dname(g, &a[0]), op, 4,
+                                   (IrOperand[]){V(dy), a[1], a[2], a[3]}));
+    accumulate(g, a[3].value, emit(g, IR_OP_ORDER_DECODE_GRAD_G, dname(g, &a[3]), op, 4,
+                                   (IrOperand[]){V(dy), a[0], a[1], a[2]}));
+    return true;
+  default:
+    ir_error_at(g->d, op->loc, "autodiff: no backward rule for '%s'", ir_op_info[op->kind].name);
+    return false;
+  }
+}
+
+// @F.bwd(%dout) saves @F.fwd: gradient of the first result seeded by %dout; returns the
+// gradient of the first argument (the layer input).
+static IrFunc *backward_func(IrModule *m, IrDiag *d, IrFunc *fwd, const char *name) {
+  Grad g = {.m = m, .d = d, .fwd = fwd};
+  g.bwd = ir_add_func(m, name);
+  g.bwd->saves = fwd;
+  g.bwd->loc = fwd->loc;
+  g.grad = ir_alloc(m, sizeof(IrValue *) * (size_t)(fwd->nvalues + 1));
+  IrValue *out = fwd->rets[0];
+  g.grad[out->id] = ir_add_arg(g.bwd, m, fresh_name(&g, ir_strfmt(m, "d%s", out->name)), out->type);
+  for (int i = fwd->nops - 1; i >= 0; i--)
+    if (!backward_op(&g, fwd->ops[i])) return NULL;
+  IrValue *x = fwd->args[0];
+  IrValue *dx = g.grad[x->id];
+  if (!dx) UNREACHABLE();  // the residual always reaches the input
+  ir_add_ret(g.bwd, m, dx);
+  return g.bwd;
+}
+
+static bool is_layer_fwd(const IrFunc *f) {
+  size_t n = strlen(f->name);
+  return n > 4 && strcmp(f->name + n - 4, ".fwd") == 0 && strcmp(f->name, "loss.fwd") != 0;
+}
+
+bool pass_autodiff(IrModule *m, PassCtx *ctx) {
+  IrFunc *loss = ir_find_func(m, "loss.fwd");
+  if (!loss || loss->nargs != 2 || loss->nrets != 1 || ir_find_func(m, "loss.bwd"))
+    return ir_error(ctx->d, "autodiff: the module needs one '@loss.fwd(%%out, %%target)' and no backward yet");
+
+  int nfwd = 0;
+  IrFunc **fwds = ir_alloc(m, sizeof(IrFunc *) * (size_t)m->nfuncs);
+  for (int i = 0; i < m->nfuncs; i++)
+    if (is_layer_fwd(m->funcs[i])) fwds[nfwd++] = m->funcs[i];
+
+  // @loss.bwd: d loss / d out.
+  IrFunc *lb = ir_add_func(m, "loss.bwd");
+  lb->saves = loss;
+  IrOp *op = ir_add_op(lb, m, IR_OP_LOSS_MSE_GRAD, "dout", (IrType){0});
+  ir_op_arg(op, loss->args[0]);
+  ir_op_arg(op, loss->args[1]);
+  if (!ir_infer_type(ctx->d, op, &op->result->type)) UNREACHABLE();
+  ir_add_ret(lb, m, op->result);
+
+  for (int i = nfwd - 1; i >= 0; i--) {
+    size_t n = strlen(fwds[i]->name);
+    const char *name = ir_strfmt(m, "%.*s.bwd", (int)(n - 4), fwds[i]->name);
+    if (!backward_func(m, ctx->d, fwds[i], name)) return false;
+  }
+
+  IrFunc *opt = ir_add_func(m, "optimizer");
+  const char *kind = ir_mod_str(m, "optimizer", "sgd");
+  bool adamw = strcmp(kind, "adamw") == 0;
+  for (int i = 0; i < m->nparams; i++) {
+    IrOp *u = ir_add_op(opt, m, adamw ? IR_OP_OPT_ADAMW : IR_OP_OPT_SGD, NULL, (IrType){0});
+    ir_op_param(u, m->params[i]);
+    ir_op_set_float(u, "lr", ir_mod_float(m, "lr", 0.01));
+    ir_op_set_float(u, "weight_decay", ir_mod_float(m, "weight_decay", 0));
+    if (adamw) {
+      ir_op_set_float(u, "beta1", ir_mod_float(m, "beta1", 0.9));
+      ir_op_set_float(u, "beta2", ir_mod_float(m, "beta2", 0.999));
+      ir_op_set_float(u, "eps", ir_mod_float(m, "eps", 1e-8));
+    }
+  }
+
+  // Execution order: layer forwards (already first), loss.fwd, loss.bwd, backwards, optimizer.
+  int n = 0;
+  IrFunc **order = ir_alloc(m, sizeof(IrFunc *) * (size_t)m->nfuncs);
+  for (int i = 0; i < nfwd; i++) order[n++] = fwds[i];
+  order[n++] = loss;
+  for (int i = 0; i < m->nfuncs; i++)
+    if (!is_layer_fwd(m->funcs[i]) && m->funcs[i] != loss) order[n++] = m->funcs[i];
+  for (int i = 0; i < n; i++) {
+    m->funcs[i] = order[i];
+    order[i]->index = i;
+  }
+  if (ctx->verbose) {
+    int ops = 0;
+    for (int i = 0; i < m->nfuncs; i++) ops += m->funcs[i]->nops;
+    fprintf(ctx->log ? ctx->log : stderr, "# autodiff: %d backward functions, %d ops in the step\n", nfwd, ops);
+  }
+  return true;
+}

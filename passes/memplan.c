@@ -1,0 +1,192 @@
+// The `memplan` pass: where every value of the step lives.
+//
+// The step runs the module's functions in order, and each function's first argument is the
+// previous function's first result (the layer input is the previous layer's output, a backward
+// function's %dout the gradient the previous backward returned); the first function reads the
+// step's input and `@loss.fwd`'s second argument the target. So an argument is never a buffer
+// of its own: it resolves to the value it aliases. Every other value gets a live range over
+// global op positions — from its definition to its last use anywhere in the step, so a forward
+// value read by a backward function (a saved activation) stays alive across the phase boundary —
+// and an offset in one arena, packed first-fit by position so buffers whose ranges do not
+// overlap share bytes. A value whose only use is `param.grad` is written straight into that
+// parameter's gradient buffer. The final layer output stays alive to the end of the step (the
+// binary's --dump reads it after the backward pass).
+#include <stdlib.h>
+#include <string.h>
+
+#include "pass.h"
+
+#define ALIGN 64
+
+typedef struct Item {
+  PassMemSlot *slot;
+  int64_t order;   // tie-break: definition order
+} Item;
+
+static int by_first(const void *a, const void *b) {
+  const Item *x = a, *y = b;
+  if (x->slot->first != y->slot->first) return x->slot->first < y->slot->first ? -1 : 1;
+  return x->order < y->order ? -1 : x->order > y->order;
+}
+
+static int by_offset(const void *a, const void *b) {
+  const PassMemSlot *x = *(PassMemSlot *const *)a, *y = *(PassMemSlot *const *)b;
+  return x->offset < y->offset ? -1 : x->offset > y->offset;
+}
+
+bool pass_memplan(IrModule *m, PassCtx *ctx) {
+  PassMemPlan *plan = calloc(1, sizeof *plan);
+  if (!plan) return ir_error(ctx->d, "out of memory");
+  pass_ctx_free(ctx);
+  ctx->memplan = plan;
+  plan->nfuncs = m->nfuncs;
+  plan->slot = calloc((size_t)m->nfuncs, sizeof *plan->slot);
+  PassMemSlot input = {.kind = PASS_MEM_INPUT}, target = {.kind = PASS_MEM_TARGET};
+  int64_t nvalues = 0;
+  for (int i = 0; i < m->nfuncs; i++) nvalues += m->funcs[i]->nvalues;
+  PassMemSlot *storage = NULL;
+  Item *items = NULL;
+  PassMemSlot **active = NULL;
+  bool ok = false;
+  storage = calloc((size_t)nvalues + 1, sizeof *storage);
+  items = calloc((size_t)nvalues + 1, sizeof *items);
+  active = calloc((size_t)nvalues + 1, sizeof *active);
+  if (!plan->slot || !storage || !items || !active) {
+    ir_error(ctx->d, "out of memory");
+    goto done;
+  }
+
+  // Pass 1: resolve arguments, give results a slot with their definition position.
+  int64_t pos = 0, used = 0;
+  for (int fi = 0; fi < m->nfuncs; fi++) {
+    IrFunc *f = m->funcs[fi];
+    plan->slot[fi] = calloc((size_t)f->nvalues + 1, sizeof(PassMemSlot));
+    if (!plan->slot[fi]) {
+      ir_error(ctx->d, "out of memory");
+      goto done;
+    }
+  }
+  // Arguments share their source's slot, so resolution goes through pointers (`where`); the
+  // resolved slots are copied into plan->slot at the end.
+  PassMemSlot ***where = calloc((size_t)m->nfuncs, sizeof *where);
+  if (!where) goto done;
+  for (int fi = 0; fi < m->nfuncs; fi++) {
+    IrFunc *f = m->funcs[fi];
+    where[fi] = calloc((size_t)f->nvalues + 1, sizeof(PassMemSlot *));
+    for (int ai = 0; ai < f->nargs; ai++) {
+      PassMemSlot *src = NULL;
+      if (strcmp(f->name, "loss.fwd") == 0 && ai == 1) src = &target;
+      else if (ai == 0 && fi == 0) src = &input;
+      else if (ai == 0) {
+        IrFunc *prev = m->funcs[fi - 1];
+        if (prev->nrets >= 1 && ir_type_equal(&prev->rets[0]->type, &f->args[0]->type))
+          src = where[fi - 1][prev->rets[0]->id];
+      }
+      if (!src) {
+        ir_error_at(ctx->d, f->loc,
+                    "memplan: argument %d of '@%s' does not follow the step's calling convention "
+                    "(argument 0 is the previous function's first result)", ai, f->name);
+        for (int j = 0; j <= fi; j++) free(where[j]);
+        free(where);
+        goto done;
+      }
+      where[fi][f->args[ai]->id] = src;
+    }
+    for (int oi = 0; oi < f->nops; oi++, pos++) {
+      IrOp *op = f->ops[oi];
+      for (int a = 0; a < op->nargs; a++) {
+        IrValue *v = op->args[a].value;
+        if (!v) continue;
+        PassMemSlot *s = where[v->func->index][v->id];
+        if (s && s->last < pos) s->last = pos;
+      }
+      if (!op->result) continue;
+      PassMemSlot *s = &storage[used];
+      s->kind = PASS_MEM_ARENA;
+      s->first = s->last = pos;
+      s->bytes = ir_type_bytes(&op->result->type);
+      items[used] = (Item){s, used};
+      used++;
+      where[fi][op->result->id] = s;
+    }
+    for (int r = 0; r < f->nrets; r++) {
+      PassMemSlot *s = where[fi][f->rets[r]->id];
+      if (s->last < pos) s->last = pos;  // read after the function by the generated code
+    }
+  }
+  // The output of the last layer forward is read at the end of the step.
+  for (int fi = 0; fi < m->nfuncs; fi++)
+    if (strcmp(m->funcs[fi]->name, "loss.fwd") == 0 && fi > 0 && m->funcs[fi - 1]->nrets)
+      where[fi - 1][m->funcs[fi - 1]->rets[0]->id]->last = INT64_MAX;
+  // Values whose only use is param.grad go to the gradient buffer.
+  for (int fi = 0; fi < m->nfuncs; fi++) {
+    IrFunc *f = m->funcs[fi];
+    for (int oi = 0; oi < f->nops; oi++) {
+      IrOp *op = f->ops[oi];
+      if (op->kind != IR_OP_PARAM_GRAD || !op->args[1].value || op->args[1].value->func != f) continue;
+      IrValue *v = op->args[1].value;
+      int uses = 0;
+      for (int k = 0; k < f->nops; k++)
+        for (int a = 0; a < f->ops[k]->nargs; a++) uses += f->ops[k]->args[a].value == v;
+      for (int r = 0; r < f->nrets; r++) uses += f->rets[r] == v;
+      if (uses == 1 && v->def) {
+        PassMemSlot *s = where[fi][v->id];
+        s->kind = PASS_MEM_GRAD;
+        s->offset = op->args[0].param->index;
+      }
+    }
+  }
+
+  // Pass 2: first-fit packing by position.
+  qsort(items, (size_t)used, sizeof *items, by_first);
+  int nactive = 0;
+  for (int64_t i = 0; i < used; i++) {
+    PassMemSlot *s = items[i].slot;
+    if (s->kind != PASS_MEM_ARENA) continue;
+    int keep = 0;
+    for (int j = 0; j < nactive; j++)
+      if (active[j]->last >= s->first) active[keep++] = active[j];
+    nactive = keep;
+    qsort(active, (size_t)nactive, sizeof *active, by_offset);
+    int64_t size = (s->bytes + ALIGN - 1) / ALIGN * ALIGN, at = 0;
+    for (int j = 0; j < nactive; j++) {
+      if (active[j]->offset - at >= size) break;
+      int64_t end = active[j]->offset + (active[j]->bytes + ALIGN - 1) / ALIGN * ALIGN;
+      if (end > at) at = end;
+    }
+    s->offset = at;
+    active[nactive++] = s;
+    if (at + size > plan->arena_bytes) plan->arena_bytes = at + size;
+    plan->unshared_bytes += size;
+  }
+
+  for (int fi = 0; fi < m->nfuncs; fi++) {
+    for (int v = 0; v < m->funcs[fi]->nvalues; v++) {
+      PassMemSlot *s = where[fi][v];
+      plan->slot[fi][v] = s ? *s : (PassMemSlot){.kind = PASS_MEM_NONE};
+    }
+    free(where[fi]);
+  }
+  free(where);
+
+  for (int i = 0; i < m->nparams; i++) plan->param_bytes += ir_type_bytes(&m->params[i]->type);
+  bool adamw = strcmp(ir_mod_str(m, "optimizer", "sgd"), "adamw") == 0;
+  plan->optimizer_bytes = adamw ? 2 * plan->param_bytes : 0;
+  ir_attrs_set_int(m->attrs, &m->nattrs, "arena_bytes", plan->arena_bytes);
+  if (ctx->verbose) {
+    FILE *log = ctx->log ? ctx->log : stderr;
+    int64_t peak = plan->arena_bytes + 2 * plan->param_bytes + plan->optimizer_bytes;
+    fprintf(log, "# memplan: activations %lld bytes in the arena (%lld without reuse, %.1fx less)\n",
+            (long long)plan->arena_bytes, (long long)plan->unshared_bytes,
+            plan->arena_bytes ? (double)plan->unshared_bytes / (double)plan->arena_bytes : 1.0);
+    fprintf(log, "# memplan: parameters %lld + gradients %lld + optimizer state %lld bytes\n",
+            (long long)plan->param_bytes, (long long)plan->param_bytes, (long long)plan->optimizer_bytes);
+    fprintf(log, "# memplan: peak %lld bytes per rank\n", (long long)peak);
+  }
+  ok = true;
+done:
+  free(storage);
+  free(items);
+  free(active);
+  return ok;
+}

@@ -1,0 +1,71 @@
+// Passes over the IR module and the pipeline that runs them in order (passes/pipeline.c).
+// Each pass is `bool pass_NAME(IrModule *, PassCtx *)`, changes the module in place and
+// reports problems through ctx->d.
+#ifndef PASS_H
+#define PASS_H
+
+#include <stdbool.h>
+#include <stdint.h>
+#include <stdio.h>
+
+#include "../ir/ir.h"
+
+// Where a value lives at run time, decided by memplan.
+typedef enum PassMemKind {
+  PASS_MEM_ARENA,    // bytes [offset, offset + size) of the activation arena
+  PASS_MEM_INPUT,    // the step's input tensor
+  PASS_MEM_TARGET,   // the step's target tensor
+  PASS_MEM_GRAD,     // the gradient buffer of parameter `offset` (its only use is param.grad)
+  PASS_MEM_NONE,     // never read (e.g. the input gradient of the first layer is still computed)
+} PassMemKind;
+
+typedef struct PassMemSlot {
+  PassMemKind kind;
+  int64_t offset;
+  int64_t bytes;
+  int64_t first, last;   // live range in global op positions
+} PassMemSlot;
+
+typedef struct PassMemPlan {
+  int nfuncs;
+  PassMemSlot **slot;        // slot[func index][value id] (function args resolve to their source)
+  int64_t arena_bytes;       // peak of the activation arena
+  int64_t unshared_bytes;    // what the activations would take without reuse
+  int64_t param_bytes;       // parameters (and as much again for gradients)
+  int64_t optimizer_bytes;   // optimizer state
+} PassMemPlan;
+
+typedef struct PassCtx {
+  IrDiag *d;
+  bool verbose;              // `moec build -v`: passes report what they decided
+  FILE *log;                 // where verbose reports go (stderr by default)
+  const char *dump_after;    // print the module after this pass (NULL: none)
+  bool dump_all;             // print after every pass
+  FILE *dump_out;            // where dumps go
+  const char *stop_after;    // stop the pipeline after this pass (NULL: run all)
+  PassMemPlan *memplan;      // set by memplan; freed by pass_ctx_free
+} PassCtx;
+
+typedef bool (*PassFn)(IrModule *m, PassCtx *ctx);
+typedef struct PassInfo {
+  const char *name;
+  PassFn run;
+  const char *doc;
+} PassInfo;
+
+extern const PassInfo pass_list[];
+extern const int pass_count;
+// "lower" names the module as it comes from the front end (before any pass).
+bool pass_known(const char *name);
+
+bool pass_verify(IrModule *m, PassCtx *ctx);
+bool pass_shapes(IrModule *m, PassCtx *ctx);
+bool pass_autodiff(IrModule *m, PassCtx *ctx);
+bool pass_memplan(IrModule *m, PassCtx *ctx);
+
+// Runs every pass in order, the verifier after each (debug builds and always when dumping),
+// dumping as ctx asks. False when a pass failed.
+bool pass_run_pipeline(IrModule *m, PassCtx *ctx);
+void pass_ctx_free(PassCtx *ctx);
+
+#endif

@@ -1,0 +1,58 @@
+// The pass pipeline, in order (DESIGN §4). One readable loop: run a pass, verify the module,
+// dump it if asked. Passes of later milestones (parallelize, fuse, cost, pipeline, gradpart,
+// schedule) join this list when they exist.
+#include <stdlib.h>
+#include <string.h>
+
+#include "pass.h"
+
+const PassInfo pass_list[] = {
+    {"verify", pass_verify, "structural checks: arity, attributes, operands, names"},
+    {"shapes", pass_shapes, "shape inference: every result type from its operands"},
+    {"autodiff", pass_autodiff, "backward functions with saved activations, the loss gradient, the optimizer"},
+    {"memplan", pass_memplan, "buffer lifetimes over the whole step, arena offsets with reuse, peak bytes"},
+};
+const int pass_count = sizeof pass_list / sizeof pass_list[0];
+
+bool pass_known(const char *name) {
+  if (strcmp(name, "lower") == 0) return true;
+  for (int i = 0; i < pass_count; i++)
+    if (strcmp(pass_list[i].name, name) == 0) return true;
+  return false;
+}
+
+static void dump(IrModule *m, PassCtx *ctx, const char *after) {
+  FILE *out = ctx->dump_out ? ctx->dump_out : stdout;
+  if (ctx->dump_all) fprintf(out, "# ---- after %s ----\n", after);
+  ir_print(out, m);
+}
+
+static bool wants_dump(PassCtx *ctx, const char *name) {
+  return ctx->dump_all || (ctx->dump_after && strcmp(ctx->dump_after, name) == 0);
+}
+
+bool pass_run_pipeline(IrModule *m, PassCtx *ctx) {
+  if (wants_dump(ctx, "lower")) dump(m, ctx, "lower");
+  if (ctx->stop_after && strcmp(ctx->stop_after, "lower") == 0) return true;
+  for (int i = 0; i < pass_count; i++) {
+    const PassInfo *p = &pass_list[i];
+    int before = ctx->d->errors;
+    if (!p->run(m, ctx) || ctx->d->errors > before) return false;
+    if (!ir_verify(ctx->d, m)) {
+      ir_error(ctx->d, "the module does not verify after pass '%s' (an internal error)", p->name);
+      return false;
+    }
+    if (wants_dump(ctx, p->name)) dump(m, ctx, p->name);
+    if (ctx->stop_after && strcmp(ctx->stop_after, p->name) == 0) break;
+  }
+  return true;
+}
+
+void pass_ctx_free(PassCtx *ctx) {
+  PassMemPlan *plan = ctx->memplan;
+  if (!plan) return;
+  for (int i = 0; i < plan->nfuncs; i++) free(plan->slot[i]);
+  free(plan->slot);
+  free(plan);
+  ctx->memplan = NULL;
+}

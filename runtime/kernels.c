@@ -1,0 +1,561 @@
+// The CPU kernels of libmoert: plain C loops on row-major float32, GEMMs through OpenBLAS.
+//
+// Each kernel is the exact semantics of DESIGN §2 and nothing more: the generated program
+// strings them together, and the CUDA kernels and the numpy reference are checked against
+// them. Every kernel writes its whole result (results are SSA values in the IR), except
+// rt_matmul with accumulate, which adds into C. Reductions that feed a loss or a parameter
+// gradient (softmax sums, dot products, bias gradients, losses) accumulate in double so that
+// the result does not depend much on the length of the reduction.
+//
+// Routing groups: a rank's s tokens are split into g groups in order, group gi holding tokens
+// [gi*s/g, (gi+1)*s/g) (equal groups of s/g when g divides s, as the compiler guarantees).
+// Capacity, locations and the aux and z losses are per group; dispatch slot gi*cap + loc of an
+// expert belongs to group gi.
+#include <cblas.h>
+#include <math.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "moert.h"
+
+static void *xmalloc(size_t bytes, const char *who) {
+  void *p = malloc(bytes ? bytes : 1);
+  if (!p) {
+    fprintf(stderr, "moert: error: out of memory (%zu bytes) in %s\n", bytes, who);
+    exit(1);
+  }
+  return p;
+}
+
+static int group_begin(int s, int g, int gi) { return (int)((int64_t)s * gi / g); }
+
+// ---- dense algebra ----
+
+void rt_matmul(const float *a, const float *b, float *c, int m, int n, int k, bool ta, bool tb,
+               bool accumulate) {
+  if (m <= 0 || n <= 0)
+    return;
+  if (k <= 0) {
+    if (!accumulate)
+      memset(c, 0, (size_t)m * n * sizeof *c);
+    return;
+  }
+  int lda = ta ? m : k;   // A stored [k,m] when transposed, else [m,k]
+  int ldb = tb ? k : n;   // B stored [n,k] when transposed, else [k,n]
+  cblas_sgemm(CblasRowMajor, ta ? CblasTrans : CblasNoTrans, tb ? CblasTrans : CblasNoTrans, m, n,
+              k, 1.0f, a, lda, b, ldb, accumulate ? 1.0f : 0.0f, c, n);
+}
+
+void rt_expert_matmul(const float *a, const float *b, float *c, int e, int m, int n, int k,
+                      bool ta, bool tb) {
+  size_t a_size = (size_t)m * k, b_size = (size_t)k * n, c_size = (size_t)m * n;
+  for (int i = 0; i < e; i++)
+    rt_matmul(a + i * a_size, b + i * b_size, c + i * c_size, m, n, k, ta, tb, false);
+}
+
+void rt_bias(const float *x, const float *b, float *y, int rows, int n) {
+  for (int r = 0; r < rows; r++) {
+    const float *xr = x + (size_t)r * n;
+    float *yr = y + (size_t)r * n;
+    for (int i = 0; i < n; i++)
+      yr[i] = xr[i] + b[i];
+  }
+}
+
+// Column sums in double, a block of columns at a time so the rows are read contiguously and no
+// scratch memory is needed.
+void rt_bias_grad(const float *dy, float *db, int rows, int n) {
+  enum { BLOCK = 256 };
+  double acc[BLOCK];
+  for (int c0 = 0; c0 < n; c0 += BLOCK) {
+    int width = n - c0 < BLOCK ? n - c0 : BLOCK;
+    for (int i = 0; i < width; i++)
+      acc[i] = 0.0;
+    for (int r = 0; r < rows; r++) {
+      const float *dr = dy + (size_t)r * n + c0;
+      for (int i = 0; i < width; i++)
+        acc[i] += dr[i];
+    }
+    for (int i = 0; i < width; i++)
+      db[c0 + i] = (float)acc[i];
+  }
+}
+
+void rt_expert_bias(const float *x, const float *b, float *y, int e, int rows, int n) {
+  size_t block = (size_t)rows * n;
+  for (int i = 0; i < e; i++)
+    rt_bias(x + i * block, b + (size_t)i * n, y + i * block, rows, n);
+}
+
+void rt_expert_bias_grad(const float *dy, float *db, int e, int rows, int n) {
+  size_t block = (size_t)rows * n;
+  for (int i = 0; i < e; i++)
+    rt_bias_grad(dy + i * block, db + (size_t)i * n, rows, n);
+}
+
+void rt_add(const float *a, const float *b, float *y, int64_t n) {
+  for (int64_t i = 0; i < n; i++)
+    y[i] = a[i] + b[i];
+}
+
+// gelu(x) = 0.5 x (1 + tanh(u)), u = sqrt(2/pi) (x + 0.044715 x^3).
+#define GELU_C 0.7978845608028654f   // sqrt(2/pi)
+#define GELU_A 0.044715f
+
+void rt_gelu(const float *x, float *y, int64_t n) {
+  for (int64_t i = 0; i < n; i++) {
+    float v = x[i];
+    float t = tanhf(GELU_C * (v + GELU_A * v * v * v));
+    y[i] = 0.5f * v * (1.0f + t);
+  }
+}
+
+// d gelu/dx = 0.5 (1 + t) + 0.5 x (1 - t^2) sqrt(2/pi) (1 + 3*0.044715 x^2).
+void rt_gelu_grad(const float *dy, const float *x, float *dx, int64_t n) {
+  for (int64_t i = 0; i < n; i++) {
+    float v = x[i];
+    float t = tanhf(GELU_C * (v + GELU_A * v * v * v));
+    float du = GELU_C * (1.0f + 3.0f * GELU_A * v * v);
+    dx[i] = dy[i] * (0.5f * (1.0f + t) + 0.5f * v * (1.0f - t * t) * du);
+  }
+}
+
+void rt_relu(const float *x, float *y, int64_t n) {
+  for (int64_t i = 0; i < n; i++)
+    y[i] = x[i] > 0.0f ? x[i] : 0.0f;
+}
+
+void rt_relu_grad(const float *dy, const float *x, float *dx, int64_t n) {
+  for (int64_t i = 0; i < n; i++)
+    dx[i] = x[i] > 0.0f ? dy[i] : 0.0f;
+}
+
+// ---- gate chain ----
+
+// st must be set: the noise is keyed by its seed, step and token0.
+void rt_gate_noise(const RtStep *st, const float *logits, float *out, int s, int e, float sigma,
+                   int layer) {
+  size_t total = (size_t)s * e;
+  if (sigma == 0.0f) {
+    if (out != logits)
+      memmove(out, logits, total * sizeof *out);
+    return;
+  }
+  uint64_t key = rt_key(rt_key(rt_key(st->seed, RT_STREAM_NOISE), (uint64_t)st->step),
+                        (uint64_t)layer);
+  double scale = (double)sigma / e;
+  for (int t = 0; t < s; t++) {
+    uint64_t base = (uint64_t)(st->token0 + t) * (uint64_t)e;
+    for (int j = 0; j < e; j++) {
+      size_t i = (size_t)t * e + j;
+      out[i] = logits[i] + (float)(scale * rt_normal(key, base + (uint64_t)j));
+    }
+  }
+}
+
+void rt_softmax(const float *x, float *y, int s, int e) {
+  for (int t = 0; t < s; t++) {
+    const float *xr = x + (size_t)t * e;
+    float *yr = y + (size_t)t * e;
+    float mx = -INFINITY;
+    for (int j = 0; j < e; j++)
+      if (xr[j] > mx)
+        mx = xr[j];
+    double sum = 0.0;
+    for (int j = 0; j < e; j++) {
+      yr[j] = expf(xr[j] - mx);
+      sum += yr[j];
+    }
+    float inv = (float)(1.0 / sum);
+    for (int j = 0; j < e; j++)
+      yr[j] *= inv;
+  }
+}
+
+// dx = y (dy - <dy, y>) per row.
+void rt_softmax_grad(const float *dy, const float *y, float *dx, int s, int e) {
+  for (int t = 0; t < s; t++) {
+    const float *dr = dy + (size_t)t * e, *yr = y + (size_t)t * e;
+    float *xr = dx + (size_t)t * e;
+    double dot = 0.0;
+    for (int j = 0; j < e; j++)
+      dot += (double)dr[j] * yr[j];
+    float d = (float)dot;
+    for (int j = 0; j < e; j++)
+      xr[j] = yr[j] * (dr[j] - d);
+  }
+}
+
+// The j-th choice is the largest score among those that come after choice j-1 in the order
+// (score descending, index ascending); scanning indices upwards with a strict comparison gives
+// ties to the lower index. NaN ranks as -inf so a row always yields k distinct experts.
+void rt_topk(const float *scores, int32_t *idx, int s, int e, int k) {
+  for (int t = 0; t < s; t++) {
+    const float *row = scores + (size_t)t * e;
+    int32_t *out = idx + (size_t)t * k;
+    float prev_v = INFINITY;
+    int prev_i = -1;
+    for (int j = 0; j < k; j++) {
+      int best = -1;
+      float best_v = -INFINITY;
+      for (int i = 0; i < e; i++) {
+        float v = isnan(row[i]) ? -INFINITY : row[i];
+        bool after_prev = v < prev_v || (v == prev_v && i > prev_i);
+        if (after_prev && (best < 0 || v > best_v)) {
+          best = i;
+          best_v = v;
+        }
+      }
+      out[j] = best;
+      prev_v = best_v;
+      prev_i = best;
+    }
+  }
+}
+
+void rt_gate_gather(const float *scores, const int32_t *idx, float *gates, int s, int e, int k,
+                    bool renorm) {
+  for (int t = 0; t < s; t++) {
+    const float *row = scores + (size_t)t * e;
+    const int32_t *ir = idx + (size_t)t * k;
+    float *gr = gates + (size_t)t * k;
+    double sum = 0.0;
+    for (int j = 0; j < k; j++) {
+      gr[j] = row[ir[j]];
+      sum += gr[j];
+    }
+    if (renorm && sum > 0.0) {
+      for (int j = 0; j < k; j++)
+        gr[j] = (float)(gr[j] / sum);
+    }
+  }
+}
+
+// Without renorm: dscores[idx_j] = dgates_j. With renorm, g_j = p_j / P (P = sum of the chosen
+// scores): dL/dp_i = (dgates_i - sum_j dgates_j g_j) / P.
+void rt_gate_gather_grad(const float *dgates, const float *scores, const int32_t *idx,
+                         float *dscores, int s, int e, int k, bool renorm) {
+  memset(dscores, 0, (size_t)s * e * sizeof *dscores);
+  for (int t = 0; t < s; t++) {
+    const float *row = scores + (size_t)t * e;
+    const int32_t *ir = idx + (size_t)t * k;
+    const float *dg = dgates + (size_t)t * k;
+    float *dr = dscores + (size_t)t * e;
+    if (!renorm) {
+      for (int j = 0; j < k; j++)
+        dr[ir[j]] += dg[j];
+      continue;
+    }
+    double sum = 0.0;
+    for (int j = 0; j < k; j++)
+      sum += row[ir[j]];
+    if (!(sum > 0.0))
+      continue;
+    double dot = 0.0;
+    for (int j = 0; j < k; j++)
+      dot += (double)dg[j] * (row[ir[j]] / sum);
+    for (int j = 0; j < k; j++)
+      dr[ir[j]] += (float)((dg[j] - dot) / sum);
+  }
+}
+
+// A choice's location is the number of earlier choices of the same expert in its group (first
+// choices of every token before any second choice); one at or past cap is dropped (-1). Counters
+// only grow, so a dropped choice takes no slot and every later choice of that expert in the
+// group is dropped as well. st (NULL in unit tests) gets the drop and routed counts, and
+// route_hash folds in (idx, loc) of every choice in [t, j] order.
+void rt_gate_locations(RtStep *st, const int32_t *idx, int32_t *loc, int s, int k, int e, int g,
+                       int cap) {
+  if (g < 1)
+    g = 1;
+  int *count = xmalloc((size_t)e * sizeof *count, "rt_gate_locations");
+  int64_t dropped = 0;
+  for (int gi = 0; gi < g; gi++) {
+    int t0 = group_begin(s, g, gi), t1 = group_begin(s, g, gi + 1);
+    memset(count, 0, (size_t)e * sizeof *count);
+    for (int j = 0; j < k; j++) {
+      for (int t = t0; t < t1; t++) {
+        size_t c = (size_t)t * k + j;
+        int ex = idx[c];
+        if (count[ex] < cap) {
+          loc[c] = count[ex]++;
+        } else {
+          loc[c] = -1;
+          dropped++;
+        }
+      }
+    }
+  }
+  free(count);
+  if (!st)
+    return;
+  st->dropped += dropped;
+  st->routed += (int64_t)s * k;
+  for (size_t c = 0; c < (size_t)s * k; c++)
+    st->route_hash = rt_key(st->route_hash, (uint64_t)(uint32_t)idx[c] * 1000003u +
+                                                (uint64_t)(int64_t)(loc[c] + 1));
+}
+
+// Per group: me_e = mean score of expert e, ce_e = fraction of tokens whose first choice is e,
+// aux_g = E * sum_e me_e ce_e. Fills me and ce (e doubles each) for group gi.
+static void aux_group_stats(const float *scores, const int32_t *idx, int s, int e, int k, int g,
+                            int gi, double *me, double *ce) {
+  int t0 = group_begin(s, g, gi), t1 = group_begin(s, g, gi + 1);
+  for (int i = 0; i < e; i++)
+    me[i] = ce[i] = 0.0;
+  for (int t = t0; t < t1; t++) {
+    const float *row = scores + (size_t)t * e;
+    for (int i = 0; i < e; i++)
+      me[i] += row[i];
+    ce[idx[(size_t)t * k]] += 1.0;
+  }
+  int n = t1 - t0;
+  for (int i = 0; i < e && n > 0; i++) {
+    me[i] /= n;
+    ce[i] /= n;
+  }
+}
+
+float rt_aux_loss(const float *scores, const int32_t *idx, int s, int e, int k, int g) {
+  if (g < 1)
+    g = 1;
+  double *me = xmalloc(2 * (size_t)e * sizeof *me, "rt_aux_loss"), *ce = me + e;
+  double total = 0.0;
+  for (int gi = 0; gi < g; gi++) {
+    aux_group_stats(scores, idx, s, e, k, g, gi, me, ce);
+    double dot = 0.0;
+    for (int i = 0; i < e; i++)
+      dot += me[i] * ce[i];
+    total += e * dot;
+  }
+  free(me);
+  return (float)(total / g);
+}
+
+// ce is treated as a constant (it is piecewise constant in the scores):
+// d/dscores[t,e] = coef * E * ce_e / (S_g * G) for t in group g.
+void rt_aux_loss_grad(const float *scores, const int32_t *idx, float *dscores, int s, int e,
+                      int k, int g, float coef) {
+  if (g < 1)
+    g = 1;
+  double *me = xmalloc(2 * (size_t)e * sizeof *me, "rt_aux_loss_grad"), *ce = me + e;
+  for (int gi = 0; gi < g; gi++) {
+    int t0 = group_begin(s, g, gi), t1 = group_begin(s, g, gi + 1);
+    aux_group_stats(scores, idx, s, e, k, g, gi, me, ce);
+    for (int t = t0; t < t1; t++) {
+      float *dr = dscores + (size_t)t * e;
+      for (int i = 0; i < e; i++)
+        dr[i] = (float)((double)coef * e * ce[i] / ((double)(t1 - t0) * g));
+    }
+  }
+  free(me);
+}
+
+static double row_logsumexp(const float *row, int e) {
+  float mx = -INFINITY;
+  for (int j = 0; j < e; j++)
+    if (row[j] > mx)
+      mx = row[j];
+  double sum = 0.0;
+  for (int j = 0; j < e; j++)
+    sum += exp((double)row[j] - mx);
+  return mx + log(sum);
+}
+
+// Mean over groups of the group's mean of lse^2 (the mean over tokens when groups are equal).
+float rt_z_loss(const float *logits, int s, int e, int g) {
+  if (g < 1)
+    g = 1;
+  double total = 0.0;
+  for (int gi = 0; gi < g; gi++) {
+    int t0 = group_begin(s, g, gi), t1 = group_begin(s, g, gi + 1);
+    double acc = 0.0;
+    for (int t = t0; t < t1; t++) {
+      double lse = row_logsumexp(logits + (size_t)t * e, e);
+      acc += lse * lse;
+    }
+    if (t1 > t0)
+      total += acc / (t1 - t0);
+  }
+  return (float)(total / g);
+}
+
+// d/dlogits[t] = coef * 2 lse_t softmax(logits_t) / (S_g * G).
+void rt_z_loss_grad(const float *logits, float *dlogits, int s, int e, int g, float coef) {
+  if (g < 1)
+    g = 1;
+  for (int gi = 0; gi < g; gi++) {
+    int t0 = group_begin(s, g, gi), t1 = group_begin(s, g, gi + 1);
+    double scale = 2.0 * coef / ((double)(t1 - t0) * g);
+    for (int t = t0; t < t1; t++) {
+      const float *row = logits + (size_t)t * e;
+      float *dr = dlogits + (size_t)t * e;
+      double lse = row_logsumexp(row, e);
+      for (int j = 0; j < e; j++)
+        dr[j] = (float)(scale * lse * exp((double)row[j] - lse));
+    }
+  }
+}
+
+// ---- order: encode (dispatch by location) and decode (gated combine) ----
+
+// Offset (in floats) of the dispatch row of kept choice c, a choice of a token in group gi:
+// row gi*cap + loc of expert idx[c] in [e, g*cap, m].
+static size_t slot_offset(const int32_t *idx, const int32_t *loc, size_t c, int gi, int cap,
+                          int g, int m) {
+  return (((size_t)idx[c] * g + gi) * cap + (size_t)loc[c]) * m;
+}
+
+static bool kept(const int32_t *loc, size_t c, int cap) { return loc[c] >= 0 && loc[c] < cap; }
+
+void rt_order_encode(const float *x, const int32_t *idx, const int32_t *loc, float *disp, int s,
+                     int m, int k, int e, int g, int cap) {
+  if (g < 1)
+    g = 1;
+  size_t slots = (size_t)g * cap;
+  memset(disp, 0, (size_t)e * slots * m * sizeof *disp);
+  for (int gi = 0; gi < g; gi++) {
+    for (int t = group_begin(s, g, gi); t < group_begin(s, g, gi + 1); t++) {
+      for (int j = 0; j < k; j++) {
+        size_t c = (size_t)t * k + j;
+        if (!kept(loc, c, cap))
+          continue;
+        float *dst = disp + slot_offset(idx, loc, c, gi, cap, g, m);
+        memcpy(dst, x + (size_t)t * m, (size_t)m * sizeof *dst);
+      }
+    }
+  }
+}
+
+void rt_order_encode_grad(const float *ddisp, const int32_t *idx, const int32_t *loc, float *dx,
+                          int s, int m, int k, int e, int g, int cap) {
+  if (g < 1)
+    g = 1;
+  memset(dx, 0, (size_t)s * m * sizeof *dx);
+  for (int gi = 0; gi < g; gi++) {
+    for (int t = group_begin(s, g, gi); t < group_begin(s, g, gi + 1); t++) {
+      float *dr = dx + (size_t)t * m;
+      for (int j = 0; j < k; j++) {
+        size_t c = (size_t)t * k + j;
+        if (!kept(loc, c, cap))
+          continue;
+        const float *src = ddisp + slot_offset(idx, loc, c, gi, cap, g, m);
+        for (int i = 0; i < m; i++)
+          dr[i] += src[i];
+      }
+    }
+  }
+}
+
+void rt_order_decode(const float *y, const int32_t *idx, const int32_t *loc, const float *gates,
+                     float *out, int s, int m, int k, int e, int g, int cap) {
+  if (g < 1)
+    g = 1;
+  memset(out, 0, (size_t)s * m * sizeof *out);
+  for (int gi = 0; gi < g; gi++) {
+    for (int t = group_begin(s, g, gi); t < group_begin(s, g, gi + 1); t++) {
+      float *dst = out + (size_t)t * m;
+      for (int j = 0; j < k; j++) {
+        size_t c = (size_t)t * k + j;
+        if (!kept(loc, c, cap))
+          continue;
+        const float *src = y + slot_offset(idx, loc, c, gi, cap, g, m);
+        float w = gates[c];
+        for (int i = 0; i < m; i++)
+          dst[i] += w * src[i];
+      }
+    }
+  }
+}
+
+void rt_order_decode_grad_y(const float *dout, const int32_t *idx, const int32_t *loc,
+                            const float *gates, float *dy, int s, int m, int k, int e, int g,
+                            int cap) {
+  if (g < 1)
+    g = 1;
+  size_t slots = (size_t)g * cap;
+  memset(dy, 0, (size_t)e * slots * m * sizeof *dy);
+  for (int gi = 0; gi < g; gi++) {
+    for (int t = group_begin(s, g, gi); t < group_begin(s, g, gi + 1); t++) {
+      const float *dr = dout + (size_t)t * m;
+      for (int j = 0; j < k; j++) {
+        size_t c = (size_t)t * k + j;
+        if (!kept(loc, c, cap))
+          continue;
+        float *dst = dy + slot_offset(idx, loc, c, gi, cap, g, m);
+        float w = gates[c];
+        for (int i = 0; i < m; i++)
+          dst[i] += w * dr[i];
+      }
+    }
+  }
+}
+
+void rt_order_decode_grad_gates(const float *dout, const float *y, const int32_t *idx,
+                                const int32_t *loc, float *dgates, int s, int m, int k, int e,
+                                int g, int cap) {
+  if (g < 1)
+    g = 1;
+  for (int gi = 0; gi < g; gi++) {
+    for (int t = group_begin(s, g, gi); t < group_begin(s, g, gi + 1); t++) {
+      const float *dr = dout + (size_t)t * m;
+      for (int j = 0; j < k; j++) {
+        size_t c = (size_t)t * k + j;
+        if (!kept(loc, c, cap)) {
+          dgates[c] = 0.0f;
+          continue;
+        }
+        const float *src = y + slot_offset(idx, loc, c, gi, cap, g, m);
+        double dot = 0.0;
+        for (int i = 0; i < m; i++)
+          dot += (double)dr[i] * src[i];
+        dgates[c] = (float)dot;
+      }
+    }
+  }
+}
+
+// ---- losses ----
+
+float rt_mse(const float *out, const float *target, int64_t n) {
+  double acc = 0.0;
+  for (int64_t i = 0; i < n; i++) {
+    double d = (double)out[i] - target[i];
+    acc += d * d;
+  }
+  return n > 0 ? (float)(acc / (2.0 * n)) : 0.0f;
+}
+
+void rt_mse_grad(const float *out, const float *target, float *dout, int64_t n) {
+  double inv = n > 0 ? 1.0 / n : 0.0;
+  for (int64_t i = 0; i < n; i++)
+    dout[i] = (float)(((double)out[i] - target[i]) * inv);
+}
+
+// ---- optimizers ----
+
+void rt_sgd(float *p, const float *g, int64_t n, float lr, float weight_decay) {
+  for (int64_t i = 0; i < n; i++)
+    p[i] -= lr * (g[i] + weight_decay * p[i]);
+}
+
+void rt_adamw(float *p, const float *g, float *m, float *v, int64_t n, float lr, float beta1,
+              float beta2, float eps, float weight_decay, int64_t step) {
+  float bc1 = (float)(1.0 - pow(beta1, (double)step));
+  float bc2 = (float)(1.0 - pow(beta2, (double)step));
+  for (int64_t i = 0; i < n; i++) {
+    m[i] = beta1 * m[i] + (1.0f - beta1) * g[i];
+    v[i] = beta2 * v[i] + (1.0f - beta2) * g[i] * g[i];
+    float mhat = m[i] / bc1, vhat = v[i] / bc2;
+    p[i] -= lr * (mhat / (sqrtf(vhat) + eps) + weight_decay * p[i]);
+  }
+}
+
+// ---- step statistics ----
+
+void rt_step_begin_forward(RtStep *st) {
+  st->mse = st->aux_total = st->aux = st->z = 0.0;
+  st->dropped = st->routed = 0;
+  st->route_hash = 0;
+}

@@ -1,0 +1,158 @@
+// libmoert: the runtime every binary that moec builds links against.
+//
+// The generated host program describes its model (parameters, sizes, optimizer) in an RtModel
+// and implements three step functions that call the kernels below on buffers carved out of one
+// arena by the memory plan. rt_main() does the rest: command line, synthetic or .npy data,
+// parameter init or safetensors weights, the training loop and its per-step report,
+// checkpoints (atomic), --dump and --check-grad.
+//
+// Kernels are plain C on row-major float32 (GEMMs through OpenBLAS). Integer tensors (expert
+// indices, locations) are int32. Shapes use the IR's letters: S tokens, M model dim, E experts,
+// K choices per token, G routing groups, T capacity per group per expert, C = G*T slots per
+// expert, H expert hidden.
+#ifndef MOERT_H
+#define MOERT_H
+
+#include <stdbool.h>
+#include <stddef.h>
+#include <stdint.h>
+
+typedef struct RtModel RtModel;
+typedef struct RtStep RtStep;
+
+// ---- deterministic randomness (runtime/rng.c) ----
+// Counter-based: every number is a pure function of its key, so data, init and noise do not
+// depend on the parallel layout or on the order of evaluation.
+//   rt_mix(z): splitmix64's finaliser applied to z + 0x9e3779b97f4a7c15.
+//   rt_key(a, b) = rt_mix(a ^ rt_mix(b)).
+//   rt_uniform(h) = ((h >> 40) + 0.5) / 2^24, in (0, 1).
+//   rt_normal(key, i) = sqrt(-2 ln u1) * cos(2 pi u2), u1 = rt_uniform(rt_key(key, 2i)),
+//                       u2 = rt_uniform(rt_key(key, 2i+1)), computed in double.
+uint64_t rt_mix(uint64_t z);
+uint64_t rt_key(uint64_t a, uint64_t b);
+double rt_uniform(uint64_t h);
+double rt_normal(uint64_t key, uint64_t i);
+// Stream keys: rt_key(rt_key(seed, RT_STREAM_*), extra...)
+enum { RT_STREAM_INPUT = 1, RT_STREAM_TARGET = 2, RT_STREAM_INIT = 3, RT_STREAM_NOISE = 4 };
+uint64_t rt_hash_name(const char *s);  // FNV-1a 64 of a parameter name
+
+// ---- kernels (runtime/kernels.c) ----
+// C = op(A) * op(B) (+ C when accumulate). op(A) is [m,k], op(B) [k,n]; ta/tb: the operand is
+// stored transposed.
+void rt_matmul(const float *a, const float *b, float *c, int m, int n, int k, bool ta, bool tb,
+               bool accumulate);
+// Batched over e: A [e, ...], B [e, ...], C [e, m, n].
+void rt_expert_matmul(const float *a, const float *b, float *c, int e, int m, int n, int k,
+                      bool ta, bool tb);
+void rt_bias(const float *x, const float *b, float *y, int rows, int n);
+void rt_bias_grad(const float *dy, float *db, int rows, int n);
+void rt_expert_bias(const float *x, const float *b, float *y, int e, int rows, int n);
+void rt_expert_bias_grad(const float *dy, float *db, int e, int rows, int n);
+void rt_add(const float *a, const float *b, float *y, int64_t n);
+void rt_gelu(const float *x, float *y, int64_t n);
+void rt_gelu_grad(const float *dy, const float *x, float *dx, int64_t n);
+void rt_relu(const float *x, float *y, int64_t n);
+void rt_relu_grad(const float *dy, const float *x, float *dx, int64_t n);
+
+// logits + sigma * N(0,1) / e; the normal for token s (global index token0 + s), expert j is
+// rt_normal(rt_key(rt_key(rt_key(seed, RT_STREAM_NOISE), step), layer), (token0 + s) * e + j).
+void rt_gate_noise(const RtStep *st, const float *logits, float *out, int s, int e, float sigma,
+                   int layer);
+void rt_softmax(const float *x, float *y, int s, int e);
+void rt_softmax_grad(const float *dy, const float *y, float *dx, int s, int e);
+// Top k per row, ties to the lower index, in descending score order.
+void rt_topk(const float *scores, int32_t *idx, int s, int e, int k);
+void rt_gate_gather(const float *scores, const int32_t *idx, float *gates, int s, int e, int k,
+                    bool renorm);
+void rt_gate_gather_grad(const float *dgates, const float *scores, const int32_t *idx,
+                         float *dscores, int s, int e, int k, bool renorm);
+// Tokens split into g equal groups in order; within a group, all first choices in token order,
+// then all second choices, ...; loc = running count of the expert in that group, or -1 when it
+// reaches cap. Adds the drops and the routing to st's statistics.
+void rt_gate_locations(RtStep *st, const int32_t *idx, int32_t *loc, int s, int k, int e, int g,
+                       int cap);
+float rt_aux_loss(const float *scores, const int32_t *idx, int s, int e, int k, int g);
+void rt_aux_loss_grad(const float *scores, const int32_t *idx, float *dscores, int s, int e,
+                      int k, int g, float coef);
+float rt_z_loss(const float *logits, int s, int e, int g);
+void rt_z_loss_grad(const float *logits, float *dlogits, int s, int e, int g, float coef);
+
+// disp [e, g*cap, m]: the choice (t, j) of token t in group gi kept at loc l lands at row
+// gi*cap + l of expert idx[t,j]. Empty rows are zero.
+void rt_order_encode(const float *x, const int32_t *idx, const int32_t *loc, float *disp, int s,
+                     int m, int k, int e, int g, int cap);
+void rt_order_encode_grad(const float *ddisp, const int32_t *idx, const int32_t *loc, float *dx,
+                          int s, int m, int k, int e, int g, int cap);
+void rt_order_decode(const float *y, const int32_t *idx, const int32_t *loc, const float *gates,
+                     float *out, int s, int m, int k, int e, int g, int cap);
+void rt_order_decode_grad_y(const float *dout, const int32_t *idx, const int32_t *loc,
+                            const float *gates, float *dy, int s, int m, int k, int e, int g,
+                            int cap);
+void rt_order_decode_grad_gates(const float *dout, const float *y, const int32_t *idx,
+                                const int32_t *loc, float *dgates, int s, int m, int k, int e,
+                                int g, int cap);
+
+float rt_mse(const float *out, const float *target, int64_t n);   // sum (o-t)^2 / (2n)
+void rt_mse_grad(const float *out, const float *target, float *dout, int64_t n);
+
+void rt_sgd(float *p, const float *g, int64_t n, float lr, float weight_decay);
+// step is 1-based; m, v are the moments.
+void rt_adamw(float *p, const float *g, float *m, float *v, int64_t n, float lr, float beta1,
+              float beta2, float eps, float weight_decay, int64_t step);
+
+// ---- the model description the generated program fills in ----
+typedef enum RtInit { RT_INIT_ZEROS, RT_INIT_ONES, RT_INIT_NORMAL } RtInit;
+typedef enum RtOptKind { RT_OPT_SGD, RT_OPT_ADAMW } RtOptKind;
+
+typedef struct RtParam {
+  const char *name;        // e.g. "block0.moe.experts.w1"
+  int rank;
+  int64_t dims[4];
+  RtInit init;
+  float std;               // RT_INIT_NORMAL: N(0, std^2), element i of param p is
+                           // std * rt_normal(rt_key(rt_key(seed, RT_STREAM_INIT), rt_hash_name(p)), i)
+  size_t offset;           // in floats, into RtStep.params / grads / opt_m / opt_v
+  int64_t numel;
+} RtParam;
+
+struct RtModel {
+  const char *name;
+  int64_t batch, seqlen, embed;   // input and output are [batch, seqlen, embed]
+  uint64_t seed;
+  int nparams;
+  const RtParam *params;
+  size_t param_floats;            // total floats of all parameters
+  size_t arena_bytes;             // activation arena from the memory plan
+  RtOptKind opt;
+  int nlayers;                    // MoE layers, for statistics
+  // Step functions. forward: reads st->input/st->target, sets st->output (into the arena),
+  // st->mse and st->aux_total (sum of coef*aux + coef*z over layers) and adds to st->aux/st->z.
+  // backward: fills st->grads (every parameter's gradient, overwritten). update: optimizer.
+  void (*forward)(RtStep *st);
+  void (*backward)(RtStep *st);
+  void (*update)(RtStep *st);
+};
+
+struct RtStep {
+  const RtModel *model;
+  float *params, *grads, *opt_m, *opt_v;
+  unsigned char *arena;           // arena_bytes, 64-byte aligned
+  const float *input, *target;    // [batch*seqlen*embed] each
+  const float *output;            // set by forward
+  int64_t step;                   // 1-based number of the step being run
+  uint64_t seed;
+  int64_t token0;                 // global index of this rank's first token (0 on one rank)
+  // filled by forward
+  double mse, aux_total;          // loss = mse + aux_total
+  double aux, z;                  // unweighted sums over layers (for the report)
+  int64_t dropped, routed;        // choices dropped / routed this step
+  uint64_t route_hash;            // hash of every routing decision (for --check-grad)
+};
+
+// Resets the per-forward statistics; the generated forward calls it first.
+void rt_step_begin_forward(RtStep *st);
+
+// The generated main(): `return rt_main(&model, argc, argv);`
+int rt_main(const RtModel *model, int argc, char **argv);
+
+#endif

@@ -1,0 +1,448 @@
+// safetensors files: weights (--weights), checkpoints (--save/--resume) and anything else that
+// holds named tensors.
+//
+// Layout: an 8-byte little-endian header length N, N bytes of JSON
+//   {"NAME": {"dtype": "F32", "shape": [..], "data_offsets": [BEGIN, END]}, ...,
+//    "__metadata__": {"KEY": "VALUE", ...}}
+// (padded with spaces to a multiple of 8), then the data; offsets are relative to the data's
+// start. The reader loads the whole file and checks every claim the header makes against it
+// before anyone touches a tensor, so a truncated or hand-edited file gives a sentence, not a
+// crash. The writer goes through PATH.tmp, fsync and rename, so a crash mid-write leaves the
+// previous file (say, the last good checkpoint) intact.
+#include "rt_internal.h"
+
+#include <cjson/cJSON.h>
+#include <errno.h>
+#include <fcntl.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+// The reference implementation refuses headers over 100 MB; so do we.
+enum { MAX_HEADER = 100 * 1000 * 1000 };
+#define MAX_EXACT_INT 9007199254740992.0   // 2^53: beyond it a JSON number is not an exact offset
+
+// ---- writing ----
+
+static char *tmp_path_of(const char *path) {
+  size_t n = strlen(path);
+  char *tmp = malloc(n + 5);
+  if (tmp) {
+    memcpy(tmp, path, n);
+    memcpy(tmp + n, ".tmp", 5);
+  }
+  return tmp;
+}
+
+// fsync of the directory makes the rename itself durable.
+static void sync_parent_dir(const char *path) {
+  const char *slash = strrchr(path, '/');
+  char *dir = slash ? strndup(path, slash == path ? 1 : (size_t)(slash - path)) : strdup(".");
+  if (!dir)
+    return;
+  int fd = open(dir, O_RDONLY | O_DIRECTORY);
+  if (fd >= 0) {
+    fsync(fd);
+    close(fd);
+  }
+  free(dir);
+}
+
+static cJSON *build_header(int ntensors, const RtStTensor *tensors, int nmeta,
+                           const char *const *meta) {
+  cJSON *root = cJSON_CreateObject();
+  if (!root)
+    return NULL;
+  if (nmeta > 0) {
+    cJSON *m = cJSON_AddObjectToObject(root, "__metadata__");
+    for (int i = 0; m && i < nmeta; i++)
+      if (!cJSON_AddStringToObject(m, meta[2 * i], meta[2 * i + 1]))
+        m = NULL;
+    if (!m)
+      goto fail;
+  }
+  uint64_t offset = 0;
+  for (int i = 0; i < ntensors; i++) {
+    const RtStTensor *t = &tensors[i];
+    cJSON *obj = cJSON_AddObjectToObject(root, t->name);
+    if (!obj || !cJSON_AddStringToObject(obj, "dtype", "F32"))
+      goto fail;
+    cJSON *shape = cJSON_AddArrayToObject(obj, "shape");
+    cJSON *offsets = cJSON_AddArrayToObject(obj, "data_offsets");
+    if (!shape || !offsets)
+      goto fail;
+    uint64_t numel = 1;
+    for (int d = 0; d < t->rank; d++) {
+      cJSON *dim = cJSON_CreateNumber((double)t->dims[d]);
+      if (!dim || !cJSON_AddItemToArray(shape, dim))
+        goto fail;
+      numel *= (uint64_t)t->dims[d];
+    }
+    cJSON *begin = cJSON_CreateNumber((double)offset);
+    if (!begin || !cJSON_AddItemToArray(offsets, begin))
+      goto fail;
+    offset += numel * sizeof(float);
+    cJSON *end = cJSON_CreateNumber((double)offset);
+    if (!end || !cJSON_AddItemToArray(offsets, end))
+      goto fail;
+  }
+  return root;
+fail:
+  cJSON_Delete(root);
+  return NULL;
+}
+
+int rt_st_write(const char *path, int ntensors, const RtStTensor *tensors, int nmeta,
+                const char *const *meta) {
+  for (int i = 0; i < ntensors; i++) {
+    if (strcmp(tensors[i].name, "__metadata__") == 0)
+      return rt_fail("cannot write '%s': a tensor may not be called __metadata__", path);
+    for (int j = 0; j < i; j++)
+      if (strcmp(tensors[i].name, tensors[j].name) == 0)
+        return rt_fail("cannot write '%s': two tensors are called '%s'", path,
+                       tensors[i].name);
+  }
+  cJSON *root = build_header(ntensors, tensors, nmeta, meta);
+  char *json = root ? cJSON_PrintUnformatted(root) : NULL;
+  cJSON_Delete(root);
+  char *tmp = tmp_path_of(path);
+  if (!json || !tmp) {
+    free(json);
+    free(tmp);
+    return rt_fail("out of memory writing '%s'", path);
+  }
+  size_t json_len = strlen(json);
+  size_t header_len = (json_len + 7) / 8 * 8;
+  unsigned char len_bytes[8];
+  for (int i = 0; i < 8; i++)
+    len_bytes[i] = (unsigned char)((uint64_t)header_len >> (8 * i));
+
+  int status = -1;
+  FILE *f = fopen(tmp, "wb");
+  if (!f) {
+    rt_fail("cannot create '%s': %s", tmp, strerror(errno));
+    goto done;
+  }
+  bool ok = fwrite(len_bytes, 1, 8, f) == 8 && fwrite(json, 1, json_len, f) == json_len;
+  for (size_t i = json_len; ok && i < header_len; i++)
+    ok = fputc(' ', f) != EOF;
+  for (int i = 0; ok && i < ntensors; i++) {
+    size_t numel = 1;
+    for (int d = 0; d < tensors[i].rank; d++)
+      numel *= (size_t)tensors[i].dims[d];
+    ok = numel == 0 || fwrite(tensors[i].data, sizeof(float), numel, f) == numel;
+  }
+  ok = ok && fflush(f) == 0 && fsync(fileno(f)) == 0;
+  int saved = errno;
+  if (fclose(f) != 0 && ok) {
+    ok = false;
+    saved = errno;
+  }
+  if (!ok) {
+    rt_fail("cannot write '%s': %s", tmp, strerror(saved));
+    remove(tmp);
+    goto done;
+  }
+  if (rename(tmp, path) != 0) {
+    rt_fail("cannot rename '%s' to '%s': %s", tmp, path, strerror(errno));
+    remove(tmp);
+    goto done;
+  }
+  sync_parent_dir(path);
+  status = 0;
+done:
+  free(json);
+  free(tmp);
+  return status;
+}
+
+// ---- reading ----
+
+void rt_st_free(RtStFile *f) {
+  for (int i = 0; i < f->ntensors; i++)
+    free(f->tensors[i].name);
+  for (int i = 0; i < 2 * f->nmeta; i++)
+    free(f->meta[i]);
+  free(f->tensors);
+  free(f->meta);
+  free(f->buffer);
+  memset(f, 0, sizeof *f);
+}
+
+static int read_whole_file(const char *path, unsigned char **buf, size_t *size) {
+  int fd = open(path, O_RDONLY);
+  if (fd < 0)
+    return rt_fail("cannot open '%s': %s", path, strerror(errno));
+  struct stat sb;
+  if (fstat(fd, &sb) != 0 || !S_ISREG(sb.st_mode)) {
+    close(fd);
+    return rt_fail("cannot read '%s': it is not a regular file", path);
+  }
+  size_t n = (size_t)sb.st_size;
+  unsigned char *b = malloc(n ? n : 1);
+  if (!b) {
+    close(fd);
+    return rt_fail("out of memory reading '%s' (%zu bytes)", path, n);
+  }
+  size_t got = 0;
+  while (got < n) {
+    ssize_t r = read(fd, b + got, n - got);
+    if (r < 0 && errno == EINTR)
+      continue;
+    if (r <= 0) {
+      int saved = r < 0 ? errno : EIO;
+      free(b);
+      close(fd);
+      return rt_fail("cannot read '%s': %s", path, strerror(saved));
+    }
+    got += (size_t)r;
+  }
+  close(fd);
+  *buf = b;
+  *size = n;
+  return 0;
+}
+
+// A JSON number that is an exact non-negative integer.
+static bool get_count(const cJSON *item, uint64_t *v) {
+  if (!cJSON_IsNumber(item))
+    return false;
+  double d = item->valuedouble;
+  if (!(d >= 0 && d <= MAX_EXACT_INT) || d != (double)(uint64_t)d)
+    return false;
+  *v = (uint64_t)d;
+  return true;
+}
+
+typedef struct Range {
+  uint64_t begin, end;
+  int index;
+} Range;
+
+static int range_cmp(const void *a, const void *b) {
+  const Range *x = a, *y = b;
+  if (x->begin != y->begin)
+    return x->begin < y->begin ? -1 : 1;
+  return x->end < y->end ? -1 : x->end > y->end;
+}
+
+static int name_cmp(const void *a, const void *b) {
+  return strcmp(*(char *const *)a, *(char *const *)b);
+}
+
+static int read_metadata(const char *path, const cJSON *obj, RtStFile *out) {
+  if (!cJSON_IsObject(obj))
+    return rt_fail("'%s': __metadata__ is not a JSON object", path);
+  int n = cJSON_GetArraySize(obj);
+  out->meta = calloc(2 * (size_t)n + 1, sizeof(char *));
+  if (!out->meta)
+    return rt_fail("out of memory reading '%s'", path);
+  for (const cJSON *kv = obj->child; kv; kv = kv->next) {
+    if (!cJSON_IsString(kv))
+      return rt_fail("'%s': __metadata__ value '%s' is not a string", path, kv->string);
+    out->meta[2 * out->nmeta] = strdup(kv->string);
+    out->meta[2 * out->nmeta + 1] = strdup(kv->valuestring);
+    out->nmeta++;
+    if (!out->meta[2 * out->nmeta - 2] || !out->meta[2 * out->nmeta - 1])
+      return rt_fail("out of memory reading '%s'", path);
+  }
+  return 0;
+}
+
+// entry = {"dtype": "F32", "shape": [int*], "data_offsets": [int, int]}
+static int read_entry(const char *path, const cJSON *obj, const unsigned char *data,
+                      uint64_t data_size, RtStEntry *t, Range *range) {
+  const char *name = obj->string;
+  if (!cJSON_IsObject(obj))
+    return rt_fail("'%s': the header entry for '%s' is not a JSON object", path, name);
+  const cJSON *dtype = cJSON_GetObjectItemCaseSensitive(obj, "dtype");
+  const cJSON *shape = cJSON_GetObjectItemCaseSensitive(obj, "shape");
+  const cJSON *offsets = cJSON_GetObjectItemCaseSensitive(obj, "data_offsets");
+  if (!cJSON_IsString(dtype) || !cJSON_IsArray(shape) || !cJSON_IsArray(offsets))
+    return rt_fail("'%s': tensor '%s' needs a string \"dtype\", an array \"shape\" and an array "
+                   "\"data_offsets\"", path, name);
+  if (strcmp(dtype->valuestring, "F32") != 0)
+    return rt_fail("'%s': tensor '%s' has dtype %s; only F32 tensors are supported", path, name,
+                   dtype->valuestring);
+  int rank = cJSON_GetArraySize(shape);
+  if (rank > RT_MAX_RANK)
+    return rt_fail("'%s': tensor '%s' has %d dimensions; at most %d are supported", path, name,
+                   rank, RT_MAX_RANK);
+  t->rank = rank;
+  int d = 0;
+  bool empty = false;
+  for (const cJSON *dim = shape->child; dim; dim = dim->next, d++) {
+    uint64_t v;
+    if (!get_count(dim, &v))
+      return rt_fail("'%s': tensor '%s' has a shape entry that is not a non-negative integer",
+                     path, name);
+    t->dims[d] = (int64_t)v;
+    empty = empty || v == 0;
+  }
+  // numel saturates just past what the data section can hold; the size check reports it.
+  uint64_t numel = empty ? 0 : 1;
+  for (d = 0; d < rank && numel > 0; d++) {
+    if (numel > data_size / (uint64_t)t->dims[d] + 1) {
+      numel = data_size + 1;
+      break;
+    }
+    numel *= (uint64_t)t->dims[d];
+  }
+  uint64_t begin, end;
+  if (cJSON_GetArraySize(offsets) != 2 || !get_count(offsets->child, &begin) ||
+      !get_count(offsets->child->next, &end))
+    return rt_fail("'%s': tensor '%s' needs \"data_offsets\": [BEGIN, END] with non-negative "
+                   "integers", path, name);
+  if (begin > end || end > data_size)
+    return rt_fail("'%s': tensor '%s' has data_offsets [%llu, %llu] outside the file's %llu "
+                   "data bytes (is the file truncated?)", path, name, (unsigned long long)begin,
+                   (unsigned long long)end, (unsigned long long)data_size);
+  char buf[160];
+  if (numel > data_size / sizeof(float))
+    return rt_fail("'%s': tensor '%s' of shape %s does not fit in the file's %llu data bytes",
+                   path, name, rt_shape_str(buf, sizeof buf, t->rank, t->dims),
+                   (unsigned long long)data_size);
+  if (end - begin != numel * sizeof(float))
+    return rt_fail("'%s': tensor '%s' of shape %s needs %llu bytes but its data_offsets span "
+                   "%llu", path, name, rt_shape_str(buf, sizeof buf, t->rank, t->dims),
+                   (unsigned long long)(numel * sizeof(float)),
+                   (unsigned long long)(end - begin));
+  t->numel = (int64_t)numel;
+  t->bytes = data + begin;
+  range->begin = begin;
+  range->end = end;
+  return 0;
+}
+
+static int read_header(const char *path, const cJSON *root, const unsigned char *data,
+                       uint64_t data_size, RtStFile *out) {
+  if (!cJSON_IsObject(root))
+    return rt_fail("'%s': the safetensors header is not a JSON object", path);
+  int n = 0;
+  for (const cJSON *it = root->child; it; it = it->next)
+    n += strcmp(it->string, "__metadata__") != 0;
+  out->tensors = calloc((size_t)n + 1, sizeof(RtStEntry));
+  Range *ranges = calloc((size_t)n + 1, sizeof(Range));
+  char **names = calloc((size_t)n + 1, sizeof(char *));
+  int status = -1;
+  if (!out->tensors || !ranges || !names) {
+    rt_fail("out of memory reading '%s'", path);
+    goto done;
+  }
+  for (const cJSON *it = root->child; it; it = it->next) {
+    if (strcmp(it->string, "__metadata__") == 0) {
+      if (out->meta) {
+        rt_fail("'%s': the header has two __metadata__ entries", path);
+        goto done;
+      }
+      if (read_metadata(path, it, out) != 0)
+        goto done;
+      continue;
+    }
+    int i = out->ntensors;
+    RtStEntry *t = &out->tensors[i];
+    t->name = strdup(it->string);
+    if (!t->name) {
+      rt_fail("out of memory reading '%s'", path);
+      goto done;
+    }
+    out->ntensors++;
+    if (read_entry(path, it, data, data_size, t, &ranges[i]) != 0)
+      goto done;
+    ranges[i].index = i;
+    names[i] = t->name;
+  }
+  qsort(names, (size_t)n, sizeof(char *), name_cmp);
+  for (int i = 1; i < n; i++)
+    if (strcmp(names[i - 1], names[i]) == 0) {
+      rt_fail("'%s': the header names tensor '%s' twice", path, names[i]);
+      goto done;
+    }
+  qsort(ranges, (size_t)n, sizeof(Range), range_cmp);
+  uint64_t covered = 0;
+  int last = -1;
+  for (int i = 0; i < n; i++) {
+    if (ranges[i].begin == ranges[i].end)
+      continue;
+    if (ranges[i].begin < covered) {
+      rt_fail("'%s': the data of tensors '%s' and '%s' overlap", path,
+              out->tensors[ranges[last].index].name, out->tensors[ranges[i].index].name);
+      goto done;
+    }
+    covered = ranges[i].end;
+    last = i;
+  }
+  status = 0;
+done:
+  free(ranges);
+  free(names);
+  return status;
+}
+
+int rt_st_read(const char *path, RtStFile *out) {
+  memset(out, 0, sizeof *out);
+  unsigned char *buf = NULL;
+  size_t size = 0;
+  if (read_whole_file(path, &buf, &size) != 0)
+    return -1;
+  out->buffer = buf;
+  out->size = size;
+  if (size < 8) {
+    rt_fail("'%s' is not a safetensors file: it has %zu bytes, fewer than the 8-byte header "
+            "length", path, size);
+    goto fail;
+  }
+  uint64_t header_len = 0;
+  for (int i = 0; i < 8; i++)
+    header_len |= (uint64_t)buf[i] << (8 * i);
+  if (header_len > size - 8 || header_len > MAX_HEADER) {
+    rt_fail("'%s' is not a safetensors file or is truncated: it declares a %llu-byte header "
+            "but has %zu bytes", path, (unsigned long long)header_len, size);
+    goto fail;
+  }
+  const char *json = (const char *)buf + 8;
+  const char *parse_end = NULL;
+  cJSON *root = cJSON_ParseWithLengthOpts(json, (size_t)header_len, &parse_end, false);
+  if (!root) {
+    const char *at = cJSON_GetErrorPtr();
+    long where = at && at >= json && at <= json + header_len ? (long)(at - json) : -1;
+    rt_fail("'%s': the safetensors header is not valid JSON (near byte %ld of the header)",
+            path, where);
+    goto fail;
+  }
+  for (const char *p = parse_end; p && p < json + header_len; p++)
+    if (*p != ' ' && *p != '\n' && *p != '\r' && *p != '\t') {
+      cJSON_Delete(root);
+      rt_fail("'%s': the safetensors header has text after its JSON object", path);
+      goto fail;
+    }
+  int status = read_header(path, root, buf + 8 + header_len, size - 8 - header_len, out);
+  cJSON_Delete(root);
+  if (status != 0)
+    goto fail;
+  return 0;
+fail:
+  rt_st_free(out);
+  return -1;
+}
+
+const RtStEntry *rt_st_find(const RtStFile *f, const char *name) {
+  for (int i = 0; i < f->ntensors; i++)
+    if (strcmp(f->tensors[i].name, name) == 0)
+      return &f->tensors[i];
+  return NULL;
+}
+
+const char *rt_st_meta(const RtStFile *f, const char *key) {
+  for (int i = 0; i < f->nmeta; i++)
+    if (strcmp(f->meta[2 * i], key) == 0)
+      return f->meta[2 * i + 1];
+  return NULL;
+}
+
+void rt_st_copy(const RtStEntry *t, float *dst) {
+  if (t->numel > 0)
+    memcpy(dst, t->bytes, (size_t)t->numel * sizeof(float));
+}

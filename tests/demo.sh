@@ -1,0 +1,20 @@
+#!/usr/bin/env bash
+# `make demo`: compile the shipped tiny model and train it for 20 steps on the CPU.
+set -eu
+cd "$(dirname "$0")/.."
+BUILD=${BUILD:-build}
+echo "# moec build lang/models/tiny.moe -o $BUILD/tiny -v"
+"$BUILD/moec" build lang/models/tiny.moe -o "$BUILD/tiny" -v
+if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then
+  echo "# a GPU is present, but this moec has no CUDA backend yet: training on the CPU"
+fi
+echo "# $BUILD/tiny --steps 20"
+"$BUILD/tiny" --steps 20
+cat <<MSG
+
+# next:
+#   $BUILD/moec dump-ir lang/models/tiny.moe --after=lower    the forward IR of the model
+#   $BUILD/moec dump-ir lang/models/tiny.moe --all            the IR after every pass
+#   $BUILD/tiny --help                                         what the training binary can do
+#   lang/manual.md                                             the .moe language
+MSG

@@ -1,0 +1,169 @@
+#!/usr/bin/env bash
+# The test runner behind `make test`. Every check prints one line (ok / FAIL / skip) and the run
+# ends with the totals: "N passed, N failed, N skipped". Exit status 1 if anything failed.
+#
+# Sections: unit tests (cmocka), diagnostics goldens (plain and under ASan+UBSan), IR goldens and
+# round trips after every pass, end-to-end training of tiny.moe (loss, determinism, resume),
+# whole-model finite-difference gradient checks, the numpy reference, fuzz smoke runs.
+set -u
+cd "$(dirname "$0")/.."
+BUILD=${BUILD:-build}
+MOEC=$BUILD/moec
+ASAN_MOEC=$BUILD/asan/moec
+WORK=$(mktemp -d "${TMPDIR:-/tmp}/moec-test.XXXXXX")
+trap 'rm -rf "$WORK"' EXIT
+PY=/usr/bin/python3
+export ASAN_OPTIONS=detect_leaks=1:abort_on_error=0
+export UBSAN_OPTIONS=print_stacktrace=1:halt_on_error=1
+
+passed=0 failed=0 skipped=0
+failures=()
+ok()   { passed=$((passed + 1)); printf 'ok    %s\n' "$1"; }
+bad()  { failed=$((failed + 1)); failures+=("$1"); printf 'FAIL  %s\n' "$1"; [ -n "${2:-}" ] && printf '%s\n' "$2" | sed 's/^/      /' | head -n 40; }
+skip() { skipped=$((skipped + 1)); printf 'skip  %s: %s\n' "$1" "$2"; }
+section() { printf '\n# %s\n' "$1"; }
+
+# ---- unit tests ----
+section "unit tests (cmocka)"
+for t in "$BUILD"/tests/test_*; do
+  [ -x "$t" ] || continue
+  name=$(basename "$t")
+  if out=$("$t" 2>&1); then ok "$name"; else bad "$name" "$out"; fi
+done
+
+# ---- diagnostics goldens ----
+# tests/diag/NAME.moe with NAME.err, the exact stderr of `moec check NAME.moe` (exit status 1).
+# NAME.args, when present, replaces the arguments: either a whole command line after `moec`
+# (starting with check, build or dump-ir) or the arguments of `moec check`.
+section "diagnostics goldens"
+diag_args() {
+  local base=$1 args
+  if [ -f "$base.args" ]; then
+    args=$(head -n 1 "$base.args")
+    case "$args" in check\ *|build\ *|dump-ir\ *) echo "$args" ;; *) echo "check $args" ;; esac
+  else
+    echo "check $base.moe"
+  fi
+}
+for err in tests/diag/*.err; do
+  [ -f "$err" ] || continue
+  base=${err%.err}
+  name=diag/$(basename "$base")
+  args=$(diag_args "$base")
+  for bin in "$MOEC" "$ASAN_MOEC"; do
+    label=$name; [ "$bin" = "$ASAN_MOEC" ] && label="$name (asan+ubsan)"
+    # shellcheck disable=SC2086
+    "$bin" $args >"$WORK/out" 2>"$WORK/err" </dev/null
+    status=$?
+    if [ $status -ne 1 ]; then bad "$label" "exit status $status, expected 1; stderr: $(head -c 2000 "$WORK/err")"; continue; fi
+    if ! diff -u "$err" "$WORK/err" >"$WORK/diff"; then bad "$label" "$(head -n 40 "$WORK/diff")"; continue; fi
+    ok "$label"
+  done
+done
+
+# ---- IR goldens and round trips ----
+section "IR goldens (tests/golden/NAME.moe -> NAME.PASS.ir)"
+for golden in tests/golden/*.ir; do
+  [ -f "$golden" ] || continue
+  g=$(basename "$golden" .ir)        # NAME.PASS
+  pass=${g##*.}; model=tests/golden/${g%.*}.moe
+  if "$MOEC" dump-ir "$model" --after="$pass" >"$WORK/g.ir" 2>"$WORK/err" && diff -u "$golden" "$WORK/g.ir" >"$WORK/diff"; then
+    ok "golden $g"
+  else
+    bad "golden $g" "$(cat "$WORK/err" "$WORK/diff" | head -n 40)"
+  fi
+done
+
+section "IR round trip: print(parse(print(m))) == print(m) after every pass"
+passes="lower $("$MOEC" passes | awk '{print $1}' | tr '\n' ' ')"
+for model in lang/models/*.moe tests/models/*.moe; do
+  [ -f "$model" ] || continue
+  for pass in $passes; do
+    label="roundtrip $(basename "$model") after $pass"
+    if ! "$MOEC" dump-ir "$model" --after="$pass" >"$WORK/a.ir" 2>"$WORK/err"; then bad "$label" "$(cat "$WORK/err")"; continue; fi
+    if ! "$MOEC" dump-ir "$WORK/a.ir" >"$WORK/b.ir" 2>"$WORK/err"; then bad "$label" "$(cat "$WORK/err")"; continue; fi
+    if cmp -s "$WORK/a.ir" "$WORK/b.ir"; then ok "$label"; else bad "$label" "$(diff -u "$WORK/a.ir" "$WORK/b.ir" | head -n 20)"; fi
+  done
+done
+
+# ---- end to end: tiny.moe ----
+section "end to end: lang/models/tiny.moe"
+losses() { grep '^step' "$1" | awk '{print $2, $4}'; }   # step number, loss
+if "$MOEC" build lang/models/tiny.moe -o "$WORK/tiny" 2>"$WORK/err"; then
+  ok "build tiny.moe"
+  if "$WORK/tiny" --steps 20 >"$WORK/run1" 2>&1; then
+    first=$(losses "$WORK/run1" | head -n 1 | awk '{print $2}'); last=$(losses "$WORK/run1" | tail -n 1 | awk '{print $2}')
+    n=$(losses "$WORK/run1" | wc -l)
+    if [ "$n" = 20 ] && awk -v a="$first" -v b="$last" 'BEGIN{exit !(b < 0.9 * a)}'; then
+      ok "tiny: 20 steps, loss $first -> $last"
+    else
+      bad "tiny: 20 steps with the loss going down" "$(cat "$WORK/run1")"
+    fi
+    "$WORK/tiny" --steps 20 >"$WORK/run2" 2>&1
+    if [ -n "$(losses "$WORK/run1")" ] && [ "$(losses "$WORK/run1")" = "$(losses "$WORK/run2")" ]; then
+      ok "tiny: same seed twice gives bit-identical losses"
+    else
+      bad "tiny: same seed twice gives bit-identical losses" "$(diff <(losses "$WORK/run1") <(losses "$WORK/run2"))"
+    fi
+    if "$WORK/tiny" --steps 10 --save "$WORK/ckpt.safetensors" >"$WORK/half" 2>&1 &&
+       "$WORK/tiny" --steps 20 --resume "$WORK/ckpt.safetensors" >"$WORK/resumed" 2>&1; then
+      want=$(losses "$WORK/run1" | awk '$1 > 10'); got=$(losses "$WORK/resumed")
+      if [ -n "$want" ] && [ "$want" = "$got" ] && [ ! -e "$WORK/ckpt.safetensors.tmp" ]; then
+        ok "tiny: save at step 10 + resume gives the same losses for steps 11-20"
+      else
+        bad "tiny: save at step 10 + resume gives the same losses for steps 11-20" "$(diff <(echo "$want") <(echo "$got"))"
+      fi
+    else
+      bad "tiny: save + resume" "$(cat "$WORK/half" "$WORK/resumed" 2>/dev/null | tail -n 20)"
+    fi
+  else
+    bad "tiny: run" "$(tail -n 20 "$WORK/run1")"
+  fi
+else
+  bad "build tiny.moe" "$(cat "$WORK/err")"
+fi
+
+# ---- whole-model gradients against finite differences ----
+section "whole-model gradient checks (BIN --check-grad)"
+for model in tests/models/grad_*.moe; do
+  [ -f "$model" ] || continue
+  name=$(basename "$model" .moe)
+  if ! "$MOEC" build "$model" -o "$WORK/$name" 2>"$WORK/err"; then bad "gradcheck $name: build" "$(cat "$WORK/err")"; continue; fi
+  if "$WORK/$name" --check-grad >"$WORK/gc" 2>&1; then
+    ok "gradcheck $name ($(grep -c ' OK' "$WORK/gc") tensors)"
+  else
+    bad "gradcheck $name" "$(cat "$WORK/gc")"
+  fi
+done
+
+# ---- numpy reference ----
+section "numpy reference (tests/ref)"
+if [ -x "$PY" ] && "$PY" -c 'import numpy' 2>/dev/null; then
+  if "$PY" tests/ref/moe_ref.py --selftest >"$WORK/self.out" 2>&1; then ok "numpy reference self-test (its backward vs its own finite differences)"
+  else bad "numpy reference self-test" "$(tail -n 40 "$WORK/self.out")"; fi
+  MOEC=$MOEC "$PY" tests/ref/test_ref.py >"$WORK/ref.out" 2>&1
+  status=$?
+  if [ $status -eq 0 ]; then ok "numpy reference vs the binary's --dump: $(grep -c ' ok *$\| OK *$' "$WORK/ref.out") tensors within 1e-5"
+  elif [ $status -eq 77 ]; then skip "numpy reference vs the binary" "$(tail -n 1 "$WORK/ref.out")"
+  else bad "numpy reference vs the binary" "$(tail -n 40 "$WORK/ref.out")"; fi
+else
+  bad "numpy reference" "/usr/bin/python3 with numpy is missing (make deps installs python3-numpy)"
+fi
+
+# ---- fuzz smoke ----
+section "fuzz smoke (libFuzzer, ${FUZZ_SMOKE_SECONDS:=20}s each)"
+for f in "$BUILD"/fuzz/fuzz_*; do
+  [ -x "$f" ] || continue
+  name=$(basename "$f"); corpus=tests/fuzz/corpus_${name#fuzz_}
+  mkdir -p "$WORK/$name"
+  if "$f" -max_total_time="$FUZZ_SMOKE_SECONDS" -timeout=10 -rss_limit_mb=2048 "$WORK/$name" "$corpus" >"$WORK/fz" 2>&1; then
+    ok "$name: $(grep -o 'stat::number_of_executed_units: [0-9]*' "$WORK/fz" | awk '{print $2}')$(grep -o '#[0-9]* *DONE' "$WORK/fz" | tr -d '#DONE ') runs, no crash"
+  else
+    bad "$name" "$(tail -n 40 "$WORK/fz")"
+  fi
+done
+
+echo
+for f in "${failures[@]}"; do echo "failed: $f"; done
+echo "$passed passed, $failed failed, $skipped skipped"
+[ "$failed" -eq 0 ]

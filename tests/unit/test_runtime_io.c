@@ -1,0 +1,868 @@
+// Unit tests of libmoert's file I/O (.npy, safetensors) and of the training driver rt_main.
+//
+// rt_main is driven with a model written here by hand: y = x·W with one parameter W [M, M]
+// and loss mse(y, target). The synthetic teacher target = 0.5·x shifted by one channel is
+// exactly such a linear map, so training must drive the loss down. Variants of the model
+// check the rest: AdamW (for the optimizer moments in checkpoints), a backward scaled by 1.1
+// (which --check-grad must reject), and a "router" that flips when W[0] crosses a threshold
+// (which --check-grad must skip, not fail). rt_main runs in-process with stdout/stderr
+// redirected to files, so LeakSanitizer sees its allocations too.
+#include <setjmp.h>
+#include <stdarg.h>
+#include <stddef.h>
+#include <stdint.h>
+
+#include <cmocka.h>
+
+#include <fcntl.h>
+#include <ftw.h>
+#include <math.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include "moert.h"
+#include "rt_internal.h"
+
+static char tmpdir[256];
+
+// A path in the test's directory; 64 of them stay valid at a time.
+static const char *tmp_path(const char *name) {
+  static char buf[64][512];
+  static int next;
+  char *p = buf[next++ % 64];
+  snprintf(p, 512, "%s/%s", tmpdir, name);
+  return p;
+}
+
+static bool file_exists(const char *path) {
+  struct stat sb;
+  return stat(path, &sb) == 0;
+}
+
+static char *read_text(const char *path) {
+  FILE *f = fopen(path, "rb");
+  if (!f)
+    return NULL;
+  fseek(f, 0, SEEK_END);
+  long n = ftell(f);
+  fseek(f, 0, SEEK_SET);
+  char *s = malloc((size_t)n + 1);
+  size_t got = fread(s, 1, (size_t)n, f);
+  s[got] = '\0';
+  fclose(f);
+  return s;
+}
+
+static void write_bytes(const char *path, const void *data, size_t n) {
+  FILE *f = fopen(path, "wb");
+  assert_non_null(f);
+  assert_int_equal(fwrite(data, 1, n, f), n);
+  fclose(f);
+}
+
+// ---- .npy ----
+
+static void test_npy_f32_round_trip(void **state) {
+  const char *path = tmp_path("a.npy");
+  float data[24];
+  for (int i = 0; i < 24; i++)
+    data[i] = (float)i * 0.5f - 3.0f;
+  int64_t dims[3] = {2, 3, 4};
+  assert_int_equal(rt_npy_write(path, RT_DTYPE_F32, 3, dims, data), 0);
+  // numpy's layout: 10-byte prefix + header padded to 64 bytes, then the data.
+  char *text = read_text(path);
+  assert_memory_equal(text, "\x93NUMPY\x01\x00", 8);
+  int header_len = (unsigned char)text[8] | (unsigned char)text[9] << 8;
+  assert_int_equal((10 + header_len) % 64, 0);
+  assert_non_null(
+      strstr(text + 10, "{'descr': '<f4', 'fortran_order': False, 'shape': (2, 3, 4), }"));
+  assert_int_equal(text[10 + header_len - 1], '\n');
+  free(text);
+
+  RtArray a;
+  assert_int_equal(rt_npy_read(path, &a), 0);
+  assert_int_equal(a.dtype, RT_DTYPE_F32);
+  assert_int_equal(a.rank, 3);
+  assert_int_equal(a.dims[0], 2);
+  assert_int_equal(a.dims[2], 4);
+  assert_int_equal(a.numel, 24);
+  assert_memory_equal(a.data, data, sizeof data);
+  rt_array_free(&a);
+
+  float back[24];
+  assert_int_equal(rt_npy_read_f32(path, 3, dims, back), 0);
+  assert_memory_equal(back, data, sizeof data);
+}
+
+static void test_npy_scalar_and_int(void **state) {
+  const char *path = tmp_path("s.npy");
+  double loss = 0.123456789012345;
+  assert_int_equal(rt_npy_write(path, RT_DTYPE_F64, 0, NULL, &loss), 0);
+  char *text = read_text(path);
+  assert_non_null(strstr(text + 10, "'descr': '<f8'"));
+  assert_non_null(strstr(text + 10, "'shape': ()"));
+  free(text);
+  RtArray a;
+  assert_int_equal(rt_npy_read(path, &a), 0);
+  assert_int_equal(a.dtype, RT_DTYPE_F64);
+  assert_int_equal(a.rank, 0);
+  assert_int_equal(a.numel, 1);
+  assert_true(*(double *)a.data == loss);
+  rt_array_free(&a);
+
+  const char *ipath = tmp_path("i.npy");
+  int32_t idx[5] = {3, -1, 0, 7, 2147483647};
+  int64_t n = 5;
+  assert_int_equal(rt_npy_write(ipath, RT_DTYPE_I32, 1, &n, idx), 0);
+  text = read_text(ipath);
+  assert_non_null(strstr(text + 10, "'descr': '<i4', 'fortran_order': False, 'shape': (5,), }"));
+  free(text);
+  assert_int_equal(rt_npy_read(ipath, &a), 0);
+  assert_int_equal(a.dtype, RT_DTYPE_I32);
+  assert_int_equal(a.rank, 1);
+  assert_int_equal(a.dims[0], 5);
+  assert_memory_equal(a.data, idx, sizeof idx);
+  rt_array_free(&a);
+}
+
+// A .npy with a hand-written header (padded to 64 like numpy's) and data bytes.
+static void write_npy_raw(const char *path, const char *dict, const void *data, size_t n) {
+  char buf[256 + 4096];
+  size_t len = strlen(dict);
+  size_t header = (10 + len + 1 + 63) / 64 * 64 - 10;
+  memcpy(buf, "\x93NUMPY\x01\x00", 8);
+  buf[8] = (char)(header & 0xff);
+  buf[9] = (char)(header >> 8);
+  memcpy(buf + 10, dict, len);
+  memset(buf + 10 + len, ' ', header - len - 1);
+  buf[10 + header - 1] = '\n';
+  memcpy(buf + 10 + header, data, n);
+  write_bytes(path, buf, 10 + header + n);
+}
+
+static void expect_npy_error(const char *path, const char *fragment) {
+  RtArray a;
+  rt_clear_error();
+  assert_int_not_equal(rt_npy_read(path, &a), 0);
+  assert_null(a.data);
+  if (!strstr(rt_last_error(), fragment))
+    fail_msg("error '%s' does not mention '%s'", rt_last_error(), fragment);
+}
+
+static void test_npy_errors(void **state) {
+  float data[6] = {0};
+  int64_t dims[2] = {2, 3};
+  const char *path = tmp_path("bad.npy");
+
+  expect_npy_error(tmp_path("missing.npy"), "No such file or directory");
+
+  write_npy_raw(path, "{'descr': '<f4', 'fortran_order': True, 'shape': (2, 3), }", data,
+                sizeof data);
+  expect_npy_error(path, "Fortran order");
+
+  write_npy_raw(path, "{'descr': '<f4', 'fortran_order': False, 'shape': (2, 3), }", data,
+                sizeof data - 4);
+  expect_npy_error(path, "truncated");
+
+  write_npy_raw(path, "{'descr': '<f2', 'fortran_order': False, 'shape': (2, 3), }", data,
+                12);
+  expect_npy_error(path, "dtype '<f2'");
+
+  write_npy_raw(path, "{'descr': '>f4', 'fortran_order': False, 'shape': (2, 3), }", data,
+                sizeof data);
+  expect_npy_error(path, "big-endian");
+
+  write_npy_raw(path, "{'descr': '<f4', 'fortran_order': False, 'shape': (2, 3, }", data,
+                sizeof data);
+  expect_npy_error(path, "shape");
+
+  write_npy_raw(path, "{'descr': '<f4', 'shape': (2, 3), }", data, sizeof data);
+  expect_npy_error(path, "fortran_order");
+
+  write_npy_raw(path, "{'descr': '<f4', 'fortran_order': False, 'shape': (999999999999,), }",
+                data, sizeof data);
+  expect_npy_error(path, "truncated");
+
+  write_bytes(path, "PK\x03\x04 not numpy", 15);
+  expect_npy_error(path, "not a .npy file");
+
+  // The typed reader names what it wanted.
+  double d6[6] = {0};
+  rt_npy_write(path, RT_DTYPE_F64, 2, dims, d6);
+  rt_clear_error();
+  assert_int_not_equal(rt_npy_read_f32(path, 2, dims, data), 0);
+  assert_non_null(strstr(rt_last_error(), "holds float64; expected float32"));
+  rt_npy_write(path, RT_DTYPE_F32, 2, dims, data);
+  int64_t other[2] = {3, 2};
+  assert_int_not_equal(rt_npy_read_f32(path, 2, other, data), 0);
+  assert_non_null(strstr(rt_last_error(), "has shape [2, 3]; expected [3, 2]"));
+}
+
+// Every prefix of a valid file is rejected cleanly (ASan watches for overreads).
+static void test_npy_every_truncation(void **state) {
+  const char *path = tmp_path("t.npy"), *cut = tmp_path("cut.npy");
+  float data[5] = {1, 2, 3, 4, 5};
+  int64_t n = 5;
+  assert_int_equal(rt_npy_write(path, RT_DTYPE_F32, 1, &n, data), 0);
+  char *text = read_text(path);
+  size_t size = 64 + sizeof data;
+  for (size_t len = 0; len < size; len++) {
+    write_bytes(cut, text, len);
+    RtArray a;
+    assert_int_not_equal(rt_npy_read(cut, &a), 0);
+  }
+  free(text);
+}
+
+// ---- safetensors ----
+
+static void test_st_round_trip(void **state) {
+  const char *path = tmp_path("w.safetensors");
+  float a[6] = {1, 2, 3, 4, 5, 6}, b[3] = {-1.5f, 0.25f, 1e30f}, c = 42;
+  int64_t da[2] = {2, 3}, db[1] = {3};
+  RtStTensor tensors[3] = {
+      {"block0.moe.gate.wg", 2, da, a}, {"b \"quoted\"", 1, db, b}, {"scalar", 0, NULL, &c}};
+  const char *meta[] = {"format", "test", "step", "7"};
+  assert_int_equal(rt_st_write(path, 3, tensors, 2, meta), 0);
+  assert_false(file_exists(tmp_path("w.safetensors.tmp")));
+
+  RtStFile f;
+  assert_int_equal(rt_st_read(path, &f), 0);
+  // Header length is a multiple of 8 and the data follows it directly.
+  uint64_t header_len = 0;
+  for (int i = 0; i < 8; i++)
+    header_len |= (uint64_t)f.buffer[i] << (8 * i);
+  assert_int_equal(header_len % 8, 0);
+  assert_int_equal(f.size, 8 + header_len + sizeof a + sizeof b + sizeof c);
+  assert_int_equal(f.ntensors, 3);
+  const RtStEntry *t = rt_st_find(&f, "block0.moe.gate.wg");
+  assert_non_null(t);
+  assert_int_equal(t->rank, 2);
+  assert_int_equal(t->dims[0], 2);
+  assert_int_equal(t->dims[1], 3);
+  float back[6];
+  rt_st_copy(t, back);
+  assert_memory_equal(back, a, sizeof a);
+  t = rt_st_find(&f, "b \"quoted\"");
+  assert_non_null(t);
+  rt_st_copy(t, back);
+  assert_memory_equal(back, b, sizeof b);
+  t = rt_st_find(&f, "scalar");
+  assert_non_null(t);
+  assert_int_equal(t->rank, 0);
+  assert_int_equal(t->numel, 1);
+  assert_null(rt_st_find(&f, "nope"));
+  assert_string_equal(rt_st_meta(&f, "format"), "test");
+  assert_string_equal(rt_st_meta(&f, "step"), "7");
+  assert_null(rt_st_meta(&f, "model"));
+  rt_st_free(&f);
+
+  // Overwriting replaces the file in one rename and leaves no temporary behind.
+  assert_int_equal(rt_st_write(path, 1, tensors, 0, NULL), 0);
+  assert_false(file_exists(tmp_path("w.safetensors.tmp")));
+  assert_int_equal(rt_st_read(path, &f), 0);
+  assert_int_equal(f.ntensors, 1);
+  assert_int_equal(f.nmeta, 0);
+  rt_st_free(&f);
+
+  // A directory that does not exist: an error, nothing written.
+  rt_clear_error();
+  assert_int_not_equal(rt_st_write(tmp_path("no/such/dir.safetensors"), 1, tensors, 0, NULL),
+                       0);
+  assert_non_null(strstr(rt_last_error(), "cannot create"));
+}
+
+// A safetensors file with the given header text and data bytes.
+static void write_st_raw(const char *path, const char *json, uint64_t declared_len,
+                         const void *data, size_t n) {
+  size_t len = strlen(json);
+  unsigned char *buf = malloc(8 + len + n);
+  for (int i = 0; i < 8; i++)
+    buf[i] = (unsigned char)(declared_len >> (8 * i));
+  memcpy(buf + 8, json, len);
+  if (n)
+    memcpy(buf + 8 + len, data, n);
+  write_bytes(path, buf, 8 + len + n);
+  free(buf);
+}
+
+static void expect_st_error(const char *json, size_t data_bytes, const char *fragment) {
+  const char *path = tmp_path("bad.safetensors");
+  static const unsigned char zeros[64];
+  write_st_raw(path, json, strlen(json), zeros, data_bytes);
+  RtStFile f;
+  rt_clear_error();
+  assert_int_not_equal(rt_st_read(path, &f), 0);
+  assert_null(f.buffer);
+  assert_null(f.tensors);
+  if (!strstr(rt_last_error(), fragment))
+    fail_msg("for header %s: error '%s' does not mention '%s'", json, rt_last_error(), fragment);
+}
+
+static void test_st_malformed(void **state) {
+  const char *ok = "{\"a\":{\"dtype\":\"F32\",\"shape\":[2],\"data_offsets\":[0,8]}}";
+  const char *path = tmp_path("bad.safetensors");
+  RtStFile f;
+  expect_st_error(ok, 4, "outside the file's 4 data bytes");
+  expect_st_error("{\"a\":{\"dtype\":\"F32\",\"shape\":[2],\"data_offsets\":[0,8]", 8,
+                  "not valid JSON");
+  expect_st_error("[1, 2]", 0, "not a JSON object");
+  expect_st_error("{\"a\":{\"dtype\":\"F32\",\"shape\":[2],\"data_offsets\":[0,16]}}", 16,
+                  "needs 8 bytes but its data_offsets span 16");
+  expect_st_error("{\"a\":{\"dtype\":\"F32\",\"shape\":[2],\"data_offsets\":[8,0]}}", 8,
+                  "outside");
+  expect_st_error("{\"a\":{\"dtype\":\"F32\",\"shape\":[2],\"data_offsets\":[0,8]},"
+                  "\"b\":{\"dtype\":\"F32\",\"shape\":[2],\"data_offsets\":[4,12]}}",
+                  12, "overlap");
+  expect_st_error("{\"a\":{\"dtype\":\"BF16\",\"shape\":[2],\"data_offsets\":[0,4]}}", 4,
+                  "dtype BF16");
+  expect_st_error("{\"a\":{\"dtype\":\"F32\",\"shape\":[-2],\"data_offsets\":[0,8]}}", 8,
+                  "shape entry");
+  expect_st_error("{\"a\":{\"dtype\":\"F32\",\"shape\":[2.5],\"data_offsets\":[0,8]}}", 8,
+                  "shape entry");
+  expect_st_error("{\"a\":{\"dtype\":\"F32\",\"shape\":[4294967296,4294967296,4294967296],"
+                  "\"data_offsets\":[0,8]}}",
+                  8, "does not fit");
+  expect_st_error("{\"a\":{\"dtype\":\"F32\",\"shape\":[2]}}", 8, "data_offsets");
+  expect_st_error("{\"a\":{\"dtype\":\"F32\",\"shape\":[2],\"data_offsets\":[0,8]},"
+                  "\"a\":{\"dtype\":\"F32\",\"shape\":[2],\"data_offsets\":[8,16]}}",
+                  16, "twice");
+  expect_st_error("{\"__metadata__\":{\"step\":5}}", 0, "not a string");
+  expect_st_error("{\"a\":{\"dtype\":\"F32\",\"shape\":[2],\"data_offsets\":[0,8]}} x", 8,
+                  "text after");
+
+  // Declared header length past the end of the file; a file shorter than 8 bytes.
+  write_st_raw(path, ok, 1u << 20, NULL, 0);
+  assert_int_not_equal(rt_st_read(path, &f), 0);
+  assert_non_null(strstr(rt_last_error(), "truncated"));
+  write_bytes(path, "\x10\x00\x00", 3);
+  assert_int_not_equal(rt_st_read(path, &f), 0);
+  assert_non_null(strstr(rt_last_error(), "fewer than the 8-byte"));
+  assert_int_not_equal(rt_st_read(tmpdir, &f), 0);
+  assert_non_null(strstr(rt_last_error(), "not a regular file"));
+  assert_int_not_equal(rt_st_read(tmp_path("missing.safetensors"), &f), 0);
+  assert_non_null(strstr(rt_last_error(), "No such file"));
+
+  // Empty tensors and a header padded with spaces are fine.
+  write_st_raw(path, "{\"e\":{\"dtype\":\"F32\",\"shape\":[0,3],\"data_offsets\":[0,0]}}   ",
+               strlen("{\"e\":{\"dtype\":\"F32\",\"shape\":[0,3],\"data_offsets\":[0,0]}}   "),
+               NULL, 0);
+  assert_int_equal(rt_st_read(path, &f), 0);
+  assert_int_equal(rt_st_find(&f, "e")->numel, 0);
+  rt_st_free(&f);
+}
+
+// Every truncation and many single-byte corruptions of a valid file: errors, never crashes.
+static void test_st_corruptions(void **state) {
+  const char *path = tmp_path("c.safetensors"), *bad = tmp_path("cut.safetensors");
+  float a[4] = {1, 2, 3, 4};
+  int64_t dims[2] = {2, 2};
+  RtStTensor tensors[2] = {{"x", 2, dims, a}, {"y", 2, dims, a}};
+  const char *meta[] = {"k", "v"};
+  assert_int_equal(rt_st_write(path, 2, tensors, 1, meta), 0);
+  RtStFile f;
+  assert_int_equal(rt_st_read(path, &f), 0);
+  size_t size = f.size;
+  unsigned char *orig = malloc(size);
+  memcpy(orig, f.buffer, size);
+  rt_st_free(&f);
+  for (size_t len = 0; len < size; len++) {
+    write_bytes(bad, orig, len);
+    assert_int_not_equal(rt_st_read(bad, &f), 0);
+  }
+  unsigned char *copy = malloc(size);
+  const unsigned char values[] = {0, '"', '{', '}', ',', '9', 0xff, ']', ' '};
+  for (size_t pos = 0; pos < size; pos++)
+    for (size_t v = 0; v < sizeof values; v++) {
+      memcpy(copy, orig, size);
+      copy[pos] = values[v];
+      write_bytes(bad, copy, size);
+      if (rt_st_read(bad, &f) == 0)
+        rt_st_free(&f);
+    }
+  free(copy);
+  free(orig);
+}
+
+// ---- rt_main on a hand-written model ----
+
+enum { B = 2, L = 8, M = 8, S = B * L, N = S * M };
+
+static float learning_rate = 2.0f;
+static float backward_scale = 1.0f;
+static float route_threshold = INFINITY;   // the "router" flips when W[route_index] > this
+static int route_index;
+
+static void lin_forward(RtStep *st) {
+  rt_step_begin_forward(st);
+  float *out = (float *)st->arena;
+  rt_matmul(st->input, st->params, out, S, M, M, false, false, false);
+  if (st->params[route_index] > route_threshold) {   // a discontinuity, as a routing change makes one
+    st->route_hash = 1;
+    for (int i = 0; i < N; i++)
+      out[i] += 1.0f;
+  }
+  st->mse = rt_mse(out, st->target, N);
+  st->output = out;
+}
+
+static void lin_backward(RtStep *st) {
+  float *out = (float *)st->arena, *dout = out + N;
+  rt_mse_grad(out, st->target, dout, N);
+  rt_matmul(st->input, dout, st->grads, M, M, S, true, false, false);
+  for (int i = 0; i < M * M; i++)
+    st->grads[i] *= backward_scale;
+}
+
+static void lin_update_sgd(RtStep *st) {
+  rt_sgd(st->params, st->grads, M * M, learning_rate, 0.0f);
+}
+
+static void lin_update_adamw(RtStep *st) {
+  rt_adamw(st->params, st->grads, st->opt_m, st->opt_v, M * M, 0.05f, 0.9f, 0.999f, 1e-8f,
+           0.01f, st->step);
+}
+
+static const RtParam lin_params[1] = {
+    {.name = "lin.w", .rank = 2, .dims = {M, M}, .init = RT_INIT_NORMAL, .std = 0.1f,
+     .offset = 0, .numel = M * M}};
+
+static RtModel lin_model(RtOptKind opt) {
+  return (RtModel){.name = "linear_test", .batch = B, .seqlen = L, .embed = M, .seed = 42,
+                   .nparams = 1, .params = lin_params, .param_floats = M * M,
+                   .arena_bytes = 2 * N * sizeof(float), .opt = opt, .nlayers = 0,
+                   .forward = lin_forward, .backward = lin_backward,
+                   .update = opt == RT_OPT_ADAMW ? lin_update_adamw : lin_update_sgd};
+}
+
+typedef struct Run {
+  int rc;
+  char *out, *err;
+} Run;
+
+static void run_free(Run *r) {
+  free(r->out);
+  free(r->err);
+}
+
+// Runs rt_main(model, "model", args..., NULL) with stdout and stderr captured.
+static Run run_main(const RtModel *model, ...) {
+  char *argv[32] = {"model"};
+  int argc = 1;
+  va_list ap;
+  va_start(ap, model);
+  for (char *a; (a = va_arg(ap, char *)) != NULL;)
+    argv[argc++] = a;
+  va_end(ap);
+  char out_path[512], err_path[512];
+  snprintf(out_path, sizeof out_path, "%s/stdout.txt", tmpdir);
+  snprintf(err_path, sizeof err_path, "%s/stderr.txt", tmpdir);
+  fflush(stdout);
+  fflush(stderr);
+  int saved_out = dup(1), saved_err = dup(2);
+  int fo = open(out_path, O_WRONLY | O_CREAT | O_TRUNC, 0644);
+  int fe = open(err_path, O_WRONLY | O_CREAT | O_TRUNC, 0644);
+  dup2(fo, 1);
+  dup2(fe, 2);
+  Run r;
+  r.rc = rt_main(model, argc, argv);
+  fflush(stdout);
+  fflush(stderr);
+  dup2(saved_out, 1);
+  dup2(saved_err, 2);
+  close(fo);
+  close(fe);
+  close(saved_out);
+  close(saved_err);
+  r.out = read_text(out_path);
+  r.err = read_text(err_path);
+  return r;
+}
+
+// The per-step lines without their time field, concatenated, from step `from` on.
+static char *step_lines(const char *out, int from) {
+  char *res = calloc(strlen(out) + 1, 1);
+  for (const char *line = out; *line;) {
+    const char *end = strchr(line, '\n');
+    size_t len = end ? (size_t)(end - line) : strlen(line);
+    int step;
+    if (sscanf(line, "step %d ", &step) == 1 && step >= from) {
+      const char *time = strstr(line, "  time ");
+      assert_non_null(time);
+      assert_true(time < line + len);
+      strncat(res, line, (size_t)(time - line));
+      strcat(res, "\n");
+    }
+    line += len + (end != NULL);
+  }
+  return res;
+}
+
+static double step_loss(const char *out, int step) {
+  char key[32];
+  snprintf(key, sizeof key, "step %d  loss ", step);
+  const char *p = strstr(out, key);
+  if (!p)
+    fail_msg("no line for step %d in:\n%s", step, out);
+  return strtod(p + strlen(key), NULL);
+}
+
+static void test_main_trains(void **state) {
+  RtModel model = lin_model(RT_OPT_SGD);
+  Run r = run_main(&model, "--steps", "30", NULL);
+  assert_int_equal(r.rc, 0);
+  assert_string_equal(r.err, "");
+  // The exact line format of notes/CONTRACTS.md.
+  double loss, mse, aux, z, dropped, ms;
+  int step;
+  const char *first = strstr(r.out, "step 1 ");
+  assert_non_null(first);
+  assert_int_equal(sscanf(first, "step %d  loss %lf  mse %lf  aux %lf  z %lf  dropped %lf  "
+                                 "time %lf ms", &step, &loss, &mse, &aux, &z, &dropped, &ms),
+                   7);
+  assert_true(loss == mse && aux == 0 && z == 0 && dropped == 0 && ms >= 0);
+  double l1 = step_loss(r.out, 1), l30 = step_loss(r.out, 30);
+  assert_true(l30 < 0.1 * l1);
+  assert_non_null(strstr(r.out, "# trained 30 steps; final loss"));
+  run_free(&r);
+
+  // --quiet: no step lines.
+  r = run_main(&model, "--steps", "3", "--quiet", NULL);
+  assert_int_equal(r.rc, 0);
+  assert_null(strstr(r.out, "step 1 "));
+  run_free(&r);
+}
+
+static void test_main_deterministic(void **state) {
+  RtModel model = lin_model(RT_OPT_SGD);
+  Run a = run_main(&model, "--steps", "8", NULL);
+  Run b = run_main(&model, "--steps", "8", NULL);
+  assert_int_equal(a.rc, 0);
+  assert_int_equal(b.rc, 0);
+  char *la = step_lines(a.out, 1), *lb = step_lines(b.out, 1);
+  assert_true(strlen(la) > 0);
+  assert_string_equal(la, lb);
+  // A different seed gives different data.
+  model.seed = 43;
+  Run c = run_main(&model, "--steps", "8", NULL);
+  char *lc = step_lines(c.out, 1);
+  assert_string_not_equal(la, lc);
+  free(la);
+  free(lb);
+  free(lc);
+  run_free(&a);
+  run_free(&b);
+  run_free(&c);
+}
+
+static void assert_same_tensors(const char *pa, const char *pb) {
+  RtStFile a, b;
+  assert_int_equal(rt_st_read(pa, &a), 0);
+  assert_int_equal(rt_st_read(pb, &b), 0);
+  assert_int_equal(a.ntensors, b.ntensors);
+  for (int i = 0; i < a.ntensors; i++) {
+    const RtStEntry *t = rt_st_find(&b, a.tensors[i].name);
+    assert_non_null(t);
+    assert_int_equal(t->numel, a.tensors[i].numel);
+    assert_memory_equal(t->bytes, a.tensors[i].bytes, (size_t)t->numel * sizeof(float));
+  }
+  rt_st_free(&a);
+  rt_st_free(&b);
+}
+
+static void test_main_resume(void **state) {
+  for (int opt = 0; opt < 2; opt++) {
+    RtModel model = lin_model(opt ? RT_OPT_ADAMW : RT_OPT_SGD);
+    const char *full = tmp_path("full.safetensors"), *half = tmp_path("half.safetensors"),
+               *resumed = tmp_path("resumed.safetensors");
+    Run a = run_main(&model, "--steps", "10", "--save", full, NULL);
+    Run b = run_main(&model, "--steps", "5", "--save", half, NULL);
+    Run c = run_main(&model, "--resume", half, "--steps", "10", "--save", resumed, NULL);
+    assert_int_equal(a.rc, 0);
+    assert_int_equal(b.rc, 0);
+    if (c.rc != 0)
+      fail_msg("resume failed: %s", c.err);
+    assert_false(file_exists(tmp_path("half.safetensors.tmp")));
+    assert_null(strstr(c.out, "step 5 "));
+    char *la = step_lines(a.out, 6), *lc = step_lines(c.out, 1);
+    assert_true(strlen(la) > 0);
+    assert_string_equal(la, lc);
+    assert_same_tensors(full, resumed);
+
+    RtStFile f;
+    assert_int_equal(rt_st_read(half, &f), 0);
+    assert_string_equal(rt_st_meta(&f, "format"), "moec-checkpoint-1");
+    assert_string_equal(rt_st_meta(&f, "step"), "5");
+    assert_string_equal(rt_st_meta(&f, "model"), "linear_test");
+    assert_string_equal(rt_st_meta(&f, "optimizer"), opt ? "adamw" : "sgd");
+    assert_non_null(rt_st_find(&f, "lin.w"));
+    assert_int_equal(rt_st_find(&f, "opt.m.lin.w") != NULL, opt == 1);
+    assert_int_equal(rt_st_find(&f, "opt.v.lin.w") != NULL, opt == 1);
+    rt_st_free(&f);
+    free(la);
+    free(lc);
+    run_free(&a);
+    run_free(&b);
+    run_free(&c);
+
+    // Past the requested step: an error, not a silent no-op.
+    Run d = run_main(&model, "--resume", full, "--steps", "5", NULL);
+    assert_int_equal(d.rc, 1);
+    assert_non_null(strstr(d.err, "is at step 10, past --steps 5"));
+    run_free(&d);
+  }
+}
+
+static void test_main_weights(void **state) {
+  RtModel model = lin_model(RT_OPT_SGD);
+  const char *init = tmp_path("init.safetensors");
+  Run a = run_main(&model, "--steps", "0", "--save", init, NULL);
+  assert_int_equal(a.rc, 0);
+  Run b = run_main(&model, "--steps", "4", NULL);
+  Run c = run_main(&model, "--steps", "4", "--weights", init, NULL);
+  assert_int_equal(c.rc, 0);
+  char *lb = step_lines(b.out, 1), *lc = step_lines(c.out, 1);
+  assert_string_equal(lb, lc);
+  free(lb);
+  free(lc);
+  run_free(&a);
+  run_free(&b);
+  run_free(&c);
+
+  // Wrong shape, missing tensor, other model's checkpoint, not a checkpoint.
+  const char *bad = tmp_path("bad_w.safetensors");
+  float w[12] = {0};
+  int64_t dims[2] = {3, 4};
+  RtStTensor t = {"lin.w", 2, dims, w};
+  assert_int_equal(rt_st_write(bad, 1, &t, 0, NULL), 0);
+  Run d = run_main(&model, "--weights", bad, NULL);
+  assert_int_equal(d.rc, 1);
+  assert_non_null(strstr(d.err, "moert: error: "));
+  assert_non_null(strstr(d.err, "tensor 'lin.w' has shape [3, 4], the model needs [8, 8]"));
+  run_free(&d);
+  t.name = "other";
+  assert_int_equal(rt_st_write(bad, 1, &t, 0, NULL), 0);
+  d = run_main(&model, "--weights", bad, NULL);
+  assert_int_equal(d.rc, 1);
+  assert_non_null(strstr(d.err, "has no tensor 'lin.w'"));
+  run_free(&d);
+  d = run_main(&model, "--resume", bad, NULL);
+  assert_int_equal(d.rc, 1);
+  assert_non_null(strstr(d.err, "is not a moec checkpoint"));
+  run_free(&d);
+  RtModel other = model;
+  other.name = "another_model";
+  d = run_main(&other, "--resume", init, NULL);
+  assert_int_equal(d.rc, 1);
+  assert_non_null(strstr(d.err, "is of model 'linear_test', but this binary trains "
+                                "'another_model'"));
+  run_free(&d);
+  RtModel adam = lin_model(RT_OPT_ADAMW);
+  d = run_main(&adam, "--resume", init, NULL);
+  assert_int_equal(d.rc, 1);
+  assert_non_null(strstr(d.err, "optimizer sgd, but this binary uses adamw"));
+  run_free(&d);
+  d = run_main(&model, "--weights", tmp_path("nothere.safetensors"), NULL);
+  assert_int_equal(d.rc, 1);
+  assert_non_null(strstr(d.err, "moert: error: cannot open '"));
+  assert_non_null(strstr(d.err, "nothere.safetensors': No such file or directory"));
+  run_free(&d);
+}
+
+static void test_main_dump_and_input(void **state) {
+  RtModel model = lin_model(RT_OPT_SGD);
+  const char *dir = tmp_path("dump/nested");
+  Run a = run_main(&model, "--steps", "2", "--dump", dir, NULL);
+  assert_int_equal(a.rc, 0);
+  char path[600];
+  RtArray x, t, y, loss, g;
+  snprintf(path, sizeof path, "%s/input.npy", dir);
+  assert_int_equal(rt_npy_read(path, &x), 0);
+  snprintf(path, sizeof path, "%s/target.npy", dir);
+  assert_int_equal(rt_npy_read(path, &t), 0);
+  snprintf(path, sizeof path, "%s/output.npy", dir);
+  assert_int_equal(rt_npy_read(path, &y), 0);
+  snprintf(path, sizeof path, "%s/loss.npy", dir);
+  assert_int_equal(rt_npy_read(path, &loss), 0);
+  snprintf(path, sizeof path, "%s/grad/lin.w.npy", dir);
+  assert_int_equal(rt_npy_read(path, &g), 0);
+  assert_int_equal(x.rank, 3);
+  assert_int_equal(x.dims[0], B);
+  assert_int_equal(x.dims[1], L);
+  assert_int_equal(x.dims[2], M);
+  assert_int_equal(y.dtype, RT_DTYPE_F32);
+  assert_int_equal(y.numel, N);
+  assert_int_equal(loss.dtype, RT_DTYPE_F64);
+  assert_int_equal(loss.rank, 0);
+  assert_int_equal(g.rank, 2);
+  assert_int_equal(g.dims[0], M);
+
+  // The dump agrees with an independent computation: synthetic data from the seed, the
+  // teacher rule, the loss of the dumped output, and the gradient x^T (y - t) / N.
+  const float *xs = x.data, *ts = t.data, *ys = y.data, *gs = g.data;
+  uint64_t key = rt_key(rt_key(rt_key(42, RT_STREAM_INPUT), 1), 1);   // step 1, sample 1
+  assert_true(xs[L * M + 5] == (float)rt_normal(key, 5));
+  for (int s = 0; s < S; s++)
+    for (int m = 0; m < M; m++)
+      assert_true(ts[s * M + m] == 0.5f * xs[s * M + (m + 1) % M]);
+  double mse = 0;
+  for (int i = 0; i < N; i++)
+    mse += ((double)ys[i] - ts[i]) * ((double)ys[i] - ts[i]);
+  mse /= 2.0 * N;
+  assert_true(fabs(mse - *(double *)loss.data) < 1e-6);
+  assert_true(fabs(step_loss(a.out, 1) - mse) < 2e-6);
+  for (int i = 0; i < M; i++)
+    for (int j = 0; j < M; j++) {
+      double ref = 0;
+      for (int s = 0; s < S; s++)
+        ref += (double)xs[s * M + i] * ((double)ys[s * M + j] - ts[s * M + j]) / N;
+      assert_true(fabs(ref - gs[i * M + j]) < 1e-5 * (1 + fabs(ref)));
+    }
+
+  // The dumped input fed back with --input gives the same first step (target derived).
+  snprintf(path, sizeof path, "%s/input.npy", dir);
+  Run b = run_main(&model, "--steps", "1", "--input", path, NULL);
+  assert_int_equal(b.rc, 0);
+  char *la = step_lines(a.out, 1), *lb = step_lines(b.out, 1);
+  assert_true(strncmp(la, lb, strlen(lb)) == 0);
+  free(la);
+  free(lb);
+  run_free(&b);
+  // ... and with an explicit --target too.
+  char tpath[600];
+  snprintf(tpath, sizeof tpath, "%s/target.npy", dir);
+  b = run_main(&model, "--steps", "1", "--input", path, "--target", tpath, NULL);
+  assert_int_equal(b.rc, 0);
+  assert_true(step_loss(b.out, 1) == step_loss(a.out, 1));
+  run_free(&b);
+  // The wrong shape is refused with the expected one named.
+  snprintf(path, sizeof path, "%s/grad/lin.w.npy", dir);
+  b = run_main(&model, "--input", path, NULL);
+  assert_int_equal(b.rc, 1);
+  assert_non_null(strstr(b.err, "has shape [8, 8]; expected [2, 8, 8]"));
+  run_free(&b);
+
+  rt_array_free(&x);
+  rt_array_free(&t);
+  rt_array_free(&y);
+  rt_array_free(&loss);
+  rt_array_free(&g);
+  run_free(&a);
+}
+
+static void test_main_check_grad(void **state) {
+  RtModel model = lin_model(RT_OPT_SGD);
+  Run r = run_main(&model, "--check-grad", NULL);
+  if (r.rc != 0)
+    fail_msg("check-grad failed on a correct model:\n%s%s", r.out, r.err);
+  assert_non_null(strstr(r.out, "# pass: |fd - g| <= atol + rtol * |g|, rtol = 5e-02"));
+  int checked, skipped;
+  const char *row = strstr(r.out, "\nlin.w ");
+  assert_non_null(row);
+  assert_int_equal(sscanf(row, "\nlin.w %d %d", &checked, &skipped), 2);
+  assert_int_equal(checked, 12);
+  assert_int_equal(skipped, 0);
+  assert_non_null(strstr(r.out, "\nOK\n"));
+  assert_null(strstr(r.out, "step 1 "));
+  run_free(&r);
+
+  backward_scale = 1.1f;
+  r = run_main(&model, "--check-grad", NULL);
+  backward_scale = 1.0f;
+  assert_int_equal(r.rc, 1);
+  assert_non_null(strstr(r.out, "FAILED\n"));
+  run_free(&r);
+
+  // A "routing decision" that flips between W[j] and W[j] + eps: that entry is skipped. j is
+  // the first entry the check samples: hash(name) % (numel / 12).
+  route_index = (int)(rt_hash_name("lin.w") % (M * M / 12));
+  uint64_t key = rt_key(rt_key(42, RT_STREAM_INIT), rt_hash_name("lin.w"));
+  float w0 = (float)(0.1f * rt_normal(key, (uint64_t)route_index));
+  route_threshold = w0 + 0.5e-2f * fmaxf(1.0f, fabsf(w0));
+  r = run_main(&model, "--check-grad", NULL);
+  route_threshold = INFINITY;
+  if (r.rc != 0)
+    fail_msg("check-grad did not skip the routing change:\n%s", r.out);
+  row = strstr(r.out, "\nlin.w ");
+  assert_int_equal(sscanf(row, "\nlin.w %d %d", &checked, &skipped), 2);
+  assert_int_equal(checked, 11);
+  assert_int_equal(skipped, 1);
+  run_free(&r);
+}
+
+static void test_main_command_line(void **state) {
+  RtModel model = lin_model(RT_OPT_SGD);
+  Run r = run_main(&model, "--frobnicate", NULL);
+  assert_int_equal(r.rc, 2);
+  assert_non_null(strstr(r.err, "moert: error: unknown option '--frobnicate'"));
+  assert_non_null(strstr(r.err, "usage: model"));
+  assert_string_equal(r.out, "");
+  run_free(&r);
+  r = run_main(&model, "--help", NULL);
+  assert_int_equal(r.rc, 0);
+  assert_non_null(strstr(r.out, "usage: model"));
+  assert_non_null(strstr(r.out, "--check-grad"));
+  run_free(&r);
+  r = run_main(&model, "--steps", "ten", NULL);
+  assert_int_equal(r.rc, 2);
+  assert_non_null(strstr(r.err, "--steps needs a whole number"));
+  run_free(&r);
+  r = run_main(&model, "--steps", NULL);
+  assert_int_equal(r.rc, 2);
+  assert_non_null(strstr(r.err, "option '--steps' needs a value"));
+  run_free(&r);
+  r = run_main(&model, "--steps=2", "--quiet", NULL);
+  assert_int_equal(r.rc, 0);
+  assert_non_null(strstr(r.out, "# trained 2 steps"));
+  run_free(&r);
+  r = run_main(&model, "--weights", "a", "--resume", "b", NULL);
+  assert_int_equal(r.rc, 2);
+  assert_non_null(strstr(r.err, "cannot be combined"));
+  run_free(&r);
+  r = run_main(&model, "--target", "t.npy", NULL);
+  assert_int_equal(r.rc, 2);
+  run_free(&r);
+  // --dump into a path blocked by a file.
+  const char *blocker = tmp_path("blocker");
+  write_bytes(blocker, "x", 1);
+  r = run_main(&model, "--steps", "1", "--dump", blocker, NULL);
+  assert_int_equal(r.rc, 1);
+  assert_non_null(strstr(r.err, "cannot create directory"));
+  run_free(&r);
+}
+
+static int remove_entry(const char *path, const struct stat *sb, int flag, struct FTW *ftw) {
+  return remove(path);
+}
+
+static int setup(void **state) {
+  snprintf(tmpdir, sizeof tmpdir, "/tmp/moert_io_XXXXXX");
+  return mkdtemp(tmpdir) ? 0 : -1;
+}
+
+static int teardown(void **state) {
+  return nftw(tmpdir, remove_entry, 16, FTW_DEPTH | FTW_PHYS);
+}
+
+int main(void) {
+  const struct CMUnitTest tests[] = {
+      cmocka_unit_test(test_npy_f32_round_trip),
+      cmocka_unit_test(test_npy_scalar_and_int),
+      cmocka_unit_test(test_npy_errors),
+      cmocka_unit_test(test_npy_every_truncation),
+      cmocka_unit_test(test_st_round_trip),
+      cmocka_unit_test(test_st_malformed),
+      cmocka_unit_test(test_st_corruptions),
+      cmocka_unit_test(test_main_trains),
+      cmocka_unit_test(test_main_deterministic),
+      cmocka_unit_test(test_main_resume),
+      cmocka_unit_test(test_main_weights),
+      cmocka_unit_test(test_main_dump_and_input),
+      cmocka_unit_test(test_main_check_grad),
+      cmocka_unit_test(test_main_command_line),
+  };
+  return cmocka_run_group_tests(tests, setup, teardown);
+}
