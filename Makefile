@@ -113,7 +113,7 @@ demo: deps all
 	@BUILD=$(BUILD) bash tests/demo.sh
 
 bench: deps all
-	@echo "# no benchmarks in the foundation yet"; echo OK
+	@BUILD=$(BUILD) bash bench/step_time.sh
 
 clean:
 	rm -rf $(BUILD)

@@ -23,7 +23,10 @@ typedef struct Emit {
 // The C expression for value v (a pointer of the value's element type).
 static void value_expr(Emit *e, char *buf, size_t n, const IrValue *v) {
   const PassMemSlot *s = &e->plan->slot[v->func->index][v->id];
-  const char *ctype = v->type.dtype == IR_I32 ? "int32_t" : "float";
+  const char *ctype = v->type.dtype == IR_I32   ? "int32_t"
+                      : v->type.dtype == IR_I8  ? "int8_t"
+                      : v->type.dtype == IR_F16 || v->type.dtype == IR_BF16 ? "uint16_t"
+                                                : "float";
   switch (s->kind) {
   case PASS_MEM_ARENA: snprintf(buf, n, "((%s *)(A + %" PRId64 "))", ctype, s->offset); return;
   case PASS_MEM_INPUT: snprintf(buf, n, "((const float *)st->input)"); return;
@@ -123,10 +126,95 @@ static bool emit_op(Emit *e, const IrOp *op) {
     fprintf(out, "rt_gate_gather_grad(%s, %s, %s, %s, %" PRId64 ", %" PRId64 ", %" PRId64 ", %d);\n", a[0], a[1],
             a[2], r, rt->dim[0], rt->dim[1], t0->dim[1], (int)ir_op_int(op, "renorm", 0));
     return true;
-  case IR_OP_GATE_LOCATIONS:
+  case IR_OP_GATE_LOCATIONS:  // dropless: capacity 0 to the kernel, the buffers hold the worst case
     fprintf(out, "rt_gate_locations(st, %s, %s, %" PRId64 ", %" PRId64 ", %" PRId64 ", %" PRId64 ", %" PRId64 ");\n",
             a[0], r, t0->dim[0], t0->dim[1], ir_op_int(op, "experts", 0), ir_op_int(op, "groups", 1),
-            ir_op_int(op, "capacity", 0));
+            ir_op_int(op, "dropless", 0) ? 0 : ir_op_int(op, "capacity", 0));
+    return true;
+  case IR_OP_GATE_EXPERT_CHOICE:
+    fprintf(out, "rt_expert_choice(st, %s, %s, %" PRId64 ", %" PRId64 ", %" PRId64 ", %" PRId64 ");\n", a[0], r,
+            t0->dim[0], t0->dim[1], ir_op_int(op, "groups", 1), ir_op_int(op, "capacity", 0));
+    return true;
+  case IR_OP_GATE_IOTA:
+    fprintf(out, "rt_iota(%s, %" PRId64 ", %" PRId64 ");\n", r, rt->dim[0], rt->dim[1]);
+    return true;
+  case IR_OP_GATE_SIGMOID:
+    fprintf(out, "rt_sigmoid(%s, %s, %" PRId64 ");\n", a[0], r, n);
+    return true;
+  case IR_OP_GATE_SIGMOID_GRAD:
+    fprintf(out, "rt_sigmoid_grad(%s, %s, %s, %" PRId64 ");\n", a[0], a[1], r, n);
+    return true;
+  case IR_OP_GATE_SOFTMAX_TOKENS:
+    fprintf(out, "rt_softmax_tokens(%s, %s, %" PRId64 ", %" PRId64 ", %" PRId64 ");\n", a[0], r, rt->dim[0],
+            rt->dim[1], ir_op_int(op, "groups", 1));
+    return true;
+  case IR_OP_GATE_SOFTMAX_TOKENS_GRAD:
+    fprintf(out, "rt_softmax_tokens_grad(%s, %s, %s, %" PRId64 ", %" PRId64 ", %" PRId64 ");\n", a[0], a[1], r,
+            rt->dim[0], rt->dim[1], ir_op_int(op, "groups", 1));
+    return true;
+  case IR_OP_ORDER_DISPATCH_MASK:
+  case IR_OP_ORDER_COMBINE_WEIGHTS:
+  case IR_OP_ORDER_COMBINE_WEIGHTS_GRAD: {
+    const IrType *idx = arg_type(op, op->kind == IR_OP_ORDER_COMBINE_WEIGHTS_GRAD ? 1 : 0);
+    const char *fn = op->kind == IR_OP_ORDER_DISPATCH_MASK     ? "rt_dispatch_mask"
+                     : op->kind == IR_OP_ORDER_COMBINE_WEIGHTS ? "rt_combine_weights"
+                                                               : "rt_combine_weights_grad";
+    fprintf(out, "%s(", fn);
+    for (int i = 0; i < op->nargs; i++) fprintf(out, "%s, ", a[i]);
+    fprintf(out, "%s, %" PRId64 ", %" PRId64 ", %" PRId64 ", %" PRId64 ", %" PRId64 ");\n", r, idx->dim[0],
+            idx->dim[1], ir_op_int(op, "experts", 0), ir_op_int(op, "groups", 1), ir_op_int(op, "capacity", 0));
+    return true;
+  }
+  case IR_OP_ACT_SILU:
+    fprintf(out, "rt_silu(%s, %s, %" PRId64 ");\n", a[0], r, n);
+    return true;
+  case IR_OP_ACT_SILU_GRAD:
+    fprintf(out, "rt_silu_grad(%s, %s, %s, %" PRId64 ");\n", a[0], a[1], r, n);
+    return true;
+  case IR_OP_MUL:
+    fprintf(out, "rt_mul(%s, %s, %s, %" PRId64 ");\n", a[0], a[1], r, n);
+    return true;
+  case IR_OP_RESHAPE:
+    fprintf(out, "rt_copy(%s, %s, %" PRId64 ");\n", a[0], r, n);
+    return true;
+  case IR_OP_L2NORM:
+  case IR_OP_L2NORM_GRAD: {
+    int64_t cols = rt->dim[rt->rank - 1];
+    if (op->kind == IR_OP_L2NORM)
+      fprintf(out, "rt_l2norm_rows(%s, %s, %" PRId64 ", %" PRId64 ");\n", a[0], r, n / cols, cols);
+    else
+      fprintf(out, "rt_l2norm_rows_grad(%s, %s, %s, %" PRId64 ", %" PRId64 ");\n", a[0], a[1], r, n / cols, cols);
+    return true;
+  }
+  case IR_OP_DIV_SCALAR:
+    fprintf(out, "rt_div_scalar(%s, %s, %s, %" PRId64 ");\n", a[0], a[1], r, n);
+    return true;
+  case IR_OP_DIV_SCALAR_GRAD_X:
+    fprintf(out, "rt_div_scalar_grad_x(%s, %s, %s, %" PRId64 ");\n", a[0], a[1], r, n);
+    return true;
+  case IR_OP_DIV_SCALAR_GRAD_S:
+    fprintf(out, "rt_div_scalar_grad_s(%s, %s, %s, %s, %" PRId64 ");\n", a[0], a[1], a[2], r, ir_type_numel(t0));
+    return true;
+  case IR_OP_HOOK_COMPRESS:
+    fprintf(out, "rt_compress_%s(%s, %s, %" PRId64 ");\n", rt->dtype == IR_BF16 ? "bf16" : "f16", a[0], r, n);
+    return true;
+  case IR_OP_HOOK_DECOMPRESS:
+    fprintf(out, "rt_decompress_%s(%s, %s, %" PRId64 ");\n", t0->dtype == IR_BF16 ? "bf16" : "f16", a[0], r, n);
+    return true;
+  case IR_OP_HOOK_SCALES:
+  case IR_OP_HOOK_COMPRESS_INT8:
+  case IR_OP_HOOK_DECOMPRESS_INT8: {
+    int64_t cols = t0->dim[t0->rank - 1], rows = ir_type_numel(t0) / cols;
+    const char *fn = op->kind == IR_OP_HOOK_SCALES ? "rt_int8_scales"
+                     : op->kind == IR_OP_HOOK_COMPRESS_INT8 ? "rt_compress_int8" : "rt_decompress_int8";
+    fprintf(out, "%s(", fn);
+    for (int i = 0; i < op->nargs; i++) fprintf(out, "%s, ", a[i]);
+    fprintf(out, "%s, %" PRId64 ", %" PRId64 ");\n", r, rows, cols);
+    return true;
+  }
+  case IR_OP_HOOK_RECORD:
+    fprintf(out, "rt_record(st, \"%s\", %" PRId64 ", %s, %" PRId64 ");\n", ir_op_str(op, "point", "?"),
+            ir_op_int(op, "layer", 0), a[0], ir_type_numel(t0));
     return true;
   case IR_OP_GATE_AUX_LOSS:
     fprintf(out, "*%s = rt_aux_loss(%s, %s, %" PRId64 ", %" PRId64 ", %" PRId64 ", %" PRId64 ");\n", r, a[0], a[1],
@@ -198,7 +286,7 @@ static bool emit_op(Emit *e, const IrOp *op) {
   default:
     break;
   }
-  ir_error_at(e->d, op->loc, "the CPU target cannot emit op '%s'", ir_op_info[op->kind].name);
+  ir_error_at(e->d, op->loc, "the CPU target cannot emit op '%s'", op->kind < IR_OP_COUNT ? ir_op_info[op->kind].name : "?");
   return false;
 }
 
@@ -214,22 +302,34 @@ static bool is_suffix(const char *s, const char *suffix) {
   return n >= k && strcmp(s + n - k, suffix) == 0;
 }
 
-// After a layer forward: fold its aux and z results (rets 1 and 2) into the step's statistics.
+// After a layer forward: fold its auxiliary losses (the results after the first, made by
+// gate.aux_loss or gate.z_loss) into the step's statistics.
 static void emit_layer_stats(Emit *e, const IrFunc *f) {
   char buf[96];
-  for (int r = 1; r < f->nrets && r < 3; r++) {
+  for (int r = 1; r < f->nrets; r++) {
     const IrValue *v = f->rets[r];
-    double coef = v->def ? ir_op_float(v->def, "coef", 0) : 0;
+    if (!v->def || (v->def->kind != IR_OP_GATE_AUX_LOSS && v->def->kind != IR_OP_GATE_Z_LOSS)) continue;
+    double coef = ir_op_float(v->def, "coef", 0);
     value_expr(e, buf, sizeof buf, v);
-    fprintf(e->out, "  st->%s += *%s;\n  st->aux_total += (double)(float)%.17g * *%s;\n", r == 1 ? "aux" : "z", buf,
-            coef, buf);
+    fprintf(e->out, "  st->%s += *%s;\n  st->aux_total += (double)(float)%.17g * *%s;\n",
+            v->def->kind == IR_OP_GATE_AUX_LOSS ? "aux" : "z", buf, coef, buf);
   }
+}
+
+static bool module_has(const IrModule *m, IrOpKind kind, const char *attr) {
+  for (int i = 0; i < m->nfuncs; i++)
+    for (int j = 0; j < m->funcs[i]->nops; j++) {
+      const IrOp *op = m->funcs[i]->ops[j];
+      if (op->kind == kind && (!attr || ir_op_int(op, attr, 0))) return true;
+    }
+  return false;
 }
 
 static const char *init_name(const IrParam *p) {
   const char *init = ir_attr_str(p->attrs, p->nattrs, "init", "zeros");
   if (strcmp(init, "normal") == 0) return "RT_INIT_NORMAL";
   if (strcmp(init, "ones") == 0) return "RT_INIT_ONES";
+  if (strcmp(init, "const") == 0) return "RT_INIT_CONST";
   return "RT_INIT_ZEROS";
 }
 
@@ -252,7 +352,8 @@ bool cg_emit_c(IrDiag *d, FILE *out, const IrModule *m, const PassMemPlan *plan,
     fprintf(out, "  {\"%s\", %d, {", p->name, p->type.rank);
     for (int k = 0; k < p->type.rank; k++) fprintf(out, "%s%" PRId64, k ? ", " : "", p->type.dim[k]);
     fprintf(out, "}, %s, (float)%.17g, %" PRId64 ", %" PRId64 "},\n", init_name(p),
-            ir_attr_float(p->attrs, p->nattrs, "std", 0), e.param_offset[i], ir_type_numel(&p->type));
+            ir_attr_float(p->attrs, p->nattrs, strcmp(init_name(p), "RT_INIT_CONST") == 0 ? "value" : "std", 0),
+            e.param_offset[i], ir_type_numel(&p->type));
   }
   fprintf(out, "};\n\n");
 
@@ -292,12 +393,12 @@ bool cg_emit_c(IrDiag *d, FILE *out, const IrModule *m, const PassMemPlan *plan,
           "static const RtModel model = {\n"
           "  .name = \"%s\",\n  .batch = %" PRId64 ", .seqlen = %" PRId64 ", .embed = %" PRId64 ",\n"
           "  .seed = %" PRId64 "u,\n  .nparams = %d, .params = params, .param_floats = %" PRId64 ",\n"
-          "  .arena_bytes = %" PRId64 ",\n  .opt = %s,\n  .nlayers = %d,\n"
+          "  .arena_bytes = %" PRId64 ",\n  .opt = %s,\n  .nlayers = %d,\n  .records = %d, .dropless = %d,\n"
           "  .forward = step_forward, .backward = step_backward, .update = step_update,\n};\n\n"
           "int main(int argc, char **argv) { return rt_main(&model, argc, argv); }\n",
           m->name, ir_mod_int(m, "batch", 1), ir_mod_int(m, "seqlen", 1), ir_mod_int(m, "embed", 1),
           ir_mod_int(m, "seed", 0), m->nparams, total, plan->arena_bytes, adamw ? "RT_OPT_ADAMW" : "RT_OPT_SGD",
-          nlayers);
+          nlayers, module_has(m, IR_OP_HOOK_RECORD, NULL), module_has(m, IR_OP_GATE_LOCATIONS, "dropless"));
   free(e.param_offset);
   return ok;
 }

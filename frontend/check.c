@@ -24,6 +24,7 @@
 #include <string.h>
 
 #include "fe_internal.h"
+#include "fe_lower.h"
 
 // ---- the schema's types ----
 typedef enum ValType {
@@ -105,6 +106,8 @@ struct Ctx {
   const FeNode *parallel_node;
   const FeNode **layer_nodes;
   bool *layer_ok;
+  int *layer_names;                 // hash set of layer indices + 1, by name (0: empty)
+  unsigned layer_names_cap;         // a power of two
 };
 
 #define COUNT(a) ((int)(sizeof(a) / sizeof((a)[0])))
@@ -113,8 +116,9 @@ struct Ctx {
 // ---- words ----
 static const char *const dtypes[] = {"fp32", "bf16", NULL};
 static const char *const optimizers[] = {"sgd", "adamw", NULL};
-static const char *const gates[] = {"gshard", "sigmoid", "xmoe", "expert_choice", "softmoe", NULL};
-static const char *const ffns[] = {"gpt", "mixtral", NULL};
+// gates and ffn kinds come from the registry (frontend/registry.c)
+#define gates ((const char *const *)fe_gate_words)
+#define ffns ((const char *const *)fe_expert_words)
 static const char *const acts[] = {"gelu", "relu", NULL};
 static const char *const orders[] = {"tutel", "gshard", NULL};
 static const char *const algos[] = {"nccl", "1dh", "2dh", NULL};
@@ -125,7 +129,6 @@ static const char *const hook_points[] = {"before_moe_start", "before_dispatch",
 static const char *const hook_actions[] = {"compress", "record", NULL};
 static const char *const compress_types[] = {"fp16", "bf16", "int8", NULL};
 static const char *const partitions[] = {"auto", "none", "chunk", NULL};
-static const char *const pipeline_words[] = {"auto", NULL};
 
 static void check_layer(Ctx *c, const FeNode *parent, const FeNode *n, char *dst);
 static void check_hook(Ctx *c, const FeNode *parent, const FeNode *n, char *dst);
@@ -499,9 +502,13 @@ static bool check_val(Ctx *c, const FeNode *n, const FeValue *v, const Val *spec
       PUT(dst, spec->off, int64_t) = v->i;
     break;
   case V_WORD: {
-    if (v->kind != FE_VAL_IDENT)
-      return ir_error_at(c->d, v->loc, "expected %s for '%s', got %s", describe(spec, buf, sizeof buf),
-                         n->key, got);
+    if (v->kind != FE_VAL_IDENT) {
+      ir_error_at(c->d, v->loc, "expected %s for '%s', got %s", describe(spec, buf, sizeof buf),
+                  n->key, got);
+      if (v->kind == FE_VAL_STRING && word_index(spec->words, v->text) >= 0)
+        ir_note_at(c->d, v->loc, "write %s without quotes", v->text);
+      return false;
+    }
     int i = word_index(spec->words, v->text);
     if (i < 0)
       return unknown_word(c, v, spec->what ? spec->what : n->key, spec->words);
@@ -714,6 +721,23 @@ static void check_block(Ctx *c, const FeNode *n, const Block *b, const char *var
 }
 
 // ---- irregular statements ----
+// The layer named like layer i among layers 0..i-1, or -1; then remembers layer i. A hash set,
+// so that a file with very many layers is not checked in quadratic time.
+static int earlier_layer(Ctx *c, const FeProgram *p, int i) {
+  unsigned h = 2166136261u;
+  for (const char *s = p->layers[i].name; *s; s++)
+    h = (h ^ (unsigned char)*s) * 16777619u;
+  for (unsigned j = h & (c->layer_names_cap - 1);; j = (j + 1) & (c->layer_names_cap - 1)) {
+    int other = c->layer_names[j] - 1;
+    if (other < 0) {
+      c->layer_names[j] = i + 1;
+      return -1;
+    }
+    if (strcmp(p->layers[other].name, p->layers[i].name) == 0)
+      return other;
+  }
+}
+
 // layer = "layer" NAME ["x" N] "{" ... "}"
 static void check_layer(Ctx *c, const FeNode *parent, const FeNode *n, char *dst) {
   FeProgram *p = (FeProgram *)dst;
@@ -723,7 +747,11 @@ static void check_layer(Ctx *c, const FeNode *parent, const FeNode *n, char *dst
     p->layers = fe_arena_alloc(c->arena, sizeof(FeLayer) * count);
     c->layer_nodes = fe_arena_alloc(c->arena, sizeof(FeNode *) * count);
     c->layer_ok = fe_arena_alloc(c->arena, sizeof(bool) * count);
-    if (!p->layers || !c->layer_nodes || !c->layer_ok) {
+    c->layer_names_cap = 4;
+    while (c->layer_names_cap < 2u * (unsigned)count)
+      c->layer_names_cap *= 2;
+    c->layer_names = fe_arena_alloc(c->arena, sizeof(int) * c->layer_names_cap);
+    if (!p->layers || !c->layer_nodes || !c->layer_ok || !c->layer_names) {
       ir_error(c->d, "out of memory");
       return;
     }
@@ -740,12 +768,10 @@ static void check_layer(Ctx *c, const FeNode *parent, const FeNode *n, char *dst
   if (n->nvals == 0) {
     ir_error_at(c->d, n->loc, "expected a layer name after 'layer'");
   } else if (check_val(c, n, &n->vals[0], &name, (char *)l)) {
-    for (int i = 0; i < p->nlayers - 1; i++) {
-      if (p->layers[i].name && strcmp(p->layers[i].name, l->name) == 0) {
-        ir_error_at(c->d, n->vals[0].loc, "layer '%s' defined twice", l->name);
-        ir_note_at(c->d, p->layers[i].loc, "first defined here");
-        break;
-      }
+    int first = earlier_layer(c, p, p->nlayers - 1);
+    if (first >= 0) {
+      ir_error_at(c->d, n->vals[0].loc, "layer '%s' defined twice", l->name);
+      ir_note_at(c->d, p->layers[first].loc, "first defined here");
     }
   }
   if (n->nvals >= 2) {
@@ -756,6 +782,12 @@ static void check_layer(Ctx *c, const FeNode *parent, const FeNode *n, char *dst
         ir_note_at(c->d, x->loc, "write 'x %s' with a space", x->text + 1);
     } else if (n->nvals == 2) {
       ir_error_at(c->d, x->loc, "expected a repeat count after 'x'");
+    } else if (n->vals[2].kind != FE_VAL_INT) {
+      ir_error_at(c->d, n->vals[2].loc, "expected a repeat count after 'x', got %s",
+                  shown(&n->vals[2], buf, sizeof buf));
+    } else if (n->vals[2].i < 1) {
+      ir_error_at(c->d, n->vals[2].loc, "the repeat count after 'x' must be at least 1, got %s",
+                  n->vals[2].text);
     } else {
       check_val(c, n, &n->vals[2], &repeat, (char *)l);
     }
@@ -802,8 +834,8 @@ static void check_hook(Ctx *c, const FeNode *parent, const FeNode *n, char *dst)
       return;
     if (strcmp(h.point, "before_dispatch") != 0 && strcmp(h.point, "before_combine") != 0) {
       ir_error_at(c->d, n->vals[0].loc, "'compress' cannot be hooked at '%s'", h.point);
-      ir_note_at(c->d, n->vals[0].loc, "compress at before_dispatch or before_combine: the data is "
-                                       "decompressed at the matching after_ point");
+      ir_note_at(c->d, n->vals[0].loc, "hook compress at before_dispatch or before_combine; the data "
+                                       "is decompressed at the matching after_dispatch or after_combine");
       return;
     }
   } else if (!check_surplus(c, n, 2)) {
@@ -822,7 +854,6 @@ static void check_hook(Ctx *c, const FeNode *parent, const FeNode *n, char *dst)
 // pipeline = "pipeline" ( "auto" ";" | "{" [forward N] [backward N] "}" )
 static void check_pipeline(Ctx *c, const FeNode *parent, const FeNode *n, char *dst) {
   FeSchedule *s = (FeSchedule *)dst;
-  static const Val autov = {V_WORD, .what = "pipeline setting", .words = pipeline_words};
   char buf[96];
   if (n->has_block) {
     if (n->nvals > 0) {
@@ -837,12 +868,16 @@ static void check_pipeline(Ctx *c, const FeNode *parent, const FeNode *n, char *
     ir_error_at(c->d, stmt_loc(n), "expected 'auto' or '{ forward N; backward N; }' after 'pipeline'");
     return;
   }
-  if (n->vals[0].kind != FE_VAL_IDENT) {
-    ir_error_at(c->d, n->vals[0].loc, "expected 'auto' or '{ forward N; backward N; }' after 'pipeline', "
-                "got %s", shown(&n->vals[0], buf, sizeof buf));
+  const FeValue *v = &n->vals[0];
+  if (v->kind != FE_VAL_IDENT || strcmp(v->text, "auto") != 0) {
+    if (v->kind == FE_VAL_IDENT)
+      ir_error_at(c->d, v->loc, "unknown pipeline setting '%s'", v->text);
+    else
+      ir_error_at(c->d, v->loc, "expected 'auto' after 'pipeline', got %s", shown(v, buf, sizeof buf));
+    ir_note_at(c->d, v->loc, "write 'pipeline auto;' or 'pipeline { forward N; backward N; }'");
     return;
   }
-  if (check_val(c, n, &n->vals[0], &autov, dst) && check_surplus(c, n, 1))
+  if (check_surplus(c, n, 1))
     s->pipeline_auto = true;
 }
 
@@ -905,9 +940,19 @@ static void finish_ffn(Ctx *c, const FeNode *n, const char *variant, char *dst) 
   }
 }
 
-// `capacity *` is dropless: no capacity factor.
+// Every field written must be one the gate accepts (its row in the registry); `capacity *` is
+// dropless, which only token-choice gates have.
 static void finish_gate(Ctx *c, const FeNode *n, const char *variant, char *dst) {
   FeGate *g = (FeGate *)dst;
+  const FeGateDef *def = variant ? fe_gate_find(variant) : NULL;
+  static const char *const names[] = {"k", "capacity", "noise", "aux_loss", "z_loss", "groups", "proj", "slots"};
+  if (def)
+    for (int f = 0; f < 8; f++)
+      if (g->field_loc[f].src && !(def->fields & FE_GATE_FIELD(f)) && f != FE_GATE_F_PROJ && f != FE_GATE_F_SLOTS)
+        ir_error_at(c->d, g->field_loc[f], "'%s' does not apply to gate '%s' (%s)", names[f], def->name, def->doc);
+  if (g->dropless && def && strcmp(def->name, "expert_choice") == 0)
+    ir_error_at(c->d, g->field_loc[FE_GATE_F_CAPACITY],
+                "'capacity *' (dropless) does not apply to gate 'expert_choice': each expert takes a fixed number of tokens");
   if (g->dropless)
     g->capacity = 0;
 }
@@ -983,6 +1028,7 @@ static void check_semantics(Ctx *c, FeProgram *p) {
 
 // ---- entry points ----
 FeProgram *fe_check(IrDiag *d, FeTree *tree) {
+  fe_registry_init();
   int errors = d->errors;
   const FeNode *root = tree->root;
   SrcLoc start = {.src = tree->src, .line = 1, .col = 1, .len = 1};

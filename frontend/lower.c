@@ -1,89 +1,91 @@
 // Lowering: the checked program -> the forward IR module.
 //
 // Each MoE layer instance (`layer block x 2` gives block0, block1) becomes one forward
-// function that takes the layer input %x [S, M] (S = batch*seqlen tokens) and returns
-// (%out, %aux, %z): the gate chain, the sparse encode, the expert FFN batched over experts, the
-// decode and the residual. `@loss.fwd` compares the last output with the target. Backward
-// functions and the optimizer come from the autodiff pass.
+// function that takes the layer input %x [S, M] (S = batch*seqlen tokens) and returns %out and
+// the gate's auxiliary losses. Its body follows the paper's Fig. 2 on one rank: the gate (a
+// registry entry, frontend/gate_*.c) routes the tokens; the order packs them per expert —
+// `tutel` by index (encode/decode), `gshard` with one-hot dispatch and combine matrices and
+// GEMMs, as GShard's einsums; soft MoE's weights are dense by definition and both orders run
+// them as GEMMs — the experts (frontend/expert_*.c) run batched over experts, the order unpacks
+// and weights their outputs, and the residual is added. Hooks sit at their six points. The loss
+// function compares the last output with the target; backward functions and the optimizer
+// come from the autodiff pass.
 //
 // Constructs that parse and check but have no backend yet are refused here, one diagnostic
 // each, naming the construct and where it was written — never silently ignored.
 #include <math.h>
 #include <string.h>
 
-#include "fe.h"
+#include "fe_lower.h"
 
-typedef struct Lower {
-  IrDiag *d;
-  IrModule *m;
-  IrFunc *f;
-} Lower;
-
-// Appends op `kind` with operands (values, or params where vals[i] is NULL) and gives its
-// result the type shape inference derives from them.
-static IrValue *emit(Lower *L, IrOpKind kind, const char *name, int nargs, IrValue **vals,
-                     IrParam **params, void (*set_attrs)(IrOp *, const void *), const void *cfg) {
-  IrOp *op = ir_add_op(L->f, L->m, kind, name, (IrType){0});
-  for (int i = 0; i < nargs; i++) {
-    if (vals[i])
-      ir_op_arg(op, vals[i]);
-    else
-      ir_op_param(op, params[i]);
+IrValue *fe_emit(FeLower *L, IrOpKind kind, const char *name, int nargs, const IrOperand *args,
+                 int nattrs, const IrAttr *attrs) {
+  // Names are unique within a function: a second `h` becomes `h.1`.
+  for (int n = 1; name && ir_find_value(L->f, name); n++) {
+    const char *dot = strrchr(name, '.');
+    size_t base = dot && dot[1] >= '0' && dot[1] <= '9' ? (size_t)(dot - name) : strlen(name);
+    name = ir_strfmt(L->m, "%.*s.%d", (int)base, name, n);
   }
-  if (set_attrs) set_attrs(op, cfg);
+  IrOp *op = ir_add_op(L->f, L->m, kind, name, (IrType){0});
+  for (int i = 0; i < nargs; i++) op->args[op->nargs++] = args[i];
+  for (int i = 0; i < nattrs; i++) {
+    if (attrs[i].kind == IR_ATTR_INT) ir_op_set_int(op, attrs[i].key, attrs[i].i);
+    else if (attrs[i].kind == IR_ATTR_FLOAT) ir_op_set_float(op, attrs[i].key, attrs[i].f);
+    else ir_attrs_set_str(L->m, op->attrs, &op->nattrs, attrs[i].key, attrs[i].s);
+  }
+  op->loc = L->layer ? L->layer->loc : (SrcLoc){0};
   if (!name) return NULL;
   if (!ir_infer_type(L->d, op, &op->result->type)) UNREACHABLE();  // lowering builds well-typed ops
   return op->result;
 }
 
-typedef struct GateCfg {
-  int64_t k, experts, groups, capacity, layer;
-  double sigma, aux_coef, z_coef;
-} GateCfg;
-
-static void attrs_noise(IrOp *op, const void *c) {
-  const GateCfg *g = c;
-  ir_op_set_float(op, "sigma", g->sigma);
-  ir_op_set_int(op, "layer", g->layer);
-}
-static void attrs_topk(IrOp *op, const void *c) { ir_op_set_int(op, "k", ((const GateCfg *)c)->k); }
-static void attrs_gather(IrOp *op, const void *c) {
-  ir_op_set_int(op, "renorm", ((const GateCfg *)c)->k > 1);
-}
-static void attrs_route(IrOp *op, const void *c) {
-  const GateCfg *g = c;
-  ir_op_set_int(op, "experts", g->experts);
-  ir_op_set_int(op, "groups", g->groups);
-  ir_op_set_int(op, "capacity", g->capacity);
-}
-static void attrs_aux(IrOp *op, const void *c) {
-  ir_op_set_int(op, "groups", ((const GateCfg *)c)->groups);
-  ir_op_set_float(op, "coef", ((const GateCfg *)c)->aux_coef);
-}
-static void attrs_z(IrOp *op, const void *c) {
-  ir_op_set_int(op, "groups", ((const GateCfg *)c)->groups);
-  ir_op_set_float(op, "coef", ((const GateCfg *)c)->z_coef);
+IrValue *fe_op1(FeLower *L, IrOpKind kind, const char *name, IrOperand a) {
+  return fe_emit(L, kind, name, 1, &a, 0, NULL);
 }
 
-static IrValue *op1(Lower *L, IrOpKind k, const char *name, IrValue *a) {
-  return emit(L, k, name, 1, (IrValue *[]){a}, NULL, NULL, NULL);
-}
-static IrValue *op2(Lower *L, IrOpKind k, const char *name, IrValue *a, IrValue *b) {
-  return emit(L, k, name, 2, (IrValue *[]){a, b}, NULL, NULL, NULL);
-}
-static IrValue *op_vp(Lower *L, IrOpKind k, const char *name, IrValue *a, IrParam *p) {
-  return emit(L, k, name, 2, (IrValue *[]){a, NULL}, (IrParam *[]){NULL, p}, NULL, NULL);
+IrValue *fe_op2(FeLower *L, IrOpKind kind, const char *name, IrOperand a, IrOperand b) {
+  return fe_emit(L, kind, name, 2, (IrOperand[]){a, b}, 0, NULL);
 }
 
-static IrParam *param(Lower *L, const char *layer, const char *suffix, IrType t, const char *init,
-                      double std) {
-  IrParam *p = ir_add_param(L->m, ir_strfmt(L->m, "%s.%s", layer, suffix), t);
+IrParam *fe_param(FeLower *L, const char *suffix, IrType t, const char *init, double value) {
+  IrParam *p = ir_add_param(L->m, ir_strfmt(L->m, "%s.%s", L->inst, suffix), t);
   ir_attrs_set_str(L->m, p->attrs, &p->nattrs, "init", init);
-  if (strcmp(init, "normal") == 0) ir_attrs_set_float(p->attrs, &p->nattrs, "std", std);
+  if (strcmp(init, "normal") == 0) ir_attrs_set_float(p->attrs, &p->nattrs, "std", value);
+  if (strcmp(init, "const") == 0) ir_attrs_set_float(p->attrs, &p->nattrs, "value", value);
   return p;
 }
 
-// Every construct the CPU backend cannot run yet gets one diagnostic naming it.
+int64_t fe_capacity(const FeLower *L, int64_t k) {
+  const FeGate *g = &L->layer->moe.gate;
+  int64_t tokens = L->S / L->G;
+  if (g->dropless) return tokens;  // the most one expert can get: every token's choices are distinct
+  int64_t t = (int64_t)ceil((double)k * g->capacity * (double)tokens / (double)L->E);
+  return t < 1 ? 1 : t;
+}
+
+IrValue *fe_noise(FeLower *L, IrValue *logits) {
+  double sigma = L->layer->moe.gate.noise;
+  if (sigma <= 0) return logits;
+  return fe_emit(L, IR_OP_GATE_NOISE, "noisy", 1, (IrOperand[]){FE_V(logits)}, 2,
+                 (IrAttr[]){FE_F("sigma", sigma), FE_I("layer", L->layer_index)});
+}
+
+void fe_token_choice(FeLower *L, IrValue *logits, IrValue *scores, bool renorm, FeRouting *out) {
+  const FeGate *g = &L->layer->moe.gate;
+  out->capacity = fe_capacity(L, g->k);
+  IrAttr route[4] = {FE_I("experts", L->E), FE_I("groups", L->G), FE_I("capacity", out->capacity),
+                     FE_I("dropless", 1)};
+  out->idx = fe_emit(L, IR_OP_GATE_TOPK, "idx", 1, (IrOperand[]){FE_V(scores)}, 1, (IrAttr[]){FE_I("k", g->k)});
+  out->gates = fe_emit(L, IR_OP_GATE_GATHER, "gates", 2, (IrOperand[]){FE_V(scores), FE_V(out->idx)}, 1,
+                       (IrAttr[]){FE_I("renorm", renorm)});
+  out->loc = fe_emit(L, IR_OP_GATE_LOCATIONS, "loc", 1, (IrOperand[]){FE_V(out->idx)}, g->dropless ? 4 : 3, route);
+  out->aux = fe_emit(L, IR_OP_GATE_AUX_LOSS, "aux", 2, (IrOperand[]){FE_V(scores), FE_V(out->idx)}, 2,
+                     (IrAttr[]){FE_I("groups", L->G), FE_F("coef", g->aux_loss)});
+  out->z = fe_emit(L, IR_OP_GATE_Z_LOSS, "z", 1, (IrOperand[]){FE_V(logits)}, 2,
+                   (IrAttr[]){FE_I("groups", L->G), FE_F("coef", g->z_loss)});
+}
+
+// ---- refusals ----
 static void refuse_unsupported(IrDiag *d, const FeProgram *p) {
   const char *why = "the CPU backend does not run it yet";
   if (strcmp(p->model.dtype, "fp32") != 0)
@@ -106,72 +108,97 @@ static void refuse_unsupported(IrDiag *d, const FeProgram *p) {
                 "grad_partition '%s' is not supported yet (only 'none')", s->grad_partition);
   for (int i = 0; i < p->nlayers; i++) {
     const FeLayer *l = &p->layers[i];
-    const FeMoe *moe = &l->moe;
     if (l->has_attention)
       ir_error_at(d, l->attention_loc, "'attention' is not supported yet; %s", why);
-    if (strcmp(moe->gate.name, "gshard") != 0)
-      ir_error_at(d, moe->gate.loc, "gate '%s' is not supported yet (only 'gshard')",
-                  moe->gate.name);
-    if (moe->gate.dropless)
-      ir_error_at(d, moe->gate.field_loc[FE_GATE_F_CAPACITY],
-                  "dropless capacity ('capacity *') is not supported yet");
-    if (strcmp(moe->order, "tutel") != 0)
-      ir_error_at(d, moe->order_loc, "order '%s' is not supported yet (only 'tutel')", moe->order);
-    if (strcmp(moe->experts.kind, "gpt") != 0)
-      ir_error_at(d, moe->experts.kind_loc, "experts 'ffn %s' are not supported yet (only 'ffn gpt')",
-                  moe->experts.kind);
-    for (int h = 0; h < moe->nhooks; h++)
-      ir_error_at(d, moe->hooks[h].loc, "hook '%s %s' is not supported yet", moe->hooks[h].point,
-                  moe->hooks[h].action);
   }
 }
 
-static void lower_layer(Lower *L, const FeProgram *p, const FeLayer *l, const char *inst,
-                        int64_t layer_index) {
-  int64_t S = p->model.batch * p->model.seqlen, M = p->model.embed;
-  const FeMoe *moe = &l->moe;
-  int64_t E = moe->experts.count, H = moe->experts.hidden, G = moe->gate.groups;
-  GateCfg g = {
-      .k = moe->gate.k,
-      .experts = E,
-      .groups = G,
-      .capacity = (int64_t)ceil((double)moe->gate.k * moe->gate.capacity * (double)(S / G) / (double)E),
-      .layer = layer_index,
-      .sigma = moe->gate.noise,
-      .aux_coef = moe->gate.aux_loss,
-      .z_coef = moe->gate.z_loss,
-  };
-  if (g.capacity < 1) g.capacity = 1;
+// ---- hooks ----
+static const FeHook *find_hook(const FeLower *L, const char *point, const char *action) {
+  const FeMoe *moe = &L->layer->moe;
+  for (int i = 0; i < moe->nhooks; i++)
+    if (strcmp(moe->hooks[i].point, point) == 0 && strcmp(moe->hooks[i].action, action) == 0)
+      return &moe->hooks[i];
+  return NULL;
+}
 
-  IrParam *wg = param(L, inst, "moe.gate.wg", ir_type2(IR_F32, M, E), "normal", 1.0 / sqrt((double)M));
-  IrParam *w1 = param(L, inst, "moe.experts.w1", ir_type3(IR_F32, E, M, H), "normal", 1.0 / sqrt((double)M));
-  IrParam *b1 = moe->experts.bias ? param(L, inst, "moe.experts.b1", ir_type2(IR_F32, E, H), "zeros", 0) : NULL;
-  IrParam *w2 = param(L, inst, "moe.experts.w2", ir_type3(IR_F32, E, H, M), "normal", 1.0 / sqrt((double)H));
-  IrParam *b2 = moe->experts.bias ? param(L, inst, "moe.experts.b2", ir_type2(IR_F32, E, M), "zeros", 0) : NULL;
+static void record(FeLower *L, const char *point, IrValue *v) {
+  if (!find_hook(L, point, "record")) return;
+  fe_emit(L, IR_OP_HOOK_RECORD, NULL, 1, (IrOperand[]){FE_V(v)}, 2,
+          (IrAttr[]){{.key = "point", .kind = IR_ATTR_STR, .s = point}, FE_I("layer", L->layer_index)});
+}
 
-  L->f = ir_add_func(L->m, ir_strfmt(L->m, "%s.fwd", inst));
-  L->f->loc = l->loc;
-  IrValue *x = ir_add_arg(L->f, L->m, "x", ir_type2(IR_F32, S, M));
-  IrValue *logits = op_vp(L, IR_OP_MATMUL, "logits", x, wg);
-  if (g.sigma > 0)
-    logits = emit(L, IR_OP_GATE_NOISE, "noisy", 1, (IrValue *[]){logits}, NULL, attrs_noise, &g);
-  IrValue *scores = op1(L, IR_OP_GATE_SOFTMAX, "scores", logits);
-  IrValue *idx = emit(L, IR_OP_GATE_TOPK, "idx", 1, (IrValue *[]){scores}, NULL, attrs_topk, &g);
-  IrValue *gates = emit(L, IR_OP_GATE_GATHER, "gates", 2, (IrValue *[]){scores, idx}, NULL, attrs_gather, &g);
-  IrValue *loc = emit(L, IR_OP_GATE_LOCATIONS, "loc", 1, (IrValue *[]){idx}, NULL, attrs_route, &g);
-  IrValue *aux = emit(L, IR_OP_GATE_AUX_LOSS, "aux", 2, (IrValue *[]){scores, idx}, NULL, attrs_aux, &g);
-  IrValue *z = emit(L, IR_OP_GATE_Z_LOSS, "z", 1, (IrValue *[]){logits}, NULL, attrs_z, &g);
-  IrValue *disp = emit(L, IR_OP_ORDER_ENCODE, "disp", 3, (IrValue *[]){x, idx, loc}, NULL, attrs_route, &g);
-  IrValue *h = op_vp(L, IR_OP_EXPERT_MATMUL, "h", disp, w1);
-  if (b1) h = op_vp(L, IR_OP_EXPERT_BIAS, "hb", h, b1);
-  h = op1(L, strcmp(moe->experts.act, "relu") == 0 ? IR_OP_ACT_RELU : IR_OP_ACT_GELU, "act", h);
-  IrValue *y = op_vp(L, IR_OP_EXPERT_MATMUL, "y", h, w2);
-  if (b2) y = op_vp(L, IR_OP_EXPERT_BIAS, "yb", y, b2);
-  IrValue *combined = emit(L, IR_OP_ORDER_DECODE, "moe", 4, (IrValue *[]){y, idx, loc, gates}, NULL, attrs_route, &g);
-  IrValue *out = op2(L, IR_OP_ADD, "out", x, combined);
+// A tensor about to cross the network at `before` (before_dispatch, before_combine): record
+// it, compress it when asked; the matching after-point decompresses and may record again.
+static IrValue *hook_pair(FeLower *L, const char *before, const char *after, IrValue *v, const char *name) {
+  record(L, before, v);
+  const FeHook *c = find_hook(L, before, "compress");
+  if (c) {
+    if (strcmp(c->arg, "int8") == 0) {
+      IrValue *scales = fe_op1(L, IR_OP_HOOK_SCALES, ir_strfmt(L->m, "%s.scales", name), FE_V(v));
+      IrValue *q = fe_op2(L, IR_OP_HOOK_COMPRESS_INT8, ir_strfmt(L->m, "%s.q", name), FE_V(v), FE_V(scales));
+      v = fe_op2(L, IR_OP_HOOK_DECOMPRESS_INT8, ir_strfmt(L->m, "%s.dq", name), FE_V(q), FE_V(scales));
+    } else {
+      IrValue *q = fe_emit(L, IR_OP_HOOK_COMPRESS, ir_strfmt(L->m, "%s.q", name), 1, (IrOperand[]){FE_V(v)}, 1,
+                           (IrAttr[]){{.key = "format", .kind = IR_ATTR_STR, .s = c->arg}});
+      v = fe_op1(L, IR_OP_HOOK_DECOMPRESS, ir_strfmt(L->m, "%s.dq", name), FE_V(q));
+    }
+  }
+  record(L, after, v);
+  return v;
+}
+
+// ---- orders ----
+static IrValue *reshape(FeLower *L, const char *name, IrValue *v, int rank, int64_t d0, int64_t d1, int64_t d2) {
+  IrAttr a[4] = {FE_I("rank", rank), FE_I("d0", d0), FE_I("d1", d1), FE_I("d2", d2)};
+  return fe_emit(L, IR_OP_RESHAPE, name, 1, (IrOperand[]){FE_V(v)}, rank + 1, a);
+}
+
+static void lower_layer(FeLower *L) {
+  const FeMoe *moe = &L->layer->moe;
+  const FeGateDef *gate = fe_gate_find(moe->gate.name);
+  const FeExpertDef *expert = fe_expert_find(moe->experts.kind);
+  if (!gate || !expert) UNREACHABLE();  // the checker accepts registered names only
+  L->f = ir_add_func(L->m, ir_strfmt(L->m, "%s.fwd", L->inst));
+  L->f->loc = L->layer->loc;
+  IrValue *x = ir_add_arg(L->f, L->m, "x", ir_type2(IR_F32, L->S, L->M));
+  record(L, "before_moe_start", x);
+
+  FeRouting r = {0};
+  gate->lower(L, x, &r);
+  bool dense = r.soft || strcmp(moe->order, "gshard") == 0;
+  int64_t C = r.soft ? r.slots : L->G * r.capacity;
+  IrAttr route[3] = {FE_I("experts", L->E), FE_I("groups", L->G), FE_I("capacity", r.capacity)};
+  IrValue *disp, *mask = NULL;
+  if (r.soft) {
+    disp = fe_emit(L, IR_OP_MATMUL, "disp2", 2, (IrOperand[]){FE_V(r.dispatch), FE_V(x)}, 1, (IrAttr[]){FE_I("ta", 1)});
+    disp = reshape(L, "disp", disp, 3, L->E, C, L->M);
+  } else if (dense) {
+    mask = fe_emit(L, IR_OP_ORDER_DISPATCH_MASK, "mask", 2, (IrOperand[]){FE_V(r.idx), FE_V(r.loc)}, 3, route);
+    disp = fe_emit(L, IR_OP_MATMUL, "disp2", 2, (IrOperand[]){FE_V(mask), FE_V(x)}, 1, (IrAttr[]){FE_I("ta", 1)});
+    disp = reshape(L, "disp", disp, 3, L->E, C, L->M);
+  } else {
+    disp = fe_emit(L, IR_OP_ORDER_ENCODE, "disp", 3, (IrOperand[]){FE_V(x), FE_V(r.idx), FE_V(r.loc)}, 3, route);
+  }
+  disp = hook_pair(L, "before_dispatch", "after_dispatch", disp, "disp");
+  IrValue *y = expert->lower(L, disp);
+  y = hook_pair(L, "before_combine", "after_combine", y, "y");
+  IrValue *combined;
+  if (dense) {
+    IrValue *y2 = reshape(L, "y2", y, 2, L->E * C, L->M, 0);
+    IrValue *cw = r.soft ? r.combine
+                         : fe_emit(L, IR_OP_ORDER_COMBINE_WEIGHTS, "cw", 3,
+                                   (IrOperand[]){FE_V(r.idx), FE_V(r.loc), FE_V(r.gates)}, 3, route);
+    combined = fe_op2(L, IR_OP_MATMUL, "moe", FE_V(cw), FE_V(y2));
+  } else {
+    combined = fe_emit(L, IR_OP_ORDER_DECODE, "moe", 4,
+                       (IrOperand[]){FE_V(y), FE_V(r.idx), FE_V(r.loc), FE_V(r.gates)}, 3, route);
+  }
+  record(L, "before_moe_end", combined);
+  IrValue *out = fe_op2(L, IR_OP_ADD, "out", FE_V(x), FE_V(combined));
   ir_add_ret(L->f, L->m, out);
-  ir_add_ret(L->f, L->m, aux);
-  ir_add_ret(L->f, L->m, z);
+  if (r.aux) ir_add_ret(L->f, L->m, r.aux);
+  if (r.z) ir_add_ret(L->f, L->m, r.z);
 }
 
 IrModule *fe_lower(IrDiag *d, const FeProgram *p) {
@@ -179,8 +206,8 @@ IrModule *fe_lower(IrDiag *d, const FeProgram *p) {
   refuse_unsupported(d, p);
   if (d->errors > before) return NULL;
 
-  Lower L = {.d = d, .m = ir_module_new(p->model.name)};
-  IrModule *m = L.m;
+  IrModule *m = ir_module_new(p->model.name);
+  FeLower L = {.d = d, .m = m, .p = p};
   ir_attrs_set_int(m->attrs, &m->nattrs, "batch", p->model.batch);
   ir_attrs_set_int(m->attrs, &m->nattrs, "seqlen", p->model.seqlen);
   ir_attrs_set_int(m->attrs, &m->nattrs, "embed", p->model.embed);
@@ -196,17 +223,24 @@ IrModule *fe_lower(IrDiag *d, const FeProgram *p) {
   }
   ir_attrs_set_float(m->attrs, &m->nattrs, "weight_decay", o->weight_decay);
 
-  int64_t layer_index = 0;
+  L.S = p->model.batch * p->model.seqlen;
+  L.M = p->model.embed;
   for (int i = 0; i < p->nlayers; i++) {
     const FeLayer *l = &p->layers[i];
-    for (int64_t r = 0; r < l->repeat; r++, layer_index++)
-      lower_layer(&L, p, l, ir_strfmt(m, "%s%lld", l->name, (long long)r), layer_index);
+    L.layer = l;
+    L.E = l->moe.experts.count;
+    L.H = l->moe.experts.hidden;
+    L.G = l->moe.gate.groups;
+    for (int64_t r = 0; r < l->repeat; r++, L.layer_index++) {
+      L.inst = ir_strfmt(m, "%s%lld", l->name, (long long)r);
+      lower_layer(&L);
+    }
   }
 
-  int64_t S = p->model.batch * p->model.seqlen, M = p->model.embed;
+  L.layer = NULL;
   L.f = ir_add_func(m, "loss.fwd");
-  IrValue *out = ir_add_arg(L.f, m, "out", ir_type2(IR_F32, S, M));
-  IrValue *target = ir_add_arg(L.f, m, "target", ir_type2(IR_F32, S, M));
-  ir_add_ret(L.f, m, op2(&L, IR_OP_LOSS_MSE, "loss", out, target));
+  IrValue *out = ir_add_arg(L.f, m, "out", ir_type2(IR_F32, L.S, L.M));
+  IrValue *target = ir_add_arg(L.f, m, "target", ir_type2(IR_F32, L.S, L.M));
+  ir_add_ret(L.f, m, fe_op2(&L, IR_OP_LOSS_MSE, "loss", FE_V(out), FE_V(target)));
   return m;
 }

@@ -78,7 +78,7 @@ typedef struct IrAttr {
   const char *s;
 } IrAttr;
 
-#define IR_MAX_ATTRS 12
+#define IR_MAX_ATTRS 24
 #define IR_MAX_ARGS 6
 #define IR_MAX_WAITS 8
 
@@ -191,6 +191,7 @@ const char *ir_attr_str(const IrAttr *attrs, int n, const char *key, const char 
 #define ir_op_set_float(op, k, v) ir_attrs_set_float((op)->attrs, &(op)->nattrs, k, v)
 #define ir_op_int(op, k, d) ir_attr_int((op)->attrs, (op)->nattrs, k, d)
 #define ir_op_float(op, k, d) ir_attr_float((op)->attrs, (op)->nattrs, k, d)
+#define ir_op_str(op, k, d) ir_attr_str((op)->attrs, (op)->nattrs, k, d)
 #define ir_mod_int(m, k, d) ir_attr_int((m)->attrs, (m)->nattrs, k, d)
 #define ir_mod_float(m, k, d) ir_attr_float((m)->attrs, (m)->nattrs, k, d)
 #define ir_mod_str(m, k, d) ir_attr_str((m)->attrs, (m)->nattrs, k, d)

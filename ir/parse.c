@@ -397,7 +397,7 @@ static bool expect(Parser *P, char c, const char *after) {
   return err_after(P, "expected '%c' %s", c, after);
 }
 
-// The statement or item that started at token `start` is done: the next one starts a line.
+// A statement or item is done: the next token must start a line.
 static bool expect_eol(Parser *P, const char *after) {
   if (P->tok.bol) return true;
   return err_tok(P, "expected end of line after %s, found %s", after, describe(P));

@@ -159,6 +159,51 @@ static bool dispatched(Infer *I, int i, int64_t experts, int64_t slots) {
   return true;
 }
 
+// E * C slots of a dense dispatch row.
+static bool slots_of(Infer *I, int64_t experts, int64_t slots, int64_t *out) {
+  if (__builtin_mul_overflow(experts, slots, out))
+    return fail(I, "experts*groups*capacity overflows (%lld * %lld)", (long long)experts, (long long)slots);
+  return true;
+}
+
+// Rows of x [..., n]: the product of every dim but the last.
+static bool rows_of(Infer *I, int i, int64_t *rows) {
+  const IrType *t = ty(I, i);
+  if (t->rank < 1) return fail(I, "%s must have rank 1 or more ([..., n])", nm(I, i));
+  *rows = 1;
+  for (int d = 0; d + 1 < t->rank; d++)
+    if (__builtin_mul_overflow(*rows, t->dim[d], rows)) return fail(I, "%s has too many rows", nm(I, i));
+  return true;
+}
+
+static bool compress_format(const char *s, IrDtype *dt) {
+  if (strcmp(s, "f16") == 0 || strcmp(s, "fp16") == 0) *dt = IR_F16;
+  else if (strcmp(s, "bf16") == 0) *dt = IR_BF16;
+  else return false;
+  return true;
+}
+
+// reshape: attrs rank and d0..d{rank-1}; the element count stays the same.
+static bool reshape(Infer *I, IrType *out) {
+  int64_t rank;
+  if (!int_attr(I, "rank", 0, &rank)) return false;
+  if (rank > IR_MAX_RANK) return fail(I, "attribute 'rank' must be at most %d, got %lld", IR_MAX_RANK, (long long)rank);
+  *out = (IrType){.dtype = ty(I, 0)->dtype, .rank = (int)rank};
+  int64_t numel = 1;
+  for (int d = 0; d < rank; d++) {
+    char key[4] = {'d', (char)('0' + d), 0};
+    if (!int_attr(I, key, 0, &out->dim[d])) return false;
+    if (__builtin_mul_overflow(numel, out->dim[d], &numel)) return fail(I, "the new shape is too large");
+  }
+  if (numel != ir_type_numel(ty(I, 0))) {
+    char want[128];
+    type_str(out, want, sizeof want);
+    return fail(I, "cannot reshape %s to %s: %lld elements vs %lld", nm(I, 0), want,
+                (long long)ir_type_numel(ty(I, 0)), (long long)numel);
+  }
+  return true;
+}
+
 static IrType t2(IrDtype dt, int64_t a, int64_t b) { return (IrType){.dtype = dt, .rank = 2, .dim = {a, b}}; }
 static IrType t3(IrDtype dt, int64_t a, int64_t b, int64_t c) {
   return (IrType){.dtype = dt, .rank = 3, .dim = {a, b, c}};
@@ -236,15 +281,38 @@ static bool infer(Infer *I, IrType *out) {
     *out = t2(ty(I, 0)->dtype, dim(I, 0, 0), dim(I, 0, 2));
     return true;
   case IR_OP_ADD:
+  case IR_OP_MUL:
   case IR_OP_ACT_GELU_GRAD:
   case IR_OP_ACT_RELU_GRAD:
+  case IR_OP_ACT_SILU_GRAD:
     if (!need_float(I, 0, -1, "a float tensor") || !same_type(I, 0, 1)) return false;
     *out = *ty(I, 0);
     return true;
   case IR_OP_ACT_GELU:
   case IR_OP_ACT_RELU:
+  case IR_OP_ACT_SILU:
     if (!need_float(I, 0, -1, "a float tensor")) return false;
     *out = *ty(I, 0);
+    return true;
+  case IR_OP_RESHAPE:
+    return reshape(I, out);
+  case IR_OP_L2NORM:
+    if (!need_float(I, 0, 2, "[r, n]")) return false;
+    *out = *ty(I, 0);
+    return true;
+  case IR_OP_L2NORM_GRAD:
+    if (!need_float(I, 0, 2, "[r, n]") || !same_type(I, 0, 1)) return false;
+    *out = *ty(I, 0);
+    return true;
+  case IR_OP_DIV_SCALAR:  // (x, s)
+  case IR_OP_DIV_SCALAR_GRAD_X:  // (dy, s)
+    if (!need_float(I, 0, -1, "a float tensor") || !need_float(I, 1, 0, "a scalar")) return false;
+    *out = *ty(I, 0);
+    return true;
+  case IR_OP_DIV_SCALAR_GRAD_S:  // (dy, x, s) -> like s
+    if (!need_float(I, 0, -1, "a float tensor") || !same_type(I, 0, 1) || !need_float(I, 2, 0, "a scalar"))
+      return false;
+    *out = *ty(I, 2);
     return true;
 
   case IR_OP_GATE_NOISE:
@@ -253,12 +321,33 @@ static bool infer(Infer *I, IrType *out) {
     *out = *ty(I, 0);
     return true;
   case IR_OP_GATE_SOFTMAX:
+  case IR_OP_GATE_SIGMOID:
     if (!need_float(I, 0, 2, "[S, E]")) return false;
     *out = *ty(I, 0);
     return true;
   case IR_OP_GATE_SOFTMAX_GRAD:
+  case IR_OP_GATE_SIGMOID_GRAD:
     if (!need_float(I, 0, 2, "[S, E]") || !same_type(I, 0, 1)) return false;
     *out = *ty(I, 0);
+    return true;
+  case IR_OP_GATE_SOFTMAX_TOKENS:
+    if (!need_float(I, 0, 2, "[S, E]") || !groups_attr(I, dim(I, 0, 0), &m)) return false;
+    *out = *ty(I, 0);
+    return true;
+  case IR_OP_GATE_SOFTMAX_TOKENS_GRAD:
+    if (!need_float(I, 0, 2, "[S, E]") || !same_type(I, 0, 1) || !groups_attr(I, dim(I, 0, 0), &m))
+      return false;
+    *out = *ty(I, 0);
+    return true;
+  case IR_OP_GATE_EXPERT_CHOICE:  // (scores [S,E]) -> loc i32[S,E]
+    if (!need_float(I, 0, 2, "[S, E]") || !route_attrs(I, dim(I, 0, 0), &E, &C)) return false;
+    if (dim(I, 0, 1) != E)
+      return fail(I, "%s has E = %lld but experts=%lld", nm(I, 0), (long long)dim(I, 0, 1), (long long)E);
+    *out = t2(IR_I32, dim(I, 0, 0), E);
+    return true;
+  case IR_OP_GATE_IOTA:
+    if (!need_float(I, 0, 2, "[S, E]")) return false;
+    *out = t2(IR_I32, dim(I, 0, 0), dim(I, 0, 1));
     return true;
   case IR_OP_GATE_TOPK:
     if (!need_float(I, 0, 2, "[S, E]") || !int_attr(I, "k", 1, &K)) return false;
@@ -335,6 +424,67 @@ static bool infer(Infer *I, IrType *out) {
         !same_dim(I, "M", 0, 1, 1, 2))
       return false;
     *out = t2(ty(I, 0)->dtype, S, K);
+    return true;
+
+  case IR_OP_ORDER_DISPATCH_MASK:  // (idx, loc) -> f32[S, E*C]
+  case IR_OP_ORDER_COMBINE_WEIGHTS:  // (idx, loc, gates [S,K]) -> [S, E*C]
+    if (!need_i32(I, 0, 2, "[S, K]") || !route_attrs(I, dim(I, 0, 0), &E, &C) ||
+        !routing_pair(I, 0, 1, E, &S, &K) || !slots_of(I, E, C, &n))
+      return false;
+    if (op->kind == IR_OP_ORDER_DISPATCH_MASK) {
+      *out = t2(IR_F32, S, n);
+      return fits(I, out);
+    }
+    if (!need_float(I, 2, 2, "[S, K]") || !same_dim(I, "S", 0, 0, 2, 0) || !same_dim(I, "K", 0, 1, 2, 1))
+      return false;
+    *out = t2(ty(I, 2)->dtype, S, n);
+    return fits(I, out);
+  case IR_OP_ORDER_COMBINE_WEIGHTS_GRAD:  // (dcw [S, E*C], idx, loc) -> [S, K]
+    if (!need_i32(I, 1, 2, "[S, K]") || !route_attrs(I, dim(I, 1, 0), &E, &C) ||
+        !routing_pair(I, 1, 2, E, &S, &K) || !slots_of(I, E, C, &n) || !need_float(I, 0, 2, "[S, E*C]") ||
+        !same_dim(I, "S", 0, 0, 1, 0))
+      return false;
+    if (dim(I, 0, 1) != n)
+      return fail(I, "%s has %lld columns but experts*groups*capacity = %lld", nm(I, 0),
+                  (long long)dim(I, 0, 1), (long long)n);
+    *out = t2(ty(I, 0)->dtype, S, K);
+    return true;
+
+  case IR_OP_HOOK_COMPRESS: {
+    if (ty(I, 0)->dtype != IR_F32) return fail(I, "%s must be f32", nm(I, 0));
+    const IrAttr *a = ir_attrs_get(op->attrs, op->nattrs, "format");
+    if (!a) return fail(I, "missing attribute 'format'");
+    IrDtype dt;
+    if (a->kind != IR_ATTR_STR || !compress_format(a->s, &dt))
+      return fail(I, "attribute 'format' must be \"f16\" or \"bf16\"");
+    *out = *ty(I, 0);
+    out->dtype = dt;
+    return true;
+  }
+  case IR_OP_HOOK_DECOMPRESS:
+    if (ty(I, 0)->dtype != IR_F16 && ty(I, 0)->dtype != IR_BF16) return fail(I, "%s must be f16 or bf16", nm(I, 0));
+    *out = *ty(I, 0);
+    out->dtype = IR_F32;
+    return true;
+  case IR_OP_HOOK_SCALES:  // x [..., n] -> f32[rows]
+    if (!need_float(I, 0, -1, "[..., n]") || !rows_of(I, 0, &m)) return false;
+    *out = (IrType){.dtype = IR_F32, .rank = 1, .dim = {m}};
+    return true;
+  case IR_OP_HOOK_COMPRESS_INT8:  // (x, scales) -> i8 like x
+  case IR_OP_HOOK_DECOMPRESS_INT8:  // (q, scales) -> f32 like q
+    if (op->kind == IR_OP_HOOK_COMPRESS_INT8 && !need_float(I, 0, -1, "a float tensor")) return false;
+    if (op->kind == IR_OP_HOOK_DECOMPRESS_INT8 && ty(I, 0)->dtype != IR_I8)
+      return fail(I, "%s must be i8", nm(I, 0));
+    if (!rows_of(I, 0, &m)) return false;
+    if (ty(I, 1)->dtype != IR_F32 || ty(I, 1)->rank != 1 || dim(I, 1, 0) != m)
+      return fail(I, "the scales %s must be f32[%lld], one per row of %s", nm(I, 1), (long long)m, nm(I, 0));
+    *out = *ty(I, 0);
+    out->dtype = op->kind == IR_OP_HOOK_COMPRESS_INT8 ? IR_I8 : IR_F32;
+    return true;
+  case IR_OP_HOOK_RECORD:
+    if (!ir_attrs_get(op->attrs, op->nattrs, "point")) return fail(I, "missing attribute 'point'");
+    if (!int_attr(I, "layer", 0, &m)) return false;
+    *out = (IrType){0};
     return true;
 
   case IR_OP_LOSS_MSE:

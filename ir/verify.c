@@ -88,7 +88,7 @@ static bool is_visible(const IrFunc *f, const IrValue *v) {
 static void check_values(Verifier *V, const IrFunc *f) {
   for (int i = 0; i < f->nvalues; i++) {
     const IrValue *v = f->values[i];
-    if (!v || !v->name) {
+    if (!v || !v->name || !*v->name) {
       func_error(V, f, "value %d has no name", i);
       continue;
     }
@@ -103,7 +103,7 @@ static void check_values(Verifier *V, const IrFunc *f) {
   const char **names = sorted_names(f, &n);
   for (int i = 1; i < n; i++)
     if (strcmp(names[i - 1], names[i]) == 0 && (i < 2 || strcmp(names[i - 2], names[i]) != 0))
-      func_error(V, f, "value '%%%s' defined twice in @%s", names[i], str_or(f->name));
+      func_error(V, f, "value '%%%s' defined twice", names[i]);
   if (f->saves && f->saves != f) {
     int ns;
     const char **saved = sorted_names(f->saves, &ns);
@@ -244,7 +244,7 @@ static void check_param(Verifier *V, int index, const IrParam *p) {
     return;
   }
   snprintf(where, sizeof where, "parameter '@%.100s'", str_or(p->name));
-  if (!p->name) ir_error(V->d, "parameter %d has no name", index);
+  if (!p->name || !*p->name) ir_error(V->d, "parameter %d has no name", index);
   if (p->index != index) ir_error(V->d, "%s is listed at %d but says %d", where, index, p->index);
   if (!valid_type(&p->type)) {
     char ts[128];
@@ -269,7 +269,7 @@ bool ir_verify(IrDiag *d, const IrModule *m) {
       }
   for (int i = 0; i < m->nfuncs; i++) {
     const IrFunc *f = m->funcs[i];
-    if (!f || !f->name) {
+    if (!f || !f->name || !*f->name) {
       ir_error(d, "function %d is missing or has no name", i);
       continue;
     }

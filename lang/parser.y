@@ -181,10 +181,12 @@ static int yyreport_syntax_error(const yypcontext_t *yyctx, yyscan_t scanner, Fe
   case YYSYMBOL_LBRACE:
     ir_error_at(d, at, "expected a statement keyword before '{'");
     return 0;
+  case YYSYMBOL_STAR:
+    ir_error_at(d, at, "expected a statement keyword, got '*'");
+    return 0;
   case YYSYMBOL_INT:
   case YYSYMBOL_FLOAT:
   case YYSYMBOL_STRING:
-  case YYSYMBOL_STAR:
     ir_error_at(d, at, "expected a statement keyword, got %s '%s'", token_name(tok),
                 ctx->tok_val.text);
     return 0;

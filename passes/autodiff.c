@@ -17,7 +17,38 @@ typedef struct Grad {
   IrDiag *d;
   IrFunc *fwd, *bwd;
   IrValue **grad;   // by forward value id
+  bool *needs;      // by forward value id: depends differentiably on the input or a parameter
 } Grad;
+
+// Ops whose result carries no gradient: integer routing decisions and constants built from them.
+static bool blocks_gradient(IrOpKind k) {
+  switch (k) {
+  case IR_OP_GATE_TOPK: case IR_OP_GATE_LOCATIONS: case IR_OP_GATE_EXPERT_CHOICE: case IR_OP_GATE_IOTA:
+  case IR_OP_ORDER_DISPATCH_MASK: case IR_OP_HOOK_SCALES:
+    return true;
+  default:
+    return false;
+  }
+}
+
+static bool operand_needs(const Grad *g, const IrOperand *a) {
+  return a->param ? true : g->needs[a->value->id];
+}
+
+static void mark_needs(Grad *g) {
+  const IrFunc *f = g->fwd;
+  for (int i = 0; i < f->nargs; i++) g->needs[f->args[i]->id] = true;
+  for (int i = 0; i < f->nops; i++) {
+    const IrOp *op = f->ops[i];
+    if (!op->result || blocks_gradient(op->kind)) continue;
+    bool any = false;
+    for (int a = 0; a < op->nargs; a++) any |= operand_needs(g, &op->args[a]);
+    // A compressed tensor is not f32 but its decompress passes the gradient straight through.
+    bool carries = op->result->type.dtype == IR_F32 || op->kind == IR_OP_HOOK_COMPRESS ||
+                   op->kind == IR_OP_HOOK_COMPRESS_INT8;
+    g->needs[op->result->id] = any && carries;
+  }
+}
 
 static const char *fresh_name(Grad *g, const char *base) {
   const char *name = base;
@@ -63,7 +94,7 @@ static IrValue *matmul_t(Grad *g, IrOpKind kind, const char *name, IrOperand a, 
 
 // Adds a gradient contribution to forward value v.
 static void accumulate(Grad *g, IrValue *v, IrValue *contribution) {
-  if (!v || v->type.dtype != IR_F32) return;
+  if (!v || !g->needs[v->id]) return;
   IrValue *old = g->grad[v->id];
   if (!old) {
     g->grad[v->id] = contribution;
@@ -92,12 +123,16 @@ static void matmul_rule(Grad *g, const IrOp *op, IrValue *dy, IrOpKind kind) {
   bool ta = ir_op_int(op, "ta", 0), tb = ir_op_int(op, "tb", 0);
   const IrOperand a = op->args[0], b = op->args[1];
   // dA = dY·op(B)^T (stored as A is: transposed back when ta), dB = op(A)^T·dY.
-  IrValue *da = ta ? matmul_t(g, kind, dname(g, &a), b, V(dy), tb, true, op->loc)
-                   : matmul_t(g, kind, dname(g, &a), V(dy), b, false, !tb, op->loc);
-  IrValue *db = tb ? matmul_t(g, kind, dname(g, &b), V(dy), a, true, ta, op->loc)
-                   : matmul_t(g, kind, dname(g, &b), a, V(dy), !ta, false, op->loc);
-  if (a.param) param_grad(g, a.param, da); else accumulate(g, a.value, da);
-  if (b.param) param_grad(g, b.param, db); else accumulate(g, b.value, db);
+  if (operand_needs(g, &a)) {
+    IrValue *da = ta ? matmul_t(g, kind, dname(g, &a), b, V(dy), tb, true, op->loc)
+                     : matmul_t(g, kind, dname(g, &a), V(dy), b, false, !tb, op->loc);
+    if (a.param) param_grad(g, a.param, da); else accumulate(g, a.value, da);
+  }
+  if (operand_needs(g, &b)) {
+    IrValue *db = tb ? matmul_t(g, kind, dname(g, &b), V(dy), a, true, ta, op->loc)
+                     : matmul_t(g, kind, dname(g, &b), a, V(dy), !ta, false, op->loc);
+    if (b.param) param_grad(g, b.param, db); else accumulate(g, b.value, db);
+  }
 }
 
 static void bias_rule(Grad *g, const IrOp *op, IrValue *dy, IrOpKind grad_kind) {
@@ -118,10 +153,10 @@ static bool backward_op(Grad *g, const IrOp *op) {
     if (ir_op_float(op, "coef", 0) != 0)
       accumulate(g, a[0].value, emit(g, IR_OP_GATE_Z_LOSS_GRAD, "dz", op, 1, (IrOperand[]){a[0]}));
     return true;
-  case IR_OP_GATE_TOPK:
-  case IR_OP_GATE_LOCATIONS:
-    return true;  // integer results: no gradient
+  case IR_OP_HOOK_RECORD:
+    return true;  // observes only
   default:
+    if (blocks_gradient(op->kind)) return true;  // routing decisions: no gradient
     break;
   }
   if (!dy) return true;  // nothing downstream depends on this value
@@ -143,9 +178,59 @@ static bool backward_op(Grad *g, const IrOp *op) {
                                    dname(g, &a[0]), NULL, 2, (IrOperand[]){V(dy), a[0]}));
     return true;
   case IR_OP_GATE_SOFTMAX:
-    accumulate(g, a[0].value, emit(g, IR_OP_GATE_SOFTMAX_GRAD, dname(g, &a[0]), NULL, 2,
-                                   (IrOperand[]){V(dy), V(op->result)}));
+  case IR_OP_GATE_SIGMOID:
+  case IR_OP_GATE_SOFTMAX_TOKENS: {
+    IrOpKind gk = op->kind == IR_OP_GATE_SOFTMAX ? IR_OP_GATE_SOFTMAX_GRAD
+                  : op->kind == IR_OP_GATE_SIGMOID ? IR_OP_GATE_SIGMOID_GRAD : IR_OP_GATE_SOFTMAX_TOKENS_GRAD;
+    accumulate(g, a[0].value, emit(g, gk, dname(g, &a[0]), op, 2, (IrOperand[]){V(dy), V(op->result)}));
     return true;
+  }
+  case IR_OP_ACT_SILU:
+    accumulate(g, a[0].value, emit(g, IR_OP_ACT_SILU_GRAD, dname(g, &a[0]), NULL, 2, (IrOperand[]){V(dy), a[0]}));
+    return true;
+  case IR_OP_MUL:
+    accumulate(g, a[0].value, emit(g, IR_OP_MUL, dname(g, &a[0]), NULL, 2, (IrOperand[]){V(dy), a[1]}));
+    accumulate(g, a[1].value, emit(g, IR_OP_MUL, dname(g, &a[1]), NULL, 2, (IrOperand[]){V(dy), a[0]}));
+    return true;
+  case IR_OP_RESHAPE: {
+    const IrType *t = a[0].param ? &a[0].param->type : &a[0].value->type;
+    IrOp *r = new_op(g, IR_OP_RESHAPE, dname(g, &a[0]));
+    r->args[r->nargs++] = V(dy);
+    ir_op_set_int(r, "rank", t->rank);
+    static const char *const keys[] = {"d0", "d1", "d2", "d3"};
+    for (int i = 0; i < t->rank; i++) ir_op_set_int(r, keys[i], t->dim[i]);
+    r->loc = op->loc;
+    accumulate(g, a[0].value, typed(g, r));
+    return true;
+  }
+  case IR_OP_L2NORM: {
+    IrValue *dx = emit(g, IR_OP_L2NORM_GRAD, dname(g, &a[0]), NULL, 2, (IrOperand[]){V(dy), a[0]});
+    if (a[0].param) param_grad(g, a[0].param, dx); else accumulate(g, a[0].value, dx);
+    return true;
+  }
+  case IR_OP_DIV_SCALAR:
+    if (operand_needs(g, &a[0]))
+      accumulate(g, a[0].value, emit(g, IR_OP_DIV_SCALAR_GRAD_X, dname(g, &a[0]), NULL, 2, (IrOperand[]){V(dy), a[1]}));
+    if (operand_needs(g, &a[1])) {
+      IrValue *ds = emit(g, IR_OP_DIV_SCALAR_GRAD_S, dname(g, &a[1]), NULL, 3, (IrOperand[]){V(dy), a[0], a[1]});
+      if (a[1].param) param_grad(g, a[1].param, ds); else accumulate(g, a[1].value, ds);
+    }
+    return true;
+  case IR_OP_ORDER_COMBINE_WEIGHTS:
+    accumulate(g, a[2].value, emit(g, IR_OP_ORDER_COMBINE_WEIGHTS_GRAD, dname(g, &a[2]), op, 3,
+                                   (IrOperand[]){V(dy), a[0], a[1]}));
+    return true;
+  case IR_OP_HOOK_COMPRESS:
+  case IR_OP_HOOK_COMPRESS_INT8:
+    return true;  // the gradient reaches the input through the matching decompress
+  case IR_OP_HOOK_DECOMPRESS:
+  case IR_OP_HOOK_DECOMPRESS_INT8: {
+    // Straight through: the round trip compress -> decompress passes the gradient unchanged.
+    const IrOp *c = a[0].value->def;
+    if (!c || (c->kind != IR_OP_HOOK_COMPRESS && c->kind != IR_OP_HOOK_COMPRESS_INT8)) break;
+    accumulate(g, c->args[0].value, dy);
+    return true;
+  }
   case IR_OP_GATE_GATHER:
     accumulate(g, a[0].value, emit(g, IR_OP_GATE_GATHER_GRAD, dname(g, &a[0]), op, 3,
                                    (IrOperand[]){V(dy), a[0], a[1]}));
@@ -161,9 +246,10 @@ static bool backward_op(Grad *g, const IrOp *op) {
                                    (IrOperand[]){V(dy), a[0], a[1], a[2]}));
     return true;
   default:
-    ir_error_at(g->d, op->loc, "autodiff: no backward rule for '%s'", ir_op_info[op->kind].name);
-    return false;
+    break;
   }
+  ir_error_at(g->d, op->loc, "autodiff: no backward rule for '%s'", ir_op_info[op->kind].name);
+  return false;
 }
 
 // @F.bwd(%dout) saves @F.fwd: gradient of the first result seeded by %dout; returns the
@@ -174,6 +260,8 @@ static IrFunc *backward_func(IrModule *m, IrDiag *d, IrFunc *fwd, const char *na
   g.bwd->saves = fwd;
   g.bwd->loc = fwd->loc;
   g.grad = ir_alloc(m, sizeof(IrValue *) * (size_t)(fwd->nvalues + 1));
+  g.needs = ir_alloc(m, sizeof(bool) * (size_t)(fwd->nvalues + 1));
+  mark_needs(&g);
   IrValue *out = fwd->rets[0];
   g.grad[out->id] = ir_add_arg(g.bwd, m, fresh_name(&g, ir_strfmt(m, "d%s", out->name)), out->type);
   for (int i = fwd->nops - 1; i >= 0; i--)

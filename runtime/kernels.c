@@ -18,6 +18,7 @@
 #include <string.h>
 
 #include "moert.h"
+#include "rt_internal.h"
 
 static void *xmalloc(size_t bytes, const char *who) {
   void *p = malloc(bytes ? bytes : 1);
@@ -263,22 +264,31 @@ void rt_gate_gather_grad(const float *dgates, const float *scores, const int32_t
 // A choice's location is the number of earlier choices of the same expert in its group (first
 // choices of every token before any second choice); one at or past cap is dropped (-1). Counters
 // only grow, so a dropped choice takes no slot and every later choice of that expert in the
-// group is dropped as well. st (NULL in unit tests) gets the drop and routed counts, and
-// route_hash folds in (idx, loc) of every choice in [t, j] order.
-void rt_gate_locations(RtStep *st, const int32_t *idx, int32_t *loc, int s, int k, int e, int g,
-                       int cap) {
+// group is dropped as well. cap <= 0 is dropless: the counters have no limit. st (NULL in unit
+// tests) gets the drop and routed counts and the per-expert loads (kept choices over all
+// groups), and route_hash folds in (idx, loc) of every choice in [t, j] order.
+//
+// The result is the largest number of choices one expert received in one group, kept or not:
+// the capacity at which nothing would be dropped (a dropless layer sizes its dispatch with it).
+int rt_gate_locations(RtStep *st, const int32_t *idx, int32_t *loc, int s, int k, int e, int g,
+                      int cap) {
   if (g < 1)
     g = 1;
-  int *count = xmalloc((size_t)e * sizeof *count, "rt_gate_locations");
+  bool dropless = cap <= 0;
+  int *count = xmalloc(2 * (size_t)e * sizeof *count, "rt_gate_locations"), *wanted = count + e;
+  int64_t *load = xmalloc((size_t)e * sizeof *load, "rt_gate_locations");
+  memset(load, 0, (size_t)e * sizeof *load);
   int64_t dropped = 0;
+  int most_wanted = 0;
   for (int gi = 0; gi < g; gi++) {
     int t0 = group_begin(s, g, gi), t1 = group_begin(s, g, gi + 1);
-    memset(count, 0, (size_t)e * sizeof *count);
+    memset(count, 0, 2 * (size_t)e * sizeof *count);
     for (int j = 0; j < k; j++) {
       for (int t = t0; t < t1; t++) {
         size_t c = (size_t)t * k + j;
         int ex = idx[c];
-        if (count[ex] < cap) {
+        wanted[ex]++;
+        if (dropless || count[ex] < cap) {
           loc[c] = count[ex]++;
         } else {
           loc[c] = -1;
@@ -286,15 +296,39 @@ void rt_gate_locations(RtStep *st, const int32_t *idx, int32_t *loc, int s, int 
         }
       }
     }
+    for (int i = 0; i < e; i++) {
+      load[i] += count[i];
+      if (wanted[i] > most_wanted)
+        most_wanted = wanted[i];
+    }
   }
   free(count);
+  if (st) {
+    st->dropped += dropped;
+    st->routed += (int64_t)s * k;
+    for (size_t c = 0; c < (size_t)s * k; c++)
+      st->route_hash = rt_key(st->route_hash, (uint64_t)(uint32_t)idx[c] * 1000003u +
+                                                  (uint64_t)(int64_t)(loc[c] + 1));
+    rt_add_loads(st, load, e);
+    if (dropless && most_wanted > st->capacity_max)
+      st->capacity_max = most_wanted;
+  }
+  free(load);
+  return most_wanted;
+}
+
+// Folds one layer's per-expert loads into the step's min / max / mean.
+void rt_add_loads(RtStep *st, const int64_t *load, int e) {
   if (!st)
     return;
-  st->dropped += dropped;
-  st->routed += (int64_t)s * k;
-  for (size_t c = 0; c < (size_t)s * k; c++)
-    st->route_hash = rt_key(st->route_hash, (uint64_t)(uint32_t)idx[c] * 1000003u +
-                                                (uint64_t)(int64_t)(loc[c] + 1));
+  for (int i = 0; i < e; i++) {
+    if (load[i] < st->load_min)
+      st->load_min = load[i];
+    if (load[i] > st->load_max)
+      st->load_max = load[i];
+    st->load_sum += (double)load[i];
+  }
+  st->load_count += e;
 }
 
 // Per group: me_e = mean score of expert e, ce_e = fraction of tokens whose first choice is e,
@@ -558,4 +592,9 @@ void rt_step_begin_forward(RtStep *st) {
   st->mse = st->aux_total = st->aux = st->z = 0.0;
   st->dropped = st->routed = 0;
   st->route_hash = 0;
+  st->load_min = INT64_MAX;
+  st->load_max = 0;
+  st->load_sum = 0.0;
+  st->load_count = 0;
+  st->capacity_max = 0;
 }

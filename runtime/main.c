@@ -3,9 +3,9 @@
 // The generated program knows its model (an RtModel: parameters, sizes, step functions); this
 // file knows everything around it: the command line, where parameters come from (seeded init,
 // --weights, --resume), the data of each step (synthetic from the seed, or .npy files), the
-// loop forward -> backward -> update with its one-line report, --dump, checkpoints and the
-// finite-difference gradient check. Everything is a function of (seed, step, sample), so a
-// run resumed from a checkpoint repeats an uninterrupted one bit for bit.
+// loop forward -> backward -> update with its one-line report, --dump, the record hook's file,
+// checkpoints and the finite-difference gradient check. Everything is a function of (seed,
+// step, sample), so a run resumed from a checkpoint repeats an uninterrupted one bit for bit.
 //
 // Errors on user input never abort: the failing function records a sentence (rt_fail), the
 // caller unwinds, and rt_main prints "moert: error: SENTENCE" once and returns non-zero. It
@@ -57,14 +57,15 @@ static int report_error(void) {
 
 typedef struct Options {
   int64_t steps;
-  const char *weights, *save, *resume, *input, *target, *dump;
+  const char *weights, *save, *resume, *input, *target, *dump, *record;
   bool check_grad, quiet, help;
 } Options;
 
 static void usage(FILE *out, const RtModel *model, const char *prog) {
   fprintf(out,
           "usage: %s [--steps N] [--weights W.safetensors] [--save C.safetensors] [--resume C]\n"
-          "       %*s [--input x.npy] [--target t.npy] [--dump DIR] [--check-grad] [--quiet]\n"
+          "       %*s [--input x.npy] [--target t.npy] [--dump DIR] [--record FILE]\n"
+          "       %*s [--check-grad] [--quiet]\n"
           "Trains the MoE model '%s' (inputs [%lld, %lld, %lld]) and prints one line per step.\n"
           "  --steps N        train until step N, counting resumed steps (default 20)\n"
           "  --weights W      load the parameters from safetensors file W instead of "
@@ -76,16 +77,19 @@ static void usage(FILE *out, const RtModel *model, const char *prog) {
           "0.5 * the input shifted by one channel)\n"
           "  --dump DIR       write the first step's input, target, output, loss and "
           "gradients to DIR\n"
+          "  --record FILE    where a model with a record hook writes its JSON lines (default "
+          "%s.record.jsonl; appended to on --resume)\n"
           "  --check-grad     compare the gradients at step 1 with finite differences, "
           "then exit\n"
           "  --quiet          do not print the per-step lines\n"
           "  --help           print this message\n",
-          prog, (int)strlen(prog), "", model->name, (long long)model->batch,
-          (long long)model->seqlen, (long long)model->embed);
+          prog, (int)strlen(prog), "", (int)strlen(prog), "", model->name,
+          (long long)model->batch, (long long)model->seqlen, (long long)model->embed, model->name);
 }
 
 // options = ("--steps" N | "--weights" W | "--save" C | "--resume" C | "--input" X
-//            | "--target" T | "--dump" DIR | "--check-grad" | "--quiet" | "--help")*
+//            | "--target" T | "--dump" DIR | "--record" FILE | "--check-grad" | "--quiet"
+//            | "--help")*
 // A value may also follow "=": --steps=5.
 static int parse_options(int argc, char **argv, Options *o) {
   *o = (Options){.steps = 20};
@@ -103,13 +107,14 @@ static int parse_options(int argc, char **argv, Options *o) {
       o->help = true;
       continue;
     }
-    static const char *const valued[] = {"--steps",  "--weights", "--save", "--resume",
-                                         "--input", "--target",  "--dump"};
-    const char **slots[] = {NULL, &o->weights, &o->save, &o->resume,
-                            &o->input, &o->target, &o->dump};
+    static const char *const valued[] = {"--steps", "--weights", "--save", "--resume",
+                                         "--input", "--target",  "--dump", "--record"};
+    const char **slots[] = {NULL,       &o->weights, &o->save, &o->resume,
+                            &o->input, &o->target,  &o->dump, &o->record};
+    enum { NVALUED = sizeof valued / sizeof *valued };
     int which = -1;
     const char *value = NULL;
-    for (int k = 0; k < 7 && which < 0; k++) {
+    for (int k = 0; k < NVALUED && which < 0; k++) {
       size_t n = strlen(valued[k]);
       if (strncmp(arg, valued[k], n) == 0 && (arg[n] == '\0' || arg[n] == '=')) {
         which = k;
@@ -187,6 +192,8 @@ typedef struct Trainer {
 } Trainer;
 
 static void trainer_destroy(Trainer *tr) {
+  if (tr->st.record)
+    fclose(tr->st.record);
   free(tr->st.params);
   free(tr->st.grads);
   free(tr->st.opt_m);
@@ -238,6 +245,7 @@ static void init_params(Trainer *tr) {
       switch (p->init) {
       case RT_INIT_ZEROS: w[j] = 0.0f; break;
       case RT_INIT_ONES: w[j] = 1.0f; break;
+      case RT_INIT_CONST: w[j] = p->std; break;
       case RT_INIT_NORMAL: w[j] = (float)(p->std * rt_normal(key, (uint64_t)j)); break;
       }
     }
@@ -502,9 +510,18 @@ static int train(Trainer *tr) {
     tr->done_steps = t;
     loss = st->mse + st->aux_total;
     double dropped = st->routed > 0 ? (double)st->dropped / (double)st->routed : 0.0;
+    if (st->record)
+      fflush(st->record);
     if (!tr->opt.quiet) {
-      printf("step %lld  loss %.6f  mse %.6f  aux %.6f  z %.6f  dropped %.4f  time %.3f ms\n",
-             (long long)t, loss, st->mse, st->aux, st->z, dropped, (t1 - t0) + (t3 - t2));
+      // Tokens per expert, min/mean/max over every expert of every layer (0/0.0/0 without MoE).
+      bool loads = st->load_count > 0;
+      printf("step %lld  loss %.6f  mse %.6f  aux %.6f  z %.6f  dropped %.4f  load %lld/%.1f/%lld",
+             (long long)t, loss, st->mse, st->aux, st->z, dropped,
+             loads ? (long long)st->load_min : 0LL, loads ? st->load_sum / st->load_count : 0.0,
+             loads ? (long long)st->load_max : 0LL);
+      if (m->dropless)
+        printf("  capacity %lld", (long long)st->capacity_max);
+      printf("  time %.3f ms\n", (t1 - t0) + (t3 - t2));
       fflush(stdout);
     }
     if (!isfinite(loss))
@@ -517,6 +534,31 @@ static int train(Trainer *tr) {
   else if (!tr->opt.quiet)
     printf("# nothing to train: the parameters are at step %lld and --steps is %lld\n",
            (long long)tr->done_steps, (long long)last);
+  return 0;
+}
+
+// ---- the record hook's file ----
+
+// A model with a record hook writes to --record FILE, by default MODEL.record.jsonl in the
+// current directory; a fresh run starts the file anew, a resumed one appends to it.
+static int open_record(Trainer *tr) {
+  const RtModel *m = tr->model;
+  if (!m->records) {
+    if (tr->opt.record && !tr->opt.quiet)
+      printf("# --record %s: model '%s' has no record hook, nothing is recorded\n",
+             tr->opt.record, m->name);
+    return 0;
+  }
+  char fallback[512];
+  const char *path = tr->opt.record;
+  if (!path) {
+    snprintf(fallback, sizeof fallback, "%s.record.jsonl", m->name);
+    path = fallback;
+  }
+  FILE *f = fopen(path, tr->opt.resume ? "a" : "w");
+  if (!f)
+    return rt_fail("cannot open the record file '%s': %s", path, strerror(errno));
+  tr->st.record = f;
   return 0;
 }
 
@@ -668,6 +710,8 @@ int rt_main(const RtModel *model, int argc, char **argv) {
   if (status == 0 && tr.done_steps > opt.steps)
     status = rt_fail("checkpoint '%s' is at step %lld, past --steps %lld", opt.resume,
                      (long long)tr.done_steps, (long long)opt.steps);
+  if (status == 0)
+    status = open_record(&tr);
   if (status == 0)
     status = train(&tr);
   if (status == 0 && opt.save)

@@ -68,9 +68,11 @@ void rt_gate_gather_grad(const float *dgates, const float *scores, const int32_t
                          float *dscores, int s, int e, int k, bool renorm);
 // Tokens split into g equal groups in order; within a group, all first choices in token order,
 // then all second choices, ...; loc = running count of the expert in that group, or -1 when it
-// reaches cap. Adds the drops and the routing to st's statistics.
-void rt_gate_locations(RtStep *st, const int32_t *idx, int32_t *loc, int s, int k, int e, int g,
-                       int cap);
+// reaches cap. cap <= 0 is dropless: nothing is dropped. Adds the drops, the routing and the
+// per-expert loads (kept choices per expert over all groups) to st's statistics, and returns
+// the largest per-group load of any expert (the capacity a dropless layer needs).
+int rt_gate_locations(RtStep *st, const int32_t *idx, int32_t *loc, int s, int k, int e, int g,
+                      int cap);
 float rt_aux_loss(const float *scores, const int32_t *idx, int s, int e, int k, int g);
 void rt_aux_loss_grad(const float *scores, const int32_t *idx, float *dscores, int s, int e,
                       int k, int g, float coef);
@@ -92,6 +94,52 @@ void rt_order_decode_grad_gates(const float *dout, const float *y, const int32_t
                                 const int32_t *loc, float *dgates, int s, int m, int k, int e,
                                 int g, int cap);
 
+// ---- the module library: more gates, the dense order, SwiGLU experts, hooks ----
+void rt_sigmoid(const float *x, float *y, int64_t n);
+void rt_sigmoid_grad(const float *dy, const float *y, float *dx, int64_t n);   // dy*y*(1-y)
+// Softmax over tokens: every column j of x [s, e] is softmaxed over the rows of its routing
+// group (g equal groups of s/g rows in order). Expert choice and soft MoE dispatch use it.
+void rt_softmax_tokens(const float *x, float *y, int s, int e, int g);
+void rt_softmax_tokens_grad(const float *dy, const float *y, float *dx, int s, int e, int g);
+// y = x / sqrt(sum(x^2) + 1e-12) per row of x [rows, n].
+void rt_l2norm_rows(const float *x, float *y, int rows, int n);
+void rt_l2norm_rows_grad(const float *dy, const float *x, float *dx, int rows, int n);
+// y = x / s[0] for a scalar s (xmoe's learned temperature); ds[0] = -sum(dy*x) / s^2.
+void rt_div_scalar(const float *x, const float *s, float *y, int64_t n);
+void rt_div_scalar_grad_x(const float *dy, const float *s, float *dx, int64_t n);
+void rt_div_scalar_grad_s(const float *dy, const float *x, const float *s, float *ds, int64_t n);
+// Expert choice: in each group, every expert j takes the cap tokens with the highest
+// scores[t, j] (ties to the lower token index); loc[t, j] is the token's rank in that list, or
+// -1. Choice j of every token is expert j (idx = rt_iota). Statistics: routed += s,
+// dropped += tokens that no expert took; loads as rt_gate_locations.
+void rt_expert_choice(RtStep *st, const float *scores, int32_t *loc, int s, int e, int g, int cap);
+void rt_iota(int32_t *idx, int s, int e);   // idx[t, j] = j
+// The dense (GShard einsum) order: one-hot dispatch mask and combine weights [s, e*c] with c =
+// g*cap; column idx[t,j]*c + gi*cap + loc[t,j] of row t holds 1 (mask) or gates[t,j] (combine).
+void rt_dispatch_mask(const int32_t *idx, const int32_t *loc, float *mask, int s, int k, int e,
+                      int g, int cap);
+void rt_combine_weights(const int32_t *idx, const int32_t *loc, const float *gates, float *cw,
+                        int s, int k, int e, int g, int cap);
+void rt_combine_weights_grad(const float *dcw, const int32_t *idx, const int32_t *loc,
+                             float *dgates, int s, int k, int e, int g, int cap);
+void rt_copy(const float *x, float *y, int64_t n);
+void rt_silu(const float *x, float *y, int64_t n);
+void rt_silu_grad(const float *dy, const float *x, float *dx, int64_t n);
+void rt_mul(const float *a, const float *b, float *y, int64_t n);
+// Compression hooks. fp16: IEEE binary16, bf16: the top 16 bits of binary32, both round to
+// nearest even (NaN stays NaN, overflow to inf). int8: per-row scale = max|x| / 127 (1 for an
+// all-zero row), q = round-half-away(x / scale) clamped to [-127, 127].
+void rt_compress_f16(const float *x, uint16_t *q, int64_t n);
+void rt_decompress_f16(const uint16_t *q, float *x, int64_t n);
+void rt_compress_bf16(const float *x, uint16_t *q, int64_t n);
+void rt_decompress_bf16(const uint16_t *q, float *x, int64_t n);
+void rt_int8_scales(const float *x, float *scale, int rows, int n);
+void rt_compress_int8(const float *x, const float *scale, int8_t *q, int rows, int n);
+void rt_decompress_int8(const int8_t *q, const float *scale, float *x, int rows, int n);
+// The record hook: writes one JSON line {"step", "layer", "point", "numel", "mean", "max_abs",
+// "dropped"} to st->record (nothing when NULL); dropped is the layer's dropped fraction so far.
+void rt_record(RtStep *st, const char *point, int layer, const float *x, int64_t n);
+
 float rt_mse(const float *out, const float *target, int64_t n);   // sum (o-t)^2 / (2n)
 void rt_mse_grad(const float *out, const float *target, float *dout, int64_t n);
 
@@ -101,7 +149,7 @@ void rt_adamw(float *p, const float *g, float *m, float *v, int64_t n, float lr,
               float beta2, float eps, float weight_decay, int64_t step);
 
 // ---- the model description the generated program fills in ----
-typedef enum RtInit { RT_INIT_ZEROS, RT_INIT_ONES, RT_INIT_NORMAL } RtInit;
+typedef enum RtInit { RT_INIT_ZEROS, RT_INIT_ONES, RT_INIT_NORMAL, RT_INIT_CONST } RtInit;
 typedef enum RtOptKind { RT_OPT_SGD, RT_OPT_ADAMW } RtOptKind;
 
 typedef struct RtParam {
@@ -109,7 +157,7 @@ typedef struct RtParam {
   int rank;
   int64_t dims[4];
   RtInit init;
-  float std;               // RT_INIT_NORMAL: N(0, std^2), element i of param p is
+  float std;               // RT_INIT_CONST: every element equals std. RT_INIT_NORMAL: N(0, std^2), element i of param p is
                            // std * rt_normal(rt_key(rt_key(seed, RT_STREAM_INIT), rt_hash_name(p)), i)
   size_t offset;           // in floats, into RtStep.params / grads / opt_m / opt_v
   int64_t numel;
@@ -125,6 +173,8 @@ struct RtModel {
   size_t arena_bytes;             // activation arena from the memory plan
   RtOptKind opt;
   int nlayers;                    // MoE layers, for statistics
+  bool records;                   // a `record` hook exists: rt_main opens the record file
+  bool dropless;                  // a layer has `capacity *`: the report shows the capacity used
   // Step functions. forward: reads st->input/st->target, sets st->output (into the arena),
   // st->mse and st->aux_total (sum of coef*aux + coef*z over layers) and adds to st->aux/st->z.
   // backward: fills st->grads (every parameter's gradient, overwritten). update: optimizer.
@@ -147,6 +197,11 @@ struct RtStep {
   double aux, z;                  // unweighted sums over layers (for the report)
   int64_t dropped, routed;        // choices dropped / routed this step
   uint64_t route_hash;            // hash of every routing decision (for --check-grad)
+  int64_t load_min, load_max;     // tokens per expert, over every expert of every layer
+  double load_sum;                //   (sum and count give the mean)
+  int64_t load_count;
+  int64_t capacity_max;           // largest capacity a dropless layer used this step
+  void *record;                   // FILE * for the record hook, or NULL (set by rt_main)
 };
 
 // Resets the per-forward statistics; the generated forward calls it first.

@@ -22,6 +22,12 @@ int rt_fail(const char *fmt, ...) __attribute__((format(printf, 1, 2)));
 const char *rt_last_error(void);
 void rt_clear_error(void);
 
+// ---- routing statistics (kernels.c) ----
+// Adds the per-expert loads of one layer (load[e]: tokens or choices kept by each expert) to
+// st's load_min / load_max / load_sum / load_count. st may be NULL.
+typedef struct RtStep RtStep;
+void rt_add_loads(RtStep *st, const int64_t *load, int e);
+
 // ---- .npy (version 1.0 written; 1.0, 2.0 and 3.0 read), little-endian, C order ----
 typedef enum RtDtype { RT_DTYPE_F32, RT_DTYPE_F64, RT_DTYPE_I32 } RtDtype;
 

@@ -316,8 +316,9 @@ static const ParseCase parse_cases[] = {
      "test.ir:4:23: error: tensor rank exceeds 4", 1},
     {HEAD "  %y: f32[8, 4] = add %x, %x, %x, %x, %x, %x, %x\n  return %y\n}\n",
      "test.ir:4:47: error: too many operands for 'add' (at most 6)", 1},
-    {HEAD "  %y: i32[8, 2] = gate.topk %x {a=1, b=2, c=3, d=4, e=5, f=6, g=7, h=8, i=9, j=10, k=11, l=12, m=13}\n}\n",
-     "error: too many attributes (at most 12)", 1},
+    {HEAD "  %y: i32[8, 2] = gate.topk %x {a=1, b=2, c=3, d=4, e=5, f=6, g=7, h=8, i=9, j=10, k=11, l=12, m=13, "
+         "n=14, o=15, p=16, q=17, r=18, s=19, t=20, u=21, v=22, w=23, x=24, y=25}\n}\n",
+     "error: too many attributes (at most 24)", 1},
     {HEAD "  %y: i32[8, 2] = gate.topk %x {k=2, k=3}\n  return %y\n}\n", "error: attribute 'k' given twice", 1},
     {HEAD "  %y: i32[8, 2] = gate.topk %x {k=two}\n  return %y\n}\n",
      "error: expected a number or a string for attribute 'k', found 'two'; quote strings", 1},
@@ -581,7 +582,7 @@ static const VerifyCase verify_cases[] = {
      "moec: error: in @f: op 2 (order.decode): %y (f32[4, 16, 32]) has C = 16 but groups*capacity = 32\n"},
     {"use before def", v_use_before_def,
      "moec: error: in @f: op 0 (act.relu): operand '%b' is used before it is defined\n"},
-    {"duplicate name", v_dup_name, "moec: error: in @f: value '%x' defined twice in @f\n"},
+    {"duplicate name", v_dup_name, "moec: error: in @f: value '%x' defined twice\n"},
     {"result count", v_result_count, "moec: error: in @f: op 0 (opt.sgd): has no result, but one is named '%u'\n"},
     {"return", v_bad_ret, "moec: error: in @g: return value '%x' is not defined in @g\n"},
     {"saves order", v_saves_later, "moec: error: in @f: @f saves @g, which comes after it\n"},
@@ -630,6 +631,99 @@ static void test_verify_located_and_all(void **state) {
   assert_contains(out, "test.ir:5:19: error: gate.topk: missing attribute 'k'\n");
   assert_contains(out, "test.ir:6:19: error: add: takes 2 operands, got 3\n");
   assert_int_equal(c.d.errors, 3);
+  parsed_free(&p);
+  cap_close(&c);
+}
+
+// The ops the full layer below does not use, bf16 tensors, and both transposes at once.
+static void test_shapes_dense(void **state) {
+  (void)state;
+  const char *text =
+      "module t\n"
+      "\n"
+      "param @w: bf16[16, 8]\n"
+      "param @b: bf16[16]\n"
+      "\n"
+      "func @f(%x: bf16[8, 4]) {\n"
+      "  %h: bf16[4, 16] = matmul %x, @w {ta=1, tb=1}\n"
+      "  %hb: bf16[4, 16] = bias %h, @b\n"
+      "  %r: bf16[4, 16] = act.relu %hb\n"
+      "  %dr: bf16[4, 16] = act.relu.grad %r, %hb\n"
+      "  %db: bf16[16] = bias.grad %dr\n"
+      "  param.grad @b, %db\n"
+      "  return %r\n"
+      "}\n";
+  Capture c;
+  cap_open(&c);
+  Parsed p = parse_text(&c.d, text);
+  assert_non_null(p.m);
+  if (!ir_verify(&c.d, p.m)) print_error("%s", cap_text(&c));
+  assert_int_equal(c.d.errors, 0);
+  char *out = assert_round_trip(p.m);
+  assert_string_equal(out, text);
+  free(out);
+  // Break things one at a time.
+  p.m->params[1]->type.dim[0] = 5;
+  assert_false(ir_verify(&c.d, p.m));
+  assert_contains(cap_text(&c), "test.ir:8:22: error: bias: n differs: %h (bf16[4, 16]) has n = 16 but @b (bf16[5]) has n = 5\n");
+  p.m->params[1]->type.dim[0] = 16;
+  p.m->params[1]->type.dtype = IR_F32;
+  assert_false(ir_verify(&c.d, p.m));
+  assert_contains(cap_text(&c), "bias: dtypes differ: %h (bf16[4, 16]) and @b (f32[16])\n");
+  parsed_free(&p);
+  cap_close(&c);
+}
+
+// The other gates (sigmoid, expert choice), the gshard order, the mixtral and xmoe helpers, hooks.
+static void test_shapes_more_ops(void **state) {
+  (void)state;
+  const char *text =
+      "module t\n"
+      "\n"
+      "param @wg: f32[8, 4]\n"
+      "\n"
+      "func @f(%x: f32[16, 8], %s: f32[]) {\n"
+      "  %l: f32[16, 4] = matmul %x, @wg\n"
+      "  %sg: f32[16, 4] = gate.sigmoid %l\n"
+      "  %dsg: f32[16, 4] = gate.sigmoid.grad %sg, %sg\n"
+      "  %st: f32[16, 4] = gate.softmax_tokens %l {groups=2}\n"
+      "  %dst: f32[16, 4] = gate.softmax_tokens.grad %st, %st {groups=2}\n"
+      "  %ec: i32[16, 4] = gate.expert_choice %st {capacity=4, experts=4, groups=2}\n"
+      "  %io: i32[16, 4] = gate.iota %st\n"
+      "  %dm: f32[16, 32] = order.dispatch_mask %io, %ec {capacity=4, experts=4, groups=2}\n"
+      "  %cw: f32[16, 32] = order.combine_weights %io, %ec, %st {capacity=4, experts=4, groups=2}\n"
+      "  %dg: f32[16, 4] = order.combine_weights.grad %cw, %io, %ec {capacity=4, experts=4, groups=2}\n"
+      "  %xs: f32[16, 8] = act.silu %x\n"
+      "  %dxs: f32[16, 8] = act.silu.grad %xs, %x\n"
+      "  %mu: f32[16, 8] = mul %xs, %x\n"
+      "  %r: f32[4, 4, 8] = reshape %mu {d0=4, d1=4, d2=8, rank=3}\n"
+      "  %n: f32[16, 8] = l2norm %x\n"
+      "  %dn: f32[16, 8] = l2norm.grad %n, %x\n"
+      "  %dv: f32[16, 8] = div_scalar %x, %s\n"
+      "  %dvx: f32[16, 8] = div_scalar.grad_x %dv, %s\n"
+      "  %dvs: f32[] = div_scalar.grad_s %dv, %x, %s\n"
+      "  %c: bf16[4, 4, 8] = hook.compress %r {format=\"bf16\"}\n"
+      "  %dc: f32[4, 4, 8] = hook.decompress %c\n"
+      "  %sc: f32[16] = hook.scales %dc\n"
+      "  %q: i8[4, 4, 8] = hook.compress_int8 %dc, %sc\n"
+      "  %dq: f32[4, 4, 8] = hook.decompress_int8 %q, %sc\n"
+      "  hook.record %dq {layer=0, point=\"after_dispatch\"}\n"
+      "  return %dq, %dvs\n"
+      "}\n";
+  Capture c;
+  cap_open(&c);
+  Parsed p = parse_text(&c.d, text);
+  assert_non_null(p.m);
+  if (!ir_verify(&c.d, p.m)) print_error("%s", cap_text(&c));
+  assert_int_equal(c.d.errors, 0);
+  char *out = assert_round_trip(p.m);
+  assert_string_equal(out, text);
+  free(out);
+  IrOp *reshape = p.m->funcs[0]->ops[13];
+  assert_int_equal(reshape->kind, IR_OP_RESHAPE);
+  ir_op_set_int(reshape, "d2", 9);
+  assert_false(ir_verify(&c.d, p.m));
+  assert_contains(cap_text(&c), "reshape: cannot reshape %mu (f32[16, 8]) to f32[4, 4, 9]: 128 elements vs 144\n");
   parsed_free(&p);
   cap_close(&c);
 }
@@ -784,6 +878,8 @@ int main(void) {
       cmocka_unit_test(test_parse_garbage),
       cmocka_unit_test(test_verify_errors),
       cmocka_unit_test(test_verify_located_and_all),
+      cmocka_unit_test(test_shapes_dense),
+      cmocka_unit_test(test_shapes_more_ops),
       cmocka_unit_test(test_full_layer),
       cmocka_unit_test(test_full_layer_mismatch),
   };

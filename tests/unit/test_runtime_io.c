@@ -395,6 +395,17 @@ static float learning_rate = 2.0f;
 static float backward_scale = 1.0f;
 static float route_threshold = INFINITY;   // the "router" flips when W[route_index] > this
 static int route_index;
+static bool lin_moe;   // also route the tokens (dropless) and call the record hook
+
+// A fixed dropless routing of the S = 16 tokens to 4 experts, k = 1: token t goes to expert
+// t % 3, so the loads are 6, 5, 5, 0 and the capacity used is 6.
+static void lin_route(RtStep *st, const float *out) {
+  int32_t idx[S], loc[S];
+  for (int t = 0; t < S; t++)
+    idx[t] = t % 3;
+  rt_gate_locations(st, idx, loc, S, 1, 4, 1, 0);
+  rt_record(st, "before_dispatch", 0, out, N);
+}
 
 static void lin_forward(RtStep *st) {
   rt_step_begin_forward(st);
@@ -405,6 +416,8 @@ static void lin_forward(RtStep *st) {
     for (int i = 0; i < N; i++)
       out[i] += 1.0f;
   }
+  if (lin_moe)
+    lin_route(st, out);
   st->mse = rt_mse(out, st->target, N);
   st->output = out;
 }
@@ -515,15 +528,19 @@ static void test_main_trains(void **state) {
   Run r = run_main(&model, "--steps", "30", NULL);
   assert_int_equal(r.rc, 0);
   assert_string_equal(r.err, "");
-  // The exact line format of notes/CONTRACTS.md.
-  double loss, mse, aux, z, dropped, ms;
+  // The exact line format of notes/CONTRACTS.md; no MoE layer: load 0/0.0/0, no capacity.
+  double loss, mse, aux, z, dropped, load_mean, ms;
+  long long load_min, load_max;
   int step;
   const char *first = strstr(r.out, "step 1 ");
   assert_non_null(first);
   assert_int_equal(sscanf(first, "step %d  loss %lf  mse %lf  aux %lf  z %lf  dropped %lf  "
-                                 "time %lf ms", &step, &loss, &mse, &aux, &z, &dropped, &ms),
-                   7);
+                                 "load %lld/%lf/%lld  time %lf ms", &step, &loss, &mse, &aux, &z,
+                          &dropped, &load_min, &load_mean, &load_max, &ms),
+                   10);
   assert_true(loss == mse && aux == 0 && z == 0 && dropped == 0 && ms >= 0);
+  assert_true(load_min == 0 && load_mean == 0 && load_max == 0);
+  assert_null(strstr(r.out, "capacity"));
   double l1 = step_loss(r.out, 1), l30 = step_loss(r.out, 30);
   assert_true(l30 < 0.1 * l1);
   assert_non_null(strstr(r.out, "# trained 30 steps; final loss"));
@@ -834,6 +851,84 @@ static void test_main_command_line(void **state) {
   run_free(&r);
 }
 
+static int count_lines(const char *text) {
+  int n = 0;
+  for (const char *p = text; p && *p; p++)
+    n += *p == '\n';
+  return n;
+}
+
+// The load figures, the dropless capacity and the record hook's file (fresh, resumed, default
+// name, --check-grad).
+static void test_main_record_and_loads(void **state) {
+  RtModel model = lin_model(RT_OPT_SGD);
+  model.records = true;
+  model.dropless = true;
+  lin_moe = true;
+  const char *rec = tmp_path("run.record.jsonl");
+  Run r = run_main(&model, "--steps", "3", "--record", rec, NULL);
+  assert_int_equal(r.rc, 0);
+  assert_non_null(strstr(r.out, "dropped 0.0000  load 0/4.0/6  capacity 6  time "));
+  char *text = read_text(rec);
+  assert_non_null(text);
+  assert_int_equal(count_lines(text), 3);
+  const char *line = text;
+  for (int t = 1; t <= 3; t++) {
+    int step, layer;
+    long long numel;
+    double mean, max_abs, dropped;
+    char point[32];
+    assert_int_equal(sscanf(line, "{\"step\": %d, \"layer\": %d, \"point\": \"%31[^\"]\", "
+                                  "\"numel\": %lld, \"mean\": %lf, \"max_abs\": %lf, "
+                                  "\"dropped\": %lf}", &step, &layer, point, &numel, &mean,
+                            &max_abs, &dropped),
+                     7);
+    assert_int_equal(step, t);
+    assert_int_equal(layer, 0);
+    assert_string_equal(point, "before_dispatch");
+    assert_int_equal(numel, N);
+    assert_true(max_abs > 0 && fabs(mean) <= max_abs && dropped == 0);
+    line = strchr(line, '\n') + 1;
+  }
+  free(text);
+  run_free(&r);
+
+  // A resumed run appends to the file.
+  const char *half = tmp_path("rec_half.safetensors");
+  r = run_main(&model, "--steps", "2", "--record", rec, "--save", half, NULL);
+  assert_int_equal(r.rc, 0);
+  run_free(&r);
+  r = run_main(&model, "--resume", half, "--steps", "4", "--record", rec, "--quiet", NULL);
+  assert_int_equal(r.rc, 0);
+  text = read_text(rec);
+  assert_int_equal(count_lines(text), 4);
+  assert_non_null(strstr(text, "{\"step\": 4, "));
+  free(text);
+  run_free(&r);
+
+  // Default file name in the current directory; --check-grad records nothing.
+  char cwd[1024];
+  assert_non_null(getcwd(cwd, sizeof cwd));
+  assert_int_equal(chdir(tmpdir), 0);
+  r = run_main(&model, "--steps", "1", NULL);
+  assert_int_equal(r.rc, 0);
+  assert_true(file_exists("linear_test.record.jsonl"));
+  run_free(&r);
+  r = run_main(&model, "--check-grad", "--record", "grad.record.jsonl", NULL);
+  assert_int_equal(r.rc, 0);
+  assert_false(file_exists("grad.record.jsonl"));
+  run_free(&r);
+  assert_int_equal(chdir(cwd), 0);
+
+  // An unwritable record file is an error before any step runs.
+  r = run_main(&model, "--record", tmp_path("no/such/dir.jsonl"), NULL);
+  assert_int_equal(r.rc, 1);
+  assert_non_null(strstr(r.err, "cannot open the record file"));
+  assert_null(strstr(r.out, "step 1 "));
+  run_free(&r);
+  lin_moe = false;
+}
+
 static int remove_entry(const char *path, const struct stat *sb, int flag, struct FTW *ftw) {
   return remove(path);
 }
@@ -863,6 +958,7 @@ int main(void) {
       cmocka_unit_test(test_main_dump_and_input),
       cmocka_unit_test(test_main_check_grad),
       cmocka_unit_test(test_main_command_line),
+      cmocka_unit_test(test_main_record_and_loads),
   };
   return cmocka_run_group_tests(tests, setup, teardown);
 }

@@ -1,0 +1,95 @@
+// Lowering internals: the gate and expert registries and the helpers their lowerings share.
+//
+// A gate lowers x [S, M] into a routing (FeRouting): token-choice indices, slots and gate
+// weights for the orders to encode and decode, or, for soft MoE, dense dispatch and combine
+// weights. An expert lowers the dispatched tokens [E, C, M] into expert outputs [E, C, M].
+// Adding a gate or an expert is one new file (frontend/gate_NAME.c, frontend/expert_NAME.c)
+// with its lowering, plus one row in the table in frontend/registry.c; the checker takes the
+// names and each gate's accepted fields from that table.
+#ifndef FE_LOWER_H
+#define FE_LOWER_H
+
+#include "fe.h"
+
+typedef struct FeLower {
+  IrDiag *d;
+  IrModule *m;
+  IrFunc *f;
+  const FeProgram *p;
+  const FeLayer *layer;
+  const char *inst;        // layer instance name: block0
+  int64_t layer_index;     // global index of the MoE layer instance
+  int64_t S, M, E, H, G;   // tokens, model dim, experts, expert hidden, routing groups
+} FeLower;
+
+typedef struct FeRouting {
+  bool soft;               // soft MoE: dispatch/combine weights, no indices
+  // token choice (soft == false): every token's K choices
+  IrValue *idx;            // i32 [S, K] expert of each choice
+  IrValue *loc;            // i32 [S, K] slot within the group's expert buffer, -1 dropped
+  IrValue *gates;          // f32 [S, K] weight of each choice in the combine
+  int64_t capacity;        // T: slots per group per expert (C = G*T)
+  // soft MoE (soft == true): [S, E*N] weights; N slots per expert
+  IrValue *dispatch, *combine;
+  int64_t slots;
+  // auxiliary losses (NULL when the gate has none), returned by the layer for the report
+  IrValue *aux, *z;
+} FeRouting;
+
+typedef struct FeGateDef {
+  const char *name;
+  unsigned fields;         // bit (1 << FE_GATE_F_*) for every gate field the gate accepts
+  const char *doc;         // one line for messages
+  bool (*lower)(FeLower *L, IrValue *x, FeRouting *out);
+} FeGateDef;
+
+typedef struct FeExpertDef {
+  const char *name;
+  // disp [E, C, M] -> expert outputs [E, C, M]; creates the expert parameters.
+  IrValue *(*lower)(FeLower *L, IrValue *disp);
+} FeExpertDef;
+
+extern const FeGateDef fe_gates[];
+extern const int fe_gate_count;
+extern const FeExpertDef fe_experts[];
+extern const int fe_expert_count;
+const FeGateDef *fe_gate_find(const char *name);
+const FeExpertDef *fe_expert_find(const char *name);
+// NULL-terminated name lists for the checker's schema, filled by fe_registry_init().
+#define FE_MAX_REGISTERED 32
+extern const char *fe_gate_words[FE_MAX_REGISTERED + 1];
+extern const char *fe_expert_words[FE_MAX_REGISTERED + 1];
+void fe_registry_init(void);
+
+// ---- helpers (lower.c) ----
+#define FE_GATE_FIELD(f) (1u << (f))
+// Appends op `kind` with operands (values or parameters) and attributes; the result (named
+// `name`, NULL for none) gets the type shape inference gives it.
+#define FE_V(v) ((IrOperand){.value = (v)})
+#define FE_P(p) ((IrOperand){.param = (p)})
+IrValue *fe_emit(FeLower *L, IrOpKind kind, const char *name, int nargs, const IrOperand *args,
+                 int nattrs, const IrAttr *attrs);
+// Common shapes of fe_emit.
+IrValue *fe_op1(FeLower *L, IrOpKind kind, const char *name, IrOperand a);
+IrValue *fe_op2(FeLower *L, IrOpKind kind, const char *name, IrOperand a, IrOperand b);
+// Integer and float attributes for fe_emit.
+#define FE_I(k, v) ((IrAttr){.key = (k), .kind = IR_ATTR_INT, .i = (v)})
+#define FE_F(k, v) ((IrAttr){.key = (k), .kind = IR_ATTR_FLOAT, .f = (v)})
+IrParam *fe_param(FeLower *L, const char *suffix, IrType t, const char *init, double value);
+// The gshard-style tail shared by token-choice gates: top-k over scores, gate weights
+// (renormalised when renorm), capacity locations, aux loss over scores, z loss over logits.
+void fe_token_choice(FeLower *L, IrValue *logits, IrValue *scores, bool renorm, FeRouting *out);
+// logits + training noise when the gate has `noise`.
+IrValue *fe_noise(FeLower *L, IrValue *logits);
+// Per-group capacity T of token choice with k choices per token.
+int64_t fe_capacity(const FeLower *L, int64_t k);
+
+bool fe_gate_gshard(FeLower *L, IrValue *x, FeRouting *out);
+bool fe_gate_sigmoid(FeLower *L, IrValue *x, FeRouting *out);
+bool fe_gate_xmoe(FeLower *L, IrValue *x, FeRouting *out);
+bool fe_gate_expert_choice(FeLower *L, IrValue *x, FeRouting *out);
+bool fe_gate_softmoe(FeLower *L, IrValue *x, FeRouting *out);
+IrValue *fe_expert_gpt(FeLower *L, IrValue *disp);
+IrValue *fe_expert_mixtral(FeLower *L, IrValue *disp);
+
+#endif
