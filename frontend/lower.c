@@ -87,15 +87,22 @@ void fe_token_choice(FeLower *L, IrValue *logits, IrValue *scores, bool renorm, 
 
 // ---- refusals ----
 static void refuse_unsupported(IrDiag *d, const FeProgram *p) {
-  const char *why = "the CPU backend does not run it yet";
   if (strcmp(p->model.dtype, "fp32") != 0)
-    ir_error_at(d, p->model.dtype_loc, "dtype '%s' needs the CUDA backend; %s", p->model.dtype, why);
+    ir_error_at(d, p->model.dtype_loc, "dtype '%s' needs the CUDA backend, which moec does not have yet",
+                p->model.dtype);
   const FeParallel *par = &p->parallel;
   if (par->dp * par->mp > 1 || par->ep * par->esp > 1)
     ir_error_at(d, par->loc,
                 "parallel layouts over more than one rank (dp %lld, mp %lld, ep %lld, esp %lld) "
                 "are not supported yet; remove the 'parallel' block to train on one rank",
                 (long long)par->dp, (long long)par->mp, (long long)par->ep, (long long)par->esp);
+  for (int i = 0; i < p->nlayers; i++) {
+    const FeLayer *l = &p->layers[i];
+    if (l->has_attention)
+      ir_error_at(d, l->attention_loc,
+                  "'attention' is not supported yet: moec has no attention kernels; remove it to train the "
+                  "MoE layers alone");
+  }
   const FeSchedule *s = &p->schedule;
   if (strcmp(s->policy, "sequential") != 0)
     ir_error_at(d, s->policy_loc, "schedule policy '%s' is not supported yet (only 'sequential')",
@@ -106,11 +113,6 @@ static void refuse_unsupported(IrDiag *d, const FeProgram *p) {
   if (strcmp(s->grad_partition, "none") != 0)
     ir_error_at(d, s->grad_partition_loc,
                 "grad_partition '%s' is not supported yet (only 'none')", s->grad_partition);
-  for (int i = 0; i < p->nlayers; i++) {
-    const FeLayer *l = &p->layers[i];
-    if (l->has_attention)
-      ir_error_at(d, l->attention_loc, "'attention' is not supported yet; %s", why);
-  }
 }
 
 // ---- hooks ----

@@ -1,9 +1,9 @@
 // The IR printer: the text form described at the top of ir.h, one canonical spelling for every
 // module so that print(parse(print(m))) == print(m) byte for byte.
 //
-// Canonical choices: attributes sorted by key; floats with %.17g (exact for doubles) and ".0"
-// added when that reads as an integer, `inf`/`-inf`/`nan` for the non-finite ones; names that
-// are not plain identifiers are quoted (`%"a b"`) so any builder-made name reads back; the
+// Canonical choices: attributes sorted by key; floats in the shortest %g that reads back to the
+// same double, with ".0" added when that reads as an integer, `inf`/`-inf`/`nan` for the
+// non-finite ones; names that are not plain identifiers are quoted (`%"a b"`) so any builder-made name reads back; the
 // params as one block, then every function, with a blank line between these items.
 #include <math.h>
 #include <stdlib.h>
@@ -70,8 +70,12 @@ static void print_float(FILE *out, double v) {
     fputs(v < 0 ? "-inf" : "inf", out);
     return;
   }
+  // The shortest %.Ng that reads back to the same double (0.9, not 0.90000000000000002).
   char buf[64];
-  snprintf(buf, sizeof buf, "%.17g", v);
+  for (int digits = 1; digits <= 17; digits++) {
+    snprintf(buf, sizeof buf, "%.*g", digits, v);
+    if (strtod(buf, NULL) == v) break;
+  }
   fputs(buf, out);
   if (strspn(buf, "-0123456789") == strlen(buf)) fputs(".0", out);
 }
