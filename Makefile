@@ -18,6 +18,8 @@ CUDA    ?= /usr/local/cuda
 DEB_PACKAGES := flex bison libnlopt-dev libopenmpi-dev openmpi-bin libopenblas-dev libcjson-dev \
                 libcmocka-dev python3-numpy clang libclang-rt-14-dev
 PKG_CJSON    := $(shell pkg-config --cflags --libs libcjson 2>/dev/null || echo -lcjson)
+MPI_CFLAGS    = $(shell mpicc --showme:compile 2>/dev/null)
+MPI_LIBS      = $(shell mpicc --showme:link 2>/dev/null || echo -lmpi)
 
 COMPILER_SRC := $(wildcard frontend/*.c ir/*.c passes/*.c codegen/*.c)
 RUNTIME_SRC  := $(wildcard runtime/*.c)
@@ -26,7 +28,7 @@ COMPILER_OBJ := $(COMPILER_SRC:%.c=$(BUILD)/obj/%.o) $(BUILD)/obj/gen/parser.o $
 RUNTIME_OBJ  := $(RUNTIME_SRC:%.c=$(BUILD)/obj/%.o)
 INCLUDES     := -I. -Iir -Ifrontend -Ipasses -Icodegen -Iruntime -I$(BUILD)/gen
 
-COMPILER_DEFS := -DMOEC_ROOT=\"$(ROOT)\" -DMOEC_BUILD=\"$(abspath $(BUILD))\"
+COMPILER_DEFS := -DMOEC_ROOT=\"$(ROOT)\" -DMOEC_BUILD=\"$(abspath $(BUILD))\" -DMOEC_MPI_LIBS='"$(MPI_LIBS)"'
 
 .PHONY: all deps demo test fuzz bench clean
 all: $(BUILD)/moec $(BUILD)/libmoert.a
@@ -60,7 +62,7 @@ $(BUILD)/obj/frontend/%.o: frontend/%.c $(BUILD)/gen/parser.h $(BUILD)/gen/lexer
 
 $(BUILD)/obj/runtime/%.o: runtime/%.c
 	@mkdir -p $(dir $@)
-	$(CC) $(CFLAGS) $(INCLUDES) -I/usr/include/x86_64-linux-gnu/openblas-pthread $(PKG_CJSON:-l%=) -MMD -c $< -o $@
+	$(CC) $(CFLAGS) $(INCLUDES) -I/usr/include/x86_64-linux-gnu/openblas-pthread $(MPI_CFLAGS) -MMD -c $< -o $@
 
 $(BUILD)/obj/%.o: %.c
 	@mkdir -p $(dir $@)
@@ -74,7 +76,7 @@ $(BUILD)/libmoert.a: $(RUNTIME_OBJ)
 	@rm -f $@
 	ar rcs $@ $^
 
-RUNTIME_LIBS := -lopenblas -lcjson -lm
+RUNTIME_LIBS := -lopenblas -lcjson $(MPI_LIBS) -lm
 
 $(BUILD)/moec: $(BUILD)/obj/moec.o $(BUILD)/libmoec.a
 	$(CC) $(CFLAGS) -o $@ $^ -lm
@@ -112,8 +114,14 @@ fuzz: deps $(FUZZ_BIN)
 demo: deps all
 	@BUILD=$(BUILD) bash tests/demo.sh
 
-bench: deps all
+$(BUILD)/bench/gate_order: bench/gate_order.c $(BUILD)/libmoert.a
+	@mkdir -p $(dir $@)
+	$(CC) $(CFLAGS) -Iruntime -I/usr/include/x86_64-linux-gnu/openblas-pthread -o $@ $< $(BUILD)/libmoert.a $(RUNTIME_LIBS)
+
+bench: deps all $(BUILD)/bench/gate_order
 	@BUILD=$(BUILD) bash bench/step_time.sh
+	@echo
+	$(BUILD)/bench/gate_order
 
 clean:
 	rm -rf $(BUILD)

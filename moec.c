@@ -110,10 +110,15 @@ static IrModule *front_end(IrDiag *d, const Options *o, IrSource **src_out) {
   FeProgram *p = fe_load(d, src);
   if (!p) return NULL;
   FeCluster cluster;
-  bool ok = true;
+  bool ok = true, have_cluster = o->cluster || p->cluster_path;
   if (o->cluster) ok = fe_load_cluster(d, o->cluster, (SrcLoc){0}, &cluster);
   else if (p->cluster_path) ok = fe_load_cluster(d, p->cluster_path, p->cluster_loc, &cluster);
   IrModule *m = ok ? fe_lower(d, p) : NULL;
+  int64_t world = p->parallel.dp * p->parallel.mp;
+  if (m && world > 1) {  // where the ranks sit: the cluster profile, or one node
+    ir_attrs_set_int(m->attrs, &m->nattrs, "gpus_per_node", have_cluster ? cluster.gpus_per_node : world);
+    ir_attrs_set_int(m->attrs, &m->nattrs, "nodes", have_cluster ? cluster.nodes : 0);
+  }
   fe_program_free(p);
   return m;
 }

@@ -54,6 +54,15 @@ static void route_dims(Emit *e, const IrOp *op, int64_t s, int64_t m, int64_t k)
           ir_op_int(op, "experts", 0), ir_op_int(op, "groups", 1), ir_op_int(op, "capacity", 0));
 }
 
+static const char *group_enum(const IrOp *op) {
+  const char *g = ir_op_str(op, "group", "world");
+  if (strcmp(g, "dp") == 0) return "RT_GROUP_DP";
+  if (strcmp(g, "mp") == 0) return "RT_GROUP_MP";
+  if (strcmp(g, "ep") == 0) return "RT_GROUP_EP";
+  if (strcmp(g, "esp") == 0) return "RT_GROUP_ESP";
+  return "RT_GROUP_WORLD";
+}
+
 static bool emit_op(Emit *e, const IrOp *op) {
   FILE *out = e->out;
   char a[6][96], r[96] = "";
@@ -217,21 +226,23 @@ static bool emit_op(Emit *e, const IrOp *op) {
             ir_op_int(op, "layer", 0), a[0], ir_type_numel(t0));
     return true;
   case IR_OP_GATE_AUX_LOSS:
-    fprintf(out, "*%s = rt_aux_loss(%s, %s, %" PRId64 ", %" PRId64 ", %" PRId64 ", %" PRId64 ");\n", r, a[0], a[1],
-            t0->dim[0], t0->dim[1], arg_type(op, 1)->dim[1], ir_op_int(op, "groups", 1));
+    fprintf(out, "*%s = rt_aux_loss(%s, %s, %" PRId64 ", %" PRId64 ", %" PRId64 ", %" PRId64 ") / %" PRId64 ".0f;\n", r,
+            a[0], a[1], t0->dim[0], t0->dim[1], arg_type(op, 1)->dim[1], ir_op_int(op, "groups", 1),
+            ir_op_int(op, "share", 1));
     return true;
   case IR_OP_GATE_AUX_LOSS_GRAD:
     fprintf(out, "rt_aux_loss_grad(%s, %s, %s, %" PRId64 ", %" PRId64 ", %" PRId64 ", %" PRId64 ", (float)%.17g);\n",
             a[0], a[1], r, t0->dim[0], t0->dim[1], arg_type(op, 1)->dim[1], ir_op_int(op, "groups", 1),
-            ir_op_float(op, "coef", 0));
+            ir_op_float(op, "coef", 0) / (double)ir_op_int(op, "share", 1));
     return true;
   case IR_OP_GATE_Z_LOSS:
-    fprintf(out, "*%s = rt_z_loss(%s, %" PRId64 ", %" PRId64 ", %" PRId64 ");\n", r, a[0], t0->dim[0], t0->dim[1],
-            ir_op_int(op, "groups", 1));
+    fprintf(out, "*%s = rt_z_loss(%s, %" PRId64 ", %" PRId64 ", %" PRId64 ") / %" PRId64 ".0f;\n", r, a[0], t0->dim[0],
+            t0->dim[1], ir_op_int(op, "groups", 1), ir_op_int(op, "share", 1));
     return true;
   case IR_OP_GATE_Z_LOSS_GRAD:
     fprintf(out, "rt_z_loss_grad(%s, %s, %" PRId64 ", %" PRId64 ", %" PRId64 ", (float)%.17g);\n", a[0], r,
-            t0->dim[0], t0->dim[1], ir_op_int(op, "groups", 1), ir_op_float(op, "coef", 0));
+            t0->dim[0], t0->dim[1], ir_op_int(op, "groups", 1),
+            ir_op_float(op, "coef", 0) / (double)ir_op_int(op, "share", 1));
     return true;
   case IR_OP_ORDER_ENCODE:
     fprintf(out, "rt_order_encode(%s, %s, %s, %s", a[0], a[1], a[2], r);
@@ -253,12 +264,43 @@ static bool emit_op(Emit *e, const IrOp *op) {
     fprintf(out, "rt_order_decode_grad_gates(%s, %s, %s, %s, %s", a[0], a[1], a[2], a[3], r);
     route_dims(e, op, t0->dim[0], t0->dim[1], arg_type(op, 2)->dim[1]);
     return true;
-  case IR_OP_LOSS_MSE:
-    fprintf(out, "*%s = rt_mse(%s, %s, %" PRId64 ");\n", r, a[0], a[1], ir_type_numel(t0));
+  case IR_OP_LOSS_MSE:  // scale: this rank's share of the global mean (parallelize)
+    fprintf(out, "*%s = (float)%.17g * rt_mse(%s, %s, %" PRId64 ");\n", r, ir_op_float(op, "scale", 1), a[0], a[1],
+            ir_type_numel(t0));
     return true;
   case IR_OP_LOSS_MSE_GRAD:
     fprintf(out, "rt_mse_grad(%s, %s, %s, %" PRId64 ");\n", a[0], a[1], r, n);
+    if (ir_op_float(op, "scale", 1) != 1)
+      fprintf(out, "  rt_scale(%s, %" PRId64 ", (float)%.17g);\n", r, n, ir_op_float(op, "scale", 1));
     return true;
+  case IR_OP_COMM_SPLIT:
+    fprintf(out, "rt_copy(%s + (int64_t)rt_comm_rank(%s) * %" PRId64 ", %s, %" PRId64 ");\n", a[0], group_enum(op), n,
+            r, n);
+    return true;
+  case IR_OP_COMM_ALLGATHER:
+    fprintf(out, "rt_allgather(%s, %s, %s, %" PRId64 ");\n", group_enum(op), a[0], r, ir_type_numel(t0));
+    return true;
+  case IR_OP_COMM_REDUCESCATTER:
+    fprintf(out, "rt_reducescatter(%s, %s, %s, %" PRId64 ");\n", group_enum(op), a[0], r, n);
+    return true;
+  case IR_OP_COMM_ALLTOALL: {
+    const char *algo = ir_op_str(op, "algo", "nccl");
+    fprintf(out, "rt_alltoall(%s, %s, %s, %s, %" PRId64 ");\n", group_enum(op),
+            strcmp(algo, "1dh") == 0 ? "RT_A2A_1DH" : strcmp(algo, "2dh") == 0 ? "RT_A2A_2DH" : "RT_A2A_FLAT", a[0], r,
+            n / ir_op_int(op, "size", 1));
+    return true;
+  }
+  case IR_OP_COMM_ALLREDUCE:
+    fprintf(out, "rt_copy(%s, %s, %" PRId64 ");\n  rt_allreduce(%s, %s, %" PRId64 ");\n", a[0], r, n, group_enum(op), r, n);
+    return true;
+  case IR_OP_LAYOUT_EXPERT_MAJOR:
+  case IR_OP_LAYOUT_RANK_MAJOR: {
+    int64_t R = ir_op_int(op, "blocks", 1);
+    bool em = op->kind == IR_OP_LAYOUT_EXPERT_MAJOR;
+    fprintf(out, "rt_%s(%s, %s, %" PRId64 ", %" PRId64 ", %" PRId64 ", %" PRId64 ");\n", em ? "expert_major" : "rank_major",
+            a[0], r, R, em ? rt->dim[0] : t0->dim[0], em ? t0->dim[1] : rt->dim[1], rt->dim[2]);
+    return true;
+  }
   case IR_OP_PARAM_GRAD: {
     const PassMemSlot *s = &e->plan->slot[op->args[1].value->func->index][op->args[1].value->id];
     if (s->kind == PASS_MEM_GRAD && s->offset == op->args[0].param->index)
@@ -351,9 +393,19 @@ bool cg_emit_c(IrDiag *d, FILE *out, const IrModule *m, const PassMemPlan *plan,
     const IrParam *p = m->params[i];
     fprintf(out, "  {\"%s\", %d, {", p->name, p->type.rank);
     for (int k = 0; k < p->type.rank; k++) fprintf(out, "%s%" PRId64, k ? ", " : "", p->type.dim[k]);
-    fprintf(out, "}, %s, (float)%.17g, %" PRId64 ", %" PRId64 "},\n", init_name(p),
+    fprintf(out, "}, %s, (float)%.17g, %" PRId64 ", %" PRId64 ", {", init_name(p),
             ir_attr_float(p->attrs, p->nattrs, strcmp(init_name(p), "RT_INIT_CONST") == 0 ? "value" : "std", 0),
             e.param_offset[i], ir_type_numel(&p->type));
+    // Sharded dimensions (parallelize): the whole tensor is the shard times the group size.
+    int shard_ep = (int)ir_attr_int(p->attrs, p->nattrs, "shard_ep", -1);
+    int shard_esp = (int)ir_attr_int(p->attrs, p->nattrs, "shard_esp", -1);
+    for (int k = 0; k < p->type.rank; k++) {
+      int64_t g = p->type.dim[k];
+      if (k == shard_ep) g *= ir_mod_int(m, "ep", 1);
+      if (k == shard_esp) g *= ir_mod_int(m, "esp", 1);
+      fprintf(out, "%s%" PRId64, k ? ", " : "", g);
+    }
+    fprintf(out, "}, %d, %d},\n", shard_ep, shard_esp);
   }
   fprintf(out, "};\n\n");
 
@@ -394,11 +446,14 @@ bool cg_emit_c(IrDiag *d, FILE *out, const IrModule *m, const PassMemPlan *plan,
           "  .name = \"%s\",\n  .batch = %" PRId64 ", .seqlen = %" PRId64 ", .embed = %" PRId64 ",\n"
           "  .seed = %" PRId64 "u,\n  .nparams = %d, .params = params, .param_floats = %" PRId64 ",\n"
           "  .arena_bytes = %" PRId64 ",\n  .opt = %s,\n  .nlayers = %d,\n  .records = %d, .dropless = %d,\n"
+          "  .layout = {%" PRId64 ", %" PRId64 ", %" PRId64 ", %" PRId64 ", %" PRId64 "}, .nodes = %" PRId64 ",\n"
           "  .forward = step_forward, .backward = step_backward, .update = step_update,\n};\n\n"
           "int main(int argc, char **argv) { return rt_main(&model, argc, argv); }\n",
           m->name, ir_mod_int(m, "batch", 1), ir_mod_int(m, "seqlen", 1), ir_mod_int(m, "embed", 1),
           ir_mod_int(m, "seed", 0), m->nparams, total, plan->arena_bytes, adamw ? "RT_OPT_ADAMW" : "RT_OPT_SGD",
-          nlayers, module_has(m, IR_OP_HOOK_RECORD, NULL), module_has(m, IR_OP_GATE_LOCATIONS, "dropless"));
+          nlayers, module_has(m, IR_OP_HOOK_RECORD, NULL), module_has(m, IR_OP_GATE_LOCATIONS, "dropless"),
+          ir_mod_int(m, "dp", 1), ir_mod_int(m, "mp", 1), ir_mod_int(m, "ep", 1), ir_mod_int(m, "esp", 1),
+          ir_mod_int(m, "gpus_per_node", 1), ir_mod_int(m, "nodes", 0));
   free(e.param_offset);
   return ok;
 }

@@ -16,6 +16,9 @@
 #ifndef MOEC_BUILD
 #define MOEC_BUILD MOEC_ROOT "/build"
 #endif
+#ifndef MOEC_MPI_LIBS
+#define MOEC_MPI_LIBS "-lmpi"
+#endif
 
 bool cg_link(IrDiag *d, const char *c_path, const char *out_path, bool verbose) {
   const char *root = getenv("MOEC_ROOT");
@@ -31,8 +34,17 @@ bool cg_link(IrDiag *d, const char *c_path, const char *out_path, bool verbose) 
     return ir_error(d, "cannot find the runtime library '%s' (build it with 'make', or set MOEC_ROOT)", lib);
   const char *cc = getenv("CC");
   if (!cc || !*cc) cc = "cc";
-  const char *argv[] = {cc, "-std=c11", "-O2", "-w", include, c_path, lib,
-                        "-lopenblas", "-lcjson", "-lm", "-o", out_path, NULL};
+  // The MPI link flags moec was built with (mpicc --showme:link), split into words.
+  char mpi[1024];
+  snprintf(mpi, sizeof mpi, "%s", MOEC_MPI_LIBS);
+  const char *argv[32] = {cc, "-std=c11", "-O2", "-w", include, c_path, lib, "-lopenblas", "-lcjson"};
+  int argc = 9;
+  for (char *save = NULL, *w = strtok_r(mpi, " ", &save); w && argc < 26; w = strtok_r(NULL, " ", &save))
+    argv[argc++] = w;
+  argv[argc++] = "-lm";
+  argv[argc++] = "-o";
+  argv[argc++] = out_path;
+  argv[argc] = NULL;
   if (verbose) {
     fprintf(stderr, "# link:");
     for (int i = 0; argv[i]; i++) fprintf(stderr, " %s", argv[i]);

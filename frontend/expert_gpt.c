@@ -7,10 +7,10 @@
 
 IrValue *fe_expert_gpt(FeLower *L, IrValue *disp) {
   const FeExperts *x = &L->layer->moe.experts;
-  IrParam *w1 = fe_param(L, "moe.experts.w1", ir_type3(IR_F32, L->E, L->M, L->H), "normal", 1.0 / sqrt((double)L->M));
-  IrParam *b1 = x->bias ? fe_param(L, "moe.experts.b1", ir_type2(IR_F32, L->E, L->H), "zeros", 0) : NULL;
-  IrParam *w2 = fe_param(L, "moe.experts.w2", ir_type3(IR_F32, L->E, L->H, L->M), "normal", 1.0 / sqrt((double)L->H));
-  IrParam *b2 = x->bias ? fe_param(L, "moe.experts.b2", ir_type2(IR_F32, L->E, L->M), "zeros", 0) : NULL;
+  IrParam *w1 = fe_expert_param(L, "moe.experts.w1", ir_type3(IR_F32, L->E, L->M, L->H), "normal", 1.0 / sqrt((double)L->M), 2);
+  IrParam *b1 = x->bias ? fe_expert_param(L, "moe.experts.b1", ir_type2(IR_F32, L->E, L->H), "zeros", 0, 1) : NULL;
+  IrParam *w2 = fe_expert_param(L, "moe.experts.w2", ir_type3(IR_F32, L->E, L->H, L->M), "normal", 1.0 / sqrt((double)L->H), 1);
+  IrParam *b2 = x->bias ? fe_expert_param(L, "moe.experts.b2", ir_type2(IR_F32, L->E, L->M), "zeros", 0, -1) : NULL;
   IrValue *h = fe_op2(L, IR_OP_EXPERT_MATMUL, "h", FE_V(disp), FE_P(w1));
   if (b1) h = fe_op2(L, IR_OP_EXPERT_BIAS, "hb", FE_V(h), FE_P(b1));
   h = fe_op1(L, strcmp(x->act, "relu") == 0 ? IR_OP_ACT_RELU : IR_OP_ACT_GELU, "act", FE_V(h));

@@ -5,9 +5,9 @@
 #include "fe_lower.h"
 
 IrValue *fe_expert_mixtral(FeLower *L, IrValue *disp) {
-  IrParam *w1 = fe_param(L, "moe.experts.w1", ir_type3(IR_F32, L->E, L->M, L->H), "normal", 1.0 / sqrt((double)L->M));
-  IrParam *w3 = fe_param(L, "moe.experts.w3", ir_type3(IR_F32, L->E, L->M, L->H), "normal", 1.0 / sqrt((double)L->M));
-  IrParam *w2 = fe_param(L, "moe.experts.w2", ir_type3(IR_F32, L->E, L->H, L->M), "normal", 1.0 / sqrt((double)L->H));
+  IrParam *w1 = fe_expert_param(L, "moe.experts.w1", ir_type3(IR_F32, L->E, L->M, L->H), "normal", 1.0 / sqrt((double)L->M), 2);
+  IrParam *w3 = fe_expert_param(L, "moe.experts.w3", ir_type3(IR_F32, L->E, L->M, L->H), "normal", 1.0 / sqrt((double)L->M), 2);
+  IrParam *w2 = fe_expert_param(L, "moe.experts.w2", ir_type3(IR_F32, L->E, L->H, L->M), "normal", 1.0 / sqrt((double)L->H), 1);
   IrValue *h1 = fe_op2(L, IR_OP_EXPERT_MATMUL, "h1", FE_V(disp), FE_P(w1));
   IrValue *h3 = fe_op2(L, IR_OP_EXPERT_MATMUL, "h3", FE_V(disp), FE_P(w3));
   IrValue *a = fe_op1(L, IR_OP_ACT_SILU, "act", FE_V(h1));

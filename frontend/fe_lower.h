@@ -76,6 +76,10 @@ IrValue *fe_op2(FeLower *L, IrOpKind kind, const char *name, IrOperand a, IrOper
 #define FE_I(k, v) ((IrAttr){.key = (k), .kind = IR_ATTR_INT, .i = (v)})
 #define FE_F(k, v) ((IrAttr){.key = (k), .kind = IR_ATTR_FLOAT, .f = (v)})
 IrParam *fe_param(FeLower *L, const char *suffix, IrType t, const char *init, double value);
+// An expert parameter: dimension 0 indexes experts (split over EP ranks), hidden_dim (or -1)
+// the expert's hidden units (split over ESP ranks).
+IrParam *fe_expert_param(FeLower *L, const char *suffix, IrType t, const char *init, double value,
+                         int hidden_dim);
 // The gshard-style tail shared by token-choice gates: top-k over scores, gate weights
 // (renormalised when renorm), capacity locations, aux loss over scores, z loss over logits.
 void fe_token_choice(FeLower *L, IrValue *logits, IrValue *scores, bool renorm, FeRouting *out);

@@ -47,6 +47,14 @@ IrValue *fe_op2(FeLower *L, IrOpKind kind, const char *name, IrOperand a, IrOper
   return fe_emit(L, kind, name, 2, (IrOperand[]){a, b}, 0, NULL);
 }
 
+IrParam *fe_expert_param(FeLower *L, const char *suffix, IrType t, const char *init, double value,
+                         int hidden_dim) {
+  IrParam *p = fe_param(L, suffix, t, init, value);
+  ir_attrs_set_int(p->attrs, &p->nattrs, "shard_expert", 0);
+  if (hidden_dim >= 0) ir_attrs_set_int(p->attrs, &p->nattrs, "shard_hidden", hidden_dim);
+  return p;
+}
+
 IrParam *fe_param(FeLower *L, const char *suffix, IrType t, const char *init, double value) {
   IrParam *p = ir_add_param(L->m, ir_strfmt(L->m, "%s.%s", L->inst, suffix), t);
   ir_attrs_set_str(L->m, p->attrs, &p->nattrs, "init", init);
@@ -91,13 +99,12 @@ static void refuse_unsupported(IrDiag *d, const FeProgram *p) {
     ir_error_at(d, p->model.dtype_loc, "dtype '%s' needs the CUDA backend, which moec does not have yet",
                 p->model.dtype);
   const FeParallel *par = &p->parallel;
-  if (par->dp * par->mp > 1 || par->ep * par->esp > 1)
-    ir_error_at(d, par->loc,
-                "parallel layouts over more than one rank (dp %lld, mp %lld, ep %lld, esp %lld) "
-                "are not supported yet; remove the 'parallel' block to train on one rank",
-                (long long)par->dp, (long long)par->mp, (long long)par->ep, (long long)par->esp);
   for (int i = 0; i < p->nlayers; i++) {
     const FeLayer *l = &p->layers[i];
+    if (par->dp * par->mp > 1 && strcmp(l->moe.gate.name, "softmoe") == 0)
+      ir_error_at(d, l->moe.gate.loc,
+                  "gate 'softmoe' over several ranks is not supported yet: its slots would mix the "
+                  "tokens of different ranks; train it on one rank");
     if (l->has_attention)
       ir_error_at(d, l->attention_loc,
                   "'attention' is not supported yet: moec has no attention kernels; remove it to train the "
@@ -183,7 +190,13 @@ static void lower_layer(FeLower *L) {
     disp = fe_emit(L, IR_OP_ORDER_ENCODE, "disp", 3, (IrOperand[]){FE_V(x), FE_V(r.idx), FE_V(r.loc)}, 3, route);
   }
   disp = hook_pair(L, "before_dispatch", "after_dispatch", disp, "disp");
+  int before = L->m->nparams;
   IrValue *y = expert->lower(L, disp);
+  for (int i = before; L->p->parallel.dp * L->p->parallel.mp > 1 && i < L->m->nparams; i++) {
+    // the layer's dispatch algorithm, for parallelize
+    IrParam *p = L->m->params[i];
+    ir_attrs_set_str(L->m, p->attrs, &p->nattrs, "dispatch", moe->algo);
+  }
   y = hook_pair(L, "before_combine", "after_combine", y, "y");
   IrValue *combined;
   if (dense) {
@@ -224,6 +237,13 @@ IrModule *fe_lower(IrDiag *d, const FeProgram *p) {
     ir_attrs_set_float(m->attrs, &m->nattrs, "eps", o->eps);
   }
   ir_attrs_set_float(m->attrs, &m->nattrs, "weight_decay", o->weight_decay);
+  const FeParallel *par = &p->parallel;
+  if (par->dp * par->mp > 1) {
+    ir_attrs_set_int(m->attrs, &m->nattrs, "dp", par->dp);
+    ir_attrs_set_int(m->attrs, &m->nattrs, "mp", par->mp);
+    ir_attrs_set_int(m->attrs, &m->nattrs, "ep", par->ep);
+    ir_attrs_set_int(m->attrs, &m->nattrs, "esp", par->esp);
+  }
 
   L.S = p->model.batch * p->model.seqlen;
   L.M = p->model.embed;
@@ -232,7 +252,7 @@ IrModule *fe_lower(IrDiag *d, const FeProgram *p) {
     L.layer = l;
     L.E = l->moe.experts.count;
     L.H = l->moe.experts.hidden;
-    L.G = l->moe.gate.groups;
+    L.G = l->moe.gate.groups * p->parallel.mp;  // routing groups of one DP rank's tokens
     for (int64_t r = 0; r < l->repeat; r++, L.layer_index++) {
       L.inst = ir_strfmt(m, "%s%lld", l->name, (long long)r);
       lower_layer(&L);

@@ -184,6 +184,33 @@ static bool compress_format(const char *s, IrDtype *dt) {
 }
 
 // reshape: attrs rank and d0..d{rank-1}; the element count stays the same.
+// Collectives over a group of `size` ranks, along dimension 0.
+static bool collective(Infer *I, IrType *out) {
+  const IrOp *op = I->op;
+  const IrAttr *g = ir_attrs_get(op->attrs, op->nattrs, "group");
+  static const char *const groups[] = {"world", "dp", "mp", "ep", "esp"};
+  bool known = false;
+  for (int i = 0; g && g->kind == IR_ATTR_STR && i < 5; i++) known |= strcmp(g->s, groups[i]) == 0;
+  if (!known) return fail(I, "attribute 'group' must be one of \"world\", \"dp\", \"mp\", \"ep\", \"esp\"");
+  if (op->kind == IR_OP_COMM_ALLTOALL) {
+    const IrAttr *a = ir_attrs_get(op->attrs, op->nattrs, "algo");
+    if (!a || a->kind != IR_ATTR_STR || (strcmp(a->s, "nccl") && strcmp(a->s, "1dh") && strcmp(a->s, "2dh")))
+      return fail(I, "attribute 'algo' must be \"nccl\", \"1dh\" or \"2dh\"");
+  }
+  int64_t n;
+  if (!int_attr(I, "size", 1, &n) || !need_float(I, 0, -1, "a float tensor")) return false;
+  const IrType *t = ty(I, 0);
+  if (t->rank < 1) return fail(I, "%s must have at least one dimension", nm(I, 0));
+  *out = *t;
+  bool splits = op->kind == IR_OP_COMM_SPLIT || op->kind == IR_OP_COMM_REDUCESCATTER || op->kind == IR_OP_COMM_ALLTOALL;
+  if (splits && t->dim[0] % n != 0)
+    return fail(I, "dimension 0 of %s (%lld) is not a multiple of the group size %lld", nm(I, 0),
+                (long long)t->dim[0], (long long)n);
+  if (op->kind == IR_OP_COMM_SPLIT || op->kind == IR_OP_COMM_REDUCESCATTER) out->dim[0] = t->dim[0] / n;
+  if (op->kind == IR_OP_COMM_ALLGATHER) out->dim[0] = t->dim[0] * n;
+  return true;
+}
+
 static bool reshape(Infer *I, IrType *out) {
   int64_t rank;
   if (!int_attr(I, "rank", 0, &rank)) return false;
@@ -500,6 +527,26 @@ static bool infer(Infer *I, IrType *out) {
       return fail(I, "the gradient %s does not have the type of %s", nm(I, 1), nm(I, 0));
     *out = (IrType){0};
     return true;
+  case IR_OP_COMM_SPLIT:
+  case IR_OP_COMM_ALLGATHER:
+  case IR_OP_COMM_REDUCESCATTER:
+  case IR_OP_COMM_ALLTOALL:
+  case IR_OP_COMM_ALLREDUCE:
+    return collective(I, out);
+  case IR_OP_LAYOUT_EXPERT_MAJOR:
+  case IR_OP_LAYOUT_RANK_MAJOR: {
+    int64_t R;
+    if (!need_float(I, 0, 3, "[blocks*El, C, M] or [El, blocks*C, M]") || !int_attr(I, "blocks", 1, &R)) return false;
+    *out = *ty(I, 0);
+    bool to_expert = op->kind == IR_OP_LAYOUT_EXPERT_MAJOR;
+    int64_t split = to_expert ? dim(I, 0, 0) : dim(I, 0, 1);
+    if (split % R != 0)
+      return fail(I, "dimension %d of %s (%lld) is not a multiple of blocks = %lld", to_expert ? 0 : 1, nm(I, 0),
+                  (long long)split, (long long)R);
+    out->dim[0] = to_expert ? dim(I, 0, 0) / R : dim(I, 0, 0) * R;
+    out->dim[1] = to_expert ? dim(I, 0, 1) * R : dim(I, 0, 1) / R;
+    return true;
+  }
   case IR_OP_OPT_SGD:
   case IR_OP_OPT_ADAMW:
     if (!op->args[0].param) return fail(I, "the operand must be a parameter (@name), not %s", nm(I, 0));

@@ -104,7 +104,18 @@ static void accumulate(Grad *g, IrValue *v, IrValue *contribution) {
                         (IrOperand[]){V(old), V(contribution)});
 }
 
+// Parameters replicated over ranks (parallelize marks them grad_reduce) sum their gradient
+// over that group first.
 static void param_grad(Grad *g, IrParam *p, IrValue *v) {
+  const char *group = ir_attr_str(p->attrs, p->nattrs, "grad_reduce", NULL);
+  if (group) {
+    IrOp *r = new_op(g, IR_OP_COMM_ALLREDUCE, ir_strfmt(g->m, "%s.sum", v->name));
+    r->args[r->nargs++] = V(v);
+    ir_attrs_set_str(g->m, r->attrs, &r->nattrs, "group", group);
+    int64_t size = strcmp(group, "esp") == 0 ? ir_mod_int(g->m, "esp", 1) : ir_mod_int(g->m, "dp", 1) * ir_mod_int(g->m, "mp", 1);
+    ir_op_set_int(r, "size", size);
+    v = typed(g, r);
+  }
   IrOp *op = new_op(g, IR_OP_PARAM_GRAD, NULL);
   op->args[op->nargs++] = (IrOperand){.param = p};
   op->args[op->nargs++] = V(v);
@@ -220,6 +231,32 @@ static bool backward_op(Grad *g, const IrOp *op) {
     accumulate(g, a[2].value, emit(g, IR_OP_ORDER_COMBINE_WEIGHTS_GRAD, dname(g, &a[2]), op, 3,
                                    (IrOperand[]){V(dy), a[0], a[1]}));
     return true;
+  case IR_OP_COMM_SPLIT:
+  case IR_OP_COMM_ALLGATHER:
+  case IR_OP_COMM_REDUCESCATTER:
+  case IR_OP_COMM_ALLTOALL:
+  case IR_OP_LAYOUT_EXPERT_MAJOR:
+  case IR_OP_LAYOUT_RANK_MAJOR: {
+    // The transposes: split <-> allgather (an allgather whose consumers are replicated,
+    // bwd_split, gives back this rank's slice), reducescatter <-> allgather, alltoall <->
+    // alltoall, expert-major <-> rank-major.
+    IrOpKind back = op->kind == IR_OP_COMM_SPLIT            ? IR_OP_COMM_ALLGATHER
+                    : op->kind == IR_OP_COMM_REDUCESCATTER  ? IR_OP_COMM_ALLGATHER
+                    : op->kind == IR_OP_COMM_ALLTOALL       ? IR_OP_COMM_ALLTOALL
+                    : op->kind == IR_OP_LAYOUT_EXPERT_MAJOR ? IR_OP_LAYOUT_RANK_MAJOR
+                    : op->kind == IR_OP_LAYOUT_RANK_MAJOR   ? IR_OP_LAYOUT_EXPERT_MAJOR
+                    : ir_op_int(op, "bwd_split", 0)         ? IR_OP_COMM_SPLIT
+                                                            : IR_OP_COMM_REDUCESCATTER;
+    IrOp *b = new_op(g, back, dname(g, &a[0]));
+    b->args[b->nargs++] = V(dy);
+    copy_attrs(b, op);
+    int keep = 0;  // bwd_split describes the forward allgather only
+    for (int i = 0; i < b->nattrs; i++)
+      if (strcmp(b->attrs[i].key, "bwd_split") != 0) b->attrs[keep++] = b->attrs[i];
+    b->nattrs = keep;
+    accumulate(g, a[0].value, typed(g, b));
+    return true;
+  }
   case IR_OP_HOOK_COMPRESS:
   case IR_OP_HOOK_COMPRESS_INT8:
     return true;  // the gradient reaches the input through the matching decompress
@@ -294,6 +331,8 @@ bool pass_autodiff(IrModule *m, PassCtx *ctx) {
   IrOp *op = ir_add_op(lb, m, IR_OP_LOSS_MSE_GRAD, "dout", (IrType){0});
   ir_op_arg(op, loss->args[0]);
   ir_op_arg(op, loss->args[1]);
+  for (int i = 0; i < loss->nops; i++)  // the loss's share of the global mean (parallelize)
+    if (loss->ops[i]->kind == IR_OP_LOSS_MSE) copy_attrs(op, loss->ops[i]);
   if (!ir_infer_type(ctx->d, op, &op->result->type)) UNREACHABLE();
   ir_add_ret(lb, m, op->result);
 

@@ -60,6 +60,7 @@ bool pass_known(const char *name);
 
 bool pass_verify(IrModule *m, PassCtx *ctx);
 bool pass_shapes(IrModule *m, PassCtx *ctx);
+bool pass_parallelize(IrModule *m, PassCtx *ctx);
 bool pass_autodiff(IrModule *m, PassCtx *ctx);
 bool pass_memplan(IrModule *m, PassCtx *ctx);
 

@@ -1,5 +1,5 @@
 // The pass pipeline, in order (DESIGN §4). One readable loop: run a pass, verify the module,
-// dump it if asked. Passes of later milestones (parallelize, fuse, cost, pipeline, gradpart,
+// dump it if asked. Passes of later milestones (fuse, cost, pipeline, gradpart,
 // schedule) join this list when they exist.
 #include <stdlib.h>
 #include <string.h>
@@ -9,6 +9,7 @@
 const PassInfo pass_list[] = {
     {"verify", pass_verify, "structural checks: arity, attributes, operands, names"},
     {"shapes", pass_shapes, "shape inference: every result type from its operands"},
+    {"parallelize", pass_parallelize, "one rank's program: MP split/gather, EP alltoall, ESP gather/reduce-scatter, expert shards"},
     {"autodiff", pass_autodiff, "backward functions with saved activations, the loss gradient, the optimizer"},
     {"memplan", pass_memplan, "buffer lifetimes over the whole step, arena offsets with reuse, peak bytes"},
 };

@@ -16,6 +16,7 @@
 #include <stdbool.h>
 #include <stddef.h>
 #include <stdint.h>
+#include <stdio.h>
 
 typedef struct RtModel RtModel;
 typedef struct RtStep RtStep;
@@ -140,6 +141,11 @@ void rt_decompress_int8(const int8_t *q, const float *scale, float *x, int rows,
 // "dropped"} to st->record (nothing when NULL); dropped is the layer's dropped fraction so far.
 void rt_record(RtStep *st, const char *point, int layer, const float *x, int64_t n);
 
+// [blocks*experts, rows, m] seen as [blocks, experts, rows, m] <-> [experts, blocks*rows, m].
+void rt_expert_major(const float *x, float *y, int blocks, int experts, int64_t rows, int64_t m);
+void rt_rank_major(const float *x, float *y, int blocks, int experts, int64_t rows, int64_t m);
+void rt_scale(float *x, int64_t n, float s);
+
 float rt_mse(const float *out, const float *target, int64_t n);   // sum (o-t)^2 / (2n)
 void rt_mse_grad(const float *out, const float *target, float *dout, int64_t n);
 
@@ -147,6 +153,41 @@ void rt_sgd(float *p, const float *g, int64_t n, float lr, float weight_decay);
 // step is 1-based; m, v are the moments.
 void rt_adamw(float *p, const float *g, float *m, float *v, int64_t n, float lr, float beta1,
               float beta2, float eps, float weight_decay, int64_t step);
+
+// ---- ranks, groups and collectives (runtime/comm.c; MPI on the CPU backend) ----
+// The parallel layout: world = dp*mp = ep*esp ranks, gpus_per_node ranks per node. MP groups
+// and ESP groups are consecutive ranks (inside a node); DP groups stride by mp, EP groups by
+// esp (across nodes). A rank's coordinates: dp index = rank / mp, mp index = rank % mp,
+// ep index = rank / esp, esp index = rank % esp.
+typedef enum RtGroup { RT_GROUP_WORLD, RT_GROUP_DP, RT_GROUP_MP, RT_GROUP_EP, RT_GROUP_ESP, RT_GROUP_COUNT } RtGroup;
+typedef enum RtA2aAlgo { RT_A2A_FLAT, RT_A2A_1DH, RT_A2A_2DH } RtA2aAlgo;  // nccl (flat), 1dh, 2dh
+typedef struct RtLayout { int dp, mp, ep, esp, gpus_per_node; } RtLayout;
+
+// Starts MPI (MPI_THREAD_MULTIPLE where available; a process run without mpirun is a world of
+// one) and builds one communicator per group. Checks the layout against the world: a mismatch
+// (world != dp*mp or != ep*esp, more ranks than nodes*gpus_per_node when nodes > 0, ...) is
+// reported once by rank 0 as "moert: error: ..." and every rank returns non-zero. 0 on success.
+int rt_comm_init(const RtLayout *layout, int nodes);
+void rt_comm_finalize(void);
+bool rt_comm_active(void);            // rt_comm_init succeeded
+int rt_comm_rank(RtGroup g);          // this rank's index in group g (0 before init)
+int rt_comm_size(RtGroup g);          // size of group g (1 before init)
+// Prints the group table (rank 0 only): for every rank its coordinates and group members.
+void rt_comm_print_groups(FILE *out);
+// AlltoAll on group g: block i of send (count floats) goes to member i; block i of recv comes
+// from member i. The three algorithms deliver identical bytes: flat (one MPI_Alltoall), 1dh
+// (HetuMoE: gather to a node leader, leaders exchange, scatter), 2dh (Tutel/DeepSpeed:
+// intra-node AlltoAll, stride transform, inter-node AlltoAll). Nodes: gpus_per_node
+// consecutive world ranks.
+void rt_alltoall(RtGroup g, RtA2aAlgo algo, const float *send, float *recv, int64_t count);
+void rt_allgather(RtGroup g, const float *send, float *recv, int64_t count);    // count per member
+void rt_reducescatter(RtGroup g, const float *send, float *recv, int64_t count); // sum; count per member
+void rt_allreduce(RtGroup g, float *buf, int64_t n);                             // sum, in place
+void rt_allreduce_f64(RtGroup g, double *buf, int64_t n);
+void rt_bcast(RtGroup g, void *buf, int64_t bytes, int root);
+// Every rank exits through here on a fatal runtime error: message on stderr, MPI_Abort when
+// several ranks run (so no peer hangs), exit status 1.
+_Noreturn void rt_comm_abort(const char *fmt, ...) __attribute__((format(printf, 1, 2)));
 
 // ---- the model description the generated program fills in ----
 typedef enum RtInit { RT_INIT_ZEROS, RT_INIT_ONES, RT_INIT_NORMAL, RT_INIT_CONST } RtInit;
@@ -160,7 +201,14 @@ typedef struct RtParam {
   float std;               // RT_INIT_CONST: every element equals std. RT_INIT_NORMAL: N(0, std^2), element i of param p is
                            // std * rt_normal(rt_key(rt_key(seed, RT_STREAM_INIT), rt_hash_name(p)), i)
   size_t offset;           // in floats, into RtStep.params / grads / opt_m / opt_v
-  int64_t numel;
+  int64_t numel;           // of this rank's shard (dims)
+  // Sharding over ranks. dims is this rank's shard of a tensor of shape global_dims; dimension
+  // shard_ep (or -1) is split over the EP group (expert e of the shard is global expert
+  // ep_index*dims[shard_ep] + e) and dimension shard_esp (or -1) over the ESP group (offset
+  // esp_index*dims[shard_esp]). Initial values, checkpoints, --weights and --dump always use
+  // global element indices and whole tensors, so they do not depend on the layout.
+  int64_t global_dims[4];
+  int shard_ep, shard_esp;
 } RtParam;
 
 struct RtModel {
@@ -175,6 +223,11 @@ struct RtModel {
   int nlayers;                    // MoE layers, for statistics
   bool records;                   // a `record` hook exists: rt_main opens the record file
   bool dropless;                  // a layer has `capacity *`: the report shows the capacity used
+  RtLayout layout;                // the parallel layout it was compiled for ({1,1,1,1,...} = one rank)
+  int nodes;                      // nodes of the cluster profile (0 = not given)
+  // Loss reduction over ranks: st->mse is this rank's share (already divided by dp); the
+  // report's mse is its sum over the DP group; aux, z, aux_total are per-rank shares summed
+  // over the world; dropped/routed/loads reduce over the world.
   // Step functions. forward: reads st->input/st->target, sets st->output (into the arena),
   // st->mse and st->aux_total (sum of coef*aux + coef*z over layers) and adds to st->aux/st->z.
   // backward: fills st->grads (every parameter's gradient, overwritten). update: optimizer.

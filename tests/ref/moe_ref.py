@@ -1,22 +1,45 @@
 #!/usr/bin/python3
-"""Independent numpy reference of moec's gshard gate + tutel order + `ffn gpt` MoE layer stack.
+"""Independent numpy reference of the MoE layer stacks moec compiles: every gate (gshard any k,
+sigmoid, xmoe, expert_choice, softmoe), both orders (tutel, gshard: the same math), both experts
+(ffn gpt gelu/relu with or without bias, ffn mixtral), capacity factors and dropless, hooks
+(record; compress fp16 | bf16 | int8 at before_dispatch / before_combine).
 
-Written from DESIGN.md §2 ("Exact semantics") and runtime/moert.h only, not from the runtime's
-code, so that tests/ref/test_ref.py can hold the compiled binary against it. Everything is
-float64. The backward pass is written by hand (chain rule through decode, experts, encode, the
-renormalised gate gather, softmax, noise, aux and z losses) and `--selftest` checks it against
-central finite differences of the reference's own forward.
+Written from DESIGN.md §2 ("Exact semantics"), runtime/moert.h's kernel comments and the gate /
+expert lowering files (frontend/gate_*.c, expert_*.c: which op sequence each gate is), not from
+the runtime's kernels, so that tests/ref/test_ref.py can hold the compiled binary against it.
+Everything is float64 except the compression round trips, which are the runtime's float32
+conversions bit for bit. The backward pass is written by hand and `--selftest` checks it against
+central finite differences of the reference's own forward (and the compression round trips
+against runtime/hooks.c compiled with a driver).
 
-Model (S = B*L tokens, x [S, M]); per MoE layer instance, in order:
-  logits = x.Wg;  noisy = logits + sigma*N(0,1)/E (training);  scores = softmax(noisy)
-  idx = top-k of scores (ties: lower index);  gates = scores[idx] (/ their sum when k > 1)
-  groups: G equal runs of tokens; T = ceil(k*f*S_g/E); locations: first choices in token order,
-  then second choices ...; loc >= T is dropped (contributes zero)
-  y_e = act(disp_e.W1_e + b1_e).W2_e + b2_e;  out = x + sum_j kept gate_j * y_{idx_j}[slot_j]
-  aux = mean_g E*sum_e me_ge*ce_ge (me: mean score, ce: fraction of first choices)
-  z = mean_s logsumexp(noisy_s)^2
+Model (S = B*L tokens, x [S, M], E experts, G routing groups of S_g = S/G tokens in order);
+per MoE layer instance, in order:
+  token-choice gates:
+    gshard:  logits = x.Wg;  scores = softmax(noisy)
+    sigmoid: logits = x.Wg;  scores = sigmoid(noisy) (independent per expert, no renormalisation)
+    xmoe:    logits = l2n(x.Wp) . l2n(Emb)^T / tau (l2n(v) = v / sqrt(|v|^2 + 1e-12));
+             scores = softmax(noisy)
+    noisy = logits + sigma*N(0,1)/E (training); idx = top-k of scores (ties: lower index);
+    gates = scores[idx] (/ their sum when k > 1, gshard and xmoe); T = ceil(k*f*S_g/E) (>= 1),
+    dropless (`capacity *`): T = S_g; locations: first choices in token order, then second
+    choices ...; loc >= T is dropped (contributes zero)
+    aux = mean_g E*sum_e me_ge*ce_ge (me: mean score, ce: fraction of first choices; ce constant)
+  expert_choice: scores = softmax of noisy over the tokens of each group, per expert;
+    T = min(ceil(k*f*S_g/E), S_g); expert j takes its T best tokens of every group (ties: lower
+    token); gate of (t, j) = scores[t, j]; no aux loss
+  z = mean_s logsumexp(noisy_s)^2 (all but softmoe)
       DESIGN §2 adds the noise "to the logits" and then uses "logits" for both softmax and z, so
       z sees the noisy logits (what the softmax sees); z_noisy=False gives the x.Wg reading.
+  softmoe (slots N): logits = x.Wg [S, E*N] (no noise, no groups, no losses); dispatch
+    D = softmax over all tokens per column, combine Cw = softmax over each token's row;
+    slot inputs D^T x, output Cw . (expert outputs)
+  Every gate is written as D, Cw [S, E*C] (C = G*T slots per expert; one-hot / gate weights at
+  column idx*C + g*T + loc for hard routing): disp = D^T x [E, C, M], moe = Cw y. That is the
+  gshard order's einsum, and the tutel order's encode/decode computes the same numbers.
+  disp -> hook(before_dispatch) -> experts -> hook(before_combine) -> combine; a compress hook
+  is the float32 round trip of runtime/hooks.c forward and the identity backward
+  experts: gpt y = act(disp.W1 + b1).W2 + b2;  mixtral y = (silu(disp.W1) * (disp.W3)).W2
+  out = x + moe
 loss = mean((out - target)^2)/2 + sum_layers (aux_coef*aux + z_coef*z).
 """
 import json
@@ -107,28 +130,87 @@ def init_normal(seed, name, shape, std):
 
 
 # ---------------------------------------------------------------- model description
+GATES = ("gshard", "sigmoid", "xmoe", "expert_choice", "softmoe")
+TOKEN_CHOICE = ("gshard", "sigmoid", "xmoe")
+HOOK_POINTS = ("before_moe_start", "before_dispatch", "after_dispatch", "before_combine",
+               "after_combine", "before_moe_end")
+COMPRESS = ("fp16", "bf16", "int8")
+
+
 class Layer:
-    """One MoE layer instance (`layer NAME x N` gives N of these: NAME0, NAME1, ...)."""
+    """One MoE layer instance (`layer NAME x N` gives N of these: NAME0, NAME1, ...).
+
+    gate: gshard | sigmoid | xmoe | expert_choice | softmoe; order: tutel | gshard (the same
+    math here; it only matters for the .moe text); ffn: gpt | mixtral; capacity: a factor or
+    "*" (dropless); hooks: [(point, action)] with action record | fp16 | bf16 | int8 (compress
+    at before_dispatch / before_combine, decompressed at the matching after-point).
+    offsets: {point: array} replaces the compression round trip by `v + offset` (a constant);
+    the self-test uses it to build the differentiable twin that the straight-through
+    gradients must match."""
 
     def __init__(self, name, embed, experts, hidden, k=1, capacity=1.0, groups=1, noise=0.0,
-                 aux_loss=0.0, z_loss=0.0, act="gelu", bias=True):
+                 aux_loss=0.0, z_loss=0.0, act="gelu", bias=True, gate="gshard", order="tutel",
+                 ffn="gpt", proj=16, slots=1, hooks=()):
+        assert gate in GATES and order in ("tutel", "gshard") and ffn in ("gpt", "mixtral")
         self.name, self.M, self.E, self.H = name, embed, experts, hidden
         self.k, self.capacity, self.groups, self.noise = k, capacity, groups, noise
-        self.aux_coef, self.z_coef, self.act, self.bias = aux_loss, z_loss, act, bias
+        self.aux_coef, self.z_coef = aux_loss, z_loss
+        self.gate, self.order, self.ffn, self.proj, self.slots = gate, order, ffn, proj, slots
+        self.act = act if ffn == "gpt" else None
+        self.bias = bias if ffn == "gpt" else False
+        self.hooks = list(hooks)
+        for point, action in self.hooks:
+            assert point in HOOK_POINTS and action in ("record",) + COMPRESS
+            assert action == "record" or point in ("before_dispatch", "before_combine")
+        self.offsets = None
+        if gate == "softmoe":
+            self.groups, self.k, self.noise, self.aux_coef, self.z_coef = 1, 1, 0.0, 0.0, 0.0
+
+    @property
+    def dropless(self):
+        return self.capacity == "*"
+
+    def compress_at(self, point):
+        for p, a in self.hooks:
+            if p == point and a in COMPRESS:
+                return a
+        return None
+
+    def records(self):
+        """The record hooks in the order the forward meets them."""
+        return [p for p in HOOK_POINTS if (p, "record") in self.hooks]
 
     def param_shapes(self):
         p = self.name + ".moe."
-        shapes = {p + "gate.wg": (self.M, self.E), p + "experts.w1": (self.E, self.M, self.H)}
+        M, E, H = self.M, self.E, self.H
+        if self.gate == "xmoe":
+            shapes = {p + "gate.proj": (M, self.proj), p + "gate.expert_emb": (E, self.proj),
+                      p + "gate.temperature": ()}
+        elif self.gate == "softmoe":
+            shapes = {p + "gate.wg": (M, E * self.slots)}
+        else:
+            shapes = {p + "gate.wg": (M, E)}
+        if self.ffn == "mixtral":
+            shapes.update({p + "experts.w1": (E, M, H), p + "experts.w3": (E, M, H),
+                           p + "experts.w2": (E, H, M)})
+            return shapes
+        shapes[p + "experts.w1"] = (E, M, H)
         if self.bias:
-            shapes[p + "experts.b1"] = (self.E, self.H)
-        shapes[p + "experts.w2"] = (self.E, self.H, self.M)
+            shapes[p + "experts.b1"] = (E, H)
+        shapes[p + "experts.w2"] = (E, H, M)
         if self.bias:
-            shapes[p + "experts.b2"] = (self.E, self.M)
+            shapes[p + "experts.b2"] = (E, M)
         return shapes
 
     def capacity_per_group(self, s):
+        """T: slots per expert per routing group (softmoe: its slots)."""
+        if self.gate == "softmoe":
+            return self.slots
         sg = s // self.groups
-        return int(math.ceil(self.k * self.capacity * sg / self.E))
+        if self.dropless:
+            return sg          # the most one expert can get (the choices of a token are distinct)
+        t = max(1, int(math.ceil(self.k * self.capacity * sg / self.E)))
+        return min(t, sg) if self.gate == "expert_choice" else t
 
 
 def expand_layers(items):
@@ -168,11 +250,112 @@ def act_grad(name, h):
     return gelu_grad(h) if name == "gelu" else (h > 0).astype(h.dtype)
 
 
-# ---------------------------------------------------------------- one layer
+def sigmoid(x):
+    return 0.5 * (1.0 + np.tanh(0.5 * x))
+
+
+def silu(x):
+    return x * sigmoid(x)
+
+
+def silu_grad(x):
+    s = sigmoid(x)
+    return s * (1.0 + x * (1.0 - s))
+
+
+# ---------------------------------------------------------------- compression (runtime/hooks.c)
+# Forward: the exact round trip of the float32 tensor the runtime compresses; backward:
+# straight through. Inputs and outputs are float64 arrays holding float32 values.
+def round_fp16(v):
+    """IEEE binary16, round to nearest even, overflow to inf (numpy's float32 -> float16)."""
+    with np.errstate(over="ignore"):
+        return np.asarray(v, dtype=np.float32).astype(np.float16).astype(np.float64)
+
+
+def round_bf16(v):
+    """The top 16 bits of binary32, round to nearest even (a carry may reach inf); NaN stays NaN."""
+    u = np.asarray(v, dtype=np.float32).view(np.uint32).astype(np.uint64)
+    q = ((u + np.uint64(0x7FFF) + ((u >> np.uint64(16)) & np.uint64(1))) >> np.uint64(16)) \
+        & np.uint64(0xFFFF)
+    nan = (u & np.uint64(0x7FFFFFFF)) > np.uint64(0x7F800000)
+    q = np.where(nan, (u >> np.uint64(16)) | np.uint64(0x40), q)
+    return (q << np.uint64(16)).astype(np.uint32).view(np.float32).astype(np.float64)
+
+
+def int8_parts(v):
+    """(q int8 values as float64, scale float32 per row) of the last dim, as runtime/hooks.c:
+    scale = max|x| / 127 in float32 (NaN ignored; 1 for a row without a non-zero),
+    q = round-half-away(x / scale) (float32 division), NaN -> 0, clamped to [-127, 127]."""
+    x = np.asarray(v, dtype=np.float32)
+    rows = x.reshape(-1, x.shape[-1]) if x.size else x.reshape(0, 1)
+    mx = np.fmax.reduce(np.abs(rows), axis=1, initial=np.float32(0.0)).astype(np.float32)
+    scale = np.where(mx > 0, mx / np.float32(127.0), np.float32(1.0)).astype(np.float32)
+    with np.errstate(invalid="ignore", divide="ignore", over="ignore"):
+        u = (rows / scale[:, None]).astype(np.float32).astype(np.float64)   # exact float32 quotient
+        q = np.sign(u) * np.floor(np.abs(u) + 0.5)                          # roundf: half away from 0
+    q = np.where(np.isnan(q), 0.0, np.clip(q, -127.0, 127.0)) + 0.0     # an int8 has no -0
+    return q.reshape(x.shape), scale
+
+
+def round_int8(v):
+    q, scale = int8_parts(v)
+    x = np.asarray(v, dtype=np.float32)
+    with np.errstate(invalid="ignore", over="ignore"):       # 0 * inf scale is NaN, as in C
+        rows = (q.reshape(-1, x.shape[-1]).astype(np.float32) * scale[:, None]).astype(np.float32)
+    return rows.reshape(x.shape).astype(np.float64)
+
+
+ROUND_TRIP = {"fp16": round_fp16, "bf16": round_bf16, "int8": round_int8}
+
+
+def hook(ly, before, v):
+    """What the model computes on after the hooks at `before` and its after-point."""
+    if ly.offsets is not None and before in ly.offsets:
+        return v + ly.offsets[before]
+    fmt = ly.compress_at(before)
+    return ROUND_TRIP[fmt](v) if fmt else v
+
+
+# ---------------------------------------------------------------- gate pieces
 def softmax_rows(z):
     m = z.max(axis=1, keepdims=True)
     e = np.exp(z - m)
     return e / e.sum(axis=1, keepdims=True)
+
+
+def softmax_rows_grad(dy, y):
+    return y * (dy - (dy * y).sum(axis=1, keepdims=True))
+
+
+def softmax_tokens(z, groups):
+    """Every column softmaxed over the rows (tokens) of its routing group."""
+    s = z.shape[0]
+    sg = s // groups
+    out = np.empty_like(z)
+    for g in range(groups):
+        blk = z[g * sg:(g + 1) * sg]
+        e = np.exp(blk - blk.max(axis=0, keepdims=True))
+        out[g * sg:(g + 1) * sg] = e / e.sum(axis=0, keepdims=True)
+    return out
+
+
+def softmax_tokens_grad(dy, y, groups):
+    s = y.shape[0]
+    sg = s // groups
+    out = np.empty_like(y)
+    for g in range(groups):
+        sl = slice(g * sg, (g + 1) * sg)
+        out[sl] = y[sl] * (dy[sl] - (dy[sl] * y[sl]).sum(axis=0, keepdims=True))
+    return out
+
+
+def l2norm_rows(x):
+    return x / np.sqrt((x * x).sum(axis=1, keepdims=True) + 1e-12)
+
+
+def l2norm_rows_grad(dy, x):
+    r = np.sqrt((x * x).sum(axis=1, keepdims=True) + 1e-12)
+    return dy / r - x * (dy * x).sum(axis=1, keepdims=True) / r ** 3
 
 
 def logsumexp_rows(z):
@@ -186,45 +369,161 @@ def topk_rows(scores, k):
 
 
 def locations(idx, e, groups, cap):
-    """loc[s, j]: slot of choice j of token s in its group's buffer of expert idx[s, j], or -1."""
+    """loc[s, j]: slot of choice j of token s in its group's buffer of expert idx[s, j], or -1;
+    cap None: dropless. Also the largest per-group count of one expert (kept or not)."""
     s, k = idx.shape
     sg = s // groups
     loc = np.full((s, k), -1, dtype=np.int64)
+    most = 0
     for g in range(groups):
         count = np.zeros(e, dtype=np.int64)
         for j in range(k):
             for t in range(g * sg, (g + 1) * sg):
                 ex = idx[t, j]
-                if count[ex] < cap:
+                if cap is None or count[ex] < cap:
                     loc[t, j] = count[ex]
                 count[ex] += 1
+        most = max(most, int(count.max()))
+    return loc, most
+
+
+def expert_choice_locations(scores, groups, cap):
+    """loc[t, j]: rank of token t in expert j's list of its group (score descending, ties to
+    the lower token), or -1 past cap."""
+    s, e = scores.shape
+    sg = s // groups
+    loc = np.full((s, e), -1, dtype=np.int64)
+    for g in range(groups):
+        for j in range(e):
+            col = scores[g * sg:(g + 1) * sg, j]
+            order = np.lexsort((np.arange(sg), -col))[:cap]
+            loc[g * sg + order, j] = np.arange(len(order))
     return loc
 
 
-def layer_forward(ly, p, x, normals, z_noisy=True):
-    """x [S, M] float64; p: this layer's params by short name; normals [S, E] or None."""
+# ---------------------------------------------------------------- one layer
+def gate_forward(ly, p, x, normals, z_noisy=True):
+    """Routing of x [S, M] as dense matrices: D [S, E*C] (dispatch: disp = D^T x) and
+    Cw [S, E*C] (combine: moe = Cw y), C slots per expert; plus the cache for the backward."""
     s = x.shape[0]
-    E, k, G = ly.E, ly.k, ly.groups
+    E, G = ly.E, ly.groups
     assert s % G == 0, "tokens must split into equal groups"
     sg = s // G
     cap = ly.capacity_per_group(s)
-    logits = x @ p["gate.wg"]
-    noisy = logits + ly.noise * normals / E if (ly.noise and normals is not None) else logits
-    scores = softmax_rows(noisy)
-    idx = topk_rows(scores, k)
-    rows = np.arange(s)[:, None]
-    picked = scores[rows, idx]
-    zsum = picked.sum(axis=1, keepdims=True)
-    gates = picked / zsum if k > 1 else picked.copy()
-    loc = locations(idx, E, G, cap)
-    kept = loc >= 0
-    slot = (np.arange(s) // sg)[:, None] * cap + np.where(kept, loc, 0)   # row in [E, G*cap]
+    c = dict(x=x, sg=sg, cap=cap)
+    if ly.gate == "softmoe":
+        logits = x @ p["gate.wg"]                        # [S, E*N]
+        c.update(logits=logits, D=softmax_tokens(logits, 1), Cw=softmax_rows(logits), C=cap,
+                 routing=(), aux=0.0, z=0.0, dropped=0, routed=0, loads=None, most=0)
+        return c
     C = G * cap
-    disp = np.zeros((E, C, ly.M))
-    for j in range(k):
-        for t in range(s):
-            if kept[t, j]:
-                disp[idx[t, j], slot[t, j]] = x[t]
+    if ly.gate == "xmoe":
+        h = x @ p["gate.proj"]
+        hn, en = l2norm_rows(h), l2norm_rows(p["gate.expert_emb"])
+        cos = hn @ en.T
+        logits = cos / p["gate.temperature"]
+        c.update(h=h, hn=hn, en=en, cos=cos)
+    else:
+        logits = x @ p["gate.wg"]
+    noisy = logits + ly.noise * normals / E if (ly.noise and normals is not None) else logits
+    rows = np.arange(s)[:, None]
+    if ly.gate == "expert_choice":
+        scores = softmax_tokens(noisy, G)
+        loc = expert_choice_locations(scores, G, cap)
+        idx = np.broadcast_to(np.arange(E), (s, E)).copy()
+        gates = scores.copy()
+        kept = loc >= 0
+        dropped, routed = int((~kept.any(axis=1)).sum()), s
+        loads = kept.sum(axis=0)
+        aux, most = 0.0, 0
+    else:
+        scores = sigmoid(noisy) if ly.gate == "sigmoid" else softmax_rows(noisy)
+        idx = topk_rows(scores, ly.k)
+        picked = scores[rows, idx]
+        renorm = ly.gate != "sigmoid" and ly.k > 1
+        zsum = picked.sum(axis=1, keepdims=True)
+        gates = picked / zsum if renorm else picked.copy()
+        loc, most = locations(idx, E, G, None if ly.dropless else cap)
+        kept = loc >= 0
+        dropped, routed = int((~kept).sum()), int(kept.size)
+        loads = np.bincount(idx[kept], minlength=E)
+        aux = 0.0
+        for g in range(G):
+            me = scores[g * sg:(g + 1) * sg].mean(axis=0)
+            ce = np.bincount(idx[g * sg:(g + 1) * sg, 0], minlength=E) / sg
+            aux += E * float(np.dot(me, ce))
+        aux /= G
+        c.update(picked=picked, zsum=zsum, renorm=renorm)
+    col = idx * C + (np.arange(s) // sg)[:, None] * cap + np.where(kept, loc, 0)
+    D = np.zeros((s, E * C))
+    Cw = np.zeros((s, E * C))
+    kr, kc = np.nonzero(kept)
+    D[kr, col[kr, kc]] = 1.0            # distinct columns: every kept choice has its own slot
+    Cw[kr, col[kr, kc]] = gates[kr, kc]
+    zl = noisy if z_noisy else logits
+    lse = logsumexp_rows(zl)
+    c.update(logits=logits, noisy=noisy, scores=scores, idx=idx, loc=loc, gates=gates, kept=kept,
+             col=col, D=D, Cw=Cw, C=C, zl=zl, lse=lse, aux=aux, z=float(np.mean(lse ** 2)),
+             routing=(idx.copy(), loc.copy()), dropped=dropped, routed=routed, loads=loads,
+             most=most)
+    return c
+
+
+def gate_backward(ly, p, c, dD, dCw):
+    """d loss/d x through the gate, and the gate's gradients, from dD, dCw [S, E*C]."""
+    x, s, E, G, sg = c["x"], c["x"].shape[0], ly.E, ly.groups, c["sg"]
+    grads = {}
+    if ly.gate == "softmoe":
+        dlogits = softmax_tokens_grad(dD, c["D"], 1) + softmax_rows_grad(dCw, c["Cw"])
+        grads["gate.wg"] = x.T @ dlogits
+        return dlogits @ p["gate.wg"].T, grads
+    kept, col, gates = c["kept"], c["col"], c["gates"]
+    dgates = np.where(kept, np.take_along_axis(dCw, np.where(kept, col, 0), axis=1), 0.0)
+    sc = c["scores"]
+    if ly.gate == "expert_choice":
+        dnoisy = softmax_tokens_grad(dgates, sc, G)
+    else:
+        idx, rows = c["idx"], np.arange(s)[:, None]
+        if c["renorm"]:
+            zsum = c["zsum"][:, 0]
+            common = (dgates * gates).sum(axis=1) / zsum
+            contrib = dgates / zsum[:, None] - common[:, None]
+        else:
+            contrib = dgates
+        dscores = np.zeros_like(sc)
+        np.add.at(dscores, (np.repeat(rows, ly.k, axis=1), idx), contrib)
+        if ly.aux_coef:         # ce is piecewise constant
+            for g in range(G):
+                ce = np.bincount(idx[g * sg:(g + 1) * sg, 0], minlength=E) / sg
+                dscores[g * sg:(g + 1) * sg] += ly.aux_coef * E * ce[None, :] / (sg * G)
+        if ly.gate == "sigmoid":
+            dnoisy = dscores * sc * (1.0 - sc)
+        else:
+            dnoisy = softmax_rows_grad(dscores, sc)
+    dlogits = dnoisy                            # the noise is additive
+    if ly.z_coef:                               # mean_s lse_s^2 -> 2 lse softmax / S
+        dlogits = dlogits + ly.z_coef * 2.0 * c["lse"][:, None] * softmax_rows(c["zl"]) / s
+    if ly.gate != "xmoe":
+        grads["gate.wg"] = x.T @ dlogits
+        return dlogits @ p["gate.wg"].T, grads
+    tau = p["gate.temperature"]
+    dcos = dlogits / tau
+    grads["gate.temperature"] = np.asarray(-float((dlogits * c["cos"]).sum()) / tau ** 2)
+    dhn = dcos @ c["en"]
+    den = dcos.T @ c["hn"]
+    dh = l2norm_rows_grad(dhn, c["h"])
+    grads["gate.expert_emb"] = l2norm_rows_grad(den, p["gate.expert_emb"])
+    grads["gate.proj"] = x.T @ dh
+    return dh @ p["gate.proj"].T, grads
+
+
+def expert_forward(ly, p, disp):
+    if ly.ffn == "mixtral":
+        h1 = np.einsum("ecm,emh->ech", disp, p["experts.w1"])
+        h3 = np.einsum("ecm,emh->ech", disp, p["experts.w3"])
+        a = silu(h1)
+        g = a * h3
+        return np.einsum("ech,ehm->ecm", g, p["experts.w2"]), dict(h1=h1, h3=h3, a=a, g=g)
     h = np.einsum("ecm,emh->ech", disp, p["experts.w1"])
     if ly.bias:
         h = h + p["experts.b1"][:, None, :]
@@ -232,83 +531,67 @@ def layer_forward(ly, p, x, normals, z_noisy=True):
     y = np.einsum("ech,ehm->ecm", a, p["experts.w2"])
     if ly.bias:
         y = y + p["experts.b2"][:, None, :]
-    moe = np.zeros_like(x)
-    for j in range(k):
-        for t in range(s):
-            if kept[t, j]:
-                moe[t] += gates[t, j] * y[idx[t, j], slot[t, j]]
-    # losses, per group then averaged over groups
-    aux = 0.0
-    for g in range(G):
-        sc = scores[g * sg:(g + 1) * sg]
-        me = sc.mean(axis=0)
-        ce = np.bincount(idx[g * sg:(g + 1) * sg, 0], minlength=E) / sg
-        aux += E * float(np.dot(me, ce))
-    aux /= G
-    zl = noisy if z_noisy else logits
-    lse = logsumexp_rows(zl)
-    z = float(np.mean(lse ** 2))
-    cache = dict(x=x, logits=logits, noisy=noisy, scores=scores, idx=idx, zsum=zsum, gates=gates,
-                 kept=kept, slot=slot, disp=disp, h=h, a=a, y=y, lse=lse, zl=zl, cap=cap, sg=sg)
-    stats = dict(aux=aux, z=z, dropped=int((~kept).sum()), routed=int(kept.size), cap=cap)
-    return x + moe, cache, stats
+    return y, dict(h=h, a=a)
 
 
-def layer_backward(ly, p, c, dout):
-    """dout: d loss / d (layer output) [S, M]. Returns dx [S, M] and the layer's gradients."""
-    x, s = c["x"], c["x"].shape[0]
-    E, k, G, sg = ly.E, ly.k, ly.groups, c["sg"]
-    idx, kept, slot, gates, y = c["idx"], c["kept"], c["slot"], c["gates"], c["y"]
+def expert_backward(ly, p, disp, ec, dy):
     grads = {}
-    dx = dout.copy()                       # residual
-    # decode: moe[t] = sum_j kept gates[t,j] * y[idx, slot]
-    dy = np.zeros_like(y)
-    dgates = np.zeros_like(gates)
-    for j in range(k):
-        for t in range(s):
-            if kept[t, j]:
-                dy[idx[t, j], slot[t, j]] += gates[t, j] * dout[t]
-                dgates[t, j] = float(np.dot(dout[t], y[idx[t, j], slot[t, j]]))
-    # experts
-    grads["experts.w2"] = np.einsum("ech,ecm->ehm", c["a"], dy)
+    if ly.ffn == "mixtral":
+        grads["experts.w2"] = np.einsum("ech,ecm->ehm", ec["g"], dy)
+        dg = np.einsum("ecm,ehm->ech", dy, p["experts.w2"])
+        dh3 = dg * ec["a"]
+        dh1 = dg * ec["h3"] * silu_grad(ec["h1"])
+        grads["experts.w1"] = np.einsum("ecm,ech->emh", disp, dh1)
+        grads["experts.w3"] = np.einsum("ecm,ech->emh", disp, dh3)
+        ddisp = np.einsum("ech,emh->ecm", dh1, p["experts.w1"]) + \
+            np.einsum("ech,emh->ecm", dh3, p["experts.w3"])
+        return ddisp, grads
+    grads["experts.w2"] = np.einsum("ech,ecm->ehm", ec["a"], dy)
     if ly.bias:
         grads["experts.b2"] = dy.sum(axis=1)
     da = np.einsum("ecm,ehm->ech", dy, p["experts.w2"])
-    dh = da * act_grad(ly.act, c["h"])
-    grads["experts.w1"] = np.einsum("ecm,ech->emh", c["disp"], dh)
+    dh = da * act_grad(ly.act, ec["h"])
+    grads["experts.w1"] = np.einsum("ecm,ech->emh", disp, dh)
     if ly.bias:
         grads["experts.b1"] = dh.sum(axis=1)
-    ddisp = np.einsum("ech,emh->ecm", dh, p["experts.w1"])
-    # encode
-    for j in range(k):
-        for t in range(s):
-            if kept[t, j]:
-                dx[t] += ddisp[idx[t, j], slot[t, j]]
-    # gather (+ renormalisation): g_j = s_{i_j} / Z, Z = sum_l s_{i_l}
-    dscores = np.zeros_like(c["scores"])
-    rows = np.arange(s)[:, None]
-    if k > 1:
-        zsum = c["zsum"][:, 0]
-        common = (dgates * gates).sum(axis=1) / zsum
-        contrib = dgates / zsum[:, None] - common[:, None]
-    else:
-        contrib = dgates
-    np.add.at(dscores, (np.repeat(rows, k, axis=1), idx), contrib)
-    # aux: coef * mean_g E * sum_e me_ge ce_ge; ce is piecewise constant
-    if ly.aux_coef:
-        for g in range(G):
-            ce = np.bincount(idx[g * sg:(g + 1) * sg, 0], minlength=E) / sg
-            dscores[g * sg:(g + 1) * sg] += ly.aux_coef * E * ce[None, :] / (sg * G)
-    # softmax
-    sc = c["scores"]
-    dnoisy = sc * (dscores - (sc * dscores).sum(axis=1, keepdims=True))
-    dlogits = dnoisy                        # the noise is additive
-    # z: mean_s lse_s^2 -> d/dz = 2 lse softmax(z) / S
-    if ly.z_coef:
-        dlogits = dlogits + ly.z_coef * 2.0 * c["lse"][:, None] * softmax_rows(c["zl"]) / s
-    grads["gate.wg"] = x.T @ dlogits
-    dx += dlogits @ p["gate.wg"].T
-    return dx, grads
+    return np.einsum("ech,emh->ecm", dh, p["experts.w1"]), grads
+
+
+def layer_forward(ly, p, x, normals, z_noisy=True):
+    """x [S, M] float64; p: this layer's params by short name; normals [S, E] or None.
+    Both orders are this math: tutel's encode/decode by index and gshard's one-hot matrices
+    give the same disp [E, C, M] and combination."""
+    s, M, E = x.shape[0], ly.M, ly.E
+    c = gate_forward(ly, p, x, normals, z_noisy=z_noisy)
+    C = c["C"]
+    disp = (c["D"].T @ x).reshape(E, C, M)
+    disp_h = hook(ly, "before_dispatch", disp)
+    y, ec = expert_forward(ly, p, disp_h)
+    y_h = hook(ly, "before_combine", y)
+    moe = c["Cw"] @ y_h.reshape(E * C, M)
+    seen = dict(before_moe_start=x, before_dispatch=disp, after_dispatch=disp_h,
+                before_combine=y, after_combine=y_h, before_moe_end=moe)
+    c.update(disp=disp, disp_h=disp_h, y=y, y_h=y_h, ec=ec,
+             records=[(pt, seen[pt]) for pt in ly.records()])
+    stats = dict(aux=c["aux"], z=c["z"], dropped=c["dropped"], routed=c["routed"],
+                 cap=c["cap"], loads=c["loads"], most=c["most"])
+    return x + moe, c, stats
+
+
+def layer_backward(ly, p, c, dout):
+    """dout: d loss / d (layer output) [S, M]. Returns dx [S, M] and the layer's gradients.
+    Compression is straight through: d(disp) = d(disp_h), d(y) = d(y_h)."""
+    x, E, C, M = c["x"], ly.E, c["C"], ly.M
+    y2 = c["y_h"].reshape(E * C, M)
+    dCw = dout @ y2.T
+    dy = (c["Cw"].T @ dout).reshape(E, C, M)
+    ddisp, grads = expert_backward(ly, p, c["disp_h"], c["ec"], dy)
+    ddisp2 = ddisp.reshape(E * C, M)
+    dx = dout + c["D"] @ ddisp2                  # residual + dispatch
+    dD = x @ ddisp2.T if ly.gate == "softmoe" else None
+    dxg, gg = gate_backward(ly, p, c, dD, dCw)
+    grads.update(gg)
+    return dx + dxg, grads
 
 
 # ---------------------------------------------------------------- whole model
@@ -321,7 +604,7 @@ def forward_backward(layers, params, x, target, seed=0, step=1, token0=0, traini
                      z_noisy=True, want_grads=True):
     """x, target: [B, L, M] (any float dtype, computed in float64); params: name -> array.
     Returns dict(loss, mse, aux, z, output [B,L,M], grads {name: array}, dx, stats [per layer],
-    routing [(idx, kept) per layer])."""
+    routing [per layer: (idx, loc) arrays, () for softmoe], caches [per layer])."""
     shape = x.shape
     M = shape[-1]
     h = np.asarray(x, dtype=np.float64).reshape(-1, M)
@@ -340,7 +623,7 @@ def forward_backward(layers, params, x, target, seed=0, step=1, token0=0, traini
     mse = float((diff ** 2).sum() / (2 * n))
     res = dict(loss=mse + aux_total, mse=mse, aux=sum(st["aux"] for st in stats),
                z=sum(st["z"] for st in stats), output=h.reshape(shape), stats=stats,
-               routing=[(c["idx"].copy(), c["kept"].copy()) for _, _, c in caches])
+               routing=[c["routing"] for _, _, c in caches], caches=[c for _, _, c in caches])
     if not want_grads:
         return res
     grads = {}
@@ -354,9 +637,16 @@ def forward_backward(layers, params, x, target, seed=0, step=1, token0=0, traini
     return res
 
 
+def same_routing(ra, rb):
+    return all(len(a) == len(b) and all(np.array_equal(u, v) for u, v in zip(a, b))
+               for a, b in zip(ra, rb))
+
+
 def route_margin(layers, params, x, seed=0, step=1, token0=0, z_noisy=True):
-    """Smallest gap, over layers and tokens, between the k-th and (k+1)-th score: how far the
-    routing is from a tie (a float32 run may flip a near-tie and then disagree for real)."""
+    """Smallest gap, over layers and tokens, between the last kept and the first rejected score
+    (token choice: the k-th and (k+1)-th score of a token; expert choice: the T-th and (T+1)-th
+    score of an expert's column in a group): how far the routing is from a tie (a float32 run
+    may flip a near-tie and then disagree for real). Soft MoE has no routing."""
     M = x.shape[-1]
     h = np.asarray(x, dtype=np.float64).reshape(-1, M)
     s = h.shape[0]
@@ -365,9 +655,16 @@ def route_margin(layers, params, x, seed=0, step=1, token0=0, z_noisy=True):
         p = {n: np.asarray(v, dtype=np.float64) for n, v in split_params(ly, params).items()}
         normals = gate_noise_normals(seed, step, li, token0, s, ly.E) if ly.noise else None
         h2, cache, _ = layer_forward(ly, p, h, normals, z_noisy=z_noisy)
-        srt = -np.sort(-cache["scores"], axis=1)
-        if ly.k < ly.E:
-            gap = min(gap, float((srt[:, ly.k - 1] - srt[:, ly.k]).min()))
+        if ly.gate == "expert_choice":
+            sg, cap = cache["sg"], cache["cap"]
+            if cap < sg:
+                for g in range(ly.groups):
+                    srt = -np.sort(-cache["scores"][g * sg:(g + 1) * sg], axis=0)
+                    gap = min(gap, float((srt[cap - 1] - srt[cap]).min()))
+        elif ly.gate != "softmoe":
+            srt = -np.sort(-cache["scores"], axis=1)
+            if ly.k < ly.E:
+                gap = min(gap, float((srt[:, ly.k - 1] - srt[:, ly.k]).min()))
         h = h2
     return gap
 
@@ -387,7 +684,8 @@ def save_safetensors(path, tensors, metadata=None):
     if metadata:
         header["__metadata__"] = {str(k): str(v) for k, v in metadata.items()}
     for name in sorted(tensors):
-        a = np.ascontiguousarray(np.asarray(tensors[name], dtype="<f4"))
+        t = np.asarray(tensors[name], dtype="<f4")
+        a = np.ascontiguousarray(t).reshape(t.shape)     # ascontiguousarray makes a 0-d array 1-d
         b = a.tobytes()
         header[name] = {"dtype": "F32", "shape": list(a.shape), "data_offsets": [off, off + len(b)]}
         blobs.append(b)
@@ -422,18 +720,24 @@ def load_safetensors(path):
 
 # ---------------------------------------------------------------- self-test
 def random_params(layers, rng, scale=0.3):
-    return {n: rng.standard_normal(sh) * scale for n, sh in param_shapes(layers).items()}
+    out = {}
+    for n, sh in param_shapes(layers).items():
+        if n.endswith("gate.temperature"):
+            out[n] = np.asarray(0.3 + 0.5 * rng.random())      # a positive temperature
+        else:
+            out[n] = np.asarray(rng.standard_normal(sh) * scale)
+    return out
 
 
-def _fd_check(layers, params, x, tgt, seed, eps=1e-6, rtol=1e-6, z_noisy=True):
-    base = forward_backward(layers, params, x, tgt, seed=seed, z_noisy=z_noisy)
+def _fd_check(layers, params, x, tgt, seed, eps=1e-6, rtol=1e-6, z_noisy=True, base=None):
+    """Central differences of the loss vs the analytic gradients (of `base` when given)."""
+    ref_run = forward_backward(layers, params, x, tgt, seed=seed, z_noisy=z_noisy)
+    base = base or ref_run
     worst, skipped, failed = 0.0, 0, []
 
-    def loss_at(pp, xx):
-        r = forward_backward(layers, pp, xx, tgt, seed=seed, z_noisy=z_noisy, want_grads=False)
-        same = all((a[0] == b[0]).all() and (a[1] == b[1]).all()
-                   for a, b in zip(r["routing"], base["routing"]))
-        return r["loss"], same
+    def loss_at():
+        r = forward_backward(layers, params, x, tgt, seed=seed, z_noisy=z_noisy, want_grads=False)
+        return r["loss"], same_routing(r["routing"], ref_run["routing"])
 
     targets = [(n, params[n], base["grads"][n]) for n in sorted(params)] + [("input", x, base["dx"])]
     rows = []
@@ -443,9 +747,9 @@ def _fd_check(layers, params, x, tgt, seed, eps=1e-6, rtol=1e-6, z_noisy=True):
         for i in np.ndindex(arr.shape):
             old = arr[i]
             arr[i] = old + eps
-            lp, ok1 = loss_at(params, x)
+            lp, ok1 = loss_at()
             arr[i] = old - eps
-            lm, ok2 = loss_at(params, x)
+            lm, ok2 = loss_at()
             arr[i] = old
             if not (ok1 and ok2):
                 mask[i] = False
@@ -477,6 +781,111 @@ int main(void) {
   return 0;
 }
 """
+
+# Reads n float32 from argv[1]; writes to argv[2]: the fp16 round trip, the bf16 round trip
+# (n float32 each), then per row of ROW: the int8 scales (rows float32), q (n int8) and the
+# round trip (n float32).
+_HOOK_DRIVER = r"""
+#include <stdio.h>
+#include <stdlib.h>
+#include <stdint.h>
+#include "moert.h"
+#define ROW 8
+int main(int argc, char **argv) {
+  FILE *f = fopen(argv[1], "rb");
+  float *x = malloc(1 << 20);
+  int n = (int)fread(x, sizeof *x, (1 << 20) / sizeof *x, f);
+  fclose(f);
+  int rows = n / ROW;
+  uint16_t *h = malloc(n * 2);
+  float *y = malloc(n * 4), *sc = malloc(rows * 4);
+  int8_t *q = malloc(n);
+  FILE *o = fopen(argv[2], "wb");
+  rt_compress_f16(x, h, n); rt_decompress_f16(h, y, n); fwrite(y, 4, n, o);
+  rt_compress_bf16(x, h, n); rt_decompress_bf16(h, y, n); fwrite(y, 4, n, o);
+  rt_int8_scales(x, sc, rows, ROW); rt_compress_int8(x, sc, q, rows, ROW);
+  rt_decompress_int8(q, sc, y, rows, ROW);
+  fwrite(sc, 4, rows, o); fwrite(q, 1, n, o); fwrite(y, 4, n, o);
+  fclose(o);
+  return 0;
+}
+"""
+
+
+def _hook_probe_values():
+    """float32 values that exercise the rounding: ties of both 16-bit formats, subnormals,
+    overflow, inf, NaN, zeros, and int8 rows with exact .5 quotients."""
+    rng = np.random.default_rng(99)
+    bits = []
+    for base in (0x3F800000, 0x40490FDB, 0x38800000, 0x33800000, 0x477FE000, 0x7F7F0000):
+        for low in (0x0000, 0x0FFF, 0x1000, 0x1001, 0x3000, 0x7FFF, 0x8000, 0x8001, 0x18000,
+                    0xFFFF, 0x17FFF, 0x2000, 0x6000):
+            bits += [base + low, (base + low) | 0x80000000]
+    bits += [0x00000001, 0x00400000, 0x7F800000, 0xFF800000, 0x7FC00000, 0x7F800001, 0xFFC12345,
+             0x477FF000, 0x477FEFFF, 0x33000000, 0x33000001, 0x32FFFFFF, 0x387FE000, 0x387FF000]
+    vals = np.array(bits, dtype=np.uint32).view(np.float32)
+    vals = np.concatenate([vals, (rng.standard_normal(256) * 10.0 ** rng.integers(-9, 5, 256))
+                           .astype(np.float32)])
+    vals = vals[:len(vals) // 8 * 8]
+    int8_rows = [
+        [127.0, 2.5, -2.5, 0.5, -0.5, 1.5, 126.5, -126.5],     # scale 1: exact halves
+        [0.0] * 8,                                             # all zero: scale 1
+        [3.96875, 0.015625, -0.046875, 1.0, -3.96875, 0.0, 2.0, 0.03125],
+        [1e-30, -2e-30, 0.0, 5e-31, 1e-38, -1e-39, 3e-30, 0.0],
+        [float("nan"), 1.0, -2.0, 0.25, 0.5, 0.75, 1.25, -1.75],
+        [1e30, -3e38, 1.0, 2e38, 0.0, -1.0, 7e37, 1e-5],
+    ]
+    rows = np.concatenate([vals.reshape(-1, 8), np.array(int8_rows, dtype=np.float32),
+                           (rng.standard_normal((16, 8)) * 0.3).astype(np.float32)])
+    return rows.astype(np.float32)
+
+
+def hooks_vs_c():
+    """Compiles runtime/hooks.c with a driver and compares the round trips bit for bit."""
+    import os
+    import shutil
+    import subprocess
+    import tempfile
+    root = os.path.abspath(os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", ".."))
+    hooks_c = os.path.join(root, "runtime", "hooks.c")
+    cc = shutil.which("cc")
+    if not (cc and os.path.exists(hooks_c)):
+        print("# compression vs runtime/hooks.c: skipped (no cc or no runtime/hooks.c)")
+        return True
+    rows = _hook_probe_values()
+    n, nrows = rows.size, rows.shape[0]
+    with tempfile.TemporaryDirectory() as d:
+        src, exe = os.path.join(d, "drv.c"), os.path.join(d, "drv")
+        fin, fout = os.path.join(d, "in.bin"), os.path.join(d, "out.bin")
+        open(src, "w").write(_HOOK_DRIVER)
+        r = subprocess.run([cc, "-O2", "-I" + os.path.join(root, "runtime"), src, hooks_c, "-lm",
+                            "-o", exe], capture_output=True, text=True)
+        if r.returncode != 0:
+            print("# compression vs runtime/hooks.c: driver did not build:\n" + r.stderr)
+            return False
+        rows.tofile(fin)
+        subprocess.run([exe, fin, fout], check=True)
+        out = open(fout, "rb").read()
+    f16 = np.frombuffer(out, np.float32, n, 0)
+    b16 = np.frombuffer(out, np.float32, n, 4 * n)
+    sc = np.frombuffer(out, np.float32, nrows, 8 * n)
+    q = np.frombuffer(out, np.int8, n, 8 * n + 4 * nrows).astype(np.float64)
+    i8 = np.frombuffer(out, np.float32, n, 9 * n + 4 * nrows)
+    flat = rows.ravel()
+
+    def bits_differ(got, want):
+        with np.errstate(invalid="ignore", over="ignore"):
+            want = np.asarray(want, dtype=np.float32)
+        nan = np.isnan(got) & np.isnan(want)
+        return int((~nan & (got.view(np.uint32) != want.view(np.uint32))).sum())
+
+    rq, rsc = int8_parts(rows)
+    bad = {"fp16": bits_differ(f16, round_fp16(flat)), "bf16": bits_differ(b16, round_bf16(flat)),
+           "int8 scale": bits_differ(sc, rsc), "int8 q": int((q != rq.ravel()).sum()),
+           "int8": bits_differ(i8, round_int8(rows).ravel())}
+    print("# compression vs runtime/hooks.c: %d values (%d int8 rows), differing bits: %s"
+          % (n, nrows, ", ".join("%s %d" % kv for kv in bad.items())))
+    return not any(bad.values())
 
 
 def rng_vs_c():
@@ -522,31 +931,102 @@ def rng_vs_c():
     return bad == 0
 
 
+def _ste_check(layers, params, x, t, seed):
+    """Straight-through gradients of a compressed model = the gradients of its differentiable
+    twin in which each round trip is `v + offset`, the offset frozen at the hooked forward's
+    value (the no-hook model evaluated at the hooked forward's values). Returns (ok, lines)."""
+    hooked = forward_backward(layers, params, x, t, seed=seed)
+    plain = forward_backward([_strip_compress(ly) for ly in layers], params, x, t, seed=seed,
+                             want_grads=False)
+    twins = []
+    for ly, c in zip(layers, hooked["caches"]):
+        tw = _strip_compress(ly)
+        tw.offsets = {}
+        if ly.compress_at("before_dispatch"):
+            tw.offsets["before_dispatch"] = c["disp_h"] - c["disp"]
+        if ly.compress_at("before_combine"):
+            tw.offsets["before_combine"] = c["y_h"] - c["y"]
+        twins.append(tw)
+    twin = forward_backward(twins, params, x, t, seed=seed)
+    scale = float(np.abs(hooked["output"]).max())
+    same_fwd = float(np.abs(twin["output"] - hooked["output"]).max()) / scale
+    moved = float(np.abs(plain["output"] - hooked["output"]).max()) / scale
+    gerr = max(float(np.abs(twin["grads"][n] - hooked["grads"][n]).max())
+               / max(float(np.abs(hooked["grads"][n]).max()), 1e-30) for n in hooked["grads"])
+    base, rows, worst, skipped, failed = _fd_check(twins, params, x, t, seed=seed, base=hooked)
+    ok = same_fwd <= 1e-12 and gerr <= 1e-12 and moved > 0 and not failed
+    return ok, (same_fwd, moved, gerr, rows, worst, skipped, failed)
+
+
+def _strip_compress(ly):
+    """A copy of the layer without its compress hooks (record hooks kept)."""
+    kw = dict(embed=ly.M, experts=ly.E, hidden=ly.H, k=ly.k, capacity=ly.capacity,
+              groups=ly.groups, noise=ly.noise, aux_loss=ly.aux_coef, z_loss=ly.z_coef,
+              act=ly.act or "gelu", bias=ly.bias, gate=ly.gate, order=ly.order, ffn=ly.ffn,
+              proj=ly.proj, slots=ly.slots, hooks=[h for h in ly.hooks if h[1] == "record"])
+    return Layer(ly.name, **kw)
+
+
 def selftest():
     rng = np.random.default_rng(1234)
     M, H, E = 6, 5, 4
     base_kw = dict(embed=M, experts=E, hidden=H)
+    noisy = dict(noise=1.0, aux_loss=0.1, z_loss=0.01)
     cases = [
-        ("k1 nodrop gelu", 2, 6, [("a", 1, dict(k=1, capacity=4.0))]),
-        ("k1 drops noise aux z", 2, 6, [("a", 1, dict(k=1, capacity=0.5, noise=1.0, aux_loss=0.1,
-                                                     z_loss=0.01))]),
-        ("k2 nodrop noise aux z", 2, 6, [("a", 1, dict(k=2, capacity=2.0, noise=1.0, aux_loss=0.1,
+        ("k1 nodrop gelu", [("a", 1, dict(k=1, capacity=4.0))]),
+        ("k1 drops noise aux z", [("a", 1, dict(k=1, capacity=0.5, **noisy))]),
+        ("k2 nodrop noise aux z", [("a", 1, dict(k=2, capacity=2.0, **noisy))]),
+        ("k2 drops g2 relu nobias", [("a", 1, dict(k=2, capacity=0.5, groups=2, act="relu",
+                                                  bias=False, noise=0.5, aux_loss=0.05,
+                                                  z_loss=0.02))]),
+        ("stack a + b x2", [("a", 1, dict(k=2, capacity=0.75, **noisy)),
+                            ("b", 2, dict(k=1, capacity=1.0, groups=3, act="relu", bias=False,
+                                          aux_loss=0.02))]),
+        ("k3 drops g2 z-clean", [("a", 1, dict(k=3, capacity=0.6, groups=2, noise=2.0,
+                                              aux_loss=0.1, z_loss=0.05))]),
+        ("k4 E8 mixtral drops", [("a", 1, dict(k=4, capacity=0.75, experts=8, ffn="mixtral",
+                                              **noisy))]),
+        ("dropless k2 g2", [("a", 1, dict(k=2, capacity="*", groups=2, **noisy))]),
+        ("sigmoid k2 drops", [("a", 1, dict(gate="sigmoid", k=2, capacity=0.5, **noisy))]),
+        ("sigmoid k1 mixtral dropless", [("a", 1, dict(gate="sigmoid", k=1, capacity="*",
+                                                      ffn="mixtral", aux_loss=0.05,
                                                       z_loss=0.01))]),
-        ("k2 drops g2 relu nobias", 2, 6, [("a", 1, dict(k=2, capacity=0.5, groups=2, act="relu",
-                                                        bias=False, noise=0.5, aux_loss=0.05,
-                                                        z_loss=0.02))]),
-        ("stack a + b x2", 2, 6, [("a", 1, dict(k=2, capacity=0.75, noise=1.0, aux_loss=0.1,
-                                               z_loss=0.01)),
-                                  ("b", 2, dict(k=1, capacity=1.0, groups=3, act="relu", bias=False,
-                                                aux_loss=0.02))]),
-        ("k3 drops g2 z-clean", 2, 6, [("a", 1, dict(k=3, capacity=0.6, groups=2, noise=2.0,
-                                                    aux_loss=0.1, z_loss=0.05))]),
+        ("xmoe k2 drops g2 relu", [("a", 1, dict(gate="xmoe", k=2, capacity=0.5, groups=2, proj=3,
+                                                act="relu", **noisy))]),
+        ("xmoe k1 mixtral nodrop", [("a", 1, dict(gate="xmoe", k=1, capacity=4.0, proj=4,
+                                                 ffn="mixtral", z_loss=0.02))]),
+        ("expert_choice g2 noise z", [("a", 1, dict(gate="expert_choice", k=1, capacity=1.0,
+                                                   groups=2, noise=1.0, z_loss=0.02))]),
+        ("expert_choice k2 mixtral", [("a", 1, dict(gate="expert_choice", k=2, capacity=0.5,
+                                                   ffn="mixtral"))]),
+        ("softmoe slots2 gelu", [("a", 1, dict(gate="softmoe", slots=2))]),
+        ("softmoe slots1 mixtral", [("a", 1, dict(gate="softmoe", slots=1, ffn="mixtral"))]),
+        ("stack xmoe+ec+soft+records", [
+            ("a", 1, dict(gate="xmoe", k=2, capacity=1.0, proj=3, hooks=[
+                (p, "record") for p in HOOK_POINTS], **noisy)),
+            ("b", 1, dict(gate="expert_choice", k=2, capacity=1.0, groups=2, ffn="mixtral",
+                          noise=0.5, z_loss=0.01)),
+            ("c", 1, dict(gate="softmoe", slots=2, act="relu", bias=False))]),
+    ]
+    ste_cases = [
+        ("ste fp16 disp", [("a", 1, dict(k=2, capacity=1.0, hooks=[("before_dispatch", "fp16")]))]),
+        ("ste bf16 comb mixtral", [("a", 1, dict(gate="sigmoid", k=2, capacity=0.5, ffn="mixtral",
+                                                 hooks=[("before_combine", "bf16")], **noisy))]),
+        ("ste int8 both xmoe", [("a", 1, dict(gate="xmoe", k=2, capacity=1.0, proj=3, hooks=[
+            ("before_dispatch", "int8"), ("before_combine", "int8")], **noisy))]),
+        ("ste bf16+fp16 ec", [("a", 1, dict(gate="expert_choice", k=1, capacity=1.0, groups=2,
+                                            hooks=[("before_dispatch", "bf16"),
+                                                   ("before_combine", "fp16"),
+                                                   ("after_combine", "record")]))]),
+        ("ste int8+bf16 softmoe", [("a", 1, dict(gate="softmoe", slots=2, ffn="mixtral", hooks=[
+            ("before_dispatch", "int8"), ("before_combine", "bf16")]))]),
     ]
     print("# moe_ref selftest: central finite differences (eps 1e-6, float64) vs manual backward")
-    print("# %-26s %-22s %6s %10s %10s" % ("case", "tensor", "numel", "max|grad|", "rel.err"))
+    print("# %-28s %-22s %6s %10s %10s" % ("case", "tensor", "numel", "max|grad|", "rel.err"))
     ok = True
     worst_all = 0.0
-    for cname, B, L, items in cases:
+    B, L = 2, 6
+    for cname, items in cases:
         layers = expand_layers([(n, r, dict(base_kw, **kw)) for n, r, kw in items])
         params = random_params(layers, rng, 0.5)
         x = rng.standard_normal((B, L, M))
@@ -556,7 +1036,7 @@ def selftest():
         worst_all = max(worst_all, worst)
         drops = sum(st["dropped"] for st in base["stats"])
         for name, n, scale, err in rows:
-            print("  %-26s %-22s %6d %10.3e %10.3e %s" % (cname, name, n, scale, err,
+            print("  %-28s %-22s %6d %10.3e %10.3e %s" % (cname, name, n, scale, err,
                                                          "" if err <= 1e-6 else "<-- FAIL"))
         print("# %s: loss %.6f dropped %d/%d, fd entries skipped (routing changed) %d"
               % (cname, base["loss"], drops, sum(st["routed"] for st in base["stats"]), skipped))
@@ -565,6 +1045,36 @@ def selftest():
         if "drops" in cname and drops == 0:
             print("# %s: expected drops, got none" % cname)
             ok = False
+        if ("dropless" in cname or "nodrop" in cname) and drops:
+            print("# %s: expected no drops, got %d" % (cname, drops))
+            ok = False
+        # record hooks do not change the math
+        if any(ly.records() for ly in layers):
+            bare = [_strip_compress(ly) for ly in layers]
+            for ly in bare:
+                ly.hooks = []
+            r2 = forward_backward(bare, params, x, t, seed=7, z_noisy=z_noisy)
+            same = np.array_equal(r2["output"], base["output"]) and all(
+                np.array_equal(r2["grads"][n], base["grads"][n]) for n in base["grads"])
+            print("# %s: record hooks leave output and gradients unchanged: %s" % (cname, same))
+            ok = ok and same
+    print("# straight-through compression: the hooked model's gradients vs central differences"
+          " of its twin with the round trip frozen to `v + offset` at the hooked values")
+    for cname, items in ste_cases:
+        layers = expand_layers([(n, r, dict(base_kw, **kw)) for n, r, kw in items])
+        params = random_params(layers, rng, 0.5)
+        x = rng.standard_normal((B, L, M))
+        t = rng.standard_normal((B, L, M))
+        good, (same_fwd, moved, gerr, rows, worst, skipped, failed) = _ste_check(layers, params, x,
+                                                                                 t, 7)
+        worst_all = max(worst_all, worst)
+        for name, n, scale, err in rows:
+            print("  %-28s %-22s %6d %10.3e %10.3e %s" % (cname, name, n, scale, err,
+                                                         "" if err <= 1e-6 else "<-- FAIL"))
+        print("# %s: twin forward = hooked forward (rel %.1e), compression moved the output by "
+              "rel %.2e, twin grads = STE grads (rel %.1e), fd skipped %d: %s"
+              % (cname, same_fwd, moved, gerr, skipped, "ok" if good else "FAILED"))
+        ok = ok and good
     # RNG spot checks: scalar and vectorised paths agree, and known invariants hold
     key = rt_key(rt_key(rt_key(7, RT_STREAM_NOISE), 1), 0)
     v = rt_normal_np(key, np.arange(16))
@@ -578,7 +1088,19 @@ def selftest():
     if rt_hash_name("") != 0xCBF29CE484222325 or rt_hash_name("a") != 0xAF63DC4C8601EC8C:
         print("# rng: FNV-1a mismatch")
         ok = False
+    # compression spot checks that do not need a compiler
+    spot = [(round_bf16(np.array([1.0 + 2.0 ** -8]))[0], 1.0),               # tie -> even
+            (round_bf16(np.array([1.0 + 3 * 2.0 ** -8]))[0], 1.0 + 2.0 ** -6),
+            (round_fp16(np.array([1.0 + 2.0 ** -11]))[0], 1.0),
+            (round_fp16(np.array([65520.0]))[0], math.inf),
+            (round_int8(np.array([[127.0, 2.5, -2.5, 0.5]]))[0, 1:].tolist(), [3.0, -3.0, 1.0]),
+            (round_int8(np.zeros((1, 3)))[0].tolist(), [0.0, 0.0, 0.0])]
+    for got, want in spot:
+        if got != want:
+            print("# compression spot check: got %r, want %r" % (got, want))
+            ok = False
     ok = rng_vs_c() and ok
+    ok = hooks_vs_c() and ok
     print("# worst relative error %.3e (tolerance 1e-6)" % worst_all)
     print("OK" if ok else "FAILED")
     return 0 if ok else 1

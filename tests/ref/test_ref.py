@@ -1,17 +1,24 @@
 #!/usr/bin/python3
-"""Holds a binary built by `build/moec` against the numpy reference (tests/ref/moe_ref.py).
+"""Holds binaries built by `build/moec` against the numpy reference (tests/ref/moe_ref.py).
 
 For each config: writes F.moe, random float32 weights (W.safetensors), x.npy and t.npy into a
 temporary folder, runs `moec build F.moe -o BIN` and `BIN --steps 1 --weights W.safetensors
 --input x.npy --target t.npy --dump DIR`, and compares DIR/output.npy, DIR/loss.npy and every
 DIR/grad/NAME.npy with the reference (float64):
-    max|a - b| / max(max|b|, 1e-30) <= 1e-5 per tensor.
-A last config runs on the binary's synthetic data and checks its dumped input/target bit for
-bit against the reference RNG. Exits 77 when build/moec is missing (skipped), 1 on any failure.
+    max|a - b| / max(max|b|, 1e-30) <= 1e-5 per tensor,
+and the `step 1` line (aux, z, dropped fraction, loads, dropless capacity) and the record hook's
+JSON lines (numel, mean, max_abs) with it. Then it builds the config's twin with the other order
+(tutel <-> gshard), runs it on the same weights and data and compares the two dumps directly
+(rows `NAME [twin]`, same tolerance): the two orders must compute the same numbers.
+The `d_synthetic` config runs on the binary's synthetic data and checks its dumped input/target
+bit for bit against the reference RNG. Exits 77 when build/moec is missing (skipped), 1 on any
+failure.
 
-    /usr/bin/python3 tests/ref/test_ref.py [--keep] [--only NAME]
+    /usr/bin/python3 tests/ref/test_ref.py [--keep] [--only NAME[,NAME...]] [--list]
 Environment: MOEC (path of moec; default $BUILD/moec, BUILD default build), from the repo root.
 """
+import json
+import math
 import os
 import re
 import shutil
@@ -38,62 +45,254 @@ def moe_text(model_name, items):
            "  seed %d;" % SEED, "  optimizer sgd { lr 0.1; }", "}", ""]
     for name, repeat, kw in items:
         rep = " x %d" % repeat if repeat != 1 else ""
-        gate = ["k %d;" % kw.get("k", 1), "capacity %r;" % float(kw.get("capacity", 1.0))]
-        if kw.get("groups", 1) != 1:
-            gate.append("groups %d;" % kw["groups"])
-        for field in ("noise", "aux_loss", "z_loss"):
-            if kw.get(field):
-                gate.append("%s %r;" % (field, float(kw[field])))
+        gname = kw.get("gate", "gshard")
+        gate = []
+        if gname == "softmoe":
+            gate.append("slots %d;" % kw.get("slots", 1))
+        else:
+            cap = kw.get("capacity", 1.0)
+            gate += ["k %d;" % kw.get("k", 1),
+                     "capacity %s;" % ("*" if cap == "*" else repr(float(cap)))]
+            if kw.get("groups", 1) != 1:
+                gate.append("groups %d;" % kw["groups"])
+            fields = ("noise", "z_loss") if gname == "expert_choice" else ("noise", "aux_loss", "z_loss")
+            for field in fields:
+                if kw.get(field):
+                    gate.append("%s %r;" % (field, float(kw[field])))
+            if gname == "xmoe":
+                gate.append("proj %d;" % kw.get("proj", 16))
+        if kw.get("ffn", "gpt") == "mixtral":
+            ffn = "ffn mixtral { hidden %d; }" % H
+        else:
+            ffn = "ffn gpt { hidden %d; act %s; bias %s; }" % (
+                H, kw.get("act", "gelu"), "true" if kw.get("bias", True) else "false")
         out += ["layer %s%s {" % (name, rep),
                 "  moe {",
-                "    experts %d { ffn gpt { hidden %d; act %s; bias %s; } }"
-                % (E, H, kw.get("act", "gelu"), "true" if kw.get("bias", True) else "false"),
-                "    gate gshard { %s }" % " ".join(gate),
-                "    order tutel;",
-                "  }",
-                "}", ""]
+                "    experts %d { %s }" % (kw.get("experts", E), ffn),
+                "    gate %s { %s }" % (gname, " ".join(gate)),
+                "    order %s;" % kw.get("order", "tutel")]
+        for point, action in kw.get("hooks", ()):
+            out.append("    hook %s %s;" % (point, "record" if action == "record" else "compress " + action))
+        out += ["  }", "}", ""]
     return "\n".join(out)
 
 
+ALL_RECORDS = [(p, "record") for p in ref.HOOK_POINTS]
+NOISY = dict(noise=1.0, aux_loss=0.1, z_loss=0.01)
+
+# (name, layer items, options). Options: grid (exact-arithmetic data for compression, below),
+# expect ("drops" / "nodrop": checked against the reference's routing).
 CONFIGS = [
-    ("a_k1_nodrop", [("blk", 1, dict(k=1, capacity=4.0))]),
-    ("b_k2_drops", [("blk", 1, dict(k=2, capacity=0.5, noise=1.0, aux_loss=0.1, z_loss=0.01))]),
+    # gshard + tutel + ffn gpt (the original four; d_synthetic runs on the binary's own data)
+    ("a_k1_nodrop", [("blk", 1, dict(k=1, capacity=4.0))], dict(expect="nodrop")),
+    ("b_k2_drops", [("blk", 1, dict(k=2, capacity=0.5, **NOISY))], dict(expect="drops")),
     ("c_stack", [("a", 1, dict(k=2, capacity=1.0, groups=2, noise=1.0, aux_loss=0.05, z_loss=0.01)),
                  ("b", 2, dict(k=2, capacity=1.0, groups=2, noise=0.5, aux_loss=0.02, z_loss=0.005,
-                               act="relu", bias=False))]),
-    ("d_synthetic", [("blk", 2, dict(k=2, capacity=0.75, noise=1.0, aux_loss=0.1, z_loss=0.01))]),
+                               act="relu", bias=False))], {}),
+    ("d_synthetic", [("blk", 2, dict(k=2, capacity=0.75, **NOISY))], {}),
+    # gshard: k 4 with 8 experts, the gshard order, mixtral
+    ("e_k4_e8", [("blk", 1, dict(k=4, capacity=1.0, experts=8, order="gshard", ffn="mixtral",
+                                 **NOISY))], dict(expect="drops")),
+    ("f_k2_gorder", [("blk", 1, dict(k=2, capacity=1.0, groups=2, order="gshard", act="relu",
+                                     bias=False, aux_loss=0.05))], {}),
+    # sigmoid
+    ("g_sigmoid_k2", [("blk", 1, dict(gate="sigmoid", k=2, capacity=0.75, ffn="mixtral", **NOISY))],
+     dict(expect="drops")),
+    ("h_sigmoid_k1", [("blk", 1, dict(gate="sigmoid", k=1, capacity=1.0, order="gshard",
+                                      aux_loss=0.05, z_loss=0.01))], {}),
+    # xmoe
+    ("i_xmoe_nodrop", [("blk", 1, dict(gate="xmoe", k=2, capacity=2.0, proj=8, aux_loss=0.1,
+                                       z_loss=0.01, bias=False))], dict(expect="nodrop")),
+    ("j_xmoe_drops", [("blk", 1, dict(gate="xmoe", k=1, capacity=0.5, groups=2, proj=4, noise=1.0,
+                                      z_loss=0.02, order="gshard", ffn="mixtral"))],
+     dict(expect="drops")),
+    # expert_choice
+    ("k_ec_g2", [("blk", 1, dict(gate="expert_choice", k=1, capacity=1.0, groups=2, noise=1.0,
+                                 z_loss=0.02, act="relu"))], dict(expect="drops")),
+    ("l_ec_mixtral", [("blk", 1, dict(gate="expert_choice", k=2, capacity=0.75, order="gshard",
+                                      ffn="mixtral"))], {}),
+    # softmoe
+    ("m_softmoe_s2", [("blk", 1, dict(gate="softmoe", slots=2))], {}),
+    ("n_softmoe_mix", [("blk", 1, dict(gate="softmoe", slots=3, order="gshard", ffn="mixtral"))], {}),
+    # dropless
+    ("o_dropless", [("blk", 1, dict(k=2, capacity="*", groups=2, **NOISY))], dict(expect="nodrop")),
+    ("p_dropless_mix", [("a", 1, dict(gate="xmoe", k=2, capacity="*", proj=4, order="gshard",
+                                      ffn="mixtral", **NOISY)),
+                        ("b", 1, dict(gate="sigmoid", k=1, capacity="*", aux_loss=0.05))],
+     dict(expect="nodrop")),
+    # hooks: record at every point (no effect on the math); b0: T = min(32, S_g) = 16, every
+    # expert takes every token
+    ("q_record", [("a", 1, dict(k=2, capacity=1.0, hooks=ALL_RECORDS, **NOISY)),
+                  ("b", 1, dict(gate="expert_choice", k=1, capacity=8.0, ffn="mixtral",
+                                hooks=[("before_dispatch", "record"), ("after_combine", "record")])),
+                  ("c", 1, dict(gate="softmoe", slots=2, order="gshard", hooks=ALL_RECORDS))], {}),
+    # compression on the dispatched tensor [E, C, M] (exact copies of the float32 input rows)
+    ("r_disp_fp16", [("blk", 1, dict(k=2, capacity=1.0, ffn="mixtral",
+                                     hooks=[("before_dispatch", "fp16")], **NOISY))], dict(grid=True)),
+    ("s_disp_bf16", [("blk", 1, dict(gate="xmoe", k=2, capacity=1.0, proj=4, order="gshard",
+                                     hooks=[("before_dispatch", "bf16")], **NOISY))], dict(grid=True)),
+    ("t_disp_int8", [("blk", 1, dict(gate="sigmoid", k=2, capacity=1.0, aux_loss=0.05,
+                                     hooks=[("before_dispatch", "int8")]))], dict(grid=True)),
+    # compression on the expert output [E, C, M] (relu experts on grid data: exact in float32)
+    ("u_comb_fp16", [("blk", 1, dict(k=1, capacity=1.0, order="gshard", act="relu",
+                                     hooks=[("before_combine", "fp16")], **NOISY))], dict(grid=True)),
+    ("v_comb_bf16", [("blk", 1, dict(gate="expert_choice", k=1, capacity=1.0, groups=2, act="relu",
+                                     bias=False, hooks=[("before_combine", "bf16")]))],
+     dict(grid=True)),
+    ("w_comb_int8", [("blk", 1, dict(gate="xmoe", k=2, capacity=0.75, proj=4, order="gshard",
+                                     act="relu", hooks=[("before_combine", "int8")], **NOISY))],
+     dict(grid=True)),
+    # both points, with records of what the after-points see
+    ("x_int8_fp16", [("blk", 1, dict(k=2, capacity=1.0, act="relu", hooks=[
+        ("before_dispatch", "int8"), ("before_combine", "fp16"), ("after_dispatch", "record"),
+        ("after_combine", "record")], **NOISY))], dict(grid=True)),
+    ("y_fp16_bf16", [("blk", 1, dict(k=2, capacity="*", groups=2, order="gshard", act="relu",
+                                     hooks=[("before_dispatch", "fp16"), ("before_combine", "bf16"),
+                                            ("before_combine", "record"),
+                                            ("after_combine", "record")], **NOISY))],
+     dict(grid=True, expect="nodrop")),
+    # int8 on soft MoE's dispatched slots (a GEMM's output: redrawn until no element is within
+    # 1e-3 of a rounding boundary, in units of its row's scale)
+    ("z_softmoe_int8", [("blk", 1, dict(gate="softmoe", slots=2, ffn="mixtral",
+                                        hooks=[("before_dispatch", "int8")]))], {}),
 ]
 
 
+def twin_items(items):
+    """The same layers with the other order."""
+    flip = {"tutel": "gshard", "gshard": "tutel"}
+    return [(n, r, dict(kw, order=flip[kw.get("order", "tutel")])) for n, r, kw in items]
+
+
+# ---------------------------------------------------------------- data
+def on_grid(a, step):
+    return np.round(np.asarray(a) / step) * step
+
+
+def grid_input(rng):
+    """Token rows with |x| in [0.5, 3.9) on a 2^-12 grid (fp16 and bf16 both round them, ties
+    included) and one entry of each row at +-127/32 (so int8's scale is exactly 2^-5)."""
+    mag = on_grid(rng.uniform(0.5, 3.9, (B * L, M)), 2.0 ** -12)
+    x = np.where(rng.random((B * L, M)) < 0.5, -mag, mag)
+    x[np.arange(B * L), rng.integers(0, M, B * L)] = np.where(rng.random(B * L) < 0.5, -1, 1) * 127 / 32
+    return x.reshape(B, L, M).astype(np.float32)
+
+
+GRID_STEPS = {"experts.w1": 2.0 ** -4, "experts.w3": 2.0 ** -4, "experts.w2": 2.0 ** -3,
+              "experts.b1": 2.0 ** -6, "experts.b2": 2.0 ** -6}
+
+
+def draw_params(rng, shapes, grid):
+    params = {}
+    for n, sh in shapes.items():
+        if n.endswith("gate.temperature"):
+            params[n] = np.asarray(0.5 + 0.3 * rng.random(), dtype=np.float32)
+            continue
+        scale = 0.1 if (grid and (n.endswith(".b1") or n.endswith(".b2"))) else 0.3
+        v = scale * rng.standard_normal(sh)
+        short = n.split(".moe.", 1)[1]
+        if grid and short in GRID_STEPS:
+            v = on_grid(v, GRID_STEPS[short])
+        params[n] = v.astype(np.float32)
+    return params
+
+
+def pow2_grid(a):
+    """The largest power of two that divides every entry of a (1 for all zeros)."""
+    a = np.abs(np.asarray(a, dtype=np.float64)).ravel()
+    a = a[a != 0]
+    if a.size == 0:
+        return 1.0
+    e = 30
+    while e > -80 and not np.all(np.floor(a / 2.0 ** e) == a / 2.0 ** e):
+        e -= 1
+    return 2.0 ** e
+
+
+def exact_in_f32(a, w, b):
+    """Every partial sum of a @ w (+ b), batched over experts, is a multiple of the product grid
+    and below 2^24 of it: float32 computes it exactly, in any order, FMA or not."""
+    g = pow2_grid(a) * pow2_grid(w)
+    bound = np.einsum("ecm,emh->ech", np.abs(a), np.abs(w))
+    if b is not None:
+        g = min(g, pow2_grid(b))
+        bound = bound + np.abs(b)[:, None, :]
+    return float(bound.max()) <= 2.0 ** 24 * g
+
+
+def int8_margin(layers, params, x):
+    """Smallest distance, in units of the row's scale, of an int8-compressed element whose
+    input is not exact in float32 (softmoe's dispatch, an expert output that is not on the
+    grid) to a rounding boundary (q + 1/2). inf when there is none."""
+    res = ref.forward_backward(layers, params, x, x, seed=SEED, step=1, want_grads=False)
+    gap = math.inf
+    for ly, c in zip(layers, res["caches"]):
+        for point, v in (("before_dispatch", c["disp"]), ("before_combine", c["y"])):
+            if ly.compress_at(point) != "int8":
+                continue
+            rows = np.asarray(v, dtype=np.float32).reshape(-1, v.shape[-1]).astype(np.float64)
+            mx = np.abs(rows).max(axis=1)
+            u = np.abs(rows) / np.where(mx > 0, mx / 127.0, 1.0)[:, None]
+            gap = min(gap, float(np.abs(u - np.floor(u) - 0.5).min()))
+    return gap
+
+
+def combine_input_exact(layers, want):
+    """For every layer that compresses before_combine: its expert output is exact in float32."""
+    for ly, c in zip(layers, want["caches"]):
+        if not ly.compress_at("before_combine"):
+            continue
+        if ly.ffn != "gpt" or ly.act != "relu":
+            return False
+        p = {n: np.asarray(v, dtype=np.float64) for n, v in c["params"].items()}
+        b1 = p.get("experts.b1")
+        b2 = p.get("experts.b2")
+        if not (exact_in_f32(c["disp_h"], p["experts.w1"], b1)
+                and exact_in_f32(c["ec"]["a"], p["experts.w2"], b2)):
+            return False
+    return True
+
+
+# ---------------------------------------------------------------- report
 class Report:
     def __init__(self):
         self.failures = []
         self.worst = (0.0, "", "")
-        print("# moec numpy reference test: binary (fp32) vs tests/ref/moe_ref.py (float64)")
+        self.worst_twin = (0.0, "", "")
+        print("# moec numpy reference test: binary (fp32) vs tests/ref/moe_ref.py (float64), and the")
+        print("# tutel-order binary vs the gshard-order binary (rows `NAME [twin]`)")
         print("# tolerance: max|a-b| / max(max|b|, 1e-30) <= %g per tensor" % TOL)
-        print("# %-12s %-26s %6s %11s %11s %11s  %s"
+        print("# %-16s %-40s %6s %11s %11s %11s  %s"
               % ("config", "tensor", "numel", "max|ref|", "max|diff|", "rel.err", "status"))
 
-    def row(self, config, name, got, want, tol=TOL):
+    def row(self, config, name, got, want, tol=TOL, scale=None):
         want = np.asarray(want, dtype=np.float64)
         if got is None:
-            print("  %-12s %-26s %6s %11s %11s %11s  %s" % (config, name, "-", "-", "-", "-", "MISSING"))
+            print("  %-16s %-40s %6s %11s %11s %11s  %s" % (config, name, "-", "-", "-", "-", "MISSING"))
             self.failures.append("%s/%s missing" % (config, name))
             return
         got = np.asarray(got, dtype=np.float64)
         if got.shape != want.shape:
-            print("  %-12s %-26s %6s %11s %11s %11s  %s" % (config, name, got.size, "-", "-", "-",
+            print("  %-16s %-40s %6s %11s %11s %11s  %s" % (config, name, got.size, "-", "-", "-",
                                                           "SHAPE %s != %s" % (got.shape, want.shape)))
             self.failures.append("%s/%s shape" % (config, name))
             return
         diff = float(np.abs(got - want).max()) if got.size else 0.0
-        scale = max(float(np.abs(want).max()) if want.size else 0.0, 1e-30)
+        if scale is None:
+            scale = float(np.abs(want).max()) if want.size else 0.0
+        scale = max(scale, 1e-30)
         rel = diff / scale if np.isfinite(diff) else float("inf")
         ok = rel <= tol
-        print("  %-12s %-26s %6d %11.4e %11.4e %11.4e  %s"
+        print("  %-16s %-40s %6d %11.4e %11.4e %11.4e  %s"
               % (config, name, want.size, scale, diff, rel, "ok" if ok else "FAILED"))
-        if rel > self.worst[0] or not self.worst[1]:
-            self.worst = (rel, config, name)
+        twin = name.endswith("[twin]")
+        worst = self.worst_twin if twin else self.worst
+        if rel > worst[0] or not worst[1]:
+            worst = (rel, config, name)
+            if twin:
+                self.worst_twin = worst
+            else:
+                self.worst = worst
         if not ok:
             self.failures.append("%s/%s rel.err %.3e" % (config, name, rel))
 
@@ -109,87 +308,169 @@ def run(cmd, cwd=None):
     return subprocess.run(cmd, cwd=cwd, capture_output=True, text=True, timeout=600)
 
 
-STEP_RE = re.compile(r"step\s+1\s+loss\s+(\S+)\s+mse\s+(\S+)\s+aux\s+(\S+)\s+z\s+(\S+)\s+dropped\s+(\S+)")
+STEP_RE = re.compile(r"step\s+1\s+loss\s+(\S+)\s+mse\s+(\S+)\s+aux\s+(\S+)\s+z\s+(\S+)\s+dropped\s+(\S+)"
+                     r"(?:\s+load\s+(\d+)/(\S+)/(\d+))?(?:\s+capacity\s+(\d+))?")
 
 
-def run_config(rep, moec, cname, items, tmp):
-    d = os.path.join(tmp, cname)
-    os.makedirs(d)
-    layers = ref.expand_layers([(n, r, dict(kw, embed=M, experts=E, hidden=H)) for n, r, kw in items])
-    shapes = ref.param_shapes(layers)
-    synthetic = cname.endswith("synthetic")
-    # Random weights and data, redrawn until no routing decision is near a tie.
-    for attempt in range(20):
-        rng = np.random.default_rng(1000 + 17 * attempt + len(cname))
-        params = {n: (0.3 * rng.standard_normal(sh)).astype(np.float32) for n, sh in shapes.items()}
-        if synthetic:
-            x, t = ref.synthetic_batch(SEED, 1, B, L, M)
-        else:
-            x = rng.standard_normal((B, L, M)).astype(np.float32)
-            t = rng.standard_normal((B, L, M)).astype(np.float32)
-        gap = ref.route_margin(layers, params, x, seed=SEED, step=1)
-        if gap > 1e-4:
-            break
-    rep.note("%s: %d layer instance(s) %s, routing margin %.2e (weights draw %d)"
-             % (cname, len(layers), ",".join(ly.name for ly in layers), gap, attempt))
-    src = moe_text("ref_" + cname, items)
-    open(os.path.join(d, "F.moe"), "w").write(src)
-    ref.save_safetensors(os.path.join(d, "W.safetensors"), params)
-    bin_path, dump = os.path.join(d, "BIN"), os.path.join(d, "dump")
-    r = run([moec, "build", os.path.join(d, "F.moe"), "-o", bin_path], cwd=ROOT)
+def build_and_run(rep, moec, d, tag, model, items, x, t, synthetic):
+    """Writes F.moe, builds it and runs one step with --dump. Returns (dump dir, stdout) or None."""
+    src = moe_text(model, items)
+    moe = os.path.join(d, tag + ".moe")
+    open(moe, "w").write(src)
+    bin_path, dump = os.path.join(d, tag + ".bin"), os.path.join(d, tag + ".dump")
+    r = run([moec, "build", moe, "-o", bin_path], cwd=ROOT)
     if r.returncode != 0 or not os.path.exists(bin_path):
-        rep.fail("%s: moec build exited %d:\n%s%s" % (cname, r.returncode, r.stdout, r.stderr))
-        return
-    cmd = [bin_path, "--steps", "1", "--weights", os.path.join(d, "W.safetensors"), "--dump", dump]
+        rep.fail("%s: moec build exited %d:\n%s%s" % (tag, r.returncode, r.stdout, r.stderr))
+        return None
+    cmd = [bin_path, "--steps", "1", "--weights", os.path.join(d, "W.safetensors"), "--dump", dump,
+           "--record", os.path.join(d, tag + ".record.jsonl")]
     if not synthetic:
-        ref.save_npy(os.path.join(d, "x.npy"), x)
-        ref.save_npy(os.path.join(d, "t.npy"), t)
         cmd += ["--input", os.path.join(d, "x.npy"), "--target", os.path.join(d, "t.npy")]
     r = run(cmd, cwd=d)
     if r.returncode != 0:
-        rep.fail("%s: binary exited %d:\n%s%s" % (cname, r.returncode, r.stdout, r.stderr))
+        rep.fail("%s: binary exited %d:\n%s%s" % (tag, r.returncode, r.stdout, r.stderr))
+        return None
+    return dump, r.stdout
+
+
+def load(dump, rel):
+    p = os.path.join(dump, rel)
+    return ref.load_npy(p) if os.path.exists(p) else None
+
+
+def check_step_line(rep, cname, stdout, layers, want):
+    m = STEP_RE.search(stdout)
+    stats = want["stats"]
+    routed = sum(st["routed"] for st in stats)
+    dropped = sum(st["dropped"] for st in stats)
+    frac = dropped / routed if routed else 0.0
+    loads = [int(v) for st in stats if st["loads"] is not None for v in st["loads"]]
+    dropless = [st["most"] for ly, st in zip(layers, stats) if ly.dropless]
+    rep.note("%s: ref loss %.6f mse %.6f aux %.6f z %.6f dropped %d/%d (%.4f), T %s, load %s%s"
+             % (cname, want["loss"], want["mse"], want["aux"], want["z"], dropped, routed, frac,
+                ",".join(str(st["cap"]) for st in stats),
+                "%d/%.1f/%d" % (min(loads), sum(loads) / len(loads), max(loads)) if loads else "-",
+                ", dropless capacity %d" % max(dropless) if dropless else ""))
+    if not m:
+        rep.fail("%s: no `step 1  loss ...` line in the binary's stdout:\n%s" % (cname, stdout))
         return
+    rep.note("%s: bin line: %s" % (cname, m.group(0)))
+    vals = [float(v) for v in m.groups()[:5]]
+    # printed with %.6f / %.4f: compare to the printed precision
+    for label, g, w, tol in (("aux", vals[2], want["aux"], 2e-6), ("z", vals[3], want["z"], 2e-6),
+                             ("dropped", vals[4], frac, 1e-4)):
+        if abs(g - w) > tol * max(1.0, abs(w)):
+            rep.fail("%s: step line %s %.6f, reference %.6f" % (cname, label, g, w))
+    if m.group(6) is not None:
+        got = (int(m.group(6)), float(m.group(7)), int(m.group(8)))
+        exp = (min(loads), sum(loads) / len(loads), max(loads)) if loads else (0, 0.0, 0)
+        if got[0] != exp[0] or got[2] != exp[2] or abs(got[1] - exp[1]) > 0.051:
+            rep.fail("%s: step line load %d/%.1f/%d, reference %d/%.1f/%d" % ((cname,) + got + exp))
+    if dropless:
+        if m.group(9) is None or int(m.group(9)) != max(dropless):
+            rep.fail("%s: step line capacity %s, reference %d (largest per-group load of a "
+                     "dropless layer)" % (cname, m.group(9), max(dropless)))
+
+
+def check_records(rep, cname, path, layers, want):
+    expect = [(li, pt, v) for li, c in enumerate(want["caches"]) for pt, v in c["records"]]
+    if not expect:
+        return
+    lines = [json.loads(s) for s in open(path)] if os.path.exists(path) else []
+    lines = [r for r in lines if r.get("step") == 1]
+    if len(lines) != len(expect):
+        rep.fail("%s: %d record lines for step 1, expected %d (%s)"
+                 % (cname, len(lines), len(expect), ", ".join("%d:%s" % (li, pt) for li, pt, _ in expect)))
+        return
+    for r, (li, pt, v) in zip(lines, expect):
+        tag = "record %d %s" % (li, pt)
+        if r.get("layer") != li or r.get("point") != pt or r.get("numel") != v.size:
+            rep.fail("%s: %s: got layer %s point %s numel %s, expected numel %d"
+                     % (cname, tag, r.get("layer"), r.get("point"), r.get("numel"), v.size))
+            continue
+        mx = float(np.abs(v).max())
+        rep.row(cname, tag + " max_abs", r.get("max_abs"), mx)
+        rep.row(cname, tag + " mean", r.get("mean"), float(v.mean()), scale=mx)
+
+
+def run_config(rep, moec, cname, items, opts, tmp):
+    d = os.path.join(tmp, cname)
+    os.makedirs(d)
+    layers = ref.expand_layers([(n, r, dict(dict(embed=M, experts=E, hidden=H), **kw))
+                                for n, r, kw in items])
+    shapes = ref.param_shapes(layers)
+    synthetic = cname.endswith("synthetic")
+    grid = opts.get("grid", False)
+    # Random weights and data, redrawn until no routing decision is near a tie.
+    for attempt in range(20):
+        rng = np.random.default_rng(1000 + 17 * attempt + len(cname))
+        params = draw_params(rng, shapes, grid)
+        if synthetic:
+            x, t = ref.synthetic_batch(SEED, 1, B, L, M)
+        else:
+            x = grid_input(rng) if grid else rng.standard_normal((B, L, M)).astype(np.float32)
+            t = rng.standard_normal((B, L, M)).astype(np.float32)
+        gap = ref.route_margin(layers, params, x, seed=SEED, step=1)
+        qgap = math.inf if grid else int8_margin(layers, params, x)
+        if gap > 1e-4 and qgap > 1e-3:
+            break
+    rep.note("%s: %d layer instance(s) %s, routing margin %.2e%s (weights draw %d)%s"
+             % (cname, len(layers), ",".join("%s(%s,%s,%s)" % (ly.name, ly.gate, ly.order, ly.ffn)
+                                              for ly in layers),
+                gap, ", int8 rounding margin %.2e" % qgap if qgap < math.inf else "", attempt,
+                ", grid data" if grid else ""))
+    ref.save_safetensors(os.path.join(d, "W.safetensors"), params)
+    if not synthetic:
+        ref.save_npy(os.path.join(d, "x.npy"), x)
+        ref.save_npy(os.path.join(d, "t.npy"), t)
 
     want = ref.forward_backward(layers, params, x, t, seed=SEED, step=1)
+    for (ly, c) in zip(layers, want["caches"]):
+        c["params"] = ref.split_params(ly, params)
+    stats = want["stats"]
+    dropped = sum(st["dropped"] for st in stats)
+    if opts.get("expect") == "drops" and dropped == 0:
+        rep.fail("%s: the config is meant to drop choices; the reference drops none" % cname)
+    if opts.get("expect") == "nodrop" and dropped:
+        rep.fail("%s: the config is meant to drop nothing; the reference drops %d" % (cname, dropped))
+    if any(ly.compress_at(p) for ly in layers for p in ("before_dispatch", "before_combine")):
+        # the test must be able to see the compression: without it the numbers move
+        plain = ref.forward_backward([ref._strip_compress(ly) for ly in layers], params, x, t,
+                                     seed=SEED, step=1)
+        moved = float(np.abs(plain["output"] - want["output"]).max()) / float(np.abs(want["output"]).max())
+        gmoved = max(float(np.abs(plain["grads"][n] - want["grads"][n]).max())
+                     / max(float(np.abs(want["grads"][n]).max()), 1e-30) for n in shapes)
+        rep.note("%s: without its compression the reference output moves by rel %.2e, the "
+                 "gradients by up to %.2e" % (cname, moved, gmoved))
+        if moved < 10 * TOL:
+            rep.fail("%s: the compression moves the output by only %.2e: the test cannot see it"
+                     % (cname, moved))
+    if grid and not combine_input_exact(layers, want):
+        rep.fail("%s: the expert output that before_combine compresses is not exact in float32 "
+                 "(grid data too fine or too large): compression could round differently" % cname)
 
-    def load(rel):
-        p = os.path.join(dump, rel)
-        return ref.load_npy(p) if os.path.exists(p) else None
-
+    res = build_and_run(rep, moec, d, "A", "ref_" + cname, items, x, t, synthetic)
+    if res is None:
+        return
+    dump, stdout = res
     # the data the binary actually used
-    got_x, got_t = load("input.npy"), load("target.npy")
+    got_x, got_t = load(dump, "input.npy"), load(dump, "target.npy")
     rep.row(cname, "input", got_x, x, tol=0.0)
     if got_t is not None or synthetic:
         rep.row(cname, "target", got_t, t, tol=0.0)
-    rep.row(cname, "output", load("output.npy"), want["output"])
-    rep.row(cname, "loss", load("loss.npy"), np.float64(want["loss"]))
+    rep.row(cname, "output", load(dump, "output.npy"), want["output"])
+    rep.row(cname, "loss", load(dump, "loss.npy"), np.float64(want["loss"]))
     for name in sorted(shapes):
-        rep.row(cname, name, load(os.path.join("grad", name + ".npy")), want["grads"][name])
+        rep.row(cname, name, load(dump, os.path.join("grad", name + ".npy")), want["grads"][name])
     gdir = os.path.join(dump, "grad")
     extra = sorted(f[:-4] for f in os.listdir(gdir) if f.endswith(".npy") and f[:-4] not in shapes) \
         if os.path.isdir(gdir) else []
     if extra:
         rep.fail("%s: unexpected gradient dumps %s" % (cname, extra))
-
-    # the step report line: aux / z (unweighted sums) and the dropped fraction
-    m = STEP_RE.search(r.stdout)
-    routed = sum(st["routed"] for st in want["stats"])
-    dropped = sum(st["dropped"] for st in want["stats"])
-    rep.note("%s: ref loss %.6f mse %.6f aux %.6f z %.6f dropped %d/%d (%.4f), T %s"
-             % (cname, want["loss"], want["mse"], want["aux"], want["z"], dropped, routed,
-                dropped / routed, ",".join(str(st["cap"]) for st in want["stats"])))
-    if not m:
-        rep.fail("%s: no `step 1  loss ...` line in the binary's stdout:\n%s" % (cname, r.stdout))
-    else:
-        vals = [float(v) for v in m.groups()]
-        rep.note("%s: bin line: %s" % (cname, m.group(0)))
-        for label, g, w, tol in (("aux", vals[2], want["aux"], 2e-6), ("z", vals[3], want["z"], 2e-6),
-                                 ("dropped", vals[4], dropped / routed, 1e-4)):
-            # printed with %.6f / %.4f: compare to the printed precision
-            if abs(g - w) > tol * max(1.0, abs(w)):
-                rep.fail("%s: step line %s %.6f, reference %.6f" % (cname, label, g, w))
-    # If the loss disagrees, say whether the other z reading (on the noisy logits) would match.
-    got_loss = load("loss.npy")
+    check_step_line(rep, cname, stdout, layers, want)
+    check_records(rep, cname, os.path.join(d, "A.record.jsonl"), layers, want)
+    # If the loss disagrees, say whether the other z reading (on the clean logits) would match.
+    got_loss = load(dump, "loss.npy")
     if got_loss is not None and abs(float(got_loss) - want["loss"]) > TOL * abs(want["loss"]):
         alt = ref.forward_backward(layers, params, x, t, seed=SEED, step=1, z_noisy=False,
                                    want_grads=False)
@@ -198,10 +479,39 @@ def run_config(rep, moec, cname, items, tmp):
         rep.note("%s: loss differs; with z on the clean logits x.Wg the reference gives %.8f, without noise "
                  "%.8f, binary %.8f" % (cname, alt["loss"], nonoise["loss"], float(got_loss)))
 
+    # the twin: the same layers in the other order, the same weights and data
+    twin = twin_items(items)
+    res = build_and_run(rep, moec, d, "B", "ref_" + cname + "_twin", twin, x, t, synthetic)
+    if res is None:
+        return
+    tdump, tstdout = res
+    rep.note("%s: twin orders %s vs %s" % (cname, ",".join(kw.get("order", "tutel") for _, _, kw in items),
+                                           ",".join(kw["order"] for _, _, kw in twin)))
+    a_out, a_loss = load(dump, "output.npy"), load(dump, "loss.npy")
+    if a_out is not None:
+        rep.row(cname, "output [twin]", load(tdump, "output.npy"), a_out)
+    if a_loss is not None:
+        rep.row(cname, "loss [twin]", load(tdump, "loss.npy"), a_loss)
+    for name in sorted(shapes):
+        a = load(dump, os.path.join("grad", name + ".npy"))
+        if a is not None:
+            rep.row(cname, name + " [twin]", load(tdump, os.path.join("grad", name + ".npy")), a)
+    m1, m2 = STEP_RE.search(stdout), STEP_RE.search(tstdout)
+    if m1 and m2:
+        close = all(abs(float(a) - float(b)) <= 2e-6 * max(1.0, abs(float(a)))
+                    for a, b in zip(m1.groups()[2:4], m2.groups()[2:4]))
+        if not close or m1.groups()[4:] != m2.groups()[4:]:
+            rep.fail("%s: the twins' step lines differ in aux/z (beyond the printed precision) or "
+                     "dropped/load/capacity: %r vs %r" % (cname, m1.group(0), m2.group(0)))
+
 
 def main():
     keep = "--keep" in sys.argv
-    only = sys.argv[sys.argv.index("--only") + 1] if "--only" in sys.argv else None
+    only = set(sys.argv[sys.argv.index("--only") + 1].split(",")) if "--only" in sys.argv else None
+    if "--list" in sys.argv:
+        for cname, items, opts in CONFIGS:
+            print(cname)
+        return 0
     build = os.environ.get("BUILD", "build")
     moec = os.environ.get("MOEC", os.path.join(ROOT, build, "moec") if not os.path.isabs(build)
                           else os.path.join(build, "moec"))
@@ -211,11 +521,11 @@ def main():
     rep = Report()
     tmp = tempfile.mkdtemp(prefix="moec_ref_")
     try:
-        for cname, items in CONFIGS:
-            if only and only != cname:
+        for cname, items, opts in CONFIGS:
+            if only and cname not in only:
                 continue
             try:
-                run_config(rep, moec, cname, items, tmp)
+                run_config(rep, moec, cname, items, opts, tmp)
             except subprocess.TimeoutExpired as e:
                 rep.fail("%s: timed out: %s" % (cname, e))
     finally:
@@ -224,7 +534,9 @@ def main():
         else:
             shutil.rmtree(tmp, ignore_errors=True)
     rel, c, n = rep.worst
-    print("# worst rel.err %.4e (%s %s), tolerance %g" % (rel, c, n, TOL))
+    print("# worst rel.err vs reference %.4e (%s %s), tolerance %g" % (rel, c, n, TOL))
+    rel, c, n = rep.worst_twin
+    print("# worst rel.err tutel vs gshard order %.4e (%s %s), tolerance %g" % (rel, c, n, TOL))
     if rep.failures:
         for f in rep.failures:
             print("# failure: " + f.splitlines()[0])

@@ -1,0 +1,234 @@
+// The `parallelize` pass: one rank's program of a parallel layout (the paper's Fig. 2).
+//
+// Lowering writes each layer for one DP rank's tokens (S = batch*seqlen) with mp*groups routing
+// groups, the exact single-rank twin. This pass turns it into what every rank runs, given the
+// module attributes dp, mp, ep, esp:
+//   MP   x -> comm.split (this rank's S/mp tokens: its routing groups) ... the combined MoE
+//        output -> comm.allgather before the residual (its consumers are replicated, so its
+//        backward is a split, not a reduce-scatter);
+//   EP   expert input [E, C, M] -> comm.alltoall (block i to EP member i) -> layout.expert_major
+//        ([El, ep*C, M]); the mirror after the experts;
+//   ESP  -> comm.allgather of the tokens over the ESP group -> expert shards: each ESP rank
+//        holds H/esp hidden columns of w1 (w3, b1) and rows of w2 -> partial outputs ->
+//        comm.reducescatter; the output bias b2 is added after it, once.
+// Expert parameters shrink to this rank's shard (attrs shard_ep / shard_esp name the split
+// dimensions for the runtime). Gradients of replicated parameters are marked for an AllReduce
+// (grad_reduce: the gate over the world, b2 over the ESP group), which autodiff inserts.
+// Losses are shares: mse scaled by 1/dp (MP copies are identical; the runtime sums over DP),
+// aux and z divided by dp*mp (the runtime sums over the world), so every loss and gradient
+// equals the single-rank run's.
+#include <string.h>
+
+#include "pass.h"
+
+typedef struct Par {
+  IrModule *m;
+  IrDiag *d;
+  IrFunc *f;
+  int64_t dp, mp, ep, esp;
+} Par;
+
+// Appends an op, then moves it to position `at` of f.
+static IrOp *insert_at(Par *P, int at, IrOpKind kind, const char *name, IrValue *arg) {
+  const char *unique = name;
+  for (int n = 1; name && ir_find_value(P->f, unique); n++) unique = ir_strfmt(P->m, "%s.%d", name, n);
+  IrOp *op = ir_add_op(P->f, P->m, kind, unique, (IrType){0});
+  ir_op_arg(op, arg);
+  IrFunc *f = P->f;
+  memmove(&f->ops[at + 1], &f->ops[at], sizeof(IrOp *) * (size_t)(f->nops - 1 - at));
+  f->ops[at] = op;
+  for (int i = 0; i < f->nops; i++) f->ops[i]->index = i;
+  return op;
+}
+
+static void set_str(Par *P, IrOp *op, const char *key, const char *v) {
+  ir_attrs_set_str(P->m, op->attrs, &op->nattrs, key, v);
+}
+
+static IrOp *collective(Par *P, int at, IrOpKind kind, const char *name, IrValue *arg, const char *group,
+                        int64_t size) {
+  IrOp *op = insert_at(P, at, kind, name, arg);
+  set_str(P, op, "group", group);
+  ir_op_set_int(op, "size", size);
+  return op;
+}
+
+static IrOp *layout(Par *P, int at, IrOpKind kind, const char *name, IrValue *arg, int64_t blocks) {
+  IrOp *op = insert_at(P, at, kind, name, arg);
+  ir_op_set_int(op, "blocks", blocks);
+  return op;
+}
+
+// Replaces operand `from` by `to` in ops [lo, hi) of f.
+static void replace_uses(IrFunc *f, int lo, int hi, IrValue *from, IrValue *to) {
+  for (int i = lo; i < hi && i < f->nops; i++)
+    for (int a = 0; a < f->ops[i]->nargs; a++)
+      if (f->ops[i]->args[a].value == from) f->ops[i]->args[a].value = to;
+}
+
+static bool is_expert_param(const IrParam *p) {
+  return p && ir_attrs_get(p->attrs, p->nattrs, "shard_expert") != NULL;
+}
+
+static bool uses_expert_param(const IrOp *op) {
+  for (int a = 0; a < op->nargs; a++)
+    if (is_expert_param(op->args[a].param)) return true;
+  return false;
+}
+
+// MP: this rank's tokens in, the whole DP shard's outputs back before the residual.
+static bool split_tokens(Par *P) {
+  IrFunc *f = P->f;
+  IrValue *x = f->args[0];
+  IrOp *residual = f->rets[0]->def;
+  if (!residual || residual->kind != IR_OP_ADD || residual->args[0].value != x)
+    return ir_error(P->d, "parallelize: '@%s' does not end in the residual add", f->name);
+  IrOp *split = collective(P, 0, IR_OP_COMM_SPLIT, "xs", x, "mp", P->mp);
+  replace_uses(f, 1, residual->index, x, split->result);
+  IrOp *gather = collective(P, residual->index, IR_OP_COMM_ALLGATHER, "moe.all", residual->args[1].value, "mp", P->mp);
+  ir_op_set_int(gather, "bwd_split", 1);
+  residual->args[1].value = gather->result;
+  for (int i = 0; i < f->nops; i++) {  // each rank routes its own groups
+    IrOp *op = f->ops[i];
+    const IrAttr *g = ir_attrs_get(op->attrs, op->nattrs, "groups");
+    if (g && g->kind == IR_ATTR_INT) ir_op_set_int(op, "groups", g->i / P->mp);
+  }
+  return true;
+}
+
+// EP and ESP around the expert region: the ops that read expert parameters.
+static bool shard_experts(Par *P, const char *algo) {
+  IrFunc *f = P->f;
+  int first = -1, last = -1;
+  for (int i = 0; i < f->nops; i++)
+    if (uses_expert_param(f->ops[i])) {
+      if (first < 0) first = i;
+      last = i;
+    }
+  if (first < 0) return ir_error(P->d, "parallelize: '@%s' has no expert parameters", f->name);
+  IrValue *din = f->ops[first]->args[0].value;
+  IrOp *out_op = f->ops[last];
+  // With ESP the output bias is added after the reduce-scatter, once.
+  IrOp *bias = NULL;
+  if (P->esp > 1 && out_op->kind == IR_OP_EXPERT_BIAS &&
+      !ir_attrs_get(out_op->args[1].param->attrs, out_op->args[1].param->nattrs, "shard_hidden"))
+    bias = out_op;
+  IrValue *dout = out_op->result;
+  IrValue *partial = bias ? bias->args[0].value : dout;
+
+  // Into the experts: alltoall over EP, expert-major, allgather over ESP, expert-major.
+  int at = first;
+  IrValue *v = din;
+  if (P->ep > 1) {
+    IrOp *a2a = collective(P, at++, IR_OP_COMM_ALLTOALL, "dispatched", v, "ep", P->ep);
+    set_str(P, a2a, "algo", algo);
+    v = layout(P, at++, IR_OP_LAYOUT_EXPERT_MAJOR, "dispatched.em", a2a->result, P->ep)->result;
+  }
+  if (P->esp > 1) {
+    IrOp *ag = collective(P, at++, IR_OP_COMM_ALLGATHER, "gathered", v, "esp", P->esp);
+    v = layout(P, at++, IR_OP_LAYOUT_EXPERT_MAJOR, "gathered.em", ag->result, P->esp)->result;
+  }
+  int shift = at - first;
+  first += shift;
+  last += shift;
+  replace_uses(f, first, last + 1, din, v);
+
+  // Out of the experts: rank-major, reduce-scatter over ESP, (+ b2), rank-major, alltoall over EP.
+  int after = (bias ? bias->index : last) + 1;
+  if (bias) {  // move the bias after the reduce-scatter: take it out of the op list for now
+    memmove(&f->ops[bias->index], &f->ops[bias->index + 1], sizeof(IrOp *) * (size_t)(f->nops - bias->index - 1));
+    f->nops--;
+    for (int i = 0; i < f->nops; i++) f->ops[i]->index = i;
+    after--;
+  }
+  v = partial;
+  if (P->esp > 1) {
+    v = layout(P, after++, IR_OP_LAYOUT_RANK_MAJOR, "partial.rm", v, P->esp)->result;
+    v = collective(P, after++, IR_OP_COMM_REDUCESCATTER, "reduced", v, "esp", P->esp)->result;
+  }
+  if (bias) {
+    IrFunc *g = f;
+    memmove(&g->ops[after + 1], &g->ops[after], sizeof(IrOp *) * (size_t)(g->nops - after));
+    g->ops[after] = bias;
+    g->nops++;
+    for (int i = 0; i < g->nops; i++) g->ops[i]->index = i;
+    bias->args[0].value = v;
+    v = bias->result;
+    after++;
+  }
+  if (P->ep > 1) {
+    v = layout(P, after++, IR_OP_LAYOUT_RANK_MAJOR, "combined.rm", v, P->ep)->result;
+    IrOp *a2a = collective(P, after++, IR_OP_COMM_ALLTOALL, "combined", v, "ep", P->ep);
+    set_str(P, a2a, "algo", algo);
+    v = a2a->result;
+  }
+  replace_uses(f, after, f->nops, dout, v);
+  for (int r = 0; r < f->nrets; r++)
+    if (f->rets[r] == dout) f->rets[r] = v;
+  return true;
+}
+
+static bool retype(Par *P) {
+  for (int i = 0; i < P->f->nops; i++) {
+    IrOp *op = P->f->ops[i];
+    if (op->result && !ir_infer_type(P->d, op, &op->result->type)) return false;
+  }
+  return true;
+}
+
+bool pass_parallelize(IrModule *m, PassCtx *ctx) {
+  Par P = {.m = m, .d = ctx->d, .dp = ir_mod_int(m, "dp", 1), .mp = ir_mod_int(m, "mp", 1),
+           .ep = ir_mod_int(m, "ep", 1), .esp = ir_mod_int(m, "esp", 1)};
+  int64_t world = P.dp * P.mp;
+  if (world == 1) return true;  // one rank: the program is the lowered one
+  if (world != P.ep * P.esp) return ir_error(ctx->d, "parallelize: dp*mp != ep*esp");
+
+  // Parameters: expert shards and gradient reductions.
+  for (int i = 0; i < m->nparams; i++) {
+    IrParam *p = m->params[i];
+    if (!is_expert_param(p)) {
+      ir_attrs_set_str(m, p->attrs, &p->nattrs, "grad_reduce", "world");
+      continue;
+    }
+    int64_t ed = ir_attr_int(p->attrs, p->nattrs, "shard_expert", 0);
+    int64_t hd = ir_attr_int(p->attrs, p->nattrs, "shard_hidden", -1);
+    if (P.ep > 1) {
+      p->type.dim[ed] /= P.ep;
+      ir_attrs_set_int(p->attrs, &p->nattrs, "shard_ep", ed);
+    }
+    if (P.esp > 1 && hd >= 0) {
+      p->type.dim[hd] /= P.esp;
+      ir_attrs_set_int(p->attrs, &p->nattrs, "shard_esp", hd);
+    } else if (P.esp > 1) {
+      ir_attrs_set_str(m, p->attrs, &p->nattrs, "grad_reduce", "esp");
+    }
+  }
+
+  for (int i = 0; i < m->nfuncs; i++) {
+    IrFunc *f = m->funcs[i];
+    P.f = f;
+    if (strcmp(f->name, "loss.fwd") == 0) {
+      for (int j = 0; j < f->nops; j++)
+        if (f->ops[j]->kind == IR_OP_LOSS_MSE) ir_op_set_float(f->ops[j], "scale", 1.0 / (double)P.dp);
+      continue;
+    }
+    size_t n = strlen(f->name);
+    if (n < 4 || strcmp(f->name + n - 4, ".fwd") != 0) continue;
+    const char *algo = "nccl";
+    for (int j = 0; j < f->nops; j++)
+      for (int a = 0; a < f->ops[j]->nargs; a++)
+        if (is_expert_param(f->ops[j]->args[a].param))
+          algo = ir_attr_str(f->ops[j]->args[a].param->attrs, f->ops[j]->args[a].param->nattrs, "dispatch", algo);
+    for (int j = 0; j < f->nops; j++) {
+      IrOp *op = f->ops[j];
+      if (op->kind == IR_OP_GATE_AUX_LOSS || op->kind == IR_OP_GATE_Z_LOSS) ir_op_set_int(op, "share", world);
+    }
+    if (P.mp > 1 && !split_tokens(&P)) return false;
+    if (P.ep * P.esp > 1 && !shard_experts(&P, algo)) return false;
+    if (!retype(&P)) return false;
+  }
+  if (ctx->verbose)
+    fprintf(ctx->log ? ctx->log : stderr, "# parallelize: dp %lld, mp %lld, ep %lld, esp %lld: %lld ranks\n",
+            (long long)P.dp, (long long)P.mp, (long long)P.ep, (long long)P.esp, (long long)world);
+  return true;
+}
