@@ -79,7 +79,7 @@ $(BUILD)/libmoert.a: $(RUNTIME_OBJ)
 RUNTIME_LIBS := -lopenblas -lcjson $(MPI_LIBS) -lm
 
 $(BUILD)/moec: $(BUILD)/obj/moec.o $(BUILD)/libmoec.a
-	$(CC) $(CFLAGS) -o $@ $^ -lm
+	$(CC) $(CFLAGS) -o $@ $^ -lnlopt -lm
 
 -include $(shell find $(BUILD)/obj -name '*.d' 2>/dev/null)
 
@@ -89,13 +89,19 @@ UNIT_BIN  := $(UNIT_SRC:tests/unit/%.c=$(BUILD)/tests/%)
 
 $(BUILD)/tests/%: tests/unit/%.c $(BUILD)/libmoec.a $(BUILD)/libmoert.a
 	@mkdir -p $(dir $@)
-	$(CC) $(CFLAGS) $(INCLUDES) $(COMPILER_DEFS) -o $@ $< $(BUILD)/libmoec.a $(BUILD)/libmoert.a -lcmocka $(RUNTIME_LIBS)
+	$(CC) $(CFLAGS) $(INCLUDES) $(COMPILER_DEFS) -o $@ $< $(BUILD)/libmoec.a $(BUILD)/libmoert.a -lcmocka -lnlopt $(RUNTIME_LIBS)
+
+# Multi-rank test programs (run under mpirun by tests/mpi/*.sh).
+MPI_TEST_BIN := $(patsubst tests/mpi/%.c,$(BUILD)/mpi/%,$(wildcard tests/mpi/*.c))
+$(BUILD)/mpi/%: tests/mpi/%.c $(BUILD)/libmoert.a
+	@mkdir -p $(dir $@)
+	$(CC) $(CFLAGS) $(INCLUDES) $(MPI_CFLAGS) -o $@ $< $(BUILD)/libmoert.a $(RUNTIME_LIBS)
 
 # Sanitizer build of the compiler, used by the diagnostics tests.
 $(BUILD)/asan/moec: $(COMPILER_SRC) moec.c $(GEN_SRC)
 	@mkdir -p $(dir $@)
 	$(CC) -std=c11 -D_GNU_SOURCE -O1 -g -fsanitize=address,undefined -fno-sanitize-recover=undefined \
-	  -fno-omit-frame-pointer $(INCLUDES) $(COMPILER_DEFS) -o $@ moec.c $(COMPILER_SRC) $(GEN_SRC) -lm
+	  -fno-omit-frame-pointer $(INCLUDES) $(COMPILER_DEFS) -o $@ moec.c $(COMPILER_SRC) $(GEN_SRC) -lnlopt -lm
 
 # libFuzzer harnesses (clang).
 FUZZ_SRC := $(wildcard tests/fuzz/fuzz_*.c)
@@ -103,9 +109,9 @@ FUZZ_BIN := $(FUZZ_SRC:tests/fuzz/%.c=$(BUILD)/fuzz/%)
 $(BUILD)/fuzz/%: tests/fuzz/%.c $(COMPILER_SRC) $(GEN_SRC)
 	@mkdir -p $(dir $@)
 	clang -std=c11 -D_GNU_SOURCE -O1 -g -fsanitize=fuzzer,address,undefined -Wno-unused-function \
-	  $(INCLUDES) $(COMPILER_DEFS) -o $@ $< $(COMPILER_SRC) $(GEN_SRC) -lm
+	  $(INCLUDES) $(COMPILER_DEFS) -o $@ $< $(COMPILER_SRC) $(GEN_SRC) -lnlopt -lm
 
-test: deps all $(UNIT_BIN) $(BUILD)/asan/moec $(FUZZ_BIN)
+test: deps all $(UNIT_BIN) $(MPI_TEST_BIN) $(BUILD)/asan/moec $(FUZZ_BIN)
 	@BUILD=$(BUILD) bash tests/run.sh
 
 fuzz: deps $(FUZZ_BIN)
@@ -114,12 +120,20 @@ fuzz: deps $(FUZZ_BIN)
 demo: deps all
 	@BUILD=$(BUILD) bash tests/demo.sh
 
+$(BUILD)/bench/alltoall: bench/alltoall.c $(BUILD)/libmoert.a
+	@mkdir -p $(dir $@)
+	$(CC) $(CFLAGS) -Iruntime $(MPI_CFLAGS) -o $@ $< $(BUILD)/libmoert.a $(RUNTIME_LIBS)
+
 $(BUILD)/bench/gate_order: bench/gate_order.c $(BUILD)/libmoert.a
 	@mkdir -p $(dir $@)
 	$(CC) $(CFLAGS) -Iruntime -I/usr/include/x86_64-linux-gnu/openblas-pthread -o $@ $< $(BUILD)/libmoert.a $(RUNTIME_LIBS)
 
-bench: deps all $(BUILD)/bench/gate_order
+bench: deps all $(BUILD)/bench/gate_order $(BUILD)/bench/alltoall
 	@BUILD=$(BUILD) bash bench/step_time.sh
+	@echo
+	OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 mpirun --oversubscribe -np 4 $(BUILD)/bench/alltoall --gpus-per-node 2
+	@echo
+	OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 mpirun --oversubscribe -np 8 $(BUILD)/bench/alltoall --gpus-per-node 4
 	@echo
 	$(BUILD)/bench/gate_order
 

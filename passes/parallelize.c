@@ -176,6 +176,30 @@ static bool retype(Par *P) {
   return true;
 }
 
+// The rank layout `moec build -v` shows: MP and ESP groups are consecutive ranks, DP groups
+// stride by mp and EP groups by esp; a node is gpus_per_node consecutive ranks.
+static void print_groups(FILE *log, const Par *P, int64_t gpus_per_node) {
+  int64_t world = P->dp * P->mp;
+  fprintf(log, "# parallelize: dp %lld, mp %lld, ep %lld, esp %lld: %lld ranks, %lld per node\n", (long long)P->dp,
+          (long long)P->mp, (long long)P->ep, (long long)P->esp, (long long)world, (long long)gpus_per_node);
+  fprintf(log, "# %5s %5s %4s %4s %4s %4s  %-14s %-14s %-14s %-14s\n", "rank", "node", "dp", "mp", "ep", "esp",
+          "mp group", "dp group", "esp group", "ep group");
+  for (int64_t r = 0; r < world; r++) {
+    char groups[4][64];
+    int64_t first[4] = {r / P->mp * P->mp, r % P->mp, r / P->esp * P->esp, r % P->esp};
+    int64_t count[4] = {P->mp, P->dp, P->esp, P->ep}, stride[4] = {1, P->mp, 1, P->esp};
+    for (int g = 0; g < 4; g++) {
+      int n = 0;
+      groups[g][0] = 0;
+      for (int64_t i = 0; i < count[g] && n < 56; i++)
+        n += snprintf(groups[g] + n, sizeof groups[g] - (size_t)n, "%s%lld", i ? "," : "", (long long)(first[g] + i * stride[g]));
+    }
+    fprintf(log, "# %5lld %5lld %4lld %4lld %4lld %4lld  %-14s %-14s %-14s %-14s\n", (long long)r,
+            (long long)(r / gpus_per_node), (long long)(r / P->mp), (long long)(r % P->mp), (long long)(r / P->esp),
+            (long long)(r % P->esp), groups[0], groups[1], groups[2], groups[3]);
+  }
+}
+
 bool pass_parallelize(IrModule *m, PassCtx *ctx) {
   Par P = {.m = m, .d = ctx->d, .dp = ir_mod_int(m, "dp", 1), .mp = ir_mod_int(m, "mp", 1),
            .ep = ir_mod_int(m, "ep", 1), .esp = ir_mod_int(m, "esp", 1)};
@@ -227,8 +251,6 @@ bool pass_parallelize(IrModule *m, PassCtx *ctx) {
     if (P.ep * P.esp > 1 && !shard_experts(&P, algo)) return false;
     if (!retype(&P)) return false;
   }
-  if (ctx->verbose)
-    fprintf(ctx->log ? ctx->log : stderr, "# parallelize: dp %lld, mp %lld, ep %lld, esp %lld: %lld ranks\n",
-            (long long)P.dp, (long long)P.mp, (long long)P.ep, (long long)P.esp, (long long)world);
+  if (ctx->verbose) print_groups(ctx->log ? ctx->log : stderr, &P, ir_mod_int(m, "gpus_per_node", world));
   return true;
 }

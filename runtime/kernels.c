@@ -297,10 +297,14 @@ int rt_gate_locations(RtStep *st, const int32_t *idx, int32_t *loc, int s, int k
       }
     }
     for (int i = 0; i < e; i++) {
-      load[i] += count[i];
+      load[i] = count[i];
       if (wanted[i] > most_wanted)
         most_wanted = wanted[i];
     }
+    // Loads are per routing group, the unit capacity applies to, so a P-rank run (one group
+    // per rank) reports what its single-rank twin with P groups reports.
+    if (st)
+      rt_add_loads(st, load, e);
   }
   free(count);
   if (st) {
@@ -309,7 +313,6 @@ int rt_gate_locations(RtStep *st, const int32_t *idx, int32_t *loc, int s, int k
     for (size_t c = 0; c < (size_t)s * k; c++)
       st->route_hash = rt_key(st->route_hash, (uint64_t)(uint32_t)idx[c] * 1000003u +
                                                   (uint64_t)(int64_t)(loc[c] + 1));
-    rt_add_loads(st, load, e);
     if (dropless && most_wanted > st->capacity_max)
       st->capacity_max = most_wanted;
   }

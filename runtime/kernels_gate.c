@@ -195,8 +195,10 @@ void rt_expert_choice(RtStep *st, const float *scores, int32_t *loc, int s, int 
       qsort(cand, (size_t)n, sizeof *cand, by_score_then_token);
       for (int r = 0; r < take; r++)
         loc[(size_t)cand[r].token * e + j] = r;
-      load[j] += take;
+      load[j] = take;
     }
+    if (st)  // per routing group, as rt_gate_locations
+      rt_add_loads(st, load, e);
   }
   free(cand);
   if (st) {
@@ -212,7 +214,6 @@ void rt_expert_choice(RtStep *st, const float *scores, int32_t *loc, int s, int 
     for (size_t c = 0; c < (size_t)s * e; c++)
       st->route_hash = rt_key(st->route_hash, (uint64_t)(c % (size_t)e) * 1000003u +
                                                   (uint64_t)(int64_t)(loc[c] + 1));
-    rt_add_loads(st, load, e);
   }
   free(load);
 }

@@ -70,7 +70,7 @@ void rt_gate_gather_grad(const float *dgates, const float *scores, const int32_t
 // Tokens split into g equal groups in order; within a group, all first choices in token order,
 // then all second choices, ...; loc = running count of the expert in that group, or -1 when it
 // reaches cap. cap <= 0 is dropless: nothing is dropped. Adds the drops, the routing and the
-// per-expert loads (kept choices per expert over all groups) to st's statistics, and returns
+// per-expert loads (kept choices of each expert in each routing group) to st's statistics, and returns
 // the largest per-group load of any expert (the capacity a dropless layer needs).
 int rt_gate_locations(RtStep *st, const int32_t *idx, int32_t *loc, int s, int k, int e, int g,
                       int cap);
@@ -250,7 +250,8 @@ struct RtStep {
   double aux, z;                  // unweighted sums over layers (for the report)
   int64_t dropped, routed;        // choices dropped / routed this step
   uint64_t route_hash;            // hash of every routing decision (for --check-grad)
-  int64_t load_min, load_max;     // tokens per expert, over every expert of every layer
+  int64_t load_min, load_max;     // tokens per expert and routing group, over every expert,
+                                  // group and layer
   double load_sum;                //   (sum and count give the mean)
   int64_t load_count;
   int64_t capacity_max;           // largest capacity a dropless layer used this step

@@ -123,17 +123,29 @@ else
   bad "build tiny.moe" "$(cat "$WORK/err")"
 fi
 
-# ---- the model zoo ----
+# ---- suites that print their own ok/FAIL lines ----
+# run_suite LABEL SCRIPT: counts the script's `ok    ` and `FAIL  ` lines; a script that reports
+# nothing, or exits non-zero without a FAIL line, fails.
+run_suite() {
+  local label=$1 script=$2 results=0 fails=0 line
+  while IFS= read -r line; do
+    case "$line" in
+      "ok    "*) ok "${line#ok    }"; results=$((results + 1)) ;;
+      "FAIL  "*) bad "${line#FAIL  }"; results=$((results + 1)); fails=$((fails + 1)) ;;
+      "exit status "*) [ "${line#exit status }" = 0 ] || [ "$fails" -gt 0 ] || bad "$label" "$script exited with ${line#exit status } without reporting a failure" ;;
+      *) printf '      %s\n' "$line" ;;
+    esac
+  done < <(BUILD=$BUILD MOEC=$MOEC bash "$script" 2>&1; echo "exit status $?")
+  [ "$results" -gt 0 ] || bad "$label" "$script reported no result"
+}
+
 section "model zoo: every lang/models model trains 10 steps with the loss going down"
-zoo_results=0
-while IFS= read -r line; do
-  case "$line" in
-    "ok    "*) ok "${line#ok    }"; zoo_results=$((zoo_results + 1)) ;;
-    "FAIL  "*) bad "${line#FAIL  }"; zoo_results=$((zoo_results + 1)) ;;
-    *) printf '      %s\n' "$line" ;;
-  esac
-done < <(BUILD=$BUILD MOEC=$MOEC bash tests/zoo.sh 2>&1)
-[ "$zoo_results" -gt 0 ] || bad "model zoo" "tests/zoo.sh reported no model"
+run_suite "model zoo" tests/zoo.sh
+
+section "distributed: collectives, groups and failures over MPI ranks"
+for suite in tests/mpi/run.sh tests/mpi/run_rt_main.sh tests/mpi/twin.sh; do
+  [ -f "$suite" ] && run_suite "$suite" "$suite"
+done
 
 # ---- whole-model gradients against finite differences ----
 # The fixed models in tests/models/grad_*.moe, then a generated matrix: every gate x order x

@@ -434,7 +434,8 @@ def gate_forward(ly, p, x, normals, z_noisy=True):
         gates = scores.copy()
         kept = loc >= 0
         dropped, routed = int((~kept.any(axis=1)).sum()), s
-        loads = kept.sum(axis=0)
+        # loads: kept tokens of each expert in each routing group
+        loads = np.concatenate([kept[g * sg:(g + 1) * sg].sum(axis=0) for g in range(G)])
         aux, most = 0.0, 0
     else:
         scores = sigmoid(noisy) if ly.gate == "sigmoid" else softmax_rows(noisy)
@@ -446,7 +447,8 @@ def gate_forward(ly, p, x, normals, z_noisy=True):
         loc, most = locations(idx, E, G, None if ly.dropless else cap)
         kept = loc >= 0
         dropped, routed = int((~kept).sum()), int(kept.size)
-        loads = np.bincount(idx[kept], minlength=E)
+        loads = np.concatenate([np.bincount(idx[g * sg:(g + 1) * sg][kept[g * sg:(g + 1) * sg]], minlength=E)
+                                for g in range(G)])
         aux = 0.0
         for g in range(G):
             me = scores[g * sg:(g + 1) * sg].mean(axis=0)
@@ -561,7 +563,7 @@ def layer_forward(ly, p, x, normals, z_noisy=True):
     """x [S, M] float64; p: this layer's params by short name; normals [S, E] or None.
     Both orders are this math: tutel's encode/decode by index and gshard's one-hot matrices
     give the same disp [E, C, M] and combination."""
-    s, M, E = x.shape[0], ly.M, ly.E
+    M, E = ly.M, ly.E
     c = gate_forward(ly, p, x, normals, z_noisy=z_noisy)
     C = c["C"]
     disp = (c["D"].T @ x).reshape(E, C, M)

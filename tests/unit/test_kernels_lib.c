@@ -332,9 +332,9 @@ static void test_expert_choice(void **state) {
   assert_memory_equal(loc, want, sizeof want);
   assert_int_equal(st.dropped, 1);
   assert_int_equal(st.routed, S);
-  assert_int_equal(st.load_min, 4);
-  assert_int_equal(st.load_max, 4);
-  assert_true(st.load_sum == 12.0 && st.load_count == 3);
+  assert_int_equal(st.load_min, 2);  // loads are per routing group: 2 tokens each
+  assert_int_equal(st.load_max, 2);
+  assert_true(st.load_sum == 12.0 && st.load_count == 6);
   assert_true(st.route_hash != 0);
   uint64_t hash = st.route_hash;
   RtStep st2 = {0};
@@ -463,9 +463,9 @@ static void test_gate_locations_dropless(void **state) {
   assert_int_equal(st.dropped, 0);
   assert_int_equal(st.routed, RS * RK);
   assert_int_equal(st.capacity_max, 4);
-  assert_int_equal(st.load_min, 5);
-  assert_int_equal(st.load_max, 6);
-  assert_true(st.load_sum == 16.0 && st.load_count == 3);
+  assert_int_equal(st.load_min, 1);  // per routing group: 4 3 1 | 2 2 4
+  assert_int_equal(st.load_max, 4);
+  assert_true(st.load_sum == 16.0 && st.load_count == 6);
   // A negative capacity is dropless too; st may be NULL.
   assert_int_equal(rt_gate_locations(NULL, route_idx, loc, RS, RK, RE, RG, -1), 4);
   assert_memory_equal(loc, want, sizeof want);
@@ -474,9 +474,10 @@ static void test_gate_locations_dropless(void **state) {
   assert_int_equal(st.capacity_max, 6);
 }
 
-// Two layers in one step: capacity 2 keeps e0 4, e1 4, e2 3 (the largest demand is still 4, and
-// capacity_max is not touched by a layer with a capacity); then a dropless layer with loads 6,
-// 5, 5. The statistics are min/max over all six experts and the sum over both layers.
+// Two layers in one step: capacity 2 keeps, per routing group, e0 2|2, e1 2|2, e2 1|2 (the
+// largest demand is still 4, and capacity_max is not touched by a layer with a capacity); then
+// a dropless layer with loads 4|2, 3|2, 1|4. The statistics are min/max over every expert and
+// group of both layers and the sum over both.
 static void test_load_statistics(void **state) {
   int32_t loc[RS * RK];
   RtStep st = {.load_min = 1, .load_max = 99, .load_sum = 5, .load_count = 7, .capacity_max = 9};
@@ -485,15 +486,15 @@ static void test_load_statistics(void **state) {
   assert_true(st.load_count == 0 && st.capacity_max == 0);
   assert_int_equal(rt_gate_locations(&st, route_idx, loc, RS, RK, RE, RG, RCAP), 4);
   assert_memory_equal(loc, route_loc, sizeof loc);
-  assert_int_equal(st.load_min, 3);
-  assert_int_equal(st.load_max, 4);
-  assert_true(st.load_sum == 11.0 && st.load_count == 3);
+  assert_int_equal(st.load_min, 1);
+  assert_int_equal(st.load_max, 2);
+  assert_true(st.load_sum == 11.0 && st.load_count == 6);
   assert_int_equal(st.capacity_max, 0);
   assert_int_equal(st.dropped, 5);
   rt_gate_locations(&st, route_idx, loc, RS, RK, RE, RG, 0);
-  assert_int_equal(st.load_min, 3);
-  assert_int_equal(st.load_max, 6);
-  assert_true(st.load_sum == 27.0 && st.load_count == 6);
+  assert_int_equal(st.load_min, 1);
+  assert_int_equal(st.load_max, 4);
+  assert_true(st.load_sum == 27.0 && st.load_count == 12);
   assert_int_equal(st.capacity_max, 4);
   assert_int_equal(st.dropped, 5);
   assert_int_equal(st.routed, 2 * RS * RK);

@@ -26,6 +26,16 @@
 #include "moert.h"
 #include "rt_internal.h"
 
+// rt_main starts MPI through rt_comm_init and, when it started it, finalizes it on return; MPI
+// cannot start twice in one process, so this test, which runs rt_main many times, starts MPI
+// itself (a world of one) and rt_main leaves it alone.
+#if __has_include(<mpi.h>)
+#include <mpi.h>
+#else
+int MPI_Init(int *argc, char ***argv);
+int MPI_Finalize(void);
+#endif
+
 static char tmpdir[256];
 
 // A path in the test's directory; 64 of them stay valid at a time.
@@ -441,12 +451,13 @@ static void lin_update_adamw(RtStep *st) {
 
 static const RtParam lin_params[1] = {
     {.name = "lin.w", .rank = 2, .dims = {M, M}, .init = RT_INIT_NORMAL, .std = 0.1f,
-     .offset = 0, .numel = M * M}};
+     .offset = 0, .numel = M * M, .global_dims = {M, M}, .shard_ep = -1, .shard_esp = -1}};
 
 static RtModel lin_model(RtOptKind opt) {
   return (RtModel){.name = "linear_test", .batch = B, .seqlen = L, .embed = M, .seed = 42,
                    .nparams = 1, .params = lin_params, .param_floats = M * M,
                    .arena_bytes = 2 * N * sizeof(float), .opt = opt, .nlayers = 0,
+                   .layout = {1, 1, 1, 1, 1},
                    .forward = lin_forward, .backward = lin_backward,
                    .update = opt == RT_OPT_ADAMW ? lin_update_adamw : lin_update_sgd};
 }
@@ -575,6 +586,15 @@ static void test_main_deterministic(void **state) {
   run_free(&c);
 }
 
+// The one shard file a checkpoint written by one rank has.
+static const char *shard_of(const char *checkpoint) {
+  static char buf[4][600];
+  static int next;
+  char *p = buf[next++ % 4];
+  snprintf(p, 600, "%s.rank0-of-1.safetensors", checkpoint);
+  return p;
+}
+
 static void assert_same_tensors(const char *pa, const char *pb) {
   RtStFile a, b;
   assert_int_equal(rt_st_read(pa, &a), 0);
@@ -607,17 +627,30 @@ static void test_main_resume(void **state) {
     char *la = step_lines(a.out, 6), *lc = step_lines(c.out, 1);
     assert_true(strlen(la) > 0);
     assert_string_equal(la, lc);
-    assert_same_tensors(full, resumed);
+    assert_false(file_exists(tmp_path("half.safetensors.rank0-of-1.safetensors.tmp")));
+    assert_same_tensors(shard_of(full), shard_of(resumed));
 
+    // The index names the shard; the shard labels every tensor with its box.
+    char *index = read_text(half);
+    assert_non_null(index);
+    assert_non_null(strstr(index, "\"format\": \"moec-checkpoint-2\""));
+    assert_non_null(strstr(index, "\"step\": 5"));
+    assert_non_null(strstr(index, "\"world\": 1"));
+    assert_non_null(strstr(index, "\"half.safetensors.rank0-of-1.safetensors\""));
+    free(index);
     RtStFile f;
-    assert_int_equal(rt_st_read(half, &f), 0);
-    assert_string_equal(rt_st_meta(&f, "format"), "moec-checkpoint-1");
+    assert_int_equal(rt_st_read(shard_of(half), &f), 0);
+    assert_string_equal(rt_st_meta(&f, "format"), "moec-checkpoint-2");
     assert_string_equal(rt_st_meta(&f, "step"), "5");
     assert_string_equal(rt_st_meta(&f, "model"), "linear_test");
     assert_string_equal(rt_st_meta(&f, "optimizer"), opt ? "adamw" : "sgd");
+    assert_string_equal(rt_st_meta(&f, "layout"), "dp=1 mp=1 ep=1 esp=1");
+    assert_string_equal(rt_st_meta(&f, "shard.lin.w"), "global=[8,8] offset=[0,0]");
     assert_non_null(rt_st_find(&f, "lin.w"));
     assert_int_equal(rt_st_find(&f, "opt.m.lin.w") != NULL, opt == 1);
     assert_int_equal(rt_st_find(&f, "opt.v.lin.w") != NULL, opt == 1);
+    if (opt)
+      assert_string_equal(rt_st_meta(&f, "shard.opt.v.lin.w"), "global=[8,8] offset=[0,0]");
     rt_st_free(&f);
     free(la);
     free(lc);
@@ -630,6 +663,164 @@ static void test_main_resume(void **state) {
     assert_int_equal(d.rc, 1);
     assert_non_null(strstr(d.err, "is at step 10, past --steps 5"));
     run_free(&d);
+  }
+}
+
+// A checkpoint shard file holding rows [row0, row0 + rows) of lin.w (and of its moments) from
+// the whole [8, 8] tensors w, m, v, labelled as such.
+static void write_row_shard(const char *path, const char *step, int row0, int rows,
+                            const float *w, const float *m, const float *v, bool adamw) {
+  int64_t dims[2] = {rows, M};
+  char box[64];
+  snprintf(box, sizeof box, "global=[8,8] offset=[%d,0]", row0);
+  RtStTensor t[3] = {{"lin.w", 2, dims, w + row0 * M},
+                     {"opt.m.lin.w", 2, dims, m + row0 * M},
+                     {"opt.v.lin.w", 2, dims, v + row0 * M}};
+  const char *meta[] = {"format", "moec-checkpoint-2", "model", "linear_test",
+                        "optimizer", adamw ? "adamw" : "sgd", "step", step,
+                        "shard.lin.w", box, "shard.opt.m.lin.w", box, "shard.opt.v.lin.w", box};
+  assert_int_equal(rt_st_write(path, adamw ? 3 : 1, t, adamw ? 7 : 5, meta), 0);
+}
+
+static void write_index(const char *path, const char *optimizer, int step, int n,
+                        const char *const *shards) {
+  FILE *f = fopen(path, "w");
+  assert_non_null(f);
+  fprintf(f, "{\"format\": \"moec-checkpoint-2\", \"model\": \"linear_test\", \"optimizer\": "
+             "\"%s\", \"step\": %d, \"world\": %d, \"shards\": [", optimizer, step, n);
+  for (int i = 0; i < n; i++)
+    fprintf(f, "%s\"%s\"", i ? ", " : "", shards[i]);
+  fprintf(f, "]}\n");
+  fclose(f);
+}
+
+// Checkpoints as sets of boxes: a checkpoint split by hand into two shards of rows (as two
+// ranks would write it), the single-file format of before, --steps 0 conversion, and the
+// errors of a broken set.
+static void test_main_checkpoint_shards(void **state) {
+  for (int opt = 0; opt < 2; opt++) {
+    RtModel model = lin_model(opt ? RT_OPT_ADAMW : RT_OPT_SGD);
+    const char *optimizer = opt ? "adamw" : "sgd";
+    const char *c = tmp_path("c3"), *conv = tmp_path("c3_converted");
+    Run a = run_main(&model, "--steps", "3", "--save", c, NULL);
+    assert_int_equal(a.rc, 0);
+    Run b = run_main(&model, "--resume", c, "--steps", "6", NULL);
+    assert_int_equal(b.rc, 0);
+    char *want = step_lines(b.out, 1);
+    assert_true(strlen(want) > 0);
+    RtStFile f;
+    assert_int_equal(rt_st_read(shard_of(c), &f), 0);
+    float w[M * M], m[M * M] = {0}, v[M * M] = {0};
+    rt_st_copy(rt_st_find(&f, "lin.w"), w);
+    if (opt) {
+      rt_st_copy(rt_st_find(&f, "opt.m.lin.w"), m);
+      rt_st_copy(rt_st_find(&f, "opt.v.lin.w"), v);
+    }
+    rt_st_free(&f);
+
+    // Two shards of rows 0-2 and 3-7, in a subfolder named relative to the index.
+    assert_int_equal(mkdir(tmp_path("split"), 0777), 0);
+    write_row_shard(tmp_path("split/top.safetensors"), "3", 0, 3, w, m, v, opt);
+    write_row_shard(tmp_path("split/bottom.safetensors"), "3", 3, 5, w, m, v, opt);
+    const char *both[] = {"split/bottom.safetensors", "split/top.safetensors"};
+    write_index(tmp_path("split_index"), optimizer, 3, 2, both);
+    Run r = run_main(&model, "--resume", tmp_path("split_index"), "--steps", "6", NULL);
+    if (r.rc != 0)
+      fail_msg("resume from two shards failed: %s", r.err);
+    char *got = step_lines(r.out, 1);
+    assert_string_equal(want, got);
+    free(got);
+    run_free(&r);
+
+    // --steps 0 --resume --save: the same tensors and step, in this run's layout.
+    r = run_main(&model, "--steps", "0", "--resume", tmp_path("split_index"), "--save", conv, NULL);
+    assert_int_equal(r.rc, 0);
+    assert_non_null(strstr(r.out, "# --steps 0: nothing trained; the parameters stay at step 3"));
+    assert_null(strstr(r.out, "step 1 "));
+    run_free(&r);
+    assert_same_tensors(shard_of(c), shard_of(conv));
+    char *index = read_text(conv);
+    assert_non_null(strstr(index, "\"step\": 3,"));
+    free(index);
+
+    // The single-file checkpoint format of before still resumes.
+    int64_t dims[2] = {M, M};
+    RtStTensor t[3] = {{"lin.w", 2, dims, w}, {"opt.m.lin.w", 2, dims, m},
+                       {"opt.v.lin.w", 2, dims, v}};
+    const char *meta[] = {"format", "moec-checkpoint-1", "step", "3", "model", "linear_test",
+                          "optimizer", optimizer};
+    assert_int_equal(rt_st_write(tmp_path("v1.safetensors"), opt ? 3 : 1, t, 4, meta), 0);
+    r = run_main(&model, "--resume", tmp_path("v1.safetensors"), "--steps", "6", NULL);
+    assert_int_equal(r.rc, 0);
+    got = step_lines(r.out, 1);
+    assert_string_equal(want, got);
+    free(got);
+    run_free(&r);
+
+    // Only the top rows: the first element nobody holds is named.
+    write_index(tmp_path("split_index"), optimizer, 3, 1, both + 1);
+    r = run_main(&model, "--resume", tmp_path("split_index"), NULL);
+    assert_int_equal(r.rc, 1);
+    assert_non_null(strstr(r.err, "does not cover tensor 'lin.w': element [3, 0] (needed by "
+                                  "rank 0) is in none of its 1 shard file"));
+    run_free(&r);
+    // A shard of another step: torn.
+    write_row_shard(tmp_path("split/top.safetensors"), "4", 0, 3, w, m, v, opt);
+    write_index(tmp_path("split_index"), optimizer, 3, 2, both);
+    r = run_main(&model, "--resume", tmp_path("split_index"), NULL);
+    assert_int_equal(r.rc, 1);
+    assert_non_null(strstr(r.err, "is at step 4 but the index says 3"));
+    run_free(&r);
+    // A shard file listed but missing.
+    const char *gone[] = {"split/bottom.safetensors", "split/gone.safetensors"};
+    write_index(tmp_path("split_index"), optimizer, 3, 2, gone);
+    r = run_main(&model, "--resume", tmp_path("split_index"), NULL);
+    assert_int_equal(r.rc, 1);
+    assert_non_null(strstr(r.err, "split/gone.safetensors': No such file or directory"));
+    run_free(&r);
+    // A box of a tensor of another shape.
+    write_row_shard(tmp_path("split/top.safetensors"), "3", 0, 3, w, m, v, opt);
+    RtStTensor wide = {"lin.w", 2, (int64_t[2]){3, 8}, w};
+    const char *bad_meta[] = {"format", "moec-checkpoint-2", "model", "linear_test", "step", "3",
+                              "shard.lin.w", "global=[8,16] offset=[0,0]"};
+    assert_int_equal(rt_st_write(tmp_path("split/top.safetensors"), 1, &wide, 4, bad_meta), 0);
+    write_index(tmp_path("split_index"), optimizer, 3, 2, both);
+    r = run_main(&model, "--weights", tmp_path("split_index"), NULL);
+    assert_int_equal(r.rc, 1);
+    assert_non_null(strstr(r.err, "tensor 'lin.w' is a slice of a tensor of shape [8, 16], the "
+                                  "model needs [8, 8]"));
+    run_free(&r);
+    // A box without its label.
+    assert_int_equal(rt_st_write(tmp_path("split/top.safetensors"), 1, &wide, 3, bad_meta), 0);
+    r = run_main(&model, "--weights", tmp_path("split_index"), NULL);
+    assert_int_equal(r.rc, 1);
+    assert_non_null(strstr(r.err, "lacks a valid \"shard.lin.w\" entry"));
+    run_free(&r);
+    // A shard given where the index belongs; a JSON file that is no index.
+    r = run_main(&model, "--resume", shard_of(c), NULL);
+    assert_int_equal(r.rc, 1);
+    assert_non_null(strstr(r.err, "is one shard of a checkpoint; resume from its index file"));
+    run_free(&r);
+    r = run_main(&model, "--weights", shard_of(c), NULL);
+    assert_int_equal(r.rc, 1);
+    assert_non_null(strstr(r.err, "is one shard of a checkpoint; load its index file"));
+    run_free(&r);
+    write_bytes(tmp_path("not_index.json"), "{\"format\": \"x\"}", 15);
+    r = run_main(&model, "--weights", tmp_path("not_index.json"), NULL);
+    assert_int_equal(r.rc, 1);
+    assert_non_null(strstr(r.err, "is neither a safetensors file nor a moec checkpoint index"));
+    run_free(&r);
+    r = run_main(&model, "--resume", tmp_path("not_index.json"), NULL);
+    assert_int_equal(r.rc, 1);
+    assert_non_null(strstr(r.err, "is not a moec checkpoint"));
+    run_free(&r);
+
+    remove(tmp_path("split/top.safetensors"));
+    remove(tmp_path("split/bottom.safetensors"));
+    assert_int_equal(rmdir(tmp_path("split")), 0);
+    free(want);
+    run_free(&a);
+    run_free(&b);
   }
 }
 
@@ -954,11 +1145,15 @@ int main(void) {
       cmocka_unit_test(test_main_trains),
       cmocka_unit_test(test_main_deterministic),
       cmocka_unit_test(test_main_resume),
+      cmocka_unit_test(test_main_checkpoint_shards),
       cmocka_unit_test(test_main_weights),
       cmocka_unit_test(test_main_dump_and_input),
       cmocka_unit_test(test_main_check_grad),
       cmocka_unit_test(test_main_command_line),
       cmocka_unit_test(test_main_record_and_loads),
   };
-  return cmocka_run_group_tests(tests, setup, teardown);
+  MPI_Init(NULL, NULL);
+  int status = cmocka_run_group_tests(tests, setup, teardown);
+  MPI_Finalize();
+  return status;
 }

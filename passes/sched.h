@@ -1,0 +1,243 @@
+// The scheduling model of FSMoE (DESIGN §6, paper §4-§5): per-chunk costs of a generalized
+// layer (dense attention + MoE) on a cluster profile, the four cases under Q1-Q7, Algorithm 1
+// (per-phase pipeline degree r), the gradient partition (eqs. (3)-(4) + a global optimiser),
+// the stream programs of the six policies, a discrete-event simulator that judges them, and
+// Chrome-trace / SVG writers. Internal to the compiler: `moec plan`, `moec sweep`, the
+// pipeline/gradpart passes and the tests use it.
+//
+// Units: times in ms, sizes in elements (communication: elements each rank sends/receives;
+// GEMMs: multiply-accumulates), t(n) = alpha + beta * n as in the .cluster files.
+#ifndef SCHED_H
+#define SCHED_H
+
+#include <stdbool.h>
+#include <stdint.h>
+#include <stdio.h>
+
+#define SCHED_R_MAX 32              // pipeline degrees searched: 1..SCHED_R_MAX
+#define SCHED_LINA_CHUNK_BYTES (30.0 * 1024 * 1024)   // PipeMoE+Lina's fixed gradient chunk
+#define SCHED_GRAD_BYTES 4.0        // bytes per gradient element (fp32 gradients)
+#define SCHED_DROPLESS_CAPACITY 1.5 // capacity factor standing in for `capacity *` (busiest expert at 1.5x the mean load)
+
+// ---- policies (DESIGN §6, paper §6) ----
+typedef enum SchedPolicy {
+  SCHED_FSMOE,           // per-phase r (Algorithm 1), gradient partition, intra/inter/compute streams
+  SCHED_FSMOE_NO_IIO,    // per-phase r and gradient partition, intra+inter collectives on one stream
+  SCHED_TUTEL,           // PipeMoE r for the forward, reused backward; one comm stream; AllReduce after
+  SCHED_TUTEL_IMPROVED,  // tutel + each layer's AllReduce overlapped with the next dense backward
+  SCHED_PIPEMOE_LINA,    // tutel + gradients in 30 MB chunks at low priority on the inter-node link
+  SCHED_SEQUENTIAL,      // DS-MoE: r = 1, nothing overlaps
+  SCHED_NPOLICIES
+} SchedPolicy;
+
+extern const char *const sched_policy_name[SCHED_NPOLICIES];
+// Parses a policy name; false if unknown.
+bool sched_policy_parse(const char *name, SchedPolicy *out);
+
+// ---- cluster and layers ----
+typedef struct SchedCoef {
+  double alpha, beta;
+} SchedCoef;
+
+typedef struct SchedCluster {
+  const char *name;
+  int nodes, gpus_per_node;
+  SchedCoef gemm, alltoall, allgather, reducescatter, allreduce;
+} SchedCluster;
+
+typedef enum SchedFfn { SCHED_FFN_GPT, SCHED_FFN_MIXTRAL } SchedFfn;
+
+// One generalized layer (attention, then an MoE layer) as one rank sees it.
+typedef struct SchedLayerSpec {
+  double batch, seqlen, embed, hidden;  // B (samples per rank), L, M, H
+  double f;                             // k * capacity factor
+  int experts;                          // E (for expert-gradient replicas; 0: none)
+  int heads;                            // 0: no dense attention (no dense time, no dense gradient)
+  SchedFfn ffn;
+  int dp, mp, ep, esp;                  // parallel groups (P = dp*mp = ep*esp)
+  int r_max;                            // largest pipeline degree (tokens per expert chunk >= 1)
+} SchedLayerSpec;
+
+enum { SCHED_FWD, SCHED_BWD };
+
+// Costs of one phase of one MoE layer: t_x,r = alpha_x + (n_x / r) * beta_x.
+typedef struct SchedPhase {
+  SchedCoef a2a, ag, rs, exp;
+  double n_a2a, n_ag, n_rs, n_exp;
+  double t_att;  // dense attention time of the phase (one GEMM-model term; backward 2x)
+} SchedPhase;
+
+typedef struct SchedLayerCost {
+  SchedPhase phase[2];  // SCHED_FWD, SCHED_BWD (GEMM alpha and beta doubled)
+  double n_grad;        // dense gradient elements all-reduced over the DP group
+  SchedCoef ar;         // the AllReduce fit
+} SchedLayerCost;
+
+// Per-rank workloads and costs of DESIGN §6 for one layer on a cluster.
+void sched_layer_cost(const SchedLayerSpec *s, const SchedCluster *c, SchedLayerCost *out);
+
+// Per-chunk times at degree r.
+typedef struct SchedChunk {
+  double a2a, ag, rs, exp;
+} SchedChunk;
+SchedChunk sched_chunk(const SchedPhase *p, double r);
+// AllReduce time of n elements (0 for n <= 0) and its inverse (elements that fit in time t).
+double sched_ar_time(const SchedCoef *ar, double n);
+double sched_ar_elems(const SchedCoef *ar, double t);
+
+// ---- the case model (paper §4.2) ----
+// Q1..Q7 at degree r with t_gar (index 1..7; q[0] unused).
+void sched_q(const SchedPhase *p, double r, double t_gar, bool q[8]);
+// The case (1..4) that holds at r: the four cases partition the truth table of Q1..Q7.
+int sched_case(const SchedPhase *p, double r, double t_gar);
+// t_moe of case c (1..4) at r.
+double sched_case_time(const SchedPhase *p, int c, double r, double t_gar);
+// The modelled time of the MoE layer at r: the closed form of the case that holds.
+double sched_model_time(const SchedPhase *p, double r, double t_gar);
+// Inter-node idle time while the MoE layer runs with t_gar = 0 (t_olp,moe of Case 2/3/4; 0 in Case 1).
+double sched_olp_moe(const SchedPhase *p, double r);
+// PipeMoE's model (tutel): dispatch A2A / experts / combine A2A on one stream, AG/RS ignored.
+double sched_tutel_model(const SchedPhase *p, double r);
+// FSMoE without inter/intra overlap: A2A, AG, RS (and the AllReduce) share one stream.
+double sched_noiio_model(const SchedPhase *p, double r, double t_gar);
+double sched_noiio_olp(const SchedPhase *p, double r);
+// Sequential (DS-MoE) iteration time of a stack, DESIGN §6 closed form.
+double sched_sequential_time(const SchedLayerCost *c, int n);
+
+// ---- Algorithm 1 (passes/sched_solve.c) ----
+typedef enum SchedMethod {
+  SCHED_METHOD_SLSQP,       // the paper: each case's sub-problems with NLopt SLSQP, integer neighbours
+  SCHED_METHOD_EXHAUSTIVE,  // closed form at every integer r in 1..r_max (exact for the model)
+} SchedMethod;
+
+typedef struct SchedDegree {
+  int r;          // chosen integer degree
+  int kase;       // case that holds at r
+  double t;       // modelled time at r
+  double r_real;  // SLSQP: the real optimum the integer came from (exhaustive: r)
+} SchedDegree;
+
+SchedDegree sched_find_degree(const SchedPhase *p, double t_gar, int r_max, SchedMethod m);
+// The degree minimising `model` over 1..r_max (tutel, no-iio).
+int sched_argmin_degree(double (*model)(const SchedPhase *, double, double), const SchedPhase *p,
+                        double t_gar, int r_max);
+
+// ---- plans ----
+typedef struct SchedLayerPlan {
+  int r[2];              // chosen degree per phase
+  int r_slsqp[2];        // fsmoe: Algorithm 1 with SLSQP
+  int r_exhaustive[2];   // fsmoe: Algorithm 1 by exhaustive integer search
+  int kase[2];           // fsmoe: the case at r
+  double t_model[2];     // the policy's model time of the MoE layer at r
+  double t_sim_slsqp[2], t_sim_exhaustive[2];   // fsmoe: simulated MoE time of both choices
+  double t_gar;          // backward: the AllReduce time put inside the MoE layer
+  double grad_moe;       // gradient elements all-reduced inside this layer's backward MoE
+  double grad_dense;     // ... while this layer's dense backward runs
+} SchedLayerPlan;
+
+typedef struct SchedPlan {
+  SchedPolicy policy;
+  int nlayers;
+  SchedLayerPlan *layer;
+  double grad_tail;              // elements all-reduced after the backward pass
+  const char *partition;         // which gradient partition won ("step1+2", "step1", ...)
+  double t_fwd, t_bwd, t_iter;   // simulated
+} SchedPlan;
+
+typedef struct SchedStack {
+  int n;                        // generalized layers, in forward order
+  const SchedLayerCost *cost;   // [n]
+  const int *r_max;             // [n]
+} SchedStack;
+
+// fsmoe's degree for one layer and phase with grad_elems of AllReduce inside the MoE: Algorithm 1
+// by SLSQP and by exhaustive search, the simulator judging between the two (DESIGN §6). Fills
+// lp->r, r_slsqp, r_exhaustive, kase, t_model, t_sim_* for that phase.
+void sched_fsmoe_degree(const SchedLayerCost *c, int r_max, int phase, double grad_elems, SchedLayerPlan *lp);
+
+// Plans a stack for a policy (r per layer and phase, gradient placement) and simulates it.
+// out->layer is allocated; free with sched_plan_free.
+bool sched_plan(const SchedStack *st, SchedPolicy pol, SchedPlan *out);
+void sched_plan_free(SchedPlan *p);
+
+// ---- gradient partition (passes/sched_gradpart.c) ----
+// f_moe(t_gar): the MoE layer's modelled time when t_gar of AllReduce rides inside it.
+typedef double (*SchedMoeFn)(const SchedLayerCost *c, int r_max, double t_gar);
+
+typedef struct SchedGradPart {
+  double *moe;     // [n] elements in layer i's backward MoE slot
+  double *dense;   // [n] elements in layer i's dense backward slot
+  double tail;     // elements left for after the backward pass
+  double t_model;  // modelled backward time of the partition
+} SchedGradPart;
+
+typedef enum SchedGradMode {
+  SCHED_GRAD_STEP1,       // eqs. (3)-(4) only
+  SCHED_GRAD_STEP12,      // step 1, then step 2 with a global optimiser (NLopt GN_ISRES)
+  SCHED_GRAD_DENSE_FIRST, // fill dense slots first, then MoE slots (step 1 order swapped)
+  SCHED_GRAD_NONE,        // everything after the backward pass
+} SchedGradMode;
+
+// olp[i]: the inter-node idle time of layer i's backward MoE at t_gar = 0.
+bool sched_gradpart(const SchedStack *st, SchedMoeFn f_moe, const double *olp, SchedGradMode mode,
+                    SchedGradPart *out);
+void sched_gradpart_free(SchedGradPart *g);
+// The modelled backward time of a partition (the objective of step 2).
+double sched_gradpart_time(const SchedStack *st, SchedMoeFn f_moe, const double *moe, const double *dense,
+                           double tail);
+
+// ---- stream programs and the simulator (passes/sched_sim.c) ----
+typedef enum SchedOpKind {
+  SCHED_OP_ATTENTION, SCHED_OP_DISPATCH, SCHED_OP_ALLGATHER, SCHED_OP_EXPERT,
+  SCHED_OP_REDUCESCATTER, SCHED_OP_COMBINE, SCHED_OP_ALLREDUCE, SCHED_NOPKINDS
+} SchedOpKind;
+extern const char *const sched_op_name[SCHED_NOPKINDS];
+
+typedef enum SchedResource { SCHED_RES_COMPUTE, SCHED_RES_INTRA, SCHED_RES_INTER, SCHED_NRES } SchedResource;
+extern const char *const sched_resource_name[SCHED_NRES];
+
+#define SCHED_MAX_DEPS 3
+#define SCHED_MAX_STREAMS 4
+
+typedef struct SchedOp {
+  SchedOpKind kind;
+  int layer, phase, chunk;   // chunk: 0-based (AllReduce: its index among the layer's AllReduces)
+  int stream;                // in-order issue queue
+  SchedResource res;         // what it occupies while it runs (one op at a time per resource)
+  int prio;                  // lower goes first when several streams want one resource
+  double dur, elems;
+  int deps[SCHED_MAX_DEPS];
+  int ndeps;
+  double start, end;         // set by the simulator
+} SchedOp;
+
+typedef struct SchedProgram {
+  SchedOp *op;
+  int nops, cap;
+  int nstreams;
+  const char *stream_name[SCHED_MAX_STREAMS];
+  double t_fwd;        // end of the forward pass (simulated)
+  double makespan;     // end of the iteration (simulated)
+} SchedProgram;
+
+void sched_program_free(SchedProgram *g);
+// The stream program of a planned stack.
+bool sched_build_program(const SchedStack *st, const SchedPlan *plan, SchedProgram *out);
+// Runs the discrete-event simulation; fills start/end, t_fwd, makespan. False on a deadlock
+// (an internal error).
+bool sched_simulate(SchedProgram *g);
+// Simulated time of one MoE layer alone (one phase at degree r, with grad_elems of AllReduce
+// after the last dispatch for fsmoe / no-iio), under a policy's streams.
+double sched_sim_moe(SchedPolicy pol, const SchedLayerCost *c, int phase, int r, double grad_elems);
+
+// Resource lower bound of any schedule of the stack: the busiest resource's total work at
+// r = 1 with all gradients in one AllReduce. busiest: index of that resource.
+double sched_lower_bound(const SchedStack *st, SchedResource *busiest, double total[SCHED_NRES]);
+
+// ---- output (passes/sched_trace.c) ----
+// Chrome trace JSON (chrome://tracing, Perfetto): one thread per stream, times in us.
+bool sched_write_trace(FILE *out, const SchedProgram *g, const char *title);
+// SVG timeline, one row per stream (as the paper's Fig. 3).
+bool sched_write_svg(FILE *out, const SchedProgram *g, const char *title);
+
+#endif

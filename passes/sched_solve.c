@@ -1,0 +1,369 @@
+// Algorithm 1 of the paper (the pipeline degree of one MoE layer and phase) and the planner of
+// every policy.
+//
+// Algorithm 1 minimises each case's closed form over real r >= 1 under that case's predicates.
+// A case is a disjunction of conjunctions (Case 1 has four, Case 2 two), and SLSQP takes
+// conjunctions of smooth inequalities, so each conjunction is a sub-problem of its own: eight
+// one-dimensional SLSQP solves (NLopt NLOPT_LD_SLSQP with analytic gradients; a strict '>' is
+// solved as '>='). The integer neighbours of every real optimum are then evaluated with the
+// model (the closed form of whichever case holds there) and the best is kept. Because the
+// cases partition the truth table, scanning r = 1..32 with the closed forms is exact for the
+// model; both are kept and reported, and the discrete-event simulator (sched_sim.c) judges
+// between their answers, since the case model only approximates the overlap of the streams.
+//
+// The planner (sched_plan) gives every policy its own way to choose r and to place the dense
+// gradients (DESIGN §6), builds its stream program and simulates it.
+#include <math.h>
+#include <nlopt.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "sched.h"
+
+// ---- Algorithm 1 ----
+
+typedef struct Pred {
+  int q;       // 1..7
+  bool want;   // the value the sub-problem requires
+} Pred;
+
+typedef struct SubProblem {
+  int kase;
+  Pred pred[3];
+} SubProblem;
+
+// The conjunctions of the four cases (paper §4.2).
+static const SubProblem subproblems[] = {
+    {1, {{1, true}, {2, false}, {4, true}}},
+    {1, {{1, true}, {2, true}, {5, true}}},
+    {1, {{1, false}, {3, false}, {6, true}}},
+    {1, {{1, false}, {3, true}, {7, true}}},
+    {2, {{1, true}, {2, true}, {5, false}}},
+    {2, {{1, false}, {3, true}, {7, false}}},
+    {3, {{1, true}, {2, false}, {4, false}}},
+    {4, {{1, false}, {3, false}, {6, false}}},
+};
+enum { NSUB = sizeof subproblems / sizeof subproblems[0] };
+
+typedef struct Solve {
+  const SchedPhase *p;
+  double t_gar;
+  int kase;
+  Pred pred;
+} Solve;
+
+// d/dr of t_x,r, of r * t_x,r and of (r - 1) * t_x,r.
+static double dt(const SchedCoef *c, double n, double r) { return -n * c->beta / (r * r); }
+static double drt(const SchedCoef *c) { return c->alpha; }
+static double drm1t(const SchedCoef *c, double n, double r) { return c->alpha + n * c->beta / (r * r); }
+
+// margin_q(r) > 0 exactly when Qq holds; its derivative in *grad.
+static double margin(const SchedPhase *p, int q, double r, double t_gar, double *grad) {
+  SchedChunk t = sched_chunk(p, r);
+  double da = dt(&p->a2a, p->n_a2a, r), dg = dt(&p->ag, p->n_ag, r), ds = dt(&p->rs, p->n_rs, r);
+  double a2a2 = 2 * (r - 1) * t.a2a, d_a2a2 = 2 * drm1t(&p->a2a, p->n_a2a, r);
+  double v = 0, g = 0;
+  switch (q) {
+  case 1: v = t.a2a - t.ag; g = da - dg; break;
+  case 2: v = r * t.exp - a2a2; g = drt(&p->exp) - d_a2a2; break;
+  case 3:
+    v = r * t.exp - (r - 1) * (t.ag + t.rs);
+    g = drt(&p->exp) - drm1t(&p->ag, p->n_ag, r) - drm1t(&p->rs, p->n_rs, r);
+    break;
+  case 4: v = t_gar - t.ag - t.rs; g = -dg - ds; break;
+  case 5: v = t_gar - (r * t.exp - a2a2 + t.ag + t.rs); g = -(drt(&p->exp) - d_a2a2 + dg + ds); break;
+  case 6: v = t_gar - (r * t.ag + r * t.rs - a2a2); g = -(drt(&p->ag) + drt(&p->rs) - d_a2a2); break;
+  case 7: v = t_gar - (t.ag + t.rs + r * t.exp - a2a2); g = -(dg + ds + drt(&p->exp) - d_a2a2); break;
+  }
+  if (grad) *grad = g;
+  return v;
+}
+
+// Case c's closed form and its derivative.
+static double case_fn(const SchedPhase *p, int c, double r, double t_gar, double *grad) {
+  double da = dt(&p->a2a, p->n_a2a, r), dg = dt(&p->ag, p->n_ag, r), ds = dt(&p->rs, p->n_rs, r);
+  double g = 0;
+  switch (c) {
+  case 1: g = 2 * drt(&p->a2a); break;
+  case 2: g = 2 * da + dg + ds + drt(&p->exp); break;
+  case 3: g = 2 * drt(&p->a2a) + dg + ds; break;
+  case 4: g = 2 * da + drt(&p->ag) + drt(&p->rs); break;
+  }
+  if (grad) *grad = g;
+  return sched_case_time(p, c, r, t_gar);
+}
+
+static double objective(unsigned n, const double *x, double *grad, void *data) {
+  const Solve *s = data;
+  return case_fn(s->p, s->kase, x[0], s->t_gar, grad);
+}
+
+// NLopt constraints are c(x) <= 0: -margin for a predicate that must hold, margin otherwise.
+static double constraint(unsigned n, const double *x, double *grad, void *data) {
+  const Solve *s = data;
+  double v = margin(s->p, s->pred.q, x[0], s->t_gar, grad);
+  if (s->pred.want) {
+    v = -v;
+    if (grad) grad[0] = -grad[0];
+  }
+  return v;
+}
+
+// The unconstrained minimiser of case c over r > 0 (each closed form is a*r + b/r + const).
+static double unconstrained_min(const SchedPhase *p, int c) {
+  double lin = 0, inv = 0;
+  switch (c) {
+  case 1: return 1;
+  case 2: lin = p->exp.alpha; inv = 2 * p->n_a2a * p->a2a.beta + p->n_ag * p->ag.beta + p->n_rs * p->rs.beta; break;
+  case 3: lin = 2 * p->a2a.alpha; inv = p->n_ag * p->ag.beta + p->n_rs * p->rs.beta; break;
+  case 4: lin = p->ag.alpha + p->rs.alpha; inv = 2 * p->n_a2a * p->a2a.beta; break;
+  }
+  if (lin <= 0) return INFINITY;
+  return sqrt(inv / lin);
+}
+
+static bool feasible(const SchedPhase *p, const SubProblem *sp, double r, double t_gar) {
+  for (int k = 0; k < 3; k++) {
+    double m = margin(p, sp->pred[k].q, r, t_gar, NULL);
+    double tol = 1e-9 * (1 + fabs(t_gar) + sched_case_time(p, 2, r, 0));
+    if (sp->pred[k].want ? m < -tol : m > tol) return false;
+  }
+  return true;
+}
+
+// One SLSQP solve of a sub-problem from x0; true with *r_out when it ends feasible.
+static bool slsqp(const SchedPhase *p, const SubProblem *sp, double t_gar, double r_max, double x0,
+                  double *r_out) {
+  nlopt_opt o = nlopt_create(NLOPT_LD_SLSQP, 1);
+  if (!o) return false;
+  Solve obj = {p, t_gar, sp->kase, {0, false}};
+  Solve cons[3];
+  double lo = 1, hi = r_max;
+  nlopt_set_lower_bounds(o, &lo);
+  nlopt_set_upper_bounds(o, &hi);
+  nlopt_set_min_objective(o, objective, &obj);
+  for (int k = 0; k < 3; k++) {
+    cons[k] = (Solve){p, t_gar, sp->kase, sp->pred[k]};
+    nlopt_add_inequality_constraint(o, constraint, &cons[k], 1e-12);
+  }
+  nlopt_set_xtol_rel(o, 1e-8);
+  nlopt_set_ftol_rel(o, 1e-12);
+  nlopt_set_maxeval(o, 200);
+  double x = fmin(fmax(x0, lo), hi), f;
+  nlopt_result res = nlopt_optimize(o, &x, &f);
+  nlopt_destroy(o);
+  if (res < 0 && res != NLOPT_ROUNDOFF_LIMITED) return false;
+  if (!isfinite(x) || !feasible(p, sp, x, t_gar)) return false;
+  *r_out = x;
+  return true;
+}
+
+static void consider(const SchedPhase *p, double t_gar, int r, double r_real, SchedDegree *best) {
+  double t = sched_model_time(p, r, t_gar);
+  if (t < best->t || (t == best->t && r < best->r)) {
+    best->r = r;
+    best->t = t;
+    best->r_real = r_real;
+  }
+}
+
+SchedDegree sched_find_degree(const SchedPhase *p, double t_gar, int r_max, SchedMethod m) {
+  if (r_max < 1) r_max = 1;
+  if (r_max > SCHED_R_MAX) r_max = SCHED_R_MAX;
+  SchedDegree best = {.r = 1, .t = INFINITY, .r_real = 1};
+  if (m == SCHED_METHOD_EXHAUSTIVE || r_max == 1) {
+    for (int r = 1; r <= r_max; r++) consider(p, t_gar, r, r, &best);
+  } else {
+    for (int i = 0; i < NSUB; i++) {
+      const SubProblem *sp = &subproblems[i];
+      // Start at the case's unconstrained optimum; if that ends infeasible, from both ends.
+      double starts[3] = {unconstrained_min(p, sp->kase), 1, r_max}, r;
+      for (int k = 0; k < 3; k++) {
+        if (!slsqp(p, sp, t_gar, r_max, starts[k], &r)) continue;
+        int lo = (int)floor(r), hi = (int)ceil(r);
+        if (lo < 1) lo = 1;
+        if (hi > r_max) hi = r_max;
+        consider(p, t_gar, lo, r, &best);
+        consider(p, t_gar, hi, r, &best);
+        break;
+      }
+    }
+    if (!isfinite(best.t)) consider(p, t_gar, 1, 1, &best);   // no sub-problem was feasible
+  }
+  best.kase = sched_case(p, best.r, t_gar);
+  return best;
+}
+
+int sched_argmin_degree(double (*model)(const SchedPhase *, double, double), const SchedPhase *p,
+                        double t_gar, int r_max) {
+  int best = 1;
+  double best_t = INFINITY;
+  if (r_max > SCHED_R_MAX) r_max = SCHED_R_MAX;
+  for (int r = 1; r <= r_max; r++) {
+    double t = model(p, r, t_gar);
+    if (t < best_t) {
+      best_t = t;
+      best = r;
+    }
+  }
+  return best;
+}
+
+// ---- the planner ----
+
+static double tutel_model(const SchedPhase *p, double r, double t_gar) { return sched_tutel_model(p, r); }
+
+static double fsmoe_fmoe(const SchedLayerCost *c, int r_max, double t_gar) {
+  return sched_find_degree(&c->phase[SCHED_BWD], t_gar, r_max, SCHED_METHOD_EXHAUSTIVE).t;
+}
+
+static double noiio_fmoe(const SchedLayerCost *c, int r_max, double t_gar) {
+  const SchedPhase *p = &c->phase[SCHED_BWD];
+  return sched_noiio_model(p, sched_argmin_degree(sched_noiio_model, p, t_gar, r_max), t_gar);
+}
+
+// fsmoe: Algorithm 1 both ways; the simulator judges the two answers (DESIGN §6).
+void sched_fsmoe_degree(const SchedLayerCost *c, int r_max, int ph, double grad_elems, SchedLayerPlan *lp) {
+  const SchedPhase *p = &c->phase[ph];
+  double t_gar = sched_ar_time(&c->ar, grad_elems);
+  SchedDegree s = sched_find_degree(p, t_gar, r_max, SCHED_METHOD_SLSQP);
+  SchedDegree e = sched_find_degree(p, t_gar, r_max, SCHED_METHOD_EXHAUSTIVE);
+  lp->r_slsqp[ph] = s.r;
+  lp->r_exhaustive[ph] = e.r;
+  lp->t_sim_slsqp[ph] = sched_sim_moe(SCHED_FSMOE, c, ph, s.r, grad_elems);
+  lp->t_sim_exhaustive[ph] = s.r == e.r ? lp->t_sim_slsqp[ph] : sched_sim_moe(SCHED_FSMOE, c, ph, e.r, grad_elems);
+  bool use_e = lp->t_sim_exhaustive[ph] < lp->t_sim_slsqp[ph];
+  lp->r[ph] = use_e ? e.r : s.r;
+  lp->kase[ph] = use_e ? e.kase : s.kase;
+  lp->t_model[ph] = use_e ? e.t : s.t;
+}
+
+static void noiio_degree(const SchedLayerCost *c, int r_max, int ph, double grad_elems, SchedLayerPlan *lp) {
+  const SchedPhase *p = &c->phase[ph];
+  double t_gar = sched_ar_time(&c->ar, grad_elems);
+  int r = sched_argmin_degree(sched_noiio_model, p, t_gar, r_max);
+  lp->r[ph] = lp->r_slsqp[ph] = lp->r_exhaustive[ph] = r;
+  lp->kase[ph] = 0;
+  lp->t_model[ph] = sched_noiio_model(p, r, t_gar);
+}
+
+static const char *const grad_mode_name[] = {
+    [SCHED_GRAD_STEP1] = "step1", [SCHED_GRAD_STEP12] = "step1+2",
+    [SCHED_GRAD_DENSE_FIRST] = "dense-first", [SCHED_GRAD_NONE] = "none"};
+
+// Simulates a plan in place; false on an internal error.
+static bool simulate_plan(const SchedStack *st, SchedPlan *plan) {
+  SchedProgram g = {0};
+  bool ok = sched_build_program(st, plan, &g) && sched_simulate(&g);
+  if (ok) {
+    plan->t_fwd = g.t_fwd;
+    plan->t_iter = g.makespan;
+    plan->t_bwd = g.makespan - g.t_fwd;
+  }
+  sched_program_free(&g);
+  return ok;
+}
+
+// fsmoe and fsmoe-no-iio: r per phase, gradient partition; every partition variant is
+// simulated and the fastest kept (the simulator is the judge).
+static bool plan_partitioned(const SchedStack *st, SchedPlan *plan) {
+  bool iio = plan->policy == SCHED_FSMOE;
+  int n = st->n;
+  double *olp = calloc((size_t)n, sizeof *olp);
+  SchedLayerPlan *best = calloc((size_t)n, sizeof *best);
+  if (!olp || !best) {
+    free(olp);
+    free(best);
+    return false;
+  }
+  for (int i = 0; i < n; i++) {
+    const SchedLayerCost *c = &st->cost[i];
+    SchedLayerPlan *lp = &plan->layer[i];
+    if (iio) sched_fsmoe_degree(c, st->r_max[i], SCHED_FWD, 0, lp);
+    else noiio_degree(c, st->r_max[i], SCHED_FWD, 0, lp);
+    const SchedPhase *b = &c->phase[SCHED_BWD];
+    if (iio) olp[i] = sched_olp_moe(b, sched_find_degree(b, 0, st->r_max[i], SCHED_METHOD_EXHAUSTIVE).r);
+    else olp[i] = sched_noiio_olp(b, sched_argmin_degree(sched_noiio_model, b, 0, st->r_max[i]));
+  }
+  static const SchedGradMode modes[] = {SCHED_GRAD_STEP12, SCHED_GRAD_STEP1, SCHED_GRAD_DENSE_FIRST, SCHED_GRAD_NONE};
+  double best_t = INFINITY, best_fwd = 0, best_tail = 0;
+  const char *best_mode = NULL;
+  bool ok = true;
+  for (int m = 0; m < 4 && ok; m++) {
+    SchedGradPart gp = {0};
+    if (!sched_gradpart(st, iio ? fsmoe_fmoe : noiio_fmoe, olp, modes[m], &gp)) {
+      ok = false;
+      break;
+    }
+    for (int i = 0; i < n; i++) {
+      SchedLayerPlan *lp = &plan->layer[i];
+      lp->grad_moe = gp.moe[i];
+      lp->grad_dense = gp.dense[i];
+      lp->t_gar = sched_ar_time(&st->cost[i].ar, gp.moe[i]);
+      if (iio) sched_fsmoe_degree(&st->cost[i], st->r_max[i], SCHED_BWD, gp.moe[i], lp);
+      else noiio_degree(&st->cost[i], st->r_max[i], SCHED_BWD, gp.moe[i], lp);
+    }
+    plan->grad_tail = gp.tail;
+    sched_gradpart_free(&gp);
+    if (!simulate_plan(st, plan)) {
+      ok = false;
+      break;
+    }
+    if (plan->t_iter < best_t) {
+      best_t = plan->t_iter;
+      best_fwd = plan->t_fwd;
+      best_tail = plan->grad_tail;
+      best_mode = grad_mode_name[modes[m]];
+      memcpy(best, plan->layer, (size_t)n * sizeof *best);
+    }
+  }
+  if (ok) {
+    memcpy(plan->layer, best, (size_t)n * sizeof *best);
+    plan->grad_tail = best_tail;
+    plan->partition = best_mode;
+    plan->t_iter = best_t;
+    plan->t_fwd = best_fwd;
+    plan->t_bwd = best_t - best_fwd;
+  }
+  free(olp);
+  free(best);
+  return ok;
+}
+
+bool sched_plan(const SchedStack *st, SchedPolicy pol, SchedPlan *out) {
+  *out = (SchedPlan){.policy = pol, .nlayers = st->n};
+  out->layer = calloc((size_t)(st->n > 0 ? st->n : 1), sizeof *out->layer);
+  if (!out->layer) return false;
+  if (pol == SCHED_FSMOE || pol == SCHED_FSMOE_NO_IIO) return plan_partitioned(st, out);
+
+  double total_grad = 0;
+  for (int i = 0; i < st->n; i++) {
+    const SchedLayerCost *c = &st->cost[i];
+    SchedLayerPlan *lp = &out->layer[i];
+    int r = 1;
+    if (pol != SCHED_SEQUENTIAL) r = sched_argmin_degree(tutel_model, &c->phase[SCHED_FWD], 0, st->r_max[i]);
+    for (int ph = 0; ph < 2; ph++) {
+      lp->r[ph] = lp->r_slsqp[ph] = lp->r_exhaustive[ph] = r;   // tutel reuses the forward r
+      lp->t_model[ph] = pol == SCHED_SEQUENTIAL ? sched_model_time(&c->phase[ph], 1, 0)
+                                                : sched_tutel_model(&c->phase[ph], r);
+    }
+    total_grad += c->n_grad;
+  }
+  // Where the gradients go (for the report; the program builder places them the same way).
+  out->grad_tail = total_grad;
+  out->partition = "after backward";
+  if (pol == SCHED_TUTEL_IMPROVED) {
+    out->partition = "next dense backward";
+    for (int i = 0; i + 1 < st->n; i++) out->layer[i].grad_dense = st->cost[i + 1].n_grad;
+    out->grad_tail = st->n > 0 ? st->cost[0].n_grad : 0;
+  } else if (pol == SCHED_PIPEMOE_LINA) {
+    out->partition = "30 MB chunks, low priority";
+    out->grad_tail = 0;
+  }
+  return simulate_plan(st, out);
+}
+
+void sched_plan_free(SchedPlan *p) {
+  free(p->layer);
+  p->layer = NULL;
+}

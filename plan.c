@@ -1,0 +1,616 @@
+// `moec plan` and `moec sweep`: the scheduling model of DESIGN §6 from the command line.
+//
+//   moec plan F.moe [--cluster C] [--policy NAME|all] [--heads N] [--svg out.svg]
+//                   [--trace out.json] [--json out.json]
+//   moec sweep --cluster C [--quick] [--seqlens A,B,C] [--dropless-capacity X]
+//
+// plan reads a model, turns every layer instance into a generalized layer (its attention, if
+// any, then its MoE) as one rank sees it, plans it for each policy (passes/sched_solve.c) and
+// simulates the stream programs (passes/sched_sim.c). sweep does the same for the paper's
+// Table 4 space (1458 stacks of two identical generalized layers) and sets the average
+// speedups over tutel beside the paper's Table 5. Both are called with main's argc/argv
+// (argv[1] is the command) and return the exit status: 0 success, 1 the input has errors,
+// 2 bad command line.
+#include <math.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+#include <unistd.h>
+
+#include "frontend/fe.h"
+#include "ir/ir.h"
+#include "passes/sched.h"
+
+int moec_plan(int argc, char **argv);
+int moec_sweep(int argc, char **argv);
+
+static void cluster_from_fe(const FeCluster *f, SchedCluster *c) {
+  *c = (SchedCluster){.name = f->name, .nodes = (int)f->nodes, .gpus_per_node = (int)f->gpus_per_node,
+                      .gemm = {f->gemm.alpha, f->gemm.beta}, .alltoall = {f->alltoall.alpha, f->alltoall.beta},
+                      .allgather = {f->allgather.alpha, f->allgather.beta},
+                      .reducescatter = {f->reducescatter.alpha, f->reducescatter.beta},
+                      .allreduce = {f->allreduce.alpha, f->allreduce.beta}};
+}
+
+static double now_s(void) {
+  struct timespec ts;
+  clock_gettime(CLOCK_MONOTONIC, &ts);
+  return ts.tv_sec + ts.tv_nsec * 1e-9;
+}
+
+// Plans and simulates a stack under every policy.
+static bool plan_all(const SchedStack *st, SchedPlan plans[SCHED_NPOLICIES]) {
+  bool ok = true;
+  for (int p = 0; p < SCHED_NPOLICIES; p++) ok &= sched_plan(st, (SchedPolicy)p, &plans[p]);
+  return ok;
+}
+
+static void free_all(SchedPlan plans[SCHED_NPOLICIES]) {
+  for (int p = 0; p < SCHED_NPOLICIES; p++) sched_plan_free(&plans[p]);
+}
+
+static bool need_value(int i, int argc, char **argv) {
+  if (i + 1 < argc) return true;
+  fprintf(stderr, "moec: error: option '%s' needs a value\n", argv[i]);
+  return false;
+}
+
+static bool parse_positive(const char *opt, const char *text, double *out) {
+  char *end;
+  double v = strtod(text, &end);
+  if (*text == '\0' || *end != '\0' || !(v > 0) || !isfinite(v)) {
+    fprintf(stderr, "moec: error: %s takes a positive number, not '%s'\n", opt, text);
+    return false;
+  }
+  *out = v;
+  return true;
+}
+
+// ---- moec plan ----
+
+typedef struct PlanLayer {
+  char name[96];
+  SchedLayerSpec spec;
+  bool dropless;
+  double k, capacity;   // gate's k and capacity factor (capacity: stand-in when dropless)
+  int groups;
+} PlanLayer;
+
+// Tokens per expert of one routing group: T = ceil(k*f*S/E), S = B*L/mp/groups (DESIGN §2).
+static int capacity_tokens(const SchedLayerSpec *s, double k, double capacity, int experts, int groups) {
+  double group = s->batch * s->seqlen / s->mp / (groups > 0 ? groups : 1);
+  double t = ceil(k * capacity * group / (experts > 0 ? experts : 1));
+  return t < 1 ? 1 : t > 1e9 ? 1000000000 : (int)t;
+}
+
+static int r_max_of(const SchedLayerSpec *s, double k, double capacity, int experts, int groups) {
+  int t = capacity_tokens(s, k, capacity, experts, groups);
+  return t < SCHED_R_MAX ? t : SCHED_R_MAX;
+}
+
+static void json_str(FILE *f, const char *s) {
+  fputc('"', f);
+  for (; s && *s; s++) {
+    if (*s == '"' || *s == '\\') fprintf(f, "\\%c", *s);
+    else if ((unsigned char)*s < 0x20) fprintf(f, "\\u%04x", (unsigned char)*s);
+    else fputc(*s, f);
+  }
+  fputc('"', f);
+}
+
+// A finite number for JSON (NaN and infinities are not JSON).
+static double jnum(double v) { return isfinite(v) ? v : -1; }
+
+typedef struct Bucket {
+  double capacity;
+  int r_fwd, r_bwd;
+} Bucket;
+
+static const double bucket_capacity[] = {1.0, 1.25, 1.5, 2.0, 3.0, 4.0};
+enum { NBUCKETS = sizeof bucket_capacity / sizeof bucket_capacity[0] };
+
+// fsmoe's degrees for a dropless layer at each capacity bucket (t_gar of the plan kept).
+static void dropless_buckets(const PlanLayer *pl, const SchedCluster *c, const SchedLayerPlan *lp,
+                             Bucket out[NBUCKETS]) {
+  for (int b = 0; b < NBUCKETS; b++) {
+    SchedLayerSpec s = pl->spec;
+    s.f = pl->k * bucket_capacity[b];
+    s.r_max = r_max_of(&s, pl->k, bucket_capacity[b], s.experts, pl->groups);
+    SchedLayerCost cost;
+    sched_layer_cost(&s, c, &cost);
+    int r[2];
+    for (int ph = 0; ph < 2; ph++) {
+      double t_gar = ph == SCHED_BWD ? sched_ar_time(&cost.ar, lp->grad_moe) : 0;
+      SchedDegree e = sched_find_degree(&cost.phase[ph], t_gar, s.r_max, SCHED_METHOD_EXHAUSTIVE);
+      SchedDegree q = sched_find_degree(&cost.phase[ph], t_gar, s.r_max, SCHED_METHOD_SLSQP);
+      double grad = ph == SCHED_BWD ? lp->grad_moe : 0;
+      r[ph] = sched_sim_moe(SCHED_FSMOE, &cost, ph, e.r, grad) < sched_sim_moe(SCHED_FSMOE, &cost, ph, q.r, grad) ? e.r : q.r;
+    }
+    out[b] = (Bucket){bucket_capacity[b], r[0], r[1]};
+  }
+}
+
+static bool write_json(const char *path, const char *model, const char *cluster_path, const SchedCluster *c,
+                       const FeParallel *par, const PlanLayer *layers, const SchedStack *st,
+                       const SchedPlan plans[SCHED_NPOLICIES], double lb, SchedResource busiest,
+                       const double lb_total[SCHED_NRES]) {
+  FILE *f = fopen(path, "w");
+  if (!f) return false;
+  const SchedPlan *tutel = &plans[SCHED_TUTEL], *seq = &plans[SCHED_SEQUENTIAL];
+  fprintf(f, "{\n  \"format\": \"moec-plan-1\",\n  \"model\": ");
+  json_str(f, model);
+  fprintf(f, ",\n  \"cluster\": {\"name\": ");
+  json_str(f, c->name);
+  fprintf(f, ", \"path\": ");
+  json_str(f, cluster_path);
+  fprintf(f, ", \"nodes\": %d, \"gpus_per_node\": %d},\n", c->nodes, c->gpus_per_node);
+  fprintf(f, "  \"parallel\": {\"dp\": %lld, \"mp\": %lld, \"ep\": %lld, \"esp\": %lld},\n", (long long)par->dp,
+          (long long)par->mp, (long long)par->ep, (long long)par->esp);
+  fprintf(f, "  \"units\": {\"time\": \"ms\", \"gradient\": \"elements (fp32, %g bytes each)\"},\n", SCHED_GRAD_BYTES);
+  fprintf(f, "  \"lower_bound_ms\": %.9g, \"busiest_resource\": \"%s\",\n", lb, sched_resource_name[busiest]);
+  fprintf(f, "  \"resource_totals_ms\": {\"compute\": %.9g, \"intra\": %.9g, \"inter\": %.9g},\n",
+          lb_total[SCHED_RES_COMPUTE], lb_total[SCHED_RES_INTRA], lb_total[SCHED_RES_INTER]);
+  fprintf(f, "  \"layers\": [");
+  for (int i = 0; i < st->n; i++) {
+    const SchedLayerCost *cost = &st->cost[i];
+    fprintf(f, "%s\n    {\"index\": %d, \"name\": ", i ? "," : "", i);
+    json_str(f, layers[i].name);
+    fprintf(f, ", \"f\": %.9g, \"dropless\": %s, \"r_max\": %d, \"dense_gradient_elements\": %.0f,",
+            layers[i].spec.f, layers[i].dropless ? "true" : "false", st->r_max[i], cost->n_grad);
+    fprintf(f, " \"t_attention_ms\": [%.9g, %.9g]}", cost->phase[0].t_att, cost->phase[1].t_att);
+  }
+  fprintf(f, "\n  ],\n  \"policies\": [");
+  for (int p = 0; p < SCHED_NPOLICIES; p++) {
+    const SchedPlan *pl = &plans[p];
+    fprintf(f, "%s\n    {\"name\": \"%s\", \"forward_ms\": %.9g, \"backward_ms\": %.9g, \"iteration_ms\": %.9g,",
+            p ? "," : "", sched_policy_name[p], pl->t_fwd, pl->t_bwd, pl->t_iter);
+    fprintf(f, " \"speedup_vs_tutel\": %.9g, \"speedup_vs_sequential\": %.9g, \"gap_to_lower_bound\": %.9g,",
+            jnum(tutel->t_iter / pl->t_iter), jnum(seq->t_iter / pl->t_iter), jnum(pl->t_iter / lb - 1));
+    fprintf(f, "\n     \"gradient_partition\": ");
+    json_str(f, pl->partition);
+    fprintf(f, ", \"tail_gradient_elements\": %.0f,\n     \"layers\": [", pl->grad_tail);
+    for (int i = 0; i < st->n; i++) {
+      const SchedLayerPlan *lp = &pl->layer[i];
+      fprintf(f, "%s\n       {\"index\": %d", i ? "," : "", i);
+      for (int ph = 0; ph < 2; ph++) {
+        fprintf(f, ", \"%s\": {\"r\": %d, \"r_slsqp\": %d, \"r_exhaustive\": %d, \"case\": %d, \"model_ms\": %.9g",
+                ph ? "backward" : "forward", lp->r[ph], lp->r_slsqp[ph], lp->r_exhaustive[ph], lp->kase[ph],
+                jnum(lp->t_model[ph]));
+        if (p == SCHED_FSMOE)
+          fprintf(f, ", \"sim_ms_slsqp\": %.9g, \"sim_ms_exhaustive\": %.9g", jnum(lp->t_sim_slsqp[ph]),
+                  jnum(lp->t_sim_exhaustive[ph]));
+        if (ph == SCHED_BWD)
+          fprintf(f, ", \"t_gar_ms\": %.9g, \"gradient_elements\": {\"moe_slot\": %.0f, \"dense_slot\": %.0f}",
+                  lp->t_gar, lp->grad_moe, lp->grad_dense);
+        fputc('}', f);
+      }
+      if (p == SCHED_FSMOE && layers[i].dropless) {
+        SchedCluster cc = *c;
+        Bucket b[NBUCKETS];
+        dropless_buckets(&layers[i], &cc, lp, b);
+        fprintf(f, ", \"dropless_buckets\": [");
+        for (int k = 0; k < NBUCKETS; k++)
+          fprintf(f, "%s{\"capacity_at_most\": %g, \"r_fwd\": %d, \"r_bwd\": %d}", k ? ", " : "", b[k].capacity,
+                  b[k].r_fwd, b[k].r_bwd);
+        fputc(']', f);
+      }
+      fputc('}', f);
+    }
+    fprintf(f, "\n     ]}");
+  }
+  fprintf(f, "\n  ]\n}\n");
+  return fclose(f) == 0;
+}
+
+static bool write_timeline(const char *path, const SchedStack *st, const SchedPlan *plan, bool svg,
+                           const char *title) {
+  SchedProgram g = {0};
+  if (!sched_build_program(st, plan, &g) || !sched_simulate(&g)) {
+    sched_program_free(&g);
+    return false;
+  }
+  FILE *f = fopen(path, "w");
+  bool ok = f && (svg ? sched_write_svg(f, &g, title) : sched_write_trace(f, &g, title));
+  if (f && fclose(f) != 0) ok = false;
+  sched_program_free(&g);
+  return ok;
+}
+
+int moec_plan(int argc, char **argv) {
+  const char *input = NULL, *cluster_opt = NULL, *policy = "all", *svg = NULL, *trace = NULL, *json = NULL;
+  double heads_opt = 0;
+  for (int i = 2; i < argc; i++) {
+    const char *a = argv[i];
+    if (strcmp(a, "--cluster") == 0 || strcmp(a, "--policy") == 0 || strcmp(a, "--svg") == 0 ||
+        strcmp(a, "--trace") == 0 || strcmp(a, "--json") == 0 || strcmp(a, "--heads") == 0) {
+      if (!need_value(i, argc, argv)) return 2;
+      const char *v = argv[++i];
+      if (strcmp(a, "--cluster") == 0) cluster_opt = v;
+      else if (strcmp(a, "--policy") == 0) policy = v;
+      else if (strcmp(a, "--svg") == 0) svg = v;
+      else if (strcmp(a, "--trace") == 0) trace = v;
+      else if (strcmp(a, "--json") == 0) json = v;
+      else if (!parse_positive("--heads", v, &heads_opt)) return 2;
+    } else if (a[0] == '-' && a[1]) {
+      fprintf(stderr, "moec: error: unknown option '%s' for 'moec plan' (see 'moec --help')\n", a);
+      return 2;
+    } else if (!input) {
+      input = a;
+    } else {
+      fprintf(stderr, "moec: error: more than one input file ('%s' and '%s')\n", input, a);
+      return 2;
+    }
+  }
+  if (!input) {
+    fprintf(stderr, "moec: error: no input file (usage: moec plan F.moe [--cluster C] [--policy NAME|all])\n");
+    return 2;
+  }
+  SchedPolicy shown = SCHED_FSMOE;
+  bool all = strcmp(policy, "all") == 0;
+  if (!all && !sched_policy_parse(policy, &shown)) {
+    const char *near = ir_closest(policy, sched_policy_name, SCHED_NPOLICIES);
+    fprintf(stderr, "moec: error: unknown policy '%s'%s%s%s (fsmoe, fsmoe-no-iio, tutel, tutel-improved, "
+                    "pipemoe-lina, sequential, all)\n",
+            policy, near ? "; did you mean '" : "", near ? near : "", near ? "'?" : "");
+    return 2;
+  }
+
+  IrDiag d;
+  ir_diag_init(&d, stderr);
+  IrSource *src = ir_source_read(&d, input);
+  FeProgram *p = src ? fe_load(&d, src) : NULL;
+  if (!p) {
+    ir_source_free(src);
+    return 1;
+  }
+  int status = 1;
+  FeCluster fc;
+  const char *cluster_path = cluster_opt ? cluster_opt : p->cluster_path;
+  PlanLayer *layers = NULL;
+  SchedLayerCost *costs = NULL;
+  int *r_max = NULL;
+  SchedPlan plans[SCHED_NPOLICIES] = {0};
+  if (!cluster_path) {
+    ir_error(&d, "no cluster profile: pass --cluster C or add a 'cluster \"F\";' statement to %s", input);
+    goto done;
+  }
+  if (!fe_load_cluster(&d, cluster_path, cluster_opt ? (SrcLoc){0} : p->cluster_loc, &fc)) goto done;
+  SchedCluster cluster;
+  cluster_from_fe(&fc, &cluster);
+
+  int n = 0;
+  for (int i = 0; i < p->nlayers; i++) n += (int)p->layers[i].repeat;
+  layers = calloc((size_t)(n > 0 ? n : 1), sizeof *layers);
+  costs = calloc((size_t)(n > 0 ? n : 1), sizeof *costs);
+  r_max = calloc((size_t)(n > 0 ? n : 1), sizeof *r_max);
+  if (!layers || !costs || !r_max) {
+    ir_error(&d, "out of memory");
+    goto done;
+  }
+  const FeParallel *par = &p->parallel;
+  bool any_attention = false, any_dropless = false;
+  int k = 0;
+  for (int i = 0; i < p->nlayers; i++) {
+    const FeLayer *L = &p->layers[i];
+    for (int rep = 0; rep < L->repeat; rep++, k++) {
+      PlanLayer *pl = &layers[k];
+      snprintf(pl->name, sizeof pl->name, "%s%d", L->name, rep);
+      const FeGate *gate = &L->moe.gate;
+      pl->k = (double)gate->k;
+      pl->dropless = gate->dropless;
+      pl->capacity = gate->dropless ? SCHED_DROPLESS_CAPACITY : gate->capacity;
+      pl->groups = (int)gate->groups;
+      int heads = L->has_attention ? (int)L->heads : (int)heads_opt;
+      any_attention |= heads > 0;
+      any_dropless |= gate->dropless;
+      pl->spec = (SchedLayerSpec){
+          .batch = (double)p->model.batch, .seqlen = (double)p->model.seqlen, .embed = (double)p->model.embed,
+          .hidden = (double)L->moe.experts.hidden, .f = pl->k * pl->capacity, .experts = (int)L->moe.experts.count,
+          .heads = heads, .ffn = strcmp(L->moe.experts.kind, "mixtral") == 0 ? SCHED_FFN_MIXTRAL : SCHED_FFN_GPT,
+          .dp = (int)par->dp, .mp = (int)par->mp, .ep = (int)par->ep, .esp = (int)par->esp};
+      pl->spec.r_max = r_max_of(&pl->spec, pl->k, pl->capacity, pl->spec.experts, pl->groups);
+      r_max[k] = pl->spec.r_max;
+      sched_layer_cost(&pl->spec, &cluster, &costs[k]);
+    }
+  }
+  SchedStack st = {n, costs, r_max};
+  double t0 = now_s();
+  if (!plan_all(&st, plans)) {
+    ir_error(&d, "planning failed (an internal error)");
+    goto done;
+  }
+  double plan_s = now_s() - t0;
+  SchedResource busiest;
+  double lb_total[SCHED_NRES];
+  double lb = sched_lower_bound(&st, &busiest, lb_total);
+
+  // ---- report ----
+  const SchedPlan *main_plan = &plans[shown];
+  printf("# moec plan %s\n", input);
+  printf("# model %s: B %lld, L %lld, M %lld; %d generalized layer%s\n", p->model.name, (long long)p->model.batch,
+         (long long)p->model.seqlen, (long long)p->model.embed, n, n == 1 ? "" : "s");
+  printf("# parallel: dp %lld, mp %lld, ep %lld, esp %lld (P = %lld)\n", (long long)par->dp, (long long)par->mp,
+         (long long)par->ep, (long long)par->esp, (long long)(par->dp * par->mp));
+  printf("# cluster %s (%s): %d nodes x %d GPUs\n", cluster.name, cluster_path, cluster.nodes, cluster.gpus_per_node);
+  if (!any_attention) printf("# no attention in the model (and no --heads): dense time and dense gradients are 0\n");
+  if (any_dropless)
+    printf("# dropless layers planned at capacity %.2f; per-bucket degrees follow the layer table\n",
+           SCHED_DROPLESS_CAPACITY);
+  printf("# times in ms (predicted by the cluster profile's fits); gradients in elements, MB at %g bytes each\n",
+         SCHED_GRAD_BYTES);
+  printf("# per-layer plan of %s (r: pipeline degree; slsqp/exh: Algorithm 1 by SLSQP / exhaustive search;\n"
+         "#   grad moe/dense: gradient all-reduced inside the backward MoE / during the dense backward)\n",
+         sched_policy_name[shown]);
+  printf("%-16s %5s %5s %9s %9s %7s %9s %12s %12s %9s\n", "layer", "r_fwd", "r_bwd", "slsqp f/b", "exh f/b", "case",
+         "t_gar", "grad_moe", "grad_dense", "grad_MB");
+  for (int i = 0; i < n; i++) {
+    const SchedLayerPlan *lp = &main_plan->layer[i];
+    char sl[16], ex[16], cs[16];
+    snprintf(sl, sizeof sl, "%d/%d", lp->r_slsqp[0], lp->r_slsqp[1]);
+    snprintf(ex, sizeof ex, "%d/%d", lp->r_exhaustive[0], lp->r_exhaustive[1]);
+    if (lp->kase[0] || lp->kase[1]) snprintf(cs, sizeof cs, "%d/%d", lp->kase[0], lp->kase[1]);
+    else snprintf(cs, sizeof cs, "-");
+    printf("%-16s %5d %5d %9s %9s %7s %9.3f %12.0f %12.0f %9.2f\n", layers[i].name, lp->r[0], lp->r[1], sl, ex, cs,
+           lp->t_gar, lp->grad_moe, lp->grad_dense, (lp->grad_moe + lp->grad_dense) * SCHED_GRAD_BYTES / 1e6);
+  }
+  printf("# gradient after the backward pass: %.0f elements (%.2f MB); partition: %s\n", main_plan->grad_tail,
+         main_plan->grad_tail * SCHED_GRAD_BYTES / 1e6, main_plan->partition ? main_plan->partition : "-");
+  if (shown == SCHED_FSMOE)
+    for (int i = 0; i < n; i++) {
+      if (!layers[i].dropless) continue;
+      Bucket b[NBUCKETS];
+      dropless_buckets(&layers[i], &cluster, &main_plan->layer[i], b);
+      printf("# dropless %s: capacity bucket -> r_fwd/r_bwd:", layers[i].name);
+      for (int j = 0; j < NBUCKETS; j++) printf("  <=%g: %d/%d", b[j].capacity, b[j].r_fwd, b[j].r_bwd);
+      printf("\n");
+    }
+  printf("#\n%-16s %10s %10s %10s %9s %9s %9s\n", "policy", "fwd_ms", "bwd_ms", "iter_ms", "vs_tutel", "vs_seq",
+         "vs_lb");
+  for (int q = 0; q < SCHED_NPOLICIES; q++) {
+    if (!all && q != (int)shown && q != SCHED_TUTEL && q != SCHED_SEQUENTIAL) continue;
+    const SchedPlan *pl = &plans[q];
+    printf("%-16s %10.3f %10.3f %10.3f %8.3fx %8.3fx %8.1f%%\n", sched_policy_name[q], pl->t_fwd, pl->t_bwd,
+           pl->t_iter, plans[SCHED_TUTEL].t_iter / pl->t_iter, plans[SCHED_SEQUENTIAL].t_iter / pl->t_iter,
+           100 * (pl->t_iter / lb - 1));
+  }
+  printf("# lower bound %.3f ms: busiest resource %s (compute %.3f, intra %.3f, inter %.3f ms at r = 1)\n", lb,
+         sched_resource_name[busiest], lb_total[SCHED_RES_COMPUTE], lb_total[SCHED_RES_INTRA],
+         lb_total[SCHED_RES_INTER]);
+  printf("# planned %d policies in %.3f ms\n", SCHED_NPOLICIES, plan_s * 1e3);
+
+  char title[256];
+  snprintf(title, sizeof title, "%s on %s: %s", p->model.name, cluster.name, sched_policy_name[shown]);
+  bool ok = true;
+  if (svg && !write_timeline(svg, &st, main_plan, true, title)) ok = ir_error(&d, "cannot write '%s'", svg);
+  if (trace && !write_timeline(trace, &st, main_plan, false, title)) ok = ir_error(&d, "cannot write '%s'", trace);
+  if (json && !write_json(json, p->model.name, cluster_path, &cluster, par, layers, &st, plans, lb, busiest, lb_total))
+    ok = ir_error(&d, "cannot write '%s'", json);
+  if (svg && ok) printf("# wrote %s\n", svg);
+  if (trace && ok) printf("# wrote %s\n", trace);
+  if (json && ok) printf("# wrote %s\n", json);
+  printf(ok ? "OK\n" : "FAILED\n");
+  status = ok ? 0 : 1;
+done:
+  free_all(plans);
+  free(layers);
+  free(costs);
+  free(r_max);
+  fe_program_free(p);
+  ir_source_free(src);
+  return status;
+}
+
+// ---- moec sweep ----
+
+// The paper's Table 5 (average speedup over tutel) on Testbed A and B.
+static double paper_speedup(SchedPolicy p, int testbed) {
+  static const double a[SCHED_NPOLICIES] = {[SCHED_FSMOE] = 1.18, [SCHED_FSMOE_NO_IIO] = 1.12, [SCHED_TUTEL] = 1.00,
+                                            [SCHED_TUTEL_IMPROVED] = 1.09};
+  static const double b[SCHED_NPOLICIES] = {[SCHED_FSMOE] = 1.22, [SCHED_FSMOE_NO_IIO] = 1.16, [SCHED_TUTEL] = 1.00,
+                                            [SCHED_TUTEL_IMPROVED] = 1.08};
+  if (testbed == 'a') return a[p];
+  if (testbed == 'b') return b[p];
+  return 0;
+}
+
+typedef struct SweepCase {
+  int id;
+  double batch, seqlen, embed, hscale, f;
+  int heads;
+  SchedFfn ffn;
+  bool dropless;
+} SweepCase;
+
+static bool parse_seqlens(const char *text, double out[3]) {
+  char *end;
+  const char *s = text;
+  for (int i = 0; i < 3; i++) {
+    double v = strtod(s, &end);
+    if (end == s || !(v >= 1) || v != floor(v)) return false;
+    out[i] = v;
+    s = end;
+    if (i < 2) {
+      if (*s != ',') return false;
+      s++;
+    }
+  }
+  return *s == '\0';
+}
+
+// Why another policy beat fsmoe on a case: which phase, and what differed there.
+static void explain(const SchedPlan *fs, const SchedPlan *other, char *buf, size_t n) {
+  double dfwd = fs->t_fwd - other->t_fwd, dbwd = fs->t_bwd - other->t_bwd;
+  if (dfwd > 0 && dfwd >= dbwd) {
+    snprintf(buf, n, "forward %.3f ms slower: r_fwd %d (Algorithm 1) vs %d; the case model misjudges the %s overlap",
+             dfwd, fs->layer[0].r[SCHED_FWD], other->layer[0].r[SCHED_FWD],
+             other->policy == SCHED_SEQUENTIAL ? "pipelining" : "stream");
+  } else {
+    snprintf(buf, n,
+             "backward %.3f ms slower: r_bwd %d/%d vs %d/%d, gradient in MoE %.0f, dense %.0f, tail %.0f (%s) vs %s",
+             dbwd, fs->layer[0].r[SCHED_BWD], fs->nlayers > 1 ? fs->layer[1].r[SCHED_BWD] : 0,
+             other->layer[0].r[SCHED_BWD], other->nlayers > 1 ? other->layer[1].r[SCHED_BWD] : 0,
+             fs->layer[0].grad_moe, fs->layer[0].grad_dense, fs->grad_tail, fs->partition, other->partition);
+  }
+}
+
+int moec_sweep(int argc, char **argv) {
+  const char *cluster_path = NULL;
+  bool quick = false;
+  double seqlens[3] = {0}, dropless_capacity = SCHED_DROPLESS_CAPACITY;
+  bool have_seqlens = false;
+  for (int i = 2; i < argc; i++) {
+    const char *a = argv[i];
+    if (strcmp(a, "--cluster") == 0) {
+      if (!need_value(i, argc, argv)) return 2;
+      cluster_path = argv[++i];
+    } else if (strcmp(a, "--quick") == 0) {
+      quick = true;
+    } else if (strcmp(a, "--seqlens") == 0) {
+      if (!need_value(i, argc, argv)) return 2;
+      if (!parse_seqlens(argv[++i], seqlens)) {
+        fprintf(stderr, "moec: error: --seqlens takes three sequence lengths, e.g. 512,1024,2048\n");
+        return 2;
+      }
+      have_seqlens = true;
+    } else if (strcmp(a, "--dropless-capacity") == 0) {
+      if (!need_value(i, argc, argv) || !parse_positive(a, argv[++i], &dropless_capacity)) return 2;
+    } else {
+      fprintf(stderr, "moec: error: unknown %s '%s' for 'moec sweep' (usage: moec sweep --cluster C [--quick])\n",
+              a[0] == '-' ? "option" : "argument", a);
+      return 2;
+    }
+  }
+  if (!cluster_path) {
+    fprintf(stderr, "moec: error: moec sweep needs --cluster C (e.g. lang/clusters/testbed-a.cluster)\n");
+    return 2;
+  }
+  IrDiag d;
+  ir_diag_init(&d, stderr);
+  FeCluster fc;
+  if (!fe_load_cluster(&d, cluster_path, (SrcLoc){0}, &fc)) return 1;
+  SchedCluster cluster;
+  cluster_from_fe(&fc, &cluster);
+  int testbed = strncmp(cluster.name, "testbed_a", 9) == 0 ? 'a' : strncmp(cluster.name, "testbed_b", 9) == 0 ? 'b' : 0;
+  if (!have_seqlens) {
+    // Table 4: L in {512, 1024, 2048}; on Testbed B {256, 512, 1024} (memory of the 2080Ti).
+    double a[3] = {512, 1024, 2048}, b[3] = {256, 512, 1024};
+    memcpy(seqlens, testbed == 'b' ? b : a, sizeof seqlens);
+  }
+  int gpn = cluster.gpus_per_node, world = cluster.nodes * cluster.gpus_per_node;
+
+  static const double batches[] = {1, 2, 4}, embeds[] = {1024, 2048, 4096}, hscales[] = {2, 3, 4};
+  static const int heads[] = {8, 16, 32};
+  double fs[3] = {1.2, 2.4, 2 * dropless_capacity};   // f = k*capacity; `*`: top-2, dropless stand-in
+  enum { NCASES = 3 * 3 * 3 * 3 * 3 * 3 * 2 };
+
+  printf("# moec sweep: Table 4 of the FSMoE paper, each case a stack of 2 identical generalized layers,\n"
+         "#   forward + backward, every policy planned and simulated\n");
+  printf("# cluster %s (%s): %d nodes x %d GPUs; mp = esp = %d, ep = dp = %d (P = %d)\n", cluster.name,
+         cluster_path, cluster.nodes, gpn, gpn, cluster.nodes, world);
+  printf("# B {1,2,4}, heads {8,16,32}, L {%g,%g,%g}, M {1024,2048,4096}, H = hscale*M {2,3,4}, "
+         "f {1.2, 2.4, *}, ffn {gpt, mixtral}\n",
+         seqlens[0], seqlens[1], seqlens[2]);
+  printf("# f = * (dropless) is modelled as top-2 at capacity %.2f: f = %.2f\n", dropless_capacity, fs[2]);
+  printf("# iteration times in ms; speedup = tutel / fsmoe\n");
+  if (!quick)
+    printf("%5s %2s %5s %5s %5s %2s %4s %-7s %3s %5s %10s %10s %10s %10s %10s %10s %7s\n", "case", "B", "heads", "L",
+           "M", "hs", "f", "ffn", "r_f", "r_b", "sequential", "tutel", "tutel-imp", "lina", "no-iio", "fsmoe",
+           "speedup");
+
+  double sum_speedup[SCHED_NPOLICIES] = {0}, sum_vs_seq[SCHED_NPOLICIES] = {0};
+  int wins[SCHED_NPOLICIES] = {0}, rdiff = 0, ncases = 0, nexc = 0;
+  char (*exc)[400] = calloc(NCASES, sizeof *exc);
+  if (!exc) return 1;
+  bool progress = isatty(STDOUT_FILENO) && isatty(STDERR_FILENO);
+  bool ok = true;
+  double t0 = now_s();
+  for (int ib = 0; ib < 3; ib++)
+    for (int ih = 0; ih < 3; ih++)
+      for (int il = 0; il < 3; il++)
+        for (int im = 0; im < 3; im++)
+          for (int is = 0; is < 3; is++)
+            for (int iff = 0; iff < 3; iff++)
+              for (int ffn = 0; ffn < 2 && ok; ffn++) {
+                SweepCase sc = {ncases, batches[ib], seqlens[il], embeds[im], hscales[is], fs[iff], heads[ih],
+                                ffn ? SCHED_FFN_MIXTRAL : SCHED_FFN_GPT, iff == 2};
+                SchedLayerSpec spec = {.batch = sc.batch, .seqlen = sc.seqlen, .embed = sc.embed,
+                                       .hidden = sc.hscale * sc.embed, .f = sc.f, .experts = cluster.nodes,
+                                       .heads = sc.heads, .ffn = sc.ffn, .dp = cluster.nodes, .mp = gpn,
+                                       .ep = cluster.nodes, .esp = gpn, .r_max = SCHED_R_MAX};
+                SchedLayerCost cost[2];
+                sched_layer_cost(&spec, &cluster, &cost[0]);
+                cost[1] = cost[0];
+                int rm[2] = {SCHED_R_MAX, SCHED_R_MAX};
+                SchedStack st = {2, cost, rm};
+                SchedPlan plans[SCHED_NPOLICIES];
+                if (!plan_all(&st, plans)) {
+                  ok = false;
+                  free_all(plans);
+                  break;
+                }
+                const SchedPlan *f = &plans[SCHED_FSMOE];
+                double tt = plans[SCHED_TUTEL].t_iter, ts = plans[SCHED_SEQUENTIAL].t_iter;
+                int fastest = 0;
+                for (int q = 0; q < SCHED_NPOLICIES; q++) {
+                  sum_speedup[q] += tt / plans[q].t_iter;
+                  sum_vs_seq[q] += ts / plans[q].t_iter;
+                  if (plans[q].t_iter < plans[fastest].t_iter) fastest = q;
+                }
+                wins[fastest]++;
+                bool differ = false;
+                for (int i = 0; i < 2; i++) differ |= f->layer[i].r[SCHED_FWD] != f->layer[i].r[SCHED_BWD];
+                rdiff += differ;
+                if (f->t_iter > plans[fastest].t_iter * (1 + 1e-9)) {
+                  char why[300];
+                  explain(f, &plans[fastest], why, sizeof why);
+                  snprintf(exc[nexc++], sizeof exc[0], "%5d %-14s %6.2f%% faster: %s", sc.id,
+                           sched_policy_name[fastest], 100 * (f->t_iter / plans[fastest].t_iter - 1), why);
+                }
+                if (!quick) {
+                  char rb[16];
+                  snprintf(rb, sizeof rb, "%d/%d", f->layer[1].r[SCHED_BWD], f->layer[0].r[SCHED_BWD]);
+                  printf("%5d %2g %5d %5g %5g %2g %4s %-7s %3d %5s %10.3f %10.3f %10.3f %10.3f %10.3f %10.3f %6.3fx\n",
+                         sc.id, sc.batch, sc.heads, sc.seqlen, sc.embed, sc.hscale,
+                         sc.dropless ? "*" : iff == 0 ? "1.2" : "2.4", ffn ? "mixtral" : "gpt",
+                         f->layer[0].r[SCHED_FWD], rb, ts, tt, plans[SCHED_TUTEL_IMPROVED].t_iter,
+                         plans[SCHED_PIPEMOE_LINA].t_iter, plans[SCHED_FSMOE_NO_IIO].t_iter, f->t_iter,
+                         tt / f->t_iter);
+                }
+                free_all(plans);
+                ncases++;
+                if (progress && (ncases % 18 == 0 || ncases == NCASES)) {
+                  int w = 40, done = ncases * w / NCASES;
+                  fprintf(stderr, "\r[%.*s%*s] %4d/%d", done, "========================================", w - done, "",
+                          ncases, NCASES);
+                  if (ncases == NCASES) fputc('\n', stderr);
+                }
+              }
+  double elapsed = now_s() - t0;
+  if (!ok) {
+    free(exc);
+    ir_error(&d, "planning failed (an internal error)");
+    printf("FAILED\n");
+    return 1;
+  }
+  printf("#\n# average speedup over tutel, %d cases (paper: Table 5, %s)\n", ncases,
+         testbed == 'a' ? "Testbed A" : testbed == 'b' ? "Testbed B" : "Testbed A / B");
+  printf("%-16s %9s %9s %9s %12s\n", "policy", "ours", "paper", "fastest", "vs_sequential");
+  static const SchedPolicy order[] = {SCHED_TUTEL, SCHED_TUTEL_IMPROVED, SCHED_PIPEMOE_LINA, SCHED_FSMOE_NO_IIO,
+                                      SCHED_FSMOE, SCHED_SEQUENTIAL};
+  for (int k = 0; k < SCHED_NPOLICIES; k++) {
+    SchedPolicy q = order[k];
+    char paper[32] = "-";
+    if (testbed && paper_speedup(q, testbed) > 0) snprintf(paper, sizeof paper, "%.2fx", paper_speedup(q, testbed));
+    else if (!testbed && paper_speedup(q, 'a') > 0)
+      snprintf(paper, sizeof paper, "%.2f/%.2f", paper_speedup(q, 'a'), paper_speedup(q, 'b'));
+    printf("%-16s %8.3fx %9s %9d %11.3fx\n", sched_policy_name[q], sum_speedup[q] / ncases, paper, wins[q],
+           sum_vs_seq[q] / ncases);
+  }
+  printf("# fsmoe cases with r_fwd != r_bwd in some layer: %d of %d (paper: 912 of 1458)\n", rdiff, ncases);
+  printf("# cases where fsmoe is not the fastest policy: %d\n", nexc);
+  for (int i = 0; i < nexc; i++) printf("#   %s\n", exc[i]);
+  printf("# %d cases x %d policies planned and simulated in %.2f s\n", ncases, SCHED_NPOLICIES, elapsed);
+  printf("OK\n");
+  free(exc);
+  return 0;
+}

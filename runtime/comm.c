@@ -1,0 +1,730 @@
+// Ranks, groups and collectives of the CPU backend, over MPI.
+//
+// The parallel layout (moert.h) fixes every group arithmetically: MP and ESP groups are runs of
+// consecutive world ranks, DP groups stride by mp, EP groups by esp, and node n holds world
+// ranks [n*gpus_per_node, (n+1)*gpus_per_node). So each rank can compute every group's members,
+// and every layout check, on its own: rt_comm_init needs no collective to agree that a layout is
+// bad (all ranks fail the same checks, none waits for another), and rank 0 prints the whole
+// group table without asking anyone. Each group is one communicator from MPI_Comm_split of a
+// duplicate of MPI_COMM_WORLD, keyed by world rank, so a rank's index in a group is its
+// coordinate (dp index = rank / mp, ...).
+//
+// Before rt_comm_init, and on any group of one, every collective is a local copy, so code for
+// one rank calls them unconditionally. A layout of NULL is all data parallel (dp = ep = world);
+// gpus_per_node <= 0 (no cluster profile) puts every rank on one node.
+//
+// AlltoAll on a group of P = N nodes x L members per node. Members are ordered by world rank,
+// hence node-major: member m = node n * L + local index l.
+//   flat  one MPI_Alltoall.
+//   1dh   (HetuMoE) every member's whole send buffer is gathered on its node's leader (local
+//         index 0); the leaders exchange one aggregated block per pair of nodes (the L*L blocks
+//         from the sender's members to the receiver's members) with MPI_Alltoall; each leader
+//         scatters to its members the blocks addressed to them.
+//   2dh   (Tutel, DeepSpeed) blocks are regrouped by destination local index, an intra-node
+//         MPI_Alltoall hands them to the member with that local index, a stride transform makes
+//         the blocks for the same destination node contiguous, and an inter-node MPI_Alltoall
+//         among the members with the same local index delivers them. Because members are
+//         node-major, what arrives is already in source order: the final reorder is the
+//         identity, except for unpacking a slice (below).
+// Every group gets two more communicators for this: its members on this rank's node (intra)
+// and its members with this rank's local index, one per node (inter). A group whose members
+// are not spread evenly over nodes has no such hierarchy: there 1dh and 2dh run flat, and
+// rt_comm_print_groups says so for the EP groups. One node (N = 1) or one member per node
+// (L = 1) is still a regular hierarchy; the algorithms then run with groups of one on a side.
+//
+// Counts are int64, MPI takes int. A call whose counts do not fit is cut into slices: elements
+// [o, o + len) of every block, each slice a complete collective of its own (flat AlltoAll and
+// AllGather address the slices in place with a resized datatype; ReduceScatter reduces each
+// member's slice to it with MPI_Reduce). rt_comm_set_max_chunk (rt_internal.h) lowers the limit
+// so that tests exercise the slicing with small buffers.
+//
+// Errors: every communicator returns errors (MPI_ERRORS_RETURN) and MPI_CHECK turns one into
+// rt_comm_abort with the MPI error string, the rank, host and file:line: a failed collective
+// ends the whole job (MPI_Abort), never just one rank. A rank that dies outright is mpirun's
+// business: Open MPI kills the job when a process exits abnormally.
+//
+// Building: the MPI headers (`mpicc --showme:compile`) and, for every program that links
+// libmoert, -lmpi (`mpicc --showme:link`).
+//
+// Buffers: send and recv of one call must not overlap (MPI's rule); rt_allreduce is in place.
+//
+// Threads: MPI_THREAD_MULTIPLE is requested so that collectives on different groups may run on
+// different threads (the intra and inter streams); two collectives on the same group must not
+// run at the same time (MPI's rule, and the group's workspace relies on it).
+#include <mpi.h>
+
+#include <limits.h>
+#include <stdarg.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <unistd.h>
+
+#include "moert.h"
+#include "rt_internal.h"
+
+typedef struct Hierarchy {
+  bool regular;          // every node that holds members holds the same number of them
+  int nodes, per_node;   // N and L
+  MPI_Comm intra, inter; // MPI_COMM_NULL unless regular
+} Hierarchy;
+
+typedef struct Group {
+  MPI_Comm comm;
+  int rank, size;
+  Hierarchy hier;
+  float *work;           // scratch of the hierarchical AlltoAll, grown on demand
+  size_t work_floats;
+} Group;
+
+static struct {
+  bool active;
+  bool owns_mpi;         // rt_comm_init called MPI_Init, so rt_comm_finalize finalizes
+  int thread_level;
+  RtLayout layout;       // gpus_per_node already resolved (never <= 0)
+  int world_rank, world_size;
+  Group group[RT_GROUP_COUNT];
+} comm;
+
+static int64_t max_chunk = INT_MAX;
+
+static const char *const group_names[RT_GROUP_COUNT] = {"world", "dp", "mp", "ep", "esp"};
+
+// ---- errors ----
+
+_Noreturn void rt_comm_abort(const char *fmt, ...) {
+  char msg[2048];
+  va_list ap;
+  va_start(ap, fmt);
+  vsnprintf(msg, sizeof msg, fmt, ap);
+  va_end(ap);
+
+  int initialized = 0, finalized = 0, rank = 0, size = 1;
+  MPI_Initialized(&initialized);
+  MPI_Finalized(&finalized);
+  bool mpi_up = initialized && !finalized;
+  if (mpi_up) {
+    MPI_Comm_rank(MPI_COMM_WORLD, &rank);
+    MPI_Comm_size(MPI_COMM_WORLD, &size);
+  }
+  char host[256] = "?";
+  gethostname(host, sizeof host);
+  host[sizeof host - 1] = '\0';
+  fprintf(stderr, "moert: error: rank %d on %s: %s\n", rank, host, msg);
+  fflush(stderr);
+  fflush(stdout);
+  if (mpi_up && size > 1)
+    MPI_Abort(MPI_COMM_WORLD, 1);
+  exit(1);
+}
+
+#define MPI_CHECK(call) mpi_check((call), #call, __FILE__, __LINE__)
+
+static void mpi_check(int err, const char *call, const char *file, int line) {
+  if (err == MPI_SUCCESS)
+    return;
+  char text[MPI_MAX_ERROR_STRING];
+  int len = 0;
+  if (MPI_Error_string(err, text, &len) != MPI_SUCCESS)
+    snprintf(text, sizeof text, "MPI error code %d", err);
+  int name_len = (int)strcspn(call, "(");
+  rt_comm_abort("%.*s failed at %s:%d: %s", name_len, call, file, line, text);
+}
+
+static void *workspace(Group *gr, size_t floats) {
+  if (floats > gr->work_floats) {
+    free(gr->work);
+    gr->work = malloc(floats * sizeof(float));
+    if (!gr->work)
+      rt_comm_abort("out of memory: the AlltoAll workspace needs %zu bytes",
+                    floats * sizeof(float));
+    gr->work_floats = floats;
+  }
+  return gr->work;
+}
+
+// ---- the layout ----
+
+// The world ranks of the members of group g that world rank r belongs to, in group order.
+// Returns how many.
+static int group_members(const RtLayout *l, int world, RtGroup g, int r, int *out) {
+  switch (g) {
+  case RT_GROUP_WORLD:
+    for (int i = 0; i < world; i++) out[i] = i;
+    return world;
+  case RT_GROUP_DP:
+    for (int i = 0; i < l->dp; i++) out[i] = r % l->mp + i * l->mp;
+    return l->dp;
+  case RT_GROUP_MP:
+    for (int i = 0; i < l->mp; i++) out[i] = r / l->mp * l->mp + i;
+    return l->mp;
+  case RT_GROUP_EP:
+    for (int i = 0; i < l->ep; i++) out[i] = r % l->esp + i * l->esp;
+    return l->ep;
+  case RT_GROUP_ESP:
+    for (int i = 0; i < l->esp; i++) out[i] = r / l->esp * l->esp + i;
+    return l->esp;
+  case RT_GROUP_COUNT:
+    break;
+  }
+  rt_comm_abort("internal error: unknown group %d", (int)g);
+}
+
+// The MPI_Comm_split color of rank r in group g: equal colors, same group.
+static int group_color(const RtLayout *l, RtGroup g, int r) {
+  switch (g) {
+  case RT_GROUP_WORLD: return 0;
+  case RT_GROUP_DP: return r % l->mp;
+  case RT_GROUP_MP: return r / l->mp;
+  case RT_GROUP_EP: return r % l->esp;
+  case RT_GROUP_ESP: return r / l->esp;
+  case RT_GROUP_COUNT: break;
+  }
+  rt_comm_abort("internal error: unknown group %d", (int)g);
+}
+
+// Nodes and members per node of a group. Members ascend, so each node's members are one run.
+// counts, when given, receives the members of each node (at most n entries). Regular when all
+// runs are equal; *per_node is then their length, else 0.
+static bool hierarchy_of(const int *members, int n, int gpus_per_node, int *nodes, int *per_node,
+                         int *counts) {
+  int runs = 0, first = 0, first_run = 0;
+  bool regular = true;
+  for (int i = 1; i <= n; i++) {
+    if (i < n && members[i] / gpus_per_node == members[first] / gpus_per_node)
+      continue;
+    int run = i - first;
+    if (counts)
+      counts[runs] = run;
+    if (runs == 0)
+      first_run = run;
+    else if (run != first_run)
+      regular = false;
+    runs++;
+    first = i;
+  }
+  *nodes = runs;
+  *per_node = regular ? first_run : 0;
+  return regular;
+}
+
+static int layout_error(int rank, const char *fmt, ...) __attribute__((format(printf, 2, 3)));
+
+static int layout_error(int rank, const char *fmt, ...) {
+  if (rank == 0) {
+    va_list ap;
+    va_start(ap, fmt);
+    fputs("moert: error: ", stderr);
+    vfprintf(stderr, fmt, ap);
+    fputc('\n', stderr);
+    va_end(ap);
+    fflush(stderr);
+  }
+  return 1;
+}
+
+// The checks every rank makes on its own; rank 0 prints each failure. Returns how many failed.
+static int check_layout(const RtLayout *l, int world, int nodes, int rank) {
+  if (l->dp < 1 || l->mp < 1 || l->ep < 1 || l->esp < 1)
+    return layout_error(rank, "the parallel sizes must be at least 1, not dp %d, mp %d, ep %d, "
+                        "esp %d", l->dp, l->mp, l->ep, l->esp);
+  int errors = 0;
+  int64_t dp_mp = (int64_t)l->dp * l->mp, ep_esp = (int64_t)l->ep * l->esp;
+  int gpn = l->gpus_per_node;
+  if (dp_mp != world)
+    errors += layout_error(rank, "the layout needs dp %d x mp %d = %lld ranks but %d %s running",
+                           l->dp, l->mp, (long long)dp_mp, world, world == 1 ? "is" : "are");
+  if (ep_esp != world)
+    errors += layout_error(rank, "the layout needs ep %d x esp %d = %lld ranks but %d %s running",
+                           l->ep, l->esp, (long long)ep_esp, world, world == 1 ? "is" : "are");
+  // A run of size s starting at multiples of s crosses the boundary at gpn exactly when s does
+  // not divide gpn, and that boundary exists when the world is larger than one node.
+  if (world > gpn && gpn % l->mp != 0)
+    errors += layout_error(rank, "mp %d does not divide gpus_per_node %d: the MP groups would "
+                           "span nodes", l->mp, gpn);
+  if (world > gpn && gpn % l->esp != 0)
+    errors += layout_error(rank, "esp %d does not divide gpus_per_node %d: the ESP groups would "
+                           "span nodes", l->esp, gpn);
+  if (nodes > 0 && dp_mp > (int64_t)nodes * gpn)
+    errors += layout_error(rank, "the layout needs %lld ranks but the cluster has %lld (%d node%s "
+                           "x %d gpus_per_node)", (long long)dp_mp, (long long)nodes * gpn, nodes,
+                           nodes == 1 ? "" : "s", gpn);
+  return errors;
+}
+
+// ---- init and finalize ----
+
+static MPI_Comm split(MPI_Comm parent, int color, int key) {
+  MPI_Comm c;
+  MPI_CHECK(MPI_Comm_split(parent, color, key, &c));
+  MPI_CHECK(MPI_Comm_set_errhandler(c, MPI_ERRORS_RETURN));
+  return c;
+}
+
+static void build_group(RtGroup g, MPI_Comm world, int *members) {
+  Group *gr = &comm.group[g];
+  const RtLayout *l = &comm.layout;
+  int r = comm.world_rank;
+  gr->comm = split(world, group_color(l, g, r), r);
+  MPI_CHECK(MPI_Comm_rank(gr->comm, &gr->rank));
+  MPI_CHECK(MPI_Comm_size(gr->comm, &gr->size));
+  int n = group_members(l, comm.world_size, g, r, members);
+  if (n != gr->size || members[gr->rank] != r)
+    rt_comm_abort("internal error: the %s group of rank %d has %d members where MPI made %d",
+                  group_names[g], r, n, gr->size);
+
+  Hierarchy *h = &gr->hier;
+  h->intra = h->inter = MPI_COMM_NULL;
+  h->regular = hierarchy_of(members, n, l->gpus_per_node, &h->nodes, &h->per_node, NULL);
+  if (h->regular) {
+    // Every member computed the same members, so all agree on `regular` and the splits match.
+    h->intra = split(gr->comm, r / l->gpus_per_node, gr->rank);
+    h->inter = split(gr->comm, gr->rank % h->per_node, gr->rank);
+  }
+}
+
+int rt_comm_init(const RtLayout *layout, int nodes) {
+  if (comm.active) {
+    fprintf(stderr, "moert: error: internal error: rt_comm_init called twice\n");
+    return 1;
+  }
+  int initialized = 0, finalized = 0;
+  MPI_Initialized(&initialized);
+  MPI_Finalized(&finalized);
+  if (finalized) {
+    fprintf(stderr, "moert: error: internal error: rt_comm_init called after MPI was finalized\n");
+    return 1;
+  }
+  bool owns = false;
+  if (initialized) {
+    MPI_Query_thread(&comm.thread_level);
+  } else {
+    MPI_Init_thread(NULL, NULL, MPI_THREAD_MULTIPLE, &comm.thread_level);
+    owns = true;
+  }
+  int world_rank, world_size;
+  MPI_Comm_rank(MPI_COMM_WORLD, &world_rank);
+  MPI_Comm_size(MPI_COMM_WORLD, &world_size);
+
+  RtLayout l = layout ? *layout : (RtLayout){world_size, 1, world_size, 1, 0};
+  if (l.gpus_per_node <= 0)
+    l.gpus_per_node = world_size;   // unknown cluster: one node holds every rank
+  if (check_layout(&l, world_size, nodes, world_rank) != 0) {
+    if (owns)
+      MPI_Finalize();
+    return 1;
+  }
+
+  comm.owns_mpi = owns;
+  comm.layout = l;
+  comm.world_rank = world_rank;
+  comm.world_size = world_size;
+  MPI_Comm world;
+  MPI_Comm_dup(MPI_COMM_WORLD, &world);   // MPI_COMM_WORLD's handler still aborts here
+  MPI_CHECK(MPI_Comm_set_errhandler(world, MPI_ERRORS_RETURN));
+  int *members = malloc(world_size * sizeof *members);
+  if (!members)
+    rt_comm_abort("out of memory");
+  for (int g = 0; g < RT_GROUP_COUNT; g++)
+    build_group((RtGroup)g, world, members);
+  free(members);
+  MPI_CHECK(MPI_Comm_free(&world));
+  comm.active = true;
+  return 0;
+}
+
+static void free_comm(MPI_Comm *c) {
+  if (*c != MPI_COMM_NULL)
+    MPI_CHECK(MPI_Comm_free(c));
+  *c = MPI_COMM_NULL;
+}
+
+void rt_comm_finalize(void) {
+  if (!comm.active)
+    return;
+  for (int g = 0; g < RT_GROUP_COUNT; g++) {
+    Group *gr = &comm.group[g];
+    free_comm(&gr->hier.intra);
+    free_comm(&gr->hier.inter);
+    free_comm(&gr->comm);
+    free(gr->work);
+  }
+  bool owns = comm.owns_mpi;
+  memset(&comm, 0, sizeof comm);
+  if (owns)
+    MPI_Finalize();
+}
+
+bool rt_comm_active(void) {
+  return comm.active;
+}
+
+static void check_group(RtGroup g, const char *who) {
+  if ((int)g < 0 || g >= RT_GROUP_COUNT)
+    rt_comm_abort("internal error: %s on unknown group %d", who, (int)g);
+}
+
+int rt_comm_rank(RtGroup g) {
+  check_group(g, "rt_comm_rank");
+  return comm.active ? comm.group[g].rank : 0;
+}
+
+int rt_comm_size(RtGroup g) {
+  check_group(g, "rt_comm_size");
+  return comm.active ? comm.group[g].size : 1;
+}
+
+void rt_comm_set_max_chunk(int64_t elements) {
+  max_chunk = elements < 1 ? 1 : elements > INT_MAX ? INT_MAX : elements;
+}
+
+bool rt_comm_hierarchy(RtGroup g, int *nodes, int *per_node) {
+  check_group(g, "rt_comm_hierarchy");
+  if (!comm.active) {
+    *nodes = *per_node = 1;
+    return false;
+  }
+  const Hierarchy *h = &comm.group[g].hier;
+  *nodes = h->nodes;
+  *per_node = h->per_node;
+  return h->regular;
+}
+
+// ---- the group table ----
+
+// "0,2,4,6"; a long list keeps its ends, "0,2,...,62" (every group is an arithmetic run).
+static void format_members(char *buf, size_t size, const int *members, int n) {
+  size_t used = 0;
+  buf[0] = '\0';
+  for (int i = 0; i < n && used < size; i++) {
+    if (n > 8 && i == 2) {
+      used += snprintf(buf + used, size - used, ",...");
+      i = n - 2;   // the loop goes on with the last member
+      continue;
+    }
+    used += snprintf(buf + used, size - used, "%s%d", i ? "," : "", members[i]);
+  }
+}
+
+static const char *thread_level_name(int level) {
+  switch (level) {
+  case MPI_THREAD_SINGLE: return "single";
+  case MPI_THREAD_FUNNELED: return "funneled";
+  case MPI_THREAD_SERIALIZED: return "serialized";
+  case MPI_THREAD_MULTIPLE: return "multiple";
+  }
+  return "unknown";
+}
+
+// Says how 1dh and 2dh run on the EP groups: one line when every EP group has the same
+// hierarchy, else one line per group; an irregular group falls back to flat.
+static void print_ep_hierarchy(FILE *out, int *members, int *counts) {
+  const RtLayout *l = &comm.layout;
+  // EP group j (j < esp) is the one of world rank j.
+  int nodes0 = 0, per_node0 = 0;
+  bool regular0 = false, same = true;
+  for (int first = 0; first < l->esp; first++) {
+    int nodes, per_node;
+    int n = group_members(l, comm.world_size, RT_GROUP_EP, first, members);
+    bool regular = hierarchy_of(members, n, l->gpus_per_node, &nodes, &per_node, NULL);
+    if (first == 0) {
+      regular0 = regular;
+      nodes0 = nodes;
+      per_node0 = per_node;
+    }
+    same = same && regular == regular0 && nodes == nodes0 && per_node == per_node0;
+  }
+  if (same && regular0) {
+    fprintf(out, "# EP AlltoAll hierarchy (1dh, 2dh): %d node%s x %d member%s per node\n", nodes0,
+            nodes0 == 1 ? "" : "s", per_node0, per_node0 == 1 ? "" : "s");
+    return;
+  }
+  for (int first = 0; first < l->esp; first++) {
+    int nodes, per_node;
+    int n = group_members(l, comm.world_size, RT_GROUP_EP, first, members);
+    bool regular = hierarchy_of(members, n, l->gpus_per_node, &nodes, &per_node, counts);
+    char list[128];
+    format_members(list, sizeof list, members, n);
+    if (regular) {
+      fprintf(out, "# EP group {%s} AlltoAll hierarchy (1dh, 2dh): %d nodes x %d members per "
+              "node\n", list, nodes, per_node);
+      continue;
+    }
+    fprintf(out, "# note: EP group {%s} has ", list);
+    for (int i = 0; i < nodes; i++)
+      fprintf(out, "%s%d", i ? ", " : "", counts[i]);
+    fprintf(out, " members on its %d nodes: 1dh and 2dh fall back to flat there\n", nodes);
+  }
+}
+
+void rt_comm_print_groups(FILE *out) {
+  if (!comm.active || comm.world_rank != 0)
+    return;
+  const RtLayout *l = &comm.layout;
+  int world = comm.world_size, gpn = l->gpus_per_node;
+  int nodes = (world + gpn - 1) / gpn;
+  int *members = malloc(2 * world * sizeof *members);
+  if (!members)
+    rt_comm_abort("out of memory");
+  int *counts = members + world;
+  fprintf(out, "# parallel layout: %d rank%s = dp %d x mp %d = ep %d x esp %d; %d node%s "
+          "(gpus_per_node %d); MPI thread level %s\n", world, world == 1 ? "" : "s", l->dp, l->mp,
+          l->ep, l->esp, nodes, nodes == 1 ? "" : "s", gpn, thread_level_name(comm.thread_level));
+  print_ep_hierarchy(out, members, counts);
+
+  static const RtGroup listed[] = {RT_GROUP_DP, RT_GROUP_MP, RT_GROUP_EP, RT_GROUP_ESP};
+  enum { NLISTED = sizeof listed / sizeof listed[0] };
+  int width[NLISTED];
+  char list[128];
+  for (int c = 0; c < NLISTED; c++) {
+    width[c] = (int)strlen(group_names[listed[c]]) + 6;   // "dp group"
+    for (int r = 0; r < world; r++) {
+      format_members(list, sizeof list, members, group_members(l, world, listed[c], r, members));
+      if ((int)strlen(list) > width[c])
+        width[c] = (int)strlen(list);
+    }
+  }
+  fprintf(out, "%5s %5s %4s %4s %4s %4s", "rank", "node", "dp", "mp", "ep", "esp");
+  for (int c = 0; c < NLISTED; c++) {
+    char head[16];
+    snprintf(head, sizeof head, "%s group", group_names[listed[c]]);
+    fprintf(out, "  %-*s", width[c], head);
+  }
+  fputc('\n', out);
+  for (int r = 0; r < world; r++) {
+    fprintf(out, "%5d %5d %4d %4d %4d %4d", r, r / gpn, r / l->mp, r % l->mp, r / l->esp,
+            r % l->esp);
+    for (int c = 0; c < NLISTED; c++) {
+      format_members(list, sizeof list, members, group_members(l, world, listed[c], r, members));
+      fprintf(out, "  %-*s", c + 1 < NLISTED ? width[c] : 0, list);
+    }
+    fputc('\n', out);
+  }
+  fflush(out);
+  free(members);
+}
+
+// ---- collectives ----
+
+static Group *active_group(RtGroup g, const char *who, int64_t count) {
+  check_group(g, who);
+  if (count < 0)
+    rt_comm_abort("internal error: %s with a negative count (%lld)", who, (long long)count);
+  return comm.active ? &comm.group[g] : NULL;   // NULL: a world of one
+}
+
+static void copy_floats(float *dst, const float *src, int64_t n) {
+  if (n > 0 && dst != src)
+    memmove(dst, src, (size_t)n * sizeof(float));
+}
+
+// The slice [o, o + len) of each block of `stride` floats, as one datatype element.
+static MPI_Datatype block_slice(int len, int64_t stride) {
+  MPI_Datatype contiguous, slice;
+  MPI_CHECK(MPI_Type_contiguous(len, MPI_FLOAT, &contiguous));
+  MPI_Aint extent = (MPI_Aint)(stride * (int64_t)sizeof(float));
+  MPI_CHECK(MPI_Type_create_resized(contiguous, 0, extent, &slice));
+  MPI_CHECK(MPI_Type_commit(&slice));
+  MPI_CHECK(MPI_Type_free(&contiguous));
+  return slice;
+}
+
+static int slice_len(int64_t o, int64_t count, int64_t limit) {
+  return (int)(count - o < limit ? count - o : limit);
+}
+
+static void alltoall_flat(Group *gr, const float *send, float *recv, int64_t count) {
+  if (count <= max_chunk) {
+    MPI_CHECK(MPI_Alltoall(send, (int)count, MPI_FLOAT, recv, (int)count, MPI_FLOAT, gr->comm));
+    return;
+  }
+  for (int64_t o = 0; o < count; o += max_chunk) {
+    MPI_Datatype slice = block_slice(slice_len(o, count, max_chunk), count);
+    MPI_CHECK(MPI_Alltoall(send + o, 1, slice, recv + o, 1, slice, gr->comm));
+    MPI_CHECK(MPI_Type_free(&slice));
+  }
+}
+
+// Copies the slices [o, o + len) of n blocks of `stride` floats into n packed blocks of len,
+// or back.
+static void pack_slices(float *dst, const float *src, int n, int64_t stride, int64_t o, int len) {
+  for (int i = 0; i < n; i++)
+    memcpy(dst + (size_t)i * len, src + i * stride + o, (size_t)len * sizeof(float));
+}
+
+static void unpack_slices(float *dst, const float *src, int n, int64_t stride, int64_t o, int len) {
+  for (int i = 0; i < n; i++)
+    memcpy(dst + i * stride + o, src + (size_t)i * len, (size_t)len * sizeof(float));
+}
+
+// 1dh on the slice [o, o + len) of every block. Member m = n*L + l of P = N*L.
+static void alltoall_1dh(Group *gr, const float *send, float *recv, int64_t count, int64_t o,
+                         int len) {
+  const Hierarchy *h = &gr->hier;
+  int P = gr->size, N = h->nodes, L = h->per_node;
+  int local = gr->rank % L;
+  bool sliced = len != count;
+  size_t block = (size_t)len, all = (size_t)P * len;
+  // Leaders hold two buffers of L*P blocks; every member one of P blocks when slicing.
+  size_t leader_floats = local == 0 ? 2 * (size_t)L * all : 0;
+  float *work = workspace(gr, leader_floats + (sliced ? all : 0));
+  float *gathered = NULL, *staged = NULL, *mine = NULL;   // NULL: not used on this rank
+  if (local == 0) {
+    gathered = work;
+    staged = work + (size_t)L * all;
+  }
+  if (sliced)
+    mine = work + leader_floats;
+
+  const float *src = send;
+  if (sliced) {
+    pack_slices(mine, send, P, count, o, len);
+    src = mine;
+  }
+  // gathered[l][dst]: the whole send buffer of local member l.
+  MPI_CHECK(MPI_Gather(src, (int)all, MPI_FLOAT, gathered, (int)all, MPI_FLOAT, 0, h->intra));
+  if (local == 0) {
+    // staged[n'][l][l'] = gathered[l][n'*L + l']: per destination node, from each local source
+    // to each of its members.
+    for (int node = 0; node < N; node++)
+      for (int l = 0; l < L; l++)
+        memcpy(staged + ((size_t)node * L + l) * L * block,
+               gathered + ((size_t)l * P + (size_t)node * L) * block, L * block * sizeof(float));
+    // gathered[n][l][l'] afterwards: from source member n*L + l to local member l'.
+    int exchanged = L * L * len;
+    MPI_CHECK(MPI_Alltoall(staged, exchanged, MPI_FLOAT, gathered, exchanged, MPI_FLOAT, h->inter));
+    // staged[l'][n*L + l]: what local member l' receives, in source order.
+    for (int to = 0; to < L; to++)
+      for (int from = 0; from < P; from++)
+        memcpy(staged + ((size_t)to * P + from) * block, gathered + ((size_t)from * L + to) * block,
+               block * sizeof(float));
+  }
+  float *dst = sliced ? mine : recv;
+  MPI_CHECK(MPI_Scatter(staged, (int)all, MPI_FLOAT, dst, (int)all, MPI_FLOAT, 0, h->intra));
+  if (sliced)
+    unpack_slices(recv, mine, P, count, o, len);
+}
+
+// 2dh on the slice [o, o + len) of every block.
+static void alltoall_2dh(Group *gr, const float *send, float *recv, int64_t count, int64_t o,
+                         int len) {
+  const Hierarchy *h = &gr->hier;
+  int P = gr->size, N = h->nodes, L = h->per_node;
+  bool sliced = len != count;
+  size_t block = (size_t)len, all = (size_t)P * len;
+  float *a = workspace(gr, 2 * all), *b = a + all;
+
+  // a[l'][n'] = send[n'*L + l']: blocks grouped by destination local index.
+  for (int to_local = 0; to_local < L; to_local++)
+    for (int node = 0; node < N; node++)
+      memcpy(a + ((size_t)to_local * N + node) * block,
+             send + ((int64_t)node * L + to_local) * count + o, block * sizeof(float));
+  // b[l][n'] afterwards: from local member l to member n'*L + (my local index).
+  MPI_CHECK(MPI_Alltoall(a, N * len, MPI_FLOAT, b, N * len, MPI_FLOAT, h->intra));
+  // The stride transform: a[n'][l] = b[l][n'], blocks for the same destination node together.
+  for (int node = 0; node < N; node++)
+    for (int from_local = 0; from_local < L; from_local++)
+      memcpy(a + ((size_t)node * L + from_local) * block,
+             b + ((size_t)from_local * N + node) * block, block * sizeof(float));
+  // [n][l] afterwards: from member n*L + l, which is source order.
+  float *dst = sliced ? b : recv;
+  MPI_CHECK(MPI_Alltoall(a, L * len, MPI_FLOAT, dst, L * len, MPI_FLOAT, h->inter));
+  if (sliced)
+    unpack_slices(recv, b, P, count, o, len);
+}
+
+void rt_alltoall(RtGroup g, RtA2aAlgo algo, const float *send, float *recv, int64_t count) {
+  Group *gr = active_group(g, "rt_alltoall", count);
+  if (algo != RT_A2A_FLAT && algo != RT_A2A_1DH && algo != RT_A2A_2DH)
+    rt_comm_abort("internal error: rt_alltoall with unknown algorithm %d", (int)algo);
+  if (!gr || gr->size == 1) {
+    copy_floats(recv, send, count);
+    return;
+  }
+  if (algo == RT_A2A_FLAT || !gr->hier.regular) {
+    alltoall_flat(gr, send, recv, count);
+    return;
+  }
+  // The largest count one MPI call sees: 1dh gathers P blocks and exchanges L*L; 2dh moves
+  // N or L blocks per peer.
+  int64_t square = (int64_t)gr->hier.per_node * gr->hier.per_node;
+  int64_t widest = algo == RT_A2A_1DH && square > gr->size ? square : gr->size;
+  int64_t limit = max_chunk / widest;
+  if (limit < 1)
+    limit = 1;
+  if (count == 0)
+    return;
+  for (int64_t o = 0; o < count; o += limit) {
+    int len = slice_len(o, count, limit);
+    if (algo == RT_A2A_1DH)
+      alltoall_1dh(gr, send, recv, count, o, len);
+    else
+      alltoall_2dh(gr, send, recv, count, o, len);
+  }
+}
+
+void rt_allgather(RtGroup g, const float *send, float *recv, int64_t count) {
+  Group *gr = active_group(g, "rt_allgather", count);
+  if (!gr || gr->size == 1) {
+    copy_floats(recv, send, count);
+    return;
+  }
+  if (count <= max_chunk) {
+    MPI_CHECK(MPI_Allgather(send, (int)count, MPI_FLOAT, recv, (int)count, MPI_FLOAT, gr->comm));
+    return;
+  }
+  for (int64_t o = 0; o < count; o += max_chunk) {
+    int len = slice_len(o, count, max_chunk);
+    MPI_Datatype slice = block_slice(len, count);
+    MPI_CHECK(MPI_Allgather(send + o, len, MPI_FLOAT, recv + o, 1, slice, gr->comm));
+    MPI_CHECK(MPI_Type_free(&slice));
+  }
+}
+
+void rt_reducescatter(RtGroup g, const float *send, float *recv, int64_t count) {
+  Group *gr = active_group(g, "rt_reducescatter", count);
+  if (!gr || gr->size == 1) {
+    copy_floats(recv, send, count);
+    return;
+  }
+  if (count <= max_chunk) {
+    MPI_CHECK(MPI_Reduce_scatter_block(send, recv, (int)count, MPI_FLOAT, MPI_SUM, gr->comm));
+    return;
+  }
+  for (int64_t o = 0; o < count; o += max_chunk) {
+    int len = slice_len(o, count, max_chunk);
+    for (int to = 0; to < gr->size; to++)
+      MPI_CHECK(MPI_Reduce(send + to * count + o, to == gr->rank ? recv + o : NULL, len, MPI_FLOAT,
+                           MPI_SUM, to, gr->comm));
+  }
+}
+
+void rt_allreduce(RtGroup g, float *buf, int64_t n) {
+  Group *gr = active_group(g, "rt_allreduce", n);
+  if (!gr || gr->size == 1)
+    return;
+  for (int64_t o = 0; o < n; o += max_chunk)
+    MPI_CHECK(MPI_Allreduce(MPI_IN_PLACE, buf + o, slice_len(o, n, max_chunk), MPI_FLOAT, MPI_SUM,
+                            gr->comm));
+}
+
+void rt_allreduce_f64(RtGroup g, double *buf, int64_t n) {
+  Group *gr = active_group(g, "rt_allreduce_f64", n);
+  if (!gr || gr->size == 1)
+    return;
+  for (int64_t o = 0; o < n; o += max_chunk)
+    MPI_CHECK(MPI_Allreduce(MPI_IN_PLACE, buf + o, slice_len(o, n, max_chunk), MPI_DOUBLE, MPI_SUM,
+                            gr->comm));
+}
+
+void rt_bcast(RtGroup g, void *buf, int64_t bytes, int root) {
+  Group *gr = active_group(g, "rt_bcast", bytes);
+  int size = gr ? gr->size : 1;
+  if (root < 0 || root >= size)
+    rt_comm_abort("internal error: rt_bcast from root %d in a %s group of %d", root,
+                  group_names[g], size);
+  if (size == 1)
+    return;
+  for (int64_t o = 0; o < bytes; o += max_chunk)
+    MPI_CHECK(MPI_Bcast((char *)buf + o, slice_len(o, bytes, max_chunk), MPI_BYTE, root, gr->comm));
+}

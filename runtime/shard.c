@@ -1,0 +1,912 @@
+// Sharded parameters: where a rank's slice of each tensor lies, seeded init by global index,
+// whole-tensor gathers for --dump, and checkpoints that any layout can resume.
+//
+// The idea: a parameter is one whole tensor (global_dims) and a rank holds a box of it. Nothing
+// that leaves the process depends on the layout: initial values are a function of the global
+// element index, dumps are whole tensors, and a checkpoint is a set of boxes, each labelled with
+// its global shape and offsets. Loading intersects the box a rank needs with every box on disk
+// (hyper-rectangle intersection) and checks that the union covers it, so a checkpoint written by
+// 4 ranks resumes on 1, 2 or 8.
+//
+// The few world-wide operations rt_main needs beyond the group collectives of comm.c (agreeing
+// on an error, max reductions, gathers to rank 0) are here too, and only here does the driver
+// call MPI directly; on a world of one none of them touches MPI.
+#include "moert.h"
+#include "rt_internal.h"
+
+#include <cjson/cJSON.h>
+#include <errno.h>
+#include <fcntl.h>
+#include <inttypes.h>
+#include <limits.h>
+#include <mpi.h>
+#include <stdarg.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+static const char checkpoint_v1[] = "moec-checkpoint-1";
+static const char checkpoint_v2[] = "moec-checkpoint-2";
+
+// ---- ranks and boxes ----
+
+RtRanks rt_ranks_of(const RtLayout *l, int rank, int world) {
+  RtRanks r = {.rank = rank, .world = world, .dp = l->dp, .mp = l->mp, .ep = l->ep,
+               .esp = l->esp};
+  r.dp_index = rank / l->mp;
+  r.mp_index = rank % l->mp;
+  r.ep_index = rank / l->esp;
+  r.esp_index = rank % l->esp;
+  return r;
+}
+
+void rt_shard_offsets(const RtParam *p, const RtRanks *r, int64_t off[4]) {
+  for (int d = 0; d < 4; d++)
+    off[d] = 0;
+  if (p->shard_ep >= 0)
+    off[p->shard_ep] = r->ep_index * p->dims[p->shard_ep];
+  if (p->shard_esp >= 0)
+    off[p->shard_esp] = r->esp_index * p->dims[p->shard_esp];
+}
+
+bool rt_shard_owner(const RtParam *p, const RtRanks *r) {
+  return (p->shard_ep >= 0 || r->ep_index == 0) && (p->shard_esp >= 0 || r->esp_index == 0);
+}
+
+int64_t rt_param_global_numel(const RtParam *p) {
+  int64_t n = 1;
+  for (int d = 0; d < p->rank; d++)
+    n *= p->global_dims[d];
+  return n;
+}
+
+int64_t rt_shard_global_index(const RtParam *p, const int64_t off[4], int64_t j) {
+  int64_t g = 0, stride = 1;
+  for (int d = p->rank - 1; d >= 0; d--) {
+    int64_t c = j % p->dims[d];
+    j /= p->dims[d];
+    g += (c + off[d]) * stride;
+    stride *= p->global_dims[d];
+  }
+  return g;
+}
+
+void rt_shard_init(const RtParam *p, const RtRanks *r, uint64_t seed, float *w) {
+  uint64_t key = rt_key(rt_key(seed, RT_STREAM_INIT), rt_hash_name(p->name));
+  int64_t off[4];
+  rt_shard_offsets(p, r, off);
+  for (int64_t j = 0; j < p->numel; j++) {
+    switch (p->init) {
+    case RT_INIT_ZEROS: w[j] = 0.0f; break;
+    case RT_INIT_ONES: w[j] = 1.0f; break;
+    case RT_INIT_CONST: w[j] = p->std; break;
+    case RT_INIT_NORMAL:
+      w[j] = (float)(p->std * rt_normal(key, (uint64_t)rt_shard_global_index(p, off, j)));
+      break;
+    }
+  }
+}
+
+// Row-major strides of a box.
+static void strides_of(int rank, const int64_t *dims, int64_t *stride) {
+  int64_t s = 1;
+  for (int d = rank - 1; d >= 0; d--) {
+    stride[d] = s;
+    s *= dims[d];
+  }
+}
+
+int64_t rt_box_copy(int rank, const int64_t *src_off, const int64_t *src_dims, const void *src,
+                    const int64_t *dst_off, const int64_t *dst_dims, float *dst,
+                    unsigned char *covered) {
+  int64_t lo[RT_MAX_RANK], hi[RT_MAX_RANK], c[RT_MAX_RANK];
+  int64_t sstride[RT_MAX_RANK], dstride[RT_MAX_RANK];
+  for (int d = 0; d < rank; d++) {
+    lo[d] = src_off[d] > dst_off[d] ? src_off[d] : dst_off[d];
+    int64_t se = src_off[d] + src_dims[d], de = dst_off[d] + dst_dims[d];
+    hi[d] = se < de ? se : de;
+    if (lo[d] >= hi[d])
+      return 0;
+    c[d] = lo[d];
+  }
+  if (rank == 0) {
+    memcpy(dst, src, sizeof(float));
+    if (covered)
+      covered[0] = 1;
+    return 1;
+  }
+  strides_of(rank, src_dims, sstride);
+  strides_of(rank, dst_dims, dstride);
+  int last = rank - 1;
+  int64_t run = hi[last] - lo[last], total = 0;
+  for (;;) {
+    int64_t si = 0, di = 0;
+    for (int d = 0; d < rank; d++) {
+      si += (c[d] - src_off[d]) * sstride[d];
+      di += (c[d] - dst_off[d]) * dstride[d];
+    }
+    memcpy(dst + di, (const unsigned char *)src + si * (int64_t)sizeof(float),
+           (size_t)run * sizeof(float));
+    if (covered)
+      memset(covered + di, 1, (size_t)run);
+    total += run;
+    int d = last - 1;
+    while (d >= 0 && ++c[d] == hi[d]) {
+      c[d] = lo[d];
+      d--;
+    }
+    if (d < 0)
+      return total;
+  }
+}
+
+// ---- world-wide helpers ----
+
+static int world_size(void) {
+  return rt_comm_active() ? rt_comm_size(RT_GROUP_WORLD) : 1;
+}
+
+int rt_world_agree(int status) {
+  int world = world_size();
+  if (world == 1)
+    return status;
+  int me = rt_comm_rank(RT_GROUP_WORLD);
+  int mine = status != 0 ? me : world, lowest = world;
+  MPI_Allreduce(&mine, &lowest, 1, MPI_INT, MPI_MIN, MPI_COMM_WORLD);
+  if (lowest == world)
+    return 0;
+  char msg[1024];
+  snprintf(msg, sizeof msg, "%s", rt_last_error()[0] ? rt_last_error() : "unknown failure");
+  MPI_Bcast(msg, (int)sizeof msg, MPI_CHAR, lowest, MPI_COMM_WORLD);
+  msg[sizeof msg - 1] = '\0';
+  if (lowest == 0)
+    rt_fail("%s", msg);
+  else
+    rt_fail("rank %d: %s", lowest, msg);
+  return -1;
+}
+
+void rt_world_max(double *v, int n) {
+  if (world_size() > 1)
+    MPI_Allreduce(MPI_IN_PLACE, v, n, MPI_DOUBLE, MPI_MAX, MPI_COMM_WORLD);
+}
+
+// Point-to-point in pieces that fit MPI's int counts.
+enum { PIECE = 1 << 28 };
+
+static void send_floats(const float *buf, int64_t n, int to) {
+  for (int64_t at = 0; at < n; at += PIECE) {
+    int count = (int)(n - at < PIECE ? n - at : PIECE);
+    MPI_Send(buf + at, count, MPI_FLOAT, to, 0, MPI_COMM_WORLD);
+  }
+}
+
+static void recv_floats(float *buf, int64_t n, int from) {
+  for (int64_t at = 0; at < n; at += PIECE) {
+    int count = (int)(n - at < PIECE ? n - at : PIECE);
+    MPI_Recv(buf + at, count, MPI_FLOAT, from, 0, MPI_COMM_WORLD, MPI_STATUS_IGNORE);
+  }
+}
+
+// The coordinates of another rank of the same layout.
+static RtRanks peer_of(const RtRanks *r, int rank) {
+  RtLayout l = {.dp = r->dp, .mp = r->mp, .ep = r->ep, .esp = r->esp, .gpus_per_node = 1};
+  return rt_ranks_of(&l, rank, r->world);
+}
+
+void rt_gather_param(const RtParam *p, const RtRanks *r, const float *shard, float *whole) {
+  int64_t zero[4] = {0}, off[4];
+  if (r->rank != 0) {
+    if (rt_shard_owner(p, r))
+      send_floats(shard, p->numel, 0);
+    return;
+  }
+  float *buf = NULL;
+  if (r->world > 1 && p->numel > 0) {
+    buf = malloc((size_t)p->numel * sizeof(float));
+    if (!buf)
+      rt_comm_abort("out of memory gathering parameter '%s'", p->name);
+  }
+  for (int k = 0; k < r->world; k++) {
+    RtRanks peer = peer_of(r, k);
+    if (!rt_shard_owner(p, &peer))
+      continue;
+    const float *src = shard;
+    if (k != 0) {
+      recv_floats(buf, p->numel, k);
+      src = buf;
+    }
+    rt_shard_offsets(p, &peer, off);
+    rt_box_copy(p->rank, off, p->dims, src, zero, p->global_dims, whole, NULL);
+  }
+  free(buf);
+}
+
+void rt_gather_dp(const RtRanks *r, const float *mine, int64_t n, float *whole) {
+  if (r->rank != 0) {
+    if (r->mp_index == 0)
+      send_floats(mine, n, 0);
+    return;
+  }
+  memcpy(whole, mine, (size_t)n * sizeof(float));
+  for (int k = 1; k < r->dp; k++)
+    recv_floats(whole + k * n, n, k * r->mp);
+}
+
+// ---- small text helpers ----
+
+static const char *shape_text(char *buf, size_t len, int rank, const int64_t *dims) {
+  size_t n = (size_t)snprintf(buf, len, "[");
+  for (int d = 0; d < rank && n < len; d++)
+    n += (size_t)snprintf(buf + n, len - n, "%s%lld", d ? "," : "", (long long)dims[d]);
+  if (n < len)
+    snprintf(buf + n, len - n, "]");
+  return buf;
+}
+
+// list = "[" (int ("," int)*)? "]"; returns the count, or -1.
+static int parse_list(const char **s, int64_t *out, int max) {
+  const char *p = *s;
+  if (*p++ != '[')
+    return -1;
+  int n = 0;
+  if (*p == ']') {
+    *s = p + 1;
+    return 0;
+  }
+  for (;;) {
+    if (n == max || *p < '0' || *p > '9')
+      return -1;
+    char *end;
+    errno = 0;
+    long long v = strtoll(p, &end, 10);
+    if (errno)
+      return -1;
+    out[n++] = v;
+    p = end;
+    if (*p == ']') {
+      *s = p + 1;
+      return n;
+    }
+    if (*p++ != ',')
+      return -1;
+  }
+}
+
+// "global=[4,8,8] offset=[2,0,0]"
+static bool parse_box(const char *text, int *rank, int64_t *global, int64_t *off) {
+  const char *s = text;
+  if (strncmp(s, "global=", 7) != 0)
+    return false;
+  s += 7;
+  int n = parse_list(&s, global, RT_MAX_RANK);
+  if (n < 0 || strncmp(s, " offset=", 8) != 0)
+    return false;
+  s += 8;
+  int m = parse_list(&s, off, RT_MAX_RANK);
+  if (m != n || *s != '\0')
+    return false;
+  *rank = n;
+  return true;
+}
+
+static char *str_printf(const char *fmt, ...) __attribute__((format(printf, 1, 2)));
+static char *str_printf(const char *fmt, ...) {
+  va_list ap;
+  va_start(ap, fmt);
+  int n = vsnprintf(NULL, 0, fmt, ap);
+  va_end(ap);
+  char *s = malloc((size_t)n + 1);
+  if (!s)
+    return NULL;
+  va_start(ap, fmt);
+  vsnprintf(s, (size_t)n + 1, fmt, ap);
+  va_end(ap);
+  return s;
+}
+
+static const char *optimizer_of(const RtModel *m) {
+  return m->opt == RT_OPT_ADAMW ? "adamw" : "sgd";
+}
+
+// The shard file of rank `rank` of `world`: PATH.rank<R>-of-<P>.safetensors.
+static char *shard_path(const char *path, int rank, int world) {
+  return str_printf("%s.rank%d-of-%d.safetensors", path, rank, world);
+}
+
+static const char *base_name(const char *path) {
+  const char *slash = strrchr(path, '/');
+  return slash ? slash + 1 : path;
+}
+
+// A shard named in an index is relative to the index's folder unless absolute.
+static char *resolve_beside(const char *index_path, const char *name) {
+  const char *slash = strrchr(index_path, '/');
+  if (name[0] == '/' || !slash)
+    return strdup(name);
+  return str_printf("%.*s/%s", (int)(slash - index_path), index_path, name);
+}
+
+// ---- writing ----
+
+static void sync_dir_of(const char *path) {
+  const char *slash = strrchr(path, '/');
+  char *dir = slash ? strndup(path, slash == path ? 1 : (size_t)(slash - path)) : strdup(".");
+  if (!dir)
+    return;
+  int fd = open(dir, O_RDONLY | O_DIRECTORY);
+  if (fd >= 0) {
+    fsync(fd);
+    close(fd);
+  }
+  free(dir);
+}
+
+// Writes text to PATH atomically: PATH.tmp, fsync, rename, fsync of the folder.
+static int write_text_atomic(const char *path, const char *text) {
+  char *tmp = str_printf("%s.tmp", path);
+  if (!tmp)
+    return rt_fail("out of memory writing '%s'", path);
+  int status = -1;
+  FILE *f = fopen(tmp, "wb");
+  if (!f) {
+    rt_fail("cannot create '%s': %s", tmp, strerror(errno));
+    goto done;
+  }
+  size_t len = strlen(text);
+  bool ok = fwrite(text, 1, len, f) == len && fflush(f) == 0 && fsync(fileno(f)) == 0;
+  int saved = errno;
+  if (fclose(f) != 0 && ok) {
+    ok = false;
+    saved = errno;
+  }
+  if (!ok) {
+    rt_fail("cannot write '%s': %s", tmp, strerror(saved));
+    remove(tmp);
+    goto done;
+  }
+  if (rename(tmp, path) != 0) {
+    rt_fail("cannot rename '%s' to '%s': %s", tmp, path, strerror(errno));
+    remove(tmp);
+    goto done;
+  }
+  sync_dir_of(path);
+  status = 0;
+done:
+  free(tmp);
+  return status;
+}
+
+// This rank's shard file: the boxes it owns of every parameter and moment.
+static int write_shard(const char *file, const RtModel *m, const RtRanks *r, int64_t step,
+                       const float *params, const float *opt_m, const float *opt_v) {
+  enum { FIXED_META = 7 };
+  int per = m->opt == RT_OPT_ADAMW ? 3 : 1;
+  size_t cap = (size_t)m->nparams * per + 1;
+  RtStTensor *tensors = calloc(cap, sizeof(RtStTensor));
+  char **names = calloc(cap, sizeof(char *)), **keys = calloc(cap, sizeof(char *));
+  char **boxes = calloc(cap, sizeof(char *));
+  const char **meta = calloc(2 * (cap + FIXED_META), sizeof(char *));
+  int n = 0, status = -1;
+  if (!tensors || !names || !keys || !boxes || !meta) {
+    rt_fail("out of memory writing '%s'", file);
+    goto done;
+  }
+  char step_text[32], world_text[16], rank_text[16], layout_text[96];
+  snprintf(step_text, sizeof step_text, "%lld", (long long)step);
+  snprintf(world_text, sizeof world_text, "%d", r->world);
+  snprintf(rank_text, sizeof rank_text, "%d", r->rank);
+  snprintf(layout_text, sizeof layout_text, "dp=%d mp=%d ep=%d esp=%d", r->dp, r->mp, r->ep,
+           r->esp);
+  const char *fixed[2 * FIXED_META] = {"format", checkpoint_v2, "model", m->name,
+                                       "optimizer", optimizer_of(m), "step", step_text,
+                                       "world", world_text, "rank", rank_text,
+                                       "layout", layout_text};
+  memcpy(meta, fixed, sizeof fixed);
+  const float *src[3] = {params, opt_m, opt_v};
+  const char *prefix[3] = {"", "opt.m.", "opt.v."};
+  for (int i = 0; i < m->nparams; i++) {
+    const RtParam *p = &m->params[i];
+    if (!rt_shard_owner(p, r))
+      continue;
+    int64_t off[4];
+    rt_shard_offsets(p, r, off);
+    char global[160], offset[160];
+    shape_text(global, sizeof global, p->rank, p->global_dims);
+    shape_text(offset, sizeof offset, p->rank, off);
+    for (int k = 0; k < per; k++) {
+      names[n] = str_printf("%s%s", prefix[k], p->name);
+      keys[n] = str_printf("shard.%s%s", prefix[k], p->name);
+      boxes[n] = str_printf("global=%s offset=%s", global, offset);
+      if (!names[n] || !keys[n] || !boxes[n]) {
+        n++;
+        rt_fail("out of memory writing '%s'", file);
+        goto done;
+      }
+      tensors[n] = (RtStTensor){names[n], p->rank, p->dims, src[k] + p->offset};
+      meta[2 * (FIXED_META + n)] = keys[n];
+      meta[2 * (FIXED_META + n) + 1] = boxes[n];
+      n++;
+    }
+  }
+  status = rt_st_write(file, n, tensors, FIXED_META + n, meta);
+done:
+  for (int i = 0; i < n; i++) {
+    free(names[i]);
+    free(keys[i]);
+    free(boxes[i]);
+  }
+  free(names);
+  free(keys);
+  free(boxes);
+  free(meta);
+  free(tensors);
+  return status;
+}
+
+// A JSON string literal of s (quoted and escaped), malloc'ed.
+static char *json_quote(const char *s) {
+  cJSON *item = cJSON_CreateString(s);
+  char *text = item ? cJSON_PrintUnformatted(item) : NULL;
+  cJSON_Delete(item);
+  return text;
+}
+
+// The index: JSON text, one shard file per rank, named relative to the index's folder.
+static char *index_text(const char *path, const RtModel *m, const RtRanks *r, int64_t step) {
+  char *model = json_quote(m->name);
+  char *text = model ? str_printf("{\n  \"format\": \"%s\",\n  \"model\": %s,\n  \"optimizer\": "
+                                  "\"%s\",\n  \"step\": %lld,\n  \"world\": %d,\n  \"layout\": "
+                                  "{\"dp\": %d, \"mp\": %d, \"ep\": %d, \"esp\": %d},\n  "
+                                  "\"shards\": [",
+                                  checkpoint_v2, model, optimizer_of(m), (long long)step,
+                                  r->world, r->dp, r->mp, r->ep, r->esp)
+                     : NULL;
+  free(model);
+  for (int k = 0; text && k < r->world; k++) {
+    char *name = shard_path(base_name(path), k, r->world);
+    char *quoted = name ? json_quote(name) : NULL;
+    char *longer = quoted ? str_printf("%s%s\n    %s", text, k ? "," : "", quoted) : NULL;
+    free(name);
+    free(quoted);
+    free(text);
+    text = longer;
+  }
+  char *whole = text ? str_printf("%s\n  ]\n}\n", text) : NULL;
+  free(text);
+  return whole;
+}
+
+int rt_checkpoint_save(const char *path, const RtModel *m, const RtRanks *r, int64_t step,
+                       const float *params, const float *opt_m, const float *opt_v) {
+  char *file = shard_path(path, r->rank, r->world);
+  int status = file ? write_shard(file, m, r, step, params, opt_m, opt_v)
+                    : rt_fail("out of memory writing '%s'", path);
+  free(file);
+  // Every shard is durable (written, fsynced, renamed) before the index that names them.
+  if (rt_world_agree(status) != 0)
+    return -1;
+  status = 0;
+  if (r->rank == 0) {
+    char *text = index_text(path, m, r, step);
+    status = text ? write_text_atomic(path, text) : rt_fail("out of memory writing '%s'", path);
+    free(text);
+  }
+  return rt_world_agree(status);
+}
+
+// ---- reading ----
+
+// One tensor a rank needs: its destination box, which elements are filled, whether any source
+// had it.
+typedef struct Wanted {
+  char *name;
+  const RtParam *param;
+  float *dst;
+  int64_t off[4];
+  unsigned char *covered;
+  bool found;
+} Wanted;
+
+typedef struct Wants {
+  int n;
+  Wanted *w;
+} Wants;
+
+static void wants_free(Wants *ws) {
+  for (int i = 0; i < ws->n; i++) {
+    free(ws->w[i].name);
+    free(ws->w[i].covered);
+  }
+  free(ws->w);
+  memset(ws, 0, sizeof *ws);
+}
+
+static int wants_make(Wants *ws, const RtModel *m, const RtRanks *r, float *params,
+                      float *opt_m, float *opt_v) {
+  int per = opt_m ? 3 : 1;
+  ws->n = 0;
+  ws->w = calloc((size_t)m->nparams * per + 1, sizeof(Wanted));
+  if (!ws->w)
+    return rt_fail("out of memory");
+  float *dst[3] = {params, opt_m, opt_v};
+  const char *prefix[3] = {"", "opt.m.", "opt.v."};
+  for (int i = 0; i < m->nparams; i++) {
+    const RtParam *p = &m->params[i];
+    for (int k = 0; k < per; k++) {
+      Wanted *w = &ws->w[ws->n++];
+      w->param = p;
+      w->dst = dst[k] + p->offset;
+      rt_shard_offsets(p, r, w->off);
+      w->name = str_printf("%s%s", prefix[k], p->name);
+      w->covered = calloc((size_t)p->numel + 1, 1);
+      if (!w->name || !w->covered)
+        return rt_fail("out of memory");
+    }
+  }
+  return 0;
+}
+
+static bool same_dims(int rank, const int64_t *a, const int64_t *b) {
+  for (int d = 0; d < rank; d++)
+    if (a[d] != b[d])
+      return false;
+  return true;
+}
+
+// Copies what a file of whole tensors (--weights, moec-checkpoint-1) holds of every wanted one.
+static int take_whole(const char *path, const RtStFile *f, Wants *ws) {
+  int64_t zero[RT_MAX_RANK] = {0};
+  for (int i = 0; i < ws->n; i++) {
+    Wanted *w = &ws->w[i];
+    const RtParam *p = w->param;
+    const RtStEntry *t = rt_st_find(f, w->name);
+    if (!t)
+      return rt_fail("'%s' has no tensor '%s'", path, w->name);
+    if (t->rank != p->rank || !same_dims(p->rank, t->dims, p->global_dims)) {
+      char have[160], want[160];
+      return rt_fail("'%s': tensor '%s' has shape %s, the model needs %s", path, w->name,
+                     rt_shape_str(have, sizeof have, t->rank, t->dims),
+                     rt_shape_str(want, sizeof want, p->rank, p->global_dims));
+    }
+    rt_box_copy(p->rank, zero, t->dims, t->bytes, w->off, p->dims, w->dst, w->covered);
+    w->found = true;
+  }
+  return 0;
+}
+
+// Copies what one shard file of a checkpoint holds of every wanted tensor.
+static int take_shard(const char *file, const RtStFile *f, Wants *ws) {
+  for (int i = 0; i < ws->n; i++) {
+    Wanted *w = &ws->w[i];
+    const RtParam *p = w->param;
+    const RtStEntry *t = rt_st_find(f, w->name);
+    if (!t)
+      continue;
+    char key[600];
+    snprintf(key, sizeof key, "shard.%s", w->name);
+    const char *box = rt_st_meta(f, key);
+    int rank;
+    int64_t global[RT_MAX_RANK], off[RT_MAX_RANK];
+    if (!box || !parse_box(box, &rank, global, off))
+      return rt_fail("checkpoint shard '%s': tensor '%s' lacks a valid \"%s\" entry "
+                     "(\"global=[..] offset=[..]\") in its __metadata__", file, w->name, key);
+    char have[160], want[160], whole[160];
+    if (rank != p->rank || !same_dims(rank, global, p->global_dims))
+      return rt_fail("checkpoint shard '%s': tensor '%s' is a slice of a tensor of shape %s, "
+                     "the model needs %s", file, w->name,
+                     rt_shape_str(have, sizeof have, rank, global),
+                     rt_shape_str(want, sizeof want, p->rank, p->global_dims));
+    bool inside = t->rank == rank;
+    for (int d = 0; inside && d < rank; d++)
+      inside = off[d] >= 0 && t->dims[d] <= global[d] && off[d] <= global[d] - t->dims[d];
+    if (!inside)
+      return rt_fail("checkpoint shard '%s': tensor '%s' of shape %s at offset %s does not lie "
+                     "inside its whole tensor %s", file, w->name,
+                     rt_shape_str(have, sizeof have, t->rank, t->dims),
+                     rt_shape_str(want, sizeof want, rank, off),
+                     rt_shape_str(whole, sizeof whole, rank, global));
+    rt_box_copy(p->rank, off, t->dims, t->bytes, w->off, p->dims, w->dst, w->covered);
+    w->found = true;
+  }
+  return 0;
+}
+
+// Every wanted element came from somewhere.
+static int check_covered(const char *path, const Wants *ws, int nshards, const RtRanks *r) {
+  for (int i = 0; i < ws->n; i++) {
+    const Wanted *w = &ws->w[i];
+    const RtParam *p = w->param;
+    if (!w->found)
+      return rt_fail("checkpoint '%s' has no tensor '%s' in any of its %d shard file%s", path,
+                     w->name, nshards, nshards == 1 ? "" : "s");
+    for (int64_t j = 0; j < p->numel; j++) {
+      if (w->covered[j])
+        continue;
+      int64_t g = rt_shard_global_index(p, w->off, j), coord[4];
+      for (int d = p->rank - 1; d >= 0; d--) {
+        coord[d] = g % p->global_dims[d];
+        g /= p->global_dims[d];
+      }
+      char at[160];
+      return rt_fail("checkpoint '%s' does not cover tensor '%s': element %s (needed by rank "
+                     "%d) is in none of its %d shard file%s; is a shard missing from the "
+                     "index?", path, w->name, rt_shape_str(at, sizeof at, p->rank, coord),
+                     r->rank, nshards, nshards == 1 ? "" : "s");
+    }
+  }
+  return 0;
+}
+
+static int read_text_file(const char *path, char **out, size_t *size) {
+  *out = NULL;
+  FILE *f = fopen(path, "rb");
+  if (!f)
+    return rt_fail("cannot open '%s': %s", path, strerror(errno));
+  struct stat sb;
+  if (fstat(fileno(f), &sb) != 0 || !S_ISREG(sb.st_mode)) {
+    fclose(f);
+    return rt_fail("cannot read '%s': it is not a regular file", path);
+  }
+  char *buf = malloc((size_t)sb.st_size + 1);
+  if (!buf) {
+    fclose(f);
+    return rt_fail("out of memory reading '%s'", path);
+  }
+  size_t got = fread(buf, 1, (size_t)sb.st_size, f);
+  int err = ferror(f) ? errno : 0;
+  fclose(f);
+  if (err || got != (size_t)sb.st_size) {
+    free(buf);
+    return rt_fail("cannot read '%s': %s", path, err ? strerror(err) : "it changed size");
+  }
+  buf[got] = '\0';
+  *out = buf;
+  *size = got;
+  return 0;
+}
+
+// A safetensors file starts with its header length N (8 bytes, little-endian), then N bytes of
+// JSON; an index file is JSON text from its first byte. Only a safetensors file can pass both
+// checks below, since JSON text read as a length is far larger than any file.
+static bool looks_like_safetensors(const char *buf, size_t size) {
+  if (size < 9)
+    return false;
+  uint64_t n = 0;
+  for (int i = 0; i < 8; i++)
+    n |= (uint64_t)(unsigned char)buf[i] << (8 * i);
+  return n <= size - 8 && buf[8] == '{';
+}
+
+typedef struct Index {
+  char *model, *optimizer;
+  int64_t step;
+  int nshards;
+  char **shards;   // resolved paths
+} Index;
+
+static void index_free(Index *ix) {
+  free(ix->model);
+  free(ix->optimizer);
+  for (int i = 0; i < ix->nshards; i++)
+    free(ix->shards[i]);
+  free(ix->shards);
+  memset(ix, 0, sizeof *ix);
+}
+
+static const char *json_string(const cJSON *obj, const char *key) {
+  const cJSON *item = cJSON_GetObjectItemCaseSensitive(obj, key);
+  return cJSON_IsString(item) ? item->valuestring : NULL;
+}
+
+static bool json_count(const cJSON *obj, const char *key, int64_t max, int64_t *v) {
+  const cJSON *item = cJSON_GetObjectItemCaseSensitive(obj, key);
+  if (!cJSON_IsNumber(item))
+    return false;
+  double d = item->valuedouble;
+  if (!(d >= 0 && d <= (double)max) || d != (double)(int64_t)d)
+    return false;
+  *v = (int64_t)d;
+  return true;
+}
+
+// index = {"format": "moec-checkpoint-2", "model": S, "optimizer": S, "step": N, "world": N,
+//          "layout": {...}, "shards": [S, ...]}
+static int parse_index(const char *path, const char *text, size_t size, bool for_weights,
+                       Index *ix) {
+  memset(ix, 0, sizeof *ix);
+  cJSON *root = cJSON_ParseWithLength(text, size);
+  const char *format = root ? json_string(root, "format") : NULL;
+  int status = -1;
+  if (!cJSON_IsObject(root) || !format || strcmp(format, checkpoint_v2) != 0) {
+    if (for_weights)
+      rt_fail("'%s' is neither a safetensors file nor a moec checkpoint index (JSON with "
+              "\"format\": \"%s\")", path, checkpoint_v2);
+    else
+      rt_fail("'%s' is not a moec checkpoint (neither a checkpoint index with \"format\": "
+              "\"%s\" nor a safetensors file)", path, checkpoint_v2);
+    goto done;
+  }
+  const char *model = json_string(root, "model"), *optimizer = json_string(root, "optimizer");
+  const cJSON *shards = cJSON_GetObjectItemCaseSensitive(root, "shards");
+  int64_t world = -1;
+  if (!model || !optimizer) {
+    rt_fail("checkpoint '%s' lacks its \"model\" or \"optimizer\"", path);
+    goto done;
+  }
+  if (!json_count(root, "step", INT32_MAX, &ix->step)) {
+    rt_fail("checkpoint '%s' has no valid \"step\"", path);
+    goto done;
+  }
+  if (!cJSON_IsArray(shards) || cJSON_GetArraySize(shards) == 0) {
+    rt_fail("checkpoint '%s' lists no \"shards\"", path);
+    goto done;
+  }
+  if (cJSON_GetObjectItemCaseSensitive(root, "world") &&
+      (!json_count(root, "world", INT_MAX, &world) || world != cJSON_GetArraySize(shards))) {
+    rt_fail("checkpoint '%s' says \"world\" is %lld but lists %d shard files", path,
+            (long long)world, cJSON_GetArraySize(shards));
+    goto done;
+  }
+  ix->model = strdup(model);
+  ix->optimizer = strdup(optimizer);
+  ix->shards = calloc((size_t)cJSON_GetArraySize(shards), sizeof(char *));
+  if (!ix->model || !ix->optimizer || !ix->shards) {
+    rt_fail("out of memory reading '%s'", path);
+    goto done;
+  }
+  for (const cJSON *s = shards->child; s; s = s->next) {
+    if (!cJSON_IsString(s) || !s->valuestring[0]) {
+      rt_fail("checkpoint '%s': an entry of \"shards\" is not a file name", path);
+      goto done;
+    }
+    if (!(ix->shards[ix->nshards] = resolve_beside(path, s->valuestring))) {
+      rt_fail("out of memory reading '%s'", path);
+      goto done;
+    }
+    ix->nshards++;
+  }
+  status = 0;
+done:
+  cJSON_Delete(root);
+  if (status != 0)
+    index_free(ix);
+  return status;
+}
+
+// Checks a checkpoint's model and optimizer against this binary's.
+static int check_identity(const char *path, const RtModel *m, const char *model,
+                          const char *optimizer, bool want_optimizer) {
+  if (!model || strcmp(model, m->name) != 0)
+    return rt_fail("checkpoint '%s' is of model '%s', but this binary trains '%s'", path,
+                   model ? model : "(none)", m->name);
+  if (want_optimizer && (!optimizer || strcmp(optimizer, optimizer_of(m)) != 0))
+    return rt_fail("checkpoint '%s' was trained with optimizer %s, but this binary uses %s",
+                   path, optimizer ? optimizer : "(none)", optimizer_of(m));
+  return 0;
+}
+
+// Fills the wanted boxes from every shard the index lists.
+static int load_sharded(const char *path, const Index *ix, Wants *ws, const RtRanks *r) {
+  char step_text[32];
+  snprintf(step_text, sizeof step_text, "%lld", (long long)ix->step);
+  for (int k = 0; k < ix->nshards; k++) {
+    const char *file = ix->shards[k];
+    RtStFile f;
+    if (rt_st_read(file, &f) != 0) {
+      char why[1024];
+      snprintf(why, sizeof why, "%s", rt_last_error());
+      return rt_fail("checkpoint '%s': %s", path, why);
+    }
+    const char *format = rt_st_meta(&f, "format"), *model = rt_st_meta(&f, "model");
+    const char *step = rt_st_meta(&f, "step");
+    int status = 0;
+    if (!format || strcmp(format, checkpoint_v2) != 0)
+      status = rt_fail("checkpoint '%s': shard '%s' is not a moec checkpoint shard (its "
+                       "__metadata__ lacks \"format\": \"%s\")", path, file, checkpoint_v2);
+    else if (!model || strcmp(model, ix->model) != 0)
+      status = rt_fail("checkpoint '%s': shard '%s' is of model '%s', the index says '%s'",
+                       path, file, model ? model : "(none)", ix->model);
+    else if (!step || strcmp(step, step_text) != 0)
+      status = rt_fail("checkpoint '%s': shard '%s' is at step %s but the index says %s; the "
+                       "checkpoint is torn (a save was interrupted?)", path, file,
+                       step ? step : "(none)", step_text);
+    else
+      status = take_shard(file, &f, ws);
+    rt_st_free(&f);
+    if (status != 0)
+      return -1;
+  }
+  return check_covered(path, ws, ix->nshards, r);
+}
+
+// Reads what is at path: an index (ix filled, *st zeroed) or a safetensors file (*st filled).
+static int open_source(const char *path, bool for_weights, Index *ix, RtStFile *st,
+                       bool *is_index) {
+  memset(ix, 0, sizeof *ix);
+  memset(st, 0, sizeof *st);
+  char *text = NULL;
+  size_t size = 0;
+  if (read_text_file(path, &text, &size) != 0)
+    return -1;
+  *is_index = !looks_like_safetensors(text, size);
+  int status;
+  if (*is_index) {
+    status = parse_index(path, text, size, for_weights, ix);
+  } else {
+    free(text);
+    text = NULL;
+    status = rt_st_read(path, st);
+  }
+  free(text);
+  return status;
+}
+
+int rt_checkpoint_load(const char *path, const RtModel *m, const RtRanks *r, float *params,
+                       float *opt_m, float *opt_v, int64_t *step) {
+  bool adamw = m->opt == RT_OPT_ADAMW, is_index;
+  Index ix;
+  RtStFile f;
+  if (open_source(path, false, &ix, &f, &is_index) != 0)
+    return -1;
+  Wants ws = {0};
+  int status = wants_make(&ws, m, r, params, adamw ? opt_m : NULL, adamw ? opt_v : NULL);
+  if (status == 0 && is_index) {
+    status = check_identity(path, m, ix.model, ix.optimizer, true);
+    if (status == 0)
+      status = load_sharded(path, &ix, &ws, r);
+    if (status == 0)
+      *step = ix.step;
+  } else if (status == 0) {
+    const char *format = rt_st_meta(&f, "format"), *text = rt_st_meta(&f, "step");
+    char *end = NULL;
+    long long done = text ? strtoll(text, &end, 10) : -1;
+    if (format && strcmp(format, checkpoint_v2) == 0)
+      status = rt_fail("'%s' is one shard of a checkpoint; resume from its index file (the "
+                       "path given to --save)", path);
+    else if (!format || strcmp(format, checkpoint_v1) != 0)
+      status = rt_fail("'%s' is not a moec checkpoint (its __metadata__ lacks \"format\": "
+                       "\"%s\"); to start from its weights use --weights", path, checkpoint_v2);
+    else if ((status = check_identity(path, m, rt_st_meta(&f, "model"),
+                                      rt_st_meta(&f, "optimizer"), true)) != 0)
+      ;
+    else if (!text || *end || done < 0 || done > INT32_MAX)
+      status = rt_fail("checkpoint '%s' has no valid \"step\" in its __metadata__", path);
+    else
+      status = take_whole(path, &f, &ws);
+    if (status == 0)
+      *step = done;
+  }
+  wants_free(&ws);
+  index_free(&ix);
+  rt_st_free(&f);
+  return status;
+}
+
+int rt_weights_load(const char *path, const RtModel *m, const RtRanks *r, float *params) {
+  bool is_index;
+  Index ix;
+  RtStFile f;
+  if (open_source(path, true, &ix, &f, &is_index) != 0)
+    return -1;
+  Wants ws = {0};
+  int status = wants_make(&ws, m, r, params, NULL, NULL);
+  if (status == 0 && is_index) {
+    status = check_identity(path, m, ix.model, ix.optimizer, false);
+    if (status == 0)
+      status = load_sharded(path, &ix, &ws, r);
+  } else if (status == 0) {
+    const char *format = rt_st_meta(&f, "format");
+    if (format && strcmp(format, checkpoint_v2) == 0)
+      status = rt_fail("'%s' is one shard of a checkpoint; load its index file (the path "
+                       "given to --save)", path);
+    else
+      status = take_whole(path, &f, &ws);
+  }
+  wants_free(&ws);
+  index_free(&ix);
+  rt_st_free(&f);
+  return status;
+}
