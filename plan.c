@@ -413,14 +413,6 @@ static double paper_speedup(SchedPolicy p, int testbed) {
   return 0;
 }
 
-typedef struct SweepCase {
-  int id;
-  double batch, seqlen, embed, hscale, f;
-  int heads;
-  SchedFfn ffn;
-  bool dropless;
-} SweepCase;
-
 static bool parse_seqlens(const char *text, double out[3]) {
   char *end;
   const char *s = text;
@@ -491,100 +483,82 @@ int moec_sweep(int argc, char **argv) {
   SchedCluster cluster;
   cluster_from_fe(&fc, &cluster);
   int testbed = strncmp(cluster.name, "testbed_a", 9) == 0 ? 'a' : strncmp(cluster.name, "testbed_b", 9) == 0 ? 'b' : 0;
-  if (!have_seqlens) {
-    // Table 4: L in {512, 1024, 2048}; on Testbed B {256, 512, 1024} (memory of the 2080Ti).
-    double a[3] = {512, 1024, 2048}, b[3] = {256, 512, 1024};
-    memcpy(seqlens, testbed == 'b' ? b : a, sizeof seqlens);
-  }
+  if (!have_seqlens) sched_table4_seqlens(&cluster, seqlens);
   int gpn = cluster.gpus_per_node, world = cluster.nodes * cluster.gpus_per_node;
-
-  static const double batches[] = {1, 2, 4}, embeds[] = {1024, 2048, 4096}, hscales[] = {2, 3, 4};
-  static const int heads[] = {8, 16, 32};
-  double fs[3] = {1.2, 2.4, 2 * dropless_capacity};   // f = k*capacity; `*`: top-2, dropless stand-in
-  enum { NCASES = 3 * 3 * 3 * 3 * 3 * 3 * 2 };
 
   printf("# moec sweep: Table 4 of the FSMoE paper, each case a stack of 2 identical generalized layers,\n"
          "#   forward + backward, every policy planned and simulated\n");
-  printf("# cluster %s (%s): %d nodes x %d GPUs; mp = esp = %d, ep = dp = %d (P = %d)\n", cluster.name,
+  printf("# cluster %s (%s): %d nodes x %d GPUs; mp = esp = %d, ep = dp = experts = %d (P = %d)\n", cluster.name,
          cluster_path, cluster.nodes, gpn, gpn, cluster.nodes, world);
   printf("# B {1,2,4}, heads {8,16,32}, L {%g,%g,%g}, M {1024,2048,4096}, H = hscale*M {2,3,4}, "
          "f {1.2, 2.4, *}, ffn {gpt, mixtral}\n",
          seqlens[0], seqlens[1], seqlens[2]);
-  printf("# f = * (dropless) is modelled as top-2 at capacity %.2f: f = %.2f\n", dropless_capacity, fs[2]);
-  printf("# iteration times in ms; speedup = tutel / fsmoe\n");
+  printf("# f = * (dropless) is modelled as top-2 at capacity %.2f: f = %.2f\n", dropless_capacity,
+         2 * dropless_capacity);
+  printf("# iteration times in ms; speedup = tutel / fsmoe; r_b: backward degree of layer 1 / layer 0\n");
   if (!quick)
-    printf("%5s %2s %5s %5s %5s %2s %4s %-7s %3s %5s %10s %10s %10s %10s %10s %10s %7s\n", "case", "B", "heads", "L",
+    printf("%5s %2s %5s %5s %5s %2s %4s %-7s %3s %5s %10s %10s %10s %10s %10s %10s %8s\n", "case", "B", "heads", "L",
            "M", "hs", "f", "ffn", "r_f", "r_b", "sequential", "tutel", "tutel-imp", "lina", "no-iio", "fsmoe",
            "speedup");
 
   double sum_speedup[SCHED_NPOLICIES] = {0}, sum_vs_seq[SCHED_NPOLICIES] = {0};
   int wins[SCHED_NPOLICIES] = {0}, rdiff = 0, ncases = 0, nexc = 0;
-  char (*exc)[400] = calloc(NCASES, sizeof *exc);
+  char (*exc)[400] = calloc(SCHED_TABLE4_CASES, sizeof *exc);
   if (!exc) return 1;
   bool progress = isatty(STDOUT_FILENO) && isatty(STDERR_FILENO);
   bool ok = true;
   double t0 = now_s();
-  for (int ib = 0; ib < 3; ib++)
-    for (int ih = 0; ih < 3; ih++)
-      for (int il = 0; il < 3; il++)
-        for (int im = 0; im < 3; im++)
-          for (int is = 0; is < 3; is++)
-            for (int iff = 0; iff < 3; iff++)
-              for (int ffn = 0; ffn < 2 && ok; ffn++) {
-                SweepCase sc = {ncases, batches[ib], seqlens[il], embeds[im], hscales[is], fs[iff], heads[ih],
-                                ffn ? SCHED_FFN_MIXTRAL : SCHED_FFN_GPT, iff == 2};
-                SchedLayerSpec spec = {.batch = sc.batch, .seqlen = sc.seqlen, .embed = sc.embed,
-                                       .hidden = sc.hscale * sc.embed, .f = sc.f, .experts = cluster.nodes,
-                                       .heads = sc.heads, .ffn = sc.ffn, .dp = cluster.nodes, .mp = gpn,
-                                       .ep = cluster.nodes, .esp = gpn, .r_max = SCHED_R_MAX};
-                SchedLayerCost cost[2];
-                sched_layer_cost(&spec, &cluster, &cost[0]);
-                cost[1] = cost[0];
-                int rm[2] = {SCHED_R_MAX, SCHED_R_MAX};
-                SchedStack st = {2, cost, rm};
-                SchedPlan plans[SCHED_NPOLICIES];
-                if (!plan_all(&st, plans)) {
-                  ok = false;
-                  free_all(plans);
-                  break;
-                }
-                const SchedPlan *f = &plans[SCHED_FSMOE];
-                double tt = plans[SCHED_TUTEL].t_iter, ts = plans[SCHED_SEQUENTIAL].t_iter;
-                int fastest = 0;
-                for (int q = 0; q < SCHED_NPOLICIES; q++) {
-                  sum_speedup[q] += tt / plans[q].t_iter;
-                  sum_vs_seq[q] += ts / plans[q].t_iter;
-                  if (plans[q].t_iter < plans[fastest].t_iter) fastest = q;
-                }
-                wins[fastest]++;
-                bool differ = false;
-                for (int i = 0; i < 2; i++) differ |= f->layer[i].r[SCHED_FWD] != f->layer[i].r[SCHED_BWD];
-                rdiff += differ;
-                if (f->t_iter > plans[fastest].t_iter * (1 + 1e-9)) {
-                  char why[300];
-                  explain(f, &plans[fastest], why, sizeof why);
-                  snprintf(exc[nexc++], sizeof exc[0], "%5d %-14s %6.2f%% faster: %s", sc.id,
-                           sched_policy_name[fastest], 100 * (f->t_iter / plans[fastest].t_iter - 1), why);
-                }
-                if (!quick) {
-                  char rb[16];
-                  snprintf(rb, sizeof rb, "%d/%d", f->layer[1].r[SCHED_BWD], f->layer[0].r[SCHED_BWD]);
-                  printf("%5d %2g %5d %5g %5g %2g %4s %-7s %3d %5s %10.3f %10.3f %10.3f %10.3f %10.3f %10.3f %6.3fx\n",
-                         sc.id, sc.batch, sc.heads, sc.seqlen, sc.embed, sc.hscale,
-                         sc.dropless ? "*" : iff == 0 ? "1.2" : "2.4", ffn ? "mixtral" : "gpt",
-                         f->layer[0].r[SCHED_FWD], rb, ts, tt, plans[SCHED_TUTEL_IMPROVED].t_iter,
-                         plans[SCHED_PIPEMOE_LINA].t_iter, plans[SCHED_FSMOE_NO_IIO].t_iter, f->t_iter,
-                         tt / f->t_iter);
-                }
-                free_all(plans);
-                ncases++;
-                if (progress && (ncases % 18 == 0 || ncases == NCASES)) {
-                  int w = 40, done = ncases * w / NCASES;
-                  fprintf(stderr, "\r[%.*s%*s] %4d/%d", done, "========================================", w - done, "",
-                          ncases, NCASES);
-                  if (ncases == NCASES) fputc('\n', stderr);
-                }
-              }
+  for (int id = 0; id < SCHED_TABLE4_CASES && ok; id++) {
+    SchedTable4Case tc;
+    SchedLayerSpec spec;
+    sched_table4_case(id, &cluster, seqlens, dropless_capacity, &tc, &spec);
+    SchedLayerCost cost[2];
+    sched_layer_cost(&spec, &cluster, &cost[0]);
+    cost[1] = cost[0];
+    int rm[2] = {spec.r_max, spec.r_max};
+    SchedStack st = {2, cost, rm};
+    SchedPlan plans[SCHED_NPOLICIES];
+    if (!plan_all(&st, plans)) {
+      ok = false;
+      free_all(plans);
+      break;
+    }
+    const SchedPlan *f = &plans[SCHED_FSMOE];
+    double tt = plans[SCHED_TUTEL].t_iter, ts = plans[SCHED_SEQUENTIAL].t_iter;
+    int fastest = 0;   // ties (within rounding) go to the lower policy index, fsmoe first
+    for (int q = 0; q < SCHED_NPOLICIES; q++) {
+      sum_speedup[q] += tt / plans[q].t_iter;
+      sum_vs_seq[q] += ts / plans[q].t_iter;
+      if (plans[q].t_iter < plans[fastest].t_iter * (1 - 1e-9)) fastest = q;
+    }
+    wins[fastest]++;
+    bool differ = false;
+    for (int i = 0; i < 2; i++) differ |= f->layer[i].r[SCHED_FWD] != f->layer[i].r[SCHED_BWD];
+    rdiff += differ;
+    if (fastest != SCHED_FSMOE) {
+      char why[300];
+      explain(f, &plans[fastest], why, sizeof why);
+      snprintf(exc[nexc++], sizeof exc[0], "%5d %-14s %6.2f%% faster: %s", id, sched_policy_name[fastest],
+               100 * (f->t_iter / plans[fastest].t_iter - 1), why);
+    }
+    if (!quick) {
+      char rb[16];
+      snprintf(rb, sizeof rb, "%d/%d", f->layer[1].r[SCHED_BWD], f->layer[0].r[SCHED_BWD]);
+      printf("%5d %2g %5d %5g %5g %2g %4s %-7s %3d %5s %10.3f %10.3f %10.3f %10.3f %10.3f %10.3f %7.3fx\n", id,
+             tc.batch, tc.heads, tc.seqlen, tc.embed, tc.hscale, tc.dropless ? "*" : tc.f < 2 ? "1.2" : "2.4",
+             tc.ffn == SCHED_FFN_MIXTRAL ? "mixtral" : "gpt", f->layer[0].r[SCHED_FWD], rb, ts, tt,
+             plans[SCHED_TUTEL_IMPROVED].t_iter, plans[SCHED_PIPEMOE_LINA].t_iter, plans[SCHED_FSMOE_NO_IIO].t_iter,
+             f->t_iter, tt / f->t_iter);
+    }
+    free_all(plans);
+    ncases++;
+    if (progress && (ncases % 18 == 0 || ncases == SCHED_TABLE4_CASES)) {
+      int w = 40, filled = ncases * w / SCHED_TABLE4_CASES;
+      fprintf(stderr, "\r[%.*s%*s] %4d/%d", filled, "========================================", w - filled, "", ncases,
+              SCHED_TABLE4_CASES);
+      if (ncases == SCHED_TABLE4_CASES) fputc('\n', stderr);
+    }
+  }
   double elapsed = now_s() - t0;
   if (!ok) {
     free(exc);

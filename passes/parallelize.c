@@ -206,6 +206,14 @@ bool pass_parallelize(IrModule *m, PassCtx *ctx) {
   int64_t world = P.dp * P.mp;
   if (world == 1) return true;  // one rank: the program is the lowered one
   if (world != P.ep * P.esp) return ir_error(ctx->d, "parallelize: dp*mp != ep*esp");
+  // The cluster must hold the ranks, and MP and ESP groups (consecutive ranks) stay in a node.
+  int64_t nodes = ir_mod_int(m, "nodes", 0), per_node = ir_mod_int(m, "gpus_per_node", world);
+  if (nodes > 0 && world > nodes * per_node)
+    return ir_error(ctx->d, "the layout needs %lld ranks but the cluster has %lld (%lld nodes x %lld gpus_per_node)",
+                    (long long)world, (long long)(nodes * per_node), (long long)nodes, (long long)per_node);
+  if (world > per_node && (per_node % P.mp != 0 || per_node % P.esp != 0))
+    return ir_error(ctx->d, "mp %lld and esp %lld must divide gpus_per_node %lld: their groups are consecutive ranks "
+                    "inside a node", (long long)P.mp, (long long)P.esp, (long long)per_node);
 
   // Parameters: expert shards and gradient reductions.
   for (int i = 0; i < m->nparams; i++) {

@@ -104,6 +104,25 @@ double sched_noiio_olp(const SchedPhase *p, double r);
 // Sequential (DS-MoE) iteration time of a stack, DESIGN §6 closed form.
 double sched_sequential_time(const SchedLayerCost *c, int n);
 
+// ---- the paper's Table 4 space ----
+#define SCHED_TABLE4_CASES 1458   // B x heads x L x M x hscale x f x ffn = 3^6 x 2
+
+typedef struct SchedTable4Case {
+  int id;
+  double batch, seqlen, embed, hscale, f;
+  int heads;
+  SchedFfn ffn;
+  bool dropless;   // f = * (modelled as top-2 at dropless_capacity)
+} SchedTable4Case;
+
+// Table 4's sequence lengths for a cluster: {256, 512, 1024} for profiles named testbed_b*
+// (the paper's Testbed B), {512, 1024, 2048} otherwise.
+void sched_table4_seqlens(const SchedCluster *c, double out[3]);
+// Case id (0..1457; ffn varies fastest, then f, hscale, M, L, heads, B) as one rank of the cluster
+// sees it: mp = esp = gpus per node, ep = dp = nodes, experts = nodes (the paper's setting).
+void sched_table4_case(int id, const SchedCluster *c, const double seqlens[3], double dropless_capacity,
+                       SchedTable4Case *tc, SchedLayerSpec *spec);
+
 // ---- Algorithm 1 (passes/sched_solve.c) ----
 typedef enum SchedMethod {
   SCHED_METHOD_SLSQP,       // the paper: each case's sub-problems with NLopt SLSQP, integer neighbours

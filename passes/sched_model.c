@@ -169,3 +169,29 @@ double sched_sequential_time(const SchedLayerCost *c, int n) {
   }
   return total;
 }
+
+void sched_table4_seqlens(const SchedCluster *c, double out[3]) {
+  static const double a[3] = {512, 1024, 2048}, b[3] = {256, 512, 1024};
+  memcpy(out, c->name && strncmp(c->name, "testbed_b", 9) == 0 ? b : a, 3 * sizeof *out);
+}
+
+void sched_table4_case(int id, const SchedCluster *c, const double seqlens[3], double dropless_capacity,
+                       SchedTable4Case *tc, SchedLayerSpec *spec) {
+  static const double batches[] = {1, 2, 4}, embeds[] = {1024, 2048, 4096}, hscales[] = {2, 3, 4};
+  static const int heads[] = {8, 16, 32};
+  int k = id;
+  int ffn = k % 2; k /= 2;
+  int f = k % 3; k /= 3;
+  int hs = k % 3; k /= 3;
+  int m = k % 3; k /= 3;
+  int l = k % 3; k /= 3;
+  int h = k % 3; k /= 3;
+  int b = k % 3;
+  double fs[3] = {1.2, 2.4, 2 * dropless_capacity};   // f = k*capacity; `*`: top-2, dropless
+  *tc = (SchedTable4Case){id, batches[b], seqlens[l], embeds[m], hscales[hs], fs[f], heads[h],
+                          ffn ? SCHED_FFN_MIXTRAL : SCHED_FFN_GPT, f == 2};
+  int gpn = c->gpus_per_node, nodes = c->nodes;
+  *spec = (SchedLayerSpec){.batch = tc->batch, .seqlen = tc->seqlen, .embed = tc->embed,
+                           .hidden = tc->hscale * tc->embed, .f = tc->f, .experts = nodes, .heads = tc->heads,
+                           .ffn = tc->ffn, .dp = nodes, .mp = gpn, .ep = nodes, .esp = gpn, .r_max = SCHED_R_MAX};
+}
