@@ -89,7 +89,7 @@ UNIT_BIN  := $(UNIT_SRC:tests/unit/%.c=$(BUILD)/tests/%)
 
 $(BUILD)/tests/%: tests/unit/%.c $(BUILD)/libmoec.a $(BUILD)/libmoert.a
 	@mkdir -p $(dir $@)
-	$(CC) $(CFLAGS) $(INCLUDES) $(COMPILER_DEFS) -o $@ $< $(BUILD)/libmoec.a $(BUILD)/libmoert.a -lcmocka -lnlopt $(RUNTIME_LIBS)
+	$(CC) $(CFLAGS) $(INCLUDES) $(COMPILER_DEFS) $(MPI_CFLAGS) -o $@ $< $(BUILD)/libmoec.a $(BUILD)/libmoert.a -lcmocka -lnlopt $(RUNTIME_LIBS)
 
 # Multi-rank test programs (run under mpirun by tests/mpi/*.sh).
 MPI_TEST_BIN := $(patsubst tests/mpi/%.c,$(BUILD)/mpi/%,$(wildcard tests/mpi/*.c))

@@ -28,6 +28,7 @@
 #include <inttypes.h>
 #include <math.h>
 #include <stdarg.h>
+#include <signal.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -536,10 +537,19 @@ static int train(Trainer *tr) {
   if (!tr->opt.quiet && root)
     print_header(tr, first, last);
   double loss = NAN;
+  // Fault injection for the failure tests: MOERT_TEST_KILL="RANK:STEP" kills that rank with
+  // SIGKILL in the middle of that step, as a crashed process would die.
+  int kill_rank = -1;
+  long long kill_step = -1;
+  const char *fault = getenv("MOERT_TEST_KILL");
+  if (fault && sscanf(fault, "%d:%lld", &kill_rank, &kill_step) != 2)
+    kill_rank = -1;
   for (int64_t t = first; t <= last; t++) {
     fill_step_data(tr, t);
     double t0 = now_ms();
     m->forward(st);
+    if (t == kill_step && rt_comm_rank(RT_GROUP_WORLD) == kill_rank)
+      raise(SIGKILL);
     RtStep forward_state = *st;   // the statistics the forward left, in case backward adds any
     m->backward(st);
     double t1 = now_ms();
