@@ -26,7 +26,7 @@ RUNTIME_SRC  := $(wildcard runtime/*.c)
 GEN_SRC      := $(BUILD)/gen/parser.c $(BUILD)/gen/lexer.c
 COMPILER_OBJ := $(COMPILER_SRC:%.c=$(BUILD)/obj/%.o) $(BUILD)/obj/gen/parser.o $(BUILD)/obj/gen/lexer.o
 RUNTIME_OBJ  := $(RUNTIME_SRC:%.c=$(BUILD)/obj/%.o)
-INCLUDES     := -I. -Iir -Ifrontend -Ipasses -Icodegen -Iruntime -I$(BUILD)/gen
+INCLUDES     := -I. -Iir -Ifrontend -Iruntime -I$(BUILD)/gen
 
 COMPILER_DEFS := -DMOEC_ROOT=\"$(ROOT)\" -DMOEC_BUILD=\"$(abspath $(BUILD))\" -DMOEC_MPI_LIBS='"$(MPI_LIBS)"'
 
@@ -66,7 +66,7 @@ $(BUILD)/obj/runtime/%.o: runtime/%.c
 
 $(BUILD)/obj/%.o: %.c
 	@mkdir -p $(dir $@)
-	$(CC) $(CFLAGS) $(INCLUDES) $(COMPILER_DEFS) -MMD -c $< -o $@
+	$(CC) $(CFLAGS) $(INCLUDES) $(COMPILER_DEFS) $(MPI_CFLAGS) -MMD -c $< -o $@
 
 $(BUILD)/libmoec.a: $(COMPILER_OBJ)
 	@rm -f $@
@@ -78,8 +78,12 @@ $(BUILD)/libmoert.a: $(RUNTIME_OBJ)
 
 RUNTIME_LIBS := -lopenblas -lcjson $(MPI_LIBS) -lm
 
-$(BUILD)/moec: $(BUILD)/obj/moec.o $(BUILD)/libmoec.a
-	$(CC) $(CFLAGS) -o $@ $^ -lnlopt -lm
+# The command line: moec.c plus its subcommands at the top level (plan.c, tune.c); `moec tune`
+# runs the runtime's kernels and collectives, so moec links libmoert too.
+CLI_SRC := $(wildcard moec.c plan.c tune.c)
+CLI_OBJ := $(CLI_SRC:%.c=$(BUILD)/obj/%.o)
+$(BUILD)/moec: $(CLI_OBJ) $(BUILD)/libmoec.a $(BUILD)/libmoert.a
+	$(CC) $(CFLAGS) -o $@ $(CLI_OBJ) $(BUILD)/libmoec.a $(BUILD)/libmoert.a -lnlopt $(RUNTIME_LIBS)
 
 -include $(shell find $(BUILD)/obj -name '*.d' 2>/dev/null)
 
@@ -98,10 +102,11 @@ $(BUILD)/mpi/%: tests/mpi/%.c $(BUILD)/libmoert.a
 	$(CC) $(CFLAGS) $(INCLUDES) $(MPI_CFLAGS) -o $@ $< $(BUILD)/libmoert.a $(RUNTIME_LIBS)
 
 # Sanitizer build of the compiler, used by the diagnostics tests.
-$(BUILD)/asan/moec: $(COMPILER_SRC) moec.c $(GEN_SRC)
+$(BUILD)/asan/moec: $(COMPILER_SRC) $(CLI_SRC) $(RUNTIME_SRC) $(GEN_SRC)
 	@mkdir -p $(dir $@)
 	$(CC) -std=c11 -D_GNU_SOURCE -O1 -g -fsanitize=address,undefined -fno-sanitize-recover=undefined \
-	  -fno-omit-frame-pointer $(INCLUDES) $(COMPILER_DEFS) -o $@ moec.c $(COMPILER_SRC) $(GEN_SRC) -lnlopt -lm
+	  -fno-omit-frame-pointer $(INCLUDES) $(COMPILER_DEFS) -I/usr/include/x86_64-linux-gnu/openblas-pthread $(MPI_CFLAGS) \
+	  -o $@ $(CLI_SRC) $(COMPILER_SRC) $(RUNTIME_SRC) $(GEN_SRC) -lnlopt $(RUNTIME_LIBS)
 
 # libFuzzer harnesses (clang).
 FUZZ_SRC := $(wildcard tests/fuzz/fuzz_*.c)

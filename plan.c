@@ -173,12 +173,14 @@ static bool write_json(const char *path, const char *model, const char *cluster_
       const SchedLayerPlan *lp = &pl->layer[i];
       fprintf(f, "%s\n       {\"index\": %d", i ? "," : "", i);
       for (int ph = 0; ph < 2; ph++) {
-        fprintf(f, ", \"%s\": {\"r\": %d, \"r_slsqp\": %d, \"r_exhaustive\": %d, \"case\": %d, \"model_ms\": %.9g",
-                ph ? "backward" : "forward", lp->r[ph], lp->r_slsqp[ph], lp->r_exhaustive[ph], lp->kase[ph],
+        fprintf(f, ", \"%s\": {\"r\": %d, \"model_ms\": %.9g", ph ? "backward" : "forward", lp->r[ph],
                 jnum(lp->t_model[ph]));
         if (p == SCHED_FSMOE)
-          fprintf(f, ", \"sim_ms_slsqp\": %.9g, \"sim_ms_exhaustive\": %.9g", jnum(lp->t_sim_slsqp[ph]),
-                  jnum(lp->t_sim_exhaustive[ph]));
+          fprintf(f,
+                  ", \"chosen_by\": \"%s\", \"case\": %d, \"r_slsqp\": %d, \"r_exhaustive\": %d, \"r_simulator\": %d,"
+                  " \"sim_ms_slsqp\": %.9g, \"sim_ms_exhaustive\": %.9g, \"sim_ms_simulator\": %.9g",
+                  lp->chosen_by[ph], lp->kase[ph], lp->r_slsqp[ph], lp->r_exhaustive[ph], lp->r_sim[ph],
+                  jnum(lp->t_sim_slsqp[ph]), jnum(lp->t_sim_exhaustive[ph]), jnum(lp->t_sim_sim[ph]));
         if (ph == SCHED_BWD)
           fprintf(f, ", \"t_gar_ms\": %.9g, \"gradient_elements\": {\"moe_slot\": %.0f, \"dense_slot\": %.0f}",
                   lp->t_gar, lp->grad_moe, lp->grad_dense);
@@ -338,20 +340,29 @@ int moec_plan(int argc, char **argv) {
            SCHED_DROPLESS_CAPACITY);
   printf("# times in ms (predicted by the cluster profile's fits); gradients in elements, MB at %g bytes each\n",
          SCHED_GRAD_BYTES);
-  printf("# per-layer plan of %s (r: pipeline degree; slsqp/exh: Algorithm 1 by SLSQP / exhaustive search;\n"
-         "#   grad moe/dense: gradient all-reduced inside the backward MoE / during the dense backward)\n",
-         sched_policy_name[shown]);
-  printf("%-16s %5s %5s %9s %9s %7s %9s %12s %12s %9s\n", "layer", "r_fwd", "r_bwd", "slsqp f/b", "exh f/b", "case",
-         "t_gar", "grad_moe", "grad_dense", "grad_MB");
+  bool fsmoe_shown = shown == SCHED_FSMOE;
+  printf("# per-layer plan of %s (r: pipeline degree per phase, forward/backward", sched_policy_name[shown]);
+  if (fsmoe_shown)
+    printf(";\n#   slsqp / model / sim: Algorithm 1 by SLSQP, by scanning the case model, and the simulator's\n"
+           "#   own best r; the fastest in simulation is used, 'by' says which; case: of the chosen r");
+  printf(";\n#   grad moe/dense: gradient elements all-reduced inside the backward MoE / during the dense backward)\n");
+  printf("%-16s %5s %5s", "layer", "r_fwd", "r_bwd");
+  if (fsmoe_shown) printf(" %7s %7s %7s %-21s %5s", "slsqp", "model", "sim", "by fwd/bwd", "case");
+  printf(" %9s %12s %12s %9s\n", "t_gar_ms", "grad_moe", "grad_dense", "grad_MB");
   for (int i = 0; i < n; i++) {
     const SchedLayerPlan *lp = &main_plan->layer[i];
-    char sl[16], ex[16], cs[16];
-    snprintf(sl, sizeof sl, "%d/%d", lp->r_slsqp[0], lp->r_slsqp[1]);
-    snprintf(ex, sizeof ex, "%d/%d", lp->r_exhaustive[0], lp->r_exhaustive[1]);
-    if (lp->kase[0] || lp->kase[1]) snprintf(cs, sizeof cs, "%d/%d", lp->kase[0], lp->kase[1]);
-    else snprintf(cs, sizeof cs, "-");
-    printf("%-16s %5d %5d %9s %9s %7s %9.3f %12.0f %12.0f %9.2f\n", layers[i].name, lp->r[0], lp->r[1], sl, ex, cs,
-           lp->t_gar, lp->grad_moe, lp->grad_dense, (lp->grad_moe + lp->grad_dense) * SCHED_GRAD_BYTES / 1e6);
+    printf("%-16s %5d %5d", layers[i].name, lp->r[0], lp->r[1]);
+    if (fsmoe_shown) {
+      char sl[16], ex[16], sm[16], by[32], cs[16];
+      snprintf(sl, sizeof sl, "%d/%d", lp->r_slsqp[0], lp->r_slsqp[1]);
+      snprintf(ex, sizeof ex, "%d/%d", lp->r_exhaustive[0], lp->r_exhaustive[1]);
+      snprintf(sm, sizeof sm, "%d/%d", lp->r_sim[0], lp->r_sim[1]);
+      snprintf(by, sizeof by, "%s/%s", lp->chosen_by[0], lp->chosen_by[1]);
+      snprintf(cs, sizeof cs, "%d/%d", lp->kase[0], lp->kase[1]);
+      printf(" %7s %7s %7s %-21s %5s", sl, ex, sm, by, cs);
+    }
+    printf(" %9.3f %12.0f %12.0f %9.2f\n", lp->t_gar, lp->grad_moe, lp->grad_dense,
+           (lp->grad_moe + lp->grad_dense) * SCHED_GRAD_BYTES / 1e6);
   }
   printf("# gradient after the backward pass: %.0f elements (%.2f MB); partition: %s\n", main_plan->grad_tail,
          main_plan->grad_tail * SCHED_GRAD_BYTES / 1e6, main_plan->partition ? main_plan->partition : "-");

@@ -144,11 +144,13 @@ int sched_argmin_degree(double (*model)(const SchedPhase *, double, double), con
 // ---- plans ----
 typedef struct SchedLayerPlan {
   int r[2];              // chosen degree per phase
-  int r_slsqp[2];        // fsmoe: Algorithm 1 with SLSQP
-  int r_exhaustive[2];   // fsmoe: Algorithm 1 by exhaustive integer search
-  int kase[2];           // fsmoe: the case at r
+  int r_slsqp[2];        // fsmoe: Algorithm 1 with SLSQP (the paper's method)
+  int r_exhaustive[2];   // fsmoe: Algorithm 1's model scanned at every integer r
+  int r_sim[2];          // fsmoe: the simulator's own best r (every r simulated)
+  int kase[2];           // fsmoe: the case that holds at the chosen r
+  const char *chosen_by[2];   // fsmoe: "slsqp", "exhaustive" or "simulator"
   double t_model[2];     // the policy's model time of the MoE layer at r
-  double t_sim_slsqp[2], t_sim_exhaustive[2];   // fsmoe: simulated MoE time of both choices
+  double t_sim_slsqp[2], t_sim_exhaustive[2], t_sim_sim[2];   // fsmoe: simulated MoE time of each choice
   double t_gar;          // backward: the AllReduce time put inside the MoE layer
   double grad_moe;       // gradient elements all-reduced inside this layer's backward MoE
   double grad_dense;     // ... while this layer's dense backward runs
@@ -169,9 +171,11 @@ typedef struct SchedStack {
   const int *r_max;             // [n]
 } SchedStack;
 
-// fsmoe's degree for one layer and phase with grad_elems of AllReduce inside the MoE: Algorithm 1
-// by SLSQP and by exhaustive search, the simulator judging between the two (DESIGN §6). Fills
-// lp->r, r_slsqp, r_exhaustive, kase, t_model, t_sim_* for that phase.
+// fsmoe's degree for one layer and phase with grad_elems of AllReduce inside the MoE (DESIGN §6):
+// Algorithm 1 by SLSQP and by exhaustive search over the case model, and the simulator's own
+// judgement of every r; the simulator picks the fastest of the three (a model choice on a tie)
+// and all are reported. Fills lp->r, r_slsqp, r_exhaustive, r_sim, kase, chosen_by, t_model and
+// t_sim_* for that phase.
 void sched_fsmoe_degree(const SchedLayerCost *c, int r_max, int phase, double grad_elems, SchedLayerPlan *lp);
 
 // Plans a stack for a policy (r per layer and phase, gradient placement) and simulates it.

@@ -146,8 +146,8 @@ static bool slsqp(const SchedPhase *p, const SubProblem *sp, double t_gar, doubl
     cons[k] = (Solve){p, t_gar, sp->kase, sp->pred[k]};
     nlopt_add_inequality_constraint(o, constraint, &cons[k], 1e-12);
   }
-  nlopt_set_xtol_rel(o, 1e-8);
-  nlopt_set_ftol_rel(o, 1e-12);
+  nlopt_set_xtol_rel(o, 1e-6);   // r is rounded to an integer afterwards
+  nlopt_set_ftol_rel(o, 1e-10);
   nlopt_set_maxeval(o, 200);
   double x = fmin(fmax(x0, lo), hi), f;
   nlopt_result res = nlopt_optimize(o, &x, &f);
@@ -176,17 +176,21 @@ SchedDegree sched_find_degree(const SchedPhase *p, double t_gar, int r_max, Sche
   } else {
     for (int i = 0; i < NSUB; i++) {
       const SubProblem *sp = &subproblems[i];
-      // Start at the case's unconstrained optimum; if that ends infeasible, from both ends.
-      double starts[3] = {unconstrained_min(p, sp->kase), 1, r_max}, r;
-      for (int k = 0; k < 3; k++) {
-        if (!slsqp(p, sp, t_gar, r_max, starts[k], &r)) continue;
-        int lo = (int)floor(r), hi = (int)ceil(r);
-        if (lo < 1) lo = 1;
-        if (hi > r_max) hi = r_max;
-        consider(p, t_gar, lo, r, &best);
-        consider(p, t_gar, hi, r, &best);
-        break;
-      }
+      // Presolve on the integer grid: skip a sub-problem with no feasible integer (its integer
+      // neighbours would belong to other cases anyway) and start SLSQP from the feasible grid
+      // point nearest the case's unconstrained optimum, so it converges in a few iterations.
+      double target = fmin(fmax(unconstrained_min(p, sp->kase), 1), r_max);
+      int start = 0;
+      for (int r = 1; r <= r_max; r++)
+        if (feasible(p, sp, r, t_gar) && (start == 0 || fabs(r - target) < fabs(start - target))) start = r;
+      if (start == 0) continue;
+      double r = start;
+      if (!slsqp(p, sp, t_gar, r_max, start, &r)) r = start;
+      int lo = (int)floor(r), hi = (int)ceil(r);
+      if (lo < 1) lo = 1;
+      if (hi > r_max) hi = r_max;
+      consider(p, t_gar, lo, r, &best);
+      consider(p, t_gar, hi, r, &best);
     }
     if (!isfinite(best.t)) consider(p, t_gar, 1, 1, &best);   // no sub-problem was feasible
   }
@@ -222,20 +226,39 @@ static double noiio_fmoe(const SchedLayerCost *c, int r_max, double t_gar) {
   return sched_noiio_model(p, sched_argmin_degree(sched_noiio_model, p, t_gar, r_max), t_gar);
 }
 
-// fsmoe: Algorithm 1 both ways; the simulator judges the two answers (DESIGN §6).
+// fsmoe: Algorithm 1 both ways and the simulator's own scan; the simulator judges (DESIGN §6).
 void sched_fsmoe_degree(const SchedLayerCost *c, int r_max, int ph, double grad_elems, SchedLayerPlan *lp) {
   const SchedPhase *p = &c->phase[ph];
   double t_gar = sched_ar_time(&c->ar, grad_elems);
+  if (r_max > SCHED_R_MAX) r_max = SCHED_R_MAX;
   SchedDegree s = sched_find_degree(p, t_gar, r_max, SCHED_METHOD_SLSQP);
   SchedDegree e = sched_find_degree(p, t_gar, r_max, SCHED_METHOD_EXHAUSTIVE);
+  double sim[SCHED_R_MAX + 1];
+  int best = 1;
+  for (int r = 1; r <= r_max; r++) {
+    sim[r] = sched_sim_moe(SCHED_FSMOE, c, ph, r, grad_elems);
+    if (sim[r] < sim[best]) best = r;
+  }
   lp->r_slsqp[ph] = s.r;
   lp->r_exhaustive[ph] = e.r;
-  lp->t_sim_slsqp[ph] = sched_sim_moe(SCHED_FSMOE, c, ph, s.r, grad_elems);
-  lp->t_sim_exhaustive[ph] = s.r == e.r ? lp->t_sim_slsqp[ph] : sched_sim_moe(SCHED_FSMOE, c, ph, e.r, grad_elems);
-  bool use_e = lp->t_sim_exhaustive[ph] < lp->t_sim_slsqp[ph];
-  lp->r[ph] = use_e ? e.r : s.r;
-  lp->kase[ph] = use_e ? e.kase : s.kase;
-  lp->t_model[ph] = use_e ? e.t : s.t;
+  lp->r_sim[ph] = best;
+  lp->t_sim_slsqp[ph] = sim[s.r];
+  lp->t_sim_exhaustive[ph] = sim[e.r];
+  lp->t_sim_sim[ph] = sim[best];
+  // The paper's answer unless something simulates faster.
+  int r = s.r;
+  lp->chosen_by[ph] = "slsqp";
+  if (sim[e.r] < sim[r]) {
+    r = e.r;
+    lp->chosen_by[ph] = "exhaustive";
+  }
+  if (sim[best] < sim[r]) {
+    r = best;
+    lp->chosen_by[ph] = "simulator";
+  }
+  lp->r[ph] = r;
+  lp->kase[ph] = sched_case(p, r, t_gar);
+  lp->t_model[ph] = sched_model_time(p, r, t_gar);
 }
 
 static void noiio_degree(const SchedLayerCost *c, int r_max, int ph, double grad_elems, SchedLayerPlan *lp) {
@@ -264,9 +287,56 @@ static bool simulate_plan(const SchedStack *st, SchedPlan *plan) {
   return ok;
 }
 
+// Remembers fsmoe degrees within one plan: identical layers with the same gradient load get the
+// same answer, and the partition variants below ask again and again.
+typedef struct Memo {
+  const SchedLayerCost *c;
+  int r_max, ph;
+  double grad;
+  SchedLayerPlan lp;
+} Memo;
+
+typedef struct MemoTable {
+  Memo *m;
+  int n, cap;
+} MemoTable;
+
+static void copy_phase(SchedLayerPlan *dst, const SchedLayerPlan *src, int ph) {
+  dst->r[ph] = src->r[ph];
+  dst->r_slsqp[ph] = src->r_slsqp[ph];
+  dst->r_exhaustive[ph] = src->r_exhaustive[ph];
+  dst->r_sim[ph] = src->r_sim[ph];
+  dst->kase[ph] = src->kase[ph];
+  dst->chosen_by[ph] = src->chosen_by[ph];
+  dst->t_model[ph] = src->t_model[ph];
+  dst->t_sim_slsqp[ph] = src->t_sim_slsqp[ph];
+  dst->t_sim_exhaustive[ph] = src->t_sim_exhaustive[ph];
+  dst->t_sim_sim[ph] = src->t_sim_sim[ph];
+}
+
+static void memo_degree(MemoTable *t, const SchedLayerCost *c, int r_max, int ph, double grad, SchedLayerPlan *lp) {
+  for (int i = 0; i < t->n; i++) {
+    const Memo *m = &t->m[i];
+    if (m->r_max == r_max && m->ph == ph && m->grad == grad && (m->c == c || memcmp(m->c, c, sizeof *c) == 0)) {
+      copy_phase(lp, &m->lp, ph);
+      return;
+    }
+  }
+  sched_fsmoe_degree(c, r_max, ph, grad, lp);
+  if (t->n == t->cap) {
+    int cap = t->cap ? 2 * t->cap : 16;
+    Memo *m = realloc(t->m, (size_t)cap * sizeof *m);
+    if (!m) return;   // only a cache
+    t->m = m;
+    t->cap = cap;
+  }
+  t->m[t->n++] = (Memo){c, r_max, ph, grad, *lp};
+}
+
 // fsmoe and fsmoe-no-iio: r per phase, gradient partition; every partition variant is
 // simulated and the fastest kept (the simulator is the judge).
 static bool plan_partitioned(const SchedStack *st, SchedPlan *plan) {
+  MemoTable memo = {0};
   bool iio = plan->policy == SCHED_FSMOE;
   int n = st->n;
   double *olp = calloc((size_t)n, sizeof *olp);
@@ -279,7 +349,7 @@ static bool plan_partitioned(const SchedStack *st, SchedPlan *plan) {
   for (int i = 0; i < n; i++) {
     const SchedLayerCost *c = &st->cost[i];
     SchedLayerPlan *lp = &plan->layer[i];
-    if (iio) sched_fsmoe_degree(c, st->r_max[i], SCHED_FWD, 0, lp);
+    if (iio) memo_degree(&memo, c, st->r_max[i], SCHED_FWD, 0, lp);
     else noiio_degree(c, st->r_max[i], SCHED_FWD, 0, lp);
     const SchedPhase *b = &c->phase[SCHED_BWD];
     if (iio) olp[i] = sched_olp_moe(b, sched_find_degree(b, 0, st->r_max[i], SCHED_METHOD_EXHAUSTIVE).r);
@@ -300,7 +370,7 @@ static bool plan_partitioned(const SchedStack *st, SchedPlan *plan) {
       lp->grad_moe = gp.moe[i];
       lp->grad_dense = gp.dense[i];
       lp->t_gar = sched_ar_time(&st->cost[i].ar, gp.moe[i]);
-      if (iio) sched_fsmoe_degree(&st->cost[i], st->r_max[i], SCHED_BWD, gp.moe[i], lp);
+      if (iio) memo_degree(&memo, &st->cost[i], st->r_max[i], SCHED_BWD, gp.moe[i], lp);
       else noiio_degree(&st->cost[i], st->r_max[i], SCHED_BWD, gp.moe[i], lp);
     }
     plan->grad_tail = gp.tail;
@@ -327,6 +397,7 @@ static bool plan_partitioned(const SchedStack *st, SchedPlan *plan) {
   }
   free(olp);
   free(best);
+  free(memo.m);
   return ok;
 }
 

@@ -85,14 +85,19 @@ static double elapsed_since(const struct timespec *t0) {
   return (t1.tv_sec - t0->tv_sec) + (t1.tv_nsec - t0->tv_nsec) * 1e-9;
 }
 
-// (1) + (2): the chosen r against every r, and the solver's time.
+// (1) + (2): the chosen r against every r, and the solver's time. The chosen r is the fastest in
+// simulation of Algorithm 1's SLSQP answer, the case model's integer optimum and the simulator's
+// own scan (DESIGN §6: "use whichever choice is better, and report both"); how often the paper's
+// model alone is within 1 % is printed and held to a floor. The random layers perturb the shipped
+// profiles' coefficients by up to 4x each way, so AllGather and ReduceScatter often differ by far
+// more than the paper's model assumes ("AllGather and ReduceScatter require similar durations").
 static void test_degree_within_one_percent(void **state) {
   SchedCluster base[NPROFILES];
   FeCluster fc[NPROFILES];
   for (int i = 0; i < NPROFILES; i++) load_cluster(profiles[i], &base[i], &fc[i]);
   enum { NCASES = 2000 };
-  int chosen_ok = 0, slsqp_ok = 0, exh_ok = 0, slsqp_model_opt = 0, worst_case = -1;
-  double worst = 0, solve_s = 0, slsqp_s = 0;
+  int chosen_ok = 0, slsqp_ok = 0, exh_ok = 0, slsqp_model_opt = 0, by_model = 0;
+  double worst_model = 0, decide_s = 0, slsqp_s = 0;
   for (int k = 0; k < NCASES; k++) {
     SchedCluster c = random_cluster(&base[pick(NPROFILES)]);
     SchedLayerSpec s = random_spec(&c);
@@ -100,41 +105,61 @@ static void test_degree_within_one_percent(void **state) {
     sched_layer_cost(&s, &c, &cost);
     int ph = pick(2);
     double grad = ph == SCHED_BWD && pick(3) ? 3 * uniform() * cost.n_grad : 0;
+    double t_gar = sched_ar_time(&cost.ar, grad);
     SchedLayerPlan lp = {0};
     struct timespec t0;
     clock_gettime(CLOCK_MONOTONIC, &t0);
     sched_fsmoe_degree(&cost, SCHED_R_MAX, ph, grad, &lp);
-    solve_s += elapsed_since(&t0);
+    decide_s += elapsed_since(&t0);
     clock_gettime(CLOCK_MONOTONIC, &t0);
-    SchedDegree q = sched_find_degree(&cost.phase[ph], sched_ar_time(&cost.ar, grad), SCHED_R_MAX, SCHED_METHOD_SLSQP);
+    SchedDegree q = sched_find_degree(&cost.phase[ph], t_gar, SCHED_R_MAX, SCHED_METHOD_SLSQP);
     slsqp_s += elapsed_since(&t0);
     assert_int_equal(q.r, lp.r_slsqp[ph]);
-    SchedDegree e = sched_find_degree(&cost.phase[ph], sched_ar_time(&cost.ar, grad), SCHED_R_MAX,
-                                      SCHED_METHOD_EXHAUSTIVE);
+    SchedDegree e = sched_find_degree(&cost.phase[ph], t_gar, SCHED_R_MAX, SCHED_METHOD_EXHAUSTIVE);
     slsqp_model_opt += q.t <= e.t * (1 + 1e-12);
 
+    // The reference: every r simulated here, independently of the planner.
     double best = INFINITY;
     for (int r = 1; r <= SCHED_R_MAX; r++) best = fmin(best, sched_sim_moe(SCHED_FSMOE, &cost, ph, r, grad));
     double t_chosen = sched_sim_moe(SCHED_FSMOE, &cost, ph, lp.r[ph], grad);
-    double gap = t_chosen / best - 1;
-    chosen_ok += gap <= 0.01;
+    chosen_ok += t_chosen <= 1.01 * best;
     slsqp_ok += lp.t_sim_slsqp[ph] <= 1.01 * best;
     exh_ok += lp.t_sim_exhaustive[ph] <= 1.01 * best;
-    if (gap > worst) {
-      worst = gap;
-      worst_case = k;
-    }
+    by_model += strcmp(lp.chosen_by[ph], "simulator") != 0;
+    worst_model = fmax(worst_model, lp.t_sim_slsqp[ph] / best - 1);
   }
-  // A layer needs a degree per phase: two solves.
-  printf("# degree: %d cases; chosen r within 1%% of the best simulated r: %d; SLSQP alone %d, exhaustive alone %d;"
-         " worst gap %.3f%% (case %d)\n",
-         NCASES, chosen_ok, slsqp_ok, exh_ok, 100 * worst, worst_case);
-  printf("# degree: SLSQP reaches the model's integer optimum in %d of %d cases\n", slsqp_model_opt, NCASES);
-  printf("# solver time per layer (forward + backward): %.1f us with the simulator's judgement, %.1f us SLSQP alone"
-         " (paper: 193 ms in Python)\n",
-         2e6 * solve_s / NCASES, 2e6 * slsqp_s / NCASES);
+  printf("# degree: %d random layers; chosen r within 1%% of the best simulated r: %d (a model answer in %d);\n"
+         "#   the paper's model alone: SLSQP %d, exhaustive %d, worst %.1f%% slower;"
+         " SLSQP reaches the model's integer optimum in %d\n",
+         NCASES, chosen_ok, by_model, slsqp_ok, exh_ok, 100 * worst_model, slsqp_model_opt);
+  printf("# solver time per layer (forward + backward): Algorithm 1 with SLSQP %.1f us; with the exhaustive\n"
+         "#   model scan and the simulator's judgement %.1f us (paper: 193 ms in Python)\n",
+         2e6 * slsqp_s / NCASES, 2e6 * decide_s / NCASES);
   assert_int_equal(chosen_ok, NCASES);
-  assert_true(2 * solve_s / NCASES < 1e-3);
+  assert_int_equal(slsqp_model_opt, NCASES);
+  assert_true(slsqp_ok >= 0.9 * NCASES);
+  assert_true(2 * slsqp_s / NCASES < 1e-3);
+  assert_true(2 * decide_s / NCASES < 1e-3);
+
+  // On the shipped profiles' Table 4 layers, unperturbed.
+  for (int pi = 0; pi < NPROFILES; pi++) {
+    double seqlens[3];
+    sched_table4_seqlens(&base[pi], seqlens);
+    int ok = 0, n = 0;
+    for (int id = 0; id < SCHED_TABLE4_CASES; id += 3)   // heads do not change the MoE layer
+      for (int ph = 0; ph < 2; ph++) {
+        SchedTable4Case tc;
+        SchedLayerSpec spec;
+        sched_table4_case(id, &base[pi], seqlens, SCHED_DROPLESS_CAPACITY, &tc, &spec);
+        SchedLayerCost cost;
+        sched_layer_cost(&spec, &base[pi], &cost);
+        SchedLayerPlan lp = {0};
+        sched_fsmoe_degree(&cost, SCHED_R_MAX, ph, 0, &lp);
+        ok += lp.t_sim_slsqp[ph] <= 1.01 * lp.t_sim_sim[ph];
+        n++;
+      }
+    printf("# degree: %s Table 4 layers: the paper's model alone within 1%% in %d of %d\n", profiles[pi], ok, n);
+  }
 }
 
 // (3): sequential = sum over layers of t_att + 2 t_a2a + t_ag + t_rs + t_exp (forward, r = 1), the
@@ -197,7 +222,7 @@ static void test_simulator_matches_cases(void **state) {
     p->exp = regimes[k].exp;
     p->n_a2a = p->n_ag = p->n_rs = p->n_exp = 1e6;
     for (int r = 1; r <= 8; r++) {
-      assert_int_equal(sched_case(p, r, 0), regimes[k].kase);
+      assert_int_equal(sched_case(p, r, 0), r == 1 ? 2 : regimes[k].kase);   // r = 1: Q2 and Q3 hold
       double model = sched_model_time(p, r, 0), sim = sched_sim_moe(SCHED_FSMOE, &c, SCHED_FWD, r, 0);
       assert_true(fabs(model - sim) <= 1e-9 * model);
     }
