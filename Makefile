@@ -114,7 +114,7 @@ FUZZ_BIN := $(FUZZ_SRC:tests/fuzz/%.c=$(BUILD)/fuzz/%)
 $(BUILD)/fuzz/%: tests/fuzz/%.c $(COMPILER_SRC) $(GEN_SRC)
 	@mkdir -p $(dir $@)
 	clang -std=c11 -D_GNU_SOURCE -O1 -g -fsanitize=fuzzer,address,undefined -Wno-unused-function \
-	  $(INCLUDES) $(COMPILER_DEFS) -o $@ $< $(COMPILER_SRC) $(GEN_SRC) -lnlopt -lm
+	  $(INCLUDES) $(COMPILER_DEFS) -o $@ $< $(COMPILER_SRC) $(GEN_SRC) -lnlopt -lopenblas -lm
 
 test: deps all $(UNIT_BIN) $(MPI_TEST_BIN) $(BUILD)/asan/moec $(FUZZ_BIN)
 	@BUILD=$(BUILD) bash tests/run.sh
@@ -133,8 +133,15 @@ $(BUILD)/bench/gate_order: bench/gate_order.c $(BUILD)/libmoert.a
 	@mkdir -p $(dir $@)
 	$(CC) $(CFLAGS) -Iruntime -I/usr/include/x86_64-linux-gnu/openblas-pthread -o $@ $< $(BUILD)/libmoert.a $(RUNTIME_LIBS)
 
-bench: deps all $(BUILD)/bench/gate_order $(BUILD)/bench/alltoall
+$(BUILD)/bench/sched_bench: bench/sched_bench.c $(BUILD)/libmoec.a
+	@mkdir -p $(dir $@)
+	$(CC) $(CFLAGS) $(INCLUDES) -o $@ $< $(BUILD)/libmoec.a -lnlopt -lm
+
+bench: deps all $(BUILD)/bench/gate_order $(BUILD)/bench/alltoall $(BUILD)/bench/sched_bench
 	@BUILD=$(BUILD) bash bench/step_time.sh
+	@echo
+	$(BUILD)/bench/sched_bench .
+	@for c in testbed-a testbed-a-solver testbed-b; do echo; $(BUILD)/moec sweep --cluster lang/clusters/$$c.cluster || exit 1; done
 	@echo
 	OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 mpirun --oversubscribe -np 4 $(BUILD)/bench/alltoall --gpus-per-node 2
 	@echo

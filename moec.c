@@ -18,6 +18,9 @@
 
 #define MOEC_VERSION "0.1.0"
 
+int moec_plan(int argc, char **argv);   // plan.c
+int moec_sweep(int argc, char **argv);  // plan.c
+
 static void usage(FILE *out) {
   fprintf(out,
           "usage: moec COMMAND [options]\n"
@@ -35,6 +38,11 @@ static void usage(FILE *out) {
           "      --keep-c F.c          also keep the generated C program as F.c\n"
           "      --cluster C           cluster profile (overrides the model's 'cluster' statement)\n"
           "      --target cpu|auto     code generation target (default auto: CPU on this build)\n"
+          "  plan F.moe [--cluster C] [--policy P|all] [--svg F] [--trace F] [--json F]\n"
+          "                            the FSMoE schedule model: pipeline degrees, gradient partition,\n"
+          "                            predicted times per policy, timelines (see 'moec plan --help')\n"
+          "  sweep --cluster C [--quick]\n"
+          "                            every policy over the paper's Table 4 space (Table 5 averages)\n"
           "  ops                       list the IR ops\n"
           "  passes                    list the passes in pipeline order\n"
           "  --help, --version\n"
@@ -257,12 +265,14 @@ int main(int argc, char **argv) {
   }
   const char *cmd = argv[1];
   if (strcmp(cmd, "ops") == 0) return cmd_ops();
+  if (strcmp(cmd, "plan") == 0) return moec_plan(argc, argv);
+  if (strcmp(cmd, "sweep") == 0) return moec_sweep(argc, argv);
   if (strcmp(cmd, "passes") == 0) return cmd_passes();
-  static const char *const commands[] = {"check", "dump-ir", "build", "ops", "passes"};
+  static const char *const commands[] = {"check", "dump-ir", "build", "ops", "passes", "plan", "sweep"};
   bool known = false;
-  for (int i = 0; i < 5; i++) known |= strcmp(cmd, commands[i]) == 0;
+  for (int i = 0; i < 7; i++) known |= strcmp(cmd, commands[i]) == 0;
   if (!known) {
-    const char *near = ir_closest(cmd, commands, 5);
+    const char *near = ir_closest(cmd, commands, 7);
     fprintf(stderr, "moec: error: unknown command '%s'%s%s%s (see 'moec --help')\n", cmd,
             near ? "; did you mean '" : "", near ? near : "", near ? "'?" : "");
     return 2;

@@ -1,8 +1,12 @@
 // `moec plan` and `moec sweep`: the scheduling model of DESIGN §6 from the command line.
 //
-//   moec plan F.moe [--cluster C] [--policy NAME|all] [--heads N] [--svg out.svg]
-//                   [--trace out.json] [--json out.json]
-//   moec sweep --cluster C [--quick] [--seqlens A,B,C] [--dropless-capacity X]
+//   moec plan F.moe [--cluster C] [--policy NAME|all] [--heads N] [--degree RULE]
+//                   [--svg out.svg] [--trace out.json] [--json out.json]
+//   moec sweep --cluster C [--quick] [--degree RULE] [--seqlens A,B,C] [--dropless-capacity X]
+//
+// RULE picks fsmoe's pipeline degree: best (default: the fastest in simulation of the three
+// answers below), slsqp (Algorithm 1 with SLSQP, the paper's method), model (the case model's
+// integer optimum), simulator (the simulator's own best r).
 //
 // plan reads a model, turns every layer instance into a generalized layer (its attention, if
 // any, then its MoE) as one rank sees it, plans it for each policy (passes/sched_solve.c) and
@@ -52,6 +56,16 @@ static void free_all(SchedPlan plans[SCHED_NPOLICIES]) {
 static bool need_value(int i, int argc, char **argv) {
   if (i + 1 < argc) return true;
   fprintf(stderr, "moec: error: option '%s' needs a value\n", argv[i]);
+  return false;
+}
+
+static bool parse_choose(const char *text, SchedChoose *out) {
+  for (int i = 0; i < SCHED_NCHOOSE; i++)
+    if (strcmp(text, sched_choose_name[i]) == 0) {
+      *out = (SchedChoose)i;
+      return true;
+    }
+  fprintf(stderr, "moec: error: --degree takes best, slsqp, model or simulator, not '%s'\n", text);
   return false;
 }
 
@@ -109,8 +123,8 @@ typedef struct Bucket {
 static const double bucket_capacity[] = {1.0, 1.25, 1.5, 2.0, 3.0, 4.0};
 enum { NBUCKETS = sizeof bucket_capacity / sizeof bucket_capacity[0] };
 
-// fsmoe's degrees for a dropless layer at each capacity bucket (t_gar of the plan kept).
-static void dropless_buckets(const PlanLayer *pl, const SchedCluster *c, const SchedLayerPlan *lp,
+// fsmoe's degrees for a dropless layer at each capacity bucket (the plan's gradient load kept).
+static void dropless_buckets(const PlanLayer *pl, const SchedCluster *c, const SchedLayerPlan *lp, SchedChoose choose,
                              Bucket out[NBUCKETS]) {
   for (int b = 0; b < NBUCKETS; b++) {
     SchedLayerSpec s = pl->spec;
@@ -118,15 +132,10 @@ static void dropless_buckets(const PlanLayer *pl, const SchedCluster *c, const S
     s.r_max = r_max_of(&s, pl->k, bucket_capacity[b], s.experts, pl->groups);
     SchedLayerCost cost;
     sched_layer_cost(&s, c, &cost);
-    int r[2];
-    for (int ph = 0; ph < 2; ph++) {
-      double t_gar = ph == SCHED_BWD ? sched_ar_time(&cost.ar, lp->grad_moe) : 0;
-      SchedDegree e = sched_find_degree(&cost.phase[ph], t_gar, s.r_max, SCHED_METHOD_EXHAUSTIVE);
-      SchedDegree q = sched_find_degree(&cost.phase[ph], t_gar, s.r_max, SCHED_METHOD_SLSQP);
-      double grad = ph == SCHED_BWD ? lp->grad_moe : 0;
-      r[ph] = sched_sim_moe(SCHED_FSMOE, &cost, ph, e.r, grad) < sched_sim_moe(SCHED_FSMOE, &cost, ph, q.r, grad) ? e.r : q.r;
-    }
-    out[b] = (Bucket){bucket_capacity[b], r[0], r[1]};
+    SchedLayerPlan bp = {0};
+    sched_fsmoe_degree(&cost, s.r_max, SCHED_FWD, 0, choose, &bp);
+    sched_fsmoe_degree(&cost, s.r_max, SCHED_BWD, lp->grad_moe, choose, &bp);
+    out[b] = (Bucket){bucket_capacity[b], bp.r[SCHED_FWD], bp.r[SCHED_BWD]};
   }
 }
 
@@ -187,9 +196,8 @@ static bool write_json(const char *path, const char *model, const char *cluster_
         fputc('}', f);
       }
       if (p == SCHED_FSMOE && layers[i].dropless) {
-        SchedCluster cc = *c;
         Bucket b[NBUCKETS];
-        dropless_buckets(&layers[i], &cc, lp, b);
+        dropless_buckets(&layers[i], c, lp, st->choose, b);
         fprintf(f, ", \"dropless_buckets\": [");
         for (int k = 0; k < NBUCKETS; k++)
           fprintf(f, "%s{\"capacity_at_most\": %g, \"r_fwd\": %d, \"r_bwd\": %d}", k ? ", " : "", b[k].capacity,
@@ -221,13 +229,17 @@ static bool write_timeline(const char *path, const SchedStack *st, const SchedPl
 int moec_plan(int argc, char **argv) {
   const char *input = NULL, *cluster_opt = NULL, *policy = "all", *svg = NULL, *trace = NULL, *json = NULL;
   double heads_opt = 0;
+  SchedChoose choose = SCHED_CHOOSE_BEST;
   for (int i = 2; i < argc; i++) {
     const char *a = argv[i];
     if (strcmp(a, "--cluster") == 0 || strcmp(a, "--policy") == 0 || strcmp(a, "--svg") == 0 ||
-        strcmp(a, "--trace") == 0 || strcmp(a, "--json") == 0 || strcmp(a, "--heads") == 0) {
+        strcmp(a, "--trace") == 0 || strcmp(a, "--json") == 0 || strcmp(a, "--heads") == 0 ||
+        strcmp(a, "--degree") == 0) {
       if (!need_value(i, argc, argv)) return 2;
       const char *v = argv[++i];
-      if (strcmp(a, "--cluster") == 0) cluster_opt = v;
+      if (strcmp(a, "--degree") == 0) {
+        if (!parse_choose(v, &choose)) return 2;
+      } else if (strcmp(a, "--cluster") == 0) cluster_opt = v;
       else if (strcmp(a, "--policy") == 0) policy = v;
       else if (strcmp(a, "--svg") == 0) svg = v;
       else if (strcmp(a, "--trace") == 0) trace = v;
@@ -315,7 +327,7 @@ int moec_plan(int argc, char **argv) {
       sched_layer_cost(&pl->spec, &cluster, &costs[k]);
     }
   }
-  SchedStack st = {n, costs, r_max};
+  SchedStack st = {n, costs, r_max, choose};
   double t0 = now_s();
   if (!plan_all(&st, plans)) {
     ir_error(&d, "planning failed (an internal error)");
@@ -340,11 +352,14 @@ int moec_plan(int argc, char **argv) {
            SCHED_DROPLESS_CAPACITY);
   printf("# times in ms (predicted by the cluster profile's fits); gradients in elements, MB at %g bytes each\n",
          SCHED_GRAD_BYTES);
+  printf("# a chunk is 1/r of the capacity (T tokens per expert, split as evenly as integers allow); r <= min(%d, T)\n",
+         SCHED_R_MAX);
   bool fsmoe_shown = shown == SCHED_FSMOE;
   printf("# per-layer plan of %s (r: pipeline degree per phase, forward/backward", sched_policy_name[shown]);
   if (fsmoe_shown)
     printf(";\n#   slsqp / model / sim: Algorithm 1 by SLSQP, by scanning the case model, and the simulator's\n"
-           "#   own best r; the fastest in simulation is used, 'by' says which; case: of the chosen r");
+           "#   own best r; used (--degree %s): %s; 'by' says which; case: of the chosen r",
+           sched_choose_name[choose], choose == SCHED_CHOOSE_BEST ? "the fastest in simulation" : "as asked");
   printf(";\n#   grad moe/dense: gradient elements all-reduced inside the backward MoE / during the dense backward)\n");
   printf("%-16s %5s %5s", "layer", "r_fwd", "r_bwd");
   if (fsmoe_shown) printf(" %7s %7s %7s %-21s %5s", "slsqp", "model", "sim", "by fwd/bwd", "case");
@@ -364,19 +379,23 @@ int moec_plan(int argc, char **argv) {
     printf(" %9.3f %12.0f %12.0f %9.2f\n", lp->t_gar, lp->grad_moe, lp->grad_dense,
            (lp->grad_moe + lp->grad_dense) * SCHED_GRAD_BYTES / 1e6);
   }
-  printf("# gradient after the backward pass: %.0f elements (%.2f MB); partition: %s\n", main_plan->grad_tail,
-         main_plan->grad_tail * SCHED_GRAD_BYTES / 1e6, main_plan->partition ? main_plan->partition : "-");
+  double total_grad = 0;
+  for (int i = 0; i < n; i++) total_grad += costs[i].n_grad;
+  printf("# dense gradient %.0f elements (%.2f MB); after the backward pass: %.0f (%.2f MB); placement: %s\n",
+         total_grad, total_grad * SCHED_GRAD_BYTES / 1e6, main_plan->grad_tail,
+         main_plan->grad_tail * SCHED_GRAD_BYTES / 1e6,
+         total_grad <= 0 ? "nothing to all-reduce" : main_plan->partition ? main_plan->partition : "-");
   if (shown == SCHED_FSMOE)
     for (int i = 0; i < n; i++) {
       if (!layers[i].dropless) continue;
       Bucket b[NBUCKETS];
-      dropless_buckets(&layers[i], &cluster, &main_plan->layer[i], b);
+      dropless_buckets(&layers[i], &cluster, &main_plan->layer[i], choose, b);
       printf("# dropless %s: capacity bucket -> r_fwd/r_bwd:", layers[i].name);
       for (int j = 0; j < NBUCKETS; j++) printf("  <=%g: %d/%d", b[j].capacity, b[j].r_fwd, b[j].r_bwd);
       printf("\n");
     }
   printf("#\n%-16s %10s %10s %10s %9s %9s %9s\n", "policy", "fwd_ms", "bwd_ms", "iter_ms", "vs_tutel", "vs_seq",
-         "vs_lb");
+         "gap_lb");
   for (int q = 0; q < SCHED_NPOLICIES; q++) {
     if (!all && q != (int)shown && q != SCHED_TUTEL && q != SCHED_SEQUENTIAL) continue;
     const SchedPlan *pl = &plans[q];
@@ -461,9 +480,12 @@ int moec_sweep(int argc, char **argv) {
   bool quick = false;
   double seqlens[3] = {0}, dropless_capacity = SCHED_DROPLESS_CAPACITY;
   bool have_seqlens = false;
+  SchedChoose choose = SCHED_CHOOSE_BEST;
   for (int i = 2; i < argc; i++) {
     const char *a = argv[i];
-    if (strcmp(a, "--cluster") == 0) {
+    if (strcmp(a, "--degree") == 0) {
+      if (!need_value(i, argc, argv) || !parse_choose(argv[++i], &choose)) return 2;
+    } else if (strcmp(a, "--cluster") == 0) {
       if (!need_value(i, argc, argv)) return 2;
       cluster_path = argv[++i];
     } else if (strcmp(a, "--quick") == 0) {
@@ -506,6 +528,11 @@ int moec_sweep(int argc, char **argv) {
          seqlens[0], seqlens[1], seqlens[2]);
   printf("# f = * (dropless) is modelled as top-2 at capacity %.2f: f = %.2f\n", dropless_capacity,
          2 * dropless_capacity);
+  printf("# fsmoe's degree: %s\n", choose == SCHED_CHOOSE_BEST ? "the fastest in simulation of SLSQP's, the model's "
+                                                                  "and the simulator's answers"
+                                    : choose == SCHED_CHOOSE_SLSQP ? "Algorithm 1 with SLSQP (the paper's method)"
+                                    : choose == SCHED_CHOOSE_MODEL ? "the case model's integer optimum"
+                                                                   : "the simulator's own best r");
   printf("# iteration times in ms; speedup = tutel / fsmoe; r_b: backward degree of layer 1 / layer 0\n");
   if (!quick)
     printf("%5s %2s %5s %5s %5s %2s %4s %-7s %3s %5s %10s %10s %10s %10s %10s %10s %8s\n", "case", "B", "heads", "L",
@@ -527,7 +554,7 @@ int moec_sweep(int argc, char **argv) {
     sched_layer_cost(&spec, &cluster, &cost[0]);
     cost[1] = cost[0];
     int rm[2] = {spec.r_max, spec.r_max};
-    SchedStack st = {2, cost, rm};
+    SchedStack st = {2, cost, rm, choose};
     SchedPlan plans[SCHED_NPOLICIES];
     if (!plan_all(&st, plans)) {
       ok = false;

@@ -2,8 +2,8 @@
 // layer (dense attention + MoE) on a cluster profile, the four cases under Q1-Q7, Algorithm 1
 // (per-phase pipeline degree r), the gradient partition (eqs. (3)-(4) + a global optimiser),
 // the stream programs of the six policies, a discrete-event simulator that judges them, and
-// Chrome-trace / SVG writers. Internal to the compiler: `moec plan`, `moec sweep`, the
-// pipeline/gradpart passes and the tests use it.
+// Chrome-trace / SVG writers. Internal to the compiler: `moec plan` and `moec sweep` (plan.c)
+// and the tests use it now; the pipeline, gradpart and schedule passes will.
 //
 // Units: times in ms, sizes in elements (communication: elements each rank sends/receives;
 // GEMMs: multiply-accumulates), t(n) = alpha + beta * n as in the .cluster files.
@@ -148,7 +148,7 @@ typedef struct SchedLayerPlan {
   int r_exhaustive[2];   // fsmoe: Algorithm 1's model scanned at every integer r
   int r_sim[2];          // fsmoe: the simulator's own best r (every r simulated)
   int kase[2];           // fsmoe: the case that holds at the chosen r
-  const char *chosen_by[2];   // fsmoe: "slsqp", "exhaustive" or "simulator"
+  const char *chosen_by[2];   // fsmoe: "slsqp", "model" or "simulator"
   double t_model[2];     // the policy's model time of the MoE layer at r
   double t_sim_slsqp[2], t_sim_exhaustive[2], t_sim_sim[2];   // fsmoe: simulated MoE time of each choice
   double t_gar;          // backward: the AllReduce time put inside the MoE layer
@@ -161,22 +161,34 @@ typedef struct SchedPlan {
   int nlayers;
   SchedLayerPlan *layer;
   double grad_tail;              // elements all-reduced after the backward pass
-  const char *partition;         // which gradient partition won ("step1+2", "step1", ...)
+  const char *partition;         // where the gradients went (fsmoe: the winning variant, "step1+2", ...)
   double t_fwd, t_bwd, t_iter;   // simulated
 } SchedPlan;
+
+// Which of fsmoe's three answers for r is used.
+typedef enum SchedChoose {
+  SCHED_CHOOSE_BEST,        // the fastest in simulation (a model answer on a tie); the default
+  SCHED_CHOOSE_SLSQP,       // Algorithm 1 with SLSQP, as the paper
+  SCHED_CHOOSE_MODEL,       // the case model's integer optimum (exhaustive scan)
+  SCHED_CHOOSE_SIMULATOR,   // the simulator's own best r
+  SCHED_NCHOOSE
+} SchedChoose;
+extern const char *const sched_choose_name[SCHED_NCHOOSE];   // "best", "slsqp", "model", "simulator"
 
 typedef struct SchedStack {
   int n;                        // generalized layers, in forward order
   const SchedLayerCost *cost;   // [n]
   const int *r_max;             // [n]
+  SchedChoose choose;           // fsmoe's degree rule
 } SchedStack;
 
 // fsmoe's degree for one layer and phase with grad_elems of AllReduce inside the MoE (DESIGN §6):
-// Algorithm 1 by SLSQP and by exhaustive search over the case model, and the simulator's own
-// judgement of every r; the simulator picks the fastest of the three (a model choice on a tie)
-// and all are reported. Fills lp->r, r_slsqp, r_exhaustive, r_sim, kase, chosen_by, t_model and
-// t_sim_* for that phase.
-void sched_fsmoe_degree(const SchedLayerCost *c, int r_max, int phase, double grad_elems, SchedLayerPlan *lp);
+// Algorithm 1 by SLSQP, the case model scanned at every integer r, and the simulator's own
+// judgement of every r; `choose` says which is used (by default the fastest of the three in
+// simulation, a model answer on a tie); all are reported. Fills lp->r, r_slsqp, r_exhaustive,
+// r_sim, kase, chosen_by, t_model and t_sim_* for that phase.
+void sched_fsmoe_degree(const SchedLayerCost *c, int r_max, int phase, double grad_elems, SchedChoose choose,
+                        SchedLayerPlan *lp);
 
 // Plans a stack for a policy (r per layer and phase, gradient placement) and simulates it.
 // out->layer is allocated; free with sched_plan_free.
@@ -224,7 +236,8 @@ extern const char *const sched_resource_name[SCHED_NRES];
 
 typedef struct SchedOp {
   SchedOpKind kind;
-  int layer, phase, chunk;   // chunk: 0-based (AllReduce: its index among the layer's AllReduces)
+  int layer, phase, chunk;   // chunk: 0-based; AllReduce: 0 inside the MoE (or the layer's only
+                             // one), 1 during the dense backward, 2 after the backward; Lina: k-th 30 MB
   int stream;                // in-order issue queue
   SchedResource res;         // what it occupies while it runs (one op at a time per resource)
   int prio;                  // lower goes first when several streams want one resource

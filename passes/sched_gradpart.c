@@ -3,8 +3,11 @@
 // The backward pass visits the generalized layers last to first: layer i's MoE, then its
 // attention, whose weight gradients (n_grad[i] elements) are then ready for the DP AllReduce.
 // They can ride in two overlap slots of each layer j < i, visited after i: the inter-node
-// idle time inside j's backward MoE (t_olp,moe of Case 2/3/4) and j's dense backward. Gradient is consumed first-in first-out, so a slot only ever holds gradient that
-// already exists (the causality constraint of eq. (5)).
+// idle time inside j's backward MoE (t_olp,moe of Case 2/3/4) and j's dense backward. The
+// gradients of layer 0 come last and have no slot left. Gradient is consumed first-in
+// first-out, so a slot only ever holds gradient that already exists (the causality constraint
+// of eq. (5)). Besides the paper's steps, DENSE_FIRST and NONE are variants the planner also
+// simulates, keeping the fastest.
 //
 // Step 1 (eqs. (3)-(4)): fill each slot in visiting order with as much pending gradient as its
 // overlappable time carries, n = g_inv(min(t_grad(pending), t_olp)); the rest stays pending.

@@ -8,8 +8,10 @@
 // solved as '>='). The integer neighbours of every real optimum are then evaluated with the
 // model (the closed form of whichever case holds there) and the best is kept. Because the
 // cases partition the truth table, scanning r = 1..32 with the closed forms is exact for the
-// model; both are kept and reported, and the discrete-event simulator (sched_sim.c) judges
-// between their answers, since the case model only approximates the overlap of the streams.
+// model. The case model only approximates how the streams overlap (it assumes AllGather and
+// ReduceScatter take about as long), so fsmoe's final degree is the fastest in simulation
+// among SLSQP's answer, the model scan's and the simulator's own scan of every r (DESIGN §6:
+// "use whichever choice is better, and report both"); all three are kept in the plan.
 //
 // The planner (sched_plan) gives every policy its own way to choose r and to place the dense
 // gradients (DESIGN §6), builds its stream program and simulates it.
@@ -226,11 +228,15 @@ static double noiio_fmoe(const SchedLayerCost *c, int r_max, double t_gar) {
   return sched_noiio_model(p, sched_argmin_degree(sched_noiio_model, p, t_gar, r_max), t_gar);
 }
 
+const char *const sched_choose_name[SCHED_NCHOOSE] = {"best", "slsqp", "model", "simulator"};
+
 // fsmoe: Algorithm 1 both ways and the simulator's own scan; the simulator judges (DESIGN §6).
-void sched_fsmoe_degree(const SchedLayerCost *c, int r_max, int ph, double grad_elems, SchedLayerPlan *lp) {
+void sched_fsmoe_degree(const SchedLayerCost *c, int r_max, int ph, double grad_elems, SchedChoose choose,
+                        SchedLayerPlan *lp) {
   const SchedPhase *p = &c->phase[ph];
   double t_gar = sched_ar_time(&c->ar, grad_elems);
   if (r_max > SCHED_R_MAX) r_max = SCHED_R_MAX;
+  if (r_max < 1) r_max = 1;
   SchedDegree s = sched_find_degree(p, t_gar, r_max, SCHED_METHOD_SLSQP);
   SchedDegree e = sched_find_degree(p, t_gar, r_max, SCHED_METHOD_EXHAUSTIVE);
   double sim[SCHED_R_MAX + 1];
@@ -245,14 +251,13 @@ void sched_fsmoe_degree(const SchedLayerCost *c, int r_max, int ph, double grad_
   lp->t_sim_slsqp[ph] = sim[s.r];
   lp->t_sim_exhaustive[ph] = sim[e.r];
   lp->t_sim_sim[ph] = sim[best];
-  // The paper's answer unless something simulates faster.
-  int r = s.r;
+  int r = s.r;   // the paper's answer unless the rule or the simulator says otherwise
   lp->chosen_by[ph] = "slsqp";
-  if (sim[e.r] < sim[r]) {
+  if (choose == SCHED_CHOOSE_MODEL || (choose == SCHED_CHOOSE_BEST && sim[e.r] < sim[r])) {
     r = e.r;
-    lp->chosen_by[ph] = "exhaustive";
+    lp->chosen_by[ph] = "model";
   }
-  if (sim[best] < sim[r]) {
+  if (choose == SCHED_CHOOSE_SIMULATOR || (choose == SCHED_CHOOSE_BEST && sim[best] < sim[r])) {
     r = best;
     lp->chosen_by[ph] = "simulator";
   }
@@ -292,6 +297,7 @@ static bool simulate_plan(const SchedStack *st, SchedPlan *plan) {
 typedef struct Memo {
   const SchedLayerCost *c;
   int r_max, ph;
+  SchedChoose choose;
   double grad;
   SchedLayerPlan lp;
 } Memo;
@@ -314,15 +320,17 @@ static void copy_phase(SchedLayerPlan *dst, const SchedLayerPlan *src, int ph) {
   dst->t_sim_sim[ph] = src->t_sim_sim[ph];
 }
 
-static void memo_degree(MemoTable *t, const SchedLayerCost *c, int r_max, int ph, double grad, SchedLayerPlan *lp) {
+static void memo_degree(MemoTable *t, const SchedLayerCost *c, int r_max, int ph, double grad, SchedChoose choose,
+                        SchedLayerPlan *lp) {
   for (int i = 0; i < t->n; i++) {
     const Memo *m = &t->m[i];
-    if (m->r_max == r_max && m->ph == ph && m->grad == grad && (m->c == c || memcmp(m->c, c, sizeof *c) == 0)) {
+    if (m->r_max == r_max && m->ph == ph && m->grad == grad && m->choose == choose &&
+        (m->c == c || memcmp(m->c, c, sizeof *c) == 0)) {
       copy_phase(lp, &m->lp, ph);
       return;
     }
   }
-  sched_fsmoe_degree(c, r_max, ph, grad, lp);
+  sched_fsmoe_degree(c, r_max, ph, grad, choose, lp);
   if (t->n == t->cap) {
     int cap = t->cap ? 2 * t->cap : 16;
     Memo *m = realloc(t->m, (size_t)cap * sizeof *m);
@@ -330,7 +338,7 @@ static void memo_degree(MemoTable *t, const SchedLayerCost *c, int r_max, int ph
     t->m = m;
     t->cap = cap;
   }
-  t->m[t->n++] = (Memo){c, r_max, ph, grad, *lp};
+  t->m[t->n++] = (Memo){c, r_max, ph, choose, grad, *lp};
 }
 
 // fsmoe and fsmoe-no-iio: r per phase, gradient partition; every partition variant is
@@ -349,7 +357,7 @@ static bool plan_partitioned(const SchedStack *st, SchedPlan *plan) {
   for (int i = 0; i < n; i++) {
     const SchedLayerCost *c = &st->cost[i];
     SchedLayerPlan *lp = &plan->layer[i];
-    if (iio) memo_degree(&memo, c, st->r_max[i], SCHED_FWD, 0, lp);
+    if (iio) memo_degree(&memo, c, st->r_max[i], SCHED_FWD, 0, st->choose, lp);
     else noiio_degree(c, st->r_max[i], SCHED_FWD, 0, lp);
     const SchedPhase *b = &c->phase[SCHED_BWD];
     if (iio) olp[i] = sched_olp_moe(b, sched_find_degree(b, 0, st->r_max[i], SCHED_METHOD_EXHAUSTIVE).r);
@@ -370,7 +378,7 @@ static bool plan_partitioned(const SchedStack *st, SchedPlan *plan) {
       lp->grad_moe = gp.moe[i];
       lp->grad_dense = gp.dense[i];
       lp->t_gar = sched_ar_time(&st->cost[i].ar, gp.moe[i]);
-      if (iio) memo_degree(&memo, &st->cost[i], st->r_max[i], SCHED_BWD, gp.moe[i], lp);
+      if (iio) memo_degree(&memo, &st->cost[i], st->r_max[i], SCHED_BWD, gp.moe[i], st->choose, lp);
       else noiio_degree(&st->cost[i], st->r_max[i], SCHED_BWD, gp.moe[i], lp);
     }
     plan->grad_tail = gp.tail;

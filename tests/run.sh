@@ -198,6 +198,25 @@ hooks=""; for p in before_moe_start before_dispatch after_dispatch before_combin
 matrix_model "gshard { k 2; capacity 0.8; aux_loss 0.1; }" tutel "ffn gpt { hidden 24; }" 4 "$hooks" >"$WORK/m.moe"
 gradcheck "record hooks at all six points" "$WORK/m.moe"
 
+# ---- the scheduler: moec plan and moec sweep ----
+section "scheduler: moec plan and moec sweep"
+if "$MOEC" plan tests/golden/parallel.moe --cluster lang/clusters/testbed-b.cluster --policy all \
+     --svg "$WORK/plan.svg" --trace "$WORK/plan.json" --json "$WORK/planfull.json" >"$WORK/plan.out" 2>&1 &&
+   grep -q '^OK' "$WORK/plan.out" && head -c 4 "$WORK/plan.svg" | grep -q '<svg' &&
+   "$PY" -c 'import json,sys; json.load(open(sys.argv[1])); json.load(open(sys.argv[2]))' "$WORK/plan.json" "$WORK/planfull.json"; then
+  ok "moec plan: table, SVG timeline, Chrome trace and JSON plan"
+else
+  bad "moec plan" "$(tail -n 20 "$WORK/plan.out")"
+fi
+for c in testbed-a testbed-a-solver testbed-b; do
+  if "$MOEC" sweep --cluster lang/clusters/$c.cluster --quick >"$WORK/sweep.out" 2>&1 && grep -q '^OK' "$WORK/sweep.out" &&
+     grep -q 'cases where fsmoe is not the fastest policy: 0' "$WORK/sweep.out"; then
+    ok "moec sweep $c: fsmoe $(awk '$1 == "fsmoe" {print $2}' "$WORK/sweep.out") over tutel, fastest on every Table 4 case"
+  else
+    bad "moec sweep $c" "$(tail -n 20 "$WORK/sweep.out")"
+  fi
+done
+
 # ---- numpy reference ----
 section "numpy reference (tests/ref)"
 if [ -x "$PY" ] && "$PY" -c 'import numpy' 2>/dev/null; then

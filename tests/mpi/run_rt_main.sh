@@ -210,7 +210,7 @@ np2_as_4() {
 np2_as_4
 status=$?
 if [ $status -ne 0 ] && [ $status -ne 124 ] &&
-   [ "$(grep -c 'moert: error: the layout needs dp 2 x mp 2 = 4 ranks but 2 are running' "$WORK/fail.err")" = 1 ] &&
+   [ "$(grep -c 'moert: error: the layout needs 4 ranks (dp 2 x mp 2 = ep 2 x esp 2) but 2 are running' "$WORK/fail.err")" = 1 ] &&
    [ "$(grep 'moert: error:' "$WORK/fail.err" | sort | uniq -d)" = "" ]; then
   ok "a layout for 4 ranks started on 2 fails on every rank with one message"
 else

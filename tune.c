@@ -1,0 +1,689 @@
+// `moec tune`: profile the machine it runs on, fit the performance models, write a .cluster.
+//
+//   mpirun -np P moec tune [-o F.cluster] [--quick] [--model F.moe] [--gpus-per-node G] [-v]
+//
+// The idea is the paper's §6.2: time the runtime's own GEMM and collectives over a range of
+// sizes and fit t(n) = alpha + beta * n to each (t in ms; n in elements each rank
+// sends/receives, or multiply-accumulates for a GEMM; DESIGN §2 and §6). The world is cut
+// into nodes of G consecutive ranks (the runtime's layout with mp = esp = G), which gives the
+// two groups the FSMoE schedule runs collectives on: the intra-node group (the G ranks of a
+// node, the ESP group) and the inter-node group (the ranks with the same local index on every
+// node, the EP group). Six fits:
+//
+//   gemm                  rt_matmul in the expert shapes, [m, K] x [K, N], n = m*K*N
+//   alltoall      intra   rt_alltoall (flat), n = floats each rank sends (and receives)
+//   allgather     intra   rt_allgather, n = floats each rank receives (the gathered buffer)
+//   reducescatter intra   rt_reducescatter, n = floats each rank sends (the buffer reduced)
+//   alltoall      inter   the one the .cluster's `alltoall` holds (the scheduler's t_a2a)
+//   allreduce     inter   rt_allreduce, n = the buffer
+//
+// n sweeps 2^18 .. 24*2^18 floats (step 2^18) for communication and 2^19 .. 12*2^19
+// multiply-accumulates for GEMMs; --quick keeps 4 sizes of each sweep (ends included). Every
+// size runs once to warm up, then 5 times; a run is timed between a barrier and a max-reduce,
+// so it is the slowest rank's time, and the median of the 5 is the point. Every rank computes
+// its GEMMs at the same time, as in a training step. Fits are LAPACK least squares
+// (passes/fit.c). Rank 0 prints '#' metadata, a fixed-width table and an OK/FAILED footer, and
+// writes the profile atomically; a progress bar goes to stderr when a person is watching.
+#include <mpi.h>
+
+#include <errno.h>
+#include <math.h>
+#include <stdarg.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+#include <unistd.h>
+
+#include "frontend/fe.h"
+#include "ir/ir.h"
+#include "passes/fit.h"
+#include "runtime/moert.h"
+
+int moec_tune(int argc, char **argv);
+
+extern int openblas_get_num_threads(void);   // OpenBLAS, which libmoert's GEMMs run on
+
+enum {
+  RUNS = 5,                 // timed runs per size (after one warm-up)
+  QUICK_SIZES = 4,          // sizes per sweep with --quick
+  COMM_SIZES = 24,          // n = k * 2^18 floats, k = 1..24
+  GEMM_SIZES = 12,          // n = k * 2^19 multiply-accumulates, k = 1..12
+  MAX_SHAPES = 32,
+};
+#define COMM_UNIT 262144.0  // 2^18
+#define GEMM_UNIT 524288.0  // 2^19
+
+typedef struct TuneOptions {
+  const char *output, *model;
+  bool quick, verbose;
+  int gpus_per_node;        // 0: the default
+} TuneOptions;
+
+// One GEMM shape of an expert: C [m, n] = A [m, k] x B [k, n], m tokens.
+typedef struct GemmShape {
+  int k, n;
+  char what[48];            // "up (x W1, W3)", ...
+} GemmShape;
+
+typedef enum BenchOp { OP_GEMM, OP_ALLTOALL, OP_ALLGATHER, OP_REDUCESCATTER, OP_ALLREDUCE } BenchOp;
+
+// One fitted model: its points and its line.
+typedef struct Series {
+  const char *name;         // the .cluster field it feeds
+  const char *where;        // "each-rank", "intra-node", "inter-node"
+  BenchOp op;
+  RtGroup group;
+  int group_size;
+  double x[MAX_SHAPES * GEMM_SIZES + COMM_SIZES], t[MAX_SHAPES * GEMM_SIZES + COMM_SIZES];
+  int points;
+  FitLine fit;
+  bool ok;
+  char err[200];
+} Series;
+
+enum { S_GEMM, S_A2A_INTRA, S_AG_INTRA, S_RS_INTRA, S_A2A_INTER, S_AR_INTER, NSERIES };
+
+typedef struct Progress {
+  bool on;
+  int done, total;
+} Progress;
+
+static int my_rank;
+
+// Printed by rank 0 only (every rank reaches the same errors, since all parse the same argv).
+static void say(FILE *f, const char *fmt, ...) __attribute__((format(printf, 2, 3)));
+static void say(FILE *f, const char *fmt, ...) {
+  if (my_rank != 0) return;
+  va_list ap;
+  va_start(ap, fmt);
+  vfprintf(f, fmt, ap);
+  va_end(ap);
+}
+
+static void usage(FILE *out) {
+  fprintf(out,
+          "usage: mpirun -np P moec tune [-o F.cluster] [--quick] [--model F.moe] [--gpus-per-node G] [-v]\n"
+          "\n"
+          "Profiles GEMMs and collectives on the P >= 2 ranks it runs on, fits t(n) = alpha + beta*n\n"
+          "(t in ms, n in elements) to each and writes the cluster profile of DESIGN.md section 2.\n"
+          "\n"
+          "  -o F.cluster         write the profile there (atomically); without it nothing is written\n"
+          "  --quick              4 sizes per sweep instead of 24 (communication) and 12 (GEMM)\n"
+          "  --model F.moe        time the GEMMs in that model's expert shapes (default: M 1024, H 4096\n"
+          "                       scaled down to fit the GEMM sizes)\n"
+          "  --gpus-per-node G    ranks per node (default P/2 when P >= 4 and even, else P): the\n"
+          "                       intra-node group is a node's ranks, the inter-node group the ranks\n"
+          "                       with the same local index on every node\n"
+          "  -v                   also print every measured point\n");
+}
+
+static bool parse_int(const char *opt, const char *text, int *out) {
+  char *end;
+  errno = 0;
+  long v = strtol(text, &end, 10);
+  if (*text == '\0' || *end != '\0' || errno || v < 1 || v > 1 << 20) {
+    say(stderr, "moec: error: %s takes a positive whole number, not '%s'\n", opt, text);
+    return false;
+  }
+  *out = (int)v;
+  return true;
+}
+
+static bool parse_options(int argc, char **argv, TuneOptions *o) {
+  for (int i = 2; i < argc; i++) {
+    const char *a = argv[i];
+    const char **value = NULL;
+    if (strcmp(a, "-o") == 0) value = &o->output;
+    else if (strcmp(a, "--model") == 0) value = &o->model;
+    else if (strcmp(a, "--gpus-per-node") == 0) {
+      if (i + 1 >= argc) {
+        say(stderr, "moec: error: option '%s' needs a value\n", a);
+        return false;
+      }
+      if (!parse_int(a, argv[++i], &o->gpus_per_node)) return false;
+    } else if (strcmp(a, "--quick") == 0) o->quick = true;
+    else if (strcmp(a, "-v") == 0 || strcmp(a, "--verbose") == 0) o->verbose = true;
+    else {
+      say(stderr, "moec: error: %s '%s' for tune (see 'moec tune --help')\n",
+          a[0] == '-' ? "unknown option" : "unexpected argument", a);
+      return false;
+    }
+    if (value) {
+      if (++i >= argc) {
+        say(stderr, "moec: error: option '%s' needs a value\n", a);
+        return false;
+      }
+      *value = argv[i];
+    }
+  }
+  return true;
+}
+
+// ---- the GEMM shapes ----
+
+static void add_shape(GemmShape *shapes, int *n, int k, int cols, const char *what) {
+  for (int i = 0; i < *n; i++)
+    if (shapes[i].k == k && shapes[i].n == cols) return;
+  if (*n >= MAX_SHAPES) return;
+  shapes[*n] = (GemmShape){k, cols, ""};
+  snprintf(shapes[*n].what, sizeof shapes[*n].what, "%s", what);
+  (*n)++;
+}
+
+// The expert GEMMs of every layer of the model: x [m, M] times W1 (and W3) [M, H'] and the
+// hidden [m, H'] times W2 [H', M], H' = hidden / esp (ESP splits the hidden dimension).
+// Rank 0 only; diagnostics on stderr. Returns the number of shapes, -1 on error.
+static int model_shapes(const char *path, GemmShape *shapes, char *desc, size_t desc_size) {
+  IrDiag d;
+  ir_diag_init(&d, stderr);
+  IrSource *src = ir_source_read(&d, path);
+  FeProgram *p = src ? fe_load(&d, src) : NULL;
+  if (!p) {
+    ir_source_free(src);
+    return -1;
+  }
+  int n = 0;
+  size_t used = snprintf(desc, desc_size, "expert shapes of %s (M = embed %lld, esp %lld):", path,
+                         (long long)p->model.embed, (long long)p->parallel.esp);
+  for (int l = 0; l < p->nlayers; l++) {
+    const FeExperts *e = &p->layers[l].moe.experts;
+    int m_dim = (int)p->model.embed, h = (int)(e->hidden / (p->parallel.esp > 0 ? p->parallel.esp : 1));
+    bool mixtral = e->kind && strcmp(e->kind, "mixtral") == 0;
+    int before = n;
+    add_shape(shapes, &n, m_dim, h, mixtral ? "up (x W1, x W3)" : "up (x W1)");
+    add_shape(shapes, &n, h, m_dim, "down (x W2)");
+    if (n > before && used < desc_size)
+      used += snprintf(desc + used, desc_size - used, " layer %s: ffn %s, H = hidden %lld / esp = %d;",
+                       p->layers[l].name, e->kind ? e->kind : "gpt", (long long)e->hidden, h);
+  }
+  if (used > 0 && used < desc_size && desc[used - 1] == ';') desc[used - 1] = '\0';
+  if (n == MAX_SHAPES && used < desc_size)
+    snprintf(desc + strlen(desc), desc_size - strlen(desc), " (only the first %d distinct shapes are timed)", MAX_SHAPES);
+  fe_program_free(p);
+  ir_source_free(src);
+  return n;
+}
+
+// Without a model: the paper's large expert, M = 1024 and H = 4096, halved in both dimensions
+// until the smallest GEMM (2^19 multiply-accumulates) has at least 32 tokens; at full size a
+// single token is already 2^22 multiply-accumulates, beyond the whole sweep.
+static int default_shapes(GemmShape *shapes, char *desc, size_t desc_size) {
+  int m_dim = 1024, h = 4096, halvings = 0;
+  while ((double)m_dim * h * 32 > GEMM_UNIT) m_dim /= 2, h /= 2, halvings++;
+  int n = 0;
+  add_shape(shapes, &n, m_dim, h, "up (x W1)");
+  add_shape(shapes, &n, h, m_dim, "down (x W2)");
+  snprintf(desc, desc_size,
+           "no --model: the expert M = 1024, H = 4096 (H = 4M) scaled down by %d to M = %d, H = %d "
+           "(at full size one token is 2^22 multiply-accumulates, beyond the sweep; here 2^19 is m = 32 tokens)",
+           1 << halvings, m_dim, h);
+  return n;
+}
+
+// Tokens for GEMM size k * 2^19 (k = 1..12): m*K*N as close to it as whole tokens allow, and at
+// least k tokens so that the sizes stay distinct when one token is already bigger than 2^19.
+static int tokens_for(const GemmShape *s, int k) {
+  double per_token = (double)s->k * s->n;
+  long m = lround(k * GEMM_UNIT / per_token);
+  return (int)(m < k ? k : m);
+}
+
+// ---- sizes ----
+
+// The size indices (1-based, of 1..count) a sweep visits: all, or `QUICK_SIZES` spread evenly
+// with both ends.
+static int sweep(int count, bool quick, int *idx) {
+  if (!quick || count <= QUICK_SIZES) {
+    for (int i = 0; i < count; i++) idx[i] = i + 1;
+    return count;
+  }
+  for (int j = 0; j < QUICK_SIZES; j++)
+    idx[j] = 1 + (j * (count - 1) + (QUICK_SIZES - 1) / 2) / (QUICK_SIZES - 1);
+  return QUICK_SIZES;
+}
+
+// ---- timing ----
+
+typedef struct Call {
+  BenchOp op;
+  RtGroup group;
+  int64_t count;            // communication: floats per member (alltoall, allgather, reducescatter) or in all (allreduce)
+  int m, k, n;              // GEMM
+  const float *a, *b;
+  float *c;
+  float *send, *recv;
+} Call;
+
+static void call(const Call *c) {
+  switch (c->op) {
+  case OP_GEMM: rt_matmul(c->a, c->b, c->c, c->m, c->n, c->k, false, false, false); break;
+  case OP_ALLTOALL: rt_alltoall(c->group, RT_A2A_FLAT, c->send, c->recv, c->count); break;
+  case OP_ALLGATHER: rt_allgather(c->group, c->send, c->recv, c->count); break;
+  case OP_REDUCESCATTER: rt_reducescatter(c->group, c->send, c->recv, c->count); break;
+  case OP_ALLREDUCE: rt_allreduce(c->group, c->send, c->count); break;
+  }
+}
+
+static int compare_doubles(const void *a, const void *b) {
+  double x = *(const double *)a, y = *(const double *)b;
+  return (x > y) - (x < y);
+}
+
+// Milliseconds: one warm-up, then the median of RUNS runs, each the slowest rank's time.
+static double measure(const Call *c) {
+  double runs[RUNS];
+  for (int r = -1; r < RUNS; r++) {
+    MPI_Barrier(MPI_COMM_WORLD);
+    double t0 = MPI_Wtime();
+    call(c);
+    double ms = (MPI_Wtime() - t0) * 1e3, slowest;
+    MPI_Allreduce(&ms, &slowest, 1, MPI_DOUBLE, MPI_MAX, MPI_COMM_WORLD);
+    if (r >= 0) runs[r] = slowest;
+  }
+  qsort(runs, RUNS, sizeof runs[0], compare_doubles);
+  return runs[RUNS / 2];
+}
+
+// ---- progress ----
+
+// Whether a person watches stderr: ours is a terminal, or, under mpirun (which hands the ranks
+// pipes), the launcher's is (Linux /proc).
+static bool watched(void) {
+  if (isatty(STDERR_FILENO)) return true;
+  char link[64], target[256];
+  snprintf(link, sizeof link, "/proc/%ld/fd/2", (long)getppid());
+  ssize_t len = readlink(link, target, sizeof target - 1);
+  if (len <= 0) return false;
+  target[len] = '\0';
+  return strncmp(target, "/dev/pts/", 9) == 0 || strncmp(target, "/dev/tty", 8) == 0;
+}
+
+static void progress_step(Progress *p, const char *what, double n) {
+  p->done++;
+  if (!p->on) return;
+  enum { WIDTH = 30 };
+  int fill = p->total ? WIDTH * p->done / p->total : WIDTH;
+  fprintf(stderr, "\r[%.*s%*s] %3d%%  %-26s n %-10.0f", fill, "##############################", WIDTH - fill, "",
+          p->total ? 100 * p->done / p->total : 100, what, n);
+  fflush(stderr);
+}
+
+static void progress_end(Progress *p) {
+  if (!p->on) return;
+  fprintf(stderr, "\r%*s\r", 84, "");
+  fflush(stderr);
+}
+
+// ---- the sweeps ----
+
+static void *xmalloc(size_t bytes) {
+  void *p = malloc(bytes ? bytes : 1);
+  if (!p) rt_comm_abort("moec tune: out of memory (%zu bytes)", bytes);
+  return p;
+}
+
+static void run_gemms(Series *s, const GemmShape *shapes, int nshapes, bool quick, Progress *pr) {
+  int idx[GEMM_SIZES], nsizes = sweep(GEMM_SIZES, quick, idx);
+  for (int i = 0; i < nshapes; i++) {
+    const GemmShape *g = &shapes[i];
+    int m_max = tokens_for(g, GEMM_SIZES);
+    float *a = xmalloc(sizeof(float) * (size_t)m_max * g->k), *b = xmalloc(sizeof(float) * (size_t)g->k * g->n);
+    float *c = xmalloc(sizeof(float) * (size_t)m_max * g->n);
+    for (size_t e = 0; e < (size_t)m_max * g->k; e++) a[e] = (float)((int)(e % 17) - 8) / 64;
+    for (size_t e = 0; e < (size_t)g->k * g->n; e++) b[e] = (float)((int)(e % 13) - 6) / 64;
+    for (int j = 0; j < nsizes; j++) {
+      Call cl = {.op = OP_GEMM, .m = tokens_for(g, idx[j]), .k = g->k, .n = g->n, .a = a, .b = b, .c = c};
+      double macs = (double)cl.m * cl.k * cl.n;
+      s->x[s->points] = macs;
+      s->t[s->points++] = measure(&cl);
+      progress_step(pr, "gemm", macs);
+    }
+    free(a);
+    free(b);
+    free(c);
+  }
+}
+
+static void run_comm(Series *s, float *send, float *recv, bool quick, Progress *pr) {
+  int idx[COMM_SIZES], nsizes = sweep(COMM_SIZES, quick, idx);
+  char label[40];
+  snprintf(label, sizeof label, "%s (%s)", s->name, s->where);
+  for (int j = 0; j < nsizes; j++) {
+    int64_t n = (int64_t)(idx[j] * COMM_UNIT);
+    Call cl = {.op = s->op, .group = s->group, .send = send, .recv = recv};
+    // n is what each rank sends/receives in all; per-member counts round down to whole floats.
+    cl.count = s->op == OP_ALLREDUCE ? n : n / s->group_size;
+    double elements = s->op == OP_ALLREDUCE ? (double)cl.count : (double)cl.count * s->group_size;
+    s->x[s->points] = elements;
+    s->t[s->points++] = measure(&cl);
+    progress_step(pr, label, elements);
+  }
+}
+
+// ---- the profile ----
+
+// The cluster's name: the output file's base name without .cluster, as an identifier.
+static void cluster_name(const char *output, char *name, size_t size) {
+  const char *base = output ? strrchr(output, '/') : NULL;
+  base = base ? base + 1 : output ? output : "tuned";
+  size_t len = strlen(base);
+  if (len > 8 && strcmp(base + len - 8, ".cluster") == 0) len -= 8;
+  size_t o = 0;
+  if (len == 0 || !((base[0] >= 'A' && base[0] <= 'Z') || (base[0] >= 'a' && base[0] <= 'z') || base[0] == '_'))
+    o += snprintf(name, size, "c_");
+  for (size_t i = 0; i < len && o + 1 < size; i++) {
+    char ch = base[i];
+    bool word = (ch >= 'A' && ch <= 'Z') || (ch >= 'a' && ch <= 'z') || (ch >= '0' && ch <= '9') || ch == '_';
+    name[o++] = word ? ch : '_';
+  }
+  name[o] = '\0';
+}
+
+// A coefficient as the file holds it: the fit, or 0 (with a note) when noise made it negative.
+static void write_coef(FILE *f, const char *field, const Series *s) {
+  double a = s->fit.alpha, b = s->fit.beta;
+  fprintf(f, "  %-13s { alpha %.6g; beta %.6g; }", field, a < 0 ? 0.0 : a, b < 0 ? 0.0 : b);
+  if (a < 0 || b < 0) {
+    fprintf(f, "  # fitted");
+    if (a < 0) fprintf(f, " alpha %.6g", a);
+    if (b < 0) fprintf(f, "%s beta %.6g", a < 0 ? "," : "", b);
+    fprintf(f, ", clamped to 0 (a profile needs alpha, beta >= 0)");
+  }
+  fputc('\n', f);
+}
+
+static void write_profile(FILE *f, const char *header, const char *name, int nodes, int gpus_per_node,
+                          const Series *s) {
+  fputs(header, f);
+  fprintf(f, "cluster %s {\n  nodes %d;\n  gpus_per_node %d;\n", name, nodes, gpus_per_node);
+  write_coef(f, "gemm", &s[S_GEMM]);
+  write_coef(f, "alltoall", &s[S_A2A_INTER]);
+  write_coef(f, "allgather", &s[S_AG_INTRA]);
+  write_coef(f, "reducescatter", &s[S_RS_INTRA]);
+  write_coef(f, "allreduce", &s[S_AR_INTER]);
+  fprintf(f, "}\n");
+}
+
+// Temp file in the same directory, fsync, rename: readers see the old file or the whole new one.
+static bool write_atomically(const char *path, const char *header, const char *name, int nodes,
+                             int gpus_per_node, const Series *s) {
+  size_t len = strlen(path);
+  char *tmp = xmalloc(len + 16);
+  snprintf(tmp, len + 16, "%s.tmp-XXXXXX", path);
+  int fd = mkstemp(tmp);
+  FILE *f = fd >= 0 ? fdopen(fd, "w") : NULL;
+  bool ok = f != NULL;
+  if (ok) {
+    write_profile(f, header, name, nodes, gpus_per_node, s);
+    ok = fflush(f) == 0 && fsync(fileno(f)) == 0;
+    ok = (fclose(f) == 0) && ok;
+    ok = ok && rename(tmp, path) == 0;
+  } else if (fd >= 0) {
+    close(fd);
+  }
+  int saved = errno;
+  if (!ok && fd >= 0) unlink(tmp);
+  free(tmp);
+  errno = saved;
+  return ok;
+}
+
+// Appends text as '# ' comment lines of at most about 100 columns, broken at spaces.
+static size_t append_wrapped(char *h, size_t u, size_t size, const char *text) {
+  enum { WIDTH = 96 };
+  while (*text && u < size) {
+    size_t len = strlen(text);
+    if (len > WIDTH) {
+      len = WIDTH;
+      while (len > 0 && text[len] != ' ') len--;
+      if (len == 0) len = strcspn(text, " ");
+    }
+    u += snprintf(h + u, size - u, "# %.*s\n", (int)len, text);
+    text += len;
+    while (*text == ' ') text++;
+  }
+  return u;
+}
+
+// The '#' lines that open the profile: how it was measured and every fit's r^2.
+static char *profile_header(const char *command, const char *date, const char *host, long cores, int world,
+                            const char *nodes_line, const char *gemm_desc, const GemmShape *shapes, int nshapes,
+                            bool quick, const Series *s) {
+  size_t size = 8192;
+  char *h = xmalloc(size);
+  size_t u = 0;
+  u += snprintf(h + u, size - u, "# Measured by `moec tune` on %s (%ld cores), %s:\n#   %s\n", host, cores, date, command);
+  u += snprintf(h + u, size - u, "# %d ranks; %s\n", world, nodes_line);
+  char gemm_line[1200];
+  snprintf(gemm_line, sizeof gemm_line, "gemm: rt_matmul (OpenBLAS) on every rank at once, %s", gemm_desc);
+  u = append_wrapped(h, u, size, gemm_line);
+  u += snprintf(h + u, size - u, "#   shapes:");
+  for (int i = 0; i < nshapes; i++)
+    u += snprintf(h + u, size - u, "%s [m, %d] x [%d, %d]", i ? "," : "", shapes[i].k, shapes[i].k, shapes[i].n);
+  u += snprintf(h + u, size - u, "\n");
+  u += snprintf(h + u, size - u,
+                "# Sizes: communication %s x 2^18 floats, gemm %s x 2^19 multiply-accumulates; each point the\n"
+                "# median of %d runs after 1 warm-up, timed on the slowest rank. t(n) = alpha + beta * n, t in ms,\n"
+                "# n in elements each rank sends/receives (gemm: multiply-accumulates). Least-squares fits:\n",
+                quick ? "4 of 1..24" : "1..24", quick ? "4 of 1..12" : "1..12", RUNS);
+  for (int i = 0; i < NSERIES; i++)
+    u += snprintf(h + u, size - u, "#   %-13s %-10s alpha %11.4e  beta %11.4e  r2 %.6f  (%d points)\n", s[i].name,
+                  s[i].where, s[i].fit.alpha, s[i].fit.beta, s[i].fit.r2, s[i].fit.points);
+  u += snprintf(h + u, size - u,
+                "# `alltoall` below is the inter-node AlltoAll fit (the scheduler's t_a2a); the intra-node\n"
+                "# AlltoAll fit was alpha %.6g, beta %.6g. allgather and reducescatter: intra-node;\n"
+                "# allreduce: inter-node.\n",
+                s[S_A2A_INTRA].fit.alpha, s[S_A2A_INTRA].fit.beta);
+  return h;
+}
+
+// Rank 0's members of a group whose members step by `step`: "0, 2, 4" or "0, 2, ..., 14".
+static void format_run(char *buf, size_t size, int step, int count) {
+  if (count <= 4) {
+    size_t u = 0;
+    buf[0] = '\0';
+    for (int i = 0; i < count && u < size; i++) u += snprintf(buf + u, size - u, "%s%d", i ? ", " : "", i * step);
+  } else {
+    snprintf(buf, size, "0, %d, ..., %d", step, (count - 1) * step);
+  }
+}
+
+// ---- the command ----
+
+int moec_tune(int argc, char **argv) {
+  for (int i = 2; i < argc; i++)
+    if (strcmp(argv[i], "--help") == 0 || strcmp(argv[i], "-h") == 0) {
+      usage(stdout);
+      return 0;
+    }
+  int provided;   // rt_comm_init reuses this MPI
+  MPI_Init_thread(&argc, &argv, MPI_THREAD_MULTIPLE, &provided);
+  int world;
+  MPI_Comm_rank(MPI_COMM_WORLD, &my_rank);
+  MPI_Comm_size(MPI_COMM_WORLD, &world);
+  int status = 0;
+  TuneOptions o = {0};
+  if (!parse_options(argc, argv, &o)) status = 2;
+  else if (world < 2) {
+    say(stderr, "moec: error: tune needs at least 2 ranks to time collectives: run it as "
+                "'mpirun -np P moec tune ...' with P >= 2\n");
+    status = 2;
+  } else if (o.gpus_per_node && world % o.gpus_per_node != 0) {
+    say(stderr, "moec: error: --gpus-per-node %d does not divide the %d ranks into whole nodes\n",
+        o.gpus_per_node, world);
+    status = 2;
+  }
+  if (status) {
+    MPI_Finalize();
+    return status;
+  }
+  bool assumed = o.gpus_per_node == 0;
+  int gpn = o.gpus_per_node ? o.gpus_per_node : world >= 4 && world % 2 == 0 ? world / 2 : world;
+  int nodes = world / gpn;
+
+  // The GEMM shapes: rank 0 reads the model and hands them out.
+  GemmShape shapes[MAX_SHAPES];
+  char gemm_desc[1024] = "";
+  int nshapes = 0;
+  if (my_rank == 0)
+    nshapes = o.model ? model_shapes(o.model, shapes, gemm_desc, sizeof gemm_desc)
+                      : default_shapes(shapes, gemm_desc, sizeof gemm_desc);
+  MPI_Bcast(&nshapes, 1, MPI_INT, 0, MPI_COMM_WORLD);
+  if (nshapes <= 0) {
+    if (nshapes == 0) say(stderr, "moec: error: %s has no expert GEMMs to time\n", o.model);
+    MPI_Finalize();
+    return 1;
+  }
+  MPI_Bcast(shapes, (int)(sizeof shapes[0] * nshapes), MPI_BYTE, 0, MPI_COMM_WORLD);
+
+  RtLayout layout = {nodes, gpn, nodes, gpn, gpn};   // mp = esp = G: ESP = intra-node, EP = inter-node
+  if (rt_comm_init(&layout, nodes) != 0) {
+    MPI_Finalize();
+    return 1;
+  }
+
+  // A group of one has nothing to time; then its fits run on all ranks (and the table says so).
+  Series *s = calloc(NSERIES, sizeof *s);
+  if (!s) rt_comm_abort("moec tune: out of memory");
+  RtGroup intra = rt_comm_size(RT_GROUP_ESP) > 1 ? RT_GROUP_ESP : RT_GROUP_WORLD;
+  RtGroup inter = rt_comm_size(RT_GROUP_EP) > 1 ? RT_GROUP_EP : RT_GROUP_WORLD;
+  const char *intra_where = intra == RT_GROUP_ESP ? "intra-node" : "all-ranks", *inter_where = inter == RT_GROUP_EP ? "inter-node" : "all-ranks";
+  s[S_GEMM] = (Series){"gemm", "each-rank", OP_GEMM, RT_GROUP_WORLD, 1};
+  s[S_A2A_INTRA] = (Series){"alltoall", intra_where, OP_ALLTOALL, intra, rt_comm_size(intra)};
+  s[S_AG_INTRA] = (Series){"allgather", intra_where, OP_ALLGATHER, intra, rt_comm_size(intra)};
+  s[S_RS_INTRA] = (Series){"reducescatter", intra_where, OP_REDUCESCATTER, intra, rt_comm_size(intra)};
+  s[S_A2A_INTER] = (Series){"alltoall", inter_where, OP_ALLTOALL, inter, rt_comm_size(inter)};
+  s[S_AR_INTER] = (Series){"allreduce", inter_where, OP_ALLREDUCE, inter, rt_comm_size(inter)};
+
+  // Where the ranks really are: ranks that share memory with rank 0.
+  MPI_Comm local;
+  int local_size;
+  MPI_Comm_split_type(MPI_COMM_WORLD, MPI_COMM_TYPE_SHARED, 0, MPI_INFO_NULL, &local);
+  MPI_Comm_size(local, &local_size);
+  MPI_Comm_free(&local);
+
+  char host[256] = "?", date[64], version[MPI_MAX_LIBRARY_VERSION_STRING], nodes_line[512], command[1024];
+  gethostname(host, sizeof host);
+  host[sizeof host - 1] = '\0';
+  time_t now = time(NULL);
+  strftime(date, sizeof date, "%Y-%m-%d %H:%M UTC", gmtime(&now));
+  int vlen;
+  MPI_Get_library_version(version, &vlen);
+  version[strcspn(version, ",\n")] = '\0';
+  long cores = sysconf(_SC_NPROCESSORS_ONLN);
+  size_t cu = snprintf(command, sizeof command, "mpirun -np %d", world);
+  for (int i = 0; i < argc && cu < sizeof command; i++) cu += snprintf(command + cu, sizeof command - cu, " %s", argv[i]);
+  if (assumed)
+    snprintf(nodes_line, sizeof nodes_line, "nodes assumed: %d x %d ranks (gpus_per_node %d, the default %s)", nodes,
+             gpn, gpn, world >= 4 && world % 2 == 0 ? "world/2" : "one node for fewer than 4 or an odd number of ranks");
+  else
+    snprintf(nodes_line, sizeof nodes_line, "nodes: %d x %d ranks (--gpus-per-node %d)", nodes, gpn, gpn);
+
+  if (my_rank == 0) {
+    printf("# moec tune: t(n) = alpha + beta*n, t in ms, n in elements each rank sends/receives (gemm: multiply-accumulates)\n");
+    printf("# %s, %d ranks on %s (%ld cores); %d of them share rank 0's host; OpenBLAS threads per rank: %d\n", version,
+           world, host, cores, local_size, openblas_get_num_threads());
+    printf("# %s%s\n", nodes_line,
+           local_size == world && nodes > 1 ? "; every rank runs on this host, so the 'nodes' share its memory" : "");
+    char intra_members[64], inter_members[64];
+    format_run(intra_members, sizeof intra_members, 1, gpn);
+    format_run(inter_members, sizeof inter_members, gpn, nodes);
+    printf("# intra-node group: the %d consecutive ranks of a node (rank 0's: %s); inter-node group: the %d ranks with "
+           "the same local index, one per node (rank 0's: %s)\n", gpn, intra_members, nodes, inter_members);
+    if (intra != RT_GROUP_ESP)
+      printf("# one rank per node: no intra-node group, so its fits (alltoall, allgather, reducescatter) run on all ranks\n");
+    if (inter != RT_GROUP_EP)
+      printf("# one node: no inter-node group, so its fits (alltoall, allreduce) run on all ranks\n");
+    printf("# gemm: rt_matmul C[m,N] = A[m,K] x B[K,N] on every rank at once, n = m*K*N; %s\n", gemm_desc);
+    for (int i = 0; i < nshapes; i++)
+      printf("#   gemm shape %-16s [m, %d] x [%d, %d]  m %d..%d\n", shapes[i].what, shapes[i].k, shapes[i].k,
+             shapes[i].n, tokens_for(&shapes[i], 1), tokens_for(&shapes[i], GEMM_SIZES));
+    printf("# sizes: communication %s of 2^18 .. 24*2^18 floats, gemm %s of 2^19 .. 12*2^19 multiply-accumulates%s\n",
+           o.quick ? "4" : "all 24", o.quick ? "4" : "all 12", o.quick ? " (--quick)" : "");
+    printf("# each point: the median of %d runs after 1 warm-up; a run is the slowest rank's time\n", RUNS);
+    fflush(stdout);
+  }
+
+  double t_start = MPI_Wtime();
+  int comm_idx[COMM_SIZES], gemm_idx[GEMM_SIZES];
+  Progress pr = {.on = my_rank == 0 && watched()};
+  pr.total = nshapes * sweep(GEMM_SIZES, o.quick, gemm_idx) + 5 * sweep(COMM_SIZES, o.quick, comm_idx);
+
+  run_gemms(&s[S_GEMM], shapes, nshapes, o.quick, &pr);
+  size_t max_floats = (size_t)(COMM_SIZES * COMM_UNIT);
+  float *send = xmalloc(sizeof(float) * max_floats), *recv = xmalloc(sizeof(float) * max_floats);
+  memset(send, 0, sizeof(float) * max_floats);   // zeros: sums stay finite, and the pages are touched
+  memset(recv, 0, sizeof(float) * max_floats);
+  for (int i = S_A2A_INTRA; i < NSERIES; i++) run_comm(&s[i], send, recv, o.quick, &pr);
+  free(send);
+  free(recv);
+  progress_end(&pr);
+  double seconds = MPI_Wtime() - t_start;
+
+  int failed = 0;
+  if (my_rank == 0) {
+    for (int i = 0; i < NSERIES; i++) {
+      s[i].ok = fit_line(s[i].x, s[i].t, s[i].points, &s[i].fit, s[i].err, sizeof s[i].err);
+      failed += !s[i].ok;
+    }
+    if (o.verbose) {
+      printf("#\n# %-13s %-10s %14s %12s\n", "model", "group", "n", "ms");
+      for (int i = 0; i < NSERIES; i++)
+        for (int p = 0; p < s[i].points; p++)
+          printf("# %-13s %-10s %14.0f %12.5f\n", s[i].name, s[i].where, s[i].x[p], s[i].t[p]);
+    }
+    printf("#\n# %-13s %-10s %5s %6s %13s %13s %10s  %s\n", "model", "group", "ranks", "points", "alpha_ms",
+           "beta_ms", "r2", "in the profile");
+    for (int i = 0; i < NSERIES; i++) {
+      const Series *x = &s[i];
+      const char *use = i == S_A2A_INTRA ? "no (comment)" : "yes";
+      if (!x->ok) {
+        printf("  %-13s %-10s %5d %6d %13s %13s %10s  %s\n", x->name, x->where, i == S_GEMM ? world : x->group_size,
+               x->points, "-", "-", "-", x->err);
+        continue;
+      }
+      printf("  %-13s %-10s %5d %6d %13.4e %13.4e %10.6f  %s\n", x->name, x->where, i == S_GEMM ? world : x->group_size,
+             x->points, x->fit.alpha, x->fit.beta, x->fit.r2, use);
+    }
+    for (int i = 0; i < NSERIES; i++)
+      if (s[i].ok && (s[i].fit.alpha < 0 || s[i].fit.beta < 0))
+        printf("# warning: %s (%s): fitted %s < 0 (noise, or times the line does not follow near n = 0); "
+               "the profile holds 0 instead and says so in a comment\n", s[i].name,
+               s[i].where, s[i].fit.alpha < 0 && s[i].fit.beta < 0 ? "alpha and beta" : s[i].fit.alpha < 0 ? "alpha" : "beta");
+    printf("# measured in %.1f s\n", seconds);
+
+    char name[128];
+    cluster_name(o.output, name, sizeof name);
+    char *header = profile_header(command, date, host, cores, world, nodes_line, gemm_desc, shapes, nshapes, o.quick, s);
+    if (failed) {
+      printf("# %d fit%s failed: no profile written\n", failed, failed == 1 ? "" : "s");
+    } else if (o.output) {
+      if (write_atomically(o.output, header, name, nodes, gpn, s)) printf("# wrote %s (cluster %s)\n", o.output, name);
+      else {
+        fprintf(stderr, "moec: error: cannot write '%s': %s\n", o.output, strerror(errno));
+        failed = 1;
+      }
+    } else {
+      printf("# no -o given, nothing written; the profile would read:\n");
+      char *text = NULL;
+      size_t len = 0;
+      FILE *mem = open_memstream(&text, &len);
+      if (mem) {
+        write_profile(mem, header, name, nodes, gpn, s);
+        fclose(mem);
+        for (char *line = strtok(text, "\n"); line; line = strtok(NULL, "\n")) printf("#   | %s\n", line);
+      }
+      free(text);
+    }
+    free(header);
+    puts(failed ? "FAILED" : "OK");
+    fflush(stdout);
+  }
+  MPI_Bcast(&failed, 1, MPI_INT, 0, MPI_COMM_WORLD);
+  free(s);
+  rt_comm_finalize();
+  MPI_Finalize();
+  return failed ? 1 : 0;
+}
