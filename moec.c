@@ -4,6 +4,8 @@
 //   moec dump-ir F.moe [--after=PASS | --all]
 //   moec dump-ir F.ir                read IR text back, verify it, print it
 //   moec build F.moe [-o BIN] [-v] [--emit c] [--keep-c F.c] [--cluster C] [--target T]
+//   moec plan | sweep                the FSMoE schedule model (plan.c)
+//   mpirun -np P moec tune ...       profile a cluster, fit, write a .cluster (tune.c)
 //   moec ops | passes                the op table and the pass list
 //
 // Exit status: 0 success, 1 the input has errors (all reported), 2 bad command line.
@@ -20,6 +22,7 @@
 
 int moec_plan(int argc, char **argv);   // plan.c
 int moec_sweep(int argc, char **argv);  // plan.c
+int moec_tune(int argc, char **argv);   // tune.c
 
 static void usage(FILE *out) {
   fprintf(out,
@@ -43,6 +46,9 @@ static void usage(FILE *out) {
           "                            predicted times per policy, timelines (see 'moec plan --help')\n"
           "  sweep --cluster C [--quick]\n"
           "                            every policy over the paper's Table 4 space (Table 5 averages)\n"
+          "  tune [-o F.cluster] [--quick] [--model F.moe] [--gpus-per-node G] [-v]\n"
+          "                            under mpirun (P >= 2 ranks): time GEMMs and collectives, fit\n"
+          "                            t = alpha + beta*n, write a cluster profile (see 'moec tune --help')\n"
           "  ops                       list the IR ops\n"
           "  passes                    list the passes in pipeline order\n"
           "  --help, --version\n"
@@ -267,12 +273,13 @@ int main(int argc, char **argv) {
   if (strcmp(cmd, "ops") == 0) return cmd_ops();
   if (strcmp(cmd, "plan") == 0) return moec_plan(argc, argv);
   if (strcmp(cmd, "sweep") == 0) return moec_sweep(argc, argv);
+  if (strcmp(cmd, "tune") == 0) return moec_tune(argc, argv);
   if (strcmp(cmd, "passes") == 0) return cmd_passes();
-  static const char *const commands[] = {"check", "dump-ir", "build", "ops", "passes", "plan", "sweep"};
+  static const char *const commands[] = {"check", "dump-ir", "build", "ops", "passes", "plan", "sweep", "tune"};
   bool known = false;
-  for (int i = 0; i < 7; i++) known |= strcmp(cmd, commands[i]) == 0;
+  for (int i = 0; i < 8; i++) known |= strcmp(cmd, commands[i]) == 0;
   if (!known) {
-    const char *near = ir_closest(cmd, commands, 7);
+    const char *near = ir_closest(cmd, commands, 8);
     fprintf(stderr, "moec: error: unknown command '%s'%s%s%s (see 'moec --help')\n", cmd,
             near ? "; did you mean '" : "", near ? near : "", near ? "'?" : "");
     return 2;

@@ -301,6 +301,18 @@ static bool emit_op(Emit *e, const IrOp *op) {
             a[0], r, R, em ? rt->dim[0] : t0->dim[0], em ? t0->dim[1] : rt->dim[1], rt->dim[2]);
     return true;
   }
+  case IR_OP_LAYOUT_CHUNK:
+  case IR_OP_LAYOUT_CONCAT: {  // [outer, blocks*rows, inner...]: slot slices (runtime/kernels_chunk.c)
+    int64_t blocks = ir_op_int(op, "blocks", 1);
+    int64_t inner = ir_type_bytes(rt) / (rt->dim[0] * rt->dim[1]);
+    if (op->kind == IR_OP_LAYOUT_CHUNK)
+      fprintf(out, "rt_layout_chunk(%s, %s, %" PRId64 ", %" PRId64 ", %" PRId64 ", %" PRId64 ", %" PRId64 ", %" PRId64 ");\n",
+              a[0], r, t0->dim[0], blocks, t0->dim[1] / blocks, inner, ir_op_int(op, "chunks", 1), ir_op_int(op, "index", 0));
+    else
+      fprintf(out, "rt_layout_concat(%s, %s, %s, %" PRId64 ", %" PRId64 ", %" PRId64 ", %" PRId64 ", %" PRId64 ");\n", a[0],
+              a[1], r, t0->dim[0], blocks, t0->dim[1] / blocks, arg_type(op, 1)->dim[1] / blocks, inner);
+    return true;
+  }
   case IR_OP_PARAM_GRAD: {
     const PassMemSlot *s = &e->plan->slot[op->args[1].value->func->index][op->args[1].value->id];
     if (s->kind == PASS_MEM_GRAD && s->offset == op->args[0].param->index)

@@ -111,12 +111,12 @@ static void refuse_unsupported(IrDiag *d, const FeProgram *p) {
                   "MoE layers alone");
   }
   const FeSchedule *s = &p->schedule;
-  if (strcmp(s->policy, "sequential") != 0)
-    ir_error_at(d, s->policy_loc, "schedule policy '%s' is not supported yet (only 'sequential')",
-                s->policy);
-  if (s->pipeline_auto || s->pipeline_fwd != 1 || s->pipeline_bwd != 1)
+  // Policies and explicit pipeline degrees go to the module (attrs policy, r_fwd, r_bwd) for
+  // the schedule pass; choosing the degrees (`pipeline auto`) needs the planner and a cluster.
+  if (s->pipeline_auto)
     ir_error_at(d, s->pipeline_loc,
-                "pipelined MoE layers are not supported yet (only pipeline degree 1)");
+                "'pipeline auto' is not supported yet by moec build: write 'pipeline { forward N; backward N; }' "
+                "(moec plan shows the degrees the planner would choose)");
   if (strcmp(s->grad_partition, "none") != 0)
     ir_error_at(d, s->grad_partition_loc,
                 "grad_partition '%s' is not supported yet (only 'none')", s->grad_partition);
@@ -237,6 +237,11 @@ IrModule *fe_lower(IrDiag *d, const FeProgram *p) {
     ir_attrs_set_float(m->attrs, &m->nattrs, "eps", o->eps);
   }
   ir_attrs_set_float(m->attrs, &m->nattrs, "weight_decay", o->weight_decay);
+  // The schedule (passes/schedule.c), only where it is not the default (sequential, degree 1).
+  const FeSchedule *sched = &p->schedule;
+  if (strcmp(sched->policy, "sequential") != 0) ir_attrs_set_str(m, m->attrs, &m->nattrs, "policy", sched->policy);
+  if (sched->pipeline_fwd != 1) ir_attrs_set_int(m->attrs, &m->nattrs, "r_fwd", sched->pipeline_fwd);
+  if (sched->pipeline_bwd != 1) ir_attrs_set_int(m->attrs, &m->nattrs, "r_bwd", sched->pipeline_bwd);
   const FeParallel *par = &p->parallel;
   if (par->dp * par->mp > 1) {
     ir_attrs_set_int(m->attrs, &m->nattrs, "dp", par->dp);

@@ -547,6 +547,34 @@ static bool infer(Infer *I, IrType *out) {
     out->dim[1] = to_expert ? dim(I, 0, 1) * R : dim(I, 0, 1) / R;
     return true;
   }
+  case IR_OP_LAYOUT_CHUNK: {  // chunked execution (passes/schedule.c): slices of dim 1
+    int64_t chunks, index, blocks = 1;
+    if (!int_attr(I, "chunks", 1, &chunks) || !int_attr(I, "index", 0, &index)) return false;
+    if (ir_attrs_get(op->attrs, op->nattrs, "blocks") && !int_attr(I, "blocks", 1, &blocks)) return false;
+    if (ty(I, 0)->rank < 2) return fail(I, "%s must have rank 2 or more", nm(I, 0));
+    if (index >= chunks) return fail(I, "index %lld is not below chunks = %lld", (long long)index, (long long)chunks);
+    if (dim(I, 0, 1) % (blocks * chunks) != 0)
+      return fail(I, "dimension 1 of %s (%lld) is not a multiple of blocks*chunks = %lld", nm(I, 0),
+                  (long long)dim(I, 0, 1), (long long)(blocks * chunks));
+    *out = *ty(I, 0);
+    out->dim[1] = dim(I, 0, 1) / chunks;
+    return true;
+  }
+  case IR_OP_LAYOUT_CONCAT: {
+    int64_t blocks = 1;
+    if (ir_attrs_get(op->attrs, op->nattrs, "blocks") && !int_attr(I, "blocks", 1, &blocks)) return false;
+    if (!same_dtype(I, 0, 1)) return false;
+    const IrType *a = ty(I, 0), *b = ty(I, 1);
+    if (a->rank < 2 || a->rank != b->rank) return fail(I, "%s and %s must have the same rank, 2 or more", nm(I, 0), nm(I, 1));
+    for (int k = 0; k < a->rank; k++)
+      if (k != 1 && a->dim[k] != b->dim[k])
+        return fail(I, "%s and %s differ in dimension %d", nm(I, 0), nm(I, 1), k);
+    if (a->dim[1] % blocks != 0 || b->dim[1] % blocks != 0)
+      return fail(I, "dimension 1 of %s and %s must be multiples of blocks = %lld", nm(I, 0), nm(I, 1), (long long)blocks);
+    *out = *a;
+    out->dim[1] = a->dim[1] + b->dim[1];
+    return true;
+  }
   case IR_OP_OPT_SGD:
   case IR_OP_OPT_ADAMW:
     if (!op->args[0].param) return fail(I, "the operand must be a parameter (@name), not %s", nm(I, 0));

@@ -62,6 +62,7 @@ bool pass_verify(IrModule *m, PassCtx *ctx);
 bool pass_shapes(IrModule *m, PassCtx *ctx);
 bool pass_parallelize(IrModule *m, PassCtx *ctx);
 bool pass_autodiff(IrModule *m, PassCtx *ctx);
+bool pass_schedule(IrModule *m, PassCtx *ctx);
 bool pass_memplan(IrModule *m, PassCtx *ctx);
 
 // Runs every pass in order, the verifier after each (debug builds and always when dumping),

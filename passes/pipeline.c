@@ -11,6 +11,7 @@ const PassInfo pass_list[] = {
     {"shapes", pass_shapes, "shape inference: every result type from its operands"},
     {"parallelize", pass_parallelize, "one rank's program: MP split/gather, EP alltoall, ESP gather/reduce-scatter, expert shards"},
     {"autodiff", pass_autodiff, "backward functions with saved activations, the loss gradient, the optimizer"},
+    {"schedule", pass_schedule, "split expert regions into r chunks along the capacity, assign streams and events per policy"},
     {"memplan", pass_memplan, "buffer lifetimes over the whole step, arena offsets with reuse, peak bytes"},
 };
 const int pass_count = sizeof pass_list / sizeof pass_list[0];

@@ -264,4 +264,13 @@ void rt_step_begin_forward(RtStep *st);
 // The generated main(): `return rt_main(&model, argc, argv);`
 int rt_main(const RtModel *model, int argc, char **argv);
 
+// Chunked execution (passes/schedule.c): slices of the slot dimension (dim 1) of
+// [outer, blocks*rows, ...] tensors, `inner` bytes per slot; runtime/kernels_chunk.c.
+// y = slots [index*rows/chunks, (index+1)*rows/chunks) of every block of x.
+void rt_layout_chunk(const void *x, void *y, int64_t outer, int64_t blocks, int64_t rows, int64_t inner,
+                     int64_t chunks, int64_t index);
+// y = a's rows_a slots then b's rows_b slots, inside every block.
+void rt_layout_concat(const void *a, const void *b, void *y, int64_t outer, int64_t blocks, int64_t rows_a,
+                      int64_t rows_b, int64_t inner);
+
 #endif

@@ -1,0 +1,413 @@
+// The `schedule` pass (DESIGN §4 step 8, §6): chunks, streams and events.
+//
+// Chunks. In every layer's forward function and its backward, the expert region — the ops
+// between the region's entry value (the [E, C, M] tokens the order packed, or their gradient)
+// and its exit value (the [E, C, M] expert outputs, or the gradient of the packed tokens):
+// dispatch AlltoAll, layouts, ESP AllGather, the expert ops, ESP ReduceScatter, the output
+// bias, combine AlltoAll — is split into r chunks along the capacity (slot) dimension, dim 1:
+// chunk j takes slots [j*C/r, (j+1)*C/r) of the entry (`layout.chunk`) and runs the region's
+// ops on them. Every op of the region works slot by slot, except the weight gradients of the
+// backward (expert.bias.grad, expert.matmul with ta=1), which sum over slots: their chunk
+// results are partial sums, added up with `add` after the chunks, and the ops that read them
+// (the ESP AllReduce of b2's gradient, param.grad) run once, on the sums. After the EP/ESP
+// layout ops an expert's slots are `blocks` runs of C slots, one per peer; chunk j holds slots
+// [j*C/r, (j+1)*C/r) of each run, so slices of the forward's saved activations that the chunked
+// backward reads (`layout.chunk` with blocks) and the assembled values (`layout.concat`) carry
+// the block count. Chunk values that the rest of the step reads (the exit value, the saved
+// activations) are assembled back into the original value, which keeps its name.
+// r is the module's r_fwd / r_bwd (from `schedule { pipeline { forward N; backward M; } }`);
+// it must divide C, or the largest divisor of C not above it is used (said with -v). Policy
+// `sequential` runs r = 1.
+//
+// Streams. Per policy: fsmoe puts AlltoAlls and gradient AllReduces on `inter`, AllGather and
+// ReduceScatter on `intra`; fsmoe-no-iio, tutel, tutel-improved and pipemoe-lina put every
+// collective on `inter` (their one communication stream); sequential runs everything on
+// `compute`. comm.split is a local copy (compute). Every op gets its phase (fwd, bwd, opt) and
+// chunk (0 outside a chunked region; the add/concat assembling chunk j's result carry j).
+//
+// Events. Within a function, an op that reads a value made on another stream waits on its
+// producer's event (events are numbered over the module). Function boundaries are full
+// synchronisations.
+//
+// Execution: the generated program still runs every op in program order on one thread
+// (codegen/emit_c.c ignores streams and events). The chunked program is correct without
+// overlap — chunks execute one after the other, equal to r = 1 up to round-off — and memplan
+// reuses buffers by program order, which is only valid for that in-order execution. Overlap
+// across streams (an executor honouring the events, and a memplan that respects them) is a
+// later step.
+#include <stdlib.h>
+#include <string.h>
+
+#include "pass.h"
+
+typedef struct Sched {
+  IrModule *m;
+  PassCtx *ctx;
+  FILE *log;
+} Sched;
+
+static bool is_suffix(const char *s, const char *suffix) {
+  size_t n = strlen(s), k = strlen(suffix);
+  return n >= k && strcmp(s + n - k, suffix) == 0;
+}
+
+static bool is_expert_param(const IrParam *p) {
+  return p && ir_attrs_get(p->attrs, p->nattrs, "shard_expert") != NULL;
+}
+
+static bool reads_expert_param(const IrOp *op) {
+  if (op->kind == IR_OP_PARAM_GRAD) return false;
+  for (int a = 0; a < op->nargs; a++)
+    if (is_expert_param(op->args[a].param)) return true;
+  return false;
+}
+
+static bool is_transport(IrOpKind k) {
+  return k == IR_OP_COMM_ALLTOALL || k == IR_OP_COMM_ALLGATHER || k == IR_OP_COMM_REDUCESCATTER ||
+         k == IR_OP_LAYOUT_EXPERT_MAJOR || k == IR_OP_LAYOUT_RANK_MAJOR;
+}
+
+// Ops whose result sums over the slots of a chunked operand: their chunk results are partial.
+static bool reduces_slots(const IrOp *op) {
+  return op->kind == IR_OP_EXPERT_BIAS_GRAD || (op->kind == IR_OP_EXPERT_MATMUL && ir_op_int(op, "ta", 0));
+}
+
+// The uses of v among f's ops (count), the single user in *user when there is one.
+static int users(const IrFunc *f, const IrValue *v, IrOp **user) {
+  int n = 0;
+  for (int i = 0; i < f->nops; i++)
+    for (int a = 0; a < f->ops[i]->nargs; a++)
+      if (f->ops[i]->args[a].value == v) {
+        n++;
+        *user = f->ops[i];
+        break;
+      }
+  return n;
+}
+
+// v is read outside the region [lo, hi] of f: by a later or earlier op of f, f's results or
+// another function's op (a backward reading a saved activation).
+static bool used_outside(const IrModule *m, const IrFunc *f, int lo, int hi, const IrValue *v) {
+  for (int r = 0; r < f->nrets; r++)
+    if (f->rets[r] == v) return true;
+  for (int i = 0; i < m->nfuncs; i++) {
+    const IrFunc *g = m->funcs[i];
+    for (int j = 0; j < g->nops; j++) {
+      if (g == f && j >= lo && j <= hi) continue;
+      for (int a = 0; a < g->ops[j]->nargs; a++)
+        if (g->ops[j]->args[a].value == v) return true;
+    }
+  }
+  return false;
+}
+
+static const char *unique_name(IrModule *m, IrFunc *f, const char *base) {
+  const char *name = base;
+  for (int n = 1; ir_find_value(f, name); n++) name = ir_strfmt(m, "%s.%d", base, n);
+  return name;
+}
+
+// Appends a new op (its result named `name`) to the list `out`; its type is inferred after the
+// operands are set, by the caller.
+typedef struct OpList {
+  IrOp **ops;
+  int n, cap;
+} OpList;
+
+static void push(OpList *l, IrOp *op) {
+  if (l->n == l->cap) {
+    l->cap = l->cap ? 2 * l->cap : 64;
+    l->ops = realloc(l->ops, sizeof *l->ops * (size_t)l->cap);
+    if (!l->ops) abort();
+  }
+  l->ops[l->n++] = op;
+}
+
+// A new op of f, not yet in f's op list (ir_add_op appends it; the caller rebuilds the list).
+static IrOp *new_op(Sched *S, IrFunc *f, IrOpKind kind, const char *name) {
+  IrOp *op = ir_add_op(f, S->m, kind, name ? unique_name(S->m, f, name) : NULL, (IrType){0});
+  f->nops--;  // taken out again: the caller places it
+  return op;
+}
+
+static bool finish(Sched *S, IrOp *op) {
+  if (op->result && !ir_infer_type(S->ctx->d, op, &op->result->type)) return false;
+  return true;
+}
+
+// Per value of f: its chunk versions, or its partial sums, and its block count.
+typedef struct VInfo {
+  int kind;              // 0 other, 1 chunked, 2 partial
+  int64_t blocks;
+  IrValue **chunk;       // [r]
+} VInfo;
+
+// Rebuilds f->values (arguments, then op results in op order) and the indices.
+static void renumber(IrFunc *f) {
+  int n = 0;
+  for (int i = 0; i < f->nargs; i++) f->values[n++] = f->args[i];
+  for (int i = 0; i < f->nops; i++) {
+    f->ops[i]->index = i;
+    f->ops[i]->func = f;
+    if (f->ops[i]->result) f->values[n++] = f->ops[i]->result;
+  }
+  f->nvalues = n;
+  for (int i = 0; i < n; i++) f->values[i]->id = i;
+}
+
+static int64_t largest_divisor(int64_t c, int64_t r) {
+  for (int64_t d = r; d > 1; d--)
+    if (c % d == 0) return d;
+  return 1;
+}
+
+// Splits f's expert region into r chunks. True when done or when f has nothing to chunk.
+static bool chunk_func(Sched *S, IrFunc *f, int64_t r_want) {
+  IrModule *m = S->m;
+  int first = -1, last = -1;
+  for (int i = 0; i < f->nops; i++)
+    if (reads_expert_param(f->ops[i])) {
+      if (first < 0) first = i;
+      last = i;
+    }
+  if (first < 0 || r_want <= 1) return true;
+  // Entry: back from the first expert op through the dispatch collectives and layouts.
+  IrValue *entry = f->ops[first]->args[0].value;
+  while (entry && entry->def && entry->func == f && is_transport(entry->def->kind)) entry = entry->def->args[0].value;
+  // Exit: on from the last expert op through the combine layouts, collectives and bias.
+  IrValue *exit = f->ops[last]->result;
+  for (IrOp *u = NULL; exit && users(f, exit, &u) == 1 && (is_transport(u->kind) || u->kind == IR_OP_EXPERT_BIAS);)
+    exit = u->result;
+  if (!entry || entry->func != f || entry->type.rank != 3 || !exit || exit->type.rank != 3) {
+    if (S->ctx->verbose) fprintf(S->log, "# schedule: @%s: no [E, C, M] expert region, not chunked\n", f->name);
+    return true;
+  }
+  int64_t C = entry->type.dim[1];
+  int64_t r = largest_divisor(C, r_want);
+  if (r != r_want && S->ctx->verbose)
+    fprintf(S->log, "# schedule: @%s: %lld chunks do not divide capacity %lld; using %lld\n", f->name,
+            (long long)r_want, (long long)C, (long long)r);
+  if (r <= 1) return true;
+  int lo = entry->def ? entry->def->index + 1 : 0, hi = exit->def->index;
+
+  int n0 = f->nvalues;  // ir_add_op appends to f->values below; the original values are [0, n0)
+  VInfo *vi = calloc((size_t)n0, sizeof *vi);
+  if (!vi) return ir_error(S->ctx->d, "out of memory");
+  int *cls = calloc((size_t)f->nops, sizeof *cls);  // 0 independent, 1 chunked, 2 partial-making, 3 post
+  OpList out = {0}, pre = {0}, post = {0};
+  bool ok = true;
+  vi[entry->id].kind = 1;
+  vi[entry->id].blocks = 1;
+  for (int i = lo; i <= hi; i++) {
+    IrOp *op = f->ops[i];
+    int chunked = -1, partial = 0;
+    for (int a = 0; a < op->nargs; a++) {
+      IrValue *v = op->args[a].value;
+      if (!v || v->func != f) continue;
+      if (vi[v->id].kind == 1 && chunked < 0) chunked = a;
+      if (vi[v->id].kind == 2 || vi[v->id].kind == 3) partial = 1;  // a sum, or made from one
+    }
+    if (chunked >= 0 && partial) {
+      ok = ir_error_at(S->ctx->d, op->loc, "schedule: '@%s': an op reads both chunked values and partial sums", f->name);
+      break;
+    }
+    if (chunked >= 0) {
+      cls[i] = reduces_slots(op) ? 2 : 1;
+      if (op->result) {
+        int64_t b = vi[op->args[chunked].value->id].blocks;
+        if (op->kind == IR_OP_LAYOUT_EXPERT_MAJOR) b *= ir_op_int(op, "blocks", 1);
+        if (op->kind == IR_OP_LAYOUT_RANK_MAJOR) b /= ir_op_int(op, "blocks", 1);
+        vi[op->result->id].kind = cls[i] == 2 ? 2 : 1;
+        vi[op->result->id].blocks = b;
+      }
+    } else if (partial) {
+      cls[i] = 3;
+      if (op->result) vi[op->result->id].kind = 3;  // a value made from sums: not chunked
+    }
+  }
+  if (!ok) goto done;
+  for (int i = 0; i < n0; i++)
+    if (vi[i].kind == 1 || vi[i].kind == 2) {
+      vi[i].chunk = calloc((size_t)r, sizeof *vi[i].chunk);
+      if (!vi[i].chunk) abort();
+    }
+
+  for (int i = 0; i < lo; i++) push(&out, f->ops[i]);
+  for (int i = lo; i <= hi; i++) {  // chunked and partial-making ops are replaced by their clones
+    if (cls[i] == 0) push(&pre, f->ops[i]);
+    if (cls[i] == 3) push(&post, f->ops[i]);
+  }
+  for (int i = 0; i < pre.n; i++) push(&out, pre.ops[i]);
+  // The chunks, one after the other.
+  for (int64_t j = 0; ok && j < r; j++) {
+    IrValue **slices = calloc((size_t)n0 + (size_t)(f->saves ? f->saves->nvalues : 0), sizeof *slices);
+    IrOp *cut = new_op(S, f, IR_OP_LAYOUT_CHUNK, ir_strfmt(m, "%s.c%lld", entry->name, (long long)j));
+    ir_op_arg(cut, entry);
+    ir_op_set_int(cut, "chunks", r);
+    ir_op_set_int(cut, "index", j);
+    cut->chunk = (int)j;
+    ok = finish(S, cut);
+    push(&out, cut);
+    vi[entry->id].chunk[j] = cut->result;
+    for (int i = lo; ok && i <= hi; i++) {
+      if (cls[i] != 1 && cls[i] != 2) continue;
+      IrOp *op = f->ops[i];
+      int64_t blocks = 1;
+      for (int a = 0; a < op->nargs; a++)
+        if (op->args[a].value && op->args[a].value->func == f && vi[op->args[a].value->id].kind == 1) {
+          blocks = vi[op->args[a].value->id].blocks;
+          break;
+        }
+      IrOp *c = new_op(S, f, op->kind, op->result ? ir_strfmt(m, "%s.c%lld", op->result->name, (long long)j) : NULL);
+      memcpy(c->attrs, op->attrs, sizeof op->attrs);
+      c->nattrs = op->nattrs;
+      c->loc = op->loc;
+      c->chunk = (int)j;
+      for (int a = 0; a < op->nargs; a++) {
+        IrOperand arg = op->args[a];
+        IrValue *v = arg.value;
+        if (v && v->func == f && vi[v->id].kind == 1) {
+          arg.value = vi[v->id].chunk[j];
+        } else if (v) {  // a value made outside the region (a saved activation): its slice
+          int key = v->func == f ? v->id : n0 + v->id;
+          if (!slices[key]) {
+            IrOp *s = new_op(S, f, IR_OP_LAYOUT_CHUNK, ir_strfmt(m, "%s.c%lld", v->name, (long long)j));
+            ir_op_arg(s, v);
+            ir_op_set_int(s, "chunks", r);
+            ir_op_set_int(s, "index", j);
+            if (blocks > 1) ir_op_set_int(s, "blocks", blocks);
+            s->chunk = (int)j;
+            if (!(ok = finish(S, s))) break;
+            push(&out, s);
+            slices[key] = s->result;
+          }
+          arg.value = slices[key];
+        }
+        c->args[c->nargs++] = arg;
+      }
+      if (!ok || !(ok = finish(S, c))) break;
+      push(&out, c);
+      if (op->result) vi[op->result->id].chunk[j] = c->result;
+    }
+    free(slices);
+  }
+  // Partial sums added up, chunk values the rest of the step reads assembled: the last op of
+  // each chain defines the original value.
+  for (int i = lo; ok && i <= hi; i++) {
+    IrOp *op = f->ops[i];
+    if ((cls[i] != 1 && cls[i] != 2) || !op->result) continue;
+    IrValue *v = op->result;
+    if (cls[i] == 1 && !used_outside(m, f, lo, hi, v)) continue;
+    IrValue *acc = vi[v->id].chunk[0];
+    for (int64_t j = 1; ok && j < r; j++) {
+      bool lastj = j == r - 1;
+      IrOp *c = new_op(S, f, cls[i] == 2 ? IR_OP_ADD : IR_OP_LAYOUT_CONCAT,
+                       ir_strfmt(m, "%s.%s%lld", v->name, cls[i] == 2 ? "sum" : "cat", (long long)j));
+      ir_op_arg(c, acc);
+      ir_op_arg(c, vi[v->id].chunk[j]);
+      if (cls[i] == 1 && vi[v->id].blocks > 1) ir_op_set_int(c, "blocks", vi[v->id].blocks);
+      c->loc = op->loc;
+      c->chunk = (int)j;
+      if (!(ok = finish(S, c))) break;
+      if (lastj) {  // becomes the original value's definition
+        c->result = v;
+        v->def = c;
+      }
+      push(&out, c);
+      acc = c->result;
+    }
+  }
+  for (int i = 0; i < post.n; i++) push(&out, post.ops[i]);
+  for (int i = hi + 1; i < f->nops; i++) push(&out, f->ops[i]);
+  if (ok) {
+    // The op list and the values: every value made above is already in f->values (ir_add_op);
+    // renumber drops the temporaries whose op now defines an original value.
+    if (out.n > f->cap_ops) {
+      f->ops = ir_alloc(m, sizeof *f->ops * (size_t)out.n);
+      f->cap_ops = out.n;
+    }
+    memcpy(f->ops, out.ops, sizeof *f->ops * (size_t)out.n);
+    f->nops = out.n;
+    renumber(f);
+    if (S->ctx->verbose)
+      fprintf(S->log, "# schedule: @%s: expert region %%%s -> %%%s in %lld chunks of %lld slots\n", f->name,
+              entry->name, exit->name, (long long)r, (long long)(C / r));
+  }
+done:
+  for (int i = 0; vi && i < n0; i++) free(vi[i].chunk);
+  free(vi);
+  free(cls);
+  free(out.ops);
+  free(pre.ops);
+  free(post.ops);
+  return ok;
+}
+
+static IrStream stream_of(const IrOp *op, const char *policy) {
+  if (strcmp(policy, "sequential") == 0) return IR_STREAM_COMPUTE;
+  switch (op->kind) {
+  case IR_OP_COMM_ALLTOALL:
+  case IR_OP_COMM_ALLREDUCE: return IR_STREAM_INTER;
+  case IR_OP_COMM_ALLGATHER:
+  case IR_OP_COMM_REDUCESCATTER: return strcmp(policy, "fsmoe") == 0 ? IR_STREAM_INTRA : IR_STREAM_INTER;
+  default: return IR_STREAM_COMPUTE;
+  }
+}
+
+static void annotate(IrFunc *f, const char *policy, int *next_event) {
+  IrPhase phase = strcmp(f->name, "optimizer") == 0 ? IR_PHASE_OPT
+                  : is_suffix(f->name, ".bwd")     ? IR_PHASE_BWD
+                                                   : IR_PHASE_FWD;
+  for (int i = 0; i < f->nops; i++) {
+    IrOp *op = f->ops[i];
+    op->stream = stream_of(op, policy);
+    op->phase = phase;
+    op->event = -1;
+    op->nwaits = 0;
+  }
+  for (int i = 0; i < f->nops; i++) {
+    IrOp *op = f->ops[i];
+    for (int a = 0; a < op->nargs; a++) {
+      IrValue *v = op->args[a].value;
+      if (!v || v->func != f || !v->def || v->def->stream == op->stream) continue;
+      IrOp *p = v->def;
+      if (p->event < 0) p->event = (*next_event)++;
+      bool have = false;
+      for (int w = 0; w < op->nwaits; w++) have |= op->waits[w] == p->event;
+      if (!have && op->nwaits < IR_MAX_WAITS) op->waits[op->nwaits++] = p->event;
+    }
+  }
+}
+
+static const char *const policies[] = {"sequential", "fsmoe", "fsmoe-no-iio", "tutel", "tutel-improved", "pipemoe-lina"};
+
+bool pass_schedule(IrModule *m, PassCtx *ctx) {
+  Sched S = {.m = m, .ctx = ctx, .log = ctx->log ? ctx->log : stderr};
+  const char *policy = ir_mod_str(m, "policy", "sequential");
+  bool known = false;
+  for (size_t i = 0; i < sizeof policies / sizeof *policies; i++) known |= strcmp(policies[i], policy) == 0;
+  if (!known) return ir_error(ctx->d, "schedule: unknown policy '%s'", policy);
+  int64_t r_fwd = ir_mod_int(m, "r_fwd", 1), r_bwd = ir_mod_int(m, "r_bwd", 1);
+  if (r_fwd < 1 || r_bwd < 1) return ir_error(ctx->d, "schedule: pipeline degrees must be at least 1");
+  if (strcmp(policy, "sequential") == 0) {
+    if ((r_fwd > 1 || r_bwd > 1) && ctx->verbose)
+      fprintf(S.log, "# schedule: policy sequential runs unchunked (pipeline degrees ignored)\n");
+    r_fwd = r_bwd = 1;
+  }
+  // Already scheduled (IR read back after this pass): leave it.
+  for (int i = 0; i < m->nfuncs; i++)
+    for (int j = 0; j < m->funcs[i]->nops; j++)
+      if (m->funcs[i]->ops[j]->stream != IR_STREAM_NONE) return true;
+  for (int i = 0; i < m->nfuncs; i++) {
+    IrFunc *f = m->funcs[i];
+    if (strncmp(f->name, "loss.", 5) == 0) continue;
+    if (is_suffix(f->name, ".fwd") && !chunk_func(&S, f, r_fwd)) return false;
+    if (is_suffix(f->name, ".bwd") && !chunk_func(&S, f, r_bwd)) return false;
+  }
+  int next_event = 0;
+  for (int i = 0; i < m->nfuncs; i++) {
+    IrFunc *f = m->funcs[i];
+    annotate(f, policy, &next_event);
+  }
+  return true;
+}

@@ -1,0 +1,28 @@
+// Kernels of chunked execution (passes/schedule.c splits a layer's expert region into r chunks
+// along the capacity dimension). A tensor [outer, blocks*rows, ...] is seen as
+// [outer, blocks, rows, inner bytes]: after the EP/ESP layout ops an expert's slots are `blocks`
+// runs of `rows` slots (one run per peer), and chunk j holds slots [j*rows/r, (j+1)*rows/r) of
+// every run. Pure copies, so chunking and assembling are exact.
+#include <string.h>
+
+#include "moert.h"
+
+void rt_layout_chunk(const void *x, void *y, int64_t outer, int64_t blocks, int64_t rows, int64_t inner,
+                     int64_t chunks, int64_t index) {
+  int64_t c = rows / chunks;
+  const unsigned char *src = x;
+  unsigned char *dst = y;
+  for (int64_t o = 0; o < outer * blocks; o++)
+    memcpy(dst + o * c * inner, src + (o * rows + index * c) * inner, (size_t)(c * inner));
+}
+
+void rt_layout_concat(const void *a, const void *b, void *y, int64_t outer, int64_t blocks, int64_t rows_a,
+                      int64_t rows_b, int64_t inner) {
+  const unsigned char *pa = a, *pb = b;
+  unsigned char *dst = y;
+  int64_t rows = rows_a + rows_b;
+  for (int64_t o = 0; o < outer * blocks; o++) {
+    memcpy(dst + o * rows * inner, pa + o * rows_a * inner, (size_t)(rows_a * inner));
+    memcpy(dst + (o * rows + rows_a) * inner, pb + o * rows_b * inner, (size_t)(rows_b * inner));
+  }
+}

@@ -1,0 +1,108 @@
+#!/usr/bin/env bash
+# Chunked execution must not change the math (passes/schedule.c): on 4 ranks (dp 2, mp 2,
+# ep 2, esp 2), for every schedule policy and pipeline degree r in {1, 2, 3, 4} (forward and
+# backward; plus mixed degrees), the run's losses for 3 steps and its --dump at step 1 (loss,
+# output, whole gradients) equal the unchunked sequential run's to 1e-5 relative. The capacity
+# is 12 slots per expert, divisible by 2, 3 and 4. Prints `ok    ...` / `FAIL  ...` lines;
+# exits 1 on any failure.
+set -u
+cd "$(dirname "$0")/../.."
+BUILD=${BUILD:-build}
+MOEC=${MOEC:-$BUILD/moec}
+PY=/usr/bin/python3
+WORK=$(mktemp -d "${TMPDIR:-/tmp}/moec-chunks.XXXXXX")
+trap 'rm -rf "$WORK"' EXIT
+export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 OMPI_MCA_rmaps_base_oversubscribe=1
+MPIRUN="mpirun --oversubscribe --allow-run-as-root --mca btl self,vader --bind-to none"
+TIMEOUT=${CHUNKS_TIMEOUT:-120}
+P=4
+failed=0
+
+ok() { printf 'ok    %s\n' "$1"; }
+bad() { failed=1; printf 'FAIL  %s\n' "$1"; [ -n "${2:-}" ] && printf '%s\n' "$2" | head -n 30 | sed 's/^/      /'; }
+
+# 48 tokens per DP rank, 24 per MP rank (one routing group), 4 experts, k 2, capacity 1.0:
+# C = ceil(2 * 1.0 * 24 / 4) = 12.
+model() {  # schedule-line
+  cat <<EOF2
+model chunks { batch 4; seqlen 12; embed 16; seed 9; optimizer adamw { lr 0.01; } }
+parallel { dp 2; mp 2; ep 2; esp 2; }
+layer blk x 2 {
+  moe {
+    experts 4 { ffn gpt { hidden 32; act gelu; bias true; } }
+    gate gshard { k 2; capacity 1.0; noise 0.5; aux_loss 0.1; z_loss 0.01; }
+    order tutel;
+  }
+}
+$1
+EOF2
+}
+
+compare() {  # reference-dir chunked-dir -> prints the worst relative error, exit 1 above 1e-5
+  "$PY" - "$1" "$2" <<'PYEOF'
+import glob, os, sys
+import numpy as np
+a, b = sys.argv[1], sys.argv[2]
+worst, name_worst, bad = 0.0, "", []
+names = sorted(os.path.relpath(p, a) for p in glob.glob(os.path.join(a, "**", "*.npy"), recursive=True))
+if not names:
+    print("no dump files"); sys.exit(1)
+for n in names:
+    x = np.load(os.path.join(a, n)).astype(np.float64)
+    pb = os.path.join(b, n)
+    if not os.path.exists(pb):
+        bad.append(f"{n}: missing in the chunked dump"); continue
+    y = np.load(pb).astype(np.float64)
+    if x.shape != y.shape:
+        bad.append(f"{n}: shape {y.shape} != {x.shape}"); continue
+    err = float(np.max(np.abs(x - y)) / max(float(np.max(np.abs(x))), 1e-30)) if x.size else 0.0
+    if err > worst: worst, name_worst = err, n
+    if err > 1e-5: bad.append(f"{n}: relative error {err:.3e}")
+print(f"{len(names)} tensors, worst {worst:.1e} ({name_worst})")
+for line in bad: print(line)
+sys.exit(1 if bad else 0)
+PYEOF
+}
+
+losses() { grep '^step' "$1" | awk '{print $4}'; }
+
+same_losses() {  # file file: every step's loss within 1e-5 relative (printed with 6 decimals)
+  paste <(losses "$1") <(losses "$2") | awk 'NF != 2 {bad = 1} { d = $1 - $2; if (d < 0) d = -d; s = $1 < 0 ? -$1 : $1; if (d > 1e-5 * s + 2e-6) bad = 1; n++ } END { exit bad || n == 0 }'
+}
+
+run() {  # name -> builds WORK/name.moe, runs it on P ranks into WORK/name.out and WORK/name.dump
+  "$MOEC" build "$WORK/$1.moe" -o "$WORK/$1" 2>"$WORK/err" || { echo "build: $(cat "$WORK/err")"; return 1; }
+  rm -rf "$WORK/$1.dump"
+  (cd "$WORK" && timeout "$TIMEOUT" $MPIRUN -np "$P" "./$1" --steps 3 --dump "$1.dump" >"$1.out" 2>&1 </dev/null) ||
+    { echo "mpirun -np $P: $(tail -n 20 "$WORK/$1.out")"; return 1; }
+}
+
+model "" >"$WORK/ref.moe"
+if ! msg=$(run ref); then bad "reference (sequential, r = 1)" "$msg"; exit 1; fi
+
+# Every schedule line must have chunked what it asked for (the pass says so with -v).
+cases=""
+for policy in sequential fsmoe fsmoe-no-iio tutel tutel-improved pipemoe-lina; do
+  for r in 1 2 3 4; do cases="$cases $policy:$r:$r"; done
+done
+cases="$cases fsmoe:2:4 fsmoe:4:3 tutel:3:2"
+for c in $cases; do
+  IFS=: read -r policy rf rb <<<"$c"
+  label="$policy forward $rf backward $rb"
+  model "schedule { policy $policy; pipeline { forward $rf; backward $rb; } }" >"$WORK/chunk.moe"
+  if [ "$policy" != sequential ]; then
+    want=0; [ "$rf" -gt 1 ] && want=$((want + 2)); [ "$rb" -gt 1 ] && want=$((want + 2))
+    got=$("$MOEC" build "$WORK/chunk.moe" -o /dev/null -v 2>&1 | grep -c "^# schedule: .* in [0-9]* chunks")
+    if [ "$got" != "$want" ]; then bad "$label: expected $want chunked regions, got $got"; continue; fi
+  fi
+  if ! msg=$(run chunk); then bad "$label" "$msg"; continue; fi
+  if ! same_losses "$WORK/ref.out" "$WORK/chunk.out"; then
+    bad "$label: losses differ from the unchunked run" "$(paste <(losses "$WORK/ref.out") <(losses "$WORK/chunk.out"))"; continue
+  fi
+  if result=$(compare "$WORK/ref.dump" "$WORK/chunk.dump"); then
+    ok "$label: losses and dump equal the unchunked run: $result"
+  else
+    bad "$label: dump differs from the unchunked run" "$result"
+  fi
+done
+exit $failed
