@@ -21,6 +21,8 @@
 // one that all ranks reach, where they agree on the outcome (rt_world_agree), so all of them
 // return non-zero and rank 0 prints the first failing rank's sentence; nothing hangs.
 #include "moert.h"
+
+void openblas_set_num_threads(int num_threads);  // OpenBLAS (cblas.h pulls in more than this file needs)
 #include "rt_internal.h"
 
 #include <errno.h>
@@ -31,6 +33,7 @@
 #include <signal.h>
 #include <stdio.h>
 #include <stdlib.h>
+#include <unistd.h>
 #include <string.h>
 #include <sys/stat.h>
 #include <time.h>
@@ -845,6 +848,12 @@ int rt_main(const RtModel *model, int argc, char **argv) {
   }
   RtRanks ranks = rt_ranks_of(&model->layout, rt_comm_rank(RT_GROUP_WORLD),
                               rt_comm_size(RT_GROUP_WORLD));
+  // Ranks sharing a machine share its cores: give each rank's OpenBLAS its share, or the
+  // GEMM threads of all ranks oversubscribe the cores many times over.
+  const char *local = getenv("OMPI_COMM_WORLD_LOCAL_SIZE");
+  long cores = sysconf(_SC_NPROCESSORS_ONLN), on_node = local ? atol(local) : 1;
+  if (ranks.world > 1 && on_node > 1 && cores > 0)
+    openblas_set_num_threads(cores / on_node > 1 ? (int)(cores / on_node) : 1);
   if (ranks.world > 1 && ranks.rank == 0 && !opt.quiet) {
     rt_comm_print_groups(stdout);
     fflush(stdout);

@@ -143,7 +143,7 @@ section "model zoo: every lang/models model trains 10 steps with the loss going 
 run_suite "model zoo" tests/zoo.sh
 
 section "distributed: collectives, groups and failures over MPI ranks"
-for suite in tests/mpi/run.sh tests/mpi/run_rt_main.sh tests/mpi/failures.sh tests/mpi/reshard.sh tests/mpi/twin.sh; do
+for suite in tests/mpi/run.sh tests/mpi/run_rt_main.sh tests/mpi/failures.sh tests/mpi/reshard.sh tests/mpi/twin.sh tests/mpi/chunks.sh; do
   [ -f "$suite" ] && run_suite "$suite" "$suite"
 done
 
