@@ -10,77 +10,10 @@
 #include <stdbool.h>
 #include <stddef.h>
 #include <stdint.h>
+#include <stdio.h>
 
 #if defined(__BYTE_ORDER__) && __BYTE_ORDER__ != __ORDER_LITTLE_ENDIAN__
 #error "libmoert reads and writes little-endian files with memcpy; port npy.c and safetensors.c"
-// ---- this rank's place in the parallel layout (shard.c) ----
-typedef struct RtLayout RtLayout;
-typedef struct RtParam RtParam;
-typedef struct RtModel RtModel;
-
-typedef struct RtRanks {
-  int rank, world;
-  int dp, mp, ep, esp;                          // group sizes of the layout
-  int dp_index, mp_index, ep_index, esp_index;  // rank / mp, rank % mp, rank / esp, rank % esp
-} RtRanks;
-
-// The coordinates of world rank `rank` of `world` in layout l.
-RtRanks rt_ranks_of(const RtLayout *l, int rank, int world);
-
-// ---- sharded parameters (shard.c) ----
-// A parameter's shard is a box of its whole tensor (global_dims): dims[d] elements from offset
-// off[d] along every dimension d, where the offset is ep_index * dims[shard_ep] along shard_ep,
-// esp_index * dims[shard_esp] along shard_esp and 0 elsewhere.
-void rt_shard_offsets(const RtParam *p, const RtRanks *r, int64_t off[4]);
-// Whether rank r writes its shard of p to checkpoints and dumps: of the ranks that hold the same
-// box (replicas over EP when p is not split over EP, over ESP likewise), the one with index 0 in
-// that group. The owners' boxes tile the whole tensor exactly once.
-bool rt_shard_owner(const RtParam *p, const RtRanks *r);
-int64_t rt_param_global_numel(const RtParam *p);
-// The global flat index (row-major over global_dims) of element j of the box at offsets off.
-int64_t rt_shard_global_index(const RtParam *p, const int64_t off[4], int64_t j);
-// The initial values of rank r's shard: the element with global flat index g gets what element g
-// gets on one rank (RT_INIT_NORMAL: std * rt_normal(rt_key(rt_key(seed, INIT), hash(name)), g)).
-void rt_shard_init(const RtParam *p, const RtRanks *r, uint64_t seed, float *w);
-// Copies the intersection of a source box (offsets src_off, dims src_dims; src holds its
-// little-endian floats, possibly unaligned) and a destination box of the same tensor of `rank`
-// dimensions into dst, and sets covered[i] (destination flat index) for every element copied
-// when covered is not NULL. Returns the number of elements copied.
-int64_t rt_box_copy(int rank, const int64_t *src_off, const int64_t *src_dims, const void *src,
-                    const int64_t *dst_off, const int64_t *dst_dims, float *dst,
-                    unsigned char *covered);
-
-// ---- world-wide helpers (shard.c; plain local operations on a world of one) ----
-// Called by every rank at the same point: 0 when every rank's status is 0; otherwise -1 on every
-// rank, and the last error on every rank becomes the lowest failing rank's message (prefixed
-// "rank R: " when R is not 0), so that rank 0 alone can report it.
-int rt_world_agree(int status);
-void rt_world_max(double *v, int n);          // element-wise maximum over the world, in place
-// Rank 0 assembles the whole tensor of p (global_dims, row-major) in whole from the owners'
-// shards; other ranks pass their shard and whole = NULL.
-void rt_gather_param(const RtParam *p, const RtRanks *r, const float *shard, float *whole);
-// Rank 0 assembles the DP shards of n floats each (MP index 0's copy) in DP order in whole
-// (dp * n floats); other ranks pass whole = NULL.
-void rt_gather_dp(const RtRanks *r, const float *mine, int64_t n, float *whole);
-
-// ---- checkpoints (shard.c) ----
-// A checkpoint C is an index file (JSON: format "moec-checkpoint-2", model, optimizer, step,
-// world, layout, shards) and one safetensors file per rank, C.rank<R>-of-<P>.safetensors, that
-// holds the boxes this rank owns of every parameter and optimizer moment, each with its global
-// shape and offsets in the metadata ("shard.NAME": "global=[4,8,8] offset=[2,0,0]").
-// Saving is collective: every rank writes its shard (atomically), and after all are durable
-// rank 0 writes the index (atomically). opt_m / opt_v are written for adamw.
-int rt_checkpoint_save(const char *path, const RtModel *m, const RtRanks *r, int64_t step,
-                       const float *params, const float *opt_m, const float *opt_v);
-// Loads rank r's shard of every parameter (and of both moments for adamw) from the checkpoint
-// at path, whatever layout wrote it, and its step. Also reads the single-file format
-// "moec-checkpoint-1". Each rank reads on its own (not collective).
-int rt_checkpoint_load(const char *path, const RtModel *m, const RtRanks *r, float *params,
-                       float *opt_m, float *opt_v, int64_t *step);
-// --weights: rank r's shard of every parameter from a safetensors file of whole tensors, or from
-// a checkpoint (index file) of any layout.
-int rt_weights_load(const char *path, const RtModel *m, const RtRanks *r, float *params);
-
 #endif
 
 // ---- errors ----
@@ -123,6 +56,12 @@ void rt_array_free(RtArray *a);
 
 // Formats a shape as "[2, 3]" ("[]" for a scalar) into buf.
 const char *rt_shape_str(char *buf, size_t len, int rank, const int64_t *dims);
+
+// ---- atomic files (safetensors.c) ----
+// Finishes writing the temporary file tmp (f open on it; ok: every write so far succeeded):
+// flush, fsync, close, rename to path, fsync the folder. On failure removes tmp and returns -1
+// with the reason recorded (rt_fail).
+int rt_commit_file(FILE *f, bool ok, const char *tmp, const char *path);
 
 // ---- safetensors (F32 tensors only) ----
 typedef struct RtStTensor {     // one tensor to write

@@ -94,6 +94,27 @@ fail:
   return NULL;
 }
 
+int rt_commit_file(FILE *f, bool ok, const char *tmp, const char *path) {
+  ok = ok && fflush(f) == 0 && fsync(fileno(f)) == 0;
+  int saved = errno;
+  if (fclose(f) != 0 && ok) {
+    ok = false;
+    saved = errno;
+  }
+  if (!ok) {
+    rt_fail("cannot write '%s': %s", tmp, strerror(saved));
+    remove(tmp);
+    return -1;
+  }
+  if (rename(tmp, path) != 0) {
+    rt_fail("cannot rename '%s' to '%s': %s", tmp, path, strerror(errno));
+    remove(tmp);
+    return -1;
+  }
+  sync_parent_dir(path);
+  return 0;
+}
+
 int rt_st_write(const char *path, int ntensors, const RtStTensor *tensors, int nmeta,
                 const char *const *meta) {
   for (int i = 0; i < ntensors; i++) {
@@ -134,24 +155,8 @@ int rt_st_write(const char *path, int ntensors, const RtStTensor *tensors, int n
       numel *= (size_t)tensors[i].dims[d];
     ok = numel == 0 || fwrite(tensors[i].data, sizeof(float), numel, f) == numel;
   }
-  ok = ok && fflush(f) == 0 && fsync(fileno(f)) == 0;
-  int saved = errno;
-  if (fclose(f) != 0 && ok) {
-    ok = false;
-    saved = errno;
-  }
-  if (!ok) {
-    rt_fail("cannot write '%s': %s", tmp, strerror(saved));
-    remove(tmp);
-    goto done;
-  }
-  if (rename(tmp, path) != 0) {
-    rt_fail("cannot rename '%s' to '%s': %s", tmp, path, strerror(errno));
-    remove(tmp);
-    goto done;
-  }
-  sync_parent_dir(path);
-  status = 0;
+  if (rt_commit_file(f, ok, tmp, path) == 0)
+    status = 0;
 done:
   free(json);
   free(tmp);

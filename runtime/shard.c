@@ -331,19 +331,6 @@ static char *resolve_beside(const char *index_path, const char *name) {
 
 // ---- writing ----
 
-static void sync_dir_of(const char *path) {
-  const char *slash = strrchr(path, '/');
-  char *dir = slash ? strndup(path, slash == path ? 1 : (size_t)(slash - path)) : strdup(".");
-  if (!dir)
-    return;
-  int fd = open(dir, O_RDONLY | O_DIRECTORY);
-  if (fd >= 0) {
-    fsync(fd);
-    close(fd);
-  }
-  free(dir);
-}
-
 // Writes text to PATH atomically: PATH.tmp, fsync, rename, fsync of the folder.
 static int write_text_atomic(const char *path, const char *text) {
   char *tmp = str_printf("%s.tmp", path);
@@ -356,24 +343,8 @@ static int write_text_atomic(const char *path, const char *text) {
     goto done;
   }
   size_t len = strlen(text);
-  bool ok = fwrite(text, 1, len, f) == len && fflush(f) == 0 && fsync(fileno(f)) == 0;
-  int saved = errno;
-  if (fclose(f) != 0 && ok) {
-    ok = false;
-    saved = errno;
-  }
-  if (!ok) {
-    rt_fail("cannot write '%s': %s", tmp, strerror(saved));
-    remove(tmp);
-    goto done;
-  }
-  if (rename(tmp, path) != 0) {
-    rt_fail("cannot rename '%s' to '%s': %s", tmp, path, strerror(errno));
-    remove(tmp);
-    goto done;
-  }
-  sync_dir_of(path);
-  status = 0;
+  if (rt_commit_file(f, fwrite(text, 1, len, f) == len, tmp, path) == 0)
+    status = 0;
 done:
   free(tmp);
   return status;
