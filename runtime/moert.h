@@ -273,4 +273,20 @@ void rt_layout_chunk(const void *x, void *y, int64_t outer, int64_t blocks, int6
 void rt_layout_concat(const void *a, const void *b, void *y, int64_t outer, int64_t blocks, int64_t rows_a,
                       int64_t rows_b, int64_t inner);
 
+// Stream execution of a scheduled function (passes/schedule.c, runtime/streams.c). The
+// generated code turns a function whose ops carry streams and events into a table of tasks in
+// program order: a task runs on its stream after the events it waits on are recorded, and
+// records its event (-1 none, else an index below nevents) when done. Events are local to one
+// call; rt_run_streams returns when every task has run (a full synchronisation).
+typedef enum RtStream { RT_STREAM_COMPUTE, RT_STREAM_INTRA, RT_STREAM_INTER, RT_STREAM_COUNT } RtStream;
+#define RT_TASK_MAX_WAITS 16
+typedef struct RtTask {
+  int stream;                     // RtStream
+  void (*fn)(RtStep *st);
+  int nwaits;
+  int waits[RT_TASK_MAX_WAITS];
+  int event;
+} RtTask;
+void rt_run_streams(RtStep *st, const RtTask *tasks, int ntasks, int nevents);
+
 #endif

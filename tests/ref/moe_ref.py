@@ -113,7 +113,7 @@ def gate_noise_normals(seed, step, layer, token0, s, e):
 
 
 def synthetic_batch(seed, step, batch, seqlen, embed, sample0=0):
-    """CONTRACTS.md synthetic data: x [B, L, M] and target (float32, as the binary stores them)."""
+    """The binary's synthetic data (lang/manual.md §12): x [B, L, M] and target (float32, as the binary stores them)."""
     x = np.empty((batch, seqlen * embed), dtype=np.float64)
     for b in range(batch):
         key = rt_key(rt_key(rt_key(seed, RT_STREAM_INPUT), step), sample0 + b)

@@ -539,7 +539,7 @@ static void test_main_trains(void **state) {
   Run r = run_main(&model, "--steps", "30", NULL);
   assert_int_equal(r.rc, 0);
   assert_string_equal(r.err, "");
-  // The exact line format of notes/CONTRACTS.md; no MoE layer: load 0/0.0/0, no capacity.
+  // The exact line format of lang/manual.md §12; no MoE layer: load 0/0.0/0, no capacity.
   double loss, mse, aux, z, dropped, load_mean, ms;
   long long load_min, load_max;
   int step;
