@@ -1,4 +1,5 @@
-// The CPU target's emitter: one C statement per IR op, in program order.
+// The CPU target's emitter: one C statement per IR op, in program order; functions whose ops
+// the schedule put on several streams become task tables run by rt_run_streams (see below).
 //
 // The emitted program has a parameter table (names, shapes, init, offsets into one flat
 // buffer), three step functions — forward (layer forwards and the loss), backward (the loss
@@ -344,8 +345,124 @@ static bool emit_op(Emit *e, const IrOp *op) {
   return false;
 }
 
+// ---- scheduled functions: a task table for rt_run_streams (runtime/streams.c) ----
+// A function with ops on the intra or inter stream is emitted as tasks: runs of consecutive
+// ops on one stream, cut before an op that waits and after an op that records an event, one
+// static function each, and a table {stream, fn, waits, event} in program order; the step
+// calls rt_run_streams on it. Events are renumbered per function (waits on events of other
+// functions are dropped: function boundaries are full synchronisations). Collectives on the
+// same group must not overlap and must be issued in the same order on every rank, so a
+// collective also waits for the previous collective on its group when that one ran on another
+// stream. MOEC_STREAMS=0 in the environment emits scheduled functions straight-line as before.
+static bool func_scheduled(const IrFunc *f) {
+  const char *env = getenv("MOEC_STREAMS");
+  if (env && strcmp(env, "0") == 0) return false;
+  for (int i = 0; i < f->nops; i++)
+    if (f->ops[i]->stream == IR_STREAM_INTRA || f->ops[i]->stream == IR_STREAM_INTER) return true;
+  return false;
+}
+
+static bool is_collective(IrOpKind k) {
+  return k == IR_OP_COMM_ALLTOALL || k == IR_OP_COMM_ALLGATHER || k == IR_OP_COMM_REDUCESCATTER ||
+         k == IR_OP_COMM_ALLREDUCE;
+}
+
+static const char *stream_enum(IrStream s) {
+  return s == IR_STREAM_INTRA ? "RT_STREAM_INTRA" : s == IR_STREAM_INTER ? "RT_STREAM_INTER" : "RT_STREAM_COMPUTE";
+}
+
+#define TASK_WAITS 16  // RT_TASK_MAX_WAITS
+
+// The task functions and table of scheduled function f (index fi): `tasks_<fi>`, with the task
+// and event counts in *ntasks and *nevents.
+static bool emit_tasks(Emit *e, const IrFunc *f, int fi, int *ntasks_out, int *nevents_out) {
+  int n = f->nops;
+  int *dep = malloc(((size_t)n + 1) * sizeof *dep);      // extra wait: op index, -1 none
+  bool *rec = calloc((size_t)n + 1, sizeof *rec);         // op records an event
+  int *local = malloc(((size_t)n + 1) * sizeof *local);   // op's local event, -1 none
+  int *task_of = malloc(((size_t)n + 1) * sizeof *task_of);
+  bool ok = dep && rec && local && task_of;
+  if (!ok) {
+    ir_error(e->d, "out of memory");
+    goto out;
+  }
+  for (int i = 0; i < n; i++) {
+    const IrOp *op = f->ops[i];
+    dep[i] = -1;
+    local[i] = -1;
+    if (op->event >= 0) rec[i] = true;
+    if (!is_collective(op->kind)) continue;
+    for (int j = i - 1; j >= 0; j--) {
+      const IrOp *p = f->ops[j];
+      if (!is_collective(p->kind) || strcmp(group_enum(p), group_enum(op)) != 0) continue;
+      if (p->stream != op->stream) {
+        dep[i] = j;
+        rec[j] = true;
+      }
+      break;
+    }
+  }
+  int nev = 0;
+  for (int i = 0; i < n; i++)
+    if (rec[i]) local[i] = nev++;
+  // Tasks: cut before an op with waits, after an op with an event, where the stream changes.
+  int ntasks = 0;
+  for (int i = 0; i < n; i++) {
+    const IrOp *op = f->ops[i];
+    bool cut = i == 0 || op->nwaits > 0 || dep[i] >= 0 || rec[i - 1] ||
+               (op->stream == IR_STREAM_NONE ? IR_STREAM_COMPUTE : op->stream) !=
+                   (f->ops[i - 1]->stream == IR_STREAM_NONE ? IR_STREAM_COMPUTE : f->ops[i - 1]->stream);
+    if (cut) {
+      if (i > 0) fprintf(e->out, "}\n\n");
+      fprintf(e->out, "static void task_%d_%d(RtStep *st) {\n  unsigned char *A = st->arena;\n  (void)A;\n", fi, ntasks);
+      ntasks++;
+    }
+    task_of[i] = ntasks - 1;
+    if (!emit_op(e, op)) {
+      ok = false;
+      goto out;
+    }
+  }
+  if (n > 0) fprintf(e->out, "}\n\n");
+  fprintf(e->out, "static const RtTask tasks_%d[%d] = {\n", fi, ntasks > 0 ? ntasks : 1);
+  for (int i = 0; i < n; i++) {
+    if (i > 0 && task_of[i] == task_of[i - 1]) continue;
+    int last = i;
+    while (last + 1 < n && task_of[last + 1] == task_of[i]) last++;
+    const IrOp *op = f->ops[i];
+    int waits[TASK_WAITS], nw = 0;
+    for (int w = 0; w < op->nwaits; w++) {
+      int ev = -1;
+      for (int j = 0; j < i; j++)
+        if (f->ops[j]->event == op->waits[w]) ev = local[j];
+      bool seen = false;
+      for (int k = 0; k < nw; k++) seen |= waits[k] == ev;
+      if (ev >= 0 && !seen && nw < TASK_WAITS) waits[nw++] = ev;
+    }
+    if (dep[i] >= 0 && nw < TASK_WAITS) waits[nw++] = local[dep[i]];
+    fprintf(e->out, "  {%s, task_%d_%d, %d, {", stream_enum(op->stream), fi, task_of[i], nw);
+    for (int k = 0; k < nw; k++) fprintf(e->out, "%s%d", k ? ", " : "", waits[k]);
+    if (nw == 0) fprintf(e->out, "0");
+    fprintf(e->out, "}, %d},\n", local[last]);
+  }
+  fprintf(e->out, "};\n\n");
+  *ntasks_out = ntasks;
+  *nevents_out = nev;
+out:
+  free(dep);
+  free(rec);
+  free(local);
+  free(task_of);
+  return ok;
+}
+
 static bool emit_func(Emit *e, const IrFunc *f) {
   fprintf(e->out, "  /* @%s */\n", f->name);
+  if (func_scheduled(f)) {
+    fprintf(e->out, "  rt_run_streams(st, tasks_%d, (int)(sizeof tasks_%d / sizeof tasks_%d[0]), tasks_%d_events);\n",
+            f->index, f->index, f->index, f->index);
+    return true;
+  }
   for (int i = 0; i < f->nops; i++)
     if (!emit_op(e, f->ops[i])) return false;
   return true;
@@ -422,6 +539,13 @@ bool cg_emit_c(IrDiag *d, FILE *out, const IrModule *m, const PassMemPlan *plan,
   fprintf(out, "};\n\n");
 
   bool ok = true;
+  for (int i = 0; ok && i < m->nfuncs; i++) {
+    int nt = 0, nev = 0;
+    if (!func_scheduled(m->funcs[i])) continue;
+    fprintf(out, "/* @%s: tasks for rt_run_streams */\n", m->funcs[i]->name);
+    ok = emit_tasks(&e, m->funcs[i], i, &nt, &nev);
+    fprintf(out, "enum { tasks_%d_events = %d };\n\n", i, nev);
+  }
   int nlayers = 0;
   const IrFunc *last_fwd = NULL;
   fprintf(out, "static void step_forward(RtStep *st) {\n  unsigned char *A = st->arena;\n  (void)A;\n"

@@ -11,6 +11,13 @@
 // overlap share bytes. A value whose only use is `param.grad` is written straight into that
 // parameter's gradient buffer. The final layer output stays alive to the end of the step (the
 // binary's --dump reads it after the backward pass).
+//
+// Streams. A function whose ops the schedule put on the intra or inter stream runs them
+// concurrently (codegen/emit_c.c, runtime/streams.c), so program order says nothing about when
+// a buffer's last reader is done. In such a function buffers are not reused: every value live
+// at some position inside it (defined, read or passed through there) stays alive to the end of
+// the function, whose boundary is a full synchronisation; reuse across functions is unchanged.
+// -v reports how many functions that applies to.
 #include <stdlib.h>
 #include <string.h>
 
@@ -32,6 +39,13 @@ static int by_first(const void *a, const void *b) {
 static int by_offset(const void *a, const void *b) {
   const PassMemSlot *x = *(PassMemSlot *const *)a, *y = *(PassMemSlot *const *)b;
   return x->offset < y->offset ? -1 : x->offset > y->offset;
+}
+
+// Ops on more than one stream (passes/schedule.c): the function runs them concurrently.
+static bool streamed(const IrFunc *f) {
+  for (int i = 0; i < f->nops; i++)
+    if (f->ops[i]->stream == IR_STREAM_INTRA || f->ops[i]->stream == IR_STREAM_INTER) return true;
+  return false;
 }
 
 bool pass_memplan(IrModule *m, PassCtx *ctx) {
@@ -58,6 +72,13 @@ bool pass_memplan(IrModule *m, PassCtx *ctx) {
 
   // Pass 1: resolve arguments, give results a slot with their definition position.
   int64_t pos = 0, used = 0;
+  int64_t *fstart = calloc((size_t)m->nfuncs + 1, sizeof *fstart), *fend = calloc((size_t)m->nfuncs + 1, sizeof *fend);
+  if (!fstart || !fend) {
+    free(fstart);
+    free(fend);
+    ir_error(ctx->d, "out of memory");
+    goto done;
+  }
   for (int fi = 0; fi < m->nfuncs; fi++) {
     IrFunc *f = m->funcs[fi];
     plan->slot[fi] = calloc((size_t)f->nvalues + 1, sizeof(PassMemSlot));
@@ -92,6 +113,7 @@ bool pass_memplan(IrModule *m, PassCtx *ctx) {
       }
       where[fi][f->args[ai]->id] = src;
     }
+    fstart[fi] = pos;
     for (int oi = 0; oi < f->nops; oi++, pos++) {
       IrOp *op = f->ops[oi];
       for (int a = 0; a < op->nargs; a++) {
@@ -113,7 +135,20 @@ bool pass_memplan(IrModule *m, PassCtx *ctx) {
       PassMemSlot *s = where[fi][f->rets[r]->id];
       if (s->last < pos) s->last = pos;  // read after the function by the generated code
     }
+    fend[fi] = pos;
   }
+  // Functions with concurrent streams: no reuse inside them.
+  int nstreamed = 0;
+  for (int fi = 0; fi < m->nfuncs; fi++) {
+    if (!streamed(m->funcs[fi])) continue;
+    nstreamed++;
+    for (int64_t i = 0; i < used; i++) {
+      PassMemSlot *s = items[i].slot;
+      if (s->first <= fend[fi] && s->last >= fstart[fi] && s->last < fend[fi]) s->last = fend[fi];
+    }
+  }
+  free(fstart);
+  free(fend);
   // The output of the last layer forward is read at the end of the step.
   for (int fi = 0; fi < m->nfuncs; fi++)
     if (strcmp(m->funcs[fi]->name, "loss.fwd") == 0 && fi > 0 && m->funcs[fi - 1]->nrets)
@@ -182,6 +217,9 @@ bool pass_memplan(IrModule *m, PassCtx *ctx) {
     fprintf(log, "# memplan: parameters %lld + gradients %lld + optimizer state %lld bytes\n",
             (long long)plan->param_bytes, (long long)plan->param_bytes, (long long)plan->optimizer_bytes);
     fprintf(log, "# memplan: peak %lld bytes per rank\n", (long long)peak);
+    if (nstreamed)
+      fprintf(log, "# memplan: %d functions run concurrent streams: no buffer reuse inside them "
+                   "(live ranges extend to the function's end)\n", nstreamed);
   }
   ok = true;
 done:
