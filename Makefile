@@ -21,17 +21,28 @@ PKG_CJSON    := $(shell pkg-config --cflags --libs libcjson 2>/dev/null || echo 
 MPI_CFLAGS    = $(shell mpicc --showme:compile 2>/dev/null)
 MPI_LIBS      = $(shell mpicc --showme:link 2>/dev/null || echo -lmpi)
 
-COMPILER_SRC := $(wildcard frontend/*.c ir/*.c passes/*.c codegen/*.c)
+# codegen/nvrtc.c needs the CUDA toolkit: it is built by the CUDA rules below, never here.
+COMPILER_SRC := $(filter-out codegen/nvrtc.c,$(wildcard frontend/*.c ir/*.c passes/*.c codegen/*.c))
 RUNTIME_SRC  := $(wildcard runtime/*.c)
 GEN_SRC      := $(BUILD)/gen/parser.c $(BUILD)/gen/lexer.c
 COMPILER_OBJ := $(COMPILER_SRC:%.c=$(BUILD)/obj/%.o) $(BUILD)/obj/gen/parser.o $(BUILD)/obj/gen/lexer.o
 RUNTIME_OBJ  := $(RUNTIME_SRC:%.c=$(BUILD)/obj/%.o)
 INCLUDES     := -I. -Iir -Ifrontend -Iruntime -I$(BUILD)/gen
 
+# ---- CUDA parts: only where the toolkit is (CUDA=/path overrides /usr/local/cuda) ----
+# codegen/nvrtc.c (NVRTC: CUDA C -> CUBIN/PTX) and tests/cuda/nvrtc_check, which tests/cuda/run.sh
+# runs on every model's `moec build --emit cuda`. Without a toolkit `make` says so and skips them.
+ifneq ($(wildcard $(CUDA)/include/nvrtc.h),)
+CUDA_LIBDIR  := $(firstword $(wildcard $(CUDA)/lib64 $(CUDA)/lib))
+CUDA_TARGETS := $(BUILD)/cuda/nvrtc_check
+else
+CUDA_TARGETS := cuda-skip
+endif
+
 COMPILER_DEFS := -DMOEC_ROOT=\"$(ROOT)\" -DMOEC_BUILD=\"$(abspath $(BUILD))\" -DMOEC_MPI_LIBS='"$(MPI_LIBS)"'
 
-.PHONY: all deps demo test fuzz bench clean
-all: $(BUILD)/moec $(BUILD)/libmoert.a
+.PHONY: all deps demo test fuzz bench clean cuda-skip
+all: $(BUILD)/moec $(BUILD)/libmoert.a $(CUDA_TARGETS)
 
 deps:
 	@missing=""; for p in $(DEB_PACKAGES); do \
@@ -84,6 +95,19 @@ CLI_SRC := $(wildcard moec.c plan.c tune.c)
 CLI_OBJ := $(CLI_SRC:%.c=$(BUILD)/obj/%.o)
 $(BUILD)/moec: $(CLI_OBJ) $(BUILD)/libmoec.a $(BUILD)/libmoert.a
 	$(CC) $(CFLAGS) -o $@ $(CLI_OBJ) $(BUILD)/libmoec.a $(BUILD)/libmoert.a -lnlopt $(RUNTIME_LIBS)
+
+ifneq ($(wildcard $(CUDA)/include/nvrtc.h),)
+$(BUILD)/obj/cuda/nvrtc.o: codegen/nvrtc.c codegen/cg.h
+	@mkdir -p $(dir $@)
+	$(CC) $(CFLAGS) $(INCLUDES) -I$(CUDA)/include -c $< -o $@
+
+$(BUILD)/cuda/nvrtc_check: tests/cuda/nvrtc_check.c $(BUILD)/obj/cuda/nvrtc.o $(BUILD)/libmoec.a
+	@mkdir -p $(dir $@)
+	$(CC) $(CFLAGS) $(INCLUDES) -o $@ $< $(BUILD)/obj/cuda/nvrtc.o $(BUILD)/libmoec.a \
+	  -L$(CUDA_LIBDIR) -Wl,-rpath,$(CUDA_LIBDIR) -lnvrtc -lm
+endif
+cuda-skip:
+	@echo "# no CUDA toolkit at $(CUDA) ($(CUDA)/include/nvrtc.h): CUDA parts (NVRTC, nvrtc_check) skipped"
 
 -include $(shell find $(BUILD)/obj -name '*.d' 2>/dev/null)
 

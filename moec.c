@@ -3,7 +3,7 @@
 //   moec check F.moe                 parse and check only
 //   moec dump-ir F.moe [--after=PASS | --all]
 //   moec dump-ir F.ir                read IR text back, verify it, print it
-//   moec build F.moe [-o BIN] [-v] [--emit c] [--keep-c F.c] [--cluster C] [--target T]
+//   moec build F.moe [-o BIN] [-v] [--emit c|cuda] [--keep-c F.c] [--cluster C] [--target T]
 //   moec plan | sweep                the FSMoE schedule model (plan.c)
 //   mpirun -np P moec tune ...       profile a cluster, fit, write a .cluster (tune.c)
 //   moec ops | passes                the op table and the pass list
@@ -38,6 +38,7 @@ static void usage(FILE *out) {
           "      -o BIN                output (default: the model file's name without .moe)\n"
           "      -v                    report what the passes decided (memory plan, ...)\n"
           "      --emit c              write the generated C program to -o (or stdout) instead\n"
+          "      --emit cuda           write the generated CUDA kernels (for NVRTC) to -o (or stdout)\n"
           "      --keep-c F.c          also keep the generated C program as F.c\n"
           "      --cluster C           cluster profile (overrides the model's 'cluster' statement)\n"
           "      --target cpu|auto     code generation target (default auto: CPU on this build)\n"
@@ -105,8 +106,8 @@ static bool parse_options(int argc, char **argv, Options *o) {
     fprintf(stderr, "moec: error: unknown pass '%s' for --after (see 'moec passes')\n", o->after);
     return false;
   }
-  if (o->emit && strcmp(o->emit, "c") != 0) {
-    fprintf(stderr, "moec: error: --emit takes 'c' (the CUDA emitter does not exist yet)\n");
+  if (o->emit && strcmp(o->emit, "c") != 0 && strcmp(o->emit, "cuda") != 0) {
+    fprintf(stderr, "moec: error: --emit takes 'c' or 'cuda'\n");
     return false;
   }
   if (o->target && strcmp(o->target, "cpu") != 0 && strcmp(o->target, "auto") != 0) {
@@ -207,13 +208,13 @@ static int cmd_build(IrDiag *d, const Options *o) {
   if (o->verbose && (!o->target || strcmp(o->target, "auto") == 0))
     fprintf(stderr, "# target: cpu (this moec has no CUDA backend yet)\n");
 
-  if (o->emit) {  // --emit c: the program only
+  if (o->emit) {  // --emit c: the program only; --emit cuda: the CUDA kernels only
     c = o->output ? fopen(o->output, "w") : stdout;
     if (!c) {
       ir_error(d, "cannot write '%s'", o->output);
       goto done;
     }
-    bool ok = cg_emit_c(d, c, m, ctx.memplan, o->input);
+    bool ok = strcmp(o->emit, "cuda") == 0 ? cg_emit_cuda(d, c, m, ctx.memplan) : cg_emit_c(d, c, m, ctx.memplan, o->input);
     if (c != stdout && fclose(c) != 0) ok = ir_error(d, "cannot write '%s'", o->output);
     c = NULL;
     status = ok ? 0 : 1;

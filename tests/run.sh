@@ -132,6 +132,7 @@ run_suite() {
     case "$line" in
       "ok    "*) ok "${line#ok    }"; results=$((results + 1)) ;;
       "FAIL  "*) bad "${line#FAIL  }"; results=$((results + 1)); fails=$((fails + 1)) ;;
+      "skip  "*) l=${line#skip  }; skip "${l%%: *}" "${l#*: }"; results=$((results + 1)) ;;
       "exit status "*) [ "${line#exit status }" = 0 ] || [ "$fails" -gt 0 ] || bad "$label" "$script exited with ${line#exit status } without reporting a failure" ;;
       *) printf '      %s\n' "$line" ;;
     esac
@@ -141,6 +142,9 @@ run_suite() {
 
 section "model zoo: every lang/models model trains 10 steps with the loss going down"
 run_suite "model zoo" tests/zoo.sh
+
+section "CUDA: kernels of every model compile with NVRTC for sm_80/sm_90 (compile only; no GPU here)"
+run_suite "cuda kernels" tests/cuda/run.sh
 
 section "distributed: collectives, groups and failures over MPI ranks"
 for suite in tests/mpi/run.sh tests/mpi/run_rt_main.sh tests/mpi/failures.sh tests/mpi/reshard.sh tests/mpi/twin.sh tests/mpi/chunks.sh; do

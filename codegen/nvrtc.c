@@ -1,0 +1,107 @@
+// NVRTC driver of the CUDA target: CUDA C (codegen/emit_cuda.c) -> CUBIN for one architecture,
+// and PTX of the matching virtual architecture for GPUs newer than the ones compiled for.
+// Built only where the CUDA toolkit is found (the Makefile leaves it out otherwise); links
+// libnvrtc. Options: exact IEEE float (no fast math), so that the kernels match the CPU ones.
+#include <nvrtc.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "cg.h"
+
+// NVRTC_CHECK: an NVRTC call that fails reports where, what and the program log (when there
+// is a program), and makes the enclosing function fail.
+#define NVRTC_CHECK(d, prog, call)                                                                   \
+  do {                                                                                               \
+    nvrtcResult rc_ = (call);                                                                        \
+    if (rc_ != NVRTC_SUCCESS) {                                                                      \
+      nvrtc_fail((d), (prog), rc_, #call, __FILE__, __LINE__);                                       \
+      goto fail;                                                                                     \
+    }                                                                                                \
+  } while (0)
+
+static void nvrtc_fail(IrDiag *d, nvrtcProgram prog, nvrtcResult rc, const char *call, const char *file, int line) {
+  char *log = NULL;
+  size_t n = 0;
+  if (prog && nvrtcGetProgramLogSize(prog, &n) == NVRTC_SUCCESS && n > 1 && (log = malloc(n)) &&
+      nvrtcGetProgramLog(prog, log) != NVRTC_SUCCESS) {
+    free(log);
+    log = NULL;
+  }
+  ir_error(d, "NVRTC: %s failed (%s) at %s:%d%s%s", call, nvrtcGetErrorString(rc), file, line,
+           log ? "; program log:\n" : "", log ? log : "");
+  free(log);
+}
+
+// "sm_80" -> 80; 0 when arch is not sm_NN.
+static int arch_number(const char *arch) {
+  if (!arch || strncmp(arch, "sm_", 3) != 0 || !arch[3]) return 0;
+  char *end;
+  long v = strtol(arch + 3, &end, 10);
+  return *end || v < 10 || v > 999 ? 0 : (int)v;
+}
+
+// Compiles src for -arch=<virtual ? compute_NN : sm_NN>; returns the program (NULL on error).
+static nvrtcProgram compile(IrDiag *d, const char *src, const char *arch, bool virtual_arch) {
+  int num = arch_number(arch);
+  if (!num) {
+    ir_error(d, "unknown GPU architecture '%s' (expected sm_80, sm_90, ...)", arch ? arch : "(null)");
+    return NULL;
+  }
+  char opt_arch[32];
+  snprintf(opt_arch, sizeof opt_arch, "-arch=%s_%d", virtual_arch ? "compute" : "sm", num);
+  const char *opts[] = {opt_arch, "-std=c++17", "-default-device", "--fmad=false", "--ftz=false",
+                        "--prec-div=true", "--prec-sqrt=true"};
+  nvrtcProgram prog = NULL;
+  NVRTC_CHECK(d, NULL, nvrtcCreateProgram(&prog, src, "moec_kernels.cu", 0, NULL, NULL));
+  NVRTC_CHECK(d, prog, nvrtcCompileProgram(prog, (int)(sizeof opts / sizeof opts[0]), opts));
+  return prog;
+fail:
+  if (prog) nvrtcDestroyProgram(&prog);
+  return NULL;
+}
+
+bool cg_nvrtc_compile(IrDiag *d, const char *src, const char *arch, void **cubin, size_t *size) {
+  *cubin = NULL;
+  *size = 0;
+  nvrtcProgram prog = compile(d, src, arch, false);
+  if (!prog) return false;
+  size_t n = 0;
+  char *buf = NULL;
+  NVRTC_CHECK(d, prog, nvrtcGetCUBINSize(prog, &n));
+  if (!(buf = malloc(n ? n : 1))) {
+    ir_error(d, "out of memory for a %zu-byte CUBIN", n);
+    goto fail;
+  }
+  NVRTC_CHECK(d, prog, nvrtcGetCUBIN(prog, buf));
+  nvrtcDestroyProgram(&prog);
+  *cubin = buf;
+  *size = n;
+  return true;
+fail:
+  free(buf);
+  nvrtcDestroyProgram(&prog);
+  return false;
+}
+
+bool cg_nvrtc_ptx(IrDiag *d, const char *src, const char *arch, char **ptx, size_t *size) {
+  *ptx = NULL;
+  *size = 0;
+  nvrtcProgram prog = compile(d, src, arch, true);
+  if (!prog) return false;
+  size_t n = 0;
+  char *buf = NULL;
+  NVRTC_CHECK(d, prog, nvrtcGetPTXSize(prog, &n));
+  if (!(buf = malloc(n ? n : 1))) {
+    ir_error(d, "out of memory for %zu bytes of PTX", n);
+    goto fail;
+  }
+  NVRTC_CHECK(d, prog, nvrtcGetPTX(prog, buf));
+  nvrtcDestroyProgram(&prog);
+  *ptx = buf;
+  *size = n;
+  return true;
+fail:
+  free(buf);
+  nvrtcDestroyProgram(&prog);
+  return false;
+}

@@ -1,0 +1,78 @@
+#!/usr/bin/env bash
+# The CUDA compile-only suite (no GPU needed): every model of lang/models, tests/golden and
+# tests/models goes through `moec build --emit cuda`, and build/cuda/nvrtc_check compiles the
+# unit with NVRTC for sm_80 and sm_90 (CUBIN and PTX); the whole kernel library is compiled as
+# well, and the kernels run on the CPU under emulation against libmoert (tests/cuda/emu_check.cpp).
+# One line per check, "ok    ..." or "FAIL  ..." (tests/run.sh's run_suite counts them).
+# Without the CUDA toolkit: one "skip  cuda: no CUDA toolkit" line and exit status 0.
+set -u
+cd "$(dirname "$0")/../.."
+BUILD=${BUILD:-build}
+MOEC=${MOEC:-$BUILD/moec}
+CUDA=${CUDA:-/usr/local/cuda}
+CHECK=$BUILD/cuda/nvrtc_check
+if [ ! -f "$CUDA/include/nvrtc.h" ]; then
+  echo "skip  cuda: no CUDA toolkit (skipped: nothing at $CUDA/include/nvrtc.h)"
+  exit 0
+fi
+if [ ! -x "$CHECK" ]; then
+  echo "FAIL  cuda: $CHECK is missing (make builds it where the CUDA toolkit is)"
+  exit 1
+fi
+WORK=$(mktemp -d "${TMPDIR:-/tmp}/moec-cuda.XXXXXX")
+trap 'rm -rf "$WORK"' EXIT
+status=0
+
+# check LABEL SOURCE-ARG EXPECTED-KERNELS: nvrtc_check for both architectures, one line each.
+check() {
+  local label=$1 src=$2 want=$3 line arch n
+  if ! "$CHECK" "$src" sm_80 sm_90 >"$WORK/out" 2>"$WORK/err"; then
+    echo "FAIL  cuda kernels $label: NVRTC"
+    sed 's/^/      /' "$WORK/err" | head -n 30
+    status=1
+    return
+  fi
+  while read -r line; do
+    arch=${line%%:*}
+    n=$(echo "$line" | awk '{print $2}')
+    if [ -n "$want" ] && [ "$n" != "$want" ]; then
+      echo "FAIL  cuda kernels $label $arch: $n kernels compiled, the unit says $want"
+      status=1
+    else
+      echo "ok    cuda kernels $label $arch ($n kernels, $(echo "$line" | awk '{print $5}') bytes CUBIN, $(echo "$line" | awk '{print $8}') bytes PTX)"
+    fi
+  done <"$WORK/out"
+}
+
+for model in lang/models/*.moe tests/golden/*.moe tests/models/*.moe; do
+  [ -f "$model" ] || continue
+  name=${model%.moe}
+  if ! "$MOEC" build "$model" --emit cuda -o "$WORK/k.cu" 2>"$WORK/err"; then
+    echo "FAIL  cuda kernels $name: moec build --emit cuda"
+    sed 's/^/      /' "$WORK/err" | head -n 20
+    status=1
+    continue
+  fi
+  # The unit must stand alone: no #include, no host code (no main, no cuda* API calls).
+  if grep -vE '^[[:space:]]*//' "$WORK/k.cu" | grep -qE '#[[:space:]]*include|\<main[[:space:]]*\(|\<cuda[A-Z][A-Za-z]*[[:space:]]*\('; then
+    echo "FAIL  cuda kernels $name: the unit has an #include or host code"
+    status=1
+    continue
+  fi
+  want=$(sed -n "1s/.*(\([0-9]*\) kernels).*/\1/p" "$WORK/k.cu")
+  check "$name" "$WORK/k.cu" "$want"
+done
+check "library (every kernel)" --library ""
+
+# The kernels' semantics without a GPU: tests/cuda/emu_check.cpp runs the whole library as host
+# C++ under a small emulation of CUDA threads and blocks against libmoert's CPU kernels.
+CXX=${CXX:-g++}
+"$CHECK" --print-library >"$WORK/lib.cu"
+if ! "$CXX" -std=c++20 -O1 -w -Iruntime -DMK_LIBRARY="\"$WORK/lib.cu\"" -o "$WORK/emu" tests/cuda/emu_check.cpp \
+     "$BUILD/libmoert.a" -lopenblas -lcjson $(mpicc --showme:link 2>/dev/null || echo -lmpi) -lm -pthread 2>"$WORK/err"; then
+  echo "FAIL  cuda emu: building tests/cuda/emu_check.cpp with $CXX"
+  sed 's/^/      /' "$WORK/err" | head -n 30
+  exit 1
+fi
+"$WORK/emu" || status=1
+exit $status
