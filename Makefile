@@ -172,6 +172,8 @@ bench: deps all $(BUILD)/bench/gate_order $(BUILD)/bench/alltoall $(BUILD)/bench
 	OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 mpirun --oversubscribe -np 8 $(BUILD)/bench/alltoall --gpus-per-node 4
 	@echo
 	$(BUILD)/bench/gate_order
+	@echo
+	@BUILD=$(BUILD) bash bench/streams.sh
 
 clean:
 	rm -rf $(BUILD)
