@@ -257,7 +257,7 @@ static int cmd_ops(void) {
 }
 
 static int cmd_passes(void) {
-  for (int i = 0; i < pass_count; i++) printf("%-10s %s\n", pass_list[i].name, pass_list[i].doc);
+  for (int i = 0; i < pass_count; i++) printf("%-12s %s\n", pass_list[i].name, pass_list[i].doc);
   return 0;
 }
 

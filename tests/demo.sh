@@ -16,5 +16,7 @@ cat <<MSG
 #   $BUILD/moec dump-ir lang/models/tiny.moe --after=lower    the forward IR of the model
 #   $BUILD/moec dump-ir lang/models/tiny.moe --all            the IR after every pass
 #   $BUILD/tiny --help                                         what the training binary can do
+#   $BUILD/moec build tests/golden/parallel.moe -o p4 -v      a 4-rank layout (then: mpirun -np 4 ./p4)
+#   $BUILD/moec plan tests/golden/parallel.moe --cluster lang/clusters/testbed-b.cluster --svg plan.svg
 #   lang/manual.md                                             the .moe language
 MSG
