@@ -8,11 +8,7 @@ BUILD=${BUILD:-build}
 MOEC=${MOEC:-$BUILD/moec}
 WORK=$(mktemp -d "${TMPDIR:-/tmp}/moec-fail.XXXXXX")
 trap 'rm -rf "$WORK"' EXIT
-export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1
-MPIRUN="mpirun --oversubscribe --allow-run-as-root --mca btl self,vader --bind-to none"
-failed=0
-ok() { printf 'ok    %s\n' "$1"; }
-bad() { failed=1; printf 'FAIL  %s\n' "$1"; [ -n "${2:-}" ] && printf '%s\n' "$2" | head -n 20 | sed 's/^/      /'; }
+. tests/mpi/common.sh
 
 if ! "$MOEC" build tests/golden/parallel.moe -o "$WORK/p4" 2>"$WORK/err"; then
   bad "build a 4-rank model" "$(cat "$WORK/err")"; exit 1

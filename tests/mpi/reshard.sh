@@ -9,11 +9,7 @@ BUILD=${BUILD:-build}
 MOEC=${MOEC:-$BUILD/moec}
 WORK=$(mktemp -d "${TMPDIR:-/tmp}/moec-reshard.XXXXXX")
 trap 'rm -rf "$WORK"' EXIT
-export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1
-MPIRUN="mpirun --oversubscribe --allow-run-as-root --mca btl self,vader --bind-to none"
-failed=0
-ok() { printf 'ok    %s\n' "$1"; }
-bad() { failed=1; printf 'FAIL  %s\n' "$1"; [ -n "${2:-}" ] && printf '%s\n' "$2" | head -n 20 | sed 's/^/      /'; }
+. tests/mpi/common.sh
 losses() { grep '^step' "$1" | awk '$2 > 3 {print $2, $4}'; }
 close() {  # the same steps, losses within 1e-5 relative
   paste <(losses "$1") <(losses "$2") | awk 'NF != 4 || $1 != $3 {bad = 1} { d = $2 - $4; if (d < 0) d = -d; s = $2 < 0 ? -$2 : $2; if (d > 1e-5 * s + 2e-6) bad = 1; n++ } END { exit bad || n != 3 }'

@@ -8,16 +8,10 @@ set -u
 cd "$(dirname "$0")/../.."
 BUILD=${BUILD:-build}
 MOEC=${MOEC:-$BUILD/moec}
-PY=/usr/bin/python3
 WORK=$(mktemp -d "${TMPDIR:-/tmp}/moec-twin.XXXXXX")
 trap 'rm -rf "$WORK"' EXIT
-export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 OMPI_MCA_rmaps_base_oversubscribe=1
-MPIRUN="mpirun --oversubscribe --allow-run-as-root --mca btl self,vader --bind-to none"
 TIMEOUT=${TWIN_TIMEOUT:-120}
-failed=0
-
-ok() { printf 'ok    %s\n' "$1"; }
-bad() { failed=1; printf 'FAIL  %s\n' "$1"; [ -n "${2:-}" ] && printf '%s\n' "$2" | head -n 30 | sed 's/^/      /'; }
+. tests/mpi/common.sh
 
 model() {  # name batch groups k parallel-line cluster-line
   cat <<EOF
@@ -33,38 +27,6 @@ layer blk x 2 {
   }
 }
 EOF
-}
-
-compare() {  # twin-dir par-dir -> prints the worst relative error, exit 1 above 1e-5
-  "$PY" - "$1" "$2" <<'PYEOF'
-import glob, os, sys
-import numpy as np
-a, b = sys.argv[1], sys.argv[2]
-worst, name_worst, bad = 0.0, "", []
-names = sorted(os.path.relpath(p, a) for p in glob.glob(os.path.join(a, "**", "*.npy"), recursive=True))
-if not names:
-    print("no dump files"); sys.exit(1)
-for n in names:
-    x = np.load(os.path.join(a, n)).astype(np.float64)
-    pb = os.path.join(b, n)
-    if not os.path.exists(pb):
-        bad.append(f"{n}: missing in the parallel dump"); continue
-    y = np.load(pb).astype(np.float64)
-    if x.shape != y.shape:
-        bad.append(f"{n}: shape {y.shape} != {x.shape}"); continue
-    err = float(np.max(np.abs(x - y)) / max(float(np.max(np.abs(x))), 1e-30)) if x.size else 0.0
-    if err > worst: worst, name_worst = err, n
-    if err > 1e-5: bad.append(f"{n}: relative error {err:.3e}")
-print(f"{len(names)} tensors, worst {worst:.1e} ({name_worst})")
-for line in bad: print(line)
-sys.exit(1 if bad else 0)
-PYEOF
-}
-
-losses() { grep '^step' "$1" | awk '{print $4}'; }
-
-same_losses() {  # file file: every step's loss within 1e-5 relative (printed with 6 decimals)
-  paste <(losses "$1") <(losses "$2") | awk 'NF != 2 {bad = 1} { d = $1 - $2; if (d < 0) d = -d; s = $1 < 0 ? -$1 : $1; if (d > 1e-5 * s + 2e-6) bad = 1; n++ } END { exit bad || n == 0 }'
 }
 
 # layout: name P dp mp ep esp gpus_per_node
@@ -97,7 +59,7 @@ for k in 1 2; do
       if ! same_losses "$WORK/twin.out" "$WORK/par.out"; then
         bad "$label: losses differ from the single-rank twin" "$(paste <(losses "$WORK/twin.out") <(losses "$WORK/par.out"))"; continue
       fi
-      if result=$(compare "$WORK/twin.dump" "$WORK/par.dump"); then
+      if result=$(compare_dumps "$WORK/twin.dump" "$WORK/par.dump"); then
         ok "$label: losses and dump equal the single-rank twin: $result"
       else
         bad "$label: dump differs from the single-rank twin" "$result"
