@@ -60,21 +60,24 @@ fail:
   return NULL;
 }
 
-bool cg_nvrtc_compile(IrDiag *d, const char *src, const char *arch, void **cubin, size_t *size) {
-  *cubin = NULL;
+// Compiles src and copies out the image: CUBIN for sm_NN (virtual_arch false) or PTX for
+// compute_NN (true). The buffer is malloc'd.
+static bool compile_image(IrDiag *d, const char *src, const char *arch, bool virtual_arch, char **out,
+                          size_t *size) {
+  *out = NULL;
   *size = 0;
-  nvrtcProgram prog = compile(d, src, arch, false);
+  nvrtcProgram prog = compile(d, src, arch, virtual_arch);
   if (!prog) return false;
   size_t n = 0;
   char *buf = NULL;
-  NVRTC_CHECK(d, prog, nvrtcGetCUBINSize(prog, &n));
+  NVRTC_CHECK(d, prog, virtual_arch ? nvrtcGetPTXSize(prog, &n) : nvrtcGetCUBINSize(prog, &n));
   if (!(buf = malloc(n ? n : 1))) {
-    ir_error(d, "out of memory for a %zu-byte CUBIN", n);
+    ir_error(d, "out of memory for %zu bytes of %s", n, virtual_arch ? "PTX" : "CUBIN");
     goto fail;
   }
-  NVRTC_CHECK(d, prog, nvrtcGetCUBIN(prog, buf));
+  NVRTC_CHECK(d, prog, virtual_arch ? nvrtcGetPTX(prog, buf) : nvrtcGetCUBIN(prog, buf));
   nvrtcDestroyProgram(&prog);
-  *cubin = buf;
+  *out = buf;
   *size = n;
   return true;
 fail:
@@ -83,25 +86,13 @@ fail:
   return false;
 }
 
-bool cg_nvrtc_ptx(IrDiag *d, const char *src, const char *arch, char **ptx, size_t *size) {
-  *ptx = NULL;
-  *size = 0;
-  nvrtcProgram prog = compile(d, src, arch, true);
-  if (!prog) return false;
-  size_t n = 0;
+bool cg_nvrtc_compile(IrDiag *d, const char *src, const char *arch, void **cubin, size_t *size) {
   char *buf = NULL;
-  NVRTC_CHECK(d, prog, nvrtcGetPTXSize(prog, &n));
-  if (!(buf = malloc(n ? n : 1))) {
-    ir_error(d, "out of memory for %zu bytes of PTX", n);
-    goto fail;
-  }
-  NVRTC_CHECK(d, prog, nvrtcGetPTX(prog, buf));
-  nvrtcDestroyProgram(&prog);
-  *ptx = buf;
-  *size = n;
-  return true;
-fail:
-  free(buf);
-  nvrtcDestroyProgram(&prog);
-  return false;
+  bool ok = compile_image(d, src, arch, false, &buf, size);
+  *cubin = buf;
+  return ok;
+}
+
+bool cg_nvrtc_ptx(IrDiag *d, const char *src, const char *arch, char **ptx, size_t *size) {
+  return compile_image(d, src, arch, true, ptx, size);
 }

@@ -234,12 +234,3 @@ const char *ir_attr_str(const IrAttr *attrs, int n, const char *key, const char 
   const IrAttr *a = ir_attrs_get(attrs, n, key);
   return a && a->kind == IR_ATTR_STR ? a->s : dflt;
 }
-
-IrType ir_type(IrDtype dt, int rank, ...) {
-  IrType t = {.dtype = dt, .rank = rank};
-  va_list ap;
-  va_start(ap, rank);
-  for (int i = 0; i < rank && i < IR_MAX_RANK; i++) t.dim[i] = va_arg(ap, int64_t);
-  va_end(ap);
-  return t;
-}

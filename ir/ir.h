@@ -196,7 +196,6 @@ const char *ir_attr_str(const IrAttr *attrs, int n, const char *key, const char 
 #define ir_mod_float(m, k, d) ir_attr_float((m)->attrs, (m)->nattrs, k, d)
 #define ir_mod_str(m, k, d) ir_attr_str((m)->attrs, (m)->nattrs, k, d)
 
-IrType ir_type(IrDtype dt, int rank, ...);   // ir_type(IR_F32, 2, (int64_t)64, (int64_t)32)
 static inline IrType ir_type0(IrDtype dt) { return (IrType){.dtype = dt, .rank = 0}; }
 static inline IrType ir_type1(IrDtype dt, int64_t a) { return (IrType){.dtype = dt, .rank = 1, .dim = {a}}; }
 static inline IrType ir_type2(IrDtype dt, int64_t a, int64_t b) { return (IrType){.dtype = dt, .rank = 2, .dim = {a, b}}; }

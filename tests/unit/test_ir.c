@@ -117,7 +117,7 @@ static void test_types(void **state) {
   assert_int_equal(ir_dtype_size(IR_F32), 4);
   assert_int_equal(ir_dtype_size(IR_BF16), 2);
   assert_int_equal(ir_dtype_size(IR_I8), 1);
-  IrType a = ir_type(IR_F32, 2, (int64_t)64, (int64_t)32);
+  IrType a = {.dtype = IR_F32, .rank = 2, .dim = {64, 32}};
   IrType b = ir_type2(IR_F32, 64, 32);
   assert_true(ir_type_equal(&a, &b));
   assert_int_equal(ir_type_numel(&a), 2048);
