@@ -32,16 +32,30 @@ INCLUDES     := -I. -Iir -Ifrontend -Iruntime -I$(BUILD)/gen
 # ---- CUDA parts: only where the toolkit is (CUDA=/path overrides /usr/local/cuda) ----
 # codegen/nvrtc.c (NVRTC: CUDA C -> CUBIN/PTX) and tests/cuda/nvrtc_check, which tests/cuda/run.sh
 # runs on every model's `moec build --emit cuda`. Without a toolkit `make` says so and skips them.
+# With cuBLAS and NCCL as well: the GPU runtime build/libmoert_cuda.a (runtime/cuda) and
+# build/cuda/gpu_check, which `make test-gpu` runs (docs/gpu.md). NCCL is the toolkit's, else a
+# Python venv's nvidia/nccl package; NCCL_HOME=/path (holding include/nccl.h and lib/) overrides.
 ifneq ($(wildcard $(CUDA)/include/nvrtc.h),)
 CUDA_LIBDIR  := $(firstword $(wildcard $(CUDA)/lib64 $(CUDA)/lib))
 CUDA_TARGETS := $(BUILD)/cuda/nvrtc_check
+ifndef NCCL_HOME
+NCCL_HOME    := $(if $(wildcard $(CUDA)/include/nccl.h),$(CUDA),$(shell python3 -c \
+                  'import nvidia.nccl; print(nvidia.nccl.__path__[0])' 2>/dev/null))
+endif
+NCCL_LIBDIR  := $(patsubst %/,%,$(dir $(firstword $(wildcard $(addsuffix /libnccl.so.2,\
+                  $(NCCL_HOME)/lib64 $(NCCL_HOME)/lib $(NCCL_HOME)/lib/x86_64-linux-gnu)))))
+ifneq ($(and $(wildcard $(NCCL_HOME)/include/nccl.h),$(NCCL_LIBDIR),$(wildcard $(CUDA)/include/cublas_v2.h)),)
+CUDA_TARGETS += $(BUILD)/libmoert_cuda.a $(BUILD)/cuda/gpu_check
+else
+CUDA_TARGETS += gpu-skip
+endif
 else
 CUDA_TARGETS := cuda-skip
 endif
 
 COMPILER_DEFS := -DMOEC_ROOT=\"$(ROOT)\" -DMOEC_BUILD=\"$(abspath $(BUILD))\" -DMOEC_MPI_LIBS='"$(MPI_LIBS)"'
 
-.PHONY: all deps demo test fuzz bench clean cuda-skip
+.PHONY: all deps demo test test-gpu fuzz bench clean cuda-skip gpu-skip
 all: $(BUILD)/moec $(BUILD)/libmoert.a $(CUDA_TARGETS)
 
 deps:
@@ -105,6 +119,45 @@ $(BUILD)/cuda/nvrtc_check: tests/cuda/nvrtc_check.c $(BUILD)/obj/cuda/nvrtc.o $(
 	@mkdir -p $(dir $@)
 	$(CC) $(CFLAGS) $(INCLUDES) -o $@ $< $(BUILD)/obj/cuda/nvrtc.o $(BUILD)/libmoec.a \
 	  -L$(CUDA_LIBDIR) -Wl,-rpath,$(CUDA_LIBDIR) -lnvrtc -lm
+
+# The GPU runtime. The driver (libcuda.so.1) is not linked: runtime/cuda/rt_cuda.c loads it at
+# run time, so that gpu_check (and later the CUDA model binaries) start on a machine without an
+# NVIDIA driver and say so. cuBLAS, NCCL and NVRTC are found through the rpath of their folders.
+CUDA_RT_OBJ   := $(patsubst %.c,$(BUILD)/obj/%.o,$(wildcard runtime/cuda/*.c))
+CUDA_INCLUDES := -I$(CUDA)/include -I$(NCCL_HOME)/include
+CUDA_LIBS     := -L$(CUDA_LIBDIR) -L$(NCCL_LIBDIR) -Wl,-rpath,$(CUDA_LIBDIR) -Wl,-rpath,$(NCCL_LIBDIR) \
+                 -lcublas -lcublasLt -l:libnccl.so.2 -lnvrtc -ldl
+CUDA_CXXFLAGS := $(filter-out -std=%,$(CFLAGS)) -std=c++20
+
+$(BUILD)/obj/runtime/cuda/%.o: runtime/cuda/%.c
+	@mkdir -p $(dir $@)
+	$(CC) $(CFLAGS) $(INCLUDES) $(CUDA_INCLUDES) $(MPI_CFLAGS) -MMD -c $< -o $@
+
+$(BUILD)/libmoert_cuda.a: $(CUDA_RT_OBJ)
+	@rm -f $@
+	ar rcs $@ $^
+
+# gpu_check compiles the kernel library as host C++ too, for the kernels' parameter types.
+$(BUILD)/cuda/kernel_library.cu: $(BUILD)/cuda/nvrtc_check
+	$< --print-library >$@
+
+$(BUILD)/cuda/gpu_check: tests/cuda/gpu_check.cpp tests/cuda/kernel_cases.h tests/cuda/host_kernels.h \
+                         $(BUILD)/cuda/kernel_library.cu $(BUILD)/obj/cuda/nvrtc.o $(BUILD)/libmoert_cuda.a \
+                         $(BUILD)/libmoec.a $(BUILD)/libmoert.a
+	@mkdir -p $(dir $@)
+	$(CXX) $(CUDA_CXXFLAGS) $(INCLUDES) $(CUDA_INCLUDES) $(MPI_CFLAGS) \
+	  -DMK_LIBRARY='"$(abspath $(BUILD))/cuda/kernel_library.cu"' -o $@ $< $(BUILD)/obj/cuda/nvrtc.o \
+	  $(BUILD)/libmoert_cuda.a $(BUILD)/libmoec.a $(BUILD)/libmoert.a $(CUDA_LIBS) $(RUNTIME_LIBS) -pthread
+
+# The GPU checks (tests/cuda/gpu.sh): one line per check and the totals; without a GPU one skip
+# line. No `deps`: GPU machines have no apt.
+test-gpu: $(filter $(BUILD)/cuda/gpu_check,$(CUDA_TARGETS))
+	@BUILD=$(BUILD) CUDA=$(CUDA) bash tests/cuda/gpu.sh
+gpu-skip:
+	@echo "# no cuBLAS ($(CUDA)/include/cublas_v2.h) or NCCL (NCCL_HOME=$(NCCL_HOME): include/nccl.h, lib/libnccl.so.2): libmoert_cuda.a and gpu_check skipped"
+else
+test-gpu:
+	@BUILD=$(BUILD) CUDA=$(CUDA) bash tests/cuda/gpu.sh
 endif
 cuda-skip:
 	@echo "# no CUDA toolkit at $(CUDA) ($(CUDA)/include/nvrtc.h): CUDA parts (NVRTC, nvrtc_check) skipped"

@@ -117,10 +117,19 @@ static bool parse_options(int argc, char **argv, Options *o) {
   return true;
 }
 
+// The cluster profile the passes price with (plan.c converts the front end's form).
+void moec_cluster_from_fe(const FeCluster *f, SchedCluster *c);
+typedef struct Cluster {
+  bool have;
+  SchedCluster sc;
+  char name[128];
+} Cluster;
+
 // Front end: read, parse, check, load the cluster profile, lower. NULL on error.
-static IrModule *front_end(IrDiag *d, const Options *o, IrSource **src_out) {
+static IrModule *front_end(IrDiag *d, const Options *o, IrSource **src_out, Cluster *cl) {
   IrSource *src = ir_source_read(d, o->input);
   *src_out = src;
+  *cl = (Cluster){0};
   if (!src) return NULL;
   FeProgram *p = fe_load(d, src);
   if (!p) return NULL;
@@ -128,7 +137,20 @@ static IrModule *front_end(IrDiag *d, const Options *o, IrSource **src_out) {
   bool ok = true, have_cluster = o->cluster || p->cluster_path;
   if (o->cluster) ok = fe_load_cluster(d, o->cluster, (SrcLoc){0}, &cluster);
   else if (p->cluster_path) ok = fe_load_cluster(d, p->cluster_path, p->cluster_loc, &cluster);
+  if (ok && have_cluster) {
+    moec_cluster_from_fe(&cluster, &cl->sc);
+    snprintf(cl->name, sizeof cl->name, "%s", cluster.name ? cluster.name : "cluster");
+    cl->sc.name = cl->name;
+    cl->have = true;
+  }
   IrModule *m = ok ? fe_lower(d, p) : NULL;
+  if (ok && !have_cluster && p->schedule.pipeline_auto) {
+    ir_error_at(d, p->schedule.pipeline_loc,
+                "'pipeline auto' plans the degrees with a cluster profile: add 'cluster \"FILE\";' to the model "
+                "or pass --cluster FILE (lang/clusters has some)");
+    ir_module_free(m);
+    m = NULL;
+  }
   int64_t world = p->parallel.dp * p->parallel.mp;
   if (m && world > 1) {  // where the ranks sit: the cluster profile, or one node
     ir_attrs_set_int(m->attrs, &m->nattrs, "gpus_per_node", have_cluster ? cluster.gpus_per_node : world);
@@ -170,9 +192,11 @@ static int cmd_dump_ir(IrDiag *d, const Options *o) {
     ir_source_free(src);
     return status;
   }
-  IrModule *m = front_end(d, o, &src);
+  Cluster cl;
+  IrModule *m = front_end(d, o, &src, &cl);
   if (m) {
-    PassCtx ctx = {.d = d, .verbose = o->verbose, .log = stderr, .dump_out = stdout, .dump_all = o->all};
+    PassCtx ctx = {.d = d, .verbose = o->verbose, .log = stderr, .dump_out = stdout, .dump_all = o->all,
+                   .cluster = cl.have ? &cl.sc : NULL};
     ctx.dump_after = o->all ? NULL : (o->after ? o->after : pass_list[pass_count - 1].name);
     ctx.stop_after = o->all ? NULL : ctx.dump_after;
     if (pass_run_pipeline(m, &ctx)) status = 0;
@@ -198,9 +222,10 @@ static char *default_output(const char *input) {
 
 static int cmd_build(IrDiag *d, const Options *o) {
   IrSource *src = NULL;
-  IrModule *m = front_end(d, o, &src);
+  Cluster cl;
+  IrModule *m = front_end(d, o, &src, &cl);
   int status = 1;
-  PassCtx ctx = {.d = d, .verbose = o->verbose, .log = stderr};
+  PassCtx ctx = {.d = d, .verbose = o->verbose, .log = stderr, .cluster = cl.have ? &cl.sc : NULL};
   char tmp[] = "/tmp/moec-XXXXXX.c";
   char *output = NULL;
   FILE *c = NULL;

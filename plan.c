@@ -27,8 +27,9 @@
 
 int moec_plan(int argc, char **argv);
 int moec_sweep(int argc, char **argv);
+void moec_cluster_from_fe(const FeCluster *f, SchedCluster *c);
 
-static void cluster_from_fe(const FeCluster *f, SchedCluster *c) {
+void moec_cluster_from_fe(const FeCluster *f, SchedCluster *c) {
   *c = (SchedCluster){.name = f->name, .nodes = (int)f->nodes, .gpus_per_node = (int)f->gpus_per_node,
                       .gemm = {f->gemm.alpha, f->gemm.beta}, .alltoall = {f->alltoall.alpha, f->alltoall.beta},
                       .allgather = {f->allgather.alpha, f->allgather.beta},
@@ -290,7 +291,7 @@ int moec_plan(int argc, char **argv) {
   }
   if (!fe_load_cluster(&d, cluster_path, cluster_opt ? (SrcLoc){0} : p->cluster_loc, &fc)) goto done;
   SchedCluster cluster;
-  cluster_from_fe(&fc, &cluster);
+  moec_cluster_from_fe(&fc, &cluster);
 
   int n = 0;
   for (int i = 0; i < p->nlayers; i++) n += (int)p->layers[i].repeat;
@@ -514,7 +515,7 @@ int moec_sweep(int argc, char **argv) {
   FeCluster fc;
   if (!fe_load_cluster(&d, cluster_path, (SrcLoc){0}, &fc)) return 1;
   SchedCluster cluster;
-  cluster_from_fe(&fc, &cluster);
+  moec_cluster_from_fe(&fc, &cluster);
   int testbed = strncmp(cluster.name, "testbed_a", 9) == 0 ? 'a' : strncmp(cluster.name, "testbed_b", 9) == 0 ? 'b' : 0;
   if (!have_seqlens) sched_table4_seqlens(&cluster, seqlens);
   int gpn = cluster.gpus_per_node, world = cluster.nodes * cluster.gpus_per_node;

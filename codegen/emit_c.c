@@ -294,6 +294,10 @@ static bool emit_op(Emit *e, const IrOp *op) {
   case IR_OP_COMM_ALLREDUCE:
     fprintf(out, "rt_copy(%s, %s, %" PRId64 ");\n  rt_allreduce(%s, %s, %" PRId64 ");\n", a[0], r, n, group_enum(op), r, n);
     return true;
+  case IR_OP_COMM_ALLREDUCE_GRAD:  // a slice of a parameter's gradient, in place (passes/gradpart.c)
+    fprintf(out, "rt_allreduce(%s, st->grads + %" PRId64 ", %" PRId64 ");\n", group_enum(op),
+            e->param_offset[op->args[0].param->index] + ir_op_int(op, "offset", 0), ir_op_int(op, "count", 0));
+    return true;
   case IR_OP_LAYOUT_EXPERT_MAJOR:
   case IR_OP_LAYOUT_RANK_MAJOR: {
     int64_t R = ir_op_int(op, "blocks", 1);
@@ -364,7 +368,7 @@ static bool func_scheduled(const IrFunc *f) {
 
 static bool is_collective(IrOpKind k) {
   return k == IR_OP_COMM_ALLTOALL || k == IR_OP_COMM_ALLGATHER || k == IR_OP_COMM_REDUCESCATTER ||
-         k == IR_OP_COMM_ALLREDUCE;
+         k == IR_OP_COMM_ALLREDUCE || k == IR_OP_COMM_ALLREDUCE_GRAD;
 }
 
 static const char *stream_enum(IrStream s) {

@@ -851,13 +851,14 @@ static const struct { const char *name, *src; } kernel_src[K_COUNT] = {
     "  }\n"
     "}\n"},
   [K_LAYOUT_CHUNK] = {"mk_layout_chunk",
-    "// Bytes: x [outer*blocks, rows, inner] -> slots [index*c, (index+1)*c) of every run, c = rows/chunks.\n"
+    "// Bytes: x [outer*blocks, rows, inner] -> slots [lo, hi) of every run, lo = index*rows/chunks,\n"
+    "// hi = (index+1)*rows/chunks (floor division: any chunks <= rows, sizes differ by at most one).\n"
     "extern \"C\" __global__ void mk_layout_chunk(const unsigned char *x, unsigned char *y, i64 outer, i64 blocks, i64 rows,\n"
     "                                           i64 inner, i64 chunks, i64 index) {\n"
-    "  i64 c = rows / chunks, run = c * inner;\n"
+    "  i64 lo = index * rows / chunks, run = ((index + 1) * rows / chunks - lo) * inner;\n"
     "  MK_FOR(i, outer * blocks * run) {\n"
     "    i64 o = i / run, w = i % run;\n"
-    "    y[i] = x[(o * rows + index * c) * inner + w];\n"
+    "    y[i] = x[(o * rows + lo) * inner + w];\n"
     "  }\n"
     "}\n"},
   [K_LAYOUT_CONCAT] = {"mk_layout_concat",
@@ -949,6 +950,7 @@ static bool op_launch(const IrOp *op, Launch *l) {
   case IR_OP_COMM_REDUCESCATTER:
   case IR_OP_COMM_ALLTOALL:
   case IR_OP_COMM_ALLREDUCE:
+  case IR_OP_COMM_ALLREDUCE_GRAD:
     l->lib = "NCCL";
     return true;
   case IR_OP_COMM_SPLIT:  // this rank's slice: a device-to-device copy at the rank's offset

@@ -111,15 +111,11 @@ static void refuse_unsupported(IrDiag *d, const FeProgram *p) {
                   "MoE layers alone");
   }
   const FeSchedule *s = &p->schedule;
-  // Policies and explicit pipeline degrees go to the module (attrs policy, r_fwd, r_bwd) for
-  // the schedule pass; choosing the degrees (`pipeline auto`) needs the planner and a cluster.
-  if (s->pipeline_auto)
-    ir_error_at(d, s->pipeline_loc,
-                "'pipeline auto' is not supported yet by moec build: write 'pipeline { forward N; backward N; }' "
-                "(moec plan shows the degrees the planner would choose)");
-  if (strcmp(s->grad_partition, "none") != 0)
+  // The gradient partition is planned together with the degrees (paper §5): `auto` needs them.
+  if (strcmp(s->grad_partition, "auto") == 0 && !s->pipeline_auto)
     ir_error_at(d, s->grad_partition_loc,
-                "grad_partition '%s' is not supported yet (only 'none')", s->grad_partition);
+                "'grad_partition auto' is planned together with the pipeline degrees: write 'pipeline auto;' "
+                "too, or 'grad_partition chunk SIZE;' for fixed chunks");
 }
 
 // ---- hooks ----
@@ -242,6 +238,11 @@ IrModule *fe_lower(IrDiag *d, const FeProgram *p) {
   if (strcmp(sched->policy, "sequential") != 0) ir_attrs_set_str(m, m->attrs, &m->nattrs, "policy", sched->policy);
   if (sched->pipeline_fwd != 1) ir_attrs_set_int(m->attrs, &m->nattrs, "r_fwd", sched->pipeline_fwd);
   if (sched->pipeline_bwd != 1) ir_attrs_set_int(m->attrs, &m->nattrs, "r_bwd", sched->pipeline_bwd);
+  if (sched->pipeline_auto) ir_attrs_set_str(m, m->attrs, &m->nattrs, "pipeline", "auto");
+  if (strcmp(sched->grad_partition, "none") != 0)
+    ir_attrs_set_str(m, m->attrs, &m->nattrs, "grad_partition", sched->grad_partition);
+  if (strcmp(sched->grad_partition, "chunk") == 0)
+    ir_attrs_set_int(m->attrs, &m->nattrs, "grad_chunk", sched->grad_chunk_bytes);
   const FeParallel *par = &p->parallel;
   if (par->dp * par->mp > 1) {
     ir_attrs_set_int(m->attrs, &m->nattrs, "dp", par->dp);

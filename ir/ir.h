@@ -78,7 +78,7 @@ typedef struct IrAttr {
   const char *s;
 } IrAttr;
 
-#define IR_MAX_ATTRS 24
+#define IR_MAX_ATTRS 32
 #define IR_MAX_ARGS 6
 #define IR_MAX_WAITS 8
 
@@ -141,6 +141,8 @@ struct IrFunc {
   IrValue **rets;
   int nrets;
   IrFunc *saves;        // forward function whose values this one may read, or NULL
+  IrAttr attrs[IR_MAX_ATTRS];  // the planner's decisions: r, case, t_model, grad_moe, ... (passes/plan.c)
+  int nattrs;
   SrcLoc loc;
   int index;
 };
@@ -192,6 +194,8 @@ const char *ir_attr_str(const IrAttr *attrs, int n, const char *key, const char 
 #define ir_op_int(op, k, d) ir_attr_int((op)->attrs, (op)->nattrs, k, d)
 #define ir_op_float(op, k, d) ir_attr_float((op)->attrs, (op)->nattrs, k, d)
 #define ir_op_str(op, k, d) ir_attr_str((op)->attrs, (op)->nattrs, k, d)
+#define ir_func_int(f, k, d) ir_attr_int((f)->attrs, (f)->nattrs, k, d)
+#define ir_func_float(f, k, d) ir_attr_float((f)->attrs, (f)->nattrs, k, d)
 #define ir_mod_int(m, k, d) ir_attr_int((m)->attrs, (m)->nattrs, k, d)
 #define ir_mod_float(m, k, d) ir_attr_float((m)->attrs, (m)->nattrs, k, d)
 #define ir_mod_str(m, k, d) ir_attr_str((m)->attrs, (m)->nattrs, k, d)

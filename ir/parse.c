@@ -777,7 +777,8 @@ static bool parse_body(Parser *P) {
   }
 }
 
-// func = "func" @name "(" (%name ":" type ("," %name ":" type)*)? ")" ("saves" @name)? body
+// func = "func" @name "(" (%name ":" type ("," %name ":" type)*)? ")" ("saves" @name)?
+//        ("attributes" attrs)? body
 static bool parse_func(Parser *P) {
   next(P);  // 'func'
   if (P->tok.kind != T_GLOBAL || !on_line(P)) return err_after(P, "expected a function name (@name) after 'func'");
@@ -827,9 +828,18 @@ static bool parse_func(Parser *P) {
     }
     next(P);
   }
+  IrAttr attrs[IR_MAX_ATTRS];
+  int nattrs = 0;
+  if (is_keyword(P, "attributes") && on_line(P)) {
+    next(P);
+    if (!is_punct(P, '{') || !on_line(P)) return err_after(P, "expected '{' after 'attributes'");
+    if (!parse_attrs(P, attrs, &nattrs, IR_MAX_ATTRS)) return false;
+  }
   IrFunc *f = ir_add_func(P->m, name);
   f->loc = name_loc;
   f->saves = saves;
+  memcpy(f->attrs, attrs, sizeof attrs[0] * (size_t)nattrs);
+  f->nattrs = nattrs;
   P->f = f;
   P->npoisoned = 0;
   bool ok = true;

@@ -172,7 +172,8 @@ static void print_op(FILE *out, const IrOp *op) {
   fputc('\n', out);
 }
 
-// func = "func" @name "(" (%arg ":" type ("," ...)*)? ")" ("saves" @name)? "{" op* return "}"
+// func = "func" @name "(" (%arg ":" type ("," ...)*)? ")" ("saves" @name)? ("attributes" attrs)?
+//        "{" op* return "}"
 static void print_func(FILE *out, const IrFunc *f) {
   fputs("func ", out);
   print_name(out, '@', f->name);
@@ -187,6 +188,10 @@ static void print_func(FILE *out, const IrFunc *f) {
   if (f->saves) {
     fputs(" saves ", out);
     print_name(out, '@', f->saves->name);
+  }
+  if (f->nattrs > 0) {
+    fputs(" attributes", out);
+    print_attrs(out, f->attrs, f->nattrs);
   }
   fputs(" {\n", out);
   for (int i = 0; i < f->nops; i++) print_op(out, f->ops[i]);

@@ -527,6 +527,17 @@ static bool infer(Infer *I, IrType *out) {
       return fail(I, "the gradient %s does not have the type of %s", nm(I, 1), nm(I, 0));
     *out = (IrType){0};
     return true;
+  case IR_OP_COMM_ALLREDUCE_GRAD: {
+    int64_t size, offset, count;
+    if (!op->args[0].param) return fail(I, "the operand must be a parameter (@name), not %s", nm(I, 0));
+    if (!int_attr(I, "size", 1, &size) || !int_attr(I, "offset", 0, &offset) || !int_attr(I, "count", 1, &count))
+      return false;
+    if (offset + count > ir_type_numel(ty(I, 0)))
+      return fail(I, "elements [%lld, %lld) are not inside %s (%lld elements)", (long long)offset,
+                  (long long)(offset + count), nm(I, 0), (long long)ir_type_numel(ty(I, 0)));
+    *out = (IrType){0};
+    return true;
+  }
   case IR_OP_COMM_SPLIT:
   case IR_OP_COMM_ALLGATHER:
   case IR_OP_COMM_REDUCESCATTER:
@@ -548,16 +559,23 @@ static bool infer(Infer *I, IrType *out) {
     return true;
   }
   case IR_OP_LAYOUT_CHUNK: {  // chunked execution (passes/schedule.c): slices of dim 1
+    // x [A, blocks*rows, ...]: chunk `index` of `chunks` holds rows [index*rows/chunks,
+    // (index+1)*rows/chunks) (floor division) of every block, so the chunks of one split differ
+    // by at most one row and none is empty (chunks <= rows).
     int64_t chunks, index, blocks = 1;
     if (!int_attr(I, "chunks", 1, &chunks) || !int_attr(I, "index", 0, &index)) return false;
     if (ir_attrs_get(op->attrs, op->nattrs, "blocks") && !int_attr(I, "blocks", 1, &blocks)) return false;
     if (ty(I, 0)->rank < 2) return fail(I, "%s must have rank 2 or more", nm(I, 0));
     if (index >= chunks) return fail(I, "index %lld is not below chunks = %lld", (long long)index, (long long)chunks);
-    if (dim(I, 0, 1) % (blocks * chunks) != 0)
-      return fail(I, "dimension 1 of %s (%lld) is not a multiple of blocks*chunks = %lld", nm(I, 0),
-                  (long long)dim(I, 0, 1), (long long)(blocks * chunks));
+    if (dim(I, 0, 1) % blocks != 0)
+      return fail(I, "dimension 1 of %s (%lld) is not a multiple of blocks = %lld", nm(I, 0), (long long)dim(I, 0, 1),
+                  (long long)blocks);
+    int64_t rows = dim(I, 0, 1) / blocks, span;
+    if (chunks > rows)
+      return fail(I, "chunks = %lld is above the %lld rows per block of %s", (long long)chunks, (long long)rows, nm(I, 0));
+    if (__builtin_mul_overflow(chunks, rows, &span)) return fail(I, "chunks*rows overflows");
     *out = *ty(I, 0);
-    out->dim[1] = dim(I, 0, 1) / chunks;
+    out->dim[1] = blocks * ((index + 1) * rows / chunks - index * rows / chunks);
     return true;
   }
   case IR_OP_LAYOUT_CONCAT: {

@@ -9,6 +9,7 @@
 #include <stdio.h>
 
 #include "../ir/ir.h"
+#include "sched.h"
 
 // Where a value lives at run time, decided by memplan.
 typedef enum PassMemKind {
@@ -44,6 +45,8 @@ typedef struct PassCtx {
   FILE *dump_out;            // where dumps go
   const char *stop_after;    // stop the pipeline after this pass (NULL: run all)
   PassMemPlan *memplan;      // set by memplan; freed by pass_ctx_free
+  const SchedCluster *cluster;   // the cluster profile the planner prices with (NULL: none)
+  SchedChoose choose;        // fsmoe's degree rule (default: the best of the three in simulation)
 } PassCtx;
 
 typedef bool (*PassFn)(IrModule *m, PassCtx *ctx);
@@ -62,8 +65,32 @@ bool pass_verify(IrModule *m, PassCtx *ctx);
 bool pass_shapes(IrModule *m, PassCtx *ctx);
 bool pass_parallelize(IrModule *m, PassCtx *ctx);
 bool pass_autodiff(IrModule *m, PassCtx *ctx);
+bool pass_cost(IrModule *m, PassCtx *ctx);
+bool pass_pipeline(IrModule *m, PassCtx *ctx);
+bool pass_gradpart(IrModule *m, PassCtx *ctx);
 bool pass_schedule(IrModule *m, PassCtx *ctx);
 bool pass_memplan(IrModule *m, PassCtx *ctx);
+
+// Sets cost_n and cost_t on every op the scheduling model prices (passes/cost.c); the number
+// priced. The schedule pass re-prices its chunks with it.
+int pass_price(IrModule *m, const SchedCluster *c);
+
+// One MoE layer as the planner sees it (passes/cost.c): its functions, in forward order.
+typedef struct PassLayer {
+  const char *name;      // the forward function's name
+  IrFunc *fwd, *bwd;     // bwd: NULL before autodiff
+  int64_t capacity;      // slots per expert of the expert region's entry (chunks split these)
+} PassLayer;
+
+// The MoE layers of m in forward order (*out malloc'd, free it); -1 when out of memory.
+int pass_find_layers(IrModule *m, PassLayer **out);
+// A layer's costs in the scheduling model's form, from the cost attributes pass_cost set.
+void pass_layer_cost(const PassLayer *l, const SchedCluster *c, SchedLayerCost *out);
+// The expert region of f (DESIGN §6: dispatch AlltoAll ... experts ... combine AlltoAll): its entry
+// value ([E, C, M] tokens the order packed, or their gradient) and its exit value; false if none.
+bool pass_expert_region(const IrFunc *f, IrValue **entry, IrValue **exit);
+// Slots per expert at the entry of f's expert region ([E, C, M]), 0 when f has none.
+int64_t pass_region_capacity(const IrFunc *f);
 
 // Runs every pass in order, the verifier after each (debug builds and always when dumping),
 // dumping as ctx asks. False when a pass failed.

@@ -1,6 +1,6 @@
 // The pass pipeline, in order (DESIGN §4). One readable loop: run a pass, verify the module,
-// dump it if asked. Passes of later milestones (fuse, cost, pipeline, gradpart,
-// schedule) join this list when they exist.
+// dump it if asked. The gate chain is fused by codegen (codegen/emit_cuda.c) rather than by a
+// `fuse` pass over the IR.
 #include <stdlib.h>
 #include <string.h>
 
@@ -11,6 +11,9 @@ const PassInfo pass_list[] = {
     {"shapes", pass_shapes, "shape inference: every result type from its operands"},
     {"parallelize", pass_parallelize, "one rank's program: MP split/gather, EP alltoall, ESP gather/reduce-scatter, expert shards"},
     {"autodiff", pass_autodiff, "backward functions with saved activations, the loss gradient, the optimizer"},
+    {"cost", pass_cost, "price the GEMMs and collectives with the cluster profile: cost_n, cost_t (ms)"},
+    {"pipeline", pass_pipeline, "per MoE layer and phase the pipeline degree r (Algorithm 1 and the simulator, or the model's explicit degrees)"},
+    {"gradpart", pass_gradpart, "place the dense gradients' AllReduces in the overlap slots of later backward layers"},
     {"schedule", pass_schedule, "split expert regions into r chunks along the capacity, assign streams and events per policy"},
     {"memplan", pass_memplan, "buffer lifetimes over the whole step, arena offsets with reuse, peak bytes"},
 };

@@ -16,7 +16,9 @@
 // the block count. Chunk values that the rest of the step reads (the exit value, the saved
 // activations) are assembled back into the original value, which keeps its name.
 // r is the module's r_fwd / r_bwd (from `schedule { pipeline { forward N; backward M; } }`);
-// it must divide C, or the largest divisor of C not above it is used (said with -v). Policy
+// any r from 1 to C: the bounds use integer floor division, so when r does not divide C the
+// chunks differ by at most one slot (C 5, r 3: 1, 2, 2 slots) and `layout.concat` assembles
+// runs of different sizes. An r above C is cut to C, one slot per chunk (said with -v). Policy
 // `sequential` runs r = 1.
 //
 // Streams. Per policy: fsmoe puts AlltoAlls and gradient AllReduces on `inter`, AllGather and
@@ -155,10 +157,9 @@ static void renumber(IrFunc *f) {
   for (int i = 0; i < n; i++) f->values[i]->id = i;
 }
 
-static int64_t largest_divisor(int64_t c, int64_t r) {
-  for (int64_t d = r; d > 1; d--)
-    if (c % d == 0) return d;
-  return 1;
+// The chunk count for capacity c when r are asked for: every chunk holds at least one slot.
+static int64_t chunk_count(int64_t c, int64_t r) {
+  return r < c ? r : c;
 }
 
 // Splits f's expert region into r chunks. True when done or when f has nothing to chunk.
@@ -183,9 +184,9 @@ static bool chunk_func(Sched *S, IrFunc *f, int64_t r_want) {
     return true;
   }
   int64_t C = entry->type.dim[1];
-  int64_t r = largest_divisor(C, r_want);
+  int64_t r = chunk_count(C, r_want);
   if (r != r_want && S->ctx->verbose)
-    fprintf(S->log, "# schedule: @%s: %lld chunks do not divide capacity %lld; using %lld\n", f->name,
+    fprintf(S->log, "# schedule: @%s: %lld chunks are more than capacity %lld; using %lld\n", f->name,
             (long long)r_want, (long long)C, (long long)r);
   if (r <= 1) return true;
   int lo = entry->def ? entry->def->index + 1 : 0, hi = exit->def->index;
@@ -330,8 +331,9 @@ static bool chunk_func(Sched *S, IrFunc *f, int64_t r_want) {
     f->nops = out.n;
     renumber(f);
     if (S->ctx->verbose)
-      fprintf(S->log, "# schedule: @%s: expert region %%%s -> %%%s in %lld chunks of %lld slots\n", f->name,
-              entry->name, exit->name, (long long)r, (long long)(C / r));
+      fprintf(S->log, "# schedule: @%s: expert region %%%s -> %%%s in %lld chunks of %lld%s slots\n", f->name,
+              entry->name, exit->name, (long long)r, (long long)(C / r),
+              C % r ? ir_strfmt(m, " or %lld", (long long)(C / r + 1)) : "");
   }
 done:
   for (int i = 0; vi && i < n0; i++) free(vi[i].chunk);
@@ -347,11 +349,50 @@ static IrStream stream_of(const IrOp *op, const char *policy) {
   if (strcmp(policy, "sequential") == 0) return IR_STREAM_COMPUTE;
   switch (op->kind) {
   case IR_OP_COMM_ALLTOALL:
-  case IR_OP_COMM_ALLREDUCE: return IR_STREAM_INTER;
+  case IR_OP_COMM_ALLREDUCE:
+  case IR_OP_COMM_ALLREDUCE_GRAD: return IR_STREAM_INTER;
   case IR_OP_COMM_ALLGATHER:
   case IR_OP_COMM_REDUCESCATTER: return strcmp(policy, "fsmoe") == 0 ? IR_STREAM_INTRA : IR_STREAM_INTER;
   default: return IR_STREAM_COMPUTE;
   }
+}
+
+// The gradient AllReduces that gradpart put in a layer's backward MoE slot (slot="moe") ride on
+// the inter-node link while the experts compute: after chunking they go right after the first
+// AlltoAll of the last chunk (the last dispatch), as the model and the simulator place them
+// (passes/sched_sim.c). Those of the dense slot (slot="dense") stay after the expert region.
+static void place_grad_allreduces(IrFunc *f) {
+  bool any = false;
+  for (int i = 0; i < f->nops; i++) any |= f->ops[i]->kind == IR_OP_COMM_ALLTOALL;
+  if (!any) return;   // no AlltoAll (ep 1): they stay where gradpart put them
+  IrOp **moved = malloc(sizeof *moved * (size_t)(f->nops > 0 ? f->nops : 1));
+  if (!moved) abort();
+  int nmoved = 0, k = 0;
+  for (int i = 0; i < f->nops; i++) {
+    IrOp *op = f->ops[i];
+    if (op->kind == IR_OP_COMM_ALLREDUCE_GRAD && strcmp(ir_op_str(op, "slot", ""), "moe") == 0) moved[nmoved++] = op;
+    else f->ops[k++] = op;
+  }
+  int at = -1, last_chunk = -1;   // the first AlltoAll of the last chunk, among the others
+  for (int i = 0; i < k; i++)
+    if (f->ops[i]->kind == IR_OP_COMM_ALLTOALL && f->ops[i]->chunk > last_chunk) {
+      last_chunk = f->ops[i]->chunk;
+      at = i;
+    }
+  memmove(&f->ops[at + 1 + nmoved], &f->ops[at + 1], sizeof *f->ops * (size_t)(k - at - 1));
+  memcpy(&f->ops[at + 1], moved, sizeof *moved * (size_t)nmoved);
+  for (int i = 0; i < f->nops; i++) f->ops[i]->index = i;
+  free(moved);
+}
+
+// An in-place gradient AllReduce reads the buffer param.grad fills: when that happens in the
+// same function, the value given to param.grad is its real operand (NULL otherwise).
+static IrValue *grad_source(const IrFunc *f, const IrOp *op) {
+  if (op->kind != IR_OP_COMM_ALLREDUCE_GRAD) return NULL;
+  for (int i = 0; i < f->nops; i++)
+    if (f->ops[i]->kind == IR_OP_PARAM_GRAD && f->ops[i]->args[0].param == op->args[0].param)
+      return f->ops[i]->args[1].value;
+  return NULL;
 }
 
 static void annotate(IrFunc *f, const char *policy, int *next_event) {
@@ -367,8 +408,8 @@ static void annotate(IrFunc *f, const char *policy, int *next_event) {
   }
   for (int i = 0; i < f->nops; i++) {
     IrOp *op = f->ops[i];
-    for (int a = 0; a < op->nargs; a++) {
-      IrValue *v = op->args[a].value;
+    for (int a = 0; a < op->nargs + 1; a++) {
+      IrValue *v = a < op->nargs ? op->args[a].value : grad_source(f, op);
       if (!v || v->func != f || !v->def || v->def->stream == op->stream) continue;
       IrOp *p = v->def;
       if (p->event < 0) p->event = (*next_event)++;
@@ -387,13 +428,9 @@ bool pass_schedule(IrModule *m, PassCtx *ctx) {
   bool known = false;
   for (size_t i = 0; i < sizeof policies / sizeof *policies; i++) known |= strcmp(policies[i], policy) == 0;
   if (!known) return ir_error(ctx->d, "schedule: unknown policy '%s'", policy);
+  // Degrees: per function from the pipeline pass (attribute r), else the module's.
   int64_t r_fwd = ir_mod_int(m, "r_fwd", 1), r_bwd = ir_mod_int(m, "r_bwd", 1);
-  if (r_fwd < 1 || r_bwd < 1) return ir_error(ctx->d, "schedule: pipeline degrees must be at least 1");
-  if (strcmp(policy, "sequential") == 0) {
-    if ((r_fwd > 1 || r_bwd > 1) && ctx->verbose)
-      fprintf(S.log, "# schedule: policy sequential runs unchunked (pipeline degrees ignored)\n");
-    r_fwd = r_bwd = 1;
-  }
+  bool sequential = strcmp(policy, "sequential") == 0;
   // Already scheduled (IR read back after this pass): leave it.
   for (int i = 0; i < m->nfuncs; i++)
     for (int j = 0; j < m->funcs[i]->nops; j++)
@@ -401,9 +438,18 @@ bool pass_schedule(IrModule *m, PassCtx *ctx) {
   for (int i = 0; i < m->nfuncs; i++) {
     IrFunc *f = m->funcs[i];
     if (strncmp(f->name, "loss.", 5) == 0) continue;
-    if (is_suffix(f->name, ".fwd") && !chunk_func(&S, f, r_fwd)) return false;
-    if (is_suffix(f->name, ".bwd") && !chunk_func(&S, f, r_bwd)) return false;
+    bool fwd = is_suffix(f->name, ".fwd"), bwd = is_suffix(f->name, ".bwd");
+    if (!fwd && !bwd) continue;
+    int64_t r = ir_func_int(f, "r", fwd ? r_fwd : r_bwd);
+    if (r < 1) return ir_error(ctx->d, "schedule: @%s: pipeline degree %lld is not at least 1", f->name, (long long)r);
+    if (sequential && r > 1) {
+      if (ctx->verbose) fprintf(S.log, "# schedule: @%s: policy sequential runs unchunked (r = %lld ignored)\n", f->name, (long long)r);
+      r = 1;
+    }
+    if (!chunk_func(&S, f, r)) return false;
+    if (bwd) place_grad_allreduces(f);
   }
+  if (ctx->cluster) pass_price(m, ctx->cluster);   // the chunks' own sizes
   int next_event = 0;
   for (int i = 0; i < m->nfuncs; i++) {
     IrFunc *f = m->funcs[i];

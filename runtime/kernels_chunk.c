@@ -2,18 +2,21 @@
 // along the capacity dimension). A tensor [outer, blocks*rows, ...] is seen as
 // [outer, blocks, rows, inner bytes]: after the EP/ESP layout ops an expert's slots are `blocks`
 // runs of `rows` slots (one run per peer), and chunk j holds slots [j*rows/r, (j+1)*rows/r) of
-// every run. Pure copies, so chunking and assembling are exact.
+// every run, integer floor division: any r with 1 <= r <= rows, the chunks' sizes differ by at
+// most one slot (rows 5, r 3: 1, 2, 2) and none is empty. rt_layout_concat assembles runs of
+// different sizes, so concatenating chunks 0..r-1 in order gives x back. Pure copies, so
+// chunking and assembling are exact.
 #include <string.h>
 
 #include "moert.h"
 
 void rt_layout_chunk(const void *x, void *y, int64_t outer, int64_t blocks, int64_t rows, int64_t inner,
                      int64_t chunks, int64_t index) {
-  int64_t c = rows / chunks;
+  int64_t lo = index * rows / chunks, c = (index + 1) * rows / chunks - lo;
   const unsigned char *src = x;
   unsigned char *dst = y;
   for (int64_t o = 0; o < outer * blocks; o++)
-    memcpy(dst + o * c * inner, src + (o * rows + index * c) * inner, (size_t)(c * inner));
+    memcpy(dst + o * c * inner, src + (o * rows + lo) * inner, (size_t)(c * inner));
 }
 
 void rt_layout_concat(const void *a, const void *b, void *y, int64_t outer, int64_t blocks, int64_t rows_a,

@@ -76,7 +76,7 @@ done
 
 section "IR round trip: print(parse(print(m))) == print(m) after every pass"
 passes="lower $("$MOEC" passes | awk '{print $1}' | tr '\n' ' ')"
-for model in lang/models/*.moe tests/models/*.moe; do
+for model in lang/models/*.moe tests/models/*.moe tests/golden/*.moe; do
   [ -f "$model" ] || continue
   for pass in $passes; do
     label="roundtrip $(basename "$model") after $pass"
@@ -147,7 +147,7 @@ section "CUDA: kernels of every model compile with NVRTC for sm_80/sm_90 (compil
 run_suite "cuda kernels" tests/cuda/run.sh
 
 section "distributed: collectives, groups and failures over MPI ranks"
-for suite in tests/mpi/run.sh tests/mpi/run_rt_main.sh tests/mpi/failures.sh tests/mpi/reshard.sh tests/mpi/twin.sh tests/mpi/chunks.sh; do
+for suite in tests/mpi/run.sh tests/mpi/run_rt_main.sh tests/mpi/failures.sh tests/mpi/reshard.sh tests/mpi/twin.sh tests/mpi/chunks.sh tests/mpi/gradpart.sh; do
   [ -f "$suite" ] && run_suite "$suite" "$suite"
 done
 

@@ -3,6 +3,7 @@
 # tests/models goes through `moec build --emit cuda`, and build/cuda/nvrtc_check compiles the
 # unit with NVRTC for sm_80 and sm_90 (CUBIN and PTX); the whole kernel library is compiled as
 # well, and the kernels run on the CPU under emulation against libmoert (tests/cuda/emu_check.cpp).
+# Last, build/cuda/gpu_check must start: it says "skip  gpu: no GPU (...)" without a GPU.
 # One line per check, "ok    ..." or "FAIL  ..." (tests/run.sh's run_suite counts them).
 # Without the CUDA toolkit: one "skip  cuda: no CUDA toolkit" line and exit status 0.
 set -u
@@ -75,4 +76,22 @@ if ! "$CXX" -std=c++20 -O1 -w -Iruntime -DMK_LIBRARY="\"$WORK/lib.cu\"" -o "$WOR
   exit 1
 fi
 "$WORK/emu" || status=1
+
+# The GPU runtime (runtime/cuda) and its checks (tests/cuda/gpu_check.cpp): make builds gpu_check
+# where cuBLAS and NCCL are. It must link and start here; without a GPU it prints its one
+# "skip  gpu: no GPU (...)" line, with a GPU it runs every check (make test-gpu runs it alone).
+GPU_CHECK=$BUILD/cuda/gpu_check
+if [ ! -x "$GPU_CHECK" ]; then
+  echo "FAIL  cuda gpu_check: $GPU_CHECK is missing (make builds it where cuBLAS and NCCL are; see its '#' lines)"
+  exit 1
+fi
+"$GPU_CHECK" 2>"$WORK/err"
+gpu_status=$?
+if [ $gpu_status -eq 0 ]; then
+  echo "ok    cuda gpu_check links and starts"
+else
+  echo "FAIL  cuda gpu_check: exit status $gpu_status"
+  sed 's/^/      /' "$WORK/err" | head -n 30
+  status=1
+fi
 exit $status

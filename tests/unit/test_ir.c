@@ -317,8 +317,9 @@ static const ParseCase parse_cases[] = {
     {HEAD "  %y: f32[8, 4] = add %x, %x, %x, %x, %x, %x, %x\n  return %y\n}\n",
      "test.ir:4:47: error: too many operands for 'add' (at most 6)", 1},
     {HEAD "  %y: i32[8, 2] = gate.topk %x {a=1, b=2, c=3, d=4, e=5, f=6, g=7, h=8, i=9, j=10, k=11, l=12, m=13, "
-         "n=14, o=15, p=16, q=17, r=18, s=19, t=20, u=21, v=22, w=23, x=24, y=25}\n}\n",
-     "error: too many attributes (at most 24)", 1},
+         "n=14, o=15, p=16, q=17, r=18, s=19, t=20, u=21, v=22, w=23, x=24, y=25, z=26, aa=27, ab=28, ac=29, "
+         "ad=30, ae=31, af=32, ag=33}\n}\n",
+     "error: too many attributes (at most 32)", 1},
     {HEAD "  %y: i32[8, 2] = gate.topk %x {k=2, k=3}\n  return %y\n}\n", "error: attribute 'k' given twice", 1},
     {HEAD "  %y: i32[8, 2] = gate.topk %x {k=two}\n  return %y\n}\n",
      "error: expected a number or a string for attribute 'k', found 'two'; quote strings", 1},
@@ -728,6 +729,43 @@ static void test_shapes_more_ops(void **state) {
   cap_close(&c);
 }
 
+// layout.chunk with a chunk count that does not divide the rows per block: rows 5 (blocks 3) in
+// 3 chunks of 1, 2 and 2 rows per block, assembled back by layout.concat.
+static void test_shapes_chunk_uneven(void **state) {
+  (void)state;
+  const char *text =
+      "module t\n"
+      "\n"
+      "func @f(%x: f32[2, 15, 4]) {\n"
+      "  %c0: f32[2, 3, 4] = layout.chunk %x {blocks=3, chunks=3, index=0}\n"
+      "  %c1: f32[2, 6, 4] = layout.chunk %x {blocks=3, chunks=3, index=1}\n"
+      "  %c2: f32[2, 6, 4] = layout.chunk %x {blocks=3, chunks=3, index=2}\n"
+      "  %a: f32[2, 9, 4] = layout.concat %c0, %c1 {blocks=3}\n"
+      "  %y: f32[2, 15, 4] = layout.concat %a, %c2 {blocks=3}\n"
+      "  return %y\n"
+      "}\n";
+  Capture c;
+  cap_open(&c);
+  Parsed p = parse_text(&c.d, text);
+  assert_non_null(p.m);
+  if (!ir_verify(&c.d, p.m)) print_error("%s", cap_text(&c));
+  assert_int_equal(c.d.errors, 0);
+  char *out = assert_round_trip(p.m);
+  assert_string_equal(out, text);
+  free(out);
+  IrOp *c0 = p.m->funcs[0]->ops[0];
+  assert_int_equal(c0->kind, IR_OP_LAYOUT_CHUNK);
+  ir_op_set_int(c0, "chunks", 6);
+  assert_false(ir_verify(&c.d, p.m));
+  assert_contains(cap_text(&c), "layout.chunk: chunks = 6 is above the 5 rows per block of %x (f32[2, 15, 4])\n");
+  ir_op_set_int(c0, "chunks", 3);
+  ir_op_set_int(c0, "blocks", 2);
+  assert_false(ir_verify(&c.d, p.m));
+  assert_contains(cap_text(&c), "layout.chunk: dimension 1 of %x (f32[2, 15, 4]) (15) is not a multiple of blocks = 2\n");
+  parsed_free(&p);
+  cap_close(&c);
+}
+
 // ---- a full layer: gshard gate, tutel order, gpt ffn; forward, loss, backward, optimizer ----
 // S = 64 tokens (batch 2 x seqlen 32), M = 32, E = 4 experts, H = 64, k = 2, capacity 32.
 
@@ -880,6 +918,7 @@ int main(void) {
       cmocka_unit_test(test_verify_located_and_all),
       cmocka_unit_test(test_shapes_dense),
       cmocka_unit_test(test_shapes_more_ops),
+      cmocka_unit_test(test_shapes_chunk_uneven),
       cmocka_unit_test(test_full_layer),
       cmocka_unit_test(test_full_layer_mismatch),
   };

@@ -747,6 +747,45 @@ static void test_step_begin_forward(void **state) {
   assert_int_equal(st.step, 8);
 }
 
+// rt_layout_chunk with any chunk count r <= rows: chunk j holds slots [j*rows/r, (j+1)*rows/r)
+// (floor division) of every block, sizes from a hand-written table for rows 5; the bytes past the
+// chunk stay untouched, and rt_layout_concat of chunks 0..r-1 in order (runs of different
+// sizes) gives x back exactly.
+static void test_layout_chunk_uneven(void **state) {
+  (void)state;
+  enum { OUTER = 2, BLOCKS = 3, ROWS = 5, INNER = 2, N = OUTER * BLOCKS * ROWS * INNER };
+  static const int sizes[ROWS + 1][ROWS] = {
+      {0}, {5}, {2, 3}, {1, 2, 2}, {1, 1, 1, 2}, {1, 1, 1, 1, 1},
+  };
+  float x[N], piece[N + 8], acc[N], cat[N];
+  for (int i = 0; i < N; i++)
+    x[i] = (float)i;
+  for (int r = 1; r <= ROWS; r++) {
+    int acc_rows = 0;
+    for (int j = 0; j < r; j++) {
+      int c = sizes[r][j], n = OUTER * BLOCKS * c * INNER;
+      for (int i = 0; i < N + 8; i++)
+        piece[i] = -1.0f;
+      rt_layout_chunk(x, piece, OUTER, BLOCKS, ROWS, INNER * (int64_t)sizeof(float), r, j);
+      for (int o = 0; o < OUTER * BLOCKS; o++)
+        for (int s = 0; s < c; s++)
+          for (int k = 0; k < INNER; k++)
+            assert_float_equal(piece[(o * c + s) * INNER + k], x[(o * ROWS + acc_rows + s) * INNER + k], 0);
+      for (int i = n; i < N + 8; i++)
+        assert_float_equal(piece[i], -1.0f, 0);
+      if (j == 0) {
+        memcpy(acc, piece, (size_t)n * sizeof *acc);
+      } else {
+        rt_layout_concat(acc, piece, cat, OUTER, BLOCKS, acc_rows, c, INNER * (int64_t)sizeof(float));
+        memcpy(acc, cat, (size_t)OUTER * BLOCKS * (acc_rows + c) * INNER * sizeof *acc);
+      }
+      acc_rows += c;
+    }
+    assert_int_equal(acc_rows, ROWS);
+    assert_memory_equal(acc, x, sizeof x);
+  }
+}
+
 int main(void) {
   const struct CMUnitTest tests[] = {
       cmocka_unit_test(test_fd_softmax),
@@ -776,6 +815,7 @@ int main(void) {
       cmocka_unit_test(test_normal_moments),
       cmocka_unit_test(test_gate_noise_layout),
       cmocka_unit_test(test_step_begin_forward),
+      cmocka_unit_test(test_layout_chunk_uneven),
   };
   return cmocka_run_group_tests(tests, NULL, NULL);
 }

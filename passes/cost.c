@@ -1,0 +1,199 @@
+// The `cost` pass (DESIGN §4 step 5, §6) and the layer view the planner passes share.
+//
+// cost: with a cluster profile (the model's `cluster` statement or `moec build --cluster`),
+// every op the scheduling model prices gets two attributes: cost_n, its size n, and cost_t =
+// alpha + beta * n in ms from the profile's fit of its kind:
+//   matmul, expert.matmul     n = multiply-accumulates (gemm)
+//   comm.alltoall             n = elements this rank sends (its operand) (alltoall)
+//   comm.allgather            n = elements of the gathered result (allgather)
+//   comm.reducescatter        n = elements of the operand it reduces (reducescatter)
+//   comm.allreduce(_grad)     n = elements summed (allreduce)
+// The model has no term for the other ops (element-wise kernels, layouts, the gate's top-k),
+// so they carry none. Without a profile the pass does nothing (and -v says so).
+//
+// The layer view: one entry per MoE layer, its forward and backward functions, and per phase
+// the summed costs of its expert region in the form of the scheduling model (SchedPhase):
+// t_a2a of one AlltoAll (the phase has two, dispatch and combine, of equal size), the
+// AllGather and ReduceScatter of the ESP group, the expert GEMMs (one alpha per GEMM per
+// chunk), and the phase's other GEMMs as its dense time. Sizes come from the IR itself, so the
+// plan prices exactly the program that is compiled. The dense gradient of a layer is what its
+// backward all-reduces over the world (the gate: parallelize marks it grad_reduce="world").
+#include <math.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "pass.h"
+
+static bool is_suffix(const char *s, const char *suffix) {
+  size_t n = strlen(s), k = strlen(suffix);
+  return n >= k && strcmp(s + n - k, suffix) == 0;
+}
+
+static int64_t numel_of(const IrOperand *a) {
+  return ir_type_numel(a->param ? &a->param->type : &a->value->type);
+}
+
+// Multiply-accumulates of [m,k]x[k,n] (E batches for expert.matmul): sqrt(|A|*|B|*|Y| / E).
+static double macs(const IrOp *op) {
+  double a = (double)numel_of(&op->args[0]), b = (double)numel_of(&op->args[1]);
+  double y = (double)ir_type_numel(&op->result->type);
+  double e = op->kind == IR_OP_EXPERT_MATMUL ? (double)op->result->type.dim[0] : 1;
+  return sqrt(a * b * y / e);
+}
+
+// The fit and the size of an op the model prices; false for the others.
+static bool price(const IrOp *op, const SchedCluster *c, SchedCoef *coef, double *n) {
+  switch (op->kind) {
+  case IR_OP_MATMUL:
+  case IR_OP_EXPERT_MATMUL: *coef = c->gemm; *n = macs(op); return true;
+  case IR_OP_COMM_ALLTOALL: *coef = c->alltoall; *n = (double)numel_of(&op->args[0]); return true;
+  case IR_OP_COMM_ALLGATHER: *coef = c->allgather; *n = (double)ir_type_numel(&op->result->type); return true;
+  case IR_OP_COMM_REDUCESCATTER: *coef = c->reducescatter; *n = (double)numel_of(&op->args[0]); return true;
+  case IR_OP_COMM_ALLREDUCE: *coef = c->allreduce; *n = (double)numel_of(&op->args[0]); return true;
+  case IR_OP_COMM_ALLREDUCE_GRAD: *coef = c->allreduce; *n = (double)ir_op_int(op, "count", 0); return true;
+  default: return false;
+  }
+}
+
+bool pass_cost(IrModule *m, PassCtx *ctx) {
+  const SchedCluster *c = ctx->cluster;
+  if (!c) {
+    if (ctx->verbose) fprintf(ctx->log ? ctx->log : stderr, "# cost: no cluster profile, ops are not priced\n");
+    return true;
+  }
+  int priced = pass_price(m, c);
+  if (ctx->verbose) fprintf(ctx->log ? ctx->log : stderr, "# cost: %d ops priced with cluster '%s'\n", priced, c->name);
+  return true;
+}
+
+int pass_price(IrModule *m, const SchedCluster *c) {
+  int priced = 0;
+  for (int i = 0; i < m->nfuncs; i++)
+    for (int j = 0; j < m->funcs[i]->nops; j++) {
+      IrOp *op = m->funcs[i]->ops[j];
+      SchedCoef coef;
+      double n;
+      if (!price(op, c, &coef, &n)) continue;
+      ir_op_set_float(op, "cost_n", n);
+      ir_op_set_float(op, "cost_t", coef.alpha + coef.beta * n);
+      priced++;
+    }
+  return priced;
+}
+
+// ---- the layer view ----
+
+static bool reads_expert_param(const IrOp *op) {
+  if (op->kind == IR_OP_PARAM_GRAD) return false;
+  for (int a = 0; a < op->nargs; a++) {
+    const IrParam *p = op->args[a].param;
+    if (p && ir_attrs_get(p->attrs, p->nattrs, "shard_expert")) return true;
+  }
+  return false;
+}
+
+static bool is_transport(IrOpKind k) {
+  return k == IR_OP_COMM_ALLTOALL || k == IR_OP_COMM_ALLGATHER || k == IR_OP_COMM_REDUCESCATTER ||
+         k == IR_OP_LAYOUT_EXPERT_MAJOR || k == IR_OP_LAYOUT_RANK_MAJOR;
+}
+
+// The single user of v in f (NULL unless exactly one).
+static IrOp *only_user(const IrFunc *f, const IrValue *v) {
+  IrOp *user = NULL;
+  for (int i = 0; i < f->nops; i++)
+    for (int a = 0; a < f->ops[i]->nargs; a++)
+      if (f->ops[i]->args[a].value == v) {
+        if (user) return NULL;
+        user = f->ops[i];
+      }
+  return user;
+}
+
+bool pass_expert_region(const IrFunc *f, IrValue **entry, IrValue **exit) {
+  int first = -1, last = -1;
+  for (int i = 0; i < f->nops; i++)
+    if (reads_expert_param(f->ops[i])) {
+      if (first < 0) first = i;
+      last = i;
+    }
+  if (first < 0) return false;
+  // Entry: back from the first expert op through the dispatch collectives and layouts.
+  IrValue *in = f->ops[first]->args[0].value;
+  while (in && in->def && in->func == f && is_transport(in->def->kind)) in = in->def->args[0].value;
+  // Exit: on from the last expert op through the combine layouts, collectives and bias.
+  IrValue *out = f->ops[last]->result;
+  for (IrOp *u; out && (u = only_user(f, out)) && (is_transport(u->kind) || u->kind == IR_OP_EXPERT_BIAS);)
+    out = u->result;
+  if (!in || in->func != f || in->type.rank != 3 || !out || out->type.rank != 3) return false;
+  *entry = in;
+  *exit = out;
+  return true;
+}
+
+int64_t pass_region_capacity(const IrFunc *f) {
+  IrValue *entry, *exit;
+  return pass_expert_region(f, &entry, &exit) ? entry->type.dim[1] : 0;
+}
+
+static double attr_n(const IrOp *op) { return ir_op_float(op, "cost_n", 0); }
+
+// The phase costs of f's ops (priced by pass_cost) in the model's form.
+static void phase_of(const IrFunc *f, const SchedCluster *c, SchedPhase *p) {
+  *p = (SchedPhase){0};
+  int n_a2a = 0, n_ag = 0, n_rs = 0, n_exp = 0;
+  for (int i = 0; i < f->nops; i++) {
+    const IrOp *op = f->ops[i];
+    switch (op->kind) {
+    case IR_OP_COMM_ALLTOALL: p->n_a2a += attr_n(op); n_a2a++; break;
+    case IR_OP_COMM_ALLGATHER: p->n_ag += attr_n(op); n_ag++; break;
+    case IR_OP_COMM_REDUCESCATTER: p->n_rs += attr_n(op); n_rs++; break;
+    case IR_OP_EXPERT_MATMUL: p->n_exp += attr_n(op); n_exp++; break;
+    case IR_OP_MATMUL: p->t_att += ir_op_float(op, "cost_t", 0); break;
+    default: break;
+    }
+  }
+  // Two AlltoAlls per phase in the model (dispatch and combine): t_a2a is one of them.
+  if (n_a2a > 0) p->a2a = c->alltoall, p->n_a2a /= n_a2a;
+  if (n_ag > 0) p->ag = c->allgather;
+  if (n_rs > 0) p->rs = c->reducescatter;
+  if (n_exp > 0) p->exp = (SchedCoef){c->gemm.alpha * n_exp, c->gemm.beta};
+}
+
+static double world_grad_elems(const IrFunc *bwd) {
+  double n = 0;
+  for (int i = 0; i < bwd->nops; i++) {
+    const IrOp *op = bwd->ops[i];
+    if (op->kind == IR_OP_COMM_ALLREDUCE && strcmp(ir_op_str(op, "group", ""), "world") == 0)
+      n += (double)ir_type_numel(&op->args[0].value->type);
+    if (op->kind == IR_OP_COMM_ALLREDUCE_GRAD && strcmp(ir_op_str(op, "group", ""), "world") == 0)
+      n += (double)ir_op_int(op, "count", 0);
+  }
+  return n;
+}
+
+int pass_find_layers(IrModule *m, PassLayer **out) {
+  int n = 0;
+  PassLayer *l = calloc((size_t)(m->nfuncs > 0 ? m->nfuncs : 1), sizeof *l);
+  if (!l) return -1;
+  for (int i = 0; i < m->nfuncs; i++) {
+    IrFunc *f = m->funcs[i];
+    if (!is_suffix(f->name, ".fwd") || strncmp(f->name, "loss.", 5) == 0) continue;
+    size_t k = strlen(f->name) - 4;
+    char name[256];
+    snprintf(name, sizeof name, "%.*s.bwd", (int)(k < 200 ? k : 200), f->name);
+    l[n] = (PassLayer){.name = f->name, .fwd = f, .bwd = ir_find_func(m, name)};
+    l[n].capacity = pass_region_capacity(f);
+    if (l[n].capacity > 0) n++;
+  }
+  *out = l;
+  return n;
+}
+
+void pass_layer_cost(const PassLayer *l, const SchedCluster *c, SchedLayerCost *out) {
+  *out = (SchedLayerCost){.ar = c->allreduce};
+  phase_of(l->fwd, c, &out->phase[SCHED_FWD]);
+  if (l->bwd) {
+    phase_of(l->bwd, c, &out->phase[SCHED_BWD]);
+    out->n_grad = world_grad_elems(l->bwd);
+  }
+}

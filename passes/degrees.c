@@ -1,0 +1,122 @@
+// The `pipeline` pass (DESIGN §4 step 6, §6): the pipeline degree r of every MoE layer and
+// phase, written on the layer's functions as attribute r (the schedule pass chunks by it).
+//
+// `schedule { pipeline { forward N; backward M; } }` gives every layer N and M. With
+// `pipeline auto` the planner chooses per layer and phase, for the model's policy, from the
+// costs the `cost` pass put on the ops (so a cluster profile is needed): sched_plan runs the
+// policy's rule (fsmoe: Algorithm 1 by SLSQP, the case model at every integer r and the
+// simulator's own judgement, the fastest in simulation kept; fsmoe-no-iio: its one-stream
+// model; tutel and its variants: PipeMoE's forward r reused backward; sequential: 1) together
+// with the gradient partition, and simulates the stack. r is searched in 1..min(C, 32), C the
+// slots per expert of the layer's expert region. What the plan decided goes on the functions:
+//   forward:  r, case (fsmoe), t_model (ms, the policy's model of the MoE part at r)
+//   backward: the same, grad_moe and grad_dense (gradient elements all-reduced in the layer's
+//             MoE and dense overlap slots; the gradpart pass places them)
+// and on the module: grad_tail (elements left for after the backward pass), partition (how
+// the gradients were placed) and the simulated t_fwd_pred, t_bwd_pred, t_iter_pred (ms).
+#include <math.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "pass.h"
+
+static void set_r(IrFunc *f, int64_t r) {
+  if (f) ir_attrs_set_int(f->attrs, &f->nattrs, "r", r);
+}
+
+static bool explicit_degrees(IrModule *m, PassCtx *ctx) {
+  int64_t r_fwd = ir_mod_int(m, "r_fwd", 1), r_bwd = ir_mod_int(m, "r_bwd", 1);
+  if (r_fwd == 1 && r_bwd == 1) return true;
+  PassLayer *l;
+  int n = pass_find_layers(m, &l);
+  if (n < 0) return ir_error(ctx->d, "out of memory");
+  for (int i = 0; i < n; i++) {
+    set_r(l[i].fwd, r_fwd);
+    set_r(l[i].bwd, r_bwd);
+  }
+  free(l);
+  return true;
+}
+
+static void set_phase(IrModule *m, IrFunc *f, const SchedLayerPlan *lp, int ph, bool fsmoe) {
+  if (!f) return;
+  set_r(f, lp->r[ph]);
+  if (fsmoe) {
+    ir_attrs_set_int(f->attrs, &f->nattrs, "case", lp->kase[ph]);
+    ir_attrs_set_str(m, f->attrs, &f->nattrs, "chosen_by", lp->chosen_by[ph] ? lp->chosen_by[ph] : "model");
+  }
+  ir_attrs_set_float(f->attrs, &f->nattrs, "t_model", lp->t_model[ph]);
+  if (ph == SCHED_BWD) {
+    if (lp->grad_moe > 0) ir_attrs_set_int(f->attrs, &f->nattrs, "grad_moe", llround(lp->grad_moe));
+    if (lp->grad_dense > 0) ir_attrs_set_int(f->attrs, &f->nattrs, "grad_dense", llround(lp->grad_dense));
+  }
+}
+
+static void report(FILE *log, const PassLayer *l, int n, const SchedPlan *plan, const SchedCluster *c) {
+  fprintf(log, "# pipeline: policy %s on cluster '%s' (%d x %d)\n", sched_policy_name[plan->policy], c->name, c->nodes,
+          c->gpus_per_node);
+  fprintf(log, "#   %-20s %6s %6s %6s %10s %10s %12s %12s\n", "layer", "C", "r_fwd", "r_bwd", "t_fwd ms", "t_bwd ms",
+          "grad_moe", "grad_dense");
+  for (int i = 0; i < n; i++) {
+    const SchedLayerPlan *lp = &plan->layer[i];
+    int len = (int)strlen(l[i].name) - 4;   // without ".fwd"
+    fprintf(log, "#   %-20.*s %6lld %6d %6d %10.4f %10.4f %12.0f %12.0f\n", len, l[i].name, (long long)l[i].capacity,
+            lp->r[SCHED_FWD], lp->r[SCHED_BWD], lp->t_model[SCHED_FWD], lp->t_model[SCHED_BWD], lp->grad_moe,
+            lp->grad_dense);
+  }
+  fprintf(log, "#   gradients after the backward pass: %.0f elements; partition: %s\n", plan->grad_tail,
+          plan->partition ? plan->partition : "-");
+  fprintf(log, "#   simulated step: forward %.4f ms, backward %.4f ms, iteration %.4f ms\n", plan->t_fwd, plan->t_bwd,
+          plan->t_iter);
+}
+
+bool pass_pipeline(IrModule *m, PassCtx *ctx) {
+  if (strcmp(ir_mod_str(m, "pipeline", ""), "auto") != 0) return explicit_degrees(m, ctx);
+  const SchedCluster *c = ctx->cluster;
+  if (!c)
+    return ir_error(ctx->d, "pipeline auto plans with a cluster profile: add 'cluster \"FILE\";' to the model or "
+                            "pass --cluster FILE");
+  SchedPolicy pol;
+  if (!sched_policy_parse(ir_mod_str(m, "policy", "sequential"), &pol))
+    return ir_error(ctx->d, "pipeline: unknown policy '%s'", ir_mod_str(m, "policy", "sequential"));
+  PassLayer *l;
+  int n = pass_find_layers(m, &l);
+  if (n < 0) return ir_error(ctx->d, "out of memory");
+  SchedLayerCost *cost = calloc((size_t)(n > 0 ? n : 1), sizeof *cost);
+  int *r_max = calloc((size_t)(n > 0 ? n : 1), sizeof *r_max);
+  bool ok = cost && r_max;
+  SchedPlan plan = {0};
+  if (ok && n > 0) {
+    for (int i = 0; i < n; i++) {
+      pass_layer_cost(&l[i], c, &cost[i]);
+      int64_t cap = l[i].capacity;
+      if (l[i].bwd) {
+        int64_t cb = pass_region_capacity(l[i].bwd);
+        if (cb > 0 && cb < cap) cap = cb;
+      }
+      r_max[i] = (int)(cap < SCHED_R_MAX ? cap : SCHED_R_MAX);
+    }
+    SchedStack st = {.n = n, .cost = cost, .r_max = r_max, .choose = ctx->choose};
+    ok = sched_plan(&st, pol, &plan);
+    if (!ok) ir_error(ctx->d, "pipeline: the planner failed (an internal error)");
+  }
+  if (ok && n > 0) {
+    bool fsmoe = pol == SCHED_FSMOE;
+    for (int i = 0; i < n; i++) {
+      set_phase(m, l[i].fwd, &plan.layer[i], SCHED_FWD, fsmoe);
+      set_phase(m, l[i].bwd, &plan.layer[i], SCHED_BWD, fsmoe);
+    }
+    ir_attrs_set_int(m->attrs, &m->nattrs, "grad_tail", llround(plan.grad_tail));
+    ir_attrs_set_str(m, m->attrs, &m->nattrs, "partition", plan.partition ? plan.partition : "after backward");
+    ir_attrs_set_float(m->attrs, &m->nattrs, "t_fwd_pred", plan.t_fwd);
+    ir_attrs_set_float(m->attrs, &m->nattrs, "t_bwd_pred", plan.t_bwd);
+    ir_attrs_set_float(m->attrs, &m->nattrs, "t_iter_pred", plan.t_iter);
+    if (ctx->verbose) report(ctx->log ? ctx->log : stderr, l, n, &plan, c);
+  }
+  if (!cost || !r_max) ir_error(ctx->d, "out of memory");
+  sched_plan_free(&plan);
+  free(cost);
+  free(r_max);
+  free(l);
+  return ok;
+}

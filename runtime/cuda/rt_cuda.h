@@ -1,0 +1,114 @@
+// The CUDA backend's runtime (issue 7): one GPU per process, device 0, through the driver API;
+// GEMMs through cuBLAS; collectives through NCCL with communicators bootstrapped over MPI.
+//
+// RtCuda holds what a training step on the GPU needs: the device's primary context, three
+// streams (RtStream of moert.h: compute, intra, inter), events between them by index as the
+// scheduler numbers them, one arena of device memory that buffers are carved from, the module
+// of the model's kernels (NVRTC's CUBIN or PTX, codegen/nvrtc.c) and a cuBLAS handle.
+//
+// Device pointers are void * (what cuBLAS and NCCL take). Copies, launches, GEMMs and
+// collectives are asynchronous on the stream they are given; rt_cuda_sync waits for one.
+//
+// The driver, libcuda.so.1, is loaded at run time (dlopen), not linked: a binary built with
+// this runtime starts on a machine without an NVIDIA driver, where rt_cuda_probe says why no GPU
+// can be used. cuBLAS, NCCL and MPI are linked as usual.
+//
+// Errors: every CUDA, cuBLAS, NCCL and MPI call is checked. A failure is reported on stderr as
+// "moert: error: rank R on HOST: CALL failed: NAME (DESCRIPTION) at FILE:LINE" and the function
+// returns false (NULL); nothing is retried or ignored. Not thread-safe: one host thread drives
+// an RtCuda (the streams give the concurrency).
+#ifndef RT_CUDA_H
+#define RT_CUDA_H
+
+#include <cuda.h>
+#include <mpi.h>
+#include <stdbool.h>
+#include <stddef.h>
+#include <stdint.h>
+
+#include "moert.h"
+
+typedef struct RtCuda RtCuda;
+typedef struct RtNccl RtNccl;   // an NCCL communicator
+
+typedef struct RtCudaDevice {
+  char name[256];            // "NVIDIA H100 80GB HBM3"
+  int arch;                  // compute capability major*10 + minor: 90 for sm_90
+  int driver_version;        // cuDriverGetVersion: 13000 for CUDA 13.0
+  int multiprocessors;
+  size_t memory_bytes;
+} RtCudaDevice;
+
+// Element type of GEMM inputs (the output and the accumulation are fp32).
+typedef enum RtCudaType { RT_CUDA_F32, RT_CUDA_BF16 } RtCudaType;
+
+// ---- the device ----
+// Whether a GPU can be used: the driver loads, cuInit succeeds and device 0 exists. False with
+// the reason in why (the driver's error, or "libcuda.so.1: cannot open shared object file ...").
+// Nothing is printed: no GPU is a normal outcome for the caller to report.
+bool rt_cuda_probe(char *why, size_t why_size);
+// Device 0's primary context, made current on this thread; the three streams, nevents events,
+// a cuBLAS handle and an arena of arena_bytes of device memory. NULL (reported) on failure, no
+// GPU included: a caller that treats no GPU as normal asks rt_cuda_probe first.
+RtCuda *rt_cuda_create(size_t arena_bytes, int nevents);
+// Releases everything rt_cuda_create made and the loaded module. False when a release failed
+// (reported; the rest is still released).
+bool rt_cuda_destroy(RtCuda *cu);
+const RtCudaDevice *rt_cuda_device(const RtCuda *cu);
+
+// ---- device memory: one arena, bump allocation ----
+// bytes of the arena, 256-byte aligned; NULL (reported) when the arena cannot hold them.
+void *rt_cuda_alloc(RtCuda *cu, size_t bytes);
+// Every allocation made since rt_cuda_create (or the last reset) is free again.
+void rt_cuda_arena_reset(RtCuda *cu);
+bool rt_cuda_to_device(RtCuda *cu, RtStream s, void *dst, const void *src, size_t bytes);
+bool rt_cuda_to_host(RtCuda *cu, RtStream s, void *dst, const void *src, size_t bytes);
+bool rt_cuda_zero(RtCuda *cu, RtStream s, void *dst, size_t bytes);
+
+// ---- streams and events ----
+bool rt_cuda_sync(RtCuda *cu, RtStream s);                  // waits for everything queued on s
+bool rt_cuda_record(RtCuda *cu, RtStream s, int event);     // event: 0 .. nevents-1
+bool rt_cuda_wait(RtCuda *cu, RtStream s, int event);       // later work on s waits for the event
+
+// ---- kernels ----
+// Loads a CUBIN or PTX image (PTX is compiled for this GPU by the driver) as the module that
+// rt_cuda_kernel looks kernels up in, replacing the module loaded before. The driver's JIT log
+// is part of the report when loading fails.
+bool rt_cuda_load_module(RtCuda *cu, const void *image);
+// The kernel `name` (extern "C") of the module; NULL (reported) when there is none.
+CUfunction rt_cuda_kernel(RtCuda *cu, const char *name);
+// The grid for n work items of block threads each: ceil(n / block), between 1 and 65535
+// (the kernels' grid-stride loops cover the rest).
+int rt_cuda_grid(int64_t n, int block);
+// cuLaunchKernel of f on s: args points to each parameter's value, in order; shared_bytes of
+// dynamic shared memory.
+bool rt_cuda_launch(RtCuda *cu, RtStream s, CUfunction f, int grid, int block, unsigned shared_bytes,
+                    void **args);
+
+// ---- GEMMs (cuBLAS), row-major as the CPU runtime's rt_matmul / rt_expert_matmul ----
+// c [m, n] = op(a) [m, k] * op(b) [k, n] (+ c when accumulate); ta / tb: the operand is stored
+// transposed (a as [k, m], b as [n, k]). a and b are of type in, c is fp32, accumulation fp32
+// (no TF32).
+bool rt_cuda_gemm(RtCuda *cu, RtStream s, RtCudaType in, const void *a, const void *b, float *c, int m,
+                  int n, int k, bool ta, bool tb, bool accumulate);
+// The same for each of e experts at once (strided batched): a holds e blocks of m*k, b e blocks
+// of k*n, c [e, m, n]; c is overwritten.
+bool rt_cuda_expert_gemm(RtCuda *cu, RtStream s, RtCudaType in, const void *a, const void *b, float *c,
+                         int e, int m, int n, int k, bool ta, bool tb);
+
+// ---- collectives (NCCL), fp32 ----
+// A communicator over the ranks of comm, collectively: rank 0 makes the unique id, MPI_Bcast
+// hands it out, every rank calls ncclCommInitRank with its rank in comm. The GPU is the current
+// context's (this process's device 0: one GPU per rank). NULL (reported) on failure.
+RtNccl *rt_cuda_nccl_create(MPI_Comm comm);
+bool rt_cuda_nccl_destroy(RtNccl *nc);
+// Sum over the ranks; send == recv is in place.
+bool rt_cuda_allreduce(RtCuda *cu, RtNccl *nc, RtStream s, const float *send, float *recv, size_t count);
+// recv [ranks, count] = every rank's send [count], in rank order.
+bool rt_cuda_allgather(RtCuda *cu, RtNccl *nc, RtStream s, const float *send, float *recv, size_t count);
+// recv [count] = block `rank` of the sum over ranks of send [ranks, count].
+bool rt_cuda_reducescatter(RtCuda *cu, RtNccl *nc, RtStream s, const float *send, float *recv, size_t count);
+// Block i of send (count floats) goes to rank i; block i of recv comes from rank i.
+bool rt_cuda_alltoall(RtCuda *cu, RtNccl *nc, RtStream s, const float *send, float *recv, size_t count);
+
+#endif

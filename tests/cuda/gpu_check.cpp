@@ -1,0 +1,325 @@
+// gpu_check: the CUDA backend on a GPU (make test-gpu; tests/cuda/run.sh runs it too).
+//
+//   1. The whole kernel library (cg_emit_cuda_library) is compiled by NVRTC for this GPU's
+//      architecture, as PTX (JIT-compiled by the driver) and as CUBIN, and each image is loaded.
+//   2. Every kernel runs on the GPU on the cases of kernel_cases.h, the ones emu_check runs
+//      under emulation, against libmoert's CPU kernels: integers exactly, floats to 1e-5.
+//   3. cuBLAS: the expert GEMM (strided batched, every transpose, fp32 and bf16 inputs) and the
+//      plain GEMM (with accumulation, and k = 0) against OpenBLAS (rt_expert_matmul /
+//      rt_matmul), each element to 1e-4 of sum_k |a||b| (the scale of its rounding error).
+//   4. NCCL on one rank, bootstrapped over MPI: AllReduce in place, AllGather, AlltoAll and
+//      ReduceScatter chained over the compute, intra and inter streams with events between them.
+//
+// One line per check: "ok    gpu ..." or "FAIL  gpu ..." (the reason of a failed CUDA call is on
+// stderr), then "N checks, F failed"; exit status 1 when one failed. Without a GPU (no driver,
+// cuInit or cuDeviceGet fails, no device): the single line "skip  gpu: no GPU (REASON)" and
+// exit status 0. Run it as one process: NCCL takes one GPU per rank.
+//
+// Kernel arguments: the launcher below gets each kernel's parameter types from the library
+// compiled as host C++ (host_kernels.h), so a scalar reaches the GPU with the width the kernel
+// declares (the literal 42 passed to a u64 seed is 8 bytes, not 4).
+#include <array>
+#include <string>
+#include <tuple>
+#include <utility>
+
+#include "host_kernels.h"
+#include "kernel_cases.h"
+
+#define OMPI_SKIP_MPICXX 1   // the C API only
+#define MPICH_SKIP_MPICXX 1
+#include <cuda.h>
+#include <mpi.h>
+
+#define _Noreturn [[noreturn]]
+extern "C" {
+#include "codegen/cg.h"
+#include "runtime/cuda/rt_cuda.h"
+}
+#undef _Noreturn
+
+// ---- device buffers of host vectors ----
+
+template <class T> static T *to_device(RtCuda *cu, RtStream s, const std::vector<T> &v) {
+  T *d = (T *)rt_cuda_alloc(cu, v.size() * sizeof(T));
+  return d && rt_cuda_to_device(cu, s, d, v.data(), v.size() * sizeof(T)) ? d : nullptr;
+}
+
+template <class T> static bool to_host(RtCuda *cu, RtStream s, std::vector<T> &v, const T *d) {
+  return rt_cuda_to_host(cu, s, v.data(), d, v.size() * sizeof(T));
+}
+
+// ---- the kernel launcher of kernel_cases.h ----
+
+struct GpuLauncher {
+  RtCuda *cu;
+  Checks &checks;
+  std::set<std::string> launched;
+
+  struct Buffer {   // a vector argument and its copy on the GPU
+    void *host, *device;
+    size_t bytes;
+  };
+
+  // Copies each vector argument to the GPU (once, also when it is passed twice), launches the
+  // kernel by name on the compute stream and copies every vector back.
+  template <class... P, class... A>
+  void launch(const char *name, void (*)(P...), int grid, int block, unsigned shared_bytes, A &&...args) {
+    static_assert(sizeof...(P) == sizeof...(A), "the case passes a different number of arguments than the kernel takes");
+    launched.insert(name);
+    std::vector<Buffer> buffers;
+    bool ok = true;
+    std::tuple<P...> values{parameter<P>(args, buffers, ok)...};   // braces: evaluated in order
+    auto pointers = addresses(values, std::index_sequence_for<P...>{});
+    CUfunction f = ok ? rt_cuda_kernel(cu, name) : nullptr;
+    ok = f && rt_cuda_launch(cu, RT_STREAM_COMPUTE, f, grid, block, shared_bytes, pointers.data());
+    for (const Buffer &b : buffers)
+      ok = ok && rt_cuda_to_host(cu, RT_STREAM_COMPUTE, b.host, b.device, b.bytes);
+    ok = rt_cuda_sync(cu, RT_STREAM_COMPUTE) && ok;
+    rt_cuda_arena_reset(cu);
+    if (!ok) checks.fail("launch %s<<<%d, %d>>>: a CUDA call failed (reported above)", name, grid, block);
+  }
+
+  template <class P, class A> P parameter(A &a, std::vector<Buffer> &buffers, bool &ok) {
+    if constexpr (is_vector<std::remove_cv_t<A>>::value) {
+      using T = typename std::remove_cv_t<A>::value_type;
+      for (const Buffer &b : buffers)
+        if (b.host == (void *)a.data()) return kernel_pointer<P>((T *)b.device);
+      T *d = ok ? to_device(cu, RT_STREAM_COMPUTE, a) : nullptr;
+      ok = d != nullptr;
+      buffers.push_back({(void *)a.data(), (void *)d, a.size() * sizeof(T)});
+      return kernel_pointer<P>(d);
+    } else {
+      return kernel_scalar<P>(a);
+    }
+  }
+
+  template <class Tuple, size_t... I>
+  static std::array<void *, sizeof...(I)> addresses(Tuple &values, std::index_sequence<I...>) {
+    return {{(void *)&std::get<I>(values)...}};
+  }
+};
+
+// ---- 1. the library through NVRTC ----
+
+static std::string library_source() {
+  char *text = nullptr;
+  size_t size = 0;
+  FILE *f = open_memstream(&text, &size);
+  if (!f) return "";
+  cg_emit_cuda_library(f);
+  fclose(f);
+  std::string src(text, size);
+  free(text);
+  return src;
+}
+
+// Loads the library as PTX, then as CUBIN (the module the kernels run from). False when the
+// CUBIN could not be loaded.
+static bool load_library(RtCuda *cu, Checks &c, const std::string &src) {
+  char arch[16];
+  snprintf(arch, sizeof arch, "sm_%d", rt_cuda_device(cu)->arch);
+  IrDiag diag;
+  ir_diag_init(&diag, stderr);
+  char *ptx = nullptr;
+  size_t ptx_size = 0;
+  if (cg_nvrtc_ptx(&diag, src.c_str(), arch, &ptx, &ptx_size) && rt_cuda_load_module(cu, ptx))
+    c.ok("nvrtc library as PTX for compute_%s, JIT-compiled by the driver (%zu bytes)", arch + 3, ptx_size);
+  else
+    c.fail("nvrtc library as PTX for compute_%s (reported above)", arch + 3);
+  free(ptx);
+  void *cubin = nullptr;
+  size_t cubin_size = 0;
+  bool loaded = cg_nvrtc_compile(&diag, src.c_str(), arch, &cubin, &cubin_size) && rt_cuda_load_module(cu, cubin);
+  if (loaded)
+    c.ok("nvrtc library as CUBIN for %s (%zu bytes)", arch, cubin_size);
+  else
+    c.fail("nvrtc library as CUBIN for %s (reported above)", arch);
+  free(cubin);
+  return loaded;
+}
+
+// ---- 3. cuBLAS ----
+
+// Every element of got within 1e-4 of want, relative to ref = sum_k |a||b| (+ |c| accumulated).
+static void gemm_same(Checks &c, const std::string &name, const std::vector<float> &want,
+                      const std::vector<float> &got, const std::vector<float> &ref) {
+  for (size_t i = 0; i < want.size(); i++)
+    if (!(fabs(got[i] - want[i]) <= 1e-4 * ref[i] + 1e-30)) {
+      c.fail("%s: element %zu: cblas %.9g, cuBLAS %.9g (scale %.3g)", name.c_str(), i, want[i], got[i], ref[i]);
+      return;
+    }
+  c.ok("%s (%zu elements)", name.c_str(), want.size());
+}
+
+static std::vector<float> absolute(std::vector<float> v) {
+  for (float &x : v) x = fabsf(x);
+  return v;
+}
+
+// v as bf16 on the GPU: the codes the library's mk_compress_bf16 makes of it (bf16_rounded is
+// the same rounding on the host, back in fp32).
+static void *bf16_on_device(RtCuda *cu, const std::vector<float> &v) {
+  float *x = to_device(cu, RT_STREAM_COMPUTE, v);
+  void *q = rt_cuda_alloc(cu, v.size() * sizeof(uint16_t));
+  long long n = (long long)v.size();
+  void *args[] = {&x, &q, &n};
+  CUfunction f = x && q ? rt_cuda_kernel(cu, "mk_compress_bf16") : nullptr;
+  return f && rt_cuda_launch(cu, RT_STREAM_COMPUTE, f, rt_cuda_grid(n, 256), 256, 0, args) ? q : nullptr;
+}
+
+static std::vector<float> bf16_rounded(const std::vector<float> &v) {
+  std::vector<uint16_t> q(v.size());
+  std::vector<float> r(v.size());
+  rt_compress_bf16(v.data(), q.data(), (int64_t)v.size());
+  rt_decompress_bf16(q.data(), r.data(), (int64_t)v.size());
+  return r;
+}
+
+static void cublas_checks(RtCuda *cu, Checks &c, bool have_kernels) {
+  const int e = 4, m = 33, n = 40, k = 24;
+  auto a = randn((size_t)e * m * k), b = randn((size_t)e * k * n);
+  for (RtCudaType type : {RT_CUDA_F32, RT_CUDA_BF16}) {
+    if (type == RT_CUDA_BF16 && !have_kernels) {
+      c.fail("cublas expert gemm bf16: needs the library's mk_compress_bf16, which did not load");
+      continue;
+    }
+    auto a_in = type == RT_CUDA_BF16 ? bf16_rounded(a) : a, b_in = type == RT_CUDA_BF16 ? bf16_rounded(b) : b;
+    for (int t = 0; t < 4; t++) {
+      bool ta = t & 1, tb = t & 2;
+      std::string name = std::string("cublas expert gemm ") + (type == RT_CUDA_BF16 ? "bf16" : "fp32") +
+                         " [" + std::to_string(e) + "," + std::to_string(m) + "," + std::to_string(k) + "]x[" +
+                         std::to_string(e) + "," + std::to_string(k) + "," + std::to_string(n) + "]" +
+                         (ta ? " ta" : "") + (tb ? " tb" : "");
+      std::vector<float> want((size_t)e * m * n), ref(want.size()), got(want.size());
+      rt_expert_matmul(a_in.data(), b_in.data(), want.data(), e, m, n, k, ta, tb);
+      rt_expert_matmul(absolute(a_in).data(), absolute(b_in).data(), ref.data(), e, m, n, k, ta, tb);
+      const void *da = type == RT_CUDA_BF16 ? bf16_on_device(cu, a) : to_device(cu, RT_STREAM_COMPUTE, a);
+      const void *db = type == RT_CUDA_BF16 ? bf16_on_device(cu, b) : to_device(cu, RT_STREAM_COMPUTE, b);
+      float *dc = (float *)rt_cuda_alloc(cu, got.size() * sizeof(float));
+      bool ok = da && db && dc && rt_cuda_expert_gemm(cu, RT_STREAM_COMPUTE, type, da, db, dc, e, m, n, k, ta, tb) &&
+                to_host(cu, RT_STREAM_COMPUTE, got, dc) && rt_cuda_sync(cu, RT_STREAM_COMPUTE);
+      rt_cuda_arena_reset(cu);
+      if (ok)
+        gemm_same(c, name, want, got, ref);
+      else
+        c.fail("%s: a CUDA or cuBLAS call failed (reported above)", name.c_str());
+    }
+  }
+  // The plain GEMM accumulating into c, every transpose; then k = 0, which must write zeros.
+  const int pm = 37, pn = 29, pk = 50;
+  auto pa = randn((size_t)pm * pk), pb = randn((size_t)pk * pn), c0 = randn((size_t)pm * pn);
+  for (int t = 0; t < 5; t++) {
+    bool ta = t & 1, tb = t & 2, empty = t == 4;
+    int kk = empty ? 0 : pk;
+    std::string name = empty ? "cublas gemm k = 0 writes zeros"
+                             : std::string("cublas gemm fp32 accumulate [37,50]x[50,29]") + (ta ? " ta" : "") +
+                                   (tb ? " tb" : "");
+    std::vector<float> want = c0, ref = absolute(c0), got(c0.size());
+    rt_matmul(pa.data(), pb.data(), want.data(), pm, pn, kk, ta, tb, !empty);
+    rt_matmul(absolute(pa).data(), absolute(pb).data(), ref.data(), pm, pn, kk, ta, tb, !empty);
+    float *da = to_device(cu, RT_STREAM_COMPUTE, pa), *db = to_device(cu, RT_STREAM_COMPUTE, pb);
+    float *dc = to_device(cu, RT_STREAM_COMPUTE, c0);
+    bool ok = da && db && dc && rt_cuda_gemm(cu, RT_STREAM_COMPUTE, RT_CUDA_F32, da, db, dc, pm, pn, kk, ta, tb, !empty) &&
+              to_host(cu, RT_STREAM_COMPUTE, got, dc) && rt_cuda_sync(cu, RT_STREAM_COMPUTE);
+    rt_cuda_arena_reset(cu);
+    if (ok)
+      gemm_same(c, name, want, got, ref);
+    else
+      c.fail("%s: a CUDA or cuBLAS call failed (reported above)", name.c_str());
+  }
+}
+
+// ---- 4. NCCL ----
+
+static void identical(Checks &c, const char *name, const std::vector<float> &want, const std::vector<float> &got) {
+  if (memcmp(want.data(), got.data(), want.size() * sizeof(float)) == 0)
+    c.ok("%s (%zu floats, bit-identical)", name, want.size());
+  else
+    c.fail("%s: the result differs from the input", name);
+}
+
+// compute: y = x + x (mk_add), event 0; intra, after event 0: AllReduce y in place, AllGather
+// y -> g, event 1; inter, after event 1: AlltoAll g -> t, ReduceScatter t -> r. On one rank
+// every collective is the identity, so each result is exactly 2x.
+static void nccl_checks(RtCuda *cu, Checks &c, bool have_kernels) {
+  if (!have_kernels) {
+    c.fail("nccl: needs the library's mk_add, which did not load");
+    return;
+  }
+  int ranks = 0;
+  if (MPI_Init(nullptr, nullptr) != MPI_SUCCESS || MPI_Comm_size(MPI_COMM_WORLD, &ranks) != MPI_SUCCESS) {
+    c.fail("nccl: MPI_Init failed");
+    return;
+  }
+  RtNccl *nc = nullptr;
+  if (ranks != 1)
+    c.fail("nccl: %d MPI ranks; run gpu_check as one process (one GPU)", ranks);
+  else if ((nc = rt_cuda_nccl_create(MPI_COMM_WORLD)))
+    c.ok("nccl communicator of 1 rank, bootstrapped over MPI");
+  else
+    c.fail("nccl communicator of 1 rank, bootstrapped over MPI (reported above)");
+  if (nc) {
+    const size_t n = 4096;
+    std::vector<float> x = randn(n), want = x, y(n), g(n), t(n), r(n);
+    for (float &v : want) v += v;
+    long long count = (long long)n;
+    float *dx = to_device(cu, RT_STREAM_COMPUTE, x);
+    float *dy = (float *)rt_cuda_alloc(cu, n * sizeof(float)), *dg = (float *)rt_cuda_alloc(cu, n * sizeof(float));
+    float *dt = (float *)rt_cuda_alloc(cu, n * sizeof(float)), *dr = (float *)rt_cuda_alloc(cu, n * sizeof(float));
+    void *args[] = {&dx, &dx, &dy, &count};
+    CUfunction add = dx && dy && dg && dt && dr ? rt_cuda_kernel(cu, "mk_add") : nullptr;
+    bool ok = add && rt_cuda_launch(cu, RT_STREAM_COMPUTE, add, rt_cuda_grid(count, 256), 256, 0, args) &&
+              rt_cuda_record(cu, RT_STREAM_COMPUTE, 0) &&
+              rt_cuda_wait(cu, RT_STREAM_INTRA, 0) && rt_cuda_zero(cu, RT_STREAM_INTRA, dg, n * sizeof(float)) &&
+              rt_cuda_allreduce(cu, nc, RT_STREAM_INTRA, dy, dy, n) && rt_cuda_allgather(cu, nc, RT_STREAM_INTRA, dy, dg, n) &&
+              rt_cuda_record(cu, RT_STREAM_INTRA, 1) &&
+              rt_cuda_wait(cu, RT_STREAM_INTER, 1) && rt_cuda_zero(cu, RT_STREAM_INTER, dt, n * sizeof(float)) &&
+              rt_cuda_zero(cu, RT_STREAM_INTER, dr, n * sizeof(float)) &&
+              rt_cuda_alltoall(cu, nc, RT_STREAM_INTER, dg, dt, n) && rt_cuda_reducescatter(cu, nc, RT_STREAM_INTER, dt, dr, n) &&
+              to_host(cu, RT_STREAM_INTER, y, dy) && to_host(cu, RT_STREAM_INTER, g, dg) &&
+              to_host(cu, RT_STREAM_INTER, t, dt) && to_host(cu, RT_STREAM_INTER, r, dr) && rt_cuda_sync(cu, RT_STREAM_INTER);
+    rt_cuda_arena_reset(cu);
+    if (ok) {
+      identical(c, "nccl allreduce in place (intra stream, after an event of compute)", want, y);
+      identical(c, "nccl allgather (intra stream)", want, g);
+      identical(c, "nccl alltoall by grouped send/recv (inter stream, after an event of intra)", want, t);
+      identical(c, "nccl reducescatter (inter stream)", want, r);
+    } else {
+      c.fail("nccl collectives on the intra and inter streams: a call failed (reported above)");
+    }
+    if (!rt_cuda_nccl_destroy(nc)) c.fail("nccl communicator destroyed (reported above)");
+  }
+  if (MPI_Finalize() != MPI_SUCCESS) c.fail("nccl: MPI_Finalize failed");
+}
+
+int main() {
+  char why[512];
+  if (!rt_cuda_probe(why, sizeof why)) {
+    printf("skip  gpu: no GPU (%s)\n", why);
+    return 0;
+  }
+  Checks checks{"gpu"}, kernel_checks{"gpu kernel"};
+  RtCuda *cu = rt_cuda_create((size_t)256 << 20, 2);
+  if (!cu) {
+    checks.fail("runtime on device 0: context, streams, events, cuBLAS, arena (reported above)");
+    printf("%d checks, %d failed\n", checks.checks, checks.failures);
+    return 1;
+  }
+  const RtCudaDevice *d = rt_cuda_device(cu);
+  printf("# device 0: %s, sm_%d, %d SMs, %.1f GiB; driver for CUDA %d.%d\n", d->name, d->arch, d->multiprocessors,
+         d->memory_bytes / 1073741824.0, d->driver_version / 1000, d->driver_version % 1000 / 10);
+  std::string src = library_source();
+  bool have_kernels = load_library(cu, checks, src);
+  if (have_kernels) {
+    GpuLauncher launcher{cu, kernel_checks, {}};
+    run_kernel_cases(launcher, kernel_checks);
+    check_coverage(kernel_checks, src, launcher.launched);
+  }
+  cublas_checks(cu, checks, have_kernels);
+  nccl_checks(cu, checks, have_kernels);
+  if (!rt_cuda_destroy(cu)) checks.fail("runtime released (reported above)");
+  int total = checks.checks + kernel_checks.checks, failed = checks.failures + kernel_checks.failures;
+  printf("%d checks, %d failed\n", total, failed);
+  return failed ? 1 : 0;
+}

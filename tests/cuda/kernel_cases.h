@@ -1,0 +1,421 @@
+// The cases of the CUDA kernel library, shared by tests/cuda/emu_check.cpp (the kernels as host
+// C++ under an emulation of CUDA threads and blocks) and tests/cuda/gpu_check.cpp (the kernels
+// on the GPU): every kernel mk_* runs on random inputs and is compared with the libmoert CPU
+// kernel it stands for, integers (top-k, locations, expert choice, 16-bit and int8 codes)
+// exactly, floats to 1e-5 relative (+1e-6 absolute). check_coverage then says whether every
+// kernel of the library had a case.
+//
+// A case launches a kernel through the includer's launcher L (grid and block as written; the
+// kernels that reduce with mk_block_sum / mk_block_max get MK_BLOCK threads):
+//   LAUNCH(grid, block, kernel, args...)
+//   LAUNCH_SHARED(grid, block, shared_bytes, kernel, args...)    with dynamic shared memory
+// both L.launch(name, &kernel, grid, block, shared_bytes, args...). An argument is a
+// std::vector<T> for each pointer parameter (the kernel gets the vector's elements, and what it
+// writes ends up in the vector) or a scalar, converted to the parameter's type. The launchers
+// turn arguments into parameters with kernel_pointer and kernel_scalar, whose static_asserts
+// keep a case honest: a vector's element type must be the parameter's (an unsigned char
+// parameter takes any vector: the layout kernels move bytes), and scalars go to scalars.
+#ifndef KERNEL_CASES_H
+#define KERNEL_CASES_H
+
+#include <cmath>
+#include <cstdarg>
+#include <cstdint>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <random>
+#include <set>
+#include <string>
+#include <type_traits>
+#include <vector>
+
+#define _Noreturn [[noreturn]]
+extern "C" {
+#include "moert.h"
+}
+#undef _Noreturn
+
+#define LAUNCH(grid, block, kernel, ...) L.launch(#kernel, &kernel, grid, block, 0u, __VA_ARGS__)
+#define LAUNCH_SHARED(grid, block, shared, kernel, ...) \
+  L.launch(#kernel, &kernel, grid, block, (unsigned)(shared), __VA_ARGS__)
+
+// ---- arguments ----
+template <class T> struct is_vector : std::false_type {};
+template <class T> struct is_vector<std::vector<T>> : std::true_type {};
+
+// The value of pointer parameter type P for a vector of T whose elements are at data.
+template <class P, class T> P kernel_pointer(T *data) {
+  using Elem = std::remove_cv_t<std::remove_pointer_t<P>>;
+  static_assert(std::is_pointer_v<P>, "a vector is passed where the kernel takes a scalar");
+  static_assert(std::is_same_v<Elem, std::remove_cv_t<T>> || std::is_same_v<Elem, unsigned char>,
+                "the vector's element type is not the kernel parameter's");
+  return reinterpret_cast<P>(data);
+}
+
+// The value of scalar parameter type P for argument a.
+template <class P, class A> P kernel_scalar(const A &a) {
+  static_assert(!std::is_pointer_v<P>, "a kernel pointer parameter needs a std::vector argument");
+  static_assert(std::is_arithmetic_v<A>, "a kernel scalar parameter needs a number");
+  return static_cast<P>(a);
+}
+
+// ---- results ----
+struct Checks {
+  const char *prefix;   // "cuda emu", "gpu kernel": the start of every line after ok / FAIL
+  int checks = 0, failures = 0;
+
+  void ok(const char *fmt, ...) __attribute__((format(printf, 2, 3))) {
+    va_list ap;
+    va_start(ap, fmt);
+    line("ok    ", fmt, ap);
+    va_end(ap);
+  }
+  void fail(const char *fmt, ...) __attribute__((format(printf, 2, 3))) {
+    va_list ap;
+    va_start(ap, fmt);
+    line("FAIL  ", fmt, ap);
+    va_end(ap);
+    failures++;
+  }
+  void line(const char *status, const char *fmt, va_list ap) {
+    checks++;
+    printf("%s%s ", status, prefix);
+    vprintf(fmt, ap);
+    putchar('\n');
+    fflush(stdout);
+  }
+
+  template <class T> void same(const char *name, const std::vector<T> &want, const std::vector<T> &got) {
+    for (size_t i = 0; i < want.size(); i++) {
+      double a = (double)want[i], b = (double)got[i];
+      bool equal = std::is_floating_point<T>::value
+                       ? (a == b || (a != a && b != b) || fabs(a - b) <= 1e-5 * fabs(a) + 1e-6)
+                       : a == b;
+      if (!equal) {
+        fail("%s: element %zu: cpu %.9g, kernel %.9g", name, i, a, b);
+        return;
+      }
+    }
+    ok("%s (%zu elements)", name, want.size());
+  }
+};
+
+// The kernels of a library source: the names after "__global__ void ".
+static std::set<std::string> library_kernels(const std::string &src) {
+  std::set<std::string> names;
+  const std::string mark = "__global__ void ";
+  for (size_t at = src.find(mark); at != std::string::npos; at = src.find(mark, at + 1)) {
+    size_t begin = at + mark.size(), end = src.find('(', begin);
+    names.insert(src.substr(begin, end - begin));
+  }
+  return names;
+}
+
+static void check_coverage(Checks &c, const std::string &library_src, const std::set<std::string> &launched) {
+  std::string missing;
+  std::set<std::string> all = library_kernels(library_src);
+  for (const std::string &name : all)
+    if (!launched.count(name)) missing += " " + name;
+  if (all.empty())
+    c.fail("every kernel has a case: no kernel found in the library source");
+  else if (!missing.empty())
+    c.fail("every kernel has a case: none for%s", missing.c_str());
+  else
+    c.ok("every kernel has a case (%zu kernels)", all.size());
+}
+
+// ---- inputs ----
+static std::mt19937 rng(7);
+static std::vector<float> randn(size_t n, float scale = 1.0f) {
+  std::normal_distribution<float> d(0.0f, scale);
+  std::vector<float> v(n);
+  for (auto &x : v) x = d(rng);
+  return v;
+}
+template <class T> static std::vector<T> zeros(size_t n) { return std::vector<T>(n, (T)0); }
+
+// {sum, max |x|, NaNs} of x from rt_record's JSON line (mean and max_abs): the CPU side of
+// mk_record_stats. x must hold no NaN (rt_record writes null then).
+static std::vector<double> record_stats(const std::vector<float> &x) {
+  char *text = NULL;
+  size_t size = 0;
+  FILE *f = open_memstream(&text, &size);
+  RtStep st;
+  memset(&st, 0, sizeof st);
+  st.record = f;
+  rt_record(&st, "x", 0, x.data(), (int64_t)x.size());
+  fclose(f);
+  const char *mean = strstr(text, "\"mean\": "), *max_abs = strstr(text, "\"max_abs\": ");
+  std::vector<double> stats = {mean ? strtod(mean + 8, NULL) * (double)x.size() : NAN,
+                               max_abs ? strtod(max_abs + 11, NULL) : NAN, 0.0};
+  free(text);
+  return stats;
+}
+
+// ---- the cases ----
+template <class Launcher> void run_kernel_cases(Launcher &L, Checks &c) {
+  const int s = 48, e = 8, k = 2, g = 2, m = 40, cap = 7;
+  // ---- gate chain ----
+  auto logits = randn((size_t)s * e);
+  logits[3] = logits[5];  // a tie for top-k
+  RtStep st;
+  memset(&st, 0, sizeof st);
+  st.seed = 42, st.step = 3, st.token0 = 96;
+  auto noisy_c = zeros<float>(s * e), noisy_k = zeros<float>(s * e);
+  rt_gate_noise(&st, logits.data(), noisy_c.data(), s, e, 0.5f, 1);
+  LAUNCH(4, 64, mk_gate_noise, logits, noisy_k, s, e, 0.5f, 1, 42, 3, 96);
+  c.same("gate.noise", noisy_c, noisy_k);
+  auto sc_c = zeros<float>(s * e), sc_k = zeros<float>(s * e);
+  rt_softmax(noisy_c.data(), sc_c.data(), s, e);
+  LAUNCH(2, 32, mk_softmax, noisy_c, sc_k, s, e);
+  c.same("gate.softmax", sc_c, sc_k);
+  auto idx_c = zeros<int32_t>(s * k), idx_k = zeros<int32_t>(s * k);
+  rt_topk(sc_c.data(), idx_c.data(), s, e, k);
+  LAUNCH(2, 32, mk_topk, sc_c, idx_k, s, e, k);
+  c.same("gate.topk", idx_c, idx_k);
+  auto gates_c = zeros<float>(s * k), gates_k = zeros<float>(s * k);
+  rt_gate_gather(sc_c.data(), idx_c.data(), gates_c.data(), s, e, k, true);
+  LAUNCH(2, 32, mk_gate_gather, sc_c, idx_c, gates_k, s, e, k, 1);
+  c.same("gate.gather renorm", gates_c, gates_k);
+  {
+    auto fs = zeros<float>(s * e), fg = zeros<float>(s * k);
+    auto fi = zeros<int32_t>(s * k);
+    LAUNCH(3, 16, mk_gate_softmax_topk_gather, noisy_c, fs, fi, fg, s, e, k, 1);
+    c.same("fused softmax+topk+gather: scores", sc_c, fs);
+    c.same("fused softmax+topk+gather: idx", idx_c, fi);
+    c.same("fused softmax+topk+gather: gates", gates_c, fg);
+    auto sg = zeros<float>(s * e), sgg = zeros<float>(s * k);
+    auto sgi = zeros<int32_t>(s * k);
+    rt_sigmoid(noisy_c.data(), sg.data(), s * e);
+    rt_topk(sg.data(), sgi.data(), s, e, k);
+    rt_gate_gather(sg.data(), sgi.data(), sgg.data(), s, e, k, false);
+    LAUNCH(3, 16, mk_gate_sigmoid_topk_gather, noisy_c, fs, fi, fg, s, e, k, 0);
+    c.same("fused sigmoid+topk+gather: scores", sg, fs);
+    c.same("fused sigmoid+topk+gather: idx", sgi, fi);
+    c.same("fused sigmoid+topk+gather: gates", sgg, fg);
+  }
+  auto dg = randn(s * k), dsc_c = zeros<float>(s * e), dsc_k = zeros<float>(s * e);
+  rt_gate_gather_grad(dg.data(), sc_c.data(), idx_c.data(), dsc_c.data(), s, e, k, true);
+  LAUNCH(2, 32, mk_gate_gather_grad, dg, sc_c, idx_c, dsc_k, s, e, k, 1);
+  c.same("gate.gather.grad renorm", dsc_c, dsc_k);
+  auto dl_c = zeros<float>(s * e), dl_k = zeros<float>(s * e);
+  rt_softmax_grad(dsc_c.data(), sc_c.data(), dl_c.data(), s, e);
+  LAUNCH(2, 32, mk_softmax_grad, dsc_c, sc_c, dl_k, s, e);
+  c.same("gate.softmax.grad", dl_c, dl_k);
+  for (int cp : {cap, 0}) {  // with drops, and dropless
+    auto loc_c = zeros<int32_t>(s * k), loc_k = zeros<int32_t>(s * k);
+    std::vector<int> stats(g * e * 2);
+    rt_gate_locations(NULL, idx_c.data(), loc_c.data(), s, k, e, g, cp);
+    LAUNCH(g, 4, mk_gate_locations, idx_c, loc_k, stats, s, k, e, g, cp);
+    c.same(cp ? "gate.locations (drops)" : "gate.locations (dropless)", loc_c, loc_k);
+  }
+  auto loc = zeros<int32_t>(s * k);
+  rt_gate_locations(NULL, idx_c.data(), loc.data(), s, k, e, g, cap);
+  {
+    std::vector<float> a_c = {rt_aux_loss(sc_c.data(), idx_c.data(), s, e, k, g) / 2.0f}, a_k = {0};
+    LAUNCH(1, MK_BLOCK, mk_aux_loss, sc_c, idx_c, a_k, s, e, k, g, 2.0f);
+    c.same("gate.aux_loss", a_c, a_k);
+    auto d_c = zeros<float>(s * e), d_k = zeros<float>(s * e);
+    rt_aux_loss_grad(sc_c.data(), idx_c.data(), d_c.data(), s, e, k, g, 0.01f);
+    LAUNCH_SHARED(g, 64, e * sizeof(double), mk_aux_loss_grad, sc_c, idx_c, d_k, s, e, k, g, 0.01f);
+    c.same("gate.aux_loss.grad", d_c, d_k);
+    std::vector<float> z_c = {rt_z_loss(noisy_c.data(), s, e, g)}, z_k = {0};
+    LAUNCH(1, MK_BLOCK, mk_z_loss, noisy_c, z_k, s, e, g, 1.0f);
+    c.same("gate.z_loss", z_c, z_k);
+    rt_z_loss_grad(noisy_c.data(), d_c.data(), s, e, g, 0.001f);
+    LAUNCH(2, 32, mk_z_loss_grad, noisy_c, d_k, s, e, g, 0.001f);
+    c.same("gate.z_loss.grad", d_c, d_k);
+    rt_softmax_tokens(noisy_c.data(), d_c.data(), s, e, g);
+    LAUNCH(2, 8, mk_softmax_tokens, noisy_c, d_k, s, e, g);
+    c.same("gate.softmax_tokens", d_c, d_k);
+    auto dd_c = zeros<float>(s * e), dd_k = zeros<float>(s * e);
+    rt_softmax_tokens_grad(dl_c.data(), d_c.data(), dd_c.data(), s, e, g);
+    LAUNCH(2, 8, mk_softmax_tokens_grad, dl_c, d_c, dd_k, s, e, g);
+    c.same("gate.softmax_tokens.grad", dd_c, dd_k);
+    auto ec_c = zeros<int32_t>(s * e), ec_k = zeros<int32_t>(s * e);
+    auto tied = sc_c;
+    tied[2 * e + 1] = tied[5 * e + 1];
+    rt_expert_choice(NULL, tied.data(), ec_c.data(), s, e, g, 5);
+    LAUNCH(3, 32, mk_expert_choice, tied, ec_k, s, e, g, 5);
+    c.same("gate.expert_choice", ec_c, ec_k);
+    auto io_c = zeros<int32_t>(s * e), io_k = zeros<int32_t>(s * e);
+    rt_iota(io_c.data(), s, e);
+    LAUNCH(2, 64, mk_iota, io_k, s, e);
+    c.same("gate.iota", io_c, io_k);
+  }
+  // ---- order ----
+  size_t slots = (size_t)e * g * cap;
+  auto x = randn((size_t)s * m);
+  {
+    auto d_c = zeros<float>(slots * m), d_k = randn(slots * m);
+    LAUNCH(4, 64, mk_zero, d_k, (int64_t)d_k.size());
+    c.same("zero", d_c, d_k);
+    rt_order_encode(x.data(), idx_c.data(), loc.data(), d_c.data(), s, m, k, e, g, cap);
+    LAUNCH(5, 16, mk_order_encode, x, idx_c, loc, d_k, s, m, k, e, g, cap);
+    c.same("order.encode", d_c, d_k);
+    auto y = randn(slots * m), o_c = zeros<float>(s * m), o_k = zeros<float>(s * m);
+    rt_order_encode_grad(y.data(), idx_c.data(), loc.data(), o_c.data(), s, m, k, e, g, cap);
+    LAUNCH(5, 16, mk_order_encode_grad, y, idx_c, loc, o_k, s, m, k, e, g, cap);
+    c.same("order.encode.grad", o_c, o_k);
+    rt_order_decode(y.data(), idx_c.data(), loc.data(), gates_c.data(), o_c.data(), s, m, k, e, g, cap);
+    LAUNCH(5, 16, mk_order_decode, y, idx_c, loc, gates_c, o_k, s, m, k, e, g, cap);
+    c.same("order.decode", o_c, o_k);
+    rt_order_decode_grad_y(x.data(), idx_c.data(), loc.data(), gates_c.data(), d_c.data(), s, m, k, e, g, cap);
+    LAUNCH(4, 64, mk_zero, d_k, (int64_t)d_k.size());
+    LAUNCH(5, 16, mk_order_decode_grad_y, x, idx_c, loc, gates_c, d_k, s, m, k, e, g, cap);
+    c.same("order.decode.grad_y", d_c, d_k);
+    auto gg_c = zeros<float>(s * k), gg_k = zeros<float>(s * k);
+    rt_order_decode_grad_gates(x.data(), y.data(), idx_c.data(), loc.data(), gg_c.data(), s, m, k, e, g, cap);
+    LAUNCH(7, MK_BLOCK, mk_order_decode_grad_gates, x, y, idx_c, loc, gg_k, s, m, k, e, g, cap);
+    c.same("order.decode.grad_gates", gg_c, gg_k);
+    auto w_c = zeros<float>(s * slots), w_k = zeros<float>(s * slots);
+    rt_dispatch_mask(idx_c.data(), loc.data(), w_c.data(), s, k, e, g, cap);
+    LAUNCH(5, 32, mk_dispatch_mask, idx_c, loc, w_k, s, k, e, g, cap);
+    c.same("order.dispatch_mask", w_c, w_k);
+    rt_combine_weights(idx_c.data(), loc.data(), gates_c.data(), w_c.data(), s, k, e, g, cap);
+    LAUNCH(5, 32, mk_combine_weights, idx_c, loc, gates_c, w_k, s, k, e, g, cap);
+    c.same("order.combine_weights", w_c, w_k);
+    auto dcw = randn(s * slots);
+    rt_combine_weights_grad(dcw.data(), idx_c.data(), loc.data(), gg_c.data(), s, k, e, g, cap);
+    LAUNCH(2, 32, mk_combine_weights_grad, dcw, idx_c, loc, gg_k, s, k, e, g, cap);
+    c.same("order.combine_weights.grad", gg_c, gg_k);
+  }
+  // ---- dense, elementwise, losses, optimizers ----
+  {
+    size_t n = (size_t)s * m;
+    auto a = randn(n), b = randn(n), y_c = zeros<float>(n), y_k = zeros<float>(n);
+    rt_copy(a.data(), y_c.data(), n);
+    LAUNCH(3, 64, mk_copy, a, y_k, n);
+    c.same("copy", y_c, y_k);
+    rt_add(a.data(), b.data(), y_c.data(), n);
+    LAUNCH(3, 64, mk_add, a, b, y_k, n);
+    c.same("add", y_c, y_k);
+    rt_mul(a.data(), b.data(), y_c.data(), n);
+    LAUNCH(3, 64, mk_mul, a, b, y_k, n);
+    c.same("mul", y_c, y_k);
+    auto bias = randn(m), ebias = randn(4 * m);
+    rt_bias(a.data(), bias.data(), y_c.data(), s, m);
+    LAUNCH(3, 64, mk_bias, a, bias, y_k, s, m);
+    c.same("bias", y_c, y_k);
+    rt_expert_bias(a.data(), ebias.data(), y_c.data(), 4, s / 4, m);
+    LAUNCH(3, 64, mk_expert_bias, a, ebias, y_k, 4, s / 4, m);
+    c.same("expert.bias", y_c, y_k);
+    rt_gelu(a.data(), y_c.data(), n);
+    LAUNCH(3, 64, mk_gelu, a, y_k, n);
+    c.same("act.gelu", y_c, y_k);
+    rt_gelu_grad(b.data(), a.data(), y_c.data(), n);
+    LAUNCH(3, 64, mk_gelu_grad, b, a, y_k, n);
+    c.same("act.gelu.grad", y_c, y_k);
+    rt_relu(a.data(), y_c.data(), n);
+    LAUNCH(3, 64, mk_relu, a, y_k, n);
+    c.same("act.relu", y_c, y_k);
+    rt_relu_grad(b.data(), a.data(), y_c.data(), n);
+    LAUNCH(3, 64, mk_relu_grad, b, a, y_k, n);
+    c.same("act.relu.grad", y_c, y_k);
+    rt_silu(a.data(), y_c.data(), n);
+    LAUNCH(3, 64, mk_silu, a, y_k, n);
+    c.same("act.silu", y_c, y_k);
+    rt_silu_grad(b.data(), a.data(), y_c.data(), n);
+    LAUNCH(3, 64, mk_silu_grad, b, a, y_k, n);
+    c.same("act.silu.grad", y_c, y_k);
+    rt_sigmoid(a.data(), y_c.data(), n);
+    LAUNCH(3, 64, mk_sigmoid, a, y_k, n);
+    c.same("gate.sigmoid", y_c, y_k);
+    auto sg_c = zeros<float>(n), sg_k = zeros<float>(n);
+    rt_sigmoid_grad(b.data(), y_c.data(), sg_c.data(), n);
+    LAUNCH(3, 64, mk_sigmoid_grad, b, y_c, sg_k, n);
+    c.same("gate.sigmoid.grad", sg_c, sg_k);
+    auto db_c = zeros<float>(m), db_k = zeros<float>(m);
+    rt_bias_grad(a.data(), db_c.data(), s, m);
+    LAUNCH(1, 32, mk_bias_grad, a, db_k, s, m);
+    c.same("bias.grad", db_c, db_k);
+    auto eb_c = zeros<float>(4 * m), eb_k = zeros<float>(4 * m);
+    rt_expert_bias_grad(a.data(), eb_c.data(), 4, s / 4, m);
+    LAUNCH(2, 32, mk_expert_bias_grad, a, eb_k, 4, s / 4, m);
+    c.same("expert.bias.grad", eb_c, eb_k);
+    rt_l2norm_rows(a.data(), y_c.data(), s, m);
+    LAUNCH(5, MK_BLOCK, mk_l2norm, a, y_k, s, m);
+    c.same("l2norm", y_c, y_k);
+    rt_l2norm_rows_grad(b.data(), a.data(), y_c.data(), s, m);
+    LAUNCH(5, MK_BLOCK, mk_l2norm_grad, b, a, y_k, s, m);
+    c.same("l2norm.grad", y_c, y_k);
+    std::vector<float> sc = {1.7f};
+    rt_div_scalar(a.data(), sc.data(), y_c.data(), n);
+    LAUNCH(3, 64, mk_div_scalar, a, sc, y_k, n);
+    c.same("div_scalar", y_c, y_k);
+    rt_div_scalar_grad_x(b.data(), sc.data(), y_c.data(), n);
+    LAUNCH(3, 64, mk_div_scalar_grad_x, b, sc, y_k, n);
+    c.same("div_scalar.grad_x", y_c, y_k);
+    std::vector<float> ds_c(1), ds_k(1);
+    rt_div_scalar_grad_s(a.data(), b.data(), sc.data(), ds_c.data(), n);
+    LAUNCH(1, MK_BLOCK, mk_div_scalar_grad_s, a, b, sc, ds_k, n);
+    c.same("div_scalar.grad_s", ds_c, ds_k);
+    std::vector<float> l_c = {0.5f * rt_mse(a.data(), b.data(), n)}, l_k = {0};
+    LAUNCH(1, MK_BLOCK, mk_mse, a, b, l_k, n, 0.5f);
+    c.same("loss.mse", l_c, l_k);
+    rt_mse_grad(a.data(), b.data(), y_c.data(), n);
+    rt_scale(y_c.data(), n, 0.5f);
+    LAUNCH(3, 64, mk_mse_grad, a, b, y_k, n, 0.5f);
+    c.same("loss.mse.grad", y_c, y_k);
+    auto p_c = a, p_k = a, m_c = zeros<float>(n), m_k = zeros<float>(n), v_c = zeros<float>(n), v_k = zeros<float>(n);
+    for (int step = 1; step <= 3; step++) {
+      rt_adamw(p_c.data(), b.data(), m_c.data(), v_c.data(), n, 1e-3f, 0.9f, 0.999f, 1e-8f, 0.01f, step);
+      LAUNCH(3, 64, mk_adamw, p_k, b, m_k, v_k, n, 1e-3f, 0.9f, 0.999f, 1e-8f, 0.01f, step);
+    }
+    c.same("opt.adamw (3 steps)", p_c, p_k);
+    p_c = a, p_k = a;
+    for (int step = 1; step <= 3; step++) {
+      rt_sgd(p_c.data(), b.data(), n, 0.1f, 0.01f);
+      LAUNCH(3, 64, mk_sgd, p_k, b, n, 0.1f, 0.01f);
+    }
+    c.same("opt.sgd (3 steps)", p_c, p_k);
+    // hooks
+    auto h = randn(n, 1000.0f);
+    h[0] = 1e-7f, h[1] = 70000.0f, h[2] = -0.0f, h[3] = NAN, h[4] = 65519.0f, h[5] = 3e-8f;
+    auto q_c = zeros<uint16_t>(n), q_k = zeros<uint16_t>(n);
+    rt_compress_f16(h.data(), q_c.data(), n);
+    LAUNCH(3, 64, mk_compress_f16, h, q_k, n);
+    c.same("hook.compress f16", q_c, q_k);
+    rt_decompress_f16(q_c.data(), y_c.data(), n);
+    LAUNCH(3, 64, mk_decompress_f16, q_c, y_k, n);
+    c.same("hook.decompress f16", y_c, y_k);
+    rt_compress_bf16(h.data(), q_c.data(), n);
+    LAUNCH(3, 64, mk_compress_bf16, h, q_k, n);
+    c.same("hook.compress bf16", q_c, q_k);
+    rt_decompress_bf16(q_c.data(), y_c.data(), n);
+    LAUNCH(3, 64, mk_decompress_bf16, q_c, y_k, n);
+    c.same("hook.decompress bf16", y_c, y_k);
+    auto s_c = zeros<float>(s), s_k = zeros<float>(s);
+    rt_int8_scales(h.data(), s_c.data(), s, m);
+    LAUNCH(5, MK_BLOCK, mk_int8_scales, h, s_k, s, m);
+    c.same("hook.scales", s_c, s_k);
+    auto i_c = zeros<int8_t>(n), i_k = zeros<int8_t>(n);
+    rt_compress_int8(h.data(), s_c.data(), i_c.data(), s, m);
+    LAUNCH(3, 64, mk_compress_int8, h, s_c, i_k, s, m);
+    c.same("hook.compress_int8", i_c, i_k);
+    rt_decompress_int8(i_c.data(), s_c.data(), y_c.data(), s, m);
+    LAUNCH(3, 64, mk_decompress_int8, i_c, s_c, y_k, s, m);
+    c.same("hook.decompress_int8", y_c, y_k);
+    std::vector<double> rs_k(3);
+    LAUNCH(1, MK_BLOCK, mk_record_stats, a, rs_k, n);
+    c.same("hook.record stats", record_stats(a), rs_k);
+    // layouts: [blocks*experts, rows, m'] with blocks 3, experts 2, rows 4
+    int R = 3, El = 2, rr = 4, mm = (int)(n / (R * El * rr));
+    rt_expert_major(a.data(), y_c.data(), R, El, rr, mm);
+    LAUNCH(3, 64, mk_expert_major, a, y_k, R, El, rr, mm);
+    c.same("layout.expert_major", y_c, y_k);
+    rt_rank_major(a.data(), y_c.data(), R, El, rr, mm);
+    LAUNCH(3, 64, mk_rank_major, a, y_k, R, El, rr, mm);
+    c.same("layout.rank_major", y_c, y_k);
+    auto c_c = zeros<float>(n / 2), c_k = zeros<float>(n / 2);
+    rt_layout_chunk(a.data(), c_c.data(), 2, 3, 4, (int64_t)(n / 24) * 4, 2, 1);
+    LAUNCH(3, 64, mk_layout_chunk, a, c_k, 2, 3, 4, (int64_t)(n / 24) * 4, 2, 1);
+    c.same("layout.chunk", c_c, c_k);
+    rt_layout_concat(c_c.data(), c_c.data(), y_c.data(), 2, 3, 2, 2, (int64_t)(n / 24) * 4);
+    LAUNCH(3, 64, mk_layout_concat, c_c, c_c, y_k, 2, 3, 2, 2, (int64_t)(n / 24) * 4);
+    c.same("layout.concat", y_c, y_k);
+  }
+}
+
+#endif
