@@ -3,8 +3,11 @@
 # esp 2): sequential (r = 1, straight-line code) against fsmoe with r = 2 and 4, each fsmoe
 # run both threaded (the default) and with MOERT_STREAMS=0 (same chunked task tables, run in
 # program order on one thread), so the threading overhead and any overlap show separately.
-# Median step time of steps 3..N on rank 0. Reports only: on a machine with fewer cores than
-# ranks x streams the threads are oversubscribed and overlap need not pay off.
+# The planned builds (`pipeline auto; grad_partition auto;` with the profile measured on this
+# machine, lang/clusters/cpu-2core.cluster) show the degrees the planner chose and the step time
+# it predicted beside the measured one. Median step time of steps 3..N on rank 0. Reports only:
+# on a machine with fewer cores than ranks x streams the threads are oversubscribed and
+# overlap need not pay off.
 set -u
 cd "$(dirname "$0")/.."
 BUILD=${BUILD:-build}
@@ -31,14 +34,27 @@ EOF
 }
 
 echo "# stream executor, CPU backend, $(nproc) cores, $P ranks, $STEPS steps each (median of steps 3..N)"
-printf '%-34s %12s\n' case "step ms"
+CLUSTER=lang/clusters/cpu-2core.cluster
+printf '%-34s %12s %14s  %s\n' case "step ms" "predicted ms" "degrees (planned builds)"
 status=0
-for c in sequential:1:1 fsmoe:2:2:threads fsmoe:2:2:0 fsmoe:4:4:threads fsmoe:4:4:0; do
+for c in sequential:1:1 fsmoe:2:2:threads fsmoe:2:2:0 fsmoe:4:4:threads fsmoe:4:4:0 sequential:auto:auto fsmoe:auto:auto tutel:auto:auto; do
   IFS=: read -r policy rf rb mode <<<"$c"
   sched=""; [ "$policy" != sequential ] && sched="schedule { policy $policy; pipeline { forward $rf; backward $rb; } }"
   label="$policy r=$rf/$rb"; [ -n "${mode:-}" ] && label="$label ${mode/#0/MOERT_STREAMS=0}"
+  planned=""; predicted="-"; degrees=""
+  if [ "$rf" = auto ]; then
+    sched="schedule { policy $policy; pipeline auto; grad_partition auto; }"
+    label="$policy planned"; planned="--cluster $CLUSTER"
+  fi
   model "$sched" >"$WORK/m.moe"
-  if ! "$BUILD/moec" build "$WORK/m.moe" -o "$WORK/m" 2>"$WORK/err"; then
+  if [ -n "$planned" ]; then
+    # shellcheck disable=SC2086
+    "$BUILD/moec" dump-ir "$WORK/m.moe" $planned --after=gradpart >"$WORK/m.ir" 2>/dev/null
+    predicted=$(head -n 1 "$WORK/m.ir" | grep -o 't_iter_pred=[0-9.e+-]*' | cut -d= -f2 | awk '{printf "%.3f", $1}')
+    degrees=$(grep -o '^func @[^(]*(.* attributes {.*r=[0-9]*' "$WORK/m.ir" | sed 's/^func @\([^(]*\)(.*[{ ,]r=\([0-9]*\)$/\1:\2/' | tr '\n' ' ')
+  fi
+  # shellcheck disable=SC2086
+  if ! "$BUILD/moec" build "$WORK/m.moe" $planned -o "$WORK/m" 2>"$WORK/err"; then
     echo "# $label: build failed: $(head -n 3 "$WORK/err")"; status=1; continue
   fi
   streams=1; [ "${mode:-}" = 0 ] && streams=0
@@ -46,7 +62,7 @@ for c in sequential:1:1 fsmoe:2:2:threads fsmoe:2:2:0 fsmoe:4:4:threads fsmoe:4:
     echo "# $label: run failed: $(tail -n 3 "$WORK/m.out")"; status=1; continue
   fi
   ms=$(grep '^step' "$WORK/m.out" | awk 'NR > 2 {print $(NF-1)}' | sort -g | awk '{a[NR] = $1} END {print a[int((NR + 1) / 2)]}')
-  printf '%-34s %12.3f\n' "$label" "$ms"
+  printf '%-34s %12.3f %14s  %s\n' "$label" "$ms" "$predicted" "$degrees"
 done
 [ $status -eq 0 ] && echo OK || echo FAILED
 exit $status

@@ -97,7 +97,7 @@ static bool is_transport(IrOpKind k) {
          k == IR_OP_LAYOUT_EXPERT_MAJOR || k == IR_OP_LAYOUT_RANK_MAJOR;
 }
 
-// The single user of v in f (NULL unless exactly one).
+// The op of f that reads v, when exactly one op does (NULL otherwise).
 static IrOp *only_user(const IrFunc *f, const IrValue *v) {
   IrOp *user = NULL;
   for (int i = 0; i < f->nops; i++)
@@ -105,6 +105,7 @@ static IrOp *only_user(const IrFunc *f, const IrValue *v) {
       if (f->ops[i]->args[a].value == v) {
         if (user) return NULL;
         user = f->ops[i];
+        break;
       }
   return user;
 }

@@ -17,6 +17,7 @@
 #include <math.h>
 #include <stdlib.h>
 #include <string.h>
+#include <time.h>
 
 #include "pass.h"
 
@@ -52,9 +53,15 @@ static void set_phase(IrModule *m, IrFunc *f, const SchedLayerPlan *lp, int ph, 
   }
 }
 
-static void report(FILE *log, const PassLayer *l, int n, const SchedPlan *plan, const SchedCluster *c) {
-  fprintf(log, "# pipeline: policy %s on cluster '%s' (%d x %d)\n", sched_policy_name[plan->policy], c->name, c->nodes,
-          c->gpus_per_node);
+static double now_ms(void) {
+  struct timespec ts;
+  clock_gettime(CLOCK_MONOTONIC, &ts);
+  return ts.tv_sec * 1e3 + ts.tv_nsec * 1e-6;
+}
+
+static void report(FILE *log, const PassLayer *l, int n, const SchedPlan *plan, const SchedCluster *c, double ms) {
+  fprintf(log, "# pipeline: policy %s on cluster '%s' (%d x %d), planned in %.2f ms\n", sched_policy_name[plan->policy],
+          c->name, c->nodes, c->gpus_per_node, ms);
   fprintf(log, "#   %-20s %6s %6s %6s %10s %10s %12s %12s\n", "layer", "C", "r_fwd", "r_bwd", "t_fwd ms", "t_bwd ms",
           "grad_moe", "grad_dense");
   for (int i = 0; i < n; i++) {
@@ -86,6 +93,7 @@ bool pass_pipeline(IrModule *m, PassCtx *ctx) {
   int *r_max = calloc((size_t)(n > 0 ? n : 1), sizeof *r_max);
   bool ok = cost && r_max;
   SchedPlan plan = {0};
+  double t0 = 0;
   if (ok && n > 0) {
     for (int i = 0; i < n; i++) {
       pass_layer_cost(&l[i], c, &cost[i]);
@@ -97,7 +105,9 @@ bool pass_pipeline(IrModule *m, PassCtx *ctx) {
       r_max[i] = (int)(cap < SCHED_R_MAX ? cap : SCHED_R_MAX);
     }
     SchedStack st = {.n = n, .cost = cost, .r_max = r_max, .choose = ctx->choose};
+    t0 = now_ms();
     ok = sched_plan(&st, pol, &plan);
+    t0 = now_ms() - t0;
     if (!ok) ir_error(ctx->d, "pipeline: the planner failed (an internal error)");
   }
   if (ok && n > 0) {
@@ -111,7 +121,7 @@ bool pass_pipeline(IrModule *m, PassCtx *ctx) {
     ir_attrs_set_float(m->attrs, &m->nattrs, "t_fwd_pred", plan.t_fwd);
     ir_attrs_set_float(m->attrs, &m->nattrs, "t_bwd_pred", plan.t_bwd);
     ir_attrs_set_float(m->attrs, &m->nattrs, "t_iter_pred", plan.t_iter);
-    if (ctx->verbose) report(ctx->log ? ctx->log : stderr, l, n, &plan, c);
+    if (ctx->verbose) report(ctx->log ? ctx->log : stderr, l, n, &plan, c, t0);
   }
   if (!cost || !r_max) ir_error(ctx->d, "out of memory");
   sched_plan_free(&plan);

@@ -64,27 +64,9 @@ static bool reads_expert_param(const IrOp *op) {
   return false;
 }
 
-static bool is_transport(IrOpKind k) {
-  return k == IR_OP_COMM_ALLTOALL || k == IR_OP_COMM_ALLGATHER || k == IR_OP_COMM_REDUCESCATTER ||
-         k == IR_OP_LAYOUT_EXPERT_MAJOR || k == IR_OP_LAYOUT_RANK_MAJOR;
-}
-
 // Ops whose result sums over the slots of a chunked operand: their chunk results are partial.
 static bool reduces_slots(const IrOp *op) {
   return op->kind == IR_OP_EXPERT_BIAS_GRAD || (op->kind == IR_OP_EXPERT_MATMUL && ir_op_int(op, "ta", 0));
-}
-
-// The uses of v among f's ops (count), the single user in *user when there is one.
-static int users(const IrFunc *f, const IrValue *v, IrOp **user) {
-  int n = 0;
-  for (int i = 0; i < f->nops; i++)
-    for (int a = 0; a < f->ops[i]->nargs; a++)
-      if (f->ops[i]->args[a].value == v) {
-        n++;
-        *user = f->ops[i];
-        break;
-      }
-  return n;
 }
 
 // v is read outside the region [lo, hi] of f: by a later or earlier op of f, f's results or
@@ -165,21 +147,11 @@ static int64_t chunk_count(int64_t c, int64_t r) {
 // Splits f's expert region into r chunks. True when done or when f has nothing to chunk.
 static bool chunk_func(Sched *S, IrFunc *f, int64_t r_want) {
   IrModule *m = S->m;
-  int first = -1, last = -1;
-  for (int i = 0; i < f->nops; i++)
-    if (reads_expert_param(f->ops[i])) {
-      if (first < 0) first = i;
-      last = i;
-    }
-  if (first < 0 || r_want <= 1) return true;
-  // Entry: back from the first expert op through the dispatch collectives and layouts.
-  IrValue *entry = f->ops[first]->args[0].value;
-  while (entry && entry->def && entry->func == f && is_transport(entry->def->kind)) entry = entry->def->args[0].value;
-  // Exit: on from the last expert op through the combine layouts, collectives and bias.
-  IrValue *exit = f->ops[last]->result;
-  for (IrOp *u = NULL; exit && users(f, exit, &u) == 1 && (is_transport(u->kind) || u->kind == IR_OP_EXPERT_BIAS);)
-    exit = u->result;
-  if (!entry || entry->func != f || entry->type.rank != 3 || !exit || exit->type.rank != 3) {
+  bool experts = false;
+  for (int i = 0; i < f->nops; i++) experts |= reads_expert_param(f->ops[i]);
+  if (!experts || r_want <= 1) return true;
+  IrValue *entry, *exit;
+  if (!pass_expert_region(f, &entry, &exit)) {
     if (S->ctx->verbose) fprintf(S->log, "# schedule: @%s: no [E, C, M] expert region, not chunked\n", f->name);
     return true;
   }

@@ -38,15 +38,9 @@ $1
 EOF2
 }
 
-run() {  # name -> builds WORK/name.moe, runs it on P ranks into WORK/name.out and WORK/name.dump
-  "$MOEC" build "$WORK/$1.moe" -o "$WORK/$1" 2>"$WORK/err" || { echo "build: $(cat "$WORK/err")"; return 1; }
-  rm -rf "$WORK/$1.dump"
-  (cd "$WORK" && timeout "$TIMEOUT" $MPIRUN -np "$P" "./$1" --steps 3 --dump "$1.dump" >"$1.out" 2>&1 </dev/null) ||
-    { echo "mpirun -np $P: $(tail -n 20 "$WORK/$1.out")"; return 1; }
-}
 
 model "" >"$WORK/ref.moe"
-if ! msg=$(run ref); then bad "reference (sequential, r = 1)" "$msg"; exit 1; fi
+if ! msg=$(run_model ref); then bad "reference (sequential, r = 1)" "$msg"; exit 1; fi
 
 # Every schedule line must have chunked what it asked for (the pass says so with -v).
 cases=""
@@ -72,7 +66,7 @@ for c in $cases; do
   fi
   for rep in $(seq "$REPEAT"); do
     tag=$label; [ "$REPEAT" -gt 1 ] && tag="$label (run $rep)"
-    if ! msg=$(run chunk); then bad "$tag" "$msg"; continue; fi
+    if ! msg=$(run_model chunk); then bad "$tag" "$msg"; continue; fi
     if ! same_losses "$WORK/ref.out" "$WORK/chunk.out"; then
       bad "$tag: losses differ from the unchunked run" "$(paste <(losses "$WORK/ref.out") <(losses "$WORK/chunk.out"))"; continue
     fi

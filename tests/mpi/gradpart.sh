@@ -45,15 +45,9 @@ EOF2
 # Dense (world-replicated) gradient of the model: three gates of 16 x 4.
 TOTAL=192
 
-run() {  # name -> WORK/name (built with the cluster), WORK/name.out, WORK/name.dump
-  "$MOEC" build "$WORK/$1.moe" --cluster "$CLUSTER" -o "$WORK/$1" 2>"$WORK/err" || { echo "build: $(cat "$WORK/err")"; return 1; }
-  rm -rf "$WORK/$1.dump"
-  (cd "$WORK" && timeout "$TIMEOUT" $MPIRUN -np "$P" "./$1" --steps 3 --dump "$1.dump" >"$1.out" 2>&1 </dev/null) ||
-    { echo "mpirun -np $P: $(tail -n 20 "$WORK/$1.out")"; return 1; }
-}
 
 model "" >"$WORK/ref.moe"
-if ! msg=$(run ref); then bad "reference (sequential, r = 1, no partition)" "$msg"; exit 1; fi
+if ! msg=$(run_model ref --cluster "$CLUSTER"); then bad "reference (sequential, r = 1, no partition)" "$msg"; exit 1; fi
 
 # check_ir NAME POLICY MODE: the scheduled IR's degrees and gradient AllReduces.
 check_ir() {
@@ -90,7 +84,7 @@ for c in fsmoe:auto fsmoe-no-iio:auto tutel:auto tutel-improved:auto pipemoe-lin
   label="$policy, grad_partition $mode"
   model "$line" >"$WORK/case.moe"
   if ! what=$(check_ir case "$policy" "$mode"); then bad "$label: the scheduled IR" "$what"; continue; fi
-  if ! msg=$(run case); then bad "$label" "$msg"; continue; fi
+  if ! msg=$(run_model case --cluster "$CLUSTER"); then bad "$label" "$msg"; continue; fi
   if ! same_losses "$WORK/ref.out" "$WORK/case.out"; then
     bad "$label: losses differ from the sequential build" "$(paste <(losses "$WORK/ref.out") <(losses "$WORK/case.out"))"; continue
   fi
