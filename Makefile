@@ -35,9 +35,14 @@ INCLUDES     := -I. -Iir -Ifrontend -Iruntime -I$(BUILD)/gen
 # With cuBLAS and NCCL as well: the GPU runtime build/libmoert_cuda.a (runtime/cuda) and
 # build/cuda/gpu_check, which `make test-gpu` runs (docs/gpu.md). NCCL is the toolkit's, else a
 # Python venv's nvidia/nccl package; NCCL_HOME=/path (holding include/nccl.h and lib/) overrides.
+# moec itself links NVRTC there (for `moec build --target cuda`) and gets the flags the CUDA
+# programs it links need (MOEC_CUDA_CFLAGS, MOEC_CUDA_LIBS); build/cuda/libfake_cuda.a is the
+# fake device tests/cuda/host.sh links CUDA programs against (MOEC_CUDA_FAKE=1).
 ifneq ($(wildcard $(CUDA)/include/nvrtc.h),)
 CUDA_LIBDIR  := $(firstword $(wildcard $(CUDA)/lib64 $(CUDA)/lib))
-CUDA_TARGETS := $(BUILD)/cuda/nvrtc_check
+CUDA_TARGETS := $(BUILD)/cuda/nvrtc_check $(BUILD)/cuda/libfake_cuda.a
+MOEC_NVRTC   := $(BUILD)/obj/cuda/nvrtc.o -L$(CUDA_LIBDIR) -Wl,-rpath,$(CUDA_LIBDIR) -lnvrtc
+CUDA_PROGRAM_CFLAGS := -I$(CUDA)/include
 ifndef NCCL_HOME
 NCCL_HOME    := $(if $(wildcard $(CUDA)/include/nccl.h),$(CUDA),$(shell python3 -c \
                   'import nvidia.nccl; print(nvidia.nccl.__path__[0])' 2>/dev/null))
@@ -46,6 +51,8 @@ NCCL_LIBDIR  := $(patsubst %/,%,$(dir $(firstword $(wildcard $(addsuffix /libncc
                   $(NCCL_HOME)/lib64 $(NCCL_HOME)/lib $(NCCL_HOME)/lib/x86_64-linux-gnu)))))
 ifneq ($(and $(wildcard $(NCCL_HOME)/include/nccl.h),$(NCCL_LIBDIR),$(wildcard $(CUDA)/include/cublas_v2.h)),)
 CUDA_TARGETS += $(BUILD)/libmoert_cuda.a $(BUILD)/cuda/gpu_check
+CUDA_PROGRAM_LIBS := -L$(CUDA_LIBDIR) -L$(NCCL_LIBDIR) -Wl,-rpath,$(CUDA_LIBDIR) -Wl,-rpath,$(NCCL_LIBDIR) \
+                     -lcublas -lcublasLt -l:libnccl.so.2 -ldl
 else
 CUDA_TARGETS += gpu-skip
 endif
@@ -53,9 +60,11 @@ else
 CUDA_TARGETS := cuda-skip
 endif
 
-COMPILER_DEFS := -DMOEC_ROOT=\"$(ROOT)\" -DMOEC_BUILD=\"$(abspath $(BUILD))\" -DMOEC_MPI_LIBS='"$(MPI_LIBS)"'
+COMPILER_DEFS := -DMOEC_ROOT=\"$(ROOT)\" -DMOEC_BUILD=\"$(abspath $(BUILD))\" -DMOEC_MPI_LIBS='"$(MPI_LIBS)"' \
+                 -DMOEC_MPI_CFLAGS='"$(MPI_CFLAGS)"' -DMOEC_CUDA_CFLAGS='"$(CUDA_PROGRAM_CFLAGS)"' \
+                 -DMOEC_CUDA_LIBS='"$(CUDA_PROGRAM_LIBS)"'
 
-.PHONY: all deps demo test test-gpu fuzz bench clean cuda-skip gpu-skip
+.PHONY: all deps demo test test-gpu gpu-models fuzz bench clean cuda-skip gpu-skip
 all: $(BUILD)/moec $(BUILD)/libmoert.a $(CUDA_TARGETS)
 
 deps:
@@ -107,8 +116,15 @@ RUNTIME_LIBS := -lopenblas -lcjson $(MPI_LIBS) -lm
 # runs the runtime's kernels and collectives, so moec links libmoert too.
 CLI_SRC := $(wildcard moec.c plan.c tune.c)
 CLI_OBJ := $(CLI_SRC:%.c=$(BUILD)/obj/%.o)
-$(BUILD)/moec: $(CLI_OBJ) $(BUILD)/libmoec.a $(BUILD)/libmoert.a
-	$(CC) $(CFLAGS) -o $@ $(CLI_OBJ) $(BUILD)/libmoec.a $(BUILD)/libmoert.a -lnlopt $(RUNTIME_LIBS)
+$(BUILD)/moec: $(CLI_OBJ) $(BUILD)/libmoec.a $(BUILD)/libmoert.a $(filter %.o,$(MOEC_NVRTC))
+	$(CC) $(CFLAGS) -o $@ $(CLI_OBJ) $(BUILD)/libmoec.a $(BUILD)/libmoert.a $(MOEC_NVRTC) -lnlopt -ldl $(RUNTIME_LIBS)
+
+# What moec and its link step were configured with (NVRTC, the CUDA and MPI flags) is in these
+# objects: rebuild them when the Makefile changes.
+$(BUILD)/obj/moec.o $(BUILD)/obj/codegen/link.o: Makefile
+ifneq ($(MOEC_NVRTC),)
+$(BUILD)/obj/moec.o: COMPILER_DEFS += -DMOEC_NVRTC
+endif
 
 ifneq ($(wildcard $(CUDA)/include/nvrtc.h),)
 $(BUILD)/obj/cuda/nvrtc.o: codegen/nvrtc.c codegen/cg.h
@@ -141,6 +157,22 @@ $(BUILD)/libmoert_cuda.a: $(CUDA_RT_OBJ)
 $(BUILD)/cuda/kernel_library.cu: $(BUILD)/cuda/nvrtc_check
 	$< --print-library >$@
 
+# The fake device (tests/cuda/fake_cuda.cpp): rt_cuda.h on host memory, the kernel library run
+# as host C++ under emulation (MK_KERNEL list: which kernels synchronise their threads).
+$(BUILD)/cuda/kernel_list.h: $(BUILD)/cuda/nvrtc_check
+	$< --print-kernel-list >$@
+
+$(BUILD)/obj/cuda/fake_cuda.o: tests/cuda/fake_cuda.cpp tests/cuda/host_kernels.h runtime/cuda/rt_cuda.h \
+                               runtime/rt_mpi.h runtime/moert.h $(BUILD)/cuda/kernel_library.cu $(BUILD)/cuda/kernel_list.h
+	@mkdir -p $(dir $@)
+	$(CXX) $(CUDA_CXXFLAGS) $(INCLUDES) -Iruntime/cuda -I$(CUDA)/include $(MPI_CFLAGS) \
+	  -DMK_LIBRARY='"$(abspath $(BUILD))/cuda/kernel_library.cu"' -DMK_KERNEL_LIST='"$(abspath $(BUILD))/cuda/kernel_list.h"' \
+	  -c $< -o $@
+
+$(BUILD)/cuda/libfake_cuda.a: $(BUILD)/obj/cuda/fake_cuda.o
+	@rm -f $@
+	ar rcs $@ $^
+
 $(BUILD)/cuda/gpu_check: tests/cuda/gpu_check.cpp tests/cuda/kernel_cases.h tests/cuda/host_kernels.h \
                          $(BUILD)/cuda/kernel_library.cu $(BUILD)/obj/cuda/nvrtc.o $(BUILD)/libmoert_cuda.a \
                          $(BUILD)/libmoec.a $(BUILD)/libmoert.a
@@ -150,14 +182,19 @@ $(BUILD)/cuda/gpu_check: tests/cuda/gpu_check.cpp tests/cuda/kernel_cases.h test
 	  $(BUILD)/libmoert_cuda.a $(BUILD)/libmoec.a $(BUILD)/libmoert.a $(CUDA_LIBS) $(RUNTIME_LIBS) -pthread
 
 # The GPU checks (tests/cuda/gpu.sh): one line per check and the totals; without a GPU one skip
-# line. No `deps`: GPU machines have no apt.
+# line. No `deps`: GPU machines have no apt. gpu-models: the CUDA and CPU model binaries that
+# gpu.sh compares, built here to be carried to a GPU machine (docs/gpu.md).
 test-gpu: $(filter $(BUILD)/cuda/gpu_check,$(CUDA_TARGETS))
 	@BUILD=$(BUILD) CUDA=$(CUDA) bash tests/cuda/gpu.sh
+gpu-models: $(BUILD)/moec $(BUILD)/libmoert.a $(filter $(BUILD)/libmoert_cuda.a,$(CUDA_TARGETS))
+	@BUILD=$(BUILD) CUDA=$(CUDA) bash tests/cuda/gpu.sh --build-models
 gpu-skip:
 	@echo "# no cuBLAS ($(CUDA)/include/cublas_v2.h) or NCCL (NCCL_HOME=$(NCCL_HOME): include/nccl.h, lib/libnccl.so.2): libmoert_cuda.a and gpu_check skipped"
 else
 test-gpu:
 	@BUILD=$(BUILD) CUDA=$(CUDA) bash tests/cuda/gpu.sh
+gpu-models:
+	@echo "# no CUDA toolkit at $(CUDA): no CUDA model binaries"
 endif
 cuda-skip:
 	@echo "# no CUDA toolkit at $(CUDA) ($(CUDA)/include/nvrtc.h): CUDA parts (NVRTC, nvrtc_check) skipped"
@@ -230,3 +267,23 @@ bench: deps all $(BUILD)/bench/gate_order $(BUILD)/bench/alltoall $(BUILD)/bench
 
 clean:
 	rm -rf $(BUILD)
+
+# ---- make bench-gpu (issue 7): one MoE layer on a GPU, moec beside PyTorch and the cuBLAS roofline ----
+# build/bench/gpu_layer (bench/gpu_layer.cpp: moec's CUDA kernels + cuBLAS through libmoert_cuda),
+# built where gpu_check is (the CUDA toolkit, cuBLAS and NCCL), then bench/gpu.sh runs it and
+# bench/torch_ref.py on the same shapes. Without a GPU, skip lines and exit status 0 (docs/gpu.md).
+.PHONY: bench-gpu
+ifneq ($(filter $(BUILD)/cuda/gpu_check,$(CUDA_TARGETS)),)
+$(BUILD)/bench/gpu_layer: bench/gpu_layer.cpp tests/cuda/host_kernels.h $(BUILD)/cuda/kernel_library.cu \
+                          $(BUILD)/obj/cuda/nvrtc.o $(BUILD)/libmoert_cuda.a $(BUILD)/libmoec.a $(BUILD)/libmoert.a
+	@mkdir -p $(dir $@)
+	$(CXX) $(CUDA_CXXFLAGS) $(INCLUDES) $(CUDA_INCLUDES) $(MPI_CFLAGS) \
+	  -DMK_LIBRARY='"$(abspath $(BUILD))/cuda/kernel_library.cu"' -o $@ $< $(BUILD)/obj/cuda/nvrtc.o \
+	  $(BUILD)/libmoert_cuda.a $(BUILD)/libmoec.a $(BUILD)/libmoert.a $(CUDA_LIBS) $(RUNTIME_LIBS) -pthread
+
+bench-gpu: $(BUILD)/bench/gpu_layer
+	@BUILD=$(BUILD) CUDA=$(CUDA) bash bench/gpu.sh $(BENCH_GPU_ARGS)
+else
+bench-gpu: $(filter cuda-skip gpu-skip,$(CUDA_TARGETS))
+	@BUILD=$(BUILD) CUDA=$(CUDA) bash bench/gpu.sh $(BENCH_GPU_ARGS)
+endif

@@ -4,6 +4,7 @@
 //   moec dump-ir F.moe [--after=PASS | --all]
 //   moec dump-ir F.ir                read IR text back, verify it, print it
 //   moec build F.moe [-o BIN] [-v] [--emit c|cuda] [--keep-c F.c] [--cluster C] [--target T]
+//                    [--gpu-arch sm_NN]
 //   moec plan | sweep                the FSMoE schedule model (plan.c)
 //   mpirun -np P moec tune ...       profile a cluster, fit, write a .cluster (tune.c)
 //   moec ops | passes                the op table and the pass list
@@ -37,11 +38,14 @@ static void usage(FILE *out) {
           "  build F.moe               compile a model into a training binary\n"
           "      -o BIN                output (default: the model file's name without .moe)\n"
           "      -v                    report what the passes decided (memory plan, ...)\n"
-          "      --emit c              write the generated C program to -o (or stdout) instead\n"
+          "      --emit c              write the generated C program (of the target) to -o (or stdout) instead\n"
           "      --emit cuda           write the generated CUDA kernels (for NVRTC) to -o (or stdout)\n"
           "      --keep-c F.c          also keep the generated C program as F.c\n"
           "      --cluster C           cluster profile (overrides the model's 'cluster' statement)\n"
-          "      --target cpu|auto     code generation target (default auto: CPU on this build)\n"
+          "      --target cpu|cuda|auto  cpu (default): OpenBLAS and MPI; cuda: one GPU per rank (CUDA\n"
+          "                            kernels, cuBLAS, NCCL); auto: cuda where a GPU is visible, else cpu\n"
+          "      --gpu-arch sm_NN      the GPU architecture of the CUDA kernels (default sm_90; the PTX\n"
+          "                            embedded beside them runs on newer GPUs)\n"
           "  plan F.moe [--cluster C] [--policy P|all] [--svg F] [--trace F] [--json F]\n"
           "                            the FSMoE schedule model: pipeline degrees, gradient partition,\n"
           "                            predicted times per policy, timelines (see 'moec plan --help')\n"
@@ -58,7 +62,7 @@ static void usage(FILE *out) {
 }
 
 typedef struct Options {
-  const char *input, *output, *after, *emit, *keep_c, *cluster, *target;
+  const char *input, *output, *after, *emit, *keep_c, *cluster, *target, *gpu_arch;
   bool all, verbose;
 } Options;
 
@@ -77,6 +81,8 @@ static bool parse_options(int argc, char **argv, Options *o) {
     else if (strcmp(a, "--keep-c") == 0) value = &o->keep_c;
     else if (strcmp(a, "--cluster") == 0) value = &o->cluster;
     else if (strcmp(a, "--target") == 0) value = &o->target;
+    else if (strcmp(a, "--gpu-arch") == 0) value = &o->gpu_arch;
+    else if (strncmp(a, "--gpu-arch=", 11) == 0) o->gpu_arch = a + 11;
     else if (strncmp(a, "--after=", 8) == 0) o->after = a + 8;
     else if (strncmp(a, "--target=", 9) == 0) o->target = a + 9;
     else if (strncmp(a, "--emit=", 7) == 0) o->emit = a + 7;
@@ -110,9 +116,20 @@ static bool parse_options(int argc, char **argv, Options *o) {
     fprintf(stderr, "moec: error: --emit takes 'c' or 'cuda'\n");
     return false;
   }
-  if (o->target && strcmp(o->target, "cpu") != 0 && strcmp(o->target, "auto") != 0) {
-    fprintf(stderr, "moec: error: target '%s' is not supported yet (cpu, auto)\n", o->target);
+  if (o->target && strcmp(o->target, "cpu") != 0 && strcmp(o->target, "cuda") != 0 && strcmp(o->target, "auto") != 0) {
+    fprintf(stderr, "moec: error: unknown target '%s' (cpu, cuda or auto)\n", o->target);
     return false;
+  }
+  if (o->gpu_arch) {
+    const char *digits = strncmp(o->gpu_arch, "sm_", 3) == 0 ? o->gpu_arch + 3 : "";
+    if (!*digits || strspn(digits, "0123456789") != strlen(digits) || atoi(digits) < 50) {
+      fprintf(stderr, "moec: error: --gpu-arch takes an architecture like sm_80 or sm_90, not '%s'\n", o->gpu_arch);
+      return false;
+    }
+    if (o->target && strcmp(o->target, "cpu") == 0) {
+      fprintf(stderr, "moec: error: --gpu-arch is for --target cuda (or auto), not --target cpu\n");
+      return false;
+    }
   }
   return true;
 }
@@ -220,6 +237,81 @@ static char *default_output(const char *input) {
   return out;
 }
 
+// ---- targets ----
+
+#ifdef MOEC_NVRTC
+#define HAVE_NVRTC true
+// The model's kernels (cg_emit_cuda) compiled by NVRTC: the CUBIN for arch and the PTX of its
+// virtual architecture. The images are malloc'd (freed by free_images).
+static bool cuda_images(IrDiag *d, const IrModule *m, const PassMemPlan *plan, const char *arch, CgCudaImages *img) {
+  char *src = NULL;
+  size_t n = 0;
+  FILE *f = open_memstream(&src, &n);
+  if (!f) return ir_error(d, "out of memory");
+  bool ok = cg_emit_cuda(d, f, m, plan);
+  if (fclose(f) != 0) ok = ir_error(d, "out of memory");
+  void *cubin = NULL;
+  char *ptx = NULL;
+  ok = ok && cg_nvrtc_compile(d, src, arch, &cubin, &img->cubin_size) && cg_nvrtc_ptx(d, src, arch, &ptx, &img->ptx_size);
+  free(src);
+  img->arch = arch;
+  img->cubin = cubin;
+  img->ptx = ptx;
+  return ok;
+}
+#else
+#define HAVE_NVRTC false
+static bool cuda_images(IrDiag *d, const IrModule *m, const PassMemPlan *plan, const char *arch, CgCudaImages *img) {
+  (void)m, (void)plan, (void)arch, (void)img;
+  return ir_error(d, "this moec was built without NVRTC (make links it into build/moec only where it finds the CUDA "
+                     "toolkit, CUDA=/usr/local/cuda by default), so it cannot compile the kernels of --target cuda; "
+                     "use a moec built by 'make' where the toolkit is, or build with --target cpu");
+}
+#endif
+
+static void free_images(CgCudaImages *img) {
+  free((void *)img->cubin);
+  free((void *)img->ptx);
+}
+
+// The target of a build: --target as given, auto decided here (and said, with the reason).
+static CgTarget resolve_target(const Options *o) {
+  const char *t = o->target ? o->target : "cpu";
+  if (strcmp(t, "cuda") == 0) {
+    if (o->verbose) fprintf(stderr, "# target: cuda (--target cuda), kernels for %s\n", o->gpu_arch ? o->gpu_arch : "sm_90");
+    return CG_TARGET_CUDA;
+  }
+  if (strcmp(t, "cpu") == 0) {
+    if (o->verbose) fprintf(stderr, "# target: cpu%s\n", o->target ? " (--target cpu)" : " (the default; --target auto picks cuda where a GPU is visible)");
+    return CG_TARGET_CPU;
+  }
+  char why[512];
+  bool gpu = cg_gpu_probe(why, sizeof why);
+  if (gpu && HAVE_NVRTC) {
+    fprintf(stderr, "# target: auto -> cuda (a GPU is visible: %s), kernels for %s\n", why, o->gpu_arch ? o->gpu_arch : "sm_90");
+    return CG_TARGET_CUDA;
+  }
+  if (gpu)
+    fprintf(stderr, "# target: auto -> cpu (a GPU is visible, %s, but this moec was built without the CUDA toolkit)\n", why);
+  else
+    fprintf(stderr, "# target: auto -> cpu (no GPU: %s)\n", why);
+  return CG_TARGET_CPU;
+}
+
+// Writes the host program of the target to out (the CUDA one compiles the kernels first).
+static bool emit_program(IrDiag *d, FILE *out, const IrModule *m, const PassMemPlan *plan, const Options *o,
+                         CgTarget target) {
+  if (target == CG_TARGET_CPU) return cg_emit_c(d, out, m, plan, o->input);
+  CgCudaImages img = {0};
+  bool ok = cuda_images(d, m, plan, o->gpu_arch ? o->gpu_arch : "sm_90", &img);
+  if (ok && o->verbose)
+    fprintf(stderr, "# nvrtc: CUBIN for %s %zu bytes, PTX %zu bytes, embedded in the program\n", img.arch,
+            img.cubin_size, img.ptx_size);
+  ok = ok && cg_emit_cuda_host(d, out, m, plan, o->input, &img);
+  free_images(&img);
+  return ok;
+}
+
 static int cmd_build(IrDiag *d, const Options *o) {
   IrSource *src = NULL;
   Cluster cl;
@@ -230,8 +322,8 @@ static int cmd_build(IrDiag *d, const Options *o) {
   char *output = NULL;
   FILE *c = NULL;
   if (!m || !pass_run_pipeline(m, &ctx)) goto done;
-  if (o->verbose && (!o->target || strcmp(o->target, "auto") == 0))
-    fprintf(stderr, "# target: cpu (this moec has no CUDA backend yet)\n");
+  bool cuda_unit = o->emit && strcmp(o->emit, "cuda") == 0;
+  CgTarget target = cuda_unit ? CG_TARGET_CUDA : resolve_target(o);
 
   if (o->emit) {  // --emit c: the program only; --emit cuda: the CUDA kernels only
     c = o->output ? fopen(o->output, "w") : stdout;
@@ -239,7 +331,7 @@ static int cmd_build(IrDiag *d, const Options *o) {
       ir_error(d, "cannot write '%s'", o->output);
       goto done;
     }
-    bool ok = strcmp(o->emit, "cuda") == 0 ? cg_emit_cuda(d, c, m, ctx.memplan) : cg_emit_c(d, c, m, ctx.memplan, o->input);
+    bool ok = cuda_unit ? cg_emit_cuda(d, c, m, ctx.memplan) : emit_program(d, c, m, ctx.memplan, o, target);
     if (c != stdout && fclose(c) != 0) ok = ir_error(d, "cannot write '%s'", o->output);
     c = NULL;
     status = ok ? 0 : 1;
@@ -257,11 +349,11 @@ static int cmd_build(IrDiag *d, const Options *o) {
     ir_error(d, "cannot write '%s'", c_path);
     goto done;
   }
-  bool ok = cg_emit_c(d, c, m, ctx.memplan, o->input);
+  bool ok = emit_program(d, c, m, ctx.memplan, o, target);
   if (fclose(c) != 0) ok = ir_error(d, "cannot write '%s'", c_path);
   c = NULL;
   output = o->output ? strdup(o->output) : default_output(o->input);
-  if (ok && output && cg_link(d, c_path, output, o->verbose)) {
+  if (ok && output && cg_link(d, c_path, output, target, o->verbose)) {
     status = 0;
     if (o->verbose) fprintf(stderr, "# wrote %s\n", output);
   }

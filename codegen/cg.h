@@ -21,6 +21,27 @@ bool cg_emit_c(IrDiag *d, FILE *out, const IrModule *m, const PassMemPlan *plan,
 bool cg_emit_cuda(IrDiag *d, FILE *out, const IrModule *m, const PassMemPlan *plan);
 // The same prelude with every kernel the CUDA target has (the test of the whole library).
 void cg_emit_cuda_library(FILE *out);
+// One line per kernel of the library, `MK_KERNEL(name, syncs)`: syncs is 1 when the kernel
+// calls __syncthreads (directly or through a prelude function), for the host emulation of the
+// fake device (tests/cuda/fake_cuda.cpp), which runs the threads of other kernels one by one.
+void cg_emit_cuda_kernel_list(FILE *out);
+
+// The kernels of cg_emit_cuda compiled by NVRTC, for the CUDA host program to embed.
+typedef struct CgCudaImages {
+  const char *arch;          // "sm_90": the CUBIN's architecture (the PTX is of compute_90)
+  const void *cubin;
+  size_t cubin_size;
+  const char *ptx;           // NUL-terminated text
+  size_t ptx_size;
+} CgCudaImages;
+
+// Writes the CUDA target's host program of module m (codegen/emit_cuda_host.c): the training
+// step as calls into runtime/cuda (kernel launches of cg_emit_cuda's unit, cuBLAS GEMMs, NCCL
+// collectives on the scheduled streams) with the images embedded, linked with libmoert_cuda
+// and libmoert into a binary that trains on one GPU per rank. False (with a diagnostic) on an
+// op it cannot emit.
+bool cg_emit_cuda_host(IrDiag *d, FILE *out, const IrModule *m, const PassMemPlan *plan, const char *source_name,
+                       const CgCudaImages *images);
 
 // NVRTC (codegen/nvrtc.c, built only where the CUDA toolkit is found). arch is "sm_80", "sm_90"
 // (any "sm_NN"): the CUBIN for that architecture, and the PTX of compute_NN that newer GPUs
@@ -28,9 +49,17 @@ void cg_emit_cuda_library(FILE *out);
 bool cg_nvrtc_compile(IrDiag *d, const char *src, const char *arch, void **cubin, size_t *size);
 bool cg_nvrtc_ptx(IrDiag *d, const char *src, const char *arch, char **ptx, size_t *size);
 
-// Compiles and links the C file at c_path with libmoert into the executable out_path using
-// the system C compiler ($CC, default cc). The compiler's output goes to stderr; false with a
-// diagnostic when it fails.
-bool cg_link(IrDiag *d, const char *c_path, const char *out_path, bool verbose);
+typedef enum CgTarget { CG_TARGET_CPU, CG_TARGET_CUDA } CgTarget;
+
+// Compiles and links the C file at c_path into the executable out_path using the system C
+// compiler ($CC, default cc): with libmoert for the CPU target; for the CUDA target with
+// libmoert_cuda, libmoert, cuBLAS, NCCL and libdl (or, with MOEC_CUDA_FAKE=1 in the
+// environment, a test hook, with tests/cuda's fake device library instead of libmoert_cuda and
+// the CUDA libraries). The compiler's output goes to stderr; false with a diagnostic when it
+// fails or a library is missing.
+bool cg_link(IrDiag *d, const char *c_path, const char *out_path, CgTarget target, bool verbose);
+// Whether a GPU can be used here: the NVIDIA driver (libcuda.so.1, opened with dlopen) loads,
+// cuInit succeeds and it sees a device. False with the reason in why. For `--target auto`.
+bool cg_gpu_probe(char *why, size_t size);
 
 #endif

@@ -11,7 +11,7 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "cg.h"
+#include "cg_internal.h"
 
 typedef struct Emit {
   FILE *out;
@@ -55,14 +55,18 @@ static void route_dims(Emit *e, const IrOp *op, int64_t s, int64_t m, int64_t k)
           ir_op_int(op, "experts", 0), ir_op_int(op, "groups", 1), ir_op_int(op, "capacity", 0));
 }
 
-static const char *group_enum(const IrOp *op) {
+static const char *const group_enums[] = {"RT_GROUP_WORLD", "RT_GROUP_DP", "RT_GROUP_MP", "RT_GROUP_EP",
+                                          "RT_GROUP_ESP"};
+
+int cg_group_index(const IrOp *op) {
+  static const char *const names[] = {"world", "dp", "mp", "ep", "esp"};
   const char *g = ir_op_str(op, "group", "world");
-  if (strcmp(g, "dp") == 0) return "RT_GROUP_DP";
-  if (strcmp(g, "mp") == 0) return "RT_GROUP_MP";
-  if (strcmp(g, "ep") == 0) return "RT_GROUP_EP";
-  if (strcmp(g, "esp") == 0) return "RT_GROUP_ESP";
-  return "RT_GROUP_WORLD";
+  for (int i = 1; i < 5; i++)
+    if (strcmp(g, names[i]) == 0) return i;
+  return 0;
 }
+
+const char *cg_group_enum(const IrOp *op) { return group_enums[cg_group_index(op)]; }
 
 static bool emit_op(Emit *e, const IrOp *op) {
   FILE *out = e->out;
@@ -275,27 +279,27 @@ static bool emit_op(Emit *e, const IrOp *op) {
       fprintf(out, "  rt_scale(%s, %" PRId64 ", (float)%.17g);\n", r, n, ir_op_float(op, "scale", 1));
     return true;
   case IR_OP_COMM_SPLIT:
-    fprintf(out, "rt_copy(%s + (int64_t)rt_comm_rank(%s) * %" PRId64 ", %s, %" PRId64 ");\n", a[0], group_enum(op), n,
+    fprintf(out, "rt_copy(%s + (int64_t)rt_comm_rank(%s) * %" PRId64 ", %s, %" PRId64 ");\n", a[0], cg_group_enum(op), n,
             r, n);
     return true;
   case IR_OP_COMM_ALLGATHER:
-    fprintf(out, "rt_allgather(%s, %s, %s, %" PRId64 ");\n", group_enum(op), a[0], r, ir_type_numel(t0));
+    fprintf(out, "rt_allgather(%s, %s, %s, %" PRId64 ");\n", cg_group_enum(op), a[0], r, ir_type_numel(t0));
     return true;
   case IR_OP_COMM_REDUCESCATTER:
-    fprintf(out, "rt_reducescatter(%s, %s, %s, %" PRId64 ");\n", group_enum(op), a[0], r, n);
+    fprintf(out, "rt_reducescatter(%s, %s, %s, %" PRId64 ");\n", cg_group_enum(op), a[0], r, n);
     return true;
   case IR_OP_COMM_ALLTOALL: {
     const char *algo = ir_op_str(op, "algo", "nccl");
-    fprintf(out, "rt_alltoall(%s, %s, %s, %s, %" PRId64 ");\n", group_enum(op),
+    fprintf(out, "rt_alltoall(%s, %s, %s, %s, %" PRId64 ");\n", cg_group_enum(op),
             strcmp(algo, "1dh") == 0 ? "RT_A2A_1DH" : strcmp(algo, "2dh") == 0 ? "RT_A2A_2DH" : "RT_A2A_FLAT", a[0], r,
             n / ir_op_int(op, "size", 1));
     return true;
   }
   case IR_OP_COMM_ALLREDUCE:
-    fprintf(out, "rt_copy(%s, %s, %" PRId64 ");\n  rt_allreduce(%s, %s, %" PRId64 ");\n", a[0], r, n, group_enum(op), r, n);
+    fprintf(out, "rt_copy(%s, %s, %" PRId64 ");\n  rt_allreduce(%s, %s, %" PRId64 ");\n", a[0], r, n, cg_group_enum(op), r, n);
     return true;
   case IR_OP_COMM_ALLREDUCE_GRAD:  // a slice of a parameter's gradient, in place (passes/gradpart.c)
-    fprintf(out, "rt_allreduce(%s, st->grads + %" PRId64 ", %" PRId64 ");\n", group_enum(op),
+    fprintf(out, "rt_allreduce(%s, st->grads + %" PRId64 ", %" PRId64 ");\n", cg_group_enum(op),
             e->param_offset[op->args[0].param->index] + ir_op_int(op, "offset", 0), ir_op_int(op, "count", 0));
     return true;
   case IR_OP_LAYOUT_EXPERT_MAJOR:
@@ -353,12 +357,10 @@ static bool emit_op(Emit *e, const IrOp *op) {
 // A function with ops on the intra or inter stream is emitted as tasks: runs of consecutive
 // ops on one stream, cut before an op that waits and after an op that records an event, one
 // static function each, and a table {stream, fn, waits, event} in program order; the step
-// calls rt_run_streams on it. Events are renumbered per function (waits on events of other
-// functions are dropped: function boundaries are full synchronisations). Collectives on the
-// same group must not overlap and must be issued in the same order on every rank, so a
-// collective also waits for the previous collective on its group when that one ran on another
-// stream. MOEC_STREAMS=0 in the environment emits scheduled functions straight-line as before.
-static bool func_scheduled(const IrFunc *f) {
+// calls rt_run_streams on it. Events are cg_events' (renumbered per function, a collective
+// waiting for the previous one on its group). MOEC_STREAMS=0 in the environment emits
+// scheduled functions straight-line as before.
+bool cg_func_scheduled(const IrFunc *f) {
   const char *env = getenv("MOEC_STREAMS");
   if (env && strcmp(env, "0") == 0) return false;
   for (int i = 0; i < f->nops; i++)
@@ -366,13 +368,69 @@ static bool func_scheduled(const IrFunc *f) {
   return false;
 }
 
-static bool is_collective(IrOpKind k) {
+bool cg_is_collective(IrOpKind k) {
   return k == IR_OP_COMM_ALLTOALL || k == IR_OP_COMM_ALLGATHER || k == IR_OP_COMM_REDUCESCATTER ||
          k == IR_OP_COMM_ALLREDUCE || k == IR_OP_COMM_ALLREDUCE_GRAD;
 }
 
-static const char *stream_enum(IrStream s) {
+const char *cg_stream_enum(IrStream s) {
   return s == IR_STREAM_INTRA ? "RT_STREAM_INTRA" : s == IR_STREAM_INTER ? "RT_STREAM_INTER" : "RT_STREAM_COMPUTE";
+}
+
+static IrStream stream_of(const IrOp *op) { return op->stream == IR_STREAM_NONE ? IR_STREAM_COMPUTE : op->stream; }
+
+bool cg_events(IrDiag *d, const IrFunc *f, CgEvents *ev) {
+  int n = f->nops;
+  ev->dep = malloc(((size_t)n + 1) * sizeof *ev->dep);
+  ev->local = malloc(((size_t)n + 1) * sizeof *ev->local);
+  ev->rec = calloc((size_t)n + 1, sizeof *ev->rec);
+  ev->count = 0;
+  if (!ev->dep || !ev->local || !ev->rec) {
+    cg_events_free(ev);
+    return ir_error(d, "out of memory");
+  }
+  for (int i = 0; i < n; i++) {
+    const IrOp *op = f->ops[i];
+    ev->dep[i] = -1;
+    ev->local[i] = -1;
+    if (op->event >= 0) ev->rec[i] = true;
+    if (!cg_is_collective(op->kind)) continue;
+    for (int j = i - 1; j >= 0; j--) {
+      const IrOp *p = f->ops[j];
+      if (!cg_is_collective(p->kind) || cg_group_index(p) != cg_group_index(op)) continue;
+      if (p->stream != op->stream) {
+        ev->dep[i] = j;
+        ev->rec[j] = true;
+      }
+      break;
+    }
+  }
+  for (int i = 0; i < n; i++)
+    if (ev->rec[i]) ev->local[i] = ev->count++;
+  return true;
+}
+
+void cg_events_free(CgEvents *ev) {
+  free(ev->dep);
+  free(ev->local);
+  free(ev->rec);
+  ev->dep = ev->local = NULL;
+  ev->rec = NULL;
+}
+
+int cg_op_waits(const IrFunc *f, const CgEvents *ev, int i, int *waits, int max) {
+  const IrOp *op = f->ops[i];
+  int nw = 0;
+  for (int w = 0; w < op->nwaits; w++) {
+    int e = -1;
+    for (int j = 0; j < i; j++)
+      if (f->ops[j]->event == op->waits[w]) e = ev->local[j];
+    bool seen = false;
+    for (int k = 0; k < nw; k++) seen |= waits[k] == e;
+    if (e >= 0 && !seen && nw < max) waits[nw++] = e;
+  }
+  if (ev->dep[i] >= 0 && nw < max) waits[nw++] = ev->local[ev->dep[i]];
+  return nw;
 }
 
 #define TASK_WAITS 16  // RT_TASK_MAX_WAITS
@@ -381,41 +439,19 @@ static const char *stream_enum(IrStream s) {
 // and event counts in *ntasks and *nevents.
 static bool emit_tasks(Emit *e, const IrFunc *f, int fi, int *ntasks_out, int *nevents_out) {
   int n = f->nops;
-  int *dep = malloc(((size_t)n + 1) * sizeof *dep);      // extra wait: op index, -1 none
-  bool *rec = calloc((size_t)n + 1, sizeof *rec);         // op records an event
-  int *local = malloc(((size_t)n + 1) * sizeof *local);   // op's local event, -1 none
+  CgEvents ev;
+  if (!cg_events(e->d, f, &ev)) return false;
   int *task_of = malloc(((size_t)n + 1) * sizeof *task_of);
-  bool ok = dep && rec && local && task_of;
+  bool ok = task_of != NULL;
   if (!ok) {
     ir_error(e->d, "out of memory");
     goto out;
   }
-  for (int i = 0; i < n; i++) {
-    const IrOp *op = f->ops[i];
-    dep[i] = -1;
-    local[i] = -1;
-    if (op->event >= 0) rec[i] = true;
-    if (!is_collective(op->kind)) continue;
-    for (int j = i - 1; j >= 0; j--) {
-      const IrOp *p = f->ops[j];
-      if (!is_collective(p->kind) || strcmp(group_enum(p), group_enum(op)) != 0) continue;
-      if (p->stream != op->stream) {
-        dep[i] = j;
-        rec[j] = true;
-      }
-      break;
-    }
-  }
-  int nev = 0;
-  for (int i = 0; i < n; i++)
-    if (rec[i]) local[i] = nev++;
   // Tasks: cut before an op with waits, after an op with an event, where the stream changes.
   int ntasks = 0;
   for (int i = 0; i < n; i++) {
     const IrOp *op = f->ops[i];
-    bool cut = i == 0 || op->nwaits > 0 || dep[i] >= 0 || rec[i - 1] ||
-               (op->stream == IR_STREAM_NONE ? IR_STREAM_COMPUTE : op->stream) !=
-                   (f->ops[i - 1]->stream == IR_STREAM_NONE ? IR_STREAM_COMPUTE : f->ops[i - 1]->stream);
+    bool cut = i == 0 || op->nwaits > 0 || ev.dep[i] >= 0 || ev.rec[i - 1] || stream_of(op) != stream_of(f->ops[i - 1]);
     if (cut) {
       if (i > 0) fprintf(e->out, "}\n\n");
       fprintf(e->out, "static void task_%d_%d(RtStep *st) {\n  unsigned char *A = st->arena;\n  (void)A;\n", fi, ntasks);
@@ -433,36 +469,25 @@ static bool emit_tasks(Emit *e, const IrFunc *f, int fi, int *ntasks_out, int *n
     if (i > 0 && task_of[i] == task_of[i - 1]) continue;
     int last = i;
     while (last + 1 < n && task_of[last + 1] == task_of[i]) last++;
-    const IrOp *op = f->ops[i];
-    int waits[TASK_WAITS], nw = 0;
-    for (int w = 0; w < op->nwaits; w++) {
-      int ev = -1;
-      for (int j = 0; j < i; j++)
-        if (f->ops[j]->event == op->waits[w]) ev = local[j];
-      bool seen = false;
-      for (int k = 0; k < nw; k++) seen |= waits[k] == ev;
-      if (ev >= 0 && !seen && nw < TASK_WAITS) waits[nw++] = ev;
-    }
-    if (dep[i] >= 0 && nw < TASK_WAITS) waits[nw++] = local[dep[i]];
-    fprintf(e->out, "  {%s, task_%d_%d, %d, {", stream_enum(op->stream), fi, task_of[i], nw);
+    int waits[TASK_WAITS];
+    int nw = cg_op_waits(f, &ev, i, waits, TASK_WAITS);
+    fprintf(e->out, "  {%s, task_%d_%d, %d, {", cg_stream_enum(f->ops[i]->stream), fi, task_of[i], nw);
     for (int k = 0; k < nw; k++) fprintf(e->out, "%s%d", k ? ", " : "", waits[k]);
     if (nw == 0) fprintf(e->out, "0");
-    fprintf(e->out, "}, %d},\n", local[last]);
+    fprintf(e->out, "}, %d},\n", ev.local[last]);
   }
   fprintf(e->out, "};\n\n");
   *ntasks_out = ntasks;
-  *nevents_out = nev;
+  *nevents_out = ev.count;
 out:
-  free(dep);
-  free(rec);
-  free(local);
+  cg_events_free(&ev);
   free(task_of);
   return ok;
 }
 
 static bool emit_func(Emit *e, const IrFunc *f) {
   fprintf(e->out, "  /* @%s */\n", f->name);
-  if (func_scheduled(f)) {
+  if (cg_func_scheduled(f)) {
     fprintf(e->out, "  rt_run_streams(st, tasks_%d, (int)(sizeof tasks_%d / sizeof tasks_%d[0]), tasks_%d_events);\n",
             f->index, f->index, f->index, f->index);
     return true;
@@ -472,7 +497,7 @@ static bool emit_func(Emit *e, const IrFunc *f) {
   return true;
 }
 
-static bool is_suffix(const char *s, const char *suffix) {
+bool cg_is_suffix(const char *s, const char *suffix) {
   size_t n = strlen(s), k = strlen(suffix);
   return n >= k && strcmp(s + n - k, suffix) == 0;
 }
@@ -508,19 +533,18 @@ static const char *init_name(const IrParam *p) {
   return "RT_INIT_ZEROS";
 }
 
-bool cg_emit_c(IrDiag *d, FILE *out, const IrModule *m, const PassMemPlan *plan, const char *source_name) {
-  Emit e = {.out = out, .d = d, .m = m, .plan = plan};
-  e.param_offset = calloc((size_t)m->nparams + 1, sizeof *e.param_offset);
-  if (!e.param_offset) return ir_error(d, "out of memory");
-  int64_t total = 0;
+int64_t *cg_param_offsets(const IrModule *m, int64_t *total) {
+  int64_t *offset = calloc((size_t)m->nparams + 1, sizeof *offset);
+  *total = 0;
+  if (!offset) return NULL;
   for (int i = 0; i < m->nparams; i++) {
-    e.param_offset[i] = total;
-    total += ir_type_numel(&m->params[i]->type);
+    offset[i] = *total;
+    *total += ir_type_numel(&m->params[i]->type);
   }
-  fprintf(out, "/* Generated by moec from %s: the training step of model '%s' for the CPU target.\n"
-               "   Do not edit; change the .moe file and rebuild. */\n",
-          source_name, m->name);
-  fprintf(out, "#include <stdbool.h>\n#include <stdint.h>\n#include <string.h>\n\n#include \"moert.h\"\n\n");
+  return offset;
+}
+
+void cg_emit_params(FILE *out, const IrModule *m, const int64_t *param_offset) {
   fprintf(out, "static const RtParam params[%d] = {\n", m->nparams > 0 ? m->nparams : 1);
   for (int i = 0; i < m->nparams; i++) {
     const IrParam *p = m->params[i];
@@ -528,7 +552,7 @@ bool cg_emit_c(IrDiag *d, FILE *out, const IrModule *m, const PassMemPlan *plan,
     for (int k = 0; k < p->type.rank; k++) fprintf(out, "%s%" PRId64, k ? ", " : "", p->type.dim[k]);
     fprintf(out, "}, %s, (float)%.17g, %" PRId64 ", %" PRId64 ", {", init_name(p),
             ir_attr_float(p->attrs, p->nattrs, strcmp(init_name(p), "RT_INIT_CONST") == 0 ? "value" : "std", 0),
-            e.param_offset[i], ir_type_numel(&p->type));
+            param_offset[i], ir_type_numel(&p->type));
     // Sharded dimensions (parallelize): the whole tensor is the shard times the group size.
     int shard_ep = (int)ir_attr_int(p->attrs, p->nattrs, "shard_ep", -1);
     int shard_esp = (int)ir_attr_int(p->attrs, p->nattrs, "shard_esp", -1);
@@ -541,16 +565,48 @@ bool cg_emit_c(IrDiag *d, FILE *out, const IrModule *m, const PassMemPlan *plan,
     fprintf(out, "}, %d, %d},\n", shard_ep, shard_esp);
   }
   fprintf(out, "};\n\n");
+}
+
+void cg_emit_model(FILE *out, const IrModule *m, const PassMemPlan *plan, int64_t param_floats, const char *device) {
+  int nlayers = 0;
+  for (int i = 0; i < m->nfuncs; i++)
+    nlayers += cg_is_suffix(m->funcs[i]->name, ".fwd") && strcmp(m->funcs[i]->name, "loss.fwd") != 0;
+  bool adamw = strcmp(ir_mod_str(m, "optimizer", "sgd"), "adamw") == 0;
+  fprintf(out,
+          "static const RtModel model = {\n"
+          "  .name = \"%s\",\n  .batch = %" PRId64 ", .seqlen = %" PRId64 ", .embed = %" PRId64 ",\n"
+          "  .seed = %" PRId64 "u,\n  .nparams = %d, .params = params, .param_floats = %" PRId64 ",\n"
+          "  .arena_bytes = %" PRId64 ",\n  .opt = %s,\n  .nlayers = %d,\n  .records = %d, .dropless = %d,\n"
+          "  .layout = {%" PRId64 ", %" PRId64 ", %" PRId64 ", %" PRId64 ", %" PRId64 "}, .nodes = %" PRId64 ",\n"
+          "  .forward = step_forward, .backward = step_backward, .update = step_update,\n",
+          m->name, ir_mod_int(m, "batch", 1), ir_mod_int(m, "seqlen", 1), ir_mod_int(m, "embed", 1),
+          ir_mod_int(m, "seed", 0), m->nparams, param_floats, plan->arena_bytes, adamw ? "RT_OPT_ADAMW" : "RT_OPT_SGD",
+          nlayers, module_has(m, IR_OP_HOOK_RECORD, NULL), module_has(m, IR_OP_GATE_LOCATIONS, "dropless"),
+          ir_mod_int(m, "dp", 1), ir_mod_int(m, "mp", 1), ir_mod_int(m, "ep", 1), ir_mod_int(m, "esp", 1),
+          ir_mod_int(m, "gpus_per_node", 1), ir_mod_int(m, "nodes", 0));
+  if (device) fprintf(out, "  .device = &%s,\n", device);
+  fprintf(out, "};\n\nint main(int argc, char **argv) { return rt_main(&model, argc, argv); }\n");
+}
+
+bool cg_emit_c(IrDiag *d, FILE *out, const IrModule *m, const PassMemPlan *plan, const char *source_name) {
+  Emit e = {.out = out, .d = d, .m = m, .plan = plan};
+  int64_t total = 0;
+  e.param_offset = cg_param_offsets(m, &total);
+  if (!e.param_offset) return ir_error(d, "out of memory");
+  fprintf(out, "/* Generated by moec from %s: the training step of model '%s' for the CPU target.\n"
+               "   Do not edit; change the .moe file and rebuild. */\n",
+          source_name, m->name);
+  fprintf(out, "#include <stdbool.h>\n#include <stdint.h>\n#include <string.h>\n\n#include \"moert.h\"\n\n");
+  cg_emit_params(out, m, e.param_offset);
 
   bool ok = true;
   for (int i = 0; ok && i < m->nfuncs; i++) {
     int nt = 0, nev = 0;
-    if (!func_scheduled(m->funcs[i])) continue;
+    if (!cg_func_scheduled(m->funcs[i])) continue;
     fprintf(out, "/* @%s: tasks for rt_run_streams */\n", m->funcs[i]->name);
     ok = emit_tasks(&e, m->funcs[i], i, &nt, &nev);
     fprintf(out, "enum { tasks_%d_events = %d };\n\n", i, nev);
   }
-  int nlayers = 0;
   const IrFunc *last_fwd = NULL;
   fprintf(out, "static void step_forward(RtStep *st) {\n  unsigned char *A = st->arena;\n  (void)A;\n"
                "  rt_step_begin_forward(st);\n");
@@ -565,35 +621,20 @@ bool cg_emit_c(IrDiag *d, FILE *out, const IrModule *m, const PassMemPlan *plan,
       }
       value_expr(&e, buf, sizeof buf, f->rets[0]);
       fprintf(out, "  st->mse = *%s;\n", buf);
-    } else if (is_suffix(f->name, ".fwd")) {
+    } else if (cg_is_suffix(f->name, ".fwd")) {
       ok = emit_func(&e, f);
       emit_layer_stats(&e, f);
       last_fwd = f;
-      nlayers++;
     }
   }
   fprintf(out, "}\n\nstatic void step_backward(RtStep *st) {\n  unsigned char *A = st->arena;\n  (void)A;\n");
   for (int i = 0; ok && i < m->nfuncs; i++)
-    if (is_suffix(m->funcs[i]->name, ".bwd")) ok = emit_func(&e, m->funcs[i]);
+    if (cg_is_suffix(m->funcs[i]->name, ".bwd")) ok = emit_func(&e, m->funcs[i]);
   fprintf(out, "}\n\nstatic void step_update(RtStep *st) {\n");
   for (int i = 0; ok && i < m->nfuncs; i++)
     if (strcmp(m->funcs[i]->name, "optimizer") == 0) ok = emit_func(&e, m->funcs[i]);
   fprintf(out, "}\n\n");
-
-  bool adamw = strcmp(ir_mod_str(m, "optimizer", "sgd"), "adamw") == 0;
-  fprintf(out,
-          "static const RtModel model = {\n"
-          "  .name = \"%s\",\n  .batch = %" PRId64 ", .seqlen = %" PRId64 ", .embed = %" PRId64 ",\n"
-          "  .seed = %" PRId64 "u,\n  .nparams = %d, .params = params, .param_floats = %" PRId64 ",\n"
-          "  .arena_bytes = %" PRId64 ",\n  .opt = %s,\n  .nlayers = %d,\n  .records = %d, .dropless = %d,\n"
-          "  .layout = {%" PRId64 ", %" PRId64 ", %" PRId64 ", %" PRId64 ", %" PRId64 "}, .nodes = %" PRId64 ",\n"
-          "  .forward = step_forward, .backward = step_backward, .update = step_update,\n};\n\n"
-          "int main(int argc, char **argv) { return rt_main(&model, argc, argv); }\n",
-          m->name, ir_mod_int(m, "batch", 1), ir_mod_int(m, "seqlen", 1), ir_mod_int(m, "embed", 1),
-          ir_mod_int(m, "seed", 0), m->nparams, total, plan->arena_bytes, adamw ? "RT_OPT_ADAMW" : "RT_OPT_SGD",
-          nlayers, module_has(m, IR_OP_HOOK_RECORD, NULL), module_has(m, IR_OP_GATE_LOCATIONS, "dropless"),
-          ir_mod_int(m, "dp", 1), ir_mod_int(m, "mp", 1), ir_mod_int(m, "ep", 1), ir_mod_int(m, "esp", 1),
-          ir_mod_int(m, "gpus_per_node", 1), ir_mod_int(m, "nodes", 0));
+  cg_emit_model(out, m, plan, total, NULL);
   free(e.param_offset);
   return ok;
 }

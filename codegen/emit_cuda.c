@@ -15,20 +15,21 @@
 // not needed for them.
 //
 // GEMMs (matmul, expert.matmul) go to cuBLAS and collectives (comm.*) to NCCL; the unit lists
-// them in its header comment. After the kernels, a comment gives the launch plan: every op in
-// program order with its kernel(s) and the literal shape arguments, in the order of the
-// kernel's parameters (the host runtime that issues these launches is part of the CUDA
-// runtime, not of this file).
+// them in its header comment. Which kernels an op launches, with which grid and arguments, is
+// data (cg_cuda_launch, cg_internal.h): after the kernels, the unit prints it as a comment, the
+// launch plan (every op in program order), and the CUDA target's host program
+// (emit_cuda_host.c) issues exactly those launches.
 //
 // Launch conventions: kernels with grid-stride loops (MK_FOR) take any grid; those documented
 // "one block of MK_BLOCK threads" or "per row/choice/token ... MK_BLOCK" reduce with
 // mk_block_sum / mk_block_max and must be launched with exactly MK_BLOCK (256) threads per
-// block; mk_aux_loss_grad takes e * sizeof(double) bytes of dynamic shared memory.
+// block (cg_cuda_launch launches every kernel so); mk_aux_loss_grad takes e * sizeof(double)
+// bytes of dynamic shared memory.
 #include <inttypes.h>
 #include <stdlib.h>
 #include <string.h>
 
-#include "cg.h"
+#include "cg_internal.h"
 
 typedef enum KernelId {
   K_ZERO,
@@ -908,39 +909,68 @@ static const struct { const char *name, *src; } kernel_src[K_COUNT] = {
     "}\n"},
 };
 
-// ---- which kernels an op launches, with the literal arguments after the pointers ----
-
-typedef struct Launch {
-  KernelId k[2];       // kernels in launch order
-  int nk;
-  const char *lib;     // "cuBLAS", "NCCL", "host": not a kernel of this unit (nk == 0)
-  char args[192];      // the shape and attribute arguments, comma-separated
-} Launch;
+// ---- which kernels an op launches, with every argument ----
+// cg_cuda_launch (cg_internal.h) describes an op's launch as data: the kernels in order, each
+// with its grid and one CgArg per kernel parameter (operands, the result, the parameter's
+// gradient and moments, literal shapes and attributes, the step's seed, step and token0). The
+// unit's launch plan comment below and the CUDA host program (emit_cuda_host.c) both print
+// from it. Every kernel runs CG_CUDA_BLOCK (= MK_BLOCK) threads per block; the grid is the
+// one the kernel's loops are written for: per element (MK_FOR), per row, token, choice or
+// group (MK_FOR_BLOCKS), or a single block for the whole-tensor reductions.
 
 static const IrType *arg_type(const IrOp *op, int i) {
   return op->args[i].param ? &op->args[i].param->type : &op->args[i].value->type;
 }
 
-static void set1(Launch *l, KernelId k) {
-  l->k[0] = k;
-  l->nk = 1;
+static int64_t clamp_grid(int64_t g) { return g < 1 ? 1 : g > 65535 ? 65535 : g; }
+static int64_t grid_elems(int64_t n) { return clamp_grid((n + CG_CUDA_BLOCK - 1) / CG_CUDA_BLOCK); }
+static int64_t grid_blocks(int64_t n) { return clamp_grid(n); }
+
+// Starts the next kernel call of l.
+static CgKernelCall *call(CgLaunch *l, KernelId k, int64_t grid) {
+  CgKernelCall *c = &l->call[l->ncalls++];
+  c->kernel = k;
+  c->grid = grid;
+  return c;
 }
 
-#define ARGS(...) snprintf(l->args, sizeof l->args, __VA_ARGS__)
-#define I "%" PRId64
+static void arg(CgKernelCall *c, CgArgKind kind, int index) {
+  if (c->nargs < CG_MAX_KERNEL_ARGS) c->args[c->nargs++] = (CgArg){.kind = kind, .index = index};
+}
+
+static void ints(CgKernelCall *c, const int64_t *v, int n) {
+  for (int i = 0; i < n && c->nargs < CG_MAX_KERNEL_ARGS; i++) c->args[c->nargs++] = (CgArg){.kind = CG_ARG_INT, .i = v[i]};
+}
+#define INTS(c, ...) ints(c, (const int64_t[]){__VA_ARGS__}, (int)(sizeof((const int64_t[]){__VA_ARGS__}) / sizeof(int64_t)))
+
+static void flt(CgKernelCall *c, double f) {
+  if (c->nargs < CG_MAX_KERNEL_ARGS) c->args[c->nargs++] = (CgArg){.kind = CG_ARG_FLOAT, .f = f};
+}
+
+// The operands 0..n-1, then the result: the pointer parameters of most kernels.
+static void operands(CgKernelCall *c, int n, bool result) {
+  for (int i = 0; i < n; i++) arg(c, CG_ARG_OPERAND, i);
+  if (result) arg(c, CG_ARG_RESULT, 0);
+}
 
 // Routing shape shared by encode/decode: s m k e g cap, as emit_c's route_dims.
-static void route_args(Launch *l, const IrOp *op, int64_t s, int64_t m, int64_t k) {
-  ARGS(I ", " I ", " I ", " I ", " I ", " I, s, m, k, ir_op_int(op, "experts", 0), ir_op_int(op, "groups", 1),
-       ir_op_int(op, "capacity", 0));
+static void route(CgKernelCall *c, const IrOp *op, int64_t s, int64_t m, int64_t k) {
+  INTS(c, s, m, k, ir_op_int(op, "experts", 0), ir_op_int(op, "groups", 1), ir_op_int(op, "capacity", 0));
 }
 
-// Fills l for op; false when the op has no CUDA lowering (it has, for every op of ops.def).
-static bool op_launch(const IrOp *op, Launch *l) {
+// A kernel over the op's operands and result with the given literal arguments after them.
+static CgKernelCall *simple(CgLaunch *l, const IrOp *op, KernelId k, int64_t grid) {
+  CgKernelCall *c = call(l, k, grid);
+  operands(c, op->nargs, op->result != NULL);
+  return c;
+}
+
+// Fills l for the single op; false when the op has no CUDA lowering.
+static bool op_launch(const IrOp *op, CgLaunch *l) {
   const IrType *t0 = op->nargs ? arg_type(op, 0) : NULL;
   const IrType *rt = op->result ? &op->result->type : NULL;
   int64_t n = rt ? ir_type_numel(rt) : 0;
-  memset(l, 0, sizeof *l);
+  CgKernelCall *c;
   switch (op->kind) {
   case IR_OP_MATMUL:
   case IR_OP_EXPERT_MATMUL:
@@ -954,184 +984,233 @@ static bool op_launch(const IrOp *op, Launch *l) {
     l->lib = "NCCL";
     return true;
   case IR_OP_COMM_SPLIT:  // this rank's slice: a device-to-device copy at the rank's offset
-    l->lib = "host (cudaMemcpyAsync of this rank's slice)";
+    l->lib = "copy";
     return true;
-  case IR_OP_BIAS: set1(l, K_BIAS); ARGS(I ", " I, rt->dim[0], rt->dim[1]); return true;
-  case IR_OP_BIAS_GRAD: set1(l, K_BIAS_GRAD); ARGS(I ", " I, t0->dim[0], t0->dim[1]); return true;
+  case IR_OP_BIAS: INTS(simple(l, op, K_BIAS, grid_elems(n)), rt->dim[0], rt->dim[1]); return true;
+  case IR_OP_BIAS_GRAD: INTS(simple(l, op, K_BIAS_GRAD, grid_elems(n)), t0->dim[0], t0->dim[1]); return true;
   case IR_OP_EXPERT_BIAS:
-    set1(l, K_EXPERT_BIAS);
-    ARGS(I ", " I ", " I, rt->dim[0], rt->dim[1], rt->dim[2]);
+    INTS(simple(l, op, K_EXPERT_BIAS, grid_elems(n)), rt->dim[0], rt->dim[1], rt->dim[2]);
     return true;
   case IR_OP_EXPERT_BIAS_GRAD:
-    set1(l, K_EXPERT_BIAS_GRAD);
-    ARGS(I ", " I ", " I, t0->dim[0], t0->dim[1], t0->dim[2]);
+    INTS(simple(l, op, K_EXPERT_BIAS_GRAD, grid_elems(n)), t0->dim[0], t0->dim[1], t0->dim[2]);
     return true;
-  case IR_OP_ADD: set1(l, K_ADD); ARGS(I, n); return true;
-  case IR_OP_MUL: set1(l, K_MUL); ARGS(I, n); return true;
-  case IR_OP_ACT_GELU: set1(l, K_GELU); ARGS(I, n); return true;
-  case IR_OP_ACT_GELU_GRAD: set1(l, K_GELU_GRAD); ARGS(I, n); return true;
-  case IR_OP_ACT_RELU: set1(l, K_RELU); ARGS(I, n); return true;
-  case IR_OP_ACT_RELU_GRAD: set1(l, K_RELU_GRAD); ARGS(I, n); return true;
-  case IR_OP_ACT_SILU: set1(l, K_SILU); ARGS(I, n); return true;
-  case IR_OP_ACT_SILU_GRAD: set1(l, K_SILU_GRAD); ARGS(I, n); return true;
-  case IR_OP_RESHAPE: set1(l, K_COPY); ARGS(I, n); return true;
+  case IR_OP_ADD: INTS(simple(l, op, K_ADD, grid_elems(n)), n); return true;
+  case IR_OP_MUL: INTS(simple(l, op, K_MUL, grid_elems(n)), n); return true;
+  case IR_OP_ACT_GELU: INTS(simple(l, op, K_GELU, grid_elems(n)), n); return true;
+  case IR_OP_ACT_GELU_GRAD: INTS(simple(l, op, K_GELU_GRAD, grid_elems(n)), n); return true;
+  case IR_OP_ACT_RELU: INTS(simple(l, op, K_RELU, grid_elems(n)), n); return true;
+  case IR_OP_ACT_RELU_GRAD: INTS(simple(l, op, K_RELU_GRAD, grid_elems(n)), n); return true;
+  case IR_OP_ACT_SILU: INTS(simple(l, op, K_SILU, grid_elems(n)), n); return true;
+  case IR_OP_ACT_SILU_GRAD: INTS(simple(l, op, K_SILU_GRAD, grid_elems(n)), n); return true;
+  case IR_OP_RESHAPE: INTS(simple(l, op, K_COPY, grid_elems(n)), n); return true;
   case IR_OP_L2NORM:
   case IR_OP_L2NORM_GRAD: {
     int64_t cols = rt->dim[rt->rank - 1];
-    set1(l, op->kind == IR_OP_L2NORM ? K_L2NORM : K_L2NORM_GRAD);
-    ARGS(I ", " I, n / cols, cols);
+    c = simple(l, op, op->kind == IR_OP_L2NORM ? K_L2NORM : K_L2NORM_GRAD, grid_blocks(n / cols));
+    INTS(c, n / cols, cols);
     return true;
   }
-  case IR_OP_DIV_SCALAR: set1(l, K_DIV_SCALAR); ARGS(I, n); return true;
-  case IR_OP_DIV_SCALAR_GRAD_X: set1(l, K_DIV_SCALAR_GRAD_X); ARGS(I, n); return true;
-  case IR_OP_DIV_SCALAR_GRAD_S: set1(l, K_DIV_SCALAR_GRAD_S); ARGS(I, ir_type_numel(t0)); return true;
+  case IR_OP_DIV_SCALAR: INTS(simple(l, op, K_DIV_SCALAR, grid_elems(n)), n); return true;
+  case IR_OP_DIV_SCALAR_GRAD_X: INTS(simple(l, op, K_DIV_SCALAR_GRAD_X, grid_elems(n)), n); return true;
+  case IR_OP_DIV_SCALAR_GRAD_S: INTS(simple(l, op, K_DIV_SCALAR_GRAD_S, 1), ir_type_numel(t0)); return true;
   case IR_OP_GATE_NOISE:
-    set1(l, K_GATE_NOISE);
-    ARGS(I ", " I ", %.9g, " I ", seed, step, token0", rt->dim[0], rt->dim[1], ir_op_float(op, "sigma", 0),
-         ir_op_int(op, "layer", 0));
+    c = simple(l, op, K_GATE_NOISE, grid_elems(n));
+    INTS(c, rt->dim[0], rt->dim[1]);
+    flt(c, ir_op_float(op, "sigma", 0));
+    INTS(c, ir_op_int(op, "layer", 0));
+    arg(c, CG_ARG_SEED, 0);
+    arg(c, CG_ARG_STEP, 0);
+    arg(c, CG_ARG_TOKEN0, 0);
     return true;
-  case IR_OP_GATE_SOFTMAX: set1(l, K_SOFTMAX); ARGS(I ", " I, rt->dim[0], rt->dim[1]); return true;
-  case IR_OP_GATE_SOFTMAX_GRAD: set1(l, K_SOFTMAX_GRAD); ARGS(I ", " I, rt->dim[0], rt->dim[1]); return true;
-  case IR_OP_GATE_SIGMOID: set1(l, K_SIGMOID); ARGS(I, n); return true;
-  case IR_OP_GATE_SIGMOID_GRAD: set1(l, K_SIGMOID_GRAD); ARGS(I, n); return true;
+  case IR_OP_GATE_SOFTMAX: INTS(simple(l, op, K_SOFTMAX, grid_elems(rt->dim[0])), rt->dim[0], rt->dim[1]); return true;
+  case IR_OP_GATE_SOFTMAX_GRAD:
+    INTS(simple(l, op, K_SOFTMAX_GRAD, grid_elems(rt->dim[0])), rt->dim[0], rt->dim[1]);
+    return true;
+  case IR_OP_GATE_SIGMOID: INTS(simple(l, op, K_SIGMOID, grid_elems(n)), n); return true;
+  case IR_OP_GATE_SIGMOID_GRAD: INTS(simple(l, op, K_SIGMOID_GRAD, grid_elems(n)), n); return true;
   case IR_OP_GATE_SOFTMAX_TOKENS:
-  case IR_OP_GATE_SOFTMAX_TOKENS_GRAD:
-    set1(l, op->kind == IR_OP_GATE_SOFTMAX_TOKENS ? K_SOFTMAX_TOKENS : K_SOFTMAX_TOKENS_GRAD);
-    ARGS(I ", " I ", " I, rt->dim[0], rt->dim[1], ir_op_int(op, "groups", 1));
+  case IR_OP_GATE_SOFTMAX_TOKENS_GRAD: {
+    int64_t g = ir_op_int(op, "groups", 1);
+    c = simple(l, op, op->kind == IR_OP_GATE_SOFTMAX_TOKENS ? K_SOFTMAX_TOKENS : K_SOFTMAX_TOKENS_GRAD,
+               grid_elems(g * rt->dim[1]));
+    INTS(c, rt->dim[0], rt->dim[1], g);
     return true;
-  case IR_OP_GATE_TOPK: set1(l, K_TOPK); ARGS(I ", " I ", " I, t0->dim[0], t0->dim[1], rt->dim[1]); return true;
+  }
+  case IR_OP_GATE_TOPK: INTS(simple(l, op, K_TOPK, grid_elems(t0->dim[0])), t0->dim[0], t0->dim[1], rt->dim[1]); return true;
   case IR_OP_GATE_GATHER:
-    set1(l, K_GATE_GATHER);
-    ARGS(I ", " I ", " I ", %d", t0->dim[0], t0->dim[1], rt->dim[1], (int)ir_op_int(op, "renorm", 0));
+    INTS(simple(l, op, K_GATE_GATHER, grid_elems(t0->dim[0])), t0->dim[0], t0->dim[1], rt->dim[1],
+         ir_op_int(op, "renorm", 0));
     return true;
   case IR_OP_GATE_GATHER_GRAD:
-    set1(l, K_GATE_GATHER_GRAD);
-    ARGS(I ", " I ", " I ", %d", rt->dim[0], rt->dim[1], t0->dim[1], (int)ir_op_int(op, "renorm", 0));
+    INTS(simple(l, op, K_GATE_GATHER_GRAD, grid_elems(rt->dim[0])), rt->dim[0], rt->dim[1], t0->dim[1],
+         ir_op_int(op, "renorm", 0));
     return true;
   case IR_OP_GATE_LOCATIONS:  // dropless: capacity 0 to the kernel, as on the CPU
-    set1(l, K_GATE_LOCATIONS);
-    ARGS("stats, " I ", " I ", " I ", " I ", " I, t0->dim[0], t0->dim[1], ir_op_int(op, "experts", 0),
-         ir_op_int(op, "groups", 1), ir_op_int(op, "dropless", 0) ? 0 : ir_op_int(op, "capacity", 0));
+    c = call(l, K_GATE_LOCATIONS, grid_blocks(ir_op_int(op, "groups", 1)));
+    operands(c, 1, true);
+    arg(c, CG_ARG_STATS, 0);
+    INTS(c, t0->dim[0], t0->dim[1], ir_op_int(op, "experts", 0), ir_op_int(op, "groups", 1),
+         ir_op_int(op, "dropless", 0) ? 0 : ir_op_int(op, "capacity", 0));
     return true;
   case IR_OP_GATE_EXPERT_CHOICE:
-    set1(l, K_EXPERT_CHOICE);
-    ARGS(I ", " I ", " I ", " I, t0->dim[0], t0->dim[1], ir_op_int(op, "groups", 1), ir_op_int(op, "capacity", 0));
+    c = simple(l, op, K_EXPERT_CHOICE, grid_blocks(ir_op_int(op, "groups", 1) * t0->dim[1]));
+    INTS(c, t0->dim[0], t0->dim[1], ir_op_int(op, "groups", 1), ir_op_int(op, "capacity", 0));
     return true;
-  case IR_OP_GATE_IOTA: set1(l, K_IOTA); ARGS(I ", " I, rt->dim[0], rt->dim[1]); return true;
+  case IR_OP_GATE_IOTA:  // the scores operand only gives the shape
+    c = call(l, K_IOTA, grid_elems(n));
+    arg(c, CG_ARG_RESULT, 0);
+    INTS(c, rt->dim[0], rt->dim[1]);
+    return true;
   case IR_OP_GATE_AUX_LOSS:
-    set1(l, K_AUX_LOSS);
-    ARGS(I ", " I ", " I ", " I ", " I ".0f", t0->dim[0], t0->dim[1], arg_type(op, 1)->dim[1],
-         ir_op_int(op, "groups", 1), ir_op_int(op, "share", 1));
+    c = simple(l, op, K_AUX_LOSS, 1);
+    INTS(c, t0->dim[0], t0->dim[1], arg_type(op, 1)->dim[1], ir_op_int(op, "groups", 1));
+    flt(c, (double)ir_op_int(op, "share", 1));
     return true;
   case IR_OP_GATE_AUX_LOSS_GRAD:
-    set1(l, K_AUX_LOSS_GRAD);
-    ARGS(I ", " I ", " I ", " I ", %.9g", t0->dim[0], t0->dim[1], arg_type(op, 1)->dim[1], ir_op_int(op, "groups", 1),
-         ir_op_float(op, "coef", 0) / (double)ir_op_int(op, "share", 1));
+    c = simple(l, op, K_AUX_LOSS_GRAD, grid_blocks(ir_op_int(op, "groups", 1)));
+    c->shared_bytes = (unsigned)(t0->dim[1] * (int64_t)sizeof(double));
+    INTS(c, t0->dim[0], t0->dim[1], arg_type(op, 1)->dim[1], ir_op_int(op, "groups", 1));
+    flt(c, ir_op_float(op, "coef", 0) / (double)ir_op_int(op, "share", 1));
     return true;
   case IR_OP_GATE_Z_LOSS:
-    set1(l, K_Z_LOSS);
-    ARGS(I ", " I ", " I ", " I ".0f", t0->dim[0], t0->dim[1], ir_op_int(op, "groups", 1), ir_op_int(op, "share", 1));
+    c = simple(l, op, K_Z_LOSS, 1);
+    INTS(c, t0->dim[0], t0->dim[1], ir_op_int(op, "groups", 1));
+    flt(c, (double)ir_op_int(op, "share", 1));
     return true;
   case IR_OP_GATE_Z_LOSS_GRAD:
-    set1(l, K_Z_LOSS_GRAD);
-    ARGS(I ", " I ", " I ", %.9g", t0->dim[0], t0->dim[1], ir_op_int(op, "groups", 1),
-         ir_op_float(op, "coef", 0) / (double)ir_op_int(op, "share", 1));
+    c = simple(l, op, K_Z_LOSS_GRAD, grid_elems(t0->dim[0]));
+    INTS(c, t0->dim[0], t0->dim[1], ir_op_int(op, "groups", 1));
+    flt(c, ir_op_float(op, "coef", 0) / (double)ir_op_int(op, "share", 1));
     return true;
-  case IR_OP_ORDER_ENCODE:
-    l->k[0] = K_ZERO, l->k[1] = K_ORDER_ENCODE, l->nk = 2;
-    route_args(l, op, t0->dim[0], t0->dim[1], arg_type(op, 1)->dim[1]);
+  case IR_OP_ORDER_ENCODE:  // empty slots are zero: the dispatch buffer is cleared first
+    c = call(l, K_ZERO, grid_elems(n));
+    arg(c, CG_ARG_RESULT, 0);
+    INTS(c, n);
+    route(simple(l, op, K_ORDER_ENCODE, grid_blocks(t0->dim[0] * arg_type(op, 1)->dim[1])), op, t0->dim[0],
+          t0->dim[1], arg_type(op, 1)->dim[1]);
     return true;
   case IR_OP_ORDER_ENCODE_GRAD:
-    set1(l, K_ORDER_ENCODE_GRAD);
-    route_args(l, op, rt->dim[0], rt->dim[1], arg_type(op, 1)->dim[1]);
+    route(simple(l, op, K_ORDER_ENCODE_GRAD, grid_blocks(rt->dim[0])), op, rt->dim[0], rt->dim[1],
+          arg_type(op, 1)->dim[1]);
     return true;
   case IR_OP_ORDER_DECODE:
-    set1(l, K_ORDER_DECODE);
-    route_args(l, op, rt->dim[0], rt->dim[1], arg_type(op, 1)->dim[1]);
+    route(simple(l, op, K_ORDER_DECODE, grid_blocks(rt->dim[0])), op, rt->dim[0], rt->dim[1], arg_type(op, 1)->dim[1]);
     return true;
   case IR_OP_ORDER_DECODE_GRAD_Y:
-    l->k[0] = K_ZERO, l->k[1] = K_ORDER_DECODE_GRAD_Y, l->nk = 2;
-    route_args(l, op, t0->dim[0], t0->dim[1], arg_type(op, 1)->dim[1]);
+    c = call(l, K_ZERO, grid_elems(n));
+    arg(c, CG_ARG_RESULT, 0);
+    INTS(c, n);
+    route(simple(l, op, K_ORDER_DECODE_GRAD_Y, grid_blocks(t0->dim[0] * arg_type(op, 1)->dim[1])), op, t0->dim[0],
+          t0->dim[1], arg_type(op, 1)->dim[1]);
     return true;
   case IR_OP_ORDER_DECODE_GRAD_G:
-    set1(l, K_ORDER_DECODE_GRAD_GATES);
-    route_args(l, op, t0->dim[0], t0->dim[1], arg_type(op, 2)->dim[1]);
+    route(simple(l, op, K_ORDER_DECODE_GRAD_GATES, grid_blocks(t0->dim[0] * arg_type(op, 2)->dim[1])), op,
+          t0->dim[0], t0->dim[1], arg_type(op, 2)->dim[1]);
     return true;
   case IR_OP_ORDER_DISPATCH_MASK:
   case IR_OP_ORDER_COMBINE_WEIGHTS:
   case IR_OP_ORDER_COMBINE_WEIGHTS_GRAD: {
     const IrType *idx = arg_type(op, op->kind == IR_OP_ORDER_COMBINE_WEIGHTS_GRAD ? 1 : 0);
-    set1(l, op->kind == IR_OP_ORDER_DISPATCH_MASK       ? K_DISPATCH_MASK
-            : op->kind == IR_OP_ORDER_COMBINE_WEIGHTS ? K_COMBINE_WEIGHTS
-                                                      : K_COMBINE_WEIGHTS_GRAD);
-    ARGS(I ", " I ", " I ", " I ", " I, idx->dim[0], idx->dim[1], ir_op_int(op, "experts", 0), ir_op_int(op, "groups", 1),
+    if (op->kind == IR_OP_ORDER_COMBINE_WEIGHTS_GRAD)
+      c = simple(l, op, K_COMBINE_WEIGHTS_GRAD, grid_elems(idx->dim[0] * idx->dim[1]));
+    else
+      c = simple(l, op, op->kind == IR_OP_ORDER_DISPATCH_MASK ? K_DISPATCH_MASK : K_COMBINE_WEIGHTS,
+                 grid_blocks(idx->dim[0]));
+    INTS(c, idx->dim[0], idx->dim[1], ir_op_int(op, "experts", 0), ir_op_int(op, "groups", 1),
          ir_op_int(op, "capacity", 0));
     return true;
   }
-  case IR_OP_HOOK_COMPRESS: set1(l, rt->dtype == IR_BF16 ? K_COMPRESS_BF16 : K_COMPRESS_F16); ARGS(I, n); return true;
+  case IR_OP_HOOK_COMPRESS:
+    INTS(simple(l, op, rt->dtype == IR_BF16 ? K_COMPRESS_BF16 : K_COMPRESS_F16, grid_elems(n)), n);
+    return true;
   case IR_OP_HOOK_DECOMPRESS:
-    set1(l, t0->dtype == IR_BF16 ? K_DECOMPRESS_BF16 : K_DECOMPRESS_F16);
-    ARGS(I, n);
+    INTS(simple(l, op, t0->dtype == IR_BF16 ? K_DECOMPRESS_BF16 : K_DECOMPRESS_F16, grid_elems(n)), n);
     return true;
   case IR_OP_HOOK_SCALES:
   case IR_OP_HOOK_COMPRESS_INT8:
   case IR_OP_HOOK_DECOMPRESS_INT8: {
     int64_t cols = t0->dim[t0->rank - 1], rows = ir_type_numel(t0) / cols;
-    set1(l, op->kind == IR_OP_HOOK_SCALES ? K_INT8_SCALES
-            : op->kind == IR_OP_HOOK_COMPRESS_INT8 ? K_COMPRESS_INT8 : K_DECOMPRESS_INT8);
-    ARGS(I ", " I, rows, cols);
+    if (op->kind == IR_OP_HOOK_SCALES) c = simple(l, op, K_INT8_SCALES, grid_blocks(rows));
+    else c = simple(l, op, op->kind == IR_OP_HOOK_COMPRESS_INT8 ? K_COMPRESS_INT8 : K_DECOMPRESS_INT8, grid_elems(rows * cols));
+    INTS(c, rows, cols);
     return true;
   }
   case IR_OP_HOOK_RECORD:  // statistics on the device; the host writes the record line
-    set1(l, K_RECORD_STATS);
-    ARGS("stats, " I ")  -- point %s, layer " I, ir_type_numel(t0), ir_op_str(op, "point", "?"), ir_op_int(op, "layer", 0));
+    c = call(l, K_RECORD_STATS, 1);
+    operands(c, 1, false);
+    arg(c, CG_ARG_STATS, 0);
+    INTS(c, ir_type_numel(t0));
+    snprintf(l->note, sizeof l->note, "point %s, layer %" PRId64, ir_op_str(op, "point", "?"), ir_op_int(op, "layer", 0));
     return true;
   case IR_OP_LAYOUT_EXPERT_MAJOR:
   case IR_OP_LAYOUT_RANK_MAJOR: {
     bool em = op->kind == IR_OP_LAYOUT_EXPERT_MAJOR;
-    set1(l, em ? K_EXPERT_MAJOR : K_RANK_MAJOR);
-    ARGS(I ", " I ", " I ", " I, ir_op_int(op, "blocks", 1), em ? rt->dim[0] : t0->dim[0], em ? t0->dim[1] : rt->dim[1],
-         rt->dim[2]);
+    c = simple(l, op, em ? K_EXPERT_MAJOR : K_RANK_MAJOR, grid_elems(n));
+    INTS(c, ir_op_int(op, "blocks", 1), em ? rt->dim[0] : t0->dim[0], em ? t0->dim[1] : rt->dim[1], rt->dim[2]);
     return true;
   }
   case IR_OP_LAYOUT_CHUNK:
-  case IR_OP_LAYOUT_CONCAT: {
+  case IR_OP_LAYOUT_CONCAT: {  // bytes
     int64_t blocks = ir_op_int(op, "blocks", 1);
     int64_t inner = ir_type_bytes(rt) / (rt->dim[0] * rt->dim[1]);
     if (op->kind == IR_OP_LAYOUT_CHUNK) {
-      set1(l, K_LAYOUT_CHUNK);
-      ARGS(I ", " I ", " I ", " I ", " I ", " I, t0->dim[0], blocks, t0->dim[1] / blocks, inner,
-           ir_op_int(op, "chunks", 1), ir_op_int(op, "index", 0));
+      c = simple(l, op, K_LAYOUT_CHUNK, grid_elems(ir_type_bytes(rt)));
+      INTS(c, t0->dim[0], blocks, t0->dim[1] / blocks, inner, ir_op_int(op, "chunks", 1), ir_op_int(op, "index", 0));
     } else {
-      set1(l, K_LAYOUT_CONCAT);
-      ARGS(I ", " I ", " I ", " I ", " I, t0->dim[0], blocks, t0->dim[1] / blocks, arg_type(op, 1)->dim[1] / blocks,
-           inner);
+      c = simple(l, op, K_LAYOUT_CONCAT, grid_elems(ir_type_bytes(rt)));
+      INTS(c, t0->dim[0], blocks, t0->dim[1] / blocks, arg_type(op, 1)->dim[1] / blocks, inner);
     }
     return true;
   }
-  case IR_OP_LOSS_MSE: set1(l, K_MSE); ARGS(I ", %.9g", ir_type_numel(t0), ir_op_float(op, "scale", 1)); return true;
-  case IR_OP_LOSS_MSE_GRAD: set1(l, K_MSE_GRAD); ARGS(I ", %.9g", n, ir_op_float(op, "scale", 1)); return true;
-  case IR_OP_PARAM_GRAD:
-    set1(l, K_COPY);
-    ARGS(I ")  -- into the param's gradient; nothing when computed in place", ir_type_numel(&op->args[0].param->type));
+  case IR_OP_LOSS_MSE:
+    c = simple(l, op, K_MSE, 1);
+    INTS(c, ir_type_numel(t0));
+    flt(c, ir_op_float(op, "scale", 1));
     return true;
-  case IR_OP_OPT_SGD:
-    set1(l, K_SGD);
-    ARGS("grad, " I ", %.9g, %.9g", ir_type_numel(t0), ir_op_float(op, "lr", 0), ir_op_float(op, "weight_decay", 0));
+  case IR_OP_LOSS_MSE_GRAD:
+    c = simple(l, op, K_MSE_GRAD, grid_elems(n));
+    INTS(c, n);
+    flt(c, ir_op_float(op, "scale", 1));
     return true;
-  case IR_OP_OPT_ADAMW:
-    set1(l, K_ADAMW);
-    ARGS("grad, m, v, " I ", %.9g, %.9g, %.9g, %.9g, %.9g, step", ir_type_numel(t0), ir_op_float(op, "lr", 0),
-         ir_op_float(op, "beta1", 0.9), ir_op_float(op, "beta2", 0.999), ir_op_float(op, "eps", 1e-8),
-         ir_op_float(op, "weight_decay", 0));
+  case IR_OP_PARAM_GRAD: {  // value -> the parameter's gradient; the host skips it when computed in place
+    int64_t count = ir_type_numel(&op->args[0].param->type);
+    c = call(l, K_COPY, grid_elems(count));
+    arg(c, CG_ARG_OPERAND, 1);
+    arg(c, CG_ARG_GRAD, 0);
+    INTS(c, count);
+    snprintf(l->note, sizeof l->note, "nothing when computed in place");
     return true;
+  }
+  case IR_OP_OPT_SGD: {
+    int64_t count = ir_type_numel(t0);
+    c = call(l, K_SGD, grid_elems(count));
+    arg(c, CG_ARG_OPERAND, 0);
+    arg(c, CG_ARG_GRAD, 0);
+    INTS(c, count);
+    flt(c, ir_op_float(op, "lr", 0));
+    flt(c, ir_op_float(op, "weight_decay", 0));
+    return true;
+  }
+  case IR_OP_OPT_ADAMW: {
+    int64_t count = ir_type_numel(t0);
+    c = call(l, K_ADAMW, grid_elems(count));
+    arg(c, CG_ARG_OPERAND, 0);
+    arg(c, CG_ARG_GRAD, 0);
+    arg(c, CG_ARG_MOMENT_M, 0);
+    arg(c, CG_ARG_MOMENT_V, 0);
+    INTS(c, count);
+    flt(c, ir_op_float(op, "lr", 0));
+    flt(c, ir_op_float(op, "beta1", 0.9));
+    flt(c, ir_op_float(op, "beta2", 0.999));
+    flt(c, ir_op_float(op, "eps", 1e-8));
+    flt(c, ir_op_float(op, "weight_decay", 0));
+    arg(c, CG_ARG_STEP, 0);
+    return true;
+  }
   default:
     return false;
   }
 }
-
-#undef ARGS
-#undef I
 
 // ---- fused gates ----
 
@@ -1152,7 +1231,8 @@ static bool overlap(const PassMemPlan *plan, const IrValue *a, const IrValue *b)
 
 // Ops i, i+1, i+2 of f are `scores = gate.softmax|gate.sigmoid x`, `idx = gate.topk scores`,
 // `gates = gate.gather scores, idx` with no buffer of the four shared (one thread writes a
-// token's scores, idx and gates while others read logits): one fused kernel does them.
+// token's scores, idx and gates while others read logits), on one stream with no event
+// recorded or waited for between them: one fused kernel does them.
 static bool fused_gate_at(const PassMemPlan *plan, const IrFunc *f, int i) {
   if (i + 2 >= f->nops) return false;
   const IrOp *a = f->ops[i], *b = f->ops[i + 1], *c = f->ops[i + 2];
@@ -1163,11 +1243,73 @@ static bool fused_gate_at(const PassMemPlan *plan, const IrFunc *f, int i) {
       c->args[1].value != b->result)
     return false;
   if (a->result->type.rank != 2 || a->result->type.dtype != IR_F32) return false;
+  if (b->stream != a->stream || c->stream != a->stream || a->event >= 0 || b->event >= 0 || b->nwaits > 0 ||
+      c->nwaits > 0)
+    return false;
   const IrValue *v[4] = {a->args[0].value, a->result, b->result, c->result};
   for (int p = 0; p < 4; p++)
     for (int q = p + 1; q < 4; q++)
       if (overlap(plan, v[p], v[q])) return false;
   return true;
+}
+
+bool cg_cuda_launch(const PassMemPlan *plan, const IrFunc *f, int i, CgLaunch *l) {
+  memset(l, 0, sizeof *l);
+  l->nops = 1;
+  if (!fused_gate_at(plan, f, i)) return op_launch(f->ops[i], l);
+  // logits (op i's operand), then scores, idx and gates (the results of ops i, i+1, i+2).
+  const IrOp *a = f->ops[i], *g = f->ops[i + 2];
+  const IrType *st = &a->result->type;
+  CgKernelCall *c = call(l, a->kind == IR_OP_GATE_SOFTMAX ? K_GATE_SOFTMAX_TOPK_GATHER : K_GATE_SIGMOID_TOPK_GATHER,
+                         grid_elems(st->dim[0]));
+  arg(c, CG_ARG_OPERAND, 0);
+  for (int r = 0; r < 3; r++) arg(c, CG_ARG_RESULT, r);
+  INTS(c, st->dim[0], st->dim[1], g->result->type.dim[1], ir_op_int(g, "renorm", 0));
+  l->nops = 3;
+  return true;
+}
+
+#undef INTS
+
+int cg_cuda_kernel_count(void) { return K_COUNT; }
+
+const char *cg_cuda_kernel_name(int k) { return k >= 0 && k < K_COUNT ? kernel_src[k].name : "?"; }
+
+int cg_cuda_kernel_params(int k, CgParamType *types, int max) {
+  char signature[96];   // "void mk_add(": where the parameter list starts
+  snprintf(signature, sizeof signature, "void %s(", kernel_src[k].name);
+  const char *p = strstr(kernel_src[k].src, signature);
+  if (!p) UNREACHABLE();
+  p += strlen(signature) - 1;
+  int n = 0;
+  for (p++; *p && *p != ')';) {
+    const char *end = p + strcspn(p, ",)");
+    if (n == max) return -1;
+    // The parameter's declaration: "const float *x", "int s", "i64 n", "u64 seed", "float lr".
+    while (*p == ' ' || *p == '\n') p++;
+    if (memchr(p, '*', (size_t)(end - p))) types[n] = CG_PARAM_POINTER;
+    else if (strncmp(p, "int ", 4) == 0) types[n] = CG_PARAM_INT;
+    else if (strncmp(p, "i64 ", 4) == 0) types[n] = CG_PARAM_I64;
+    else if (strncmp(p, "u64 ", 4) == 0) types[n] = CG_PARAM_U64;
+    else if (strncmp(p, "float ", 6) == 0) types[n] = CG_PARAM_FLOAT;
+    else UNREACHABLE();
+    n++;
+    p = *end == ',' ? end + 1 : end;
+  }
+  return n;
+}
+
+void cg_cuda_kernels_used(const IrModule *m, const PassMemPlan *plan, bool *used) {
+  memset(used, 0, K_COUNT * sizeof *used);
+  for (int fi = 0; fi < m->nfuncs; fi++) {
+    const IrFunc *f = m->funcs[fi];
+    for (int i = 0; i < f->nops;) {
+      CgLaunch l;
+      if (cg_cuda_launch(plan, f, i, &l))
+        for (int k = 0; k < l.ncalls; k++) used[l.call[k].kernel] = true;
+      i += l.nops;
+    }
+  }
 }
 
 // ---- the translation units ----
@@ -1178,12 +1320,72 @@ void cg_emit_cuda_library(FILE *out) {
   for (int k = 0; k < K_COUNT; k++) fprintf(out, "// ---- %s ----\n%s\n", kernel_src[k].name, kernel_src[k].src);
 }
 
+// Whether text calls __syncthreads, directly or through a prelude function that does (the
+// prelude's functions come before their callers, so one pass in order finds them all).
+static bool calls_syncthreads(const char *text, const char *const *syncing, int nsyncing) {
+  if (strstr(text, "__syncthreads")) return true;
+  for (int i = 0; i < nsyncing; i++) {
+    char callee[80];
+    snprintf(callee, sizeof callee, "%s(", syncing[i]);
+    if (strstr(text, callee)) return true;
+  }
+  return false;
+}
+
+void cg_emit_cuda_kernel_list(FILE *out) {
+  // The prelude's __device__ functions that synchronise: their names, found in source order.
+  const char *syncing[32];
+  char names[32][64];
+  int nsyncing = 0;
+  const char *mark = "__device__ ";
+  for (const char *p = strstr(prelude_src, mark); p; p = strstr(p + 1, mark)) {
+    const char *open = strchr(p, '('), *body = open ? strchr(open, '{') : NULL, *end = body;
+    if (!body) UNREACHABLE();
+    for (int depth = 0; *end; end++) {   // the body: to the brace that closes the first one
+      depth += (*end == '{') - (*end == '}');
+      if (depth == 0) break;
+    }
+    const char *name = open;
+    while (name > p && name[-1] != ' ' && name[-1] != '*') name--;
+    char *text = strndup(body, (size_t)(end - body));
+    if (!text) UNREACHABLE();
+    if (nsyncing < 32 && calls_syncthreads(text, syncing, nsyncing)) {
+      snprintf(names[nsyncing], sizeof names[nsyncing], "%.*s", (int)(open - name), name);
+      syncing[nsyncing] = names[nsyncing];
+      nsyncing++;
+    }
+    free(text);
+  }
+  for (int k = 0; k < K_COUNT; k++)
+    fprintf(out, "MK_KERNEL(%s, %d)\n", kernel_src[k].name, calls_syncthreads(kernel_src[k].src, syncing, nsyncing));
+}
+
+// "%x", "@p": an operand of op as the launch plan names it.
 static void operand_name(char *buf, size_t n, const IrOperand *a) {
   if (a->param) snprintf(buf, n, "@%s", a->param->name);
   else snprintf(buf, n, "%%%s", a->value->name);
 }
 
-// The pointer arguments of op's launch: operands, then the result (emit_c's order).
+// One argument of a kernel call of op (the first of the launch's ops) as the plan prints it.
+static void plan_arg(char *buf, size_t n, const IrFunc *f, int i, const CgArg *a) {
+  const IrOp *op = f->ops[i];
+  switch (a->kind) {
+  case CG_ARG_OPERAND: operand_name(buf, n, &op->args[a->index]); return;
+  case CG_ARG_RESULT: snprintf(buf, n, "%%%s", f->ops[i + a->index]->result->name); return;
+  case CG_ARG_GRAD: snprintf(buf, n, "grad(@%s)", op->args[0].param->name); return;
+  case CG_ARG_MOMENT_M: snprintf(buf, n, "m(@%s)", op->args[0].param->name); return;
+  case CG_ARG_MOMENT_V: snprintf(buf, n, "v(@%s)", op->args[0].param->name); return;
+  case CG_ARG_STATS: snprintf(buf, n, "stats"); return;
+  case CG_ARG_INT: snprintf(buf, n, "%" PRId64, a->i); return;
+  case CG_ARG_FLOAT: snprintf(buf, n, "%.9g", a->f); return;
+  case CG_ARG_SEED: snprintf(buf, n, "seed"); return;
+  case CG_ARG_STEP: snprintf(buf, n, "step"); return;
+  case CG_ARG_TOKEN0: snprintf(buf, n, "token0"); return;
+  }
+  UNREACHABLE();
+}
+
+// The pointer arguments of a library op (cuBLAS, NCCL, copy): operands, then the result.
 static void pointer_list(char *buf, size_t n, const IrOp *op) {
   size_t used = 0;
   buf[0] = 0;
@@ -1196,28 +1398,23 @@ static void pointer_list(char *buf, size_t n, const IrOp *op) {
 }
 
 bool cg_emit_cuda(IrDiag *d, FILE *out, const IrModule *m, const PassMemPlan *plan) {
-  bool used[K_COUNT] = {0};
   bool ok = true;
-  // Pass 1: which kernels, and what goes to cuBLAS / NCCL.
+  // Which kernels, and what goes to cuBLAS / NCCL.
   for (int fi = 0; fi < m->nfuncs; fi++) {
     const IrFunc *f = m->funcs[fi];
-    for (int i = 0; i < f->nops; i++) {
-      if (fused_gate_at(plan, f, i)) {
-        used[f->ops[i]->kind == IR_OP_GATE_SOFTMAX ? K_GATE_SOFTMAX_TOPK_GATHER : K_GATE_SIGMOID_TOPK_GATHER] = true;
-        i += 2;
-        continue;
-      }
-      Launch l;
-      if (!op_launch(f->ops[i], &l)) {
+    for (int i = 0; i < f->nops;) {
+      CgLaunch l;
+      if (!cg_cuda_launch(plan, f, i, &l)) {
         const IrOp *op = f->ops[i];
         ok = ir_error_at(d, op->loc, "the CUDA target cannot emit op '%s'",
                          op->kind < IR_OP_COUNT ? ir_op_info[op->kind].name : "?");
-        continue;
       }
-      for (int k = 0; k < l.nk; k++) used[l.k[k]] = true;
+      i += l.nops;
     }
   }
   if (!ok) return false;
+  bool used[K_COUNT];
+  cg_cuda_kernels_used(m, plan, used);
   int nkernels = 0;
   for (int k = 0; k < K_COUNT; k++) nkernels += used[k];
 
@@ -1229,16 +1426,17 @@ bool cg_emit_cuda(IrDiag *d, FILE *out, const IrModule *m, const PassMemPlan *pl
     const IrFunc *f = m->funcs[fi];
     for (int i = 0; i < f->nops; i++) {
       const IrOp *op = f->ops[i];
-      Launch l;
+      CgLaunch l;
+      memset(&l, 0, sizeof l);
       if (!op_launch(op, &l) || !l.lib) continue;
       char ptrs[512];
       pointer_list(ptrs, sizeof ptrs, op);
-      fprintf(out, "//   %-8s @%s: %s %s", l.lib[0] == 'h' ? "host" : l.lib, f->name, ir_op_info[op->kind].name, ptrs);
+      fprintf(out, "//   %-8s @%s: %s %s", l.lib, f->name, ir_op_info[op->kind].name, ptrs);
       if (op->kind == IR_OP_MATMUL || op->kind == IR_OP_EXPERT_MATMUL) {
         fprintf(out, " [");
         for (int k = 0; k < op->result->type.rank; k++) fprintf(out, "%s%" PRId64, k ? ", " : "", op->result->type.dim[k]);
         fprintf(out, "]%s%s", ir_op_int(op, "ta", 0) ? " ta" : "", ir_op_int(op, "tb", 0) ? " tb" : "");
-      } else if (op->kind != IR_OP_COMM_SPLIT) {
+      } else {
         fprintf(out, " (group %s, size %" PRId64 ")", ir_op_str(op, "group", "world"), ir_op_int(op, "size", 1));
       }
       fprintf(out, "\n");
@@ -1249,37 +1447,37 @@ bool cg_emit_cuda(IrDiag *d, FILE *out, const IrModule *m, const PassMemPlan *pl
     if (used[k]) fprintf(out, "// ---- %s ----\n%s\n", kernel_src[k].name, kernel_src[k].src);
 
   // The launch plan, in program order.
-  fprintf(out, "// Launch plan (program order): op -> kernel(pointers..., literal arguments).\n");
+  fprintf(out, "// Launch plan (program order): op -> kernel<<<grid>>>(arguments...); every block has %d threads.\n",
+          CG_CUDA_BLOCK);
   for (int fi = 0; fi < m->nfuncs; fi++) {
     const IrFunc *f = m->funcs[fi];
     fprintf(out, "// @%s\n", f->name);
-    for (int i = 0; i < f->nops; i++) {
+    for (int i = 0; i < f->nops;) {
       const IrOp *op = f->ops[i];
-      char ptrs[512];
-      if (fused_gate_at(plan, f, i)) {
-        const IrOp *c = f->ops[i + 2];
-        const IrType *st = &op->result->type;
-        fprintf(out, "//   %s + gate.topk + gate.gather -> %s(%%%s, %%%s, %%%s, %%%s, %" PRId64 ", %" PRId64
-                     ", %" PRId64 ", %d)\n",
-                ir_op_info[op->kind].name,
-                op->kind == IR_OP_GATE_SOFTMAX ? "mk_gate_softmax_topk_gather" : "mk_gate_sigmoid_topk_gather",
-                op->args[0].value->name, op->result->name, f->ops[i + 1]->result->name, c->result->name, st->dim[0],
-                st->dim[1], c->result->type.dim[1], (int)ir_op_int(c, "renorm", 0));
-        i += 2;
-        continue;
-      }
-      Launch l;
-      op_launch(op, &l);
-      pointer_list(ptrs, sizeof ptrs, op);
+      CgLaunch l;
+      cg_cuda_launch(plan, f, i, &l);
+      fprintf(out, "//   %s", ir_op_info[op->kind].name);
+      for (int j = 1; j < l.nops; j++) fprintf(out, " + %s", ir_op_info[f->ops[i + j]->kind].name);
       if (l.lib) {
-        fprintf(out, "//   %s %s -> %s\n", ir_op_info[op->kind].name, ptrs, l.lib);
+        char ptrs[512];
+        pointer_list(ptrs, sizeof ptrs, op);
+        fprintf(out, " %s -> %s\n", ptrs, l.lib);
+        i += l.nops;
         continue;
       }
-      fprintf(out, "//   %s ->", ir_op_info[op->kind].name);
-      if (l.nk == 2 && l.k[0] == K_ZERO)
-        fprintf(out, " mk_zero(%%%s, %" PRId64 "),", op->result->name, ir_type_numel(&op->result->type));
-      fprintf(out, " %s(%s%s%s%s\n", kernel_src[l.k[l.nk - 1]].name, ptrs, l.args[0] ? ", " : "", l.args,
-              strchr(l.args, ')') ? "" : ")");
+      fprintf(out, " ->");
+      for (int k = 0; k < l.ncalls; k++) {
+        const CgKernelCall *c = &l.call[k];
+        fprintf(out, "%s %s<<<%" PRId64 ">>>(", k ? "," : "", kernel_src[c->kernel].name, c->grid);
+        for (int a = 0; a < c->nargs; a++) {
+          char buf[160];
+          plan_arg(buf, sizeof buf, f, i, &c->args[a]);
+          fprintf(out, "%s%s", a ? ", " : "", buf);
+        }
+        fprintf(out, ")");
+      }
+      fprintf(out, "%s%s\n", l.note[0] ? "  -- " : "", l.note);
+      i += l.nops;
     }
   }
   return true;

@@ -1,7 +1,16 @@
-// Linking: the system C compiler turns the emitted host program and libmoert into the model
-// binary. The runtime's header and library are found under MOEC_ROOT (the source tree moec was
-// built from, or $MOEC_ROOT when set). The compiler runs without a shell, so paths with spaces
-// or quotes are safe.
+// Linking: the system C compiler turns the emitted host program and the runtime into the model
+// binary. The runtime's headers and libraries are found under MOEC_ROOT (the source tree moec
+// was built from, or $MOEC_ROOT when set); the flags of the libraries around them (MPI, and
+// for the CUDA target the toolkit's headers, cuBLAS and NCCL) are the ones the Makefile found
+// when it built moec, passed in as MOEC_* macros. The compiler runs without a shell, so paths
+// with spaces or quotes are safe.
+//
+// The CUDA target links build/libmoert_cuda.a, which needs cuBLAS, NCCL and libdl (the driver
+// itself is opened at run time, runtime/cuda/rt_cuda.c). MOEC_CUDA_FAKE=1 in the environment is
+// a test hook: the program links build/cuda/libfake_cuda.a instead (tests/cuda/fake_cuda.cpp,
+// rt_cuda.h on host memory with the kernels emulated), so that `make test` runs CUDA programs
+// on machines without a GPU.
+#include <dlfcn.h>
 #include <errno.h>
 #include <stdlib.h>
 #include <string.h>
@@ -19,42 +28,59 @@
 #ifndef MOEC_MPI_LIBS
 #define MOEC_MPI_LIBS "-lmpi"
 #endif
+#ifndef MOEC_MPI_CFLAGS
+#define MOEC_MPI_CFLAGS ""
+#endif
+// The toolkit's headers (-I...) and the CUDA libraries' link flags; "" when make found no
+// toolkit, cuBLAS or NCCL.
+#ifndef MOEC_CUDA_CFLAGS
+#define MOEC_CUDA_CFLAGS ""
+#endif
+#ifndef MOEC_CUDA_LIBS
+#define MOEC_CUDA_LIBS ""
+#endif
 
-bool cg_link(IrDiag *d, const char *c_path, const char *out_path, bool verbose) {
-  const char *root = getenv("MOEC_ROOT");
-  char include[4096], lib[4096];
-  if (root && *root) {
-    snprintf(include, sizeof include, "-I%s/runtime", root);
-    snprintf(lib, sizeof lib, "%s/build/libmoert.a", root);
-  } else {
-    snprintf(include, sizeof include, "-I%s/runtime", MOEC_ROOT);
-    snprintf(lib, sizeof lib, "%s/libmoert.a", MOEC_BUILD);
+enum { MAX_ARGS = 96 };
+
+typedef struct Command {
+  const char *argv[MAX_ARGS + 1];
+  int argc;
+  char words[8192];   // the split flag strings
+  size_t used;
+  bool overflow;
+} Command;
+
+static void add(Command *c, const char *arg) {
+  if (c->argc < MAX_ARGS) c->argv[c->argc++] = arg;
+  else c->overflow = true;
+}
+
+// Adds the words of a flag string ("-L/x -lfoo").
+static void add_words(Command *c, const char *flags) {
+  size_t n = strlen(flags) + 1;
+  if (c->used + n > sizeof c->words) {
+    c->overflow = true;
+    return;
   }
-  if (access(lib, R_OK) != 0)
-    return ir_error(d, "cannot find the runtime library '%s' (build it with 'make', or set MOEC_ROOT)", lib);
-  const char *cc = getenv("CC");
-  if (!cc || !*cc) cc = "cc";
-  // The MPI link flags moec was built with (mpicc --showme:link), split into words.
-  char mpi[1024];
-  snprintf(mpi, sizeof mpi, "%s", MOEC_MPI_LIBS);
-  const char *argv[32] = {cc, "-std=c11", "-O2", "-w", include, c_path, lib, "-lopenblas", "-lcjson"};
-  int argc = 9;
-  for (char *save = NULL, *w = strtok_r(mpi, " ", &save); w && argc < 26; w = strtok_r(NULL, " ", &save))
-    argv[argc++] = w;
-  argv[argc++] = "-lm";
-  argv[argc++] = "-o";
-  argv[argc++] = out_path;
-  argv[argc] = NULL;
+  char *copy = memcpy(c->words + c->used, flags, n);
+  c->used += n;
+  for (char *save = NULL, *w = strtok_r(copy, " ", &save); w; w = strtok_r(NULL, " ", &save)) add(c, w);
+}
+
+static bool run(IrDiag *d, Command *c, const char *c_path, bool verbose) {
+  if (c->overflow) return ir_error(d, "internal error: the link command line is too long");
+  c->argv[c->argc] = NULL;
   if (verbose) {
     fprintf(stderr, "# link:");
-    for (int i = 0; argv[i]; i++) fprintf(stderr, " %s", argv[i]);
+    for (int i = 0; c->argv[i]; i++) fprintf(stderr, " %s", c->argv[i]);
     fputc('\n', stderr);
   }
   fflush(NULL);
+  const char *cc = c->argv[0];
   pid_t pid = fork();
   if (pid < 0) return ir_error(d, "cannot start the C compiler: %s", strerror(errno));
   if (pid == 0) {
-    execvp(cc, (char *const *)argv);
+    execvp(cc, (char *const *)c->argv);
     fprintf(stderr, "moec: error: cannot run the C compiler '%s': %s\n", cc, strerror(errno));
     _exit(127);
   }
@@ -64,4 +90,91 @@ bool cg_link(IrDiag *d, const char *c_path, const char *out_path, bool verbose) 
   if (!WIFEXITED(status) || WEXITSTATUS(status) != 0)
     return ir_error(d, "the C compiler '%s' failed on the generated program '%s'", cc, c_path);
   return true;
+}
+
+static bool readable(IrDiag *d, const char *path, const char *how) {
+  if (access(path, R_OK) == 0) return true;
+  return ir_error(d, "cannot find the library '%s' (%s)", path, how);
+}
+
+bool cg_link(IrDiag *d, const char *c_path, const char *out_path, CgTarget target, bool verbose) {
+  const char *root = getenv("MOEC_ROOT");
+  char include[4096], include_cuda[4096], lib[4096], lib_cuda[4096];
+  bool env_root = root && *root;
+  snprintf(include, sizeof include, "-I%s/runtime", env_root ? root : MOEC_ROOT);
+  snprintf(include_cuda, sizeof include_cuda, "-I%s/runtime/cuda", env_root ? root : MOEC_ROOT);
+  if (env_root) snprintf(lib, sizeof lib, "%s/build/libmoert.a", root);
+  else snprintf(lib, sizeof lib, "%s/libmoert.a", MOEC_BUILD);
+  if (!readable(d, lib, "build it with 'make', or set MOEC_ROOT")) return false;
+  const char *fake = getenv("MOEC_CUDA_FAKE");
+  bool use_fake = target == CG_TARGET_CUDA && fake && strcmp(fake, "1") == 0;
+  if (target == CG_TARGET_CUDA) {
+    if (!*MOEC_CUDA_CFLAGS)
+      return ir_error(d, "this moec was built where make found no CUDA toolkit, so it cannot link a CUDA program "
+                         "(rebuild moec with 'make' where the toolkit is, CUDA=/path)");
+    const char *name = use_fake ? "cuda/libfake_cuda.a" : "libmoert_cuda.a";
+    if (env_root) snprintf(lib_cuda, sizeof lib_cuda, "%s/build/%s", root, name);
+    else snprintf(lib_cuda, sizeof lib_cuda, "%s/%s", MOEC_BUILD, name);
+    if (!use_fake && !*MOEC_CUDA_LIBS)
+      return ir_error(d, "this moec was built where make found no cuBLAS or NCCL, so it cannot link a CUDA program "
+                         "(see the '#' lines of 'make'; NCCL_HOME=/path)");
+    if (!readable(d, lib_cuda, use_fake ? "the fake device of the tests: 'make' builds it where the CUDA toolkit is"
+                                        : "the GPU runtime: 'make' builds it where the CUDA toolkit, cuBLAS and NCCL are"))
+      return false;
+  }
+  const char *cc = getenv("CC");
+  Command c = {.argc = 0};
+  add(&c, cc && *cc ? cc : "cc");
+  add_words(&c, "-std=c11 -O2 -w");
+  add(&c, include);
+  if (target == CG_TARGET_CUDA) {
+    add(&c, include_cuda);
+    add_words(&c, MOEC_CUDA_CFLAGS);
+    add_words(&c, MOEC_MPI_CFLAGS);
+  }
+  add(&c, c_path);
+  if (target == CG_TARGET_CUDA) add(&c, lib_cuda);
+  add(&c, lib);
+  add_words(&c, "-lopenblas -lcjson");
+  // The MPI link flags moec was built with (mpicc --showme:link).
+  add_words(&c, MOEC_MPI_LIBS);
+  if (use_fake) add_words(&c, "-lstdc++");
+  else if (target == CG_TARGET_CUDA) add_words(&c, MOEC_CUDA_LIBS);
+  add_words(&c, "-lm -o");
+  add(&c, out_path);
+  return run(d, &c, c_path, verbose);
+}
+
+// The driver's two calls, by their unversioned names, typed without cuda.h (moec is built
+// without the toolkit's headers): CUresult is an int-sized enum, 0 for success.
+typedef int (*CuInit)(unsigned flags);
+typedef int (*CuDeviceGetCount)(int *count);
+
+static const char *cuda_error_name(int rc) {
+  switch (rc) {
+  case 3: return " (CUDA_ERROR_NOT_INITIALIZED)";
+  case 34: return " (CUDA_ERROR_STUB_LIBRARY: the toolkit's stub, not the NVIDIA driver)";
+  case 35: return " (CUDA_ERROR_INSUFFICIENT_DRIVER)";
+  case 100: return " (CUDA_ERROR_NO_DEVICE)";
+  default: return "";
+  }
+}
+
+bool cg_gpu_probe(char *why, size_t size) {
+  void *lib = dlopen("libcuda.so.1", RTLD_NOW | RTLD_LOCAL);
+  if (!lib) {
+    snprintf(why, size, "no NVIDIA driver: %s", dlerror());
+    return false;
+  }
+  CuInit init = (CuInit)dlsym(lib, "cuInit");
+  CuDeviceGetCount count_devices = (CuDeviceGetCount)dlsym(lib, "cuDeviceGetCount");
+  int rc = -1, count = 0;
+  if (!init || !count_devices) snprintf(why, size, "libcuda.so.1 has no cuInit or cuDeviceGetCount");
+  else if ((rc = init(0)) != 0) snprintf(why, size, "cuInit failed with CUDA error %d%s", rc, cuda_error_name(rc));
+  else if ((rc = count_devices(&count)) != 0)
+    snprintf(why, size, "cuDeviceGetCount failed with CUDA error %d%s", rc, cuda_error_name(rc));
+  else if (count < 1) snprintf(why, size, "the driver sees no CUDA device");
+  else snprintf(why, size, "%d CUDA device%s", count, count > 1 ? "s" : "");
+  dlclose(lib);
+  return rc == 0 && count > 0;
 }

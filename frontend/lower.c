@@ -96,7 +96,8 @@ void fe_token_choice(FeLower *L, IrValue *logits, IrValue *scores, bool renorm, 
 // ---- refusals ----
 static void refuse_unsupported(IrDiag *d, const FeProgram *p) {
   if (strcmp(p->model.dtype, "fp32") != 0)
-    ir_error_at(d, p->model.dtype_loc, "dtype '%s' needs the CUDA backend, which moec does not have yet",
+    ir_error_at(d, p->model.dtype_loc,
+                "dtype '%s' is not supported yet: moec trains in fp32 (bf16 compute is planned for the CUDA target)",
                 p->model.dtype);
   const FeParallel *par = &p->parallel;
   for (int i = 0; i < p->nlayers; i++) {

@@ -62,6 +62,7 @@
 
 #include "moert.h"
 #include "rt_internal.h"
+#include "rt_mpi.h"
 
 typedef struct Hierarchy {
   bool regular;          // every node that holds members holds the same number of them
@@ -376,6 +377,11 @@ int rt_comm_rank(RtGroup g) {
 int rt_comm_size(RtGroup g) {
   check_group(g, "rt_comm_size");
   return comm.active ? comm.group[g].size : 1;
+}
+
+MPI_Comm rt_comm_mpi(RtGroup g) {
+  check_group(g, "rt_comm_mpi");
+  return comm.active ? comm.group[g].comm : MPI_COMM_NULL;
 }
 
 void rt_comm_set_max_chunk(int64_t elements) {

@@ -150,18 +150,25 @@ static void put_number(FILE *f, const char *key, double v) {
 void rt_record(RtStep *st, const char *point, int layer, const float *x, int64_t n) {
   if (!st || !st->record)
     return;
-  FILE *f = st->record;
   double sum = 0.0, max_abs = 0.0;
-  bool nan_seen = false;
+  int64_t nans = 0;
   for (int64_t i = 0; i < n; i++) {
     sum += x[i];
     double a = fabs((double)x[i]);
     if (isnan(a))
-      nan_seen = true;
+      nans++;
     else if (a > max_abs)
       max_abs = a;
   }
-  if (nan_seen)
+  rt_record_stats(st, point, layer, n, sum, max_abs, nans);
+}
+
+void rt_record_stats(RtStep *st, const char *point, int layer, int64_t n, double sum,
+                     double max_abs, int64_t nans) {
+  if (!st || !st->record)
+    return;
+  FILE *f = st->record;
+  if (nans > 0)
     max_abs = NAN;
   double mean = n > 0 ? sum / (double)n : 0.0;
   double dropped = st->routed > 0 ? (double)st->dropped / (double)st->routed : 0.0;

@@ -265,8 +265,7 @@ void rt_gate_gather_grad(const float *dgates, const float *scores, const int32_t
 // choices of every token before any second choice); one at or past cap is dropped (-1). Counters
 // only grow, so a dropped choice takes no slot and every later choice of that expert in the
 // group is dropped as well. cap <= 0 is dropless: the counters have no limit. st (NULL in unit
-// tests) gets the drop and routed counts and the per-expert loads (kept choices over all
-// groups), and route_hash folds in (idx, loc) of every choice in [t, j] order.
+// tests) gets the statistics of rt_route_stats.
 //
 // The result is the largest number of choices one expert received in one group, kept or not:
 // the capacity at which nothing would be dropped (a dropless layer sizes its dispatch with it).
@@ -276,9 +275,6 @@ int rt_gate_locations(RtStep *st, const int32_t *idx, int32_t *loc, int s, int k
     g = 1;
   bool dropless = cap <= 0;
   int *count = xmalloc(2 * (size_t)e * sizeof *count, "rt_gate_locations"), *wanted = count + e;
-  int64_t *load = xmalloc((size_t)e * sizeof *load, "rt_gate_locations");
-  memset(load, 0, (size_t)e * sizeof *load);
-  int64_t dropped = 0;
   int most_wanted = 0;
   for (int gi = 0; gi < g; gi++) {
     int t0 = group_begin(s, g, gi), t1 = group_begin(s, g, gi + 1);
@@ -288,36 +284,55 @@ int rt_gate_locations(RtStep *st, const int32_t *idx, int32_t *loc, int s, int k
         size_t c = (size_t)t * k + j;
         int ex = idx[c];
         wanted[ex]++;
-        if (dropless || count[ex] < cap) {
-          loc[c] = count[ex]++;
-        } else {
-          loc[c] = -1;
-          dropped++;
-        }
+        loc[c] = dropless || count[ex] < cap ? count[ex]++ : -1;
       }
     }
-    for (int i = 0; i < e; i++) {
-      load[i] = count[i];
+    for (int i = 0; i < e; i++)
       if (wanted[i] > most_wanted)
         most_wanted = wanted[i];
-    }
-    // Loads are per routing group, the unit capacity applies to, so a P-rank run (one group
-    // per rank) reports what its single-rank twin with P groups reports.
-    if (st)
-      rt_add_loads(st, load, e);
   }
   free(count);
-  if (st) {
-    st->dropped += dropped;
-    st->routed += (int64_t)s * k;
-    for (size_t c = 0; c < (size_t)s * k; c++)
-      st->route_hash = rt_key(st->route_hash, (uint64_t)(uint32_t)idx[c] * 1000003u +
-                                                  (uint64_t)(int64_t)(loc[c] + 1));
-    if (dropless && most_wanted > st->capacity_max)
-      st->capacity_max = most_wanted;
+  rt_route_stats(st, idx, loc, s, k, e, g, cap);
+  return most_wanted;
+}
+
+// The drops, the routed choices and the per-expert loads (kept choices of each expert in each
+// routing group), then route_hash over (idx, loc) of every choice in [t, j] order, and for a
+// dropless layer (cap <= 0) capacity_max. Loads are per routing group, the unit capacity
+// applies to, so a P-rank run (one group per rank) reports what its single-rank twin with P
+// groups reports. An expert index outside [0, e) (a corrupted routing) counts nowhere.
+void rt_route_stats(RtStep *st, const int32_t *idx, const int32_t *loc, int s, int k, int e,
+                    int g, int cap) {
+  if (!st)
+    return;
+  if (g < 1)
+    g = 1;
+  int64_t *load = xmalloc(2 * (size_t)e * sizeof *load, "rt_route_stats"), *wanted = load + e;
+  int64_t dropped = 0, most_wanted = 0;
+  for (int gi = 0; gi < g; gi++) {
+    int t0 = group_begin(s, g, gi), t1 = group_begin(s, g, gi + 1);
+    memset(load, 0, 2 * (size_t)e * sizeof *load);
+    for (size_t c = (size_t)t0 * k; c < (size_t)t1 * k; c++) {
+      if (loc[c] < 0)
+        dropped++;
+      if (idx[c] < 0 || idx[c] >= e)
+        continue;
+      wanted[idx[c]]++;
+      load[idx[c]] += loc[c] >= 0;
+    }
+    for (int i = 0; i < e; i++)
+      if (wanted[i] > most_wanted)
+        most_wanted = wanted[i];
+    rt_add_loads(st, load, e);
   }
   free(load);
-  return most_wanted;
+  st->dropped += dropped;
+  st->routed += (int64_t)s * k;
+  for (size_t c = 0; c < (size_t)s * k; c++)
+    st->route_hash = rt_key(st->route_hash, (uint64_t)(uint32_t)idx[c] * 1000003u +
+                                                (uint64_t)(int64_t)(loc[c] + 1));
+  if (cap <= 0 && most_wanted > st->capacity_max)
+    st->capacity_max = most_wanted;
 }
 
 // Folds one layer's per-expert loads into the step's min / max / mean.

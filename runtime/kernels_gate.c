@@ -169,19 +169,15 @@ static int by_score_then_token(const void *pa, const void *pb) {
 }
 
 // Every expert sorts its group's tokens and keeps the first cap; a token nobody keeps is dropped
-// (its MoE output is zero). route_hash folds in (j, loc) of every [t, j] in order, like
-// rt_gate_locations, so that --check-grad sees when a perturbation changes the choice.
+// (its MoE output is zero). The statistics are rt_expert_choice_stats'.
 void rt_expert_choice(RtStep *st, const float *scores, int32_t *loc, int s, int e, int g,
                       int cap) {
   if (g < 1)
     g = 1;
   int most = s / g + 1;
   Candidate *cand = xmalloc((size_t)most * sizeof *cand, "rt_expert_choice");
-  int64_t *load = xmalloc((size_t)e * sizeof *load, "rt_expert_choice");
   for (size_t i = 0; i < (size_t)s * e; i++)
     loc[i] = -1;
-  for (int j = 0; j < e; j++)
-    load[j] = 0;
   for (int gi = 0; gi < g; gi++) {
     int t0 = group_begin(s, g, gi), t1 = group_begin(s, g, gi + 1), n = t1 - t0;
     int take = cap < n ? cap : n;
@@ -195,27 +191,46 @@ void rt_expert_choice(RtStep *st, const float *scores, int32_t *loc, int s, int 
       qsort(cand, (size_t)n, sizeof *cand, by_score_then_token);
       for (int r = 0; r < take; r++)
         loc[(size_t)cand[r].token * e + j] = r;
-      load[j] = take;
     }
-    if (st)  // per routing group, as rt_gate_locations
-      rt_add_loads(st, load, e);
   }
   free(cand);
-  if (st) {
-    int64_t dropped = 0;
-    for (int t = 0; t < s; t++) {
-      bool taken = false;
-      for (int j = 0; j < e; j++)
-        taken |= loc[(size_t)t * e + j] >= 0;
-      dropped += !taken;
+  rt_expert_choice_stats(st, loc, s, e, g, cap);
+}
+
+// Per routing group where experts take tokens (min(cap, group size) > 0), the loads (tokens each
+// expert took), as rt_gate_locations' statistics; then the tokens no expert took (dropped),
+// s routed, and route_hash over (j, loc) of every [t, j] in order, so that --check-grad sees
+// when a perturbation changes the choice.
+void rt_expert_choice_stats(RtStep *st, const int32_t *loc, int s, int e, int g, int cap) {
+  if (!st)
+    return;
+  if (g < 1)
+    g = 1;
+  int64_t *load = xmalloc((size_t)e * sizeof *load, "rt_expert_choice_stats");
+  for (int gi = 0; gi < g; gi++) {
+    int t0 = group_begin(s, g, gi), t1 = group_begin(s, g, gi + 1), n = t1 - t0;
+    if ((cap < n ? cap : n) <= 0)
+      continue;
+    for (int j = 0; j < e; j++) {
+      load[j] = 0;
+      for (int t = t0; t < t1; t++)
+        load[j] += loc[(size_t)t * e + j] >= 0;
     }
-    st->dropped += dropped;
-    st->routed += s;
-    for (size_t c = 0; c < (size_t)s * e; c++)
-      st->route_hash = rt_key(st->route_hash, (uint64_t)(c % (size_t)e) * 1000003u +
-                                                  (uint64_t)(int64_t)(loc[c] + 1));
+    rt_add_loads(st, load, e);
   }
   free(load);
+  int64_t dropped = 0;
+  for (int t = 0; t < s; t++) {
+    bool taken = false;
+    for (int j = 0; j < e; j++)
+      taken |= loc[(size_t)t * e + j] >= 0;
+    dropped += !taken;
+  }
+  st->dropped += dropped;
+  st->routed += s;
+  for (size_t c = 0; c < (size_t)s * e; c++)
+    st->route_hash = rt_key(st->route_hash, (uint64_t)(c % (size_t)e) * 1000003u +
+                                                (uint64_t)(int64_t)(loc[c] + 1));
 }
 
 void rt_iota(int32_t *idx, int s, int e) {

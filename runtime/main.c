@@ -15,6 +15,12 @@
 // and --dump hold the global batch, --dump and --weights whole tensors, and a checkpoint resumes
 // on any layout.
 //
+// A model of the CUDA target (RtModel.device) runs its steps on a GPU: the trainer keeps the same
+// host buffers and hands them over at the points where the device must see them or where they
+// are read here (device_put / device_get): after the parameters are set, before --dump, a
+// checkpoint and the gradient check's reads, after each perturbation of that check. The
+// forward stages the step's data itself. Without a device none of these calls happen.
+//
 // Errors on user input never abort: the failing function records a sentence (rt_fail), the
 // caller unwinds, and rt_main prints "moert: error: SENTENCE" once and returns non-zero. It
 // never calls exit(), so tests can run it in-process. On several ranks every failure point is
@@ -249,6 +255,7 @@ typedef struct Trainer {
   int64_t elems;           // batch * seqlen * embed
   int64_t done_steps;      // the last step already applied to the parameters
   bool fixed_data;         // --input given: the same data every step
+  bool device_up;          // model->device created: destroy it at the end
 } Trainer;
 
 static bool is_root(const Trainer *tr) {
@@ -256,6 +263,8 @@ static bool is_root(const Trainer *tr) {
 }
 
 static void trainer_destroy(Trainer *tr) {
+  if (tr->device_up)
+    tr->model->device->destroy(&tr->st);
   if (tr->st.record)
     fclose(tr->st.record);
   free(tr->st.params);
@@ -284,18 +293,40 @@ static int trainer_create(Trainer *tr, const RtModel *model, const Options *opt,
   st->grads = calloc(floats, sizeof(float));
   st->opt_m = calloc(floats, sizeof(float));
   st->opt_v = calloc(floats, sizeof(float));
-  st->arena = aligned_alloc(64, arena ? arena : 64);
+  // The activations of a device model live on the device.
+  if (!model->device)
+    st->arena = aligned_alloc(64, arena ? arena : 64);
   tr->input = calloc((size_t)tr->elems, sizeof(float));
   tr->target = calloc((size_t)tr->elems, sizeof(float));
-  if (!st->params || !st->grads || !st->opt_m || !st->opt_v || !st->arena || !tr->input ||
-      !tr->target)
+  if (!st->params || !st->grads || !st->opt_m || !st->opt_v || (!model->device && !st->arena) ||
+      !tr->input || !tr->target)
     return rt_fail("out of memory: model '%s' needs %zu bytes of parameters and state and %zu "
                    "bytes of activations", model->name, 4 * floats * sizeof(float), arena);
   // Zeroed once so that a plan that reads a buffer before writing it is at least deterministic.
-  memset(st->arena, 0, arena ? arena : 64);
+  if (st->arena)
+    memset(st->arena, 0, arena ? arena : 64);
   st->input = tr->input;
   st->target = tr->target;
+  if (model->device) {
+    if (model->device->create(st) != 0)
+      return -1;
+    tr->device_up = true;
+  }
   return 0;
+}
+
+// ---- the device's copies (a model of the CUDA target) ----
+
+// Host -> device (device_put) and device -> host (device_get) of what (RtDeviceData bits), on
+// every rank, agreed over the world. 0 without a device: the host buffers are the only ones.
+static int device_put(Trainer *tr, unsigned what) {
+  const RtDevice *dev = tr->model->device;
+  return dev ? rt_world_agree(dev->upload(&tr->st, what)) : 0;
+}
+
+static int device_get(Trainer *tr, unsigned what) {
+  const RtDevice *dev = tr->model->device;
+  return dev ? rt_world_agree(dev->download(&tr->st, what)) : 0;
 }
 
 // ---- where the parameters come from ----
@@ -450,6 +481,8 @@ static int dump_step(Trainer *tr, const Report *rep) {
   const RtRanks *r = &tr->ranks;
   const char *dir = tr->opt.dump;
   bool root = is_root(tr);
+  if (device_get(tr, RT_DEVICE_GRADS | RT_DEVICE_OUTPUT) != 0)
+    return -1;
   int status = tr->st.output ? 0
                              : rt_fail("internal error: the forward of model '%s' did not set "
                                        "its output", m->name);
@@ -520,6 +553,8 @@ static void print_header(const Trainer *tr, int64_t first, int64_t last) {
          "optimizer %s; seed %" PRIu64 "\n", m->name, m->nparams, m->param_floats,
          (long long)m->batch, (long long)m->seqlen, (long long)m->embed,
          optimizer_name(m->opt), m->seed);
+  if (m->device)
+    printf("# device: %s\n", m->device->describe());
   if (r->world > 1)
     printf("# %d ranks: dp %d, mp %d, ep %d, esp %d; global batch %lld samples; figures "
            "reduced over the ranks, time of the slowest\n", r->world, r->dp, r->mp, r->ep,
@@ -677,7 +712,8 @@ static int check_grad(Trainer *tr) {
   uint64_t hash0 = st->route_hash;
   m->backward(st);
   float *grad = malloc((m->param_floats ? m->param_floats : 1) * sizeof(float));
-  if (rt_world_agree(grad ? 0 : rt_fail("out of memory")) != 0) {
+  if (rt_world_agree(grad ? 0 : rt_fail("out of memory")) != 0 ||
+      device_get(tr, RT_DEVICE_GRADS) != 0) {
     free(grad);
     return -1;
   }
@@ -700,7 +736,8 @@ static int check_grad(Trainer *tr) {
            "max abs err", "max rel err", "result");
   }
   int total_checked = 0, total_skipped = 0, total_failed = 0;
-  for (int i = 0; i < m->nparams; i++) {
+  bool device_failed = false;   // an upload of the perturbed parameters failed (all ranks agree)
+  for (int i = 0; i < m->nparams && !device_failed; i++) {
     const RtParam *p = &m->params[i];
     const float *g = grad + p->offset;
     float *w = st->params + p->offset;
@@ -733,10 +770,14 @@ static int check_grad(Trainer *tr) {
       double up = (double)plus - orig, down = orig - (double)minus;
       if (j >= 0)
         w[j] = plus;
+      if ((device_failed = device_put(tr, RT_DEVICE_PARAMS) != 0))
+        break;
       m->forward(st);
       Report rep_up = reduce_report(tr, st, &hash0);
       if (j >= 0)
         w[j] = minus;
+      if ((device_failed = device_put(tr, RT_DEVICE_PARAMS) != 0))
+        break;
       m->forward(st);
       Report rep_down = reduce_report(tr, st, &hash0);
       if (j >= 0)
@@ -755,6 +796,8 @@ static int check_grad(Trainer *tr) {
       max_abs = fmax(max_abs, err);
       max_rel = fmax(max_rel, rel);
     }
+    if (device_failed)
+      break;
     const char *result = failed ? "FAILED" : checked ? "OK" : "SKIPPED";
     if (root) {
       printf("%-*s %8d %8d %12.3e %12.3e  %s\n", width, p->name, checked, skipped, max_abs,
@@ -767,6 +810,8 @@ static int check_grad(Trainer *tr) {
   }
   free(grad);
   // Leave the step's state as the unperturbed forward left it.
+  if (device_failed || device_put(tr, RT_DEVICE_PARAMS) != 0)
+    return -1;
   m->forward(st);
   bool ok = total_failed == 0 && total_checked > 0;
   if (root) {
@@ -784,6 +829,9 @@ static int check_grad(Trainer *tr) {
 static int run(const RtModel *model, const Options *opt, const RtRanks *ranks) {
   Trainer tr;
   int status = rt_world_agree(trainer_create(&tr, model, opt, ranks));
+  // The device's collective part (its communicators) once every rank has its device.
+  if (status == 0 && model->device)
+    status = rt_world_agree(model->device->connect(&tr.st));
   if (status == 0) {
     if (opt->resume)
       status = load_checkpoint(&tr, opt->resume);
@@ -792,6 +840,8 @@ static int run(const RtModel *model, const Options *opt, const RtRanks *ranks) {
     else
       init_params(&tr);
     status = rt_world_agree(status);
+    if (status == 0)
+      status = device_put(&tr, RT_DEVICE_PARAMS | RT_DEVICE_MOMENTS);
   }
   if (status == 0 && opt->input) {
     tr.fixed_data = true;
@@ -812,6 +862,8 @@ static int run(const RtModel *model, const Options *opt, const RtRanks *ranks) {
     status = rt_world_agree(open_record(&tr));
   if (status == 0)
     status = train(&tr);
+  if (status == 0 && opt->save)
+    status = device_get(&tr, RT_DEVICE_PARAMS | RT_DEVICE_MOMENTS);
   if (status == 0 && opt->save)
     status = rt_checkpoint_save(opt->save, model, ranks, tr.done_steps, tr.st.params,
                                 tr.st.opt_m, tr.st.opt_v);

@@ -74,6 +74,11 @@ void rt_gate_gather_grad(const float *dgates, const float *scores, const int32_t
 // the largest per-group load of any expert (the capacity a dropless layer needs).
 int rt_gate_locations(RtStep *st, const int32_t *idx, int32_t *loc, int s, int k, int e, int g,
                       int cap);
+// The statistics rt_gate_locations adds to st, of a routing made elsewhere (the CUDA target
+// places the choices on the GPU and reads idx and loc back): drops, routed choices, per-group
+// loads, route_hash and, when cap <= 0, capacity_max. Nothing when st is NULL.
+void rt_route_stats(RtStep *st, const int32_t *idx, const int32_t *loc, int s, int k, int e,
+                    int g, int cap);
 float rt_aux_loss(const float *scores, const int32_t *idx, int s, int e, int k, int g);
 void rt_aux_loss_grad(const float *scores, const int32_t *idx, float *dscores, int s, int e,
                       int k, int g, float coef);
@@ -114,6 +119,8 @@ void rt_div_scalar_grad_s(const float *dy, const float *x, const float *s, float
 // -1. Choice j of every token is expert j (idx = rt_iota). Statistics: routed += s,
 // dropped += tokens that no expert took; loads as rt_gate_locations.
 void rt_expert_choice(RtStep *st, const float *scores, int32_t *loc, int s, int e, int g, int cap);
+// Those statistics of an expert-choice routing loc [s, e] made elsewhere (rt_route_stats' twin).
+void rt_expert_choice_stats(RtStep *st, const int32_t *loc, int s, int e, int g, int cap);
 void rt_iota(int32_t *idx, int s, int e);   // idx[t, j] = j
 // The dense (GShard einsum) order: one-hot dispatch mask and combine weights [s, e*c] with c =
 // g*cap; column idx[t,j]*c + gi*cap + loc[t,j] of row t holds 1 (mask) or gates[t,j] (combine).
@@ -140,6 +147,10 @@ void rt_decompress_int8(const int8_t *q, const float *scale, float *x, int rows,
 // The record hook: writes one JSON line {"step", "layer", "point", "numel", "mean", "max_abs",
 // "dropped"} to st->record (nothing when NULL); dropped is the layer's dropped fraction so far.
 void rt_record(RtStep *st, const char *point, int layer, const float *x, int64_t n);
+// The same line from statistics of the n values computed elsewhere (the CUDA target's
+// mk_record_stats): their sum, the largest |x| of the non-NaN ones and the number of NaNs.
+void rt_record_stats(RtStep *st, const char *point, int layer, int64_t n, double sum,
+                     double max_abs, int64_t nans);
 
 // [blocks*experts, rows, m] seen as [blocks, experts, rows, m] <-> [experts, blocks*rows, m].
 void rt_expert_major(const float *x, float *y, int blocks, int experts, int64_t rows, int64_t m);
@@ -189,6 +200,40 @@ void rt_bcast(RtGroup g, void *buf, int64_t bytes, int root);
 // several ranks run (so no peer hangs), exit status 1.
 _Noreturn void rt_comm_abort(const char *fmt, ...) __attribute__((format(printf, 1, 2)));
 
+// ---- errors ----
+// Records why a call failed (printf format) and returns -1; rt_main prints the sentence once as
+// "moert: error: SENTENCE". The device hooks below report through it.
+int rt_fail(const char *fmt, ...) __attribute__((format(printf, 1, 2)));
+
+// ---- a device that runs the steps (the CUDA target) ----
+// The CUDA target's program runs its step functions on a GPU: parameters, gradients, optimizer
+// moments, activations and the step's data live in device memory there. rt_main keeps the host
+// copies it always has (initial values, --weights, checkpoints, --dump, --check-grad, the data
+// of each step) and moves them with these hooks, at the points where host and device must
+// agree. The CPU target leaves RtModel.device NULL and nothing of this runs.
+typedef enum RtDeviceData {
+  RT_DEVICE_PARAMS = 1,     // st->params
+  RT_DEVICE_MOMENTS = 2,    // st->opt_m and st->opt_v
+  RT_DEVICE_GRADS = 4,      // st->grads
+  RT_DEVICE_OUTPUT = 8,     // the buffer st->output points to (the forward sets it to host memory)
+} RtDeviceData;
+
+typedef struct RtDevice {
+  // After the host buffers exist (st->params ... allocated, not yet filled): claims the device
+  // and its memory. 0, or -1 with the reason recorded by rt_fail (no GPU is such a reason).
+  int (*create)(RtStep *st);
+  // Collective, after every rank's create succeeded: what the ranks set up together (the
+  // communicators of the parallel groups). 0 or -1 (rt_fail).
+  int (*connect)(RtStep *st);
+  const char *(*describe)(void);                // the device, for the report's header
+  int (*upload)(RtStep *st, unsigned what);     // host -> device; what: RtDeviceData bits
+  int (*download)(RtStep *st, unsigned what);   // device -> host
+  void (*destroy)(RtStep *st);                  // after a successful create
+} RtDevice;
+// The forward reads st->input and st->target (host memory) itself, and leaves the step's
+// statistics (mse, aux, z, aux_total, dropped, routed, loads, route_hash) in st as the CPU
+// target's does. A failure inside a step function ends the job (rt_comm_abort).
+
 // ---- the model description the generated program fills in ----
 typedef enum RtInit { RT_INIT_ZEROS, RT_INIT_ONES, RT_INIT_NORMAL, RT_INIT_CONST } RtInit;
 typedef enum RtOptKind { RT_OPT_SGD, RT_OPT_ADAMW } RtOptKind;
@@ -234,6 +279,7 @@ struct RtModel {
   void (*forward)(RtStep *st);
   void (*backward)(RtStep *st);
   void (*update)(RtStep *st);
+  const RtDevice *device;         // NULL: the steps run on the host (the CPU target)
 };
 
 struct RtStep {

@@ -12,13 +12,14 @@
 #include <stdint.h>
 #include <stdio.h>
 
+#include "moert.h"   // RtGroup, RtStep, rt_fail
+
 #if defined(__BYTE_ORDER__) && __BYTE_ORDER__ != __ORDER_LITTLE_ENDIAN__
 #error "libmoert reads and writes little-endian files with memcpy; port npy.c and safetensors.c"
 #endif
 
 // ---- errors ----
-// Records the message (printf format) and returns -1.
-int rt_fail(const char *fmt, ...) __attribute__((format(printf, 1, 2)));
+// rt_fail (moert.h) records the message and returns -1.
 // The message of the last rt_fail, "" when none.
 const char *rt_last_error(void);
 void rt_clear_error(void);
@@ -101,7 +102,6 @@ void rt_st_copy(const RtStEntry *t, float *dst);                // numel floats
 void rt_st_free(RtStFile *f);
 
 // ---- collectives (comm.c): hooks for tests and benchmarks ----
-#include "moert.h"   // RtGroup
 
 // The largest count handed to one MPI call (INT_MAX, clamped to [1, INT_MAX]); larger counts
 // are cut into slices. Tests lower it to exercise the slicing with small buffers.

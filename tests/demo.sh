@@ -6,7 +6,7 @@ BUILD=${BUILD:-build}
 echo "# moec build lang/models/tiny.moe -o $BUILD/tiny -v"
 "$BUILD/moec" build lang/models/tiny.moe -o "$BUILD/tiny" -v
 if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then
-  echo "# a GPU is present, but this moec has no CUDA backend yet: training on the CPU"
+  echo "# a GPU is present: 'moec build --target cuda' (or auto) builds a binary that trains there; the demo trains on the CPU"
 fi
 echo "# $BUILD/tiny --steps 20"
 "$BUILD/tiny" --steps 20

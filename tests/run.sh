@@ -146,6 +146,9 @@ run_suite "model zoo" tests/zoo.sh
 section "CUDA: kernels of every model compile with NVRTC for sm_80/sm_90 (compile only; no GPU here)"
 run_suite "cuda kernels" tests/cuda/run.sh
 
+section "CUDA: the CUDA target's programs on the fake device equal the CPU programs; they link with the GPU runtime"
+run_suite "cuda host" tests/cuda/host.sh
+
 section "distributed: collectives, groups and failures over MPI ranks"
 for suite in tests/mpi/run.sh tests/mpi/run_rt_main.sh tests/mpi/failures.sh tests/mpi/reshard.sh tests/mpi/twin.sh tests/mpi/chunks.sh tests/mpi/gradpart.sh; do
   [ -f "$suite" ] && run_suite "$suite" "$suite"

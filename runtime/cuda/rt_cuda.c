@@ -12,6 +12,7 @@
 // op(A)^T column-major, and a row-major matrix read column-major is its transpose; so cuBLAS
 // gets B before A with the same transpose flags and the sizes n, m.
 #include "rt_cuda.h"
+#include "rt_mpi.h"
 
 #include <cublas_v2.h>
 #include <dlfcn.h>
@@ -33,7 +34,7 @@
   X(cuDevicePrimaryCtxRetain) X(cuDevicePrimaryCtxRelease) X(cuCtxSetCurrent) X(cuCtxSynchronize)   \
   X(cuStreamCreate) X(cuStreamDestroy) X(cuStreamSynchronize) X(cuStreamWaitEvent) X(cuEventCreate)  \
   X(cuEventDestroy) X(cuEventRecord) X(cuMemAlloc) X(cuMemFree) X(cuMemcpyHtoDAsync)                  \
-  X(cuMemcpyDtoHAsync) X(cuMemsetD8Async) X(cuModuleLoadDataEx) X(cuModuleUnload)                     \
+  X(cuMemcpyDtoHAsync) X(cuMemcpyDtoDAsync) X(cuMemsetD8Async) X(cuModuleLoadDataEx) X(cuModuleUnload)                     \
   X(cuModuleGetFunction) X(cuLaunchKernel)
 
 #define DRIVER_FIELD(f) __typeof__(f) *f;
@@ -206,19 +207,33 @@ static bool device_info(RtCuda *cu) {
   return ok;
 }
 
+// The launcher's local rank of this process, 0 without one.
+static int local_rank(void) {
+  static const char *const vars[] = {"OMPI_COMM_WORLD_LOCAL_RANK", "MPI_LOCALRANKID", "SLURM_LOCALID"};
+  for (size_t i = 0; i < sizeof vars / sizeof *vars; i++) {
+    const char *v = getenv(vars[i]);
+    if (v && *v)
+      return atoi(v) > 0 ? atoi(v) : 0;
+  }
+  return 0;
+}
+
 RtCuda *rt_cuda_create(size_t arena_bytes, int nevents) {
   char why[512];
   if (!rt_cuda_probe(why, sizeof why)) {
     report("no GPU to run on: %s", why);
     return NULL;
   }
+  int count = 0;
+  if (!CUDA_CHECK(drv.cuDeviceGetCount(&count)))
+    return NULL;
   RtCuda *cu = calloc(1, sizeof *cu);
   if (!cu || (nevents > 0 && !(cu->events = calloc((size_t)nevents, sizeof *cu->events)))) {
     free(cu);
     report("out of memory for the CUDA runtime's state");
     return NULL;
   }
-  bool ok = CUDA_CHECK(drv.cuDeviceGet(&cu->dev, 0)) && device_info(cu) &&
+  bool ok = CUDA_CHECK(drv.cuDeviceGet(&cu->dev, local_rank() % count)) && device_info(cu) &&
             CUDA_CHECK(drv.cuDevicePrimaryCtxRetain(&cu->ctx, cu->dev)) && CUDA_CHECK(drv.cuCtxSetCurrent(cu->ctx));
   for (int s = 0; ok && s < RT_STREAM_COUNT; s++)
     ok = CUDA_CHECK(drv.cuStreamCreate(&cu->stream[s], CU_STREAM_NON_BLOCKING));
@@ -284,6 +299,11 @@ bool rt_cuda_to_host(RtCuda *cu, RtStream s, void *dst, const void *src, size_t 
 
 bool rt_cuda_zero(RtCuda *cu, RtStream s, void *dst, size_t bytes) {
   return CUDA_CHECK(drv.cuMemsetD8Async((CUdeviceptr)(uintptr_t)dst, 0, bytes, cu->stream[s]));
+}
+
+bool rt_cuda_copy(RtCuda *cu, RtStream s, void *dst, const void *src, size_t bytes) {
+  return CUDA_CHECK(drv.cuMemcpyDtoDAsync((CUdeviceptr)(uintptr_t)dst, (CUdeviceptr)(uintptr_t)src, bytes,
+                                          cu->stream[s]));
 }
 
 // ---- streams and events ----
@@ -419,6 +439,15 @@ RtNccl *rt_cuda_nccl_create(MPI_Comm comm) {
     return NULL;
   }
   return nc;
+}
+
+RtNccl *rt_cuda_nccl_group(RtGroup g) {
+  MPI_Comm comm = rt_comm_mpi(g);
+  if (comm == MPI_COMM_NULL) {
+    report("no communicator for parallel group %d: rt_comm_init has not run", (int)g);
+    return NULL;
+  }
+  return rt_cuda_nccl_create(comm);
 }
 
 bool rt_cuda_nccl_destroy(RtNccl *nc) {

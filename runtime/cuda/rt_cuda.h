@@ -1,5 +1,6 @@
-// The CUDA backend's runtime (issue 7): one GPU per process, device 0, through the driver API;
-// GEMMs through cuBLAS; collectives through NCCL with communicators bootstrapped over MPI.
+// The CUDA backend's runtime (issue 7): one GPU per process (the local rank's), through the
+// driver API; GEMMs through cuBLAS; collectives through NCCL with communicators bootstrapped
+// over MPI.
 //
 // RtCuda holds what a training step on the GPU needs: the device's primary context, three
 // streams (RtStream of moert.h: compute, intra, inter), events between them by index as the
@@ -47,9 +48,12 @@ typedef enum RtCudaType { RT_CUDA_F32, RT_CUDA_BF16 } RtCudaType;
 // the reason in why (the driver's error, or "libcuda.so.1: cannot open shared object file ...").
 // Nothing is printed: no GPU is a normal outcome for the caller to report.
 bool rt_cuda_probe(char *why, size_t why_size);
-// Device 0's primary context, made current on this thread; the three streams, nevents events,
-// a cuBLAS handle and an arena of arena_bytes of device memory. NULL (reported) on failure, no
-// GPU included: a caller that treats no GPU as normal asks rt_cuda_probe first.
+// The primary context of this process's device, made current on this thread; the three
+// streams, nevents events, a cuBLAS handle and an arena of arena_bytes of device memory. The
+// device is the local rank's (OMPI_COMM_WORLD_LOCAL_RANK, MPI_LOCALRANKID or SLURM_LOCALID,
+// modulo the devices visible; 0 for a process started without a launcher), so that the ranks
+// of a node take one GPU each. NULL (reported) on failure, no GPU included: a caller that
+// treats no GPU as normal asks rt_cuda_probe first.
 RtCuda *rt_cuda_create(size_t arena_bytes, int nevents);
 // Releases everything rt_cuda_create made and the loaded module. False when a release failed
 // (reported; the rest is still released).
@@ -64,6 +68,8 @@ void rt_cuda_arena_reset(RtCuda *cu);
 bool rt_cuda_to_device(RtCuda *cu, RtStream s, void *dst, const void *src, size_t bytes);
 bool rt_cuda_to_host(RtCuda *cu, RtStream s, void *dst, const void *src, size_t bytes);
 bool rt_cuda_zero(RtCuda *cu, RtStream s, void *dst, size_t bytes);
+// Device to device; the two ranges must not overlap.
+bool rt_cuda_copy(RtCuda *cu, RtStream s, void *dst, const void *src, size_t bytes);
 
 // ---- streams and events ----
 bool rt_cuda_sync(RtCuda *cu, RtStream s);                  // waits for everything queued on s
@@ -101,6 +107,9 @@ bool rt_cuda_expert_gemm(RtCuda *cu, RtStream s, RtCudaType in, const void *a, c
 // hands it out, every rank calls ncclCommInitRank with its rank in comm. The GPU is the current
 // context's (this process's device 0: one GPU per rank). NULL (reported) on failure.
 RtNccl *rt_cuda_nccl_create(MPI_Comm comm);
+// The communicator of parallel group g (runtime/comm.c's, which rt_comm_init made): collective
+// over the group's members.
+RtNccl *rt_cuda_nccl_group(RtGroup g);
 bool rt_cuda_nccl_destroy(RtNccl *nc);
 // Sum over the ranks; send == recv is in place.
 bool rt_cuda_allreduce(RtCuda *cu, RtNccl *nc, RtStream s, const float *send, float *recv, size_t count);

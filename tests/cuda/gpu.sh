@@ -1,20 +1,103 @@
 #!/usr/bin/env bash
-# make test-gpu: runs build/cuda/gpu_check (tests/cuda/gpu_check.cpp) and prints its lines and
-# the totals "N passed, N failed, N skipped". Without a GPU gpu_check prints one skip line, so
-# this reports 0 passed, 0 failed, 1 skipped and exits 0; without the CUDA toolkit likewise.
-# Exit status 1 when a check failed or gpu_check did not finish.
+# make test-gpu: runs build/cuda/gpu_check (tests/cuda/gpu_check.cpp), then, on a GPU, the CUDA
+# target's model binaries against the CPU binaries of the same models, and prints the lines
+# and the totals "N passed, N failed, N skipped".
+#
+#   gpu_check        the kernel library through NVRTC and the driver, every kernel against the
+#                    CPU kernels, cuBLAS, NCCL on the three streams (docs/gpu.md).
+#   models           $BUILD/cuda/models/NAME.cuda and NAME.cpu (`make gpu-models`, which runs
+#                    this script with --build-models: tiny, switch, mixtral, expert_choice for
+#                    sm_90, and tiny for sm_80, whose PTX the driver compiles for a newer GPU):
+#                    3 training steps and the first step's
+#                    --dump (output and every whole gradient) equal to the CPU binary's to 1e-4
+#                    relative (fp32; the issue's acceptance line); tiny's --check-grad on the GPU.
+#                    Binaries that are missing are built with $MOEC when it can (the build
+#                    machine); on a GPU machine they come carried in $BUILD/cuda.
+#
+# Without a GPU gpu_check prints one skip line and nothing else runs: 0 passed, 0 failed,
+# 1 skipped, exit status 0; without the CUDA toolkit likewise. Exit status 1 when a check
+# failed or a program did not finish.
 #
 # On a GPU machine without the build machine's Debian packages (docs/gpu.md): libraries that
-# gpu_check cannot find through its rpath are looked for in $BUILD/lib (carried) and in the
+# the binaries cannot find through their rpath are looked for in $BUILD/lib (carried) and in the
 # Python venv's nvidia/nccl package; Open MPI's components carried in $BUILD/ompi are used
 # through OPAL_PREFIX, with a singleton MPI_Init that starts no orted.
 set -u
 cd "$(dirname "$0")/../.."
 BUILD=${BUILD:-build}
+MOEC=${MOEC:-$BUILD/moec}
 CUDA=${CUDA:-/usr/local/cuda}
 CHECK=$BUILD/cuda/gpu_check
-OUT=$(mktemp "${TMPDIR:-/tmp}/moec-gpu.XXXXXX")
-trap 'rm -f "$OUT"' EXIT
+MODELS_DIR=$BUILD/cuda/models
+case $MODELS_DIR in /*) ;; *) MODELS_DIR=$PWD/$MODELS_DIR ;; esac
+GPU_MODELS="tiny switch mixtral expert_choice"
+TOL=1e-4
+WORK=$(mktemp -d "${TMPDIR:-/tmp}/moec-gpu.XXXXXX")
+OUT=$WORK/lines
+trap 'rm -rf "$WORK"' EXIT
+. tests/cuda/common.sh
+
+# The library path for binaries that the loader cannot satisfy through their rpath.
+fix_library_path() {
+  local bin missing=false
+  for bin in "$@"; do
+    [ -x "$bin" ] && ldd "$bin" 2>/dev/null | grep -q 'not found' && missing=true
+  done
+  $missing || return 0
+  local extra nccl
+  extra=$(cd "$BUILD" && pwd)/lib
+  nccl=$(python3 -c 'import nvidia.nccl; print(nvidia.nccl.__path__[0])' 2>/dev/null) && extra=$extra:$nccl/lib
+  export LD_LIBRARY_PATH=$extra${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
+  echo "# libraries not found by the rpath; LD_LIBRARY_PATH=$LD_LIBRARY_PATH"
+  for bin in "$@"; do
+    [ -x "$bin" ] && ldd "$bin" | grep 'not found' | sed "s|^[[:space:]]*|# still missing for $(basename "$bin"): |"
+  done
+}
+
+# model NAME [MOEC-ARGS...]: $MODELS_DIR/NAME.cuda and NAME.cpu of lang/models/NAME.moe, built
+# when missing and moec can (sm_80 for NAME tiny_sm80); false with the reason on stdout.
+model() {
+  local name=$1 moe=lang/models/${1%_sm80}.moe args=()
+  [ "$name" != "${name%_sm80}" ] && args=(--gpu-arch sm_80)
+  [ -x "$MODELS_DIR/$name.cuda" ] && [ -x "$MODELS_DIR/$name.cpu" ] && return 0
+  [ -x "$MOEC" ] || { echo "$MODELS_DIR/$name.cuda or .cpu is missing and there is no $MOEC to build it (make gpu-models on the build machine)"; return 1; }
+  mkdir -p "$MODELS_DIR"
+  "$MOEC" build "$moe" --target cuda "${args[@]}" -o "$MODELS_DIR/$name.cuda" 2>"$WORK/err" &&
+    "$MOEC" build "$moe" -o "$MODELS_DIR/$name.cpu" 2>>"$WORK/err" || { cat "$WORK/err"; return 1; }
+}
+
+# compare NAME: both binaries 3 steps with --dump of the first, in WORK.
+compare() {
+  local name=$1 why kind
+  if ! why=$(model "$name"); then bad "gpu model $name: binaries" "$why"; return; fi
+  for kind in cpu cuda; do
+    if ! (cd "$WORK" && timeout 300 "$MODELS_DIR/$name.$kind" --steps 3 --dump "$name.$kind.dump" \
+            >"$name.$kind.out" 2>&1 </dev/null); then
+      bad "gpu model $name: the $kind binary failed" "$(tail -n 20 "$WORK/$name.$kind.out")"
+      return
+    fi
+  done
+  local device
+  device=$(sed -n 's/^# device: //p' "$WORK/$name.cuda.out")
+  if same_losses "$WORK/$name.cpu.out" "$WORK/$name.cuda.out" "$TOL"; then
+    ok "gpu model $name: losses of 3 steps on the GPU equal the CPU binary's ($TOL; $device)"
+  else
+    bad "gpu model $name: losses differ from the CPU binary's" "$(grep -h '^step' "$WORK/$name.cpu.out" "$WORK/$name.cuda.out")"
+  fi
+  if why=$(compare_dumps "$WORK/$name.cpu.dump" "$WORK/$name.cuda.dump" "$TOL"); then
+    ok "gpu model $name: --dump output and whole gradients equal the CPU binary's ($why)"
+  else
+    bad "gpu model $name: --dump differs from the CPU binary's" "$why"
+  fi
+}
+
+if [ "${1:-}" = --build-models ]; then   # make gpu-models: the binaries, to carry to a GPU machine
+  for name in $GPU_MODELS tiny_sm80; do
+    model "$name" || exit 1
+    echo "# $MODELS_DIR/$name.cuda, $name.cpu"
+  done
+  exit 0
+fi
 
 if [ ! -f "$CUDA/include/nvrtc.h" ]; then
   echo "skip  gpu: no CUDA toolkit (nothing at $CUDA/include/nvrtc.h)" | tee "$OUT"
@@ -23,25 +106,37 @@ elif [ ! -x "$CHECK" ]; then
   echo "FAIL  gpu: $CHECK is missing (make builds it where the CUDA toolkit, cuBLAS and NCCL are; see its '#' lines)" | tee "$OUT"
   status=1
 else
-  if ldd "$CHECK" 2>/dev/null | grep -q 'not found'; then
-    extra=$(cd "$BUILD" && pwd)/lib
-    nccl=$(python3 -c 'import nvidia.nccl; print(nvidia.nccl.__path__[0])' 2>/dev/null) && extra=$extra:$nccl/lib
-    export LD_LIBRARY_PATH=$extra${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
-    echo "# libraries not found by the rpath; LD_LIBRARY_PATH=$LD_LIBRARY_PATH"
-    ldd "$CHECK" | grep 'not found' | sed 's/^[[:space:]]*/# still missing: /'
-  fi
+  fix_library_path "$CHECK" "$MODELS_DIR"/*.cuda "$MODELS_DIR"/*.cpu
   if [ -d "$BUILD/ompi" ]; then
     export OPAL_PREFIX=$(cd "$BUILD/ompi" && pwd) OMPI_MCA_ess_singleton_isolated=1
     echo "# Open MPI components from OPAL_PREFIX=$OPAL_PREFIX"
   fi
   "$CHECK" 2>&1 | tee "$OUT"
   status=${PIPESTATUS[0]}
+  if ! grep -q '^skip  gpu: no GPU' "$OUT"; then
+    {
+      for name in $GPU_MODELS tiny_sm80; do compare "$name"; done
+      if grep -q 'kernels from the PTX' "$WORK/tiny_sm80.cuda.out" 2>/dev/null; then
+        ok "gpu model tiny_sm80: the sm_80 binary runs the embedded PTX on this GPU"
+      elif [ -f "$WORK/tiny_sm80.cuda.out" ]; then
+        bad "gpu model tiny_sm80: the sm_80 binary did not say it runs the PTX" "$(head -n 3 "$WORK/tiny_sm80.cuda.out")"
+      fi
+      if (cd "$WORK" && timeout 300 "$MODELS_DIR/tiny.cuda" --check-grad >check.out 2>&1 </dev/null) &&
+         tail -n 1 "$WORK/check.out" | grep -qx OK; then
+        ok "gpu model tiny: --check-grad passes on the GPU"
+      else
+        bad "gpu model tiny: --check-grad on the GPU" "$(tail -n 15 "$WORK/check.out")"
+      fi
+      exit $failed
+    } 2>&1 | tee -a "$OUT"
+    [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
+  fi
 fi
 passed=$(grep -c '^ok    ' "$OUT")
 failed=$(grep -c '^FAIL  ' "$OUT")
 skipped=$(grep -c '^skip  ' "$OUT")
 if [ "$status" -ne 0 ] && [ "$failed" -eq 0 ]; then
-  echo "FAIL  gpu: $CHECK exited with status $status without reporting a failure"
+  echo "FAIL  gpu: a program exited with status $status without reporting a failure"
   failed=1
 fi
 echo

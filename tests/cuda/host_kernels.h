@@ -2,8 +2,9 @@
 // host C++: the CUDA qualifiers and intrinsics it uses, defined for the host, then the library.
 // emu_check.cpp runs these functions under its emulation of threads and blocks (threadIdx,
 // blockIdx, the barrier behind __syncthreads: one std::thread per CUDA thread, blocks one at a
-// time so __shared__ can be static). gpu_check.cpp only takes their parameter types, to pass
-// each argument to the GPU with the exact type the kernel declares.
+// time so __shared__ can be static); fake_cuda.cpp under its own (one fiber per CUDA thread,
+// switched at __syncthreads through emu_sync). gpu_check.cpp only takes their parameter types,
+// to pass each argument to the GPU with the exact type the kernel declares.
 #ifndef HOST_KERNELS_H
 #define HOST_KERNELS_H
 
@@ -17,13 +18,19 @@ struct dim3 {
 static thread_local dim3 threadIdx, blockIdx;
 static dim3 blockDim, gridDim;
 inline std::barrier<> *emu_barrier;   // set by emu_check's launcher; inline, not static: gpu_check never sets it
+inline void (*emu_sync)();            // when set (fake_cuda), __syncthreads calls it instead of the barrier
 static double emu_dyn_shared[1 << 16];
 #define __global__
 #define __device__
 #define __forceinline__ inline
 #define __shared__ static
 #define MK_DYN_SHARED(T, name) T *name = (T *)emu_dyn_shared
-static inline void __syncthreads() { emu_barrier->arrive_and_wait(); }
+static inline void __syncthreads() {
+  if (emu_sync)
+    emu_sync();
+  else
+    emu_barrier->arrive_and_wait();
+}
 static inline float __int_as_float(int i) { float f; memcpy(&f, &i, 4); return f; }
 static inline float __uint_as_float(unsigned i) { float f; memcpy(&f, &i, 4); return f; }
 static inline unsigned __float_as_uint(float f) { unsigned i; memcpy(&i, &f, 4); return i; }

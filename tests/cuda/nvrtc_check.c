@@ -3,8 +3,8 @@
 // architecture: "ARCH: N kernels, CUBIN B bytes, PTX P bytes". N counts the kernel entry points
 // of the PTX (`.entry`), so it is what NVRTC compiled, not what the source says. --library
 // compiles every kernel the emitter has (cg_emit_cuda_library) instead of a file;
-// --print-library prints that source. Exit status 1
-// on any failure, with NVRTC's log on stderr.
+// --print-library prints that source, --print-kernel-list its kernels (cg_emit_cuda_kernel_list).
+// Exit status 1 on any failure, with NVRTC's log on stderr.
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -43,6 +43,10 @@ int main(int argc, char **argv) {
   }
   if (strcmp(argv[1], "--print-library") == 0) {  // the source, for tests/cuda/emu_check.cpp
     cg_emit_cuda_library(stdout);
+    return 0;
+  }
+  if (strcmp(argv[1], "--print-kernel-list") == 0) {  // MK_KERNEL(name, syncs), for tests/cuda/fake_cuda.cpp
+    cg_emit_cuda_kernel_list(stdout);
     return 0;
   }
   char *src = NULL;

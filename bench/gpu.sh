@@ -1,0 +1,80 @@
+#!/usr/bin/env bash
+# make bench-gpu: one MoE layer on the GPU, moec beside PyTorch (docs/gpu.md, "make bench-gpu").
+#   1. build/bench/gpu_layer (bench/gpu_layer.cpp): the layer from moec's CUDA kernels and
+#      cuBLAS, and its expert GEMMs alone (the roofline);
+#   2. bench/torch_ref.py: the same layer in PyTorch, on the shapes gpu_layer ran;
+#   3. the two side by side: PyTorch time / moec time for the layer, the gate and the routing.
+# Arguments go to both programs: --quick, --all, --shapes SPEC, --runs N, --warmup N.
+#
+# Without a GPU each program prints one skip line and the status is 0. On a GPU machine without
+# the build machine's Debian packages (docs/gpu.md): libraries gpu_layer cannot find through its
+# rpath are looked for in $BUILD/lib, as tests/cuda/gpu.sh does. PyTorch runs under the first of
+# $TORCH_PYTHON, python3, /usr/bin/python3 that imports torch (else python3, which says so).
+# Exit status 1 when a program failed.
+set -u
+cd "$(dirname "$0")/.." || exit 1
+BUILD=${BUILD:-build}
+CUDA=${CUDA:-/usr/local/cuda}
+BIN=$BUILD/bench/gpu_layer
+MOEC_OUT=$(mktemp "${TMPDIR:-/tmp}/moec-bench.XXXXXX")
+TORCH_OUT=$(mktemp "${TMPDIR:-/tmp}/torch-bench.XXXXXX")
+trap 'rm -f "$MOEC_OUT" "$TORCH_OUT"' EXIT
+status=0
+
+echo "# make bench-gpu on $(hostname): moec ($BIN), then PyTorch (bench/torch_ref.py) on the same shapes"
+shapes=""
+if [ ! -x "$BIN" ]; then
+  if nvidia-smi -L >/dev/null 2>&1; then
+    echo "FAIL  bench-gpu: $BIN is missing (make builds it where the CUDA toolkit, cuBLAS and NCCL are; see docs/gpu.md)"
+    status=1
+  elif [ ! -f "$CUDA/include/nvrtc.h" ]; then
+    echo "skip  bench-gpu: no GPU and no CUDA toolkit (nothing at $CUDA/include/nvrtc.h)"
+  else
+    echo "skip  bench-gpu: no GPU, and $BIN is not built (no cuBLAS or NCCL: see make's '#' lines)"
+  fi
+else
+  if ldd "$BIN" 2>/dev/null | grep -q 'not found'; then
+    extra=$(cd "$BUILD" && pwd)/lib
+    nccl=$(python3 -c 'import nvidia.nccl; print(nvidia.nccl.__path__[0])' 2>/dev/null) && extra=$extra:$nccl/lib
+    export LD_LIBRARY_PATH=$extra${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
+    echo "# libraries not found by the rpath; LD_LIBRARY_PATH=$LD_LIBRARY_PATH"
+    ldd "$BIN" | grep 'not found' | sed 's/^[[:space:]]*/# still missing: /'
+  fi
+  shapes=$("$BIN" --list-shapes "$@") || { echo "FAIL  bench-gpu: $BIN --list-shapes $*"; exit 1; }
+  "$BIN" "$@" 2>&1 | tee "$MOEC_OUT"
+  [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
+fi
+
+python=""
+for candidate in ${TORCH_PYTHON:-} python3 /usr/bin/python3; do
+  if command -v "$candidate" >/dev/null 2>&1 && "$candidate" -c 'import torch' >/dev/null 2>&1; then
+    python=$candidate
+    break
+  fi
+done
+echo
+echo "# PyTorch side: ${python:-python3 (no python here imports torch)}"
+"${python:-python3}" bench/torch_ref.py "$@" ${shapes:+--shapes "$shapes"} 2>&1 | tee "$TORCH_OUT"
+[ "${PIPESTATUS[0]}" -eq 0 ] || status=1
+
+# Rows of both tables start with the ffn; columns: ffn shape S T layer_ms gemm_ms gemm/layer
+# gate_us route_us layer_TF/s gemm_TF/s drop%.
+if grep -qE '^(gpt|mixtral) ' "$MOEC_OUT" && grep -qE '^(gpt|mixtral) ' "$TORCH_OUT"; then
+  echo
+  echo "# moec vs PyTorch: speedup = PyTorch time / moec time (> 1: moec is faster)"
+  awk 'function ratio(a, b) { return b > 0 ? a / b : 0 }
+       FNR == 1 { file++ }
+       $1 !~ /^(gpt|mixtral)$/ { next }
+       file == 1 { layer[$1 " " $2] = $5; gemm[$1 " " $2] = $6; gate[$1 " " $2] = $8; route[$1 " " $2] = $9; next }
+       file == 2 && ($1 " " $2) in layer {
+         if (!header++)
+           printf "%-8s %-15s %9s %9s %8s %10s %10s %10s %10s %8s %10s %10s %8s\n", "ffn", "shape", "moec ms", "torch ms",
+                  "speedup", "moec gemm", "torch gemm", "moec gate", "torch gate", "speedup", "moec rt", "torch rt", "speedup"
+         k = $1 " " $2
+         printf "%-8s %-15s %9.3f %9.3f %7.2fx %10.3f %10.3f %10.1f %10.1f %7.2fx %10.1f %10.1f %7.2fx\n", $1, $2,
+                layer[k], $5, ratio($5, layer[k]), gemm[k], $6, gate[k], $8, ratio($8, gate[k]), route[k], $9, ratio($9, route[k])
+       }' "$MOEC_OUT" "$TORCH_OUT"
+  echo "# ms: forward + backward of the layer, and its expert GEMMs alone; gate: us of softmax -> top-k -> gather;"
+  echo "# rt (route): us of gate matmul + gate + capacity locations"
+fi
+exit $status

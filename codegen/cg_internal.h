@@ -1,0 +1,109 @@
+// Codegen internals shared by the three emitters: the CPU program (emit_c.c), the CUDA kernel
+// unit (emit_cuda.c) and the CUDA target's host program (emit_cuda_host.c). Both host programs
+// describe the same model to rt_main and follow the same stream schedule; the kernel unit and
+// the CUDA host program agree on which kernels each op launches with which arguments.
+#ifndef CG_INTERNAL_H
+#define CG_INTERNAL_H
+
+#include <stdbool.h>
+#include <stdint.h>
+#include <stdio.h>
+
+#include "cg.h"
+
+// ---- what both host programs share (emit_c.c) ----
+
+// Each parameter's offset in floats into the flat parameter buffer (RtStep.params, grads,
+// opt_m, opt_v), by parameter index; *total gets the floats of all of them. malloc'd; NULL
+// when out of memory.
+int64_t *cg_param_offsets(const IrModule *m, int64_t *total);
+// `static const RtParam params[N] = {...};`: names, shapes, init, offsets, sharding.
+void cg_emit_params(FILE *out, const IrModule *m, const int64_t *param_offset);
+// `static const RtModel model = {...};` and main(); device: the name of the program's RtDevice,
+// or NULL (the CPU target).
+void cg_emit_model(FILE *out, const IrModule *m, const PassMemPlan *plan, int64_t param_floats,
+                   const char *device);
+bool cg_is_suffix(const char *s, const char *suffix);
+// "RT_GROUP_EP" for an op with group="ep" (RT_GROUP_WORLD when it names none).
+const char *cg_group_enum(const IrOp *op);
+// The group an op's group attribute names, as an RtGroup value (0 world ... 4 esp).
+int cg_group_index(const IrOp *op);
+bool cg_is_collective(IrOpKind k);
+const char *cg_stream_enum(IrStream s);   // "RT_STREAM_INTRA"; none and compute are compute
+// Whether f's ops run on several streams (ops on the intra or inter stream; MOEC_STREAMS=0 in
+// the environment turns this off, and such functions run in program order on one stream).
+bool cg_func_scheduled(const IrFunc *f);
+
+// The events of scheduled function f, renumbered 0, 1, ... in program order: rec[i] when op i
+// records one (local[i] its number, else -1). Collectives on one group must not overlap and
+// must be issued in the same order on every rank, so a collective also waits for the previous
+// collective on its group when that one ran on another stream (dep[i]: that op's index, else
+// -1; the earlier op then records an event too). Waits on events of other functions are
+// dropped: function boundaries are full synchronisations.
+typedef struct CgEvents {
+  int *dep, *local;
+  bool *rec;
+  int count;
+} CgEvents;
+bool cg_events(IrDiag *d, const IrFunc *f, CgEvents *ev);   // false: out of memory (reported)
+void cg_events_free(CgEvents *ev);
+// The local events op i waits for (its own waits, then dep[i]), at most max; their number.
+int cg_op_waits(const IrFunc *f, const CgEvents *ev, int i, int *waits, int max);
+
+// ---- the CUDA kernels an op launches (emit_cuda.c) ----
+
+#define CG_CUDA_BLOCK 256   // MK_BLOCK: every kernel is launched with this many threads per block
+
+typedef enum CgArgKind {
+  CG_ARG_OPERAND,   // op->args[index]: a value or a parameter
+  CG_ARG_RESULT,    // the result of op i + index (index 0; a fused gate: 0 scores, 1 idx, 2 gates)
+  CG_ARG_GRAD,      // the gradient buffer of the parameter op->args[0]
+  CG_ARG_MOMENT_M,  // adamw's moments of that parameter
+  CG_ARG_MOMENT_V,
+  CG_ARG_STATS,     // the op's statistics buffer (gate.locations: int[g, e, 2] or NULL; hook.record: double[3])
+  CG_ARG_INT,       // the literal i
+  CG_ARG_FLOAT,     // the literal f
+  CG_ARG_SEED,      // RtStep.seed, .step, .token0 of the step being run
+  CG_ARG_STEP,
+  CG_ARG_TOKEN0,
+} CgArgKind;
+
+typedef struct CgArg {
+  CgArgKind kind;
+  int index;        // CG_ARG_OPERAND
+  int64_t i;
+  double f;
+} CgArg;
+
+enum { CG_MAX_KERNEL_ARGS = 16 };
+
+typedef struct CgKernelCall {
+  int kernel;              // cg_cuda_kernel_name(kernel)
+  int64_t grid;            // blocks of CG_CUDA_BLOCK threads
+  unsigned shared_bytes;   // dynamic shared memory
+  CgArg args[CG_MAX_KERNEL_ARGS];   // one per kernel parameter, in order
+  int nargs;
+} CgKernelCall;
+
+typedef struct CgLaunch {
+  const char *lib;         // "cuBLAS", "NCCL", "copy" (a device copy): no kernel (ncalls 0)
+  CgKernelCall call[2];    // kernels in launch order
+  int ncalls;
+  int nops;                // ops of the function the launch stands for: 3 for a fused gate, else 1
+  char note[96];           // for the launch plan comment ("" none)
+} CgLaunch;
+
+// The launch of op i of f (or of ops i..i+2 for a fused gate, nops 3). False when the op has
+// no CUDA lowering (every op of ops.def has one).
+bool cg_cuda_launch(const PassMemPlan *plan, const IrFunc *f, int i, CgLaunch *l);
+int cg_cuda_kernel_count(void);
+const char *cg_cuda_kernel_name(int k);
+
+typedef enum CgParamType { CG_PARAM_POINTER, CG_PARAM_INT, CG_PARAM_I64, CG_PARAM_U64, CG_PARAM_FLOAT } CgParamType;
+// Kernel k's parameter types, read from its source (int, i64, u64, float, pointers); their
+// number, or -1 when there are more than max.
+int cg_cuda_kernel_params(int k, CgParamType *types, int max);
+// Which kernels the launches of module m use (used[k] for k < cg_cuda_kernel_count()).
+void cg_cuda_kernels_used(const IrModule *m, const PassMemPlan *plan, bool *used);
+
+#endif

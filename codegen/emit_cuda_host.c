@@ -1,0 +1,737 @@
+// The CUDA target's host program: the scheduled, memory-planned module as a C program that
+// trains on one GPU per rank through runtime/cuda (rt_cuda.h), driven by rt_main.
+//
+// It describes the model to rt_main as the CPU program does (cg_emit_params, cg_emit_model),
+// plus a device (RtDevice, moert.h): rt_main keeps its host copies and calls the device's hooks
+// to move parameters, moments, gradients and the output across. Device memory is one block
+// carved at fixed offsets: parameters, gradients and moments (the CPU program's float offsets),
+// the step's input and target, the activation arena of the memory plan (the CPU program's byte
+// offsets) and the record hooks' statistics. Every op becomes, in program order:
+//   - the kernel launches emit_cuda.c's unit lists in its launch plan (cg_cuda_launch: the same
+//     kernels, grids and arguments; fused gates included), from the CUBIN NVRTC compiled for
+//     --gpu-arch or, on a newer GPU, the PTX the driver compiles;
+//   - matmul and expert.matmul: rt_cuda_gemm and rt_cuda_expert_gemm (cuBLAS, fp32);
+//   - comm.*: NCCL on the op's group (a communicator per group of more than one rank, made over
+//     MPI when the ranks connect) or a device copy on a group of one; comm.split: a device copy
+//     of this rank's slice; comm.allreduce_grad: in place on the parameter's gradient slice.
+// Ops go on their streams (compute, intra or inter, as the schedule pass assigned; compute in
+// functions that are not scheduled), wait for their events and record their own, numbered as
+// the CPU program numbers them (cg_events: a collective also waits for the previous one on its
+// group). A scheduled function starts after everything before it on the compute stream (fork)
+// and the compute stream waits for the other two at its end (join): function boundaries are
+// full synchronisations, as in rt_run_streams.
+//
+// The statistics the CPU program gathers during the forward (routing counts, loads,
+// route_hash, the aux and z losses, mse, record lines) come back to the host: right after the
+// op that makes one, a device copy into the staging area S on the op's stream (its arena slot
+// may be reused later in the step; the record hooks' kernel writes there directly); at the end
+// of the step function the host waits for the streams, copies S to its twin H in one transfer
+// and replays the statistics in program order with the CPU runtime's own functions
+// (rt_route_stats, rt_expert_choice_stats, rt_record_stats), so the report means what the
+// CPU's means. A CUDA call that fails inside a step ends the job, naming the op (rt_comm_abort).
+#include <inttypes.h>
+#include <stdarg.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "cg_internal.h"
+
+enum { EV_FORK, EV_JOIN_INTRA, EV_JOIN_INTER, EV_BASE };   // events of every scheduled function, then its own
+
+typedef struct Host {
+  FILE *out;                 // the functions (a memory stream: the tables they use are printed first)
+  FILE *epi;                 // the current step function's host epilogue (a memory stream)
+  IrDiag *d;
+  const IrModule *m;
+  const PassMemPlan *plan;
+  int64_t *param_offset;     // floats, by parameter index
+  int64_t param_floats;
+  bool adamw;
+  int *kernel_slot;          // the program's kernel table index, by library kernel id (-1 unused)
+  char **where;              // what each error site was doing, for op_failed
+  int nwhere, cap_where;
+  int64_t stage_bytes;       // the staging area S on the device, H on the host
+  int max_events;
+  int64_t group_size[5];     // RtGroup order: world, dp, mp, ep, esp
+  bool group_nccl[5];        // a collective on a group of more than one rank
+  int64_t *staged;           // host offset of a value of the current function, by id (-1 none)
+  char output[96];           // the device address of the model's output ("" none)
+  bool ok;
+} Host;
+
+// ---- small helpers ----
+
+static const char *const group_names[5] = {"world", "dp", "mp", "ep", "esp"};
+static const char *const group_enums[5] = {"RT_GROUP_WORLD", "RT_GROUP_DP", "RT_GROUP_MP", "RT_GROUP_EP",
+                                           "RT_GROUP_ESP"};
+
+static IrStream stream_of(const IrOp *op) { return op->stream == IR_STREAM_NONE ? IR_STREAM_COMPUTE : op->stream; }
+
+static int64_t align(int64_t n, int64_t a) { return (n + a - 1) / a * a; }
+
+// s as the body of a C string literal (no quotes).
+static void put_escaped(FILE *out, const char *s) {
+  for (; *s; s++) {
+    if (*s == '"' || *s == '\\') fprintf(out, "\\%c", *s);
+    else if ((unsigned char)*s < 0x20 || (unsigned char)*s >= 0x7f) fprintf(out, "\\%03o", (unsigned char)*s);
+    else fputc(*s, out);
+  }
+}
+
+// bytes as a C string literal, a line of source per ~100 characters. Printable characters stay
+// (the PTX reads as text); '?' is escaped (no trigraphs), everything else is three-digit octal.
+static void put_bytes(FILE *out, const unsigned char *bytes, size_t n) {
+  fputs("\n  \"", out);
+  int col = 0;
+  for (size_t i = 0; i < n; i++) {
+    unsigned char c = bytes[i];
+    if (c == '"' || c == '\\' || c == '?') col += fprintf(out, "\\%c", c);
+    else if (c == '\n') col += fprintf(out, "\\n");
+    else if (c >= 0x20 && c < 0x7f) col += fprintf(out, "%c", c);
+    else col += fprintf(out, "\\%03o", c);
+    if ((col >= 100 || c == '\n') && i + 1 < n) {
+      fputs("\"\n  \"", out);
+      col = 0;
+    }
+  }
+  fputc('"', out);
+}
+
+// Adds an error site: "what (FILE:LINE:COL) in @FUNC"; its index in the program's table.
+static int where(Host *h, const IrFunc *f, const IrOp *op, const char *fmt, ...) __attribute__((format(printf, 4, 5)));
+static int where(Host *h, const IrFunc *f, const IrOp *op, const char *fmt, ...) {
+  char what[256], place[512] = "", text[1024];
+  va_list ap;
+  va_start(ap, fmt);
+  vsnprintf(what, sizeof what, fmt, ap);
+  va_end(ap);
+  if (op && op->loc.src) snprintf(place, sizeof place, " (%s:%d:%d)", op->loc.src->path, op->loc.line, op->loc.col);
+  snprintf(text, sizeof text, "%s%s%s%s", what, place, f ? " in @" : "", f ? f->name : "");
+  if (h->nwhere == h->cap_where) {
+    int cap = h->cap_where ? 2 * h->cap_where : 64;
+    char **w = realloc(h->where, (size_t)cap * sizeof *w);
+    if (!w) {
+      h->ok = ir_error(h->d, "out of memory");
+      return 0;
+    }
+    h->where = w;
+    h->cap_where = cap;
+  }
+  if (!(h->where[h->nwhere] = strdup(text))) h->ok = ir_error(h->d, "out of memory");
+  return h->nwhere++;
+}
+
+// The device address of value v, a pointer expression.
+static void value_addr(Host *h, char *buf, size_t n, const IrValue *v) {
+  const PassMemSlot *s = &h->plan->slot[v->func->index][v->id];
+  switch (s->kind) {
+  case PASS_MEM_ARENA: snprintf(buf, n, "(A + %" PRId64 ")", s->offset); return;
+  case PASS_MEM_INPUT: snprintf(buf, n, "X"); return;
+  case PASS_MEM_TARGET: snprintf(buf, n, "T"); return;
+  case PASS_MEM_GRAD: snprintf(buf, n, "(G + %" PRId64 ")", h->param_offset[s->offset]); return;
+  case PASS_MEM_NONE: break;
+  }
+  UNREACHABLE();
+}
+
+static void operand_addr(Host *h, char *buf, size_t n, const IrOperand *a) {
+  if (a->param) snprintf(buf, n, "(P + %" PRId64 ")", h->param_offset[a->param->index]);
+  else value_addr(h, buf, n, a->value);
+}
+
+static const IrType *operand_type(const IrOperand *a) { return a->param ? &a->param->type : &a->value->type; }
+
+// ---- staging: values the host reads after the step function ----
+
+// A new place of bytes in the staging area; its offset.
+static int64_t stage_place(Host *h, int64_t bytes) {
+  int64_t off = h->stage_bytes;
+  h->stage_bytes = align(off + bytes, 8);
+  return off;
+}
+
+// Copies value v of f (just made on stream s) to a new place of the staging area; its offset.
+static int64_t stage(Host *h, const IrFunc *f, const IrOp *op, const IrValue *v, IrStream s) {
+  char addr[96];
+  value_addr(h, addr, sizeof addr, v);
+  int64_t bytes = ir_type_bytes(&v->type), off = stage_place(h, bytes);
+  int site = op ? where(h, f, op, "staging %%%s of %s", v->name, ir_op_info[op->kind].name)
+               : where(h, f, NULL, "staging %%%s", v->name);
+  fprintf(h->out, "  CK(rt_cuda_copy(cu, %s, S + %" PRId64 ", %s, %" PRId64 "), %d);\n", cg_stream_enum(s), off, addr,
+          bytes, site);
+  return off;
+}
+
+// The statistics op (of f, just issued on stream s) leaves for the host: copies into the
+// staging area after it, and what the host does with them in the epilogue, in program order.
+static void stage_op(Host *h, const IrFunc *f, const IrOp *op, IrStream s) {
+  switch (op->kind) {
+  case IR_OP_GATE_LOCATIONS: {
+    const IrType *t = &op->args[0].value->type;
+    int64_t idx = stage(h, f, op, op->args[0].value, s), loc = stage(h, f, op, op->result, s);
+    fprintf(h->epi, "  rt_route_stats(st, (const int32_t *)(H + %" PRId64 "), (const int32_t *)(H + %" PRId64 "), %" PRId64
+                    ", %" PRId64 ", %" PRId64 ", %" PRId64 ", %" PRId64 ");\n",
+            idx, loc, t->dim[0], t->dim[1], ir_op_int(op, "experts", 0), ir_op_int(op, "groups", 1),
+            ir_op_int(op, "dropless", 0) ? 0 : ir_op_int(op, "capacity", 0));
+    break;
+  }
+  case IR_OP_GATE_EXPERT_CHOICE: {
+    const IrType *t = &op->args[0].value->type;
+    int64_t loc = stage(h, f, op, op->result, s);
+    fprintf(h->epi, "  rt_expert_choice_stats(st, (const int32_t *)(H + %" PRId64 "), %" PRId64 ", %" PRId64 ", %" PRId64
+                    ", %" PRId64 ");\n",
+            loc, t->dim[0], t->dim[1], ir_op_int(op, "groups", 1), ir_op_int(op, "capacity", 0));
+    break;
+  }
+  default:
+    break;
+  }
+  // Results the functions return for the step's statistics (aux, z, the loss).
+  if (op->result && h->staged[op->result->id] == -2) h->staged[op->result->id] = stage(h, f, op, op->result, s);
+}
+
+// ---- ops ----
+
+// One kernel argument for parameter type t, as the value macro of the program (PTR, I32, ...)
+// in buf; false when the argument does not fit the parameter (an internal error).
+static bool kernel_arg(Host *h, const IrFunc *f, int i, const CgArg *a, CgParamType t, int64_t stats, char *buf,
+                       size_t n) {
+  const IrOp *op = f->ops[i];
+  char addr[96];
+  bool pointer = a->kind == CG_ARG_OPERAND || a->kind == CG_ARG_RESULT || a->kind == CG_ARG_GRAD ||
+                 a->kind == CG_ARG_MOMENT_M || a->kind == CG_ARG_MOMENT_V || a->kind == CG_ARG_STATS;
+  if (pointer != (t == CG_PARAM_POINTER) || (a->kind == CG_ARG_FLOAT) != (t == CG_PARAM_FLOAT) ||
+      (a->kind == CG_ARG_SEED) != (t == CG_PARAM_U64) ||
+      ((a->kind == CG_ARG_STEP || a->kind == CG_ARG_TOKEN0) && t != CG_PARAM_I64))
+    return false;
+  switch (a->kind) {
+  case CG_ARG_OPERAND: operand_addr(h, addr, sizeof addr, &op->args[a->index]); break;
+  case CG_ARG_RESULT: value_addr(h, addr, sizeof addr, f->ops[i + a->index]->result); break;
+  case CG_ARG_GRAD:
+  case CG_ARG_MOMENT_M:
+  case CG_ARG_MOMENT_V:
+    snprintf(addr, sizeof addr, "(%c + %" PRId64 ")", a->kind == CG_ARG_GRAD ? 'G' : a->kind == CG_ARG_MOMENT_M ? 'M' : 'V',
+             h->param_offset[op->args[0].param->index]);
+    break;
+  case CG_ARG_STATS:   // gate.locations: NULL (the host counts from idx and loc); hook.record: its doubles
+    if (stats >= 0) snprintf(addr, sizeof addr, "(S + %" PRId64 ")", stats);
+    else snprintf(addr, sizeof addr, "NULL");
+    break;
+  case CG_ARG_INT:
+    if (t == CG_PARAM_INT && (a->i < INT32_MIN || a->i > INT32_MAX))
+      return ir_error_at(h->d, op->loc, "the CUDA target passes %" PRId64 " as a 32-bit kernel argument; it does not fit", a->i);
+    snprintf(buf, n, "%s(%" PRId64 ")", t == CG_PARAM_INT ? "I32" : t == CG_PARAM_I64 ? "I64" : "U64", a->i);
+    return true;
+  case CG_ARG_FLOAT: snprintf(buf, n, "F32((float)%.17g)", a->f); return true;
+  case CG_ARG_SEED: snprintf(buf, n, "U64(st->seed)"); return true;
+  case CG_ARG_STEP: snprintf(buf, n, "I64(st->step)"); return true;
+  case CG_ARG_TOKEN0: snprintf(buf, n, "I64(st->token0)"); return true;
+  }
+  snprintf(buf, n, "PTR(%s)", addr);
+  return true;
+}
+
+static bool emit_kernel(Host *h, const IrFunc *f, int i, const CgKernelCall *c, IrStream s, int64_t stats) {
+  const IrOp *op = f->ops[i];
+  CgParamType types[CG_MAX_KERNEL_ARGS];
+  int nparams = cg_cuda_kernel_params(c->kernel, types, CG_MAX_KERNEL_ARGS);
+  const char *name = cg_cuda_kernel_name(c->kernel);
+  if (nparams != c->nargs)
+    return ir_error_at(h->d, op->loc, "internal error: kernel %s takes %d arguments, the launch of '%s' has %d", name,
+                       nparams, ir_op_info[op->kind].name, c->nargs);
+  int site = where(h, f, op, "kernel %s of %s", name, ir_op_info[op->kind].name);
+  fprintf(h->out, "  launch(%d, %s, %s, %" PRId64 ", %u, (void *[]){", site, cg_stream_enum(s), name, c->grid,
+          c->shared_bytes);
+  for (int a = 0; a < c->nargs; a++) {
+    char buf[128];
+    if (!kernel_arg(h, f, i, &c->args[a], types[a], stats, buf, sizeof buf))
+      return ir_error_at(h->d, op->loc, "internal error: argument %d of kernel %s does not fit its parameter", a, name);
+    fprintf(h->out, "%s%s", a ? ", " : "", buf);
+  }
+  fprintf(h->out, "});\n");
+  return true;
+}
+
+// Whether the collective's data are whole 4-byte words per block: rt_cuda's collectives move
+// fp32 words, so other types go as their bytes in words (reductions need fp32).
+static bool words(Host *h, const IrOp *op, const IrType *t, int64_t blocks, bool reduce, int64_t *count) {
+  int64_t bytes = ir_type_bytes(t);
+  if (reduce && t->dtype != IR_F32)
+    return ir_error_at(h->d, op->loc, "the CUDA target reduces fp32 only; '%s' has %s data", ir_op_info[op->kind].name,
+                       ir_dtype_name(t->dtype));
+  if (bytes % (4 * blocks) != 0)
+    return ir_error_at(h->d, op->loc, "the CUDA target moves whole 4-byte words per rank; '%s' has %" PRId64
+                       " bytes for %" PRId64 " ranks", ir_op_info[op->kind].name, bytes, blocks);
+  *count = bytes / (4 * blocks);
+  return true;
+}
+
+// A collective or a copy (lib "NCCL" / "copy").
+static bool emit_comm(Host *h, const IrFunc *f, const IrOp *op, IrStream s) {
+  char a[96] = "", r[96] = "";
+  if (op->nargs && !op->args[0].param) value_addr(h, a, sizeof a, op->args[0].value);
+  if (op->result) value_addr(h, r, sizeof r, op->result);
+  int g = cg_group_index(op);
+  int64_t size = h->group_size[g], count = 0;
+  const char *se = cg_stream_enum(s);
+  int w = where(h, f, op, "%s on the %s group", ir_op_info[op->kind].name, group_names[g]);
+  const IrType *t0 = op->nargs ? operand_type(&op->args[0]) : NULL, *rt = op->result ? &op->result->type : NULL;
+  if (op->kind == IR_OP_COMM_SPLIT) {
+    fprintf(h->out, "  CK(rt_cuda_copy(cu, %s, %s, (const unsigned char *)%s + (size_t)rt_comm_rank(%s) * %" PRId64 ", %" PRId64
+                    "), %d);\n", se, r, a, group_enums[g], ir_type_bytes(rt), ir_type_bytes(rt), w);
+    return true;
+  }
+  if (op->kind == IR_OP_COMM_ALLREDUCE_GRAD) {
+    int64_t off = h->param_offset[op->args[0].param->index] + ir_op_int(op, "offset", 0);
+    if (size == 1) {
+      fprintf(h->out, "  /* comm.allreduce_grad of @%s on a group of one: nothing to do */\n", op->args[0].param->name);
+      return true;
+    }
+    h->group_nccl[g] = true;
+    fprintf(h->out, "  CK(rt_cuda_allreduce(cu, nccl[%s], %s, G + %" PRId64 ", G + %" PRId64 ", %" PRId64 "), %d);\n",
+            group_enums[g], se, off, off, ir_op_int(op, "count", 0), w);
+    return true;
+  }
+  const char *fn = op->kind == IR_OP_COMM_ALLGATHER       ? "rt_cuda_allgather"
+                   : op->kind == IR_OP_COMM_REDUCESCATTER ? "rt_cuda_reducescatter"
+                   : op->kind == IR_OP_COMM_ALLTOALL      ? "rt_cuda_alltoall"
+                                                          : "rt_cuda_allreduce";
+  bool reduce = op->kind == IR_OP_COMM_REDUCESCATTER || op->kind == IR_OP_COMM_ALLREDUCE;
+  // Counts as rt_cuda takes them: AllGather and ReduceScatter per member, AlltoAll per block.
+  bool ok = op->kind == IR_OP_COMM_ALLGATHER      ? words(h, op, t0, 1, false, &count)
+            : op->kind == IR_OP_COMM_REDUCESCATTER ? words(h, op, rt, 1, true, &count)
+            : op->kind == IR_OP_COMM_ALLTOALL      ? words(h, op, rt, size, false, &count)
+                                                   : words(h, op, rt, 1, reduce, &count);
+  if (!ok) return false;
+  if (size == 1) {   // every collective on a group of one is a copy
+    fprintf(h->out, "  CK(rt_cuda_copy(cu, %s, %s, %s, %" PRId64 "), %d);  /* %s on a group of one */\n", se, r, a,
+            ir_type_bytes(rt), w, ir_op_info[op->kind].name);
+    return true;
+  }
+  h->group_nccl[g] = true;
+  fprintf(h->out, "  CK(%s(cu, nccl[%s], %s, (const float *)%s, (float *)%s, %" PRId64 "), %d);\n", fn, group_enums[g], se,
+          a, r, count, w);
+  return true;
+}
+
+static bool emit_gemm(Host *h, const IrFunc *f, const IrOp *op, IrStream s) {
+  char a[96], b[96], r[96];
+  operand_addr(h, a, sizeof a, &op->args[0]);
+  operand_addr(h, b, sizeof b, &op->args[1]);
+  value_addr(h, r, sizeof r, op->result);
+  const IrType *t0 = operand_type(&op->args[0]), *rt = &op->result->type;
+  bool ta = ir_op_int(op, "ta", 0), tb = ir_op_int(op, "tb", 0);
+  int w = where(h, f, op, "%s (cuBLAS)", ir_op_info[op->kind].name);
+  if (t0->dtype != IR_F32 || operand_type(&op->args[1])->dtype != IR_F32)
+    return ir_error_at(h->d, op->loc, "the CUDA target multiplies fp32 only");
+  if (op->kind == IR_OP_MATMUL)
+    fprintf(h->out, "  CK(rt_cuda_gemm(cu, %s, RT_CUDA_F32, %s, %s, (float *)%s, %" PRId64 ", %" PRId64 ", %" PRId64
+                    ", %d, %d, false), %d);\n",
+            cg_stream_enum(s), a, b, r, rt->dim[0], rt->dim[1], ta ? t0->dim[0] : t0->dim[1], ta, tb, w);
+  else
+    fprintf(h->out, "  CK(rt_cuda_expert_gemm(cu, %s, RT_CUDA_F32, %s, %s, (float *)%s, %" PRId64 ", %" PRId64 ", %" PRId64
+                    ", %" PRId64 ", %d, %d), %d);\n",
+            cg_stream_enum(s), a, b, r, rt->dim[0], rt->dim[1], rt->dim[2], ta ? t0->dim[1] : t0->dim[2], ta, tb, w);
+  return true;
+}
+
+// Op i of f (and the ops a fused launch takes with it, *nops in all) on stream s.
+static bool emit_op(Host *h, const IrFunc *f, int i, IrStream s, int *nops) {
+  const IrOp *op = f->ops[i];
+  CgLaunch l;
+  if (!cg_cuda_launch(h->plan, f, i, &l))
+    return ir_error_at(h->d, op->loc, "the CUDA target cannot emit op '%s'", op->kind < IR_OP_COUNT ? ir_op_info[op->kind].name : "?");
+  *nops = l.nops;
+  if (op->kind == IR_OP_PARAM_GRAD) {
+    const PassMemSlot *slot = &h->plan->slot[op->args[1].value->func->index][op->args[1].value->id];
+    if (slot->kind == PASS_MEM_GRAD && slot->offset == op->args[0].param->index) {
+      fprintf(h->out, "  /* @%s: computed in place */\n", op->args[0].param->name);
+      return true;
+    }
+  }
+  if (l.lib && strcmp(l.lib, "cuBLAS") == 0) return emit_gemm(h, f, op, s);
+  if (l.lib) return emit_comm(h, f, op, s);
+  // The record hook's kernel writes its statistics into the staging area.
+  int64_t stats = op->kind == IR_OP_HOOK_RECORD ? stage_place(h, 3 * (int64_t)sizeof(double)) : -1;
+  for (int k = 0; k < l.ncalls; k++)
+    if (!emit_kernel(h, f, i, &l.call[k], s, stats)) return false;
+  if (op->kind == IR_OP_HOOK_RECORD) {
+    int64_t off = stats;
+    fprintf(h->epi, "  rt_record_stats(st, \"");
+    put_escaped(h->epi, ir_op_str(op, "point", "?"));
+    fprintf(h->epi, "\", %" PRId64 ", %" PRId64 ", ((const double *)(H + %" PRId64 "))[0], ((const double *)(H + %" PRId64
+                    "))[1], (int64_t)((const double *)(H + %" PRId64 "))[2]);\n",
+            ir_op_int(op, "layer", 0), ir_type_numel(operand_type(&op->args[0])), off, off, off);
+  }
+  return true;
+}
+
+// ---- functions ----
+
+// Which values of f the step's statistics read (-2: to be staged after the op that makes it).
+static void mark_staged(Host *h, const IrFunc *f) {
+  for (int v = 0; v < f->nvalues; v++) h->staged[v] = -1;
+  bool layer = cg_is_suffix(f->name, ".fwd") && strcmp(f->name, "loss.fwd") != 0;
+  for (int r = 0; r < f->nrets; r++) {
+    const IrValue *v = f->rets[r];
+    bool aux = layer && r >= 1 && v->def && (v->def->kind == IR_OP_GATE_AUX_LOSS || v->def->kind == IR_OP_GATE_Z_LOSS);
+    bool loss = strcmp(f->name, "loss.fwd") == 0 && r == 0;
+    if ((aux || loss) && v->func == f) h->staged[v->id] = -2;
+  }
+}
+
+// What the step does with f's staged values after the function (emit_c's emit_layer_stats and
+// the loss), in the CPU program's order.
+static void function_epilogue(Host *h, const IrFunc *f) {
+  bool layer = cg_is_suffix(f->name, ".fwd") && strcmp(f->name, "loss.fwd") != 0;
+  for (int r = 0; r < f->nrets; r++) {
+    const IrValue *v = f->rets[r];
+    if (v->func != f || h->staged[v->id] < 0) continue;
+    int64_t off = h->staged[v->id];
+    if (strcmp(f->name, "loss.fwd") == 0 && r == 0) {
+      fprintf(h->epi, "  st->mse = *(const float *)(H + %" PRId64 ");\n", off);
+    } else if (layer) {
+      fprintf(h->epi, "  st->%s += *(const float *)(H + %" PRId64 ");\n  st->aux_total += (double)(float)%.17g * *(const float *)(H + %" PRId64 ");\n",
+              v->def->kind == IR_OP_GATE_AUX_LOSS ? "aux" : "z", off, ir_op_float(v->def, "coef", 0), off);
+    }
+  }
+}
+
+static bool emit_function(Host *h, const IrFunc *f) {
+  bool scheduled = cg_func_scheduled(f);
+  CgEvents ev = {0};
+  if (scheduled && !cg_events(h->d, f, &ev)) return false;
+  if (scheduled && EV_BASE + ev.count > h->max_events) h->max_events = EV_BASE + ev.count;
+  mark_staged(h, f);
+  fprintf(h->out, "/* @%s%s */\nstatic void f%d(RtStep *st) {\n  (void)st;\n", f->name,
+          scheduled ? ": compute, intra and inter streams" : "", f->index);
+  if (scheduled) {
+    int w = where(h, f, NULL, "the start of the function");
+    fprintf(h->out, "  CK(rt_cuda_record(cu, RT_STREAM_COMPUTE, %d), %d);\n", EV_FORK, w);
+    fprintf(h->out, "  CK(rt_cuda_wait(cu, RT_STREAM_INTRA, %d), %d);\n  CK(rt_cuda_wait(cu, RT_STREAM_INTER, %d), %d);\n",
+            EV_FORK, w, EV_FORK, w);
+  }
+  bool ok = true;
+  for (int i = 0; ok && i < f->nops;) {
+    const IrOp *op = f->ops[i];
+    IrStream s = scheduled ? stream_of(op) : IR_STREAM_COMPUTE;
+    if (scheduled) {
+      int waits[IR_MAX_WAITS + 1];
+      int nw = cg_op_waits(f, &ev, i, waits, IR_MAX_WAITS + 1);
+      for (int k = 0; k < nw; k++)
+        fprintf(h->out, "  CK(rt_cuda_wait(cu, %s, %d), %d);\n", cg_stream_enum(s), EV_BASE + waits[k],
+                where(h, f, op, "waiting for an event before %s", ir_op_info[op->kind].name));
+    }
+    int nops = 1;
+    ok = emit_op(h, f, i, s, &nops);
+    for (int j = i; ok && j < i + nops; j++) stage_op(h, f, f->ops[j], s);
+    int last = i + nops - 1;
+    if (ok && scheduled && ev.rec[last])
+      fprintf(h->out, "  CK(rt_cuda_record(cu, %s, %d), %d);\n", cg_stream_enum(s), EV_BASE + ev.local[last],
+              where(h, f, f->ops[last], "recording the event of %s", ir_op_info[f->ops[last]->kind].name));
+    i += nops;
+  }
+  if (scheduled) {
+    int w = where(h, f, NULL, "the end of the function");
+    fprintf(h->out, "  CK(rt_cuda_record(cu, RT_STREAM_INTRA, %d), %d);\n  CK(rt_cuda_record(cu, RT_STREAM_INTER, %d), %d);\n",
+            EV_JOIN_INTRA, w, EV_JOIN_INTER, w);
+    fprintf(h->out, "  CK(rt_cuda_wait(cu, RT_STREAM_COMPUTE, %d), %d);\n  CK(rt_cuda_wait(cu, RT_STREAM_COMPUTE, %d), %d);\n",
+            EV_JOIN_INTRA, w, EV_JOIN_INTER, w);
+  }
+  // Staged values that no op of f made (arguments): read back at the end, on compute.
+  for (int r = 0; ok && r < f->nrets; r++) {
+    const IrValue *v = f->rets[r];
+    if (v->func == f && h->staged[v->id] == -2)
+      h->staged[v->id] = stage(h, f, NULL, v, IR_STREAM_COMPUTE);
+  }
+  fprintf(h->out, "}\n\n");
+  cg_events_free(&ev);
+  if (ok) function_epilogue(h, f);
+  return ok;
+}
+
+// A step function: its IR functions in order, then a wait for every stream and the epilogue.
+static bool emit_step(Host *h, const char *name, const char *prologue, bool (*member)(const IrFunc *)) {
+  char *epilogue = NULL;
+  size_t size = 0;
+  int64_t first_stage = h->stage_bytes;   // this step's part of the staging area starts here
+  if (!(h->epi = open_memstream(&epilogue, &size))) return ir_error(h->d, "out of memory");
+  bool ok = true;
+  for (int i = 0; ok && i < h->m->nfuncs; i++)
+    if (member(h->m->funcs[i])) ok = emit_function(h, h->m->funcs[i]);
+  if (fclose(h->epi) != 0) ok = ir_error(h->d, "out of memory");
+  h->epi = NULL;
+  if (!ok) {
+    free(epilogue);
+    return false;
+  }
+  fprintf(h->out, "static void step_%s(RtStep *st) {\n%s", name, prologue);
+  for (int i = 0; i < h->m->nfuncs; i++)
+    if (member(h->m->funcs[i])) fprintf(h->out, "  f%d(st);  /* @%s */\n", i, h->m->funcs[i]->name);
+  int w = where(h, NULL, NULL, "the end of the %s", name);
+  fprintf(h->out, "  for (int s = 0; s < RT_STREAM_COUNT; s++)\n    CK(rt_cuda_sync(cu, (RtStream)s), %d);\n", w);
+  if (h->stage_bytes > first_stage)
+    fprintf(h->out, "  CK(rt_cuda_to_host(cu, RT_STREAM_COMPUTE, H + %" PRId64 ", S + %" PRId64 ", %" PRId64
+                    ") && rt_cuda_sync(cu, RT_STREAM_COMPUTE), %d);\n",
+            first_stage, first_stage, h->stage_bytes - first_stage,
+            where(h, NULL, NULL, "reading back the statistics of the %s", name));
+  fwrite(epilogue, 1, size, h->out);
+  fprintf(h->out, "}\n\n");
+  free(epilogue);
+  return true;
+}
+
+static bool is_forward(const IrFunc *f) { return cg_is_suffix(f->name, ".fwd"); }
+static bool is_backward(const IrFunc *f) { return cg_is_suffix(f->name, ".bwd"); }
+static bool is_update(const IrFunc *f) { return strcmp(f->name, "optimizer") == 0; }
+
+// ---- the program ----
+
+static void emit_header(Host *h, FILE *out, const char *source_name, const CgCudaImages *img) {
+  const IrModule *m = h->m;
+  fprintf(out, "/* Generated by moec from %s: the training step of model '%s' for the CUDA target\n"
+               "   (%s). Do not edit; change the .moe file and rebuild. */\n",
+          source_name, m->name, img->arch);
+  fprintf(out, "#include <stdbool.h>\n#include <stdint.h>\n#include <stdio.h>\n#include <stdlib.h>\n#include <string.h>\n\n"
+               "#include \"moert.h\"\n#include \"rt_cuda.h\"\n\n");
+  int arch = atoi(img->arch + 3);
+  fprintf(out, "/* The kernels (codegen/emit_cuda.c), compiled by NVRTC when moec built this program: the CUBIN\n"
+               "   for %s, and the PTX of compute_%d that the driver compiles for newer GPUs. */\n"
+               "#define CUBIN_ARCH %d\n", img->arch, arch, arch);
+  fprintf(out, "static _Alignas(64) const unsigned char cubin[] =");
+  put_bytes(out, img->cubin, img->cubin_size);
+  fprintf(out, ";\nstatic const char ptx[] =");
+  put_bytes(out, (const unsigned char *)img->ptx, strnlen(img->ptx, img->ptx_size));   // the size may count the NUL
+  fprintf(out, ";\n\n");
+  cg_emit_params(out, m, h->param_offset);
+
+  int nk = cg_cuda_kernel_count(), used = 0;
+  fprintf(out, "/* The kernels the steps launch, looked up by name in the loaded module. */\nenum {");
+  for (int k = 0; k < nk; k++)
+    if (h->kernel_slot[k] >= 0) fprintf(out, "%s %s", used++ ? "," : "", cg_cuda_kernel_name(k));
+  fprintf(out, "%sKERNEL_COUNT };\nstatic const char *const kernel_names[KERNEL_COUNT + 1] = {", used ? ", " : " ");
+  for (int k = 0; k < nk; k++)
+    if (h->kernel_slot[k] >= 0) fprintf(out, "\"%s\", ", cg_cuda_kernel_name(k));
+  fprintf(out, "NULL};\n\n");
+
+  // Device memory, in bytes: parameters, gradients, moments, input, target, activations, statistics.
+  int64_t pbytes = align(h->param_floats * 4, 256), elems = ir_mod_int(m, "batch", 1) * ir_mod_int(m, "seqlen", 1) *
+                                                                 ir_mod_int(m, "embed", 1);
+  int64_t off_g = pbytes, off_m = off_g + pbytes, off_v = off_m + (h->adamw ? pbytes : 0);
+  int64_t off_x = off_v + (h->adamw ? pbytes : 0), off_t = off_x + align(elems * 4, 256), off_a = off_t + align(elems * 4, 256);
+  int64_t stage_bytes = h->stage_bytes > 0 ? h->stage_bytes : 8;
+  int64_t off_s = off_a + align(h->plan->arena_bytes > 0 ? h->plan->arena_bytes : 1, 256);
+  int64_t total = off_s + align(stage_bytes, 256);
+  fprintf(out, "/* Device memory, one block: parameters P, gradients G%s (floats, as the CPU\n"
+               "   program's), the step's input X and target T, the activation arena A of the memory plan, and\n"
+               "   the staging area S of the statistics the host reads after a step function (into H). */\n",
+          h->adamw ? ", AdamW moments M and V" : "");
+  const char *names[] = {"PARAM_FLOATS", "ELEMS", "OFF_G", "OFF_M", "OFF_V", "OFF_X", "OFF_T", "OFF_A", "OFF_S",
+                         "DEVICE_BYTES", "STAGE_BYTES"};
+  int64_t values[] = {h->param_floats, elems, off_g, off_m, off_v, off_x, off_t, off_a, off_s, total, stage_bytes};
+  for (size_t i = 0; i < sizeof values / sizeof *values; i++)
+    fprintf(out, "#define %s ((size_t)%" PRId64 ")\n", names[i], values[i]);
+  fprintf(out, "#define EVENTS %d\n#define MOMENTS %d   /* AdamW keeps two moments per parameter */\n\n",
+          h->max_events > EV_BASE ? h->max_events : EV_BASE, h->adamw);
+
+  fprintf(out, "/* What each error site was doing, for the message of a failed call. */\n"
+               "static const char *const where[%d] = {\n", h->nwhere > 0 ? h->nwhere : 1);
+  for (int i = 0; i < h->nwhere; i++) {
+    fprintf(out, "  \"");
+    put_escaped(out, h->where[i]);
+    fprintf(out, "\",\n");
+  }
+  fprintf(out, "};\n\n");
+  fprintf(out,
+          "static RtCuda *cu;\n"
+          "static CUfunction kernels[KERNEL_COUNT + 1];\n"
+          "static RtNccl *nccl[RT_GROUP_COUNT];\n"
+          "static float *P, *G, *M, *V, *X, *T;\n"
+          "static unsigned char *A, *S;\n"
+          "static unsigned char *H;       /* the host's copy of the staging area S */\n"
+          "static float *output;          /* host copy of the model's output (--dump) */\n"
+          "static char device_name[320];\n\n"
+          "static _Noreturn void op_failed(int site) {\n"
+          "  rt_comm_abort(\"the GPU failed at %%s (the CUDA error is above)\", where[site]);\n"
+          "}\n"
+          "#define CK(call, site) do { if (!(call)) op_failed(site); } while (0)\n\n"
+          "/* Kernel arguments: the address of each parameter's value, with the kernel's parameter type. */\n"
+          "#define PTR(x) &(void *){(void *)(x)}\n#define I32(x) &(int){x}\n#define I64(x) &(long long){x}\n"
+          "#define U64(x) &(unsigned long long){x}\n#define F32(x) &(float){x}\n\n"
+          "static void launch(int site, RtStream s, int kernel, int grid, unsigned shared_bytes, void **args) {\n"
+          "  CK(rt_cuda_launch(cu, s, kernels[kernel], grid, %d, shared_bytes, args), site);\n"
+          "}\n\n",
+          CG_CUDA_BLOCK);
+}
+
+static void emit_hooks(Host *h, FILE *out) {
+  fprintf(out,
+          "/* ---- the device's hooks (RtDevice, moert.h) ---- */\n\n"
+          "static void device_destroy(RtStep *st) {\n"
+          "  (void)st;\n"
+          "  for (int g = 0; g < RT_GROUP_COUNT; g++) {\n"
+          "    rt_cuda_nccl_destroy(nccl[g]);\n"
+          "    nccl[g] = NULL;\n"
+          "  }\n"
+          "  rt_cuda_destroy(cu);\n"
+          "  cu = NULL;\n"
+          "  free(H);\n"
+          "  free(output);\n"
+          "  H = NULL;\n"
+          "  output = NULL;\n"
+          "}\n\n"
+          "/* Claims the GPU, loads the kernels (the CUBIN on its own architecture, else the PTX on a newer\n"
+          "   one), carves the device memory and zeroes gradients and activations as the CPU program's are. */\n"
+          "static int device_setup(void) {\n"
+          "  char why[512];\n"
+          "  if (!rt_cuda_probe(why, sizeof why))\n"
+          "    return rt_fail(\"no GPU: %%s. This binary was built by 'moec build --target cuda'; build the model \"\n"
+          "                   \"with --target cpu to train on the CPU\", why);\n"
+          "  if (!(cu = rt_cuda_create(DEVICE_BYTES, EVENTS)))\n"
+          "    return rt_fail(\"the GPU could not be set up with %%zu bytes of device memory (the CUDA error is above)\",\n"
+          "                   DEVICE_BYTES);\n"
+          "  const RtCudaDevice *d = rt_cuda_device(cu);\n"
+          "  const void *image = NULL;\n"
+          "  if (d->arch / 10 == CUBIN_ARCH / 10 && d->arch >= CUBIN_ARCH)\n"
+          "    image = cubin;\n"
+          "  else if (d->arch > CUBIN_ARCH)\n"
+          "    image = ptx;\n"
+          "  else\n"
+          "    return rt_fail(\"the kernels were compiled for sm_%%d and need a GPU of that architecture or newer; \"\n"
+          "                   \"%%s is sm_%%d (build with --gpu-arch sm_%%d)\", CUBIN_ARCH, d->name, d->arch, d->arch);\n"
+          "  snprintf(device_name, sizeof device_name, \"%%s (sm_%%d), kernels from the %%s\", d->name, d->arch,\n"
+          "           image == cubin ? \"CUBIN\" : \"PTX, compiled by the driver\");\n"
+          "  if (!rt_cuda_load_module(cu, image))\n"
+          "    return rt_fail(\"the kernels could not be loaded on %%s (the CUDA error is above)\", d->name);\n"
+          "  for (int k = 0; k < KERNEL_COUNT; k++)\n"
+          "    if (!(kernels[k] = rt_cuda_kernel(cu, kernel_names[k])))\n"
+          "      return rt_fail(\"the kernel module has no kernel '%%s' (reported above)\", kernel_names[k]);\n"
+          "  unsigned char *base = rt_cuda_alloc(cu, DEVICE_BYTES);\n"
+          "  if (!base)\n"
+          "    return rt_fail(\"the device memory could not be carved (reported above)\");\n"
+          "  P = (float *)base;\n  G = (float *)(base + OFF_G);\n  M = (float *)(base + OFF_M);\n  V = (float *)(base + OFF_V);\n"
+          "  X = (float *)(base + OFF_X);\n  T = (float *)(base + OFF_T);\n  A = base + OFF_A;\n  S = base + OFF_S;\n"
+          "  if (!rt_cuda_zero(cu, RT_STREAM_COMPUTE, base, DEVICE_BYTES) || !rt_cuda_sync(cu, RT_STREAM_COMPUTE))\n"
+          "    return rt_fail(\"the device memory could not be cleared (the CUDA error is above)\");\n"
+          "  H = malloc(STAGE_BYTES);\n"
+          "  output = malloc((size_t)ELEMS * sizeof(float));\n"
+          "  if (!H || !output)\n"
+          "    return rt_fail(\"out of memory for %%zu bytes of host staging\", STAGE_BYTES + ELEMS * sizeof(float));\n"
+          "  return 0;\n"
+          "}\n\n"
+          "static int device_create(RtStep *st) {\n"
+          "  if (device_setup() == 0)\n"
+          "    return 0;\n"
+          "  device_destroy(st);\n"
+          "  return -1;\n"
+          "}\n\n");
+  fprintf(out, "/* The NCCL communicators of the groups whose collectives cross ranks. */\n"
+               "static int device_connect(RtStep *st) {\n  (void)st;\n");
+  int any = 0;
+  for (int g = 0; g < 5; g++) {
+    if (!h->group_nccl[g]) continue;
+    any++;
+    fprintf(out, "  if (!(nccl[%s] = rt_cuda_nccl_group(%s)))\n"
+                 "    return rt_fail(\"the NCCL communicator of the %s group could not be set up (the error is above)\");\n",
+            group_enums[g], group_enums[g], group_names[g]);
+  }
+  if (!any) fprintf(out, "  /* none: every collective is on a group of one */\n");
+  fprintf(out, "  return 0;\n}\n\n");
+  fprintf(out,
+          "static const char *device_describe(void) { return device_name; }\n\n"
+          "static int device_upload(RtStep *st, unsigned what) {\n"
+          "  bool ok = true;\n"
+          "  if (what & RT_DEVICE_PARAMS)\n"
+          "    ok = ok && rt_cuda_to_device(cu, RT_STREAM_COMPUTE, P, st->params, PARAM_FLOATS * sizeof(float));\n"
+          "  if (what & RT_DEVICE_GRADS)\n"
+          "    ok = ok && rt_cuda_to_device(cu, RT_STREAM_COMPUTE, G, st->grads, PARAM_FLOATS * sizeof(float));\n"
+          "  if ((what & RT_DEVICE_MOMENTS) && MOMENTS)\n"
+          "    ok = ok && rt_cuda_to_device(cu, RT_STREAM_COMPUTE, M, st->opt_m, PARAM_FLOATS * sizeof(float)) &&\n"
+          "         rt_cuda_to_device(cu, RT_STREAM_COMPUTE, V, st->opt_v, PARAM_FLOATS * sizeof(float));\n"
+          "  ok = ok && rt_cuda_sync(cu, RT_STREAM_COMPUTE);\n"
+          "  return ok ? 0 : rt_fail(\"copying the parameters or optimizer state to the GPU failed (the CUDA error is above)\");\n"
+          "}\n\n"
+          "static int device_download(RtStep *st, unsigned what) {\n"
+          "  bool ok = true;\n"
+          "  if (what & RT_DEVICE_PARAMS)\n"
+          "    ok = ok && rt_cuda_to_host(cu, RT_STREAM_COMPUTE, st->params, P, PARAM_FLOATS * sizeof(float));\n"
+          "  if (what & RT_DEVICE_GRADS)\n"
+          "    ok = ok && rt_cuda_to_host(cu, RT_STREAM_COMPUTE, st->grads, G, PARAM_FLOATS * sizeof(float));\n"
+          "  if ((what & RT_DEVICE_MOMENTS) && MOMENTS)\n"
+          "    ok = ok && rt_cuda_to_host(cu, RT_STREAM_COMPUTE, st->opt_m, M, PARAM_FLOATS * sizeof(float)) &&\n"
+          "         rt_cuda_to_host(cu, RT_STREAM_COMPUTE, st->opt_v, V, PARAM_FLOATS * sizeof(float));\n");
+  if (h->output[0])
+    fprintf(out, "  if (what & RT_DEVICE_OUTPUT)\n"
+                 "    ok = ok && rt_cuda_to_host(cu, RT_STREAM_COMPUTE, output, %s, ELEMS * sizeof(float));\n",
+            h->output);
+  fprintf(out,
+          "  ok = ok && rt_cuda_sync(cu, RT_STREAM_COMPUTE);\n"
+          "  return ok ? 0 : rt_fail(\"copying results from the GPU failed (the CUDA error is above)\");\n"
+          "}\n\n"
+          "static const RtDevice device = {\n"
+          "  .create = device_create, .connect = device_connect, .describe = device_describe,\n"
+          "  .upload = device_upload, .download = device_download, .destroy = device_destroy,\n"
+          "};\n\n");
+}
+
+bool cg_emit_cuda_host(IrDiag *d, FILE *out, const IrModule *m, const PassMemPlan *plan, const char *source_name,
+                       const CgCudaImages *images) {
+  if (!images || !images->arch || strncmp(images->arch, "sm_", 3) != 0 || atoi(images->arch + 3) < 10)
+    return ir_error(d, "internal error: the CUDA host program needs the kernels' images and their sm_NN architecture");
+  Host h = {.d = d, .m = m, .plan = plan, .ok = true};
+  h.param_offset = cg_param_offsets(m, &h.param_floats);
+  h.adamw = strcmp(ir_mod_str(m, "optimizer", "sgd"), "adamw") == 0;
+  int64_t dp = ir_mod_int(m, "dp", 1), mp = ir_mod_int(m, "mp", 1);
+  int64_t sizes[5] = {dp * mp, dp, mp, ir_mod_int(m, "ep", 1), ir_mod_int(m, "esp", 1)};
+  memcpy(h.group_size, sizes, sizeof sizes);
+  h.max_events = EV_BASE;
+  int nk = cg_cuda_kernel_count(), max_values = 1;
+  bool *used = calloc((size_t)nk, sizeof *used);
+  h.kernel_slot = malloc((size_t)nk * sizeof *h.kernel_slot);
+  for (int i = 0; i < m->nfuncs; i++)
+    if (m->funcs[i]->nvalues > max_values) max_values = m->funcs[i]->nvalues;
+  h.staged = malloc((size_t)max_values * sizeof *h.staged);
+  char *body = NULL;
+  size_t body_size = 0;
+  h.out = open_memstream(&body, &body_size);
+  bool ok = h.param_offset && used && h.kernel_slot && h.staged && h.out;
+  if (!ok) {
+    ok = ir_error(d, "out of memory");
+    goto done;
+  }
+  cg_cuda_kernels_used(m, plan, used);
+  for (int k = 0, slot = 0; k < nk; k++) h.kernel_slot[k] = used[k] ? slot++ : -1;
+
+  // The model's output: the first result of the last layer's forward (emit_c's st->output).
+  const IrFunc *last_fwd = NULL;
+  for (int i = 0; i < m->nfuncs; i++)
+    if (is_forward(m->funcs[i]) && strcmp(m->funcs[i]->name, "loss.fwd") != 0) last_fwd = m->funcs[i];
+  if (last_fwd && last_fwd->nrets > 0) value_addr(&h, h.output, sizeof h.output, last_fwd->rets[0]);
+
+  int w_input = where(&h, NULL, NULL, "the copy of the step's input and target to the GPU");
+  char prologue[512];
+  snprintf(prologue, sizeof prologue,
+           "  rt_step_begin_forward(st);\n"
+           "  CK(rt_cuda_to_device(cu, RT_STREAM_COMPUTE, X, st->input, ELEMS * sizeof(float)), %d);\n"
+           "  CK(rt_cuda_to_device(cu, RT_STREAM_COMPUTE, T, st->target, ELEMS * sizeof(float)), %d);\n%s",
+           w_input, w_input, h.output[0] ? "  st->output = output;\n" : "");
+  ok = emit_step(&h, "forward", prologue, is_forward) && emit_step(&h, "backward", "", is_backward) &&
+       emit_step(&h, "update", "", is_update) && h.ok;
+  if (fclose(h.out) != 0) ok = ir_error(d, "out of memory");
+  h.out = NULL;
+  if (!ok) goto done;
+  emit_header(&h, out, source_name, images);
+  fwrite(body, 1, body_size, out);
+  emit_hooks(&h, out);
+  cg_emit_model(out, m, plan, h.param_floats, "device");
+done:
+  if (h.out) fclose(h.out);
+  free(body);
+  for (int i = 0; i < h.nwhere; i++) free(h.where[i]);
+  free(h.where);
+  free(h.staged);
+  free(h.kernel_slot);
+  free(used);
+  free(h.param_offset);
+  return ok;
+}

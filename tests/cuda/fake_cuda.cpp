@@ -1,0 +1,576 @@
+// The fake device: runtime/cuda/rt_cuda.h implemented on host memory, so that the CUDA target's
+// programs run in `make test` on machines without a GPU (tests/cuda/host.sh). A CUDA program
+// links build/cuda/libfake_cuda.a instead of build/libmoert_cuda.a when moec builds it with
+// MOEC_CUDA_FAKE=1 in the environment (a test hook, codegen/link.c).
+//
+//   memory     the device arena is host memory; copies are memcpy. Every device address a call
+//              gets must lie in the arena (a kernel's pointer arguments too) and every host
+//              address outside it, so a program that mixes them up fails here as on a GPU.
+//   streams    every call runs when it is issued, in the program's order, which is one valid
+//              order of its streams: events are checked (a wait for an event never recorded is
+//              an error), not needed. Concurrency between the streams is not exercised.
+//   kernels    the module image must be NVRTC's (a CUBIN, ELF, or PTX text) and name the kernel
+//              looked up; the kernel then runs from the library compiled here as host C++
+//              (host_kernels.h), its arguments unpacked from the void ** with the parameter
+//              types the kernel declares. Blocks run one after the other; the threads of a block
+//              run one after the other, or, for the kernels that call __syncthreads
+//              (MK_KERNEL_LIST, from cg_emit_cuda_kernel_list), as fibers that switch at
+//              each barrier, which also checks that every thread reaches it.
+//   GEMMs      libmoert's rt_matmul / rt_expert_matmul (OpenBLAS), bf16 inputs widened first.
+//   NCCL       libmoert's MPI collectives (runtime/comm.c) on the same parallel group:
+//              communicators are groups, so results equal the CPU program's bit for bit.
+//   the device "moert fake device", sm_90 (MOERT_FAKE_ARCH=NN in the environment says sm_NN,
+//              to exercise the programs' choice between CUBIN and PTX).
+// Errors are reported as rt_cuda.c reports them: "moert: error: rank R on HOST: fake device:
+// ..." on stderr, and the call returns false.
+#include <elf.h>
+#include <ucontext.h>
+#include <unistd.h>
+
+#include <cstdarg>
+#include <cstdint>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <tuple>
+#include <type_traits>
+#include <utility>
+#include <vector>
+
+#include "host_kernels.h"
+
+#define OMPI_SKIP_MPICXX 1   // the C API only
+#define MPICH_SKIP_MPICXX 1
+#include <cuda.h>
+#include <mpi.h>
+
+#define _Noreturn [[noreturn]]
+extern "C" {
+#include "rt_cuda.h"
+#include "rt_mpi.h"
+}
+#undef _Noreturn
+
+// ---- errors ----
+
+static bool report(const char *fmt, ...) __attribute__((format(printf, 1, 2)));
+static bool report(const char *fmt, ...) {
+  int initialized = 0, finalized = 0, rank = 0;
+  MPI_Initialized(&initialized);
+  MPI_Finalized(&finalized);
+  if (initialized && !finalized) MPI_Comm_rank(MPI_COMM_WORLD, &rank);
+  char host[256] = "?";
+  gethostname(host, sizeof host);
+  host[sizeof host - 1] = '\0';
+  char msg[4096];
+  va_list ap;
+  va_start(ap, fmt);
+  vsnprintf(msg, sizeof msg, fmt, ap);
+  va_end(ap);
+  fprintf(stderr, "moert: error: rank %d on %s: fake device: %s\n", rank, host, msg);
+  fflush(stderr);
+  return false;
+}
+
+// ---- the device ----
+
+struct RtCuda {
+  RtCudaDevice device;
+  unsigned char *arena;
+  size_t arena_bytes, arena_used;
+  std::vector<bool> recorded;          // by event
+  const unsigned char *image;          // the loaded module, and its size in bytes
+  size_t image_bytes;
+};
+
+bool rt_cuda_probe(char *why, size_t why_size) {
+  snprintf(why, why_size, "the fake device of tests/cuda/fake_cuda.cpp");
+  return true;
+}
+
+RtCuda *rt_cuda_create(size_t arena_bytes, int nevents) {
+  RtCuda *cu = new RtCuda{};
+  snprintf(cu->device.name, sizeof cu->device.name, "moert fake device (host memory, kernels emulated)");
+  const char *arch = getenv("MOERT_FAKE_ARCH");
+  cu->device.arch = arch && atoi(arch) >= 10 ? atoi(arch) : 90;
+  cu->device.driver_version = CUDA_VERSION;
+  cu->device.multiprocessors = 1;
+  cu->device.memory_bytes = arena_bytes;
+  cu->arena_bytes = arena_bytes;
+  cu->recorded.assign(nevents > 0 ? (size_t)nevents : 0, false);
+  if (arena_bytes > 0 && !(cu->arena = (unsigned char *)aligned_alloc(256, (arena_bytes + 255) / 256 * 256))) {
+    report("out of memory for an arena of %zu bytes", arena_bytes);
+    delete cu;
+    return nullptr;
+  }
+  return cu;
+}
+
+bool rt_cuda_destroy(RtCuda *cu) {
+  if (!cu) return true;
+  free(cu->arena);
+  delete cu;
+  return true;
+}
+
+const RtCudaDevice *rt_cuda_device(const RtCuda *cu) { return &cu->device; }
+
+// ---- memory ----
+
+static bool in_arena(const RtCuda *cu, const void *p, size_t bytes) {
+  uintptr_t a = (uintptr_t)cu->arena, q = (uintptr_t)p;
+  return cu->arena && q >= a && q - a <= cu->arena_bytes && bytes <= cu->arena_bytes - (q - a);
+}
+
+static bool overlaps_arena(const RtCuda *cu, const void *p, size_t bytes) {
+  uintptr_t a = (uintptr_t)cu->arena, q = (uintptr_t)p;
+  return cu->arena && bytes > 0 && q < a + cu->arena_bytes && a < q + bytes;
+}
+
+static bool device_range(const RtCuda *cu, const char *call, const char *what, const void *p, size_t bytes) {
+  if (bytes == 0 || in_arena(cu, p, bytes)) return true;
+  return report("%s: the %s %p (+%zu bytes) is not device memory (the arena is %p, %zu bytes)", call, what, p, bytes,
+                (void *)cu->arena, cu->arena_bytes);
+}
+
+static bool host_range(const RtCuda *cu, const char *call, const char *what, const void *p, size_t bytes) {
+  if (!overlaps_arena(cu, p, bytes)) return true;
+  return report("%s: the %s %p (+%zu bytes) is device memory, not host memory", call, what, p, bytes);
+}
+
+void *rt_cuda_alloc(RtCuda *cu, size_t bytes) {
+  size_t start = (cu->arena_used + 255) & ~(size_t)255;
+  if (start > cu->arena_bytes || bytes > cu->arena_bytes - start) {
+    report("the device arena of %zu bytes cannot hold %zu more bytes (%zu in use)", cu->arena_bytes, bytes, cu->arena_used);
+    return nullptr;
+  }
+  cu->arena_used = start + bytes;
+  return cu->arena + start;
+}
+
+void rt_cuda_arena_reset(RtCuda *cu) { cu->arena_used = 0; }
+
+static bool stream_ok(RtStream s, const char *call) {
+  if ((int)s >= 0 && s < RT_STREAM_COUNT) return true;
+  return report("%s on stream %d, which does not exist", call, (int)s);
+}
+
+bool rt_cuda_to_device(RtCuda *cu, RtStream s, void *dst, const void *src, size_t bytes) {
+  if (!stream_ok(s, "rt_cuda_to_device") || !device_range(cu, "rt_cuda_to_device", "destination", dst, bytes) ||
+      !host_range(cu, "rt_cuda_to_device", "source", src, bytes))
+    return false;
+  if (bytes) memcpy(dst, src, bytes);
+  return true;
+}
+
+bool rt_cuda_to_host(RtCuda *cu, RtStream s, void *dst, const void *src, size_t bytes) {
+  if (!stream_ok(s, "rt_cuda_to_host") || !host_range(cu, "rt_cuda_to_host", "destination", dst, bytes) ||
+      !device_range(cu, "rt_cuda_to_host", "source", src, bytes))
+    return false;
+  if (bytes) memcpy(dst, src, bytes);
+  return true;
+}
+
+bool rt_cuda_zero(RtCuda *cu, RtStream s, void *dst, size_t bytes) {
+  if (!stream_ok(s, "rt_cuda_zero") || !device_range(cu, "rt_cuda_zero", "destination", dst, bytes)) return false;
+  if (bytes) memset(dst, 0, bytes);
+  return true;
+}
+
+bool rt_cuda_copy(RtCuda *cu, RtStream s, void *dst, const void *src, size_t bytes) {
+  if (!stream_ok(s, "rt_cuda_copy") || !device_range(cu, "rt_cuda_copy", "destination", dst, bytes) ||
+      !device_range(cu, "rt_cuda_copy", "source", src, bytes))
+    return false;
+  if (bytes && (const unsigned char *)src < (unsigned char *)dst + bytes && (unsigned char *)dst < (const unsigned char *)src + bytes)
+    return report("rt_cuda_copy: the ranges overlap");
+  if (bytes) memcpy(dst, src, bytes);
+  return true;
+}
+
+// ---- streams and events ----
+
+bool rt_cuda_sync(RtCuda *, RtStream s) { return stream_ok(s, "rt_cuda_sync"); }
+
+static bool event_ok(const RtCuda *cu, int event, const char *call) {
+  if (event >= 0 && (size_t)event < cu->recorded.size()) return true;
+  return report("%s: event %d does not exist (%zu events)", call, event, cu->recorded.size());
+}
+
+bool rt_cuda_record(RtCuda *cu, RtStream s, int event) {
+  if (!stream_ok(s, "rt_cuda_record") || !event_ok(cu, event, "rt_cuda_record")) return false;
+  cu->recorded[(size_t)event] = true;
+  return true;
+}
+
+bool rt_cuda_wait(RtCuda *cu, RtStream s, int event) {
+  if (!stream_ok(s, "rt_cuda_wait") || !event_ok(cu, event, "rt_cuda_wait")) return false;
+  if (!cu->recorded[(size_t)event]) return report("rt_cuda_wait: event %d has never been recorded", event);
+  return true;
+}
+
+// ---- the module: the image must be NVRTC's and hold the kernels looked up ----
+
+// The size of an ELF image from its headers (the section and program header tables end it).
+static size_t elf_size(const unsigned char *image) {
+  Elf64_Ehdr h;
+  memcpy(&h, image, sizeof h);
+  size_t sections = (size_t)h.e_shoff + (size_t)h.e_shnum * h.e_shentsize;
+  size_t programs = (size_t)h.e_phoff + (size_t)h.e_phnum * h.e_phentsize;
+  return sections > programs ? sections : programs;
+}
+
+bool rt_cuda_load_module(RtCuda *cu, const void *image) {
+  const unsigned char *p = (const unsigned char *)image;
+  cu->image = nullptr;
+  if (!p) return report("rt_cuda_load_module: no image");
+  if (memcmp(p, ELFMAG, SELFMAG) == 0 && p[EI_CLASS] == ELFCLASS64) {
+    cu->image_bytes = elf_size(p);
+  } else if (strstr((const char *)p, ".version") && strstr((const char *)p, ".entry")) {
+    cu->image_bytes = strlen((const char *)p);   // PTX text
+  } else {
+    return report("rt_cuda_load_module: the image is neither a CUBIN (ELF) nor PTX text");
+  }
+  cu->image = p;
+  return true;
+}
+
+// Whether the loaded image names the kernel: an ELF string table entry ("\0NAME\0" or
+// ".text.NAME\0") or a PTX entry (".entry NAME(").
+static bool image_has(const RtCuda *cu, const char *name) {
+  size_t n = strlen(name);
+  const unsigned char *p = cu->image, *end = cu->image + cu->image_bytes;
+  bool elf = memcmp(p, ELFMAG, SELFMAG) == 0;
+  for (const unsigned char *q = p; q + n < end; q++) {
+    q = (const unsigned char *)memmem(q, (size_t)(end - q), name, n);
+    if (!q || q + n >= end) return false;
+    if (elf && q > p && (q[-1] == '\0' || q[-1] == '.') && q[n] == '\0') return true;
+    if (!elf && q - p >= 7 && memcmp(q - 7, ".entry ", 7) == 0 && q[n] == '(') return true;
+  }
+  return false;
+}
+
+// ---- kernels ----
+
+// A kernel of the library: its name, whether it synchronises its threads, and how to run it.
+struct FakeKernel {
+  const char *name;
+  bool syncs;
+  bool (*run)(RtCuda *cu, const FakeKernel &k, void **args, int grid, int block);
+};
+
+// Fibers for the threads of one block of a kernel that synchronises. On x86-64 a fiber switch
+// is fake_switch below (six callee-saved registers and the stack pointer); glibc's swapcontext
+// also saves the signal mask with a system call each time, which made it most of a step's
+// time. Elsewhere ucontext does the switching.
+enum FiberState { FIBER_RUNNING, FIBER_AT_BARRIER, FIBER_DONE };
+enum { FIBER_STACK = 64 << 10 };
+static struct {
+  std::vector<FiberState> state;
+  std::vector<char> stacks;
+  int current;
+  void (*body)(void *);
+  void *body_arg;
+#if defined(__x86_64__)
+  std::vector<void *> sp;   // each fiber's saved stack pointer
+  void *scheduler_sp;
+#else
+  std::vector<ucontext_t> context;
+  ucontext_t scheduler;
+#endif
+} fibers;
+
+#if defined(__x86_64__)
+// fake_switch(save, to): pushes the callee-saved registers, stores the stack pointer in *save,
+// switches to the stack `to` and pops its registers: returns where that stack's fiber last
+// called fake_switch (or starts it, see fiber_init).
+extern "C" void fake_switch(void **save, void *to);
+asm(".text\n"
+    ".globl fake_switch\n"
+    ".type fake_switch, @function\n"
+    "fake_switch:\n"
+    "  pushq %rbp\n  pushq %rbx\n  pushq %r12\n  pushq %r13\n  pushq %r14\n  pushq %r15\n"
+    "  movq %rsp, (%rdi)\n"
+    "  movq %rsi, %rsp\n"
+    "  popq %r15\n  popq %r14\n  popq %r13\n  popq %r12\n  popq %rbx\n  popq %rbp\n"
+    "  ret\n"
+    ".size fake_switch, .-fake_switch\n");
+
+[[noreturn]] static void fiber_start() {
+  fibers.body(fibers.body_arg);
+  int me = fibers.current;
+  fibers.state[(size_t)me] = FIBER_DONE;
+  fake_switch(&fibers.sp[(size_t)me], fibers.scheduler_sp);
+  __builtin_unreachable();
+}
+
+// A fresh stack for fiber t that fake_switch "returns" into fiber_start from: six zero
+// registers, then fiber_start's address, then a zero return address for it (so that it starts
+// with the stack aligned as after a call).
+static void fiber_init(int t) {
+  uintptr_t top = ((uintptr_t)(fibers.stacks.data() + (size_t)(t + 1) * FIBER_STACK)) & ~(uintptr_t)15;
+  void **frame = (void **)(top - 8 * sizeof(void *));
+  for (int r = 0; r < 6; r++) frame[r] = nullptr;
+  frame[6] = (void *)&fiber_start;
+  frame[7] = nullptr;
+  fibers.sp[(size_t)t] = frame;
+}
+
+static void fiber_resume(int t) { fake_switch(&fibers.scheduler_sp, fibers.sp[(size_t)t]); }
+static void fiber_suspend(int t) { fake_switch(&fibers.sp[(size_t)t], fibers.scheduler_sp); }
+static void fibers_resize(int block) { fibers.sp.resize((size_t)block); }
+#else
+static void fiber_entry() {
+  fibers.body(fibers.body_arg);
+  fibers.state[(size_t)fibers.current] = FIBER_DONE;   // returning resumes the scheduler (uc_link)
+}
+
+static void fiber_init(int t) {
+  ucontext_t *c = &fibers.context[(size_t)t];
+  getcontext(c);
+  c->uc_stack.ss_sp = fibers.stacks.data() + (size_t)t * FIBER_STACK;
+  c->uc_stack.ss_size = FIBER_STACK;
+  c->uc_link = &fibers.scheduler;
+  makecontext(c, fiber_entry, 0);
+}
+
+static void fiber_resume(int t) { swapcontext(&fibers.scheduler, &fibers.context[(size_t)t]); }
+static void fiber_suspend(int t) { swapcontext(&fibers.context[(size_t)t], &fibers.scheduler); }
+static void fibers_resize(int block) { fibers.context.resize((size_t)block); }
+#endif
+
+static void fiber_barrier() {
+  int me = fibers.current;
+  fibers.state[(size_t)me] = FIBER_AT_BARRIER;
+  fiber_suspend(me);
+}
+
+static const char *running_kernel;
+
+static void barrier_outside_fibers() {
+  rt_comm_abort("fake device: kernel %s called __syncthreads, but the kernel list (cg_emit_cuda_kernel_list) "
+                "says it does not synchronise", running_kernel);
+}
+
+// Runs body(arg) as every thread of block b: one after the other, or as fibers round by round,
+// each round taking every thread to its next barrier. False when the threads disagree about a
+// barrier (some finished while others wait).
+static bool run_block(const FakeKernel &k, int b, int block, void (*body)(void *), void *arg) {
+  blockIdx.x = (unsigned)b;
+  if (!k.syncs) {
+    emu_sync = barrier_outside_fibers;
+    for (int t = 0; t < block; t++) {
+      threadIdx.x = (unsigned)t;
+      body(arg);
+    }
+    return true;
+  }
+  fibers_resize(block);
+  fibers.state.assign((size_t)block, FIBER_RUNNING);
+  if (fibers.stacks.size() < (size_t)block * FIBER_STACK) fibers.stacks.resize((size_t)block * FIBER_STACK);
+  fibers.body = body;
+  fibers.body_arg = arg;
+  for (int t = 0; t < block; t++) fiber_init(t);
+  emu_sync = fiber_barrier;
+  for (;;) {
+    int done = 0, waiting = 0;
+    for (int t = 0; t < block; t++) {
+      if (fibers.state[(size_t)t] == FIBER_DONE) continue;
+      fibers.current = t;
+      fibers.state[(size_t)t] = FIBER_RUNNING;
+      threadIdx.x = (unsigned)t;
+      fiber_resume(t);
+    }
+    for (int t = 0; t < block; t++) {
+      done += fibers.state[(size_t)t] == FIBER_DONE;
+      waiting += fibers.state[(size_t)t] == FIBER_AT_BARRIER;
+    }
+    if (done == block) return true;
+    if (done > 0) return report("kernel %s: block %d: %d threads wait at __syncthreads that %d others never reach", k.name, b,
+                                waiting, done);
+  }
+}
+
+// The kernel with its arguments unpacked, as one thread's body.
+template <class... P> struct Call {
+  void (*kernel)(P...);
+  std::tuple<P...> values;
+  static void body(void *self) {
+    Call *c = (Call *)self;
+    std::apply(c->kernel, c->values);
+  }
+};
+
+template <class T> static T unpack(void *arg) {
+  T v;
+  memcpy(&v, arg, sizeof v);
+  return v;
+}
+
+template <class... P, size_t... I>
+static bool run_kernel(RtCuda *cu, const FakeKernel &k, void (*kernel)(P...), void **args, int grid, int block,
+                       std::index_sequence<I...>) {
+  Call<P...> call{kernel, std::tuple<P...>{unpack<P>(args[I])...}};
+  // Every pointer argument must be device memory (or NULL).
+  bool ok = true;
+  int index = 0;
+  auto check = [&](const auto &v) {
+    if constexpr (std::is_pointer_v<std::decay_t<decltype(v)>>)
+      if (v && !in_arena(cu, (const void *)v, 1))
+        ok = report("kernel %s: argument %d (%p) is not device memory", k.name, index, (const void *)v);
+    index++;
+  };
+  (check(std::get<I>(call.values)), ...);
+  if (!ok) return false;
+  gridDim.x = (unsigned)grid;
+  blockDim.x = (unsigned)block;
+  running_kernel = k.name;
+  for (int b = 0; b < grid && ok; b++) ok = run_block(k, b, block, &Call<P...>::body, &call);
+  emu_sync = nullptr;
+  return ok;
+}
+
+template <class... P>
+static bool run_kernel(RtCuda *cu, const FakeKernel &k, void (*kernel)(P...), void **args, int grid, int block) {
+  return run_kernel(cu, k, kernel, args, grid, block, std::index_sequence_for<P...>{});
+}
+
+#define MK_KERNEL(name, syncs)                                                                   \
+  {#name, syncs, [](RtCuda *cu, const FakeKernel &k, void **args, int grid, int block) {         \
+     return run_kernel(cu, k, &name, args, grid, block);                                          \
+   }},
+static const FakeKernel kernel_table[] = {
+#include MK_KERNEL_LIST
+};
+#undef MK_KERNEL
+
+CUfunction rt_cuda_kernel(RtCuda *cu, const char *name) {
+  if (!cu->image) {
+    report("no kernel module is loaded (looking for kernel '%s')", name);
+    return nullptr;
+  }
+  if (!image_has(cu, name)) {
+    report("the loaded kernel module has no kernel '%s'", name);
+    return nullptr;
+  }
+  for (const FakeKernel &k : kernel_table)
+    if (strcmp(k.name, name) == 0) return (CUfunction)(uintptr_t)&k;
+  report("kernel '%s' is in the module but not in the library the fake device was built with", name);
+  return nullptr;
+}
+
+int rt_cuda_grid(int64_t n, int block) {
+  int64_t grid = block > 0 ? (n + block - 1) / block : 1;
+  return grid < 1 ? 1 : grid > 65535 ? 65535 : (int)grid;
+}
+
+bool rt_cuda_launch(RtCuda *cu, RtStream s, CUfunction f, int grid, int block, unsigned shared_bytes, void **args) {
+  const FakeKernel *k = (const FakeKernel *)(uintptr_t)f;
+  if (!stream_ok(s, "rt_cuda_launch")) return false;
+  if (!f || k < kernel_table || k >= kernel_table + sizeof kernel_table / sizeof *kernel_table)
+    return report("rt_cuda_launch: not a kernel of rt_cuda_kernel");
+  if (grid < 1 || grid > 65535 || block < 1 || block > 1024)
+    return report("kernel %s: launch <<<%d, %d>>> out of range", k->name, grid, block);
+  if (shared_bytes > sizeof emu_dyn_shared)
+    return report("kernel %s: %u bytes of dynamic shared memory, the fake device has %zu", k->name, shared_bytes,
+                  sizeof emu_dyn_shared);
+  return k->run(cu, *k, args, grid, block);
+}
+
+// ---- GEMMs: libmoert's, on the arena ----
+
+static bool gemm_ranges(RtCuda *cu, RtCudaType in, const void *a, const void *b, const float *c, size_t batch, int m,
+                        int n, int k) {
+  size_t elem = in == RT_CUDA_BF16 ? 2 : 4;
+  return device_range(cu, "gemm", "A", a, batch * m * k * elem) && device_range(cu, "gemm", "B", b, batch * k * n * elem) &&
+         device_range(cu, "gemm", "C", c, batch * m * n * sizeof(float));
+}
+
+// a as fp32 (bf16 widened into store), count elements.
+static const float *as_f32(RtCudaType in, const void *a, size_t count, std::vector<float> &store) {
+  if (in == RT_CUDA_F32) return (const float *)a;
+  store.resize(count);
+  rt_decompress_bf16((const uint16_t *)a, store.data(), (int64_t)count);
+  return store.data();
+}
+
+bool rt_cuda_gemm(RtCuda *cu, RtStream s, RtCudaType in, const void *a, const void *b, float *c, int m, int n, int k,
+                  bool ta, bool tb, bool accumulate) {
+  if (!stream_ok(s, "rt_cuda_gemm") || !gemm_ranges(cu, in, a, b, c, 1, m, n, k)) return false;
+  if (m <= 0 || n <= 0) return true;
+  std::vector<float> wa, wb;
+  rt_matmul(as_f32(in, a, (size_t)m * k, wa), as_f32(in, b, (size_t)k * n, wb), c, m, n, k, ta, tb, accumulate);
+  return true;
+}
+
+bool rt_cuda_expert_gemm(RtCuda *cu, RtStream s, RtCudaType in, const void *a, const void *b, float *c, int e, int m,
+                         int n, int k, bool ta, bool tb) {
+  if (!stream_ok(s, "rt_cuda_expert_gemm") || !gemm_ranges(cu, in, a, b, c, e > 0 ? (size_t)e : 0, m, n, k)) return false;
+  if (e <= 0 || m <= 0 || n <= 0) return true;
+  std::vector<float> wa, wb;
+  rt_expert_matmul(as_f32(in, a, (size_t)e * m * k, wa), as_f32(in, b, (size_t)e * k * n, wb), c, e, m, n, k, ta, tb);
+  return true;
+}
+
+// ---- NCCL: the runtime's MPI collectives on the same group ----
+
+struct RtNccl {
+  RtGroup group;
+  int ranks;
+};
+
+RtNccl *rt_cuda_nccl_group(RtGroup g) {
+  if ((int)g < 0 || g >= RT_GROUP_COUNT || rt_comm_mpi(g) == MPI_COMM_NULL) {
+    report("no communicator for parallel group %d: rt_comm_init has not run", (int)g);
+    return nullptr;
+  }
+  return new RtNccl{g, rt_comm_size(g)};
+}
+
+RtNccl *rt_cuda_nccl_create(MPI_Comm comm) {
+  for (int g = 0; g < RT_GROUP_COUNT; g++) {
+    MPI_Comm mine = rt_comm_mpi((RtGroup)g);
+    int same = MPI_UNEQUAL;
+    if (mine != MPI_COMM_NULL && MPI_Comm_compare(comm, mine, &same) == MPI_SUCCESS &&
+        (same == MPI_IDENT || same == MPI_CONGRUENT))
+      return rt_cuda_nccl_group((RtGroup)g);
+  }
+  report("the fake device runs NCCL as runtime/comm.c's collectives, and this communicator is none of its groups");
+  return nullptr;
+}
+
+bool rt_cuda_nccl_destroy(RtNccl *nc) {
+  delete nc;
+  return true;
+}
+
+static bool collective_ranges(RtCuda *cu, const char *call, RtStream s, const float *send, size_t send_count,
+                              const float *recv, size_t recv_count) {
+  return stream_ok(s, call) && device_range(cu, call, "send buffer", send, send_count * sizeof(float)) &&
+         device_range(cu, call, "receive buffer", recv, recv_count * sizeof(float));
+}
+
+bool rt_cuda_allreduce(RtCuda *cu, RtNccl *nc, RtStream s, const float *send, float *recv, size_t count) {
+  if (!collective_ranges(cu, "rt_cuda_allreduce", s, send, count, recv, count)) return false;
+  if (send != recv) memcpy(recv, send, count * sizeof(float));
+  rt_allreduce(nc->group, recv, (int64_t)count);
+  return true;
+}
+
+bool rt_cuda_allgather(RtCuda *cu, RtNccl *nc, RtStream s, const float *send, float *recv, size_t count) {
+  if (!collective_ranges(cu, "rt_cuda_allgather", s, send, count, recv, count * (size_t)nc->ranks)) return false;
+  rt_allgather(nc->group, send, recv, (int64_t)count);
+  return true;
+}
+
+bool rt_cuda_reducescatter(RtCuda *cu, RtNccl *nc, RtStream s, const float *send, float *recv, size_t count) {
+  if (!collective_ranges(cu, "rt_cuda_reducescatter", s, send, count * (size_t)nc->ranks, recv, count)) return false;
+  rt_reducescatter(nc->group, send, recv, (int64_t)count);
+  return true;
+}
+
+bool rt_cuda_alltoall(RtCuda *cu, RtNccl *nc, RtStream s, const float *send, float *recv, size_t count) {
+  size_t total = count * (size_t)nc->ranks;
+  if (!collective_ranges(cu, "rt_cuda_alltoall", s, send, total, recv, total)) return false;
+  rt_alltoall(nc->group, RT_A2A_FLAT, send, recv, (int64_t)count);
+  return true;
+}

@@ -1,0 +1,183 @@
+#!/usr/bin/env bash
+# The CUDA target's programs without a GPU (make test). `moec build --target cuda` with
+# MOEC_CUDA_FAKE=1 (a test hook) links the program against the fake device,
+# build/cuda/libfake_cuda.a (tests/cuda/fake_cuda.cpp: rt_cuda.h on host memory, the kernels
+# emulated on the CPU, GEMMs and collectives by libmoert); its runs are compared with the CPU
+# program of the same model:
+#   - zoo models of different gates, orders, experts and hooks on one rank, and two layouts on
+#     4 ranks (scheduled streams with events, EP AlltoAll, ESP AllGather/ReduceScatter, MP,
+#     2dh): the losses of 3 steps and the first step's --dump (output and every whole
+#     gradient) equal the CPU program's to 1e-5 relative;
+#   - tiny.moe: --check-grad passes, a checkpoint saved and resumed continues the CPU run, the
+#     PTX of --gpu-arch sm_80 is what a newer device loads, an sm_90 program refuses an older
+#     device; gpt2_moe.moe's record hooks write the CPU program's lines (to 1e-6);
+#   - `moec build --target cuda` without the hook links the real runtime (libmoert_cuda,
+#     cuBLAS, NCCL), and without a GPU the binary says so and exits 1; `--target auto` says
+#     which target it picked and why.
+# One line per check, "ok    ..." / "FAIL  ..." / "skip  ..."; without the CUDA toolkit one skip
+# line and exit status 0. What the fake device does not show (GPU arithmetic, concurrency of the
+# streams, NCCL itself) is left to tests/cuda/gpu.sh on a GPU.
+set -u
+cd "$(dirname "$0")/../.."
+BUILD=${BUILD:-build}
+MOEC=${MOEC:-$BUILD/moec}
+CUDA=${CUDA:-/usr/local/cuda}
+. tests/cuda/common.sh
+if [ ! -f "$CUDA/include/nvrtc.h" ]; then
+  skip "cuda host" "no CUDA toolkit (nothing at $CUDA/include/nvrtc.h)"
+  exit 0
+fi
+if [ ! -f "$BUILD/cuda/libfake_cuda.a" ]; then
+  bad "cuda host: $BUILD/cuda/libfake_cuda.a is missing (make builds it where the CUDA toolkit is)"
+  exit 1
+fi
+WORK=$(mktemp -d "${TMPDIR:-/tmp}/moec-cuda-host.XXXXXX")
+trap 'rm -rf "$WORK"' EXIT
+TIMEOUT=120
+TOL=1e-5
+
+# build NAME MODEL [BUILD-ARGS...]: WORK/NAME.cpu (the CPU program) and WORK/NAME.cuda (the CUDA
+# program on the fake device); on failure prints why and returns 1.
+build() {
+  local name=$1 model=$2
+  shift 2
+  "$MOEC" build "$model" -o "$WORK/$name.cpu" "$@" 2>"$WORK/err" || { echo "cpu build: $(head -c 2000 "$WORK/err")"; return 1; }
+  MOEC_CUDA_FAKE=1 "$MOEC" build "$model" --target cuda -o "$WORK/$name.cuda" "$@" 2>"$WORK/err" ||
+    { echo "cuda build: $(head -c 2000 "$WORK/err")"; return 1; }
+}
+
+# run NAME KIND P ARGS...: WORK/NAME.KIND on P ranks (1: no mpirun) in WORK, output in
+# WORK/NAME.KIND.out.
+run() {
+  local name=$1 kind=$2 np=$3
+  shift 3
+  if [ "$np" = 1 ]; then
+    (cd "$WORK" && timeout "$TIMEOUT" "./$name.$kind" "$@" >"$name.$kind.out" 2>&1 </dev/null)
+  else
+    (cd "$WORK" && timeout "$TIMEOUT" $MPIRUN -np "$np" "./$name.$kind" "$@" >"$name.$kind.out" 2>&1 </dev/null)
+  fi
+}
+
+# The programs of every comparison, built two at a time (NVRTC takes most of a build).
+MODELS="tiny:lang/models/tiny.moe switch:lang/models/switch.moe mixtral:lang/models/mixtral.moe
+        expert_choice:lang/models/expert_choice.moe xmoe:lang/models/xmoe.moe softmoe:lang/models/softmoe.moe
+        gpt2_moe:lang/models/gpt2_moe.moe dense:tests/golden/dense.moe sched:tests/golden/sched.moe
+        parallel:tests/golden/parallel.moe"
+for entry in $MODELS; do
+  [ "$(jobs -rp | wc -l)" -ge 2 ] && wait -n
+  (build "${entry%%:*}" "${entry#*:}" >"$WORK/${entry%%:*}.build" 2>&1; echo $? >"$WORK/${entry%%:*}.built") &
+done
+wait
+
+# compare LABEL NAME P: both programs 3 steps with --dump of the first; losses and dumps.
+compare() {
+  local label=$1 name=$2 np=$3 why
+  if [ "$(cat "$WORK/$name.built" 2>/dev/null)" != 0 ]; then bad "cuda host $label: build" "$(cat "$WORK/$name.build")"; return; fi
+  if ! run "$name" cpu "$np" --steps 3 --dump "$name.cpu.dump"; then
+    bad "cuda host $label: the CPU program failed" "$(tail -n 20 "$WORK/$name.cpu.out")"; return
+  fi
+  if ! run "$name" cuda "$np" --steps 3 --dump "$name.cuda.dump"; then
+    bad "cuda host $label: the CUDA program failed on the fake device" "$(tail -n 20 "$WORK/$name.cuda.out")"; return
+  fi
+  if same_losses "$WORK/$name.cpu.out" "$WORK/$name.cuda.out" "$TOL"; then
+    ok "cuda host $label: losses of 3 steps equal the CPU program's ($TOL)"
+  else
+    bad "cuda host $label: losses differ from the CPU program's" "$(grep -h '^step' "$WORK/$name.cpu.out" "$WORK/$name.cuda.out")"
+  fi
+  if why=$(compare_dumps "$WORK/$name.cpu.dump" "$WORK/$name.cuda.dump" "$TOL"); then
+    ok "cuda host $label: --dump output and whole gradients equal the CPU program's ($why)"
+  else
+    bad "cuda host $label: --dump differs from the CPU program's" "$why"
+  fi
+}
+
+compare "tiny (gshard k2, tutel, gpt gelu)" tiny 1
+compare "switch (k1, relu)" switch 1
+compare "mixtral (SwiGLU)" mixtral 1
+compare "expert_choice" expert_choice 1
+compare "xmoe (cosine router)" xmoe 1
+compare "softmoe" softmoe 1
+compare "gpt2_moe (4 layers, hooks)" gpt2_moe 1
+compare "dense (gshard order)" dense 1
+compare "sched on 4 ranks (fsmoe streams, EP, ESP, chunks)" sched 4
+compare "parallel on 4 ranks (dp, mp, ep, esp, 2dh)" parallel 4
+
+# The record hooks' lines: the GPU's statistics (mk_record_stats) against rt_record's.
+if [ -f "$WORK/gpt2_moe.cpu.out" ] && [ -f "$WORK/gpt2_moe.cuda.out" ]; then
+  rm -f "$WORK"/*.jsonl
+  run gpt2_moe cpu 1 --steps 2 --record cpu.jsonl && run gpt2_moe cuda 1 --steps 2 --record cuda.jsonl
+  if why=$("$PY" - "$WORK/cpu.jsonl" "$WORK/cuda.jsonl" <<'PYEOF'
+import json, math, sys
+a = [json.loads(l) for l in open(sys.argv[1])]
+b = [json.loads(l) for l in open(sys.argv[2])]
+if len(a) != len(b) or not a:
+    print(f"{len(a)} lines against {len(b)}"); sys.exit(1)
+for x, y in zip(a, b):
+    for k in x:
+        u, v = x[k], y.get(k)
+        same = u == v if not isinstance(u, float) else v is not None and abs(u - v) <= 1e-6 * max(abs(u), 1e-12)
+        if not same:
+            print(f"{k}: {u} against {v} in {x}"); sys.exit(1)
+print(f"{len(a)} lines")
+PYEOF
+  ); then ok "cuda host gpt2_moe: the record hooks write the CPU program's lines ($why, 1e-6)"
+  else bad "cuda host gpt2_moe: record lines differ" "$why"; fi
+fi
+
+# tiny: the gradient check, a checkpoint, the PTX and the architecture check.
+if [ -x "$WORK/tiny.cuda" ]; then
+  if run tiny cuda 1 --check-grad && tail -n 1 "$WORK/tiny.cuda.out" | grep -qx OK; then
+    ok "cuda host tiny: --check-grad passes on the fake device"
+  else
+    bad "cuda host tiny: --check-grad" "$(tail -n 15 "$WORK/tiny.cuda.out")"
+  fi
+  run tiny cpu 1 --steps 4 && cp "$WORK/tiny.cpu.out" "$WORK/tiny4.out"
+  if run tiny cuda 1 --steps 2 --save ck && run tiny cuda 1 --steps 4 --resume ck &&
+     same_losses <(grep -E '^step [34] ' "$WORK/tiny4.out") "$WORK/tiny.cuda.out" "$TOL"; then
+    ok "cuda host tiny: saved after step 2 and resumed, steps 3-4 equal the CPU program's 4-step run"
+  else
+    bad "cuda host tiny: --save / --resume" "$(cat "$WORK/tiny4.out" "$WORK/tiny.cuda.out" | tail -n 20)"
+  fi
+  if (cd "$WORK" && MOERT_FAKE_ARCH=80 ./tiny.cuda --steps 1 >arch.out 2>&1); then
+    bad "cuda host tiny: an sm_90 program ran on an sm_80 device" "$(cat "$WORK/arch.out")"
+  elif grep -q "compiled for sm_90 and need a GPU of that architecture or newer" "$WORK/arch.out"; then
+    ok "cuda host tiny: an sm_90 program refuses an sm_80 device (exit 1, says why)"
+  else
+    bad "cuda host tiny: sm_90 program on an sm_80 device" "$(cat "$WORK/arch.out")"
+  fi
+  if MOEC_CUDA_FAKE=1 "$MOEC" build lang/models/tiny.moe --target cuda --gpu-arch sm_80 -o "$WORK/tiny80.cuda" 2>"$WORK/err" &&
+     run tiny80 cuda 1 --steps 3 && grep -q "kernels from the PTX" "$WORK/tiny80.cuda.out" &&
+     same_losses <(grep -E '^step [123] ' "$WORK/tiny4.out") "$WORK/tiny80.cuda.out" "$TOL"; then
+    ok "cuda host tiny: --gpu-arch sm_80 on an sm_90 device loads the embedded PTX, losses equal"
+  else
+    bad "cuda host tiny: --gpu-arch sm_80 (PTX)" "$(cat "$WORK/err" "$WORK/tiny80.cuda.out" 2>/dev/null | tail -n 15)"
+  fi
+fi
+
+# The real runtime: the acceptance line "the CUDA binary links".
+CUDA_LIB=$BUILD/libmoert_cuda.a
+if [ ! -f "$CUDA_LIB" ]; then
+  skip "cuda host link" "no $CUDA_LIB (make builds it where cuBLAS and NCCL are)"
+elif ! "$MOEC" build lang/models/tiny.moe --target cuda -o "$WORK/tiny.gpu" 2>"$WORK/err"; then
+  bad "cuda host: tiny.moe --target cuda links with libmoert_cuda, cuBLAS and NCCL" "$(cat "$WORK/err")"
+else
+  libs=$(ldd "$WORK/tiny.gpu" | grep -oE 'lib(cublas|nccl)[^ ]*' | sort -u | tr '\n' ' ')
+  ok "cuda host: tiny.moe --target cuda links with libmoert_cuda ($libs)"
+  (cd "$WORK" && ./tiny.gpu --steps 1 >gpu.out 2>&1 </dev/null)
+  status=$?
+  if grep -q '^step 1 ' "$WORK/gpu.out"; then
+    skip "cuda host: the CUDA binary without a GPU" "a GPU is present (tests/cuda/gpu.sh runs the CUDA binaries)"
+  elif [ $status -eq 1 ] && grep -q "moert: error: no GPU: " "$WORK/gpu.out"; then
+    ok "cuda host: without a GPU the CUDA binary says so and exits 1 ($(grep -o 'no GPU: [^.]*' "$WORK/gpu.out" | head -c 80))"
+  else
+    bad "cuda host: the CUDA binary without a GPU: exit status $status" "$(cat "$WORK/gpu.out")"
+  fi
+fi
+
+# --target auto says what it picked and why.
+if "$MOEC" build lang/models/tiny.moe --target auto -o "$WORK/tiny.auto" 2>"$WORK/err" && grep -q '^# target: auto -> ' "$WORK/err"; then
+  ok "cuda host: --target auto says '$(grep '^# target: auto' "$WORK/err" | head -c 100)'"
+else
+  bad "cuda host: --target auto" "$(cat "$WORK/err")"
+fi
+exit $failed
