@@ -275,20 +275,25 @@ static void free_images(CgCudaImages *img) {
 }
 
 // The target of a build: --target as given, auto decided here (and said, with the reason).
-static CgTarget resolve_target(const Options *o) {
+// arch: the GPU architecture the kernels are compiled for: --gpu-arch, else with auto the
+// visible GPU's own, else sm_90.
+static CgTarget resolve_target(const Options *o, char *arch, size_t arch_size) {
+  snprintf(arch, arch_size, "%s", o->gpu_arch ? o->gpu_arch : "sm_90");
   const char *t = o->target ? o->target : "cpu";
   if (strcmp(t, "cuda") == 0) {
-    if (o->verbose) fprintf(stderr, "# target: cuda (--target cuda), kernels for %s\n", o->gpu_arch ? o->gpu_arch : "sm_90");
+    if (o->verbose) fprintf(stderr, "# target: cuda (--target cuda), kernels for %s\n", arch);
     return CG_TARGET_CUDA;
   }
   if (strcmp(t, "cpu") == 0) {
     if (o->verbose) fprintf(stderr, "# target: cpu%s\n", o->target ? " (--target cpu)" : " (the default; --target auto picks cuda where a GPU is visible)");
     return CG_TARGET_CPU;
   }
-  char why[512];
-  bool gpu = cg_gpu_probe(why, sizeof why);
+  char why[512], seen[32];
+  bool gpu = cg_gpu_probe(why, sizeof why, seen, sizeof seen);
   if (gpu && HAVE_NVRTC) {
-    fprintf(stderr, "# target: auto -> cuda (a GPU is visible: %s), kernels for %s\n", why, o->gpu_arch ? o->gpu_arch : "sm_90");
+    if (!o->gpu_arch && seen[0]) snprintf(arch, arch_size, "%s", seen);
+    fprintf(stderr, "# target: auto -> cuda (a GPU is visible: %s%s%s), kernels for %s\n", why, seen[0] ? ", " : "",
+            seen, arch);
     return CG_TARGET_CUDA;
   }
   if (gpu)
@@ -300,10 +305,10 @@ static CgTarget resolve_target(const Options *o) {
 
 // Writes the host program of the target to out (the CUDA one compiles the kernels first).
 static bool emit_program(IrDiag *d, FILE *out, const IrModule *m, const PassMemPlan *plan, const Options *o,
-                         CgTarget target) {
+                         CgTarget target, const char *arch) {
   if (target == CG_TARGET_CPU) return cg_emit_c(d, out, m, plan, o->input);
   CgCudaImages img = {0};
-  bool ok = cuda_images(d, m, plan, o->gpu_arch ? o->gpu_arch : "sm_90", &img);
+  bool ok = cuda_images(d, m, plan, arch, &img);
   if (ok && o->verbose)
     fprintf(stderr, "# nvrtc: CUBIN for %s %zu bytes, PTX %zu bytes, embedded in the program\n", img.arch,
             img.cubin_size, img.ptx_size);
@@ -323,7 +328,8 @@ static int cmd_build(IrDiag *d, const Options *o) {
   FILE *c = NULL;
   if (!m || !pass_run_pipeline(m, &ctx)) goto done;
   bool cuda_unit = o->emit && strcmp(o->emit, "cuda") == 0;
-  CgTarget target = cuda_unit ? CG_TARGET_CUDA : resolve_target(o);
+  char arch[32] = "sm_90";
+  CgTarget target = cuda_unit ? CG_TARGET_CUDA : resolve_target(o, arch, sizeof arch);
 
   if (o->emit) {  // --emit c: the program only; --emit cuda: the CUDA kernels only
     c = o->output ? fopen(o->output, "w") : stdout;
@@ -331,7 +337,7 @@ static int cmd_build(IrDiag *d, const Options *o) {
       ir_error(d, "cannot write '%s'", o->output);
       goto done;
     }
-    bool ok = cuda_unit ? cg_emit_cuda(d, c, m, ctx.memplan) : emit_program(d, c, m, ctx.memplan, o, target);
+    bool ok = cuda_unit ? cg_emit_cuda(d, c, m, ctx.memplan) : emit_program(d, c, m, ctx.memplan, o, target, arch);
     if (c != stdout && fclose(c) != 0) ok = ir_error(d, "cannot write '%s'", o->output);
     c = NULL;
     status = ok ? 0 : 1;
@@ -349,7 +355,7 @@ static int cmd_build(IrDiag *d, const Options *o) {
     ir_error(d, "cannot write '%s'", c_path);
     goto done;
   }
-  bool ok = emit_program(d, c, m, ctx.memplan, o, target);
+  bool ok = emit_program(d, c, m, ctx.memplan, o, target, arch);
   if (fclose(c) != 0) ok = ir_error(d, "cannot write '%s'", c_path);
   c = NULL;
   output = o->output ? strdup(o->output) : default_output(o->input);

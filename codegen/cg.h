@@ -59,7 +59,8 @@ typedef enum CgTarget { CG_TARGET_CPU, CG_TARGET_CUDA } CgTarget;
 // fails or a library is missing.
 bool cg_link(IrDiag *d, const char *c_path, const char *out_path, CgTarget target, bool verbose);
 // Whether a GPU can be used here: the NVIDIA driver (libcuda.so.1, opened with dlopen) loads,
-// cuInit succeeds and it sees a device. False with the reason in why. For `--target auto`.
-bool cg_gpu_probe(char *why, size_t size);
+// cuInit succeeds and it sees a device. False with the reason in why. arch gets the first
+// device's architecture ("sm_90"; empty when unknown). For `--target auto`.
+bool cg_gpu_probe(char *why, size_t size, char *arch, size_t arch_size);
 
 #endif

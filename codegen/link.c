@@ -149,6 +149,9 @@ bool cg_link(IrDiag *d, const char *c_path, const char *out_path, CgTarget targe
 // without the toolkit's headers): CUresult is an int-sized enum, 0 for success.
 typedef int (*CuInit)(unsigned flags);
 typedef int (*CuDeviceGetCount)(int *count);
+typedef int (*CuDeviceGet)(int *device, int ordinal);
+typedef int (*CuDeviceGetAttribute)(int *value, int attribute, int device);
+enum { CU_ATTR_CC_MAJOR = 75, CU_ATTR_CC_MINOR = 76 };   // CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_*
 
 static const char *cuda_error_name(int rc) {
   switch (rc) {
@@ -160,7 +163,8 @@ static const char *cuda_error_name(int rc) {
   }
 }
 
-bool cg_gpu_probe(char *why, size_t size) {
+bool cg_gpu_probe(char *why, size_t size, char *arch, size_t arch_size) {
+  if (arch_size > 0) arch[0] = '\0';
   void *lib = dlopen("libcuda.so.1", RTLD_NOW | RTLD_LOCAL);
   if (!lib) {
     snprintf(why, size, "no NVIDIA driver: %s", dlerror());
@@ -168,13 +172,20 @@ bool cg_gpu_probe(char *why, size_t size) {
   }
   CuInit init = (CuInit)dlsym(lib, "cuInit");
   CuDeviceGetCount count_devices = (CuDeviceGetCount)dlsym(lib, "cuDeviceGetCount");
-  int rc = -1, count = 0;
+  CuDeviceGet get_device = (CuDeviceGet)dlsym(lib, "cuDeviceGet");
+  CuDeviceGetAttribute attribute = (CuDeviceGetAttribute)dlsym(lib, "cuDeviceGetAttribute");
+  int rc = -1, count = 0, dev = 0, major = 0, minor = 0;
   if (!init || !count_devices) snprintf(why, size, "libcuda.so.1 has no cuInit or cuDeviceGetCount");
   else if ((rc = init(0)) != 0) snprintf(why, size, "cuInit failed with CUDA error %d%s", rc, cuda_error_name(rc));
   else if ((rc = count_devices(&count)) != 0)
     snprintf(why, size, "cuDeviceGetCount failed with CUDA error %d%s", rc, cuda_error_name(rc));
   else if (count < 1) snprintf(why, size, "the driver sees no CUDA device");
   else snprintf(why, size, "%d CUDA device%s", count, count > 1 ? "s" : "");
+  // The first device's architecture, for the kernels of `--target auto`.
+  if (rc == 0 && count > 0 && get_device && attribute && get_device(&dev, 0) == 0 &&
+      attribute(&major, CU_ATTR_CC_MAJOR, dev) == 0 && attribute(&minor, CU_ATTR_CC_MINOR, dev) == 0 &&
+      arch_size > 0)
+    snprintf(arch, arch_size, "sm_%d%d", major, minor);
   dlclose(lib);
   return rc == 0 && count > 0;
 }
