@@ -142,8 +142,9 @@ typedef struct Cluster {
   char name[128];
 } Cluster;
 
-// Front end: read, parse, check, load the cluster profile, lower. NULL on error.
-static IrModule *front_end(IrDiag *d, const Options *o, IrSource **src_out, Cluster *cl) {
+// Front end: read, parse, check, load the cluster profile, lower (with the refusals of target).
+// NULL on error.
+static IrModule *front_end(IrDiag *d, const Options *o, FeTarget target, IrSource **src_out, Cluster *cl) {
   IrSource *src = ir_source_read(d, o->input);
   *src_out = src;
   *cl = (Cluster){0};
@@ -160,7 +161,7 @@ static IrModule *front_end(IrDiag *d, const Options *o, IrSource **src_out, Clus
     cl->sc.name = cl->name;
     cl->have = true;
   }
-  IrModule *m = ok ? fe_lower(d, p) : NULL;
+  IrModule *m = ok ? fe_lower(d, p, target) : NULL;
   if (ok && !have_cluster && p->schedule.pipeline_auto) {
     ir_error_at(d, p->schedule.pipeline_loc,
                 "'pipeline auto' plans the degrees with a cluster profile: add 'cluster \"FILE\";' to the model "
@@ -210,7 +211,7 @@ static int cmd_dump_ir(IrDiag *d, const Options *o) {
     return status;
   }
   Cluster cl;
-  IrModule *m = front_end(d, o, &src, &cl);
+  IrModule *m = front_end(d, o, FE_TARGET_ANY, &src, &cl);   // the IR does not depend on the target
   if (m) {
     PassCtx ctx = {.d = d, .verbose = o->verbose, .log = stderr, .dump_out = stdout, .dump_all = o->all,
                    .cluster = cl.have ? &cl.sc : NULL};
@@ -320,16 +321,17 @@ static bool emit_program(IrDiag *d, FILE *out, const IrModule *m, const PassMemP
 static int cmd_build(IrDiag *d, const Options *o) {
   IrSource *src = NULL;
   Cluster cl;
-  IrModule *m = front_end(d, o, &src, &cl);
+  // The target first: what the front end refuses depends on it (dtype bf16 runs on cuda only).
+  bool cuda_unit = o->emit && strcmp(o->emit, "cuda") == 0;
+  char arch[32] = "sm_90";
+  CgTarget target = cuda_unit ? CG_TARGET_CUDA : resolve_target(o, arch, sizeof arch);
+  IrModule *m = front_end(d, o, target == CG_TARGET_CUDA ? FE_TARGET_CUDA : FE_TARGET_CPU, &src, &cl);
   int status = 1;
   PassCtx ctx = {.d = d, .verbose = o->verbose, .log = stderr, .cluster = cl.have ? &cl.sc : NULL};
   char tmp[] = "/tmp/moec-XXXXXX.c";
   char *output = NULL;
   FILE *c = NULL;
   if (!m || !pass_run_pipeline(m, &ctx)) goto done;
-  bool cuda_unit = o->emit && strcmp(o->emit, "cuda") == 0;
-  char arch[32] = "sm_90";
-  CgTarget target = cuda_unit ? CG_TARGET_CUDA : resolve_target(o, arch, sizeof arch);
 
   if (o->emit) {  // --emit c: the program only; --emit cuda: the CUDA kernels only
     c = o->output ? fopen(o->output, "w") : stdout;

@@ -103,7 +103,20 @@ typedef enum CgParamType { CG_PARAM_POINTER, CG_PARAM_INT, CG_PARAM_I64, CG_PARA
 // Kernel k's parameter types, read from its source (int, i64, u64, float, pointers); their
 // number, or -1 when there are more than max.
 int cg_cuda_kernel_params(int k, CgParamType *types, int max);
-// Which kernels the launches of module m use (used[k] for k < cg_cuda_kernel_count()).
+// Which kernels the launches of module m use (used[k] for k < cg_cuda_kernel_count()), the
+// bf16 cast of the GEMM operands included.
 void cg_cuda_kernels_used(const IrModule *m, const PassMemPlan *plan, bool *used);
+
+// ---- bf16 GEMM inputs (model dtype bf16, the CUDA target) ----
+// Whether m's GEMMs take bf16 inputs: the module's dtype attribute is "bf16". Then every
+// matmul and expert.matmul (forward and backward) first rounds each of its two fp32 operands to
+// bf16 (round to nearest even) into a scratch buffer on its stream with the cast kernel below,
+// and cuBLAS multiplies the copies with fp32 accumulation into the fp32 result. Everything else
+// (parameters, gradients, optimizer state, activations, the other kernels, collectives) stays
+// fp32.
+bool cg_bf16_gemms(const IrModule *m);
+// The cast kernel (mk_compress_bf16: const float *x, u16 *q, i64 n) and its grid for n elements.
+int cg_cuda_bf16_cast_kernel(void);
+int64_t cg_cuda_grid_elems(int64_t n);
 
 #endif

@@ -589,6 +589,8 @@ void cg_emit_model(FILE *out, const IrModule *m, const PassMemPlan *plan, int64_
 }
 
 bool cg_emit_c(IrDiag *d, FILE *out, const IrModule *m, const PassMemPlan *plan, const char *source_name) {
+  if (cg_bf16_gemms(m))   // the front end refuses it for the CPU target (frontend/lower.c)
+    return ir_error(d, "internal error: the CPU target computes in fp32 only; dtype bf16 is the CUDA target's");
   Emit e = {.out = out, .d = d, .m = m, .plan = plan};
   int64_t total = 0;
   e.param_offset = cg_param_offsets(m, &total);

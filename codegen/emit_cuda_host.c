@@ -6,11 +6,14 @@
 // to move parameters, moments, gradients and the output across. Device memory is one block
 // carved at fixed offsets: parameters, gradients and moments (the CPU program's float offsets),
 // the step's input and target, the activation arena of the memory plan (the CPU program's byte
-// offsets) and the record hooks' statistics. Every op becomes, in program order:
+// offsets), the record hooks' statistics and, with dtype bf16, the scratch of the GEMMs' bf16
+// operands. Every op becomes, in program order:
 //   - the kernel launches emit_cuda.c's unit lists in its launch plan (cg_cuda_launch: the same
 //     kernels, grids and arguments; fused gates included), from the CUBIN NVRTC compiled for
 //     --gpu-arch or, on a newer GPU, the PTX the driver compiles;
-//   - matmul and expert.matmul: rt_cuda_gemm and rt_cuda_expert_gemm (cuBLAS, fp32);
+//   - matmul and expert.matmul: rt_cuda_gemm and rt_cuda_expert_gemm (cuBLAS, fp32 accumulation
+//     and output; fp32 inputs, or with dtype bf16 bf16 inputs: each operand rounded to bf16 by
+//     mk_compress_bf16 into the scratch B of the op's stream first, cg_bf16_gemms);
 //   - comm.*: NCCL on the op's group (a communicator per group of more than one rank, made over
 //     MPI when the ranks connect) or a device copy on a group of one; comm.split: a device copy
 //     of this rank's slice; comm.allreduce_grad: in place on the parameter's gradient slice.
@@ -56,6 +59,8 @@ typedef struct Host {
   bool group_nccl[5];        // a collective on a group of more than one rank
   int64_t *staged;           // host offset of a value of the current function, by id (-1 none)
   char output[96];           // the device address of the model's output ("" none)
+  bool bf16;                 // dtype bf16: the GEMMs take bf16 copies of their operands (cg_bf16_gemms)
+  int64_t bf16_need[4];      // bytes of bf16 scratch each stream needs (IrStream index): its largest GEMM's
   bool ok;
 } Host;
 
@@ -314,24 +319,55 @@ static bool emit_comm(Host *h, const IrFunc *f, const IrOp *op, IrStream s) {
   return true;
 }
 
+// The bytes of the bf16 copy of a GEMM operand of type t in the scratch B (256-byte aligned).
+static int64_t bf16_bytes(const IrType *t) { return align(ir_type_numel(t) * 2, 256); }
+
+// dtype bf16: operand k of op (at device address src, type t) rounded to bf16 into dst on s.
+static bool emit_bf16_cast(Host *h, const IrFunc *f, const IrOp *op, int k, const char *src, const char *dst,
+                           const IrType *t, IrStream s) {
+  int kernel = cg_cuda_bf16_cast_kernel();
+  CgParamType types[CG_MAX_KERNEL_ARGS];
+  if (cg_cuda_kernel_params(kernel, types, CG_MAX_KERNEL_ARGS) != 3 || types[0] != CG_PARAM_POINTER ||
+      types[1] != CG_PARAM_POINTER || types[2] != CG_PARAM_I64)
+    return ir_error_at(h->d, op->loc, "internal error: %s is not (const float *, u16 *, i64)", cg_cuda_kernel_name(kernel));
+  int64_t n = ir_type_numel(t);
+  int site = where(h, f, op, "kernel %s (operand %d to bf16) of %s", cg_cuda_kernel_name(kernel), k, ir_op_info[op->kind].name);
+  fprintf(h->out, "  launch(%d, %s, %s, %" PRId64 ", 0, (void *[]){PTR(%s), PTR(%s), I64(%" PRId64 ")});\n", site,
+          cg_stream_enum(s), cg_cuda_kernel_name(kernel), cg_cuda_grid_elems(n), src, dst, n);
+  return true;
+}
+
 static bool emit_gemm(Host *h, const IrFunc *f, const IrOp *op, IrStream s) {
   char a[96], b[96], r[96];
   operand_addr(h, a, sizeof a, &op->args[0]);
   operand_addr(h, b, sizeof b, &op->args[1]);
   value_addr(h, r, sizeof r, op->result);
-  const IrType *t0 = operand_type(&op->args[0]), *rt = &op->result->type;
+  const IrType *t0 = operand_type(&op->args[0]), *t1 = operand_type(&op->args[1]), *rt = &op->result->type;
   bool ta = ir_op_int(op, "ta", 0), tb = ir_op_int(op, "tb", 0);
-  int w = where(h, f, op, "%s (cuBLAS)", ir_op_info[op->kind].name);
-  if (t0->dtype != IR_F32 || operand_type(&op->args[1])->dtype != IR_F32)
+  if (t0->dtype != IR_F32 || t1->dtype != IR_F32)
     return ir_error_at(h->d, op->loc, "the CUDA target multiplies fp32 only");
+  const char *in = "RT_CUDA_F32";
+  if (h->bf16) {   // both operands to bf16 in the scratch of stream s; the GEMM reads the copies
+    const char *base = s == IR_STREAM_INTRA ? "B_INTRA" : s == IR_STREAM_INTER ? "B_INTER" : "B_COMPUTE";
+    char qa[96], qb[96];
+    snprintf(qa, sizeof qa, "(B + %s)", base);
+    snprintf(qb, sizeof qb, "(B + %s + %" PRId64 ")", base, bf16_bytes(t0));
+    int64_t need = bf16_bytes(t0) + bf16_bytes(t1);
+    if (need > h->bf16_need[s]) h->bf16_need[s] = need;
+    if (!emit_bf16_cast(h, f, op, 0, a, qa, t0, s) || !emit_bf16_cast(h, f, op, 1, b, qb, t1, s)) return false;
+    snprintf(a, sizeof a, "%s", qa);
+    snprintf(b, sizeof b, "%s", qb);
+    in = "RT_CUDA_BF16";
+  }
+  int w = where(h, f, op, "%s (cuBLAS)", ir_op_info[op->kind].name);
   if (op->kind == IR_OP_MATMUL)
-    fprintf(h->out, "  CK(rt_cuda_gemm(cu, %s, RT_CUDA_F32, %s, %s, (float *)%s, %" PRId64 ", %" PRId64 ", %" PRId64
+    fprintf(h->out, "  CK(rt_cuda_gemm(cu, %s, %s, %s, %s, (float *)%s, %" PRId64 ", %" PRId64 ", %" PRId64
                     ", %d, %d, false), %d);\n",
-            cg_stream_enum(s), a, b, r, rt->dim[0], rt->dim[1], ta ? t0->dim[0] : t0->dim[1], ta, tb, w);
+            cg_stream_enum(s), in, a, b, r, rt->dim[0], rt->dim[1], ta ? t0->dim[0] : t0->dim[1], ta, tb, w);
   else
-    fprintf(h->out, "  CK(rt_cuda_expert_gemm(cu, %s, RT_CUDA_F32, %s, %s, (float *)%s, %" PRId64 ", %" PRId64 ", %" PRId64
+    fprintf(h->out, "  CK(rt_cuda_expert_gemm(cu, %s, %s, %s, %s, (float *)%s, %" PRId64 ", %" PRId64 ", %" PRId64
                     ", %" PRId64 ", %d, %d), %d);\n",
-            cg_stream_enum(s), a, b, r, rt->dim[0], rt->dim[1], rt->dim[2], ta ? t0->dim[1] : t0->dim[2], ta, tb, w);
+            cg_stream_enum(s), in, a, b, r, rt->dim[0], rt->dim[1], rt->dim[2], ta ? t0->dim[1] : t0->dim[2], ta, tb, w);
   return true;
 }
 
@@ -521,7 +557,10 @@ static void emit_header(Host *h, FILE *out, const char *source_name, const CgCud
   int64_t off_x = off_v + (h->adamw ? pbytes : 0), off_t = off_x + align(elems * 4, 256), off_a = off_t + align(elems * 4, 256);
   int64_t stage_bytes = h->stage_bytes > 0 ? h->stage_bytes : 8;
   int64_t off_s = off_a + align(h->plan->arena_bytes > 0 ? h->plan->arena_bytes : 1, 256);
-  int64_t total = off_s + align(stage_bytes, 256);
+  int64_t off_b = off_s + align(stage_bytes, 256);   // dtype bf16: the GEMM operands' scratch B
+  int64_t b_intra = h->bf16_need[IR_STREAM_COMPUTE], b_inter = b_intra + h->bf16_need[IR_STREAM_INTRA];
+  int64_t b_bytes = b_inter + h->bf16_need[IR_STREAM_INTER];
+  int64_t total = off_b + (h->bf16 ? align(b_bytes > 0 ? b_bytes : 1, 256) : 0);
   fprintf(out, "/* Device memory, one block: parameters P, gradients G%s (floats, as the CPU\n"
                "   program's), the step's input X and target T, the activation arena A of the memory plan, and\n"
                "   the staging area S of the statistics the host reads after a step function (into H). */\n",
@@ -531,6 +570,14 @@ static void emit_header(Host *h, FILE *out, const char *source_name, const CgCud
   int64_t values[] = {h->param_floats, elems, off_g, off_m, off_v, off_x, off_t, off_a, off_s, total, stage_bytes};
   for (size_t i = 0; i < sizeof values / sizeof *values; i++)
     fprintf(out, "#define %s ((size_t)%" PRId64 ")\n", names[i], values[i]);
+  if (h->bf16)
+    fprintf(out, "/* dtype bf16: every GEMM first rounds its two fp32 operands to bf16 (mk_compress_bf16, nearest\n"
+                 "   even) into the scratch B of its stream (at B_COMPUTE, B_INTRA or B_INTER: a stream's GEMMs run\n"
+                 "   one after the other, so each reuses it); cuBLAS multiplies the copies with fp32 accumulation\n"
+                 "   into the fp32 result. Parameters, gradients, moments and activations stay fp32. */\n"
+                 "#define OFF_B ((size_t)%" PRId64 ")\n#define B_COMPUTE ((size_t)0)\n#define B_INTRA ((size_t)%" PRId64
+                 ")\n#define B_INTER ((size_t)%" PRId64 ")\n",
+            off_b, b_intra, b_inter);
   fprintf(out, "#define EVENTS %d\n#define MOMENTS %d   /* AdamW keeps two moments per parameter */\n\n",
           h->max_events > EV_BASE ? h->max_events : EV_BASE, h->adamw);
 
@@ -562,6 +609,7 @@ static void emit_header(Host *h, FILE *out, const char *source_name, const CgCud
           "  CK(rt_cuda_launch(cu, s, kernels[kernel], grid, %d, shared_bytes, args), site);\n"
           "}\n\n",
           CG_CUDA_BLOCK);
+  if (h->bf16) fprintf(out, "static unsigned char *B;         /* the bf16 copies of the GEMM operands */\n\n");
 }
 
 static void emit_hooks(Host *h, FILE *out) {
@@ -599,7 +647,7 @@ static void emit_hooks(Host *h, FILE *out) {
           "  else\n"
           "    return rt_fail(\"the kernels were compiled for sm_%%d and need a GPU of that architecture or newer; \"\n"
           "                   \"%%s is sm_%%d (build with --gpu-arch sm_%%d)\", CUBIN_ARCH, d->name, d->arch, d->arch);\n"
-          "  snprintf(device_name, sizeof device_name, \"%%s (sm_%%d), kernels from the %%s\", d->name, d->arch,\n"
+          "  snprintf(device_name, sizeof device_name, \"%%s (sm_%%d), kernels from the %%s%s\", d->name, d->arch,\n"
           "           image == cubin ? \"CUBIN\" : \"PTX, compiled by the driver\");\n"
           "  if (!rt_cuda_load_module(cu, image))\n"
           "    return rt_fail(\"the kernels could not be loaded on %%s (the CUDA error is above)\", d->name);\n"
@@ -610,7 +658,7 @@ static void emit_hooks(Host *h, FILE *out) {
           "  if (!base)\n"
           "    return rt_fail(\"the device memory could not be carved (reported above)\");\n"
           "  P = (float *)base;\n  G = (float *)(base + OFF_G);\n  M = (float *)(base + OFF_M);\n  V = (float *)(base + OFF_V);\n"
-          "  X = (float *)(base + OFF_X);\n  T = (float *)(base + OFF_T);\n  A = base + OFF_A;\n  S = base + OFF_S;\n"
+          "  X = (float *)(base + OFF_X);\n  T = (float *)(base + OFF_T);\n  A = base + OFF_A;\n  S = base + OFF_S;\n%s"
           "  if (!rt_cuda_zero(cu, RT_STREAM_COMPUTE, base, DEVICE_BYTES) || !rt_cuda_sync(cu, RT_STREAM_COMPUTE))\n"
           "    return rt_fail(\"the device memory could not be cleared (the CUDA error is above)\");\n"
           "  H = malloc(STAGE_BYTES);\n"
@@ -624,7 +672,9 @@ static void emit_hooks(Host *h, FILE *out) {
           "    return 0;\n"
           "  device_destroy(st);\n"
           "  return -1;\n"
-          "}\n\n");
+          "}\n\n",
+          h->bf16 ? "; bf16 GEMM inputs, fp32 accumulation and master weights" : "",
+          h->bf16 ? "  B = base + OFF_B;\n" : "");
   fprintf(out, "/* The NCCL communicators of the groups whose collectives cross ranks. */\n"
                "static int device_connect(RtStep *st) {\n  (void)st;\n");
   int any = 0;
@@ -678,7 +728,7 @@ bool cg_emit_cuda_host(IrDiag *d, FILE *out, const IrModule *m, const PassMemPla
                        const CgCudaImages *images) {
   if (!images || !images->arch || strncmp(images->arch, "sm_", 3) != 0 || atoi(images->arch + 3) < 10)
     return ir_error(d, "internal error: the CUDA host program needs the kernels' images and their sm_NN architecture");
-  Host h = {.d = d, .m = m, .plan = plan, .ok = true};
+  Host h = {.d = d, .m = m, .plan = plan, .ok = true, .bf16 = cg_bf16_gemms(m)};
   h.param_offset = cg_param_offsets(m, &h.param_floats);
   h.adamw = strcmp(ir_mod_str(m, "optimizer", "sgd"), "adamw") == 0;
   int64_t dp = ir_mod_int(m, "dp", 1), mp = ir_mod_int(m, "mp", 1);

@@ -172,8 +172,12 @@ FeProgram *fe_load(IrDiag *d, const IrSource *src);
 bool fe_load_cluster(IrDiag *d, const char *path, SrcLoc at, FeCluster *out);
 
 // ---- lowering (frontend/lower.c) ----
+// The backend a module is lowered for: some refusals depend on it (`dtype bf16` runs on the
+// CUDA target only). FE_TARGET_ANY (moec dump-ir, tests) makes none of those: the IR itself
+// does not depend on the target.
+typedef enum FeTarget { FE_TARGET_ANY, FE_TARGET_CPU, FE_TARGET_CUDA } FeTarget;
 // Refuses, with a diagnostic naming it, every construct that parses and checks but does not
-// run yet; otherwise builds the forward IR module (params, @*.fwd, @loss.fwd).
-IrModule *fe_lower(IrDiag *d, const FeProgram *p);
+// run yet (on backend); otherwise builds the forward IR module (params, @*.fwd, @loss.fwd).
+IrModule *fe_lower(IrDiag *d, const FeProgram *p, FeTarget backend);
 
 #endif

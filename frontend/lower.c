@@ -11,8 +11,9 @@
 // function compares the last output with the target; backward functions and the optimizer
 // come from the autodiff pass.
 //
-// Constructs that parse and check but have no backend yet are refused here, one diagnostic
-// each, naming the construct and where it was written — never silently ignored.
+// Constructs that parse and check but have no backend yet (on the target being built for) are
+// refused here, one diagnostic each, naming the construct and where it was written — never
+// silently ignored.
 #include <math.h>
 #include <string.h>
 
@@ -94,10 +95,13 @@ void fe_token_choice(FeLower *L, IrValue *logits, IrValue *scores, bool renorm, 
 }
 
 // ---- refusals ----
-static void refuse_unsupported(IrDiag *d, const FeProgram *p) {
-  if (strcmp(p->model.dtype, "fp32") != 0)
+static void refuse_unsupported(IrDiag *d, const FeProgram *p, FeTarget target) {
+  // bf16 is mixed precision on the GPU (bf16 GEMM inputs, fp32 master weights and accumulation,
+  // codegen/emit_cuda_host.c); the CPU backend computes in fp32 only.
+  if (target == FE_TARGET_CPU && strcmp(p->model.dtype, "fp32") != 0)
     ir_error_at(d, p->model.dtype_loc,
-                "dtype '%s' is not supported yet: moec trains in fp32 (bf16 compute is planned for the CUDA target)",
+                "dtype '%s' runs on the CUDA target only (bf16 GEMM inputs, fp32 master weights): the CPU "
+                "backend trains in fp32; build with --target cuda, or write 'dtype fp32;'",
                 p->model.dtype);
   const FeParallel *par = &p->parallel;
   for (int i = 0; i < p->nlayers; i++) {
@@ -213,9 +217,9 @@ static void lower_layer(FeLower *L) {
   if (r.z) ir_add_ret(L->f, L->m, r.z);
 }
 
-IrModule *fe_lower(IrDiag *d, const FeProgram *p) {
+IrModule *fe_lower(IrDiag *d, const FeProgram *p, FeTarget backend) {
   int before = d->errors;
-  refuse_unsupported(d, p);
+  refuse_unsupported(d, p, backend);
   if (d->errors > before) return NULL;
 
   IrModule *m = ir_module_new(p->model.name);

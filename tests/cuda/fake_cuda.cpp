@@ -16,7 +16,11 @@
 //              run one after the other, or, for the kernels that call __syncthreads
 //              (MK_KERNEL_LIST, from cg_emit_cuda_kernel_list), as fibers that switch at
 //              each barrier, which also checks that every thread reaches it.
-//   GEMMs      libmoert's rt_matmul / rt_expert_matmul (OpenBLAS), bf16 inputs widened first.
+//   GEMMs      libmoert's rt_matmul / rt_expert_matmul (OpenBLAS, fp32 accumulation). bf16 inputs
+//              (RT_CUDA_BF16: the program's operands already rounded to bf16, nearest even, by its
+//              mk_compress_bf16 launches) are widened to fp32 exactly first; a product of two bf16
+//              values is exact in fp32, so this is cuBLAS's CUBLAS_COMPUTE_32F arithmetic on the
+//              same bits, up to the order of the fp32 sums.
 //   NCCL       libmoert's MPI collectives (runtime/comm.c) on the same parallel group:
 //              communicators are groups, so results equal the CPU program's bit for bit.
 //   the device "moert fake device", sm_90 (MOERT_FAKE_ARCH=NN in the environment says sm_NN,
@@ -485,7 +489,8 @@ static bool gemm_ranges(RtCuda *cu, RtCudaType in, const void *a, const void *b,
          device_range(cu, "gemm", "C", c, batch * m * n * sizeof(float));
 }
 
-// a as fp32 (bf16 widened into store), count elements.
+// a as fp32 (bf16 widened into store, exactly: the bf16 bits are the top half of a binary32),
+// count elements.
 static const float *as_f32(RtCudaType in, const void *a, size_t count, std::vector<float> &store) {
   if (in == RT_CUDA_F32) return (const float *)a;
   store.resize(count);

@@ -11,6 +11,11 @@
 #   - tiny.moe: --check-grad passes, a checkpoint saved and resumed continues the CPU run, the
 #     PTX of --gpu-arch sm_80 is what a newer device loads, an sm_90 program refuses an older
 #     device; gpt2_moe.moe's record hooks write the CPU program's lines (to 1e-6);
+#   - dtype bf16 (mixed precision: bf16 GEMM inputs, fp32 accumulation, master weights and the
+#     rest), tiny.moe with 'dtype bf16' against the fp32 CPU program of tiny.moe: 20 steps lower
+#     the loss (last < 0.9 x first), the first step's loss is within 1e-2 relative; tiny without
+#     gate noise (tinyq), whose first step routes every token alike in bf16 and fp32: --dump
+#     (output and every whole gradient) within 3e-2 of each tensor's largest element;
 #   - `moec build --target cuda` without the hook links the real runtime (libmoert_cuda,
 #     cuBLAS, NCCL), and without a GPU the binary says so and exits 1; `--target auto` says
 #     which target it picked and why.
@@ -37,11 +42,13 @@ TIMEOUT=120
 TOL=1e-5
 
 # build NAME MODEL [BUILD-ARGS...]: WORK/NAME.cpu (the CPU program) and WORK/NAME.cuda (the CUDA
-# program on the fake device); on failure prints why and returns 1.
+# program on the fake device); on failure prints why and returns 1. NAME_bf16 (MODEL X_bf16.moe,
+# dtype bf16): the CPU program is X.moe's, the fp32 twin (the CPU target refuses bf16).
 build() {
-  local name=$1 model=$2
+  local name=$1 model=$2 cpu_model=$2
   shift 2
-  "$MOEC" build "$model" -o "$WORK/$name.cpu" "$@" 2>"$WORK/err" || { echo "cpu build: $(head -c 2000 "$WORK/err")"; return 1; }
+  case $name in *_bf16) cpu_model=${model%_bf16.moe}.moe ;; esac
+  "$MOEC" build "$cpu_model" -o "$WORK/$name.cpu" "$@" 2>"$WORK/err" || { echo "cpu build: $(head -c 2000 "$WORK/err")"; return 1; }
   MOEC_CUDA_FAKE=1 "$MOEC" build "$model" --target cuda -o "$WORK/$name.cuda" "$@" 2>"$WORK/err" ||
     { echo "cuda build: $(head -c 2000 "$WORK/err")"; return 1; }
 }
@@ -58,11 +65,16 @@ run() {
   fi
 }
 
+# The bf16 variants of tiny.moe and their fp32 twins (tinyq: no gate noise).
+cp lang/models/tiny.moe "$WORK/tiny.moe"
+sed 's/noise 1\.0;/noise 0.0;/' lang/models/tiny.moe >"$WORK/tinyq.moe"
+for v in tiny tinyq; do sed 's/dtype fp32;/dtype bf16;/' "$WORK/$v.moe" >"$WORK/${v}_bf16.moe"; done
+
 # The programs of every comparison, built two at a time (NVRTC takes most of a build).
 MODELS="tiny:lang/models/tiny.moe switch:lang/models/switch.moe mixtral:lang/models/mixtral.moe
         expert_choice:lang/models/expert_choice.moe xmoe:lang/models/xmoe.moe softmoe:lang/models/softmoe.moe
         gpt2_moe:lang/models/gpt2_moe.moe dense:tests/golden/dense.moe sched:tests/golden/sched.moe
-        parallel:tests/golden/parallel.moe"
+        parallel:tests/golden/parallel.moe tiny_bf16:$WORK/tiny_bf16.moe tinyq_bf16:$WORK/tinyq_bf16.moe"
 for entry in $MODELS; do
   [ "$(jobs -rp | wc -l)" -ge 2 ] && wait -n
   (build "${entry%%:*}" "${entry#*:}" >"$WORK/${entry%%:*}.build" 2>&1; echo $? >"$WORK/${entry%%:*}.built") &
@@ -151,6 +163,31 @@ if [ -x "$WORK/tiny.cuda" ]; then
     ok "cuda host tiny: --gpu-arch sm_80 on an sm_90 device loads the embedded PTX, losses equal"
   else
     bad "cuda host tiny: --gpu-arch sm_80 (PTX)" "$(cat "$WORK/err" "$WORK/tiny80.cuda.out" 2>/dev/null | tail -n 15)"
+  fi
+fi
+
+# dtype bf16 on the fake device, whose GEMMs take the program's bf16 operands (rounded by
+# mk_compress_bf16, nearest even) as cuBLAS does: widened exactly, products exact in fp32,
+# accumulated in fp32. Tolerances: a bf16 operand carries a relative rounding error of up to 2^-9
+# (2e-3); the loss passes through a few rounded GEMMs (1e-2), a gradient through a few more
+# (3e-2 of its tensor's largest element). tiny itself is not used for the gradients: at its first
+# step one token's top-2 experts differ between bf16 and fp32 (their scores are closer than the
+# rounding), which changes that token's output by a fifth: a different routing, not an error.
+bf16_built() { [ "$(cat "$WORK/$1.built" 2>/dev/null)" = 0 ] || { bad "cuda host $1: build" "$(cat "$WORK/$1.build")"; return 1; }; }
+if bf16_built tiny_bf16; then
+  if run tiny_bf16 cpu 1 --steps 20 && run tiny_bf16 cuda 1 --steps 20 && grep -q 'bf16 GEMM inputs' "$WORK/tiny_bf16.cuda.out"; then
+    bf16_losses "cuda host tiny bf16" "$WORK/tiny_bf16.cpu.out" "$WORK/tiny_bf16.cuda.out"
+  else
+    bad "cuda host tiny bf16: 20 steps (fp32 CPU, then bf16 on the fake device)" \
+      "$(tail -n 20 "$WORK/tiny_bf16.cpu.out" "$WORK/tiny_bf16.cuda.out" 2>/dev/null)"
+  fi
+fi
+if bf16_built tinyq_bf16; then
+  if run tinyq_bf16 cpu 1 --steps 1 --dump tinyq.cpu.dump && run tinyq_bf16 cuda 1 --steps 1 --dump tinyq.cuda.dump &&
+     why=$(compare_dumps "$WORK/tinyq.cpu.dump" "$WORK/tinyq.cuda.dump" 3e-2); then
+    ok "cuda host tinyq bf16: --dump output and whole gradients within 3e-2 of the fp32 CPU program's ($why)"
+  else
+    bad "cuda host tinyq bf16: --dump against the fp32 CPU program's" "${why:-$(tail -n 20 "$WORK/tinyq_bf16.cuda.out")}"
   fi
 fi
 

@@ -36,7 +36,7 @@ static void build(Built *b, const char *text) {
   b->src = ir_source_from_buffer("test.moe", text, strlen(text));
   FeProgram *p = fe_load(&b->d, b->src);
   assert_non_null(p);
-  b->m = fe_lower(&b->d, p);
+  b->m = fe_lower(&b->d, p, FE_TARGET_ANY);
   fe_program_free(p);
   assert_non_null(b->m);
   b->ctx = (PassCtx){.d = &b->d};
@@ -143,7 +143,7 @@ static void test_pipeline_stop_after(void **state) {
   const char *text = model_text(1, 1.0, 1, 1);
   IrSource *src = ir_source_from_buffer("t.moe", text, strlen(text));
   FeProgram *p = fe_load(&d, src);
-  IrModule *m = fe_lower(&d, p);
+  IrModule *m = fe_lower(&d, p, FE_TARGET_ANY);
   fe_program_free(p);
   char *dump = NULL;
   size_t len = 0;
@@ -160,12 +160,49 @@ static void test_pipeline_stop_after(void **state) {
   ir_source_free(src);
 }
 
+// dtype bf16 is the CUDA target's: lowering for the CPU refuses it at the dtype, for the CUDA
+// target (and with no target, as dump-ir lowers) it gives the module with dtype="bf16".
+static void test_lower_bf16_by_target(void **state) {
+  const char *text =
+      "model t {\n  dtype bf16; batch 2; seqlen 8; embed 16; optimizer sgd { lr 0.1; }\n}\n"
+      "layer a { moe { experts 4 { ffn gpt { hidden 8; } } gate gshard { k 1; } } }\n";
+  const FeTarget targets[] = {FE_TARGET_CPU, FE_TARGET_CUDA, FE_TARGET_ANY};
+  for (int t = 0; t < 3; t++) {
+    char *err = NULL;
+    size_t len = 0;
+    FILE *errf = open_memstream(&err, &len);
+    IrDiag d;
+    ir_diag_init(&d, errf);
+    IrSource *src = ir_source_from_buffer("t.moe", text, strlen(text));
+    FeProgram *p = fe_load(&d, src);
+    assert_non_null(p);
+    IrModule *m = fe_lower(&d, p, targets[t]);
+    fclose(errf);
+    if (targets[t] == FE_TARGET_CPU) {
+      assert_null(m);
+      assert_int_equal(d.errors, 1);
+      assert_non_null(strstr(err, "t.moe:2:9: error: dtype 'bf16' runs on the CUDA target only"));
+      assert_non_null(strstr(err, "--target cuda"));
+    } else {
+      assert_non_null(m);
+      assert_int_equal(d.errors, 0);
+      assert_string_equal(ir_mod_str(m, "dtype", "?"), "bf16");
+    }
+    free(err);
+    ir_module_free(m);
+    fe_program_free(p);
+    ir_source_free(src);
+  }
+  (void)state;
+}
+
 int main(void) {
   const struct CMUnitTest tests[] = {
       cmocka_unit_test(test_autodiff_one_grad_per_param),
       cmocka_unit_test(test_memplan_no_overlap),
       cmocka_unit_test(test_memplan_saved_activation),
       cmocka_unit_test(test_pipeline_stop_after),
+      cmocka_unit_test(test_lower_bf16_by_target),
   };
   return cmocka_run_group_tests(tests, NULL, NULL);
 }
