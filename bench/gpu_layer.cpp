@@ -368,7 +368,7 @@ static void routing(Gpu &g, Layer &L) {
   g.gemm(L.x, L.wg, L.logits, d.s, d.e, d.m, false, false);
   LAUNCH(g, elementwise_grid(d.s), MK_BLOCK, mk_gate_softmax_topk_gather, L.logits, L.scores, L.idx, L.gates, d.s, d.e,
          d.k, 1);
-  LAUNCH(g, 1, MK_BLOCK, mk_gate_locations, L.idx, L.loc, L.stats, d.s, d.k, d.e, 1, d.t);   // a block per routing group
+  LAUNCH(g, d.e, MK_BLOCK, mk_gate_locations, L.idx, L.loc, L.stats, d.s, d.k, d.e, 1, d.t);   // a block per expert
 }
 
 static void forward(Gpu &g, Layer &L) {

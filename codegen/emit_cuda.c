@@ -548,29 +548,47 @@ static const struct { const char *name, *src; } kernel_src[K_COUNT] = {
     "  }\n"
     "}\n"},
   [K_GATE_LOCATIONS] = {"mk_gate_locations",
-    "// One block per routing group, one thread per expert: an expert's counter only depends on its\n"
-    "// own choices, so scanning them in [j, t] order per expert is rt_gate_locations exactly. cap <= 0\n"
-    "// is dropless. stats (may be NULL) gets int[g, e, 2]: kept choices and wanted choices per group\n"
-    "// and expert, for the host's drop count, loads and capacity_max.\n"
+    "// One block per (routing group, expert): an expert's locations only depend on its own choices,\n"
+    "// numbered in [j, t] order (rt_gate_locations). The block's threads split the group's choice\n"
+    "// positions p = j*n + (t - t0) into contiguous runs; each counts the expert's choices in its run,\n"
+    "// an exclusive scan over the runs gives each run its first number, and a second pass numbers the\n"
+    "// choices: location = number when below cap (cap <= 0: dropless), else -1. Any grid and any block\n"
+    "// of at most MK_BLOCK threads give the same result. stats (may be NULL) gets int[g, e, 2]: kept\n"
+    "// and wanted choices per group and expert, for the host's drop count, loads and capacity_max.\n"
     "extern \"C\" __global__ void mk_gate_locations(const int *idx, int *loc, int *stats, int s, int k, int e, int g,\n"
     "                                             int cap) {\n"
+    "  __shared__ int first[MK_BLOCK];\n"
     "  if (g < 1) g = 1;\n"
-    "  MK_FOR_BLOCKS(gi, g) {\n"
-    "    int t0 = mk_group_begin(s, g, (int)gi), t1 = mk_group_begin(s, g, (int)gi + 1);\n"
-    "    for (int ex = threadIdx.x; ex < e; ex += blockDim.x) {\n"
-    "      int count = 0, wanted = 0;\n"
-    "      for (int j = 0; j < k; j++)\n"
-    "        for (int t = t0; t < t1; t++) {\n"
-    "          i64 c = (i64)t * k + j;\n"
-    "          if (idx[c] != ex) continue;\n"
-    "          wanted++;\n"
-    "          loc[c] = cap <= 0 || count < cap ? count++ : -1;\n"
-    "        }\n"
+    "  MK_FOR_BLOCKS(b, (i64)g * e) {\n"
+    "    int gi = (int)(b / e), ex = (int)(b % e);\n"
+    "    int t0 = mk_group_begin(s, g, gi), n = mk_group_begin(s, g, gi + 1) - t0;\n"
+    "    i64 total = (i64)n * k, per = (total + blockDim.x - 1) / blockDim.x;\n"
+    "    i64 p0 = (i64)threadIdx.x * per, p1 = p0 + per < total ? p0 + per : total;\n"
+    "    int mine = 0;\n"
+    "    for (i64 p = p0; p < p1; p++) mine += idx[(i64)(t0 + p % n) * k + p / n] == ex;\n"
+    "    first[threadIdx.x] = mine;\n"
+    "    __syncthreads();\n"
+    "    if (threadIdx.x == 0) {\n"
+    "      int wanted = 0;\n"
+    "      for (int i = 0; i < (int)blockDim.x; i++) {\n"
+    "        int c = first[i];\n"
+    "        first[i] = wanted;\n"
+    "        wanted += c;\n"
+    "      }\n"
     "      if (stats) {\n"
-    "        stats[(gi * e + ex) * 2] = count;\n"
-    "        stats[(gi * e + ex) * 2 + 1] = wanted;\n"
+    "        stats[((i64)gi * e + ex) * 2] = cap <= 0 || wanted < cap ? wanted : cap;\n"
+    "        stats[((i64)gi * e + ex) * 2 + 1] = wanted;\n"
     "      }\n"
     "    }\n"
+    "    __syncthreads();\n"
+    "    int number = first[threadIdx.x];\n"
+    "    for (i64 p = p0; p < p1; p++) {\n"
+    "      i64 c = (i64)(t0 + p % n) * k + p / n;\n"
+    "      if (idx[c] != ex) continue;\n"
+    "      loc[c] = cap <= 0 || number < cap ? number : -1;\n"
+    "      number++;\n"
+    "    }\n"
+    "    __syncthreads();  // first[] serves the block's next (group, expert)\n"
     "  }\n"
     "}\n"},
   [K_EXPERT_CHOICE] = {"mk_expert_choice",
@@ -1049,7 +1067,7 @@ static bool op_launch(const IrOp *op, CgLaunch *l) {
          ir_op_int(op, "renorm", 0));
     return true;
   case IR_OP_GATE_LOCATIONS:  // dropless: capacity 0 to the kernel, as on the CPU
-    c = call(l, K_GATE_LOCATIONS, grid_blocks(ir_op_int(op, "groups", 1)));
+    c = call(l, K_GATE_LOCATIONS, grid_blocks(ir_op_int(op, "groups", 1) * ir_op_int(op, "experts", 1)));
     operands(c, 1, true);
     arg(c, CG_ARG_STATS, 0);
     INTS(c, t0->dim[0], t0->dim[1], ir_op_int(op, "experts", 0), ir_op_int(op, "groups", 1),

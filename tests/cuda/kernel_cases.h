@@ -204,11 +204,30 @@ template <class Launcher> void run_kernel_cases(Launcher &L, Checks &c) {
   LAUNCH(2, 32, mk_softmax_grad, dsc_c, sc_c, dl_k, s, e);
   c.same("gate.softmax.grad", dl_c, dl_k);
   for (int cp : {cap, 0}) {  // with drops, and dropless
-    auto loc_c = zeros<int32_t>(s * k), loc_k = zeros<int32_t>(s * k);
-    std::vector<int> stats(g * e * 2);
+    auto loc_c = zeros<int32_t>(s * k);
     rt_gate_locations(NULL, idx_c.data(), loc_c.data(), s, k, e, g, cp);
-    LAUNCH(g, 4, mk_gate_locations, idx_c, loc_k, stats, s, k, e, g, cp);
-    c.same(cp ? "gate.locations (drops)" : "gate.locations (dropless)", loc_c, loc_k);
+    // The statistics the kernel must give: kept and wanted choices per (group, expert).
+    std::vector<int> want(g * e * 2, 0);
+    for (int t = 0; t < s; t++)
+      for (int j = 0; j < k; j++) {
+        int gi = (int)((long long)t * g / s), ex = idx_c[t * k + j];
+        while (gi + 1 < g && (long long)s * (gi + 1) / g <= t) gi++;
+        want[(gi * e + ex) * 2] += loc_c[t * k + j] >= 0;
+        want[(gi * e + ex) * 2 + 1] += 1;
+      }
+    // Any grid and block: a block per group with 4 threads (grid-stride over the experts), a
+    // block per (group, expert) with 32, and with 256 (more threads than choices).
+    const char *name = cp ? "gate.locations (drops)" : "gate.locations (dropless)";
+    for (int shape = 0; shape < 3; shape++) {
+      auto loc_k = zeros<int32_t>(s * k);
+      std::vector<int> stats(g * e * 2, -7);
+      if (shape == 0) LAUNCH(g, 4, mk_gate_locations, idx_c, loc_k, stats, s, k, e, g, cp);
+      if (shape == 1) LAUNCH(g * e, 32, mk_gate_locations, idx_c, loc_k, stats, s, k, e, g, cp);
+      if (shape == 2) LAUNCH(g * e, 256, mk_gate_locations, idx_c, loc_k, stats, s, k, e, g, cp);
+      std::string label = std::string(name) + (shape == 0 ? "" : shape == 1 ? " [g*e x 32]" : " [g*e x 256]");
+      c.same(label.c_str(), loc_c, loc_k);
+      c.same((label + " stats").c_str(), want, stats);
+    }
   }
   auto loc = zeros<int32_t>(s * k);
   rt_gate_locations(NULL, idx_c.data(), loc.data(), s, k, e, g, cap);
