@@ -117,6 +117,11 @@ static void refuse_unsupported(IrDiag *d, const FeProgram *p, FeTarget target) {
   }
   const FeSchedule *s = &p->schedule;
   // The gradient partition is planned together with the degrees (paper §5): `auto` needs them.
+  // Gradients are all-reduced in whole fp32 elements.
+  if (strcmp(s->grad_partition, "chunk") == 0 && s->grad_chunk_bytes < 4)
+    ir_error_at(d, s->grad_partition_loc,
+                "'grad_partition chunk' needs at least 4 bytes (one fp32 gradient element), got %lld",
+                (long long)s->grad_chunk_bytes);
   if (strcmp(s->grad_partition, "auto") == 0 && !s->pipeline_auto)
     ir_error_at(d, s->grad_partition_loc,
                 "'grad_partition auto' is planned together with the pipeline degrees: write 'pipeline auto;' "

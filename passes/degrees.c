@@ -104,7 +104,7 @@ bool pass_pipeline(IrModule *m, PassCtx *ctx) {
       }
       r_max[i] = (int)(cap < SCHED_R_MAX ? cap : SCHED_R_MAX);
     }
-    SchedStack st = {.n = n, .cost = cost, .r_max = r_max, .choose = ctx->choose};
+    SchedStack st = {.n = n, .cost = cost, .r_max = r_max, .choose = SCHED_CHOOSE_BEST};
     t0 = now_ms();
     ok = sched_plan(&st, pol, &plan);
     t0 = now_ms() - t0;

@@ -46,7 +46,6 @@ typedef struct PassCtx {
   const char *stop_after;    // stop the pipeline after this pass (NULL: run all)
   PassMemPlan *memplan;      // set by memplan; freed by pass_ctx_free
   const SchedCluster *cluster;   // the cluster profile the planner prices with (NULL: none)
-  SchedChoose choose;        // fsmoe's degree rule (default: the best of the three in simulation)
 } PassCtx;
 
 typedef bool (*PassFn)(IrModule *m, PassCtx *ctx);

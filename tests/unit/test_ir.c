@@ -87,6 +87,18 @@ static char *assert_round_trip(const IrModule *m) {
   return first;
 }
 
+// Parses text, which must verify and print back exactly as written (the module stays in p).
+static Parsed parse_exact(Capture *c, const char *text) {
+  Parsed p = parse_text(&c->d, text);
+  assert_non_null(p.m);
+  if (!ir_verify(&c->d, p.m)) print_error("%s", cap_text(c));
+  assert_int_equal(c->d.errors, 0);
+  char *out = assert_round_trip(p.m);
+  assert_string_equal(out, text);
+  free(out);
+  return p;
+}
+
 // ---- the op table and types ----
 
 static void test_op_table(void **state) {
@@ -656,13 +668,7 @@ static void test_shapes_dense(void **state) {
       "}\n";
   Capture c;
   cap_open(&c);
-  Parsed p = parse_text(&c.d, text);
-  assert_non_null(p.m);
-  if (!ir_verify(&c.d, p.m)) print_error("%s", cap_text(&c));
-  assert_int_equal(c.d.errors, 0);
-  char *out = assert_round_trip(p.m);
-  assert_string_equal(out, text);
-  free(out);
+  Parsed p = parse_exact(&c, text);
   // Break things one at a time.
   p.m->params[1]->type.dim[0] = 5;
   assert_false(ir_verify(&c.d, p.m));
@@ -713,13 +719,7 @@ static void test_shapes_more_ops(void **state) {
       "}\n";
   Capture c;
   cap_open(&c);
-  Parsed p = parse_text(&c.d, text);
-  assert_non_null(p.m);
-  if (!ir_verify(&c.d, p.m)) print_error("%s", cap_text(&c));
-  assert_int_equal(c.d.errors, 0);
-  char *out = assert_round_trip(p.m);
-  assert_string_equal(out, text);
-  free(out);
+  Parsed p = parse_exact(&c, text);
   IrOp *reshape = p.m->funcs[0]->ops[13];
   assert_int_equal(reshape->kind, IR_OP_RESHAPE);
   ir_op_set_int(reshape, "d2", 9);
@@ -746,13 +746,7 @@ static void test_shapes_chunk_uneven(void **state) {
       "}\n";
   Capture c;
   cap_open(&c);
-  Parsed p = parse_text(&c.d, text);
-  assert_non_null(p.m);
-  if (!ir_verify(&c.d, p.m)) print_error("%s", cap_text(&c));
-  assert_int_equal(c.d.errors, 0);
-  char *out = assert_round_trip(p.m);
-  assert_string_equal(out, text);
-  free(out);
+  Parsed p = parse_exact(&c, text);
   IrOp *c0 = p.m->funcs[0]->ops[0];
   assert_int_equal(c0->kind, IR_OP_LAYOUT_CHUNK);
   ir_op_set_int(c0, "chunks", 6);
