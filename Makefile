@@ -4,8 +4,11 @@
 #   make         build/moec and build/libmoert.a
 #   make demo    deps + build + compile lang/models/tiny.moe and train it 20 steps
 #   make test    deps + build + every test (unit, golden, diagnostics, numpy reference, fuzz smoke)
-#   make fuzz    longer fuzzing runs of the front end and the IR parser
+#   make fuzz    both fuzzers (front end, IR parser) for FUZZ_SECONDS each (default 300)
 #   make bench   benchmarks (long; never part of make test)
+#
+# Every goal but `clean` first installs missing packages (mk/deps.sh) and writes this machine's
+# configuration (mk/configure.sh -> build/config.mk), before anything is compiled.
 
 CC      ?= cc
 BUILD   ?= build
@@ -17,9 +20,25 @@ CUDA    ?= /usr/local/cuda
 
 DEB_PACKAGES := flex bison libnlopt-dev libopenmpi-dev openmpi-bin libopenblas-dev libcjson-dev \
                 libcmocka-dev python3-numpy clang libclang-rt-14-dev
-PKG_CJSON    := $(shell pkg-config --cflags --libs libcjson 2>/dev/null || echo -lcjson)
-MPI_CFLAGS    = $(shell mpicc --showme:compile 2>/dev/null)
-MPI_LIBS      = $(shell mpicc --showme:link 2>/dev/null || echo -lmpi)
+
+# ---- configuration: packages first, then the flags of this machine, then anything compiled ----
+# build/config.mk (mk/configure.sh: MPI, cJSON, OpenBLAS, CUDA, NCCL flags) is included below;
+# make remakes it before it reads the rest, on every run: mk/deps.sh installs missing packages,
+# then mk/configure.sh rewrites the file only when what it finds differs, and make restarts with
+# the new values. Every object depends on it, so a changed configuration rebuilds what uses it.
+.DEFAULT_GOAL := all
+CONFIG := $(BUILD)/config.mk
+CONFIG_ENV := CUDA=$(CUDA) $(if $(filter command line environment,$(origin NCCL_HOME)),NCCL_HOME=$(NCCL_HOME))
+ifneq ($(filter-out clean,$(or $(MAKECMDGOALS),all)),)
+include $(CONFIG)
+endif
+$(CONFIG): FORCE
+	@bash mk/deps.sh $(DEB_PACKAGES)
+	@$(CONFIG_ENV) bash mk/configure.sh $@
+FORCE:
+
+INCLUDES     := -I. -Iir -Ifrontend -Iruntime -I$(BUILD)/gen
+RT_CFLAGS    := $(BLAS_CFLAGS) $(CJSON_CFLAGS) $(MPI_CFLAGS)
 
 # codegen/nvrtc.c needs the CUDA toolkit: it is built by the CUDA rules below, never here.
 COMPILER_SRC := $(filter-out codegen/nvrtc.c,$(wildcard frontend/*.c ir/*.c passes/*.c codegen/*.c))
@@ -27,7 +46,6 @@ RUNTIME_SRC  := $(wildcard runtime/*.c)
 GEN_SRC      := $(BUILD)/gen/parser.c $(BUILD)/gen/lexer.c
 COMPILER_OBJ := $(COMPILER_SRC:%.c=$(BUILD)/obj/%.o) $(BUILD)/obj/gen/parser.o $(BUILD)/obj/gen/lexer.o
 RUNTIME_OBJ  := $(RUNTIME_SRC:%.c=$(BUILD)/obj/%.o)
-INCLUDES     := -I. -Iir -Ifrontend -Iruntime -I$(BUILD)/gen
 
 # ---- CUDA parts: only where the toolkit is (CUDA=/path overrides /usr/local/cuda) ----
 # codegen/nvrtc.c (NVRTC: CUDA C -> CUBIN/PTX) and tests/cuda/nvrtc_check, which tests/cuda/run.sh
@@ -38,21 +56,11 @@ INCLUDES     := -I. -Iir -Ifrontend -Iruntime -I$(BUILD)/gen
 # moec itself links NVRTC there (for `moec build --target cuda`) and gets the flags the CUDA
 # programs it links need (MOEC_CUDA_CFLAGS, MOEC_CUDA_LIBS); build/cuda/libfake_cuda.a is the
 # fake device tests/cuda/host.sh links CUDA programs against (MOEC_CUDA_FAKE=1).
-ifneq ($(wildcard $(CUDA)/include/nvrtc.h),)
-CUDA_LIBDIR  := $(firstword $(wildcard $(CUDA)/lib64 $(CUDA)/lib))
+ifeq ($(HAVE_NVRTC),yes)
 CUDA_TARGETS := $(BUILD)/cuda/nvrtc_check $(BUILD)/cuda/libfake_cuda.a
 MOEC_NVRTC   := $(BUILD)/obj/cuda/nvrtc.o -L$(CUDA_LIBDIR) -Wl,-rpath,$(CUDA_LIBDIR) -lnvrtc
-CUDA_PROGRAM_CFLAGS := -I$(CUDA)/include
-ifndef NCCL_HOME
-NCCL_HOME    := $(if $(wildcard $(CUDA)/include/nccl.h),$(CUDA),$(shell python3 -c \
-                  'import nvidia.nccl; print(nvidia.nccl.__path__[0])' 2>/dev/null))
-endif
-NCCL_LIBDIR  := $(patsubst %/,%,$(dir $(firstword $(wildcard $(addsuffix /libnccl.so.2,\
-                  $(NCCL_HOME)/lib64 $(NCCL_HOME)/lib $(NCCL_HOME)/lib/x86_64-linux-gnu)))))
-ifneq ($(and $(wildcard $(NCCL_HOME)/include/nccl.h),$(NCCL_LIBDIR),$(wildcard $(CUDA)/include/cublas_v2.h)),)
+ifeq ($(HAVE_GPU_RUNTIME),yes)
 CUDA_TARGETS += $(BUILD)/libmoert_cuda.a $(BUILD)/cuda/gpu_check
-CUDA_PROGRAM_LIBS := -L$(CUDA_LIBDIR) -L$(NCCL_LIBDIR) -Wl,-rpath,$(CUDA_LIBDIR) -Wl,-rpath,$(NCCL_LIBDIR) \
-                     -lcublas -lcublasLt -l:libnccl.so.2 -ldl
 else
 CUDA_TARGETS += gpu-skip
 endif
@@ -64,18 +72,11 @@ COMPILER_DEFS := -DMOEC_ROOT=\"$(ROOT)\" -DMOEC_BUILD=\"$(abspath $(BUILD))\" -D
                  -DMOEC_MPI_CFLAGS='"$(MPI_CFLAGS)"' -DMOEC_CUDA_CFLAGS='"$(CUDA_PROGRAM_CFLAGS)"' \
                  -DMOEC_CUDA_LIBS='"$(CUDA_PROGRAM_LIBS)"'
 
-.PHONY: all deps demo test test-gpu gpu-models fuzz bench clean cuda-skip gpu-skip
+.PHONY: all deps demo test test-gpu gpu-models fuzz bench clean cuda-skip gpu-skip FORCE
 all: $(BUILD)/moec $(BUILD)/libmoert.a $(CUDA_TARGETS)
 
+# The packages were installed (or found) when build/config.mk was remade, before this runs.
 deps:
-	@missing=""; for p in $(DEB_PACKAGES); do \
-	  dpkg-query -W -f='$${Status}' $$p 2>/dev/null | grep -q "install ok installed" || missing="$$missing $$p"; \
-	done; \
-	if [ -n "$$missing" ]; then \
-	  echo "# installing:$$missing"; \
-	  SUDO=""; [ "$$(id -u)" = 0 ] || SUDO=sudo; \
-	  $$SUDO apt-get update -q && DEBIAN_FRONTEND=noninteractive $$SUDO apt-get install -y -q $$missing; \
-	else echo "# dependencies present"; fi
 	@if [ -d $(CUDA) ]; then echo "# CUDA found at $(CUDA)"; else echo "# no CUDA toolkit at $(CUDA): CUDA parts are skipped"; fi
 
 $(BUILD)/gen/parser.c $(BUILD)/gen/parser.h: lang/parser.y
@@ -86,19 +87,19 @@ $(BUILD)/gen/lexer.c $(BUILD)/gen/lexer.h: lang/lexer.l $(BUILD)/gen/parser.h
 	@mkdir -p $(BUILD)/gen
 	flex --header-file=$(BUILD)/gen/lexer.h -o $(BUILD)/gen/lexer.c $<
 
-$(BUILD)/obj/gen/%.o: $(BUILD)/gen/%.c $(BUILD)/gen/parser.h $(BUILD)/gen/lexer.h
+$(BUILD)/obj/gen/%.o: $(BUILD)/gen/%.c $(BUILD)/gen/parser.h $(BUILD)/gen/lexer.h $(CONFIG)
 	@mkdir -p $(dir $@)
 	$(CC) $(CFLAGS) -Wno-unused-function $(INCLUDES) -c $< -o $@
 
-$(BUILD)/obj/frontend/%.o: frontend/%.c $(BUILD)/gen/parser.h $(BUILD)/gen/lexer.h
+$(BUILD)/obj/frontend/%.o: frontend/%.c $(BUILD)/gen/parser.h $(BUILD)/gen/lexer.h $(CONFIG)
 	@mkdir -p $(dir $@)
 	$(CC) $(CFLAGS) $(INCLUDES) $(COMPILER_DEFS) -MMD -c $< -o $@
 
-$(BUILD)/obj/runtime/%.o: runtime/%.c
+$(BUILD)/obj/runtime/%.o: runtime/%.c $(CONFIG)
 	@mkdir -p $(dir $@)
-	$(CC) $(CFLAGS) $(INCLUDES) -I/usr/include/x86_64-linux-gnu/openblas-pthread $(MPI_CFLAGS) -MMD -c $< -o $@
+	$(CC) $(CFLAGS) $(INCLUDES) $(RT_CFLAGS) -MMD -c $< -o $@
 
-$(BUILD)/obj/%.o: %.c
+$(BUILD)/obj/%.o: %.c $(CONFIG)
 	@mkdir -p $(dir $@)
 	$(CC) $(CFLAGS) $(INCLUDES) $(COMPILER_DEFS) $(MPI_CFLAGS) -MMD -c $< -o $@
 
@@ -110,7 +111,7 @@ $(BUILD)/libmoert.a: $(RUNTIME_OBJ)
 	@rm -f $@
 	ar rcs $@ $^
 
-RUNTIME_LIBS := -lopenblas -lcjson $(MPI_LIBS) -lm
+RUNTIME_LIBS := -lopenblas $(CJSON_LIBS) $(MPI_LIBS) -lm
 
 # The command line: moec.c plus its subcommands at the top level (plan.c, tune.c); `moec tune`
 # runs the runtime's kernels and collectives, so moec links libmoert too.
@@ -120,14 +121,14 @@ $(BUILD)/moec: $(CLI_OBJ) $(BUILD)/libmoec.a $(BUILD)/libmoert.a $(filter %.o,$(
 	$(CC) $(CFLAGS) -o $@ $(CLI_OBJ) $(BUILD)/libmoec.a $(BUILD)/libmoert.a $(MOEC_NVRTC) -lnlopt -ldl $(RUNTIME_LIBS)
 
 # What moec and its link step were configured with (NVRTC, the CUDA and MPI flags) is in these
-# objects: rebuild them when the Makefile changes.
-$(BUILD)/obj/moec.o $(BUILD)/obj/codegen/link.o: Makefile
+# objects: rebuild them when the Makefile or the configuration changes.
+$(BUILD)/obj/moec.o $(BUILD)/obj/codegen/link.o: Makefile $(CONFIG)
 ifneq ($(MOEC_NVRTC),)
 $(BUILD)/obj/moec.o: COMPILER_DEFS += -DMOEC_NVRTC
 endif
 
-ifneq ($(wildcard $(CUDA)/include/nvrtc.h),)
-$(BUILD)/obj/cuda/nvrtc.o: codegen/nvrtc.c codegen/cg.h
+ifeq ($(HAVE_NVRTC),yes)
+$(BUILD)/obj/cuda/nvrtc.o: codegen/nvrtc.c codegen/cg.h $(CONFIG)
 	@mkdir -p $(dir $@)
 	$(CC) $(CFLAGS) $(INCLUDES) -I$(CUDA)/include -c $< -o $@
 
@@ -145,7 +146,7 @@ CUDA_LIBS     := -L$(CUDA_LIBDIR) -L$(NCCL_LIBDIR) -Wl,-rpath,$(CUDA_LIBDIR) -Wl
                  -lcublas -lcublasLt -l:libnccl.so.2 -lnvrtc -ldl
 CUDA_CXXFLAGS := $(filter-out -std=%,$(CFLAGS)) -std=c++20
 
-$(BUILD)/obj/runtime/cuda/%.o: runtime/cuda/%.c
+$(BUILD)/obj/runtime/cuda/%.o: runtime/cuda/%.c $(CONFIG)
 	@mkdir -p $(dir $@)
 	$(CC) $(CFLAGS) $(INCLUDES) $(CUDA_INCLUDES) $(MPI_CFLAGS) -MMD -c $< -o $@
 
@@ -163,7 +164,7 @@ $(BUILD)/cuda/kernel_list.h: $(BUILD)/cuda/nvrtc_check
 	$< --print-kernel-list >$@
 
 $(BUILD)/obj/cuda/fake_cuda.o: tests/cuda/fake_cuda.cpp tests/cuda/host_kernels.h runtime/cuda/rt_cuda.h \
-                               runtime/rt_mpi.h runtime/moert.h $(BUILD)/cuda/kernel_library.cu $(BUILD)/cuda/kernel_list.h
+                               runtime/rt_mpi.h runtime/moert.h $(BUILD)/cuda/kernel_library.cu $(BUILD)/cuda/kernel_list.h $(CONFIG)
 	@mkdir -p $(dir $@)
 	$(CXX) $(CUDA_CXXFLAGS) $(INCLUDES) -Iruntime/cuda -I$(CUDA)/include $(MPI_CFLAGS) \
 	  -DMK_LIBRARY='"$(abspath $(BUILD))/cuda/kernel_library.cu"' -DMK_KERNEL_LIST='"$(abspath $(BUILD))/cuda/kernel_list.h"' \
@@ -216,16 +217,16 @@ $(BUILD)/mpi/%: tests/mpi/%.c $(BUILD)/libmoert.a
 	$(CC) $(CFLAGS) $(INCLUDES) $(MPI_CFLAGS) -o $@ $< $(BUILD)/libmoert.a $(RUNTIME_LIBS)
 
 # Sanitizer build of the compiler, used by the diagnostics tests.
-$(BUILD)/asan/moec: $(COMPILER_SRC) $(CLI_SRC) $(RUNTIME_SRC) $(GEN_SRC)
+$(BUILD)/asan/moec: $(COMPILER_SRC) $(CLI_SRC) $(RUNTIME_SRC) $(GEN_SRC) $(CONFIG)
 	@mkdir -p $(dir $@)
 	$(CC) -std=c11 -D_GNU_SOURCE -O1 -g -fsanitize=address,undefined -fno-sanitize-recover=undefined \
-	  -fno-omit-frame-pointer $(INCLUDES) $(COMPILER_DEFS) -I/usr/include/x86_64-linux-gnu/openblas-pthread $(MPI_CFLAGS) \
+	  -fno-omit-frame-pointer $(INCLUDES) $(COMPILER_DEFS) $(RT_CFLAGS) \
 	  -o $@ $(CLI_SRC) $(COMPILER_SRC) $(RUNTIME_SRC) $(GEN_SRC) -lnlopt $(RUNTIME_LIBS)
 
 # libFuzzer harnesses (clang).
 FUZZ_SRC := $(wildcard tests/fuzz/fuzz_*.c)
 FUZZ_BIN := $(FUZZ_SRC:tests/fuzz/%.c=$(BUILD)/fuzz/%)
-$(BUILD)/fuzz/%: tests/fuzz/%.c $(COMPILER_SRC) $(GEN_SRC)
+$(BUILD)/fuzz/%: tests/fuzz/%.c $(COMPILER_SRC) $(GEN_SRC) $(CONFIG)
 	@mkdir -p $(dir $@)
 	clang -std=c11 -D_GNU_SOURCE -O1 -g -fsanitize=fuzzer,address,undefined -Wno-unused-function \
 	  $(INCLUDES) $(COMPILER_DEFS) -o $@ $< $(COMPILER_SRC) $(GEN_SRC) -lnlopt -lopenblas -lm
@@ -245,7 +246,7 @@ $(BUILD)/bench/alltoall: bench/alltoall.c $(BUILD)/libmoert.a
 
 $(BUILD)/bench/gate_order: bench/gate_order.c $(BUILD)/libmoert.a
 	@mkdir -p $(dir $@)
-	$(CC) $(CFLAGS) -Iruntime -I/usr/include/x86_64-linux-gnu/openblas-pthread -o $@ $< $(BUILD)/libmoert.a $(RUNTIME_LIBS)
+	$(CC) $(CFLAGS) -Iruntime $(RT_CFLAGS) -o $@ $< $(BUILD)/libmoert.a $(RUNTIME_LIBS)
 
 $(BUILD)/bench/sched_bench: bench/sched_bench.c $(BUILD)/libmoec.a
 	@mkdir -p $(dir $@)

@@ -24,6 +24,9 @@
 int moec_plan(int argc, char **argv);   // plan.c
 int moec_sweep(int argc, char **argv);  // plan.c
 int moec_tune(int argc, char **argv);   // tune.c
+void moec_plan_usage(FILE *out);        // plan.c
+void moec_sweep_usage(FILE *out);       // plan.c
+void moec_tune_usage(FILE *out);        // tune.c
 
 static void usage(FILE *out) {
   fprintf(out,
@@ -56,10 +59,82 @@ static void usage(FILE *out) {
           "                            t = alpha + beta*n, write a cluster profile (see 'moec tune --help')\n"
           "  ops                       list the IR ops\n"
           "  passes                    list the passes in pipeline order\n"
-          "  --help, --version\n"
+          "  --help, --version [-v]    'moec COMMAND --help' for one command's options; --version -v\n"
+          "                            also prints the configuration moec was built with\n"
           "\n"
           "The language manual is lang/manual.md; example models are in lang/models/.\n");
 }
+
+static void usage_check(FILE *out) {
+  fprintf(out,
+          "usage: moec check F.moe\n"
+          "\n"
+          "Parses and checks a model and reports every error (file:line:col, the line, a caret).\n"
+          "Exit status 0 when the model is valid, 1 when it has errors.\n");
+}
+
+static void usage_dump_ir(FILE *out) {
+  fprintf(out,
+          "usage: moec dump-ir F.moe [--after=PASS | --all] [--cluster C] [-v]\n"
+          "       moec dump-ir F.ir\n"
+          "\n"
+          "Prints the IR of a model after all passes, or reads IR text back, verifies it and prints it.\n"
+          "\n"
+          "  --after=PASS      after one pass (lower: before any pass; 'moec passes' lists them)\n"
+          "  --all             after every pass, each headed by its name\n"
+          "  --cluster C       cluster profile (overrides the model's 'cluster' statement)\n"
+          "  -v                also report what the passes decided\n");
+}
+
+static void usage_build(FILE *out) {
+  fprintf(out,
+          "usage: moec build F.moe [-o BIN] [-v] [--target cpu|cuda|auto] [--gpu-arch sm_NN]\n"
+          "                  [--cluster C] [--emit c|cuda] [--keep-c F.c]\n"
+          "\n"
+          "Compiles a model into a training binary (BIN --help says what the binary can do).\n"
+          "\n"
+          "  -o BIN            output (default: the model file's name without .moe)\n"
+          "  -v                report what the passes decided: memory plan, pipeline degrees,\n"
+          "                    gradient slots, the link line\n"
+          "  --target T        cpu (default): C kernels, OpenBLAS and MPI; cuda: one GPU per rank\n"
+          "                    (NVRTC kernels, cuBLAS, NCCL); auto: cuda where a GPU is visible\n"
+          "  --gpu-arch sm_NN  architecture of the CUDA kernels (default sm_90; PTX rides along)\n"
+          "  --cluster C       cluster profile for the planner (overrides the model's 'cluster')\n"
+          "  --emit c          write the generated C program (of the target) to -o or stdout\n"
+          "  --emit cuda       write the generated CUDA kernels (for NVRTC) to -o or stdout\n"
+          "  --keep-c F.c      also keep the generated C program as F.c\n");
+}
+
+static void usage_ops(FILE *out) {
+  fprintf(out, "usage: moec ops\n\nLists the IR ops: name, number of arguments and results, what each does.\n");
+}
+
+static void usage_passes(FILE *out) {
+  fprintf(out, "usage: moec passes\n\nLists the passes in pipeline order (the names --after takes).\n");
+}
+
+// The configuration this moec was built with (build/config.mk, written by mk/configure.sh), as
+// `key value` lines: the flags it compiles and links generated programs with. make test compares
+// them with what mk/configure.sh finds on the machine now.
+static void print_configuration(FILE *out) {
+  cg_link_configuration(out);
+#ifdef MOEC_NVRTC
+  fprintf(out, "nvrtc yes\n");
+#else
+  fprintf(out, "nvrtc no\n");
+#endif
+}
+
+// Every command and its usage (`moec COMMAND --help`).
+static const struct {
+  const char *name;
+  void (*usage)(FILE *out);
+} commands[] = {
+    {"check", usage_check},   {"dump-ir", usage_dump_ir}, {"build", usage_build},
+    {"plan", moec_plan_usage}, {"sweep", moec_sweep_usage}, {"tune", moec_tune_usage},
+    {"ops", usage_ops},       {"passes", usage_passes},
+};
+enum { NCOMMANDS = sizeof commands / sizeof commands[0] };
 
 typedef struct Options {
   const char *input, *output, *after, *emit, *keep_c, *cluster, *target, *gpu_arch;
@@ -89,7 +164,7 @@ static bool parse_options(int argc, char **argv, Options *o) {
     else if (strcmp(a, "--all") == 0) o->all = true;
     else if (strcmp(a, "-v") == 0 || strcmp(a, "--verbose") == 0) o->verbose = true;
     else if (a[0] == '-' && a[1]) {
-      fprintf(stderr, "moec: error: unknown option '%s' (see 'moec --help')\n", a);
+      fprintf(stderr, "moec: error: unknown option '%s' for 'moec %s' (see 'moec %s --help')\n", a, argv[1], argv[1]);
       return false;
     } else if (!o->input) o->input = a;
     else {
@@ -393,23 +468,31 @@ int main(int argc, char **argv) {
   }
   if (strcmp(argv[1], "--version") == 0) {
     printf("moec %s\n", MOEC_VERSION);
+    if (argc > 2 && (strcmp(argv[2], "-v") == 0 || strcmp(argv[2], "--verbose") == 0))
+      print_configuration(stdout);
     return 0;
   }
   const char *cmd = argv[1];
+  int c = 0;
+  while (c < NCOMMANDS && strcmp(cmd, commands[c].name) != 0) c++;
+  if (c == NCOMMANDS) {
+    const char *names[NCOMMANDS];
+    for (int i = 0; i < NCOMMANDS; i++) names[i] = commands[i].name;
+    const char *near = ir_closest(cmd, names, NCOMMANDS);
+    fprintf(stderr, "moec: error: unknown command '%s'%s%s%s (see 'moec --help')\n", cmd,
+            near ? "; did you mean '" : "", near ? near : "", near ? "'?" : "");
+    return 2;
+  }
+  for (int i = 2; i < argc; i++)
+    if (strcmp(argv[i], "--help") == 0 || strcmp(argv[i], "-h") == 0) {
+      commands[c].usage(stdout);
+      return 0;
+    }
   if (strcmp(cmd, "ops") == 0) return cmd_ops();
   if (strcmp(cmd, "plan") == 0) return moec_plan(argc, argv);
   if (strcmp(cmd, "sweep") == 0) return moec_sweep(argc, argv);
   if (strcmp(cmd, "tune") == 0) return moec_tune(argc, argv);
   if (strcmp(cmd, "passes") == 0) return cmd_passes();
-  static const char *const commands[] = {"check", "dump-ir", "build", "ops", "passes", "plan", "sweep", "tune"};
-  bool known = false;
-  for (int i = 0; i < 8; i++) known |= strcmp(cmd, commands[i]) == 0;
-  if (!known) {
-    const char *near = ir_closest(cmd, commands, 8);
-    fprintf(stderr, "moec: error: unknown command '%s'%s%s%s (see 'moec --help')\n", cmd,
-            near ? "; did you mean '" : "", near ? near : "", near ? "'?" : "");
-    return 2;
-  }
   Options o = {0};
   if (!parse_options(argc, argv, &o)) return 2;
   IrDiag d;

@@ -27,6 +27,8 @@
 
 int moec_plan(int argc, char **argv);
 int moec_sweep(int argc, char **argv);
+void moec_plan_usage(FILE *out);
+void moec_sweep_usage(FILE *out);
 void moec_cluster_from_fe(const FeCluster *f, SchedCluster *c);
 
 void moec_cluster_from_fe(const FeCluster *f, SchedCluster *c) {
@@ -227,6 +229,41 @@ static bool write_timeline(const char *path, const SchedStack *st, const SchedPl
   return ok;
 }
 
+void moec_plan_usage(FILE *out) {
+  fprintf(out,
+          "usage: moec plan F.moe [--cluster C] [--policy NAME|all] [--heads N] [--degree RULE]\n"
+          "                 [--svg F.svg] [--trace F.json] [--json F.json]\n"
+          "\n"
+          "Plans the model's MoE stack with the FSMoE scheduling model (DESIGN section 6): for each\n"
+          "policy the pipeline degree r per layer and phase, the partition of the dense gradients and\n"
+          "the predicted step time, with the simulated timeline.\n"
+          "\n"
+          "  --cluster C       cluster profile (default: the model's 'cluster' statement)\n"
+          "  --policy P        fsmoe, fsmoe-no-iio, tutel, tutel-improved, pipemoe-lina, sequential\n"
+          "                    or all (default: all, side by side)\n"
+          "  --heads N         attention heads of a dense part for layers without attention\n"
+          "  --degree RULE     how fsmoe picks r: best (default: fastest in simulation), slsqp\n"
+          "                    (Algorithm 1), model (the case model's integer optimum), simulator\n"
+          "  --svg F.svg       the timeline of the shown policy as SVG\n"
+          "  --trace F.json    ... as a Chrome trace (chrome://tracing, Perfetto)\n"
+          "  --json F.json     the whole plan as JSON\n");
+}
+
+void moec_sweep_usage(FILE *out) {
+  fprintf(out,
+          "usage: moec sweep --cluster C [--quick] [--degree RULE] [--seqlens A,B,C]\n"
+          "                  [--dropless-capacity X]\n"
+          "\n"
+          "Plans every policy over the paper's Table 4 space (1458 stacks of two generalized layers)\n"
+          "and prints the average speed-ups over tutel beside the paper's Table 5.\n"
+          "\n"
+          "  --cluster C             cluster profile (required), e.g. lang/clusters/testbed-a.cluster\n"
+          "  --quick                 a sample of the space instead of all of it\n"
+          "  --degree RULE           best (default), slsqp, model or simulator (see 'moec plan --help')\n"
+          "  --seqlens A,B,C         the three sequence lengths (default: the cluster's Table 4 ones)\n"
+          "  --dropless-capacity X   the capacity factor a dropless layer is planned at\n");
+}
+
 int moec_plan(int argc, char **argv) {
   const char *input = NULL, *cluster_opt = NULL, *policy = "all", *svg = NULL, *trace = NULL, *json = NULL;
   double heads_opt = 0;
@@ -247,7 +284,7 @@ int moec_plan(int argc, char **argv) {
       else if (strcmp(a, "--json") == 0) json = v;
       else if (!parse_positive("--heads", v, &heads_opt)) return 2;
     } else if (a[0] == '-' && a[1]) {
-      fprintf(stderr, "moec: error: unknown option '%s' for 'moec plan' (see 'moec --help')\n", a);
+      fprintf(stderr, "moec: error: unknown option '%s' for 'moec plan' (see 'moec plan --help')\n", a);
       return 2;
     } else if (!input) {
       input = a;
@@ -501,7 +538,7 @@ int moec_sweep(int argc, char **argv) {
     } else if (strcmp(a, "--dropless-capacity") == 0) {
       if (!need_value(i, argc, argv) || !parse_positive(a, argv[++i], &dropless_capacity)) return 2;
     } else {
-      fprintf(stderr, "moec: error: unknown %s '%s' for 'moec sweep' (usage: moec sweep --cluster C [--quick])\n",
+      fprintf(stderr, "moec: error: unknown %s '%s' for 'moec sweep' (see 'moec sweep --help')\n",
               a[0] == '-' ? "option" : "argument", a);
       return 2;
     }

@@ -102,7 +102,8 @@ static void say(FILE *f, const char *fmt, ...) {
   va_end(ap);
 }
 
-static void usage(FILE *out) {
+void moec_tune_usage(FILE *out);
+void moec_tune_usage(FILE *out) {
   fprintf(out,
           "usage: mpirun -np P moec tune [-o F.cluster] [--quick] [--model F.moe] [--gpus-per-node G] [-v]\n"
           "\n"
@@ -493,11 +494,6 @@ static void format_run(char *buf, size_t size, int step, int count) {
 // ---- the command ----
 
 int moec_tune(int argc, char **argv) {
-  for (int i = 2; i < argc; i++)
-    if (strcmp(argv[i], "--help") == 0 || strcmp(argv[i], "-h") == 0) {
-      usage(stdout);
-      return 0;
-    }
   int provided;   // rt_comm_init reuses this MPI
   MPI_Init_thread(&argc, &argv, MPI_THREAD_MULTIPLE, &provided);
   int world;

@@ -51,6 +51,10 @@ bool cg_nvrtc_ptx(IrDiag *d, const char *src, const char *arch, char **ptx, size
 
 typedef enum CgTarget { CG_TARGET_CPU, CG_TARGET_CUDA } CgTarget;
 
+// The flags cg_link compiles and links programs with (the configuration make built moec with),
+// one `key value` line each: root, build, mpi_cflags, mpi_libs, cuda_cflags, cuda_libs.
+void cg_link_configuration(FILE *out);
+
 // Compiles and links the C file at c_path into the executable out_path using the system C
 // compiler ($CC, default cc): with libmoert for the CPU target; for the CUDA target with
 // libmoert_cuda, libmoert, cuBLAS, NCCL and libdl (or, with MOEC_CUDA_FAKE=1 in the

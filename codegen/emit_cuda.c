@@ -814,11 +814,15 @@ static const struct { const char *name, *src; } kernel_src[K_COUNT] = {
     "  MK_FOR(i, n) x[i] = mk_float_from_bf16(q[i]);\n"
     "}\n"},
   [K_INT8_SCALES] = {"mk_int8_scales",
-    "// One block (MK_BLOCK threads) per row: max|x| / 127 (NaN ignored by fmaxf), 1 for a zero row.\n"
+    "// One block (MK_BLOCK threads) per row: max|x| / 127 (every NaN ignored: `>` is false for it,\n"
+    "// as in runtime/hooks.c), 1 for a zero row.\n"
     "extern \"C\" __global__ void mk_int8_scales(const float *x, float *scale, int rows, int n) {\n"
     "  MK_FOR_BLOCKS(r, rows) {\n"
     "    float mx = 0.0f;\n"
-    "    for (int i = threadIdx.x; i < n; i += blockDim.x) mx = fmaxf(mx, fabsf(x[r * n + i]));\n"
+    "    for (int i = threadIdx.x; i < n; i += blockDim.x) {\n"
+    "      float a = fabsf(x[r * n + i]);\n"
+    "      if (a > mx) mx = a;\n"
+    "    }\n"
     "    mx = mk_block_max(mx);\n"
     "    if (threadIdx.x == 0) scale[r] = mx > 0.0f ? mx / 127.0f : 1.0f;\n"
     "  }\n"

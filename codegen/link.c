@@ -40,6 +40,12 @@
 #define MOEC_CUDA_LIBS ""
 #endif
 
+void cg_link_configuration(FILE *out) {
+  fprintf(out, "root %s\nbuild %s\n", MOEC_ROOT, MOEC_BUILD);
+  fprintf(out, "mpi_cflags %s\nmpi_libs %s\n", MOEC_MPI_CFLAGS, MOEC_MPI_LIBS);
+  fprintf(out, "cuda_cflags %s\ncuda_libs %s\n", MOEC_CUDA_CFLAGS, MOEC_CUDA_LIBS);
+}
+
 enum { MAX_ARGS = 96 };
 
 typedef struct Command {

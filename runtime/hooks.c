@@ -103,12 +103,18 @@ void rt_decompress_bf16(const uint16_t *q, float *x, int64_t n) {
 // ---- int8: symmetric per-row quantisation ----
 
 // scale = max|x| / 127 over the row (NaN ignored), 1 for a row with nothing but zeros.
+// The maximum is taken with `>` (false for every NaN), not fmaxf: glibc's fmaxf returns NaN for
+// a signalling NaN (IEEE 754-2008 maxNum), so a row holding one would get scale 1 here and a
+// real scale wherever a max ignores all NaNs (numpy's SIMD reduction, a GPU's fmaxf).
 void rt_int8_scales(const float *x, float *scale, int rows, int n) {
   for (int r = 0; r < rows; r++) {
     const float *xr = x + (size_t)r * n;
     float mx = 0.0f;
-    for (int i = 0; i < n; i++)
-      mx = fmaxf(mx, fabsf(xr[i]));
+    for (int i = 0; i < n; i++) {
+      float a = fabsf(xr[i]);
+      if (a > mx)
+        mx = a;
+    }
     scale[r] = mx > 0.0f ? mx / 127.0f : 1.0f;
   }
 }

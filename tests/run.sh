@@ -140,6 +140,9 @@ run_suite() {
   [ "$results" -gt 0 ] || bad "$label" "$script reported no result"
 }
 
+section "command line: every command's --help; moec built with this machine's configuration"
+run_suite "command line" tests/cli.sh
+
 section "model zoo: every lang/models model trains 10 steps with the loss going down"
 run_suite "model zoo" tests/zoo.sh
 

@@ -288,7 +288,11 @@ def int8_parts(v):
     q = round-half-away(x / scale) (float32 division), NaN -> 0, clamped to [-127, 127]."""
     x = np.asarray(v, dtype=np.float32)
     rows = x.reshape(-1, x.shape[-1]) if x.size else x.reshape(0, 1)
-    mx = np.fmax.reduce(np.abs(rows), axis=1, initial=np.float32(0.0)).astype(np.float32)
+    # NaNs (quiet and signalling) out first, then a plain max: exact on any path. np.fmax is not:
+    # its SIMD reduction skips a signalling NaN while its scalar loop (libm fmaxf) returns NaN,
+    # and which one runs depends on the CPU's SIMD dispatch and the row's length.
+    a = np.abs(rows)
+    mx = np.where(np.isnan(a), np.float32(0.0), a).max(axis=1, initial=np.float32(0.0)).astype(np.float32)
     scale = np.where(mx > 0, mx / np.float32(127.0), np.float32(1.0)).astype(np.float32)
     with np.errstate(invalid="ignore", divide="ignore", over="ignore"):
         u = (rows / scale[:, None]).astype(np.float32).astype(np.float64)   # exact float32 quotient

@@ -1,0 +1,45 @@
+#!/usr/bin/env bash
+# The command line (run by tests/run.sh, one ok/FAIL line per check):
+# - every command `moec --help` lists answers `moec COMMAND --help` (and -h) with its usage on
+#   stdout and exit status 0; an unknown option names the command's --help;
+# - the moec under test was built with this machine's configuration: the flags `moec --version -v`
+#   links programs with equal what mk/configure.sh finds now (a moec built before the packages
+#   were installed would carry empty MPI flags, issue 11).
+set -u
+cd "$(dirname "$0")/.."
+BUILD=${BUILD:-build}
+MOEC=${MOEC:-$BUILD/moec}
+
+commands=$("$MOEC" --help | awk '/^commands:/ {on = 1; next} on && /^  [a-z]/ {print $1}' | sort -u)
+[ -n "$commands" ] || echo "FAIL  moec --help lists no commands"
+for c in $commands; do
+  for flag in --help -h; do
+    out=$("$MOEC" "$c" $flag 2>&1); st=$?
+    if [ $st -eq 0 ] && printf '%s\n' "$out" | head -n 1 | grep -q "^usage: .*moec $c\b"; then
+      echo "ok    moec $c $flag: usage, exit 0"
+    else
+      echo "FAIL  moec $c $flag: exit $st, first line '$(printf '%s\n' "$out" | head -n 1)'"
+    fi
+  done
+done
+for c in check build plan; do
+  out=$("$MOEC" "$c" --no-such-option x.moe 2>&1); st=$?
+  if [ $st -eq 2 ] && printf '%s' "$out" | grep -q "moec $c --help"; then echo "ok    moec $c --no-such-option: exit 2, points at 'moec $c --help'"
+  else echo "FAIL  moec $c --no-such-option: exit $st: $out"; fi
+done
+
+# The configuration: mk/configure.sh's variables -> the keys of `moec --version -v`.
+now=$(bash mk/configure.sh - 2>&1) || { echo "FAIL  mk/configure.sh: $now"; exit 0; }
+built=$("$MOEC" --version -v)
+value() { printf '%s\n' "$1" | awk -v k="$2" '{key = $1; sub(/^[^ ]* ?(:= ?)?/, "")} key == k {print; exit}'; }
+mismatch=""
+for pair in MPI_CFLAGS:mpi_cflags MPI_LIBS:mpi_libs CUDA_PROGRAM_CFLAGS:cuda_cflags CUDA_PROGRAM_LIBS:cuda_libs; do
+  want=$(value "$now" "${pair%%:*}"); got=$(value "$built" "${pair#*:}")
+  [ "$want" = "$got" ] || mismatch="$mismatch
+  ${pair#*:}: moec was built with '$got', this machine has '$want'"
+done
+if [ -z "$mismatch" ]; then
+  echo "ok    moec --version -v: built with this machine's configuration (MPI: $(value "$built" mpi_cflags | cut -c1-60))"
+else
+  echo "FAIL  moec was built with another configuration than this machine's (rebuild: make):$mismatch"
+fi
