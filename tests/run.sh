@@ -146,6 +146,9 @@ run_suite "command line" tests/cli.sh
 section "model zoo: every lang/models model trains 10 steps with the loss going down"
 run_suite "model zoo" tests/zoo.sh
 
+section "golden runs: every model on the CPU and the fake device, bit-identical to tests/golden/runs.txt"
+run_suite "golden runs" tests/golden_runs.sh
+
 section "CUDA: kernels of every model compile with NVRTC for sm_80/sm_90 (compile only; no GPU here)"
 run_suite "cuda kernels" tests/cuda/run.sh
 

@@ -1,0 +1,68 @@
+#!/usr/bin/env bash
+# Runs of every model against goldens recorded before the codegen refactor (issue 12): each
+# model of lang/models, tests/models and tests/golden is built for the CPU and for the CUDA
+# target on the fake device (MOEC_CUDA_FAKE=1), trained 3 steps with --dump on the ranks its
+# layout needs, and its losses and dump files (first step: input, target, output, loss, every
+# whole gradient) must be bit-identical to tests/golden/runs.txt.
+#
+#   tests/golden_runs.sh            compare (one ok/FAIL line per model and target)
+#   tests/golden_runs.sh --record   rewrite tests/golden/runs.txt (only when a change is meant
+#                                   to change the numbers; say so in the commit)
+#
+# OpenBLAS runs on one thread with the Haswell kernels (OPENBLAS_CORETYPE), so that the bits do
+# not depend on which x86-64 CPU runs the test; without AVX2 the comparison is skipped.
+set -u
+cd "$(dirname "$0")/.."
+BUILD=${BUILD:-build}
+MOEC=${MOEC:-$BUILD/moec}
+GOLDEN=tests/golden/runs.txt
+. tests/mpi/common.sh
+export OPENBLAS_NUM_THREADS=1 OPENBLAS_CORETYPE=Haswell OMP_NUM_THREADS=1
+WORK=$(mktemp -d "${TMPDIR:-/tmp}/moec-golden-runs.XXXXXX")
+trap 'rm -rf "$WORK"' EXIT
+record=0; [ "${1:-}" = --record ] && record=1
+if ! grep -q '\bavx2\b' /proc/cpuinfo; then echo "skip  golden runs: the CPU has no AVX2 (the goldens use OpenBLAS's Haswell kernels)"; exit 0; fi
+
+targets="cpu"
+[ -f "$BUILD/cuda/libfake_cuda.a" ] && targets="cpu cuda"
+
+# one_run NAME MODEL TARGET: prints "NAME TARGET P LOSSES-AND-DUMP-SHA" or fails with why.
+one_run() {
+  local name=$1 model=$2 target=$3 bin=$WORK/$1.$3 np=1 out
+  if [ "$target" = cuda ]; then
+    MOEC_CUDA_FAKE=1 "$MOEC" build "$model" --target cuda -o "$bin" 2>"$bin.err" || { echo "build: $(head -c 1000 "$bin.err")"; return 1; }
+  else
+    "$MOEC" build "$model" -o "$bin" 2>"$bin.err" || { echo "build: $(head -c 1000 "$bin.err")"; return 1; }
+  fi
+  (cd "$WORK" && timeout 120 "$bin" --steps 1 --quiet >"$bin.probe" 2>&1 </dev/null)
+  np=$(grep -o 'needs [0-9]* ranks' "$bin.probe" | awk '{print $2}'); np=${np:-1}
+  local dir=$WORK/$1.$3.dump
+  if [ "$np" = 1 ]; then
+    (cd "$WORK" && timeout 120 "$bin" --steps 3 --dump "$dir" >"$bin.out" 2>&1 </dev/null) || { echo "run: $(tail -n 5 "$bin.out")"; return 1; }
+  else
+    (cd "$WORK" && timeout 120 $MPIRUN -x OPENBLAS_NUM_THREADS -x OPENBLAS_CORETYPE -np "$np" "$bin" --steps 3 --dump "$dir" >"$bin.out" 2>&1 </dev/null) ||
+      { echo "mpirun -np $np: $(tail -n 5 "$bin.out")"; return 1; }
+  fi
+  out=$(grep '^step' "$bin.out" | sed 's/  time .*//'; (cd "$dir" && find . -type f | LC_ALL=C sort | xargs sha256sum))
+  echo "$name $target np=$np $(printf '%s\n' "$out" | sha256sum | cut -c1-16) $(grep '^step' "$bin.out" | awk '{printf "%s%s", (NR > 1 ? "," : ""), $4}')"
+}
+
+: >"$WORK/runs"
+for model in lang/models/*.moe tests/models/*.moe tests/golden/*.moe; do
+  name=$(echo "${model%.moe}" | tr / _)
+  for target in $targets; do
+    if line=$(one_run "$name" "$model" "$target"); then echo "$line" >>"$WORK/runs"
+    else echo "FAIL  golden run $name $target: $line"; fi
+  done
+done
+if [ $record = 1 ]; then
+  { echo "# model target ranks sha256(losses, dump files) losses -- tests/golden_runs.sh --record"; cat "$WORK/runs"; } >"$GOLDEN"
+  echo "ok    golden runs recorded: $(wc -l <"$WORK/runs") runs in $GOLDEN"
+  exit 0
+fi
+while read -r name target np sha losses; do
+  want=$(awk -v n="$name" -v t="$target" '$1 == n && $2 == t' "$GOLDEN")
+  if [ -z "$want" ]; then echo "FAIL  golden run $name $target: not in $GOLDEN (record it: tests/golden_runs.sh --record)"
+  elif [ "$want" = "$name $target $np $sha $losses" ]; then echo "ok    golden run $name $target ($np): losses and dumps bit-identical to the recorded run"
+  else echo "FAIL  golden run $name $target: got $np $sha $losses, recorded $(echo "$want" | cut -d' ' -f3-)"; fi
+done <"$WORK/runs"
