@@ -41,7 +41,7 @@ INCLUDES     := -I. -Iir -Ifrontend -Iruntime -I$(BUILD)/gen
 RT_CFLAGS    := $(BLAS_CFLAGS) $(CJSON_CFLAGS) $(MPI_CFLAGS)
 
 # codegen/nvrtc.c needs the CUDA toolkit: it is built by the CUDA rules below, never here.
-COMPILER_SRC := $(filter-out codegen/nvrtc.c,$(wildcard frontend/*.c ir/*.c passes/*.c codegen/*.c))
+COMPILER_SRC := $(filter-out codegen/nvrtc.c,$(wildcard frontend/*.c ir/*.c passes/*.c sched/*.c codegen/*.c))
 RUNTIME_SRC  := $(wildcard runtime/*.c)
 GEN_SRC      := $(BUILD)/gen/parser.c $(BUILD)/gen/lexer.c
 COMPILER_OBJ := $(COMPILER_SRC:%.c=$(BUILD)/obj/%.o) $(BUILD)/obj/gen/parser.o $(BUILD)/obj/gen/lexer.o
@@ -93,15 +93,15 @@ $(BUILD)/obj/gen/%.o: $(BUILD)/gen/%.c $(BUILD)/gen/parser.h $(BUILD)/gen/lexer.
 
 $(BUILD)/obj/frontend/%.o: frontend/%.c $(BUILD)/gen/parser.h $(BUILD)/gen/lexer.h $(CONFIG)
 	@mkdir -p $(dir $@)
-	$(CC) $(CFLAGS) $(INCLUDES) $(COMPILER_DEFS) -MMD -c $< -o $@
+	$(CC) $(CFLAGS) $(INCLUDES) $(COMPILER_DEFS) -MMD -MP -c $< -o $@
 
 $(BUILD)/obj/runtime/%.o: runtime/%.c $(CONFIG)
 	@mkdir -p $(dir $@)
-	$(CC) $(CFLAGS) $(INCLUDES) $(RT_CFLAGS) -MMD -c $< -o $@
+	$(CC) $(CFLAGS) $(INCLUDES) $(RT_CFLAGS) -MMD -MP -c $< -o $@
 
 $(BUILD)/obj/%.o: %.c $(CONFIG)
 	@mkdir -p $(dir $@)
-	$(CC) $(CFLAGS) $(INCLUDES) $(COMPILER_DEFS) $(MPI_CFLAGS) -MMD -c $< -o $@
+	$(CC) $(CFLAGS) $(INCLUDES) $(COMPILER_DEFS) $(MPI_CFLAGS) -MMD -MP -c $< -o $@
 
 $(BUILD)/libmoec.a: $(COMPILER_OBJ)
 	@rm -f $@
@@ -113,9 +113,9 @@ $(BUILD)/libmoert.a: $(RUNTIME_OBJ)
 
 RUNTIME_LIBS := -lopenblas $(CJSON_LIBS) $(MPI_LIBS) -lm
 
-# The command line: moec.c plus its subcommands at the top level (plan.c, tune.c); `moec tune`
-# runs the runtime's kernels and collectives, so moec links libmoert too.
-CLI_SRC := $(wildcard moec.c plan.c tune.c)
+# The command line: moec.c, the entry point, and the subcommands in cli/ (plan, sweep, tune);
+# `moec tune` runs the runtime's kernels and collectives, so moec links libmoert too.
+CLI_SRC := moec.c $(wildcard cli/*.c)
 CLI_OBJ := $(CLI_SRC:%.c=$(BUILD)/obj/%.o)
 $(BUILD)/moec: $(CLI_OBJ) $(BUILD)/libmoec.a $(BUILD)/libmoert.a $(filter %.o,$(MOEC_NVRTC))
 	$(CC) $(CFLAGS) -o $@ $(CLI_OBJ) $(BUILD)/libmoec.a $(BUILD)/libmoert.a $(MOEC_NVRTC) -lnlopt -ldl $(RUNTIME_LIBS)
@@ -148,7 +148,7 @@ CUDA_CXXFLAGS := $(filter-out -std=%,$(CFLAGS)) -std=c++20
 
 $(BUILD)/obj/runtime/cuda/%.o: runtime/cuda/%.c $(CONFIG)
 	@mkdir -p $(dir $@)
-	$(CC) $(CFLAGS) $(INCLUDES) $(CUDA_INCLUDES) $(MPI_CFLAGS) -MMD -c $< -o $@
+	$(CC) $(CFLAGS) $(INCLUDES) $(CUDA_INCLUDES) $(MPI_CFLAGS) -MMD -MP -c $< -o $@
 
 $(BUILD)/libmoert_cuda.a: $(CUDA_RT_OBJ)
 	@rm -f $@

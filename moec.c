@@ -5,8 +5,8 @@
 //   moec dump-ir F.ir                read IR text back, verify it, print it
 //   moec build F.moe [-o BIN] [-v] [--emit c|cuda] [--keep-c F.c] [--cluster C] [--target T]
 //                    [--gpu-arch sm_NN]
-//   moec plan | sweep                the FSMoE schedule model (plan.c)
-//   mpirun -np P moec tune ...       profile a cluster, fit, write a .cluster (tune.c)
+//   moec plan | sweep                the FSMoE schedule model (cli/plan.c)
+//   mpirun -np P moec tune ...       profile a cluster, fit, write a .cluster (cli/tune.c)
 //   moec ops | passes                the op table and the pass list
 //
 // Exit status: 0 success, 1 the input has errors (all reported), 2 bad command line.
@@ -14,6 +14,7 @@
 #include <string.h>
 #include <unistd.h>
 
+#include "cli/cli.h"
 #include "codegen/cg.h"
 #include "frontend/fe.h"
 #include "ir/ir.h"
@@ -21,12 +22,6 @@
 
 #define MOEC_VERSION "0.1.0"
 
-int moec_plan(int argc, char **argv);   // plan.c
-int moec_sweep(int argc, char **argv);  // plan.c
-int moec_tune(int argc, char **argv);   // tune.c
-void moec_plan_usage(FILE *out);        // plan.c
-void moec_sweep_usage(FILE *out);       // plan.c
-void moec_tune_usage(FILE *out);        // tune.c
 
 static void usage(FILE *out) {
   fprintf(out,
@@ -131,7 +126,7 @@ static const struct {
   void (*usage)(FILE *out);
 } commands[] = {
     {"check", usage_check},   {"dump-ir", usage_dump_ir}, {"build", usage_build},
-    {"plan", moec_plan_usage}, {"sweep", moec_sweep_usage}, {"tune", moec_tune_usage},
+    {"plan", cli_plan_usage}, {"sweep", cli_sweep_usage}, {"tune", cli_tune_usage},
     {"ops", usage_ops},       {"passes", usage_passes},
 };
 enum { NCOMMANDS = sizeof commands / sizeof commands[0] };
@@ -209,8 +204,7 @@ static bool parse_options(int argc, char **argv, Options *o) {
   return true;
 }
 
-// The cluster profile the passes price with (plan.c converts the front end's form).
-void moec_cluster_from_fe(const FeCluster *f, SchedCluster *c);
+// The cluster profile the passes price with (cli_cluster_from_fe converts the front end's form).
 typedef struct Cluster {
   bool have;
   SchedCluster sc;
@@ -231,7 +225,7 @@ static IrModule *front_end(IrDiag *d, const Options *o, FeTarget target, IrSourc
   if (o->cluster) ok = fe_load_cluster(d, o->cluster, (SrcLoc){0}, &cluster);
   else if (p->cluster_path) ok = fe_load_cluster(d, p->cluster_path, p->cluster_loc, &cluster);
   if (ok && have_cluster) {
-    moec_cluster_from_fe(&cluster, &cl->sc);
+    cli_cluster_from_fe(&cluster, &cl->sc);
     snprintf(cl->name, sizeof cl->name, "%s", cluster.name ? cluster.name : "cluster");
     cl->sc.name = cl->name;
     cl->have = true;
@@ -489,9 +483,9 @@ int main(int argc, char **argv) {
       return 0;
     }
   if (strcmp(cmd, "ops") == 0) return cmd_ops();
-  if (strcmp(cmd, "plan") == 0) return moec_plan(argc, argv);
-  if (strcmp(cmd, "sweep") == 0) return moec_sweep(argc, argv);
-  if (strcmp(cmd, "tune") == 0) return moec_tune(argc, argv);
+  if (strcmp(cmd, "plan") == 0) return cli_plan(argc, argv);
+  if (strcmp(cmd, "sweep") == 0) return cli_sweep(argc, argv);
+  if (strcmp(cmd, "tune") == 0) return cli_tune(argc, argv);
   if (strcmp(cmd, "passes") == 0) return cmd_passes();
   Options o = {0};
   if (!parse_options(argc, argv, &o)) return 2;

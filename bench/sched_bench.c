@@ -12,7 +12,7 @@
 #include <time.h>
 
 #include "frontend/fe.h"
-#include "passes/sched.h"
+#include "sched/sched.h"
 
 static double now_s(void) {
   struct timespec ts;
@@ -58,9 +58,9 @@ int main(int argc, char **argv) {
       double t3 = now_s();
       int rm[2] = {SCHED_R_MAX, SCHED_R_MAX};
       SchedStack st = {2, cost, rm};
-      for (int q = 0; q < SCHED_NPOLICIES; q++) {
+      for (int q = 0; q < IR_NPOLICIES; q++) {
         SchedPlan p;
-        if (!sched_plan(&st, (SchedPolicy)q, &p)) return 1;
+        if (!sched_plan(&st, (IrPolicy)q, &p)) return 1;
         sched_plan_free(&p);
       }
       double t4 = now_s();

@@ -23,12 +23,10 @@ void cg_emit_params(FILE *out, const IrModule *m, const int64_t *param_offset);
 // or NULL (the CPU target).
 void cg_emit_model(FILE *out, const IrModule *m, const PassMemPlan *plan, int64_t param_floats,
                    const char *device);
-bool cg_is_suffix(const char *s, const char *suffix);
 // "RT_GROUP_EP" for an op with group="ep" (RT_GROUP_WORLD when it names none).
 const char *cg_group_enum(const IrOp *op);
 // The group an op's group attribute names, as an RtGroup value (0 world ... 4 esp).
 int cg_group_index(const IrOp *op);
-bool cg_is_collective(IrOpKind k);
 const char *cg_stream_enum(IrStream s);   // "RT_STREAM_INTRA"; none and compute are compute
 // Whether f's ops run on several streams (ops on the intra or inter stream; MOEC_STREAMS=0 in
 // the environment turns this off, and such functions run in program order on one stream).

@@ -368,10 +368,6 @@ bool cg_func_scheduled(const IrFunc *f) {
   return false;
 }
 
-bool cg_is_collective(IrOpKind k) {
-  return k == IR_OP_COMM_ALLTOALL || k == IR_OP_COMM_ALLGATHER || k == IR_OP_COMM_REDUCESCATTER ||
-         k == IR_OP_COMM_ALLREDUCE || k == IR_OP_COMM_ALLREDUCE_GRAD;
-}
 
 const char *cg_stream_enum(IrStream s) {
   return s == IR_STREAM_INTRA ? "RT_STREAM_INTRA" : s == IR_STREAM_INTER ? "RT_STREAM_INTER" : "RT_STREAM_COMPUTE";
@@ -394,10 +390,10 @@ bool cg_events(IrDiag *d, const IrFunc *f, CgEvents *ev) {
     ev->dep[i] = -1;
     ev->local[i] = -1;
     if (op->event >= 0) ev->rec[i] = true;
-    if (!cg_is_collective(op->kind)) continue;
+    if (!ir_op_is_collective(op->kind)) continue;
     for (int j = i - 1; j >= 0; j--) {
       const IrOp *p = f->ops[j];
-      if (!cg_is_collective(p->kind) || cg_group_index(p) != cg_group_index(op)) continue;
+      if (!ir_op_is_collective(p->kind) || cg_group_index(p) != cg_group_index(op)) continue;
       if (p->stream != op->stream) {
         ev->dep[i] = j;
         ev->rec[j] = true;
@@ -497,10 +493,6 @@ static bool emit_func(Emit *e, const IrFunc *f) {
   return true;
 }
 
-bool cg_is_suffix(const char *s, const char *suffix) {
-  size_t n = strlen(s), k = strlen(suffix);
-  return n >= k && strcmp(s + n - k, suffix) == 0;
-}
 
 // After a layer forward: fold its auxiliary losses (the results after the first, made by
 // gate.aux_loss or gate.z_loss) into the step's statistics.
@@ -570,7 +562,7 @@ void cg_emit_params(FILE *out, const IrModule *m, const int64_t *param_offset) {
 void cg_emit_model(FILE *out, const IrModule *m, const PassMemPlan *plan, int64_t param_floats, const char *device) {
   int nlayers = 0;
   for (int i = 0; i < m->nfuncs; i++)
-    nlayers += cg_is_suffix(m->funcs[i]->name, ".fwd") && strcmp(m->funcs[i]->name, "loss.fwd") != 0;
+    nlayers += m->funcs[i]->role == IR_ROLE_LAYER_FWD;
   bool adamw = strcmp(ir_mod_str(m, "optimizer", "sgd"), "adamw") == 0;
   fprintf(out,
           "static const RtModel model = {\n"
@@ -614,7 +606,7 @@ bool cg_emit_c(IrDiag *d, FILE *out, const IrModule *m, const PassMemPlan *plan,
                "  rt_step_begin_forward(st);\n");
   for (int i = 0; ok && i < m->nfuncs; i++) {
     const IrFunc *f = m->funcs[i];
-    if (strcmp(f->name, "loss.fwd") == 0) {
+    if (f->role == IR_ROLE_LOSS_FWD) {
       char buf[96];
       ok = emit_func(&e, f);
       if (last_fwd) {
@@ -623,7 +615,7 @@ bool cg_emit_c(IrDiag *d, FILE *out, const IrModule *m, const PassMemPlan *plan,
       }
       value_expr(&e, buf, sizeof buf, f->rets[0]);
       fprintf(out, "  st->mse = *%s;\n", buf);
-    } else if (cg_is_suffix(f->name, ".fwd")) {
+    } else if (f->role == IR_ROLE_LAYER_FWD) {
       ok = emit_func(&e, f);
       emit_layer_stats(&e, f);
       last_fwd = f;
@@ -631,10 +623,10 @@ bool cg_emit_c(IrDiag *d, FILE *out, const IrModule *m, const PassMemPlan *plan,
   }
   fprintf(out, "}\n\nstatic void step_backward(RtStep *st) {\n  unsigned char *A = st->arena;\n  (void)A;\n");
   for (int i = 0; ok && i < m->nfuncs; i++)
-    if (cg_is_suffix(m->funcs[i]->name, ".bwd")) ok = emit_func(&e, m->funcs[i]);
+    if (ir_role_phase(m->funcs[i]->role) == IR_PHASE_BWD) ok = emit_func(&e, m->funcs[i]);
   fprintf(out, "}\n\nstatic void step_update(RtStep *st) {\n");
   for (int i = 0; ok && i < m->nfuncs; i++)
-    if (strcmp(m->funcs[i]->name, "optimizer") == 0) ok = emit_func(&e, m->funcs[i]);
+    if (m->funcs[i]->role == IR_ROLE_OPTIMIZER) ok = emit_func(&e, m->funcs[i]);
   fprintf(out, "}\n\n");
   cg_emit_model(out, m, plan, total, NULL);
   free(e.param_offset);

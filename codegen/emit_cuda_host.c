@@ -407,11 +407,11 @@ static bool emit_op(Host *h, const IrFunc *f, int i, IrStream s, int *nops) {
 // Which values of f the step's statistics read (-2: to be staged after the op that makes it).
 static void mark_staged(Host *h, const IrFunc *f) {
   for (int v = 0; v < f->nvalues; v++) h->staged[v] = -1;
-  bool layer = cg_is_suffix(f->name, ".fwd") && strcmp(f->name, "loss.fwd") != 0;
+  bool layer = f->role == IR_ROLE_LAYER_FWD;
   for (int r = 0; r < f->nrets; r++) {
     const IrValue *v = f->rets[r];
     bool aux = layer && r >= 1 && v->def && (v->def->kind == IR_OP_GATE_AUX_LOSS || v->def->kind == IR_OP_GATE_Z_LOSS);
-    bool loss = strcmp(f->name, "loss.fwd") == 0 && r == 0;
+    bool loss = f->role == IR_ROLE_LOSS_FWD && r == 0;
     if ((aux || loss) && v->func == f) h->staged[v->id] = -2;
   }
 }
@@ -419,12 +419,12 @@ static void mark_staged(Host *h, const IrFunc *f) {
 // What the step does with f's staged values after the function (emit_c's emit_layer_stats and
 // the loss), in the CPU program's order.
 static void function_epilogue(Host *h, const IrFunc *f) {
-  bool layer = cg_is_suffix(f->name, ".fwd") && strcmp(f->name, "loss.fwd") != 0;
+  bool layer = f->role == IR_ROLE_LAYER_FWD;
   for (int r = 0; r < f->nrets; r++) {
     const IrValue *v = f->rets[r];
     if (v->func != f || h->staged[v->id] < 0) continue;
     int64_t off = h->staged[v->id];
-    if (strcmp(f->name, "loss.fwd") == 0 && r == 0) {
+    if (f->role == IR_ROLE_LOSS_FWD && r == 0) {
       fprintf(h->epi, "  st->mse = *(const float *)(H + %" PRId64 ");\n", off);
     } else if (layer) {
       fprintf(h->epi, "  st->%s += *(const float *)(H + %" PRId64 ");\n  st->aux_total += (double)(float)%.17g * *(const float *)(H + %" PRId64 ");\n",
@@ -517,9 +517,9 @@ static bool emit_step(Host *h, const char *name, const char *prologue, bool (*me
   return true;
 }
 
-static bool is_forward(const IrFunc *f) { return cg_is_suffix(f->name, ".fwd"); }
-static bool is_backward(const IrFunc *f) { return cg_is_suffix(f->name, ".bwd"); }
-static bool is_update(const IrFunc *f) { return strcmp(f->name, "optimizer") == 0; }
+static bool is_forward(const IrFunc *f) { return ir_role_phase(f->role) == IR_PHASE_FWD; }
+static bool is_backward(const IrFunc *f) { return ir_role_phase(f->role) == IR_PHASE_BWD; }
+static bool is_update(const IrFunc *f) { return f->role == IR_ROLE_OPTIMIZER; }
 
 // ---- the program ----
 
@@ -755,7 +755,7 @@ bool cg_emit_cuda_host(IrDiag *d, FILE *out, const IrModule *m, const PassMemPla
   // The model's output: the first result of the last layer's forward (emit_c's st->output).
   const IrFunc *last_fwd = NULL;
   for (int i = 0; i < m->nfuncs; i++)
-    if (is_forward(m->funcs[i]) && strcmp(m->funcs[i]->name, "loss.fwd") != 0) last_fwd = m->funcs[i];
+    if (m->funcs[i]->role == IR_ROLE_LAYER_FWD) last_fwd = m->funcs[i];
   if (last_fwd && last_fwd->nrets > 0) value_addr(&h, h.output, sizeof h.output, last_fwd->rets[0]);
 
   int w_input = where(&h, NULL, NULL, "the copy of the step's input and target to the GPU");

@@ -122,8 +122,7 @@ static const char *const optimizers[] = {"sgd", "adamw", NULL};
 static const char *const acts[] = {"gelu", "relu", NULL};
 static const char *const orders[] = {"tutel", "gshard", NULL};
 static const char *const algos[] = {"nccl", "1dh", "2dh", NULL};
-static const char *const policies[] = {"fsmoe", "fsmoe-no-iio", "tutel", "tutel-improved",
-                                       "pipemoe-lina", "sequential", NULL};
+#define policies ((const char *const *)ir_policy_name)
 static const char *const hook_points[] = {"before_moe_start", "before_dispatch", "after_dispatch",
                                           "before_combine", "after_combine", "before_moe_end", NULL};
 static const char *const hook_actions[] = {"compress", "record", NULL};

@@ -174,7 +174,7 @@ static void lower_layer(FeLower *L) {
   const FeGateDef *gate = fe_gate_find(moe->gate.name);
   const FeExpertDef *expert = fe_expert_find(moe->experts.kind);
   if (!gate || !expert) UNREACHABLE();  // the checker accepts registered names only
-  L->f = ir_add_func(L->m, ir_strfmt(L->m, "%s.fwd", L->inst));
+  L->f = ir_add_func(L->m, ir_strfmt(L->m, "%s.fwd", L->inst), IR_ROLE_LAYER_FWD);
   L->f->loc = L->layer->loc;
   IrValue *x = ir_add_arg(L->f, L->m, "x", ir_type2(IR_F32, L->S, L->M));
   record(L, "before_moe_start", x);
@@ -276,7 +276,7 @@ IrModule *fe_lower(IrDiag *d, const FeProgram *p, FeTarget backend) {
   }
 
   L.layer = NULL;
-  L.f = ir_add_func(m, "loss.fwd");
+  L.f = ir_add_func(m, "loss.fwd", IR_ROLE_LOSS_FWD);
   IrValue *out = ir_add_arg(L.f, m, "out", ir_type2(IR_F32, L.S, L.M));
   IrValue *target = ir_add_arg(L.f, m, "target", ir_type2(IR_F32, L.S, L.M));
   ir_add_ret(L.f, m, fe_op2(&L, IR_OP_LOSS_MSE, "loss", FE_V(out), FE_V(target)));

@@ -104,9 +104,51 @@ IrParam *ir_find_param(const IrModule *m, const char *name) {
   return NULL;
 }
 
-IrFunc *ir_add_func(IrModule *m, const char *name) {
+const char *const ir_policy_name[IR_NPOLICIES + 1] = {
+    [IR_POLICY_FSMOE] = "fsmoe",
+    [IR_POLICY_FSMOE_NO_IIO] = "fsmoe-no-iio",
+    [IR_POLICY_TUTEL] = "tutel",
+    [IR_POLICY_TUTEL_IMPROVED] = "tutel-improved",
+    [IR_POLICY_PIPEMOE_LINA] = "pipemoe-lina",
+    [IR_POLICY_SEQUENTIAL] = "sequential",
+    [IR_NPOLICIES] = NULL,
+};
+
+bool ir_policy_parse(const char *name, IrPolicy *out) {
+  for (int i = 0; i < IR_NPOLICIES; i++)
+    if (strcmp(name, ir_policy_name[i]) == 0) {
+      *out = (IrPolicy)i;
+      return true;
+    }
+  return false;
+}
+
+IrFuncRole ir_func_role_of_name(const char *name) {
+  size_t n = strlen(name);
+  if (strcmp(name, "loss.fwd") == 0) return IR_ROLE_LOSS_FWD;
+  if (strcmp(name, "loss.bwd") == 0) return IR_ROLE_LOSS_BWD;
+  if (strcmp(name, "optimizer") == 0) return IR_ROLE_OPTIMIZER;
+  if (n > 4 && strcmp(name + n - 4, ".fwd") == 0) return IR_ROLE_LAYER_FWD;
+  if (n > 4 && strcmp(name + n - 4, ".bwd") == 0) return IR_ROLE_LAYER_BWD;
+  return IR_ROLE_OTHER;
+}
+
+IrPhase ir_role_phase(IrFuncRole role) {
+  switch (role) {
+  case IR_ROLE_LAYER_FWD:
+  case IR_ROLE_LOSS_FWD: return IR_PHASE_FWD;
+  case IR_ROLE_LAYER_BWD:
+  case IR_ROLE_LOSS_BWD: return IR_PHASE_BWD;
+  case IR_ROLE_OPTIMIZER: return IR_PHASE_OPT;
+  case IR_ROLE_OTHER: break;
+  }
+  return IR_PHASE_NONE;
+}
+
+IrFunc *ir_add_func(IrModule *m, const char *name, IrFuncRole role) {
   IrFunc *f = ir_alloc(m, sizeof *f);
   f->name = ir_strdup(m, name);
+  f->role = role;
   f->index = m->nfuncs;
   grow(m, (void ***)&m->funcs, m->nfuncs, &m->cap_funcs);
   m->funcs[m->nfuncs++] = f;

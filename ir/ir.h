@@ -36,21 +36,35 @@
 #include "ir_diag.h"
 
 typedef enum IrOpKind {
-#define IR_OP(E, N, A, R, AT, D) IR_OP_##E,
+#define IR_OP(E, N, A, R, AT, C, D) IR_OP_##E,
 #include "ops.def"
 #undef IR_OP
   IR_OP_COUNT
 } IrOpKind;
+
+// The CLASS column of ops.def.
+typedef enum IrOpClass {
+  IR_CLASS_COMPUTE,     // a kernel
+  IR_CLASS_GEMM,        // a matrix product (BLAS), priced per multiply-accumulate
+  IR_CLASS_ROUTE,       // an integer routing decision or a constant made from one: no gradient
+  IR_CLASS_COMM_INTER,  // a collective on the inter-node stream when scheduled
+  IR_CLASS_COMM_INTRA,  // a collective that fsmoe puts on the intra-node stream
+} IrOpClass;
 
 typedef struct IrOpInfo {
   const char *name;
   int nargs;
   int nres;
   const char *attrs;  // required attribute keys, comma-separated
+  IrOpClass cls;
   const char *doc;
 } IrOpInfo;
 
 extern const IrOpInfo ir_op_info[IR_OP_COUNT];
+static inline IrOpClass ir_op_class(IrOpKind k) { return ir_op_info[k].cls; }
+static inline bool ir_op_is_collective(IrOpKind k) {
+  return ir_op_info[k].cls == IR_CLASS_COMM_INTER || ir_op_info[k].cls == IR_CLASS_COMM_INTRA;
+}
 // IR_OP_COUNT when name is not an op.
 IrOpKind ir_op_by_name(const char *name);
 
@@ -111,6 +125,37 @@ typedef struct IrOperand {
 typedef enum IrStream { IR_STREAM_NONE, IR_STREAM_COMPUTE, IR_STREAM_INTRA, IR_STREAM_INTER } IrStream;
 typedef enum IrPhase { IR_PHASE_NONE, IR_PHASE_FWD, IR_PHASE_BWD, IR_PHASE_OPT } IrPhase;
 
+// What a function is in the training step. Set where the function is made (lowering, autodiff);
+// the IR parser derives it from the name, the text form's convention (`@X.fwd`, `@X.bwd`,
+// `@loss.fwd`, `@loss.bwd`, `@optimizer`), in ir_func_role_of_name alone.
+typedef enum IrFuncRole {
+  IR_ROLE_OTHER,       // none of the below (IR text that is not a training step)
+  IR_ROLE_LAYER_FWD,   // a layer's forward: @X.fwd
+  IR_ROLE_LAYER_BWD,   // its backward: @X.bwd (may read @X.fwd's values)
+  IR_ROLE_LOSS_FWD,    // @loss.fwd(%out, %target)
+  IR_ROLE_LOSS_BWD,    // @loss.bwd
+  IR_ROLE_OPTIMIZER,   // @optimizer: one opt.* per parameter
+} IrFuncRole;
+IrFuncRole ir_func_role_of_name(const char *name);
+// The phase a function's ops run in: forward (layer and loss forwards), backward, optimizer.
+IrPhase ir_role_phase(IrFuncRole role);
+
+// The schedule policies (DESIGN §6, paper §6): one table for the language's words, the planner
+// and the schedule pass.
+typedef enum IrPolicy {
+  IR_POLICY_FSMOE,           // per-phase r (Algorithm 1), gradient partition, intra/inter/compute streams
+  IR_POLICY_FSMOE_NO_IIO,    // per-phase r and gradient partition, intra+inter collectives on one stream
+  IR_POLICY_TUTEL,           // PipeMoE r for the forward, reused backward; one comm stream; AllReduce after
+  IR_POLICY_TUTEL_IMPROVED,  // tutel + each layer's AllReduce overlapped with the next dense backward
+  IR_POLICY_PIPEMOE_LINA,    // tutel + gradients in 30 MB chunks at low priority on the inter-node link
+  IR_POLICY_SEQUENTIAL,      // DS-MoE: r = 1, nothing overlaps
+  IR_NPOLICIES
+} IrPolicy;
+// The policies' names by IrPolicy, NULL-terminated (the front end's word list).
+extern const char *const ir_policy_name[IR_NPOLICIES + 1];
+// Parses a policy name; false if unknown.
+bool ir_policy_parse(const char *name, IrPolicy *out);
+
 struct IrOp {
   IrOpKind kind;
   IrValue *result;      // NULL when the op has none
@@ -141,6 +186,7 @@ struct IrFunc {
   IrValue **rets;
   int nrets;
   IrFunc *saves;        // forward function whose values this one may read, or NULL
+  IrFuncRole role;
   IrAttr attrs[IR_MAX_ATTRS];  // the planner's decisions: r, case, t_model, grad_moe, ... (passes/plan.c)
   int nattrs;
   SrcLoc loc;
@@ -169,7 +215,7 @@ const char *ir_strfmt(IrModule *m, const char *fmt, ...) __attribute__((format(p
 
 IrParam *ir_add_param(IrModule *m, const char *name, IrType type);
 IrParam *ir_find_param(const IrModule *m, const char *name);
-IrFunc *ir_add_func(IrModule *m, const char *name);
+IrFunc *ir_add_func(IrModule *m, const char *name, IrFuncRole role);
 IrFunc *ir_find_func(const IrModule *m, const char *name);
 IrValue *ir_add_arg(IrFunc *f, IrModule *m, const char *name, IrType type);
 // Appends an op; when the op has a result, it is named `name` with type `type` (pass NULL name

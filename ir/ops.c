@@ -6,7 +6,7 @@
 #include "ir.h"
 
 const IrOpInfo ir_op_info[IR_OP_COUNT] = {
-#define IR_OP(E, N, A, R, AT, D) [IR_OP_##E] = {.name = N, .nargs = A, .nres = R, .attrs = AT, .doc = D},
+#define IR_OP(E, N, A, R, AT, C, D) [IR_OP_##E] = {.name = N, .nargs = A, .nres = R, .attrs = AT, .cls = IR_CLASS_##C, .doc = D},
 #include "ops.def"
 #undef IR_OP
 };

@@ -835,7 +835,7 @@ static bool parse_func(Parser *P) {
     if (!is_punct(P, '{') || !on_line(P)) return err_after(P, "expected '{' after 'attributes'");
     if (!parse_attrs(P, attrs, &nattrs, IR_MAX_ATTRS)) return false;
   }
-  IrFunc *f = ir_add_func(P->m, name);
+  IrFunc *f = ir_add_func(P->m, name, ir_func_role_of_name(name));
   f->loc = name_loc;
   f->saves = saves;
   memcpy(f->attrs, attrs, sizeof attrs[0] * (size_t)nattrs);

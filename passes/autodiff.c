@@ -20,16 +20,9 @@ typedef struct Grad {
   bool *needs;      // by forward value id: depends differentiably on the input or a parameter
 } Grad;
 
-// Ops whose result carries no gradient: integer routing decisions and constants built from them.
-static bool blocks_gradient(IrOpKind k) {
-  switch (k) {
-  case IR_OP_GATE_TOPK: case IR_OP_GATE_LOCATIONS: case IR_OP_GATE_EXPERT_CHOICE: case IR_OP_GATE_IOTA:
-  case IR_OP_ORDER_DISPATCH_MASK: case IR_OP_HOOK_SCALES:
-    return true;
-  default:
-    return false;
-  }
-}
+// Ops whose result carries no gradient: integer routing decisions and constants built from them
+// (class ROUTE in ops.def).
+static bool blocks_gradient(IrOpKind k) { return ir_op_class(k) == IR_CLASS_ROUTE; }
 
 static bool operand_needs(const Grad *g, const IrOperand *a) {
   return a->param ? true : g->needs[a->value->id];
@@ -293,7 +286,7 @@ static bool backward_op(Grad *g, const IrOp *op) {
 // gradient of the first argument (the layer input).
 static IrFunc *backward_func(IrModule *m, IrDiag *d, IrFunc *fwd, const char *name) {
   Grad g = {.m = m, .d = d, .fwd = fwd};
-  g.bwd = ir_add_func(m, name);
+  g.bwd = ir_add_func(m, name, IR_ROLE_LAYER_BWD);
   g.bwd->saves = fwd;
   g.bwd->loc = fwd->loc;
   g.grad = ir_alloc(m, sizeof(IrValue *) * (size_t)(fwd->nvalues + 1));
@@ -310,14 +303,16 @@ static IrFunc *backward_func(IrModule *m, IrDiag *d, IrFunc *fwd, const char *na
   return g.bwd;
 }
 
-static bool is_layer_fwd(const IrFunc *f) {
-  size_t n = strlen(f->name);
-  return n > 4 && strcmp(f->name + n - 4, ".fwd") == 0 && strcmp(f->name, "loss.fwd") != 0;
-}
+static bool is_layer_fwd(const IrFunc *f) { return f->role == IR_ROLE_LAYER_FWD; }
 
 bool pass_autodiff(IrModule *m, PassCtx *ctx) {
-  IrFunc *loss = ir_find_func(m, "loss.fwd");
-  if (!loss || loss->nargs != 2 || loss->nrets != 1 || ir_find_func(m, "loss.bwd"))
+  IrFunc *loss = NULL;
+  bool have_bwd = false;
+  for (int i = 0; i < m->nfuncs; i++) {
+    if (m->funcs[i]->role == IR_ROLE_LOSS_FWD) loss = m->funcs[i];
+    have_bwd |= ir_role_phase(m->funcs[i]->role) == IR_PHASE_BWD;
+  }
+  if (!loss || loss->nargs != 2 || loss->nrets != 1 || have_bwd)
     return ir_error(ctx->d, "autodiff: the module needs one '@loss.fwd(%%out, %%target)' and no backward yet");
 
   int nfwd = 0;
@@ -326,7 +321,7 @@ bool pass_autodiff(IrModule *m, PassCtx *ctx) {
     if (is_layer_fwd(m->funcs[i])) fwds[nfwd++] = m->funcs[i];
 
   // @loss.bwd: d loss / d out.
-  IrFunc *lb = ir_add_func(m, "loss.bwd");
+  IrFunc *lb = ir_add_func(m, "loss.bwd", IR_ROLE_LOSS_BWD);
   lb->saves = loss;
   IrOp *op = ir_add_op(lb, m, IR_OP_LOSS_MSE_GRAD, "dout", (IrType){0});
   ir_op_arg(op, loss->args[0]);
@@ -342,7 +337,7 @@ bool pass_autodiff(IrModule *m, PassCtx *ctx) {
     if (!backward_func(m, ctx->d, fwds[i], name)) return false;
   }
 
-  IrFunc *opt = ir_add_func(m, "optimizer");
+  IrFunc *opt = ir_add_func(m, "optimizer", IR_ROLE_OPTIMIZER);
   const char *kind = ir_mod_str(m, "optimizer", "sgd");
   bool adamw = strcmp(kind, "adamw") == 0;
   for (int i = 0; i < m->nparams; i++) {

@@ -24,10 +24,6 @@
 
 #include "pass.h"
 
-static bool is_suffix(const char *s, const char *suffix) {
-  size_t n = strlen(s), k = strlen(suffix);
-  return n >= k && strcmp(s + n - k, suffix) == 0;
-}
 
 static int64_t numel_of(const IrOperand *a) {
   return ir_type_numel(a->param ? &a->param->type : &a->value->type);
@@ -178,11 +174,11 @@ int pass_find_layers(IrModule *m, PassLayer **out) {
   if (!l) return -1;
   for (int i = 0; i < m->nfuncs; i++) {
     IrFunc *f = m->funcs[i];
-    if (!is_suffix(f->name, ".fwd") || strncmp(f->name, "loss.", 5) == 0) continue;
-    size_t k = strlen(f->name) - 4;
-    char name[256];
-    snprintf(name, sizeof name, "%.*s.bwd", (int)(k < 200 ? k : 200), f->name);
-    l[n] = (PassLayer){.name = f->name, .fwd = f, .bwd = ir_find_func(m, name)};
+    if (f->role != IR_ROLE_LAYER_FWD) continue;
+    IrFunc *bwd = NULL;   // the backward that reads this forward's values
+    for (int j = 0; j < m->nfuncs && !bwd; j++)
+      if (m->funcs[j]->role == IR_ROLE_LAYER_BWD && m->funcs[j]->saves == f) bwd = m->funcs[j];
+    l[n] = (PassLayer){.name = f->name, .fwd = f, .bwd = bwd};
     l[n].capacity = pass_region_capacity(f);
     if (l[n].capacity > 0) n++;
   }

@@ -60,7 +60,7 @@ static double now_ms(void) {
 }
 
 static void report(FILE *log, const PassLayer *l, int n, const SchedPlan *plan, const SchedCluster *c, double ms) {
-  fprintf(log, "# pipeline: policy %s on cluster '%s' (%d x %d), planned in %.2f ms\n", sched_policy_name[plan->policy],
+  fprintf(log, "# pipeline: policy %s on cluster '%s' (%d x %d), planned in %.2f ms\n", ir_policy_name[plan->policy],
           c->name, c->nodes, c->gpus_per_node, ms);
   fprintf(log, "#   %-20s %6s %6s %6s %10s %10s %12s %12s\n", "layer", "C", "r_fwd", "r_bwd", "t_fwd ms", "t_bwd ms",
           "grad_moe", "grad_dense");
@@ -83,8 +83,8 @@ bool pass_pipeline(IrModule *m, PassCtx *ctx) {
   if (!c)
     return ir_error(ctx->d, "pipeline auto plans with a cluster profile: add 'cluster \"FILE\";' to the model or "
                             "pass --cluster FILE");
-  SchedPolicy pol;
-  if (!sched_policy_parse(ir_mod_str(m, "policy", "sequential"), &pol))
+  IrPolicy pol;
+  if (!ir_policy_parse(ir_mod_str(m, "policy", "sequential"), &pol))
     return ir_error(ctx->d, "pipeline: unknown policy '%s'", ir_mod_str(m, "policy", "sequential"));
   PassLayer *l;
   int n = pass_find_layers(m, &l);
@@ -111,7 +111,7 @@ bool pass_pipeline(IrModule *m, PassCtx *ctx) {
     if (!ok) ir_error(ctx->d, "pipeline: the planner failed (an internal error)");
   }
   if (ok && n > 0) {
-    bool fsmoe = pol == SCHED_FSMOE;
+    bool fsmoe = pol == IR_POLICY_FSMOE;
     for (int i = 0; i < n; i++) {
       set_phase(m, l[i].fwd, &plan.layer[i], SCHED_FWD, fsmoe);
       set_phase(m, l[i].bwd, &plan.layer[i], SCHED_BWD, fsmoe);

@@ -96,7 +96,7 @@ bool pass_memplan(IrModule *m, PassCtx *ctx) {
     where[fi] = calloc((size_t)f->nvalues + 1, sizeof(PassMemSlot *));
     for (int ai = 0; ai < f->nargs; ai++) {
       PassMemSlot *src = NULL;
-      if (strcmp(f->name, "loss.fwd") == 0 && ai == 1) src = &target;
+      if (f->role == IR_ROLE_LOSS_FWD && ai == 1) src = &target;
       else if (ai == 0 && fi == 0) src = &input;
       else if (ai == 0) {
         IrFunc *prev = m->funcs[fi - 1];
@@ -151,7 +151,7 @@ bool pass_memplan(IrModule *m, PassCtx *ctx) {
   free(fend);
   // The output of the last layer forward is read at the end of the step.
   for (int fi = 0; fi < m->nfuncs; fi++)
-    if (strcmp(m->funcs[fi]->name, "loss.fwd") == 0 && fi > 0 && m->funcs[fi - 1]->nrets)
+    if (m->funcs[fi]->role == IR_ROLE_LOSS_FWD && fi > 0 && m->funcs[fi - 1]->nrets)
       where[fi - 1][m->funcs[fi - 1]->rets[0]->id]->last = INT64_MAX;
   // Values whose only use is param.grad go to the gradient buffer.
   for (int fi = 0; fi < m->nfuncs; fi++) {

@@ -239,13 +239,12 @@ bool pass_parallelize(IrModule *m, PassCtx *ctx) {
   for (int i = 0; i < m->nfuncs; i++) {
     IrFunc *f = m->funcs[i];
     P.f = f;
-    if (strcmp(f->name, "loss.fwd") == 0) {
+    if (f->role == IR_ROLE_LOSS_FWD) {
       for (int j = 0; j < f->nops; j++)
         if (f->ops[j]->kind == IR_OP_LOSS_MSE) ir_op_set_float(f->ops[j], "scale", 1.0 / (double)P.dp);
       continue;
     }
-    size_t n = strlen(f->name);
-    if (n < 4 || strcmp(f->name + n - 4, ".fwd") != 0) continue;
+    if (f->role != IR_ROLE_LAYER_FWD) continue;
     const char *algo = "nccl";
     for (int j = 0; j < f->nops; j++)
       for (int a = 0; a < f->ops[j]->nargs; a++)

@@ -9,7 +9,7 @@
 #include <stdio.h>
 
 #include "../ir/ir.h"
-#include "sched.h"
+#include "../sched/sched.h"
 
 // Where a value lives at run time, decided by memplan.
 typedef enum PassMemKind {

@@ -48,10 +48,6 @@ typedef struct Sched {
   FILE *log;
 } Sched;
 
-static bool is_suffix(const char *s, const char *suffix) {
-  size_t n = strlen(s), k = strlen(suffix);
-  return n >= k && strcmp(s + n - k, suffix) == 0;
-}
 
 static bool is_expert_param(const IrParam *p) {
   return p && ir_attrs_get(p->attrs, p->nattrs, "shard_expert") != NULL;
@@ -319,12 +315,9 @@ done:
 
 static IrStream stream_of(const IrOp *op, const char *policy) {
   if (strcmp(policy, "sequential") == 0) return IR_STREAM_COMPUTE;
-  switch (op->kind) {
-  case IR_OP_COMM_ALLTOALL:
-  case IR_OP_COMM_ALLREDUCE:
-  case IR_OP_COMM_ALLREDUCE_GRAD: return IR_STREAM_INTER;
-  case IR_OP_COMM_ALLGATHER:
-  case IR_OP_COMM_REDUCESCATTER: return strcmp(policy, "fsmoe") == 0 ? IR_STREAM_INTRA : IR_STREAM_INTER;
+  switch (ir_op_class(op->kind)) {
+  case IR_CLASS_COMM_INTER: return IR_STREAM_INTER;
+  case IR_CLASS_COMM_INTRA: return strcmp(policy, "fsmoe") == 0 ? IR_STREAM_INTRA : IR_STREAM_INTER;
   default: return IR_STREAM_COMPUTE;
   }
 }
@@ -332,7 +325,7 @@ static IrStream stream_of(const IrOp *op, const char *policy) {
 // The gradient AllReduces that gradpart put in a layer's backward MoE slot (slot="moe") ride on
 // the inter-node link while the experts compute: after chunking they go right after the first
 // AlltoAll of the last chunk (the last dispatch), as the model and the simulator place them
-// (passes/sched_sim.c). Those of the dense slot (slot="dense") stay after the expert region.
+// (sched/sched_sim.c). Those of the dense slot (slot="dense") stay after the expert region.
 static void place_grad_allreduces(IrFunc *f) {
   bool any = false;
   for (int i = 0; i < f->nops; i++) any |= f->ops[i]->kind == IR_OP_COMM_ALLTOALL;
@@ -368,9 +361,7 @@ static IrValue *grad_source(const IrFunc *f, const IrOp *op) {
 }
 
 static void annotate(IrFunc *f, const char *policy, int *next_event) {
-  IrPhase phase = strcmp(f->name, "optimizer") == 0 ? IR_PHASE_OPT
-                  : is_suffix(f->name, ".bwd")     ? IR_PHASE_BWD
-                                                   : IR_PHASE_FWD;
+  IrPhase phase = f->role == IR_ROLE_OPTIMIZER ? IR_PHASE_OPT : f->role == IR_ROLE_LAYER_BWD || f->role == IR_ROLE_LOSS_BWD ? IR_PHASE_BWD : IR_PHASE_FWD;
   for (int i = 0; i < f->nops; i++) {
     IrOp *op = f->ops[i];
     op->stream = stream_of(op, policy);
@@ -392,14 +383,11 @@ static void annotate(IrFunc *f, const char *policy, int *next_event) {
   }
 }
 
-static const char *const policies[] = {"sequential", "fsmoe", "fsmoe-no-iio", "tutel", "tutel-improved", "pipemoe-lina"};
-
 bool pass_schedule(IrModule *m, PassCtx *ctx) {
   Sched S = {.m = m, .ctx = ctx, .log = ctx->log ? ctx->log : stderr};
   const char *policy = ir_mod_str(m, "policy", "sequential");
-  bool known = false;
-  for (size_t i = 0; i < sizeof policies / sizeof *policies; i++) known |= strcmp(policies[i], policy) == 0;
-  if (!known) return ir_error(ctx->d, "schedule: unknown policy '%s'", policy);
+  IrPolicy known;
+  if (!ir_policy_parse(policy, &known)) return ir_error(ctx->d, "schedule: unknown policy '%s'", policy);
   // Degrees: per function from the pipeline pass (attribute r), else the module's.
   int64_t r_fwd = ir_mod_int(m, "r_fwd", 1), r_bwd = ir_mod_int(m, "r_bwd", 1);
   bool sequential = strcmp(policy, "sequential") == 0;
@@ -409,8 +397,7 @@ bool pass_schedule(IrModule *m, PassCtx *ctx) {
       if (m->funcs[i]->ops[j]->stream != IR_STREAM_NONE) return true;
   for (int i = 0; i < m->nfuncs; i++) {
     IrFunc *f = m->funcs[i];
-    if (strncmp(f->name, "loss.", 5) == 0) continue;
-    bool fwd = is_suffix(f->name, ".fwd"), bwd = is_suffix(f->name, ".bwd");
+    bool fwd = f->role == IR_ROLE_LAYER_FWD, bwd = f->role == IR_ROLE_LAYER_BWD;
     if (!fwd && !bwd) continue;
     int64_t r = ir_func_int(f, "r", fwd ? r_fwd : r_bwd);
     if (r < 1) return ir_error(ctx->d, "schedule: @%s: pipeline degree %lld is not at least 1", f->name, (long long)r);

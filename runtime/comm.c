@@ -135,10 +135,7 @@ static void mpi_check(int err, const char *call, const char *file, int line) {
 static void *workspace(Group *gr, size_t floats) {
   if (floats > gr->work_floats) {
     free(gr->work);
-    gr->work = malloc(floats * sizeof(float));
-    if (!gr->work)
-      rt_comm_abort("out of memory: the AlltoAll workspace needs %zu bytes",
-                    floats * sizeof(float));
+    gr->work = rt_alloc(floats * sizeof(float), "the AlltoAll workspace");
     gr->work_floats = floats;
   }
   return gr->work;
@@ -327,9 +324,7 @@ int rt_comm_init(const RtLayout *layout, int nodes) {
   MPI_Comm world;
   MPI_Comm_dup(MPI_COMM_WORLD, &world);   // MPI_COMM_WORLD's handler still aborts here
   MPI_CHECK(MPI_Comm_set_errhandler(world, MPI_ERRORS_RETURN));
-  int *members = malloc(world_size * sizeof *members);
-  if (!members)
-    rt_comm_abort("out of memory");
+  int *members = rt_alloc(world_size * sizeof *members, "the group members");
   for (int g = 0; g < RT_GROUP_COUNT; g++)
     build_group((RtGroup)g, world, members);
   free(members);
@@ -473,9 +468,7 @@ void rt_comm_print_groups(FILE *out) {
   const RtLayout *l = &comm.layout;
   int world = comm.world_size, gpn = l->gpus_per_node;
   int nodes = (world + gpn - 1) / gpn;
-  int *members = malloc(2 * world * sizeof *members);
-  if (!members)
-    rt_comm_abort("out of memory");
+  int *members = rt_alloc(2 * world * sizeof *members, "the layout report");
   int *counts = members + world;
   fprintf(out, "# parallel layout: %d rank%s = dp %d x mp %d = ep %d x esp %d; %d node%s "
           "(gpus_per_node %d); MPI thread level %s\n", world, world == 1 ? "" : "s", l->dp, l->mp,

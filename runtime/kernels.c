@@ -20,15 +20,6 @@
 #include "moert.h"
 #include "rt_internal.h"
 
-static void *xmalloc(size_t bytes, const char *who) {
-  void *p = malloc(bytes ? bytes : 1);
-  if (!p) {
-    fprintf(stderr, "moert: error: out of memory (%zu bytes) in %s\n", bytes, who);
-    exit(1);
-  }
-  return p;
-}
-
 static int group_begin(int s, int g, int gi) { return (int)((int64_t)s * gi / g); }
 
 // ---- dense algebra ----
@@ -274,7 +265,7 @@ int rt_gate_locations(RtStep *st, const int32_t *idx, int32_t *loc, int s, int k
   if (g < 1)
     g = 1;
   bool dropless = cap <= 0;
-  int *count = xmalloc(2 * (size_t)e * sizeof *count, "rt_gate_locations"), *wanted = count + e;
+  int *count = rt_alloc(2 * (size_t)e * sizeof *count, "rt_gate_locations"), *wanted = count + e;
   int most_wanted = 0;
   for (int gi = 0; gi < g; gi++) {
     int t0 = group_begin(s, g, gi), t1 = group_begin(s, g, gi + 1);
@@ -307,7 +298,7 @@ void rt_route_stats(RtStep *st, const int32_t *idx, const int32_t *loc, int s, i
     return;
   if (g < 1)
     g = 1;
-  int64_t *load = xmalloc(2 * (size_t)e * sizeof *load, "rt_route_stats"), *wanted = load + e;
+  int64_t *load = rt_alloc(2 * (size_t)e * sizeof *load, "rt_route_stats"), *wanted = load + e;
   int64_t dropped = 0, most_wanted = 0;
   for (int gi = 0; gi < g; gi++) {
     int t0 = group_begin(s, g, gi), t1 = group_begin(s, g, gi + 1);
@@ -372,7 +363,7 @@ static void aux_group_stats(const float *scores, const int32_t *idx, int s, int 
 float rt_aux_loss(const float *scores, const int32_t *idx, int s, int e, int k, int g) {
   if (g < 1)
     g = 1;
-  double *me = xmalloc(2 * (size_t)e * sizeof *me, "rt_aux_loss"), *ce = me + e;
+  double *me = rt_alloc(2 * (size_t)e * sizeof *me, "rt_aux_loss"), *ce = me + e;
   double total = 0.0;
   for (int gi = 0; gi < g; gi++) {
     aux_group_stats(scores, idx, s, e, k, g, gi, me, ce);
@@ -391,7 +382,7 @@ void rt_aux_loss_grad(const float *scores, const int32_t *idx, float *dscores, i
                       int k, int g, float coef) {
   if (g < 1)
     g = 1;
-  double *me = xmalloc(2 * (size_t)e * sizeof *me, "rt_aux_loss_grad"), *ce = me + e;
+  double *me = rt_alloc(2 * (size_t)e * sizeof *me, "rt_aux_loss_grad"), *ce = me + e;
   for (int gi = 0; gi < g; gi++) {
     int t0 = group_begin(s, g, gi), t1 = group_begin(s, g, gi + 1);
     aux_group_stats(scores, idx, s, e, k, g, gi, me, ce);

@@ -14,15 +14,6 @@
 #include "moert.h"
 #include "rt_internal.h"
 
-static void *xmalloc(size_t bytes, const char *who) {
-  void *p = malloc(bytes ? bytes : 1);
-  if (!p) {
-    fprintf(stderr, "moert: error: out of memory (%zu bytes) in %s\n", bytes, who);
-    exit(1);
-  }
-  return p;
-}
-
 static int group_begin(int s, int g, int gi) { return (int)((int64_t)s * gi / g); }
 
 // ---- elementwise ----
@@ -72,8 +63,8 @@ void rt_div_scalar_grad_s(const float *dy, const float *x, const float *s, float
 void rt_softmax_tokens(const float *x, float *y, int s, int e, int g) {
   if (g < 1)
     g = 1;
-  float *mx = xmalloc((size_t)e * sizeof *mx, "rt_softmax_tokens");
-  double *sum = xmalloc((size_t)e * sizeof *sum, "rt_softmax_tokens");
+  float *mx = rt_alloc((size_t)e * sizeof *mx, "rt_softmax_tokens");
+  double *sum = rt_alloc((size_t)e * sizeof *sum, "rt_softmax_tokens");
   for (int gi = 0; gi < g; gi++) {
     int t0 = group_begin(s, g, gi), t1 = group_begin(s, g, gi + 1);
     for (int j = 0; j < e; j++) {
@@ -104,7 +95,7 @@ void rt_softmax_tokens(const float *x, float *y, int s, int e, int g) {
 void rt_softmax_tokens_grad(const float *dy, const float *y, float *dx, int s, int e, int g) {
   if (g < 1)
     g = 1;
-  double *dot = xmalloc((size_t)e * sizeof *dot, "rt_softmax_tokens_grad");
+  double *dot = rt_alloc((size_t)e * sizeof *dot, "rt_softmax_tokens_grad");
   for (int gi = 0; gi < g; gi++) {
     int t0 = group_begin(s, g, gi), t1 = group_begin(s, g, gi + 1);
     for (int j = 0; j < e; j++)
@@ -175,7 +166,7 @@ void rt_expert_choice(RtStep *st, const float *scores, int32_t *loc, int s, int 
   if (g < 1)
     g = 1;
   int most = s / g + 1;
-  Candidate *cand = xmalloc((size_t)most * sizeof *cand, "rt_expert_choice");
+  Candidate *cand = rt_alloc((size_t)most * sizeof *cand, "rt_expert_choice");
   for (size_t i = 0; i < (size_t)s * e; i++)
     loc[i] = -1;
   for (int gi = 0; gi < g; gi++) {
@@ -206,7 +197,7 @@ void rt_expert_choice_stats(RtStep *st, const int32_t *loc, int s, int e, int g,
     return;
   if (g < 1)
     g = 1;
-  int64_t *load = xmalloc((size_t)e * sizeof *load, "rt_expert_choice_stats");
+  int64_t *load = rt_alloc((size_t)e * sizeof *load, "rt_expert_choice_stats");
   for (int gi = 0; gi < g; gi++) {
     int t0 = group_begin(s, g, gi), t1 = group_begin(s, g, gi + 1), n = t1 - t0;
     if ((cap < n ? cap : n) <= 0)

@@ -48,25 +48,9 @@ enum { EXIT_USAGE = 2 };
 
 // ---- errors ----
 
-static _Thread_local char last_error[1024];
-
-int rt_fail(const char *fmt, ...) {
-  va_list ap;
-  va_start(ap, fmt);
-  vsnprintf(last_error, sizeof last_error, fmt, ap);
-  va_end(ap);
-  return -1;
-}
-
-const char *rt_last_error(void) {
-  return last_error;
-}
-
-void rt_clear_error(void) {
-  last_error[0] = '\0';
-}
-
+// rt_fail, rt_last_error: runtime/error.c.
 static int report_error(void) {
+  const char *last_error = rt_last_error();
   fprintf(stderr, "moert: error: %s\n", last_error[0] ? last_error : "unknown failure");
   return 1;
 }
@@ -289,19 +273,15 @@ static int trainer_create(Trainer *tr, const RtModel *model, const Options *opt,
   // the MP part of that shard the program gives this rank.
   int64_t tokens = model->batch * model->seqlen;
   st->token0 = ranks->dp_index * tokens + ranks->mp_index * (tokens / ranks->mp);
-  st->params = calloc(floats, sizeof(float));
-  st->grads = calloc(floats, sizeof(float));
-  st->opt_m = calloc(floats, sizeof(float));
-  st->opt_v = calloc(floats, sizeof(float));
+  st->params = rt_calloc(floats, sizeof(float), "the parameters");
+  st->grads = rt_calloc(floats, sizeof(float), "the gradients");
+  st->opt_m = rt_calloc(floats, sizeof(float), "the optimizer's first moments");
+  st->opt_v = rt_calloc(floats, sizeof(float), "the optimizer's second moments");
   // The activations of a device model live on the device.
-  if (!model->device)
-    st->arena = aligned_alloc(64, arena ? arena : 64);
-  tr->input = calloc((size_t)tr->elems, sizeof(float));
-  tr->target = calloc((size_t)tr->elems, sizeof(float));
-  if (!st->params || !st->grads || !st->opt_m || !st->opt_v || (!model->device && !st->arena) ||
-      !tr->input || !tr->target)
-    return rt_fail("out of memory: model '%s' needs %zu bytes of parameters and state and %zu "
-                   "bytes of activations", model->name, 4 * floats * sizeof(float), arena);
+  if (!model->device && !(st->arena = aligned_alloc(64, arena ? arena : 64)))
+    rt_out_of_memory(arena, "the activation arena");
+  tr->input = rt_calloc((size_t)tr->elems, sizeof(float), "the step's input");
+  tr->target = rt_calloc((size_t)tr->elems, sizeof(float), "the step's target");
   // Zeroed once so that a plan that reads a buffer before writing it is at least deterministic.
   if (st->arena)
     memset(st->arena, 0, arena ? arena : 64);

@@ -18,11 +18,17 @@
 #error "libmoert reads and writes little-endian files with memcpy; port npy.c and safetensors.c"
 #endif
 
-// ---- errors ----
+// ---- errors (error.c) ----
 // rt_fail (moert.h) records the message and returns -1.
 // The message of the last rt_fail, "" when none.
 const char *rt_last_error(void);
 void rt_clear_error(void);
+// Out of memory: one policy for the whole runtime. The job ends with "moert: error: rank R on
+// HOST: out of memory: WHAT needs N bytes" and exit status 1 (every rank, through rt_comm_abort).
+_Noreturn void rt_out_of_memory(size_t bytes, const char *what);
+// malloc / calloc that end the job so when they fail (0 bytes allocate 1).
+void *rt_alloc(size_t bytes, const char *what);
+void *rt_calloc(size_t n, size_t size, const char *what);
 
 // ---- routing statistics (kernels.c) ----
 // Adds the per-expert loads of one layer (load[e]: tokens or choices kept by each expert) to

@@ -1,4 +1,4 @@
-// Unit tests of the least-squares line of passes/fit.c (the fit behind `moec tune`):
+// Unit tests of the least-squares line of sched/fit.c (the fit behind `moec tune`):
 //  - exact synthetic points on the paper's size grids (GEMM 2^19..12*2^19, communication
 //    2^18..24*2^18) give back alpha and beta to 1e-12 relative, and r^2 = 1 (to 1e-12);
 //  - a negative coefficient comes back as fitted (clamping is the writer's business);
@@ -15,7 +15,7 @@
 
 #include <cmocka.h>
 
-#include "passes/fit.h"
+#include "sched/fit.h"
 
 static void assert_rel(double got, double want, double tol, const char *what) {
   double err = fabs(got - want) / (want != 0 ? fabs(want) : 1.0);

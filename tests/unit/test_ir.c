@@ -153,7 +153,7 @@ static IrModule *build_small(void) {
   IrParam *wg = ir_add_param(m, "block0.moe.gate.wg", ir_type2(IR_F32, 32, 4));
   ir_attrs_set_str(m, wg->attrs, &wg->nattrs, "init", "normal");
   ir_attrs_set_float(wg->attrs, &wg->nattrs, "std", 1.0 / sqrt(32.0));
-  IrFunc *f = ir_add_func(m, "block0.fwd");
+  IrFunc *f = ir_add_func(m, "block0.fwd", ir_func_role_of_name("block0.fwd"));
   IrValue *x = ir_add_arg(f, m, "x", ir_type2(IR_F32, 64, 32));
   IrOp *op = ir_add_op(f, m, IR_OP_MATMUL, "logits", ir_type2(IR_F32, 64, 4));
   ir_op_arg(op, x);
@@ -180,7 +180,7 @@ static IrModule *build_small(void) {
   ir_add_ret(f, m, scores);
   ir_add_ret(f, m, z);
 
-  IrFunc *g = ir_add_func(m, "block0.bwd");
+  IrFunc *g = ir_add_func(m, "block0.bwd", ir_func_role_of_name("block0.bwd"));
   g->saves = f;
   IrValue *dl = ir_add_arg(g, m, "dlogits", ir_type2(IR_F32, 64, 4));
   op = ir_add_op(g, m, IR_OP_MATMUL, "dwg", ir_type2(IR_F32, 32, 4));
@@ -192,7 +192,7 @@ static IrModule *build_small(void) {
   ir_op_param(op, wg);
   ir_op_arg(op, dwg);
 
-  IrFunc *o = ir_add_func(m, "optimizer");
+  IrFunc *o = ir_add_func(m, "optimizer", ir_func_role_of_name("optimizer"));
   op = ir_add_op(o, m, IR_OP_OPT_SGD, NULL, ir_type0(IR_F32));
   ir_op_param(op, wg);
   ir_op_set_float(op, "lr", 0.01);
@@ -285,7 +285,7 @@ static void test_odd_names_round_trip(void **state) {
   (void)state;
   IrModule *m = ir_module_new("odd name");
   IrParam *p = ir_add_param(m, "w 1", ir_type1(IR_F32, 4));
-  IrFunc *f = ir_add_func(m, "f\"x");
+  IrFunc *f = ir_add_func(m, "f\"x", ir_func_role_of_name("f\"x"));
   IrValue *x = ir_add_arg(f, m, "0-in", ir_type1(IR_F32, 4));
   IrOp *op = ir_add_op(f, m, IR_OP_BIAS, "a b", ir_type1(IR_F32, 4));
   op->args[op->nargs++] = (IrOperand){.value = x};
@@ -507,7 +507,7 @@ static void v_result_type(IrModule *m, IrFunc *f, IrValue *x, IrParam *w) {
   ir_op_param(op, w);
 }
 static void v_other_func(IrModule *m, IrFunc *f, IrValue *x, IrParam *w) {
-  IrFunc *g = ir_add_func(m, "g");
+  IrFunc *g = ir_add_func(m, "g", ir_func_role_of_name("g"));
   op_v(g, m, IR_OP_ACT_RELU, "y", ir_type2(IR_F32, 64, 32), x);
 }
 static void v_param_grad(IrModule *m, IrFunc *f, IrValue *x, IrParam *w) {
@@ -566,11 +566,11 @@ static void v_result_count(IrModule *m, IrFunc *f, IrValue *x, IrParam *w) {
   ir_op_set_float(op, "lr", 0.1);
 }
 static void v_bad_ret(IrModule *m, IrFunc *f, IrValue *x, IrParam *w) {
-  IrFunc *g = ir_add_func(m, "g");
+  IrFunc *g = ir_add_func(m, "g", ir_func_role_of_name("g"));
   ir_add_ret(g, m, x);
 }
 static void v_saves_later(IrModule *m, IrFunc *f, IrValue *x, IrParam *w) {
-  IrFunc *g = ir_add_func(m, "g");
+  IrFunc *g = ir_add_func(m, "g", ir_func_role_of_name("g"));
   f->saves = g;
 }
 
@@ -606,7 +606,7 @@ static void test_verify_errors(void **state) {
   for (size_t i = 0; i < sizeof verify_cases / sizeof verify_cases[0]; i++) {
     IrModule *m = ir_module_new("t");
     IrParam *w = ir_add_param(m, "w", ir_type2(IR_F32, 32, 4));
-    IrFunc *f = ir_add_func(m, "f");
+    IrFunc *f = ir_add_func(m, "f", ir_func_role_of_name("f"));
     IrValue *x = ir_add_arg(f, m, "x", ir_type2(IR_F32, 64, 32));
     verify_cases[i].build(m, f, x, w);
     Capture c;

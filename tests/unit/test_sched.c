@@ -1,4 +1,4 @@
-// Unit tests of the scheduling model (passes/sched_*.c, DESIGN §6):
+// Unit tests of the scheduling model (sched/sched_*.c, DESIGN §6):
 //  - the chosen integer pipeline degree is within 1 % (simulated time) of the best degree found
 //    by simulating every r in 1..32, over 2000 seeded random layers, and Algorithm 1 is fast
 //    (solver time per layer printed and asserted under 1 ms);
@@ -25,7 +25,7 @@
 #include <math.h>
 
 #include "frontend/fe.h"
-#include "passes/sched.h"
+#include "sched/sched.h"
 
 #ifndef MOEC_ROOT
 #define MOEC_ROOT "."
@@ -120,8 +120,8 @@ static void test_degree_within_one_percent(void **state) {
 
     // The reference: every r simulated here, independently of the planner.
     double best = INFINITY;
-    for (int r = 1; r <= SCHED_R_MAX; r++) best = fmin(best, sched_sim_moe(SCHED_FSMOE, &cost, ph, r, grad));
-    double t_chosen = sched_sim_moe(SCHED_FSMOE, &cost, ph, lp.r[ph], grad);
+    for (int r = 1; r <= SCHED_R_MAX; r++) best = fmin(best, sched_sim_moe(IR_POLICY_FSMOE, &cost, ph, r, grad));
+    double t_chosen = sched_sim_moe(IR_POLICY_FSMOE, &cost, ph, lp.r[ph], grad);
     chosen_ok += t_chosen <= 1.01 * best;
     slsqp_ok += lp.t_sim_slsqp[ph] <= 1.01 * best;
     exh_ok += lp.t_sim_exhaustive[ph] <= 1.01 * best;
@@ -198,7 +198,7 @@ static void test_sequential_closed_form(void **state) {
     }
     SchedStack st = {n, cost, rm};
     SchedPlan p;
-    assert_true(sched_plan(&st, SCHED_SEQUENTIAL, &p));
+    assert_true(sched_plan(&st, IR_POLICY_SEQUENTIAL, &p));
     assert_true(fabs(p.t_iter - want) <= 1e-9 * want);
     assert_true(fabs(sched_sequential_time(cost, n) - want) <= 1e-9 * want);
     for (int i = 0; i < n; i++) assert_true(p.layer[i].r[0] == 1 && p.layer[i].r[1] == 1);
@@ -226,7 +226,7 @@ static void test_simulator_matches_cases(void **state) {
     p->n_a2a = p->n_ag = p->n_rs = p->n_exp = 1e6;
     for (int r = 1; r <= 8; r++) {
       assert_int_equal(sched_case(p, r, 0), r == 1 ? 2 : regimes[k].kase);   // r = 1: Q2 and Q3 hold
-      double model = sched_model_time(p, r, 0), sim = sched_sim_moe(SCHED_FSMOE, &c, SCHED_FWD, r, 0);
+      double model = sched_model_time(p, r, 0), sim = sched_sim_moe(IR_POLICY_FSMOE, &c, SCHED_FWD, r, 0);
       assert_true(fabs(model - sim) <= 1e-9 * model);
     }
   }
@@ -262,24 +262,24 @@ static void test_table4_fsmoe_fastest(void **state) {
       int rm[2] = {spec.r_max, spec.r_max};
       SchedStack st = {2, cost, rm};
       double lb = sched_lower_bound(&st, NULL, NULL);
-      SchedPlan plans[SCHED_NPOLICIES];
-      for (int q = 0; q < SCHED_NPOLICIES; q++) {
-        assert_true(sched_plan(&st, (SchedPolicy)q, &plans[q]));
+      SchedPlan plans[IR_NPOLICIES];
+      for (int q = 0; q < IR_NPOLICIES; q++) {
+        assert_true(sched_plan(&st, (IrPolicy)q, &plans[q]));
         assert_true(lb <= plans[q].t_iter * (1 + 1e-12));
       }
-      for (int q = 1; q < SCHED_NPOLICIES; q++) {
-        if (plans[SCHED_FSMOE].t_iter <= plans[q].t_iter * (1 + 1e-9)) continue;
+      for (int q = 1; q < IR_NPOLICIES; q++) {
+        if (plans[IR_POLICY_FSMOE].t_iter <= plans[q].t_iter * (1 + 1e-9)) continue;
         found++;
         bool listed = false;
         for (const Exception *e = expected_exceptions; e->profile; e++)
-          listed |= strcmp(e->profile, profiles[pi]) == 0 && e->id == id && strcmp(e->faster, sched_policy_name[q]) == 0;
+          listed |= strcmp(e->profile, profiles[pi]) == 0 && e->id == id && strcmp(e->faster, ir_policy_name[q]) == 0;
         if (!listed) {
           unexpected++;
-          printf("# unexpected: %s case %d: %s %.6f ms < fsmoe %.6f ms\n", profiles[pi], id, sched_policy_name[q],
-                 plans[q].t_iter, plans[SCHED_FSMOE].t_iter);
+          printf("# unexpected: %s case %d: %s %.6f ms < fsmoe %.6f ms\n", profiles[pi], id, ir_policy_name[q],
+                 plans[q].t_iter, plans[IR_POLICY_FSMOE].t_iter);
         }
       }
-      for (int q = 0; q < SCHED_NPOLICIES; q++) sched_plan_free(&plans[q]);
+      for (int q = 0; q < IR_NPOLICIES; q++) sched_plan_free(&plans[q]);
     }
   }
   printf("# table 4: %d x %d cases, fsmoe slower than another policy in %d (expected %d)\n", NPROFILES,
@@ -308,11 +308,11 @@ static void test_stacks_bound_and_gradients(void **state) {
     }
     SchedStack st = {n, cost, rm};
     double lb = sched_lower_bound(&st, NULL, NULL), t_fsmoe = 0;
-    for (int q = 0; q < SCHED_NPOLICIES; q++) {
+    for (int q = 0; q < IR_NPOLICIES; q++) {
       SchedPlan p;
-      assert_true(sched_plan(&st, (SchedPolicy)q, &p));
+      assert_true(sched_plan(&st, (IrPolicy)q, &p));
       assert_true(lb <= p.t_iter * (1 + 1e-12));
-      if (q == SCHED_FSMOE) t_fsmoe = p.t_iter;
+      if (q == IR_POLICY_FSMOE) t_fsmoe = p.t_iter;
       else if (t_fsmoe > p.t_iter * (1 + 1e-9)) {
         slower++;
         worst = fmax(worst, t_fsmoe / p.t_iter - 1);
@@ -327,12 +327,12 @@ static void test_stacks_bound_and_gradients(void **state) {
         available += cost[i].n_grad;
         produced += cost[i].n_grad;
       }
-      if (q != SCHED_PIPEMOE_LINA) assert_true(fabs(placed - produced) <= 1e-6 * (1 + produced));
+      if (q != IR_POLICY_PIPEMOE_LINA) assert_true(fabs(placed - produced) <= 1e-6 * (1 + produced));
       sched_plan_free(&p);
     }
   }
   printf("# random stacks: %d of %d x %d policy pairs where fsmoe is slower (worst by %.2f%%)\n", slower, NTRIALS,
-         SCHED_NPOLICIES - 1, 100 * worst);
+         IR_NPOLICIES - 1, 100 * worst);
 }
 
 static char *slurp(FILE *f, size_t *len) {
@@ -361,7 +361,7 @@ static void test_trace_and_svg(void **state) {
   load_cluster("testbed-a-solver", &c, &fc);
   double seqlens[3];
   sched_table4_seqlens(&c, seqlens);
-  for (int q = 0; q < SCHED_NPOLICIES; q++) {
+  for (int q = 0; q < IR_NPOLICIES; q++) {
     SchedTable4Case tc;
     SchedLayerSpec spec;
     sched_table4_case(1000, &c, seqlens, SCHED_DROPLESS_CAPACITY, &tc, &spec);
@@ -371,7 +371,7 @@ static void test_trace_and_svg(void **state) {
     int rm[2] = {SCHED_R_MAX, SCHED_R_MAX};
     SchedStack st = {2, cost, rm};
     SchedPlan plan;
-    assert_true(sched_plan(&st, (SchedPolicy)q, &plan));
+    assert_true(sched_plan(&st, (IrPolicy)q, &plan));
     SchedProgram g;
     assert_true(sched_build_program(&st, &plan, &g));
     assert_true(sched_simulate(&g));
@@ -439,10 +439,10 @@ static void test_deterministic(void **state) {
     cost[1] = cost[0];
     int rm[2] = {SCHED_R_MAX, SCHED_R_MAX};
     SchedStack st = {2, cost, rm};
-    for (int q = 0; q < SCHED_NPOLICIES; q++) {
+    for (int q = 0; q < IR_NPOLICIES; q++) {
       SchedPlan a, b;
-      assert_true(sched_plan(&st, (SchedPolicy)q, &a));
-      assert_true(sched_plan(&st, (SchedPolicy)q, &b));
+      assert_true(sched_plan(&st, (IrPolicy)q, &a));
+      assert_true(sched_plan(&st, (IrPolicy)q, &b));
       assert_true(a.t_iter == b.t_iter && a.t_fwd == b.t_fwd && a.grad_tail == b.grad_tail);
       assert_memory_equal(a.layer, b.layer, 2 * sizeof *a.layer);
       sched_plan_free(&a);

@@ -12,24 +12,6 @@
 
 #include "sched.h"
 
-const char *const sched_policy_name[SCHED_NPOLICIES] = {
-    [SCHED_FSMOE] = "fsmoe",
-    [SCHED_FSMOE_NO_IIO] = "fsmoe-no-iio",
-    [SCHED_TUTEL] = "tutel",
-    [SCHED_TUTEL_IMPROVED] = "tutel-improved",
-    [SCHED_PIPEMOE_LINA] = "pipemoe-lina",
-    [SCHED_SEQUENTIAL] = "sequential",
-};
-
-bool sched_policy_parse(const char *name, SchedPolicy *out) {
-  for (int i = 0; i < SCHED_NPOLICIES; i++)
-    if (strcmp(name, sched_policy_name[i]) == 0) {
-      *out = (SchedPolicy)i;
-      return true;
-    }
-  return false;
-}
-
 // Dense gradient of the attention of a generalized layer, sharded over MP (DESIGN §6): GPT
 // blocks have QKV (3M^2 + 3M) and the output projection (M^2 + M, its bias replicated);
 // Mixtral uses grouped-query attention (K and V with 8 of 32 heads: 1.5 M^2) and no biases.

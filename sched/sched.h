@@ -2,7 +2,7 @@
 // layer (dense attention + MoE) on a cluster profile, the four cases under Q1-Q7, Algorithm 1
 // (per-phase pipeline degree r), the gradient partition (eqs. (3)-(4) + a global optimiser),
 // the stream programs of the six policies, a discrete-event simulator that judges them, and
-// Chrome-trace / SVG writers. Internal to the compiler: `moec plan` and `moec sweep` (plan.c),
+// Chrome-trace / SVG writers. Internal to the compiler: `moec plan` and `moec sweep` (cli/plan.c),
 // the pipeline pass (passes/degrees.c, which hands its amounts to gradpart) and the tests use it.
 //
 // Units: times in ms, sizes in elements (communication: elements each rank sends/receives;
@@ -14,25 +14,14 @@
 #include <stdint.h>
 #include <stdio.h>
 
+#include "ir.h"
+
 #define SCHED_R_MAX 32              // pipeline degrees searched: 1..SCHED_R_MAX
 #define SCHED_LINA_CHUNK_BYTES (30.0 * 1024 * 1024)   // PipeMoE+Lina's fixed gradient chunk
 #define SCHED_GRAD_BYTES 4.0        // bytes per gradient element (fp32 gradients)
 #define SCHED_DROPLESS_CAPACITY 1.5 // capacity factor standing in for `capacity *` (busiest expert at 1.5x the mean load)
 
-// ---- policies (DESIGN §6, paper §6) ----
-typedef enum SchedPolicy {
-  SCHED_FSMOE,           // per-phase r (Algorithm 1), gradient partition, intra/inter/compute streams
-  SCHED_FSMOE_NO_IIO,    // per-phase r and gradient partition, intra+inter collectives on one stream
-  SCHED_TUTEL,           // PipeMoE r for the forward, reused backward; one comm stream; AllReduce after
-  SCHED_TUTEL_IMPROVED,  // tutel + each layer's AllReduce overlapped with the next dense backward
-  SCHED_PIPEMOE_LINA,    // tutel + gradients in 30 MB chunks at low priority on the inter-node link
-  SCHED_SEQUENTIAL,      // DS-MoE: r = 1, nothing overlaps
-  SCHED_NPOLICIES
-} SchedPolicy;
-
-extern const char *const sched_policy_name[SCHED_NPOLICIES];
-// Parses a policy name; false if unknown.
-bool sched_policy_parse(const char *name, SchedPolicy *out);
+// ---- policies: IrPolicy, ir_policy_name and ir_policy_parse (ir/ir.h), one table for all ----
 
 // ---- cluster and layers ----
 typedef struct SchedCoef {
@@ -123,7 +112,7 @@ void sched_table4_seqlens(const SchedCluster *c, double out[3]);
 void sched_table4_case(int id, const SchedCluster *c, const double seqlens[3], double dropless_capacity,
                        SchedTable4Case *tc, SchedLayerSpec *spec);
 
-// ---- Algorithm 1 (passes/sched_solve.c) ----
+// ---- Algorithm 1 (sched/sched_solve.c) ----
 typedef enum SchedMethod {
   SCHED_METHOD_SLSQP,       // the paper: each case's sub-problems with NLopt SLSQP, integer neighbours
   SCHED_METHOD_EXHAUSTIVE,  // closed form at every integer r in 1..r_max (exact for the model)
@@ -157,7 +146,7 @@ typedef struct SchedLayerPlan {
 } SchedLayerPlan;
 
 typedef struct SchedPlan {
-  SchedPolicy policy;
+  IrPolicy policy;
   int nlayers;
   SchedLayerPlan *layer;
   double grad_tail;              // elements all-reduced after the backward pass
@@ -192,10 +181,10 @@ void sched_fsmoe_degree(const SchedLayerCost *c, int r_max, int phase, double gr
 
 // Plans a stack for a policy (r per layer and phase, gradient placement) and simulates it.
 // out->layer is allocated; free with sched_plan_free.
-bool sched_plan(const SchedStack *st, SchedPolicy pol, SchedPlan *out);
+bool sched_plan(const SchedStack *st, IrPolicy pol, SchedPlan *out);
 void sched_plan_free(SchedPlan *p);
 
-// ---- gradient partition (passes/sched_gradpart.c) ----
+// ---- gradient partition (sched/sched_gradpart.c) ----
 // f_moe(t_gar): the MoE layer's modelled time when t_gar of AllReduce rides inside it.
 typedef double (*SchedMoeFn)(const SchedLayerCost *c, int r_max, double t_gar);
 
@@ -221,7 +210,7 @@ void sched_gradpart_free(SchedGradPart *g);
 double sched_gradpart_time(const SchedStack *st, SchedMoeFn f_moe, const double *moe, const double *dense,
                            double tail);
 
-// ---- stream programs and the simulator (passes/sched_sim.c) ----
+// ---- stream programs and the simulator (sched/sched_sim.c) ----
 typedef enum SchedOpKind {
   SCHED_OP_ATTENTION, SCHED_OP_DISPATCH, SCHED_OP_ALLGATHER, SCHED_OP_EXPERT,
   SCHED_OP_REDUCESCATTER, SCHED_OP_COMBINE, SCHED_OP_ALLREDUCE, SCHED_NOPKINDS
@@ -264,13 +253,13 @@ bool sched_build_program(const SchedStack *st, const SchedPlan *plan, SchedProgr
 bool sched_simulate(SchedProgram *g);
 // Simulated time of one MoE layer alone (one phase at degree r, with grad_elems of AllReduce
 // after the last dispatch for fsmoe / no-iio), under a policy's streams.
-double sched_sim_moe(SchedPolicy pol, const SchedLayerCost *c, int phase, int r, double grad_elems);
+double sched_sim_moe(IrPolicy pol, const SchedLayerCost *c, int phase, int r, double grad_elems);
 
 // Resource lower bound of any schedule of the stack: the busiest resource's total work at
 // r = 1 with all gradients in one AllReduce. busiest: index of that resource.
 double sched_lower_bound(const SchedStack *st, SchedResource *busiest, double total[SCHED_NRES]);
 
-// ---- output (passes/sched_trace.c) ----
+// ---- output (sched/sched_trace.c) ----
 // Chrome trace JSON (chrome://tracing, Perfetto): one thread per stream, times in us.
 bool sched_write_trace(FILE *out, const SchedProgram *g, const char *title);
 // SVG timeline, one row per stream (as the paper's Fig. 3).

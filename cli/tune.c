@@ -22,7 +22,7 @@
 // size runs once to warm up, then 5 times; a run is timed between a barrier and a max-reduce,
 // so it is the slowest rank's time, and the median of the 5 is the point. Every rank computes
 // its GEMMs at the same time, as in a training step. Fits are LAPACK least squares
-// (passes/fit.c). Rank 0 prints '#' metadata, a fixed-width table and an OK/FAILED footer, and
+// (sched/fit.c). Rank 0 prints '#' metadata, a fixed-width table and an OK/FAILED footer, and
 // writes the profile atomically; a progress bar goes to stderr when a person is watching.
 #include <mpi.h>
 
@@ -38,10 +38,10 @@
 
 #include "frontend/fe.h"
 #include "ir/ir.h"
-#include "passes/fit.h"
+#include "sched/fit.h"
 #include "runtime/moert.h"
+#include "cli.h"
 
-int moec_tune(int argc, char **argv);
 
 extern int openblas_get_num_threads(void);   // OpenBLAS, which libmoert's GEMMs run on
 
@@ -102,8 +102,7 @@ static void say(FILE *f, const char *fmt, ...) {
   va_end(ap);
 }
 
-void moec_tune_usage(FILE *out);
-void moec_tune_usage(FILE *out) {
+void cli_tune_usage(FILE *out) {
   fprintf(out,
           "usage: mpirun -np P moec tune [-o F.cluster] [--quick] [--model F.moe] [--gpus-per-node G] [-v]\n"
           "\n"
@@ -493,7 +492,7 @@ static void format_run(char *buf, size_t size, int step, int count) {
 
 // ---- the command ----
 
-int moec_tune(int argc, char **argv) {
+int cli_tune(int argc, char **argv) {
   int provided;   // rt_comm_init reuses this MPI
   MPI_Init_thread(&argc, &argv, MPI_THREAD_MULTIPLE, &provided);
   int world;

@@ -39,22 +39,22 @@ typedef struct Streams {
   int compute, intra, inter, allreduce;
 } Streams;
 
-static Streams streams_of(SchedPolicy pol, SchedProgram *g) {
+static Streams streams_of(IrPolicy pol, SchedProgram *g) {
   Streams s;
   switch (pol) {
-  case SCHED_SEQUENTIAL:
+  case IR_POLICY_SEQUENTIAL:
     g->nstreams = 1;
     g->stream_name[0] = "main";
     s = (Streams){0, 0, 0, 0};
     break;
-  case SCHED_FSMOE:
+  case IR_POLICY_FSMOE:
     g->nstreams = 3;
     g->stream_name[0] = "compute";
     g->stream_name[1] = "intra";
     g->stream_name[2] = "inter";
     s = (Streams){0, 1, 2, 2};
     break;
-  case SCHED_PIPEMOE_LINA:
+  case IR_POLICY_PIPEMOE_LINA:
     g->nstreams = 3;
     g->stream_name[0] = "compute";
     g->stream_name[1] = "comm";
@@ -124,10 +124,10 @@ static int add_allreduce(SchedProgram *g, Streams s, const SchedCoef *ar, int la
 
 bool sched_build_program(const SchedStack *st, const SchedPlan *plan, SchedProgram *out) {
   *out = (SchedProgram){0};
-  SchedPolicy pol = plan->policy;
+  IrPolicy pol = plan->policy;
   Streams s = streams_of(pol, out);
   int n = st->n, prev = -1;
-  bool partitioned = pol == SCHED_FSMOE || pol == SCHED_FSMOE_NO_IIO;
+  bool partitioned = pol == IR_POLICY_FSMOE || pol == IR_POLICY_FSMOE_NO_IIO;
   int *att_bwd = calloc((size_t)(n > 0 ? n : 1), sizeof *att_bwd);
   if (!att_bwd) return false;
   bool ok = true;
@@ -148,9 +148,9 @@ bool sched_build_program(const SchedStack *st, const SchedPlan *plan, SchedProgr
     ok = last >= 0 && att_bwd[i] >= 0;
     if (partitioned && lp->grad_dense > 0)
       ok &= add_allreduce(out, s, &c->ar, i, 1, lp->grad_dense, grad_dep) >= 0;
-    if (pol == SCHED_TUTEL_IMPROVED && i + 1 < n && st->cost[i + 1].n_grad > 0)
+    if (pol == IR_POLICY_TUTEL_IMPROVED && i + 1 < n && st->cost[i + 1].n_grad > 0)
       ok &= add_allreduce(out, s, &st->cost[i + 1].ar, i + 1, 0, st->cost[i + 1].n_grad, att_bwd[i + 1]) >= 0;
-    if (pol == SCHED_PIPEMOE_LINA && c->n_grad > 0) {
+    if (pol == IR_POLICY_PIPEMOE_LINA && c->n_grad > 0) {
       double chunk = SCHED_LINA_CHUNK_BYTES / SCHED_GRAD_BYTES;
       int k = 0;
       for (double left = c->n_grad; left > 0 && ok; left -= chunk, k++)
@@ -159,10 +159,10 @@ bool sched_build_program(const SchedStack *st, const SchedPlan *plan, SchedProgr
     prev = att_bwd[i];
   }
   // What is left is all-reduced after the backward pass.
-  if (ok && (pol == SCHED_SEQUENTIAL || pol == SCHED_TUTEL)) {
+  if (ok && (pol == IR_POLICY_SEQUENTIAL || pol == IR_POLICY_TUTEL)) {
     for (int i = n - 1; i >= 0 && ok; i--)
       if (st->cost[i].n_grad > 0) ok &= (prev = add_allreduce(out, s, &st->cost[i].ar, i, 0, st->cost[i].n_grad, prev)) >= 0;
-  } else if (ok && pol == SCHED_TUTEL_IMPROVED && n > 0 && st->cost[0].n_grad > 0) {
+  } else if (ok && pol == IR_POLICY_TUTEL_IMPROVED && n > 0 && st->cost[0].n_grad > 0) {
     ok &= add_allreduce(out, s, &st->cost[0].ar, 0, 0, st->cost[0].n_grad, prev) >= 0;
   } else if (ok && partitioned && plan->grad_tail > 0 && n > 0) {
     ok &= add_allreduce(out, s, &st->cost[0].ar, 0, 2, plan->grad_tail, prev) >= 0;
@@ -270,10 +270,10 @@ bool sched_simulate(SchedProgram *g) {
   return ok;
 }
 
-double sched_sim_moe(SchedPolicy pol, const SchedLayerCost *c, int phase, int r, double grad_elems) {
+double sched_sim_moe(IrPolicy pol, const SchedLayerCost *c, int phase, int r, double grad_elems) {
   SchedProgram g = {0};
   Streams s = streams_of(pol, &g);
-  if (pol != SCHED_FSMOE && pol != SCHED_FSMOE_NO_IIO) grad_elems = 0;
+  if (pol != IR_POLICY_FSMOE && pol != IR_POLICY_FSMOE_NO_IIO) grad_elems = 0;
   double t = NAN;
   if (add_moe(&g, s, c, 0, phase, r, -1, grad_elems, -1) >= 0 && sched_simulate(&g)) t = g.makespan;
   sched_program_free(&g);

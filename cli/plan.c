@@ -9,8 +9,8 @@
 // integer optimum), simulator (the simulator's own best r).
 //
 // plan reads a model, turns every layer instance into a generalized layer (its attention, if
-// any, then its MoE) as one rank sees it, plans it for each policy (passes/sched_solve.c) and
-// simulates the stream programs (passes/sched_sim.c). sweep does the same for the paper's
+// any, then its MoE) as one rank sees it, plans it for each policy (sched/sched_solve.c) and
+// simulates the stream programs (sched/sched_sim.c). sweep does the same for the paper's
 // Table 4 space (1458 stacks of two identical generalized layers) and sets the average
 // speedups over tutel beside the paper's Table 5. Both are called with main's argc/argv
 // (argv[1] is the command) and return the exit status: 0 success, 1 the input has errors,
@@ -23,15 +23,11 @@
 
 #include "frontend/fe.h"
 #include "ir/ir.h"
-#include "passes/sched.h"
+#include "sched/sched.h"
+#include "cli.h"
 
-int moec_plan(int argc, char **argv);
-int moec_sweep(int argc, char **argv);
-void moec_plan_usage(FILE *out);
-void moec_sweep_usage(FILE *out);
-void moec_cluster_from_fe(const FeCluster *f, SchedCluster *c);
 
-void moec_cluster_from_fe(const FeCluster *f, SchedCluster *c) {
+void cli_cluster_from_fe(const FeCluster *f, SchedCluster *c) {
   *c = (SchedCluster){.name = f->name, .nodes = (int)f->nodes, .gpus_per_node = (int)f->gpus_per_node,
                       .gemm = {f->gemm.alpha, f->gemm.beta}, .alltoall = {f->alltoall.alpha, f->alltoall.beta},
                       .allgather = {f->allgather.alpha, f->allgather.beta},
@@ -46,14 +42,14 @@ static double now_s(void) {
 }
 
 // Plans and simulates a stack under every policy.
-static bool plan_all(const SchedStack *st, SchedPlan plans[SCHED_NPOLICIES]) {
+static bool plan_all(const SchedStack *st, SchedPlan plans[IR_NPOLICIES]) {
   bool ok = true;
-  for (int p = 0; p < SCHED_NPOLICIES; p++) ok &= sched_plan(st, (SchedPolicy)p, &plans[p]);
+  for (int p = 0; p < IR_NPOLICIES; p++) ok &= sched_plan(st, (IrPolicy)p, &plans[p]);
   return ok;
 }
 
-static void free_all(SchedPlan plans[SCHED_NPOLICIES]) {
-  for (int p = 0; p < SCHED_NPOLICIES; p++) sched_plan_free(&plans[p]);
+static void free_all(SchedPlan plans[IR_NPOLICIES]) {
+  for (int p = 0; p < IR_NPOLICIES; p++) sched_plan_free(&plans[p]);
 }
 
 static bool need_value(int i, int argc, char **argv) {
@@ -144,11 +140,11 @@ static void dropless_buckets(const PlanLayer *pl, const SchedCluster *c, const S
 
 static bool write_json(const char *path, const char *model, const char *cluster_path, const SchedCluster *c,
                        const FeParallel *par, const PlanLayer *layers, const SchedStack *st,
-                       const SchedPlan plans[SCHED_NPOLICIES], double lb, SchedResource busiest,
+                       const SchedPlan plans[IR_NPOLICIES], double lb, SchedResource busiest,
                        const double lb_total[SCHED_NRES]) {
   FILE *f = fopen(path, "w");
   if (!f) return false;
-  const SchedPlan *tutel = &plans[SCHED_TUTEL], *seq = &plans[SCHED_SEQUENTIAL];
+  const SchedPlan *tutel = &plans[IR_POLICY_TUTEL], *seq = &plans[IR_POLICY_SEQUENTIAL];
   fprintf(f, "{\n  \"format\": \"moec-plan-1\",\n  \"model\": ");
   json_str(f, model);
   fprintf(f, ",\n  \"cluster\": {\"name\": ");
@@ -172,10 +168,10 @@ static bool write_json(const char *path, const char *model, const char *cluster_
     fprintf(f, " \"t_attention_ms\": [%.9g, %.9g]}", cost->phase[0].t_att, cost->phase[1].t_att);
   }
   fprintf(f, "\n  ],\n  \"policies\": [");
-  for (int p = 0; p < SCHED_NPOLICIES; p++) {
+  for (int p = 0; p < IR_NPOLICIES; p++) {
     const SchedPlan *pl = &plans[p];
     fprintf(f, "%s\n    {\"name\": \"%s\", \"forward_ms\": %.9g, \"backward_ms\": %.9g, \"iteration_ms\": %.9g,",
-            p ? "," : "", sched_policy_name[p], pl->t_fwd, pl->t_bwd, pl->t_iter);
+            p ? "," : "", ir_policy_name[p], pl->t_fwd, pl->t_bwd, pl->t_iter);
     fprintf(f, " \"speedup_vs_tutel\": %.9g, \"speedup_vs_sequential\": %.9g, \"gap_to_lower_bound\": %.9g,",
             jnum(tutel->t_iter / pl->t_iter), jnum(seq->t_iter / pl->t_iter), jnum(pl->t_iter / lb - 1));
     fprintf(f, "\n     \"gradient_partition\": ");
@@ -187,7 +183,7 @@ static bool write_json(const char *path, const char *model, const char *cluster_
       for (int ph = 0; ph < 2; ph++) {
         fprintf(f, ", \"%s\": {\"r\": %d, \"model_ms\": %.9g", ph ? "backward" : "forward", lp->r[ph],
                 jnum(lp->t_model[ph]));
-        if (p == SCHED_FSMOE)
+        if (p == IR_POLICY_FSMOE)
           fprintf(f,
                   ", \"chosen_by\": \"%s\", \"case\": %d, \"r_slsqp\": %d, \"r_exhaustive\": %d, \"r_simulator\": %d,"
                   " \"sim_ms_slsqp\": %.9g, \"sim_ms_exhaustive\": %.9g, \"sim_ms_simulator\": %.9g",
@@ -198,7 +194,7 @@ static bool write_json(const char *path, const char *model, const char *cluster_
                   lp->t_gar, lp->grad_moe, lp->grad_dense);
         fputc('}', f);
       }
-      if (p == SCHED_FSMOE && layers[i].dropless) {
+      if (p == IR_POLICY_FSMOE && layers[i].dropless) {
         Bucket b[NBUCKETS];
         dropless_buckets(&layers[i], c, lp, st->choose, b);
         fprintf(f, ", \"dropless_buckets\": [");
@@ -229,7 +225,7 @@ static bool write_timeline(const char *path, const SchedStack *st, const SchedPl
   return ok;
 }
 
-void moec_plan_usage(FILE *out) {
+void cli_plan_usage(FILE *out) {
   fprintf(out,
           "usage: moec plan F.moe [--cluster C] [--policy NAME|all] [--heads N] [--degree RULE]\n"
           "                 [--svg F.svg] [--trace F.json] [--json F.json]\n"
@@ -249,7 +245,7 @@ void moec_plan_usage(FILE *out) {
           "  --json F.json     the whole plan as JSON\n");
 }
 
-void moec_sweep_usage(FILE *out) {
+void cli_sweep_usage(FILE *out) {
   fprintf(out,
           "usage: moec sweep --cluster C [--quick] [--degree RULE] [--seqlens A,B,C]\n"
           "                  [--dropless-capacity X]\n"
@@ -264,7 +260,7 @@ void moec_sweep_usage(FILE *out) {
           "  --dropless-capacity X   the capacity factor a dropless layer is planned at\n");
 }
 
-int moec_plan(int argc, char **argv) {
+int cli_plan(int argc, char **argv) {
   const char *input = NULL, *cluster_opt = NULL, *policy = "all", *svg = NULL, *trace = NULL, *json = NULL;
   double heads_opt = 0;
   SchedChoose choose = SCHED_CHOOSE_BEST;
@@ -297,10 +293,10 @@ int moec_plan(int argc, char **argv) {
     fprintf(stderr, "moec: error: no input file (usage: moec plan F.moe [--cluster C] [--policy NAME|all])\n");
     return 2;
   }
-  SchedPolicy shown = SCHED_FSMOE;
+  IrPolicy shown = IR_POLICY_FSMOE;
   bool all = strcmp(policy, "all") == 0;
-  if (!all && !sched_policy_parse(policy, &shown)) {
-    const char *near = ir_closest(policy, sched_policy_name, SCHED_NPOLICIES);
+  if (!all && !ir_policy_parse(policy, &shown)) {
+    const char *near = ir_closest(policy, ir_policy_name, IR_NPOLICIES);
     fprintf(stderr, "moec: error: unknown policy '%s'%s%s%s (fsmoe, fsmoe-no-iio, tutel, tutel-improved, "
                     "pipemoe-lina, sequential, all)\n",
             policy, near ? "; did you mean '" : "", near ? near : "", near ? "'?" : "");
@@ -321,14 +317,14 @@ int moec_plan(int argc, char **argv) {
   PlanLayer *layers = NULL;
   SchedLayerCost *costs = NULL;
   int *r_max = NULL;
-  SchedPlan plans[SCHED_NPOLICIES] = {0};
+  SchedPlan plans[IR_NPOLICIES] = {0};
   if (!cluster_path) {
     ir_error(&d, "no cluster profile: pass --cluster C or add a 'cluster \"F\";' statement to %s", input);
     goto done;
   }
   if (!fe_load_cluster(&d, cluster_path, cluster_opt ? (SrcLoc){0} : p->cluster_loc, &fc)) goto done;
   SchedCluster cluster;
-  moec_cluster_from_fe(&fc, &cluster);
+  cli_cluster_from_fe(&fc, &cluster);
 
   int n = 0;
   for (int i = 0; i < p->nlayers; i++) n += (int)p->layers[i].repeat;
@@ -392,8 +388,8 @@ int moec_plan(int argc, char **argv) {
          SCHED_GRAD_BYTES);
   printf("# a chunk is 1/r of the capacity (T tokens per expert, split as evenly as integers allow); r <= min(%d, T)\n",
          SCHED_R_MAX);
-  bool fsmoe_shown = shown == SCHED_FSMOE;
-  printf("# per-layer plan of %s (r: pipeline degree per phase, forward/backward", sched_policy_name[shown]);
+  bool fsmoe_shown = shown == IR_POLICY_FSMOE;
+  printf("# per-layer plan of %s (r: pipeline degree per phase, forward/backward", ir_policy_name[shown]);
   if (fsmoe_shown)
     printf(";\n#   slsqp / model / sim: Algorithm 1 by SLSQP, by scanning the case model, and the simulator's\n"
            "#   own best r; used (--degree %s): %s; 'by' says which; case: of the chosen r",
@@ -423,7 +419,7 @@ int moec_plan(int argc, char **argv) {
          total_grad, total_grad * SCHED_GRAD_BYTES / 1e6, main_plan->grad_tail,
          main_plan->grad_tail * SCHED_GRAD_BYTES / 1e6,
          total_grad <= 0 ? "nothing to all-reduce" : main_plan->partition ? main_plan->partition : "-");
-  if (shown == SCHED_FSMOE)
+  if (shown == IR_POLICY_FSMOE)
     for (int i = 0; i < n; i++) {
       if (!layers[i].dropless) continue;
       Bucket b[NBUCKETS];
@@ -434,20 +430,20 @@ int moec_plan(int argc, char **argv) {
     }
   printf("#\n%-16s %10s %10s %10s %9s %9s %9s\n", "policy", "fwd_ms", "bwd_ms", "iter_ms", "vs_tutel", "vs_seq",
          "gap_lb");
-  for (int q = 0; q < SCHED_NPOLICIES; q++) {
-    if (!all && q != (int)shown && q != SCHED_TUTEL && q != SCHED_SEQUENTIAL) continue;
+  for (int q = 0; q < IR_NPOLICIES; q++) {
+    if (!all && q != (int)shown && q != IR_POLICY_TUTEL && q != IR_POLICY_SEQUENTIAL) continue;
     const SchedPlan *pl = &plans[q];
-    printf("%-16s %10.3f %10.3f %10.3f %8.3fx %8.3fx %8.1f%%\n", sched_policy_name[q], pl->t_fwd, pl->t_bwd,
-           pl->t_iter, plans[SCHED_TUTEL].t_iter / pl->t_iter, plans[SCHED_SEQUENTIAL].t_iter / pl->t_iter,
+    printf("%-16s %10.3f %10.3f %10.3f %8.3fx %8.3fx %8.1f%%\n", ir_policy_name[q], pl->t_fwd, pl->t_bwd,
+           pl->t_iter, plans[IR_POLICY_TUTEL].t_iter / pl->t_iter, plans[IR_POLICY_SEQUENTIAL].t_iter / pl->t_iter,
            100 * (pl->t_iter / lb - 1));
   }
   printf("# lower bound %.3f ms: busiest resource %s (compute %.3f, intra %.3f, inter %.3f ms at r = 1)\n", lb,
          sched_resource_name[busiest], lb_total[SCHED_RES_COMPUTE], lb_total[SCHED_RES_INTRA],
          lb_total[SCHED_RES_INTER]);
-  printf("# planned %d policies in %.3f ms\n", SCHED_NPOLICIES, plan_s * 1e3);
+  printf("# planned %d policies in %.3f ms\n", IR_NPOLICIES, plan_s * 1e3);
 
   char title[256];
-  snprintf(title, sizeof title, "%s on %s: %s", p->model.name, cluster.name, sched_policy_name[shown]);
+  snprintf(title, sizeof title, "%s on %s: %s", p->model.name, cluster.name, ir_policy_name[shown]);
   bool ok = true;
   if (svg && !write_timeline(svg, &st, main_plan, true, title)) ok = ir_error(&d, "cannot write '%s'", svg);
   if (trace && !write_timeline(trace, &st, main_plan, false, title)) ok = ir_error(&d, "cannot write '%s'", trace);
@@ -471,11 +467,11 @@ done:
 // ---- moec sweep ----
 
 // The paper's Table 5 (average speedup over tutel) on Testbed A and B.
-static double paper_speedup(SchedPolicy p, int testbed) {
-  static const double a[SCHED_NPOLICIES] = {[SCHED_FSMOE] = 1.18, [SCHED_FSMOE_NO_IIO] = 1.12, [SCHED_TUTEL] = 1.00,
-                                            [SCHED_TUTEL_IMPROVED] = 1.09};
-  static const double b[SCHED_NPOLICIES] = {[SCHED_FSMOE] = 1.22, [SCHED_FSMOE_NO_IIO] = 1.16, [SCHED_TUTEL] = 1.00,
-                                            [SCHED_TUTEL_IMPROVED] = 1.08};
+static double paper_speedup(IrPolicy p, int testbed) {
+  static const double a[IR_NPOLICIES] = {[IR_POLICY_FSMOE] = 1.18, [IR_POLICY_FSMOE_NO_IIO] = 1.12, [IR_POLICY_TUTEL] = 1.00,
+                                            [IR_POLICY_TUTEL_IMPROVED] = 1.09};
+  static const double b[IR_NPOLICIES] = {[IR_POLICY_FSMOE] = 1.22, [IR_POLICY_FSMOE_NO_IIO] = 1.16, [IR_POLICY_TUTEL] = 1.00,
+                                            [IR_POLICY_TUTEL_IMPROVED] = 1.08};
   if (testbed == 'a') return a[p];
   if (testbed == 'b') return b[p];
   return 0;
@@ -503,7 +499,7 @@ static void explain(const SchedPlan *fs, const SchedPlan *other, char *buf, size
   if (dfwd > 0 && dfwd >= dbwd) {
     snprintf(buf, n, "forward %.3f ms slower: r_fwd %d (Algorithm 1) vs %d; the case model misjudges the %s overlap",
              dfwd, fs->layer[0].r[SCHED_FWD], other->layer[0].r[SCHED_FWD],
-             other->policy == SCHED_SEQUENTIAL ? "pipelining" : "stream");
+             other->policy == IR_POLICY_SEQUENTIAL ? "pipelining" : "stream");
   } else {
     snprintf(buf, n,
              "backward %.3f ms slower: r_bwd %d/%d vs %d/%d, gradient in MoE %.0f, dense %.0f, tail %.0f (%s) vs %s",
@@ -513,7 +509,7 @@ static void explain(const SchedPlan *fs, const SchedPlan *other, char *buf, size
   }
 }
 
-int moec_sweep(int argc, char **argv) {
+int cli_sweep(int argc, char **argv) {
   const char *cluster_path = NULL;
   bool quick = false;
   double seqlens[3] = {0}, dropless_capacity = SCHED_DROPLESS_CAPACITY;
@@ -552,7 +548,7 @@ int moec_sweep(int argc, char **argv) {
   FeCluster fc;
   if (!fe_load_cluster(&d, cluster_path, (SrcLoc){0}, &fc)) return 1;
   SchedCluster cluster;
-  moec_cluster_from_fe(&fc, &cluster);
+  cli_cluster_from_fe(&fc, &cluster);
   int testbed = strncmp(cluster.name, "testbed_a", 9) == 0 ? 'a' : strncmp(cluster.name, "testbed_b", 9) == 0 ? 'b' : 0;
   if (!have_seqlens) sched_table4_seqlens(&cluster, seqlens);
   int gpn = cluster.gpus_per_node, world = cluster.nodes * cluster.gpus_per_node;
@@ -577,8 +573,8 @@ int moec_sweep(int argc, char **argv) {
            "M", "hs", "f", "ffn", "r_f", "r_b", "sequential", "tutel", "tutel-imp", "lina", "no-iio", "fsmoe",
            "speedup");
 
-  double sum_speedup[SCHED_NPOLICIES] = {0}, sum_vs_seq[SCHED_NPOLICIES] = {0};
-  int wins[SCHED_NPOLICIES] = {0}, rdiff = 0, ncases = 0, nexc = 0;
+  double sum_speedup[IR_NPOLICIES] = {0}, sum_vs_seq[IR_NPOLICIES] = {0};
+  int wins[IR_NPOLICIES] = {0}, rdiff = 0, ncases = 0, nexc = 0;
   char (*exc)[400] = calloc(SCHED_TABLE4_CASES, sizeof *exc);
   if (!exc) return 1;
   bool progress = isatty(STDOUT_FILENO) && isatty(STDERR_FILENO);
@@ -593,16 +589,16 @@ int moec_sweep(int argc, char **argv) {
     cost[1] = cost[0];
     int rm[2] = {spec.r_max, spec.r_max};
     SchedStack st = {2, cost, rm, choose};
-    SchedPlan plans[SCHED_NPOLICIES];
+    SchedPlan plans[IR_NPOLICIES];
     if (!plan_all(&st, plans)) {
       ok = false;
       free_all(plans);
       break;
     }
-    const SchedPlan *f = &plans[SCHED_FSMOE];
-    double tt = plans[SCHED_TUTEL].t_iter, ts = plans[SCHED_SEQUENTIAL].t_iter;
+    const SchedPlan *f = &plans[IR_POLICY_FSMOE];
+    double tt = plans[IR_POLICY_TUTEL].t_iter, ts = plans[IR_POLICY_SEQUENTIAL].t_iter;
     int fastest = 0;   // ties (within rounding) go to the lower policy index, fsmoe first
-    for (int q = 0; q < SCHED_NPOLICIES; q++) {
+    for (int q = 0; q < IR_NPOLICIES; q++) {
       sum_speedup[q] += tt / plans[q].t_iter;
       sum_vs_seq[q] += ts / plans[q].t_iter;
       if (plans[q].t_iter < plans[fastest].t_iter * (1 - 1e-9)) fastest = q;
@@ -611,10 +607,10 @@ int moec_sweep(int argc, char **argv) {
     bool differ = false;
     for (int i = 0; i < 2; i++) differ |= f->layer[i].r[SCHED_FWD] != f->layer[i].r[SCHED_BWD];
     rdiff += differ;
-    if (fastest != SCHED_FSMOE) {
+    if (fastest != IR_POLICY_FSMOE) {
       char why[300];
       explain(f, &plans[fastest], why, sizeof why);
-      snprintf(exc[nexc++], sizeof exc[0], "%5d %-14s %6.2f%% faster: %s", id, sched_policy_name[fastest],
+      snprintf(exc[nexc++], sizeof exc[0], "%5d %-14s %6.2f%% faster: %s", id, ir_policy_name[fastest],
                100 * (f->t_iter / plans[fastest].t_iter - 1), why);
     }
     if (!quick) {
@@ -623,7 +619,7 @@ int moec_sweep(int argc, char **argv) {
       printf("%5d %2g %5d %5g %5g %2g %4s %-7s %3d %5s %10.3f %10.3f %10.3f %10.3f %10.3f %10.3f %7.3fx\n", id,
              tc.batch, tc.heads, tc.seqlen, tc.embed, tc.hscale, tc.dropless ? "*" : tc.f < 2 ? "1.2" : "2.4",
              tc.ffn == SCHED_FFN_MIXTRAL ? "mixtral" : "gpt", f->layer[0].r[SCHED_FWD], rb, ts, tt,
-             plans[SCHED_TUTEL_IMPROVED].t_iter, plans[SCHED_PIPEMOE_LINA].t_iter, plans[SCHED_FSMOE_NO_IIO].t_iter,
+             plans[IR_POLICY_TUTEL_IMPROVED].t_iter, plans[IR_POLICY_PIPEMOE_LINA].t_iter, plans[IR_POLICY_FSMOE_NO_IIO].t_iter,
              f->t_iter, tt / f->t_iter);
     }
     free_all(plans);
@@ -645,21 +641,21 @@ int moec_sweep(int argc, char **argv) {
   printf("#\n# average speedup over tutel, %d cases (paper: Table 5, %s)\n", ncases,
          testbed == 'a' ? "Testbed A" : testbed == 'b' ? "Testbed B" : "Testbed A / B");
   printf("%-16s %9s %9s %9s %12s\n", "policy", "ours", "paper", "fastest", "vs_sequential");
-  static const SchedPolicy order[] = {SCHED_TUTEL, SCHED_TUTEL_IMPROVED, SCHED_PIPEMOE_LINA, SCHED_FSMOE_NO_IIO,
-                                      SCHED_FSMOE, SCHED_SEQUENTIAL};
-  for (int k = 0; k < SCHED_NPOLICIES; k++) {
-    SchedPolicy q = order[k];
+  static const IrPolicy order[] = {IR_POLICY_TUTEL, IR_POLICY_TUTEL_IMPROVED, IR_POLICY_PIPEMOE_LINA, IR_POLICY_FSMOE_NO_IIO,
+                                      IR_POLICY_FSMOE, IR_POLICY_SEQUENTIAL};
+  for (int k = 0; k < IR_NPOLICIES; k++) {
+    IrPolicy q = order[k];
     char paper[32] = "-";
     if (testbed && paper_speedup(q, testbed) > 0) snprintf(paper, sizeof paper, "%.2fx", paper_speedup(q, testbed));
     else if (!testbed && paper_speedup(q, 'a') > 0)
       snprintf(paper, sizeof paper, "%.2f/%.2f", paper_speedup(q, 'a'), paper_speedup(q, 'b'));
-    printf("%-16s %8.3fx %9s %9d %11.3fx\n", sched_policy_name[q], sum_speedup[q] / ncases, paper, wins[q],
+    printf("%-16s %8.3fx %9s %9d %11.3fx\n", ir_policy_name[q], sum_speedup[q] / ncases, paper, wins[q],
            sum_vs_seq[q] / ncases);
   }
   printf("# fsmoe cases with r_fwd != r_bwd in some layer: %d of %d (paper: 912 of 1458)\n", rdiff, ncases);
   printf("# cases where fsmoe is not the fastest policy: %d\n", nexc);
   for (int i = 0; i < nexc; i++) printf("#   %s\n", exc[i]);
-  printf("# %d cases x %d policies planned and simulated in %.2f s\n", ncases, SCHED_NPOLICIES, elapsed);
+  printf("# %d cases x %d policies planned and simulated in %.2f s\n", ncases, IR_NPOLICIES, elapsed);
   printf("OK\n");
   free(exc);
   return 0;

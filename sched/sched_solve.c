@@ -242,7 +242,7 @@ void sched_fsmoe_degree(const SchedLayerCost *c, int r_max, int ph, double grad_
   double sim[SCHED_R_MAX + 1];
   int best = 1;
   for (int r = 1; r <= r_max; r++) {
-    sim[r] = sched_sim_moe(SCHED_FSMOE, c, ph, r, grad_elems);
+    sim[r] = sched_sim_moe(IR_POLICY_FSMOE, c, ph, r, grad_elems);
     if (sim[r] < sim[best]) best = r;
   }
   lp->r_slsqp[ph] = s.r;
@@ -345,7 +345,7 @@ static void memo_degree(MemoTable *t, const SchedLayerCost *c, int r_max, int ph
 // simulated and the fastest kept (the simulator is the judge).
 static bool plan_partitioned(const SchedStack *st, SchedPlan *plan) {
   MemoTable memo = {0};
-  bool iio = plan->policy == SCHED_FSMOE;
+  bool iio = plan->policy == IR_POLICY_FSMOE;
   int n = st->n;
   double *olp = calloc((size_t)n, sizeof *olp);
   SchedLayerPlan *best = calloc((size_t)n, sizeof *best);
@@ -409,21 +409,21 @@ static bool plan_partitioned(const SchedStack *st, SchedPlan *plan) {
   return ok;
 }
 
-bool sched_plan(const SchedStack *st, SchedPolicy pol, SchedPlan *out) {
+bool sched_plan(const SchedStack *st, IrPolicy pol, SchedPlan *out) {
   *out = (SchedPlan){.policy = pol, .nlayers = st->n};
   out->layer = calloc((size_t)(st->n > 0 ? st->n : 1), sizeof *out->layer);
   if (!out->layer) return false;
-  if (pol == SCHED_FSMOE || pol == SCHED_FSMOE_NO_IIO) return plan_partitioned(st, out);
+  if (pol == IR_POLICY_FSMOE || pol == IR_POLICY_FSMOE_NO_IIO) return plan_partitioned(st, out);
 
   double total_grad = 0;
   for (int i = 0; i < st->n; i++) {
     const SchedLayerCost *c = &st->cost[i];
     SchedLayerPlan *lp = &out->layer[i];
     int r = 1;
-    if (pol != SCHED_SEQUENTIAL) r = sched_argmin_degree(tutel_model, &c->phase[SCHED_FWD], 0, st->r_max[i]);
+    if (pol != IR_POLICY_SEQUENTIAL) r = sched_argmin_degree(tutel_model, &c->phase[SCHED_FWD], 0, st->r_max[i]);
     for (int ph = 0; ph < 2; ph++) {
       lp->r[ph] = lp->r_slsqp[ph] = lp->r_exhaustive[ph] = r;   // tutel reuses the forward r
-      lp->t_model[ph] = pol == SCHED_SEQUENTIAL ? sched_model_time(&c->phase[ph], 1, 0)
+      lp->t_model[ph] = pol == IR_POLICY_SEQUENTIAL ? sched_model_time(&c->phase[ph], 1, 0)
                                                 : sched_tutel_model(&c->phase[ph], r);
     }
     total_grad += c->n_grad;
@@ -431,11 +431,11 @@ bool sched_plan(const SchedStack *st, SchedPolicy pol, SchedPlan *out) {
   // Where the gradients go (for the report; the program builder places them the same way).
   out->grad_tail = total_grad;
   out->partition = "after backward";
-  if (pol == SCHED_TUTEL_IMPROVED) {
+  if (pol == IR_POLICY_TUTEL_IMPROVED) {
     out->partition = "next dense backward";
     for (int i = 0; i + 1 < st->n; i++) out->layer[i].grad_dense = st->cost[i + 1].n_grad;
     out->grad_tail = st->n > 0 ? st->cost[0].n_grad : 0;
-  } else if (pol == SCHED_PIPEMOE_LINA) {
+  } else if (pol == IR_POLICY_PIPEMOE_LINA) {
     out->partition = "30 MB chunks, low priority";
     out->grad_tail = 0;
   }

@@ -1,0 +1,21 @@
+// The subcommands of moec (cli/), called by moec.c's main with its argc/argv (argv[1] is the
+// command). Each returns the exit status: 0 success, 1 the input has errors, 2 bad command line.
+// The *_usage functions print `moec COMMAND --help`.
+#ifndef CLI_H
+#define CLI_H
+
+#include <stdio.h>
+
+#include "frontend/fe.h"
+#include "sched/sched.h"
+
+int cli_plan(int argc, char **argv);    // cli/plan.c: the FSMoE schedule model of a model
+int cli_sweep(int argc, char **argv);   // cli/plan.c: every policy over the paper's Table 4
+int cli_tune(int argc, char **argv);    // cli/tune.c: profile a cluster under mpirun
+void cli_plan_usage(FILE *out);
+void cli_sweep_usage(FILE *out);
+void cli_tune_usage(FILE *out);
+// The cluster profile of the front end (a .cluster file) in the scheduling model's form.
+void cli_cluster_from_fe(const FeCluster *f, SchedCluster *c);
+
+#endif

@@ -1,0 +1,52 @@
+// The runtime's errors, for the training driver (main.c) and the file helpers (npy.c,
+// safetensors.c, shard.c) alike.
+//
+// An error on user input (a file, a flag, a checkpoint) never ends the process where it is
+// found: the failing function records one sentence with rt_fail and returns -1, its callers
+// unwind, and rt_main prints "moert: error: SENTENCE" once and returns non-zero.
+//
+// Running out of memory is not such an error: rt_alloc and rt_calloc end the job with one
+// sentence that says what needed how many bytes (rt_out_of_memory: on several ranks through
+// rt_comm_abort, so that no rank waits forever for the one that stopped) and exit status 1.
+#include <stdarg.h>
+#include <stdio.h>
+#include <stdlib.h>
+
+#include "moert.h"
+#include "rt_internal.h"
+
+static _Thread_local char last_error[1024];
+
+int rt_fail(const char *fmt, ...) {
+  va_list ap;
+  va_start(ap, fmt);
+  vsnprintf(last_error, sizeof last_error, fmt, ap);
+  va_end(ap);
+  return -1;
+}
+
+const char *rt_last_error(void) {
+  return last_error;
+}
+
+void rt_clear_error(void) {
+  last_error[0] = '\0';
+}
+
+_Noreturn void rt_out_of_memory(size_t bytes, const char *what) {
+  rt_comm_abort("out of memory: %s needs %zu bytes", what, bytes);
+}
+
+void *rt_alloc(size_t bytes, const char *what) {
+  void *p = malloc(bytes ? bytes : 1);
+  if (!p)
+    rt_out_of_memory(bytes, what);
+  return p;
+}
+
+void *rt_calloc(size_t n, size_t size, const char *what) {
+  void *p = calloc(n ? n : 1, size ? size : 1);
+  if (!p)
+    rt_out_of_memory(n * size, what);
+  return p;
+}
