@@ -44,6 +44,7 @@ RT_CFLAGS    := $(BLAS_CFLAGS) $(CJSON_CFLAGS) $(MPI_CFLAGS)
 COMPILER_SRC := $(filter-out codegen/nvrtc.c,$(wildcard frontend/*.c ir/*.c passes/*.c sched/*.c codegen/*.c))
 RUNTIME_SRC  := $(wildcard runtime/*.c)
 GEN_SRC      := $(BUILD)/gen/parser.c $(BUILD)/gen/lexer.c
+GEN_INC      := $(BUILD)/gen/cuda_kernels.inc
 COMPILER_OBJ := $(COMPILER_SRC:%.c=$(BUILD)/obj/%.o) $(BUILD)/obj/gen/parser.o $(BUILD)/obj/gen/lexer.o
 RUNTIME_OBJ  := $(RUNTIME_SRC:%.c=$(BUILD)/obj/%.o)
 
@@ -86,6 +87,12 @@ $(BUILD)/gen/parser.c $(BUILD)/gen/parser.h: lang/parser.y
 $(BUILD)/gen/lexer.c $(BUILD)/gen/lexer.h: lang/lexer.l $(BUILD)/gen/parser.h
 	@mkdir -p $(BUILD)/gen
 	flex --header-file=$(BUILD)/gen/lexer.h -o $(BUILD)/gen/lexer.c $<
+
+# The CUDA kernels' sources (codegen/cuda/kernels.cu) as C strings for codegen/emit_cuda.c.
+$(BUILD)/gen/cuda_kernels.inc: codegen/cuda/kernels.cu mk/embed_cuda.awk
+	@mkdir -p $(BUILD)/gen
+	awk -f mk/embed_cuda.awk $< >$@.tmp && mv $@.tmp $@
+$(BUILD)/obj/codegen/emit_cuda.o: $(BUILD)/gen/cuda_kernels.inc
 
 $(BUILD)/obj/gen/%.o: $(BUILD)/gen/%.c $(BUILD)/gen/parser.h $(BUILD)/gen/lexer.h $(CONFIG)
 	@mkdir -p $(dir $@)
@@ -217,7 +224,7 @@ $(BUILD)/mpi/%: tests/mpi/%.c $(BUILD)/libmoert.a
 	$(CC) $(CFLAGS) $(INCLUDES) $(MPI_CFLAGS) -o $@ $< $(BUILD)/libmoert.a $(RUNTIME_LIBS)
 
 # Sanitizer build of the compiler, used by the diagnostics tests.
-$(BUILD)/asan/moec: $(COMPILER_SRC) $(CLI_SRC) $(RUNTIME_SRC) $(GEN_SRC) $(CONFIG)
+$(BUILD)/asan/moec: $(COMPILER_SRC) $(CLI_SRC) $(RUNTIME_SRC) $(GEN_SRC) $(GEN_INC) $(CONFIG)
 	@mkdir -p $(dir $@)
 	$(CC) -std=c11 -D_GNU_SOURCE -O1 -g -fsanitize=address,undefined -fno-sanitize-recover=undefined \
 	  -fno-omit-frame-pointer $(INCLUDES) $(COMPILER_DEFS) $(RT_CFLAGS) \
@@ -226,7 +233,7 @@ $(BUILD)/asan/moec: $(COMPILER_SRC) $(CLI_SRC) $(RUNTIME_SRC) $(GEN_SRC) $(CONFI
 # libFuzzer harnesses (clang).
 FUZZ_SRC := $(wildcard tests/fuzz/fuzz_*.c)
 FUZZ_BIN := $(FUZZ_SRC:tests/fuzz/%.c=$(BUILD)/fuzz/%)
-$(BUILD)/fuzz/%: tests/fuzz/%.c $(COMPILER_SRC) $(GEN_SRC) $(CONFIG)
+$(BUILD)/fuzz/%: tests/fuzz/%.c $(COMPILER_SRC) $(GEN_SRC) $(GEN_INC) $(CONFIG)
 	@mkdir -p $(dir $@)
 	clang -std=c11 -D_GNU_SOURCE -O1 -g -fsanitize=fuzzer,address,undefined -Wno-unused-function \
 	  $(INCLUDES) $(COMPILER_DEFS) -o $@ $< $(COMPILER_SRC) $(GEN_SRC) -lnlopt -lopenblas -lm

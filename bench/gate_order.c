@@ -169,25 +169,25 @@ static void gate_forward(Bench *b, RtStep *st) {
       rt_sigmoid(b->logits, b->scores, (int64_t)s * e);
     rt_topk(b->scores, b->idx, s, e, k);
     rt_gate_gather(b->scores, b->idx, b->gates, s, e, k, b->gate->kind == GATE_GSHARD && k > 1);
-    rt_gate_locations(st, b->idx, b->loc, s, k, e, 1, b->c);
+    rt_gate_locations(b->idx, b->loc, st, s, k, e, 1, b->c);
     break;
   case GATE_XMOE:
     // cosine(l2norm(x Wp), l2norm(emb)) / temperature, then as gshard.
     rt_matmul(b->x, b->wp, b->h, s, b->d, m, false, false, false);
-    rt_l2norm_rows(b->h, b->hn, s, b->d);
-    rt_l2norm_rows(b->emb, b->en, e, b->d);
+    rt_l2norm(b->h, b->hn, s, b->d);
+    rt_l2norm(b->emb, b->en, e, b->d);
     rt_matmul(b->hn, b->en, b->cosine, s, e, b->d, false, true, false);
     rt_div_scalar(b->cosine, b->temp, b->logits, (int64_t)s * e);
     rt_softmax(b->logits, b->scores, s, e);
     rt_topk(b->scores, b->idx, s, e, k);
     rt_gate_gather(b->scores, b->idx, b->gates, s, e, k, k > 1);
-    rt_gate_locations(st, b->idx, b->loc, s, k, e, 1, b->c);
+    rt_gate_locations(b->idx, b->loc, st, s, k, e, 1, b->c);
     break;
   case GATE_EXPERT_CHOICE:
     rt_matmul(b->x, b->wg, b->logits, s, e, m, false, false, false);
     rt_softmax_tokens(b->logits, b->scores, s, e, 1);
     rt_iota(b->idx, s, e);
-    rt_expert_choice(st, b->scores, b->loc, s, e, 1, b->c);
+    (rt_expert_choice(b->scores, b->loc, s, e, 1, b->c), rt_expert_choice_stats(st, b->loc, s, e, 1, b->c));
     rt_gate_gather(b->scores, b->idx, b->gates, s, e, e, false);
     break;
   }
@@ -210,8 +210,8 @@ static void gate_backward(Bench *b) {
     rt_div_scalar_grad_s(b->dlogits, b->cosine, b->temp, b->dtemp, (int64_t)s * e);
     rt_matmul(b->dcos, b->en, b->dhn, s, b->d, e, false, false, false);
     rt_matmul(b->dcos, b->hn, b->den, e, b->d, s, true, false, false);
-    rt_l2norm_rows_grad(b->dhn, b->h, b->dh, s, b->d);
-    rt_l2norm_rows_grad(b->den, b->emb, b->demb, e, b->d);
+    rt_l2norm_grad(b->dhn, b->h, b->dh, s, b->d);
+    rt_l2norm_grad(b->den, b->emb, b->demb, e, b->d);
     rt_matmul(b->x, b->dh, b->dwp, m, b->d, s, true, false, false);
     rt_matmul(b->dh, b->wp, b->dx_gate, s, m, b->d, false, true, false);
     return;

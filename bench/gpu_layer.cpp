@@ -586,8 +586,8 @@ static bool check_layer(Gpu &g, Ffn ffn) {
   rt_softmax(logits.data(), scores.data(), S, E);
   rt_topk(scores.data(), idx.data(), S, E, K);
   rt_gate_gather(scores.data(), idx.data(), gates.data(), S, E, K, true);
-  rt_gate_locations(nullptr, idx.data(), loc.data(), S, K, E, 1, T);
-  float aux = rt_aux_loss(scores.data(), idx.data(), S, E, K, 1), z = rt_z_loss(logits.data(), S, E, 1);
+  rt_gate_locations(idx.data(), loc.data(), nullptr, S, K, E, 1, T);
+  float aux = rt_aux_loss_value(scores.data(), idx.data(), S, E, K, 1), z = rt_z_loss_value(logits.data(), S, E, 1);
   rt_order_encode(x.data(), idx.data(), loc.data(), disp.data(), S, M, K, E, 1, T);
   rt_expert_matmul(disp.data(), w1.data(), h.data(), E, T, H, M, false, false);
   if (gpt) {

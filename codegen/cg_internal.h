@@ -48,7 +48,16 @@ void cg_events_free(CgEvents *ev);
 // The local events op i waits for (its own waits, then dep[i]), at most max; their number.
 int cg_op_waits(const IrFunc *f, const CgEvents *ev, int i, int *waits, int max);
 
-// ---- the CUDA kernels an op launches (emit_cuda.c) ----
+// ---- the kernels (codegen/kernels.def) and the op lowering (lower.c) ----
+
+typedef enum CgKernel {
+#define CG_KERNEL(ID, NAME, SIG) CG_K_##ID,
+#include "kernels.def"
+#undef CG_KERNEL
+  CG_K_COUNT
+} CgKernel;
+// Kernel k's name in kernels.def ("gelu"): the CPU target calls rt_NAME, the CUDA target mk_NAME.
+const char *cg_kernel_name(int k);
 
 #define CG_CUDA_BLOCK 256   // MK_BLOCK: every kernel is launched with this many threads per block
 
@@ -91,16 +100,22 @@ typedef struct CgLaunch {
   char note[96];           // for the launch plan comment ("" none)
 } CgLaunch;
 
-// The launch of op i of f (or of ops i..i+2 for a fused gate, nops 3). False when the op has
-// no CUDA lowering (every op of ops.def has one).
-bool cg_cuda_launch(const PassMemPlan *plan, const IrFunc *f, int i, CgLaunch *l);
+// The lowering of op i of f (or, with fuse, of ops i..i+2 when they are a gate's softmax or
+// sigmoid, top-k and gather that one fused kernel can do: nops 3). False when the op has no
+// lowering (every op of ops.def has one).
+bool cg_lower(const PassMemPlan *plan, const IrFunc *f, int i, bool fuse, CgLaunch *l);
+// The lowering of one op alone (never fused).
+bool cg_lower_op(const IrOp *op, CgLaunch *l);
 int cg_cuda_kernel_count(void);
 const char *cg_cuda_kernel_name(int k);
 
 typedef enum CgParamType { CG_PARAM_POINTER, CG_PARAM_INT, CG_PARAM_I64, CG_PARAM_U64, CG_PARAM_FLOAT } CgParamType;
-// Kernel k's parameter types, read from its source (int, i64, u64, float, pointers); their
-// number, or -1 when there are more than max.
+// Kernel k's parameter types, from its row of codegen/kernels.def (int, i64, u64, float,
+// pointers); their number, or -1 when there are more than max.
 int cg_cuda_kernel_params(int k, CgParamType *types, int max);
+// Compares every kernel's parameter list in codegen/kernels.def with its declaration in
+// codegen/cuda/kernels.cu; prints each difference to err and returns their number.
+int cg_cuda_check_signatures(FILE *err);
 // Which kernels the launches of module m use (used[k] for k < cg_cuda_kernel_count()), the
 // bf16 cast of the GEMM operands included.
 void cg_cuda_kernels_used(const IrModule *m, const PassMemPlan *plan, bool *used);

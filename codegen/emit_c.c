@@ -49,12 +49,6 @@ static const IrType *arg_type(const IrOp *op, int i) {
   return op->args[i].param ? &op->args[i].param->type : &op->args[i].value->type;
 }
 
-// Routing shape shared by encode/decode: s m k e g cap.
-static void route_dims(Emit *e, const IrOp *op, int64_t s, int64_t m, int64_t k) {
-  fprintf(e->out, ", %" PRId64 ", %" PRId64 ", %" PRId64 ", %" PRId64 ", %" PRId64 ", %" PRId64 ");\n", s, m, k,
-          ir_op_int(op, "experts", 0), ir_op_int(op, "groups", 1), ir_op_int(op, "capacity", 0));
-}
-
 static const char *const group_enums[] = {"RT_GROUP_WORLD", "RT_GROUP_DP", "RT_GROUP_MP", "RT_GROUP_EP",
                                           "RT_GROUP_ESP"};
 
@@ -68,12 +62,32 @@ int cg_group_index(const IrOp *op) {
 
 const char *cg_group_enum(const IrOp *op) { return group_enums[cg_group_index(op)]; }
 
-static bool emit_op(Emit *e, const IrOp *op) {
+// One argument of a kernel call of the lowering (cg_lower) as a C expression of the CPU program.
+static void call_arg(Emit *e, char *buf, size_t n, const IrFunc *f, int i, const CgArg *a) {
+  const IrOp *op = f->ops[i];
+  switch (a->kind) {
+  case CG_ARG_OPERAND: operand_expr(e, buf, n, &op->args[a->index]); return;
+  case CG_ARG_RESULT: value_expr(e, buf, n, f->ops[i + a->index]->result); return;
+  case CG_ARG_GRAD: snprintf(buf, n, "(st->grads + %" PRId64 ")", e->param_offset[op->args[0].param->index]); return;
+  case CG_ARG_MOMENT_M: snprintf(buf, n, "(st->opt_m + %" PRId64 ")", e->param_offset[op->args[0].param->index]); return;
+  case CG_ARG_MOMENT_V: snprintf(buf, n, "(st->opt_v + %" PRId64 ")", e->param_offset[op->args[0].param->index]); return;
+  case CG_ARG_STATS: snprintf(buf, n, "st"); return;   // the CPU kernels add their statistics to the step
+  case CG_ARG_INT: snprintf(buf, n, "%" PRId64, a->i); return;
+  case CG_ARG_FLOAT: snprintf(buf, n, "(float)%.17g", a->f); return;
+  case CG_ARG_SEED: snprintf(buf, n, "st->seed"); return;
+  case CG_ARG_STEP: snprintf(buf, n, "st->step"); return;
+  case CG_ARG_TOKEN0: snprintf(buf, n, "st->token0"); return;
+  }
+  UNREACHABLE();
+}
+
+// The ops the lowering leaves to the target's libraries: GEMMs (OpenBLAS) and collectives (MPI).
+static bool emit_library_op(Emit *e, const IrOp *op) {
   FILE *out = e->out;
-  char a[6][96], r[96] = "";
-  for (int i = 0; i < op->nargs; i++) operand_expr(e, a[i], sizeof a[i], &op->args[i]);
+  char a[2][96], r[96] = "";
+  for (int i = 0; i < op->nargs && i < 2; i++) operand_expr(e, a[i], sizeof a[i], &op->args[i]);
   if (op->result) value_expr(e, r, sizeof r, op->result);
-  const IrType *t0 = op->nargs ? arg_type(op, 0) : NULL;
+  const IrType *t0 = arg_type(op, 0);
   const IrType *rt = op->result ? &op->result->type : NULL;
   int64_t n = rt ? ir_type_numel(rt) : 0;
   fprintf(out, "  ");
@@ -92,192 +106,6 @@ static bool emit_op(Emit *e, const IrOp *op) {
             a[1], r, rt->dim[0], rt->dim[1], rt->dim[2], k, ta, tb);
     return true;
   }
-  case IR_OP_BIAS:
-    fprintf(out, "rt_bias(%s, %s, %s, %" PRId64 ", %" PRId64 ");\n", a[0], a[1], r, rt->dim[0], rt->dim[1]);
-    return true;
-  case IR_OP_BIAS_GRAD:
-    fprintf(out, "rt_bias_grad(%s, %s, %" PRId64 ", %" PRId64 ");\n", a[0], r, t0->dim[0], t0->dim[1]);
-    return true;
-  case IR_OP_EXPERT_BIAS:
-    fprintf(out, "rt_expert_bias(%s, %s, %s, %" PRId64 ", %" PRId64 ", %" PRId64 ");\n", a[0], a[1], r, rt->dim[0],
-            rt->dim[1], rt->dim[2]);
-    return true;
-  case IR_OP_EXPERT_BIAS_GRAD:
-    fprintf(out, "rt_expert_bias_grad(%s, %s, %" PRId64 ", %" PRId64 ", %" PRId64 ");\n", a[0], r, t0->dim[0],
-            t0->dim[1], t0->dim[2]);
-    return true;
-  case IR_OP_ADD:
-    fprintf(out, "rt_add(%s, %s, %s, %" PRId64 ");\n", a[0], a[1], r, n);
-    return true;
-  case IR_OP_ACT_GELU:
-  case IR_OP_ACT_RELU:
-    fprintf(out, "rt_%s(%s, %s, %" PRId64 ");\n", op->kind == IR_OP_ACT_GELU ? "gelu" : "relu", a[0], r, n);
-    return true;
-  case IR_OP_ACT_GELU_GRAD:
-  case IR_OP_ACT_RELU_GRAD:
-    fprintf(out, "rt_%s_grad(%s, %s, %s, %" PRId64 ");\n", op->kind == IR_OP_ACT_GELU_GRAD ? "gelu" : "relu", a[0],
-            a[1], r, n);
-    return true;
-  case IR_OP_GATE_NOISE:
-    fprintf(out, "rt_gate_noise(st, %s, %s, %" PRId64 ", %" PRId64 ", (float)%.17g, %" PRId64 ");\n", a[0], r,
-            rt->dim[0], rt->dim[1], ir_op_float(op, "sigma", 0), ir_op_int(op, "layer", 0));
-    return true;
-  case IR_OP_GATE_SOFTMAX:
-    fprintf(out, "rt_softmax(%s, %s, %" PRId64 ", %" PRId64 ");\n", a[0], r, rt->dim[0], rt->dim[1]);
-    return true;
-  case IR_OP_GATE_SOFTMAX_GRAD:
-    fprintf(out, "rt_softmax_grad(%s, %s, %s, %" PRId64 ", %" PRId64 ");\n", a[0], a[1], r, rt->dim[0], rt->dim[1]);
-    return true;
-  case IR_OP_GATE_TOPK:
-    fprintf(out, "rt_topk(%s, %s, %" PRId64 ", %" PRId64 ", %" PRId64 ");\n", a[0], r, t0->dim[0], t0->dim[1],
-            rt->dim[1]);
-    return true;
-  case IR_OP_GATE_GATHER:
-    fprintf(out, "rt_gate_gather(%s, %s, %s, %" PRId64 ", %" PRId64 ", %" PRId64 ", %d);\n", a[0], a[1], r,
-            t0->dim[0], t0->dim[1], rt->dim[1], (int)ir_op_int(op, "renorm", 0));
-    return true;
-  case IR_OP_GATE_GATHER_GRAD:
-    fprintf(out, "rt_gate_gather_grad(%s, %s, %s, %s, %" PRId64 ", %" PRId64 ", %" PRId64 ", %d);\n", a[0], a[1],
-            a[2], r, rt->dim[0], rt->dim[1], t0->dim[1], (int)ir_op_int(op, "renorm", 0));
-    return true;
-  case IR_OP_GATE_LOCATIONS:  // dropless: capacity 0 to the kernel, the buffers hold the worst case
-    fprintf(out, "rt_gate_locations(st, %s, %s, %" PRId64 ", %" PRId64 ", %" PRId64 ", %" PRId64 ", %" PRId64 ");\n",
-            a[0], r, t0->dim[0], t0->dim[1], ir_op_int(op, "experts", 0), ir_op_int(op, "groups", 1),
-            ir_op_int(op, "dropless", 0) ? 0 : ir_op_int(op, "capacity", 0));
-    return true;
-  case IR_OP_GATE_EXPERT_CHOICE:
-    fprintf(out, "rt_expert_choice(st, %s, %s, %" PRId64 ", %" PRId64 ", %" PRId64 ", %" PRId64 ");\n", a[0], r,
-            t0->dim[0], t0->dim[1], ir_op_int(op, "groups", 1), ir_op_int(op, "capacity", 0));
-    return true;
-  case IR_OP_GATE_IOTA:
-    fprintf(out, "rt_iota(%s, %" PRId64 ", %" PRId64 ");\n", r, rt->dim[0], rt->dim[1]);
-    return true;
-  case IR_OP_GATE_SIGMOID:
-    fprintf(out, "rt_sigmoid(%s, %s, %" PRId64 ");\n", a[0], r, n);
-    return true;
-  case IR_OP_GATE_SIGMOID_GRAD:
-    fprintf(out, "rt_sigmoid_grad(%s, %s, %s, %" PRId64 ");\n", a[0], a[1], r, n);
-    return true;
-  case IR_OP_GATE_SOFTMAX_TOKENS:
-    fprintf(out, "rt_softmax_tokens(%s, %s, %" PRId64 ", %" PRId64 ", %" PRId64 ");\n", a[0], r, rt->dim[0],
-            rt->dim[1], ir_op_int(op, "groups", 1));
-    return true;
-  case IR_OP_GATE_SOFTMAX_TOKENS_GRAD:
-    fprintf(out, "rt_softmax_tokens_grad(%s, %s, %s, %" PRId64 ", %" PRId64 ", %" PRId64 ");\n", a[0], a[1], r,
-            rt->dim[0], rt->dim[1], ir_op_int(op, "groups", 1));
-    return true;
-  case IR_OP_ORDER_DISPATCH_MASK:
-  case IR_OP_ORDER_COMBINE_WEIGHTS:
-  case IR_OP_ORDER_COMBINE_WEIGHTS_GRAD: {
-    const IrType *idx = arg_type(op, op->kind == IR_OP_ORDER_COMBINE_WEIGHTS_GRAD ? 1 : 0);
-    const char *fn = op->kind == IR_OP_ORDER_DISPATCH_MASK     ? "rt_dispatch_mask"
-                     : op->kind == IR_OP_ORDER_COMBINE_WEIGHTS ? "rt_combine_weights"
-                                                               : "rt_combine_weights_grad";
-    fprintf(out, "%s(", fn);
-    for (int i = 0; i < op->nargs; i++) fprintf(out, "%s, ", a[i]);
-    fprintf(out, "%s, %" PRId64 ", %" PRId64 ", %" PRId64 ", %" PRId64 ", %" PRId64 ");\n", r, idx->dim[0],
-            idx->dim[1], ir_op_int(op, "experts", 0), ir_op_int(op, "groups", 1), ir_op_int(op, "capacity", 0));
-    return true;
-  }
-  case IR_OP_ACT_SILU:
-    fprintf(out, "rt_silu(%s, %s, %" PRId64 ");\n", a[0], r, n);
-    return true;
-  case IR_OP_ACT_SILU_GRAD:
-    fprintf(out, "rt_silu_grad(%s, %s, %s, %" PRId64 ");\n", a[0], a[1], r, n);
-    return true;
-  case IR_OP_MUL:
-    fprintf(out, "rt_mul(%s, %s, %s, %" PRId64 ");\n", a[0], a[1], r, n);
-    return true;
-  case IR_OP_RESHAPE:
-    fprintf(out, "rt_copy(%s, %s, %" PRId64 ");\n", a[0], r, n);
-    return true;
-  case IR_OP_L2NORM:
-  case IR_OP_L2NORM_GRAD: {
-    int64_t cols = rt->dim[rt->rank - 1];
-    if (op->kind == IR_OP_L2NORM)
-      fprintf(out, "rt_l2norm_rows(%s, %s, %" PRId64 ", %" PRId64 ");\n", a[0], r, n / cols, cols);
-    else
-      fprintf(out, "rt_l2norm_rows_grad(%s, %s, %s, %" PRId64 ", %" PRId64 ");\n", a[0], a[1], r, n / cols, cols);
-    return true;
-  }
-  case IR_OP_DIV_SCALAR:
-    fprintf(out, "rt_div_scalar(%s, %s, %s, %" PRId64 ");\n", a[0], a[1], r, n);
-    return true;
-  case IR_OP_DIV_SCALAR_GRAD_X:
-    fprintf(out, "rt_div_scalar_grad_x(%s, %s, %s, %" PRId64 ");\n", a[0], a[1], r, n);
-    return true;
-  case IR_OP_DIV_SCALAR_GRAD_S:
-    fprintf(out, "rt_div_scalar_grad_s(%s, %s, %s, %s, %" PRId64 ");\n", a[0], a[1], a[2], r, ir_type_numel(t0));
-    return true;
-  case IR_OP_HOOK_COMPRESS:
-    fprintf(out, "rt_compress_%s(%s, %s, %" PRId64 ");\n", rt->dtype == IR_BF16 ? "bf16" : "f16", a[0], r, n);
-    return true;
-  case IR_OP_HOOK_DECOMPRESS:
-    fprintf(out, "rt_decompress_%s(%s, %s, %" PRId64 ");\n", t0->dtype == IR_BF16 ? "bf16" : "f16", a[0], r, n);
-    return true;
-  case IR_OP_HOOK_SCALES:
-  case IR_OP_HOOK_COMPRESS_INT8:
-  case IR_OP_HOOK_DECOMPRESS_INT8: {
-    int64_t cols = t0->dim[t0->rank - 1], rows = ir_type_numel(t0) / cols;
-    const char *fn = op->kind == IR_OP_HOOK_SCALES ? "rt_int8_scales"
-                     : op->kind == IR_OP_HOOK_COMPRESS_INT8 ? "rt_compress_int8" : "rt_decompress_int8";
-    fprintf(out, "%s(", fn);
-    for (int i = 0; i < op->nargs; i++) fprintf(out, "%s, ", a[i]);
-    fprintf(out, "%s, %" PRId64 ", %" PRId64 ");\n", r, rows, cols);
-    return true;
-  }
-  case IR_OP_HOOK_RECORD:
-    fprintf(out, "rt_record(st, \"%s\", %" PRId64 ", %s, %" PRId64 ");\n", ir_op_str(op, "point", "?"),
-            ir_op_int(op, "layer", 0), a[0], ir_type_numel(t0));
-    return true;
-  case IR_OP_GATE_AUX_LOSS:
-    fprintf(out, "*%s = rt_aux_loss(%s, %s, %" PRId64 ", %" PRId64 ", %" PRId64 ", %" PRId64 ") / %" PRId64 ".0f;\n", r,
-            a[0], a[1], t0->dim[0], t0->dim[1], arg_type(op, 1)->dim[1], ir_op_int(op, "groups", 1),
-            ir_op_int(op, "share", 1));
-    return true;
-  case IR_OP_GATE_AUX_LOSS_GRAD:
-    fprintf(out, "rt_aux_loss_grad(%s, %s, %s, %" PRId64 ", %" PRId64 ", %" PRId64 ", %" PRId64 ", (float)%.17g);\n",
-            a[0], a[1], r, t0->dim[0], t0->dim[1], arg_type(op, 1)->dim[1], ir_op_int(op, "groups", 1),
-            ir_op_float(op, "coef", 0) / (double)ir_op_int(op, "share", 1));
-    return true;
-  case IR_OP_GATE_Z_LOSS:
-    fprintf(out, "*%s = rt_z_loss(%s, %" PRId64 ", %" PRId64 ", %" PRId64 ") / %" PRId64 ".0f;\n", r, a[0], t0->dim[0],
-            t0->dim[1], ir_op_int(op, "groups", 1), ir_op_int(op, "share", 1));
-    return true;
-  case IR_OP_GATE_Z_LOSS_GRAD:
-    fprintf(out, "rt_z_loss_grad(%s, %s, %" PRId64 ", %" PRId64 ", %" PRId64 ", (float)%.17g);\n", a[0], r,
-            t0->dim[0], t0->dim[1], ir_op_int(op, "groups", 1),
-            ir_op_float(op, "coef", 0) / (double)ir_op_int(op, "share", 1));
-    return true;
-  case IR_OP_ORDER_ENCODE:
-    fprintf(out, "rt_order_encode(%s, %s, %s, %s", a[0], a[1], a[2], r);
-    route_dims(e, op, t0->dim[0], t0->dim[1], arg_type(op, 1)->dim[1]);
-    return true;
-  case IR_OP_ORDER_ENCODE_GRAD:
-    fprintf(out, "rt_order_encode_grad(%s, %s, %s, %s", a[0], a[1], a[2], r);
-    route_dims(e, op, rt->dim[0], rt->dim[1], arg_type(op, 1)->dim[1]);
-    return true;
-  case IR_OP_ORDER_DECODE:
-    fprintf(out, "rt_order_decode(%s, %s, %s, %s, %s", a[0], a[1], a[2], a[3], r);
-    route_dims(e, op, rt->dim[0], rt->dim[1], arg_type(op, 1)->dim[1]);
-    return true;
-  case IR_OP_ORDER_DECODE_GRAD_Y:
-    fprintf(out, "rt_order_decode_grad_y(%s, %s, %s, %s, %s", a[0], a[1], a[2], a[3], r);
-    route_dims(e, op, t0->dim[0], t0->dim[1], arg_type(op, 1)->dim[1]);
-    return true;
-  case IR_OP_ORDER_DECODE_GRAD_G:
-    fprintf(out, "rt_order_decode_grad_gates(%s, %s, %s, %s, %s", a[0], a[1], a[2], a[3], r);
-    route_dims(e, op, t0->dim[0], t0->dim[1], arg_type(op, 2)->dim[1]);
-    return true;
-  case IR_OP_LOSS_MSE:  // scale: this rank's share of the global mean (parallelize)
-    fprintf(out, "*%s = (float)%.17g * rt_mse(%s, %s, %" PRId64 ");\n", r, ir_op_float(op, "scale", 1), a[0], a[1],
-            ir_type_numel(t0));
-    return true;
-  case IR_OP_LOSS_MSE_GRAD:
-    fprintf(out, "rt_mse_grad(%s, %s, %s, %" PRId64 ");\n", a[0], a[1], r, n);
-    if (ir_op_float(op, "scale", 1) != 1)
-      fprintf(out, "  rt_scale(%s, %" PRId64 ", (float)%.17g);\n", r, n, ir_op_float(op, "scale", 1));
-    return true;
   case IR_OP_COMM_SPLIT:
     fprintf(out, "rt_copy(%s + (int64_t)rt_comm_rank(%s) * %" PRId64 ", %s, %" PRId64 ");\n", a[0], cg_group_enum(op), n,
             r, n);
@@ -302,55 +130,51 @@ static bool emit_op(Emit *e, const IrOp *op) {
     fprintf(out, "rt_allreduce(%s, st->grads + %" PRId64 ", %" PRId64 ");\n", cg_group_enum(op),
             e->param_offset[op->args[0].param->index] + ir_op_int(op, "offset", 0), ir_op_int(op, "count", 0));
     return true;
-  case IR_OP_LAYOUT_EXPERT_MAJOR:
-  case IR_OP_LAYOUT_RANK_MAJOR: {
-    int64_t R = ir_op_int(op, "blocks", 1);
-    bool em = op->kind == IR_OP_LAYOUT_EXPERT_MAJOR;
-    fprintf(out, "rt_%s(%s, %s, %" PRId64 ", %" PRId64 ", %" PRId64 ", %" PRId64 ");\n", em ? "expert_major" : "rank_major",
-            a[0], r, R, em ? rt->dim[0] : t0->dim[0], em ? t0->dim[1] : rt->dim[1], rt->dim[2]);
-    return true;
-  }
-  case IR_OP_LAYOUT_CHUNK:
-  case IR_OP_LAYOUT_CONCAT: {  // [outer, blocks*rows, inner...]: slot slices (runtime/kernels_chunk.c)
-    int64_t blocks = ir_op_int(op, "blocks", 1);
-    int64_t inner = ir_type_bytes(rt) / (rt->dim[0] * rt->dim[1]);
-    if (op->kind == IR_OP_LAYOUT_CHUNK)
-      fprintf(out, "rt_layout_chunk(%s, %s, %" PRId64 ", %" PRId64 ", %" PRId64 ", %" PRId64 ", %" PRId64 ", %" PRId64 ");\n",
-              a[0], r, t0->dim[0], blocks, t0->dim[1] / blocks, inner, ir_op_int(op, "chunks", 1), ir_op_int(op, "index", 0));
-    else
-      fprintf(out, "rt_layout_concat(%s, %s, %s, %" PRId64 ", %" PRId64 ", %" PRId64 ", %" PRId64 ", %" PRId64 ");\n", a[0],
-              a[1], r, t0->dim[0], blocks, t0->dim[1] / blocks, arg_type(op, 1)->dim[1] / blocks, inner);
-    return true;
-  }
-  case IR_OP_PARAM_GRAD: {
-    const PassMemSlot *s = &e->plan->slot[op->args[1].value->func->index][op->args[1].value->id];
-    if (s->kind == PASS_MEM_GRAD && s->offset == op->args[0].param->index)
-      fprintf(out, "/* %s: computed in place */\n", op->args[0].param->name);
-    else
-      fprintf(out, "memcpy(st->grads + %" PRId64 ", %s, %" PRId64 ");\n", e->param_offset[op->args[0].param->index],
-              a[1], ir_type_bytes(&op->args[0].param->type));
-    return true;
-  }
-  case IR_OP_OPT_SGD: {
-    int64_t off = e->param_offset[op->args[0].param->index];
-    fprintf(out, "rt_sgd(st->params + %" PRId64 ", st->grads + %" PRId64 ", %" PRId64 ", (float)%.17g, (float)%.17g);\n",
-            off, off, ir_type_numel(t0), ir_op_float(op, "lr", 0), ir_op_float(op, "weight_decay", 0));
-    return true;
-  }
-  case IR_OP_OPT_ADAMW: {
-    int64_t off = e->param_offset[op->args[0].param->index];
-    fprintf(out,
-            "rt_adamw(st->params + %" PRId64 ", st->grads + %" PRId64 ", st->opt_m + %" PRId64 ", st->opt_v + %" PRId64
-            ", %" PRId64 ", (float)%.17g, (float)%.17g, (float)%.17g, (float)%.17g, (float)%.17g, st->step);\n",
-            off, off, off, off, ir_type_numel(t0), ir_op_float(op, "lr", 0), ir_op_float(op, "beta1", 0.9),
-            ir_op_float(op, "beta2", 0.999), ir_op_float(op, "eps", 1e-8), ir_op_float(op, "weight_decay", 0));
-    return true;
-  }
   default:
     break;
   }
-  ir_error_at(e->d, op->loc, "the CPU target cannot emit op '%s'", op->kind < IR_OP_COUNT ? ir_op_info[op->kind].name : "?");
+  ir_error_at(e->d, op->loc, "the CPU target cannot emit op '%s'", ir_op_info[op->kind].name);
   return false;
+}
+
+// Op i of f: the kernel calls of its lowering (cg_lower, never fused on the CPU), each as
+// rt_KERNEL(args) of libmoert, whose CPU kernels take the CUDA kernels' parameters in their
+// order (codegen/kernels.def); GEMMs and collectives go to emit_library_op. The statistics a
+// kernel cannot gather itself (a record hook's line, an expert choice's loads) follow it.
+static bool emit_op(Emit *e, const IrFunc *f, int i) {
+  const IrOp *op = f->ops[i];
+  CgLaunch l;
+  if (!cg_lower(e->plan, f, i, false, &l)) {
+    ir_error_at(e->d, op->loc, "the CPU target cannot emit op '%s'", ir_op_info[op->kind].name);
+    return false;
+  }
+  if (l.lib) return emit_library_op(e, op);
+  char buf[CG_MAX_KERNEL_ARGS][96];
+  if (op->kind == IR_OP_HOOK_RECORD) {   // computes and writes the record line at once
+    operand_expr(e, buf[0], sizeof buf[0], &op->args[0]);
+    fprintf(e->out, "  rt_record(st, \"%s\", %" PRId64 ", %s, %" PRId64 ");\n", ir_op_str(op, "point", "?"),
+            ir_op_int(op, "layer", 0), buf[0], ir_type_numel(arg_type(op, 0)));
+    return true;
+  }
+  if (op->kind == IR_OP_PARAM_GRAD) {
+    const PassMemSlot *s = &e->plan->slot[op->args[1].value->func->index][op->args[1].value->id];
+    if (s->kind == PASS_MEM_GRAD && s->offset == op->args[0].param->index) {
+      fprintf(e->out, "  /* %s: computed in place */\n", op->args[0].param->name);
+      return true;
+    }
+  }
+  for (int c = 0; c < l.ncalls; c++) {
+    const CgKernelCall *call = &l.call[c];
+    fprintf(e->out, "  rt_%s(", cg_kernel_name(call->kernel));
+    for (int k = 0; k < call->nargs; k++) {
+      call_arg(e, buf[k], sizeof buf[k], f, i, &call->args[k]);
+      fprintf(e->out, "%s%s", k ? ", " : "", buf[k]);
+    }
+    fprintf(e->out, ");\n");
+  }
+  if (op->kind == IR_OP_GATE_EXPERT_CHOICE)   // loc, s, e, g, cap of the call
+    fprintf(e->out, "  rt_expert_choice_stats(st, %s, %s, %s, %s, %s);\n", buf[1], buf[2], buf[3], buf[4], buf[5]);
+  return true;
 }
 
 // ---- scheduled functions: a task table for rt_run_streams (runtime/streams.c) ----
@@ -454,7 +278,7 @@ static bool emit_tasks(Emit *e, const IrFunc *f, int fi, int *ntasks_out, int *n
       ntasks++;
     }
     task_of[i] = ntasks - 1;
-    if (!emit_op(e, op)) {
+    if (!emit_op(e, f, i)) {
       ok = false;
       goto out;
     }
@@ -489,7 +313,7 @@ static bool emit_func(Emit *e, const IrFunc *f) {
     return true;
   }
   for (int i = 0; i < f->nops; i++)
-    if (!emit_op(e, f->ops[i])) return false;
+    if (!emit_op(e, f, i)) return false;
   return true;
 }
 

@@ -8,7 +8,7 @@
 // the step's input and target, the activation arena of the memory plan (the CPU program's byte
 // offsets), the record hooks' statistics and, with dtype bf16, the scratch of the GEMMs' bf16
 // operands. Every op becomes, in program order:
-//   - the kernel launches emit_cuda.c's unit lists in its launch plan (cg_cuda_launch: the same
+//   - the kernel launches emit_cuda.c's unit lists in its launch plan (cg_lower, lower.c: the same
 //     kernels, grids and arguments; fused gates included), from the CUBIN NVRTC compiled for
 //     --gpu-arch or, on a newer GPU, the PTX the driver compiles;
 //   - matmul and expert.matmul: rt_cuda_gemm and rt_cuda_expert_gemm (cuBLAS, fp32 accumulation
@@ -375,7 +375,7 @@ static bool emit_gemm(Host *h, const IrFunc *f, const IrOp *op, IrStream s) {
 static bool emit_op(Host *h, const IrFunc *f, int i, IrStream s, int *nops) {
   const IrOp *op = f->ops[i];
   CgLaunch l;
-  if (!cg_cuda_launch(h->plan, f, i, &l))
+  if (!cg_lower(h->plan, f, i, true, &l))
     return ir_error_at(h->d, op->loc, "the CUDA target cannot emit op '%s'", op->kind < IR_OP_COUNT ? ir_op_info[op->kind].name : "?");
   *nops = l.nops;
   if (op->kind == IR_OP_PARAM_GRAD) {

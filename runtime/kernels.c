@@ -125,20 +125,19 @@ void rt_relu_grad(const float *dy, const float *x, float *dx, int64_t n) {
 
 // ---- gate chain ----
 
-// st must be set: the noise is keyed by its seed, step and token0.
-void rt_gate_noise(const RtStep *st, const float *logits, float *out, int s, int e, float sigma,
-                   int layer) {
+// The noise is keyed by the step's seed, step and token0.
+void rt_gate_noise(const float *logits, float *out, int s, int e, float sigma, int layer,
+                   uint64_t seed, int64_t step, int64_t token0) {
   size_t total = (size_t)s * e;
   if (sigma == 0.0f) {
     if (out != logits)
       memmove(out, logits, total * sizeof *out);
     return;
   }
-  uint64_t key = rt_key(rt_key(rt_key(st->seed, RT_STREAM_NOISE), (uint64_t)st->step),
-                        (uint64_t)layer);
+  uint64_t key = rt_key(rt_key(rt_key(seed, RT_STREAM_NOISE), (uint64_t)step), (uint64_t)layer);
   double scale = (double)sigma / e;
   for (int t = 0; t < s; t++) {
-    uint64_t base = (uint64_t)(st->token0 + t) * (uint64_t)e;
+    uint64_t base = (uint64_t)(token0 + t) * (uint64_t)e;
     for (int j = 0; j < e; j++) {
       size_t i = (size_t)t * e + j;
       out[i] = logits[i] + (float)(scale * rt_normal(key, base + (uint64_t)j));
@@ -260,7 +259,7 @@ void rt_gate_gather_grad(const float *dgates, const float *scores, const int32_t
 //
 // The result is the largest number of choices one expert received in one group, kept or not:
 // the capacity at which nothing would be dropped (a dropless layer sizes its dispatch with it).
-int rt_gate_locations(RtStep *st, const int32_t *idx, int32_t *loc, int s, int k, int e, int g,
+int rt_gate_locations(const int32_t *idx, int32_t *loc, RtStep *st, int s, int k, int e, int g,
                       int cap) {
   if (g < 1)
     g = 1;
@@ -360,7 +359,12 @@ static void aux_group_stats(const float *scores, const int32_t *idx, int s, int 
   }
 }
 
-float rt_aux_loss(const float *scores, const int32_t *idx, int s, int e, int k, int g) {
+void rt_aux_loss(const float *scores, const int32_t *idx, float *out, int s, int e, int k, int g,
+                 float share) {
+  out[0] = rt_aux_loss_value(scores, idx, s, e, k, g) / share;
+}
+
+float rt_aux_loss_value(const float *scores, const int32_t *idx, int s, int e, int k, int g) {
   if (g < 1)
     g = 1;
   double *me = rt_alloc(2 * (size_t)e * sizeof *me, "rt_aux_loss"), *ce = me + e;
@@ -407,7 +411,11 @@ static double row_logsumexp(const float *row, int e) {
 }
 
 // Mean over groups of the group's mean of lse^2 (the mean over tokens when groups are equal).
-float rt_z_loss(const float *logits, int s, int e, int g) {
+void rt_z_loss(const float *logits, float *out, int s, int e, int g, float share) {
+  out[0] = rt_z_loss_value(logits, s, e, g) / share;
+}
+
+float rt_z_loss_value(const float *logits, int s, int e, int g) {
   if (g < 1)
     g = 1;
   double total = 0.0;
@@ -561,7 +569,11 @@ void rt_order_decode_grad_gates(const float *dout, const float *y, const int32_t
 
 // ---- losses ----
 
-float rt_mse(const float *out, const float *target, int64_t n) {
+void rt_mse(const float *out, const float *target, float *loss, int64_t n, float scale) {
+  loss[0] = scale * rt_mse_value(out, target, n);
+}
+
+float rt_mse_value(const float *out, const float *target, int64_t n) {
   double acc = 0.0;
   for (int64_t i = 0; i < n; i++) {
     double d = (double)out[i] - target[i];
@@ -570,10 +582,12 @@ float rt_mse(const float *out, const float *target, int64_t n) {
   return n > 0 ? (float)(acc / (2.0 * n)) : 0.0f;
 }
 
-void rt_mse_grad(const float *out, const float *target, float *dout, int64_t n) {
+void rt_mse_grad(const float *out, const float *target, float *dout, int64_t n, float scale) {
   double inv = n > 0 ? 1.0 / n : 0.0;
   for (int64_t i = 0; i < n; i++)
     dout[i] = (float)(((double)out[i] - target[i]) * inv);
+  if (scale != 1.0f)
+    rt_scale(dout, n, scale);
 }
 
 // ---- optimizers ----

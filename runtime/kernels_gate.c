@@ -114,7 +114,7 @@ void rt_softmax_tokens_grad(const float *dy, const float *y, float *dx, int s, i
 
 // ---- L2-normalised rows ----
 
-void rt_l2norm_rows(const float *x, float *y, int rows, int n) {
+void rt_l2norm(const float *x, float *y, int rows, int n) {
   for (int r = 0; r < rows; r++) {
     const float *xr = x + (size_t)r * n;
     float *yr = y + (size_t)r * n;
@@ -128,7 +128,7 @@ void rt_l2norm_rows(const float *x, float *y, int rows, int n) {
 }
 
 // With r = sqrt(sum x^2 + 1e-12): dx = dy / r - x <dy, x> / r^3.
-void rt_l2norm_rows_grad(const float *dy, const float *x, float *dx, int rows, int n) {
+void rt_l2norm_grad(const float *dy, const float *x, float *dx, int rows, int n) {
   for (int r = 0; r < rows; r++) {
     const float *xr = x + (size_t)r * n, *dr = dy + (size_t)r * n;
     float *out = dx + (size_t)r * n;
@@ -160,9 +160,8 @@ static int by_score_then_token(const void *pa, const void *pb) {
 }
 
 // Every expert sorts its group's tokens and keeps the first cap; a token nobody keeps is dropped
-// (its MoE output is zero). The statistics are rt_expert_choice_stats'.
-void rt_expert_choice(RtStep *st, const float *scores, int32_t *loc, int s, int e, int g,
-                      int cap) {
+// (its MoE output is zero). The statistics are rt_expert_choice_stats' (called after it).
+void rt_expert_choice(const float *scores, int32_t *loc, int s, int e, int g, int cap) {
   if (g < 1)
     g = 1;
   int most = s / g + 1;
@@ -185,7 +184,6 @@ void rt_expert_choice(RtStep *st, const float *scores, int32_t *loc, int s, int 
     }
   }
   free(cand);
-  rt_expert_choice_stats(st, loc, s, e, g, cap);
 }
 
 // Per routing group where experts take tokens (min(cap, group size) > 0), the loads (tokens each

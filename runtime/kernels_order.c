@@ -76,6 +76,11 @@ void rt_copy(const float *x, float *y, int64_t n) {
     memmove(y, x, (size_t)n * sizeof *y);
 }
 
+void rt_zero(float *y, int64_t n) {
+  if (n > 0)
+    memset(y, 0, (size_t)n * sizeof *y);
+}
+
 // silu(x) = x sigmoid(x); the sigmoid as in rt_sigmoid, exp of a non-positive number only.
 static float sigmoid1(float v) {
   if (v >= 0.0f)

@@ -57,8 +57,9 @@ void rt_relu_grad(const float *dy, const float *x, float *dx, int64_t n);
 
 // logits + sigma * N(0,1) / e; the normal for token s (global index token0 + s), expert j is
 // rt_normal(rt_key(rt_key(rt_key(seed, RT_STREAM_NOISE), step), layer), (token0 + s) * e + j).
-void rt_gate_noise(const RtStep *st, const float *logits, float *out, int s, int e, float sigma,
-                   int layer);
+// The kernel's arguments (codegen/kernels.def) are the step's seed, step and token0.
+void rt_gate_noise(const float *logits, float *out, int s, int e, float sigma, int layer,
+                   uint64_t seed, int64_t step, int64_t token0);
 void rt_softmax(const float *x, float *y, int s, int e);
 void rt_softmax_grad(const float *dy, const float *y, float *dx, int s, int e);
 // Top k per row, ties to the lower index, in descending score order.
@@ -72,17 +73,22 @@ void rt_gate_gather_grad(const float *dgates, const float *scores, const int32_t
 // reaches cap. cap <= 0 is dropless: nothing is dropped. Adds the drops, the routing and the
 // per-expert loads (kept choices of each expert in each routing group) to st's statistics, and returns
 // the largest per-group load of any expert (the capacity a dropless layer needs).
-int rt_gate_locations(RtStep *st, const int32_t *idx, int32_t *loc, int s, int k, int e, int g,
+int rt_gate_locations(const int32_t *idx, int32_t *loc, RtStep *st, int s, int k, int e, int g,
                       int cap);
 // The statistics rt_gate_locations adds to st, of a routing made elsewhere (the CUDA target
 // places the choices on the GPU and reads idx and loc back): drops, routed choices, per-group
 // loads, route_hash and, when cap <= 0, capacity_max. Nothing when st is NULL.
 void rt_route_stats(RtStep *st, const int32_t *idx, const int32_t *loc, int s, int k, int e,
                     int g, int cap);
-float rt_aux_loss(const float *scores, const int32_t *idx, int s, int e, int k, int g);
+// The load-balancing loss: rt_aux_loss_value's number; rt_aux_loss writes it, divided by share
+// (the ranks that compute the same number), to out[0].
+float rt_aux_loss_value(const float *scores, const int32_t *idx, int s, int e, int k, int g);
+void rt_aux_loss(const float *scores, const int32_t *idx, float *out, int s, int e, int k, int g,
+                 float share);
 void rt_aux_loss_grad(const float *scores, const int32_t *idx, float *dscores, int s, int e,
                       int k, int g, float coef);
-float rt_z_loss(const float *logits, int s, int e, int g);
+float rt_z_loss_value(const float *logits, int s, int e, int g);
+void rt_z_loss(const float *logits, float *out, int s, int e, int g, float share);   // value / share
 void rt_z_loss_grad(const float *logits, float *dlogits, int s, int e, int g, float coef);
 
 // disp [e, g*cap, m]: the choice (t, j) of token t in group gi kept at loc l lands at row
@@ -108,18 +114,18 @@ void rt_sigmoid_grad(const float *dy, const float *y, float *dx, int64_t n);   /
 void rt_softmax_tokens(const float *x, float *y, int s, int e, int g);
 void rt_softmax_tokens_grad(const float *dy, const float *y, float *dx, int s, int e, int g);
 // y = x / sqrt(sum(x^2) + 1e-12) per row of x [rows, n].
-void rt_l2norm_rows(const float *x, float *y, int rows, int n);
-void rt_l2norm_rows_grad(const float *dy, const float *x, float *dx, int rows, int n);
+void rt_l2norm(const float *x, float *y, int rows, int n);
+void rt_l2norm_grad(const float *dy, const float *x, float *dx, int rows, int n);
 // y = x / s[0] for a scalar s (xmoe's learned temperature); ds[0] = -sum(dy*x) / s^2.
 void rt_div_scalar(const float *x, const float *s, float *y, int64_t n);
 void rt_div_scalar_grad_x(const float *dy, const float *s, float *dx, int64_t n);
 void rt_div_scalar_grad_s(const float *dy, const float *x, const float *s, float *ds, int64_t n);
 // Expert choice: in each group, every expert j takes the cap tokens with the highest
 // scores[t, j] (ties to the lower token index); loc[t, j] is the token's rank in that list, or
-// -1. Choice j of every token is expert j (idx = rt_iota). Statistics: routed += s,
-// dropped += tokens that no expert took; loads as rt_gate_locations.
-void rt_expert_choice(RtStep *st, const float *scores, int32_t *loc, int s, int e, int g, int cap);
-// Those statistics of an expert-choice routing loc [s, e] made elsewhere (rt_route_stats' twin).
+// -1. Choice j of every token is expert j (idx = rt_iota).
+void rt_expert_choice(const float *scores, int32_t *loc, int s, int e, int g, int cap);
+// The statistics of an expert-choice routing loc [s, e] (rt_route_stats' twin): routed += s,
+// dropped += tokens that no expert took; loads as rt_gate_locations. Nothing when st is NULL.
 void rt_expert_choice_stats(RtStep *st, const int32_t *loc, int s, int e, int g, int cap);
 void rt_iota(int32_t *idx, int s, int e);   // idx[t, j] = j
 // The dense (GShard einsum) order: one-hot dispatch mask and combine weights [s, e*c] with c =
@@ -131,6 +137,7 @@ void rt_combine_weights(const int32_t *idx, const int32_t *loc, const float *gat
 void rt_combine_weights_grad(const float *dcw, const int32_t *idx, const int32_t *loc,
                              float *dgates, int s, int k, int e, int g, int cap);
 void rt_copy(const float *x, float *y, int64_t n);
+void rt_zero(float *y, int64_t n);
 void rt_silu(const float *x, float *y, int64_t n);
 void rt_silu_grad(const float *dy, const float *x, float *dx, int64_t n);
 void rt_mul(const float *a, const float *b, float *y, int64_t n);
@@ -157,8 +164,10 @@ void rt_expert_major(const float *x, float *y, int blocks, int experts, int64_t 
 void rt_rank_major(const float *x, float *y, int blocks, int experts, int64_t rows, int64_t m);
 void rt_scale(float *x, int64_t n, float s);
 
-float rt_mse(const float *out, const float *target, int64_t n);   // sum (o-t)^2 / (2n)
-void rt_mse_grad(const float *out, const float *target, float *dout, int64_t n);
+float rt_mse_value(const float *out, const float *target, int64_t n);   // sum (o-t)^2 / (2n)
+// loss[0] = scale * rt_mse_value; dout = scale * (out - target) / n (scale: this rank's share).
+void rt_mse(const float *out, const float *target, float *loss, int64_t n, float scale);
+void rt_mse_grad(const float *out, const float *target, float *dout, int64_t n, float scale);
 
 void rt_sgd(float *p, const float *g, int64_t n, float lr, float weight_decay);
 // step is 1-based; m, v are the moments.

@@ -163,7 +163,7 @@ template <class Launcher> void run_kernel_cases(Launcher &L, Checks &c) {
   memset(&st, 0, sizeof st);
   st.seed = 42, st.step = 3, st.token0 = 96;
   auto noisy_c = zeros<float>(s * e), noisy_k = zeros<float>(s * e);
-  rt_gate_noise(&st, logits.data(), noisy_c.data(), s, e, 0.5f, 1);
+  rt_gate_noise(logits.data(), noisy_c.data(), s, e, 0.5f, 1, st.seed, st.step, st.token0);
   LAUNCH(4, 64, mk_gate_noise, logits, noisy_k, s, e, 0.5f, 1, 42, 3, 96);
   c.same("gate.noise", noisy_c, noisy_k);
   auto sc_c = zeros<float>(s * e), sc_k = zeros<float>(s * e);
@@ -205,7 +205,7 @@ template <class Launcher> void run_kernel_cases(Launcher &L, Checks &c) {
   c.same("gate.softmax.grad", dl_c, dl_k);
   for (int cp : {cap, 0}) {  // with drops, and dropless
     auto loc_c = zeros<int32_t>(s * k);
-    rt_gate_locations(NULL, idx_c.data(), loc_c.data(), s, k, e, g, cp);
+    rt_gate_locations(idx_c.data(), loc_c.data(), NULL, s, k, e, g, cp);
     // The statistics the kernel must give: kept and wanted choices per (group, expert).
     std::vector<int> want(g * e * 2, 0);
     for (int t = 0; t < s; t++)
@@ -230,16 +230,16 @@ template <class Launcher> void run_kernel_cases(Launcher &L, Checks &c) {
     }
   }
   auto loc = zeros<int32_t>(s * k);
-  rt_gate_locations(NULL, idx_c.data(), loc.data(), s, k, e, g, cap);
+  rt_gate_locations(idx_c.data(), loc.data(), NULL, s, k, e, g, cap);
   {
-    std::vector<float> a_c = {rt_aux_loss(sc_c.data(), idx_c.data(), s, e, k, g) / 2.0f}, a_k = {0};
+    std::vector<float> a_c = {rt_aux_loss_value(sc_c.data(), idx_c.data(), s, e, k, g) / 2.0f}, a_k = {0};
     LAUNCH(1, MK_BLOCK, mk_aux_loss, sc_c, idx_c, a_k, s, e, k, g, 2.0f);
     c.same("gate.aux_loss", a_c, a_k);
     auto d_c = zeros<float>(s * e), d_k = zeros<float>(s * e);
     rt_aux_loss_grad(sc_c.data(), idx_c.data(), d_c.data(), s, e, k, g, 0.01f);
     LAUNCH_SHARED(g, 64, e * sizeof(double), mk_aux_loss_grad, sc_c, idx_c, d_k, s, e, k, g, 0.01f);
     c.same("gate.aux_loss.grad", d_c, d_k);
-    std::vector<float> z_c = {rt_z_loss(noisy_c.data(), s, e, g)}, z_k = {0};
+    std::vector<float> z_c = {rt_z_loss_value(noisy_c.data(), s, e, g)}, z_k = {0};
     LAUNCH(1, MK_BLOCK, mk_z_loss, noisy_c, z_k, s, e, g, 1.0f);
     c.same("gate.z_loss", z_c, z_k);
     rt_z_loss_grad(noisy_c.data(), d_c.data(), s, e, g, 0.001f);
@@ -255,7 +255,7 @@ template <class Launcher> void run_kernel_cases(Launcher &L, Checks &c) {
     auto ec_c = zeros<int32_t>(s * e), ec_k = zeros<int32_t>(s * e);
     auto tied = sc_c;
     tied[2 * e + 1] = tied[5 * e + 1];
-    rt_expert_choice(NULL, tied.data(), ec_c.data(), s, e, g, 5);
+    rt_expert_choice(tied.data(), ec_c.data(), s, e, g, 5);
     LAUNCH(3, 32, mk_expert_choice, tied, ec_k, s, e, g, 5);
     c.same("gate.expert_choice", ec_c, ec_k);
     auto io_c = zeros<int32_t>(s * e), io_k = zeros<int32_t>(s * e);
@@ -353,10 +353,10 @@ template <class Launcher> void run_kernel_cases(Launcher &L, Checks &c) {
     rt_expert_bias_grad(a.data(), eb_c.data(), 4, s / 4, m);
     LAUNCH(2, 32, mk_expert_bias_grad, a, eb_k, 4, s / 4, m);
     c.same("expert.bias.grad", eb_c, eb_k);
-    rt_l2norm_rows(a.data(), y_c.data(), s, m);
+    rt_l2norm(a.data(), y_c.data(), s, m);
     LAUNCH(5, MK_BLOCK, mk_l2norm, a, y_k, s, m);
     c.same("l2norm", y_c, y_k);
-    rt_l2norm_rows_grad(b.data(), a.data(), y_c.data(), s, m);
+    rt_l2norm_grad(b.data(), a.data(), y_c.data(), s, m);
     LAUNCH(5, MK_BLOCK, mk_l2norm_grad, b, a, y_k, s, m);
     c.same("l2norm.grad", y_c, y_k);
     std::vector<float> sc = {1.7f};
@@ -370,10 +370,10 @@ template <class Launcher> void run_kernel_cases(Launcher &L, Checks &c) {
     rt_div_scalar_grad_s(a.data(), b.data(), sc.data(), ds_c.data(), n);
     LAUNCH(1, MK_BLOCK, mk_div_scalar_grad_s, a, b, sc, ds_k, n);
     c.same("div_scalar.grad_s", ds_c, ds_k);
-    std::vector<float> l_c = {0.5f * rt_mse(a.data(), b.data(), n)}, l_k = {0};
+    std::vector<float> l_c = {0.5f * rt_mse_value(a.data(), b.data(), n)}, l_k = {0};
     LAUNCH(1, MK_BLOCK, mk_mse, a, b, l_k, n, 0.5f);
     c.same("loss.mse", l_c, l_k);
-    rt_mse_grad(a.data(), b.data(), y_c.data(), n);
+    rt_mse_grad(a.data(), b.data(), y_c.data(), n, 1.0f);
     rt_scale(y_c.data(), n, 0.5f);
     LAUNCH(3, 64, mk_mse_grad, a, b, y_k, n, 0.5f);
     c.same("loss.mse.grad", y_c, y_k);

@@ -3,13 +3,16 @@
 // architecture: "ARCH: N kernels, CUBIN B bytes, PTX P bytes". N counts the kernel entry points
 // of the PTX (`.entry`), so it is what NVRTC compiled, not what the source says. --library
 // compiles every kernel the emitter has (cg_emit_cuda_library) instead of a file;
-// --print-library prints that source, --print-kernel-list its kernels (cg_emit_cuda_kernel_list).
+// --print-library prints that source, --print-kernel-list its kernels (cg_emit_cuda_kernel_list);
+// --check-signatures compares codegen/kernels.def's parameter lists with the declarations in
+// codegen/cuda/kernels.cu (the host program packs launch arguments by the former).
 // Exit status 1 on any failure, with NVRTC's log on stderr.
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 
 #include "codegen/cg.h"
+#include "codegen/cg_internal.h"
 
 static char *read_all(const char *path) {
   FILE *f = fopen(path, "rb");
@@ -44,6 +47,11 @@ int main(int argc, char **argv) {
   if (strcmp(argv[1], "--print-library") == 0) {  // the source, for tests/cuda/emu_check.cpp
     cg_emit_cuda_library(stdout);
     return 0;
+  }
+  if (strcmp(argv[1], "--check-signatures") == 0) {
+    int bad = cg_cuda_check_signatures(stderr);
+    printf("%d kernels, %d signatures differ\n", cg_cuda_kernel_count(), bad);
+    return bad != 0;
   }
   if (strcmp(argv[1], "--print-kernel-list") == 0) {  // MK_KERNEL(name, syncs), for tests/cuda/fake_cuda.cpp
     cg_emit_cuda_kernel_list(stdout);

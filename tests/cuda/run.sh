@@ -45,6 +45,13 @@ check() {
   done <"$WORK/out"
 }
 
+# The kernel table (codegen/kernels.def) against the sources (codegen/cuda/kernels.cu).
+if "$CHECK" --check-signatures >"$WORK/out" 2>"$WORK/err"; then
+  echo "ok    cuda kernel signatures: $(cat "$WORK/out") (kernels.def = kernels.cu)"
+else
+  echo "FAIL  cuda kernel signatures: $(cat "$WORK/out")"; sed 's/^/      /' "$WORK/err" | head -n 20; status=1
+fi
+
 for model in lang/models/*.moe tests/golden/*.moe tests/models/*.moe; do
   [ -f "$model" ] || continue
   name=${model%.moe}

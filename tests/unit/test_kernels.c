@@ -173,7 +173,7 @@ typedef struct {
 
 static double aux_obj(void *p) {
   LossCtx *c = p;
-  return (double)c->coef * rt_aux_loss(c->x, c->idx, c->s, c->e, c->k, c->g);
+  return (double)c->coef * rt_aux_loss_value(c->x, c->idx, c->s, c->e, c->k, c->g);
 }
 
 static void test_fd_aux_loss(void **state) {
@@ -190,7 +190,7 @@ static void test_fd_aux_loss(void **state) {
 
 static double z_obj(void *p) {
   LossCtx *c = p;
-  return (double)c->coef * rt_z_loss(c->x, c->s, c->e, c->g);
+  return (double)c->coef * rt_z_loss_value(c->x, c->s, c->e, c->g);
 }
 
 static void test_fd_z_loss(void **state) {
@@ -388,7 +388,7 @@ typedef struct {
 
 static double mse_obj(void *p) {
   MseCtx *c = p;
-  return rt_mse(c->o, c->t, c->n);
+  return rt_mse_value(c->o, c->t, c->n);
 }
 
 static void test_fd_mse(void **state) {
@@ -397,7 +397,7 @@ static void test_fd_mse(void **state) {
   fill(o, N, -1, 1);
   fill(t, N, -1, 1);
   MseCtx c = {o, t, N};
-  rt_mse_grad(o, t, d, N);
+  rt_mse_grad(o, t, d, N, 1.0f);
   check_fd("loss.mse (d/dout)", mse_obj, &c, o, N, d, FD_EPS);
 }
 
@@ -409,7 +409,7 @@ typedef struct {
 
 static double noise_obj(void *p) {
   NoiseCtx *c = p;
-  rt_gate_noise(c->st, c->x, c->y, c->s, c->e, 1.0f, 3);
+  rt_gate_noise(c->x, c->y, c->s, c->e, 1.0f, 3, c->st->seed, c->st->step, c->st->token0);
   return dot(c->w, c->y, (int64_t)c->s * c->e);
 }
 
@@ -542,7 +542,7 @@ static void test_gate_gather_values(void **state) {
 static void test_gate_locations(void **state) {
   int32_t loc[RS * RK];
   RtStep st = {.dropped = 1, .routed = 4, .route_hash = 0};
-  rt_gate_locations(&st, route_idx, loc, RS, RK, RE, RG, RCAP);
+  rt_gate_locations(route_idx, loc, &st, RS, RK, RE, RG, RCAP);
   assert_memory_equal(loc, route_loc, sizeof loc);
   assert_int_equal(st.dropped, 1 + 5);
   assert_int_equal(st.routed, 4 + RS * RK);
@@ -551,21 +551,21 @@ static void test_gate_locations(void **state) {
 
   // Same routing, same hash; st may be NULL.
   RtStep st2 = {0};
-  rt_gate_locations(&st2, route_idx, loc, RS, RK, RE, RG, RCAP);
+  rt_gate_locations(route_idx, loc, &st2, RS, RK, RE, RG, RCAP);
   assert_true(st2.route_hash == hash);
-  rt_gate_locations(NULL, route_idx, loc, RS, RK, RE, RG, RCAP);
+  rt_gate_locations(route_idx, loc, NULL, RS, RK, RE, RG, RCAP);
   assert_memory_equal(loc, route_loc, sizeof loc);
 
   // Another capacity changes the locations and the hash.
   RtStep st3 = {0};
-  rt_gate_locations(&st3, route_idx, loc, RS, RK, RE, RG, 4);
+  rt_gate_locations(route_idx, loc, &st3, RS, RK, RE, RG, 4);
   assert_int_equal(st3.dropped, 0);
   assert_true(st3.route_hash != hash);
   const int32_t want4[RS * RK] = {0, 1, 1, 0, 2, 2, 0, 3, 0, 1, 1, 1, 0, 2, 0, 3};
   assert_memory_equal(loc, want4, sizeof want4);
 
   // One group over all 8 tokens, capacity 3.
-  rt_gate_locations(NULL, route_idx, loc, RS, RK, RE, 1, 3);
+  rt_gate_locations(route_idx, loc, NULL, RS, RK, RE, 1, 3);
   // first choices: e0: t0 0, t1 1, t2 2, t7 -; e1: t3 0, t6 1; e2: t4 0, t5 1
   // second choices: e1: t0 2, t2 -, t5 -; e2: t1 2, t6 -, t7 -; e0: t3 -, t4 -
   const int32_t want1[RS * RK] = {0, 2, 1, 2, 2, -1, 0, -1, 0, -1, 1, -1, 1, -1, -1, -1};
@@ -633,19 +633,19 @@ static void test_loss_values(void **state) {
   int32_t idx[4];
   rt_topk(scores, idx, 4, 2, 1);   // 0, 0, 1, 0 (the tie goes to expert 0)
   // One group: me = (0.55, 0.45), ce = (0.75, 0.25): 2 * (0.4125 + 0.1125) = 1.05.
-  assert_float_equal(rt_aux_loss(scores, idx, 4, 2, 1, 1), 1.05, 1e-6);
+  assert_float_equal(rt_aux_loss_value(scores, idx, 4, 2, 1, 1), 1.05, 1e-6);
   // Two groups: 2*(0.75*1) = 1.5 and 2*(0.35*0.5 + 0.65*0.5) = 1.0, mean 1.25.
-  assert_float_equal(rt_aux_loss(scores, idx, 4, 2, 1, 2), 1.25, 1e-6);
+  assert_float_equal(rt_aux_loss_value(scores, idx, 4, 2, 1, 2), 1.25, 1e-6);
 
   // z: rows (0, 0) and (ln 3, 0): (ln^2 2 + ln^2 4) / 2.
   const float logits[4] = {0.0f, 0.0f, logf(3.0f), 0.0f};
-  assert_float_equal(rt_z_loss(logits, 2, 2, 1), 1.2011325347955035, 1e-6);
-  assert_float_equal(rt_z_loss(logits, 2, 2, 2), 1.2011325347955035, 1e-6);
+  assert_float_equal(rt_z_loss_value(logits, 2, 2, 1), 1.2011325347955035, 1e-6);
+  assert_float_equal(rt_z_loss_value(logits, 2, 2, 2), 1.2011325347955035, 1e-6);
 
   const float o[3] = {1, 2, 3}, t[3] = {0, 0, 1};
   float d[3];
-  assert_float_equal(rt_mse(o, t, 3), 1.5, 1e-7);
-  rt_mse_grad(o, t, d, 3);
+  assert_float_equal(rt_mse_value(o, t, 3), 1.5, 1e-7);
+  rt_mse_grad(o, t, d, 3, 1.0f);
   assert_float_equal(d[0], 1.0 / 3, 1e-7);
   assert_float_equal(d[1], 2.0 / 3, 1e-7);
   assert_float_equal(d[2], 2.0 / 3, 1e-7);
@@ -721,7 +721,7 @@ static void test_gate_noise_layout(void **state) {
   float x[S * E], y[S * E], y2[2 * E];
   fill(x, S * E, -1, 1);
   RtStep st = {.step = 3, .seed = 9, .token0 = 10};
-  rt_gate_noise(&st, x, y, S, E, 2.0f, 1);
+  rt_gate_noise(x, y, S, E, 2.0f, 1, st.seed, st.step, st.token0);
   uint64_t key = rt_key(rt_key(rt_key(9, RT_STREAM_NOISE), 3), 1);
   for (int t = 0; t < S; t++)
     for (int j = 0; j < E; j++) {
@@ -731,10 +731,10 @@ static void test_gate_noise_layout(void **state) {
   // A rank that starts two tokens later draws the same numbers for the same tokens.
   RtStep later = st;
   later.token0 = 12;
-  rt_gate_noise(&later, x + 2 * E, y2, 2, E, 2.0f, 1);
+  rt_gate_noise(x + 2 * E, y2, 2, E, 2.0f, 1, later.seed, later.step, later.token0);
   assert_memory_equal(y2, y + 2 * E, sizeof y2);
   // sigma 0: a copy.
-  rt_gate_noise(&st, x, y, S, E, 0.0f, 1);
+  rt_gate_noise(x, y, S, E, 0.0f, 1, st.seed, st.step, st.token0);
   assert_memory_equal(y, x, sizeof y);
 }
 

@@ -168,7 +168,7 @@ static void test_fd_softmax_tokens(void **state) {
 
 static double l2norm_obj(void *p) {
   TokensCtx *c = p;
-  rt_l2norm_rows(c->x, c->y, c->s, c->e);
+  rt_l2norm(c->x, c->y, c->s, c->e);
   return dot(c->w, c->y, (int64_t)c->s * c->e);
 }
 
@@ -178,7 +178,7 @@ static void test_fd_l2norm_rows(void **state) {
   fill(x, R * N, -1, 1);
   fill(w, R * N, -1, 1);
   TokensCtx c = {x, y, w, R, N, 1};
-  rt_l2norm_rows_grad(w, x, dx, R, N);
+  rt_l2norm_grad(w, x, dx, R, N);
   check_fd("gate.l2norm_rows", l2norm_obj, &c, x, R * N, dx, FD_EPS);
 }
 
@@ -298,11 +298,11 @@ static void test_softmax_tokens_values(void **state) {
 static void test_l2norm_values(void **state) {
   float x[6] = {3, 4, 0, 0, 0, 0}, y[6], dx[6];
   const float dy[6] = {1, 1, 1, 1, 1, 1};
-  rt_l2norm_rows(x, y, 2, 3);
+  rt_l2norm(x, y, 2, 3);
   assert_float_equal(y[0], 0.6, 1e-7);
   assert_float_equal(y[1], 0.8, 1e-7);
   assert_true(y[2] == 0.0f && y[3] == 0.0f && y[5] == 0.0f);   // a zero row stays zero, no NaN
-  rt_l2norm_rows_grad(dy, x, dx, 2, 3);
+  rt_l2norm_grad(dy, x, dx, 2, 3);
   for (int i = 0; i < 6; i++)
     assert_true(isfinite(dx[i]));
 }
@@ -328,7 +328,8 @@ static void test_expert_choice(void **state) {
   int32_t loc[S * E];
   RtStep st = {0};
   rt_step_begin_forward(&st);
-  rt_expert_choice(&st, choice_scores, loc, S, E, G, 2);
+  rt_expert_choice(choice_scores, loc, S, E, G, 2);
+  rt_expert_choice_stats(&st, loc, S, E, G, 2);
   assert_memory_equal(loc, want, sizeof want);
   assert_int_equal(st.dropped, 1);
   assert_int_equal(st.routed, S);
@@ -338,13 +339,14 @@ static void test_expert_choice(void **state) {
   assert_true(st.route_hash != 0);
   uint64_t hash = st.route_hash;
   RtStep st2 = {0};
-  rt_expert_choice(&st2, choice_scores, loc, S, E, G, 2);
+  rt_expert_choice(choice_scores, loc, S, E, G, 2);
+  rt_expert_choice_stats(&st2, loc, S, E, G, 2);
   assert_true(st2.route_hash == hash);
-  rt_expert_choice(NULL, choice_scores, loc, S, E, G, 2);
+  rt_expert_choice(choice_scores, loc, S, E, G, 2);
   assert_memory_equal(loc, want, sizeof want);
 
   // Capacity beyond the group: every token is taken, loc is the full rank order.
-  rt_expert_choice(NULL, choice_scores, loc, S, E, G, 5);
+  rt_expert_choice(choice_scores, loc, S, E, G, 5);
   const int32_t want_all[S * E] = {1, 3, 1, 2, 0, 2, 3, 1, 0, 0, 2, 3,
                                    0, 1, 1, 1, 0, 2, 2, 2, 0, 3, 3, 3};
   assert_memory_equal(loc, want_all, sizeof want_all);
@@ -425,7 +427,7 @@ static void test_dense_order_token_choice(void **state) {
       rt_softmax(logits, scores, S, E);
       rt_topk(scores, idx, S, E, K);
       rt_gate_gather(scores, idx, gates, S, E, K, true);
-      rt_gate_locations(NULL, idx, loc, S, K, E, g, cap);
+      rt_gate_locations(idx, loc, NULL, S, K, E, g, cap);
       char what[64];
       snprintf(what, sizeof what, "topk g=%d cap=%d", g, cap);
       check_dense_matches_sparse(what, idx, loc, gates, S, M, K, E, g, cap);
@@ -444,7 +446,7 @@ static void test_dense_order_expert_choice(void **state) {
   fill(logits, S * E, -2, 2);
   rt_softmax_tokens(logits, scores, S, E, G);
   rt_iota(idx, S, E);
-  rt_expert_choice(NULL, scores, loc, S, E, G, CAP);
+  rt_expert_choice(scores, loc, S, E, G, CAP);
   check_dense_matches_sparse("expert choice", idx, loc, scores, S, M, E, E, G, CAP);
 }
 
@@ -456,7 +458,7 @@ static void test_gate_locations_dropless(void **state) {
   int32_t loc[RS * RK];
   RtStep st;
   rt_step_begin_forward(&st);
-  int most = rt_gate_locations(&st, route_idx, loc, RS, RK, RE, RG, 0);
+  int most = rt_gate_locations(route_idx, loc, &st, RS, RK, RE, RG, 0);
   const int32_t want[RS * RK] = {0, 1, 1, 0, 2, 2, 0, 3, 0, 1, 1, 1, 0, 2, 0, 3};
   assert_memory_equal(loc, want, sizeof want);
   assert_int_equal(most, 4);
@@ -467,10 +469,10 @@ static void test_gate_locations_dropless(void **state) {
   assert_int_equal(st.load_max, 4);
   assert_true(st.load_sum == 16.0 && st.load_count == 6);
   // A negative capacity is dropless too; st may be NULL.
-  assert_int_equal(rt_gate_locations(NULL, route_idx, loc, RS, RK, RE, RG, -1), 4);
+  assert_int_equal(rt_gate_locations(route_idx, loc, NULL, RS, RK, RE, RG, -1), 4);
   assert_memory_equal(loc, want, sizeof want);
   // One group: e0 has 6 choices.
-  assert_int_equal(rt_gate_locations(&st, route_idx, loc, RS, RK, RE, 1, 0), 6);
+  assert_int_equal(rt_gate_locations(route_idx, loc, &st, RS, RK, RE, 1, 0), 6);
   assert_int_equal(st.capacity_max, 6);
 }
 
@@ -484,14 +486,14 @@ static void test_load_statistics(void **state) {
   rt_step_begin_forward(&st);
   assert_true(st.load_min == INT64_MAX && st.load_max == 0 && st.load_sum == 0.0);
   assert_true(st.load_count == 0 && st.capacity_max == 0);
-  assert_int_equal(rt_gate_locations(&st, route_idx, loc, RS, RK, RE, RG, RCAP), 4);
+  assert_int_equal(rt_gate_locations(route_idx, loc, &st, RS, RK, RE, RG, RCAP), 4);
   assert_memory_equal(loc, route_loc, sizeof loc);
   assert_int_equal(st.load_min, 1);
   assert_int_equal(st.load_max, 2);
   assert_true(st.load_sum == 11.0 && st.load_count == 6);
   assert_int_equal(st.capacity_max, 0);
   assert_int_equal(st.dropped, 5);
-  rt_gate_locations(&st, route_idx, loc, RS, RK, RE, RG, 0);
+  rt_gate_locations(route_idx, loc, &st, RS, RK, RE, RG, 0);
   assert_int_equal(st.load_min, 1);
   assert_int_equal(st.load_max, 4);
   assert_true(st.load_sum == 27.0 && st.load_count == 12);

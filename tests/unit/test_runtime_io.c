@@ -413,7 +413,7 @@ static void lin_route(RtStep *st, const float *out) {
   int32_t idx[S], loc[S];
   for (int t = 0; t < S; t++)
     idx[t] = t % 3;
-  rt_gate_locations(st, idx, loc, S, 1, 4, 1, 0);
+  rt_gate_locations(idx, loc, st, S, 1, 4, 1, 0);
   rt_record(st, "before_dispatch", 0, out, N);
 }
 
@@ -428,13 +428,13 @@ static void lin_forward(RtStep *st) {
   }
   if (lin_moe)
     lin_route(st, out);
-  st->mse = rt_mse(out, st->target, N);
+  st->mse = rt_mse_value(out, st->target, N);
   st->output = out;
 }
 
 static void lin_backward(RtStep *st) {
   float *out = (float *)st->arena, *dout = out + N;
-  rt_mse_grad(out, st->target, dout, N);
+  rt_mse_grad(out, st->target, dout, N, 1.0f);
   rt_matmul(st->input, dout, st->grads, M, M, S, true, false, false);
   for (int i = 0; i < M * M; i++)
     st->grads[i] *= backward_scale;

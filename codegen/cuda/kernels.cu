@@ -1,0 +1,899 @@
+// The CUDA kernels of moec's CUDA target, one per row of codegen/kernels.def (mk_NAME), after a
+// prelude of __device__ helpers. The build embeds this file (mk/embed_cuda.awk); `moec build
+// --target cuda` hands NVRTC the prelude and the kernels a module uses. Each kernel starts at a
+// line "// ---- mk_NAME ----"; what comes before the first one is the prelude. No #include
+// (NVRTC has no system headers), extern "C" names, no host code. Every kernel reproduces the CPU
+// kernel of libmoert it stands for: the same formulas, the same order of choices.
+
+// ---- prelude: types, grid-stride loops, routing groups, reductions ----
+typedef long long i64;
+typedef unsigned long long u64;
+typedef unsigned int u32;
+typedef unsigned short u16;
+typedef signed char i8;
+
+#define MK_INF __int_as_float(0x7f800000)
+#define MK_BLOCK 256
+#define MK_FOR(i, n) for (i64 i = (i64)blockIdx.x * blockDim.x + threadIdx.x; i < (i64)(n); i += (i64)blockDim.x * gridDim.x)
+#define MK_FOR_BLOCKS(b, n) for (i64 b = blockIdx.x; b < (i64)(n); b += gridDim.x)
+#ifndef MK_DYN_SHARED
+#define MK_DYN_SHARED(T, name) extern __shared__ T name[]
+#endif
+
+__device__ __forceinline__ int mk_group_begin(int s, int g, int gi) { return (int)((i64)s * gi / g); }
+
+// The routing group of token t: the gi with group_begin(gi) <= t < group_begin(gi + 1).
+__device__ int mk_group_of(int s, int g, int t) {
+  if (g < 1 || s < 1) return 0;
+  int gi = (int)((i64)t * g / s);
+  while (gi + 1 < g && mk_group_begin(s, g, gi + 1) <= t) gi++;
+  while (gi > 0 && mk_group_begin(s, g, gi) > t) gi--;
+  return gi;
+}
+
+__device__ __forceinline__ bool mk_kept(const int *loc, i64 c, int cap) { return loc[c] >= 0 && loc[c] < cap; }
+
+// Row (in [e, g*cap, ...]) of kept choice c of a token in group gi.
+__device__ __forceinline__ i64 mk_slot(const int *idx, const int *loc, i64 c, int gi, int cap, int g) {
+  return ((i64)idx[c] * g + gi) * cap + loc[c];
+}
+
+// Block-wide reductions for kernels launched with MK_BLOCK threads: a fixed tree, so the
+// result does not depend on timing (deterministic run to run).
+__device__ double mk_block_sum(double v) {
+  __shared__ double sh[MK_BLOCK];
+  sh[threadIdx.x] = v;
+  __syncthreads();
+  for (int w = MK_BLOCK / 2; w > 0; w >>= 1) {
+    if (threadIdx.x < w) sh[threadIdx.x] += sh[threadIdx.x + w];
+    __syncthreads();
+  }
+  double r = sh[0];
+  __syncthreads();
+  return r;
+}
+
+__device__ float mk_block_max(float v) {
+  __shared__ float sh[MK_BLOCK];
+  sh[threadIdx.x] = v;
+  __syncthreads();
+  for (int w = MK_BLOCK / 2; w > 0; w >>= 1) {
+    if (threadIdx.x < w) sh[threadIdx.x] = fmaxf(sh[threadIdx.x], sh[threadIdx.x + w]);
+    __syncthreads();
+  }
+  float r = sh[0];
+  __syncthreads();
+  return r;
+}
+
+// ---- counter-based randomness, bit for bit runtime/rng.c ----
+__device__ u64 mk_mix(u64 z) {
+  z += 0x9e3779b97f4a7c15ULL;
+  z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ULL;
+  z = (z ^ (z >> 27)) * 0x94d049bb133111ebULL;
+  return z ^ (z >> 31);
+}
+__device__ u64 mk_key(u64 a, u64 b) { return mk_mix(a ^ mk_mix(b)); }
+__device__ double mk_uniform(u64 h) { return ((double)(h >> 40) + 0.5) / 16777216.0; }
+__device__ double mk_normal(u64 key, u64 i) {
+  double u1 = mk_uniform(mk_key(key, 2 * i));
+  double u2 = mk_uniform(mk_key(key, 2 * i + 1));
+  return sqrt(-2.0 * log(u1)) * cos(2.0 * 3.14159265358979323846 * u2);
+}
+
+// ---- 16-bit formats on the bits, as runtime/hooks.c: round to nearest, ties to even ----
+__device__ u32 mk_shift_round_even(u32 m, int shift) {
+  u32 q = m >> shift, rem = m & ((1u << shift) - 1), half = 1u << (shift - 1);
+  if (rem > half || (rem == half && (q & 1))) q++;
+  return q;
+}
+__device__ u16 mk_half_from_float(float f) {
+  u32 u = __float_as_uint(f);
+  u16 sign = (u16)((u >> 16) & 0x8000);
+  u32 a = u & 0x7fffffff, ex = a >> 23, mant = a & 0x7fffff;
+  if (a > 0x7f800000) return sign | 0x7e00 | (u16)(mant >> 13);
+  if (a >= 0x47800000) return sign | 0x7c00;
+  if (a >= 0x38800000) {
+    u32 h = ((ex - 112) << 10) | (mant >> 13);
+    u32 rem = mant & 0x1fff;
+    if (rem > 0x1000 || (rem == 0x1000 && (h & 1))) h++;
+    return sign | (u16)h;
+  }
+  int shift = 126 - (int)ex;
+  if (shift > 24) return sign;
+  return sign | (u16)mk_shift_round_even(mant | 0x800000, shift);
+}
+__device__ float mk_float_from_half(u16 h) {
+  u32 sign = (u32)(h & 0x8000) << 16, ex = (h >> 10) & 0x1f, mant = h & 0x3ff;
+  if (ex == 31) return __uint_as_float(sign | 0x7f800000 | (mant << 13));
+  if (ex == 0) return __uint_as_float(sign | __float_as_uint((float)mant * 5.9604644775390625e-8f));  // mant * 2^-24, exact
+  return __uint_as_float(sign | ((ex + 112) << 23) | (mant << 13));
+}
+__device__ u16 mk_bf16_from_float(float f) {
+  u32 u = __float_as_uint(f);
+  if ((u & 0x7fffffff) > 0x7f800000) return (u16)((u >> 16) | 0x0040);
+  return (u16)((u + 0x7fff + ((u >> 16) & 1)) >> 16);
+}
+__device__ float mk_float_from_bf16(u16 q) { return __uint_as_float((u32)q << 16); }
+
+// ---- per-row gate functions (the separate kernels and the fused gate kernels share them) ----
+__device__ float mk_sigmoid1(float v) {
+  if (v >= 0.0f) return 1.0f / (1.0f + expf(-v));
+  float z = expf(v);
+  return z / (1.0f + z);
+}
+__device__ void mk_row_softmax(const float *x, float *y, int e) {
+  float mx = -MK_INF;
+  for (int j = 0; j < e; j++)
+    if (x[j] > mx) mx = x[j];
+  double sum = 0.0;
+  for (int j = 0; j < e; j++) {
+    y[j] = expf(x[j] - mx);
+    sum += y[j];
+  }
+  float inv = (float)(1.0 / sum);
+  for (int j = 0; j < e; j++) y[j] *= inv;
+}
+// Order: score descending, index ascending; NaN ranks as -inf (runtime rt_topk).
+__device__ void mk_row_topk(const float *row, int *out, int e, int k) {
+  float prev_v = MK_INF;
+  int prev_i = -1;
+  for (int j = 0; j < k; j++) {
+    int best = -1;
+    float best_v = -MK_INF;
+    for (int i = 0; i < e; i++) {
+      float v = row[i];
+      if (v != v) v = -MK_INF;
+      bool after_prev = v < prev_v || (v == prev_v && i > prev_i);
+      if (after_prev && (best < 0 || v > best_v)) {
+        best = i;
+        best_v = v;
+      }
+    }
+    out[j] = best;
+    prev_v = best_v;
+    prev_i = best;
+  }
+}
+__device__ void mk_row_gather(const float *row, const int *ir, float *gr, int k, int renorm) {
+  double sum = 0.0;
+  for (int j = 0; j < k; j++) {
+    gr[j] = row[ir[j]];
+    sum += gr[j];
+  }
+  if (renorm && sum > 0.0)
+    for (int j = 0; j < k; j++) gr[j] = (float)(gr[j] / sum);
+}
+__device__ double mk_row_logsumexp(const float *row, int e) {
+  float mx = -MK_INF;
+  for (int j = 0; j < e; j++)
+    if (row[j] > mx) mx = row[j];
+  double sum = 0.0;
+  for (int j = 0; j < e; j++) sum += exp((double)row[j] - mx);
+  return mx + log(sum);
+}
+
+// dispatch_mask / combine_weights: one block per token; the token's row of [s, e*g*cap] is
+// zeroed, then its kept choices set (to the gate, or 1 when gates is NULL).
+__device__ void mk_scatter_choices(const int *idx, const int *loc, const float *gates, float *out, int s, int k, int e,
+                                   int g, int cap) {
+  if (g < 1) g = 1;
+  i64 width = (i64)e * g * cap;
+  MK_FOR_BLOCKS(t, s) {
+    float *row = out + t * width;
+    for (i64 i = threadIdx.x; i < width; i += blockDim.x) row[i] = 0.0f;
+    __syncthreads();
+    if (threadIdx.x == 0) {
+      int gi = mk_group_of(s, g, (int)t);
+      for (int j = 0; j < k; j++) {
+        i64 c = t * k + j;
+        if (mk_kept(loc, c, cap)) row[mk_slot(idx, loc, c, gi, cap, g)] = gates ? gates[c] : 1.0f;
+      }
+    }
+    __syncthreads();
+  }
+}
+
+// ---- mk_zero ----
+extern "C" __global__ void mk_zero(float *y, i64 n) {
+  MK_FOR(i, n) y[i] = 0.0f;
+}
+
+// ---- mk_copy ----
+extern "C" __global__ void mk_copy(const float *x, float *y, i64 n) {
+  MK_FOR(i, n) y[i] = x[i];
+}
+
+// ---- mk_add ----
+extern "C" __global__ void mk_add(const float *a, const float *b, float *y, i64 n) {
+  MK_FOR(i, n) y[i] = a[i] + b[i];
+}
+
+// ---- mk_mul ----
+extern "C" __global__ void mk_mul(const float *a, const float *b, float *y, i64 n) {
+  MK_FOR(i, n) y[i] = a[i] * b[i];
+}
+
+// ---- mk_bias ----
+extern "C" __global__ void mk_bias(const float *x, const float *b, float *y, int rows, int n) {
+  MK_FOR(i, (i64)rows * n) y[i] = x[i] + b[i % n];
+}
+
+// ---- mk_bias_grad ----
+// One thread per column, rows summed in order in double: deterministic, as rt_bias_grad.
+extern "C" __global__ void mk_bias_grad(const float *dy, float *db, int rows, int n) {
+  MK_FOR(c, n) {
+    double acc = 0.0;
+    for (int r = 0; r < rows; r++) acc += dy[(i64)r * n + c];
+    db[c] = (float)acc;
+  }
+}
+
+// ---- mk_expert_bias ----
+extern "C" __global__ void mk_expert_bias(const float *x, const float *b, float *y, int e, int rows, int n) {
+  MK_FOR(i, (i64)e * rows * n) y[i] = x[i] + b[(i / ((i64)rows * n)) * n + i % n];
+}
+
+// ---- mk_expert_bias_grad ----
+extern "C" __global__ void mk_expert_bias_grad(const float *dy, float *db, int e, int rows, int n) {
+  MK_FOR(i, (i64)e * n) {
+    i64 ex = i / n, c = i % n;
+    const float *d = dy + ex * rows * n;
+    double acc = 0.0;
+    for (int r = 0; r < rows; r++) acc += d[(i64)r * n + c];
+    db[i] = (float)acc;
+  }
+}
+
+// ---- mk_gelu ----
+#define MK_GELU_C 0.7978845608028654f
+#define MK_GELU_A 0.044715f
+extern "C" __global__ void mk_gelu(const float *x, float *y, i64 n) {
+  MK_FOR(i, n) {
+    float v = x[i];
+    float t = tanhf(MK_GELU_C * (v + MK_GELU_A * v * v * v));
+    y[i] = 0.5f * v * (1.0f + t);
+  }
+}
+
+// ---- mk_gelu_grad ----
+extern "C" __global__ void mk_gelu_grad(const float *dy, const float *x, float *dx, i64 n) {
+  MK_FOR(i, n) {
+    float v = x[i];
+    float t = tanhf(0.7978845608028654f * (v + 0.044715f * v * v * v));
+    float du = 0.7978845608028654f * (1.0f + 3.0f * 0.044715f * v * v);
+    dx[i] = dy[i] * (0.5f * (1.0f + t) + 0.5f * v * (1.0f - t * t) * du);
+  }
+}
+
+// ---- mk_relu ----
+extern "C" __global__ void mk_relu(const float *x, float *y, i64 n) {
+  MK_FOR(i, n) y[i] = x[i] > 0.0f ? x[i] : 0.0f;
+}
+
+// ---- mk_relu_grad ----
+extern "C" __global__ void mk_relu_grad(const float *dy, const float *x, float *dx, i64 n) {
+  MK_FOR(i, n) dx[i] = x[i] > 0.0f ? dy[i] : 0.0f;
+}
+
+// ---- mk_silu ----
+extern "C" __global__ void mk_silu(const float *x, float *y, i64 n) {
+  MK_FOR(i, n) y[i] = x[i] * mk_sigmoid1(x[i]);
+}
+
+// ---- mk_silu_grad ----
+extern "C" __global__ void mk_silu_grad(const float *dy, const float *x, float *dx, i64 n) {
+  MK_FOR(i, n) {
+    float sg = mk_sigmoid1(x[i]);
+    dx[i] = dy[i] * sg * (1.0f + x[i] * (1.0f - sg));
+  }
+}
+
+// ---- mk_l2norm ----
+// One block (MK_BLOCK threads) per row.
+extern "C" __global__ void mk_l2norm(const float *x, float *y, int rows, int n) {
+  MK_FOR_BLOCKS(r, rows) {
+    const float *xr = x + r * n;
+    float *yr = y + r * n;
+    double ss = 0.0;
+    for (int i = threadIdx.x; i < n; i += blockDim.x) ss += (double)xr[i] * xr[i];
+    ss = mk_block_sum(ss);
+    float inv = (float)(1.0 / sqrt(ss + 1e-12));
+    for (int i = threadIdx.x; i < n; i += blockDim.x) yr[i] = xr[i] * inv;
+  }
+}
+
+// ---- mk_l2norm_grad ----
+extern "C" __global__ void mk_l2norm_grad(const float *dy, const float *x, float *dx, int rows, int n) {
+  MK_FOR_BLOCKS(r, rows) {
+    const float *xr = x + r * n, *dr = dy + r * n;
+    float *out = dx + r * n;
+    double ss = 0.0, dot = 0.0;
+    for (int i = threadIdx.x; i < n; i += blockDim.x) {
+      ss += (double)xr[i] * xr[i];
+      dot += (double)dr[i] * xr[i];
+    }
+    ss = mk_block_sum(ss);
+    dot = mk_block_sum(dot);
+    double norm = sqrt(ss + 1e-12);
+    float inv = (float)(1.0 / norm), proj = (float)(dot / (norm * norm * norm));
+    for (int i = threadIdx.x; i < n; i += blockDim.x) out[i] = dr[i] * inv - xr[i] * proj;
+  }
+}
+
+// ---- mk_div_scalar ----
+extern "C" __global__ void mk_div_scalar(const float *x, const float *s, float *y, i64 n) {
+  float d = s[0];
+  MK_FOR(i, n) y[i] = x[i] / d;
+}
+
+// ---- mk_div_scalar_grad_x ----
+extern "C" __global__ void mk_div_scalar_grad_x(const float *dy, const float *s, float *dx, i64 n) {
+  float d = s[0];
+  MK_FOR(i, n) dx[i] = dy[i] / d;
+}
+
+// ---- mk_div_scalar_grad_s ----
+// One block of MK_BLOCK threads.
+extern "C" __global__ void mk_div_scalar_grad_s(const float *dy, const float *x, const float *s, float *ds, i64 n) {
+  double acc = 0.0;
+  for (i64 i = threadIdx.x; i < n; i += blockDim.x) acc += (double)dy[i] * x[i];
+  acc = mk_block_sum(acc);
+  double d = s[0];
+  if (threadIdx.x == 0) ds[0] = (float)(-acc / (d * d));
+}
+
+// ---- mk_gate_noise ----
+// logits + sigma*N(0,1)/e; the normal of token t, expert j is
+// mk_normal(key(key(key(seed, 4 = RT_STREAM_NOISE), step), layer), (token0 + t) * e + j).
+extern "C" __global__ void mk_gate_noise(const float *logits, float *out, int s, int e, float sigma, int layer,
+                                         u64 seed, i64 step, i64 token0) {
+  u64 key = mk_key(mk_key(mk_key(seed, 4ULL), (u64)step), (u64)(i64)layer);
+  double scale = (double)sigma / e;
+  MK_FOR(i, (i64)s * e) {
+    if (sigma == 0.0f) {
+      out[i] = logits[i];
+      continue;
+    }
+    i64 t = i / e, j = i % e;
+    u64 base = (u64)(token0 + t) * (u64)e;
+    out[i] = logits[i] + (float)(scale * mk_normal(key, base + (u64)j));
+  }
+}
+
+// ---- mk_softmax ----
+extern "C" __global__ void mk_softmax(const float *x, float *y, int s, int e) {
+  MK_FOR(t, s) mk_row_softmax(x + t * e, y + t * e, e);
+}
+
+// ---- mk_softmax_grad ----
+extern "C" __global__ void mk_softmax_grad(const float *dy, const float *y, float *dx, int s, int e) {
+  MK_FOR(t, s) {
+    const float *dr = dy + t * e, *yr = y + t * e;
+    float *xr = dx + t * e;
+    double dot = 0.0;
+    for (int j = 0; j < e; j++) dot += (double)dr[j] * yr[j];
+    float d = (float)dot;
+    for (int j = 0; j < e; j++) xr[j] = yr[j] * (dr[j] - d);
+  }
+}
+
+// ---- mk_sigmoid ----
+extern "C" __global__ void mk_sigmoid(const float *x, float *y, i64 n) {
+  MK_FOR(i, n) y[i] = mk_sigmoid1(x[i]);
+}
+
+// ---- mk_sigmoid_grad ----
+extern "C" __global__ void mk_sigmoid_grad(const float *dy, const float *y, float *dx, i64 n) {
+  MK_FOR(i, n) dx[i] = dy[i] * y[i] * (1.0f - y[i]);
+}
+
+// ---- mk_softmax_tokens ----
+// One thread per (group, column): the column of a group in token order.
+extern "C" __global__ void mk_softmax_tokens(const float *x, float *y, int s, int e, int g) {
+  if (g < 1) g = 1;
+  MK_FOR(i, (i64)g * e) {
+    int gi = (int)(i / e), j = (int)(i % e);
+    int t0 = mk_group_begin(s, g, gi), t1 = mk_group_begin(s, g, gi + 1);
+    float mx = -MK_INF;
+    for (int t = t0; t < t1; t++)
+      if (x[(i64)t * e + j] > mx) mx = x[(i64)t * e + j];
+    double sum = 0.0;
+    for (int t = t0; t < t1; t++) {
+      i64 k = (i64)t * e + j;
+      y[k] = expf(x[k] - mx);
+      sum += y[k];
+    }
+    float inv = (float)(1.0 / sum);
+    for (int t = t0; t < t1; t++) y[(i64)t * e + j] *= inv;
+  }
+}
+
+// ---- mk_softmax_tokens_grad ----
+extern "C" __global__ void mk_softmax_tokens_grad(const float *dy, const float *y, float *dx, int s, int e, int g) {
+  if (g < 1) g = 1;
+  MK_FOR(i, (i64)g * e) {
+    int gi = (int)(i / e), j = (int)(i % e);
+    int t0 = mk_group_begin(s, g, gi), t1 = mk_group_begin(s, g, gi + 1);
+    double dot = 0.0;
+    for (int t = t0; t < t1; t++) dot += (double)dy[(i64)t * e + j] * y[(i64)t * e + j];
+    for (int t = t0; t < t1; t++) {
+      i64 k = (i64)t * e + j;
+      dx[k] = y[k] * (dy[k] - (float)dot);
+    }
+  }
+}
+
+// ---- mk_topk ----
+extern "C" __global__ void mk_topk(const float *scores, int *idx, int s, int e, int k) {
+  MK_FOR(t, s) mk_row_topk(scores + t * e, idx + t * k, e, k);
+}
+
+// ---- mk_gate_gather ----
+extern "C" __global__ void mk_gate_gather(const float *scores, const int *idx, float *gates, int s, int e, int k,
+                                          int renorm) {
+  MK_FOR(t, s) mk_row_gather(scores + t * e, idx + t * k, gates + t * k, k, renorm);
+}
+
+// ---- mk_gate_gather_grad ----
+extern "C" __global__ void mk_gate_gather_grad(const float *dgates, const float *scores, const int *idx, float *dscores,
+                                               int s, int e, int k, int renorm) {
+  MK_FOR(t, s) {
+    const float *row = scores + t * e, *dg = dgates + t * k;
+    const int *ir = idx + t * k;
+    float *dr = dscores + t * e;
+    for (int j = 0; j < e; j++) dr[j] = 0.0f;
+    if (!renorm) {
+      for (int j = 0; j < k; j++) dr[ir[j]] += dg[j];
+      continue;
+    }
+    double sum = 0.0;
+    for (int j = 0; j < k; j++) sum += row[ir[j]];
+    if (!(sum > 0.0)) continue;
+    double dot = 0.0;
+    for (int j = 0; j < k; j++) dot += (double)dg[j] * (row[ir[j]] / sum);
+    for (int j = 0; j < k; j++) dr[ir[j]] += (float)((dg[j] - dot) / sum);
+  }
+}
+
+// ---- mk_gate_softmax_topk_gather ----
+// The fused gate of `gate gshard` (and xmoe): softmax -> top-k -> gather, one thread per token;
+// the same results as mk_softmax, mk_topk and mk_gate_gather in sequence.
+extern "C" __global__ void mk_gate_softmax_topk_gather(const float *logits, float *scores, int *idx, float *gates,
+                                                       int s, int e, int k, int renorm) {
+  MK_FOR(t, s) {
+    float *row = scores + t * e;
+    mk_row_softmax(logits + t * e, row, e);
+    mk_row_topk(row, idx + t * k, e, k);
+    mk_row_gather(row, idx + t * k, gates + t * k, k, renorm);
+  }
+}
+
+// ---- mk_gate_sigmoid_topk_gather ----
+// The fused gate of `gate sigmoid`: sigmoid -> top-k -> gather, one thread per token.
+extern "C" __global__ void mk_gate_sigmoid_topk_gather(const float *logits, float *scores, int *idx, float *gates,
+                                                       int s, int e, int k, int renorm) {
+  MK_FOR(t, s) {
+    float *row = scores + t * e;
+    for (int j = 0; j < e; j++) row[j] = mk_sigmoid1(logits[t * e + j]);
+    mk_row_topk(row, idx + t * k, e, k);
+    mk_row_gather(row, idx + t * k, gates + t * k, k, renorm);
+  }
+}
+
+// ---- mk_gate_locations ----
+// One block per (routing group, expert): an expert's locations only depend on its own choices,
+// numbered in [j, t] order (rt_gate_locations). The block's threads split the group's choice
+// positions p = j*n + (t - t0) into contiguous runs; each counts the expert's choices in its run,
+// an exclusive scan over the runs gives each run its first number, and a second pass numbers the
+// choices: location = number when below cap (cap <= 0: dropless), else -1. Any grid and any block
+// of at most MK_BLOCK threads give the same result. stats (may be NULL) gets int[g, e, 2]: kept
+// and wanted choices per group and expert, for the host's drop count, loads and capacity_max.
+extern "C" __global__ void mk_gate_locations(const int *idx, int *loc, int *stats, int s, int k, int e, int g,
+                                             int cap) {
+  __shared__ int first[MK_BLOCK];
+  if (g < 1) g = 1;
+  MK_FOR_BLOCKS(b, (i64)g * e) {
+    int gi = (int)(b / e), ex = (int)(b % e);
+    int t0 = mk_group_begin(s, g, gi), n = mk_group_begin(s, g, gi + 1) - t0;
+    i64 total = (i64)n * k, per = (total + blockDim.x - 1) / blockDim.x;
+    i64 p0 = (i64)threadIdx.x * per, p1 = p0 + per < total ? p0 + per : total;
+    int mine = 0;
+    for (i64 p = p0; p < p1; p++) mine += idx[(i64)(t0 + p % n) * k + p / n] == ex;
+    first[threadIdx.x] = mine;
+    __syncthreads();
+    if (threadIdx.x == 0) {
+      int wanted = 0;
+      for (int i = 0; i < (int)blockDim.x; i++) {
+        int c = first[i];
+        first[i] = wanted;
+        wanted += c;
+      }
+      if (stats) {
+        stats[((i64)gi * e + ex) * 2] = cap <= 0 || wanted < cap ? wanted : cap;
+        stats[((i64)gi * e + ex) * 2 + 1] = wanted;
+      }
+    }
+    __syncthreads();
+    int number = first[threadIdx.x];
+    for (i64 p = p0; p < p1; p++) {
+      i64 c = (i64)(t0 + p % n) * k + p / n;
+      if (idx[c] != ex) continue;
+      loc[c] = cap <= 0 || number < cap ? number : -1;
+      number++;
+    }
+    __syncthreads();  // first[] serves the block's next (group, expert)
+  }
+}
+
+// ---- mk_expert_choice ----
+// One block per (group, expert), one thread per token of the group: a token's rank is the
+// number of tokens before it in (score descending, token ascending) order; the first cap keep
+// their rank as location, the others get -1 (rt_expert_choice).
+extern "C" __global__ void mk_expert_choice(const float *scores, int *loc, int s, int e, int g, int cap) {
+  if (g < 1) g = 1;
+  MK_FOR_BLOCKS(b, (i64)g * e) {
+    int gi = (int)(b / e), j = (int)(b % e);
+    int t0 = mk_group_begin(s, g, gi), t1 = mk_group_begin(s, g, gi + 1), n = t1 - t0;
+    int take = cap < n ? cap : n;
+    for (int t = t0 + threadIdx.x; t < t1; t += blockDim.x) {
+      float v = scores[(i64)t * e + j];
+      if (v != v) v = -MK_INF;
+      int rank = 0;
+      for (int u = t0; u < t1; u++) {
+        float w = scores[(i64)u * e + j];
+        if (w != w) w = -MK_INF;
+        rank += w > v || (w == v && u < t);
+      }
+      loc[(i64)t * e + j] = take > 0 && rank < take ? rank : -1;
+    }
+  }
+}
+
+// ---- mk_iota ----
+extern "C" __global__ void mk_iota(int *idx, int s, int e) {
+  MK_FOR(i, (i64)s * e) idx[i] = (int)(i % e);
+}
+
+// ---- mk_aux_loss ----
+// One block of MK_BLOCK threads. Per group: me_i = mean score, ce_i = fraction of first choices;
+// aux = mean over groups of E * sum_i me_i ce_i; out[0] = aux / share.
+extern "C" __global__ void mk_aux_loss(const float *scores, const int *idx, float *out, int s, int e, int k, int g,
+                                       float share) {
+  if (g < 1) g = 1;
+  double total = 0.0;
+  for (int gi = 0; gi < g; gi++) {
+    int t0 = mk_group_begin(s, g, gi), t1 = mk_group_begin(s, g, gi + 1), n = t1 - t0;
+    double part = 0.0;
+    for (int i = threadIdx.x; i < e; i += blockDim.x) {
+      double me = 0.0, ce = 0.0;
+      for (int t = t0; t < t1; t++) {
+        me += scores[(i64)t * e + i];
+        ce += idx[(i64)t * k] == i;
+      }
+      if (n > 0) {
+        me /= n;
+        ce /= n;
+      }
+      part += me * ce;
+    }
+    total += e * mk_block_sum(part);
+  }
+  if (threadIdx.x == 0) out[0] = (float)(total / g) / share;
+}
+
+// ---- mk_aux_loss_grad ----
+// One block per group; dynamic shared memory e doubles. ce is a constant of the scores:
+// d/dscores[t, i] = coef * E * ce_i / (n_g * G).
+extern "C" __global__ void mk_aux_loss_grad(const float *scores, const int *idx, float *dscores, int s, int e, int k,
+                                            int g, float coef) {
+  MK_DYN_SHARED(double, mk_ce);
+  if (g < 1) g = 1;
+  MK_FOR_BLOCKS(gi, g) {
+    int t0 = mk_group_begin(s, g, (int)gi), t1 = mk_group_begin(s, g, (int)gi + 1), n = t1 - t0;
+    for (int i = threadIdx.x; i < e; i += blockDim.x) {
+      double ce = 0.0;
+      for (int t = t0; t < t1; t++) ce += idx[(i64)t * k] == i;
+      mk_ce[i] = n > 0 ? ce / n : 0.0;
+    }
+    __syncthreads();
+    for (i64 q = threadIdx.x; q < (i64)n * e; q += blockDim.x) {
+      int i = (int)(q % e);
+      dscores[(i64)t0 * e + q] = (float)((double)coef * e * mk_ce[i] / ((double)n * g));
+    }
+    __syncthreads();
+  }
+}
+
+// ---- mk_z_loss ----
+// One block of MK_BLOCK threads: mean over groups of the group's mean of logsumexp^2, / share.
+extern "C" __global__ void mk_z_loss(const float *logits, float *out, int s, int e, int g, float share) {
+  if (g < 1) g = 1;
+  double total = 0.0;
+  for (int gi = 0; gi < g; gi++) {
+    int t0 = mk_group_begin(s, g, gi), t1 = mk_group_begin(s, g, gi + 1);
+    double acc = 0.0;
+    for (int t = t0 + threadIdx.x; t < t1; t += blockDim.x) {
+      double lse = mk_row_logsumexp(logits + (i64)t * e, e);
+      acc += lse * lse;
+    }
+    acc = mk_block_sum(acc);
+    if (t1 > t0) total += acc / (t1 - t0);
+  }
+  if (threadIdx.x == 0) out[0] = (float)(total / g) / share;
+}
+
+// ---- mk_z_loss_grad ----
+extern "C" __global__ void mk_z_loss_grad(const float *logits, float *dlogits, int s, int e, int g, float coef) {
+  if (g < 1) g = 1;
+  MK_FOR(t, s) {
+    int gi = mk_group_of(s, g, (int)t);
+    int t0 = mk_group_begin(s, g, gi), t1 = mk_group_begin(s, g, gi + 1);
+    double scale = 2.0 * coef / ((double)(t1 - t0) * g);
+    const float *row = logits + t * e;
+    float *dr = dlogits + t * e;
+    double lse = mk_row_logsumexp(row, e);
+    for (int j = 0; j < e; j++) dr[j] = (float)(scale * lse * exp((double)row[j] - lse));
+  }
+}
+
+// ---- mk_order_encode ----
+// After mk_zero on disp: one block per choice copies the token's row to its slot (slots of kept
+// choices are distinct, so nothing races).
+extern "C" __global__ void mk_order_encode(const float *x, const int *idx, const int *loc, float *disp, int s, int m,
+                                           int k, int e, int g, int cap) {
+  if (g < 1) g = 1;
+  MK_FOR_BLOCKS(c, (i64)s * k) {
+    if (!mk_kept(loc, c, cap)) continue;
+    int t = (int)(c / k);
+    float *dst = disp + mk_slot(idx, loc, c, mk_group_of(s, g, t), cap, g) * m;
+    for (int i = threadIdx.x; i < m; i += blockDim.x) dst[i] = x[(i64)t * m + i];
+  }
+}
+
+// ---- mk_order_encode_grad ----
+// One block per token: the sum of its kept choices' slot rows, in choice order.
+extern "C" __global__ void mk_order_encode_grad(const float *ddisp, const int *idx, const int *loc, float *dx, int s,
+                                                int m, int k, int e, int g, int cap) {
+  if (g < 1) g = 1;
+  MK_FOR_BLOCKS(t, s) {
+    int gi = mk_group_of(s, g, (int)t);
+    for (int i = threadIdx.x; i < m; i += blockDim.x) {
+      float acc = 0.0f;
+      for (int j = 0; j < k; j++) {
+        i64 c = t * k + j;
+        if (mk_kept(loc, c, cap)) acc += ddisp[mk_slot(idx, loc, c, gi, cap, g) * m + i];
+      }
+      dx[t * m + i] = acc;
+    }
+  }
+}
+
+// ---- mk_order_decode ----
+// One block per token: sum over kept choices of gate * expert output row, in choice order.
+extern "C" __global__ void mk_order_decode(const float *y, const int *idx, const int *loc, const float *gates,
+                                           float *out, int s, int m, int k, int e, int g, int cap) {
+  if (g < 1) g = 1;
+  MK_FOR_BLOCKS(t, s) {
+    int gi = mk_group_of(s, g, (int)t);
+    for (int i = threadIdx.x; i < m; i += blockDim.x) {
+      float acc = 0.0f;
+      for (int j = 0; j < k; j++) {
+        i64 c = t * k + j;
+        if (mk_kept(loc, c, cap)) acc += gates[c] * y[mk_slot(idx, loc, c, gi, cap, g) * m + i];
+      }
+      out[t * m + i] = acc;
+    }
+  }
+}
+
+// ---- mk_order_decode_grad_y ----
+// After mk_zero on dy: one block per kept choice writes gate * dout row to its slot.
+extern "C" __global__ void mk_order_decode_grad_y(const float *dout, const int *idx, const int *loc,
+                                                  const float *gates, float *dy, int s, int m, int k, int e, int g,
+                                                  int cap) {
+  if (g < 1) g = 1;
+  MK_FOR_BLOCKS(c, (i64)s * k) {
+    if (!mk_kept(loc, c, cap)) continue;
+    int t = (int)(c / k);
+    float *dst = dy + mk_slot(idx, loc, c, mk_group_of(s, g, t), cap, g) * m;
+    float w = gates[c];
+    for (int i = threadIdx.x; i < m; i += blockDim.x) dst[i] += w * dout[(i64)t * m + i];
+  }
+}
+
+// ---- mk_order_decode_grad_gates ----
+// One block (MK_BLOCK threads) per choice: <dout row, slot row> in double.
+extern "C" __global__ void mk_order_decode_grad_gates(const float *dout, const float *y, const int *idx,
+                                                      const int *loc, float *dgates, int s, int m, int k, int e,
+                                                      int g, int cap) {
+  if (g < 1) g = 1;
+  MK_FOR_BLOCKS(c, (i64)s * k) {
+    bool keep = mk_kept(loc, c, cap);   // the same for the whole block
+    if (!keep) {
+      if (threadIdx.x == 0) dgates[c] = 0.0f;
+      continue;
+    }
+    int t = (int)(c / k);
+    const float *src = y + mk_slot(idx, loc, c, mk_group_of(s, g, t), cap, g) * m, *dr = dout + (i64)t * m;
+    double dot = 0.0;
+    for (int i = threadIdx.x; i < m; i += blockDim.x) dot += (double)dr[i] * src[i];
+    dot = mk_block_sum(dot);
+    if (threadIdx.x == 0) dgates[c] = (float)dot;
+  }
+}
+
+// ---- mk_dispatch_mask ----
+extern "C" __global__ void mk_dispatch_mask(const int *idx, const int *loc, float *mask, int s, int k, int e, int g,
+                                            int cap) {
+  mk_scatter_choices(idx, loc, 0, mask, s, k, e, g, cap);
+}
+
+// ---- mk_combine_weights ----
+extern "C" __global__ void mk_combine_weights(const int *idx, const int *loc, const float *gates, float *cw, int s,
+                                              int k, int e, int g, int cap) {
+  mk_scatter_choices(idx, loc, gates, cw, s, k, e, g, cap);
+}
+
+// ---- mk_combine_weights_grad ----
+extern "C" __global__ void mk_combine_weights_grad(const float *dcw, const int *idx, const int *loc, float *dgates,
+                                                   int s, int k, int e, int g, int cap) {
+  if (g < 1) g = 1;
+  i64 width = (i64)e * g * cap;
+  MK_FOR(c, (i64)s * k) {
+    i64 t = c / k;
+    dgates[c] = mk_kept(loc, c, cap) ? dcw[t * width + mk_slot(idx, loc, c, mk_group_of(s, g, (int)t), cap, g)] : 0.0f;
+  }
+}
+
+// ---- mk_compress_f16 ----
+extern "C" __global__ void mk_compress_f16(const float *x, u16 *q, i64 n) {
+  MK_FOR(i, n) q[i] = mk_half_from_float(x[i]);
+}
+
+// ---- mk_decompress_f16 ----
+extern "C" __global__ void mk_decompress_f16(const u16 *q, float *x, i64 n) {
+  MK_FOR(i, n) x[i] = mk_float_from_half(q[i]);
+}
+
+// ---- mk_compress_bf16 ----
+extern "C" __global__ void mk_compress_bf16(const float *x, u16 *q, i64 n) {
+  MK_FOR(i, n) q[i] = mk_bf16_from_float(x[i]);
+}
+
+// ---- mk_decompress_bf16 ----
+extern "C" __global__ void mk_decompress_bf16(const u16 *q, float *x, i64 n) {
+  MK_FOR(i, n) x[i] = mk_float_from_bf16(q[i]);
+}
+
+// ---- mk_int8_scales ----
+// One block (MK_BLOCK threads) per row: max|x| / 127 (every NaN ignored: `>` is false for it,
+// as in runtime/hooks.c), 1 for a zero row.
+extern "C" __global__ void mk_int8_scales(const float *x, float *scale, int rows, int n) {
+  MK_FOR_BLOCKS(r, rows) {
+    float mx = 0.0f;
+    for (int i = threadIdx.x; i < n; i += blockDim.x) {
+      float a = fabsf(x[r * n + i]);
+      if (a > mx) mx = a;
+    }
+    mx = mk_block_max(mx);
+    if (threadIdx.x == 0) scale[r] = mx > 0.0f ? mx / 127.0f : 1.0f;
+  }
+}
+
+// ---- mk_compress_int8 ----
+extern "C" __global__ void mk_compress_int8(const float *x, const float *scale, i8 *q, int rows, int n) {
+  MK_FOR(i, (i64)rows * n) {
+    float v = roundf(x[i] / scale[i / n]);
+    if (v != v) v = 0.0f;
+    q[i] = (i8)(v > 127.0f ? 127.0f : v < -127.0f ? -127.0f : v);
+  }
+}
+
+// ---- mk_decompress_int8 ----
+extern "C" __global__ void mk_decompress_int8(const i8 *q, const float *scale, float *x, int rows, int n) {
+  MK_FOR(i, (i64)rows * n) x[i] = (float)q[i] * scale[i / n];
+}
+
+// ---- mk_record_stats ----
+// One block of MK_BLOCK threads: out = {sum, max |x| over non-NaN, number of NaNs} for the
+// host's record line (rt_record).
+extern "C" __global__ void mk_record_stats(const float *x, double *out, i64 n) {
+  double sum = 0.0, nans = 0.0;
+  float mx = 0.0f;
+  for (i64 i = threadIdx.x; i < n; i += blockDim.x) {
+    sum += x[i];
+    if (x[i] != x[i]) nans += 1.0;
+    else mx = fmaxf(mx, fabsf(x[i]));
+  }
+  sum = mk_block_sum(sum);
+  nans = mk_block_sum(nans);
+  mx = mk_block_max(mx);
+  if (threadIdx.x == 0) {
+    out[0] = sum;
+    out[1] = mx;
+    out[2] = nans;
+  }
+}
+
+// ---- mk_expert_major ----
+// [blocks*experts, rows, m] seen as [blocks, experts, chunk] -> [experts, blocks, chunk].
+extern "C" __global__ void mk_expert_major(const float *x, float *y, int blocks, int experts, i64 rows, i64 m) {
+  i64 chunk = rows * m;
+  MK_FOR(i, (i64)blocks * experts * chunk) {
+    i64 o = i / chunk, w = i % chunk, ex = o / blocks, r = o % blocks;
+    y[i] = x[(r * experts + ex) * chunk + w];
+  }
+}
+
+// ---- mk_rank_major ----
+extern "C" __global__ void mk_rank_major(const float *x, float *y, int blocks, int experts, i64 rows, i64 m) {
+  i64 chunk = rows * m;
+  MK_FOR(i, (i64)blocks * experts * chunk) {
+    i64 o = i / chunk, w = i % chunk, r = o / experts, ex = o % experts;
+    y[i] = x[(ex * blocks + r) * chunk + w];
+  }
+}
+
+// ---- mk_layout_chunk ----
+// Bytes: x [outer*blocks, rows, inner] -> slots [lo, hi) of every run, lo = index*rows/chunks,
+// hi = (index+1)*rows/chunks (floor division: any chunks <= rows, sizes differ by at most one).
+extern "C" __global__ void mk_layout_chunk(const unsigned char *x, unsigned char *y, i64 outer, i64 blocks, i64 rows,
+                                           i64 inner, i64 chunks, i64 index) {
+  i64 lo = index * rows / chunks, run = ((index + 1) * rows / chunks - lo) * inner;
+  MK_FOR(i, outer * blocks * run) {
+    i64 o = i / run, w = i % run;
+    y[i] = x[(o * rows + lo) * inner + w];
+  }
+}
+
+// ---- mk_layout_concat ----
+extern "C" __global__ void mk_layout_concat(const unsigned char *a, const unsigned char *b, unsigned char *y,
+                                            i64 outer, i64 blocks, i64 rows_a, i64 rows_b, i64 inner) {
+  i64 ra = rows_a * inner, rb = rows_b * inner, run = ra + rb;
+  MK_FOR(i, outer * blocks * run) {
+    i64 o = i / run, w = i % run;
+    y[i] = w < ra ? a[o * ra + w] : b[o * rb + (w - ra)];
+  }
+}
+
+// ---- mk_mse ----
+// One block of MK_BLOCK threads: out[0] = scale * mean((out - target)^2) / 2.
+extern "C" __global__ void mk_mse(const float *out, const float *target, float *loss, i64 n, float scale) {
+  double acc = 0.0;
+  for (i64 i = threadIdx.x; i < n; i += blockDim.x) {
+    double d = (double)out[i] - target[i];
+    acc += d * d;
+  }
+  acc = mk_block_sum(acc);
+  if (threadIdx.x == 0) loss[0] = scale * (n > 0 ? (float)(acc / (2.0 * n)) : 0.0f);
+}
+
+// ---- mk_mse_grad ----
+extern "C" __global__ void mk_mse_grad(const float *out, const float *target, float *dout, i64 n, float scale) {
+  double inv = n > 0 ? 1.0 / n : 0.0;
+  MK_FOR(i, n) {
+    float v = (float)(((double)out[i] - target[i]) * inv);
+    if (scale != 1.0f) v *= scale;
+    dout[i] = v;
+  }
+}
+
+// ---- mk_sgd ----
+extern "C" __global__ void mk_sgd(float *p, const float *g, i64 n, float lr, float weight_decay) {
+  MK_FOR(i, n) p[i] -= lr * (g[i] + weight_decay * p[i]);
+}
+
+// ---- mk_adamw ----
+extern "C" __global__ void mk_adamw(float *p, const float *g, float *m, float *v, i64 n, float lr, float beta1,
+                                    float beta2, float eps, float weight_decay, i64 step) {
+  float bc1 = (float)(1.0 - pow((double)beta1, (double)step));
+  float bc2 = (float)(1.0 - pow((double)beta2, (double)step));
+  MK_FOR(i, n) {
+    m[i] = beta1 * m[i] + (1.0f - beta1) * g[i];
+    v[i] = beta2 * v[i] + (1.0f - beta2) * g[i] * g[i];
+    float mhat = m[i] / bc1, vhat = v[i] / bc2;
+    p[i] -= lr * (mhat / (sqrtf(vhat) + eps) + weight_decay * p[i]);
+  }
+}
+
