@@ -92,8 +92,16 @@ typedef struct CgKernelCall {
   int nargs;
 } CgKernelCall;
 
+// What the lowering leaves to a target's libraries instead of kernels.
+typedef enum CgLib {
+  CG_LIB_NONE,         // kernels (CgLaunch.call)
+  CG_LIB_GEMM,         // matmul, expert.matmul: OpenBLAS / cuBLAS
+  CG_LIB_COLLECTIVE,   // comm.*: MPI / NCCL
+  CG_LIB_SPLIT,        // comm.split: a copy of this rank's slice
+} CgLib;
+
 typedef struct CgLaunch {
-  const char *lib;         // "cuBLAS", "NCCL", "copy" (a device copy): no kernel (ncalls 0)
+  CgLib lib;               // not a kernel (ncalls 0): the target's GEMM, collective or slice copy
   CgKernelCall call[2];    // kernels in launch order
   int ncalls;
   int nops;                // ops of the function the launch stands for: 3 for a fused gate, else 1
@@ -119,6 +127,22 @@ int cg_cuda_check_signatures(FILE *err);
 // Which kernels the launches of module m use (used[k] for k < cg_cuda_kernel_count()), the
 // bf16 cast of the GEMM operands included.
 void cg_cuda_kernels_used(const IrModule *m, const PassMemPlan *plan, bool *used);
+
+// ---- how a host program names its buffers (spell.c) ----
+typedef struct CgSpelling {
+  const PassMemPlan *plan;
+  const int64_t *param_offset;   // floats, by parameter index
+  bool typed;                    // arena pointers cast to the value's C type (the CPU program)
+  const char *arena;             // the base of the activation arena (bytes)
+  const char *input, *target;    // the step's input and target
+  const char *params, *grads, *opt_m, *opt_v;   // the flat parameter, gradient and moment buffers
+} CgSpelling;
+// The pointer expression of value v (by its memory plan slot), of operand a, and of a pointer
+// argument (operand, result, gradient, moment) of a kernel call of op i of f; cg_spell_pointer
+// is false for the other kinds of argument.
+void cg_spell_value(const CgSpelling *sp, const IrValue *v, char *buf, size_t n);
+void cg_spell_operand(const CgSpelling *sp, const IrOperand *a, char *buf, size_t n);
+bool cg_spell_pointer(const CgSpelling *sp, const IrFunc *f, int i, const CgArg *a, char *buf, size_t n);
 
 // ---- bf16 GEMM inputs (model dtype bf16, the CUDA target) ----
 // Whether m's GEMMs take bf16 inputs: the module's dtype attribute is "bf16". Then every

@@ -19,30 +19,14 @@ typedef struct Emit {
   const IrModule *m;
   const PassMemPlan *plan;
   int64_t *param_offset;   // floats, by param index
+  CgSpelling sp;           // the names of the buffers (spelling)
 } Emit;
 
-// The C expression for value v (a pointer of the value's element type).
-static void value_expr(Emit *e, char *buf, size_t n, const IrValue *v) {
-  const PassMemSlot *s = &e->plan->slot[v->func->index][v->id];
-  const char *ctype = v->type.dtype == IR_I32   ? "int32_t"
-                      : v->type.dtype == IR_I8  ? "int8_t"
-                      : v->type.dtype == IR_F16 || v->type.dtype == IR_BF16 ? "uint16_t"
-                                                : "float";
-  switch (s->kind) {
-  case PASS_MEM_ARENA: snprintf(buf, n, "((%s *)(A + %" PRId64 "))", ctype, s->offset); return;
-  case PASS_MEM_INPUT: snprintf(buf, n, "((const float *)st->input)"); return;
-  case PASS_MEM_TARGET: snprintf(buf, n, "((const float *)st->target)"); return;
-  case PASS_MEM_GRAD: snprintf(buf, n, "(st->grads + %" PRId64 ")", e->param_offset[s->offset]); return;
-  case PASS_MEM_NONE: break;
-  }
-  UNREACHABLE();
-}
-
-static void operand_expr(Emit *e, char *buf, size_t n, const IrOperand *a) {
-  if (a->param)
-    snprintf(buf, n, "(st->params + %" PRId64 ")", e->param_offset[a->param->index]);
-  else
-    value_expr(e, buf, n, a->value);
+// The CPU program's names of its buffers: the arena A, the step's buffers in st.
+static CgSpelling spelling(const Emit *e) {
+  return (CgSpelling){.plan = e->plan, .param_offset = e->param_offset, .typed = true, .arena = "A",
+                      .input = "((const float *)st->input)", .target = "((const float *)st->target)",
+                      .params = "st->params", .grads = "st->grads", .opt_m = "st->opt_m", .opt_v = "st->opt_v"};
 }
 
 static const IrType *arg_type(const IrOp *op, int i) {
@@ -64,19 +48,15 @@ const char *cg_group_enum(const IrOp *op) { return group_enums[cg_group_index(op
 
 // One argument of a kernel call of the lowering (cg_lower) as a C expression of the CPU program.
 static void call_arg(Emit *e, char *buf, size_t n, const IrFunc *f, int i, const CgArg *a) {
-  const IrOp *op = f->ops[i];
+  if (cg_spell_pointer(&e->sp, f, i, a, buf, n)) return;
   switch (a->kind) {
-  case CG_ARG_OPERAND: operand_expr(e, buf, n, &op->args[a->index]); return;
-  case CG_ARG_RESULT: value_expr(e, buf, n, f->ops[i + a->index]->result); return;
-  case CG_ARG_GRAD: snprintf(buf, n, "(st->grads + %" PRId64 ")", e->param_offset[op->args[0].param->index]); return;
-  case CG_ARG_MOMENT_M: snprintf(buf, n, "(st->opt_m + %" PRId64 ")", e->param_offset[op->args[0].param->index]); return;
-  case CG_ARG_MOMENT_V: snprintf(buf, n, "(st->opt_v + %" PRId64 ")", e->param_offset[op->args[0].param->index]); return;
   case CG_ARG_STATS: snprintf(buf, n, "st"); return;   // the CPU kernels add their statistics to the step
   case CG_ARG_INT: snprintf(buf, n, "%" PRId64, a->i); return;
   case CG_ARG_FLOAT: snprintf(buf, n, "(float)%.17g", a->f); return;
   case CG_ARG_SEED: snprintf(buf, n, "st->seed"); return;
   case CG_ARG_STEP: snprintf(buf, n, "st->step"); return;
   case CG_ARG_TOKEN0: snprintf(buf, n, "st->token0"); return;
+  default: break;
   }
   UNREACHABLE();
 }
@@ -85,8 +65,8 @@ static void call_arg(Emit *e, char *buf, size_t n, const IrFunc *f, int i, const
 static bool emit_library_op(Emit *e, const IrOp *op) {
   FILE *out = e->out;
   char a[2][96], r[96] = "";
-  for (int i = 0; i < op->nargs && i < 2; i++) operand_expr(e, a[i], sizeof a[i], &op->args[i]);
-  if (op->result) value_expr(e, r, sizeof r, op->result);
+  for (int i = 0; i < op->nargs && i < 2; i++) cg_spell_operand(&e->sp, &op->args[i], a[i], sizeof a[i]);
+  if (op->result) cg_spell_value(&e->sp, op->result, r, sizeof r);
   const IrType *t0 = arg_type(op, 0);
   const IrType *rt = op->result ? &op->result->type : NULL;
   int64_t n = rt ? ir_type_numel(rt) : 0;
@@ -151,7 +131,7 @@ static bool emit_op(Emit *e, const IrFunc *f, int i) {
   if (l.lib) return emit_library_op(e, op);
   char buf[CG_MAX_KERNEL_ARGS][96];
   if (op->kind == IR_OP_HOOK_RECORD) {   // computes and writes the record line at once
-    operand_expr(e, buf[0], sizeof buf[0], &op->args[0]);
+    cg_spell_operand(&e->sp, &op->args[0], buf[0], sizeof buf[0]);
     fprintf(e->out, "  rt_record(st, \"%s\", %" PRId64 ", %s, %" PRId64 ");\n", ir_op_str(op, "point", "?"),
             ir_op_int(op, "layer", 0), buf[0], ir_type_numel(arg_type(op, 0)));
     return true;
@@ -326,7 +306,7 @@ static void emit_layer_stats(Emit *e, const IrFunc *f) {
     const IrValue *v = f->rets[r];
     if (!v->def || (v->def->kind != IR_OP_GATE_AUX_LOSS && v->def->kind != IR_OP_GATE_Z_LOSS)) continue;
     double coef = ir_op_float(v->def, "coef", 0);
-    value_expr(e, buf, sizeof buf, v);
+    cg_spell_value(&e->sp, v, buf, sizeof buf);
     fprintf(e->out, "  st->%s += *%s;\n  st->aux_total += (double)(float)%.17g * *%s;\n",
             v->def->kind == IR_OP_GATE_AUX_LOSS ? "aux" : "z", buf, coef, buf);
   }
@@ -410,6 +390,7 @@ bool cg_emit_c(IrDiag *d, FILE *out, const IrModule *m, const PassMemPlan *plan,
   Emit e = {.out = out, .d = d, .m = m, .plan = plan};
   int64_t total = 0;
   e.param_offset = cg_param_offsets(m, &total);
+  e.sp = spelling(&e);
   if (!e.param_offset) return ir_error(d, "out of memory");
   fprintf(out, "/* Generated by moec from %s: the training step of model '%s' for the CPU target.\n"
                "   Do not edit; change the .moe file and rebuild. */\n",
@@ -434,10 +415,10 @@ bool cg_emit_c(IrDiag *d, FILE *out, const IrModule *m, const PassMemPlan *plan,
       char buf[96];
       ok = emit_func(&e, f);
       if (last_fwd) {
-        value_expr(&e, buf, sizeof buf, last_fwd->rets[0]);
+        cg_spell_value(&e.sp, last_fwd->rets[0], buf, sizeof buf);
         fprintf(out, "  st->output = %s;\n", buf);
       }
-      value_expr(&e, buf, sizeof buf, f->rets[0]);
+      cg_spell_value(&e.sp, f->rets[0], buf, sizeof buf);
       fprintf(out, "  st->mse = *%s;\n", buf);
     } else if (f->role == IR_ROLE_LAYER_FWD) {
       ok = emit_func(&e, f);

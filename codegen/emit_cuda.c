@@ -1,13 +1,14 @@
 // The CUDA target's kernel emitter: the CUDA C translation unit of a module's device kernels,
 // compiled by NVRTC (codegen/nvrtc.c) for sm_80 / sm_90 at `moec build` time.
 //
-// Every op kind of ops.def that is not a GEMM or a collective has one kernel, `mk_<op>`,
-// parameterised by its shapes, that reproduces the CPU kernel of libmoert (runtime/kernels*.c,
-// runtime/hooks.c) it stands for: the same formulas, the same order of choices, reductions in
-// double. A module gets the kernels of the kinds it uses, each once, after a prelude of
-// __device__ helpers (routing groups, block reductions, the counter-based RNG of runtime/rng.c,
-// the 16-bit conversions of runtime/hooks.c on the bits). The unit is self-contained: no
-// #include (NVRTC has no system headers), extern "C" names, no host code.
+// The kernels are the rows of codegen/kernels.def, `mk_NAME`, with their sources in
+// codegen/cuda/kernels.cu (embedded at build time by mk/embed_cuda.awk): each reproduces the CPU
+// kernel rt_NAME of libmoert (runtime/kernels*.c, runtime/hooks.c) it stands for, with the same
+// parameters: the same formulas, the same order of choices, reductions in double. A module gets
+// the kernels its ops' lowerings use, each once, after a prelude of __device__ helpers (routing
+// groups, block reductions, the counter-based RNG of runtime/rng.c, the 16-bit conversions of
+// runtime/hooks.c on the bits). The unit is self-contained: no #include (NVRTC has no system
+// headers), extern "C" names, no host code.
 //
 // Fused gate kernels: where a gate's softmax (or sigmoid), top-k and gather are consecutive ops
 // of one function, one kernel (mk_gate_softmax_topk_gather / mk_gate_sigmoid_topk_gather) does
@@ -112,11 +113,16 @@ void cg_cuda_kernels_used(const IrModule *m, const PassMemPlan *plan, bool *used
       CgLaunch l;
       if (cg_lower(plan, f, i, true, &l)) {
         for (int k = 0; k < l.ncalls; k++) used[l.call[k].kernel] = true;
-        if (bf16 && l.lib && strcmp(l.lib, "cuBLAS") == 0) used[CG_K_COMPRESS_BF16] = true;   // the operands' cast
+        if (bf16 && l.lib == CG_LIB_GEMM) used[CG_K_COMPRESS_BF16] = true;   // the operands' cast
       }
       i += l.nops;
     }
   }
+}
+
+// The library the CUDA target uses for what the lowering leaves to one (the unit's plan comment).
+static const char *lib_name(CgLib lib) {
+  return lib == CG_LIB_GEMM ? "cuBLAS" : lib == CG_LIB_COLLECTIVE ? "NCCL" : lib == CG_LIB_SPLIT ? "copy" : "-";
 }
 
 // ---- the translation units ----
@@ -243,7 +249,7 @@ bool cg_emit_cuda(IrDiag *d, FILE *out, const IrModule *m, const PassMemPlan *pl
       if (!cg_lower_op(op, &l) || !l.lib) continue;
       char ptrs[512];
       pointer_list(ptrs, sizeof ptrs, op);
-      fprintf(out, "//   %-8s @%s: %s %s", l.lib, f->name, ir_op_info[op->kind].name, ptrs);
+      fprintf(out, "//   %-8s @%s: %s %s", lib_name(l.lib), f->name, ir_op_info[op->kind].name, ptrs);
       if (op->kind == IR_OP_MATMUL || op->kind == IR_OP_EXPERT_MATMUL) {
         fprintf(out, " [");
         for (int k = 0; k < op->result->type.rank; k++) fprintf(out, "%s%" PRId64, k ? ", " : "", op->result->type.dim[k]);
@@ -274,8 +280,8 @@ bool cg_emit_cuda(IrDiag *d, FILE *out, const IrModule *m, const PassMemPlan *pl
       if (l.lib) {
         char ptrs[512];
         pointer_list(ptrs, sizeof ptrs, op);
-        bool cast = bf16 && strcmp(l.lib, "cuBLAS") == 0;
-        fprintf(out, " %s -> %s%s\n", ptrs, cast ? "mk_compress_bf16 of each operand, " : "", l.lib);
+        bool cast = bf16 && l.lib == CG_LIB_GEMM;
+        fprintf(out, " %s -> %s%s\n", ptrs, cast ? "mk_compress_bf16 of each operand, " : "", lib_name(l.lib));
         i += l.nops;
         continue;
       }

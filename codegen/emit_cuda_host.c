@@ -48,6 +48,7 @@ typedef struct Host {
   const IrModule *m;
   const PassMemPlan *plan;
   int64_t *param_offset;     // floats, by parameter index
+  CgSpelling sp;             // the names of the device buffers (spelling)
   int64_t param_floats;
   bool adamw;
   int *kernel_slot;          // the program's kernel table index, by library kernel id (-1 unused)
@@ -126,22 +127,11 @@ static int where(Host *h, const IrFunc *f, const IrOp *op, const char *fmt, ...)
   return h->nwhere++;
 }
 
-// The device address of value v, a pointer expression.
-static void value_addr(Host *h, char *buf, size_t n, const IrValue *v) {
-  const PassMemSlot *s = &h->plan->slot[v->func->index][v->id];
-  switch (s->kind) {
-  case PASS_MEM_ARENA: snprintf(buf, n, "(A + %" PRId64 ")", s->offset); return;
-  case PASS_MEM_INPUT: snprintf(buf, n, "X"); return;
-  case PASS_MEM_TARGET: snprintf(buf, n, "T"); return;
-  case PASS_MEM_GRAD: snprintf(buf, n, "(G + %" PRId64 ")", h->param_offset[s->offset]); return;
-  case PASS_MEM_NONE: break;
-  }
-  UNREACHABLE();
-}
-
-static void operand_addr(Host *h, char *buf, size_t n, const IrOperand *a) {
-  if (a->param) snprintf(buf, n, "(P + %" PRId64 ")", h->param_offset[a->param->index]);
-  else value_addr(h, buf, n, a->value);
+// The host program's names of the device buffers (A the arena, X and T the step's input and
+// target, P, G, M, V the parameters, gradients and moments).
+static CgSpelling spelling(const Host *h) {
+  return (CgSpelling){.plan = h->plan, .param_offset = h->param_offset, .typed = false, .arena = "A",
+                      .input = "X", .target = "T", .params = "P", .grads = "G", .opt_m = "M", .opt_v = "V"};
 }
 
 static const IrType *operand_type(const IrOperand *a) { return a->param ? &a->param->type : &a->value->type; }
@@ -158,7 +148,7 @@ static int64_t stage_place(Host *h, int64_t bytes) {
 // Copies value v of f (just made on stream s) to a new place of the staging area; its offset.
 static int64_t stage(Host *h, const IrFunc *f, const IrOp *op, const IrValue *v, IrStream s) {
   char addr[96];
-  value_addr(h, addr, sizeof addr, v);
+  cg_spell_value(&h->sp, v, addr, sizeof addr);
   int64_t bytes = ir_type_bytes(&v->type), off = stage_place(h, bytes);
   int site = op ? where(h, f, op, "staging %%%s of %s", v->name, ir_op_info[op->kind].name)
                : where(h, f, NULL, "staging %%%s", v->name);
@@ -209,28 +199,23 @@ static bool kernel_arg(Host *h, const IrFunc *f, int i, const CgArg *a, CgParamT
       (a->kind == CG_ARG_SEED) != (t == CG_PARAM_U64) ||
       ((a->kind == CG_ARG_STEP || a->kind == CG_ARG_TOKEN0) && t != CG_PARAM_I64))
     return false;
-  switch (a->kind) {
-  case CG_ARG_OPERAND: operand_addr(h, addr, sizeof addr, &op->args[a->index]); break;
-  case CG_ARG_RESULT: value_addr(h, addr, sizeof addr, f->ops[i + a->index]->result); break;
-  case CG_ARG_GRAD:
-  case CG_ARG_MOMENT_M:
-  case CG_ARG_MOMENT_V:
-    snprintf(addr, sizeof addr, "(%c + %" PRId64 ")", a->kind == CG_ARG_GRAD ? 'G' : a->kind == CG_ARG_MOMENT_M ? 'M' : 'V',
-             h->param_offset[op->args[0].param->index]);
-    break;
-  case CG_ARG_STATS:   // gate.locations: NULL (the host counts from idx and loc); hook.record: its doubles
-    if (stats >= 0) snprintf(addr, sizeof addr, "(S + %" PRId64 ")", stats);
-    else snprintf(addr, sizeof addr, "NULL");
-    break;
-  case CG_ARG_INT:
-    if (t == CG_PARAM_INT && (a->i < INT32_MIN || a->i > INT32_MAX))
-      return ir_error_at(h->d, op->loc, "the CUDA target passes %" PRId64 " as a 32-bit kernel argument; it does not fit", a->i);
-    snprintf(buf, n, "%s(%" PRId64 ")", t == CG_PARAM_INT ? "I32" : t == CG_PARAM_I64 ? "I64" : "U64", a->i);
-    return true;
-  case CG_ARG_FLOAT: snprintf(buf, n, "F32((float)%.17g)", a->f); return true;
-  case CG_ARG_SEED: snprintf(buf, n, "U64(st->seed)"); return true;
-  case CG_ARG_STEP: snprintf(buf, n, "I64(st->step)"); return true;
-  case CG_ARG_TOKEN0: snprintf(buf, n, "I64(st->token0)"); return true;
+  if (!cg_spell_pointer(&h->sp, f, i, a, addr, sizeof addr)) {
+    switch (a->kind) {
+    case CG_ARG_STATS:   // gate.locations: NULL (the host counts from idx and loc); hook.record: its doubles
+      if (stats >= 0) snprintf(addr, sizeof addr, "(S + %" PRId64 ")", stats);
+      else snprintf(addr, sizeof addr, "NULL");
+      break;
+    case CG_ARG_INT:
+      if (t == CG_PARAM_INT && (a->i < INT32_MIN || a->i > INT32_MAX))
+        return ir_error_at(h->d, op->loc, "the CUDA target passes %" PRId64 " as a 32-bit kernel argument; it does not fit", a->i);
+      snprintf(buf, n, "%s(%" PRId64 ")", t == CG_PARAM_INT ? "I32" : t == CG_PARAM_I64 ? "I64" : "U64", a->i);
+      return true;
+    case CG_ARG_FLOAT: snprintf(buf, n, "F32((float)%.17g)", a->f); return true;
+    case CG_ARG_SEED: snprintf(buf, n, "U64(st->seed)"); return true;
+    case CG_ARG_STEP: snprintf(buf, n, "I64(st->step)"); return true;
+    case CG_ARG_TOKEN0: snprintf(buf, n, "I64(st->token0)"); return true;
+    default: return false;
+    }
   }
   snprintf(buf, n, "PTR(%s)", addr);
   return true;
@@ -271,11 +256,11 @@ static bool words(Host *h, const IrOp *op, const IrType *t, int64_t blocks, bool
   return true;
 }
 
-// A collective or a copy (lib "NCCL" / "copy").
+// A collective (NCCL) or a slice copy (CG_LIB_COLLECTIVE, CG_LIB_SPLIT).
 static bool emit_comm(Host *h, const IrFunc *f, const IrOp *op, IrStream s) {
   char a[96] = "", r[96] = "";
-  if (op->nargs && !op->args[0].param) value_addr(h, a, sizeof a, op->args[0].value);
-  if (op->result) value_addr(h, r, sizeof r, op->result);
+  if (op->nargs && !op->args[0].param) cg_spell_value(&h->sp, op->args[0].value, a, sizeof a);
+  if (op->result) cg_spell_value(&h->sp, op->result, r, sizeof r);
   int g = cg_group_index(op);
   int64_t size = h->group_size[g], count = 0;
   const char *se = cg_stream_enum(s);
@@ -339,9 +324,9 @@ static bool emit_bf16_cast(Host *h, const IrFunc *f, const IrOp *op, int k, cons
 
 static bool emit_gemm(Host *h, const IrFunc *f, const IrOp *op, IrStream s) {
   char a[96], b[96], r[96];
-  operand_addr(h, a, sizeof a, &op->args[0]);
-  operand_addr(h, b, sizeof b, &op->args[1]);
-  value_addr(h, r, sizeof r, op->result);
+  cg_spell_operand(&h->sp, &op->args[0], a, sizeof a);
+  cg_spell_operand(&h->sp, &op->args[1], b, sizeof b);
+  cg_spell_value(&h->sp, op->result, r, sizeof r);
   const IrType *t0 = operand_type(&op->args[0]), *t1 = operand_type(&op->args[1]), *rt = &op->result->type;
   bool ta = ir_op_int(op, "ta", 0), tb = ir_op_int(op, "tb", 0);
   if (t0->dtype != IR_F32 || t1->dtype != IR_F32)
@@ -385,7 +370,7 @@ static bool emit_op(Host *h, const IrFunc *f, int i, IrStream s, int *nops) {
       return true;
     }
   }
-  if (l.lib && strcmp(l.lib, "cuBLAS") == 0) return emit_gemm(h, f, op, s);
+  if (l.lib == CG_LIB_GEMM) return emit_gemm(h, f, op, s);
   if (l.lib) return emit_comm(h, f, op, s);
   // The record hook's kernel writes its statistics into the staging area.
   int64_t stats = op->kind == IR_OP_HOOK_RECORD ? stage_place(h, 3 * (int64_t)sizeof(double)) : -1;
@@ -730,6 +715,7 @@ bool cg_emit_cuda_host(IrDiag *d, FILE *out, const IrModule *m, const PassMemPla
     return ir_error(d, "internal error: the CUDA host program needs the kernels' images and their sm_NN architecture");
   Host h = {.d = d, .m = m, .plan = plan, .ok = true, .bf16 = cg_bf16_gemms(m)};
   h.param_offset = cg_param_offsets(m, &h.param_floats);
+  h.sp = spelling(&h);
   h.adamw = strcmp(ir_mod_str(m, "optimizer", "sgd"), "adamw") == 0;
   int64_t dp = ir_mod_int(m, "dp", 1), mp = ir_mod_int(m, "mp", 1);
   int64_t sizes[5] = {dp * mp, dp, mp, ir_mod_int(m, "ep", 1), ir_mod_int(m, "esp", 1)};
@@ -756,7 +742,7 @@ bool cg_emit_cuda_host(IrDiag *d, FILE *out, const IrModule *m, const PassMemPla
   const IrFunc *last_fwd = NULL;
   for (int i = 0; i < m->nfuncs; i++)
     if (m->funcs[i]->role == IR_ROLE_LAYER_FWD) last_fwd = m->funcs[i];
-  if (last_fwd && last_fwd->nrets > 0) value_addr(&h, h.output, sizeof h.output, last_fwd->rets[0]);
+  if (last_fwd && last_fwd->nrets > 0) cg_spell_value(&h.sp, last_fwd->rets[0], h.output, sizeof h.output);
 
   int w_input = where(&h, NULL, NULL, "the copy of the step's input and target to the GPU");
   char prologue[512];

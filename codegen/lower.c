@@ -77,28 +77,31 @@ static CgKernelCall *simple(CgLaunch *l, const IrOp *op, CgKernel k, int64_t gri
   return c;
 }
 
-// Fills l for the single op; false when the op has no CUDA lowering.
-bool cg_lower_op(const IrOp *op, CgLaunch *l) {
-  memset(l, 0, sizeof *l);
-  l->nops = 1;
-  const IrType *t0 = op->nargs ? arg_type(op, 0) : NULL;
-  const IrType *rt = op->result ? &op->result->type : NULL;
-  int64_t n = rt ? ir_type_numel(rt) : 0;
+// What most lowerings read: the first operand's type, the result's type and its elements.
+typedef struct Shapes {
+  const IrType *t0, *rt;
+  int64_t n;
+} Shapes;
+
+// GEMMs and collectives (left to the target's libraries), dense algebra, activations; false when op is none of these.
+static bool lower_dense(const IrOp *op, const Shapes *sh, CgLaunch *l) {
+  const IrType *t0 = sh->t0, *rt = sh->rt;
+  int64_t n = sh->n;
   CgKernelCall *c;
   switch (op->kind) {
   case IR_OP_MATMUL:
   case IR_OP_EXPERT_MATMUL:
-    l->lib = "cuBLAS";
+    l->lib = CG_LIB_GEMM;
     return true;
   case IR_OP_COMM_ALLGATHER:
   case IR_OP_COMM_REDUCESCATTER:
   case IR_OP_COMM_ALLTOALL:
   case IR_OP_COMM_ALLREDUCE:
   case IR_OP_COMM_ALLREDUCE_GRAD:
-    l->lib = "NCCL";
+    l->lib = CG_LIB_COLLECTIVE;
     return true;
   case IR_OP_COMM_SPLIT:  // this rank's slice: a device-to-device copy at the rank's offset
-    l->lib = "copy";
+    l->lib = CG_LIB_SPLIT;
     return true;
   case IR_OP_BIAS: INTS(simple(l, op, CG_K_BIAS, grid_elems(n)), rt->dim[0], rt->dim[1]); return true;
   case IR_OP_BIAS_GRAD: INTS(simple(l, op, CG_K_BIAS_GRAD, grid_elems(n)), t0->dim[0], t0->dim[1]); return true;
@@ -127,6 +130,17 @@ bool cg_lower_op(const IrOp *op, CgLaunch *l) {
   case IR_OP_DIV_SCALAR: INTS(simple(l, op, CG_K_DIV_SCALAR, grid_elems(n)), n); return true;
   case IR_OP_DIV_SCALAR_GRAD_X: INTS(simple(l, op, CG_K_DIV_SCALAR_GRAD_X, grid_elems(n)), n); return true;
   case IR_OP_DIV_SCALAR_GRAD_S: INTS(simple(l, op, CG_K_DIV_SCALAR_GRAD_S, 1), ir_type_numel(t0)); return true;
+  default:
+    return false;
+  }
+}
+
+// The gate chain: noise, scores, top-k, routing decisions, auxiliary losses; false when op is none of these.
+static bool lower_gate(const IrOp *op, const Shapes *sh, CgLaunch *l) {
+  const IrType *t0 = sh->t0, *rt = sh->rt;
+  int64_t n = sh->n;
+  CgKernelCall *c;
+  switch (op->kind) {
   case IR_OP_GATE_NOISE:
     c = simple(l, op, CG_K_GATE_NOISE, grid_elems(n));
     INTS(c, rt->dim[0], rt->dim[1]);
@@ -196,6 +210,17 @@ bool cg_lower_op(const IrOp *op, CgLaunch *l) {
     INTS(c, t0->dim[0], t0->dim[1], ir_op_int(op, "groups", 1));
     flt(c, ir_op_float(op, "coef", 0) / (double)ir_op_int(op, "share", 1));
     return true;
+  default:
+    return false;
+  }
+}
+
+// Dispatch and combine (the orders), hooks, layouts; false when op is none of these.
+static bool lower_route(const IrOp *op, const Shapes *sh, CgLaunch *l) {
+  const IrType *t0 = sh->t0, *rt = sh->rt;
+  int64_t n = sh->n;
+  CgKernelCall *c;
+  switch (op->kind) {
   case IR_OP_ORDER_ENCODE:  // empty slots are zero: the dispatch buffer is cleared first
     c = call(l, CG_K_ZERO, grid_elems(n));
     arg(c, CG_ARG_RESULT, 0);
@@ -276,6 +301,17 @@ bool cg_lower_op(const IrOp *op, CgLaunch *l) {
     }
     return true;
   }
+  default:
+    return false;
+  }
+}
+
+// The loss, gradients into parameters, optimizers; false when op is none of these.
+static bool lower_step(const IrOp *op, const Shapes *sh, CgLaunch *l) {
+  const IrType *t0 = sh->t0;
+  int64_t n = sh->n;
+  CgKernelCall *c;
+  switch (op->kind) {
   case IR_OP_LOSS_MSE:
     c = simple(l, op, CG_K_MSE, 1);
     INTS(c, ir_type_numel(t0));
@@ -324,6 +360,15 @@ bool cg_lower_op(const IrOp *op, CgLaunch *l) {
   default:
     return false;
   }
+}
+
+// Fills l for the single op; false when the op has no lowering.
+bool cg_lower_op(const IrOp *op, CgLaunch *l) {
+  memset(l, 0, sizeof *l);
+  l->nops = 1;
+  Shapes sh = {.t0 = op->nargs ? arg_type(op, 0) : NULL, .rt = op->result ? &op->result->type : NULL};
+  sh.n = sh.rt ? ir_type_numel(sh.rt) : 0;
+  return lower_dense(op, &sh, l) || lower_gate(op, &sh, l) || lower_route(op, &sh, l) || lower_step(op, &sh, l);
 }
 
 // ---- fused gates ----

@@ -1,0 +1,47 @@
+// How a target's host program names the program's buffers: the one place that turns a value
+// (by its memory plan slot), an operand or a pointer argument of the lowering into a pointer
+// expression. The CPU program and the CUDA host program differ only in the names they give
+// the bases (CgSpelling).
+#include <inttypes.h>
+
+#include "cg_internal.h"
+
+static const char *c_type(const IrType *t) {
+  return t->dtype == IR_I32 ? "int32_t" : t->dtype == IR_I8 ? "int8_t"
+       : t->dtype == IR_F16 || t->dtype == IR_BF16 ? "uint16_t" : "float";
+}
+
+void cg_spell_value(const CgSpelling *sp, const IrValue *v, char *buf, size_t n) {
+  const PassMemSlot *s = &sp->plan->slot[v->func->index][v->id];
+  switch (s->kind) {
+  case PASS_MEM_ARENA:
+    if (sp->typed) snprintf(buf, n, "((%s *)(%s + %" PRId64 "))", c_type(&v->type), sp->arena, s->offset);
+    else snprintf(buf, n, "(%s + %" PRId64 ")", sp->arena, s->offset);
+    return;
+  case PASS_MEM_INPUT: snprintf(buf, n, "%s", sp->input); return;
+  case PASS_MEM_TARGET: snprintf(buf, n, "%s", sp->target); return;
+  case PASS_MEM_GRAD: snprintf(buf, n, "(%s + %" PRId64 ")", sp->grads, sp->param_offset[s->offset]); return;
+  case PASS_MEM_NONE: break;
+  }
+  UNREACHABLE();
+}
+
+void cg_spell_operand(const CgSpelling *sp, const IrOperand *a, char *buf, size_t n) {
+  if (a->param) snprintf(buf, n, "(%s + %" PRId64 ")", sp->params, sp->param_offset[a->param->index]);
+  else cg_spell_value(sp, a->value, buf, n);
+}
+
+bool cg_spell_pointer(const CgSpelling *sp, const IrFunc *f, int i, const CgArg *a, char *buf, size_t n) {
+  const IrOp *op = f->ops[i];
+  const char *base = a->kind == CG_ARG_GRAD ? sp->grads : a->kind == CG_ARG_MOMENT_M ? sp->opt_m : sp->opt_v;
+  switch (a->kind) {
+  case CG_ARG_OPERAND: cg_spell_operand(sp, &op->args[a->index], buf, n); return true;
+  case CG_ARG_RESULT: cg_spell_value(sp, f->ops[i + a->index]->result, buf, n); return true;
+  case CG_ARG_GRAD:
+  case CG_ARG_MOMENT_M:
+  case CG_ARG_MOMENT_V:
+    snprintf(buf, n, "(%s + %" PRId64 ")", base, sp->param_offset[op->args[0].param->index]);
+    return true;
+  default: return false;
+  }
+}
