@@ -22,7 +22,6 @@
 
 #define MOEC_VERSION "0.1.0"
 
-
 static void usage(FILE *out) {
   fprintf(out,
           "usage: moec COMMAND [options]\n"
@@ -119,17 +118,6 @@ static void print_configuration(FILE *out) {
   fprintf(out, "nvrtc no\n");
 #endif
 }
-
-// Every command and its usage (`moec COMMAND --help`).
-static const struct {
-  const char *name;
-  void (*usage)(FILE *out);
-} commands[] = {
-    {"check", usage_check},   {"dump-ir", usage_dump_ir}, {"build", usage_build},
-    {"plan", cli_plan_usage}, {"sweep", cli_sweep_usage}, {"tune", cli_tune_usage},
-    {"ops", usage_ops},       {"passes", usage_passes},
-};
-enum { NCOMMANDS = sizeof commands / sizeof commands[0] };
 
 typedef struct Options {
   const char *input, *output, *after, *emit, *keep_c, *cluster, *target, *gpu_arch;
@@ -443,17 +431,44 @@ done:
   return status;
 }
 
-static int cmd_ops(void) {
+// check, dump-ir and build: their options (parse_options), then the command.
+static int with_options(int argc, char **argv, int (*cmd)(IrDiag *d, const Options *o)) {
+  Options o = {0};
+  if (!parse_options(argc, argv, &o)) return 2;
+  IrDiag d;
+  ir_diag_init(&d, stderr);
+  return cmd(&d, &o);
+}
+
+static int run_check(int argc, char **argv) { return with_options(argc, argv, cmd_check); }
+static int run_dump_ir(int argc, char **argv) { return with_options(argc, argv, cmd_dump_ir); }
+static int run_build(int argc, char **argv) { return with_options(argc, argv, cmd_build); }
+
+static int cmd_ops(int argc, char **argv) {
+  (void)argc, (void)argv;
   for (int i = 0; i < IR_OP_COUNT; i++)
     printf("%-24s args %d  results %d  %s\n", ir_op_info[i].name, ir_op_info[i].nargs, ir_op_info[i].nres,
            ir_op_info[i].doc);
   return 0;
 }
 
-static int cmd_passes(void) {
+static int cmd_passes(int argc, char **argv) {
+  (void)argc, (void)argv;
   for (int i = 0; i < pass_count; i++) printf("%-12s %s\n", pass_list[i].name, pass_list[i].doc);
   return 0;
 }
+
+// Every command: its usage (`moec COMMAND --help`) and what runs it, with main's argc/argv.
+static const struct {
+  const char *name;
+  void (*usage)(FILE *out);
+  int (*run)(int argc, char **argv);
+} commands[] = {
+    {"check", usage_check, run_check},   {"dump-ir", usage_dump_ir, run_dump_ir}, {"build", usage_build, run_build},
+    {"plan", cli_plan_usage, cli_plan},  {"sweep", cli_sweep_usage, cli_sweep},   {"tune", cli_tune_usage, cli_tune},
+    {"ops", usage_ops, cmd_ops},         {"passes", usage_passes, cmd_passes},
+};
+enum { NCOMMANDS = sizeof commands / sizeof commands[0] };
 
 int main(int argc, char **argv) {
   if (argc < 2 || strcmp(argv[1], "--help") == 0 || strcmp(argv[1], "-h") == 0 || strcmp(argv[1], "help") == 0) {
@@ -482,16 +497,5 @@ int main(int argc, char **argv) {
       commands[c].usage(stdout);
       return 0;
     }
-  if (strcmp(cmd, "ops") == 0) return cmd_ops();
-  if (strcmp(cmd, "plan") == 0) return cli_plan(argc, argv);
-  if (strcmp(cmd, "sweep") == 0) return cli_sweep(argc, argv);
-  if (strcmp(cmd, "tune") == 0) return cli_tune(argc, argv);
-  if (strcmp(cmd, "passes") == 0) return cmd_passes();
-  Options o = {0};
-  if (!parse_options(argc, argv, &o)) return 2;
-  IrDiag d;
-  ir_diag_init(&d, stderr);
-  if (strcmp(cmd, "check") == 0) return cmd_check(&d, &o);
-  if (strcmp(cmd, "dump-ir") == 0) return cmd_dump_ir(&d, &o);
-  return cmd_build(&d, &o);
+  return commands[c].run(argc, argv);
 }

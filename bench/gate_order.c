@@ -223,12 +223,14 @@ static void gate_backward(Bench *b) {
 // ---- the order, both ways ----
 
 static void sparse_forward(Bench *b) {
+  rt_zero(b->disp, (int64_t)b->e * b->c * b->m);
   rt_order_encode(b->x, b->idx, b->loc, b->disp, b->s, b->m, b->kc, b->e, 1, b->c);
   rt_order_decode(b->y, b->idx, b->loc, b->gates, b->out, b->s, b->m, b->kc, b->e, 1, b->c);
 }
 
 static void sparse_backward(Bench *b) {
   rt_order_encode_grad(b->ddisp, b->idx, b->loc, b->dx_order, b->s, b->m, b->kc, b->e, 1, b->c);
+  rt_zero(b->dy, (int64_t)b->e * b->c * b->m);
   rt_order_decode_grad_y(b->dout, b->idx, b->loc, b->gates, b->dy, b->s, b->m, b->kc, b->e, 1,
                          b->c);
   rt_order_decode_grad_gates(b->dout, b->y, b->idx, b->loc, b->dgates, b->s, b->m, b->kc, b->e,

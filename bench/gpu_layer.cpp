@@ -588,6 +588,7 @@ static bool check_layer(Gpu &g, Ffn ffn) {
   rt_gate_gather(scores.data(), idx.data(), gates.data(), S, E, K, true);
   rt_gate_locations(idx.data(), loc.data(), nullptr, S, K, E, 1, T);
   float aux = rt_aux_loss_value(scores.data(), idx.data(), S, E, K, 1), z = rt_z_loss_value(logits.data(), S, E, 1);
+  rt_zero(disp.data(), (int64_t)disp.size());
   rt_order_encode(x.data(), idx.data(), loc.data(), disp.data(), S, M, K, E, 1, T);
   rt_expert_matmul(disp.data(), w1.data(), h.data(), E, T, H, M, false, false);
   if (gpt) {
@@ -607,6 +608,7 @@ static bool check_layer(Gpu &g, Ffn ffn) {
   std::vector<float> dy(etm), dgates(sk), dact(eth), dh(eth), dh3(eth), dglu(eth), ddisp(etm), ddisp1(etm), dx(sm),
       dx1(sm), dx2(sm), dx3(sm), daux(se), dscores(se), dlogits(se), dwg(d.m * d.e), dw1(emh), dw2(emh), dw3(emh),
       db1(d.e * d.h), db2(d.e * d.m);
+  rt_zero(dy.data(), (int64_t)dy.size());
   rt_order_decode_grad_y(dout.data(), idx.data(), loc.data(), gates.data(), dy.data(), S, M, K, E, 1, T);
   rt_order_decode_grad_gates(dout.data(), yb.data(), idx.data(), loc.data(), dgates.data(), S, M, K, E, 1, T);
   if (gpt) {

@@ -26,7 +26,6 @@
 #include "sched/sched.h"
 #include "cli.h"
 
-
 void cli_cluster_from_fe(const FeCluster *f, SchedCluster *c) {
   *c = (SchedCluster){.name = f->name, .nodes = (int)f->nodes, .gpus_per_node = (int)f->gpus_per_node,
                       .gemm = {f->gemm.alpha, f->gemm.beta}, .alltoall = {f->alltoall.alpha, f->alltoall.beta},

@@ -2,16 +2,14 @@
 // one typed argument per kernel parameter (the op's operands and result, a parameter's gradient
 // and moments, literal shapes and attributes, the step's seed, step and token0, a statistics
 // sink) and the grid the CUDA kernel's loops are written for; GEMMs and collectives are marked
-// for the target's BLAS and collective library instead. The CUDA kernel unit's launch plan and
-// the CUDA host program print launches from it (emit_cuda.c, emit_cuda_host.c); kernels are
-// the rows of codegen/kernels.def.
+// for the target's BLAS and collective library instead (CgLib). The CPU program prints each call
+// as rt_NAME(...) (emit_c.c); the CUDA kernel unit's launch plan and the CUDA host program launch
+// mk_NAME (emit_cuda.c, emit_cuda_host.c); kernels are the rows of codegen/kernels.def.
 #include <inttypes.h>
 #include <stdlib.h>
 #include <string.h>
 
 #include "cg_internal.h"
-
-int64_t cg_cuda_grid_elems(int64_t n);
 
 static const char *const kernel_names[CG_K_COUNT] = {
 #define CG_KERNEL(ID, NAME, SIG) [CG_K_##ID] = NAME,
@@ -22,13 +20,9 @@ static const char *const kernel_names[CG_K_COUNT] = {
 const char *cg_kernel_name(int k) { return k >= 0 && k < CG_K_COUNT ? kernel_names[k] : "?"; }
 
 // ---- which kernels an op launches, with every argument ----
-// cg_lower (cg_internal.h) describes an op's launch as data: the kernels in order, each
-// with its grid and one CgArg per kernel parameter (operands, the result, the parameter's
-// gradient and moments, literal shapes and attributes, the step's seed, step and token0). The
-// unit's launch plan comment below and the CUDA host program (emit_cuda_host.c) both print
-// from it. Every kernel runs CG_CUDA_BLOCK (= MK_BLOCK) threads per block; the grid is the
-// one the kernel's loops are written for: per element (MK_FOR), per row, token, choice or
-// group (MK_FOR_BLOCKS), or a single block for the whole-tensor reductions.
+// Every CUDA kernel runs CG_CUDA_BLOCK (= MK_BLOCK) threads per block; the grid is the one the
+// kernel's loops are written for: per element (MK_FOR), per row, token, choice or group
+// (MK_FOR_BLOCKS), or a single block for the whole-tensor reductions. The CPU ignores grids.
 
 static const IrType *arg_type(const IrOp *op, int i) {
   return op->args[i].param ? &op->args[i].param->type : &op->args[i].value->type;

@@ -6,7 +6,7 @@
 # uses the configuration and an unchanged one rebuilds nothing.
 #
 #   mk/configure.sh OUT     write OUT (when different), e.g. build/config.mk
-#   mk/configure.sh -       print to stdout (tests/config.sh compares this with `moec --version -v`)
+#   mk/configure.sh -       print to stdout (tests/cli.sh compares this with `moec --version -v`)
 #
 # Environment: CUDA (toolkit folder, default /usr/local/cuda), NCCL_HOME (folder with
 # include/nccl.h and lib/libnccl.so.2; default the toolkit's, else a Python venv's nvidia/nccl).

@@ -464,8 +464,6 @@ void rt_order_encode(const float *x, const int32_t *idx, const int32_t *loc, flo
                      int m, int k, int e, int g, int cap) {
   if (g < 1)
     g = 1;
-  size_t slots = (size_t)g * cap;
-  memset(disp, 0, (size_t)e * slots * m * sizeof *disp);
   for (int gi = 0; gi < g; gi++) {
     for (int t = group_begin(s, g, gi); t < group_begin(s, g, gi + 1); t++) {
       for (int j = 0; j < k; j++) {
@@ -525,8 +523,6 @@ void rt_order_decode_grad_y(const float *dout, const int32_t *idx, const int32_t
                             int cap) {
   if (g < 1)
     g = 1;
-  size_t slots = (size_t)g * cap;
-  memset(dy, 0, (size_t)e * slots * m * sizeof *dy);
   for (int gi = 0; gi < g; gi++) {
     for (int t = group_begin(s, g, gi); t < group_begin(s, g, gi + 1); t++) {
       const float *dr = dout + (size_t)t * m;

@@ -92,7 +92,9 @@ void rt_z_loss(const float *logits, float *out, int s, int e, int g, float share
 void rt_z_loss_grad(const float *logits, float *dlogits, int s, int e, int g, float coef);
 
 // disp [e, g*cap, m]: the choice (t, j) of token t in group gi kept at loc l lands at row
-// gi*cap + l of expert idx[t,j]. Empty rows are zero.
+// gi*cap + l of expert idx[t,j]. Only those rows are written: the caller zeroes disp first (the
+// op's lowering runs rt_zero before it, on both targets), so empty rows are zero.
+// rt_order_decode_grad_y writes dy the same way.
 void rt_order_encode(const float *x, const int32_t *idx, const int32_t *loc, float *disp, int s,
                      int m, int k, int e, int g, int cap);
 void rt_order_encode_grad(const float *ddisp, const int32_t *idx, const int32_t *loc, float *dx,

@@ -34,12 +34,12 @@ one_run() {
   else
     "$MOEC" build "$model" -o "$bin" 2>"$bin.err" || { echo "build: $(head -c 1000 "$bin.err")"; return 1; }
   fi
-  (cd "$WORK" && timeout 120 "$bin" --steps 1 --quiet >"$bin.probe" 2>&1 </dev/null)
-  np=$(grep -o 'needs [0-9]* ranks' "$bin.probe" | awk '{print $2}'); np=${np:-1}
+  # One rank first; a layout that needs more says how many, and runs again under mpirun.
   local dir=$WORK/$1.$3.dump
-  if [ "$np" = 1 ]; then
-    (cd "$WORK" && timeout 120 "$bin" --steps 3 --dump "$dir" >"$bin.out" 2>&1 </dev/null) || { echo "run: $(tail -n 5 "$bin.out")"; return 1; }
-  else
+  if ! (cd "$WORK" && timeout 120 "$bin" --steps 3 --dump "$dir" >"$bin.out" 2>&1 </dev/null); then
+    np=$(grep -o 'needs [0-9]* ranks' "$bin.out" | awk '{print $2}')
+    [ -n "$np" ] || { echo "run: $(tail -n 5 "$bin.out")"; return 1; }
+    rm -rf "$dir"
     (cd "$WORK" && timeout 120 $MPIRUN -x OPENBLAS_NUM_THREADS -x OPENBLAS_CORETYPE -np "$np" "$bin" --steps 3 --dump "$dir" >"$bin.out" 2>&1 </dev/null) ||
       { echo "mpirun -np $np: $(tail -n 5 "$bin.out")"; return 1; }
   fi
@@ -47,12 +47,12 @@ one_run() {
   echo "$name $target np=$np $(printf '%s\n' "$out" | sha256sum | cut -c1-16) $(grep '^step' "$bin.out" | awk '{printf "%s%s", (NR > 1 ? "," : ""), $4}')"
 }
 
-: >"$WORK/runs"
+: >"$WORK/runs"; : >"$WORK/fails"
 for model in lang/models/*.moe tests/models/*.moe tests/golden/*.moe; do
   name=$(echo "${model%.moe}" | tr / _)
   for target in $targets; do
     if line=$(one_run "$name" "$model" "$target"); then echo "$line" >>"$WORK/runs"
-    else echo "FAIL  golden run $name $target: $line"; fi
+    else echo "FAIL  golden run $name $target: $line" | tee -a "$WORK/fails"; fi
   done
 done
 if [ $record = 1 ]; then
@@ -66,3 +66,10 @@ while read -r name target np sha losses; do
   elif [ "$want" = "$name $target $np $sha $losses" ]; then echo "ok    golden run $name $target ($np): losses and dumps bit-identical to the recorded run"
   else echo "FAIL  golden run $name $target: got $np $sha $losses, recorded $(echo "$want" | cut -d' ' -f3-)"; fi
 done <"$WORK/runs"
+# A recorded run this one did not make (a model removed or renamed): the goldens are stale.
+while read -r name target _; do
+  case "$name" in \#*) continue ;; esac
+  case " $targets " in *" $target "*) ;; *) continue ;; esac
+  grep -q "^$name $target " "$WORK/runs" || grep -q "^FAIL  golden run $name $target:" "$WORK/fails" ||
+    echo "FAIL  golden run $name $target: recorded in $GOLDEN but not run (record again: tests/golden_runs.sh --record)"
+done <"$GOLDEN"

@@ -280,6 +280,7 @@ template <class Launcher> void run_kernel_cases(Launcher &L, Checks &c) {
     rt_order_decode(y.data(), idx_c.data(), loc.data(), gates_c.data(), o_c.data(), s, m, k, e, g, cap);
     LAUNCH(5, 16, mk_order_decode, y, idx_c, loc, gates_c, o_k, s, m, k, e, g, cap);
     c.same("order.decode", o_c, o_k);
+    rt_zero(d_c.data(), (int64_t)d_c.size());
     rt_order_decode_grad_y(x.data(), idx_c.data(), loc.data(), gates_c.data(), d_c.data(), s, m, k, e, g, cap);
     LAUNCH(4, 64, mk_zero, d_k, (int64_t)d_k.size());
     LAUNCH(5, 16, mk_order_decode_grad_y, x, idx_c, loc, gates_c, d_k, s, m, k, e, g, cap);

@@ -349,6 +349,7 @@ typedef struct {
 
 static double encode_obj(void *p) {
   OrderCtx *c = p;
+  rt_zero(c->disp, (int64_t)RE * RG * c->cap * RM);
   rt_order_encode(c->x, route_idx, route_loc, c->disp, RS, RM, RK, RE, RG, c->cap);
   return dot(c->w, c->disp, (int64_t)RE * RG * c->cap * RM);
 }
@@ -375,6 +376,7 @@ static void test_fd_order_decode(void **state) {
   fill(gates, RS * RK, 0.1f, 1);
   fill(w, RS * RM, -1, 1);
   OrderCtx c = {NULL, y, gates, out, w, RCAP};
+  rt_zero(dy, RE * RG * RCAP * RM);
   rt_order_decode_grad_y(w, route_idx, route_loc, gates, dy, RS, RM, RK, RE, RG, RCAP);
   rt_order_decode_grad_gates(w, y, route_idx, route_loc, dg, RS, RM, RK, RE, RG, RCAP);
   check_fd("order.decode (d/dy)", decode_obj, &c, y, RE * RG * RCAP * RM, dy, FD_EPS);
@@ -582,6 +584,7 @@ static void test_order_round_trip(void **state) {
   fill(x, RS * M, -1, 1);
   for (int i = 0; i < RS * RK; i++)
     gates[i] = 0.5f;
+  rt_zero(disp, ROWS * M);
   rt_order_encode(x, route_idx, route_loc, disp, RS, M, RK, RE, RG, RCAP);
 
   // Placement: expert 0, group 0 holds t0, t1; expert 2 group 1 (rows 2, 3) holds t4, t5.
@@ -614,6 +617,7 @@ static void test_order_round_trip(void **state) {
 
   // decode_grad_y is zero on the empty row; dgates is zero for dropped choices.
   float dy[ROWS * M], dg[RS * RK];
+  rt_zero(dy, ROWS * M);
   rt_order_decode_grad_y(x, route_idx, route_loc, gates, dy, RS, M, RK, RE, RG, RCAP);
   rt_order_decode_grad_gates(x, disp, route_idx, route_loc, dg, RS, M, RK, RE, RG, RCAP);
   for (int r = 0; r < ROWS; r++) {

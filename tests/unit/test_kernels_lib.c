@@ -382,6 +382,7 @@ static void check_dense_matches_sparse(const char *what, const int32_t *idx, con
   rt_dispatch_mask(idx, loc, mask, s, k, e, g, cap);
   rt_combine_weights(idx, loc, gates, cw, s, k, e, g, cap);
 
+  rt_zero(sp_rm, (int64_t)rm);
   rt_order_encode(x, idx, loc, sp_rm, s, m, k, e, g, cap);
   rt_matmul(mask, x, de_rm, rows, m, s, true, false, false);
   float err_encode = max_abs_diff(sp_rm, de_rm, (int64_t)rm);
@@ -391,6 +392,7 @@ static void check_dense_matches_sparse(const char *what, const int32_t *idx, con
   rt_order_encode_grad(dd, idx, loc, sp_sm, s, m, k, e, g, cap);
   rt_matmul(mask, dd, de_sm, s, m, rows, false, false, false);
   float err_encode_grad = max_abs_diff(sp_sm, de_sm, (int64_t)sm);
+  rt_zero(sp_rm, (int64_t)rm);
   rt_order_decode_grad_y(dout, idx, loc, gates, sp_rm, s, m, k, e, g, cap);
   rt_matmul(cw, dout, de_rm, rows, m, s, true, false, false);
   float err_grad_y = max_abs_diff(sp_rm, de_rm, (int64_t)rm);
