@@ -48,16 +48,29 @@ void cg_events_free(CgEvents *ev);
 // The local events op i waits for (its own waits, then dep[i]), at most max; their number.
 int cg_op_waits(const IrFunc *f, const CgEvents *ev, int i, int *waits, int max);
 
-// ---- the kernels (codegen/kernels.def) and the op lowering (lower.c) ----
+// ---- the kernels (runtime/kernels.def) and the op lowering (lower.c) ----
 
 typedef enum CgKernel {
-#define CG_KERNEL(ID, NAME, SIG) CG_K_##ID,
-#include "kernels.def"
-#undef CG_KERNEL
+#define RT_KERNEL(ID, NAME, WHERE, PARAMS) CG_K_##ID,
+#include "../runtime/kernels.def"
+#undef RT_KERNEL
   CG_K_COUNT
 } CgKernel;
-// Kernel k's name in kernels.def ("gelu"): the CPU target calls rt_NAME, the CUDA target mk_NAME.
+
+enum { CG_MAX_KERNEL_ARGS = 16 };
+
+// A row of runtime/kernels.def: the name ("gelu": the CPU target calls rt_NAME, the CUDA target
+// mk_NAME), whether the CPU has it (WHERE = BOTH) and the parameters as letters: p a pointer, i
+// int, l i64, u u64, f float.
+typedef struct CgKernelInfo {
+  const char *name;
+  bool cpu;
+  char sig[CG_MAX_KERNEL_ARGS + 1];
+} CgKernelInfo;
+extern const CgKernelInfo cg_kernel_info[CG_K_COUNT];
 const char *cg_kernel_name(int k);
+// The kernel named name, or -1.
+int cg_kernel_by_name(const char *name);
 
 #define CG_CUDA_BLOCK 256   // MK_BLOCK: every kernel is launched with this many threads per block
 
@@ -81,8 +94,6 @@ typedef struct CgArg {
   int64_t i;
   double f;
 } CgArg;
-
-enum { CG_MAX_KERNEL_ARGS = 16 };
 
 typedef struct CgKernelCall {
   int kernel;              // cg_cuda_kernel_name(kernel)
@@ -114,14 +125,17 @@ typedef struct CgLaunch {
 bool cg_lower(const PassMemPlan *plan, const IrFunc *f, int i, bool fuse, CgLaunch *l);
 // The lowering of one op alone (never fused).
 bool cg_lower_op(const IrOp *op, CgLaunch *l);
+// Whether rule is a well-formed KERNEL rule of ops.def for an op of nargs operands: kernels of
+// runtime/kernels.def with one argument of the right kind per parameter; why says what is wrong.
+bool cg_lower_rule_check(const char *rule, int nargs, char *why, size_t size);
 int cg_cuda_kernel_count(void);
 const char *cg_cuda_kernel_name(int k);
 
 typedef enum CgParamType { CG_PARAM_POINTER, CG_PARAM_INT, CG_PARAM_I64, CG_PARAM_U64, CG_PARAM_FLOAT } CgParamType;
-// Kernel k's parameter types, from its row of codegen/kernels.def (int, i64, u64, float,
+// Kernel k's parameter types, from its row of runtime/kernels.def (int, i64, u64, float,
 // pointers); their number, or -1 when there are more than max.
 int cg_cuda_kernel_params(int k, CgParamType *types, int max);
-// Compares every kernel's parameter list in codegen/kernels.def with its declaration in
+// Compares every kernel's parameter list in runtime/kernels.def with its declaration in
 // codegen/cuda/kernels.cu; prints each difference to err and returns their number.
 int cg_cuda_check_signatures(FILE *err);
 // Which kernels the launches of module m use (used[k] for k < cg_cuda_kernel_count()), the

@@ -119,7 +119,7 @@ static bool emit_library_op(Emit *e, const IrOp *op) {
 
 // Op i of f: the kernel calls of its lowering (cg_lower, never fused on the CPU), each as
 // rt_KERNEL(args) of libmoert, whose CPU kernels take the CUDA kernels' parameters in their
-// order (codegen/kernels.def); GEMMs and collectives go to emit_library_op. The statistics a
+// order (runtime/kernels.def); GEMMs and collectives go to emit_library_op. The statistics a
 // kernel cannot gather itself (a record hook's line, an expert choice's loads) follow it.
 static bool emit_op(Emit *e, const IrFunc *f, int i) {
   const IrOp *op = f->ops[i];

@@ -1,7 +1,7 @@
 // The CUDA target's kernel emitter: the CUDA C translation unit of a module's device kernels,
 // compiled by NVRTC (codegen/nvrtc.c) for sm_80 / sm_90 at `moec build` time.
 //
-// The kernels are the rows of codegen/kernels.def, `mk_NAME`, with their sources in
+// The kernels are the rows of runtime/kernels.def, `mk_NAME`, with their sources in
 // codegen/cuda/kernels.cu (embedded at build time by mk/embed_cuda.awk): each reproduces the CPU
 // kernel rt_NAME of libmoert (runtime/kernels*.c, runtime/hooks.c) it stands for, with the same
 // parameters: the same formulas, the same order of choices, reductions in double. A module gets
@@ -36,11 +36,12 @@
 #include "cg_internal.h"
 
 
-static const struct { const char *name, *sig; } kernel_def[CG_K_COUNT] = {
-#define CG_KERNEL(ID, NAME, SIG) [CG_K_##ID] = {"mk_" NAME, SIG},
-#include "kernels.def"
-#undef CG_KERNEL
-};
+// "mk_NAME" of every kernel.
+static const char *mk_name(int k) {
+  static char names[CG_K_COUNT][64];
+  if (!names[k][0]) snprintf(names[k], sizeof names[k], "mk_%s", cg_kernel_info[k].name);
+  return names[k];
+}
 
 // The sources: codegen/cuda/kernels.cu, embedded by mk/embed_cuda.awk as cuda_prelude_src and
 // cuda_kernel_src (in the file's order, found here by name).
@@ -53,7 +54,7 @@ static const char *kernel_text(int k) {
   static const char *by_id[CG_K_COUNT];
   if (!by_id[k]) {
     for (size_t i = 0; i < sizeof cuda_kernel_src / sizeof *cuda_kernel_src; i++)
-      if (strcmp(cuda_kernel_src[i].name, kernel_def[k].name) == 0) by_id[k] = cuda_kernel_src[i].src;
+      if (strcmp(cuda_kernel_src[i].name, mk_name(k)) == 0) by_id[k] = cuda_kernel_src[i].src;
     if (!by_id[k]) UNREACHABLE();
   }
   return by_id[k];
@@ -62,11 +63,11 @@ static const char *kernel_text(int k) {
 
 int cg_cuda_kernel_count(void) { return CG_K_COUNT; }
 
-const char *cg_cuda_kernel_name(int k) { return k >= 0 && k < CG_K_COUNT ? kernel_def[k].name : "?"; }
+const char *cg_cuda_kernel_name(int k) { return k >= 0 && k < CG_K_COUNT ? mk_name(k) : "?"; }
 
 int cg_cuda_kernel_params(int k, CgParamType *types, int max) {
   int n = 0;
-  for (const char *c = kernel_def[k].sig; *c; c++) {
+  for (const char *c = cg_kernel_info[k].sig; *c; c++) {
     if (n == max) return -1;
     types[n++] = *c == 'p' ? CG_PARAM_POINTER : *c == 'i' ? CG_PARAM_INT : *c == 'l' ? CG_PARAM_I64
                : *c == 'u' ? CG_PARAM_U64 : CG_PARAM_FLOAT;
@@ -74,25 +75,72 @@ int cg_cuda_kernel_params(int k, CgParamType *types, int max) {
   return n;
 }
 
+// Each parameter type of runtime/kernels.def as kernels.cu spells it.
+#define K_F32 "const float *"
+#define K_F32_OUT "float *"
+#define K_I32 "const int *"
+#define K_I32_OUT "int *"
+#define K_U16 "const u16 *"
+#define K_U16_OUT "u16 *"
+#define K_I8 "const i8 *"
+#define K_I8_OUT "i8 *"
+#define K_BYTES "const unsigned char *"
+#define K_BYTES_OUT "unsigned char *"
+#define K_PTR_OUT "*"   // a pointer of the kernel's own type (int stats, double sums)
+#define K_INT "int"
+#define K_I64 "i64"
+#define K_U64 "u64"
+#define K_FLOAT "float"
+static const char *const cuda_params[CG_K_COUNT][CG_MAX_KERNEL_ARGS + 1] = {
+#define RT_KERNEL(ID, NAME, WHERE, PARAMS) [CG_K_##ID] = {PARAMS_LIST PARAMS},
+#define PARAMS_LIST(...) __VA_ARGS__
+#include "../runtime/kernels.def"
+#undef RT_KERNEL
+#undef PARAMS_LIST
+};
+
+// The parameter types of the declaration "TYPE NAME, TYPE NAME)" at p, each with its name
+// dropped and spaces normalised ("const float *x" -> "const float *"), joined by ", ".
+static void declared_types(const char *p, char *out, size_t cap) {
+  size_t o = 0;
+  out[0] = '\0';
+  while (*p && *p != ')') {
+    const char *end = p + strcspn(p, ",)");
+    while (*p == ' ' || *p == '\n') p++;
+    const char *name = end;
+    while (name > p && (name[-1] == ' ' || name[-1] == '\n')) name--;
+    while (name > p && name[-1] != ' ' && name[-1] != '*') name--;   // the parameter's name
+    const char *type_end = name;
+    while (type_end > p && type_end[-1] == ' ') type_end--;
+    bool ptr = type_end > p && type_end[-1] == '*';
+    if (ptr) type_end--;
+    while (type_end > p && type_end[-1] == ' ') type_end--;
+    o += (size_t)snprintf(out + o, o < cap ? cap - o : 0, "%s%.*s%s", o ? ", " : "", (int)(type_end - p), p, ptr ? " *" : "");
+    p = *end == ',' ? end + 1 : end;
+  }
+}
+
 int cg_cuda_check_signatures(FILE *err) {
   int bad = 0;
   for (int k = 0; k < CG_K_COUNT; k++) {
-    char decl[96], got[CG_MAX_KERNEL_ARGS + 2] = "";
-    snprintf(decl, sizeof decl, "void %s(", kernel_def[k].name);
+    char decl[128], got[512], want[512];
+    size_t o = 0;
+    want[0] = '\0';
+    for (int i = 0; cuda_params[k][i]; i++) o += (size_t)snprintf(want + o, sizeof want - o, "%s%s", i ? ", " : "", cuda_params[k][i]);
+    snprintf(decl, sizeof decl, "void mk_%.64s(", cg_kernel_info[k].name);
     const char *p = strstr(kernel_text(k), decl);
-    int n = 0;
-    if (p)
-      for (p += strlen(decl); *p && *p != ')' && n <= CG_MAX_KERNEL_ARGS;) {
-        const char *end = p + strcspn(p, ",)");
-        while (*p == ' ' || *p == '\n') p++;
-        got[n++] = memchr(p, '*', (size_t)(end - p)) ? 'p' : strncmp(p, "int ", 4) == 0 ? 'i' : strncmp(p, "i64 ", 4) == 0 ? 'l'
-                 : strncmp(p, "u64 ", 4) == 0 ? 'u' : strncmp(p, "float ", 6) == 0 ? 'f' : '?';
-        p = *end == ',' ? end + 1 : end;
-      }
-    got[n] = '\0';
-    if (!p || strcmp(got, kernel_def[k].sig) != 0) {
-      fprintf(err, "kernel %s: codegen/kernels.def says (%s), codegen/cuda/kernels.cu declares (%s)\n",
-              kernel_def[k].name, kernel_def[k].sig, p ? got : "no declaration");
+    if (p) declared_types(p + strlen(decl), got, sizeof got);
+    // parameter by parameter; K_PTR_OUT ("*") matches any pointer
+    bool same = p != NULL;
+    for (const char *w = want, *g = got; same && (*w || *g);) {
+      size_t wl = strcspn(w, ","), gl = strcspn(g, ",");
+      same = (wl == gl && strncmp(w, g, wl) == 0) || (wl == 1 && *w == '*' && gl > 1 && g[gl - 1] == '*');
+      w += wl + (w[wl] ? 2 : 0);
+      g += gl + (g[gl] ? 2 : 0);
+    }
+    if (!same) {
+      fprintf(err, "kernel %s: runtime/kernels.def says (%s), codegen/cuda/kernels.cu declares (%s)\n", mk_name(k), want,
+              p ? got : "no declaration");
       bad++;
     }
   }
@@ -130,7 +178,7 @@ static const char *lib_name(CgLib lib) {
 void cg_emit_cuda_library(FILE *out) {
   fprintf(out, "// Generated by moec: every CUDA kernel of the CUDA target (%d), for NVRTC (sm_80, sm_90).\n\n%s\n",
           (int)CG_K_COUNT, prelude_src);
-  for (int k = 0; k < CG_K_COUNT; k++) fprintf(out, "// ---- %s ----\n%s\n", kernel_def[k].name, kernel_text(k));
+  for (int k = 0; k < CG_K_COUNT; k++) fprintf(out, "// ---- %s ----\n%s\n", mk_name(k), kernel_text(k));
 }
 
 // Whether text calls __syncthreads, directly or through a prelude function that does (the
@@ -170,7 +218,7 @@ void cg_emit_cuda_kernel_list(FILE *out) {
     free(text);
   }
   for (int k = 0; k < CG_K_COUNT; k++)
-    fprintf(out, "MK_KERNEL(%s, %d)\n", kernel_def[k].name, calls_syncthreads(kernel_text(k), syncing, nsyncing));
+    fprintf(out, "MK_KERNEL(%s, %d)\n", mk_name(k), calls_syncthreads(kernel_text(k), syncing, nsyncing));
 }
 
 // "%x", "@p": an operand of op as the launch plan names it.
@@ -263,7 +311,7 @@ bool cg_emit_cuda(IrDiag *d, FILE *out, const IrModule *m, const PassMemPlan *pl
   }
   fprintf(out, "\n%s\n", prelude_src);
   for (int k = 0; k < CG_K_COUNT; k++)
-    if (used[k]) fprintf(out, "// ---- %s ----\n%s\n", kernel_def[k].name, kernel_text(k));
+    if (used[k]) fprintf(out, "// ---- %s ----\n%s\n", mk_name(k), kernel_text(k));
 
   // The launch plan, in program order.
   fprintf(out, "// Launch plan (program order): op -> kernel<<<grid>>>(arguments...); every block has %d threads.\n",
@@ -288,7 +336,7 @@ bool cg_emit_cuda(IrDiag *d, FILE *out, const IrModule *m, const PassMemPlan *pl
       fprintf(out, " ->");
       for (int k = 0; k < l.ncalls; k++) {
         const CgKernelCall *c = &l.call[k];
-        fprintf(out, "%s %s<<<%" PRId64 ">>>(", k ? "," : "", kernel_def[c->kernel].name, c->grid);
+        fprintf(out, "%s %s<<<%" PRId64 ">>>(", k ? "," : "", mk_name(c->kernel), c->grid);
         for (int a = 0; a < c->nargs; a++) {
           char buf[160];
           plan_arg(buf, sizeof buf, f, i, &c->args[a]);

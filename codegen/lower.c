@@ -4,20 +4,46 @@
 // sink) and the grid the CUDA kernel's loops are written for; GEMMs and collectives are marked
 // for the target's BLAS and collective library instead (CgLib). The CPU program prints each call
 // as rt_NAME(...) (emit_c.c); the CUDA kernel unit's launch plan and the CUDA host program launch
-// mk_NAME (emit_cuda.c, emit_cuda_host.c); kernels are the rows of codegen/kernels.def.
+// mk_NAME (emit_cuda.c, emit_cuda_host.c); kernels are the rows of runtime/kernels.def. Most
+// ops' lowerings are the KERNEL column of ir/ops.def (lower_by_rule); lower_in_c has the rest.
 #include <inttypes.h>
 #include <stdlib.h>
 #include <string.h>
 
 #include "cg_internal.h"
 
-static const char *const kernel_names[CG_K_COUNT] = {
-#define CG_KERNEL(ID, NAME, SIG) [CG_K_##ID] = NAME,
-#include "kernels.def"
-#undef CG_KERNEL
+// The kernel table, its parameter types spelled as letters.
+#define K_F32 'p'
+#define K_F32_OUT 'p'
+#define K_I32 'p'
+#define K_I32_OUT 'p'
+#define K_U16 'p'
+#define K_U16_OUT 'p'
+#define K_I8 'p'
+#define K_I8_OUT 'p'
+#define K_BYTES 'p'
+#define K_BYTES_OUT 'p'
+#define K_PTR_OUT 'p'
+#define K_INT 'i'
+#define K_I64 'l'
+#define K_U64 'u'
+#define K_FLOAT 'f'
+#define SIG(...) {__VA_ARGS__, 0}
+#define ON_CPU_BOTH true
+#define ON_CPU_CUDA false
+const CgKernelInfo cg_kernel_info[CG_K_COUNT] = {
+#define RT_KERNEL(ID, NAME, WHERE, PARAMS) [CG_K_##ID] = {#NAME, ON_CPU_##WHERE, SIG PARAMS},
+#include "../runtime/kernels.def"
+#undef RT_KERNEL
 };
 
-const char *cg_kernel_name(int k) { return k >= 0 && k < CG_K_COUNT ? kernel_names[k] : "?"; }
+const char *cg_kernel_name(int k) { return k >= 0 && k < CG_K_COUNT ? cg_kernel_info[k].name : "?"; }
+
+int cg_kernel_by_name(const char *name) {
+  for (int k = 0; k < CG_K_COUNT; k++)
+    if (strcmp(cg_kernel_info[k].name, name) == 0) return k;
+  return -1;
+}
 
 // ---- which kernels an op launches, with every argument ----
 // Every CUDA kernel runs CG_CUDA_BLOCK (= MK_BLOCK) threads per block; the grid is the one the
@@ -59,11 +85,6 @@ static void operands(CgKernelCall *c, int n, bool result) {
   if (result) arg(c, CG_ARG_RESULT, 0);
 }
 
-// Routing shape shared by encode/decode: s m k e g cap, as emit_c's route_dims.
-static void route(CgKernelCall *c, const IrOp *op, int64_t s, int64_t m, int64_t k) {
-  INTS(c, s, m, k, ir_op_int(op, "experts", 0), ir_op_int(op, "groups", 1), ir_op_int(op, "capacity", 0));
-}
-
 // A kernel over the op's operands and result with the given literal arguments after them.
 static CgKernelCall *simple(CgLaunch *l, const IrOp *op, CgKernel k, int64_t grid) {
   CgKernelCall *c = call(l, k, grid);
@@ -77,96 +98,220 @@ typedef struct Shapes {
   int64_t n;
 } Shapes;
 
-// GEMMs and collectives (left to the target's libraries), dense algebra, activations; false when op is none of these.
-static bool lower_dense(const IrOp *op, const Shapes *sh, CgLaunch *l) {
-  const IrType *t0 = sh->t0, *rt = sh->rt;
-  int64_t n = sh->n;
-  CgKernelCall *c;
-  switch (op->kind) {
-  case IR_OP_MATMUL:
-  case IR_OP_EXPERT_MATMUL:
-    l->lib = CG_LIB_GEMM;
-    return true;
-  case IR_OP_COMM_ALLGATHER:
-  case IR_OP_COMM_REDUCESCATTER:
-  case IR_OP_COMM_ALLTOALL:
-  case IR_OP_COMM_ALLREDUCE:
-  case IR_OP_COMM_ALLREDUCE_GRAD:
-    l->lib = CG_LIB_COLLECTIVE;
-    return true;
-  case IR_OP_COMM_SPLIT:  // this rank's slice: a device-to-device copy at the rank's offset
-    l->lib = CG_LIB_SPLIT;
-    return true;
-  case IR_OP_BIAS: INTS(simple(l, op, CG_K_BIAS, grid_elems(n)), rt->dim[0], rt->dim[1]); return true;
-  case IR_OP_BIAS_GRAD: INTS(simple(l, op, CG_K_BIAS_GRAD, grid_elems(n)), t0->dim[0], t0->dim[1]); return true;
-  case IR_OP_EXPERT_BIAS:
-    INTS(simple(l, op, CG_K_EXPERT_BIAS, grid_elems(n)), rt->dim[0], rt->dim[1], rt->dim[2]);
-    return true;
-  case IR_OP_EXPERT_BIAS_GRAD:
-    INTS(simple(l, op, CG_K_EXPERT_BIAS_GRAD, grid_elems(n)), t0->dim[0], t0->dim[1], t0->dim[2]);
-    return true;
-  case IR_OP_ADD: INTS(simple(l, op, CG_K_ADD, grid_elems(n)), n); return true;
-  case IR_OP_MUL: INTS(simple(l, op, CG_K_MUL, grid_elems(n)), n); return true;
-  case IR_OP_ACT_GELU: INTS(simple(l, op, CG_K_GELU, grid_elems(n)), n); return true;
-  case IR_OP_ACT_GELU_GRAD: INTS(simple(l, op, CG_K_GELU_GRAD, grid_elems(n)), n); return true;
-  case IR_OP_ACT_RELU: INTS(simple(l, op, CG_K_RELU, grid_elems(n)), n); return true;
-  case IR_OP_ACT_RELU_GRAD: INTS(simple(l, op, CG_K_RELU_GRAD, grid_elems(n)), n); return true;
-  case IR_OP_ACT_SILU: INTS(simple(l, op, CG_K_SILU, grid_elems(n)), n); return true;
-  case IR_OP_ACT_SILU_GRAD: INTS(simple(l, op, CG_K_SILU_GRAD, grid_elems(n)), n); return true;
-  case IR_OP_RESHAPE: INTS(simple(l, op, CG_K_COPY, grid_elems(n)), n); return true;
-  case IR_OP_L2NORM:
-  case IR_OP_L2NORM_GRAD: {
-    int64_t cols = rt->dim[rt->rank - 1];
-    c = simple(l, op, op->kind == IR_OP_L2NORM ? CG_K_L2NORM : CG_K_L2NORM_GRAD, grid_blocks(n / cols));
-    INTS(c, n / cols, cols);
+// ---- the KERNEL column of ops.def ----
+// "name(arg, ...) : grid; ..." (the column's description in ops.def). The parser walks the rule
+// once per lowering; with op NULL it only checks the rule (cg_lower_rule_check).
+
+typedef struct Rule {
+  const char *s;          // the rest of the rule
+  const IrOp *op;         // NULL: check only
+  const Shapes *sh;
+  int nargs;              // the op's operands
+  char why[160];          // what is malformed
+} Rule;
+
+static bool rule_fail(Rule *r, const char *what) {
+  if (!r->why[0]) snprintf(r->why, sizeof r->why, "%s at \"%.40s\"", what, r->s);
+  return false;
+}
+
+static void rule_spaces(Rule *r) {
+  while (*r->s == ' ') r->s++;
+}
+
+// A word ([a-z_] then [a-z0-9_]) into buf.
+static bool rule_word(Rule *r, char *buf, size_t size) {
+  rule_spaces(r);
+  size_t n = strspn(r->s, "abcdefghijklmnopqrstuvwxyz_0123456789");
+  if (n == 0 || n >= size || (r->s[0] >= '0' && r->s[0] <= '9')) return rule_fail(r, "a name is expected");
+  snprintf(buf, size, "%.*s", (int)n, r->s);
+  r->s += n;
+  return true;
+}
+
+// "x3" -> 3, "y" -> -1 (the result); -2 when word is neither.
+static int rule_tensor(const char *word) {
+  if (strcmp(word, "y") == 0) return -1;
+  if (word[0] == 'x' && word[1] >= '0' && word[1] <= '9' && !word[2]) return word[1] - '0';
+  return -2;
+}
+
+static const IrType *rule_type(const Rule *r, int t) { return t == -1 ? r->sh->rt : arg_type(r->op, t); }
+
+// One factor of an integer argument or grid: a number, n / rows / cols (with an operand number),
+// y.D / xK.D, @attr[=default].
+static bool rule_factor(Rule *r, int64_t *v) {
+  rule_spaces(r);
+  char word[48];
+  if (*r->s >= '0' && *r->s <= '9') {
+    *v = strtoll(r->s, (char **)&r->s, 10);
     return true;
   }
-  case IR_OP_DIV_SCALAR: INTS(simple(l, op, CG_K_DIV_SCALAR, grid_elems(n)), n); return true;
-  case IR_OP_DIV_SCALAR_GRAD_X: INTS(simple(l, op, CG_K_DIV_SCALAR_GRAD_X, grid_elems(n)), n); return true;
-  case IR_OP_DIV_SCALAR_GRAD_S: INTS(simple(l, op, CG_K_DIV_SCALAR_GRAD_S, 1), ir_type_numel(t0)); return true;
-  default:
-    return false;
+  if (*r->s == '@') {
+    r->s++;
+    if (!rule_word(r, word, sizeof word)) return false;
+    int64_t def = 0;
+    if (*r->s == '=') def = strtoll(r->s + 1, (char **)&r->s, 10);
+    *v = r->op ? ir_op_int(r->op, word, def) : 0;
+    return true;
+  }
+  if (!rule_word(r, word, sizeof word)) return false;
+  int t = rule_tensor(word);
+  if (t != -2) {
+    if (*r->s != '.' || r->s[1] < '0' || r->s[1] > '9') return rule_fail(r, "a dimension (y.D, xK.D) is expected");
+    int d = r->s[1] - '0';
+    r->s += 2;
+    if (t >= r->nargs) return rule_fail(r, "no such operand");
+    *v = r->op ? rule_type(r, t)->dim[d] : 0;
+    return true;
+  }
+  size_t base = strcspn(word, "0123456789");
+  int of = word[base] ? atoi(word + base) : -1;   // "rows0": of operand 0; "rows": of the result
+  if (of >= r->nargs) return rule_fail(r, "no such operand");
+  word[base] = '\0';
+  bool n = strcmp(word, "n") == 0, rows = strcmp(word, "rows") == 0, cols = strcmp(word, "cols") == 0;
+  if (!n && !rows && !cols) return rule_fail(r, "an integer (n, rows, cols, y.D, xK.D, @attr, a number) is expected");
+  if (!r->op) return *v = 0, true;
+  const IrType *ty = rule_type(r, of);
+  int64_t numel = ir_type_numel(ty), last = ty->rank ? ty->dim[ty->rank - 1] : 1;
+  *v = n ? numel : cols ? last : last ? numel / last : 0;
+  return true;
+}
+
+static bool rule_int(Rule *r, int64_t *v) {
+  if (!rule_factor(r, v)) return false;
+  for (rule_spaces(r); *r->s == '*'; rule_spaces(r)) {
+    int64_t f;
+    r->s++;
+    if (!rule_factor(r, &f)) return false;
+    *v *= f;
+  }
+  return true;
+}
+
+// A float argument: @attr[=default] or a number.
+static bool rule_float(Rule *r, double *v) {
+  rule_spaces(r);
+  char word[48];
+  if (*r->s != '@') {
+    char *end;
+    *v = strtod(r->s, &end);
+    if (end == r->s) return rule_fail(r, "a float (@attr or a number) is expected");
+    r->s = end;
+    return true;
+  }
+  r->s++;
+  if (!rule_word(r, word, sizeof word)) return false;
+  double def = 0;
+  if (*r->s == '=') def = strtod(r->s + 1, (char **)&r->s);
+  *v = r->op ? ir_op_float(r->op, word, def) : 0;
+  return true;
+}
+
+// A pointer argument: an operand, the result, a parameter's gradient or moments.
+static bool rule_pointer(Rule *r, CgKernelCall *c) {
+  char word[48];
+  if (!rule_word(r, word, sizeof word)) return false;
+  int t = rule_tensor(word);
+  if (t >= r->nargs) return rule_fail(r, "no such operand");
+  if (t >= 0) arg(c, CG_ARG_OPERAND, t);
+  else if (t == -1) arg(c, CG_ARG_RESULT, 0);
+  else if (strcmp(word, "grad") == 0) arg(c, CG_ARG_GRAD, 0);
+  else if (strcmp(word, "m") == 0) arg(c, CG_ARG_MOMENT_M, 0);
+  else if (strcmp(word, "v") == 0) arg(c, CG_ARG_MOMENT_V, 0);
+  else return rule_fail(r, "a pointer (xK, y, grad, m, v) is expected");
+  return true;
+}
+
+// The step's seed, step and token0, where the kernel takes them.
+static bool rule_step_value(Rule *r, CgKernelCall *c) {
+  const char *names[] = {"seed", "step", "token0"};
+  CgArgKind kinds[] = {CG_ARG_SEED, CG_ARG_STEP, CG_ARG_TOKEN0};
+  rule_spaces(r);
+  for (int i = 0; i < 3; i++) {
+    size_t n = strlen(names[i]);
+    if (strncmp(r->s, names[i], n) == 0 && !strchr("abcdefghijklmnopqrstuvwxyz_0123456789", r->s[n])) {
+      r->s += n;
+      arg(c, kinds[i], 0);
+      return true;
+    }
+  }
+  return false;
+}
+
+// "name(args) : grid" into the next call of l.
+static bool rule_call(Rule *r, CgLaunch *l) {
+  char name[48];
+  if (!rule_word(r, name, sizeof name)) return false;
+  int k = cg_kernel_by_name(name);
+  if (k < 0) return rule_fail(r, "no such kernel in runtime/kernels.def");
+  if (l->ncalls == (int)(sizeof l->call / sizeof l->call[0])) return rule_fail(r, "too many kernels");
+  CgKernelCall *c = call(l, (CgKernel)k, 1);
+  rule_spaces(r);
+  if (*r->s++ != '(') return rule_fail(r, "'(' is expected");
+  for (const char *p = cg_kernel_info[k].sig; *p; p++) {
+    if (p != cg_kernel_info[k].sig) {
+      rule_spaces(r);
+      if (*r->s++ != ',') return rule_fail(r, "',' is expected: fewer arguments than the kernel's parameters");
+    }
+    int64_t v = 0;
+    double f = 0;
+    if (*p == 'p') {
+      if (!rule_pointer(r, c)) return false;
+    } else if (*p == 'f') {
+      if (!rule_float(r, &f)) return false;
+      flt(c, f);
+    } else if (!rule_step_value(r, c)) {
+      if (!rule_int(r, &v)) return false;
+      INTS(c, v);
+    }
+  }
+  rule_spaces(r);
+  if (*r->s++ != ')') return rule_fail(r, "')' is expected: more arguments than the kernel's parameters");
+  rule_spaces(r);
+  if (*r->s++ != ':') return rule_fail(r, "': grid' is expected");
+  char grid[16];
+  if (!rule_word(r, grid, sizeof grid)) return false;
+  if (strcmp(grid, "one") == 0) return true;
+  int64_t items;
+  if (strcmp(grid, "threads") && strcmp(grid, "blocks")) return rule_fail(r, "threads, blocks or one is expected");
+  if (!rule_int(r, &items)) return false;
+  c->grid = grid[0] == 't' ? grid_elems(items) : grid_blocks(items);
+  return true;
+}
+
+static bool lower_by_rule(Rule *r, CgLaunch *l) {
+  rule_spaces(r);
+  if (strncmp(r->s, "lib ", 4) == 0) {
+    const char *lib = r->s + 4;
+    l->lib = strcmp(lib, "gemm") == 0 ? CG_LIB_GEMM : strcmp(lib, "collective") == 0 ? CG_LIB_COLLECTIVE
+           : strcmp(lib, "split") == 0 ? CG_LIB_SPLIT : CG_LIB_NONE;
+    return l->lib != CG_LIB_NONE || rule_fail(r, "lib gemm, lib collective or lib split is expected");
+  }
+  for (;;) {
+    if (!rule_call(r, l)) return false;
+    rule_spaces(r);
+    if (!*r->s) return true;
+    if (*r->s++ != ';') return rule_fail(r, "';' or the end is expected");
   }
 }
 
-// The gate chain: noise, scores, top-k, routing decisions, auxiliary losses; false when op is none of these.
-static bool lower_gate(const IrOp *op, const Shapes *sh, CgLaunch *l) {
+bool cg_lower_rule_check(const char *rule, int nargs, char *why, size_t size) {
+  CgLaunch l = {0};
+  Rule r = {.s = rule, .nargs = nargs};
+  bool ok = lower_by_rule(&r, &l);
+  snprintf(why, size, "%s", r.why);
+  return ok;
+}
+
+// The ops whose lowering is written in C (their KERNEL rule is ""): capacity 0 for a dropless
+// layer, coef/share factors and shared memory, the kernel chosen by dtype, byte layouts,
+// statistics sinks, notes. False when op is none of these.
+static bool lower_in_c(const IrOp *op, const Shapes *sh, CgLaunch *l) {
   const IrType *t0 = sh->t0, *rt = sh->rt;
   int64_t n = sh->n;
   CgKernelCall *c;
   switch (op->kind) {
-  case IR_OP_GATE_NOISE:
-    c = simple(l, op, CG_K_GATE_NOISE, grid_elems(n));
-    INTS(c, rt->dim[0], rt->dim[1]);
-    flt(c, ir_op_float(op, "sigma", 0));
-    INTS(c, ir_op_int(op, "layer", 0));
-    arg(c, CG_ARG_SEED, 0);
-    arg(c, CG_ARG_STEP, 0);
-    arg(c, CG_ARG_TOKEN0, 0);
-    return true;
-  case IR_OP_GATE_SOFTMAX: INTS(simple(l, op, CG_K_SOFTMAX, grid_elems(rt->dim[0])), rt->dim[0], rt->dim[1]); return true;
-  case IR_OP_GATE_SOFTMAX_GRAD:
-    INTS(simple(l, op, CG_K_SOFTMAX_GRAD, grid_elems(rt->dim[0])), rt->dim[0], rt->dim[1]);
-    return true;
-  case IR_OP_GATE_SIGMOID: INTS(simple(l, op, CG_K_SIGMOID, grid_elems(n)), n); return true;
-  case IR_OP_GATE_SIGMOID_GRAD: INTS(simple(l, op, CG_K_SIGMOID_GRAD, grid_elems(n)), n); return true;
-  case IR_OP_GATE_SOFTMAX_TOKENS:
-  case IR_OP_GATE_SOFTMAX_TOKENS_GRAD: {
-    int64_t g = ir_op_int(op, "groups", 1);
-    c = simple(l, op, op->kind == IR_OP_GATE_SOFTMAX_TOKENS ? CG_K_SOFTMAX_TOKENS : CG_K_SOFTMAX_TOKENS_GRAD,
-               grid_elems(g * rt->dim[1]));
-    INTS(c, rt->dim[0], rt->dim[1], g);
-    return true;
-  }
-  case IR_OP_GATE_TOPK: INTS(simple(l, op, CG_K_TOPK, grid_elems(t0->dim[0])), t0->dim[0], t0->dim[1], rt->dim[1]); return true;
-  case IR_OP_GATE_GATHER:
-    INTS(simple(l, op, CG_K_GATE_GATHER, grid_elems(t0->dim[0])), t0->dim[0], t0->dim[1], rt->dim[1],
-         ir_op_int(op, "renorm", 0));
-    return true;
-  case IR_OP_GATE_GATHER_GRAD:
-    INTS(simple(l, op, CG_K_GATE_GATHER_GRAD, grid_elems(rt->dim[0])), rt->dim[0], rt->dim[1], t0->dim[1],
-         ir_op_int(op, "renorm", 0));
-    return true;
   case IR_OP_GATE_LOCATIONS:  // dropless: capacity 0 to the kernel, as on the CPU
     c = call(l, CG_K_GATE_LOCATIONS, grid_blocks(ir_op_int(op, "groups", 1) * ir_op_int(op, "experts", 1)));
     operands(c, 1, true);
@@ -174,83 +319,21 @@ static bool lower_gate(const IrOp *op, const Shapes *sh, CgLaunch *l) {
     INTS(c, t0->dim[0], t0->dim[1], ir_op_int(op, "experts", 0), ir_op_int(op, "groups", 1),
          ir_op_int(op, "dropless", 0) ? 0 : ir_op_int(op, "capacity", 0));
     return true;
-  case IR_OP_GATE_EXPERT_CHOICE:
-    c = simple(l, op, CG_K_EXPERT_CHOICE, grid_blocks(ir_op_int(op, "groups", 1) * t0->dim[1]));
-    INTS(c, t0->dim[0], t0->dim[1], ir_op_int(op, "groups", 1), ir_op_int(op, "capacity", 0));
-    return true;
-  case IR_OP_GATE_IOTA:  // the scores operand only gives the shape
-    c = call(l, CG_K_IOTA, grid_elems(n));
-    arg(c, CG_ARG_RESULT, 0);
-    INTS(c, rt->dim[0], rt->dim[1]);
-    return true;
   case IR_OP_GATE_AUX_LOSS:
-    c = simple(l, op, CG_K_AUX_LOSS, 1);
+  case IR_OP_GATE_AUX_LOSS_GRAD: {
+    bool grad = op->kind == IR_OP_GATE_AUX_LOSS_GRAD;
+    c = simple(l, op, grad ? CG_K_AUX_LOSS_GRAD : CG_K_AUX_LOSS, grad ? grid_blocks(ir_op_int(op, "groups", 1)) : 1);
+    if (grad) c->shared_bytes = (unsigned)(t0->dim[1] * (int64_t)sizeof(double));
     INTS(c, t0->dim[0], t0->dim[1], arg_type(op, 1)->dim[1], ir_op_int(op, "groups", 1));
-    flt(c, (double)ir_op_int(op, "share", 1));
+    flt(c, grad ? ir_op_float(op, "coef", 0) / (double)ir_op_int(op, "share", 1) : (double)ir_op_int(op, "share", 1));
     return true;
-  case IR_OP_GATE_AUX_LOSS_GRAD:
-    c = simple(l, op, CG_K_AUX_LOSS_GRAD, grid_blocks(ir_op_int(op, "groups", 1)));
-    c->shared_bytes = (unsigned)(t0->dim[1] * (int64_t)sizeof(double));
-    INTS(c, t0->dim[0], t0->dim[1], arg_type(op, 1)->dim[1], ir_op_int(op, "groups", 1));
-    flt(c, ir_op_float(op, "coef", 0) / (double)ir_op_int(op, "share", 1));
-    return true;
-  case IR_OP_GATE_Z_LOSS:
-    c = simple(l, op, CG_K_Z_LOSS, 1);
-    INTS(c, t0->dim[0], t0->dim[1], ir_op_int(op, "groups", 1));
-    flt(c, (double)ir_op_int(op, "share", 1));
-    return true;
-  case IR_OP_GATE_Z_LOSS_GRAD:
-    c = simple(l, op, CG_K_Z_LOSS_GRAD, grid_elems(t0->dim[0]));
-    INTS(c, t0->dim[0], t0->dim[1], ir_op_int(op, "groups", 1));
-    flt(c, ir_op_float(op, "coef", 0) / (double)ir_op_int(op, "share", 1));
-    return true;
-  default:
-    return false;
   }
-}
-
-// Dispatch and combine (the orders), hooks, layouts; false when op is none of these.
-static bool lower_route(const IrOp *op, const Shapes *sh, CgLaunch *l) {
-  const IrType *t0 = sh->t0, *rt = sh->rt;
-  int64_t n = sh->n;
-  CgKernelCall *c;
-  switch (op->kind) {
-  case IR_OP_ORDER_ENCODE:  // empty slots are zero: the dispatch buffer is cleared first
-    c = call(l, CG_K_ZERO, grid_elems(n));
-    arg(c, CG_ARG_RESULT, 0);
-    INTS(c, n);
-    route(simple(l, op, CG_K_ORDER_ENCODE, grid_blocks(t0->dim[0] * arg_type(op, 1)->dim[1])), op, t0->dim[0],
-          t0->dim[1], arg_type(op, 1)->dim[1]);
-    return true;
-  case IR_OP_ORDER_ENCODE_GRAD:
-    route(simple(l, op, CG_K_ORDER_ENCODE_GRAD, grid_blocks(rt->dim[0])), op, rt->dim[0], rt->dim[1],
-          arg_type(op, 1)->dim[1]);
-    return true;
-  case IR_OP_ORDER_DECODE:
-    route(simple(l, op, CG_K_ORDER_DECODE, grid_blocks(rt->dim[0])), op, rt->dim[0], rt->dim[1], arg_type(op, 1)->dim[1]);
-    return true;
-  case IR_OP_ORDER_DECODE_GRAD_Y:
-    c = call(l, CG_K_ZERO, grid_elems(n));
-    arg(c, CG_ARG_RESULT, 0);
-    INTS(c, n);
-    route(simple(l, op, CG_K_ORDER_DECODE_GRAD_Y, grid_blocks(t0->dim[0] * arg_type(op, 1)->dim[1])), op, t0->dim[0],
-          t0->dim[1], arg_type(op, 1)->dim[1]);
-    return true;
-  case IR_OP_ORDER_DECODE_GRAD_G:
-    route(simple(l, op, CG_K_ORDER_DECODE_GRAD_GATES, grid_blocks(t0->dim[0] * arg_type(op, 2)->dim[1])), op,
-          t0->dim[0], t0->dim[1], arg_type(op, 2)->dim[1]);
-    return true;
-  case IR_OP_ORDER_DISPATCH_MASK:
-  case IR_OP_ORDER_COMBINE_WEIGHTS:
-  case IR_OP_ORDER_COMBINE_WEIGHTS_GRAD: {
-    const IrType *idx = arg_type(op, op->kind == IR_OP_ORDER_COMBINE_WEIGHTS_GRAD ? 1 : 0);
-    if (op->kind == IR_OP_ORDER_COMBINE_WEIGHTS_GRAD)
-      c = simple(l, op, CG_K_COMBINE_WEIGHTS_GRAD, grid_elems(idx->dim[0] * idx->dim[1]));
-    else
-      c = simple(l, op, op->kind == IR_OP_ORDER_DISPATCH_MASK ? CG_K_DISPATCH_MASK : CG_K_COMBINE_WEIGHTS,
-                 grid_blocks(idx->dim[0]));
-    INTS(c, idx->dim[0], idx->dim[1], ir_op_int(op, "experts", 0), ir_op_int(op, "groups", 1),
-         ir_op_int(op, "capacity", 0));
+  case IR_OP_GATE_Z_LOSS:
+  case IR_OP_GATE_Z_LOSS_GRAD: {
+    bool grad = op->kind == IR_OP_GATE_Z_LOSS_GRAD;
+    c = simple(l, op, grad ? CG_K_Z_LOSS_GRAD : CG_K_Z_LOSS, grad ? grid_elems(t0->dim[0]) : 1);
+    INTS(c, t0->dim[0], t0->dim[1], ir_op_int(op, "groups", 1));
+    flt(c, grad ? ir_op_float(op, "coef", 0) / (double)ir_op_int(op, "share", 1) : (double)ir_op_int(op, "share", 1));
     return true;
   }
   case IR_OP_HOOK_COMPRESS:
@@ -259,15 +342,6 @@ static bool lower_route(const IrOp *op, const Shapes *sh, CgLaunch *l) {
   case IR_OP_HOOK_DECOMPRESS:
     INTS(simple(l, op, t0->dtype == IR_BF16 ? CG_K_DECOMPRESS_BF16 : CG_K_DECOMPRESS_F16, grid_elems(n)), n);
     return true;
-  case IR_OP_HOOK_SCALES:
-  case IR_OP_HOOK_COMPRESS_INT8:
-  case IR_OP_HOOK_DECOMPRESS_INT8: {
-    int64_t cols = t0->dim[t0->rank - 1], rows = ir_type_numel(t0) / cols;
-    if (op->kind == IR_OP_HOOK_SCALES) c = simple(l, op, CG_K_INT8_SCALES, grid_blocks(rows));
-    else c = simple(l, op, op->kind == IR_OP_HOOK_COMPRESS_INT8 ? CG_K_COMPRESS_INT8 : CG_K_DECOMPRESS_INT8, grid_elems(rows * cols));
-    INTS(c, rows, cols);
-    return true;
-  }
   case IR_OP_HOOK_RECORD:  // statistics on the device; the host writes the record line
     c = call(l, CG_K_RECORD_STATS, 1);
     operands(c, 1, false);
@@ -275,13 +349,6 @@ static bool lower_route(const IrOp *op, const Shapes *sh, CgLaunch *l) {
     INTS(c, ir_type_numel(t0));
     snprintf(l->note, sizeof l->note, "point %s, layer %" PRId64, ir_op_str(op, "point", "?"), ir_op_int(op, "layer", 0));
     return true;
-  case IR_OP_LAYOUT_EXPERT_MAJOR:
-  case IR_OP_LAYOUT_RANK_MAJOR: {
-    bool em = op->kind == IR_OP_LAYOUT_EXPERT_MAJOR;
-    c = simple(l, op, em ? CG_K_EXPERT_MAJOR : CG_K_RANK_MAJOR, grid_elems(n));
-    INTS(c, ir_op_int(op, "blocks", 1), em ? rt->dim[0] : t0->dim[0], em ? t0->dim[1] : rt->dim[1], rt->dim[2]);
-    return true;
-  }
   case IR_OP_LAYOUT_CHUNK:
   case IR_OP_LAYOUT_CONCAT: {  // bytes
     int64_t blocks = ir_op_int(op, "blocks", 1);
@@ -295,27 +362,6 @@ static bool lower_route(const IrOp *op, const Shapes *sh, CgLaunch *l) {
     }
     return true;
   }
-  default:
-    return false;
-  }
-}
-
-// The loss, gradients into parameters, optimizers; false when op is none of these.
-static bool lower_step(const IrOp *op, const Shapes *sh, CgLaunch *l) {
-  const IrType *t0 = sh->t0;
-  int64_t n = sh->n;
-  CgKernelCall *c;
-  switch (op->kind) {
-  case IR_OP_LOSS_MSE:
-    c = simple(l, op, CG_K_MSE, 1);
-    INTS(c, ir_type_numel(t0));
-    flt(c, ir_op_float(op, "scale", 1));
-    return true;
-  case IR_OP_LOSS_MSE_GRAD:
-    c = simple(l, op, CG_K_MSE_GRAD, grid_elems(n));
-    INTS(c, n);
-    flt(c, ir_op_float(op, "scale", 1));
-    return true;
   case IR_OP_PARAM_GRAD: {  // value -> the parameter's gradient; the host skips it when computed in place
     int64_t count = ir_type_numel(&op->args[0].param->type);
     c = call(l, CG_K_COPY, grid_elems(count));
@@ -323,32 +369,6 @@ static bool lower_step(const IrOp *op, const Shapes *sh, CgLaunch *l) {
     arg(c, CG_ARG_GRAD, 0);
     INTS(c, count);
     snprintf(l->note, sizeof l->note, "nothing when computed in place");
-    return true;
-  }
-  case IR_OP_OPT_SGD: {
-    int64_t count = ir_type_numel(t0);
-    c = call(l, CG_K_SGD, grid_elems(count));
-    arg(c, CG_ARG_OPERAND, 0);
-    arg(c, CG_ARG_GRAD, 0);
-    INTS(c, count);
-    flt(c, ir_op_float(op, "lr", 0));
-    flt(c, ir_op_float(op, "weight_decay", 0));
-    return true;
-  }
-  case IR_OP_OPT_ADAMW: {
-    int64_t count = ir_type_numel(t0);
-    c = call(l, CG_K_ADAMW, grid_elems(count));
-    arg(c, CG_ARG_OPERAND, 0);
-    arg(c, CG_ARG_GRAD, 0);
-    arg(c, CG_ARG_MOMENT_M, 0);
-    arg(c, CG_ARG_MOMENT_V, 0);
-    INTS(c, count);
-    flt(c, ir_op_float(op, "lr", 0));
-    flt(c, ir_op_float(op, "beta1", 0.9));
-    flt(c, ir_op_float(op, "beta2", 0.999));
-    flt(c, ir_op_float(op, "eps", 1e-8));
-    flt(c, ir_op_float(op, "weight_decay", 0));
-    arg(c, CG_ARG_STEP, 0);
     return true;
   }
   default:
@@ -362,7 +382,12 @@ bool cg_lower_op(const IrOp *op, CgLaunch *l) {
   l->nops = 1;
   Shapes sh = {.t0 = op->nargs ? arg_type(op, 0) : NULL, .rt = op->result ? &op->result->type : NULL};
   sh.n = sh.rt ? ir_type_numel(sh.rt) : 0;
-  return lower_dense(op, &sh, l) || lower_gate(op, &sh, l) || lower_route(op, &sh, l) || lower_step(op, &sh, l);
+  if (ir_op_info[op->kind].kernel[0]) {
+    Rule r = {.s = ir_op_info[op->kind].kernel, .op = op, .sh = &sh, .nargs = op->nargs};
+    if (!lower_by_rule(&r, l)) UNREACHABLE();   // tests/unit checks every rule
+    return true;
+  }
+  return lower_in_c(op, &sh, l);
 }
 
 // ---- fused gates ----

@@ -36,7 +36,7 @@
 #include "ir_diag.h"
 
 typedef enum IrOpKind {
-#define IR_OP(E, N, A, R, AT, C, D) IR_OP_##E,
+#define IR_OP(E, N, A, R, AT, C, D, SHAPE, GRAD, KERNEL) IR_OP_##E,
 #include "ops.def"
 #undef IR_OP
   IR_OP_COUNT
@@ -58,6 +58,9 @@ typedef struct IrOpInfo {
   const char *attrs;  // required attribute keys, comma-separated
   IrOpClass cls;
   const char *doc;
+  const char *shape;   // the SHAPE, GRAD and KERNEL rules of ops.def ("": written in C)
+  const char *grad;
+  const char *kernel;
 } IrOpInfo;
 
 extern const IrOpInfo ir_op_info[IR_OP_COUNT];
@@ -264,5 +267,8 @@ bool ir_verify(IrDiag *d, const IrModule *m);
 // The result type of op from its operands and attributes; false (with a diagnostic) when the
 // operands do not fit the op.
 bool ir_infer_type(IrDiag *d, const IrOp *op, IrType *out);
+// Whether rule is a well-formed SHAPE rule of ops.def for an op of nargs operands; why says
+// what is wrong otherwise.
+bool ir_shape_rule_check(const char *rule, int nargs, char *why, size_t size);
 
 #endif

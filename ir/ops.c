@@ -6,7 +6,8 @@
 #include "ir.h"
 
 const IrOpInfo ir_op_info[IR_OP_COUNT] = {
-#define IR_OP(E, N, A, R, AT, C, D) [IR_OP_##E] = {.name = N, .nargs = A, .nres = R, .attrs = AT, .cls = IR_CLASS_##C, .doc = D},
+#define IR_OP(E, N, A, R, AT, C, D, SHAPE, GRAD, KERNEL) \
+  [IR_OP_##E] = {.name = N, .nargs = A, .nres = R, .attrs = AT, .cls = IR_CLASS_##C, .doc = D, .shape = SHAPE, .grad = GRAD, .kernel = KERNEL},
 #include "ops.def"
 #undef IR_OP
 };

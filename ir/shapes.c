@@ -1,5 +1,6 @@
 // Shape inference: the result type of every op in ir/ops.def from its operands and attributes
-// (semantics in DESIGN.md §2 and the DOC column of ops.def). Each rule checks what it reads —
+// (semantics in DESIGN.md §2 and the DOC column of ops.def). An op with a SHAPE rule in ops.def
+// is checked by that rule (shape_by_rule); the switch holds the rules that need attributes. Each rule checks what it reads —
 // ranks, dtypes, the dimensions that must agree, the attributes that size the result — and
 // names the mismatched operands and dims in its diagnostic, so the verifier (which compares the
 // declared result type against this) and the passes (which use it to build ops) share one set
@@ -270,10 +271,153 @@ static bool valid_type(const IrType *t) {
   return true;
 }
 
+// ---- the SHAPE column of ops.def ----
+// "f[r,n], f[n] -> =0": see the column's description in ops.def. A term is one operand or the
+// result; dims are words bound at their first use.
+
+typedef struct ShapeTerm {
+  int same_as;                      // =N: the type of operand N; else -1
+  char dtype[4];                    // "f" (any float), "f32", "i32", "i8"
+  bool any;                         // *: any shape
+  int rank;
+  char dims[IR_MAX_RANK][8];
+  char text[48];                    // "[r, n]" for messages
+} ShapeTerm;
+
+typedef struct ShapeDim { char name[8]; int operand, dim; } ShapeDim;
+
+static const char *skip_spaces(const char *s) {
+  while (*s == ' ') s++;
+  return s;
+}
+
+// Parses one term at s; NULL when it is malformed.
+static const char *shape_term(const char *s, ShapeTerm *t) {
+  *t = (ShapeTerm){.same_as = -1};
+  s = skip_spaces(s);
+  if (*s == '=') {
+    if (s[1] < '0' || s[1] > '9') return NULL;
+    t->same_as = s[1] - '0';
+    return s + 2;
+  }
+  size_t n = strspn(s, "fi0123456789");
+  if (n == 0 || n >= sizeof t->dtype) return NULL;
+  memcpy(t->dtype, s, n);
+  if (strcmp(t->dtype, "f") && strcmp(t->dtype, "f32") && strcmp(t->dtype, "i32") && strcmp(t->dtype, "i8")) return NULL;
+  s += n;
+  if (*s == '*') {
+    t->any = true;
+    snprintf(t->text, sizeof t->text, "a tensor");
+    return s + 1;
+  }
+  if (*s++ != '[') return NULL;
+  int o = snprintf(t->text, sizeof t->text, "[");
+  for (s = skip_spaces(s); *s != ']';) {
+    size_t w = strspn(s, "abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ_");
+    if (w == 0 || w >= sizeof t->dims[0] || t->rank == IR_MAX_RANK) return NULL;
+    memcpy(t->dims[t->rank], s, w);
+    o += snprintf(t->text + o, sizeof t->text - (size_t)o, "%s%s", t->rank ? ", " : "", t->dims[t->rank]);
+    t->rank++;
+    s = skip_spaces(s + w);
+    if (*s == ',') s = skip_spaces(s + 1);
+    else if (*s != ']') return NULL;
+  }
+  snprintf(t->text + o, sizeof t->text - (size_t)o, "]");
+  return s + 1;
+}
+
+// The dim named name among the bound ones, or NULL.
+static const ShapeDim *bound(const ShapeDim *dims, int n, const char *name) {
+  for (int i = 0; i < n; i++)
+    if (strcmp(dims[i].name, name) == 0) return &dims[i];
+  return NULL;
+}
+
+// Checks operand i against term t, binding its dims.
+static bool shape_operand(Infer *I, int i, const ShapeTerm *t, int *first_float, ShapeDim *dims, int *ndims) {
+  if (t->same_as >= 0) return same_type(I, t->same_as, i);
+  bool is_f = t->dtype[0] == 'f';
+  if (is_f) {
+    if (!need_float(I, i, t->any ? -1 : t->rank, t->any ? "a float tensor" : t->text)) return false;
+    if (strcmp(t->dtype, "f32") == 0 && ty(I, i)->dtype != IR_F32) return fail(I, "%s must be f32", nm(I, i));
+    if (*first_float >= 0 && !same_dtype(I, *first_float, i)) return false;
+    if (*first_float < 0) *first_float = i;
+  } else {
+    IrDtype want = strcmp(t->dtype, "i8") == 0 ? IR_I8 : IR_I32;
+    if (!t->any && ty(I, i)->rank != t->rank) return fail(I, "%s must have rank %d (%s)", nm(I, i), t->rank, t->text);
+    if (ty(I, i)->dtype != want) return fail(I, "%s must be %s (%s)", nm(I, i), ir_dtype_name(want), t->text);
+  }
+  for (int d = 0; d < t->rank && !t->any; d++) {
+    const ShapeDim *b = bound(dims, *ndims, t->dims[d]);
+    if (b && !same_dim(I, t->dims[d], b->operand, b->dim, i, d)) return false;
+    if (!b) {
+      ShapeDim *nb = &dims[(*ndims)++];
+      memcpy(nb->name, t->dims[d], sizeof nb->name);
+      nb->operand = i;
+      nb->dim = d;
+    }
+  }
+  return true;
+}
+
+static bool shape_by_rule(Infer *I, const char *rule, IrType *out) {
+  ShapeTerm t;
+  ShapeDim dims[IR_MAX_ARGS * IR_MAX_RANK];
+  int ndims = 0, first_float = -1;
+  const char *s = rule;
+  for (int i = 0; i < I->op->nargs; i++) {
+    if (!(s = shape_term(s, &t))) goto bad;
+    if (!shape_operand(I, i, &t, &first_float, dims, &ndims)) return false;
+    s = skip_spaces(s);
+    if (*s == ',') s++;
+  }
+  if (strncmp(skip_spaces(s), "->", 2) != 0 || !(s = shape_term(skip_spaces(s) + 2, &t)) || t.any) goto bad;
+  if (t.same_as >= 0) {
+    *out = *ty(I, t.same_as);
+    return true;
+  }
+  out->dtype = strcmp(t.dtype, "i32") == 0 ? IR_I32 : strcmp(t.dtype, "i8") == 0 ? IR_I8
+             : strcmp(t.dtype, "f") == 0 && first_float >= 0 ? ty(I, first_float)->dtype : IR_F32;
+  out->rank = t.rank;
+  for (int d = 0; d < t.rank; d++) {
+    const ShapeDim *b = bound(dims, ndims, t.dims[d]);
+    if (!b) goto bad;
+    out->dim[d] = dim(I, b->operand, b->dim);
+  }
+  return fits(I, out);
+bad:
+  return fail(I, "the shape rule \"%s\" of ops.def is malformed", rule);
+}
+
+bool ir_shape_rule_check(const char *rule, int nargs, char *why, size_t size) {
+  ShapeTerm t;
+  const char *s = rule;
+  char bound_names[IR_MAX_ARGS * IR_MAX_RANK][8];
+  int nbound = 0;
+  for (int i = 0; i < nargs; i++) {
+    if (!(s = shape_term(s, &t))) return snprintf(why, size, "operand %d does not parse", i), false;
+    if (t.same_as >= i) return snprintf(why, size, "operand %d refers to operand %d, not an earlier one", i, t.same_as), false;
+    for (int d = 0; d < t.rank && !t.any; d++) memcpy(bound_names[nbound++], t.dims[d], 8);
+    s = skip_spaces(s);
+    if (i + 1 < nargs && *s++ != ',') return snprintf(why, size, "a ',' should follow operand %d", i), false;
+  }
+  s = skip_spaces(s);
+  if (strncmp(s, "->", 2) != 0) return snprintf(why, size, "'->' should follow the %d operands", nargs), false;
+  if (!(s = shape_term(s + 2, &t)) || t.any || *skip_spaces(s)) return snprintf(why, size, "the result does not parse"), false;
+  if (t.same_as >= nargs) return snprintf(why, size, "the result refers to operand %d of %d", t.same_as, nargs), false;
+  for (int d = 0; d < t.rank; d++) {
+    bool found = false;
+    for (int b = 0; b < nbound; b++) found |= strcmp(bound_names[b], t.dims[d]) == 0;
+    if (!found) return snprintf(why, size, "the result's dim '%s' is not an operand's", t.dims[d]), false;
+  }
+  return true;
+}
+
 static bool infer(Infer *I, IrType *out) {
   const IrOp *op = I->op;
   int64_t S, K, E, C, m, n;
   int flag;
+  if (ir_op_info[op->kind].shape[0]) return shape_by_rule(I, ir_op_info[op->kind].shape, out);
   switch (op->kind) {
   case IR_OP_MATMUL:
     if (!need_float(I, 0, 2, "[m, k]") || !need_float(I, 1, 2, "[k, n]") || !same_dtype(I, 0, 1) ||
@@ -287,74 +431,11 @@ static bool infer(Infer *I, IrType *out) {
       return false;
     *out = t3(ty(I, 0)->dtype, dim(I, 0, 0), m, n);
     return true;
-  case IR_OP_BIAS:
-    if (!need_float(I, 0, 2, "[r, n]") || !need_float(I, 1, 1, "[n]") || !same_dtype(I, 0, 1) ||
-        !same_dim(I, "n", 0, 1, 1, 0))
-      return false;
-    *out = *ty(I, 0);
-    return true;
-  case IR_OP_BIAS_GRAD:
-    if (!need_float(I, 0, 2, "[r, n]")) return false;
-    *out = (IrType){.dtype = ty(I, 0)->dtype, .rank = 1, .dim = {dim(I, 0, 1)}};
-    return true;
-  case IR_OP_EXPERT_BIAS:
-    if (!need_float(I, 0, 3, "[E, C, n]") || !need_float(I, 1, 2, "[E, n]") || !same_dtype(I, 0, 1) ||
-        !same_dim(I, "E", 0, 0, 1, 0) || !same_dim(I, "n", 0, 2, 1, 1))
-      return false;
-    *out = *ty(I, 0);
-    return true;
-  case IR_OP_EXPERT_BIAS_GRAD:
-    if (!need_float(I, 0, 3, "[E, C, n]")) return false;
-    *out = t2(ty(I, 0)->dtype, dim(I, 0, 0), dim(I, 0, 2));
-    return true;
-  case IR_OP_ADD:
-  case IR_OP_MUL:
-  case IR_OP_ACT_GELU_GRAD:
-  case IR_OP_ACT_RELU_GRAD:
-  case IR_OP_ACT_SILU_GRAD:
-    if (!need_float(I, 0, -1, "a float tensor") || !same_type(I, 0, 1)) return false;
-    *out = *ty(I, 0);
-    return true;
-  case IR_OP_ACT_GELU:
-  case IR_OP_ACT_RELU:
-  case IR_OP_ACT_SILU:
-    if (!need_float(I, 0, -1, "a float tensor")) return false;
-    *out = *ty(I, 0);
-    return true;
   case IR_OP_RESHAPE:
     return reshape(I, out);
-  case IR_OP_L2NORM:
-    if (!need_float(I, 0, 2, "[r, n]")) return false;
-    *out = *ty(I, 0);
-    return true;
-  case IR_OP_L2NORM_GRAD:
-    if (!need_float(I, 0, 2, "[r, n]") || !same_type(I, 0, 1)) return false;
-    *out = *ty(I, 0);
-    return true;
-  case IR_OP_DIV_SCALAR:  // (x, s)
-  case IR_OP_DIV_SCALAR_GRAD_X:  // (dy, s)
-    if (!need_float(I, 0, -1, "a float tensor") || !need_float(I, 1, 0, "a scalar")) return false;
-    *out = *ty(I, 0);
-    return true;
-  case IR_OP_DIV_SCALAR_GRAD_S:  // (dy, x, s) -> like s
-    if (!need_float(I, 0, -1, "a float tensor") || !same_type(I, 0, 1) || !need_float(I, 2, 0, "a scalar"))
-      return false;
-    *out = *ty(I, 2);
-    return true;
-
   case IR_OP_GATE_NOISE:
     if (!need_float(I, 0, 2, "[S, E]") || !num_attr(I, "sigma", true) || !int_attr(I, "layer", 0, &m))
       return false;
-    *out = *ty(I, 0);
-    return true;
-  case IR_OP_GATE_SOFTMAX:
-  case IR_OP_GATE_SIGMOID:
-    if (!need_float(I, 0, 2, "[S, E]")) return false;
-    *out = *ty(I, 0);
-    return true;
-  case IR_OP_GATE_SOFTMAX_GRAD:
-  case IR_OP_GATE_SIGMOID_GRAD:
-    if (!need_float(I, 0, 2, "[S, E]") || !same_type(I, 0, 1)) return false;
     *out = *ty(I, 0);
     return true;
   case IR_OP_GATE_SOFTMAX_TOKENS:
@@ -371,10 +452,6 @@ static bool infer(Infer *I, IrType *out) {
     if (dim(I, 0, 1) != E)
       return fail(I, "%s has E = %lld but experts=%lld", nm(I, 0), (long long)dim(I, 0, 1), (long long)E);
     *out = t2(IR_I32, dim(I, 0, 0), E);
-    return true;
-  case IR_OP_GATE_IOTA:
-    if (!need_float(I, 0, 2, "[S, E]")) return false;
-    *out = t2(IR_I32, dim(I, 0, 0), dim(I, 0, 1));
     return true;
   case IR_OP_GATE_TOPK:
     if (!need_float(I, 0, 2, "[S, E]") || !int_attr(I, "k", 1, &K)) return false;
@@ -512,12 +589,6 @@ static bool infer(Infer *I, IrType *out) {
     if (!ir_attrs_get(op->attrs, op->nattrs, "point")) return fail(I, "missing attribute 'point'");
     if (!int_attr(I, "layer", 0, &m)) return false;
     *out = (IrType){0};
-    return true;
-
-  case IR_OP_LOSS_MSE:
-  case IR_OP_LOSS_MSE_GRAD:
-    if (!need_float(I, 0, -1, "a float tensor") || !same_type(I, 0, 1)) return false;
-    *out = op->kind == IR_OP_LOSS_MSE ? (IrType){.dtype = IR_F32} : *ty(I, 0);
     return true;
 
   case IR_OP_PARAM_GRAD:

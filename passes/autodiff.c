@@ -1,8 +1,10 @@
 // The `autodiff` pass: reverse mode over each forward function, written out as IR.
 //
 // For every `@L.fwd` it builds `@L.bwd(%dout) saves @L.fwd`: the ops of the forward function
-// in reverse, each replaced by its backward rule (a table-driven switch below, the manual
-// backward of the paper §4.4). The backward reads forward values directly — those are the saved
+// in reverse, each replaced by its backward rule (the manual backward of the paper §4.4): the
+// GRAD column of ir/ops.def for most ops, interpreted by grad_by_rule; C below for the rest
+// (matmul's transposes, reshape, the collectives' transposes, straight-through hooks, the
+// auxiliary losses' seeds). The backward reads forward values directly — those are the saved
 // activations, and memplan keeps them alive across the phase boundary. Contributions to one
 // gradient are summed with `add` in the order they appear. The auxiliary losses have no incoming
 // gradient: their coefficient (the `coef` attribute) is the seed. Parameter gradients end in
@@ -139,10 +141,82 @@ static void matmul_rule(Grad *g, const IrOp *op, IrValue *dy, IrOpKind kind) {
   }
 }
 
-static void bias_rule(Grad *g, const IrOp *op, IrValue *dy, IrOpKind grad_kind) {
-  accumulate(g, op->args[0].value, dy);
-  IrValue *db = emit(g, grad_kind, dname(g, &op->args[1]), NULL, 1, (IrOperand[]){V(dy)});
-  if (op->args[1].param) param_grad(g, op->args[1].param, db); else accumulate(g, op->args[1].value, db);
+// ---- the GRAD column of ops.def ----
+// Per operand, separated by ';': "-" (no gradient), "dy" (passes through) or "OP(arg, ...)"
+// with the arguments dy, y (the forward result) and x0.. (the forward operands).
+
+// The next ';'-separated term of *s, trimmed, into buf; false at the end.
+static bool next_term(const char **s, char *buf, size_t size) {
+  while (**s == ' ') (*s)++;
+  size_t n = strcspn(*s, ";");
+  if (n == 0 && !**s) return false;
+  size_t len = n;
+  while (len && (*s)[len - 1] == ' ') len--;
+  snprintf(buf, size, "%.*s", (int)len, *s);
+  *s += n + ((*s)[n] == ';');
+  return true;
+}
+
+// Parses "OP(a, b)" into the op and its arguments as operand indices (-1 dy, -2 y, K for xK);
+// false when malformed.
+static bool grad_call(const char *term, IrOpKind *kind, int *args, int *nargs) {
+  const char *open = strchr(term, '(');
+  size_t len = strlen(term);
+  if (!open || len < 2 || term[len - 1] != ')' || open - term >= 64) return false;
+  char name[64];
+  snprintf(name, sizeof name, "%.*s", (int)(open - term), term);
+  *kind = ir_op_by_name(name);
+  if (*kind == IR_OP_COUNT) return false;
+  *nargs = 0;
+  for (const char *p = open + 1; *p && *p != ')';) {
+    while (*p == ' ') p++;
+    if (*nargs == IR_MAX_ARGS) return false;
+    if (strncmp(p, "dy", 2) == 0) args[(*nargs)++] = -1, p += 2;
+    else if (*p == 'y') args[(*nargs)++] = -2, p += 1;
+    else if (*p == 'x' && p[1] >= '0' && p[1] <= '9') args[(*nargs)++] = p[1] - '0', p += 2;
+    else return false;
+    while (*p == ' ') p++;
+    if (*p == ',') p++;
+    else if (*p != ')') return false;
+  }
+  return true;
+}
+
+bool pass_grad_rule_check(const char *rule, int nargs, bool has_result, char *why, size_t size) {
+  char term[128];
+  int i = 0;
+  for (const char *s = rule; next_term(&s, term, sizeof term); i++) {
+    IrOpKind kind;
+    int args[IR_MAX_ARGS], n;
+    if (strcmp(term, "-") == 0 || strcmp(term, "dy") == 0) continue;
+    if (!grad_call(term, &kind, args, &n)) return snprintf(why, size, "'%s' is not OP(dy|y|xN, ...) of an op of the table", term), false;
+    if (n != ir_op_info[kind].nargs)
+      return snprintf(why, size, "'%s': %s takes %d operands", term, ir_op_info[kind].name, ir_op_info[kind].nargs), false;
+    for (int a = 0; a < n; a++)
+      if (args[a] >= nargs || (args[a] == -2 && !has_result)) return snprintf(why, size, "'%s' names an operand the op does not have", term), false;
+  }
+  if (i != nargs) return snprintf(why, size, "%d rules for %d operands", i, nargs), false;
+  return true;
+}
+
+static void grad_by_rule(Grad *g, const IrOp *op, IrValue *dy, const char *rule) {
+  char term[128];
+  const char *s = rule;
+  for (int i = 0; i < op->nargs && next_term(&s, term, sizeof term); i++) {
+    const IrOperand *a = &op->args[i];
+    if (strcmp(term, "-") == 0 || !operand_needs(g, a)) continue;
+    IrValue *d = dy;
+    if (strcmp(term, "dy") != 0) {
+      IrOpKind kind;
+      int args[IR_MAX_ARGS], n;
+      if (!grad_call(term, &kind, args, &n)) UNREACHABLE();   // tests/unit checks every rule
+      IrOperand ops[IR_MAX_ARGS];
+      for (int k = 0; k < n; k++) ops[k] = args[k] == -1 ? V(dy) : args[k] == -2 ? V(op->result) : op->args[args[k]];
+      d = emit(g, kind, dname(g, a), op, n, ops);
+    }
+    if (a->param) param_grad(g, a->param, d);
+    else accumulate(g, a->value, d);
+  }
 }
 
 static bool backward_op(Grad *g, const IrOp *op) {
@@ -164,38 +238,13 @@ static bool backward_op(Grad *g, const IrOp *op) {
     break;
   }
   if (!dy) return true;  // nothing downstream depends on this value
+  if (ir_op_info[op->kind].grad[0]) {
+    grad_by_rule(g, op, dy, ir_op_info[op->kind].grad);
+    return true;
+  }
   switch (op->kind) {
   case IR_OP_MATMUL: matmul_rule(g, op, dy, IR_OP_MATMUL); return true;
   case IR_OP_EXPERT_MATMUL: matmul_rule(g, op, dy, IR_OP_EXPERT_MATMUL); return true;
-  case IR_OP_BIAS: bias_rule(g, op, dy, IR_OP_BIAS_GRAD); return true;
-  case IR_OP_EXPERT_BIAS: bias_rule(g, op, dy, IR_OP_EXPERT_BIAS_GRAD); return true;
-  case IR_OP_ADD:
-    accumulate(g, a[0].value, dy);
-    accumulate(g, a[1].value, dy);
-    return true;
-  case IR_OP_GATE_NOISE:  // additive noise: the gradient passes through
-    accumulate(g, a[0].value, dy);
-    return true;
-  case IR_OP_ACT_GELU:
-  case IR_OP_ACT_RELU:
-    accumulate(g, a[0].value, emit(g, op->kind == IR_OP_ACT_GELU ? IR_OP_ACT_GELU_GRAD : IR_OP_ACT_RELU_GRAD,
-                                   dname(g, &a[0]), NULL, 2, (IrOperand[]){V(dy), a[0]}));
-    return true;
-  case IR_OP_GATE_SOFTMAX:
-  case IR_OP_GATE_SIGMOID:
-  case IR_OP_GATE_SOFTMAX_TOKENS: {
-    IrOpKind gk = op->kind == IR_OP_GATE_SOFTMAX ? IR_OP_GATE_SOFTMAX_GRAD
-                  : op->kind == IR_OP_GATE_SIGMOID ? IR_OP_GATE_SIGMOID_GRAD : IR_OP_GATE_SOFTMAX_TOKENS_GRAD;
-    accumulate(g, a[0].value, emit(g, gk, dname(g, &a[0]), op, 2, (IrOperand[]){V(dy), V(op->result)}));
-    return true;
-  }
-  case IR_OP_ACT_SILU:
-    accumulate(g, a[0].value, emit(g, IR_OP_ACT_SILU_GRAD, dname(g, &a[0]), NULL, 2, (IrOperand[]){V(dy), a[0]}));
-    return true;
-  case IR_OP_MUL:
-    accumulate(g, a[0].value, emit(g, IR_OP_MUL, dname(g, &a[0]), NULL, 2, (IrOperand[]){V(dy), a[1]}));
-    accumulate(g, a[1].value, emit(g, IR_OP_MUL, dname(g, &a[1]), NULL, 2, (IrOperand[]){V(dy), a[0]}));
-    return true;
   case IR_OP_RESHAPE: {
     const IrType *t = a[0].param ? &a[0].param->type : &a[0].value->type;
     IrOp *r = new_op(g, IR_OP_RESHAPE, dname(g, &a[0]));
@@ -207,23 +256,6 @@ static bool backward_op(Grad *g, const IrOp *op) {
     accumulate(g, a[0].value, typed(g, r));
     return true;
   }
-  case IR_OP_L2NORM: {
-    IrValue *dx = emit(g, IR_OP_L2NORM_GRAD, dname(g, &a[0]), NULL, 2, (IrOperand[]){V(dy), a[0]});
-    if (a[0].param) param_grad(g, a[0].param, dx); else accumulate(g, a[0].value, dx);
-    return true;
-  }
-  case IR_OP_DIV_SCALAR:
-    if (operand_needs(g, &a[0]))
-      accumulate(g, a[0].value, emit(g, IR_OP_DIV_SCALAR_GRAD_X, dname(g, &a[0]), NULL, 2, (IrOperand[]){V(dy), a[1]}));
-    if (operand_needs(g, &a[1])) {
-      IrValue *ds = emit(g, IR_OP_DIV_SCALAR_GRAD_S, dname(g, &a[1]), NULL, 3, (IrOperand[]){V(dy), a[0], a[1]});
-      if (a[1].param) param_grad(g, a[1].param, ds); else accumulate(g, a[1].value, ds);
-    }
-    return true;
-  case IR_OP_ORDER_COMBINE_WEIGHTS:
-    accumulate(g, a[2].value, emit(g, IR_OP_ORDER_COMBINE_WEIGHTS_GRAD, dname(g, &a[2]), op, 3,
-                                   (IrOperand[]){V(dy), a[0], a[1]}));
-    return true;
   case IR_OP_COMM_SPLIT:
   case IR_OP_COMM_ALLGATHER:
   case IR_OP_COMM_REDUCESCATTER:
@@ -261,20 +293,6 @@ static bool backward_op(Grad *g, const IrOp *op) {
     accumulate(g, c->args[0].value, dy);
     return true;
   }
-  case IR_OP_GATE_GATHER:
-    accumulate(g, a[0].value, emit(g, IR_OP_GATE_GATHER_GRAD, dname(g, &a[0]), op, 3,
-                                   (IrOperand[]){V(dy), a[0], a[1]}));
-    return true;
-  case IR_OP_ORDER_ENCODE:
-    accumulate(g, a[0].value, emit(g, IR_OP_ORDER_ENCODE_GRAD, dname(g, &a[0]), op, 3,
-                                   (IrOperand[]){V(dy), a[1], a[2]}));
-    return true;
-  case IR_OP_ORDER_DECODE:
-    accumulate(g, a[0].value, emit(g, IR_OP_ORDER_DECODE_GRAD_Y, dname(g, &a[0]), op, 4,
-                                   (IrOperand[]){V(dy), a[1], a[2], a[3]}));
-    accumulate(g, a[3].value, emit(g, IR_OP_ORDER_DECODE_GRAD_G, dname(g, &a[3]), op, 4,
-                                   (IrOperand[]){V(dy), a[0], a[1], a[2]}));
-    return true;
   default:
     break;
   }

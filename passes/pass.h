@@ -64,6 +64,9 @@ bool pass_verify(IrModule *m, PassCtx *ctx);
 bool pass_shapes(IrModule *m, PassCtx *ctx);
 bool pass_parallelize(IrModule *m, PassCtx *ctx);
 bool pass_autodiff(IrModule *m, PassCtx *ctx);
+// Whether rule is a well-formed GRAD rule of ops.def for an op of nargs operands (has_result:
+// the op has a result that `y` may name); why says what is wrong otherwise.
+bool pass_grad_rule_check(const char *rule, int nargs, bool has_result, char *why, size_t size);
 bool pass_cost(IrModule *m, PassCtx *ctx);
 bool pass_pipeline(IrModule *m, PassCtx *ctx);
 bool pass_gradpart(IrModule *m, PassCtx *ctx);

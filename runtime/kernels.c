@@ -206,7 +206,7 @@ void rt_topk(const float *scores, int32_t *idx, int s, int e, int k) {
 }
 
 void rt_gate_gather(const float *scores, const int32_t *idx, float *gates, int s, int e, int k,
-                    bool renorm) {
+                    int renorm) {
   for (int t = 0; t < s; t++) {
     const float *row = scores + (size_t)t * e;
     const int32_t *ir = idx + (size_t)t * k;
@@ -226,7 +226,7 @@ void rt_gate_gather(const float *scores, const int32_t *idx, float *gates, int s
 // Without renorm: dscores[idx_j] = dgates_j. With renorm, g_j = p_j / P (P = sum of the chosen
 // scores): dL/dp_i = (dgates_i - sum_j dgates_j g_j) / P.
 void rt_gate_gather_grad(const float *dgates, const float *scores, const int32_t *idx,
-                         float *dscores, int s, int e, int k, bool renorm) {
+                         float *dscores, int s, int e, int k, int renorm) {
   memset(dscores, 0, (size_t)s * e * sizeof *dscores);
   for (int t = 0; t < s; t++) {
     const float *row = scores + (size_t)t * e;

@@ -37,7 +37,49 @@ double rt_normal(uint64_t key, uint64_t i);
 enum { RT_STREAM_INPUT = 1, RT_STREAM_TARGET = 2, RT_STREAM_INIT = 3, RT_STREAM_NOISE = 4 };
 uint64_t rt_hash_name(const char *s);  // FNV-1a 64 of a parameter name
 
-// ---- kernels (runtime/kernels.c) ----
+// ---- kernels (runtime/kernels*.c, runtime/hooks.c) ----
+// Every kernel of the table runtime/kernels.def (WHERE = BOTH) is declared from its row: rt_NAME
+// with the row's parameters, the CUDA kernel mk_NAME's parameters. The row's comment says what
+// it computes.
+#define K_F32 const float *
+#define K_F32_OUT float *
+#define K_I32 const int32_t *
+#define K_I32_OUT int32_t *
+#define K_U16 const uint16_t *
+#define K_U16_OUT uint16_t *
+#define K_I8 const int8_t *
+#define K_I8_OUT int8_t *
+#define K_BYTES const void *
+#define K_BYTES_OUT void *
+#define K_PTR_OUT void *
+#define K_INT int
+#define K_I64 int64_t
+#define K_U64 uint64_t
+#define K_FLOAT float
+#define RT_KERNEL_BOTH(NAME, PARAMS) void rt_##NAME PARAMS;
+#define RT_KERNEL_CUDA(NAME, PARAMS)
+#define RT_KERNEL(ID, NAME, WHERE, PARAMS) RT_KERNEL_##WHERE(NAME, PARAMS)
+#include "kernels.def"
+#undef RT_KERNEL
+#undef RT_KERNEL_BOTH
+#undef RT_KERNEL_CUDA
+#undef K_F32
+#undef K_F32_OUT
+#undef K_I32
+#undef K_I32_OUT
+#undef K_U16
+#undef K_U16_OUT
+#undef K_I8
+#undef K_I8_OUT
+#undef K_BYTES
+#undef K_BYTES_OUT
+#undef K_PTR_OUT
+#undef K_INT
+#undef K_I64
+#undef K_U64
+#undef K_FLOAT
+
+// The kernels outside the table (the CPU target calls them itself, or tests and the driver do).
 // C = op(A) * op(B) (+ C when accumulate). op(A) is [m,k], op(B) [k,n]; ta/tb: the operand is
 // stored transposed.
 void rt_matmul(const float *a, const float *b, float *c, int m, int n, int k, bool ta, bool tb,
@@ -45,34 +87,15 @@ void rt_matmul(const float *a, const float *b, float *c, int m, int n, int k, bo
 // Batched over e: A [e, ...], B [e, ...], C [e, m, n].
 void rt_expert_matmul(const float *a, const float *b, float *c, int e, int m, int n, int k,
                       bool ta, bool tb);
-void rt_bias(const float *x, const float *b, float *y, int rows, int n);
-void rt_bias_grad(const float *dy, float *db, int rows, int n);
-void rt_expert_bias(const float *x, const float *b, float *y, int e, int rows, int n);
-void rt_expert_bias_grad(const float *dy, float *db, int e, int rows, int n);
-void rt_add(const float *a, const float *b, float *y, int64_t n);
-void rt_gelu(const float *x, float *y, int64_t n);
-void rt_gelu_grad(const float *dy, const float *x, float *dx, int64_t n);
-void rt_relu(const float *x, float *y, int64_t n);
-void rt_relu_grad(const float *dy, const float *x, float *dx, int64_t n);
-
-// logits + sigma * N(0,1) / e; the normal for token s (global index token0 + s), expert j is
-// rt_normal(rt_key(rt_key(rt_key(seed, RT_STREAM_NOISE), step), layer), (token0 + s) * e + j).
-// The kernel's arguments (codegen/kernels.def) are the step's seed, step and token0.
-void rt_gate_noise(const float *logits, float *out, int s, int e, float sigma, int layer,
-                   uint64_t seed, int64_t step, int64_t token0);
-void rt_softmax(const float *x, float *y, int s, int e);
-void rt_softmax_grad(const float *dy, const float *y, float *dx, int s, int e);
-// Top k per row, ties to the lower index, in descending score order.
-void rt_topk(const float *scores, int32_t *idx, int s, int e, int k);
-void rt_gate_gather(const float *scores, const int32_t *idx, float *gates, int s, int e, int k,
-                    bool renorm);
-void rt_gate_gather_grad(const float *dgates, const float *scores, const int32_t *idx,
-                         float *dscores, int s, int e, int k, bool renorm);
+// rt_gate_noise: logits + sigma * N(0,1) / e; the normal for token s (global index token0 + s),
+// expert j is rt_normal(rt_key(rt_key(rt_key(seed, RT_STREAM_NOISE), step), layer),
+// (token0 + s) * e + j).
+//
 // Tokens split into g equal groups in order; within a group, all first choices in token order,
 // then all second choices, ...; loc = running count of the expert in that group, or -1 when it
 // reaches cap. cap <= 0 is dropless: nothing is dropped. Adds the drops, the routing and the
-// per-expert loads (kept choices of each expert in each routing group) to st's statistics, and returns
-// the largest per-group load of any expert (the capacity a dropless layer needs).
+// per-expert loads (kept choices of each expert in each routing group) to st's statistics, and
+// returns the largest per-group load of any expert (the capacity a dropless layer needs).
 int rt_gate_locations(const int32_t *idx, int32_t *loc, RtStep *st, int s, int k, int e, int g,
                       int cap);
 // The statistics rt_gate_locations adds to st, of a routing made elsewhere (the CUDA target
@@ -80,79 +103,13 @@ int rt_gate_locations(const int32_t *idx, int32_t *loc, RtStep *st, int s, int k
 // loads, route_hash and, when cap <= 0, capacity_max. Nothing when st is NULL.
 void rt_route_stats(RtStep *st, const int32_t *idx, const int32_t *loc, int s, int k, int e,
                     int g, int cap);
-// The load-balancing loss: rt_aux_loss_value's number; rt_aux_loss writes it, divided by share
-// (the ranks that compute the same number), to out[0].
-float rt_aux_loss_value(const float *scores, const int32_t *idx, int s, int e, int k, int g);
-void rt_aux_loss(const float *scores, const int32_t *idx, float *out, int s, int e, int k, int g,
-                 float share);
-void rt_aux_loss_grad(const float *scores, const int32_t *idx, float *dscores, int s, int e,
-                      int k, int g, float coef);
-float rt_z_loss_value(const float *logits, int s, int e, int g);
-void rt_z_loss(const float *logits, float *out, int s, int e, int g, float share);   // value / share
-void rt_z_loss_grad(const float *logits, float *dlogits, int s, int e, int g, float coef);
-
-// disp [e, g*cap, m]: the choice (t, j) of token t in group gi kept at loc l lands at row
-// gi*cap + l of expert idx[t,j]. Only those rows are written: the caller zeroes disp first (the
-// op's lowering runs rt_zero before it, on both targets), so empty rows are zero.
-// rt_order_decode_grad_y writes dy the same way.
-void rt_order_encode(const float *x, const int32_t *idx, const int32_t *loc, float *disp, int s,
-                     int m, int k, int e, int g, int cap);
-void rt_order_encode_grad(const float *ddisp, const int32_t *idx, const int32_t *loc, float *dx,
-                          int s, int m, int k, int e, int g, int cap);
-void rt_order_decode(const float *y, const int32_t *idx, const int32_t *loc, const float *gates,
-                     float *out, int s, int m, int k, int e, int g, int cap);
-void rt_order_decode_grad_y(const float *dout, const int32_t *idx, const int32_t *loc,
-                            const float *gates, float *dy, int s, int m, int k, int e, int g,
-                            int cap);
-void rt_order_decode_grad_gates(const float *dout, const float *y, const int32_t *idx,
-                                const int32_t *loc, float *dgates, int s, int m, int k, int e,
-                                int g, int cap);
-
-// ---- the module library: more gates, the dense order, SwiGLU experts, hooks ----
-void rt_sigmoid(const float *x, float *y, int64_t n);
-void rt_sigmoid_grad(const float *dy, const float *y, float *dx, int64_t n);   // dy*y*(1-y)
-// Softmax over tokens: every column j of x [s, e] is softmaxed over the rows of its routing
-// group (g equal groups of s/g rows in order). Expert choice and soft MoE dispatch use it.
-void rt_softmax_tokens(const float *x, float *y, int s, int e, int g);
-void rt_softmax_tokens_grad(const float *dy, const float *y, float *dx, int s, int e, int g);
-// y = x / sqrt(sum(x^2) + 1e-12) per row of x [rows, n].
-void rt_l2norm(const float *x, float *y, int rows, int n);
-void rt_l2norm_grad(const float *dy, const float *x, float *dx, int rows, int n);
-// y = x / s[0] for a scalar s (xmoe's learned temperature); ds[0] = -sum(dy*x) / s^2.
-void rt_div_scalar(const float *x, const float *s, float *y, int64_t n);
-void rt_div_scalar_grad_x(const float *dy, const float *s, float *dx, int64_t n);
-void rt_div_scalar_grad_s(const float *dy, const float *x, const float *s, float *ds, int64_t n);
-// Expert choice: in each group, every expert j takes the cap tokens with the highest
-// scores[t, j] (ties to the lower token index); loc[t, j] is the token's rank in that list, or
-// -1. Choice j of every token is expert j (idx = rt_iota).
-void rt_expert_choice(const float *scores, int32_t *loc, int s, int e, int g, int cap);
 // The statistics of an expert-choice routing loc [s, e] (rt_route_stats' twin): routed += s,
 // dropped += tokens that no expert took; loads as rt_gate_locations. Nothing when st is NULL.
 void rt_expert_choice_stats(RtStep *st, const int32_t *loc, int s, int e, int g, int cap);
-void rt_iota(int32_t *idx, int s, int e);   // idx[t, j] = j
-// The dense (GShard einsum) order: one-hot dispatch mask and combine weights [s, e*c] with c =
-// g*cap; column idx[t,j]*c + gi*cap + loc[t,j] of row t holds 1 (mask) or gates[t,j] (combine).
-void rt_dispatch_mask(const int32_t *idx, const int32_t *loc, float *mask, int s, int k, int e,
-                      int g, int cap);
-void rt_combine_weights(const int32_t *idx, const int32_t *loc, const float *gates, float *cw,
-                        int s, int k, int e, int g, int cap);
-void rt_combine_weights_grad(const float *dcw, const int32_t *idx, const int32_t *loc,
-                             float *dgates, int s, int k, int e, int g, int cap);
-void rt_copy(const float *x, float *y, int64_t n);
-void rt_zero(float *y, int64_t n);
-void rt_silu(const float *x, float *y, int64_t n);
-void rt_silu_grad(const float *dy, const float *x, float *dx, int64_t n);
-void rt_mul(const float *a, const float *b, float *y, int64_t n);
-// Compression hooks. fp16: IEEE binary16, bf16: the top 16 bits of binary32, both round to
-// nearest even (NaN stays NaN, overflow to inf). int8: per-row scale = max|x| / 127 (1 for an
-// all-zero row), q = round-half-away(x / scale) clamped to [-127, 127].
-void rt_compress_f16(const float *x, uint16_t *q, int64_t n);
-void rt_decompress_f16(const uint16_t *q, float *x, int64_t n);
-void rt_compress_bf16(const float *x, uint16_t *q, int64_t n);
-void rt_decompress_bf16(const uint16_t *q, float *x, int64_t n);
-void rt_int8_scales(const float *x, float *scale, int rows, int n);
-void rt_compress_int8(const float *x, const float *scale, int8_t *q, int rows, int n);
-void rt_decompress_int8(const int8_t *q, const float *scale, float *x, int rows, int n);
+// The numbers rt_aux_loss, rt_z_loss and rt_mse write (before dividing by share / scaling).
+float rt_aux_loss_value(const float *scores, const int32_t *idx, int s, int e, int k, int g);
+float rt_z_loss_value(const float *logits, int s, int e, int g);
+float rt_mse_value(const float *out, const float *target, int64_t n);   // sum (o-t)^2 / (2n)
 // The record hook: writes one JSON line {"step", "layer", "point", "numel", "mean", "max_abs",
 // "dropped"} to st->record (nothing when NULL); dropped is the layer's dropped fraction so far.
 void rt_record(RtStep *st, const char *point, int layer, const float *x, int64_t n);
@@ -160,21 +117,7 @@ void rt_record(RtStep *st, const char *point, int layer, const float *x, int64_t
 // mk_record_stats): their sum, the largest |x| of the non-NaN ones and the number of NaNs.
 void rt_record_stats(RtStep *st, const char *point, int layer, int64_t n, double sum,
                      double max_abs, int64_t nans);
-
-// [blocks*experts, rows, m] seen as [blocks, experts, rows, m] <-> [experts, blocks*rows, m].
-void rt_expert_major(const float *x, float *y, int blocks, int experts, int64_t rows, int64_t m);
-void rt_rank_major(const float *x, float *y, int blocks, int experts, int64_t rows, int64_t m);
 void rt_scale(float *x, int64_t n, float s);
-
-float rt_mse_value(const float *out, const float *target, int64_t n);   // sum (o-t)^2 / (2n)
-// loss[0] = scale * rt_mse_value; dout = scale * (out - target) / n (scale: this rank's share).
-void rt_mse(const float *out, const float *target, float *loss, int64_t n, float scale);
-void rt_mse_grad(const float *out, const float *target, float *dout, int64_t n, float scale);
-
-void rt_sgd(float *p, const float *g, int64_t n, float lr, float weight_decay);
-// step is 1-based; m, v are the moments.
-void rt_adamw(float *p, const float *g, float *m, float *v, int64_t n, float lr, float beta1,
-              float beta2, float eps, float weight_decay, int64_t step);
 
 // ---- ranks, groups and collectives (runtime/comm.c; MPI on the CPU backend) ----
 // The parallel layout: world = dp*mp = ep*esp ranks, gpus_per_node ranks per node. MP groups
@@ -320,15 +263,6 @@ void rt_step_begin_forward(RtStep *st);
 
 // The generated main(): `return rt_main(&model, argc, argv);`
 int rt_main(const RtModel *model, int argc, char **argv);
-
-// Chunked execution (passes/schedule.c): slices of the slot dimension (dim 1) of
-// [outer, blocks*rows, ...] tensors, `inner` bytes per slot; runtime/kernels_chunk.c.
-// y = slots [index*rows/chunks, (index+1)*rows/chunks) of every block of x.
-void rt_layout_chunk(const void *x, void *y, int64_t outer, int64_t blocks, int64_t rows, int64_t inner,
-                     int64_t chunks, int64_t index);
-// y = a's rows_a slots then b's rows_b slots, inside every block.
-void rt_layout_concat(const void *a, const void *b, void *y, int64_t outer, int64_t blocks, int64_t rows_a,
-                      int64_t rows_b, int64_t inner);
 
 // Stream execution of a scheduled function (passes/schedule.c, runtime/streams.c). The
 // generated code turns a function whose ops carry streams and events into a table of tasks in

@@ -321,6 +321,38 @@ extern "C" __global__ void mk_l2norm_grad(const float *dy, const float *x, float
   }
 }
 
+// ---- mk_rmsnorm ----
+// One block (MK_BLOCK threads) per row; as rt_rmsnorm (runtime/kernels_norm.c).
+extern "C" __global__ void mk_rmsnorm(const float *x, float *y, int rows, int n, float eps) {
+  MK_FOR_BLOCKS(r, rows) {
+    const float *xr = x + r * n;
+    float *yr = y + r * n;
+    double ss = 0.0;
+    for (int i = threadIdx.x; i < n; i += blockDim.x) ss += (double)xr[i] * xr[i];
+    ss = mk_block_sum(ss);
+    float inv = (float)(1.0 / sqrt(ss / n + (double)eps));
+    for (int i = threadIdx.x; i < n; i += blockDim.x) yr[i] = xr[i] * inv;
+  }
+}
+
+// ---- mk_rmsnorm_grad ----
+extern "C" __global__ void mk_rmsnorm_grad(const float *dy, const float *x, float *dx, int rows, int n, float eps) {
+  MK_FOR_BLOCKS(r, rows) {
+    const float *xr = x + r * n, *dr = dy + r * n;
+    float *out = dx + r * n;
+    double ss = 0.0, dot = 0.0;
+    for (int i = threadIdx.x; i < n; i += blockDim.x) {
+      ss += (double)xr[i] * xr[i];
+      dot += (double)dr[i] * xr[i];
+    }
+    ss = mk_block_sum(ss);
+    dot = mk_block_sum(dot);
+    double inv = 1.0 / sqrt(ss / n + (double)eps);
+    float scale = (float)inv, proj = (float)(inv * inv * inv * dot / n);
+    for (int i = threadIdx.x; i < n; i += blockDim.x) out[i] = dr[i] * scale - xr[i] * proj;
+  }
+}
+
 // ---- mk_div_scalar ----
 extern "C" __global__ void mk_div_scalar(const float *x, const float *s, float *y, i64 n) {
   float d = s[0];

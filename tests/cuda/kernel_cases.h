@@ -360,6 +360,12 @@ template <class Launcher> void run_kernel_cases(Launcher &L, Checks &c) {
     rt_l2norm_grad(b.data(), a.data(), y_c.data(), s, m);
     LAUNCH(5, MK_BLOCK, mk_l2norm_grad, b, a, y_k, s, m);
     c.same("l2norm.grad", y_c, y_k);
+    rt_rmsnorm(a.data(), y_c.data(), s, m, 1e-5f);
+    LAUNCH(5, MK_BLOCK, mk_rmsnorm, a, y_k, s, m, 1e-5f);
+    c.same("norm.rms", y_c, y_k);
+    rt_rmsnorm_grad(b.data(), a.data(), y_c.data(), s, m, 1e-5f);
+    LAUNCH(5, MK_BLOCK, mk_rmsnorm_grad, b, a, y_k, s, m, 1e-5f);
+    c.same("norm.rms.grad", y_c, y_k);
     std::vector<float> sc = {1.7f};
     rt_div_scalar(a.data(), sc.data(), y_c.data(), n);
     LAUNCH(3, 64, mk_div_scalar, a, sc, y_k, n);

@@ -45,7 +45,7 @@ check() {
   done <"$WORK/out"
 }
 
-# The kernel table (codegen/kernels.def) against the sources (codegen/cuda/kernels.cu).
+# The kernel table (runtime/kernels.def) against the sources (codegen/cuda/kernels.cu).
 if "$CHECK" --check-signatures >"$WORK/out" 2>"$WORK/err"; then
   echo "ok    cuda kernel signatures: $(cat "$WORK/out") (kernels.def = kernels.cu)"
 else

@@ -182,6 +182,30 @@ static void test_fd_l2norm_rows(void **state) {
   check_fd("gate.l2norm_rows", l2norm_obj, &c, x, R * N, dx, FD_EPS);
 }
 
+// norm.rms (runtime/kernels_norm.c): eps large enough to matter in the second row, whose
+// values are small.
+static double rmsnorm_obj(void *p) {
+  TokensCtx *c = p;
+  rt_rmsnorm(c->x, c->y, c->s, c->e, 1e-3f);
+  return dot(c->w, c->y, (int64_t)c->s * c->e);
+}
+
+static void test_fd_rmsnorm(void **state) {
+  enum { R = 3, N = 7 };
+  float x[R * N], y[R * N], w[R * N], dx[R * N];
+  fill(x, R * N, -2, 2);
+  for (int i = N; i < 2 * N; i++) x[i] *= 0.02f;
+  fill(w, R * N, -1, 1);
+  TokensCtx c = {x, y, w, R, N, 1};
+  rt_rmsnorm_grad(w, x, dx, R, N, 1e-3f);
+  check_fd("norm.rms", rmsnorm_obj, &c, x, R * N, dx, 1e-3);
+  // each row of y has mean square 1 up to eps: x = (3, 4) gives 3 / sqrt(12.5 + eps)
+  float x2[2] = {3, 4}, y2[2];
+  rt_rmsnorm(x2, y2, 1, 2, 1e-3f);
+  assert_float_equal(y2[0], 3.0 / sqrt(12.5 + 1e-3), 1e-6);
+  assert_float_equal(y2[1], 4.0 / sqrt(12.5 + 1e-3), 1e-6);
+}
+
 typedef struct {
   float *x, *s, *y, *w;
   int64_t n;
@@ -771,6 +795,7 @@ int main(void) {
   const struct CMUnitTest tests[] = {
       cmocka_unit_test(test_fd_sigmoid),
       cmocka_unit_test(test_fd_silu),
+      cmocka_unit_test(test_fd_rmsnorm),
       cmocka_unit_test(test_fd_softmax_tokens),
       cmocka_unit_test(test_fd_l2norm_rows),
       cmocka_unit_test(test_fd_div_scalar),

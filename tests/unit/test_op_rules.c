@@ -1,0 +1,165 @@
+// Unit tests of the op table's rules as data (ir/ops.def: SHAPE, GRAD, KERNEL; runtime/kernels.def).
+//
+// Every rule of the table is well formed: a shape rule names its operands and binds the result's
+// dims, a gradient rule names ops of the table with their operand counts, a kernel rule names
+// kernels of runtime/kernels.def with one argument of the right kind per parameter. Malformed
+// rules are rejected with a reason. And the rules do what they say on an op added through them
+// alone (norm.rms): its shape is inferred and checked, autodiff writes its gradient op, and the
+// lowering calls rt_rmsnorm / mk_rmsnorm with the row count, the row length and eps.
+#include <setjmp.h>
+#include <stdarg.h>
+#include <stddef.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include <cmocka.h>
+
+#include "codegen/cg_internal.h"
+#include "ir/ir.h"
+#include "passes/pass.h"
+
+static void test_every_rule_is_well_formed(void **state) {
+  (void)state;
+  int shapes = 0, grads = 0, kernels = 0;
+  for (int k = 0; k < IR_OP_COUNT; k++) {
+    const IrOpInfo *o = &ir_op_info[k];
+    char why[200] = "";
+    if (o->shape[0] && !ir_shape_rule_check(o->shape, o->nargs, why, sizeof why))
+      fail_msg("%s: SHAPE \"%s\": %s", o->name, o->shape, why);
+    if (o->grad[0] && !pass_grad_rule_check(o->grad, o->nargs, o->nres == 1, why, sizeof why))
+      fail_msg("%s: GRAD \"%s\": %s", o->name, o->grad, why);
+    if (o->kernel[0] && !cg_lower_rule_check(o->kernel, o->nargs, why, sizeof why))
+      fail_msg("%s: KERNEL \"%s\": %s", o->name, o->kernel, why);
+    if (o->grad[0] && o->cls == IR_CLASS_ROUTE) fail_msg("%s: a ROUTE op has no gradient", o->name);
+    shapes += o->shape[0] != 0;
+    grads += o->grad[0] != 0;
+    kernels += o->kernel[0] != 0;
+  }
+  printf("# %d ops: %d shape rules, %d gradient rules, %d kernel rules as data\n", IR_OP_COUNT, shapes, grads, kernels);
+  // every kernel of runtime/kernels.def has a name and at most CG_MAX_KERNEL_ARGS parameters
+  for (int k = 0; k < CG_K_COUNT; k++) {
+    assert_int_equal(cg_kernel_by_name(cg_kernel_name(k)), k);
+    assert_true(strlen(cg_kernel_info[k].sig) > 0);
+  }
+}
+
+static void expect_bad(bool ok, const char *why, const char *reason) {
+  if (ok) fail_msg("a malformed rule was accepted (expected: %s)", reason);
+  if (!strstr(why, reason)) fail_msg("reason \"%s\" does not contain \"%s\"", why, reason);
+}
+
+static void test_malformed_rules_are_rejected(void **state) {
+  (void)state;
+  char why[200];
+  expect_bad(ir_shape_rule_check("f[r,n] -> f[m]", 1, why, sizeof why), why, "dim 'm' is not an operand's");
+  expect_bad(ir_shape_rule_check("f[r,n] f[n] -> =0", 2, why, sizeof why), why, "a ',' should follow operand 0");
+  expect_bad(ir_shape_rule_check("f[r,n]", 1, why, sizeof why), why, "'->'");
+  expect_bad(ir_shape_rule_check("=1, f* -> =0", 2, why, sizeof why), why, "not an earlier one");
+  expect_bad(ir_shape_rule_check("q[r] -> =0", 1, why, sizeof why), why, "does not parse");
+  expect_bad(pass_grad_rule_check("act.nope(dy, x0)", 1, true, why, sizeof why), why, "is not OP(");
+  expect_bad(pass_grad_rule_check("mul(dy)", 2, true, why, sizeof why), why, "mul takes 2 operands");
+  expect_bad(pass_grad_rule_check("dy", 2, true, why, sizeof why), why, "1 rules for 2 operands");
+  expect_bad(pass_grad_rule_check("act.gelu.grad(dy, x1)", 1, true, why, sizeof why), why, "names an operand");
+  expect_bad(cg_lower_rule_check("nokernel(x0) : one", 1, why, sizeof why), why, "no such kernel");
+  expect_bad(cg_lower_rule_check("gelu(x0, y) : threads n", 1, why, sizeof why), why, "fewer arguments");
+  expect_bad(cg_lower_rule_check("gelu(x0, y, n, n) : threads n", 1, why, sizeof why), why, "more arguments");
+  expect_bad(cg_lower_rule_check("gelu(x1, y, n) : threads n", 1, why, sizeof why), why, "no such operand");
+  expect_bad(cg_lower_rule_check("gelu(x0, y, n)", 1, why, sizeof why), why, "': grid' is expected");
+  expect_bad(cg_lower_rule_check("gelu(x0, y, n) : warps n", 1, why, sizeof why), why, "threads, blocks or one");
+  expect_bad(cg_lower_rule_check("gelu(x0, grid, n) : one", 1, why, sizeof why), why, "a pointer");
+  expect_bad(cg_lower_rule_check("lib blas", 1, why, sizeof why), why, "lib gemm");
+}
+
+// A layer of matmul, norm.rms and a residual, with its loss: the IR text the front end would make.
+static const char *const norm_module =
+    "module t\n"
+    "\n"
+    "param @w: f32[8, 8]\n"
+    "\n"
+    "func @l0.fwd(%x: f32[4, 8]) {\n"
+    "  %h: f32[4, 8] = matmul %x, @w\n"
+    "  %n: f32[4, 8] = norm.rms %h {eps=0.001}\n"
+    "  %y: f32[4, 8] = add %n, %x\n"
+    "  return %y\n"
+    "}\n"
+    "\n"
+    "func @loss.fwd(%out: f32[4, 8], %target: f32[4, 8]) {\n"
+    "  %l: f32[] = loss.mse %out, %target\n"
+    "  return %l\n"
+    "}\n";
+
+static IrModule *parse(IrDiag *d, const char *text, IrSource **src) {
+  *src = ir_source_from_buffer("norm.ir", text, strlen(text));
+  IrModule *m = ir_parse(d, *src);
+  return m;
+}
+
+static void test_norm_rms_through_its_rules(void **state) {
+  (void)state;
+  IrDiag d;
+  ir_diag_init(&d, stderr);
+  IrSource *src;
+  IrModule *m = parse(&d, norm_module, &src);
+  assert_non_null(m);
+  assert_true(ir_verify(&d, m));
+
+  // the shape rule: a declared type that disagrees is caught, naming the op
+  char *buf = NULL;
+  size_t len = 0;
+  FILE *f = open_memstream(&buf, &len);
+  IrDiag quiet;
+  ir_diag_init(&quiet, f);
+  IrSource *bad_src;
+  char *bad = strdup(norm_module);
+  memcpy(strstr(bad, "%n: f32[4, 8]"), "%n: f32[4, 9]", 13);
+  IrModule *bad_m = parse(&quiet, bad, &bad_src);
+  fflush(f);
+  assert_true(bad_m == NULL || !ir_verify(&quiet, bad_m));
+  fflush(f);
+  assert_non_null(strstr(buf, "norm.rms"));
+  assert_non_null(strstr(buf, "f32[4, 8]"));
+  ir_module_free(bad_m);
+  ir_source_free(bad_src);
+  fclose(f);
+  free(buf);
+  free(bad);
+
+  // the gradient rule: autodiff writes norm.rms.grad(dy, h) with the forward's eps
+  PassCtx ctx = {.d = &d};
+  assert_true(pass_autodiff(m, &ctx));
+  assert_true(ir_verify(&d, m));
+  const IrOp *grad = NULL;
+  for (int i = 0; i < m->nfuncs; i++)
+    for (int j = 0; j < m->funcs[i]->nops; j++)
+      if (m->funcs[i]->ops[j]->kind == IR_OP_NORM_RMS_GRAD) grad = m->funcs[i]->ops[j];
+  assert_non_null(grad);
+  assert_string_equal(grad->args[1].value->name, "h");
+  assert_true(ir_op_float(grad, "eps", 0) == 0.001);
+
+  // the kernel rule: rmsnorm_grad(dy, h, dh, rows 4, cols 8, eps), one block per row
+  CgLaunch l;
+  assert_true(cg_lower_op(grad, &l));
+  assert_int_equal(l.ncalls, 1);
+  assert_int_equal(l.call[0].kernel, CG_K_RMSNORM_GRAD);
+  assert_int_equal(l.call[0].grid, 4);
+  assert_int_equal(l.call[0].nargs, 6);
+  assert_int_equal(l.call[0].args[0].kind, CG_ARG_OPERAND);
+  assert_int_equal(l.call[0].args[2].kind, CG_ARG_RESULT);
+  assert_int_equal(l.call[0].args[3].i, 4);
+  assert_int_equal(l.call[0].args[4].i, 8);
+  assert_int_equal(l.call[0].args[5].kind, CG_ARG_FLOAT);
+  assert_true(l.call[0].args[5].f == 0.001);
+  ir_module_free(m);
+  ir_source_free(src);
+}
+
+int main(void) {
+  const struct CMUnitTest tests[] = {
+      cmocka_unit_test(test_every_rule_is_well_formed),
+      cmocka_unit_test(test_malformed_rules_are_rejected),
+      cmocka_unit_test(test_norm_rms_through_its_rules),
+  };
+  return cmocka_run_group_tests(tests, NULL, NULL);
+}
