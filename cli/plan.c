@@ -8,13 +8,19 @@
 // answers below), slsqp (Algorithm 1 with SLSQP, the paper's method), model (the case model's
 // integer optimum), simulator (the simulator's own best r).
 //
-// plan reads a model, turns every layer instance into a generalized layer (its attention, if
-// any, then its MoE) as one rank sees it, plans it for each policy (sched/sched_solve.c) and
-// simulates the stream programs (sched/sched_sim.c). sweep does the same for the paper's
-// Table 4 space (1458 stacks of two identical generalized layers) and sets the average
-// speedups over tutel beside the paper's Table 5. Both are called with main's argc/argv
-// (argv[1] is the command) and return the exit status: 0 success, 1 the input has errors,
-// 2 bad command line.
+// plan prices a model the way `moec build` does: it lowers the program to IR, runs the build's
+// passes up to `cost` (which prices every GEMM and collective with the cluster profile) and
+// takes the layers' costs from pass_stack (passes/cost.c), the stack the pipeline pass plans.
+// It then plans that stack for every policy (sched/sched_solve.c, the planner the pipeline pass
+// calls) and simulates the stream programs (sched/sched_sim.c), so its degrees and predicted
+// times for a policy are the build's with `schedule { policy P; pipeline auto; }`
+// (tests/plan_build.sh checks it). Attention has no kernels yet: layers with an `attention`
+// block (or, with --heads, every layer) get a dense attention part modelled by DESIGN §6's
+// formulas (sched_attention) on top of what the IR prices. sweep has no program: it plans the
+// paper's Table 4 space (1458 stacks of two identical generalized layers) from those formulas
+// (sched_layer_cost) and sets the average speedups over tutel beside the paper's Table 5. Both
+// are called with main's argc/argv (argv[1] is the command) and return the exit status: 0
+// success, 1 the input has errors, 2 bad command line.
 #include <math.h>
 #include <stdlib.h>
 #include <string.h>
@@ -23,6 +29,7 @@
 
 #include "frontend/fe.h"
 #include "ir/ir.h"
+#include "passes/pass.h"
 #include "sched/sched.h"
 #include "cli.h"
 
@@ -49,6 +56,11 @@ static bool plan_all(const SchedStack *st, SchedPlan plans[IR_NPOLICIES]) {
 
 static void free_all(SchedPlan plans[IR_NPOLICIES]) {
   for (int p = 0; p < IR_NPOLICIES; p++) sched_plan_free(&plans[p]);
+}
+
+// The policies of ir/'s table (ir_policy_name), joined by ", ".
+static void print_policy_names(FILE *out) {
+  for (int p = 0; p < IR_NPOLICIES; p++) fprintf(out, "%s%s", p ? ", " : "", ir_policy_name[p]);
 }
 
 static bool need_value(int i, int argc, char **argv) {
@@ -78,150 +90,62 @@ static bool parse_positive(const char *opt, const char *text, double *out) {
   return true;
 }
 
-// ---- moec plan ----
+// ---- moec plan: the command line ----
 
-typedef struct PlanLayer {
-  char name[96];
-  SchedLayerSpec spec;
-  bool dropless;
-  double k, capacity;   // gate's k and capacity factor (capacity: stand-in when dropless)
-  int groups;
-} PlanLayer;
+typedef struct PlanOptions {
+  const char *input, *cluster, *svg, *trace, *json;
+  double heads;          // --heads: attention heads in front of layers without attention (0: none)
+  SchedChoose choose;    // --degree
+  IrPolicy shown;        // --policy: the policy whose per-layer plan is printed
+  bool all;              // --policy all: every policy in the summary (else shown, tutel, sequential)
+} PlanOptions;
 
-// Tokens per expert of one routing group: T = ceil(k*f*S/E), S = B*L/mp/groups (DESIGN §2).
-static int capacity_tokens(const SchedLayerSpec *s, double k, double capacity, int experts, int groups) {
-  double group = s->batch * s->seqlen / s->mp / (groups > 0 ? groups : 1);
-  double t = ceil(k * capacity * group / (experts > 0 ? experts : 1));
-  return t < 1 ? 1 : t > 1e9 ? 1000000000 : (int)t;
-}
-
-static int r_max_of(const SchedLayerSpec *s, double k, double capacity, int experts, int groups) {
-  int t = capacity_tokens(s, k, capacity, experts, groups);
-  return t < SCHED_R_MAX ? t : SCHED_R_MAX;
-}
-
-static void json_str(FILE *f, const char *s) {
-  fputc('"', f);
-  for (; s && *s; s++) {
-    if (*s == '"' || *s == '\\') fprintf(f, "\\%c", *s);
-    else if ((unsigned char)*s < 0x20) fprintf(f, "\\u%04x", (unsigned char)*s);
-    else fputc(*s, f);
-  }
-  fputc('"', f);
-}
-
-// A finite number for JSON (NaN and infinities are not JSON).
-static double jnum(double v) { return isfinite(v) ? v : -1; }
-
-typedef struct Bucket {
-  double capacity;
-  int r_fwd, r_bwd;
-} Bucket;
-
-static const double bucket_capacity[] = {1.0, 1.25, 1.5, 2.0, 3.0, 4.0};
-enum { NBUCKETS = sizeof bucket_capacity / sizeof bucket_capacity[0] };
-
-// fsmoe's degrees for a dropless layer at each capacity bucket (the plan's gradient load kept).
-static void dropless_buckets(const PlanLayer *pl, const SchedCluster *c, const SchedLayerPlan *lp, SchedChoose choose,
-                             Bucket out[NBUCKETS]) {
-  for (int b = 0; b < NBUCKETS; b++) {
-    SchedLayerSpec s = pl->spec;
-    s.f = pl->k * bucket_capacity[b];
-    s.r_max = r_max_of(&s, pl->k, bucket_capacity[b], s.experts, pl->groups);
-    SchedLayerCost cost;
-    sched_layer_cost(&s, c, &cost);
-    SchedLayerPlan bp = {0};
-    sched_fsmoe_degree(&cost, s.r_max, SCHED_FWD, 0, choose, &bp);
-    sched_fsmoe_degree(&cost, s.r_max, SCHED_BWD, lp->grad_moe, choose, &bp);
-    out[b] = (Bucket){bucket_capacity[b], bp.r[SCHED_FWD], bp.r[SCHED_BWD]};
-  }
-}
-
-static bool write_json(const char *path, const char *model, const char *cluster_path, const SchedCluster *c,
-                       const FeParallel *par, const PlanLayer *layers, const SchedStack *st,
-                       const SchedPlan plans[IR_NPOLICIES], double lb, SchedResource busiest,
-                       const double lb_total[SCHED_NRES]) {
-  FILE *f = fopen(path, "w");
-  if (!f) return false;
-  const SchedPlan *tutel = &plans[IR_POLICY_TUTEL], *seq = &plans[IR_POLICY_SEQUENTIAL];
-  fprintf(f, "{\n  \"format\": \"moec-plan-1\",\n  \"model\": ");
-  json_str(f, model);
-  fprintf(f, ",\n  \"cluster\": {\"name\": ");
-  json_str(f, c->name);
-  fprintf(f, ", \"path\": ");
-  json_str(f, cluster_path);
-  fprintf(f, ", \"nodes\": %d, \"gpus_per_node\": %d},\n", c->nodes, c->gpus_per_node);
-  fprintf(f, "  \"parallel\": {\"dp\": %lld, \"mp\": %lld, \"ep\": %lld, \"esp\": %lld},\n", (long long)par->dp,
-          (long long)par->mp, (long long)par->ep, (long long)par->esp);
-  fprintf(f, "  \"units\": {\"time\": \"ms\", \"gradient\": \"elements (fp32, %g bytes each)\"},\n", SCHED_GRAD_BYTES);
-  fprintf(f, "  \"lower_bound_ms\": %.9g, \"busiest_resource\": \"%s\",\n", lb, sched_resource_name[busiest]);
-  fprintf(f, "  \"resource_totals_ms\": {\"compute\": %.9g, \"intra\": %.9g, \"inter\": %.9g},\n",
-          lb_total[SCHED_RES_COMPUTE], lb_total[SCHED_RES_INTRA], lb_total[SCHED_RES_INTER]);
-  fprintf(f, "  \"layers\": [");
-  for (int i = 0; i < st->n; i++) {
-    const SchedLayerCost *cost = &st->cost[i];
-    fprintf(f, "%s\n    {\"index\": %d, \"name\": ", i ? "," : "", i);
-    json_str(f, layers[i].name);
-    fprintf(f, ", \"f\": %.9g, \"dropless\": %s, \"r_max\": %d, \"dense_gradient_elements\": %.0f,",
-            layers[i].spec.f, layers[i].dropless ? "true" : "false", st->r_max[i], cost->n_grad);
-    fprintf(f, " \"t_attention_ms\": [%.9g, %.9g]}", cost->phase[0].t_att, cost->phase[1].t_att);
-  }
-  fprintf(f, "\n  ],\n  \"policies\": [");
-  for (int p = 0; p < IR_NPOLICIES; p++) {
-    const SchedPlan *pl = &plans[p];
-    fprintf(f, "%s\n    {\"name\": \"%s\", \"forward_ms\": %.9g, \"backward_ms\": %.9g, \"iteration_ms\": %.9g,",
-            p ? "," : "", ir_policy_name[p], pl->t_fwd, pl->t_bwd, pl->t_iter);
-    fprintf(f, " \"speedup_vs_tutel\": %.9g, \"speedup_vs_sequential\": %.9g, \"gap_to_lower_bound\": %.9g,",
-            jnum(tutel->t_iter / pl->t_iter), jnum(seq->t_iter / pl->t_iter), jnum(pl->t_iter / lb - 1));
-    fprintf(f, "\n     \"gradient_partition\": ");
-    json_str(f, pl->partition);
-    fprintf(f, ", \"tail_gradient_elements\": %.0f,\n     \"layers\": [", pl->grad_tail);
-    for (int i = 0; i < st->n; i++) {
-      const SchedLayerPlan *lp = &pl->layer[i];
-      fprintf(f, "%s\n       {\"index\": %d", i ? "," : "", i);
-      for (int ph = 0; ph < 2; ph++) {
-        fprintf(f, ", \"%s\": {\"r\": %d, \"model_ms\": %.9g", ph ? "backward" : "forward", lp->r[ph],
-                jnum(lp->t_model[ph]));
-        if (p == IR_POLICY_FSMOE)
-          fprintf(f,
-                  ", \"chosen_by\": \"%s\", \"case\": %d, \"r_slsqp\": %d, \"r_exhaustive\": %d, \"r_simulator\": %d,"
-                  " \"sim_ms_slsqp\": %.9g, \"sim_ms_exhaustive\": %.9g, \"sim_ms_simulator\": %.9g",
-                  lp->chosen_by[ph], lp->kase[ph], lp->r_slsqp[ph], lp->r_exhaustive[ph], lp->r_sim[ph],
-                  jnum(lp->t_sim_slsqp[ph]), jnum(lp->t_sim_exhaustive[ph]), jnum(lp->t_sim_sim[ph]));
-        if (ph == SCHED_BWD)
-          fprintf(f, ", \"t_gar_ms\": %.9g, \"gradient_elements\": {\"moe_slot\": %.0f, \"dense_slot\": %.0f}",
-                  lp->t_gar, lp->grad_moe, lp->grad_dense);
-        fputc('}', f);
+// Options of `moec plan`; 0, or 2 on a usage error (already reported).
+static int parse_plan_options(int argc, char **argv, PlanOptions *o) {
+  *o = (PlanOptions){.choose = SCHED_CHOOSE_BEST, .shown = IR_POLICY_FSMOE};
+  const char *policy = "all";
+  for (int i = 2; i < argc; i++) {
+    const char *a = argv[i];
+    const char **value = strcmp(a, "--cluster") == 0 ? &o->cluster
+                         : strcmp(a, "--policy") == 0 ? &policy
+                         : strcmp(a, "--svg") == 0   ? &o->svg
+                         : strcmp(a, "--trace") == 0 ? &o->trace
+                         : strcmp(a, "--json") == 0  ? &o->json
+                                                     : NULL;
+    if (value || strcmp(a, "--heads") == 0 || strcmp(a, "--degree") == 0) {
+      if (!need_value(i, argc, argv)) return 2;
+      const char *v = argv[++i];
+      if (value) {
+        *value = v;
+      } else if (strcmp(a, "--degree") == 0) {
+        if (!parse_choose(v, &o->choose)) return 2;
+      } else if (!parse_positive("--heads", v, &o->heads)) {
+        return 2;
       }
-      if (p == IR_POLICY_FSMOE && layers[i].dropless) {
-        Bucket b[NBUCKETS];
-        dropless_buckets(&layers[i], c, lp, st->choose, b);
-        fprintf(f, ", \"dropless_buckets\": [");
-        for (int k = 0; k < NBUCKETS; k++)
-          fprintf(f, "%s{\"capacity_at_most\": %g, \"r_fwd\": %d, \"r_bwd\": %d}", k ? ", " : "", b[k].capacity,
-                  b[k].r_fwd, b[k].r_bwd);
-        fputc(']', f);
-      }
-      fputc('}', f);
+    } else if (a[0] == '-' && a[1]) {
+      fprintf(stderr, "moec: error: unknown option '%s' for 'moec plan' (see 'moec plan --help')\n", a);
+      return 2;
+    } else if (!o->input) {
+      o->input = a;
+    } else {
+      fprintf(stderr, "moec: error: more than one input file ('%s' and '%s')\n", o->input, a);
+      return 2;
     }
-    fprintf(f, "\n     ]}");
   }
-  fprintf(f, "\n  ]\n}\n");
-  return fclose(f) == 0;
-}
-
-static bool write_timeline(const char *path, const SchedStack *st, const SchedPlan *plan, bool svg,
-                           const char *title) {
-  SchedProgram g = {0};
-  if (!sched_build_program(st, plan, &g) || !sched_simulate(&g)) {
-    sched_program_free(&g);
-    return false;
+  if (!o->input) {
+    fprintf(stderr, "moec: error: no input file (usage: moec plan F.moe [--cluster C] [--policy NAME|all])\n");
+    return 2;
   }
-  FILE *f = fopen(path, "w");
-  bool ok = f && (svg ? sched_write_svg(f, &g, title) : sched_write_trace(f, &g, title));
-  if (f && fclose(f) != 0) ok = false;
-  sched_program_free(&g);
-  return ok;
+  o->all = strcmp(policy, "all") == 0;
+  if (!o->all && !ir_policy_parse(policy, &o->shown)) {
+    const char *near = ir_closest(policy, ir_policy_name, IR_NPOLICIES);
+    fprintf(stderr, "moec: error: unknown policy '%s'%s%s%s (", policy, near ? "; did you mean '" : "",
+            near ? near : "", near ? "'?" : "");
+    print_policy_names(stderr);
+    fprintf(stderr, ", all)\n");
+    return 2;
+  }
+  return 0;
 }
 
 void cli_plan_usage(FILE *out) {
@@ -234,7 +158,10 @@ void cli_plan_usage(FILE *out) {
           "the predicted step time, with the simulated timeline.\n"
           "\n"
           "  --cluster C       cluster profile (default: the model's 'cluster' statement)\n"
-          "  --policy P        fsmoe, fsmoe-no-iio, tutel, tutel-improved, pipemoe-lina, sequential\n"
+          "  --policy P        ");
+  print_policy_names(out);
+  fprintf(out,
+          "\n"
           "                    or all (default: all, side by side)\n"
           "  --heads N         attention heads of a dense part for layers without attention\n"
           "  --degree RULE     how fsmoe picks r: best (default: fastest in simulation), slsqp\n"
@@ -259,147 +186,315 @@ void cli_sweep_usage(FILE *out) {
           "  --dropless-capacity X   the capacity factor a dropless layer is planned at\n");
 }
 
-int cli_plan(int argc, char **argv) {
-  const char *input = NULL, *cluster_opt = NULL, *policy = "all", *svg = NULL, *trace = NULL, *json = NULL;
-  double heads_opt = 0;
-  SchedChoose choose = SCHED_CHOOSE_BEST;
-  for (int i = 2; i < argc; i++) {
-    const char *a = argv[i];
-    if (strcmp(a, "--cluster") == 0 || strcmp(a, "--policy") == 0 || strcmp(a, "--svg") == 0 ||
-        strcmp(a, "--trace") == 0 || strcmp(a, "--json") == 0 || strcmp(a, "--heads") == 0 ||
-        strcmp(a, "--degree") == 0) {
-      if (!need_value(i, argc, argv)) return 2;
-      const char *v = argv[++i];
-      if (strcmp(a, "--degree") == 0) {
-        if (!parse_choose(v, &choose)) return 2;
-      } else if (strcmp(a, "--cluster") == 0) cluster_opt = v;
-      else if (strcmp(a, "--policy") == 0) policy = v;
-      else if (strcmp(a, "--svg") == 0) svg = v;
-      else if (strcmp(a, "--trace") == 0) trace = v;
-      else if (strcmp(a, "--json") == 0) json = v;
-      else if (!parse_positive("--heads", v, &heads_opt)) return 2;
-    } else if (a[0] == '-' && a[1]) {
-      fprintf(stderr, "moec: error: unknown option '%s' for 'moec plan' (see 'moec plan --help')\n", a);
-      return 2;
-    } else if (!input) {
-      input = a;
-    } else {
-      fprintf(stderr, "moec: error: more than one input file ('%s' and '%s')\n", input, a);
-      return 2;
-    }
-  }
-  if (!input) {
-    fprintf(stderr, "moec: error: no input file (usage: moec plan F.moe [--cluster C] [--policy NAME|all])\n");
-    return 2;
-  }
-  IrPolicy shown = IR_POLICY_FSMOE;
-  bool all = strcmp(policy, "all") == 0;
-  if (!all && !ir_policy_parse(policy, &shown)) {
-    const char *near = ir_closest(policy, ir_policy_name, IR_NPOLICIES);
-    fprintf(stderr, "moec: error: unknown policy '%s'%s%s%s (fsmoe, fsmoe-no-iio, tutel, tutel-improved, "
-                    "pipemoe-lina, sequential, all)\n",
-            policy, near ? "; did you mean '" : "", near ? near : "", near ? "'?" : "");
-    return 2;
-  }
+// ---- moec plan: the model, priced from its IR ----
 
-  IrDiag d;
-  ir_diag_init(&d, stderr);
-  IrSource *src = ir_source_read(&d, input);
-  FeProgram *p = src ? fe_load(&d, src) : NULL;
-  if (!p) {
-    ir_source_free(src);
-    return 1;
-  }
-  int status = 1;
-  FeCluster fc;
-  const char *cluster_path = cluster_opt ? cluster_opt : p->cluster_path;
-  PlanLayer *layers = NULL;
-  SchedLayerCost *costs = NULL;
-  int *r_max = NULL;
-  SchedPlan plans[IR_NPOLICIES] = {0};
-  if (!cluster_path) {
-    ir_error(&d, "no cluster profile: pass --cluster C or add a 'cluster \"F\";' statement to %s", input);
-    goto done;
-  }
-  if (!fe_load_cluster(&d, cluster_path, cluster_opt ? (SrcLoc){0} : p->cluster_loc, &fc)) goto done;
+// One MoE layer of the plan, as the report shows it.
+typedef struct PlanLayer {
+  char name[96];   // its forward function's name without ".fwd" (block0, block1, ...)
+  int heads;       // attention modelled in front of it (0: none)
+  bool dropless;   // `capacity *`: compiled for the worst case, every token at one expert
+  double f;        // routed slots per token the program computes over, E * C / S (k * capacity factor)
+} PlanLayer;
+
+typedef struct Plan {
+  IrSource *src;
+  FeProgram *p;
+  IrModule *m;
+  const char *cluster_path;
   SchedCluster cluster;
-  cli_cluster_from_fe(&fc, &cluster);
-
-  int n = 0;
-  for (int i = 0; i < p->nlayers; i++) n += (int)p->layers[i].repeat;
-  layers = calloc((size_t)(n > 0 ? n : 1), sizeof *layers);
-  costs = calloc((size_t)(n > 0 ? n : 1), sizeof *costs);
-  r_max = calloc((size_t)(n > 0 ? n : 1), sizeof *r_max);
-  if (!layers || !costs || !r_max) {
-    ir_error(&d, "out of memory");
-    goto done;
-  }
-  const FeParallel *par = &p->parallel;
-  bool any_attention = false, any_dropless = false;
-  int k = 0;
-  for (int i = 0; i < p->nlayers; i++) {
-    const FeLayer *L = &p->layers[i];
-    for (int rep = 0; rep < L->repeat; rep++, k++) {
-      PlanLayer *pl = &layers[k];
-      snprintf(pl->name, sizeof pl->name, "%s%d", L->name, rep);
-      const FeGate *gate = &L->moe.gate;
-      pl->k = (double)gate->k;
-      pl->dropless = gate->dropless;
-      pl->capacity = gate->dropless ? SCHED_DROPLESS_CAPACITY : gate->capacity;
-      pl->groups = (int)gate->groups;
-      int heads = L->has_attention ? (int)L->heads : (int)heads_opt;
-      any_attention |= heads > 0;
-      any_dropless |= gate->dropless;
-      pl->spec = (SchedLayerSpec){
-          .batch = (double)p->model.batch, .seqlen = (double)p->model.seqlen, .embed = (double)p->model.embed,
-          .hidden = (double)L->moe.experts.hidden, .f = pl->k * pl->capacity, .experts = (int)L->moe.experts.count,
-          .heads = heads, .ffn = strcmp(L->moe.experts.kind, "mixtral") == 0 ? SCHED_FFN_MIXTRAL : SCHED_FFN_GPT,
-          .dp = (int)par->dp, .mp = (int)par->mp, .ep = (int)par->ep, .esp = (int)par->esp};
-      pl->spec.r_max = r_max_of(&pl->spec, pl->k, pl->capacity, pl->spec.experts, pl->groups);
-      r_max[k] = pl->spec.r_max;
-      sched_layer_cost(&pl->spec, &cluster, &costs[k]);
-    }
-  }
-  SchedStack st = {n, costs, r_max, choose};
-  double t0 = now_s();
-  if (!plan_all(&st, plans)) {
-    ir_error(&d, "planning failed (an internal error)");
-    goto done;
-  }
-  double plan_s = now_s() - t0;
+  PassStack stack;              // the pipeline pass's stack (pass_stack), modelled attention added
+  PlanLayer *layers;            // [stack.n]
+  bool model_attention;         // some layer has an `attention` block
+  SchedStack st;
+  SchedPlan plans[IR_NPOLICIES];
+  double plan_s;                // seconds the planner took for every policy
+  double lb, lb_total[SCHED_NRES];
   SchedResource busiest;
-  double lb_total[SCHED_NRES];
-  double lb = sched_lower_bound(&st, &busiest, lb_total);
+} Plan;
 
-  // ---- report ----
-  const SchedPlan *main_plan = &plans[shown];
-  printf("# moec plan %s\n", input);
+static void plan_free(Plan *pl) {
+  free_all(pl->plans);
+  free(pl->layers);
+  pass_stack_free(&pl->stack);
+  ir_module_free(pl->m);
+  fe_program_free(pl->p);
+  ir_source_free(pl->src);
+}
+
+// Reads the model and its cluster profile and lowers the program as `moec build` does, through
+// the build's passes up to `cost`. Attention has no kernels, so the lowering would refuse it:
+// each layer's `heads` becomes the attention the plan models in front of it (its `attention`
+// block's, else --heads, else 0) and the layer is lowered without it. False on error (reported).
+static bool plan_load(IrDiag *d, const PlanOptions *o, Plan *pl) {
+  pl->src = ir_source_read(d, o->input);
+  pl->p = pl->src ? fe_load(d, pl->src) : NULL;
+  if (!pl->p) return false;
+  FeProgram *p = pl->p;
+  pl->cluster_path = o->cluster ? o->cluster : p->cluster_path;
+  if (!pl->cluster_path)
+    return ir_error(d, "no cluster profile: pass --cluster C or add a 'cluster \"F\";' statement to %s", o->input);
+  FeCluster fc;
+  if (!fe_load_cluster(d, pl->cluster_path, o->cluster ? (SrcLoc){0} : p->cluster_loc, &fc)) return false;
+  cli_cluster_from_fe(&fc, &pl->cluster);
+  for (int i = 0; i < p->nlayers; i++) {
+    FeLayer *L = &p->layers[i];
+    pl->model_attention |= L->has_attention;
+    L->heads = L->has_attention ? L->heads : (int64_t)o->heads;
+    L->has_attention = false;
+  }
+  pl->m = fe_lower(d, p, FE_TARGET_ANY);
+  if (!pl->m) return false;
+  if (p->parallel.dp * p->parallel.mp > 1) {   // where the ranks sit, as moec build says it
+    ir_attrs_set_int(pl->m->attrs, &pl->m->nattrs, "gpus_per_node", fc.gpus_per_node);
+    ir_attrs_set_int(pl->m->attrs, &pl->m->nattrs, "nodes", fc.nodes);
+  }
+  PassCtx ctx = {.d = d, .log = stderr, .stop_after = "cost", .cluster = &pl->cluster};
+  bool ok = pass_run_pipeline(pl->m, &ctx);
+  pass_ctx_free(&ctx);
+  return ok;
+}
+
+// The layer item of the program with the instance whose forward function is fwd_name
+// ("block1.fwd"); NULL if none.
+static const FeLayer *source_layer(const FeProgram *p, const char *fwd_name) {
+  char name[160];
+  for (int i = 0; i < p->nlayers; i++)
+    for (int rep = 0; rep < p->layers[i].repeat; rep++) {
+      snprintf(name, sizeof name, "%s%d.fwd", p->layers[i].name, rep);
+      if (strcmp(name, fwd_name) == 0) return &p->layers[i];
+    }
+  return NULL;
+}
+
+// Adds the dense attention part of L->heads heads to a layer's costs (DESIGN §6's formulas).
+static void add_attention(const FeProgram *p, const FeLayer *L, const SchedCluster *c, SchedLayerCost *cost) {
+  SchedLayerSpec s = {.batch = (double)p->model.batch, .seqlen = (double)p->model.seqlen,
+                      .embed = (double)p->model.embed, .heads = (int)L->heads,
+                      .ffn = strcmp(L->moe.experts.kind, "mixtral") == 0 ? SCHED_FFN_MIXTRAL : SCHED_FFN_GPT,
+                      .dp = (int)p->parallel.dp, .mp = (int)p->parallel.mp};
+  double t_att, n_grad;
+  sched_attention(&s, c, &t_att, &n_grad);
+  cost->phase[SCHED_FWD].t_att += t_att;
+  cost->phase[SCHED_BWD].t_att += 2 * t_att;
+  cost->n_grad += n_grad;
+}
+
+// E * C / S: the expert region's [E, C, M] slots over the tokens S the layer routes on this
+// rank (its input's rows, split over mp).
+static double slots_per_token(const IrModule *m, const PassLayer *l) {
+  IrValue *entry, *exit;
+  const IrFunc *f = l->fwd;
+  if (f->nargs < 1 || !pass_expert_region(f, &entry, &exit)) return 0;
+  double tokens = (double)f->args[0]->type.dim[0] / (double)ir_mod_int(m, "mp", 1);
+  return tokens > 0 ? (double)entry->type.dim[0] * (double)entry->type.dim[1] / tokens : 0;
+}
+
+// The build's stack of the module (pass_stack), each layer's modelled attention added, planned
+// for every policy. False on error (reported).
+static bool plan_stack(IrDiag *d, const PlanOptions *o, Plan *pl) {
+  if (!pass_stack(pl->m, &pl->cluster, &pl->stack)) return ir_error(d, "out of memory");
+  int n = pl->stack.n;
+  pl->layers = calloc((size_t)(n > 0 ? n : 1), sizeof *pl->layers);
+  if (!pl->layers) return ir_error(d, "out of memory");
+  for (int i = 0; i < n; i++) {
+    const PassLayer *l = &pl->stack.layer[i];
+    PlanLayer *out = &pl->layers[i];
+    snprintf(out->name, sizeof out->name, "%.*s", (int)strlen(l->name) - 4, l->name);
+    const FeLayer *L = source_layer(pl->p, l->name);
+    if (!L) return ir_error(d, "layer '%s' of the IR is not in the model (an internal error)", out->name);
+    out->heads = (int)L->heads;
+    if (out->heads > 0) add_attention(pl->p, L, &pl->cluster, &pl->stack.cost[i]);
+    SchedLayerCost unused;
+    int r_max;
+    out->dropless = pass_dropless_at(&pl->stack, i, 1.0, &unused, &r_max);
+    out->f = slots_per_token(pl->m, l);
+  }
+  pl->st = (SchedStack){n, pl->stack.cost, pl->stack.r_max, o->choose};
+  double t0 = now_s();
+  if (!plan_all(&pl->st, pl->plans)) return ir_error(d, "planning failed (an internal error)");
+  pl->plan_s = now_s() - t0;
+  pl->lb = sched_lower_bound(&pl->st, &pl->busiest, pl->lb_total);
+  return true;
+}
+
+// ---- moec plan: the report ----
+
+typedef struct Bucket {
+  double capacity;
+  int r_fwd, r_bwd;
+} Bucket;
+
+static const double bucket_capacity[] = {1.0, 1.25, 1.5, 2.0, 3.0, 4.0};
+enum { NBUCKETS = sizeof bucket_capacity / sizeof bucket_capacity[0] };
+
+// fsmoe's degrees for dropless layer i were its gate at each capacity bucket (pass_dropless_at;
+// the plan's gradient load kept).
+static void dropless_buckets(const Plan *pl, int i, const SchedLayerPlan *lp, Bucket out[NBUCKETS]) {
+  for (int b = 0; b < NBUCKETS; b++) {
+    SchedLayerCost cost;
+    int r_max;
+    pass_dropless_at(&pl->stack, i, bucket_capacity[b], &cost, &r_max);
+    SchedLayerPlan bp = {0};
+    sched_fsmoe_degree(&cost, r_max, SCHED_FWD, 0, pl->st.choose, &bp);
+    sched_fsmoe_degree(&cost, r_max, SCHED_BWD, lp->grad_moe, pl->st.choose, &bp);
+    out[b] = (Bucket){bucket_capacity[b], bp.r[SCHED_FWD], bp.r[SCHED_BWD]};
+  }
+}
+
+static void json_str(FILE *f, const char *s) {
+  fputc('"', f);
+  for (; s && *s; s++) {
+    if (*s == '"' || *s == '\\') fprintf(f, "\\%c", *s);
+    else if ((unsigned char)*s < 0x20) fprintf(f, "\\u%04x", (unsigned char)*s);
+    else fputc(*s, f);
+  }
+  fputc('"', f);
+}
+
+// A finite number for JSON (NaN and infinities are not JSON).
+static double jnum(double v) { return isfinite(v) ? v : -1; }
+
+// One policy's per-layer plan in the JSON.
+static void json_policy_layers(FILE *f, const Plan *pl, int p) {
+  for (int i = 0; i < pl->st.n; i++) {
+    const SchedLayerPlan *lp = &pl->plans[p].layer[i];
+    fprintf(f, "%s\n       {\"index\": %d", i ? "," : "", i);
+    for (int ph = 0; ph < 2; ph++) {
+      fprintf(f, ", \"%s\": {\"r\": %d, \"model_ms\": %.9g", ph ? "backward" : "forward", lp->r[ph],
+              jnum(lp->t_model[ph]));
+      if (p == IR_POLICY_FSMOE)
+        fprintf(f,
+                ", \"chosen_by\": \"%s\", \"case\": %d, \"r_slsqp\": %d, \"r_exhaustive\": %d, \"r_simulator\": %d,"
+                " \"sim_ms_slsqp\": %.9g, \"sim_ms_exhaustive\": %.9g, \"sim_ms_simulator\": %.9g",
+                lp->chosen_by[ph], lp->kase[ph], lp->r_slsqp[ph], lp->r_exhaustive[ph], lp->r_sim[ph],
+                jnum(lp->t_sim_slsqp[ph]), jnum(lp->t_sim_exhaustive[ph]), jnum(lp->t_sim_sim[ph]));
+      if (ph == SCHED_BWD)
+        fprintf(f, ", \"t_gar_ms\": %.9g, \"gradient_elements\": {\"moe_slot\": %.0f, \"dense_slot\": %.0f}",
+                lp->t_gar, lp->grad_moe, lp->grad_dense);
+      fputc('}', f);
+    }
+    if (p == IR_POLICY_FSMOE && pl->layers[i].dropless) {
+      Bucket b[NBUCKETS];
+      dropless_buckets(pl, i, lp, b);
+      fprintf(f, ", \"dropless_buckets\": [");
+      for (int k = 0; k < NBUCKETS; k++)
+        fprintf(f, "%s{\"capacity_at_most\": %g, \"r_fwd\": %d, \"r_bwd\": %d}", k ? ", " : "", b[k].capacity,
+                b[k].r_fwd, b[k].r_bwd);
+      fputc(']', f);
+    }
+    fputc('}', f);
+  }
+}
+
+static bool write_json(const char *path, const Plan *pl) {
+  FILE *f = fopen(path, "w");
+  if (!f) return false;
+  const SchedPlan *tutel = &pl->plans[IR_POLICY_TUTEL], *seq = &pl->plans[IR_POLICY_SEQUENTIAL];
+  const FeParallel *par = &pl->p->parallel;
+  const SchedCluster *c = &pl->cluster;
+  fprintf(f, "{\n  \"format\": \"moec-plan-1\",\n  \"model\": ");
+  json_str(f, pl->p->model.name);
+  fprintf(f, ",\n  \"cluster\": {\"name\": ");
+  json_str(f, c->name);
+  fprintf(f, ", \"path\": ");
+  json_str(f, pl->cluster_path);
+  fprintf(f, ", \"nodes\": %d, \"gpus_per_node\": %d},\n", c->nodes, c->gpus_per_node);
+  fprintf(f, "  \"parallel\": {\"dp\": %lld, \"mp\": %lld, \"ep\": %lld, \"esp\": %lld},\n", (long long)par->dp,
+          (long long)par->mp, (long long)par->ep, (long long)par->esp);
+  fprintf(f, "  \"units\": {\"time\": \"ms\", \"gradient\": \"elements (fp32, %g bytes each)\"},\n", SCHED_GRAD_BYTES);
+  fprintf(f, "  \"lower_bound_ms\": %.9g, \"busiest_resource\": \"%s\",\n", pl->lb, sched_resource_name[pl->busiest]);
+  fprintf(f, "  \"resource_totals_ms\": {\"compute\": %.9g, \"intra\": %.9g, \"inter\": %.9g},\n",
+          pl->lb_total[SCHED_RES_COMPUTE], pl->lb_total[SCHED_RES_INTRA], pl->lb_total[SCHED_RES_INTER]);
+  fprintf(f, "  \"layers\": [");
+  for (int i = 0; i < pl->st.n; i++) {
+    const SchedLayerCost *cost = &pl->st.cost[i];
+    fprintf(f, "%s\n    {\"index\": %d, \"name\": ", i ? "," : "", i);
+    json_str(f, pl->layers[i].name);
+    fprintf(f, ", \"f\": %.9g, \"dropless\": %s, \"r_max\": %d, \"dense_gradient_elements\": %.0f,", pl->layers[i].f,
+            pl->layers[i].dropless ? "true" : "false", pl->st.r_max[i], cost->n_grad);
+    fprintf(f, " \"t_attention_ms\": [%.9g, %.9g]}", cost->phase[0].t_att, cost->phase[1].t_att);
+  }
+  fprintf(f, "\n  ],\n  \"policies\": [");
+  for (int p = 0; p < IR_NPOLICIES; p++) {
+    const SchedPlan *plan = &pl->plans[p];
+    fprintf(f, "%s\n    {\"name\": \"%s\", \"forward_ms\": %.9g, \"backward_ms\": %.9g, \"iteration_ms\": %.9g,",
+            p ? "," : "", ir_policy_name[p], plan->t_fwd, plan->t_bwd, plan->t_iter);
+    fprintf(f, " \"speedup_vs_tutel\": %.9g, \"speedup_vs_sequential\": %.9g, \"gap_to_lower_bound\": %.9g,",
+            jnum(tutel->t_iter / plan->t_iter), jnum(seq->t_iter / plan->t_iter), jnum(plan->t_iter / pl->lb - 1));
+    fprintf(f, "\n     \"gradient_partition\": ");
+    json_str(f, plan->partition);
+    fprintf(f, ", \"tail_gradient_elements\": %.0f,\n     \"layers\": [", plan->grad_tail);
+    json_policy_layers(f, pl, p);
+    fprintf(f, "\n     ]}");
+  }
+  fprintf(f, "\n  ]\n}\n");
+  return fclose(f) == 0;
+}
+
+static bool write_timeline(const char *path, const SchedStack *st, const SchedPlan *plan, bool svg,
+                           const char *title) {
+  SchedProgram g = {0};
+  if (!sched_build_program(st, plan, &g) || !sched_simulate(&g)) {
+    sched_program_free(&g);
+    return false;
+  }
+  FILE *f = fopen(path, "w");
+  bool ok = f && (svg ? sched_write_svg(f, &g, title) : sched_write_trace(f, &g, title));
+  if (f && fclose(f) != 0) ok = false;
+  sched_program_free(&g);
+  return ok;
+}
+
+// The lines above the layer table: model, layout, cluster and how the numbers were made.
+static void print_header(const PlanOptions *o, const Plan *pl) {
+  const FeProgram *p = pl->p;
+  const FeParallel *par = &p->parallel;
+  int n = pl->st.n, attention = 0;
+  bool any_dropless = false;
+  for (int i = 0; i < n; i++) {
+    attention += pl->layers[i].heads > 0;
+    any_dropless |= pl->layers[i].dropless;
+  }
+  printf("# moec plan %s\n", o->input);
   printf("# model %s: B %lld, L %lld, M %lld; %d generalized layer%s\n", p->model.name, (long long)p->model.batch,
          (long long)p->model.seqlen, (long long)p->model.embed, n, n == 1 ? "" : "s");
   printf("# parallel: dp %lld, mp %lld, ep %lld, esp %lld (P = %lld)\n", (long long)par->dp, (long long)par->mp,
          (long long)par->ep, (long long)par->esp, (long long)(par->dp * par->mp));
-  printf("# cluster %s (%s): %d nodes x %d GPUs\n", cluster.name, cluster_path, cluster.nodes, cluster.gpus_per_node);
-  if (!any_attention) printf("# no attention in the model (and no --heads): dense time and dense gradients are 0\n");
+  printf("# cluster %s (%s): %d nodes x %d GPUs\n", pl->cluster.name, pl->cluster_path, pl->cluster.nodes,
+         pl->cluster.gpus_per_node);
+  if (!attention)
+    printf("# no attention in the model (and no --heads): dense time is the layers' GEMMs outside the experts "
+           "(gate, dense dispatch), dense gradient the gates'\n");
+  else
+    printf("# attention in front of %d of %d layers (%s%s%s), modelled by DESIGN section 6's formulas: the compiled "
+           "program has none\n", attention, n, pl->model_attention ? "the model's attention blocks" : "",
+           pl->model_attention && o->heads > 0 ? ", else " : "", o->heads > 0 ? "--heads" : "");
   if (any_dropless)
-    printf("# dropless layers planned at capacity %.2f; per-bucket degrees follow the layer table\n",
-           SCHED_DROPLESS_CAPACITY);
-  printf("# times in ms (predicted by the cluster profile's fits); gradients in elements, MB at %g bytes each\n",
-         SCHED_GRAD_BYTES);
+    printf("# dropless layers planned at the capacity the program computes over (every token at one expert); "
+           "per-bucket degrees follow the layer table\n");
+  printf("# times in ms (the cluster profile's fits over the program's GEMMs and collectives, priced as moec build "
+         "prices them); gradients in elements, MB at %g bytes each\n", SCHED_GRAD_BYTES);
   printf("# a chunk is 1/r of the capacity (T tokens per expert, split as evenly as integers allow); r <= min(%d, T)\n",
          SCHED_R_MAX);
-  bool fsmoe_shown = shown == IR_POLICY_FSMOE;
-  printf("# per-layer plan of %s (r: pipeline degree per phase, forward/backward", ir_policy_name[shown]);
+}
+
+// The per-layer plan of the shown policy, then the dropless layers' buckets (fsmoe).
+static void print_layer_table(const PlanOptions *o, const Plan *pl) {
+  const SchedPlan *main_plan = &pl->plans[o->shown];
+  int n = pl->st.n;
+  bool fsmoe_shown = o->shown == IR_POLICY_FSMOE;
+  printf("# per-layer plan of %s (r: pipeline degree per phase, forward/backward", ir_policy_name[o->shown]);
   if (fsmoe_shown)
     printf(";\n#   slsqp / model / sim: Algorithm 1 by SLSQP, by scanning the case model, and the simulator's\n"
            "#   own best r; used (--degree %s): %s; 'by' says which; case: of the chosen r",
-           sched_choose_name[choose], choose == SCHED_CHOOSE_BEST ? "the fastest in simulation" : "as asked");
+           sched_choose_name[o->choose], o->choose == SCHED_CHOOSE_BEST ? "the fastest in simulation" : "as asked");
   printf(";\n#   grad moe/dense: gradient elements all-reduced inside the backward MoE / during the dense backward)\n");
   printf("%-16s %5s %5s", "layer", "r_fwd", "r_bwd");
   if (fsmoe_shown) printf(" %7s %7s %7s %-21s %5s", "slsqp", "model", "sim", "by fwd/bwd", "case");
   printf(" %9s %12s %12s %9s\n", "t_gar_ms", "grad_moe", "grad_dense", "grad_MB");
   for (int i = 0; i < n; i++) {
     const SchedLayerPlan *lp = &main_plan->layer[i];
-    printf("%-16s %5d %5d", layers[i].name, lp->r[0], lp->r[1]);
+    printf("%-16s %5d %5d", pl->layers[i].name, lp->r[0], lp->r[1]);
     if (fsmoe_shown) {
       char sl[16], ex[16], sm[16], by[32], cs[16];
       snprintf(sl, sizeof sl, "%d/%d", lp->r_slsqp[0], lp->r_slsqp[1]);
@@ -413,53 +508,73 @@ int cli_plan(int argc, char **argv) {
            (lp->grad_moe + lp->grad_dense) * SCHED_GRAD_BYTES / 1e6);
   }
   double total_grad = 0;
-  for (int i = 0; i < n; i++) total_grad += costs[i].n_grad;
+  for (int i = 0; i < n; i++) total_grad += pl->st.cost[i].n_grad;
   printf("# dense gradient %.0f elements (%.2f MB); after the backward pass: %.0f (%.2f MB); placement: %s\n",
          total_grad, total_grad * SCHED_GRAD_BYTES / 1e6, main_plan->grad_tail,
          main_plan->grad_tail * SCHED_GRAD_BYTES / 1e6,
          total_grad <= 0 ? "nothing to all-reduce" : main_plan->partition ? main_plan->partition : "-");
-  if (shown == IR_POLICY_FSMOE)
-    for (int i = 0; i < n; i++) {
-      if (!layers[i].dropless) continue;
-      Bucket b[NBUCKETS];
-      dropless_buckets(&layers[i], &cluster, &main_plan->layer[i], choose, b);
-      printf("# dropless %s: capacity bucket -> r_fwd/r_bwd:", layers[i].name);
-      for (int j = 0; j < NBUCKETS; j++) printf("  <=%g: %d/%d", b[j].capacity, b[j].r_fwd, b[j].r_bwd);
-      printf("\n");
-    }
+  if (!fsmoe_shown) return;
+  for (int i = 0; i < n; i++) {
+    if (!pl->layers[i].dropless) continue;
+    Bucket b[NBUCKETS];
+    dropless_buckets(pl, i, &main_plan->layer[i], b);
+    printf("# dropless %s: capacity bucket -> r_fwd/r_bwd:", pl->layers[i].name);
+    for (int j = 0; j < NBUCKETS; j++) printf("  <=%g: %d/%d", b[j].capacity, b[j].r_fwd, b[j].r_bwd);
+    printf("\n");
+  }
+}
+
+// Every policy's predicted step (or the shown one beside tutel and sequential) and the lower bound.
+static void print_policy_table(const PlanOptions *o, const Plan *pl) {
+  const SchedPlan *plans = pl->plans;
   printf("#\n%-16s %10s %10s %10s %9s %9s %9s\n", "policy", "fwd_ms", "bwd_ms", "iter_ms", "vs_tutel", "vs_seq",
          "gap_lb");
   for (int q = 0; q < IR_NPOLICIES; q++) {
-    if (!all && q != (int)shown && q != IR_POLICY_TUTEL && q != IR_POLICY_SEQUENTIAL) continue;
-    const SchedPlan *pl = &plans[q];
-    printf("%-16s %10.3f %10.3f %10.3f %8.3fx %8.3fx %8.1f%%\n", ir_policy_name[q], pl->t_fwd, pl->t_bwd,
-           pl->t_iter, plans[IR_POLICY_TUTEL].t_iter / pl->t_iter, plans[IR_POLICY_SEQUENTIAL].t_iter / pl->t_iter,
-           100 * (pl->t_iter / lb - 1));
+    if (!o->all && q != (int)o->shown && q != IR_POLICY_TUTEL && q != IR_POLICY_SEQUENTIAL) continue;
+    const SchedPlan *plan = &plans[q];
+    printf("%-16s %10.3f %10.3f %10.3f %8.3fx %8.3fx %8.1f%%\n", ir_policy_name[q], plan->t_fwd, plan->t_bwd,
+           plan->t_iter, plans[IR_POLICY_TUTEL].t_iter / plan->t_iter,
+           plans[IR_POLICY_SEQUENTIAL].t_iter / plan->t_iter, 100 * (plan->t_iter / pl->lb - 1));
   }
-  printf("# lower bound %.3f ms: busiest resource %s (compute %.3f, intra %.3f, inter %.3f ms at r = 1)\n", lb,
-         sched_resource_name[busiest], lb_total[SCHED_RES_COMPUTE], lb_total[SCHED_RES_INTRA],
-         lb_total[SCHED_RES_INTER]);
-  printf("# planned %d policies in %.3f ms\n", IR_NPOLICIES, plan_s * 1e3);
+  printf("# lower bound %.3f ms: busiest resource %s (compute %.3f, intra %.3f, inter %.3f ms at r = 1)\n", pl->lb,
+         sched_resource_name[pl->busiest], pl->lb_total[SCHED_RES_COMPUTE], pl->lb_total[SCHED_RES_INTRA],
+         pl->lb_total[SCHED_RES_INTER]);
+  printf("# planned %d policies in %.3f ms\n", IR_NPOLICIES, pl->plan_s * 1e3);
+}
 
+// --svg, --trace and --json; false if one could not be written (reported).
+static bool write_outputs(IrDiag *d, const PlanOptions *o, const Plan *pl) {
+  const SchedPlan *main_plan = &pl->plans[o->shown];
   char title[256];
-  snprintf(title, sizeof title, "%s on %s: %s", p->model.name, cluster.name, ir_policy_name[shown]);
+  snprintf(title, sizeof title, "%s on %s: %s", pl->p->model.name, pl->cluster.name, ir_policy_name[o->shown]);
   bool ok = true;
-  if (svg && !write_timeline(svg, &st, main_plan, true, title)) ok = ir_error(&d, "cannot write '%s'", svg);
-  if (trace && !write_timeline(trace, &st, main_plan, false, title)) ok = ir_error(&d, "cannot write '%s'", trace);
-  if (json && !write_json(json, p->model.name, cluster_path, &cluster, par, layers, &st, plans, lb, busiest, lb_total))
-    ok = ir_error(&d, "cannot write '%s'", json);
-  if (svg && ok) printf("# wrote %s\n", svg);
-  if (trace && ok) printf("# wrote %s\n", trace);
-  if (json && ok) printf("# wrote %s\n", json);
-  printf(ok ? "OK\n" : "FAILED\n");
-  status = ok ? 0 : 1;
-done:
-  free_all(plans);
-  free(layers);
-  free(costs);
-  free(r_max);
-  fe_program_free(p);
-  ir_source_free(src);
+  if (o->svg && !write_timeline(o->svg, &pl->st, main_plan, true, title)) ok = ir_error(d, "cannot write '%s'", o->svg);
+  if (o->trace && !write_timeline(o->trace, &pl->st, main_plan, false, title))
+    ok = ir_error(d, "cannot write '%s'", o->trace);
+  if (o->json && !write_json(o->json, pl)) ok = ir_error(d, "cannot write '%s'", o->json);
+  if (o->svg && ok) printf("# wrote %s\n", o->svg);
+  if (o->trace && ok) printf("# wrote %s\n", o->trace);
+  if (o->json && ok) printf("# wrote %s\n", o->json);
+  return ok;
+}
+
+int cli_plan(int argc, char **argv) {
+  IrDiag d;
+  ir_diag_init(&d, stderr);
+  PlanOptions o;
+  int usage = parse_plan_options(argc, argv, &o);
+  if (usage) return usage;
+  Plan pl = {0};
+  int status = 1;
+  if (plan_load(&d, &o, &pl) && plan_stack(&d, &o, &pl)) {
+    print_header(&o, &pl);
+    print_layer_table(&o, &pl);
+    print_policy_table(&o, &pl);
+    bool ok = write_outputs(&d, &o, &pl);
+    printf(ok ? "OK\n" : "FAILED\n");
+    status = ok ? 0 : 1;
+  }
+  plan_free(&pl);
   return status;
 }
 
@@ -508,136 +623,130 @@ static void explain(const SchedPlan *fs, const SchedPlan *other, char *buf, size
   }
 }
 
-int cli_sweep(int argc, char **argv) {
-  const char *cluster_path = NULL;
-  bool quick = false;
-  double seqlens[3] = {0}, dropless_capacity = SCHED_DROPLESS_CAPACITY;
-  bool have_seqlens = false;
-  SchedChoose choose = SCHED_CHOOSE_BEST;
+typedef struct SweepOptions {
+  const char *cluster_path;
+  bool quick;
+  double seqlens[3];          // all 0: the cluster's Table 4 ones
+  double dropless_capacity;
+  SchedChoose choose;
+} SweepOptions;
+
+// Options of `moec sweep`; 0, or 2 on a usage error (already reported).
+static int parse_sweep_options(int argc, char **argv, SweepOptions *o) {
+  *o = (SweepOptions){.dropless_capacity = SCHED_DROPLESS_CAPACITY, .choose = SCHED_CHOOSE_BEST};
   for (int i = 2; i < argc; i++) {
     const char *a = argv[i];
     if (strcmp(a, "--degree") == 0) {
-      if (!need_value(i, argc, argv) || !parse_choose(argv[++i], &choose)) return 2;
+      if (!need_value(i, argc, argv) || !parse_choose(argv[++i], &o->choose)) return 2;
     } else if (strcmp(a, "--cluster") == 0) {
       if (!need_value(i, argc, argv)) return 2;
-      cluster_path = argv[++i];
+      o->cluster_path = argv[++i];
     } else if (strcmp(a, "--quick") == 0) {
-      quick = true;
+      o->quick = true;
     } else if (strcmp(a, "--seqlens") == 0) {
       if (!need_value(i, argc, argv)) return 2;
-      if (!parse_seqlens(argv[++i], seqlens)) {
+      if (!parse_seqlens(argv[++i], o->seqlens)) {
         fprintf(stderr, "moec: error: --seqlens takes three sequence lengths, e.g. 512,1024,2048\n");
         return 2;
       }
-      have_seqlens = true;
     } else if (strcmp(a, "--dropless-capacity") == 0) {
-      if (!need_value(i, argc, argv) || !parse_positive(a, argv[++i], &dropless_capacity)) return 2;
+      if (!need_value(i, argc, argv) || !parse_positive(a, argv[++i], &o->dropless_capacity)) return 2;
     } else {
       fprintf(stderr, "moec: error: unknown %s '%s' for 'moec sweep' (see 'moec sweep --help')\n",
               a[0] == '-' ? "option" : "argument", a);
       return 2;
     }
   }
-  if (!cluster_path) {
+  if (!o->cluster_path) {
     fprintf(stderr, "moec: error: moec sweep needs --cluster C (e.g. lang/clusters/testbed-a.cluster)\n");
     return 2;
   }
-  IrDiag d;
-  ir_diag_init(&d, stderr);
-  FeCluster fc;
-  if (!fe_load_cluster(&d, cluster_path, (SrcLoc){0}, &fc)) return 1;
-  SchedCluster cluster;
-  cli_cluster_from_fe(&fc, &cluster);
-  int testbed = strncmp(cluster.name, "testbed_a", 9) == 0 ? 'a' : strncmp(cluster.name, "testbed_b", 9) == 0 ? 'b' : 0;
-  if (!have_seqlens) sched_table4_seqlens(&cluster, seqlens);
-  int gpn = cluster.gpus_per_node, world = cluster.nodes * cluster.gpus_per_node;
+  return 0;
+}
 
+static void print_sweep_header(const SweepOptions *o, const SchedCluster *c) {
+  int gpn = c->gpus_per_node, world = c->nodes * c->gpus_per_node;
   printf("# moec sweep: Table 4 of the FSMoE paper, each case a stack of 2 identical generalized layers,\n"
          "#   forward + backward, every policy planned and simulated\n");
-  printf("# cluster %s (%s): %d nodes x %d GPUs; mp = esp = %d, ep = dp = experts = %d (P = %d)\n", cluster.name,
-         cluster_path, cluster.nodes, gpn, gpn, cluster.nodes, world);
+  printf("# cluster %s (%s): %d nodes x %d GPUs; mp = esp = %d, ep = dp = experts = %d (P = %d)\n", c->name,
+         o->cluster_path, c->nodes, gpn, gpn, c->nodes, world);
   printf("# B {1,2,4}, heads {8,16,32}, L {%g,%g,%g}, M {1024,2048,4096}, H = hscale*M {2,3,4}, "
          "f {1.2, 2.4, *}, ffn {gpt, mixtral}\n",
-         seqlens[0], seqlens[1], seqlens[2]);
-  printf("# f = * (dropless) is modelled as top-2 at capacity %.2f: f = %.2f\n", dropless_capacity,
-         2 * dropless_capacity);
-  printf("# fsmoe's degree: %s\n", choose == SCHED_CHOOSE_BEST ? "the fastest in simulation of SLSQP's, the model's "
-                                                                  "and the simulator's answers"
-                                    : choose == SCHED_CHOOSE_SLSQP ? "Algorithm 1 with SLSQP (the paper's method)"
-                                    : choose == SCHED_CHOOSE_MODEL ? "the case model's integer optimum"
-                                                                   : "the simulator's own best r");
+         o->seqlens[0], o->seqlens[1], o->seqlens[2]);
+  printf("# f = * (dropless) is modelled as top-2 at capacity %.2f: f = %.2f\n", o->dropless_capacity,
+         2 * o->dropless_capacity);
+  printf("# fsmoe's degree: %s\n", o->choose == SCHED_CHOOSE_BEST ? "the fastest in simulation of SLSQP's, the model's "
+                                                                     "and the simulator's answers"
+                                    : o->choose == SCHED_CHOOSE_SLSQP ? "Algorithm 1 with SLSQP (the paper's method)"
+                                    : o->choose == SCHED_CHOOSE_MODEL ? "the case model's integer optimum"
+                                                                      : "the simulator's own best r");
   printf("# iteration times in ms; speedup = tutel / fsmoe; r_b: backward degree of layer 1 / layer 0\n");
-  if (!quick)
+  if (!o->quick)
     printf("%5s %2s %5s %5s %5s %2s %4s %-7s %3s %5s %10s %10s %10s %10s %10s %10s %8s\n", "case", "B", "heads", "L",
            "M", "hs", "f", "ffn", "r_f", "r_b", "sequential", "tutel", "tutel-imp", "lina", "no-iio", "fsmoe",
            "speedup");
+}
 
-  double sum_speedup[IR_NPOLICIES] = {0}, sum_vs_seq[IR_NPOLICIES] = {0};
-  int wins[IR_NPOLICIES] = {0}, rdiff = 0, ncases = 0, nexc = 0;
-  char (*exc)[400] = calloc(SCHED_TABLE4_CASES, sizeof *exc);
-  if (!exc) return 1;
-  bool progress = isatty(STDOUT_FILENO) && isatty(STDERR_FILENO);
-  bool ok = true;
-  double t0 = now_s();
-  for (int id = 0; id < SCHED_TABLE4_CASES && ok; id++) {
-    SchedTable4Case tc;
-    SchedLayerSpec spec;
-    sched_table4_case(id, &cluster, seqlens, dropless_capacity, &tc, &spec);
-    SchedLayerCost cost[2];
-    sched_layer_cost(&spec, &cluster, &cost[0]);
-    cost[1] = cost[0];
-    int rm[2] = {spec.r_max, spec.r_max};
-    SchedStack st = {2, cost, rm, choose};
-    SchedPlan plans[IR_NPOLICIES];
-    if (!plan_all(&st, plans)) {
-      ok = false;
-      free_all(plans);
-      break;
-    }
-    const SchedPlan *f = &plans[IR_POLICY_FSMOE];
-    double tt = plans[IR_POLICY_TUTEL].t_iter, ts = plans[IR_POLICY_SEQUENTIAL].t_iter;
-    int fastest = 0;   // ties (within rounding) go to the lower policy index, fsmoe first
-    for (int q = 0; q < IR_NPOLICIES; q++) {
-      sum_speedup[q] += tt / plans[q].t_iter;
-      sum_vs_seq[q] += ts / plans[q].t_iter;
-      if (plans[q].t_iter < plans[fastest].t_iter * (1 - 1e-9)) fastest = q;
-    }
-    wins[fastest]++;
-    bool differ = false;
-    for (int i = 0; i < 2; i++) differ |= f->layer[i].r[SCHED_FWD] != f->layer[i].r[SCHED_BWD];
-    rdiff += differ;
-    if (fastest != IR_POLICY_FSMOE) {
-      char why[300];
-      explain(f, &plans[fastest], why, sizeof why);
-      snprintf(exc[nexc++], sizeof exc[0], "%5d %-14s %6.2f%% faster: %s", id, ir_policy_name[fastest],
-               100 * (f->t_iter / plans[fastest].t_iter - 1), why);
-    }
-    if (!quick) {
-      char rb[16];
-      snprintf(rb, sizeof rb, "%d/%d", f->layer[1].r[SCHED_BWD], f->layer[0].r[SCHED_BWD]);
-      printf("%5d %2g %5d %5g %5g %2g %4s %-7s %3d %5s %10.3f %10.3f %10.3f %10.3f %10.3f %10.3f %7.3fx\n", id,
-             tc.batch, tc.heads, tc.seqlen, tc.embed, tc.hscale, tc.dropless ? "*" : tc.f < 2 ? "1.2" : "2.4",
-             tc.ffn == SCHED_FFN_MIXTRAL ? "mixtral" : "gpt", f->layer[0].r[SCHED_FWD], rb, ts, tt,
-             plans[IR_POLICY_TUTEL_IMPROVED].t_iter, plans[IR_POLICY_PIPEMOE_LINA].t_iter, plans[IR_POLICY_FSMOE_NO_IIO].t_iter,
-             f->t_iter, tt / f->t_iter);
-    }
+// What the sweep adds up over the cases.
+typedef struct SweepTotals {
+  double sum_speedup[IR_NPOLICIES], sum_vs_seq[IR_NPOLICIES];
+  int wins[IR_NPOLICIES];
+  int rdiff;              // cases where fsmoe's r_fwd != r_bwd in some layer
+  int ncases, nexc;
+  char (*exc)[400];       // [nexc]: the cases fsmoe is not the fastest on, with why
+} SweepTotals;
+
+// Plans and simulates Table 4 case `id` under every policy, adds it to the totals and (without
+// --quick) prints its row. False when the planner failed (an internal error).
+static bool sweep_case(int id, const SweepOptions *o, const SchedCluster *cluster, SweepTotals *t) {
+  SchedTable4Case tc;
+  SchedLayerSpec spec;
+  sched_table4_case(id, cluster, o->seqlens, o->dropless_capacity, &tc, &spec);
+  SchedLayerCost cost[2];
+  sched_layer_cost(&spec, cluster, &cost[0]);
+  cost[1] = cost[0];
+  int rm[2] = {spec.r_max, spec.r_max};
+  SchedStack st = {2, cost, rm, o->choose};
+  SchedPlan plans[IR_NPOLICIES];
+  if (!plan_all(&st, plans)) {
     free_all(plans);
-    ncases++;
-    if (progress && (ncases % 18 == 0 || ncases == SCHED_TABLE4_CASES)) {
-      int w = 40, filled = ncases * w / SCHED_TABLE4_CASES;
-      fprintf(stderr, "\r[%.*s%*s] %4d/%d", filled, "========================================", w - filled, "", ncases,
-              SCHED_TABLE4_CASES);
-      if (ncases == SCHED_TABLE4_CASES) fputc('\n', stderr);
-    }
+    return false;
   }
-  double elapsed = now_s() - t0;
-  if (!ok) {
-    free(exc);
-    ir_error(&d, "planning failed (an internal error)");
-    printf("FAILED\n");
-    return 1;
+  const SchedPlan *f = &plans[IR_POLICY_FSMOE];
+  double tt = plans[IR_POLICY_TUTEL].t_iter, ts = plans[IR_POLICY_SEQUENTIAL].t_iter;
+  int fastest = 0;   // ties (within rounding) go to the lower policy index, fsmoe first
+  for (int q = 0; q < IR_NPOLICIES; q++) {
+    t->sum_speedup[q] += tt / plans[q].t_iter;
+    t->sum_vs_seq[q] += ts / plans[q].t_iter;
+    if (plans[q].t_iter < plans[fastest].t_iter * (1 - 1e-9)) fastest = q;
   }
-  printf("#\n# average speedup over tutel, %d cases (paper: Table 5, %s)\n", ncases,
+  t->wins[fastest]++;
+  bool differ = false;
+  for (int i = 0; i < 2; i++) differ |= f->layer[i].r[SCHED_FWD] != f->layer[i].r[SCHED_BWD];
+  t->rdiff += differ;
+  if (fastest != IR_POLICY_FSMOE) {
+    char why[300];
+    explain(f, &plans[fastest], why, sizeof why);
+    snprintf(t->exc[t->nexc++], sizeof t->exc[0], "%5d %-14s %6.2f%% faster: %s", id, ir_policy_name[fastest],
+             100 * (f->t_iter / plans[fastest].t_iter - 1), why);
+  }
+  if (!o->quick) {
+    char rb[16];
+    snprintf(rb, sizeof rb, "%d/%d", f->layer[1].r[SCHED_BWD], f->layer[0].r[SCHED_BWD]);
+    printf("%5d %2g %5d %5g %5g %2g %4s %-7s %3d %5s %10.3f %10.3f %10.3f %10.3f %10.3f %10.3f %7.3fx\n", id,
+           tc.batch, tc.heads, tc.seqlen, tc.embed, tc.hscale, tc.dropless ? "*" : tc.f < 2 ? "1.2" : "2.4",
+           tc.ffn == SCHED_FFN_MIXTRAL ? "mixtral" : "gpt", f->layer[0].r[SCHED_FWD], rb, ts, tt,
+           plans[IR_POLICY_TUTEL_IMPROVED].t_iter, plans[IR_POLICY_PIPEMOE_LINA].t_iter,
+           plans[IR_POLICY_FSMOE_NO_IIO].t_iter, f->t_iter, tt / f->t_iter);
+  }
+  free_all(plans);
+  t->ncases++;
+  return true;
+}
+
+// The averages beside the paper's Table 5, and the cases fsmoe did not win.
+static void print_sweep_summary(const SweepTotals *t, int testbed, double elapsed) {
+  printf("#\n# average speedup over tutel, %d cases (paper: Table 5, %s)\n", t->ncases,
          testbed == 'a' ? "Testbed A" : testbed == 'b' ? "Testbed B" : "Testbed A / B");
   printf("%-16s %9s %9s %9s %12s\n", "policy", "ours", "paper", "fastest", "vs_sequential");
   static const IrPolicy order[] = {IR_POLICY_TUTEL, IR_POLICY_TUTEL_IMPROVED, IR_POLICY_PIPEMOE_LINA, IR_POLICY_FSMOE_NO_IIO,
@@ -648,14 +757,50 @@ int cli_sweep(int argc, char **argv) {
     if (testbed && paper_speedup(q, testbed) > 0) snprintf(paper, sizeof paper, "%.2fx", paper_speedup(q, testbed));
     else if (!testbed && paper_speedup(q, 'a') > 0)
       snprintf(paper, sizeof paper, "%.2f/%.2f", paper_speedup(q, 'a'), paper_speedup(q, 'b'));
-    printf("%-16s %8.3fx %9s %9d %11.3fx\n", ir_policy_name[q], sum_speedup[q] / ncases, paper, wins[q],
-           sum_vs_seq[q] / ncases);
+    printf("%-16s %8.3fx %9s %9d %11.3fx\n", ir_policy_name[q], t->sum_speedup[q] / t->ncases, paper, t->wins[q],
+           t->sum_vs_seq[q] / t->ncases);
   }
-  printf("# fsmoe cases with r_fwd != r_bwd in some layer: %d of %d (paper: 912 of 1458)\n", rdiff, ncases);
-  printf("# cases where fsmoe is not the fastest policy: %d\n", nexc);
-  for (int i = 0; i < nexc; i++) printf("#   %s\n", exc[i]);
-  printf("# %d cases x %d policies planned and simulated in %.2f s\n", ncases, IR_NPOLICIES, elapsed);
+  printf("# fsmoe cases with r_fwd != r_bwd in some layer: %d of %d (paper: 912 of 1458)\n", t->rdiff, t->ncases);
+  printf("# cases where fsmoe is not the fastest policy: %d\n", t->nexc);
+  for (int i = 0; i < t->nexc; i++) printf("#   %s\n", t->exc[i]);
+  printf("# %d cases x %d policies planned and simulated in %.2f s\n", t->ncases, IR_NPOLICIES, elapsed);
   printf("OK\n");
-  free(exc);
-  return 0;
+}
+
+int cli_sweep(int argc, char **argv) {
+  SweepOptions o;
+  int usage = parse_sweep_options(argc, argv, &o);
+  if (usage) return usage;
+  IrDiag d;
+  ir_diag_init(&d, stderr);
+  FeCluster fc;
+  if (!fe_load_cluster(&d, o.cluster_path, (SrcLoc){0}, &fc)) return 1;
+  SchedCluster cluster;
+  cli_cluster_from_fe(&fc, &cluster);
+  int testbed = strncmp(cluster.name, "testbed_a", 9) == 0 ? 'a' : strncmp(cluster.name, "testbed_b", 9) == 0 ? 'b' : 0;
+  if (o.seqlens[0] == 0) sched_table4_seqlens(&cluster, o.seqlens);
+  print_sweep_header(&o, &cluster);
+
+  SweepTotals t = {.exc = calloc(SCHED_TABLE4_CASES, sizeof *t.exc)};
+  if (!t.exc) return 1;
+  bool progress = isatty(STDOUT_FILENO) && isatty(STDERR_FILENO);
+  bool ok = true;
+  double t0 = now_s();
+  for (int id = 0; id < SCHED_TABLE4_CASES && ok; id++) {
+    ok = sweep_case(id, &o, &cluster, &t);
+    if (ok && progress && (t.ncases % 18 == 0 || t.ncases == SCHED_TABLE4_CASES)) {
+      int w = 40, filled = t.ncases * w / SCHED_TABLE4_CASES;
+      fprintf(stderr, "\r[%.*s%*s] %4d/%d", filled, "========================================", w - filled, "",
+              t.ncases, SCHED_TABLE4_CASES);
+      if (t.ncases == SCHED_TABLE4_CASES) fputc('\n', stderr);
+    }
+  }
+  double elapsed = now_s() - t0;
+  if (ok) print_sweep_summary(&t, testbed, elapsed);
+  else {
+    ir_error(&d, "planning failed (an internal error)");
+    printf("FAILED\n");
+  }
+  free(t.exc);
+  return ok ? 0 : 1;
 }

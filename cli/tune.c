@@ -492,187 +492,238 @@ static void format_run(char *buf, size_t size, int step, int count) {
 
 // ---- the command ----
 
-int cli_tune(int argc, char **argv) {
-  int provided;   // rt_comm_init reuses this MPI
-  MPI_Init_thread(&argc, &argv, MPI_THREAD_MULTIPLE, &provided);
-  int world;
-  MPI_Comm_rank(MPI_COMM_WORLD, &my_rank);
-  MPI_Comm_size(MPI_COMM_WORLD, &world);
-  int status = 0;
-  TuneOptions o = {0};
-  if (!parse_options(argc, argv, &o)) status = 2;
-  else if (world < 2) {
+// The world's checks of the command line; 0, or 2 (reported).
+static int check_world(const TuneOptions *o, int world) {
+  if (world < 2) {
     say(stderr, "moec: error: tune needs at least 2 ranks to time collectives: run it as "
                 "'mpirun -np P moec tune ...' with P >= 2\n");
-    status = 2;
-  } else if (o.gpus_per_node && world % o.gpus_per_node != 0) {
+    return 2;
+  }
+  if (o->gpus_per_node && world % o->gpus_per_node != 0) {
     say(stderr, "moec: error: --gpus-per-node %d does not divide the %d ranks into whole nodes\n",
-        o.gpus_per_node, world);
-    status = 2;
+        o->gpus_per_node, world);
+    return 2;
   }
-  if (status) {
-    MPI_Finalize();
-    return status;
-  }
-  bool assumed = o.gpus_per_node == 0;
-  int gpn = o.gpus_per_node ? o.gpus_per_node : world >= 4 && world % 2 == 0 ? world / 2 : world;
-  int nodes = world / gpn;
+  return 0;
+}
 
-  // The GEMM shapes: rank 0 reads the model and hands them out.
-  GemmShape shapes[MAX_SHAPES];
-  char gemm_desc[1024] = "";
+// The GEMM shapes: rank 0 reads the model (or takes the default ones) and hands them out. The
+// number of shapes, <= 0 on error (reported).
+static int read_shapes(const TuneOptions *o, GemmShape shapes[MAX_SHAPES], char *desc, size_t desc_size) {
   int nshapes = 0;
   if (my_rank == 0)
-    nshapes = o.model ? model_shapes(o.model, shapes, gemm_desc, sizeof gemm_desc)
-                      : default_shapes(shapes, gemm_desc, sizeof gemm_desc);
+    nshapes = o->model ? model_shapes(o->model, shapes, desc, desc_size) : default_shapes(shapes, desc, desc_size);
   MPI_Bcast(&nshapes, 1, MPI_INT, 0, MPI_COMM_WORLD);
-  if (nshapes <= 0) {
-    if (nshapes == 0) say(stderr, "moec: error: %s has no expert GEMMs to time\n", o.model);
-    MPI_Finalize();
-    return 1;
-  }
-  MPI_Bcast(shapes, (int)(sizeof shapes[0] * nshapes), MPI_BYTE, 0, MPI_COMM_WORLD);
+  if (nshapes == 0) say(stderr, "moec: error: %s has no expert GEMMs to time\n", o->model);
+  if (nshapes > 0) MPI_Bcast(shapes, (int)(sizeof shapes[0] * nshapes), MPI_BYTE, 0, MPI_COMM_WORLD);
+  return nshapes;
+}
 
-  RtLayout layout = {nodes, gpn, nodes, gpn, gpn};   // mp = esp = G: ESP = intra-node, EP = inter-node
-  if (rt_comm_init(&layout, nodes) != 0) {
-    MPI_Finalize();
-    return 1;
-  }
+// Where and how the profile is measured: the nodes, this host, the MPI, the command line.
+typedef struct TuneRun {
+  int world, gpn, nodes;
+  bool assumed;             // no --gpus-per-node: the default node shape
+  int local_size;           // ranks that share rank 0's host
+  long cores;
+  char host[256], date[64], version[MPI_MAX_LIBRARY_VERSION_STRING], nodes_line[512], command[1024];
+} TuneRun;
 
-  // A group of one has nothing to time; then its fits run on all ranks (and the table says so).
-  Series *s = calloc(NSERIES, sizeof *s);
-  if (!s) rt_comm_abort("moec tune: out of memory");
+static void describe_run(int argc, char **argv, const TuneOptions *o, int world, TuneRun *r) {
+  r->world = world;
+  r->assumed = o->gpus_per_node == 0;
+  r->gpn = o->gpus_per_node ? o->gpus_per_node : world >= 4 && world % 2 == 0 ? world / 2 : world;
+  r->nodes = world / r->gpn;
+  // Where the ranks really are: ranks that share memory with rank 0.
+  MPI_Comm local;
+  MPI_Comm_split_type(MPI_COMM_WORLD, MPI_COMM_TYPE_SHARED, 0, MPI_INFO_NULL, &local);
+  MPI_Comm_size(local, &r->local_size);
+  MPI_Comm_free(&local);
+  snprintf(r->host, sizeof r->host, "?");
+  gethostname(r->host, sizeof r->host);
+  r->host[sizeof r->host - 1] = '\0';
+  time_t now = time(NULL);
+  strftime(r->date, sizeof r->date, "%Y-%m-%d %H:%M UTC", gmtime(&now));
+  int vlen;
+  MPI_Get_library_version(r->version, &vlen);
+  r->version[strcspn(r->version, ",\n")] = '\0';
+  r->cores = sysconf(_SC_NPROCESSORS_ONLN);
+  size_t cu = snprintf(r->command, sizeof r->command, "mpirun -np %d", world);
+  for (int i = 0; i < argc && cu < sizeof r->command; i++)
+    cu += snprintf(r->command + cu, sizeof r->command - cu, " %s", argv[i]);
+  if (r->assumed)
+    snprintf(r->nodes_line, sizeof r->nodes_line, "nodes assumed: %d x %d ranks (gpus_per_node %d, the default %s)",
+             r->nodes, r->gpn, r->gpn,
+             world >= 4 && world % 2 == 0 ? "world/2" : "one node for fewer than 4 or an odd number of ranks");
+  else
+    snprintf(r->nodes_line, sizeof r->nodes_line, "nodes: %d x %d ranks (--gpus-per-node %d)", r->nodes, r->gpn,
+             r->gpn);
+}
+
+// The six series on their groups. A group of one has nothing to time; then its fits run on all
+// ranks (and the table says so).
+static void init_series(Series *s) {
   RtGroup intra = rt_comm_size(RT_GROUP_ESP) > 1 ? RT_GROUP_ESP : RT_GROUP_WORLD;
   RtGroup inter = rt_comm_size(RT_GROUP_EP) > 1 ? RT_GROUP_EP : RT_GROUP_WORLD;
-  const char *intra_where = intra == RT_GROUP_ESP ? "intra-node" : "all-ranks", *inter_where = inter == RT_GROUP_EP ? "inter-node" : "all-ranks";
+  const char *intra_where = intra == RT_GROUP_ESP ? "intra-node" : "all-ranks";
+  const char *inter_where = inter == RT_GROUP_EP ? "inter-node" : "all-ranks";
   s[S_GEMM] = (Series){"gemm", "each-rank", OP_GEMM, RT_GROUP_WORLD, 1};
   s[S_A2A_INTRA] = (Series){"alltoall", intra_where, OP_ALLTOALL, intra, rt_comm_size(intra)};
   s[S_AG_INTRA] = (Series){"allgather", intra_where, OP_ALLGATHER, intra, rt_comm_size(intra)};
   s[S_RS_INTRA] = (Series){"reducescatter", intra_where, OP_REDUCESCATTER, intra, rt_comm_size(intra)};
   s[S_A2A_INTER] = (Series){"alltoall", inter_where, OP_ALLTOALL, inter, rt_comm_size(inter)};
   s[S_AR_INTER] = (Series){"allreduce", inter_where, OP_ALLREDUCE, inter, rt_comm_size(inter)};
+}
 
-  // Where the ranks really are: ranks that share memory with rank 0.
-  MPI_Comm local;
-  int local_size;
-  MPI_Comm_split_type(MPI_COMM_WORLD, MPI_COMM_TYPE_SHARED, 0, MPI_INFO_NULL, &local);
-  MPI_Comm_size(local, &local_size);
-  MPI_Comm_free(&local);
+// Rank 0's '#' lines before the measurements.
+static void print_preamble(const TuneOptions *o, const TuneRun *r, const Series *s, const GemmShape *shapes,
+                           int nshapes, const char *gemm_desc) {
+  printf("# moec tune: t(n) = alpha + beta*n, t in ms, n in elements each rank sends/receives (gemm: multiply-accumulates)\n");
+  printf("# %s, %d ranks on %s (%ld cores); %d of them share rank 0's host; OpenBLAS threads per rank: %d\n",
+         r->version, r->world, r->host, r->cores, r->local_size, openblas_get_num_threads());
+  printf("# %s%s\n", r->nodes_line,
+         r->local_size == r->world && r->nodes > 1 ? "; every rank runs on this host, so the 'nodes' share its memory"
+                                                   : "");
+  char intra_members[64], inter_members[64];
+  format_run(intra_members, sizeof intra_members, 1, r->gpn);
+  format_run(inter_members, sizeof inter_members, r->gpn, r->nodes);
+  printf("# intra-node group: the %d consecutive ranks of a node (rank 0's: %s); inter-node group: the %d ranks with "
+         "the same local index, one per node (rank 0's: %s)\n", r->gpn, intra_members, r->nodes, inter_members);
+  if (s[S_A2A_INTRA].group != RT_GROUP_ESP)
+    printf("# one rank per node: no intra-node group, so its fits (alltoall, allgather, reducescatter) run on all ranks\n");
+  if (s[S_A2A_INTER].group != RT_GROUP_EP)
+    printf("# one node: no inter-node group, so its fits (alltoall, allreduce) run on all ranks\n");
+  printf("# gemm: rt_matmul C[m,N] = A[m,K] x B[K,N] on every rank at once, n = m*K*N; %s\n", gemm_desc);
+  for (int i = 0; i < nshapes; i++)
+    printf("#   gemm shape %-16s [m, %d] x [%d, %d]  m %d..%d\n", shapes[i].what, shapes[i].k, shapes[i].k,
+           shapes[i].n, tokens_for(&shapes[i], 1), tokens_for(&shapes[i], GEMM_SIZES));
+  printf("# sizes: communication %s of 2^18 .. 24*2^18 floats, gemm %s of 2^19 .. 12*2^19 multiply-accumulates%s\n",
+         o->quick ? "4" : "all 24", o->quick ? "4" : "all 12", o->quick ? " (--quick)" : "");
+  printf("# each point: the median of %d runs after 1 warm-up; a run is the slowest rank's time\n", RUNS);
+  fflush(stdout);
+}
 
-  char host[256] = "?", date[64], version[MPI_MAX_LIBRARY_VERSION_STRING], nodes_line[512], command[1024];
-  gethostname(host, sizeof host);
-  host[sizeof host - 1] = '\0';
-  time_t now = time(NULL);
-  strftime(date, sizeof date, "%Y-%m-%d %H:%M UTC", gmtime(&now));
-  int vlen;
-  MPI_Get_library_version(version, &vlen);
-  version[strcspn(version, ",\n")] = '\0';
-  long cores = sysconf(_SC_NPROCESSORS_ONLN);
-  size_t cu = snprintf(command, sizeof command, "mpirun -np %d", world);
-  for (int i = 0; i < argc && cu < sizeof command; i++) cu += snprintf(command + cu, sizeof command - cu, " %s", argv[i]);
-  if (assumed)
-    snprintf(nodes_line, sizeof nodes_line, "nodes assumed: %d x %d ranks (gpus_per_node %d, the default %s)", nodes,
-             gpn, gpn, world >= 4 && world % 2 == 0 ? "world/2" : "one node for fewer than 4 or an odd number of ranks");
-  else
-    snprintf(nodes_line, sizeof nodes_line, "nodes: %d x %d ranks (--gpus-per-node %d)", nodes, gpn, gpn);
-
-  if (my_rank == 0) {
-    printf("# moec tune: t(n) = alpha + beta*n, t in ms, n in elements each rank sends/receives (gemm: multiply-accumulates)\n");
-    printf("# %s, %d ranks on %s (%ld cores); %d of them share rank 0's host; OpenBLAS threads per rank: %d\n", version,
-           world, host, cores, local_size, openblas_get_num_threads());
-    printf("# %s%s\n", nodes_line,
-           local_size == world && nodes > 1 ? "; every rank runs on this host, so the 'nodes' share its memory" : "");
-    char intra_members[64], inter_members[64];
-    format_run(intra_members, sizeof intra_members, 1, gpn);
-    format_run(inter_members, sizeof inter_members, gpn, nodes);
-    printf("# intra-node group: the %d consecutive ranks of a node (rank 0's: %s); inter-node group: the %d ranks with "
-           "the same local index, one per node (rank 0's: %s)\n", gpn, intra_members, nodes, inter_members);
-    if (intra != RT_GROUP_ESP)
-      printf("# one rank per node: no intra-node group, so its fits (alltoall, allgather, reducescatter) run on all ranks\n");
-    if (inter != RT_GROUP_EP)
-      printf("# one node: no inter-node group, so its fits (alltoall, allreduce) run on all ranks\n");
-    printf("# gemm: rt_matmul C[m,N] = A[m,K] x B[K,N] on every rank at once, n = m*K*N; %s\n", gemm_desc);
-    for (int i = 0; i < nshapes; i++)
-      printf("#   gemm shape %-16s [m, %d] x [%d, %d]  m %d..%d\n", shapes[i].what, shapes[i].k, shapes[i].k,
-             shapes[i].n, tokens_for(&shapes[i], 1), tokens_for(&shapes[i], GEMM_SIZES));
-    printf("# sizes: communication %s of 2^18 .. 24*2^18 floats, gemm %s of 2^19 .. 12*2^19 multiply-accumulates%s\n",
-           o.quick ? "4" : "all 24", o.quick ? "4" : "all 12", o.quick ? " (--quick)" : "");
-    printf("# each point: the median of %d runs after 1 warm-up; a run is the slowest rank's time\n", RUNS);
-    fflush(stdout);
-  }
-
+// Times every series on every rank; the seconds it took.
+static double measure_all(Series *s, const GemmShape *shapes, int nshapes, bool quick) {
   double t_start = MPI_Wtime();
   int comm_idx[COMM_SIZES], gemm_idx[GEMM_SIZES];
   Progress pr = {.on = my_rank == 0 && watched()};
-  pr.total = nshapes * sweep(GEMM_SIZES, o.quick, gemm_idx) + 5 * sweep(COMM_SIZES, o.quick, comm_idx);
-
-  run_gemms(&s[S_GEMM], shapes, nshapes, o.quick, &pr);
+  pr.total = nshapes * sweep(GEMM_SIZES, quick, gemm_idx) + 5 * sweep(COMM_SIZES, quick, comm_idx);
+  run_gemms(&s[S_GEMM], shapes, nshapes, quick, &pr);
   size_t max_floats = (size_t)(COMM_SIZES * COMM_UNIT);
   float *send = xmalloc(sizeof(float) * max_floats), *recv = xmalloc(sizeof(float) * max_floats);
   memset(send, 0, sizeof(float) * max_floats);   // zeros: sums stay finite, and the pages are touched
   memset(recv, 0, sizeof(float) * max_floats);
-  for (int i = S_A2A_INTRA; i < NSERIES; i++) run_comm(&s[i], send, recv, o.quick, &pr);
+  for (int i = S_A2A_INTRA; i < NSERIES; i++) run_comm(&s[i], send, recv, quick, &pr);
   free(send);
   free(recv);
   progress_end(&pr);
-  double seconds = MPI_Wtime() - t_start;
+  return MPI_Wtime() - t_start;
+}
+
+// Rank 0: fits every series and prints the table (with -v every point first); the number of
+// fits that failed.
+static int fit_and_print(const TuneOptions *o, const TuneRun *r, Series *s) {
+  int failed = 0;
+  for (int i = 0; i < NSERIES; i++) {
+    s[i].ok = fit_line(s[i].x, s[i].t, s[i].points, &s[i].fit, s[i].err, sizeof s[i].err);
+    failed += !s[i].ok;
+  }
+  if (o->verbose) {
+    printf("#\n# %-13s %-10s %14s %12s\n", "model", "group", "n", "ms");
+    for (int i = 0; i < NSERIES; i++)
+      for (int p = 0; p < s[i].points; p++)
+        printf("# %-13s %-10s %14.0f %12.5f\n", s[i].name, s[i].where, s[i].x[p], s[i].t[p]);
+  }
+  printf("#\n# %-13s %-10s %5s %6s %13s %13s %10s  %s\n", "model", "group", "ranks", "points", "alpha_ms",
+         "beta_ms", "r2", "in the profile");
+  for (int i = 0; i < NSERIES; i++) {
+    const Series *x = &s[i];
+    const char *use = i == S_A2A_INTRA ? "no (comment)" : "yes";
+    if (!x->ok) {
+      printf("  %-13s %-10s %5d %6d %13s %13s %10s  %s\n", x->name, x->where, i == S_GEMM ? r->world : x->group_size,
+             x->points, "-", "-", "-", x->err);
+      continue;
+    }
+    printf("  %-13s %-10s %5d %6d %13.4e %13.4e %10.6f  %s\n", x->name, x->where,
+           i == S_GEMM ? r->world : x->group_size, x->points, x->fit.alpha, x->fit.beta, x->fit.r2, use);
+  }
+  for (int i = 0; i < NSERIES; i++)
+    if (s[i].ok && (s[i].fit.alpha < 0 || s[i].fit.beta < 0))
+      printf("# warning: %s (%s): fitted %s < 0 (noise, or times the line does not follow near n = 0); "
+             "the profile holds 0 instead and says so in a comment\n", s[i].name,
+             s[i].where, s[i].fit.alpha < 0 && s[i].fit.beta < 0 ? "alpha and beta" : s[i].fit.alpha < 0 ? "alpha" : "beta");
+  return failed;
+}
+
+// Rank 0: writes the profile to -o (or shows it); false if it could not be written (reported).
+static bool write_or_show(const TuneOptions *o, const TuneRun *r, const Series *s, const GemmShape *shapes,
+                          int nshapes, const char *gemm_desc) {
+  char name[128];
+  cluster_name(o->output, name, sizeof name);
+  char *header = profile_header(r->command, r->date, r->host, r->cores, r->world, r->nodes_line, gemm_desc, shapes,
+                                nshapes, o->quick, s);
+  bool ok = true;
+  if (o->output) {
+    if (write_atomically(o->output, header, name, r->nodes, r->gpn, s)) {
+      printf("# wrote %s (cluster %s)\n", o->output, name);
+    } else {
+      fprintf(stderr, "moec: error: cannot write '%s': %s\n", o->output, strerror(errno));
+      ok = false;
+    }
+  } else {
+    printf("# no -o given, nothing written; the profile would read:\n");
+    char *text = NULL;
+    size_t len = 0;
+    FILE *mem = open_memstream(&text, &len);
+    if (mem) {
+      write_profile(mem, header, name, r->nodes, r->gpn, s);
+      fclose(mem);
+      for (char *line = strtok(text, "\n"); line; line = strtok(NULL, "\n")) printf("#   | %s\n", line);
+    }
+    free(text);
+  }
+  free(header);
+  return ok;
+}
+
+int cli_tune(int argc, char **argv) {
+  int provided;   // rt_comm_init reuses this MPI
+  MPI_Init_thread(&argc, &argv, MPI_THREAD_MULTIPLE, &provided);
+  int world;
+  MPI_Comm_rank(MPI_COMM_WORLD, &my_rank);
+  MPI_Comm_size(MPI_COMM_WORLD, &world);
+  TuneOptions o = {0};
+  int status = parse_options(argc, argv, &o) ? check_world(&o, world) : 2;
+  if (status) {
+    MPI_Finalize();
+    return status;
+  }
+  GemmShape shapes[MAX_SHAPES];
+  char gemm_desc[1024] = "";
+  int nshapes = read_shapes(&o, shapes, gemm_desc, sizeof gemm_desc);
+  if (nshapes <= 0) {
+    MPI_Finalize();
+    return 1;
+  }
+  TuneRun r = {0};
+  describe_run(argc, argv, &o, world, &r);
+  RtLayout layout = {r.nodes, r.gpn, r.nodes, r.gpn, r.gpn};   // mp = esp = G: ESP = intra-node, EP = inter-node
+  if (rt_comm_init(&layout, r.nodes) != 0) {
+    MPI_Finalize();
+    return 1;
+  }
+  Series *s = calloc(NSERIES, sizeof *s);
+  if (!s) rt_comm_abort("moec tune: out of memory");
+  init_series(s);
+  if (my_rank == 0) print_preamble(&o, &r, s, shapes, nshapes, gemm_desc);
+  double seconds = measure_all(s, shapes, nshapes, o.quick);
 
   int failed = 0;
   if (my_rank == 0) {
-    for (int i = 0; i < NSERIES; i++) {
-      s[i].ok = fit_line(s[i].x, s[i].t, s[i].points, &s[i].fit, s[i].err, sizeof s[i].err);
-      failed += !s[i].ok;
-    }
-    if (o.verbose) {
-      printf("#\n# %-13s %-10s %14s %12s\n", "model", "group", "n", "ms");
-      for (int i = 0; i < NSERIES; i++)
-        for (int p = 0; p < s[i].points; p++)
-          printf("# %-13s %-10s %14.0f %12.5f\n", s[i].name, s[i].where, s[i].x[p], s[i].t[p]);
-    }
-    printf("#\n# %-13s %-10s %5s %6s %13s %13s %10s  %s\n", "model", "group", "ranks", "points", "alpha_ms",
-           "beta_ms", "r2", "in the profile");
-    for (int i = 0; i < NSERIES; i++) {
-      const Series *x = &s[i];
-      const char *use = i == S_A2A_INTRA ? "no (comment)" : "yes";
-      if (!x->ok) {
-        printf("  %-13s %-10s %5d %6d %13s %13s %10s  %s\n", x->name, x->where, i == S_GEMM ? world : x->group_size,
-               x->points, "-", "-", "-", x->err);
-        continue;
-      }
-      printf("  %-13s %-10s %5d %6d %13.4e %13.4e %10.6f  %s\n", x->name, x->where, i == S_GEMM ? world : x->group_size,
-             x->points, x->fit.alpha, x->fit.beta, x->fit.r2, use);
-    }
-    for (int i = 0; i < NSERIES; i++)
-      if (s[i].ok && (s[i].fit.alpha < 0 || s[i].fit.beta < 0))
-        printf("# warning: %s (%s): fitted %s < 0 (noise, or times the line does not follow near n = 0); "
-               "the profile holds 0 instead and says so in a comment\n", s[i].name,
-               s[i].where, s[i].fit.alpha < 0 && s[i].fit.beta < 0 ? "alpha and beta" : s[i].fit.alpha < 0 ? "alpha" : "beta");
+    failed = fit_and_print(&o, &r, s);
     printf("# measured in %.1f s\n", seconds);
-
-    char name[128];
-    cluster_name(o.output, name, sizeof name);
-    char *header = profile_header(command, date, host, cores, world, nodes_line, gemm_desc, shapes, nshapes, o.quick, s);
-    if (failed) {
-      printf("# %d fit%s failed: no profile written\n", failed, failed == 1 ? "" : "s");
-    } else if (o.output) {
-      if (write_atomically(o.output, header, name, nodes, gpn, s)) printf("# wrote %s (cluster %s)\n", o.output, name);
-      else {
-        fprintf(stderr, "moec: error: cannot write '%s': %s\n", o.output, strerror(errno));
-        failed = 1;
-      }
-    } else {
-      printf("# no -o given, nothing written; the profile would read:\n");
-      char *text = NULL;
-      size_t len = 0;
-      FILE *mem = open_memstream(&text, &len);
-      if (mem) {
-        write_profile(mem, header, name, nodes, gpn, s);
-        fclose(mem);
-        for (char *line = strtok(text, "\n"); line; line = strtok(NULL, "\n")) printf("#   | %s\n", line);
-      }
-      free(text);
-    }
-    free(header);
+    if (failed) printf("# %d fit%s failed: no profile written\n", failed, failed == 1 ? "" : "s");
+    else if (!write_or_show(&o, &r, s, shapes, nshapes, gemm_desc)) failed = 1;
     puts(failed ? "FAILED" : "OK");
     fflush(stdout);
   }

@@ -134,16 +134,27 @@ int64_t pass_region_capacity(const IrFunc *f) {
 
 static double attr_n(const IrOp *op) { return ir_op_float(op, "cost_n", 0); }
 
-// The phase costs of f's ops (priced by pass_cost) in the model's form.
+static bool in_group(const IrOp *op, const char *group) { return strcmp(ir_op_str(op, "group", ""), group) == 0; }
+
+// The phase costs of f's ops (priced by pass_cost) in the model's form. Its collectives are the
+// expert region's: the EP AlltoAlls and the ESP AllGather and ReduceScatter. The MP AllGather
+// after the layer (Fig. 2) is none of them: the schedule pass does not chunk it and DESIGN §6's
+// workloads have no term for it.
 static void phase_of(const IrFunc *f, const SchedCluster *c, SchedPhase *p) {
   *p = (SchedPhase){0};
   int n_a2a = 0, n_ag = 0, n_rs = 0, n_exp = 0;
   for (int i = 0; i < f->nops; i++) {
     const IrOp *op = f->ops[i];
     switch (op->kind) {
-    case IR_OP_COMM_ALLTOALL: p->n_a2a += attr_n(op); n_a2a++; break;
-    case IR_OP_COMM_ALLGATHER: p->n_ag += attr_n(op); n_ag++; break;
-    case IR_OP_COMM_REDUCESCATTER: p->n_rs += attr_n(op); n_rs++; break;
+    case IR_OP_COMM_ALLTOALL:
+      if (in_group(op, "ep")) p->n_a2a += attr_n(op), n_a2a++;
+      break;
+    case IR_OP_COMM_ALLGATHER:
+      if (in_group(op, "esp")) p->n_ag += attr_n(op), n_ag++;
+      break;
+    case IR_OP_COMM_REDUCESCATTER:
+      if (in_group(op, "esp")) p->n_rs += attr_n(op), n_rs++;
+      break;
     case IR_OP_EXPERT_MATMUL: p->n_exp += attr_n(op); n_exp++; break;
     case IR_OP_MATMUL: p->t_att += ir_op_float(op, "cost_t", 0); break;
     default: break;
@@ -160,9 +171,9 @@ static double world_grad_elems(const IrFunc *bwd) {
   double n = 0;
   for (int i = 0; i < bwd->nops; i++) {
     const IrOp *op = bwd->ops[i];
-    if (op->kind == IR_OP_COMM_ALLREDUCE && strcmp(ir_op_str(op, "group", ""), "world") == 0)
+    if (op->kind == IR_OP_COMM_ALLREDUCE && in_group(op, "world"))
       n += (double)ir_type_numel(&op->args[0].value->type);
-    if (op->kind == IR_OP_COMM_ALLREDUCE_GRAD && strcmp(ir_op_str(op, "group", ""), "world") == 0)
+    if (op->kind == IR_OP_COMM_ALLREDUCE_GRAD && in_group(op, "world"))
       n += (double)ir_op_int(op, "count", 0);
   }
   return n;
@@ -193,4 +204,68 @@ void pass_layer_cost(const PassLayer *l, const SchedCluster *c, SchedLayerCost *
     phase_of(l->bwd, c, &out->phase[SCHED_BWD]);
     out->n_grad = world_grad_elems(l->bwd);
   }
+}
+
+// ---- the stack the planner plans ----
+
+// The largest degree of a layer: the slots per expert of its expert regions, at most SCHED_R_MAX.
+static int r_max_of(const PassLayer *l) {
+  int64_t cap = l->capacity;
+  if (l->bwd) {
+    int64_t cb = pass_region_capacity(l->bwd);
+    if (cb > 0 && cb < cap) cap = cb;
+  }
+  return (int)(cap < SCHED_R_MAX ? cap : SCHED_R_MAX);
+}
+
+bool pass_stack(IrModule *m, const SchedCluster *c, PassStack *out) {
+  *out = (PassStack){0};
+  int n = pass_find_layers(m, &out->layer);
+  if (n < 0) return false;
+  out->n = n;
+  out->cost = calloc((size_t)(n > 0 ? n : 1), sizeof *out->cost);
+  out->r_max = calloc((size_t)(n > 0 ? n : 1), sizeof *out->r_max);
+  if (!out->cost || !out->r_max) {
+    pass_stack_free(out);
+    return false;
+  }
+  for (int i = 0; i < n; i++) {
+    pass_layer_cost(&out->layer[i], c, &out->cost[i]);
+    out->r_max[i] = r_max_of(&out->layer[i]);
+  }
+  return true;
+}
+
+void pass_stack_free(PassStack *s) {
+  free(s->layer);
+  free(s->cost);
+  free(s->r_max);
+  *s = (PassStack){0};
+}
+
+// The dropless gate.locations op of f, NULL when its gate drops tokens.
+static const IrOp *dropless_gate(const IrFunc *f) {
+  for (int i = 0; i < f->nops; i++)
+    if (f->ops[i]->kind == IR_OP_GATE_LOCATIONS && ir_op_int(f->ops[i], "dropless", 0)) return f->ops[i];
+  return NULL;
+}
+
+bool pass_dropless_at(const PassStack *s, int i, double capacity, SchedLayerCost *cost, int *r_max) {
+  const PassLayer *l = &s->layer[i];
+  const IrOp *loc = dropless_gate(l->fwd);
+  if (!loc || l->capacity <= 0) return false;
+  // fe_capacity's slots per routing group, ceil(k * capacity * S_g / E) (at least 1), for every group.
+  const IrType *idx = &loc->args[0].value->type;   // [S, k]
+  int64_t groups = ir_op_int(loc, "groups", 1), experts = ir_op_int(loc, "experts", 1);
+  double per_group = ceil((double)idx->dim[1] * capacity * (double)(idx->dim[0] / groups) / (double)experts);
+  double slots = fmin(fmax(per_group, 1) * (double)groups, (double)l->capacity);
+  // Every priced size of the expert region is linear in the slots; the dense part does not change.
+  double scale = slots / (double)l->capacity;
+  *cost = s->cost[i];
+  for (int ph = 0; ph < 2; ph++) {
+    SchedPhase *p = &cost->phase[ph];
+    p->n_a2a *= scale, p->n_ag *= scale, p->n_rs *= scale, p->n_exp *= scale;
+  }
+  *r_max = (int)(slots < SCHED_R_MAX ? slots : SCHED_R_MAX);
+  return true;
 }

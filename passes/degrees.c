@@ -3,7 +3,8 @@
 //
 // `schedule { pipeline { forward N; backward M; } }` gives every layer N and M. With
 // `pipeline auto` the planner chooses per layer and phase, for the model's policy, from the
-// costs the `cost` pass put on the ops (so a cluster profile is needed): sched_plan runs the
+// costs the `cost` pass put on the ops (so a cluster profile is needed), taken as the stack
+// pass_stack builds (passes/cost.c; `moec plan` plans the same stack): sched_plan runs the
 // policy's rule (fsmoe: Algorithm 1 by SLSQP, the case model at every integer r and the
 // simulator's own judgement, the fastest in simulation kept; fsmoe-no-iio: its one-stream
 // model; tutel and its variants: PipeMoE's forward r reused backward; sequential: 1) together
@@ -75,6 +76,16 @@ static void report(FILE *log, const PassLayer *l, int n, const SchedPlan *plan, 
           plan->partition ? plan->partition : "-");
   fprintf(log, "#   simulated step: forward %.4f ms, backward %.4f ms, iteration %.4f ms\n", plan->t_fwd, plan->t_bwd,
           plan->t_iter);
+  // The same, machine-readable (tests/plan_build.sh holds it against `moec plan --json`).
+  const char *pol = ir_policy_name[plan->policy];
+  for (int i = 0; i < n; i++) {
+    const SchedLayerPlan *lp = &plan->layer[i];
+    fprintf(log, "# pipeline-plan %s layer %.*s r %d %d t_model %.9g %.9g grad %.0f %.0f\n", pol,
+            (int)strlen(l[i].name) - 4, l[i].name, lp->r[SCHED_FWD], lp->r[SCHED_BWD], lp->t_model[SCHED_FWD],
+            lp->t_model[SCHED_BWD], lp->grad_moe, lp->grad_dense);
+  }
+  fprintf(log, "# pipeline-plan %s step %.9g %.9g %.9g tail %.0f partition %s\n", pol, plan->t_fwd, plan->t_bwd,
+          plan->t_iter, plan->grad_tail, plan->partition ? plan->partition : "-");
 }
 
 bool pass_pipeline(IrModule *m, PassCtx *ctx) {
@@ -86,47 +97,32 @@ bool pass_pipeline(IrModule *m, PassCtx *ctx) {
   IrPolicy pol;
   if (!ir_policy_parse(ir_mod_str(m, "policy", "sequential"), &pol))
     return ir_error(ctx->d, "pipeline: unknown policy '%s'", ir_mod_str(m, "policy", "sequential"));
-  PassLayer *l;
-  int n = pass_find_layers(m, &l);
-  if (n < 0) return ir_error(ctx->d, "out of memory");
-  SchedLayerCost *cost = calloc((size_t)(n > 0 ? n : 1), sizeof *cost);
-  int *r_max = calloc((size_t)(n > 0 ? n : 1), sizeof *r_max);
-  bool ok = cost && r_max;
+  PassStack s;
+  if (!pass_stack(m, c, &s)) return ir_error(ctx->d, "out of memory");
+  bool ok = true;
   SchedPlan plan = {0};
   double t0 = 0;
-  if (ok && n > 0) {
-    for (int i = 0; i < n; i++) {
-      pass_layer_cost(&l[i], c, &cost[i]);
-      int64_t cap = l[i].capacity;
-      if (l[i].bwd) {
-        int64_t cb = pass_region_capacity(l[i].bwd);
-        if (cb > 0 && cb < cap) cap = cb;
-      }
-      r_max[i] = (int)(cap < SCHED_R_MAX ? cap : SCHED_R_MAX);
-    }
-    SchedStack st = {.n = n, .cost = cost, .r_max = r_max, .choose = SCHED_CHOOSE_BEST};
+  if (s.n > 0) {
+    SchedStack st = {.n = s.n, .cost = s.cost, .r_max = s.r_max, .choose = SCHED_CHOOSE_BEST};
     t0 = now_ms();
     ok = sched_plan(&st, pol, &plan);
     t0 = now_ms() - t0;
     if (!ok) ir_error(ctx->d, "pipeline: the planner failed (an internal error)");
   }
-  if (ok && n > 0) {
+  if (ok && s.n > 0) {
     bool fsmoe = pol == IR_POLICY_FSMOE;
-    for (int i = 0; i < n; i++) {
-      set_phase(m, l[i].fwd, &plan.layer[i], SCHED_FWD, fsmoe);
-      set_phase(m, l[i].bwd, &plan.layer[i], SCHED_BWD, fsmoe);
+    for (int i = 0; i < s.n; i++) {
+      set_phase(m, s.layer[i].fwd, &plan.layer[i], SCHED_FWD, fsmoe);
+      set_phase(m, s.layer[i].bwd, &plan.layer[i], SCHED_BWD, fsmoe);
     }
     ir_attrs_set_int(m->attrs, &m->nattrs, "grad_tail", llround(plan.grad_tail));
     ir_attrs_set_str(m, m->attrs, &m->nattrs, "partition", plan.partition ? plan.partition : "after backward");
     ir_attrs_set_float(m->attrs, &m->nattrs, "t_fwd_pred", plan.t_fwd);
     ir_attrs_set_float(m->attrs, &m->nattrs, "t_bwd_pred", plan.t_bwd);
     ir_attrs_set_float(m->attrs, &m->nattrs, "t_iter_pred", plan.t_iter);
-    if (ctx->verbose) report(ctx->log ? ctx->log : stderr, l, n, &plan, c, t0);
+    if (ctx->verbose) report(ctx->log ? ctx->log : stderr, s.layer, s.n, &plan, c, t0);
   }
-  if (!cost || !r_max) ir_error(ctx->d, "out of memory");
   sched_plan_free(&plan);
-  free(cost);
-  free(r_max);
-  free(l);
+  pass_stack_free(&s);
   return ok;
 }

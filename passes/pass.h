@@ -94,6 +94,25 @@ bool pass_expert_region(const IrFunc *f, IrValue **entry, IrValue **exit);
 // Slots per expert at the entry of f's expert region ([E, C, M]), 0 when f has none.
 int64_t pass_region_capacity(const IrFunc *f);
 
+// The stack the planner plans (passes/cost.c): every MoE layer of m in forward order, its costs
+// in the model's form from the attributes pass_cost set, and its largest degree
+// r_max = min(C, SCHED_R_MAX), C the slots per expert of its expert regions. The one way a
+// compiled model is priced: the pipeline pass (`moec build`) and `moec plan` both use it.
+typedef struct PassStack {
+  int n;
+  PassLayer *layer;       // [n]
+  SchedLayerCost *cost;   // [n]
+  int *r_max;             // [n]
+} PassStack;
+// False when out of memory. Free with pass_stack_free.
+bool pass_stack(IrModule *m, const SchedCluster *c, PassStack *out);
+void pass_stack_free(PassStack *s);
+// Layer i of a dropless gate (`capacity *`, compiled for the worst case: every token at one
+// expert) as if its gate had capacity factor `capacity`: the costs with the expert region's
+// sizes scaled to those slots per expert (DESIGN §2: ceil(k * capacity * S / E) per routing
+// group, at most the compiled ones) and its r_max. False when the layer's gate drops tokens.
+bool pass_dropless_at(const PassStack *s, int i, double capacity, SchedLayerCost *cost, int *r_max);
+
 // Runs every pass in order, the verifier after each (debug builds and always when dumping),
 // dumping as ctx asks. False when a pass failed.
 bool pass_run_pipeline(IrModule *m, PassCtx *ctx);

@@ -62,8 +62,13 @@ typedef struct SchedLayerCost {
   SchedCoef ar;         // the AllReduce fit
 } SchedLayerCost;
 
-// Per-rank workloads and costs of DESIGN §6 for one layer on a cluster.
+// Per-rank workloads and costs of DESIGN §6 for one layer on a cluster (the Table 4 space of
+// `moec sweep`; a compiled model is priced from its IR, passes/cost.c).
 void sched_layer_cost(const SchedLayerSpec *s, const SchedCluster *c, SchedLayerCost *out);
+// The dense attention part of a generalized layer by DESIGN §6's formulas, from s's batch,
+// seqlen, embed, heads, ffn, dp and mp: its forward time t_att (the backward's is 2 t_att) and
+// its gradient elements all-reduced over the ranks (0 when dp = 1); both 0 when heads = 0.
+void sched_attention(const SchedLayerSpec *s, const SchedCluster *c, double *t_att, double *n_grad);
 
 // Per-chunk times at degree r.
 typedef struct SchedChunk {

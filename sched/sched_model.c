@@ -21,10 +21,18 @@ static double dense_grad_elems(const SchedLayerSpec *s) {
   return 3 * m * m / mp + 3 * m / mp + m * m / mp + m;
 }
 
+void sched_attention(const SchedLayerSpec *s, const SchedCluster *c, double *t_att, double *n_grad) {
+  *t_att = *n_grad = 0;
+  if (s->heads <= 0) return;
+  double m = s->embed, l = s->seqlen, b = s->batch, mp = s->mp;
+  *t_att = c->gemm.alpha + c->gemm.beta * (4 * b * l * m * m / mp + 2 * b * l * l * m / mp);
+  if (s->dp > 1) *n_grad = dense_grad_elems(s);
+}
+
 void sched_layer_cost(const SchedLayerSpec *s, const SchedCluster *c, SchedLayerCost *out) {
   double gemms = s->ffn == SCHED_FFN_MIXTRAL ? 3 : 2;   // GEMMs per expert
   double tokens = s->f * s->batch * s->seqlen;          // f*B*L routed token slots
-  double esp = s->esp, mp = s->mp;
+  double esp = s->esp;
   SchedPhase fwd = {0};
   // AlltoAll only where EP spans ranks, AllGather/ReduceScatter only where ESP does.
   if (s->ep > 1) fwd.a2a = c->alltoall;
@@ -38,11 +46,8 @@ void sched_layer_cost(const SchedLayerSpec *s, const SchedCluster *c, SchedLayer
   // Each chunk runs `gemms` GEMM launches: alpha scales with their number; beta applies to the
   // multiply-accumulates of all of them (n_exp already counts them).
   fwd.exp = (SchedCoef){gemms * c->gemm.alpha, c->gemm.beta};
-  fwd.t_att = 0;
-  if (s->heads > 0) {
-    double m = s->embed, l = s->seqlen, b = s->batch;
-    fwd.t_att = c->gemm.alpha + c->gemm.beta * (4 * b * l * m * m / mp + 2 * b * l * l * m / mp);
-  }
+  double attention_grad;
+  sched_attention(s, c, &fwd.t_att, &attention_grad);
   SchedPhase bwd = fwd;   // gradients w.r.t. inputs and weights: twice the GEMM work
   bwd.exp.alpha *= 2;
   bwd.exp.beta *= 2;
@@ -50,9 +55,8 @@ void sched_layer_cost(const SchedLayerSpec *s, const SchedCluster *c, SchedLayer
   out->phase[SCHED_FWD] = fwd;
   out->phase[SCHED_BWD] = bwd;
   out->ar = c->allreduce;
-  out->n_grad = 0;
+  out->n_grad = attention_grad;
   if (s->dp > 1) {
-    if (s->heads > 0) out->n_grad = dense_grad_elems(s);
     // Experts are replicated when EP x ESP does not cover the ranks; their gradients then join
     // the layer's AllReduce (over the expert-data-parallel group).
     if (s->experts > 0 && (int64_t)s->ep * s->esp < (int64_t)s->dp * s->mp)

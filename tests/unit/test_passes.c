@@ -1,7 +1,8 @@
 // Unit tests of the passes on lowered models: autodiff gives every parameter exactly one
 // gradient and the functions their execution order; memplan never lets two buffers that are
 // alive at the same time share a byte, keeps saved activations alive into the backward pass,
-// and reuses memory; the pipeline stops and dumps where asked.
+// and reuses memory; the pipeline stops and dumps where asked; the planner's stack (pass_stack),
+// priced from the IR, equals DESIGN §6's workloads (sched_layer_cost) in the paper's setting.
 #include <setjmp.h>
 #include <stdarg.h>
 #include <stddef.h>
@@ -13,6 +14,7 @@
 
 #include "frontend/fe.h"
 #include "passes/pass.h"
+#include "sched/sched.h"
 
 static const char *model_text(int k, double capacity, int layers, int groups) {
   static char buf[2048];
@@ -196,6 +198,70 @@ static void test_lower_bf16_by_target(void **state) {
   (void)state;
 }
 
+// The paper's setting (mp = esp, k * capacity * S / E whole): the stack the pipeline pass and
+// `moec plan` plan, priced from the IR, has DESIGN §6's per-chunk times of the MoE part at every
+// r (sched_layer_cost, from the formulas), so the MP AllGather after the layer is not counted as
+// the ESP one; its dense part is the gate's GEMMs and its dense gradient the gate's. A dropless
+// gate priced at a capacity factor is the gate compiled with it.
+static void test_stack_prices_design_workloads(void **state) {
+  static const char *text =
+      "model t { dtype fp32; batch 2; seqlen 8; embed 16; seed 1; optimizer sgd { lr 0.1; } }\n"
+      "parallel { dp 2; mp 2; ep 2; esp 2; }\n"
+      "layer a { moe { experts 4 { ffn gpt { hidden 24; } } gate gshard { k 2; capacity %s; } order tutel; } }\n";
+  const SchedCluster c = {.name = "t", .nodes = 2, .gpus_per_node = 2, .gemm = {2e-3, 3e-6}, .alltoall = {1e-2, 2e-4},
+                          .allgather = {3e-3, 5e-5}, .reducescatter = {4e-3, 6e-5}, .allreduce = {5e-3, 7e-4}};
+  PassStack st[2];
+  IrModule *m[2];
+  IrSource *src[2];
+  IrDiag d;
+  ir_diag_init(&d, stderr);
+  for (int v = 0; v < 2; v++) {   // capacity 1.0, then dropless
+    char buf[1024];
+    snprintf(buf, sizeof buf, text, v ? "*" : "1.0");
+    src[v] = ir_source_from_buffer("t.moe", buf, strlen(buf));
+    FeProgram *p = fe_load(&d, src[v]);
+    assert_non_null(p);
+    m[v] = fe_lower(&d, p, FE_TARGET_ANY);
+    fe_program_free(p);
+    assert_non_null(m[v]);
+    PassCtx ctx = {.d = &d, .stop_after = "cost", .cluster = &c};
+    assert_true(pass_run_pipeline(m[v], &ctx));
+    pass_ctx_free(&ctx);
+    assert_true(pass_stack(m[v], &c, &st[v]));
+    assert_int_equal(st[v].n, 1);
+  }
+  SchedLayerSpec spec = {.batch = 2, .seqlen = 8, .embed = 16, .hidden = 24, .f = 2.0, .experts = 4,
+                         .ffn = SCHED_FFN_GPT, .dp = 2, .mp = 2, .ep = 2, .esp = 2};
+  SchedLayerCost want, at;
+  sched_layer_cost(&spec, &c, &want);
+  int r_max;
+  assert_false(pass_dropless_at(&st[0], 0, 1.0, &at, &r_max));   // its gate drops tokens
+  assert_true(pass_dropless_at(&st[1], 0, 1.0, &at, &r_max));
+  assert_int_equal(st[0].r_max[0], 4);   // C = ceil(2 * 1.0 * 8 / 4) on each of the mp ranks' 8 tokens
+  assert_int_equal(r_max, 4);
+  assert_int_equal(st[1].r_max[0], 8);   // dropless: every token at one expert
+  const SchedLayerCost *got[2] = {&st[0].cost[0], &at};
+  for (int k = 0; k < 2; k++)
+    for (int ph = 0; ph < 2; ph++)
+      for (int r = 1; r <= 4; r++) {
+        SchedChunk g = sched_chunk(&got[k]->phase[ph], r), w = sched_chunk(&want.phase[ph], r);
+        assert_float_equal(g.a2a, w.a2a, 1e-12);
+        assert_float_equal(g.ag, w.ag, 1e-12);
+        assert_float_equal(g.rs, w.rs, 1e-12);
+        assert_float_equal(g.exp, w.exp, 1e-12);
+      }
+  // The gate: [8, 16] x [16, 4] per rank forward, two such GEMMs backward; its gradient 16 x 4.
+  assert_float_equal(st[0].cost[0].phase[SCHED_FWD].t_att, c.gemm.alpha + c.gemm.beta * 8 * 16 * 4, 1e-12);
+  assert_float_equal(st[0].cost[0].phase[SCHED_BWD].t_att, 2 * (c.gemm.alpha + c.gemm.beta * 8 * 16 * 4), 1e-12);
+  assert_float_equal(st[0].cost[0].n_grad, 16 * 4, 0);
+  for (int v = 0; v < 2; v++) {
+    pass_stack_free(&st[v]);
+    ir_module_free(m[v]);
+    ir_source_free(src[v]);
+  }
+  (void)state;
+}
+
 int main(void) {
   const struct CMUnitTest tests[] = {
       cmocka_unit_test(test_autodiff_one_grad_per_param),
@@ -203,6 +269,7 @@ int main(void) {
       cmocka_unit_test(test_memplan_saved_activation),
       cmocka_unit_test(test_pipeline_stop_after),
       cmocka_unit_test(test_lower_bf16_by_target),
+      cmocka_unit_test(test_stack_prices_design_workloads),
   };
   return cmocka_run_group_tests(tests, NULL, NULL);
 }

@@ -1,0 +1,73 @@
+#!/usr/bin/env bash
+# One pricing for `moec plan` and `moec build` (issue 12; run by tests/run.sh, one ok/FAIL line
+# per model): for every policy P, `moec build -v` of the model with
+# `schedule { policy P; pipeline auto; grad_partition auto; }` prints (its "# pipeline-plan"
+# lines) the per-layer degrees, model times and gradient slots and the predicted step that
+# `moec plan --json` gives for P, to the 9 digits both print. Models: every lang/models/*.moe
+# and the paper's GPT2-XL-MoE on testbed-a, and the planner goldens on their own profiles.
+set -u
+cd "$(dirname "$0")/.."
+BUILD=${BUILD:-build}
+MOEC=${MOEC:-$BUILD/moec}
+PY=${PY:-/usr/bin/python3}
+WORK=$(mktemp -d "${TMPDIR:-/tmp}/moec-plan-build.XXXXXX")
+trap 'rm -rf "$WORK"' EXIT
+
+# expect PLAN.json POLICY: the "# pipeline-plan" lines of `moec build -v`, made from the plan.
+expect() {
+  "$PY" - "$1" "$2" <<'PY'
+import json, sys
+plan, policy = json.load(open(sys.argv[1])), sys.argv[2]
+names = [layer["name"] for layer in plan["layers"]]
+p = next(p for p in plan["policies"] if p["name"] == policy)
+for i, layer in enumerate(p["layers"]):
+    fwd, bwd = layer["forward"], layer["backward"]
+    grad = bwd["gradient_elements"]
+    print("# pipeline-plan %s layer %s r %d %d t_model %.9g %.9g grad %.0f %.0f" % (
+        policy, names[i], fwd["r"], bwd["r"], fwd["model_ms"], bwd["model_ms"], grad["moe_slot"], grad["dense_slot"]))
+print("# pipeline-plan %s step %.9g %.9g %.9g tail %.0f partition %s" % (
+    policy, p["forward_ms"], p["backward_ms"], p["iteration_ms"], p["tail_gradient_elements"],
+    p["gradient_partition"] or "-"))
+PY
+}
+
+# check MODEL CLUSTER
+check() {
+  local model=$1 cluster=$2 label why="" nlayers policies
+  label="plan = build: $model on $(basename "$cluster" .cluster)"
+  if ! "$MOEC" plan "$model" --cluster "$cluster" --json "$WORK/plan.json" >"$WORK/plan.out" 2>&1; then
+    echo "FAIL  $label: moec plan failed: $(tail -n 5 "$WORK/plan.out")"
+    return
+  fi
+  read -r nlayers policies < <("$PY" -c 'import json, sys; p = json.load(open(sys.argv[1]))
+print(len(p["layers"]), " ".join(q["name"] for q in p["policies"]))' "$WORK/plan.json")
+  for policy in $policies; do
+    # The model without its schedule block (if any), then the one under test.
+    awk '/^schedule[ \t]*\{/ {skip = 1} skip {depth += gsub(/\{/, "{") - gsub(/\}/, "}"); if (depth <= 0) skip = 0; next} {print}' \
+      "$model" >"$WORK/m.moe"
+    echo "schedule { policy $policy; pipeline auto; grad_partition auto; }" >>"$WORK/m.moe"
+    if ! "$MOEC" build "$WORK/m.moe" --cluster "$cluster" --emit c -o /dev/null -v >/dev/null 2>"$WORK/build.err"; then
+      why="$why
+moec build with policy $policy failed: $(tail -n 3 "$WORK/build.err")"
+      continue
+    fi
+    grep '^# pipeline-plan ' "$WORK/build.err" >"$WORK/build.lines"
+    expect "$WORK/plan.json" "$policy" >"$WORK/plan.lines"
+    diff "$WORK/plan.lines" "$WORK/build.lines" >"$WORK/diff" ||
+      why="$why
+policy $policy: < moec plan --json, > moec build -v
+$(head -n 10 "$WORK/diff")"
+  done
+  if [ -z "$why" ]; then
+    echo "ok    $label: $nlayers layers x $(echo $policies | wc -w) policies, same degrees, model times, gradient slots and predicted step"
+  else
+    echo "FAIL  $label:$why"
+  fi
+}
+
+[ -x "$PY" ] || { echo "FAIL  plan = build: $PY is missing (make deps installs python3)"; exit 1; }
+for model in lang/models/*.moe lang/models/paper/gpt2_xl_moe.moe; do
+  check "$model" lang/clusters/testbed-a.cluster
+done
+check tests/golden/plan.moe tests/models/overlap.cluster
+check tests/golden/parallel.moe lang/clusters/testbed-b.cluster
