@@ -143,7 +143,7 @@ static const IrType *rule_type(const Rule *r, int t) { return t == -1 ? r->sh->r
 static bool rule_factor(Rule *r, int64_t *v) {
   rule_spaces(r);
   char word[48];
-  if (*r->s >= '0' && *r->s <= '9') {
+  if ((*r->s >= '0' && *r->s <= '9') || (*r->s == '-' && r->s[1] >= '0' && r->s[1] <= '9')) {
     *v = strtoll(r->s, (char **)&r->s, 10);
     return true;
   }

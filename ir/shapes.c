@@ -433,6 +433,18 @@ static bool infer(Infer *I, IrType *out) {
     return true;
   case IR_OP_RESHAPE:
     return reshape(I, out);
+  case IR_OP_ROPE:
+  case IR_OP_ROPE_GRAD: {  // x [r, heads*d], d even
+    int64_t heads, seq;
+    if (!need_float(I, 0, 2, "[r, heads*d]") || !int_attr(I, "heads", 1, &heads) || !int_attr(I, "seq", 1, &seq) ||
+        !num_attr(I, "theta", true))
+      return false;
+    if (dim(I, 0, 1) % heads != 0 || (dim(I, 0, 1) / heads) % 2 != 0)
+      return fail(I, "%s: %lld columns are not heads=%lld heads of an even size", nm(I, 0), (long long)dim(I, 0, 1),
+                  (long long)heads);
+    *out = *ty(I, 0);
+    return true;
+  }
   case IR_OP_GATE_NOISE:
     if (!need_float(I, 0, 2, "[S, E]") || !num_attr(I, "sigma", true) || !int_attr(I, "layer", 0, &m))
       return false;

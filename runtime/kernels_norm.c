@@ -35,3 +35,58 @@ void rt_rmsnorm_grad(const float *dy, const float *x, float *dx, int rows, int n
     for (int i = 0; i < n; i++) out[i] = dr[i] * scale - xr[i] * proj;
   }
 }
+
+// LayerNorm without its learned scale and shift (separate ops: scale, bias), biased variance:
+//   r = 1 / sqrt(var(x) + eps),  xh = (x - mean) r,  y = xh,
+//   dx = r (dy - mean(dy) - xh mean(dy xh)).
+static void row_moments(const float *x, int n, float eps, double *mean, double *inv) {
+  double s = 0.0, ss = 0.0;
+  for (int i = 0; i < n; i++) s += x[i];
+  *mean = s / n;
+  for (int i = 0; i < n; i++) {
+    double d = x[i] - *mean;
+    ss += d * d;
+  }
+  *inv = 1.0 / sqrt(ss / n + (double)eps);
+}
+
+void rt_layernorm(const float *x, float *y, int rows, int n, float eps) {
+  for (int r = 0; r < rows; r++) {
+    const float *xr = x + (size_t)r * n;
+    float *yr = y + (size_t)r * n;
+    double mean, inv;
+    row_moments(xr, n, eps, &mean, &inv);
+    for (int i = 0; i < n; i++) yr[i] = (float)((xr[i] - mean) * inv);
+  }
+}
+
+void rt_layernorm_grad(const float *dy, const float *x, float *dx, int rows, int n, float eps) {
+  for (int r = 0; r < rows; r++) {
+    const float *xr = x + (size_t)r * n, *dr = dy + (size_t)r * n;
+    float *out = dx + (size_t)r * n;
+    double mean, inv, sd = 0.0, sdx = 0.0;
+    row_moments(xr, n, eps, &mean, &inv);
+    for (int i = 0; i < n; i++) {
+      sd += dr[i];
+      sdx += dr[i] * ((xr[i] - mean) * inv);
+    }
+    sd /= n;
+    sdx /= n;
+    for (int i = 0; i < n; i++) out[i] = (float)(inv * (dr[i] - sd - (xr[i] - mean) * inv * sdx));
+  }
+}
+
+// The learned scale of a norm (op scale): y = x w, w [n] along every row; dw = column sums of dy x, rows in
+// order in double (dx = scale(dy, w)).
+void rt_scale_cols(const float *x, const float *w, float *y, int rows, int n) {
+  for (int r = 0; r < rows; r++)
+    for (int i = 0; i < n; i++) y[(size_t)r * n + i] = x[(size_t)r * n + i] * w[i];
+}
+
+void rt_scale_cols_grad_w(const float *dy, const float *x, float *dw, int rows, int n) {
+  for (int i = 0; i < n; i++) {
+    double acc = 0.0;
+    for (int r = 0; r < rows; r++) acc += (double)dy[(size_t)r * n + i] * x[(size_t)r * n + i];
+    dw[i] = (float)acc;
+  }
+}

@@ -66,6 +66,31 @@ __device__ float mk_block_max(float v) {
   return r;
 }
 
+// A row's mean and 1 / sqrt(variance + eps) (biased), reduced by the block in double (the
+// layernorm kernels).
+__device__ void mk_row_moments(const float *x, int n, float eps, double *mean, double *inv) {
+  double s = 0.0;
+  for (int i = threadIdx.x; i < n; i += blockDim.x) s += x[i];
+  *mean = mk_block_sum(s) / n;
+  double ss = 0.0;
+  for (int i = threadIdx.x; i < n; i += blockDim.x) {
+    double d = x[i] - *mean;
+    ss += d * d;
+  }
+  *inv = 1.0 / sqrt(mk_block_sum(ss) / n + (double)eps);
+}
+
+// logsumexp of a row reduced by the block: the max, then the sum of exponentials in double (the
+// cross-entropy kernels).
+__device__ double mk_block_logsumexp(const float *row, int v) {
+  float mx = -MK_INF;
+  for (int j = threadIdx.x; j < v; j += blockDim.x) mx = row[j] > mx ? row[j] : mx;
+  mx = mk_block_max(mx);
+  double s = 0.0;
+  for (int j = threadIdx.x; j < v; j += blockDim.x) s += exp((double)row[j] - mx);
+  return mx + log(mk_block_sum(s));
+}
+
 // ---- counter-based randomness, bit for bit runtime/rng.c ----
 __device__ u64 mk_mix(u64 z) {
   z += 0x9e3779b97f4a7c15ULL;
@@ -350,6 +375,111 @@ extern "C" __global__ void mk_rmsnorm_grad(const float *dy, const float *x, floa
     double inv = 1.0 / sqrt(ss / n + (double)eps);
     float scale = (float)inv, proj = (float)(inv * inv * inv * dot / n);
     for (int i = threadIdx.x; i < n; i += blockDim.x) out[i] = dr[i] * scale - xr[i] * proj;
+  }
+}
+
+// ---- mk_layernorm ----
+// One block per row; as rt_layernorm (runtime/kernels_norm.c).
+extern "C" __global__ void mk_layernorm(const float *x, float *y, int rows, int n, float eps) {
+  MK_FOR_BLOCKS(r, rows) {
+    const float *xr = x + r * n;
+    float *yr = y + r * n;
+    double mean, inv;
+    mk_row_moments(xr, n, eps, &mean, &inv);
+    for (int i = threadIdx.x; i < n; i += blockDim.x) yr[i] = (float)((xr[i] - mean) * inv);
+  }
+}
+
+// ---- mk_layernorm_grad ----
+extern "C" __global__ void mk_layernorm_grad(const float *dy, const float *x, float *dx, int rows, int n, float eps) {
+  MK_FOR_BLOCKS(r, rows) {
+    const float *xr = x + r * n, *dr = dy + r * n;
+    float *out = dx + r * n;
+    double mean, inv, sd = 0.0, sdx = 0.0;
+    mk_row_moments(xr, n, eps, &mean, &inv);
+    for (int i = threadIdx.x; i < n; i += blockDim.x) {
+      sd += dr[i];
+      sdx += dr[i] * ((xr[i] - mean) * inv);
+    }
+    sd = mk_block_sum(sd) / n;
+    sdx = mk_block_sum(sdx) / n;
+    for (int i = threadIdx.x; i < n; i += blockDim.x) out[i] = (float)(inv * (dr[i] - sd - (xr[i] - mean) * inv * sdx));
+  }
+}
+
+// ---- mk_scale_cols ----
+extern "C" __global__ void mk_scale_cols(const float *x, const float *w, float *y, int rows, int n) {
+  MK_FOR(i, (i64)rows * n) y[i] = x[i] * w[i % n];
+}
+
+// ---- mk_scale_cols_grad_w ----
+// One thread per column, rows summed in order in double, as rt_scale_cols_grad_w.
+extern "C" __global__ void mk_scale_cols_grad_w(const float *dy, const float *x, float *dw, int rows, int n) {
+  MK_FOR(c, n) {
+    double acc = 0.0;
+    for (int r = 0; r < rows; r++) acc += (double)dy[(i64)r * n + c] * x[(i64)r * n + c];
+    dw[c] = (float)acc;
+  }
+}
+
+// ---- mk_embed ----
+extern "C" __global__ void mk_embed(const int *tokens, const float *table, float *y, int t, int m, int v) {
+  MK_FOR(i, (i64)t * m) {
+    int tok = tokens[i / m];
+    y[i] = tok < 0 || tok >= v ? 0.0f : table[(i64)tok * m + i % m];
+  }
+}
+
+// ---- mk_embed_grad ----
+// One thread per column: it zeroes that column of dtable, then adds the tokens' rows in token
+// order, as rt_embed_grad (deterministic, no atomics).
+extern "C" __global__ void mk_embed_grad(const float *dy, const int *tokens, float *dtable, int t, int m, int v) {
+  MK_FOR(j, m) {
+    for (int r = 0; r < v; r++) dtable[(i64)r * m + j] = 0.0f;
+    for (int i = 0; i < t; i++) {
+      int tok = tokens[i];
+      if (tok >= 0 && tok < v) dtable[(i64)tok * m + j] += dy[(i64)i * m + j];
+    }
+  }
+}
+
+// ---- mk_rope ----
+// One thread per rotated pair, as rt_rope (runtime/kernels_lm.c).
+extern "C" __global__ void mk_rope(const float *x, float *y, int rows, int cols, int heads, int seq, float theta, int sign) {
+  int d = cols / heads, half = d / 2;
+  MK_FOR(p, (i64)rows * heads * half) {
+    int c = (int)(p % half), h = (int)(p / half % heads);
+    i64 r = p / half / heads;
+    int pos = (int)(r % seq);
+    double angle = pos * pow((double)theta, -2.0 * c / d);
+    float cs = (float)cos(angle), sn = (float)(sign * sin(angle));
+    i64 a = r * cols + (i64)h * d + c, b = a + half;
+    float u = x[a], w = x[b];
+    y[a] = u * cs - w * sn;
+    y[b] = w * cs + u * sn;
+  }
+}
+
+// ---- mk_xent ----
+// One block: the rows one after another, each reduced by the block; loss[0] = scale * mean over
+// rows of logsumexp - the target's logit.
+extern "C" __global__ void mk_xent(const float *logits, const int *targets, float *loss, int t, int v, float scale) {
+  double acc = 0.0;
+  for (int i = 0; i < t; i++) {
+    const float *row = logits + (i64)i * v;
+    acc += mk_block_logsumexp(row, v) - row[targets[i]];
+  }
+  if (threadIdx.x == 0) loss[0] = t > 0 ? (float)(scale * acc / t) : 0.0f;
+}
+
+// ---- mk_xent_grad ----
+// One block per row.
+extern "C" __global__ void mk_xent_grad(const float *logits, const int *targets, float *dlogits, int t, int v, float scale) {
+  MK_FOR_BLOCKS(i, t) {
+    const float *row = logits + i * v;
+    float *out = dlogits + i * v;
+    double lse = mk_block_logsumexp(row, v), f = (double)scale / t;
+    for (int j = threadIdx.x; j < v; j += blockDim.x) out[j] = (float)(f * (exp(row[j] - lse) - (j == targets[i])));
   }
 }
 

@@ -366,6 +366,49 @@ template <class Launcher> void run_kernel_cases(Launcher &L, Checks &c) {
     rt_rmsnorm_grad(b.data(), a.data(), y_c.data(), s, m, 1e-5f);
     LAUNCH(5, MK_BLOCK, mk_rmsnorm_grad, b, a, y_k, s, m, 1e-5f);
     c.same("norm.rms.grad", y_c, y_k);
+    rt_layernorm(a.data(), y_c.data(), s, m, 1e-5f);
+    LAUNCH(5, MK_BLOCK, mk_layernorm, a, y_k, s, m, 1e-5f);
+    c.same("norm.layer", y_c, y_k);
+    rt_layernorm_grad(b.data(), a.data(), y_c.data(), s, m, 1e-5f);
+    LAUNCH(5, MK_BLOCK, mk_layernorm_grad, b, a, y_k, s, m, 1e-5f);
+    c.same("norm.layer.grad", y_c, y_k);
+    std::vector<float> wcol(b.begin(), b.begin() + m), dw_c = zeros<float>(m), dw_k = zeros<float>(m);
+    rt_scale_cols(a.data(), wcol.data(), y_c.data(), s, m);
+    LAUNCH(3, 64, mk_scale_cols, a, wcol, y_k, s, m);
+    c.same("scale", y_c, y_k);
+    rt_scale_cols_grad_w(b.data(), a.data(), dw_c.data(), s, m);
+    LAUNCH(1, 32, mk_scale_cols_grad_w, b, a, dw_k, s, m);
+    c.same("scale.grad_w", dw_c, dw_k);
+    {  // embed: 11 rows, tokens of the s positions (one out of range: a zero row)
+      const int v = 11;
+      std::vector<int32_t> tok(s);
+      for (int i = 0; i < s; i++) tok[i] = (i * 7 + 3) % v;
+      tok[5] = v;
+      std::vector<float> table(a.begin(), a.begin() + v * m), dt_c = zeros<float>(v * m), dt_k = zeros<float>(v * m);
+      rt_embed(tok.data(), table.data(), y_c.data(), s, m, v);
+      LAUNCH(3, 64, mk_embed, tok, table, y_k, s, m, v);
+      c.same("embed", y_c, y_k);
+      rt_embed_grad(b.data(), tok.data(), dt_c.data(), s, m, v);
+      LAUNCH(1, 32, mk_embed_grad, b, tok, dt_k, s, m, v);
+      c.same("embed.grad", dt_c, dt_k);
+    }
+    rt_rope(a.data(), y_c.data(), s, m, 4, 12, 10000.0f, 1);
+    LAUNCH(3, 64, mk_rope, a, y_k, s, m, 4, 12, 10000.0f, 1);
+    c.same("rope", y_c, y_k);
+    rt_rope(a.data(), y_c.data(), s, m, 4, 12, 10000.0f, -1);
+    LAUNCH(3, 64, mk_rope, a, y_k, s, m, 4, 12, 10000.0f, -1);
+    c.same("rope.grad", y_c, y_k);
+    {  // cross-entropy of the s rows of a as logits over m classes
+      std::vector<int32_t> tgt(s);
+      for (int i = 0; i < s; i++) tgt[i] = (i * 13 + 1) % m;
+      std::vector<float> xl_c = {0}, xl_k = {0};
+      rt_xent(a.data(), tgt.data(), xl_c.data(), s, m, 0.5f);
+      LAUNCH(1, MK_BLOCK, mk_xent, a, tgt, xl_k, s, m, 0.5f);
+      c.same("loss.xent", xl_c, xl_k);
+      rt_xent_grad(a.data(), tgt.data(), y_c.data(), s, m, 0.5f);
+      LAUNCH(5, MK_BLOCK, mk_xent_grad, a, tgt, y_k, s, m, 0.5f);
+      c.same("loss.xent.grad", y_c, y_k);
+    }
     std::vector<float> sc = {1.7f};
     rt_div_scalar(a.data(), sc.data(), y_c.data(), n);
     LAUNCH(3, 64, mk_div_scalar, a, sc, y_k, n);

@@ -206,6 +206,129 @@ static void test_fd_rmsnorm(void **state) {
   assert_float_equal(y2[1], 4.0 / sqrt(12.5 + 1e-3), 1e-6);
 }
 
+// norm.layer, scale (runtime/kernels_norm.c).
+static double layernorm_obj(void *p) {
+  TokensCtx *c = p;
+  rt_layernorm(c->x, c->y, c->s, c->e, 1e-3f);
+  return dot(c->w, c->y, (int64_t)c->s * c->e);
+}
+
+static void test_fd_layernorm(void **state) {
+  enum { R = 3, N = 7 };
+  float x[R * N], y[R * N], w[R * N], dx[R * N];
+  fill(x, R * N, -2, 2);
+  for (int i = N; i < 2 * N; i++) x[i] = 0.5f + 0.02f * x[i];   // a nearly constant row: eps matters
+  fill(w, R * N, -1, 1);
+  TokensCtx c = {x, y, w, R, N, 1};
+  rt_layernorm_grad(w, x, dx, R, N, 1e-3f);
+  check_fd("norm.layer", layernorm_obj, &c, x, R * N, dx, 1e-3);
+  float x2[2] = {1, 3}, y2[2];   // mean 2, variance 1
+  rt_layernorm(x2, y2, 1, 2, 1e-3f);
+  assert_float_equal(y2[0], -1.0 / sqrt(1.0 + 1e-3), 1e-6);
+  assert_float_equal(y2[1], 1.0 / sqrt(1.0 + 1e-3), 1e-6);
+}
+
+typedef struct {
+  float *x, *g, *y, *w;
+  int rows, n;
+} ScaleCtx;
+
+static double scale_obj(void *p) {
+  ScaleCtx *c = p;
+  rt_scale_cols(c->x, c->g, c->y, c->rows, c->n);
+  return dot(c->w, c->y, (int64_t)c->rows * c->n);
+}
+
+static void test_fd_scale(void **state) {
+  enum { R = 4, N = 5 };
+  float x[R * N], g[N], y[R * N], w[R * N], dx[R * N], dg[N];
+  fill(x, R * N, -2, 2);
+  fill(g, N, -2, 2);
+  fill(w, R * N, -1, 1);
+  ScaleCtx c = {x, g, y, w, R, N};
+  rt_scale_cols(w, g, dx, R, N);   // dx = scale(dy, w)
+  rt_scale_cols_grad_w(w, x, dg, R, N);
+  check_fd("scale (d/dx)", scale_obj, &c, x, R * N, dx, FD_EPS);
+  check_fd("scale (d/dw)", scale_obj, &c, g, N, dg, FD_EPS);
+}
+
+// embed, rope, loss.xent (runtime/kernels_lm.c).
+typedef struct {
+  const int32_t *tok;
+  float *table, *y, *w;
+  int t, m, v;
+} EmbedCtx;
+
+static double embed_obj(void *p) {
+  EmbedCtx *c = p;
+  rt_embed(c->tok, c->table, c->y, c->t, c->m, c->v);
+  return dot(c->w, c->y, (int64_t)c->t * c->m);
+}
+
+static void test_fd_embed(void **state) {
+  enum { T = 6, M = 3, V = 5 };
+  const int32_t tok[T] = {4, 0, 4, 2, 4, 1};   // a repeated token sums its rows; token 3 unused
+  float table[V * M], y[T * M], w[T * M], dt[V * M];
+  fill(table, V * M, -1, 1);
+  fill(w, T * M, -1, 1);
+  EmbedCtx c = {tok, table, y, w, T, M, V};
+  rt_embed_grad(w, tok, dt, T, M, V);
+  check_fd("embed (d/dtable)", embed_obj, &c, table, V * M, dt, FD_EPS);
+  for (int j = 0; j < M; j++) assert_true(dt[3 * M + j] == 0.0f);
+}
+
+typedef struct {
+  float *x, *y, *w;
+  int rows, cols, heads, seq;
+} RopeCtx;
+
+static double rope_obj(void *p) {
+  RopeCtx *c = p;
+  rt_rope(c->x, c->y, c->rows, c->cols, c->heads, c->seq, 10000.0f, 1);
+  return dot(c->w, c->y, (int64_t)c->rows * c->cols);
+}
+
+static void test_fd_rope(void **state) {
+  enum { ROWS = 6, COLS = 8, HEADS = 2, SEQ = 3 };
+  float x[ROWS * COLS], y[ROWS * COLS], w[ROWS * COLS], dx[ROWS * COLS], back[ROWS * COLS];
+  fill(x, ROWS * COLS, -2, 2);
+  fill(w, ROWS * COLS, -1, 1);
+  RopeCtx c = {x, y, w, ROWS, COLS, HEADS, SEQ};
+  rt_rope(w, dx, ROWS, COLS, HEADS, SEQ, 10000.0f, -1);   // the gradient: the inverse rotation
+  check_fd("rope", rope_obj, &c, x, ROWS * COLS, dx, FD_EPS);
+  // position 0 (rows 0 and 3) is unrotated; rotating back restores x
+  rt_rope(x, y, ROWS, COLS, HEADS, SEQ, 10000.0f, 1);
+  for (int j = 0; j < COLS; j++) assert_true(y[j] == x[j] && y[3 * COLS + j] == x[3 * COLS + j]);
+  rt_rope(y, back, ROWS, COLS, HEADS, SEQ, 10000.0f, -1);
+  assert_true(max_abs_diff(back, x, ROWS * COLS) < 1e-5f);
+}
+
+typedef struct {
+  float *logits, *loss;
+  const int32_t *targets;
+  int t, v;
+} XentCtx;
+
+static double xent_obj(void *p) {
+  XentCtx *c = p;
+  rt_xent(c->logits, c->targets, c->loss, c->t, c->v, 0.5f);
+  return c->loss[0];
+}
+
+static void test_fd_xent(void **state) {
+  enum { T = 4, V = 6 };
+  const int32_t targets[T] = {0, 5, 2, 2};
+  float logits[T * V], dl[T * V], loss[1];
+  fill(logits, T * V, -3, 3);
+  XentCtx c = {logits, loss, targets, T, V};
+  rt_xent_grad(logits, targets, dl, T, V, 0.5f);
+  check_fd("loss.xent", xent_obj, &c, logits, T * V, dl, FD_EPS);
+  float flat[V] = {0};   // uniform logits: ln V
+  const int32_t one[1] = {3};
+  rt_xent(flat, one, loss, 1, V, 1.0f);
+  assert_float_equal(loss[0], log(6.0), 1e-6);
+}
+
 typedef struct {
   float *x, *s, *y, *w;
   int64_t n;
@@ -796,6 +919,11 @@ int main(void) {
       cmocka_unit_test(test_fd_sigmoid),
       cmocka_unit_test(test_fd_silu),
       cmocka_unit_test(test_fd_rmsnorm),
+      cmocka_unit_test(test_fd_layernorm),
+      cmocka_unit_test(test_fd_scale),
+      cmocka_unit_test(test_fd_embed),
+      cmocka_unit_test(test_fd_rope),
+      cmocka_unit_test(test_fd_xent),
       cmocka_unit_test(test_fd_softmax_tokens),
       cmocka_unit_test(test_fd_l2norm_rows),
       cmocka_unit_test(test_fd_div_scalar),

@@ -1,0 +1,75 @@
+// The language model's kernels outside the norms: token embedding, rotary position embedding and
+// the fused softmax + cross-entropy over the vocabulary (DESIGN §2.1). Sums in double; the CUDA
+// kernels of the same names (codegen/cuda/kernels.cu) reduce in the same precision and, where a
+// gradient is accumulated, in the same order (so the targets agree to the bit where they can).
+#include <math.h>
+#include <string.h>
+
+#include "moert.h"
+
+// y[i] = table[tokens[i]] for t tokens, rows of m; a token outside [0, v) gives a zero row (the
+// driver refuses such data before it gets here).
+void rt_embed(const int32_t *tokens, const float *table, float *y, int t, int m, int v) {
+  for (int i = 0; i < t; i++) {
+    int tok = tokens[i];
+    if (tok < 0 || tok >= v) memset(y + (size_t)i * m, 0, (size_t)m * sizeof *y);
+    else memcpy(y + (size_t)i * m, table + (size_t)tok * m, (size_t)m * sizeof *y);
+  }
+}
+
+// dtable = sum over tokens i of dy[i] into row tokens[i], in token order (deterministic).
+void rt_embed_grad(const float *dy, const int32_t *tokens, float *dtable, int t, int m, int v) {
+  memset(dtable, 0, (size_t)v * m * sizeof *dtable);
+  for (int i = 0; i < t; i++) {
+    int tok = tokens[i];
+    if (tok < 0 || tok >= v) continue;
+    for (int j = 0; j < m; j++) dtable[(size_t)tok * m + j] += dy[(size_t)i * m + j];
+  }
+}
+
+// RoPE ("rotate half") on rows of [heads * d]: row s is position s % seq; for c < d/2 the pair
+// (c, c + d/2) of every head turns by angle = pos * theta^(-2c/d), sign +1; sign -1 turns back
+// (the gradient: the rotation's transpose).
+void rt_rope(const float *x, float *y, int rows, int cols, int heads, int seq, float theta, int sign) {
+  int d = cols / heads, half = d / 2;
+  for (int r = 0; r < rows; r++) {
+    int pos = r % seq;
+    for (int h = 0; h < heads; h++)
+      for (int c = 0; c < half; c++) {
+        double angle = pos * pow((double)theta, -2.0 * c / d);
+        float cs = (float)cos(angle), sn = (float)(sign * sin(angle));
+        size_t a = (size_t)r * cols + (size_t)h * d + c, b = a + half;
+        float u = x[a], w = x[b];
+        y[a] = u * cs - w * sn;
+        y[b] = w * cs + u * sn;
+      }
+  }
+}
+
+// Cross-entropy of rows of logits [t, v] against targets: loss[0] = scale * mean over rows of
+// logsumexp(row) - row[target]; the gradient scale * (softmax(row) - onehot(target)) / t.
+static double row_logsumexp(const float *row, int v) {
+  float mx = -INFINITY;
+  for (int j = 0; j < v; j++) mx = row[j] > mx ? row[j] : mx;
+  double s = 0.0;
+  for (int j = 0; j < v; j++) s += exp((double)row[j] - mx);
+  return mx + log(s);
+}
+
+void rt_xent(const float *logits, const int32_t *targets, float *loss, int t, int v, float scale) {
+  double acc = 0.0;
+  for (int i = 0; i < t; i++) {
+    const float *row = logits + (size_t)i * v;
+    acc += row_logsumexp(row, v) - row[targets[i]];
+  }
+  loss[0] = t > 0 ? (float)(scale * acc / t) : 0.0f;
+}
+
+void rt_xent_grad(const float *logits, const int32_t *targets, float *dlogits, int t, int v, float scale) {
+  for (int i = 0; i < t; i++) {
+    const float *row = logits + (size_t)i * v;
+    float *out = dlogits + (size_t)i * v;
+    double lse = row_logsumexp(row, v), f = (double)scale / t;
+    for (int j = 0; j < v; j++) out[j] = (float)(f * (exp(row[j] - lse) - (j == targets[i])));
+  }
+}
