@@ -40,8 +40,9 @@ FORCE:
 INCLUDES     := -I. -Iir -Ifrontend -Iruntime -I$(BUILD)/gen
 RT_CFLAGS    := $(BLAS_CFLAGS) $(CJSON_CFLAGS) $(MPI_CFLAGS)
 
-# codegen/nvrtc.c needs the CUDA toolkit: it is built by the CUDA rules below, never here.
-COMPILER_SRC := $(filter-out codegen/nvrtc.c,$(wildcard frontend/*.c ir/*.c passes/*.c sched/*.c codegen/*.c))
+# codegen/nvrtc.c needs the CUDA toolkit: it is built by the CUDA rules below, never here; the
+# CUDA target's struct (codegen/target_cuda.c), which calls it, is linked into moec only.
+COMPILER_SRC := $(filter-out codegen/nvrtc.c codegen/target_cuda.c,$(wildcard frontend/*.c ir/*.c passes/*.c sched/*.c codegen/*.c))
 RUNTIME_SRC  := $(wildcard runtime/*.c)
 GEN_SRC      := $(BUILD)/gen/parser.c $(BUILD)/gen/lexer.c
 GEN_INC      := $(BUILD)/gen/cuda_kernels.inc
@@ -120,18 +121,19 @@ $(BUILD)/libmoert.a: $(RUNTIME_OBJ)
 
 RUNTIME_LIBS := -lopenblas $(CJSON_LIBS) $(MPI_LIBS) -lm
 
-# The command line: moec.c, the entry point, and the subcommands in cli/ (plan, sweep, tune);
-# `moec tune` runs the runtime's kernels and collectives, so moec links libmoert too.
-CLI_SRC := moec.c $(wildcard cli/*.c)
+# The command line: moec.c, the entry point, and the subcommands in cli/ (check, dump-ir, build,
+# plan, sweep, tune) with the CUDA target; `moec tune` runs the runtime's kernels and collectives,
+# so moec links libmoert too.
+CLI_SRC := moec.c $(wildcard cli/*.c) codegen/target_cuda.c
 CLI_OBJ := $(CLI_SRC:%.c=$(BUILD)/obj/%.o)
 $(BUILD)/moec: $(CLI_OBJ) $(BUILD)/libmoec.a $(BUILD)/libmoert.a $(filter %.o,$(MOEC_NVRTC))
 	$(CC) $(CFLAGS) -o $@ $(CLI_OBJ) $(BUILD)/libmoec.a $(BUILD)/libmoert.a $(MOEC_NVRTC) -lnlopt -ldl $(RUNTIME_LIBS)
 
 # What moec and its link step were configured with (NVRTC, the CUDA and MPI flags) is in these
 # objects: rebuild them when the Makefile or the configuration changes.
-$(BUILD)/obj/moec.o $(BUILD)/obj/codegen/link.o: Makefile $(CONFIG)
+$(BUILD)/obj/codegen/target_cuda.o $(BUILD)/obj/codegen/link.o: Makefile $(CONFIG)
 ifneq ($(MOEC_NVRTC),)
-$(BUILD)/obj/moec.o: COMPILER_DEFS += -DMOEC_NVRTC
+$(BUILD)/obj/codegen/target_cuda.o: COMPILER_DEFS += -DMOEC_NVRTC
 endif
 
 ifeq ($(HAVE_NVRTC),yes)

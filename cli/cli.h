@@ -9,6 +9,12 @@
 #include "frontend/fe.h"
 #include "sched/sched.h"
 
+int cli_check(int argc, char **argv);     // cli/build.c: parse and check a model
+int cli_dump_ir(int argc, char **argv);   // cli/build.c: print the IR after the passes, or read IR text
+int cli_build(int argc, char **argv);     // cli/build.c: compile a model for a target
+void cli_check_usage(FILE *out);
+void cli_dump_ir_usage(FILE *out);
+void cli_build_usage(FILE *out);
 int cli_plan(int argc, char **argv);    // cli/plan.c: the FSMoE schedule model of a model
 int cli_sweep(int argc, char **argv);   // cli/plan.c: every policy over the paper's Table 4
 int cli_tune(int argc, char **argv);    // cli/tune.c: profile a cluster under mpirun

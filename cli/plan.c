@@ -242,7 +242,7 @@ static bool plan_load(IrDiag *d, const PlanOptions *o, Plan *pl) {
     L->heads = L->has_attention ? L->heads : (int64_t)o->heads;
     L->has_attention = false;
   }
-  pl->m = fe_lower(d, p, FE_TARGET_ANY);
+  pl->m = fe_lower(d, p, NULL);
   if (!pl->m) return false;
   if (p->parallel.dp * p->parallel.mp > 1) {   // where the ranks sit, as moec build says it
     ir_attrs_set_int(pl->m->attrs, &pl->m->nattrs, "gpus_per_node", fc.gpus_per_node);

@@ -49,22 +49,66 @@ bool cg_emit_cuda_host(IrDiag *d, FILE *out, const IrModule *m, const PassMemPla
 bool cg_nvrtc_compile(IrDiag *d, const char *src, const char *arch, void **cubin, size_t *size);
 bool cg_nvrtc_ptx(IrDiag *d, const char *src, const char *arch, char **ptx, size_t *size);
 
-typedef enum CgTarget { CG_TARGET_CPU, CG_TARGET_CUDA } CgTarget;
+// ---- targets ----
+// A target is a struct of what a build needs from it, chosen by --target NAME (moec's table in
+// cli/build.c lists them; adding a target is its struct, its files and one line there). The
+// manual's "Adding a target" walks through it.
 
-// The flags cg_link compiles and links programs with (the configuration make built moec with),
+// What a build hands the target's emitter.
+typedef struct CgEmitOptions {
+  const char *source_name;   // the .moe file, for the program's header comment
+  const char *arch;          // the device architecture to compile kernels for ("sm_90"), or NULL
+  bool verbose;              // moec build -v: say what was compiled
+} CgEmitOptions;
+
+typedef struct CgTarget {
+  const char *name;          // --target NAME
+  bool bf16;                 // trains `dtype bf16` (else the front end refuses it)
+  bool takes_arch;           // compiles kernels for a device architecture (--gpu-arch)
+  // For --target auto: whether the target's device is visible here, with a description (or why
+  // not) and its architecture ("" when unknown). NULL: the target has no device to look for.
+  bool (*probe)(char *why, size_t size, char *arch, size_t arch_size);
+  // Whether this moec can build programs for the target (false: it was built without what the
+  // target needs, said in why).
+  bool (*available)(char *why, size_t size);
+  // Writes the program of module m (memory plan from the memplan pass) to out.
+  bool (*emit)(IrDiag *d, FILE *out, const IrModule *m, const PassMemPlan *plan, const CgEmitOptions *o);
+  // Compiles and links the program at c_path into the executable out_path.
+  bool (*link)(IrDiag *d, const char *c_path, const char *out_path, bool verbose);
+} CgTarget;
+
+// The CPU target (codegen/target_cpu.c): C kernels of libmoert, OpenBLAS, MPI.
+extern const CgTarget cg_target_cpu;
+// The CUDA target (codegen/target_cuda.c, linked into moec only: it compiles the kernels with
+// NVRTC where moec was built with it): one GPU per rank, cuBLAS, NCCL.
+extern const CgTarget cg_target_cuda;
+
+// The flags programs are compiled and linked with (the configuration make built moec with),
 // one `key value` line each: root, build, mpi_cflags, mpi_libs, cuda_cflags, cuda_libs.
 void cg_link_configuration(FILE *out);
 
-// Compiles and links the C file at c_path into the executable out_path using the system C
-// compiler ($CC, default cc): with libmoert for the CPU target; for the CUDA target with
-// libmoert_cuda, libmoert, cuBLAS, NCCL and libdl (or, with MOEC_CUDA_FAKE=1 in the
-// environment, a test hook, with tests/cuda's fake device library instead of libmoert_cuda and
-// the CUDA libraries). The compiler's output goes to stderr; false with a diagnostic when it
-// fails or a library is missing.
-bool cg_link(IrDiag *d, const char *c_path, const char *out_path, CgTarget target, bool verbose);
+// What a target links beyond libmoert, OpenBLAS, cJSON and MPI: compiler flags, a library file
+// before libmoert (checked to exist; how says how to get it) and link flags after the others.
+typedef struct CgLinkExtra {
+  const char *cflags;
+  char library[4096];
+  const char *how;
+  const char *libs;
+} CgLinkExtra;
+// Compiles and links the C file at c_path into the executable out_path with the system C
+// compiler ($CC, default cc) and libmoert (from MOEC_ROOT's build/ when set, else the build this
+// moec came from), plus extra (NULL: nothing). The compiler's output goes to stderr; false with a
+// diagnostic when it fails or a library is missing.
+bool cg_link_program(IrDiag *d, const char *c_path, const char *out_path, const CgLinkExtra *extra, bool verbose);
+// The path of a file of the build moec came from (or of MOEC_ROOT's build/): "libmoert.a"; and
+// of the source tree ("runtime/cuda").
+void cg_build_file(const char *name, char *path, size_t size);
+void cg_source_file(const char *name, char *path, size_t size);
+// The flags make found (empty where it found no CUDA toolkit, or no cuBLAS or NCCL).
+extern const char *const cg_cuda_cflags, *const cg_cuda_libs, *const cg_mpi_cflags;
 // Whether a GPU can be used here: the NVIDIA driver (libcuda.so.1, opened with dlopen) loads,
 // cuInit succeeds and it sees a device. False with the reason in why. arch gets the first
-// device's architecture ("sm_90"; empty when unknown). For `--target auto`.
+// device's architecture ("sm_90"; empty when unknown).
 bool cg_gpu_probe(char *why, size_t size, char *arch, size_t arch_size);
 
 #endif

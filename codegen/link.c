@@ -5,11 +5,8 @@
 // when it built moec, passed in as MOEC_* macros. The compiler runs without a shell, so paths
 // with spaces or quotes are safe.
 //
-// The CUDA target links build/libmoert_cuda.a, which needs cuBLAS, NCCL and libdl (the driver
-// itself is opened at run time, runtime/cuda/rt_cuda.c). MOEC_CUDA_FAKE=1 in the environment is
-// a test hook: the program links build/cuda/libfake_cuda.a instead (tests/cuda/fake_cuda.cpp,
-// rt_cuda.h on host memory with the kernels emulated), so that `make test` runs CUDA programs
-// on machines without a GPU.
+// A target adds what it needs (CgLinkExtra: codegen/target_cuda.c adds libmoert_cuda, the
+// toolkit's headers, cuBLAS and NCCL).
 #include <dlfcn.h>
 #include <errno.h>
 #include <stdlib.h>
@@ -103,49 +100,40 @@ static bool readable(IrDiag *d, const char *path, const char *how) {
   return ir_error(d, "cannot find the library '%s' (%s)", path, how);
 }
 
-bool cg_link(IrDiag *d, const char *c_path, const char *out_path, CgTarget target, bool verbose) {
+const char *const cg_cuda_cflags = MOEC_CUDA_CFLAGS, *const cg_cuda_libs = MOEC_CUDA_LIBS,
+                 *const cg_mpi_cflags = MOEC_MPI_CFLAGS;
+
+void cg_source_file(const char *name, char *path, size_t size) {
   const char *root = getenv("MOEC_ROOT");
-  char include[4096], include_cuda[4096], lib[4096], lib_cuda[4096];
-  bool env_root = root && *root;
-  snprintf(include, sizeof include, "-I%s/runtime", env_root ? root : MOEC_ROOT);
-  snprintf(include_cuda, sizeof include_cuda, "-I%s/runtime/cuda", env_root ? root : MOEC_ROOT);
-  if (env_root) snprintf(lib, sizeof lib, "%s/build/libmoert.a", root);
-  else snprintf(lib, sizeof lib, "%s/libmoert.a", MOEC_BUILD);
+  snprintf(path, size, "%s/%s", root && *root ? root : MOEC_ROOT, name);
+}
+
+void cg_build_file(const char *name, char *path, size_t size) {
+  const char *root = getenv("MOEC_ROOT");
+  if (root && *root) snprintf(path, size, "%s/build/%s", root, name);
+  else snprintf(path, size, "%s/%s", MOEC_BUILD, name);
+}
+
+bool cg_link_program(IrDiag *d, const char *c_path, const char *out_path, const CgLinkExtra *extra, bool verbose) {
+  const char *root = getenv("MOEC_ROOT");
+  char include[4096], lib[4096];
+  snprintf(include, sizeof include, "-I%s/runtime", root && *root ? root : MOEC_ROOT);
+  cg_build_file("libmoert.a", lib, sizeof lib);
   if (!readable(d, lib, "build it with 'make', or set MOEC_ROOT")) return false;
-  const char *fake = getenv("MOEC_CUDA_FAKE");
-  bool use_fake = target == CG_TARGET_CUDA && fake && strcmp(fake, "1") == 0;
-  if (target == CG_TARGET_CUDA) {
-    if (!*MOEC_CUDA_CFLAGS)
-      return ir_error(d, "this moec was built where make found no CUDA toolkit, so it cannot link a CUDA program "
-                         "(rebuild moec with 'make' where the toolkit is, CUDA=/path)");
-    const char *name = use_fake ? "cuda/libfake_cuda.a" : "libmoert_cuda.a";
-    if (env_root) snprintf(lib_cuda, sizeof lib_cuda, "%s/build/%s", root, name);
-    else snprintf(lib_cuda, sizeof lib_cuda, "%s/%s", MOEC_BUILD, name);
-    if (!use_fake && !*MOEC_CUDA_LIBS)
-      return ir_error(d, "this moec was built where make found no cuBLAS or NCCL, so it cannot link a CUDA program "
-                         "(see the '#' lines of 'make'; NCCL_HOME=/path)");
-    if (!readable(d, lib_cuda, use_fake ? "the fake device of the tests: 'make' builds it where the CUDA toolkit is"
-                                        : "the GPU runtime: 'make' builds it where the CUDA toolkit, cuBLAS and NCCL are"))
-      return false;
-  }
+  if (extra && extra->library[0] && !readable(d, extra->library, extra->how)) return false;
   const char *cc = getenv("CC");
   Command c = {.argc = 0};
   add(&c, cc && *cc ? cc : "cc");
   add_words(&c, "-std=c11 -O2 -w");
   add(&c, include);
-  if (target == CG_TARGET_CUDA) {
-    add(&c, include_cuda);
-    add_words(&c, MOEC_CUDA_CFLAGS);
-    add_words(&c, MOEC_MPI_CFLAGS);
-  }
+  if (extra) add_words(&c, extra->cflags);
   add(&c, c_path);
-  if (target == CG_TARGET_CUDA) add(&c, lib_cuda);
+  if (extra && extra->library[0]) add(&c, extra->library);
   add(&c, lib);
   add_words(&c, "-lopenblas -lcjson");
   // The MPI link flags moec was built with (mpicc --showme:link).
   add_words(&c, MOEC_MPI_LIBS);
-  if (use_fake) add_words(&c, "-lstdc++");
-  else if (target == CG_TARGET_CUDA) add_words(&c, MOEC_CUDA_LIBS);
+  if (extra) add_words(&c, extra->libs);
   add_words(&c, "-lm -o");
   add(&c, out_path);
   return run(d, &c, c_path, verbose);

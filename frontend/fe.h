@@ -172,12 +172,15 @@ FeProgram *fe_load(IrDiag *d, const IrSource *src);
 bool fe_load_cluster(IrDiag *d, const char *path, SrcLoc at, FeCluster *out);
 
 // ---- lowering (frontend/lower.c) ----
-// The backend a module is lowered for: some refusals depend on it (`dtype bf16` runs on the
-// CUDA target only). FE_TARGET_ANY (moec dump-ir, tests) makes none of those: the IR itself
+// What the target a module is lowered for can run: some refusals depend on it (`dtype bf16`
+// runs where bf16 does). NULL (moec dump-ir, moec plan, tests) makes none of those: the IR itself
 // does not depend on the target.
-typedef enum FeTarget { FE_TARGET_ANY, FE_TARGET_CPU, FE_TARGET_CUDA } FeTarget;
+typedef struct FeTargetCaps {
+  const char *name;   // the target's name
+  bool bf16;          // trains dtype bf16 (bf16 GEMM inputs, fp32 master weights)
+} FeTargetCaps;
 // Refuses, with a diagnostic naming it, every construct that parses and checks but does not
-// run yet (on backend); otherwise builds the forward IR module (params, @*.fwd, @loss.fwd).
-IrModule *fe_lower(IrDiag *d, const FeProgram *p, FeTarget backend);
+// run yet (on target); otherwise builds the forward IR module (params, @*.fwd, @loss.fwd).
+IrModule *fe_lower(IrDiag *d, const FeProgram *p, const FeTargetCaps *target);
 
 #endif

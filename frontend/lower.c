@@ -95,10 +95,10 @@ void fe_token_choice(FeLower *L, IrValue *logits, IrValue *scores, bool renorm, 
 }
 
 // ---- refusals ----
-static void refuse_unsupported(IrDiag *d, const FeProgram *p, FeTarget target) {
+static void refuse_unsupported(IrDiag *d, const FeProgram *p, const FeTargetCaps *target) {
   // bf16 is mixed precision on the GPU (bf16 GEMM inputs, fp32 master weights and accumulation,
   // codegen/emit_cuda_host.c); the CPU backend computes in fp32 only.
-  if (target == FE_TARGET_CPU && strcmp(p->model.dtype, "fp32") != 0)
+  if (target && !target->bf16 && strcmp(p->model.dtype, "fp32") != 0)
     ir_error_at(d, p->model.dtype_loc,
                 "dtype '%s' runs on the CUDA target only (bf16 GEMM inputs, fp32 master weights): the CPU "
                 "backend trains in fp32; build with --target cuda, or write 'dtype fp32;'",
@@ -222,9 +222,9 @@ static void lower_layer(FeLower *L) {
   if (r.z) ir_add_ret(L->f, L->m, r.z);
 }
 
-IrModule *fe_lower(IrDiag *d, const FeProgram *p, FeTarget backend) {
+IrModule *fe_lower(IrDiag *d, const FeProgram *p, const FeTargetCaps *caps) {
   int before = d->errors;
-  refuse_unsupported(d, p, backend);
+  refuse_unsupported(d, p, caps);
   if (d->errors > before) return NULL;
 
   IrModule *m = ir_module_new(p->model.name);

@@ -38,7 +38,7 @@ static void build(Built *b, const char *text) {
   b->src = ir_source_from_buffer("test.moe", text, strlen(text));
   FeProgram *p = fe_load(&b->d, b->src);
   assert_non_null(p);
-  b->m = fe_lower(&b->d, p, FE_TARGET_ANY);
+  b->m = fe_lower(&b->d, p, NULL);
   fe_program_free(p);
   assert_non_null(b->m);
   b->ctx = (PassCtx){.d = &b->d};
@@ -145,7 +145,7 @@ static void test_pipeline_stop_after(void **state) {
   const char *text = model_text(1, 1.0, 1, 1);
   IrSource *src = ir_source_from_buffer("t.moe", text, strlen(text));
   FeProgram *p = fe_load(&d, src);
-  IrModule *m = fe_lower(&d, p, FE_TARGET_ANY);
+  IrModule *m = fe_lower(&d, p, NULL);
   fe_program_free(p);
   char *dump = NULL;
   size_t len = 0;
@@ -168,7 +168,8 @@ static void test_lower_bf16_by_target(void **state) {
   const char *text =
       "model t {\n  dtype bf16; batch 2; seqlen 8; embed 16; optimizer sgd { lr 0.1; }\n}\n"
       "layer a { moe { experts 4 { ffn gpt { hidden 8; } } gate gshard { k 1; } } }\n";
-  const FeTarget targets[] = {FE_TARGET_CPU, FE_TARGET_CUDA, FE_TARGET_ANY};
+  const FeTargetCaps cpu = {.name = "cpu", .bf16 = false}, cuda = {.name = "cuda", .bf16 = true};
+  const FeTargetCaps *targets[] = {&cpu, &cuda, NULL};
   for (int t = 0; t < 3; t++) {
     char *err = NULL;
     size_t len = 0;
@@ -180,7 +181,7 @@ static void test_lower_bf16_by_target(void **state) {
     assert_non_null(p);
     IrModule *m = fe_lower(&d, p, targets[t]);
     fclose(errf);
-    if (targets[t] == FE_TARGET_CPU) {
+    if (targets[t] == &cpu) {
       assert_null(m);
       assert_int_equal(d.errors, 1);
       assert_non_null(strstr(err, "t.moe:2:9: error: dtype 'bf16' runs on the CUDA target only"));
@@ -221,7 +222,7 @@ static void test_stack_prices_design_workloads(void **state) {
     src[v] = ir_source_from_buffer("t.moe", buf, strlen(buf));
     FeProgram *p = fe_load(&d, src[v]);
     assert_non_null(p);
-    m[v] = fe_lower(&d, p, FE_TARGET_ANY);
+    m[v] = fe_lower(&d, p, NULL);
     fe_program_free(p);
     assert_non_null(m[v]);
     PassCtx ctx = {.d = &d, .stop_after = "cost", .cluster = &c};

@@ -1,0 +1,356 @@
+// moec check, dump-ir and build: the options they share, the front end (read, parse, check, the
+// cluster profile, lowering with the refusals of the target), the pass pipeline, and for build
+// the target's emitter and link step. Targets are the structs of codegen/cg.h, chosen by name
+// from the table below; --target auto takes the first whose device is visible.
+#include <stdlib.h>
+#include <string.h>
+#include <unistd.h>
+
+#include "cli/cli.h"
+#include "codegen/cg.h"
+#include "frontend/fe.h"
+#include "ir/ir.h"
+#include "passes/pass.h"
+
+// Every target, the default first. Adding a target: its struct (codegen/target_NAME.c) here.
+static const CgTarget *const targets[] = {&cg_target_cpu, &cg_target_cuda};
+enum { NTARGETS = sizeof targets / sizeof targets[0] };
+
+static const CgTarget *find_target(const char *name) {
+  for (int i = 0; i < NTARGETS; i++)
+    if (strcmp(targets[i]->name, name) == 0) return targets[i];
+  return NULL;
+}
+
+void cli_check_usage(FILE *out) {
+  fprintf(out,
+          "usage: moec check F.moe\n"
+          "\n"
+          "Parses and checks a model and reports every error (file:line:col, the line, a caret).\n"
+          "Exit status 0 when the model is valid, 1 when it has errors.\n");
+}
+
+void cli_dump_ir_usage(FILE *out) {
+  fprintf(out,
+          "usage: moec dump-ir F.moe [--after=PASS | --all] [--cluster C] [-v]\n"
+          "       moec dump-ir F.ir\n"
+          "\n"
+          "Prints the IR of a model after all passes, or reads IR text back, verifies it and prints it.\n"
+          "\n"
+          "  --after=PASS      after one pass (lower: before any pass; 'moec passes' lists them)\n"
+          "  --all             after every pass, each headed by its name\n"
+          "  --cluster C       cluster profile (overrides the model's 'cluster' statement)\n"
+          "  -v                also report what the passes decided\n");
+}
+
+void cli_build_usage(FILE *out) {
+  fprintf(out,
+          "usage: moec build F.moe [-o BIN] [-v] [--target cpu|cuda|auto] [--gpu-arch sm_NN]\n"
+          "                  [--cluster C] [--emit c|cuda] [--keep-c F.c]\n"
+          "\n"
+          "Compiles a model into a training binary (BIN --help says what the binary can do).\n"
+          "\n"
+          "  -o BIN            output (default: the model file's name without .moe)\n"
+          "  -v                report what the passes decided: memory plan, pipeline degrees,\n"
+          "                    gradient slots, the link line\n"
+          "  --target T        cpu (default): C kernels, OpenBLAS and MPI; cuda: one GPU per rank\n"
+          "                    (NVRTC kernels, cuBLAS, NCCL); auto: cuda where a GPU is visible\n"
+          "  --gpu-arch sm_NN  architecture of the CUDA kernels (default sm_90; PTX rides along)\n"
+          "  --cluster C       cluster profile for the planner (overrides the model's 'cluster')\n"
+          "  --emit c          write the generated C program (of the target) to -o or stdout\n"
+          "  --emit cuda       write the generated CUDA kernels (for NVRTC) to -o or stdout\n"
+          "  --keep-c F.c      also keep the generated C program as F.c\n");
+}
+
+typedef struct Options {
+  const char *input, *output, *after, *emit, *keep_c, *cluster, *target, *gpu_arch;
+  bool all, verbose;
+} Options;
+
+static bool ends_with(const char *s, const char *suffix) {
+  size_t n = strlen(s), k = strlen(suffix);
+  return n >= k && strcmp(s + n - k, suffix) == 0;
+}
+
+// Parses options after the command; false on a usage error (already reported).
+static bool parse_options(int argc, char **argv, Options *o) {
+  for (int i = 2; i < argc; i++) {
+    const char *a = argv[i];
+    const char **value = NULL;
+    if (strcmp(a, "-o") == 0) value = &o->output;
+    else if (strcmp(a, "--emit") == 0) value = &o->emit;
+    else if (strcmp(a, "--keep-c") == 0) value = &o->keep_c;
+    else if (strcmp(a, "--cluster") == 0) value = &o->cluster;
+    else if (strcmp(a, "--target") == 0) value = &o->target;
+    else if (strcmp(a, "--gpu-arch") == 0) value = &o->gpu_arch;
+    else if (strncmp(a, "--gpu-arch=", 11) == 0) o->gpu_arch = a + 11;
+    else if (strncmp(a, "--after=", 8) == 0) o->after = a + 8;
+    else if (strncmp(a, "--target=", 9) == 0) o->target = a + 9;
+    else if (strncmp(a, "--emit=", 7) == 0) o->emit = a + 7;
+    else if (strcmp(a, "--all") == 0) o->all = true;
+    else if (strcmp(a, "-v") == 0 || strcmp(a, "--verbose") == 0) o->verbose = true;
+    else if (a[0] == '-' && a[1]) {
+      fprintf(stderr, "moec: error: unknown option '%s' for 'moec %s' (see 'moec %s --help')\n", a, argv[1], argv[1]);
+      return false;
+    } else if (!o->input) o->input = a;
+    else {
+      fprintf(stderr, "moec: error: more than one input file ('%s' and '%s')\n", o->input, a);
+      return false;
+    }
+    if (value) {
+      if (++i >= argc) {
+        fprintf(stderr, "moec: error: option '%s' needs a value\n", a);
+        return false;
+      }
+      *value = argv[i];
+    }
+  }
+  if (!o->input) {
+    fprintf(stderr, "moec: error: no input file (see 'moec --help')\n");
+    return false;
+  }
+  if (o->after && !pass_known(o->after)) {
+    fprintf(stderr, "moec: error: unknown pass '%s' for --after (see 'moec passes')\n", o->after);
+    return false;
+  }
+  if (o->emit && strcmp(o->emit, "c") != 0 && strcmp(o->emit, "cuda") != 0) {
+    fprintf(stderr, "moec: error: --emit takes 'c' or 'cuda'\n");
+    return false;
+  }
+  if (o->target && strcmp(o->target, "auto") != 0 && !find_target(o->target)) {
+    fprintf(stderr, "moec: error: unknown target '%s' (", o->target);
+    for (int i = 0; i < NTARGETS; i++) fprintf(stderr, "%s%s", i ? ", " : "", targets[i]->name);
+    fprintf(stderr, " or auto)\n");
+    return false;
+  }
+  if (o->gpu_arch) {
+    const char *digits = strncmp(o->gpu_arch, "sm_", 3) == 0 ? o->gpu_arch + 3 : "";
+    if (!*digits || strspn(digits, "0123456789") != strlen(digits) || atoi(digits) < 50) {
+      fprintf(stderr, "moec: error: --gpu-arch takes an architecture like sm_80 or sm_90, not '%s'\n", o->gpu_arch);
+      return false;
+    }
+    const CgTarget *t = o->target ? find_target(o->target) : NULL;
+    if (t && !t->takes_arch) {
+      fprintf(stderr, "moec: error: --gpu-arch is for --target cuda (or auto), not --target %s\n", t->name);
+      return false;
+    }
+  }
+  return true;
+}
+
+// The cluster profile the passes price with (cli_cluster_from_fe converts the front end's form).
+typedef struct Cluster {
+  bool have;
+  SchedCluster sc;
+  char name[128];
+} Cluster;
+
+// Front end: read, parse, check, load the cluster profile, lower (with the refusals of target).
+// NULL on error.
+static IrModule *front_end(IrDiag *d, const Options *o, const FeTargetCaps *target, IrSource **src_out, Cluster *cl) {
+  IrSource *src = ir_source_read(d, o->input);
+  *src_out = src;
+  *cl = (Cluster){0};
+  if (!src) return NULL;
+  FeProgram *p = fe_load(d, src);
+  if (!p) return NULL;
+  FeCluster cluster;
+  bool ok = true, have_cluster = o->cluster || p->cluster_path;
+  if (o->cluster) ok = fe_load_cluster(d, o->cluster, (SrcLoc){0}, &cluster);
+  else if (p->cluster_path) ok = fe_load_cluster(d, p->cluster_path, p->cluster_loc, &cluster);
+  if (ok && have_cluster) {
+    cli_cluster_from_fe(&cluster, &cl->sc);
+    snprintf(cl->name, sizeof cl->name, "%s", cluster.name ? cluster.name : "cluster");
+    cl->sc.name = cl->name;
+    cl->have = true;
+  }
+  IrModule *m = ok ? fe_lower(d, p, target) : NULL;
+  if (ok && !have_cluster && p->schedule.pipeline_auto) {
+    ir_error_at(d, p->schedule.pipeline_loc,
+                "'pipeline auto' plans the degrees with a cluster profile: add 'cluster \"FILE\";' to the model "
+                "or pass --cluster FILE (lang/clusters has some)");
+    ir_module_free(m);
+    m = NULL;
+  }
+  int64_t world = p->parallel.dp * p->parallel.mp;
+  if (m && world > 1) {  // where the ranks sit: the cluster profile, or one node
+    ir_attrs_set_int(m->attrs, &m->nattrs, "gpus_per_node", have_cluster ? cluster.gpus_per_node : world);
+    ir_attrs_set_int(m->attrs, &m->nattrs, "nodes", have_cluster ? cluster.nodes : 0);
+  }
+  fe_program_free(p);
+  return m;
+}
+
+static int cmd_check(IrDiag *d, const Options *o) {
+  IrSource *src = ir_source_read(d, o->input);
+  if (!src) return 1;
+  FeProgram *p = fe_load(d, src);
+  bool ok = p != NULL;
+  if (p && p->cluster_path) {
+    FeCluster c;
+    ok = fe_load_cluster(d, p->cluster_path, p->cluster_loc, &c);
+  }
+  fe_program_free(p);
+  ir_source_free(src);
+  return ok && d->errors == 0 ? 0 : 1;
+}
+
+static int cmd_dump_ir(IrDiag *d, const Options *o) {
+  IrSource *src = NULL;
+  int status = 1;
+  if (ends_with(o->input, ".ir")) {
+    if (o->after || o->all) {
+      fprintf(stderr, "moec: error: --after and --all apply to .moe inputs; an .ir file is printed as read\n");
+      return 2;
+    }
+    src = ir_source_read(d, o->input);
+    IrModule *m = src ? ir_parse(d, src) : NULL;
+    if (m && ir_verify(d, m)) {
+      ir_print(stdout, m);
+      status = 0;
+    }
+    ir_module_free(m);
+    ir_source_free(src);
+    return status;
+  }
+  Cluster cl;
+  IrModule *m = front_end(d, o, NULL, &src, &cl);   // the IR does not depend on the target
+  if (m) {
+    PassCtx ctx = {.d = d, .verbose = o->verbose, .log = stderr, .dump_out = stdout, .dump_all = o->all,
+                   .cluster = cl.have ? &cl.sc : NULL};
+    ctx.dump_after = o->all ? NULL : (o->after ? o->after : pass_list[pass_count - 1].name);
+    ctx.stop_after = o->all ? NULL : ctx.dump_after;
+    if (pass_run_pipeline(m, &ctx)) status = 0;
+    pass_ctx_free(&ctx);
+  }
+  ir_module_free(m);
+  ir_source_free(src);
+  return status;
+}
+
+static char *default_output(const char *input) {
+  const char *base = strrchr(input, '/');
+  base = base ? base + 1 : input;
+  size_t n = strlen(base);
+  if (ends_with(base, ".moe")) n -= 4;
+  char *out = malloc(n + 2);
+  if (!out) return NULL;
+  memcpy(out, base, n);
+  out[n] = '\0';
+  if (n == 0) strcpy(out, "a");
+  return out;
+}
+
+// The target of a build: --target as given (cpu by default), or for auto the first target
+// whose device is visible and that this moec can build for (said, with the reason). arch: the
+// device architecture kernels are compiled for: --gpu-arch, else with auto the visible device's
+// own, else sm_90.
+static const CgTarget *resolve_target(const Options *o, char *arch, size_t arch_size) {
+  snprintf(arch, arch_size, "%s", o->gpu_arch ? o->gpu_arch : "sm_90");
+  if (o->target && strcmp(o->target, "auto") != 0) {
+    const CgTarget *t = find_target(o->target);
+    if (o->verbose) fprintf(stderr, "# target: %s (--target %s)%s%s\n", t->name, t->name, t->takes_arch ? ", kernels for " : "", t->takes_arch ? arch : "");
+    return t;
+  }
+  if (!o->target) {
+    if (o->verbose) fprintf(stderr, "# target: %s (the default; --target auto picks cuda where a GPU is visible)\n", targets[0]->name);
+    return targets[0];
+  }
+  for (int i = 0; i < NTARGETS; i++) {
+    const CgTarget *t = targets[i];
+    char why[512], seen[32] = "", missing[512];
+    if (!t->probe) continue;
+    if (!t->probe(why, sizeof why, seen, sizeof seen)) {
+      fprintf(stderr, "# target: auto -> %s (no GPU: %s)\n", targets[0]->name, why);
+      continue;
+    }
+    if (!t->available(missing, sizeof missing)) {
+      fprintf(stderr, "# target: auto -> %s (a GPU is visible, %s, but this moec was built without the CUDA toolkit)\n",
+              targets[0]->name, why);
+      continue;
+    }
+    if (!o->gpu_arch && seen[0]) snprintf(arch, arch_size, "%s", seen);
+    fprintf(stderr, "# target: auto -> %s (a GPU is visible: %s%s%s), kernels for %s\n", t->name, why, seen[0] ? ", " : "",
+            seen, arch);
+    return t;
+  }
+  return targets[0];
+}
+
+// Writes the target's program for m to out.
+static bool emit_program(IrDiag *d, FILE *out, const IrModule *m, const PassMemPlan *plan, const Options *o,
+                         const CgTarget *target, const char *arch) {
+  CgEmitOptions eo = {.source_name = o->input, .arch = target->takes_arch ? arch : NULL, .verbose = o->verbose};
+  return target->emit(d, out, m, plan, &eo);
+}
+
+static int cmd_build(IrDiag *d, const Options *o) {
+  IrSource *src = NULL;
+  Cluster cl;
+  // The target first: what the front end refuses depends on it (dtype bf16 runs on cuda only).
+  bool cuda_unit = o->emit && strcmp(o->emit, "cuda") == 0;
+  char arch[32] = "sm_90";
+  const CgTarget *target = cuda_unit ? &cg_target_cuda : resolve_target(o, arch, sizeof arch);
+  FeTargetCaps caps = {.name = target->name, .bf16 = target->bf16};
+  IrModule *m = front_end(d, o, &caps, &src, &cl);
+  int status = 1;
+  PassCtx ctx = {.d = d, .verbose = o->verbose, .log = stderr, .cluster = cl.have ? &cl.sc : NULL};
+  char tmp[] = "/tmp/moec-XXXXXX.c";
+  char *output = NULL;
+  FILE *c = NULL;
+  if (!m || !pass_run_pipeline(m, &ctx)) goto done;
+
+  if (o->emit) {  // --emit c: the program only; --emit cuda: the CUDA kernels only
+    c = o->output ? fopen(o->output, "w") : stdout;
+    if (!c) {
+      ir_error(d, "cannot write '%s'", o->output);
+      goto done;
+    }
+    bool ok = cuda_unit ? cg_emit_cuda(d, c, m, ctx.memplan) : emit_program(d, c, m, ctx.memplan, o, target, arch);
+    if (c != stdout && fclose(c) != 0) ok = ir_error(d, "cannot write '%s'", o->output);
+    c = NULL;
+    status = ok ? 0 : 1;
+    goto done;
+  }
+  const char *c_path = o->keep_c;
+  if (!c_path) {
+    int fd = mkstemps(tmp, 2);
+    if (fd < 0 || !(c = fdopen(fd, "w"))) {
+      ir_error(d, "cannot create a temporary file for the generated program");
+      goto done;
+    }
+    c_path = tmp;
+  } else if (!(c = fopen(c_path, "w"))) {
+    ir_error(d, "cannot write '%s'", c_path);
+    goto done;
+  }
+  bool ok = emit_program(d, c, m, ctx.memplan, o, target, arch);
+  if (fclose(c) != 0) ok = ir_error(d, "cannot write '%s'", c_path);
+  c = NULL;
+  output = o->output ? strdup(o->output) : default_output(o->input);
+  if (ok && output && target->link(d, c_path, output, o->verbose)) {
+    status = 0;
+    if (o->verbose) fprintf(stderr, "# wrote %s\n", output);
+  }
+  if (!o->keep_c) unlink(tmp);
+done:
+  free(output);
+  pass_ctx_free(&ctx);
+  ir_module_free(m);
+  ir_source_free(src);
+  return status;
+}
+
+// check, dump-ir and build: their options (parse_options), then the command.
+static int with_options(int argc, char **argv, int (*cmd)(IrDiag *d, const Options *o)) {
+  Options o = {0};
+  if (!parse_options(argc, argv, &o)) return 2;
+  IrDiag d;
+  ir_diag_init(&d, stderr);
+  return cmd(&d, &o);
+}
+
+int cli_check(int argc, char **argv) { return with_options(argc, argv, cmd_check); }
+int cli_dump_ir(int argc, char **argv) { return with_options(argc, argv, cmd_dump_ir); }
+int cli_build(int argc, char **argv) { return with_options(argc, argv, cmd_build); }
+

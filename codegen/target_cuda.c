@@ -1,0 +1,100 @@
+// The CUDA target: one GPU per rank. The model's kernels (codegen/emit_cuda.c) are compiled by
+// NVRTC at build time for the requested architecture and embedded, as CUBIN and PTX, in the host
+// program (codegen/emit_cuda_host.c), which launches them and runs cuBLAS GEMMs and NCCL
+// collectives on the scheduled streams through libmoert_cuda.
+//
+// This file is linked into moec only (not libmoec): NVRTC is there where make found the CUDA
+// toolkit (MOEC_NVRTC); elsewhere the target says it is unavailable. MOEC_CUDA_FAKE=1 in the
+// environment is a test hook: programs link build/cuda/libfake_cuda.a instead of libmoert_cuda
+// and the CUDA libraries (tests/cuda/fake_cuda.cpp: rt_cuda.h on host memory, the kernels
+// emulated), so that `make test` runs CUDA programs on machines without a GPU.
+#include <stdlib.h>
+#include <string.h>
+
+#include "cg.h"
+
+#ifdef MOEC_NVRTC
+static bool cuda_available(char *why, size_t size) {
+  (void)why, (void)size;
+  return true;
+}
+
+// The model's kernels compiled by NVRTC: the CUBIN for arch and the PTX of its virtual
+// architecture, malloc'd.
+static bool cuda_images(IrDiag *d, const IrModule *m, const PassMemPlan *plan, const char *arch, CgCudaImages *img) {
+  char *src = NULL;
+  size_t n = 0;
+  FILE *f = open_memstream(&src, &n);
+  if (!f) return ir_error(d, "out of memory");
+  bool ok = cg_emit_cuda(d, f, m, plan);
+  if (fclose(f) != 0) ok = ir_error(d, "out of memory");
+  void *cubin = NULL;
+  char *ptx = NULL;
+  ok = ok && cg_nvrtc_compile(d, src, arch, &cubin, &img->cubin_size) && cg_nvrtc_ptx(d, src, arch, &ptx, &img->ptx_size);
+  free(src);
+  img->arch = arch;
+  img->cubin = cubin;
+  img->ptx = ptx;
+  return ok;
+}
+#else
+static bool cuda_available(char *why, size_t size) {
+  snprintf(why, size, "this moec was built without NVRTC (make links it into build/moec only where it finds the CUDA "
+                      "toolkit, CUDA=/usr/local/cuda by default), so it cannot compile the kernels of --target cuda; "
+                      "use a moec built by 'make' where the toolkit is, or build with --target cpu");
+  return false;
+}
+
+static bool cuda_images(IrDiag *d, const IrModule *m, const PassMemPlan *plan, const char *arch, CgCudaImages *img) {
+  (void)m, (void)plan, (void)arch, (void)img;
+  char why[512];
+  cuda_available(why, sizeof why);
+  return ir_error(d, "%s", why);
+}
+#endif
+
+static bool cuda_emit(IrDiag *d, FILE *out, const IrModule *m, const PassMemPlan *plan, const CgEmitOptions *o) {
+  CgCudaImages img = {0};
+  bool ok = cuda_images(d, m, plan, o->arch ? o->arch : "sm_90", &img);
+  if (ok && o->verbose)
+    fprintf(stderr, "# nvrtc: CUBIN for %s %zu bytes, PTX %zu bytes, embedded in the program\n", img.arch,
+            img.cubin_size, img.ptx_size);
+  ok = ok && cg_emit_cuda_host(d, out, m, plan, o->source_name, &img);
+  free((void *)img.cubin);
+  free((void *)img.ptx);
+  return ok;
+}
+
+// libmoert_cuda (needs cuBLAS, NCCL and libdl; the driver itself is opened at run time,
+// runtime/cuda/rt_cuda.c), or the fake device of the tests.
+static bool cuda_link(IrDiag *d, const char *c_path, const char *out_path, bool verbose) {
+  const char *fake = getenv("MOEC_CUDA_FAKE");
+  bool use_fake = fake && strcmp(fake, "1") == 0;
+  if (!*cg_cuda_cflags)
+    return ir_error(d, "this moec was built where make found no CUDA toolkit, so it cannot link a CUDA program "
+                       "(rebuild moec with 'make' where the toolkit is, CUDA=/path)");
+  if (!use_fake && !*cg_cuda_libs)
+    return ir_error(d, "this moec was built where make found no cuBLAS or NCCL, so it cannot link a CUDA program "
+                       "(see the '#' lines of 'make'; NCCL_HOME=/path)");
+  char cflags[8192], include[4096];
+  cg_source_file("runtime/cuda", include, sizeof include);
+  snprintf(cflags, sizeof cflags, "-I%s %s %s", include, cg_cuda_cflags, cg_mpi_cflags);
+  CgLinkExtra extra = {
+      .cflags = cflags,
+      .how = use_fake ? "the fake device of the tests: 'make' builds it where the CUDA toolkit is"
+                      : "the GPU runtime: 'make' builds it where the CUDA toolkit, cuBLAS and NCCL are",
+      .libs = use_fake ? "-lstdc++" : cg_cuda_libs,
+  };
+  cg_build_file(use_fake ? "cuda/libfake_cuda.a" : "libmoert_cuda.a", extra.library, sizeof extra.library);
+  return cg_link_program(d, c_path, out_path, &extra, verbose);
+}
+
+const CgTarget cg_target_cuda = {
+    .name = "cuda",
+    .bf16 = true,
+    .takes_arch = true,
+    .probe = cg_gpu_probe,
+    .available = cuda_available,
+    .emit = cuda_emit,
+    .link = cuda_link,
+};
