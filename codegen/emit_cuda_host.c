@@ -267,7 +267,7 @@ static bool emit_comm(Host *h, const IrFunc *f, const IrOp *op, IrStream s) {
   int w = where(h, f, op, "%s on the %s group", ir_op_info[op->kind].name, group_names[g]);
   const IrType *t0 = op->nargs ? operand_type(&op->args[0]) : NULL, *rt = op->result ? &op->result->type : NULL;
   if (op->kind == IR_OP_COMM_SPLIT) {
-    fprintf(h->out, "  CK(rt_cuda_copy(cu, %s, %s, (const unsigned char *)%s + (size_t)rt_comm_rank(%s) * %" PRId64 ", %" PRId64
+    fprintf(h->out, "  CK(rt_cuda_copy(cu, %s, %s, (const unsigned char *)%s + (size_t)rt_comm_rank(st->comm, %s) * %" PRId64 ", %" PRId64
                     "), %d);\n", se, r, a, group_enums[g], ir_type_bytes(rt), ir_type_bytes(rt), w);
     return true;
   }
@@ -666,7 +666,7 @@ static void emit_hooks(Host *h, FILE *out) {
   for (int g = 0; g < 5; g++) {
     if (!h->group_nccl[g]) continue;
     any++;
-    fprintf(out, "  if (!(nccl[%s] = rt_cuda_nccl_group(%s)))\n"
+    fprintf(out, "  if (!(nccl[%s] = rt_cuda_nccl_group(st->comm, %s)))\n"
                  "    return rt_fail(\"the NCCL communicator of the %s group could not be set up (the error is above)\");\n",
             group_enums[g], group_enums[g], group_names[g]);
   }

@@ -9,10 +9,12 @@
 // 4 ranks resumes on 1, 2 or 8.
 //
 // The few world-wide operations rt_main needs beyond the group collectives of comm.c (agreeing
-// on an error, max reductions, gathers to rank 0) are here too, and only here does the driver
-// call MPI directly; on a world of one none of them touches MPI.
+// on an error, max reductions, gathers to rank 0) are here too, on the world group of the
+// driver's communicator; only here does the driver call MPI directly, and on a world of one
+// (a NULL communicator, or one of one rank) none of them touches MPI.
 #include "moert.h"
 #include "rt_internal.h"
+#include "rt_mpi.h"
 
 #include <cjson/cJSON.h>
 #include <errno.h>
@@ -144,22 +146,20 @@ int64_t rt_box_copy(int rank, const int64_t *src_off, const int64_t *src_dims, c
 
 // ---- world-wide helpers ----
 
-static int world_size(void) {
-  return rt_comm_active() ? rt_comm_size(RT_GROUP_WORLD) : 1;
-}
+#define MPI_CHECK(call) rt_mpi_check((call), #call, __FILE__, __LINE__)
 
-int rt_world_agree(int status) {
-  int world = world_size();
+int rt_world_agree(RtComm *c, int status) {
+  int world = rt_comm_size(c, RT_GROUP_WORLD);
   if (world == 1)
     return status;
-  int me = rt_comm_rank(RT_GROUP_WORLD);
+  int me = rt_comm_rank(c, RT_GROUP_WORLD);
   int mine = status != 0 ? me : world, lowest = world;
-  MPI_Allreduce(&mine, &lowest, 1, MPI_INT, MPI_MIN, MPI_COMM_WORLD);
+  MPI_CHECK(MPI_Allreduce(&mine, &lowest, 1, MPI_INT, MPI_MIN, rt_comm_mpi(c, RT_GROUP_WORLD)));
   if (lowest == world)
     return 0;
   char msg[1024];
   snprintf(msg, sizeof msg, "%s", rt_last_error()[0] ? rt_last_error() : "unknown failure");
-  MPI_Bcast(msg, (int)sizeof msg, MPI_CHAR, lowest, MPI_COMM_WORLD);
+  rt_bcast(c, RT_GROUP_WORLD, msg, (int64_t)sizeof msg, lowest);
   msg[sizeof msg - 1] = '\0';
   if (lowest == 0)
     rt_fail("%s", msg);
@@ -168,25 +168,26 @@ int rt_world_agree(int status) {
   return -1;
 }
 
-void rt_world_max(double *v, int n) {
-  if (world_size() > 1)
-    MPI_Allreduce(MPI_IN_PLACE, v, n, MPI_DOUBLE, MPI_MAX, MPI_COMM_WORLD);
+void rt_world_max(RtComm *c, double *v, int n) {
+  if (rt_comm_size(c, RT_GROUP_WORLD) > 1)
+    MPI_CHECK(MPI_Allreduce(MPI_IN_PLACE, v, n, MPI_DOUBLE, MPI_MAX, rt_comm_mpi(c, RT_GROUP_WORLD)));
 }
 
 // Point-to-point in pieces that fit MPI's int counts.
 enum { PIECE = 1 << 28 };
 
-static void send_floats(const float *buf, int64_t n, int to) {
+static void send_floats(RtComm *c, const float *buf, int64_t n, int to) {
   for (int64_t at = 0; at < n; at += PIECE) {
     int count = (int)(n - at < PIECE ? n - at : PIECE);
-    MPI_Send(buf + at, count, MPI_FLOAT, to, 0, MPI_COMM_WORLD);
+    MPI_CHECK(MPI_Send(buf + at, count, MPI_FLOAT, to, 0, rt_comm_mpi(c, RT_GROUP_WORLD)));
   }
 }
 
-static void recv_floats(float *buf, int64_t n, int from) {
+static void recv_floats(RtComm *c, float *buf, int64_t n, int from) {
   for (int64_t at = 0; at < n; at += PIECE) {
     int count = (int)(n - at < PIECE ? n - at : PIECE);
-    MPI_Recv(buf + at, count, MPI_FLOAT, from, 0, MPI_COMM_WORLD, MPI_STATUS_IGNORE);
+    MPI_CHECK(MPI_Recv(buf + at, count, MPI_FLOAT, from, 0, rt_comm_mpi(c, RT_GROUP_WORLD),
+                       MPI_STATUS_IGNORE));
   }
 }
 
@@ -196,11 +197,12 @@ static RtRanks peer_of(const RtRanks *r, int rank) {
   return rt_ranks_of(&l, rank, r->world);
 }
 
-void rt_gather_param(const RtParam *p, const RtRanks *r, const float *shard, float *whole) {
+void rt_gather_param(RtComm *c, const RtParam *p, const RtRanks *r, const float *shard,
+                     float *whole) {
   int64_t zero[4] = {0}, off[4];
   if (r->rank != 0) {
     if (rt_shard_owner(p, r))
-      send_floats(shard, p->numel, 0);
+      send_floats(c, shard, p->numel, 0);
     return;
   }
   float *buf = NULL;
@@ -215,7 +217,7 @@ void rt_gather_param(const RtParam *p, const RtRanks *r, const float *shard, flo
       continue;
     const float *src = shard;
     if (k != 0) {
-      recv_floats(buf, p->numel, k);
+      recv_floats(c, buf, p->numel, k);
       src = buf;
     }
     rt_shard_offsets(p, &peer, off);
@@ -224,15 +226,15 @@ void rt_gather_param(const RtParam *p, const RtRanks *r, const float *shard, flo
   free(buf);
 }
 
-void rt_gather_dp(const RtRanks *r, const float *mine, int64_t n, float *whole) {
+void rt_gather_dp(RtComm *c, const RtRanks *r, const float *mine, int64_t n, float *whole) {
   if (r->rank != 0) {
     if (r->mp_index == 0)
-      send_floats(mine, n, 0);
+      send_floats(c, mine, n, 0);
     return;
   }
   memcpy(whole, mine, (size_t)n * sizeof(float));
   for (int k = 1; k < r->dp; k++)
-    recv_floats(whole + k * n, n, k * r->mp);
+    recv_floats(c, whole + k * n, n, k * r->mp);
 }
 
 // ---- small text helpers ----
@@ -450,14 +452,15 @@ static char *index_text(const char *path, const RtModel *m, const RtRanks *r, in
   return whole;
 }
 
-int rt_checkpoint_save(const char *path, const RtModel *m, const RtRanks *r, int64_t step,
-                       const float *params, const float *opt_m, const float *opt_v) {
+int rt_checkpoint_save(RtComm *c, const char *path, const RtModel *m, const RtRanks *r,
+                       int64_t step, const float *params, const float *opt_m,
+                       const float *opt_v) {
   char *file = shard_path(path, r->rank, r->world);
   int status = file ? write_shard(file, m, r, step, params, opt_m, opt_v)
                     : rt_fail("out of memory writing '%s'", path);
   free(file);
   // Every shard is durable (written, fsynced, renamed) before the index that names them.
-  if (rt_world_agree(status) != 0)
+  if (rt_world_agree(c, status) != 0)
     return -1;
   status = 0;
   if (r->rank == 0) {
@@ -465,7 +468,7 @@ int rt_checkpoint_save(const char *path, const RtModel *m, const RtRanks *r, int
     status = text ? write_text_atomic(path, text) : rt_fail("out of memory writing '%s'", path);
     free(text);
   }
-  return rt_world_agree(status);
+  return rt_world_agree(c, status);
 }
 
 // ---- reading ----

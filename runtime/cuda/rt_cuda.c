@@ -441,10 +441,10 @@ RtNccl *rt_cuda_nccl_create(MPI_Comm comm) {
   return nc;
 }
 
-RtNccl *rt_cuda_nccl_group(RtGroup g) {
-  MPI_Comm comm = rt_comm_mpi(g);
+RtNccl *rt_cuda_nccl_group(RtComm *c, RtGroup g) {
+  MPI_Comm comm = rt_comm_mpi(c, g);
   if (comm == MPI_COMM_NULL) {
-    report("no communicator for parallel group %d: rt_comm_init has not run", (int)g);
+    report("no communicator for parallel group %d: the program made no communicators (rt_comm_create)", (int)g);
     return NULL;
   }
   return rt_cuda_nccl_create(comm);

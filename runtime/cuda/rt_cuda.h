@@ -107,9 +107,9 @@ bool rt_cuda_expert_gemm(RtCuda *cu, RtStream s, RtCudaType in, const void *a, c
 // hands it out, every rank calls ncclCommInitRank with its rank in comm. The GPU is the current
 // context's (this process's device 0: one GPU per rank). NULL (reported) on failure.
 RtNccl *rt_cuda_nccl_create(MPI_Comm comm);
-// The communicator of parallel group g (runtime/comm.c's, which rt_comm_init made): collective
-// over the group's members.
-RtNccl *rt_cuda_nccl_group(RtGroup g);
+// The communicator of parallel group g of comm (runtime/comm.c's, which rt_comm_create made):
+// collective over the group's members.
+RtNccl *rt_cuda_nccl_group(RtComm *comm, RtGroup g);
 bool rt_cuda_nccl_destroy(RtNccl *nc);
 // Sum over the ranks; send == recv is in place.
 bool rt_cuda_allreduce(RtCuda *cu, RtNccl *nc, RtStream s, const float *send, float *recv, size_t count);
