@@ -399,9 +399,7 @@ static int read_global_batch(Trainer *tr, const char *path, float *dst) {
     return rt_npy_read_f32(path, 3, dims, dst);
   }
   int64_t dims[3] = {r->dp * m->batch, m->seqlen, m->embed};
-  float *all = malloc((size_t)(r->dp * tr->elems) * sizeof(float));
-  if (!all)
-    return rt_fail("out of memory reading '%s'", path);
+  float *all = rt_alloc((size_t)(r->dp * tr->elems) * sizeof(float), "the global batch");
   int status = rt_npy_read_f32(path, 3, dims, all);
   if (status == 0)
     memcpy(dst, all + r->dp_index * tr->elems, (size_t)tr->elems * sizeof(float));
@@ -431,9 +429,7 @@ static void fill_step_data(Trainer *tr, int64_t step) {
 // ---- --dump ----
 
 static int make_dirs(const char *path) {
-  char *p = strdup(path);
-  if (!p)
-    return rt_fail("out of memory");
+  char *p = rt_strdup(path, "the name of the --dump folder");
   int status = 0;
   for (char *s = p + 1;; s++) {
     if (*s != '/' && *s != '\0')
@@ -482,14 +478,10 @@ static int dump_step(Trainer *tr, const Report *rep) {
   }
   float *whole = NULL;
   if (root) {
-    path = malloc(len);
-    whole = malloc((whole_floats ? whole_floats : 1) * sizeof(float));
-    if (!path || !whole)
-      status = rt_fail("out of memory writing the dump to '%s'", dir);
-    if (status == 0) {
-      snprintf(path, len, "%s/grad", dir);
-      status = make_dirs(path);
-    }
+    path = rt_alloc(len, "the names of the --dump files");
+    whole = rt_alloc(whole_floats * sizeof(float), "a whole tensor of the --dump");
+    snprintf(path, len, "%s/grad", dir);
+    status = make_dirs(path);
   }
   if (rt_world_agree(tr->comm, status) != 0) {
     free(path);
@@ -696,9 +688,8 @@ static int check_grad(Trainer *tr) {
   double loss_scale = fabs(rep0.mse) + fabs(rep0.aux_total);   // what fp32 rounding scales with
   uint64_t hash0 = st->route_hash;
   m->backward(st);
-  float *grad = malloc((m->param_floats ? m->param_floats : 1) * sizeof(float));
-  if (rt_world_agree(tr->comm, grad ? 0 : rt_fail("out of memory")) != 0 ||
-      device_get(tr, RT_DEVICE_GRADS) != 0) {
+  float *grad = rt_alloc(m->param_floats * sizeof(float), "the gradients of --check-grad");
+  if (device_get(tr, RT_DEVICE_GRADS) != 0) {
     free(grad);
     return -1;
   }

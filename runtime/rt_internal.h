@@ -25,10 +25,13 @@ const char *rt_last_error(void);
 void rt_clear_error(void);
 // Out of memory: one policy for the whole runtime. The job ends with "moert: error: rank R on
 // HOST: out of memory: WHAT needs N bytes" and exit status 1 (every rank, through rt_comm_abort).
+// bytes 0: a library's allocation of a size not known here (cJSON's), said as "out of memory:
+// WHAT".
 _Noreturn void rt_out_of_memory(size_t bytes, const char *what);
-// malloc / calloc that end the job so when they fail (0 bytes allocate 1).
+// malloc / calloc / strdup that end the job so when they fail (0 bytes allocate 1).
 void *rt_alloc(size_t bytes, const char *what);
 void *rt_calloc(size_t n, size_t size, const char *what);
+char *rt_strdup(const char *s, const char *what);
 
 // ---- routing statistics (kernels.c) ----
 // Adds the per-expert loads of one layer (load[e]: tokens or choices kept by each expert) to

@@ -6,7 +6,8 @@
 // element index, dumps are whole tensors, and a checkpoint is a set of boxes, each labelled with
 // its global shape and offsets. Loading intersects the box a rank needs with every box on disk
 // (hyper-rectangle intersection) and checks that the union covers it, so a checkpoint written by
-// 4 ranks resumes on 1, 2 or 8.
+// 4 ranks resumes on 1, 2 or 8. A checkpoint's faults (a missing shard, a torn or hand-edited
+// file) are returned errors; running out of memory ends the job (rt_alloc, error.c).
 //
 // The few world-wide operations rt_main needs beyond the group collectives of comm.c (agreeing
 // on an error, max reductions, gathers to rank 0) are here too, on the world group of the
@@ -206,11 +207,8 @@ void rt_gather_param(RtComm *c, const RtParam *p, const RtRanks *r, const float 
     return;
   }
   float *buf = NULL;
-  if (r->world > 1 && p->numel > 0) {
-    buf = malloc((size_t)p->numel * sizeof(float));
-    if (!buf)
-      rt_comm_abort("out of memory gathering parameter '%s'", p->name);
-  }
+  if (r->world > 1 && p->numel > 0)
+    buf = rt_alloc((size_t)p->numel * sizeof(float), "a parameter's shard gathered on rank 0");
   for (int k = 0; k < r->world; k++) {
     RtRanks peer = peer_of(r, k);
     if (!rt_shard_owner(p, &peer))
@@ -300,9 +298,7 @@ static char *str_printf(const char *fmt, ...) {
   va_start(ap, fmt);
   int n = vsnprintf(NULL, 0, fmt, ap);
   va_end(ap);
-  char *s = malloc((size_t)n + 1);
-  if (!s)
-    return NULL;
+  char *s = rt_alloc((size_t)n + 1, "a checkpoint's text");
   va_start(ap, fmt);
   vsnprintf(s, (size_t)n + 1, fmt, ap);
   va_end(ap);
@@ -327,7 +323,7 @@ static const char *base_name(const char *path) {
 static char *resolve_beside(const char *index_path, const char *name) {
   const char *slash = strrchr(index_path, '/');
   if (name[0] == '/' || !slash)
-    return strdup(name);
+    return rt_strdup(name, "a checkpoint's text");
   return str_printf("%.*s/%s", (int)(slash - index_path), index_path, name);
 }
 
@@ -336,8 +332,6 @@ static char *resolve_beside(const char *index_path, const char *name) {
 // Writes text to PATH atomically: PATH.tmp, fsync, rename, fsync of the folder.
 static int write_text_atomic(const char *path, const char *text) {
   char *tmp = str_printf("%s.tmp", path);
-  if (!tmp)
-    return rt_fail("out of memory writing '%s'", path);
   int status = -1;
   FILE *f = fopen(tmp, "wb");
   if (!f) {
@@ -358,15 +352,13 @@ static int write_shard(const char *file, const RtModel *m, const RtRanks *r, int
   enum { FIXED_META = 7 };
   int per = m->opt == RT_OPT_ADAMW ? 3 : 1;
   size_t cap = (size_t)m->nparams * per + 1;
-  RtStTensor *tensors = calloc(cap, sizeof(RtStTensor));
-  char **names = calloc(cap, sizeof(char *)), **keys = calloc(cap, sizeof(char *));
-  char **boxes = calloc(cap, sizeof(char *));
-  const char **meta = calloc(2 * (cap + FIXED_META), sizeof(char *));
-  int n = 0, status = -1;
-  if (!tensors || !names || !keys || !boxes || !meta) {
-    rt_fail("out of memory writing '%s'", file);
-    goto done;
-  }
+  const char *what = "the table of a checkpoint shard";
+  RtStTensor *tensors = rt_calloc(cap, sizeof(RtStTensor), what);
+  char **names = rt_calloc(cap, sizeof(char *), what);
+  char **keys = rt_calloc(cap, sizeof(char *), what);
+  char **boxes = rt_calloc(cap, sizeof(char *), what);
+  const char **meta = rt_calloc(2 * (cap + FIXED_META), sizeof(char *), what);
+  int n = 0;
   char step_text[32], world_text[16], rank_text[16], layout_text[96];
   snprintf(step_text, sizeof step_text, "%lld", (long long)step);
   snprintf(world_text, sizeof world_text, "%d", r->world);
@@ -393,19 +385,13 @@ static int write_shard(const char *file, const RtModel *m, const RtRanks *r, int
       names[n] = str_printf("%s%s", prefix[k], p->name);
       keys[n] = str_printf("shard.%s%s", prefix[k], p->name);
       boxes[n] = str_printf("global=%s offset=%s", global, offset);
-      if (!names[n] || !keys[n] || !boxes[n]) {
-        n++;
-        rt_fail("out of memory writing '%s'", file);
-        goto done;
-      }
       tensors[n] = (RtStTensor){names[n], p->rank, p->dims, src[k] + p->offset};
       meta[2 * (FIXED_META + n)] = keys[n];
       meta[2 * (FIXED_META + n) + 1] = boxes[n];
       n++;
     }
   }
-  status = rt_st_write(file, n, tensors, FIXED_META + n, meta);
-done:
+  int status = rt_st_write(file, n, tensors, FIXED_META + n, meta);
   for (int i = 0; i < n; i++) {
     free(names[i]);
     free(keys[i]);
@@ -419,35 +405,37 @@ done:
   return status;
 }
 
-// A JSON string literal of s (quoted and escaped), malloc'ed.
+// A JSON string literal of s (quoted and escaped), malloc'ed. cJSON fails here only for want of
+// memory.
 static char *json_quote(const char *s) {
   cJSON *item = cJSON_CreateString(s);
   char *text = item ? cJSON_PrintUnformatted(item) : NULL;
   cJSON_Delete(item);
+  if (!text)
+    rt_out_of_memory(0, "the index of a checkpoint");
   return text;
 }
 
 // The index: JSON text, one shard file per rank, named relative to the index's folder.
 static char *index_text(const char *path, const RtModel *m, const RtRanks *r, int64_t step) {
   char *model = json_quote(m->name);
-  char *text = model ? str_printf("{\n  \"format\": \"%s\",\n  \"model\": %s,\n  \"optimizer\": "
-                                  "\"%s\",\n  \"step\": %lld,\n  \"world\": %d,\n  \"layout\": "
-                                  "{\"dp\": %d, \"mp\": %d, \"ep\": %d, \"esp\": %d},\n  "
-                                  "\"shards\": [",
-                                  checkpoint_v2, model, optimizer_of(m), (long long)step,
-                                  r->world, r->dp, r->mp, r->ep, r->esp)
-                     : NULL;
+  char *text = str_printf("{\n  \"format\": \"%s\",\n  \"model\": %s,\n  "
+                          "\"optimizer\": \"%s\",\n  \"step\": %lld,\n  \"world\": %d,\n  "
+                          "\"layout\": {\"dp\": %d, \"mp\": %d, \"ep\": %d, \"esp\": %d},\n  "
+                          "\"shards\": [",
+                          checkpoint_v2, model, optimizer_of(m), (long long)step, r->world, r->dp,
+                          r->mp, r->ep, r->esp);
   free(model);
-  for (int k = 0; text && k < r->world; k++) {
+  for (int k = 0; k < r->world; k++) {
     char *name = shard_path(base_name(path), k, r->world);
-    char *quoted = name ? json_quote(name) : NULL;
-    char *longer = quoted ? str_printf("%s%s\n    %s", text, k ? "," : "", quoted) : NULL;
+    char *quoted = json_quote(name);
+    char *longer = str_printf("%s%s\n    %s", text, k ? "," : "", quoted);
     free(name);
     free(quoted);
     free(text);
     text = longer;
   }
-  char *whole = text ? str_printf("%s\n  ]\n}\n", text) : NULL;
+  char *whole = str_printf("%s\n  ]\n}\n", text);
   free(text);
   return whole;
 }
@@ -456,8 +444,7 @@ int rt_checkpoint_save(RtComm *c, const char *path, const RtModel *m, const RtRa
                        int64_t step, const float *params, const float *opt_m,
                        const float *opt_v) {
   char *file = shard_path(path, r->rank, r->world);
-  int status = file ? write_shard(file, m, r, step, params, opt_m, opt_v)
-                    : rt_fail("out of memory writing '%s'", path);
+  int status = write_shard(file, m, r, step, params, opt_m, opt_v);
   free(file);
   // Every shard is durable (written, fsynced, renamed) before the index that names them.
   if (rt_world_agree(c, status) != 0)
@@ -465,7 +452,7 @@ int rt_checkpoint_save(RtComm *c, const char *path, const RtModel *m, const RtRa
   status = 0;
   if (r->rank == 0) {
     char *text = index_text(path, m, r, step);
-    status = text ? write_text_atomic(path, text) : rt_fail("out of memory writing '%s'", path);
+    status = write_text_atomic(path, text);
     free(text);
   }
   return rt_world_agree(c, status);
@@ -502,9 +489,7 @@ static int wants_make(Wants *ws, const RtModel *m, const RtRanks *r, float *para
                       float *opt_m, float *opt_v) {
   int per = opt_m ? 3 : 1;
   ws->n = 0;
-  ws->w = calloc((size_t)m->nparams * per + 1, sizeof(Wanted));
-  if (!ws->w)
-    return rt_fail("out of memory");
+  ws->w = rt_calloc((size_t)m->nparams * per + 1, sizeof(Wanted), "the tensors to load");
   float *dst[3] = {params, opt_m, opt_v};
   const char *prefix[3] = {"", "opt.m.", "opt.v."};
   for (int i = 0; i < m->nparams; i++) {
@@ -515,9 +500,7 @@ static int wants_make(Wants *ws, const RtModel *m, const RtRanks *r, float *para
       w->dst = dst[k] + p->offset;
       rt_shard_offsets(p, r, w->off);
       w->name = str_printf("%s%s", prefix[k], p->name);
-      w->covered = calloc((size_t)p->numel + 1, 1);
-      if (!w->name || !w->covered)
-        return rt_fail("out of memory");
+      w->covered = rt_calloc((size_t)p->numel + 1, 1, "the map of loaded elements");
     }
   }
   return 0;
@@ -624,11 +607,7 @@ static int read_text_file(const char *path, char **out, size_t *size) {
     fclose(f);
     return rt_fail("cannot read '%s': it is not a regular file", path);
   }
-  char *buf = malloc((size_t)sb.st_size + 1);
-  if (!buf) {
-    fclose(f);
-    return rt_fail("out of memory reading '%s'", path);
-  }
+  char *buf = rt_alloc((size_t)sb.st_size + 1, "a checkpoint index read whole");
   size_t got = fread(buf, 1, (size_t)sb.st_size, f);
   int err = ferror(f) ? errno : 0;
   fclose(f);
@@ -724,23 +703,16 @@ static int parse_index(const char *path, const char *text, size_t size, bool for
             (long long)world, cJSON_GetArraySize(shards));
     goto done;
   }
-  ix->model = strdup(model);
-  ix->optimizer = strdup(optimizer);
-  ix->shards = calloc((size_t)cJSON_GetArraySize(shards), sizeof(char *));
-  if (!ix->model || !ix->optimizer || !ix->shards) {
-    rt_fail("out of memory reading '%s'", path);
-    goto done;
-  }
+  const char *what = "a checkpoint's index";
+  ix->model = rt_strdup(model, what);
+  ix->optimizer = rt_strdup(optimizer, what);
+  ix->shards = rt_calloc((size_t)cJSON_GetArraySize(shards), sizeof(char *), what);
   for (const cJSON *s = shards->child; s; s = s->next) {
     if (!cJSON_IsString(s) || !s->valuestring[0]) {
       rt_fail("checkpoint '%s': an entry of \"shards\" is not a file name", path);
       goto done;
     }
-    if (!(ix->shards[ix->nshards] = resolve_beside(path, s->valuestring))) {
-      rt_fail("out of memory reading '%s'", path);
-      goto done;
-    }
-    ix->nshards++;
+    ix->shards[ix->nshards++] = resolve_beside(path, s->valuestring);
   }
   status = 0;
 done:

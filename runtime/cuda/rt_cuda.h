@@ -16,8 +16,9 @@
 //
 // Errors: every CUDA, cuBLAS, NCCL and MPI call is checked. A failure is reported on stderr as
 // "moert: error: rank R on HOST: CALL failed: NAME (DESCRIPTION) at FILE:LINE" and the function
-// returns false (NULL); nothing is retried or ignored. Not thread-safe: one host thread drives
-// an RtCuda (the streams give the concurrency).
+// returns false (NULL); nothing is retried or ignored. Host memory running out ends the job, as
+// everywhere in the runtime (rt_alloc). Not thread-safe: one host thread drives an RtCuda (the
+// streams give the concurrency).
 #ifndef RT_CUDA_H
 #define RT_CUDA_H
 
