@@ -37,7 +37,6 @@ void openblas_set_num_threads(int num_threads);  // OpenBLAS (cblas.h pulls in m
 #include <inttypes.h>
 #include <math.h>
 #include <stdarg.h>
-#include <signal.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <unistd.h>
@@ -242,6 +241,7 @@ typedef struct Trainer {
   int64_t done_steps;      // the last step already applied to the parameters
   bool fixed_data;         // --input given: the same data every step
   bool device_up;          // model->device created: destroy it at the end
+  RtFault fault;           // tests only: where this rank dies (MOERT_TEST_KILL, fault.c)
 } Trainer;
 
 static bool is_root(const Trainer *tr) {
@@ -265,7 +265,8 @@ static void trainer_destroy(Trainer *tr) {
 
 static int trainer_create(Trainer *tr, const RtModel *model, const Options *opt,
                           const RtRanks *ranks, RtComm *comm) {
-  *tr = (Trainer){.model = model, .opt = *opt, .ranks = *ranks, .comm = comm};
+  *tr = (Trainer){.model = model, .opt = *opt, .ranks = *ranks, .comm = comm,
+                  .fault = rt_fault_from_env()};
   tr->elems = model->batch * model->seqlen * model->embed;
   size_t floats = model->param_floats ? model->param_floats : 1;
   size_t arena = (model->arena_bytes + 63) / 64 * 64;
@@ -552,19 +553,11 @@ static int train(Trainer *tr) {
   if (!tr->opt.quiet && root)
     print_header(tr, first, last);
   double loss = NAN;
-  // Fault injection for the failure tests: MOERT_TEST_KILL="RANK:STEP" kills that rank with
-  // SIGKILL in the middle of that step, as a crashed process would die.
-  int kill_rank = -1;
-  long long kill_step = -1;
-  const char *fault = getenv("MOERT_TEST_KILL");
-  if (fault && sscanf(fault, "%d:%lld", &kill_rank, &kill_step) != 2)
-    kill_rank = -1;
   for (int64_t t = first; t <= last; t++) {
     fill_step_data(tr, t);
     double t0 = now_ms();
     m->forward(st);
-    if (t == kill_step && tr->ranks.rank == kill_rank)
-      raise(SIGKILL);
+    rt_fault_point(&tr->fault, tr->ranks.rank, t);
     RtStep forward_state = *st;   // the statistics the forward left, in case backward adds any
     m->backward(st);
     double t1 = now_ms();

@@ -33,6 +33,16 @@ void *rt_alloc(size_t bytes, const char *what);
 void *rt_calloc(size_t n, size_t size, const char *what);
 char *rt_strdup(const char *s, const char *what);
 
+// ---- fault injection, for tests only (fault.c) ----
+// MOERT_TEST_KILL="RANK:STEP": world rank RANK dies by SIGKILL mid-step STEP (rank -1: never).
+typedef struct RtFault {
+  int rank;
+  int64_t step;
+} RtFault;
+RtFault rt_fault_from_env(void);
+// Where a step may die: the driver calls it once per step, between forward and backward.
+void rt_fault_point(const RtFault *f, int rank, int64_t step);
+
 // ---- routing statistics (kernels.c) ----
 // Adds the per-expert loads of one layer (load[e]: tokens or choices kept by each expert) to
 // st's load_min / load_max / load_sum / load_count. st may be NULL.
