@@ -121,4 +121,50 @@ bool rt_cuda_reducescatter(RtCuda *cu, RtNccl *nc, RtStream s, const float *send
 // Block i of send (count floats) goes to rank i; block i of recv comes from rank i.
 bool rt_cuda_alltoall(RtCuda *cu, RtNccl *nc, RtStream s, const float *send, float *recv, size_t count);
 
+// ---- the device of a CUDA target program (session.c) ----
+// What a program that moec built for the CUDA target knows of itself; its RtDevice hooks
+// (moert.h) forward to rt_cuda_session_*. Device memory is one block: parameters at offset 0
+// (param_floats floats), gradients and AdamW moments at their byte offsets; the program carves
+// the rest itself.
+typedef struct RtCudaProgram {
+  const unsigned char *cubin;        // NVRTC's CUBIN for sm_<cubin_arch>
+  int cubin_arch;                    // 90 for sm_90
+  const char *ptx;                   // the PTX of compute_<cubin_arch>, which newer GPUs compile
+  const char *const *kernel_names;   // the kernels the steps launch, in the program's order
+  int nkernels;
+  size_t device_bytes;               // the whole block
+  int events;
+  size_t param_floats;
+  size_t off_grads, off_m, off_v;    // bytes; the moments only when moments is true
+  bool moments;
+  size_t stage_bytes;                // the host twin of the program's statistics staging area
+  size_t output_floats;              // the model's output, [batch, seqlen, embed]
+  bool nccl[RT_GROUP_COUNT];         // groups whose collectives cross ranks: a communicator each
+  const char *note;                  // ends the device's description (NULL: nothing)
+} RtCudaProgram;
+
+// What rt_cuda_session_create made; the program's step functions use these.
+typedef struct RtCudaSession {
+  const RtCudaProgram *program;
+  RtCuda *cu;
+  CUfunction *kernels;               // program->nkernels, looked up by kernel_names
+  unsigned char *device;             // the block, zeroed
+  unsigned char *stage;              // host memory, program->stage_bytes
+  float *output;                     // host memory, program->output_floats
+  const void *device_output;         // set by the program: where its forward leaves the output
+  RtNccl *nccl[RT_GROUP_COUNT];      // made by rt_cuda_session_connect (NULL for other groups)
+  char description[320];             // the GPU and which image of the kernels it runs
+} RtCudaSession;
+
+// RtDevice.create: claims the GPU (NULL with the reason recorded by rt_fail when there is none
+// or it is older than cubin_arch), loads the CUBIN on its own architecture or the PTX on a
+// newer one, looks the kernels up, allocates and clears the block. On failure nothing is left.
+RtCudaSession *rt_cuda_session_create(const RtCudaProgram *p);
+// RtDevice.connect: collective; the NCCL communicators of the program's groups over comm.
+int rt_cuda_session_connect(RtCudaSession *s, RtComm *comm);
+// RtDevice.upload / download (RtDeviceData bits); 0, or -1 with the reason recorded (rt_fail).
+int rt_cuda_session_upload(RtCudaSession *s, const RtStep *st, unsigned what);
+int rt_cuda_session_download(RtCudaSession *s, RtStep *st, unsigned what);
+void rt_cuda_session_destroy(RtCudaSession *s);    // NULL: nothing
+
 #endif
