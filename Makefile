@@ -168,7 +168,8 @@ $(BUILD)/cuda/kernel_library.cu: $(BUILD)/cuda/nvrtc_check
 	$< --print-library >$@
 
 # The fake device (tests/cuda/fake_cuda.cpp): rt_cuda.h on host memory, the kernel library run
-# as host C++ under emulation (MK_KERNEL list: which kernels synchronise their threads).
+# as host C++ under emulation (MK_KERNEL list: which kernels synchronise their threads). The
+# programs' device hooks (runtime/cuda/session.c) call only rt_cuda.h, so they run over it too.
 $(BUILD)/cuda/kernel_list.h: $(BUILD)/cuda/nvrtc_check
 	$< --print-kernel-list >$@
 
@@ -179,7 +180,7 @@ $(BUILD)/obj/cuda/fake_cuda.o: tests/cuda/fake_cuda.cpp tests/cuda/host_kernels.
 	  -DMK_LIBRARY='"$(abspath $(BUILD))/cuda/kernel_library.cu"' -DMK_KERNEL_LIST='"$(abspath $(BUILD))/cuda/kernel_list.h"' \
 	  -c $< -o $@
 
-$(BUILD)/cuda/libfake_cuda.a: $(BUILD)/obj/cuda/fake_cuda.o
+$(BUILD)/cuda/libfake_cuda.a: $(BUILD)/obj/cuda/fake_cuda.o $(BUILD)/obj/runtime/cuda/session.o
 	@rm -f $@
 	ar rcs $@ $^
 

@@ -66,10 +66,10 @@ static int compare_doubles(const void *a, const void *b) {
 }
 
 // Milliseconds of one call, as seen by the slowest rank.
-static double timed(RtA2aAlgo algo, const float *send, float *recv, int64_t count) {
+static double timed(RtComm *comm, RtA2aAlgo algo, const float *send, float *recv, int64_t count) {
   MPI_Barrier(MPI_COMM_WORLD);
   double t0 = MPI_Wtime();
-  rt_alltoall(RT_GROUP_EP, algo, send, recv, count);
+  rt_alltoall(comm, RT_GROUP_EP, algo, send, recv, count);
   double ms = (MPI_Wtime() - t0) * 1e3, slowest;
   MPI_Allreduce(&ms, &slowest, 1, MPI_DOUBLE, MPI_MAX, MPI_COMM_WORLD);
   return slowest;
@@ -84,7 +84,7 @@ static int parse_int(const char *flag, const char *value, int min) {
 }
 
 int main(int argc, char **argv) {
-  int provided;   // rt_comm_init reuses this MPI
+  int provided;   // rt_comm_create reuses this MPI
   MPI_Init_thread(&argc, &argv, MPI_THREAD_MULTIPLE, &provided);
   int rank, world;
   MPI_Comm_rank(MPI_COMM_WORLD, &rank);
@@ -102,16 +102,17 @@ int main(int argc, char **argv) {
   if (o.max_pow < o.min_pow || o.max_pow > 28 || world % o.esp != 0)
     rt_comm_abort("alltoall bench: need min <= max <= 28 and esp dividing %d ranks", world);
   RtLayout layout = {world, 1, world / o.esp, o.esp, o.gpus_per_node};
-  if (rt_comm_init(&layout, 0) != 0) {
+  RtComm *comm = rt_comm_create(&layout, 0);
+  if (!comm) {
     MPI_Finalize();
     return 1;
   }
 
-  int peers = rt_comm_size(RT_GROUP_EP);
+  int peers = rt_comm_size(comm, RT_GROUP_EP);
   int *members = xmalloc(sizeof(int) * peers);
   {
     float me = (float)rank, *all = xmalloc(sizeof(float) * peers);
-    rt_allgather(RT_GROUP_EP, &me, all, 1);
+    rt_allgather(comm, RT_GROUP_EP, &me, all, 1);
     for (int i = 0; i < peers; i++)
       members[i] = (int)all[i];
     free(all);
@@ -124,7 +125,7 @@ int main(int argc, char **argv) {
     printf("# alltoall: flat, 1dh, 2dh on the EP group, CPU backend (%s, %ld cores)\n", version,
            sysconf(_SC_NPROCESSORS_ONLN));
     int nodes, per_node;
-    bool regular = rt_comm_hierarchy(RT_GROUP_EP, &nodes, &per_node);
+    bool regular = rt_comm_hierarchy(comm, RT_GROUP_EP, &nodes, &per_node);
     printf("# %d ranks, gpus_per_node %d, ep %d esp %d; ", world, o.gpus_per_node, layout.ep,
            layout.esp);
     if (regular)
@@ -154,7 +155,7 @@ int main(int argc, char **argv) {
     // Verify before timing: identical bytes across the algorithms, equal to what peers sent.
     for (int a = 0; a < NALGOS; a++) {
       memset(recv[a], 0xCD, sizeof(float) * total);
-      rt_alltoall(RT_GROUP_EP, algos[a], send, recv[a], count);
+      rt_alltoall(comm, RT_GROUP_EP, algos[a], send, recv[a], count);
     }
     int wrong = 0;
     for (int a = 1; a < NALGOS; a++)
@@ -173,10 +174,10 @@ int main(int argc, char **argv) {
     all_ok = all_ok && ok;
 
     for (int a = 0; a < NALGOS; a++)
-      timed(algos[a], send, recv[a], count);
+      timed(comm, algos[a], send, recv[a], count);
     for (int r = 0; r < o.runs; r++)
       for (int a = 0; a < NALGOS; a++)
-        samples[a * o.runs + r] = timed(algos[a], send, recv[a], count);
+        samples[a * o.runs + r] = timed(comm, algos[a], send, recv[a], count);
     if (rank == 0) {
       printf("%10lld %12lld", (long long)count, (long long)(total * (int64_t)sizeof(float)));
       for (int a = 0; a < NALGOS; a++) {
@@ -194,7 +195,7 @@ int main(int argc, char **argv) {
     puts(all_ok ? "OK" : "FAILED");
   free(samples);
   free(members);
-  rt_comm_finalize();
+  rt_comm_destroy(comm);
   MPI_Finalize();
   return all_ok ? 0 : 1;
 }

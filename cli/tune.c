@@ -248,6 +248,7 @@ static int sweep(int count, bool quick, int *idx) {
 
 typedef struct Call {
   BenchOp op;
+  RtComm *comm;
   RtGroup group;
   int64_t count;            // communication: floats per member (alltoall, allgather, reducescatter) or in all (allreduce)
   int m, k, n;              // GEMM
@@ -259,10 +260,10 @@ typedef struct Call {
 static void call(const Call *c) {
   switch (c->op) {
   case OP_GEMM: rt_matmul(c->a, c->b, c->c, c->m, c->n, c->k, false, false, false); break;
-  case OP_ALLTOALL: rt_alltoall(c->group, RT_A2A_FLAT, c->send, c->recv, c->count); break;
-  case OP_ALLGATHER: rt_allgather(c->group, c->send, c->recv, c->count); break;
-  case OP_REDUCESCATTER: rt_reducescatter(c->group, c->send, c->recv, c->count); break;
-  case OP_ALLREDUCE: rt_allreduce(c->group, c->send, c->count); break;
+  case OP_ALLTOALL: rt_alltoall(c->comm, c->group, RT_A2A_FLAT, c->send, c->recv, c->count); break;
+  case OP_ALLGATHER: rt_allgather(c->comm, c->group, c->send, c->recv, c->count); break;
+  case OP_REDUCESCATTER: rt_reducescatter(c->comm, c->group, c->send, c->recv, c->count); break;
+  case OP_ALLREDUCE: rt_allreduce(c->comm, c->group, c->send, c->count); break;
   }
 }
 
@@ -346,13 +347,13 @@ static void run_gemms(Series *s, const GemmShape *shapes, int nshapes, bool quic
   }
 }
 
-static void run_comm(Series *s, float *send, float *recv, bool quick, Progress *pr) {
+static void run_comm(RtComm *comm, Series *s, float *send, float *recv, bool quick, Progress *pr) {
   int idx[COMM_SIZES], nsizes = sweep(COMM_SIZES, quick, idx);
   char label[40];
   snprintf(label, sizeof label, "%s (%s)", s->name, s->where);
   for (int j = 0; j < nsizes; j++) {
     int64_t n = (int64_t)(idx[j] * COMM_UNIT);
-    Call cl = {.op = s->op, .group = s->group, .send = send, .recv = recv};
+    Call cl = {.op = s->op, .comm = comm, .group = s->group, .send = send, .recv = recv};
     // n is what each rank sends/receives in all; per-member counts round down to whole floats.
     cl.count = s->op == OP_ALLREDUCE ? n : n / s->group_size;
     double elements = s->op == OP_ALLREDUCE ? (double)cl.count : (double)cl.count * s->group_size;
@@ -561,17 +562,17 @@ static void describe_run(int argc, char **argv, const TuneOptions *o, int world,
 
 // The six series on their groups. A group of one has nothing to time; then its fits run on all
 // ranks (and the table says so).
-static void init_series(Series *s) {
-  RtGroup intra = rt_comm_size(RT_GROUP_ESP) > 1 ? RT_GROUP_ESP : RT_GROUP_WORLD;
-  RtGroup inter = rt_comm_size(RT_GROUP_EP) > 1 ? RT_GROUP_EP : RT_GROUP_WORLD;
+static void init_series(RtComm *comm, Series *s) {
+  RtGroup intra = rt_comm_size(comm, RT_GROUP_ESP) > 1 ? RT_GROUP_ESP : RT_GROUP_WORLD;
+  RtGroup inter = rt_comm_size(comm, RT_GROUP_EP) > 1 ? RT_GROUP_EP : RT_GROUP_WORLD;
   const char *intra_where = intra == RT_GROUP_ESP ? "intra-node" : "all-ranks";
   const char *inter_where = inter == RT_GROUP_EP ? "inter-node" : "all-ranks";
   s[S_GEMM] = (Series){"gemm", "each-rank", OP_GEMM, RT_GROUP_WORLD, 1};
-  s[S_A2A_INTRA] = (Series){"alltoall", intra_where, OP_ALLTOALL, intra, rt_comm_size(intra)};
-  s[S_AG_INTRA] = (Series){"allgather", intra_where, OP_ALLGATHER, intra, rt_comm_size(intra)};
-  s[S_RS_INTRA] = (Series){"reducescatter", intra_where, OP_REDUCESCATTER, intra, rt_comm_size(intra)};
-  s[S_A2A_INTER] = (Series){"alltoall", inter_where, OP_ALLTOALL, inter, rt_comm_size(inter)};
-  s[S_AR_INTER] = (Series){"allreduce", inter_where, OP_ALLREDUCE, inter, rt_comm_size(inter)};
+  s[S_A2A_INTRA] = (Series){"alltoall", intra_where, OP_ALLTOALL, intra, rt_comm_size(comm, intra)};
+  s[S_AG_INTRA] = (Series){"allgather", intra_where, OP_ALLGATHER, intra, rt_comm_size(comm, intra)};
+  s[S_RS_INTRA] = (Series){"reducescatter", intra_where, OP_REDUCESCATTER, intra, rt_comm_size(comm, intra)};
+  s[S_A2A_INTER] = (Series){"alltoall", inter_where, OP_ALLTOALL, inter, rt_comm_size(comm, inter)};
+  s[S_AR_INTER] = (Series){"allreduce", inter_where, OP_ALLREDUCE, inter, rt_comm_size(comm, inter)};
 }
 
 // Rank 0's '#' lines before the measurements.
@@ -603,7 +604,7 @@ static void print_preamble(const TuneOptions *o, const TuneRun *r, const Series 
 }
 
 // Times every series on every rank; the seconds it took.
-static double measure_all(Series *s, const GemmShape *shapes, int nshapes, bool quick) {
+static double measure_all(RtComm *comm, Series *s, const GemmShape *shapes, int nshapes, bool quick) {
   double t_start = MPI_Wtime();
   int comm_idx[COMM_SIZES], gemm_idx[GEMM_SIZES];
   Progress pr = {.on = my_rank == 0 && watched()};
@@ -613,7 +614,7 @@ static double measure_all(Series *s, const GemmShape *shapes, int nshapes, bool 
   float *send = xmalloc(sizeof(float) * max_floats), *recv = xmalloc(sizeof(float) * max_floats);
   memset(send, 0, sizeof(float) * max_floats);   // zeros: sums stay finite, and the pages are touched
   memset(recv, 0, sizeof(float) * max_floats);
-  for (int i = S_A2A_INTRA; i < NSERIES; i++) run_comm(&s[i], send, recv, quick, &pr);
+  for (int i = S_A2A_INTRA; i < NSERIES; i++) run_comm(comm, &s[i], send, recv, quick, &pr);
   free(send);
   free(recv);
   progress_end(&pr);
@@ -687,7 +688,7 @@ static bool write_or_show(const TuneOptions *o, const TuneRun *r, const Series *
 }
 
 int cli_tune(int argc, char **argv) {
-  int provided;   // rt_comm_init reuses this MPI
+  int provided;   // rt_comm_create reuses this MPI
   MPI_Init_thread(&argc, &argv, MPI_THREAD_MULTIPLE, &provided);
   int world;
   MPI_Comm_rank(MPI_COMM_WORLD, &my_rank);
@@ -708,15 +709,16 @@ int cli_tune(int argc, char **argv) {
   TuneRun r = {0};
   describe_run(argc, argv, &o, world, &r);
   RtLayout layout = {r.nodes, r.gpn, r.nodes, r.gpn, r.gpn};   // mp = esp = G: ESP = intra-node, EP = inter-node
-  if (rt_comm_init(&layout, r.nodes) != 0) {
+  RtComm *comm = rt_comm_create(&layout, r.nodes);
+  if (!comm) {
     MPI_Finalize();
     return 1;
   }
   Series *s = calloc(NSERIES, sizeof *s);
   if (!s) rt_comm_abort("moec tune: out of memory");
-  init_series(s);
+  init_series(comm, s);
   if (my_rank == 0) print_preamble(&o, &r, s, shapes, nshapes, gemm_desc);
-  double seconds = measure_all(s, shapes, nshapes, o.quick);
+  double seconds = measure_all(comm, s, shapes, nshapes, o.quick);
 
   int failed = 0;
   if (my_rank == 0) {
@@ -729,7 +731,7 @@ int cli_tune(int argc, char **argv) {
   }
   MPI_Bcast(&failed, 1, MPI_INT, 0, MPI_COMM_WORLD);
   free(s);
-  rt_comm_finalize();
+  rt_comm_destroy(comm);
   MPI_Finalize();
   return failed ? 1 : 0;
 }

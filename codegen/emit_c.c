@@ -87,27 +87,27 @@ static bool emit_library_op(Emit *e, const IrOp *op) {
     return true;
   }
   case IR_OP_COMM_SPLIT:
-    fprintf(out, "rt_copy(%s + (int64_t)rt_comm_rank(%s) * %" PRId64 ", %s, %" PRId64 ");\n", a[0], cg_group_enum(op), n,
+    fprintf(out, "rt_copy(%s + (int64_t)rt_comm_rank(st->comm, %s) * %" PRId64 ", %s, %" PRId64 ");\n", a[0], cg_group_enum(op), n,
             r, n);
     return true;
   case IR_OP_COMM_ALLGATHER:
-    fprintf(out, "rt_allgather(%s, %s, %s, %" PRId64 ");\n", cg_group_enum(op), a[0], r, ir_type_numel(t0));
+    fprintf(out, "rt_allgather(st->comm, %s, %s, %s, %" PRId64 ");\n", cg_group_enum(op), a[0], r, ir_type_numel(t0));
     return true;
   case IR_OP_COMM_REDUCESCATTER:
-    fprintf(out, "rt_reducescatter(%s, %s, %s, %" PRId64 ");\n", cg_group_enum(op), a[0], r, n);
+    fprintf(out, "rt_reducescatter(st->comm, %s, %s, %s, %" PRId64 ");\n", cg_group_enum(op), a[0], r, n);
     return true;
   case IR_OP_COMM_ALLTOALL: {
     const char *algo = ir_op_str(op, "algo", "nccl");
-    fprintf(out, "rt_alltoall(%s, %s, %s, %s, %" PRId64 ");\n", cg_group_enum(op),
+    fprintf(out, "rt_alltoall(st->comm, %s, %s, %s, %s, %" PRId64 ");\n", cg_group_enum(op),
             strcmp(algo, "1dh") == 0 ? "RT_A2A_1DH" : strcmp(algo, "2dh") == 0 ? "RT_A2A_2DH" : "RT_A2A_FLAT", a[0], r,
             n / ir_op_int(op, "size", 1));
     return true;
   }
   case IR_OP_COMM_ALLREDUCE:
-    fprintf(out, "rt_copy(%s, %s, %" PRId64 ");\n  rt_allreduce(%s, %s, %" PRId64 ");\n", a[0], r, n, cg_group_enum(op), r, n);
+    fprintf(out, "rt_copy(%s, %s, %" PRId64 ");\n  rt_allreduce(st->comm, %s, %s, %" PRId64 ");\n", a[0], r, n, cg_group_enum(op), r, n);
     return true;
   case IR_OP_COMM_ALLREDUCE_GRAD:  // a slice of a parameter's gradient, in place (passes/gradpart.c)
-    fprintf(out, "rt_allreduce(%s, st->grads + %" PRId64 ", %" PRId64 ");\n", cg_group_enum(op),
+    fprintf(out, "rt_allreduce(st->comm, %s, st->grads + %" PRId64 ", %" PRId64 ");\n", cg_group_enum(op),
             e->param_offset[op->args[0].param->index] + ir_op_int(op, "offset", 0), ir_op_int(op, "count", 0));
     return true;
   default:
@@ -288,7 +288,7 @@ out:
 static bool emit_func(Emit *e, const IrFunc *f) {
   fprintf(e->out, "  /* @%s */\n", f->name);
   if (cg_func_scheduled(f)) {
-    fprintf(e->out, "  rt_run_streams(st, tasks_%d, (int)(sizeof tasks_%d / sizeof tasks_%d[0]), tasks_%d_events);\n",
+    fprintf(e->out, "  rt_run_streams(st->streams, st, tasks_%d, (int)(sizeof tasks_%d / sizeof tasks_%d[0]), tasks_%d_events);\n",
             f->index, f->index, f->index, f->index);
     return true;
   }

@@ -3,11 +3,13 @@
 //
 // It describes the model to rt_main as the CPU program does (cg_emit_params, cg_emit_model),
 // plus a device (RtDevice, moert.h): rt_main keeps its host copies and calls the device's hooks
-// to move parameters, moments, gradients and the output across. Device memory is one block
-// carved at fixed offsets: parameters, gradients and moments (the CPU program's float offsets),
-// the step's input and target, the activation arena of the memory plan (the CPU program's byte
-// offsets), the record hooks' statistics and, with dtype bf16, the scratch of the GEMMs' bf16
-// operands. Every op becomes, in program order:
+// to move parameters, moments, gradients and the output across. The hooks are thin: the program
+// describes itself (RtCudaProgram, rt_cuda.h) and the GPU runtime's session (runtime/cuda/
+// session.c) claims the GPU, loads the kernels, connects the ranks and moves the copies.
+// Device memory is one block carved at fixed offsets: parameters, gradients and moments (the CPU
+// program's float offsets), the step's input and target, the activation arena of the memory plan
+// (the CPU program's byte offsets), the record hooks' statistics and, with dtype bf16, the
+// scratch of the GEMMs' bf16 operands. Every op becomes, in program order:
 //   - the kernel launches emit_cuda.c's unit lists in its launch plan (cg_lower, lower.c: the same
 //     kernels, grids and arguments; fused gates included), from the CUBIN NVRTC compiled for
 //     --gpu-arch or, on a newer GPU, the PTX the driver compiles;
@@ -267,7 +269,7 @@ static bool emit_comm(Host *h, const IrFunc *f, const IrOp *op, IrStream s) {
   int w = where(h, f, op, "%s on the %s group", ir_op_info[op->kind].name, group_names[g]);
   const IrType *t0 = op->nargs ? operand_type(&op->args[0]) : NULL, *rt = op->result ? &op->result->type : NULL;
   if (op->kind == IR_OP_COMM_SPLIT) {
-    fprintf(h->out, "  CK(rt_cuda_copy(cu, %s, %s, (const unsigned char *)%s + (size_t)rt_comm_rank(%s) * %" PRId64 ", %" PRId64
+    fprintf(h->out, "  CK(rt_cuda_copy(cu, %s, %s, (const unsigned char *)%s + (size_t)rt_comm_rank(st->comm, %s) * %" PRId64 ", %" PRId64
                     "), %d);\n", se, r, a, group_enums[g], ir_type_bytes(rt), ir_type_bytes(rt), w);
     return true;
   }
@@ -575,14 +577,15 @@ static void emit_header(Host *h, FILE *out, const char *source_name, const CgCud
   }
   fprintf(out, "};\n\n");
   fprintf(out,
+          "/* The GPU session (runtime/cuda/session.c) and what the steps take from it. */\n"
+          "static RtCudaSession *session;\n"
           "static RtCuda *cu;\n"
-          "static CUfunction kernels[KERNEL_COUNT + 1];\n"
-          "static RtNccl *nccl[RT_GROUP_COUNT];\n"
+          "static CUfunction *kernels;\n"
+          "static RtNccl **nccl;           /* by RtGroup; made when the ranks connect */\n"
           "static float *P, *G, *M, *V, *X, *T;\n"
           "static unsigned char *A, *S;\n"
           "static unsigned char *H;       /* the host's copy of the staging area S */\n"
-          "static float *output;          /* host copy of the model's output (--dump) */\n"
-          "static char device_name[320];\n\n"
+          "static float *output;          /* host copy of the model's output (--dump) */\n\n"
           "static _Noreturn void op_failed(int site) {\n"
           "  rt_comm_abort(\"the GPU failed at %%s (the CUDA error is above)\", where[site]);\n"
           "}\n"
@@ -597,116 +600,48 @@ static void emit_header(Host *h, FILE *out, const char *source_name, const CgCud
   if (h->bf16) fprintf(out, "static unsigned char *B;         /* the bf16 copies of the GEMM operands */\n\n");
 }
 
+// The RtDevice hooks: a description of the program for the GPU runtime (RtCudaProgram,
+// rt_cuda.h) and thin hooks over runtime/cuda/session.c, which claims the GPU, loads the kernels,
+// makes the communicators and moves the host copies; the program only carves its block.
 static void emit_hooks(Host *h, FILE *out) {
-  fprintf(out,
-          "/* ---- the device's hooks (RtDevice, moert.h) ---- */\n\n"
-          "static void device_destroy(RtStep *st) {\n"
-          "  (void)st;\n"
-          "  for (int g = 0; g < RT_GROUP_COUNT; g++) {\n"
-          "    rt_cuda_nccl_destroy(nccl[g]);\n"
-          "    nccl[g] = NULL;\n"
-          "  }\n"
-          "  rt_cuda_destroy(cu);\n"
-          "  cu = NULL;\n"
-          "  free(H);\n"
-          "  free(output);\n"
-          "  H = NULL;\n"
-          "  output = NULL;\n"
-          "}\n\n"
-          "/* Claims the GPU, loads the kernels (the CUBIN on its own architecture, else the PTX on a newer\n"
-          "   one), carves the device memory and zeroes gradients and activations as the CPU program's are. */\n"
-          "static int device_setup(void) {\n"
-          "  char why[512];\n"
-          "  if (!rt_cuda_probe(why, sizeof why))\n"
-          "    return rt_fail(\"no GPU: %%s. This binary was built by 'moec build --target cuda'; build the model \"\n"
-          "                   \"with --target cpu to train on the CPU\", why);\n"
-          "  if (!(cu = rt_cuda_create(DEVICE_BYTES, EVENTS)))\n"
-          "    return rt_fail(\"the GPU could not be set up with %%zu bytes of device memory (the CUDA error is above)\",\n"
-          "                   DEVICE_BYTES);\n"
-          "  const RtCudaDevice *d = rt_cuda_device(cu);\n"
-          "  const void *image = NULL;\n"
-          "  if (d->arch / 10 == CUBIN_ARCH / 10 && d->arch >= CUBIN_ARCH)\n"
-          "    image = cubin;\n"
-          "  else if (d->arch > CUBIN_ARCH)\n"
-          "    image = ptx;\n"
-          "  else\n"
-          "    return rt_fail(\"the kernels were compiled for sm_%%d and need a GPU of that architecture or newer; \"\n"
-          "                   \"%%s is sm_%%d (build with --gpu-arch sm_%%d)\", CUBIN_ARCH, d->name, d->arch, d->arch);\n"
-          "  snprintf(device_name, sizeof device_name, \"%%s (sm_%%d), kernels from the %%s%s\", d->name, d->arch,\n"
-          "           image == cubin ? \"CUBIN\" : \"PTX, compiled by the driver\");\n"
-          "  if (!rt_cuda_load_module(cu, image))\n"
-          "    return rt_fail(\"the kernels could not be loaded on %%s (the CUDA error is above)\", d->name);\n"
-          "  for (int k = 0; k < KERNEL_COUNT; k++)\n"
-          "    if (!(kernels[k] = rt_cuda_kernel(cu, kernel_names[k])))\n"
-          "      return rt_fail(\"the kernel module has no kernel '%%s' (reported above)\", kernel_names[k]);\n"
-          "  unsigned char *base = rt_cuda_alloc(cu, DEVICE_BYTES);\n"
-          "  if (!base)\n"
-          "    return rt_fail(\"the device memory could not be carved (reported above)\");\n"
-          "  P = (float *)base;\n  G = (float *)(base + OFF_G);\n  M = (float *)(base + OFF_M);\n  V = (float *)(base + OFF_V);\n"
-          "  X = (float *)(base + OFF_X);\n  T = (float *)(base + OFF_T);\n  A = base + OFF_A;\n  S = base + OFF_S;\n%s"
-          "  if (!rt_cuda_zero(cu, RT_STREAM_COMPUTE, base, DEVICE_BYTES) || !rt_cuda_sync(cu, RT_STREAM_COMPUTE))\n"
-          "    return rt_fail(\"the device memory could not be cleared (the CUDA error is above)\");\n"
-          "  H = malloc(STAGE_BYTES);\n"
-          "  output = malloc((size_t)ELEMS * sizeof(float));\n"
-          "  if (!H || !output)\n"
-          "    return rt_fail(\"out of memory for %%zu bytes of host staging\", STAGE_BYTES + ELEMS * sizeof(float));\n"
-          "  return 0;\n"
-          "}\n\n"
-          "static int device_create(RtStep *st) {\n"
-          "  if (device_setup() == 0)\n"
-          "    return 0;\n"
-          "  device_destroy(st);\n"
-          "  return -1;\n"
-          "}\n\n",
-          h->bf16 ? "; bf16 GEMM inputs, fp32 accumulation and master weights" : "",
-          h->bf16 ? "  B = base + OFF_B;\n" : "");
-  fprintf(out, "/* The NCCL communicators of the groups whose collectives cross ranks. */\n"
-               "static int device_connect(RtStep *st) {\n  (void)st;\n");
+  fprintf(out, "/* ---- the device's hooks (RtDevice, moert.h): runtime/cuda/session.c does the work ---- */\n\n"
+               "static const RtCudaProgram program = {\n"
+               "  .cubin = cubin, .cubin_arch = CUBIN_ARCH, .ptx = ptx, .kernel_names = kernel_names, .nkernels = KERNEL_COUNT,\n"
+               "  .device_bytes = DEVICE_BYTES, .events = EVENTS, .param_floats = PARAM_FLOATS,\n"
+               "  .off_grads = OFF_G, .off_m = OFF_M, .off_v = OFF_V, .moments = MOMENTS,\n"
+               "  .stage_bytes = STAGE_BYTES, .output_floats = ELEMS,\n  .nccl = {");
   int any = 0;
-  for (int g = 0; g < 5; g++) {
-    if (!h->group_nccl[g]) continue;
-    any++;
-    fprintf(out, "  if (!(nccl[%s] = rt_cuda_nccl_group(%s)))\n"
-                 "    return rt_fail(\"the NCCL communicator of the %s group could not be set up (the error is above)\");\n",
-            group_enums[g], group_enums[g], group_names[g]);
-  }
-  if (!any) fprintf(out, "  /* none: every collective is on a group of one */\n");
-  fprintf(out, "  return 0;\n}\n\n");
-  fprintf(out,
-          "static const char *device_describe(void) { return device_name; }\n\n"
-          "static int device_upload(RtStep *st, unsigned what) {\n"
-          "  bool ok = true;\n"
-          "  if (what & RT_DEVICE_PARAMS)\n"
-          "    ok = ok && rt_cuda_to_device(cu, RT_STREAM_COMPUTE, P, st->params, PARAM_FLOATS * sizeof(float));\n"
-          "  if (what & RT_DEVICE_GRADS)\n"
-          "    ok = ok && rt_cuda_to_device(cu, RT_STREAM_COMPUTE, G, st->grads, PARAM_FLOATS * sizeof(float));\n"
-          "  if ((what & RT_DEVICE_MOMENTS) && MOMENTS)\n"
-          "    ok = ok && rt_cuda_to_device(cu, RT_STREAM_COMPUTE, M, st->opt_m, PARAM_FLOATS * sizeof(float)) &&\n"
-          "         rt_cuda_to_device(cu, RT_STREAM_COMPUTE, V, st->opt_v, PARAM_FLOATS * sizeof(float));\n"
-          "  ok = ok && rt_cuda_sync(cu, RT_STREAM_COMPUTE);\n"
-          "  return ok ? 0 : rt_fail(\"copying the parameters or optimizer state to the GPU failed (the CUDA error is above)\");\n"
-          "}\n\n"
-          "static int device_download(RtStep *st, unsigned what) {\n"
-          "  bool ok = true;\n"
-          "  if (what & RT_DEVICE_PARAMS)\n"
-          "    ok = ok && rt_cuda_to_host(cu, RT_STREAM_COMPUTE, st->params, P, PARAM_FLOATS * sizeof(float));\n"
-          "  if (what & RT_DEVICE_GRADS)\n"
-          "    ok = ok && rt_cuda_to_host(cu, RT_STREAM_COMPUTE, st->grads, G, PARAM_FLOATS * sizeof(float));\n"
-          "  if ((what & RT_DEVICE_MOMENTS) && MOMENTS)\n"
-          "    ok = ok && rt_cuda_to_host(cu, RT_STREAM_COMPUTE, st->opt_m, M, PARAM_FLOATS * sizeof(float)) &&\n"
-          "         rt_cuda_to_host(cu, RT_STREAM_COMPUTE, st->opt_v, V, PARAM_FLOATS * sizeof(float));\n");
-  if (h->output[0])
-    fprintf(out, "  if (what & RT_DEVICE_OUTPUT)\n"
-                 "    ok = ok && rt_cuda_to_host(cu, RT_STREAM_COMPUTE, output, %s, ELEMS * sizeof(float));\n",
-            h->output);
-  fprintf(out,
-          "  ok = ok && rt_cuda_sync(cu, RT_STREAM_COMPUTE);\n"
-          "  return ok ? 0 : rt_fail(\"copying results from the GPU failed (the CUDA error is above)\");\n"
-          "}\n\n"
-          "static const RtDevice device = {\n"
-          "  .create = device_create, .connect = device_connect, .describe = device_describe,\n"
-          "  .upload = device_upload, .download = device_download, .destroy = device_destroy,\n"
-          "};\n\n");
+  for (int g = 0; g < 5; g++)
+    if (h->group_nccl[g]) fprintf(out, "%s[%s] = true", any++ ? ", " : "", group_enums[g]);
+  fprintf(out, "%s},%s\n", any ? "" : "false", any ? "" : "  /* every collective is on a group of one */");
+  if (h->bf16) fprintf(out, "  .note = \"; bf16 GEMM inputs, fp32 accumulation and master weights\",\n");
+  fprintf(out, "};\n\n"
+               "/* Claims the GPU, loads the kernels and clears the device memory (the session), then carves the block. */\n"
+               "static int device_create(RtStep *st) {\n"
+               "  (void)st;\n"
+               "  if (!(session = rt_cuda_session_create(&program)))\n"
+               "    return -1;\n"
+               "  cu = session->cu;\n  kernels = session->kernels;\n  nccl = session->nccl;\n"
+               "  H = session->stage;\n  output = session->output;\n"
+               "  unsigned char *base = session->device;\n"
+               "  P = (float *)base;\n  G = (float *)(base + OFF_G);\n  M = (float *)(base + OFF_M);\n  V = (float *)(base + OFF_V);\n"
+               "  X = (float *)(base + OFF_X);\n  T = (float *)(base + OFF_T);\n  A = base + OFF_A;\n  S = base + OFF_S;\n");
+  if (h->bf16) fprintf(out, "  B = base + OFF_B;\n");
+  if (h->output[0]) fprintf(out, "  session->device_output = %s;\n", h->output);
+  fprintf(out, "  return 0;\n}\n\n"
+               "static void device_destroy(RtStep *st) {\n"
+               "  (void)st;\n"
+               "  rt_cuda_session_destroy(session);\n"
+               "  session = NULL;\n"
+               "}\n\n"
+               "static int device_connect(RtStep *st) { return rt_cuda_session_connect(session, st->comm); }\n"
+               "static const char *device_describe(void) { return session->description; }\n"
+               "static int device_upload(RtStep *st, unsigned what) { return rt_cuda_session_upload(session, st, what); }\n"
+               "static int device_download(RtStep *st, unsigned what) { return rt_cuda_session_download(session, st, what); }\n\n"
+               "static const RtDevice device = {\n"
+               "  .create = device_create, .connect = device_connect, .describe = device_describe,\n"
+               "  .upload = device_upload, .download = device_download, .destroy = device_destroy,\n"
+               "};\n\n");
 }
 
 bool cg_emit_cuda_host(IrDiag *d, FILE *out, const IrModule *m, const PassMemPlan *plan, const char *source_name,

@@ -3,15 +3,22 @@
 // The parallel layout (moert.h) fixes every group arithmetically: MP and ESP groups are runs of
 // consecutive world ranks, DP groups stride by mp, EP groups by esp, and node n holds world
 // ranks [n*gpus_per_node, (n+1)*gpus_per_node). So each rank can compute every group's members,
-// and every layout check, on its own: rt_comm_init needs no collective to agree that a layout is
-// bad (all ranks fail the same checks, none waits for another), and rank 0 prints the whole
+// and every layout check, on its own: rt_comm_create needs no collective to agree that a layout
+// is bad (all ranks fail the same checks, none waits for another), and rank 0 prints the whole
 // group table without asking anyone. Each group is one communicator from MPI_Comm_split of a
 // duplicate of MPI_COMM_WORLD, keyed by world rank, so a rank's index in a group is its
 // coordinate (dp index = rank / mp, ...).
 //
-// Before rt_comm_init, and on any group of one, every collective is a local copy, so code for
-// one rank calls them unconditionally. A layout of NULL is all data parallel (dp = ep = world);
-// gpus_per_node <= 0 (no cluster profile) puts every rank on one node.
+// An RtComm is one such set of groups with everything its collectives need (workspaces, the
+// slicing limit); nothing of it is shared, so several can live side by side (a test makes its
+// own next to the driver's). A NULL RtComm is a world of one, and so is any group of one: there
+// every collective is a local copy, so code for one rank calls them unconditionally. A layout of
+// NULL is all data parallel (dp = ep = world); gpus_per_node <= 0 (no cluster profile) puts
+// every rank on one node.
+//
+// MPI itself is one per process and cannot start again once finalized: the first rt_comm_create
+// starts it when nothing else has, and then the last rt_comm_destroy finalizes it (mpi_use, the
+// only state of this file outside an RtComm). Create and destroy communicators on one thread.
 //
 // AlltoAll on a group of P = N nodes x L members per node. Members are ordered by world rank,
 // hence node-major: member m = node n * L + local index l.
@@ -35,8 +42,8 @@
 // Counts are int64, MPI takes int. A call whose counts do not fit is cut into slices: elements
 // [o, o + len) of every block, each slice a complete collective of its own (flat AlltoAll and
 // AllGather address the slices in place with a resized datatype; ReduceScatter reduces each
-// member's slice to it with MPI_Reduce). rt_comm_set_max_chunk (rt_internal.h) lowers the limit
-// so that tests exercise the slicing with small buffers.
+// member's slice to it with MPI_Reduce). rt_comm_set_max_chunk (rt_internal.h) lowers one
+// communicator's limit so that tests exercise the slicing with small buffers.
 //
 // Errors: every communicator returns errors (MPI_ERRORS_RETURN) and MPI_CHECK turns one into
 // rt_comm_abort with the MPI error string, the rank, host and file:line: a failed collective
@@ -78,16 +85,20 @@ typedef struct Group {
   size_t work_floats;
 } Group;
 
-static struct {
-  bool active;
-  bool owns_mpi;         // rt_comm_init called MPI_Init, so rt_comm_finalize finalizes
+struct RtComm {
   int thread_level;
   RtLayout layout;       // gpus_per_node already resolved (never <= 0)
   int world_rank, world_size;
+  int64_t max_chunk;     // the largest count of one MPI call
   Group group[RT_GROUP_COUNT];
-} comm;
+};
 
-static int64_t max_chunk = INT_MAX;
+// The process's MPI: started by rt_comm_create (then finalized with the last communicator) or
+// by the program before it (then the program's to finalize).
+static struct {
+  bool started;          // rt_comm_create called MPI_Init_thread
+  int live;              // communicators created and not yet destroyed
+} mpi_use;
 
 static const char *const group_names[RT_GROUP_COUNT] = {"world", "dp", "mp", "ep", "esp"};
 
@@ -119,9 +130,9 @@ _Noreturn void rt_comm_abort(const char *fmt, ...) {
   exit(1);
 }
 
-#define MPI_CHECK(call) mpi_check((call), #call, __FILE__, __LINE__)
+#define MPI_CHECK(call) rt_mpi_check((call), #call, __FILE__, __LINE__)
 
-static void mpi_check(int err, const char *call, const char *file, int line) {
+void rt_mpi_check(int err, const char *call, const char *file, int line) {
   if (err == MPI_SUCCESS)
     return;
   char text[MPI_MAX_ERROR_STRING];
@@ -263,14 +274,14 @@ static MPI_Comm split(MPI_Comm parent, int color, int key) {
   return c;
 }
 
-static void build_group(RtGroup g, MPI_Comm world, int *members) {
-  Group *gr = &comm.group[g];
-  const RtLayout *l = &comm.layout;
-  int r = comm.world_rank;
+static void build_group(RtComm *c, RtGroup g, MPI_Comm world, int *members) {
+  Group *gr = &c->group[g];
+  const RtLayout *l = &c->layout;
+  int r = c->world_rank;
   gr->comm = split(world, group_color(l, g, r), r);
   MPI_CHECK(MPI_Comm_rank(gr->comm, &gr->rank));
   MPI_CHECK(MPI_Comm_size(gr->comm, &gr->size));
-  int n = group_members(l, comm.world_size, g, r, members);
+  int n = group_members(l, c->world_size, g, r, members);
   if (n != gr->size || members[gr->rank] != r)
     rt_comm_abort("internal error: the %s group of rank %d has %d members where MPI made %d",
                   group_names[g], r, n, gr->size);
@@ -285,24 +296,27 @@ static void build_group(RtGroup g, MPI_Comm world, int *members) {
   }
 }
 
-int rt_comm_init(const RtLayout *layout, int nodes) {
-  if (comm.active) {
-    fprintf(stderr, "moert: error: internal error: rt_comm_init called twice\n");
-    return 1;
+// Finalizes MPI when rt_comm_create started it and no communicator is left.
+static void release_mpi(void) {
+  if (mpi_use.started && mpi_use.live == 0) {
+    MPI_Finalize();
+    mpi_use.started = false;
   }
-  int initialized = 0, finalized = 0;
+}
+
+RtComm *rt_comm_create(const RtLayout *layout, int nodes) {
+  int initialized = 0, finalized = 0, thread_level = MPI_THREAD_SINGLE;
   MPI_Initialized(&initialized);
   MPI_Finalized(&finalized);
   if (finalized) {
-    fprintf(stderr, "moert: error: internal error: rt_comm_init called after MPI was finalized\n");
-    return 1;
+    fprintf(stderr, "moert: error: internal error: rt_comm_create called after MPI was finalized\n");
+    return NULL;
   }
-  bool owns = false;
   if (initialized) {
-    MPI_Query_thread(&comm.thread_level);
+    MPI_Query_thread(&thread_level);
   } else {
-    MPI_Init_thread(NULL, NULL, MPI_THREAD_MULTIPLE, &comm.thread_level);
-    owns = true;
+    MPI_Init_thread(NULL, NULL, MPI_THREAD_MULTIPLE, &thread_level);
+    mpi_use.started = true;
   }
   int world_rank, world_size;
   MPI_Comm_rank(MPI_COMM_WORLD, &world_rank);
@@ -312,25 +326,26 @@ int rt_comm_init(const RtLayout *layout, int nodes) {
   if (l.gpus_per_node <= 0)
     l.gpus_per_node = world_size;   // unknown cluster: one node holds every rank
   if (check_layout(&l, world_size, nodes, world_rank) != 0) {
-    if (owns)
-      MPI_Finalize();
-    return 1;
+    release_mpi();
+    return NULL;
   }
 
-  comm.owns_mpi = owns;
-  comm.layout = l;
-  comm.world_rank = world_rank;
-  comm.world_size = world_size;
+  RtComm *c = rt_calloc(1, sizeof *c, "a communicator");
+  c->thread_level = thread_level;
+  c->layout = l;
+  c->world_rank = world_rank;
+  c->world_size = world_size;
+  c->max_chunk = INT_MAX;
   MPI_Comm world;
   MPI_Comm_dup(MPI_COMM_WORLD, &world);   // MPI_COMM_WORLD's handler still aborts here
   MPI_CHECK(MPI_Comm_set_errhandler(world, MPI_ERRORS_RETURN));
   int *members = rt_alloc(world_size * sizeof *members, "the group members");
   for (int g = 0; g < RT_GROUP_COUNT; g++)
-    build_group((RtGroup)g, world, members);
+    build_group(c, (RtGroup)g, world, members);
   free(members);
   MPI_CHECK(MPI_Comm_free(&world));
-  comm.active = true;
-  return 0;
+  mpi_use.live++;
+  return c;
 }
 
 static void free_comm(MPI_Comm *c) {
@@ -339,24 +354,19 @@ static void free_comm(MPI_Comm *c) {
   *c = MPI_COMM_NULL;
 }
 
-void rt_comm_finalize(void) {
-  if (!comm.active)
+void rt_comm_destroy(RtComm *c) {
+  if (!c)
     return;
   for (int g = 0; g < RT_GROUP_COUNT; g++) {
-    Group *gr = &comm.group[g];
+    Group *gr = &c->group[g];
     free_comm(&gr->hier.intra);
     free_comm(&gr->hier.inter);
     free_comm(&gr->comm);
     free(gr->work);
   }
-  bool owns = comm.owns_mpi;
-  memset(&comm, 0, sizeof comm);
-  if (owns)
-    MPI_Finalize();
-}
-
-bool rt_comm_active(void) {
-  return comm.active;
+  free(c);
+  mpi_use.live--;
+  release_mpi();
 }
 
 static void check_group(RtGroup g, const char *who) {
@@ -364,32 +374,36 @@ static void check_group(RtGroup g, const char *who) {
     rt_comm_abort("internal error: %s on unknown group %d", who, (int)g);
 }
 
-int rt_comm_rank(RtGroup g) {
+int rt_comm_rank(const RtComm *c, RtGroup g) {
   check_group(g, "rt_comm_rank");
-  return comm.active ? comm.group[g].rank : 0;
+  return c ? c->group[g].rank : 0;
 }
 
-int rt_comm_size(RtGroup g) {
+int rt_comm_size(const RtComm *c, RtGroup g) {
   check_group(g, "rt_comm_size");
-  return comm.active ? comm.group[g].size : 1;
+  return c ? c->group[g].size : 1;
 }
 
-MPI_Comm rt_comm_mpi(RtGroup g) {
+bool rt_comm_thread_safe(const RtComm *c) {
+  return !c || c->thread_level >= MPI_THREAD_MULTIPLE;
+}
+
+MPI_Comm rt_comm_mpi(const RtComm *c, RtGroup g) {
   check_group(g, "rt_comm_mpi");
-  return comm.active ? comm.group[g].comm : MPI_COMM_NULL;
+  return c ? c->group[g].comm : MPI_COMM_NULL;
 }
 
-void rt_comm_set_max_chunk(int64_t elements) {
-  max_chunk = elements < 1 ? 1 : elements > INT_MAX ? INT_MAX : elements;
+void rt_comm_set_max_chunk(RtComm *c, int64_t elements) {
+  c->max_chunk = elements < 1 ? 1 : elements > INT_MAX ? INT_MAX : elements;
 }
 
-bool rt_comm_hierarchy(RtGroup g, int *nodes, int *per_node) {
+bool rt_comm_hierarchy(const RtComm *c, RtGroup g, int *nodes, int *per_node) {
   check_group(g, "rt_comm_hierarchy");
-  if (!comm.active) {
+  if (!c) {
     *nodes = *per_node = 1;
     return false;
   }
-  const Hierarchy *h = &comm.group[g].hier;
+  const Hierarchy *h = &c->group[g].hier;
   *nodes = h->nodes;
   *per_node = h->per_node;
   return h->regular;
@@ -423,14 +437,14 @@ static const char *thread_level_name(int level) {
 
 // Says how 1dh and 2dh run on the EP groups: one line when every EP group has the same
 // hierarchy, else one line per group; an irregular group falls back to flat.
-static void print_ep_hierarchy(FILE *out, int *members, int *counts) {
-  const RtLayout *l = &comm.layout;
+static void print_ep_hierarchy(const RtComm *c, FILE *out, int *members, int *counts) {
+  const RtLayout *l = &c->layout;
   // EP group j (j < esp) is the one of world rank j.
   int nodes0 = 0, per_node0 = 0;
   bool regular0 = false, same = true;
   for (int first = 0; first < l->esp; first++) {
     int nodes, per_node;
-    int n = group_members(l, comm.world_size, RT_GROUP_EP, first, members);
+    int n = group_members(l, c->world_size, RT_GROUP_EP, first, members);
     bool regular = hierarchy_of(members, n, l->gpus_per_node, &nodes, &per_node, NULL);
     if (first == 0) {
       regular0 = regular;
@@ -446,7 +460,7 @@ static void print_ep_hierarchy(FILE *out, int *members, int *counts) {
   }
   for (int first = 0; first < l->esp; first++) {
     int nodes, per_node;
-    int n = group_members(l, comm.world_size, RT_GROUP_EP, first, members);
+    int n = group_members(l, c->world_size, RT_GROUP_EP, first, members);
     bool regular = hierarchy_of(members, n, l->gpus_per_node, &nodes, &per_node, counts);
     char list[128];
     format_members(list, sizeof list, members, n);
@@ -462,18 +476,18 @@ static void print_ep_hierarchy(FILE *out, int *members, int *counts) {
   }
 }
 
-void rt_comm_print_groups(FILE *out) {
-  if (!comm.active || comm.world_rank != 0)
+void rt_comm_print_groups(const RtComm *c, FILE *out) {
+  if (!c || c->world_rank != 0)
     return;
-  const RtLayout *l = &comm.layout;
-  int world = comm.world_size, gpn = l->gpus_per_node;
+  const RtLayout *l = &c->layout;
+  int world = c->world_size, gpn = l->gpus_per_node;
   int nodes = (world + gpn - 1) / gpn;
   int *members = rt_alloc(2 * world * sizeof *members, "the layout report");
   int *counts = members + world;
   fprintf(out, "# parallel layout: %d rank%s = dp %d x mp %d = ep %d x esp %d; %d node%s "
           "(gpus_per_node %d); MPI thread level %s\n", world, world == 1 ? "" : "s", l->dp, l->mp,
-          l->ep, l->esp, nodes, nodes == 1 ? "" : "s", gpn, thread_level_name(comm.thread_level));
-  print_ep_hierarchy(out, members, counts);
+          l->ep, l->esp, nodes, nodes == 1 ? "" : "s", gpn, thread_level_name(c->thread_level));
+  print_ep_hierarchy(c, out, members, counts);
 
   static const RtGroup listed[] = {RT_GROUP_DP, RT_GROUP_MP, RT_GROUP_EP, RT_GROUP_ESP};
   enum { NLISTED = sizeof listed / sizeof listed[0] };
@@ -509,11 +523,11 @@ void rt_comm_print_groups(FILE *out) {
 
 // ---- collectives ----
 
-static Group *active_group(RtGroup g, const char *who, int64_t count) {
+static Group *active_group(RtComm *c, RtGroup g, const char *who, int64_t count) {
   check_group(g, who);
   if (count < 0)
     rt_comm_abort("internal error: %s with a negative count (%lld)", who, (long long)count);
-  return comm.active ? &comm.group[g] : NULL;   // NULL: a world of one
+  return c ? &c->group[g] : NULL;   // NULL: a world of one
 }
 
 static void copy_floats(float *dst, const float *src, int64_t n) {
@@ -536,7 +550,7 @@ static int slice_len(int64_t o, int64_t count, int64_t limit) {
   return (int)(count - o < limit ? count - o : limit);
 }
 
-static void alltoall_flat(Group *gr, const float *send, float *recv, int64_t count) {
+static void alltoall_flat(Group *gr, const float *send, float *recv, int64_t count, int64_t max_chunk) {
   if (count <= max_chunk) {
     MPI_CHECK(MPI_Alltoall(send, (int)count, MPI_FLOAT, recv, (int)count, MPI_FLOAT, gr->comm));
     return;
@@ -636,8 +650,9 @@ static void alltoall_2dh(Group *gr, const float *send, float *recv, int64_t coun
     unpack_slices(recv, b, P, count, o, len);
 }
 
-void rt_alltoall(RtGroup g, RtA2aAlgo algo, const float *send, float *recv, int64_t count) {
-  Group *gr = active_group(g, "rt_alltoall", count);
+void rt_alltoall(RtComm *c, RtGroup g, RtA2aAlgo algo, const float *send, float *recv,
+                 int64_t count) {
+  Group *gr = active_group(c, g, "rt_alltoall", count);
   if (algo != RT_A2A_FLAT && algo != RT_A2A_1DH && algo != RT_A2A_2DH)
     rt_comm_abort("internal error: rt_alltoall with unknown algorithm %d", (int)algo);
   if (!gr || gr->size == 1) {
@@ -645,14 +660,14 @@ void rt_alltoall(RtGroup g, RtA2aAlgo algo, const float *send, float *recv, int6
     return;
   }
   if (algo == RT_A2A_FLAT || !gr->hier.regular) {
-    alltoall_flat(gr, send, recv, count);
+    alltoall_flat(gr, send, recv, count, c->max_chunk);
     return;
   }
   // The largest count one MPI call sees: 1dh gathers P blocks and exchanges L*L; 2dh moves
   // N or L blocks per peer.
   int64_t square = (int64_t)gr->hier.per_node * gr->hier.per_node;
   int64_t widest = algo == RT_A2A_1DH && square > gr->size ? square : gr->size;
-  int64_t limit = max_chunk / widest;
+  int64_t limit = c->max_chunk / widest;
   if (limit < 1)
     limit = 1;
   if (count == 0)
@@ -666,12 +681,13 @@ void rt_alltoall(RtGroup g, RtA2aAlgo algo, const float *send, float *recv, int6
   }
 }
 
-void rt_allgather(RtGroup g, const float *send, float *recv, int64_t count) {
-  Group *gr = active_group(g, "rt_allgather", count);
+void rt_allgather(RtComm *c, RtGroup g, const float *send, float *recv, int64_t count) {
+  Group *gr = active_group(c, g, "rt_allgather", count);
   if (!gr || gr->size == 1) {
     copy_floats(recv, send, count);
     return;
   }
+  int64_t max_chunk = c->max_chunk;
   if (count <= max_chunk) {
     MPI_CHECK(MPI_Allgather(send, (int)count, MPI_FLOAT, recv, (int)count, MPI_FLOAT, gr->comm));
     return;
@@ -684,12 +700,13 @@ void rt_allgather(RtGroup g, const float *send, float *recv, int64_t count) {
   }
 }
 
-void rt_reducescatter(RtGroup g, const float *send, float *recv, int64_t count) {
-  Group *gr = active_group(g, "rt_reducescatter", count);
+void rt_reducescatter(RtComm *c, RtGroup g, const float *send, float *recv, int64_t count) {
+  Group *gr = active_group(c, g, "rt_reducescatter", count);
   if (!gr || gr->size == 1) {
     copy_floats(recv, send, count);
     return;
   }
+  int64_t max_chunk = c->max_chunk;
   if (count <= max_chunk) {
     MPI_CHECK(MPI_Reduce_scatter_block(send, recv, (int)count, MPI_FLOAT, MPI_SUM, gr->comm));
     return;
@@ -702,32 +719,35 @@ void rt_reducescatter(RtGroup g, const float *send, float *recv, int64_t count) 
   }
 }
 
-void rt_allreduce(RtGroup g, float *buf, int64_t n) {
-  Group *gr = active_group(g, "rt_allreduce", n);
+void rt_allreduce(RtComm *c, RtGroup g, float *buf, int64_t n) {
+  Group *gr = active_group(c, g, "rt_allreduce", n);
   if (!gr || gr->size == 1)
     return;
+  int64_t max_chunk = c->max_chunk;
   for (int64_t o = 0; o < n; o += max_chunk)
     MPI_CHECK(MPI_Allreduce(MPI_IN_PLACE, buf + o, slice_len(o, n, max_chunk), MPI_FLOAT, MPI_SUM,
                             gr->comm));
 }
 
-void rt_allreduce_f64(RtGroup g, double *buf, int64_t n) {
-  Group *gr = active_group(g, "rt_allreduce_f64", n);
+void rt_allreduce_f64(RtComm *c, RtGroup g, double *buf, int64_t n) {
+  Group *gr = active_group(c, g, "rt_allreduce_f64", n);
   if (!gr || gr->size == 1)
     return;
+  int64_t max_chunk = c->max_chunk;
   for (int64_t o = 0; o < n; o += max_chunk)
     MPI_CHECK(MPI_Allreduce(MPI_IN_PLACE, buf + o, slice_len(o, n, max_chunk), MPI_DOUBLE, MPI_SUM,
                             gr->comm));
 }
 
-void rt_bcast(RtGroup g, void *buf, int64_t bytes, int root) {
-  Group *gr = active_group(g, "rt_bcast", bytes);
+void rt_bcast(RtComm *c, RtGroup g, void *buf, int64_t bytes, int root) {
+  Group *gr = active_group(c, g, "rt_bcast", bytes);
   int size = gr ? gr->size : 1;
   if (root < 0 || root >= size)
     rt_comm_abort("internal error: rt_bcast from root %d in a %s group of %d", root,
                   group_names[g], size);
   if (size == 1)
     return;
+  int64_t max_chunk = c->max_chunk;
   for (int64_t o = 0; o < bytes; o += max_chunk)
     MPI_CHECK(MPI_Bcast((char *)buf + o, slice_len(o, bytes, max_chunk), MPI_BYTE, root, gr->comm));
 }

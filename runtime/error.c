@@ -5,12 +5,14 @@
 // found: the failing function records one sentence with rt_fail and returns -1, its callers
 // unwind, and rt_main prints "moert: error: SENTENCE" once and returns non-zero.
 //
-// Running out of memory is not such an error: rt_alloc and rt_calloc end the job with one
-// sentence that says what needed how many bytes (rt_out_of_memory: on several ranks through
-// rt_comm_abort, so that no rank waits forever for the one that stopped) and exit status 1.
+// Running out of memory is not such an error: rt_alloc, rt_calloc and rt_strdup end the job with
+// one sentence that says what needed how many bytes (rt_out_of_memory: on several ranks through
+// rt_comm_abort, so that no rank waits forever for the one that stopped) and exit status 1. The
+// same holds where a library allocates for us (cJSON building a header): its failure is ours.
 #include <stdarg.h>
 #include <stdio.h>
 #include <stdlib.h>
+#include <string.h>
 
 #include "moert.h"
 #include "rt_internal.h"
@@ -34,6 +36,8 @@ void rt_clear_error(void) {
 }
 
 _Noreturn void rt_out_of_memory(size_t bytes, const char *what) {
+  if (bytes == 0)
+    rt_comm_abort("out of memory: %s", what);
   rt_comm_abort("out of memory: %s needs %zu bytes", what, bytes);
 }
 
@@ -49,4 +53,9 @@ void *rt_calloc(size_t n, size_t size, const char *what) {
   if (!p)
     rt_out_of_memory(n * size, what);
   return p;
+}
+
+char *rt_strdup(const char *s, const char *what) {
+  size_t bytes = strlen(s) + 1;
+  return memcpy(rt_alloc(bytes, what), s, bytes);
 }

@@ -13,7 +13,8 @@
 // MP itself), and every rank holds its shard of each parameter (shard.c). The report's figures
 // are reduced over the ranks, and only rank 0 prints. Files are layout-free: --input/--target
 // and --dump hold the global batch, --dump and --weights whole tensors, and a checkpoint resumes
-// on any layout.
+// on any layout. rt_main owns the layout's communicators (RtComm) and the stream executor
+// (RtStreams) and hands them to the step functions in RtStep (st->comm, st->streams).
 //
 // A model of the CUDA target (RtModel.device) runs its steps on a GPU: the trainer keeps the same
 // host buffers and hands them over at the points where the device must see them or where they
@@ -36,7 +37,6 @@ void openblas_set_num_threads(int num_threads);  // OpenBLAS (cblas.h pulls in m
 #include <inttypes.h>
 #include <math.h>
 #include <stdarg.h>
-#include <signal.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <unistd.h>
@@ -234,12 +234,14 @@ typedef struct Trainer {
   const RtModel *model;
   Options opt;
   RtRanks ranks;           // this rank's place in the layout
+  RtComm *comm;            // the layout's communicators (rt_main's; NULL: a world of one)
   RtStep st;
   float *input, *target;   // this rank's DP shard of the step's data
   int64_t elems;           // batch * seqlen * embed
   int64_t done_steps;      // the last step already applied to the parameters
   bool fixed_data;         // --input given: the same data every step
   bool device_up;          // model->device created: destroy it at the end
+  RtFault fault;           // tests only: where this rank dies (MOERT_TEST_KILL, fault.c)
 } Trainer;
 
 static bool is_root(const Trainer *tr) {
@@ -251,6 +253,7 @@ static void trainer_destroy(Trainer *tr) {
     tr->model->device->destroy(&tr->st);
   if (tr->st.record)
     fclose(tr->st.record);
+  rt_streams_destroy(tr->st.streams);
   free(tr->st.params);
   free(tr->st.grads);
   free(tr->st.opt_m);
@@ -261,14 +264,17 @@ static void trainer_destroy(Trainer *tr) {
 }
 
 static int trainer_create(Trainer *tr, const RtModel *model, const Options *opt,
-                          const RtRanks *ranks) {
-  *tr = (Trainer){.model = model, .opt = *opt, .ranks = *ranks};
+                          const RtRanks *ranks, RtComm *comm) {
+  *tr = (Trainer){.model = model, .opt = *opt, .ranks = *ranks, .comm = comm,
+                  .fault = rt_fault_from_env()};
   tr->elems = model->batch * model->seqlen * model->embed;
   size_t floats = model->param_floats ? model->param_floats : 1;
   size_t arena = (model->arena_bytes + 63) / 64 * 64;
   RtStep *st = &tr->st;
   st->model = model;
   st->seed = model->seed;
+  st->comm = comm;
+  st->streams = rt_streams_create(comm);
   // The global index of the first token this rank routes: its DP shard's first token, plus
   // the MP part of that shard the program gives this rank.
   int64_t tokens = model->batch * model->seqlen;
@@ -301,12 +307,12 @@ static int trainer_create(Trainer *tr, const RtModel *model, const Options *opt,
 // every rank, agreed over the world. 0 without a device: the host buffers are the only ones.
 static int device_put(Trainer *tr, unsigned what) {
   const RtDevice *dev = tr->model->device;
-  return dev ? rt_world_agree(dev->upload(&tr->st, what)) : 0;
+  return dev ? rt_world_agree(tr->comm, dev->upload(&tr->st, what)) : 0;
 }
 
 static int device_get(Trainer *tr, unsigned what) {
   const RtDevice *dev = tr->model->device;
-  return dev ? rt_world_agree(dev->download(&tr->st, what)) : 0;
+  return dev ? rt_world_agree(tr->comm, dev->download(&tr->st, what)) : 0;
 }
 
 // ---- where the parameters come from ----
@@ -346,9 +352,9 @@ static Report reduce_report(const Trainer *tr, const RtStep *st, const uint64_t 
                      (double)st->load_max, (double)st->capacity_max,
                      hash0 && st->route_hash != *hash0};
   if (tr->ranks.world > 1) {
-    rt_allreduce_f64(RT_GROUP_DP, &r.mse, 1);
-    rt_allreduce_f64(RT_GROUP_WORLD, sums, 7);
-    rt_world_max(maxes, 4);
+    rt_allreduce_f64(tr->comm, RT_GROUP_DP, &r.mse, 1);
+    rt_allreduce_f64(tr->comm, RT_GROUP_WORLD, sums, 7);
+    rt_world_max(tr->comm, maxes, 4);
   }
   r.aux = sums[0];
   r.z = sums[1];
@@ -394,9 +400,7 @@ static int read_global_batch(Trainer *tr, const char *path, float *dst) {
     return rt_npy_read_f32(path, 3, dims, dst);
   }
   int64_t dims[3] = {r->dp * m->batch, m->seqlen, m->embed};
-  float *all = malloc((size_t)(r->dp * tr->elems) * sizeof(float));
-  if (!all)
-    return rt_fail("out of memory reading '%s'", path);
+  float *all = rt_alloc((size_t)(r->dp * tr->elems) * sizeof(float), "the global batch");
   int status = rt_npy_read_f32(path, 3, dims, all);
   if (status == 0)
     memcpy(dst, all + r->dp_index * tr->elems, (size_t)tr->elems * sizeof(float));
@@ -426,9 +430,7 @@ static void fill_step_data(Trainer *tr, int64_t step) {
 // ---- --dump ----
 
 static int make_dirs(const char *path) {
-  char *p = strdup(path);
-  if (!p)
-    return rt_fail("out of memory");
+  char *p = rt_strdup(path, "the name of the --dump folder");
   int status = 0;
   for (char *s = p + 1;; s++) {
     if (*s != '/' && *s != '\0')
@@ -466,7 +468,7 @@ static int dump_step(Trainer *tr, const Report *rep) {
   int status = tr->st.output ? 0
                              : rt_fail("internal error: the forward of model '%s' did not set "
                                        "its output", m->name);
-  if (rt_world_agree(status) != 0)
+  if (rt_world_agree(tr->comm, status) != 0)
     return -1;
   size_t len = strlen(dir) + 512;
   char *path = NULL;
@@ -477,16 +479,12 @@ static int dump_step(Trainer *tr, const Report *rep) {
   }
   float *whole = NULL;
   if (root) {
-    path = malloc(len);
-    whole = malloc((whole_floats ? whole_floats : 1) * sizeof(float));
-    if (!path || !whole)
-      status = rt_fail("out of memory writing the dump to '%s'", dir);
-    if (status == 0) {
-      snprintf(path, len, "%s/grad", dir);
-      status = make_dirs(path);
-    }
+    path = rt_alloc(len, "the names of the --dump files");
+    whole = rt_alloc(whole_floats * sizeof(float), "a whole tensor of the --dump");
+    snprintf(path, len, "%s/grad", dir);
+    status = make_dirs(path);
   }
-  if (rt_world_agree(status) != 0) {
+  if (rt_world_agree(tr->comm, status) != 0) {
     free(path);
     free(whole);
     return -1;
@@ -495,7 +493,7 @@ static int dump_step(Trainer *tr, const Report *rep) {
   const char *names[3] = {"input", "target", "output"};
   const float *data[3] = {tr->st.input, tr->st.target, tr->st.output};
   for (int k = 0; k < 3; k++) {
-    rt_gather_dp(r, data[k], tr->elems, whole);
+    rt_gather_dp(tr->comm, r, data[k], tr->elems, whole);
     if (root && status == 0) {
       snprintf(path, len, "%s/%s.npy", dir, names[k]);
       status = rt_npy_write(path, RT_DTYPE_F32, 3, dims, whole);
@@ -507,7 +505,7 @@ static int dump_step(Trainer *tr, const Report *rep) {
   }
   for (int i = 0; i < m->nparams; i++) {
     const RtParam *p = &m->params[i];
-    rt_gather_param(p, r, tr->st.grads + p->offset, whole);
+    rt_gather_param(tr->comm, p, r, tr->st.grads + p->offset, whole);
     if (root && status == 0) {
       snprintf(path, len, "%s/grad/%s.npy", dir, p->name);
       status = rt_npy_write(path, RT_DTYPE_F32, p->rank, p->global_dims, whole);
@@ -515,7 +513,7 @@ static int dump_step(Trainer *tr, const Report *rep) {
   }
   free(path);
   free(whole);
-  return rt_world_agree(status);
+  return rt_world_agree(tr->comm, status);
 }
 
 // ---- training ----
@@ -555,19 +553,11 @@ static int train(Trainer *tr) {
   if (!tr->opt.quiet && root)
     print_header(tr, first, last);
   double loss = NAN;
-  // Fault injection for the failure tests: MOERT_TEST_KILL="RANK:STEP" kills that rank with
-  // SIGKILL in the middle of that step, as a crashed process would die.
-  int kill_rank = -1;
-  long long kill_step = -1;
-  const char *fault = getenv("MOERT_TEST_KILL");
-  if (fault && sscanf(fault, "%d:%lld", &kill_rank, &kill_step) != 2)
-    kill_rank = -1;
   for (int64_t t = first; t <= last; t++) {
     fill_step_data(tr, t);
     double t0 = now_ms();
     m->forward(st);
-    if (t == kill_step && rt_comm_rank(RT_GROUP_WORLD) == kill_rank)
-      raise(SIGKILL);
+    rt_fault_point(&tr->fault, tr->ranks.rank, t);
     RtStep forward_state = *st;   // the statistics the forward left, in case backward adds any
     m->backward(st);
     double t1 = now_ms();
@@ -579,7 +569,7 @@ static int train(Trainer *tr) {
     double t3 = now_ms();
     tr->done_steps = t;
     double ms = (t1 - t0) + (t3 - t2);
-    rt_world_max(&ms, 1);
+    rt_world_max(tr->comm, &ms, 1);
     loss = rep.loss;
     double dropped = rep.routed > 0 ? rep.dropped / rep.routed : 0.0;
     if (st->record)
@@ -691,9 +681,8 @@ static int check_grad(Trainer *tr) {
   double loss_scale = fabs(rep0.mse) + fabs(rep0.aux_total);   // what fp32 rounding scales with
   uint64_t hash0 = st->route_hash;
   m->backward(st);
-  float *grad = malloc((m->param_floats ? m->param_floats : 1) * sizeof(float));
-  if (rt_world_agree(grad ? 0 : rt_fail("out of memory")) != 0 ||
-      device_get(tr, RT_DEVICE_GRADS) != 0) {
+  float *grad = rt_alloc(m->param_floats * sizeof(float), "the gradients of --check-grad");
+  if (device_get(tr, RT_DEVICE_GRADS) != 0) {
     free(grad);
     return -1;
   }
@@ -724,7 +713,7 @@ static int check_grad(Trainer *tr) {
     double max_g = 0;
     for (int64_t j = 0; j < p->numel; j++)
       max_g = fmax(max_g, fabs(g[j]));
-    rt_world_max(&max_g, 1);
+    rt_world_max(tr->comm, &max_g, 1);
     double atol_grad = CHECK_ATOL_GRAD * max_g;
     int64_t numel = rt_param_global_numel(p);
     int64_t count = numel < CHECK_ENTRIES ? numel : CHECK_ENTRIES;
@@ -742,7 +731,7 @@ static int check_grad(Trainer *tr) {
         entry[1] = g[j];
       }
       if (r->world > 1)
-        rt_allreduce_f64(RT_GROUP_WORLD, entry, 2);
+        rt_allreduce_f64(tr->comm, RT_GROUP_WORLD, entry, 2);
       float orig = (float)entry[0];
       double grad_j = entry[1];
       double eps = CHECK_EPS * fmax(1.0, fabs(orig));
@@ -806,12 +795,12 @@ static int check_grad(Trainer *tr) {
 
 // Everything after the collectives started: every rank runs it, and every failure is agreed
 // on, so all ranks return the same status. Rank 0 prints.
-static int run(const RtModel *model, const Options *opt, const RtRanks *ranks) {
+static int run(const RtModel *model, const Options *opt, const RtRanks *ranks, RtComm *comm) {
   Trainer tr;
-  int status = rt_world_agree(trainer_create(&tr, model, opt, ranks));
+  int status = rt_world_agree(comm, trainer_create(&tr, model, opt, ranks, comm));
   // The device's collective part (its communicators) once every rank has its device.
   if (status == 0 && model->device)
-    status = rt_world_agree(model->device->connect(&tr.st));
+    status = rt_world_agree(comm, model->device->connect(&tr.st));
   if (status == 0) {
     if (opt->resume)
       status = load_checkpoint(&tr, opt->resume);
@@ -819,13 +808,13 @@ static int run(const RtModel *model, const Options *opt, const RtRanks *ranks) {
       status = rt_weights_load(opt->weights, model, ranks, tr.st.params);
     else
       init_params(&tr);
-    status = rt_world_agree(status);
+    status = rt_world_agree(comm, status);
     if (status == 0)
       status = device_put(&tr, RT_DEVICE_PARAMS | RT_DEVICE_MOMENTS);
   }
   if (status == 0 && opt->input) {
     tr.fixed_data = true;
-    status = rt_world_agree(load_data(&tr));
+    status = rt_world_agree(comm, load_data(&tr));
   }
   if (status == 0 && opt->check_grad) {
     status = check_grad(&tr);
@@ -839,13 +828,13 @@ static int run(const RtModel *model, const Options *opt, const RtRanks *ranks) {
     status = rt_fail("checkpoint '%s' is at step %lld, past --steps %lld", opt->resume,
                      (long long)tr.done_steps, (long long)opt->steps);
   if (status == 0)
-    status = rt_world_agree(open_record(&tr));
+    status = rt_world_agree(comm, open_record(&tr));
   if (status == 0)
     status = train(&tr);
   if (status == 0 && opt->save)
     status = device_get(&tr, RT_DEVICE_PARAMS | RT_DEVICE_MOMENTS);
   if (status == 0 && opt->save)
-    status = rt_checkpoint_save(opt->save, model, ranks, tr.done_steps, tr.st.params,
+    status = rt_checkpoint_save(comm, opt->save, model, ranks, tr.done_steps, tr.st.params,
                                 tr.st.opt_m, tr.st.opt_v);
   fflush(stdout);
   trainer_destroy(&tr);
@@ -873,13 +862,12 @@ int rt_main(const RtModel *model, int argc, char **argv) {
   }
   if (check_model(model) != 0)
     return speaker ? report_error() : 1;
-  // rt_comm_init reports a layout that does not fit the world itself, once.
-  if (rt_comm_init(&model->layout, model->nodes) != 0) {
-    rt_comm_finalize();
+  // rt_comm_create reports a layout that does not fit the world itself, once.
+  RtComm *comm = rt_comm_create(&model->layout, model->nodes);
+  if (!comm)
     return 1;
-  }
-  RtRanks ranks = rt_ranks_of(&model->layout, rt_comm_rank(RT_GROUP_WORLD),
-                              rt_comm_size(RT_GROUP_WORLD));
+  RtRanks ranks = rt_ranks_of(&model->layout, rt_comm_rank(comm, RT_GROUP_WORLD),
+                              rt_comm_size(comm, RT_GROUP_WORLD));
   // Ranks sharing a machine share its cores: give each rank's OpenBLAS its share, or the
   // GEMM threads of all ranks oversubscribe the cores many times over.
   const char *local = getenv("OMPI_COMM_WORLD_LOCAL_SIZE");
@@ -887,10 +875,10 @@ int rt_main(const RtModel *model, int argc, char **argv) {
   if (ranks.world > 1 && on_node > 1 && cores > 0)
     openblas_set_num_threads(cores / on_node > 1 ? (int)(cores / on_node) : 1);
   if (ranks.world > 1 && ranks.rank == 0 && !opt.quiet) {
-    rt_comm_print_groups(stdout);
+    rt_comm_print_groups(comm, stdout);
     fflush(stdout);
   }
-  int status = run(model, &opt, &ranks);
-  rt_comm_finalize();
+  int status = run(model, &opt, &ranks, comm);
+  rt_comm_destroy(comm);
   return status;
 }

@@ -20,6 +20,8 @@
 
 typedef struct RtModel RtModel;
 typedef struct RtStep RtStep;
+typedef struct RtComm RtComm;
+typedef struct RtStreams RtStreams;
 
 // ---- deterministic randomness (runtime/rng.c) ----
 // Counter-based: every number is a pure function of its key, so data, init and noise do not
@@ -128,28 +130,35 @@ typedef enum RtGroup { RT_GROUP_WORLD, RT_GROUP_DP, RT_GROUP_MP, RT_GROUP_EP, RT
 typedef enum RtA2aAlgo { RT_A2A_FLAT, RT_A2A_1DH, RT_A2A_2DH } RtA2aAlgo;  // nccl (flat), 1dh, 2dh
 typedef struct RtLayout { int dp, mp, ep, esp, gpus_per_node; } RtLayout;
 
-// Starts MPI (MPI_THREAD_MULTIPLE where available; a process run without mpirun is a world of
-// one) and builds one communicator per group. Checks the layout against the world: a mismatch
-// (world != dp*mp or != ep*esp, more ranks than nodes*gpus_per_node when nodes > 0, ...) is
-// reported once by rank 0 as "moert: error: ..." and every rank returns non-zero. 0 on success.
-int rt_comm_init(const RtLayout *layout, int nodes);
-void rt_comm_finalize(void);
-bool rt_comm_active(void);            // rt_comm_init succeeded
-int rt_comm_rank(RtGroup g);          // this rank's index in group g (0 before init)
-int rt_comm_size(RtGroup g);          // size of group g (1 before init)
+// The communicators of one parallel layout: one per group, created together and passed to every
+// collective (runtime/comm.c). rt_comm_create starts MPI when nothing has (MPI_THREAD_MULTIPLE
+// where available; a process run without mpirun is a world of one), and the last
+// rt_comm_destroy then finalizes it; a program that started MPI itself finalizes it itself.
+// Checks the layout against the world: a mismatch (world != dp*mp or != ep*esp, more ranks than
+// nodes*gpus_per_node when nodes > 0, ...) is reported once by rank 0 as "moert: error: ..." and
+// every rank gets NULL. Several communicators may live at once. A NULL RtComm is a world of one:
+// every group has one member and every collective is a local copy.
+RtComm *rt_comm_create(const RtLayout *layout, int nodes);
+void rt_comm_destroy(RtComm *c);                   // NULL: nothing
+int rt_comm_rank(const RtComm *c, RtGroup g);       // this rank's index in group g (0 for NULL)
+int rt_comm_size(const RtComm *c, RtGroup g);       // size of group g (1 for NULL)
+// Whether collectives on different groups may run on different threads at once
+// (MPI_THREAD_MULTIPLE; always for NULL).
+bool rt_comm_thread_safe(const RtComm *c);
 // Prints the group table (rank 0 only): for every rank its coordinates and group members.
-void rt_comm_print_groups(FILE *out);
+void rt_comm_print_groups(const RtComm *c, FILE *out);
 // AlltoAll on group g: block i of send (count floats) goes to member i; block i of recv comes
 // from member i. The three algorithms deliver identical bytes: flat (one MPI_Alltoall), 1dh
 // (HetuMoE: gather to a node leader, leaders exchange, scatter), 2dh (Tutel/DeepSpeed:
 // intra-node AlltoAll, stride transform, inter-node AlltoAll). Nodes: gpus_per_node
 // consecutive world ranks.
-void rt_alltoall(RtGroup g, RtA2aAlgo algo, const float *send, float *recv, int64_t count);
-void rt_allgather(RtGroup g, const float *send, float *recv, int64_t count);    // count per member
-void rt_reducescatter(RtGroup g, const float *send, float *recv, int64_t count); // sum; count per member
-void rt_allreduce(RtGroup g, float *buf, int64_t n);                             // sum, in place
-void rt_allreduce_f64(RtGroup g, double *buf, int64_t n);
-void rt_bcast(RtGroup g, void *buf, int64_t bytes, int root);
+void rt_alltoall(RtComm *c, RtGroup g, RtA2aAlgo algo, const float *send, float *recv,
+                 int64_t count);
+void rt_allgather(RtComm *c, RtGroup g, const float *send, float *recv, int64_t count);    // count per member
+void rt_reducescatter(RtComm *c, RtGroup g, const float *send, float *recv, int64_t count); // sum; count per member
+void rt_allreduce(RtComm *c, RtGroup g, float *buf, int64_t n);                             // sum, in place
+void rt_allreduce_f64(RtComm *c, RtGroup g, double *buf, int64_t n);
+void rt_bcast(RtComm *c, RtGroup g, void *buf, int64_t bytes, int root);
 // Every rank exits through here on a fatal runtime error: message on stderr, MPI_Abort when
 // several ranks run (so no peer hangs), exit status 1.
 _Noreturn void rt_comm_abort(const char *fmt, ...) __attribute__((format(printf, 1, 2)));
@@ -256,6 +265,9 @@ struct RtStep {
   int64_t load_count;
   int64_t capacity_max;           // largest capacity a dropless layer used this step
   void *record;                   // FILE * for the record hook, or NULL (set by rt_main)
+  // The driver's, for the step functions' collectives and task tables (set by rt_main).
+  RtComm *comm;                   // NULL: a world of one
+  RtStreams *streams;             // NULL: tasks run in program order on the calling thread
 };
 
 // Resets the per-forward statistics; the generated forward calls it first.
@@ -268,7 +280,11 @@ int rt_main(const RtModel *model, int argc, char **argv);
 // generated code turns a function whose ops carry streams and events into a table of tasks in
 // program order: a task runs on its stream after the events it waits on are recorded, and
 // records its event (-1 none, else an index below nevents) when done. Events are local to one
-// call; rt_run_streams returns when every task has run (a full synchronisation).
+// call; rt_run_streams returns when every task has run (a full synchronisation). An RtStreams
+// runs the intra and inter streams on worker threads of its own, started on first use and
+// stopped by rt_streams_destroy; it runs every task in program order on the calling thread
+// instead when MOERT_STREAMS=0 is set or when comm's collectives cannot run on several threads
+// at once (rt_comm_thread_safe).
 typedef enum RtStream { RT_STREAM_COMPUTE, RT_STREAM_INTRA, RT_STREAM_INTER, RT_STREAM_COUNT } RtStream;
 #define RT_TASK_MAX_WAITS 16
 typedef struct RtTask {
@@ -278,6 +294,9 @@ typedef struct RtTask {
   int waits[RT_TASK_MAX_WAITS];
   int event;
 } RtTask;
-void rt_run_streams(RtStep *st, const RtTask *tasks, int ntasks, int nevents);
+RtStreams *rt_streams_create(const RtComm *comm);
+void rt_streams_destroy(RtStreams *s);            // NULL: nothing
+// s NULL: the tasks run in program order on the calling thread.
+void rt_run_streams(RtStreams *s, RtStep *st, const RtTask *tasks, int ntasks, int nevents);
 
 #endif

@@ -5,7 +5,8 @@
 // padded with spaces and a newline to a multiple of 64 bytes, then the elements in C order.
 // We write version 1.0 and read all three versions. The header is parsed by a small scanner
 // for exactly that dict literal, so any file numpy writes for our dtypes is accepted and
-// anything else gets a sentence saying what is wrong, never a crash.
+// anything else gets a sentence saying what is wrong, never a crash. Running out of memory is not
+// the file's fault: it ends the job (rt_alloc, error.c).
 #include "rt_internal.h"
 
 #include <errno.h>
@@ -275,11 +276,7 @@ int rt_npy_read(const char *path, RtArray *out) {
             prefix[6], prefix[7]);
     goto done;
   }
-  header = malloc(header_len + 1);
-  if (!header) {
-    rt_fail("out of memory reading '%s'", path);
-    goto done;
-  }
+  header = rt_alloc(header_len + 1, "the header of an .npy file");
   if (fread(header, 1, header_len, f) != header_len) {
     rt_fail("'%s' is truncated inside its header", path);
     goto done;
@@ -315,11 +312,7 @@ int rt_npy_read(const char *path, RtArray *out) {
     }
     fseek(f, data_start, SEEK_SET);
   }
-  a.data = malloc(bytes ? bytes : 1);
-  if (!a.data) {
-    rt_fail("out of memory reading '%s' (%zu bytes)", path, bytes);
-    goto done;
-  }
+  a.data = rt_alloc(bytes, "the data of an .npy file");
   size_t got = fread(a.data, 1, bytes, f);
   if (got != bytes) {
     if (ferror(f))

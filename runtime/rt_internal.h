@@ -25,10 +25,23 @@ const char *rt_last_error(void);
 void rt_clear_error(void);
 // Out of memory: one policy for the whole runtime. The job ends with "moert: error: rank R on
 // HOST: out of memory: WHAT needs N bytes" and exit status 1 (every rank, through rt_comm_abort).
+// bytes 0: a library's allocation of a size not known here (cJSON's), said as "out of memory:
+// WHAT".
 _Noreturn void rt_out_of_memory(size_t bytes, const char *what);
-// malloc / calloc that end the job so when they fail (0 bytes allocate 1).
+// malloc / calloc / strdup that end the job so when they fail (0 bytes allocate 1).
 void *rt_alloc(size_t bytes, const char *what);
 void *rt_calloc(size_t n, size_t size, const char *what);
+char *rt_strdup(const char *s, const char *what);
+
+// ---- fault injection, for tests only (fault.c) ----
+// MOERT_TEST_KILL="RANK:STEP": world rank RANK dies by SIGKILL mid-step STEP (rank -1: never).
+typedef struct RtFault {
+  int rank;
+  int64_t step;
+} RtFault;
+RtFault rt_fault_from_env(void);
+// Where a step may die: the driver calls it once per step, between forward and backward.
+void rt_fault_point(const RtFault *f, int rank, int64_t step);
 
 // ---- routing statistics (kernels.c) ----
 // Adds the per-expert loads of one layer (load[e]: tokens or choices kept by each expert) to
@@ -109,13 +122,13 @@ void rt_st_free(RtStFile *f);
 
 // ---- collectives (comm.c): hooks for tests and benchmarks ----
 
-// The largest count handed to one MPI call (INT_MAX, clamped to [1, INT_MAX]); larger counts
+// The largest count c hands to one MPI call (INT_MAX, clamped to [1, INT_MAX]); larger counts
 // are cut into slices. Tests lower it to exercise the slicing with small buffers.
-void rt_comm_set_max_chunk(int64_t elements);
+void rt_comm_set_max_chunk(RtComm *c, int64_t elements);
 // The node hierarchy 1dh and 2dh use on group g: *nodes nodes of *per_node members each.
-// False when the members are not spread evenly over nodes (1dh, 2dh then run flat) or before
-// rt_comm_init.
-bool rt_comm_hierarchy(RtGroup g, int *nodes, int *per_node);
+// False when the members are not spread evenly over nodes (1dh, 2dh then run flat) or when c is
+// NULL.
+bool rt_comm_hierarchy(const RtComm *c, RtGroup g, int *nodes, int *per_node);
 
 // ---- this rank's place in the parallel layout (shard.c) ----
 typedef struct RtLayout RtLayout;
@@ -154,28 +167,31 @@ int64_t rt_box_copy(int rank, const int64_t *src_off, const int64_t *src_dims, c
                     const int64_t *dst_off, const int64_t *dst_dims, float *dst,
                     unsigned char *covered);
 
-// ---- world-wide helpers (shard.c; plain local operations on a world of one) ----
+// ---- world-wide helpers (shard.c) ----
+// Over the world group of c; plain local operations on a world of one (c NULL included).
 // Called by every rank at the same point: 0 when every rank's status is 0; otherwise -1 on every
 // rank, and the last error on every rank becomes the lowest failing rank's message (prefixed
 // "rank R: " when R is not 0), so that rank 0 alone can report it.
-int rt_world_agree(int status);
-void rt_world_max(double *v, int n);          // element-wise maximum over the world, in place
+int rt_world_agree(RtComm *c, int status);
+void rt_world_max(RtComm *c, double *v, int n);   // element-wise maximum over the world, in place
 // Rank 0 assembles the whole tensor of p (global_dims, row-major) in whole from the owners'
 // shards; other ranks pass their shard and whole = NULL.
-void rt_gather_param(const RtParam *p, const RtRanks *r, const float *shard, float *whole);
+void rt_gather_param(RtComm *c, const RtParam *p, const RtRanks *r, const float *shard,
+                     float *whole);
 // Rank 0 assembles the DP shards of n floats each (MP index 0's copy) in DP order in whole
 // (dp * n floats); other ranks pass whole = NULL.
-void rt_gather_dp(const RtRanks *r, const float *mine, int64_t n, float *whole);
+void rt_gather_dp(RtComm *c, const RtRanks *r, const float *mine, int64_t n, float *whole);
 
 // ---- checkpoints (shard.c) ----
 // A checkpoint C is an index file (JSON: format "moec-checkpoint-2", model, optimizer, step,
 // world, layout, shards) and one safetensors file per rank, C.rank<R>-of-<P>.safetensors, that
 // holds the boxes this rank owns of every parameter and optimizer moment, each with its global
 // shape and offsets in the metadata ("shard.NAME": "global=[4,8,8] offset=[2,0,0]").
-// Saving is collective: every rank writes its shard (atomically), and after all are durable
-// rank 0 writes the index (atomically). opt_m / opt_v are written for adamw.
-int rt_checkpoint_save(const char *path, const RtModel *m, const RtRanks *r, int64_t step,
-                       const float *params, const float *opt_m, const float *opt_v);
+// Saving is collective over the world of c: every rank writes its shard (atomically), and after
+// all are durable rank 0 writes the index (atomically). opt_m / opt_v are written for adamw.
+int rt_checkpoint_save(RtComm *c, const char *path, const RtModel *m, const RtRanks *r,
+                       int64_t step, const float *params, const float *opt_m,
+                       const float *opt_v);
 // Loads rank r's shard of every parameter (and of both moments for adamw) from the checkpoint
 // at path, whatever layout wrote it, and its step. Also reads the single-file format
 // "moec-checkpoint-1". Each rank reads on its own (not collective).

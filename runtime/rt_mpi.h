@@ -8,8 +8,11 @@
 
 #include "moert.h"
 
-// Group g's communicator (world ranks in order, so a rank's index in it is its coordinate);
-// MPI_COMM_NULL before rt_comm_init. Owned by comm.c: do not free it.
-MPI_Comm rt_comm_mpi(RtGroup g);
+// Group g's communicator in c (world ranks in order, so a rank's index in it is its
+// coordinate); MPI_COMM_NULL when c is NULL. Owned by c: do not free it.
+MPI_Comm rt_comm_mpi(const RtComm *c, RtGroup g);
+// Ends the job through rt_comm_abort when err is not MPI_SUCCESS, naming the call, the MPI error
+// and file:line (the runtime's communicators return their errors).
+void rt_mpi_check(int err, const char *call, const char *file, int line);
 
 #endif

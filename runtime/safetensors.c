@@ -8,7 +8,8 @@
 // start. The reader loads the whole file and checks every claim the header makes against it
 // before anyone touches a tensor, so a truncated or hand-edited file gives a sentence, not a
 // crash. The writer goes through PATH.tmp, fsync and rename, so a crash mid-write leaves the
-// previous file (say, the last good checkpoint) intact.
+// previous file (say, the last good checkpoint) intact. Running out of memory, ours or cJSON's,
+// ends the job (rt_alloc, error.c): it is never reported as a fault of the file.
 #include "rt_internal.h"
 
 #include <cjson/cJSON.h>
@@ -28,20 +29,19 @@ enum { MAX_HEADER = 100 * 1000 * 1000 };
 
 static char *tmp_path_of(const char *path) {
   size_t n = strlen(path);
-  char *tmp = malloc(n + 5);
-  if (tmp) {
-    memcpy(tmp, path, n);
-    memcpy(tmp + n, ".tmp", 5);
-  }
+  char *tmp = rt_alloc(n + 5, "the name of a temporary file");
+  memcpy(tmp, path, n);
+  memcpy(tmp + n, ".tmp", 5);
   return tmp;
 }
 
 // fsync of the directory makes the rename itself durable.
 static void sync_parent_dir(const char *path) {
   const char *slash = strrchr(path, '/');
-  char *dir = slash ? strndup(path, slash == path ? 1 : (size_t)(slash - path)) : strdup(".");
-  if (!dir)
-    return;
+  size_t n = slash ? (slash == path ? 1 : (size_t)(slash - path)) : 1;
+  char *dir = rt_alloc(n + 1, "the name of a folder");
+  memcpy(dir, slash ? path : ".", n);
+  dir[n] = '\0';
   int fd = open(dir, O_RDONLY | O_DIRECTORY);
   if (fd >= 0) {
     fsync(fd);
@@ -50,48 +50,43 @@ static void sync_parent_dir(const char *path) {
   free(dir);
 }
 
+// cJSON fails only for want of memory here (every name and string is given).
+static void *json_made(void *item) {
+  if (!item)
+    rt_out_of_memory(0, "the JSON header of a safetensors file");
+  return item;
+}
+
+static void json_add(cJSON *array, cJSON *item) {
+  if (!cJSON_AddItemToArray(array, json_made(item)))
+    rt_out_of_memory(0, "the JSON header of a safetensors file");
+}
+
 static cJSON *build_header(int ntensors, const RtStTensor *tensors, int nmeta,
                            const char *const *meta) {
-  cJSON *root = cJSON_CreateObject();
-  if (!root)
-    return NULL;
+  cJSON *root = json_made(cJSON_CreateObject());
   if (nmeta > 0) {
-    cJSON *m = cJSON_AddObjectToObject(root, "__metadata__");
-    for (int i = 0; m && i < nmeta; i++)
-      if (!cJSON_AddStringToObject(m, meta[2 * i], meta[2 * i + 1]))
-        m = NULL;
-    if (!m)
-      goto fail;
+    cJSON *m = json_made(cJSON_AddObjectToObject(root, "__metadata__"));
+    for (int i = 0; i < nmeta; i++)
+      json_made(cJSON_AddStringToObject(m, meta[2 * i], meta[2 * i + 1]));
   }
   uint64_t offset = 0;
   for (int i = 0; i < ntensors; i++) {
     const RtStTensor *t = &tensors[i];
-    cJSON *obj = cJSON_AddObjectToObject(root, t->name);
-    if (!obj || !cJSON_AddStringToObject(obj, "dtype", "F32"))
-      goto fail;
-    cJSON *shape = cJSON_AddArrayToObject(obj, "shape");
-    cJSON *offsets = cJSON_AddArrayToObject(obj, "data_offsets");
-    if (!shape || !offsets)
-      goto fail;
+    cJSON *obj = json_made(cJSON_AddObjectToObject(root, t->name));
+    json_made(cJSON_AddStringToObject(obj, "dtype", "F32"));
+    cJSON *shape = json_made(cJSON_AddArrayToObject(obj, "shape"));
+    cJSON *offsets = json_made(cJSON_AddArrayToObject(obj, "data_offsets"));
     uint64_t numel = 1;
     for (int d = 0; d < t->rank; d++) {
-      cJSON *dim = cJSON_CreateNumber((double)t->dims[d]);
-      if (!dim || !cJSON_AddItemToArray(shape, dim))
-        goto fail;
+      json_add(shape, cJSON_CreateNumber((double)t->dims[d]));
       numel *= (uint64_t)t->dims[d];
     }
-    cJSON *begin = cJSON_CreateNumber((double)offset);
-    if (!begin || !cJSON_AddItemToArray(offsets, begin))
-      goto fail;
+    json_add(offsets, cJSON_CreateNumber((double)offset));
     offset += numel * sizeof(float);
-    cJSON *end = cJSON_CreateNumber((double)offset);
-    if (!end || !cJSON_AddItemToArray(offsets, end))
-      goto fail;
+    json_add(offsets, cJSON_CreateNumber((double)offset));
   }
   return root;
-fail:
-  cJSON_Delete(root);
-  return NULL;
 }
 
 int rt_commit_file(FILE *f, bool ok, const char *tmp, const char *path) {
@@ -126,14 +121,9 @@ int rt_st_write(const char *path, int ntensors, const RtStTensor *tensors, int n
                        tensors[i].name);
   }
   cJSON *root = build_header(ntensors, tensors, nmeta, meta);
-  char *json = root ? cJSON_PrintUnformatted(root) : NULL;
+  char *json = json_made(cJSON_PrintUnformatted(root));
   cJSON_Delete(root);
   char *tmp = tmp_path_of(path);
-  if (!json || !tmp) {
-    free(json);
-    free(tmp);
-    return rt_fail("out of memory writing '%s'", path);
-  }
   size_t json_len = strlen(json);
   size_t header_len = (json_len + 7) / 8 * 8;
   unsigned char len_bytes[8];
@@ -186,11 +176,7 @@ static int read_whole_file(const char *path, unsigned char **buf, size_t *size) 
     return rt_fail("cannot read '%s': it is not a regular file", path);
   }
   size_t n = (size_t)sb.st_size;
-  unsigned char *b = malloc(n ? n : 1);
-  if (!b) {
-    close(fd);
-    return rt_fail("out of memory reading '%s' (%zu bytes)", path, n);
-  }
+  unsigned char *b = rt_alloc(n, "a safetensors file read whole");
   size_t got = 0;
   while (got < n) {
     ssize_t r = read(fd, b + got, n - got);
@@ -241,17 +227,14 @@ static int read_metadata(const char *path, const cJSON *obj, RtStFile *out) {
   if (!cJSON_IsObject(obj))
     return rt_fail("'%s': __metadata__ is not a JSON object", path);
   int n = cJSON_GetArraySize(obj);
-  out->meta = calloc(2 * (size_t)n + 1, sizeof(char *));
-  if (!out->meta)
-    return rt_fail("out of memory reading '%s'", path);
+  const char *what = "the metadata of a safetensors file";
+  out->meta = rt_calloc(2 * (size_t)n + 1, sizeof(char *), what);
   for (const cJSON *kv = obj->child; kv; kv = kv->next) {
     if (!cJSON_IsString(kv))
       return rt_fail("'%s': __metadata__ value '%s' is not a string", path, kv->string);
-    out->meta[2 * out->nmeta] = strdup(kv->string);
-    out->meta[2 * out->nmeta + 1] = strdup(kv->valuestring);
+    out->meta[2 * out->nmeta] = rt_strdup(kv->string, what);
+    out->meta[2 * out->nmeta + 1] = rt_strdup(kv->valuestring, what);
     out->nmeta++;
-    if (!out->meta[2 * out->nmeta - 2] || !out->meta[2 * out->nmeta - 1])
-      return rt_fail("out of memory reading '%s'", path);
   }
   return 0;
 }
@@ -328,14 +311,11 @@ static int read_header(const char *path, const cJSON *root, const unsigned char 
   int n = 0;
   for (const cJSON *it = root->child; it; it = it->next)
     n += strcmp(it->string, "__metadata__") != 0;
-  out->tensors = calloc((size_t)n + 1, sizeof(RtStEntry));
-  Range *ranges = calloc((size_t)n + 1, sizeof(Range));
-  char **names = calloc((size_t)n + 1, sizeof(char *));
+  const char *what = "the tensors of a safetensors file";
+  out->tensors = rt_calloc((size_t)n + 1, sizeof(RtStEntry), what);
+  Range *ranges = rt_calloc((size_t)n + 1, sizeof(Range), what);
+  char **names = rt_calloc((size_t)n + 1, sizeof(char *), what);
   int status = -1;
-  if (!out->tensors || !ranges || !names) {
-    rt_fail("out of memory reading '%s'", path);
-    goto done;
-  }
   for (const cJSON *it = root->child; it; it = it->next) {
     if (strcmp(it->string, "__metadata__") == 0) {
       if (out->meta) {
@@ -348,11 +328,7 @@ static int read_header(const char *path, const cJSON *root, const unsigned char 
     }
     int i = out->ntensors;
     RtStEntry *t = &out->tensors[i];
-    t->name = strdup(it->string);
-    if (!t->name) {
-      rt_fail("out of memory reading '%s'", path);
-      goto done;
-    }
+    t->name = rt_strdup(it->string, what);
     out->ntensors++;
     if (read_entry(path, it, data, data_size, t, &ranges[i]) != 0)
       goto done;

@@ -6,13 +6,16 @@
 // element index, dumps are whole tensors, and a checkpoint is a set of boxes, each labelled with
 // its global shape and offsets. Loading intersects the box a rank needs with every box on disk
 // (hyper-rectangle intersection) and checks that the union covers it, so a checkpoint written by
-// 4 ranks resumes on 1, 2 or 8.
+// 4 ranks resumes on 1, 2 or 8. A checkpoint's faults (a missing shard, a torn or hand-edited
+// file) are returned errors; running out of memory ends the job (rt_alloc, error.c).
 //
 // The few world-wide operations rt_main needs beyond the group collectives of comm.c (agreeing
-// on an error, max reductions, gathers to rank 0) are here too, and only here does the driver
-// call MPI directly; on a world of one none of them touches MPI.
+// on an error, max reductions, gathers to rank 0) are here too, on the world group of the
+// driver's communicator; only here does the driver call MPI directly, and on a world of one
+// (a NULL communicator, or one of one rank) none of them touches MPI.
 #include "moert.h"
 #include "rt_internal.h"
+#include "rt_mpi.h"
 
 #include <cjson/cJSON.h>
 #include <errno.h>
@@ -144,22 +147,20 @@ int64_t rt_box_copy(int rank, const int64_t *src_off, const int64_t *src_dims, c
 
 // ---- world-wide helpers ----
 
-static int world_size(void) {
-  return rt_comm_active() ? rt_comm_size(RT_GROUP_WORLD) : 1;
-}
+#define MPI_CHECK(call) rt_mpi_check((call), #call, __FILE__, __LINE__)
 
-int rt_world_agree(int status) {
-  int world = world_size();
+int rt_world_agree(RtComm *c, int status) {
+  int world = rt_comm_size(c, RT_GROUP_WORLD);
   if (world == 1)
     return status;
-  int me = rt_comm_rank(RT_GROUP_WORLD);
+  int me = rt_comm_rank(c, RT_GROUP_WORLD);
   int mine = status != 0 ? me : world, lowest = world;
-  MPI_Allreduce(&mine, &lowest, 1, MPI_INT, MPI_MIN, MPI_COMM_WORLD);
+  MPI_CHECK(MPI_Allreduce(&mine, &lowest, 1, MPI_INT, MPI_MIN, rt_comm_mpi(c, RT_GROUP_WORLD)));
   if (lowest == world)
     return 0;
   char msg[1024];
   snprintf(msg, sizeof msg, "%s", rt_last_error()[0] ? rt_last_error() : "unknown failure");
-  MPI_Bcast(msg, (int)sizeof msg, MPI_CHAR, lowest, MPI_COMM_WORLD);
+  rt_bcast(c, RT_GROUP_WORLD, msg, (int64_t)sizeof msg, lowest);
   msg[sizeof msg - 1] = '\0';
   if (lowest == 0)
     rt_fail("%s", msg);
@@ -168,25 +169,26 @@ int rt_world_agree(int status) {
   return -1;
 }
 
-void rt_world_max(double *v, int n) {
-  if (world_size() > 1)
-    MPI_Allreduce(MPI_IN_PLACE, v, n, MPI_DOUBLE, MPI_MAX, MPI_COMM_WORLD);
+void rt_world_max(RtComm *c, double *v, int n) {
+  if (rt_comm_size(c, RT_GROUP_WORLD) > 1)
+    MPI_CHECK(MPI_Allreduce(MPI_IN_PLACE, v, n, MPI_DOUBLE, MPI_MAX, rt_comm_mpi(c, RT_GROUP_WORLD)));
 }
 
 // Point-to-point in pieces that fit MPI's int counts.
 enum { PIECE = 1 << 28 };
 
-static void send_floats(const float *buf, int64_t n, int to) {
+static void send_floats(RtComm *c, const float *buf, int64_t n, int to) {
   for (int64_t at = 0; at < n; at += PIECE) {
     int count = (int)(n - at < PIECE ? n - at : PIECE);
-    MPI_Send(buf + at, count, MPI_FLOAT, to, 0, MPI_COMM_WORLD);
+    MPI_CHECK(MPI_Send(buf + at, count, MPI_FLOAT, to, 0, rt_comm_mpi(c, RT_GROUP_WORLD)));
   }
 }
 
-static void recv_floats(float *buf, int64_t n, int from) {
+static void recv_floats(RtComm *c, float *buf, int64_t n, int from) {
   for (int64_t at = 0; at < n; at += PIECE) {
     int count = (int)(n - at < PIECE ? n - at : PIECE);
-    MPI_Recv(buf + at, count, MPI_FLOAT, from, 0, MPI_COMM_WORLD, MPI_STATUS_IGNORE);
+    MPI_CHECK(MPI_Recv(buf + at, count, MPI_FLOAT, from, 0, rt_comm_mpi(c, RT_GROUP_WORLD),
+                       MPI_STATUS_IGNORE));
   }
 }
 
@@ -196,26 +198,24 @@ static RtRanks peer_of(const RtRanks *r, int rank) {
   return rt_ranks_of(&l, rank, r->world);
 }
 
-void rt_gather_param(const RtParam *p, const RtRanks *r, const float *shard, float *whole) {
+void rt_gather_param(RtComm *c, const RtParam *p, const RtRanks *r, const float *shard,
+                     float *whole) {
   int64_t zero[4] = {0}, off[4];
   if (r->rank != 0) {
     if (rt_shard_owner(p, r))
-      send_floats(shard, p->numel, 0);
+      send_floats(c, shard, p->numel, 0);
     return;
   }
   float *buf = NULL;
-  if (r->world > 1 && p->numel > 0) {
-    buf = malloc((size_t)p->numel * sizeof(float));
-    if (!buf)
-      rt_comm_abort("out of memory gathering parameter '%s'", p->name);
-  }
+  if (r->world > 1 && p->numel > 0)
+    buf = rt_alloc((size_t)p->numel * sizeof(float), "a parameter's shard gathered on rank 0");
   for (int k = 0; k < r->world; k++) {
     RtRanks peer = peer_of(r, k);
     if (!rt_shard_owner(p, &peer))
       continue;
     const float *src = shard;
     if (k != 0) {
-      recv_floats(buf, p->numel, k);
+      recv_floats(c, buf, p->numel, k);
       src = buf;
     }
     rt_shard_offsets(p, &peer, off);
@@ -224,15 +224,15 @@ void rt_gather_param(const RtParam *p, const RtRanks *r, const float *shard, flo
   free(buf);
 }
 
-void rt_gather_dp(const RtRanks *r, const float *mine, int64_t n, float *whole) {
+void rt_gather_dp(RtComm *c, const RtRanks *r, const float *mine, int64_t n, float *whole) {
   if (r->rank != 0) {
     if (r->mp_index == 0)
-      send_floats(mine, n, 0);
+      send_floats(c, mine, n, 0);
     return;
   }
   memcpy(whole, mine, (size_t)n * sizeof(float));
   for (int k = 1; k < r->dp; k++)
-    recv_floats(whole + k * n, n, k * r->mp);
+    recv_floats(c, whole + k * n, n, k * r->mp);
 }
 
 // ---- small text helpers ----
@@ -298,9 +298,7 @@ static char *str_printf(const char *fmt, ...) {
   va_start(ap, fmt);
   int n = vsnprintf(NULL, 0, fmt, ap);
   va_end(ap);
-  char *s = malloc((size_t)n + 1);
-  if (!s)
-    return NULL;
+  char *s = rt_alloc((size_t)n + 1, "a checkpoint's text");
   va_start(ap, fmt);
   vsnprintf(s, (size_t)n + 1, fmt, ap);
   va_end(ap);
@@ -325,7 +323,7 @@ static const char *base_name(const char *path) {
 static char *resolve_beside(const char *index_path, const char *name) {
   const char *slash = strrchr(index_path, '/');
   if (name[0] == '/' || !slash)
-    return strdup(name);
+    return rt_strdup(name, "a checkpoint's text");
   return str_printf("%.*s/%s", (int)(slash - index_path), index_path, name);
 }
 
@@ -334,8 +332,6 @@ static char *resolve_beside(const char *index_path, const char *name) {
 // Writes text to PATH atomically: PATH.tmp, fsync, rename, fsync of the folder.
 static int write_text_atomic(const char *path, const char *text) {
   char *tmp = str_printf("%s.tmp", path);
-  if (!tmp)
-    return rt_fail("out of memory writing '%s'", path);
   int status = -1;
   FILE *f = fopen(tmp, "wb");
   if (!f) {
@@ -356,15 +352,13 @@ static int write_shard(const char *file, const RtModel *m, const RtRanks *r, int
   enum { FIXED_META = 7 };
   int per = m->opt == RT_OPT_ADAMW ? 3 : 1;
   size_t cap = (size_t)m->nparams * per + 1;
-  RtStTensor *tensors = calloc(cap, sizeof(RtStTensor));
-  char **names = calloc(cap, sizeof(char *)), **keys = calloc(cap, sizeof(char *));
-  char **boxes = calloc(cap, sizeof(char *));
-  const char **meta = calloc(2 * (cap + FIXED_META), sizeof(char *));
-  int n = 0, status = -1;
-  if (!tensors || !names || !keys || !boxes || !meta) {
-    rt_fail("out of memory writing '%s'", file);
-    goto done;
-  }
+  const char *what = "the table of a checkpoint shard";
+  RtStTensor *tensors = rt_calloc(cap, sizeof(RtStTensor), what);
+  char **names = rt_calloc(cap, sizeof(char *), what);
+  char **keys = rt_calloc(cap, sizeof(char *), what);
+  char **boxes = rt_calloc(cap, sizeof(char *), what);
+  const char **meta = rt_calloc(2 * (cap + FIXED_META), sizeof(char *), what);
+  int n = 0;
   char step_text[32], world_text[16], rank_text[16], layout_text[96];
   snprintf(step_text, sizeof step_text, "%lld", (long long)step);
   snprintf(world_text, sizeof world_text, "%d", r->world);
@@ -391,19 +385,13 @@ static int write_shard(const char *file, const RtModel *m, const RtRanks *r, int
       names[n] = str_printf("%s%s", prefix[k], p->name);
       keys[n] = str_printf("shard.%s%s", prefix[k], p->name);
       boxes[n] = str_printf("global=%s offset=%s", global, offset);
-      if (!names[n] || !keys[n] || !boxes[n]) {
-        n++;
-        rt_fail("out of memory writing '%s'", file);
-        goto done;
-      }
       tensors[n] = (RtStTensor){names[n], p->rank, p->dims, src[k] + p->offset};
       meta[2 * (FIXED_META + n)] = keys[n];
       meta[2 * (FIXED_META + n) + 1] = boxes[n];
       n++;
     }
   }
-  status = rt_st_write(file, n, tensors, FIXED_META + n, meta);
-done:
+  int status = rt_st_write(file, n, tensors, FIXED_META + n, meta);
   for (int i = 0; i < n; i++) {
     free(names[i]);
     free(keys[i]);
@@ -417,55 +405,57 @@ done:
   return status;
 }
 
-// A JSON string literal of s (quoted and escaped), malloc'ed.
+// A JSON string literal of s (quoted and escaped), malloc'ed. cJSON fails here only for want of
+// memory.
 static char *json_quote(const char *s) {
   cJSON *item = cJSON_CreateString(s);
   char *text = item ? cJSON_PrintUnformatted(item) : NULL;
   cJSON_Delete(item);
+  if (!text)
+    rt_out_of_memory(0, "the index of a checkpoint");
   return text;
 }
 
 // The index: JSON text, one shard file per rank, named relative to the index's folder.
 static char *index_text(const char *path, const RtModel *m, const RtRanks *r, int64_t step) {
   char *model = json_quote(m->name);
-  char *text = model ? str_printf("{\n  \"format\": \"%s\",\n  \"model\": %s,\n  \"optimizer\": "
-                                  "\"%s\",\n  \"step\": %lld,\n  \"world\": %d,\n  \"layout\": "
-                                  "{\"dp\": %d, \"mp\": %d, \"ep\": %d, \"esp\": %d},\n  "
-                                  "\"shards\": [",
-                                  checkpoint_v2, model, optimizer_of(m), (long long)step,
-                                  r->world, r->dp, r->mp, r->ep, r->esp)
-                     : NULL;
+  char *text = str_printf("{\n  \"format\": \"%s\",\n  \"model\": %s,\n  "
+                          "\"optimizer\": \"%s\",\n  \"step\": %lld,\n  \"world\": %d,\n  "
+                          "\"layout\": {\"dp\": %d, \"mp\": %d, \"ep\": %d, \"esp\": %d},\n  "
+                          "\"shards\": [",
+                          checkpoint_v2, model, optimizer_of(m), (long long)step, r->world, r->dp,
+                          r->mp, r->ep, r->esp);
   free(model);
-  for (int k = 0; text && k < r->world; k++) {
+  for (int k = 0; k < r->world; k++) {
     char *name = shard_path(base_name(path), k, r->world);
-    char *quoted = name ? json_quote(name) : NULL;
-    char *longer = quoted ? str_printf("%s%s\n    %s", text, k ? "," : "", quoted) : NULL;
+    char *quoted = json_quote(name);
+    char *longer = str_printf("%s%s\n    %s", text, k ? "," : "", quoted);
     free(name);
     free(quoted);
     free(text);
     text = longer;
   }
-  char *whole = text ? str_printf("%s\n  ]\n}\n", text) : NULL;
+  char *whole = str_printf("%s\n  ]\n}\n", text);
   free(text);
   return whole;
 }
 
-int rt_checkpoint_save(const char *path, const RtModel *m, const RtRanks *r, int64_t step,
-                       const float *params, const float *opt_m, const float *opt_v) {
+int rt_checkpoint_save(RtComm *c, const char *path, const RtModel *m, const RtRanks *r,
+                       int64_t step, const float *params, const float *opt_m,
+                       const float *opt_v) {
   char *file = shard_path(path, r->rank, r->world);
-  int status = file ? write_shard(file, m, r, step, params, opt_m, opt_v)
-                    : rt_fail("out of memory writing '%s'", path);
+  int status = write_shard(file, m, r, step, params, opt_m, opt_v);
   free(file);
   // Every shard is durable (written, fsynced, renamed) before the index that names them.
-  if (rt_world_agree(status) != 0)
+  if (rt_world_agree(c, status) != 0)
     return -1;
   status = 0;
   if (r->rank == 0) {
     char *text = index_text(path, m, r, step);
-    status = text ? write_text_atomic(path, text) : rt_fail("out of memory writing '%s'", path);
+    status = write_text_atomic(path, text);
     free(text);
   }
-  return rt_world_agree(status);
+  return rt_world_agree(c, status);
 }
 
 // ---- reading ----
@@ -499,9 +489,7 @@ static int wants_make(Wants *ws, const RtModel *m, const RtRanks *r, float *para
                       float *opt_m, float *opt_v) {
   int per = opt_m ? 3 : 1;
   ws->n = 0;
-  ws->w = calloc((size_t)m->nparams * per + 1, sizeof(Wanted));
-  if (!ws->w)
-    return rt_fail("out of memory");
+  ws->w = rt_calloc((size_t)m->nparams * per + 1, sizeof(Wanted), "the tensors to load");
   float *dst[3] = {params, opt_m, opt_v};
   const char *prefix[3] = {"", "opt.m.", "opt.v."};
   for (int i = 0; i < m->nparams; i++) {
@@ -512,9 +500,7 @@ static int wants_make(Wants *ws, const RtModel *m, const RtRanks *r, float *para
       w->dst = dst[k] + p->offset;
       rt_shard_offsets(p, r, w->off);
       w->name = str_printf("%s%s", prefix[k], p->name);
-      w->covered = calloc((size_t)p->numel + 1, 1);
-      if (!w->name || !w->covered)
-        return rt_fail("out of memory");
+      w->covered = rt_calloc((size_t)p->numel + 1, 1, "the map of loaded elements");
     }
   }
   return 0;
@@ -621,11 +607,7 @@ static int read_text_file(const char *path, char **out, size_t *size) {
     fclose(f);
     return rt_fail("cannot read '%s': it is not a regular file", path);
   }
-  char *buf = malloc((size_t)sb.st_size + 1);
-  if (!buf) {
-    fclose(f);
-    return rt_fail("out of memory reading '%s'", path);
-  }
+  char *buf = rt_alloc((size_t)sb.st_size + 1, "a checkpoint index read whole");
   size_t got = fread(buf, 1, (size_t)sb.st_size, f);
   int err = ferror(f) ? errno : 0;
   fclose(f);
@@ -721,23 +703,16 @@ static int parse_index(const char *path, const char *text, size_t size, bool for
             (long long)world, cJSON_GetArraySize(shards));
     goto done;
   }
-  ix->model = strdup(model);
-  ix->optimizer = strdup(optimizer);
-  ix->shards = calloc((size_t)cJSON_GetArraySize(shards), sizeof(char *));
-  if (!ix->model || !ix->optimizer || !ix->shards) {
-    rt_fail("out of memory reading '%s'", path);
-    goto done;
-  }
+  const char *what = "a checkpoint's index";
+  ix->model = rt_strdup(model, what);
+  ix->optimizer = rt_strdup(optimizer, what);
+  ix->shards = rt_calloc((size_t)cJSON_GetArraySize(shards), sizeof(char *), what);
   for (const cJSON *s = shards->child; s; s = s->next) {
     if (!cJSON_IsString(s) || !s->valuestring[0]) {
       rt_fail("checkpoint '%s': an entry of \"shards\" is not a file name", path);
       goto done;
     }
-    if (!(ix->shards[ix->nshards] = resolve_beside(path, s->valuestring))) {
-      rt_fail("out of memory reading '%s'", path);
-      goto done;
-    }
-    ix->nshards++;
+    ix->shards[ix->nshards++] = resolve_beside(path, s->valuestring);
   }
   status = 0;
 done:

@@ -12,6 +12,7 @@
 // op(A)^T column-major, and a row-major matrix read column-major is its transpose; so cuBLAS
 // gets B before A with the same transpose flags and the sizes n, m.
 #include "rt_cuda.h"
+#include "rt_internal.h"
 #include "rt_mpi.h"
 
 #include <cublas_v2.h>
@@ -227,12 +228,9 @@ RtCuda *rt_cuda_create(size_t arena_bytes, int nevents) {
   int count = 0;
   if (!CUDA_CHECK(drv.cuDeviceGetCount(&count)))
     return NULL;
-  RtCuda *cu = calloc(1, sizeof *cu);
-  if (!cu || (nevents > 0 && !(cu->events = calloc((size_t)nevents, sizeof *cu->events)))) {
-    free(cu);
-    report("out of memory for the CUDA runtime's state");
-    return NULL;
-  }
+  RtCuda *cu = rt_calloc(1, sizeof *cu, "the CUDA runtime's state");
+  if (nevents > 0)
+    cu->events = rt_calloc((size_t)nevents, sizeof *cu->events, "the CUDA runtime's events");
   bool ok = CUDA_CHECK(drv.cuDeviceGet(&cu->dev, local_rank() % count)) && device_info(cu) &&
             CUDA_CHECK(drv.cuDevicePrimaryCtxRetain(&cu->ctx, cu->dev)) && CUDA_CHECK(drv.cuCtxSetCurrent(cu->ctx));
   for (int s = 0; ok && s < RT_STREAM_COUNT; s++)
@@ -428,11 +426,7 @@ RtNccl *rt_cuda_nccl_create(MPI_Comm comm) {
       report("rank 0 could not make an NCCL unique id (its error is in its output)");
     return NULL;
   }
-  RtNccl *nc = calloc(1, sizeof *nc);
-  if (!nc) {
-    report("out of memory for an NCCL communicator");
-    return NULL;
-  }
+  RtNccl *nc = rt_calloc(1, sizeof *nc, "an NCCL communicator");
   nc->ranks = size;
   if (!NCCL_CHECK(ncclCommInitRank(&nc->comm, size, root.id, rank))) {
     free(nc);
@@ -441,10 +435,10 @@ RtNccl *rt_cuda_nccl_create(MPI_Comm comm) {
   return nc;
 }
 
-RtNccl *rt_cuda_nccl_group(RtGroup g) {
-  MPI_Comm comm = rt_comm_mpi(g);
+RtNccl *rt_cuda_nccl_group(RtComm *c, RtGroup g) {
+  MPI_Comm comm = rt_comm_mpi(c, g);
   if (comm == MPI_COMM_NULL) {
-    report("no communicator for parallel group %d: rt_comm_init has not run", (int)g);
+    report("no communicator for parallel group %d: the program made no communicators (rt_comm_create)", (int)g);
     return NULL;
   }
   return rt_cuda_nccl_create(comm);

@@ -16,8 +16,9 @@
 //
 // Errors: every CUDA, cuBLAS, NCCL and MPI call is checked. A failure is reported on stderr as
 // "moert: error: rank R on HOST: CALL failed: NAME (DESCRIPTION) at FILE:LINE" and the function
-// returns false (NULL); nothing is retried or ignored. Not thread-safe: one host thread drives
-// an RtCuda (the streams give the concurrency).
+// returns false (NULL); nothing is retried or ignored. Host memory running out ends the job, as
+// everywhere in the runtime (rt_alloc). Not thread-safe: one host thread drives an RtCuda (the
+// streams give the concurrency).
 #ifndef RT_CUDA_H
 #define RT_CUDA_H
 
@@ -107,9 +108,9 @@ bool rt_cuda_expert_gemm(RtCuda *cu, RtStream s, RtCudaType in, const void *a, c
 // hands it out, every rank calls ncclCommInitRank with its rank in comm. The GPU is the current
 // context's (this process's device 0: one GPU per rank). NULL (reported) on failure.
 RtNccl *rt_cuda_nccl_create(MPI_Comm comm);
-// The communicator of parallel group g (runtime/comm.c's, which rt_comm_init made): collective
-// over the group's members.
-RtNccl *rt_cuda_nccl_group(RtGroup g);
+// The communicator of parallel group g of comm (runtime/comm.c's, which rt_comm_create made):
+// collective over the group's members.
+RtNccl *rt_cuda_nccl_group(RtComm *comm, RtGroup g);
 bool rt_cuda_nccl_destroy(RtNccl *nc);
 // Sum over the ranks; send == recv is in place.
 bool rt_cuda_allreduce(RtCuda *cu, RtNccl *nc, RtStream s, const float *send, float *recv, size_t count);
@@ -119,5 +120,51 @@ bool rt_cuda_allgather(RtCuda *cu, RtNccl *nc, RtStream s, const float *send, fl
 bool rt_cuda_reducescatter(RtCuda *cu, RtNccl *nc, RtStream s, const float *send, float *recv, size_t count);
 // Block i of send (count floats) goes to rank i; block i of recv comes from rank i.
 bool rt_cuda_alltoall(RtCuda *cu, RtNccl *nc, RtStream s, const float *send, float *recv, size_t count);
+
+// ---- the device of a CUDA target program (session.c) ----
+// What a program that moec built for the CUDA target knows of itself; its RtDevice hooks
+// (moert.h) forward to rt_cuda_session_*. Device memory is one block: parameters at offset 0
+// (param_floats floats), gradients and AdamW moments at their byte offsets; the program carves
+// the rest itself.
+typedef struct RtCudaProgram {
+  const unsigned char *cubin;        // NVRTC's CUBIN for sm_<cubin_arch>
+  int cubin_arch;                    // 90 for sm_90
+  const char *ptx;                   // the PTX of compute_<cubin_arch>, which newer GPUs compile
+  const char *const *kernel_names;   // the kernels the steps launch, in the program's order
+  int nkernels;
+  size_t device_bytes;               // the whole block
+  int events;
+  size_t param_floats;
+  size_t off_grads, off_m, off_v;    // bytes; the moments only when moments is true
+  bool moments;
+  size_t stage_bytes;                // the host twin of the program's statistics staging area
+  size_t output_floats;              // the model's output, [batch, seqlen, embed]
+  bool nccl[RT_GROUP_COUNT];         // groups whose collectives cross ranks: a communicator each
+  const char *note;                  // ends the device's description (NULL: nothing)
+} RtCudaProgram;
+
+// What rt_cuda_session_create made; the program's step functions use these.
+typedef struct RtCudaSession {
+  const RtCudaProgram *program;
+  RtCuda *cu;
+  CUfunction *kernels;               // program->nkernels, looked up by kernel_names
+  unsigned char *device;             // the block, zeroed
+  unsigned char *stage;              // host memory, program->stage_bytes
+  float *output;                     // host memory, program->output_floats
+  const void *device_output;         // set by the program: where its forward leaves the output
+  RtNccl *nccl[RT_GROUP_COUNT];      // made by rt_cuda_session_connect (NULL for other groups)
+  char description[320];             // the GPU and which image of the kernels it runs
+} RtCudaSession;
+
+// RtDevice.create: claims the GPU (NULL with the reason recorded by rt_fail when there is none
+// or it is older than cubin_arch), loads the CUBIN on its own architecture or the PTX on a
+// newer one, looks the kernels up, allocates and clears the block. On failure nothing is left.
+RtCudaSession *rt_cuda_session_create(const RtCudaProgram *p);
+// RtDevice.connect: collective; the NCCL communicators of the program's groups over comm.
+int rt_cuda_session_connect(RtCudaSession *s, RtComm *comm);
+// RtDevice.upload / download (RtDeviceData bits); 0, or -1 with the reason recorded (rt_fail).
+int rt_cuda_session_upload(RtCudaSession *s, const RtStep *st, unsigned what);
+int rt_cuda_session_download(RtCudaSession *s, RtStep *st, unsigned what);
+void rt_cuda_session_destroy(RtCudaSession *s);    // NULL: nothing
 
 #endif

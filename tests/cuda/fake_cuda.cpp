@@ -21,8 +21,9 @@
 //              mk_compress_bf16 launches) are widened to fp32 exactly first; a product of two bf16
 //              values is exact in fp32, so this is cuBLAS's CUBLAS_COMPUTE_32F arithmetic on the
 //              same bits, up to the order of the fp32 sums.
-//   NCCL       libmoert's MPI collectives (runtime/comm.c) on the same parallel group:
-//              communicators are groups, so results equal the CPU program's bit for bit.
+//   NCCL       libmoert's MPI collectives (runtime/comm.c) on the same parallel group of the
+//              same RtComm: communicators are groups (rt_cuda_nccl_group; rt_cuda_nccl_create
+//              over a bare MPI_Comm is refused), so results equal the CPU program's bit for bit.
 //   the device "moert fake device", sm_90 (MOERT_FAKE_ARCH=NN in the environment says sm_NN,
 //              to exercise the programs' choice between CUBIN and PTX).
 // Errors are reported as rt_cuda.c reports them: "moert: error: rank R on HOST: fake device:
@@ -519,27 +520,23 @@ bool rt_cuda_expert_gemm(RtCuda *cu, RtStream s, RtCudaType in, const void *a, c
 // ---- NCCL: the runtime's MPI collectives on the same group ----
 
 struct RtNccl {
+  RtComm *comm;   // the group's communicators; the fake's collectives are theirs
   RtGroup group;
   int ranks;
 };
 
-RtNccl *rt_cuda_nccl_group(RtGroup g) {
-  if ((int)g < 0 || g >= RT_GROUP_COUNT || rt_comm_mpi(g) == MPI_COMM_NULL) {
-    report("no communicator for parallel group %d: rt_comm_init has not run", (int)g);
+RtNccl *rt_cuda_nccl_group(RtComm *comm, RtGroup g) {
+  if ((int)g < 0 || g >= RT_GROUP_COUNT || rt_comm_mpi(comm, g) == MPI_COMM_NULL) {
+    report("no communicator for parallel group %d: the program made no communicators (rt_comm_create)", (int)g);
     return nullptr;
   }
-  return new RtNccl{g, rt_comm_size(g)};
+  return new RtNccl{comm, g, rt_comm_size(comm, g)};
 }
 
 RtNccl *rt_cuda_nccl_create(MPI_Comm comm) {
-  for (int g = 0; g < RT_GROUP_COUNT; g++) {
-    MPI_Comm mine = rt_comm_mpi((RtGroup)g);
-    int same = MPI_UNEQUAL;
-    if (mine != MPI_COMM_NULL && MPI_Comm_compare(comm, mine, &same) == MPI_SUCCESS &&
-        (same == MPI_IDENT || same == MPI_CONGRUENT))
-      return rt_cuda_nccl_group((RtGroup)g);
-  }
-  report("the fake device runs NCCL as runtime/comm.c's collectives, and this communicator is none of its groups");
+  (void)comm;
+  report("the fake device runs NCCL as runtime/comm.c's collectives: make its communicators with "
+         "rt_cuda_nccl_group, over a parallel group");
   return nullptr;
 }
 
@@ -557,25 +554,25 @@ static bool collective_ranges(RtCuda *cu, const char *call, RtStream s, const fl
 bool rt_cuda_allreduce(RtCuda *cu, RtNccl *nc, RtStream s, const float *send, float *recv, size_t count) {
   if (!collective_ranges(cu, "rt_cuda_allreduce", s, send, count, recv, count)) return false;
   if (send != recv) memcpy(recv, send, count * sizeof(float));
-  rt_allreduce(nc->group, recv, (int64_t)count);
+  rt_allreduce(nc->comm, nc->group, recv, (int64_t)count);
   return true;
 }
 
 bool rt_cuda_allgather(RtCuda *cu, RtNccl *nc, RtStream s, const float *send, float *recv, size_t count) {
   if (!collective_ranges(cu, "rt_cuda_allgather", s, send, count, recv, count * (size_t)nc->ranks)) return false;
-  rt_allgather(nc->group, send, recv, (int64_t)count);
+  rt_allgather(nc->comm, nc->group, send, recv, (int64_t)count);
   return true;
 }
 
 bool rt_cuda_reducescatter(RtCuda *cu, RtNccl *nc, RtStream s, const float *send, float *recv, size_t count) {
   if (!collective_ranges(cu, "rt_cuda_reducescatter", s, send, count * (size_t)nc->ranks, recv, count)) return false;
-  rt_reducescatter(nc->group, send, recv, (int64_t)count);
+  rt_reducescatter(nc->comm, nc->group, send, recv, (int64_t)count);
   return true;
 }
 
 bool rt_cuda_alltoall(RtCuda *cu, RtNccl *nc, RtStream s, const float *send, float *recv, size_t count) {
   size_t total = count * (size_t)nc->ranks;
   if (!collective_ranges(cu, "rt_cuda_alltoall", s, send, total, recv, total)) return false;
-  rt_alltoall(nc->group, RT_A2A_FLAT, send, recv, (int64_t)count);
+  rt_alltoall(nc->comm, nc->group, RT_A2A_FLAT, send, recv, (int64_t)count);
   return true;
 }

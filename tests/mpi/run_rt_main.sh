@@ -202,7 +202,7 @@ if [ -f "$WORK/c4" ]; then
   fails "resume with the other optimizer fails" \
     "trained with optimizer adamw, but this binary uses sgd" 2,2,2,2 sgd --resume "$WORK/c4"
 fi
-# A layout for 4 ranks run on 2: rt_comm_init refuses it from rank 0 alone (one line per failed
+# A layout for 4 ranks run on 2: rt_comm_create refuses it from rank 0 alone (one line per failed
 # check, each once).
 np2_as_4() {
   timeout "$TIMEOUT" "${MPIRUN[@]}" -np 2 "$BIN" 2,2,2,2 sgd --steps 1 >"$WORK/fail.out" 2>"$WORK/fail.err"

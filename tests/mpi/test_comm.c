@@ -4,19 +4,21 @@
 //   test_comm --dp D --mp M --ep E --esp S --gpus-per-node G [--nodes N] [--mode MODE]
 //             [--print-groups]
 //
-// MODE check (default): before rt_comm_init every group is a world of one and the collectives
-// copy; after it, every group's size, this rank's index and the members (gathered with
+// MODE check (default): on a NULL communicator every group is a world of one and the collectives
+// copy; on one from rt_comm_create, every group's size, this rank's index and the members (gathered with
 // rt_allgather, in group order) equal an independent enumeration of the layout rules of
 // moert.h, and so does the node hierarchy; then on every group: rt_alltoall with flat, 1dh and
 // 2dh delivers exactly the expected bytes (arbitrary bit patterns, NaNs included, so only a
 // byte-exact move passes), rt_allgather, rt_reducescatter, rt_allreduce (float, double) and
 // rt_bcast give exact results (integers and quarters, so no rounding), for counts 0, 1, odd and
 // large, and again with the slicing limit lowered to 5 and 1 elements. rank 0 checks its
-// rt_comm_print_groups table. Every rank runs every collective whatever fails (so a failure
-// never hangs the others), the failures are summed over the world, rank 0 prints one line, and
-// every rank exits 1 when anything failed.
-// MODE bad-layout: rt_comm_init must fail; each rank prints "rank R: rt_comm_init returned X"
-// and exits 1 (0 if init succeeded, which run.sh reports).
+// rt_comm_print_groups table. Then a second communicator (all data parallel) lives beside the
+// first: its groups and collectives check out, its slicing limit is its own, and the first
+// still works after the second is destroyed. Every rank runs every collective whatever fails
+// (so a failure never hangs the others), the failures are summed over the world, rank 0 prints
+// one line, and every rank exits 1 when anything failed.
+// MODE bad-layout: rt_comm_create must fail; each rank prints "rank R: rt_comm_create returned
+// NULL" (or "a communicator") and exits 1 (0 if it succeeded, which run.sh reports).
 // MODE abort: world rank 1 calls rt_comm_abort while the others wait in rt_allreduce.
 // MODE kill: world rank 1 kills itself (SIGKILL) while the others wait in rt_alltoall.
 // MODE mpi-error: the ranks disagree on a broadcast's size; the MPI error must end the job
@@ -144,7 +146,7 @@ static bool guard_intact(const float *p, int64_t count) {
 
 // ---- collectives on one group ----
 
-static void test_alltoall(RtGroup g, const int *members, int n, int64_t count, const char *tag) {
+static void test_alltoall(RtComm *c, RtGroup g, const int *members, int n, int64_t count, const char *tag) {
   float *send = guarded(n * count), *want = guarded(n * count);
   for (int i = 0; i < n; i++)
     for (int64_t e = 0; e < count; e++) {
@@ -153,7 +155,7 @@ static void test_alltoall(RtGroup g, const int *members, int n, int64_t count, c
     }
   for (int a = RT_A2A_FLAT; a <= RT_A2A_2DH; a++) {
     float *recv = guarded(n * count);
-    rt_alltoall(g, (RtA2aAlgo)a, send, recv, count);
+    rt_alltoall(c, g, (RtA2aAlgo)a, send, recv, count);
     int64_t bad = -1;
     for (int64_t i = 0; i < n * count && bad < 0; i++)
       if (memcmp(&recv[i], &want[i], sizeof(float)) != 0)
@@ -169,11 +171,11 @@ static void test_alltoall(RtGroup g, const int *members, int n, int64_t count, c
   free(want);
 }
 
-static void test_allgather(RtGroup g, const int *members, int n, int64_t count, const char *tag) {
+static void test_allgather(RtComm *c, RtGroup g, const int *members, int n, int64_t count, const char *tag) {
   float *send = guarded(count), *recv = guarded(n * count);
   for (int64_t e = 0; e < count; e++)
     send[e] = pattern(world_rank, -1, e, 7);
-  rt_allgather(g, send, recv, count);
+  rt_allgather(c, g, send, recv, count);
   bool ok = true;
   for (int i = 0; i < n; i++)
     for (int64_t e = 0; e < count; e++) {
@@ -191,13 +193,13 @@ static float rs_value(int src, int dst_index, int64_t e) {
   return (float)((src + 1) * (dst_index + 3) + (int)(e % 11));
 }
 
-static void test_reducescatter(RtGroup g, const int *members, int n, int me, int64_t count,
+static void test_reducescatter(RtComm *c, RtGroup g, const int *members, int n, int me, int64_t count,
                                const char *tag) {
   float *send = guarded(n * count), *recv = guarded(count);
   for (int i = 0; i < n; i++)
     for (int64_t e = 0; e < count; e++)
       send[i * count + e] = rs_value(world_rank, i, e);
-  rt_reducescatter(g, send, recv, count);
+  rt_reducescatter(c, g, send, recv, count);
   bool ok = true;
   for (int64_t e = 0; e < count; e++) {
     float want = 0;
@@ -211,11 +213,11 @@ static void test_reducescatter(RtGroup g, const int *members, int n, int me, int
   free(recv);
 }
 
-static void test_allreduce(RtGroup g, const int *members, int n, int64_t count, const char *tag) {
+static void test_allreduce(RtComm *c, RtGroup g, const int *members, int n, int64_t count, const char *tag) {
   float *buf = guarded(count);
   for (int64_t e = 0; e < count; e++)
     buf[e] = 0.5f * world_rank + (float)(e % 13);
-  rt_allreduce(g, buf, count);
+  rt_allreduce(c, g, buf, count);
   bool ok = true;
   for (int64_t e = 0; e < count; e++) {
     float want = 0;
@@ -231,7 +233,7 @@ static void test_allreduce(RtGroup g, const int *members, int n, int64_t count, 
   double *d = malloc(((size_t)count + 1) * sizeof *d);
   for (int64_t e = 0; e < count; e++)
     d[e] = 1e9 + 0.25 * world_rank + (double)(e % 17);
-  rt_allreduce_f64(g, d, count);
+  rt_allreduce_f64(c, g, d, count);
   ok = true;
   for (int64_t e = 0; e < count; e++) {
     double want = 0;
@@ -243,7 +245,7 @@ static void test_allreduce(RtGroup g, const int *members, int n, int64_t count, 
   free(d);
 }
 
-static void test_bcast(RtGroup g, const int *members, int n, int me, int64_t bytes,
+static void test_bcast(RtComm *c, RtGroup g, const int *members, int n, int me, int64_t bytes,
                        const char *tag) {
   int roots[2] = {0, n - 1};
   for (int k = 0; k < 2; k++) {
@@ -255,7 +257,7 @@ static void test_bcast(RtGroup g, const int *members, int n, int me, int64_t byt
       memcpy(buf, want, (size_t)bytes);
     else
       memset(buf, 0xAB, (size_t)bytes);
-    rt_bcast(g, buf, bytes, root);
+    rt_bcast(c, g, buf, bytes, root);
     check(memcmp(buf, want, (size_t)bytes) == 0, "bcast on %s (%s) from member %d, %lld bytes",
           group_name(g), tag, root, (long long)bytes);
     free(buf);
@@ -263,45 +265,45 @@ static void test_bcast(RtGroup g, const int *members, int n, int me, int64_t byt
   }
 }
 
-static void test_collectives(RtGroup g, const int *members, int n, int me, const int64_t *counts,
+static void test_collectives(RtComm *comm, RtGroup g, const int *members, int n, int me, const int64_t *counts,
                              int ncounts, const char *tag) {
   for (int c = 0; c < ncounts; c++) {
-    test_alltoall(g, members, n, counts[c], tag);
-    test_allgather(g, members, n, counts[c], tag);
-    test_reducescatter(g, members, n, me, counts[c], tag);
-    test_allreduce(g, members, n, counts[c], tag);
-    test_bcast(g, members, n, me, counts[c] * 3 + 1, tag);
+    test_alltoall(comm, g, members, n, counts[c], tag);
+    test_allgather(comm, g, members, n, counts[c], tag);
+    test_reducescatter(comm, g, members, n, me, counts[c], tag);
+    test_allreduce(comm, g, members, n, counts[c], tag);
+    test_bcast(comm, g, members, n, me, counts[c] * 3 + 1, tag);
   }
 }
 
 // ---- the modes ----
 
-static void test_before_init(void) {
-  check(!rt_comm_active(), "rt_comm_active before init");
+// Before any communicator exists: the NULL one, a world of one.
+static void test_world_of_one(void) {
   for (int g = 0; g < RT_GROUP_COUNT; g++) {
-    check(rt_comm_size((RtGroup)g) == 1 && rt_comm_rank((RtGroup)g) == 0,
-          "before init, %s is not a world of one", group_name((RtGroup)g));
+    check(rt_comm_size(NULL, (RtGroup)g) == 1 && rt_comm_rank(NULL, (RtGroup)g) == 0,
+          "on NULL, %s is not a world of one", group_name((RtGroup)g));
     int member = world_rank;   // what a world of one gathers
     int nodes, per_node;
-    check(!rt_comm_hierarchy((RtGroup)g, &nodes, &per_node), "hierarchy before init");
+    check(!rt_comm_hierarchy(NULL, (RtGroup)g, &nodes, &per_node), "hierarchy of NULL");
     int64_t counts[] = {0, 1, 5};
-    test_collectives((RtGroup)g, &member, 1, 0, counts, 3, "before init");
+    test_collectives(NULL, (RtGroup)g, &member, 1, 0, counts, 3, "world of one");
   }
 }
 
-static void test_groups(const RtLayout *l, int *members) {
+static void test_groups(RtComm *c, const RtLayout *l, int *members) {
   int gpn = l->gpus_per_node > 0 ? l->gpus_per_node : world_size;
   for (int g = 0; g < RT_GROUP_COUNT; g++) {
     int n = expected_members(l, (RtGroup)g, world_rank, members);
     int me = expected_index(l, (RtGroup)g, world_rank);
-    check(rt_comm_size((RtGroup)g) == n, "%s group size %d, expected %d", group_name((RtGroup)g),
-          rt_comm_size((RtGroup)g), n);
-    check(rt_comm_rank((RtGroup)g) == me && members[me] == world_rank, "%s index %d, expected %d",
-          group_name((RtGroup)g), rt_comm_rank((RtGroup)g), me);
+    check(rt_comm_size(c, (RtGroup)g) == n, "%s group size %d, expected %d", group_name((RtGroup)g),
+          rt_comm_size(c, (RtGroup)g), n);
+    check(rt_comm_rank(c, (RtGroup)g) == me && members[me] == world_rank, "%s index %d, expected %d",
+          group_name((RtGroup)g), rt_comm_rank(c, (RtGroup)g), me);
     // The members in group order, as the group itself reports them.
     float mine = (float)world_rank, *got = malloc(sizeof(float) * (n > 0 ? n : 1) * 2);
-    if (rt_comm_size((RtGroup)g) == n) {
-      rt_allgather((RtGroup)g, &mine, got, 1);
+    if (rt_comm_size(c, (RtGroup)g) == n) {
+      rt_allgather(c, (RtGroup)g, &mine, got, 1);
       for (int i = 0; i < n; i++)
         check(got[i] == (float)members[i], "%s group member %d is world rank %g, expected %d",
               group_name((RtGroup)g), i, got[i], members[i]);
@@ -323,7 +325,7 @@ static void test_groups(const RtLayout *l, int *members) {
       regular = regular && here == per_node;
     }
     int got_nodes, got_per_node;
-    bool got_regular = rt_comm_hierarchy((RtGroup)g, &got_nodes, &got_per_node);
+    bool got_regular = rt_comm_hierarchy(c, (RtGroup)g, &got_nodes, &got_per_node);
     check(got_regular == regular && got_nodes == nodes && (!regular || got_per_node == per_node),
           "%s hierarchy: %s %d x %d, expected %s %d x %d", group_name((RtGroup)g),
           got_regular ? "regular" : "irregular", got_nodes, got_per_node,
@@ -331,11 +333,11 @@ static void test_groups(const RtLayout *l, int *members) {
   }
 }
 
-static void test_print_groups(const RtLayout *l, bool show) {
+static void test_print_groups(const RtComm *c, const RtLayout *l, bool show) {
   char *text = NULL;
   size_t len = 0;
   FILE *f = open_memstream(&text, &len);
-  rt_comm_print_groups(f);
+  rt_comm_print_groups(c, f);
   fclose(f);
   if (world_rank != 0) {
     check(len == 0, "rank %d printed the group table", world_rank);
@@ -389,41 +391,70 @@ static void test_print_groups(const RtLayout *l, bool show) {
   free(text);
 }
 
+// A second communicator beside c: all data parallel, one node. Its groups are its own and so
+// is its slicing limit (it cuts into slices of 1 while c's collectives, interleaved with its
+// own, stay whole), and destroying it leaves c working (MPI stays up while c lives).
+static void test_second_comm(RtComm *c, int *members) {
+  RtLayout all_dp = {world_size, 1, world_size, 1, 0};
+  RtComm *second = rt_comm_create(NULL, 0);
+  check(second != NULL, "a second communicator (all data parallel) could not be made");
+  if (!second)
+    return;
+  test_groups(second, &all_dp, members);
+  int *world = malloc(sizeof(int) * world_size);
+  expected_members(&all_dp, RT_GROUP_WORLD, world_rank, world);
+  static const int64_t counts[] = {1, 7};
+  rt_comm_set_max_chunk(second, 1);
+  for (int g = 0; g < RT_GROUP_COUNT; g++) {
+    int n = expected_members(&all_dp, (RtGroup)g, world_rank, members);
+    if (rt_comm_size(second, (RtGroup)g) != n)
+      continue;   // already reported
+    int me = expected_index(&all_dp, (RtGroup)g, world_rank);
+    test_collectives(second, (RtGroup)g, members, n, me, counts, 2, "second communicator");
+    test_collectives(c, RT_GROUP_WORLD, world, world_size, world_rank, counts, 2,
+                     "first beside the second");
+  }
+  rt_comm_destroy(second);
+  test_collectives(c, RT_GROUP_WORLD, world, world_size, world_rank, counts, 2,
+                   "first after the second");
+  free(world);
+}
+
 static int run_check(const Args *a) {
-  test_before_init();
-  if (rt_comm_init(&a->layout, a->nodes) != 0) {
-    fprintf(stderr, "rank %d: FAIL: rt_comm_init failed on a good layout\n", world_rank);
+  test_world_of_one();
+  RtComm *c = rt_comm_create(&a->layout, a->nodes);
+  if (!c) {
+    fprintf(stderr, "rank %d: FAIL: rt_comm_create failed on a good layout\n", world_rank);
     return 1;
   }
-  check(rt_comm_active(), "rt_comm_active after init");
   int *members = malloc(sizeof(int) * world_size);
-  test_groups(&a->layout, members);
-  test_print_groups(&a->layout, a->print_groups);
+  test_groups(c, &a->layout, members);
+  test_print_groups(c, &a->layout, a->print_groups);
 
   static const int64_t counts[] = {0, 1, 3, 7, 64, 1001, 4099};
   static const int64_t sliced_counts[] = {1, 7, 13};
   for (int g = 0; g < RT_GROUP_COUNT; g++) {
     int n = expected_members(&a->layout, (RtGroup)g, world_rank, members);
     int me = expected_index(&a->layout, (RtGroup)g, world_rank);
-    if (rt_comm_size((RtGroup)g) != n)
+    if (rt_comm_size(c, (RtGroup)g) != n)
       continue;   // already reported; running on would only hang
-    test_collectives((RtGroup)g, members, n, me, counts, sizeof counts / sizeof counts[0], "whole");
-    rt_comm_set_max_chunk(5);
-    test_collectives((RtGroup)g, members, n, me, sliced_counts, 3, "slices of 5");
-    rt_comm_set_max_chunk(1);
-    test_collectives((RtGroup)g, members, n, me, sliced_counts, 2, "slices of 1");
-    rt_comm_set_max_chunk(INT64_MAX);
+    test_collectives(c, (RtGroup)g, members, n, me, counts, sizeof counts / sizeof counts[0], "whole");
+    rt_comm_set_max_chunk(c, 5);
+    test_collectives(c, (RtGroup)g, members, n, me, sliced_counts, 3, "slices of 5");
+    rt_comm_set_max_chunk(c, 1);
+    test_collectives(c, (RtGroup)g, members, n, me, sliced_counts, 2, "slices of 1");
+    rt_comm_set_max_chunk(c, INT64_MAX);
   }
+  test_second_comm(c, members);
   free(members);
 
   double totals[2] = {failures, checks};
-  rt_allreduce_f64(RT_GROUP_WORLD, totals, 2);
+  rt_allreduce_f64(c, RT_GROUP_WORLD, totals, 2);
   if (world_rank == 0)
     printf("test_comm: %d ranks, dp %d mp %d ep %d esp %d, gpus_per_node %d: %.0f checks, "
            "%.0f failed\n", world_size, a->layout.dp, a->layout.mp, a->layout.ep, a->layout.esp,
            a->layout.gpus_per_node, totals[1], totals[0]);
-  rt_comm_finalize();
-  check(!rt_comm_active(), "rt_comm_active after finalize");
+  rt_comm_destroy(c);
   return totals[0] == 0 && failures == 0 ? 0 : 1;
 }
 
@@ -438,42 +469,44 @@ static int env_size(void) {
 }
 
 static int run_bad_layout(const Args *a) {
-  int rc = rt_comm_init(&a->layout, a->nodes);
-  printf("rank %d: rt_comm_init returned %d\n", world_rank, rc);
+  RtComm *c = rt_comm_create(&a->layout, a->nodes);
+  printf("rank %d: rt_comm_create returned %s\n", world_rank, c ? "a communicator" : "NULL");
   fflush(stdout);
-  if (rc == 0) {
-    rt_comm_finalize();
+  if (c) {
+    rt_comm_destroy(c);
     return 0;
   }
   return 1;
 }
 
 static int run_abort(const Args *a) {
-  if (rt_comm_init(&a->layout, a->nodes) != 0)
+  RtComm *c = rt_comm_create(&a->layout, a->nodes);
+  if (!c)
     return 2;
   float x = 1;
-  rt_allreduce(RT_GROUP_WORLD, &x, 1);
+  rt_allreduce(c, RT_GROUP_WORLD, &x, 1);
   if (world_rank == 1 % world_size)
     rt_comm_abort("test: rank %d gives up in the middle of a run", world_rank);
-  rt_allreduce(RT_GROUP_WORLD, &x, 1);   // never completes: rank 1 is not coming
+  rt_allreduce(c, RT_GROUP_WORLD, &x, 1);   // never completes: rank 1 is not coming
   printf("rank %d: the collective returned after a peer aborted\n", world_rank);
-  rt_comm_finalize();
+  rt_comm_destroy(c);
   return 0;
 }
 
 static int run_kill(const Args *a) {
-  if (rt_comm_init(&a->layout, a->nodes) != 0)
+  RtComm *c = rt_comm_create(&a->layout, a->nodes);
+  if (!c)
     return 2;
   int n = world_size;
   float *send = calloc(n, sizeof(float)), *recv = calloc(n, sizeof(float));
-  rt_alltoall(RT_GROUP_WORLD, RT_A2A_FLAT, send, recv, 1);
+  rt_alltoall(c, RT_GROUP_WORLD, RT_A2A_FLAT, send, recv, 1);
   if (world_rank == 1 % world_size) {
     fflush(stdout);
     raise(SIGKILL);
   }
-  rt_alltoall(RT_GROUP_WORLD, RT_A2A_2DH, send, recv, 1);   // never completes
+  rt_alltoall(c, RT_GROUP_WORLD, RT_A2A_2DH, send, recv, 1);   // never completes
   printf("rank %d: the collective returned after a peer died\n", world_rank);
-  rt_comm_finalize();
+  rt_comm_destroy(c);
   free(send);
   free(recv);
   return 0;
@@ -482,14 +515,15 @@ static int run_kill(const Args *a) {
 // Ranks disagree on the size of a broadcast: MPI reports the truncation as an error, which must
 // come back as rt_comm_abort's line naming the MPI call, not as a crash or a hang.
 static int run_mpi_error(const Args *a) {
-  if (rt_comm_init(&a->layout, a->nodes) != 0)
+  RtComm *c = rt_comm_create(&a->layout, a->nodes);
+  if (!c)
     return 2;
   char buf[64] = {0};
-  rt_bcast(RT_GROUP_WORLD, buf, world_rank == 0 ? 64 : 4, 0);
+  rt_bcast(c, RT_GROUP_WORLD, buf, world_rank == 0 ? 64 : 4, 0);
   float x = 1;
-  rt_allreduce(RT_GROUP_WORLD, &x, 1);   // the root gets here; the others must have aborted
+  rt_allreduce(c, RT_GROUP_WORLD, &x, 1);   // the root gets here; the others must have aborted
   printf("rank %d: the collective returned after a size mismatch\n", world_rank);
-  rt_comm_finalize();
+  rt_comm_destroy(c);
   return 0;
 }
 

@@ -50,14 +50,14 @@ static void gather_whole(const RtStep *st) {
   const RtParam *pw = param(0), *pb = param(1);
   int64_t el = pw->dims[0], cols = pw->dims[2];
   float *shard_w = w_gather + layout.esp * pw->numel;   // [el, M, M] after the ESP gather
-  rt_allgather(RT_GROUP_ESP, st->params + pw->offset, w_gather, pw->numel);
+  rt_allgather(st->comm, RT_GROUP_ESP, st->params + pw->offset, w_gather, pw->numel);
   for (int k = 0; k < layout.esp; k++)
     for (int64_t e = 0; e < el; e++)
       for (int i = 0; i < M; i++)
         memcpy(shard_w + (e * M + i) * M + k * cols, w_gather + k * pw->numel + (e * M + i) * cols,
                (size_t)cols * sizeof(float));
-  rt_allgather(RT_GROUP_EP, shard_w, w_whole, el * M * M);
-  rt_allgather(RT_GROUP_EP, st->params + pb->offset, b_whole, pb->numel);
+  rt_allgather(st->comm, RT_GROUP_EP, shard_w, w_whole, el * M * M);
+  rt_allgather(st->comm, RT_GROUP_EP, st->params + pb->offset, b_whole, pb->numel);
 }
 
 static int64_t part_tokens(void) {
@@ -68,7 +68,7 @@ static void forward(RtStep *st) {
   rt_step_begin_forward(st);
   gather_whole(st);
   const float *c = st->params + param(2)->offset, scale = st->params[param(3)->offset];
-  int64_t n = part_tokens(), first = rt_comm_rank(RT_GROUP_MP) * n;
+  int64_t n = part_tokens(), first = rt_comm_rank(st->comm, RT_GROUP_MP) * n;
   double n_global = (double)layout.dp * batch * L * M, t_global = (double)layout.dp * batch * L;
   double mse = 0, z = 0;
   int64_t load[E] = {0}, dropped = 0;
@@ -96,7 +96,7 @@ static void forward(RtStep *st) {
       dropped++;
   }
   double share[2] = {mse / (2 * n_global), z / t_global};
-  rt_allreduce_f64(RT_GROUP_MP, share, 1);   // MP ranks hold the same mse share
+  rt_allreduce_f64(st->comm, RT_GROUP_MP, share, 1);   // MP ranks hold the same mse share
   const RtParam *pw = param(0);
   double w2 = 0;
   for (int64_t i = 0; i < pw->numel; i++)
@@ -112,14 +112,14 @@ static void forward(RtStep *st) {
   for (int e = 0; e < E; e++)
     most = load[e] > most ? load[e] : most;
   st->capacity_max = most;
-  rt_allgather(RT_GROUP_MP, y_part, y_dp, n * M);
+  rt_allgather(st->comm, RT_GROUP_MP, y_part, y_dp, n * M);
   st->output = y_dp;
 }
 
 static void backward(RtStep *st) {
   const RtParam *pw = param(0), *pb = param(1), *pc = param(2), *ps = param(3);
   const float *scale = st->params + ps->offset;
-  int64_t n = part_tokens(), first = rt_comm_rank(RT_GROUP_MP) * n;
+  int64_t n = part_tokens(), first = rt_comm_rank(st->comm, RT_GROUP_MP) * n;
   double n_global = (double)layout.dp * batch * L * M, t_global = (double)layout.dp * batch * L;
   int64_t whole = E * M * M + E * M + M + 1;   // dW, db, dc, dscale in one buffer
   memset(gw, 0, (size_t)whole * sizeof(float));
@@ -148,10 +148,11 @@ static void backward(RtStep *st) {
       gds[0] += (float)(u * dy[j]);
     }
   }
-  rt_allreduce(RT_GROUP_WORLD, gw, whole);
+  rt_allreduce(st->comm, RT_GROUP_WORLD, gw, whole);
   // This rank's boxes of the whole gradients.
   int64_t el = pw->dims[0], cols = pw->dims[2];
-  int64_t e0 = rt_comm_rank(RT_GROUP_EP) * el, j0 = rt_comm_rank(RT_GROUP_ESP) * cols;
+  int64_t e0 = rt_comm_rank(st->comm, RT_GROUP_EP) * el;
+  int64_t j0 = rt_comm_rank(st->comm, RT_GROUP_ESP) * cols;
   float *g = st->grads + pw->offset;
   const float *w = st->params + pw->offset;
   double aux_coef = 0.001 / rt_param_global_numel(pw);

@@ -26,7 +26,7 @@
 #include "moert.h"
 #include "rt_internal.h"
 
-// rt_main starts MPI through rt_comm_init and, when it started it, finalizes it on return; MPI
+// rt_main starts MPI through rt_comm_create and, when it started it, finalizes it on return; MPI
 // cannot start twice in one process, so this test, which runs rt_main many times, starts MPI
 // itself (a world of one) and rt_main leaves it alone.
 #if __has_include(<mpi.h>)

@@ -1,0 +1,140 @@
+// The device of a CUDA target program (codegen/emit_cuda_host.c): what every generated program
+// needs from its GPU, written once here instead of printed into each program.
+//
+// A program describes itself in an RtCudaProgram (its kernels' CUBIN and PTX, the kernels it
+// launches, how much device memory it carves and where its parameters, gradients and moments
+// lie in it) and its RtDevice hooks (moert.h) forward to the functions below: create claims the
+// GPU, loads the kernels and clears the memory, connect makes the NCCL communicators of the
+// groups whose collectives cross ranks, upload and download move the trainer's host copies.
+// The program then carves the rest of the block itself (its activations, input, staging) at the
+// offsets it was compiled with.
+//
+// Only rt_cuda.h's functions are called, so this file runs over the real GPU runtime and over
+// the tests' fake device (tests/cuda/fake_cuda.cpp) alike. Errors are the driver's way: a
+// sentence recorded with rt_fail and -1 (NULL), the CUDA error itself already on stderr.
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "rt_cuda.h"
+#include "rt_internal.h"
+
+// The module to load on device d: the CUBIN on its own architecture (same major version, at
+// least its minor), the PTX on a newer one, none on an older one.
+static const void *choose_image(const RtCudaProgram *p, const RtCudaDevice *d) {
+  if (d->arch / 10 == p->cubin_arch / 10 && d->arch >= p->cubin_arch)
+    return p->cubin;
+  if (d->arch > p->cubin_arch)
+    return p->ptx;
+  return NULL;
+}
+
+static int setup(RtCudaSession *s) {
+  const RtCudaProgram *p = s->program;
+  char why[512];
+  if (!rt_cuda_probe(why, sizeof why))
+    return rt_fail("no GPU: %s. This binary was built by 'moec build --target cuda'; build the "
+                   "model with --target cpu to train on the CPU", why);
+  if (!(s->cu = rt_cuda_create(p->device_bytes, p->events)))
+    return rt_fail("the GPU could not be set up with %zu bytes of device memory (the CUDA error "
+                   "is above)", p->device_bytes);
+  const RtCudaDevice *d = rt_cuda_device(s->cu);
+  const void *image = choose_image(p, d);
+  if (!image)
+    return rt_fail("the kernels were compiled for sm_%d and need a GPU of that architecture or "
+                   "newer; %s is sm_%d (build with --gpu-arch sm_%d)", p->cubin_arch, d->name,
+                   d->arch, d->arch);
+  snprintf(s->description, sizeof s->description, "%s (sm_%d), kernels from the %s%s", d->name,
+           d->arch, image == p->cubin ? "CUBIN" : "PTX, compiled by the driver",
+           p->note ? p->note : "");
+  if (!rt_cuda_load_module(s->cu, image))
+    return rt_fail("the kernels could not be loaded on %s (the CUDA error is above)", d->name);
+  for (int k = 0; k < p->nkernels; k++)
+    if (!(s->kernels[k] = rt_cuda_kernel(s->cu, p->kernel_names[k])))
+      return rt_fail("the kernel module has no kernel '%s' (reported above)", p->kernel_names[k]);
+  if (!(s->device = rt_cuda_alloc(s->cu, p->device_bytes)))
+    return rt_fail("the device memory could not be carved (reported above)");
+  // Gradients and activations start at zero, as the CPU program's do.
+  if (!rt_cuda_zero(s->cu, RT_STREAM_COMPUTE, s->device, p->device_bytes) ||
+      !rt_cuda_sync(s->cu, RT_STREAM_COMPUTE))
+    return rt_fail("the device memory could not be cleared (the CUDA error is above)");
+  return 0;
+}
+
+RtCudaSession *rt_cuda_session_create(const RtCudaProgram *p) {
+  RtCudaSession *s = rt_calloc(1, sizeof *s, "the GPU session");
+  s->program = p;
+  s->kernels = rt_calloc((size_t)p->nkernels + 1, sizeof *s->kernels, "the kernel table");
+  s->stage = rt_alloc(p->stage_bytes, "the host copy of the statistics staging area");
+  s->output = rt_alloc(p->output_floats * sizeof(float), "the host copy of the model's output");
+  if (setup(s) == 0)
+    return s;
+  rt_cuda_session_destroy(s);
+  return NULL;
+}
+
+void rt_cuda_session_destroy(RtCudaSession *s) {
+  if (!s)
+    return;
+  for (int g = 0; g < RT_GROUP_COUNT; g++)
+    rt_cuda_nccl_destroy(s->nccl[g]);
+  if (s->cu)
+    rt_cuda_destroy(s->cu);
+  free(s->kernels);
+  free(s->stage);
+  free(s->output);
+  free(s);
+}
+
+int rt_cuda_session_connect(RtCudaSession *s, RtComm *comm) {
+  static const char *const group_names[RT_GROUP_COUNT] = {"world", "dp", "mp", "ep", "esp"};
+  for (int g = 0; g < RT_GROUP_COUNT; g++)
+    if (s->program->nccl[g] && !(s->nccl[g] = rt_cuda_nccl_group(comm, (RtGroup)g)))
+      return rt_fail("the NCCL communicator of the %s group could not be set up (the error is "
+                     "above)", group_names[g]);
+  return 0;
+}
+
+// Copies the trainer's host buffers of what (RtDeviceData bits: parameters, gradients, moments)
+// to their places in the device block (to_device) or back, queued on the compute stream.
+static bool move(RtCudaSession *s, const RtStep *st, unsigned what, bool to_device) {
+  const RtCudaProgram *p = s->program;
+  float *host[4];
+  unsigned char *device[4];
+  int n = 0;
+  if (what & RT_DEVICE_PARAMS) {
+    host[n] = st->params;
+    device[n++] = s->device;
+  }
+  if (what & RT_DEVICE_GRADS) {
+    host[n] = st->grads;
+    device[n++] = s->device + p->off_grads;
+  }
+  if ((what & RT_DEVICE_MOMENTS) && p->moments) {
+    host[n] = st->opt_m;
+    device[n++] = s->device + p->off_m;
+    host[n] = st->opt_v;
+    device[n++] = s->device + p->off_v;
+  }
+  size_t bytes = p->param_floats * sizeof(float);
+  bool ok = true;
+  for (int i = 0; ok && i < n; i++)
+    ok = to_device ? rt_cuda_to_device(s->cu, RT_STREAM_COMPUTE, device[i], host[i], bytes)
+                   : rt_cuda_to_host(s->cu, RT_STREAM_COMPUTE, host[i], device[i], bytes);
+  return ok;
+}
+
+int rt_cuda_session_upload(RtCudaSession *s, const RtStep *st, unsigned what) {
+  bool ok = move(s, st, what, true) && rt_cuda_sync(s->cu, RT_STREAM_COMPUTE);
+  return ok ? 0 : rt_fail("copying the parameters or optimizer state to the GPU failed (the CUDA "
+                          "error is above)");
+}
+
+int rt_cuda_session_download(RtCudaSession *s, RtStep *st, unsigned what) {
+  bool ok = move(s, st, what, false);
+  if ((what & RT_DEVICE_OUTPUT) && s->device_output)
+    ok = ok && rt_cuda_to_host(s->cu, RT_STREAM_COMPUTE, s->output, s->device_output,
+                               s->program->output_floats * sizeof(float));
+  ok = ok && rt_cuda_sync(s->cu, RT_STREAM_COMPUTE);
+  return ok ? 0 : rt_fail("copying results from the GPU failed (the CUDA error is above)");
+}
