@@ -150,7 +150,7 @@ static bool parse_shapes(const char *spec, std::vector<Shape> &out) {
 }
 
 // The layer's sizes: S tokens, M model, H hidden, E experts, K choices, T capacity per expert
-// (T = ceil(k*f*S/E), as the front end computes it).
+// (T = ceil(k*f*S/E - 1e-9), as ir_capacity_slots computes it).
 struct Dims {
   int64_t s, m, h, e, k, t;
 };
@@ -162,7 +162,7 @@ static Dims dims_of(const Shape &sh) {
   d.h = (int64_t)sh.hscale * sh.model;
   d.e = EXPERTS;
   d.k = CHOICES;
-  d.t = std::max<int64_t>(1, (int64_t)ceil((double)d.k * CAPACITY_FACTOR * (double)d.s / (double)d.e));
+  d.t = std::max<int64_t>(1, (int64_t)ceil((double)d.k * CAPACITY_FACTOR * (double)d.s / (double)d.e - 1e-9));   // ir_capacity_slots
   return d;
 }
 

@@ -83,8 +83,8 @@ def shape_name(shape):
 
 
 def capacity(tokens):
-    """T = ceil(k * f * S / E), at least 1 (frontend/lower.c)."""
-    return max(1, math.ceil(CHOICES * CAPACITY_FACTOR * tokens / EXPERTS))
+    """T = ceil(k * f * S / E - 1e-9), at least 1 (ir_capacity_slots: a whole k*f*S/E stays whole)."""
+    return max(1, math.ceil(CHOICES * CAPACITY_FACTOR * tokens / EXPERTS - 1e-9))
 
 
 def gemms_per_expert(ffn):

@@ -68,8 +68,7 @@ int64_t fe_capacity(const FeLower *L, int64_t k) {
   const FeGate *g = &L->layer->moe.gate;
   int64_t tokens = L->S / L->G;
   if (g->dropless) return tokens;  // the most one expert can get: every token's choices are distinct
-  int64_t t = (int64_t)ceil((double)k * g->capacity * (double)tokens / (double)L->E);
-  return t < 1 ? 1 : t;
+  return ir_capacity_slots(k, g->capacity, tokens, L->E);
 }
 
 IrValue *fe_noise(FeLower *L, IrValue *logits) {

@@ -1,6 +1,7 @@
 // The op table and the small type helpers. ir_op_info is generated from ir/ops.def with the
 // same X-macro that makes the IrOpKind enum, so a row added there shows up in the enum, the
 // printer, the parser and the verifier at once.
+#include <math.h>
 #include <string.h>
 
 #include "ir.h"
@@ -11,6 +12,11 @@ const IrOpInfo ir_op_info[IR_OP_COUNT] = {
 #include "ops.def"
 #undef IR_OP
 };
+
+int64_t ir_capacity_slots(int64_t k, double f, int64_t tokens, int64_t experts) {
+  int64_t t = (int64_t)ceil((double)k * f * (double)tokens / (double)experts - 1e-9);
+  return t < 1 ? 1 : t;
+}
 
 IrOpKind ir_op_by_name(const char *name) {
   if (!name) return IR_OP_COUNT;

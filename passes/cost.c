@@ -254,11 +254,11 @@ bool pass_dropless_at(const PassStack *s, int i, double capacity, SchedLayerCost
   const PassLayer *l = &s->layer[i];
   const IrOp *loc = dropless_gate(l->fwd);
   if (!loc || l->capacity <= 0) return false;
-  // fe_capacity's slots per routing group, ceil(k * capacity * S_g / E) (at least 1), for every group.
+  // fe_capacity's slots per routing group (ir_capacity_slots), for every group.
   const IrType *idx = &loc->args[0].value->type;   // [S, k]
   int64_t groups = ir_op_int(loc, "groups", 1), experts = ir_op_int(loc, "experts", 1);
-  double per_group = ceil((double)idx->dim[1] * capacity * (double)(idx->dim[0] / groups) / (double)experts);
-  double slots = fmin(fmax(per_group, 1) * (double)groups, (double)l->capacity);
+  double per_group = (double)ir_capacity_slots(idx->dim[1], capacity, idx->dim[0] / groups, experts);
+  double slots = fmin(per_group * (double)groups, (double)l->capacity);
   // Every priced size of the expert region is linear in the slots; the dense part does not change.
   double scale = slots / (double)l->capacity;
   *cost = s->cost[i];

@@ -20,12 +20,12 @@ per MoE layer instance, in order:
     xmoe:    logits = l2n(x.Wp) . l2n(Emb)^T / tau (l2n(v) = v / sqrt(|v|^2 + 1e-12));
              scores = softmax(noisy)
     noisy = logits + sigma*N(0,1)/E (training); idx = top-k of scores (ties: lower index);
-    gates = scores[idx] (/ their sum when k > 1, gshard and xmoe); T = ceil(k*f*S_g/E) (>= 1),
+    gates = scores[idx] (/ their sum when k > 1, gshard and xmoe); T = ceil(k*f*S_g/E - 1e-9) (>= 1),
     dropless (`capacity *`): T = S_g; locations: first choices in token order, then second
     choices ...; loc >= T is dropped (contributes zero)
     aux = mean_g E*sum_e me_ge*ce_ge (me: mean score, ce: fraction of first choices; ce constant)
   expert_choice: scores = softmax of noisy over the tokens of each group, per expert;
-    T = min(ceil(k*f*S_g/E), S_g); expert j takes its T best tokens of every group (ties: lower
+    T = min(ceil(k*f*S_g/E - 1e-9), S_g); expert j takes its T best tokens of every group (ties: lower
     token); gate of (t, j) = scores[t, j]; no aux loss
   z = mean_s logsumexp(noisy_s)^2 (all but softmoe)
       DESIGN §2 adds the noise "to the logits" and then uses "logits" for both softmax and z, so
@@ -209,7 +209,7 @@ class Layer:
         sg = s // self.groups
         if self.dropless:
             return sg          # the most one expert can get (the choices of a token are distinct)
-        t = max(1, int(math.ceil(self.k * self.capacity * sg / self.E)))
+        t = max(1, int(math.ceil(self.k * self.capacity * sg / self.E - 1e-9)))   # a whole k*f*S/E stays whole
         return min(t, sg) if self.gate == "expert_choice" else t
 
 
@@ -974,6 +974,10 @@ def _strip_compress(ly):
 
 
 def selftest():
+    # DESIGN §2's capacity rounding, as the compiler's ir_capacity_slots: 1.1 * 200 / 2 is
+    # 110.00000000000001 in double, and T is 110
+    assert Layer("c", 8, 2, 8, k=1, capacity=1.1).capacity_per_group(200) == 110
+    assert Layer("c", 8, 2, 8, k=1, capacity=1.1).capacity_per_group(201) == 111
     rng = np.random.default_rng(1234)
     M, H, E = 6, 5, 4
     base_kw = dict(embed=M, experts=E, hidden=H)

@@ -162,6 +162,37 @@ static void test_pipeline_stop_after(void **state) {
   ir_source_free(src);
 }
 
+// DESIGN §2's rounding of the capacity: a whole k*f*S/E stays whole. k 1, f 1.1, S 200, E 2 is
+// 110.00000000000001 in double, which ceil alone makes 111.
+static void test_capacity_whole_stays_whole(void **state) {
+  (void)state;
+  assert_int_equal(ir_capacity_slots(1, 1.1, 200, 2), 110);
+  assert_int_equal(ir_capacity_slots(1, 1.1, 201, 2), 111);   // 110.55: up
+  assert_int_equal(ir_capacity_slots(2, 1.2, 40, 8), 12);     // 12.000000000000002
+  assert_int_equal(ir_capacity_slots(1, 0.01, 8, 4), 1);      // at least 1
+  const char *text =
+      "model t {\n  batch 2; seqlen 100; embed 8; optimizer sgd { lr 0.1; }\n}\n"
+      "layer a { moe { experts 2 { ffn gpt { hidden 8; } } gate gshard { k 1; capacity 1.1; } } }\n";
+  IrDiag d;
+  ir_diag_init(&d, stderr);
+  IrSource *src = ir_source_from_buffer("t.moe", text, strlen(text));
+  FeProgram *p = fe_load(&d, src);
+  assert_non_null(p);
+  IrModule *m = fe_lower(&d, p, NULL);
+  assert_non_null(m);
+  int found = 0;
+  for (int f = 0; f < m->nfuncs; f++)
+    for (int i = 0; i < m->funcs[f]->nops; i++)
+      if (m->funcs[f]->ops[i]->kind == IR_OP_GATE_LOCATIONS) {
+        assert_int_equal(ir_op_int(m->funcs[f]->ops[i], "capacity", 0), 110);
+        found++;
+      }
+  assert_int_equal(found, 1);
+  ir_module_free(m);
+  fe_program_free(p);
+  ir_source_free(src);
+}
+
 // dtype bf16 is the CUDA target's: lowering for the CPU refuses it at the dtype, for the CUDA
 // target (and with no target, as dump-ir lowers) it gives the module with dtype="bf16".
 static void test_lower_bf16_by_target(void **state) {
@@ -270,6 +301,7 @@ int main(void) {
       cmocka_unit_test(test_memplan_saved_activation),
       cmocka_unit_test(test_pipeline_stop_after),
       cmocka_unit_test(test_lower_bf16_by_target),
+      cmocka_unit_test(test_capacity_whole_stays_whole),
       cmocka_unit_test(test_stack_prices_design_workloads),
   };
   return cmocka_run_group_tests(tests, NULL, NULL);
