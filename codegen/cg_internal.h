@@ -125,9 +125,10 @@ typedef struct CgLaunch {
 bool cg_lower(const PassMemPlan *plan, const IrFunc *f, int i, bool fuse, CgLaunch *l);
 // The lowering of one op alone (never fused).
 bool cg_lower_op(const IrOp *op, CgLaunch *l);
-// Whether rule is a well-formed KERNEL rule of ops.def for an op of nargs operands: kernels of
-// runtime/kernels.def with one argument of the right kind per parameter; why says what is wrong.
-bool cg_lower_rule_check(const char *rule, int nargs, char *why, size_t size);
+// Whether rule is a well-formed KERNEL rule of ops.def for an op of nargs operands (has_result:
+// it has a result): kernels of runtime/kernels.def that both targets have, one argument of the
+// right kind per parameter, naming only operands the op has; why says what is wrong.
+bool cg_lower_rule_check(const char *rule, int nargs, bool has_result, char *why, size_t size);
 int cg_cuda_kernel_count(void);
 const char *cg_cuda_kernel_name(int k);
 

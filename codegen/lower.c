@@ -107,6 +107,7 @@ typedef struct Rule {
   const IrOp *op;         // NULL: check only
   const Shapes *sh;
   int nargs;              // the op's operands
+  bool has_result;        // the op has a result (y, n, rows, cols)
   char why[160];          // what is malformed
 } Rule;
 
@@ -158,16 +159,16 @@ static bool rule_factor(Rule *r, int64_t *v) {
   if (!rule_word(r, word, sizeof word)) return false;
   int t = rule_tensor(word);
   if (t != -2) {
-    if (*r->s != '.' || r->s[1] < '0' || r->s[1] > '9') return rule_fail(r, "a dimension (y.D, xK.D) is expected");
+    if (*r->s != '.' || r->s[1] < '0' || r->s[1] >= '0' + IR_MAX_RANK) return rule_fail(r, "a dimension (y.D, xK.D) is expected");
     int d = r->s[1] - '0';
     r->s += 2;
-    if (t >= r->nargs) return rule_fail(r, "no such operand");
+    if (t >= r->nargs || (t == -1 && !r->has_result)) return rule_fail(r, "no such operand");
     *v = r->op ? rule_type(r, t)->dim[d] : 0;
     return true;
   }
   size_t base = strcspn(word, "0123456789");
   int of = word[base] ? atoi(word + base) : -1;   // "rows0": of operand 0; "rows": of the result
-  if (of >= r->nargs) return rule_fail(r, "no such operand");
+  if (of >= r->nargs || (of == -1 && !r->has_result)) return rule_fail(r, "no such operand");
   word[base] = '\0';
   bool n = strcmp(word, "n") == 0, rows = strcmp(word, "rows") == 0, cols = strcmp(word, "cols") == 0;
   if (!n && !rows && !cols) return rule_fail(r, "an integer (n, rows, cols, y.D, xK.D, @attr, a number) is expected");
@@ -213,7 +214,7 @@ static bool rule_pointer(Rule *r, CgKernelCall *c) {
   char word[48];
   if (!rule_word(r, word, sizeof word)) return false;
   int t = rule_tensor(word);
-  if (t >= r->nargs) return rule_fail(r, "no such operand");
+  if (t >= r->nargs || (t == -1 && !r->has_result)) return rule_fail(r, "no such operand");
   if (t >= 0) arg(c, CG_ARG_OPERAND, t);
   else if (t == -1) arg(c, CG_ARG_RESULT, 0);
   else if (strcmp(word, "grad") == 0) arg(c, CG_ARG_GRAD, 0);
@@ -245,6 +246,8 @@ static bool rule_call(Rule *r, CgLaunch *l) {
   if (!rule_word(r, name, sizeof name)) return false;
   int k = cg_kernel_by_name(name);
   if (k < 0) return rule_fail(r, "no such kernel in runtime/kernels.def");
+  // a rule runs on every target: the CPU must have the kernel (its CUDA-only ones are lowered in C)
+  if (!cg_kernel_info[k].cpu) return rule_fail(r, "a CUDA-only kernel (WHERE CUDA in runtime/kernels.def)");
   if (l->ncalls == (int)(sizeof l->call / sizeof l->call[0])) return rule_fail(r, "too many kernels");
   CgKernelCall *c = call(l, (CgKernel)k, 1);
   rule_spaces(r);
@@ -296,9 +299,9 @@ static bool lower_by_rule(Rule *r, CgLaunch *l) {
   }
 }
 
-bool cg_lower_rule_check(const char *rule, int nargs, char *why, size_t size) {
+bool cg_lower_rule_check(const char *rule, int nargs, bool has_result, char *why, size_t size) {
   CgLaunch l = {0};
-  Rule r = {.s = rule, .nargs = nargs};
+  Rule r = {.s = rule, .nargs = nargs, .has_result = has_result};
   bool ok = lower_by_rule(&r, &l);
   snprintf(why, size, "%s", r.why);
   return ok;
@@ -383,7 +386,7 @@ bool cg_lower_op(const IrOp *op, CgLaunch *l) {
   Shapes sh = {.t0 = op->nargs ? arg_type(op, 0) : NULL, .rt = op->result ? &op->result->type : NULL};
   sh.n = sh.rt ? ir_type_numel(sh.rt) : 0;
   if (ir_op_info[op->kind].kernel[0]) {
-    Rule r = {.s = ir_op_info[op->kind].kernel, .op = op, .sh = &sh, .nargs = op->nargs};
+    Rule r = {.s = ir_op_info[op->kind].kernel, .op = op, .sh = &sh, .nargs = op->nargs, .has_result = op->result != NULL};
     if (!lower_by_rule(&r, l)) UNREACHABLE();   // tests/unit checks every rule
     return true;
   }

@@ -3,9 +3,11 @@
 // kernels of the same names (codegen/cuda/kernels.cu) reduce in the same precision and, where a
 // gradient is accumulated, in the same order (so the targets agree to the bit where they can).
 #include <math.h>
+#include <stdlib.h>
 #include <string.h>
 
 #include "moert.h"
+#include "rt_internal.h"
 
 // y[i] = table[tokens[i]] for t tokens, rows of m; a token outside [0, v) gives a zero row (the
 // driver refuses such data before it gets here).
@@ -32,18 +34,22 @@ void rt_embed_grad(const float *dy, const int32_t *tokens, float *dtable, int t,
 // (the gradient: the rotation's transpose).
 void rt_rope(const float *x, float *y, int rows, int cols, int heads, int seq, float theta, int sign) {
   int d = cols / heads, half = d / 2;
+  double *freq = rt_alloc((size_t)(half > 0 ? half : 1) * sizeof *freq, "rt_rope");
+  for (int c = 0; c < half; c++) freq[c] = pow((double)theta, -2.0 * c / d);
   for (int r = 0; r < rows; r++) {
     int pos = r % seq;
-    for (int h = 0; h < heads; h++)
-      for (int c = 0; c < half; c++) {
-        double angle = pos * pow((double)theta, -2.0 * c / d);
-        float cs = (float)cos(angle), sn = (float)(sign * sin(angle));
+    for (int c = 0; c < half; c++) {   // the same turn for every head
+      double angle = pos * freq[c];
+      float cs = (float)cos(angle), sn = (float)(sign * sin(angle));
+      for (int h = 0; h < heads; h++) {
         size_t a = (size_t)r * cols + (size_t)h * d + c, b = a + half;
         float u = x[a], w = x[b];
         y[a] = u * cs - w * sn;
         y[b] = w * cs + u * sn;
       }
+    }
   }
+  free(freq);
 }
 
 // Cross-entropy of rows of logits [t, v] against targets: loss[0] = scale * mean over rows of

@@ -66,6 +66,18 @@ __device__ float mk_block_max(float v) {
   return r;
 }
 
+// A row's sum of squares and, when dy is not NULL, its dot product with dy, reduced by the
+// block in double (the l2norm and rmsnorm kernels).
+__device__ void mk_row_ss_dot(const float *x, const float *dy, int n, double *ss, double *dot) {
+  double a = 0.0, b = 0.0;
+  for (int i = threadIdx.x; i < n; i += blockDim.x) {
+    a += (double)x[i] * x[i];
+    if (dy) b += (double)dy[i] * x[i];
+  }
+  *ss = mk_block_sum(a);
+  if (dy) *dot = mk_block_sum(b);
+}
+
 // A row's mean and 1 / sqrt(variance + eps) (biased), reduced by the block in double (the
 // layernorm kernels).
 __device__ void mk_row_moments(const float *x, int n, float eps, double *mean, double *inv) {
@@ -320,9 +332,8 @@ extern "C" __global__ void mk_l2norm(const float *x, float *y, int rows, int n) 
   MK_FOR_BLOCKS(r, rows) {
     const float *xr = x + r * n;
     float *yr = y + r * n;
-    double ss = 0.0;
-    for (int i = threadIdx.x; i < n; i += blockDim.x) ss += (double)xr[i] * xr[i];
-    ss = mk_block_sum(ss);
+    double ss;
+    mk_row_ss_dot(xr, NULL, n, &ss, NULL);
     float inv = (float)(1.0 / sqrt(ss + 1e-12));
     for (int i = threadIdx.x; i < n; i += blockDim.x) yr[i] = xr[i] * inv;
   }
@@ -333,13 +344,8 @@ extern "C" __global__ void mk_l2norm_grad(const float *dy, const float *x, float
   MK_FOR_BLOCKS(r, rows) {
     const float *xr = x + r * n, *dr = dy + r * n;
     float *out = dx + r * n;
-    double ss = 0.0, dot = 0.0;
-    for (int i = threadIdx.x; i < n; i += blockDim.x) {
-      ss += (double)xr[i] * xr[i];
-      dot += (double)dr[i] * xr[i];
-    }
-    ss = mk_block_sum(ss);
-    dot = mk_block_sum(dot);
+    double ss, dot;
+    mk_row_ss_dot(xr, dr, n, &ss, &dot);
     double norm = sqrt(ss + 1e-12);
     float inv = (float)(1.0 / norm), proj = (float)(dot / (norm * norm * norm));
     for (int i = threadIdx.x; i < n; i += blockDim.x) out[i] = dr[i] * inv - xr[i] * proj;
@@ -352,9 +358,8 @@ extern "C" __global__ void mk_rmsnorm(const float *x, float *y, int rows, int n,
   MK_FOR_BLOCKS(r, rows) {
     const float *xr = x + r * n;
     float *yr = y + r * n;
-    double ss = 0.0;
-    for (int i = threadIdx.x; i < n; i += blockDim.x) ss += (double)xr[i] * xr[i];
-    ss = mk_block_sum(ss);
+    double ss;
+    mk_row_ss_dot(xr, NULL, n, &ss, NULL);
     float inv = (float)(1.0 / sqrt(ss / n + (double)eps));
     for (int i = threadIdx.x; i < n; i += blockDim.x) yr[i] = xr[i] * inv;
   }
@@ -365,13 +370,8 @@ extern "C" __global__ void mk_rmsnorm_grad(const float *dy, const float *x, floa
   MK_FOR_BLOCKS(r, rows) {
     const float *xr = x + r * n, *dr = dy + r * n;
     float *out = dx + r * n;
-    double ss = 0.0, dot = 0.0;
-    for (int i = threadIdx.x; i < n; i += blockDim.x) {
-      ss += (double)xr[i] * xr[i];
-      dot += (double)dr[i] * xr[i];
-    }
-    ss = mk_block_sum(ss);
-    dot = mk_block_sum(dot);
+    double ss, dot;
+    mk_row_ss_dot(xr, dr, n, &ss, &dot);
     double inv = 1.0 / sqrt(ss / n + (double)eps);
     float scale = (float)inv, proj = (float)(inv * inv * inv * dot / n);
     for (int i = threadIdx.x; i < n; i += blockDim.x) out[i] = dr[i] * scale - xr[i] * proj;

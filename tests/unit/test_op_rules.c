@@ -30,7 +30,7 @@ static void test_every_rule_is_well_formed(void **state) {
       fail_msg("%s: SHAPE \"%s\": %s", o->name, o->shape, why);
     if (o->grad[0] && !pass_grad_rule_check(o->grad, o->nargs, o->nres == 1, why, sizeof why))
       fail_msg("%s: GRAD \"%s\": %s", o->name, o->grad, why);
-    if (o->kernel[0] && !cg_lower_rule_check(o->kernel, o->nargs, why, sizeof why))
+    if (o->kernel[0] && !cg_lower_rule_check(o->kernel, o->nargs, o->nres == 1, why, sizeof why))
       fail_msg("%s: KERNEL \"%s\": %s", o->name, o->kernel, why);
     if (o->grad[0] && o->cls == IR_CLASS_ROUTE) fail_msg("%s: a ROUTE op has no gradient", o->name);
     shapes += o->shape[0] != 0;
@@ -62,14 +62,19 @@ static void test_malformed_rules_are_rejected(void **state) {
   expect_bad(pass_grad_rule_check("mul(dy)", 2, true, why, sizeof why), why, "mul takes 2 operands");
   expect_bad(pass_grad_rule_check("dy", 2, true, why, sizeof why), why, "1 rules for 2 operands");
   expect_bad(pass_grad_rule_check("act.gelu.grad(dy, x1)", 1, true, why, sizeof why), why, "names an operand");
-  expect_bad(cg_lower_rule_check("nokernel(x0) : one", 1, why, sizeof why), why, "no such kernel");
-  expect_bad(cg_lower_rule_check("gelu(x0, y) : threads n", 1, why, sizeof why), why, "fewer arguments");
-  expect_bad(cg_lower_rule_check("gelu(x0, y, n, n) : threads n", 1, why, sizeof why), why, "more arguments");
-  expect_bad(cg_lower_rule_check("gelu(x1, y, n) : threads n", 1, why, sizeof why), why, "no such operand");
-  expect_bad(cg_lower_rule_check("gelu(x0, y, n)", 1, why, sizeof why), why, "': grid' is expected");
-  expect_bad(cg_lower_rule_check("gelu(x0, y, n) : warps n", 1, why, sizeof why), why, "threads, blocks or one");
-  expect_bad(cg_lower_rule_check("gelu(x0, grid, n) : one", 1, why, sizeof why), why, "a pointer");
-  expect_bad(cg_lower_rule_check("lib blas", 1, why, sizeof why), why, "lib gemm");
+  expect_bad(cg_lower_rule_check("nokernel(x0) : one", 1, true, why, sizeof why), why, "no such kernel");
+  expect_bad(cg_lower_rule_check("gelu(x0, y) : threads n", 1, true, why, sizeof why), why, "fewer arguments");
+  expect_bad(cg_lower_rule_check("gelu(x0, y, n, n) : threads n", 1, true, why, sizeof why), why, "more arguments");
+  expect_bad(cg_lower_rule_check("gelu(x1, y, n) : threads n", 1, true, why, sizeof why), why, "no such operand");
+  expect_bad(cg_lower_rule_check("gelu(x0, y, n)", 1, true, why, sizeof why), why, "': grid' is expected");
+  expect_bad(cg_lower_rule_check("gelu(x0, y, n) : warps n", 1, true, why, sizeof why), why, "threads, blocks or one");
+  expect_bad(cg_lower_rule_check("gelu(x0, grid, n) : one", 1, true, why, sizeof why), why, "a pointer");
+  expect_bad(cg_lower_rule_check("lib blas", 1, true, why, sizeof why), why, "lib gemm");
+  expect_bad(cg_lower_rule_check("sgd(x0, grad, n, @lr, @weight_decay) : one", 1, false, why, sizeof why), why,
+             "no such operand");   // opt.sgd has no result: no n
+  expect_bad(cg_lower_rule_check("gelu(x0, y, y.7) : one", 1, true, why, sizeof why), why, "a dimension");
+  expect_bad(cg_lower_rule_check("iota(y, y.0, y.1) : one", 1, false, why, sizeof why), why, "no such operand");
+  expect_bad(cg_lower_rule_check("record_stats(x0, y, n0) : one", 1, true, why, sizeof why), why, "CUDA-only");
 }
 
 // A layer of matmul, norm.rms and a residual, with its loss: the IR text the front end would make.
