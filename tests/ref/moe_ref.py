@@ -563,10 +563,11 @@ def expert_backward(ly, p, disp, ec, dy):
     return np.einsum("ech,emh->ecm", dh, p["experts.w1"]), grads
 
 
-def layer_forward(ly, p, x, normals, z_noisy=True):
+def layer_forward(ly, p, x, normals, z_noisy=True, residual=True):
     """x [S, M] float64; p: this layer's params by short name; normals [S, E] or None.
     Both orders are this math: tutel's encode/decode by index and gshard's one-hot matrices
-    give the same disp [E, C, M] and combination."""
+    give the same disp [E, C, M] and combination. Returns x + moe(x), or moe(x) alone with
+    residual=False (a language model's block adds its own residual, tests/ref/lm_ref.py)."""
     M, E = ly.M, ly.E
     c = gate_forward(ly, p, x, normals, z_noisy=z_noisy)
     C = c["C"]
@@ -581,19 +582,22 @@ def layer_forward(ly, p, x, normals, z_noisy=True):
              records=[(pt, seen[pt]) for pt in ly.records()])
     stats = dict(aux=c["aux"], z=c["z"], dropped=c["dropped"], routed=c["routed"],
                  cap=c["cap"], loads=c["loads"], most=c["most"])
-    return x + moe, c, stats
+    return (x + moe if residual else moe), c, stats
 
 
-def layer_backward(ly, p, c, dout):
-    """dout: d loss / d (layer output) [S, M]. Returns dx [S, M] and the layer's gradients.
-    Compression is straight through: d(disp) = d(disp_h), d(y) = d(y_h)."""
+def layer_backward(ly, p, c, dout, residual=True):
+    """dout: d loss / d (layer output) [S, M]. Returns dx [S, M] and the layer's gradients
+    (residual as in layer_forward). Compression is straight through: d(disp) = d(disp_h),
+    d(y) = d(y_h). The aux and z terms' gradients (coefficients included) are added here."""
     x, E, C, M = c["x"], ly.E, c["C"], ly.M
     y2 = c["y_h"].reshape(E * C, M)
     dCw = dout @ y2.T
     dy = (c["Cw"].T @ dout).reshape(E, C, M)
     ddisp, grads = expert_backward(ly, p, c["disp_h"], c["ec"], dy)
     ddisp2 = ddisp.reshape(E * C, M)
-    dx = dout + c["D"] @ ddisp2                  # residual + dispatch
+    dx = c["D"] @ ddisp2                         # dispatch
+    if residual:
+        dx = dx + dout
     dD = x @ ddisp2.T if ly.gate == "softmoe" else None
     dxg, gg = gate_backward(ly, p, c, dD, dCw)
     grads.update(gg)
@@ -661,17 +665,24 @@ def route_margin(layers, params, x, seed=0, step=1, token0=0, z_noisy=True):
         p = {n: np.asarray(v, dtype=np.float64) for n, v in split_params(ly, params).items()}
         normals = gate_noise_normals(seed, step, li, token0, s, ly.E) if ly.noise else None
         h2, cache, _ = layer_forward(ly, p, h, normals, z_noisy=z_noisy)
-        if ly.gate == "expert_choice":
-            sg, cap = cache["sg"], cache["cap"]
-            if cap < sg:
-                for g in range(ly.groups):
-                    srt = -np.sort(-cache["scores"][g * sg:(g + 1) * sg], axis=0)
-                    gap = min(gap, float((srt[cap - 1] - srt[cap]).min()))
-        elif ly.gate != "softmoe":
-            srt = -np.sort(-cache["scores"], axis=1)
-            if ly.k < ly.E:
-                gap = min(gap, float((srt[:, ly.k - 1] - srt[:, ly.k]).min()))
+        gap = min(gap, cache_margin(ly, cache))
         h = h2
+    return gap
+
+
+def cache_margin(ly, cache):
+    """route_margin of one layer, from its layer_forward cache (inf: no routing decision)."""
+    gap = math.inf
+    if ly.gate == "expert_choice":
+        sg, cap = cache["sg"], cache["cap"]
+        if cap < sg:
+            for g in range(ly.groups):
+                srt = -np.sort(-cache["scores"][g * sg:(g + 1) * sg], axis=0)
+                gap = min(gap, float((srt[cap - 1] - srt[cap]).min()))
+    elif ly.gate != "softmoe":
+        srt = -np.sort(-cache["scores"], axis=1)
+        if ly.k < ly.E:
+            gap = min(gap, float((srt[:, ly.k - 1] - srt[:, ly.k]).min()))
     return gap
 
 

@@ -1,0 +1,595 @@
+#!/usr/bin/python3
+"""Independent float64 numpy reference of moec's language models (DESIGN.md §2.1), next to
+tests/ref/moe_ref.py, whose MoE layer (every gate, expert, order, aux and z loss), RNG and
+file readers/writers it imports rather than repeats. Written from DESIGN §2 and §2.1, not from
+moec's kernels, so that tests/ref/test_lm_ref.py can hold a compiled language model against it.
+The backward pass is written by hand; `--selftest` checks it against central finite
+differences of this file's own forward.
+
+Model (tokens t [B, L+1] int; S = B*L rows, row s = b*L + i, sample-major; d = M/heads):
+  h = wte[t[b, i]] (+ wpe[i] when `position learned`)                    i < L
+  per layer instance (global index li counts dense and MoE layers in the order written):
+    a  = h + Attn(Norm_attn(h))
+    h' = a + F(Norm_ffn(a))          F = the MoE of §2 without its residual (moe_ref,
+                                     residual=False; gate noise layer li, token0 0, step 1)
+                                     or the mlp (the same ffn, one expert, no gate)
+  logits = Norm_final(h) . wte^T (tied) or . head.w [M, V]
+  ce = mean_s (logsumexp(logits_s) - logits_s[t[b, i+1]])
+  loss = ce + sum over MoE layers (aux_coef*aux + z_coef*z)      (aux, z as moe_ref: per routing
+                                                                    group, averaged over groups)
+  LayerNorm(x) = (x - mean)/sqrt(var + eps)*w + b (biased var over M); RMSNorm = x/sqrt(mean x^2 + eps)*w
+  Attn(x): q = x.Wq (+bq) [S, H*d], k = x.Wk (+bk), v = x.Wv (+bv) [S, KV*d]; query head h reads
+    key/value head h // (H/KV); RoPE (rotate_half, after the biases, q and k, per head): for
+    c < d/2 the pair (c, c+d/2) rotates by angle i*theta^(-2c/d), (u, w) -> (u cos - w sin,
+    w cos + u sin); scores q.k^T/sqrt(d), causal (key j <= query i), softmax, o = p.v, heads
+    concatenated, y = o.Wo (+bo).
+
+    /usr/bin/python3 tests/ref/lm_ref.py --selftest
+"""
+import math
+import os
+import sys
+
+import numpy as np
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import moe_ref  # noqa: E402
+
+NOISE_STEP = 1          # the dumped step: the gate noise of step 1
+
+
+# ---------------------------------------------------------------- model description
+class Attention:
+    def __init__(self, heads, kv_heads=None, bias=True):
+        self.heads = heads
+        self.kv_heads = heads if kv_heads is None else kv_heads
+        self.bias = bias
+        assert self.heads % self.kv_heads == 0
+
+
+class LMLayer:
+    """One layer instance: `name` (statement name + repeat index), global index `index`,
+    attention, and either `moe` (a moe_ref.Layer named like the instance) or `mlp`
+    (a moe_ref.Layer with one expert, used only for its ffn: kind, act, bias, hidden)."""
+
+    def __init__(self, name, index, embed, attention, moe=None, mlp=None):
+        assert (moe is None) != (mlp is None), "a layer holds exactly one of moe and mlp"
+        self.name, self.index, self.M = name, index, embed
+        self.attn = Attention(**attention)
+        assert embed % self.attn.heads == 0
+        self.d = embed // self.attn.heads
+        self.moe = moe_ref.Layer(name, embed, **moe) if moe is not None else None
+        if mlp is not None:
+            kw = dict(mlp)
+            ffn = kw.pop("ffn", "gpt")
+            self.mlp = moe_ref.Layer(name, embed, 1, kw.pop("hidden"), ffn=ffn, **kw)
+        else:
+            self.mlp = None
+
+
+class LMModel:
+    """vocab V, batch B, seqlen L, embed M; position learned | rope (theta); norm layernorm |
+    rmsnorm (eps); tie_embeddings; seed (gate noise). items: [(name, repeat, dict(attention=
+    dict(heads, kv_heads, bias), moe=kwargs of moe_ref.Layer without embed | mlp=dict(ffn
+    gpt|mixtral, hidden, act, bias)))] -> instances name0, name1, ... per statement."""
+
+    def __init__(self, vocab, batch, seqlen, embed, items, position="learned", theta=10000.0,
+                 norm="layernorm", eps=1e-5, tie_embeddings=True, seed=0):
+        assert position in ("learned", "rope") and norm in ("layernorm", "rmsnorm")
+        self.V, self.B, self.L, self.M = vocab, batch, seqlen, embed
+        self.position, self.theta, self.norm, self.eps = position, float(theta), norm, float(eps)
+        self.tie, self.seed = tie_embeddings, seed
+        self.items = items
+        self.layers = []
+        for name, repeat, kw in items:
+            for r in range(repeat):
+                self.layers.append(LMLayer("%s%d" % (name, r), len(self.layers), embed, **kw))
+        if position == "rope":
+            assert all(ly.d % 2 == 0 for ly in self.layers), "rope needs an even head dimension"
+
+    def norm_shapes(self, prefix):
+        sh = {prefix + ".weight": (self.M,)}
+        if self.norm == "layernorm":
+            sh[prefix + ".bias"] = (self.M,)
+        return sh
+
+    def param_shapes(self):
+        V, L, M = self.V, self.L, self.M
+        sh = {"embed.wte": (V, M)}
+        if self.position == "learned":
+            sh["embed.wpe"] = (L, M)
+        for ly in self.layers:
+            n, at, d = ly.name, ly.attn, ly.d
+            sh.update(self.norm_shapes(n + ".attn.norm"))
+            sh[n + ".attn.wq"] = (M, at.heads * d)
+            sh[n + ".attn.wk"] = (M, at.kv_heads * d)
+            sh[n + ".attn.wv"] = (M, at.kv_heads * d)
+            sh[n + ".attn.wo"] = (at.heads * d, M)
+            if at.bias:
+                sh[n + ".attn.bq"] = (at.heads * d,)
+                sh[n + ".attn.bk"] = (at.kv_heads * d,)
+                sh[n + ".attn.bv"] = (at.kv_heads * d,)
+                sh[n + ".attn.bo"] = (M,)
+            sh.update(self.norm_shapes(n + ".ffn.norm"))
+            if ly.moe is not None:
+                sh.update(ly.moe.param_shapes())
+            else:
+                H = ly.mlp.H
+                if ly.mlp.ffn == "mixtral":
+                    sh.update({n + ".mlp.w1": (M, H), n + ".mlp.w3": (M, H), n + ".mlp.w2": (H, M)})
+                else:
+                    sh[n + ".mlp.w1"] = (M, H)
+                    if ly.mlp.bias:
+                        sh[n + ".mlp.b1"] = (H,)
+                    sh[n + ".mlp.w2"] = (H, M)
+                    if ly.mlp.bias:
+                        sh[n + ".mlp.b2"] = (M,)
+        sh.update(self.norm_shapes("final_norm"))
+        if not self.tie:
+            sh["head.w"] = (M, V)
+        return sh
+
+
+# ---------------------------------------------------------------- pieces
+def norm_forward(kind, eps, x, w, b):
+    if kind == "layernorm":
+        mu = x.mean(axis=1, keepdims=True)
+        xc = x - mu
+        r = 1.0 / np.sqrt((xc * xc).mean(axis=1, keepdims=True) + eps)
+        xh = xc * r
+        return xh * w + b, (xh, r)
+    r = 1.0 / np.sqrt((x * x).mean(axis=1, keepdims=True) + eps)
+    xh = x * r
+    return xh * w, (xh, r)
+
+
+def norm_backward(kind, cache, w, dy):
+    """Returns dx, dw, db (db None for rmsnorm)."""
+    xh, r = cache
+    dxh = dy * w
+    dw = (dy * xh).sum(axis=0)
+    if kind == "layernorm":
+        dx = r * (dxh - dxh.mean(axis=1, keepdims=True)
+                  - xh * (dxh * xh).mean(axis=1, keepdims=True))
+        return dx, dw, dy.sum(axis=0)
+    return r * (dxh - xh * (dxh * xh).mean(axis=1, keepdims=True)), dw, None
+
+
+def rope_tables(L, d, theta):
+    """cos, sin [L, d/2]: angle of position i, pair c = i * theta^(-2c/d)."""
+    c = np.arange(d // 2, dtype=np.float64)
+    ang = np.arange(L, dtype=np.float64)[:, None] * theta ** (-2.0 * c / d)[None, :]
+    return np.cos(ang), np.sin(ang)
+
+
+def rope_apply(a, cos, sin, inverse=False):
+    """a [..., L, d]: (u, w) -> (u cos - w sin, w cos + u sin); inverse (the transpose, for the
+    backward): (u cos + w sin, w cos - u sin)."""
+    h = a.shape[-1] // 2
+    u, w = a[..., :h], a[..., h:]
+    if inverse:
+        sin = -sin
+    return np.concatenate([u * cos - w * sin, w * cos + u * sin], axis=-1)
+
+
+def attn_forward(model, ly, p, x):
+    """x [S, M] (normed); p: short names wq, wk, wv, wo, bq, bk, bv, bo."""
+    B, L = model.B, model.L
+    at, d = ly.attn, ly.d
+    H, KV = at.heads, at.kv_heads
+    g = H // KV
+    q = x @ p["wq"]
+    k = x @ p["wk"]
+    v = x @ p["wv"]
+    if at.bias:
+        q, k, v = q + p["bq"], k + p["bk"], v + p["bv"]
+    q4 = q.reshape(B, L, H, d).transpose(0, 2, 1, 3)          # [B, H, L, d]
+    k4 = k.reshape(B, L, KV, d).transpose(0, 2, 1, 3)         # [B, KV, L, d]
+    v4 = v.reshape(B, L, KV, d).transpose(0, 2, 1, 3)
+    rope = None
+    if model.position == "rope":
+        rope = rope_tables(L, d, model.theta)
+        q4, k4 = rope_apply(q4, *rope), rope_apply(k4, *rope)
+    kh = np.repeat(k4, g, axis=1)                             # head h reads kv head h // g
+    vh = np.repeat(v4, g, axis=1)
+    s = q4 @ kh.transpose(0, 1, 3, 2) / math.sqrt(d)          # [B, H, L, L]
+    causal = np.tril(np.ones((L, L), dtype=bool))
+    s = np.where(causal, s, -np.inf)
+    s = s - s.max(axis=-1, keepdims=True)
+    e = np.exp(s)
+    pr = e / e.sum(axis=-1, keepdims=True)
+    o4 = pr @ vh                                              # [B, H, L, d]
+    o = o4.transpose(0, 2, 1, 3).reshape(B * L, H * d)
+    y = o @ p["wo"]
+    if at.bias:
+        y = y + p["bo"]
+    return y, dict(x=x, q4=q4, kh=kh, vh=vh, pr=pr, o=o, rope=rope)
+
+
+def attn_backward(model, ly, p, c, dy):
+    B, L = model.B, model.L
+    at, d = ly.attn, ly.d
+    H, KV = at.heads, at.kv_heads
+    g = H // KV
+    x = c["x"]
+    gr = {"wo": c["o"].T @ dy}
+    if at.bias:
+        gr["bo"] = dy.sum(axis=0)
+    do4 = (dy @ p["wo"].T).reshape(B, L, H, d).transpose(0, 2, 1, 3)
+    pr = c["pr"]
+    dpr = do4 @ c["vh"].transpose(0, 1, 3, 2)
+    dvh = pr.transpose(0, 1, 3, 2) @ do4
+    ds = pr * (dpr - (dpr * pr).sum(axis=-1, keepdims=True)) / math.sqrt(d)
+    dq4 = ds @ c["kh"]
+    dkh = ds.transpose(0, 1, 3, 2) @ c["q4"]
+    dk4 = dkh.reshape(B, KV, g, L, d).sum(axis=2)
+    dv4 = dvh.reshape(B, KV, g, L, d).sum(axis=2)
+    if c["rope"] is not None:
+        dq4 = rope_apply(dq4, *c["rope"], inverse=True)
+        dk4 = rope_apply(dk4, *c["rope"], inverse=True)
+    dq = dq4.transpose(0, 2, 1, 3).reshape(B * L, H * d)
+    dk = dk4.transpose(0, 2, 1, 3).reshape(B * L, KV * d)
+    dv = dv4.transpose(0, 2, 1, 3).reshape(B * L, KV * d)
+    gr["wq"], gr["wk"], gr["wv"] = x.T @ dq, x.T @ dk, x.T @ dv
+    if at.bias:
+        gr["bq"], gr["bk"], gr["bv"] = dq.sum(axis=0), dk.sum(axis=0), dv.sum(axis=0)
+    dx = dq @ p["wq"].T + dk @ p["wk"].T + dv @ p["wv"].T
+    return dx, gr
+
+
+def mlp_params(ly, p):
+    """The mlp's [in, out] weights as moe_ref's one-expert tensors."""
+    return {"experts." + k: v[None] for k, v in p.items()}
+
+
+def mlp_forward(ly, p, x):
+    y, ec = moe_ref.expert_forward(ly.mlp, mlp_params(ly, p), x[None])
+    return y[0], ec
+
+
+def mlp_backward(ly, p, x, ec, dy):
+    dx, gr = moe_ref.expert_backward(ly.mlp, mlp_params(ly, p), x[None], ec, dy[None])
+    return dx[0], {k[len("experts."):]: v[0] for k, v in gr.items()}
+
+
+def cross_entropy(logits, tgt):
+    m = logits.max(axis=1, keepdims=True)
+    e = np.exp(logits - m)
+    lse = m[:, 0] + np.log(e.sum(axis=1))
+    s = logits.shape[0]
+    ce = float(np.mean(lse - logits[np.arange(s), tgt]))
+    dlogits = e / e.sum(axis=1, keepdims=True)
+    dlogits[np.arange(s), tgt] -= 1.0
+    return ce, dlogits / s
+
+
+def sub(params, prefix):
+    return {n[len(prefix):]: np.asarray(v, dtype=np.float64) for n, v in params.items()
+            if n.startswith(prefix)}
+
+
+# ---------------------------------------------------------------- the model
+def forward(model, params, tokens, want_grads=True, training=True, z_noisy=True):
+    """tokens [B, L+1] int; params: name -> array (any float dtype; computed in float64).
+    Returns dict(loss, ce, aux, z (unweighted sums over MoE layers), logits [B, L, V],
+    grads {name: array} (want_grads), routing [per MoE layer], stats [per MoE layer],
+    margin (moe_ref.cache_margin over the MoE layers: distance of the routing from a tie),
+    caches [per layer: dict])."""
+    B, L, M, V = model.B, model.L, model.M, model.V
+    tokens = np.asarray(tokens).astype(np.int64)
+    assert tokens.shape == (B, L + 1), tokens.shape
+    assert tokens.min() >= 0 and tokens.max() < V
+    S = B * L
+    inp = tokens[:, :L].reshape(S)
+    tgt = tokens[:, 1:].reshape(S)
+    P = {n: np.asarray(v, dtype=np.float64) for n, v in params.items()}
+    ln = model.norm == "layernorm"
+
+    def norm(prefix, x):
+        return norm_forward(model.norm, model.eps, x, P[prefix + ".weight"],
+                            P[prefix + ".bias"] if ln else None)
+
+    h = P["embed.wte"][inp]
+    if model.position == "learned":
+        h = h + np.tile(P["embed.wpe"], (B, 1))
+    caches, stats, routing = [], [], []
+    extra, margin = 0.0, math.inf
+    for ly in model.layers:
+        n = ly.name
+        c = dict(h=h)
+        c["xa"], c["na"] = norm(n + ".attn.norm", h)
+        pa = sub(P, n + ".attn.")
+        ya, c["attn"] = attn_forward(model, ly, pa, c["xa"])
+        a = h + ya
+        c["xf"], c["nf"] = norm(n + ".ffn.norm", a)
+        if ly.moe is not None:
+            pm = sub(P, n + ".moe.")
+            normals = (moe_ref.gate_noise_normals(model.seed, NOISE_STEP, ly.index, 0, S, ly.moe.E)
+                       if (training and ly.moe.noise) else None)
+            yf, c["moe"], st = moe_ref.layer_forward(ly.moe, pm, c["xf"], normals,
+                                                     z_noisy=z_noisy, residual=False)
+            stats.append(st)
+            routing.append(c["moe"]["routing"])
+            extra += ly.moe.aux_coef * st["aux"] + ly.moe.z_coef * st["z"]
+            margin = min(margin, moe_ref.cache_margin(ly.moe, c["moe"]))
+        else:
+            yf, c["mlp"] = mlp_forward(ly, sub(P, n + ".mlp."), c["xf"])
+        h = a + yf
+        caches.append(c)
+    hf, nfin = norm("final_norm", h)
+    W = P["embed.wte"].T if model.tie else P["head.w"]
+    logits = hf @ W
+    ce, dlogits = cross_entropy(logits, tgt)
+    res = dict(loss=ce + extra, ce=ce, aux=sum(st["aux"] for st in stats),
+               z=sum(st["z"] for st in stats), logits=logits.reshape(B, L, V), stats=stats,
+               routing=routing, margin=margin, caches=caches)
+    if not want_grads:
+        return res
+
+    # ---- backward
+    G = {}
+
+    def norm_back(prefix, cache, dy):
+        dx, dw, db = norm_backward(model.norm, cache, P[prefix + ".weight"], dy)
+        G[prefix + ".weight"] = dw
+        if ln:
+            G[prefix + ".bias"] = db
+        return dx
+
+    dwte = np.zeros_like(P["embed.wte"])
+    if model.tie:
+        dwte += dlogits.T @ hf
+    else:
+        G["head.w"] = hf.T @ dlogits
+    dh = norm_back("final_norm", nfin, dlogits @ W.T)
+    for ly, c in zip(reversed(model.layers), reversed(caches)):
+        n = ly.name
+        if ly.moe is not None:      # adds the aux and z terms' gradients itself
+            dxf, gr = moe_ref.layer_backward(ly.moe, sub(P, n + ".moe."), c["moe"], dh,
+                                             residual=False)
+            pre = n + ".moe."
+        else:
+            dxf, gr = mlp_backward(ly, sub(P, n + ".mlp."), c["xf"], c["mlp"], dh)
+            pre = n + ".mlp."
+        G.update({pre + k: v for k, v in gr.items()})
+        da = dh + norm_back(n + ".ffn.norm", c["nf"], dxf)
+        dxa, gr = attn_backward(model, ly, sub(P, n + ".attn."), c["attn"], da)
+        G.update({n + ".attn." + k: v for k, v in gr.items()})
+        dh = da + norm_back(n + ".attn.norm", c["na"], dxa)
+    np.add.at(dwte, inp, dh)
+    G["embed.wte"] = dwte
+    if model.position == "learned":
+        G["embed.wpe"] = dh.reshape(B, L, M).sum(axis=0)
+    assert set(G) == set(model.param_shapes()), set(G) ^ set(model.param_shapes())
+    res["grads"] = G
+    return res
+
+
+def random_params(model, rng, scale=0.5):
+    """Random weights for tests: norm weights around 1, everything else N(0, scale^2)
+    (xmoe's temperature positive)."""
+    out = {}
+    for n, sh in model.param_shapes().items():
+        if n.endswith("norm.weight"):
+            out[n] = 1.0 + 0.3 * rng.standard_normal(sh)
+        elif n.endswith("gate.temperature"):
+            out[n] = np.asarray(0.3 + 0.5 * rng.random())
+        else:
+            out[n] = scale * rng.standard_normal(sh)
+    return out
+
+
+def random_tokens(model, rng):
+    return rng.integers(0, model.V, (model.B, model.L + 1)).astype(np.int32)
+
+
+# ---------------------------------------------------------------- self-test
+def naive_attention(model, ly, p, x):
+    """The attention of DESIGN §2.1 with explicit loops (rope by its angle formula, GQA by the
+    head mapping): an independent check of the vectorised forward."""
+    B, L = model.B, model.L
+    at, d = ly.attn, ly.d
+    q = x @ p["wq"] + (p["bq"] if at.bias else 0)
+    k = x @ p["wk"] + (p["bk"] if at.bias else 0)
+    v = x @ p["wv"] + (p["bv"] if at.bias else 0)
+
+    def rot(vec, i):
+        if model.position != "rope":
+            return vec
+        out = vec.copy()
+        for c in range(d // 2):
+            ang = i * model.theta ** (-2.0 * c / d)
+            u, w = vec[c], vec[c + d // 2]
+            out[c] = u * math.cos(ang) - w * math.sin(ang)
+            out[c + d // 2] = w * math.cos(ang) + u * math.sin(ang)
+        return out
+
+    o = np.zeros((B * L, at.heads * d))
+    for b in range(B):
+        for hh in range(at.heads):
+            j = hh // (at.heads // at.kv_heads)
+            for i in range(L):
+                qi = rot(q[b * L + i, hh * d:(hh + 1) * d], i)
+                sc = [float(qi @ rot(k[b * L + t, j * d:(j + 1) * d], t)) / math.sqrt(d)
+                      for t in range(i + 1)]
+                mx = max(sc)
+                w = [math.exp(s - mx) for s in sc]
+                tot = sum(w)
+                for t in range(i + 1):
+                    o[b * L + i, hh * d:(hh + 1) * d] += w[t] / tot * v[b * L + t, j * d:(j + 1) * d]
+    return o @ p["wo"] + (p["bo"] if at.bias else 0)
+
+
+def fd_check(model, params, tokens, eps=1e-6, rtol=1e-6, floor=1e-3, grads=None, names=None):
+    """Central differences of the loss vs the analytic gradients (`grads`, default the
+    backward's) of the tensors `names` (default all). Per tensor: err = max|fd - an| / max(max|an|, floor) over the entries whose
+    ±eps leaves every routing decision as it was. Returns (rows, worst, skipped, failed)."""
+    base = forward(model, params, tokens)
+    grads = grads or base["grads"]
+    rows, worst, skipped, failed = [], 0.0, 0, []
+    for name in sorted(params) if names is None else names:
+        arr, an = params[name], grads[name]
+        fd = np.zeros_like(arr)
+        mask = np.ones(arr.shape, dtype=bool)
+        for i in np.ndindex(arr.shape):
+            old = arr[i]
+            vals = []
+            for delta in (eps, -eps):
+                arr[i] = old + delta
+                r = forward(model, params, tokens, want_grads=False)
+                vals.append((r["loss"], moe_ref.same_routing(r["routing"], base["routing"])))
+            arr[i] = old
+            if not (vals[0][1] and vals[1][1]):
+                mask[i] = False
+                skipped += 1
+                continue
+            fd[i] = (vals[0][0] - vals[1][0]) / (2 * eps)
+        scale = float(np.abs(an).max())
+        err = float(np.abs(np.where(mask, fd - an, 0.0)).max()) / max(scale, floor)
+        worst = max(worst, err)
+        rows.append((name, arr.size, scale, err))
+        if err > rtol:
+            failed.append(name)
+    return base, rows, worst, skipped, failed
+
+
+SELFTEST_CASES = [
+    # GPT-2 style: layernorm, learned positions, attention biases, gshard k 2 with drops,
+    # noise, aux and z, tied embeddings; a dense mlp layer after two MoE layers
+    ("gpt: layernorm learned bias gshard k2 drops tied",
+     dict(vocab=11, batch=2, seqlen=5, embed=8, position="learned", norm="layernorm",
+          tie_embeddings=True, seed=7),
+     [("block", 2, dict(attention=dict(heads=2),
+                        moe=dict(experts=4, hidden=6, k=2, capacity=0.5, noise=1.0,
+                                 aux_loss=0.1, z_loss=0.01)))], "drops"),
+    # Llama/Mixtral style: rmsnorm, rope, GQA 4/2, no attention bias, mixtral experts, k 1,
+    # untied head
+    ("llama: rmsnorm rope gqa4/2 nobias mixtral k1 untied",
+     dict(vocab=13, batch=2, seqlen=4, embed=8, position="rope", theta=10.0, norm="rmsnorm",
+          eps=1e-5, tie_embeddings=False, seed=3),
+     [("block", 2, dict(attention=dict(heads=4, kv_heads=2, bias=False),
+                        moe=dict(experts=4, hidden=6, k=1, capacity=1.0, ffn="mixtral",
+                                 noise=0.5, aux_loss=0.05, z_loss=0.02)))], None),
+    # dense mlp layers (gpt with bias, then mixtral) around an MoE layer with groups 2 and
+    # noise (its noise is that of global layer 1: the dense layer counts); layernorm eps 1e-3
+    ("dense: mlp gpt + moe g2 + mlp mixtral, rope gqa 2/1",
+     dict(vocab=9, batch=2, seqlen=4, embed=8, position="rope", theta=100.0, norm="layernorm",
+          eps=1e-3, tie_embeddings=False, seed=11),
+     [("dense", 1, dict(attention=dict(heads=2, kv_heads=1),
+                        mlp=dict(ffn="gpt", hidden=6, act="gelu", bias=True))),
+      ("moe", 1, dict(attention=dict(heads=2),
+                      moe=dict(experts=4, hidden=5, k=2, capacity=1.0, groups=2, noise=1.0,
+                               aux_loss=0.05, z_loss=0.01, act="gelu", bias=False))),
+      ("tail", 1, dict(attention=dict(heads=1, bias=False),
+                       mlp=dict(ffn="mixtral", hidden=6)))], None),
+]
+
+
+def selftest():
+    rng = np.random.default_rng(2024)
+    ok = True
+    worst_all = 0.0
+    print("# lm_ref selftest: central finite differences (eps 1e-6, float64) vs the manual backward")
+    print("# err = max|fd - grad| / max(max|grad|, 1e-3) per tensor, tolerance 1e-6")
+    print("# %-50s %-26s %5s %10s %10s" % ("case", "tensor", "numel", "max|grad|", "err"))
+    for cname, mkw, items, expect in SELFTEST_CASES:
+        model = LMModel(items=items, **mkw)
+        params = random_params(model, rng)
+        tokens = random_tokens(model, rng)
+        # the vectorised attention = the loops of the spec, every layer on its own normed input
+        base = forward(model, params, tokens, want_grads=False)
+        att_err = 0.0
+        for ly, c in zip(model.layers, base["caches"]):
+            p = sub(params, ly.name + ".attn.")
+            y, _ = attn_forward(model, ly, p, c["xa"])
+            att_err = max(att_err, float(np.abs(y - naive_attention(model, ly, p, c["xa"])).max()))
+        # causality: changing the last token of a window changes no logit of that window
+        t2 = tokens.copy()
+        t2[:, model.L - 1] = (t2[:, model.L - 1] + 1) % model.V
+        r2 = forward(model, params, t2, want_grads=False)
+        causal = float(np.abs(r2["logits"][:, :model.L - 1] - base["logits"][:, :model.L - 1]).max())
+        # (capacity couples the tokens of a routing group: a later token's first choice comes
+        # before an earlier token's second choice and can push it out, so causality is exact
+        # only when neither run drops anything)
+        no_drops = not any(st["dropped"] for st in base["stats"] + r2["stats"])
+        causal_ok = causal <= 1e-12 or not no_drops
+        res, rows, worst, skipped, failed = fd_check(model, params, tokens)
+        worst_all = max(worst_all, worst)
+        for name, numel, scale, err in rows:
+            print("  %-50s %-26s %5d %10.3e %10.3e %s" % (cname, name, numel, scale, err,
+                                                          "" if err <= 1e-6 else "<-- FAIL"))
+        drops = sum(st["dropped"] for st in res["stats"])
+        routed = sum(st["routed"] for st in res["stats"])
+        print("# %s: loss %.6f ce %.6f aux %.4f z %.4f dropped %d/%d, fd entries skipped "
+              "(routing changed) %d; attention vs loops %.1e; logits of earlier positions moved "
+              "by %.1e when the last token changed" % (cname, res["loss"], res["ce"], res["aux"],
+                                                       res["z"], drops, routed, skipped, att_err,
+                                                       causal))
+        # bk shifts every score of a query by the same q.bk when positions are learned: its
+        # gradient is exactly 0 (softmax is shift-invariant). Not with rope: the key's rotation
+        # depends on its position, so q.R_j bk differs per key and bk has a real gradient.
+        bk = [float(np.abs(v).max()) for n, v in res["grads"].items() if n.endswith("attn.bk")]
+        if bk:
+            print("# %s: max|grad attn.bk| %.1e (%s)" % (
+                cname, max(bk), "exactly 0 in exact arithmetic" if model.position == "learned"
+                else "rope: not 0"))
+            if (max(bk) > 1e-12) != (model.position == "rope"):
+                ok = False
+        if failed or att_err > 1e-12 or not causal_ok:
+            ok = False
+        if expect == "drops" and drops == 0:
+            print("# %s: expected drops, got none" % cname)
+            ok = False
+        # the check can fail: one wrong gradient entry (1e-4 of the tensor's scale) is caught,
+        # and so is a backward that forgets the aux/z terms
+        name = sorted(res["grads"], key=lambda n: -res["grads"][n].size)[0]
+        bad = {n: v.copy() for n, v in res["grads"].items()}
+        i = np.unravel_index(np.argmax(np.abs(bad[name])), bad[name].shape)
+        bad[name][i] += 1e-4 * float(np.abs(bad[name]).max())
+        _, _, _, _, caught = fd_check(model, params, tokens, grads=bad, names=[name])
+        print("# %s: a wrong entry of grad %s is caught: %s" % (cname, name, caught == [name]))
+        ok = ok and caught == [name]
+    # causality where nothing can be dropped: the dense case with its MoE layer dropless
+    cname, mkw, items, _ = SELFTEST_CASES[2]
+    items = [(n, r, dict(kw, moe=dict(kw["moe"], capacity="*")) if "moe" in kw else kw)
+             for n, r, kw in items]
+    model = LMModel(items=items, **mkw)
+    params = random_params(model, np.random.default_rng(3))
+    tokens = random_tokens(model, np.random.default_rng(4))
+    base = forward(model, params, tokens, want_grads=False)
+    worst_c = 0.0
+    for i in range(1, model.L + 1):
+        t2 = tokens.copy()
+        t2[:, i] = (t2[:, i] + 1 + np.arange(model.B)) % model.V
+        r2 = forward(model, params, t2, want_grads=False)
+        worst_c = max(worst_c, float(np.abs(r2["logits"][:, :i] - base["logits"][:, :i]).max()))
+        if i < model.L and float(np.abs(r2["logits"][:, i:] - base["logits"][:, i:]).max()) < 1e-6:
+            print("# causality: changing token %d moved no later logit" % i)
+            ok = False
+    print("# causality (dropless): changing token i moves the logits before i by at most %.1e"
+          % worst_c)
+    ok = ok and worst_c <= 1e-12
+    # a wrong semantics is caught too: the backward of the GPT case without the aux and z terms
+    cname, mkw, items, _ = SELFTEST_CASES[0]
+    model = LMModel(items=items, **mkw)
+    params = random_params(model, np.random.default_rng(5))
+    tokens = random_tokens(model, np.random.default_rng(6))
+    nolosses = LMModel(items=[(n, r, dict(kw, moe=dict(kw["moe"], aux_loss=0.0, z_loss=0.0)))
+                              for n, r, kw in items], **mkw)
+    wrong = forward(nolosses, params, tokens)["grads"]
+    gname = "block0.moe.gate.wg"
+    _, rows, _, _, caught = fd_check(model, params, tokens, grads=wrong, names=[gname])
+    print("# gradients without the aux/z terms are caught: %s (err %.2e on %s)"
+          % (caught == [gname], rows[0][3], gname))
+    ok = ok and caught == [gname]
+    print("# worst relative error %.3e (tolerance 1e-6)" % worst_all)
+    print("OK" if ok else "FAILED")
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    if "--selftest" in sys.argv[1:]:
+        sys.exit(selftest())
+    print(__doc__)
+    print("usage: lm_ref.py --selftest")
+    sys.exit(2)
