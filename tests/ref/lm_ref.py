@@ -188,7 +188,7 @@ def attn_forward(model, ly, p, x):
     v4 = v.reshape(B, L, KV, d).transpose(0, 2, 1, 3)
     rope = None
     if model.position == "rope":
-        rope = rope_tables(L, d, model.theta)
+        rope = tuple(t.astype(x.dtype) for t in rope_tables(L, d, model.theta))
         q4, k4 = rope_apply(q4, *rope), rope_apply(k4, *rope)
     kh = np.repeat(k4, g, axis=1)                             # head h reads kv head h // g
     vh = np.repeat(v4, g, axis=1)
@@ -263,14 +263,17 @@ def cross_entropy(logits, tgt):
     return ce, dlogits / s
 
 
-def sub(params, prefix):
-    return {n[len(prefix):]: np.asarray(v, dtype=np.float64) for n, v in params.items()
+def sub(params, prefix, dtype=np.float64):
+    return {n[len(prefix):]: np.asarray(v, dtype=dtype) for n, v in params.items()
             if n.startswith(prefix)}
 
 
 # ---------------------------------------------------------------- the model
-def forward(model, params, tokens, want_grads=True, training=True, z_noisy=True):
+def forward(model, params, tokens, want_grads=True, training=True, z_noisy=True,
+            dtype=np.float64):
     """tokens [B, L+1] int; params: name -> array (any float dtype; computed in float64).
+    dtype float32 computes everything but the MoE layers (moe_ref: float64) in float32: an
+    estimate of the rounding a float32 binary sees, not a reference.
     Returns dict(loss, ce, aux, z (unweighted sums over MoE layers), logits [B, L, V],
     grads {name: array} (want_grads), routing [per MoE layer], stats [per MoE layer],
     margin (moe_ref.cache_margin over the MoE layers: distance of the routing from a tie),
@@ -282,7 +285,7 @@ def forward(model, params, tokens, want_grads=True, training=True, z_noisy=True)
     S = B * L
     inp = tokens[:, :L].reshape(S)
     tgt = tokens[:, 1:].reshape(S)
-    P = {n: np.asarray(v, dtype=np.float64) for n, v in params.items()}
+    P = {n: np.asarray(v, dtype=dtype) for n, v in params.items()}
     ln = model.norm == "layernorm"
 
     def norm(prefix, x):
@@ -298,7 +301,7 @@ def forward(model, params, tokens, want_grads=True, training=True, z_noisy=True)
         n = ly.name
         c = dict(h=h)
         c["xa"], c["na"] = norm(n + ".attn.norm", h)
-        pa = sub(P, n + ".attn.")
+        pa = sub(P, n + ".attn.", dtype)
         ya, c["attn"] = attn_forward(model, ly, pa, c["xa"])
         a = h + ya
         c["xf"], c["nf"] = norm(n + ".ffn.norm", a)
@@ -306,14 +309,15 @@ def forward(model, params, tokens, want_grads=True, training=True, z_noisy=True)
             pm = sub(P, n + ".moe.")
             normals = (moe_ref.gate_noise_normals(model.seed, NOISE_STEP, ly.index, 0, S, ly.moe.E)
                        if (training and ly.moe.noise) else None)
-            yf, c["moe"], st = moe_ref.layer_forward(ly.moe, pm, c["xf"], normals,
-                                                     z_noisy=z_noisy, residual=False)
+            yf, c["moe"], st = moe_ref.layer_forward(ly.moe, pm, c["xf"].astype(np.float64),
+                                                     normals, z_noisy=z_noisy, residual=False)
+            yf = yf.astype(dtype)
             stats.append(st)
             routing.append(c["moe"]["routing"])
             extra += ly.moe.aux_coef * st["aux"] + ly.moe.z_coef * st["z"]
             margin = min(margin, moe_ref.cache_margin(ly.moe, c["moe"]))
         else:
-            yf, c["mlp"] = mlp_forward(ly, sub(P, n + ".mlp."), c["xf"])
+            yf, c["mlp"] = mlp_forward(ly, sub(P, n + ".mlp.", dtype), c["xf"])
         h = a + yf
         caches.append(c)
     hf, nfin = norm("final_norm", h)
@@ -345,15 +349,16 @@ def forward(model, params, tokens, want_grads=True, training=True, z_noisy=True)
     for ly, c in zip(reversed(model.layers), reversed(caches)):
         n = ly.name
         if ly.moe is not None:      # adds the aux and z terms' gradients itself
-            dxf, gr = moe_ref.layer_backward(ly.moe, sub(P, n + ".moe."), c["moe"], dh,
-                                             residual=False)
+            dxf, gr = moe_ref.layer_backward(ly.moe, sub(P, n + ".moe."), c["moe"],
+                                             dh.astype(np.float64), residual=False)
+            dxf = dxf.astype(dtype)
             pre = n + ".moe."
         else:
-            dxf, gr = mlp_backward(ly, sub(P, n + ".mlp."), c["xf"], c["mlp"], dh)
+            dxf, gr = mlp_backward(ly, sub(P, n + ".mlp.", dtype), c["xf"], c["mlp"], dh)
             pre = n + ".mlp."
         G.update({pre + k: v for k, v in gr.items()})
         da = dh + norm_back(n + ".ffn.norm", c["nf"], dxf)
-        dxa, gr = attn_backward(model, ly, sub(P, n + ".attn."), c["attn"], da)
+        dxa, gr = attn_backward(model, ly, sub(P, n + ".attn.", dtype), c["attn"], da)
         G.update({n + ".attn." + k: v for k, v in gr.items()})
         dh = da + norm_back(n + ".attn.norm", c["na"], dxa)
     np.add.at(dwte, inp, dh)

@@ -1,0 +1,399 @@
+#!/usr/bin/python3
+"""Holds language models built by `build/moec` (DESIGN.md §2.1) against the numpy reference
+tests/ref/lm_ref.py.
+
+For each config: writes F.moe (a model with `vocab`), random float32 weights of every parameter
+(W.safetensors, whole tensors) and random tokens (tokens.npy, int32 [B, L+1] in [0, V)) into a
+temporary folder, runs `moec build F.moe -o BIN` and `BIN --steps 1 --weights W.safetensors
+--input tokens.npy --dump DIR`, and compares DIR/tokens.npy (exactly), DIR/logits.npy [B, L, V],
+DIR/loss.npy (the total), DIR/ce.npy and DIR/grad/NAME.npy of every parameter with the
+reference (float64), one line per tensor (`NAME ok` / `NAME FAIL err`):
+    err = max|a - b| / max(max|b|, floor) <= 1e-5,
+floor 1e-6, except `attn.bk` with learned positions, whose exact gradient is 0 (softmax is
+shift-invariant): it is compared relative to max|grad attn.wk| of its layer (float32 leaves
+rounding noise of about 1e-7 of that). Weights and tokens are redrawn until no routing decision
+is within 1e-4 of a tie, so float32 and float64 route the same way.
+
+`--fake` runs no moec: the "binary" is lm_ref computing in float32 (its MoE layers stay
+float64), which checks this harness (names, shapes, files, tolerances) and estimates the rounding
+a float32 binary leaves; it is not a test of moec.
+
+Until moec builds language models, the first build fails with a diagnostic about `vocab` or
+`attention`: the test then prints `skipped: moec cannot build language models yet (...)` and
+exits 77. Any other failure exits 1. Exits 77 when build/moec is missing.
+
+    /usr/bin/python3 tests/ref/test_lm_ref.py [--keep] [--only NAME[,NAME...]] [--list] [--fake]
+Environment: MOEC (path of moec; default $BUILD/moec, BUILD default build), from the repo root.
+"""
+import math
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+
+import numpy as np
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.abspath(os.path.join(HERE, "..", ".."))
+sys.path.insert(0, HERE)
+import lm_ref  # noqa: E402
+import moe_ref  # noqa: E402
+from test_ref import moe_block  # noqa: E402
+
+TOL = 1e-5
+FLOOR = 1e-6
+B, L, M, V, E, H, SEED = 2, 8, 16, 32, 4, 32, 7
+
+GPT_FFN = dict(experts=E, hidden=H, ffn="gpt", act="gelu")
+MIX_FFN = dict(experts=E, hidden=H, ffn="mixtral")
+LOSSES = dict(aux_loss=0.01, z_loss=0.001)
+
+# (name, model fields (lm_ref.LMModel keywords; theta / eps only when written), layer items
+# (lm_ref.LMModel items), options: expect "drops" / "nodrop")
+CONFIGS = [
+    # GPT-2 style (the example of the brief): layernorm, learned positions, attention biases,
+    # tied embeddings; two MoE layers and a dense one
+    ("a_gpt", dict(position="learned", norm="layernorm", tie_embeddings=True),
+     [("block", 2, dict(attention=dict(heads=2),
+                        moe=dict(GPT_FFN, k=2, capacity=1.0, **LOSSES))),
+      ("dense", 1, dict(attention=dict(heads=2), mlp=dict(ffn="gpt", hidden=H, act="gelu")))],
+     {}),
+    # Llama/Mixtral style: rmsnorm, rope, GQA 4/2 without biases, mixtral experts, k 1 with
+    # gate noise, untied head
+    ("b_llama", dict(position="rope", norm="rmsnorm", tie_embeddings=False),
+     [("block", 2, dict(attention=dict(heads=4, kv_heads=2, bias=False),
+                        moe=dict(MIX_FFN, k=1, capacity=1.0, noise=1.0, **LOSSES)))],
+     dict(expect="drops")),
+    # a dense layer first (the MoE layer's gate noise is global layer 1's), rope with its own
+    # theta, layernorm with its own eps, MQA (kv_heads 1), groups 2, a mixtral mlp last
+    ("c_dense_first", dict(position="rope", theta=500.0, norm="layernorm", eps=1e-6,
+                           tie_embeddings=False),
+     [("dense", 1, dict(attention=dict(heads=2, kv_heads=1),
+                        mlp=dict(ffn="gpt", hidden=H, act="gelu", bias=False))),
+      ("moe", 1, dict(attention=dict(heads=4),
+                      moe=dict(GPT_FFN, k=2, capacity=0.75, groups=2, noise=1.0, aux_loss=0.05,
+                               z_loss=0.01))),
+      ("tail", 1, dict(attention=dict(heads=2, bias=False), mlp=dict(ffn="mixtral", hidden=H)))],
+     dict(expect="drops")),
+    # the other gates inside a language model: sigmoid, xmoe (noise, gshard order),
+    # expert_choice (groups 2), softmoe; rmsnorm with its own eps, learned positions, tied
+    ("d_gates", dict(position="learned", norm="rmsnorm", eps=1e-6, tie_embeddings=True),
+     [("sig", 1, dict(attention=dict(heads=2),
+                      moe=dict(MIX_FFN, gate="sigmoid", k=2, capacity=1.0, **LOSSES))),
+      ("xm", 1, dict(attention=dict(heads=2, bias=False),
+                     moe=dict(GPT_FFN, gate="xmoe", k=1, capacity=1.0, proj=8, noise=1.0,
+                              order="gshard", z_loss=0.01))),
+      ("ec", 1, dict(attention=dict(heads=4, kv_heads=2),
+                     moe=dict(GPT_FFN, gate="expert_choice", k=1, capacity=1.0, groups=2,
+                              z_loss=0.01))),
+      ("soft", 1, dict(attention=dict(heads=2), moe=dict(MIX_FFN, gate="softmoe", slots=2)))],
+     {}),
+    # dropless gshard k 2 with groups 2 (gshard order), relu experts without bias
+    ("e_dropless", dict(position="rope", norm="rmsnorm", tie_embeddings=True),
+     [("block", 2, dict(attention=dict(heads=2, kv_heads=2),
+                        moe=dict(GPT_FFN, act="relu", bias=False, k=2, capacity="*", groups=2,
+                                 order="gshard", noise=1.0, **LOSSES)))],
+     dict(expect="nodrop")),
+]
+
+
+def make_model(fields, items):
+    return lm_ref.LMModel(vocab=V, batch=B, seqlen=L, embed=M, items=items, seed=SEED, **fields)
+
+
+def lm_text(model_name, fields, items):
+    """The .moe source of a config (DESIGN §2.1's syntax)."""
+    pos = fields.get("position", "learned") + ";"          # a block takes no `;` after it
+    if fields.get("position") == "rope" and "theta" in fields:
+        pos = "rope { theta %r; }" % float(fields["theta"])
+    norm = fields.get("norm", "layernorm") + ";"
+    if "eps" in fields:
+        norm = norm[:-1] + " { eps %r; }" % float(fields["eps"])
+    out = ["# generated by tests/ref/test_lm_ref.py",
+           "model %s {" % model_name,
+           "  dtype fp32;", "  batch %d;" % B, "  seqlen %d;" % L, "  embed %d;" % M,
+           "  seed %d;" % SEED, "  vocab %d;" % V, "  position %s" % pos, "  norm %s" % norm,
+           "  tie_embeddings %s;" % ("true" if fields.get("tie_embeddings", True) else "false"),
+           "  optimizer sgd { lr 0.01; }", "}", ""]
+    for name, repeat, kw in items:
+        at = kw["attention"]
+        fields_at = ["heads %d;" % at["heads"]]
+        if "kv_heads" in at:
+            fields_at.append("kv_heads %d;" % at["kv_heads"])
+        if "bias" in at:
+            fields_at.append("bias %s;" % ("true" if at["bias"] else "false"))
+        out.append("layer %s%s {" % (name, " x %d" % repeat if repeat != 1 else ""))
+        out.append("  attention { %s }" % " ".join(fields_at))
+        if "moe" in kw:
+            out += moe_block(kw["moe"], indent="  ")
+        else:
+            mlp = kw["mlp"]
+            if mlp.get("ffn", "gpt") == "mixtral":
+                ffn = "ffn mixtral { hidden %d; }" % mlp["hidden"]
+            else:
+                ffn = "ffn gpt { hidden %d; act %s; bias %s; }" % (
+                    mlp["hidden"], mlp.get("act", "gelu"), "true" if mlp.get("bias", True) else "false")
+            out.append("  mlp { %s }" % ffn)
+        out += ["}", ""]
+    return "\n".join(out)
+
+
+def draw(model, rng):
+    """float32 weights of every parameter (norm weights near 1) and int32 tokens [B, L+1]."""
+    params = {}
+    for n, sh in model.param_shapes().items():
+        if n.endswith("norm.weight"):
+            v = 1.0 + 0.2 * rng.standard_normal(sh)
+        elif n.endswith("norm.bias"):
+            v = 0.1 * rng.standard_normal(sh)
+        elif n.endswith("gate.temperature"):
+            v = np.asarray(0.5 + 0.3 * rng.random())
+        elif n.startswith("embed."):
+            v = 0.5 * rng.standard_normal(sh)
+        else:
+            v = 0.3 * rng.standard_normal(sh)
+        params[n] = np.asarray(v, dtype=np.float32)
+    return params, lm_ref.random_tokens(model, rng)
+
+
+# ---------------------------------------------------------------- report
+class Report:
+    def __init__(self):
+        self.failures = []
+        self.worst = (0.0, "")
+        self.count = 0
+        print("# moec language models: binary (fp32) vs tests/ref/lm_ref.py (float64)")
+        print("# err = max|a-b| / max(max|ref|, floor) per tensor, tolerance %g, floor %g "
+              "(learned-position attn.bk: max|grad attn.wk|)" % (TOL, FLOOR))
+
+    def row(self, config, name, got, want, tol=TOL, floor=FLOOR):
+        want = np.asarray(want, dtype=np.float64)
+        tag = "%s %s" % (config, name)
+        if got is None:
+            print("  %s FAIL missing" % tag)
+            self.failures.append(tag + " missing")
+            return
+        got = np.asarray(got, dtype=np.float64)
+        if got.size == 1 and want.size == 1:        # a scalar dumped as [] or [1]
+            got, want = got.reshape(()), want.reshape(())
+        if got.shape != want.shape:
+            print("  %s FAIL shape %s, reference %s" % (tag, got.shape, want.shape))
+            self.failures.append("%s shape %s != %s" % (tag, got.shape, want.shape))
+            return
+        diff = float(np.abs(got - want).max()) if got.size else 0.0
+        scale = max(float(np.abs(want).max()) if want.size else 0.0, floor)
+        err = diff / scale if np.isfinite(diff) else math.inf
+        self.count += 1
+        if err > self.worst[0] or not self.worst[1]:
+            self.worst = (err, tag)
+        if err <= tol:
+            print("  %s ok %.2e (scale %.3e, %d values)" % (tag, err, scale, want.size))
+        else:
+            print("  %s FAIL %.3e (scale %.3e, max|diff| %.3e, %d values)"
+                  % (tag, err, scale, diff, want.size))
+            self.failures.append("%s err %.3e" % (tag, err))
+
+    def note(self, msg):
+        print("# " + msg)
+
+    def fail(self, msg):
+        print("# FAILED: " + msg)
+        self.failures.append(msg)
+
+
+class Skip(Exception):
+    pass
+
+
+def run(cmd, cwd=None):
+    return subprocess.run(cmd, cwd=cwd, capture_output=True, text=True, timeout=600)
+
+
+def load(dump, rel):
+    p = os.path.join(dump, rel)
+    return moe_ref.load_npy(p) if os.path.exists(p) else None
+
+
+def step_line(stdout):
+    for line in stdout.splitlines():
+        if re.match(r"\s*step\s+1\b", line):
+            return line
+    return None
+
+
+def check_step_line(rep, cname, stdout, want):
+    """The `step 1` line: loss and ce (when printed) to their printed precision; aux, z and the
+    gradient norm are noted (the line's exact form for language models is not fixed)."""
+    gnorm = math.sqrt(sum(float((g ** 2).sum()) for g in want["grads"].values()))
+    rep.note("%s: ref loss %.6f ce %.6f aux %.6f z %.6f (unweighted sums over MoE layers), "
+             "grad norm %.6f" % (cname, want["loss"], want["ce"], want["aux"], want["z"], gnorm))
+    line = step_line(stdout)
+    if line is None:
+        rep.fail("%s: no `step 1 ...` line in the binary's stdout:\n%s" % (cname, stdout))
+        return
+    rep.note("%s: bin line: %s" % (cname, line.strip()))
+    for label, ref_v in (("loss", want["loss"]), ("ce", want["ce"])):
+        m = re.search(r"\b%s\s+([-+0-9.eEinfna]+)" % label, line)
+        if m:
+            try:
+                got = float(m.group(1))
+            except ValueError:
+                got = math.nan
+            decimals = len(m.group(1).split(".")[1]) if "." in m.group(1) and "e" not in m.group(1).lower() else 6
+            if not abs(got - ref_v) <= 0.51 * 10.0 ** -decimals + TOL * abs(ref_v):
+                rep.fail("%s: step line %s %s, reference %.8f" % (cname, label, m.group(1), ref_v))
+
+
+def build(moec, d, tag, src, first):
+    moe = os.path.join(d, tag + ".moe")
+    open(moe, "w").write(src)
+    bin_path = os.path.join(d, tag + ".bin")
+    r = run([moec, "build", moe, "-o", bin_path], cwd=ROOT)
+    if r.returncode != 0 or not os.path.exists(bin_path):
+        msg = (r.stdout + r.stderr).strip()
+        if first and ("vocab" in msg or "attention" in msg):
+            first_line = next((s for s in msg.splitlines() if "error" in s), msg.splitlines()[0] if msg else "")
+            raise Skip(first_line.strip())
+        return None, "moec build exited %d:\n%s" % (r.returncode, msg)
+    return bin_path, None
+
+
+def fake_binary(model, w_path, t_path, dump):
+    """--fake: what the binary would dump, from lm_ref in float32, read from the same files."""
+    params, _ = moe_ref.load_safetensors(w_path)
+    tokens = moe_ref.load_npy(t_path)
+    r = lm_ref.forward(model, params, tokens, dtype=np.float32)
+    os.makedirs(os.path.join(dump, "grad"))
+    moe_ref.save_npy(os.path.join(dump, "tokens.npy"), tokens)
+    moe_ref.save_npy(os.path.join(dump, "logits.npy"), r["logits"].astype(np.float32))
+    moe_ref.save_npy(os.path.join(dump, "loss.npy"), np.float32(r["loss"]))
+    moe_ref.save_npy(os.path.join(dump, "ce.npy"), np.float32(r["ce"]))
+    for n, g in r["grads"].items():
+        moe_ref.save_npy(os.path.join(dump, "grad", n + ".npy"), np.asarray(g, dtype=np.float32))
+    return "step 1  loss %.6f  ce %.6f  aux %.6f  z %.6f  (fake: lm_ref in float32)" % (
+        r["loss"], r["ce"], r["aux"], r["z"])
+
+
+def run_config(rep, moec, cname, fields, items, opts, tmp, first):
+    d = os.path.join(tmp, cname)
+    os.makedirs(d)
+    model = make_model(fields, items)
+    shapes = model.param_shapes()
+    for attempt in range(20):
+        rng = np.random.default_rng(4000 + 31 * attempt + len(cname))
+        params, tokens = draw(model, rng)
+        want = lm_ref.forward(model, params, tokens)
+        if want["margin"] > 1e-4:
+            break
+    dropped = sum(st["dropped"] for st in want["stats"])
+    routed = sum(st["routed"] for st in want["stats"])
+    rep.note("%s: %s; %d parameters (%d values), routing margin %.2e (draw %d), dropped %d/%d"
+             % (cname, ", ".join("%s(%s)" % (ly.name, ly.moe.gate if ly.moe else "mlp " + ly.mlp.ffn)
+                                 for ly in model.layers),
+                len(shapes), sum(int(np.prod(s)) for s in shapes.values()), want["margin"],
+                attempt, dropped, routed))
+    if want["margin"] <= 1e-4:
+        rep.fail("%s: no draw keeps the routing 1e-4 away from a tie" % cname)
+    if opts.get("expect") == "drops" and dropped == 0:
+        rep.fail("%s: the config is meant to drop choices; the reference drops none" % cname)
+    if opts.get("expect") == "nodrop" and dropped:
+        rep.fail("%s: the config is meant to drop nothing; the reference drops %d" % (cname, dropped))
+    w_path, t_path = os.path.join(d, "W.safetensors"), os.path.join(d, "tokens.npy")
+    moe_ref.save_safetensors(w_path, params)
+    moe_ref.save_npy(t_path, tokens)
+
+    dump = os.path.join(d, "A.dump")
+    if moec is None:
+        stdout = fake_binary(model, w_path, t_path, dump)
+    else:
+        bin_path, err = build(moec, d, "A", lm_text("lm_" + cname, fields, items), first)
+        if bin_path is None:
+            rep.fail("%s: %s" % (cname, err))
+            return
+        r = run([bin_path, "--steps", "1", "--weights", w_path, "--input", t_path, "--dump", dump],
+                cwd=d)
+        if r.returncode != 0:
+            rep.fail("%s: binary exited %d:\n%s%s" % (cname, r.returncode, r.stdout, r.stderr))
+            return
+        stdout = r.stdout
+    got_t = load(dump, "tokens.npy")
+    if got_t is None or got_t.shape != tokens.shape or not np.array_equal(got_t, tokens):
+        rep.fail("%s: dumped tokens.npy %s differ from the input" % (
+            cname, "missing" if got_t is None else "%s %s" % (got_t.dtype, got_t.shape)))
+    else:
+        print("  %s tokens ok (exact, %d values)" % (cname, tokens.size))
+    rep.row(cname, "logits", load(dump, "logits.npy"), want["logits"])
+    rep.row(cname, "loss", load(dump, "loss.npy"), np.float64(want["loss"]))
+    rep.row(cname, "ce", load(dump, "ce.npy"), np.float64(want["ce"]))
+    for name in sorted(shapes):
+        floor = FLOOR
+        if name.endswith(".attn.bk") and model.position == "learned":
+            floor = max(FLOOR, float(np.abs(want["grads"][name[:-2] + "wk"]).max()))
+        rep.row(cname, name, load(dump, os.path.join("grad", name + ".npy")), want["grads"][name],
+                floor=floor)
+    gdir = os.path.join(dump, "grad")
+    extra = sorted(f[:-4] for f in os.listdir(gdir) if f.endswith(".npy") and f[:-4] not in shapes) \
+        if os.path.isdir(gdir) else []
+    if extra:
+        rep.fail("%s: unexpected gradient dumps %s" % (cname, extra))
+    check_step_line(rep, cname, stdout, want)
+    got_loss = load(dump, "loss.npy")
+    if got_loss is not None and abs(float(np.ravel(got_loss)[0]) - want["loss"]) > TOL * abs(want["loss"]):
+        alt = lm_ref.forward(model, params, tokens, want_grads=False, z_noisy=False)
+        quiet = lm_ref.forward(model, params, tokens, want_grads=False, training=False)
+        rep.note("%s: loss differs; with z on the clean logits the reference gives %.8f, without "
+                 "gate noise %.8f (ce %.8f), binary %.8f" % (cname, alt["loss"], quiet["loss"],
+                                                            quiet["ce"], float(np.ravel(got_loss)[0])))
+
+
+def main():
+    keep = "--keep" in sys.argv
+    only = set(sys.argv[sys.argv.index("--only") + 1].split(",")) if "--only" in sys.argv else None
+    if "--list" in sys.argv:
+        for cname, _, _, _ in CONFIGS:
+            print(cname)
+        return 0
+    build_dir = os.environ.get("BUILD", "build")
+    moec = os.environ.get("MOEC", os.path.join(ROOT, build_dir, "moec") if not os.path.isabs(build_dir)
+                          else os.path.join(build_dir, "moec"))
+    if "--fake" in sys.argv:
+        moec = None
+        print("# --fake: the binary is lm_ref in float32 (checks this harness, not moec)")
+    elif not os.path.exists(moec):
+        print("skipped: build/moec missing")
+        return 77
+    rep = Report()
+    tmp = tempfile.mkdtemp(prefix="moec_lm_ref_")
+    first = True
+    try:
+        for cname, fields, items, opts in CONFIGS:
+            if only and cname not in only:
+                continue
+            try:
+                run_config(rep, moec, cname, fields, items, opts, tmp, first)
+            except subprocess.TimeoutExpired as e:
+                rep.fail("%s: timed out: %s" % (cname, e))
+            first = False
+    except Skip as e:
+        print("skipped: moec cannot build language models yet (%s)" % e)
+        return 77
+    finally:
+        if keep:
+            print("# kept %s" % tmp)
+        else:
+            shutil.rmtree(tmp, ignore_errors=True)
+    print("# %d tensors compared; worst err %.4e (%s), tolerance %g"
+          % (rep.count, rep.worst[0], rep.worst[1], TOL))
+    if rep.failures:
+        for f in rep.failures:
+            print("# failure: " + f.splitlines()[0])
+        print("FAILED")
+        return 1
+    print("OK")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
