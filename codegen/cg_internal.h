@@ -86,6 +86,8 @@ typedef enum CgArgKind {
   CG_ARG_SEED,      // RtStep.seed, .step, .token0 of the step being run
   CG_ARG_STEP,
   CG_ARG_TOKEN0,
+  CG_ARG_LR_SCALE,  // RtStep.lr_scale and .grad_scale (floats): the learning-rate schedule and clipping
+  CG_ARG_GRAD_SCALE,
 } CgArgKind;
 
 typedef struct CgArg {
@@ -150,6 +152,7 @@ typedef struct CgSpelling {
   bool typed;                    // arena pointers cast to the value's C type (the CPU program)
   const char *arena;             // the base of the activation arena (bytes)
   const char *input, *target;    // the step's input and target
+  const char *input_i32, *target_i32;   // the same of integer type (token ids); NULL: as above
   const char *params, *grads, *opt_m, *opt_v;   // the flat parameter, gradient and moment buffers
 } CgSpelling;
 // The pointer expression of value v (by its memory plan slot), of operand a, and of a pointer

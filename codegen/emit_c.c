@@ -26,6 +26,7 @@ typedef struct Emit {
 static CgSpelling spelling(const Emit *e) {
   return (CgSpelling){.plan = e->plan, .param_offset = e->param_offset, .typed = true, .arena = "A",
                       .input = "((const float *)st->input)", .target = "((const float *)st->target)",
+                      .input_i32 = "((const int32_t *)st->input)", .target_i32 = "((const int32_t *)st->target)",
                       .params = "st->params", .grads = "st->grads", .opt_m = "st->opt_m", .opt_v = "st->opt_v"};
 }
 
@@ -56,6 +57,8 @@ static void call_arg(Emit *e, char *buf, size_t n, const IrFunc *f, int i, const
   case CG_ARG_SEED: snprintf(buf, n, "st->seed"); return;
   case CG_ARG_STEP: snprintf(buf, n, "st->step"); return;
   case CG_ARG_TOKEN0: snprintf(buf, n, "st->token0"); return;
+  case CG_ARG_LR_SCALE: snprintf(buf, n, "st->lr_scale"); return;
+  case CG_ARG_GRAD_SCALE: snprintf(buf, n, "st->grad_scale"); return;
   default: break;
   }
   UNREACHABLE();
@@ -381,6 +384,20 @@ void cg_emit_model(FILE *out, const IrModule *m, const PassMemPlan *plan, int64_
           ir_mod_int(m, "dp", 1), ir_mod_int(m, "mp", 1), ir_mod_int(m, "ep", 1), ir_mod_int(m, "esp", 1),
           ir_mod_int(m, "gpus_per_node", 1), ir_mod_int(m, "nodes", 0));
   if (device) fprintf(out, "  .device = &%s,\n", device);
+  fprintf(out, "  .lr = %.17g, .min_lr = %.17g, .clip = %.17g, .warmup = %" PRId64 ", .decay_steps = %" PRId64 ",\n",
+          ir_mod_float(m, "lr", 0), ir_mod_float(m, "min_lr", 0), ir_mod_float(m, "clip", 0), ir_mod_int(m, "warmup", 0),
+          ir_mod_int(m, "decay_steps", 0));
+  if (ir_mod_int(m, "vocab", 0) > 0) {
+    fprintf(out, "  .vocab = %" PRId64 ",\n", ir_mod_int(m, "vocab", 0));
+    static const char *const data[] = {"data_train", "data_val", "data_format"};
+    for (int i = 0; i < 3; i++) {
+      const char *v = ir_mod_str(m, data[i], NULL);
+      if (!v) continue;
+      fprintf(out, "  .%s = \"", data[i]);
+      for (const char *c = v; *c; c++) fprintf(out, *c == '"' || *c == '\\' ? "\\%c" : (unsigned char)*c < 32 ? "\\%03o" : "%c", *c);
+      fprintf(out, "\",\n");
+    }
+  }
   fprintf(out, "};\n\nint main(int argc, char **argv) { return rt_main(&model, argc, argv); }\n");
 }
 
@@ -414,8 +431,8 @@ bool cg_emit_c(IrDiag *d, FILE *out, const IrModule *m, const PassMemPlan *plan,
     if (f->role == IR_ROLE_LOSS_FWD) {
       char buf[96];
       ok = emit_func(&e, f);
-      if (last_fwd) {
-        cg_spell_value(&e.sp, last_fwd->rets[0], buf, sizeof buf);
+      if (f->nrets > 1 || last_fwd) {   // a language model's logits, or the last layer's output
+        cg_spell_value(&e.sp, f->nrets > 1 ? f->rets[1] : last_fwd->rets[0], buf, sizeof buf);
         fprintf(out, "  st->output = %s;\n", buf);
       }
       cg_spell_value(&e.sp, f->rets[0], buf, sizeof buf);

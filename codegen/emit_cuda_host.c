@@ -197,7 +197,8 @@ static bool kernel_arg(Host *h, const IrFunc *f, int i, const CgArg *a, CgParamT
   char addr[96];
   bool pointer = a->kind == CG_ARG_OPERAND || a->kind == CG_ARG_RESULT || a->kind == CG_ARG_GRAD ||
                  a->kind == CG_ARG_MOMENT_M || a->kind == CG_ARG_MOMENT_V || a->kind == CG_ARG_STATS;
-  if (pointer != (t == CG_PARAM_POINTER) || (a->kind == CG_ARG_FLOAT) != (t == CG_PARAM_FLOAT) ||
+  bool real = a->kind == CG_ARG_FLOAT || a->kind == CG_ARG_LR_SCALE || a->kind == CG_ARG_GRAD_SCALE;
+  if (pointer != (t == CG_PARAM_POINTER) || real != (t == CG_PARAM_FLOAT) ||
       (a->kind == CG_ARG_SEED) != (t == CG_PARAM_U64) ||
       ((a->kind == CG_ARG_STEP || a->kind == CG_ARG_TOKEN0) && t != CG_PARAM_I64))
     return false;
@@ -216,6 +217,8 @@ static bool kernel_arg(Host *h, const IrFunc *f, int i, const CgArg *a, CgParamT
     case CG_ARG_SEED: snprintf(buf, n, "U64(st->seed)"); return true;
     case CG_ARG_STEP: snprintf(buf, n, "I64(st->step)"); return true;
     case CG_ARG_TOKEN0: snprintf(buf, n, "I64(st->token0)"); return true;
+    case CG_ARG_LR_SCALE: snprintf(buf, n, "F32(st->lr_scale)"); return true;
+    case CG_ARG_GRAD_SCALE: snprintf(buf, n, "F32(st->grad_scale)"); return true;
     default: return false;
     }
   }

@@ -224,12 +224,12 @@ static bool rule_pointer(Rule *r, CgKernelCall *c) {
   return true;
 }
 
-// The step's seed, step and token0, where the kernel takes them.
+// The step's seed, step, token0, lr_scale and grad_scale, where the kernel takes them.
 static bool rule_step_value(Rule *r, CgKernelCall *c) {
-  const char *names[] = {"seed", "step", "token0"};
-  CgArgKind kinds[] = {CG_ARG_SEED, CG_ARG_STEP, CG_ARG_TOKEN0};
+  const char *names[] = {"seed", "step", "token0", "lr_scale", "grad_scale"};
+  CgArgKind kinds[] = {CG_ARG_SEED, CG_ARG_STEP, CG_ARG_TOKEN0, CG_ARG_LR_SCALE, CG_ARG_GRAD_SCALE};
   rule_spaces(r);
-  for (int i = 0; i < 3; i++) {
+  for (int i = 0; i < 5; i++) {
     size_t n = strlen(names[i]);
     if (strncmp(r->s, names[i], n) == 0 && !strchr("abcdefghijklmnopqrstuvwxyz_0123456789", r->s[n])) {
       r->s += n;
@@ -262,6 +262,7 @@ static bool rule_call(Rule *r, CgLaunch *l) {
     if (*p == 'p') {
       if (!rule_pointer(r, c)) return false;
     } else if (*p == 'f') {
+      if (rule_step_value(r, c)) continue;   // lr_scale, grad_scale
       if (!rule_float(r, &f)) return false;
       flt(c, f);
     } else if (!rule_step_value(r, c)) {
@@ -367,6 +368,14 @@ static bool lower_in_c(const IrOp *op, const Shapes *sh, CgLaunch *l) {
   }
   case IR_OP_PARAM_GRAD: {  // value -> the parameter's gradient; the host skips it when computed in place
     int64_t count = ir_type_numel(&op->args[0].param->type);
+    if (ir_op_int(op, "accumulate", 0)) {  // grad += value (a parameter used by two functions)
+      c = call(l, CG_K_ADD, grid_elems(count));
+      arg(c, CG_ARG_GRAD, 0);
+      arg(c, CG_ARG_OPERAND, 1);
+      arg(c, CG_ARG_GRAD, 0);
+      INTS(c, count);
+      return true;
+    }
     c = call(l, CG_K_COPY, grid_elems(count));
     arg(c, CG_ARG_OPERAND, 1);
     arg(c, CG_ARG_GRAD, 0);

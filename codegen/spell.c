@@ -18,8 +18,8 @@ void cg_spell_value(const CgSpelling *sp, const IrValue *v, char *buf, size_t n)
     if (sp->typed) snprintf(buf, n, "((%s *)(%s + %" PRId64 "))", c_type(&v->type), sp->arena, s->offset);
     else snprintf(buf, n, "(%s + %" PRId64 ")", sp->arena, s->offset);
     return;
-  case PASS_MEM_INPUT: snprintf(buf, n, "%s", sp->input); return;
-  case PASS_MEM_TARGET: snprintf(buf, n, "%s", sp->target); return;
+  case PASS_MEM_INPUT: snprintf(buf, n, "%s", v->type.dtype == IR_I32 && sp->input_i32 ? sp->input_i32 : sp->input); return;
+  case PASS_MEM_TARGET: snprintf(buf, n, "%s", v->type.dtype == IR_I32 && sp->target_i32 ? sp->target_i32 : sp->target); return;
   case PASS_MEM_GRAD: snprintf(buf, n, "(%s + %" PRId64 ")", sp->grads, sp->param_offset[s->offset]); return;
   case PASS_MEM_NONE: break;
   }

@@ -128,6 +128,9 @@ static const char *const hook_points[] = {"before_moe_start", "before_dispatch",
 static const char *const hook_actions[] = {"compress", "record", NULL};
 static const char *const compress_types[] = {"fp16", "bf16", "int8", NULL};
 static const char *const partitions[] = {"auto", "none", "chunk", NULL};
+static const char *const positions[] = {"learned", "rope", NULL};
+static const char *const norms[] = {"layernorm", "rmsnorm", NULL};
+static const char *const token_formats[] = {"u16", "bytes", NULL};
 
 static void check_layer(Ctx *c, const FeNode *parent, const FeNode *n, char *dst);
 static void check_hook(Ctx *c, const FeNode *parent, const FeNode *n, char *dst);
@@ -144,10 +147,35 @@ static const Field optimizer_fields[] = {
   {"beta2", 0, "adamw", {{V_NUM, R_UNIT, .def = "0.999", .off = AT(FeOptimizer, beta2)}}},
   {"eps", 0, "adamw", {{V_NUM, R_POS, .def = "1e-8", .off = AT(FeOptimizer, eps)}}},
   {"weight_decay", 0, "adamw", {{V_NUM, R_NONNEG, .def = "0", .off = AT(FeOptimizer, weight_decay)}}},
+  {"warmup", 0, .vals = {{V_INT, R_NONNEG, .def = "0", .off = AT(FeOptimizer, warmup)}}},
+  {"decay_steps", 0, .vals = {{V_INT, R_NONNEG, .def = "0", .off = AT(FeOptimizer, decay_steps)}}},
+  {"min_lr", 0, .vals = {{V_NUM, R_NONNEG, .def = "0", .off = AT(FeOptimizer, min_lr)}}},
+  {"clip", 0, .vals = {{V_NUM, R_NONNEG, .def = "0", .off = AT(FeOptimizer, clip)}}},
 };
 static const Block optimizer_block = BLOCK("optimizer", optimizer_fields, NULL);
 
-// model = "model" NAME "{" [dtype] batch seqlen embed [seed] optimizer "}"
+// position = "position" (learned | rope) [ "{" [theta] "}" ]
+static const Field position_fields[] = {
+  {"theta", 0, "rope", {{V_NUM, R_POS, .def = "10000", .off = AT(FeModel, rope_theta)}}},
+};
+static const Block position_block = BLOCK("position", position_fields, NULL);
+
+// norm = "norm" (layernorm | rmsnorm) [ "{" [eps] "}" ]
+static const Field norm_fields[] = {
+  {"eps", 0, .vals = {{V_NUM, R_POS, .def = "1e-5", .off = AT(FeModel, norm_eps)}}},
+};
+static const Block norm_block = BLOCK("norm", norm_fields, NULL);
+
+// data = "data" "{" [train STRING] [val STRING] [format (u16 | bytes)] "}"
+static const Field data_fields[] = {
+  {"train", 0, .vals = {{V_STRING, .off = AT(FeData, train)}}},
+  {"val", 0, .vals = {{V_STRING, .off = AT(FeData, val)}}},
+  {"format", 0, .vals = {{V_WORD, .what = "token format", .words = token_formats, .off = AT(FeData, format)}}},
+};
+static const Block data_block = BLOCK("data", data_fields, NULL);
+
+// model = "model" NAME "{" [dtype] batch seqlen embed [seed] optimizer
+//                          [vocab [position] [norm] [tie_embeddings] [data]] "}"
 static const Field model_fields[] = {
   {"dtype", 0, .vals = {{V_WORD, .what = "dtype", .words = dtypes, .def = "fp32",
                          .off = AT(FeModel, dtype), .loc_off = AT(FeModel, dtype_loc)}}},
@@ -158,6 +186,17 @@ static const Field model_fields[] = {
   {"optimizer", F_REQUIRED | F_BLOCK,
    .vals = {{V_WORD, .what = "optimizer", .words = optimizers, .off = AT(FeModel, optimizer.name)}},
    .block = &optimizer_block, .sub = AT(FeModel, optimizer), .loc = AT(FeModel, optimizer.loc)},
+  {"vocab", 0, .vals = {{V_INT, R_POS, .off = AT(FeModel, vocab)}}, .loc = AT(FeModel, vocab_loc),
+   .present = AT(FeModel, has_vocab)},
+  {"position", F_BLOCK_OPT, .vals = {{V_WORD, .what = "position kind", .words = positions, .def = "learned",
+                                      .off = AT(FeModel, position)}},
+   .block = &position_block, .sub = SAME, .loc = AT(FeModel, position_loc), .present = AT(FeModel, has_position)},
+  {"norm", F_BLOCK_OPT, .vals = {{V_WORD, .what = "norm", .words = norms, .def = "layernorm", .off = AT(FeModel, norm)}},
+   .block = &norm_block, .sub = SAME, .loc = AT(FeModel, norm_loc), .present = AT(FeModel, has_norm)},
+  {"tie_embeddings", 0, .vals = {{V_BOOL, .def = "true", .off = AT(FeModel, tie_embeddings)}},
+   .loc = AT(FeModel, tie_loc), .present = AT(FeModel, has_tie)},
+  {"data", F_BLOCK, .block = &data_block, .sub = AT(FeModel, data), .loc = AT(FeModel, data.loc),
+   .present = AT(FeModel, has_data)},
 };
 static const Block model_block = BLOCK("model", model_fields, NULL);
 
@@ -232,17 +271,22 @@ static const Field moe_fields[] = {
 };
 static const Block moe_block = BLOCK("moe", moe_fields, NULL);
 
-// attention = "attention" "{" heads "}"
+// attention = "attention" "{" heads [kv_heads] [bias] "}"
 static const Field attention_fields[] = {
   {"heads", F_REQUIRED, .vals = {{V_INT, R_POS, .off = AT(FeLayer, heads)}}},
+  {"kv_heads", 0, .vals = {{V_INT, R_POS, .def = "0", .off = AT(FeLayer, kv_heads)}}},
+  {"bias", 0, .vals = {{V_BOOL, .def = "true", .off = AT(FeLayer, attn_bias)}}},
 };
 static const Block attention_block = BLOCK("attention", attention_fields, NULL);
 
-// layer = "layer" NAME ["x" N] "{" [attention] moe "}"
+// layer = "layer" NAME ["x" N] "{" [attention] (moe | mlp) "}"      (mlp: language models)
 static const Field layer_fields[] = {
   {"attention", F_BLOCK, .block = &attention_block, .sub = SAME,
    .loc = AT(FeLayer, attention_loc), .present = AT(FeLayer, has_attention)},
-  {"moe", F_REQUIRED | F_BLOCK, .block = &moe_block, .sub = AT(FeLayer, moe), .loc = AT(FeLayer, moe.loc)},
+  {"moe", F_BLOCK, .block = &moe_block, .sub = AT(FeLayer, moe), .loc = AT(FeLayer, moe.loc),
+   .present = AT(FeLayer, has_moe)},
+  {"mlp", F_BLOCK, .block = &experts_block, .sub = AT(FeLayer, mlp), .loc = AT(FeLayer, mlp.loc),
+   .present = AT(FeLayer, has_mlp)},
 };
 static const Block layer_block = BLOCK("layer", layer_fields, NULL);
 
@@ -280,7 +324,8 @@ static const Field moe_file_fields[] = {
 static const Block moe_file_block = BLOCK("the top level", moe_file_fields, NULL);
 
 static const Block *const moe_blocks[] = {
-  &moe_file_block, &model_block, &optimizer_block, &parallel_block, &layer_block, &attention_block,
+  &moe_file_block, &model_block, &optimizer_block, &position_block, &norm_block, &data_block,
+  &parallel_block, &layer_block, &attention_block,
   &moe_block, &experts_block, &ffn_block, &gate_block, &dispatch_block, &schedule_block,
   &pipeline_block, NULL,
 };
@@ -957,6 +1002,101 @@ static void finish_gate(Ctx *c, const FeNode *n, const char *variant, char *dst)
 }
 
 // ---- semantic rules ----
+
+// A layer holds one of `moe` or `mlp`; `mlp` and `attention` need a language model, whose
+// layers all have attention (DESIGN §2.1). False when the layer's parts do not fit.
+static bool check_layer_parts(Ctx *c, const FeProgram *p, FeLayer *l, const FeNode *ln) {
+  char head[64];
+  bool lm = c->model_ok && p->model.has_vocab;
+  if (!l->has_moe && !l->has_mlp) {
+    if (lm)
+      ir_error_at(c->d, stmt_loc(ln), "missing 'moe' or 'mlp' in '%s': a layer of a language model holds one of them",
+                  fe_stmt_text(ln, head, sizeof head, 40));
+    else
+      ir_error_at(c->d, stmt_loc(ln), "missing 'moe' in '%s'", fe_stmt_text(ln, head, sizeof head, 40));
+    return false;
+  }
+  if (l->has_moe && l->has_mlp) {
+    ir_error_at(c->d, l->mlp.loc, "a layer holds one of 'moe' or 'mlp', not both");
+    ir_note_at(c->d, l->moe.loc, "'moe' written here");
+    return false;
+  }
+  bool ok = true;
+  if (c->model_ok && !p->model.has_vocab) {
+    if (l->has_mlp)
+      ok = ir_error_at(c->d, l->mlp.loc, "'mlp' (a dense FFN layer) belongs to a language model: add 'vocab N;' "
+                       "to the model");
+    if (l->has_attention)
+      ok = ir_error_at(c->d, l->attention_loc, "'attention' needs a language model: add 'vocab N;' to the model "
+                       "(without it a model is a stack of MoE layers on float inputs)");
+  }
+  if (lm && !l->has_attention)
+    ok = ir_error_at(c->d, stmt_loc(ln), "a layer of a language model needs 'attention { heads N; }' in '%s'",
+                     fe_stmt_text(ln, head, sizeof head, 40));
+  if (l->has_mlp)
+    l->mlp.count = 1;
+  return ok;
+}
+
+// heads and kv_heads against the model and the layout.
+static void check_attention(Ctx *c, const FeProgram *p, FeLayer *l, const FeNode *ln) {
+  const FeModel *m = &p->model;
+  const FeParallel *par = &p->parallel;
+  const FeNode *an = find_kid(ln, "attention");
+  SrcLoc at = kid_loc(an, "heads", l->attention_loc);
+  SrcLoc kv_at = kid_loc(an, "kv_heads", at);
+  if (l->kv_heads == 0)
+    l->kv_heads = l->heads;
+  if (!c->model_ok)
+    return;
+  if (m->embed % l->heads != 0) {
+    ir_error_at(c->d, at, "heads %lld does not divide embed %lld: each head gets embed/heads features",
+                (long long)l->heads, (long long)m->embed);
+    return;
+  }
+  if (l->kv_heads > l->heads || l->heads % l->kv_heads != 0)
+    ir_error_at(c->d, kv_at, "kv_heads %lld must divide heads %lld: each key/value head serves heads/kv_heads query heads",
+                (long long)l->kv_heads, (long long)l->heads);
+  if (m->has_vocab && strcmp(m->position, "rope") == 0 && (m->embed / l->heads) % 2 != 0)
+    ir_error_at(c->d, at, "rope needs an even head size, but embed/heads = %lld/%lld = %lld",
+                (long long)m->embed, (long long)l->heads, (long long)(m->embed / l->heads));
+  if (c->parallel_ok && (l->heads % par->mp != 0 || l->kv_heads % par->mp != 0)) {
+    ir_error_at(c->d, l->heads % par->mp != 0 ? at : kv_at, "%s %lld cannot be split evenly over mp %lld ranks",
+                l->heads % par->mp != 0 ? "heads" : "kv_heads",
+                (long long)(l->heads % par->mp != 0 ? l->heads : l->kv_heads), (long long)par->mp);
+    ir_note_at(c->d, kid_loc(c->parallel_node, "mp", par->loc), "each mp rank computes heads/mp of the heads");
+  }
+}
+
+// The model-level rules of a language model, and the refusal of its options without `vocab`.
+static void check_language_model(Ctx *c, const FeProgram *p) {
+  const FeModel *m = &p->model;
+  const FeOptimizer *o = &m->optimizer;
+  if (o->decay_steps > 0 && o->decay_steps <= o->warmup)
+    ir_error_at(c->d, o->loc, "decay_steps %lld must be larger than warmup %lld: the cosine decay runs from the end "
+                "of the warmup to decay_steps", (long long)o->decay_steps, (long long)o->warmup);
+  if (o->min_lr > o->lr)
+    ir_error_at(c->d, o->loc, "min_lr %g is larger than lr %g", o->min_lr, o->lr);
+  if (!m->has_vocab) {
+    static const struct { const char *key; size_t present; size_t loc; } opts[] = {
+      {"position", offsetof(FeModel, has_position), offsetof(FeModel, position_loc)},
+      {"norm", offsetof(FeModel, has_norm), offsetof(FeModel, norm_loc)},
+      {"tie_embeddings", offsetof(FeModel, has_tie), offsetof(FeModel, tie_loc)},
+      {"data", offsetof(FeModel, has_data), offsetof(FeModel, data.loc)},
+    };
+    for (int i = 0; i < COUNT(opts); i++)
+      if (*(const bool *)((const char *)m + opts[i].present))
+        ir_error_at(c->d, *(const SrcLoc *)((const char *)m + opts[i].loc),
+                    "'%s' belongs to a language model: add 'vocab N;' to the model", opts[i].key);
+    return;
+  }
+  if (m->vocab < 2)
+    ir_error_at(c->d, m->vocab_loc, "vocab must be at least 2, got %lld", (long long)m->vocab);
+  if (m->has_data && m->data.format && strcmp(m->data.format, "bytes") == 0 && m->vocab < 256)
+    ir_error_at(c->d, m->data.loc, "format bytes reads every byte as a token, which needs vocab >= 256 (got %lld)",
+                (long long)m->vocab);
+}
+
 // Each rule reads only statements that checked cleanly (model_ok, parallel_ok, layer_ok).
 static void check_semantics(Ctx *c, FeProgram *p) {
   const FeModel *m = &p->model;
@@ -978,12 +1118,20 @@ static void check_semantics(Ctx *c, FeProgram *p) {
                 "mp %lld does not divide the %lld tokens of a step (batch*seqlen = %lld*%lld): "
                 "tokens are split evenly over the mp ranks",
                 (long long)par->mp, (long long)tokens, (long long)m->batch, (long long)m->seqlen);
+  if (c->model_ok)
+    check_language_model(c, p);
   for (int i = 0; i < p->nlayers; i++) {
     if (!c->layer_ok[i])
       continue;
-    const FeLayer *l = &p->layers[i];
-    const FeMoe *moe = &l->moe;
+    FeLayer *l = &p->layers[i];
     const FeNode *ln = c->layer_nodes[i];
+    if (!check_layer_parts(c, p, l, ln))
+      continue;
+    if (l->has_attention)
+      check_attention(c, p, l, ln);
+    if (!l->has_moe)
+      continue;
+    const FeMoe *moe = &l->moe;
     if (par_ok && moe->experts.count % par->ep != 0) {
       ir_error_at(c->d, moe->experts.loc, "%lld experts cannot be split evenly over ep %lld ranks",
                   (long long)moe->experts.count, (long long)par->ep);
@@ -1010,17 +1158,6 @@ static void check_semantics(Ctx *c, FeProgram *p) {
                     "%lld*%lld/%lld): routing groups must be equal",
                     (long long)moe->gate.groups, (long long)(tokens / par->mp), (long long)m->batch,
                     (long long)m->seqlen, (long long)par->mp);
-    }
-    if (l->has_attention) {
-      SrcLoc at = kid_loc(find_kid(ln, "attention"), "heads", l->attention_loc);
-      if (c->model_ok && m->embed % l->heads != 0)
-        ir_error_at(c->d, at, "heads %lld does not divide embed %lld: each head gets embed/heads features",
-                    (long long)l->heads, (long long)m->embed);
-      if (par_ok && l->heads % par->mp != 0) {
-        ir_error_at(c->d, at, "heads %lld cannot be split evenly over mp %lld ranks",
-                    (long long)l->heads, (long long)par->mp);
-        ir_note_at(c->d, kid_loc(pn, "mp", ploc), "each mp rank computes heads/mp of the heads");
-      }
     }
   }
 }

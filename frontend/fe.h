@@ -56,7 +56,16 @@ typedef struct FeOptimizer {
   SrcLoc loc;
   const char *name;     // "sgd" | "adamw"
   double lr, beta1, beta2, eps, weight_decay;
+  int64_t warmup, decay_steps;   // language models' schedule (DESIGN §2.1); 0: none
+  double min_lr, clip;           // clip 0: no gradient clipping
 } FeOptimizer;
+
+// `data { train "F"; val "F"; format u16|bytes; }` of a language model.
+typedef struct FeData {
+  SrcLoc loc;
+  const char *train, *val;   // NULL when not given
+  const char *format;        // "u16" | "bytes" | NULL (by extension)
+} FeData;
 
 typedef struct FeModel {
   SrcLoc loc;
@@ -65,6 +74,24 @@ typedef struct FeModel {
   SrcLoc dtype_loc;
   int64_t batch, seqlen, embed, seed;
   FeOptimizer optimizer;
+  // A language model (DESIGN §2.1) when has_vocab; the fields below it are its options and are
+  // refused without `vocab` (their present flags say whether they were written).
+  bool has_vocab;
+  SrcLoc vocab_loc;
+  int64_t vocab;
+  const char *position;      // "learned" | "rope"
+  SrcLoc position_loc;
+  bool has_position;
+  double rope_theta;         // default 10000
+  const char *norm;          // "layernorm" | "rmsnorm"
+  SrcLoc norm_loc;
+  bool has_norm;
+  double norm_eps;           // default 1e-5
+  bool tie_embeddings;       // default true
+  SrcLoc tie_loc;
+  bool has_tie;
+  FeData data;
+  bool has_data;
 } FeModel;
 
 typedef struct FeParallel {
@@ -123,7 +150,12 @@ typedef struct FeLayer {
   bool has_attention;
   SrcLoc attention_loc;
   int64_t heads;
+  int64_t kv_heads;     // default 0: heads
+  bool attn_bias;       // default true
+  bool has_moe;
   FeMoe moe;
+  bool has_mlp;         // a dense FFN layer of a language model (`mlp { ffn ... }`)
+  FeExperts mlp;
 } FeLayer;
 
 typedef struct FeSchedule {

@@ -88,6 +88,13 @@ IrValue *fe_noise(FeLower *L, IrValue *logits);
 // Per-group capacity T of token choice with k choices per token.
 int64_t fe_capacity(const FeLower *L, int64_t k);
 
+// The MoE of the current layer on x [S, M] without its residual: the combined expert outputs
+// [S, M]; *aux and *z get the gate's auxiliary losses (NULL when it has none).
+IrValue *fe_lower_moe(FeLower *L, IrValue *x, IrValue **aux, IrValue **z);
+// A language model (DESIGN §2.1; frontend/lower_lm.c): @embed.fwd, one forward per layer
+// instance, @loss.fwd with the final norm, the head and the cross-entropy.
+void fe_lower_lm(FeLower *L);
+
 bool fe_gate_gshard(FeLower *L, IrValue *x, FeRouting *out);
 bool fe_gate_sigmoid(FeLower *L, IrValue *x, FeRouting *out);
 bool fe_gate_xmoe(FeLower *L, IrValue *x, FeRouting *out);

@@ -105,14 +105,10 @@ static void refuse_unsupported(IrDiag *d, const FeProgram *p, const FeTargetCaps
   const FeParallel *par = &p->parallel;
   for (int i = 0; i < p->nlayers; i++) {
     const FeLayer *l = &p->layers[i];
-    if (par->dp * par->mp > 1 && strcmp(l->moe.gate.name, "softmoe") == 0)
+    if (par->dp * par->mp > 1 && l->has_moe && strcmp(l->moe.gate.name, "softmoe") == 0)
       ir_error_at(d, l->moe.gate.loc,
                   "gate 'softmoe' over several ranks is not supported yet: its slots would mix the "
                   "tokens of different ranks; train it on one rank");
-    if (l->has_attention)
-      ir_error_at(d, l->attention_loc,
-                  "'attention' is not supported yet: moec has no attention kernels; remove it to train the "
-                  "MoE layers alone");
   }
   const FeSchedule *s = &p->schedule;
   // The gradient partition is planned together with the degrees (paper §5): `auto` needs them.
@@ -168,14 +164,11 @@ static IrValue *reshape(FeLower *L, const char *name, IrValue *v, int rank, int6
   return fe_emit(L, IR_OP_RESHAPE, name, 1, (IrOperand[]){FE_V(v)}, rank + 1, a);
 }
 
-static void lower_layer(FeLower *L) {
+IrValue *fe_lower_moe(FeLower *L, IrValue *x, IrValue **aux, IrValue **z) {
   const FeMoe *moe = &L->layer->moe;
   const FeGateDef *gate = fe_gate_find(moe->gate.name);
   const FeExpertDef *expert = fe_expert_find(moe->experts.kind);
   if (!gate || !expert) UNREACHABLE();  // the checker accepts registered names only
-  L->f = ir_add_func(L->m, ir_strfmt(L->m, "%s.fwd", L->inst), IR_ROLE_LAYER_FWD);
-  L->f->loc = L->layer->loc;
-  IrValue *x = ir_add_arg(L->f, L->m, "x", ir_type2(IR_F32, L->S, L->M));
   record(L, "before_moe_start", x);
 
   FeRouting r = {0};
@@ -215,10 +208,21 @@ static void lower_layer(FeLower *L) {
                        (IrOperand[]){FE_V(y), FE_V(r.idx), FE_V(r.loc), FE_V(r.gates)}, 3, route);
   }
   record(L, "before_moe_end", combined);
+  *aux = r.aux;
+  *z = r.z;
+  return combined;
+}
+
+static void lower_layer(FeLower *L) {
+  L->f = ir_add_func(L->m, ir_strfmt(L->m, "%s.fwd", L->inst), IR_ROLE_LAYER_FWD);
+  L->f->loc = L->layer->loc;
+  IrValue *x = ir_add_arg(L->f, L->m, "x", ir_type2(IR_F32, L->S, L->M));
+  IrValue *aux = NULL, *z = NULL;
+  IrValue *combined = fe_lower_moe(L, x, &aux, &z);
   IrValue *out = fe_op2(L, IR_OP_ADD, "out", FE_V(x), FE_V(combined));
   ir_add_ret(L->f, L->m, out);
-  if (r.aux) ir_add_ret(L->f, L->m, r.aux);
-  if (r.z) ir_add_ret(L->f, L->m, r.z);
+  if (aux) ir_add_ret(L->f, L->m, aux);
+  if (z) ir_add_ret(L->f, L->m, z);
 }
 
 IrModule *fe_lower(IrDiag *d, const FeProgram *p, const FeTargetCaps *caps) {
@@ -242,6 +246,16 @@ IrModule *fe_lower(IrDiag *d, const FeProgram *p, const FeTargetCaps *caps) {
     ir_attrs_set_float(m->attrs, &m->nattrs, "eps", o->eps);
   }
   ir_attrs_set_float(m->attrs, &m->nattrs, "weight_decay", o->weight_decay);
+  if (o->warmup > 0) ir_attrs_set_int(m->attrs, &m->nattrs, "warmup", o->warmup);
+  if (o->decay_steps > 0) ir_attrs_set_int(m->attrs, &m->nattrs, "decay_steps", o->decay_steps);
+  if (o->min_lr > 0) ir_attrs_set_float(m->attrs, &m->nattrs, "min_lr", o->min_lr);
+  if (o->clip > 0) ir_attrs_set_float(m->attrs, &m->nattrs, "clip", o->clip);
+  if (p->model.has_data) {
+    const FeData *dt = &p->model.data;
+    if (dt->train) ir_attrs_set_str(m, m->attrs, &m->nattrs, "data_train", dt->train);
+    if (dt->val) ir_attrs_set_str(m, m->attrs, &m->nattrs, "data_val", dt->val);
+    if (dt->format) ir_attrs_set_str(m, m->attrs, &m->nattrs, "data_format", dt->format);
+  }
   // The schedule (passes/schedule.c), only where it is not the default (sequential, degree 1).
   const FeSchedule *sched = &p->schedule;
   if (strcmp(sched->policy, "sequential") != 0) ir_attrs_set_str(m, m->attrs, &m->nattrs, "policy", sched->policy);
@@ -262,6 +276,10 @@ IrModule *fe_lower(IrDiag *d, const FeProgram *p, const FeTargetCaps *caps) {
 
   L.S = p->model.batch * p->model.seqlen;
   L.M = p->model.embed;
+  if (p->model.has_vocab) {
+    fe_lower_lm(&L);
+    return m;
+  }
   for (int i = 0; i < p->nlayers; i++) {
     const FeLayer *l = &p->layers[i];
     L.layer = l;

@@ -433,6 +433,46 @@ static bool infer(Infer *I, IrType *out) {
     return true;
   case IR_OP_RESHAPE:
     return reshape(I, out);
+  case IR_OP_ATTN_CAUSAL:
+  case IR_OP_ATTN_CAUSAL_STATS:
+  case IR_OP_ATTN_CAUSAL_GRAD: {  // q [S, H*d], k and v [S, KV*d] (stats: k only)
+    int64_t h, kv, seq;
+    IrOpKind kind = I->op->kind;
+    int q = kind == IR_OP_ATTN_CAUSAL ? 0 : 1, nkv = kind == IR_OP_ATTN_CAUSAL_STATS ? 1 : 2;
+    if (!int_attr(I, "heads", 1, &h) || !int_attr(I, "kv_heads", 1, &kv) || !int_attr(I, "seq", 1, &seq)) return false;
+    for (int i = 0; i < I->op->nargs; i++)
+      if (!need_float(I, i, 2, "[S, n]")) return false;
+    int64_t S = dim(I, q, 0), d = dim(I, q, 1) / h;
+    if (h % kv != 0 || dim(I, q, 1) % h != 0 || S % seq != 0)
+      return fail(I, "%s: %lld rows and %lld columns are not windows of seq=%lld with heads=%lld (a multiple of "
+                  "kv_heads=%lld)", nm(I, q), (long long)S, (long long)dim(I, q, 1), (long long)seq, (long long)h, (long long)kv);
+    for (int i = q + 1; i < q + 1 + nkv; i++)
+      if (dim(I, i, 0) != S || dim(I, i, 1) != kv * d)
+        return fail(I, "%s must be [%lld, %lld] (kv_heads=%lld heads of %lld)", nm(I, i), (long long)S,
+                    (long long)(kv * d), (long long)kv, (long long)d);
+    if (kind == IR_OP_ATTN_CAUSAL_STATS && (!same_type(I, 0, 1) || !same_type(I, 0, 3))) return false;
+    if (kind == IR_OP_ATTN_CAUSAL_GRAD && (!same_type(I, 0, 1) || dim(I, 4, 0) != S || dim(I, 4, 1) != 2 * h))
+      return fail(I, "%s must be [%lld, %lld] (the statistics of attn.causal.stats)", nm(I, 4), (long long)S, (long long)(2 * h));
+    *out = t2(IR_F32, S, kind == IR_OP_ATTN_CAUSAL ? h * d : kind == IR_OP_ATTN_CAUSAL_STATS ? 2 * h : (h + 2 * kv) * d);
+    return true;
+  }
+  case IR_OP_COLS_SLICE: {
+    int64_t off, width;
+    if (!need_float(I, 0, 2, "[r, n]") || !int_attr(I, "offset", 0, &off) || !int_attr(I, "width", 1, &width)) return false;
+    if (off + width > dim(I, 0, 1))
+      return fail(I, "%s has %lld columns; columns [%lld, %lld) do not exist", nm(I, 0), (long long)dim(I, 0, 1),
+                  (long long)off, (long long)(off + width));
+    *out = t2(IR_F32, dim(I, 0, 0), width);
+    return true;
+  }
+  case IR_OP_POS_ADD_GRAD_W: {  // dy [r, n] -> [seq, n]
+    int64_t seq;
+    if (!need_float(I, 0, 2, "[r, n]") || !int_attr(I, "seq", 1, &seq)) return false;
+    if (dim(I, 0, 0) % seq != 0)
+      return fail(I, "%s: %lld rows are not whole windows of seq=%lld", nm(I, 0), (long long)dim(I, 0, 0), (long long)seq);
+    *out = t2(IR_F32, seq, dim(I, 0, 1));
+    return true;
+  }
   case IR_OP_ROPE:
   case IR_OP_ROPE_GRAD: {  // x [r, heads*d], d even
     int64_t heads, seq;

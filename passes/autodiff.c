@@ -20,6 +20,7 @@ typedef struct Grad {
   IrFunc *fwd, *bwd;
   IrValue **grad;   // by forward value id
   bool *needs;      // by forward value id: depends differentiably on the input or a parameter
+  bool *has_grad;   // by parameter index: an earlier backward function wrote its gradient
 } Grad;
 
 // Ops whose result carries no gradient: integer routing decisions and constants built from them
@@ -114,6 +115,10 @@ static void param_grad(Grad *g, IrParam *p, IrValue *v) {
   IrOp *op = new_op(g, IR_OP_PARAM_GRAD, NULL);
   op->args[op->nargs++] = (IrOperand){.param = p};
   op->args[op->nargs++] = V(v);
+  // A parameter used in two functions (tied embeddings: the embedding and the head) gets its
+  // gradient from both, in execution order: the later one adds to the earlier one's.
+  if (g->has_grad[p->index]) ir_op_set_int(op, "accumulate", 1);
+  g->has_grad[p->index] = true;
 }
 
 static const char *dname(Grad *g, const IrOperand *a) {
@@ -233,6 +238,9 @@ static bool backward_op(Grad *g, const IrOp *op) {
     return true;
   case IR_OP_HOOK_RECORD:
     return true;  // observes only
+  case IR_OP_LOSS_XENT:  // the loss itself: its gradient is the seed (scale * (softmax - onehot) / t)
+    accumulate(g, a[0].value, emit(g, IR_OP_LOSS_XENT_GRAD, "dlogits", op, 2, (IrOperand[]){a[0], a[1]}));
+    return true;
   default:
     if (blocks_gradient(op->kind)) return true;  // routing decisions: no gradient
     break;
@@ -282,6 +290,28 @@ static bool backward_op(Grad *g, const IrOp *op) {
     accumulate(g, a[0].value, typed(g, b));
     return true;
   }
+  case IR_OP_ATTN_CAUSAL: {
+    // The rows' softmax statistics, then one backward computes the packed [dq | dk | dv]; each
+    // operand takes its columns.
+    IrValue *stats = emit(g, IR_OP_ATTN_CAUSAL_STATS, ir_strfmt(g->m, "%s.stats", op->result->name), op, 4,
+                          (IrOperand[]){V(dy), a[0], a[1], V(op->result)});
+    IrValue *dqkv = emit(g, IR_OP_ATTN_CAUSAL_GRAD, ir_strfmt(g->m, "d%s.qkv", op->result->name), op, 5,
+                         (IrOperand[]){V(dy), a[0], a[1], a[2], V(stats)});
+    int64_t offset = 0;
+    for (int i = 0; i < 3; i++) {
+      int64_t width = a[i].value->type.dim[1];
+      if (operand_needs(g, &a[i])) {
+        IrOp *sl = new_op(g, IR_OP_COLS_SLICE, dname(g, &a[i]));
+        sl->args[sl->nargs++] = V(dqkv);
+        ir_op_set_int(sl, "offset", offset);
+        ir_op_set_int(sl, "width", width);
+        sl->loc = op->loc;
+        accumulate(g, a[i].value, typed(g, sl));
+      }
+      offset += width;
+    }
+    return true;
+  }
   case IR_OP_HOOK_COMPRESS:
   case IR_OP_HOOK_COMPRESS_INT8:
     return true;  // the gradient reaches the input through the matching decompress
@@ -301,20 +331,24 @@ static bool backward_op(Grad *g, const IrOp *op) {
 }
 
 // @F.bwd(%dout) saves @F.fwd: gradient of the first result seeded by %dout; returns the
-// gradient of the first argument (the layer input).
-static IrFunc *backward_func(IrModule *m, IrDiag *d, IrFunc *fwd, const char *name) {
-  Grad g = {.m = m, .d = d, .fwd = fwd};
-  g.bwd = ir_add_func(m, name, IR_ROLE_LAYER_BWD);
+// gradient of the first argument (the layer input), or nothing when that is integer (the tokens
+// of a language model's @embed.fwd). A loss function (@loss.fwd of a language model) has no
+// %dout: its loss op seeds the gradient itself.
+static IrFunc *backward_func(IrModule *m, IrDiag *d, IrFunc *fwd, const char *name, IrFuncRole role, bool *has_grad) {
+  Grad g = {.m = m, .d = d, .fwd = fwd, .has_grad = has_grad};
+  g.bwd = ir_add_func(m, name, role);
   g.bwd->saves = fwd;
   g.bwd->loc = fwd->loc;
   g.grad = ir_alloc(m, sizeof(IrValue *) * (size_t)(fwd->nvalues + 1));
   g.needs = ir_alloc(m, sizeof(bool) * (size_t)(fwd->nvalues + 1));
   mark_needs(&g);
   IrValue *out = fwd->rets[0];
-  g.grad[out->id] = ir_add_arg(g.bwd, m, fresh_name(&g, ir_strfmt(m, "d%s", out->name)), out->type);
+  if (role != IR_ROLE_LOSS_BWD)
+    g.grad[out->id] = ir_add_arg(g.bwd, m, fresh_name(&g, ir_strfmt(m, "d%s", out->name)), out->type);
   for (int i = fwd->nops - 1; i >= 0; i--)
     if (!backward_op(&g, fwd->ops[i])) return NULL;
   IrValue *x = fwd->args[0];
+  if (x->type.dtype != IR_F32) return g.bwd;
   IrValue *dx = g.grad[x->id];
   if (!dx) UNREACHABLE();  // the residual always reaches the input
   ir_add_ret(g.bwd, m, dx);
@@ -330,29 +364,37 @@ bool pass_autodiff(IrModule *m, PassCtx *ctx) {
     if (m->funcs[i]->role == IR_ROLE_LOSS_FWD) loss = m->funcs[i];
     have_bwd |= ir_role_phase(m->funcs[i]->role) == IR_PHASE_BWD;
   }
-  if (!loss || loss->nargs != 2 || loss->nrets != 1 || have_bwd)
+  if (!loss || loss->nargs != 2 || loss->nrets < 1 || have_bwd)
     return ir_error(ctx->d, "autodiff: the module needs one '@loss.fwd(%%out, %%target)' and no backward yet");
+  bool *has_grad = ir_alloc(m, sizeof(bool) * (size_t)(m->nparams + 1));
 
   int nfwd = 0;
   IrFunc **fwds = ir_alloc(m, sizeof(IrFunc *) * (size_t)m->nfuncs);
   for (int i = 0; i < m->nfuncs; i++)
     if (is_layer_fwd(m->funcs[i])) fwds[nfwd++] = m->funcs[i];
 
-  // @loss.bwd: d loss / d out.
-  IrFunc *lb = ir_add_func(m, "loss.bwd", IR_ROLE_LOSS_BWD);
-  lb->saves = loss;
-  IrOp *op = ir_add_op(lb, m, IR_OP_LOSS_MSE_GRAD, "dout", (IrType){0});
-  ir_op_arg(op, loss->args[0]);
-  ir_op_arg(op, loss->args[1]);
-  for (int i = 0; i < loss->nops; i++)  // the loss's share of the global mean (parallelize)
-    if (loss->ops[i]->kind == IR_OP_LOSS_MSE) copy_attrs(op, loss->ops[i]);
-  if (!ir_infer_type(ctx->d, op, &op->result->type)) UNREACHABLE();
-  ir_add_ret(lb, m, op->result);
+  // @loss.bwd: d loss / d out. The mse of MoE stacks is written here; a language model's
+  // head and cross-entropy are differentiated like a layer.
+  bool mse = false;
+  for (int i = 0; i < loss->nops; i++) mse |= loss->ops[i]->kind == IR_OP_LOSS_MSE;
+  if (mse) {
+    IrFunc *lb = ir_add_func(m, "loss.bwd", IR_ROLE_LOSS_BWD);
+    lb->saves = loss;
+    IrOp *op = ir_add_op(lb, m, IR_OP_LOSS_MSE_GRAD, "dout", (IrType){0});
+    ir_op_arg(op, loss->args[0]);
+    ir_op_arg(op, loss->args[1]);
+    for (int i = 0; i < loss->nops; i++)  // the loss's share of the global mean (parallelize)
+      if (loss->ops[i]->kind == IR_OP_LOSS_MSE) copy_attrs(op, loss->ops[i]);
+    if (!ir_infer_type(ctx->d, op, &op->result->type)) UNREACHABLE();
+    ir_add_ret(lb, m, op->result);
+  } else if (!backward_func(m, ctx->d, loss, "loss.bwd", IR_ROLE_LOSS_BWD, has_grad)) {
+    return false;
+  }
 
   for (int i = nfwd - 1; i >= 0; i--) {
     size_t n = strlen(fwds[i]->name);
     const char *name = ir_strfmt(m, "%.*s.bwd", (int)(n - 4), fwds[i]->name);
-    if (!backward_func(m, ctx->d, fwds[i], name)) return false;
+    if (!backward_func(m, ctx->d, fwds[i], name, IR_ROLE_LAYER_BWD, has_grad)) return false;
   }
 
   IrFunc *opt = ir_add_func(m, "optimizer", IR_ROLE_OPTIMIZER);
@@ -362,7 +404,9 @@ bool pass_autodiff(IrModule *m, PassCtx *ctx) {
     IrOp *u = ir_add_op(opt, m, adamw ? IR_OP_OPT_ADAMW : IR_OP_OPT_SGD, NULL, (IrType){0});
     ir_op_param(u, m->params[i]);
     ir_op_set_float(u, "lr", ir_mod_float(m, "lr", 0.01));
-    ir_op_set_float(u, "weight_decay", ir_mod_float(m, "weight_decay", 0));
+    // A language model decays only tensors of rank >= 2 (not norms, biases); DESIGN §2.1.
+    bool decays = ir_mod_int(m, "vocab", 0) == 0 || m->params[i]->type.rank >= 2;
+    ir_op_set_float(u, "weight_decay", decays ? ir_mod_float(m, "weight_decay", 0) : 0);
     if (adamw) {
       ir_op_set_float(u, "beta1", ir_mod_float(m, "beta1", 0.9));
       ir_op_set_float(u, "beta2", ir_mod_float(m, "beta2", 0.999));

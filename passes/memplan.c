@@ -153,12 +153,17 @@ bool pass_memplan(IrModule *m, PassCtx *ctx) {
   for (int fi = 0; fi < m->nfuncs; fi++)
     if (m->funcs[fi]->role == IR_ROLE_LOSS_FWD && fi > 0 && m->funcs[fi - 1]->nrets)
       where[fi - 1][m->funcs[fi - 1]->rets[0]->id]->last = INT64_MAX;
+  // So are a language model's logits (the loss function's second result).
+  for (int fi = 0; fi < m->nfuncs; fi++)
+    if (m->funcs[fi]->role == IR_ROLE_LOSS_FWD && m->funcs[fi]->nrets > 1)
+      where[fi][m->funcs[fi]->rets[1]->id]->last = INT64_MAX;
   // Values whose only use is param.grad go to the gradient buffer.
   for (int fi = 0; fi < m->nfuncs; fi++) {
     IrFunc *f = m->funcs[fi];
     for (int oi = 0; oi < f->nops; oi++) {
       IrOp *op = f->ops[oi];
       if (op->kind != IR_OP_PARAM_GRAD || !op->args[1].value || op->args[1].value->func != f) continue;
+      if (ir_op_int(op, "accumulate", 0)) continue;   // adds to what an earlier function wrote
       IrValue *v = op->args[1].value;
       int uses = 0;
       for (int k = 0; k < f->nops; k++)

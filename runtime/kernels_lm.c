@@ -29,6 +29,24 @@ void rt_embed_grad(const float *dy, const int32_t *tokens, float *dtable, int t,
   }
 }
 
+// y[r] = x[r] + table[r % seq] (learned positions: row r of the activations is position r % seq).
+void rt_pos_add(const float *x, const float *table, float *y, int rows, int cols, int seq) {
+  for (int r = 0; r < rows; r++) {
+    const float *t = table + (size_t)(r % seq) * cols;
+    for (int j = 0; j < cols; j++) y[(size_t)r * cols + j] = x[(size_t)r * cols + j] + t[j];
+  }
+}
+
+// dtable[i] = sum over samples b, in order, of dy[b*seq + i] (deterministic).
+void rt_pos_add_grad(const float *dy, float *dtable, int rows, int cols, int seq) {
+  for (int i = 0; i < seq; i++)
+    for (int j = 0; j < cols; j++) {
+      float s = 0.0f;
+      for (int r = i; r < rows; r += seq) s += dy[(size_t)r * cols + j];
+      dtable[(size_t)i * cols + j] = s;
+    }
+}
+
 // RoPE ("rotate half") on rows of [heads * d]: row s is position s % seq; for c < d/2 the pair
 // (c, c + d/2) of every head turns by angle = pos * theta^(-2c/d), sign +1; sign -1 turns back
 // (the gradient: the rotation's transpose).

@@ -73,6 +73,10 @@ typedef struct Options {
   int64_t steps;
   const char *weights, *save, *resume, *input, *target, *dump, *record;
   bool check_grad, quiet, help;
+  // language models (runtime/lm.c)
+  const char *data, *val, *prompt;
+  int64_t eval_every, val_windows, sample;
+  double temperature;
 } Options;
 
 static void usage(FILE *out, const RtModel *model, const char *prog) {
@@ -107,6 +111,18 @@ static void usage(FILE *out, const RtModel *model, const char *prog) {
           "                   rank R > 0 writes FILE.rank<R>; appended to on --resume)\n"
           "  --check-grad     compare the gradients at step 1 with finite differences, "
           "then exit\n"
+          "A language model (one with a vocabulary) also takes:\n"
+          "  --data F         train on the token file F (.txt: bytes, else little-endian uint16); "
+          "--input X\n"
+          "                   instead gives the windows: int32 [dp*B, L+1]\n"
+          "  --val F          validation tokens: consecutive windows from the start of F\n"
+          "  --eval-every K   print the validation loss every K steps and after the last "
+          "(default: the last)\n"
+          "  --val-windows N  use at most N validation windows (default: all, in whole global "
+          "batches)\n"
+          "  --sample N       after training, generate N tokens (a byte model prints text)\n"
+          "  --prompt TEXT    the text the sample continues (default: a newline)\n"
+          "  --temperature T  sampling temperature (default 1; 0 takes the likeliest token)\n"
           "  --quiet          do not print the per-step lines\n"
           "  --help           print this message\n",
           prog, (int)strlen(prog), "", (int)strlen(prog), "", model->name,
@@ -118,7 +134,7 @@ static void usage(FILE *out, const RtModel *model, const char *prog) {
 //            | "--help")*
 // A value may also follow "=": --steps=5.
 static int parse_options(int argc, char **argv, Options *o) {
-  *o = (Options){.steps = 20};
+  *o = (Options){.steps = 20, .temperature = 1.0};
   for (int i = 1; i < argc; i++) {
     const char *arg = argv[i];
     if (strcmp(arg, "--check-grad") == 0) {
@@ -134,9 +150,14 @@ static int parse_options(int argc, char **argv, Options *o) {
       continue;
     }
     static const char *const valued[] = {"--steps", "--weights", "--save", "--resume",
-                                         "--input", "--target",  "--dump", "--record"};
+                                         "--input", "--target",  "--dump", "--record",
+                                         "--data", "--val", "--prompt", "--eval-every",
+                                         "--val-windows", "--sample", "--temperature"};
     const char **slots[] = {NULL,       &o->weights, &o->save, &o->resume,
-                            &o->input, &o->target,  &o->dump, &o->record};
+                            &o->input, &o->target,  &o->dump, &o->record,
+                            &o->data,  &o->val,     &o->prompt, NULL,
+                            NULL,      NULL,        NULL};
+    int64_t *counts[] = {&o->steps, &o->eval_every, &o->val_windows, &o->sample};
     enum { NVALUED = sizeof valued / sizeof *valued };
     int which = -1;
     const char *value = NULL;
@@ -156,14 +177,21 @@ static int parse_options(int argc, char **argv, Options *o) {
     }
     if (*value == '\0')
       return rt_fail("option '%s' needs a non-empty value", valued[which]);
-    if (which == 0) {
+    if (which == 0 || (which >= 11 && which <= 13)) {
       char *end;
       errno = 0;
       long long n = strtoll(value, &end, 10);
       if (errno || *end || end == value || n < 0 || n > INT32_MAX)
-        return rt_fail("--steps needs a whole number between 0 and %d, not '%s'", INT32_MAX,
-                       value);
-      o->steps = n;
+        return rt_fail("%s needs a whole number between 0 and %d, not '%s'", valued[which],
+                       INT32_MAX, value);
+      *counts[which == 0 ? 0 : which - 10] = n;
+    } else if (which == 14) {
+      char *end;
+      errno = 0;
+      double t = strtod(value, &end);
+      if (errno || *end || end == value || !(t >= 0) || t > 1e6)
+        return rt_fail("--temperature needs a number of at least 0, not '%s'", value);
+      o->temperature = t;
     } else {
       *slots[which] = value;
     }
@@ -224,6 +252,21 @@ static int check_model(const RtModel *m) {
   return 0;
 }
 
+// The options of language models need one, and --target does not apply to one.
+static int check_options(const RtModel *m, const Options *o) {
+  if (m->vocab > 0 && o->target)
+    return rt_fail("--target does not apply to language model '%s': the targets are the next tokens "
+                   "of the --input windows", m->name);
+  if (m->vocab > 0)
+    return 0;
+  const char *lm_only = o->data ? "--data" : o->val ? "--val" : o->prompt ? "--prompt" : o->sample ? "--sample"
+                        : o->eval_every ? "--eval-every" : o->val_windows ? "--val-windows" : NULL;
+  if (lm_only)
+    return rt_fail("%s applies to language models; model '%s' has no vocabulary (it trains on float "
+                   "inputs)", lm_only, m->name);
+  return 0;
+}
+
 static const char *optimizer_name(RtOptKind k) {
   return k == RT_OPT_ADAMW ? "adamw" : "sgd";
 }
@@ -242,6 +285,8 @@ typedef struct Trainer {
   bool fixed_data;         // --input given: the same data every step
   bool device_up;          // model->device created: destroy it at the end
   RtFault fault;           // tests only: where this rank dies (MOERT_TEST_KILL, fault.c)
+  RtLm lm;                 // a language model's data (model->vocab > 0)
+  bool lm_open;
 } Trainer;
 
 static bool is_root(const Trainer *tr) {
@@ -261,6 +306,8 @@ static void trainer_destroy(Trainer *tr) {
   free(tr->st.arena);
   free(tr->input);
   free(tr->target);
+  if (tr->lm_open)
+    rt_lm_close(&tr->lm);
 }
 
 static int trainer_create(Trainer *tr, const RtModel *model, const Options *opt,
@@ -286,8 +333,12 @@ static int trainer_create(Trainer *tr, const RtModel *model, const Options *opt,
   // The activations of a device model live on the device.
   if (!model->device && !(st->arena = aligned_alloc(64, arena ? arena : 64)))
     rt_out_of_memory(arena, "the activation arena");
-  tr->input = rt_calloc((size_t)tr->elems, sizeof(float), "the step's input");
-  tr->target = rt_calloc((size_t)tr->elems, sizeof(float), "the step's target");
+  // A language model's input and target are int32 tokens, one per position.
+  size_t data = (size_t)(model->vocab > 0 ? tokens : tr->elems);
+  tr->input = rt_calloc(data, sizeof(float), "the step's input");
+  tr->target = rt_calloc(data, sizeof(float), "the step's target");
+  st->lr_scale = 1.0f;
+  st->grad_scale = 1.0f;
   // Zeroed once so that a plan that reads a buffer before writing it is at least deterministic.
   if (st->arena)
     memset(st->arena, 0, arena ? arena : 64);
@@ -420,9 +471,13 @@ static int load_data(Trainer *tr) {
 
 static void fill_step_data(Trainer *tr, int64_t step) {
   tr->st.step = step;
+  const RtModel *m = tr->model;
+  if (m->vocab > 0) {
+    rt_lm_fill(&tr->lm, step, tr->ranks.dp_index * m->batch, (int32_t *)tr->input, (int32_t *)tr->target);
+    return;
+  }
   if (tr->fixed_data)
     return;
-  const RtModel *m = tr->model;
   synthetic_input(m, step, tr->ranks.dp_index * m->batch, tr->input);
   derive_target(tr->input, tr->target, m->batch * m->seqlen, m->embed);
 }
@@ -455,6 +510,37 @@ static int make_dirs(const char *path) {
 }
 
 
+// A language model's part of the dump (DESIGN §2.1): tokens.npy (int32 [dp*B, L+1], each window),
+// logits.npy [dp*B, L, V] and ce.npy. Collective; whole holds dp*B*L*V floats.
+static int dump_lm(Trainer *tr, const Report *rep, float *whole, char *path, size_t len, int status) {
+  const RtModel *m = tr->model;
+  const RtRanks *r = &tr->ranks;
+  bool root = is_root(tr);
+  int64_t L = m->seqlen, tokens = m->batch * L, rows = r->dp * m->batch;
+  int32_t *windows = root ? rt_alloc((size_t)(rows * (L + 1)) * sizeof(int32_t), "the --dump tokens") : NULL;
+  rt_gather_dp(tr->comm, r, tr->input, tokens, whole);
+  for (int64_t b = 0; root && b < rows; b++)
+    memcpy(windows + b * (L + 1), (const int32_t *)whole + b * L, (size_t)L * sizeof(int32_t));
+  rt_gather_dp(tr->comm, r, tr->target, tokens, whole);
+  for (int64_t b = 0; root && b < rows; b++)
+    windows[b * (L + 1) + L] = ((const int32_t *)whole)[b * L + L - 1];
+  if (root && status == 0) {
+    snprintf(path, len, "%s/tokens.npy", tr->opt.dump);
+    status = rt_npy_write(path, RT_DTYPE_I32, 2, (int64_t[]){rows, L + 1}, windows);
+  }
+  free(windows);
+  rt_gather_dp(tr->comm, r, tr->st.output, tokens * m->vocab, whole);
+  if (root && status == 0) {
+    snprintf(path, len, "%s/logits.npy", tr->opt.dump);
+    status = rt_npy_write(path, RT_DTYPE_F32, 3, (int64_t[]){rows, L, m->vocab}, whole);
+  }
+  if (root && status == 0) {
+    snprintf(path, len, "%s/ce.npy", tr->opt.dump);
+    status = rt_npy_write(path, RT_DTYPE_F64, 0, NULL, &rep->mse);
+  }
+  return status;
+}
+
 // Rank 0 writes whole tensors: the global batch's input, target and output (gathered over DP)
 // and every parameter's gradient assembled from the ranks' shards. Collective on several ranks:
 // every rank takes part in every gather even after rank 0 failed to write, then all agree.
@@ -472,7 +558,8 @@ static int dump_step(Trainer *tr, const Report *rep) {
     return -1;
   size_t len = strlen(dir) + 512;
   char *path = NULL;
-  size_t whole_floats = (size_t)(r->dp * tr->elems);
+  int64_t tokens = m->batch * m->seqlen, logits = tokens * m->vocab;
+  size_t whole_floats = (size_t)(r->dp * (tr->elems > logits ? tr->elems : logits));
   for (int i = 0; i < m->nparams; i++) {
     size_t n = (size_t)rt_param_global_numel(&m->params[i]);
     whole_floats = n > whole_floats ? n : whole_floats;
@@ -489,14 +576,18 @@ static int dump_step(Trainer *tr, const Report *rep) {
     free(whole);
     return -1;
   }
-  int64_t dims[3] = {r->dp * m->batch, m->seqlen, m->embed};
-  const char *names[3] = {"input", "target", "output"};
-  const float *data[3] = {tr->st.input, tr->st.target, tr->st.output};
-  for (int k = 0; k < 3; k++) {
-    rt_gather_dp(tr->comm, r, data[k], tr->elems, whole);
-    if (root && status == 0) {
-      snprintf(path, len, "%s/%s.npy", dir, names[k]);
-      status = rt_npy_write(path, RT_DTYPE_F32, 3, dims, whole);
+  if (m->vocab > 0) {
+    status = dump_lm(tr, rep, whole, path, len, status);
+  } else {
+    int64_t dims[3] = {r->dp * m->batch, m->seqlen, m->embed};
+    const char *names[3] = {"input", "target", "output"};
+    const float *data[3] = {tr->st.input, tr->st.target, tr->st.output};
+    for (int k = 0; k < 3; k++) {
+      rt_gather_dp(tr->comm, r, data[k], tr->elems, whole);
+      if (root && status == 0) {
+        snprintf(path, len, "%s/%s.npy", dir, names[k]);
+        status = rt_npy_write(path, RT_DTYPE_F32, 3, dims, whole);
+      }
     }
   }
   if (root && status == 0) {
@@ -537,9 +628,51 @@ static void print_header(const Trainer *tr, int64_t first, int64_t last) {
     printf("# %d ranks: dp %d, mp %d, ep %d, esp %d; global batch %lld samples; figures "
            "reduced over the ranks, time of the slowest\n", r->world, r->dp, r->mp, r->ep,
            r->esp, (long long)(r->dp * m->batch));
-  if (first <= last)
+  if (first <= last && m->vocab > 0)
+    printf("# steps %lld..%lld, vocab %lld, tokens: %s%s%s\n", (long long)first, (long long)last,
+           (long long)m->vocab, tr->lm.source ? tr->lm.source : "synthetic (arithmetic sequences, runtime/data.c)",
+           tr->lm.has_val ? "; validation: " : "", tr->lm.has_val ? tr->lm.val_source : "");
+  else if (first <= last)
     printf("# steps %lld..%lld, data: %s\n", (long long)first, (long long)last,
            tr->fixed_data ? "from .npy files" : "synthetic");
+}
+
+// The learning-rate schedule and the clipping of step t: st->lr_scale and st->grad_scale. The
+// global gradient norm (after the reductions, so the same on every layout) is computed when the
+// report (a language model's) or clipping needs it; NAN otherwise.
+static int schedule_step(Trainer *tr, int64_t t, double *gnorm) {
+  const RtModel *m = tr->model;
+  RtStep *st = &tr->st;
+  st->lr_scale = (float)rt_lr_scale(m, t);
+  st->grad_scale = 1.0f;
+  *gnorm = NAN;
+  if (m->vocab <= 0 && m->clip <= 0)
+    return 0;
+  if (device_get(tr, RT_DEVICE_GRADS) != 0)
+    return -1;
+  *gnorm = rt_grad_norm(m, &tr->ranks, tr->comm, st->grads);
+  st->grad_scale = (float)rt_clip_scale(*gnorm, m->clip);
+  return 0;
+}
+
+// The mean cross-entropy over the validation windows, in whole global batches. Collective.
+static double evaluate(Trainer *tr) {
+  const RtModel *m = tr->model;
+  int64_t batches = rt_lm_val_batches(&tr->lm, tr->ranks.dp);
+  double sum = 0;
+  for (int64_t b = 0; b < batches; b++) {
+    rt_lm_fill_val(&tr->lm, b, tr->ranks.dp_index * m->batch, tr->ranks.dp, (int32_t *)tr->input,
+                   (int32_t *)tr->target);
+    m->forward(&tr->st);
+    sum += reduce_report(tr, &tr->st, NULL).mse;
+  }
+  return sum / (double)batches;
+}
+
+static bool eval_due(const Trainer *tr, int64_t t, int64_t last) {
+  if (!tr->lm_open || !tr->lm.has_val)
+    return false;
+  return t == last || (tr->opt.eval_every > 0 && t % tr->opt.eval_every == 0);
 }
 
 static int train(Trainer *tr) {
@@ -564,6 +697,9 @@ static int train(Trainer *tr) {
     Report rep = reduce_report(tr, &forward_state, NULL);
     if (tr->opt.dump && t == first && dump_step(tr, &rep) != 0)
       return -1;
+    double gnorm;
+    if (schedule_step(tr, t, &gnorm) != 0)
+      return -1;
     double t2 = now_ms();
     m->update(st);
     double t3 = now_ms();
@@ -574,7 +710,13 @@ static int train(Trainer *tr) {
     double dropped = rep.routed > 0 ? rep.dropped / rep.routed : 0.0;
     if (st->record)
       fflush(st->record);
-    if (!tr->opt.quiet && root) {
+    if (!tr->opt.quiet && root && m->vocab > 0) {
+      double tokens = (double)(tr->ranks.dp * m->batch * m->seqlen);
+      printf("step %lld  loss %.6f  ce %.6f  aux %.6f  z %.6f  lr %.3e  gnorm %.4f  dropped %.4f  "
+             "tok/s %.0f  time %.3f ms\n", (long long)t, loss, rep.mse, rep.aux, rep.z,
+             m->lr * st->lr_scale, gnorm, dropped, ms > 0 ? tokens / (ms * 1e-3) : 0.0, ms);
+      fflush(stdout);
+    } else if (!tr->opt.quiet && root) {
       // Tokens per expert, min/mean/max over every expert of every layer (0/0.0/0 without MoE).
       bool loads = rep.load_count > 0;
       printf("step %lld  loss %.6f  mse %.6f  aux %.6f  z %.6f  dropped %.4f  load %lld/%.1f/%lld",
@@ -589,6 +731,12 @@ static int train(Trainer *tr) {
     if (!isfinite(loss))
       return rt_fail("the loss is %f at step %lld; training diverged (try a smaller learning "
                      "rate)", loss, (long long)t);
+    if (eval_due(tr, t, last)) {
+      double val = evaluate(tr);
+      if (root)
+        printf("val %lld  ce %.6f  (%lld windows)\n", (long long)t, val,
+               (long long)(rt_lm_val_batches(&tr->lm, tr->ranks.dp) * tr->ranks.dp * m->batch));
+    }
   }
   if (!root)
     return 0;
@@ -601,6 +749,85 @@ static int train(Trainer *tr) {
   else if (!tr->opt.quiet)
     printf("# nothing to train: the parameters are at step %lld and --steps is %lld\n",
            (long long)tr->done_steps, (long long)last);
+  return 0;
+}
+
+// ---- --sample ----
+
+// The prompt as tokens: its bytes for a byte model (vocab <= 256), otherwise token ids
+// separated by spaces. Fails on a token the vocabulary lacks.
+static int prompt_tokens(const RtModel *m, const char *prompt, int32_t *out, int64_t *n) {
+  *n = 0;
+  if (m->vocab <= 256) {
+    for (const unsigned char *c = (const unsigned char *)prompt; *c; c++) {
+      if (*c >= m->vocab)
+        return rt_fail("--prompt: byte %d at offset %lld is not below vocab %lld", *c, (long long)*n,
+                       (long long)m->vocab);
+      out[(*n)++] = *c;
+    }
+    return 0;
+  }
+  for (const char *c = prompt; *c;) {
+    char *end;
+    long long t = strtoll(c, &end, 10);
+    if (end == c)
+      return rt_fail("--prompt of a model with vocab %lld is token ids separated by spaces, not '%s'",
+                     (long long)m->vocab, prompt);
+    if (t < 0 || t >= m->vocab)
+      return rt_fail("--prompt: token %lld is not below vocab %lld", t, (long long)m->vocab);
+    out[(*n)++] = (int32_t)t;
+    for (c = end; *c == ' '; c++) {}
+  }
+  return 0;
+}
+
+// Generates opt.sample tokens after the prompt: each forward sees the last seqlen tokens in
+// every window of the batch, and the next token is drawn from the logits of global window 0 at
+// the last position (rt_sample_token; key rt_key(rt_key(seed, RT_STREAM_SAMPLE), i) for the
+// i-th token), then shared by rank 0. Collective.
+static int sample(Trainer *tr) {
+  const RtModel *m = tr->model;
+  RtStep *st = &tr->st;
+  int64_t L = m->seqlen, n = tr->opt.sample, plen = 0;
+  const char *prompt = tr->opt.prompt ? tr->opt.prompt : "\n";
+  int32_t *seq = rt_alloc((strlen(prompt) + 1 + (size_t)n) * sizeof(int32_t), "the sample");
+  int status = prompt_tokens(m, prompt, seq, &plen);
+  if (status == 0 && plen == 0)
+    status = rt_fail("--prompt is empty: the sample needs at least one token to continue");
+  if (rt_world_agree(tr->comm, status) != 0) {
+    free(seq);
+    return -1;
+  }
+  uint64_t key = rt_key(m->seed, RT_STREAM_SAMPLE);
+  int32_t *in = (int32_t *)tr->input, *tgt = (int32_t *)tr->target;
+  for (int64_t k = 0; k < n; k++) {
+    int64_t len = plen + k, start = len > L ? len - L : 0, ctx = len - start;
+    for (int64_t b = 0; b < m->batch; b++)
+      for (int64_t i = 0; i < L; i++) {
+        in[b * L + i] = i < ctx ? seq[start + i] : 0;
+        tgt[b * L + i] = 0;
+      }
+    st->step = tr->done_steps + 1;
+    m->forward(st);
+    if (device_get(tr, RT_DEVICE_OUTPUT) != 0) {
+      free(seq);
+      return -1;
+    }
+    int32_t next = 0;
+    if (is_root(tr))
+      next = rt_sample_token(st->output + (ctx - 1) * m->vocab, (int)m->vocab, (float)tr->opt.temperature,
+                             rt_key(key, (uint64_t)k));
+    if (tr->ranks.world > 1)
+      rt_bcast(tr->comm, RT_GROUP_WORLD, &next, sizeof next, 0);
+    seq[len] = next;
+  }
+  if (is_root(tr)) {
+    printf("# sample: %lld tokens after a %lld-token prompt, temperature %g\n", (long long)n, (long long)plen,
+           tr->opt.temperature);
+    rt_print_tokens(stdout, m, seq, plen + n);
+    fflush(stdout);
+  }
+  free(seq);
   return 0;
 }
 
@@ -695,8 +922,8 @@ static int check_grad(Trainer *tr) {
   if (root) {
     printf("# gradient check of %s at step 1: loss %.6f (mse + aux_total), %d parameters\n",
            m->name, loss0, m->nparams);
-    printf("# central differences on up to %d entries per parameter, eps = %.0e * max(1, |p|)\n",
-           CHECK_ENTRIES, CHECK_EPS);
+    printf("# central differences on up to %d entries per parameter, eps = %.0e * max(%s, |p|)\n",
+           CHECK_ENTRIES, CHECK_EPS, m->vocab > 0 ? "rms of the tensor (at least 0.01)" : "1");
     printf("# pass: |fd - g| <= atol + rtol * |g|, rtol = %.0e, atol = %.0e * max|g| of the "
            "parameter + %.0f * 2^-23 * |loss| / (2 eps)\n", CHECK_RTOL, CHECK_ATOL_GRAD,
            CHECK_NOISE_ULPS);
@@ -710,10 +937,17 @@ static int check_grad(Trainer *tr) {
     const RtParam *p = &m->params[i];
     const float *g = grad + p->offset;
     float *w = st->params + p->offset;
-    double max_g = 0;
-    for (int64_t j = 0; j < p->numel; j++)
+    double max_g = 0, sq = 0;
+    for (int64_t j = 0; j < p->numel; j++) {
       max_g = fmax(max_g, fabs(g[j]));
+      sq += (double)w[j] * w[j];
+    }
     rt_world_max(tr->comm, &max_g, 1);
+    // A language model's weights start at 0.02 and its norms amplify small inputs: the step
+    // follows the tensor's scale there (its root mean square), not 1.
+    double unit = p->numel > 0 ? sqrt(sq / (double)p->numel) : 0;
+    rt_world_max(tr->comm, &unit, 1);
+    unit = m->vocab > 0 ? fmax(unit, 1e-2) : 1.0;
     double atol_grad = CHECK_ATOL_GRAD * max_g;
     int64_t numel = rt_param_global_numel(p);
     int64_t count = numel < CHECK_ENTRIES ? numel : CHECK_ENTRIES;
@@ -734,7 +968,7 @@ static int check_grad(Trainer *tr) {
         rt_allreduce_f64(tr->comm, RT_GROUP_WORLD, entry, 2);
       float orig = (float)entry[0];
       double grad_j = entry[1];
-      double eps = CHECK_EPS * fmax(1.0, fabs(orig));
+      double eps = CHECK_EPS * fmax(unit, fabs(orig));
       float plus = (float)(orig + eps), minus = (float)(orig - eps);
       double up = (double)plus - orig, down = orig - (double)minus;
       if (j >= 0)
@@ -812,7 +1046,16 @@ static int run(const RtModel *model, const Options *opt, const RtRanks *ranks, R
     if (status == 0)
       status = device_put(&tr, RT_DEVICE_PARAMS | RT_DEVICE_MOMENTS);
   }
-  if (status == 0 && opt->input) {
+  if (status == 0 && model->vocab > 0) {
+    RtLmOptions lo = {.data = opt->data, .val = opt->val, .input = opt->input, .val_windows = opt->val_windows};
+    status = rt_world_agree(comm, rt_lm_open(&tr.lm, model, ranks, &lo));
+    tr.lm_open = true;
+    tr.fixed_data = opt->input != NULL;
+    if (status == 0 && tr.lm.has_val && rt_lm_val_batches(&tr.lm, ranks->dp) == 0)
+      status = rt_fail("the validation file '%s' holds %lld windows of %lld tokens; one global batch needs %lld",
+                       tr.lm.val_source, (long long)tr.lm.val_count, (long long)(model->seqlen + 1),
+                       (long long)(ranks->dp * model->batch));
+  } else if (status == 0 && opt->input) {
     tr.fixed_data = true;
     status = rt_world_agree(comm, load_data(&tr));
   }
@@ -831,6 +1074,8 @@ static int run(const RtModel *model, const Options *opt, const RtRanks *ranks, R
     status = rt_world_agree(comm, open_record(&tr));
   if (status == 0)
     status = train(&tr);
+  if (status == 0 && opt->sample > 0)
+    status = sample(&tr);
   if (status == 0 && opt->save)
     status = device_get(&tr, RT_DEVICE_PARAMS | RT_DEVICE_MOMENTS);
   if (status == 0 && opt->save)
@@ -860,7 +1105,7 @@ int rt_main(const RtModel *model, int argc, char **argv) {
       usage(stdout, model, prog);
     return 0;
   }
-  if (check_model(model) != 0)
+  if (check_model(model) != 0 || check_options(model, &opt) != 0)
     return speaker ? report_error() : 1;
   // rt_comm_create reports a layout that does not fit the world itself, once.
   RtComm *comm = rt_comm_create(&model->layout, model->nodes);

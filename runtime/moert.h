@@ -36,7 +36,15 @@ uint64_t rt_key(uint64_t a, uint64_t b);
 double rt_uniform(uint64_t h);
 double rt_normal(uint64_t key, uint64_t i);
 // Stream keys: rt_key(rt_key(seed, RT_STREAM_*), extra...)
-enum { RT_STREAM_INPUT = 1, RT_STREAM_TARGET = 2, RT_STREAM_INIT = 3, RT_STREAM_NOISE = 4 };
+// RT_STREAM_DATA: a language model's token windows, rt_key(rt_key(rt_key(seed, DATA), step), g)
+// for global sample g (runtime/data.c).
+enum {
+  RT_STREAM_INPUT = 1,
+  RT_STREAM_TARGET = 2,
+  RT_STREAM_INIT = 3,
+  RT_STREAM_NOISE = 4,
+  RT_STREAM_DATA = 5,
+};
 uint64_t rt_hash_name(const char *s);  // FNV-1a 64 of a parameter name
 
 // ---- kernels (runtime/kernels*.c, runtime/hooks.c) ----
@@ -243,6 +251,17 @@ struct RtModel {
   void (*backward)(RtStep *st);
   void (*update)(RtStep *st);
   const RtDevice *device;         // NULL: the steps run on the host (the CPU target)
+  // The optimizer's schedule (DESIGN §2.1; 0 fields: none): lr is the kernels' learning rate;
+  // warmup, cosine decay to min_lr at decay_steps and global-norm clipping reach the update
+  // kernels as RtStep.lr_scale and .grad_scale.
+  double lr, min_lr, clip;
+  int64_t warmup, decay_steps;
+  // A language model (DESIGN §2.1) when vocab > 0: input and target are int32 tokens
+  // [batch*seqlen] (a window's first L tokens and the L after them), the forward sets output to
+  // the logits [batch*seqlen, vocab] and mse to the cross-entropy's share; the model's `data`
+  // block names its token files (NULL: none; --data and --val override).
+  int64_t vocab;
+  const char *data_train, *data_val, *data_format;
 };
 
 struct RtStep {
@@ -268,6 +287,9 @@ struct RtStep {
   // The driver's, for the step functions' collectives and task tables (set by rt_main).
   RtComm *comm;                   // NULL: a world of one
   RtStreams *streams;             // NULL: tasks run in program order on the calling thread
+  // Set by rt_main before update: the learning rate is the kernels' lr times lr_scale (the
+  // schedule), every gradient is scaled by grad_scale (clipping); 1 and 1 without either.
+  float lr_scale, grad_scale;
 };
 
 // Resets the per-forward statistics; the generated forward calls it first.

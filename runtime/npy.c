@@ -1,4 +1,5 @@
-// .npy files: numpy's single-array format, used for --input/--target and the --dump tensors.
+// .npy files: numpy's single-array format, used for --input/--target, token windows (int32,
+// int64 or uint16: data.c) and the --dump tensors.
 //
 // A file is the magic "\x93NUMPY", a version (1.0: 16-bit header length; 2.0/3.0: 32-bit), a
 // header that is a Python dict literal {'descr': '<f4', 'fortran_order': False, 'shape': (2, 3), }
@@ -17,7 +18,14 @@
 static const char npy_magic[6] = {'\x93', 'N', 'U', 'M', 'P', 'Y'};
 
 size_t rt_dtype_size(RtDtype dtype) {
-  return dtype == RT_DTYPE_F64 ? 8 : 4;
+  switch (dtype) {
+  case RT_DTYPE_U16: return 2;
+  case RT_DTYPE_F32: return 4;
+  case RT_DTYPE_I32: return 4;
+  case RT_DTYPE_F64: return 8;
+  case RT_DTYPE_I64: return 8;
+  }
+  return 4;
 }
 
 const char *rt_dtype_name(RtDtype dtype) {
@@ -25,6 +33,8 @@ const char *rt_dtype_name(RtDtype dtype) {
   case RT_DTYPE_F32: return "float32";
   case RT_DTYPE_F64: return "float64";
   case RT_DTYPE_I32: return "int32";
+  case RT_DTYPE_I64: return "int64";
+  case RT_DTYPE_U16: return "uint16";
   }
   return "?";
 }
@@ -34,6 +44,8 @@ static const char *dtype_descr(RtDtype dtype) {
   case RT_DTYPE_F32: return "<f4";
   case RT_DTYPE_F64: return "<f8";
   case RT_DTYPE_I32: return "<i4";
+  case RT_DTYPE_I64: return "<i8";
+  case RT_DTYPE_U16: return "<u2";
   }
   return "?";
 }
@@ -233,9 +245,13 @@ static int parse_header(const char *path, const char *text, size_t len, RtArray 
     a->dtype = RT_DTYPE_F64;
   else if (strcmp(d, "i4") == 0)
     a->dtype = RT_DTYPE_I32;
+  else if (strcmp(d, "i8") == 0)
+    a->dtype = RT_DTYPE_I64;
+  else if (strcmp(d, "u2") == 0)
+    a->dtype = RT_DTYPE_U16;
   else
-    return rt_fail("'%s' has dtype '%s'; supported are float32 '<f4', float64 '<f8' and "
-                   "int32 '<i4'", path, descr);
+    return rt_fail("'%s' has dtype '%s'; supported are float32 '<f4', float64 '<f8', "
+                   "int32 '<i4', int64 '<i8' and uint16 '<u2'", path, descr);
   return 0;
 }
 

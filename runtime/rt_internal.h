@@ -1,5 +1,5 @@
 // Internals shared by the runtime's files: the error message of the last failed call, .npy and
-// safetensors files.
+// safetensors files, a language model's token data.
 //
 // Errors: a function that can fail on user input records one sentence with rt_fail() and
 // returns -1; whoever gives up (rt_main) prints it once as "moert: error: SENTENCE". The
@@ -50,7 +50,7 @@ typedef struct RtStep RtStep;
 void rt_add_loads(RtStep *st, const int64_t *load, int e);
 
 // ---- .npy (version 1.0 written; 1.0, 2.0 and 3.0 read), little-endian, C order ----
-typedef enum RtDtype { RT_DTYPE_F32, RT_DTYPE_F64, RT_DTYPE_I32 } RtDtype;
+typedef enum RtDtype { RT_DTYPE_F32, RT_DTYPE_F64, RT_DTYPE_I32, RT_DTYPE_I64, RT_DTYPE_U16 } RtDtype;
 
 enum { RT_MAX_RANK = 8 };
 
@@ -63,7 +63,7 @@ typedef struct RtArray {
 } RtArray;
 
 size_t rt_dtype_size(RtDtype dtype);
-const char *rt_dtype_name(RtDtype dtype);    // "float32", "float64", "int32"
+const char *rt_dtype_name(RtDtype dtype);    // "float32", "float64", "int32", "int64", "uint16"
 
 // Writes data as PATH. rank 0 writes a 0-d array of one element.
 int rt_npy_write(const char *path, RtDtype dtype, int rank, const int64_t *dims,
@@ -76,6 +76,53 @@ void rt_array_free(RtArray *a);
 
 // Formats a shape as "[2, 3]" ("[]" for a scalar) into buf.
 const char *rt_shape_str(char *buf, size_t len, int rank, const int64_t *dims);
+
+// ---- token data (runtime/data.c) ----
+// A language model's tokens: a token file loaded whole, training windows at hashed offsets,
+// validation windows in order, synthetic windows when there is no file, and an --input .npy of
+// windows. A window is seqlen+1 tokens (int32): position i's target is token i+1. data.c's
+// header comment gives every formula exactly (tests/ref reproduces them).
+typedef struct RtTokens {
+  char *path;               // the file, for messages
+  const char *format;       // "bytes" or "u16"
+  uint16_t *tokens;         // count tokens (a byte file's bytes widened)
+  int64_t count;
+} RtTokens;
+
+// Loads PATH whole. format "bytes" (each byte a token) or "u16" (little-endian uint16, the
+// nanoGPT/llm.c convention); NULL: by extension, .txt or .text (any case) bytes, else u16.
+// Every token must be below vocab, and the file must hold at least seqlen+1 tokens. *t is
+// zeroed on failure.
+int rt_tokens_load(RtTokens *t, const char *path, const char *format, int64_t vocab,
+                   int64_t seqlen);
+void rt_tokens_free(RtTokens *t);
+// Training window of global sample g of step `step`: the seqlen+1 tokens at offset
+// rt_key(rt_key(rt_key(seed, RT_STREAM_DATA), step), g) mod (count - seqlen), into dst.
+void rt_tokens_train_window(const RtTokens *t, uint64_t seed, int64_t step, int64_t g,
+                            int64_t seqlen, int32_t *dst);
+// Validation: min(max_windows, (count-1)/seqlen) windows (max_windows <= 0: no limit); window w
+// is tokens [w*seqlen, w*seqlen + seqlen + 1).
+int64_t rt_tokens_val_count(const RtTokens *t, int64_t seqlen, int64_t max_windows);
+void rt_tokens_val_window(const RtTokens *t, int64_t w, int64_t seqlen, int32_t *dst);
+// Synthetic window of global sample g (no data file): an arithmetic sequence mod vocab whose
+// start and stride come from the same hash as a training window's (data.c). vocab >= 2.
+void rt_tokens_synthetic(uint64_t seed, int64_t step, int64_t g, int64_t seqlen, int64_t vocab,
+                         int32_t *dst);
+// --input: a .npy of int32 (or int64 or uint16) tokens of shape [rows, cols] into dst (rows*cols
+// int32), every token in [0, vocab). Write windows back with rt_npy_write(RT_DTYPE_I32).
+int rt_tokens_read_npy(const char *path, int64_t rows, int64_t cols, int64_t vocab,
+                       int32_t *dst);
+
+// ---- sampling and the optimizer's schedule (also data.c) ----
+// One token from logits[vocab]: temperature <= 0 is argmax (ties to the lower index); else the
+// first token whose cumulative softmax(logits/temperature) probability exceeds rt_uniform(key).
+int32_t rt_sample_token(const float *logits, int vocab, float temperature, uint64_t key);
+// The learning rate of step `step` (from 1): linear warmup over `warmup` steps, then a cosine to
+// min_lr at decay_steps when decay_steps > warmup (decay_steps <= 0: none), min_lr after.
+double rt_lr_at(double lr, int64_t warmup, int64_t decay_steps, double min_lr, int64_t step);
+// The factor that scales gradients of global L2 norm `norm` to at most clip: 1 when clip <= 0,
+// norm <= clip or norm is not finite (the caller reports that), else clip / norm.
+double rt_clip_scale(double norm, double clip);
 
 // ---- atomic files (safetensors.c) ----
 // Finishes writing the temporary file tmp (f open on it; ok: every write so far succeeded):
@@ -200,5 +247,37 @@ int rt_checkpoint_load(const char *path, const RtModel *m, const RtRanks *r, flo
 // --weights: rank r's shard of every parameter from a safetensors file of whole tensors, or from
 // a checkpoint (index file) of any layout.
 int rt_weights_load(const char *path, const RtModel *m, const RtRanks *r, float *params);
+
+// ---- a language model's side of the trainer (lm.c) ----
+enum { RT_STREAM_SAMPLE = 6 };   // rt_key(rt_key(seed, RT_STREAM_SAMPLE), i): the i-th sampled token
+typedef struct RtLmOptions {
+  const char *data, *val, *input;   // --data, --val, --input (NULL: the model's data block or none)
+  int64_t val_windows;              // --val-windows (0: all)
+} RtLmOptions;
+typedef struct RtLm {
+  const RtModel *model;
+  RtTokens train, val;
+  bool has_train, has_val;
+  int32_t *fixed;                   // the --input windows [dp*B, L+1], or NULL
+  int32_t *window;                  // one window of seqlen+1 tokens
+  int64_t val_count, val_max;       // validation windows used / --val-windows
+  const char *source, *val_source;  // for the header: the train and validation files
+} RtLm;
+// Opens the step's token source: --input windows, else the train file, else synthetic tokens;
+// and the validation file when there is one. 0 or -1 (rt_fail).
+int rt_lm_open(RtLm *lm, const RtModel *m, const RtRanks *r, const RtLmOptions *o);
+void rt_lm_close(RtLm *lm);
+// This rank's batch of step `step`: windows first .. first+batch-1 of the global batch into
+// input (each window's first seqlen tokens) and target (the seqlen after them).
+void rt_lm_fill(RtLm *lm, int64_t step, int64_t first, int32_t *input, int32_t *target);
+// Whole global batches of validation windows, and this rank's part of batch `batch`.
+int64_t rt_lm_val_batches(const RtLm *lm, int dp);
+void rt_lm_fill_val(RtLm *lm, int64_t batch, int64_t first, int dp, int32_t *input, int32_t *target);
+// The global L2 norm of the gradients: every shard counted once over the layout. Collective.
+double rt_grad_norm(const RtModel *m, const RtRanks *r, RtComm *c, const float *grads);
+// lr_t / lr of the model's schedule at step t (1 without one).
+double rt_lr_scale(const RtModel *m, int64_t step);
+// tokens as text (a byte model, control bytes escaped) or ids, and a newline.
+void rt_print_tokens(FILE *out, const RtModel *m, const int32_t *tokens, int64_t n);
 
 #endif

@@ -443,6 +443,141 @@ extern "C" __global__ void mk_embed_grad(const float *dy, const int *tokens, flo
   }
 }
 
+// ---- mk_attn_fwd ----
+// Causal grouped-query attention, one thread per (row, head): the float operations of rt_attn_fwd
+// (runtime/kernels_attn.c) in its order, so the targets agree to the bit. The block's threads are
+// consecutive rows of one sample for the same head, so they read the same keys and values.
+static __device__ float mk_attn_dot(const float *a, const float *b, int d) {
+  float s = 0.0f;
+  for (int c = 0; c < d; c++) s += a[c] * b[c];
+  return s;
+}
+
+extern "C" __global__ void mk_attn_fwd(const float *q, const float *k, const float *v, float *o, int rows, int seq,
+                                       int heads, int kv, int qcols) {
+  int d = qcols / heads, group = heads / kv, kcols = kv * d;
+  float scale = 1.0f / sqrtf((float)d);
+  MK_FOR(p, (i64)rows * heads) {
+    int h = (int)(p / rows), r = (int)(p % rows);
+    int i = r % seq, r0 = r - i, j = h / group;
+    const float *qi = q + (i64)r * qcols + (i64)h * d;
+    float m = -INFINITY, l = 0.0f;
+    for (int t = 0; t <= i; t++) {
+      float s = mk_attn_dot(qi, k + (i64)(r0 + t) * kcols + (i64)j * d, d) * scale;
+      m = s > m ? s : m;
+    }
+    float *oi = o + (i64)r * qcols + (i64)h * d;
+    for (int c = 0; c < d; c++) oi[c] = 0.0f;
+    for (int t = 0; t <= i; t++) {
+      float e = expf(mk_attn_dot(qi, k + (i64)(r0 + t) * kcols + (i64)j * d, d) * scale - m);
+      l += e;
+      const float *vt = v + (i64)(r0 + t) * kcols + (i64)j * d;
+      for (int c = 0; c < d; c++) oi[c] += e * vt[c];
+    }
+    for (int c = 0; c < d; c++) oi[c] /= l;
+  }
+}
+
+// ---- mk_attn_stats ----
+// Per (row, head): the logsumexp of its scores and dy . o, as rt_attn_stats.
+extern "C" __global__ void mk_attn_stats(const float *dy, const float *q, const float *k, const float *o,
+                                         float *stats, int rows, int seq, int heads, int kv, int qcols) {
+  int d = qcols / heads, group = heads / kv, kcols = kv * d;
+  float scale = 1.0f / sqrtf((float)d);
+  MK_FOR(p, (i64)rows * heads) {
+    int h = (int)(p / rows), r = (int)(p % rows);
+    int i = r % seq, r0 = r - i, j = h / group;
+    const float *qi = q + (i64)r * qcols + (i64)h * d;
+    float m = -INFINITY, l = 0.0f;
+    for (int t = 0; t <= i; t++) {
+      float s = mk_attn_dot(qi, k + (i64)(r0 + t) * kcols + (i64)j * d, d) * scale;
+      m = s > m ? s : m;
+    }
+    for (int t = 0; t <= i; t++) l += expf(mk_attn_dot(qi, k + (i64)(r0 + t) * kcols + (i64)j * d, d) * scale - m);
+    i64 at = (i64)r * qcols + (i64)h * d;
+    stats[(i64)r * 2 * heads + h] = m + logf(l);
+    stats[(i64)r * 2 * heads + heads + h] = mk_attn_dot(dy + at, o + at, d);
+  }
+}
+
+// ---- mk_attn_grad_q ----
+// dq of one (row, head) per thread, as rt_attn_grad_q.
+extern "C" __global__ void mk_attn_grad_q(const float *dy, const float *q, const float *k, const float *v,
+                                          const float *stats, float *dqkv, int rows, int seq, int heads, int kv,
+                                          int qcols) {
+  int d = qcols / heads, group = heads / kv, kcols = kv * d, width = qcols + 2 * kcols;
+  float scale = 1.0f / sqrtf((float)d);
+  MK_FOR(p, (i64)rows * heads) {
+    int h = (int)(p / rows), r = (int)(p % rows);
+    int i = r % seq, r0 = r - i, j = h / group;
+    i64 at = (i64)r * qcols + (i64)h * d;
+    float lse = stats[(i64)r * 2 * heads + h], D = stats[(i64)r * 2 * heads + heads + h];
+    float *dq = dqkv + (i64)r * width + (i64)h * d;
+    for (int c = 0; c < d; c++) dq[c] = 0.0f;
+    for (int t = 0; t <= i; t++) {
+      const float *kt = k + (i64)(r0 + t) * kcols + (i64)j * d;
+      float e = expf(mk_attn_dot(q + at, kt, d) * scale - lse);
+      float ds = e * (mk_attn_dot(dy + at, v + (i64)(r0 + t) * kcols + (i64)j * d, d) - D);
+      for (int c = 0; c < d; c++) dq[c] += ds * kt[c];
+    }
+    for (int c = 0; c < d; c++) dq[c] *= scale;
+  }
+}
+
+// ---- mk_attn_grad_kv ----
+// dk and dv of one (key row, kv head) per thread: the group's heads in order, then the later
+// queries of the sample, as rt_attn_grad_kv (no atomics).
+extern "C" __global__ void mk_attn_grad_kv(const float *dy, const float *q, const float *k, const float *v,
+                                           const float *stats, float *dqkv, int rows, int seq, int heads, int kv,
+                                           int qcols) {
+  int d = qcols / heads, group = heads / kv, kcols = kv * d, width = qcols + 2 * kcols;
+  float scale = 1.0f / sqrtf((float)d);
+  MK_FOR(p, (i64)rows * kv) {
+    int j = (int)(p / rows), r = (int)(p % rows);
+    int t = r % seq, r0 = r - t;
+    const float *kt = k + (i64)r * kcols + (i64)j * d, *vt = v + (i64)r * kcols + (i64)j * d;
+    float *dk = dqkv + (i64)r * width + qcols + (i64)j * d, *dv = dk + kcols;
+    for (int c = 0; c < d; c++) dk[c] = dv[c] = 0.0f;
+    for (int h = j * group; h < (j + 1) * group; h++)
+      for (int i = t; i < seq; i++) {
+        i64 at = (i64)(r0 + i) * qcols + (i64)h * d;
+        const float *st = stats + (i64)(r0 + i) * 2 * heads;
+        float e = expf(mk_attn_dot(q + at, kt, d) * scale - st[h]);
+        float ds = e * (mk_attn_dot(dy + at, vt, d) - st[heads + h]);
+        for (int c = 0; c < d; c++) {
+          dk[c] += ds * q[at + c];
+          dv[c] += e * dy[at + c];
+        }
+      }
+    for (int c = 0; c < d; c++) dk[c] *= scale;
+  }
+}
+
+// ---- mk_cols_slice ----
+extern "C" __global__ void mk_cols_slice(const float *x, float *y, int rows, int cols, int offset, int width) {
+  MK_FOR(p, (i64)rows * width) y[p] = x[p / width * cols + offset + p % width];
+}
+
+// ---- mk_pos_add ----
+// One thread per element, as rt_pos_add (runtime/kernels_lm.c).
+extern "C" __global__ void mk_pos_add(const float *x, const float *table, float *y, int rows, int cols, int seq) {
+  MK_FOR(p, (i64)rows * cols) {
+    i64 r = p / cols;
+    y[p] = x[p] + table[(r % seq) * cols + p % cols];
+  }
+}
+
+// ---- mk_pos_add_grad ----
+// One thread per element of dtable, summing its rows in row order as rt_pos_add_grad.
+extern "C" __global__ void mk_pos_add_grad(const float *dy, float *dtable, int rows, int cols, int seq) {
+  MK_FOR(p, (i64)seq * cols) {
+    i64 i = p / cols, j = p % cols;
+    float s = 0.0f;
+    for (i64 r = i; r < rows; r += seq) s += dy[r * cols + j];
+    dtable[p] = s;
+  }
+}
+
 // ---- mk_rope ----
 // One thread per rotated pair, as rt_rope (runtime/kernels_lm.c).
 extern "C" __global__ void mk_rope(const float *x, float *y, int rows, int cols, int heads, int seq, float theta, int sign) {
@@ -1042,18 +1177,23 @@ extern "C" __global__ void mk_mse_grad(const float *out, const float *target, fl
 }
 
 // ---- mk_sgd ----
-extern "C" __global__ void mk_sgd(float *p, const float *g, i64 n, float lr, float weight_decay) {
-  MK_FOR(i, n) p[i] -= lr * (g[i] + weight_decay * p[i]);
+extern "C" __global__ void mk_sgd(float *p, const float *g, i64 n, float lr, float weight_decay, float lr_scale,
+                                  float grad_scale) {
+  lr *= lr_scale;
+  MK_FOR(i, n) p[i] -= lr * (g[i] * grad_scale + weight_decay * p[i]);
 }
 
 // ---- mk_adamw ----
 extern "C" __global__ void mk_adamw(float *p, const float *g, float *m, float *v, i64 n, float lr, float beta1,
-                                    float beta2, float eps, float weight_decay, i64 step) {
+                                    float beta2, float eps, float weight_decay, i64 step, float lr_scale,
+                                    float grad_scale) {
   float bc1 = (float)(1.0 - pow((double)beta1, (double)step));
   float bc2 = (float)(1.0 - pow((double)beta2, (double)step));
+  lr *= lr_scale;
   MK_FOR(i, n) {
-    m[i] = beta1 * m[i] + (1.0f - beta1) * g[i];
-    v[i] = beta2 * v[i] + (1.0f - beta2) * g[i] * g[i];
+    float gi = g[i] * grad_scale;
+    m[i] = beta1 * m[i] + (1.0f - beta1) * gi;
+    v[i] = beta2 * v[i] + (1.0f - beta2) * gi * gi;
     float mhat = m[i] / bc1, vhat = v[i] / bc2;
     p[i] -= lr * (mhat / (sqrtf(vhat) + eps) + weight_decay * p[i]);
   }

@@ -429,14 +429,14 @@ template <class Launcher> void run_kernel_cases(Launcher &L, Checks &c) {
     c.same("loss.mse.grad", y_c, y_k);
     auto p_c = a, p_k = a, m_c = zeros<float>(n), m_k = zeros<float>(n), v_c = zeros<float>(n), v_k = zeros<float>(n);
     for (int step = 1; step <= 3; step++) {
-      rt_adamw(p_c.data(), b.data(), m_c.data(), v_c.data(), n, 1e-3f, 0.9f, 0.999f, 1e-8f, 0.01f, step);
-      LAUNCH(3, 64, mk_adamw, p_k, b, m_k, v_k, n, 1e-3f, 0.9f, 0.999f, 1e-8f, 0.01f, step);
+      rt_adamw(p_c.data(), b.data(), m_c.data(), v_c.data(), n, 1e-3f, 0.9f, 0.999f, 1e-8f, 0.01f, step, 0.5f, 0.75f);
+      LAUNCH(3, 64, mk_adamw, p_k, b, m_k, v_k, n, 1e-3f, 0.9f, 0.999f, 1e-8f, 0.01f, step, 0.5f, 0.75f);
     }
     c.same("opt.adamw (3 steps)", p_c, p_k);
     p_c = a, p_k = a;
     for (int step = 1; step <= 3; step++) {
-      rt_sgd(p_c.data(), b.data(), n, 0.1f, 0.01f);
-      LAUNCH(3, 64, mk_sgd, p_k, b, n, 0.1f, 0.01f);
+      rt_sgd(p_c.data(), b.data(), n, 0.1f, 0.01f, 0.5f, 0.75f);
+      LAUNCH(3, 64, mk_sgd, p_k, b, n, 0.1f, 0.01f, 0.5f, 0.75f);
     }
     c.same("opt.sgd (3 steps)", p_c, p_k);
     // hooks

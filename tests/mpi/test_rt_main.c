@@ -168,12 +168,12 @@ static void backward(RtStep *st) {
 }
 
 static void update_sgd(RtStep *st) {
-  rt_sgd(st->params, st->grads, (int64_t)model.param_floats, LR_SGD, 0.0f);
+  rt_sgd(st->params, st->grads, (int64_t)model.param_floats, LR_SGD, 0.0f, 1.0f, 1.0f);
 }
 
 static void update_adamw(RtStep *st) {
   rt_adamw(st->params, st->grads, st->opt_m, st->opt_v, (int64_t)model.param_floats, 0.02f, 0.9f,
-           0.999f, 1e-8f, 0.01f, st->step);
+           0.999f, 1e-8f, 0.01f, st->step, 1.0f, 1.0f);
 }
 
 static int parse_layout(const char *text) {

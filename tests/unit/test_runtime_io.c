@@ -441,12 +441,12 @@ static void lin_backward(RtStep *st) {
 }
 
 static void lin_update_sgd(RtStep *st) {
-  rt_sgd(st->params, st->grads, M * M, learning_rate, 0.0f);
+  rt_sgd(st->params, st->grads, M * M, learning_rate, 0.0f, 1.0f, 1.0f);
 }
 
 static void lin_update_adamw(RtStep *st) {
   rt_adamw(st->params, st->grads, st->opt_m, st->opt_v, M * M, 0.05f, 0.9f, 0.999f, 1e-8f,
-           0.01f, st->step);
+           0.01f, st->step, 1.0f, 1.0f);
 }
 
 static const RtParam lin_params[1] = {

@@ -1,0 +1,129 @@
+// The language model's side of the trainer (DESIGN §2.1): where a step's tokens come from, the
+// validation loss, the gradient norm and its clipping, the learning-rate schedule, sampling.
+//
+// A step's global batch is dp*batch windows of seqlen+1 tokens; DP rank r holds windows
+// [r*batch, (r+1)*batch). Window g of step t comes from the --data file (rt_tokens_train_window:
+// an offset hashed from (seed, t, g)), from --input (the same windows every step), or is
+// synthetic (rt_tokens_synthetic); so every layout sees the same global batch. The step's input
+// is each window's first seqlen tokens and its target the seqlen after them, int32 in the
+// buffers rt_main hands the step functions.
+#include <math.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "moert.h"
+#include "rt_internal.h"
+#include "rt_mpi.h"
+
+int rt_lm_open(RtLm *lm, const RtModel *m, const RtRanks *r, const RtLmOptions *o) {
+  *lm = (RtLm){.model = m, .val_max = o->val_windows};
+  int64_t L = m->seqlen, rows = r->dp * m->batch;
+  lm->window = rt_alloc((size_t)(L + 1) * sizeof(int32_t), "a token window");
+  const char *train = o->data ? o->data : m->data_train;
+  const char *val = o->val ? o->val : m->data_val;
+  const char *format = o->data ? NULL : m->data_format;
+  if (o->input) {
+    lm->fixed = rt_alloc((size_t)(rows * (L + 1)) * sizeof(int32_t), "the --input windows");
+    if (rt_tokens_read_npy(o->input, rows, L + 1, m->vocab, lm->fixed) != 0)
+      return -1;
+    lm->source = o->input;
+  } else if (train) {
+    if (rt_tokens_load(&lm->train, train, format, m->vocab, L) != 0)
+      return -1;
+    lm->has_train = true;
+    lm->source = train;
+  }
+  if (val) {
+    if (rt_tokens_load(&lm->val, val, o->val ? NULL : m->data_format, m->vocab, L) != 0)
+      return -1;
+    lm->has_val = true;
+    lm->val_source = val;
+    lm->val_count = rt_tokens_val_count(&lm->val, L, lm->val_max);
+  }
+  return 0;
+}
+
+void rt_lm_close(RtLm *lm) {
+  if (lm->has_train)
+    rt_tokens_free(&lm->train);
+  if (lm->has_val)
+    rt_tokens_free(&lm->val);
+  free(lm->fixed);
+  free(lm->window);
+  *lm = (RtLm){0};
+}
+
+static void split_window(const int32_t *w, int64_t L, int32_t *input, int32_t *target) {
+  memcpy(input, w, (size_t)L * sizeof *w);
+  memcpy(target, w + 1, (size_t)L * sizeof *w);
+}
+
+void rt_lm_fill(RtLm *lm, int64_t step, int64_t first, int32_t *input, int32_t *target) {
+  const RtModel *m = lm->model;
+  int64_t L = m->seqlen;
+  for (int64_t b = 0; b < m->batch; b++) {
+    int64_t g = first + b;
+    const int32_t *w = lm->window;
+    if (lm->fixed)
+      w = lm->fixed + g * (L + 1);
+    else if (lm->has_train)
+      rt_tokens_train_window(&lm->train, m->seed, step, g, L, lm->window);
+    else
+      rt_tokens_synthetic(m->seed, step, g, L, m->vocab, lm->window);
+    split_window(w, L, input + b * L, target + b * L);
+  }
+}
+
+int64_t rt_lm_val_batches(const RtLm *lm, int dp) {
+  return lm->has_val ? lm->val_count / (lm->model->batch * dp) : 0;
+}
+
+void rt_lm_fill_val(RtLm *lm, int64_t batch, int64_t first, int dp, int32_t *input, int32_t *target) {
+  const RtModel *m = lm->model;
+  int64_t L = m->seqlen;
+  for (int64_t b = 0; b < m->batch; b++) {
+    rt_tokens_val_window(&lm->val, batch * m->batch * dp + first + b, L, lm->window);
+    split_window(lm->window, L, input + b * L, target + b * L);
+  }
+}
+
+double rt_grad_norm(const RtModel *m, const RtRanks *r, RtComm *c, const float *grads) {
+  // Every rank holds its shard of each gradient after the reductions; a shard held by several
+  // ranks (replicas) counts once: its squares are divided by the number of replicas.
+  double sum = 0;
+  for (int i = 0; i < m->nparams; i++) {
+    const RtParam *p = &m->params[i];
+    double s = 0;
+    for (int64_t j = 0; j < p->numel; j++)
+      s += (double)grads[p->offset + j] * grads[p->offset + j];
+    int shards = (p->shard_ep >= 0 ? r->ep : 1) * (p->shard_esp >= 0 ? r->esp : 1);
+    sum += s * shards / r->world;
+  }
+  if (r->world > 1)
+    rt_allreduce_f64(c, RT_GROUP_WORLD, &sum, 1);
+  return sqrt(sum);
+}
+
+double rt_lr_scale(const RtModel *m, int64_t step) {
+  if (m->lr <= 0)
+    return 1.0;
+  return rt_lr_at(m->lr, m->warmup, m->decay_steps, m->min_lr, step) / m->lr;
+}
+
+void rt_print_tokens(FILE *out, const RtModel *m, const int32_t *tokens, int64_t n) {
+  if (m->vocab > 256) {
+    for (int64_t i = 0; i < n; i++)
+      fprintf(out, "%s%d", i ? " " : "", tokens[i]);
+    fputc('\n', out);
+    return;
+  }
+  for (int64_t i = 0; i < n; i++) {   // a byte model: the text, control bytes escaped
+    int t = tokens[i];
+    if (t == '\n' || t == '\t' || (t >= 32 && t < 127) || t >= 128)
+      fputc(t, out);
+    else
+      fprintf(out, "\\x%02x", t);
+  }
+  fputc('\n', out);
+}
