@@ -2,7 +2,7 @@
 #
 #   make deps    install the Debian packages moec needs (skips what is there)
 #   make         build/moec and build/libmoert.a
-#   make demo    deps + build + compile lang/models/tiny.moe and train it 20 steps
+#   make demo    deps + build + train lang/models/gpt_moe_bytes.moe on the GPL-3 text (tests/demo.sh)
 #   make test    deps + build + every test (unit, golden, diagnostics, numpy reference, fuzz smoke)
 #   make fuzz    both fuzzers (front end, IR parser) for FUZZ_SECONDS each (default 300)
 #   make bench   benchmarks (long; never part of make test)

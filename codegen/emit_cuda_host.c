@@ -555,9 +555,13 @@ static void emit_header(Host *h, FILE *out, const char *source_name, const CgCud
                "   program's), the step's input X and target T, the activation arena A of the memory plan, and\n"
                "   the staging area S of the statistics the host reads after a step function (into H). */\n",
           h->adamw ? ", AdamW moments M and V" : "");
+  // The output: the last layer's [batch*seqlen, embed], or a language model's logits [batch*seqlen, vocab].
+  int64_t vocab = ir_mod_int(m, "vocab", 0);
+  int64_t output_floats = vocab > 0 ? ir_mod_int(m, "batch", 1) * ir_mod_int(m, "seqlen", 1) * vocab : elems;
   const char *names[] = {"PARAM_FLOATS", "ELEMS", "OFF_G", "OFF_M", "OFF_V", "OFF_X", "OFF_T", "OFF_A", "OFF_S",
-                         "DEVICE_BYTES", "STAGE_BYTES"};
-  int64_t values[] = {h->param_floats, elems, off_g, off_m, off_v, off_x, off_t, off_a, off_s, total, stage_bytes};
+                         "DEVICE_BYTES", "STAGE_BYTES", "OUTPUT_FLOATS"};
+  int64_t values[] = {h->param_floats, elems, off_g, off_m, off_v, off_x, off_t, off_a, off_s, total, stage_bytes,
+                      output_floats};
   for (size_t i = 0; i < sizeof values / sizeof *values; i++)
     fprintf(out, "#define %s ((size_t)%" PRId64 ")\n", names[i], values[i]);
   if (h->bf16)
@@ -612,7 +616,7 @@ static void emit_hooks(Host *h, FILE *out) {
                "  .cubin = cubin, .cubin_arch = CUBIN_ARCH, .ptx = ptx, .kernel_names = kernel_names, .nkernels = KERNEL_COUNT,\n"
                "  .device_bytes = DEVICE_BYTES, .events = EVENTS, .param_floats = PARAM_FLOATS,\n"
                "  .off_grads = OFF_G, .off_m = OFF_M, .off_v = OFF_V, .moments = MOMENTS,\n"
-               "  .stage_bytes = STAGE_BYTES, .output_floats = ELEMS,\n  .nccl = {");
+               "  .stage_bytes = STAGE_BYTES, .output_floats = OUTPUT_FLOATS,\n  .nccl = {");
   int any = 0;
   for (int g = 0; g < 5; g++)
     if (h->group_nccl[g]) fprintf(out, "%s[%s] = true", any++ ? ", " : "", group_enums[g]);
@@ -676,11 +680,15 @@ bool cg_emit_cuda_host(IrDiag *d, FILE *out, const IrModule *m, const PassMemPla
   cg_cuda_kernels_used(m, plan, used);
   for (int k = 0, slot = 0; k < nk; k++) h.kernel_slot[k] = used[k] ? slot++ : -1;
 
-  // The model's output: the first result of the last layer's forward (emit_c's st->output).
-  const IrFunc *last_fwd = NULL;
-  for (int i = 0; i < m->nfuncs; i++)
+  // The model's output: a language model's logits (the loss function's second result), else the
+  // first result of the last layer's forward (emit_c's st->output).
+  const IrFunc *last_fwd = NULL, *loss = NULL;
+  for (int i = 0; i < m->nfuncs; i++) {
     if (m->funcs[i]->role == IR_ROLE_LAYER_FWD) last_fwd = m->funcs[i];
-  if (last_fwd && last_fwd->nrets > 0) cg_spell_value(&h.sp, last_fwd->rets[0], h.output, sizeof h.output);
+    if (m->funcs[i]->role == IR_ROLE_LOSS_FWD) loss = m->funcs[i];
+  }
+  if (loss && loss->nrets > 1) cg_spell_value(&h.sp, loss->rets[1], h.output, sizeof h.output);
+  else if (last_fwd && last_fwd->nrets > 0) cg_spell_value(&h.sp, last_fwd->rets[0], h.output, sizeof h.output);
 
   int w_input = where(&h, NULL, NULL, "the copy of the step's input and target to the GPU");
   char prologue[512];

@@ -21,6 +21,14 @@
 
 static bool layernorm(const FeLower *L) { return strcmp(L->p->model.norm, "layernorm") == 0; }
 
+// A parameter outside the MoE: every MP rank computes with all of it on the same tokens, so its
+// gradient is reduced over DP only (passes/parallelize.c reads `dense`).
+static IrParam *dense_param(FeLower *L, const char *suffix, IrType t, const char *init, double value) {
+  IrParam *p = fe_param(L, suffix, t, init, value);
+  ir_attrs_set_int(p->attrs, &p->nattrs, "dense", 1);
+  return p;
+}
+
 // Norm(x)·w (+ b): the model's norm with its learned scale (and shift for layernorm), as
 // parameters PREFIX.weight and PREFIX.bias of the instance (weight and bias when PREFIX is NULL).
 static IrValue *norm(FeLower *L, IrValue *x, const char *prefix, const char *name) {
@@ -30,10 +38,10 @@ static IrValue *norm(FeLower *L, IrValue *x, const char *prefix, const char *nam
   IrOpKind kind = layernorm(L) ? IR_OP_NORM_LAYER : IR_OP_NORM_RMS;
   IrValue *n = fe_emit(L, kind, ir_strfmt(L->m, "%s.n", name), 1, (IrOperand[]){FE_V(x)}, 1,
                        (IrAttr[]){FE_F("eps", L->p->model.norm_eps)});
-  IrParam *w = fe_param(L, wname, ir_type1(IR_F32, M), "ones", 0);
+  IrParam *w = dense_param(L, wname, ir_type1(IR_F32, M), "ones", 0);
   IrValue *y = fe_op2(L, IR_OP_SCALE, layernorm(L) ? ir_strfmt(L->m, "%s.w", name) : name, FE_V(n), FE_P(w));
   if (layernorm(L)) {
-    IrParam *b = fe_param(L, bname, ir_type1(IR_F32, M), "zeros", 0);
+    IrParam *b = dense_param(L, bname, ir_type1(IR_F32, M), "zeros", 0);
     y = fe_op2(L, IR_OP_BIAS, name, FE_V(y), FE_P(b));
   }
   return y;
@@ -42,10 +50,10 @@ static IrValue *norm(FeLower *L, IrValue *x, const char *prefix, const char *nam
 // x·W (+ b) with W [in, out] named PREFIX.wSUFFIX and b PREFIX.bSUFFIX.
 static IrValue *linear(FeLower *L, IrValue *x, const char *w, const char *b, int64_t in, int64_t out, double std,
                        const char *name) {
-  IrParam *pw = fe_param(L, w, ir_type2(IR_F32, in, out), "normal", std);
+  IrParam *pw = dense_param(L, w, ir_type2(IR_F32, in, out), "normal", std);
   IrValue *y = fe_op2(L, IR_OP_MATMUL, name, FE_V(x), FE_P(pw));
   if (b) {
-    IrParam *pb = fe_param(L, b, ir_type1(IR_F32, out), "zeros", 0);
+    IrParam *pb = dense_param(L, b, ir_type1(IR_F32, out), "zeros", 0);
     y = fe_op2(L, IR_OP_BIAS, ir_strfmt(L->m, "%s.b", name), FE_V(y), FE_P(pb));
   }
   return y;
@@ -118,10 +126,10 @@ void fe_lower_lm(FeLower *L) {
   L->layer = NULL;
   L->f = ir_add_func(m, "embed.fwd", IR_ROLE_LAYER_FWD);
   IrValue *tokens = ir_add_arg(L->f, m, "tokens", ir_type1(IR_I32, L->S));
-  IrParam *wte = fe_param(L, "wte", ir_type2(IR_F32, V, L->M), "normal", STD);
+  IrParam *wte = dense_param(L, "wte", ir_type2(IR_F32, V, L->M), "normal", STD);
   IrValue *h = fe_op2(L, IR_OP_EMBED, "h", FE_V(tokens), FE_P(wte));
   if (strcmp(md->position, "learned") == 0) {
-    IrParam *wpe = fe_param(L, "wpe", ir_type2(IR_F32, md->seqlen, L->M), "normal", STD);
+    IrParam *wpe = dense_param(L, "wpe", ir_type2(IR_F32, md->seqlen, L->M), "normal", STD);
     h = fe_emit(L, IR_OP_POS_ADD, "hp", 2, (IrOperand[]){FE_V(h), FE_P(wpe)}, 1, (IrAttr[]){FE_I("seq", md->seqlen)});
   }
   ir_add_ret(L->f, m, h);
@@ -154,7 +162,7 @@ void fe_lower_lm(FeLower *L) {
     logits = fe_emit(L, IR_OP_MATMUL, "logits", 2, (IrOperand[]){FE_V(hn), FE_P(wte)}, 1, (IrAttr[]){FE_I("tb", 1)});
   } else {
     L->inst = "head";
-    IrParam *w = fe_param(L, "w", ir_type2(IR_F32, L->M, V), "normal", STD);
+    IrParam *w = dense_param(L, "w", ir_type2(IR_F32, L->M, V), "normal", STD);
     logits = fe_op2(L, IR_OP_MATMUL, "logits", FE_V(hn), FE_P(w));
   }
   ir_add_ret(L->f, m, fe_op2(L, IR_OP_LOSS_XENT, "loss", FE_V(logits), FE_V(target)));

@@ -108,7 +108,9 @@ static void param_grad(Grad *g, IrParam *p, IrValue *v) {
     IrOp *r = new_op(g, IR_OP_COMM_ALLREDUCE, ir_strfmt(g->m, "%s.sum", v->name));
     r->args[r->nargs++] = V(v);
     ir_attrs_set_str(g->m, r->attrs, &r->nattrs, "group", group);
-    int64_t size = strcmp(group, "esp") == 0 ? ir_mod_int(g->m, "esp", 1) : ir_mod_int(g->m, "dp", 1) * ir_mod_int(g->m, "mp", 1);
+    int64_t size = strcmp(group, "esp") == 0 ? ir_mod_int(g->m, "esp", 1)
+                 : strcmp(group, "dp") == 0  ? ir_mod_int(g->m, "dp", 1)
+                                             : ir_mod_int(g->m, "dp", 1) * ir_mod_int(g->m, "mp", 1);
     ir_op_set_int(r, "size", size);
     v = typed(g, r);
   }

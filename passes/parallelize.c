@@ -80,11 +80,18 @@ static bool uses_expert_param(const IrOp *op) {
 static bool split_tokens(Par *P) {
   IrFunc *f = P->f;
   IrValue *x = f->args[0];
+  int at = 0;
+  // A language model's MoE starts at its normed input (marked moe_input by the lowering).
+  for (int i = 0; i < f->nops; i++)
+    if (ir_op_int(f->ops[i], "moe_input", 0)) {
+      x = f->ops[i]->result;
+      at = i + 1;
+    }
   IrOp *residual = f->rets[0]->def;
-  if (!residual || residual->kind != IR_OP_ADD || residual->args[0].value != x)
+  if (!residual || residual->kind != IR_OP_ADD || (at == 0 && residual->args[0].value != x))
     return ir_error(P->d, "parallelize: '@%s' does not end in the residual add", f->name);
-  IrOp *split = collective(P, 0, IR_OP_COMM_SPLIT, "xs", x, "mp", P->mp);
-  replace_uses(f, 1, residual->index, x, split->result);
+  IrOp *split = collective(P, at, IR_OP_COMM_SPLIT, "xs", x, "mp", P->mp);
+  replace_uses(f, at + 1, residual->index, x, split->result);
   IrOp *gather = collective(P, residual->index, IR_OP_COMM_ALLGATHER, "moe.all", residual->args[1].value, "mp", P->mp);
   ir_op_set_int(gather, "bwd_split", 1);
   residual->args[1].value = gather->result;
@@ -219,7 +226,9 @@ bool pass_parallelize(IrModule *m, PassCtx *ctx) {
   for (int i = 0; i < m->nparams; i++) {
     IrParam *p = m->params[i];
     if (!is_expert_param(p)) {
-      ir_attrs_set_str(m, p->attrs, &p->nattrs, "grad_reduce", "world");
+      // A language model's dense parameters see the same tokens on every MP rank: DP only.
+      bool dense = ir_attr_int(p->attrs, p->nattrs, "dense", 0);
+      if (!dense || P.dp > 1) ir_attrs_set_str(m, p->attrs, &p->nattrs, "grad_reduce", dense ? "dp" : "world");
       continue;
     }
     int64_t ed = ir_attr_int(p->attrs, p->nattrs, "shard_expert", 0);
@@ -241,10 +250,14 @@ bool pass_parallelize(IrModule *m, PassCtx *ctx) {
     P.f = f;
     if (f->role == IR_ROLE_LOSS_FWD) {
       for (int j = 0; j < f->nops; j++)
-        if (f->ops[j]->kind == IR_OP_LOSS_MSE) ir_op_set_float(f->ops[j], "scale", 1.0 / (double)P.dp);
+        if (f->ops[j]->kind == IR_OP_LOSS_MSE || f->ops[j]->kind == IR_OP_LOSS_XENT)
+          ir_op_set_float(f->ops[j], "scale", 1.0 / (double)P.dp);
       continue;
     }
     if (f->role != IR_ROLE_LAYER_FWD) continue;
+    bool moe = false;   // a language model's embedding and mlp layers have no MoE
+    for (int j = 0; j < f->nops; j++) moe |= uses_expert_param(f->ops[j]);
+    if (!moe) continue;
     const char *algo = "nccl";
     for (int j = 0; j < f->nops; j++)
       for (int a = 0; a < f->ops[j]->nargs; a++)

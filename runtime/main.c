@@ -333,10 +333,10 @@ static int trainer_create(Trainer *tr, const RtModel *model, const Options *opt,
   // The activations of a device model live on the device.
   if (!model->device && !(st->arena = aligned_alloc(64, arena ? arena : 64)))
     rt_out_of_memory(arena, "the activation arena");
-  // A language model's input and target are int32 tokens, one per position.
-  size_t data = (size_t)(model->vocab > 0 ? tokens : tr->elems);
-  tr->input = rt_calloc(data, sizeof(float), "the step's input");
-  tr->target = rt_calloc(data, sizeof(float), "the step's target");
+  // A language model's input and target are int32 tokens, one per position, at the start of
+  // buffers of the float size (a device copies the whole buffers).
+  tr->input = rt_calloc((size_t)tr->elems, sizeof(float), "the step's input");
+  tr->target = rt_calloc((size_t)tr->elems, sizeof(float), "the step's target");
   st->lr_scale = 1.0f;
   st->grad_scale = 1.0f;
   // Zeroed once so that a plan that reads a buffer before writing it is at least deterministic.

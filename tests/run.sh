@@ -165,6 +165,9 @@ done
 # expert, k in {1, 2, 4} where the gate has k, with and without dropped tokens, dropless, and
 # every record hook point. (Compression hooks are quantisers, not differentiable functions:
 # their straight-through gradients are checked exactly against the numpy reference.)
+section "language models on several ranks: a layout equals one rank (tests/lm/layout.sh)"
+run_suite "lm layouts" tests/lm/layout.sh
+
 section "whole-model gradient checks (BIN --check-grad)"
 gradcheck() {  # name model-file
   local name=$1 model=$2

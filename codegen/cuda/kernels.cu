@@ -461,7 +461,7 @@ extern "C" __global__ void mk_attn_fwd(const float *q, const float *k, const flo
     int h = (int)(p / rows), r = (int)(p % rows);
     int i = r % seq, r0 = r - i, j = h / group;
     const float *qi = q + (i64)r * qcols + (i64)h * d;
-    float m = -INFINITY, l = 0.0f;
+    float m = -3.40282347e38f, l = 0.0f;   // below every finite score (no INFINITY without headers)
     for (int t = 0; t <= i; t++) {
       float s = mk_attn_dot(qi, k + (i64)(r0 + t) * kcols + (i64)j * d, d) * scale;
       m = s > m ? s : m;
@@ -488,7 +488,7 @@ extern "C" __global__ void mk_attn_stats(const float *dy, const float *q, const 
     int h = (int)(p / rows), r = (int)(p % rows);
     int i = r % seq, r0 = r - i, j = h / group;
     const float *qi = q + (i64)r * qcols + (i64)h * d;
-    float m = -INFINITY, l = 0.0f;
+    float m = -3.40282347e38f, l = 0.0f;   // below every finite score (no INFINITY without headers)
     for (int t = 0; t <= i; t++) {
       float s = mk_attn_dot(qi, k + (i64)(r0 + t) * kcols + (i64)j * d, d) * scale;
       m = s > m ? s : m;

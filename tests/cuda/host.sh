@@ -74,7 +74,8 @@ for v in tiny tinyq; do sed 's/dtype fp32;/dtype bf16;/' "$WORK/$v.moe" >"$WORK/
 MODELS="tiny:lang/models/tiny.moe switch:lang/models/switch.moe mixtral:lang/models/mixtral.moe
         expert_choice:lang/models/expert_choice.moe xmoe:lang/models/xmoe.moe softmoe:lang/models/softmoe.moe
         gpt2_moe:lang/models/gpt2_moe.moe dense:tests/golden/dense.moe sched:tests/golden/sched.moe
-        parallel:tests/golden/parallel.moe tiny_bf16:$WORK/tiny_bf16.moe tinyq_bf16:$WORK/tinyq_bf16.moe"
+        parallel:tests/golden/parallel.moe tiny_bf16:$WORK/tiny_bf16.moe tinyq_bf16:$WORK/tinyq_bf16.moe
+        lm_gpt:tests/models/grad_lm_gpt.moe lm_llama:tests/models/grad_lm_llama.moe"
 for entry in $MODELS; do
   [ "$(jobs -rp | wc -l)" -ge 2 ] && wait -n
   (build "${entry%%:*}" "${entry#*:}" >"$WORK/${entry%%:*}.build" 2>&1; echo $? >"$WORK/${entry%%:*}.built") &
@@ -113,6 +114,17 @@ compare "gpt2_moe (4 layers, hooks)" gpt2_moe 1
 compare "dense (gshard order)" dense 1
 compare "sched on 4 ranks (fsmoe streams, EP, ESP, chunks)" sched 4
 compare "parallel on 4 ranks (dp, mp, ep, esp, 2dh)" parallel 4
+compare "GPT-style language model (attention, layernorm, tied head, k 2 drops, a dense layer)" lm_gpt 1
+compare "Llama-style language model (rope, GQA, rmsnorm, untied head, mixtral k 1)" lm_llama 1
+# The language models' dumps (tokens, logits, every gradient) bit for bit: the attention kernels do
+# the CPU kernels' float operations in their order.
+for name in lm_gpt lm_llama; do
+  if [ -d "$WORK/$name.cpu.dump" ] && [ -d "$WORK/$name.cuda.dump" ]; then
+    if diff -r "$WORK/$name.cpu.dump" "$WORK/$name.cuda.dump" >/dev/null; then
+      ok "cuda host $name: every --dump file (logits, loss, every gradient) is bit-identical to the CPU program's"
+    else bad "cuda host $name: --dump files differ from the CPU program's bit for bit" "$(diff -rq "$WORK/$name.cpu.dump" "$WORK/$name.cuda.dump" | head -n 10)"; fi
+  fi
+done
 
 # The record hooks' lines: the GPU's statistics (mk_record_stats) against rt_record's.
 if [ -f "$WORK/gpt2_moe.cpu.out" ] && [ -f "$WORK/gpt2_moe.cuda.out" ]; then

@@ -392,6 +392,38 @@ template <class Launcher> void run_kernel_cases(Launcher &L, Checks &c) {
       LAUNCH(1, 32, mk_embed_grad, b, tok, dt_k, s, m, v);
       c.same("embed.grad", dt_c, dt_k);
     }
+    {  // causal grouped-query attention: 2 samples of 13 positions, 4 heads over 2 kv heads, d 6;
+       // learned positions; the slice of the packed gradient
+      const int seq = 13, rows = 2 * seq, H = 4, KV = 2, d = 6, qc = H * d, kc = KV * d, w = qc + 2 * kc;
+      auto q = randn((size_t)rows * qc), kk = randn((size_t)rows * kc), vv = randn((size_t)rows * kc);
+      auto dy = randn((size_t)rows * qc);
+      auto o_c = zeros<float>(rows * qc), o_k = zeros<float>(rows * qc);
+      rt_attn_fwd(q.data(), kk.data(), vv.data(), o_c.data(), rows, seq, H, KV, qc);
+      LAUNCH(2, 32, mk_attn_fwd, q, kk, vv, o_k, rows, seq, H, KV, qc);
+      c.same("attn.causal", o_c, o_k);
+      auto st_c = zeros<float>(rows * 2 * H), st_k = zeros<float>(rows * 2 * H);
+      rt_attn_stats(dy.data(), q.data(), kk.data(), o_c.data(), st_c.data(), rows, seq, H, KV, qc);
+      LAUNCH(2, 32, mk_attn_stats, dy, q, kk, o_c, st_k, rows, seq, H, KV, qc);
+      c.same("attn.causal.stats", st_c, st_k);
+      auto g_c = zeros<float>(rows * w), g_k = zeros<float>(rows * w);
+      rt_attn_grad_q(dy.data(), q.data(), kk.data(), vv.data(), st_c.data(), g_c.data(), rows, seq, H, KV, qc);
+      rt_attn_grad_kv(dy.data(), q.data(), kk.data(), vv.data(), st_c.data(), g_c.data(), rows, seq, H, KV, qc);
+      LAUNCH(2, 32, mk_attn_grad_q, dy, q, kk, vv, st_c, g_k, rows, seq, H, KV, qc);
+      LAUNCH(2, 16, mk_attn_grad_kv, dy, q, kk, vv, st_c, g_k, rows, seq, H, KV, qc);
+      c.same("attn.causal.grad", g_c, g_k);
+      auto sl_c = zeros<float>(rows * kc), sl_k = zeros<float>(rows * kc);
+      rt_cols_slice(g_c.data(), sl_c.data(), rows, w, qc, kc);
+      LAUNCH(2, 64, mk_cols_slice, g_c, sl_k, rows, w, qc, kc);
+      c.same("cols.slice", sl_c, sl_k);
+      auto tab = randn((size_t)seq * qc), pa_c = zeros<float>(rows * qc), pa_k = zeros<float>(rows * qc);
+      rt_pos_add(q.data(), tab.data(), pa_c.data(), rows, qc, seq);
+      LAUNCH(3, 64, mk_pos_add, q, tab, pa_k, rows, qc, seq);
+      c.same("pos.add", pa_c, pa_k);
+      auto pg_c = zeros<float>(seq * qc), pg_k = zeros<float>(seq * qc);
+      rt_pos_add_grad(dy.data(), pg_c.data(), rows, qc, seq);
+      LAUNCH(2, 64, mk_pos_add_grad, dy, pg_k, rows, qc, seq);
+      c.same("pos.add.grad_w", pg_c, pg_k);
+    }
     rt_rope(a.data(), y_c.data(), s, m, 4, 12, 10000.0f, 1);
     LAUNCH(3, 64, mk_rope, a, y_k, s, m, 4, 12, 10000.0f, 1);
     c.same("rope", y_c, y_k);
