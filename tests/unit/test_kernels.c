@@ -658,22 +658,27 @@ static void test_loss_values(void **state) {
 static void test_optimizers(void **state) {
   float p[2] = {1.0f, -2.0f};
   const float g[2] = {0.5f, -1.0f};
-  rt_sgd(p, g, 2, 0.1f, 0.01f);
+  rt_sgd(p, g, 2, 0.1f, 0.01f, 1.0f, 1.0f);
   assert_float_equal(p[0], 0.949, 1e-6);    // 1 - 0.1 (0.5 + 0.01)
   assert_float_equal(p[1], -1.898, 1e-6);   // -2 - 0.1 (-1 - 0.02)
+  // The schedule's lr_scale and clipping's grad_scale: lr 0.1 * 0.5, gradient * 0.5.
+  float r[2] = {1.0f, -2.0f};
+  rt_sgd(r, g, 2, 0.1f, 0.01f, 0.5f, 0.5f);
+  assert_float_equal(r[0], 0.987, 1e-6);    // 1 - 0.05 (0.25 + 0.01)
+  assert_float_equal(r[1], -1.974, 1e-6);   // -2 - 0.05 (-0.5 - 0.02)
 
   // AdamW, lr 0.1, betas (0.9, 0.999), eps 1e-8, weight decay 0.01. Step 1: mhat = g,
   // vhat = g^2, so the update is lr (sign(g) + wd p) up to eps.
   float q[2] = {1.0f, -2.0f}, m[2] = {0, 0}, v[2] = {0, 0};
   // 1 - 0.9f and 1 - 0.999f are not exact in float, hence the tolerances on the moments.
-  rt_adamw(q, g, m, v, 2, 0.1f, 0.9f, 0.999f, 1e-8f, 0.01f, 1);
+  rt_adamw(q, g, m, v, 2, 0.1f, 0.9f, 0.999f, 1e-8f, 0.01f, 1, 1.0f, 1.0f);
   assert_float_equal(m[0], 0.05, 1e-7);
   assert_float_equal(v[0], 0.00025, 1e-8);
   assert_float_equal(q[0], 0.899, 1e-6);    // 1 - 0.1 (1 + 0.01)
   assert_float_equal(q[1], -1.898, 1e-6);   // -2 - 0.1 (-1 - 0.02)
   // Step 2, same gradient: m = 0.095, v = 0.00049975, mhat = 0.5, vhat = 0.25 again,
   // q0 = 0.899 - 0.1 (1 + 0.01 * 0.899) = 0.798101.
-  rt_adamw(q, g, m, v, 2, 0.1f, 0.9f, 0.999f, 1e-8f, 0.01f, 2);
+  rt_adamw(q, g, m, v, 2, 0.1f, 0.9f, 0.999f, 1e-8f, 0.01f, 2, 1.0f, 1.0f);
   assert_float_equal(m[0], 0.095, 1e-7);
   assert_float_equal(v[0], 0.00049975, 1e-8);
   assert_float_equal(q[0], 0.798101, 1e-6);
