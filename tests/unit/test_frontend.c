@@ -55,7 +55,7 @@ static FeProgram *load(Capture *c, const char *text, IrSource **src_out) {
 static const char *const full_model =
     "# every construct of the language\n"
     "model big {\n"
-    "  dtype bf16; batch 4; seqlen 256; embed 768; seed 7;\n"
+    "  dtype bf16; batch 4; seqlen 256; embed 768; seed 7; vocab 50257; position rope { theta 500000; } norm rmsnorm { eps 1e-6; } tie_embeddings false;\n"
     "  optimizer adamw { lr 3e-4; beta1 0.8; eps 1e-6; weight_decay 0.1; }\n"
     "}\n"
     "parallel { dp 2; mp 2; ep 2; esp 2; }\n"
@@ -71,7 +71,7 @@ static const char *const full_model =
     "    hook after_combine record;\n"
     "  }\n"
     "}\n"
-    "layer tail {\n"
+    "layer tail { attention { heads 4; kv_heads 2; bias false; }\n"
     "  moe {\n"
     "    experts 4 { ffn mixtral { hidden 1024; } }\n"
     "    gate xmoe { k 1; capacity *; proj 8; }\n"
@@ -99,6 +99,18 @@ static void test_full_model(void **state) {
   assert_true(p->model.optimizer.beta2 == 0.999);
   assert_true(p->model.optimizer.eps == 1e-6);
   assert_true(p->model.optimizer.weight_decay == 0.1);
+  assert_true(p->model.has_vocab);
+  assert_int_equal(p->model.vocab, 50257);
+  assert_string_equal(p->model.position, "rope");
+  assert_true(p->model.rope_theta == 500000);
+  assert_string_equal(p->model.norm, "rmsnorm");
+  assert_true(p->model.norm_eps == 1e-6);
+  assert_false(p->model.tie_embeddings);
+  assert_int_equal(p->layers[1].heads, 4);
+  assert_int_equal(p->layers[1].kv_heads, 2);
+  assert_false(p->layers[1].attn_bias);
+  assert_true(p->layers[0].attn_bias);
+  assert_int_equal(p->layers[0].kv_heads, 12);
   assert_int_equal(p->parallel.dp, 2);
   assert_int_equal(p->parallel.esp, 2);
   assert_non_null(p->parallel.loc.src);
@@ -142,7 +154,7 @@ static void test_full_model(void **state) {
   l = &p->layers[1];
   assert_string_equal(l->name, "tail");
   assert_int_equal(l->repeat, 1);
-  assert_false(l->has_attention);
+  assert_true(l->has_attention);
   assert_string_equal(l->moe.experts.kind, "mixtral");
   assert_null(l->moe.experts.act);
   assert_false(l->moe.experts.bias);
