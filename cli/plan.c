@@ -230,6 +230,10 @@ static bool plan_load(IrDiag *d, const PlanOptions *o, Plan *pl) {
   pl->p = pl->src ? fe_load(d, pl->src) : NULL;
   if (!pl->p) return false;
   FeProgram *p = pl->p;
+  if (p->model.has_vocab)   // its embedding, attention and head are not in the plan's table yet
+    return ir_error_at(d, p->model.vocab_loc,
+                       "moec plan does not price language models yet (their attention and head are not in its "
+                       "table); 'moec build -v --cluster C' prints the build's plan of this model");
   pl->cluster_path = o->cluster ? o->cluster : p->cluster_path;
   if (!pl->cluster_path)
     return ir_error(d, "no cluster profile: pass --cluster C or add a 'cluster \"F\";' statement to %s", o->input);
