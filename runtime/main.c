@@ -712,9 +712,10 @@ static int train(Trainer *tr) {
       fflush(st->record);
     if (!tr->opt.quiet && root && m->vocab > 0) {
       double tokens = (double)(tr->ranks.dp * m->batch * m->seqlen);
+      // The timings last (tests compare the lines up to "  time").
       printf("step %lld  loss %.6f  ce %.6f  aux %.6f  z %.6f  lr %.3e  gnorm %.4f  dropped %.4f  "
-             "tok/s %.0f  time %.3f ms\n", (long long)t, loss, rep.mse, rep.aux, rep.z,
-             m->lr * st->lr_scale, gnorm, dropped, ms > 0 ? tokens / (ms * 1e-3) : 0.0, ms);
+             "time %.3f ms  tok/s %.0f\n", (long long)t, loss, rep.mse, rep.aux, rep.z,
+             m->lr * st->lr_scale, gnorm, dropped, ms, ms > 0 ? tokens / (ms * 1e-3) : 0.0);
       fflush(stdout);
     } else if (!tr->opt.quiet && root) {
       // Tokens per expert, min/mean/max over every expert of every layer (0/0.0/0 without MoE).
