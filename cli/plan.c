@@ -14,8 +14,8 @@
 // It then plans that stack for every policy (sched/sched_solve.c, the planner the pipeline pass
 // calls) and simulates the stream programs (sched/sched_sim.c), so its degrees and predicted
 // times for a policy are the build's with `schedule { policy P; pipeline auto; }`
-// (tests/plan_build.sh checks it). Attention has no kernels yet: layers with an `attention`
-// block (or, with --heads, every layer) get a dense attention part modelled by DESIGN §6's
+// (tests/plan_build.sh checks it). A language model's attention is in the IR and priced there;
+// with --heads, the layers of a MoE stack get a dense attention part modelled by DESIGN §6's
 // formulas (sched_attention) on top of what the IR prices. sweep has no program: it plans the
 // paper's Table 4 space (1458 stacks of two identical generalized layers) from those formulas
 // (sched_layer_cost) and sets the average speedups over tutel beside the paper's Table 5. Both
@@ -204,7 +204,6 @@ typedef struct Plan {
   SchedCluster cluster;
   PassStack stack;              // the pipeline pass's stack (pass_stack), modelled attention added
   PlanLayer *layers;            // [stack.n]
-  bool model_attention;         // some layer has an `attention` block
   SchedStack st;
   SchedPlan plans[IR_NPOLICIES];
   double plan_s;                // seconds the planner took for every policy
@@ -222,29 +221,27 @@ static void plan_free(Plan *pl) {
 }
 
 // Reads the model and its cluster profile and lowers the program as `moec build` does, through
-// the build's passes up to `cost`. Attention has no kernels, so the lowering would refuse it:
-// each layer's `heads` becomes the attention the plan models in front of it (its `attention`
-// block's, else --heads, else 0) and the layer is lowered without it. False on error (reported).
+// the build's passes up to `cost`. A MoE stack's layers get --heads heads of attention modelled
+// in front of them (0: none); a language model's attention is its own, priced from the IR.
+// False on error (reported).
 static bool plan_load(IrDiag *d, const PlanOptions *o, Plan *pl) {
   pl->src = ir_source_read(d, o->input);
   pl->p = pl->src ? fe_load(d, pl->src) : NULL;
   if (!pl->p) return false;
   FeProgram *p = pl->p;
-  if (p->model.has_vocab)   // its embedding, attention and head are not in the plan's table yet
-    return ir_error_at(d, p->model.vocab_loc,
-                       "moec plan does not price language models yet (their attention and head are not in its "
-                       "table); 'moec build -v --cluster C' prints the build's plan of this model");
+  if (p->model.has_vocab && o->heads > 0)
+    return ir_error(d, "--heads models attention in front of MoE stacks; the language model %s has its own "
+                    "attention, which the IR prices", o->input);
   pl->cluster_path = o->cluster ? o->cluster : p->cluster_path;
   if (!pl->cluster_path)
     return ir_error(d, "no cluster profile: pass --cluster C or add a 'cluster \"F\";' statement to %s", o->input);
   FeCluster fc;
   if (!fe_load_cluster(d, pl->cluster_path, o->cluster ? (SrcLoc){0} : p->cluster_loc, &fc)) return false;
   cli_cluster_from_fe(&fc, &pl->cluster);
-  for (int i = 0; i < p->nlayers; i++) {
+  // A language model's attention is in its IR (passes/cost.c prices it): nothing is modelled.
+  for (int i = 0; i < p->nlayers && !p->model.has_vocab; i++) {
     FeLayer *L = &p->layers[i];
-    pl->model_attention |= L->has_attention;
-    L->heads = L->has_attention ? L->heads : (int64_t)o->heads;
-    L->has_attention = false;
+    L->heads = (int64_t)o->heads;
   }
   pl->m = fe_lower(d, p, NULL);
   if (!pl->m) return false;
@@ -298,6 +295,9 @@ static double slots_per_token(const IrModule *m, const PassLayer *l) {
 static bool plan_stack(IrDiag *d, const PlanOptions *o, Plan *pl) {
   if (!pass_stack(pl->m, &pl->cluster, &pl->stack)) return ir_error(d, "out of memory");
   int n = pl->stack.n;
+  if (n == 0)
+    return ir_error(d, "%s has no MoE layer: moec plan plans pipeline degrees and gradient slots per MoE layer, so "
+                    "there is nothing to plan", o->input);
   pl->layers = calloc((size_t)(n > 0 ? n : 1), sizeof *pl->layers);
   if (!pl->layers) return ir_error(d, "out of memory");
   for (int i = 0; i < n; i++) {
@@ -306,7 +306,7 @@ static bool plan_stack(IrDiag *d, const PlanOptions *o, Plan *pl) {
     snprintf(out->name, sizeof out->name, "%.*s", (int)strlen(l->name) - 4, l->name);
     const FeLayer *L = source_layer(pl->p, l->name);
     if (!L) return ir_error(d, "layer '%s' of the IR is not in the model (an internal error)", out->name);
-    out->heads = (int)L->heads;
+    out->heads = pl->p->model.has_vocab ? 0 : (int)L->heads;   // modelled heads
     if (out->heads > 0) add_attention(pl->p, L, &pl->cluster, &pl->stack.cost[i]);
     SchedLayerCost unused;
     int r_max;
@@ -466,13 +466,16 @@ static void print_header(const PlanOptions *o, const Plan *pl) {
          (long long)par->ep, (long long)par->esp, (long long)(par->dp * par->mp));
   printf("# cluster %s (%s): %d nodes x %d GPUs\n", pl->cluster.name, pl->cluster_path, pl->cluster.nodes,
          pl->cluster.gpus_per_node);
-  if (!attention)
+  if (p->model.has_vocab)
+    printf("# language model (vocab %lld): dense time is each MoE layer's attention (projections, causal attention, "
+           "MP AllReduces) and gate as the IR prices them; dense gradient its attention, norms and gate, plus the "
+           "head's and mlp layers' before it\n", (long long)p->model.vocab);
+  else if (!attention)
     printf("# no attention in the model (and no --heads): dense time is the layers' GEMMs outside the experts "
            "(gate, dense dispatch), dense gradient the gates'\n");
   else
-    printf("# attention in front of %d of %d layers (%s%s%s), modelled by DESIGN section 6's formulas: the compiled "
-           "program has none\n", attention, n, pl->model_attention ? "the model's attention blocks" : "",
-           pl->model_attention && o->heads > 0 ? ", else " : "", o->heads > 0 ? "--heads" : "");
+    printf("# attention in front of %d of %d layers (--heads), modelled by DESIGN section 6's formulas: the compiled "
+           "program has none\n", attention, n);
   if (any_dropless)
     printf("# dropless layers planned at the capacity the program computes over (every token at one expert); "
            "per-bucket degrees follow the layer table\n");

@@ -93,6 +93,9 @@ static bool emit_library_op(Emit *e, const IrOp *op) {
     fprintf(out, "rt_copy(%s + (int64_t)rt_comm_rank(st->comm, %s) * %" PRId64 ", %s, %" PRId64 ");\n", a[0], cg_group_enum(op), n,
             r, n);
     return true;
+  case IR_OP_COMM_COPY:
+    fprintf(out, "rt_copy(%s, %s, %" PRId64 ");\n", a[0], r, n);
+    return true;
   case IR_OP_COMM_ALLGATHER:
     fprintf(out, "rt_allgather(st->comm, %s, %s, %s, %" PRId64 ");\n", cg_group_enum(op), a[0], r, ir_type_numel(t0));
     return true;
@@ -355,13 +358,15 @@ void cg_emit_params(FILE *out, const IrModule *m, const int64_t *param_offset) {
     // Sharded dimensions (parallelize): the whole tensor is the shard times the group size.
     int shard_ep = (int)ir_attr_int(p->attrs, p->nattrs, "shard_ep", -1);
     int shard_esp = (int)ir_attr_int(p->attrs, p->nattrs, "shard_esp", -1);
+    int shard_mp = (int)ir_attr_int(p->attrs, p->nattrs, "shard_mp", -1);
     for (int k = 0; k < p->type.rank; k++) {
       int64_t g = p->type.dim[k];
       if (k == shard_ep) g *= ir_mod_int(m, "ep", 1);
       if (k == shard_esp) g *= ir_mod_int(m, "esp", 1);
+      if (k == shard_mp) g *= ir_mod_int(m, "mp", 1);
       fprintf(out, "%s%" PRId64, k ? ", " : "", g);
     }
-    fprintf(out, "}, %d, %d},\n", shard_ep, shard_esp);
+    fprintf(out, "}, %d, %d, %d},\n", shard_ep, shard_esp, shard_mp);
   }
   fprintf(out, "};\n\n");
 }

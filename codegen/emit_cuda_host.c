@@ -276,6 +276,10 @@ static bool emit_comm(Host *h, const IrFunc *f, const IrOp *op, IrStream s) {
                     "), %d);\n", se, r, a, group_enums[g], ir_type_bytes(rt), ir_type_bytes(rt), w);
     return true;
   }
+  if (op->kind == IR_OP_COMM_COPY) {
+    fprintf(h->out, "  CK(rt_cuda_copy(cu, %s, %s, %s, %" PRId64 "), %d);\n", se, r, a, ir_type_bytes(rt), w);
+    return true;
+  }
   if (op->kind == IR_OP_COMM_ALLREDUCE_GRAD) {
     int64_t off = h->param_offset[op->args[0].param->index] + ir_op_int(op, "offset", 0);
     if (size == 1) {

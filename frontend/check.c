@@ -1129,6 +1129,12 @@ static void check_semantics(Ctx *c, FeProgram *p) {
       continue;
     if (l->has_attention)
       check_attention(c, p, l, ln);
+    if (l->has_mlp && par_ok && l->mlp.hidden % par->mp != 0) {
+      const FeNode *ffn = find_kid(find_kid(ln, "mlp"), "ffn");
+      ir_error_at(c->d, kid_loc(ffn, "hidden", l->mlp.kind_loc), "hidden %lld cannot be split evenly over mp %lld ranks",
+                  (long long)l->mlp.hidden, (long long)par->mp);
+      ir_note_at(c->d, kid_loc(pn, "mp", ploc), "each mp rank holds hidden/mp columns of the mlp");
+    }
     if (!l->has_moe)
       continue;
     const FeMoe *moe = &l->moe;

@@ -103,10 +103,6 @@ static void refuse_unsupported(IrDiag *d, const FeProgram *p, const FeTargetCaps
                 "backend trains in fp32; build with --target cuda, or write 'dtype fp32;'",
                 p->model.dtype);
   const FeParallel *par = &p->parallel;
-  if (p->model.has_vocab && par->mp > 1)
-    ir_error_at(d, par->loc,
-                "a language model on mp %lld ranks is not supported yet: attention is not sharded over mp by "
-                "heads; lay it out with dp, ep and esp (mp 1)", (long long)par->mp);
   for (int i = 0; i < p->nlayers; i++) {
     const FeLayer *l = &p->layers[i];
     if (par->dp * par->mp > 1 && l->has_moe && strcmp(l->moe.gate.name, "softmoe") == 0)

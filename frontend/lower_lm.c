@@ -47,13 +47,21 @@ static IrValue *norm(FeLower *L, IrValue *x, const char *prefix, const char *nam
   return y;
 }
 
+// How MP splits a projection (Megatron): by output columns (its bias too), so each rank computes
+// its heads or hidden units from the whole input, or by input rows, each rank's product a partial
+// sum that passes/parallelize.c reduces before the (unsplit) bias. The attr `mp_split` names the
+// parameter's split dimension.
+enum { MP_WHOLE, MP_COLUMNS, MP_ROWS };
+
 // x·W (+ b) with W [in, out] named PREFIX.wSUFFIX and b PREFIX.bSUFFIX.
 static IrValue *linear(FeLower *L, IrValue *x, const char *w, const char *b, int64_t in, int64_t out, double std,
-                       const char *name) {
+                       int split, const char *name) {
   IrParam *pw = dense_param(L, w, ir_type2(IR_F32, in, out), "normal", std);
+  if (split != MP_WHOLE && L->p->parallel.mp > 1) ir_attrs_set_int(pw->attrs, &pw->nattrs, "mp_split", split == MP_COLUMNS ? 1 : 0);
   IrValue *y = fe_op2(L, IR_OP_MATMUL, name, FE_V(x), FE_P(pw));
   if (b) {
     IrParam *pb = dense_param(L, b, ir_type1(IR_F32, out), "zeros", 0);
+    if (split == MP_COLUMNS && L->p->parallel.mp > 1) ir_attrs_set_int(pb->attrs, &pb->nattrs, "mp_split", 0);
     y = fe_op2(L, IR_OP_BIAS, ir_strfmt(L->m, "%s.b", name), FE_V(y), FE_P(pb));
   }
   return y;
@@ -69,16 +77,16 @@ static IrValue *attention(FeLower *L, IrValue *x, double out_std) {
   const FeLayer *l = L->layer;
   int64_t M = L->M, H = l->heads, KV = l->kv_heads, d = M / H;
   bool bias = l->attn_bias, rotary = strcmp(L->p->model.position, "rope") == 0;
-  IrValue *q = linear(L, x, "attn.wq", bias ? "attn.bq" : NULL, M, H * d, STD, "q");
-  IrValue *k = linear(L, x, "attn.wk", bias ? "attn.bk" : NULL, M, KV * d, STD, "k");
-  IrValue *v = linear(L, x, "attn.wv", bias ? "attn.bv" : NULL, M, KV * d, STD, "v");
+  IrValue *q = linear(L, x, "attn.wq", bias ? "attn.bq" : NULL, M, H * d, STD, MP_COLUMNS, "q");
+  IrValue *k = linear(L, x, "attn.wk", bias ? "attn.bk" : NULL, M, KV * d, STD, MP_COLUMNS, "k");
+  IrValue *v = linear(L, x, "attn.wv", bias ? "attn.bv" : NULL, M, KV * d, STD, MP_COLUMNS, "v");
   if (rotary) {
     q = rope(L, q, H, "q.rope");
     k = rope(L, k, KV, "k.rope");
   }
   IrValue *o = fe_emit(L, IR_OP_ATTN_CAUSAL, "o", 3, (IrOperand[]){FE_V(q), FE_V(k), FE_V(v)}, 3,
                        (IrAttr[]){FE_I("heads", H), FE_I("kv_heads", KV), FE_I("seq", L->p->model.seqlen)});
-  return linear(L, o, "attn.wo", bias ? "attn.bo" : NULL, H * d, M, out_std, "attn");
+  return linear(L, o, "attn.wo", bias ? "attn.bo" : NULL, H * d, M, out_std, MP_ROWS, "attn");
 }
 
 // The dense FFN of an `mlp` layer: the `ffn` kinds' formulas with one expert and no gate.
@@ -86,14 +94,14 @@ static IrValue *mlp(FeLower *L, IrValue *x, double out_std) {
   const FeExperts *e = &L->layer->mlp;
   int64_t M = L->M, H = e->hidden;
   if (strcmp(e->kind, "mixtral") == 0) {
-    IrValue *a = linear(L, x, "mlp.w1", NULL, M, H, STD, "h1");
-    IrValue *b = linear(L, x, "mlp.w3", NULL, M, H, STD, "h3");
+    IrValue *a = linear(L, x, "mlp.w1", NULL, M, H, STD, MP_COLUMNS, "h1");
+    IrValue *b = linear(L, x, "mlp.w3", NULL, M, H, STD, MP_COLUMNS, "h3");
     IrValue *h = fe_op2(L, IR_OP_MUL, "h", FE_V(fe_op1(L, IR_OP_ACT_SILU, "act", FE_V(a))), FE_V(b));
-    return linear(L, h, "mlp.w2", NULL, H, M, out_std, "mlp");
+    return linear(L, h, "mlp.w2", NULL, H, M, out_std, MP_ROWS, "mlp");
   }
-  IrValue *h = linear(L, x, "mlp.w1", e->bias ? "mlp.b1" : NULL, M, H, STD, "h");
+  IrValue *h = linear(L, x, "mlp.w1", e->bias ? "mlp.b1" : NULL, M, H, STD, MP_COLUMNS, "h");
   h = fe_op1(L, strcmp(e->act, "relu") == 0 ? IR_OP_ACT_RELU : IR_OP_ACT_GELU, "act", FE_V(h));
-  return linear(L, h, "mlp.w2", e->bias ? "mlp.b2" : NULL, H, M, out_std, "mlp");
+  return linear(L, h, "mlp.w2", e->bias ? "mlp.b2" : NULL, H, M, out_std, MP_ROWS, "mlp");
 }
 
 static void lower_block(FeLower *L, double out_std) {

@@ -201,6 +201,19 @@ void ir_op_arg(IrOp *op, IrValue *v) {
   op->args[op->nargs++] = (IrOperand){.value = v};
 }
 
+void ir_remove_op(IrFunc *f, IrOp *op) {
+  int k = 0;
+  for (int i = 0; i < f->nops; i++)
+    if (f->ops[i] != op) f->ops[k++] = f->ops[i];
+  f->nops = k;
+  int n = 0;
+  for (int i = 0; i < f->nvalues; i++)
+    if (f->values[i] != op->result) f->values[n++] = f->values[i];
+  f->nvalues = n;
+  for (int i = 0; i < f->nops; i++) f->ops[i]->index = i;
+  for (int i = 0; i < f->nvalues; i++) f->values[i]->id = i;
+}
+
 void ir_op_param(IrOp *op, IrParam *p) {
   if (op->nargs >= IR_MAX_ARGS) UNREACHABLE();
   op->args[op->nargs++] = (IrOperand){.param = p};

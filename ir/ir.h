@@ -230,6 +230,8 @@ IrValue *ir_add_arg(IrFunc *f, IrModule *m, const char *name, IrType type);
 IrOp *ir_add_op(IrFunc *f, IrModule *m, IrOpKind kind, const char *name, IrType type);
 void ir_op_arg(IrOp *op, IrValue *v);
 void ir_op_param(IrOp *op, IrParam *p);
+// Removes op from f (its result, if any, must be unused) and renumbers the ops and values.
+void ir_remove_op(IrFunc *f, IrOp *op);
 // Finds a value by name in f, then in f->saves.
 IrValue *ir_find_value(const IrFunc *f, const char *name);
 void ir_add_ret(IrFunc *f, IrModule *m, IrValue *v);

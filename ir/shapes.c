@@ -662,6 +662,7 @@ static bool infer(Infer *I, IrType *out) {
     return true;
   }
   case IR_OP_COMM_SPLIT:
+  case IR_OP_COMM_COPY:
   case IR_OP_COMM_ALLGATHER:
   case IR_OP_COMM_REDUCESCATTER:
   case IR_OP_COMM_ALLTOALL:

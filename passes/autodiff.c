@@ -266,6 +266,21 @@ static bool backward_op(Grad *g, const IrOp *op) {
     accumulate(g, a[0].value, typed(g, r));
     return true;
   }
+  case IR_OP_COMM_COPY:
+  case IR_OP_COMM_ALLREDUCE: {
+    // Megatron's pair around a head- or column-split block: the copy's gradient is the sum of
+    // the members' partial gradients (an AllReduce); the AllReduce's consumers are replicated,
+    // so its operand's gradient is the output's, unchanged.
+    if (op->kind == IR_OP_COMM_ALLREDUCE) {
+      accumulate(g, a[0].value, dy);
+      return true;
+    }
+    IrOp *b = new_op(g, IR_OP_COMM_ALLREDUCE, dname(g, &a[0]));
+    b->args[b->nargs++] = V(dy);
+    copy_attrs(b, op);
+    accumulate(g, a[0].value, typed(g, b));
+    return true;
+  }
   case IR_OP_COMM_SPLIT:
   case IR_OP_COMM_ALLGATHER:
   case IR_OP_COMM_REDUCESCATTER:
@@ -336,6 +351,48 @@ static bool backward_op(Grad *g, const IrOp *op) {
 // gradient of the first argument (the layer input), or nothing when that is integer (the tokens
 // of a language model's @embed.fwd). A loss function (@loss.fwd of a language model) has no
 // %dout: its loss op seeds the gradient itself.
+// A replicated parameter whose gradient comes from several places (a tied embedding: the head in
+// @loss.bwd, then the embedding) is summed over its group once, after the last contribution:
+// the contributions' AllReduces go, the param.grad ops add the local parts, and one in-place
+// comm.allreduce_grad of the whole gradient follows the last of them.
+static void reduce_once(IrModule *m) {
+  for (int p = 0; p < m->nparams; p++) {
+    IrFunc *last_f = NULL;
+    IrOp *last = NULL, *ar = NULL;
+    int contributions = 0;
+    for (int i = 0; i < m->nfuncs; i++)
+      for (int j = 0; j < m->funcs[i]->nops; j++) {
+        IrOp *op = m->funcs[i]->ops[j];
+        if (op->kind != IR_OP_PARAM_GRAD || op->args[0].param != m->params[p]) continue;
+        contributions++;
+        last_f = m->funcs[i];
+        last = op;
+      }
+    if (contributions < 2) continue;
+    for (int i = 0; i < m->nfuncs; i++)
+      for (int j = 0; j < m->funcs[i]->nops; j++) {
+        IrOp *op = m->funcs[i]->ops[j];
+        IrOp *def = op->kind == IR_OP_PARAM_GRAD && op->args[0].param == m->params[p] ? op->args[1].value->def : NULL;
+        if (!def || def->kind != IR_OP_COMM_ALLREDUCE) continue;
+        op->args[1].value = def->args[0].value;   // the sum's only reader is this param.grad
+        ar = def;
+        ir_remove_op(m->funcs[i], def);
+        j = op->index;
+      }
+    if (!ar) continue;
+    IrOp *r = ir_add_op(last_f, m, IR_OP_COMM_ALLREDUCE_GRAD, NULL, (IrType){0});
+    ir_op_param(r, m->params[p]);
+    copy_attrs(r, ar);
+    ir_op_set_int(r, "offset", 0);
+    ir_op_set_int(r, "count", ir_type_numel(&m->params[p]->type));
+    r->loc = m->params[p]->loc;
+    int at = last->index + 1;
+    memmove(&last_f->ops[at + 1], &last_f->ops[at], sizeof *last_f->ops * (size_t)(last_f->nops - 1 - at));
+    last_f->ops[at] = r;
+    for (int i = 0; i < last_f->nops; i++) last_f->ops[i]->index = i;
+  }
+}
+
 static IrFunc *backward_func(IrModule *m, IrDiag *d, IrFunc *fwd, const char *name, IrFuncRole role, bool *has_grad) {
   Grad g = {.m = m, .d = d, .fwd = fwd, .has_grad = has_grad};
   g.bwd = ir_add_func(m, name, role);
@@ -398,6 +455,7 @@ bool pass_autodiff(IrModule *m, PassCtx *ctx) {
     const char *name = ir_strfmt(m, "%.*s.bwd", (int)(n - 4), fwds[i]->name);
     if (!backward_func(m, ctx->d, fwds[i], name, IR_ROLE_LAYER_BWD, has_grad)) return false;
   }
+  reduce_once(m);
 
   IrFunc *opt = ir_add_func(m, "optimizer", IR_ROLE_OPTIMIZER);
   const char *kind = ir_mod_str(m, "optimizer", "sgd");

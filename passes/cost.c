@@ -8,6 +8,9 @@
 //   comm.allgather            n = elements of the gathered result (allgather)
 //   comm.reducescatter        n = elements of the operand it reduces (reducescatter)
 //   comm.allreduce(_grad)     n = elements summed (allreduce)
+//   attn.causal               n = multiply-accumulates of q·kᵀ and p·v under the causal mask,
+//                             S·(heads·d)·(L+1) for S tokens in windows of L (gemm, one kernel)
+//   attn.causal.grad          twice the forward's: dp, dv, dq and dk (gemm)
 // The model has no term for the other ops (element-wise kernels, layouts, the gate's top-k),
 // so they carry none. Without a profile the pass does nothing (and -v says so).
 //
@@ -15,9 +18,13 @@
 // the summed costs of its expert region in the form of the scheduling model (SchedPhase):
 // t_a2a of one AlltoAll (the phase has two, dispatch and combine, of equal size), the
 // AllGather and ReduceScatter of the ESP group, the expert GEMMs (one alpha per GEMM per
-// chunk), and the phase's other GEMMs as its dense time. Sizes come from the IR itself, so the
-// plan prices exactly the program that is compiled. The dense gradient of a layer is what its
-// backward all-reduces over the world (the gate: parallelize marks it grad_reduce="world").
+// chunk), and the phase's other GEMMs, a language model's attention and its MP AllReduces as
+// its dense time. Sizes come from the IR itself, so the plan prices exactly the program that is
+// compiled. The dense gradient of a layer is what its backward all-reduces over the world or
+// over DP (the gate: parallelize marks it grad_reduce="world"; a language model's attention,
+// norms and mlp: "dp"); in a language model, the gradients of the backward functions without an
+// expert region (the head's, an mlp layer's) count with the next MoE layer's backward, the
+// first whose slots can hold them, and the embedding's, computed last, with none.
 #include <math.h>
 #include <stdlib.h>
 #include <string.h>
@@ -47,6 +54,14 @@ static bool price(const IrOp *op, const SchedCluster *c, SchedCoef *coef, double
   case IR_OP_COMM_REDUCESCATTER: *coef = c->reducescatter; *n = (double)numel_of(&op->args[0]); return true;
   case IR_OP_COMM_ALLREDUCE: *coef = c->allreduce; *n = (double)numel_of(&op->args[0]); return true;
   case IR_OP_COMM_ALLREDUCE_GRAD: *coef = c->allreduce; *n = (double)ir_op_int(op, "count", 0); return true;
+  case IR_OP_ATTN_CAUSAL:
+  case IR_OP_ATTN_CAUSAL_GRAD: {
+    const IrType *q = &op->args[op->kind == IR_OP_ATTN_CAUSAL ? 0 : 1].value->type;
+    *coef = c->gemm;
+    *n = (op->kind == IR_OP_ATTN_CAUSAL ? 1.0 : 2.0) * (double)q->dim[0] * (double)q->dim[1] *
+         (double)(ir_op_int(op, "seq", 1) + 1);
+    return true;
+  }
   default: return false;
   }
 }
@@ -156,7 +171,12 @@ static void phase_of(const IrFunc *f, const SchedCluster *c, SchedPhase *p) {
       if (in_group(op, "esp")) p->n_rs += attr_n(op), n_rs++;
       break;
     case IR_OP_EXPERT_MATMUL: p->n_exp += attr_n(op); n_exp++; break;
-    case IR_OP_MATMUL: p->t_att += ir_op_float(op, "cost_t", 0); break;
+    case IR_OP_MATMUL:
+    case IR_OP_ATTN_CAUSAL:
+    case IR_OP_ATTN_CAUSAL_GRAD: p->t_att += ir_op_float(op, "cost_t", 0); break;
+    case IR_OP_COMM_ALLREDUCE:
+      if (in_group(op, "mp")) p->t_att += ir_op_float(op, "cost_t", 0);
+      break;
     default: break;
     }
   }
@@ -167,14 +187,14 @@ static void phase_of(const IrFunc *f, const SchedCluster *c, SchedPhase *p) {
   if (n_exp > 0) p->exp = (SchedCoef){c->gemm.alpha * n_exp, c->gemm.beta};
 }
 
-static double world_grad_elems(const IrFunc *bwd) {
+// The dense gradient elements bwd all-reduces over a replica group (world or dp).
+static double dense_grad_elems(const IrFunc *bwd) {
   double n = 0;
   for (int i = 0; i < bwd->nops; i++) {
     const IrOp *op = bwd->ops[i];
-    if (op->kind == IR_OP_COMM_ALLREDUCE && in_group(op, "world"))
-      n += (double)ir_type_numel(&op->args[0].value->type);
-    if (op->kind == IR_OP_COMM_ALLREDUCE_GRAD && in_group(op, "world"))
-      n += (double)ir_op_int(op, "count", 0);
+    bool replicas = in_group(op, "world") || in_group(op, "dp");
+    if (op->kind == IR_OP_COMM_ALLREDUCE && replicas) n += (double)ir_type_numel(&op->args[0].value->type);
+    if (op->kind == IR_OP_COMM_ALLREDUCE_GRAD && replicas) n += (double)ir_op_int(op, "count", 0);
   }
   return n;
 }
@@ -202,7 +222,7 @@ void pass_layer_cost(const PassLayer *l, const SchedCluster *c, SchedLayerCost *
   phase_of(l->fwd, c, &out->phase[SCHED_FWD]);
   if (l->bwd) {
     phase_of(l->bwd, c, &out->phase[SCHED_BWD]);
-    out->n_grad = world_grad_elems(l->bwd);
+    out->n_grad = dense_grad_elems(l->bwd);
   }
 }
 
@@ -232,6 +252,21 @@ bool pass_stack(IrModule *m, const SchedCluster *c, PassStack *out) {
   for (int i = 0; i < n; i++) {
     pass_layer_cost(&out->layer[i], c, &out->cost[i]);
     out->r_max[i] = r_max_of(&out->layer[i]);
+  }
+  // The backward functions outside the stack (a language model's head and mlp layers): their
+  // gradients join the next stack layer's backward in module order.
+  double pending = 0;
+  for (int i = 0; i < m->nfuncs; i++) {
+    const IrFunc *f = m->funcs[i];
+    if (f->role != IR_ROLE_LAYER_BWD && f->role != IR_ROLE_LOSS_BWD) continue;
+    int k = 0;
+    while (k < n && out->layer[k].bwd != f) k++;
+    if (k == n) {
+      pending += dense_grad_elems(f);
+    } else {
+      out->cost[k].n_grad += pending;
+      pending = 0;
+    }
   }
   return true;
 }

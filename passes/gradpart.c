@@ -54,26 +54,14 @@ static int64_t pending(const Queue *q) {
   return n;
 }
 
-// Removes op from f (its result, if any, must be unused).
-static void remove_op(IrFunc *f, IrOp *op) {
-  int k = 0;
-  for (int i = 0; i < f->nops; i++)
-    if (f->ops[i] != op) f->ops[k++] = f->ops[i];
-  f->nops = k;
-  int n = 0;
-  for (int i = 0; i < f->nvalues; i++)
-    if (f->values[i] != op->result) f->values[n++] = f->values[i];
-  f->nvalues = n;
-  for (int i = 0; i < f->nops; i++) f->ops[i]->index = i;
-  for (int i = 0; i < f->nvalues; i++) f->values[i]->id = i;
-}
-
-// Takes autodiff's AllReduces over the world out of bwd: param.grad reads the unreduced value.
+// Takes autodiff's AllReduces over a replica group (the world; a language model's dense
+// parameters: DP) out of bwd: param.grad reads the unreduced value.
 // Their parameters join the queue in the order the gradients were computed.
 static bool take_allreduces(IrFunc *bwd, Queue *q) {
   for (int i = 0; i < bwd->nops; i++) {
     IrOp *ar = bwd->ops[i];
-    if (ar->kind != IR_OP_COMM_ALLREDUCE || strcmp(ir_op_str(ar, "group", ""), "world") != 0) continue;
+    const char *group = ir_op_str(ar, "group", "");
+    if (ar->kind != IR_OP_COMM_ALLREDUCE || (strcmp(group, "world") != 0 && strcmp(group, "dp") != 0)) continue;
     IrOp *pg = NULL;
     int users = 0;
     for (int j = 0; j < bwd->nops; j++)
@@ -87,7 +75,7 @@ static bool take_allreduces(IrFunc *bwd, Queue *q) {
     IrParam *p = pg->args[0].param;
     Piece piece = {p, 0, ir_type_numel(&p->type), ir_op_str(ar, "group", "world"), ir_op_int(ar, "size", 1)};
     if (!enqueue(q, piece)) return false;
-    remove_op(bwd, ar);
+    ir_remove_op(bwd, ar);
     i--;
   }
   return true;
@@ -153,10 +141,13 @@ bool pass_gradpart(IrModule *m, PassCtx *ctx) {
   if (!chunked && strcmp(mode, "auto") != 0) return ir_error(ctx->d, "gradpart: unknown grad_partition '%s'", mode);
   if (chunked && chunk_bytes < 4) return ir_error(ctx->d, "gradpart: grad_partition chunk needs at least 4 bytes");
   int64_t piece = chunked ? chunk_bytes / 4 : 0;
-  // Already placed (IR read back after this pass): leave it.
+  // Already placed (IR read back after this pass): leave it. (autodiff's own in-place sum of a
+  // gradient with two contributions, a tied embedding's, has no slot.)
   for (int i = 0; i < m->nfuncs; i++)
-    for (int j = 0; j < m->funcs[i]->nops; j++)
-      if (m->funcs[i]->ops[j]->kind == IR_OP_COMM_ALLREDUCE_GRAD) return true;
+    for (int j = 0; j < m->funcs[i]->nops; j++) {
+      const IrOp *op = m->funcs[i]->ops[j];
+      if (op->kind == IR_OP_COMM_ALLREDUCE_GRAD && ir_attrs_get(op->attrs, op->nattrs, "slot")) return true;
+    }
 
   PassLayer *l;
   int n = pass_find_layers(m, &l);
@@ -165,10 +156,17 @@ bool pass_gradpart(IrModule *m, PassCtx *ctx) {
   IrFunc *last = NULL;
   int placed_slots = 0;
   bool ok = true;
-  // The backward visits the layers in module order of their backward functions.
+  // The backward visits the layers in module order of their backward functions; one without an
+  // expert region (a language model's head, an mlp layer, the embedding) has no slots: its
+  // gradients join the queue.
   for (int i = 0; ok && i < m->nfuncs; i++) {
     IrFunc *f = m->funcs[i];
-    if (!is_layer_bwd(l, n, f)) continue;
+    if (f->role != IR_ROLE_LAYER_BWD && f->role != IR_ROLE_LOSS_BWD) continue;
+    if (!is_layer_bwd(l, n, f)) {
+      ok = take_allreduces(f, &q);
+      last = f;
+      continue;
+    }
     int moe, dense;
     slots_of(f, &moe, &dense);
     int64_t want_moe = chunked ? pending(&q) : ir_func_int(f, "grad_moe", 0);

@@ -3,7 +3,9 @@
 // Lowering writes each layer for one DP rank's tokens (S = batch*seqlen) with mp*groups routing
 // groups, the exact single-rank twin. This pass turns it into what every rank runs, given the
 // module attributes dp, mp, ep, esp:
-//   MP   x -> comm.split (this rank's S/mp tokens: its routing groups) ... the combined MoE
+//   MP   in a language model's layer, attention by heads and an mlp by hidden units (Megatron:
+//        comm.copy into the column-split projections, comm.allreduce after the row-split ones);
+//        x -> comm.split (this rank's S/mp tokens: its routing groups) ... the combined MoE
 //        output -> comm.allgather before the residual (its consumers are replicated, so its
 //        backward is a split, not a reduce-scatter);
 //   EP   expert input [E, C, M] -> comm.alltoall (block i to EP member i) -> layout.expert_major
@@ -101,6 +103,53 @@ static bool split_tokens(Par *P) {
     if (g && g->kind == IR_ATTR_INT) ir_op_set_int(op, "groups", g->i / P->mp);
   }
   return true;
+}
+
+static int64_t mp_split(const IrOperand *a) {
+  return a->param ? ir_attr_int(a->param->attrs, a->param->nattrs, "mp_split", -1) : -1;
+}
+
+// MP inside a language model's layer (Megatron): a projection split by columns (its parameter
+// marked mp_split 1 by frontend/lower_lm.c) reads its input through comm.copy, whose gradient is
+// the AllReduce of the members' partial input gradients; one split by rows (mp_split 0) gives a
+// partial product, summed by a comm.allreduce before its bias. Attention and rope compute the
+// rank's heads/mp query and kv_heads/mp key/value heads. Returns whether f had such a projection.
+static bool split_heads(Par *P) {
+  IrFunc *f = P->f;
+  bool any = false;
+  IrValue *from[8] = {0}, *copy[8] = {0};
+  int ncopies = 0;
+  for (int i = 0; i < f->nops; i++) {
+    IrOp *op = f->ops[i];
+    if (op->kind == IR_OP_ROPE || op->kind == IR_OP_ATTN_CAUSAL) {
+      ir_op_set_int(op, "heads", ir_op_int(op, "heads", 1) / P->mp);
+      if (op->kind == IR_OP_ATTN_CAUSAL) ir_op_set_int(op, "kv_heads", ir_op_int(op, "kv_heads", 1) / P->mp);
+      continue;
+    }
+    if (op->kind != IR_OP_MATMUL || op->nargs < 2 || mp_split(&op->args[1]) < 0) continue;
+    any = true;
+    if (mp_split(&op->args[1]) == 1) {   // by columns: the input through one copy per value
+      IrValue *x = op->args[0].value;
+      int c = 0;
+      while (c < ncopies && from[c] != x) c++;
+      if (c == ncopies) {
+        if (ncopies == 8) return ir_error(P->d, "parallelize: '@%s' has too many column-split inputs", f->name);
+        from[c] = x;
+        copy[c] = collective(P, i, IR_OP_COMM_COPY, ir_strfmt(P->m, "%s.mp", x->name), x, "mp", P->mp)->result;
+        ncopies++;
+        op = f->ops[++i];
+      }
+      op->args[0].value = copy[c];
+    } else {                              // by rows: the partial sums reduced over MP
+      IrOp *sum = collective(P, i + 1, IR_OP_COMM_ALLREDUCE, ir_strfmt(P->m, "%s.sum", op->result->name), op->result,
+                             "mp", P->mp);
+      replace_uses(f, i + 2, f->nops, op->result, sum->result);
+      for (int r = 0; r < f->nrets; r++)
+        if (f->rets[r] == op->result) f->rets[r] = sum->result;
+      i++;
+    }
+  }
+  return any;
 }
 
 // EP and ESP around the expert region: the ops that read expert parameters.
@@ -225,6 +274,11 @@ bool pass_parallelize(IrModule *m, PassCtx *ctx) {
   // Parameters: expert shards and gradient reductions.
   for (int i = 0; i < m->nparams; i++) {
     IrParam *p = m->params[i];
+    int64_t split = ir_attr_int(p->attrs, p->nattrs, "mp_split", -1);
+    if (P.mp > 1 && split >= 0) {   // a language model's head- or column-split projection
+      p->type.dim[split] /= P.mp;
+      ir_attrs_set_int(p->attrs, &p->nattrs, "shard_mp", split);
+    }
     if (!is_expert_param(p)) {
       // A language model's dense parameters see the same tokens on every MP rank: DP only.
       bool dense = ir_attr_int(p->attrs, p->nattrs, "dense", 0);
@@ -255,9 +309,13 @@ bool pass_parallelize(IrModule *m, PassCtx *ctx) {
       continue;
     }
     if (f->role != IR_ROLE_LAYER_FWD) continue;
+    bool heads = P.mp > 1 && split_heads(&P);
     bool moe = false;   // a language model's embedding and mlp layers have no MoE
     for (int j = 0; j < f->nops; j++) moe |= uses_expert_param(f->ops[j]);
-    if (!moe) continue;
+    if (!moe) {
+      if (heads && !retype(&P)) return false;
+      continue;
+    }
     const char *algo = "nccl";
     for (int j = 0; j < f->nops; j++)
       for (int a = 0; a < f->ops[j]->nargs; a++)

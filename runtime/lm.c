@@ -97,7 +97,8 @@ double rt_grad_norm(const RtModel *m, const RtRanks *r, RtComm *c, const float *
     double s = 0;
     for (int64_t j = 0; j < p->numel; j++)
       s += (double)grads[p->offset + j] * grads[p->offset + j];
-    int shards = (p->shard_ep >= 0 ? r->ep : 1) * (p->shard_esp >= 0 ? r->esp : 1);
+    int shards = (p->shard_ep >= 0 ? r->ep : 1) * (p->shard_esp >= 0 ? r->esp : 1) *
+                 (p->shard_mp >= 0 ? r->mp : 1);
     sum += s * shards / r->world;
   }
   if (r->world > 1)

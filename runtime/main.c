@@ -234,19 +234,21 @@ static int check_model(const RtModel *m) {
     // The whole tensor is the shard times the group size along a split dimension.
     const RtLayout *l = &m->layout;
     bool ok = p->shard_ep >= -1 && p->shard_ep < p->rank && p->shard_esp >= -1 &&
-              p->shard_esp < p->rank && (p->shard_ep < 0 || p->shard_ep != p->shard_esp);
+              p->shard_esp < p->rank && (p->shard_ep < 0 || p->shard_ep != p->shard_esp) &&
+              p->shard_mp >= -1 && p->shard_mp < p->rank &&
+              (p->shard_mp < 0 || (p->shard_ep < 0 && p->shard_esp < 0));
     for (int d = 0; ok && d < p->rank; d++) {
       int64_t whole = p->dims[d] * (d == p->shard_ep ? l->ep : 1) *
-                      (d == p->shard_esp ? l->esp : 1);
+                      (d == p->shard_esp ? l->esp : 1) * (d == p->shard_mp ? l->mp : 1);
       ok = p->global_dims[d] == whole;
     }
     if (!ok) {
       char shard[160], whole[160];
       return rt_fail("internal error: parameter '%s' of model '%s': shard %s, whole tensor %s, "
-                     "split dimensions %d (ep %d) and %d (esp %d) do not fit together",
+                     "split dimensions %d (ep %d), %d (esp %d) and %d (mp %d) do not fit together",
                      p->name, m->name, rt_shape_str(shard, sizeof shard, p->rank, p->dims),
                      rt_shape_str(whole, sizeof whole, p->rank, p->global_dims), p->shard_ep,
-                     l->ep, p->shard_esp, l->esp);
+                     l->ep, p->shard_esp, l->esp, p->shard_mp, l->mp);
     }
   }
   return 0;
@@ -890,6 +892,8 @@ static int locate_entry(const RtParam *p, const RtRanks *r, int64_t g, int64_t *
   *local = held ? j : -1;
   int ep = p->shard_ep >= 0 ? (int)(coord[p->shard_ep] / p->dims[p->shard_ep]) : 0;
   int esp = p->shard_esp >= 0 ? (int)(coord[p->shard_esp] / p->dims[p->shard_esp]) : 0;
+  if (p->shard_mp >= 0)   // the MP rank of DP replica 0
+    return (int)(coord[p->shard_mp] / p->dims[p->shard_mp]);
   return ep * r->esp + esp;
 }
 

@@ -221,10 +221,12 @@ typedef struct RtParam {
   // Sharding over ranks. dims is this rank's shard of a tensor of shape global_dims; dimension
   // shard_ep (or -1) is split over the EP group (expert e of the shard is global expert
   // ep_index*dims[shard_ep] + e) and dimension shard_esp (or -1) over the ESP group (offset
-  // esp_index*dims[shard_esp]). Initial values, checkpoints, --weights and --dump always use
-  // global element indices and whole tensors, so they do not depend on the layout.
+  // esp_index*dims[shard_esp]); a language model's head- or column-split projection splits
+  // dimension shard_mp (or -1) over the MP group (offset mp_index*dims[shard_mp]). Initial
+  // values, checkpoints, --weights and --dump always use global element indices and whole
+  // tensors, so they do not depend on the layout.
   int64_t global_dims[4];
-  int shard_ep, shard_esp;
+  int shard_ep, shard_esp, shard_mp;
 } RtParam;
 
 struct RtModel {

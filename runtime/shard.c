@@ -52,9 +52,14 @@ void rt_shard_offsets(const RtParam *p, const RtRanks *r, int64_t off[4]) {
     off[p->shard_ep] = r->ep_index * p->dims[p->shard_ep];
   if (p->shard_esp >= 0)
     off[p->shard_esp] = r->esp_index * p->dims[p->shard_esp];
+  if (p->shard_mp >= 0)
+    off[p->shard_mp] = r->mp_index * p->dims[p->shard_mp];
 }
 
+// The lowest rank that holds a box: an MP shard lives on every DP replica of its MP rank.
 bool rt_shard_owner(const RtParam *p, const RtRanks *r) {
+  if (p->shard_mp >= 0)
+    return r->dp_index == 0;
   return (p->shard_ep >= 0 || r->ep_index == 0) && (p->shard_esp >= 0 || r->esp_index == 0);
 }
 

@@ -167,6 +167,10 @@ done
 # their straight-through gradients are checked exactly against the numpy reference.)
 section "language models on several ranks: a layout equals one rank (tests/lm/layout.sh)"
 run_suite "lm layouts" tests/lm/layout.sh
+section "language model checkpoints: resume exactly, convert across layouts (tests/lm/checkpoint.sh)"
+run_suite "lm checkpoints" tests/lm/checkpoint.sh
+section "language models and the planner: dense gradients in the overlap slots (tests/lm/gradpart.sh)"
+run_suite "lm gradpart" tests/lm/gradpart.sh
 
 section "whole-model gradient checks (BIN --check-grad)"
 gradcheck() {  # name model-file

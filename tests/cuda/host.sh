@@ -69,13 +69,15 @@ run() {
 cp lang/models/tiny.moe "$WORK/tiny.moe"
 sed 's/noise 1\.0;/noise 0.0;/' lang/models/tiny.moe >"$WORK/tinyq.moe"
 for v in tiny tinyq; do sed 's/dtype fp32;/dtype bf16;/' "$WORK/$v.moe" >"$WORK/${v}_bf16.moe"; done
+# The GPT-style language model on dp2·mp2·ep4: attention split by heads over MP.
+sed 's/^layer block x 2/parallel { dp 2; mp 2; ep 4; }\nlayer block x 2/' tests/models/grad_lm_gpt.moe >"$WORK/lm_mp.moe"
 
 # The programs of every comparison, built two at a time (NVRTC takes most of a build).
 MODELS="tiny:lang/models/tiny.moe switch:lang/models/switch.moe mixtral:lang/models/mixtral.moe
         expert_choice:lang/models/expert_choice.moe xmoe:lang/models/xmoe.moe softmoe:lang/models/softmoe.moe
         gpt2_moe:lang/models/gpt2_moe.moe dense:tests/golden/dense.moe sched:tests/golden/sched.moe
         parallel:tests/golden/parallel.moe tiny_bf16:$WORK/tiny_bf16.moe tinyq_bf16:$WORK/tinyq_bf16.moe
-        lm_gpt:tests/models/grad_lm_gpt.moe lm_llama:tests/models/grad_lm_llama.moe"
+        lm_gpt:tests/models/grad_lm_gpt.moe lm_llama:tests/models/grad_lm_llama.moe lm_mp:$WORK/lm_mp.moe"
 for entry in $MODELS; do
   [ "$(jobs -rp | wc -l)" -ge 2 ] && wait -n
   (build "${entry%%:*}" "${entry#*:}" >"$WORK/${entry%%:*}.build" 2>&1; echo $? >"$WORK/${entry%%:*}.built") &
@@ -116,9 +118,10 @@ compare "sched on 4 ranks (fsmoe streams, EP, ESP, chunks)" sched 4
 compare "parallel on 4 ranks (dp, mp, ep, esp, 2dh)" parallel 4
 compare "GPT-style language model (attention, layernorm, tied head, k 2 drops, a dense layer)" lm_gpt 1
 compare "Llama-style language model (rope, GQA, rmsnorm, untied head, mixtral k 1)" lm_llama 1
+compare "GPT-style language model on 4 ranks (dp2, mp2 by heads, ep4)" lm_mp 4
 # The language models' dumps (tokens, logits, every gradient) bit for bit: the attention kernels do
 # the CPU kernels' float operations in their order.
-for name in lm_gpt lm_llama; do
+for name in lm_gpt lm_llama lm_mp; do
   if [ -d "$WORK/$name.cpu.dump" ] && [ -d "$WORK/$name.cuda.dump" ]; then
     if diff -r "$WORK/$name.cpu.dump" "$WORK/$name.cuda.dump" >/dev/null; then
       ok "cuda host $name: every --dump file (logits, loss, every gradient) is bit-identical to the CPU program's"

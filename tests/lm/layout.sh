@@ -1,8 +1,10 @@
 #!/usr/bin/env bash
-# Layout invariance of a language model: tests/models/grad_lm_gpt.moe on dp2·ep2 (2 ranks) and
-# dp4·ep2·esp2 (4 ranks) equal the single-rank run on the same global batch (batch dp·B, `groups dp` so the
-# routing groups match): loss, logits and every whole gradient to 1e-5 of each tensor's largest
-# element. attn.bk's gradient is exactly zero with learned positions (softmax is shift-invariant),
+# Layout invariance of a language model: tests/models/grad_lm_gpt.moe on dp2·ep2 (2 ranks),
+# dp2·mp2·ep4, dp4·ep2·esp2, dp4·ep4, dp2·mp2·ep2·esp2 (4 ranks) and dp4·mp2·ep4·esp2 (8 ranks)
+# equal the single-rank run on the same global batch (batch dp·B, `groups dp·mp` so the routing
+# groups match; MP shards attention by heads and the dense layer's mlp by hidden units): loss,
+# logits and every whole gradient to 1e-5 of each tensor's largest element; and --check-grad passes
+# on dp2·mp2·ep4. attn.bk's gradient is exactly zero with learned positions (softmax is shift-invariant),
 # so it is held to 1e-5 of its layer's attn.wk gradient instead. One ok/FAIL line per layout.
 set -u
 cd "$(dirname "$0")/../.."
@@ -14,10 +16,11 @@ WORK=$(mktemp -d "${TMPDIR:-/tmp}/moec-lm-layout.XXXXXX")
 trap 'rm -rf "$WORK"' EXIT
 MPIRUN="mpirun --allow-run-as-root --oversubscribe"
 status=0
-# layout "parallel body" ranks dp
-for entry in "dp 2; ep 2;:2:2" "dp 4; ep 2; esp 2;:4:4"; do
-  lay=${entry%%:*}; rest=${entry#*:}; np=${rest%%:*}; dp=${rest#*:}
-  sed "s/batch 2;/batch $((2 * dp));/; s/capacity 0.5;/capacity 0.5; groups $dp;/" "$M" >"$WORK/one.moe"
+# layout "parallel body:ranks:dp:mp"
+for entry in "dp 2; ep 2;:2:2:1" "dp 2; mp 2; ep 4;:4:2:2" "dp 4; ep 2; esp 2;:4:4:1" "dp 4; ep 4;:4:4:1" \
+             "dp 2; mp 2; ep 2; esp 2;:4:2:2" "dp 4; mp 2; ep 4; esp 2;:8:4:2"; do
+  IFS=: read -r lay np dp mp <<<"$entry"
+  sed "s/batch 2;/batch $((2 * dp));/; s/capacity 0.5;/capacity 0.5; groups $((dp * mp));/" "$M" >"$WORK/one.moe"
   sed "s/^layer block x 2/parallel { $lay }\nlayer block x 2/" "$M" >"$WORK/many.moe"
   if ! "$MOEC" build "$WORK/one.moe" -o "$WORK/one" 2>"$WORK/err" || ! "$MOEC" build "$WORK/many.moe" -o "$WORK/many" 2>>"$WORK/err"; then
     echo "FAIL  lm layout { $lay }: moec build"; sed 's/^/      /' "$WORK/err" | head; status=1; continue
@@ -48,5 +51,13 @@ print("%d tensors, worst %.2e" % (n, worst))
 PY
   ); then echo "ok    lm layout { $lay } on $np ranks = one rank (loss, logits, every gradient: $why)"
   else echo "FAIL  lm layout { $lay } differs from one rank: $why"; status=1; fi
+  # The layout with MP and EP: --check-grad on its 4 ranks too (every rank perturbs its copy).
+  if [ "$lay" = "dp 2; mp 2; ep 4;" ]; then
+    if (cd "$WORK" && timeout 300 $MPIRUN -np "$np" ./many --check-grad >grad.out 2>&1) && [ "$(tail -n 1 "$WORK/grad.out")" = OK ]; then
+      echo "ok    lm --check-grad on { $lay } ($(grep -o '[0-9]* entries checked, [0-9]* skipped' "$WORK/grad.out"))"
+    else
+      echo "FAIL  lm --check-grad on { $lay }"; grep -v ' OK$' "$WORK/grad.out" | tail -n 8 | sed 's/^/      /'; status=1
+    fi
+  fi
 done
 exit $status

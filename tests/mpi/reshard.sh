@@ -40,7 +40,7 @@ if run 4 --steps 6 >"$WORK/full" 2>&1 && run 4 --steps 3 --save ckpt >"$WORK/fir
     if run "$n" --steps 6 --resume ckpt >"$WORK/r$n" 2>&1 && close "$WORK/full" "$WORK/r$n"; then
       ok "checkpoint of 4 ranks resumed on $n: steps 4-6 equal the 4-rank run ($(losses "$WORK/r$n" | tr '\n' ' '))"
     else
-      bad "checkpoint of 4 ranks resumed on $n" "$(paste <(losses "$WORK/full") <(losses "$WORK/r$n")); tail -n 5 "$WORK/r$n")"
+      bad "checkpoint of 4 ranks resumed on $n" "$(paste <(losses "$WORK/full") <(losses "$WORK/r$n"); tail -n 5 "$WORK/r$n")"
     fi
   done
 else

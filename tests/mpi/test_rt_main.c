@@ -193,14 +193,14 @@ static void describe(RtOptKind opt) {
   int64_t el = E / layout.ep, cols = M / layout.esp;
   params[0] = (RtParam){.name = "moe.experts.w", .rank = 3, .dims = {el, M, cols},
                         .init = RT_INIT_NORMAL, .std = 0.3f, .global_dims = {E, M, M},
-                        .shard_ep = 0, .shard_esp = 2};
+                        .shard_ep = 0, .shard_esp = 2, .shard_mp = -1};
   params[1] = (RtParam){.name = "moe.experts.b", .rank = 2, .dims = {el, M},
                         .init = RT_INIT_NORMAL, .std = 0.1f, .global_dims = {E, M},
-                        .shard_ep = 0, .shard_esp = -1};
+                        .shard_ep = 0, .shard_esp = -1, .shard_mp = -1};
   params[2] = (RtParam){.name = "moe.c", .rank = 1, .dims = {M}, .init = RT_INIT_NORMAL,
-                        .std = 0.1f, .global_dims = {M}, .shard_ep = -1, .shard_esp = -1};
+                        .std = 0.1f, .global_dims = {M}, .shard_ep = -1, .shard_esp = -1, .shard_mp = -1};
   params[3] = (RtParam){.name = "moe.scale", .rank = 0, .init = RT_INIT_CONST, .std = 1.0f,
-                        .shard_ep = -1, .shard_esp = -1};
+                        .shard_ep = -1, .shard_esp = -1, .shard_mp = -1};
   size_t offset = 0;
   for (int i = 0; i < 4; i++) {
     int64_t numel = 1;

@@ -451,7 +451,7 @@ static void lin_update_adamw(RtStep *st) {
 
 static const RtParam lin_params[1] = {
     {.name = "lin.w", .rank = 2, .dims = {M, M}, .init = RT_INIT_NORMAL, .std = 0.1f,
-     .offset = 0, .numel = M * M, .global_dims = {M, M}, .shard_ep = -1, .shard_esp = -1}};
+     .offset = 0, .numel = M * M, .global_dims = {M, M}, .shard_ep = -1, .shard_esp = -1, .shard_mp = -1}};
 
 static RtModel lin_model(RtOptKind opt) {
   return (RtModel){.name = "linear_test", .batch = B, .seqlen = L, .embed = M, .seed = 42,
