@@ -18,6 +18,7 @@
 #ifndef KERNEL_CASES_H
 #define KERNEL_CASES_H
 
+#include <array>
 #include <cmath>
 #include <cstdarg>
 #include <cstdint>
@@ -423,6 +424,31 @@ template <class Launcher> void run_kernel_cases(Launcher &L, Checks &c) {
       rt_pos_add_grad(dy.data(), pg_c.data(), rows, qc, seq);
       LAUNCH(2, 64, mk_pos_add_grad, dy, pg_k, rows, qc, seq);
       c.same("pos.add.grad_w", pg_c, pg_k);
+    }
+    // The tiled attention kernels on more shapes: query tiles of a block's threads (seq 37 over
+    // blocks of 16 and 8: several tiles per sample, a partial last one), key tiles of
+    // MK_ATTN_KEYS(d) rows (tests/cuda/run.sh builds this emulation with a 60-float staging
+    // buffer, so d 6 stages 5 keys at a time and d 32 reads its keys from global memory), MQA.
+    for (auto [seq, H, KV, d, block] : {std::array<int, 5>{37, 2, 1, 6, 16}, std::array<int, 5>{37, 4, 2, 6, 8},
+                                        std::array<int, 5>{9, 2, 2, 32, 8}}) {
+      const int rows = 2 * seq, qc = H * d, kc = KV * d, w = qc + 2 * kc;
+      auto q = randn((size_t)rows * qc), kk = randn((size_t)rows * kc), vv = randn((size_t)rows * kc);
+      auto dy = randn((size_t)rows * qc);
+      auto o_c = zeros<float>(rows * qc), o_k = zeros<float>(rows * qc);
+      auto st_c = zeros<float>(rows * 2 * H), st_k = zeros<float>(rows * 2 * H);
+      auto g_c = zeros<float>(rows * w), g_k = zeros<float>(rows * w);
+      rt_attn_fwd(q.data(), kk.data(), vv.data(), o_c.data(), rows, seq, H, KV, qc);
+      rt_attn_stats(dy.data(), q.data(), kk.data(), o_c.data(), st_c.data(), rows, seq, H, KV, qc);
+      rt_attn_grad_q(dy.data(), q.data(), kk.data(), vv.data(), st_c.data(), g_c.data(), rows, seq, H, KV, qc);
+      rt_attn_grad_kv(dy.data(), q.data(), kk.data(), vv.data(), st_c.data(), g_c.data(), rows, seq, H, KV, qc);
+      LAUNCH(3, block, mk_attn_fwd, q, kk, vv, o_k, rows, seq, H, KV, qc);
+      LAUNCH(2, block, mk_attn_stats, dy, q, kk, o_c, st_k, rows, seq, H, KV, qc);
+      LAUNCH(3, block, mk_attn_grad_q, dy, q, kk, vv, st_c, g_k, rows, seq, H, KV, qc);
+      LAUNCH(2, block, mk_attn_grad_kv, dy, q, kk, vv, st_c, g_k, rows, seq, H, KV, qc);
+      std::string shape = " (seq " + std::to_string(seq) + ", d " + std::to_string(d) + ", block " + std::to_string(block) + ")";
+      c.same(("attn.causal" + shape).c_str(), o_c, o_k);
+      c.same(("attn.causal.stats" + shape).c_str(), st_c, st_k);
+      c.same(("attn.causal.grad" + shape).c_str(), g_c, g_k);
     }
     rt_rope(a.data(), y_c.data(), s, m, 4, 12, 10000.0f, 1);
     LAUNCH(3, 64, mk_rope, a, y_k, s, m, 4, 12, 10000.0f, 1);
