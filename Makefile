@@ -265,6 +265,8 @@ $(BUILD)/bench/sched_bench: bench/sched_bench.c $(BUILD)/libmoec.a
 bench: deps all $(BUILD)/bench/gate_order $(BUILD)/bench/alltoall $(BUILD)/bench/sched_bench
 	@BUILD=$(BUILD) bash bench/step_time.sh
 	@echo
+	@BUILD=$(BUILD) bash bench/cpu.sh
+	@echo
 	$(BUILD)/bench/sched_bench .
 	@for c in testbed-a testbed-a-solver testbed-b; do echo; $(BUILD)/moec sweep --cluster lang/clusters/$$c.cluster || exit 1; done
 	@echo

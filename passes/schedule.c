@@ -350,17 +350,19 @@ static void place_grad_allreduces(IrFunc *f) {
   free(moved);
 }
 
-// An in-place gradient AllReduce reads the buffer param.grad fills: when that happens in the
-// same function, the value given to param.grad is its real operand (NULL otherwise).
-static IrValue *grad_source(const IrFunc *f, const IrOp *op) {
-  if (op->kind != IR_OP_COMM_ALLREDUCE_GRAD) return NULL;
-  for (int i = 0; i < f->nops; i++)
-    if (f->ops[i]->kind == IR_OP_PARAM_GRAD && f->ops[i]->args[0].param == op->args[0].param)
-      return f->ops[i]->args[1].value;
-  return NULL;
+// op waits for p's event (p made on another stream); false when op already waits for
+// IR_MAX_WAITS events.
+static bool add_wait(IrOp *op, IrOp *p, int *next_event) {
+  if (p->stream == op->stream) return true;
+  if (p->event < 0) p->event = (*next_event)++;
+  for (int w = 0; w < op->nwaits; w++)
+    if (op->waits[w] == p->event) return true;
+  if (op->nwaits == IR_MAX_WAITS) return false;
+  op->waits[op->nwaits++] = p->event;
+  return true;
 }
 
-static void annotate(IrFunc *f, const char *policy, int *next_event) {
+static bool annotate(IrDiag *d, IrFunc *f, const char *policy, int *next_event) {
   IrPhase phase = f->role == IR_ROLE_OPTIMIZER ? IR_PHASE_OPT : f->role == IR_ROLE_LAYER_BWD || f->role == IR_ROLE_LOSS_BWD ? IR_PHASE_BWD : IR_PHASE_FWD;
   for (int i = 0; i < f->nops; i++) {
     IrOp *op = f->ops[i];
@@ -371,16 +373,23 @@ static void annotate(IrFunc *f, const char *policy, int *next_event) {
   }
   for (int i = 0; i < f->nops; i++) {
     IrOp *op = f->ops[i];
-    for (int a = 0; a < op->nargs + 1; a++) {
-      IrValue *v = a < op->nargs ? op->args[a].value : grad_source(f, op);
-      if (!v || v->func != f || !v->def || v->def->stream == op->stream) continue;
-      IrOp *p = v->def;
-      if (p->event < 0) p->event = (*next_event)++;
-      bool have = false;
-      for (int w = 0; w < op->nwaits; w++) have |= op->waits[w] == p->event;
-      if (!have && op->nwaits < IR_MAX_WAITS) op->waits[op->nwaits++] = p->event;
+    for (int a = 0; a < op->nargs; a++) {
+      IrValue *v = op->args[a].value;
+      if (v && v->func == f && v->def && !add_wait(op, v->def, next_event)) goto full;
     }
+    // An in-place gradient AllReduce reads and writes the buffer that the param.grad ops of its
+    // parameter fill (a copy, or grad += value when the gradient is accumulated): it waits for
+    // every one of them before it in this function, not only for the values they store (the
+    // copy runs after its value is made, on its own stream).
+    if (op->kind == IR_OP_COMM_ALLREDUCE_GRAD)
+      for (int j = 0; j < i; j++)
+        if (f->ops[j]->kind == IR_OP_PARAM_GRAD && f->ops[j]->args[0].param == op->args[0].param)
+          if (!add_wait(op, f->ops[j], next_event)) goto full;
+    continue;
+  full:
+    return ir_error(d, "schedule: @%s: op %d (%s) waits for more than %d events", f->name, i, ir_op_info[op->kind].name, IR_MAX_WAITS);
   }
+  return true;
 }
 
 bool pass_schedule(IrModule *m, PassCtx *ctx) {
@@ -412,7 +421,7 @@ bool pass_schedule(IrModule *m, PassCtx *ctx) {
   int next_event = 0;
   for (int i = 0; i < m->nfuncs; i++) {
     IrFunc *f = m->funcs[i];
-    annotate(f, policy, &next_event);
+    if (!annotate(ctx->d, f, policy, &next_event)) return false;
   }
   return true;
 }

@@ -72,7 +72,7 @@ static bool launcher_rank_zero(void) {
 typedef struct Options {
   int64_t steps;
   const char *weights, *save, *resume, *input, *target, *dump, *record;
-  bool check_grad, quiet, help;
+  bool check_grad, quiet, help, profile;
   // language models (runtime/lm.c)
   const char *data, *val, *prompt;
   int64_t eval_every, val_windows, sample;
@@ -83,7 +83,7 @@ static void usage(FILE *out, const RtModel *model, const char *prog) {
   fprintf(out,
           "usage: %s [--steps N] [--weights W.safetensors] [--save C.safetensors] [--resume C]\n"
           "       %*s [--input x.npy] [--target t.npy] [--dump DIR] [--record FILE]\n"
-          "       %*s [--check-grad] [--quiet]\n"
+          "       %*s [--check-grad] [--quiet] [--profile]\n"
           "Trains the MoE model '%s' (inputs [%lld, %lld, %lld] per data-parallel rank) and "
           "prints one line per step.\n"
           "  --steps N        train until step N, counting resumed steps (default 20); with "
@@ -124,9 +124,16 @@ static void usage(FILE *out, const RtModel *model, const char *prog) {
           "  --prompt TEXT    the text the sample continues (default: a newline)\n"
           "  --temperature T  sampling temperature (default 1; 0 takes the likeliest token)\n"
           "  --quiet          do not print the per-step lines\n"
+          "  --profile        after training, the median whole step (data, forward, backward,\n"
+          "                   update) of steps 2..N and its share in GEMMs (rank 0's)\n"
           "  --help           print this message\n",
           prog, (int)strlen(prog), "", (int)strlen(prog), "", model->name,
           (long long)model->batch, (long long)model->seqlen, (long long)model->embed, model->name);
+}
+
+static int by_double(const void *a, const void *b) {
+  double x = *(const double *)a, y = *(const double *)b;
+  return x < y ? -1 : x > y;
 }
 
 // options = ("--steps" N | "--weights" W | "--save" C | "--resume" C | "--input" X
@@ -143,6 +150,10 @@ static int parse_options(int argc, char **argv, Options *o) {
     }
     if (strcmp(arg, "--quiet") == 0) {
       o->quiet = true;
+      continue;
+    }
+    if (strcmp(arg, "--profile") == 0) {
+      o->profile = true;
       continue;
     }
     if (strcmp(arg, "--help") == 0 || strcmp(arg, "-h") == 0) {
@@ -688,7 +699,14 @@ static int train(Trainer *tr) {
   if (!tr->opt.quiet && root)
     print_header(tr, first, last);
   double loss = NAN;
+  // --profile: whole steps (from the data to the update) after the first, and their GEMM time.
+  int64_t nprof = 0;
+  double *prof = tr->opt.profile ? calloc((size_t)(last - first + 1 > 0 ? last - first + 1 : 1), sizeof *prof) : NULL;
+  double prof_gemm = 0, prof_total = 0;
+  rt_gemm_profile(prof != NULL);
   for (int64_t t = first; t <= last; t++) {
+    double t_start = now_ms();
+    rt_gemm_ns_take();
     fill_step_data(tr, t);
     double t0 = now_ms();
     m->forward(st);
@@ -705,6 +723,11 @@ static int train(Trainer *tr) {
     double t2 = now_ms();
     m->update(st);
     double t3 = now_ms();
+    if (prof && t > first) {
+      prof[nprof++] = t3 - t_start;
+      prof_total += t3 - t_start;
+      prof_gemm += (double)rt_gemm_ns_take() * 1e-6;
+    }
     tr->done_steps = t;
     double ms = (t1 - t0) + (t3 - t2);
     rt_world_max(tr->comm, &ms, 1);
@@ -741,6 +764,16 @@ static int train(Trainer *tr) {
                (long long)(rt_lm_val_batches(&tr->lm, tr->ranks.dp) * tr->ranks.dp * m->batch));
     }
   }
+  rt_gemm_profile(false);
+  if (prof && root && nprof > 0) {
+    qsort(prof, (size_t)nprof, sizeof *prof, by_double);
+    printf("# profile: steps %lld..%lld, median whole step %.3f ms (data, forward, backward, update), "
+           "GEMM %.1f %% of the steps' time (%.3f ms per step)\n", (long long)first + 1, (long long)last,
+           prof[nprof / 2], 100.0 * prof_gemm / prof_total, prof_gemm / (double)nprof);
+  } else if (prof && root) {
+    printf("# profile: train at least 2 steps (the first is not counted)\n");
+  }
+  free(prof);
   if (!root)
     return 0;
   if (first <= last)

@@ -94,6 +94,10 @@ uint64_t rt_hash_name(const char *s);  // FNV-1a 64 of a parameter name
 // stored transposed.
 void rt_matmul(const float *a, const float *b, float *c, int m, int n, int k, bool ta, bool tb,
                bool accumulate);
+// --profile: while on, rt_matmul adds the time of its GEMMs to a counter that rt_gemm_ns_take
+// returns and clears (nanoseconds, every thread of the process).
+void rt_gemm_profile(bool on);
+int64_t rt_gemm_ns_take(void);
 // Batched over e: A [e, ...], B [e, ...], C [e, m, n].
 void rt_expert_matmul(const float *a, const float *b, float *c, int e, int m, int n, int k,
                       bool ta, bool tb);

@@ -116,6 +116,15 @@ if "$MOEC" build lang/models/tiny.moe -o "$WORK/tiny" 2>"$WORK/err"; then
     else
       bad "tiny: save + resume" "$(cat "$WORK/half" "$WORK/resumed" 2>/dev/null | tail -n 20)"
     fi
+    # --profile: the median whole step of steps 2..5 and a GEMM share in (0, 100]; --quiet keeps it.
+    "$WORK/tiny" --steps 5 --quiet --profile >"$WORK/prof" 2>&1
+    if grep -q '^# profile: steps 2\.\.5, median whole step [0-9.]* ms .*GEMM [0-9.]* % ' "$WORK/prof" &&
+       awk '/^# profile:/ { for (i = 1; i < NF; i++) if ($i == "GEMM") p = $(i + 1) } END { exit !(p > 0 && p <= 100) }' "$WORK/prof" &&
+       ! grep -q '^step' "$WORK/prof"; then
+      ok "tiny: --profile prints $(grep -o 'median whole step.*' "$WORK/prof" | head -c 90)"
+    else
+      bad "tiny: --profile" "$(cat "$WORK/prof")"
+    fi
   else
     bad "tiny: run" "$(tail -n 20 "$WORK/run1")"
   fi

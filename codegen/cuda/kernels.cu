@@ -283,13 +283,14 @@ extern "C" __global__ void mk_expert_bias_grad(const float *dy, float *db, int e
 }
 
 // ---- mk_gelu ----
+// The tanh GELU as x * s, s = 1 / (1 + exp(-2u)) = 0.5 (1 + tanh(u)), as rt_gelu computes it.
 #define MK_GELU_C 0.7978845608028654f
 #define MK_GELU_A 0.044715f
 extern "C" __global__ void mk_gelu(const float *x, float *y, i64 n) {
   MK_FOR(i, n) {
     float v = x[i];
-    float t = tanhf(MK_GELU_C * (v + MK_GELU_A * v * v * v));
-    y[i] = 0.5f * v * (1.0f + t);
+    float s = 1.0f / (1.0f + expf(-2.0f * MK_GELU_C * (v + MK_GELU_A * v * v * v)));
+    y[i] = v * s;
   }
 }
 
@@ -297,9 +298,9 @@ extern "C" __global__ void mk_gelu(const float *x, float *y, i64 n) {
 extern "C" __global__ void mk_gelu_grad(const float *dy, const float *x, float *dx, i64 n) {
   MK_FOR(i, n) {
     float v = x[i];
-    float t = tanhf(0.7978845608028654f * (v + 0.044715f * v * v * v));
-    float du = 0.7978845608028654f * (1.0f + 3.0f * 0.044715f * v * v);
-    dx[i] = dy[i] * (0.5f * (1.0f + t) + 0.5f * v * (1.0f - t * t) * du);
+    float s = 1.0f / (1.0f + expf(-2.0f * MK_GELU_C * (v + MK_GELU_A * v * v * v)));
+    float du = MK_GELU_C * (1.0f + 3.0f * MK_GELU_A * v * v);
+    dx[i] = dy[i] * (s + 2.0f * v * s * (1.0f - s) * du);
   }
 }
 

@@ -6,7 +6,9 @@
 # gradient) to 1e-5. The scheduled IR must show the dense gradients (attention, norms, mlp, head:
 # AllReduces over DP) moved into the MoE layers' overlap slots: no DP or world AllReduce left,
 # the placed pieces adding up to the dense gradient but the tied embedding's, which autodiff sums
-# once, in place, after its second contribution (the head's, then the embedding's).
+# once, in place, after its second contribution (the head's, then the embedding's), and every
+# in-place gradient AllReduce must wait for the param.grad ops that fill its buffer (a missing
+# wait made the chunk build race with the tied embedding's accumulation: CI saw it).
 # Prints ok/FAIL lines; exits 1 on any failure.
 set -u
 cd "$(dirname "$0")/../.."
@@ -50,6 +52,14 @@ for v in auto chunk; do
     ok "lm gradpart $v: $placed of $TOTAL dense gradient elements placed ($moe_slots pieces in MoE slots), wte's summed once in place"
   else
     bad "lm gradpart $v: $left DP AllReduces left, $placed of $TOTAL elements placed, $moe_slots pieces in MoE slots, $wte in-place sums of wte"
+  fi
+  # The streams: an in-place AllReduce of a gradient waits for its param.grad ops (the copy or
+  # the accumulation into the buffer it reduces), not only for the values they store.
+  early=$(awk -f tests/lm/grad_waits.awk "$ir")
+  if [ -z "$early" ]; then
+    ok "lm gradpart $v: every gradient AllReduce waits for the param.grad ops of its parameter"
+  else
+    bad "lm gradpart $v: gradient AllReduces that do not wait for their param.grad" "$(echo "$early" | head -n 3)"
   fi
   if same_losses "$WORK/ref.out" "$WORK/$v.out" 1e-5 && why=$(compare_dumps "$WORK/ref.dump" "$WORK/$v.dump" 1e-5); then
     ok "lm gradpart $v: losses of 3 steps and the step-1 dump equal the sequential build's ($why)"

@@ -1,0 +1,67 @@
+#!/usr/bin/env bash
+# make bench's CPU comparison (issue 14): moec's whole training step beside PyTorch eager on the
+# CPU, in one run.
+#   layer  bench/models/layer_cpu.moe (B 4, L 512, M 512, H 1024, 8 experts, gshard top-2,
+#          capacity 1.2, tutel, ffn gpt): the binary's --profile line (median whole step of
+#          steps 2..N: data, forward, backward, update; its share in GEMMs) against
+#          bench/torch_ref.py --device cpu --shapes gpt:4x512x512x2 (the same layer's forward +
+#          backward by autograd, median of its runs; its expert GEMMs alone).
+#   lm     lang/models/gpt_moe_bytes.moe (the demo's GPT-MoE): moec's step and GEMM share (no
+#          PyTorch twin of the language model yet).
+# PyTorch comes from build/torch-venv (created here with pip when missing: PyPI's torch, whose
+# Linux wheel brings NVIDIA's libraries, ~3 GB; it runs on the CPU here); without it (no network,
+# no pip) the PyTorch column says so and the moec side still runs.
+set -u
+cd "$(dirname "$0")/.."
+BUILD=${BUILD:-build}
+MOEC=${MOEC:-$BUILD/moec}
+STEPS=${STEPS:-12}
+VENV=$BUILD/torch-venv
+WORK=$(mktemp -d "${TMPDIR:-/tmp}/moec-bench-cpu.XXXXXX")
+trap 'rm -rf "$WORK"' EXIT
+
+if [ ! -x "$VENV/bin/python" ] || ! "$VENV/bin/python" -c 'import torch' 2>/dev/null; then
+  echo "# installing PyTorch into $VENV for the comparison (pip, once)"
+  { python3 -m venv "$VENV" && "$VENV/bin/pip" install -q torch numpy; } \
+    >"$WORK/pip.log" 2>&1 || echo "# PyTorch could not be installed: $(tail -n 1 "$WORK/pip.log")"
+fi
+TORCH=""
+"$VENV/bin/python" -c 'import torch' 2>/dev/null && TORCH=$VENV/bin/python
+
+# moec NAME MODEL: the binary's --profile line -> "step_ms gemm_percent".
+moec_step() {
+  "$MOEC" build "$2" -o "$WORK/$1" 2>"$WORK/$1.err" || { echo "build failed: $(head -n 2 "$WORK/$1.err")"; return 1; }
+  "$WORK/$1" --steps "$STEPS" --quiet --profile >"$WORK/$1.out" 2>&1 || { echo "run failed: $(tail -n 2 "$WORK/$1.out")"; return 1; }
+  sed -n 's/^# profile: .*median whole step \([0-9.]*\) ms.*GEMM \([0-9.]*\) %.*/\1 \2/p' "$WORK/$1.out"
+}
+
+echo "# moec beside PyTorch eager on the CPU: $(nproc) cores, $(grep -m1 'model name' /proc/cpuinfo | cut -d: -f2 | sed 's/^ *//')"
+echo "# moec: median whole training step of steps 2..$STEPS (data, forward, backward, adamw update), GEMM share"
+echo "# PyTorch: forward + backward of the same layer (autograd, median of 10 runs), its expert GEMMs alone"
+printf '%-10s %-26s %12s %8s %14s %12s %14s\n' case shape "moec ms" "GEMM %" "PyTorch ms" "torch GEMM" "moec/PyTorch"
+status=0
+if read -r ms gemm < <(moec_step layer bench/models/layer_cpu.moe) && [ -n "${gemm:-}" ]; then
+  tms="-" tgemm="-" ratio="-"
+  if [ -n "$TORCH" ]; then
+    "$TORCH" bench/torch_ref.py --device cpu --shapes gpt:4x512x512x2 >"$WORK/torch.out" 2>&1
+    row=$(awk '$1 == "gpt" && $2 == "4x512x512x2" {print $5, $6}' "$WORK/torch.out")
+    if [ -n "$row" ]; then
+      read -r tms tgemm <<<"$row"
+      ratio=$(awk -v a="$ms" -v b="$tms" 'BEGIN {printf "%.2f", a / b}')
+    else
+      tms="failed"; status=1; tail -n 5 "$WORK/torch.out" | sed 's/^/# torch_ref: /'
+    fi
+  else
+    tms="no torch"
+  fi
+  printf '%-10s %-26s %12.1f %8.1f %14s %12s %14s\n' layer "B4 L512 M512 H1024 E8 k2" "$ms" "$gemm" "$tms" "$tgemm" "$ratio"
+else
+  echo "layer: moec failed"; status=1
+fi
+if read -r ms gemm < <(moec_step lm lang/models/gpt_moe_bytes.moe) && [ -n "${gemm:-}" ]; then
+  printf '%-10s %-26s %12.1f %8.1f %14s %12s %14s\n' lm "gpt_moe_bytes B8 L64 M96" "$ms" "$gemm" "-" "-" "-"
+else
+  echo "lm: moec failed"; status=1
+fi
+[ $status -eq 0 ] && echo OK || echo FAILED
+exit $status
