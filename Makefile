@@ -18,7 +18,7 @@ CFLAGS  += -std=c11 -D_GNU_SOURCE -Wall -Wextra -Wno-unused-parameter -Wno-sign-
 ROOT    := $(abspath .)
 CUDA    ?= /usr/local/cuda
 
-DEB_PACKAGES := flex bison libnlopt-dev libopenmpi-dev openmpi-bin libopenblas-dev libcjson-dev \
+DEB_PACKAGES := flex bison libnlopt-dev libopenmpi-dev openmpi-bin libopenblas-dev libopenblas-openmp-dev libcjson-dev \
                 libcmocka-dev python3-numpy clang libclang-rt-14-dev
 
 # ---- configuration: packages first, then the flags of this machine, then anything compiled ----
@@ -38,7 +38,7 @@ $(CONFIG): FORCE
 FORCE:
 
 INCLUDES     := -I. -Iir -Ifrontend -Iruntime -I$(BUILD)/gen
-RT_CFLAGS    := $(BLAS_CFLAGS) $(CJSON_CFLAGS) $(MPI_CFLAGS)
+RT_CFLAGS    := $(BLAS_CFLAGS) $(OMP_CFLAGS) $(CJSON_CFLAGS) $(MPI_CFLAGS)
 
 # codegen/nvrtc.c needs the CUDA toolkit: it is built by the CUDA rules below, never here; the
 # CUDA target's struct (codegen/target_cuda.c), which calls it, is linked into moec only.
@@ -72,7 +72,7 @@ endif
 
 COMPILER_DEFS := -DMOEC_ROOT=\"$(ROOT)\" -DMOEC_BUILD=\"$(abspath $(BUILD))\" -DMOEC_MPI_LIBS='"$(MPI_LIBS)"' \
                  -DMOEC_MPI_CFLAGS='"$(MPI_CFLAGS)"' -DMOEC_CUDA_CFLAGS='"$(CUDA_PROGRAM_CFLAGS)"' \
-                 -DMOEC_CUDA_LIBS='"$(CUDA_PROGRAM_LIBS)"'
+                 -DMOEC_CUDA_LIBS='"$(CUDA_PROGRAM_LIBS)"' -DMOEC_BLAS_LIBS='"$(BLAS_LIBS)"'
 
 .PHONY: all deps demo test test-gpu gpu-models fuzz bench clean cuda-skip gpu-skip FORCE
 all: $(BUILD)/moec $(BUILD)/libmoert.a $(CUDA_TARGETS)
@@ -119,7 +119,7 @@ $(BUILD)/libmoert.a: $(RUNTIME_OBJ)
 	@rm -f $@
 	ar rcs $@ $^
 
-RUNTIME_LIBS := -lopenblas $(CJSON_LIBS) $(MPI_LIBS) -lm
+RUNTIME_LIBS := $(BLAS_LIBS) $(CJSON_LIBS) $(MPI_LIBS) -lm
 
 # The command line: moec.c, the entry point, and the subcommands in cli/ (check, dump-ir, build,
 # plan, sweep, tune) with the CUDA target; `moec tune` runs the runtime's kernels and collectives,
@@ -230,8 +230,8 @@ $(BUILD)/mpi/%: tests/mpi/%.c $(BUILD)/libmoert.a
 $(BUILD)/asan/moec: $(COMPILER_SRC) $(CLI_SRC) $(RUNTIME_SRC) $(GEN_SRC) $(GEN_INC) $(CONFIG)
 	@mkdir -p $(dir $@)
 	$(CC) -std=c11 -D_GNU_SOURCE -O1 -g -fsanitize=address,undefined -fno-sanitize-recover=undefined \
-	  -fno-omit-frame-pointer $(INCLUDES) $(COMPILER_DEFS) $(RT_CFLAGS) \
-	  -o $@ $(CLI_SRC) $(COMPILER_SRC) $(RUNTIME_SRC) $(GEN_SRC) -lnlopt $(RUNTIME_LIBS)
+	  -fno-omit-frame-pointer $(INCLUDES) $(COMPILER_DEFS) $(BLAS_CFLAGS) $(CJSON_CFLAGS) $(MPI_CFLAGS) \
+	  -o $@ $(CLI_SRC) $(COMPILER_SRC) $(RUNTIME_SRC) $(GEN_SRC) -lnlopt -lopenblas $(CJSON_LIBS) $(MPI_LIBS) -lm
 
 # libFuzzer harnesses (clang).
 FUZZ_SRC := $(wildcard tests/fuzz/fuzz_*.c)

@@ -8,6 +8,10 @@
 #          backward by autograd, median of its runs; its expert GEMMs alone).
 #   lm     lang/models/gpt_moe_bytes.moe (the demo's GPT-MoE): moec's step and GEMM share (no
 #          PyTorch twin of the language model yet).
+#   dropless  bench/models/layer_dropless.moe (the layer with 4 experts and `capacity *`: each
+#          expert's worst-case buffer about half empty): the expert GEMMs and GELU gradient over
+#          the filled slots (the default) beside the same binary computing every slot
+#          (MOERT_ALL_SLOTS=1), the speed-up and both runs' losses (the same to 1e-5).
 # PyTorch comes from build/torch-venv (created here with pip when missing: PyPI's torch, whose
 # Linux wheel brings NVIDIA's libraries, ~3 GB; it runs on the CPU here); without it (no network,
 # no pip) the PyTorch column says so and the moec side still runs.
@@ -28,10 +32,13 @@ fi
 TORCH=""
 "$VENV/bin/python" -c 'import torch' 2>/dev/null && TORCH=$VENV/bin/python
 
-# moec NAME MODEL: the binary's --profile line -> "step_ms gemm_percent".
+# moec NAME MODEL [ENV=VALUE]: the binary's --profile line -> "step_ms gemm_percent"; the step
+# lines stay in $WORK/NAME.out.
 moec_step() {
-  "$MOEC" build "$2" -o "$WORK/$1" 2>"$WORK/$1.err" || { echo "build failed: $(head -n 2 "$WORK/$1.err")"; return 1; }
-  "$WORK/$1" --steps "$STEPS" --quiet --profile >"$WORK/$1.out" 2>&1 || { echo "run failed: $(tail -n 2 "$WORK/$1.out")"; return 1; }
+  [ -x "$WORK/${2##*/}.bin" ] || "$MOEC" build "$2" -o "$WORK/${2##*/}.bin" 2>"$WORK/$1.err" ||
+    { echo "build failed: $(head -n 2 "$WORK/$1.err")"; return 1; }
+  env ${3:-MOEC_BENCH=1} "$WORK/${2##*/}.bin" --steps "$STEPS" --profile >"$WORK/$1.out" 2>&1 ||
+    { echo "run failed: $(tail -n 2 "$WORK/$1.out")"; return 1; }
   sed -n 's/^# profile: .*median whole step \([0-9.]*\) ms.*GEMM \([0-9.]*\) %.*/\1 \2/p' "$WORK/$1.out"
 }
 
@@ -62,6 +69,19 @@ if read -r ms gemm < <(moec_step lm lang/models/gpt_moe_bytes.moe) && [ -n "${ge
   printf '%-10s %-26s %12.1f %8.1f %14s %12s %14s\n' lm "gpt_moe_bytes B8 L64 M96" "$ms" "$gemm" "-" "-" "-"
 else
   echo "lm: moec failed"; status=1
+fi
+# Dropless: filled slots only (A) against every slot of the worst-case buffers (B), same binary.
+if read -r ms_a gemm_a < <(moec_step dropless bench/models/layer_dropless.moe) && [ -n "${gemm_a:-}" ] &&
+   read -r ms_b gemm_b < <(moec_step dropless_all bench/models/layer_dropless.moe MOERT_ALL_SLOTS=1) && [ -n "${gemm_b:-}" ]; then
+  la=$(awk '/^step/ {l = $4} END {print l}' "$WORK/dropless.out"); lb=$(awk '/^step/ {l = $4} END {print l}' "$WORK/dropless_all.out")
+  same=$(paste <(awk '/^step/ {print $4}' "$WORK/dropless.out") <(awk '/^step/ {print $4}' "$WORK/dropless_all.out") |
+         awk '{d = $1 - $2; if (d < 0) d = -d; if (d > 1e-5 * ($2 < 0 ? -$2 : $2)) bad = 1} END {print bad ? "DIFFER" : "same"}')
+  printf '%-10s %-26s %12.1f %8.1f %14s %12s %14s
+' dropless "B4 L512 M512 H1024 E4 k2 *" "$ms_a" "$gemm_a" "-" "-" "-"
+  echo "# dropless: filled slots $ms_a ms/step, every slot (MOERT_ALL_SLOTS=1) $ms_b ms/step: $(awk -v a="$ms_a" -v b="$ms_b" 'BEGIN {printf "%.2fx", b / a}') faster; losses $same (last $la vs $lb)"
+  [ "$same" = same ] || status=1
+else
+  echo "dropless: moec failed"; status=1
 fi
 [ $status -eq 0 ] && echo OK || echo FAILED
 exit $status

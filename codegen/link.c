@@ -36,11 +36,16 @@
 #ifndef MOEC_CUDA_LIBS
 #define MOEC_CUDA_LIBS ""
 #endif
+// OpenBLAS's link flags: its OpenMP build by path, with -fopenmp, where make found it.
+#ifndef MOEC_BLAS_LIBS
+#define MOEC_BLAS_LIBS "-lopenblas"
+#endif
 
 void cg_link_configuration(FILE *out) {
   fprintf(out, "root %s\nbuild %s\n", MOEC_ROOT, MOEC_BUILD);
   fprintf(out, "mpi_cflags %s\nmpi_libs %s\n", MOEC_MPI_CFLAGS, MOEC_MPI_LIBS);
   fprintf(out, "cuda_cflags %s\ncuda_libs %s\n", MOEC_CUDA_CFLAGS, MOEC_CUDA_LIBS);
+  fprintf(out, "blas_libs %s\n", MOEC_BLAS_LIBS);
 }
 
 enum { MAX_ARGS = 96 };
@@ -130,7 +135,8 @@ bool cg_link_program(IrDiag *d, const char *c_path, const char *out_path, const 
   add(&c, c_path);
   if (extra && extra->library[0]) add(&c, extra->library);
   add(&c, lib);
-  add_words(&c, "-lopenblas -lcjson");
+  add_words(&c, MOEC_BLAS_LIBS);   // OpenBLAS (its OpenMP build and -fopenmp where configured)
+  add_words(&c, "-lcjson");
   // The MPI link flags moec was built with (mpicc --showme:link).
   add_words(&c, MOEC_MPI_LIBS);
   if (extra) add_words(&c, extra->libs);

@@ -29,6 +29,17 @@ for d in /usr/include/x86_64-linux-gnu/openblas-pthread /usr/include/aarch64-lin
   [ -f "$d/cblas.h" ] && { blas_cflags="-I$d"; break; }
 done
 [ -n "$blas_cflags" ] || blas_cflags=$(pkg-config --cflags openblas 2>/dev/null || true)
+# OpenBLAS's OpenMP build (Debian's libopenblas-openmp-dev), when it is there: libmoert's kernels
+# are then built with OpenMP and share its threads (runtime/threads.c). Programs link it by path
+# with an rpath, since the system's libopenblas.so.0 is the pthread build (the alternatives'
+# default). Without it: the default OpenBLAS and one-thread kernels.
+omp_cflags="" blas_libs="-lopenblas"
+for d in /usr/lib/x86_64-linux-gnu/openblas-openmp /usr/lib/aarch64-linux-gnu/openblas-openmp; do
+  if [ -e "$d/libopenblas.so" ] && echo 'int main(void) { return 0; }' | cc -fopenmp -x c - -o /dev/null 2>/dev/null; then
+    omp_cflags="-fopenmp" blas_libs="-L$d -Wl,-rpath,$d -lopenblas -fopenmp"
+    break
+  fi
+done
 
 # CUDA: NVRTC makes moec a CUDA compiler; cuBLAS and NCCL make the GPU runtime.
 have_nvrtc=no have_gpu_runtime=no cuda_libdir="" nccl_home="" nccl_libdir=""
@@ -61,6 +72,8 @@ MPI_LIBS := $mpi_libs
 CJSON_CFLAGS := $cjson_cflags
 CJSON_LIBS := $cjson_libs
 BLAS_CFLAGS := $blas_cflags
+OMP_CFLAGS := $omp_cflags
+BLAS_LIBS := $blas_libs
 HAVE_NVRTC := $have_nvrtc
 HAVE_GPU_RUNTIME := $have_gpu_runtime
 CUDA_LIBDIR := $cuda_libdir
@@ -75,5 +88,5 @@ if [ "$out" = - ]; then
 elif [ ! -f "$out" ] || [ "$(cat "$out")" != "$config" ]; then
   mkdir -p "$(dirname "$out")"
   printf '%s\n' "$config" >"$out.tmp" && mv "$out.tmp" "$out"
-  echo "# configuration written to $out (MPI, OpenBLAS, cJSON$([ $have_nvrtc = yes ] && echo ", NVRTC")$([ $have_gpu_runtime = yes ] && echo ", cuBLAS, NCCL"))"
+  echo "# configuration written to $out (MPI, OpenBLAS$([ -n "$omp_cflags" ] && echo " with OpenMP"), cJSON$([ $have_nvrtc = yes ] && echo ", NVRTC")$([ $have_gpu_runtime = yes ] && echo ", cuBLAS, NCCL"))"
 fi

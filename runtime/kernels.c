@@ -39,6 +39,17 @@ static int64_t mono_ns(void) {
   return (int64_t)ts.tv_sec * 1000000000 + ts.tv_nsec;
 }
 
+// MOERT_ALL_SLOTS=1: the expert GEMMs and the GELU gradient compute every slot, filled or not
+// (the worst-case buffers; bench/cpu.sh compares the two).
+static bool all_slots(void) {
+  static int all = -1;
+  if (all < 0) {
+    const char *env = getenv("MOERT_ALL_SLOTS");
+    all = env && strcmp(env, "1") == 0;
+  }
+  return all;
+}
+
 void rt_matmul(const float *a, const float *b, float *c, int m, int n, int k, bool ta, bool tb,
                bool accumulate) {
   if (m <= 0 || n <= 0)
@@ -57,14 +68,101 @@ void rt_matmul(const float *a, const float *b, float *c, int m, int n, int k, bo
     atomic_fetch_add(&gemm_ns, mono_ns() - t0);
 }
 
+// Expert GEMMs skip the slots nobody filled. An expert's buffer holds rows (slots) of which only
+// those the routing filled carry tokens (capacity padding, a dropless layer's worst-case buffer,
+// the peers' runs after the EP layouts); the empty ones are zero rows, or after a bias and an
+// activation copies of one row (act(b1)). Zero rows contribute exactly zero, and equal rows
+// have equal products, so each expert's GEMM runs on segments of the rows that are neither
+// (gaps shorter than SEG_GAP rows merged into a segment): MegaBlocks' grouped GEMMs over the
+// tokens each expert received, found here from the data. Over the slot dimension:
+//   ta = 0 (c[m, n] = a[m, k] b, rows of a are slots): c's rows from one GEMM per segment; a zero
+//     row of a outside them gives a zero row (what the GEMM gives), a row equal to the one
+//     before it a copy of that row's result;
+//   ta = 1 (c[m, n] = a^T b with a [k, m] and b [k, n], the k rows are slots): a slot whose row
+//     of a or of b is zero adds nothing; the segments' products are summed, the first written,
+//     the rest accumulated (so the sum's rounding follows the segments, not one k loop).
+// The result equals the whole-buffer GEMM up to rounding. The CUDA target's fake device runs
+// this same function, so the two agree to the bit there (cuBLAS on a GPU multiplies the whole
+// buffers). (A zero row against an Inf or NaN
+// weight gives 0 here where a whole GEMM gives NaN.)
+enum { SEG_GAP = 8, SEG_MAX = 64 };
+
+static bool row_zero(const float *row, int n) {
+  for (int i = 0; i < n; i++)
+    if (row[i] != 0.0f) return false;
+  return true;
+}
+
+// Row r of x (width nx) needs computing: not zero, and (dup) not equal to row r - 1.
+static bool row_live(const float *x, int nx, int r, bool dup) {
+  const float *row = x + (size_t)r * nx;
+  if (row_zero(row, nx)) return false;
+  return !(dup && r > 0 && memcmp(row, row - nx, (size_t)nx * sizeof *row) == 0);
+}
+
+// The segments [seg[2j], seg[2j+1]) of rows 0..rows-1 holding every live row of x (and, when y
+// is not NULL, whose row of y is not zero either); returns the number of segments (at most
+// SEG_MAX: past it the last segment runs on).
+static int live_segments(const float *x, int nx, bool dup, const float *y, int ny, int rows, int *seg) {
+  int count = 0, gap = 0;
+  for (int r = 0; r < rows; r++) {
+    bool live = row_live(x, nx, r, dup) && (!y || !row_zero(y + (size_t)r * ny, ny));
+    if (!live) {
+      gap++;
+      continue;
+    }
+    if (count > 0 && (gap < SEG_GAP || count == SEG_MAX)) {
+      seg[2 * count - 1] = r + 1;   // extend the last segment over the short gap
+    } else {
+      seg[2 * count] = r;
+      seg[2 * count + 1] = r + 1;
+      count++;
+    }
+    gap = 0;
+  }
+  return count;
+}
+
 void rt_expert_matmul(const float *a, const float *b, float *c, int e, int m, int n, int k,
                       bool ta, bool tb) {
+  if (all_slots()) {
+    for (int i = 0; i < e; i++)
+      rt_matmul(a + i * (size_t)m * k, b + i * (size_t)k * n, c + i * (size_t)m * n, m, n, k, ta, tb, false);
+    return;
+  }
   size_t a_size = (size_t)m * k, b_size = (size_t)k * n, c_size = (size_t)m * n;
-  for (int i = 0; i < e; i++)
-    rt_matmul(a + i * a_size, b + i * b_size, c + i * c_size, m, n, k, ta, tb, false);
+  int seg[2 * SEG_MAX];
+  for (int i = 0; i < e; i++) {
+    const float *ai = a + i * a_size, *bi = b + i * b_size;
+    float *ci = c + i * c_size;
+    if (!ta) {   // rows of a (and c) are slots
+      int ns = live_segments(ai, k, true, NULL, 0, m, seg);
+      for (int j = 0; j < ns; j++)
+        rt_matmul(ai + (size_t)seg[2 * j] * k, bi, ci + (size_t)seg[2 * j] * n, seg[2 * j + 1] - seg[2 * j], n, k,
+                  false, tb, false);
+      // The rows outside the segments, in order: zero, or equal to the row before (whose result
+      // is final by then).
+      for (int j = 0, r = 0; r < m; r++) {
+        while (j < ns && seg[2 * j + 1] <= r) j++;
+        if (j < ns && seg[2 * j] <= r) continue;
+        float *cr = ci + (size_t)r * n;
+        if (row_zero(ai + (size_t)r * k, k)) memset(cr, 0, (size_t)n * sizeof *cr);
+        else memcpy(cr, cr - n, (size_t)n * sizeof *cr);
+      }
+    } else if (!tb) {   // a [k, m], b [k, n]: the k rows of both are slots
+      int ns = live_segments(ai, m, false, bi, n, k, seg);
+      if (ns == 0) memset(ci, 0, c_size * sizeof *ci);
+      for (int j = 0; j < ns; j++)
+        rt_matmul(ai + (size_t)seg[2 * j] * m, bi + (size_t)seg[2 * j] * n, ci, m, n, seg[2 * j + 1] - seg[2 * j], true,
+                  false, j > 0);
+    } else {
+      rt_matmul(ai, bi, ci, m, n, k, ta, tb, false);
+    }
+  }
 }
 
 void rt_bias(const float *x, const float *b, float *y, int rows, int n) {
+  RT_PARALLEL_FOR((int64_t)rows * n >= RT_PAR_MIN)
   for (int r = 0; r < rows; r++) {
     const float *xr = x + (size_t)r * n;
     float *yr = y + (size_t)r * n;
@@ -76,10 +174,12 @@ void rt_bias(const float *x, const float *b, float *y, int rows, int n) {
 // Column sums in double, a block of columns at a time so the rows are read contiguously and no
 // scratch memory is needed.
 void rt_bias_grad(const float *dy, float *db, int rows, int n) {
-  enum { BLOCK = 256 };
-  double acc[BLOCK];
-  for (int c0 = 0; c0 < n; c0 += BLOCK) {
-    int width = n - c0 < BLOCK ? n - c0 : BLOCK;
+  enum { BLOCK = 128 };
+  int nblocks = (n + BLOCK - 1) / BLOCK;
+  RT_PARALLEL_FOR(nblocks > 1 && (int64_t)rows * n >= RT_PAR_MIN)
+  for (int bi = 0; bi < nblocks; bi++) {   // a block of columns per iteration: one thread sums a column
+    double acc[BLOCK];
+    int c0 = bi * BLOCK, width = n - c0 < BLOCK ? n - c0 : BLOCK;
     for (int i = 0; i < width; i++)
       acc[i] = 0.0;
     for (int r = 0; r < rows; r++) {
@@ -93,9 +193,13 @@ void rt_bias_grad(const float *dy, float *db, int rows, int n) {
 }
 
 void rt_expert_bias(const float *x, const float *b, float *y, int e, int rows, int n) {
-  size_t block = (size_t)rows * n;
-  for (int i = 0; i < e; i++)
-    rt_bias(x + i * block, b + (size_t)i * n, y + i * block, rows, n);
+  RT_PARALLEL_FOR((int64_t)e * rows * n >= RT_PAR_MIN)
+  for (int64_t r = 0; r < (int64_t)e * rows; r++) {   // row r of expert r / rows
+    const float *xr = x + r * n, *br = b + (r / rows) * n;
+    float *yr = y + r * n;
+    for (int i = 0; i < n; i++)
+      yr[i] = xr[i] + br[i];
+  }
 }
 
 void rt_expert_bias_grad(const float *dy, float *db, int e, int rows, int n) {
@@ -105,6 +209,7 @@ void rt_expert_bias_grad(const float *dy, float *db, int e, int rows, int n) {
 }
 
 void rt_add(const float *a, const float *b, float *y, int64_t n) {
+  RT_PARALLEL_FOR_SIMD(n >= RT_PAR_MIN)
   for (int64_t i = 0; i < n; i++)
     y[i] = a[i] + b[i];
 }
@@ -117,6 +222,7 @@ void rt_add(const float *a, const float *b, float *y, int64_t n) {
 #define GELU_A 0.044715f
 
 void rt_gelu(const float *x, float *y, int64_t n) {
+  RT_PARALLEL_FOR(n >= RT_PAR_MIN / 8)
   for (int64_t i = 0; i < n; i++) {
     float v = x[i];
     float s = 1.0f / (1.0f + expf(-2.0f * GELU_C * (v + GELU_A * v * v * v)));
@@ -125,9 +231,17 @@ void rt_gelu(const float *x, float *y, int64_t n) {
 }
 
 // d gelu/dx = s + 2 x s (1 - s) u', u' = sqrt(2/pi) (1 + 3*0.044715 x^2) (the tanh form's
-// 0.5 (1 + t) + 0.5 x (1 - t^2) u' with t = 2s - 1).
+// 0.5 (1 + t) + 0.5 x (1 - t^2) u' with t = 2s - 1). Where dy is zero (an expert's empty slots)
+// dx is +0 without the exp (the product's sign of zero is not kept: nothing downstream, sums and
+// GEMMs starting from +0, can tell).
 void rt_gelu_grad(const float *dy, const float *x, float *dx, int64_t n) {
+  bool skip = !all_slots();
+  RT_PARALLEL_FOR(n >= RT_PAR_MIN / 8)
   for (int64_t i = 0; i < n; i++) {
+    if (dy[i] == 0.0f && skip) {
+      dx[i] = 0.0f;
+      continue;
+    }
     float v = x[i];
     float s = 1.0f / (1.0f + expf(-2.0f * GELU_C * (v + GELU_A * v * v * v)));
     float du = GELU_C * (1.0f + 3.0f * GELU_A * v * v);
@@ -136,11 +250,13 @@ void rt_gelu_grad(const float *dy, const float *x, float *dx, int64_t n) {
 }
 
 void rt_relu(const float *x, float *y, int64_t n) {
+  RT_PARALLEL_FOR_SIMD(n >= RT_PAR_MIN)
   for (int64_t i = 0; i < n; i++)
     y[i] = x[i] > 0.0f ? x[i] : 0.0f;
 }
 
 void rt_relu_grad(const float *dy, const float *x, float *dx, int64_t n) {
+  RT_PARALLEL_FOR_SIMD(n >= RT_PAR_MIN)
   for (int64_t i = 0; i < n; i++)
     dx[i] = x[i] > 0.0f ? dy[i] : 0.0f;
 }
@@ -612,6 +728,7 @@ void rt_mse_grad(const float *out, const float *target, float *dout, int64_t n, 
 
 void rt_sgd(float *p, const float *g, int64_t n, float lr, float weight_decay, float lr_scale, float grad_scale) {
   lr *= lr_scale;
+  RT_PARALLEL_FOR_SIMD(n >= RT_PAR_MIN)
   for (int64_t i = 0; i < n; i++)
     p[i] -= lr * (g[i] * grad_scale + weight_decay * p[i]);
 }
@@ -621,6 +738,7 @@ void rt_adamw(float *p, const float *g, float *m, float *v, int64_t n, float lr,
   float bc1 = (float)(1.0 - pow(beta1, (double)step));
   float bc2 = (float)(1.0 - pow(beta2, (double)step));
   lr *= lr_scale;
+  RT_PARALLEL_FOR_SIMD(n >= RT_PAR_MIN)
   for (int64_t i = 0; i < n; i++) {
     float gi = g[i] * grad_scale;
     m[i] = beta1 * m[i] + (1.0f - beta1) * gi;

@@ -18,6 +18,11 @@
 #include <string.h>
 
 #include "moert.h"
+#include "rt_internal.h"
+
+// Rows are independent: a parallel loop over them, each row computed as on one thread, when the
+// causal work (rows * seq / 2 dot products of qcols) pays for the threads.
+#define ATTN_PARALLEL RT_PARALLEL_FOR((int64_t)rows * seq * qcols >= 32 * RT_PAR_MIN)
 
 static float dot(const float *a, const float *b, int d) {
   float s = 0.0f;
@@ -29,6 +34,7 @@ void rt_attn_fwd(const float *q, const float *k, const float *v, float *o, int r
                  int qcols) {
   int d = qcols / heads, group = heads / kv, kcols = kv * d;
   float scale = 1.0f / sqrtf((float)d);
+  ATTN_PARALLEL
   for (int r = 0; r < rows; r++)
     for (int h = 0; h < heads; h++) {
       int i = r % seq, r0 = r - i, j = h / group;
@@ -54,6 +60,7 @@ void rt_attn_stats(const float *dy, const float *q, const float *k, const float 
                    int heads, int kv, int qcols) {
   int d = qcols / heads, group = heads / kv, kcols = kv * d;
   float scale = 1.0f / sqrtf((float)d);
+  ATTN_PARALLEL
   for (int r = 0; r < rows; r++)
     for (int h = 0; h < heads; h++) {
       int i = r % seq, r0 = r - i, j = h / group;
@@ -74,6 +81,7 @@ void rt_attn_grad_q(const float *dy, const float *q, const float *k, const float
                     int rows, int seq, int heads, int kv, int qcols) {
   int d = qcols / heads, group = heads / kv, kcols = kv * d, width = qcols + 2 * kcols;
   float scale = 1.0f / sqrtf((float)d);
+  ATTN_PARALLEL
   for (int r = 0; r < rows; r++)
     for (int h = 0; h < heads; h++) {
       int i = r % seq, r0 = r - i, j = h / group;
@@ -95,6 +103,7 @@ void rt_attn_grad_kv(const float *dy, const float *q, const float *k, const floa
                      int rows, int seq, int heads, int kv, int qcols) {
   int d = qcols / heads, group = heads / kv, kcols = kv * d, width = qcols + 2 * kcols;
   float scale = 1.0f / sqrtf((float)d);
+  ATTN_PARALLEL
   for (int r = 0; r < rows; r++)
     for (int j = 0; j < kv; j++) {
       int t = r % seq, r0 = r - t;   // key t of sample r0 / seq

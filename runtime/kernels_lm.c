@@ -90,6 +90,7 @@ void rt_xent(const float *logits, const int32_t *targets, float *loss, int t, in
 }
 
 void rt_xent_grad(const float *logits, const int32_t *targets, float *dlogits, int t, int v, float scale) {
+  RT_PARALLEL_FOR((int64_t)t * v >= RT_PAR_MIN / 8)
   for (int i = 0; i < t; i++) {
     const float *row = logits + (size_t)i * v;
     float *out = dlogits + (size_t)i * v;

@@ -8,6 +8,7 @@
 #include <math.h>
 
 #include "moert.h"
+#include "rt_internal.h"
 
 // 1 / sqrt(mean(x^2) + eps) of one row.
 static double rms_inverse(const float *x, int n, float eps) {
@@ -17,6 +18,7 @@ static double rms_inverse(const float *x, int n, float eps) {
 }
 
 void rt_rmsnorm(const float *x, float *y, int rows, int n, float eps) {
+  RT_PARALLEL_FOR((int64_t)rows * n >= RT_PAR_MIN)
   for (int r = 0; r < rows; r++) {
     const float *xr = x + (size_t)r * n;
     float *yr = y + (size_t)r * n;
@@ -26,6 +28,7 @@ void rt_rmsnorm(const float *x, float *y, int rows, int n, float eps) {
 }
 
 void rt_rmsnorm_grad(const float *dy, const float *x, float *dx, int rows, int n, float eps) {
+  RT_PARALLEL_FOR((int64_t)rows * n >= RT_PAR_MIN)
   for (int r = 0; r < rows; r++) {
     const float *xr = x + (size_t)r * n, *dr = dy + (size_t)r * n;
     float *out = dx + (size_t)r * n;
@@ -51,6 +54,7 @@ static void row_moments(const float *x, int n, float eps, double *mean, double *
 }
 
 void rt_layernorm(const float *x, float *y, int rows, int n, float eps) {
+  RT_PARALLEL_FOR((int64_t)rows * n >= RT_PAR_MIN)
   for (int r = 0; r < rows; r++) {
     const float *xr = x + (size_t)r * n;
     float *yr = y + (size_t)r * n;
@@ -61,6 +65,7 @@ void rt_layernorm(const float *x, float *y, int rows, int n, float eps) {
 }
 
 void rt_layernorm_grad(const float *dy, const float *x, float *dx, int rows, int n, float eps) {
+  RT_PARALLEL_FOR((int64_t)rows * n >= RT_PAR_MIN)
   for (int r = 0; r < rows; r++) {
     const float *xr = x + (size_t)r * n, *dr = dy + (size_t)r * n;
     float *out = dx + (size_t)r * n;
@@ -79,11 +84,13 @@ void rt_layernorm_grad(const float *dy, const float *x, float *dx, int rows, int
 // The learned scale of a norm (op scale): y = x w, w [n] along every row; dw = column sums of dy x, rows in
 // order in double (dx = scale(dy, w)).
 void rt_scale_cols(const float *x, const float *w, float *y, int rows, int n) {
+  RT_PARALLEL_FOR((int64_t)rows * n >= RT_PAR_MIN)
   for (int r = 0; r < rows; r++)
     for (int i = 0; i < n; i++) y[(size_t)r * n + i] = x[(size_t)r * n + i] * w[i];
 }
 
 void rt_scale_cols_grad_w(const float *dy, const float *x, float *dw, int rows, int n) {
+  RT_PARALLEL_FOR(n > 1 && (int64_t)rows * n >= RT_PAR_MIN)
   for (int i = 0; i < n; i++) {
     double acc = 0.0;
     for (int r = 0; r < rows; r++) acc += (double)dy[(size_t)r * n + i] * x[(size_t)r * n + i];

@@ -29,7 +29,6 @@
 // return non-zero and rank 0 prints the first failing rank's sentence; nothing hangs.
 #include "moert.h"
 
-void openblas_set_num_threads(int num_threads);  // OpenBLAS (cblas.h pulls in more than this file needs)
 #include "rt_internal.h"
 
 #include <errno.h>
@@ -439,6 +438,7 @@ static Report reduce_report(const Trainer *tr, const RtStep *st, const uint64_t 
 
 // target[s, m] = 0.5 * x[s, (m + 1) % M]: a linear teacher every model can learn.
 static void derive_target(const float *x, float *target, int64_t tokens, int64_t embed) {
+  RT_PARALLEL_FOR(tokens * embed >= RT_PAR_MIN)
   for (int64_t s = 0; s < tokens; s++)
     for (int64_t m = 0; m < embed; m++)
       target[s * embed + m] = 0.5f * x[s * embed + (m + 1) % embed];
@@ -447,12 +447,10 @@ static void derive_target(const float *x, float *target, int64_t tokens, int64_t
 // The samples first .. first + batch - 1 of the step's global batch.
 static void synthetic_input(const RtModel *m, int64_t step, int64_t first, float *x) {
   uint64_t step_key = rt_key(rt_key(m->seed, RT_STREAM_INPUT), (uint64_t)step);
-  int64_t per_sample = m->seqlen * m->embed;
-  for (int64_t i = 0; i < m->batch; i++) {
-    uint64_t key = rt_key(step_key, (uint64_t)(first + i));
-    for (int64_t j = 0; j < per_sample; j++)
-      x[i * per_sample + j] = (float)rt_normal(key, (uint64_t)j);
-  }
+  int64_t per_sample = m->seqlen * m->embed, n = m->batch * per_sample;
+  RT_PARALLEL_FOR(n >= RT_PAR_MIN / 8)
+  for (int64_t i = 0; i < n; i++)   // element j of sample (first + s), i = s * per_sample + j
+    x[i] = (float)rt_normal(rt_key(step_key, (uint64_t)(first + i / per_sample)), (uint64_t)(i % per_sample));
 }
 
 // The files hold the global batch [dp*B, L, M]; this rank keeps its DP shard.
@@ -1151,12 +1149,10 @@ int rt_main(const RtModel *model, int argc, char **argv) {
     return 1;
   RtRanks ranks = rt_ranks_of(&model->layout, rt_comm_rank(comm, RT_GROUP_WORLD),
                               rt_comm_size(comm, RT_GROUP_WORLD));
-  // Ranks sharing a machine share its cores: give each rank's OpenBLAS its share, or the
-  // GEMM threads of all ranks oversubscribe the cores many times over.
+  // Ranks sharing a machine share its cores: each rank's threads (kernels and GEMMs) get its
+  // share, or the threads of all ranks oversubscribe the cores many times over.
   const char *local = getenv("OMPI_COMM_WORLD_LOCAL_SIZE");
-  long cores = sysconf(_SC_NPROCESSORS_ONLN), on_node = local ? atol(local) : 1;
-  if (ranks.world > 1 && on_node > 1 && cores > 0)
-    openblas_set_num_threads(cores / on_node > 1 ? (int)(cores / on_node) : 1);
+  rt_threads_setup(ranks.world > 1 && local ? atol(local) : 1);
   if (ranks.world > 1 && ranks.rank == 0 && !opt.quiet) {
     rt_comm_print_groups(comm, stdout);
     fflush(stdout);

@@ -280,4 +280,32 @@ double rt_lr_scale(const RtModel *m, int64_t step);
 // tokens as text (a byte model, control bytes escaped) or ids, and a newline.
 void rt_print_tokens(FILE *out, const RtModel *m, const int32_t *tokens, int64_t n);
 
+
+// ---- threads (runtime/threads.c) ----
+// libmoert's kernels and OpenBLAS share one pool of threads: OpenMP, with OpenBLAS's OpenMP
+// build (mk/configure.sh picks both when Debian's libopenblas-openmp-dev is there; without it
+// the kernels run on one thread and OpenBLAS keeps its own). RT_PARALLEL_FOR(cond) before a
+// `for` splits its iterations into equal static ranges over the pool when cond holds (work big
+// enough to pay for a parallel region). Every kernel that uses it computes each element exactly
+// as the one-thread loop does (per element, or per column of a reduction, never a reduction
+// split across threads), so results do not depend on the number of threads.
+// RT_PARALLEL_FOR_SIMD also vectorises the loop: only for loops of +, -, *, /, sqrt and
+// comparisons, which SIMD instructions round exactly as scalar ones (no libm calls: their
+// vector versions round differently; no reductions across iterations; C11 mode contracts no
+// FMAs), so the results stay those of the scalar loop.
+#ifdef _OPENMP
+#define RT_PRAGMA(x) _Pragma(#x)
+#define RT_PARALLEL_FOR(cond) RT_PRAGMA(omp parallel for schedule(static) if (cond))
+#define RT_PARALLEL_FOR_SIMD(cond) RT_PRAGMA(omp parallel for simd schedule(static) if (cond))
+#else
+#define RT_PARALLEL_FOR(cond)
+#define RT_PARALLEL_FOR_SIMD(cond)
+#endif
+enum { RT_PAR_MIN = 16384 };   // elements of cheap elementwise work worth a parallel region
+// Sets the pool's size once at start: OMP_NUM_THREADS when set, else the cores this process may
+// run on divided among the ranks on this node (ranks_on_node), at least 1. Returns the size.
+int rt_threads_setup(long ranks_on_node);
+// The pool's size (1 without OpenMP).
+int rt_threads(void);
+
 #endif

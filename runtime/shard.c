@@ -85,6 +85,7 @@ void rt_shard_init(const RtParam *p, const RtRanks *r, uint64_t seed, float *w) 
   uint64_t key = rt_key(rt_key(seed, RT_STREAM_INIT), rt_hash_name(p->name));
   int64_t off[4];
   rt_shard_offsets(p, r, off);
+  RT_PARALLEL_FOR(p->numel >= RT_PAR_MIN / 8)
   for (int64_t j = 0; j < p->numel; j++) {
     switch (p->init) {
     case RT_INIT_ZEROS: w[j] = 0.0f; break;

@@ -33,7 +33,7 @@ now=$(bash mk/configure.sh - 2>&1) || { echo "FAIL  mk/configure.sh: $now"; exit
 built=$("$MOEC" --version -v)
 value() { printf '%s\n' "$1" | awk -v k="$2" '{key = $1; sub(/^[^ ]* ?(:= ?)?/, "")} key == k {print; exit}'; }
 mismatch=""
-for pair in MPI_CFLAGS:mpi_cflags MPI_LIBS:mpi_libs CUDA_PROGRAM_CFLAGS:cuda_cflags CUDA_PROGRAM_LIBS:cuda_libs; do
+for pair in MPI_CFLAGS:mpi_cflags MPI_LIBS:mpi_libs CUDA_PROGRAM_CFLAGS:cuda_cflags CUDA_PROGRAM_LIBS:cuda_libs BLAS_LIBS:blas_libs; do
   want=$(value "$now" "${pair%%:*}"); got=$(value "$built" "${pair#*:}")
   [ "$want" = "$got" ] || mismatch="$mismatch
   ${pair#*:}: moec was built with '$got', this machine has '$want'"

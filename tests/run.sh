@@ -155,6 +155,9 @@ run_suite "command line" tests/cli.sh
 section "model zoo: every lang/models model trains 10 steps with the loss going down"
 run_suite "model zoo" tests/zoo.sh
 
+section "threads: the kernels give the same bits on 1, 2 and 3 threads (tests/threads.sh)"
+run_suite "threads" tests/threads.sh
+
 section "golden runs: every model on the CPU and the fake device, bit-identical to tests/golden/runs.txt"
 run_suite "golden runs" tests/golden_runs.sh
 

@@ -295,8 +295,13 @@ extern "C" __global__ void mk_gelu(const float *x, float *y, i64 n) {
 }
 
 // ---- mk_gelu_grad ----
+// +0 where dy is zero (an expert's empty slots), without the exp, as rt_gelu_grad.
 extern "C" __global__ void mk_gelu_grad(const float *dy, const float *x, float *dx, i64 n) {
   MK_FOR(i, n) {
+    if (dy[i] == 0.0f) {
+      dx[i] = 0.0f;
+      continue;
+    }
     float v = x[i];
     float s = 1.0f / (1.0f + expf(-2.0f * MK_GELU_C * (v + MK_GELU_A * v * v * v)));
     float du = MK_GELU_C * (1.0f + 3.0f * MK_GELU_A * v * v);

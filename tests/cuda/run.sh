@@ -9,6 +9,9 @@
 set -u
 cd "$(dirname "$0")/../.."
 BUILD=${BUILD:-build}
+# OpenBLAS's link flags as make configured them (its OpenMP build, -fopenmp), as libmoert needs.
+BLAS_LIBS=$(sed -n 's/^BLAS_LIBS := //p' "$BUILD/config.mk" 2>/dev/null)
+BLAS_LIBS=${BLAS_LIBS:--lopenblas}
 MOEC=${MOEC:-$BUILD/moec}
 CUDA=${CUDA:-/usr/local/cuda}
 CHECK=$BUILD/cuda/nvrtc_check
@@ -79,7 +82,7 @@ CXX=${CXX:-g++}
 # MK_ATTN_SH=60: the attention kernels stage 60 floats at a time, so the cases' small heads go
 # through several key tiles and a wide one through the unstaged path (the default is 8192).
 if ! "$CXX" -std=c++20 -O1 -w -Iruntime -DMK_ATTN_SH=60 -DMK_LIBRARY="\"$WORK/lib.cu\"" -o "$WORK/emu" tests/cuda/emu_check.cpp \
-     "$BUILD/libmoert.a" -lopenblas -lcjson $(mpicc --showme:link 2>/dev/null || echo -lmpi) -lm -pthread 2>"$WORK/err"; then
+     "$BUILD/libmoert.a" $BLAS_LIBS -lcjson $(mpicc --showme:link 2>/dev/null || echo -lmpi) -lm -pthread 2>"$WORK/err"; then
   echo "FAIL  cuda emu: building tests/cuda/emu_check.cpp with $CXX"
   sed 's/^/      /' "$WORK/err" | head -n 30
   exit 1

@@ -15,6 +15,9 @@
 set -u
 cd "$(dirname "$0")/../.."
 BUILD=${BUILD:-build}
+# OpenBLAS's link flags as make configured them (its OpenMP build, -fopenmp), as libmoert needs.
+BLAS_LIBS=$(sed -n 's/^BLAS_LIBS := //p' "$BUILD/config.mk" 2>/dev/null)
+BLAS_LIBS=${BLAS_LIBS:--lopenblas}
 BIN=$BUILD/mpi/test_comm
 WORK=$(mktemp -d "${TMPDIR:-/tmp}/moec-mpi.XXXXXX")
 trap 'rm -rf "$WORK"' EXIT
@@ -35,7 +38,7 @@ secs() { awk -v a="$1" -v b="$(now)" 'BEGIN { printf "%.1f s", b - a }'; }
 if [ ! -x "$BIN" ] || [ tests/mpi/test_comm.c -nt "$BIN" ] || [ "$BUILD/libmoert.a" -nt "$BIN" ]; then
   mkdir -p "$(dirname "$BIN")"
   if ! mpicc -O2 -g -std=c11 -D_GNU_SOURCE -Wall -Wextra -Wno-unused-parameter -Iruntime \
-       tests/mpi/test_comm.c "$BUILD/libmoert.a" -lopenblas -lcjson -lm -o "$BIN" 2>"$WORK/cc"; then
+       tests/mpi/test_comm.c "$BUILD/libmoert.a" $BLAS_LIBS -lcjson -lm -o "$BIN" 2>"$WORK/cc"; then
     bad "build test_comm" "$(cat "$WORK/cc")"
     exit 1
   fi

@@ -20,6 +20,9 @@
 set -u
 cd "$(dirname "$0")/../.."
 BUILD=${BUILD:-build}
+# OpenBLAS's link flags as make configured them (its OpenMP build, -fopenmp), as libmoert needs.
+BLAS_LIBS=$(sed -n 's/^BLAS_LIBS := //p' "$BUILD/config.mk" 2>/dev/null)
+BLAS_LIBS=${BLAS_LIBS:--lopenblas}
 BIN=$BUILD/mpi/test_rt_main
 WORK=$(mktemp -d "${TMPDIR:-/tmp}/moec-rtmain.XXXXXX")
 trap 'rm -rf "$WORK"' EXIT
@@ -38,7 +41,7 @@ bad() {
 if [ ! -x "$BIN" ] || [ tests/mpi/test_rt_main.c -nt "$BIN" ] || [ "$BUILD/libmoert.a" -nt "$BIN" ]; then
   mkdir -p "$(dirname "$BIN")"
   if ! mpicc -O2 -g -std=c11 -D_GNU_SOURCE -Wall -Wextra -Wno-unused-parameter -Iruntime \
-       tests/mpi/test_rt_main.c "$BUILD/libmoert.a" -lopenblas -lcjson -lm -o "$BIN" 2>"$WORK/cc"; then
+       tests/mpi/test_rt_main.c "$BUILD/libmoert.a" $BLAS_LIBS -lcjson -lm -o "$BIN" 2>"$WORK/cc"; then
     bad "build test_rt_main" "$(cat "$WORK/cc")"
     exit 1
   fi

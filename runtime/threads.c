@@ -1,0 +1,56 @@
+// The thread pool of libmoert's kernels and OpenBLAS (rt_internal.h, RT_PARALLEL_FOR).
+//
+// With OpenMP (libmoert built with -fopenmp and linked against OpenBLAS's OpenMP build), the
+// kernels' parallel loops and OpenBLAS's GEMMs run on the same OpenMP threads: while the main
+// thread runs a kernel the others help, and none spins in OpenBLAS's own pool waiting for GEMMs
+// (the pthread build's workers yield-spin for a long while after each GEMM). The size is set
+// once: OMP_NUM_THREADS when the user sets it, else this process's cores (its affinity mask,
+// which containers and `mpirun --bind-to` narrow) shared among the ranks of this node.
+// The kernels' results do not depend on the size (rt_internal.h); OpenBLAS's GEMMs do round
+// differently with different thread counts, so OPENBLAS_NUM_THREADS can hold them fixed.
+#include <sched.h>
+#include <stdlib.h>
+#include <unistd.h>
+
+#include "moert.h"
+#include "rt_internal.h"
+
+#ifdef _OPENMP
+#include <omp.h>
+#endif
+
+void openblas_set_num_threads(int num_threads);  // OpenBLAS (cblas.h pulls in more than needed)
+
+static int usable_cores(void) {
+  cpu_set_t set;
+  if (sched_getaffinity(0, sizeof set, &set) == 0 && CPU_COUNT(&set) > 0) return CPU_COUNT(&set);
+  long n = sysconf(_SC_NPROCESSORS_ONLN);
+  return n > 0 ? (int)n : 1;
+}
+
+int rt_threads_setup(long ranks_on_node) {
+  const char *env = getenv("OMP_NUM_THREADS");
+  int n;
+  if (env && atoi(env) > 0) {
+    n = atoi(env);
+  } else {
+    long share = usable_cores() / (ranks_on_node > 1 ? ranks_on_node : 1);
+    n = share > 1 ? (int)share : 1;
+  }
+#ifdef _OPENMP
+  omp_set_num_threads(n);
+#endif
+  // OPENBLAS_NUM_THREADS, when set, bounds the GEMMs alone (OpenBLAS rounds differently with
+  // different thread counts; the kernels here do not).
+  const char *blas = getenv("OPENBLAS_NUM_THREADS");
+  openblas_set_num_threads(blas && atoi(blas) > 0 && atoi(blas) < n ? atoi(blas) : n);
+  return rt_threads();
+}
+
+int rt_threads(void) {
+#ifdef _OPENMP
+  return omp_get_max_threads();
+#else
+  return 1;
+#endif
+}

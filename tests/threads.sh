@@ -1,0 +1,44 @@
+#!/usr/bin/env bash
+# The thread pool (runtime/threads.c): the kernels' results do not depend on the number of
+# threads. tests/models/threads.moe (a float MoE stack) and lang/models/gpt_moe_bytes.moe (the
+# demo's language model: attention, layernorm, cross-entropy) train 3 steps with OMP_NUM_THREADS
+# 1, 2 and 3 and the GEMMs on one thread (OPENBLAS_NUM_THREADS=1: OpenBLAS itself rounds
+# differently with different thread counts): the step lines (but their times) and the step-1
+# --dump folders must be the same bytes. The binaries must be linked with OpenMP where make
+# configured it (build/config.mk).
+set -u
+cd "$(dirname "$0")/.."
+BUILD=${BUILD:-build}
+MOEC=${MOEC:-$BUILD/moec}
+WORK=$(mktemp -d "${TMPDIR:-/tmp}/moec-threads.XXXXXX")
+trap 'rm -rf "$WORK"' EXIT
+ok() { printf 'ok    %s\n' "$1"; }
+bad() { failed=1; printf 'FAIL  %s\n' "$1"; [ -n "${2:-}" ] && printf '%s\n' "$2" | head -n 20 | sed 's/^/      /'; }
+failed=0
+
+omp=$(sed -n 's/^OMP_CFLAGS := //p' "$BUILD/config.mk" 2>/dev/null)
+for model in tests/models/threads.moe lang/models/gpt_moe_bytes.moe; do
+  name=$(basename "$model" .moe)
+  if ! "$MOEC" build "$model" -o "$WORK/$name" 2>"$WORK/err"; then bad "threads $name: build" "$(cat "$WORK/err")"; continue; fi
+  if [ -n "$omp" ] && ! ldd "$WORK/$name" | grep -q libgomp; then
+    bad "threads $name: make configured OpenMP ($omp) but the program does not link libgomp"
+  fi
+  same=1 why=""
+  for n in 1 2 3; do
+    if ! OMP_NUM_THREADS=$n OPENBLAS_NUM_THREADS=1 "$WORK/$name" --steps 3 --dump "$WORK/$name.d$n" >"$WORK/$name.o$n" 2>&1; then
+      bad "threads $name: OMP_NUM_THREADS=$n failed" "$(tail -n 5 "$WORK/$name.o$n")"; same=0; break
+    fi
+    sed -n 's/  time .*//p' "$WORK/$name.o$n" | grep '^step' >"$WORK/$name.s$n"
+    [ -s "$WORK/$name.s$n" ] || { same=0; why="no step lines"; }
+    if [ "$n" -gt 1 ]; then
+      cmp -s "$WORK/$name.s1" "$WORK/$name.s$n" || { same=0; why="$why; step lines differ with $n threads"; }
+      diff -r -q "$WORK/$name.d1" "$WORK/$name.d$n" >"$WORK/diff" || { same=0; why="$why; dumps differ with $n threads: $(head -n 3 "$WORK/diff")"; }
+    fi
+  done
+  if [ $same = 1 ]; then
+    ok "threads $name: 1, 2 and 3 threads give the same step lines and --dump bytes ($(ls "$WORK/$name.d1"/grad | wc -l) gradients)"
+  else
+    bad "threads $name: results depend on the number of threads$why" "$(diff "$WORK/$name.s1" "$WORK/$name.s2" | head -n 6)"
+  fi
+done
+exit $failed
