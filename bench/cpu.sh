@@ -5,7 +5,8 @@
 #          capacity 1.2, tutel, ffn gpt): the binary's --profile line (median whole step of
 #          steps 2..N: data, forward, backward, update; its share in GEMMs) against
 #          bench/torch_ref.py --device cpu --shapes gpt:4x512x512x2 (the same layer's forward +
-#          backward by autograd, median of its runs; its expert GEMMs alone).
+#          backward by autograd, median of its runs; its expert GEMMs alone); the two run in turn
+#          three times each and the medians are compared (this machine's speed drifts).
 #   lm     lang/models/gpt_moe_bytes.moe (the demo's GPT-MoE): moec's step and GEMM share (no
 #          PyTorch twin of the language model yet).
 #   dropless  bench/models/layer_dropless.moe (the layer with 4 experts and `capacity *`: each
@@ -47,21 +48,28 @@ echo "# moec: median whole training step of steps 2..$STEPS (data, forward, back
 echo "# PyTorch: forward + backward of the same layer (autograd, median of 10 runs), its expert GEMMs alone"
 printf '%-10s %-26s %12s %8s %14s %12s %14s\n' case shape "moec ms" "GEMM %" "PyTorch ms" "torch GEMM" "moec/PyTorch"
 status=0
-if read -r ms gemm < <(moec_step layer bench/models/layer_cpu.moe) && [ -n "${gemm:-}" ]; then
-  tms="-" tgemm="-" ratio="-"
+# The layer: moec and PyTorch in turn, three runs each (the machine's speed drifts); the medians.
+: >"$WORK/layer.ms"; : >"$WORK/torch.ms"
+for run in 1 2 3; do
+  moec_step layer bench/models/layer_cpu.moe >>"$WORK/layer.ms"
   if [ -n "$TORCH" ]; then
     "$TORCH" bench/torch_ref.py --device cpu --shapes gpt:4x512x512x2 >"$WORK/torch.out" 2>&1
-    row=$(awk '$1 == "gpt" && $2 == "4x512x512x2" {print $5, $6}' "$WORK/torch.out")
-    if [ -n "$row" ]; then
-      read -r tms tgemm <<<"$row"
-      ratio=$(awk -v a="$ms" -v b="$tms" 'BEGIN {printf "%.2f", a / b}')
-    else
-      tms="failed"; status=1; tail -n 5 "$WORK/torch.out" | sed 's/^/# torch_ref: /'
-    fi
-  else
-    tms="no torch"
+    awk '$1 == "gpt" && $2 == "4x512x512x2" {print $5, $6}' "$WORK/torch.out" >>"$WORK/torch.ms"
   fi
-  printf '%-10s %-26s %12.1f %8.1f %14s %12s %14s\n' layer "B4 L512 M512 H1024 E8 k2" "$ms" "$gemm" "$tms" "$tgemm" "$ratio"
+done
+if read -r ms gemm < <(sort -n "$WORK/layer.ms" | sed -n 2p) && [ -n "${gemm:-}" ]; then
+  tms="-" tgemm="-" ratio="-"
+  if [ -z "$TORCH" ]; then
+    tms="no torch"
+  elif [ "$(wc -l <"$WORK/torch.ms")" = 3 ]; then
+    read -r tms tgemm < <(sort -n "$WORK/torch.ms" | sed -n 2p)
+    ratio=$(awk -v a="$ms" -v b="$tms" 'BEGIN {printf "%.2f", a / b}')
+  else
+    tms="failed"; status=1; tail -n 5 "$WORK/torch.out" | sed 's/^/# torch_ref: /'
+  fi
+  printf '%-10s %-26s %12.1f %8.1f %14s %12s %14s
+' layer "B4 L512 M512 H1024 E8 k2" "$ms" "$gemm" "$tms" "$tgemm" "$ratio"
+  echo "# layer runs (moec ms, PyTorch ms, in turn): $(awk '{printf "%s ", $1}' "$WORK/layer.ms")/ $(awk '{printf "%s ", $1}' "$WORK/torch.ms")"
 else
   echo "layer: moec failed"; status=1
 fi
@@ -70,15 +78,21 @@ if read -r ms gemm < <(moec_step lm lang/models/gpt_moe_bytes.moe) && [ -n "${ge
 else
   echo "lm: moec failed"; status=1
 fi
-# Dropless: filled slots only (A) against every slot of the worst-case buffers (B), same binary.
-if read -r ms_a gemm_a < <(moec_step dropless bench/models/layer_dropless.moe) && [ -n "${gemm_a:-}" ] &&
-   read -r ms_b gemm_b < <(moec_step dropless_all bench/models/layer_dropless.moe MOERT_ALL_SLOTS=1) && [ -n "${gemm_b:-}" ]; then
+# Dropless: filled slots only (A) against every slot of the worst-case buffers (B), same binary,
+# run in turn A B A B A B (the machine's speed drifts): the medians of the three runs' medians.
+: >"$WORK/a.ms"; : >"$WORK/b.ms"
+for run in 1 2 3; do
+  moec_step dropless bench/models/layer_dropless.moe >>"$WORK/a.ms"
+  moec_step dropless_all bench/models/layer_dropless.moe MOERT_ALL_SLOTS=1 >>"$WORK/b.ms"
+done
+if read -r ms_a gemm_a < <(sort -n "$WORK/a.ms" | sed -n 2p) && [ -n "${gemm_a:-}" ] &&
+   read -r ms_b gemm_b < <(sort -n "$WORK/b.ms" | sed -n 2p) && [ -n "${gemm_b:-}" ]; then
   la=$(awk '/^step/ {l = $4} END {print l}' "$WORK/dropless.out"); lb=$(awk '/^step/ {l = $4} END {print l}' "$WORK/dropless_all.out")
   same=$(paste <(awk '/^step/ {print $4}' "$WORK/dropless.out") <(awk '/^step/ {print $4}' "$WORK/dropless_all.out") |
          awk '{d = $1 - $2; if (d < 0) d = -d; if (d > 1e-5 * ($2 < 0 ? -$2 : $2)) bad = 1} END {print bad ? "DIFFER" : "same"}')
   printf '%-10s %-26s %12.1f %8.1f %14s %12s %14s
 ' dropless "B4 L512 M512 H1024 E4 k2 *" "$ms_a" "$gemm_a" "-" "-" "-"
-  echo "# dropless: filled slots $ms_a ms/step, every slot (MOERT_ALL_SLOTS=1) $ms_b ms/step: $(awk -v a="$ms_a" -v b="$ms_b" 'BEGIN {printf "%.2fx", b / a}') faster; losses $same (last $la vs $lb)"
+  echo "# dropless: filled slots $ms_a ms/step, every slot (MOERT_ALL_SLOTS=1) $ms_b ms/step (medians of 3 runs each, in turn: $(tr '\n' ' ' <"$WORK/a.ms" | awk '{print $1, $3, $5}') / $(tr '\n' ' ' <"$WORK/b.ms" | awk '{print $1, $3, $5}')): $(awk -v a="$ms_a" -v b="$ms_b" 'BEGIN {printf "%.2fx", b / a}') faster; losses $same (last $la vs $lb)"
   [ "$same" = same ] || status=1
 else
   echo "dropless: moec failed"; status=1

@@ -383,7 +383,7 @@ static void forward(Gpu &g, Layer &L) {
   const float *expert_out;
   if (L.ffn == FFN_GPT) {
     LAUNCH(g, elementwise_grid(eth), MK_BLOCK, mk_expert_bias, L.h, L.b1, L.hb, d.e, d.t, d.h);
-    LAUNCH(g, elementwise_grid(eth), MK_BLOCK, mk_gelu, L.hb, L.act, eth);
+    LAUNCH(g, elementwise_grid(eth), MK_BLOCK, mk_gelu, L.hb, L.act, eth, (i64)d.h);
     g.expert_gemm(L.act, L.w2, L.y, d.e, d.t, d.m, d.h, false, false);
     LAUNCH(g, elementwise_grid(etm), MK_BLOCK, mk_expert_bias, L.y, L.b2, L.yb, d.e, d.t, d.m);
     expert_out = L.yb;
@@ -593,7 +593,7 @@ static bool check_layer(Gpu &g, Ffn ffn) {
   rt_expert_matmul(disp.data(), w1.data(), h.data(), E, T, H, M, false, false);
   if (gpt) {
     rt_expert_bias(h.data(), b1.data(), hb.data(), E, T, H);
-    rt_gelu(hb.data(), act.data(), eth);
+    rt_gelu(hb.data(), act.data(), eth, H);
     rt_expert_matmul(act.data(), w2.data(), y.data(), E, T, M, H, false, false);
     rt_expert_bias(y.data(), b2.data(), yb.data(), E, T, M);
   } else {

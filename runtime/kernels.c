@@ -22,6 +22,10 @@
 #include "moert.h"
 #include "rt_internal.h"
 
+#ifdef _OPENMP
+#include <omp.h>
+#endif
+
 static int group_begin(int s, int g, int gi) { return (int)((int64_t)s * gi / g); }
 
 // ---- dense algebra ----
@@ -93,21 +97,31 @@ static bool row_zero(const float *row, int n) {
   return true;
 }
 
-// Row r of x (width nx) needs computing: not zero, and (dup) not equal to row r - 1.
-static bool row_live(const float *x, int nx, int r, bool dup) {
-  const float *row = x + (size_t)r * nx;
-  if (row_zero(row, nx)) return false;
-  return !(dup && r > 0 && memcmp(row, row - nx, (size_t)nx * sizeof *row) == 0);
+// What each slot row is (the kinds of row_kinds): zero, a copy of the row before, or live.
+enum { ROW_ZERO, ROW_DUP, ROW_LIVE };
+
+// kind[r] for rows 0..rows-1 of x (width nx), in blocks of `block` rows (an expert's):
+// ROW_ZERO, ROW_DUP (equal to row r - 1 of the same block, when dup), else ROW_LIVE; with y
+// (width ny), a row whose row of y is zero is ROW_ZERO too. Rows are independent: classified
+// in parallel.
+static void row_kinds(const float *x, int nx, bool dup, const float *y, int ny, int64_t rows, int block,
+                      unsigned char *kind) {
+  RT_PARALLEL_FOR(rows * (nx + ny) >= RT_PAR_MIN)
+  for (int64_t r = 0; r < rows; r++) {
+    const float *row = x + r * nx;
+    if (row_zero(row, nx) || (y && row_zero(y + r * ny, ny))) kind[r] = ROW_ZERO;
+    else if (dup && r % block != 0 && memcmp(row, row - nx, (size_t)nx * sizeof *row) == 0) kind[r] = ROW_DUP;
+    else kind[r] = ROW_LIVE;
+  }
 }
 
-// The segments [seg[2j], seg[2j+1]) of rows 0..rows-1 holding every live row of x (and, when y
-// is not NULL, whose row of y is not zero either); returns the number of segments (at most
-// SEG_MAX: past it the last segment runs on).
-static int live_segments(const float *x, int nx, bool dup, const float *y, int ny, int rows, int *seg) {
+// The segments [seg[2j], seg[2j+1]) of rows 0..rows-1 holding every live row (gaps shorter
+// than SEG_GAP rows merged in); returns their number (at most SEG_MAX: past it the last
+// segment runs on).
+static int live_segments(const unsigned char *kind, int rows, int *seg) {
   int count = 0, gap = 0;
   for (int r = 0; r < rows; r++) {
-    bool live = row_live(x, nx, r, dup) && (!y || !row_zero(y + (size_t)r * ny, ny));
-    if (!live) {
+    if (kind[r] != ROW_LIVE) {
       gap++;
       continue;
     }
@@ -131,34 +145,57 @@ void rt_expert_matmul(const float *a, const float *b, float *c, int e, int m, in
     return;
   }
   size_t a_size = (size_t)m * k, b_size = (size_t)k * n, c_size = (size_t)m * n;
+  int rows = ta ? k : m;   // the slot dimension
+  if (ta && tb) {   // no such expert GEMM: the whole buffers
+    for (int i = 0; i < e; i++) rt_matmul(a + i * a_size, b + i * b_size, c + i * c_size, m, n, k, ta, tb, false);
+    return;
+  }
+  unsigned char *kind = rt_alloc((size_t)e * rows, "the expert GEMMs' row kinds");
+  int *src = ta ? NULL : rt_alloc((size_t)e * rows * sizeof *src, "the expert GEMMs' row sources");
+  if (!ta) row_kinds(a, k, true, NULL, 0, (int64_t)e * rows, rows, kind);
+  else row_kinds(a, m, false, b, n, (int64_t)e * rows, rows, kind);
   int seg[2 * SEG_MAX];
   for (int i = 0; i < e; i++) {
     const float *ai = a + i * a_size, *bi = b + i * b_size;
     float *ci = c + i * c_size;
+    const unsigned char *ki = kind + (size_t)i * rows;
+    int ns = live_segments(ki, rows, seg);
     if (!ta) {   // rows of a (and c) are slots
-      int ns = live_segments(ai, k, true, NULL, 0, m, seg);
       for (int j = 0; j < ns; j++)
         rt_matmul(ai + (size_t)seg[2 * j] * k, bi, ci + (size_t)seg[2 * j] * n, seg[2 * j + 1] - seg[2 * j], n, k,
                   false, tb, false);
-      // The rows outside the segments, in order: zero, or equal to the row before (whose result
-      // is final by then).
-      for (int j = 0, r = 0; r < m; r++) {
+      // Each row outside the segments: -1 (zero) or the last computed row before it, which a
+      // copied row's chain of equal rows starts from (its first row is live, so computed).
+      int *si = src + (size_t)i * rows;
+      for (int j = 0, last = -1, r = 0; r < m; r++) {
         while (j < ns && seg[2 * j + 1] <= r) j++;
-        if (j < ns && seg[2 * j] <= r) continue;
-        float *cr = ci + (size_t)r * n;
-        if (row_zero(ai + (size_t)r * k, k)) memset(cr, 0, (size_t)n * sizeof *cr);
-        else memcpy(cr, cr - n, (size_t)n * sizeof *cr);
+        if (j < ns && seg[2 * j] <= r) {
+          si[r] = r;
+          last = r;
+        } else {
+          si[r] = ki[r] == ROW_ZERO ? -1 : last;
+        }
       }
-    } else if (!tb) {   // a [k, m], b [k, n]: the k rows of both are slots
-      int ns = live_segments(ai, m, false, bi, n, k, seg);
+    } else {   // a [k, m], b [k, n]: the k rows of both are slots
       if (ns == 0) memset(ci, 0, c_size * sizeof *ci);
       for (int j = 0; j < ns; j++)
         rt_matmul(ai + (size_t)seg[2 * j] * m, bi + (size_t)seg[2 * j] * n, ci, m, n, seg[2 * j + 1] - seg[2 * j], true,
                   false, j > 0);
-    } else {
-      rt_matmul(ai, bi, ci, m, n, k, ta, tb, false);
     }
   }
+  if (!ta) {   // fill the rows outside the segments, all experts' at once
+    int64_t all = (int64_t)e * m;
+    RT_PARALLEL_FOR(all * n >= RT_PAR_MIN)
+    for (int64_t r = 0; r < all; r++) {
+      int64_t from = src[r] < 0 ? -1 : (r / m) * m + src[r];
+      float *cr = c + r * n;
+      if (from == r) continue;
+      if (from < 0) memset(cr, 0, (size_t)n * sizeof *cr);
+      else memcpy(cr, c + from * n, (size_t)n * sizeof *cr);
+    }
+  }
+  free(kind);
+  free(src);
 }
 
 void rt_bias(const float *x, const float *b, float *y, int rows, int n) {
@@ -221,13 +258,41 @@ void rt_add(const float *a, const float *b, float *y, int64_t n) {
 #define GELU_C 0.7978845608028654f   // sqrt(2/pi)
 #define GELU_A 0.044715f
 
-void rt_gelu(const float *x, float *y, int64_t n) {
-  RT_PARALLEL_FOR(n >= RT_PAR_MIN / 8)
-  for (int64_t i = 0; i < n; i++) {
-    float v = x[i];
-    float s = 1.0f / (1.0f + expf(-2.0f * GELU_C * (v + GELU_A * v * v * v)));
-    y[i] = v * s;
+// Rows (of cols elements) equal to the row before, as an expert's empty slots are after its
+// bias (copies of b1), are copied from that row's result instead of computed again: the same
+// bits. Each thread takes a contiguous block of rows and copies only from rows of its own block,
+// which it has computed already.
+static void gelu_rows(const float *x, float *y, int64_t lo, int64_t hi, int64_t cols) {
+  for (int64_t r = lo; r < hi; r++) {
+    const float *xr = x + r * cols;
+    float *yr = y + r * cols;
+    if (r > lo && memcmp(xr, xr - cols, (size_t)cols * sizeof *xr) == 0) {
+      memcpy(yr, yr - cols, (size_t)cols * sizeof *yr);
+      continue;
+    }
+    for (int64_t i = 0; i < cols; i++) {
+      float v = xr[i];
+      float s = 1.0f / (1.0f + expf(-2.0f * GELU_C * (v + GELU_A * v * v * v)));
+      yr[i] = v * s;
+    }
   }
+}
+
+void rt_gelu(const float *x, float *y, int64_t n, int64_t cols) {
+  if (cols <= 0 || n % cols != 0) cols = n;   // no row structure: one row
+  if (n <= 0) return;
+  int64_t rows = n / cols;
+#ifdef _OPENMP
+  if (n >= RT_PAR_MIN / 8 && rows > 1) {
+#pragma omp parallel
+    {
+      int64_t t = omp_get_thread_num(), nt = omp_get_num_threads();
+      gelu_rows(x, y, rows * t / nt, rows * (t + 1) / nt, cols);
+    }
+    return;
+  }
+#endif
+  gelu_rows(x, y, 0, rows, cols);
 }
 
 // d gelu/dx = s + 2 x s (1 - s) u', u' = sqrt(2/pi) (1 + 3*0.044715 x^2) (the tanh form's

@@ -283,10 +283,11 @@ extern "C" __global__ void mk_expert_bias_grad(const float *dy, float *db, int e
 }
 
 // ---- mk_gelu ----
-// The tanh GELU as x * s, s = 1 / (1 + exp(-2u)) = 0.5 (1 + tanh(u)), as rt_gelu computes it.
+// The tanh GELU as x * s, s = 1 / (1 + exp(-2u)) = 0.5 (1 + tanh(u)), as rt_gelu computes it
+// (cols, the row width, lets the CPU kernel copy repeated rows; every element is computed here).
 #define MK_GELU_C 0.7978845608028654f
 #define MK_GELU_A 0.044715f
-extern "C" __global__ void mk_gelu(const float *x, float *y, i64 n) {
+extern "C" __global__ void mk_gelu(const float *x, float *y, i64 n, i64 cols) {
   MK_FOR(i, n) {
     float v = x[i];
     float s = 1.0f / (1.0f + expf(-2.0f * MK_GELU_C * (v + MK_GELU_A * v * v * v)));

@@ -322,9 +322,16 @@ template <class Launcher> void run_kernel_cases(Launcher &L, Checks &c) {
     rt_expert_bias(a.data(), ebias.data(), y_c.data(), 4, s / 4, m);
     LAUNCH(3, 64, mk_expert_bias, a, ebias, y_k, 4, s / 4, m);
     c.same("expert.bias", y_c, y_k);
-    rt_gelu(a.data(), y_c.data(), n);
-    LAUNCH(3, 64, mk_gelu, a, y_k, n);
+    rt_gelu(a.data(), y_c.data(), n, m);
+    LAUNCH(3, 64, mk_gelu, a, y_k, n, (int64_t)m);
     c.same("act.gelu", y_c, y_k);
+    {  // repeated rows (an expert's empty slots after bias): rt_gelu copies them, mk_gelu computes
+      auto rep = a;
+      for (int r = 2; r < s; r += 3) std::copy(rep.begin() + (size_t)(r - 1) * m, rep.begin() + (size_t)r * m, rep.begin() + (size_t)r * m);
+      rt_gelu(rep.data(), y_c.data(), n, m);
+      LAUNCH(3, 64, mk_gelu, rep, y_k, n, (int64_t)m);
+      c.same("act.gelu (repeated rows)", y_c, y_k);
+    }
     rt_gelu_grad(b.data(), a.data(), y_c.data(), n);
     LAUNCH(3, 64, mk_gelu_grad, b, a, y_k, n);
     c.same("act.gelu.grad", y_c, y_k);

@@ -213,7 +213,7 @@ static double act_obj(void *p) {
   if (c->relu)
     rt_relu(c->x, c->y, c->n);
   else
-    rt_gelu(c->x, c->y, c->n);
+    rt_gelu(c->x, c->y, c->n, c->n);
   return dot(c->w, c->y, c->n);
 }
 
@@ -480,7 +480,7 @@ static void test_bias_grad_wide(void **state) {
 
 static void test_activation_values(void **state) {
   float x[4] = {0.0f, 1.0f, -1.0f, 2.5f}, y[4];
-  rt_gelu(x, y, 4);
+  rt_gelu(x, y, 4, 4);
   assert_true(y[0] == 0.0f);
   assert_float_equal(y[1], 0.84119199060827676, 1e-6);   // tanh form, from Python's math
   assert_float_equal(y[2], -0.15880800939172324, 1e-6);

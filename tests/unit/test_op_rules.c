@@ -63,16 +63,16 @@ static void test_malformed_rules_are_rejected(void **state) {
   expect_bad(pass_grad_rule_check("dy", 2, true, why, sizeof why), why, "1 rules for 2 operands");
   expect_bad(pass_grad_rule_check("act.gelu.grad(dy, x1)", 1, true, why, sizeof why), why, "names an operand");
   expect_bad(cg_lower_rule_check("nokernel(x0) : one", 1, true, why, sizeof why), why, "no such kernel");
-  expect_bad(cg_lower_rule_check("gelu(x0, y) : threads n", 1, true, why, sizeof why), why, "fewer arguments");
-  expect_bad(cg_lower_rule_check("gelu(x0, y, n, n) : threads n", 1, true, why, sizeof why), why, "more arguments");
-  expect_bad(cg_lower_rule_check("gelu(x1, y, n) : threads n", 1, true, why, sizeof why), why, "no such operand");
-  expect_bad(cg_lower_rule_check("gelu(x0, y, n)", 1, true, why, sizeof why), why, "': grid' is expected");
-  expect_bad(cg_lower_rule_check("gelu(x0, y, n) : warps n", 1, true, why, sizeof why), why, "threads, blocks or one");
-  expect_bad(cg_lower_rule_check("gelu(x0, grid, n) : one", 1, true, why, sizeof why), why, "a pointer");
+  expect_bad(cg_lower_rule_check("relu(x0, y) : threads n", 1, true, why, sizeof why), why, "fewer arguments");
+  expect_bad(cg_lower_rule_check("relu(x0, y, n, n) : threads n", 1, true, why, sizeof why), why, "more arguments");
+  expect_bad(cg_lower_rule_check("relu(x1, y, n) : threads n", 1, true, why, sizeof why), why, "no such operand");
+  expect_bad(cg_lower_rule_check("relu(x0, y, n)", 1, true, why, sizeof why), why, "': grid' is expected");
+  expect_bad(cg_lower_rule_check("relu(x0, y, n) : warps n", 1, true, why, sizeof why), why, "threads, blocks or one");
+  expect_bad(cg_lower_rule_check("relu(x0, grid, n) : one", 1, true, why, sizeof why), why, "a pointer");
   expect_bad(cg_lower_rule_check("lib blas", 1, true, why, sizeof why), why, "lib gemm");
   expect_bad(cg_lower_rule_check("sgd(x0, grad, n, @lr, @weight_decay) : one", 1, false, why, sizeof why), why,
              "no such operand");   // opt.sgd has no result: no n
-  expect_bad(cg_lower_rule_check("gelu(x0, y, y.7) : one", 1, true, why, sizeof why), why, "a dimension");
+  expect_bad(cg_lower_rule_check("relu(x0, y, y.7) : one", 1, true, why, sizeof why), why, "a dimension");
   expect_bad(cg_lower_rule_check("iota(y, y.0, y.1) : one", 1, false, why, sizeof why), why, "no such operand");
   expect_bad(cg_lower_rule_check("record_stats(x0, y, n0) : one", 1, true, why, sizeof why), why, "CUDA-only");
 }
