@@ -38,7 +38,10 @@ $(CONFIG): FORCE
 FORCE:
 
 INCLUDES     := -I. -Iir -Ifrontend -Iruntime -I$(BUILD)/gen
-RT_CFLAGS    := $(BLAS_CFLAGS) $(OMP_CFLAGS) $(CJSON_CFLAGS) $(MPI_CFLAGS)
+# The runtime's kernels: math functions never set errno (nothing reads it) and floating-point
+# operations never trap, so sqrtf and compare-and-select loops vectorise; results are the same bits
+# (no -ffast-math: no reassociation, no contraction, -std=c11 keeps -ffp-contract=off).
+RT_CFLAGS    := $(BLAS_CFLAGS) $(OMP_CFLAGS) $(CJSON_CFLAGS) $(MPI_CFLAGS) -fno-math-errno -fno-trapping-math
 
 # codegen/nvrtc.c needs the CUDA toolkit: it is built by the CUDA rules below, never here; the
 # CUDA target's struct (codegen/target_cuda.c), which calls it, is linked into moec only.
