@@ -7,8 +7,10 @@
 #          bench/torch_ref.py --device cpu --shapes gpt:4x512x512x2 (the same layer's forward +
 #          backward by autograd, median of its runs; its expert GEMMs alone); the two run in turn
 #          three times each and the medians are compared (this machine's speed drifts).
-#   lm     lang/models/gpt_moe_bytes.moe (the demo's GPT-MoE): moec's step and GEMM share (no
-#          PyTorch twin of the language model yet).
+#   t4     Table 4 shapes (DESIGN §6): the smallest as it is, two larger with L cut to 512, gpt and
+#          mixtral experts, moec beside torch_ref (one run each).
+#   lm     lang/models/gpt_moe_bytes.moe (the demo's GPT-MoE): moec's step and GEMM share beside
+#          bench/torch_lm.py, the same model's whole training step in PyTorch (with its update).
 #   dropless  bench/models/layer_dropless.moe (the layer with 4 experts and `capacity *`: each
 #          expert's worst-case buffer about half empty): the expert GEMMs and GELU gradient over
 #          the filled slots (the default) beside the same binary computing every slot
@@ -73,8 +75,63 @@ if read -r ms gemm < <(sort -n "$WORK/layer.ms" | sed -n 2p) && [ -n "${gemm:-}"
 else
   echo "layer: moec failed"; status=1
 fi
+# Table 4 shapes (DESIGN §6) on the CPU: its smallest, (B 1, L 512, M 1024, hscale 2), as it is,
+# and two larger ones with L cut to 512 (scaled down to fit this machine's time), each with both
+# ffns, 8 experts, gshard top-2, capacity 1.2 (f = 2.4), tutel: moec's step beside torch_ref's
+# forward + backward of the same layer, one run each.
+table4_model() {   # NAME FFN B L M HSCALE -> $WORK/NAME.moe
+  local ffn_body
+  if [ "$2" = gpt ]; then ffn_body="ffn gpt { hidden $(($5 * $6)); act gelu; bias true; }"
+  else ffn_body="ffn mixtral { hidden $(($5 * $6)); }"; fi
+  cat >"$WORK/$1.moe" <<MOE
+model $1 {
+  dtype fp32; batch $3; seqlen $4; embed $5; seed 1;
+  optimizer adamw { lr 0.001; }
+}
+layer block {
+  moe {
+    experts 8 { $ffn_body }
+    gate gshard { k 2; capacity 1.2; aux_loss 0.01; }
+    order tutel;
+  }
+}
+MOE
+}
+for shape in 1x512x1024x2 2x512x1024x4 1x512x2048x3; do
+  for ffn in gpt mixtral; do
+    IFS=x read -r b l m h <<<"$shape"
+    name=t4_${ffn}_${b}_${l}_${m}_${h}
+    table4_model "$name" "$ffn" "$b" "$l" "$m" "$h"
+    if ! read -r ms gemm < <(moec_step "$name" "$WORK/$name.moe") || [ -z "${gemm:-}" ]; then
+      echo "table4 $ffn:$shape: moec failed"; status=1; continue
+    fi
+    tms="-" tgemm="-" ratio="-"
+    if [ -z "$TORCH" ]; then
+      tms="no torch"
+    elif "$TORCH" bench/torch_ref.py --device cpu --runs 5 --shapes "$ffn:$shape" >"$WORK/torch.out" 2>&1 &&
+         read -r tms tgemm < <(awk -v f="$ffn" -v s="$shape" '$1 == f && $2 == s {print $5, $6}' "$WORK/torch.out") &&
+         [ -n "${tgemm:-}" ]; then
+      ratio=$(awk -v a="$ms" -v b="$tms" 'BEGIN {printf "%.2f", a / b}')
+    else
+      tms="failed"; status=1; tail -n 5 "$WORK/torch.out" | sed 's/^/# torch_ref: /'
+    fi
+    printf '%-10s %-26s %12.1f %8.1f %14s %12s %14s\n' "t4 $ffn" "B$b L$l M$m H$((m * h)) E8 k2" "$ms" "$gemm" "$tms" "$tgemm" "$ratio"
+  done
+done
+# The language model: moec's whole step beside bench/torch_lm.py's (the same model in PyTorch:
+# forward, backward, clip, AdamW), medians of their steps; the torch GEMM column is not measured
+# there ("-").
 if read -r ms gemm < <(moec_step lm lang/models/gpt_moe_bytes.moe) && [ -n "${gemm:-}" ]; then
-  printf '%-10s %-26s %12.1f %8.1f %14s %12s %14s\n' lm "gpt_moe_bytes B8 L64 M96" "$ms" "$gemm" "-" "-" "-"
+  tms="-" ratio="-"
+  if [ -z "$TORCH" ]; then
+    tms="no torch"
+  elif "$TORCH" bench/torch_lm.py >"$WORK/torch_lm.out" 2>&1 &&
+       read -r tms < <(awk '$1 == "lm" {print $3}' "$WORK/torch_lm.out") && [ -n "${tms:-}" ]; then
+    ratio=$(awk -v a="$ms" -v b="$tms" 'BEGIN {printf "%.2f", a / b}')
+  else
+    tms="failed"; status=1; tail -n 5 "$WORK/torch_lm.out" | sed 's/^/# torch_lm: /'
+  fi
+  printf '%-10s %-26s %12.1f %8.1f %14s %12s %14s\n' lm "gpt_moe_bytes B8 L64 M96" "$ms" "$gemm" "$tms" "-" "$ratio"
 else
   echo "lm: moec failed"; status=1
 fi

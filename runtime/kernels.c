@@ -203,6 +203,7 @@ void rt_bias(const float *x, const float *b, float *y, int rows, int n) {
   for (int r = 0; r < rows; r++) {
     const float *xr = x + (size_t)r * n;
     float *yr = y + (size_t)r * n;
+    RT_SIMD
     for (int i = 0; i < n; i++)
       yr[i] = xr[i] + b[i];
   }
@@ -221,6 +222,7 @@ void rt_bias_grad(const float *dy, float *db, int rows, int n) {
       acc[i] = 0.0;
     for (int r = 0; r < rows; r++) {
       const float *dr = dy + (size_t)r * n + c0;
+      RT_SIMD
       for (int i = 0; i < width; i++)
         acc[i] += dr[i];
     }
@@ -234,6 +236,7 @@ void rt_expert_bias(const float *x, const float *b, float *y, int e, int rows, i
   for (int64_t r = 0; r < (int64_t)e * rows; r++) {   // row r of expert r / rows
     const float *xr = x + r * n, *br = b + (r / rows) * n;
     float *yr = y + r * n;
+    RT_SIMD
     for (int i = 0; i < n; i++)
       yr[i] = xr[i] + br[i];
   }
@@ -252,17 +255,18 @@ void rt_add(const float *a, const float *b, float *y, int64_t n) {
 }
 
 // gelu(x) = 0.5 x (1 + tanh(u)), u = sqrt(2/pi) (x + 0.044715 x^3), computed as the same function
-// x * s with s = 0.5 (1 + tanh(u)) = 1 / (1 + exp(-2u)): one expf instead of tanhf (which glibc
-// computes through expm1f, three times slower), and no cancellation in 1 + tanh(u) where u is
-// very negative. exp(-2u) = inf gives s = 0, never a NaN.
-#define GELU_C 0.7978845608028654f   // sqrt(2/pi)
+// x * s with s = 0.5 (1 + tanh(u)) = 1 / (1 + exp(-2u)) with rt_exp (vectorised; no cancellation
+// in 1 + tanh(u) where u is very negative).
+#define GELU_C 0.7978845608028654f
 #define GELU_A 0.044715f
+
+static inline float gelu_s(float v) { return 1.0f / (1.0f + rt_exp(-2.0f * GELU_C * (v + GELU_A * v * v * v))); }
 
 // Rows (of cols elements) equal to the row before, as an expert's empty slots are after its
 // bias (copies of b1), are copied from that row's result instead of computed again: the same
 // bits. Each thread takes a contiguous block of rows and copies only from rows of its own block,
 // which it has computed already.
-static void gelu_rows(const float *x, float *y, int64_t lo, int64_t hi, int64_t cols) {
+RT_VECTOR_CLONES static void gelu_rows(const float *x, float *y, int64_t lo, int64_t hi, int64_t cols) {
   for (int64_t r = lo; r < hi; r++) {
     const float *xr = x + r * cols;
     float *yr = y + r * cols;
@@ -270,11 +274,9 @@ static void gelu_rows(const float *x, float *y, int64_t lo, int64_t hi, int64_t 
       memcpy(yr, yr - cols, (size_t)cols * sizeof *yr);
       continue;
     }
-    for (int64_t i = 0; i < cols; i++) {
-      float v = xr[i];
-      float s = 1.0f / (1.0f + expf(-2.0f * GELU_C * (v + GELU_A * v * v * v)));
-      yr[i] = v * s;
-    }
+RT_SIMD
+    for (int64_t i = 0; i < cols; i++)
+      yr[i] = xr[i] * gelu_s(xr[i]);
   }
 }
 
@@ -297,21 +299,32 @@ void rt_gelu(const float *x, float *y, int64_t n, int64_t cols) {
 
 // d gelu/dx = s + 2 x s (1 - s) u', u' = sqrt(2/pi) (1 + 3*0.044715 x^2) (the tanh form's
 // 0.5 (1 + t) + 0.5 x (1 - t^2) u' with t = 2s - 1). Where dy is zero (an expert's empty slots)
-// dx is +0 without the exp (the product's sign of zero is not kept: nothing downstream, sums and
-// GEMMs starting from +0, can tell).
+// dx is +0 (the product's sign of zero is not kept: nothing downstream, sums and GEMMs starting
+// from +0, can tell).
+RT_VECTOR_CLONES static void gelu_grad_range(const float *dy, const float *x, float *dx, int64_t lo, int64_t hi,
+                                             bool skip) {
+RT_SIMD
+  for (int64_t i = lo; i < hi; i++) {
+    float v = x[i], s = gelu_s(v);
+    float du = GELU_C * (1.0f + 3.0f * GELU_A * v * v);
+    float g = dy[i] * (s + 2.0f * v * s * (1.0f - s) * du);
+    dx[i] = skip && dy[i] == 0.0f ? 0.0f : g;
+  }
+}
+
 void rt_gelu_grad(const float *dy, const float *x, float *dx, int64_t n) {
   bool skip = !all_slots();
-  RT_PARALLEL_FOR(n >= RT_PAR_MIN / 8)
-  for (int64_t i = 0; i < n; i++) {
-    if (dy[i] == 0.0f && skip) {
-      dx[i] = 0.0f;
-      continue;
+#ifdef _OPENMP
+  if (n >= RT_PAR_MIN / 8) {
+#pragma omp parallel
+    {
+      int64_t t = omp_get_thread_num(), nt = omp_get_num_threads();
+      gelu_grad_range(dy, x, dx, n * t / nt, n * (t + 1) / nt, skip);
     }
-    float v = x[i];
-    float s = 1.0f / (1.0f + expf(-2.0f * GELU_C * (v + GELU_A * v * v * v)));
-    float du = GELU_C * (1.0f + 3.0f * GELU_A * v * v);
-    dx[i] = dy[i] * (s + 2.0f * v * s * (1.0f - s) * du);
+    return;
   }
+#endif
+  gelu_grad_range(dy, x, dx, 0, n, skip);
 }
 
 void rt_relu(const float *x, float *y, int64_t n) {
@@ -653,6 +666,8 @@ void rt_z_loss_grad(const float *logits, float *dlogits, int s, int e, int g, fl
 }
 
 // ---- order: encode (dispatch by location) and decode (gated combine) ----
+// Threads split a group's tokens: every token writes its own row (encode_grad, decode) or its own
+// slots (encode, decode_grad_y) and its own gate gradients, in the one-thread order.
 
 // Offset (in floats) of the dispatch row of kept choice c, a choice of a token in group gi:
 // row gi*cap + loc of expert idx[c] in [e, g*cap, m].
@@ -668,7 +683,9 @@ void rt_order_encode(const float *x, const int32_t *idx, const int32_t *loc, flo
   if (g < 1)
     g = 1;
   for (int gi = 0; gi < g; gi++) {
-    for (int t = group_begin(s, g, gi); t < group_begin(s, g, gi + 1); t++) {
+    int t0 = group_begin(s, g, gi), t1 = group_begin(s, g, gi + 1);
+    RT_PARALLEL_FOR((int64_t)(t1 - t0) * k * m >= RT_PAR_MIN)
+    for (int t = t0; t < t1; t++) {
       for (int j = 0; j < k; j++) {
         size_t c = (size_t)t * k + j;
         if (!kept(loc, c, cap))
@@ -686,13 +703,16 @@ void rt_order_encode_grad(const float *ddisp, const int32_t *idx, const int32_t 
     g = 1;
   memset(dx, 0, (size_t)s * m * sizeof *dx);
   for (int gi = 0; gi < g; gi++) {
-    for (int t = group_begin(s, g, gi); t < group_begin(s, g, gi + 1); t++) {
+    int t0 = group_begin(s, g, gi), t1 = group_begin(s, g, gi + 1);
+    RT_PARALLEL_FOR((int64_t)(t1 - t0) * k * m >= RT_PAR_MIN)
+    for (int t = t0; t < t1; t++) {
       float *dr = dx + (size_t)t * m;
       for (int j = 0; j < k; j++) {
         size_t c = (size_t)t * k + j;
         if (!kept(loc, c, cap))
           continue;
         const float *src = ddisp + slot_offset(idx, loc, c, gi, cap, g, m);
+        RT_SIMD
         for (int i = 0; i < m; i++)
           dr[i] += src[i];
       }
@@ -706,7 +726,9 @@ void rt_order_decode(const float *y, const int32_t *idx, const int32_t *loc, con
     g = 1;
   memset(out, 0, (size_t)s * m * sizeof *out);
   for (int gi = 0; gi < g; gi++) {
-    for (int t = group_begin(s, g, gi); t < group_begin(s, g, gi + 1); t++) {
+    int t0 = group_begin(s, g, gi), t1 = group_begin(s, g, gi + 1);
+    RT_PARALLEL_FOR((int64_t)(t1 - t0) * k * m >= RT_PAR_MIN)
+    for (int t = t0; t < t1; t++) {
       float *dst = out + (size_t)t * m;
       for (int j = 0; j < k; j++) {
         size_t c = (size_t)t * k + j;
@@ -714,6 +736,7 @@ void rt_order_decode(const float *y, const int32_t *idx, const int32_t *loc, con
           continue;
         const float *src = y + slot_offset(idx, loc, c, gi, cap, g, m);
         float w = gates[c];
+        RT_SIMD
         for (int i = 0; i < m; i++)
           dst[i] += w * src[i];
       }
@@ -727,7 +750,9 @@ void rt_order_decode_grad_y(const float *dout, const int32_t *idx, const int32_t
   if (g < 1)
     g = 1;
   for (int gi = 0; gi < g; gi++) {
-    for (int t = group_begin(s, g, gi); t < group_begin(s, g, gi + 1); t++) {
+    int t0 = group_begin(s, g, gi), t1 = group_begin(s, g, gi + 1);
+    RT_PARALLEL_FOR((int64_t)(t1 - t0) * k * m >= RT_PAR_MIN)
+    for (int t = t0; t < t1; t++) {
       const float *dr = dout + (size_t)t * m;
       for (int j = 0; j < k; j++) {
         size_t c = (size_t)t * k + j;
@@ -735,6 +760,7 @@ void rt_order_decode_grad_y(const float *dout, const int32_t *idx, const int32_t
           continue;
         float *dst = dy + slot_offset(idx, loc, c, gi, cap, g, m);
         float w = gates[c];
+        RT_SIMD
         for (int i = 0; i < m; i++)
           dst[i] += w * dr[i];
       }
@@ -748,7 +774,9 @@ void rt_order_decode_grad_gates(const float *dout, const float *y, const int32_t
   if (g < 1)
     g = 1;
   for (int gi = 0; gi < g; gi++) {
-    for (int t = group_begin(s, g, gi); t < group_begin(s, g, gi + 1); t++) {
+    int t0 = group_begin(s, g, gi), t1 = group_begin(s, g, gi + 1);
+    RT_PARALLEL_FOR((int64_t)(t1 - t0) * k * m >= RT_PAR_MIN)
+    for (int t = t0; t < t1; t++) {
       const float *dr = dout + (size_t)t * m;
       for (int j = 0; j < k; j++) {
         size_t c = (size_t)t * k + j;

@@ -29,12 +29,15 @@ typedef struct RtStreams RtStreams;
 //   rt_mix(z): splitmix64's finaliser applied to z + 0x9e3779b97f4a7c15.
 //   rt_key(a, b) = rt_mix(a ^ rt_mix(b)).
 //   rt_uniform(h) = ((h >> 40) + 0.5) / 2^24, in (0, 1).
-//   rt_normal(key, i) = sqrt(-2 ln u1) * cos(2 pi u2), u1 = rt_uniform(rt_key(key, 2i)),
-//                       u2 = rt_uniform(rt_key(key, 2i+1)), computed in double.
+//   rt_normal(key, i): element i & 1 of pair i >> 1, the two N(0, 1) floats Box-Muller makes
+//                       of 23 + 24 bits of rt_mix(key + (i >> 1) * 0x9e3779b97f4a7c15), in
+//                       float arithmetic of +, -, *, /, sqrt (runtime/rng.c says how, step by step).
+//   rt_normal_fill(key, first, n, out): out[k] = rt_normal(key, first + k), threaded, vectorised.
 uint64_t rt_mix(uint64_t z);
 uint64_t rt_key(uint64_t a, uint64_t b);
 double rt_uniform(uint64_t h);
 double rt_normal(uint64_t key, uint64_t i);
+void rt_normal_fill(uint64_t key, uint64_t first, int64_t n, float *out);
 // Stream keys: rt_key(rt_key(seed, RT_STREAM_*), extra...)
 // RT_STREAM_DATA: a language model's token windows, rt_key(rt_key(rt_key(seed, DATA), step), g)
 // for global sample g (runtime/data.c).

@@ -11,6 +11,7 @@
 #include <stddef.h>
 #include <stdint.h>
 #include <stdio.h>
+#include <string.h>
 
 #include "moert.h"   // RtGroup, RtStep, rt_fail
 
@@ -297,10 +298,50 @@ void rt_print_tokens(FILE *out, const RtModel *m, const int32_t *tokens, int64_t
 #define RT_PRAGMA(x) _Pragma(#x)
 #define RT_PARALLEL_FOR(cond) RT_PRAGMA(omp parallel for schedule(static) if (cond))
 #define RT_PARALLEL_FOR_SIMD(cond) RT_PRAGMA(omp parallel for simd schedule(static) if (cond))
+#define RT_SIMD RT_PRAGMA(omp simd)   // the next loop vectorises (same rules as _SIMD above)
 #else
 #define RT_PARALLEL_FOR(cond)
 #define RT_PARALLEL_FOR_SIMD(cond)
+#define RT_SIMD
 #endif
+// RT_VECTOR_CLONES before a function of vectorisable loops compiles it twice on x86-64, for AVX2
+// and for the baseline, and picks one when the program loads (GCC's target_clones): twice the
+// lanes where the CPU has them. AVX2 without FMA, and C11 contracts nothing, so both versions
+// compute the same bits.
+#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__) && !defined(__SANITIZE_ADDRESS__)
+#define RT_VECTOR_CLONES __attribute__((target_clones("avx2", "default")))
+#else
+#define RT_VECTOR_CLONES
+#endif
+
+// exp(x) for the kernels' activations, from +, -, * and the exponent's bits, so that loops of it
+// vectorise: x = n ln2 + r (n rounded by the 1.5 * 2^23 trick, ln2 in two parts), e^r by its
+// Taylor polynomial of degree 7 (|r| <= 0.35), times 2^n built from its bits. Within 1.3 ulp of
+// exp over [-87, 88]; x below -87 gives exp(-87), above 88 exp(88) (never inf, never a
+// subnormal scale); NaN stays NaN. mk_exp in codegen/cuda/kernels.cu is the same sequence of
+// float operations: the CUDA kernels (NVRTC with --fmad=false) compute the same bits.
+static inline float rt_exp(float x) {
+  x = x < -87.0f ? -87.0f : x;
+  x = x > 88.0f ? 88.0f : x;
+  float t = x * 1.44269504f + 12582912.0f;
+  float n = t - 12582912.0f;
+  float r = (x - n * 0.693145751953125f) - n * 1.42860682e-6f;
+  float p = 1.98412698e-4f;               // 1/7!
+  p = p * r + 1.38888889e-3f;             // 1/6!
+  p = p * r + 8.33333333e-3f;             // 1/5!
+  p = p * r + 4.16666667e-2f;             // 1/4!
+  p = p * r + 1.66666667e-1f;             // 1/3!
+  p = p * r + 0.5f;
+  p = p * r + 1.0f;
+  p = p * r + 1.0f;
+  uint32_t bits;
+  memcpy(&bits, &t, sizeof bits);
+  bits = (bits - 0x4B400000u + 127u) << 23;   // 2^n
+  float scale;
+  memcpy(&scale, &bits, sizeof scale);
+  return p * scale;
+}
+
 enum { RT_PAR_MIN = 16384 };   // elements of cheap elementwise work worth a parallel region
 // Sets the pool's size once at start: OMP_NUM_THREADS when set, else the cores this process may
 // run on divided among the ranks on this node (ranks_on_node), at least 1. Returns the size.

@@ -85,17 +85,20 @@ void rt_shard_init(const RtParam *p, const RtRanks *r, uint64_t seed, float *w) 
   uint64_t key = rt_key(rt_key(seed, RT_STREAM_INIT), rt_hash_name(p->name));
   int64_t off[4];
   rt_shard_offsets(p, r, off);
-  RT_PARALLEL_FOR(p->numel >= RT_PAR_MIN / 8)
-  for (int64_t j = 0; j < p->numel; j++) {
-    switch (p->init) {
-    case RT_INIT_ZEROS: w[j] = 0.0f; break;
-    case RT_INIT_ONES: w[j] = 1.0f; break;
-    case RT_INIT_CONST: w[j] = p->std; break;
-    case RT_INIT_NORMAL:
-      w[j] = (float)(p->std * rt_normal(key, (uint64_t)rt_shard_global_index(p, off, j)));
-      break;
-    }
+  if (p->init == RT_INIT_NORMAL) {
+    // Each row of the shard (its last dimension) is a run of consecutive global indices.
+    int64_t last = p->rank > 0 ? p->dims[p->rank - 1] : 1, rows = last > 0 ? p->numel / last : 0;
+    RT_PARALLEL_FOR(rows > 1 && p->numel >= RT_PAR_MIN / 8)
+    for (int64_t row = 0; row < rows; row++)
+      rt_normal_fill(key, (uint64_t)rt_shard_global_index(p, off, row * last), last, w + row * last);
+    RT_PARALLEL_FOR_SIMD(p->numel >= RT_PAR_MIN)
+    for (int64_t j = 0; j < p->numel; j++)
+      w[j] = (float)(p->std * (double)w[j]);   // std * rt_normal(key, global index), rounded once
+    return;
   }
+  RT_PARALLEL_FOR(p->numel >= RT_PAR_MIN / 8)
+  for (int64_t j = 0; j < p->numel; j++)
+    w[j] = p->init == RT_INIT_ZEROS ? 0.0f : p->init == RT_INIT_ONES ? 1.0f : p->std;
 }
 
 // Row-major strides of a box.

@@ -111,11 +111,27 @@ __device__ u64 mk_mix(u64 z) {
   return z ^ (z >> 31);
 }
 __device__ u64 mk_key(u64 a, u64 b) { return mk_mix(a ^ mk_mix(b)); }
-__device__ double mk_uniform(u64 h) { return ((double)(h >> 40) + 0.5) / 16777216.0; }
+// runtime/rng.c's normal_pair, the same float operations in the same order (--fmad=false).
 __device__ double mk_normal(u64 key, u64 i) {
-  double u1 = mk_uniform(mk_key(key, 2 * i));
-  double u2 = mk_uniform(mk_key(key, 2 * i + 1));
-  return sqrt(-2.0 * log(u1)) * cos(2.0 * 3.14159265358979323846 * u2);
+  u64 h = mk_mix(key + (i >> 1) * 0x9e3779b97f4a7c15ULL);
+  float x = (float)(int)(h >> 41) + 0.5f;
+  u32 xb = __float_as_uint(x);
+  int e = (int)(xb >> 23) - 127;
+  float f = __uint_as_float((xb & 0x007fffffu) | 0x3f800000u);
+  bool big = f > 1.41421356f;
+  f = big ? 0.5f * f : f;
+  e = big ? e + 1 : e;
+  float s = (f - 1.0f) / (f + 1.0f), s2 = s * s;
+  float lf = 2.0f * s * (1.0f + s2 * (0.333333343f + s2 * (0.2f + s2 * (0.142857149f + s2 * 0.111111112f))));
+  float ln_u1 = (float)(e - 23) * 0.693147182f + lf;
+  float r = sqrtf(-2.0f * ln_u1);
+  u32 b = (u32)(h >> 17) & 0xffffffu, q = b >> 22;
+  float psi = (((float)(b & 0x3fffffu) + 0.5f) * 2.38418579e-7f - 0.5f) * 1.57079633f, p2 = psi * psi;
+  float c = 1.0f + p2 * (-0.5f + p2 * (4.16666679e-2f + p2 * (-1.38888892e-3f + p2 * 2.48015876e-5f)));
+  float sn = psi * (1.0f + p2 * (-0.166666672f + p2 * (8.33333377e-3f + p2 * (-1.98412701e-4f + p2 * 2.75573188e-6f))));
+  float cq = q == 0 ? c : q == 1 ? -sn : q == 2 ? -c : sn;
+  float sq = q == 0 ? sn : q == 1 ? c : q == 2 ? -sn : -c;
+  return (i & 1) ? r * sq : r * cq;
 }
 
 // ---- 16-bit formats on the bits, as runtime/hooks.c: round to nearest, ties to even ----
@@ -152,6 +168,30 @@ __device__ u16 mk_bf16_from_float(float f) {
   return (u16)((u + 0x7fff + ((u >> 16) & 1)) >> 16);
 }
 __device__ float mk_float_from_bf16(u16 q) { return __uint_as_float((u32)q << 16); }
+
+// exp from +, -, * and the exponent's bits: rt_exp (runtime/rt_internal.h), the same float
+// operations in the same order, so with --fmad=false these kernels compute its bits.
+__device__ float mk_exp(float x) {
+  x = x < -87.0f ? -87.0f : x;
+  x = x > 88.0f ? 88.0f : x;
+  float t = x * 1.44269504f + 12582912.0f;
+  float n = t - 12582912.0f;
+  float r = (x - n * 0.693145751953125f) - n * 1.42860682e-6f;
+  float p = 1.98412698e-4f;
+  p = p * r + 1.38888889e-3f;
+  p = p * r + 8.33333333e-3f;
+  p = p * r + 4.16666667e-2f;
+  p = p * r + 1.66666667e-1f;
+  p = p * r + 0.5f;
+  p = p * r + 1.0f;
+  p = p * r + 1.0f;
+  return p * __uint_as_float((__float_as_uint(t) - 0x4B400000u + 127u) << 23);
+}
+
+// GELU's s = 1 / (1 + exp(-2u)), u = sqrt(2/pi) (x + 0.044715 x^3), as runtime/kernels.c.
+#define MK_GELU_C 0.7978845608028654f
+#define MK_GELU_A 0.044715f
+__device__ float mk_gelu_s(float v) { return 1.0f / (1.0f + mk_exp(-2.0f * MK_GELU_C * (v + MK_GELU_A * v * v * v))); }
 
 // ---- per-row gate functions (the separate kernels and the fused gate kernels share them) ----
 __device__ float mk_sigmoid1(float v) {
@@ -285,13 +325,10 @@ extern "C" __global__ void mk_expert_bias_grad(const float *dy, float *db, int e
 // ---- mk_gelu ----
 // The tanh GELU as x * s, s = 1 / (1 + exp(-2u)) = 0.5 (1 + tanh(u)), as rt_gelu computes it
 // (cols, the row width, lets the CPU kernel copy repeated rows; every element is computed here).
-#define MK_GELU_C 0.7978845608028654f
-#define MK_GELU_A 0.044715f
 extern "C" __global__ void mk_gelu(const float *x, float *y, i64 n, i64 cols) {
   MK_FOR(i, n) {
     float v = x[i];
-    float s = 1.0f / (1.0f + expf(-2.0f * MK_GELU_C * (v + MK_GELU_A * v * v * v)));
-    y[i] = v * s;
+    y[i] = v * mk_gelu_s(v);
   }
 }
 
@@ -303,8 +340,7 @@ extern "C" __global__ void mk_gelu_grad(const float *dy, const float *x, float *
       dx[i] = 0.0f;
       continue;
     }
-    float v = x[i];
-    float s = 1.0f / (1.0f + expf(-2.0f * MK_GELU_C * (v + MK_GELU_A * v * v * v)));
+    float v = x[i], s = mk_gelu_s(v);
     float du = MK_GELU_C * (1.0f + 3.0f * MK_GELU_A * v * v);
     dx[i] = dy[i] * (s + 2.0f * v * s * (1.0f - s) * du);
   }

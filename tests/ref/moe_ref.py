@@ -70,9 +70,7 @@ def rt_uniform(h):
 
 
 def rt_normal(key, i):
-    u1 = rt_uniform(rt_key(key, 2 * i))
-    u2 = rt_uniform(rt_key(key, 2 * i + 1))
-    return math.sqrt(-2.0 * math.log(u1)) * math.cos(2.0 * math.pi * u2)
+    return float(rt_normal_np(key, np.array([i]))[0])
 
 
 def rt_hash_name(s):
@@ -90,19 +88,38 @@ def _mix_np(z):
         return z ^ (z >> np.uint64(31))
 
 
+_F = np.float32
+
+
 def rt_normal_np(key, idx):
-    """rt_normal(key, i) for every i of the int array idx, vectorised (uint64 wraparound)."""
+    """rt_normal(key, i) for every i of the int array idx (runtime/rng.c's normal_pair, float32
+    step by step: numpy's float32 +, -, *, /, sqrt round as C's), as float64 values."""
     i = np.asarray(idx, dtype=np.uint64)
     k = np.uint64(key & MASK64)
     with np.errstate(over="ignore"):
-        h1 = _mix_np(k ^ _mix_np(np.uint64(2) * i))
-        h2 = _mix_np(k ^ _mix_np(np.uint64(2) * i + np.uint64(1)))
-    u1 = ((h1 >> np.uint64(40)).astype(np.float64) + 0.5) / 16777216.0
-    u2 = ((h2 >> np.uint64(40)).astype(np.float64) + 0.5) / 16777216.0
-    # libm's log/cos through math (numpy's SIMD versions can differ from C's by an ulp)
-    out = [math.sqrt(-2.0 * math.log(a)) * math.cos(2.0 * math.pi * b)
-           for a, b in zip(u1.ravel().tolist(), u2.ravel().tolist())]
-    return np.array(out, dtype=np.float64).reshape(u1.shape)
+        h = _mix_np(k + (i >> np.uint64(1)) * np.uint64(0x9E3779B97F4A7C15))
+    x = (h >> np.uint64(41)).astype(np.int32).astype(_F) + _F(0.5)
+    xb = x.view(np.uint32)
+    e = (xb >> np.uint32(23)).astype(np.int32) - 127
+    f = ((xb & np.uint32(0x007FFFFF)) | np.uint32(0x3F800000)).view(_F)
+    big = f > _F(1.41421356)
+    f = np.where(big, _F(0.5) * f, f)
+    e = np.where(big, e + 1, e)
+    s = (f - _F(1.0)) / (f + _F(1.0))
+    s2 = s * s
+    lf = _F(2.0) * s * (_F(1.0) + s2 * (_F(0.333333343) + s2 * (_F(0.2) + s2 * (_F(0.142857149) + s2 * _F(0.111111112)))))
+    ln_u1 = (e - 23).astype(_F) * _F(0.693147182) + lf
+    r = np.sqrt(_F(-2.0) * ln_u1)
+    b = (h >> np.uint64(17)).astype(np.uint32) & np.uint32(0xFFFFFF)
+    q = b >> np.uint32(22)
+    psi = (((b & np.uint32(0x3FFFFF)).astype(_F) + _F(0.5)) * _F(2.38418579e-7) - _F(0.5)) * _F(1.57079633)
+    p2 = psi * psi
+    c = _F(1.0) + p2 * (_F(-0.5) + p2 * (_F(4.16666679e-2) + p2 * (_F(-1.38888892e-3) + p2 * _F(2.48015876e-5))))
+    sn = psi * (_F(1.0) + p2 * (_F(-0.166666672) + p2 * (_F(8.33333377e-3) + p2 * (_F(-1.98412701e-4) + p2 * _F(2.75573188e-6)))))
+    cq = np.select([q == 0, q == 1, q == 2], [c, -sn, -c], sn)
+    sq = np.select([q == 0, q == 1, q == 2], [sn, c, -sn], -c)
+    odd = (i & np.uint64(1)) == np.uint64(1)
+    return np.where(odd, r * sq, r * cq).astype(np.float64)
 
 
 def gate_noise_normals(seed, step, layer, token0, s, e):

@@ -20,6 +20,7 @@
 #include <cmocka.h>
 
 #include "moert.h"
+#include "rt_internal.h"   // rt_exp
 
 #define FD_EPS 1e-2    // step for smooth ops; the gather check uses 1e-3 (scores are ~0.2)
 #define FD_TOL 1e-3    // relative to the largest analytic gradient
@@ -494,6 +495,29 @@ static void test_activation_values(void **state) {
   assert_float_equal(dx[0], 0.5, 1e-7);
 }
 
+// rt_exp, GELU's exp: within 1.5 ulp of exp on a dense grid of [-87, 88], clamped outside (never
+// inf), NaN through; GELU saturates to 0 and x at the ends.
+static void test_exp_poly(void **state) {
+  enum { N = 2000000 };
+  double worst = 0.0;
+  for (int i = 0; i <= N; i++) {
+    float x = -87.0f + 175.0f * (float)i / (float)N;
+    double want = exp((double)x);
+    double ulp = (double)nextafterf((float)want, INFINITY) - (float)want;
+    double err = fabs((double)rt_exp(x) - want) / ulp;
+    if (err > worst) worst = err;
+  }
+  printf("# rt_exp over %d points of [-87, 88]: worst %.3f ulp\n", N + 1, worst);
+  assert_true(worst < 1.5);
+  assert_true(rt_exp(0.0f) == 1.0f);
+  assert_true(rt_exp(-1000.0f) == rt_exp(-87.0f) && rt_exp(1000.0f) == rt_exp(88.0f));
+  assert_true(isfinite(rt_exp(1e30f)) && rt_exp(-1e30f) > 0.0f);
+  assert_true(isnan(rt_exp(NAN)));
+  float x[3] = {-30.0f, 30.0f, NAN}, y[3];
+  rt_gelu(x, y, 3, 3);
+  assert_true(fabsf(y[0]) < 1e-30f && y[1] == 30.0f && isnan(y[2]));
+}
+
 static void test_softmax_values(void **state) {
   // Large logits: subtracting the row max keeps it finite.
   float x[6] = {1000.0f, 1000.0f, 0.0f, 0.0f, logf(3.0f), 0.0f}, y[6];
@@ -698,10 +722,11 @@ static void test_rng_constants(void **state) {
   assert_true(rt_uniform(UINT64_MAX) == 1.0 - 0.5 / 16777216.0);
 
   uint64_t key = rt_key(rt_key(42, RT_STREAM_NOISE), 1);
-  assert_float_equal(rt_normal(key, 0), -1.1190195162951255, 1e-12);
-  assert_float_equal(rt_normal(key, 1), 0.24598864236847776, 1e-12);
-  assert_float_equal(rt_normal(key, 7), 0.0171232148703933, 1e-12);
-  assert_float_equal(rt_normal(key, 1000), 0.18790374938230942, 1e-12);
+  // The values tests/ref/moe_ref.py's numpy twin computes (float32 step by step): the same bits.
+  assert_true(rt_normal(key, 0) == (double)-0.2813464403152466f);
+  assert_true(rt_normal(key, 1) == (double)0.14713847637176514f);
+  assert_true(rt_normal(key, 7) == (double)-0.15407010912895203f);
+  assert_true(rt_normal(key, 1000) == (double)-0.4435584247112274f);
 
   assert_true(rt_hash_name("") == 0xcbf29ce484222325ULL);
   assert_true(rt_hash_name("a") == 0xaf63dc4c8601ec8cULL);
@@ -723,6 +748,26 @@ static void test_normal_moments(void **state) {
   // Standard errors are 0.0032 (mean) and 0.0045 (variance): these are about 4 sigma.
   assert_true(fabs(mean) < 0.013);
   assert_true(fabs(var - 1.0) < 0.018);
+}
+
+// rt_normal_fill = rt_normal element by element, from an odd or even first index, odd or even
+// lengths, on one thread and threaded (the fill splits pairs over the pool).
+static void test_normal_fill(void **state) {
+  enum { N = 70001 };
+  static float out[N + 1];
+  uint64_t key = rt_key(rt_key(7, RT_STREAM_INPUT), 2);
+  const int64_t firsts[] = {0, 1, 6, 99999}, lengths[] = {0, 1, 2, 3, 17, 1000, N};
+  for (size_t a = 0; a < sizeof firsts / sizeof *firsts; a++)
+    for (size_t b = 0; b < sizeof lengths / sizeof *lengths; b++) {
+      int64_t first = firsts[a], n = lengths[b];
+      out[n] = 12345.0f;
+      rt_normal_fill(key, (uint64_t)first, n, out);
+      for (int64_t i = 0; i < n; i++)
+        if (out[i] != (float)rt_normal(key, (uint64_t)(first + i)))
+          fail_msg("rt_normal_fill(first %lld, n %lld)[%lld] = %.9g, rt_normal %.9g", (long long)first,
+                   (long long)n, (long long)i, out[i], rt_normal(key, (uint64_t)(first + i)));
+      assert_true(out[n] == 12345.0f);   // nothing written past n
+    }
 }
 
 static void test_gate_noise_layout(void **state) {
@@ -822,6 +867,8 @@ int main(void) {
       cmocka_unit_test(test_optimizers),
       cmocka_unit_test(test_rng_constants),
       cmocka_unit_test(test_normal_moments),
+      cmocka_unit_test(test_normal_fill),
+      cmocka_unit_test(test_exp_poly),
       cmocka_unit_test(test_gate_noise_layout),
       cmocka_unit_test(test_step_begin_forward),
       cmocka_unit_test(test_layout_chunk_uneven),

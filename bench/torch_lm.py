@@ -1,0 +1,141 @@
+#!/usr/bin/env python3
+"""torch_lm: make bench's PyTorch twin of lang/models/gpt_moe_bytes.moe (the demo's GPT-MoE).
+
+The same model written the way a PyTorch user writes it, trained the same way, one whole step
+at a time (forward, backward, clip, AdamW update), on the CPU, so that bench/cpu.sh can set its
+step time beside the moec binary's:
+
+  tokens  vocab 256 (bytes), batch 8, seqlen 64, random windows (the data is not timed apart)
+  embed   wte [256, 96] + learned wpe [64, 96]
+  block   x 3, pre-norm: a = x + Attn(LayerNorm(x)), out = a + MoE(LayerNorm(a))
+  attn    4 heads, q/k/v/o projections with biases, causal softmax attention
+  moe     4 experts, ffn gpt (hidden 192, tanh gelu, biases), gshard top-2, capacity 1.25,
+          aux loss 0.01 (tutel-style dispatch by index, as bench/torch_ref.py)
+  head    final LayerNorm, tied to wte, cross-entropy
+  update  global-norm clip 1.0, AdamW (lr 0.003, betas 0.9/0.95, weight decay 0.1)
+
+Prints one line "lm gpt_moe_bytes <median step ms> <forward+backward ms>" (medians of --steps
+steps after --warmup), or "skip  torch_lm: torch not installed" and exit status 0.
+"""
+import argparse
+import math
+import statistics
+import sys
+import time
+
+VOCAB, BATCH, SEQ, EMBED, LAYERS, HEADS = 256, 8, 64, 96, 3, 4
+EXPERTS, CHOICES, CAPACITY, HIDDEN, AUX_COEF = 4, 2, 1.25, 192, 0.01
+
+
+def capacity(tokens):
+    return max(1, math.ceil(CHOICES * CAPACITY * tokens / EXPERTS - 1e-9))
+
+
+def build(torch):
+    nn, F = torch.nn, torch.nn.functional
+
+    class MoE(nn.Module):
+        def __init__(self):
+            super().__init__()
+            std = 0.02
+            self.wg = nn.Parameter(torch.randn(EMBED, EXPERTS) * EMBED ** -0.5)
+            self.w1 = nn.Parameter(torch.randn(EXPERTS, EMBED, HIDDEN) * std)
+            self.b1 = nn.Parameter(torch.zeros(EXPERTS, HIDDEN))
+            self.w2 = nn.Parameter(torch.randn(EXPERTS, HIDDEN, EMBED) * std / math.sqrt(2 * LAYERS))
+            self.b2 = nn.Parameter(torch.zeros(EXPERTS, EMBED))
+
+        def forward(self, x):   # x [S, M] -> moe(x), aux
+            s, m = x.shape
+            cap = capacity(s)
+            logits = x @ self.wg
+            scores = torch.softmax(logits, dim=1)
+            top, idx = torch.topk(scores, CHOICES, dim=1)
+            gates = top / top.sum(dim=1, keepdim=True)
+            onehot = F.one_hot(idx.t().reshape(-1), EXPERTS)
+            loc = ((torch.cumsum(onehot, dim=0) - 1) * onehot).sum(dim=1).view(CHOICES, -1).t()
+            kept = loc < cap
+            aux = EXPERTS * (scores.mean(dim=0) * F.one_hot(idx[:, 0], EXPERTS).to(x.dtype).mean(dim=0)).sum()
+            trash = EXPERTS * cap
+            slot = torch.where(kept, idx * cap + loc, torch.full_like(loc, trash)).reshape(-1)
+            rows = x.unsqueeze(1).expand(s, CHOICES, m).reshape(-1, m)
+            disp = x.new_zeros(trash + 1, m).index_add(0, slot, rows)[:trash].view(EXPERTS, cap, m)
+            h = F.gelu(torch.bmm(disp, self.w1) + self.b1.unsqueeze(1), approximate="tanh")
+            y = torch.bmm(h, self.w2) + self.b2.unsqueeze(1)
+            y = torch.cat([y.reshape(-1, m), y.new_zeros(1, m)])
+            return (gates.unsqueeze(2) * y.index_select(0, slot).view(s, CHOICES, m)).sum(dim=1), aux
+
+    class Block(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.ln1, self.ln2 = nn.LayerNorm(EMBED), nn.LayerNorm(EMBED)
+            self.q, self.k, self.v, self.o = (nn.Linear(EMBED, EMBED) for _ in range(4))
+            self.moe = MoE()
+
+        def forward(self, x):   # [B, L, M]
+            b, l, m = x.shape
+            a = self.ln1(x)
+            q, k, v = (p(a).view(b, l, HEADS, m // HEADS).transpose(1, 2) for p in (self.q, self.k, self.v))
+            att = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+            x = x + self.o(att.transpose(1, 2).reshape(b, l, m))
+            y, aux = self.moe(self.ln2(x).reshape(b * l, m))
+            return x + y.view(b, l, m), aux
+
+    class GPTMoE(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.wte = nn.Parameter(torch.randn(VOCAB, EMBED) * 0.02)
+            self.wpe = nn.Parameter(torch.randn(SEQ, EMBED) * 0.02)
+            self.blocks = nn.ModuleList(Block() for _ in range(LAYERS))
+            self.lnf = nn.LayerNorm(EMBED)
+
+        def forward(self, tokens, targets):
+            x = self.wte[tokens] + self.wpe
+            aux = 0.0
+            for blk in self.blocks:
+                x, a = blk(x)
+                aux = aux + a
+            logits = self.lnf(x) @ self.wte.t()
+            return F.cross_entropy(logits.reshape(-1, VOCAB), targets.reshape(-1)) + AUX_COEF * aux
+
+    return GPTMoE()
+
+
+def main(argv):
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--steps", type=int, default=20)
+    ap.add_argument("--warmup", type=int, default=3)
+    args = ap.parse_args(argv)
+    try:
+        import torch
+    except ImportError:
+        print("skip  torch_lm: torch not installed")
+        return 0
+    torch.manual_seed(1)
+    model = build(torch)
+    decay = [p for p in model.parameters() if p.dim() >= 2]
+    other = [p for p in model.parameters() if p.dim() < 2]
+    opt = torch.optim.AdamW([{"params": decay, "weight_decay": 0.1}, {"params": other, "weight_decay": 0.0}],
+                            lr=0.003, betas=(0.9, 0.95))
+    steps, fwd_bwd = [], []
+    for i in range(args.warmup + args.steps):
+        data = torch.randint(0, VOCAB, (BATCH, SEQ + 1))
+        t0 = time.perf_counter()
+        loss = model(data[:, :-1], data[:, 1:])
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        t1 = time.perf_counter()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        t2 = time.perf_counter()
+        if i >= args.warmup:
+            steps.append((t2 - t0) * 1e3)
+            fwd_bwd.append((t1 - t0) * 1e3)
+    if not math.isfinite(loss.item()):
+        print("torch_lm: the loss is not finite")
+        return 1
+    print("lm gpt_moe_bytes %.3f %.3f" % (statistics.median(steps), statistics.median(fwd_bwd)))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
