@@ -35,13 +35,13 @@ fi
 TORCH=""
 "$VENV/bin/python" -c 'import torch' 2>/dev/null && TORCH=$VENV/bin/python
 
-# moec NAME MODEL [ENV=VALUE]: the binary's --profile line -> "step_ms gemm_percent"; the step
-# lines stay in $WORK/NAME.out.
+# moec NAME MODEL [ENV=VALUE]: the binary's --profile line -> "step_ms gemm_percent" (nothing, and
+# why on stderr, when the build or the run fails); the step lines stay in $WORK/NAME.out.
 moec_step() {
   [ -x "$WORK/${2##*/}.bin" ] || "$MOEC" build "$2" -o "$WORK/${2##*/}.bin" 2>"$WORK/$1.err" ||
-    { echo "build failed: $(head -n 2 "$WORK/$1.err")"; return 1; }
+    { echo "# $1: build failed: $(head -n 2 "$WORK/$1.err")" >&2; return 1; }
   env ${3:-MOEC_BENCH=1} "$WORK/${2##*/}.bin" --steps "$STEPS" --profile >"$WORK/$1.out" 2>&1 ||
-    { echo "run failed: $(tail -n 2 "$WORK/$1.out")"; return 1; }
+    { echo "# $1: run failed: $(tail -n 2 "$WORK/$1.out")" >&2; return 1; }
   sed -n 's/^# profile: .*median whole step \([0-9.]*\) ms.*GEMM \([0-9.]*\) %.*/\1 \2/p' "$WORK/$1.out"
 }
 

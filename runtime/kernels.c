@@ -139,17 +139,12 @@ static int live_segments(const unsigned char *kind, int rows, int *seg) {
 
 void rt_expert_matmul(const float *a, const float *b, float *c, int e, int m, int n, int k,
                       bool ta, bool tb) {
-  if (all_slots()) {
-    for (int i = 0; i < e; i++)
-      rt_matmul(a + i * (size_t)m * k, b + i * (size_t)k * n, c + i * (size_t)m * n, m, n, k, ta, tb, false);
-    return;
-  }
   size_t a_size = (size_t)m * k, b_size = (size_t)k * n, c_size = (size_t)m * n;
-  int rows = ta ? k : m;   // the slot dimension
-  if (ta && tb) {   // no such expert GEMM: the whole buffers
+  if (all_slots() || (ta && tb)) {   // every slot asked for, or no such expert GEMM: the whole buffers
     for (int i = 0; i < e; i++) rt_matmul(a + i * a_size, b + i * b_size, c + i * c_size, m, n, k, ta, tb, false);
     return;
   }
+  int rows = ta ? k : m;   // the slot dimension
   unsigned char *kind = rt_alloc((size_t)e * rows, "the expert GEMMs' row kinds");
   int *src = ta ? NULL : rt_alloc((size_t)e * rows * sizeof *src, "the expert GEMMs' row sources");
   if (!ta) row_kinds(a, k, true, NULL, 0, (int64_t)e * rows, rows, kind);
