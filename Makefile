@@ -62,10 +62,10 @@ RUNTIME_OBJ  := $(RUNTIME_SRC:%.c=$(BUILD)/obj/%.o)
 # programs it links need (MOEC_CUDA_CFLAGS, MOEC_CUDA_LIBS); build/cuda/libfake_cuda.a is the
 # fake device tests/cuda/host.sh links CUDA programs against (MOEC_CUDA_FAKE=1).
 ifeq ($(HAVE_NVRTC),yes)
-CUDA_TARGETS := $(BUILD)/cuda/nvrtc_check $(BUILD)/cuda/libfake_cuda.a
+CUDA_TARGETS := $(BUILD)/cuda/nvrtc_check $(BUILD)/cuda/libfake_cuda.a $(BUILD)/cuda/moec-tune-fake
 MOEC_NVRTC   := $(BUILD)/obj/cuda/nvrtc.o -L$(CUDA_LIBDIR) -Wl,-rpath,$(CUDA_LIBDIR) -lnvrtc
 ifeq ($(HAVE_GPU_RUNTIME),yes)
-CUDA_TARGETS += $(BUILD)/libmoert_cuda.a $(BUILD)/cuda/gpu_check
+CUDA_TARGETS += $(BUILD)/libmoert_cuda.a $(BUILD)/cuda/gpu_check $(BUILD)/cuda/moec-tune-cuda
 else
 CUDA_TARGETS += gpu-skip
 endif
@@ -186,6 +186,19 @@ $(BUILD)/obj/cuda/fake_cuda.o: tests/cuda/fake_cuda.cpp tests/cuda/host_kernels.
 $(BUILD)/cuda/libfake_cuda.a: $(BUILD)/obj/cuda/fake_cuda.o $(BUILD)/obj/runtime/cuda/session.o
 	@rm -f $@
 	ar rcs $@ $^
+
+# `moec tune --target cuda` (cli/tune.c with MOEC_TUNE_CUDA): cuBLAS GEMMs and NCCL collectives, in
+# a program of its own so that moec does not load cuBLAS at every start; moec runs it in its place.
+# moec-tune-fake is the same program on the fake device (MOEC_CUDA_FAKE=1, tests/tune.sh).
+$(BUILD)/obj/cuda/tune_cuda.o: cli/tune.c cli/cli.h runtime/cuda/rt_cuda.h runtime/moert.h $(CONFIG)
+	@mkdir -p $(dir $@)
+	$(CC) $(CFLAGS) $(INCLUDES) -I$(CUDA)/include $(MPI_CFLAGS) -DMOEC_TUNE_CUDA -c $< -o $@
+
+$(BUILD)/cuda/moec-tune-cuda: $(BUILD)/obj/cuda/tune_cuda.o $(BUILD)/libmoert_cuda.a $(BUILD)/libmoec.a $(BUILD)/libmoert.a
+	$(CC) $(CFLAGS) -o $@ $< $(BUILD)/libmoert_cuda.a $(BUILD)/libmoec.a $(BUILD)/libmoert.a $(CUDA_LIBS) -lnlopt $(RUNTIME_LIBS) -pthread
+
+$(BUILD)/cuda/moec-tune-fake: $(BUILD)/obj/cuda/tune_cuda.o $(BUILD)/cuda/libfake_cuda.a $(BUILD)/libmoec.a $(BUILD)/libmoert.a
+	$(CXX) $(CUDA_CXXFLAGS) -o $@ $< $(BUILD)/cuda/libfake_cuda.a $(BUILD)/libmoec.a $(BUILD)/libmoert.a -lnlopt $(RUNTIME_LIBS) -pthread
 
 $(BUILD)/cuda/gpu_check: tests/cuda/gpu_check.cpp tests/cuda/kernel_cases.h tests/cuda/host_kernels.h \
                          $(BUILD)/cuda/kernel_library.cu $(BUILD)/obj/cuda/nvrtc.o $(BUILD)/libmoert_cuda.a \

@@ -24,6 +24,19 @@
 // its GEMMs at the same time, as in a training step. Fits are LAPACK least squares
 // (sched/fit.c). Rank 0 prints '#' metadata, a fixed-width table and an OK/FAILED footer, and
 // writes the profile atomically; a progress bar goes to stderr when a person is watching.
+//
+// `--target cuda` profiles GPUs, one per rank: this file compiled with MOEC_TUNE_CUDA is the
+// program build/cuda/moec-tune-cuda (linked with the GPU runtime, cuBLAS and NCCL, which moec
+// itself does not load), and moec tune --target cuda runs it in its own place (execv, before
+// MPI starts). There the GEMMs are rt_cuda_gemm (cuBLAS, fp32 or with --dtype bf16 bf16 inputs,
+// fp32 accumulation) on device memory, GPU_GEMM_UNIT = 2^27 multiply-accumulates a size step
+// (the model's or the paper's expert M = 1024, H = 4096 unscaled: 32..384 tokens), each run
+// GPU_REPS GEMMs back to back on the compute stream and a synchronisation, divided by GPU_REPS;
+// the collectives are NCCL's on the intra-node and inter-node groups, timed the same way. One
+// rank (one GPU) is allowed: it times the GEMMs only, and the profile (1 node x 1 GPU, so the
+// planner refuses a layout of more ranks) holds 0 for the collectives and says why.
+// MOEC_CUDA_FAKE=1 (the tests' hook) runs build/cuda/moec-tune-fake instead: the same program
+// on the fake device.
 #include <mpi.h>
 
 #include <errno.h>
@@ -41,6 +54,9 @@
 #include "sched/fit.h"
 #include "runtime/moert.h"
 #include "cli.h"
+#ifdef MOEC_TUNE_CUDA
+#include "runtime/cuda/rt_cuda.h"
+#endif
 
 
 extern int openblas_get_num_threads(void);   // OpenBLAS, which libmoert's GEMMs run on
@@ -53,10 +69,18 @@ enum {
   MAX_SHAPES = 32,
 };
 #define COMM_UNIT 262144.0  // 2^18
+#ifdef MOEC_TUNE_CUDA
+#define GEMM_UNIT 134217728.0   // 2^27: GPU_GEMM_UNIT
+#define GEMM_UNIT_TEXT "2^27"
+enum { GPU_REPS = 10 };         // GEMMs / collectives back to back in one timed run
+#else
 #define GEMM_UNIT 524288.0  // 2^19
+#define GEMM_UNIT_TEXT "2^19"
+#endif
 
 typedef struct TuneOptions {
   const char *output, *model;
+  const char *target, *dtype;   // "cpu" / "cuda", "fp32" / "bf16" (NULL: cpu, fp32)
   bool quick, verbose;
   int gpus_per_node;        // 0: the default
 } TuneOptions;
@@ -80,6 +104,7 @@ typedef struct Series {
   int points;
   FitLine fit;
   bool ok;
+  bool skipped;             // not measured: a GPU profile of one rank has no collectives
   char err[200];
 } Series;
 
@@ -91,6 +116,9 @@ typedef struct Progress {
 } Progress;
 
 static int my_rank;
+// What computes the GEMMs, for the printed and written metadata: "rt_matmul (OpenBLAS)", or on a
+// GPU cuBLAS with the input type and the device's name (set in cli_tune).
+static char gemm_engine[400] = "rt_matmul (OpenBLAS)";
 
 // Printed by rank 0 only (every rank reaches the same errors, since all parse the same argv).
 static void say(FILE *f, const char *fmt, ...) __attribute__((format(printf, 2, 3)));
@@ -105,10 +133,15 @@ static void say(FILE *f, const char *fmt, ...) {
 void cli_tune_usage(FILE *out) {
   fprintf(out,
           "usage: mpirun -np P moec tune [-o F.cluster] [--quick] [--model F.moe] [--gpus-per-node G] [-v]\n"
+          "                              [--target cpu|cuda] [--dtype fp32|bf16]\n"
           "\n"
           "Profiles GEMMs and collectives on the P >= 2 ranks it runs on, fits t(n) = alpha + beta*n\n"
           "(t in ms, n in elements) to each and writes the cluster profile of DESIGN.md section 2.\n"
           "\n"
+          "  --target cuda        profile GPUs, one per rank: cuBLAS GEMMs and NCCL collectives (runs\n"
+          "                       build/cuda/moec-tune-cuda); P = 1 (one GPU) times the GEMMs only\n"
+          "  --dtype bf16         (cuda) GEMMs with bf16 inputs and fp32 accumulation, as a model with\n"
+          "                       'dtype bf16' runs them (default fp32)\n"
           "  -o F.cluster         write the profile there (atomically); without it nothing is written\n"
           "  --quick              4 sizes per sweep instead of 24 (communication) and 12 (GEMM)\n"
           "  --model F.moe        time the GEMMs in that model's expert shapes (default: M 1024, H 4096\n"
@@ -137,6 +170,8 @@ static bool parse_options(int argc, char **argv, TuneOptions *o) {
     const char **value = NULL;
     if (strcmp(a, "-o") == 0) value = &o->output;
     else if (strcmp(a, "--model") == 0) value = &o->model;
+    else if (strcmp(a, "--target") == 0) value = &o->target;
+    else if (strcmp(a, "--dtype") == 0) value = &o->dtype;
     else if (strcmp(a, "--gpus-per-node") == 0) {
       if (i + 1 >= argc) {
         say(stderr, "moec: error: option '%s' needs a value\n", a);
@@ -158,8 +193,26 @@ static bool parse_options(int argc, char **argv, TuneOptions *o) {
       *value = argv[i];
     }
   }
+  if (o->target && strcmp(o->target, "cpu") != 0 && strcmp(o->target, "cuda") != 0) {
+    say(stderr, "moec: error: --target takes cpu or cuda, not '%s'\n", o->target);
+    return false;
+  }
+  if (o->dtype && strcmp(o->dtype, "fp32") != 0 && strcmp(o->dtype, "bf16") != 0) {
+    say(stderr, "moec: error: --dtype takes fp32 or bf16, not '%s'\n", o->dtype);
+    return false;
+  }
+  if (o->dtype && strcmp(o->dtype, "bf16") == 0 && !(o->target && strcmp(o->target, "cuda") == 0)) {
+    say(stderr, "moec: error: --dtype bf16 profiles GPU GEMMs: it needs --target cuda (the CPU runtime "
+                "computes in fp32)\n");
+    return false;
+  }
   return true;
 }
+
+#ifdef MOEC_TUNE_CUDA
+// The GEMMs' input type on a GPU.
+static bool bf16_gemms(const TuneOptions *o) { return o->dtype && strcmp(o->dtype, "bf16") == 0; }
+#endif
 
 // ---- the GEMM shapes ----
 
@@ -215,10 +268,14 @@ static int default_shapes(GemmShape *shapes, char *desc, size_t desc_size) {
   int n = 0;
   add_shape(shapes, &n, m_dim, h, "up (x W1)");
   add_shape(shapes, &n, h, m_dim, "down (x W2)");
-  snprintf(desc, desc_size,
-           "no --model: the expert M = 1024, H = 4096 (H = 4M) scaled down by %d to M = %d, H = %d "
-           "(at full size one token is 2^22 multiply-accumulates, beyond the sweep; here 2^19 is m = 32 tokens)",
-           1 << halvings, m_dim, h);
+  if (halvings == 0)
+    snprintf(desc, desc_size, "no --model: the expert M = 1024, H = 4096 (H = 4M); one token is 2^22 "
+                              "multiply-accumulates, so " GEMM_UNIT_TEXT " is m = %d tokens", (int)(GEMM_UNIT / 4194304.0));
+  else
+    snprintf(desc, desc_size,
+             "no --model: the expert M = 1024, H = 4096 (H = 4M) scaled down by %d to M = %d, H = %d "
+             "(at full size one token is 2^22 multiply-accumulates, beyond the sweep; here 2^19 is m = 32 tokens)",
+             1 << halvings, m_dim, h);
   return n;
 }
 
@@ -252,11 +309,38 @@ typedef struct Call {
   RtGroup group;
   int64_t count;            // communication: floats per member (alltoall, allgather, reducescatter) or in all (allreduce)
   int m, k, n;              // GEMM
-  const float *a, *b;
+  const void *a, *b;        // fp32 (bf16 with --dtype bf16 on a GPU)
   float *c;
   float *send, *recv;
 } Call;
 
+#ifdef MOEC_TUNE_CUDA
+// The GPU of this rank, the GEMMs' input type, and the NCCL communicators of the groups timed.
+static RtCuda *gpu;
+static RtCudaType gemm_type;
+static RtNccl *nccl[RT_GROUP_COUNT];
+
+// GPU_REPS of the call back to back on the compute stream, then a synchronisation.
+static void call(const Call *c) {
+  bool ok = true;
+  for (int r = 0; r < GPU_REPS && ok; r++) {
+    switch (c->op) {
+    case OP_GEMM:
+      ok = rt_cuda_gemm(gpu, RT_STREAM_COMPUTE, gemm_type, c->a, c->b, c->c, c->m, c->n, c->k, false, false, false);
+      break;
+    case OP_ALLTOALL: ok = rt_cuda_alltoall(gpu, nccl[c->group], RT_STREAM_COMPUTE, c->send, c->recv, c->count); break;
+    case OP_ALLGATHER: ok = rt_cuda_allgather(gpu, nccl[c->group], RT_STREAM_COMPUTE, c->send, c->recv, c->count); break;
+    case OP_REDUCESCATTER:
+      ok = rt_cuda_reducescatter(gpu, nccl[c->group], RT_STREAM_COMPUTE, c->send, c->recv, c->count);
+      break;
+    case OP_ALLREDUCE: ok = rt_cuda_allreduce(gpu, nccl[c->group], RT_STREAM_COMPUTE, c->send, c->send, c->count); break;
+    }
+  }
+  if (!ok || !rt_cuda_sync(gpu, RT_STREAM_COMPUTE)) rt_comm_abort("moec tune: a GPU call failed (the error is above)");
+}
+enum { CALL_REPS = GPU_REPS };
+#else
+enum { CALL_REPS = 1 };
 static void call(const Call *c) {
   switch (c->op) {
   case OP_GEMM: rt_matmul(c->a, c->b, c->c, c->m, c->n, c->k, false, false, false); break;
@@ -266,6 +350,7 @@ static void call(const Call *c) {
   case OP_ALLREDUCE: rt_allreduce(c->comm, c->group, c->send, c->count); break;
   }
 }
+#endif
 
 static int compare_doubles(const void *a, const void *b) {
   double x = *(const double *)a, y = *(const double *)b;
@@ -279,7 +364,7 @@ static double measure(const Call *c) {
     MPI_Barrier(MPI_COMM_WORLD);
     double t0 = MPI_Wtime();
     call(c);
-    double ms = (MPI_Wtime() - t0) * 1e3, slowest;
+    double ms = (MPI_Wtime() - t0) * 1e3 / CALL_REPS, slowest;
     MPI_Allreduce(&ms, &slowest, 1, MPI_DOUBLE, MPI_MAX, MPI_COMM_WORLD);
     if (r >= 0) runs[r] = slowest;
   }
@@ -325,6 +410,39 @@ static void *xmalloc(size_t bytes) {
   return p;
 }
 
+#ifdef MOEC_TUNE_CUDA
+// Round to nearest even on the bits, as the CUDA target's mk_compress_bf16.
+static uint16_t to_bf16(float v) {
+  uint32_t u;
+  memcpy(&u, &v, sizeof u);
+  if ((u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((u >> 16) | 0x40);   // NaN stays NaN
+  return (uint16_t)((u + 0x7fffu + ((u >> 16) & 1)) >> 16);
+}
+
+// n floats of host memory as a GEMM operand in device memory (of the GEMMs' input type).
+static void *operand(const float *host, size_t n) {
+  size_t width = gemm_type == RT_CUDA_BF16 ? 2 : 4;
+  void *staged = (void *)host, *dev = rt_cuda_alloc(gpu, n * width);
+  if (!dev) rt_comm_abort("moec tune: the GPU arena cannot hold a GEMM operand of %zu elements", n);
+  if (gemm_type == RT_CUDA_BF16) {
+    uint16_t *h = xmalloc(n * 2);
+    for (size_t i = 0; i < n; i++) h[i] = to_bf16(host[i]);
+    staged = h;
+  }
+  if (!rt_cuda_to_device(gpu, RT_STREAM_COMPUTE, dev, staged, n * width) || !rt_cuda_sync(gpu, RT_STREAM_COMPUTE))
+    rt_comm_abort("moec tune: copying a GEMM operand to the GPU failed (the error is above)");
+  if (staged != host) free(staged);
+  return dev;
+}
+
+static float *device_floats(size_t n) {
+  float *dev = rt_cuda_alloc(gpu, n * sizeof(float));
+  if (!dev || !rt_cuda_zero(gpu, RT_STREAM_COMPUTE, dev, n * sizeof(float)) || !rt_cuda_sync(gpu, RT_STREAM_COMPUTE))
+    rt_comm_abort("moec tune: %zu floats of GPU memory could not be had (the error is above)", n);
+  return dev;
+}
+#endif
+
 static void run_gemms(Series *s, const GemmShape *shapes, int nshapes, bool quick, Progress *pr) {
   int idx[GEMM_SIZES], nsizes = sweep(GEMM_SIZES, quick, idx);
   for (int i = 0; i < nshapes; i++) {
@@ -334,8 +452,16 @@ static void run_gemms(Series *s, const GemmShape *shapes, int nshapes, bool quic
     float *c = xmalloc(sizeof(float) * (size_t)m_max * g->n);
     for (size_t e = 0; e < (size_t)m_max * g->k; e++) a[e] = (float)((int)(e % 17) - 8) / 64;
     for (size_t e = 0; e < (size_t)g->k * g->n; e++) b[e] = (float)((int)(e % 13) - 6) / 64;
+    const void *a_in = a, *b_in = b;
+    float *c_out = c;
+#ifdef MOEC_TUNE_CUDA
+    rt_cuda_arena_reset(gpu);
+    a_in = operand(a, (size_t)m_max * g->k);
+    b_in = operand(b, (size_t)g->k * g->n);
+    c_out = device_floats((size_t)m_max * g->n);
+#endif
     for (int j = 0; j < nsizes; j++) {
-      Call cl = {.op = OP_GEMM, .m = tokens_for(g, idx[j]), .k = g->k, .n = g->n, .a = a, .b = b, .c = c};
+      Call cl = {.op = OP_GEMM, .m = tokens_for(g, idx[j]), .k = g->k, .n = g->n, .a = a_in, .b = b_in, .c = c_out};
       double macs = (double)cl.m * cl.k * cl.n;
       s->x[s->points] = macs;
       s->t[s->points++] = measure(&cl);
@@ -384,6 +510,10 @@ static void cluster_name(const char *output, char *name, size_t size) {
 
 // A coefficient as the file holds it: the fit, or 0 (with a note) when noise made it negative.
 static void write_coef(FILE *f, const char *field, const Series *s) {
+  if (s->skipped) {
+    fprintf(f, "  %-13s { alpha 0; beta 0; }  # not measured: one GPU runs no collectives\n", field);
+    return;
+  }
   double a = s->fit.alpha, b = s->fit.beta;
   fprintf(f, "  %-13s { alpha %.6g; beta %.6g; }", field, a < 0 ? 0.0 : a, b < 0 ? 0.0 : b);
   if (a < 0 || b < 0) {
@@ -458,25 +588,35 @@ static char *profile_header(const char *command, const char *date, const char *h
   u += snprintf(h + u, size - u, "# Measured by `moec tune` on %s (%ld cores), %s:\n#   %s\n", host, cores, date, command);
   u += snprintf(h + u, size - u, "# %d ranks; %s\n", world, nodes_line);
   char gemm_line[1200];
-  snprintf(gemm_line, sizeof gemm_line, "gemm: rt_matmul (OpenBLAS) on every rank at once, %s", gemm_desc);
+  snprintf(gemm_line, sizeof gemm_line, "gemm: %s on every rank at once, %s", gemm_engine, gemm_desc);
   u = append_wrapped(h, u, size, gemm_line);
   u += snprintf(h + u, size - u, "#   shapes:");
   for (int i = 0; i < nshapes; i++)
     u += snprintf(h + u, size - u, "%s [m, %d] x [%d, %d]", i ? "," : "", shapes[i].k, shapes[i].k, shapes[i].n);
   u += snprintf(h + u, size - u, "\n");
   u += snprintf(h + u, size - u,
-                "# Sizes: communication %s x 2^18 floats, gemm %s x 2^19 multiply-accumulates; each point the\n"
-                "# median of %d runs after 1 warm-up, timed on the slowest rank. t(n) = alpha + beta * n, t in ms,\n"
-                "# n in elements each rank sends/receives (gemm: multiply-accumulates). Least-squares fits:\n",
-                quick ? "4 of 1..24" : "1..24", quick ? "4 of 1..12" : "1..12", RUNS);
+                "# Sizes: communication %s x 2^18 floats, gemm %s x " GEMM_UNIT_TEXT " multiply-accumulates; each point the\n"
+                "# median of %d runs after 1 warm-up, timed on the slowest rank%s. t(n) = alpha + beta * n,\n"
+                "# t in ms, n in elements each rank sends/receives (gemm: multiply-accumulates). Least-squares fits:\n",
+                quick ? "4 of 1..24" : "1..24", quick ? "4 of 1..12" : "1..12", RUNS,
+                CALL_REPS > 1 ? "\n# (a run: 10 calls back to back on the GPU's compute stream, a synchronisation, / 10)" : "");
   for (int i = 0; i < NSERIES; i++)
-    u += snprintf(h + u, size - u, "#   %-13s %-10s alpha %11.4e  beta %11.4e  r2 %.6f  (%d points)\n", s[i].name,
-                  s[i].where, s[i].fit.alpha, s[i].fit.beta, s[i].fit.r2, s[i].fit.points);
-  u += snprintf(h + u, size - u,
-                "# `alltoall` below is the inter-node AlltoAll fit (the scheduler's t_a2a); the intra-node\n"
-                "# AlltoAll fit was alpha %.6g, beta %.6g. allgather and reducescatter: intra-node;\n"
-                "# allreduce: inter-node.\n",
-                s[S_A2A_INTRA].fit.alpha, s[S_A2A_INTRA].fit.beta);
+    if (s[i].skipped)
+      u += snprintf(h + u, size - u, "#   %-13s %-10s not measured: one rank (one GPU) runs no collectives\n", s[i].name,
+                    s[i].where);
+    else
+      u += snprintf(h + u, size - u, "#   %-13s %-10s alpha %11.4e  beta %11.4e  r2 %.6f  (%d points)\n", s[i].name,
+                    s[i].where, s[i].fit.alpha, s[i].fit.beta, s[i].fit.r2, s[i].fit.points);
+  if (s[S_A2A_INTRA].skipped)
+    u += snprintf(h + u, size - u,
+                  "# The collectives are 0: this profile is 1 node x 1 GPU, so the planner refuses a layout of more\n"
+                  "# ranks, and a model on one rank runs none.\n");
+  else
+    u += snprintf(h + u, size - u,
+                  "# `alltoall` below is the inter-node AlltoAll fit (the scheduler's t_a2a); the intra-node\n"
+                  "# AlltoAll fit was alpha %.6g, beta %.6g. allgather and reducescatter: intra-node;\n"
+                  "# allreduce: inter-node.\n",
+                  s[S_A2A_INTRA].fit.alpha, s[S_A2A_INTRA].fit.beta);
   return h;
 }
 
@@ -495,7 +635,11 @@ static void format_run(char *buf, size_t size, int step, int count) {
 
 // The world's checks of the command line; 0, or 2 (reported).
 static int check_world(const TuneOptions *o, int world) {
+#ifdef MOEC_TUNE_CUDA
+  if (world < 1) {
+#else
   if (world < 2) {
+#endif
     say(stderr, "moec: error: tune needs at least 2 ranks to time collectives: run it as "
                 "'mpirun -np P moec tune ...' with P >= 2\n");
     return 2;
@@ -581,6 +725,11 @@ static void print_preamble(const TuneOptions *o, const TuneRun *r, const Series 
   printf("# moec tune: t(n) = alpha + beta*n, t in ms, n in elements each rank sends/receives (gemm: multiply-accumulates)\n");
   printf("# %s, %d ranks on %s (%ld cores); %d of them share rank 0's host; OpenBLAS threads per rank: %d\n",
          r->version, r->world, r->host, r->cores, r->local_size, openblas_get_num_threads());
+#ifdef MOEC_TUNE_CUDA
+  const RtCudaDevice *dev = rt_cuda_device(gpu);
+  printf("# GPU of rank 0: %s, sm_%d, %d multiprocessors, %.1f GiB, driver %d\n", dev->name, dev->arch,
+         dev->multiprocessors, dev->memory_bytes / 1073741824.0, dev->driver_version);
+#endif
   printf("# %s%s\n", r->nodes_line,
          r->local_size == r->world && r->nodes > 1 ? "; every rank runs on this host, so the 'nodes' share its memory"
                                                    : "");
@@ -589,17 +738,21 @@ static void print_preamble(const TuneOptions *o, const TuneRun *r, const Series 
   format_run(inter_members, sizeof inter_members, r->gpn, r->nodes);
   printf("# intra-node group: the %d consecutive ranks of a node (rank 0's: %s); inter-node group: the %d ranks with "
          "the same local index, one per node (rank 0's: %s)\n", r->gpn, intra_members, r->nodes, inter_members);
-  if (s[S_A2A_INTRA].group != RT_GROUP_ESP)
+  if (s[S_A2A_INTRA].group != RT_GROUP_ESP && !s[S_A2A_INTRA].skipped)
     printf("# one rank per node: no intra-node group, so its fits (alltoall, allgather, reducescatter) run on all ranks\n");
-  if (s[S_A2A_INTER].group != RT_GROUP_EP)
+  if (s[S_A2A_INTER].group != RT_GROUP_EP && !s[S_A2A_INTER].skipped)
     printf("# one node: no inter-node group, so its fits (alltoall, allreduce) run on all ranks\n");
-  printf("# gemm: rt_matmul C[m,N] = A[m,K] x B[K,N] on every rank at once, n = m*K*N; %s\n", gemm_desc);
+  printf("# gemm: %s, C[m,N] = A[m,K] x B[K,N] on every rank at once, n = m*K*N; %s\n", gemm_engine, gemm_desc);
   for (int i = 0; i < nshapes; i++)
     printf("#   gemm shape %-16s [m, %d] x [%d, %d]  m %d..%d\n", shapes[i].what, shapes[i].k, shapes[i].k,
            shapes[i].n, tokens_for(&shapes[i], 1), tokens_for(&shapes[i], GEMM_SIZES));
-  printf("# sizes: communication %s of 2^18 .. 24*2^18 floats, gemm %s of 2^19 .. 12*2^19 multiply-accumulates%s\n",
+  printf("# sizes: communication %s of 2^18 .. 24*2^18 floats, gemm %s of " GEMM_UNIT_TEXT " .. 12*" GEMM_UNIT_TEXT
+         " multiply-accumulates%s\n",
          o->quick ? "4" : "all 24", o->quick ? "4" : "all 12", o->quick ? " (--quick)" : "");
-  printf("# each point: the median of %d runs after 1 warm-up; a run is the slowest rank's time\n", RUNS);
+  printf("# each point: the median of %d runs after 1 warm-up; a run is the slowest rank's time%s\n", RUNS,
+         CALL_REPS > 1 ? " of 10 calls back to back on the GPU's compute stream and a synchronisation, / 10" : "");
+  if (s[S_A2A_INTRA].skipped)
+    printf("# one rank, one GPU: the GEMMs only; the profile's collectives are 0 (1 node x 1 GPU)\n");
   fflush(stdout);
 }
 
@@ -608,15 +761,24 @@ static double measure_all(RtComm *comm, Series *s, const GemmShape *shapes, int 
   double t_start = MPI_Wtime();
   int comm_idx[COMM_SIZES], gemm_idx[GEMM_SIZES];
   Progress pr = {.on = my_rank == 0 && watched()};
-  pr.total = nshapes * sweep(GEMM_SIZES, quick, gemm_idx) + 5 * sweep(COMM_SIZES, quick, comm_idx);
+  bool collectives = !s[S_A2A_INTRA].skipped;
+  pr.total = nshapes * sweep(GEMM_SIZES, quick, gemm_idx) + (collectives ? 5 : 0) * sweep(COMM_SIZES, quick, comm_idx);
   run_gemms(&s[S_GEMM], shapes, nshapes, quick, &pr);
   size_t max_floats = (size_t)(COMM_SIZES * COMM_UNIT);
-  float *send = xmalloc(sizeof(float) * max_floats), *recv = xmalloc(sizeof(float) * max_floats);
-  memset(send, 0, sizeof(float) * max_floats);   // zeros: sums stay finite, and the pages are touched
-  memset(recv, 0, sizeof(float) * max_floats);
-  for (int i = S_A2A_INTRA; i < NSERIES; i++) run_comm(comm, &s[i], send, recv, quick, &pr);
-  free(send);
-  free(recv);
+  if (collectives) {
+#ifdef MOEC_TUNE_CUDA
+    rt_cuda_arena_reset(gpu);
+    float *send = device_floats(max_floats), *recv = device_floats(max_floats);
+    for (int i = S_A2A_INTRA; i < NSERIES; i++) run_comm(comm, &s[i], send, recv, quick, &pr);
+#else
+    float *send = xmalloc(sizeof(float) * max_floats), *recv = xmalloc(sizeof(float) * max_floats);
+    memset(send, 0, sizeof(float) * max_floats);   // zeros: sums stay finite, and the pages are touched
+    memset(recv, 0, sizeof(float) * max_floats);
+    for (int i = S_A2A_INTRA; i < NSERIES; i++) run_comm(comm, &s[i], send, recv, quick, &pr);
+    free(send);
+    free(recv);
+#endif
+  }
   progress_end(&pr);
   return MPI_Wtime() - t_start;
 }
@@ -626,6 +788,7 @@ static double measure_all(RtComm *comm, Series *s, const GemmShape *shapes, int 
 static int fit_and_print(const TuneOptions *o, const TuneRun *r, Series *s) {
   int failed = 0;
   for (int i = 0; i < NSERIES; i++) {
+    if (s[i].skipped) continue;
     s[i].ok = fit_line(s[i].x, s[i].t, s[i].points, &s[i].fit, s[i].err, sizeof s[i].err);
     failed += !s[i].ok;
   }
@@ -640,6 +803,11 @@ static int fit_and_print(const TuneOptions *o, const TuneRun *r, Series *s) {
   for (int i = 0; i < NSERIES; i++) {
     const Series *x = &s[i];
     const char *use = i == S_A2A_INTRA ? "no (comment)" : "yes";
+    if (x->skipped) {
+      printf("  %-13s %-10s %5d %6d %13s %13s %10s  %s\n", x->name, x->where, 1, 0, "-", "-", "-",
+             "not measured (one rank: no collectives); 0 in the profile");
+      continue;
+    }
     if (!x->ok) {
       printf("  %-13s %-10s %5d %6d %13s %13s %10s  %s\n", x->name, x->where, i == S_GEMM ? r->world : x->group_size,
              x->points, "-", "-", "-", x->err);
@@ -687,7 +855,74 @@ static bool write_or_show(const TuneOptions *o, const TuneRun *r, const Series *
   return ok;
 }
 
+#ifdef MOEC_TUNE_CUDA
+// Device memory for the largest GEMM (A, B of the input type, C fp32) or the two collective
+// buffers, whichever is larger.
+static size_t arena_bytes(const GemmShape *shapes, int nshapes, bool collectives) {
+  size_t w = gemm_type == RT_CUDA_BF16 ? 2 : 4, most = 0;
+  for (int i = 0; i < nshapes; i++) {
+    size_t m = (size_t)tokens_for(&shapes[i], GEMM_SIZES), k = (size_t)shapes[i].k, n = (size_t)shapes[i].n;
+    size_t bytes = (m * k + k * n) * w + m * n * 4 + 3 * 256;
+    if (bytes > most) most = bytes;
+  }
+  size_t comm = 2 * (size_t)(COMM_SIZES * COMM_UNIT) * 4 + 2 * 256;
+  return collectives && comm > most ? comm : most;
+}
+
+// This rank's GPU, its NCCL communicators for the timed groups, the GEMM engine's description;
+// false (reported) when a rank has none.
+static bool open_gpu(const TuneOptions *o, RtComm *comm, Series *s, const GemmShape *shapes, int nshapes, int world) {
+  char why[512] = "";
+  int ok = rt_cuda_probe(why, sizeof why), all;
+  MPI_Allreduce(&ok, &all, 1, MPI_INT, MPI_MIN, MPI_COMM_WORLD);
+  if (!all) {
+    if (!ok) fprintf(stderr, "moec: error: tune --target cuda: rank %d has no GPU: %s\n", my_rank, why);
+    return false;
+  }
+  gemm_type = bf16_gemms(o) ? RT_CUDA_BF16 : RT_CUDA_F32;
+  if (world == 1)
+    for (int i = S_A2A_INTRA; i < NSERIES; i++) s[i].skipped = true;
+  gpu = rt_cuda_create(arena_bytes(shapes, nshapes, world > 1), 1);
+  ok = gpu != NULL;
+  MPI_Allreduce(&ok, &all, 1, MPI_INT, MPI_MIN, MPI_COMM_WORLD);
+  if (!all) return false;
+  const RtCudaDevice *dev = rt_cuda_device(gpu);
+  snprintf(gemm_engine, sizeof gemm_engine, "cuBLAS (rt_cuda_gemm: %s inputs, fp32 accumulation, no TF32) on %s (sm_%d)",
+           gemm_type == RT_CUDA_BF16 ? "bf16" : "fp32", dev->name, dev->arch);
+  for (int i = S_A2A_INTRA; i < NSERIES && world > 1; i++)
+    if (!nccl[s[i].group] && !(nccl[s[i].group] = rt_cuda_nccl_group(comm, s[i].group)))
+      rt_comm_abort("moec tune: no NCCL communicator for the %s group (the error is above)", s[i].where);
+  return true;
+}
+
+static void close_gpu(void) {
+  for (int g = 0; g < RT_GROUP_COUNT; g++) rt_cuda_nccl_destroy(nccl[g]);
+  if (gpu) rt_cuda_destroy(gpu);
+}
+#else
+// --target cuda: build/cuda/moec-tune-cuda beside this moec (build/moec), or moec-tune-fake under
+// the tests' MOEC_CUDA_FAKE=1, in this process's place with the same arguments. Returns only when
+// it cannot run (reported): 1.
+static int exec_gpu_tune(char **argv) {
+  char path[4096];
+  ssize_t len = readlink("/proc/self/exe", path, sizeof path - 64);
+  if (len <= 0) len = 0;
+  path[len] = '\0';
+  char *slash = strrchr(path, '/');
+  const char *fake = getenv("MOEC_CUDA_FAKE");
+  snprintf(slash ? slash + 1 : path, 64, "cuda/moec-tune-%s", fake && strcmp(fake, "1") == 0 ? "fake" : "cuda");
+  execv(path, argv);
+  fprintf(stderr, "moec: error: tune --target cuda runs %s, which cannot be run (%s): make builds it where "
+                  "the CUDA toolkit, cuBLAS and NCCL are (see its '#' lines)\n", path, strerror(errno));
+  return 1;
+}
+#endif
+
 int cli_tune(int argc, char **argv) {
+#ifndef MOEC_TUNE_CUDA
+  for (int i = 2; i + 1 < argc; i++)
+    if (strcmp(argv[i], "--target") == 0 && strcmp(argv[i + 1], "cuda") == 0) return exec_gpu_tune(argv);
+#endif
   int provided;   // rt_comm_create reuses this MPI
   MPI_Init_thread(&argc, &argv, MPI_THREAD_MULTIPLE, &provided);
   int world;
@@ -717,6 +952,15 @@ int cli_tune(int argc, char **argv) {
   Series *s = calloc(NSERIES, sizeof *s);
   if (!s) rt_comm_abort("moec tune: out of memory");
   init_series(comm, s);
+#ifdef MOEC_TUNE_CUDA
+  if (!open_gpu(&o, comm, s, shapes, nshapes, world)) {
+    close_gpu();
+    free(s);
+    rt_comm_destroy(comm);
+    MPI_Finalize();
+    return 1;
+  }
+#endif
   if (my_rank == 0) print_preamble(&o, &r, s, shapes, nshapes, gemm_desc);
   double seconds = measure_all(comm, s, shapes, nshapes, o.quick);
 
@@ -730,8 +974,16 @@ int cli_tune(int argc, char **argv) {
     fflush(stdout);
   }
   MPI_Bcast(&failed, 1, MPI_INT, 0, MPI_COMM_WORLD);
+#ifdef MOEC_TUNE_CUDA
+  close_gpu();
+#endif
   free(s);
   rt_comm_destroy(comm);
   MPI_Finalize();
   return failed ? 1 : 0;
 }
+
+#ifdef MOEC_TUNE_CUDA
+// build/cuda/moec-tune-cuda: what `moec tune --target cuda` runs (argv as moec's: "tune" first).
+int main(int argc, char **argv) { return cli_tune(argc, argv); }
+#endif

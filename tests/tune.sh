@@ -9,7 +9,12 @@
 #     `cluster "...";` statement names it;
 #   - `--model lang/models/mixtral.moe` times that model's expert GEMMs ([m,32]x[32,112] and
 #     [m,112]x[112,32]), not the default shapes;
-#   - a single process (no mpirun) is refused with exit status 2.
+#   - a single process (no mpirun) is refused with exit status 2, and --dtype bf16 without
+#     --target cuda too;
+#   - --target cuda (build/cuda/moec-tune-cuda, on the fake device moec-tune-fake): one rank times
+#     the GEMMs only and writes a 1 x 1 profile (collectives 0, saying why) that plans tiny.moe
+#     and refuses a 4-rank layout; 2 ranks with --dtype bf16 fit the GEMMs and the 5 collectives;
+#     the real program without a GPU exits 1 and says so.
 # Prints `ok    ...` / `FAIL  ...` lines; exits 1 on any failure.
 set -u
 cd "$(dirname "$0")/.."
@@ -110,5 +115,46 @@ else bad "tune --model explains the shapes" "$(grep '^# gemm' "$WORK/m.out")"; f
 status=$?
 if [ $status -eq 2 ] && grep -q 'at least 2 ranks' "$WORK/one.out"; then ok "a single process is refused (exit 2)"
 else bad "a single process is refused (exit 2, got $status)" "$(cat "$WORK/one.out")"; fi
+"$MOEC" tune --quick --dtype bf16 >"$WORK/bf.out" 2>&1 </dev/null
+status=$?
+if [ $status -eq 2 ] && grep -q 'needs --target cuda' "$WORK/bf.out"; then ok "--dtype bf16 without --target cuda is refused (exit 2)"
+else bad "--dtype bf16 without --target cuda is refused (exit 2, got $status)" "$(cat "$WORK/bf.out")"; fi
+
+# ---- --target cuda (build/cuda/moec-tune-cuda; on the fake device moec-tune-fake) ----
+FAKE=$BUILD/cuda/moec-tune-fake
+if [ ! -x "$FAKE" ]; then
+  printf 'skip  tune --target cuda: no %s (make builds it where the CUDA toolkit is)\n' "$FAKE"
+else
+  # One rank, one GPU: the GEMMs through rt_cuda_gemm, no collectives, a 1 x 1 profile.
+  MOEC_CUDA_FAKE=1 timeout "$TIMEOUT" "$MOEC" tune --target cuda --quick -o "$WORK/G1.cluster" >"$WORK/g1.out" 2>&1 </dev/null
+  status=$?
+  if [ $status -eq 0 ] && [ "$(tail -n 1 "$WORK/g1.out")" = OK ] && grep -q '^# gemm: cuBLAS (rt_cuda_gemm: fp32 inputs' "$WORK/g1.out" &&
+     grep -q '^  gemm  *each-rank  *1  *8 ' "$WORK/g1.out" && grep -q '^  nodes 1;' "$WORK/G1.cluster" &&
+     grep -q '^  gpus_per_node 1;' "$WORK/G1.cluster" &&
+     [ "$(grep -c '{ alpha 0; beta 0; }  # not measured: one GPU runs no collectives' "$WORK/G1.cluster")" -eq 4 ]; then
+    ok "tune --target cuda on one rank (fake device): the GEMMs' fit ($(awk '/^  gemm / {print "alpha", $5, "beta", $6}' "$WORK/g1.out")), a 1 x 1 profile whose collectives are 0 and say why"
+  else bad "tune --target cuda on one rank (fake device), exit $status" "$(cat "$WORK/g1.out" "$WORK/G1.cluster" 2>/dev/null | tail -n 30)"; fi
+  if [ -f "$WORK/G1.cluster" ] && "$MOEC" build lang/models/tiny.moe --cluster "$WORK/G1.cluster" -o "$WORK/tiny1" >"$WORK/b1.out" 2>&1 &&
+     ! "$MOEC" build tests/golden/parallel.moe --cluster "$WORK/G1.cluster" -o "$WORK/par1" >"$WORK/b4.out" 2>&1 &&
+     grep -q 'the layout needs 4 ranks but the cluster has 1' "$WORK/b4.out"; then
+    ok "the one-GPU profile plans a one-rank model and refuses a layout of 4 ranks"
+  else bad "the one-GPU profile: tiny.moe builds, parallel.moe (4 ranks) is refused" "$(cat "$WORK/b1.out" "$WORK/b4.out" 2>/dev/null)"; fi
+  # Two ranks: NCCL's collectives (on the fake device, MPI's) and bf16 GEMM inputs.
+  OMP_NUM_THREADS=1 MOEC_CUDA_FAKE=1 timeout "$TIMEOUT" $MPIRUN -x OMP_NUM_THREADS -x MOEC_CUDA_FAKE -np 2 "$MOEC" tune --target cuda \
+    --quick --dtype bf16 -o "$WORK/G2.cluster" >"$WORK/g2.out" 2>&1 </dev/null
+  status=$?
+  if [ $status -eq 0 ] && [ "$(tail -n 1 "$WORK/g2.out")" = OK ] && grep -q '^# gemm: cuBLAS (rt_cuda_gemm: bf16 inputs' "$WORK/g2.out" &&
+     [ "$(awk '/^# model +group/ {t = 1; next} t && /^  [a-z]/ && $4 == 4' "$WORK/g2.out" | wc -l)" -eq 5 ] &&
+     ! grep -q 'not measured' "$WORK/G2.cluster"; then
+    ok "tune --target cuda --dtype bf16 on 2 ranks (fake device): bf16 GEMMs and the 5 collective fits over NCCL's calls"
+  else bad "tune --target cuda --dtype bf16 on 2 ranks (fake device), exit $status" "$(tail -n 30 "$WORK/g2.out")"; fi
+fi
+# The real program without a GPU says so (on a GPU machine it profiles: make test-gpu's session runs it).
+if [ -x "$BUILD/cuda/moec-tune-cuda" ] && ! nvidia-smi -L >/dev/null 2>&1; then
+  "$MOEC" tune --target cuda --quick >"$WORK/nogpu.out" 2>&1 </dev/null
+  status=$?
+  if [ $status -eq 1 ] && grep -q 'has no GPU' "$WORK/nogpu.out"; then ok "tune --target cuda without a GPU says so (exit 1): $(head -n 1 "$WORK/nogpu.out" | cut -c1-110)"
+  else bad "tune --target cuda without a GPU: exit 1 and why (got $status)" "$(cat "$WORK/nogpu.out")"; fi
+fi
 
 exit $failed

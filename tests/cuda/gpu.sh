@@ -6,8 +6,10 @@
 #   gpu_check        the kernel library through NVRTC and the driver, every kernel against the
 #                    CPU kernels, cuBLAS, NCCL on the three streams (docs/gpu.md).
 #   models           $BUILD/cuda/models/NAME.cuda and NAME.cpu (`make gpu-models`, which runs
-#                    this script with --build-models: tiny, switch, mixtral, expert_choice for
-#                    sm_90, and tiny for sm_80, whose PTX the driver compiles for a newer GPU):
+#                    this script with --build-models: tiny, switch, mixtral, expert_choice,
+#                    gpt_moe_bytes and llama_moe (language models), the gate x order x expert
+#                    matrix of tests/cuda/matrix.sh (29 stacks) for sm_90, and tiny for sm_80,
+#                    whose PTX the driver compiles for a newer GPU):
 #                    3 training steps and the first step's
 #                    --dump (output and every whole gradient) equal to the CPU binary's to 1e-4
 #                    relative (fp32; the acceptance line); tiny's --check-grad on the GPU.
@@ -40,6 +42,9 @@ TOL=1e-4
 WORK=$(mktemp -d "${TMPDIR:-/tmp}/moec-gpu.XXXXXX")
 OUT=$WORK/lines
 trap 'rm -rf "$WORK"' EXIT
+# The gate x order x expert matrix (tests/cuda/matrix.sh: 29 stacks of small layers that hold
+# every configuration of the CPU gradient check's matrix).
+MATRIX_MODELS=$(bash tests/cuda/matrix.sh "$WORK/matrix")
 . tests/cuda/common.sh
 
 # The library path for binaries that the loader cannot satisfy through their rpath.
@@ -71,6 +76,9 @@ model() {
   [ -x "$MODELS_DIR/$name.cuda" ] && [ -x "$MODELS_DIR/$name.cpu" ] && return 0
   [ -x "$MOEC" ] || { echo "$MODELS_DIR/$name.cuda or .cpu is missing and there is no $MOEC to build it (make gpu-models on the build machine)"; return 1; }
   mkdir -p "$MODELS_DIR"
+  if [ "${base#matrix_}" != "$base" ]; then   # tests/cuda/matrix.sh's stacks
+    moe=$WORK/matrix/$base.moe
+  fi
   if [ "$base" = tinyq ]; then
     moe=$WORK/tinyq.moe
     sed 's/noise 1\.0;/noise 0.0;/' lang/models/tiny.moe >"$moe"
@@ -140,7 +148,7 @@ compare() {
 }
 
 if [ "${1:-}" = --build-models ]; then   # make gpu-models: the binaries, to carry to a GPU machine
-  for name in $GPU_MODELS tiny_sm80 tiny_bf16 tinyq_bf16; do
+  for name in $GPU_MODELS $MATRIX_MODELS tiny_sm80 tiny_bf16 tinyq_bf16; do
     model "$name" || exit 1
     echo "# $MODELS_DIR/$name.cuda, $name.cpu"
   done
@@ -163,7 +171,7 @@ else
   status=${PIPESTATUS[0]}
   if ! grep -q '^skip  gpu: no GPU' "$OUT"; then
     {
-      for name in $GPU_MODELS tiny_sm80; do compare "$name"; done
+      for name in $GPU_MODELS $MATRIX_MODELS tiny_sm80; do compare "$name"; done
       if grep -q 'kernels from the PTX' "$WORK/tiny_sm80.cuda.out" 2>/dev/null; then
         ok "gpu model tiny_sm80: the sm_80 binary runs the embedded PTX on this GPU"
       elif [ -f "$WORK/tiny_sm80.cuda.out" ]; then

@@ -4,6 +4,8 @@
 # build/cuda/libfake_cuda.a (tests/cuda/fake_cuda.cpp: rt_cuda.h on host memory, the kernels
 # emulated on the CPU, GEMMs and collectives by libmoert); its runs are compared with the CPU
 # program of the same model:
+#   - the gate x order x expert matrix (tests/cuda/matrix.sh, 29 stacks): losses and --dump bit
+#     for bit;
 #   - zoo models of different gates, orders, experts and hooks on one rank, and two layouts on
 #     4 ranks (scheduled streams with events, EP AlltoAll, ESP AllGather/ReduceScatter, MP,
 #     2dh): the losses of 3 steps and the first step's --dump (output and every whole
@@ -82,6 +84,10 @@ MODELS="tiny:lang/models/tiny.moe switch:lang/models/switch.moe mixtral:lang/mod
         parallel:tests/golden/parallel.moe tiny_bf16:$WORK/tiny_bf16.moe tinyq_bf16:$WORK/tinyq_bf16.moe
         lm_gpt:tests/models/grad_lm_gpt.moe lm_llama:tests/models/grad_lm_llama.moe lm_mp:$WORK/lm_mp.moe
         lm_adam_bf16:$WORK/lm_adam_bf16.moe"
+# The gate x order x expert matrix (tests/cuda/matrix.sh: every configuration of the CPU gradient
+# check's matrix, as layers of 29 small stacks), the models tests/cuda/gpu.sh runs on a GPU.
+bash tests/cuda/matrix.sh "$WORK/matrix" >"$WORK/matrix.names"
+for name in $(cat "$WORK/matrix.names"); do MODELS="$MODELS $name:$WORK/matrix/$name.moe"; done
 for entry in $MODELS; do
   [ "$(jobs -rp | wc -l)" -ge 2 ] && wait -n
   (build "${entry%%:*}" "${entry#*:}" >"$WORK/${entry%%:*}.build" 2>&1; echo $? >"$WORK/${entry%%:*}.built") &
@@ -123,6 +129,18 @@ compare "parallel on 4 ranks (dp, mp, ep, esp, 2dh)" parallel 4
 compare "GPT-style language model (attention, layernorm, tied head, k 2 drops, a dense layer)" lm_gpt 1
 compare "Llama-style language model (rope, GQA, rmsnorm, untied head, mixtral k 1)" lm_llama 1
 compare "GPT-style language model on 4 ranks (dp2, mp2 by heads, ep4)" lm_mp 4
+# The matrix: the losses of 3 steps and every --dump file bit for bit, one line a model.
+for name in $(cat "$WORK/matrix.names"); do
+  if [ "$(cat "$WORK/$name.built" 2>/dev/null)" != 0 ]; then bad "cuda host $name: build" "$(cat "$WORK/$name.build")"; continue; fi
+  if ! run "$name" cpu 1 --steps 3 --dump "$name.cpu.dump" || ! run "$name" cuda 1 --steps 3 --dump "$name.cuda.dump"; then
+    bad "cuda host $name: a program failed" "$(tail -n 20 "$WORK/$name.cpu.out" "$WORK/$name.cuda.out")"; continue
+  fi
+  if same_losses "$WORK/$name.cpu.out" "$WORK/$name.cuda.out" 0 && diff -r "$WORK/$name.cpu.dump" "$WORK/$name.cuda.dump" >/dev/null; then
+    ok "cuda host $name: losses of 3 steps equal and every --dump file bit-identical to the CPU program's ($(grep -c '^layer' "$WORK/matrix/$name.moe") layers)"
+  else
+    bad "cuda host $name: differs from the CPU program" "$(grep -h '^step' "$WORK/$name.cpu.out" "$WORK/$name.cuda.out"; diff -rq "$WORK/$name.cpu.dump" "$WORK/$name.cuda.dump" | head -n 5)"
+  fi
+done
 # The language models' dumps (tokens, logits, every gradient) bit for bit: the attention kernels do
 # the CPU kernels' float operations in their order.
 for name in lm_gpt lm_llama lm_mp; do
