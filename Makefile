@@ -77,7 +77,7 @@ COMPILER_DEFS := -DMOEC_ROOT=\"$(ROOT)\" -DMOEC_BUILD=\"$(abspath $(BUILD))\" -D
                  -DMOEC_MPI_CFLAGS='"$(MPI_CFLAGS)"' -DMOEC_CUDA_CFLAGS='"$(CUDA_PROGRAM_CFLAGS)"' \
                  -DMOEC_CUDA_LIBS='"$(CUDA_PROGRAM_LIBS)"' -DMOEC_BLAS_LIBS='"$(BLAS_LIBS)"'
 
-.PHONY: all deps demo test test-gpu gpu-models fuzz bench clean cuda-skip gpu-skip FORCE
+.PHONY: all deps demo test test-gpu gpu-models gpu-pack fuzz bench clean cuda-skip gpu-skip FORCE
 all: $(BUILD)/moec $(BUILD)/libmoert.a $(CUDA_TARGETS)
 
 # The packages were installed (or found) when build/config.mk was remade, before this runs.
@@ -215,6 +215,16 @@ test-gpu: $(filter $(BUILD)/cuda/gpu_check,$(CUDA_TARGETS))
 	@BUILD=$(BUILD) CUDA=$(CUDA) bash tests/cuda/gpu.sh
 gpu-models: $(BUILD)/moec $(BUILD)/libmoert.a $(filter $(BUILD)/libmoert_cuda.a,$(CUDA_TARGETS))
 	@BUILD=$(BUILD) CUDA=$(CUDA) bash tests/cuda/gpu.sh --build-models
+ifeq ($(HAVE_GPU_RUNTIME),yes)
+# gpu-pack: everything a GPU session runs (gpu_check, the model binaries, moec and tune --target
+# cuda, bench/gpu_predict.sh's models, gpu_layer) with their Debian libraries, in one file to carry:
+# build/gpu-pack.tar.xz, which tests/cuda/session.sh unpacks and runs on the GPU (docs/gpu.md).
+gpu-pack: all gpu-models $(BUILD)/bench/gpu_layer
+	@BUILD=$(BUILD) bash bench/gpu_predict.sh --build
+	@BUILD=$(BUILD) bash tests/cuda/pack.sh
+else
+gpu-pack: gpu-skip
+endif
 gpu-skip:
 	@echo "# no cuBLAS ($(CUDA)/include/cublas_v2.h) or NCCL (NCCL_HOME=$(NCCL_HOME): include/nccl.h, lib/libnccl.so.2): libmoert_cuda.a and gpu_check skipped"
 else
@@ -222,6 +232,8 @@ test-gpu:
 	@BUILD=$(BUILD) CUDA=$(CUDA) bash tests/cuda/gpu.sh
 gpu-models:
 	@echo "# no CUDA toolkit at $(CUDA): no CUDA model binaries"
+gpu-pack:
+	@echo "# no CUDA toolkit at $(CUDA): no GPU pack"
 endif
 cuda-skip:
 	@echo "# no CUDA toolkit at $(CUDA) ($(CUDA)/include/nvrtc.h): CUDA parts (NVRTC, nvrtc_check) skipped"

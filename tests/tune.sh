@@ -14,7 +14,8 @@
 #   - --target cuda (build/cuda/moec-tune-cuda, on the fake device moec-tune-fake): one rank times
 #     the GEMMs only and writes a 1 x 1 profile (collectives 0, saying why) that plans tiny.moe
 #     and refuses a 4-rank layout; 2 ranks with --dtype bf16 fit the GEMMs and the 5 collectives;
-#     the real program without a GPU exits 1 and says so.
+#     the real program without a GPU exits 1 and says so; bench/gpu_predict.sh --quick (tune,
+#     plan, run: predicted beside measured) runs on the fake device.
 # Prints `ok    ...` / `FAIL  ...` lines; exits 1 on any failure.
 set -u
 cd "$(dirname "$0")/.."
@@ -148,6 +149,13 @@ else
      ! grep -q 'not measured' "$WORK/G2.cluster"; then
     ok "tune --target cuda --dtype bf16 on 2 ranks (fake device): bf16 GEMMs and the 5 collective fits over NCCL's calls"
   else bad "tune --target cuda --dtype bf16 on 2 ranks (fake device), exit $status" "$(tail -n 30 "$WORK/g2.out")"; fi
+  # bench/gpu_predict.sh, which a GPU session runs: its --quick models on the fake device, predicted
+  # and measured side by side (the fake device's times say nothing; the script's path is checked).
+  if MOEC_CUDA_FAKE=1 PREDICT_DIR=$WORK/predict bash bench/gpu_predict.sh --build --quick >"$WORK/pb.out" 2>&1 &&
+     MOEC_CUDA_FAKE=1 PREDICT_DIR=$WORK/predict bash bench/gpu_predict.sh --quick >"$WORK/pr.out" 2>&1 &&
+     [ "$(grep -cE '^predict_q_(gpt|bf16) +(fp32|bf16)( +[0-9.]+){5}$' "$WORK/pr.out")" -eq 2 ] && [ "$(tail -n 1 "$WORK/pr.out")" = OK ]; then
+    ok "bench/gpu_predict.sh --quick on the fake device: a profile per dtype, predicted and measured step of each model"
+  else bad "bench/gpu_predict.sh --quick on the fake device" "$(cat "$WORK/pb.out" "$WORK/pr.out" 2>/dev/null | tail -n 20)"; fi
 fi
 # The real program without a GPU says so (on a GPU machine it profiles: make test-gpu's session runs it).
 if [ -x "$BUILD/cuda/moec-tune-cuda" ] && ! nvidia-smi -L >/dev/null 2>&1; then

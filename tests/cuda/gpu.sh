@@ -73,7 +73,11 @@ model() {
   [ "$name" != "$base" ] && args=(--gpu-arch sm_80)
   base=${base%_bf16}
   local moe=lang/models/$base.moe
-  [ -x "$MODELS_DIR/$name.cuda" ] && [ -x "$MODELS_DIR/$name.cpu" ] && return 0
+  local fresh=true dep
+  for dep in "$MOEC" "$BUILD/libmoert.a" "$BUILD/libmoert_cuda.a"; do   # built by this compiler and runtime
+    [ -f "$dep" ] && { [ "$MODELS_DIR/$name.cuda" -nt "$dep" ] && [ "$MODELS_DIR/$name.cpu" -nt "$dep" ] || fresh=false; }
+  done
+  [ -x "$MODELS_DIR/$name.cuda" ] && [ -x "$MODELS_DIR/$name.cpu" ] && $fresh && return 0
   [ -x "$MOEC" ] || { echo "$MODELS_DIR/$name.cuda or .cpu is missing and there is no $MOEC to build it (make gpu-models on the build machine)"; return 1; }
   mkdir -p "$MODELS_DIR"
   if [ "${base#matrix_}" != "$base" ]; then   # tests/cuda/matrix.sh's stacks

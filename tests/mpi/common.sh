@@ -3,8 +3,11 @@
 # relative tolerance (1e-5 unless given).
 export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 OMPI_MCA_rmaps_base_oversubscribe=1
 MPIRUN="mpirun --oversubscribe --allow-run-as-root --mca btl self,vader --bind-to none"
+# numpy's Python: Debian's (python3-numpy) here; on a GPU machine without it, the venv's.
 PY=/usr/bin/python3
-[ -x "$PY" ] || PY=python3
+if ! "$PY" -c 'import numpy' 2>/dev/null; then
+  for py in python3 python; do command -v "$py" >/dev/null && "$py" -c 'import numpy' 2>/dev/null && { PY=$py; break; }; done
+fi
 failed=0
 
 ok() { printf 'ok    %s\n' "$1"; }

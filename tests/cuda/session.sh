@@ -1,0 +1,100 @@
+#!/usr/bin/env bash
+# One GPU session of issue 15, in as few device calls as the 10-minute limit allows: unpacks
+# build/gpu-pack.tar.xz (make gpu-pack, carried), then runs the stages asked for and keeps each
+# stage's log under $OUT (the device tool's folder that comes back; default build/gpu-logs).
+#
+#   bash tests/cuda/session.sh [env] [test] [tune] [predict] [bench] [bench-all]   (default: env test tune predict)
+#
+#   env        nvidia-smi, the driver, the libraries the binaries resolve (env.log)
+#   test       make test-gpu's checks: tests/cuda/gpu.sh (gpu_check: kernels, cuBLAS, NCCL; the zoo
+#              and language models, the gate x order x expert matrix, sm_80 PTX, bf16 against the
+#              CPU binaries) (test-gpu.log)
+#   tune       moec tune --target cuda, fp32 and bf16, full sweeps (tune.log, tune_bf16.log, and
+#              the profiles gpu.cluster, gpu_bf16.cluster)
+#   predict    bench/gpu_predict.sh with those profiles: predicted against measured steps (predict.log)
+#   bench      make bench-gpu's default shapes: bench/gpu.sh (bench-gpu.log); bench-all: all 162
+#              shapes (run it as a call of its own: it can take most of the 10 minutes)
+#
+# The summary (each stage's last lines and its exit status) goes to stdout and $OUT/summary.txt.
+# Exit status 1 when a stage failed.
+set -u
+cd "$(dirname "$0")/../.."
+BUILD=${BUILD:-build}
+OUT=${OUT:-$BUILD/gpu-logs}
+mkdir -p "$OUT"
+OUT=$(cd "$OUT" && pwd)
+stages=${*:-env test tune predict}
+PACK=$BUILD/gpu-pack.tar.xz
+SUMMARY=$OUT/summary.txt
+: >"$SUMMARY"
+say() { echo "$*" | tee -a "$SUMMARY"; }
+
+# ---- unpack (once per pack) ----
+if [ -f "$PACK" ] && { [ ! -f "$BUILD/.gpu-pack-unpacked" ] || [ "$PACK" -nt "$BUILD/.gpu-pack-unpacked" ]; }; then
+  if command -v xz >/dev/null; then
+    tar -xJf "$PACK" || { say "FAILED: tar -xJf $PACK"; exit 1; }
+  else
+    python3 -c 'import sys, tarfile; tarfile.open(sys.argv[1], "r:xz").extractall(".")' "$PACK" ||
+      { say "FAILED: python3 tarfile on $PACK"; exit 1; }
+  fi
+  touch "$BUILD/.gpu-pack-unpacked"
+  say "# unpacked $PACK ($(du -sh "$BUILD/cuda" | cut -f1) in $BUILD/cuda)"
+fi
+
+# ---- the libraries: the carried Debian ones, NCCL from the venv; Open MPI's singleton ----
+extra=$(cd "$BUILD" && pwd)/lib
+nccl=$(python3 -c 'import nvidia.nccl; print(nvidia.nccl.__path__[0])' 2>/dev/null) && extra=$extra:$nccl/lib
+if [ -x "$BUILD/moec" ] && ldd "$BUILD/moec" 2>/dev/null | grep -q 'not found'; then
+  export LD_LIBRARY_PATH=$extra${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
+fi
+if [ -d "$BUILD/ompi" ]; then
+  export OPAL_PREFIX=$(cd "$BUILD/ompi" && pwd) OMPI_MCA_ess_singleton_isolated=1
+fi
+
+status=0
+stage() {   # NAME LOG COMMAND...: runs it, its output to LOG, the last lines to the summary
+  local name=$1 log=$OUT/$2 start rc
+  shift 2
+  start=$(date +%s)
+  "$@" >"$log" 2>&1 </dev/null
+  rc=$?
+  say "== $name: exit $rc, $(($(date +%s) - start)) s, $log"
+  tail -n "${TAIL:-12}" "$log" | sed 's/^/   /' | tee -a "$SUMMARY"
+  [ $rc -eq 0 ] || status=1
+}
+
+env_info() {
+  nvidia-smi || echo "nvidia-smi failed"
+  echo "# LD_LIBRARY_PATH=${LD_LIBRARY_PATH:-}"
+  echo "# OPAL_PREFIX=${OPAL_PREFIX:-}"
+  for bin in "$BUILD/moec" "$BUILD/cuda/moec-tune-cuda" "$BUILD/cuda/gpu_check" "$BUILD/bench/gpu_layer" \
+             "$BUILD/cuda/models/tiny.cuda" "$BUILD/cuda/models/tiny.cpu"; do
+    echo "## ldd $bin"
+    ldd "$bin" 2>&1 | grep -E 'not found|nccl|cublas|openblas|mpi|nvrtc'
+  done
+  "$BUILD/moec" --version -v
+  python3 -c 'import torch; print("torch", torch.__version__, torch.cuda.get_device_name(0))' 2>&1 | tail -n 1
+}
+
+tune() {   # DTYPE PROFILE
+  "$BUILD/moec" tune --target cuda --dtype "$1" -v -o "$OUT/$2"
+}
+
+for s in $stages; do
+  case $s in
+    env) stage env env.log env_info ;;
+    test) TAIL=60 stage "make test-gpu (tests/cuda/gpu.sh)" test-gpu.log env BUILD="$BUILD" bash tests/cuda/gpu.sh ;;
+    tune)
+      stage "moec tune --target cuda (fp32)" tune.log tune fp32 gpu.cluster
+      stage "moec tune --target cuda --dtype bf16" tune_bf16.log tune bf16 gpu_bf16.cluster ;;
+    predict)
+      given=()   # the tune stage's profiles, else gpu_predict.sh tunes (--quick sweeps would do too)
+      [ -f "$OUT/gpu.cluster" ] && given+=(--profile "$OUT/gpu.cluster")
+      [ -f "$OUT/gpu_bf16.cluster" ] && given+=(--profile-bf16 "$OUT/gpu_bf16.cluster")
+      TAIL=16 stage "predicted against measured (bench/gpu_predict.sh)" predict.log env BUILD="$BUILD" bash bench/gpu_predict.sh "${given[@]}" ;;
+    bench) TAIL=40 stage "make bench-gpu (bench/gpu.sh)" bench-gpu.log env BUILD="$BUILD" bash bench/gpu.sh ;;
+    bench-all) TAIL=60 stage "make bench-gpu --all (bench/gpu.sh --all)" bench-gpu-all.log env BUILD="$BUILD" bash bench/gpu.sh --all ;;
+    *) say "unknown stage '$s' (env test tune predict bench bench-all)"; status=1 ;;
+  esac
+done
+exit $status
