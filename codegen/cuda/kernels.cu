@@ -577,7 +577,7 @@ extern "C" __global__ void mk_attn_fwd(const float *q, const float *k, const flo
       for (int t = t0; T.active && t < t0 + n && t <= T.i; t++) {
         const float *kt = KT ? sh + (i64)(t - t0) * d : k + (r0 + t) * kcols + (i64)j * d;
         const float *vt = KT ? sh + (i64)(KT + t - t0) * d : v + (r0 + t) * kcols + (i64)j * d;
-        float p = expf(mk_attn_dot(qi, kt, d) * scale - m);
+        float p = mk_exp(mk_attn_dot(qi, kt, d) * scale - m);
         l += p;
         for (int c = 0; c < d; c++) oi[c] += p * vt[c];
       }
@@ -608,7 +608,7 @@ extern "C" __global__ void mk_attn_stats(const float *dy, const float *q, const 
       }
       for (int t = t0; T.active && t < t0 + n && t <= T.i; t++) {
         const float *kt = KT ? sh + (i64)(t - t0) * d : k + (r0 + t) * kcols + (i64)j * d;
-        l += expf(mk_attn_dot(qi, kt, d) * scale - m);
+        l += mk_exp(mk_attn_dot(qi, kt, d) * scale - m);
       }
     }
     if (T.active) {
@@ -645,7 +645,7 @@ extern "C" __global__ void mk_attn_grad_q(const float *dy, const float *q, const
       for (int t = t0; T.active && t < t0 + n && t <= T.i; t++) {
         const float *kt = KT ? sh + (i64)(t - t0) * d : k + (r0 + t) * kcols + (i64)j * d;
         const float *vt = KT ? sh + (i64)(KT + t - t0) * d : v + (r0 + t) * kcols + (i64)j * d;
-        float p = expf(mk_attn_dot(q + at, kt, d) * scale - lse);
+        float p = mk_exp(mk_attn_dot(q + at, kt, d) * scale - lse);
         float ds = p * (mk_attn_dot(dy + at, vt, d) - D);
         for (int c = 0; c < d; c++) dq[c] += ds * kt[c];
       }
@@ -692,7 +692,7 @@ extern "C" __global__ void mk_attn_grad_kv(const float *dy, const float *q, cons
           const float *qi = KT ? shq + (i64)(i - i0) * d : q + at, *yi = KT ? shy + (i64)(i - i0) * d : dy + at;
           float lse = KT ? shs[2 * (i - i0)] : stats[(r0 + i) * 2 * heads + h];
           float D = KT ? shs[2 * (i - i0) + 1] : stats[(r0 + i) * 2 * heads + heads + h];
-          float p = expf(mk_attn_dot(qi, kt, d) * scale - lse);
+          float p = mk_exp(mk_attn_dot(qi, kt, d) * scale - lse);
           float ds = p * (mk_attn_dot(yi, vt, d) - D);
           for (int c = 0; c < d; c++) {
             dk[c] += ds * qi[c];
