@@ -41,12 +41,11 @@ if [ -f "$PACK" ] && { [ ! -f "$BUILD/.gpu-pack-unpacked" ] || [ "$PACK" -nt "$B
   say "# unpacked $PACK ($(du -sh "$BUILD/cuda" | cut -f1) in $BUILD/cuda)"
 fi
 
-# ---- the libraries: the carried Debian ones, NCCL from the venv; Open MPI's singleton ----
+# ---- the libraries: the carried Debian ones (the same builds the binaries linked), NCCL from
+# the venv; Open MPI's singleton ----
 extra=$(cd "$BUILD" && pwd)/lib
 nccl=$(python3 -c 'import nvidia.nccl; print(nvidia.nccl.__path__[0])' 2>/dev/null) && extra=$extra:$nccl/lib
-if [ -x "$BUILD/moec" ] && ldd "$BUILD/moec" 2>/dev/null | grep -q 'not found'; then
-  export LD_LIBRARY_PATH=$extra${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
-fi
+[ -d "$BUILD/lib" ] && export LD_LIBRARY_PATH=$extra${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
 if [ -d "$BUILD/ompi" ]; then
   export OPAL_PREFIX=$(cd "$BUILD/ompi" && pwd) OMPI_MCA_ess_singleton_isolated=1
 fi
