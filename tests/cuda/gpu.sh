@@ -168,7 +168,7 @@ elif [ ! -x "$CHECK" ]; then
 else
   fix_library_path "$CHECK" "$MODELS_DIR"/*.cuda "$MODELS_DIR"/*.cpu
   if [ -d "$BUILD/ompi" ]; then
-    export OPAL_PREFIX=$(cd "$BUILD/ompi" && pwd) OMPI_MCA_ess_singleton_isolated=1
+    export OPAL_PREFIX=$(cd "$BUILD/ompi" && pwd) OMPI_MCA_ess_singleton_isolated=1 OMPI_MCA_mca_base_component_show_load_errors=0
     echo "# Open MPI components from OPAL_PREFIX=$OPAL_PREFIX"
   fi
   "$CHECK" 2>&1 | tee "$OUT"

@@ -47,7 +47,7 @@ extra=$(cd "$BUILD" && pwd)/lib
 nccl=$(python3 -c 'import nvidia.nccl; print(nvidia.nccl.__path__[0])' 2>/dev/null) && extra=$extra:$nccl/lib
 [ -d "$BUILD/lib" ] && export LD_LIBRARY_PATH=$extra${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
 if [ -d "$BUILD/ompi" ]; then
-  export OPAL_PREFIX=$(cd "$BUILD/ompi" && pwd) OMPI_MCA_ess_singleton_isolated=1
+  export OPAL_PREFIX=$(cd "$BUILD/ompi" && pwd) OMPI_MCA_ess_singleton_isolated=1 OMPI_MCA_mca_base_component_show_load_errors=0
 fi
 
 status=0
