@@ -5,20 +5,20 @@
 # check.
 . tests/mpi/common.sh
 
-# bf16_losses LABEL FP32-OUT BF16-OUT: the report of a bf16 run of 20 steps against the fp32
-# program's: the loss falls (the last below 0.9 x the first) and the first step's loss is within
+# bf16_losses LABEL FP32-OUT BF16-OUT [STEPS]: the report of a bf16 run of STEPS (20) steps against
+# the fp32 program's: the loss falls (the last below 0.9 x the first) and the first step's loss is within
 # 1e-2 relative of the fp32 one (a bf16 GEMM operand is rounded by up to 2^-9 relative, and the
 # loss passes through a few of them). One ok / FAIL line each.
 bf16_losses() {
-  local label=$1 first last ref ref_last
+  local label=$1 steps=${4:-20} first last ref ref_last
   first=$(awk '$1 == "step" && $2 == 1 {print $4}' "$3")
-  last=$(awk '$1 == "step" && $2 == 20 {print $4}' "$3")
+  last=$(awk -v n="$steps" '$1 == "step" && $2 == n {print $4}' "$3")
   ref=$(awk '$1 == "step" && $2 == 1 {print $4}' "$2")
-  ref_last=$(awk '$1 == "step" && $2 == 20 {print $4}' "$2")
+  ref_last=$(awk -v n="$steps" '$1 == "step" && $2 == n {print $4}' "$2")
   if [ -n "$first" ] && [ -n "$last" ] && awk -v f="$first" -v l="$last" 'BEGIN { exit !(f > 0 && l < 0.9 * f) }'; then
-    ok "$label: 20 steps lower the loss ($first -> $last; fp32: $ref -> $ref_last)"
+    ok "$label: $steps steps lower the loss ($first -> $last; fp32: $ref -> $ref_last)"
   else
-    bad "$label: the loss of 20 steps did not fall below 0.9 x the first step's" "$(grep -h '^step' "$3" | tail -n 20)"
+    bad "$label: the loss of $steps steps did not fall below 0.9 x the first step's" "$(grep -h '^step' "$3" | tail -n 20)"
   fi
   if [ -n "$first" ] && [ -n "$ref" ] &&
      awk -v a="$first" -v b="$ref" 'BEGIN { d = a - b; if (d < 0) d = -d; exit !(b > 0 && d <= 1e-2 * b) }'; then
