@@ -104,6 +104,7 @@ for dtype in fp32 bf16; do
     status=1
   fi
 done
+pred() { head -n 1 "$WORK/ir" | grep -o "$1=[0-9.e+-]*" | cut -d= -f2; }   # a planner attribute of the module
 printf '%-34s %6s %12s %12s %12s %12s %9s\n' model dtype "fwd pred" "bwd pred" "step pred" "step meas" "meas/pred"
 for entry in $MODELS; do
   IFS=: read -r name ffn shape dtype <<<"$entry"
@@ -115,7 +116,6 @@ for entry in $MODELS; do
   if ! "$MOEC" dump-ir "$DIR/$name.moe" --cluster "$prof" --after=gradpart >"$WORK/ir" 2>"$WORK/err"; then
     echo "# $name: moec dump-ir failed: $(head -n 3 "$WORK/err")"; status=1; continue
   fi
-  pred() { head -n 1 "$WORK/ir" | grep -o "$1=[0-9.e+-]*" | cut -d= -f2; }
   fwd=$(pred t_fwd_pred) bwd=$(pred t_bwd_pred) iter=$(pred t_iter_pred)
   if ! (cd "$WORK" && timeout 300 "$DIR/$name.cuda" --steps "$steps" >"$WORK/run" 2>&1 </dev/null); then
     echo "# $name: the binary failed: $(tail -n 5 "$WORK/run")"; status=1; continue

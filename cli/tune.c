@@ -410,6 +410,11 @@ static void *xmalloc(size_t bytes) {
   return p;
 }
 
+// The collectives' send or receive buffer of n floats, zeros (sums stay finite, and the pages are
+// touched): host memory, or device memory on a GPU (the arena, reset before).
+static float *comm_buffer(size_t n);
+static void free_comm_buffer(float *p);
+
 #ifdef MOEC_TUNE_CUDA
 // Round to nearest even on the bits, as the CUDA target's mk_compress_bf16.
 static uint16_t to_bf16(float v) {
@@ -441,6 +446,16 @@ static float *device_floats(size_t n) {
     rt_comm_abort("moec tune: %zu floats of GPU memory could not be had (the error is above)", n);
   return dev;
 }
+
+static float *comm_buffer(size_t n) { return device_floats(n); }
+static void free_comm_buffer(float *p) { (void)p; }   // the arena's
+#else
+static float *comm_buffer(size_t n) {
+  float *p = xmalloc(sizeof(float) * n);
+  memset(p, 0, sizeof(float) * n);
+  return p;
+}
+static void free_comm_buffer(float *p) { free(p); }
 #endif
 
 static void run_gemms(Series *s, const GemmShape *shapes, int nshapes, bool quick, Progress *pr) {
@@ -596,10 +611,12 @@ static char *profile_header(const char *command, const char *date, const char *h
   u += snprintf(h + u, size - u, "\n");
   u += snprintf(h + u, size - u,
                 "# Sizes: communication %s x 2^18 floats, gemm %s x " GEMM_UNIT_TEXT " multiply-accumulates; each point the\n"
-                "# median of %d runs after 1 warm-up, timed on the slowest rank%s. t(n) = alpha + beta * n,\n"
-                "# t in ms, n in elements each rank sends/receives (gemm: multiply-accumulates). Least-squares fits:\n",
-                quick ? "4 of 1..24" : "1..24", quick ? "4 of 1..12" : "1..12", RUNS,
-                CALL_REPS > 1 ? "\n# (a run: 10 calls back to back on the GPU's compute stream, a synchronisation, / 10)" : "");
+                "# median of %d runs after 1 warm-up, timed on the slowest rank. t(n) = alpha + beta * n, t in ms,\n"
+                "# n in elements each rank sends/receives (gemm: multiply-accumulates). Least-squares fits:\n",
+                quick ? "4 of 1..24" : "1..24", quick ? "4 of 1..12" : "1..12", RUNS);
+  if (CALL_REPS > 1)
+    u += snprintf(h + u, size - u, "# (a run: %d calls back to back on the GPU's compute stream, a synchronisation, / %d)\n",
+                  CALL_REPS, CALL_REPS);
   for (int i = 0; i < NSERIES; i++)
     if (s[i].skipped)
       u += snprintf(h + u, size - u, "#   %-13s %-10s not measured: one rank (one GPU) runs no collectives\n", s[i].name,
@@ -635,15 +652,13 @@ static void format_run(char *buf, size_t size, int step, int count) {
 
 // The world's checks of the command line; 0, or 2 (reported).
 static int check_world(const TuneOptions *o, int world) {
-#ifdef MOEC_TUNE_CUDA
-  if (world < 1) {
-#else
+#ifndef MOEC_TUNE_CUDA   // on GPUs one rank is allowed: it times the GEMMs only
   if (world < 2) {
-#endif
     say(stderr, "moec: error: tune needs at least 2 ranks to time collectives: run it as "
                 "'mpirun -np P moec tune ...' with P >= 2\n");
     return 2;
   }
+#endif
   if (o->gpus_per_node && world % o->gpus_per_node != 0) {
     say(stderr, "moec: error: --gpus-per-node %d does not divide the %d ranks into whole nodes\n",
         o->gpus_per_node, world);
@@ -749,8 +764,9 @@ static void print_preamble(const TuneOptions *o, const TuneRun *r, const Series 
   printf("# sizes: communication %s of 2^18 .. 24*2^18 floats, gemm %s of " GEMM_UNIT_TEXT " .. 12*" GEMM_UNIT_TEXT
          " multiply-accumulates%s\n",
          o->quick ? "4" : "all 24", o->quick ? "4" : "all 12", o->quick ? " (--quick)" : "");
-  printf("# each point: the median of %d runs after 1 warm-up; a run is the slowest rank's time%s\n", RUNS,
-         CALL_REPS > 1 ? " of 10 calls back to back on the GPU's compute stream and a synchronisation, / 10" : "");
+  printf("# each point: the median of %d runs after 1 warm-up; a run is the slowest rank's time", RUNS);
+  if (CALL_REPS > 1) printf(" of %d calls back to back on the GPU's compute stream and a synchronisation, / %d", CALL_REPS, CALL_REPS);
+  printf("\n");
   if (s[S_A2A_INTRA].skipped)
     printf("# one rank, one GPU: the GEMMs only; the profile's collectives are 0 (1 node x 1 GPU)\n");
   fflush(stdout);
@@ -767,17 +783,12 @@ static double measure_all(RtComm *comm, Series *s, const GemmShape *shapes, int 
   size_t max_floats = (size_t)(COMM_SIZES * COMM_UNIT);
   if (collectives) {
 #ifdef MOEC_TUNE_CUDA
-    rt_cuda_arena_reset(gpu);
-    float *send = device_floats(max_floats), *recv = device_floats(max_floats);
-    for (int i = S_A2A_INTRA; i < NSERIES; i++) run_comm(comm, &s[i], send, recv, quick, &pr);
-#else
-    float *send = xmalloc(sizeof(float) * max_floats), *recv = xmalloc(sizeof(float) * max_floats);
-    memset(send, 0, sizeof(float) * max_floats);   // zeros: sums stay finite, and the pages are touched
-    memset(recv, 0, sizeof(float) * max_floats);
-    for (int i = S_A2A_INTRA; i < NSERIES; i++) run_comm(comm, &s[i], send, recv, quick, &pr);
-    free(send);
-    free(recv);
+    rt_cuda_arena_reset(gpu);   // the GEMMs' operands are done with
 #endif
+    float *send = comm_buffer(max_floats), *recv = comm_buffer(max_floats);
+    for (int i = S_A2A_INTRA; i < NSERIES; i++) run_comm(comm, &s[i], send, recv, quick, &pr);
+    free_comm_buffer(send);
+    free_comm_buffer(recv);
   }
   progress_end(&pr);
   return MPI_Wtime() - t_start;

@@ -53,15 +53,15 @@ static int thread_id(void) {
 }
 
 // x [rows, nh*d] as columns: xt[((b*nh + h)*d + c)*seq + t] = x[(b*seq + t)*nh*d + h*d + c], for
-// the samples b of rows (a last sample of fewer than seq rows keeps its columns' tails unset).
+// the samples b of rows (rows is whole samples, as everywhere in attention).
 static float *transpose_heads(const float *x, int rows, int seq, int nh, int d) {
-  int samples = (rows + seq - 1) / seq;
-  float *xt = attn_alloc((size_t)samples * nh * d * seq);
+  int samples = rows / seq;
+  float *xt = attn_alloc((size_t)rows * nh * d);
   RT_PARALLEL_FOR((int64_t)rows * nh * d >= RT_PAR_MIN)
   for (int bh = 0; bh < samples * nh; bh++) {
-    int b = bh / nh, h = bh % nh, n = rows - b * seq < seq ? rows - b * seq : seq;
+    int b = bh / nh, h = bh % nh;
     float *col = xt + (size_t)bh * d * seq;
-    for (int t = 0; t < n; t++) {
+    for (int t = 0; t < seq; t++) {
       const float *row = x + (size_t)(b * seq + t) * nh * d + (size_t)h * d;
       for (int c = 0; c < d; c++) col[(size_t)c * seq + t] = row[c];
     }
@@ -246,7 +246,7 @@ void rt_attn_grad_kv(const float *dy, const float *q, const float *k, const floa
     float *s = scratch + (size_t)thread_id() * 4 * seq, *u = s + seq, *lse = u + seq, *D = lse + seq;
     for (int j = 0; j < kv; j++) {
       int t = r % seq, r0 = r - t, b = r0 / seq;   // key t of sample b
-      int n = (rows - r0 < seq ? rows - r0 : seq) - t;   // its queries t .. t + n - 1
+      int n = seq - t;   // its queries t .. seq - 1
       float *dk = dqkv + (size_t)r * width + qcols + (size_t)j * d, *dv = dk + kcols;
       memset(dk, 0, (size_t)d * sizeof *dk);
       memset(dv, 0, (size_t)d * sizeof *dv);

@@ -107,41 +107,32 @@ model() {
     "$MOEC" build "$moe" -o "$MODELS_DIR/$name.cpu" 2>>"$WORK/err" || { cat "$WORK/err"; return 1; }
 }
 
-# dtype bf16 on the GPU: tiny_bf16's 20 steps against the fp32 CPU binary's; tinyq_bf16's --dump.
-bf16_checks() {
-  local why kind
-  if ! why=$(model tiny_bf16); then bad "gpu model tiny_bf16: binaries" "$why"; return; fi
+# bf16_train NAME STEPS: the bf16 .cuda of NAME and its fp32 .cpu train STEPS steps; the bf16 run
+# says it computes with bf16 GEMM inputs, its loss falls below 0.9 x the first step's, and the
+# first step is within 1e-2 of the fp32 program's (bf16_losses).
+bf16_train() {
+  local name=$1 steps=$2 why kind
+  if ! why=$(model "$name"); then bad "gpu model $name: binaries" "$why"; return; fi
   for kind in cpu cuda; do
-    if ! (cd "$WORK" && timeout 300 "$MODELS_DIR/tiny_bf16.$kind" --steps 20 >"tiny_bf16.$kind.out" 2>&1 </dev/null); then
-      bad "gpu model tiny_bf16: the $kind binary failed" "$(tail -n 20 "$WORK/tiny_bf16.$kind.out")"
+    if ! (cd "$WORK" && timeout 300 "$MODELS_DIR/$name.$kind" --steps "$steps" >"$name.$kind.out" 2>&1 </dev/null); then
+      bad "gpu model $name: the $kind binary failed" "$(tail -n 20 "$WORK/$name.$kind.out")"
       return
     fi
   done
-  if grep -q 'bf16 GEMM inputs' "$WORK/tiny_bf16.cuda.out"; then
-    bf16_losses "gpu model tiny_bf16 (dtype bf16)" "$WORK/tiny_bf16.cpu.out" "$WORK/tiny_bf16.cuda.out"
+  if grep -q 'bf16 GEMM inputs' "$WORK/$name.cuda.out"; then
+    bf16_losses "gpu model $name (dtype bf16)" "$WORK/$name.cpu.out" "$WORK/$name.cuda.out" "$steps"
   else
-    bad "gpu model tiny_bf16: the binary does not say it computes with bf16 GEMM inputs" "$(head -n 3 "$WORK/tiny_bf16.cuda.out")"
+    bad "gpu model $name: the binary does not say it computes with bf16 GEMM inputs" "$(head -n 3 "$WORK/$name.cuda.out")"
   fi
-  # The language model in bf16: gpt_moe_bytes (its .cpu fp32) trains 100 steps on its synthetic
-  # token windows (warm-up 30 steps), the loss falls below 0.9 x the first step's (on the fake
-  # device 5.59 -> 1.23, fp32 5.59 -> 1.25), the first within 1e-2 of the fp32 CPU program's.
-  if why=$(model gpt_moe_bytes_bf16); then
-    local lm_ok=true
-    for kind in cpu cuda; do
-      if ! (cd "$WORK" && timeout 300 "$MODELS_DIR/gpt_moe_bytes_bf16.$kind" --steps 100 >"lm_bf16.$kind.out" 2>&1 </dev/null); then
-        bad "gpu model gpt_moe_bytes_bf16: the $kind binary failed" "$(tail -n 20 "$WORK/lm_bf16.$kind.out")"
-        lm_ok=false
-        break
-      fi
-    done
-    if $lm_ok && grep -q 'bf16 GEMM inputs' "$WORK/lm_bf16.cuda.out"; then
-      bf16_losses "gpu model gpt_moe_bytes_bf16 (dtype bf16)" "$WORK/lm_bf16.cpu.out" "$WORK/lm_bf16.cuda.out" 100
-    elif $lm_ok; then
-      bad "gpu model gpt_moe_bytes_bf16: the binary does not say it computes with bf16 GEMM inputs" "$(head -n 3 "$WORK/lm_bf16.cuda.out")"
-    fi
-  else
-    bad "gpu model gpt_moe_bytes_bf16: binaries" "$why"
-  fi
+}
+
+# dtype bf16 on the GPU: tiny_bf16's 20 steps and the language model's 100 (gpt_moe_bytes on its
+# synthetic token windows, warm-up 30 steps: on the fake device 5.59 -> 1.23, fp32 5.59 -> 1.25)
+# against the fp32 CPU binaries'; tinyq_bf16's --dump.
+bf16_checks() {
+  local why kind
+  bf16_train tiny_bf16 20
+  bf16_train gpt_moe_bytes_bf16 100
   if ! why=$(model tinyq_bf16); then bad "gpu model tinyq_bf16: binaries" "$why"; return; fi
   for kind in cpu cuda; do
     if ! (cd "$WORK" && timeout 300 "$MODELS_DIR/tinyq_bf16.$kind" --steps 1 --dump "tinyq_bf16.$kind.dump" \

@@ -43,8 +43,8 @@ for expert in gpt mixtral; do
         for k in 1 2 4; do
           layers+=("$gate { k $k; capacity $cap; noise 0.5; aux_loss 0.1; z_loss 0.01; $extra }|8")
         done
-        name=matrix_${order}_${expert}_${gate}${cap/./}
-        name=${name%0}
+        tag=4; [ $cap = 0.6 ] && tag=06
+        name=matrix_${order}_${expert}_${gate}$tag
         stack $order "$eblock" "${layers[@]}" >"$dir/$name.moe"
         echo "$name"
       done
