@@ -31,12 +31,15 @@
 // producer's event (events are numbered over the module). Function boundaries are full
 // synchronisations.
 //
-// Execution: the generated program still runs every op in program order on one thread
-// (codegen/emit_c.c ignores streams and events). The chunked program is correct without
-// overlap — chunks execute one after the other, equal to r = 1 up to round-off — and memplan
-// reuses buffers by program order, which is only valid for that in-order execution. Overlap
-// across streams (an executor honouring the events, and a memplan that respects them) is a
-// later step.
+// Issue order: every chunk's dispatch part (its slice, dispatch AlltoAll, layouts, ESP
+// AllGather) comes before every chunk's experts and combine (issue_order below), so that each
+// communication stream runs D1..Dr (G1..Gr) and then the combines, as the planner's model and
+// simulator assume.
+//
+// Execution: codegen turns a function with ops on the intra or inter stream into a task table
+// that runtime/streams.c runs with one thread per stream, honouring the events (memplan gives
+// such functions no buffer reuse inside them); without threads the tasks run in program order,
+// which is a valid order too: chunks are equal to r = 1 up to round-off (tests/mpi/chunks.sh).
 #include <stdlib.h>
 #include <string.h>
 
@@ -140,6 +143,42 @@ static int64_t chunk_count(int64_t c, int64_t r) {
   return r < c ? r : c;
 }
 
+// A layout op or a collective: what a chunk runs before its experts.
+static bool dispatch_side(const IrOp *op) {
+  return ir_op_is_collective(op->kind) || op->kind == IR_OP_LAYOUT_CHUNK ||
+         op->kind == IR_OP_LAYOUT_EXPERT_MAJOR || op->kind == IR_OP_LAYOUT_RANK_MAJOR;
+}
+
+// The issue order of the chunks, which each stream keeps (runtime/streams.c runs a stream's
+// tasks in program order, as a CUDA stream does): chunk j's ops out[starts[j] .. starts[j+1])
+// are its dispatch part (its ops up to the last collective before its first expert op: the
+// slice, the dispatch AlltoAll, the layouts, the ESP AllGather) and the rest. Every chunk's
+// dispatch part goes first, then every chunk's rest: the communication streams then run D1..Dr
+// (G1..Gr) before the combines, as the planner's model and simulator assume (sched/sched_sim.c).
+// In the order of the chunks one after the other, the combine of chunk 1 would sit on the inter
+// stream in front of the dispatch of chunk 2 and hold it until chunk 1's experts are done: no
+// overlap at all. A chunk reads only its own values and values made before the region, so the
+// new order is still a valid program order.
+static void issue_order(OpList *out, const int *starts, int r) {
+  int n = starts[r] - starts[0];
+  IrOp **ops = malloc(sizeof *ops * (size_t)(n > 0 ? n : 1));
+  int *split = malloc(sizeof *split * (size_t)r);
+  if (!ops || !split) abort();
+  for (int j = 0; j < r; j++) {
+    split[j] = starts[j];
+    for (int i = starts[j]; i < starts[j + 1] && dispatch_side(out->ops[i]); i++)
+      if (ir_op_is_collective(out->ops[i]->kind)) split[j] = i + 1;
+  }
+  int k = 0;
+  for (int j = 0; j < r; j++)
+    for (int i = starts[j]; i < split[j]; i++) ops[k++] = out->ops[i];
+  for (int j = 0; j < r; j++)
+    for (int i = split[j]; i < starts[j + 1]; i++) ops[k++] = out->ops[i];
+  memcpy(out->ops + starts[0], ops, sizeof *ops * (size_t)n);
+  free(ops);
+  free(split);
+}
+
 // Splits f's expert region into r chunks. True when done or when f has nothing to chunk.
 static bool chunk_func(Sched *S, IrFunc *f, int64_t r_want) {
   IrModule *m = S->m;
@@ -207,8 +246,11 @@ static bool chunk_func(Sched *S, IrFunc *f, int64_t r_want) {
     if (cls[i] == 3) push(&post, f->ops[i]);
   }
   for (int i = 0; i < pre.n; i++) push(&out, pre.ops[i]);
-  // The chunks, one after the other.
+  // The chunks, one after the other (issue_order then puts every chunk's dispatch first).
+  int *starts = calloc((size_t)r + 1, sizeof *starts);
+  if (!starts) abort();
   for (int64_t j = 0; ok && j < r; j++) {
+    starts[j] = out.n;
     IrValue **slices = calloc((size_t)n0 + (size_t)(f->saves ? f->saves->nvalues : 0), sizeof *slices);
     IrOp *cut = new_op(S, f, IR_OP_LAYOUT_CHUNK, ir_strfmt(m, "%s.c%lld", entry->name, (long long)j));
     ir_op_arg(cut, entry);
@@ -260,6 +302,9 @@ static bool chunk_func(Sched *S, IrFunc *f, int64_t r_want) {
     }
     free(slices);
   }
+  starts[r] = out.n;
+  if (ok) issue_order(&out, starts, (int)r);
+  free(starts);
   // Partial sums added up, chunk values the rest of the step reads assembled: the last op of
   // each chain defines the original value.
   for (int i = lo; ok && i <= hi; i++) {
@@ -344,6 +389,10 @@ static void place_grad_allreduces(IrFunc *f) {
       last_chunk = f->ops[i]->chunk;
       at = i;
     }
+  // ... and the rest of that chunk's dispatch part (layouts, its ESP AllGather): "Dr Gr [AR]".
+  while (at + 1 < k && f->ops[at + 1]->chunk == last_chunk && dispatch_side(f->ops[at + 1]) &&
+         f->ops[at + 1]->kind != IR_OP_COMM_ALLTOALL)
+    at++;
   memmove(&f->ops[at + 1 + nmoved], &f->ops[at + 1], sizeof *f->ops * (size_t)(k - at - 1));
   memcpy(&f->ops[at + 1], moved, sizeof *moved * (size_t)nmoved);
   for (int i = 0; i < f->nops; i++) f->ops[i]->index = i;

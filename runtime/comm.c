@@ -61,10 +61,13 @@
 #include <mpi.h>
 
 #include <limits.h>
+#include <pthread.h>
+#include <stdatomic.h>
 #include <stdarg.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <time.h>
 #include <unistd.h>
 
 #include "moert.h"
@@ -78,6 +81,9 @@ typedef struct Hierarchy {
 } Hierarchy;
 
 typedef struct Group {
+  RtGroup id;
+  const char *what;      // the collective running on it now, for the timeout's message
+  int64_t began;         //   and when it started (one at a time per group: MPI's rule)
   MPI_Comm comm;
   int rank, size;
   Hierarchy hier;
@@ -125,8 +131,12 @@ _Noreturn void rt_comm_abort(const char *fmt, ...) {
   fprintf(stderr, "moert: error: rank %d on %s: %s\n", rank, host, msg);
   fflush(stderr);
   fflush(stdout);
-  if (mpi_up && size > 1)
+  if (mpi_up && size > 1) {
+    // MPI_Abort asks mpirun to end the job; should mpirun be out of reach (a cut link), the
+    // alarm ends this process anyway.
+    alarm(10);
     MPI_Abort(MPI_COMM_WORLD, 1);
+  }
   exit(1);
 }
 
@@ -142,6 +152,84 @@ void rt_mpi_check(int err, const char *call, const char *file, int line) {
   int name_len = (int)strcspn(call, "(");
   rt_comm_abort("%.*s failed at %s:%d: %s", name_len, call, file, line, text);
 }
+
+// ---- waiting ----
+//
+// Every collective is a nonblocking MPI call finished by finish() (rt_internal.h says the
+// policy): Open MPI progresses its TCP transport and its nonblocking collectives only inside MPI
+// calls, so the waiter tests; between tests it sleeps, so that on a rank whose streams share a
+// core the communication threads do not take the compute thread's time. A rank whose peer or
+// link is gone would wait forever in MPI (TCP retransmits for minutes): the deadline turns that
+// into an error naming the collective.
+
+enum { WAIT_SLEEP, WAIT_SPIN };
+
+static struct {
+  pthread_once_t once;
+  int mode;
+  int64_t poll_ns;          // the longest sleep between two tests
+  _Atomic int64_t timeout_ns;   // <= 0: no deadline
+} waiting = {.once = PTHREAD_ONCE_INIT};
+
+static void waiting_from_env(void) {
+  const char *mode = getenv("MOERT_COMM_WAIT"), *poll = getenv("MOERT_COMM_POLL_US"),
+             *timeout = getenv("MOERT_COMM_TIMEOUT");
+  waiting.mode = mode && strcmp(mode, "spin") == 0 ? WAIT_SPIN : WAIT_SLEEP;
+  double us = poll ? atof(poll) : 200.0;
+  waiting.poll_ns = us >= 1 ? (int64_t)(us * 1e3) : 200000;
+  double s = timeout ? atof(timeout) : 30.0;
+  if (!timeout || s >= 0)
+    atomic_store(&waiting.timeout_ns, (int64_t)(s * 1e9));
+}
+
+static void waiting_init(void) { pthread_once(&waiting.once, waiting_from_env); }
+
+void rt_comm_set_timeout(double seconds) {
+  waiting_init();
+  atomic_store(&waiting.timeout_ns, seconds > 0 ? (int64_t)(seconds * 1e9) : 0);
+}
+
+double rt_comm_timeout(void) {
+  waiting_init();
+  return (double)atomic_load(&waiting.timeout_ns) * 1e-9;
+}
+
+// Completes req, a step of the collective `what` on group g that began at `began` (ns).
+static void finish(MPI_Request *req, const char *what, RtGroup g, int64_t began) {
+  int done = 0;
+  MPI_CHECK(MPI_Test(req, &done, MPI_STATUS_IGNORE));
+  if (done)
+    return;
+  int64_t timeout = atomic_load_explicit(&waiting.timeout_ns, memory_order_relaxed);
+  int64_t nap = 2000;   // ns; doubles up to poll_ns
+  for (long tries = 1;; tries++) {
+    MPI_CHECK(MPI_Test(req, &done, MPI_STATUS_IGNORE));
+    if (done)
+      return;
+    if ((tries & 63) == 0 || waiting.mode == WAIT_SLEEP) {
+      int64_t waited = rt_mono_ns() - began;
+      if (timeout > 0 && waited > timeout)
+        rt_comm_abort("the %s on the %s group has not completed after %.0f s: a link or a rank of "
+                      "the job is down, or the network is far slower than the job allows "
+                      "(--comm-timeout SECONDS sets the limit, 0 waits forever)", what,
+                      group_names[g], (double)waited * 1e-9);
+    }
+    if (waiting.mode == WAIT_SPIN || tries < 16)
+      continue;
+    struct timespec ts = {0, (long)nap};
+    nanosleep(&ts, NULL);
+    if (nap < waiting.poll_ns)
+      nap = nap * 2 < waiting.poll_ns ? nap * 2 : waiting.poll_ns;
+  }
+}
+
+// Runs one nonblocking MPI call and waits for it: NB(MPI_Ialltoall(..., &req)).
+#define NB(gr, call)                                                                               \
+  do {                                                                                             \
+    MPI_Request req;                                                                               \
+    MPI_CHECK(call);                                                                               \
+    finish(&req, (gr)->what, (gr)->id, (gr)->began);                                               \
+  } while (0)
 
 static void *workspace(Group *gr, size_t floats) {
   if (floats > gr->work_floats) {
@@ -278,6 +366,7 @@ static void build_group(RtComm *c, RtGroup g, MPI_Comm world, int *members) {
   Group *gr = &c->group[g];
   const RtLayout *l = &c->layout;
   int r = c->world_rank;
+  gr->id = g;
   gr->comm = split(world, group_color(l, g, r), r);
   MPI_CHECK(MPI_Comm_rank(gr->comm, &gr->rank));
   MPI_CHECK(MPI_Comm_size(gr->comm, &gr->size));
@@ -305,6 +394,7 @@ static void release_mpi(void) {
 }
 
 RtComm *rt_comm_create(const RtLayout *layout, int nodes) {
+  waiting_init();
   int initialized = 0, finalized = 0, thread_level = MPI_THREAD_SINGLE;
   MPI_Initialized(&initialized);
   MPI_Finalized(&finalized);
@@ -552,12 +642,12 @@ static int slice_len(int64_t o, int64_t count, int64_t limit) {
 
 static void alltoall_flat(Group *gr, const float *send, float *recv, int64_t count, int64_t max_chunk) {
   if (count <= max_chunk) {
-    MPI_CHECK(MPI_Alltoall(send, (int)count, MPI_FLOAT, recv, (int)count, MPI_FLOAT, gr->comm));
+    NB(gr, MPI_Ialltoall(send, (int)count, MPI_FLOAT, recv, (int)count, MPI_FLOAT, gr->comm, &req));
     return;
   }
   for (int64_t o = 0; o < count; o += max_chunk) {
     MPI_Datatype slice = block_slice(slice_len(o, count, max_chunk), count);
-    MPI_CHECK(MPI_Alltoall(send + o, 1, slice, recv + o, 1, slice, gr->comm));
+    NB(gr, MPI_Ialltoall(send + o, 1, slice, recv + o, 1, slice, gr->comm, &req));
     MPI_CHECK(MPI_Type_free(&slice));
   }
 }
@@ -599,7 +689,7 @@ static void alltoall_1dh(Group *gr, const float *send, float *recv, int64_t coun
     src = mine;
   }
   // gathered[l][dst]: the whole send buffer of local member l.
-  MPI_CHECK(MPI_Gather(src, (int)all, MPI_FLOAT, gathered, (int)all, MPI_FLOAT, 0, h->intra));
+  NB(gr, MPI_Igather(src, (int)all, MPI_FLOAT, gathered, (int)all, MPI_FLOAT, 0, h->intra, &req));
   if (local == 0) {
     // staged[n'][l][l'] = gathered[l][n'*L + l']: per destination node, from each local source
     // to each of its members.
@@ -609,7 +699,7 @@ static void alltoall_1dh(Group *gr, const float *send, float *recv, int64_t coun
                gathered + ((size_t)l * P + (size_t)node * L) * block, L * block * sizeof(float));
     // gathered[n][l][l'] afterwards: from source member n*L + l to local member l'.
     int exchanged = L * L * len;
-    MPI_CHECK(MPI_Alltoall(staged, exchanged, MPI_FLOAT, gathered, exchanged, MPI_FLOAT, h->inter));
+    NB(gr, MPI_Ialltoall(staged, exchanged, MPI_FLOAT, gathered, exchanged, MPI_FLOAT, h->inter, &req));
     // staged[l'][n*L + l]: what local member l' receives, in source order.
     for (int to = 0; to < L; to++)
       for (int from = 0; from < P; from++)
@@ -617,7 +707,7 @@ static void alltoall_1dh(Group *gr, const float *send, float *recv, int64_t coun
                block * sizeof(float));
   }
   float *dst = sliced ? mine : recv;
-  MPI_CHECK(MPI_Scatter(staged, (int)all, MPI_FLOAT, dst, (int)all, MPI_FLOAT, 0, h->intra));
+  NB(gr, MPI_Iscatter(staged, (int)all, MPI_FLOAT, dst, (int)all, MPI_FLOAT, 0, h->intra, &req));
   if (sliced)
     unpack_slices(recv, mine, P, count, o, len);
 }
@@ -637,7 +727,7 @@ static void alltoall_2dh(Group *gr, const float *send, float *recv, int64_t coun
       memcpy(a + ((size_t)to_local * N + node) * block,
              send + ((int64_t)node * L + to_local) * count + o, block * sizeof(float));
   // b[l][n'] afterwards: from local member l to member n'*L + (my local index).
-  MPI_CHECK(MPI_Alltoall(a, N * len, MPI_FLOAT, b, N * len, MPI_FLOAT, h->intra));
+  NB(gr, MPI_Ialltoall(a, N * len, MPI_FLOAT, b, N * len, MPI_FLOAT, h->intra, &req));
   // The stride transform: a[n'][l] = b[l][n'], blocks for the same destination node together.
   for (int node = 0; node < N; node++)
     for (int from_local = 0; from_local < L; from_local++)
@@ -645,14 +735,13 @@ static void alltoall_2dh(Group *gr, const float *send, float *recv, int64_t coun
              b + ((size_t)from_local * N + node) * block, block * sizeof(float));
   // [n][l] afterwards: from member n*L + l, which is source order.
   float *dst = sliced ? b : recv;
-  MPI_CHECK(MPI_Alltoall(a, L * len, MPI_FLOAT, dst, L * len, MPI_FLOAT, h->inter));
+  NB(gr, MPI_Ialltoall(a, L * len, MPI_FLOAT, dst, L * len, MPI_FLOAT, h->inter, &req));
   if (sliced)
     unpack_slices(recv, b, P, count, o, len);
 }
 
-void rt_alltoall(RtComm *c, RtGroup g, RtA2aAlgo algo, const float *send, float *recv,
+static void alltoall_on(Group *gr, RtComm *c, RtGroup g, RtA2aAlgo algo, const float *send, float *recv,
                  int64_t count) {
-  Group *gr = active_group(c, g, "rt_alltoall", count);
   if (algo != RT_A2A_FLAT && algo != RT_A2A_1DH && algo != RT_A2A_2DH)
     rt_comm_abort("internal error: rt_alltoall with unknown algorithm %d", (int)algo);
   if (!gr || gr->size == 1) {
@@ -681,66 +770,61 @@ void rt_alltoall(RtComm *c, RtGroup g, RtA2aAlgo algo, const float *send, float 
   }
 }
 
-void rt_allgather(RtComm *c, RtGroup g, const float *send, float *recv, int64_t count) {
-  Group *gr = active_group(c, g, "rt_allgather", count);
+static void allgather_on(Group *gr, RtComm *c, RtGroup g, const float *send, float *recv, int64_t count) {
   if (!gr || gr->size == 1) {
     copy_floats(recv, send, count);
     return;
   }
   int64_t max_chunk = c->max_chunk;
   if (count <= max_chunk) {
-    MPI_CHECK(MPI_Allgather(send, (int)count, MPI_FLOAT, recv, (int)count, MPI_FLOAT, gr->comm));
+    NB(gr, MPI_Iallgather(send, (int)count, MPI_FLOAT, recv, (int)count, MPI_FLOAT, gr->comm, &req));
     return;
   }
   for (int64_t o = 0; o < count; o += max_chunk) {
     int len = slice_len(o, count, max_chunk);
     MPI_Datatype slice = block_slice(len, count);
-    MPI_CHECK(MPI_Allgather(send + o, len, MPI_FLOAT, recv + o, 1, slice, gr->comm));
+    NB(gr, MPI_Iallgather(send + o, len, MPI_FLOAT, recv + o, 1, slice, gr->comm, &req));
     MPI_CHECK(MPI_Type_free(&slice));
   }
 }
 
-void rt_reducescatter(RtComm *c, RtGroup g, const float *send, float *recv, int64_t count) {
-  Group *gr = active_group(c, g, "rt_reducescatter", count);
+static void reducescatter_on(Group *gr, RtComm *c, RtGroup g, const float *send, float *recv, int64_t count) {
   if (!gr || gr->size == 1) {
     copy_floats(recv, send, count);
     return;
   }
   int64_t max_chunk = c->max_chunk;
   if (count <= max_chunk) {
-    MPI_CHECK(MPI_Reduce_scatter_block(send, recv, (int)count, MPI_FLOAT, MPI_SUM, gr->comm));
+    NB(gr, MPI_Ireduce_scatter_block(send, recv, (int)count, MPI_FLOAT, MPI_SUM, gr->comm, &req));
     return;
   }
   for (int64_t o = 0; o < count; o += max_chunk) {
     int len = slice_len(o, count, max_chunk);
     for (int to = 0; to < gr->size; to++)
-      MPI_CHECK(MPI_Reduce(send + to * count + o, to == gr->rank ? recv + o : NULL, len, MPI_FLOAT,
-                           MPI_SUM, to, gr->comm));
+      NB(gr, MPI_Ireduce(send + to * count + o, to == gr->rank ? recv + o : NULL, len, MPI_FLOAT,
+                         MPI_SUM, to, gr->comm, &req));
   }
 }
 
-void rt_allreduce(RtComm *c, RtGroup g, float *buf, int64_t n) {
-  Group *gr = active_group(c, g, "rt_allreduce", n);
+static void allreduce_on(Group *gr, RtComm *c, RtGroup g, float *buf, int64_t n) {
   if (!gr || gr->size == 1)
     return;
   int64_t max_chunk = c->max_chunk;
   for (int64_t o = 0; o < n; o += max_chunk)
-    MPI_CHECK(MPI_Allreduce(MPI_IN_PLACE, buf + o, slice_len(o, n, max_chunk), MPI_FLOAT, MPI_SUM,
-                            gr->comm));
+    NB(gr, MPI_Iallreduce(MPI_IN_PLACE, buf + o, slice_len(o, n, max_chunk), MPI_FLOAT, MPI_SUM,
+                          gr->comm, &req));
 }
 
-void rt_allreduce_f64(RtComm *c, RtGroup g, double *buf, int64_t n) {
-  Group *gr = active_group(c, g, "rt_allreduce_f64", n);
+static void allreduce_f64_on(Group *gr, RtComm *c, RtGroup g, double *buf, int64_t n) {
   if (!gr || gr->size == 1)
     return;
   int64_t max_chunk = c->max_chunk;
   for (int64_t o = 0; o < n; o += max_chunk)
-    MPI_CHECK(MPI_Allreduce(MPI_IN_PLACE, buf + o, slice_len(o, n, max_chunk), MPI_DOUBLE, MPI_SUM,
-                            gr->comm));
+    NB(gr, MPI_Iallreduce(MPI_IN_PLACE, buf + o, slice_len(o, n, max_chunk), MPI_DOUBLE, MPI_SUM,
+                          gr->comm, &req));
 }
 
-void rt_bcast(RtComm *c, RtGroup g, void *buf, int64_t bytes, int root) {
-  Group *gr = active_group(c, g, "rt_bcast", bytes);
+static void bcast_on(Group *gr, RtComm *c, RtGroup g, void *buf, int64_t bytes, int root) {
   int size = gr ? gr->size : 1;
   if (root < 0 || root >= size)
     rt_comm_abort("internal error: rt_bcast from root %d in a %s group of %d", root,
@@ -749,5 +833,58 @@ void rt_bcast(RtComm *c, RtGroup g, void *buf, int64_t bytes, int root) {
     return;
   int64_t max_chunk = c->max_chunk;
   for (int64_t o = 0; o < bytes; o += max_chunk)
-    MPI_CHECK(MPI_Bcast((char *)buf + o, slice_len(o, bytes, max_chunk), MPI_BYTE, root, gr->comm));
+    NB(gr, MPI_Ibcast((char *)buf + o, slice_len(o, bytes, max_chunk), MPI_BYTE, root, gr->comm, &req));
+}
+
+// The entry points: the group, the deadline's clock and --profile's record around each.
+
+static Group *begin(RtComm *c, RtGroup g, const char *who, const char *what, int64_t count) {
+  Group *gr = active_group(c, g, who, count);
+  if (gr) {
+    gr->what = what;
+    gr->began = rt_mono_ns();
+  }
+  return gr;
+}
+
+static void end(const Group *gr) {
+  if (gr && gr->size > 1)
+    rt_prof_comm(gr->began, rt_mono_ns());
+}
+
+void rt_alltoall(RtComm *c, RtGroup g, RtA2aAlgo algo, const float *send, float *recv,
+                 int64_t count) {
+  Group *gr = begin(c, g, "rt_alltoall", "AlltoAll", count);
+  alltoall_on(gr, c, g, algo, send, recv, count);
+  end(gr);
+}
+
+void rt_allgather(RtComm *c, RtGroup g, const float *send, float *recv, int64_t count) {
+  Group *gr = begin(c, g, "rt_allgather", "AllGather", count);
+  allgather_on(gr, c, g, send, recv, count);
+  end(gr);
+}
+
+void rt_reducescatter(RtComm *c, RtGroup g, const float *send, float *recv, int64_t count) {
+  Group *gr = begin(c, g, "rt_reducescatter", "ReduceScatter", count);
+  reducescatter_on(gr, c, g, send, recv, count);
+  end(gr);
+}
+
+void rt_allreduce(RtComm *c, RtGroup g, float *buf, int64_t n) {
+  Group *gr = begin(c, g, "rt_allreduce", "AllReduce", n);
+  allreduce_on(gr, c, g, buf, n);
+  end(gr);
+}
+
+void rt_allreduce_f64(RtComm *c, RtGroup g, double *buf, int64_t n) {
+  Group *gr = begin(c, g, "rt_allreduce_f64", "AllReduce", n);
+  allreduce_f64_on(gr, c, g, buf, n);
+  end(gr);
+}
+
+void rt_bcast(RtComm *c, RtGroup g, void *buf, int64_t bytes, int root) {
+  Group *gr = begin(c, g, "rt_bcast", "Bcast", bytes);
+  bcast_on(gr, c, g, buf, bytes, root);
+  end(gr);
 }

@@ -76,13 +76,14 @@ typedef struct Options {
   const char *data, *val, *prompt;
   int64_t eval_every, val_windows, sample;
   double temperature;
+  double comm_timeout;          // seconds; < 0: not given
 } Options;
 
 static void usage(FILE *out, const RtModel *model, const char *prog) {
   fprintf(out,
           "usage: %s [--steps N] [--weights W.safetensors] [--save C.safetensors] [--resume C]\n"
           "       %*s [--input x.npy] [--target t.npy] [--dump DIR] [--record FILE]\n"
-          "       %*s [--check-grad] [--quiet] [--profile]\n"
+          "       %*s [--check-grad] [--quiet] [--profile] [--comm-timeout S]\n"
           "Trains the MoE model '%s' (inputs [%lld, %lld, %lld] per data-parallel rank) and "
           "prints one line per step.\n"
           "  --steps N        train until step N, counting resumed steps (default 20); with "
@@ -124,7 +125,11 @@ static void usage(FILE *out, const RtModel *model, const char *prog) {
           "  --temperature T  sampling temperature (default 1; 0 takes the likeliest token)\n"
           "  --quiet          do not print the per-step lines\n"
           "  --profile        after training, the median whole step (data, forward, backward,\n"
-          "                   update) of steps 2..N and its share in GEMMs (rank 0's)\n"
+          "                   update) of steps 2..N, its share in GEMMs, and the time collectives\n"
+          "                   were in flight per step with the share of it hidden behind\n"
+          "                   computation (rank 0's)\n"
+          "  --comm-timeout S end the job when a collective has not completed after S seconds\n"
+          "                   (a cut link, a dead rank; default 30, 0 waits forever)\n"
           "  --help           print this message\n",
           prog, (int)strlen(prog), "", (int)strlen(prog), "", model->name,
           (long long)model->batch, (long long)model->seqlen, (long long)model->embed, model->name);
@@ -140,7 +145,7 @@ static int by_double(const void *a, const void *b) {
 //            | "--help")*
 // A value may also follow "=": --steps=5.
 static int parse_options(int argc, char **argv, Options *o) {
-  *o = (Options){.steps = 20, .temperature = 1.0};
+  *o = (Options){.steps = 20, .temperature = 1.0, .comm_timeout = -1};
   for (int i = 1; i < argc; i++) {
     const char *arg = argv[i];
     if (strcmp(arg, "--check-grad") == 0) {
@@ -162,11 +167,13 @@ static int parse_options(int argc, char **argv, Options *o) {
     static const char *const valued[] = {"--steps", "--weights", "--save", "--resume",
                                          "--input", "--target",  "--dump", "--record",
                                          "--data", "--val", "--prompt", "--eval-every",
-                                         "--val-windows", "--sample", "--temperature"};
+                                         "--val-windows", "--sample", "--temperature",
+                                         "--comm-timeout"};
     const char **slots[] = {NULL,       &o->weights, &o->save, &o->resume,
                             &o->input, &o->target,  &o->dump, &o->record,
                             &o->data,  &o->val,     &o->prompt, NULL,
-                            NULL,      NULL,        NULL};
+                            NULL,      NULL,        NULL,
+                            NULL};
     int64_t *counts[] = {&o->steps, &o->eval_every, &o->val_windows, &o->sample};
     enum { NVALUED = sizeof valued / sizeof *valued };
     int which = -1;
@@ -202,6 +209,13 @@ static int parse_options(int argc, char **argv, Options *o) {
       if (errno || *end || end == value || !(t >= 0) || t > 1e6)
         return rt_fail("--temperature needs a number of at least 0, not '%s'", value);
       o->temperature = t;
+    } else if (which == 15) {
+      char *end;
+      errno = 0;
+      double t = strtod(value, &end);
+      if (errno || *end || end == value || !(t >= 0) || t > 1e7)
+        return rt_fail("--comm-timeout needs a number of seconds of at least 0, not '%s'", value);
+      o->comm_timeout = t;
     } else {
       *slots[which] = value;
     }
@@ -705,8 +719,9 @@ static int train(Trainer *tr) {
   // --profile: whole steps (from the data to the update) after the first, and their GEMM time.
   int64_t nprof = 0;
   double *prof = tr->opt.profile ? calloc((size_t)(last - first + 1 > 0 ? last - first + 1 : 1), sizeof *prof) : NULL;
-  double prof_gemm = 0, prof_total = 0;
+  double prof_gemm = 0, prof_total = 0, prof_comm = 0, prof_hidden = 0;
   rt_gemm_profile(prof != NULL);
+  rt_prof_enable(prof != NULL);
   for (int64_t t = first; t <= last; t++) {
     double t_start = now_ms();
     rt_gemm_ns_take();
@@ -730,6 +745,13 @@ static int train(Trainer *tr) {
       prof[nprof++] = t3 - t_start;
       prof_total += t3 - t_start;
       prof_gemm += (double)rt_gemm_ns_take() * 1e-6;
+      double comm_ms, hidden_ms;
+      rt_prof_take(&comm_ms, &hidden_ms);
+      prof_comm += comm_ms;
+      prof_hidden += hidden_ms;
+    } else if (prof) {
+      double ignored[2];
+      rt_prof_take(&ignored[0], &ignored[1]);
     }
     tr->done_steps = t;
     double ms = (t1 - t0) + (t3 - t2);
@@ -768,11 +790,16 @@ static int train(Trainer *tr) {
     }
   }
   rt_gemm_profile(false);
+  rt_prof_enable(false);
   if (prof && root && nprof > 0) {
     qsort(prof, (size_t)nprof, sizeof *prof, by_double);
     printf("# profile: steps %lld..%lld, median whole step %.3f ms (data, forward, backward, update), "
            "GEMM %.1f %% of the steps' time (%.3f ms per step)\n", (long long)first + 1, (long long)last,
            prof[nprof / 2], 100.0 * prof_gemm / prof_total, prof_gemm / (double)nprof);
+    if (tr->ranks.world > 1)
+      printf("# profile: communication %.3f ms per step (%.1f %% of the steps' time), %.1f %% of it "
+             "hidden behind computation\n", prof_comm / (double)nprof, 100.0 * prof_comm / prof_total,
+             prof_comm > 0 ? 100.0 * prof_hidden / prof_comm : 0.0);
   } else if (prof && root) {
     printf("# profile: train at least 2 steps (the first is not counted)\n");
   }
@@ -1181,6 +1208,8 @@ int rt_main(const RtModel *model, int argc, char **argv) {
   }
   if (check_model(model) != 0 || check_options(model, &opt) != 0)
     return speaker ? report_error() : 1;
+  if (opt.comm_timeout >= 0)
+    rt_comm_set_timeout(opt.comm_timeout);
   // rt_comm_create reports a layout that does not fit the world itself, once.
   RtComm *comm = rt_comm_create(&model->layout, model->nodes);
   if (!comm)

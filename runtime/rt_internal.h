@@ -44,6 +44,31 @@ RtFault rt_fault_from_env(void);
 // Where a step may die: the driver calls it once per step, between forward and backward.
 void rt_fault_point(const RtFault *f, int rank, int64_t step);
 
+// ---- --profile's communication figures (profile.c) ----
+// CLOCK_MONOTONIC in ns.
+int64_t rt_mono_ns(void);
+// Starts (and clears) or stops recording. While on, comm.c records every collective and
+// streams.c every wait of the compute thread; rt_prof_take gives, since the last take, the
+// time any collective was in flight (comm) and the part of it the compute thread spent
+// computing (hidden), in ms, and clears the record.
+void rt_prof_enable(bool on);
+bool rt_prof_on(void);
+void rt_prof_set_worker(void);               // this thread runs an intra or inter stream
+void rt_prof_comm(int64_t t0_ns, int64_t t1_ns);
+void rt_prof_idle(int64_t t0_ns, int64_t t1_ns);
+void rt_prof_take(double *comm_ms, double *hidden_ms);
+
+// ---- waiting for collectives (comm.c) ----
+// Collectives are nonblocking MPI calls completed by polling MPI_Test: `sleep` (the default)
+// spins for a few microseconds, then sleeps between tests with a backoff up to poll_us, so that
+// a rank's waiting threads leave its cores to the compute thread; `spin` tests without
+// sleeping (MPI_Wait's behaviour). A collective that has not completed after timeout_s seconds
+// (<= 0: never) ends the job with a sentence naming it, its group and the time waited.
+// Defaults: sleep, 500 us, 30 s; MOERT_COMM_WAIT=spin|sleep, MOERT_COMM_POLL_US and
+// MOERT_COMM_TIMEOUT override them, and rt_main's --comm-timeout overrides the timeout.
+void rt_comm_set_timeout(double seconds);
+double rt_comm_timeout(void);
+
 // ---- routing statistics (kernels.c) ----
 // Adds the per-expert loads of one layer (load[e]: tokens or choices kept by each expert) to
 // st's load_min / load_max / load_sum / load_count. st may be NULL.

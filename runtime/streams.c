@@ -72,11 +72,15 @@ void rt_streams_destroy(RtStreams *ex) {
   free(ex);
 }
 
+// A wait of the compute stream's thread is idle time for --profile (profile.c; the workers'
+// waits are not counted there).
 static void wait_event(RtStreams *ex, int e) {
   if (atomic_load_explicit(&ex->events[e], memory_order_acquire)) return;
+  int64_t t0 = rt_prof_on() ? rt_mono_ns() : 0;
   pthread_mutex_lock(&ex->mu);
   while (!atomic_load_explicit(&ex->events[e], memory_order_acquire)) pthread_cond_wait(&ex->cv, &ex->mu);
   pthread_mutex_unlock(&ex->mu);
+  if (t0) rt_prof_idle(t0, rt_mono_ns());
 }
 
 static void record_event(RtStreams *ex, int e) {
@@ -101,6 +105,7 @@ static void *worker_main(void *arg) {
   RtStreams *ex = me->ex;
   int s = me->stream;
   unsigned seen = 0;
+  rt_prof_set_worker();
   for (;;) {
     pthread_mutex_lock(&ex->mu);
     while (ex->gen[s] == seen && !ex->stopping) pthread_cond_wait(&ex->cv, &ex->mu);
@@ -158,7 +163,9 @@ void rt_run_streams(RtStreams *ex, RtStep *st, const RtTask *tasks, int ntasks, 
   pthread_cond_broadcast(&ex->cv);
   pthread_mutex_unlock(&ex->mu);
   run_stream(ex, RT_STREAM_COMPUTE);
+  int64_t t0 = rt_prof_on() ? rt_mono_ns() : 0;
   pthread_mutex_lock(&ex->mu);
   while (ex->busy > 0) pthread_cond_wait(&ex->cv, &ex->mu);
   pthread_mutex_unlock(&ex->mu);
+  if (t0) rt_prof_idle(t0, rt_mono_ns());
 }

@@ -1,0 +1,113 @@
+// --profile's communication figures: how long collectives were in flight in a step, and how
+// much of that time the compute thread spent computing rather than waiting.
+//
+// Two kinds of intervals are recorded while profiling is on (rt_prof_enable), from any thread:
+//   comm  a collective from its call to its return (comm.c, every rt_alltoall ... rt_bcast);
+//   idle  the compute thread not computing: inside a collective of its own (sequential
+//         schedules run every collective there), or asleep in the stream executor until an
+//         event of another stream is recorded or until the other streams finish (streams.c).
+// rt_prof_take sweeps the step's intervals: `comm` is the measure of the union of comm
+// intervals, `hidden` the part of it during which the compute thread was not idle, so a
+// schedule with no overlap reports 0 hidden and a perfect one reports all of it.
+//
+// The compute thread is the one that calls rt_run_streams; the executor's worker threads mark
+// themselves with rt_prof_set_worker so that a collective on them is not counted as idle.
+#include <pthread.h>
+#include <stdatomic.h>
+#include <stdlib.h>
+#include <time.h>
+
+#include "rt_internal.h"
+
+typedef struct Interval {
+  int64_t t0, t1;
+  bool idle;            // else comm
+} Interval;
+
+static struct {
+  atomic_bool on;
+  pthread_mutex_t mu;
+  Interval *iv;
+  size_t n, cap;
+} prof = {.mu = PTHREAD_MUTEX_INITIALIZER};
+
+static _Thread_local bool on_worker;
+
+int64_t rt_mono_ns(void) {
+  struct timespec ts;
+  clock_gettime(CLOCK_MONOTONIC, &ts);
+  return (int64_t)ts.tv_sec * 1000000000 + ts.tv_nsec;
+}
+
+void rt_prof_enable(bool on) {
+  pthread_mutex_lock(&prof.mu);
+  prof.n = 0;
+  atomic_store(&prof.on, on);
+  pthread_mutex_unlock(&prof.mu);
+}
+
+bool rt_prof_on(void) { return atomic_load_explicit(&prof.on, memory_order_relaxed); }
+
+void rt_prof_set_worker(void) { on_worker = true; }
+
+static void add(int64_t t0, int64_t t1, bool idle) {
+  pthread_mutex_lock(&prof.mu);
+  if (prof.n == prof.cap) {
+    size_t cap = prof.cap ? 2 * prof.cap : 256;
+    Interval *iv = realloc(prof.iv, cap * sizeof *iv);
+    if (!iv) rt_out_of_memory(cap * sizeof *iv, "the communication profile");
+    prof.iv = iv;
+    prof.cap = cap;
+  }
+  prof.iv[prof.n++] = (Interval){t0, t1, idle};
+  pthread_mutex_unlock(&prof.mu);
+}
+
+void rt_prof_comm(int64_t t0, int64_t t1) {
+  if (!rt_prof_on() || t1 <= t0) return;
+  add(t0, t1, false);
+  if (!on_worker) add(t0, t1, true);
+}
+
+void rt_prof_idle(int64_t t0, int64_t t1) {
+  if (rt_prof_on() && t1 > t0 && !on_worker) add(t0, t1, true);
+}
+
+typedef struct Edge {
+  int64_t t;
+  int d_comm, d_idle;
+} Edge;
+
+static int by_time(const void *a, const void *b) {
+  int64_t x = ((const Edge *)a)->t, y = ((const Edge *)b)->t;
+  return (x > y) - (x < y);
+}
+
+void rt_prof_take(double *comm_ms, double *hidden_ms) {
+  pthread_mutex_lock(&prof.mu);
+  size_t n = prof.n;
+  Edge *e = n ? malloc(2 * n * sizeof *e) : NULL;
+  if (n && !e) rt_out_of_memory(2 * n * sizeof *e, "the communication profile");
+  for (size_t i = 0; i < n; i++) {
+    const Interval *v = &prof.iv[i];
+    e[2 * i] = (Edge){v->t0, v->idle ? 0 : 1, v->idle ? 1 : 0};
+    e[2 * i + 1] = (Edge){v->t1, v->idle ? 0 : -1, v->idle ? -1 : 0};
+  }
+  prof.n = 0;
+  pthread_mutex_unlock(&prof.mu);
+  if (n) qsort(e, 2 * n, sizeof *e, by_time);
+  int64_t comm = 0, hidden = 0;
+  int in_comm = 0, in_idle = 0;
+  for (size_t i = 0; i < 2 * n; i++) {
+    if (i > 0 && in_comm > 0) {
+      int64_t dt = e[i].t - e[i - 1].t;
+      comm += dt;
+      if (in_idle == 0) hidden += dt;
+    }
+    in_comm += e[i].d_comm;
+    in_idle += e[i].d_idle;
+  }
+  free(e);
+  *comm_ms = (double)comm * 1e-6;
+  *hidden_ms = (double)hidden * 1e-6;
+}

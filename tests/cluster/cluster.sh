@@ -1,0 +1,180 @@
+#!/usr/bin/env bash
+# The emulated cluster (DESIGN §8; docs/cluster.md): N "nodes" as Linux network namespaces on
+# one machine, each joined to a bridge in the host namespace by a veth pair whose two ends are
+# shaped with tbf at the link rate (traffic into and out of a node). Ranks of one node share its
+# namespace and talk over its loopback-speed local route; ranks of different nodes cross two
+# shaped links and the bridge.
+#
+#   cluster.sh up NODES RATE          make it (RATE as tc writes it: 1gbit, 200mbit, ...)
+#   cluster.sh down                   remove everything this script made (idempotent)
+#   cluster.sh status                 what exists now
+#   cluster.sh rate RATE [NODE]       change the rate of every node's link (or one node's)
+#   cluster.sh cut NODE | heal NODE   take node NODE's link down / up
+#   cluster.sh run NODES RANKS_PER_NODE RATE -- CMD ARGS...
+#                                     up, run CMD under mpirun placed on the cluster (rank r on
+#                                     node r / RANKS_PER_NODE), down on every exit path: normal
+#                                     end, failure, Ctrl-C, TERM; exits with CMD's status
+#   cluster.sh mpirun RANKS_PER_NODE CMD ARGS...
+#                                     mpirun on a cluster that is up (the wrapper alone)
+#
+# Only one cluster at a time: `up` and `run` take an exclusive lock and refuse, naming the
+# holder, when another one holds it. Names are moec-prefixed (namespaces moec-node0.., bridge
+# moecbr0, host-side veths moecv0..) on the subnet 10.77.0.0/24 (MOEC_CLUSTER_NET=10.77.0 to
+# change the first three octets). Needs root and iproute2 (ip, tc); `cluster.sh check` exits 0
+# when namespaces can be made here, else 1 with the reason on stdout.
+set -euo pipefail
+HERE=$(cd "$(dirname "$0")" && pwd)
+NET=${MOEC_CLUSTER_NET:-10.77.0}
+BR=moecbr0
+LOCK=${MOEC_CLUSTER_LOCK:-/run/lock/moec-cluster.lock}
+STATE=${MOEC_CLUSTER_STATE:-/run/lock/moec-cluster.state}
+
+die() { echo "cluster.sh: $*" >&2; exit 1; }
+
+# tbf's bucket: at least 10 ms of traffic at RATE and 256 KiB (a veth hands tbf whole 64 KiB
+# GSO segments; a bucket smaller than one drops it).
+burst_of() {
+  local rate=$1 bits
+  bits=$(awk -v r="$rate" 'BEGIN { n = r + 0; u = tolower(r); sub(/^[0-9.]+/, "", u);
+    m = (u == "kbit") ? 1e3 : (u == "mbit") ? 1e6 : (u == "gbit") ? 1e9 : (u == "bit" || u == "") ? 1 : -1;
+    if (m < 0 || n <= 0) { print -1; exit } printf "%.0f", n * m }')
+  [ "$bits" -gt 0 ] 2>/dev/null || die "not a link rate: '$rate' (write it like 1gbit, 200mbit or 500kbit)"
+  awk -v b="$bits" 'BEGIN { x = b / 8 / 100; if (x < 262144) x = 262144; printf "%.0f", x }'
+}
+
+shape() {  # shape DEV RATE [NETNS]
+  local dev=$1 rate=$2 ns=${3:-} burst
+  burst=$(burst_of "$rate")
+  if [ -n "$ns" ]; then
+    ip netns exec "$ns" tc qdisc replace dev "$dev" root tbf rate "$rate" burst "$burst" latency 100ms
+  else
+    tc qdisc replace dev "$dev" root tbf rate "$rate" burst "$burst" latency 100ms
+  fi
+}
+
+nodes_up() { ip -o link show 2>/dev/null | grep -o 'moecv[0-9]*' | sort -u | wc -l; }
+
+do_down() {
+  local ns
+  for ns in $(ip netns list 2>/dev/null | awk '/^moec-node[0-9]+/ {print $1}'); do
+    ip netns pids "$ns" 2>/dev/null | xargs -r kill -9 2>/dev/null || true
+    ip netns del "$ns" 2>/dev/null || true
+  done
+  for dev in $(ip -o link show 2>/dev/null | grep -o 'moecv[0-9]*' | sort -u); do
+    ip link del "$dev" 2>/dev/null || true
+  done
+  ip link del "$BR" 2>/dev/null || true
+  rm -f "$STATE"
+}
+
+do_up() {
+  local nodes=$1 rate=$2
+  [[ "$nodes" =~ ^[0-9]+$ ]] && [ "$nodes" -ge 1 ] && [ "$nodes" -le 64 ] ||
+    die "the number of nodes must be 1..64, not '$nodes'"
+  burst_of "$rate" >/dev/null
+  do_down   # leftovers of a run that was killed before its cleanup
+  ip link add "$BR" type bridge
+  ip addr add "$NET.254/24" dev "$BR"
+  ip link set "$BR" up
+  for ((n = 0; n < nodes; n++)); do
+    ip netns add "moec-node$n"
+    ip link add "moecv$n" type veth peer name "moecp$n"
+    ip link set "moecp$n" netns "moec-node$n"
+    ip netns exec "moec-node$n" ip link set "moecp$n" name eth0
+    ip netns exec "moec-node$n" ip addr add "$NET.$((n + 1))/24" dev eth0
+    ip netns exec "moec-node$n" ip link set lo up
+    ip netns exec "moec-node$n" ip link set eth0 up
+    ip link set "moecv$n" master "$BR"
+    ip link set "moecv$n" up
+    shape "moecv$n" "$rate"                 # into the node
+    shape eth0 "$rate" "moec-node$n"        # out of the node
+  done
+  printf 'nodes=%s rate=%s pid=%s\n' "$nodes" "$rate" "$$" >"$STATE"
+}
+
+do_rate() {
+  local rate=$1 only=${2:-} n count
+  count=$(nodes_up)
+  [ "$count" -gt 0 ] || die "no emulated cluster is up"
+  for ((n = 0; n < count; n++)); do
+    [ -n "$only" ] && [ "$only" != "$n" ] && continue
+    shape "moecv$n" "$rate"
+    shape eth0 "$rate" "moec-node$n"
+  done
+}
+
+do_link() {  # do_link NODE up|down
+  ip link show "moecv$1" >/dev/null 2>&1 || die "node $1 is not part of the emulated cluster"
+  ip link set "moecv$1" "$2"
+  ip netns exec "moec-node$1" ip link set eth0 "$2"
+}
+
+# mpirun placed on the cluster: every rank starts in its node's namespace (rank.sh), MPI's TCP
+# transport on the cluster subnet only (no shared memory, which would bypass the links), and
+# PMIx and the runtime's out-of-band channel reachable from the namespaces over the bridge.
+do_mpirun() {
+  local per_node=$1; shift
+  local count np
+  count=$(nodes_up)
+  [ "$count" -gt 0 ] || die "no emulated cluster is up (cluster.sh up NODES RATE)"
+  np=$((count * per_node))
+  OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 \
+  PMIX_MCA_ptl_tcp_remote_connections=1 PMIX_MCA_ptl_tcp_if_include="$NET.0/24" \
+  PMIX_MCA_gds=hash \
+  MOEC_RANKS_PER_NODE=$per_node \
+    mpirun --allow-run-as-root --oversubscribe -np "$np" --bind-to none \
+      --mca oob_tcp_if_include "$NET.0/24" --mca btl tcp,self --mca btl_tcp_if_include "$NET.0/24" \
+      --mca pml ob1 \
+      "$HERE/rank.sh" "$@"
+}
+
+# Can namespaces, veths and tbf be made here? (root, iproute2, a kernel that allows them)
+do_check() {
+  [ "$(id -u)" = 0 ] || { echo "needs root (network namespaces)"; return 1; }
+  command -v ip >/dev/null && command -v tc >/dev/null || { echo "needs iproute2 (ip, tc)"; return 1; }
+  command -v mpirun >/dev/null || { echo "needs Open MPI's mpirun"; return 1; }
+  local ns=moec-probe$$ err
+  if ! err=$(ip netns add "$ns" 2>&1); then echo "cannot make a network namespace: $err"; return 1; fi
+  if ! err=$(ip link add moecq$$ type veth peer name moecr$$ 2>&1); then
+    ip netns del "$ns"; echo "cannot make a veth pair: $err"; return 1
+  fi
+  if ! err=$(tc qdisc add dev moecq$$ root tbf rate 1gbit burst 256kb latency 100ms 2>&1); then
+    ip link del moecq$$; ip netns del "$ns"; echo "cannot shape a link with tbf: $err"; return 1
+  fi
+  ip link del moecq$$; ip netns del "$ns"
+  return 0
+}
+
+locked() {  # take the lock on fd 9 or say who holds it
+  exec 9>>"$LOCK"
+  if ! flock -n 9; then
+    die "another emulated cluster is running ($(cat "$STATE" 2>/dev/null || echo 'state unknown')); wait for it, or stop it and run 'cluster.sh down'"
+  fi
+}
+
+cmd=${1:-}; shift || true
+case "$cmd" in
+  up)     [ $# -eq 2 ] || die "usage: cluster.sh up NODES RATE"
+          locked; do_up "$1" "$2"
+          echo "cluster.sh: $1 node(s) at $2 up (the lock is released now; 'run' holds it for a whole run)" ;;
+  down)   do_down ;;
+  status) ip netns list | grep '^moec-node' || echo "no emulated cluster"; [ -f "$STATE" ] && cat "$STATE"; true ;;
+  rate)   [ $# -ge 1 ] || die "usage: cluster.sh rate RATE [NODE]"; do_rate "$@" ;;
+  cut)    [ $# -eq 1 ] || die "usage: cluster.sh cut NODE"; do_link "$1" down ;;
+  heal)   [ $# -eq 1 ] || die "usage: cluster.sh heal NODE"; do_link "$1" up ;;
+  check)  do_check ;;
+  mpirun) [ $# -ge 2 ] || die "usage: cluster.sh mpirun RANKS_PER_NODE CMD ARGS..."; do_mpirun "$@" ;;
+  run)
+    [ $# -ge 5 ] && [ "$4" = "--" ] || die "usage: cluster.sh run NODES RANKS_PER_NODE RATE -- CMD ARGS..."
+    nodes=$1 per_node=$2 rate=$3; shift 4
+    [[ "$per_node" =~ ^[0-9]+$ ]] && [ "$per_node" -ge 1 ] || die "ranks per node must be at least 1, not '$per_node'"
+    locked
+    trap 'do_down' EXIT
+    trap 'do_down; exit 130' INT
+    trap 'do_down; exit 143' TERM
+    do_up "$nodes" "$rate"
+    status=0
+    do_mpirun "$per_node" "$@" || status=$?
+    exit "$status" ;;
+  *) sed -n '2,/^set -euo/p' "$0" | sed '$d' | sed 's/^# \{0,1\}//'; [ -z "$cmd" ] || [ "$cmd" = -h ] || [ "$cmd" = --help ] || exit 2 ;;
+esac
