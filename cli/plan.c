@@ -38,7 +38,8 @@ void cli_cluster_from_fe(const FeCluster *f, SchedCluster *c) {
                       .gemm = {f->gemm.alpha, f->gemm.beta}, .alltoall = {f->alltoall.alpha, f->alltoall.beta},
                       .allgather = {f->allgather.alpha, f->allgather.beta},
                       .reducescatter = {f->reducescatter.alpha, f->reducescatter.beta},
-                      .allreduce = {f->allreduce.alpha, f->allreduce.beta}};
+                      .allreduce = {f->allreduce.alpha, f->allreduce.beta},
+                      .elementwise = {f->elementwise.alpha, f->elementwise.beta}, .handoff = f->handoff};
 }
 
 static double now_s(void) {
@@ -313,7 +314,7 @@ static bool plan_stack(IrDiag *d, const PlanOptions *o, Plan *pl) {
     out->dropless = pass_dropless_at(&pl->stack, i, 1.0, &unused, &r_max);
     out->f = slots_per_token(pl->m, l);
   }
-  pl->st = (SchedStack){n, pl->stack.cost, pl->stack.r_max, o->choose};
+  pl->st = (SchedStack){n, pl->stack.cost, pl->stack.r_max, o->choose, pl->stack.t_fwd_other, pl->stack.t_bwd_other};
   double t0 = now_s();
   if (!plan_all(&pl->st, pl->plans)) return ir_error(d, "planning failed (an internal error)");
   pl->plan_s = now_s() - t0;

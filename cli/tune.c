@@ -65,7 +65,11 @@ enum {
   RUNS = 5,                 // timed runs per size (after one warm-up)
   QUICK_SIZES = 4,          // sizes per sweep with --quick
   COMM_SIZES = 24,          // n = k * 2^18 floats, k = 1..24
-  GEMM_SIZES = 12,          // n = k * 2^19 multiply-accumulates, k = 1..12
+  GEMM_SIZES = 12,          // n = k * 2^19 multiply-accumulates, k = 1..12 (CPU: m = 4 * 2^(k-1) tokens)
+  QUICK_GEMM_SIZES = 6,     // GEMM sizes with --quick on the CPU
+  SMALL_SIZES = 3,          // communication: 2^8, 2^11, 2^14 floats, for the fixed cost alpha
+  ELEM_SIZES = 8,           // element-wise kernels: 2^16 .. 2^23 floats
+  HANDOFF_RUNS = 200,       // stream hand-offs timed (the median is kept)
   MAX_SHAPES = 32,
 };
 #define COMM_UNIT 262144.0  // 2^18
@@ -91,7 +95,7 @@ typedef struct GemmShape {
   char what[48];            // "up (x W1, W3)", ...
 } GemmShape;
 
-typedef enum BenchOp { OP_GEMM, OP_ALLTOALL, OP_ALLGATHER, OP_REDUCESCATTER, OP_ALLREDUCE } BenchOp;
+typedef enum BenchOp { OP_GEMM, OP_ALLTOALL, OP_ALLGATHER, OP_REDUCESCATTER, OP_ALLREDUCE, OP_ELEMENTWISE } BenchOp;
 
 // One fitted model: its points and its line.
 typedef struct Series {
@@ -100,7 +104,7 @@ typedef struct Series {
   BenchOp op;
   RtGroup group;
   int group_size;
-  double x[MAX_SHAPES * GEMM_SIZES + COMM_SIZES], t[MAX_SHAPES * GEMM_SIZES + COMM_SIZES];
+  double x[MAX_SHAPES * GEMM_SIZES + COMM_SIZES + SMALL_SIZES], t[MAX_SHAPES * GEMM_SIZES + COMM_SIZES + SMALL_SIZES];
   int points;
   FitLine fit;
   bool ok;
@@ -108,7 +112,7 @@ typedef struct Series {
   char err[200];
 } Series;
 
-enum { S_GEMM, S_A2A_INTRA, S_AG_INTRA, S_RS_INTRA, S_A2A_INTER, S_AR_INTER, NSERIES };
+enum { S_GEMM, S_A2A_INTRA, S_AG_INTRA, S_RS_INTRA, S_A2A_INTER, S_AR_INTER, S_ELEM, NSERIES };
 
 typedef struct Progress {
   bool on;
@@ -281,25 +285,40 @@ static int default_shapes(GemmShape *shapes, char *desc, size_t desc_size) {
 
 // Tokens for GEMM size k * 2^19 (k = 1..12): m*K*N as close to it as whole tokens allow, and at
 // least k tokens so that the sizes stay distinct when one token is already bigger than 2^19.
+// The CPU instead doubles the tokens from 4 to 8192 (m = 4 * 2^(k-1)): the chunks a pipeline
+// degree r cuts an expert's slots into span that range, and a CPU GEMM's speed depends on m.
 static int tokens_for(const GemmShape *s, int k) {
+#ifdef MOEC_TUNE_CUDA
   double per_token = (double)s->k * s->n;
   long m = lround(k * GEMM_UNIT / per_token);
   return (int)(m < k ? k : m);
+#else
+  (void)s;
+  return 4 << (k - 1);
+#endif
 }
 
 // ---- sizes ----
 
-// The size indices (1-based, of 1..count) a sweep visits: all, or `QUICK_SIZES` spread evenly
-// with both ends.
-static int sweep(int count, bool quick, int *idx) {
-  if (!quick || count <= QUICK_SIZES) {
+// The size indices (1-based, of 1..count) a sweep visits: all, or with --quick `keep` of them
+// spread evenly with both ends.
+static int sweep_keep(int count, int keep, bool quick, int *idx) {
+  if (!quick || count <= keep) {
     for (int i = 0; i < count; i++) idx[i] = i + 1;
     return count;
   }
-  for (int j = 0; j < QUICK_SIZES; j++)
-    idx[j] = 1 + (j * (count - 1) + (QUICK_SIZES - 1) / 2) / (QUICK_SIZES - 1);
-  return QUICK_SIZES;
+  for (int j = 0; j < keep; j++)
+    idx[j] = 1 + (j * (count - 1) + (keep - 1) / 2) / (keep - 1);
+  return keep;
 }
+
+static int sweep(int count, bool quick, int *idx) { return sweep_keep(count, QUICK_SIZES, quick, idx); }
+
+#ifdef MOEC_TUNE_CUDA
+static int gemm_sweep(bool quick, int *idx) { return sweep(GEMM_SIZES, quick, idx); }
+#else
+static int gemm_sweep(bool quick, int *idx) { return sweep_keep(GEMM_SIZES, QUICK_GEMM_SIZES, quick, idx); }
+#endif
 
 // ---- timing ----
 
@@ -334,6 +353,7 @@ static void call(const Call *c) {
       ok = rt_cuda_reducescatter(gpu, nccl[c->group], RT_STREAM_COMPUTE, c->send, c->recv, c->count);
       break;
     case OP_ALLREDUCE: ok = rt_cuda_allreduce(gpu, nccl[c->group], RT_STREAM_COMPUTE, c->send, c->send, c->count); break;
+    case OP_ELEMENTWISE: break;   // not timed on a GPU (init_series skips it)
     }
   }
   if (!ok || !rt_cuda_sync(gpu, RT_STREAM_COMPUTE)) rt_comm_abort("moec tune: a GPU call failed (the error is above)");
@@ -348,6 +368,10 @@ static void call(const Call *c) {
   case OP_ALLGATHER: rt_allgather(c->comm, c->group, c->send, c->recv, c->count); break;
   case OP_REDUCESCATTER: rt_reducescatter(c->comm, c->group, c->send, c->recv, c->count); break;
   case OP_ALLREDUCE: rt_allreduce(c->comm, c->group, c->send, c->count); break;
+  case OP_ELEMENTWISE:   // a copy (the layouts, concats, chunks) and an add: 5 floats moved per element
+    rt_copy(c->send, c->c, c->count);
+    rt_add(c->c, c->recv, c->send, c->count);
+    break;
   }
 }
 #endif
@@ -459,7 +483,7 @@ static void free_comm_buffer(float *p) { free(p); }
 #endif
 
 static void run_gemms(Series *s, const GemmShape *shapes, int nshapes, bool quick, Progress *pr) {
-  int idx[GEMM_SIZES], nsizes = sweep(GEMM_SIZES, quick, idx);
+  int idx[GEMM_SIZES], nsizes = gemm_sweep(quick, idx);
   for (int i = 0; i < nshapes; i++) {
     const GemmShape *g = &shapes[i];
     int m_max = tokens_for(g, GEMM_SIZES);
@@ -488,21 +512,84 @@ static void run_gemms(Series *s, const GemmShape *shapes, int nshapes, bool quic
   }
 }
 
+// The small sizes first (2^8, 2^11, 2^14 floats: the fixed cost alpha is the smallest one's
+// time, a measurement), then the sweep of 2^18 .. 24 * 2^18 for the slope.
+static int64_t comm_size(int j, const int *idx) {
+  return j < SMALL_SIZES ? (int64_t)256 << (3 * j) : (int64_t)(idx[j - SMALL_SIZES] * COMM_UNIT);
+}
+
 static void run_comm(RtComm *comm, Series *s, float *send, float *recv, bool quick, Progress *pr) {
-  int idx[COMM_SIZES], nsizes = sweep(COMM_SIZES, quick, idx);
+  int idx[COMM_SIZES], nsizes = SMALL_SIZES + sweep(COMM_SIZES, quick, idx);
   char label[40];
   snprintf(label, sizeof label, "%s (%s)", s->name, s->where);
   for (int j = 0; j < nsizes; j++) {
-    int64_t n = (int64_t)(idx[j] * COMM_UNIT);
+    int64_t n = comm_size(j, idx);
     Call cl = {.op = s->op, .comm = comm, .group = s->group, .send = send, .recv = recv};
     // n is what each rank sends/receives in all; per-member counts round down to whole floats.
-    cl.count = s->op == OP_ALLREDUCE ? n : n / s->group_size;
+    cl.count = s->op == OP_ALLREDUCE ? n : n / s->group_size > 0 ? n / s->group_size : 1;
     double elements = s->op == OP_ALLREDUCE ? (double)cl.count : (double)cl.count * s->group_size;
     s->x[s->points] = elements;
     s->t[s->points++] = measure(&cl);
     progress_step(pr, label, elements);
   }
 }
+
+#ifndef MOEC_TUNE_CUDA
+// Element-wise kernels (a copy and an add over n floats, 5n floats moved) for the `elementwise`
+// fit that prices the ops without a GEMM or a collective: 2^16 .. 2^23 floats, mostly beyond the
+// caches, as a training step's activations are.
+static void run_elementwise(Series *s, bool quick, Progress *pr) {
+  int idx[ELEM_SIZES], nsizes = sweep(ELEM_SIZES, quick, idx);
+  size_t most = (size_t)1 << (15 + ELEM_SIZES);
+  float *a = xmalloc(sizeof(float) * most), *b = xmalloc(sizeof(float) * most), *c = xmalloc(sizeof(float) * most);
+  uint32_t state = 12345;
+  for (size_t e = 0; e < most; e++) {
+    state = state * 1664525u + 1013904223u;
+    a[e] = (float)(state >> 8) / 16777216.0f - 0.5f;
+    b[e] = (float)(e % 29) / 32.0f;
+  }
+  for (int j = 0; j < nsizes; j++) {
+    Call cl = {.op = OP_ELEMENTWISE, .count = (int64_t)1 << (15 + idx[j]), .send = a, .recv = b, .c = c};
+    s->x[s->points] = 5.0 * (double)cl.count;
+    s->t[s->points++] = measure(&cl);
+    progress_step(pr, "elementwise", 5.0 * (double)cl.count);
+  }
+  free(a);
+  free(b);
+  free(c);
+}
+
+// The stream hand-off (runtime/streams.c): a task of the compute stream records an event, one of
+// the inter stream waits for it and records another, the compute stream waits for that: two
+// hand-offs between threads, which every chunked collective pays (the compute stream hands it
+// its operand and waits for its result). The median of HANDOFF_RUNS calls, in ms; -1 when the
+// runtime runs streams in program order (MPI without MPI_THREAD_MULTIPLE).
+static void nothing(RtStep *st) { (void)st; }
+
+static double measure_handoff(RtComm *comm) {
+  if (!rt_comm_thread_safe(comm)) return -1;
+  RtStreams *ex = rt_streams_create(comm);
+  RtStep st = {0};
+  const RtTask tasks[] = {
+      {RT_STREAM_COMPUTE, nothing, 0, {0}, 0},
+      {RT_STREAM_INTER, nothing, 1, {0}, 1},
+      {RT_STREAM_COMPUTE, nothing, 1, {1}, -1},
+  };
+  double runs[HANDOFF_RUNS];
+  for (int r = -10; r < HANDOFF_RUNS; r++) {
+    double t0 = MPI_Wtime();
+    rt_run_streams(ex, &st, tasks, 3, 2);
+    if (r >= 0) runs[r] = (MPI_Wtime() - t0) * 1e3;
+  }
+  rt_streams_destroy(ex);
+  qsort(runs, HANDOFF_RUNS, sizeof runs[0], compare_doubles);
+  double mine = runs[HANDOFF_RUNS / 2], slowest;
+  MPI_Allreduce(&mine, &slowest, 1, MPI_DOUBLE, MPI_MAX, MPI_COMM_WORLD);
+  return slowest;
+}
+#endif
+
+static double handoff_ms = -1;   // measured stream hand-off round trip; -1: not measured
 
 // ---- the profile ----
 
@@ -549,6 +636,8 @@ static void write_profile(FILE *f, const char *header, const char *name, int nod
   write_coef(f, "allgather", &s[S_AG_INTRA]);
   write_coef(f, "reducescatter", &s[S_RS_INTRA]);
   write_coef(f, "allreduce", &s[S_AR_INTER]);
+  if (!s[S_ELEM].skipped) write_coef(f, "elementwise", &s[S_ELEM]);
+  if (handoff_ms >= 0) fprintf(f, "  handoff %.6g;\n", handoff_ms);
   fprintf(f, "}\n");
 }
 
@@ -609,16 +698,30 @@ static char *profile_header(const char *command, const char *date, const char *h
   for (int i = 0; i < nshapes; i++)
     u += snprintf(h + u, size - u, "%s [m, %d] x [%d, %d]", i ? "," : "", shapes[i].k, shapes[i].k, shapes[i].n);
   u += snprintf(h + u, size - u, "\n");
+#ifdef MOEC_TUNE_CUDA
   u += snprintf(h + u, size - u,
-                "# Sizes: communication %s x 2^18 floats, gemm %s x " GEMM_UNIT_TEXT " multiply-accumulates; each point the\n"
-                "# median of %d runs after 1 warm-up, timed on the slowest rank. t(n) = alpha + beta * n, t in ms,\n"
-                "# n in elements each rank sends/receives (gemm: multiply-accumulates). Least-squares fits:\n",
-                quick ? "4 of 1..24" : "1..24", quick ? "4 of 1..12" : "1..12", RUNS);
+                "# Sizes: communication 2^8, 2^11, 2^14 and %s x 2^18 floats, gemm %s x " GEMM_UNIT_TEXT " multiply-accumulates;\n",
+                quick ? "4 of 1..24" : "1..24", quick ? "4 of 1..12" : "1..12");
+#else
+  u += snprintf(h + u, size - u,
+                "# Sizes: communication 2^8, 2^11, 2^14 and %s x 2^18 floats, gemm m = %s tokens, element-wise\n"
+                "# %s 2^16..2^23 floats;\n",
+                quick ? "4 of 1..24" : "1..24", quick ? "6 of 4, 8, ..., 8192" : "4, 8, ..., 8192", quick ? "4 of" : "");
+#endif
+  u += snprintf(h + u, size - u,
+                "# each point the median of %d runs after 1 warm-up, timed on the slowest rank. t(n) = alpha + beta * n,\n"
+                "# t in ms, n in elements each rank sends/receives (gemm: multiply-accumulates; elementwise: floats read and\n"
+                "# written). Collectives: alpha is the time at 2^8 floats, beta the least-squares slope from 2^18 on; gemm:\n"
+                "# least squares of the relative error; elementwise: alpha the smallest size's time, beta the slope from\n"
+                "# 2^20 floats on. handoff: the stream hand-off round trip (ms). Fits:\n",
+                RUNS);
   if (CALL_REPS > 1)
     u += snprintf(h + u, size - u, "# (a run: %d calls back to back on the GPU's compute stream, a synchronisation, / %d)\n",
                   CALL_REPS, CALL_REPS);
   for (int i = 0; i < NSERIES; i++)
-    if (s[i].skipped)
+    if (s[i].skipped && i == S_ELEM)
+      continue;
+    else if (s[i].skipped)
       u += snprintf(h + u, size - u, "#   %-13s %-10s not measured: one rank (one GPU) runs no collectives\n", s[i].name,
                     s[i].where);
     else
@@ -732,6 +835,10 @@ static void init_series(RtComm *comm, Series *s) {
   s[S_RS_INTRA] = (Series){"reducescatter", intra_where, OP_REDUCESCATTER, intra, rt_comm_size(comm, intra)};
   s[S_A2A_INTER] = (Series){"alltoall", inter_where, OP_ALLTOALL, inter, rt_comm_size(comm, inter)};
   s[S_AR_INTER] = (Series){"allreduce", inter_where, OP_ALLREDUCE, inter, rt_comm_size(comm, inter)};
+  s[S_ELEM] = (Series){"elementwise", "each-rank", OP_ELEMENTWISE, RT_GROUP_WORLD, 1};
+#ifdef MOEC_TUNE_CUDA
+  s[S_ELEM].skipped = true;   // the GPU's element-wise kernels are not timed yet: no line in the profile
+#endif
 }
 
 // Rank 0's '#' lines before the measurements.
@@ -761,9 +868,15 @@ static void print_preamble(const TuneOptions *o, const TuneRun *r, const Series 
   for (int i = 0; i < nshapes; i++)
     printf("#   gemm shape %-16s [m, %d] x [%d, %d]  m %d..%d\n", shapes[i].what, shapes[i].k, shapes[i].k,
            shapes[i].n, tokens_for(&shapes[i], 1), tokens_for(&shapes[i], GEMM_SIZES));
-  printf("# sizes: communication %s of 2^18 .. 24*2^18 floats, gemm %s of " GEMM_UNIT_TEXT " .. 12*" GEMM_UNIT_TEXT
+#ifdef MOEC_TUNE_CUDA
+  printf("# sizes: communication 2^8, 2^11, 2^14 and %s of 2^18 .. 24*2^18 floats, gemm %s of " GEMM_UNIT_TEXT " .. 12*" GEMM_UNIT_TEXT
          " multiply-accumulates%s\n",
          o->quick ? "4" : "all 24", o->quick ? "4" : "all 12", o->quick ? " (--quick)" : "");
+#else
+  printf("# sizes: communication 2^8, 2^11, 2^14 and %s of 2^18 .. 24*2^18 floats, gemm %s of m = 4 .. 8192 tokens, "
+         "element-wise %s of 2^16 .. 2^23 floats%s\n",
+         o->quick ? "4" : "all 24", o->quick ? "6" : "all 12", o->quick ? "4" : "all 8", o->quick ? " (--quick)" : "");
+#endif
   printf("# each point: the median of %d runs after 1 warm-up; a run is the slowest rank's time", RUNS);
   if (CALL_REPS > 1) printf(" of %d calls back to back on the GPU's compute stream and a synchronisation, / %d", CALL_REPS, CALL_REPS);
   printf("\n");
@@ -778,20 +891,39 @@ static double measure_all(RtComm *comm, Series *s, const GemmShape *shapes, int 
   int comm_idx[COMM_SIZES], gemm_idx[GEMM_SIZES];
   Progress pr = {.on = my_rank == 0 && watched()};
   bool collectives = !s[S_A2A_INTRA].skipped;
-  pr.total = nshapes * sweep(GEMM_SIZES, quick, gemm_idx) + (collectives ? 5 : 0) * sweep(COMM_SIZES, quick, comm_idx);
+  int elem_idx[ELEM_SIZES];
+  pr.total = nshapes * gemm_sweep(quick, gemm_idx) + (collectives ? 5 : 0) * (SMALL_SIZES + sweep(COMM_SIZES, quick, comm_idx)) +
+             (s[S_ELEM].skipped ? 0 : sweep(ELEM_SIZES, quick, elem_idx));
   run_gemms(&s[S_GEMM], shapes, nshapes, quick, &pr);
+#ifndef MOEC_TUNE_CUDA
+  run_elementwise(&s[S_ELEM], quick, &pr);
+  if (collectives) handoff_ms = measure_handoff(comm);
+#endif
   size_t max_floats = (size_t)(COMM_SIZES * COMM_UNIT);
   if (collectives) {
 #ifdef MOEC_TUNE_CUDA
     rt_cuda_arena_reset(gpu);   // the GEMMs' operands are done with
 #endif
     float *send = comm_buffer(max_floats), *recv = comm_buffer(max_floats);
-    for (int i = S_A2A_INTRA; i < NSERIES; i++) run_comm(comm, &s[i], send, recv, quick, &pr);
+    for (int i = S_A2A_INTRA; i <= S_AR_INTER; i++) run_comm(comm, &s[i], send, recv, quick, &pr);
     free_comm_buffer(send);
     free_comm_buffer(recv);
   }
   progress_end(&pr);
   return MPI_Wtime() - t_start;
+}
+
+// The fit of one series. Collectives: alpha is the time of the smallest size (2^8 floats, a
+// measurement of the fixed cost, never a negative intercept), beta the slope above it fitted to
+// the sizes from 2^18 on. GEMMs: relative least squares, so that the small sizes a pipeline's
+// chunks run at count as much as the large ones. Element-wise kernels: alpha the smallest size's
+// time, beta the slope from 2^20 floats on, where a step's activations live (beyond the caches).
+static bool fit_series(Series *x) {
+  if (x->op == OP_GEMM)
+    return fit_line_relative(x->x, x->t, x->points, &x->fit, x->err, sizeof x->err);
+  if (x->op == OP_ELEMENTWISE)   // the slope where the data leaves the caches (from 2^20 floats on)
+    return fit_anchored(x->x, x->t, x->points, x->t[0], 5.0 * (1 << 20), &x->fit, x->err, sizeof x->err);
+  return fit_anchored(x->x, x->t, x->points, x->t[0], COMM_UNIT, &x->fit, x->err, sizeof x->err);
 }
 
 // Rank 0: fits every series and prints the table (with -v every point first); the number of
@@ -800,7 +932,7 @@ static int fit_and_print(const TuneOptions *o, const TuneRun *r, Series *s) {
   int failed = 0;
   for (int i = 0; i < NSERIES; i++) {
     if (s[i].skipped) continue;
-    s[i].ok = fit_line(s[i].x, s[i].t, s[i].points, &s[i].fit, s[i].err, sizeof s[i].err);
+    s[i].ok = fit_series(&s[i]);
     failed += !s[i].ok;
   }
   if (o->verbose) {
@@ -816,17 +948,21 @@ static int fit_and_print(const TuneOptions *o, const TuneRun *r, Series *s) {
     const char *use = i == S_A2A_INTRA ? "no (comment)" : "yes";
     if (x->skipped) {
       printf("  %-13s %-10s %5d %6d %13s %13s %10s  %s\n", x->name, x->where, 1, 0, "-", "-", "-",
-             "not measured (one rank: no collectives); 0 in the profile");
+             i == S_ELEM ? "not measured on a GPU; no line in the profile"
+                         : "not measured (one rank: no collectives); 0 in the profile");
       continue;
     }
     if (!x->ok) {
-      printf("  %-13s %-10s %5d %6d %13s %13s %10s  %s\n", x->name, x->where, i == S_GEMM ? r->world : x->group_size,
+      printf("  %-13s %-10s %5d %6d %13s %13s %10s  %s\n", x->name, x->where, i == S_GEMM || i == S_ELEM ? r->world : x->group_size,
              x->points, "-", "-", "-", x->err);
       continue;
     }
     printf("  %-13s %-10s %5d %6d %13.4e %13.4e %10.6f  %s\n", x->name, x->where,
-           i == S_GEMM ? r->world : x->group_size, x->points, x->fit.alpha, x->fit.beta, x->fit.r2, use);
+           i == S_GEMM || i == S_ELEM ? r->world : x->group_size, x->points, x->fit.alpha, x->fit.beta, x->fit.r2, use);
   }
+  if (handoff_ms >= 0)
+    printf("  %-13s %-10s %5d %6d %13.4e %13s %10s  yes\n", "handoff", "each-rank", r->world, HANDOFF_RUNS, handoff_ms,
+           "-", "-");
   for (int i = 0; i < NSERIES; i++)
     if (s[i].ok && (s[i].fit.alpha < 0 || s[i].fit.beta < 0))
       printf("# warning: %s (%s): fitted %s < 0 (noise, or times the line does not follow near n = 0); "

@@ -338,7 +338,8 @@ static const Field coef_fields[] = {
 };
 static const Block coef_block = BLOCK("gemm", coef_fields, NULL);
 
-// cluster = "cluster" NAME "{" nodes gpus_per_node gemm alltoall allgather reducescatter allreduce "}"
+// cluster = "cluster" NAME "{" nodes gpus_per_node gemm alltoall allgather reducescatter allreduce
+//           [elementwise] [handoff] "}"
 static const Field cluster_fields[] = {
   {"nodes", F_REQUIRED, .vals = {{V_INT, R_POS, .off = AT(FeCluster, nodes)}}},
   {"gpus_per_node", F_REQUIRED, .vals = {{V_INT, R_POS, .off = AT(FeCluster, gpus_per_node)}}},
@@ -347,6 +348,8 @@ static const Field cluster_fields[] = {
   {"allgather", F_REQUIRED | F_BLOCK, .block = &coef_block, .sub = AT(FeCluster, allgather)},
   {"reducescatter", F_REQUIRED | F_BLOCK, .block = &coef_block, .sub = AT(FeCluster, reducescatter)},
   {"allreduce", F_REQUIRED | F_BLOCK, .block = &coef_block, .sub = AT(FeCluster, allreduce)},
+  {"elementwise", F_BLOCK, .block = &coef_block, .sub = AT(FeCluster, elementwise)},
+  {"handoff", 0, .vals = {{V_NUM, R_NONNEG, .def = "0", .off = AT(FeCluster, handoff)}}},
 };
 static const Block cluster_block = BLOCK("cluster", cluster_fields, NULL);
 

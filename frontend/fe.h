@@ -177,6 +177,8 @@ typedef struct FeCluster {
   const char *name;
   int64_t nodes, gpus_per_node;
   FeCollective gemm, alltoall, allgather, reducescatter, allreduce;
+  FeCollective elementwise;   // optional (0, 0 when absent)
+  double handoff;             // optional (0 when absent)
 } FeCluster;
 
 typedef struct FeProgram {

@@ -11,8 +11,10 @@
 //   attn.causal               n = multiply-accumulates of q·kᵀ and p·v under the causal mask,
 //                             S·(heads·d)·(L+1) for S tokens in windows of L (gemm, one kernel)
 //   attn.causal.grad          twice the forward's: dp, dv, dq and dk (gemm)
-// The model has no term for the other ops (element-wise kernels, layouts, the gate's top-k),
-// so they carry none. Without a profile the pass does nothing (and -v says so).
+//   every other op (element-wise kernels, layouts, the gate, the optimizer)
+//                             n = floats it reads and writes (elementwise), only when the profile
+//                             has an `elementwise` fit; without one they carry no cost
+// Without a profile the pass does nothing (and -v says so).
 //
 // The layer view: one entry per MoE layer, its forward and backward functions, and per phase
 // the summed costs of its expert region in the form of the scheduling model (SchedPhase):
@@ -62,7 +64,12 @@ static bool price(const IrOp *op, const SchedCluster *c, SchedCoef *coef, double
          (double)(ir_op_int(op, "seq", 1) + 1);
     return true;
   }
-  default: return false;
+  default:
+    if (c->elementwise.alpha <= 0 && c->elementwise.beta <= 0) return false;
+    *coef = c->elementwise;
+    *n = op->result ? (double)ir_type_numel(&op->result->type) : 0;
+    for (int a = 0; a < op->nargs; a++) *n += (double)numel_of(&op->args[a]);
+    return true;
   }
 }
 
@@ -155,11 +162,72 @@ static bool in_group(const IrOp *op, const char *group) { return strcmp(ir_op_st
 // expert region's: the EP AlltoAlls and the ESP AllGather and ReduceScatter. The MP AllGather
 // after the layer (Fig. 2) is none of them: the schedule pass does not chunk it and DESIGN §6's
 // workloads have no term for it.
-static void phase_of(const IrFunc *f, const SchedCluster *c, SchedPhase *p) {
+// The other ops (priced by the profile's `elementwise` fit): inside the expert region they run
+// once per chunk on 1/r of the slots, so they join the experts' term (their alphas to its alpha,
+// their per-slot time to its beta); outside it, the dense time. A chunked collective also pays
+// the stream hand-offs (the profile's `handoff`) with its alpha.
+// The schedule pass's partial sums (passes/schedule.c): ops whose result sums over the slots.
+static bool sums_slots(const IrOp *op) {
+  return op->kind == IR_OP_EXPERT_BIAS_GRAD || (op->kind == IR_OP_EXPERT_MATMUL && ir_op_int(op, "ta", 0));
+}
+
+// v is read outside f's ops [lo, hi]: by f's other ops, as a result of f, or by `reader` (the
+// backward that reads a forward's saved values).
+static bool read_after(const IrFunc *f, const IrFunc *reader, int lo, int hi, const IrValue *v) {
+  for (int i = 0; i < f->nrets; i++)
+    if (f->rets[i] == v) return true;
+  for (int pass = 0; pass < 2; pass++) {
+    const IrFunc *g = pass ? reader : f;
+    for (int i = 0; g && i < g->nops; i++) {
+      if (g == f && i >= lo && i <= hi) continue;
+      for (int a = 0; a < g->ops[i]->nargs; a++)
+        if (g->ops[i]->args[a].value == v) return true;
+    }
+  }
+  return false;
+}
+
+// What chunking adds after the chunks (SchedPhase.t_sum, t_level), priced with the elementwise
+// fit: an add of each partial sum per chunk after the first (reads two, writes one), and per
+// level of the concat tree a copy of every chunked value read after the region (reads and
+// writes it).
+static void assembly_of(const IrFunc *f, const IrFunc *reader, int lo, int hi, const SchedCluster *c,
+                        SchedPhase *p) {
+  const SchedCoef *e = &c->elementwise;
+  for (int i = lo; i <= hi && i < f->nops; i++) {
+    const IrOp *op = f->ops[i];
+    if (!op->result) continue;
+    double n = (double)ir_type_numel(&op->result->type);
+    if (sums_slots(op)) {
+      p->t_sum += e->alpha + e->beta * 3 * n;
+      continue;
+    }
+    bool from_sum = false;
+    for (int a = 0; a < op->nargs; a++)
+      from_sum |= op->args[a].value && op->args[a].value->def && sums_slots(op->args[a].value->def);
+    if (!from_sum && read_after(f, reader, lo, hi, op->result)) p->t_level += e->alpha + e->beta * 2 * n;
+  }
+}
+
+static void phase_of(const IrFunc *f, const IrFunc *reader, const SchedCluster *c, SchedPhase *p) {
   *p = (SchedPhase){0};
   int n_a2a = 0, n_ag = 0, n_rs = 0, n_exp = 0;
+  IrValue *entry, *exit;
+  int lo = f->nops, hi = -1;
+  if (pass_expert_region(f, &entry, &exit)) {
+    lo = entry->def ? entry->def->index + 1 : 0;
+    hi = exit->def->index;
+  }
+  double elem_alpha = 0, elem_t = 0;   // the region's element-wise ops at r = 1
   for (int i = 0; i < f->nops; i++) {
     const IrOp *op = f->ops[i];
+    if (ir_op_class(op->kind) != IR_CLASS_GEMM && !ir_op_is_collective(op->kind) && op->kind != IR_OP_ATTN_CAUSAL &&
+        op->kind != IR_OP_ATTN_CAUSAL_GRAD && ir_attrs_get(op->attrs, op->nattrs, "cost_t")) {
+      double t = ir_op_float(op, "cost_t", 0);
+      if (i >= lo && i <= hi) elem_alpha += c->elementwise.alpha, elem_t += t;
+      else p->t_att += t;
+      continue;
+    }
     switch (op->kind) {
     case IR_OP_COMM_ALLTOALL:
       if (in_group(op, "ep")) p->n_a2a += attr_n(op), n_a2a++;
@@ -185,6 +253,14 @@ static void phase_of(const IrFunc *f, const SchedCluster *c, SchedPhase *p) {
   if (n_ag > 0) p->ag = c->allgather;
   if (n_rs > 0) p->rs = c->reducescatter;
   if (n_exp > 0) p->exp = (SchedCoef){c->gemm.alpha * n_exp, c->gemm.beta};
+  if (n_exp > 0 && p->n_exp > 0 && elem_t > 0) {
+    p->exp.alpha += elem_alpha;
+    p->exp.beta += (elem_t - elem_alpha) / p->n_exp;
+  }
+  if (hi >= 0 && hi < f->nops) assembly_of(f, reader, lo, hi, c, p);
+  if (n_a2a > 0) p->a2a.alpha += c->handoff;
+  if (n_ag > 0) p->ag.alpha += c->handoff;
+  if (n_rs > 0) p->rs.alpha += c->handoff;
 }
 
 // The dense gradient elements bwd all-reduces over a replica group (world or dp).
@@ -219,9 +295,9 @@ int pass_find_layers(IrModule *m, PassLayer **out) {
 
 void pass_layer_cost(const PassLayer *l, const SchedCluster *c, SchedLayerCost *out) {
   *out = (SchedLayerCost){.ar = c->allreduce};
-  phase_of(l->fwd, c, &out->phase[SCHED_FWD]);
+  phase_of(l->fwd, l->bwd, c, &out->phase[SCHED_FWD]);
   if (l->bwd) {
-    phase_of(l->bwd, c, &out->phase[SCHED_BWD]);
+    phase_of(l->bwd, NULL, c, &out->phase[SCHED_BWD]);
     out->n_grad = dense_grad_elems(l->bwd);
   }
 }
@@ -252,6 +328,17 @@ bool pass_stack(IrModule *m, const SchedCluster *c, PassStack *out) {
   for (int i = 0; i < n; i++) {
     pass_layer_cost(&out->layer[i], c, &out->cost[i]);
     out->r_max[i] = r_max_of(&out->layer[i]);
+  }
+  // Everything outside the stack's layers, priced.
+  for (int i = 0; i < m->nfuncs; i++) {
+    const IrFunc *f = m->funcs[i];
+    bool in_stack = false;
+    for (int k = 0; k < n && !in_stack; k++) in_stack = out->layer[k].fwd == f || out->layer[k].bwd == f;
+    if (in_stack) continue;
+    double t = 0;
+    for (int j = 0; j < f->nops; j++) t += ir_op_float(f->ops[j], "cost_t", 0);
+    bool fwd = f->role == IR_ROLE_LAYER_FWD || f->role == IR_ROLE_LOSS_FWD;
+    *(fwd ? &out->t_fwd_other : &out->t_bwd_other) += t;
   }
   // The backward functions outside the stack (a language model's head and mlp layers): their
   // gradients join the next stack layer's backward in module order.

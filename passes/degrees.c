@@ -26,8 +26,27 @@ static void set_r(IrFunc *f, int64_t r) {
   if (f) ir_attrs_set_int(f->attrs, &f->nattrs, "r", r);
 }
 
+static void report(FILE *log, const PassLayer *l, int n, const SchedPlan *plan, const SchedCluster *c, double ms);
+
+// Explicit degrees with a cluster profile and -v: the plan those degrees make, priced and
+// simulated as `pipeline auto` prices its own (the predicted step of a model written by hand).
+static void price_explicit(IrModule *m, PassCtx *ctx, int64_t r_fwd, int64_t r_bwd) {
+  IrPolicy pol;
+  if (!ctx->verbose || !ctx->cluster || !ir_policy_parse(ir_mod_str(m, "policy", "sequential"), &pol)) return;
+  PassStack s;
+  if (!pass_stack(m, ctx->cluster, &s)) return;
+  SchedPlan plan = {0};
+  SchedStack st = {.n = s.n, .cost = s.cost, .r_max = s.r_max, .choose = SCHED_CHOOSE_BEST,
+                   .t_fwd_other = s.t_fwd_other, .t_bwd_other = s.t_bwd_other,
+                   .r_fix = {(int)r_fwd, (int)r_bwd}};
+  if (s.n > 0 && sched_plan(&st, pol, &plan)) report(ctx->log ? ctx->log : stderr, s.layer, s.n, &plan, ctx->cluster, 0);
+  sched_plan_free(&plan);
+  pass_stack_free(&s);
+}
+
 static bool explicit_degrees(IrModule *m, PassCtx *ctx) {
   int64_t r_fwd = ir_mod_int(m, "r_fwd", 1), r_bwd = ir_mod_int(m, "r_bwd", 1);
+  price_explicit(m, ctx, r_fwd, r_bwd);
   if (r_fwd == 1 && r_bwd == 1) return true;
   PassLayer *l;
   int n = pass_find_layers(m, &l);
@@ -103,7 +122,8 @@ bool pass_pipeline(IrModule *m, PassCtx *ctx) {
   SchedPlan plan = {0};
   double t0 = 0;
   if (s.n > 0) {
-    SchedStack st = {.n = s.n, .cost = s.cost, .r_max = s.r_max, .choose = SCHED_CHOOSE_BEST};
+    SchedStack st = {.n = s.n, .cost = s.cost, .r_max = s.r_max, .choose = SCHED_CHOOSE_BEST,
+                     .t_fwd_other = s.t_fwd_other, .t_bwd_other = s.t_bwd_other};
     t0 = now_ms();
     ok = sched_plan(&st, pol, &plan);
     t0 = now_ms() - t0;

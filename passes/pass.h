@@ -103,6 +103,10 @@ typedef struct PassStack {
   PassLayer *layer;       // [n]
   SchedLayerCost *cost;   // [n]
   int *r_max;             // [n]
+  // The priced time of everything outside the stack's layers (ms): a language model's
+  // embedding, head and layers without experts, the loss, the optimizer; forward and backward
+  // (the optimizer counts with the backward).
+  double t_fwd_other, t_bwd_other;
 } PassStack;
 // False when out of memory. Free with pass_stack_free.
 bool pass_stack(IrModule *m, const SchedCluster *c, PassStack *out);

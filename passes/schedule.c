@@ -179,6 +179,46 @@ static void issue_order(OpList *out, const int *starts, int r) {
   free(split);
 }
 
+// Assembles the r chunk values of v (exact copies) as a balanced tree of pairwise concats, so
+// that every element is copied ceil(log2 r) times; a chain (((c0 c1) c2) c3) copies the first
+// chunks r - 1 times, O(r^2) in all, which made large degrees slow for no reason. The last
+// concat defines v.
+static bool assemble(Sched *S, IrFunc *f, const IrOp *op, IrValue *v, IrValue **chunk, int64_t r, int64_t blocks,
+                     OpList *out) {
+  IrValue **level = malloc(sizeof *level * (size_t)r);
+  int *last = malloc(sizeof *last * (size_t)r);   // the last chunk index each value holds
+  if (!level || !last) abort();
+  for (int64_t j = 0; j < r; j++) level[j] = chunk[j], last[j] = (int)j;
+  int64_t n = r;
+  bool ok = true;
+  for (int step = 0; ok && n > 1; step++) {
+    int64_t k = 0;
+    for (int64_t j = 0; ok && j < n; j += 2) {
+      if (j + 1 == n) {   // an odd one out goes up a level as it is
+        level[k] = level[j], last[k++] = last[j];
+        continue;
+      }
+      IrOp *c = new_op(S, f, IR_OP_LAYOUT_CONCAT, ir_strfmt(S->m, "%s.cat%d.%lld", v->name, step, (long long)(j / 2)));
+      ir_op_arg(c, level[j]);
+      ir_op_arg(c, level[j + 1]);
+      if (blocks > 1) ir_op_set_int(c, "blocks", blocks);
+      c->loc = op->loc;
+      c->chunk = last[j + 1];
+      if (!(ok = finish(S, c))) break;
+      if (n == 2) {  // the root: becomes the original value's definition
+        c->result = v;
+        v->def = c;
+      }
+      push(out, c);
+      level[k] = c->result, last[k++] = last[j + 1];
+    }
+    n = k;
+  }
+  free(level);
+  free(last);
+  return ok;
+}
+
 // Splits f's expert region into r chunks. True when done or when f has nothing to chunk.
 static bool chunk_func(Sched *S, IrFunc *f, int64_t r_want) {
   IrModule *m = S->m;
@@ -312,24 +352,25 @@ static bool chunk_func(Sched *S, IrFunc *f, int64_t r_want) {
     if ((cls[i] != 1 && cls[i] != 2) || !op->result) continue;
     IrValue *v = op->result;
     if (cls[i] == 1 && !used_outside(m, f, lo, hi, v)) continue;
-    IrValue *acc = vi[v->id].chunk[0];
-    for (int64_t j = 1; ok && j < r; j++) {
-      bool lastj = j == r - 1;
-      IrOp *c = new_op(S, f, cls[i] == 2 ? IR_OP_ADD : IR_OP_LAYOUT_CONCAT,
-                       ir_strfmt(m, "%s.%s%lld", v->name, cls[i] == 2 ? "sum" : "cat", (long long)j));
-      ir_op_arg(c, acc);
-      ir_op_arg(c, vi[v->id].chunk[j]);
-      if (cls[i] == 1 && vi[v->id].blocks > 1) ir_op_set_int(c, "blocks", vi[v->id].blocks);
-      c->loc = op->loc;
-      c->chunk = (int)j;
-      if (!(ok = finish(S, c))) break;
-      if (lastj) {  // becomes the original value's definition
-        c->result = v;
-        v->def = c;
+    if (cls[i] == 2) {   // partial sums: added up in chunk order, the float order of r = 1's sum
+      IrValue *acc = vi[v->id].chunk[0];
+      for (int64_t j = 1; ok && j < r; j++) {
+        IrOp *c = new_op(S, f, IR_OP_ADD, ir_strfmt(m, "%s.sum%lld", v->name, (long long)j));
+        ir_op_arg(c, acc);
+        ir_op_arg(c, vi[v->id].chunk[j]);
+        c->loc = op->loc;
+        c->chunk = (int)j;
+        if (!(ok = finish(S, c))) break;
+        if (j == r - 1) {  // becomes the original value's definition
+          c->result = v;
+          v->def = c;
+        }
+        push(&out, c);
+        acc = c->result;
       }
-      push(&out, c);
-      acc = c->result;
+      continue;
     }
+    ok = assemble(S, f, op, v, vi[v->id].chunk, r, vi[v->id].blocks, &out);
   }
   for (int i = 0; i < post.n; i++) push(&out, post.ops[i]);
   for (int i = hi + 1; i < f->nops; i++) push(&out, f->ops[i]);

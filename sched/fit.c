@@ -30,7 +30,9 @@ static bool fail(char *err, size_t err_size, FitLine *out, const char *fmt, ...)
   return false;
 }
 
-bool fit_line(const double *x, const double *y, int n, FitLine *out, char *err, size_t err_size) {
+// The line minimising sum (w_i * (y_i - alpha - beta x_i))^2; w NULL: every weight 1.
+static bool fit_weighted(const double *x, const double *y, const double *w, int n, FitLine *out,
+                         char *err, size_t err_size) {
   if (n < 2)
     return fail(err, err_size, out, "a line needs at least 2 points, got %d", n < 0 ? 0 : n);
   double xmax = 0;
@@ -56,9 +58,10 @@ bool fit_line(const double *x, const double *y, int n, FitLine *out, char *err, 
     return fail(err, err_size, out, "out of memory fitting %d points", n);
   }
   for (int i = 0; i < rows; i++) {     // column-major [rows x 2]
-    a[i] = 1.0;
-    a[rows + i] = x[i] / scale;
-    b[i] = y[i];
+    double wi = w ? w[i] : 1.0;
+    a[i] = wi;
+    a[rows + i] = wi * x[i] / scale;
+    b[i] = wi * y[i];
   }
   int info = 0, lwork = -1;
   double query;
@@ -91,5 +94,69 @@ bool fit_line(const double *x, const double *y, int n, FitLine *out, char *err, 
   }
   // All times equal: the horizontal line through them is exact, whatever rounding left over.
   *out = (FitLine){alpha, beta, ss_tot > 0 ? 1.0 - ss_res / ss_tot : 1.0, n};
+  return true;
+}
+
+bool fit_line(const double *x, const double *y, int n, FitLine *out, char *err, size_t err_size) {
+  return fit_weighted(x, y, NULL, n, out, err, err_size);
+}
+
+bool fit_line_relative(const double *x, const double *y, int n, FitLine *out, char *err, size_t err_size) {
+  if (n < 0) n = 0;
+  double *w = malloc(sizeof(double) * (size_t)(n > 0 ? n : 1));
+  if (!w) return fail(err, err_size, out, "out of memory fitting %d points", n);
+  for (int i = 0; i < n; i++) {
+    if (!(y[i] > 0) || !isfinite(y[i])) {
+      free(w);
+      return fail(err, err_size, out, "point %d has the time %g; a relative fit needs times above 0", i, y[i]);
+    }
+    w[i] = 1.0 / y[i];
+  }
+  bool ok = fit_weighted(x, y, w, n, out, err, err_size);
+  free(w);
+  if (ok && out->alpha < 0) {
+    // The smallest sizes run faster than the line says: through the origin instead, still
+    // relative: minimise sum ((y - beta x) / y)^2, beta = sum(x/y) / sum((x/y)^2).
+    double num = 0, den = 0;
+    for (int i = 0; i < n; i++) {
+      num += x[i] / y[i];
+      den += (x[i] / y[i]) * (x[i] / y[i]);
+    }
+    *out = (FitLine){0.0, den > 0 ? num / den : 0.0, 0, n};
+    fit_r2(x, y, n, out);
+  }
+  return ok;
+}
+
+void fit_r2(const double *x, const double *y, int n, FitLine *line) {
+  double mean = 0;
+  for (int i = 0; i < n; i++) mean += y[i];
+  mean = n > 0 ? mean / n : 0;
+  double ss_tot = 0, ss_res = 0;
+  for (int i = 0; i < n; i++) {
+    double r = y[i] - (line->alpha + line->beta * x[i]), d = y[i] - mean;
+    ss_res += r * r;
+    ss_tot += d * d;
+  }
+  line->r2 = ss_tot > 0 ? 1.0 - ss_res / ss_tot : 1.0;
+  line->points = n;
+}
+
+bool fit_anchored(const double *x, const double *y, int n, double alpha, double x_from, FitLine *out,
+                  char *err, size_t err_size) {
+  double num = 0, den = 0;
+  int used = 0;
+  for (int i = 0; i < n; i++) {
+    if (!isfinite(x[i]) || !isfinite(y[i]))
+      return fail(err, err_size, out, "point %d is not finite (n = %g, t = %g)", i, x[i], y[i]);
+    if (x[i] < x_from) continue;
+    num += (y[i] - alpha) * x[i];
+    den += x[i] * x[i];
+    used++;
+  }
+  if (used < 1 || !(den > 0))
+    return fail(err, err_size, out, "no point of size %g or more with n > 0 to fit the slope on", x_from);
+  *out = (FitLine){alpha, num / den > 0 ? num / den : 0.0, 0, n};
+  fit_r2(x, y, n, out);
   return true;
 }

@@ -18,4 +18,15 @@ typedef struct FitLine {
 // (no trailing period) to err (err_size bytes; err may be NULL); out is then all NaN-free zeros.
 bool fit_line(const double *x, const double *y, int n, FitLine *out, char *err, size_t err_size);
 
+// The same line with each point weighted by 1/y: relative errors count, so that small sizes are
+// fitted as well as large ones (GEMMs from a few tokens to whole capacities). Needs every y > 0.
+// Should the intercept come out negative, the line through the origin with the same weighting.
+bool fit_line_relative(const double *x, const double *y, int n, FitLine *out, char *err, size_t err_size);
+// A line whose intercept is given (a measured fixed cost): beta = sum (y - alpha) x / sum x^2
+// over the points with x >= x_from, at least 0; r2 over all points.
+bool fit_anchored(const double *x, const double *y, int n, double alpha, double x_from, FitLine *out,
+                  char *err, size_t err_size);
+// Sets line->r2 and line->points from the points.
+void fit_r2(const double *x, const double *y, int n, FitLine *line);
+
 #endif

@@ -32,6 +32,9 @@ typedef struct SchedCluster {
   const char *name;
   int nodes, gpus_per_node;
   SchedCoef gemm, alltoall, allgather, reducescatter, allreduce;
+  SchedCoef elementwise;  // the ops without a GEMM or a collective, n = floats read and written
+                          // (0, 0: not in the profile, those ops are free)
+  double handoff;         // ms a chunked collective pays for its two stream hand-offs (0: none)
 } SchedCluster;
 
 typedef enum SchedFfn { SCHED_FFN_GPT, SCHED_FFN_MIXTRAL } SchedFfn;
@@ -54,6 +57,12 @@ typedef struct SchedPhase {
   SchedCoef a2a, ag, rs, exp;
   double n_a2a, n_ag, n_rs, n_exp;
   double t_att;  // dense attention time of the phase (one GEMM-model term; backward 2x)
+  // What cutting the region into r chunks adds on the compute stream after the chunks (priced
+  // from the IR with the profile's elementwise fit; 0 in the paper's model): the partial sums
+  // of the weight gradients, one add per chunk after the first, (r - 1) * t_sum; and the
+  // chunks of the values read after the region assembled by a balanced tree of concats, which
+  // copies them about log2 r times: log2(r) * t_level.
+  double t_sum, t_level;
 } SchedPhase;
 
 typedef struct SchedLayerCost {
@@ -75,6 +84,8 @@ typedef struct SchedChunk {
   double a2a, ag, rs, exp;
 } SchedChunk;
 SchedChunk sched_chunk(const SchedPhase *p, double r);
+// The compute the chunking adds after the chunks at degree r: (r - 1) t_sum + log2(r) t_level.
+double sched_assembly(const SchedPhase *p, double r);
 // AllReduce time of n elements (0 for n <= 0) and its inverse (elements that fit in time t).
 double sched_ar_time(const SchedCoef *ar, double n);
 double sched_ar_elems(const SchedCoef *ar, double t);
@@ -174,6 +185,9 @@ typedef struct SchedStack {
   const SchedLayerCost *cost;   // [n]
   const int *r_max;             // [n]
   SchedChoose choose;           // fsmoe's degree rule
+  double t_fwd_other, t_bwd_other;   // time outside the layers, added to t_fwd / t_bwd (ms)
+  int r_fix[2];                 // > 0: every layer runs this degree in that phase (a model's
+                                // explicit `pipeline { forward N; backward M; }`), only priced
 } SchedStack;
 
 // fsmoe's degree for one layer and phase with grad_elems of AllReduce inside the MoE (DESIGN §6):

@@ -73,6 +73,11 @@ SchedChunk sched_chunk(const SchedPhase *p, double r) {
   return t;
 }
 
+double sched_assembly(const SchedPhase *p, double r) {
+  if (r <= 1) return 0;
+  return (r - 1) * p->t_sum + log2(r) * p->t_level;
+}
+
 double sched_ar_time(const SchedCoef *ar, double n) { return n > 0 ? ar->alpha + ar->beta * n : 0; }
 
 double sched_ar_elems(const SchedCoef *ar, double t) {
@@ -106,11 +111,12 @@ int sched_case(const SchedPhase *p, double r, double t_gar) {
 
 double sched_case_time(const SchedPhase *p, int c, double r, double t_gar) {
   SchedChunk t = sched_chunk(p, r);
+  double assembly = sched_assembly(p, r);
   switch (c) {
-  case 1: return 2 * r * t.a2a + t_gar;
-  case 2: return 2 * t.a2a + t.ag + t.rs + r * t.exp;
-  case 3: return 2 * r * t.a2a + t.ag + t.rs;
-  case 4: return 2 * t.a2a + r * t.ag + r * t.rs;
+  case 1: return 2 * r * t.a2a + t_gar + assembly;
+  case 2: return 2 * t.a2a + t.ag + t.rs + r * t.exp + assembly;
+  case 3: return 2 * r * t.a2a + t.ag + t.rs + assembly;
+  case 4: return 2 * t.a2a + r * t.ag + r * t.rs + assembly;
   }
   return INFINITY;  // not a case
 }
@@ -121,25 +127,25 @@ double sched_model_time(const SchedPhase *p, double r, double t_gar) {
 
 double sched_olp_moe(const SchedPhase *p, double r) {
   SchedChunk t = sched_chunk(p, r);
-  double idle = sched_model_time(p, r, 0) - 2 * r * t.a2a;
+  double idle = sched_model_time(p, r, 0) - sched_assembly(p, r) - 2 * r * t.a2a;
   return idle > 0 ? idle : 0;
 }
 
 double sched_tutel_model(const SchedPhase *p, double r) {
   SchedChunk t = sched_chunk(p, r);
-  return fmax(2 * r * t.a2a, 2 * t.a2a + r * t.exp);
+  return fmax(2 * r * t.a2a, 2 * t.a2a + r * t.exp) + sched_assembly(p, r);
 }
 
 double sched_noiio_model(const SchedPhase *p, double r, double t_gar) {
   SchedChunk t = sched_chunk(p, r);
   double comm = r * (2 * t.a2a + t.ag + t.rs) + t_gar;
   double compute = 2 * t.a2a + t.ag + t.rs + r * t.exp;
-  return fmax(comm, compute);
+  return fmax(comm, compute) + sched_assembly(p, r);
 }
 
 double sched_noiio_olp(const SchedPhase *p, double r) {
   SchedChunk t = sched_chunk(p, r);
-  double idle = sched_noiio_model(p, r, 0) - r * (2 * t.a2a + t.ag + t.rs);
+  double idle = sched_noiio_model(p, r, 0) - sched_assembly(p, r) - r * (2 * t.a2a + t.ag + t.rs);
   return idle > 0 ? idle : 0;
 }
 

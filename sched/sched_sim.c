@@ -101,7 +101,9 @@ static int add_moe(SchedProgram *g, Streams s, const SchedLayerCost *c, int laye
   for (int j = 0; j < r; j++) {
     int d = add(g, SCHED_OP_DISPATCH, layer, phase, j, s.inter, SCHED_RES_INTER, t.a2a, p->n_a2a / r, dep, -1);
     int a = add(g, SCHED_OP_ALLGATHER, layer, phase, j, s.intra, SCHED_RES_INTRA, t.ag, p->n_ag / r, d, -1);
-    exp[j] = add(g, SCHED_OP_EXPERT, layer, phase, j, s.compute, SCHED_RES_COMPUTE, t.exp, p->n_exp / r, a, -1);
+    // The last chunk's experts carry what the chunking adds after them (sums, assembly).
+    double dur = t.exp + (j == r - 1 ? sched_assembly(p, r) : 0);
+    exp[j] = add(g, SCHED_OP_EXPERT, layer, phase, j, s.compute, SCHED_RES_COMPUTE, dur, p->n_exp / r, a, -1);
     ok &= d >= 0 && a >= 0 && exp[j] >= 0;
   }
   if (grad_elems > 0)

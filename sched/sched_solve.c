@@ -91,6 +91,7 @@ static double case_fn(const SchedPhase *p, int c, double r, double t_gar, double
   case 3: g = 2 * drt(&p->a2a) + dg + ds; break;
   case 4: g = 2 * da + drt(&p->ag) + drt(&p->rs); break;
   }
+  g += p->t_sum + p->t_level / (r * M_LN2);   // sched_assembly's derivative
   if (grad) *grad = g;
   return sched_case_time(p, c, r, t_gar);
 }
@@ -116,9 +117,9 @@ static double unconstrained_min(const SchedPhase *p, int c) {
   double lin = 0, inv = 0;
   switch (c) {
   case 1: return 1;
-  case 2: lin = p->exp.alpha; inv = 2 * p->n_a2a * p->a2a.beta + p->n_ag * p->ag.beta + p->n_rs * p->rs.beta; break;
-  case 3: lin = 2 * p->a2a.alpha; inv = p->n_ag * p->ag.beta + p->n_rs * p->rs.beta; break;
-  case 4: lin = p->ag.alpha + p->rs.alpha; inv = 2 * p->n_a2a * p->a2a.beta; break;
+  case 2: lin = p->exp.alpha + p->t_sum; inv = 2 * p->n_a2a * p->a2a.beta + p->n_ag * p->ag.beta + p->n_rs * p->rs.beta; break;
+  case 3: lin = 2 * p->a2a.alpha + p->t_sum; inv = p->n_ag * p->ag.beta + p->n_rs * p->rs.beta; break;
+  case 4: lin = p->ag.alpha + p->rs.alpha + p->t_sum; inv = 2 * p->n_a2a * p->a2a.beta; break;
   }
   if (lin <= 0) return INFINITY;
   return sqrt(inv / lin);
@@ -279,14 +280,29 @@ static const char *const grad_mode_name[] = {
     [SCHED_GRAD_STEP1] = "step1", [SCHED_GRAD_STEP12] = "step1+2",
     [SCHED_GRAD_DENSE_FIRST] = "dense-first", [SCHED_GRAD_NONE] = "none"};
 
+// An explicit degree (st->r_fix) replaces the chosen one of phase ph, with the policy's model time.
+static void fix_degree(const SchedStack *st, int i, int ph, IrPolicy pol, double t_gar, SchedLayerPlan *lp) {
+  if (st->r_fix[ph] <= 0) return;
+  int r = st->r_fix[ph] < st->r_max[i] ? st->r_fix[ph] : st->r_max[i];
+  if (r < 1 || pol == IR_POLICY_SEQUENTIAL) r = 1;
+  const SchedPhase *p = &st->cost[i].phase[ph];
+  lp->r[ph] = r;
+  lp->t_model[ph] = pol == IR_POLICY_FSMOE ? sched_model_time(p, r, t_gar)
+                    : pol == IR_POLICY_FSMOE_NO_IIO ? sched_noiio_model(p, r, t_gar)
+                    : pol == IR_POLICY_SEQUENTIAL ? sched_model_time(p, 1, 0)
+                                                  : sched_tutel_model(p, r);
+  if (pol == IR_POLICY_FSMOE) lp->kase[ph] = sched_case(p, r, t_gar);
+  lp->chosen_by[ph] = "explicit";
+}
+
 // Simulates a plan in place; false on an internal error.
 static bool simulate_plan(const SchedStack *st, SchedPlan *plan) {
   SchedProgram g = {0};
   bool ok = sched_build_program(st, plan, &g) && sched_simulate(&g);
   if (ok) {
-    plan->t_fwd = g.t_fwd;
-    plan->t_iter = g.makespan;
-    plan->t_bwd = g.makespan - g.t_fwd;
+    plan->t_fwd = g.t_fwd + st->t_fwd_other;
+    plan->t_iter = g.makespan + st->t_fwd_other + st->t_bwd_other;
+    plan->t_bwd = plan->t_iter - plan->t_fwd;
   }
   sched_program_free(&g);
   return ok;
@@ -359,6 +375,7 @@ static bool plan_partitioned(const SchedStack *st, SchedPlan *plan) {
     SchedLayerPlan *lp = &plan->layer[i];
     if (iio) memo_degree(&memo, c, st->r_max[i], SCHED_FWD, 0, st->choose, lp);
     else noiio_degree(c, st->r_max[i], SCHED_FWD, 0, lp);
+    fix_degree(st, i, SCHED_FWD, plan->policy, 0, lp);
     const SchedPhase *b = &c->phase[SCHED_BWD];
     if (iio) olp[i] = sched_olp_moe(b, sched_find_degree(b, 0, st->r_max[i], SCHED_METHOD_EXHAUSTIVE).r);
     else olp[i] = sched_noiio_olp(b, sched_argmin_degree(sched_noiio_model, b, 0, st->r_max[i]));
@@ -380,6 +397,7 @@ static bool plan_partitioned(const SchedStack *st, SchedPlan *plan) {
       lp->t_gar = sched_ar_time(&st->cost[i].ar, gp.moe[i]);
       if (iio) memo_degree(&memo, &st->cost[i], st->r_max[i], SCHED_BWD, gp.moe[i], st->choose, lp);
       else noiio_degree(&st->cost[i], st->r_max[i], SCHED_BWD, gp.moe[i], lp);
+      fix_degree(st, i, SCHED_BWD, plan->policy, lp->t_gar, lp);
     }
     plan->grad_tail = gp.tail;
     sched_gradpart_free(&gp);
@@ -425,6 +443,7 @@ bool sched_plan(const SchedStack *st, IrPolicy pol, SchedPlan *out) {
       lp->r[ph] = lp->r_slsqp[ph] = lp->r_exhaustive[ph] = r;   // tutel reuses the forward r
       lp->t_model[ph] = pol == IR_POLICY_SEQUENTIAL ? sched_model_time(&c->phase[ph], 1, 0)
                                                 : sched_tutel_model(&c->phase[ph], r);
+      fix_degree(st, i, ph, pol, 0, lp);
     }
     total_grad += c->n_grad;
   }

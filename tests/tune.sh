@@ -2,7 +2,9 @@
 # `moec tune` end to end (issue 5). On 4 ranks (profiled as 2 nodes of 2):
 #   - `tune --quick -o T.cluster` finishes within 120 s (its duration is printed) and exits 0;
 #   - its table has the 6 fits (gemm, alltoall, allgather, reducescatter intra-node; alltoall,
-#     allreduce inter-node), each with alpha, beta and an r^2, and an OK footer;
+#     allreduce inter-node), each with alpha, beta and an r^2, the elementwise fit and the
+#     stream hand-off, and an OK footer;
+#   - every collective's alpha is a measurement (its smallest size's time, above 0), none clamped;
 #   - T.cluster holds the inter-node AlltoAll fit as `alltoall`, says how it was measured, and no
 #     temporary file is left beside it;
 #   - `moec build --cluster T.cluster tiny.moe` compiles, and `moec check` accepts a model whose
@@ -49,7 +51,9 @@ alltoall intra-node
 allgather intra-node
 reducescatter intra-node
 alltoall inter-node
-allreduce inter-node"
+allreduce inter-node
+elementwise each-rank
+handoff each-rank"
 got=$(awk '{print $1, $2}' "$WORK/rows")
 if [ "$got" = "$want" ]; then ok "table has the 6 fits"
 else bad "table has the 6 fits" "got:
@@ -57,7 +61,7 @@ $got
 output:
 $(cat "$WORK/out")"; fi
 num='^-?[0-9]+(\.[0-9]+)?(e[-+][0-9]+)?$'
-bad_rows=$(awk -v num="$num" '!($3 ~ num && $4 ~ num && $5 ~ num && $5 <= 1) {print}' "$WORK/rows")
+bad_rows=$(awk -v num="$num" '$1 != "handoff" && !($3 ~ num && $4 ~ num && $5 ~ num && $5 <= 1) {print}' "$WORK/rows")
 if [ -s "$WORK/rows" ] && [ -z "$bad_rows" ]; then
   ok "every fit prints alpha, beta and r2 <= 1: $(awk '{printf "%s%s/%s r2 %s", (NR > 1 ? ", " : ""), $1, $2, $5}' "$WORK/rows")"
 else bad "every fit prints alpha, beta and r2" "$bad_rows"; fi
@@ -88,6 +92,14 @@ $(cat "$T")"; fi
          if (d > 1e-3 * m + 1e-300) exit 1 }
        exit 0 }'; then ok "alltoall in the profile is the inter-node fit ($file)"
   else bad "alltoall in the profile is the inter-node fit" "table: $inter, file: $file"; fi
+  # Every collective's alpha is its smallest size's time (a measurement, above 0), never a
+  # negative intercept clamped to 0; the profile prices element-wise ops and stream hand-offs.
+  alphas=$(sed -n 's/^ *\(alltoall\|allgather\|reducescatter\|allreduce\) *{ *alpha \([^;]*\);.*/\2/p' "$T" | tr '\n' ' ')
+  if [ "$(echo $alphas | wc -w)" = 4 ] && awk -v a="$alphas" 'BEGIN { n = split(a, x, " "); for (i = 1; i <= n; i++) if (!(x[i] > 0)) exit 1 }' &&
+     ! grep -q 'clamped' "$T" && grep -q '^ *elementwise *{ *alpha [0-9.e+-]*; *beta [0-9.e+-]*; }' "$T" &&
+     grep -q '^ *handoff [0-9.e+-]*;' "$T"; then
+    ok "every collective's alpha is measured above 0 ($alphas), none clamped; elementwise and handoff are in the profile"
+  else bad "collective alphas measured, elementwise and handoff in the profile" "$(grep -v '^#' "$T")"; fi
 
   if "$MOEC" build --cluster "$T" lang/models/tiny.moe -o "$WORK/tiny" >"$WORK/b.out" 2>&1 && [ -x "$WORK/tiny" ]; then
     ok "moec build --cluster T.cluster tiny.moe"
@@ -104,7 +116,7 @@ timeout "$TIMEOUT" $MPIRUN -np 4 "$MOEC" tune --quick --model lang/models/mixtra
 status=$?
 shapes=$(grep '^#   gemm shape' "$WORK/m.out")
 if [ $status -eq 0 ] && echo "$shapes" | grep -q '\[m, 32\] x \[32, 112\]' && echo "$shapes" | grep -q '\[m, 112\] x \[112, 32\]' &&
-   [ "$(echo "$shapes" | wc -l)" -eq 2 ] && grep -q '^  gemm .* 8 ' "$WORK/m.out"; then
+   [ "$(echo "$shapes" | wc -l)" -eq 2 ] && grep -q '^  gemm .* 12 ' "$WORK/m.out"; then
   ok "tune --model mixtral.moe times its expert GEMMs: $(echo "$shapes" | sed 's/^#   gemm shape *//' | tr -s ' ' | paste -sd';')"
 else bad "tune --model mixtral.moe times its expert GEMMs (exit $status)" "$(cat "$WORK/m.out" "$WORK/m.err" | head -n 30)"; fi
 if grep -q 'M = embed 32' "$WORK/m.out" && grep -q 'ffn mixtral, H = hidden 112 / esp = 112' "$WORK/m.out"; then
@@ -145,7 +157,7 @@ else
     --quick --dtype bf16 -o "$WORK/G2.cluster" >"$WORK/g2.out" 2>&1 </dev/null
   status=$?
   if [ $status -eq 0 ] && [ "$(tail -n 1 "$WORK/g2.out")" = OK ] && grep -q '^# gemm: cuBLAS (rt_cuda_gemm: bf16 inputs' "$WORK/g2.out" &&
-     [ "$(awk '/^# model +group/ {t = 1; next} t && /^  [a-z]/ && $4 == 4' "$WORK/g2.out" | wc -l)" -eq 5 ] &&
+     [ "$(awk '/^# model +group/ {t = 1; next} t && /^  [a-z]/ && $4 == 7' "$WORK/g2.out" | wc -l)" -eq 5 ] &&
      ! grep -q 'not measured' "$WORK/G2.cluster"; then
     ok "tune --target cuda --dtype bf16 on 2 ranks (fake device): bf16 GEMMs and the 5 collective fits over NCCL's calls"
   else bad "tune --target cuda --dtype bf16 on 2 ranks (fake device), exit $status" "$(tail -n 30 "$WORK/g2.out")"; fi
