@@ -19,7 +19,7 @@ ROOT    := $(abspath .)
 CUDA    ?= /usr/local/cuda
 
 DEB_PACKAGES := flex bison libnlopt-dev libopenmpi-dev openmpi-bin libopenblas-dev libopenblas-openmp-dev libcjson-dev \
-                libcmocka-dev python3-numpy clang libclang-rt-14-dev
+                libcmocka-dev python3-numpy clang libclang-rt-14-dev iproute2 util-linux
 
 # ---- configuration: packages first, then the flags of this machine, then anything compiled ----
 # build/config.mk (mk/configure.sh: MPI, cJSON, OpenBLAS, CUDA, NCCL flags) is included below;
@@ -305,6 +305,14 @@ bench: deps all $(BUILD)/bench/gate_order $(BUILD)/bench/alltoall $(BUILD)/bench
 	$(BUILD)/bench/gate_order
 	@echo
 	@BUILD=$(BUILD) bash bench/streams.sh
+
+# ---- make cluster-bench (issue 23): planned schedules on an emulated multi-node cluster ----
+# Network namespaces joined by links shaped with tbf (tests/cluster/cluster.sh, docs/cluster.md):
+# every policy's predicted and measured step, an r sweep, a table and an SVG under
+# build/cluster-bench. About an hour; CLUSTER_BENCH_ARGS=--quick for a few minutes.
+.PHONY: cluster-bench
+cluster-bench: deps all
+	@BUILD=$(BUILD) bash bench/cluster/bench.sh $(CLUSTER_BENCH_ARGS)
 
 clean:
 	rm -rf $(BUILD)

@@ -39,7 +39,9 @@ void cli_cluster_from_fe(const FeCluster *f, SchedCluster *c) {
                       .allgather = {f->allgather.alpha, f->allgather.beta},
                       .reducescatter = {f->reducescatter.alpha, f->reducescatter.beta},
                       .allreduce = {f->allreduce.alpha, f->allreduce.beta},
-                      .elementwise = {f->elementwise.alpha, f->elementwise.beta}, .handoff = f->handoff};
+                      .elementwise = {f->elementwise.alpha, f->elementwise.beta},
+                      .attention = {f->attention.alpha, f->attention.beta}, .handoff = f->handoff,
+                      .overlap_compute = f->overlap_compute, .overlap_comm = f->overlap_comm};
 }
 
 static double now_s(void) {
@@ -314,7 +316,8 @@ static bool plan_stack(IrDiag *d, const PlanOptions *o, Plan *pl) {
     out->dropless = pass_dropless_at(&pl->stack, i, 1.0, &unused, &r_max);
     out->f = slots_per_token(pl->m, l);
   }
-  pl->st = (SchedStack){n, pl->stack.cost, pl->stack.r_max, o->choose, pl->stack.t_fwd_other, pl->stack.t_bwd_other};
+  pl->st = (SchedStack){n, pl->stack.cost, pl->stack.r_max, o->choose, pl->stack.t_fwd_other, pl->stack.t_bwd_other,
+                        pl->cluster.overlap_compute, pl->cluster.overlap_comm, {0, 0}};
   double t0 = now_s();
   if (!plan_all(&pl->st, pl->plans)) return ir_error(d, "planning failed (an internal error)");
   pl->plan_s = now_s() - t0;

@@ -40,6 +40,7 @@
 #include <mpi.h>
 
 #include <errno.h>
+#include <pthread.h>
 #include <math.h>
 #include <stdarg.h>
 #include <stdint.h>
@@ -69,6 +70,7 @@ enum {
   QUICK_GEMM_SIZES = 6,     // GEMM sizes with --quick on the CPU
   SMALL_SIZES = 3,          // communication: 2^8, 2^11, 2^14 floats, for the fixed cost alpha
   ELEM_SIZES = 8,           // element-wise kernels: 2^16 .. 2^23 floats
+  ATTN_SIZES = 4,           // attention: 1, 2, 4, 8 windows, forward and backward
   HANDOFF_RUNS = 200,       // stream hand-offs timed (the median is kept)
   MAX_SHAPES = 32,
 };
@@ -89,13 +91,20 @@ typedef struct TuneOptions {
   int gpus_per_node;        // 0: the default
 } TuneOptions;
 
+// The attention the `attention` fit times: the model's first attention layer (--model), or 8
+// heads of 64 over windows of 256 tokens.
+typedef struct AttnShape {
+  int heads, kv, d, seq;
+} AttnShape;
+static AttnShape attn_shape = {8, 8, 64, 256};
+
 // One GEMM shape of an expert: C [m, n] = A [m, k] x B [k, n], m tokens.
 typedef struct GemmShape {
   int k, n;
   char what[48];            // "up (x W1, W3)", ...
 } GemmShape;
 
-typedef enum BenchOp { OP_GEMM, OP_ALLTOALL, OP_ALLGATHER, OP_REDUCESCATTER, OP_ALLREDUCE, OP_ELEMENTWISE } BenchOp;
+typedef enum BenchOp { OP_GEMM, OP_ALLTOALL, OP_ALLGATHER, OP_REDUCESCATTER, OP_ALLREDUCE, OP_ELEMENTWISE, OP_ATTENTION } BenchOp;
 
 // One fitted model: its points and its line.
 typedef struct Series {
@@ -112,7 +121,7 @@ typedef struct Series {
   char err[200];
 } Series;
 
-enum { S_GEMM, S_A2A_INTRA, S_AG_INTRA, S_RS_INTRA, S_A2A_INTER, S_AR_INTER, S_ELEM, NSERIES };
+enum { S_GEMM, S_A2A_INTRA, S_AG_INTRA, S_RS_INTRA, S_A2A_INTER, S_AR_INTER, S_ELEM, S_ATTN, NSERIES };
 
 typedef struct Progress {
   bool on;
@@ -244,6 +253,11 @@ static int model_shapes(const char *path, GemmShape *shapes, char *desc, size_t 
   int n = 0;
   size_t used = snprintf(desc, desc_size, "expert shapes of %s (M = embed %lld, esp %lld):", path,
                          (long long)p->model.embed, (long long)p->parallel.esp);
+  for (int l = p->nlayers - 1; l >= 0; l--)
+    if (p->layers[l].has_attention && p->layers[l].heads > 0) {
+      int heads = (int)p->layers[l].heads, kv = p->layers[l].kv_heads > 0 ? (int)p->layers[l].kv_heads : heads;
+      attn_shape = (AttnShape){heads, kv, (int)(p->model.embed / heads), (int)p->model.seqlen};
+    }
   for (int l = 0; l < p->nlayers; l++) {
     const FeExperts *e = &p->layers[l].moe.experts;
     int m_dim = (int)p->model.embed, h = (int)(e->hidden / (p->parallel.esp > 0 ? p->parallel.esp : 1));
@@ -331,7 +345,16 @@ typedef struct Call {
   const void *a, *b;        // fp32 (bf16 with --dtype bf16 on a GPU)
   float *c;
   float *send, *recv;
+  float *attn_stats, *attn_grad;   // attention's backward
 } Call;
+
+// GEMM operand sets each size cycles through (run_gemms); the next one's index.
+#ifdef MOEC_TUNE_CUDA
+enum { GEMM_RING = 1 };
+#else
+enum { GEMM_RING = 8 };
+static int gemm_turn;
+#endif
 
 #ifdef MOEC_TUNE_CUDA
 // The GPU of this rank, the GEMMs' input type, and the NCCL communicators of the groups timed.
@@ -353,7 +376,8 @@ static void call(const Call *c) {
       ok = rt_cuda_reducescatter(gpu, nccl[c->group], RT_STREAM_COMPUTE, c->send, c->recv, c->count);
       break;
     case OP_ALLREDUCE: ok = rt_cuda_allreduce(gpu, nccl[c->group], RT_STREAM_COMPUTE, c->send, c->send, c->count); break;
-    case OP_ELEMENTWISE: break;   // not timed on a GPU (init_series skips it)
+    case OP_ELEMENTWISE:
+    case OP_ATTENTION: break;   // not timed on a GPU (init_series skips them)
     }
   }
   if (!ok || !rt_cuda_sync(gpu, RT_STREAM_COMPUTE)) rt_comm_abort("moec tune: a GPU call failed (the error is above)");
@@ -363,7 +387,12 @@ enum { CALL_REPS = GPU_REPS };
 enum { CALL_REPS = 1 };
 static void call(const Call *c) {
   switch (c->op) {
-  case OP_GEMM: rt_matmul(c->a, c->b, c->c, c->m, c->n, c->k, false, false, false); break;
+  case OP_GEMM: {   // the next operand set of the ring (run_gemms)
+    size_t turn = (size_t)(gemm_turn++ % GEMM_RING);
+    rt_matmul((const float *)c->a + turn * c->m * c->k, (const float *)c->b + turn * c->k * c->n,
+              c->c + turn * c->m * c->n, c->m, c->n, c->k, false, false, false);
+    break;
+  }
   case OP_ALLTOALL: rt_alltoall(c->comm, c->group, RT_A2A_FLAT, c->send, c->recv, c->count); break;
   case OP_ALLGATHER: rt_allgather(c->comm, c->group, c->send, c->recv, c->count); break;
   case OP_REDUCESCATTER: rt_reducescatter(c->comm, c->group, c->send, c->recv, c->count); break;
@@ -372,6 +401,18 @@ static void call(const Call *c) {
     rt_copy(c->send, c->c, c->count);
     rt_add(c->c, c->recv, c->send, c->count);
     break;
+  case OP_ATTENTION: {   // q a, k b, v send, o c, dy recv; m rows; n 0 forward, 1 backward
+    const AttnShape *s = &attn_shape;
+    int qc = s->heads * s->d;
+    if (!c->n) {
+      rt_attn_fwd(c->a, c->b, c->send, c->c, c->m, s->seq, s->heads, s->kv, qc);
+    } else {
+      rt_attn_stats(c->recv, c->a, c->b, c->c, c->attn_stats, c->m, s->seq, s->heads, s->kv, qc);
+      rt_attn_grad_q(c->recv, c->a, c->b, c->send, c->attn_stats, c->attn_grad, c->m, s->seq, s->heads, s->kv, qc);
+      rt_attn_grad_kv(c->recv, c->a, c->b, c->send, c->attn_stats, c->attn_grad, c->m, s->seq, s->heads, s->kv, qc);
+    }
+    break;
+  }
   }
 }
 #endif
@@ -482,15 +523,21 @@ static float *comm_buffer(size_t n) {
 static void free_comm_buffer(float *p) { free(p); }
 #endif
 
+// On the CPU each run of a size takes the next of the GEMM_RING operand sets (an expert's weights, its
+// tokens, its output), as a step's chunks do: the runtime's GEMMs read weights and activations
+// that other work has pushed out of the caches since their last use, and an operand that stays
+// cached from run to run would time a GEMM faster than any the step runs.
+
 static void run_gemms(Series *s, const GemmShape *shapes, int nshapes, bool quick, Progress *pr) {
   int idx[GEMM_SIZES], nsizes = gemm_sweep(quick, idx);
   for (int i = 0; i < nshapes; i++) {
     const GemmShape *g = &shapes[i];
     int m_max = tokens_for(g, GEMM_SIZES);
-    float *a = xmalloc(sizeof(float) * (size_t)m_max * g->k), *b = xmalloc(sizeof(float) * (size_t)g->k * g->n);
-    float *c = xmalloc(sizeof(float) * (size_t)m_max * g->n);
-    for (size_t e = 0; e < (size_t)m_max * g->k; e++) a[e] = (float)((int)(e % 17) - 8) / 64;
-    for (size_t e = 0; e < (size_t)g->k * g->n; e++) b[e] = (float)((int)(e % 13) - 6) / 64;
+    size_t na = (size_t)m_max * g->k * GEMM_RING, nb = (size_t)g->k * g->n * GEMM_RING;
+    float *a = xmalloc(sizeof(float) * na), *b = xmalloc(sizeof(float) * nb);
+    float *c = xmalloc(sizeof(float) * (size_t)m_max * g->n * GEMM_RING);
+    for (size_t e = 0; e < na; e++) a[e] = (float)((int)(e % 17) - 8) / 64;
+    for (size_t e = 0; e < nb; e++) b[e] = (float)((int)(e % 13) - 6) / 64;
     const void *a_in = a, *b_in = b;
     float *c_out = c;
 #ifdef MOEC_TUNE_CUDA
@@ -534,6 +581,9 @@ static void run_comm(RtComm *comm, Series *s, float *send, float *recv, bool qui
   }
 }
 
+static double handoff_ms = -1;   // measured stream hand-off round trip; -1: not measured
+static double slow_compute = -1, slow_comm = -1;   // the overlap probe's slowdowns; -1: not measured
+
 #ifndef MOEC_TUNE_CUDA
 // Element-wise kernels (a copy and an add over n floats, 5n floats moved) for the `elementwise`
 // fit that prices the ops without a GEMM or a collective: 2^16 .. 2^23 floats, mostly beyond the
@@ -559,12 +609,126 @@ static void run_elementwise(Series *s, bool quick, Progress *pr) {
   free(c);
 }
 
+// Causal attention (runtime/kernels_attn.c) in the model's shape over 1, 2, 4, 8 windows: the
+// forward (n = rows * heads*d * (seq + 1) multiply-accumulates, as the cost pass counts them)
+// and the backward (stats, dq, dk and dv: twice that n), one fit through both, relative.
+static void run_attention(Series *s, bool quick, Progress *pr) {
+  AttnShape a = attn_shape;
+  int idx[ATTN_SIZES], nsizes = sweep(ATTN_SIZES, quick, idx);
+  size_t most = (size_t)a.seq << (ATTN_SIZES - 1), qc = (size_t)a.heads * a.d, kc = (size_t)a.kv * a.d;
+  float *q = xmalloc(sizeof(float) * most * qc), *k = xmalloc(sizeof(float) * most * kc);
+  float *v = xmalloc(sizeof(float) * most * kc), *o = xmalloc(sizeof(float) * most * qc);
+  float *dy = xmalloc(sizeof(float) * most * qc), *st = xmalloc(sizeof(float) * most * 2 * a.heads);
+  float *dqkv = xmalloc(sizeof(float) * most * (qc + 2 * kc));
+  uint32_t state = 777;
+  float *fill[] = {q, k, v, dy};
+  size_t count[] = {most * qc, most * kc, most * kc, most * qc};
+  for (int b = 0; b < 4; b++)
+    for (size_t e = 0; e < count[b]; e++) {
+      state = state * 1664525u + 1013904223u;
+      fill[b][e] = (float)(state >> 8) / 16777216.0f - 0.5f;
+    }
+  for (int j = 0; j < nsizes; j++) {
+    int rows = a.seq << (idx[j] - 1);
+    double n = (double)rows * (double)qc * (a.seq + 1);
+    for (int backward = 0; backward < 2; backward++) {
+      Call cl = {.op = OP_ATTENTION, .m = rows, .n = backward, .a = q, .b = k, .c = o, .send = v, .recv = dy};
+      cl.attn_stats = st;
+      cl.attn_grad = dqkv;
+      s->x[s->points] = backward ? 2 * n : n;
+      s->t[s->points++] = measure(&cl);
+      progress_step(pr, "attention", backward ? 2 * n : n);
+    }
+  }
+  free(q), free(k), free(v), free(o), free(dy), free(st), free(dqkv);
+}
+
 // The stream hand-off (runtime/streams.c): a task of the compute stream records an event, one of
 // the inter stream waits for it and records another, the compute stream waits for that: two
 // hand-offs between threads, which every chunked collective pays (the compute stream hands it
 // its operand and waits for its result). The median of HANDOFF_RUNS calls, in ms; -1 when the
 // runtime runs streams in program order (MPI without MPI_THREAD_MULTIPLE).
 static void nothing(RtStep *st) { (void)st; }
+
+typedef struct Probe {
+  RtComm *comm;
+  RtGroup group;
+  float *send, *recv;
+  int64_t count;
+  double ms;
+} Probe;
+
+static void *probe_alltoall(void *arg) {
+  Probe *p = arg;
+  double t0 = MPI_Wtime();
+  rt_alltoall(p->comm, p->group, RT_A2A_FLAT, p->send, p->recv, p->count);
+  p->ms = (MPI_Wtime() - t0) * 1e3;
+  return NULL;
+}
+
+static double median3(double a, double b, double c) {
+  return a > b ? (b > c ? b : a > c ? c : a) : (a > c ? a : b > c ? c : b);
+}
+
+// The overlap probe: what a rank's computation and its communication cost each other when they
+// run at once, as a pipelined schedule runs them (the compute thread's GEMMs beside an AlltoAll
+// on a communication thread; on a CPU they share the rank's cores, and the network stack needs
+// cycles too). An AlltoAll of 2^21 floats per rank on the inter-node group, alone and beside
+// GEMMs of the first expert shape that take as long, three times each; slow_compute and
+// slow_comm are the relative slowdowns (medians, the slowest rank's), which the planner applies
+// to the overlapped policies' GEMMs and collectives.
+static void measure_overlap(RtComm *comm, RtGroup group, int group_size, const GemmShape *g) {
+  if (!rt_comm_thread_safe(comm)) return;
+  int64_t total = (int64_t)1 << 21, count = total / group_size;
+  float *send = comm_buffer((size_t)total), *recv = comm_buffer((size_t)total);
+  int m = 256;
+  float *a = xmalloc(sizeof(float) * (size_t)m * g->k), *b = xmalloc(sizeof(float) * (size_t)g->k * g->n);
+  float *c = xmalloc(sizeof(float) * (size_t)m * g->n);
+  for (size_t e = 0; e < (size_t)m * g->k; e++) a[e] = (float)((int)(e % 17) - 8) / 64;
+  for (size_t e = 0; e < (size_t)g->k * g->n; e++) b[e] = (float)((int)(e % 13) - 6) / 64;
+  Probe p = {comm, group, send, recv, count, 0};
+  double a2a[3], gemm[3], a2a_ov[3], gemm_ov[3];
+  // The GEMMs alone, and how many of them last as long as the AlltoAll.
+  MPI_Barrier(MPI_COMM_WORLD);
+  probe_alltoall(&p);   // warm-up
+  int reps = 1;
+  for (int t = 0; t < 3; t++) {
+    MPI_Barrier(MPI_COMM_WORLD);
+    probe_alltoall(&p);
+    a2a[t] = p.ms;
+  }
+  double t0 = MPI_Wtime();
+  rt_matmul(a, b, c, m, g->n, g->k, false, false, false);
+  double one = (MPI_Wtime() - t0) * 1e3, longest;
+  MPI_Allreduce(&one, &longest, 1, MPI_DOUBLE, MPI_MAX, MPI_COMM_WORLD);
+  double a2a_ms = median3(a2a[0], a2a[1], a2a[2]), slowest_a2a;
+  MPI_Allreduce(&a2a_ms, &slowest_a2a, 1, MPI_DOUBLE, MPI_MAX, MPI_COMM_WORLD);
+  reps = longest > 0 ? (int)(slowest_a2a / longest) : 1;
+  if (reps < 1) reps = 1;
+  if (reps > 10000) reps = 10000;
+  for (int t = 0; t < 3; t++) {
+    MPI_Barrier(MPI_COMM_WORLD);
+    t0 = MPI_Wtime();
+    for (int i = 0; i < reps; i++) rt_matmul(a, b, c, m, g->n, g->k, false, false, false);
+    gemm[t] = (MPI_Wtime() - t0) * 1e3;
+    MPI_Barrier(MPI_COMM_WORLD);
+    pthread_t th;
+    if (pthread_create(&th, NULL, probe_alltoall, &p) != 0) rt_comm_abort("moec tune: cannot start a thread");
+    t0 = MPI_Wtime();
+    for (int i = 0; i < reps; i++) rt_matmul(a, b, c, m, g->n, g->k, false, false, false);
+    gemm_ov[t] = (MPI_Wtime() - t0) * 1e3;
+    pthread_join(th, NULL);
+    a2a_ov[t] = p.ms;
+  }
+  double mine[2] = {median3(gemm_ov[0], gemm_ov[1], gemm_ov[2]) / median3(gemm[0], gemm[1], gemm[2]) - 1,
+                    median3(a2a_ov[0], a2a_ov[1], a2a_ov[2]) / a2a_ms - 1}, worst[2];
+  MPI_Allreduce(mine, worst, 2, MPI_DOUBLE, MPI_MAX, MPI_COMM_WORLD);
+  slow_compute = worst[0] > 0 ? worst[0] : 0;
+  slow_comm = worst[1] > 0 ? worst[1] : 0;
+  free(a), free(b), free(c);
+  free_comm_buffer(send);
+  free_comm_buffer(recv);
+}
 
 static double measure_handoff(RtComm *comm) {
   if (!rt_comm_thread_safe(comm)) return -1;
@@ -589,7 +753,6 @@ static double measure_handoff(RtComm *comm) {
 }
 #endif
 
-static double handoff_ms = -1;   // measured stream hand-off round trip; -1: not measured
 
 // ---- the profile ----
 
@@ -637,7 +800,9 @@ static void write_profile(FILE *f, const char *header, const char *name, int nod
   write_coef(f, "reducescatter", &s[S_RS_INTRA]);
   write_coef(f, "allreduce", &s[S_AR_INTER]);
   if (!s[S_ELEM].skipped) write_coef(f, "elementwise", &s[S_ELEM]);
+  if (!s[S_ATTN].skipped) write_coef(f, "attention", &s[S_ATTN]);
   if (handoff_ms >= 0) fprintf(f, "  handoff %.6g;\n", handoff_ms);
+  if (slow_compute >= 0) fprintf(f, "  overlap { compute %.4f; comm %.4f; }\n", slow_compute, slow_comm);
   fprintf(f, "}\n");
 }
 
@@ -713,13 +878,14 @@ static char *profile_header(const char *command, const char *date, const char *h
                 "# t in ms, n in elements each rank sends/receives (gemm: multiply-accumulates; elementwise: floats read and\n"
                 "# written). Collectives: alpha is the time at 2^8 floats, beta the least-squares slope from 2^18 on; gemm:\n"
                 "# least squares of the relative error; elementwise: alpha the smallest size's time, beta the slope from\n"
-                "# 2^20 floats on. handoff: the stream hand-off round trip (ms). Fits:\n",
+                "# 2^20 floats on. handoff: the stream hand-off round trip (ms); overlap: how much slower GEMMs and an\n"
+                "# AlltoAll run when they run at once (relative). Fits:\n",
                 RUNS);
   if (CALL_REPS > 1)
     u += snprintf(h + u, size - u, "# (a run: %d calls back to back on the GPU's compute stream, a synchronisation, / %d)\n",
                   CALL_REPS, CALL_REPS);
   for (int i = 0; i < NSERIES; i++)
-    if (s[i].skipped && i == S_ELEM)
+    if (s[i].skipped && (i == S_ELEM || i == S_ATTN))
       continue;
     else if (s[i].skipped)
       u += snprintf(h + u, size - u, "#   %-13s %-10s not measured: one rank (one GPU) runs no collectives\n", s[i].name,
@@ -836,8 +1002,10 @@ static void init_series(RtComm *comm, Series *s) {
   s[S_A2A_INTER] = (Series){"alltoall", inter_where, OP_ALLTOALL, inter, rt_comm_size(comm, inter)};
   s[S_AR_INTER] = (Series){"allreduce", inter_where, OP_ALLREDUCE, inter, rt_comm_size(comm, inter)};
   s[S_ELEM] = (Series){"elementwise", "each-rank", OP_ELEMENTWISE, RT_GROUP_WORLD, 1};
+  s[S_ATTN] = (Series){"attention", "each-rank", OP_ATTENTION, RT_GROUP_WORLD, 1};
 #ifdef MOEC_TUNE_CUDA
-  s[S_ELEM].skipped = true;   // the GPU's element-wise kernels are not timed yet: no line in the profile
+  s[S_ELEM].skipped = true;   // the GPU's element-wise and attention kernels are not timed yet:
+  s[S_ATTN].skipped = true;   // no line in the profile
 #endif
 }
 
@@ -893,11 +1061,14 @@ static double measure_all(RtComm *comm, Series *s, const GemmShape *shapes, int 
   bool collectives = !s[S_A2A_INTRA].skipped;
   int elem_idx[ELEM_SIZES];
   pr.total = nshapes * gemm_sweep(quick, gemm_idx) + (collectives ? 5 : 0) * (SMALL_SIZES + sweep(COMM_SIZES, quick, comm_idx)) +
-             (s[S_ELEM].skipped ? 0 : sweep(ELEM_SIZES, quick, elem_idx));
+             (s[S_ELEM].skipped ? 0 : sweep(ELEM_SIZES, quick, elem_idx)) +
+             (s[S_ATTN].skipped ? 0 : 2 * sweep(ATTN_SIZES, quick, elem_idx));
   run_gemms(&s[S_GEMM], shapes, nshapes, quick, &pr);
 #ifndef MOEC_TUNE_CUDA
   run_elementwise(&s[S_ELEM], quick, &pr);
+  run_attention(&s[S_ATTN], quick, &pr);
   if (collectives) handoff_ms = measure_handoff(comm);
+  if (collectives) measure_overlap(comm, s[S_A2A_INTER].group, s[S_A2A_INTER].group_size, &shapes[0]);
 #endif
   size_t max_floats = (size_t)(COMM_SIZES * COMM_UNIT);
   if (collectives) {
@@ -919,7 +1090,7 @@ static double measure_all(RtComm *comm, Series *s, const GemmShape *shapes, int 
 // chunks run at count as much as the large ones. Element-wise kernels: alpha the smallest size's
 // time, beta the slope from 2^20 floats on, where a step's activations live (beyond the caches).
 static bool fit_series(Series *x) {
-  if (x->op == OP_GEMM)
+  if (x->op == OP_GEMM || x->op == OP_ATTENTION)
     return fit_line_relative(x->x, x->t, x->points, &x->fit, x->err, sizeof x->err);
   if (x->op == OP_ELEMENTWISE)   // the slope where the data leaves the caches (from 2^20 floats on)
     return fit_anchored(x->x, x->t, x->points, x->t[0], 5.0 * (1 << 20), &x->fit, x->err, sizeof x->err);
@@ -948,21 +1119,24 @@ static int fit_and_print(const TuneOptions *o, const TuneRun *r, Series *s) {
     const char *use = i == S_A2A_INTRA ? "no (comment)" : "yes";
     if (x->skipped) {
       printf("  %-13s %-10s %5d %6d %13s %13s %10s  %s\n", x->name, x->where, 1, 0, "-", "-", "-",
-             i == S_ELEM ? "not measured on a GPU; no line in the profile"
+             i == S_ELEM || i == S_ATTN ? "not measured on a GPU; no line in the profile"
                          : "not measured (one rank: no collectives); 0 in the profile");
       continue;
     }
     if (!x->ok) {
-      printf("  %-13s %-10s %5d %6d %13s %13s %10s  %s\n", x->name, x->where, i == S_GEMM || i == S_ELEM ? r->world : x->group_size,
+      printf("  %-13s %-10s %5d %6d %13s %13s %10s  %s\n", x->name, x->where, i == S_GEMM || i == S_ELEM || i == S_ATTN ? r->world : x->group_size,
              x->points, "-", "-", "-", x->err);
       continue;
     }
     printf("  %-13s %-10s %5d %6d %13.4e %13.4e %10.6f  %s\n", x->name, x->where,
-           i == S_GEMM || i == S_ELEM ? r->world : x->group_size, x->points, x->fit.alpha, x->fit.beta, x->fit.r2, use);
+           i == S_GEMM || i == S_ELEM || i == S_ATTN ? r->world : x->group_size, x->points, x->fit.alpha, x->fit.beta, x->fit.r2, use);
   }
   if (handoff_ms >= 0)
     printf("  %-13s %-10s %5d %6d %13.4e %13s %10s  yes\n", "handoff", "each-rank", r->world, HANDOFF_RUNS, handoff_ms,
            "-", "-");
+  if (slow_compute >= 0)
+    printf("# overlap probe: GEMMs %.1f %% slower and the AlltoAll %.1f %% slower when they run at once (in the profile)\n",
+           100 * slow_compute, 100 * slow_comm);
   for (int i = 0; i < NSERIES; i++)
     if (s[i].ok && (s[i].fit.alpha < 0 || s[i].fit.beta < 0))
       printf("# warning: %s (%s): fitted %s < 0 (noise, or times the line does not follow near n = 0); "

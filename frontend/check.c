@@ -339,7 +339,13 @@ static const Field coef_fields[] = {
 static const Block coef_block = BLOCK("gemm", coef_fields, NULL);
 
 // cluster = "cluster" NAME "{" nodes gpus_per_node gemm alltoall allgather reducescatter allreduce
-//           [elementwise] [handoff] "}"
+//           [elementwise] [attention] [handoff] [overlap] "}"
+// overlap = "overlap" "{" compute comm "}"    relative slowdowns when both run at once
+static const Field overlap_fields[] = {
+  {"compute", F_REQUIRED, .vals = {{V_NUM, R_NONNEG, .off = AT(FeCluster, overlap_compute)}}},
+  {"comm", F_REQUIRED, .vals = {{V_NUM, R_NONNEG, .off = AT(FeCluster, overlap_comm)}}},
+};
+static const Block overlap_block = BLOCK("overlap", overlap_fields, NULL);
 static const Field cluster_fields[] = {
   {"nodes", F_REQUIRED, .vals = {{V_INT, R_POS, .off = AT(FeCluster, nodes)}}},
   {"gpus_per_node", F_REQUIRED, .vals = {{V_INT, R_POS, .off = AT(FeCluster, gpus_per_node)}}},
@@ -349,7 +355,9 @@ static const Field cluster_fields[] = {
   {"reducescatter", F_REQUIRED | F_BLOCK, .block = &coef_block, .sub = AT(FeCluster, reducescatter)},
   {"allreduce", F_REQUIRED | F_BLOCK, .block = &coef_block, .sub = AT(FeCluster, allreduce)},
   {"elementwise", F_BLOCK, .block = &coef_block, .sub = AT(FeCluster, elementwise)},
+  {"attention", F_BLOCK, .block = &coef_block, .sub = AT(FeCluster, attention)},
   {"handoff", 0, .vals = {{V_NUM, R_NONNEG, .def = "0", .off = AT(FeCluster, handoff)}}},
+  {"overlap", F_BLOCK, .block = &overlap_block, .sub = SAME},
 };
 static const Block cluster_block = BLOCK("cluster", cluster_fields, NULL);
 
@@ -361,7 +369,7 @@ static const Field cluster_file_fields[] = {
 };
 static const Block cluster_file_block = BLOCK("the top level", cluster_file_fields, NULL);
 
-static const Block *const cluster_blocks[] = {&cluster_file_block, &cluster_block, &coef_block, NULL};
+static const Block *const cluster_blocks[] = {&cluster_file_block, &cluster_block, &coef_block, &overlap_block, NULL};
 
 // ---- small helpers ----
 #define PUT(dst, off, T) (*(T *)((dst) + (off) - 1))

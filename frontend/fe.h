@@ -178,7 +178,9 @@ typedef struct FeCluster {
   int64_t nodes, gpus_per_node;
   FeCollective gemm, alltoall, allgather, reducescatter, allreduce;
   FeCollective elementwise;   // optional (0, 0 when absent)
+  FeCollective attention;     // optional (0, 0 when absent: attention is priced as GEMMs)
   double handoff;             // optional (0 when absent)
+  double overlap_compute, overlap_comm;   // optional `overlap { compute X; comm Y; }` (0 when absent)
 } FeCluster;
 
 typedef struct FeProgram {

@@ -3,14 +3,16 @@
 // cost: with a cluster profile (the model's `cluster` statement or `moec build --cluster`),
 // every op the scheduling model prices gets two attributes: cost_n, its size n, and cost_t =
 // alpha + beta * n in ms from the profile's fit of its kind:
-//   matmul, expert.matmul     n = multiply-accumulates (gemm)
+//   matmul, expert.matmul     n = multiply-accumulates (gemm; expert.matmul is one GEMM call per
+//                             expert, so E times alpha)
 //   comm.alltoall             n = elements this rank sends (its operand) (alltoall)
 //   comm.allgather            n = elements of the gathered result (allgather)
 //   comm.reducescatter        n = elements of the operand it reduces (reducescatter)
 //   comm.allreduce(_grad)     n = elements summed (allreduce)
 //   attn.causal               n = multiply-accumulates of q·kᵀ and p·v under the causal mask,
-//                             S·(heads·d)·(L+1) for S tokens in windows of L (gemm, one kernel)
-//   attn.causal.grad          twice the forward's: dp, dv, dq and dk (gemm)
+//                             S·(heads·d)·(L+1) for S tokens in windows of L (the profile's
+//                             attention fit, else gemm; one kernel)
+//   attn.causal.grad          twice the forward's: dp, dv, dq and dk (the same fit)
 //   every other op (element-wise kernels, layouts, the gate, the optimizer)
 //                             n = floats it reads and writes (elementwise), only when the profile
 //                             has an `elementwise` fit; without one they carry no cost
@@ -49,8 +51,12 @@ static double macs(const IrOp *op) {
 // The fit and the size of an op the model prices; false for the others.
 static bool price(const IrOp *op, const SchedCluster *c, SchedCoef *coef, double *n) {
   switch (op->kind) {
-  case IR_OP_MATMUL:
-  case IR_OP_EXPERT_MATMUL: *coef = c->gemm; *n = macs(op); return true;
+  case IR_OP_MATMUL: *coef = c->gemm; *n = macs(op); return true;
+  case IR_OP_EXPERT_MATMUL:   // one GEMM call per expert: E fixed costs
+    *coef = c->gemm;
+    coef->alpha *= (double)op->result->type.dim[0];
+    *n = macs(op);
+    return true;
   case IR_OP_COMM_ALLTOALL: *coef = c->alltoall; *n = (double)numel_of(&op->args[0]); return true;
   case IR_OP_COMM_ALLGATHER: *coef = c->allgather; *n = (double)ir_type_numel(&op->result->type); return true;
   case IR_OP_COMM_REDUCESCATTER: *coef = c->reducescatter; *n = (double)numel_of(&op->args[0]); return true;
@@ -59,7 +65,7 @@ static bool price(const IrOp *op, const SchedCluster *c, SchedCoef *coef, double
   case IR_OP_ATTN_CAUSAL:
   case IR_OP_ATTN_CAUSAL_GRAD: {
     const IrType *q = &op->args[op->kind == IR_OP_ATTN_CAUSAL ? 0 : 1].value->type;
-    *coef = c->gemm;
+    *coef = c->attention.alpha > 0 || c->attention.beta > 0 ? c->attention : c->gemm;
     *n = (op->kind == IR_OP_ATTN_CAUSAL ? 1.0 : 2.0) * (double)q->dim[0] * (double)q->dim[1] *
          (double)(ir_op_int(op, "seq", 1) + 1);
     return true;
@@ -209,7 +215,25 @@ static void assembly_of(const IrFunc *f, const IrFunc *reader, int lo, int hi, c
   }
 }
 
-static void phase_of(const IrFunc *f, const IrFunc *reader, const SchedCluster *c, SchedPhase *p) {
+// The share of a layer's expert slots that tokens fill when the gate balances them: k choices of
+// S tokens over E experts x capacity x groups slots (at most 1). The CPU runtime computes the
+// expert GEMMs over the filled slots only (runtime/kernels.c), so the plan prices that share of
+// them. 1 for the other gates (expert choice fills every slot; a dropless layer is priced at its
+// capacity by pass_dropless_at).
+static double slot_fill(const IrFunc *fwd) {
+  for (int i = 0; i < fwd->nops; i++) {
+    const IrOp *op = fwd->ops[i];
+    if (op->kind != IR_OP_GATE_LOCATIONS || ir_op_int(op, "dropless", 0) || !op->args[0].value) continue;
+    const IrType *idx = &op->args[0].value->type;   // [S, k]
+    double slots = (double)ir_op_int(op, "experts", 1) * (double)ir_op_int(op, "capacity", 1) *
+                   (double)ir_op_int(op, "groups", 1);
+    double fill = slots > 0 ? (double)idx->dim[0] * (double)idx->dim[1] / slots : 1;
+    return fill < 1 ? fill : 1;
+  }
+  return 1;
+}
+
+static void phase_of(const IrFunc *f, const IrFunc *reader, double fill, const SchedCluster *c, SchedPhase *p) {
   *p = (SchedPhase){0};
   int n_a2a = 0, n_ag = 0, n_rs = 0, n_exp = 0;
   IrValue *entry, *exit;
@@ -238,7 +262,7 @@ static void phase_of(const IrFunc *f, const IrFunc *reader, const SchedCluster *
     case IR_OP_COMM_REDUCESCATTER:
       if (in_group(op, "esp")) p->n_rs += attr_n(op), n_rs++;
       break;
-    case IR_OP_EXPERT_MATMUL: p->n_exp += attr_n(op); n_exp++; break;
+    case IR_OP_EXPERT_MATMUL: p->n_exp += fill * attr_n(op); n_exp += (int)op->result->type.dim[0]; break;
     case IR_OP_MATMUL:
     case IR_OP_ATTN_CAUSAL:
     case IR_OP_ATTN_CAUSAL_GRAD: p->t_att += ir_op_float(op, "cost_t", 0); break;
@@ -295,9 +319,10 @@ int pass_find_layers(IrModule *m, PassLayer **out) {
 
 void pass_layer_cost(const PassLayer *l, const SchedCluster *c, SchedLayerCost *out) {
   *out = (SchedLayerCost){.ar = c->allreduce};
-  phase_of(l->fwd, l->bwd, c, &out->phase[SCHED_FWD]);
+  double fill = slot_fill(l->fwd);
+  phase_of(l->fwd, l->bwd, fill, c, &out->phase[SCHED_FWD]);
   if (l->bwd) {
-    phase_of(l->bwd, NULL, c, &out->phase[SCHED_BWD]);
+    phase_of(l->bwd, NULL, fill, c, &out->phase[SCHED_BWD]);
     out->n_grad = dense_grad_elems(l->bwd);
   }
 }

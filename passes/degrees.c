@@ -38,6 +38,7 @@ static void price_explicit(IrModule *m, PassCtx *ctx, int64_t r_fwd, int64_t r_b
   SchedPlan plan = {0};
   SchedStack st = {.n = s.n, .cost = s.cost, .r_max = s.r_max, .choose = SCHED_CHOOSE_BEST,
                    .t_fwd_other = s.t_fwd_other, .t_bwd_other = s.t_bwd_other,
+                   .slow_compute = ctx->cluster->overlap_compute, .slow_comm = ctx->cluster->overlap_comm,
                    .r_fix = {(int)r_fwd, (int)r_bwd}};
   if (s.n > 0 && sched_plan(&st, pol, &plan)) report(ctx->log ? ctx->log : stderr, s.layer, s.n, &plan, ctx->cluster, 0);
   sched_plan_free(&plan);
@@ -123,7 +124,8 @@ bool pass_pipeline(IrModule *m, PassCtx *ctx) {
   double t0 = 0;
   if (s.n > 0) {
     SchedStack st = {.n = s.n, .cost = s.cost, .r_max = s.r_max, .choose = SCHED_CHOOSE_BEST,
-                     .t_fwd_other = s.t_fwd_other, .t_bwd_other = s.t_bwd_other};
+                     .t_fwd_other = s.t_fwd_other, .t_bwd_other = s.t_bwd_other,
+                     .slow_compute = c->overlap_compute, .slow_comm = c->overlap_comm};
     t0 = now_ms();
     ok = sched_plan(&st, pol, &plan);
     t0 = now_ms() - t0;

@@ -176,8 +176,8 @@ static void waiting_from_env(void) {
              *timeout = getenv("MOERT_COMM_TIMEOUT");
   waiting.mode = mode && strcmp(mode, "spin") == 0 ? WAIT_SPIN : WAIT_SLEEP;
   double us = poll ? atof(poll) : 200.0;
-  waiting.poll_ns = us >= 1 ? (int64_t)(us * 1e3) : 200000;
-  double s = timeout ? atof(timeout) : 30.0;
+  waiting.poll_ns = us >= 1 ? (int64_t)(us * 1e3) : 500000;
+  double s = timeout ? atof(timeout) : 20.0;
   if (!timeout || s >= 0)
     atomic_store(&waiting.timeout_ns, (int64_t)(s * 1e9));
 }

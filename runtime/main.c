@@ -129,7 +129,7 @@ static void usage(FILE *out, const RtModel *model, const char *prog) {
           "                   were in flight per step with the share of it hidden behind\n"
           "                   computation (rank 0's)\n"
           "  --comm-timeout S end the job when a collective has not completed after S seconds\n"
-          "                   (a cut link, a dead rank; default 30, 0 waits forever)\n"
+          "                   (a cut link, a dead rank; default 20, 0 waits forever)\n"
           "  --help           print this message\n",
           prog, (int)strlen(prog), "", (int)strlen(prog), "", model->name,
           (long long)model->batch, (long long)model->seqlen, (long long)model->embed, model->name);

@@ -34,7 +34,10 @@ typedef struct SchedCluster {
   SchedCoef gemm, alltoall, allgather, reducescatter, allreduce;
   SchedCoef elementwise;  // the ops without a GEMM or a collective, n = floats read and written
                           // (0, 0: not in the profile, those ops are free)
+  SchedCoef attention;    // causal attention, n = multiply-accumulates (0, 0: priced as GEMMs)
   double handoff;         // ms a chunked collective pays for its two stream hand-offs (0: none)
+  double overlap_compute, overlap_comm;   // relative slowdowns of computation and communication
+                                          // that run at once (0: none; a CPU rank's are not)
 } SchedCluster;
 
 typedef enum SchedFfn { SCHED_FFN_GPT, SCHED_FFN_MIXTRAL } SchedFfn;
@@ -63,6 +66,11 @@ typedef struct SchedPhase {
   // chunks of the values read after the region assembled by a balanced tree of concats, which
   // copies them about log2 r times: log2(r) * t_level.
   double t_sum, t_level;
+  // How much slower the chunks' experts and collectives run because they overlap (relative, at
+  // full overlap): set by sched_plan for the overlapping policies from the cluster's overlap
+  // probe, scaled by how much of the one the other can cover; a chunk at degree r runs
+  // (1 + slow * (1 - 1/r)) times its plain cost (r = 1 overlaps nothing).
+  double slow_exp, slow_comm;
 } SchedPhase;
 
 typedef struct SchedLayerCost {
@@ -186,6 +194,8 @@ typedef struct SchedStack {
   const int *r_max;             // [n]
   SchedChoose choose;           // fsmoe's degree rule
   double t_fwd_other, t_bwd_other;   // time outside the layers, added to t_fwd / t_bwd (ms)
+  double slow_compute, slow_comm;   // the cluster's overlap slowdowns: the policies that overlap
+                                    // plan with their GEMMs and collectives that much slower
   int r_fix[2];                 // > 0: every layer runs this degree in that phase (a model's
                                 // explicit `pipeline { forward N; backward M; }`), only priced
 } SchedStack;

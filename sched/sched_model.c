@@ -70,6 +70,13 @@ SchedChunk sched_chunk(const SchedPhase *p, double r) {
   t.ag = p->ag.alpha + p->n_ag / r * p->ag.beta;
   t.rs = p->rs.alpha + p->n_rs / r * p->rs.beta;
   t.exp = p->exp.alpha + p->n_exp / r * p->exp.beta;
+  if (r > 1 && (p->slow_exp > 0 || p->slow_comm > 0)) {
+    double covered = 1 - 1 / r, fc = 1 + p->slow_exp * covered, fm = 1 + p->slow_comm * covered;
+    t.exp *= fc;
+    t.a2a *= fm;
+    t.ag *= fm;
+    t.rs *= fm;
+  }
   return t;
 }
 

@@ -427,7 +427,39 @@ static bool plan_partitioned(const SchedStack *st, SchedPlan *plan) {
   return ok;
 }
 
+static bool plan_stack(const SchedStack *st, IrPolicy pol, SchedPlan *out);
+
+// The policies that overlap computation with communication plan with both slower by the
+// cluster's overlap slowdowns (st->slow_compute, slow_comm: measured by `moec tune`'s overlap
+// probe), on the chunks that overlap (SchedPhase.slow_exp, slow_comm); sequential runs one thing
+// at a time and keeps the plain costs.
 bool sched_plan(const SchedStack *st, IrPolicy pol, SchedPlan *out) {
+  if (pol == IR_POLICY_SEQUENTIAL || (st->slow_compute <= 0 && st->slow_comm <= 0) || st->n <= 0)
+    return plan_stack(st, pol, out);
+  SchedLayerCost *slowed = malloc((size_t)st->n * sizeof *slowed);
+  if (!slowed) {
+    *out = (SchedPlan){.policy = pol};
+    return false;
+  }
+  for (int i = 0; i < st->n; i++) {
+    slowed[i] = st->cost[i];
+    for (int ph = 0; ph < 2; ph++) {
+      // Each slows by the probe's factor times the share of it the other can cover (at r = 1).
+      SchedPhase *p = &slowed[i].phase[ph];
+      SchedChunk t = sched_chunk(p, 1);
+      double compute = t.exp, comm = 2 * t.a2a + t.ag + t.rs;
+      p->slow_exp = compute > 0 ? st->slow_compute * fmin(1, comm / compute) : 0;
+      p->slow_comm = comm > 0 ? st->slow_comm * fmin(1, compute / comm) : 0;
+    }
+  }
+  SchedStack copy = *st;
+  copy.cost = slowed;
+  bool ok = plan_stack(&copy, pol, out);
+  free(slowed);
+  return ok;
+}
+
+static bool plan_stack(const SchedStack *st, IrPolicy pol, SchedPlan *out) {
   *out = (SchedPlan){.policy = pol, .nlayers = st->n};
   out->layer = calloc((size_t)(st->n > 0 ? st->n : 1), sizeof *out->layer);
   if (!out->layer) return false;

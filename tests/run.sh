@@ -177,6 +177,10 @@ done
 # expert, k in {1, 2, 4} where the gate has k, with and without dropped tokens, dropless, and
 # every record hook point. (Compression hooks are quantisers, not differentiable functions:
 # their straight-through gradients are checked exactly against the numpy reference.)
+section "the emulated cluster: 2 network namespaces over shaped links (tests/cluster/smoke.sh, faults.sh)"
+run_suite "cluster smoke" tests/cluster/smoke.sh
+run_suite "cluster faults" tests/cluster/faults.sh
+
 section "language models on several ranks: a layout equals one rank (tests/lm/layout.sh)"
 run_suite "lm layouts" tests/lm/layout.sh
 section "language model checkpoints: resume exactly, convert across layouts (tests/lm/checkpoint.sh)"

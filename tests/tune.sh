@@ -2,8 +2,8 @@
 # `moec tune` end to end (issue 5). On 4 ranks (profiled as 2 nodes of 2):
 #   - `tune --quick -o T.cluster` finishes within 120 s (its duration is printed) and exits 0;
 #   - its table has the 6 fits (gemm, alltoall, allgather, reducescatter intra-node; alltoall,
-#     allreduce inter-node), each with alpha, beta and an r^2, the elementwise fit and the
-#     stream hand-off, and an OK footer;
+#     allreduce inter-node), each with alpha, beta and an r^2, the elementwise and attention
+#     fits and the stream hand-off, and an OK footer;
 #   - every collective's alpha is a measurement (its smallest size's time, above 0), none clamped;
 #   - T.cluster holds the inter-node AlltoAll fit as `alltoall`, says how it was measured, and no
 #     temporary file is left beside it;
@@ -53,6 +53,7 @@ reducescatter intra-node
 alltoall inter-node
 allreduce inter-node
 elementwise each-rank
+attention each-rank
 handoff each-rank"
 got=$(awk '{print $1, $2}' "$WORK/rows")
 if [ "$got" = "$want" ]; then ok "table has the 6 fits"
@@ -97,8 +98,8 @@ $(cat "$T")"; fi
   alphas=$(sed -n 's/^ *\(alltoall\|allgather\|reducescatter\|allreduce\) *{ *alpha \([^;]*\);.*/\2/p' "$T" | tr '\n' ' ')
   if [ "$(echo $alphas | wc -w)" = 4 ] && awk -v a="$alphas" 'BEGIN { n = split(a, x, " "); for (i = 1; i <= n; i++) if (!(x[i] > 0)) exit 1 }' &&
      ! grep -q 'clamped' "$T" && grep -q '^ *elementwise *{ *alpha [0-9.e+-]*; *beta [0-9.e+-]*; }' "$T" &&
-     grep -q '^ *handoff [0-9.e+-]*;' "$T"; then
-    ok "every collective's alpha is measured above 0 ($alphas), none clamped; elementwise and handoff are in the profile"
+     grep -q '^ *handoff [0-9.e+-]*;' "$T" && grep -q '^ *attention *{ *alpha [0-9.e+-]*; *beta [0-9.e+-]*; }' "$T"; then
+    ok "every collective's alpha is measured above 0 ($alphas), none clamped; elementwise, attention and handoff are in the profile"
   else bad "collective alphas measured, elementwise and handoff in the profile" "$(grep -v '^#' "$T")"; fi
 
   if "$MOEC" build --cluster "$T" lang/models/tiny.moe -o "$WORK/tiny" >"$WORK/b.out" 2>&1 && [ -x "$WORK/tiny" ]; then

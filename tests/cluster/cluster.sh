@@ -146,6 +146,7 @@ do_check() {
 }
 
 locked() {  # take the lock on fd 9 or say who holds it
+  mkdir -p "$(dirname "$LOCK")"
   exec 9>>"$LOCK"
   if ! flock -n 9; then
     die "another emulated cluster is running ($(cat "$STATE" 2>/dev/null || echo 'state unknown')); wait for it, or stop it and run 'cluster.sh down'"
