@@ -17,6 +17,7 @@
 #   cluster.sh mpirun RANKS_PER_NODE CMD ARGS...
 #                                     mpirun on a cluster that is up (the wrapper alone)
 #
+# MOEC_CLUSTER_BURST_MS and MOEC_CLUSTER_QUEUE_MS set tbf's bucket and queue (below).
 # Only one cluster at a time: `up` and `run` take an exclusive lock and refuse, naming the
 # holder, when another one holds it. Names are moec-prefixed (namespaces moec-node0.., bridge
 # moecbr0, host-side veths moecv0..) on the subnet 10.77.0.0/24 (MOEC_CLUSTER_NET=10.77.0 to
@@ -31,25 +32,27 @@ STATE=${MOEC_CLUSTER_STATE:-/run/lock/moec-cluster.state}
 
 die() { echo "cluster.sh: $*" >&2; exit 1; }
 
-# tbf's bucket: at least 10 ms of traffic at RATE and 256 KiB (a veth hands tbf whole 64 KiB
-# GSO segments; a bucket smaller than one drops it).
-burst_of() {
+# The link rate in bit/s, or an error.
+bits_of() {
   local rate=$1 bits
   bits=$(awk -v r="$rate" 'BEGIN { n = r + 0; u = tolower(r); sub(/^[0-9.]+/, "", u);
     m = (u == "kbit") ? 1e3 : (u == "mbit") ? 1e6 : (u == "gbit") ? 1e9 : (u == "bit" || u == "") ? 1 : -1;
     if (m < 0 || n <= 0) { print -1; exit } printf "%.0f", n * m }')
   [ "$bits" -gt 0 ] 2>/dev/null || die "not a link rate: '$rate' (write it like 1gbit, 200mbit or 500kbit)"
-  awk -v b="$bits" 'BEGIN { x = b / 8 / 100; if (x < 262144) x = 262144; printf "%.0f", x }'
+  echo "$bits"
 }
 
+# tbf at RATE. Its bucket holds MOEC_CLUSTER_BURST_MS (default 10) ms of traffic and at least
+# 256 KiB (a veth hands tbf whole 64 KiB GSO segments; a bucket smaller than one drops it); its
+# queue holds MOEC_CLUSTER_QUEUE_MS (default 100) ms. A full bucket lets a message that follows an
+# idle gap start at the veth's own speed (at most one bucket's worth), which a real link does not:
+# docs/cluster.md says what that changes and what a 1 ms bucket measured instead.
 shape() {  # shape DEV RATE [NETNS]
-  local dev=$1 rate=$2 ns=${3:-} burst
-  burst=$(burst_of "$rate")
-  if [ -n "$ns" ]; then
-    ip netns exec "$ns" tc qdisc replace dev "$dev" root tbf rate "$rate" burst "$burst" latency 100ms
-  else
-    tc qdisc replace dev "$dev" root tbf rate "$rate" burst "$burst" latency 100ms
-  fi
+  local dev=$1 rate=$2 ns=${3:-} bits burst
+  bits=$(bits_of "$rate")
+  burst=$(awk -v b="$bits" -v MS="${MOEC_CLUSTER_BURST_MS:-10}" 'BEGIN { x = b / 8 * MS / 1000; if (x < 262144) x = 262144; printf "%.0f", x }')
+  local args=(qdisc replace dev "$dev" root tbf rate "$rate" burst "$burst" latency "${MOEC_CLUSTER_QUEUE_MS:-100}ms")
+  if [ -n "$ns" ]; then ip netns exec "$ns" tc "${args[@]}"; else tc "${args[@]}"; fi
 }
 
 nodes_up() { ip -o link show 2>/dev/null | grep -o 'moecv[0-9]*' | sort -u | wc -l; }
@@ -71,7 +74,7 @@ do_up() {
   local nodes=$1 rate=$2
   [[ "$nodes" =~ ^[0-9]+$ ]] && [ "$nodes" -ge 1 ] && [ "$nodes" -le 64 ] ||
     die "the number of nodes must be 1..64, not '$nodes'"
-  burst_of "$rate" >/dev/null
+  bits_of "$rate" >/dev/null
   do_down   # leftovers of a run that was killed before its cleanup
   ip link add "$BR" type bridge
   ip addr add "$NET.254/24" dev "$BR"
