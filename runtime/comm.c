@@ -45,7 +45,8 @@
 // member's slice to it with MPI_Reduce). rt_comm_set_max_chunk (rt_internal.h) lowers one
 // communicator's limit so that tests exercise the slicing with small buffers.
 //
-// Errors: every communicator returns errors (MPI_ERRORS_RETURN) and MPI_CHECK turns one into
+// Errors: every communicator (MPI_COMM_WORLD too) returns errors (MPI_ERRORS_RETURN) and
+// MPI_CHECK turns one into
 // rt_comm_abort with the MPI error string, the rank, host and file:line: a failed collective
 // ends the whole job (MPI_Abort), never just one rank. A rank that dies outright is mpirun's
 // business: Open MPI kills the job when a process exits abnormally.
@@ -194,16 +195,18 @@ double rt_comm_timeout(void) {
   return (double)atomic_load(&waiting.timeout_ns) * 1e-9;
 }
 
-// Completes req, a step of the collective `what` on group g that began at `began` (ns).
-static void finish(MPI_Request *req, const char *what, RtGroup g, int64_t began) {
+// Completes req, a step of the collective `what` on group g that began at `began` (ns); call and
+// line name the MPI call that started it, for an error that MPI_Test reports.
+static void finish(MPI_Request *req, const char *what, RtGroup g, int64_t began, const char *call, int line) {
   int done = 0;
-  MPI_CHECK(MPI_Test(req, &done, MPI_STATUS_IGNORE));
+#define TEST_CHECK(err) rt_mpi_check((err), call, __FILE__, line)
+  TEST_CHECK(MPI_Test(req, &done, MPI_STATUS_IGNORE));
   if (done)
     return;
   int64_t timeout = atomic_load_explicit(&waiting.timeout_ns, memory_order_relaxed);
   int64_t nap = 2000;   // ns; doubles up to poll_ns
   for (long tries = 1;; tries++) {
-    MPI_CHECK(MPI_Test(req, &done, MPI_STATUS_IGNORE));
+    TEST_CHECK(MPI_Test(req, &done, MPI_STATUS_IGNORE));
     if (done)
       return;
     if ((tries & 63) == 0 || waiting.mode == WAIT_SLEEP) {
@@ -221,6 +224,7 @@ static void finish(MPI_Request *req, const char *what, RtGroup g, int64_t began)
     if (nap < waiting.poll_ns)
       nap = nap * 2 < waiting.poll_ns ? nap * 2 : waiting.poll_ns;
   }
+#undef TEST_CHECK
 }
 
 // Runs one nonblocking MPI call and waits for it: NB(MPI_Ialltoall(..., &req)).
@@ -228,7 +232,7 @@ static void finish(MPI_Request *req, const char *what, RtGroup g, int64_t began)
   do {                                                                                             \
     MPI_Request req;                                                                               \
     MPI_CHECK(call);                                                                               \
-    finish(&req, (gr)->what, (gr)->id, (gr)->began);                                               \
+    finish(&req, (gr)->what, (gr)->id, (gr)->began, #call, __LINE__);                             \
   } while (0)
 
 static void *workspace(Group *gr, size_t floats) {
@@ -427,8 +431,12 @@ RtComm *rt_comm_create(const RtLayout *layout, int nodes) {
   c->world_size = world_size;
   c->max_chunk = INT_MAX;
   MPI_Comm world;
-  MPI_Comm_dup(MPI_COMM_WORLD, &world);   // MPI_COMM_WORLD's handler still aborts here
+  MPI_Comm_dup(MPI_COMM_WORLD, &world);
   MPI_CHECK(MPI_Comm_set_errhandler(world, MPI_ERRORS_RETURN));
+  // Open MPI raises the error of a failed nonblocking collective in MPI_Test on MPI_COMM_WORLD's
+  // handler, not on the request's communicator: returned, it reaches rt_mpi_check (with the
+  // name of the call that started the collective) like any other error.
+  MPI_Comm_set_errhandler(MPI_COMM_WORLD, MPI_ERRORS_RETURN);
   int *members = rt_alloc(world_size * sizeof *members, "the group members");
   for (int g = 0; g < RT_GROUP_COUNT; g++)
     build_group(c, (RtGroup)g, world, members);

@@ -151,7 +151,7 @@ dies "rt_comm_abort on a world of one" 1 abort \
 dies "rank 1 of 4 killed (SIGKILL) during a collective" 4 kill "^moert: error:" 0 \
   --dp 4 --ep 4 --gpus-per-node 2
 dies "an MPI error (truncated MPI_Bcast) ends the job through rt_comm_abort" 4 mpi-error \
-  "^moert: error: rank [1-3] on $host: MPI_Bcast failed at runtime/comm\.c:[0-9]+: MPI_ERR_TRUNCATE" \
+  "^moert: error: rank [1-3] on $host: MPI_Ibcast failed at runtime/comm\.c:[0-9]+: MPI_ERR_TRUNCATE" \
   some --dp 4 --ep 4 --gpus-per-node 2
 
 echo "# $passed passed, $failed failed ($(secs "$t_all"))"
