@@ -46,8 +46,9 @@
 // communicator's limit so that tests exercise the slicing with small buffers.
 //
 // Errors: every communicator (MPI_COMM_WORLD too) returns errors (MPI_ERRORS_RETURN) and
-// MPI_CHECK turns one into rt_comm_abort with the MPI error string, the rank, host and file:line: a failed collective
-// ends the whole job (MPI_Abort), never just one rank. A rank that dies outright is mpirun's
+// MPI_CHECK turns one into rt_comm_abort with the MPI error string, the rank, host and
+// file:line: a failed collective ends the whole job (MPI_Abort), never just one rank; one that
+// does not complete within the deadline (finish below) too. A rank that dies outright is mpirun's
 // business: Open MPI kills the job when a process exits abnormally.
 //
 // Building: the MPI headers (`mpicc --showme:compile`) and, for every program that links

@@ -153,9 +153,10 @@ while read -r name nodes rpn layout batch comm_rate compute_rate; do
   [ -n "$ONLY" ] && [ "$ONLY" != "$name" ] && continue
   while read -r mname mfile; do
     [ -n "$ONLY_MODEL" ] && [ "$ONLY_MODEL" != "$mname" ] && continue
-    run_config "$name" "$nodes" "$rpn" "$layout" "$batch" "$comm_rate" "communication-heavy" "$mname" "$mfile"
+    # (stdin from /dev/null: mpirun would read the rest of this loop's lines)
+    run_config "$name" "$nodes" "$rpn" "$layout" "$batch" "$comm_rate" "communication-heavy" "$mname" "$mfile" </dev/null
     [ "$QUICK" = 1 ] && continue
-    run_config "$name" "$nodes" "$rpn" "$layout" "$batch" "$compute_rate" "compute-heavy" "$mname" "$mfile"
+    run_config "$name" "$nodes" "$rpn" "$layout" "$batch" "$compute_rate" "compute-heavy" "$mname" "$mfile" </dev/null
   done <<<"$MODELS"
 done <<<"$CONFIGS"
 
