@@ -18,7 +18,7 @@
 # and over tutel, the planned r against the best r of the sweep, the worst prediction error.
 #
 # Options: --quick (one round of 4 steps, the 2 x 1 cluster at its communication-heavy rate,
-# the stack only: about 3 minutes), --out DIR, --rounds N, --steps N, --only 2x1|2x2,
+# the stack only: a few minutes; the whole run takes about an hour here), --out DIR, --rounds N, --steps N, --only 2x1|2x2,
 # --model stack|lm. Needs root and network namespaces (tests/cluster/cluster.sh check).
 set -euo pipefail
 cd "$(dirname "$0")/../.."
@@ -26,7 +26,7 @@ BUILD=${BUILD:-build}
 MOEC=$BUILD/moec
 CLUSTER=tests/cluster/cluster.sh
 OUT=$BUILD/cluster-bench
-ROUNDS=3 STEPS=7 QUICK=0 ONLY="" ONLY_MODEL=""
+ROUNDS=2 STEPS=6 QUICK=0 ONLY="" ONLY_MODEL=""
 while [ $# -gt 0 ]; do
   case "$1" in
     --quick) QUICK=1; ROUNDS=1; STEPS=4 ;;
