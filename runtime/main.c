@@ -140,6 +140,17 @@ static int by_double(const void *a, const void *b) {
   return x < y ? -1 : x > y;
 }
 
+// A number in [0, max] (all of text), into *out; -1 otherwise.
+static int parse_nonneg(const char *text, double max, double *out) {
+  char *end;
+  errno = 0;
+  double v = strtod(text, &end);
+  if (errno || *end || end == text || !(v >= 0) || v > max)
+    return -1;
+  *out = v;
+  return 0;
+}
+
 // options = ("--steps" N | "--weights" W | "--save" C | "--resume" C | "--input" X
 //            | "--target" T | "--dump" DIR | "--record" FILE | "--check-grad" | "--quiet"
 //            | "--help")*
@@ -203,19 +214,11 @@ static int parse_options(int argc, char **argv, Options *o) {
                        INT32_MAX, value);
       *counts[which == 0 ? 0 : which - 10] = n;
     } else if (which == 14) {
-      char *end;
-      errno = 0;
-      double t = strtod(value, &end);
-      if (errno || *end || end == value || !(t >= 0) || t > 1e6)
+      if (parse_nonneg(value, 1e6, &o->temperature) != 0)
         return rt_fail("--temperature needs a number of at least 0, not '%s'", value);
-      o->temperature = t;
     } else if (which == 15) {
-      char *end;
-      errno = 0;
-      double t = strtod(value, &end);
-      if (errno || *end || end == value || !(t >= 0) || t > 1e7)
+      if (parse_nonneg(value, 1e7, &o->comm_timeout) != 0)
         return rt_fail("--comm-timeout needs a number of seconds of at least 0, not '%s'", value);
-      o->comm_timeout = t;
     } else {
       *slots[which] = value;
     }
