@@ -68,7 +68,9 @@ else
   ok "the cluster is removed after the run (no namespace, no bridge)"
 fi
 # A second cluster while one holds the lock is refused.
-exec 8>>/run/lock/moec-cluster.lock
+LOCK=${MOEC_CLUSTER_LOCK:-/run/lock/moec-cluster.lock}
+mkdir -p "$(dirname "$LOCK")"
+exec 8>>"$LOCK"
 flock -n 8 && {
   out=$($CLUSTER run 2 1 1gbit -- true 2>&1 </dev/null); status=$?
   if [ $status -ne 0 ] && echo "$out" | grep -q 'another emulated cluster is running'; then ok "a second cluster at once is refused: $out"
