@@ -691,7 +691,6 @@ static void measure_overlap(RtComm *comm, RtGroup group, int group_size, const G
   // The GEMMs alone, and how many of them last as long as the AlltoAll.
   MPI_Barrier(MPI_COMM_WORLD);
   probe_alltoall(&p);   // warm-up
-  int reps = 1;
   for (int t = 0; t < 3; t++) {
     MPI_Barrier(MPI_COMM_WORLD);
     probe_alltoall(&p);
@@ -703,7 +702,7 @@ static void measure_overlap(RtComm *comm, RtGroup group, int group_size, const G
   MPI_Allreduce(&one, &longest, 1, MPI_DOUBLE, MPI_MAX, MPI_COMM_WORLD);
   double a2a_ms = median3(a2a[0], a2a[1], a2a[2]), slowest_a2a;
   MPI_Allreduce(&a2a_ms, &slowest_a2a, 1, MPI_DOUBLE, MPI_MAX, MPI_COMM_WORLD);
-  reps = longest > 0 ? (int)(slowest_a2a / longest) : 1;
+  int reps = longest > 0 ? (int)(slowest_a2a / longest) : 1;
   if (reps < 1) reps = 1;
   if (reps > 10000) reps = 10000;
   for (int t = 0; t < 3; t++) {

@@ -172,8 +172,7 @@ static bool in_group(const IrOp *op, const char *group) { return strcmp(ir_op_st
 // once per chunk on 1/r of the slots, so they join the experts' term (their alphas to its alpha,
 // their per-slot time to its beta); outside it, the dense time. A chunked collective also pays
 // the stream hand-offs (the profile's `handoff`) with its alpha.
-// The schedule pass's partial sums (passes/schedule.c): ops whose result sums over the slots.
-static bool sums_slots(const IrOp *op) {
+bool pass_sums_slots(const IrOp *op) {
   return op->kind == IR_OP_EXPERT_BIAS_GRAD || (op->kind == IR_OP_EXPERT_MATMUL && ir_op_int(op, "ta", 0));
 }
 
@@ -204,13 +203,13 @@ static void assembly_of(const IrFunc *f, const IrFunc *reader, int lo, int hi, c
     const IrOp *op = f->ops[i];
     if (!op->result) continue;
     double n = (double)ir_type_numel(&op->result->type);
-    if (sums_slots(op)) {
+    if (pass_sums_slots(op)) {
       p->t_sum += e->alpha + e->beta * 3 * n;
       continue;
     }
     bool from_sum = false;
     for (int a = 0; a < op->nargs; a++)
-      from_sum |= op->args[a].value && op->args[a].value->def && sums_slots(op->args[a].value->def);
+      from_sum |= op->args[a].value && op->args[a].value->def && pass_sums_slots(op->args[a].value->def);
     if (!from_sum && read_after(f, reader, lo, hi, op->result)) p->t_level += e->alpha + e->beta * 2 * n;
   }
 }

@@ -93,6 +93,9 @@ void pass_layer_cost(const PassLayer *l, const SchedCluster *c, SchedLayerCost *
 bool pass_expert_region(const IrFunc *f, IrValue **entry, IrValue **exit);
 // Slots per expert at the entry of f's expert region ([E, C, M]), 0 when f has none.
 int64_t pass_region_capacity(const IrFunc *f);
+// Ops whose result sums over the slots of a chunked operand (expert.bias.grad, expert.matmul
+// with ta): chunked, their results are partial sums, added up after the chunks (passes/cost.c).
+bool pass_sums_slots(const IrOp *op);
 
 // The stack the planner plans (passes/cost.c): every MoE layer of m in forward order, its costs
 // in the model's form from the attributes pass_cost set, and its largest degree

@@ -63,11 +63,6 @@ static bool reads_expert_param(const IrOp *op) {
   return false;
 }
 
-// Ops whose result sums over the slots of a chunked operand: their chunk results are partial.
-static bool reduces_slots(const IrOp *op) {
-  return op->kind == IR_OP_EXPERT_BIAS_GRAD || (op->kind == IR_OP_EXPERT_MATMUL && ir_op_int(op, "ta", 0));
-}
-
 // v is read outside the region [lo, hi] of f: by a later or earlier op of f, f's results or
 // another function's op (a backward reading a saved activation).
 static bool used_outside(const IrModule *m, const IrFunc *f, int lo, int hi, const IrValue *v) {
@@ -260,7 +255,7 @@ static bool chunk_func(Sched *S, IrFunc *f, int64_t r_want) {
       break;
     }
     if (chunked >= 0) {
-      cls[i] = reduces_slots(op) ? 2 : 1;
+      cls[i] = pass_sums_slots(op) ? 2 : 1;
       if (op->result) {
         int64_t b = vi[op->args[chunked].value->id].blocks;
         if (op->kind == IR_OP_LAYOUT_EXPERT_MAJOR) b *= ir_op_int(op, "blocks", 1);

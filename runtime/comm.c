@@ -176,11 +176,10 @@ static void waiting_from_env(void) {
   const char *mode = getenv("MOERT_COMM_WAIT"), *poll = getenv("MOERT_COMM_POLL_US"),
              *timeout = getenv("MOERT_COMM_TIMEOUT");
   waiting.mode = mode && strcmp(mode, "spin") == 0 ? WAIT_SPIN : WAIT_SLEEP;
-  double us = poll ? atof(poll) : 200.0;
-  waiting.poll_ns = us >= 1 ? (int64_t)(us * 1e3) : 500000;
+  double us = poll ? atof(poll) : 0;
+  waiting.poll_ns = us >= 1 ? (int64_t)(us * 1e3) : 200000;   // default 200 us
   double s = timeout ? atof(timeout) : 20.0;
-  if (!timeout || s >= 0)
-    atomic_store(&waiting.timeout_ns, (int64_t)(s * 1e9));
+  atomic_store(&waiting.timeout_ns, s > 0 ? (int64_t)(s * 1e9) : 0);
 }
 
 static void waiting_init(void) { pthread_once(&waiting.once, waiting_from_env); }
@@ -188,11 +187,6 @@ static void waiting_init(void) { pthread_once(&waiting.once, waiting_from_env); 
 void rt_comm_set_timeout(double seconds) {
   waiting_init();
   atomic_store(&waiting.timeout_ns, seconds > 0 ? (int64_t)(seconds * 1e9) : 0);
-}
-
-double rt_comm_timeout(void) {
-  waiting_init();
-  return (double)atomic_load(&waiting.timeout_ns) * 1e-9;
 }
 
 // Completes req, a step of the collective `what` on group g that began at `began` (ns); call and

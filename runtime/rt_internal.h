@@ -64,10 +64,9 @@ void rt_prof_take(double *comm_ms, double *hidden_ms);
 // a rank's waiting threads leave its cores to the compute thread; `spin` tests without
 // sleeping (MPI_Wait's behaviour). A collective that has not completed after timeout_s seconds
 // (<= 0: never) ends the job with a sentence naming it, its group and the time waited.
-// Defaults: sleep, 500 us, 20 s; MOERT_COMM_WAIT=spin|sleep, MOERT_COMM_POLL_US and
+// Defaults: sleep, 200 us, 20 s; MOERT_COMM_WAIT=spin|sleep, MOERT_COMM_POLL_US and
 // MOERT_COMM_TIMEOUT override them, and rt_main's --comm-timeout overrides the timeout.
 void rt_comm_set_timeout(double seconds);
-double rt_comm_timeout(void);
 
 // ---- routing statistics (kernels.c) ----
 // Adds the per-expert loads of one layer (load[e]: tokens or choices kept by each expert) to
