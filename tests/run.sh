@@ -172,12 +172,8 @@ for suite in tests/mpi/run.sh tests/mpi/run_rt_main.sh tests/mpi/failures.sh tes
   [ -f "$suite" ] && run_suite "$suite" "$suite"
 done
 
-# ---- whole-model gradients against finite differences ----
-# The fixed models in tests/models/grad_*.moe, then a generated matrix: every gate x order x
-# expert, k in {1, 2, 4} where the gate has k, with and without dropped tokens, dropless, and
-# every record hook point. (Compression hooks are quantisers, not differentiable functions:
-# their straight-through gradients are checked exactly against the numpy reference.)
-section "the emulated cluster: 2 network namespaces over shaped links (tests/cluster/smoke.sh, faults.sh)"
+section "the emulated cluster: 2 network namespaces over shaped links (tests/cluster/link.sh, smoke.sh, faults.sh)"
+run_suite "cluster link" tests/cluster/link.sh
 run_suite "cluster smoke" tests/cluster/smoke.sh
 run_suite "cluster faults" tests/cluster/faults.sh
 
@@ -188,6 +184,11 @@ run_suite "lm checkpoints" tests/lm/checkpoint.sh
 section "language models and the planner: dense gradients in the overlap slots (tests/lm/gradpart.sh)"
 run_suite "lm gradpart" tests/lm/gradpart.sh
 
+# ---- whole-model gradients against finite differences ----
+# The fixed models in tests/models/grad_*.moe, then a generated matrix: every gate x order x
+# expert, k in {1, 2, 4} where the gate has k, with and without dropped tokens, dropless, and
+# every record hook point. (Compression hooks are quantisers, not differentiable functions:
+# their straight-through gradients are checked exactly against the numpy reference.)
 section "whole-model gradient checks (BIN --check-grad)"
 gradcheck() {  # name model-file
   local name=$1 model=$2

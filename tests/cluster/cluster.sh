@@ -14,6 +14,7 @@
 #                                     up, run CMD under mpirun placed on the cluster (rank r on
 #                                     node r / RANKS_PER_NODE), down on every exit path: normal
 #                                     end, failure, Ctrl-C, TERM; exits with CMD's status
+#   cluster.sh bits RATE              RATE in bit/s (an error when tc would not read it)
 #   cluster.sh mpirun RANKS_PER_NODE CMD ARGS...
 #                                     mpirun on a cluster that is up (the wrapper alone)
 #
@@ -42,15 +43,15 @@ bits_of() {
   echo "$bits"
 }
 
-# tbf at RATE. Its bucket holds MOEC_CLUSTER_BURST_MS (default 10) ms of traffic and at least
-# 256 KiB (a veth hands tbf whole 64 KiB GSO segments; a bucket smaller than one drops it); its
-# queue holds MOEC_CLUSTER_QUEUE_MS (default 100) ms. A full bucket lets a message that follows an
-# idle gap start at the veth's own speed (at most one bucket's worth), which a real link does not:
-# docs/cluster.md says what that changes and what a 1 ms bucket measured instead.
+# tbf at RATE. Its bucket holds MOEC_CLUSTER_BURST_MS (default 1) ms of traffic and at least 16 kB;
+# its queue holds MOEC_CLUSTER_QUEUE_MS (default 100) ms. The bucket is what a message that
+# follows an idle gap may send above the rate (a real link sends nothing above it): 1 ms is the
+# least that still carries the full rate here (smaller buckets lose tokens while the shaper's
+# timer waits for a busy core); docs/cluster.md has the measurements.
 shape() {  # shape DEV RATE [NETNS]
   local dev=$1 rate=$2 ns=${3:-} bits burst
   bits=$(bits_of "$rate")
-  burst=$(awk -v b="$bits" -v MS="${MOEC_CLUSTER_BURST_MS:-10}" 'BEGIN { x = b / 8 * MS / 1000; if (x < 262144) x = 262144; printf "%.0f", x }')
+  burst=$(awk -v b="$bits" -v MS="${MOEC_CLUSTER_BURST_MS:-1}" 'BEGIN { x = b / 8 * MS / 1000; if (x < 16000) x = 16000; printf "%.0f", x }')
   local args=(qdisc replace dev "$dev" root tbf rate "$rate" burst "$burst" latency "${MOEC_CLUSTER_QUEUE_MS:-100}ms")
   if [ -n "$ns" ]; then ip netns exec "$ns" tc "${args[@]}"; else tc "${args[@]}"; fi
 }
@@ -112,6 +113,13 @@ do_link() {  # do_link NODE up|down
   ip netns exec "moec-node$1" ip link set eth0 "$2"
 }
 
+# Open MPI's TCP transport as a GPU cluster's collectives behave: every message up to EAGER bytes
+# is sent at once (no rendezvous: NCCL has none), and fixed socket buffers. With the defaults
+# (64 KiB eager limit, autotuned buffers) a message that follows another one on a shaped link
+# paid a handshake stuck behind queued bytes: four back-to-back 1 MB AlltoAlls took 1.5-1.8x the
+# time of one 4 MB one (docs/cluster.md).
+EAGER=${MOEC_CLUSTER_EAGER:-16777216}
+
 # mpirun placed on the cluster: every rank starts in its node's namespace (rank.sh), MPI's TCP
 # transport on the cluster subnet only (no shared memory, which would bypass the links), and
 # PMIx and the runtime's out-of-band channel reachable from the namespaces over the bridge.
@@ -128,6 +136,8 @@ do_mpirun() {
     mpirun --allow-run-as-root --oversubscribe -np "$np" --bind-to none \
       --mca oob_tcp_if_include "$NET.0/24" --mca btl tcp,self --mca btl_tcp_if_include "$NET.0/24" \
       --mca pml ob1 \
+      --mca btl_tcp_eager_limit "$EAGER" --mca btl_tcp_max_send_size "$EAGER" \
+      --mca btl_tcp_sndbuf 16777216 --mca btl_tcp_rcvbuf 16777216 \
       "$HERE/rank.sh" "$@"
 }
 
@@ -167,6 +177,7 @@ case "$cmd" in
   cut)    [ $# -eq 1 ] || die "usage: cluster.sh cut NODE"; do_link "$1" down ;;
   heal)   [ $# -eq 1 ] || die "usage: cluster.sh heal NODE"; do_link "$1" up ;;
   check)  do_check ;;
+  bits)   [ $# -eq 1 ] || die "usage: cluster.sh bits RATE"; bits_of "$1" ;;
   mpirun) [ $# -ge 2 ] || die "usage: cluster.sh mpirun RANKS_PER_NODE CMD ARGS..."; do_mpirun "$@" ;;
   run)
     [ $# -ge 5 ] && [ "$4" = "--" ] || die "usage: cluster.sh run NODES RANKS_PER_NODE RATE -- CMD ARGS..."
