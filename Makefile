@@ -314,6 +314,13 @@ bench: deps all $(BUILD)/bench/gate_order $(BUILD)/bench/alltoall $(BUILD)/bench
 cluster-bench: deps all
 	@BUILD=$(BUILD) bash bench/cluster/bench.sh $(CLUSTER_BENCH_ARGS)
 
+# ---- make interop (issue 24): Hugging Face checkpoints against transformers itself ----
+# tests/interop/run.sh: installs torch and transformers into build/interop-venv once; tiny random
+# checkpoints of each family imported, run, exported and compared. Never part of make test.
+.PHONY: interop
+interop: deps all
+	@BUILD=$(BUILD) bash tests/interop/run.sh
+
 clean:
 	rm -rf $(BUILD)
 

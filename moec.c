@@ -7,6 +7,7 @@
 //                    [--gpu-arch sm_NN]
 //   moec plan | sweep                the FSMoE schedule model (cli/plan.c)
 //   mpirun -np P moec tune ...       profile a cluster, fit, write a .cluster (cli/tune.c)
+//   moec import-hf DIR -o PREFIX     a Hugging Face checkpoint as a model (cli/import_hf.c)
 //   moec ops | passes                the op table and the pass list
 //
 // Exit status: 0 success, 1 the input has errors (all reported), 2 bad command line.
@@ -52,6 +53,8 @@ static void usage(FILE *out) {
           "                            under mpirun (P >= 2 ranks; P >= 1 GPUs with --target cuda): time\n"
           "                            GEMMs and collectives, fit t = alpha + beta*n, write a cluster\n"
           "                            profile (see 'moec tune --help')\n"
+          "  import-hf DIR -o PREFIX   a Hugging Face checkpoint (mixtral) as PREFIX.moe and\n"
+          "                            PREFIX.safetensors (see 'moec import-hf --help')\n"
           "  ops                       list the IR ops\n"
           "  passes                    list the passes in pipeline order\n"
           "  --help, --version [-v]    'moec COMMAND --help' for one command's options; --version -v\n"
@@ -99,6 +102,7 @@ static const struct {
 } commands[] = {
     {"check", cli_check_usage, cli_check}, {"dump-ir", cli_dump_ir_usage, cli_dump_ir}, {"build", cli_build_usage, cli_build},
     {"plan", cli_plan_usage, cli_plan},  {"sweep", cli_sweep_usage, cli_sweep},   {"tune", cli_tune_usage, cli_tune},
+    {"import-hf", cli_import_hf_usage, cli_import_hf},
     {"ops", usage_ops, cmd_ops},         {"passes", usage_passes, cmd_passes},
 };
 enum { NCOMMANDS = sizeof commands / sizeof commands[0] };

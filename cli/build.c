@@ -143,6 +143,9 @@ typedef struct Cluster {
   bool have;
   SchedCluster sc;
   char name[128];
+  // The Hugging Face family of the program (frontend/hf.c): its config.json, or NULL and why not.
+  char *hf_config;
+  char hf_why[512];
 } Cluster;
 
 // Front end: read, parse, check, load the cluster profile, lower (with the refusals of target).
@@ -172,6 +175,7 @@ static IrModule *front_end(IrDiag *d, const Options *o, const FeTargetCaps *targ
     ir_module_free(m);
     m = NULL;
   }
+  if (m) cl->hf_config = fe_hf_config(p, cl->hf_why, sizeof cl->hf_why);
   int64_t world = p->parallel.dp * p->parallel.mp;
   if (m && world > 1) {  // where the ranks sit: the cluster profile, or one node
     ir_attrs_set_int(m->attrs, &m->nattrs, "gpus_per_node", have_cluster ? cluster.gpus_per_node : world);
@@ -223,6 +227,7 @@ static int cmd_dump_ir(IrDiag *d, const Options *o) {
     if (pass_run_pipeline(m, &ctx)) status = 0;
     pass_ctx_free(&ctx);
   }
+  free(cl.hf_config);
   ir_module_free(m);
   ir_source_free(src);
   return status;
@@ -279,8 +284,9 @@ static const CgTarget *resolve_target(const Options *o, char *arch, size_t arch_
 
 // Writes the target's program for m to out.
 static bool emit_program(IrDiag *d, FILE *out, const IrModule *m, const PassMemPlan *plan, const Options *o,
-                         const CgTarget *target, const char *arch) {
-  CgEmitOptions eo = {.source_name = o->input, .arch = target->takes_arch ? arch : NULL, .verbose = o->verbose};
+                         const CgTarget *target, const char *arch, const Cluster *cl) {
+  CgEmitOptions eo = {.source_name = o->input, .arch = target->takes_arch ? arch : NULL, .verbose = o->verbose,
+                      .hf_config = cl->hf_config, .hf_refusal = cl->hf_config ? NULL : cl->hf_why};
   return target->emit(d, out, m, plan, &eo);
 }
 
@@ -306,7 +312,7 @@ static int cmd_build(IrDiag *d, const Options *o) {
       ir_error(d, "cannot write '%s'", o->output);
       goto done;
     }
-    bool ok = cuda_unit ? cg_emit_cuda(d, c, m, ctx.memplan) : emit_program(d, c, m, ctx.memplan, o, target, arch);
+    bool ok = cuda_unit ? cg_emit_cuda(d, c, m, ctx.memplan) : emit_program(d, c, m, ctx.memplan, o, target, arch, &cl);
     if (c != stdout && fclose(c) != 0) ok = ir_error(d, "cannot write '%s'", o->output);
     c = NULL;
     status = ok ? 0 : 1;
@@ -324,7 +330,7 @@ static int cmd_build(IrDiag *d, const Options *o) {
     ir_error(d, "cannot write '%s'", c_path);
     goto done;
   }
-  bool ok = emit_program(d, c, m, ctx.memplan, o, target, arch);
+  bool ok = emit_program(d, c, m, ctx.memplan, o, target, arch, &cl);
   if (fclose(c) != 0) ok = ir_error(d, "cannot write '%s'", c_path);
   c = NULL;
   output = o->output ? strdup(o->output) : default_output(o->input);
@@ -335,6 +341,7 @@ static int cmd_build(IrDiag *d, const Options *o) {
   if (!o->keep_c) unlink(tmp);
 done:
   free(output);
+  free(cl.hf_config);
   pass_ctx_free(&ctx);
   ir_module_free(m);
   ir_source_free(src);

@@ -21,6 +21,8 @@ int cli_tune(int argc, char **argv);    // cli/tune.c: profile a cluster under m
 void cli_plan_usage(FILE *out);
 void cli_sweep_usage(FILE *out);
 void cli_tune_usage(FILE *out);
+int cli_import_hf(int argc, char **argv);   // cli/import_hf.c: a Hugging Face checkpoint as a model
+void cli_import_hf_usage(FILE *out);
 // The cluster profile of the front end (a .cluster file) in the scheduling model's form.
 void cli_cluster_from_fe(const FeCluster *f, SchedCluster *c);
 

@@ -256,7 +256,8 @@ static int model_shapes(const char *path, GemmShape *shapes, char *desc, size_t 
   for (int l = p->nlayers - 1; l >= 0; l--)
     if (p->layers[l].has_attention && p->layers[l].heads > 0) {
       int heads = (int)p->layers[l].heads, kv = p->layers[l].kv_heads > 0 ? (int)p->layers[l].kv_heads : heads;
-      attn_shape = (AttnShape){heads, kv, (int)(p->model.embed / heads), (int)p->model.seqlen};
+      int d = p->layers[l].head_dim > 0 ? (int)p->layers[l].head_dim : (int)(p->model.embed / heads);
+      attn_shape = (AttnShape){heads, kv, d, (int)p->model.seqlen};
     }
   for (int l = 0; l < p->nlayers; l++) {
     const FeExperts *e = &p->layers[l].moe.experts;
@@ -405,11 +406,11 @@ static void call(const Call *c) {
     const AttnShape *s = &attn_shape;
     int qc = s->heads * s->d;
     if (!c->n) {
-      rt_attn_fwd(c->a, c->b, c->send, c->c, c->m, s->seq, s->heads, s->kv, qc);
+      rt_attn_fwd(c->a, c->b, c->send, c->c, c->m, s->seq, s->heads, s->kv, qc, 0);
     } else {
-      rt_attn_stats(c->recv, c->a, c->b, c->c, c->attn_stats, c->m, s->seq, s->heads, s->kv, qc);
-      rt_attn_grad_q(c->recv, c->a, c->b, c->send, c->attn_stats, c->attn_grad, c->m, s->seq, s->heads, s->kv, qc);
-      rt_attn_grad_kv(c->recv, c->a, c->b, c->send, c->attn_stats, c->attn_grad, c->m, s->seq, s->heads, s->kv, qc);
+      rt_attn_stats(c->recv, c->a, c->b, c->c, c->attn_stats, c->m, s->seq, s->heads, s->kv, qc, 0);
+      rt_attn_grad_q(c->recv, c->a, c->b, c->send, c->attn_stats, c->attn_grad, c->m, s->seq, s->heads, s->kv, qc, 0);
+      rt_attn_grad_kv(c->recv, c->a, c->b, c->send, c->attn_stats, c->attn_grad, c->m, s->seq, s->heads, s->kv, qc, 0);
     }
     break;
   }

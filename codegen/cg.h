@@ -11,8 +11,8 @@
 
 // Writes the C program of module m (plan from the memplan pass) to out. source_name goes into
 // the header comment. False (with a diagnostic) on an op the CPU target cannot emit.
-bool cg_emit_c(IrDiag *d, FILE *out, const IrModule *m, const PassMemPlan *plan,
-               const char *source_name);
+typedef struct CgEmitOptions CgEmitOptions;
+bool cg_emit_c(IrDiag *d, FILE *out, const IrModule *m, const PassMemPlan *plan, const CgEmitOptions *o);
 
 // Writes the CUDA C translation unit of module m's device kernels (codegen/emit_cuda.c): one
 // extern "C" __global__ kernel `mk_<op>` per op kind the module uses other than GEMMs (cuBLAS)
@@ -40,7 +40,7 @@ typedef struct CgCudaImages {
 // collectives on the scheduled streams) with the images embedded, linked with libmoert_cuda
 // and libmoert into a binary that trains on one GPU per rank. False (with a diagnostic) on an
 // op it cannot emit.
-bool cg_emit_cuda_host(IrDiag *d, FILE *out, const IrModule *m, const PassMemPlan *plan, const char *source_name,
+bool cg_emit_cuda_host(IrDiag *d, FILE *out, const IrModule *m, const PassMemPlan *plan, const CgEmitOptions *o,
                        const CgCudaImages *images);
 
 // NVRTC (codegen/nvrtc.c, built only where the CUDA toolkit is found). arch is "sm_80", "sm_90"
@@ -55,11 +55,14 @@ bool cg_nvrtc_ptx(IrDiag *d, const char *src, const char *arch, char **ptx, size
 // manual's "Adding a target" walks through it.
 
 // What a build hands the target's emitter.
-typedef struct CgEmitOptions {
+struct CgEmitOptions {
   const char *source_name;   // the .moe file, for the program's header comment
   const char *arch;          // the device architecture to compile kernels for ("sm_90"), or NULL
   bool verbose;              // moec build -v: say what was compiled
-} CgEmitOptions;
+  // The program's Hugging Face family (frontend/hf.c): the config.json its --export-hf writes,
+  // or NULL and the sentence its --export-hf refuses with (RtModel.hf_config, .hf_refusal).
+  const char *hf_config, *hf_refusal;
+};
 
 typedef struct CgTarget {
   const char *name;          // --target NAME

@@ -22,7 +22,7 @@ void cg_emit_params(FILE *out, const IrModule *m, const int64_t *param_offset);
 // `static const RtModel model = {...};` and main(); device: the name of the program's RtDevice,
 // or NULL (the CPU target).
 void cg_emit_model(FILE *out, const IrModule *m, const PassMemPlan *plan, int64_t param_floats,
-                   const char *device);
+                   const char *device, const CgEmitOptions *o);
 // "RT_GROUP_EP" for an op with group="ep" (RT_GROUP_WORLD when it names none).
 const char *cg_group_enum(const IrOp *op);
 // The group an op's group attribute names, as an RtGroup value (0 world ... 4 esp).

@@ -655,7 +655,7 @@ static void emit_hooks(Host *h, FILE *out) {
                "};\n\n");
 }
 
-bool cg_emit_cuda_host(IrDiag *d, FILE *out, const IrModule *m, const PassMemPlan *plan, const char *source_name,
+bool cg_emit_cuda_host(IrDiag *d, FILE *out, const IrModule *m, const PassMemPlan *plan, const CgEmitOptions *o,
                        const CgCudaImages *images) {
   if (!images || !images->arch || strncmp(images->arch, "sm_", 3) != 0 || atoi(images->arch + 3) < 10)
     return ir_error(d, "internal error: the CUDA host program needs the kernels' images and their sm_NN architecture");
@@ -706,10 +706,10 @@ bool cg_emit_cuda_host(IrDiag *d, FILE *out, const IrModule *m, const PassMemPla
   if (fclose(h.out) != 0) ok = ir_error(d, "out of memory");
   h.out = NULL;
   if (!ok) goto done;
-  emit_header(&h, out, source_name, images);
+  emit_header(&h, out, o->source_name, images);
   fwrite(body, 1, body_size, out);
   emit_hooks(&h, out);
-  cg_emit_model(out, m, plan, h.param_floats, "device");
+  cg_emit_model(out, m, plan, h.param_floats, "device", o);
 done:
   if (h.out) fclose(h.out);
   free(body);

@@ -8,7 +8,7 @@ static bool cpu_available(char *why, size_t size) {
 }
 
 static bool cpu_emit(IrDiag *d, FILE *out, const IrModule *m, const PassMemPlan *plan, const CgEmitOptions *o) {
-  return cg_emit_c(d, out, m, plan, o->source_name);
+  return cg_emit_c(d, out, m, plan, o);
 }
 
 static bool cpu_link(IrDiag *d, const char *c_path, const char *out_path, bool verbose) {

@@ -59,7 +59,7 @@ static bool cuda_emit(IrDiag *d, FILE *out, const IrModule *m, const PassMemPlan
   if (ok && o->verbose)
     fprintf(stderr, "# nvrtc: CUBIN for %s %zu bytes, PTX %zu bytes, embedded in the program\n", img.arch,
             img.cubin_size, img.ptx_size);
-  ok = ok && cg_emit_cuda_host(d, out, m, plan, o->source_name, &img);
+  ok = ok && cg_emit_cuda_host(d, out, m, plan, o, &img);
   free((void *)img.cubin);
   free((void *)img.ptx);
   return ok;

@@ -130,14 +130,19 @@ static const char *const compress_types[] = {"fp16", "bf16", "int8", NULL};
 static const char *const partitions[] = {"auto", "none", "chunk", NULL};
 static const char *const positions[] = {"learned", "rope", NULL};
 static const char *const norms[] = {"layernorm", "rmsnorm", NULL};
-static const char *const token_formats[] = {"u16", "bytes", NULL};
+static const char *const token_formats[] = {"u16", "bytes", "llmc", NULL};
+static const char *const attn_biases[] = {"true", "false", "qkv", NULL};
+static const char *const qk_norms[] = {"head", "whole", NULL};
 
 static void check_layer(Ctx *c, const FeNode *parent, const FeNode *n, char *dst);
 static void check_hook(Ctx *c, const FeNode *parent, const FeNode *n, char *dst);
+static void check_shared_gate(Ctx *c, const FeNode *parent, const FeNode *n, char *dst);
 static void check_pipeline(Ctx *c, const FeNode *parent, const FeNode *n, char *dst);
 static void check_grad_partition(Ctx *c, const FeNode *parent, const FeNode *n, char *dst);
 static void finish_ffn(Ctx *c, const FeNode *n, const char *variant, char *dst);
+static void finish_shared(Ctx *c, const FeNode *n, const char *variant, char *dst);
 static void finish_gate(Ctx *c, const FeNode *n, const char *variant, char *dst);
+static void finish_attention(Ctx *c, const FeNode *n, const char *variant, char *dst);
 
 // ---- the .moe schema ----
 // optimizer = "optimizer" (sgd | adamw) "{" lr [beta1] [beta2] [eps] [weight_decay] "}"
@@ -166,7 +171,7 @@ static const Field norm_fields[] = {
 };
 static const Block norm_block = BLOCK("norm", norm_fields, NULL);
 
-// data = "data" "{" [train STRING] [val STRING] [format (u16 | bytes)] "}"
+// data = "data" "{" [train STRING] [val STRING] [format (u16 | bytes | llmc)] "}"
 static const Field data_fields[] = {
   {"train", 0, .vals = {{V_STRING, .off = AT(FeData, train)}}},
   {"val", 0, .vals = {{V_STRING, .off = AT(FeData, val)}}},
@@ -227,7 +232,8 @@ static const Field experts_fields[] = {
 };
 static const Block experts_block = BLOCK("experts", experts_fields, NULL);
 
-// gate = "gate" NAME [ "{" [k] [capacity] [noise] [aux_loss] [z_loss] [groups] [proj] [slots] "}" ]
+// gate = "gate" NAME [ "{" [k] [capacity] [noise] [aux_loss] [z_loss] [groups] [proj] [slots]
+//                         [renormalize] "}" ]
 static const Field gate_fields[] = {
   {"k", 0, .vals = {{V_INT, R_POS, .def = "1", .off = AT(FeGate, k)}},
    .loc = AT(FeGate, field_loc[FE_GATE_F_K])},
@@ -246,6 +252,8 @@ static const Field gate_fields[] = {
    .loc = AT(FeGate, field_loc[FE_GATE_F_PROJ])},
   {"slots", 0, "softmoe", {{V_INT, R_POS, .def = "1", .off = AT(FeGate, slots)}},
    .loc = AT(FeGate, field_loc[FE_GATE_F_SLOTS])},
+  {"renormalize", 0, .vals = {{V_BOOL, .off = AT(FeGate, renormalize)}},
+   .loc = AT(FeGate, field_loc[FE_GATE_F_RENORM])},   // default k > 1: finish_gate
 };
 static const Block gate_block = BLOCK("gate", gate_fields, finish_gate);
 
@@ -256,7 +264,17 @@ static const Field dispatch_fields[] = {
 };
 static const Block dispatch_block = BLOCK("dispatch", dispatch_fields, NULL);
 
-// moe = "moe" "{" experts gate [order] [dispatch] hook* "}"
+// shared = "shared" "{" ffn [gate sigmoid ";"] "}"      (ffn mixtral: a SwiGLU expert)
+static const Field shared_fields[] = {
+  {"ffn", F_REQUIRED | F_BLOCK,
+   .vals = {{V_WORD, .what = "ffn", .words = ffns, .off = AT(FeMoe, shared.kind),
+             .loc_off = AT(FeMoe, shared.kind_loc)}},
+   .block = &ffn_block, .sub = AT(FeMoe, shared)},
+  {"gate", 0, .loc = AT(FeMoe, shared_gate_loc), .present = AT(FeMoe, shared_gated), .custom = check_shared_gate},
+};
+static const Block shared_block = BLOCK("shared", shared_fields, finish_shared);
+
+// moe = "moe" "{" experts gate [order] [dispatch] [shared] hook* "}"
 static const Field moe_fields[] = {
   {"experts", F_REQUIRED | F_BLOCK, .vals = {{V_INT, R_POS, .off = AT(FeMoe, experts.count)}},
    .block = &experts_block, .sub = AT(FeMoe, experts), .loc = AT(FeMoe, experts.loc)},
@@ -267,17 +285,25 @@ static const Field moe_fields[] = {
   {"order", 0, .vals = {{V_WORD, .what = "order", .words = orders, .def = "tutel",
                          .off = AT(FeMoe, order), .loc_off = AT(FeMoe, order_loc)}}},
   {"dispatch", F_BLOCK, .block = &dispatch_block, .sub = SAME},
+  {"shared", F_BLOCK, .block = &shared_block, .sub = SAME, .loc = AT(FeMoe, shared.loc),
+   .present = AT(FeMoe, has_shared)},
   {"hook", F_MANY, .custom = check_hook},
 };
 static const Block moe_block = BLOCK("moe", moe_fields, NULL);
 
-// attention = "attention" "{" heads [kv_heads] [bias] "}"
+// attention = "attention" "{" heads [kv_heads] [head_dim] [bias (true | false | qkv)]
+//                              [qk_norm (head | whole)] [window N] "}"
 static const Field attention_fields[] = {
   {"heads", F_REQUIRED, .vals = {{V_INT, R_POS, .off = AT(FeLayer, heads)}}},
   {"kv_heads", 0, .vals = {{V_INT, R_POS, .def = "0", .off = AT(FeLayer, kv_heads)}}},
-  {"bias", 0, .vals = {{V_BOOL, .def = "true", .off = AT(FeLayer, attn_bias)}}},
+  {"head_dim", 0, .vals = {{V_INT, R_POS, .def = "0", .off = AT(FeLayer, head_dim)}}},
+  {"bias", 0, .vals = {{V_WORD, .what = "attention bias", .words = attn_biases, .def = "true",
+                        .off = AT(FeLayer, attn_bias_kind)}}},
+  {"qk_norm", 0, .vals = {{V_WORD, .what = "qk_norm kind", .words = qk_norms, .off = AT(FeLayer, qk_norm)}},
+   .loc = AT(FeLayer, qk_norm_loc)},
+  {"window", 0, .vals = {{V_INT, R_POS, .def = "0", .off = AT(FeLayer, window)}}, .loc = AT(FeLayer, window_loc)},
 };
-static const Block attention_block = BLOCK("attention", attention_fields, NULL);
+static const Block attention_block = BLOCK("attention", attention_fields, finish_attention);
 
 // layer = "layer" NAME ["x" N] "{" [attention] (moe | mlp) "}"      (mlp: language models)
 static const Field layer_fields[] = {
@@ -327,7 +353,7 @@ static const Block *const moe_blocks[] = {
   &moe_file_block, &model_block, &optimizer_block, &position_block, &norm_block, &data_block,
   &parallel_block, &layer_block, &attention_block,
   &moe_block, &experts_block, &ffn_block, &gate_block, &dispatch_block, &schedule_block,
-  &pipeline_block, NULL,
+  &pipeline_block, &shared_block, NULL,
 };
 
 // ---- the .cluster schema ----
@@ -906,6 +932,30 @@ static void check_hook(Ctx *c, const FeNode *parent, const FeNode *n, char *dst)
   m->hooks[m->nhooks++] = h;
 }
 
+// The shared expert's gate: sigmoid(x·w) per token, the one kind there is (Qwen2-MoE's
+// shared_expert_gate). A routing gate written here most likely belongs in the moe block.
+// shared_gate = "gate" "sigmoid" ";"
+static void check_shared_gate(Ctx *c, const FeNode *parent, const FeNode *n, char *dst) {
+  static const Field form = {"gate", 0};
+  static const char *const kinds[] = {"sigmoid", NULL};
+  static const Val kind = {V_WORD, .what = "shared expert gate", .words = kinds};
+  if (!check_block_form(c, n, &form))
+    return;
+  if (n->nvals == 0) {
+    ir_error_at(c->d, stmt_loc(n), "expected 'sigmoid' after 'gate' in 'shared'");
+    return;
+  }
+  const FeValue *v = &n->vals[0];
+  if (v->kind == FE_VAL_IDENT && strcmp(v->text, "sigmoid") != 0 && word_index(gates, v->text) >= 0) {
+    ir_error_at(c->d, v->loc, "the shared expert's gate is 'sigmoid' (its output times sigmoid(x.w), per token), "
+                "not '%s'", v->text);
+    ir_note_at(c->d, v->loc, "'gate %s' routes tokens to the experts: it belongs in the 'moe' block", v->text);
+    return;
+  }
+  if (check_val(c, n, v, &kind, dst))
+    check_surplus(c, n, 1);
+}
+
 // pipeline = "pipeline" ( "auto" ";" | "{" [forward N] [backward N] "}" )
 static void check_pipeline(Ctx *c, const FeNode *parent, const FeNode *n, char *dst) {
   FeSchedule *s = (FeSchedule *)dst;
@@ -995,21 +1045,65 @@ static void finish_ffn(Ctx *c, const FeNode *n, const char *variant, char *dst) 
   }
 }
 
+// The shared expert is SwiGLU (ffn mixtral), as in Qwen2-MoE and DeepSeek.
+static void finish_shared(Ctx *c, const FeNode *n, const char *variant, char *dst) {
+  FeMoe *m = (FeMoe *)dst;
+  if (m->shared.kind && strcmp(m->shared.kind, "mixtral") != 0) {
+    ir_error_at(c->d, m->shared.kind_loc, "the shared expert is a SwiGLU FFN: write 'ffn mixtral { hidden N; }', "
+                "not 'ffn %s'", m->shared.kind);
+  }
+  m->shared.count = 1;
+}
+
+// Which gates take `renormalize`, from the registry: "only 'gate gshard' and 'gate xmoe' have it".
+static void renormalize_note(Ctx *c, SrcLoc at) {
+  char list[256];
+  size_t len = 0;
+  int count = 0;
+  list[0] = '\0';
+  for (int i = 0; i < fe_gate_count; i++) {
+    if (!(fe_gates[i].fields & FE_GATE_FIELD(FE_GATE_F_RENORM)))
+      continue;
+    bool last = true;
+    for (int j = i + 1; j < fe_gate_count; j++)
+      last &= !(fe_gates[j].fields & FE_GATE_FIELD(FE_GATE_F_RENORM));
+    const char *sep = count == 0 ? "" : last ? " and " : ", ";
+    if (len < sizeof list)
+      len += snprintf(list + len, sizeof list - len, "%s'gate %s'", sep, fe_gates[i].name);
+    count++;
+  }
+  ir_note_at(c->d, at, "only %s %s it: %s the top k of a softmax", list, count == 1 ? "has" : "have",
+             count == 1 ? "it renormalises" : "they renormalise");
+}
+
 // Every field written must be one the gate accepts (its row in the registry); `capacity *` is
-// dropless, which only token-choice gates have.
+// dropless, which only token-choice gates have. `renormalize` defaults to k > 1 where it applies.
 static void finish_gate(Ctx *c, const FeNode *n, const char *variant, char *dst) {
   FeGate *g = (FeGate *)dst;
   const FeGateDef *def = variant ? fe_gate_find(variant) : NULL;
-  static const char *const names[] = {"k", "capacity", "noise", "aux_loss", "z_loss", "groups", "proj", "slots"};
-  if (def)
-    for (int f = 0; f < 8; f++)
-      if (g->field_loc[f].src && !(def->fields & FE_GATE_FIELD(f)) && f != FE_GATE_F_PROJ && f != FE_GATE_F_SLOTS)
-        ir_error_at(c->d, g->field_loc[f], "'%s' does not apply to gate '%s' (%s)", names[f], def->name, def->doc);
+  static const char *const names[] = {"k", "capacity", "noise", "aux_loss", "z_loss", "groups", "proj", "slots",
+                                      "renormalize"};
+  for (int f = 0; def && f < COUNT(names); f++) {
+    if (!g->field_loc[f].src || (def->fields & FE_GATE_FIELD(f)) || f == FE_GATE_F_PROJ || f == FE_GATE_F_SLOTS)
+      continue;
+    ir_error_at(c->d, g->field_loc[f], "'%s' does not apply to gate '%s' (%s)", names[f], def->name, def->doc);
+    if (f == FE_GATE_F_RENORM)
+      renormalize_note(c, g->field_loc[f]);
+  }
   if (g->dropless && def && strcmp(def->name, "expert_choice") == 0)
     ir_error_at(c->d, g->field_loc[FE_GATE_F_CAPACITY],
                 "'capacity *' (dropless) does not apply to gate 'expert_choice': each expert takes a fixed number of tokens");
   if (g->dropless)
     g->capacity = 0;
+  if (!g->field_loc[FE_GATE_F_RENORM].src)
+    g->renormalize = def && (def->fields & FE_GATE_FIELD(FE_GATE_F_RENORM)) && g->k > 1;
+}
+
+// `bias true` gives q, k, v and the output projection biases, `qkv` the first three only.
+static void finish_attention(Ctx *c, const FeNode *n, const char *variant, char *dst) {
+  FeLayer *l = (FeLayer *)dst;
+  l->attn_bias = strcmp(l->attn_bias_kind, "false") != 0;
+  l->attn_bias_out = strcmp(l->attn_bias_kind, "true") == 0;
 }
 
 // ---- semantic rules ----
@@ -1049,32 +1143,49 @@ static bool check_layer_parts(Ctx *c, const FeProgram *p, FeLayer *l, const FeNo
   return ok;
 }
 
-// heads and kv_heads against the model and the layout.
+// heads, kv_heads and head_dim against the model and the layout; fills in head_dim when not
+// written (embed/heads).
 static void check_attention(Ctx *c, const FeProgram *p, FeLayer *l, const FeNode *ln) {
   const FeModel *m = &p->model;
   const FeParallel *par = &p->parallel;
   const FeNode *an = find_kid(ln, "attention");
   SrcLoc at = kid_loc(an, "heads", l->attention_loc);
   SrcLoc kv_at = kid_loc(an, "kv_heads", at);
+  bool own_dim = l->head_dim > 0;   // `head_dim N`: the heads' width need not be embed/heads
   if (l->kv_heads == 0)
     l->kv_heads = l->heads;
   if (!c->model_ok)
     return;
-  if (m->embed % l->heads != 0) {
+  if (!own_dim && m->embed % l->heads != 0) {
     ir_error_at(c->d, at, "heads %lld does not divide embed %lld: each head gets embed/heads features",
                 (long long)l->heads, (long long)m->embed);
     return;
   }
+  if (!own_dim)
+    l->head_dim = m->embed / l->heads;
   if (l->kv_heads > l->heads || l->heads % l->kv_heads != 0)
     ir_error_at(c->d, kv_at, "kv_heads %lld must divide heads %lld: each key/value head serves heads/kv_heads query heads",
                 (long long)l->kv_heads, (long long)l->heads);
-  if (m->has_vocab && strcmp(m->position, "rope") == 0 && (m->embed / l->heads) % 2 != 0)
-    ir_error_at(c->d, at, "rope needs an even head size, but embed/heads = %lld/%lld = %lld",
-                (long long)m->embed, (long long)l->heads, (long long)(m->embed / l->heads));
+  if (m->has_vocab && strcmp(m->position, "rope") == 0 && l->head_dim % 2 != 0) {
+    if (own_dim)
+      ir_error_at(c->d, kid_loc(an, "head_dim", at), "rope needs an even head size, but head_dim is %lld: it rotates "
+                  "pairs of a head's columns", (long long)l->head_dim);
+    else
+      ir_error_at(c->d, at, "rope needs an even head size, but embed/heads = %lld/%lld = %lld",
+                  (long long)m->embed, (long long)l->heads, (long long)(m->embed / l->heads));
+  }
   if (c->parallel_ok && (l->heads % par->mp != 0 || l->kv_heads % par->mp != 0)) {
     ir_error_at(c->d, l->heads % par->mp != 0 ? at : kv_at, "%s %lld cannot be split evenly over mp %lld ranks",
                 l->heads % par->mp != 0 ? "heads" : "kv_heads",
                 (long long)(l->heads % par->mp != 0 ? l->heads : l->kv_heads), (long long)par->mp);
+    ir_note_at(c->d, kid_loc(c->parallel_node, "mp", par->loc), "each mp rank computes heads/mp of the heads");
+  }
+  // The whole-width norm's mean of squares runs over every head, which MP spreads over its ranks:
+  // not computed across ranks (yet).
+  if (c->parallel_ok && par->mp > 1 && l->qk_norm && strcmp(l->qk_norm, "whole") == 0) {
+    ir_error_at(c->d, l->qk_norm_loc, "'qk_norm whole' normalises q and k across all their heads, but mp %lld "
+                "splits the heads over its ranks and moec does not reduce a norm across them: use mp 1 or "
+                "'qk_norm head'", (long long)par->mp);
     ir_note_at(c->d, kid_loc(c->parallel_node, "mp", par->loc), "each mp rank computes heads/mp of the heads");
   }
 }

@@ -60,7 +60,7 @@ typedef struct FeOptimizer {
   double min_lr, clip;           // clip 0: no gradient clipping
 } FeOptimizer;
 
-// `data { train "F"; val "F"; format u16|bytes; }` of a language model.
+// `data { train "F"; val "F"; format u16|bytes|llmc; }` of a language model.
 typedef struct FeData {
   SrcLoc loc;
   const char *train, *val;   // NULL when not given
@@ -109,9 +109,11 @@ typedef struct FeGate {
   int64_t groups;       // default 1
   int64_t proj;         // xmoe, default 16
   int64_t slots;        // softmoe, default 1
+  bool renormalize;     // gshard, xmoe: the k gates scaled to sum 1; default k > 1
   SrcLoc field_loc[16]; // where fields were written (index: FE_GATE_F_*), for later diagnostics
 } FeGate;
-enum { FE_GATE_F_K, FE_GATE_F_CAPACITY, FE_GATE_F_NOISE, FE_GATE_F_AUX, FE_GATE_F_Z, FE_GATE_F_GROUPS, FE_GATE_F_PROJ, FE_GATE_F_SLOTS };
+enum { FE_GATE_F_K, FE_GATE_F_CAPACITY, FE_GATE_F_NOISE, FE_GATE_F_AUX, FE_GATE_F_Z, FE_GATE_F_GROUPS, FE_GATE_F_PROJ, FE_GATE_F_SLOTS,
+       FE_GATE_F_RENORM };
 
 typedef struct FeExperts {
   SrcLoc loc;
@@ -141,6 +143,13 @@ typedef struct FeMoe {
   SrcLoc algo_loc;
   FeHook *hooks;
   int nhooks;
+  // `shared { ffn mixtral { hidden Hs; } gate sigmoid; }`: one dense SwiGLU expert every token
+  // goes through besides the routed ones (Qwen2-MoE, DeepSeek), its output optionally scaled by
+  // sigmoid(x·w) per token; added to the routed output (lang/manual.md §11.5).
+  bool has_shared;
+  FeExperts shared;     // kind "mixtral", hidden Hs; loc: the `shared` statement
+  bool shared_gated;    // `gate sigmoid;` written
+  SrcLoc shared_gate_loc;
 } FeMoe;
 
 typedef struct FeLayer {
@@ -151,7 +160,14 @@ typedef struct FeLayer {
   SrcLoc attention_loc;
   int64_t heads;
   int64_t kv_heads;     // default 0: heads
-  bool attn_bias;       // default true
+  int64_t head_dim;     // d, the width of a head; default 0: embed/heads (the checker fills it in)
+  const char *attn_bias_kind;   // `bias true | false | qkv` as written (default "true")
+  bool attn_bias;       // biases on q, k and v (bias true or qkv)
+  bool attn_bias_out;   // a bias on the output projection (bias true)
+  const char *qk_norm;  // `qk_norm head | whole`: RMSNorm of q and k before rope; NULL: none
+  SrcLoc qk_norm_loc;
+  int64_t window;       // `window W`: query i sees keys j with i - W < j <= i; 0: all keys j <= i
+  SrcLoc window_loc;
   bool has_moe;
   FeMoe moe;
   bool has_mlp;         // a dense FFN layer of a language model (`mlp { ffn ... }`)
@@ -218,5 +234,10 @@ typedef struct FeTargetCaps {
 // Refuses, with a diagnostic naming it, every construct that parses and checks but does not
 // run yet (on target); otherwise builds the forward IR module (params, @*.fwd, @loss.fwd).
 IrModule *fe_lower(IrDiag *d, const FeProgram *p, const FeTargetCaps *target);
+
+// ---- Hugging Face families (frontend/hf.c, DESIGN §2.2) ----
+// The config.json of the family p is (malloc'ed JSON text, for a binary's --export-hf), or NULL
+// with why (n bytes) holding the sentence that says why p is none.
+char *fe_hf_config(const FeProgram *p, char *why, size_t n);
 
 #endif

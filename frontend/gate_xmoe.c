@@ -1,6 +1,6 @@
 // gate xmoe (X-MoE): routing in a low-rank space. h = x·Wp [S, proj]; logits = cos(h, e_j) / tau
 // where e_j are learned expert embeddings [E, proj], both L2-normalised, and tau a learned
-// temperature (initialised to 0.07); then noise, softmax and top-k as gshard.
+// temperature (initialised to 0.07); then noise, softmax, top-k and `renormalize` as gshard.
 #include <math.h>
 
 #include "fe_lower.h"
@@ -15,6 +15,6 @@ bool fe_gate_xmoe(FeLower *L, IrValue *x, FeRouting *out) {
   IrValue *cos = fe_emit(L, IR_OP_MATMUL, "cos", 2, (IrOperand[]){FE_V(h), FE_V(e)}, 1, (IrAttr[]){FE_I("tb", 1)});
   IrValue *logits = fe_noise(L, fe_op2(L, IR_OP_DIV_SCALAR, "logits", FE_V(cos), FE_P(temp)));
   IrValue *scores = fe_op1(L, IR_OP_GATE_SOFTMAX, "scores", FE_V(logits));
-  fe_token_choice(L, logits, scores, L->layer->moe.gate.k > 1, out);
+  fe_token_choice(L, logits, scores, L->layer->moe.gate.renormalize, out);
   return true;
 }

@@ -7,9 +7,9 @@
 // `tutel` by index (encode/decode), `gshard` with one-hot dispatch and combine matrices and
 // GEMMs, as GShard's einsums; soft MoE's weights are dense by definition and both orders run
 // them as GEMMs — the experts (frontend/expert_*.c) run batched over experts, the order unpacks
-// and weights their outputs, and the residual is added. Hooks sit at their six points. The loss
-// function compares the last output with the target; backward functions and the optimizer
-// come from the autodiff pass.
+// and weights their outputs, a shared expert (when written) adds its output, and the residual is
+// added. Hooks sit at their six points. The loss function compares the last output with the
+// target; backward functions and the optimizer come from the autodiff pass.
 //
 // Constructs that parse and check but have no backend yet (on the target being built for) are
 // refused here, one diagnostic each, naming the construct and where it was written — never
@@ -164,6 +164,32 @@ static IrValue *reshape(FeLower *L, const char *name, IrValue *v, int rank, int6
   return fe_emit(L, IR_OP_RESHAPE, name, 1, (IrOperand[]){FE_V(v)}, rank + 1, a);
 }
 
+// ---- the shared expert ----
+// `shared { ffn mixtral { hidden Hs; } gate sigmoid; }`: every token also goes through one SwiGLU
+// expert, s = (silu(x·W1) ⊙ (x·W3))·W2, scaled by sigmoid(x·wg) per token when gated (Qwen2-MoE's
+// shared_expert and shared_expert_gate), and s is added to the routed output. Its parameters are
+// dense, not expert parameters: parallelize replicates them on every rank, which computes the
+// shared expert of its own tokens (after the MP split), and reduces their gradients over the
+// world, as the gate's.
+static IrValue *shared_expert(FeLower *L, IrValue *x) {
+  const FeMoe *moe = &L->layer->moe;
+  int64_t M = L->M, Hs = moe->shared.hidden;
+  double in_std = 1.0 / sqrt((double)M);
+  IrParam *w1 = fe_param(L, "moe.shared.w1", ir_type2(IR_F32, M, Hs), "normal", in_std);
+  IrParam *w3 = fe_param(L, "moe.shared.w3", ir_type2(IR_F32, M, Hs), "normal", in_std);
+  IrParam *w2 = fe_param(L, "moe.shared.w2", ir_type2(IR_F32, Hs, M), "normal", 1.0 / sqrt((double)Hs));
+  IrValue *h1 = fe_op2(L, IR_OP_MATMUL, "shared.h1", FE_V(x), FE_P(w1));
+  IrValue *h3 = fe_op2(L, IR_OP_MATMUL, "shared.h3", FE_V(x), FE_P(w3));
+  IrValue *a = fe_op1(L, IR_OP_ACT_SILU, "shared.act", FE_V(h1));
+  IrValue *glu = fe_op2(L, IR_OP_MUL, "shared.glu", FE_V(a), FE_V(h3));
+  IrValue *y = fe_op2(L, IR_OP_MATMUL, moe->shared_gated ? "shared.y" : "shared", FE_V(glu), FE_P(w2));
+  if (!moe->shared_gated) return y;
+  IrParam *wg = fe_param(L, "moe.shared.gate", ir_type2(IR_F32, M, 1), "normal", in_std);
+  IrValue *logit = fe_op2(L, IR_OP_MATMUL, "shared.logit", FE_V(x), FE_P(wg));
+  IrValue *g = fe_op1(L, IR_OP_GATE_SIGMOID, "shared.g", FE_V(logit));
+  return fe_op2(L, IR_OP_SCALE_ROWS, "shared", FE_V(y), FE_V(g));
+}
+
 IrValue *fe_lower_moe(FeLower *L, IrValue *x, IrValue **aux, IrValue **z) {
   const FeMoe *moe = &L->layer->moe;
   const FeGateDef *gate = fe_gate_find(moe->gate.name);
@@ -207,6 +233,8 @@ IrValue *fe_lower_moe(FeLower *L, IrValue *x, IrValue **aux, IrValue **z) {
     combined = fe_emit(L, IR_OP_ORDER_DECODE, "moe", 4,
                        (IrOperand[]){FE_V(y), FE_V(r.idx), FE_V(r.loc), FE_V(r.gates)}, 3, route);
   }
+  if (moe->has_shared)
+    combined = fe_op2(L, IR_OP_ADD, "moe.total", FE_V(combined), FE_V(shared_expert(L, x)));
   record(L, "before_moe_end", combined);
   *aux = r.aux;
   *z = r.z;

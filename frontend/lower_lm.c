@@ -72,21 +72,58 @@ static IrValue *rope(FeLower *L, IrValue *x, int64_t heads, const char *name) {
                  (IrAttr[]){FE_I("heads", heads), FE_I("seq", L->p->model.seqlen), FE_F("theta", L->p->model.rope_theta)});
 }
 
+// x [S, heads·d] seen as [S·heads, d] (one row per head) and back: under MP each rank holds whole
+// heads, so passes/parallelize.c divides dimension `mp_split` (attr) of the reshape by mp.
+static IrValue *heads_reshape(FeLower *L, IrValue *x, int64_t rows, int64_t cols, int split, const char *name) {
+  int n = L->p->parallel.mp > 1 ? 4 : 3;
+  IrAttr a[4] = {FE_I("rank", 2), FE_I("d0", rows), FE_I("d1", cols), FE_I("mp_split", split)};
+  return fe_emit(L, IR_OP_RESHAPE, name, 1, (IrOperand[]){FE_V(x)}, n, a);
+}
+
+// `qk_norm`: RMSNorm of q (or k), heads·d columns, with the learned scale PREFIX.weight, ones
+// (eps: the model's). `head` (Qwen3-MoE) normalises each head's d columns by themselves, one
+// weight [d] for all heads: rows [S·heads, d] through norm.rms and scale. The weight's gradient
+// on an MP rank sums that rank's heads only (attr mp_partial: parallelize reduces it over the
+// world). `whole` (OLMoE) normalises all heads·d columns together, weight [heads·d].
+static IrValue *qk_norm(FeLower *L, IrValue *x, int64_t heads, const char *prefix, const char *name) {
+  int64_t d = L->layer->head_dim, S = L->S;
+  bool per_head = strcmp(L->layer->qk_norm, "head") == 0;
+  IrValue *y = per_head ? heads_reshape(L, x, S * heads, d, 0, ir_strfmt(L->m, "%s.h", name)) : x;
+  y = fe_emit(L, IR_OP_NORM_RMS, ir_strfmt(L->m, "%s.n", name), 1, (IrOperand[]){FE_V(y)}, 1,
+              (IrAttr[]){FE_F("eps", L->p->model.norm_eps)});
+  IrParam *w = dense_param(L, ir_strfmt(L->m, "%s.weight", prefix), ir_type1(IR_F32, per_head ? d : heads * d), "ones", 0);
+  if (per_head && L->p->parallel.mp > 1) ir_attrs_set_int(w->attrs, &w->nattrs, "mp_partial", 1);
+  y = fe_op2(L, IR_OP_SCALE, per_head ? ir_strfmt(L->m, "%s.w", name) : name, FE_V(y), FE_P(w));
+  return per_head ? heads_reshape(L, y, S, heads * d, 1, name) : y;
+}
+
 // Attn(x) of DESIGN §2.1: projections, rope, causal grouped-query attention, output projection.
+// Heads are d = head_dim wide (embed/heads unless written): Wq [M, H·d], Wk and Wv [M, KV·d],
+// Wo [H·d, M]; the attention and rope ops take d from their operands' widths over heads. The q,
+// k and v biases come with `bias true` or `bias qkv`, the output projection's with `bias true`.
+// `qk_norm` normalises q and k after their biases, before rope; `window W` (W < seqlen: a longer
+// one is the causal mask itself, and the IR is the causal one) limits query i to keys
+// i − W < j ≤ i.
 static IrValue *attention(FeLower *L, IrValue *x, double out_std) {
   const FeLayer *l = L->layer;
-  int64_t M = L->M, H = l->heads, KV = l->kv_heads, d = M / H;
+  int64_t M = L->M, H = l->heads, KV = l->kv_heads, d = l->head_dim;   // d: embed/heads or head_dim
   bool bias = l->attn_bias, rotary = strcmp(L->p->model.position, "rope") == 0;
   IrValue *q = linear(L, x, "attn.wq", bias ? "attn.bq" : NULL, M, H * d, STD, MP_COLUMNS, "q");
   IrValue *k = linear(L, x, "attn.wk", bias ? "attn.bk" : NULL, M, KV * d, STD, MP_COLUMNS, "k");
   IrValue *v = linear(L, x, "attn.wv", bias ? "attn.bv" : NULL, M, KV * d, STD, MP_COLUMNS, "v");
+  if (l->qk_norm) {
+    q = qk_norm(L, q, H, "attn.q_norm", "q.norm");
+    k = qk_norm(L, k, KV, "attn.k_norm", "k.norm");
+  }
   if (rotary) {
     q = rope(L, q, H, "q.rope");
     k = rope(L, k, KV, "k.rope");
   }
-  IrValue *o = fe_emit(L, IR_OP_ATTN_CAUSAL, "o", 3, (IrOperand[]){FE_V(q), FE_V(k), FE_V(v)}, 3,
-                       (IrAttr[]){FE_I("heads", H), FE_I("kv_heads", KV), FE_I("seq", L->p->model.seqlen)});
-  return linear(L, o, "attn.wo", bias ? "attn.bo" : NULL, H * d, M, out_std, MP_ROWS, "attn");
+  int64_t seq = L->p->model.seqlen;
+  bool window = l->window > 0 && l->window < seq;
+  IrValue *o = fe_emit(L, IR_OP_ATTN_CAUSAL, "o", 3, (IrOperand[]){FE_V(q), FE_V(k), FE_V(v)}, window ? 4 : 3,
+                       (IrAttr[]){FE_I("heads", H), FE_I("kv_heads", KV), FE_I("seq", seq), FE_I("window", l->window)});
+  return linear(L, o, "attn.wo", l->attn_bias_out ? "attn.bo" : NULL, H * d, M, out_std, MP_ROWS, "attn");
 }
 
 // The dense FFN of an `mlp` layer: the `ffn` kinds' formulas with one expert and no gate.

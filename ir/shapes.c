@@ -440,6 +440,8 @@ static bool infer(Infer *I, IrType *out) {
     IrOpKind kind = I->op->kind;
     int q = kind == IR_OP_ATTN_CAUSAL ? 0 : 1, nkv = kind == IR_OP_ATTN_CAUSAL_STATS ? 1 : 2;
     if (!int_attr(I, "heads", 1, &h) || !int_attr(I, "kv_heads", 1, &kv) || !int_attr(I, "seq", 1, &seq)) return false;
+    int64_t window;   // optional: keys i - window < j <= i
+    if (ir_attrs_get(I->op->attrs, I->op->nattrs, "window") && !int_attr(I, "window", 1, &window)) return false;
     for (int i = 0; i < I->op->nargs; i++)
       if (!need_float(I, i, 2, "[S, n]")) return false;
     int64_t S = dim(I, q, 0), d = dim(I, q, 1) / h;
@@ -465,6 +467,18 @@ static bool infer(Infer *I, IrType *out) {
     *out = t2(IR_F32, dim(I, 0, 0), width);
     return true;
   }
+  case IR_OP_SCALE_ROWS:           // (x [r, n], g [r, 1]) -> [r, n]
+  case IR_OP_SCALE_ROWS_GRAD_G:    // (dy [r, n], x [r, n]) -> [r, 1]
+    if (!need_float(I, 0, 2, "[r, n]")) return false;
+    if (op->kind == IR_OP_SCALE_ROWS_GRAD_G) {
+      if (!same_type(I, 0, 1)) return false;
+      *out = t2(ty(I, 0)->dtype, dim(I, 0, 0), 1);
+      return true;
+    }
+    if (!need_float(I, 1, 2, "[r, 1]") || !same_dtype(I, 0, 1) || !same_dim(I, "r", 0, 0, 1, 0)) return false;
+    if (dim(I, 1, 1) != 1) return fail(I, "%s must be one column [r, 1]: a factor per row", nm(I, 1));
+    *out = *ty(I, 0);
+    return true;
   case IR_OP_POS_ADD_GRAD_W: {  // dy [r, n] -> [seq, n]
     int64_t seq;
     if (!need_float(I, 0, 2, "[r, n]") || !int_attr(I, "seq", 1, &seq)) return false;

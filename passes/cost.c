@@ -11,7 +11,8 @@
 //   comm.allreduce(_grad)     n = elements summed (allreduce)
 //   attn.causal               n = multiply-accumulates of q·kᵀ and p·v under the causal mask,
 //                             S·(heads·d)·(L+1) for S tokens in windows of L (the profile's
-//                             attention fit, else gemm; one kernel)
+//                             attention fit, else gemm; one kernel); with a sliding window W < L,
+//                             S·(heads·d)·(W(W+1) + 2(L−W)W)/L
 //   attn.causal.grad          twice the forward's: dp, dv, dq and dk (the same fit)
 //   every other op (element-wise kernels, layouts, the gate, the optimizer)
 //                             n = floats it reads and writes (elementwise), only when the profile
@@ -66,8 +67,11 @@ static bool price(const IrOp *op, const SchedCluster *c, SchedCoef *coef, double
   case IR_OP_ATTN_CAUSAL_GRAD: {
     const IrType *q = &op->args[op->kind == IR_OP_ATTN_CAUSAL ? 0 : 1].value->type;
     *coef = c->attention.alpha > 0 || c->attention.beta > 0 ? c->attention : c->gemm;
-    *n = (op->kind == IR_OP_ATTN_CAUSAL ? 1.0 : 2.0) * (double)q->dim[0] * (double)q->dim[1] *
-         (double)(ir_op_int(op, "seq", 1) + 1);
+    int64_t L = ir_op_int(op, "seq", 1), W = ir_op_int(op, "window", 0);
+    *n = (op->kind == IR_OP_ATTN_CAUSAL ? 1.0 : 2.0) * (double)q->dim[0] * (double)q->dim[1] * (double)(L + 1);
+    if (W > 0 && W < L)   // a window: 2 * (W(W+1)/2 + (L-W)W) / L keys a row on average instead of L + 1
+      *n = (op->kind == IR_OP_ATTN_CAUSAL ? 1.0 : 2.0) * (double)q->dim[0] * (double)q->dim[1] *
+           (double)(W * (W + 1) + 2 * (L - W) * W) / (double)L;
     return true;
   }
   default:

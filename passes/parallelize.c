@@ -126,6 +126,11 @@ static bool split_heads(Par *P) {
       if (op->kind == IR_OP_ATTN_CAUSAL) ir_op_set_int(op, "kv_heads", ir_op_int(op, "kv_heads", 1) / P->mp);
       continue;
     }
+    if (op->kind == IR_OP_RESHAPE && ir_op_int(op, "mp_split", -1) >= 0) {   // q or k by heads (qk_norm head)
+      const char *key = ir_op_int(op, "mp_split", 0) == 0 ? "d0" : "d1";
+      ir_op_set_int(op, key, ir_op_int(op, key, 0) / P->mp);
+      continue;
+    }
     if (op->kind != IR_OP_MATMUL || op->nargs < 2 || mp_split(&op->args[1]) < 0) continue;
     any = true;
     if (mp_split(&op->args[1]) == 1) {   // by columns: the input through one copy per value
@@ -280,8 +285,9 @@ bool pass_parallelize(IrModule *m, PassCtx *ctx) {
       ir_attrs_set_int(p->attrs, &p->nattrs, "shard_mp", split);
     }
     if (!is_expert_param(p)) {
-      // A language model's dense parameters see the same tokens on every MP rank: DP only.
-      bool dense = ir_attr_int(p->attrs, p->nattrs, "dense", 0);
+      // A language model's dense parameters see the same tokens on every MP rank: DP only; but
+      // a weight all heads share (mp_partial: qk_norm head's) sees only the rank's heads there.
+      bool dense = ir_attr_int(p->attrs, p->nattrs, "dense", 0) && !ir_attr_int(p->attrs, p->nattrs, "mp_partial", 0);
       if (!dense || P.dp > 1) ir_attrs_set_str(m, p->attrs, &p->nattrs, "grad_reduce", dense ? "dp" : "world");
       continue;
     }

@@ -21,8 +21,11 @@
 //   that does not stays.
 //
 // Token files: "bytes" is one token per byte (any file; V < 256 only when every byte is below
-// it), "u16" is little-endian uint16 per token (nanoGPT's and llm.c's .bin without a header).
-// The file is read whole, every token checked against V, and kept as uint16 (bytes widened).
+// it), "u16" is little-endian uint16 per token (nanoGPT's .bin, no header), "llmc" is llm.c's
+// .bin: a header of 256 little-endian int32 (magic 20240520, version 1, token count N, the rest
+// unused) and then N little-endian uint16 tokens. Without a format given, a file whose first
+// int32 is llm.c's magic is llmc, else .txt/.text are bytes and the rest u16. The file is read
+// whole, every token checked against V, and kept as uint16 (bytes widened).
 //
 // Sampling (rt_sample_token), in double: m = max_i l_i, e_i = exp((l_i - m) / T) with T the
 // temperature, E_i = e_0 + ... + e_i summed in index order (numpy's cumsum), u =
@@ -51,10 +54,30 @@ static uint64_t window_hash(uint64_t seed, int64_t step, int64_t g) {
 
 // ---- token files ----
 
-// NULL picks by extension: .txt and .text are bytes, anything else u16.
-static const char *resolve_format(const char *path, const char *format) {
-  if (format)
-    return strcmp(format, "bytes") == 0 ? "bytes" : strcmp(format, "u16") == 0 ? "u16" : NULL;
+enum { LLMC_MAGIC = 20240520, LLMC_VERSION = 1, LLMC_HEADER_INTS = 256 };
+
+static int32_t int32_le(const unsigned char *p) {
+  return (int32_t)((uint32_t)p[0] | (uint32_t)p[1] << 8 | (uint32_t)p[2] << 16 |
+                   (uint32_t)p[3] << 24);
+}
+
+// The format named, or NULL when the name is unknown.
+static const char *known_format(const char *format) {
+  static const char *const formats[] = {"bytes", "u16", "llmc"};
+  for (int i = 0; i < 3; i++)
+    if (strcmp(format, formats[i]) == 0)
+      return formats[i];
+  return NULL;
+}
+
+// No format given: llmc when the file begins with llm.c's magic, else by extension (.txt and
+// .text are bytes, anything else u16).
+static const char *detect_format(FILE *f, const char *path) {
+  unsigned char head[4];
+  bool magic = fread(head, 1, 4, f) == 4 && int32_le(head) == LLMC_MAGIC;
+  rewind(f);
+  if (magic)
+    return "llmc";
   const char *dot = strrchr(path, '.');
   const char *slash = strrchr(path, '/');
   bool text = dot && (!slash || dot > slash) &&
@@ -102,15 +125,46 @@ static int64_t file_size(FILE *f, const char *path) {
   return (int64_t)sb.st_size;
 }
 
+// llm.c's header: its magic, version and token count against the file's size; leaves f at the
+// first token.
+static int read_llmc_header(FILE *f, const char *path, int64_t size, int64_t *count) {
+  enum { HEADER_BYTES = 4 * LLMC_HEADER_INTS };
+  unsigned char header[HEADER_BYTES];
+  if (size < HEADER_BYTES)
+    return rt_fail("llm.c token file '%s' has %lld bytes, fewer than its %d-byte header", path,
+                   (long long)size, HEADER_BYTES);
+  if (fread(header, 1, HEADER_BYTES, f) != HEADER_BYTES)
+    return read_failed(f, path);
+  int32_t magic = int32_le(header), version = int32_le(header + 4), n = int32_le(header + 8);
+  int64_t holds = (size - HEADER_BYTES) / 2;
+  if (magic != LLMC_MAGIC)
+    return rt_fail("llm.c token file '%s' begins with %d, not llm.c's magic %d", path, magic,
+                   LLMC_MAGIC);
+  if (version != LLMC_VERSION)
+    return rt_fail("llm.c token file '%s': version %d, this reader knows version %d", path,
+                   version, LLMC_VERSION);
+  if (n != holds || (size - HEADER_BYTES) % 2 != 0)
+    return rt_fail("llm.c token file '%s' says %d tokens but holds %lld (%lld bytes after its "
+                   "%d-byte header, 2 per token)", path, n, (long long)holds,
+                   (long long)(size - HEADER_BYTES), HEADER_BYTES);
+  *count = n;
+  return 0;
+}
+
 static int load_open(RtTokens *t, FILE *f, const char *path, int64_t vocab, int64_t seqlen) {
-  bool bytes = strcmp(t->format, "bytes") == 0;
+  bool bytes = strcmp(t->format, "bytes") == 0, llmc = strcmp(t->format, "llmc") == 0;
   int64_t size = file_size(f, path);
   if (size < 0)
     return -1;
-  if (!bytes && size % 2 != 0)
+  if (llmc) {
+    if (read_llmc_header(f, path, size, &t->count) != 0)
+      return -1;
+  } else if (!bytes && size % 2 != 0) {
     return rt_fail("token file '%s' has %lld bytes, an odd number; a u16 file holds 2 bytes "
                    "per token", path, (long long)size);
-  t->count = bytes ? size : size / 2;
+  } else {
+    t->count = bytes ? size : size / 2;
+  }
   if (t->count < seqlen + 1)
     return rt_fail("'%s' holds %lld tokens; a window needs seqlen+1 = %lld", path,
                    (long long)t->count, (long long)(seqlen + 1));
@@ -123,9 +177,9 @@ static int load_open(RtTokens *t, FILE *f, const char *path, int64_t vocab, int6
 int rt_tokens_load(RtTokens *t, const char *path, const char *format, int64_t vocab,
                    int64_t seqlen) {
   memset(t, 0, sizeof *t);
-  t->format = resolve_format(path, format);
-  if (!t->format)
-    return rt_fail("unknown token file format '%s' for '%s'; use bytes or u16", format, path);
+  if (format && !known_format(format))
+    return rt_fail("unknown token file format '%s' for '%s'; use bytes, u16 or llmc", format,
+                   path);
   if (vocab < 1 || seqlen < 1)
     return rt_fail("cannot load '%s': vocab %lld and seqlen %lld must be positive", path,
                    (long long)vocab, (long long)seqlen);
@@ -133,6 +187,7 @@ int rt_tokens_load(RtTokens *t, const char *path, const char *format, int64_t vo
   if (!f)
     return rt_fail("cannot open token file '%s': %s", path, strerror(errno));
   t->path = rt_strdup(path, "a token file's name");
+  t->format = format ? known_format(format) : detect_format(f, path);
   int status = load_open(t, f, path, vocab, seqlen);
   fclose(f);
   if (status != 0)

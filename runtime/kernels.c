@@ -510,6 +510,7 @@ void rt_route_stats(RtStep *st, const int32_t *idx, const int32_t *loc, int s, i
     g = 1;
   int64_t *load = rt_alloc(2 * (size_t)e * sizeof *load, "rt_route_stats"), *wanted = load + e;
   int64_t dropped = 0, most_wanted = 0;
+  RtLayerStats *layer = rt_layer_next(st);
   for (int gi = 0; gi < g; gi++) {
     int t0 = group_begin(s, g, gi), t1 = group_begin(s, g, gi + 1);
     memset(load, 0, 2 * (size_t)e * sizeof *load);
@@ -525,15 +526,41 @@ void rt_route_stats(RtStep *st, const int32_t *idx, const int32_t *loc, int s, i
       if (wanted[i] > most_wanted)
         most_wanted = wanted[i];
     rt_add_loads(st, load, e);
+    rt_layer_loads(layer, load, e);
   }
   free(load);
   st->dropped += dropped;
   st->routed += (int64_t)s * k;
+  if (layer) {
+    layer->dropped = dropped;
+    layer->routed = (int64_t)s * k;
+  }
   for (size_t c = 0; c < (size_t)s * k; c++)
     st->route_hash = rt_key(st->route_hash, (uint64_t)(uint32_t)idx[c] * 1000003u +
                                                 (uint64_t)(int64_t)(loc[c] + 1));
   if (cap <= 0 && most_wanted > st->capacity_max)
     st->capacity_max = most_wanted;
+}
+
+RtLayerStats *rt_layer_next(RtStep *st) {
+  if (!st->layer_stats || st->nlayer_stats >= st->max_layer_stats)
+    return NULL;
+  RtLayerStats *l = &st->layer_stats[st->nlayer_stats++];
+  *l = (RtLayerStats){.load_min = INT64_MAX};
+  return l;
+}
+
+void rt_layer_loads(RtLayerStats *l, const int64_t *load, int e) {
+  if (!l)
+    return;
+  for (int i = 0; i < e; i++) {
+    if (load[i] < l->load_min)
+      l->load_min = load[i];
+    if (load[i] > l->load_max)
+      l->load_max = load[i];
+    l->load_sum += (double)load[i];
+  }
+  l->load_count += e;
 }
 
 // Folds one layer's per-expert loads into the step's min / max / mean.
@@ -847,4 +874,5 @@ void rt_step_begin_forward(RtStep *st) {
   st->load_sum = 0.0;
   st->load_count = 0;
   st->capacity_max = 0;
+  st->nlayer_stats = 0;
 }

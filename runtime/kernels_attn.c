@@ -1,8 +1,9 @@
 // Causal grouped-query attention (DESIGN §2.1) and the column slice its backward needs.
 //
 // Rows r = b*seq + i of q [rows, heads*d], k and v [rows, kv*d]; query head h reads key/value
-// head h / (heads/kv); query i of sample b sees keys j <= i of the same sample. Each output row
-// is computed by itself, in a fixed order, without the seq x seq matrix:
+// head h / (heads/kv); query i of sample b sees keys j <= i of the same sample, and with a window
+// W > 0 (Mixtral's sliding window) only those with i - W < j <= i: keys lo(i) = max(0, i - W + 1)
+// to i. Each output row is computed by itself, in a fixed order, without the seq x seq matrix:
 //   s_j = (q_i . k_j) * scale (the dot in column order), scale = 1/sqrt(d)
 //   m = max_j s_j;  l = sum_j exp(s_j - m);  o_i = (sum_j exp(s_j - m) v_j) / l   (j ascending)
 // The backward keeps per (row, head) lse = m + log(l) and D = dO_i . O_i (rt_attn_stats,
@@ -10,7 +11,7 @@
 //   p_ij = exp(s_ij - lse_i),  dS_ij = p_ij (dO_i . v_j - D_i)
 //   dq_i = scale * sum_j dS_ij k_j                  (j ascending)
 //   dk_j = scale * sum_h sum_i dS_ij q_i            (heads of the group ascending, then i)
-//   dv_j = sum_h sum_i p_ij dO_i
+//   dv_j = sum_h sum_i p_ij dO_i                    (i from j to min(seq, j + W) - 1)
 // into one packed row [dq | dk | dv] of width (heads + 2 kv) * d. exp is rt_exp (rt_internal.h),
 // log logf. The CUDA kernels of the same names (codegen/cuda/kernels.cu) do the same float
 // operations per output element in the same order, so the two targets agree to the bit.
@@ -41,6 +42,9 @@ static float dot(const float *a, const float *b, int d) {
   for (int c = 0; c < d; c++) s += a[c] * b[c];
   return s;
 }
+
+// The first key query i sees: 0, or i - window + 1 under a window.
+static int first_key(int i, int window) { return window > 0 && i >= window ? i - window + 1 : 0; }
 
 static float *attn_alloc(size_t floats) { return rt_alloc(floats * sizeof(float), "attention scratch"); }
 
@@ -128,19 +132,19 @@ ATTN_INLINE float row_softmax(const float *qi, const float *kt, int seq, int n, 
   return m;
 }
 
-// The output of query row i of a sample for one head: kt its key head's columns, v0 the head's
-// first value row (stride kcols).
-RT_VECTOR_CLONES static void fwd_row(const float *qi, const float *kt, const float *v0, float *oi, int i, int seq, int d,
+// The output of a query row of a sample for one head over its n keys: kt the key head's columns
+// from the row's first key on, v0 the value row of that key (stride kcols).
+RT_VECTOR_CLONES static void fwd_row(const float *qi, const float *kt, const float *v0, float *oi, int n, int seq, int d,
                                      int kcols, float scale, float *s, float *p) {
   float l;
-  row_softmax(qi, kt, seq, i + 1, d, scale, s, p, &l);
+  row_softmax(qi, kt, seq, n, d, scale, s, p, &l);
   memset(oi, 0, (size_t)d * sizeof *oi);
-  for (int t = 0; t <= i; t++) axpy(p[t], v0 + (size_t)t * kcols, oi, d);
+  for (int t = 0; t < n; t++) axpy(p[t], v0 + (size_t)t * kcols, oi, d);
   for (int c = 0; c < d; c++) oi[c] /= l;
 }
 
 void rt_attn_fwd(const float *q, const float *k, const float *v, float *o, int rows, int seq, int heads, int kv,
-                 int qcols) {
+                 int qcols, int window) {
   int d = qcols / heads, group = heads / kv, kcols = kv * d;
   float scale = 1.0f / sqrtf((float)d);
   float *kt = transpose_heads(k, rows, seq, kv, d), *scratch = attn_alloc((size_t)rt_threads() * 2 * seq);
@@ -148,10 +152,10 @@ void rt_attn_fwd(const float *q, const float *k, const float *v, float *o, int r
   for (int r = 0; r < rows; r++) {
     float *s = scratch + (size_t)thread_id() * 2 * seq;
     for (int h = 0; h < heads; h++) {
-      int i = r % seq, r0 = r - i, j = h / group;
+      int i = r % seq, r0 = r - i, j = h / group, lo = first_key(i, window);
       size_t at = (size_t)r * qcols + (size_t)h * d;
-      fwd_row(q + at, kt + ((size_t)(r0 / seq) * kv + j) * d * seq, v + (size_t)r0 * kcols + (size_t)j * d, o + at, i,
-              seq, d, kcols, scale, s, s + seq);
+      fwd_row(q + at, kt + ((size_t)(r0 / seq) * kv + j) * d * seq + lo, v + (size_t)(r0 + lo) * kcols + (size_t)j * d,
+              o + at, i - lo + 1, seq, d, kcols, scale, s, s + seq);
     }
   }
   free(kt);
@@ -165,7 +169,7 @@ RT_VECTOR_CLONES static float lse_row(const float *qi, const float *kt, int n, i
 }
 
 void rt_attn_stats(const float *dy, const float *q, const float *k, const float *o, float *stats, int rows, int seq,
-                   int heads, int kv, int qcols) {
+                   int heads, int kv, int qcols, int window) {
   int d = qcols / heads, group = heads / kv;
   float scale = 1.0f / sqrtf((float)d);
   float *kt = transpose_heads(k, rows, seq, kv, d), *scratch = attn_alloc((size_t)rt_threads() * 2 * seq);
@@ -173,10 +177,10 @@ void rt_attn_stats(const float *dy, const float *q, const float *k, const float 
   for (int r = 0; r < rows; r++) {
     float *s = scratch + (size_t)thread_id() * 2 * seq;
     for (int h = 0; h < heads; h++) {
-      int i = r % seq, r0 = r - i, j = h / group;
+      int i = r % seq, r0 = r - i, j = h / group, lo = first_key(i, window);
       size_t at = (size_t)r * qcols + (size_t)h * d;
-      stats[(size_t)r * 2 * heads + h] = lse_row(q + at, kt + ((size_t)(r0 / seq) * kv + j) * d * seq, i + 1, seq, d,
-                                                 scale, s, s + seq);
+      stats[(size_t)r * 2 * heads + h] = lse_row(q + at, kt + ((size_t)(r0 / seq) * kv + j) * d * seq + lo, i - lo + 1,
+                                                 seq, d, scale, s, s + seq);
       stats[(size_t)r * 2 * heads + heads + h] = dot(dy + at, o + at, d);
     }
   }
@@ -184,12 +188,11 @@ void rt_attn_stats(const float *dy, const float *q, const float *k, const float 
   free(scratch);
 }
 
-// dq of query row i for one head: kt, vt its key head's columns of k and v, k0 the head's first
-// key row (stride kcols).
+// dq of a query row for one head over its n keys: kt, vt its key head's columns of k and v from
+// the row's first key on, k0 that key's row (stride kcols).
 RT_VECTOR_CLONES static void grad_q_row(const float *qi, const float *dyi, const float *kt, const float *vt,
-                                        const float *k0, float lse, float D, float *dq, int i, int seq, int d,
+                                        const float *k0, float lse, float D, float *dq, int n, int seq, int d,
                                         int kcols, float scale, float *s, float *u) {
-  int n = i + 1;
   dots(qi, kt, seq, n, d, s);
   scaled_exps(s, scale, &lse, 0, n, s);   // s: p
   dots(dyi, vt, seq, n, d, u);
@@ -199,7 +202,7 @@ RT_VECTOR_CLONES static void grad_q_row(const float *qi, const float *dyi, const
 }
 
 void rt_attn_grad_q(const float *dy, const float *q, const float *k, const float *v, const float *stats, float *dqkv,
-                    int rows, int seq, int heads, int kv, int qcols) {
+                    int rows, int seq, int heads, int kv, int qcols, int window) {
   int d = qcols / heads, group = heads / kv, kcols = kv * d, width = qcols + 2 * kcols;
   float scale = 1.0f / sqrtf((float)d);
   float *kt = transpose_heads(k, rows, seq, kv, d), *vt = transpose_heads(v, rows, seq, kv, d);
@@ -208,11 +211,11 @@ void rt_attn_grad_q(const float *dy, const float *q, const float *k, const float
   for (int r = 0; r < rows; r++) {
     float *s = scratch + (size_t)thread_id() * 2 * seq;
     for (int h = 0; h < heads; h++) {
-      int i = r % seq, r0 = r - i, j = h / group;
-      size_t at = (size_t)r * qcols + (size_t)h * d, col = ((size_t)(r0 / seq) * kv + j) * d * seq;
-      grad_q_row(q + at, dy + at, kt + col, vt + col, k + (size_t)r0 * kcols + (size_t)j * d,
+      int i = r % seq, r0 = r - i, j = h / group, lo = first_key(i, window);
+      size_t at = (size_t)r * qcols + (size_t)h * d, col = ((size_t)(r0 / seq) * kv + j) * d * seq + lo;
+      grad_q_row(q + at, dy + at, kt + col, vt + col, k + (size_t)(r0 + lo) * kcols + (size_t)j * d,
                  stats[(size_t)r * 2 * heads + h], stats[(size_t)r * 2 * heads + heads + h],
-                 dqkv + (size_t)r * width + (size_t)h * d, i, seq, d, kcols, scale, s, s + seq);
+                 dqkv + (size_t)r * width + (size_t)h * d, i - lo + 1, seq, d, kcols, scale, s, s + seq);
     }
   }
   free(kt);
@@ -236,7 +239,7 @@ RT_VECTOR_CLONES static void grad_kv_head(const float *kt, const float *vt, cons
 }
 
 void rt_attn_grad_kv(const float *dy, const float *q, const float *k, const float *v, const float *stats, float *dqkv,
-                     int rows, int seq, int heads, int kv, int qcols) {
+                     int rows, int seq, int heads, int kv, int qcols, int window) {
   int d = qcols / heads, group = heads / kv, kcols = kv * d, width = qcols + 2 * kcols;
   float scale = 1.0f / sqrtf((float)d);
   float *qt = transpose_heads(q, rows, seq, heads, d), *dyt = transpose_heads(dy, rows, seq, heads, d);
@@ -246,7 +249,7 @@ void rt_attn_grad_kv(const float *dy, const float *q, const float *k, const floa
     float *s = scratch + (size_t)thread_id() * 4 * seq, *u = s + seq, *lse = u + seq, *D = lse + seq;
     for (int j = 0; j < kv; j++) {
       int t = r % seq, r0 = r - t, b = r0 / seq;   // key t of sample b
-      int n = seq - t;   // its queries t .. seq - 1
+      int n = window > 0 && window < seq - t ? window : seq - t;   // its queries t .. t + n - 1
       float *dk = dqkv + (size_t)r * width + qcols + (size_t)j * d, *dv = dk + kcols;
       memset(dk, 0, (size_t)d * sizeof *dk);
       memset(dv, 0, (size_t)d * sizeof *dv);

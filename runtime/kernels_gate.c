@@ -196,6 +196,7 @@ void rt_expert_choice_stats(RtStep *st, const int32_t *loc, int s, int e, int g,
   if (g < 1)
     g = 1;
   int64_t *load = rt_alloc((size_t)e * sizeof *load, "rt_expert_choice_stats");
+  RtLayerStats *layer = rt_layer_next(st);
   for (int gi = 0; gi < g; gi++) {
     int t0 = group_begin(s, g, gi), t1 = group_begin(s, g, gi + 1), n = t1 - t0;
     if ((cap < n ? cap : n) <= 0)
@@ -206,6 +207,7 @@ void rt_expert_choice_stats(RtStep *st, const int32_t *loc, int s, int e, int g,
         load[j] += loc[(size_t)t * e + j] >= 0;
     }
     rt_add_loads(st, load, e);
+    rt_layer_loads(layer, load, e);
   }
   free(load);
   int64_t dropped = 0;
@@ -217,6 +219,10 @@ void rt_expert_choice_stats(RtStep *st, const int32_t *loc, int s, int e, int g,
   }
   st->dropped += dropped;
   st->routed += s;
+  if (layer) {
+    layer->dropped = dropped;
+    layer->routed = s;
+  }
   for (size_t c = 0; c < (size_t)s * e; c++)
     st->route_hash = rt_key(st->route_hash, (uint64_t)(c % (size_t)e) * 1000003u +
                                                 (uint64_t)(int64_t)(loc[c] + 1));

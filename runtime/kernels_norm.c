@@ -97,3 +97,20 @@ void rt_scale_cols_grad_w(const float *dy, const float *x, float *dw, int rows, 
     dw[i] = (float)acc;
   }
 }
+
+// A per-row scale (the shared expert's sigmoid gate, op scale_rows): y = x g, g [rows] one factor
+// per row; dg = row sums of dy x, columns in order in double (dx = scale_rows(dy, g)).
+void rt_scale_rows(const float *x, const float *g, float *y, int rows, int n) {
+  RT_PARALLEL_FOR((int64_t)rows * n >= RT_PAR_MIN)
+  for (int r = 0; r < rows; r++)
+    for (int i = 0; i < n; i++) y[(size_t)r * n + i] = x[(size_t)r * n + i] * g[r];
+}
+
+void rt_scale_rows_grad_g(const float *dy, const float *x, float *dg, int rows, int n) {
+  RT_PARALLEL_FOR((int64_t)rows * n >= RT_PAR_MIN)
+  for (int r = 0; r < rows; r++) {
+    double acc = 0.0;
+    for (int i = 0; i < n; i++) acc += (double)dy[(size_t)r * n + i] * x[(size_t)r * n + i];
+    dg[r] = (float)acc;
+  }
+}

@@ -29,7 +29,9 @@
 // return non-zero and rank 0 prints the first failing rank's sentence; nothing hangs.
 #include "moert.h"
 
+#include "rt_hf.h"
 #include "rt_internal.h"
+#include "rt_log.h"
 
 #include <errno.h>
 #include <float.h>
@@ -71,6 +73,9 @@ static bool launcher_rank_zero(void) {
 typedef struct Options {
   int64_t steps;
   const char *weights, *save, *resume, *input, *target, *dump, *record;
+  const char *export_hf;        // --export-hf DIR: the model as a Hugging Face checkpoint
+  const char *log;              // --log F.jsonl: a JSON line per step and per evaluation
+  bool steps_given;             // --steps was on the command line
   bool check_grad, quiet, help, profile;
   // language models (runtime/lm.c)
   const char *data, *val, *prompt;
@@ -83,19 +88,27 @@ static void usage(FILE *out, const RtModel *model, const char *prog) {
   fprintf(out,
           "usage: %s [--steps N] [--weights W.safetensors] [--save C.safetensors] [--resume C]\n"
           "       %*s [--input x.npy] [--target t.npy] [--dump DIR] [--record FILE]\n"
-          "       %*s [--check-grad] [--quiet] [--profile] [--comm-timeout S]\n"
+          "       %*s [--check-grad] [--quiet] [--profile] [--comm-timeout S] [--log F.jsonl]\n"
+          "       %*s [--export-hf DIR]\n"
           "Trains the MoE model '%s' (inputs [%lld, %lld, %lld] per data-parallel rank) and "
-          "prints one line per step.\n"
+          "prints one line per step\n(on a terminal, one progress line that rewrites itself).\n"
           "  --steps N        train until step N, counting resumed steps (default 20); with "
           "--resume,\n"
           "                   0 trains nothing: --steps 0 --resume C --save D converts checkpoint "
           "C\n"
           "                   (written on any number of ranks) to this run's layout\n"
-          "  --weights W      load the parameters from W: a safetensors file of whole tensors, "
-          "or a checkpoint\n"
+          "  --weights W      load the parameters from W: a safetensors file of whole tensors "
+          "(F32, BF16,\n"
+          "                   F16 or F64), a Hugging Face index or folder of them, or a "
+          "checkpoint\n"
           "  --save C         after the last step, write a checkpoint: the index file C and one "
           "shard per\n"
           "                   rank, C.rank<R>-of-<P>.safetensors (each written atomically)\n"
+          "  --export-hf DIR  after the last step, write the parameters as a Hugging Face "
+          "checkpoint:\n"
+          "                   DIR/config.json and DIR/model.safetensors (F32, the family's names; "
+          "--steps 0\n"
+          "                   --weights W converts W)\n"
           "  --resume C       continue from checkpoint C, written by any layout: parameters, "
           "optimizer\n"
           "                   state, step\n"
@@ -112,18 +125,25 @@ static void usage(FILE *out, const RtModel *model, const char *prog) {
           "  --check-grad     compare the gradients at step 1 with finite differences, "
           "then exit\n"
           "A language model (one with a vocabulary) also takes:\n"
-          "  --data F         train on the token file F (.txt: bytes, else little-endian uint16); "
-          "--input X\n"
-          "                   instead gives the windows: int32 [dp*B, L+1]\n"
+          "  --data F         train on the token file F (llm.c's .bin by its header, .txt: "
+          "bytes, else\n"
+          "                   little-endian uint16); --input X instead gives the windows: "
+          "int32 [dp*B, L+1]\n"
           "  --val F          validation tokens: consecutive windows from the start of F\n"
           "  --eval-every K   print the validation loss every K steps and after the last "
           "(default: the last)\n"
           "  --val-windows N  use at most N validation windows (default: all, in whole global "
           "batches)\n"
-          "  --sample N       after training, generate N tokens (a byte model prints text)\n"
+          "  --sample N       after training, generate N tokens (a byte model prints text); with "
+          "--resume C\n"
+          "                   and no --steps it samples from C without training\n"
           "  --prompt TEXT    the text the sample continues (default: a newline)\n"
           "  --temperature T  sampling temperature (default 1; 0 takes the likeliest token)\n"
           "  --quiet          do not print the per-step lines\n"
+          "  --log F.jsonl    write one JSON line per step (loss, ce or mse, aux, z, lr, grad "
+          "norm,\n"
+          "                   tokens/s, time, drops, per routed layer its loads and drops) and "
+          "per evaluation\n"
           "  --profile        after training, the median whole step (data, forward, backward,\n"
           "                   update) of steps 2..N, its share in GEMMs, and the time collectives\n"
           "                   were in flight per step with the share of it hidden behind\n"
@@ -131,7 +151,7 @@ static void usage(FILE *out, const RtModel *model, const char *prog) {
           "  --comm-timeout S end the job when a collective has not completed after S seconds\n"
           "                   (a cut link, a dead rank; default 20, 0 waits forever)\n"
           "  --help           print this message\n",
-          prog, (int)strlen(prog), "", (int)strlen(prog), "", model->name,
+          prog, (int)strlen(prog), "", (int)strlen(prog), "", (int)strlen(prog), "", model->name,
           (long long)model->batch, (long long)model->seqlen, (long long)model->embed, model->name);
 }
 
@@ -179,12 +199,12 @@ static int parse_options(int argc, char **argv, Options *o) {
                                          "--input", "--target",  "--dump", "--record",
                                          "--data", "--val", "--prompt", "--eval-every",
                                          "--val-windows", "--sample", "--temperature",
-                                         "--comm-timeout"};
+                                         "--comm-timeout", "--export-hf", "--log"};
     const char **slots[] = {NULL,       &o->weights, &o->save, &o->resume,
                             &o->input, &o->target,  &o->dump, &o->record,
                             &o->data,  &o->val,     &o->prompt, NULL,
                             NULL,      NULL,        NULL,
-                            NULL};
+                            NULL,      &o->export_hf, &o->log};
     int64_t *counts[] = {&o->steps, &o->eval_every, &o->val_windows, &o->sample};
     enum { NVALUED = sizeof valued / sizeof *valued };
     int which = -1;
@@ -213,6 +233,7 @@ static int parse_options(int argc, char **argv, Options *o) {
         return rt_fail("%s needs a whole number between 0 and %d, not '%s'", valued[which],
                        INT32_MAX, value);
       *counts[which == 0 ? 0 : which - 10] = n;
+      o->steps_given |= which == 0;
     } else if (which == 14) {
       if (parse_nonneg(value, 1e6, &o->temperature) != 0)
         return rt_fail("--temperature needs a number of at least 0, not '%s'", value);
@@ -227,6 +248,8 @@ static int parse_options(int argc, char **argv, Options *o) {
     return rt_fail("--weights and --resume cannot be combined (a checkpoint holds the weights)");
   if (o->target && !o->input)
     return rt_fail("--target needs --input (the synthetic input changes every step)");
+  if (o->export_hf && o->log && strcmp(o->export_hf, o->log) == 0)
+    return rt_fail("--log and --export-hf name the same path '%s'", o->log);
   return 0;
 }
 
@@ -283,6 +306,9 @@ static int check_model(const RtModel *m) {
 
 // The options of language models need one, and --target does not apply to one.
 static int check_options(const RtModel *m, const Options *o) {
+  if (o->export_hf && !m->hf_config)
+    return rt_fail("--export-hf: model '%s' cannot be written as a Hugging Face checkpoint: %s", m->name,
+                   m->hf_refusal ? m->hf_refusal : "it was built by a moec that does not know the families");
   if (m->vocab > 0 && o->target)
     return rt_fail("--target does not apply to language model '%s': the targets are the next tokens "
                    "of the --input windows", m->name);
@@ -316,6 +342,8 @@ typedef struct Trainer {
   RtFault fault;           // tests only: where this rank dies (MOERT_TEST_KILL, fault.c)
   RtLm lm;                 // a language model's data (model->vocab > 0)
   bool lm_open;
+  RtLog *log;              // --log (rank 0; NULL elsewhere and without it)
+  RtLogLayer *log_layers;  // per routed layer, the step's reduced statistics (--log)
 } Trainer;
 
 static bool is_root(const Trainer *tr) {
@@ -337,6 +365,9 @@ static void trainer_destroy(Trainer *tr) {
   free(tr->target);
   if (tr->lm_open)
     rt_lm_close(&tr->lm);
+  rt_log_close(tr->log);
+  free(tr->log_layers);
+  free(tr->st.layer_stats);
 }
 
 static int trainer_create(Trainer *tr, const RtModel *model, const Options *opt,
@@ -373,6 +404,13 @@ static int trainer_create(Trainer *tr, const RtModel *model, const Options *opt,
     memset(st->arena, 0, arena ? arena : 64);
   st->input = tr->input;
   st->target = tr->target;
+  if (tr->opt.log && model->nlayers > 0) {   // every rank keeps them: --log reduces them over the world
+    st->max_layer_stats = model->nlayers;
+    st->layer_stats = rt_calloc((size_t)model->nlayers, sizeof *st->layer_stats, "the layers' statistics");
+    tr->log_layers = rt_calloc((size_t)model->nlayers, sizeof *tr->log_layers, "the layers' statistics");
+  }
+  if (tr->opt.log && tr->ranks.rank == 0 && !(tr->log = rt_log_open(tr->opt.log)))
+    return -1;
   if (model->device) {
     if (model->device->create(st) != 0)
       return -1;
@@ -640,7 +678,103 @@ static int dump_step(Trainer *tr, const Report *rep) {
   return rt_world_agree(tr->comm, status);
 }
 
+// --export-hf DIR: every parameter gathered whole on rank 0, which writes the checkpoint.
+// Collective.
+static int export_hf(Trainer *tr, const char *dir) {
+  const RtModel *m = tr->model;
+  const RtRanks *r = &tr->ranks;
+  bool root = r->rank == 0;
+  float **whole = root ? rt_calloc((size_t)m->nparams, sizeof *whole, "the parameters of a checkpoint") : NULL;
+  for (int i = 0; i < m->nparams; i++) {
+    const RtParam *p = &m->params[i];
+    if (root) whole[i] = rt_alloc((size_t)rt_param_global_numel(p) * sizeof(float), "a parameter of a checkpoint");
+    rt_gather_param(tr->comm, p, r, tr->st.params + p->offset, root ? whole[i] : NULL);
+  }
+  int status = root ? rt_hf_export(m, whole, dir) : 0;
+  if (root && status == 0 && !tr->opt.quiet)
+    printf("# wrote %s/config.json and %s/model.safetensors (Hugging Face)\n", dir, dir);
+  for (int i = 0; root && i < m->nparams; i++) free(whole[i]);
+  free(whole);
+  return rt_world_agree(tr->comm, status);
+}
+
+// --log: the step's line, its per-layer statistics reduced over the world (collective).
+static int log_step(Trainer *tr, const RtStep *fwd, const Report *rep, int64_t t, double gnorm, double ms,
+                    double tokens_per_s) {
+  if (!tr->opt.log)
+    return 0;
+  int n = fwd->layer_stats ? fwd->nlayer_stats : 0;
+  double *sums = rt_calloc((size_t)(6 * n + 1), sizeof *sums, "the layers' statistics"), *maxes = sums + 4 * n;
+  for (int i = 0; i < n; i++) {
+    const RtLayerStats *l = &fwd->layer_stats[i];
+    sums[4 * i] = l->load_sum;
+    sums[4 * i + 1] = (double)l->load_count;
+    sums[4 * i + 2] = (double)l->dropped;
+    sums[4 * i + 3] = (double)l->routed;
+    maxes[2 * i] = l->load_count > 0 ? -(double)l->load_min : -INFINITY;
+    maxes[2 * i + 1] = (double)l->load_max;
+  }
+  if (tr->ranks.world > 1 && n > 0) {
+    rt_allreduce_f64(tr->comm, RT_GROUP_WORLD, sums, 4 * n);
+    rt_world_max(tr->comm, maxes, 2 * n);
+  }
+  for (int i = 0; i < n; i++)
+    tr->log_layers[i] = (RtLogLayer){.load_min = sums[4 * i + 1] > 0 ? -maxes[2 * i] : 0,
+                                     .load_mean = sums[4 * i + 1] > 0 ? sums[4 * i] / sums[4 * i + 1] : 0,
+                                     .load_max = maxes[2 * i + 1],
+                                     .dropped = sums[4 * i + 3] > 0 ? sums[4 * i + 2] / sums[4 * i + 3] : 0};
+  free(sums);
+  if (tr->ranks.rank != 0)
+    return rt_world_agree(tr->comm, 0);
+  const RtModel *m = tr->model;
+  RtLogStep s = {.step = t, .lm = m->vocab > 0, .loss = rep->loss, .ce = rep->mse, .aux = rep->aux, .z = rep->z,
+                 .lr = m->lr * tr->st.lr_scale, .grad_norm = gnorm, .tokens_per_s = tokens_per_s, .time_ms = ms,
+                 .dropped = rep->routed > 0 ? rep->dropped / rep->routed : 0.0, .nlayers = n,
+                 .layers = tr->log_layers};
+  return rt_world_agree(tr->comm, rt_log_step(tr->log, &s));
+}
+
 // ---- training ----
+
+// Whether a person watches standard output: it is a terminal, and under mpirun (which hands
+// the ranks a pseudo-terminal of its own whatever its output is) the launcher's is one too.
+static bool stdout_watched(void) {
+  if (!isatty(STDOUT_FILENO))
+    return false;
+  if (!getenv("OMPI_COMM_WORLD_SIZE") && !getenv("PMIX_RANK"))
+    return true;
+  for (pid_t pid = getppid(); pid > 1;) {   // the launcher: the first ancestor whose stdout is no pty of Open MPI's
+    char link[64], target[256];
+    snprintf(link, sizeof link, "/proc/%ld/fd/1", (long)pid);
+    ssize_t len = readlink(link, target, sizeof target - 1);
+    if (len <= 0)
+      return false;
+    target[len] = '\0';
+    bool tty = strncmp(target, "/dev/pts/", 9) == 0 || strncmp(target, "/dev/tty", 8) == 0;
+    char stat[64];
+    snprintf(stat, sizeof stat, "/proc/%ld/comm", (long)pid);
+    FILE *f = fopen(stat, "r");
+    char comm[64] = "";
+    if (f) {
+      if (!fgets(comm, sizeof comm, f))
+        comm[0] = '\0';
+      fclose(f);
+    }
+    if (strncmp(comm, "mpirun", 6) == 0 || strncmp(comm, "mpiexec", 7) == 0 || strncmp(comm, "orterun", 7) == 0 ||
+        strncmp(comm, "prterun", 7) == 0)
+      return tty;   // the launcher's own output decides
+    // a daemon between (orted, prted): its parent
+    snprintf(stat, sizeof stat, "/proc/%ld/stat", (long)pid);
+    f = fopen(stat, "r");
+    long ppid = 0;
+    if (!f || fscanf(f, "%*d %*s %*c %ld", &ppid) != 1)
+      ppid = 0;
+    if (f)
+      fclose(f);
+    pid = (pid_t)ppid;
+  }
+  return false;
+}
 
 static double now_ms(void) {
   struct timespec ts;
@@ -725,6 +859,9 @@ static int train(Trainer *tr) {
   double prof_gemm = 0, prof_total = 0, prof_comm = 0, prof_hidden = 0;
   rt_gemm_profile(prof != NULL);
   rt_prof_enable(prof != NULL);
+  // On a terminal one progress line rewrites itself instead of a line per step.
+  bool progress = !tr->opt.quiet && root && stdout_watched();
+  double started = now_ms();
   for (int64_t t = first; t <= last; t++) {
     double t_start = now_ms();
     rt_gemm_ns_take();
@@ -763,7 +900,12 @@ static int train(Trainer *tr) {
     double dropped = rep.routed > 0 ? rep.dropped / rep.routed : 0.0;
     if (st->record)
       fflush(st->record);
-    if (!tr->opt.quiet && root && m->vocab > 0) {
+    double tokens_per_s = ms > 0 ? (double)(tr->ranks.dp * m->batch * m->seqlen) / (ms * 1e-3) : 0.0;
+    if (log_step(tr, &forward_state, &rep, t, gnorm, ms, m->vocab > 0 ? tokens_per_s : 0) != 0)
+      return -1;
+    if (progress) {
+      rt_progress(stdout, t, first, last, loss, m->vocab > 0 ? tokens_per_s : 0, now_ms() - started);
+    } else if (!tr->opt.quiet && root && m->vocab > 0) {
       double tokens = (double)(tr->ranks.dp * m->batch * m->seqlen);
       // The timings last (tests compare the lines up to "  time").
       printf("step %lld  loss %.6f  ce %.6f  aux %.6f  z %.6f  lr %.3e  gnorm %.4f  dropped %.4f  "
@@ -787,9 +929,12 @@ static int train(Trainer *tr) {
                      "rate)", loss, (long long)t);
     if (eval_due(tr, t, last)) {
       double val = evaluate(tr);
+      int64_t windows = rt_lm_val_batches(&tr->lm, tr->ranks.dp) * tr->ranks.dp * m->batch;
       if (root)
-        printf("val %lld  ce %.6f  (%lld windows)\n", (long long)t, val,
-               (long long)(rt_lm_val_batches(&tr->lm, tr->ranks.dp) * tr->ranks.dp * m->batch));
+        printf("%sval %lld  ce %.6f  (%lld windows)\n", progress && t < last ? "\n" : "", (long long)t, val,
+               (long long)windows);
+      if (tr->opt.log && rt_world_agree(tr->comm, root ? rt_log_eval(tr->log, t, val, windows) : 0) != 0)
+        return -1;
     }
   }
   rt_gemm_profile(false);
@@ -1171,17 +1316,22 @@ static int run(const RtModel *model, const Options *opt, const RtRanks *ranks, R
     trainer_destroy(&tr);
     return status != 0;
   }
-  if (status == 0 && tr.done_steps > opt->steps && opt->steps > 0)
+  // --resume C --sample N without --steps: sample from C as it is.
+  if (status == 0 && opt->resume && opt->sample > 0 && !opt->steps_given)
+    tr.opt.steps = tr.done_steps;
+  if (status == 0 && tr.done_steps > tr.opt.steps && tr.opt.steps > 0)
     status = rt_fail("checkpoint '%s' is at step %lld, past --steps %lld", opt->resume,
-                     (long long)tr.done_steps, (long long)opt->steps);
+                     (long long)tr.done_steps, (long long)tr.opt.steps);
   if (status == 0)
     status = rt_world_agree(comm, open_record(&tr));
   if (status == 0)
     status = train(&tr);
   if (status == 0 && opt->sample > 0)
     status = sample(&tr);
-  if (status == 0 && opt->save)
+  if (status == 0 && (opt->save || opt->export_hf))
     status = device_get(&tr, RT_DEVICE_PARAMS | RT_DEVICE_MOMENTS);
+  if (status == 0 && opt->export_hf)
+    status = export_hf(&tr, opt->export_hf);
   if (status == 0 && opt->save)
     status = rt_checkpoint_save(comm, opt->save, model, ranks, tr.done_steps, tr.st.params,
                                 tr.st.opt_m, tr.st.opt_v);

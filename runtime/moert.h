@@ -271,7 +271,16 @@ struct RtModel {
   // block names its token files (NULL: none; --data and --val override).
   int64_t vocab;
   const char *data_train, *data_val, *data_format;
+  // The Hugging Face family the model is (DESIGN §2.2): the config.json that --export-hf writes,
+  // or NULL with hf_refusal, the sentence saying why it is none (moec build decides).
+  const char *hf_config, *hf_refusal;
 };
+
+// One routed MoE layer's share of a step's statistics (--log): its loads and drops.
+typedef struct RtLayerStats {
+  int64_t load_min, load_max, load_count, dropped, routed;
+  double load_sum;
+} RtLayerStats;
 
 struct RtStep {
   const RtModel *model;
@@ -292,6 +301,10 @@ struct RtStep {
   double load_sum;                //   (sum and count give the mean)
   int64_t load_count;
   int64_t capacity_max;           // largest capacity a dropless layer used this step
+  // Per routed layer, in the order the forward routes them (NULL: not kept): the same loads and
+  // drops, layer_stats[0 .. nlayer_stats) of at most max_layer_stats (set by rt_main).
+  RtLayerStats *layer_stats;
+  int nlayer_stats, max_layer_stats;
   void *record;                   // FILE * for the record hook, or NULL (set by rt_main)
   // The driver's, for the step functions' collectives and task tables (set by rt_main).
   RtComm *comm;                   // NULL: a world of one

@@ -73,6 +73,10 @@ void rt_comm_set_timeout(double seconds);
 // st's load_min / load_max / load_sum / load_count. st may be NULL.
 typedef struct RtStep RtStep;
 void rt_add_loads(RtStep *st, const int64_t *load, int e);
+// The statistics of the layer being routed now (the next of st->layer_stats, zeroed), or NULL
+// when they are not kept; rt_layer_loads folds one routing group's loads into them (l may be NULL).
+RtLayerStats *rt_layer_next(RtStep *st);
+void rt_layer_loads(RtLayerStats *l, const int64_t *load, int e);
 
 // ---- .npy (version 1.0 written; 1.0, 2.0 and 3.0 read), little-endian, C order ----
 typedef enum RtDtype { RT_DTYPE_F32, RT_DTYPE_F64, RT_DTYPE_I32, RT_DTYPE_I64, RT_DTYPE_U16 } RtDtype;
@@ -109,15 +113,16 @@ const char *rt_shape_str(char *buf, size_t len, int rank, const int64_t *dims);
 // header comment gives every formula exactly (tests/ref reproduces them).
 typedef struct RtTokens {
   char *path;               // the file, for messages
-  const char *format;       // "bytes" or "u16"
+  const char *format;       // "bytes", "u16" or "llmc"
   uint16_t *tokens;         // count tokens (a byte file's bytes widened)
   int64_t count;
 } RtTokens;
 
-// Loads PATH whole. format "bytes" (each byte a token) or "u16" (little-endian uint16, the
-// nanoGPT/llm.c convention); NULL: by extension, .txt or .text (any case) bytes, else u16.
-// Every token must be below vocab, and the file must hold at least seqlen+1 tokens. *t is
-// zeroed on failure.
+// Loads PATH whole. format "bytes" (each byte a token), "u16" (little-endian uint16, the
+// nanoGPT convention) or "llmc" (llm.c's: a header of 256 little-endian int32, magic 20240520,
+// version 1, token count N, then N uint16 tokens); NULL: llmc when the file begins with llm.c's
+// magic, else by extension, .txt or .text (any case) bytes, else u16. Every token must be below
+// vocab, and the file must hold at least seqlen+1 tokens. *t is zeroed on failure.
 int rt_tokens_load(RtTokens *t, const char *path, const char *format, int64_t vocab,
                    int64_t seqlen);
 void rt_tokens_free(RtTokens *t);
@@ -155,7 +160,9 @@ double rt_clip_scale(double norm, double clip);
 // with the reason recorded (rt_fail).
 int rt_commit_file(FILE *f, bool ok, const char *tmp, const char *path);
 
-// ---- safetensors (F32 tensors only) ----
+// ---- safetensors (safetensors.c) ----
+// The reader takes F32, F64, BF16 and F16 tensors (rt_st_copy converts each to float32); the
+// writer writes F32.
 typedef struct RtStTensor {     // one tensor to write
   const char *name;
   int rank;
@@ -168,12 +175,17 @@ typedef struct RtStTensor {     // one tensor to write
 int rt_st_write(const char *path, int ntensors, const RtStTensor *tensors, int nmeta,
                 const char *const *meta);
 
+typedef enum RtStDtype { RT_ST_F32, RT_ST_F64, RT_ST_BF16, RT_ST_F16 } RtStDtype;
+const char *rt_st_dtype_name(RtStDtype d);   // "F32", "F64", "BF16", "F16"
+
 typedef struct RtStEntry {
   char *name;
+  RtStDtype dtype;
   int rank;
   int64_t dims[RT_MAX_RANK];
   int64_t numel;
-  const unsigned char *bytes;   // numel little-endian floats inside the file's buffer, unaligned
+  const unsigned char *bytes;   // numel little-endian elements of dtype inside the file's buffer,
+                                // unaligned
 } RtStEntry;
 
 typedef struct RtStFile {
@@ -189,8 +201,30 @@ typedef struct RtStFile {
 int rt_st_read(const char *path, RtStFile *out);
 const RtStEntry *rt_st_find(const RtStFile *f, const char *name);
 const char *rt_st_meta(const RtStFile *f, const char *key);   // NULL when absent
-void rt_st_copy(const RtStEntry *t, float *dst);                // numel floats
+// The tensor's numel elements as float32 into dst: F32 as is, BF16 and F16 exactly (F16
+// subnormals, infinities and NaNs included), F64 rounded to the nearest float.
+void rt_st_copy(const RtStEntry *t, float *dst);
 void rt_st_free(RtStFile *f);
+
+// A set of safetensors files read together: one file, or the shards of a Hugging Face index.
+typedef struct RtStSet {
+  int nfiles;
+  RtStFile *files;
+  char **paths;                 // nfiles paths, as opened
+  int ntensors;                 // over every file
+  const RtStEntry **by_name;    // every tensor sorted by name (rt_st_set_find)
+} RtStSet;
+
+// Reads PATH: one safetensors file; a Hugging Face index, JSON {"metadata": {..},
+// "weight_map": {"NAME": "SHARD FILE", ..}} with the shards relative to the index's folder; or a
+// folder that holds model.safetensors or model.safetensors.index.json (not both). Every shard
+// the index names is read once, and the index must say exactly where each tensor is: a tensor
+// the index maps to a shard that lacks it, a tensor in two shards, or a shard's tensor the index
+// does not list is an error naming the tensor and the files. *out zeroed on failure; 0 or -1
+// with the reason recorded (rt_fail).
+int rt_st_open(const char *path, RtStSet *out);
+const RtStEntry *rt_st_set_find(const RtStSet *s, const char *name);   // NULL when absent
+void rt_st_set_free(RtStSet *s);
 
 // ---- collectives (comm.c): hooks for tests and benchmarks ----
 
@@ -269,8 +303,10 @@ int rt_checkpoint_save(RtComm *c, const char *path, const RtModel *m, const RtRa
 // "moec-checkpoint-1". Each rank reads on its own (not collective).
 int rt_checkpoint_load(const char *path, const RtModel *m, const RtRanks *r, float *params,
                        float *opt_m, float *opt_v, int64_t *step);
-// --weights: rank r's shard of every parameter from a safetensors file of whole tensors, or from
-// a checkpoint (index file) of any layout.
+// --weights: rank r's shard of every parameter from a safetensors file of whole tensors (F32,
+// F64, BF16 or F16, converted to float32), a Hugging Face index of such files or a folder that
+// holds one (rt_st_open; told from a moec index by its "weight_map"), or a checkpoint (index
+// file) of any layout.
 int rt_weights_load(const char *path, const RtModel *m, const RtRanks *r, float *params);
 
 // ---- a language model's side of the trainer (lm.c) ----

@@ -7,9 +7,16 @@
 // (padded with spaces to a multiple of 8), then the data; offsets are relative to the data's
 // start. The reader loads the whole file and checks every claim the header makes against it
 // before anyone touches a tensor, so a truncated or hand-edited file gives a sentence, not a
-// crash. The writer goes through PATH.tmp, fsync and rename, so a crash mid-write leaves the
-// previous file (say, the last good checkpoint) intact. Running out of memory, ours or cJSON's,
-// ends the job (rt_alloc, error.c): it is never reported as a fault of the file.
+// crash. It takes F32, F64, BF16 and F16 tensors and converts them to float32 when copied out
+// (rt_st_copy); the writer writes F32. The writer goes through PATH.tmp, fsync and rename, so a
+// crash mid-write leaves the previous file (say, the last good checkpoint) intact. Running out of
+// memory, ours or cJSON's, ends the job (rt_alloc, error.c): it is never reported as a fault of
+// the file.
+//
+// A set (rt_st_open) is what Hugging Face writes: one model.safetensors, or an index
+// model.safetensors.index.json whose "weight_map" names the shard file of every tensor. Every
+// shard is read whole, the index is checked against what the shards hold, and the tensors of all
+// shards are sorted by name so that a lookup is a binary search.
 #include "rt_internal.h"
 
 #include <cjson/cJSON.h>
@@ -153,6 +160,83 @@ done:
   return status;
 }
 
+// ---- dtypes ----
+
+// Indexed by RtStDtype.
+static const struct {
+  const char *name;
+  size_t size;
+} dtypes[] = {{"F32", 4}, {"F64", 8}, {"BF16", 2}, {"F16", 2}};
+
+const char *rt_st_dtype_name(RtStDtype d) {
+  return dtypes[d].name;
+}
+
+static bool dtype_of(const char *name, RtStDtype *d) {
+  for (int i = 0; i < (int)(sizeof dtypes / sizeof dtypes[0]); i++)
+    if (strcmp(dtypes[i].name, name) == 0) {
+      *d = (RtStDtype)i;
+      return true;
+    }
+  return false;
+}
+
+static uint64_t load_le(const unsigned char *p, int bytes) {
+  uint64_t v = 0;
+  for (int i = 0; i < bytes; i++)
+    v |= (uint64_t)p[i] << (8 * i);
+  return v;
+}
+
+static float float_of_bits(uint32_t bits) {
+  float f;
+  memcpy(&f, &bits, sizeof f);
+  return f;
+}
+
+// bfloat16 is the upper half of a float32.
+static float bf16_to_float(uint16_t h) {
+  return float_of_bits((uint32_t)h << 16);
+}
+
+// IEEE half: 1 sign, 5 exponent (bias 15), 10 mantissa bits. Every half is a float exactly.
+static float f16_to_float(uint16_t h) {
+  uint32_t sign = (uint32_t)(h >> 15) << 31, exponent = (h >> 10) & 0x1f, mantissa = h & 0x3ff;
+  if (exponent == 0) {   // zero or subnormal: mantissa * 2^-24, exact in float
+    float f = (float)mantissa * 0x1p-24f;
+    return sign ? -f : f;
+  }
+  if (exponent == 31)    // infinity, or NaN with its payload
+    return float_of_bits(sign | 0x7f800000u | mantissa << 13);
+  return float_of_bits(sign | (exponent + 127 - 15) << 23 | mantissa << 13);
+}
+
+void rt_st_copy(const RtStEntry *t, float *dst) {
+  const unsigned char *p = t->bytes;
+  switch (t->dtype) {
+  case RT_ST_F32:
+    if (t->numel > 0)
+      memcpy(dst, p, (size_t)t->numel * sizeof(float));
+    return;
+  case RT_ST_F64:
+    for (int64_t i = 0; i < t->numel; i++) {
+      uint64_t bits = load_le(p + 8 * i, 8);
+      double d;
+      memcpy(&d, &bits, sizeof d);
+      dst[i] = (float)d;   // round to nearest
+    }
+    return;
+  case RT_ST_BF16:
+    for (int64_t i = 0; i < t->numel; i++)
+      dst[i] = bf16_to_float((uint16_t)load_le(p + 2 * i, 2));
+    return;
+  case RT_ST_F16:
+    for (int64_t i = 0; i < t->numel; i++)
+      dst[i] = f16_to_float((uint16_t)load_le(p + 2 * i, 2));
+    return;
+  }
+}
+
 // ---- reading ----
 
 void rt_st_free(RtStFile *f) {
@@ -239,7 +323,7 @@ static int read_metadata(const char *path, const cJSON *obj, RtStFile *out) {
   return 0;
 }
 
-// entry = {"dtype": "F32", "shape": [int*], "data_offsets": [int, int]}
+// entry = {"dtype": ("F32" | "F64" | "BF16" | "F16"), "shape": [int*], "data_offsets": [int, int]}
 static int read_entry(const char *path, const cJSON *obj, const unsigned char *data,
                       uint64_t data_size, RtStEntry *t, Range *range) {
   const char *name = obj->string;
@@ -251,9 +335,10 @@ static int read_entry(const char *path, const cJSON *obj, const unsigned char *d
   if (!cJSON_IsString(dtype) || !cJSON_IsArray(shape) || !cJSON_IsArray(offsets))
     return rt_fail("'%s': tensor '%s' needs a string \"dtype\", an array \"shape\" and an array "
                    "\"data_offsets\"", path, name);
-  if (strcmp(dtype->valuestring, "F32") != 0)
-    return rt_fail("'%s': tensor '%s' has dtype %s; only F32 tensors are supported", path, name,
-                   dtype->valuestring);
+  if (!dtype_of(dtype->valuestring, &t->dtype))
+    return rt_fail("'%s': tensor '%s' has dtype %s; only F32, F64, BF16 and F16 tensors are "
+                   "supported", path, name, dtype->valuestring);
+  size_t size = dtypes[t->dtype].size;
   int rank = cJSON_GetArraySize(shape);
   if (rank > RT_MAX_RANK)
     return rt_fail("'%s': tensor '%s' has %d dimensions; at most %d are supported", path, name,
@@ -288,14 +373,14 @@ static int read_entry(const char *path, const cJSON *obj, const unsigned char *d
                    "data bytes (is the file truncated?)", path, name, (unsigned long long)begin,
                    (unsigned long long)end, (unsigned long long)data_size);
   char buf[160];
-  if (numel > data_size / sizeof(float))
+  if (numel > data_size / size)
     return rt_fail("'%s': tensor '%s' of shape %s does not fit in the file's %llu data bytes",
                    path, name, rt_shape_str(buf, sizeof buf, t->rank, t->dims),
                    (unsigned long long)data_size);
-  if (end - begin != numel * sizeof(float))
+  if (end - begin != numel * size)
     return rt_fail("'%s': tensor '%s' of shape %s needs %llu bytes but its data_offsets span "
                    "%llu", path, name, rt_shape_str(buf, sizeof buf, t->rank, t->dims),
-                   (unsigned long long)(numel * sizeof(float)),
+                   (unsigned long long)(numel * size),
                    (unsigned long long)(end - begin));
   t->numel = (int64_t)numel;
   t->bytes = data + begin;
@@ -362,12 +447,9 @@ done:
   return status;
 }
 
-int rt_st_read(const char *path, RtStFile *out) {
+// Parses the file read whole into buf (size bytes), which *out takes.
+static int parse_file(const char *path, unsigned char *buf, size_t size, RtStFile *out) {
   memset(out, 0, sizeof *out);
-  unsigned char *buf = NULL;
-  size_t size = 0;
-  if (read_whole_file(path, &buf, &size) != 0)
-    return -1;
   out->buffer = buf;
   out->size = size;
   if (size < 8) {
@@ -409,6 +491,15 @@ fail:
   return -1;
 }
 
+int rt_st_read(const char *path, RtStFile *out) {
+  memset(out, 0, sizeof *out);
+  unsigned char *buf = NULL;
+  size_t size = 0;
+  if (read_whole_file(path, &buf, &size) != 0)
+    return -1;
+  return parse_file(path, buf, size, out);
+}
+
 const RtStEntry *rt_st_find(const RtStFile *f, const char *name) {
   for (int i = 0; i < f->ntensors; i++)
     if (strcmp(f->tensors[i].name, name) == 0)
@@ -423,7 +514,261 @@ const char *rt_st_meta(const RtStFile *f, const char *key) {
   return NULL;
 }
 
-void rt_st_copy(const RtStEntry *t, float *dst) {
-  if (t->numel > 0)
-    memcpy(dst, t->bytes, (size_t)t->numel * sizeof(float));
+// ---- sets: one file, or a Hugging Face index and its shards ----
+
+// A tensor and the file of the set that holds it.
+typedef struct Located {
+  const RtStEntry *entry;
+  int file;
+} Located;
+
+// A tensor the index lists and the file it names for it.
+typedef struct Mapped {
+  const char *name;
+  int file;
+} Mapped;
+
+static int located_cmp(const void *a, const void *b) {
+  return strcmp(((const Located *)a)->entry->name, ((const Located *)b)->entry->name);
+}
+
+static int mapped_cmp(const void *a, const void *b) {
+  return strcmp(((const Mapped *)a)->name, ((const Mapped *)b)->name);
+}
+
+static int entry_cmp(const void *key, const void *elem) {
+  return strcmp((const char *)key, (*(const RtStEntry *const *)elem)->name);
+}
+
+void rt_st_set_free(RtStSet *s) {
+  for (int i = 0; i < s->nfiles; i++) {
+    if (s->files)
+      rt_st_free(&s->files[i]);
+    if (s->paths)
+      free(s->paths[i]);
+  }
+  free(s->files);
+  free(s->paths);
+  free(s->by_name);
+  memset(s, 0, sizeof *s);
+}
+
+const RtStEntry *rt_st_set_find(const RtStSet *s, const char *name) {
+  if (s->ntensors == 0)
+    return NULL;
+  const RtStEntry *const *hit =
+      bsearch(name, s->by_name, (size_t)s->ntensors, sizeof *s->by_name, entry_cmp);
+  return hit ? *hit : NULL;
+}
+
+static char *path_join(const char *dir, size_t dir_len, const char *name) {
+  size_t n = strlen(name);
+  char *p = rt_alloc(dir_len + n + 2, "the name of a file");
+  memcpy(p, dir, dir_len);
+  p[dir_len] = '/';
+  memcpy(p + dir_len + 1, name, n + 1);
+  return p;
+}
+
+// A shard named in an index is relative to the index's folder unless absolute.
+static char *resolve_beside(const char *index, const char *name) {
+  const char *slash = strrchr(index, '/');
+  if (name[0] == '/' || !slash)
+    return rt_strdup(name, "the name of a file");
+  return path_join(index, (size_t)(slash - index), name);
+}
+
+// Every tensor of every file of the set, sorted by name; a name in two files is an error.
+static Located *sort_located(RtStSet *s, const char *index) {
+  int n = 0;
+  for (int k = 0; k < s->nfiles; k++)
+    n += s->files[k].ntensors;
+  Located *all = rt_calloc((size_t)n + 1, sizeof(Located), "the tensors of a safetensors set");
+  int i = 0;
+  for (int k = 0; k < s->nfiles; k++)
+    for (int j = 0; j < s->files[k].ntensors; j++)
+      all[i++] = (Located){&s->files[k].tensors[j], k};
+  qsort(all, (size_t)n, sizeof(Located), located_cmp);
+  for (i = 1; i < n; i++)
+    if (strcmp(all[i - 1].entry->name, all[i].entry->name) == 0) {
+      rt_fail("index '%s': tensor '%s' is in two shards, '%s' and '%s'", index,
+              all[i].entry->name, s->paths[all[i - 1].file], s->paths[all[i].file]);
+      free(all);
+      return NULL;
+    }
+  s->ntensors = n;
+  s->by_name = rt_calloc((size_t)n + 1, sizeof(RtStEntry *), "the tensors of a safetensors set");
+  for (i = 0; i < n; i++)
+    s->by_name[i] = all[i].entry;
+  return all;
+}
+
+// The index says exactly where every tensor is: each listed tensor is in the file it names, and
+// each tensor of a shard is listed. all is sorted by name (sort_located); mapped is sorted here.
+static int check_index(const char *index, const RtStSet *s, const Located *all,
+                       Mapped *mapped, int nmapped) {
+  qsort(mapped, (size_t)nmapped, sizeof(Mapped), mapped_cmp);
+  for (int i = 1; i < nmapped; i++)
+    if (strcmp(mapped[i - 1].name, mapped[i].name) == 0)
+      return rt_fail("index '%s' lists tensor '%s' twice", index, mapped[i].name);
+  for (int i = 0; i < nmapped; i++) {
+    RtStEntry key = {.name = (char *)mapped[i].name};
+    const Located *at = bsearch(&(Located){&key, 0}, all, (size_t)s->ntensors, sizeof(Located),
+                                located_cmp);
+    if (!at)
+      return rt_fail("index '%s' maps tensor '%s' to '%s', which does not hold it (nor does any "
+                     "other shard)", index, mapped[i].name, s->paths[mapped[i].file]);
+    if (at->file != mapped[i].file)
+      return rt_fail("index '%s' maps tensor '%s' to '%s', which does not hold it (it is in "
+                     "'%s')", index, mapped[i].name, s->paths[mapped[i].file],
+                     s->paths[at->file]);
+  }
+  for (int i = 0; i < s->ntensors; i++)
+    if (!bsearch(&(Mapped){all[i].entry->name, 0}, mapped, (size_t)nmapped, sizeof(Mapped),
+                 mapped_cmp))
+      return rt_fail("shard '%s' holds tensor '%s', which index '%s' does not list",
+                     s->paths[all[i].file], all[i].entry->name, index);
+  return 0;
+}
+
+// The set's file for shard NAME of the index, added when new.
+static int shard_file(RtStSet *s, const char *index, const char *name) {
+  char *path = resolve_beside(index, name);
+  for (int k = s->nfiles - 1; k >= 0; k--)
+    if (strcmp(s->paths[k], path) == 0) {
+      free(path);
+      return k;
+    }
+  s->paths[s->nfiles] = path;
+  return s->nfiles++;
+}
+
+// index = {"metadata": {..}, "weight_map": {NAME: FILE, ..}}; *mapped gets one row per NAME.
+static int read_weight_map(const char *index, const cJSON *root, RtStSet *s, Mapped **mapped,
+                           int *nmapped) {
+  const cJSON *map = cJSON_IsObject(root) ? cJSON_GetObjectItemCaseSensitive(root, "weight_map")
+                                          : NULL;
+  if (!cJSON_IsObject(map))
+    return rt_fail("'%s' is neither a safetensors file nor a Hugging Face index (JSON with a "
+                   "\"weight_map\" object)", index);
+  int n = cJSON_GetArraySize(map);
+  if (n == 0)
+    return rt_fail("index '%s': its \"weight_map\" lists no tensors", index);
+  const char *what = "the weight map of a Hugging Face index";
+  s->files = rt_calloc((size_t)n, sizeof(RtStFile), what);
+  s->paths = rt_calloc((size_t)n, sizeof(char *), what);
+  *mapped = rt_calloc((size_t)n, sizeof(Mapped), what);
+  for (const cJSON *kv = map->child; kv; kv = kv->next) {
+    if (!cJSON_IsString(kv) || !kv->valuestring[0])
+      return rt_fail("index '%s': the \"weight_map\" entry of tensor '%s' is not a file name",
+                     index, kv->string);
+    (*mapped)[(*nmapped)++] = (Mapped){kv->string, shard_file(s, index, kv->valuestring)};
+  }
+  return 0;
+}
+
+// Reads the index (text, size bytes) and every shard it names.
+static int open_index(const char *index, const char *text, size_t size, RtStSet *s) {
+  cJSON *root = cJSON_ParseWithLength(text, size);
+  Mapped *mapped = NULL;
+  Located *all = NULL;
+  int nmapped = 0, status = -1;
+  if (read_weight_map(index, root, s, &mapped, &nmapped) != 0)
+    goto done;
+  for (int k = 0; k < s->nfiles; k++)
+    if (rt_st_read(s->paths[k], &s->files[k]) != 0) {
+      char why[1024];
+      snprintf(why, sizeof why, "%s", rt_last_error());
+      rt_fail("index '%s': %s", index, why);
+      goto done;
+    }
+  all = sort_located(s, index);
+  if (all)
+    status = check_index(index, s, all, mapped, nmapped);
+done:
+  free(all);
+  free(mapped);
+  cJSON_Delete(root);
+  return status;
+}
+
+// An 8-byte header length that fits the file, then the header's '{'.
+static bool looks_like_safetensors(const unsigned char *buf, size_t size) {
+  return size >= 9 && load_le(buf, 8) <= size - 8 && buf[8] == '{';
+}
+
+// JSON text: its first byte that is not white space (after a UTF-8 byte order mark, which cJSON
+// skips too) is '{'.
+static bool looks_like_json(const unsigned char *buf, size_t size) {
+  size_t i = size >= 3 && memcmp(buf, "\xef\xbb\xbf", 3) == 0 ? 3 : 0;
+  while (i < size && (buf[i] == ' ' || buf[i] == '\n' || buf[i] == '\r' || buf[i] == '\t'))
+    i++;
+  return i < size && buf[i] == '{';
+}
+
+// A safetensors file or a Hugging Face index, told apart by content.
+static int open_file(const char *path, RtStSet *s) {
+  unsigned char *buf = NULL;
+  size_t size = 0;
+  if (read_whole_file(path, &buf, &size) != 0)
+    return -1;
+  if (!looks_like_safetensors(buf, size) && looks_like_json(buf, size)) {
+    int status = open_index(path, (const char *)buf, size, s);
+    free(buf);
+    return status;
+  }
+  const char *what = "a safetensors set";
+  s->files = rt_calloc(1, sizeof(RtStFile), what);
+  s->paths = rt_calloc(1, sizeof(char *), what);
+  s->paths[0] = rt_strdup(path, what);
+  s->nfiles = 1;
+  if (parse_file(path, buf, size, &s->files[0]) != 0)
+    return -1;
+  Located *all = sort_located(s, path);   // one file's names are distinct (parse_file)
+  if (!all)
+    return -1;
+  free(all);
+  return 0;
+}
+
+static bool exists(const char *path) {
+  struct stat sb;
+  return stat(path, &sb) == 0;
+}
+
+// A folder as Hugging Face writes it: model.safetensors or model.safetensors.index.json.
+static int open_folder(const char *dir, RtStSet *s) {
+  size_t n = strlen(dir);
+  while (n > 1 && dir[n - 1] == '/')
+    n--;
+  char *single = path_join(dir, n, "model.safetensors");
+  char *index = path_join(dir, n, "model.safetensors.index.json");
+  bool has_single = exists(single), has_index = exists(index);
+  int status;
+  if (has_single && has_index)
+    status = rt_fail("folder '%s' holds both model.safetensors and model.safetensors.index.json; "
+                     "give the path of the one to read", dir);
+  else if (!has_single && !has_index)
+    status = rt_fail("folder '%s' holds neither model.safetensors nor "
+                     "model.safetensors.index.json", dir);
+  else
+    status = open_file(has_index ? index : single, s);
+  free(single);
+  free(index);
+  return status;
+}
+
+int rt_st_open(const char *path, RtStSet *out) {
+  memset(out, 0, sizeof *out);
+  struct stat sb;
+  int status;
+  if (stat(path, &sb) != 0)
+    status = rt_fail("cannot open '%s': %s", path, strerror(errno));
+  else if (S_ISDIR(sb.st_mode))
+    status = open_folder(path, out);
+  else
+    status = open_file(path, out);
+  if (status != 0)
+    rt_st_set_free(out);
+  return status;
 }

@@ -6,8 +6,10 @@
 // element index, dumps are whole tensors, and a checkpoint is a set of boxes, each labelled with
 // its global shape and offsets. Loading intersects the box a rank needs with every box on disk
 // (hyper-rectangle intersection) and checks that the union covers it, so a checkpoint written by
-// 4 ranks resumes on 1, 2 or 8. A checkpoint's faults (a missing shard, a torn or hand-edited
-// file) are returned errors; running out of memory ends the job (rt_alloc, error.c).
+// 4 ranks resumes on 1, 2 or 8. --weights reads the same boxes from whole tensors too: one
+// safetensors file, or a Hugging Face index or folder of them (rt_st_open), in any of the dtypes
+// safetensors.c converts to float32. A checkpoint's faults (a missing shard, a torn or
+// hand-edited file) are returned errors; running out of memory ends the job (rt_alloc, error.c).
 //
 // The few world-wide operations rt_main needs beyond the group collectives of comm.c (agreeing
 // on an error, max reductions, gathers to rank 0) are here too, on the world group of the
@@ -522,13 +524,24 @@ static bool same_dims(int rank, const int64_t *a, const int64_t *b) {
   return true;
 }
 
-// Copies what a file of whole tensors (--weights, moec-checkpoint-1) holds of every wanted one.
-static int take_whole(const char *path, const RtStFile *f, Wants *ws) {
+// The tensor's elements as float32: the file's own bytes when they are F32, else converted
+// into *converted (freed by the caller).
+static const void *floats_of(const RtStEntry *t, float **converted) {
+  *converted = NULL;
+  if (t->dtype == RT_ST_F32 || t->numel == 0)
+    return t->bytes;
+  *converted = rt_alloc((size_t)t->numel * sizeof(float), "a tensor converted to float32");
+  rt_st_copy(t, *converted);
+  return *converted;
+}
+
+// Copies what files of whole tensors (--weights, moec-checkpoint-1) hold of every wanted one.
+static int take_whole(const char *path, const RtStSet *set, Wants *ws) {
   int64_t zero[RT_MAX_RANK] = {0};
   for (int i = 0; i < ws->n; i++) {
     Wanted *w = &ws->w[i];
     const RtParam *p = w->param;
-    const RtStEntry *t = rt_st_find(f, w->name);
+    const RtStEntry *t = rt_st_set_find(set, w->name);
     if (!t)
       return rt_fail("'%s' has no tensor '%s'", path, w->name);
     if (t->rank != p->rank || !same_dims(p->rank, t->dims, p->global_dims)) {
@@ -537,7 +550,10 @@ static int take_whole(const char *path, const RtStFile *f, Wants *ws) {
                      rt_shape_str(have, sizeof have, t->rank, t->dims),
                      rt_shape_str(want, sizeof want, p->rank, p->global_dims));
     }
-    rt_box_copy(p->rank, zero, t->dims, t->bytes, w->off, p->dims, w->dst, w->covered);
+    float *converted;
+    rt_box_copy(p->rank, zero, t->dims, floats_of(t, &converted), w->off, p->dims, w->dst,
+                w->covered);
+    free(converted);
     w->found = true;
   }
   return 0;
@@ -574,7 +590,10 @@ static int take_shard(const char *file, const RtStFile *f, Wants *ws) {
                      rt_shape_str(have, sizeof have, t->rank, t->dims),
                      rt_shape_str(want, sizeof want, rank, off),
                      rt_shape_str(whole, sizeof whole, rank, global));
-    rt_box_copy(p->rank, off, t->dims, t->bytes, w->off, p->dims, w->dst, w->covered);
+    float *converted;
+    rt_box_copy(p->rank, off, t->dims, floats_of(t, &converted), w->off, p->dims, w->dst,
+                w->covered);
+    free(converted);
     w->found = true;
   }
   return 0;
@@ -685,7 +704,8 @@ static int parse_index(const char *path, const char *text, size_t size, bool for
   if (!cJSON_IsObject(root) || !format || strcmp(format, checkpoint_v2) != 0) {
     if (for_weights)
       rt_fail("'%s' is neither a safetensors file nor a moec checkpoint index (JSON with "
-              "\"format\": \"%s\")", path, checkpoint_v2);
+              "\"format\": \"%s\") nor a Hugging Face index (JSON with \"weight_map\")", path,
+              checkpoint_v2);
     else
       rt_fail("'%s' is not a moec checkpoint (neither a checkpoint index with \"format\": "
               "\"%s\" nor a safetensors file)", path, checkpoint_v2);
@@ -777,25 +797,33 @@ static int load_sharded(const char *path, const Index *ix, Wants *ws, const RtRa
   return check_covered(path, ws, ix->nshards, r);
 }
 
-// Reads what is at path: an index (ix filled, *st zeroed) or a safetensors file (*st filled).
-static int open_source(const char *path, bool for_weights, Index *ix, RtStFile *st,
+// A Hugging Face index: JSON with a "weight_map" object (a moec index has none).
+static bool is_hf_index(const char *text, size_t size) {
+  cJSON *root = cJSON_ParseWithLength(text, size);
+  bool hf = cJSON_IsObject(cJSON_GetObjectItemCaseSensitive(root, "weight_map"));
+  cJSON_Delete(root);
+  return hf;
+}
+
+// Reads what is at path: a moec index (ix filled, *set zeroed) or safetensors files of whole
+// tensors (*set filled): one file, or for --weights also a Hugging Face index or folder.
+static int open_source(const char *path, bool for_weights, Index *ix, RtStSet *set,
                        bool *is_index) {
   memset(ix, 0, sizeof *ix);
-  memset(st, 0, sizeof *st);
+  memset(set, 0, sizeof *set);
+  *is_index = false;
+  struct stat sb;
+  if (for_weights && stat(path, &sb) == 0 && S_ISDIR(sb.st_mode))
+    return rt_st_open(path, set);
   char *text = NULL;
   size_t size = 0;
   if (read_text_file(path, &text, &size) != 0)
     return -1;
-  *is_index = !looks_like_safetensors(text, size);
-  int status;
-  if (*is_index) {
-    status = parse_index(path, text, size, for_weights, ix);
-  } else {
-    free(text);
-    text = NULL;
-    status = rt_st_read(path, st);
-  }
+  *is_index = !looks_like_safetensors(text, size) && !(for_weights && is_hf_index(text, size));
+  int status = *is_index ? parse_index(path, text, size, for_weights, ix) : 0;
   free(text);
+  if (!*is_index)
+    status = rt_st_open(path, set);
   return status;
 }
 
@@ -803,9 +831,10 @@ int rt_checkpoint_load(const char *path, const RtModel *m, const RtRanks *r, flo
                        float *opt_m, float *opt_v, int64_t *step) {
   bool adamw = m->opt == RT_OPT_ADAMW, is_index;
   Index ix;
-  RtStFile f;
-  if (open_source(path, false, &ix, &f, &is_index) != 0)
+  RtStSet set;
+  if (open_source(path, false, &ix, &set, &is_index) != 0)
     return -1;
+  const RtStFile *f = is_index ? NULL : &set.files[0];   // one file: no index, no folder
   Wants ws = {0};
   int status = wants_make(&ws, m, r, params, adamw ? opt_m : NULL, adamw ? opt_v : NULL);
   if (status == 0 && is_index) {
@@ -815,7 +844,7 @@ int rt_checkpoint_load(const char *path, const RtModel *m, const RtRanks *r, flo
     if (status == 0)
       *step = ix.step;
   } else if (status == 0) {
-    const char *format = rt_st_meta(&f, "format"), *text = rt_st_meta(&f, "step");
+    const char *format = rt_st_meta(f, "format"), *text = rt_st_meta(f, "step");
     char *end = NULL;
     long long done = text ? strtoll(text, &end, 10) : -1;
     if (format && strcmp(format, checkpoint_v2) == 0)
@@ -824,27 +853,38 @@ int rt_checkpoint_load(const char *path, const RtModel *m, const RtRanks *r, flo
     else if (!format || strcmp(format, checkpoint_v1) != 0)
       status = rt_fail("'%s' is not a moec checkpoint (its __metadata__ lacks \"format\": "
                        "\"%s\"); to start from its weights use --weights", path, checkpoint_v2);
-    else if ((status = check_identity(path, m, rt_st_meta(&f, "model"),
-                                      rt_st_meta(&f, "optimizer"), true)) != 0)
+    else if ((status = check_identity(path, m, rt_st_meta(f, "model"),
+                                      rt_st_meta(f, "optimizer"), true)) != 0)
       ;
     else if (!text || *end || done < 0 || done > INT32_MAX)
       status = rt_fail("checkpoint '%s' has no valid \"step\" in its __metadata__", path);
     else
-      status = take_whole(path, &f, &ws);
+      status = take_whole(path, &set, &ws);
     if (status == 0)
       *step = done;
   }
   wants_free(&ws);
   index_free(&ix);
-  rt_st_free(&f);
+  rt_st_set_free(&set);
   return status;
+}
+
+// A checkpoint's shard file given where its index belongs.
+static int refuse_shards(const RtStSet *set) {
+  for (int k = 0; k < set->nfiles; k++) {
+    const char *format = rt_st_meta(&set->files[k], "format");
+    if (format && strcmp(format, checkpoint_v2) == 0)
+      return rt_fail("'%s' is one shard of a checkpoint; load its index file (the path given "
+                     "to --save)", set->paths[k]);
+  }
+  return 0;
 }
 
 int rt_weights_load(const char *path, const RtModel *m, const RtRanks *r, float *params) {
   bool is_index;
   Index ix;
-  RtStFile f;
-  if (open_source(path, true, &ix, &f, &is_index) != 0)
+  RtStSet set;
+  if (open_source(path, true, &ix, &set, &is_index) != 0)
     return -1;
   Wants ws = {0};
   int status = wants_make(&ws, m, r, params, NULL, NULL);
@@ -853,15 +893,12 @@ int rt_weights_load(const char *path, const RtModel *m, const RtRanks *r, float 
     if (status == 0)
       status = load_sharded(path, &ix, &ws, r);
   } else if (status == 0) {
-    const char *format = rt_st_meta(&f, "format");
-    if (format && strcmp(format, checkpoint_v2) == 0)
-      status = rt_fail("'%s' is one shard of a checkpoint; load its index file (the path "
-                       "given to --save)", path);
-    else
-      status = take_whole(path, &f, &ws);
+    status = refuse_shards(&set);
+    if (status == 0)
+      status = take_whole(path, &set, &ws);
   }
   wants_free(&ws);
   index_free(&ix);
-  rt_st_free(&f);
+  rt_st_set_free(&set);
   return status;
 }

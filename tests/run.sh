@@ -181,6 +181,12 @@ section "language models on several ranks: a layout equals one rank (tests/lm/la
 run_suite "lm layouts" tests/lm/layout.sh
 section "language model checkpoints: resume exactly, convert across layouts (tests/lm/checkpoint.sh)"
 run_suite "lm checkpoints" tests/lm/checkpoint.sh
+section "Hugging Face checkpoints: import-hf, --export-hf, refusals (tests/lm/hf.sh; transformers itself: make interop)"
+run_suite "hf checkpoints" tests/lm/hf.sh
+section "watching a run: --log, the progress line, --resume --sample (tests/lm/log.sh)"
+run_suite "lm log" tests/lm/log.sh
+section "language model inputs: Hugging Face BF16 shards as --weights, llm.c token files (tests/lm/inputs.sh)"
+run_suite "lm inputs" tests/lm/inputs.sh
 section "language models and the planner: dense gradients in the overlap slots (tests/lm/gradpart.sh)"
 run_suite "lm gradpart" tests/lm/gradpart.sh
 
@@ -238,6 +244,17 @@ for expert in gpt mixtral; do
       matrix_model "softmoe { slots $slots; }" $order "$eblock" 4 >"$WORK/m.moe"
       gradcheck "softmoe slots=$slots, order $order, ffn $expert" "$WORK/m.moe"
     done
+  done
+done
+# `renormalize` against its default: k 1 renormalised (every gate exactly 1, the router learns
+# from the aux and z losses only) and k 2 with the raw softmax scores, gshard and xmoe.
+for order in tutel gshard; do
+  for spec in "gshard|1|true|gpt" "gshard|2|false|mixtral" "xmoe|2|false|gpt" "xmoe|1|true|mixtral"; do
+    IFS='|' read -r gate k renorm expert <<<"$spec"
+    case $expert in gpt) eblock="ffn gpt { hidden 24; act gelu; bias true; }" ;; mixtral) eblock="ffn mixtral { hidden 24; }" ;; esac
+    extra=""; [ $gate = xmoe ] && extra="proj 8;"
+    matrix_model "$gate { k $k; capacity 0.6; noise 0.5; aux_loss 0.1; z_loss 0.01; renormalize $renorm; $extra }" $order "$eblock" 8 >"$WORK/m.moe"
+    gradcheck "$gate k=$k renormalize $renorm with drops, order $order, ffn $expert" "$WORK/m.moe"
   done
 done
 hooks=""; for p in before_moe_start before_dispatch after_dispatch before_combine after_combine before_moe_end; do hooks="$hooks hook $p record;"; done

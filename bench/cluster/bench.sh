@@ -19,14 +19,14 @@
 #
 # Options: --quick (one round of 4 steps, the 2 x 1 cluster at its communication-heavy rate,
 # the stack only: a few minutes; the whole run takes about an hour here), --out DIR, --rounds N, --steps N, --only 2x1|2x2,
-# --model stack|lm. Needs root and network namespaces (tests/cluster/cluster.sh check).
+# --model stack|lm, --no-calibrate, --comm-heavy-only. Needs root and network namespaces (tests/cluster/cluster.sh check).
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 BUILD=${BUILD:-build}
 MOEC=$BUILD/moec
 CLUSTER=tests/cluster/cluster.sh
 OUT=$BUILD/cluster-bench
-ROUNDS=3 STEPS=6 QUICK=0 ONLY="" ONLY_MODEL="" CALIBRATE=1
+ROUNDS=3 STEPS=6 QUICK=0 ONLY="" ONLY_MODEL="" CALIBRATE=1 COMM_ONLY=0
 while [ $# -gt 0 ]; do
   case "$1" in
     --quick) QUICK=1; ROUNDS=1; STEPS=4 ;;
@@ -36,6 +36,7 @@ while [ $# -gt 0 ]; do
     --only) ONLY=$2; shift ;;
     --model) ONLY_MODEL=$2; shift ;;
     --no-calibrate) CALIBRATE=0 ;;
+    --comm-heavy-only) COMM_ONLY=1 ;;
     *) echo "bench/cluster/bench.sh: unknown option '$1'" >&2; exit 2 ;;
   esac
   shift
@@ -186,7 +187,7 @@ while read -r name nodes rpn layout batch comm_rate compute_rate; do
     [ -n "$ONLY_MODEL" ] && [ "$ONLY_MODEL" != "$mname" ] && continue
     # (stdin from /dev/null: mpirun would read the rest of this loop's lines)
     run_config "$name" "$nodes" "$rpn" "$layout" "$batch" "$comm_rate" "communication-heavy" "$mname" "$mfile" </dev/null
-    [ "$QUICK" = 1 ] && continue
+    [ "$QUICK" = 1 ] || [ "$COMM_ONLY" = 1 ] && continue
     run_config "$name" "$nodes" "$rpn" "$layout" "$batch" "$compute_rate" "compute-heavy" "$mname" "$mfile" </dev/null
   done <<<"$MODELS"
 done <<<"$CONFIGS"

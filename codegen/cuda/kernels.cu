@@ -465,6 +465,21 @@ extern "C" __global__ void mk_scale_cols_grad_w(const float *dy, const float *x,
   }
 }
 
+// ---- mk_scale_rows ----
+extern "C" __global__ void mk_scale_rows(const float *x, const float *g, float *y, int rows, int n) {
+  MK_FOR(i, (i64)rows * n) y[i] = x[i] * g[i / n];
+}
+
+// ---- mk_scale_rows_grad_g ----
+// One thread per row, columns summed in order in double, as rt_scale_rows_grad_g.
+extern "C" __global__ void mk_scale_rows_grad_g(const float *dy, const float *x, float *dg, int rows, int n) {
+  MK_FOR(r, rows) {
+    double acc = 0.0;
+    for (int i = 0; i < n; i++) acc += (double)dy[r * n + i] * x[r * n + i];
+    dg[r] = (float)acc;
+  }
+}
+
 // ---- mk_embed ----
 extern "C" __global__ void mk_embed(const int *tokens, const float *table, float *y, int t, int m, int v) {
   MK_FOR(i, (i64)t * m) {
@@ -492,7 +507,8 @@ extern "C" __global__ void mk_embed_grad(const float *dy, const int *tokens, flo
 // the tile sees through shared memory, MK_ATTN_KEYS(d) rows at a time, and each thread computes
 // its row with the float operations of rt_attn_fwd (runtime/kernels_attn.c) in its order, so the
 // targets agree to the bit. Nothing of size seq x seq exists anywhere. A head wider than half the
-// staging buffer reads its keys from global memory instead.
+// staging buffer reads its keys from global memory instead. With a window W > 0 a row sees keys
+// i - W < t <= i only, and a tile stages the keys from its first row's first one on.
 #ifndef MK_ATTN_SH
 #define MK_ATTN_SH 8192   // floats of shared memory a block stages keys and values in (32 KB)
 #endif
@@ -531,20 +547,24 @@ static __device__ i64 mk_attn_items(int rows, int seq, int heads) {
   return (i64)(rows / seq) * heads * ((seq + blockDim.x - 1) / blockDim.x);
 }
 
-// Pass 1 of a row: m = max_t s_t over the keys t <= i, staged KT at a time (every thread of the
-// block takes part in the staging, whether its row is active or not).
-static __device__ float mk_attn_max(const float *qi, const float *k, float *sh, MkAttnTile T, i64 r0, int last, int kcols,
-                                    int j, int d, float scale) {
+// The first key query i sees: 0, or i - window + 1 under a window (rt_attn_*'s first_key).
+static __device__ int mk_attn_first(int i, int window) { return window > 0 && i >= window ? i - window + 1 : 0; }
+
+// Pass 1 of a row: m = max_t s_t over the keys lo <= t <= i, staged KT at a time from the tile's
+// first key `first` (every thread of the block takes part in the staging, whether its row is
+// active or not).
+static __device__ float mk_attn_max(const float *qi, const float *k, float *sh, MkAttnTile T, i64 r0, int first, int last,
+                                    int lo, int kcols, int j, int d, float scale) {
   int KT = MK_ATTN_KEYS(d);
   float m = -3.40282347e38f;   // below every finite score (no INFINITY without headers)
-  for (int t0 = 0; t0 <= last; t0 += KT ? KT : last + 1) {
+  for (int t0 = first; t0 <= last; t0 += KT ? KT : last + 1) {
     int n = KT && last + 1 - t0 > KT ? KT : last + 1 - t0;
     if (KT) {
       __syncthreads();
       mk_attn_stage(sh, k, r0, t0, n, kcols, j * d, d);
       __syncthreads();
     }
-    for (int t = t0; T.active && t < t0 + n && t <= T.i; t++) {
+    for (int t = t0 > lo ? t0 : lo; T.active && t < t0 + n && t <= T.i; t++) {
       const float *kt = KT ? sh + (i64)(t - t0) * d : k + (r0 + t) * kcols + (i64)j * d;
       float s = mk_attn_dot(qi, kt, d) * scale;
       m = s > m ? s : m;
@@ -554,19 +574,20 @@ static __device__ float mk_attn_max(const float *qi, const float *k, float *sh, 
 }
 
 extern "C" __global__ void mk_attn_fwd(const float *q, const float *k, const float *v, float *o, int rows, int seq,
-                                       int heads, int kv, int qcols) {
+                                       int heads, int kv, int qcols, int window) {
   int d = qcols / heads, group = heads / kv, kcols = kv * d, KT = MK_ATTN_KEYS(d);
   float scale = 1.0f / sqrtf((float)d);
   __shared__ float sh[MK_ATTN_SH];
   MK_FOR_BLOCKS(w, mk_attn_items(rows, seq, heads)) {
     MkAttnTile T = mk_attn_tile(w, seq, heads);
     int j = T.h / group, last = (T.i0 + (int)blockDim.x < seq ? T.i0 + (int)blockDim.x : seq) - 1;
+    int first = mk_attn_first(T.i0, window), lo = mk_attn_first(T.i, window);
     i64 r0 = (i64)T.b * seq, at = (r0 + T.i) * qcols + (i64)T.h * d;
     const float *qi = q + at;
     float *oi = o + at;
-    float m = mk_attn_max(qi, k, sh, T, r0, last, kcols, j, d, scale), l = 0.0f;
+    float m = mk_attn_max(qi, k, sh, T, r0, first, last, lo, kcols, j, d, scale), l = 0.0f;
     for (int c = 0; T.active && c < d; c++) oi[c] = 0.0f;
-    for (int t0 = 0; t0 <= last; t0 += KT ? KT : last + 1) {
+    for (int t0 = first; t0 <= last; t0 += KT ? KT : last + 1) {
       int n = KT && last + 1 - t0 > KT ? KT : last + 1 - t0;
       if (KT) {
         __syncthreads();
@@ -574,7 +595,7 @@ extern "C" __global__ void mk_attn_fwd(const float *q, const float *k, const flo
         mk_attn_stage(sh + (i64)KT * d, v, r0, t0, n, kcols, j * d, d);
         __syncthreads();
       }
-      for (int t = t0; T.active && t < t0 + n && t <= T.i; t++) {
+      for (int t = t0 > lo ? t0 : lo; T.active && t < t0 + n && t <= T.i; t++) {
         const float *kt = KT ? sh + (i64)(t - t0) * d : k + (r0 + t) * kcols + (i64)j * d;
         const float *vt = KT ? sh + (i64)(KT + t - t0) * d : v + (r0 + t) * kcols + (i64)j * d;
         float p = mk_exp(mk_attn_dot(qi, kt, d) * scale - m);
@@ -589,24 +610,25 @@ extern "C" __global__ void mk_attn_fwd(const float *q, const float *k, const flo
 // ---- mk_attn_stats ----
 // Per (row, head): the logsumexp of its scores and dy . o, as rt_attn_stats, tiled as mk_attn_fwd.
 extern "C" __global__ void mk_attn_stats(const float *dy, const float *q, const float *k, const float *o,
-                                         float *stats, int rows, int seq, int heads, int kv, int qcols) {
+                                         float *stats, int rows, int seq, int heads, int kv, int qcols, int window) {
   int d = qcols / heads, group = heads / kv, kcols = kv * d, KT = MK_ATTN_KEYS(d);
   float scale = 1.0f / sqrtf((float)d);
   __shared__ float sh[MK_ATTN_SH];
   MK_FOR_BLOCKS(w, mk_attn_items(rows, seq, heads)) {
     MkAttnTile T = mk_attn_tile(w, seq, heads);
     int j = T.h / group, last = (T.i0 + (int)blockDim.x < seq ? T.i0 + (int)blockDim.x : seq) - 1;
+    int first = mk_attn_first(T.i0, window), lo = mk_attn_first(T.i, window);
     i64 r0 = (i64)T.b * seq, at = (r0 + T.i) * qcols + (i64)T.h * d;
     const float *qi = q + at;
-    float m = mk_attn_max(qi, k, sh, T, r0, last, kcols, j, d, scale), l = 0.0f;
-    for (int t0 = 0; t0 <= last; t0 += KT ? KT : last + 1) {
+    float m = mk_attn_max(qi, k, sh, T, r0, first, last, lo, kcols, j, d, scale), l = 0.0f;
+    for (int t0 = first; t0 <= last; t0 += KT ? KT : last + 1) {
       int n = KT && last + 1 - t0 > KT ? KT : last + 1 - t0;
       if (KT) {
         __syncthreads();
         mk_attn_stage(sh, k, r0, t0, n, kcols, j * d, d);
         __syncthreads();
       }
-      for (int t = t0; T.active && t < t0 + n && t <= T.i; t++) {
+      for (int t = t0 > lo ? t0 : lo; T.active && t < t0 + n && t <= T.i; t++) {
         const float *kt = KT ? sh + (i64)(t - t0) * d : k + (r0 + t) * kcols + (i64)j * d;
         l += mk_exp(mk_attn_dot(qi, kt, d) * scale - m);
       }
@@ -623,18 +645,19 @@ extern "C" __global__ void mk_attn_stats(const float *dy, const float *q, const 
 // staged together).
 extern "C" __global__ void mk_attn_grad_q(const float *dy, const float *q, const float *k, const float *v,
                                           const float *stats, float *dqkv, int rows, int seq, int heads, int kv,
-                                          int qcols) {
+                                          int qcols, int window) {
   int d = qcols / heads, group = heads / kv, kcols = kv * d, width = qcols + 2 * kcols, KT = MK_ATTN_KEYS(d);
   float scale = 1.0f / sqrtf((float)d);
   __shared__ float sh[MK_ATTN_SH];
   MK_FOR_BLOCKS(w, mk_attn_items(rows, seq, heads)) {
     MkAttnTile T = mk_attn_tile(w, seq, heads);
     int j = T.h / group, last = (T.i0 + (int)blockDim.x < seq ? T.i0 + (int)blockDim.x : seq) - 1;
+    int first = mk_attn_first(T.i0, window), lo = mk_attn_first(T.i, window);
     i64 r0 = (i64)T.b * seq, r = r0 + T.i, at = r * qcols + (i64)T.h * d;
     float lse = T.active ? stats[r * 2 * heads + T.h] : 0.0f, D = T.active ? stats[r * 2 * heads + heads + T.h] : 0.0f;
     float *dq = dqkv + r * width + (i64)T.h * d;
     for (int c = 0; T.active && c < d; c++) dq[c] = 0.0f;
-    for (int t0 = 0; t0 <= last; t0 += KT ? KT : last + 1) {
+    for (int t0 = first; t0 <= last; t0 += KT ? KT : last + 1) {
       int n = KT && last + 1 - t0 > KT ? KT : last + 1 - t0;
       if (KT) {
         __syncthreads();
@@ -642,7 +665,7 @@ extern "C" __global__ void mk_attn_grad_q(const float *dy, const float *q, const
         mk_attn_stage(sh + (i64)KT * d, v, r0, t0, n, kcols, j * d, d);
         __syncthreads();
       }
-      for (int t = t0; T.active && t < t0 + n && t <= T.i; t++) {
+      for (int t = t0 > lo ? t0 : lo; T.active && t < t0 + n && t <= T.i; t++) {
         const float *kt = KT ? sh + (i64)(t - t0) * d : k + (r0 + t) * kcols + (i64)j * d;
         const float *vt = KT ? sh + (i64)(KT + t - t0) * d : v + (r0 + t) * kcols + (i64)j * d;
         float p = mk_exp(mk_attn_dot(q + at, kt, d) * scale - lse);
@@ -657,25 +680,28 @@ extern "C" __global__ void mk_attn_grad_q(const float *dy, const float *q, const
 // ---- mk_attn_grad_kv ----
 // dk and dv of one (key row, kv head) per thread, as rt_attn_grad_kv (no atomics): a block takes a
 // tile of blockDim.x keys of one sample and kv head and, for each head of the group in order,
-// stages the rows of q and dy (and their lse and D) of the queries i >= its first key,
-// MK_ATTN_KEYS(d) rows at a time; each thread adds its later queries in order.
+// stages the rows of q and dy (and their lse and D) of the queries i >= its first key (under a
+// window W, up to its last key's t + W - 1), MK_ATTN_KEYS(d) rows at a time; each thread adds its
+// queries t <= i < t + W in order.
 extern "C" __global__ void mk_attn_grad_kv(const float *dy, const float *q, const float *k, const float *v,
                                            const float *stats, float *dqkv, int rows, int seq, int heads, int kv,
-                                           int qcols) {
+                                           int qcols, int window) {
   int d = qcols / heads, group = heads / kv, kcols = kv * d, width = qcols + 2 * kcols;
   int KT = MK_ATTN_KEYS(d + 1);   // a staged query row: q, dy and its two statistics
   float scale = 1.0f / sqrtf((float)d);
   __shared__ float sh[MK_ATTN_SH];
   MK_FOR_BLOCKS(w, mk_attn_items(rows, seq, kv)) {
     MkAttnTile T = mk_attn_tile(w, seq, kv);   // T.h: the kv head, T.i: this thread's key t
-    int j = T.h, t = T.i;
+    int j = T.h, t = T.i, last = (T.i0 + (int)blockDim.x < seq ? T.i0 + (int)blockDim.x : seq) - 1;
+    int end = window > 0 && last + window < seq ? last + window : seq;   // the tile's queries end before
+    int stop = window > 0 && t + window < seq ? t + window : seq;        // this key's
     i64 r0 = (i64)T.b * seq, r = r0 + t;
     const float *kt = k + r * kcols + (i64)j * d, *vt = v + r * kcols + (i64)j * d;
     float *dk = dqkv + r * width + qcols + (i64)j * d, *dv = dk + kcols;
     for (int c = 0; T.active && c < d; c++) dk[c] = dv[c] = 0.0f;
     for (int h = j * group; h < (j + 1) * group; h++)
-      for (int i0 = T.i0; i0 < seq; i0 += KT ? KT : seq) {
-        int n = KT && seq - i0 > KT ? KT : seq - i0;
+      for (int i0 = T.i0; i0 < end; i0 += KT ? KT : end) {
+        int n = KT && end - i0 > KT ? KT : end - i0;
         float *shq = sh, *shy = sh + (i64)KT * d, *shs = sh + (i64)2 * KT * d;
         if (KT) {
           __syncthreads();
@@ -687,7 +713,7 @@ extern "C" __global__ void mk_attn_grad_kv(const float *dy, const float *q, cons
           }
           __syncthreads();
         }
-        for (int i = i0 > t ? i0 : t; T.active && i < i0 + n; i++) {
+        for (int i = i0 > t ? i0 : t; T.active && i < i0 + n && i < stop; i++) {
           i64 at = (r0 + i) * qcols + (i64)h * d;
           const float *qi = KT ? shq + (i64)(i - i0) * d : q + at, *yi = KT ? shy + (i64)(i - i0) * d : dy + at;
           float lse = KT ? shs[2 * (i - i0)] : stats[(r0 + i) * 2 * heads + h];

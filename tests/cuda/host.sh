@@ -4,7 +4,7 @@
 # build/cuda/libfake_cuda.a (tests/cuda/fake_cuda.cpp: rt_cuda.h on host memory, the kernels
 # emulated on the CPU, GEMMs and collectives by libmoert); its runs are compared with the CPU
 # program of the same model:
-#   - the gate x order x expert matrix (tests/cuda/matrix.sh, 29 stacks): losses and --dump bit
+#   - the gate x order x expert matrix (tests/cuda/matrix.sh, 30 stacks): losses and --dump bit
 #     for bit;
 #   - zoo models of different gates, orders, experts and hooks on one rank, and two layouts on
 #     4 ranks (scheduled streams with events, EP AlltoAll, ESP AllGather/ReduceScatter, MP,
@@ -76,6 +76,9 @@ for v in tiny tinyq; do sed 's/dtype fp32;/dtype bf16;/' "$WORK/$v.moe" >"$WORK/
 sed 's/optimizer sgd { lr 0.01; }/optimizer adamw { lr 0.01; }/' tests/models/grad_lm_gpt.moe >"$WORK/lm_adam.moe"
 sed 's/^model grad_lm_gpt { /model grad_lm_gpt { dtype bf16; /' "$WORK/lm_adam.moe" >"$WORK/lm_adam_bf16.moe"
 sed 's/^layer block x 2/parallel { dp 2; mp 2; ep 4; }\nlayer block x 2/' tests/models/grad_lm_gpt.moe >"$WORK/lm_mp.moe"
+# The Qwen-style language model (bias qkv, head_dim apart from embed/heads, renormalize false and a
+# renormalised top-1) on one rank and on mp2·ep2 (attention split by heads of head_dim).
+sed 's/^layer block x 2/parallel { mp 2; ep 2; }\nlayer block x 2/' tests/models/grad_lm_qwen.moe >"$WORK/lm_qwen_mp.moe"
 
 # The programs of every comparison, built two at a time (NVRTC takes most of a build).
 MODELS="tiny:lang/models/tiny.moe switch:lang/models/switch.moe mixtral:lang/models/mixtral.moe
@@ -83,9 +86,17 @@ MODELS="tiny:lang/models/tiny.moe switch:lang/models/switch.moe mixtral:lang/mod
         gpt2_moe:lang/models/gpt2_moe.moe dense:tests/golden/dense.moe sched:tests/golden/sched.moe
         parallel:tests/golden/parallel.moe tiny_bf16:$WORK/tiny_bf16.moe tinyq_bf16:$WORK/tinyq_bf16.moe
         lm_gpt:tests/models/grad_lm_gpt.moe lm_llama:tests/models/grad_lm_llama.moe lm_mp:$WORK/lm_mp.moe
+        lm_qwen:tests/models/grad_lm_qwen.moe lm_qwen_mp:$WORK/lm_qwen_mp.moe
         lm_adam_bf16:$WORK/lm_adam_bf16.moe"
+# The shared expert (Qwen2-MoE: a SwiGLU expert every token goes through, gated by sigmoid(x·w) per
+# token, and an ungated one): the gradient-check stack on one rank and on dp2·mp2·ep2·esp2, the
+# language model on one rank and on mp2·ep2.
+sed 's/^layer gated x 2/parallel { dp 2; mp 2; ep 2; esp 2; }\nlayer gated x 2/' tests/models/grad_shared.moe >"$WORK/shared_par.moe"
+sed 's/^layer block x 2/parallel { mp 2; ep 2; }\nlayer block x 2/' tests/models/grad_lm_shared.moe >"$WORK/lm_shared_mp.moe"
+MODELS="$MODELS shared:tests/models/grad_shared.moe shared_par:$WORK/shared_par.moe
+        lm_shared:tests/models/grad_lm_shared.moe lm_shared_mp:$WORK/lm_shared_mp.moe"
 # The gate x order x expert matrix (tests/cuda/matrix.sh: every configuration of the CPU gradient
-# check's matrix, as layers of 29 small stacks), the models tests/cuda/gpu.sh runs on a GPU.
+# check's matrix, as layers of 30 small stacks), the models tests/cuda/gpu.sh runs on a GPU.
 bash tests/cuda/matrix.sh "$WORK/matrix" >"$WORK/matrix.names"
 for name in $(cat "$WORK/matrix.names"); do MODELS="$MODELS $name:$WORK/matrix/$name.moe"; done
 for entry in $MODELS; do
@@ -129,6 +140,12 @@ compare "parallel on 4 ranks (dp, mp, ep, esp, 2dh)" parallel 4
 compare "GPT-style language model (attention, layernorm, tied head, k 2 drops, a dense layer)" lm_gpt 1
 compare "Llama-style language model (rope, GQA, rmsnorm, untied head, mixtral k 1)" lm_llama 1
 compare "GPT-style language model on 4 ranks (dp2, mp2 by heads, ep4)" lm_mp 4
+compare "Qwen-style language model (bias qkv, head_dim 6 and 10, renormalize false, top-1 renormalised)" lm_qwen 1
+compare "Qwen-style language model on 2 ranks (mp2 by heads of head_dim, ep2)" lm_qwen_mp 2
+compare "shared expert stack (gated and ungated, k 2 drops and sigmoid k 1)" shared 1
+compare "shared expert stack on 4 ranks (dp2, mp2, ep2, esp2)" shared_par 4
+compare "Qwen2-MoE-style language model with shared experts (gated and ungated)" lm_shared 1
+compare "Qwen2-MoE-style language model with shared experts on 2 ranks (mp2, ep2)" lm_shared_mp 2
 # The matrix: the losses of 3 steps and every --dump file bit for bit, one line a model.
 for name in $(cat "$WORK/matrix.names"); do
   if [ "$(cat "$WORK/$name.built" 2>/dev/null)" != 0 ]; then bad "cuda host $name: build" "$(cat "$WORK/$name.build")"; continue; fi
@@ -143,10 +160,19 @@ for name in $(cat "$WORK/matrix.names"); do
 done
 # The language models' dumps (tokens, logits, every gradient) bit for bit: the attention kernels do
 # the CPU kernels' float operations in their order.
-for name in lm_gpt lm_llama lm_mp; do
+for name in lm_gpt lm_llama lm_mp lm_qwen lm_qwen_mp; do
   if [ -d "$WORK/$name.cpu.dump" ] && [ -d "$WORK/$name.cuda.dump" ]; then
     if diff -r "$WORK/$name.cpu.dump" "$WORK/$name.cuda.dump" >/dev/null; then
       ok "cuda host $name: every --dump file (logits, loss, every gradient) is bit-identical to the CPU program's"
+    else bad "cuda host $name: --dump files differ from the CPU program's bit for bit" "$(diff -rq "$WORK/$name.cpu.dump" "$WORK/$name.cuda.dump" | head -n 10)"; fi
+  fi
+done
+
+# The shared expert's programs bit for bit too (scale_rows and its gradient sum in the CPU's order).
+for name in shared shared_par lm_shared lm_shared_mp; do
+  if [ -d "$WORK/$name.cpu.dump" ] && [ -d "$WORK/$name.cuda.dump" ]; then
+    if diff -r "$WORK/$name.cpu.dump" "$WORK/$name.cuda.dump" >/dev/null; then
+      ok "cuda host $name: every --dump file (output or logits, loss, every gradient) is bit-identical to the CPU program's"
     else bad "cuda host $name: --dump files differ from the CPU program's bit for bit" "$(diff -rq "$WORK/$name.cpu.dump" "$WORK/$name.cuda.dump" | head -n 10)"; fi
   fi
 done

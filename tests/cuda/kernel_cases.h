@@ -387,6 +387,13 @@ template <class Launcher> void run_kernel_cases(Launcher &L, Checks &c) {
     rt_scale_cols_grad_w(b.data(), a.data(), dw_c.data(), s, m);
     LAUNCH(1, 32, mk_scale_cols_grad_w, b, a, dw_k, s, m);
     c.same("scale.grad_w", dw_c, dw_k);
+    std::vector<float> grow(b.begin(), b.begin() + s), dg_c = zeros<float>(s), dg_k = zeros<float>(s);
+    rt_scale_rows(a.data(), grow.data(), y_c.data(), s, m);
+    LAUNCH(3, 64, mk_scale_rows, a, grow, y_k, s, m);
+    c.same("scale_rows", y_c, y_k);
+    rt_scale_rows_grad_g(b.data(), a.data(), dg_c.data(), s, m);
+    LAUNCH(1, 32, mk_scale_rows_grad_g, b, a, dg_k, s, m);
+    c.same("scale_rows.grad_g", dg_c, dg_k);
     {  // embed: 11 rows, tokens of the s positions (one out of range: a zero row)
       const int v = 11;
       std::vector<int32_t> tok(s);
@@ -406,18 +413,18 @@ template <class Launcher> void run_kernel_cases(Launcher &L, Checks &c) {
       auto q = randn((size_t)rows * qc), kk = randn((size_t)rows * kc), vv = randn((size_t)rows * kc);
       auto dy = randn((size_t)rows * qc);
       auto o_c = zeros<float>(rows * qc), o_k = zeros<float>(rows * qc);
-      rt_attn_fwd(q.data(), kk.data(), vv.data(), o_c.data(), rows, seq, H, KV, qc);
-      LAUNCH(2, 32, mk_attn_fwd, q, kk, vv, o_k, rows, seq, H, KV, qc);
+      rt_attn_fwd(q.data(), kk.data(), vv.data(), o_c.data(), rows, seq, H, KV, qc, 0);
+      LAUNCH(2, 32, mk_attn_fwd, q, kk, vv, o_k, rows, seq, H, KV, qc, 0);
       c.same("attn.causal", o_c, o_k);
       auto st_c = zeros<float>(rows * 2 * H), st_k = zeros<float>(rows * 2 * H);
-      rt_attn_stats(dy.data(), q.data(), kk.data(), o_c.data(), st_c.data(), rows, seq, H, KV, qc);
-      LAUNCH(2, 32, mk_attn_stats, dy, q, kk, o_c, st_k, rows, seq, H, KV, qc);
+      rt_attn_stats(dy.data(), q.data(), kk.data(), o_c.data(), st_c.data(), rows, seq, H, KV, qc, 0);
+      LAUNCH(2, 32, mk_attn_stats, dy, q, kk, o_c, st_k, rows, seq, H, KV, qc, 0);
       c.same("attn.causal.stats", st_c, st_k);
       auto g_c = zeros<float>(rows * w), g_k = zeros<float>(rows * w);
-      rt_attn_grad_q(dy.data(), q.data(), kk.data(), vv.data(), st_c.data(), g_c.data(), rows, seq, H, KV, qc);
-      rt_attn_grad_kv(dy.data(), q.data(), kk.data(), vv.data(), st_c.data(), g_c.data(), rows, seq, H, KV, qc);
-      LAUNCH(2, 32, mk_attn_grad_q, dy, q, kk, vv, st_c, g_k, rows, seq, H, KV, qc);
-      LAUNCH(2, 16, mk_attn_grad_kv, dy, q, kk, vv, st_c, g_k, rows, seq, H, KV, qc);
+      rt_attn_grad_q(dy.data(), q.data(), kk.data(), vv.data(), st_c.data(), g_c.data(), rows, seq, H, KV, qc, 0);
+      rt_attn_grad_kv(dy.data(), q.data(), kk.data(), vv.data(), st_c.data(), g_c.data(), rows, seq, H, KV, qc, 0);
+      LAUNCH(2, 32, mk_attn_grad_q, dy, q, kk, vv, st_c, g_k, rows, seq, H, KV, qc, 0);
+      LAUNCH(2, 16, mk_attn_grad_kv, dy, q, kk, vv, st_c, g_k, rows, seq, H, KV, qc, 0);
       c.same("attn.causal.grad", g_c, g_k);
       auto sl_c = zeros<float>(rows * kc), sl_k = zeros<float>(rows * kc);
       rt_cols_slice(g_c.data(), sl_c.data(), rows, w, qc, kc);
@@ -444,18 +451,48 @@ template <class Launcher> void run_kernel_cases(Launcher &L, Checks &c) {
       auto o_c = zeros<float>(rows * qc), o_k = zeros<float>(rows * qc);
       auto st_c = zeros<float>(rows * 2 * H), st_k = zeros<float>(rows * 2 * H);
       auto g_c = zeros<float>(rows * w), g_k = zeros<float>(rows * w);
-      rt_attn_fwd(q.data(), kk.data(), vv.data(), o_c.data(), rows, seq, H, KV, qc);
-      rt_attn_stats(dy.data(), q.data(), kk.data(), o_c.data(), st_c.data(), rows, seq, H, KV, qc);
-      rt_attn_grad_q(dy.data(), q.data(), kk.data(), vv.data(), st_c.data(), g_c.data(), rows, seq, H, KV, qc);
-      rt_attn_grad_kv(dy.data(), q.data(), kk.data(), vv.data(), st_c.data(), g_c.data(), rows, seq, H, KV, qc);
-      LAUNCH(3, block, mk_attn_fwd, q, kk, vv, o_k, rows, seq, H, KV, qc);
-      LAUNCH(2, block, mk_attn_stats, dy, q, kk, o_c, st_k, rows, seq, H, KV, qc);
-      LAUNCH(3, block, mk_attn_grad_q, dy, q, kk, vv, st_c, g_k, rows, seq, H, KV, qc);
-      LAUNCH(2, block, mk_attn_grad_kv, dy, q, kk, vv, st_c, g_k, rows, seq, H, KV, qc);
+      rt_attn_fwd(q.data(), kk.data(), vv.data(), o_c.data(), rows, seq, H, KV, qc, 0);
+      rt_attn_stats(dy.data(), q.data(), kk.data(), o_c.data(), st_c.data(), rows, seq, H, KV, qc, 0);
+      rt_attn_grad_q(dy.data(), q.data(), kk.data(), vv.data(), st_c.data(), g_c.data(), rows, seq, H, KV, qc, 0);
+      rt_attn_grad_kv(dy.data(), q.data(), kk.data(), vv.data(), st_c.data(), g_c.data(), rows, seq, H, KV, qc, 0);
+      LAUNCH(3, block, mk_attn_fwd, q, kk, vv, o_k, rows, seq, H, KV, qc, 0);
+      LAUNCH(2, block, mk_attn_stats, dy, q, kk, o_c, st_k, rows, seq, H, KV, qc, 0);
+      LAUNCH(3, block, mk_attn_grad_q, dy, q, kk, vv, st_c, g_k, rows, seq, H, KV, qc, 0);
+      LAUNCH(2, block, mk_attn_grad_kv, dy, q, kk, vv, st_c, g_k, rows, seq, H, KV, qc, 0);
       std::string shape = " (seq " + std::to_string(seq) + ", d " + std::to_string(d) + ", block " + std::to_string(block) + ")";
       c.same(("attn.causal" + shape).c_str(), o_c, o_k);
       c.same(("attn.causal.stats" + shape).c_str(), st_c, st_k);
       c.same(("attn.causal.grad" + shape).c_str(), g_c, g_k);
+    }
+    // Sliding windows (keys i - W < j <= i): a window inside one staged tile of keys (3), one
+    // spanning several tiles and query blocks (11), a window of 1 (each query sees itself), one as
+    // long as the sequence (the causal mask: the same bits as no window), and d 32 from global memory.
+    for (auto [seq, H, KV, d, block, window] :
+         {std::array<int, 6>{37, 2, 1, 6, 16, 3}, std::array<int, 6>{37, 4, 2, 6, 8, 11}, std::array<int, 6>{37, 2, 2, 6, 8, 1},
+          std::array<int, 6>{13, 2, 1, 6, 8, 13}, std::array<int, 6>{9, 2, 2, 32, 8, 4}}) {
+      const int rows = 2 * seq, qc = H * d, kc = KV * d, w = qc + 2 * kc;
+      auto q = randn((size_t)rows * qc), kk = randn((size_t)rows * kc), vv = randn((size_t)rows * kc);
+      auto dy = randn((size_t)rows * qc);
+      auto o_c = zeros<float>(rows * qc), o_k = zeros<float>(rows * qc), o_0 = zeros<float>(rows * qc);
+      auto st_c = zeros<float>(rows * 2 * H), st_k = zeros<float>(rows * 2 * H);
+      auto g_c = zeros<float>(rows * w), g_k = zeros<float>(rows * w);
+      rt_attn_fwd(q.data(), kk.data(), vv.data(), o_c.data(), rows, seq, H, KV, qc, window);
+      rt_attn_stats(dy.data(), q.data(), kk.data(), o_c.data(), st_c.data(), rows, seq, H, KV, qc, window);
+      rt_attn_grad_q(dy.data(), q.data(), kk.data(), vv.data(), st_c.data(), g_c.data(), rows, seq, H, KV, qc, window);
+      rt_attn_grad_kv(dy.data(), q.data(), kk.data(), vv.data(), st_c.data(), g_c.data(), rows, seq, H, KV, qc, window);
+      LAUNCH(3, block, mk_attn_fwd, q, kk, vv, o_k, rows, seq, H, KV, qc, window);
+      LAUNCH(2, block, mk_attn_stats, dy, q, kk, o_c, st_k, rows, seq, H, KV, qc, window);
+      LAUNCH(3, block, mk_attn_grad_q, dy, q, kk, vv, st_c, g_k, rows, seq, H, KV, qc, window);
+      LAUNCH(2, block, mk_attn_grad_kv, dy, q, kk, vv, st_c, g_k, rows, seq, H, KV, qc, window);
+      std::string shape = " (seq " + std::to_string(seq) + ", d " + std::to_string(d) + ", block " + std::to_string(block) +
+                          ", window " + std::to_string(window) + ")";
+      c.same(("attn.causal" + shape).c_str(), o_c, o_k);
+      c.same(("attn.causal.stats" + shape).c_str(), st_c, st_k);
+      c.same(("attn.causal.grad" + shape).c_str(), g_c, g_k);
+      if (window >= seq) {   // the causal mask itself
+        rt_attn_fwd(q.data(), kk.data(), vv.data(), o_0.data(), rows, seq, H, KV, qc, 0);
+        c.same(("attn.causal without a window" + shape).c_str(), o_0, o_c);
+      }
     }
     rt_rope(a.data(), y_c.data(), s, m, 4, 12, 10000.0f, 1);
     LAUNCH(3, 64, mk_rope, a, y_k, s, m, 4, 12, 10000.0f, 1);

@@ -6,7 +6,8 @@
 # gshard and with ffn gpt (GELU, biases) or ffn mixtral (SwiGLU)) is one layer of a small stack;
 # a stack holds the layers of one gate and capacity (3 layers) or the other gates (5 layers),
 # deep enough to share a build and shallow enough that the activations stay small: 28 models,
-# then matrix_hooks (record hooks at all six points).
+# then matrix_hooks (record hooks at all six points) and matrix_renorm (`renormalize` against its
+# default: gshard and xmoe with k 1 renormalised, every gate 1, and k 2 with the raw scores).
 #
 #   bash tests/cuda/matrix.sh DIR      # tests/cuda/host.sh (fake device), tests/cuda/gpu.sh
 #
@@ -63,3 +64,9 @@ done
 stack tutel "ffn gpt { hidden 24; }" "gshard { k 2; capacity 0.8; aux_loss 0.1; }|4|$hooks" \
   "gshard { k 1; capacity 0.8; aux_loss 0.1; }|4|$hooks" >"$dir/matrix_hooks.moe"
 echo matrix_hooks
+stack tutel "ffn gpt { hidden 24; }" \
+  "gshard { k 1; capacity 0.6; noise 0.5; aux_loss 0.1; z_loss 0.01; renormalize true; }|8" \
+  "gshard { k 2; capacity 0.6; noise 0.5; aux_loss 0.1; z_loss 0.01; renormalize false; }|8" \
+  "xmoe { k 1; capacity 0.6; noise 0.5; aux_loss 0.1; proj 8; renormalize true; }|8" \
+  "xmoe { k 2; capacity 0.6; noise 0.5; z_loss 0.01; proj 8; renormalize false; }|8" >"$dir/matrix_renorm.moe"
+echo matrix_renorm

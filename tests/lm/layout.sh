@@ -6,28 +6,37 @@
 # logits and every whole gradient to 1e-5 of each tensor's largest element; and --check-grad passes
 # on dp2·mp2·ep4. attn.bk's gradient is exactly zero with learned positions (softmax is shift-invariant),
 # so it is held to 1e-5 of its layer's attn.wk gradient instead. One ok/FAIL line per layout.
+# Then tests/models/grad_lm_qwen.moe (q/k/v biases without an o bias, head_dim apart from
+# embed/heads, gates without renormalisation and a renormalised top-1) the same way on dp2·ep2,
+# mp2·ep2 and dp2·mp2·ep2·esp2, with --check-grad on mp2·ep2.
+# And tests/models/grad_lm_shared.moe (a shared SwiGLU expert beside the routed ones, gated by
+# sigmoid(x·w) and ungated: replicated on every rank, its gradient summed over the world) on the
+# same three layouts, with --check-grad on mp2·ep2.
 set -u
 cd "$(dirname "$0")/../.."
 BUILD=${BUILD:-build}
 MOEC=${MOEC:-$BUILD/moec}
 case "$MOEC" in /*) ;; *) MOEC=$(pwd)/$MOEC ;; esac
-M=$(pwd)/tests/models/grad_lm_gpt.moe
 WORK=$(mktemp -d "${TMPDIR:-/tmp}/moec-lm-layout.XXXXXX")
 trap 'rm -rf "$WORK"' EXIT
 MPIRUN="mpirun --allow-run-as-root --oversubscribe"
 status=0
-# layout "parallel body:ranks:dp:mp"
-for entry in "dp 2; ep 2;:2:2:1" "dp 2; mp 2; ep 4;:4:2:2" "dp 4; ep 2; esp 2;:4:4:1" "dp 4; ep 4;:4:4:1" \
-             "dp 2; mp 2; ep 2; esp 2;:4:2:2" "dp 4; mp 2; ep 4; esp 2;:8:4:2"; do
-  IFS=: read -r lay np dp mp <<<"$entry"
+# entry "model:parallel body:ranks:dp:mp:check-grad (1: also --check-grad on this layout)"
+for entry in "gpt:dp 2; ep 2;:2:2:1:0" "gpt:dp 2; mp 2; ep 4;:4:2:2:1" "gpt:dp 4; ep 2; esp 2;:4:4:1:0" \
+             "gpt:dp 4; ep 4;:4:4:1:0" "gpt:dp 2; mp 2; ep 2; esp 2;:4:2:2:0" "gpt:dp 4; mp 2; ep 4; esp 2;:8:4:2:0" \
+             "qwen:dp 2; ep 2;:2:2:1:0" "qwen:mp 2; ep 2;:2:1:2:1" "qwen:dp 2; mp 2; ep 2; esp 2;:4:2:2:0" \
+             "shared:dp 2; ep 2;:2:2:1:0" "shared:mp 2; ep 2;:2:1:2:1" "shared:dp 2; mp 2; ep 2; esp 2;:4:2:2:0"; do
+  IFS=: read -r model lay np dp mp grad <<<"$entry"
+  M=$(pwd)/tests/models/grad_lm_$model.moe
+  [ "$model" = gpt ] && lay_name="{ $lay }" || lay_name="$model { $lay }"
   sed "s/batch 2;/batch $((2 * dp));/; s/capacity 0.5;/capacity 0.5; groups $((dp * mp));/" "$M" >"$WORK/one.moe"
   sed "s/^layer block x 2/parallel { $lay }\nlayer block x 2/" "$M" >"$WORK/many.moe"
   if ! "$MOEC" build "$WORK/one.moe" -o "$WORK/one" 2>"$WORK/err" || ! "$MOEC" build "$WORK/many.moe" -o "$WORK/many" 2>>"$WORK/err"; then
-    echo "FAIL  lm layout { $lay }: moec build"; sed 's/^/      /' "$WORK/err" | head; status=1; continue
+    echo "FAIL  lm layout $lay_name: moec build"; sed 's/^/      /' "$WORK/err" | head; status=1; continue
   fi
   rm -rf "$WORK/d1" "$WORK/d2"
   if ! (cd "$WORK" && ./one --steps 1 --dump d1 >one.out 2>&1 && $MPIRUN -np "$np" ./many --steps 1 --dump d2 >many.out 2>&1); then
-    echo "FAIL  lm layout { $lay }: a run failed"; tail -n 5 "$WORK/one.out" "$WORK/many.out" | sed 's/^/      /'; status=1; continue
+    echo "FAIL  lm layout $lay_name: a run failed"; tail -n 5 "$WORK/one.out" "$WORK/many.out" | sed 's/^/      /'; status=1; continue
   fi
   if why=$(/usr/bin/python3 - "$WORK/d1" "$WORK/d2" <<'PY'
 import glob, os, sys
@@ -49,14 +58,14 @@ if bad:
     print("; ".join(bad[:8])); sys.exit(1)
 print("%d tensors, worst %.2e" % (n, worst))
 PY
-  ); then echo "ok    lm layout { $lay } on $np ranks = one rank (loss, logits, every gradient: $why)"
-  else echo "FAIL  lm layout { $lay } differs from one rank: $why"; status=1; fi
-  # The layout with MP and EP: --check-grad on its 4 ranks too (every rank perturbs its copy).
-  if [ "$lay" = "dp 2; mp 2; ep 4;" ]; then
+  ); then echo "ok    lm layout $lay_name on $np ranks = one rank (loss, logits, every gradient: $why)"
+  else echo "FAIL  lm layout $lay_name differs from one rank: $why"; status=1; fi
+  # The layouts with MP and EP: --check-grad on their ranks too (every rank perturbs its copy).
+  if [ "$grad" = 1 ]; then
     if (cd "$WORK" && timeout 300 $MPIRUN -np "$np" ./many --check-grad >grad.out 2>&1) && [ "$(tail -n 1 "$WORK/grad.out")" = OK ]; then
-      echo "ok    lm --check-grad on { $lay } ($(grep -o '[0-9]* entries checked, [0-9]* skipped' "$WORK/grad.out"))"
+      echo "ok    lm --check-grad on $lay_name ($(grep -o '[0-9]* entries checked, [0-9]* skipped' "$WORK/grad.out"))"
     else
-      echo "FAIL  lm --check-grad on { $lay }"; grep -v ' OK$' "$WORK/grad.out" | tail -n 8 | sed 's/^/      /'; status=1
+      echo "FAIL  lm --check-grad on $lay_name"; grep -v ' OK$' "$WORK/grad.out" | tail -n 8 | sed 's/^/      /'; status=1
     fi
   fi
 done

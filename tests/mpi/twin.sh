@@ -67,4 +67,47 @@ for k in 1 2; do
     done
   done <<<"$layouts"
 done
+
+# The shared expert (`shared { ffn mixtral { ... } gate sigmoid; }`, Qwen2-MoE): dense, replicated
+# on every rank, each rank computing its own tokens' (after the MP split) and its gradient summed
+# over the world. Every layout above, k 2, nccl, equals the single-rank twin.
+shared_model() {  # name batch groups parallel-line cluster-line
+  cat <<EOF
+model $1 { batch $2; seqlen 8; embed 16; seed 9; optimizer adamw { lr 0.01; } }
+$4
+$5
+layer blk x 2 {
+  moe {
+    experts 8 { ffn mixtral { hidden 32; } }
+    gate gshard { k 2; capacity 0.8; noise 0.5; aux_loss 0.1; z_loss 0.01; groups $3; }
+    shared { ffn mixtral { hidden 24; } gate sigmoid; }
+  }
+}
+EOF
+}
+while IFS=: read -r name P dp mp ep esp gpn; do
+  label="$name shared expert (gated)"
+  printf 'cluster c { nodes %d; gpus_per_node %d;\n gemm { alpha 1e-2; beta 1e-11; } alltoall { alpha 1e-1; beta 1e-7; }\n allgather { alpha 1e-1; beta 1e-7; } reducescatter { alpha 1e-1; beta 1e-7; } allreduce { alpha 1e-1; beta 1e-7; } }\n' \
+    "$((P / gpn))" "$gpn" >"$WORK/c.cluster"
+  shared_model twin $((2 * dp)) $((dp * mp)) "" "" >"$WORK/twin.moe"
+  shared_model par 2 1 "parallel { dp $dp; mp $mp; ep $ep; esp $esp; }" "cluster \"$WORK/c.cluster\";" >"$WORK/par.moe"
+  if ! "$MOEC" build "$WORK/twin.moe" -o "$WORK/twin" 2>"$WORK/err" || ! "$MOEC" build "$WORK/par.moe" -o "$WORK/par" 2>>"$WORK/err"; then
+    bad "$label: build" "$(cat "$WORK/err")"; continue
+  fi
+  rm -rf "$WORK/twin.dump" "$WORK/par.dump"
+  if ! (cd "$WORK" && timeout "$TIMEOUT" ./twin --steps 3 --dump twin.dump >twin.out 2>&1 </dev/null); then
+    bad "$label: twin run" "$(tail -n 20 "$WORK/twin.out")"; continue
+  fi
+  if ! (cd "$WORK" && timeout "$TIMEOUT" $MPIRUN -np "$P" ./par --steps 3 --dump par.dump >par.out 2>&1 </dev/null); then
+    bad "$label: mpirun -np $P" "$(tail -n 20 "$WORK/par.out")"; continue
+  fi
+  if ! same_losses "$WORK/twin.out" "$WORK/par.out"; then
+    bad "$label: losses differ from the single-rank twin" "$(paste <(losses "$WORK/twin.out") <(losses "$WORK/par.out"))"; continue
+  fi
+  if result=$(compare_dumps "$WORK/twin.dump" "$WORK/par.dump"); then
+    ok "$label: losses and dump equal the single-rank twin: $result"
+  else
+    bad "$label: dump differs from the single-rank twin" "$result"
+  fi
+done <<<"$layouts"
 exit $failed

@@ -6,7 +6,8 @@ moec's kernels, so that tests/ref/test_lm_ref.py can hold a compiled language mo
 The backward pass is written by hand; `--selftest` checks it against central finite
 differences of this file's own forward.
 
-Model (tokens t [B, L+1] int; S = B*L rows, row s = b*L + i, sample-major; d = M/heads):
+Model (tokens t [B, L+1] int; S = B*L rows, row s = b*L + i, sample-major; d = head_dim,
+default M/heads):
   h = wte[t[b, i]] (+ wpe[i] when `position learned`)                    i < L
   per layer instance (global index li counts dense and MoE layers in the order written):
     a  = h + Attn(Norm_attn(h))
@@ -18,11 +19,12 @@ Model (tokens t [B, L+1] int; S = B*L rows, row s = b*L + i, sample-major; d = M
   loss = ce + sum over MoE layers (aux_coef*aux + z_coef*z)      (aux, z as moe_ref: per routing
                                                                     group, averaged over groups)
   LayerNorm(x) = (x - mean)/sqrt(var + eps)*w + b (biased var over M); RMSNorm = x/sqrt(mean x^2 + eps)*w
-  Attn(x): q = x.Wq (+bq) [S, H*d], k = x.Wk (+bk), v = x.Wv (+bv) [S, KV*d]; query head h reads
+  Attn(x): q = x.Wq (+bq) [S, H*d], k = x.Wk (+bk), v = x.Wv (+bv) [S, KV*d] (biases with
+    `bias true` or `bias qkv`); query head h reads
     key/value head h // (H/KV); RoPE (rotate_half, after the biases, q and k, per head): for
     c < d/2 the pair (c, c+d/2) rotates by angle i*theta^(-2c/d), (u, w) -> (u cos - w sin,
     w cos + u sin); scores q.k^T/sqrt(d), causal (key j <= query i), softmax, o = p.v, heads
-    concatenated, y = o.Wo (+bo).
+    concatenated, y = o.Wo [H*d, M] (+bo with `bias true` only).
 
     /usr/bin/python3 tests/ref/lm_ref.py --selftest
 """
@@ -40,10 +42,17 @@ NOISE_STEP = 1          # the dumped step: the gate noise of step 1
 
 # ---------------------------------------------------------------- model description
 class Attention:
-    def __init__(self, heads, kv_heads=None, bias=True):
+    """bias: True (q, k, v and o), False (none) or "qkv" (q, k, v only); head_dim: d, default
+    embed/heads."""
+
+    def __init__(self, heads, kv_heads=None, bias=True, head_dim=None):
         self.heads = heads
         self.kv_heads = heads if kv_heads is None else kv_heads
+        assert bias in (True, False, "qkv")
         self.bias = bias
+        self.bias_qkv = bias is True or bias == "qkv"
+        self.bias_o = bias is True
+        self.head_dim = head_dim
         assert self.heads % self.kv_heads == 0
 
 
@@ -56,8 +65,11 @@ class LMLayer:
         assert (moe is None) != (mlp is None), "a layer holds exactly one of moe and mlp"
         self.name, self.index, self.M = name, index, embed
         self.attn = Attention(**attention)
-        assert embed % self.attn.heads == 0
-        self.d = embed // self.attn.heads
+        if self.attn.head_dim is None:
+            assert embed % self.attn.heads == 0
+            self.d = embed // self.attn.heads
+        else:
+            self.d = self.attn.head_dim
         self.moe = moe_ref.Layer(name, embed, **moe) if moe is not None else None
         if mlp is not None:
             kw = dict(mlp)
@@ -105,10 +117,11 @@ class LMModel:
             sh[n + ".attn.wk"] = (M, at.kv_heads * d)
             sh[n + ".attn.wv"] = (M, at.kv_heads * d)
             sh[n + ".attn.wo"] = (at.heads * d, M)
-            if at.bias:
+            if at.bias_qkv:
                 sh[n + ".attn.bq"] = (at.heads * d,)
                 sh[n + ".attn.bk"] = (at.kv_heads * d,)
                 sh[n + ".attn.bv"] = (at.kv_heads * d,)
+            if at.bias_o:
                 sh[n + ".attn.bo"] = (M,)
             sh.update(self.norm_shapes(n + ".ffn.norm"))
             if ly.moe is not None:
@@ -181,7 +194,7 @@ def attn_forward(model, ly, p, x):
     q = x @ p["wq"]
     k = x @ p["wk"]
     v = x @ p["wv"]
-    if at.bias:
+    if at.bias_qkv:
         q, k, v = q + p["bq"], k + p["bk"], v + p["bv"]
     q4 = q.reshape(B, L, H, d).transpose(0, 2, 1, 3)          # [B, H, L, d]
     k4 = k.reshape(B, L, KV, d).transpose(0, 2, 1, 3)         # [B, KV, L, d]
@@ -201,7 +214,7 @@ def attn_forward(model, ly, p, x):
     o4 = pr @ vh                                              # [B, H, L, d]
     o = o4.transpose(0, 2, 1, 3).reshape(B * L, H * d)
     y = o @ p["wo"]
-    if at.bias:
+    if at.bias_o:
         y = y + p["bo"]
     return y, dict(x=x, q4=q4, kh=kh, vh=vh, pr=pr, o=o, rope=rope)
 
@@ -213,7 +226,7 @@ def attn_backward(model, ly, p, c, dy):
     g = H // KV
     x = c["x"]
     gr = {"wo": c["o"].T @ dy}
-    if at.bias:
+    if at.bias_o:
         gr["bo"] = dy.sum(axis=0)
     do4 = (dy @ p["wo"].T).reshape(B, L, H, d).transpose(0, 2, 1, 3)
     pr = c["pr"]
@@ -231,7 +244,7 @@ def attn_backward(model, ly, p, c, dy):
     dk = dk4.transpose(0, 2, 1, 3).reshape(B * L, KV * d)
     dv = dv4.transpose(0, 2, 1, 3).reshape(B * L, KV * d)
     gr["wq"], gr["wk"], gr["wv"] = x.T @ dq, x.T @ dk, x.T @ dv
-    if at.bias:
+    if at.bias_qkv:
         gr["bq"], gr["bk"], gr["bv"] = dq.sum(axis=0), dk.sum(axis=0), dv.sum(axis=0)
     dx = dq @ p["wq"].T + dk @ p["wk"].T + dv @ p["wv"].T
     return dx, gr
@@ -394,9 +407,9 @@ def naive_attention(model, ly, p, x):
     head mapping): an independent check of the vectorised forward."""
     B, L = model.B, model.L
     at, d = ly.attn, ly.d
-    q = x @ p["wq"] + (p["bq"] if at.bias else 0)
-    k = x @ p["wk"] + (p["bk"] if at.bias else 0)
-    v = x @ p["wv"] + (p["bv"] if at.bias else 0)
+    q = x @ p["wq"] + (p["bq"] if at.bias_qkv else 0)
+    k = x @ p["wk"] + (p["bk"] if at.bias_qkv else 0)
+    v = x @ p["wv"] + (p["bv"] if at.bias_qkv else 0)
 
     def rot(vec, i):
         if model.position != "rope":
@@ -422,7 +435,7 @@ def naive_attention(model, ly, p, x):
                 tot = sum(w)
                 for t in range(i + 1):
                     o[b * L + i, hh * d:(hh + 1) * d] += w[t] / tot * v[b * L + t, j * d:(j + 1) * d]
-    return o @ p["wo"] + (p["bo"] if at.bias else 0)
+    return o @ p["wo"] + (p["bo"] if at.bias_o else 0)
 
 
 def fd_check(model, params, tokens, eps=1e-6, rtol=1e-6, floor=1e-3, grads=None, names=None):
@@ -487,6 +500,30 @@ SELFTEST_CASES = [
                                aux_loss=0.05, z_loss=0.01, act="gelu", bias=False))),
       ("tail", 1, dict(attention=dict(heads=1, bias=False),
                        mlp=dict(ffn="mixtral", hidden=6)))], None),
+    # the Hugging Face families (DESIGN §2.2): Qwen2-MoE's q/k/v biases without an o bias and
+    # the raw softmax scores as gates (renormalize false), Qwen3-MoE's head_dim apart from
+    # embed/heads (6 and 10 here, embed 8), Mixtral's top-1 renormalised to a gate of 1
+    ("qwen: rope head_dim 6 gqa 4/2 bias qkv, k2 not renormalised; head_dim 10 k1 renormalised",
+     dict(vocab=10, batch=2, seqlen=4, embed=8, position="rope", theta=100.0, norm="rmsnorm",
+          eps=1e-6, tie_embeddings=False, seed=13),
+     [("qw", 1, dict(attention=dict(heads=4, kv_heads=2, bias="qkv", head_dim=6),
+                     moe=dict(experts=4, hidden=5, k=2, capacity=0.75, ffn="mixtral",
+                              renormalize=False, noise=1.0, aux_loss=0.05, z_loss=0.01))),
+      ("mx", 1, dict(attention=dict(heads=2, kv_heads=1, bias="qkv", head_dim=10),
+                     moe=dict(experts=4, hidden=5, k=1, capacity=1.0, ffn="mixtral",
+                              renormalize=True, aux_loss=0.05, z_loss=0.01)))], "drops"),
+    # Qwen2-MoE's shared expert: every token's SwiGLU output times sigmoid(x.wsg) added to the
+    # routed output (its parameters moe.shared.w1, w3, w2, gate), and DeepSeek's ungated one
+    ("qwen2 shared: gated shared expert beside k2 not renormalised; ungated beside k1",
+     dict(vocab=9, batch=2, seqlen=4, embed=8, position="rope", theta=100.0, norm="rmsnorm",
+          eps=1e-6, tie_embeddings=False, seed=19),
+     [("sh", 1, dict(attention=dict(heads=2, bias="qkv"),
+                     moe=dict(experts=4, hidden=5, k=2, capacity=0.75, ffn="mixtral",
+                              renormalize=False, shared_hidden=6, shared_gate=True, noise=1.0,
+                              aux_loss=0.05, z_loss=0.01))),
+      ("ds", 1, dict(attention=dict(heads=2, bias=False),
+                     moe=dict(experts=4, hidden=5, k=1, capacity=1.0, ffn="mixtral",
+                              shared_hidden=3, aux_loss=0.05)))], "drops"),
 ]
 
 

@@ -20,7 +20,9 @@ per MoE layer instance, in order:
     xmoe:    logits = l2n(x.Wp) . l2n(Emb)^T / tau (l2n(v) = v / sqrt(|v|^2 + 1e-12));
              scores = softmax(noisy)
     noisy = logits + sigma*N(0,1)/E (training); idx = top-k of scores (ties: lower index);
-    gates = scores[idx] (/ their sum when k > 1, gshard and xmoe); T = ceil(k*f*S_g/E - 1e-9) (>= 1),
+    gates = scores[idx] (/ their sum with `renormalize`, gshard and xmoe only: by default when
+    k > 1; `renormalize true` with k 1 makes every gate 1, `renormalize false` keeps the softmax
+    scores for any k); T = ceil(k*f*S_g/E - 1e-9) (>= 1),
     dropless (`capacity *`): T = S_g; locations: first choices in token order, then second
     choices ...; loc >= T is dropped (contributes zero)
     aux = mean_g E*sum_e me_ge*ce_ge (me: mean score, ce: fraction of first choices; ce constant)
@@ -39,6 +41,9 @@ per MoE layer instance, in order:
   disp -> hook(before_dispatch) -> experts -> hook(before_combine) -> combine; a compress hook
   is the float32 round trip of runtime/hooks.c forward and the identity backward
   experts: gpt y = act(disp.W1 + b1).W2 + b2;  mixtral y = (silu(disp.W1) * (disp.W3)).W2
+  shared expert (`shared { ffn mixtral { hidden Hs; } [gate sigmoid;] }`): every token's
+    s = (silu(x.Ws1) * (x.Ws3)).Ws2, times sigmoid(x.wsg) [S, 1] per token when gated;
+    moe = combined routed output + s (before_moe_end records the sum)
   out = x + moe
 loss = mean((out - target)^2)/2 + sum_layers (aux_coef*aux + z_coef*z).
 """
@@ -159,7 +164,8 @@ class Layer:
 
     gate: gshard | sigmoid | xmoe | expert_choice | softmoe; order: tutel | gshard (the same
     math here; it only matters for the .moe text); ffn: gpt | mixtral; capacity: a factor or
-    "*" (dropless); hooks: [(point, action)] with action record | fp16 | bf16 | int8 (compress
+    "*" (dropless); renormalize (gshard, xmoe): True | False | None (the default: k > 1);
+    hooks: [(point, action)] with action record | fp16 | bf16 | int8 (compress
     at before_dispatch / before_combine, decompressed at the matching after-point).
     offsets: {point: array} replaces the compression round trip by `v + offset` (a constant);
     the self-test uses it to build the differentiable twin that the straight-through
@@ -167,14 +173,20 @@ class Layer:
 
     def __init__(self, name, embed, experts, hidden, k=1, capacity=1.0, groups=1, noise=0.0,
                  aux_loss=0.0, z_loss=0.0, act="gelu", bias=True, gate="gshard", order="tutel",
-                 ffn="gpt", proj=16, slots=1, hooks=()):
+                 ffn="gpt", proj=16, slots=1, hooks=(), renormalize=None, shared_hidden=None,
+                 shared_gate=False):
         assert gate in GATES and order in ("tutel", "gshard") and ffn in ("gpt", "mixtral")
+        assert renormalize is None or gate in ("gshard", "xmoe"), "renormalize: gshard and xmoe only"
+        self.renormalize = renormalize
         self.name, self.M, self.E, self.H = name, embed, experts, hidden
         self.k, self.capacity, self.groups, self.noise = k, capacity, groups, noise
         self.aux_coef, self.z_coef = aux_loss, z_loss
         self.gate, self.order, self.ffn, self.proj, self.slots = gate, order, ffn, proj, slots
         self.act = act if ffn == "gpt" else None
         self.bias = bias if ffn == "gpt" else False
+        # the shared expert: hidden Hs (None: none), gated by sigmoid(x.wsg) or not
+        assert shared_hidden is None or shared_hidden >= 1
+        self.shared_hidden, self.shared_gate = shared_hidden, bool(shared_gate and shared_hidden)
         self.hooks = list(hooks)
         for point, action in self.hooks:
             assert point in HOOK_POINTS and action in ("record",) + COMPRESS
@@ -182,6 +194,13 @@ class Layer:
         self.offsets = None
         if gate == "softmoe":
             self.groups, self.k, self.noise, self.aux_coef, self.z_coef = 1, 1, 0.0, 0.0, 0.0
+
+    @property
+    def renorm(self):
+        """Whether the k chosen scores are scaled to sum 1 (sigmoid: never)."""
+        if self.gate not in ("gshard", "xmoe"):
+            return False
+        return self.k > 1 if self.renormalize is None else bool(self.renormalize)
 
     @property
     def dropless(self):
@@ -200,6 +219,12 @@ class Layer:
     def param_shapes(self):
         p = self.name + ".moe."
         M, E, H = self.M, self.E, self.H
+        shared = {}
+        if self.shared_hidden:
+            Hs = self.shared_hidden
+            shared = {p + "shared.w1": (M, Hs), p + "shared.w3": (M, Hs), p + "shared.w2": (Hs, M)}
+            if self.shared_gate:
+                shared[p + "shared.gate"] = (M, 1)
         if self.gate == "xmoe":
             shapes = {p + "gate.proj": (M, self.proj), p + "gate.expert_emb": (E, self.proj),
                       p + "gate.temperature": ()}
@@ -207,6 +232,7 @@ class Layer:
             shapes = {p + "gate.wg": (M, E * self.slots)}
         else:
             shapes = {p + "gate.wg": (M, E)}
+        shapes.update(shared)
         if self.ffn == "mixtral":
             shapes.update({p + "experts.w1": (E, M, H), p + "experts.w3": (E, M, H),
                            p + "experts.w2": (E, H, M)})
@@ -462,7 +488,7 @@ def gate_forward(ly, p, x, normals, z_noisy=True):
         scores = sigmoid(noisy) if ly.gate == "sigmoid" else softmax_rows(noisy)
         idx = topk_rows(scores, ly.k)
         picked = scores[rows, idx]
-        renorm = ly.gate != "sigmoid" and ly.k > 1
+        renorm = ly.renorm
         zsum = picked.sum(axis=1, keepdims=True)
         gates = picked / zsum if renorm else picked.copy()
         loc, most = locations(idx, E, G, None if ly.dropless else cap)
@@ -580,6 +606,39 @@ def expert_backward(ly, p, disp, ec, dy):
     return np.einsum("ech,emh->ecm", dh, p["experts.w1"]), grads
 
 
+def shared_forward(ly, p, x):
+    """The shared expert on every token: s = (silu(x.Ws1) * (x.Ws3)).Ws2, times sigmoid(x.wsg)
+    (one factor per token) when gated."""
+    h1, h3 = x @ p["shared.w1"], x @ p["shared.w3"]
+    a = silu(h1)
+    g = a * h3
+    y = g @ p["shared.w2"]
+    c = dict(x=x, h1=h1, h3=h3, a=a, g=g, y=y)
+    if not ly.shared_gate:
+        return y, c
+    c["sg"] = sigmoid(x @ p["shared.gate"])                 # [S, 1]
+    return y * c["sg"], c
+
+
+def shared_backward(ly, p, c, dout):
+    """d loss/d x through the shared expert, and its gradients, from dout [S, M]."""
+    x, grads, dx = c["x"], {}, 0.0
+    dy = dout
+    if ly.shared_gate:
+        sg = c["sg"]
+        dlogit = (dout * c["y"]).sum(axis=1, keepdims=True) * sg * (1.0 - sg)
+        grads["shared.gate"] = x.T @ dlogit
+        dx = dlogit @ p["shared.gate"].T
+        dy = dout * sg
+    grads["shared.w2"] = c["g"].T @ dy
+    dg = dy @ p["shared.w2"].T
+    dh3 = dg * c["a"]
+    dh1 = dg * c["h3"] * silu_grad(c["h1"])
+    grads["shared.w1"] = x.T @ dh1
+    grads["shared.w3"] = x.T @ dh3
+    return dx + dh1 @ p["shared.w1"].T + dh3 @ p["shared.w3"].T, grads
+
+
 def layer_forward(ly, p, x, normals, z_noisy=True, residual=True):
     """x [S, M] float64; p: this layer's params by short name; normals [S, E] or None.
     Both orders are this math: tutel's encode/decode by index and gshard's one-hot matrices
@@ -593,6 +652,9 @@ def layer_forward(ly, p, x, normals, z_noisy=True, residual=True):
     y, ec = expert_forward(ly, p, disp_h)
     y_h = hook(ly, "before_combine", y)
     moe = c["Cw"] @ y_h.reshape(E * C, M)
+    if ly.shared_hidden:
+        s, c["shared"] = shared_forward(ly, p, x)
+        moe = moe + s
     seen = dict(before_moe_start=x, before_dispatch=disp, after_dispatch=disp_h,
                 before_combine=y, after_combine=y_h, before_moe_end=moe)
     c.update(disp=disp, disp_h=disp_h, y=y, y_h=y_h, ec=ec,
@@ -618,6 +680,10 @@ def layer_backward(ly, p, c, dout, residual=True):
     dD = x @ ddisp2.T if ly.gate == "softmoe" else None
     dxg, gg = gate_backward(ly, p, c, dD, dCw)
     grads.update(gg)
+    if ly.shared_hidden:
+        dxs, gs = shared_backward(ly, p, c["shared"], dout)
+        dx = dx + dxs
+        grads.update(gs)
     return dx + dxg, grads
 
 
@@ -997,7 +1063,8 @@ def _strip_compress(ly):
     kw = dict(embed=ly.M, experts=ly.E, hidden=ly.H, k=ly.k, capacity=ly.capacity,
               groups=ly.groups, noise=ly.noise, aux_loss=ly.aux_coef, z_loss=ly.z_coef,
               act=ly.act or "gelu", bias=ly.bias, gate=ly.gate, order=ly.order, ffn=ly.ffn,
-              proj=ly.proj, slots=ly.slots, hooks=[h for h in ly.hooks if h[1] == "record"])
+              proj=ly.proj, slots=ly.slots, hooks=[h for h in ly.hooks if h[1] == "record"],
+              renormalize=ly.renormalize, shared_hidden=ly.shared_hidden, shared_gate=ly.shared_gate)
     return Layer(ly.name, **kw)
 
 
@@ -1014,6 +1081,13 @@ def selftest():
         ("k1 nodrop gelu", [("a", 1, dict(k=1, capacity=4.0))]),
         ("k1 drops noise aux z", [("a", 1, dict(k=1, capacity=0.5, **noisy))]),
         ("k2 nodrop noise aux z", [("a", 1, dict(k=2, capacity=2.0, **noisy))]),
+        # `renormalize`: k 1 renormalised (every gate 1: the scores reach the loss through the
+        # aux and z terms only), k 2 with the raw softmax scores
+        ("k1 renormalize drops", [("a", 1, dict(k=1, capacity=0.5, renormalize=True, **noisy))]),
+        ("k2 renormalize false drops", [("a", 1, dict(k=2, capacity=0.75, renormalize=False,
+                                                      **noisy))]),
+        ("xmoe k2 renormalize false", [("a", 1, dict(gate="xmoe", k=2, capacity=2.0, proj=3,
+                                                    renormalize=False, **noisy))]),
         ("k2 drops g2 relu nobias", [("a", 1, dict(k=2, capacity=0.5, groups=2, act="relu",
                                                   bias=False, noise=0.5, aux_loss=0.05,
                                                   z_loss=0.02))]),
@@ -1039,6 +1113,14 @@ def selftest():
                                                    ffn="mixtral"))]),
         ("softmoe slots2 gelu", [("a", 1, dict(gate="softmoe", slots=2))]),
         ("softmoe slots1 mixtral", [("a", 1, dict(gate="softmoe", slots=1, ffn="mixtral"))]),
+        # the shared expert (Qwen2-MoE: gated by sigmoid(x.wsg); DeepSeek: ungated), beside the
+        # routed experts of two gates
+        ("shared gated k2 drops", [("a", 1, dict(k=2, capacity=0.5, ffn="mixtral", shared_hidden=3,
+                                                shared_gate=True, **noisy))]),
+        ("shared plain + gated xmoe g2", [
+            ("a", 1, dict(k=1, capacity=1.0, shared_hidden=4)),
+            ("b", 1, dict(gate="xmoe", k=2, capacity=1.0, groups=2, proj=3, shared_hidden=2,
+                          shared_gate=True, hooks=[("before_moe_end", "record")], **noisy))]),
         ("stack xmoe+ec+soft+records", [
             ("a", 1, dict(gate="xmoe", k=2, capacity=1.0, proj=3, hooks=[
                 (p, "record") for p in HOOK_POINTS], **noisy)),
@@ -1086,6 +1168,20 @@ def selftest():
         if ("dropless" in cname or "nodrop" in cname) and drops:
             print("# %s: expected no drops, got %d" % (cname, drops))
             ok = False
+        # `renormalize` true with k 1 makes every gate exactly 1; false keeps the chosen scores
+        for ly, c in zip(layers, base["caches"]):
+            if ly.renormalize is None:
+                continue
+            if not ly.renormalize:
+                want, what = c["picked"], "the softmax scores as gates"
+            elif ly.k == 1:
+                want, what = np.ones_like(c["gates"]), "gates of exactly 1"
+            else:
+                want, what = c["picked"] / c["picked"].sum(axis=1, keepdims=True), "gates summing to 1"
+            same = np.array_equal(c["gates"], want)
+            print("# %s: renormalize %s with k %d gives %s: %s" % (cname, ly.renormalize, ly.k, what,
+                                                                   same))
+            ok = ok and same
         # record hooks do not change the math
         if any(ly.records() for ly in layers):
             bare = [_strip_compress(ly) for ly in layers]

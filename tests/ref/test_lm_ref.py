@@ -95,6 +95,35 @@ CONFIGS = [
                         moe=dict(GPT_FFN, act="relu", bias=False, k=2, capacity="*", groups=2,
                                  order="gshard", noise=1.0, **LOSSES)))],
      dict(expect="nodrop")),
+    # Qwen2-MoE / Qwen3-MoE style (DESIGN §2.2): q, k, v biases without an o bias (`bias qkv`),
+    # heads of head_dim 6 apart from embed/heads = 4 (Wq [16, 24], Wo [24, 16]), the raw
+    # softmax scores as gates (`renormalize false`, dropless); a dense layer of head_dim 2
+    ("f_qwen", dict(position="rope", norm="rmsnorm", eps=1e-6, tie_embeddings=False),
+     [("block", 2, dict(attention=dict(heads=4, kv_heads=2, head_dim=6, bias="qkv"),
+                        moe=dict(MIX_FFN, k=2, capacity="*", renormalize=False, **LOSSES))),
+      ("dense", 1, dict(attention=dict(heads=4, kv_heads=4, head_dim=2, bias="qkv"),
+                        mlp=dict(ffn="mixtral", hidden=H)))],
+     dict(expect="nodrop")),
+    # learned positions with head_dim 10 and 3 (odd: no rope) and bias qkv (bk's gradient is 0),
+    # Mixtral's top-1 renormalised (every gate 1) with drops, xmoe k 2 not renormalised
+    ("g_head_dim_renorm", dict(position="learned", norm="layernorm", tie_embeddings=True),
+     [("mx", 1, dict(attention=dict(heads=2, head_dim=10, bias="qkv"),
+                     moe=dict(GPT_FFN, k=1, capacity=0.75, renormalize=True, noise=1.0,
+                              **LOSSES))),
+      ("xm", 1, dict(attention=dict(heads=4, kv_heads=1, head_dim=3, bias="qkv"),
+                     moe=dict(GPT_FFN, gate="xmoe", k=2, capacity=1.0, proj=8,
+                              renormalize=False, z_loss=0.01)))],
+     dict(expect="drops")),
+    # Qwen2-MoE (DESIGN §2.2): the routed experts' raw softmax scores as gates plus the shared
+    # SwiGLU expert times sigmoid(x.wsg) per token (`shared { ffn mixtral { hidden 24; } gate
+    # sigmoid; }`), q/k/v biases; then an ungated shared expert (DeepSeek's) beside a top-1
+    ("h_qwen2_shared", dict(position="rope", norm="rmsnorm", eps=1e-6, tie_embeddings=False),
+     [("block", 2, dict(attention=dict(heads=4, kv_heads=2, bias="qkv"),
+                        moe=dict(MIX_FFN, k=2, capacity=0.75, renormalize=False, shared_hidden=24,
+                                 shared_gate=True, noise=1.0, **LOSSES))),
+      ("top1", 1, dict(attention=dict(heads=2, bias="qkv"),
+                       moe=dict(MIX_FFN, k=1, capacity="*", shared_hidden=8, **LOSSES)))],
+     dict(expect="drops")),
 ]
 
 
@@ -121,8 +150,10 @@ def lm_text(model_name, fields, items):
         fields_at = ["heads %d;" % at["heads"]]
         if "kv_heads" in at:
             fields_at.append("kv_heads %d;" % at["kv_heads"])
+        if at.get("head_dim") is not None:
+            fields_at.append("head_dim %d;" % at["head_dim"])
         if "bias" in at:
-            fields_at.append("bias %s;" % ("true" if at["bias"] else "false"))
+            fields_at.append("bias %s;" % {True: "true", False: "false", "qkv": "qkv"}[at["bias"]])
         out.append("layer %s%s {" % (name, " x %d" % repeat if repeat != 1 else ""))
         out.append("  attention { %s }" % " ".join(fields_at))
         if "moe" in kw:

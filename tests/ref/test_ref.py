@@ -58,6 +58,8 @@ def moe_block(kw, indent="  ", experts=None, hidden=None):
                 gate.append("%s %r;" % (field, float(kw[field])))
         if gname == "xmoe":
             gate.append("proj %d;" % kw.get("proj", 16))
+        if kw.get("renormalize") is not None:
+            gate.append("renormalize %s;" % ("true" if kw["renormalize"] else "false"))
     hidden = kw.get("hidden", hidden)
     if kw.get("ffn", "gpt") == "mixtral":
         ffn = "ffn mixtral { hidden %d; }" % hidden
@@ -68,6 +70,9 @@ def moe_block(kw, indent="  ", experts=None, hidden=None):
            indent + "  experts %d { %s }" % (kw.get("experts", experts), ffn),
            indent + "  gate %s { %s }" % (gname, " ".join(gate)),
            indent + "  order %s;" % kw.get("order", "tutel")]
+    if kw.get("shared_hidden"):
+        out.append(indent + "  shared { ffn mixtral { hidden %d; }%s }"
+                   % (kw["shared_hidden"], " gate sigmoid;" if kw.get("shared_gate") else ""))
     for point, action in kw.get("hooks", ()):
         out.append(indent + "  hook %s %s;" % (point, "record" if action == "record" else "compress " + action))
     out.append(indent + "}")
@@ -123,6 +128,25 @@ CONFIGS = [
     # softmoe
     ("m_softmoe_s2", [("blk", 1, dict(gate="softmoe", slots=2))], {}),
     ("n_softmoe_mix", [("blk", 1, dict(gate="softmoe", slots=3, order="gshard", ffn="mixtral"))], {}),
+    # `renormalize`: k 1 renormalised (HF Mixtral's top_k 1: every gate exactly 1, the gate's
+    # weights learn from the aux and z losses only), k 2 with the raw softmax scores (Qwen2-MoE's
+    # norm_topk_prob false, OLMoE), xmoe k 2 dropless without it
+    ("k1_renormalize", [("blk", 1, dict(k=1, capacity=0.75, renormalize=True, **NOISY))],
+     dict(expect="drops")),
+    ("k2_no_renormalize", [("blk", 1, dict(k=2, capacity=0.75, groups=2, renormalize=False,
+                                           ffn="mixtral", **NOISY))], dict(expect="drops")),
+    ("xmoe_no_renormalize", [("blk", 1, dict(gate="xmoe", k=2, capacity="*", proj=4,
+                                             renormalize=False, order="gshard", **NOISY))],
+     dict(expect="nodrop")),
+    # the shared expert (Qwen2-MoE: gated by sigmoid(x.wsg) per token; DeepSeek: ungated), with
+    # a record hook at before_moe_end (the routed + shared sum); the twin runs the other order
+    ("shared_gated", [("blk", 1, dict(k=2, capacity=0.75, ffn="mixtral", renormalize=False,
+                                      shared_hidden=24, shared_gate=True,
+                                      hooks=[("before_moe_end", "record")], **NOISY))],
+     dict(expect="drops")),
+    ("shared_stack", [("a", 1, dict(gate="sigmoid", k=1, capacity="*", shared_hidden=8)),
+                      ("b", 2, dict(k=2, capacity=1.0, groups=2, order="gshard", act="relu",
+                                    shared_hidden=16, shared_gate=True, **NOISY))], {}),
     # dropless
     ("o_dropless", [("blk", 1, dict(k=2, capacity="*", groups=2, **NOISY))], dict(expect="nodrop")),
     ("p_dropless_mix", [("a", 1, dict(gate="xmoe", k=2, capacity="*", proj=4, order="gshard",

@@ -1,6 +1,6 @@
 // Unit tests of a language model's token data and training formulas (runtime/data.c): token
-// files (bytes and u16) and their errors, training, validation and synthetic windows, --input
-// token .npy files, sampling, the learning-rate schedule and the clip factor.
+// files (bytes, u16 and llm.c's) and their errors, training, validation and synthetic windows,
+// --input token .npy files, sampling, the learning-rate schedule and the clip factor.
 //
 // Windows are checked against the formulas of data.c's header comment written out again here,
 // on files whose token i is i, so that a window's first token is its offset.
@@ -170,7 +170,112 @@ static void test_load_errors(void **state) {
                     sentence("token file '%s' is not a regular file", tmpdir, 0, 0, 0));
   rt_clear_error();
   assert_int_equal(rt_tokens_load(&t, big, "u32", 256, 2), -1);
-  assert_non_null(strstr(rt_last_error(), "unknown token file format 'u32'"));
+  assert_string_equal(rt_last_error(),
+                      sentence("unknown token file format 'u32' for '%s'; use bytes, u16 or llmc",
+                               big, 0, 0, 0));
+}
+
+// An llm.c token file: a header of 256 little-endian int32 (magic, version, count, zeros),
+// then n uint16 tokens; the header's count need not be n.
+static const char *write_llmc(const char *name, int32_t magic, int32_t version, int32_t count,
+                              const uint16_t *tokens, int n) {
+  const char *path = tmp_path(name);
+  unsigned char *buf = calloc(1024 + 2 * (size_t)n, 1);
+  int32_t head[3] = {magic, version, count};
+  for (int i = 0; i < 3; i++)
+    for (int b = 0; b < 4; b++)
+      buf[4 * i + b] = (unsigned char)((uint32_t)head[i] >> (8 * b));
+  for (int i = 0; i < n; i++) {
+    buf[1024 + 2 * i] = (unsigned char)(tokens[i] & 0xff);
+    buf[1024 + 2 * i + 1] = (unsigned char)(tokens[i] >> 8);
+  }
+  write_bytes(path, buf, 1024 + 2 * (size_t)n);
+  free(buf);
+  return path;
+}
+
+static void test_load_llmc(void **state) {
+  uint16_t tokens[6] = {0, 1, 50256, 65535, 7, 300};
+  const char *path = write_llmc("llmc.bin", 20240520, 1, 6, tokens, 6);
+  RtTokens t;
+  assert_int_equal(rt_tokens_load(&t, path, NULL, 65536, 5), 0);   // by its magic
+  assert_string_equal(t.format, "llmc");
+  assert_int_equal(t.count, 6);
+  assert_memory_equal(t.tokens, tokens, sizeof tokens);
+  rt_tokens_free(&t);
+  assert_int_equal(rt_tokens_load(&t, path, "llmc", 65536, 5), 0);   // named
+  assert_string_equal(t.format, "llmc");
+  assert_memory_equal(t.tokens, tokens, sizeof tokens);
+  rt_tokens_free(&t);
+  // Named u16, the same file is 518 raw tokens, its header's ints among them.
+  assert_int_equal(rt_tokens_load(&t, path, "u16", 65536, 5), 0);
+  assert_int_equal(t.count, 518);
+  assert_int_equal(t.tokens[0], 20240520 & 0xffff);
+  rt_tokens_free(&t);
+  // Without the magic the file is u16 by its extension.
+  const char *plain = write_llmc("plain.bin", 12345, 1, 6, tokens, 6);
+  assert_int_equal(rt_tokens_load(&t, plain, NULL, 65536, 5), 0);
+  assert_string_equal(t.format, "u16");
+  assert_int_equal(t.count, 518);
+  rt_tokens_free(&t);
+  // A .txt file that begins with the magic is llm.c's too: the header decides.
+  const char *txt = write_llmc("llmc.txt", 20240520, 1, 6, tokens, 6);
+  assert_int_equal(rt_tokens_load(&t, txt, NULL, 65536, 5), 0);
+  assert_string_equal(t.format, "llmc");
+  rt_tokens_free(&t);
+}
+
+static void test_load_llmc_errors(void **state) {
+  uint16_t tokens[8] = {1, 2, 300, 4, 5, 6, 7, 8};
+  const char *v2 = write_llmc("v2.bin", 20240520, 2, 8, tokens, 8);
+  expect_load_error(v2, NULL, 65536, 4,
+                    sentence("llm.c token file '%s': version %lld, this reader knows version "
+                             "%lld", v2, 2, 1, 0));
+  expect_load_error(v2, "llmc", 65536, 4,
+                    sentence("llm.c token file '%s': version %lld, this reader knows version "
+                             "%lld", v2, 2, 1, 0));
+  const char *more = write_llmc("more.bin", 20240520, 1, 10, tokens, 8);
+  expect_load_error(more, NULL, 65536, 4,
+                    sentence("llm.c token file '%s' says %lld tokens but holds %lld (%lld bytes "
+                             "after its 1024-byte header, 2 per token)", more, 10, 8, 16));
+  const char *neg = write_llmc("neg.bin", 20240520, 1, -1, tokens, 8);
+  expect_load_error(neg, NULL, 65536, 4,
+                    sentence("llm.c token file '%s' says %lld tokens but holds %lld (%lld bytes "
+                             "after its 1024-byte header, 2 per token)", neg, -1, 8, 16));
+  // An odd byte after the tokens: the count matches the whole tokens, not the size.
+  const char *odd = tmp_path("odd_llmc.bin");
+  FILE *f = fopen(write_llmc("odd_llmc.bin", 20240520, 1, 8, tokens, 8), "ab");
+  assert_non_null(f);
+  fputc(0, f);
+  fclose(f);
+  expect_load_error(odd, NULL, 65536, 4,
+                    sentence("llm.c token file '%s' says %lld tokens but holds %lld (%lld bytes "
+                             "after its 1024-byte header, 2 per token)", odd, 8, 8, 17));
+  const char *wrong = write_llmc("wrong.bin", 12345, 1, 8, tokens, 8);
+  expect_load_error(wrong, "llmc", 65536, 4,
+                    sentence("llm.c token file '%s' begins with %lld, not llm.c's magic %lld",
+                             wrong, 12345, 20240520, 0));
+  // Shorter than the header: named, or cut after the magic.
+  const char *shrt = tmp_path("short_llmc.bin");
+  const unsigned char head[8] = {0x88, 0xd8, 0x34, 0x01, 1, 0, 0, 0};   // 20240520, 1
+  write_bytes(shrt, head, sizeof head);
+  expect_load_error(shrt, NULL, 65536, 2,
+                    sentence("llm.c token file '%s' has %lld bytes, fewer than its %lld-byte "
+                             "header", shrt, 8, 1024, 0));
+  expect_load_error(shrt, "llmc", 65536, 2,
+                    sentence("llm.c token file '%s' has %lld bytes, fewer than its %lld-byte "
+                             "header", shrt, 8, 1024, 0));
+  // What holds for every token file holds here: enough tokens, each below vocab.
+  const char *ok = write_llmc("ok.bin", 20240520, 1, 8, tokens, 8);
+  expect_load_error(ok, NULL, 65536, 8,
+                    sentence("'%s' holds %lld tokens; a window needs seqlen+1 = %lld", ok, 8, 9,
+                             0));
+  expect_load_error(ok, "llmc", 256, 4,
+                    sentence("'%s': token %lld at offset %lld (token index) is not below vocab "
+                             "%lld", ok, 300, 2, 256));
+  RtTokens t;
+  assert_int_equal(rt_tokens_load(&t, ok, NULL, 301, 7), 0);
+  rt_tokens_free(&t);
 }
 
 // ---- windows ----
@@ -445,6 +550,8 @@ int main(void) {
       cmocka_unit_test(test_load_bytes),
       cmocka_unit_test(test_load_u16),
       cmocka_unit_test(test_load_errors),
+      cmocka_unit_test(test_load_llmc),
+      cmocka_unit_test(test_load_llmc_errors),
       cmocka_unit_test(test_train_windows),
       cmocka_unit_test(test_val_windows),
       cmocka_unit_test(test_synthetic),

@@ -109,8 +109,12 @@ static void test_full_model(void **state) {
   assert_int_equal(p->layers[1].heads, 4);
   assert_int_equal(p->layers[1].kv_heads, 2);
   assert_false(p->layers[1].attn_bias);
+  assert_false(p->layers[1].attn_bias_out);
   assert_true(p->layers[0].attn_bias);
+  assert_true(p->layers[0].attn_bias_out);
   assert_int_equal(p->layers[0].kv_heads, 12);
+  assert_int_equal(p->layers[0].head_dim, 64);   // embed/heads when not written
+  assert_int_equal(p->layers[1].head_dim, 192);
   assert_int_equal(p->parallel.dp, 2);
   assert_int_equal(p->parallel.esp, 2);
   assert_non_null(p->parallel.loc.src);
@@ -141,6 +145,7 @@ static void test_full_model(void **state) {
   assert_int_equal(l->moe.gate.groups, 4);
   assert_int_equal(l->moe.gate.field_loc[FE_GATE_F_GROUPS].line, 12);
   assert_null(l->moe.gate.field_loc[FE_GATE_F_PROJ].src);
+  assert_true(l->moe.gate.renormalize);            // default: k > 1
   assert_string_equal(l->moe.order, "gshard");
   assert_string_equal(l->moe.algo, "2dh");
   assert_int_equal(l->moe.nhooks, 2);
@@ -161,6 +166,7 @@ static void test_full_model(void **state) {
   assert_string_equal(l->moe.gate.name, "xmoe");
   assert_true(l->moe.gate.dropless);
   assert_int_equal(l->moe.gate.proj, 8);
+  assert_false(l->moe.gate.renormalize);           // default: k 1 keeps the score
   assert_string_equal(l->moe.order, "tutel");
   assert_string_equal(l->moe.algo, "nccl");
   assert_int_equal(l->moe.nhooks, 0);
@@ -214,6 +220,69 @@ static void test_defaults(void **state) {
   assert_int_equal(p->schedule.pipeline_fwd, 1);
   assert_int_equal(p->schedule.pipeline_bwd, 1);
   assert_string_equal(p->schedule.grad_partition, "none");
+  fe_program_free(p);
+  ir_source_free(src);
+  cap_close(&c);
+}
+
+// The fields the Hugging Face families need (DESIGN §2.2): renormalisation of the top k as a
+// field, q/k/v biases without the output's, a head width of its own.
+static void test_hf_fields(void **state) {
+  Capture c;
+  IrSource *src;
+  cap_open(&c);
+  FeProgram *p = load(&c,
+                      "model m { batch 1; seqlen 8; embed 16; vocab 32; position rope; optimizer sgd { lr 0.1; } }\n"
+                      "layer a { attention { heads 3; kv_heads 1; head_dim 6; bias qkv; }\n"
+                      "  moe { experts 4 { ffn gpt { hidden 8; } } gate gshard { k 2; renormalize false; } } }\n"
+                      "layer b { attention { heads 4; bias false; }\n"
+                      "  moe { experts 4 { ffn gpt { hidden 8; } } gate xmoe { k 1; renormalize true; } } }\n"
+                      "layer c { attention { heads 2; } moe { experts 4 { ffn gpt { hidden 8; } } gate sigmoid { k 2; } } }\n",
+                      &src);
+  assert_string_equal(cap_text(&c), "");
+  assert_non_null(p);
+  const FeLayer *a = &p->layers[0], *b = &p->layers[1], *l = &p->layers[2];
+  assert_int_equal(a->head_dim, 6);
+  assert_true(a->attn_bias);
+  assert_false(a->attn_bias_out);
+  assert_false(a->moe.gate.renormalize);
+  assert_non_null(a->moe.gate.field_loc[FE_GATE_F_RENORM].src);
+  assert_int_equal(b->head_dim, 4);
+  assert_false(b->attn_bias);
+  assert_false(b->attn_bias_out);
+  assert_true(b->moe.gate.renormalize);
+  assert_int_equal(l->head_dim, 8);
+  assert_true(l->attn_bias && l->attn_bias_out);
+  assert_false(l->moe.gate.renormalize);           // sigmoid never renormalises
+  fe_program_free(p);
+  ir_source_free(src);
+  cap_close(&c);
+}
+
+// The shared expert (Qwen2-MoE, DeepSeek): `shared { ffn mixtral { hidden Hs; } [gate sigmoid;] }`.
+static void test_shared_expert(void **state) {
+  Capture c;
+  IrSource *src;
+  cap_open(&c);
+  FeProgram *p = load(&c,
+                      "model m { batch 1; seqlen 8; embed 16; optimizer sgd { lr 0.1; } }\n"
+                      "layer a { moe { experts 4 { ffn gpt { hidden 8; } } gate gshard;\n"
+                      "  shared { ffn mixtral { hidden 12; } gate sigmoid; } } }\n"
+                      "layer b { moe { experts 4 { ffn mixtral { hidden 8; } } shared { ffn mixtral { hidden 6; } } gate gshard; } }\n"
+                      "layer c { moe { experts 4 { ffn gpt { hidden 8; } } gate gshard; } }\n",
+                      &src);
+  assert_string_equal(cap_text(&c), "");
+  assert_non_null(p);
+  const FeMoe *a = &p->layers[0].moe, *b = &p->layers[1].moe, *l = &p->layers[2].moe;
+  assert_true(a->has_shared && a->shared_gated);
+  assert_string_equal(a->shared.kind, "mixtral");
+  assert_int_equal(a->shared.hidden, 12);
+  assert_null(a->shared.act);
+  assert_false(a->shared.bias);
+  assert_non_null(a->shared_gate_loc.src);
+  assert_true(b->has_shared && !b->shared_gated);
+  assert_int_equal(b->shared.hidden, 6);
+  assert_false(l->has_shared);
   fe_program_free(p);
   ir_source_free(src);
   cap_close(&c);
@@ -367,6 +436,8 @@ int main(void) {
   const struct CMUnitTest tests[] = {
     cmocka_unit_test(test_full_model),
     cmocka_unit_test(test_defaults),
+    cmocka_unit_test(test_hf_fields),
+    cmocka_unit_test(test_shared_expert),
     cmocka_unit_test(test_tiny_model),
     cmocka_unit_test(test_cluster_files),
     cmocka_unit_test(test_tree),

@@ -252,6 +252,29 @@ static void test_fd_scale(void **state) {
   check_fd("scale (d/dw)", scale_obj, &c, g, N, dg, FD_EPS);
 }
 
+// scale_rows (the shared expert's gate): one factor per row.
+static double scale_rows_obj(void *p) {
+  ScaleCtx *c = p;
+  rt_scale_rows(c->x, c->g, c->y, c->rows, c->n);
+  return dot(c->w, c->y, (int64_t)c->rows * c->n);
+}
+
+static void test_fd_scale_rows(void **state) {
+  enum { R = 4, N = 5 };
+  float x[R * N], g[R], y[R * N], w[R * N], dx[R * N], dg[R];
+  fill(x, R * N, -2, 2);
+  fill(g, R, -2, 2);
+  fill(w, R * N, -1, 1);
+  ScaleCtx c = {x, g, y, w, R, N};
+  rt_scale_rows(w, g, dx, R, N);   // dx = scale_rows(dy, g)
+  rt_scale_rows_grad_g(w, x, dg, R, N);
+  check_fd("scale_rows (d/dx)", scale_rows_obj, &c, x, R * N, dx, FD_EPS);
+  check_fd("scale_rows (d/dg)", scale_rows_obj, &c, g, R, dg, FD_EPS);
+  float x2[4] = {1, 2, 3, 4}, g2[2] = {0.5f, -2}, y2[4];
+  rt_scale_rows(x2, g2, y2, 2, 2);
+  assert_true(y2[0] == 0.5f && y2[1] == 1 && y2[2] == -6 && y2[3] == -8);
+}
+
 // embed, rope, loss.xent (runtime/kernels_lm.c).
 typedef struct {
   const int32_t *tok;
@@ -605,7 +628,7 @@ static void test_dense_order_expert_choice(void **state) {
 // e2 1/4; over both groups 6, 5, 5.
 static void test_gate_locations_dropless(void **state) {
   int32_t loc[RS * RK];
-  RtStep st;
+  RtStep st = {0};
   rt_step_begin_forward(&st);
   int most = rt_gate_locations(route_idx, loc, &st, RS, RK, RE, RG, 0);
   const int32_t want[RS * RK] = {0, 1, 1, 0, 2, 2, 0, 3, 0, 1, 1, 1, 0, 2, 0, 3};
@@ -921,6 +944,7 @@ int main(void) {
       cmocka_unit_test(test_fd_rmsnorm),
       cmocka_unit_test(test_fd_layernorm),
       cmocka_unit_test(test_fd_scale),
+      cmocka_unit_test(test_fd_scale_rows),
       cmocka_unit_test(test_fd_embed),
       cmocka_unit_test(test_fd_rope),
       cmocka_unit_test(test_fd_xent),

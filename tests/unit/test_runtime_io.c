@@ -1,4 +1,5 @@
-// Unit tests of libmoert's file I/O (.npy, safetensors) and of the training driver rt_main.
+// Unit tests of libmoert's file I/O (.npy; safetensors, its dtypes and Hugging Face sets of
+// files) and of the training driver rt_main.
 //
 // rt_main is driven with a model written here by hand: y = x·W with one parameter W [M, M]
 // and loss mse(y, target). The synthetic teacher target = 0.5·x shifted by one channel is
@@ -327,8 +328,21 @@ static void test_st_malformed(void **state) {
   expect_st_error("{\"a\":{\"dtype\":\"F32\",\"shape\":[2],\"data_offsets\":[0,8]},"
                   "\"b\":{\"dtype\":\"F32\",\"shape\":[2],\"data_offsets\":[4,12]}}",
                   12, "overlap");
-  expect_st_error("{\"a\":{\"dtype\":\"BF16\",\"shape\":[2],\"data_offsets\":[0,4]}}", 4,
-                  "dtype BF16");
+  expect_st_error("{\"a\":{\"dtype\":\"I8\",\"shape\":[2],\"data_offsets\":[0,2]}}", 2,
+                  "tensor 'a' has dtype I8; only F32, F64, BF16 and F16 tensors are supported");
+  expect_st_error("{\"a\":{\"dtype\":\"BF16\",\"shape\":[2],\"data_offsets\":[0,8]}}", 8,
+                  "needs 4 bytes but its data_offsets span 8");
+  expect_st_error("{\"a\":{\"dtype\":\"F16\",\"shape\":[3],\"data_offsets\":[0,4]}}", 8,
+                  "needs 6 bytes but its data_offsets span 4");
+  expect_st_error("{\"a\":{\"dtype\":\"F64\",\"shape\":[2],\"data_offsets\":[0,8]}}", 16,
+                  "needs 16 bytes but its data_offsets span 8");
+  expect_st_error("{\"a\":{\"dtype\":\"F64\",\"shape\":[2],\"data_offsets\":[0,16]}}", 8,
+                  "outside the file's 8 data bytes");
+  expect_st_error("{\"a\":{\"dtype\":\"F64\",\"shape\":[3],\"data_offsets\":[0,8]}}", 8,
+                  "does not fit in the file's 8 data bytes");
+  expect_st_error("{\"a\":{\"dtype\":\"BF16\",\"shape\":[2],\"data_offsets\":[0,4]},"
+                  "\"b\":{\"dtype\":\"F16\",\"shape\":[2],\"data_offsets\":[2,6]}}",
+                  6, "overlap");
   expect_st_error("{\"a\":{\"dtype\":\"F32\",\"shape\":[-2],\"data_offsets\":[0,8]}}", 8,
                   "shape entry");
   expect_st_error("{\"a\":{\"dtype\":\"F32\",\"shape\":[2.5],\"data_offsets\":[0,8]}}", 8,
@@ -363,6 +377,322 @@ static void test_st_malformed(void **state) {
   assert_int_equal(rt_st_read(path, &f), 0);
   assert_int_equal(rt_st_find(&f, "e")->numel, 0);
   rt_st_free(&f);
+}
+
+// ---- safetensors dtypes ----
+
+// One tensor of a hand-made safetensors file: its dtype's name and its raw little-endian bytes.
+typedef struct RawTensor {
+  const char *name, *dtype, *shape;   // shape: "8,8" for [8, 8]
+  const void *bytes;
+  size_t size;
+} RawTensor;
+
+// A safetensors file of the given tensors, their data in order, without padding (so that most
+// tensors start unaligned).
+static void write_st_tensors(const char *path, int n, const RawTensor *t) {
+  char json[4096];
+  size_t len = 0, total = 0;
+  len += (size_t)snprintf(json + len, sizeof json - len, "{\"__metadata__\":{\"format\":\"pt\"}");
+  for (int i = 0; i < n; i++) {
+    len += (size_t)snprintf(json + len, sizeof json - len,
+                            ",\"%s\":{\"dtype\":\"%s\",\"shape\":[%s],\"data_offsets\":[%zu,%zu]}",
+                            t[i].name, t[i].dtype, t[i].shape, total, total + t[i].size);
+    total += t[i].size;
+  }
+  snprintf(json + len, sizeof json - len, "}");
+  unsigned char *data = malloc(total + 1);
+  size_t at = 0;
+  for (int i = 0; i < n; i++) {
+    memcpy(data + at, t[i].bytes, t[i].size);
+    at += t[i].size;
+  }
+  write_st_raw(path, json, strlen(json), data, total);
+  free(data);
+}
+
+static uint32_t bits_of(float f) {
+  uint32_t u;
+  memcpy(&u, &f, sizeof u);
+  return u;
+}
+
+// The value of a half and of a bfloat16 from their fields, in double: independent of the bit
+// shuffling in safetensors.c.
+static double half_value(uint16_t h) {
+  int e = (h >> 10) & 31, m = h & 1023;
+  double v = e == 0 ? ldexp(m, -24) : e == 31 ? (m ? NAN : INFINITY) : ldexp(1024 + m, e - 25);
+  return h >> 15 ? -v : v;
+}
+
+static double bf16_value(uint16_t h) {
+  int e = (h >> 7) & 255, m = h & 127;
+  double v = e == 0 ? ldexp(m, -133) : e == 255 ? (m ? NAN : INFINITY) : ldexp(128 + m, e - 134);
+  return h >> 15 ? -v : v;
+}
+
+// got is the value v exactly (the sign of a zero included), or a NaN when v is one.
+static void expect_exact(float got, double v, const char *what, unsigned code) {
+  if (isnan(v) ? !isnan(got) : ((double)got != v || !signbit(got) != !signbit(v)))
+    fail_msg("%s 0x%04x: got %.9g (0x%08x), expected %.17g", what, code, got, bits_of(got), v);
+}
+
+// Every BF16 and every F16 value, converted exactly (subnormals, infinities, NaNs with their
+// payload, negative zero); F64 rounded to the nearest float; the dtype of each entry.
+static void test_st_dtypes(void **state) {
+  enum { ALL = 65536 };
+  unsigned char *halves = malloc(2 * ALL);
+  for (int i = 0; i < ALL; i++) {
+    halves[2 * i] = (unsigned char)(i & 0xff);
+    halves[2 * i + 1] = (unsigned char)(i >> 8);
+  }
+  const double f64[] = {0.1, 1.0 + 0x1p-24, 1.0 + 3 * 0x1p-24, 1e40, -1e40, 0x1p-149, 0x1p-151,
+                        -0.0, INFINITY, NAN, -2.5, 65504.0};
+  const float f64_want[] = {0.1f, 1.0f, 1.0f + 0x1p-22f, INFINITY, -INFINITY, 0x1p-149f, 0.0f,
+                            -0.0f, INFINITY, NAN, -2.5f, 65504.0f};
+  enum { NF64 = sizeof f64 / sizeof f64[0] };
+  unsigned char f64_bytes[8 * NF64];
+  for (int i = 0; i < NF64; i++) {
+    uint64_t u;
+    memcpy(&u, &f64[i], 8);
+    for (int b = 0; b < 8; b++)
+      f64_bytes[8 * i + b] = (unsigned char)(u >> (8 * b));
+  }
+  const float f32[3] = {1.5f, -0.0f, 3e38f};
+  const unsigned char one[2] = {0x01, 0x00};   // F16 2^-24
+  _Static_assert(NF64 == 12, "the shape of tensor f64 below");
+  // "one" moves every tensor after it off 4-byte alignment.
+  RawTensor t[] = {{"empty", "BF16", "0", one, 0},
+                   {"bf16", "BF16", "65536", halves, 2 * ALL},
+                   {"one", "F16", "1", one, 2},
+                   {"f16", "F16", "65536", halves, 2 * ALL},
+                   {"f64", "F64", "12", f64_bytes, sizeof f64_bytes},
+                   {"f32", "F32", "3", f32, sizeof f32}};
+  const char *path = tmp_path("dtypes.safetensors");
+  write_st_tensors(path, 6, t);
+  free(halves);
+  RtStFile f;
+  assert_int_equal(rt_st_read(path, &f), 0);
+  float *got = malloc(ALL * sizeof(float));
+
+  const RtStEntry *e = rt_st_find(&f, "bf16");
+  assert_int_equal(e->dtype, RT_ST_BF16);
+  assert_string_equal(rt_st_dtype_name(e->dtype), "BF16");
+  assert_int_equal(e->numel, ALL);
+  rt_st_copy(e, got);
+  for (unsigned h = 0; h < ALL; h++) {
+    expect_exact(got[h], bf16_value((uint16_t)h), "bf16", h);
+    assert_int_equal(bits_of(got[h]), h << 16);   // NaN payloads too: the upper half of a float
+  }
+
+  e = rt_st_find(&f, "f16");
+  assert_int_equal(e->dtype, RT_ST_F16);
+  assert_string_equal(rt_st_dtype_name(e->dtype), "F16");
+  rt_st_copy(e, got);
+  for (unsigned h = 0; h < ALL; h++) {
+    expect_exact(got[h], half_value((uint16_t)h), "f16", h);
+    if (isnan(got[h]))   // the sign and payload kept
+      assert_int_equal(bits_of(got[h]), (h >> 15) << 31 | 0x7f800000u | (h & 1023) << 13);
+  }
+  assert_true(got[0x0001] == 0x1p-24f);              // the smallest subnormal
+  assert_true(got[0x03ff] == 1023 * 0x1p-24f);       // the largest subnormal
+  assert_true(got[0x0400] == 0x1p-14f);              // the smallest normal
+  assert_true(got[0x7bff] == 65504.0f);              // the largest finite
+  assert_true(got[0x3c00] == 1.0f && got[0xc000] == -2.0f);
+  assert_true(isinf(got[0x7c00]) && got[0x7c00] > 0);
+  assert_true(isinf(got[0xfc00]) && got[0xfc00] < 0);
+  assert_true(isnan(got[0x7e00]) && isnan(got[0xfe01]));
+  assert_true(got[0x8000] == 0.0f && signbit(got[0x8000]));
+  e = rt_st_find(&f, "one");
+  rt_st_copy(e, got);
+  assert_true(got[0] == 0x1p-24f);
+
+  e = rt_st_find(&f, "f64");
+  assert_int_equal(e->dtype, RT_ST_F64);
+  assert_string_equal(rt_st_dtype_name(e->dtype), "F64");
+  rt_st_copy(e, got);
+  for (int i = 0; i < NF64; i++) {
+    if (isnan(f64_want[i]))
+      assert_true(isnan(got[i]));
+    else if (bits_of(got[i]) != bits_of(f64_want[i]))
+      fail_msg("f64 %.17g: got %.9g, expected %.9g", f64[i], got[i], f64_want[i]);
+  }
+  assert_int_equal(bits_of(got[0]), 0x3dcccccd);   // 0.1 to the nearest float
+
+  e = rt_st_find(&f, "f32");
+  assert_int_equal(e->dtype, RT_ST_F32);
+  rt_st_copy(e, got);
+  assert_memory_equal(got, f32, sizeof f32);
+  e = rt_st_find(&f, "empty");
+  assert_int_equal(e->numel, 0);
+  rt_st_copy(e, got);
+  free(got);
+  rt_st_free(&f);
+
+  // Every other dtype of the format is refused by name.
+  const char *other[] = {"I8", "U8", "I16", "U16", "I32", "U32", "I64", "U64", "BOOL",
+                         "F8_E4M3", "F8_E5M2", "bf16"};
+  for (size_t i = 0; i < sizeof other / sizeof other[0]; i++) {
+    char json[160], want[160];
+    snprintf(json, sizeof json, "{\"w\":{\"dtype\":\"%s\",\"shape\":[2],\"data_offsets\":[0,8]}}",
+             other[i]);
+    snprintf(want, sizeof want, "tensor 'w' has dtype %s; only F32, F64, BF16 and F16", other[i]);
+    expect_st_error(json, 8, want);
+  }
+}
+
+// ---- sets of files: Hugging Face indexes and folders ----
+
+static void write_text(const char *path, const char *text) {
+  write_bytes(path, text, strlen(text));
+}
+
+static void expect_set_error(const char *path, const char *fragment) {
+  RtStSet s;
+  rt_clear_error();
+  assert_int_not_equal(rt_st_open(path, &s), 0);
+  assert_int_equal(s.nfiles, 0);
+  assert_null(s.files);
+  assert_null(s.paths);
+  assert_null(s.by_name);
+  if (!strstr(rt_last_error(), fragment))
+    fail_msg("opening %s: error '%s' does not mention '%s'", path, rt_last_error(), fragment);
+}
+
+// The index of the folder hf/: x and y in a.safetensors, z in b.safetensors, unless the map
+// given says otherwise.
+static const char *write_hf_index(const char *map) {
+  const char *index = tmp_path("hf/model.safetensors.index.json");
+  char text[1024];
+  snprintf(text, sizeof text, "{\"metadata\": {\"total_size\": 40}, \"weight_map\": {%s}}", map);
+  write_text(index, text);
+  return index;
+}
+
+static void test_st_set(void **state) {
+  mkdir(tmp_path("hf"), 0755);
+  const float x[4] = {1, 2, 3, 4}, y[2] = {-1, 0.5f};
+  const unsigned char z[4] = {0x80, 0x3f, 0x00, 0xc0};   // BF16 1.0, -2.0
+  RawTensor a[2] = {{"x", "F32", "4", x, sizeof x}, {"y", "F32", "2", y, sizeof y}};
+  RawTensor b[1] = {{"z", "BF16", "2", z, sizeof z}};
+  write_st_tensors(tmp_path("hf/a.safetensors"), 2, a);
+  write_st_tensors(tmp_path("hf/b.safetensors"), 1, b);
+  const char *good = "\"x\": \"a.safetensors\", \"z\": \"b.safetensors\", \"y\": \"a.safetensors\"";
+  const char *index = write_hf_index(good);
+  const char *by[2] = {tmp_path("hf"), index};
+  for (int k = 0; k < 2; k++) {   // by the folder, by the index
+    RtStSet s;
+    assert_int_equal(rt_st_open(by[k], &s), 0);
+    assert_int_equal(s.nfiles, 2);   // each shard read once
+    assert_int_equal(s.ntensors, 3);
+    assert_string_equal(s.paths[0], tmp_path("hf/a.safetensors"));
+    assert_string_equal(s.paths[1], tmp_path("hf/b.safetensors"));
+    float got[4];
+    const RtStEntry *t = rt_st_set_find(&s, "x");
+    assert_non_null(t);
+    rt_st_copy(t, got);
+    assert_memory_equal(got, x, sizeof x);
+    rt_st_copy(rt_st_set_find(&s, "y"), got);
+    assert_memory_equal(got, y, sizeof y);
+    t = rt_st_set_find(&s, "z");
+    assert_int_equal(t->dtype, RT_ST_BF16);
+    rt_st_copy(t, got);
+    assert_true(got[0] == 1.0f && got[1] == -2.0f);
+    assert_null(rt_st_set_find(&s, "w"));
+    assert_null(rt_st_set_find(&s, ""));
+    rt_st_set_free(&s);
+    assert_int_equal(s.nfiles, 0);
+  }
+
+  // An index that begins with a UTF-8 byte order mark.
+  RtStSet s;
+  write_text(index, "\xef\xbb\xbf {\"weight_map\": {\"x\": \"a.safetensors\", "
+                    "\"y\": \"a.safetensors\", \"z\": \"b.safetensors\"}}");
+  assert_int_equal(rt_st_open(index, &s), 0);
+  assert_int_equal(s.ntensors, 3);
+  rt_st_set_free(&s);
+
+  // One file, by its path or as a folder's model.safetensors.
+  assert_int_equal(rt_st_open(tmp_path("hf/a.safetensors"), &s), 0);
+  assert_int_equal(s.nfiles, 1);
+  assert_int_equal(s.ntensors, 2);
+  assert_string_equal(s.paths[0], tmp_path("hf/a.safetensors"));
+  assert_non_null(rt_st_set_find(&s, "y"));
+  assert_null(rt_st_set_find(&s, "z"));
+  assert_string_equal(rt_st_meta(&s.files[0], "format"), "pt");
+  rt_st_set_free(&s);
+  mkdir(tmp_path("one"), 0755);
+  write_st_tensors(tmp_path("one/model.safetensors"), 1, b);
+  assert_int_equal(rt_st_open(tmp_path("one/"), &s), 0);
+  assert_int_equal(s.nfiles, 1);
+  assert_string_equal(s.paths[0], tmp_path("one/model.safetensors"));
+  assert_non_null(rt_st_set_find(&s, "z"));
+  rt_st_set_free(&s);
+
+  // The folders: both files, neither.
+  write_st_tensors(tmp_path("hf/model.safetensors"), 1, b);
+  expect_set_error(tmp_path("hf"), "holds both model.safetensors and "
+                                   "model.safetensors.index.json");
+  remove(tmp_path("hf/model.safetensors"));
+  mkdir(tmp_path("empty"), 0755);
+  expect_set_error(tmp_path("empty"), "holds neither model.safetensors nor "
+                                      "model.safetensors.index.json");
+  expect_set_error(tmp_path("nowhere"), "cannot open '");
+
+  // The index and the shards disagree.
+  char want[1024];
+  write_hf_index("\"x\": \"a.safetensors\", \"z\": \"a.safetensors\", \"y\": \"b.safetensors\"");
+  snprintf(want, sizeof want, "index '%s' maps tensor 'y' to '%s', which does not hold it (it is "
+           "in '%s')", index, tmp_path("hf/b.safetensors"), tmp_path("hf/a.safetensors"));
+  expect_set_error(index, want);
+  write_hf_index("\"x\": \"a.safetensors\", \"z\": \"b.safetensors\", \"y\": \"a.safetensors\", "
+                 "\"w\": \"b.safetensors\"");
+  snprintf(want, sizeof want, "index '%s' maps tensor 'w' to '%s', which does not hold it (nor "
+           "does any other shard)", index, tmp_path("hf/b.safetensors"));
+  expect_set_error(index, want);
+  write_hf_index("\"x\": \"a.safetensors\", \"z\": \"b.safetensors\"");
+  snprintf(want, sizeof want, "shard '%s' holds tensor 'y', which index '%s' does not list",
+           tmp_path("hf/a.safetensors"), index);
+  expect_set_error(tmp_path("hf"), want);
+  RawTensor twice[2] = {{"z", "BF16", "2", z, sizeof z}, {"y", "F32", "2", y, sizeof y}};
+  write_st_tensors(tmp_path("hf/b.safetensors"), 2, twice);
+  write_hf_index(good);
+  snprintf(want, sizeof want, "index '%s': tensor 'y' is in two shards, '%s' and '%s'", index,
+           tmp_path("hf/a.safetensors"), tmp_path("hf/b.safetensors"));
+  expect_set_error(index, want);
+  write_st_tensors(tmp_path("hf/b.safetensors"), 1, b);
+  write_hf_index("\"x\": \"a.safetensors\", \"z\": \"b.safetensors\", \"y\": \"a.safetensors\", "
+                 "\"x\": \"a.safetensors\"");
+  expect_set_error(index, "lists tensor 'x' twice");
+
+  // Broken indexes and shards.
+  write_hf_index("\"x\": \"a.safetensors\", \"z\": \"c.safetensors\", \"y\": \"a.safetensors\"");
+  snprintf(want, sizeof want, "index '%s': cannot open '%s': No such file or directory", index,
+           tmp_path("hf/c.safetensors"));
+  expect_set_error(index, want);
+  write_hf_index("\"x\": \"a.safetensors\", \"z\": 3");
+  expect_set_error(index, "the \"weight_map\" entry of tensor 'z' is not a file name");
+  write_hf_index("");
+  expect_set_error(index, "its \"weight_map\" lists no tensors");
+  write_text(index, "{\"metadata\": {}}");
+  expect_set_error(tmp_path("hf"), "is neither a safetensors file nor a Hugging Face index");
+  write_text(index, "{\"weight_map\": {\"x\": \"a.safetensors\"");
+  expect_set_error(index, "is neither a safetensors file nor a Hugging Face index");
+  RawTensor int8[1] = {{"q", "I8", "4", z, sizeof z}};
+  write_st_tensors(tmp_path("hf/b.safetensors"), 1, int8);
+  write_hf_index("\"x\": \"a.safetensors\", \"q\": \"b.safetensors\", \"y\": \"a.safetensors\"");
+  snprintf(want, sizeof want, "index '%s': '%s': tensor 'q' has dtype I8", index,
+           tmp_path("hf/b.safetensors"));
+  expect_set_error(tmp_path("hf/"), want);
+  // A shard with an absolute path is read where it says.
+  char map[1024];
+  write_st_tensors(tmp_path("hf/b.safetensors"), 1, b);
+  snprintf(map, sizeof map, "\"x\": \"a.safetensors\", \"z\": \"%s\", \"y\": \"a.safetensors\"",
+           tmp_path("one/model.safetensors"));
+  write_hf_index(map);
+  assert_int_equal(rt_st_open(index, &s), 0);
+  assert_string_equal(s.paths[1], tmp_path("one/model.safetensors"));
+  rt_st_set_free(&s);
 }
 
 // Every truncation and many single-byte corruptions of a valid file: errors, never crashes.
@@ -880,6 +1210,115 @@ static void test_main_weights(void **state) {
   run_free(&d);
 }
 
+// bf16 bits of a float that bf16 holds exactly.
+static uint16_t bf16_bits(float f) {
+  assert_int_equal(bits_of(f) & 0xffff, 0);
+  return (uint16_t)(bits_of(f) >> 16);
+}
+
+// --weights in the other dtypes and as a Hugging Face index or folder: the same values give the
+// same run as the F32 file.
+static void test_main_weights_hf(void **state) {
+  RtModel model = lin_model(RT_OPT_SGD);
+  float w[M * M];
+  unsigned char as_bf16[2 * M * M], as_f16[2 * M * M], as_f64[8 * M * M];
+  for (int i = 0; i < M * M; i++) {
+    w[i] = (float)((i * 37) % 17 - 8) / 64.0f;   // exact in bf16, f16 and f64
+    uint16_t b = bf16_bits(w[i]);
+    as_bf16[2 * i] = (unsigned char)(b & 0xff);
+    as_bf16[2 * i + 1] = (unsigned char)(b >> 8);
+    double d = w[i];
+    uint64_t u;
+    memcpy(&u, &d, 8);
+    for (int k = 0; k < 8; k++)
+      as_f64[8 * i + k] = (unsigned char)(u >> (8 * k));
+    // f16 of k/64 (|k| <= 8): built from its fields, exponent of 2^e with the value m*2^e.
+    int k = (i * 37) % 17 - 8, mag = k < 0 ? -k : k;
+    uint16_t h = 0;
+    if (mag) {
+      int e = 0;
+      while ((mag >> e) > 1)
+        e++;
+      // |w| = mag * 2^-6 = (1 + frac) * 2^(e-6); f16 exponent field e - 6 + 15.
+      h = (uint16_t)((e + 9) << 10 | ((mag << 10 >> e) & 1023));
+    }
+    if (k < 0)
+      h |= 0x8000;
+    as_f16[2 * i] = (unsigned char)(h & 0xff);
+    as_f16[2 * i + 1] = (unsigned char)(h >> 8);
+  }
+  int64_t dims[2] = {M, M};
+  RtStTensor t = {"lin.w", 2, dims, w};
+  assert_int_equal(rt_st_write(tmp_path("w32.safetensors"), 1, &t, 0, NULL), 0);
+  Run base = run_main(&model, "--steps", "4", "--weights", tmp_path("w32.safetensors"), NULL);
+  assert_int_equal(base.rc, 0);
+  char *want = step_lines(base.out, 1);
+
+  mkdir(tmp_path("hfw"), 0755);
+  const float other[3] = {9, 9, 9};
+  RawTensor shard1[1] = {{"lin.w", "BF16", "8,8", as_bf16, sizeof as_bf16}};
+  RawTensor shard2[1] = {{"unused.bias", "F32", "3", other, sizeof other}};
+  write_st_tensors(tmp_path("hfw/model-00001-of-00002.safetensors"), 1, shard1);
+  write_st_tensors(tmp_path("hfw/model-00002-of-00002.safetensors"), 1, shard2);
+  write_text(tmp_path("hfw/model.safetensors.index.json"),
+             "{\"metadata\": {\"total_size\": 140},\n \"weight_map\": {\n"
+             "  \"lin.w\": \"model-00001-of-00002.safetensors\",\n"
+             "  \"unused.bias\": \"model-00002-of-00002.safetensors\"}}\n");
+  RawTensor f16[1] = {{"lin.w", "F16", "8,8", as_f16, sizeof as_f16}};
+  RawTensor f64[1] = {{"lin.w", "F64", "8,8", as_f64, sizeof as_f64}};
+  write_st_tensors(tmp_path("w16.safetensors"), 1, f16);
+  write_st_tensors(tmp_path("w64.safetensors"), 1, f64);
+  const char *sources[] = {tmp_path("hfw"), tmp_path("hfw/model.safetensors.index.json"),
+                           tmp_path("w16.safetensors"), tmp_path("w64.safetensors")};
+  for (int k = 0; k < 4; k++) {
+    Run r = run_main(&model, "--steps", "4", "--weights", sources[k], NULL);
+    if (r.rc != 0)
+      fail_msg("--weights %s: %s", sources[k], r.err);
+    char *got = step_lines(r.out, 1);
+    assert_string_equal(got, want);
+    free(got);
+    run_free(&r);
+  }
+
+  // A tensor of another shape, a missing tensor, a folder with neither file, --resume.
+  RawTensor wide[1] = {{"lin.w", "BF16", "2,2", as_bf16, 8}};
+  write_st_tensors(tmp_path("hfw/model-00001-of-00002.safetensors"), 1, wide);
+  Run r = run_main(&model, "--weights", tmp_path("hfw"), NULL);
+  assert_int_equal(r.rc, 1);
+  assert_non_null(strstr(r.err, "tensor 'lin.w' has shape [2, 2], the model needs [8, 8]"));
+  run_free(&r);
+  RawTensor both[2] = {shard1[0], shard2[0]};
+  write_st_tensors(tmp_path("hfw/model-00001-of-00002.safetensors"), 2, both);
+  write_text(tmp_path("hfw/model.safetensors.index.json"),
+             "{\"weight_map\": {\"unused.bias\": \"model-00001-of-00002.safetensors\"}}");
+  r = run_main(&model, "--weights", tmp_path("hfw/"), NULL);
+  assert_int_equal(r.rc, 1);
+  assert_non_null(strstr(r.err, "holds tensor 'lin.w', which index '"));
+  run_free(&r);
+  write_st_tensors(tmp_path("hfw/model-00001-of-00002.safetensors"), 1, shard2);
+  remove(tmp_path("hfw/model-00002-of-00002.safetensors"));
+  r = run_main(&model, "--weights", tmp_path("hfw/model.safetensors.index.json"), NULL);
+  assert_int_equal(r.rc, 1);
+  assert_non_null(strstr(r.err, "model.safetensors.index.json' has no tensor 'lin.w'"));
+  run_free(&r);
+  r = run_main(&model, "--resume", tmp_path("hfw/model.safetensors.index.json"), NULL);
+  assert_int_equal(r.rc, 1);
+  assert_non_null(strstr(r.err, "is not a moec checkpoint"));
+  run_free(&r);
+  mkdir(tmp_path("hfw_empty"), 0755);
+  r = run_main(&model, "--weights", tmp_path("hfw_empty"), NULL);
+  assert_int_equal(r.rc, 1);
+  assert_non_null(strstr(r.err, "holds neither model.safetensors nor "
+                                "model.safetensors.index.json"));
+  run_free(&r);
+  r = run_main(&model, "--resume", tmp_path("hfw_empty"), NULL);
+  assert_int_equal(r.rc, 1);
+  assert_non_null(strstr(r.err, "it is not a regular file"));
+  run_free(&r);
+  free(want);
+  run_free(&base);
+}
+
 static void test_main_dump_and_input(void **state) {
   RtModel model = lin_model(RT_OPT_SGD);
   const char *dir = tmp_path("dump/nested");
@@ -1142,11 +1581,14 @@ int main(void) {
       cmocka_unit_test(test_st_round_trip),
       cmocka_unit_test(test_st_malformed),
       cmocka_unit_test(test_st_corruptions),
+      cmocka_unit_test(test_st_dtypes),
+      cmocka_unit_test(test_st_set),
       cmocka_unit_test(test_main_trains),
       cmocka_unit_test(test_main_deterministic),
       cmocka_unit_test(test_main_resume),
       cmocka_unit_test(test_main_checkpoint_shards),
       cmocka_unit_test(test_main_weights),
+      cmocka_unit_test(test_main_weights_hf),
       cmocka_unit_test(test_main_dump_and_input),
       cmocka_unit_test(test_main_check_grad),
       cmocka_unit_test(test_main_command_line),

@@ -1,0 +1,562 @@
+// moec import-hf DIR -o PREFIX: a Hugging Face checkpoint (DESIGN §2.2) as a moec model.
+//
+// Reads DIR/config.json and the weights (model.safetensors or model.safetensors.index.json with
+// its shards; F32, BF16, F16 or F64), and writes PREFIX.moe, the architecture in the language
+// with the training fields the command line gives, and PREFIX.safetensors, the weights in moec's
+// names (F32), which the built binary loads with --weights. Which tensor is which parameter is
+// runtime/hf.c's table, the one a binary's --export-hf writes back with.
+//
+// Nothing is silently dropped: every key of config.json is either represented, checked to hold
+// the value moec computes with (hidden_act silu, no dropout, no router jitter, ...), or known to
+// describe something else (tokenizer ids, the dtype it was saved in); any other key or value is
+// refused with a sentence naming it. Every tensor of the checkpoint must be one the table names.
+#include <cjson/cJSON.h>
+#include <ctype.h>
+#include <errno.h>
+#include <math.h>
+#include <stdarg.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+
+#include "cli/cli.h"
+#include "runtime/rt_hf.h"
+#include "runtime/rt_internal.h"
+
+typedef struct Options {
+  const char *dir, *prefix, *name, *optimizer;
+  int64_t batch, seqlen;
+  double lr;
+} Options;
+
+void cli_import_hf_usage(FILE *out) {
+  fprintf(out,
+          "usage: moec import-hf DIR -o PREFIX [--name NAME] [--batch B] [--seqlen L] [--optimizer sgd|adamw] [--lr X]\n"
+          "\n"
+          "Reads the Hugging Face checkpoint in DIR (config.json; model.safetensors or model.safetensors.index.json\n"
+          "with its shards; F32, BF16, F16 or F64 tensors) and writes PREFIX.moe (the architecture as a moec\n"
+          "model) and PREFIX.safetensors (the weights in moec's names, F32). Then:\n"
+          "  moec build PREFIX.moe -o BIN && BIN --weights PREFIX.safetensors [--data F] ... [--export-hf OUT]\n"
+          "Families: mixtral, qwen2_moe (model_type in config.json). A config value moec cannot represent is refused.\n"
+          "  --name NAME       the model's name (default: DIR's last folder, as an identifier)\n"
+          "  --batch B         samples per data-parallel rank (default 4)\n"
+          "  --seqlen L        tokens per sample (default min(128, max_position_embeddings))\n"
+          "  --optimizer O     sgd or adamw (default adamw)\n"
+          "  --lr X            learning rate (default 1e-05)\n");
+}
+
+static int fail(const char *fmt, ...) __attribute__((format(printf, 1, 2)));
+static int fail(const char *fmt, ...) {
+  va_list ap;
+  va_start(ap, fmt);
+  fprintf(stderr, "moec import-hf: error: ");
+  vfprintf(stderr, fmt, ap);
+  fprintf(stderr, "\n");
+  va_end(ap);
+  return 1;
+}
+
+static bool parse_options(int argc, char **argv, Options *o) {
+  *o = (Options){.optimizer = "adamw", .batch = 4, .lr = 1e-5};
+  for (int i = 2; i < argc; i++) {
+    const char *a = argv[i];
+    const char **text = NULL;
+    int64_t *count = NULL;
+    double *real = NULL;
+    if (strcmp(a, "-o") == 0) text = &o->prefix;
+    else if (strcmp(a, "--name") == 0) text = &o->name;
+    else if (strcmp(a, "--optimizer") == 0) text = &o->optimizer;
+    else if (strcmp(a, "--batch") == 0) count = &o->batch;
+    else if (strcmp(a, "--seqlen") == 0) count = &o->seqlen;
+    else if (strcmp(a, "--lr") == 0) real = &o->lr;
+    else if (a[0] == '-') {
+      fprintf(stderr, "moec import-hf: error: unknown option '%s'\n", a);
+      return false;
+    } else if (!o->dir) {
+      o->dir = a;
+      continue;
+    } else {
+      fprintf(stderr, "moec import-hf: error: one checkpoint folder only ('%s' and '%s')\n", o->dir, a);
+      return false;
+    }
+    if (i + 1 >= argc) {
+      fprintf(stderr, "moec import-hf: error: %s needs a value\n", a);
+      return false;
+    }
+    const char *v = argv[++i];
+    char *end = NULL;
+    errno = 0;
+    if (text) *text = v;
+    if (count && ((*count = strtoll(v, &end, 10)), *end || errno || *count <= 0 || *count > (1 << 24))) {
+      fprintf(stderr, "moec import-hf: error: %s needs a whole number from 1 to %d, not '%s'\n", a, 1 << 24, v);
+      return false;
+    }
+    if (real && ((*real = strtod(v, &end)), *end || errno || !(*real > 0) || !isfinite(*real))) {
+      fprintf(stderr, "moec import-hf: error: %s needs a positive number, not '%s'\n", a, v);
+      return false;
+    }
+  }
+  if (!o->dir || !o->prefix) {
+    fprintf(stderr, "moec import-hf: error: %s\n", !o->dir ? "which checkpoint folder?" : "-o PREFIX is required");
+    cli_import_hf_usage(stderr);
+    return false;
+  }
+  if (strcmp(o->optimizer, "sgd") != 0 && strcmp(o->optimizer, "adamw") != 0) {
+    fprintf(stderr, "moec import-hf: error: --optimizer takes sgd or adamw, not '%s'\n", o->optimizer);
+    return false;
+  }
+  return true;
+}
+
+// ---- config.json ----
+
+typedef struct Config {
+  const char *path;
+  cJSON *json;
+  RtHfArch arch;
+  int64_t k, max_positions;
+  double theta, eps;
+  bool tie, renormalize;
+} Config;
+
+// The value of key as text, for a sentence.
+static void value_text(const cJSON *v, char *buf, size_t n) {
+  char *t = cJSON_PrintUnformatted(v);
+  snprintf(buf, n, "%s", t ? t : "?");
+  if (strlen(buf) == n - 1 && n > 4) memcpy(buf + n - 4, "...", 4);
+  free(t);
+}
+
+static int refuse(const Config *c, const cJSON *v, const char *why) {
+  char text[200];
+  value_text(v, text, sizeof text);
+  return fail("%s: \"%s\": %s is not something moec can represent: %s", c->path, v->string, text, why);
+}
+
+static const cJSON *key(const Config *c, const char *k) { return cJSON_GetObjectItemCaseSensitive(c->json, k); }
+
+static bool is_zero(const cJSON *v) { return cJSON_IsNumber(v) && v->valuedouble == 0; }
+static bool is_family(const Config *c, RtHfFamily f) { return c->arch.family == f; }
+
+// Keys that describe something other than the computation (tokenizer, saving, generation), or
+// that the architecture reads (rt_hf_arch_of_config and read_arch check them).
+static bool harmless(const Config *c, const char *k) {
+  static const char *const any[] = {
+      "vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
+      "num_experts_per_tok", "max_position_embeddings", "rms_norm_eps", "tie_word_embeddings", "model_type",
+      "transformers_version", "dtype", "torch_dtype", "bos_token_id", "eos_token_id", "pad_token_id",
+      "initializer_range", "use_cache", "architectures", "router_aux_loss_coef", "return_dict",
+      "output_hidden_states", "output_attentions"};
+  static const char *const mixtral[] = {"num_local_experts", "intermediate_size"};
+  static const char *const qwen2[] = {"num_experts", "moe_intermediate_size", "intermediate_size",
+                                      "shared_expert_intermediate_size", "norm_topk_prob", "qkv_bias",
+                                      "decoder_sparse_step", "mlp_only_layers", "max_window_layers"};
+  for (size_t i = 0; i < sizeof any / sizeof *any; i++)
+    if (strcmp(k, any[i]) == 0) return true;
+  const char *const *fam = is_family(c, RT_HF_MIXTRAL) ? mixtral : qwen2;
+  size_t n = is_family(c, RT_HF_MIXTRAL) ? sizeof mixtral / sizeof *mixtral : sizeof qwen2 / sizeof *qwen2;
+  for (size_t i = 0; i < n; i++)
+    if (strcmp(k, fam[i]) == 0) return true;
+  return false;
+}
+
+// One key of config.json: 0 when represented or harmless, 2 when read_arch checks it against the
+// architecture, else 1 with the sentence.
+static int check_key(Config *c, const cJSON *v) {
+  const char *k = v->string;
+  if (harmless(c, k)) return 0;
+  if (strcmp(k, "hidden_act") == 0)
+    return cJSON_IsString(v) && strcmp(v->valuestring, "silu") == 0 ? 0 : refuse(c, v, "moec's SwiGLU experts use silu");
+  if (strcmp(k, "attention_dropout") == 0) return is_zero(v) ? 0 : refuse(c, v, "moec trains without dropout");
+  if (strcmp(k, "router_jitter_noise") == 0 && is_family(c, RT_HF_MIXTRAL))
+    return is_zero(v) ? 0 : refuse(c, v, "moec's gates have no multiplicative jitter (only 'noise', a different one)");
+  if (strcmp(k, "output_router_logits") == 0)
+    return cJSON_IsFalse(v) ? 0 : refuse(c, v, "with it transformers adds its load-balancing loss pooled over all layers, "
+                                          "which moec does not compute yet (import a config with false: the objective is "
+                                          "then cross-entropy alone)");
+  if (strcmp(k, "head_dim") == 0) return cJSON_IsNull(v) ? 0 : 2;
+  if (strcmp(k, "use_sliding_window") == 0 && is_family(c, RT_HF_QWEN2_MOE))
+    return cJSON_IsFalse(v) ? 0 : refuse(c, v, "moec's attention sees the whole sequence");
+  if (strcmp(k, "sliding_window") == 0) {
+    if (is_family(c, RT_HF_QWEN2_MOE) && !cJSON_IsTrue(key(c, "use_sliding_window"))) return 0;   // unused
+    return cJSON_IsNull(v) ? 0 : 2;
+  }
+  if (strcmp(k, "layer_types") == 0 && is_family(c, RT_HF_QWEN2_MOE)) {
+    for (const cJSON *e = cJSON_IsArray(v) ? v->child : NULL; e; e = e->next)
+      if (!cJSON_IsString(e) || strcmp(e->valuestring, "full_attention") != 0)
+        return refuse(c, v, "moec's attention sees the whole sequence in every layer (\"full_attention\")");
+    return cJSON_IsArray(v) ? 0 : refuse(c, v, "it must be a list of layer types");
+  }
+  if (strcmp(k, "rope_theta") == 0) {
+    if (!cJSON_IsNumber(v) || !(v->valuedouble > 0)) return refuse(c, v, "it must be a positive number");
+    c->theta = v->valuedouble;
+    return 0;
+  }
+  if (strcmp(k, "rope_scaling") == 0) return cJSON_IsNull(v) ? 0 : refuse(c, v, "moec's rotary positions are unscaled");
+  if (strcmp(k, "rope_parameters") == 0) {
+    const cJSON *type = cJSON_GetObjectItemCaseSensitive(v, "rope_type");
+    const cJSON *theta = cJSON_GetObjectItemCaseSensitive(v, "rope_theta");
+    if (type && !(cJSON_IsString(type) && strcmp(type->valuestring, "default") == 0))
+      return refuse(c, v, "moec's rotary positions are the default ones (rope_type \"default\")");
+    if (!cJSON_IsNumber(theta) || !(theta->valuedouble > 0)) return refuse(c, v, "it needs a positive rope_theta");
+    for (const cJSON *e = v->child; e; e = e->next)
+      if (strcmp(e->string, "rope_type") != 0 && strcmp(e->string, "rope_theta") != 0)
+        return refuse(c, v, "moec's rotary positions have no parameters beyond rope_theta");
+    c->theta = theta->valuedouble;
+    return 0;
+  }
+  char text[200];
+  value_text(v, text, sizeof text);
+  return fail("%s: \"%s\": %s is a key moec does not know for %s; refusing rather than ignoring it", c->path, k, text,
+              rt_hf_family_name(c->arch.family));
+}
+
+static int need_count(const Config *c, const char *k) {
+  const cJSON *v = key(c, k);
+  if (!v) return fail("%s: \"%s\" is missing; a %s config needs it", c->path, k, rt_hf_family_name(c->arch.family));
+  if (!cJSON_IsNumber(v) || v->valuedouble < 1 || v->valuedouble > 1e9 || v->valuedouble != floor(v->valuedouble))
+    return refuse(c, v, "it must be a whole number from 1 to 10^9");
+  return 0;
+}
+
+// The architecture (rt_hf_arch_of_config, shared with --export-hf), after every key is checked.
+static int read_arch(Config *c, const char *text, int64_t seqlen) {
+  RtHfArch *a = &c->arch;
+  RtHfFamily family = a->family;
+  c->theta = family == RT_HF_MIXTRAL ? 1e6 : 1e4;   // the configs' defaults
+  int deferred = 0;
+  for (const cJSON *v = c->json->child; v; v = v->next) {
+    int r = check_key(c, v);
+    if (r == 1) return 1;
+    deferred |= r == 2;
+  }
+  bool mixtral = family == RT_HF_MIXTRAL;
+  const char *required[] = {"vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads",
+                            "num_experts_per_tok", mixtral ? "num_local_experts" : "num_experts",
+                            mixtral ? "intermediate_size" : "moe_intermediate_size"};
+  for (size_t i = 0; i < sizeof required / sizeof *required; i++)
+    if (need_count(c, required[i])) return 1;
+  if (rt_hf_arch_of_config(text, a) != 0) return fail("%s: %s", c->path, rt_last_error());
+  c->k = (int64_t)key(c, "num_experts_per_tok")->valuedouble;
+  const cJSON *mp = key(c, "max_position_embeddings");
+  c->max_positions = cJSON_IsNumber(mp) ? (int64_t)mp->valuedouble : 0;
+  const cJSON *eps = key(c, "rms_norm_eps");
+  c->eps = mixtral ? 1e-5 : 1e-6;
+  if (eps && (!cJSON_IsNumber(eps) || !(eps->valuedouble > 0))) return refuse(c, eps, "it must be a positive number");
+  if (eps) c->eps = eps->valuedouble;
+  const cJSON *tie = key(c, "tie_word_embeddings");
+  if (tie && !cJSON_IsBool(tie)) return refuse(c, tie, "it must be true or false");
+  c->tie = cJSON_IsTrue(tie);
+  const cJSON *norm = key(c, "norm_topk_prob");
+  if (norm && !cJSON_IsBool(norm)) return refuse(c, norm, "it must be true or false");
+  c->renormalize = mixtral || cJSON_IsTrue(norm);
+  if (a->embed % a->heads != 0)
+    return fail("%s: hidden_size %lld is not a multiple of num_attention_heads %lld", c->path, (long long)a->embed,
+                (long long)a->heads);
+  if (a->heads % a->kv_heads != 0)
+    return fail("%s: num_attention_heads %lld is not a multiple of num_key_value_heads %lld", c->path,
+                (long long)a->heads, (long long)a->kv_heads);
+  if (a->head_dim % 2 != 0)
+    return fail("%s: the head width %lld is odd; rotary positions need it even", c->path, (long long)a->head_dim);
+  if (c->k > a->experts)
+    return fail("%s: num_experts_per_tok %lld is more than the %lld experts", c->path, (long long)c->k,
+                (long long)a->experts);
+  if (family == RT_HF_QWEN2_MOE) {
+    bool dense = false;
+    for (int64_t l = 0; l < a->layers; l++) dense |= a->dense[l];
+    if (a->shared_hidden <= 0 && need_count(c, "shared_expert_intermediate_size")) return 1;
+    if (dense && need_count(c, "intermediate_size")) return 1;
+    const cJSON *step = key(c, "decoder_sparse_step");
+    if (step && !(cJSON_IsNumber(step) && step->valuedouble >= 1 && step->valuedouble == floor(step->valuedouble)))
+      return refuse(c, step, "it must be a whole number of at least 1");
+  }
+  if (deferred) {
+    const cJSON *hd = key(c, "head_dim");
+    if (hd && !cJSON_IsNull(hd) && !(cJSON_IsNumber(hd) && hd->valuedouble * (double)a->heads == (double)a->embed))
+      return refuse(c, hd, "moec's attention heads here are hidden_size / num_attention_heads wide");
+    const cJSON *sw = key(c, "sliding_window");
+    if (sw && !cJSON_IsNull(sw) && !(cJSON_IsNumber(sw) && sw->valuedouble >= (double)seqlen))
+      return refuse(c, sw, "moec's attention sees the whole sequence (a window at least --seqlen long is the same)");
+  }
+  return 0;
+}
+
+static char *read_text(const char *path) {
+  FILE *f = fopen(path, "rb");
+  if (!f) return NULL;
+  char *text = NULL;
+  size_t size = 0, cap = 0, n;
+  char buf[65536];
+  while ((n = fread(buf, 1, sizeof buf, f)) > 0) {
+    if (size + n + 1 > cap) {
+      cap = 2 * (size + n + 1);
+      char *t = realloc(text, cap);
+      if (!t) {
+        free(text);
+        fclose(f);
+        return NULL;
+      }
+      text = t;
+    }
+    memcpy(text + size, buf, n);
+    size += n;
+  }
+  fclose(f);
+  if (!text) text = calloc(1, 1);
+  else text[size] = '\0';
+  return text;
+}
+
+static int read_config(const Options *o, Config *c, int64_t *seqlen) {
+  char path[4096];
+  snprintf(path, sizeof path, "%s/config.json", o->dir);
+  c->path = strdup(path);
+  char *text = read_text(path);
+  if (!text) return fail("cannot read '%s': %s", path, strerror(errno));
+  c->json = cJSON_Parse(text);
+  int status = 0;
+  const cJSON *type = cJSON_IsObject(c->json) ? key(c, "model_type") : NULL;
+  if (!cJSON_IsObject(c->json)) status = fail("'%s' is not a JSON object", path);
+  else if (!cJSON_IsString(type)) status = fail("%s: \"model_type\" is missing; it names the family", path);
+  else if (!rt_hf_family_of(type->valuestring, &c->arch.family) ||
+           (c->arch.family != RT_HF_MIXTRAL && c->arch.family != RT_HF_QWEN2_MOE))
+    status = fail("%s: model_type \"%s\" is not a family moec reads yet (it reads mixtral and qwen2_moe)", path,
+                  type->valuestring);
+  if (status == 0) {
+    const cJSON *mp = key(c, "max_position_embeddings");
+    int64_t most = cJSON_IsNumber(mp) && mp->valuedouble >= 1 ? (int64_t)mp->valuedouble : 128;
+    if (*seqlen == 0) *seqlen = most < 128 ? most : 128;
+    status = read_arch(c, text, *seqlen);
+  }
+  if (status == 0 && c->max_positions > 0 && *seqlen > c->max_positions)
+    status = fail("--seqlen %lld is longer than the checkpoint's max_position_embeddings %lld", (long long)*seqlen,
+                  (long long)c->max_positions);
+  free(text);
+  return status;
+}
+
+// ---- the weights ----
+
+// Older checkpoints carry rotary tables as buffers; they are computed, not learned.
+static bool derived(const char *name) {
+  size_t n = strlen(name);
+  return n > 24 && strcmp(name + n - 24, ".rotary_emb.inv_freq") == 0;
+}
+
+// Every moec parameter of the table, whole, filled from the checkpoint (F32).
+static int convert(const Config *c, const RtStSet *set, const char *dir, const char *out_path) {
+  RtHfTensor *t = NULL;
+  int n = rt_hf_tensors(&c->arch, &t);
+  if (n < 0) return fail("%s", rt_last_error());
+  bool *used = calloc((size_t)set->ntensors, sizeof *used);
+  RtStTensor *out = calloc((size_t)n, sizeof *out);
+  float **data = calloc((size_t)n, sizeof *data);
+  int64_t(*dims)[3] = calloc((size_t)n, sizeof *dims);
+  float *tmp = NULL;
+  int nout = 0, status = used && out && data && dims ? 0 : fail("out of memory");
+  for (int i = 0; status == 0 && i < n; i++) {
+    const RtStEntry *e = rt_st_set_find(set, t[i].hf);
+    if (!e) {
+      status = fail("%s: the checkpoint has no tensor '%s' (a %s with this config.json has one)", dir, t[i].hf,
+                    rt_hf_family_name(c->arch.family));
+      break;
+    }
+    for (int k = 0; k < set->ntensors; k++)
+      if (set->by_name[k] == e) used[k] = true;
+    int64_t numel = t[i].dims[0] * (t[i].rank == 2 ? t[i].dims[1] : 1);
+    if (e->rank != t[i].rank || e->dims[0] != t[i].dims[0] || (t[i].rank == 2 && e->dims[1] != t[i].dims[1])) {
+      char want[64], got[64];
+      status = fail("%s: tensor '%s' is %s; config.json makes it %s", dir, t[i].hf, rt_shape_str(got, sizeof got, e->rank, e->dims),
+                    rt_shape_str(want, sizeof want, t[i].rank, t[i].dims));
+      break;
+    }
+    // The moec parameter of this entry: a new one, or the one of the previous entry (experts).
+    int j = nout - 1;
+    if (j < 0 || strcmp(out[j].name, t[i].moec) != 0) {
+      j = nout++;
+      int rank = rt_hf_moec_dims(&c->arch, &t[i], dims[j]);
+      int64_t total = 1;
+      for (int d = 0; d < rank; d++) total *= dims[j][d];
+      data[j] = malloc((size_t)total * sizeof(float));
+      if (!data[j]) {
+        status = fail("out of memory for '%s'", t[i].moec);
+        break;
+      }
+      out[j] = (RtStTensor){.name = t[i].moec, .rank = rank, .dims = dims[j], .data = data[j]};
+    }
+    free(tmp);
+    tmp = malloc((size_t)numel * sizeof(float));
+    if (!tmp) {
+      status = fail("out of memory for '%s'", t[i].hf);
+      break;
+    }
+    rt_st_copy(e, tmp);
+    rt_hf_to_moec(&t[i], tmp, data[j]);
+  }
+  for (int k = 0; status == 0 && k < set->ntensors; k++)
+    if (!used[k] && !derived(set->by_name[k]->name))
+      status = fail("%s: tensor '%s' is not part of a %s with this config.json; refusing rather than ignoring it", dir,
+                    set->by_name[k]->name, rt_hf_family_name(c->arch.family));
+  if (status == 0) {
+    static const char *const meta[] = {"format", "moec-weights", "source", "moec import-hf"};
+    if (rt_st_write(out_path, nout, out, 2, meta) != 0) status = fail("%s", rt_last_error());
+  }
+  for (int j = 0; data && j < nout; j++) free(data[j]);
+  free(tmp);
+  free(data);
+  free(dims);
+  free(out);
+  free(used);
+  free(t);
+  return status;
+}
+
+// ---- the .moe file ----
+
+// The shortest text of v that reads back as v.
+static const char *num(double v, char *buf, size_t n) {
+  for (int digits = 6; digits <= 17; digits++) {
+    snprintf(buf, n, "%.*g", digits, v);
+    if (strtod(buf, NULL) == v) break;
+  }
+  return buf;
+}
+
+static void default_name(const char *dir, char *out, size_t n) {
+  char buf[512];
+  snprintf(buf, sizeof buf, "%s", dir);
+  size_t len = strlen(buf);
+  while (len > 1 && buf[len - 1] == '/') buf[--len] = '\0';
+  const char *base = strrchr(buf, '/');
+  base = base ? base + 1 : buf;
+  size_t k = 0;
+  for (const char *s = base; *s && k + 1 < n; s++) out[k++] = isalnum((unsigned char)*s) ? *s : '_';
+  out[k] = '\0';
+  if (k == 0 || isdigit((unsigned char)out[0])) snprintf(out, n, "imported");
+}
+
+// The layers as runs of one kind (MoE or dense), each a `layer NAME x N` group: "moe", "dense",
+// then "moeb", "denseb", ... (a name ending in a letter, so that NAME + index is unique); the
+// instance of decoder layer l is its group's name and its index in the group.
+typedef struct Run {
+  bool dense;
+  int64_t first, count;
+  char name[16];
+} Run;
+
+static int runs_of(const RtHfArch *a, Run *runs) {
+  int n = 0, seen[2] = {0, 0};
+  for (int64_t l = 0; l < a->layers; l++) {
+    bool dense = a->dense && a->dense[l];
+    if (n > 0 && runs[n - 1].dense == dense) {
+      runs[n - 1].count++;
+      continue;
+    }
+    Run *r = &runs[n++];
+    *r = (Run){.dense = dense, .first = l, .count = 1};
+    int k = seen[dense]++;
+    char suffix[8] = "";
+    if (k > 0) {   // b, c, ..., z, ba, bb, ...
+      char tmp[8];
+      int len = 0;
+      for (int v = k; v > 0 && len < 6; v /= 26) tmp[len++] = (char)('a' + v % 26);
+      for (int i = 0; i < len; i++) suffix[i] = tmp[len - 1 - i];
+      suffix[len] = '\0';
+    }
+    snprintf(r->name, sizeof r->name, "%s%s", dense ? "dense" : "moe", suffix);
+  }
+  return n;
+}
+
+static void attention_line(FILE *f, const Config *c) {
+  const RtHfArch *a = &c->arch;
+  fprintf(f, "  attention { heads %lld; kv_heads %lld; bias %s; }\n", (long long)a->heads, (long long)a->kv_heads,
+          a->qkv_bias ? "qkv" : "false");
+}
+
+static int write_moe(const Options *o, const Config *c, int64_t seqlen, const char *moe_path, const char *weights_path,
+                     int nfiles, const Run *runs, int nruns) {
+  char name[128];
+  if (o->name) snprintf(name, sizeof name, "%s", o->name);
+  else default_name(o->dir, name, sizeof name);
+  char tmp[4200];
+  snprintf(tmp, sizeof tmp, "%s.tmp", moe_path);
+  FILE *f = fopen(tmp, "w");
+  if (!f) return fail("cannot write '%s': %s", tmp, strerror(errno));
+  const RtHfArch *a = &c->arch;
+  fprintf(f,
+          "# Imported by `moec import-hf` from %s (%s: config.json and %d safetensors file%s).\n"
+          "# Its weights, in moec's names: %s; train from them with `BIN --weights %s`.\n"
+          "# As transformers computes it: dropless routing (capacity *), the k chosen softmax scores%s,\n"
+          "# no aux loss in the objective (output_router_logits is false), no router noise.\n",
+          o->dir, rt_hf_family_name(a->family), nfiles, nfiles == 1 ? "" : "s", weights_path, weights_path,
+          c->renormalize ? " renormalised" : " as they are (not renormalised)");
+  fprintf(f, "model %s {\n  dtype fp32; batch %lld; seqlen %lld; embed %lld; seed 1;\n  vocab %lld;\n", name,
+          (long long)o->batch, (long long)seqlen, (long long)a->embed, (long long)a->vocab);
+  char b1[40], b2[40];
+  fprintf(f, "  position rope { theta %s; }\n  norm rmsnorm { eps %s; }\n  tie_embeddings %s;\n", num(c->theta, b1, sizeof b1),
+          num(c->eps, b2, sizeof b2), c->tie ? "true" : "false");
+  fprintf(f, "  optimizer %s { lr %s; }\n}\n", o->optimizer, num(o->lr, b1, sizeof b1));
+  for (int i = 0; i < nruns; i++) {
+    const Run *r = &runs[i];
+    fprintf(f, "\n# decoder layers %lld..%lld\nlayer %s x %lld {\n", (long long)r->first, (long long)(r->first + r->count - 1),
+            r->name, (long long)r->count);
+    attention_line(f, c);
+    if (r->dense) {
+      fprintf(f, "  mlp { ffn mixtral { hidden %lld; } }\n}\n", (long long)a->dense_hidden);
+      continue;
+    }
+    fprintf(f, "  moe {\n    experts %lld { ffn mixtral { hidden %lld; } }\n", (long long)a->experts, (long long)a->hidden);
+    fprintf(f, "    gate gshard { k %lld; capacity *; renormalize %s; }\n", (long long)c->k, c->renormalize ? "true" : "false");
+    if (a->shared_hidden > 0)
+      fprintf(f, "    shared { ffn mixtral { hidden %lld; }%s }\n", (long long)a->shared_hidden, a->shared_gate ? " gate sigmoid;" : "");
+    fprintf(f, "  }\n}\n");
+  }
+  return rt_commit_file(f, !ferror(f), tmp, moe_path) == 0 ? 0 : fail("%s", rt_last_error());
+}
+
+int cli_import_hf(int argc, char **argv) {
+  for (int i = 2; i < argc; i++)
+    if (strcmp(argv[i], "--help") == 0 || strcmp(argv[i], "-h") == 0) {
+      cli_import_hf_usage(stdout);
+      return 0;
+    }
+  Options o;
+  if (!parse_options(argc, argv, &o)) return 2;
+  Config c = {0};
+  int64_t seqlen = o.seqlen;
+  int status = read_config(&o, &c, &seqlen);
+  RtStSet set = {0};
+  if (status == 0 && rt_st_open(o.dir, &set) != 0) status = fail("%s", rt_last_error());
+  char moe_path[4096], weights_path[4096];
+  snprintf(moe_path, sizeof moe_path, "%s.moe", o.prefix);
+  snprintf(weights_path, sizeof weights_path, "%s.safetensors", o.prefix);
+  Run *runs = status == 0 ? calloc((size_t)c.arch.layers, sizeof *runs) : NULL;
+  int nruns = 0;
+  if (status == 0) {
+    c.arch.inst = calloc((size_t)c.arch.layers, sizeof *c.arch.inst);
+    if (!runs || !c.arch.inst) status = fail("out of memory");
+  }
+  if (status == 0) {
+    nruns = runs_of(&c.arch, runs);
+    for (int i = 0; i < nruns; i++)
+      for (int64_t j = 0; j < runs[i].count; j++) {
+        char buf[48];
+        snprintf(buf, sizeof buf, "%s%lld", runs[i].name, (long long)j);
+        c.arch.inst[runs[i].first + j] = strdup(buf);
+      }
+    status = convert(&c, &set, o.dir, weights_path);
+  }
+  if (status == 0) status = write_moe(&o, &c, seqlen, moe_path, weights_path, set.nfiles, runs, nruns);
+  free(runs);
+  if (status == 0)
+    printf("# moec import-hf: %s (%s, %lld layers, %lld experts, vocab %lld) -> %s, %s\n", o.dir,
+           rt_hf_family_name(c.arch.family), (long long)c.arch.layers, (long long)c.arch.experts,
+           (long long)c.arch.vocab, moe_path, weights_path);
+  rt_st_set_free(&set);
+  rt_hf_arch_free(&c.arch);
+  cJSON_Delete(c.json);
+  free((char *)c.path);
+  return status;
+}

@@ -1,0 +1,60 @@
+// Hugging Face checkpoints (runtime/hf.c, DESIGN §2.2): the table of which moec parameter each
+// tensor of a family's checkpoint is, used by `moec import-hf` and a binary's --export-hf.
+#ifndef RT_HF_H
+#define RT_HF_H
+
+#include <stdbool.h>
+#include <stdint.h>
+
+#include "moert.h"
+
+typedef enum RtHfFamily { RT_HF_MIXTRAL, RT_HF_QWEN2_MOE, RT_HF_QWEN3_MOE, RT_HF_OLMOE } RtHfFamily;
+
+// What a checkpoint's tensors depend on. Per decoder layer l: inst[l], its moec layer instance
+// ("block3"), and dense[l], a dense SwiGLU mlp of dense_hidden instead of the MoE (NULL: none).
+typedef struct RtHfArch {
+  RtHfFamily family;
+  int64_t layers, vocab, embed, heads, kv_heads, head_dim, experts, hidden;
+  int64_t dense_hidden;    // the dense layers' intermediate size
+  int64_t shared_hidden;   // a shared expert's (0: none)
+  bool shared_gate;        // the shared expert's output scaled by sigmoid(x·w)
+  bool qkv_bias;           // biases on q, k and v (none on o)
+  int qk_norm;             // RMSNorm of q and k: 0 none, 1 per head (over head_dim), 2 over the whole width
+  bool tie;                // no lm_head: the head is the embedding
+  char **inst;
+  bool *dense;
+} RtHfArch;
+
+enum { RT_HF_NAME = 192 };
+
+// One tensor of the family's checkpoint: the moec parameter it is, or expert `expert`'s slice
+// along the parameter's first dimension (-1: the whole parameter), transposed or not; its shape
+// in the checkpoint is dims[0..rank).
+typedef struct RtHfTensor {
+  char hf[RT_HF_NAME];
+  char moec[RT_HF_NAME];
+  int64_t expert;
+  bool transpose;
+  int rank;
+  int64_t dims[2];
+} RtHfTensor;
+
+const char *rt_hf_family_name(RtHfFamily f);
+// The family's tensors, in the order the checkpoint lists them (*out malloc'ed): their number,
+// or -1 (rt_fail).
+int rt_hf_tensors(const RtHfArch *a, RtHfTensor **out);
+// The moec parameter's whole shape for entry t (its rank; dims holds up to 3).
+int rt_hf_moec_dims(const RtHfArch *a, const RtHfTensor *t, int64_t *dims);
+// Entry t of the checkpoint from the whole moec parameter, and back.
+void rt_hf_from_moec(const RtHfTensor *t, const float *moec, float *hf);
+void rt_hf_to_moec(const RtHfTensor *t, const float *hf, float *moec);
+// The architecture of a config.json moec wrote (RtModel.hf_config); inst is left NULL.
+int rt_hf_arch_of_config(const char *json, RtHfArch *a);
+void rt_hf_arch_free(RtHfArch *a);   // frees inst[] and dense (NULL allowed)
+// The family of a config.json's model_type ("mixtral", ...); false when none.
+bool rt_hf_family_of(const char *model_type, RtHfFamily *f);
+// Writes DIR/config.json (m->hf_config) and DIR/model.safetensors (F32, the family's names) from
+// whole[i], the whole tensor of parameter i of m. 0, or -1 (rt_fail) with a sentence.
+int rt_hf_export(const RtModel *m, float *const *whole, const char *dir);
+
+#endif

@@ -1,0 +1,203 @@
+"""make interop: moec against transformers itself (DESIGN §2.2), one family at a time.
+
+Run by tests/interop/run.sh with the virtual environment's python (torch, transformers). For each
+case: a tiny random checkpoint made by transformers, `moec import-hf`, `moec build`, the binary
+run on fixed tokens, and its logits, loss, export and one SGD step compared with transformers'.
+Prints `ok    ...` / `FAIL  ...` lines; exits 1 on a failure.
+
+usage: hf.py MOEC WORKDIR
+"""
+import json
+import os
+import subprocess
+import sys
+
+import numpy as np
+import torch
+from safetensors import safe_open
+
+MOEC, WORK = sys.argv[1], sys.argv[2]
+failed = False
+EAGER = dict(attn_implementation="eager", experts_implementation="eager")
+
+
+def ok(msg):
+    print(f"ok    {msg}", flush=True)
+
+
+def bad(msg, detail=""):
+    global failed
+    failed = True
+    print(f"FAIL  {msg}", flush=True)
+    for line in detail.splitlines()[-20:]:
+        print(f"      {line}")
+
+
+def run(cmd, **kw):
+    p = subprocess.run(cmd, capture_output=True, text=True, **kw)
+    if p.returncode != 0:
+        raise RuntimeError(f"{' '.join(cmd)} exited {p.returncode}\n{p.stdout}\n{p.stderr}")
+    return p.stdout
+
+
+FAMILIES = {
+    "mixtral": ("MixtralConfig", "MixtralForCausalLM",
+                dict(vocab_size=96, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
+                     num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2, max_position_embeddings=64,
+                     initializer_range=0.1, rms_norm_eps=1e-5)),
+    # a dense layer among the MoE ones (mlp_only_layers), the shared expert and q/k/v biases
+    "qwen2_moe": ("Qwen2MoeConfig", "Qwen2MoeForCausalLM",
+                  dict(vocab_size=96, hidden_size=32, intermediate_size=40, moe_intermediate_size=24,
+                       shared_expert_intermediate_size=36, num_hidden_layers=3, num_attention_heads=4,
+                       num_key_value_heads=2, num_experts=4, num_experts_per_tok=2, mlp_only_layers=[1],
+                       max_position_embeddings=64, initializer_range=0.1, rms_norm_eps=1e-6)),
+}
+
+
+def tiny(family, seed, **over):
+    import transformers
+    cname, mname, cfg = FAMILIES[family]
+    torch.manual_seed(seed)
+    cfg = dict(cfg, **over)
+    config = getattr(transformers, cname)(**cfg)
+    config._attn_implementation = "eager"      # float64 throughout: no fused kernels
+    config._experts_implementation = "eager"
+    model = getattr(transformers, mname)(config).eval()
+    with torch.no_grad():   # norms away from 1 and biases away from 0, so that a misplaced weight shows
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.uniform_(0.5, 1.5)
+            elif name.endswith(".bias") or "shared_expert_gate" in name or name.endswith("mlp.gate.weight"):
+                p.normal_(0, 0.3)
+    return model
+
+
+def model_class(family):
+    import transformers
+    return getattr(transformers, FAMILIES[family][1])
+
+
+def tokens(vocab, batch, seqlen, seed):
+    rng = np.random.default_rng(seed)
+    return rng.integers(0, vocab, size=(batch, seqlen + 1), dtype=np.int32)
+
+
+def hf_reference(model, toks):
+    """Logits [B, L, V] and the training loss in float64, as transformers computes them."""
+    m64 = model.to(torch.float64)
+    ids = torch.from_numpy(toks.astype(np.int64))
+    with torch.no_grad():
+        out = m64(input_ids=ids, labels=ids)
+    L = toks.shape[1] - 1
+    return out.logits[:, :L].numpy(), float(out.loss)
+
+
+def moec_run(name, src_dir, batch, seqlen, toks, extra_import=(), extra_run=()):
+    prefix = os.path.join(WORK, name)
+    run([MOEC, "import-hf", src_dir, "-o", prefix, "--batch", str(batch), "--seqlen", str(seqlen), *extra_import])
+    run([MOEC, "build", prefix + ".moe", "-o", prefix])
+    np.save(prefix + ".tokens.npy", toks)
+    dump = prefix + ".dump"
+    run([prefix, "--steps", "1", "--weights", prefix + ".safetensors", "--input", prefix + ".tokens.npy",
+         "--dump", dump, "--quiet", *extra_run])
+    return prefix, np.load(os.path.join(dump, "logits.npy")), float(np.load(os.path.join(dump, "loss.npy")))
+
+
+def compare_forward(what, model, src, batch=2, seqlen=16, seed=1):
+    toks = tokens(model.config.vocab_size, batch, seqlen, seed)
+    ref_logits, ref_loss = hf_reference(model, toks)
+    prefix, logits, loss = moec_run(what.replace(" ", "_"), src, batch, seqlen, toks)
+    scale = np.abs(ref_logits).max()
+    err = np.abs(logits.reshape(ref_logits.shape) - ref_logits).max() / scale
+    lerr = abs(loss - ref_loss)
+    if err <= 1e-4 and lerr <= 1e-5:
+        ok(f"{what}: logits within {err:.1e} of transformers (float64, relative to the largest logit {scale:.2f}), "
+           f"loss {loss:.6f} vs {ref_loss:.6f} ({lerr:.1e})")
+    else:
+        bad(f"{what}: logits {err:.2e} (tolerance 1e-4), loss {loss:.6f} vs {ref_loss:.6f} ({lerr:.2e}, tolerance 1e-5)")
+    return prefix
+
+
+def tensors_of(path_dir):
+    out = {}
+    for f in sorted(os.listdir(path_dir)):
+        if f.endswith(".safetensors"):
+            with safe_open(os.path.join(path_dir, f), "pt") as s:
+                for k in s.keys():
+                    out[k] = s.get_tensor(k)
+    return out
+
+
+def family_checks(family):
+    cls = model_class(family)
+    model = tiny(family, 0)
+    src = os.path.join(WORK, family)
+    model.save_pretrained(src)
+    orig = tensors_of(src)
+    prefix = compare_forward(f"{family} (F32, one file)", tiny(family, 0), src)
+
+    # Export after --steps 0: transformers loads it, every tensor bit-identical.
+    out = prefix + ".export"
+    run([prefix, "--steps", "0", "--weights", prefix + ".safetensors", "--export-hf", out, "--quiet"])
+    back = cls.from_pretrained(out, **EAGER).eval()
+    again = os.path.join(WORK, family + ".resaved")
+    back.save_pretrained(again)
+    got = tensors_of(again)
+    diff = [k for k in orig if k not in got or not torch.equal(orig[k], got[k])]
+    extra = [k for k in got if k not in orig]
+    if not diff and not extra:
+        ok(f"{family} export (--steps 0): transformers loads it, all {len(orig)} tensors bit-identical")
+    else:
+        bad(f"{family} export (--steps 0): tensors differ or are missing", f"differ: {diff[:5]} extra: {extra[:5]}")
+
+    # BF16 over several shards.
+    bf = tiny(family, 0).to(torch.bfloat16)
+    src_bf = os.path.join(WORK, family + "_bf16")
+    bf.save_pretrained(src_bf, max_shard_size="40KB")
+    shards = [f for f in os.listdir(src_bf) if f.endswith(".safetensors")]
+    if len(shards) < 2 or not os.path.exists(os.path.join(src_bf, "model.safetensors.index.json")):
+        bad(f"{family} BF16: transformers did not write several shards", str(shards))
+    ref = tiny(family, 0)
+    with torch.no_grad():   # the weights as the shards hold them; buffers (the rotary table) as computed
+        for p in ref.parameters():
+            p.copy_(p.to(torch.bfloat16).to(p.dtype))
+    compare_forward(f"{family} (BF16, {len(shards)} shards)", ref, src_bf)
+
+    # One SGD step on transformers' loss.
+    lr = 0.05
+    toks = tokens(model.config.vocab_size, 2, 16, 3)
+    p2 = os.path.join(WORK, family + "_sgd")
+    run([MOEC, "import-hf", src, "-o", p2, "--batch", "2", "--seqlen", "16", "--optimizer", "sgd", "--lr", str(lr)])
+    run([MOEC, "build", p2 + ".moe", "-o", p2])
+    np.save(p2 + ".tokens.npy", toks)
+    run([p2, "--steps", "1", "--weights", p2 + ".safetensors", "--input", p2 + ".tokens.npy", "--export-hf",
+         p2 + ".export", "--quiet"])
+    m64 = tiny(family, 0).to(torch.float64).train()
+    ids = torch.from_numpy(toks.astype(np.int64))
+    m64(input_ids=ids, labels=ids).loss.backward()
+    worst, scale = 0.0, 0.0
+    stepped = cls.from_pretrained(p2 + ".export", **EAGER).to(torch.float64)
+    mine = dict(stepped.named_parameters())
+    for name, p in m64.named_parameters():
+        want = p.detach() - lr * (p.grad if p.grad is not None else torch.zeros_like(p))
+        worst = max(worst, float((mine[name].detach() - want).abs().max()))
+        if p.grad is not None:
+            scale = max(scale, float((lr * p.grad).abs().max()))
+    if worst <= 2e-3 * scale:
+        ok(f"{family} one SGD step (lr {lr}): every weight within {worst:.1e} of torch's step on transformers' loss "
+           f"(the update's scale {scale:.1e})")
+    else:
+        bad(f"{family} one SGD step: {worst:.2e} from torch's, more than 2e-3 of the update's scale {scale:.2e}")
+
+
+def main():
+    os.makedirs(WORK, exist_ok=True)
+    for family in FAMILIES:
+        try:
+            family_checks(family)
+        except Exception as e:  # a failed command is one failed check, the others still run
+            bad(f"{family}: {type(e).__name__}", str(e))
+    sys.exit(1 if failed else 0)
+
+
+main()

@@ -1,0 +1,133 @@
+#!/usr/bin/env bash
+# Hugging Face checkpoints in make test (DESIGN §2.2; the comparison with transformers itself is
+# make interop): a Mixtral checkpoint written by tests/lm/hf_fixture.py with numpy.
+#   - moec import-hf writes a model that builds and trains; --steps 0 --export-hf writes back
+#     every tensor bit for bit (and a config.json with the same architecture);
+#   - the same numbers as BF16 over 3 shards, and as F16, import to the same moec weights;
+#   - the imported model on dp2·mp2·ep4 (4 ranks) gives the single-rank losses;
+#   - config values and tensors it cannot represent are refused with a sentence naming them;
+#   - --export-hf of a model that is no family is refused before training, saying why.
+# Prints ok/FAIL lines; exits 1 on any failure.
+set -u
+cd "$(dirname "$0")/../.."
+BUILD=${BUILD:-build}
+MOEC=${MOEC:-$BUILD/moec}
+case "$MOEC" in /*) ;; *) MOEC=$(pwd)/$MOEC ;; esac
+WORK=$(mktemp -d "${TMPDIR:-/tmp}/moec-hf.XXXXXX")
+trap 'rm -rf "$WORK"' EXIT
+. tests/mpi/common.sh
+FIX="$PY tests/lm/hf_fixture.py"
+export OMP_NUM_THREADS=1
+
+$FIX make "$WORK/mx" || { bad "hf_fixture.py make"; exit 1; }
+if ! "$MOEC" import-hf "$WORK/mx" -o "$WORK/mx" --batch 2 --seqlen 16 >"$WORK/imp.out" 2>&1; then
+  bad "import-hf of a Mixtral checkpoint" "$(cat "$WORK/imp.out")"; exit 1
+fi
+if ! "$MOEC" build "$WORK/mx.moe" -o "$WORK/mxbin" 2>"$WORK/err"; then bad "build the imported model" "$(cat "$WORK/err")"; exit 1; fi
+if (cd "$WORK" && ./mxbin --steps 0 --weights mx.safetensors --export-hf out >exp.out 2>&1) &&
+   same=$($FIX same "$WORK/mx/model.safetensors" "$WORK/out/model.safetensors" 2>&1); then
+  ok "Mixtral import-hf, then --steps 0 --export-hf: $same"
+else
+  bad "Mixtral import-hf then --export-hf is not the checkpoint" "$(cat "$WORK/exp.out") ${same:-}"
+fi
+if $PY - "$WORK/mx/config.json" "$WORK/out/config.json" <<'EOF'
+import json, sys
+a, b = (json.load(open(p)) for p in sys.argv[1:3])
+keys = ["model_type", "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+        "num_key_value_heads", "num_local_experts", "num_experts_per_tok", "rms_norm_eps", "tie_word_embeddings"]
+diff = [k for k in keys if a[k] != b[k]]
+diff += [] if a["rope_parameters"]["rope_theta"] == b["rope_parameters"]["rope_theta"] else ["rope_theta"]
+if diff:
+    print("differ:", ", ".join(diff))
+sys.exit(1 if diff else 0)
+EOF
+then ok "the exported config.json has the checkpoint's architecture"
+else bad "the exported config.json differs from the checkpoint's"
+fi
+if (cd "$WORK" && ./mxbin --steps 3 --weights mx.safetensors >train.out 2>&1) && [ "$(losses "$WORK/train.out" | wc -l)" = 3 ]; then
+  ok "the imported model trains from its weights: losses $(losses "$WORK/train.out" | tr '\n' ' ')"
+else
+  bad "the imported model does not train" "$(tail -n 5 "$WORK/train.out")"
+fi
+
+# BF16 over shards and F16 hold the same numbers: the same moec weights.
+for form in "bf16 --bf16-shards 3" "f16 --f16"; do
+  set -- $form
+  name=$1; shift
+  $FIX make "$WORK/$name" "$@"
+  if "$MOEC" import-hf "$WORK/$name" -o "$WORK/$name" --batch 2 --seqlen 16 >"$WORK/$name.out" 2>&1 &&
+     same=$($FIX same "$WORK/mx.safetensors" "$WORK/$name.safetensors" 2>&1); then
+    ok "import-hf of the same checkpoint as $name ($*): the moec weights equal the F32 import's: $same"
+  else
+    bad "import-hf as $name differs from the F32 import" "$(cat "$WORK/$name.out") ${same:-}"
+  fi
+done
+
+# Layouts: dp2·mp2·ep2 on 4 ranks equals one rank (global batch 4 windows).
+sed 's/batch 2;/batch 4;/' "$WORK/mx.moe" >"$WORK/one.moe"
+sed '0,/^layer /s//parallel { dp 2; mp 2; ep 4; esp 1; }\nlayer /' "$WORK/mx.moe" >"$WORK/four.moe"
+if "$MOEC" build "$WORK/one.moe" -o "$WORK/one" 2>"$WORK/err" && "$MOEC" build "$WORK/four.moe" -o "$WORK/four" 2>>"$WORK/err" &&
+   (cd "$WORK" && ./one --steps 3 --weights mx.safetensors >one.out 2>&1) &&
+   (cd "$WORK" && timeout 300 $MPIRUN -np 4 ./four --steps 3 --weights mx.safetensors >four.out 2>&1 </dev/null) &&
+   same_losses "$WORK/one.out" "$WORK/four.out"; then
+  ok "the imported model on dp2·mp2·ep4 (4 ranks) has the single-rank losses: $(losses "$WORK/four.out" | tr '\n' ' ')"
+else
+  bad "the imported model on 4 ranks differs from one rank" "$(cat "$WORK/err"; paste <(losses "$WORK/one.out") <(losses "$WORK/four.out"); tail -n 5 "$WORK/four.out")"
+fi
+
+# Qwen2-MoE (a dense layer among the MoE ones, the shared expert, q/k/v biases): the export gives
+# the checkpoint back, and dp2·mp2·ep2·esp2 (4 ranks) equals one rank.
+$FIX make "$WORK/q2" --family qwen2_moe
+if "$MOEC" import-hf "$WORK/q2" -o "$WORK/q2" --batch 4 --seqlen 16 >"$WORK/q2.out" 2>&1 &&
+   "$MOEC" build "$WORK/q2.moe" -o "$WORK/q2one" 2>"$WORK/err" &&
+   (cd "$WORK" && ./q2one --steps 0 --weights q2.safetensors --export-hf q2out >q2exp.out 2>&1) &&
+   same=$($FIX same "$WORK/q2/model.safetensors" "$WORK/q2out/model.safetensors" 2>&1); then
+  ok "Qwen2-MoE import-hf, then --steps 0 --export-hf: $same"
+else
+  bad "Qwen2-MoE import-hf then --export-hf is not the checkpoint" "$(cat "$WORK/q2.out" "$WORK/err" "$WORK/q2exp.out" 2>/dev/null) ${same:-}"
+fi
+sed 's/batch 4;/batch 2;/; 0,/^layer /s//parallel { dp 2; mp 2; ep 2; esp 2; }\nlayer /' "$WORK/q2.moe" >"$WORK/q2four.moe"
+if "$MOEC" build "$WORK/q2four.moe" -o "$WORK/q2four" 2>"$WORK/err" &&
+   (cd "$WORK" && ./q2one --steps 3 --weights q2.safetensors >q2one.out 2>&1) &&
+   (cd "$WORK" && timeout 300 $MPIRUN -np 4 ./q2four --steps 3 --weights q2.safetensors >q2four.out 2>&1 </dev/null) &&
+   same_losses "$WORK/q2one.out" "$WORK/q2four.out"; then
+  ok "the imported Qwen2-MoE on dp2·mp2·ep2·esp2 (4 ranks) has the single-rank losses: $(losses "$WORK/q2four.out" | tr '\n' ' ')"
+else
+  bad "the imported Qwen2-MoE on 4 ranks differs from one rank" "$(cat "$WORK/err"; paste <(losses "$WORK/q2one.out") <(losses "$WORK/q2four.out"); tail -n 5 "$WORK/q2four.out")"
+fi
+
+# Refusals, each a sentence naming what it refuses.
+refused() {  # label expected-text fixture-args...
+  local label=$1 want=$2; shift 2
+  rm -rf "$WORK/r"; $FIX make "$WORK/r" "$@"
+  if "$MOEC" import-hf "$WORK/r" -o "$WORK/r" --seqlen 16 >"$WORK/r.out" 2>&1; then
+    bad "import-hf accepted $label"
+  elif grep -q -- "$want" "$WORK/r.out"; then
+    ok "import-hf refuses $label: $(head -n 1 "$WORK/r.out")"
+  else
+    bad "import-hf refused $label without saying '$want'" "$(cat "$WORK/r.out")"
+  fi
+}
+refused "an unknown config key" '"moe_layer_freq": 2 is a key moec does not know' --config moe_layer_freq=2
+refused "router jitter" '"router_jitter_noise": 0.1' --config router_jitter_noise=0.1
+refused "a sliding window shorter than the sequence" '"sliding_window": 8' --config sliding_window=8
+refused "a family moec does not read yet" 'model_type "qwen3_moe" is not a family moec reads yet' --config model_type='"qwen3_moe"'
+refused "a missing tensor" "has no tensor 'model.layers.1.block_sparse_moe.experts.2.w3.weight'" --drop model.layers.1.block_sparse_moe.experts.2.w3.weight
+refused "a tensor it does not know" "tensor 'model.layers.0.mlp.shared_expert_gate.weight' is not part of" --extra model.layers.0.mlp.shared_expert_gate.weight
+refused "a tensor of the wrong shape" "is \[40, 32\]; config.json makes it \[48, 32\]" --claim intermediate_size=48
+if "$MOEC" import-hf "$WORK/mx" -o "$WORK/x" --seqlen 100 >"$WORK/r.out" 2>&1; then
+  bad "import-hf accepted --seqlen past max_position_embeddings"
+elif grep -q "max_position_embeddings 64" "$WORK/r.out"; then ok "import-hf refuses --seqlen past max_position_embeddings: $(cat "$WORK/r.out")"
+else bad "import-hf --seqlen 100: unclear refusal" "$(cat "$WORK/r.out")"
+fi
+
+# --export-hf of a model of no family: refused before training, with the reason.
+"$MOEC" build lang/models/gpt_moe_bytes.moe -o "$WORK/gpt" 2>"$WORK/err"
+if (cd "$WORK" && ./gpt --steps 2 --export-hf o2 >gpt.out 2>&1); then
+  bad "--export-hf of gpt_moe_bytes (learned positions) was accepted"
+elif grep -q "cannot be written as a Hugging Face checkpoint: .*position" "$WORK/gpt.out" && ! grep -q '^step' "$WORK/gpt.out"; then
+  ok "--export-hf of a model of no family is refused before training: $(grep error "$WORK/gpt.out")"
+else
+  bad "--export-hf of gpt_moe_bytes: unclear refusal" "$(cat "$WORK/gpt.out")"
+fi
+exit $failed
