@@ -38,7 +38,7 @@ void cli_import_hf_usage(FILE *out) {
           "with its shards; F32, BF16, F16 or F64 tensors) and writes PREFIX.moe (the architecture as a moec\n"
           "model) and PREFIX.safetensors (the weights in moec's names, F32). Then:\n"
           "  moec build PREFIX.moe -o BIN && BIN --weights PREFIX.safetensors [--data F] ... [--export-hf OUT]\n"
-          "Families: mixtral, qwen2_moe (model_type in config.json). A config value moec cannot represent is refused.\n"
+          "Families: mixtral, qwen2_moe, qwen3_moe, olmoe (model_type in config.json). A config value moec cannot represent is refused.\n"
           "  --name NAME       the model's name (default: DIR's last folder, as an identifier)\n"
           "  --batch B         samples per data-parallel rank (default 4)\n"
           "  --seqlen L        tokens per sample (default min(128, max_position_embeddings))\n"
@@ -118,6 +118,7 @@ typedef struct Config {
   int64_t k, max_positions;
   double theta, eps;
   bool tie, renormalize;
+  int64_t window;   // Mixtral's sliding_window when shorter than the sequence (0: none)
 } Config;
 
 // The value of key as text, for a sentence.
@@ -151,12 +152,16 @@ static bool harmless(const Config *c, const char *k) {
   static const char *const mixtral[] = {"num_local_experts", "intermediate_size"};
   static const char *const qwen2[] = {"num_experts", "moe_intermediate_size", "intermediate_size",
                                       "shared_expert_intermediate_size", "norm_topk_prob", "qkv_bias",
-                                      "decoder_sparse_step", "mlp_only_layers", "max_window_layers"};
+                                      "decoder_sparse_step", "mlp_only_layers", "max_window_layers", NULL};
+  static const char *const qwen3[] = {"num_experts", "num_local_experts", "moe_intermediate_size", "intermediate_size",
+                                      "norm_topk_prob", "decoder_sparse_step", "mlp_only_layers", "max_window_layers",
+                                      "head_dim", "attention_bias", NULL};
+  static const char *const olmoe[] = {"num_experts", "intermediate_size", "norm_topk_prob", "attention_bias", NULL};
   for (size_t i = 0; i < sizeof any / sizeof *any; i++)
     if (strcmp(k, any[i]) == 0) return true;
-  const char *const *fam = is_family(c, RT_HF_MIXTRAL) ? mixtral : qwen2;
-  size_t n = is_family(c, RT_HF_MIXTRAL) ? sizeof mixtral / sizeof *mixtral : sizeof qwen2 / sizeof *qwen2;
-  for (size_t i = 0; i < n; i++)
+  if (is_family(c, RT_HF_MIXTRAL)) return strcmp(k, mixtral[0]) == 0 || strcmp(k, mixtral[1]) == 0;
+  const char *const *fam = is_family(c, RT_HF_QWEN2_MOE) ? qwen2 : is_family(c, RT_HF_QWEN3_MOE) ? qwen3 : olmoe;
+  for (size_t i = 0; fam[i]; i++)
     if (strcmp(k, fam[i]) == 0) return true;
   return false;
 }
@@ -176,13 +181,19 @@ static int check_key(Config *c, const cJSON *v) {
                                           "which moec does not compute yet (import a config with false: the objective is "
                                           "then cross-entropy alone)");
   if (strcmp(k, "head_dim") == 0) return cJSON_IsNull(v) ? 0 : 2;
-  if (strcmp(k, "use_sliding_window") == 0 && is_family(c, RT_HF_QWEN2_MOE))
-    return cJSON_IsFalse(v) ? 0 : refuse(c, v, "moec's attention sees the whole sequence");
+  bool qwen = is_family(c, RT_HF_QWEN2_MOE) || is_family(c, RT_HF_QWEN3_MOE);
+  if (strcmp(k, "use_sliding_window") == 0 && qwen)
+    return cJSON_IsFalse(v) ? 0 : refuse(c, v, "the Qwen families' windows apply from max_window_layers on, which moec does not represent");
   if (strcmp(k, "sliding_window") == 0) {
-    if (is_family(c, RT_HF_QWEN2_MOE) && !cJSON_IsTrue(key(c, "use_sliding_window"))) return 0;   // unused
-    return cJSON_IsNull(v) ? 0 : 2;
+    if (qwen && !cJSON_IsTrue(key(c, "use_sliding_window"))) return 0;   // unused
+    if (cJSON_IsNull(v)) return 0;
+    if (!is_family(c, RT_HF_MIXTRAL)) return refuse(c, v, "only Mixtral's attention has a sliding window in moec");
+    return cJSON_IsNumber(v) && v->valuedouble >= 1 && v->valuedouble == floor(v->valuedouble)
+               ? 2 : refuse(c, v, "it must be null or a whole number of at least 1");
   }
-  if (strcmp(k, "layer_types") == 0 && is_family(c, RT_HF_QWEN2_MOE)) {
+  if (strcmp(k, "clip_qkv") == 0 && is_family(c, RT_HF_OLMOE))
+    return cJSON_IsNull(v) ? 0 : refuse(c, v, "moec does not clamp q, k and v");
+  if (strcmp(k, "layer_types") == 0 && qwen) {
     for (const cJSON *e = cJSON_IsArray(v) ? v->child : NULL; e; e = e->next)
       if (!cJSON_IsString(e) || strcmp(e->valuestring, "full_attention") != 0)
         return refuse(c, v, "moec's attention sees the whole sequence in every layer (\"full_attention\")");
@@ -233,8 +244,9 @@ static int read_arch(Config *c, const char *text, int64_t seqlen) {
   }
   bool mixtral = family == RT_HF_MIXTRAL;
   const char *required[] = {"vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads",
-                            "num_experts_per_tok", mixtral ? "num_local_experts" : "num_experts",
-                            mixtral ? "intermediate_size" : "moe_intermediate_size"};
+                            "num_experts_per_tok",
+                            mixtral || (family == RT_HF_QWEN3_MOE && !key(c, "num_experts")) ? "num_local_experts" : "num_experts",
+                            mixtral || family == RT_HF_OLMOE ? "intermediate_size" : "moe_intermediate_size"};
   for (size_t i = 0; i < sizeof required / sizeof *required; i++)
     if (need_count(c, required[i])) return 1;
   if (rt_hf_arch_of_config(text, a) != 0) return fail("%s: %s", c->path, rt_last_error());
@@ -251,7 +263,7 @@ static int read_arch(Config *c, const char *text, int64_t seqlen) {
   const cJSON *norm = key(c, "norm_topk_prob");
   if (norm && !cJSON_IsBool(norm)) return refuse(c, norm, "it must be true or false");
   c->renormalize = mixtral || cJSON_IsTrue(norm);
-  if (a->embed % a->heads != 0)
+  if (family != RT_HF_QWEN3_MOE && a->embed % a->heads != 0)
     return fail("%s: hidden_size %lld is not a multiple of num_attention_heads %lld", c->path, (long long)a->embed,
                 (long long)a->heads);
   if (a->heads % a->kv_heads != 0)
@@ -262,6 +274,11 @@ static int read_arch(Config *c, const char *text, int64_t seqlen) {
   if (c->k > a->experts)
     return fail("%s: num_experts_per_tok %lld is more than the %lld experts", c->path, (long long)c->k,
                 (long long)a->experts);
+  if (family == RT_HF_QWEN3_MOE) {
+    bool dense = false;
+    for (int64_t l = 0; l < a->layers; l++) dense |= a->dense[l];
+    if (dense && need_count(c, "intermediate_size")) return 1;
+  }
   if (family == RT_HF_QWEN2_MOE) {
     bool dense = false;
     for (int64_t l = 0; l < a->layers; l++) dense |= a->dense[l];
@@ -276,8 +293,7 @@ static int read_arch(Config *c, const char *text, int64_t seqlen) {
     if (hd && !cJSON_IsNull(hd) && !(cJSON_IsNumber(hd) && hd->valuedouble * (double)a->heads == (double)a->embed))
       return refuse(c, hd, "moec's attention heads here are hidden_size / num_attention_heads wide");
     const cJSON *sw = key(c, "sliding_window");
-    if (sw && !cJSON_IsNull(sw) && !(cJSON_IsNumber(sw) && sw->valuedouble >= (double)seqlen))
-      return refuse(c, sw, "moec's attention sees the whole sequence (a window at least --seqlen long is the same)");
+    if (sw && cJSON_IsNumber(sw) && sw->valuedouble < (double)seqlen) c->window = (int64_t)sw->valuedouble;
   }
   return 0;
 }
@@ -319,10 +335,9 @@ static int read_config(const Options *o, Config *c, int64_t *seqlen) {
   const cJSON *type = cJSON_IsObject(c->json) ? key(c, "model_type") : NULL;
   if (!cJSON_IsObject(c->json)) status = fail("'%s' is not a JSON object", path);
   else if (!cJSON_IsString(type)) status = fail("%s: \"model_type\" is missing; it names the family", path);
-  else if (!rt_hf_family_of(type->valuestring, &c->arch.family) ||
-           (c->arch.family != RT_HF_MIXTRAL && c->arch.family != RT_HF_QWEN2_MOE))
-    status = fail("%s: model_type \"%s\" is not a family moec reads yet (it reads mixtral and qwen2_moe)", path,
-                  type->valuestring);
+  else if (!rt_hf_family_of(type->valuestring, &c->arch.family))
+    status = fail("%s: model_type \"%s\" is not a family moec reads (it reads mixtral, qwen2_moe, qwen3_moe and olmoe)",
+                  path, type->valuestring);
   if (status == 0) {
     const cJSON *mp = key(c, "max_position_embeddings");
     int64_t most = cJSON_IsNumber(mp) && mp->valuedouble >= 1 ? (int64_t)mp->valuedouble : 128;
@@ -471,8 +486,12 @@ static int runs_of(const RtHfArch *a, Run *runs) {
 
 static void attention_line(FILE *f, const Config *c) {
   const RtHfArch *a = &c->arch;
-  fprintf(f, "  attention { heads %lld; kv_heads %lld; bias %s; }\n", (long long)a->heads, (long long)a->kv_heads,
-          a->qkv_bias ? "qkv" : "false");
+  fprintf(f, "  attention { heads %lld; kv_heads %lld; bias %s;", (long long)a->heads, (long long)a->kv_heads,
+          a->o_bias ? "true" : a->qkv_bias ? "qkv" : "false");
+  if (a->head_dim * a->heads != a->embed) fprintf(f, " head_dim %lld;", (long long)a->head_dim);
+  if (a->qk_norm) fprintf(f, " qk_norm %s;", a->qk_norm == 1 ? "head" : "whole");
+  if (c->window > 0) fprintf(f, " window %lld;", (long long)c->window);
+  fprintf(f, " }\n");
 }
 
 static int write_moe(const Options *o, const Config *c, int64_t seqlen, const char *moe_path, const char *weights_path,

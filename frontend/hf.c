@@ -8,7 +8,12 @@
 //     renormalised (the default for k >= 2; `renormalize true` for k = 1);
 //   - Qwen2-MoE: q/k/v biases and no o bias (`bias qkv`) or none, a shared SwiGLU expert gated by
 //     a sigmoid in every MoE layer, dense SwiGLU layers (`mlp { ffn mixtral }`) anywhere
-//     (mlp_only_layers), renormalised or not (norm_topk_prob).
+//     (mlp_only_layers), renormalised or not (norm_topk_prob);
+//   - Qwen3-MoE: RMSNorm of q and k per head (`qk_norm head`), any head_dim, biases on all four
+//     projections or none (attention_bias), dense layers allowed, renormalised or not;
+//   - OLMoE: RMSNorm of q and k over the whole width (`qk_norm whole`), biases on all four or
+//     none, no dense layers, renormalised or not.
+// Mixtral alone has a sliding window (`window W`, the same in every layer).
 // Training-only settings (capacity, noise, aux and z losses, hooks, the layout, the schedule) do
 // not change the weights' meaning and do not stop an export; the exported model computes
 // dropless, as transformers does.
@@ -29,8 +34,11 @@ static bool refuse(char *why, size_t n, const char *fmt, ...) {
   return false;
 }
 
-typedef enum Family { MIXTRAL, QWEN2_MOE } Family;
-static const char *const family_names[] = {"Mixtral", "Qwen2-MoE"};
+typedef enum Family { MIXTRAL, QWEN2_MOE, QWEN3_MOE, OLMOE } Family;
+static const char *const family_names[] = {"Mixtral", "Qwen2-MoE", "Qwen3-MoE", "OLMoE"};
+static const char *const family_types[] = {"mixtral", "qwen2_moe", "qwen3_moe", "olmoe"};
+static const char *const family_classes[] = {"MixtralForCausalLM", "Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM",
+                                             "OlmoeForCausalLM"};
 
 // What every family shares; first_moe is the first MoE layer (all MoE layers must equal it).
 static bool common(const FeProgram *p, Family f, const FeLayer **first_moe, char *why, size_t n) {
@@ -43,12 +51,20 @@ static bool common(const FeProgram *p, Family f, const FeLayer **first_moe, char
   const FeLayer *m0 = NULL, *a0 = &p->layers[0];
   for (int i = 0; i < p->nlayers; i++) {
     const FeLayer *l = &p->layers[i];
+    bool same_norm = (!l->qk_norm && !a0->qk_norm) || (l->qk_norm && a0->qk_norm && strcmp(l->qk_norm, a0->qk_norm) == 0);
     if (l->heads != a0->heads || l->kv_heads != a0->kv_heads || l->head_dim != a0->head_dim ||
-        l->attn_bias != a0->attn_bias || l->attn_bias_out != a0->attn_bias_out)
+        l->attn_bias != a0->attn_bias || l->attn_bias_out != a0->attn_bias_out || !same_norm || l->window != a0->window)
       return refuse(why, n, "layers '%s' and '%s' have different attention; a %s config has one", a0->name, l->name, fam);
-    if (l->head_dim > 0 && l->head_dim * l->heads != md->embed)
+    if (f != QWEN3_MOE && l->head_dim > 0 && l->head_dim * l->heads != md->embed)
       return refuse(why, n, "layer '%s' has head_dim %lld, not embed/heads; %s's heads are hidden_size/heads wide",
                     l->name, (long long)l->head_dim, fam);
+    if (f != MIXTRAL && l->window > 0 && l->window < md->seqlen)
+      return refuse(why, n, "layer '%s' has 'window %lld'; %s's attention sees the whole sequence", l->name,
+                    (long long)l->window, fam);
+    const char *want_norm = f == QWEN3_MOE ? "head" : f == OLMOE ? "whole" : NULL;
+    if ((want_norm == NULL) != (l->qk_norm == NULL) || (want_norm && strcmp(want_norm, l->qk_norm) != 0))
+      return refuse(why, n, "layer '%s' has %s%s; %s has %s", l->name, l->qk_norm ? "qk_norm " : "no qk_norm",
+                    l->qk_norm ? l->qk_norm : "", fam, want_norm ? (f == QWEN3_MOE ? "'qk_norm head'" : "'qk_norm whole'") : "none");
     if (!l->has_moe) continue;
     const FeMoe *e = &l->moe;
     if (strcmp(e->experts.kind, "mixtral") != 0)
@@ -67,6 +83,23 @@ static bool common(const FeProgram *p, Family f, const FeLayer **first_moe, char
   }
   if (!m0) return refuse(why, n, "it has no MoE layer");
   *first_moe = m0;
+  return true;
+}
+
+// Qwen3-MoE and OLMoE: biases on all four projections or none; no shared expert; OLMoE no dense
+// layers either.
+static bool is_qwen3_or_olmoe(const FeProgram *p, Family f, const FeLayer **m0, char *why, size_t n) {
+  if (!common(p, f, m0, why, n)) return false;
+  for (int i = 0; i < p->nlayers; i++) {
+    const FeLayer *l = &p->layers[i];
+    if (l->attn_bias != l->attn_bias_out)
+      return refuse(why, n, "layer '%s' has 'bias qkv'; %s has biases on all four projections or none", l->name,
+                    family_names[f]);
+    if (l->has_mlp && (f == OLMOE || strcmp(l->mlp.kind, "mixtral") != 0))
+      return refuse(why, n, "layer '%s' is a dense '%s' layer; %s", l->name, l->mlp.kind,
+                    f == OLMOE ? "OLMoE's layers are all MoE" : "Qwen3-MoE's dense layers are SwiGLU ('ffn mixtral')");
+  }
+  if ((*m0)->moe.has_shared) return refuse(why, n, "it has a shared expert; %s has none", family_names[f]);
   return true;
 }
 
@@ -124,20 +157,18 @@ static void add_float(cJSON *o, const char *key, double v) {
 
 char *fe_hf_config(const FeProgram *p, char *why, size_t n) {
   const FeLayer *m0 = NULL;
-  char mix_why[512];
-  bool qwen = false;
-  if (!is_mixtral(p, &m0, mix_why, sizeof mix_why)) {
-    bool looks_qwen = false;   // what only Qwen2-MoE has decides which family's reason to give
-    for (int i = 0; i < p->nlayers; i++)
-      looks_qwen |= p->layers[i].has_mlp || (p->layers[i].has_moe && p->layers[i].moe.has_shared) ||
-                    (p->layers[i].attn_bias && !p->layers[i].attn_bias_out);
-    if (!looks_qwen) {
-      snprintf(why, n, "%s", mix_why);
-      return NULL;
-    }
-    if (!is_qwen2_moe(p, &m0, why, n)) return NULL;
-    qwen = true;
-  }
+  // What only one family has decides which family's reason to give.
+  const char *qk = p->nlayers > 0 ? p->layers[0].qk_norm : NULL;
+  bool looks_qwen2 = false;
+  for (int i = 0; i < p->nlayers; i++)
+    looks_qwen2 |= (p->layers[i].has_moe && p->layers[i].moe.has_shared) ||
+                   (p->layers[i].attn_bias && !p->layers[i].attn_bias_out) || (!qk && p->layers[i].has_mlp);
+  Family f = qk && strcmp(qk, "head") == 0 ? QWEN3_MOE : qk ? OLMOE : looks_qwen2 ? QWEN2_MOE : MIXTRAL;
+  bool ok = f == MIXTRAL     ? is_mixtral(p, &m0, why, n)
+            : f == QWEN2_MOE ? is_qwen2_moe(p, &m0, why, n)
+                             : is_qwen3_or_olmoe(p, f, &m0, why, n);
+  if (!ok) return NULL;
+  bool qwen = f == QWEN2_MOE;
   const FeModel *md = &p->model;
   const FeLayer *a0 = &p->layers[0];
   const FeMoe *e = &m0->moe;
@@ -149,8 +180,8 @@ char *fe_hf_config(const FeProgram *p, char *why, size_t n) {
   cJSON *c = cJSON_CreateObject();
   if (!c) return NULL;
   cJSON *arch = cJSON_AddArrayToObject(c, "architectures");
-  cJSON_AddItemToArray(arch, cJSON_CreateString(qwen ? "Qwen2MoeForCausalLM" : "MixtralForCausalLM"));
-  cJSON_AddStringToObject(c, "model_type", qwen ? "qwen2_moe" : "mixtral");
+  cJSON_AddItemToArray(arch, cJSON_CreateString(family_classes[f]));
+  cJSON_AddStringToObject(c, "model_type", family_types[f]);
   add_int(c, "vocab_size", md->vocab);
   add_int(c, "hidden_size", md->embed);
   add_int(c, "num_hidden_layers", layers);
@@ -158,7 +189,25 @@ char *fe_hf_config(const FeProgram *p, char *why, size_t n) {
   add_int(c, "num_key_value_heads", a0->kv_heads > 0 ? a0->kv_heads : a0->heads);
   add_int(c, "num_experts_per_tok", e->gate.k);
   add_int(c, "max_position_embeddings", md->seqlen);
-  if (qwen) {
+  if (f == QWEN3_MOE || f == OLMOE) {
+    add_int(c, "num_experts", e->experts.count);
+    add_int(c, f == OLMOE ? "intermediate_size" : "moe_intermediate_size", e->experts.hidden);
+    if (f == QWEN3_MOE) {
+      add_int(c, "intermediate_size", dense_hidden > 0 ? dense_hidden : e->experts.hidden);
+      add_int(c, "head_dim", a0->head_dim);
+      add_int(c, "decoder_sparse_step", 1);
+      cJSON *only = cJSON_AddArrayToObject(c, "mlp_only_layers");
+      int64_t l = 0;
+      for (int i = 0; i < p->nlayers; i++)
+        for (int64_t r = 0; r < p->layers[i].repeat; r++, l++)
+          if (p->layers[i].has_mlp) cJSON_AddItemToArray(only, cJSON_CreateNumber((double)l));
+      cJSON_AddBoolToObject(c, "use_sliding_window", false);
+    } else {
+      cJSON_AddNullToObject(c, "clip_qkv");
+    }
+    cJSON_AddBoolToObject(c, "norm_topk_prob", e->gate.renormalize);
+    cJSON_AddBoolToObject(c, "attention_bias", a0->attn_bias);
+  } else if (qwen) {
     add_int(c, "num_experts", e->experts.count);
     add_int(c, "moe_intermediate_size", e->experts.hidden);
     add_int(c, "shared_expert_intermediate_size", e->shared.hidden);
@@ -176,7 +225,8 @@ char *fe_hf_config(const FeProgram *p, char *why, size_t n) {
     add_int(c, "num_local_experts", e->experts.count);
     add_int(c, "intermediate_size", e->experts.hidden);
     add_int(c, "head_dim", md->embed / a0->heads);
-    cJSON_AddNullToObject(c, "sliding_window");
+    if (a0->window > 0 && a0->window < md->seqlen) add_int(c, "sliding_window", a0->window);
+    else cJSON_AddNullToObject(c, "sliding_window");
     add_float(c, "router_jitter_noise", 0);
   }
   add_float(c, "rms_norm_eps", md->norm_eps);

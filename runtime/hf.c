@@ -89,6 +89,7 @@ static int family_table(const RtHfArch *a, RtHfTensor *t) {
       add(t, &n, MOEC("attn.bk"), -1, false, KV, 0, "%s.self_attn.k_proj.bias", pre);
       add(t, &n, MOEC("attn.bv"), -1, false, KV, 0, "%s.self_attn.v_proj.bias", pre);
     }
+    if (a->o_bias) add(t, &n, MOEC("attn.bo"), -1, false, M, 0, "%s.self_attn.o_proj.bias", pre);
     if (a->qk_norm) {
       add(t, &n, MOEC("attn.q_norm.weight"), -1, false, a->qk_norm == 1 ? a->head_dim : Q, 0, "%s.self_attn.q_norm.weight", pre);
       add(t, &n, MOEC("attn.k_norm.weight"), -1, false, a->qk_norm == 1 ? a->head_dim : KV, 0, "%s.self_attn.k_norm.weight", pre);
@@ -205,10 +206,9 @@ int rt_hf_arch_of_config(const char *json, RtHfArch *a) {
   bool mixtral = a->family == RT_HF_MIXTRAL, qwen = a->family == RT_HF_QWEN2_MOE || a->family == RT_HF_QWEN3_MOE;
   ok = ok && count(cfg, "num_hidden_layers", &a->layers) && count(cfg, "vocab_size", &a->vocab) &&
        count(cfg, "hidden_size", &a->embed) && count(cfg, "num_attention_heads", &a->heads) && a->heads > 0 &&
-       count(cfg, mixtral ? "num_local_experts" : "num_experts", &a->experts) &&
+       (count(cfg, mixtral ? "num_local_experts" : "num_experts", &a->experts) ||
+        (a->family == RT_HF_QWEN3_MOE && count(cfg, "num_local_experts", &a->experts))) &&   // transformers 5's name
        count(cfg, qwen ? "moe_intermediate_size" : "intermediate_size", &a->hidden);
-  if (ok && a->family == RT_HF_QWEN3_MOE && !count(cfg, "num_experts", &a->experts))
-    ok = count(cfg, "num_local_experts", &a->experts);   // transformers 5 writes both names
   if (ok && !count(cfg, "num_key_value_heads", &a->kv_heads)) a->kv_heads = a->heads;
   if (ok && !count(cfg, "head_dim", &a->head_dim)) a->head_dim = a->embed / a->heads;
   if (ok && qwen) count(cfg, "intermediate_size", &a->dense_hidden);
@@ -218,6 +218,7 @@ int rt_hf_arch_of_config(const char *json, RtHfArch *a) {
     a->qkv_bias = !cJSON_IsFalse(cJSON_GetObjectItemCaseSensitive(cfg, "qkv_bias"));
   }
   a->qk_norm = a->family == RT_HF_QWEN3_MOE ? 1 : a->family == RT_HF_OLMOE ? 2 : 0;
+  if (a->qk_norm) a->qkv_bias = a->o_bias = cJSON_IsTrue(cJSON_GetObjectItemCaseSensitive(cfg, "attention_bias"));
   a->tie = cJSON_IsTrue(cJSON_GetObjectItemCaseSensitive(cfg, "tie_word_embeddings"));
   if (ok && a->layers > 0 && a->layers <= (1 << 16)) {
     a->dense = rt_calloc((size_t)a->layers, sizeof *a->dense, "the layers of a checkpoint");

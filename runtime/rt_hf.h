@@ -18,7 +18,8 @@ typedef struct RtHfArch {
   int64_t dense_hidden;    // the dense layers' intermediate size
   int64_t shared_hidden;   // a shared expert's (0: none)
   bool shared_gate;        // the shared expert's output scaled by sigmoid(x·w)
-  bool qkv_bias;           // biases on q, k and v (none on o)
+  bool qkv_bias;           // biases on q, k and v
+  bool o_bias;             // and on o (Qwen3-MoE's and OLMoE's attention_bias)
   int qk_norm;             // RMSNorm of q and k: 0 none, 1 per head (over head_dim), 2 over the whole width
   bool tie;                // no lm_head: the head is the embedding
   char **inst;

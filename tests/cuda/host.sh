@@ -95,6 +95,13 @@ sed 's/^layer gated x 2/parallel { dp 2; mp 2; ep 2; esp 2; }\nlayer gated x 2/'
 sed 's/^layer block x 2/parallel { mp 2; ep 2; }\nlayer block x 2/' tests/models/grad_lm_shared.moe >"$WORK/lm_shared_mp.moe"
 MODELS="$MODELS shared:tests/models/grad_shared.moe shared_par:$WORK/shared_par.moe
         lm_shared:tests/models/grad_lm_shared.moe lm_shared_mp:$WORK/lm_shared_mp.moe"
+# The attention options of the Hugging Face families: Qwen3-MoE's per-head RMSNorm of q and k on one
+# rank and on mp2·ep2 (each rank normalises its heads), OLMoE's norm over the whole width, and
+# Mixtral's sliding windows (3, 1 and the whole sequence) on one rank and on mp2·ep2.
+sed 's/^layer block x 2/parallel { mp 2; ep 2; }\nlayer block x 2/' tests/models/grad_lm_qknorm.moe >"$WORK/lm_qknorm_mp.moe"
+sed 's/^layer block x 2/parallel { mp 2; ep 2; }\nlayer block x 2/' tests/models/grad_lm_window.moe >"$WORK/lm_window_mp.moe"
+MODELS="$MODELS lm_qknorm:tests/models/grad_lm_qknorm.moe lm_qknorm_mp:$WORK/lm_qknorm_mp.moe
+        lm_olmoe:tests/models/grad_lm_olmoe.moe lm_window:tests/models/grad_lm_window.moe lm_window_mp:$WORK/lm_window_mp.moe"
 # The gate x order x expert matrix (tests/cuda/matrix.sh: every configuration of the CPU gradient
 # check's matrix, as layers of 30 small stacks), the models tests/cuda/gpu.sh runs on a GPU.
 bash tests/cuda/matrix.sh "$WORK/matrix" >"$WORK/matrix.names"
@@ -146,6 +153,11 @@ compare "shared expert stack (gated and ungated, k 2 drops and sigmoid k 1)" sha
 compare "shared expert stack on 4 ranks (dp2, mp2, ep2, esp2)" shared_par 4
 compare "Qwen2-MoE-style language model with shared experts (gated and ungated)" lm_shared 1
 compare "Qwen2-MoE-style language model with shared experts on 2 ranks (mp2, ep2)" lm_shared_mp 2
+compare "Qwen3-MoE-style language model (qk_norm head)" lm_qknorm 1
+compare "Qwen3-MoE-style language model on 2 ranks (mp2 by heads, ep2; qk_norm head)" lm_qknorm_mp 2
+compare "OLMoE-style language model (qk_norm whole, a window of 5)" lm_olmoe 1
+compare "Mixtral-style language model with sliding windows (3, 1, the sequence)" lm_window 1
+compare "Mixtral-style language model with sliding windows on 2 ranks (mp2, ep2)" lm_window_mp 2
 # The matrix: the losses of 3 steps and every --dump file bit for bit, one line a model.
 for name in $(cat "$WORK/matrix.names"); do
   if [ "$(cat "$WORK/$name.built" 2>/dev/null)" != 0 ]; then bad "cuda host $name: build" "$(cat "$WORK/$name.build")"; continue; fi
@@ -159,8 +171,9 @@ for name in $(cat "$WORK/matrix.names"); do
   fi
 done
 # The language models' dumps (tokens, logits, every gradient) bit for bit: the attention kernels do
-# the CPU kernels' float operations in their order.
-for name in lm_gpt lm_llama lm_mp lm_qwen lm_qwen_mp; do
+# the CPU kernels' float operations in their order (with a window too: each row over its keys
+# from the first it sees, ascending).
+for name in lm_gpt lm_llama lm_mp lm_qwen lm_qwen_mp lm_qknorm lm_qknorm_mp lm_olmoe lm_window lm_window_mp; do
   if [ -d "$WORK/$name.cpu.dump" ] && [ -d "$WORK/$name.cuda.dump" ]; then
     if diff -r "$WORK/$name.cpu.dump" "$WORK/$name.cuda.dump" >/dev/null; then
       ok "cuda host $name: every --dump file (logits, loss, every gradient) is bit-identical to the CPU program's"

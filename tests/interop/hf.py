@@ -51,6 +51,22 @@ FAMILIES = {
                        shared_expert_intermediate_size=36, num_hidden_layers=3, num_attention_heads=4,
                        num_key_value_heads=2, num_experts=4, num_experts_per_tok=2, mlp_only_layers=[1],
                        max_position_embeddings=64, initializer_range=0.1, rms_norm_eps=1e-6)),
+    # a sliding window shorter than the sequence (16 tokens)
+    "mixtral_window": ("MixtralConfig", "MixtralForCausalLM",
+                       dict(vocab_size=96, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
+                            num_attention_heads=4, num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2,
+                            max_position_embeddings=64, initializer_range=0.1, rms_norm_eps=1e-5, sliding_window=6)),
+    # head_dim 12 != 32 / 4, RMSNorm of q and k per head, renormalised top-k
+    "qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM",
+                  dict(vocab_size=96, hidden_size=32, intermediate_size=40, moe_intermediate_size=24,
+                       num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=12, num_experts=4,
+                       num_experts_per_tok=2, norm_topk_prob=True, max_position_embeddings=64,
+                       initializer_range=0.1, rms_norm_eps=1e-6)),
+    # RMSNorm of q and k over the whole width, top-k without renormalisation
+    "olmoe": ("OlmoeConfig", "OlmoeForCausalLM",
+              dict(vocab_size=96, hidden_size=32, intermediate_size=24, num_hidden_layers=2, num_attention_heads=4,
+                   num_key_value_heads=2, num_experts=4, num_experts_per_tok=2, max_position_embeddings=64,
+                   initializer_range=0.1, rms_norm_eps=1e-5, eos_token_id=2, pad_token_id=1)),
 }
 
 

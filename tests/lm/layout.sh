@@ -12,6 +12,11 @@
 # And tests/models/grad_lm_shared.moe (a shared SwiGLU expert beside the routed ones, gated by
 # sigmoid(x·w) and ungated: replicated on every rank, its gradient summed over the world) on the
 # same three layouts, with --check-grad on mp2·ep2.
+# tests/models/grad_lm_qknorm.moe (Qwen3-MoE's per-head RMSNorm of q and k: each mp rank normalises
+# its own heads, and the weight all heads share has its gradient summed over the world) and
+# tests/models/grad_lm_window.moe (sliding windows of 3, 1 and the whole sequence) on the same
+# three layouts, with --check-grad on mp2·ep2; tests/models/grad_lm_olmoe.moe (the norm over the
+# whole width of q and k, which MP would split: refused there) on dp2·ep2 and dp4·ep2·esp2.
 set -u
 cd "$(dirname "$0")/../.."
 BUILD=${BUILD:-build}
@@ -25,7 +30,10 @@ status=0
 for entry in "gpt:dp 2; ep 2;:2:2:1:0" "gpt:dp 2; mp 2; ep 4;:4:2:2:1" "gpt:dp 4; ep 2; esp 2;:4:4:1:0" \
              "gpt:dp 4; ep 4;:4:4:1:0" "gpt:dp 2; mp 2; ep 2; esp 2;:4:2:2:0" "gpt:dp 4; mp 2; ep 4; esp 2;:8:4:2:0" \
              "qwen:dp 2; ep 2;:2:2:1:0" "qwen:mp 2; ep 2;:2:1:2:1" "qwen:dp 2; mp 2; ep 2; esp 2;:4:2:2:0" \
-             "shared:dp 2; ep 2;:2:2:1:0" "shared:mp 2; ep 2;:2:1:2:1" "shared:dp 2; mp 2; ep 2; esp 2;:4:2:2:0"; do
+             "shared:dp 2; ep 2;:2:2:1:0" "shared:mp 2; ep 2;:2:1:2:1" "shared:dp 2; mp 2; ep 2; esp 2;:4:2:2:0" \
+             "qknorm:dp 2; ep 2;:2:2:1:0" "qknorm:mp 2; ep 2;:2:1:2:1" "qknorm:dp 2; mp 2; ep 2; esp 2;:4:2:2:0" \
+             "window:dp 2; ep 2;:2:2:1:0" "window:mp 2; ep 2;:2:1:2:1" "window:dp 2; mp 2; ep 2; esp 2;:4:2:2:0" \
+             "olmoe:dp 2; ep 2;:2:2:1:0" "olmoe:dp 4; ep 2; esp 2;:4:4:1:0"; do
   IFS=: read -r model lay np dp mp grad <<<"$entry"
   M=$(pwd)/tests/models/grad_lm_$model.moe
   [ "$model" = gpt ] && lay_name="{ $lay }" || lay_name="$model { $lay }"

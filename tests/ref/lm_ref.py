@@ -21,10 +21,14 @@ default M/heads):
   LayerNorm(x) = (x - mean)/sqrt(var + eps)*w + b (biased var over M); RMSNorm = x/sqrt(mean x^2 + eps)*w
   Attn(x): q = x.Wq (+bq) [S, H*d], k = x.Wk (+bk), v = x.Wv (+bv) [S, KV*d] (biases with
     `bias true` or `bias qkv`); query head h reads
-    key/value head h // (H/KV); RoPE (rotate_half, after the biases, q and k, per head): for
-    c < d/2 the pair (c, c+d/2) rotates by angle i*theta^(-2c/d), (u, w) -> (u cos - w sin,
-    w cos + u sin); scores q.k^T/sqrt(d), causal (key j <= query i), softmax, o = p.v, heads
-    concatenated, y = o.Wo [H*d, M] (+bo with `bias true` only).
+    key/value head h // (H/KV); `qk_norm` (after the biases, before RoPE): RMSNorm with the
+    model's eps and a learned scale, `head` over each head's d columns (q_norm.weight and
+    k_norm.weight [d], shared by the heads: Qwen3-MoE), `whole` over all H*d columns of q and
+    KV*d of k (weights [H*d], [KV*d]: OLMoE); RoPE (rotate_half, after the biases, q and k, per
+    head): for c < d/2 the pair (c, c+d/2) rotates by angle i*theta^(-2c/d), (u, w) -> (u cos -
+    w sin, w cos + u sin); scores q.k^T/sqrt(d), causal (key j <= query i; with `window W` also
+    j > i - W, transformers' sliding window), softmax, o = p.v, heads concatenated, y = o.Wo
+    [H*d, M] (+bo with `bias true` only).
 
     /usr/bin/python3 tests/ref/lm_ref.py --selftest
 """
@@ -43,9 +47,9 @@ NOISE_STEP = 1          # the dumped step: the gate noise of step 1
 # ---------------------------------------------------------------- model description
 class Attention:
     """bias: True (q, k, v and o), False (none) or "qkv" (q, k, v only); head_dim: d, default
-    embed/heads."""
+    embed/heads; qk_norm: None, "head" or "whole"; window: None or W >= 1 (keys i-W < j <= i)."""
 
-    def __init__(self, heads, kv_heads=None, bias=True, head_dim=None):
+    def __init__(self, heads, kv_heads=None, bias=True, head_dim=None, qk_norm=None, window=None):
         self.heads = heads
         self.kv_heads = heads if kv_heads is None else kv_heads
         assert bias in (True, False, "qkv")
@@ -53,6 +57,10 @@ class Attention:
         self.bias_qkv = bias is True or bias == "qkv"
         self.bias_o = bias is True
         self.head_dim = head_dim
+        assert qk_norm in (None, "head", "whole")
+        self.qk_norm = qk_norm
+        assert window is None or window >= 1
+        self.window = window
         assert self.heads % self.kv_heads == 0
 
 
@@ -123,6 +131,9 @@ class LMModel:
                 sh[n + ".attn.bv"] = (at.kv_heads * d,)
             if at.bias_o:
                 sh[n + ".attn.bo"] = (M,)
+            if at.qk_norm:
+                sh[n + ".attn.q_norm.weight"] = (d if at.qk_norm == "head" else at.heads * d,)
+                sh[n + ".attn.k_norm.weight"] = (d if at.qk_norm == "head" else at.kv_heads * d,)
             sh.update(self.norm_shapes(n + ".ffn.norm"))
             if ly.moe is not None:
                 sh.update(ly.moe.param_shapes())
@@ -185,6 +196,28 @@ def rope_apply(a, cos, sin, inverse=False):
     return np.concatenate([u * cos - w * sin, w * cos + u * sin], axis=-1)
 
 
+def qk_norm_forward(model, ly, x, w, heads):
+    """`qk_norm` of q (heads H) or k (KV): x [S, heads*d] -> (y, cache)."""
+    S, d = x.shape[0], ly.d
+    rows = x.reshape(S * heads, d) if ly.attn.qk_norm == "head" else x
+    y, cache = norm_forward("rmsnorm", model.eps, rows, w, None)
+    return y.reshape(S, heads * d), cache
+
+
+def qk_norm_backward(ly, cache, w, dy):
+    """-> dx [S, heads*d], dw."""
+    S, n = dy.shape
+    rows = dy.reshape(-1, ly.d) if ly.attn.qk_norm == "head" else dy
+    dx, dw, _ = norm_backward("rmsnorm", cache, w, rows)
+    return dx.reshape(S, n), dw
+
+
+def window_mask(L, window):
+    """[L, L] bool: query i sees key j iff j <= i (and i - window < j)."""
+    i, j = np.arange(L)[:, None], np.arange(L)[None, :]
+    return (j <= i) & ((i - j < window) if window else True)
+
+
 def attn_forward(model, ly, p, x):
     """x [S, M] (normed); p: short names wq, wk, wv, wo, bq, bk, bv, bo."""
     B, L = model.B, model.L
@@ -196,6 +229,10 @@ def attn_forward(model, ly, p, x):
     v = x @ p["wv"]
     if at.bias_qkv:
         q, k, v = q + p["bq"], k + p["bk"], v + p["bv"]
+    qn = kn = None
+    if at.qk_norm:
+        q, qn = qk_norm_forward(model, ly, q, p["q_norm.weight"], H)
+        k, kn = qk_norm_forward(model, ly, k, p["k_norm.weight"], KV)
     q4 = q.reshape(B, L, H, d).transpose(0, 2, 1, 3)          # [B, H, L, d]
     k4 = k.reshape(B, L, KV, d).transpose(0, 2, 1, 3)         # [B, KV, L, d]
     v4 = v.reshape(B, L, KV, d).transpose(0, 2, 1, 3)
@@ -206,8 +243,7 @@ def attn_forward(model, ly, p, x):
     kh = np.repeat(k4, g, axis=1)                             # head h reads kv head h // g
     vh = np.repeat(v4, g, axis=1)
     s = q4 @ kh.transpose(0, 1, 3, 2) / math.sqrt(d)          # [B, H, L, L]
-    causal = np.tril(np.ones((L, L), dtype=bool))
-    s = np.where(causal, s, -np.inf)
+    s = np.where(window_mask(L, at.window), s, -np.inf)
     s = s - s.max(axis=-1, keepdims=True)
     e = np.exp(s)
     pr = e / e.sum(axis=-1, keepdims=True)
@@ -216,7 +252,7 @@ def attn_forward(model, ly, p, x):
     y = o @ p["wo"]
     if at.bias_o:
         y = y + p["bo"]
-    return y, dict(x=x, q4=q4, kh=kh, vh=vh, pr=pr, o=o, rope=rope)
+    return y, dict(x=x, q4=q4, kh=kh, vh=vh, pr=pr, o=o, rope=rope, qn=qn, kn=kn)
 
 
 def attn_backward(model, ly, p, c, dy):
@@ -243,6 +279,9 @@ def attn_backward(model, ly, p, c, dy):
     dq = dq4.transpose(0, 2, 1, 3).reshape(B * L, H * d)
     dk = dk4.transpose(0, 2, 1, 3).reshape(B * L, KV * d)
     dv = dv4.transpose(0, 2, 1, 3).reshape(B * L, KV * d)
+    if at.qk_norm:
+        dq, gr["q_norm.weight"] = qk_norm_backward(ly, c["qn"], p["q_norm.weight"], dq)
+        dk, gr["k_norm.weight"] = qk_norm_backward(ly, c["kn"], p["k_norm.weight"], dk)
     gr["wq"], gr["wk"], gr["wv"] = x.T @ dq, x.T @ dk, x.T @ dv
     if at.bias_qkv:
         gr["bq"], gr["bk"], gr["bv"] = dq.sum(axis=0), dk.sum(axis=0), dv.sum(axis=0)
@@ -404,12 +443,26 @@ def random_tokens(model, rng):
 # ---------------------------------------------------------------- self-test
 def naive_attention(model, ly, p, x):
     """The attention of DESIGN §2.1 with explicit loops (rope by its angle formula, GQA by the
-    head mapping): an independent check of the vectorised forward."""
+    head mapping, the qk norm per row or per head slice, the window by its inequality): an
+    independent check of the vectorised forward."""
     B, L = model.B, model.L
     at, d = ly.attn, ly.d
     q = x @ p["wq"] + (p["bq"] if at.bias_qkv else 0)
     k = x @ p["wk"] + (p["bk"] if at.bias_qkv else 0)
     v = x @ p["wv"] + (p["bv"] if at.bias_qkv else 0)
+
+    def rms(a, w):  # a [S, n] normalised per row (whole) or per d-wide slice (head)
+        out = a.copy()
+        width = d if at.qk_norm == "head" else a.shape[1]
+        for s_ in range(a.shape[0]):
+            for c0 in range(0, a.shape[1], width):
+                seg = a[s_, c0:c0 + width]
+                out[s_, c0:c0 + width] = seg / math.sqrt(float(seg @ seg) / width + model.eps) * w
+        return out
+
+    if at.qk_norm:
+        q, k = rms(q, p["q_norm.weight"]), rms(k, p["k_norm.weight"])
+    first = (lambda i: max(0, i - at.window + 1)) if at.window else (lambda i: 0)
 
     def rot(vec, i):
         if model.position != "rope":
@@ -428,13 +481,14 @@ def naive_attention(model, ly, p, x):
             j = hh // (at.heads // at.kv_heads)
             for i in range(L):
                 qi = rot(q[b * L + i, hh * d:(hh + 1) * d], i)
+                keys = range(first(i), i + 1)
                 sc = [float(qi @ rot(k[b * L + t, j * d:(j + 1) * d], t)) / math.sqrt(d)
-                      for t in range(i + 1)]
+                      for t in keys]
                 mx = max(sc)
                 w = [math.exp(s - mx) for s in sc]
                 tot = sum(w)
-                for t in range(i + 1):
-                    o[b * L + i, hh * d:(hh + 1) * d] += w[t] / tot * v[b * L + t, j * d:(j + 1) * d]
+                for wt, t in zip(w, keys):
+                    o[b * L + i, hh * d:(hh + 1) * d] += wt / tot * v[b * L + t, j * d:(j + 1) * d]
     return o @ p["wo"] + (p["bo"] if at.bias_o else 0)
 
 
@@ -524,6 +578,29 @@ SELFTEST_CASES = [
       ("ds", 1, dict(attention=dict(heads=2, bias=False),
                      moe=dict(experts=4, hidden=5, k=1, capacity=1.0, ffn="mixtral",
                               shared_hidden=3, aux_loss=0.05)))], "drops"),
+    # Qwen3-MoE's per-head RMSNorm of q and k (one weight [d] for all heads) under a sliding
+    # window of 3 (Mixtral's sliding_window), GQA 4/2 of head_dim 6; OLMoE's norm over the whole
+    # width of q and k (weights [H*d], [KV*d]) with a window of 2
+    ("qwen3/olmoe: qk_norm head + window 3; qk_norm whole + window 2",
+     dict(vocab=9, batch=2, seqlen=5, embed=8, position="rope", theta=100.0, norm="rmsnorm",
+          eps=1e-6, tie_embeddings=False, seed=23),
+     [("qw", 1, dict(attention=dict(heads=4, kv_heads=2, head_dim=6, bias=False, qk_norm="head",
+                                    window=3),
+                     moe=dict(experts=4, hidden=5, k=2, capacity=1.0, ffn="mixtral",
+                              renormalize=True, aux_loss=0.05, z_loss=0.01))),
+      ("ol", 1, dict(attention=dict(heads=2, bias="qkv", qk_norm="whole", window=2),
+                     moe=dict(experts=4, hidden=5, k=2, capacity=1.0, ffn="mixtral",
+                              renormalize=False, aux_loss=0.05)))], None),
+    # learned positions with qk_norm whole and a window of 2 (bk then has a real gradient: the
+    # norm is not shift-invariant), then a window of 1 (each query sees only itself: k has no
+    # gradient at all), layernorm
+    ("gpt: qk_norm whole + window 2, window 1, learned positions",
+     dict(vocab=9, batch=2, seqlen=4, embed=8, position="learned", norm="layernorm", eps=1e-5,
+          tie_embeddings=True, seed=29),
+     [("block", 1, dict(attention=dict(heads=2, qk_norm="whole", window=2),
+                        mlp=dict(ffn="gpt", hidden=6, act="gelu", bias=True))),
+      ("one", 1, dict(attention=dict(heads=2, window=1),
+                      mlp=dict(ffn="mixtral", hidden=6)))], None),
 ]
 
 
@@ -569,13 +646,17 @@ def selftest():
                                                        causal))
         # bk shifts every score of a query by the same q.bk when positions are learned: its
         # gradient is exactly 0 (softmax is shift-invariant). Not with rope: the key's rotation
-        # depends on its position, so q.R_j bk differs per key and bk has a real gradient.
-        bk = [float(np.abs(v).max()) for n, v in res["grads"].items() if n.endswith("attn.bk")]
-        if bk:
-            print("# %s: max|grad attn.bk| %.1e (%s)" % (
-                cname, max(bk), "exactly 0 in exact arithmetic" if model.position == "learned"
-                else "rope: not 0"))
-            if (max(bk) > 1e-12) != (model.position == "rope"):
+        # depends on its position, so q.R_j bk differs per key and bk has a real gradient; nor
+        # with qk_norm, which bk passes through.
+        for ly in model.layers:
+            gbk = res["grads"].get(ly.name + ".attn.bk")
+            if gbk is None:
+                continue
+            zero = model.position == "learned" and not ly.attn.qk_norm
+            print("# %s: %s max|grad attn.bk| %.1e (%s)" % (
+                cname, ly.name, float(np.abs(gbk).max()),
+                "exactly 0 in exact arithmetic" if zero else "rope or qk_norm: not 0"))
+            if (float(np.abs(gbk).max()) > 1e-12) == zero:
                 ok = False
         if failed or att_err > 1e-12 or not causal_ok:
             ok = False
@@ -611,6 +692,23 @@ def selftest():
     print("# causality (dropless): changing token i moves the logits before i by at most %.1e"
           % worst_c)
     ok = ok and worst_c <= 1e-12
+    # the windows' reach: in the case of windows 2 and 1 (no MoE) the logits at position i see
+    # tokens i - 1 and i only, so changing token i moves the logits at i and i + 1 and no other
+    cname, mkw, items, _ = SELFTEST_CASES[6]
+    model = LMModel(items=items, **mkw)
+    params = random_params(model, np.random.default_rng(7))
+    tokens = random_tokens(model, np.random.default_rng(8))
+    base = forward(model, params, tokens, want_grads=False)
+    far, near = 0.0, math.inf
+    for i in range(model.L):
+        t2 = tokens.copy()
+        t2[:, i] = (t2[:, i] + 1 + np.arange(model.B)) % model.V
+        moved = np.abs(forward(model, params, t2, want_grads=False)["logits"] - base["logits"]).max(axis=(0, 2))
+        far = max([far] + [float(moved[j]) for j in range(model.L) if j not in (i, i + 1)])
+        near = min([near] + [float(moved[j]) for j in (i, i + 1) if j < model.L])
+    print("# windows 2 then 1: changing token i moves the logits at i and i+1 by at least %.1e, "
+          "the others by at most %.1e" % (near, far))
+    ok = ok and far <= 1e-12 and near > 1e-6
     # a wrong semantics is caught too: the backward of the GPT case without the aux and z terms
     cname, mkw, items, _ = SELFTEST_CASES[0]
     model = LMModel(items=items, **mkw)

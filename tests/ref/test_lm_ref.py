@@ -10,7 +10,7 @@ DIR/loss.npy (the total), DIR/ce.npy and DIR/grad/NAME.npy of every parameter wi
 reference (float64), one line per tensor (`NAME ok` / `NAME FAIL err`):
     err = max|a - b| / max(max|b|, floor) <= 1e-5,
 floor 1e-6, except `attn.bk` with learned positions, whose exact gradient is 0 (softmax is
-shift-invariant): it is compared relative to max|grad attn.wk| of its layer (float32 leaves
+shift-invariant) unless the layer has a qk_norm: it is compared relative to max|grad attn.wk| of its layer (float32 leaves
 rounding noise of about 1e-7 of that). Weights and tokens are redrawn until no routing decision
 is within 1e-4 of a tie, so float32 and float64 route the same way.
 
@@ -124,6 +124,29 @@ CONFIGS = [
       ("top1", 1, dict(attention=dict(heads=2, bias="qkv"),
                        moe=dict(MIX_FFN, k=1, capacity="*", shared_hidden=8, **LOSSES)))],
      dict(expect="drops")),
+    # Qwen3-MoE (DESIGN §2.2): RMSNorm of each head of q and k (`qk_norm head`: q_norm.weight and
+    # k_norm.weight [head_dim], shared by the heads) after the projections, before rope, head_dim
+    # 6 apart from embed/heads, GQA 4/2, no biases, renormalised top-2; then Mixtral's sliding
+    # window (`window 3` of seqlen 8: query i sees keys i-2..i) under the per-head norm, and a
+    # window of 1 (each query sees only itself)
+    ("i_qwen3_norm_window", dict(position="rope", norm="rmsnorm", eps=1e-6, tie_embeddings=False),
+     [("block", 2, dict(attention=dict(heads=4, kv_heads=2, head_dim=6, bias=False, qk_norm="head"),
+                        moe=dict(MIX_FFN, k=2, capacity="*", renormalize=True, **LOSSES))),
+      ("win", 1, dict(attention=dict(heads=4, kv_heads=2, head_dim=6, bias=False, qk_norm="head",
+                                     window=3),
+                      moe=dict(MIX_FFN, k=2, capacity=0.75, **LOSSES))),
+      ("one", 1, dict(attention=dict(heads=2, kv_heads=1, bias=False, window=1),
+                      mlp=dict(ffn="mixtral", hidden=H)))],
+     dict(expect="drops")),
+    # OLMoE (DESIGN §2.2): RMSNorm over the whole width of q (weight [H*d]) and k ([KV*d]), the
+    # raw softmax scores as gates (dropless); learned positions with q/k/v biases and a window of
+    # 5 in the second layer, layernorm (whose eps the qk norm shares), tied embeddings
+    ("j_olmoe_window", dict(position="learned", norm="layernorm", eps=1e-6, tie_embeddings=True),
+     [("block", 1, dict(attention=dict(heads=4, kv_heads=2, bias="qkv", qk_norm="whole"),
+                        moe=dict(MIX_FFN, k=2, capacity="*", renormalize=False, **LOSSES))),
+      ("win", 1, dict(attention=dict(heads=2, bias=True, qk_norm="whole", window=5),
+                      moe=dict(GPT_FFN, k=1, capacity="*", **LOSSES)))],
+     dict(expect="nodrop")),
 ]
 
 
@@ -154,6 +177,10 @@ def lm_text(model_name, fields, items):
             fields_at.append("head_dim %d;" % at["head_dim"])
         if "bias" in at:
             fields_at.append("bias %s;" % {True: "true", False: "false", "qkv": "qkv"}[at["bias"]])
+        if at.get("qk_norm"):
+            fields_at.append("qk_norm %s;" % at["qk_norm"])
+        if at.get("window"):
+            fields_at.append("window %d;" % at["window"])
         out.append("layer %s%s {" % (name, " x %d" % repeat if repeat != 1 else ""))
         out.append("  attention { %s }" % " ".join(fields_at))
         if "moe" in kw:
@@ -352,7 +379,8 @@ def run_config(rep, moec, cname, fields, items, opts, tmp, first):
     rep.row(cname, "ce", load(dump, "ce.npy"), np.float64(want["ce"]))
     for name in sorted(shapes):
         floor = FLOOR
-        if name.endswith(".attn.bk") and model.position == "learned":
+        qk_norm = any(ly.attn.qk_norm for ly in model.layers if name.startswith(ly.name + "."))
+        if name.endswith(".attn.bk") and model.position == "learned" and not qk_norm:
             floor = max(FLOOR, float(np.abs(want["grads"][name[:-2] + "wk"]).max()))
         rep.row(cname, name, load(dump, os.path.join("grad", name + ".npy")), want["grads"][name],
                 floor=floor)
