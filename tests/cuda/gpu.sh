@@ -49,6 +49,9 @@ if [ "${1:-}" = --fake ]; then
 fi
 case $MODELS_DIR in /*) ;; *) MODELS_DIR=$PWD/$MODELS_DIR ;; esac
 GPU_MODELS="tiny switch mixtral expert_choice gpt_moe_bytes llama_moe"
+# what the Hugging Face families added (issue 24): gates without renormalisation, q/k/v biases,
+# head_dim, the shared expert, q/k norms, sliding windows (tests/models)
+GPU_MODELS="$GPU_MODELS grad_lm_qwen grad_lm_shared grad_shared grad_lm_qknorm grad_lm_window"
 TOL=1e-4
 WORK=$(mktemp -d "${TMPDIR:-/tmp}/moec-gpu.XXXXXX")
 OUT=$WORK/lines
@@ -94,6 +97,7 @@ model() {
   if [ "${base#matrix_}" != "$base" ]; then   # tests/cuda/matrix.sh's stacks
     moe=$WORK/matrix/$base.moe
   fi
+  [ ! -f "$moe" ] && [ -f "tests/models/$base.moe" ] && moe=tests/models/$base.moe
   if [ "$base" = tinyq ]; then
     moe=$WORK/tinyq.moe
     sed 's/noise 1\.0;/noise 0.0;/' lang/models/tiny.moe >"$moe"
