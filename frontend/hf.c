@@ -155,6 +155,15 @@ static void add_float(cJSON *o, const char *key, double v) {
   cJSON_AddRawToObject(o, key, buf);
 }
 
+// The Qwen families' mlp_only_layers: the decoder layers (instances, in order) that are dense.
+static void add_dense_layers(cJSON *c, const FeProgram *p) {
+  cJSON *only = cJSON_AddArrayToObject(c, "mlp_only_layers");
+  int64_t l = 0;
+  for (int i = 0; i < p->nlayers; i++)
+    for (int64_t r = 0; r < p->layers[i].repeat; r++, l++)
+      if (p->layers[i].has_mlp) cJSON_AddItemToArray(only, cJSON_CreateNumber((double)l));
+}
+
 char *fe_hf_config(const FeProgram *p, char *why, size_t n) {
   const FeLayer *m0 = NULL;
   // What only one family has decides which family's reason to give.
@@ -196,11 +205,7 @@ char *fe_hf_config(const FeProgram *p, char *why, size_t n) {
       add_int(c, "intermediate_size", dense_hidden > 0 ? dense_hidden : e->experts.hidden);
       add_int(c, "head_dim", a0->head_dim);
       add_int(c, "decoder_sparse_step", 1);
-      cJSON *only = cJSON_AddArrayToObject(c, "mlp_only_layers");
-      int64_t l = 0;
-      for (int i = 0; i < p->nlayers; i++)
-        for (int64_t r = 0; r < p->layers[i].repeat; r++, l++)
-          if (p->layers[i].has_mlp) cJSON_AddItemToArray(only, cJSON_CreateNumber((double)l));
+      add_dense_layers(c, p);
       cJSON_AddBoolToObject(c, "use_sliding_window", false);
     } else {
       cJSON_AddNullToObject(c, "clip_qkv");
@@ -215,11 +220,7 @@ char *fe_hf_config(const FeProgram *p, char *why, size_t n) {
     cJSON_AddBoolToObject(c, "norm_topk_prob", e->gate.renormalize);
     cJSON_AddBoolToObject(c, "qkv_bias", a0->attn_bias);
     add_int(c, "decoder_sparse_step", 1);
-    cJSON *only = cJSON_AddArrayToObject(c, "mlp_only_layers");
-    int64_t l = 0;
-    for (int i = 0; i < p->nlayers; i++)
-      for (int64_t r = 0; r < p->layers[i].repeat; r++, l++)
-        if (p->layers[i].has_mlp) cJSON_AddItemToArray(only, cJSON_CreateNumber((double)l));
+    add_dense_layers(c, p);
     cJSON_AddBoolToObject(c, "use_sliding_window", false);
   } else {
     add_int(c, "num_local_experts", e->experts.count);

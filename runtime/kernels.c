@@ -550,31 +550,27 @@ RtLayerStats *rt_layer_next(RtStep *st) {
   return l;
 }
 
-void rt_layer_loads(RtLayerStats *l, const int64_t *load, int e) {
-  if (!l)
-    return;
+// Folds loads into a min / max / sum / count.
+static void fold_loads(int64_t *lo, int64_t *hi, double *sum, int64_t *count, const int64_t *load, int e) {
   for (int i = 0; i < e; i++) {
-    if (load[i] < l->load_min)
-      l->load_min = load[i];
-    if (load[i] > l->load_max)
-      l->load_max = load[i];
-    l->load_sum += (double)load[i];
+    if (load[i] < *lo)
+      *lo = load[i];
+    if (load[i] > *hi)
+      *hi = load[i];
+    *sum += (double)load[i];
   }
-  l->load_count += e;
+  *count += e;
+}
+
+void rt_layer_loads(RtLayerStats *l, const int64_t *load, int e) {
+  if (l)
+    fold_loads(&l->load_min, &l->load_max, &l->load_sum, &l->load_count, load, e);
 }
 
 // Folds one layer's per-expert loads into the step's min / max / mean.
 void rt_add_loads(RtStep *st, const int64_t *load, int e) {
-  if (!st)
-    return;
-  for (int i = 0; i < e; i++) {
-    if (load[i] < st->load_min)
-      st->load_min = load[i];
-    if (load[i] > st->load_max)
-      st->load_max = load[i];
-    st->load_sum += (double)load[i];
-  }
-  st->load_count += e;
+  if (st)
+    fold_loads(&st->load_min, &st->load_max, &st->load_sum, &st->load_count, load, e);
 }
 
 // Per group: me_e = mean score of expert e, ce_e = fraction of tokens whose first choice is e,

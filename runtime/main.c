@@ -76,6 +76,7 @@ typedef struct Options {
   const char *export_hf;        // --export-hf DIR: the model as a Hugging Face checkpoint
   const char *log;              // --log F.jsonl: a JSON line per step and per evaluation
   bool steps_given;             // --steps was on the command line
+  bool watched;                 // a person watches stdout: one progress line (rt_main, before MPI starts)
   bool check_grad, quiet, help, profile;
   // language models (runtime/lm.c)
   const char *data, *val, *prompt;
@@ -738,6 +739,7 @@ static int log_step(Trainer *tr, const RtStep *fwd, const Report *rep, int64_t t
 
 // Whether a person watches standard output: it is a terminal, and under mpirun (which hands
 // the ranks a pseudo-terminal of its own whatever its output is) the launcher's is one too.
+// Asked before MPI starts (a singleton's MPI_Init sets the launcher's variables).
 static bool stdout_watched(void) {
   if (!isatty(STDOUT_FILENO))
     return false;
@@ -860,7 +862,7 @@ static int train(Trainer *tr) {
   rt_gemm_profile(prof != NULL);
   rt_prof_enable(prof != NULL);
   // On a terminal one progress line rewrites itself instead of a line per step.
-  bool progress = !tr->opt.quiet && root && stdout_watched();
+  bool progress = !tr->opt.quiet && root && tr->opt.watched;
   double started = now_ms();
   for (int64_t t = first; t <= last; t++) {
     double t_start = now_ms();
@@ -1363,6 +1365,7 @@ int rt_main(const RtModel *model, int argc, char **argv) {
     return speaker ? report_error() : 1;
   if (opt.comm_timeout >= 0)
     rt_comm_set_timeout(opt.comm_timeout);
+  opt.watched = stdout_watched();
   // rt_comm_create reports a layout that does not fit the world itself, once.
   RtComm *comm = rt_comm_create(&model->layout, model->nodes);
   if (!comm)
