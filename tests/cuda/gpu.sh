@@ -51,7 +51,7 @@ case $MODELS_DIR in /*) ;; *) MODELS_DIR=$PWD/$MODELS_DIR ;; esac
 GPU_MODELS="tiny switch mixtral expert_choice gpt_moe_bytes llama_moe"
 # what the Hugging Face families added (issue 24): gates without renormalisation, q/k/v biases,
 # head_dim, the shared expert, q/k norms, sliding windows (tests/models)
-GPU_MODELS="$GPU_MODELS grad_lm_qwen grad_lm_shared grad_shared grad_lm_qknorm grad_lm_window"
+GPU_MODELS="$GPU_MODELS grad_lm_qwen grad_lm_shared grad_shared grad_lm_qknorm grad_lm_window grad_lm_olmoe"
 TOL=1e-4
 WORK=$(mktemp -d "${TMPDIR:-/tmp}/moec-gpu.XXXXXX")
 OUT=$WORK/lines
