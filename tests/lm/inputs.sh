@@ -142,4 +142,22 @@ elif grep -q "llm.c token file 'v2.bin': version 2, this reader knows version 1"
 else
   bad "lm inputs: the refusal of an llm.c file of version 2" "$(cat "$WORK/v2")"
 fi
+# A byte-level model (lang/models/gpt_moe_bytes.moe, vocab 256) learns from an llm.c token file of
+# text bytes: 30 steps lower the loss.
+"$PY" - "$WORK/text.bin" <<'PYEOF'
+import sys
+import numpy as np
+text = ("the quick brown fox jumps over the lazy dog. " * 400).encode()
+tokens = np.frombuffer(text, np.uint8).astype(np.uint16)
+header = np.zeros(256, np.int32)
+header[:3] = [20240520, 1, tokens.size]
+open(sys.argv[1], "wb").write(header.tobytes() + tokens.tobytes())
+PYEOF
+if "$MOEC" build lang/models/gpt_moe_bytes.moe -o "$WORK/bytes" 2>"$WORK/err" &&
+   (cd "$WORK" && ./bytes --steps 30 --data text.bin >bytes.out 2>&1) &&
+   awk '/^step 1 / {a = $4} /^step 30 / {b = $4} END {exit !(b < 0.8 * a)}' "$WORK/bytes.out"; then
+  ok "lm inputs: the byte-level gpt_moe_bytes learns from an llm.c token file (loss $(awk '/^step 1 / {print $4}' "$WORK/bytes.out") -> $(awk '/^step 30 / {print $4}' "$WORK/bytes.out") in 30 steps)"
+else
+  bad "lm inputs: gpt_moe_bytes on an llm.c token file" "$(cat "$WORK/err"; tail -n 3 "$WORK/bytes.out")"
+fi
 exit $failed
