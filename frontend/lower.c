@@ -210,6 +210,8 @@ IrValue *fe_lower_moe(FeLower *L, IrValue *x, IrValue **aux, IrValue **z) {
     mask = fe_emit(L, IR_OP_ORDER_DISPATCH_MASK, "mask", 2, (IrOperand[]){FE_V(r.idx), FE_V(r.loc)}, 3, route);
     disp = fe_emit(L, IR_OP_MATMUL, "disp2", 2, (IrOperand[]){FE_V(mask), FE_V(x)}, 1, (IrAttr[]){FE_I("ta", 1)});
     disp = reshape(L, "disp", disp, 3, L->E, C, L->M);
+    // MP splits the tokens (passes/parallelize.c): the capacity slots of dimension 1 shrink with them
+    if (L->p->parallel.mp > 1) ir_op_set_int(disp->def, "mp_tokens", 1);
   } else {
     disp = fe_emit(L, IR_OP_ORDER_ENCODE, "disp", 3, (IrOperand[]){FE_V(x), FE_V(r.idx), FE_V(r.loc)}, 3, route);
   }
@@ -225,6 +227,7 @@ IrValue *fe_lower_moe(FeLower *L, IrValue *x, IrValue **aux, IrValue **z) {
   IrValue *combined;
   if (dense) {
     IrValue *y2 = reshape(L, "y2", y, 2, L->E * C, L->M, 0);
+    if (!r.soft && L->p->parallel.mp > 1) ir_op_set_int(y2->def, "mp_tokens", 0);
     IrValue *cw = r.soft ? r.combine
                          : fe_emit(L, IR_OP_ORDER_COMBINE_WEIGHTS, "cw", 3,
                                    (IrOperand[]){FE_V(r.idx), FE_V(r.loc), FE_V(r.gates)}, 3, route);

@@ -101,6 +101,11 @@ static bool split_tokens(Par *P) {
     IrOp *op = f->ops[i];
     const IrAttr *g = ir_attrs_get(op->attrs, op->nattrs, "groups");
     if (g && g->kind == IR_ATTR_INT) ir_op_set_int(op, "groups", g->i / P->mp);
+    int64_t dim = ir_op_int(op, "mp_tokens", -1);   // order gshard's buffers: slots of the rank's groups
+    if (op->kind == IR_OP_RESHAPE && dim >= 0) {
+      const char *key = dim == 0 ? "d0" : dim == 1 ? "d1" : "d2";
+      ir_op_set_int(op, key, ir_op_int(op, key, 0) / P->mp);
+    }
   }
   return true;
 }
