@@ -267,7 +267,7 @@ FUZZ_BIN := $(FUZZ_SRC:tests/fuzz/%.c=$(BUILD)/fuzz/%)
 $(BUILD)/fuzz/%: tests/fuzz/%.c $(COMPILER_SRC) $(GEN_SRC) $(GEN_INC) $(CONFIG)
 	@mkdir -p $(dir $@)
 	clang -std=c11 -D_GNU_SOURCE -O1 -g -fsanitize=fuzzer,address,undefined -Wno-unused-function \
-	  $(INCLUDES) $(COMPILER_DEFS) -o $@ $< $(COMPILER_SRC) $(GEN_SRC) -lnlopt -lopenblas -lm
+	  $(INCLUDES) $(COMPILER_DEFS) $(CJSON_CFLAGS) -o $@ $< $(COMPILER_SRC) $(GEN_SRC) -lnlopt -lopenblas $(CJSON_LIBS) -lm
 
 test: deps all $(UNIT_BIN) $(MPI_TEST_BIN) $(BUILD)/asan/moec $(FUZZ_BIN)
 	@BUILD=$(BUILD) bash tests/run.sh

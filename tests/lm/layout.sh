@@ -16,7 +16,10 @@
 # its own heads, and the weight all heads share has its gradient summed over the world) and
 # tests/models/grad_lm_window.moe (sliding windows of 3, 1 and the whole sequence) on the same
 # three layouts, with --check-grad on mp2·ep2; tests/models/grad_lm_olmoe.moe (the norm over the
-# whole width of q and k, which MP would split: refused there) on dp2·ep2 and dp4·ep2·esp2.
+# whole width of q and k, which MP would split: refused there) on dp2·ep2 and dp4·ep2·esp2;
+# tests/models/grad_lm_pooled.moe (`aux pooled`: one loss whose sums are reduced over every rank
+# between the forward and the backward) on the same three layouts and dp4·ep4, with --check-grad
+# on mp2·ep2.
 set -u
 cd "$(dirname "$0")/../.."
 BUILD=${BUILD:-build}
@@ -33,7 +36,9 @@ for entry in "gpt:dp 2; ep 2;:2:2:1:0" "gpt:dp 2; mp 2; ep 4;:4:2:2:1" "gpt:dp 4
              "shared:dp 2; ep 2;:2:2:1:0" "shared:mp 2; ep 2;:2:1:2:1" "shared:dp 2; mp 2; ep 2; esp 2;:4:2:2:0" \
              "qknorm:dp 2; ep 2;:2:2:1:0" "qknorm:mp 2; ep 2;:2:1:2:1" "qknorm:dp 2; mp 2; ep 2; esp 2;:4:2:2:0" \
              "window:dp 2; ep 2;:2:2:1:0" "window:mp 2; ep 2;:2:1:2:1" "window:dp 2; mp 2; ep 2; esp 2;:4:2:2:0" \
-             "olmoe:dp 2; ep 2;:2:2:1:0" "olmoe:dp 4; ep 2; esp 2;:4:4:1:0"; do
+             "olmoe:dp 2; ep 2;:2:2:1:0" "olmoe:dp 4; ep 2; esp 2;:4:4:1:0" \
+             "pooled:dp 2; ep 2;:2:2:1:0" "pooled:mp 2; ep 2;:2:1:2:1" "pooled:dp 2; mp 2; ep 2; esp 2;:4:2:2:0" \
+             "pooled:dp 4; ep 4;:4:4:1:0"; do
   IFS=: read -r model lay np dp mp grad <<<"$entry"
   M=$(pwd)/tests/models/grad_lm_$model.moe
   [ "$model" = gpt ] && lay_name="{ $lay }" || lay_name="$model { $lay }"
