@@ -118,6 +118,8 @@ typedef struct Config {
   int64_t k, max_positions;
   double theta, eps;
   bool tie, renormalize;
+  bool router_logits;  // output_router_logits: transformers' load-balancing loss in the objective
+  double aux_coef;     // its router_aux_loss_coef
   int64_t window;   // Mixtral's sliding_window when shorter than the sequence (0: none)
 } Config;
 
@@ -176,10 +178,10 @@ static int check_key(Config *c, const cJSON *v) {
   if (strcmp(k, "attention_dropout") == 0) return is_zero(v) ? 0 : refuse(c, v, "moec trains without dropout");
   if (strcmp(k, "router_jitter_noise") == 0 && is_family(c, RT_HF_MIXTRAL))
     return is_zero(v) ? 0 : refuse(c, v, "moec's gates have no multiplicative jitter (only 'noise', a different one)");
-  if (strcmp(k, "output_router_logits") == 0)
-    return cJSON_IsFalse(v) ? 0 : refuse(c, v, "with it transformers adds its load-balancing loss pooled over all layers, "
-                                          "which moec does not compute yet (import a config with false: the objective is "
-                                          "then cross-entropy alone)");
+  if (strcmp(k, "output_router_logits") == 0) {  // true: the gates' `aux pooled`, read_arch
+    c->router_logits = cJSON_IsTrue(v);
+    return cJSON_IsBool(v) ? 0 : refuse(c, v, "it must be true or false");
+  }
   if (strcmp(k, "head_dim") == 0) return cJSON_IsNull(v) ? 0 : 2;
   bool qwen = is_family(c, RT_HF_QWEN2_MOE) || is_family(c, RT_HF_QWEN3_MOE);
   if (strcmp(k, "use_sliding_window") == 0 && qwen)
@@ -260,6 +262,13 @@ static int read_arch(Config *c, const char *text, int64_t seqlen) {
   const cJSON *tie = key(c, "tie_word_embeddings");
   if (tie && !cJSON_IsBool(tie)) return refuse(c, tie, "it must be true or false");
   c->tie = cJSON_IsTrue(tie);
+  // transformers' load-balancing loss, when the objective has it: the configs' default
+  // coefficients (OLMoE 0.01, the others 0.001) unless router_aux_loss_coef gives one.
+  const cJSON *coef = key(c, "router_aux_loss_coef");
+  c->aux_coef = family == RT_HF_OLMOE ? 0.01 : 0.001;
+  if (coef && c->router_logits && !(cJSON_IsNumber(coef) && coef->valuedouble >= 0))
+    return refuse(c, coef, "it must be a number of at least 0");
+  if (coef && cJSON_IsNumber(coef)) c->aux_coef = coef->valuedouble;
   const cJSON *norm = key(c, "norm_topk_prob");
   if (norm && !cJSON_IsBool(norm)) return refuse(c, norm, "it must be true or false");
   c->renormalize = mixtral || cJSON_IsTrue(norm);
@@ -508,9 +517,11 @@ static int write_moe(const Options *o, const Config *c, int64_t seqlen, const ch
           "# Imported by `moec import-hf` from %s (%s: config.json and %d safetensors file%s).\n"
           "# Its weights, in moec's names: %s; train from them with `BIN --weights %s`.\n"
           "# As transformers computes it: dropless routing (capacity *), the k chosen softmax scores%s,\n"
-          "# no aux loss in the objective (output_router_logits is false), no router noise.\n",
+          "# %s, no router noise.\n",
           o->dir, rt_hf_family_name(a->family), nfiles, nfiles == 1 ? "" : "s", weights_path, weights_path,
-          c->renormalize ? " renormalised" : " as they are (not renormalised)");
+          c->renormalize ? " renormalised" : " as they are (not renormalised)",
+          c->router_logits ? "its load-balancing loss pooled over the layers (output_router_logits is true: aux pooled)"
+                           : "no aux loss in the objective (output_router_logits is false)");
   fprintf(f, "model %s {\n  dtype fp32; batch %lld; seqlen %lld; embed %lld; seed 1;\n  vocab %lld;\n", name,
           (long long)o->batch, (long long)seqlen, (long long)a->embed, (long long)a->vocab);
   char b1[40], b2[40];
@@ -527,7 +538,9 @@ static int write_moe(const Options *o, const Config *c, int64_t seqlen, const ch
       continue;
     }
     fprintf(f, "  moe {\n    experts %lld { ffn mixtral { hidden %lld; } }\n", (long long)a->experts, (long long)a->hidden);
-    fprintf(f, "    gate gshard { k %lld; capacity *; renormalize %s; }\n", (long long)c->k, c->renormalize ? "true" : "false");
+    fprintf(f, "    gate gshard { k %lld; capacity *; renormalize %s;", (long long)c->k, c->renormalize ? "true" : "false");
+    if (c->router_logits) fprintf(f, " aux_loss %s; aux pooled;", num(c->aux_coef, b1, sizeof b1));
+    fprintf(f, " }\n");
     if (a->shared_hidden > 0)
       fprintf(f, "    shared { ffn mixtral { hidden %lld; }%s }\n", (long long)a->shared_hidden, a->shared_gate ? " gate sigmoid;" : "");
     fprintf(f, "  }\n}\n");

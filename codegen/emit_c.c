@@ -310,6 +310,13 @@ static void emit_layer_stats(Emit *e, const IrFunc *f) {
   char buf[96];
   for (int r = 1; r < f->nrets; r++) {
     const IrValue *v = f->rets[r];
+    if (v->def && v->def->kind == IR_OP_GATE_AUX_POOLED) {  // pooled after the last layer (rt_pool_finish)
+      const IrType *scores = &v->def->args[0].value->type;
+      cg_spell_value(&e->sp, v, buf, sizeof buf);
+      fprintf(e->out, "  rt_pool_layer(st, %s, %" PRId64 ", %" PRId64 ", %.17g);\n", buf, scores->dim[1], scores->dim[0],
+              ir_op_float(v->def, "coef", 0));
+      continue;
+    }
     if (!v->def || (v->def->kind != IR_OP_GATE_AUX_LOSS && v->def->kind != IR_OP_GATE_Z_LOSS)) continue;
     double coef = ir_op_float(v->def, "coef", 0);
     cg_spell_value(&e->sp, v, buf, sizeof buf);
@@ -461,6 +468,7 @@ bool cg_emit_c(IrDiag *d, FILE *out, const IrModule *m, const PassMemPlan *plan,
       last_fwd = f;
     }
   }
+  if (module_has(m, IR_OP_GATE_AUX_POOLED, NULL)) fprintf(out, "  rt_pool_finish(st);\n");
   fprintf(out, "}\n\nstatic void step_backward(RtStep *st) {\n  unsigned char *A = st->arena;\n  (void)A;\n");
   for (int i = 0; ok && i < m->nfuncs; i++)
     if (ir_role_phase(m->funcs[i]->role) == IR_PHASE_BWD) ok = emit_func(&e, m->funcs[i]);

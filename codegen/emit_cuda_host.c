@@ -62,6 +62,11 @@ typedef struct Host {
   bool group_nccl[5];        // a collective on a group of more than one rank
   int64_t *staged;           // host offset of a value of the current function, by id (-1 none)
   char output[96];           // the device address of the model's output ("" none)
+  // `aux pooled` (rt_pool_finish): each pooled layer's statistics [2, E], their device address
+  // and staging offset, written back to the device after the forward's epilogue pools them
+  char (*pooled_addr)[96];
+  int64_t *pooled_off, *pooled_bytes;
+  int npooled;
   bool bf16;                 // dtype bf16: the GEMMs take bf16 copies of their operands (cg_bf16_gemms)
   int64_t bf16_need[4];      // bytes of bf16 scratch each stream needs (IrStream index): its largest GEMM's
   bool ok;
@@ -404,7 +409,8 @@ static void mark_staged(Host *h, const IrFunc *f) {
   bool layer = f->role == IR_ROLE_LAYER_FWD;
   for (int r = 0; r < f->nrets; r++) {
     const IrValue *v = f->rets[r];
-    bool aux = layer && r >= 1 && v->def && (v->def->kind == IR_OP_GATE_AUX_LOSS || v->def->kind == IR_OP_GATE_Z_LOSS);
+    bool aux = layer && r >= 1 && v->def &&
+               (v->def->kind == IR_OP_GATE_AUX_LOSS || v->def->kind == IR_OP_GATE_Z_LOSS || v->def->kind == IR_OP_GATE_AUX_POOLED);
     bool loss = f->role == IR_ROLE_LOSS_FWD && r == 0;
     if ((aux || loss) && v->func == f) h->staged[v->id] = -2;
   }
@@ -420,6 +426,23 @@ static void function_epilogue(Host *h, const IrFunc *f) {
     int64_t off = h->staged[v->id];
     if (f->role == IR_ROLE_LOSS_FWD && r == 0) {
       fprintf(h->epi, "  st->mse = *(const float *)(H + %" PRId64 ");\n", off);
+    } else if (layer && v->def->kind == IR_OP_GATE_AUX_POOLED) {  // pooled on the host, then back (emit_step)
+      const IrType *scores = &v->def->args[0].value->type;
+      fprintf(h->epi, "  rt_pool_layer(st, (float *)(H + %" PRId64 "), %" PRId64 ", %" PRId64 ", %.17g);\n", off,
+              scores->dim[1], scores->dim[0], ir_op_float(v->def, "coef", 0));
+      void *a = realloc(h->pooled_addr, (size_t)(h->npooled + 1) * sizeof *h->pooled_addr);
+      void *o = a ? realloc(h->pooled_off, (size_t)(h->npooled + 1) * sizeof *h->pooled_off) : NULL;
+      if (a) h->pooled_addr = a;
+      if (o) h->pooled_off = o;
+      void *b = o ? realloc(h->pooled_bytes, (size_t)(h->npooled + 1) * sizeof *h->pooled_bytes) : NULL;
+      if (!b) {
+        h->ok = ir_error(h->d, "out of memory");
+        continue;
+      }
+      h->pooled_bytes = b;
+      cg_spell_value(&h->sp, v, h->pooled_addr[h->npooled], sizeof h->pooled_addr[0]);
+      h->pooled_off[h->npooled] = off;
+      h->pooled_bytes[h->npooled++] = ir_type_bytes(&v->type);
     } else if (layer) {
       fprintf(h->epi, "  st->%s += *(const float *)(H + %" PRId64 ");\n  st->aux_total += (double)(float)%.17g * *(const float *)(H + %" PRId64 ");\n",
               v->def->kind == IR_OP_GATE_AUX_LOSS ? "aux" : "z", off, ir_op_float(v->def, "coef", 0), off);
@@ -506,6 +529,14 @@ static bool emit_step(Host *h, const char *name, const char *prologue, bool (*me
             first_stage, first_stage, h->stage_bytes - first_stage,
             where(h, NULL, NULL, "reading back the statistics of the %s", name));
   fwrite(epilogue, 1, size, h->out);
+  if (h->npooled > 0 && strcmp(name, "forward") == 0) {  // the pooled P and F/N, for the backward
+    int wp = where(h, NULL, NULL, "writing back the pooled aux loss's statistics");
+    fprintf(h->out, "  rt_pool_finish(st);\n");
+    for (int i = 0; i < h->npooled; i++)
+      fprintf(h->out, "  CK(rt_cuda_to_device(cu, RT_STREAM_COMPUTE, %s, H + %" PRId64 ", %" PRId64 "), %d);\n",
+              h->pooled_addr[i], h->pooled_off[i], h->pooled_bytes[i], wp);
+    fprintf(h->out, "  CK(rt_cuda_sync(cu, RT_STREAM_COMPUTE), %d);\n", wp);
+  }
   fprintf(h->out, "}\n\n");
   free(epilogue);
   return true;
@@ -716,6 +747,9 @@ done:
   for (int i = 0; i < h.nwhere; i++) free(h.where[i]);
   free(h.where);
   free(h.staged);
+  free(h.pooled_addr);
+  free(h.pooled_off);
+  free(h.pooled_bytes);
   free(h.kernel_slot);
   free(used);
   free(h.param_offset);

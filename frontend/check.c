@@ -122,6 +122,7 @@ static const char *const optimizers[] = {"sgd", "adamw", NULL};
 static const char *const acts[] = {"gelu", "relu", NULL};
 static const char *const orders[] = {"tutel", "gshard", NULL};
 static const char *const algos[] = {"nccl", "1dh", "2dh", NULL};
+static const char *const aux_forms[] = {"group", "pooled", NULL};
 #define policies ((const char *const *)ir_policy_name)
 static const char *const hook_points[] = {"before_moe_start", "before_dispatch", "after_dispatch",
                                           "before_combine", "after_combine", "before_moe_end", NULL};
@@ -233,7 +234,7 @@ static const Field experts_fields[] = {
 static const Block experts_block = BLOCK("experts", experts_fields, NULL);
 
 // gate = "gate" NAME [ "{" [k] [capacity] [noise] [aux_loss] [z_loss] [groups] [proj] [slots]
-//                         [renormalize] "}" ]
+//                         [renormalize] [aux (group | pooled)] "}" ]
 static const Field gate_fields[] = {
   {"k", 0, .vals = {{V_INT, R_POS, .def = "1", .off = AT(FeGate, k)}},
    .loc = AT(FeGate, field_loc[FE_GATE_F_K])},
@@ -254,6 +255,8 @@ static const Field gate_fields[] = {
    .loc = AT(FeGate, field_loc[FE_GATE_F_SLOTS])},
   {"renormalize", 0, .vals = {{V_BOOL, .off = AT(FeGate, renormalize)}},
    .loc = AT(FeGate, field_loc[FE_GATE_F_RENORM])},   // default k > 1: finish_gate
+  {"aux", 0, .vals = {{V_WORD, .what = "aux form", .words = aux_forms, .def = "group", .off = AT(FeGate, aux_form)}},
+   .loc = AT(FeGate, field_loc[FE_GATE_F_AUX_FORM])},
 };
 static const Block gate_block = BLOCK("gate", gate_fields, finish_gate);
 
@@ -1082,13 +1085,16 @@ static void finish_gate(Ctx *c, const FeNode *n, const char *variant, char *dst)
   FeGate *g = (FeGate *)dst;
   const FeGateDef *def = variant ? fe_gate_find(variant) : NULL;
   static const char *const names[] = {"k", "capacity", "noise", "aux_loss", "z_loss", "groups", "proj", "slots",
-                                      "renormalize"};
+                                      "renormalize", "aux"};
   for (int f = 0; def && f < COUNT(names); f++) {
     if (!g->field_loc[f].src || (def->fields & FE_GATE_FIELD(f)) || f == FE_GATE_F_PROJ || f == FE_GATE_F_SLOTS)
       continue;
     ir_error_at(c->d, g->field_loc[f], "'%s' does not apply to gate '%s' (%s)", names[f], def->name, def->doc);
     if (f == FE_GATE_F_RENORM)
       renormalize_note(c, g->field_loc[f]);
+    if (f == FE_GATE_F_AUX_FORM)
+      ir_note_at(c->d, g->field_loc[f], "only 'gate gshard' has it: 'aux pooled' is transformers' load-balancing loss "
+                                        "over the softmax of the logits");
   }
   if (g->dropless && def && strcmp(def->name, "expert_choice") == 0)
     ir_error_at(c->d, g->field_loc[FE_GATE_F_CAPACITY],

@@ -14,6 +14,7 @@
 
 #include <stdbool.h>
 #include <stdint.h>
+#include <string.h>
 
 #include "../ir/ir.h"
 
@@ -110,10 +111,14 @@ typedef struct FeGate {
   int64_t proj;         // xmoe, default 16
   int64_t slots;        // softmoe, default 1
   bool renormalize;     // gshard, xmoe: the k gates scaled to sum 1; default k > 1
+  const char *aux_form; // gshard: "group" (default, manual §11.3) | "pooled" (transformers' form)
   SrcLoc field_loc[16]; // where fields were written (index: FE_GATE_F_*), for later diagnostics
 } FeGate;
 enum { FE_GATE_F_K, FE_GATE_F_CAPACITY, FE_GATE_F_NOISE, FE_GATE_F_AUX, FE_GATE_F_Z, FE_GATE_F_GROUPS, FE_GATE_F_PROJ, FE_GATE_F_SLOTS,
-       FE_GATE_F_RENORM };
+       FE_GATE_F_RENORM, FE_GATE_F_AUX_FORM };
+
+// The gate's aux loss is the pooled form (`aux pooled`, manual §11.3).
+static inline bool fe_aux_pooled(const FeGate *g) { return g->aux_form && strcmp(g->aux_form, "pooled") == 0; }
 
 typedef struct FeExperts {
   SrcLoc loc;

@@ -16,7 +16,8 @@
 // Mixtral alone has a sliding window (`window W`, the same in every layer).
 // Training-only settings (capacity, noise, aux and z losses, hooks, the layout, the schedule) do
 // not change the weights' meaning and do not stop an export; the exported model computes
-// dropless, as transformers does.
+// dropless, as transformers does. `aux pooled` in every MoE layer is transformers' own
+// load-balancing loss: output_router_logits true with its coefficient.
 #include <cjson/cJSON.h>
 #include <stdarg.h>
 #include <stdio.h>
@@ -236,8 +237,13 @@ char *fe_hf_config(const FeProgram *p, char *why, size_t n) {
   cJSON_AddStringToObject(rope, "rope_type", "default");
   cJSON_AddStringToObject(c, "hidden_act", "silu");
   cJSON_AddBoolToObject(c, "tie_word_embeddings", md->tie_embeddings);
+  // transformers' objective has its load-balancing loss when every MoE layer has `aux pooled`
+  // (the checker gave them one coefficient); any other aux form stays moec's.
+  bool pooled = true;
+  for (int i = 0; i < p->nlayers; i++)
+    pooled &= !p->layers[i].has_moe || fe_aux_pooled(&p->layers[i].moe.gate);
   add_float(c, "router_aux_loss_coef", e->gate.aux_loss);
-  cJSON_AddBoolToObject(c, "output_router_logits", false);
+  cJSON_AddBoolToObject(c, "output_router_logits", pooled);
   add_float(c, "attention_dropout", 0);
   cJSON_AddStringToObject(c, "dtype", "float32");
   char *text = cJSON_Print(c);

@@ -87,8 +87,12 @@ void fe_token_choice(FeLower *L, IrValue *logits, IrValue *scores, bool renorm, 
   out->gates = fe_emit(L, IR_OP_GATE_GATHER, "gates", 2, (IrOperand[]){FE_V(scores), FE_V(out->idx)}, 1,
                        (IrAttr[]){FE_I("renorm", renorm)});
   out->loc = fe_emit(L, IR_OP_GATE_LOCATIONS, "loc", 1, (IrOperand[]){FE_V(out->idx)}, g->dropless ? 4 : 3, route);
-  out->aux = fe_emit(L, IR_OP_GATE_AUX_LOSS, "aux", 2, (IrOperand[]){FE_V(scores), FE_V(out->idx)}, 2,
-                     (IrAttr[]){FE_I("groups", L->G), FE_F("coef", g->aux_loss)});
+  if (fe_aux_pooled(g))  // the model's one pooled loss: this layer's sums, pooled by the runtime
+    out->aux = fe_emit(L, IR_OP_GATE_AUX_POOLED, "aux", 2, (IrOperand[]){FE_V(scores), FE_V(out->idx)}, 1,
+                       (IrAttr[]){FE_F("coef", g->aux_loss)});
+  else
+    out->aux = fe_emit(L, IR_OP_GATE_AUX_LOSS, "aux", 2, (IrOperand[]){FE_V(scores), FE_V(out->idx)}, 2,
+                       (IrAttr[]){FE_I("groups", L->G), FE_F("coef", g->aux_loss)});
   out->z = fe_emit(L, IR_OP_GATE_Z_LOSS, "z", 1, (IrOperand[]){FE_V(logits)}, 2,
                    (IrAttr[]){FE_I("groups", L->G), FE_F("coef", g->z_loss)});
 }
@@ -102,6 +106,25 @@ static void refuse_unsupported(IrDiag *d, const FeProgram *p, const FeTargetCaps
                 "dtype '%s' runs on the CUDA target only (bf16 GEMM inputs, fp32 master weights): the CPU "
                 "backend trains in fp32; build with --target cuda, or write 'dtype fp32;'",
                 p->model.dtype);
+  // `aux pooled` is one loss over every layer that has it: one coefficient, one number of experts.
+  const FeLayer *pooled = NULL;
+  for (int i = 0; i < p->nlayers; i++) {
+    const FeLayer *l = &p->layers[i];
+    if (!l->has_moe || !fe_aux_pooled(&l->moe.gate)) continue;
+    const SrcLoc at = l->moe.gate.field_loc[FE_GATE_F_AUX_FORM];
+    if (!pooled) {
+      pooled = l;
+      continue;
+    }
+    if (l->moe.gate.aux_loss != pooled->moe.gate.aux_loss)
+      ir_error_at(d, at, "'aux pooled' is one loss for the whole model: layer '%s' has aux_loss %g, layer '%s' %g; "
+                         "give every pooled layer the same coefficient", l->name, l->moe.gate.aux_loss, pooled->name,
+                  pooled->moe.gate.aux_loss);
+    if (l->moe.experts.count != pooled->moe.experts.count)
+      ir_error_at(d, at, "'aux pooled' is one loss for the whole model: layer '%s' has %lld experts, layer '%s' %lld; "
+                         "it pools per-expert statistics over layers with the same number of experts",
+                  l->name, (long long)l->moe.experts.count, pooled->name, (long long)pooled->moe.experts.count);
+  }
   const FeParallel *par = &p->parallel;
   for (int i = 0; i < p->nlayers; i++) {
     const FeLayer *l = &p->layers[i];

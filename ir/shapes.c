@@ -555,6 +555,19 @@ static bool infer(Infer *I, IrType *out) {
       return false;
     *out = op->kind == IR_OP_GATE_AUX_LOSS ? (IrType){.dtype = IR_F32} : *ty(I, 0);
     return true;
+  case IR_OP_GATE_AUX_POOLED:
+    if (!need_float(I, 0, 2, "[S, E]") || !need_i32(I, 1, 2, "[S, K]") || !same_dim(I, "S", 0, 0, 1, 0) ||
+        !num_attr(I, "coef", true))
+      return false;
+    *out = (IrType){.dtype = IR_F32, .rank = 2, .dim = {2, dim(I, 0, 1)}};
+    return true;
+  case IR_OP_GATE_AUX_POOLED_GRAD:
+    if (!need_float(I, 0, 2, "[S, E]") || !need_float(I, 1, 2, "[2, E]") || !num_attr(I, "coef", true))
+      return false;
+    if (dim(I, 1, 0) != 2 || dim(I, 1, 1) != dim(I, 0, 1))
+      return fail(I, "%s must be [2, %lld] (the pooled statistics of %s)", nm(I, 1), (long long)dim(I, 0, 1), nm(I, 0));
+    *out = *ty(I, 0);
+    return true;
   case IR_OP_GATE_Z_LOSS:
   case IR_OP_GATE_Z_LOSS_GRAD:
     if (!need_float(I, 0, 2, "[S, E]") || !groups_attr(I, dim(I, 0, 0), &m) || !num_attr(I, "coef", true))

@@ -234,6 +234,11 @@ static bool backward_op(Grad *g, const IrOp *op) {
     if (ir_op_float(op, "coef", 0) != 0)
       accumulate(g, a[0].value, emit(g, IR_OP_GATE_AUX_LOSS_GRAD, "daux", op, 2, (IrOperand[]){a[0], a[1]}));
     return true;
+  case IR_OP_GATE_AUX_POOLED:  // reads the statistics the runtime pooled after the forward
+    if (ir_op_float(op, "coef", 0) != 0)
+      accumulate(g, a[0].value, emit(g, IR_OP_GATE_AUX_POOLED_GRAD, "daux", op, 2,
+                                     (IrOperand[]){a[0], V(op->result)}));
+    return true;
   case IR_OP_GATE_Z_LOSS:
     if (ir_op_float(op, "coef", 0) != 0)
       accumulate(g, a[0].value, emit(g, IR_OP_GATE_Z_LOSS_GRAD, "dz", op, 1, (IrOperand[]){a[0]}));

@@ -633,6 +633,79 @@ void rt_aux_loss_grad(const float *scores, const int32_t *idx, float *dscores, i
   free(me);
 }
 
+// The pooled aux loss (manual §11.3 `aux pooled`): this layer's sums on this rank, stats[i] =
+// sum_t scores[t, i] and stats[e + i] = the number of the s*k top-k choices that are expert i.
+// rt_pool_layer and rt_pool_finish make the loss of them and write the pooled P and F/N back.
+void rt_aux_pooled(const float *scores, const int32_t *idx, float *stats, int s, int e, int k) {
+  double *sum = rt_alloc(2 * (size_t)e * sizeof *sum, "rt_aux_pooled"), *count = sum + e;
+  for (int i = 0; i < 2 * e; i++)
+    sum[i] = 0.0;
+  for (int t = 0; t < s; t++) {
+    const float *row = scores + (size_t)t * e;
+    for (int i = 0; i < e; i++)
+      sum[i] += row[i];
+    for (int j = 0; j < k; j++)
+      count[idx[(size_t)t * k + j]] += 1.0;
+  }
+  for (int i = 0; i < 2 * e; i++)
+    stats[i] = (float)sum[i];
+  free(sum);
+}
+
+// F is a constant of the scores (piecewise constant): d aux / d scores[t, i] = E * F_i / N, the
+// same for every token; pooled[e + i] holds F_i / N.
+void rt_aux_pooled_grad(const float *pooled, float *dscores, int s, int e, float coef) {
+  for (int i = 0; i < e; i++) {
+    float d = (float)((double)coef * e * pooled[e + i]);
+    for (int t = 0; t < s; t++)
+      dscores[(size_t)t * e + i] = d;
+  }
+}
+
+// The sums are taken now (the buffer of a layer whose coefficient is 0 may be reused by later
+// layers: nothing reads it after the forward); a buffer the backward reads is kept for the write-back.
+void rt_pool_layer(RtStep *st, float *stats, int e, int64_t tokens, double coef) {
+  if (!st->pool_sum) {
+    st->pool_sum = rt_alloc((2 * (size_t)e + 1) * sizeof *st->pool_sum, "rt_pool_layer");
+    for (int i = 0; i <= 2 * e; i++)
+      st->pool_sum[i] = 0.0;
+  }
+  for (int i = 0; i < 2 * e; i++)
+    st->pool_sum[i] += stats[i];
+  st->pool_sum[2 * e] += (double)tokens;
+  st->pool_experts = e;
+  st->pool_coef = coef;
+  if (coef == 0)
+    return;
+  if (st->npool == RT_POOL_MAX_LAYERS)
+    rt_comm_abort("'aux pooled' in more than %d layers", RT_POOL_MAX_LAYERS);
+  st->pool[st->npool++] = stats;
+}
+
+void rt_pool_finish(RtStep *st) {
+  int e = st->pool_experts;
+  double *sum = st->pool_sum;
+  if (!sum)
+    return;
+  st->pool_sum = NULL;
+  if (st->comm)  // every rank routes tokens of its own
+    rt_allreduce_f64(st->comm, RT_GROUP_WORLD, sum, 2 * (int64_t)e + 1);
+  double n = sum[2 * e], aux = 0.0;
+  for (int i = 0; i < e && n > 0; i++)
+    aux += (sum[i] / n) * (sum[e + i] / n);
+  aux *= e;
+  if (rt_comm_rank(st->comm, RT_GROUP_WORLD) == 0) {  // one share: the report sums over the world
+    st->aux += aux;
+    st->aux_total += (double)(float)st->pool_coef * aux;
+  }
+  for (int l = 0; l < st->npool; l++)
+    for (int i = 0; i < e && n > 0; i++) {
+      st->pool[l][i] = (float)(sum[i] / n);
+      st->pool[l][e + i] = (float)(sum[e + i] / n / n);
+    }
+  free(sum);
+}
+
 static double row_logsumexp(const float *row, int e) {
   float mx = -INFINITY;
   for (int j = 0; j < e; j++)
@@ -871,4 +944,7 @@ void rt_step_begin_forward(RtStep *st) {
   st->load_count = 0;
   st->capacity_max = 0;
   st->nlayer_stats = 0;
+  st->npool = 0;
+  free(st->pool_sum);   // a forward that stopped before rt_pool_finish (none does)
+  st->pool_sum = NULL;
 }

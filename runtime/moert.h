@@ -276,6 +276,8 @@ struct RtModel {
   const char *hf_config, *hf_refusal;
 };
 
+#define RT_POOL_MAX_LAYERS 256   // layers with `aux pooled` in one model
+
 // One routed MoE layer's share of a step's statistics (--log): its loads and drops.
 typedef struct RtLayerStats {
   int64_t load_min, load_max, load_count, dropped, routed;
@@ -305,6 +307,13 @@ struct RtStep {
   // drops, layer_stats[0 .. nlayer_stats) of at most max_layer_stats (set by rt_main).
   RtLayerStats *layer_stats;
   int nlayer_stats, max_layer_stats;
+  // The pooled aux loss this forward (rt_pool_layer): the sums so far ([2*E+1]: scores and
+  // choices per expert, then tokens; NULL before the first pooled layer), the statistics buffers
+  // in the arena that the backward reads (coefficient not 0), the experts and the coefficient.
+  double *pool_sum;
+  float *pool[RT_POOL_MAX_LAYERS];
+  int npool, pool_experts;
+  double pool_coef;
   void *record;                   // FILE * for the record hook, or NULL (set by rt_main)
   // The driver's, for the step functions' collectives and task tables (set by rt_main).
   RtComm *comm;                   // NULL: a world of one
@@ -316,6 +325,14 @@ struct RtStep {
 
 // Resets the per-forward statistics; the generated forward calls it first.
 void rt_step_begin_forward(RtStep *st);
+// The pooled aux loss (manual §11.3 `aux pooled`): after each pooled layer the generated forward
+// adds its statistics [2, e] (rt_aux_pooled's, of tokens tokens) to the step's with
+// rt_pool_layer; at its end rt_pool_finish (collective over the world) sums them over the ranks,
+// adds the loss (E * sum_i F_i P_i) and coef times it to st->aux and st->aux_total (on world
+// rank 0, the report's share) and, when coef is not 0, writes P_i and F_i / N back into every
+// layer's buffer, which the backward's gate.aux_pooled.grad reads.
+void rt_pool_layer(RtStep *st, float *stats, int e, int64_t tokens, double coef);
+void rt_pool_finish(RtStep *st);
 
 // The generated main(): `return rt_main(&model, argc, argv);`
 int rt_main(const RtModel *model, int argc, char **argv);

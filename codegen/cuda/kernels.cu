@@ -1079,6 +1079,30 @@ extern "C" __global__ void mk_aux_loss_grad(const float *scores, const int *idx,
   }
 }
 
+// ---- mk_aux_pooled ----
+// One block of MK_BLOCK threads: this rank's per-expert sums of the scores and of the top-k
+// choices, stats [2, e] (rt_aux_pooled; the CUDA target refuses `aux pooled` for now).
+extern "C" __global__ void mk_aux_pooled(const float *scores, const int *idx, float *stats, int s, int e, int k) {
+  for (int i = threadIdx.x; i < e; i += blockDim.x) {
+    double sum = 0.0, count = 0.0;
+    for (int t = 0; t < s; t++) {
+      sum += scores[(i64)t * e + i];
+      for (int j = 0; j < k; j++) count += idx[(i64)t * k + j] == i;
+    }
+    stats[i] = (float)sum;
+    stats[e + i] = (float)count;
+  }
+}
+
+// ---- mk_aux_pooled_grad ----
+// dscores[t, i] = coef * E * pooled[1, i] (F_i / N) for every token t.
+extern "C" __global__ void mk_aux_pooled_grad(const float *pooled, float *dscores, int s, int e, float coef) {
+  MK_FOR(q, (i64)s * e) {
+    int i = (int)(q % e);
+    dscores[q] = (float)((double)coef * e * pooled[e + i]);
+  }
+}
+
 // ---- mk_z_loss ----
 // One block of MK_BLOCK threads: mean over groups of the group's mean of logsumexp^2, / share.
 extern "C" __global__ void mk_z_loss(const float *logits, float *out, int s, int e, int g, float share) {

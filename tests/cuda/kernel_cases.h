@@ -240,6 +240,13 @@ template <class Launcher> void run_kernel_cases(Launcher &L, Checks &c) {
     rt_aux_loss_grad(sc_c.data(), idx_c.data(), d_c.data(), s, e, k, g, 0.01f);
     LAUNCH_SHARED(g, 64, e * sizeof(double), mk_aux_loss_grad, sc_c, idx_c, d_k, s, e, k, g, 0.01f);
     c.same("gate.aux_loss.grad", d_c, d_k);
+    auto p_c = zeros<float>(2 * e), p_k = zeros<float>(2 * e);   // the pooled form: sums, then its gradient
+    rt_aux_pooled(sc_c.data(), idx_c.data(), p_c.data(), s, e, k);
+    LAUNCH(1, 4, mk_aux_pooled, sc_c, idx_c, p_k, s, e, k);
+    c.same("gate.aux_pooled", p_c, p_k);
+    rt_aux_pooled_grad(p_c.data(), d_c.data(), s, e, 0.01f);
+    LAUNCH(3, 32, mk_aux_pooled_grad, p_c, d_k, s, e, 0.01f);
+    c.same("gate.aux_pooled.grad", d_c, d_k);
     std::vector<float> z_c = {rt_z_loss_value(noisy_c.data(), s, e, g)}, z_k = {0};
     LAUNCH(1, MK_BLOCK, mk_z_loss, noisy_c, z_k, s, e, g, 1.0f);
     c.same("gate.z_loss", z_c, z_k);

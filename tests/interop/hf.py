@@ -98,14 +98,27 @@ def tokens(vocab, batch, seqlen, seed):
     return rng.integers(0, vocab, size=(batch, seqlen + 1), dtype=np.int32)
 
 
+def hf_loss(model, ids):
+    """transformers' loss of moec's window: the L+1 tokens give the cross-entropy of L
+    predictions; with output_router_logits its aux term is of the L input tokens the window
+    routes (the run over L+1 tokens would also route the last one), so it is taken from a run over
+    those (the causal router logits of both runs are the same)."""
+    out = model(input_ids=ids, labels=ids)
+    if not model.config.output_router_logits:
+        return out, out.loss
+    coef = model.config.router_aux_loss_coef
+    window = model(input_ids=ids[:, :-1], labels=ids[:, :-1])
+    return out, out.loss - coef * out.aux_loss + coef * window.aux_loss
+
+
 def hf_reference(model, toks):
     """Logits [B, L, V] and the training loss in float64, as transformers computes them."""
     m64 = model.to(torch.float64)
     ids = torch.from_numpy(toks.astype(np.int64))
     with torch.no_grad():
-        out = m64(input_ids=ids, labels=ids)
+        out, loss = hf_loss(m64, ids)
     L = toks.shape[1] - 1
-    return out.logits[:, :L].numpy(), float(out.loss)
+    return out.logits[:, :L].numpy(), float(loss)
 
 
 def moec_run(name, src_dir, batch, seqlen, toks, extra_import=(), extra_run=()):
@@ -179,18 +192,23 @@ def family_checks(family):
             p.copy_(p.to(torch.bfloat16).to(p.dtype))
     compare_forward(f"{family} (BF16, {len(shards)} shards)", ref, src_bf)
 
-    # One SGD step on transformers' loss.
+    sgd_check(family, family, src, {})
+
+
+def sgd_check(what, family, src, over):
+    """One SGD step on transformers' loss (the model tiny(family, 0, **over), saved in src)."""
+    cls = model_class(family)
     lr = 0.05
-    toks = tokens(model.config.vocab_size, 2, 16, 3)
-    p2 = os.path.join(WORK, family + "_sgd")
+    toks = tokens(FAMILIES[family][2]["vocab_size"], 2, 16, 3)
+    p2 = os.path.join(WORK, what + "_sgd")
     run([MOEC, "import-hf", src, "-o", p2, "--batch", "2", "--seqlen", "16", "--optimizer", "sgd", "--lr", str(lr)])
     run([MOEC, "build", p2 + ".moe", "-o", p2])
     np.save(p2 + ".tokens.npy", toks)
     run([p2, "--steps", "1", "--weights", p2 + ".safetensors", "--input", p2 + ".tokens.npy", "--export-hf",
          p2 + ".export", "--quiet"])
-    m64 = tiny(family, 0).to(torch.float64).train()
+    m64 = tiny(family, 0, **over).to(torch.float64).train()
     ids = torch.from_numpy(toks.astype(np.int64))
-    m64(input_ids=ids, labels=ids).loss.backward()
+    hf_loss(m64, ids)[1].backward()
     worst, scale = 0.0, 0.0
     stepped = cls.from_pretrained(p2 + ".export", **EAGER).to(torch.float64)
     mine = dict(stepped.named_parameters())
@@ -200,10 +218,31 @@ def family_checks(family):
         if p.grad is not None:
             scale = max(scale, float((lr * p.grad).abs().max()))
     if worst <= 2e-3 * scale:
-        ok(f"{family} one SGD step (lr {lr}): every weight within {worst:.1e} of torch's step on transformers' loss "
+        ok(f"{what} one SGD step (lr {lr}): every weight within {worst:.1e} of torch's step on transformers' loss "
            f"(the update's scale {scale:.1e})")
     else:
-        bad(f"{family} one SGD step: {worst:.2e} from torch's, more than 2e-3 of the update's scale {scale:.2e}")
+        bad(f"{what} one SGD step: {worst:.2e} from torch's, more than 2e-3 of the update's scale {scale:.2e}")
+
+
+def router_logits_checks(family):
+    """output_router_logits: transformers' loss then adds router_aux_loss_coef times its
+    load-balancing loss pooled over the MoE layers; moec imports it as `aux pooled`. The loss
+    (a large coefficient, so that the term shows), then one SGD step, and the export's config."""
+    over = dict(output_router_logits=True, router_aux_loss_coef=0.5)
+    what = family + "_router_logits"
+    src = os.path.join(WORK, what)
+    tiny(family, 0, **over).save_pretrained(src)
+    prefix = compare_forward(f"{family} with output_router_logits (aux coef 0.5)", tiny(family, 0, **over), src)
+    with open(prefix + ".moe") as f:
+        if "aux_loss 0.5; aux pooled;" not in f.read():
+            bad(f"{what}: the imported gates do not say 'aux_loss 0.5; aux pooled;'")
+    sgd_check(what, family, src, over)
+    cfg = json.load(open(os.path.join(WORK, what + "_sgd.export", "config.json")))
+    if cfg.get("output_router_logits") is True and cfg.get("router_aux_loss_coef") == 0.5:
+        ok(f"{what}: the export's config.json has output_router_logits true and router_aux_loss_coef 0.5")
+    else:
+        bad(f"{what}: the export's config.json has output_router_logits {cfg.get('output_router_logits')}, "
+            f"router_aux_loss_coef {cfg.get('router_aux_loss_coef')}")
 
 
 def main():
@@ -213,6 +252,11 @@ def main():
             family_checks(family)
         except Exception as e:  # a failed command is one failed check, the others still run
             bad(f"{family}: {type(e).__name__}", str(e))
+    for family in ("mixtral", "qwen2_moe", "olmoe"):
+        try:
+            router_logits_checks(family)
+        except Exception as e:
+            bad(f"{family} with output_router_logits: {type(e).__name__}", str(e))
     sys.exit(1 if failed else 0)
 
 

@@ -107,6 +107,22 @@ else
   bad "Mixtral with a sliding window" "$(cat "$WORK/sw.out" "$WORK/err" "$WORK/swexp.out" 2>/dev/null; grep window "$WORK/sw.moe")"
 fi
 
+# output_router_logits true: transformers' load-balancing loss in the objective, imported as
+# `aux pooled` with router_aux_loss_coef (0.02 in the fixture), trained with it (aux in the step
+# line) and exported back as output_router_logits true with the coefficient.
+$FIX make "$WORK/rl" --config output_router_logits=true
+if "$MOEC" import-hf "$WORK/rl" -o "$WORK/rl" --batch 2 --seqlen 16 >"$WORK/rl.out" 2>&1 &&
+   grep -q 'aux_loss 0.02; aux pooled;' "$WORK/rl.moe" && "$MOEC" build "$WORK/rl.moe" -o "$WORK/rlbin" 2>"$WORK/err" &&
+   (cd "$WORK" && ./rlbin --steps 1 --weights rl.safetensors --export-hf rlout >rlexp.out 2>&1) &&
+   grep -q '"output_router_logits":[[:space:]]*true' "$WORK/rlout/config.json" &&
+   grep -q '"router_aux_loss_coef":[[:space:]]*0.02' "$WORK/rlout/config.json" &&
+   aux=$(awk '/^step 1 /{for (i = 1; i < NF; i++) if ($i == "aux") print $(i + 1)}' "$WORK/rlexp.out") &&
+   awk -v a="$aux" 'BEGIN { exit !(a > 0.5) }'; then
+  ok "output_router_logits true: imported as 'aux_loss 0.02; aux pooled;', trained (aux $aux), exported back as true with 0.02"
+else
+  bad "output_router_logits true" "$(cat "$WORK/rl.out" "$WORK/err" "$WORK/rlexp.out" 2>/dev/null; grep gate "$WORK/rl.moe")"
+fi
+
 # Refusals, each a sentence naming what it refuses.
 refused() {  # label expected-text fixture-args...
   local label=$1 want=$2; shift 2
@@ -121,6 +137,8 @@ refused() {  # label expected-text fixture-args...
 }
 refused "an unknown config key" '"moe_layer_freq": 2 is a key moec does not know' --config moe_layer_freq=2
 refused "router jitter" '"router_jitter_noise": 0.1' --config router_jitter_noise=0.1
+refused "output_router_logits not a boolean" '"output_router_logits": 1 is not something moec can represent: it must be true or false' --config output_router_logits=1
+refused "a negative router_aux_loss_coef with output_router_logits" '"router_aux_loss_coef": -1 is not something' --config output_router_logits=true --config router_aux_loss_coef=-1
 refused "a family moec does not read" 'model_type "deepseek_v3" is not a family moec reads' --config model_type='"deepseek_v3"'
 refused "a missing tensor" "has no tensor 'model.layers.1.block_sparse_moe.experts.2.w3.weight'" --drop model.layers.1.block_sparse_moe.experts.2.w3.weight
 refused "a tensor it does not know" "tensor 'model.layers.0.mlp.shared_expert_gate.weight' is not part of" --extra model.layers.0.mlp.shared_expert_gate.weight

@@ -19,6 +19,9 @@
 # whole width of q and k, which MP would split: refused there) on dp2·ep2 and dp4·ep2·esp2.
 # tests/models/grad_lm_gorder.moe (order gshard, whose capacity buffers MP splits with the tokens;
 # it did not build with mp > 1 before) on dp2·mp2·ep4 with --check-grad.
+# tests/models/grad_lm_pooled.moe (`aux pooled`: one loss whose sums are reduced over every rank
+# between the forward and the backward) on the same three layouts and dp4·ep4, with --check-grad
+# on mp2·ep2.
 set -u
 cd "$(dirname "$0")/../.."
 BUILD=${BUILD:-build}
@@ -36,7 +39,9 @@ for entry in "gpt:dp 2; ep 2;:2:2:1:0" "gpt:dp 2; mp 2; ep 4;:4:2:2:1" "gpt:dp 4
              "qknorm:dp 2; ep 2;:2:2:1:0" "qknorm:mp 2; ep 2;:2:1:2:1" "qknorm:dp 2; mp 2; ep 2; esp 2;:4:2:2:0" \
              "window:dp 2; ep 2;:2:2:1:0" "window:mp 2; ep 2;:2:1:2:1" "window:dp 2; mp 2; ep 2; esp 2;:4:2:2:0" \
              "olmoe:dp 2; ep 2;:2:2:1:0" "olmoe:dp 4; ep 2; esp 2;:4:4:1:0" \
-             "gorder:dp 2; mp 2; ep 4;:4:2:2:1"; do
+             "gorder:dp 2; mp 2; ep 4;:4:2:2:1" \
+             "pooled:dp 2; ep 2;:2:2:1:0" "pooled:mp 2; ep 2;:2:1:2:1" "pooled:dp 2; mp 2; ep 2; esp 2;:4:2:2:0" \
+             "pooled:dp 4; ep 4;:4:4:1:0"; do
   IFS=: read -r model lay np dp mp grad <<<"$entry"
   M=$(pwd)/tests/models/grad_lm_$model.moe
   [ "$model" = gpt ] && lay_name="{ $lay }" || lay_name="$model { $lay }"

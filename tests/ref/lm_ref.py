@@ -18,6 +18,11 @@ default M/heads):
   ce = mean_s (logsumexp(logits_s) - logits_s[t[b, i+1]])
   loss = ce + sum over MoE layers (aux_coef*aux + z_coef*z)      (aux, z as moe_ref: per routing
                                                                     group, averaged over groups)
+         except for the layers with aux "pooled" (transformers' load_balancing_loss_func), whose
+         one loss replaces their aux terms: over all of them and all their tokens (N = layers x
+         tokens), P_e = mean softmax score, F_e = (number of top-k choices of e)/N, aux_pooled =
+         E sum_e F_e P_e, added once times their (shared) coefficient; its gradient into each
+         pooled layer's scores is coef E F_e/N (F constant)
   LayerNorm(x) = (x - mean)/sqrt(var + eps)*w + b (biased var over M); RMSNorm = x/sqrt(mean x^2 + eps)*w
   Attn(x): q = x.Wq (+bq) [S, H*d], k = x.Wk (+bk), v = x.Wv (+bv) [S, KV*d] (biases with
     `bias true` or `bias qkv`); query head h reads
@@ -347,8 +352,8 @@ def forward(model, params, tokens, want_grads=True, training=True, z_noisy=True,
     h = P["embed.wte"][inp]
     if model.position == "learned":
         h = h + np.tile(P["embed.wpe"], (B, 1))
-    caches, stats, routing = [], [], []
-    extra, margin = 0.0, math.inf
+    caches, stats, routing, pooled = [], [], [], []
+    extra, margin, aux_sum = 0.0, math.inf, 0.0
     for ly in model.layers:
         n = ly.name
         c = dict(h=h)
@@ -366,17 +371,34 @@ def forward(model, params, tokens, want_grads=True, training=True, z_noisy=True,
             yf = yf.astype(dtype)
             stats.append(st)
             routing.append(c["moe"]["routing"])
-            extra += ly.moe.aux_coef * st["aux"] + ly.moe.z_coef * st["z"]
+            if ly.moe.aux_form == "pooled":
+                pooled.append((ly.moe, c["moe"]))
+                extra += ly.moe.z_coef * st["z"]
+            else:
+                extra += ly.moe.aux_coef * st["aux"] + ly.moe.z_coef * st["z"]
+                aux_sum += st["aux"]
             margin = min(margin, moe_ref.cache_margin(ly.moe, c["moe"]))
         else:
             yf, c["mlp"] = mlp_forward(ly, sub(P, n + ".mlp.", dtype), c["xf"])
         h = a + yf
         caches.append(c)
+    if pooled:
+        En = pooled[0][0].E
+        psum, count, N = np.zeros(En), np.zeros(En), 0
+        for mly, mc in pooled:
+            psum += mc["scores"].sum(axis=0)
+            count += np.bincount(mc["idx"].ravel(), minlength=En)
+            N += mc["scores"].shape[0]
+        aux_pooled = En * float(np.dot(count / N, psum / N))
+        for mly, mc in pooled:
+            mc["pooled_fn"] = count / N / N
+        extra += pooled[0][0].aux_coef * aux_pooled
+        aux_sum += aux_pooled
     hf, nfin = norm("final_norm", h)
     W = P["embed.wte"].T if model.tie else P["head.w"]
     logits = hf @ W
     ce, dlogits = cross_entropy(logits, tgt)
-    res = dict(loss=ce + extra, ce=ce, aux=sum(st["aux"] for st in stats),
+    res = dict(loss=ce + extra, ce=ce, aux=aux_sum,
                z=sum(st["z"] for st in stats), logits=logits.reshape(B, L, V), stats=stats,
                routing=routing, margin=margin, caches=caches)
     if not want_grads:
@@ -601,6 +623,17 @@ SELFTEST_CASES = [
                         mlp=dict(ffn="gpt", hidden=6, act="gelu", bias=True))),
       ("one", 1, dict(attention=dict(heads=2, window=1),
                       mlp=dict(ffn="mixtral", hidden=6)))], None),
+    # transformers' load-balancing loss (aux "pooled"): one loss over a k 2 and a k 1 layer
+    # (drops counted: F counts every top-k choice), the gradient coef E F_e/N into both
+    ("pooled: aux pooled over k2 (drops) and k1 layers, rope rmsnorm",
+     dict(vocab=11, batch=2, seqlen=5, embed=8, position="rope", theta=100.0, norm="rmsnorm",
+          eps=1e-5, tie_embeddings=False, seed=29),
+     [("p2", 1, dict(attention=dict(heads=2, bias=False),
+                     moe=dict(experts=4, hidden=6, k=2, capacity=0.5, ffn="mixtral", noise=1.0,
+                              aux_loss=0.3, aux="pooled", z_loss=0.01))),
+      ("p1", 1, dict(attention=dict(heads=2, bias=False),
+                     moe=dict(experts=4, hidden=6, k=1, capacity=1.0, ffn="mixtral",
+                              renormalize=True, aux_loss=0.3, aux="pooled")))], "drops"),
 ]
 
 

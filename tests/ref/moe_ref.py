@@ -174,13 +174,17 @@ class Layer:
     def __init__(self, name, embed, experts, hidden, k=1, capacity=1.0, groups=1, noise=0.0,
                  aux_loss=0.0, z_loss=0.0, act="gelu", bias=True, gate="gshard", order="tutel",
                  ffn="gpt", proj=16, slots=1, hooks=(), renormalize=None, shared_hidden=None,
-                 shared_gate=False):
+                 shared_gate=False, aux="group"):
         assert gate in GATES and order in ("tutel", "gshard") and ffn in ("gpt", "mixtral")
         assert renormalize is None or gate in ("gshard", "xmoe"), "renormalize: gshard and xmoe only"
         self.renormalize = renormalize
         self.name, self.M, self.E, self.H = name, embed, experts, hidden
         self.k, self.capacity, self.groups, self.noise = k, capacity, groups, noise
         self.aux_coef, self.z_coef = aux_loss, z_loss
+        # aux "pooled": transformers' load-balancing loss, one over every pooled layer of a
+        # language model (tests/ref/lm_ref.py computes it and sets the caches' "pooled_fn")
+        assert aux in ("group", "pooled") and (aux == "group" or gate == "gshard")
+        self.aux_form = aux
         self.gate, self.order, self.ffn, self.proj, self.slots = gate, order, ffn, proj, slots
         self.act = act if ffn == "gpt" else None
         self.bias = bias if ffn == "gpt" else False
@@ -541,7 +545,9 @@ def gate_backward(ly, p, c, dD, dCw):
             contrib = dgates
         dscores = np.zeros_like(sc)
         np.add.at(dscores, (np.repeat(rows, ly.k, axis=1), idx), contrib)
-        if ly.aux_coef:         # ce is piecewise constant
+        if ly.aux_coef and ly.aux_form == "pooled":    # coef * E * F_e / N, F pooled (constant)
+            dscores += ly.aux_coef * E * c["pooled_fn"][None, :]
+        elif ly.aux_coef:         # ce is piecewise constant
             for g in range(G):
                 ce = np.bincount(idx[g * sg:(g + 1) * sg, 0], minlength=E) / sg
                 dscores[g * sg:(g + 1) * sg] += ly.aux_coef * E * ce[None, :] / (sg * G)

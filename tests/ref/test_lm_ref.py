@@ -147,6 +147,17 @@ CONFIGS = [
       ("win", 1, dict(attention=dict(heads=2, bias=True, qk_norm="whole", window=5),
                       moe=dict(GPT_FFN, k=1, capacity="*", **LOSSES)))],
      dict(expect="nodrop")),
+    # transformers' load-balancing loss (`aux pooled`): one loss over a renormalised top-2 layer
+    # with drops and a raw-score top-1 one, Mixtral-style; the per-group aux in a gpt layer beside
+    ("k_pooled_aux", dict(position="rope", norm="rmsnorm", eps=1e-5, tie_embeddings=False),
+     [("block", 2, dict(attention=dict(heads=4, kv_heads=2, bias=False),
+                        moe=dict(MIX_FFN, k=2, capacity=0.75, renormalize=True, aux_loss=0.2,
+                                 aux="pooled", z_loss=0.001))),
+      ("top1", 1, dict(attention=dict(heads=2, bias=False),
+                       moe=dict(MIX_FFN, k=1, capacity="*", aux_loss=0.2, aux="pooled"))),
+      ("grp", 1, dict(attention=dict(heads=2, bias=False),
+                      moe=dict(GPT_FFN, k=1, capacity=1.0, **LOSSES)))],
+     dict(expect="drops")),
 ]
 
 

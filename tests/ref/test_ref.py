@@ -60,6 +60,8 @@ def moe_block(kw, indent="  ", experts=None, hidden=None):
             gate.append("proj %d;" % kw.get("proj", 16))
         if kw.get("renormalize") is not None:
             gate.append("renormalize %s;" % ("true" if kw["renormalize"] else "false"))
+        if kw.get("aux", "group") != "group":
+            gate.append("aux %s;" % kw["aux"])
     hidden = kw.get("hidden", hidden)
     if kw.get("ffn", "gpt") == "mixtral":
         ffn = "ffn mixtral { hidden %d; }" % hidden
