@@ -826,6 +826,15 @@ static void allreduce_f64_on(Group *gr, RtComm *c, RtGroup g, double *buf, int64
                           gr->comm, &req));
 }
 
+static void max_f64_on(Group *gr, RtComm *c, RtGroup g, double *buf, int64_t n) {
+  if (!gr || gr->size == 1)
+    return;
+  int64_t max_chunk = c->max_chunk;
+  for (int64_t o = 0; o < n; o += max_chunk)
+    NB(gr, MPI_Iallreduce(MPI_IN_PLACE, buf + o, slice_len(o, n, max_chunk), MPI_DOUBLE, MPI_MAX,
+                          gr->comm, &req));
+}
+
 static void bcast_on(Group *gr, RtComm *c, RtGroup g, void *buf, int64_t bytes, int root) {
   int size = gr ? gr->size : 1;
   if (root < 0 || root >= size)
@@ -882,6 +891,12 @@ void rt_allreduce(RtComm *c, RtGroup g, float *buf, int64_t n) {
 void rt_allreduce_f64(RtComm *c, RtGroup g, double *buf, int64_t n) {
   Group *gr = begin(c, g, "rt_allreduce_f64", "AllReduce", n);
   allreduce_f64_on(gr, c, g, buf, n);
+  end(gr);
+}
+
+void rt_allreduce_max_f64(RtComm *c, RtGroup g, double *buf, int64_t n) {
+  Group *gr = begin(c, g, "rt_allreduce_max_f64", "AllReduce", n);
+  max_f64_on(gr, c, g, buf, n);
   end(gr);
 }
 

@@ -173,6 +173,7 @@ void rt_allgather(RtComm *c, RtGroup g, const float *send, float *recv, int64_t 
 void rt_reducescatter(RtComm *c, RtGroup g, const float *send, float *recv, int64_t count); // sum; count per member
 void rt_allreduce(RtComm *c, RtGroup g, float *buf, int64_t n);                             // sum, in place
 void rt_allreduce_f64(RtComm *c, RtGroup g, double *buf, int64_t n);
+void rt_allreduce_max_f64(RtComm *c, RtGroup g, double *buf, int64_t n);   // element-wise max
 void rt_bcast(RtComm *c, RtGroup g, void *buf, int64_t bytes, int root);
 // Every rank exits through here on a fatal runtime error: message on stderr, MPI_Abort when
 // several ranks run (so no peer hangs), exit status 1.

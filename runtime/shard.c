@@ -165,8 +165,11 @@ int rt_world_agree(RtComm *c, int status) {
   if (world == 1)
     return status;
   int me = rt_comm_rank(c, RT_GROUP_WORLD);
-  int mine = status != 0 ? me : world, lowest = world;
-  MPI_CHECK(MPI_Allreduce(&mine, &lowest, 1, MPI_INT, MPI_MIN, rt_comm_mpi(c, RT_GROUP_WORLD)));
+  // The lowest failing rank (world when none), as the largest negated rank: a collective with the
+  // deadline of every other (comm.c), so that a cut link ends the job here too.
+  double lowest_neg = -(double)(status != 0 ? me : world);
+  rt_allreduce_max_f64(c, RT_GROUP_WORLD, &lowest_neg, 1);
+  int lowest = (int)-lowest_neg;
   if (lowest == world)
     return 0;
   char msg[1024];
@@ -182,7 +185,7 @@ int rt_world_agree(RtComm *c, int status) {
 
 void rt_world_max(RtComm *c, double *v, int n) {
   if (rt_comm_size(c, RT_GROUP_WORLD) > 1)
-    MPI_CHECK(MPI_Allreduce(MPI_IN_PLACE, v, n, MPI_DOUBLE, MPI_MAX, rt_comm_mpi(c, RT_GROUP_WORLD)));
+    rt_allreduce_max_f64(c, RT_GROUP_WORLD, v, n);   // with the collectives' deadline (comm.c)
 }
 
 // Point-to-point in pieces that fit MPI's int counts.
