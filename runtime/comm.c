@@ -817,21 +817,13 @@ static void allreduce_on(Group *gr, RtComm *c, RtGroup g, float *buf, int64_t n)
                           gr->comm, &req));
 }
 
-static void allreduce_f64_on(Group *gr, RtComm *c, RtGroup g, double *buf, int64_t n) {
+// op: MPI_SUM or MPI_MAX over doubles.
+static void allreduce_f64_on(Group *gr, RtComm *c, double *buf, int64_t n, MPI_Op op) {
   if (!gr || gr->size == 1)
     return;
   int64_t max_chunk = c->max_chunk;
   for (int64_t o = 0; o < n; o += max_chunk)
-    NB(gr, MPI_Iallreduce(MPI_IN_PLACE, buf + o, slice_len(o, n, max_chunk), MPI_DOUBLE, MPI_SUM,
-                          gr->comm, &req));
-}
-
-static void max_f64_on(Group *gr, RtComm *c, RtGroup g, double *buf, int64_t n) {
-  if (!gr || gr->size == 1)
-    return;
-  int64_t max_chunk = c->max_chunk;
-  for (int64_t o = 0; o < n; o += max_chunk)
-    NB(gr, MPI_Iallreduce(MPI_IN_PLACE, buf + o, slice_len(o, n, max_chunk), MPI_DOUBLE, MPI_MAX,
+    NB(gr, MPI_Iallreduce(MPI_IN_PLACE, buf + o, slice_len(o, n, max_chunk), MPI_DOUBLE, op,
                           gr->comm, &req));
 }
 
@@ -890,13 +882,13 @@ void rt_allreduce(RtComm *c, RtGroup g, float *buf, int64_t n) {
 
 void rt_allreduce_f64(RtComm *c, RtGroup g, double *buf, int64_t n) {
   Group *gr = begin(c, g, "rt_allreduce_f64", "AllReduce", n);
-  allreduce_f64_on(gr, c, g, buf, n);
+  allreduce_f64_on(gr, c, buf, n, MPI_SUM);
   end(gr);
 }
 
 void rt_allreduce_max_f64(RtComm *c, RtGroup g, double *buf, int64_t n) {
   Group *gr = begin(c, g, "rt_allreduce_max_f64", "AllReduce", n);
-  max_f64_on(gr, c, g, buf, n);
+  allreduce_f64_on(gr, c, buf, n, MPI_MAX);
   end(gr);
 }
 
