@@ -46,7 +46,7 @@ void cli_dump_ir_usage(FILE *out) {
 void cli_build_usage(FILE *out) {
   fprintf(out,
           "usage: moec build F.moe [-o BIN] [-v] [--target cpu|cuda|auto] [--gpu-arch sm_NN]\n"
-          "                  [--cluster C] [--emit c|cuda] [--keep-c F.c]\n"
+          "                  [--cluster C] [--layout D,M,E,S[,ALGO]] [--emit c|cuda] [--keep-c F.c]\n"
           "\n"
           "Compiles a model into a training binary (BIN --help says what the binary can do).\n"
           "\n"
@@ -57,13 +57,15 @@ void cli_build_usage(FILE *out) {
           "                    (NVRTC kernels, cuBLAS, NCCL); auto: cuda where a GPU is visible\n"
           "  --gpu-arch sm_NN  architecture of the CUDA kernels (default sm_90; PTX rides along)\n"
           "  --cluster C       cluster profile for the planner (overrides the model's 'cluster')\n"
+          "  --layout D,M,E,S[,ALGO]  build this parallel layout (dp, mp, ep, esp and the EP AlltoAll\n"
+          "                    nccl, 1dh or 2dh) instead of the model's 'parallel'\n"
           "  --emit c          write the generated C program (of the target) to -o or stdout\n"
           "  --emit cuda       write the generated CUDA kernels (for NVRTC) to -o or stdout\n"
           "  --keep-c F.c      also keep the generated C program as F.c\n");
 }
 
 typedef struct Options {
-  const char *input, *output, *after, *emit, *keep_c, *cluster, *target, *gpu_arch;
+  const char *input, *output, *after, *emit, *keep_c, *cluster, *target, *gpu_arch, *layout;
   bool all, verbose;
 } Options;
 
@@ -83,6 +85,7 @@ static bool parse_options(int argc, char **argv, Options *o) {
     else if (strcmp(a, "--cluster") == 0) value = &o->cluster;
     else if (strcmp(a, "--target") == 0) value = &o->target;
     else if (strcmp(a, "--gpu-arch") == 0) value = &o->gpu_arch;
+    else if (strcmp(a, "--layout") == 0) value = &o->layout;
     else if (strncmp(a, "--gpu-arch=", 11) == 0) o->gpu_arch = a + 11;
     else if (strncmp(a, "--after=", 8) == 0) o->after = a + 8;
     else if (strncmp(a, "--target=", 9) == 0) o->target = a + 9;
@@ -146,6 +149,7 @@ typedef struct Cluster {
   // The Hugging Face family of the program (frontend/hf.c): its config.json, or NULL and why not.
   char *hf_config;
   char hf_why[512];
+  char layout_note[512];   // how the layout was chosen (parallel auto, --layout), "" when written
 } Cluster;
 
 // Front end: read, parse, check, load the cluster profile, lower (with the refusals of target).
@@ -167,6 +171,9 @@ static IrModule *front_end(IrDiag *d, const Options *o, const FeTargetCaps *targ
     cl->sc.name = cl->name;
     cl->have = true;
   }
+  // `parallel auto;` (or --layout): the layout is chosen before lowering (cli/layout.c).
+  ok = ok && cli_resolve_layout(d, p, have_cluster ? &cluster : NULL, o->layout, o->verbose, cl->layout_note,
+                                sizeof cl->layout_note);
   IrModule *m = ok ? fe_lower(d, p, target) : NULL;
   if (ok && !have_cluster && p->schedule.pipeline_auto) {
     ir_error_at(d, p->schedule.pipeline_loc,
@@ -286,7 +293,8 @@ static const CgTarget *resolve_target(const Options *o, char *arch, size_t arch_
 static bool emit_program(IrDiag *d, FILE *out, const IrModule *m, const PassMemPlan *plan, const Options *o,
                          const CgTarget *target, const char *arch, const Cluster *cl) {
   CgEmitOptions eo = {.source_name = o->input, .arch = target->takes_arch ? arch : NULL, .verbose = o->verbose,
-                      .hf_config = cl->hf_config, .hf_refusal = cl->hf_config ? NULL : cl->hf_why};
+                      .hf_config = cl->hf_config, .hf_refusal = cl->hf_config ? NULL : cl->hf_why,
+                      .layout_note = cl->layout_note[0] ? cl->layout_note : NULL};
   return target->emit(d, out, m, plan, &eo);
 }
 

@@ -26,4 +26,48 @@ void cli_import_hf_usage(FILE *out);
 // The cluster profile of the front end (a .cluster file) in the scheduling model's form.
 void cli_cluster_from_fe(const FeCluster *f, SchedCluster *c);
 
+// ---- the layout search of `parallel auto;` (cli/layout.c, DESIGN §6.1) ----
+typedef struct CliLayout {
+  int dp, mp, ep, esp;
+  const char *algo;      // the EP AlltoAll: "nccl" | "1dh" | "2dh"; NULL: as each layer names it
+  bool legal;            // the compiler builds it (else why says what refuses it)
+  bool fits;             // legal and its peak within the cluster's memory
+  double step_ms;        // the model's policy's planned (simulated) step; -1: not priced
+  int64_t peak_bytes;    // the memory plan's peak per rank; -1: not priced
+  int64_t act_bytes;     // its activations (the rest: parameters, gradients, optimizer state)
+  char why[240];         // why it is refused or does not fit; "" when it fits
+  int order;             // position in the enumeration
+} CliLayout;
+
+typedef struct CliLayouts {
+  CliLayout *all;        // ranked: fitting by step, then priced, then refused
+  int n;
+  int chosen;            // index of the chosen layout (the first), -1 when none fits
+  const char *policy;
+  int64_t memory;        // the cluster's memory per rank (0: not given)
+  double seconds;        // how long the search took
+} CliLayouts;
+
+// Every layout of the cluster's ranks for p, priced and ranked (p's layout is restored after).
+// False on an error (reported); that nothing fits is not one (chosen -1).
+bool cli_layout_search(IrDiag *d, FeProgram *p, const FeCluster *fc, CliLayouts *out);
+void cli_layouts_free(CliLayouts *ls);
+// Sets l's degrees on p, and its algorithm on every MoE layer that does not name its own.
+void cli_layout_apply(FeProgram *p, const CliLayout *l);
+// The ranked table (moec plan --layouts, moec build -v).
+void cli_layouts_print(FILE *out, const CliLayouts *ls, const char *cluster);
+// {"layouts": [{dp, mp, ep, esp, algo, policy, step_ms, peak_bytes, fits, why}...], "chosen": {...}}
+bool cli_layouts_json(const char *path, const CliLayouts *ls);
+// Reports, at p's `parallel auto;`, that no layout fits (the smallest peak and what would help). False.
+bool cli_layout_nothing_fits(IrDiag *d, const FeProgram *p, const CliLayouts *ls);
+// The layout p is built with: --layout DP,MP,EP,ESP[,ALGO] (forced, checked against the model's
+// rules), else for `parallel auto;` the search's choice for cluster fc (-v: the table on stderr;
+// one line says what was chosen and why, also into note). False on an error (reported).
+bool cli_resolve_layout(IrDiag *d, FeProgram *p, const FeCluster *fc, const char *forced, bool verbose, char *note,
+                        size_t nnote);
+// "dp 2, mp 1, ep 2, esp 1, alltoall nccl"
+const char *cli_layout_name(char *buf, size_t n, const CliLayout *l);
+// bytes as "1.50 GiB"
+char *cli_bytes(char *buf, size_t n, double bytes);
+
 #endif

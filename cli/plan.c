@@ -41,7 +41,10 @@ void cli_cluster_from_fe(const FeCluster *f, SchedCluster *c) {
                       .allreduce = {f->allreduce.alpha, f->allreduce.beta},
                       .elementwise = {f->elementwise.alpha, f->elementwise.beta},
                       .attention = {f->attention.alpha, f->attention.beta}, .handoff = f->handoff,
-                      .overlap_compute = f->overlap_compute, .overlap_comm = f->overlap_comm};
+                      .overlap_compute = f->overlap_compute, .overlap_comm = f->overlap_comm,
+                      .alltoall_intra = {f->alltoall_intra.alpha, f->alltoall_intra.beta},
+                      .allreduce_intra = {f->allreduce_intra.alpha, f->allreduce_intra.beta},
+                      .memory = (double)f->memory};
 }
 
 static double now_s(void) {
@@ -97,6 +100,8 @@ static bool parse_positive(const char *opt, const char *text, double *out) {
 
 typedef struct PlanOptions {
   const char *input, *cluster, *svg, *trace, *json;
+  const char *layout;    // --layout D,M,E,S[,ALGO]: plan this layout
+  bool layouts;          // --layouts: the layout search's table (and its JSON with --json)
   double heads;          // --heads: attention heads in front of layers without attention (0: none)
   SchedChoose choose;    // --degree
   IrPolicy shown;        // --policy: the policy whose per-layer plan is printed
@@ -114,7 +119,12 @@ static int parse_plan_options(int argc, char **argv, PlanOptions *o) {
                          : strcmp(a, "--svg") == 0   ? &o->svg
                          : strcmp(a, "--trace") == 0 ? &o->trace
                          : strcmp(a, "--json") == 0  ? &o->json
+                         : strcmp(a, "--layout") == 0 ? &o->layout
                                                      : NULL;
+    if (strcmp(a, "--layouts") == 0) {
+      o->layouts = true;
+      continue;
+    }
     if (value || strcmp(a, "--heads") == 0 || strcmp(a, "--degree") == 0) {
       if (!need_value(i, argc, argv)) return 2;
       const char *v = argv[++i];
@@ -154,7 +164,7 @@ static int parse_plan_options(int argc, char **argv, PlanOptions *o) {
 void cli_plan_usage(FILE *out) {
   fprintf(out,
           "usage: moec plan F.moe [--cluster C] [--policy NAME|all] [--heads N] [--degree RULE]\n"
-          "                 [--svg F.svg] [--trace F.json] [--json F.json]\n"
+          "                 [--svg F.svg] [--trace F.json] [--json F.json] [--layouts] [--layout D,M,E,S]\n"
           "\n"
           "Plans the model's MoE stack with the FSMoE scheduling model (DESIGN section 6): for each\n"
           "policy the pipeline degree r per layer and phase, the partition of the dense gradients and\n"
@@ -171,7 +181,10 @@ void cli_plan_usage(FILE *out) {
           "                    (Algorithm 1), model (the case model's integer optimum), simulator\n"
           "  --svg F.svg       the timeline of the shown policy as SVG\n"
           "  --trace F.json    ... as a Chrome trace (chrome://tracing, Perfetto)\n"
-          "  --json F.json     the whole plan as JSON\n");
+          "  --json F.json     the whole plan as JSON (with --layouts: the layouts)\n"
+          "  --layouts         every parallel layout of the cluster's ranks, priced and ranked\n"
+          "                    (DESIGN 6.1); the model's 'parallel auto;' picks the first that fits\n"
+          "  --layout D,M,E,S[,ALGO]  plan this layout (dp, mp, ep, esp, EP AlltoAll algorithm)\n");
 }
 
 void cli_sweep_usage(FILE *out) {
@@ -241,6 +254,7 @@ static bool plan_load(IrDiag *d, const PlanOptions *o, Plan *pl) {
   FeCluster fc;
   if (!fe_load_cluster(d, pl->cluster_path, o->cluster ? (SrcLoc){0} : p->cluster_loc, &fc)) return false;
   cli_cluster_from_fe(&fc, &pl->cluster);
+  if (!cli_resolve_layout(d, p, &fc, o->layout, false, NULL, 0)) return false;
   // A language model's attention is in its IR (passes/cost.c prices it): nothing is modelled.
   for (int i = 0; i < p->nlayers && !p->model.has_vocab; i++) {
     FeLayer *L = &p->layers[i];
@@ -569,12 +583,36 @@ static bool write_outputs(IrDiag *d, const PlanOptions *o, const Plan *pl) {
   return ok;
 }
 
+// moec plan --layouts: the search's ranked table, its JSON with --json; 1 when nothing fits.
+static int plan_layouts(IrDiag *d, const PlanOptions *o) {
+  IrSource *src = ir_source_read(d, o->input);
+  FeProgram *p = src ? fe_load(d, src) : NULL;
+  int status = 1;
+  const char *path = o->cluster ? o->cluster : p ? p->cluster_path : NULL;
+  FeCluster fc;
+  CliLayouts ls = {0};
+  if (p && !path)
+    ir_error(d, "no cluster profile: pass --cluster C or add a 'cluster \"F\";' statement to %s", o->input);
+  else if (p && fe_load_cluster(d, path, o->cluster ? (SrcLoc){0} : p->cluster_loc, &fc) &&
+           cli_layout_search(d, p, &fc, &ls)) {
+    cli_layouts_print(stdout, &ls, fc.name ? fc.name : "cluster");
+    if (o->json && !cli_layouts_json(o->json, &ls)) ir_error(d, "cannot write '%s'", o->json);
+    else if (ls.chosen < 0) cli_layout_nothing_fits(d, p, &ls);
+    else status = 0;
+  }
+  cli_layouts_free(&ls);
+  fe_program_free(p);
+  ir_source_free(src);
+  return status;
+}
+
 int cli_plan(int argc, char **argv) {
   IrDiag d;
   ir_diag_init(&d, stderr);
   PlanOptions o;
   int usage = parse_plan_options(argc, argv, &o);
   if (usage) return usage;
+  if (o.layouts) return plan_layouts(&d, &o);
   Plan pl = {0};
   int status = 1;
   if (plan_load(&d, &o, &pl) && plan_stack(&d, &o, &pl)) {

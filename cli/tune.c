@@ -8,14 +8,21 @@
 // into nodes of G consecutive ranks (the runtime's layout with mp = esp = G), which gives the
 // two groups the FSMoE schedule runs collectives on: the intra-node group (the G ranks of a
 // node, the ESP group) and the inter-node group (the ranks with the same local index on every
-// node, the EP group). Six fits:
+// node, the EP group). Seven fits (the .cluster field each one is written as in brackets):
 //
-//   gemm                  rt_matmul in the expert shapes, [m, K] x [K, N], n = m*K*N
-//   alltoall      intra   rt_alltoall (flat), n = floats each rank sends (and receives)
-//   allgather     intra   rt_allgather, n = floats each rank receives (the gathered buffer)
-//   reducescatter intra   rt_reducescatter, n = floats each rank sends (the buffer reduced)
-//   alltoall      inter   the one the .cluster's `alltoall` holds (the scheduler's t_a2a)
-//   allreduce     inter   rt_allreduce, n = the buffer
+//   gemm                  rt_matmul in the expert shapes, [m, K] x [K, N], n = m*K*N   [gemm]
+//   alltoall      intra   rt_alltoall (flat), n = floats each rank sends (and receives)  [alltoall_intra]
+//   allgather     intra   rt_allgather, n = floats each rank receives (the gathered buffer)  [allgather]
+//   reducescatter intra   rt_reducescatter, n = floats each rank sends (the buffer reduced)  [reducescatter]
+//   allreduce     intra   rt_allreduce, n = the buffer                                  [allreduce_intra]
+//   alltoall      inter   the scheduler's t_a2a                                         [alltoall]
+//   allreduce     inter   rt_allreduce, n = the buffer                                  [allreduce]
+//
+// With one rank per node there is no intra-node group: the intra-node series run on all ranks,
+// allgather and reducescatter (required fields) are written from them, alltoall_intra and
+// allreduce_intra are not (they would not describe a node). `memory` is what one rank may use:
+// on the CPU the smallest MemTotal (/proc/meminfo) of the ranks' hosts divided by the ranks per
+// node (gpus_per_node), on a GPU the smallest total memory of the ranks' GPUs (cuDeviceTotalMem).
 //
 // n sweeps 2^18 .. 24*2^18 floats (step 2^18) for communication and 2^19 .. 12*2^19
 // multiply-accumulates for GEMMs; --quick keeps 4 sizes of each sweep (ends included). Every
@@ -121,7 +128,13 @@ typedef struct Series {
   char err[200];
 } Series;
 
-enum { S_GEMM, S_A2A_INTRA, S_AG_INTRA, S_RS_INTRA, S_A2A_INTER, S_AR_INTER, S_ELEM, S_ATTN, NSERIES };
+// S_A2A_INTRA .. S_AR_INTER are the collectives (measure_all runs them in that order).
+enum { S_GEMM, S_A2A_INTRA, S_AG_INTRA, S_RS_INTRA, S_AR_INTRA, S_A2A_INTER, S_AR_INTER, S_ELEM, S_ATTN, NSERIES };
+enum { NCOLLECTIVES = S_AR_INTER - S_A2A_INTRA + 1 };
+
+// Whether series i is measured on a real intra-node group (a node's ranks): the alltoall_intra and
+// allreduce_intra lines are written only then.
+static bool on_a_node(const Series *s, int i) { return !s[i].skipped && s[i].group == RT_GROUP_ESP; }
 
 typedef struct Progress {
   bool on;
@@ -583,6 +596,11 @@ static void run_comm(RtComm *comm, Series *s, float *send, float *recv, bool qui
 }
 
 static double handoff_ms = -1;   // measured stream hand-off round trip; -1: not measured
+// `memory`: bytes one rank may use (0: not known, no line) and how it was derived (the line's
+// comment, or why there is no line).
+static int64_t memory_bytes;
+static char memory_note[320];
+static char memory_host_note[400];   // a caveat for the header ("" when none)
 static double slow_compute = -1, slow_comm = -1;   // the overlap probe's slowdowns; -1: not measured
 
 #ifndef MOEC_TUNE_CUDA
@@ -776,11 +794,11 @@ static void cluster_name(const char *output, char *name, size_t size) {
 // A coefficient as the file holds it: the fit, or 0 (with a note) when noise made it negative.
 static void write_coef(FILE *f, const char *field, const Series *s) {
   if (s->skipped) {
-    fprintf(f, "  %-13s { alpha 0; beta 0; }  # not measured: one GPU runs no collectives\n", field);
+    fprintf(f, "  %-15s { alpha 0; beta 0; }  # not measured: one GPU runs no collectives\n", field);
     return;
   }
   double a = s->fit.alpha, b = s->fit.beta;
-  fprintf(f, "  %-13s { alpha %.6g; beta %.6g; }", field, a < 0 ? 0.0 : a, b < 0 ? 0.0 : b);
+  fprintf(f, "  %-15s { alpha %.6g; beta %.6g; }", field, a < 0 ? 0.0 : a, b < 0 ? 0.0 : b);
   if (a < 0 || b < 0) {
     fprintf(f, "  # fitted");
     if (a < 0) fprintf(f, " alpha %.6g", a);
@@ -794,11 +812,20 @@ static void write_profile(FILE *f, const char *header, const char *name, int nod
                           const Series *s) {
   fputs(header, f);
   fprintf(f, "cluster %s {\n  nodes %d;\n  gpus_per_node %d;\n", name, nodes, gpus_per_node);
+  if (memory_bytes > 0) fprintf(f, "  memory %lld;  # %s\n", (long long)memory_bytes, memory_note);
+  else fprintf(f, "  # no memory line: %s\n", memory_note);
   write_coef(f, "gemm", &s[S_GEMM]);
   write_coef(f, "alltoall", &s[S_A2A_INTER]);
   write_coef(f, "allgather", &s[S_AG_INTRA]);
   write_coef(f, "reducescatter", &s[S_RS_INTRA]);
   write_coef(f, "allreduce", &s[S_AR_INTER]);
+  if (on_a_node(s, S_A2A_INTRA)) write_coef(f, "alltoall_intra", &s[S_A2A_INTRA]);
+  if (on_a_node(s, S_AR_INTRA)) write_coef(f, "allreduce_intra", &s[S_AR_INTRA]);
+  if (!on_a_node(s, S_A2A_INTRA) || !on_a_node(s, S_AR_INTRA))
+    fprintf(f, "  # no alltoall_intra, allreduce_intra: %s\n",
+            s[S_A2A_INTRA].skipped ? "one GPU runs no collectives"
+                                   : "one rank per node, so no intra-node group (measured on all ranks, they "
+                                     "would not describe a node)");
   if (!s[S_ELEM].skipped) write_coef(f, "elementwise", &s[S_ELEM]);
   if (!s[S_ATTN].skipped) write_coef(f, "attention", &s[S_ATTN]);
   if (handoff_ms >= 0) fprintf(f, "  handoff %.6g;\n", handoff_ms);
@@ -897,12 +924,23 @@ static char *profile_header(const char *command, const char *date, const char *h
     u += snprintf(h + u, size - u,
                   "# The collectives are 0: this profile is 1 node x 1 GPU, so the planner refuses a layout of more\n"
                   "# ranks, and a model on one rank runs none.\n");
-  else
-    u += snprintf(h + u, size - u,
-                  "# `alltoall` below is the inter-node AlltoAll fit (the scheduler's t_a2a); the intra-node\n"
-                  "# AlltoAll fit was alpha %.6g, beta %.6g. allgather and reducescatter: intra-node;\n"
-                  "# allreduce: inter-node.\n",
-                  s[S_A2A_INTRA].fit.alpha, s[S_A2A_INTRA].fit.beta);
+  else {
+    char text[800];
+    const char *inter = s[S_A2A_INTER].group == RT_GROUP_EP ? "inter-node" : "all-ranks (one node: no inter-node group)";
+    if (on_a_node(s, S_A2A_INTRA))
+      snprintf(text, sizeof text,
+               "`alltoall` and `allreduce` below are the %s fits (`alltoall` is the scheduler's t_a2a); "
+               "allgather, reducescatter, alltoall_intra and allreduce_intra the intra-node ones.", inter);
+    else
+      snprintf(text, sizeof text,
+               "`alltoall` and `allreduce` below are the %s fits (`alltoall` is the scheduler's t_a2a). One rank "
+               "per node: there is no intra-node group, so allgather and reducescatter were measured on all ranks, "
+               "and alltoall_intra and allreduce_intra are left out (they would not describe a node; on all ranks "
+               "the AlltoAll fit was alpha %.6g, beta %.6g, the AllReduce fit alpha %.6g, beta %.6g).",
+               inter, s[S_A2A_INTRA].fit.alpha, s[S_A2A_INTRA].fit.beta, s[S_AR_INTRA].fit.alpha, s[S_AR_INTRA].fit.beta);
+    u = append_wrapped(h, u, size, text);
+  }
+  if (memory_bytes > 0 && memory_host_note[0]) u = append_wrapped(h, u, size, memory_host_note);
   return h;
 }
 
@@ -988,7 +1026,54 @@ static void describe_run(int argc, char **argv, const TuneOptions *o, int world,
              r->gpn);
 }
 
-// The six series on their groups. A group of one has nothing to time; then its fits run on all
+// `memory`, what one rank may use (memory_bytes, memory_note, memory_host_note); every rank calls
+// it. CPU: the smallest MemTotal (/proc/meminfo) of the ranks' hosts divided by the ranks of a
+// node (gpus_per_node); GPU: the smallest total memory of the ranks' GPUs (cuDeviceTotalMem,
+// one GPU per rank).
+static void measure_memory(const TuneRun *r) {
+  long long mine = -1, least;
+#ifdef MOEC_TUNE_CUDA
+  if (gpu) mine = (long long)rt_cuda_device(gpu)->memory_bytes;
+#else
+  FILE *f = fopen("/proc/meminfo", "r");
+  char line[256];
+  long long kib;
+  while (f && fgets(line, sizeof line, f))
+    if (sscanf(line, "MemTotal: %lld kB", &kib) == 1 && kib > 0) {
+      mine = kib * 1024;
+      break;
+    }
+  if (f) fclose(f);
+#endif
+  MPI_Allreduce(&mine, &least, 1, MPI_LONG_LONG, MPI_MIN, MPI_COMM_WORLD);
+  memory_host_note[0] = '\0';
+  if (least <= 0) {
+    memory_bytes = 0;
+#ifdef MOEC_TUNE_CUDA
+    snprintf(memory_note, sizeof memory_note, "a rank's GPU reports no total memory");
+#else
+    snprintf(memory_note, sizeof memory_note, "MemTotal could not be read from /proc/meminfo on every rank");
+#endif
+    return;
+  }
+#ifdef MOEC_TUNE_CUDA
+  memory_bytes = least;
+  snprintf(memory_note, sizeof memory_note, "the GPU's total memory (cuDeviceTotalMem), %.2f GiB%s (rank 0's: %.200s)",
+           least / 1073741824.0, r->world > 1 ? ", the smallest of the ranks' GPUs" : "", rt_cuda_device(gpu)->name);
+#else
+  memory_bytes = least / r->gpn;
+  snprintf(memory_note, sizeof memory_note, "MemTotal %.2f GiB (/proc/meminfo%s) / %d rank%s on the node",
+           least / 1073741824.0, r->local_size < r->world ? ", the smallest of the ranks' hosts" : "", r->gpn,
+           r->gpn == 1 ? "" : "s");
+  if (r->local_size > r->gpn)
+    snprintf(memory_host_note, sizeof memory_host_note,
+             "memory: MemTotal divided by the %d rank%s of a node of this profile; %d ranks shared rank 0's host "
+             "while it was measured (%.2f GiB each), so the nodes above are nodes of the layout, not hosts.",
+             r->gpn, r->gpn == 1 ? "" : "s", r->local_size, least / 1073741824.0 / r->local_size);
+#endif
+}
+
+// The series on their groups. A group of one has nothing to time; then its fits run on all
 // ranks (and the table says so).
 static void init_series(RtComm *comm, Series *s) {
   RtGroup intra = rt_comm_size(comm, RT_GROUP_ESP) > 1 ? RT_GROUP_ESP : RT_GROUP_WORLD;
@@ -999,6 +1084,7 @@ static void init_series(RtComm *comm, Series *s) {
   s[S_A2A_INTRA] = (Series){"alltoall", intra_where, OP_ALLTOALL, intra, rt_comm_size(comm, intra)};
   s[S_AG_INTRA] = (Series){"allgather", intra_where, OP_ALLGATHER, intra, rt_comm_size(comm, intra)};
   s[S_RS_INTRA] = (Series){"reducescatter", intra_where, OP_REDUCESCATTER, intra, rt_comm_size(comm, intra)};
+  s[S_AR_INTRA] = (Series){"allreduce", intra_where, OP_ALLREDUCE, intra, rt_comm_size(comm, intra)};
   s[S_A2A_INTER] = (Series){"alltoall", inter_where, OP_ALLTOALL, inter, rt_comm_size(comm, inter)};
   s[S_AR_INTER] = (Series){"allreduce", inter_where, OP_ALLREDUCE, inter, rt_comm_size(comm, inter)};
   s[S_ELEM] = (Series){"elementwise", "each-rank", OP_ELEMENTWISE, RT_GROUP_WORLD, 1};
@@ -1029,9 +1115,12 @@ static void print_preamble(const TuneOptions *o, const TuneRun *r, const Series 
   printf("# intra-node group: the %d consecutive ranks of a node (rank 0's: %s); inter-node group: the %d ranks with "
          "the same local index, one per node (rank 0's: %s)\n", r->gpn, intra_members, r->nodes, inter_members);
   if (s[S_A2A_INTRA].group != RT_GROUP_ESP && !s[S_A2A_INTRA].skipped)
-    printf("# one rank per node: no intra-node group, so its fits (alltoall, allgather, reducescatter) run on all ranks\n");
+    printf("# one rank per node: no intra-node group, so its fits (alltoall, allgather, reducescatter, allreduce) run "
+           "on all ranks; the profile has no alltoall_intra and allreduce_intra\n");
   if (s[S_A2A_INTER].group != RT_GROUP_EP && !s[S_A2A_INTER].skipped)
     printf("# one node: no inter-node group, so its fits (alltoall, allreduce) run on all ranks\n");
+  if (memory_bytes > 0) printf("# memory per rank: %lld bytes = %s\n", (long long)memory_bytes, memory_note);
+  else printf("# memory per rank: unknown (%s), no memory line in the profile\n", memory_note);
   printf("# gemm: %s, C[m,N] = A[m,K] x B[K,N] on every rank at once, n = m*K*N; %s\n", gemm_engine, gemm_desc);
   for (int i = 0; i < nshapes; i++)
     printf("#   gemm shape %-16s [m, %d] x [%d, %d]  m %d..%d\n", shapes[i].what, shapes[i].k, shapes[i].k,
@@ -1060,7 +1149,7 @@ static double measure_all(RtComm *comm, Series *s, const GemmShape *shapes, int 
   Progress pr = {.on = my_rank == 0 && watched()};
   bool collectives = !s[S_A2A_INTRA].skipped;
   int elem_idx[ELEM_SIZES];
-  pr.total = nshapes * gemm_sweep(quick, gemm_idx) + (collectives ? 5 : 0) * (SMALL_SIZES + sweep(COMM_SIZES, quick, comm_idx)) +
+  pr.total = nshapes * gemm_sweep(quick, gemm_idx) + (collectives ? NCOLLECTIVES : 0) * (SMALL_SIZES + sweep(COMM_SIZES, quick, comm_idx)) +
              (s[S_ELEM].skipped ? 0 : sweep(ELEM_SIZES, quick, elem_idx)) +
              (s[S_ATTN].skipped ? 0 : 2 * sweep(ATTN_SIZES, quick, elem_idx));
   run_gemms(&s[S_GEMM], shapes, nshapes, quick, &pr);
@@ -1116,7 +1205,9 @@ static int fit_and_print(const TuneOptions *o, const TuneRun *r, Series *s) {
          "beta_ms", "r2", "in the profile");
   for (int i = 0; i < NSERIES; i++) {
     const Series *x = &s[i];
-    const char *use = i == S_A2A_INTRA ? "no (comment)" : "yes";
+    const char *use = i == S_A2A_INTRA   ? on_a_node(s, i) ? "yes (alltoall_intra)" : "no (one rank per node)"
+                      : i == S_AR_INTRA ? on_a_node(s, i) ? "yes (allreduce_intra)" : "no (one rank per node)"
+                                        : "yes";
     if (x->skipped) {
       printf("  %-13s %-10s %5d %6d %13s %13s %10s  %s\n", x->name, x->where, 1, 0, "-", "-", "-",
              i == S_ELEM || i == S_ATTN ? "not measured on a GPU; no line in the profile"
@@ -1138,7 +1229,7 @@ static int fit_and_print(const TuneOptions *o, const TuneRun *r, Series *s) {
     printf("# overlap probe: GEMMs %.1f %% slower and the AlltoAll %.1f %% slower when they run at once (in the profile)\n",
            100 * slow_compute, 100 * slow_comm);
   for (int i = 0; i < NSERIES; i++)
-    if (s[i].ok && (s[i].fit.alpha < 0 || s[i].fit.beta < 0))
+    if (s[i].ok && (s[i].fit.alpha < 0 || s[i].fit.beta < 0) && (on_a_node(s, i) || (i != S_A2A_INTRA && i != S_AR_INTRA)))
       printf("# warning: %s (%s): fitted %s < 0 (noise, or times the line does not follow near n = 0); "
              "the profile holds 0 instead and says so in a comment\n", s[i].name,
              s[i].where, s[i].fit.alpha < 0 && s[i].fit.beta < 0 ? "alpha and beta" : s[i].fit.alpha < 0 ? "alpha" : "beta");
@@ -1282,6 +1373,7 @@ int cli_tune(int argc, char **argv) {
     return 1;
   }
 #endif
+  measure_memory(&r);
   if (my_rank == 0) print_preamble(&o, &r, s, shapes, nshapes, gemm_desc);
   double seconds = measure_all(comm, s, shapes, nshapes, o.quick);
 

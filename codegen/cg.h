@@ -62,6 +62,8 @@ struct CgEmitOptions {
   // The program's Hugging Face family (frontend/hf.c): the config.json its --export-hf writes,
   // or NULL and the sentence its --export-hf refuses with (RtModel.hf_config, .hf_refusal).
   const char *hf_config, *hf_refusal;
+  // How the layout was chosen (`parallel auto;`, --layout; RtModel.layout_note), NULL: written.
+  const char *layout_note;
 };
 
 typedef struct CgTarget {

@@ -423,6 +423,11 @@ void cg_emit_model(FILE *out, const IrModule *m, const PassMemPlan *plan, int64_
     emit_string(out, o->hf_config ? o->hf_config : o->hf_refusal);
     fprintf(out, ",\n");
   }
+  if (o && o->layout_note) {
+    fprintf(out, "  .layout_note = ");
+    emit_string(out, o->layout_note);
+    fprintf(out, ",\n");
+  }
   fprintf(out, "};\n\nint main(int argc, char **argv) { return rt_main(&model, argc, argv); }\n");
 }
 

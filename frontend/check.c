@@ -140,6 +140,9 @@ static void check_hook(Ctx *c, const FeNode *parent, const FeNode *n, char *dst)
 static void check_shared_gate(Ctx *c, const FeNode *parent, const FeNode *n, char *dst);
 static void check_pipeline(Ctx *c, const FeNode *parent, const FeNode *n, char *dst);
 static void check_grad_partition(Ctx *c, const FeNode *parent, const FeNode *n, char *dst);
+static void check_parallel(Ctx *c, const FeNode *parent, const FeNode *n, char *dst);
+static void check_memory(Ctx *c, const FeNode *parent, const FeNode *n, char *dst);
+static bool size_value(Ctx *c, const FeValue *v, const char *what, const char *example, int64_t *out);
 static void finish_ffn(Ctx *c, const FeNode *n, const char *variant, char *dst);
 static void finish_shared(Ctx *c, const FeNode *n, const char *variant, char *dst);
 static void finish_gate(Ctx *c, const FeNode *n, const char *variant, char *dst);
@@ -206,7 +209,7 @@ static const Field model_fields[] = {
 };
 static const Block model_block = BLOCK("model", model_fields, NULL);
 
-// parallel = "parallel" "{" [dp] [mp] [ep] [esp] "}"
+// parallel = "parallel" ( "auto" ";" | "{" [dp] [mp] [ep] [esp] "}" )   (check_parallel)
 static const Field parallel_fields[] = {
   {"dp", 0, .vals = {{V_INT, R_POS, .def = "1", .off = AT(FeParallel, dp)}}},
   {"mp", 0, .vals = {{V_INT, R_POS, .def = "1", .off = AT(FeParallel, mp)}}},
@@ -342,8 +345,8 @@ static const Field moe_file_fields[] = {
   {"model", F_REQUIRED | F_BLOCK, .vals = {{V_NAME, .off = AT(FeProgram, model.name)}},
    .block = &model_block, .sub = AT(FeProgram, model), .loc = AT(FeProgram, model.loc),
    .missing = "missing 'model' block"},
-  {"parallel", F_BLOCK, .block = &parallel_block, .sub = AT(FeProgram, parallel),
-   .loc = AT(FeProgram, parallel.loc)},
+  {"parallel", F_BLOCK_OPT, .block = &parallel_block, .sub = AT(FeProgram, parallel), .loc = AT(FeProgram, parallel.loc),
+   .custom = check_parallel},
   {"cluster", 0, .vals = {{V_STRING, .off = AT(FeProgram, cluster_path), .loc_off = AT(FeProgram, cluster_loc)}}},
   {"layer", F_REQUIRED | F_MANY | F_BLOCK, .custom = check_layer,
    .missing = "missing 'layer' block: a model needs at least one layer"},
@@ -368,7 +371,8 @@ static const Field coef_fields[] = {
 static const Block coef_block = BLOCK("gemm", coef_fields, NULL);
 
 // cluster = "cluster" NAME "{" nodes gpus_per_node gemm alltoall allgather reducescatter allreduce
-//           [elementwise] [attention] [handoff] [overlap] "}"
+//           [elementwise] [attention] [handoff] [overlap] [alltoall_intra] [allreduce_intra]
+//           [memory SIZE] "}"
 // overlap = "overlap" "{" compute comm "}"    relative slowdowns when both run at once
 static const Field overlap_fields[] = {
   {"compute", F_REQUIRED, .vals = {{V_NUM, R_NONNEG, .off = AT(FeCluster, overlap_compute)}}},
@@ -387,6 +391,9 @@ static const Field cluster_fields[] = {
   {"attention", F_BLOCK, .block = &coef_block, .sub = AT(FeCluster, attention)},
   {"handoff", 0, .vals = {{V_NUM, R_NONNEG, .def = "0", .off = AT(FeCluster, handoff)}}},
   {"overlap", F_BLOCK, .block = &overlap_block, .sub = SAME},
+  {"alltoall_intra", F_BLOCK, .block = &coef_block, .sub = AT(FeCluster, alltoall_intra)},
+  {"allreduce_intra", F_BLOCK, .block = &coef_block, .sub = AT(FeCluster, allreduce_intra)},
+  {"memory", 0, .loc = AT(FeCluster, memory_loc), .custom = check_memory},
 };
 static const Block cluster_block = BLOCK("cluster", cluster_fields, NULL);
 
@@ -1014,10 +1021,15 @@ static void check_grad_partition(Ctx *c, const FeNode *parent, const FeNode *n, 
   }
   if (!check_surplus(c, n, 2))
     return;
-  const FeValue *v = &n->vals[1];
+  size_value(c, &n->vals[1], "'chunk'", "30MB", &s->grad_chunk_bytes);
+}
+
+// SIZE = INT (bytes) | INT followed by B, KB, MB, GB, TB (or KiB, MiB, GiB, TiB; all powers of
+// 1024): *out on success, else an error naming what (e.g. "the chunk size") with an example.
+static bool size_value(Ctx *c, const FeValue *v, const char *what, const char *example, int64_t *out) {
   static const struct { const char *suffix; int64_t scale; } units[] = {
     {"", 1}, {"B", 1}, {"KB", 1 << 10}, {"KiB", 1 << 10}, {"MB", 1 << 20}, {"MiB", 1 << 20},
-    {"GB", 1 << 30}, {"GiB", 1 << 30},
+    {"GB", 1 << 30}, {"GiB", 1 << 30}, {"TB", INT64_C(1) << 40}, {"TiB", INT64_C(1) << 40},
   };
   char *end = NULL;
   long long count = (v->kind == FE_VAL_INT || v->kind == FE_VAL_IDENT) && isdigit((unsigned char)v->text[0])
@@ -1028,15 +1040,57 @@ static void check_grad_partition(Ctx *c, const FeNode *parent, const FeNode *n, 
       unit = i;
   if (unit < 0) {
     char buf[96];
-    ir_error_at(c->d, v->loc, "expected a size such as 30MB for 'chunk', got %s", shown(v, buf, sizeof buf));
-    return;
+    ir_error_at(c->d, v->loc, "expected a size such as %s for %s, got %s", example, what, shown(v, buf, sizeof buf));
+    return false;
   }
   if (count < 1)
-    ir_error_at(c->d, v->loc, "the chunk size must be greater than 0, got %s", v->text);
-  else if (count > (INT64_C(1) << 50) / units[unit].scale)
-    ir_error_at(c->d, v->loc, "the chunk size %s is too large", v->text);
-  else
-    s->grad_chunk_bytes = count * units[unit].scale;
+    return ir_error_at(c->d, v->loc, "%s must be greater than 0, got %s", what, v->text);
+  if (count > (INT64_C(1) << 50) / units[unit].scale)
+    return ir_error_at(c->d, v->loc, "%s %s is too large", what, v->text);
+  *out = count * units[unit].scale;
+  return true;
+}
+
+// memory = "memory" SIZE ";"   (a cluster profile: bytes a rank may use)
+static void check_memory(Ctx *c, const FeNode *parent, const FeNode *n, char *dst) {
+  static const Field form = {"memory", 0};
+  if (!check_block_form(c, n, &form))
+    return;
+  if (n->nvals == 0) {
+    ir_error_at(c->d, stmt_loc(n), "expected a size after 'memory', e.g. 'memory 80GiB;'");
+    return;
+  }
+  if (check_surplus(c, n, 1))
+    size_value(c, &n->vals[0], "'memory'", "80GiB", &((FeCluster *)dst)->memory);
+}
+
+// parallel = "parallel" ( "auto" ";" | "{" [dp] [mp] [ep] [esp] "}" )
+static void check_parallel(Ctx *c, const FeNode *parent, const FeNode *n, char *dst) {
+  FeParallel *par = &((FeProgram *)dst)->parallel;
+  char buf[96];
+  if (n->has_block) {
+    if (n->nvals > 0) {
+      ir_error_at(c->d, n->vals[0].loc, "'parallel' takes either 'auto' or a '{ ... }' block, not both");
+      return;
+    }
+    check_block(c, n, &parallel_block, NULL, (char *)par);
+    return;
+  }
+  if (n->nvals == 0) {
+    ir_error_at(c->d, stmt_loc(n), "expected 'auto' or '{ dp N; mp N; ep N; esp N; }' after 'parallel'");
+    return;
+  }
+  const FeValue *v = &n->vals[0];
+  if (v->kind != FE_VAL_IDENT || strcmp(v->text, "auto") != 0) {
+    if (v->kind == FE_VAL_IDENT)
+      ir_error_at(c->d, v->loc, "unknown parallel setting '%s'", v->text);
+    else
+      ir_error_at(c->d, v->loc, "expected 'auto' after 'parallel', got %s", shown(v, buf, sizeof buf));
+    ir_note_at(c->d, v->loc, "write 'parallel auto;' or 'parallel { dp N; mp N; ep N; esp N; }'");
+    return;
+  }
+  if (check_surplus(c, n, 1))
+    par->is_auto = true;
 }
 
 // ffn mixtral has no activation choice and no bias.
@@ -1294,6 +1348,58 @@ static void check_semantics(Ctx *c, FeProgram *p) {
                     (long long)m->seqlen, (long long)par->mp);
     }
   }
+}
+
+// The rules of check_semantics that read the layout, as one sentence for the first that a
+// layout breaks (the layout search of `parallel auto;`, cli/layout.c).
+bool fe_layout_refusal(const FeProgram *p, const FeParallel *par, char *why, size_t n) {
+  const FeModel *m = &p->model;
+  long long tokens = (long long)(m->batch * m->seqlen);
+  if (par->dp * par->mp != par->ep * par->esp) {
+    snprintf(why, n, "dp*mp = %lld is not ep*esp = %lld", (long long)(par->dp * par->mp), (long long)(par->ep * par->esp));
+    return true;
+  }
+  if (tokens % par->mp != 0) {
+    snprintf(why, n, "mp %lld does not divide the %lld tokens of a step", (long long)par->mp, tokens);
+    return true;
+  }
+  for (int i = 0; i < p->nlayers; i++) {
+    const FeLayer *l = &p->layers[i];
+    if (l->has_attention && (l->heads % par->mp != 0 || l->kv_heads % par->mp != 0)) {
+      bool h = l->heads % par->mp != 0;
+      snprintf(why, n, "layer %s: %s %lld cannot be split over mp %lld", l->name, h ? "heads" : "kv_heads",
+               (long long)(h ? l->heads : l->kv_heads), (long long)par->mp);
+      return true;
+    }
+    if (l->has_attention && par->mp > 1 && l->qk_norm && strcmp(l->qk_norm, "whole") == 0) {
+      snprintf(why, n, "layer %s: 'qk_norm whole' needs mp 1", l->name);
+      return true;
+    }
+    if (l->has_mlp && l->mlp.hidden % par->mp != 0) {
+      snprintf(why, n, "layer %s: mlp hidden %lld cannot be split over mp %lld", l->name, (long long)l->mlp.hidden,
+               (long long)par->mp);
+      return true;
+    }
+    if (!l->has_moe)
+      continue;
+    const FeMoe *moe = &l->moe;
+    if (moe->experts.count % par->ep != 0) {
+      snprintf(why, n, "layer %s: %lld experts cannot be split over ep %lld", l->name, (long long)moe->experts.count,
+               (long long)par->ep);
+      return true;
+    }
+    if (moe->experts.hidden % par->esp != 0) {
+      snprintf(why, n, "layer %s: expert hidden %lld cannot be split over esp %lld", l->name,
+               (long long)moe->experts.hidden, (long long)par->esp);
+      return true;
+    }
+    if ((tokens / par->mp) % moe->gate.groups != 0) {
+      snprintf(why, n, "layer %s: groups %lld does not divide the %lld tokens of an mp rank", l->name,
+               (long long)moe->gate.groups, tokens / (long long)par->mp);
+      return true;
+    }
+  }
+  return false;
 }
 
 // ---- entry points ----

@@ -98,6 +98,9 @@ typedef struct FeModel {
 typedef struct FeParallel {
   SrcLoc loc;           // no source when the block is absent (all 1)
   int64_t dp, mp, ep, esp;
+  // `parallel auto;`: the layout is chosen for the cluster by `moec build` (cli/layout.c,
+  // DESIGN §6.1); the degrees above stay 1 until then.
+  bool is_auto;
 } FeParallel;
 
 typedef struct FeGate {
@@ -202,6 +205,11 @@ typedef struct FeCluster {
   FeCollective attention;     // optional (0, 0 when absent: attention is priced as GEMMs)
   double handoff;             // optional (0 when absent)
   double overlap_compute, overlap_comm;   // optional `overlap { compute X; comm Y; }` (0 when absent)
+  // Optional fits of the collectives inside one node (0, 0 when absent: the layout search
+  // then prices them from allgather and reducescatter, sched/sched_layout.c).
+  FeCollective alltoall_intra, allreduce_intra;
+  int64_t memory;             // optional `memory SIZE;`: bytes a rank may use (0: no limit known)
+  SrcLoc memory_loc;
 } FeCluster;
 
 typedef struct FeProgram {
@@ -219,6 +227,10 @@ typedef struct FeProgram {
 // manual (dp*mp == ep*esp, experts % ep == 0, k <= experts, sizes > 0, required fields, ...).
 // Reports every problem found through d; returns NULL if there was any.
 FeProgram *fe_check(IrDiag *d, FeTree *tree);
+// Whether the layout par breaks a rule of the model that reads the layout (dp*mp == ep*esp, mp
+// divides the tokens, heads, kv_heads and mlp hidden; ep the experts, esp the expert hidden,
+// routing groups the tokens of an mp rank): true with the first broken rule in why.
+bool fe_layout_refusal(const FeProgram *p, const FeParallel *par, char *why, size_t n);
 // Checks a parsed .cluster tree.
 bool fe_check_cluster(IrDiag *d, FeTree *tree, FeCluster *out);
 void fe_program_free(FeProgram *p);

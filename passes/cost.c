@@ -49,8 +49,44 @@ static double macs(const IrOp *op) {
   return sqrt(a * b * y / e);
 }
 
+// The groups of the module's layout (DESIGN §6.1): the collectives of a group are priced for its
+// shape (sched_group_fit) when the module says where its ranks sit (gpus_per_node, set with a
+// cluster profile for more than one rank); otherwise by the profile's fits as they are.
+typedef struct Groups {
+  bool on;
+  SchedGroup world, dp, mp, ep, esp;
+} Groups;
+
+static Groups groups_of(const IrModule *m) {
+  int dp = (int)ir_mod_int(m, "dp", 1), mp = (int)ir_mod_int(m, "mp", 1), ep = (int)ir_mod_int(m, "ep", 1),
+      esp = (int)ir_mod_int(m, "esp", 1), G = (int)ir_mod_int(m, "gpus_per_node", 0);
+  Groups g = {.on = G > 0 && dp * mp > 1};
+  if (!g.on) return g;
+  g.world = sched_group_of(dp * mp, 1, G);
+  g.dp = sched_group_of(dp, mp, G);
+  g.mp = sched_group_of(mp, 1, G);
+  g.ep = sched_group_of(ep, esp, G);
+  g.esp = sched_group_of(esp, 1, G);
+  return g;
+}
+
+// The fit of collective op (kind k) on its group: the group's (sched_group_fit) or the profile's.
+static SchedCoef group_fit(const IrOp *op, const SchedCluster *c, const Groups *gs, SchedColl k) {
+  SchedCoef plain = k == SCHED_ALLTOALL ? c->alltoall : k == SCHED_ALLGATHER ? c->allgather
+                    : k == SCHED_REDUCESCATTER ? c->reducescatter : c->allreduce;
+  if (!gs || !gs->on) return plain;
+  const char *group = ir_op_str(op, "group", "");
+  const SchedGroup *g = strcmp(group, "world") == 0 ? &gs->world : strcmp(group, "dp") == 0 ? &gs->dp
+                        : strcmp(group, "mp") == 0 ? &gs->mp : strcmp(group, "ep") == 0 ? &gs->ep
+                        : strcmp(group, "esp") == 0 ? &gs->esp : NULL;
+  if (!g) return plain;
+  const char *algo = ir_op_str(op, "algo", "nccl");
+  SchedA2a a = strcmp(algo, "1dh") == 0 ? SCHED_A2A_1DH : strcmp(algo, "2dh") == 0 ? SCHED_A2A_2DH : SCHED_A2A_FLAT;
+  return sched_group_fit(c, k, *g, a);
+}
+
 // The fit and the size of an op the model prices; false for the others.
-static bool price(const IrOp *op, const SchedCluster *c, SchedCoef *coef, double *n) {
+static bool price(const IrOp *op, const SchedCluster *c, const Groups *gs, SchedCoef *coef, double *n) {
   switch (op->kind) {
   case IR_OP_MATMUL: *coef = c->gemm; *n = macs(op); return true;
   case IR_OP_EXPERT_MATMUL:   // one GEMM call per expert: E fixed costs
@@ -58,11 +94,20 @@ static bool price(const IrOp *op, const SchedCluster *c, SchedCoef *coef, double
     coef->alpha *= (double)op->result->type.dim[0];
     *n = macs(op);
     return true;
-  case IR_OP_COMM_ALLTOALL: *coef = c->alltoall; *n = (double)numel_of(&op->args[0]); return true;
-  case IR_OP_COMM_ALLGATHER: *coef = c->allgather; *n = (double)ir_type_numel(&op->result->type); return true;
-  case IR_OP_COMM_REDUCESCATTER: *coef = c->reducescatter; *n = (double)numel_of(&op->args[0]); return true;
-  case IR_OP_COMM_ALLREDUCE: *coef = c->allreduce; *n = (double)numel_of(&op->args[0]); return true;
-  case IR_OP_COMM_ALLREDUCE_GRAD: *coef = c->allreduce; *n = (double)ir_op_int(op, "count", 0); return true;
+  case IR_OP_COMM_ALLTOALL: *coef = group_fit(op, c, gs, SCHED_ALLTOALL); *n = (double)numel_of(&op->args[0]); return true;
+  case IR_OP_COMM_ALLGATHER:
+    *coef = group_fit(op, c, gs, SCHED_ALLGATHER);
+    *n = (double)ir_type_numel(&op->result->type);
+    return true;
+  case IR_OP_COMM_REDUCESCATTER:
+    *coef = group_fit(op, c, gs, SCHED_REDUCESCATTER);
+    *n = (double)numel_of(&op->args[0]);
+    return true;
+  case IR_OP_COMM_ALLREDUCE: *coef = group_fit(op, c, gs, SCHED_ALLREDUCE); *n = (double)numel_of(&op->args[0]); return true;
+  case IR_OP_COMM_ALLREDUCE_GRAD:
+    *coef = group_fit(op, c, gs, SCHED_ALLREDUCE);
+    *n = (double)ir_op_int(op, "count", 0);
+    return true;
   case IR_OP_ATTN_CAUSAL:
   case IR_OP_ATTN_CAUSAL_GRAD: {
     const IrType *q = &op->args[op->kind == IR_OP_ATTN_CAUSAL ? 0 : 1].value->type;
@@ -96,12 +141,13 @@ bool pass_cost(IrModule *m, PassCtx *ctx) {
 
 int pass_price(IrModule *m, const SchedCluster *c) {
   int priced = 0;
+  Groups gs = groups_of(m);
   for (int i = 0; i < m->nfuncs; i++)
     for (int j = 0; j < m->funcs[i]->nops; j++) {
       IrOp *op = m->funcs[i]->ops[j];
       SchedCoef coef;
       double n;
-      if (!price(op, c, &coef, &n)) continue;
+      if (!price(op, c, &gs, &coef, &n)) continue;
       ir_op_set_float(op, "cost_n", n);
       ir_op_set_float(op, "cost_t", coef.alpha + coef.beta * n);
       priced++;
@@ -236,8 +282,10 @@ static double slot_fill(const IrFunc *fwd) {
   return 1;
 }
 
-static void phase_of(const IrFunc *f, const IrFunc *reader, double fill, const SchedCluster *c, SchedPhase *p) {
+static void phase_of(const IrFunc *f, const IrFunc *reader, double fill, const SchedCluster *c, const Groups *gs,
+                     SchedPhase *p) {
   *p = (SchedPhase){0};
+  const IrOp *a2a = NULL, *ag = NULL, *rs = NULL;   // one of each of the region's collectives (their fits)
   int n_a2a = 0, n_ag = 0, n_rs = 0, n_exp = 0;
   IrValue *entry, *exit;
   int lo = f->nops, hi = -1;
@@ -257,13 +305,13 @@ static void phase_of(const IrFunc *f, const IrFunc *reader, double fill, const S
     }
     switch (op->kind) {
     case IR_OP_COMM_ALLTOALL:
-      if (in_group(op, "ep")) p->n_a2a += attr_n(op), n_a2a++;
+      if (in_group(op, "ep")) p->n_a2a += attr_n(op), n_a2a++, a2a = op;
       break;
     case IR_OP_COMM_ALLGATHER:
-      if (in_group(op, "esp")) p->n_ag += attr_n(op), n_ag++;
+      if (in_group(op, "esp")) p->n_ag += attr_n(op), n_ag++, ag = op;
       break;
     case IR_OP_COMM_REDUCESCATTER:
-      if (in_group(op, "esp")) p->n_rs += attr_n(op), n_rs++;
+      if (in_group(op, "esp")) p->n_rs += attr_n(op), n_rs++, rs = op;
       break;
     case IR_OP_EXPERT_MATMUL: p->n_exp += fill * attr_n(op); n_exp += (int)op->result->type.dim[0]; break;
     case IR_OP_MATMUL:
@@ -276,9 +324,9 @@ static void phase_of(const IrFunc *f, const IrFunc *reader, double fill, const S
     }
   }
   // Two AlltoAlls per phase in the model (dispatch and combine): t_a2a is one of them.
-  if (n_a2a > 0) p->a2a = c->alltoall, p->n_a2a /= n_a2a;
-  if (n_ag > 0) p->ag = c->allgather;
-  if (n_rs > 0) p->rs = c->reducescatter;
+  if (n_a2a > 0) p->a2a = group_fit(a2a, c, gs, SCHED_ALLTOALL), p->n_a2a /= n_a2a;
+  if (n_ag > 0) p->ag = group_fit(ag, c, gs, SCHED_ALLGATHER);
+  if (n_rs > 0) p->rs = group_fit(rs, c, gs, SCHED_REDUCESCATTER);
   if (n_exp > 0) p->exp = (SchedCoef){c->gemm.alpha * n_exp, c->gemm.beta};
   if (n_exp > 0 && p->n_exp > 0 && elem_t > 0) {
     p->exp.alpha += elem_alpha;
@@ -320,12 +368,22 @@ int pass_find_layers(IrModule *m, PassLayer **out) {
   return n;
 }
 
-void pass_layer_cost(const PassLayer *l, const SchedCluster *c, SchedLayerCost *out) {
+// A layer's costs in the scheduling model's form, from the cost attributes pass_cost set; its
+// dense gradients' AllReduce is priced on their group (the first replica AllReduce of its backward).
+static void layer_cost(const PassLayer *l, const SchedCluster *c, const Groups *gs, SchedLayerCost *out) {
   *out = (SchedLayerCost){.ar = c->allreduce};
   double fill = slot_fill(l->fwd);
-  phase_of(l->fwd, l->bwd, fill, c, &out->phase[SCHED_FWD]);
+  phase_of(l->fwd, l->bwd, fill, c, gs, &out->phase[SCHED_FWD]);
   if (l->bwd) {
-    phase_of(l->bwd, NULL, fill, c, &out->phase[SCHED_BWD]);
+    for (int i = 0; i < l->bwd->nops; i++) {
+      const IrOp *op = l->bwd->ops[i];
+      if ((op->kind == IR_OP_COMM_ALLREDUCE || op->kind == IR_OP_COMM_ALLREDUCE_GRAD) &&
+          (in_group(op, "world") || in_group(op, "dp"))) {
+        out->ar = group_fit(op, c, gs, SCHED_ALLREDUCE);
+        break;
+      }
+    }
+    phase_of(l->bwd, NULL, fill, c, gs, &out->phase[SCHED_BWD]);
     out->n_grad = dense_grad_elems(l->bwd);
   }
 }
@@ -344,6 +402,7 @@ static int r_max_of(const PassLayer *l) {
 
 bool pass_stack(IrModule *m, const SchedCluster *c, PassStack *out) {
   *out = (PassStack){0};
+  Groups gs = groups_of(m);
   int n = pass_find_layers(m, &out->layer);
   if (n < 0) return false;
   out->n = n;
@@ -354,7 +413,7 @@ bool pass_stack(IrModule *m, const SchedCluster *c, PassStack *out) {
     return false;
   }
   for (int i = 0; i < n; i++) {
-    pass_layer_cost(&out->layer[i], c, &out->cost[i]);
+    layer_cost(&out->layer[i], c, &gs, &out->cost[i]);
     out->r_max[i] = r_max_of(&out->layer[i]);
   }
   // Everything outside the stack's layers, priced.

@@ -86,8 +86,6 @@ typedef struct PassLayer {
 
 // The MoE layers of m in forward order (*out malloc'd, free it); -1 when out of memory.
 int pass_find_layers(IrModule *m, PassLayer **out);
-// A layer's costs in the scheduling model's form, from the cost attributes pass_cost set.
-void pass_layer_cost(const PassLayer *l, const SchedCluster *c, SchedLayerCost *out);
 // The expert region of f (DESIGN §6: dispatch AlltoAll ... experts ... combine AlltoAll): its entry
 // value ([E, C, M] tokens the order packed, or their gradient) and its exit value; false if none.
 bool pass_expert_region(const IrFunc *f, IrValue **entry, IrValue **exit);

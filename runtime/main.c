@@ -797,6 +797,8 @@ static void print_header(const Trainer *tr, int64_t first, int64_t last) {
     printf("# %d ranks: dp %d, mp %d, ep %d, esp %d; global batch %lld samples; figures "
            "reduced over the ranks, time of the slowest\n", r->world, r->dp, r->mp, r->ep,
            r->esp, (long long)(r->dp * m->batch));
+  if (m->layout_note)
+    printf("# layout: %s\n", m->layout_note);
   if (first <= last && m->vocab > 0)
     printf("# steps %lld..%lld, vocab %lld, tokens: %s%s%s\n", (long long)first, (long long)last,
            (long long)m->vocab, tr->lm.source ? tr->lm.source : "synthetic (arithmetic sequences, runtime/data.c)",

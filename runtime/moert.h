@@ -275,6 +275,8 @@ struct RtModel {
   // The Hugging Face family the model is (DESIGN §2.2): the config.json that --export-hf writes,
   // or NULL with hf_refusal, the sentence saying why it is none (moec build decides).
   const char *hf_config, *hf_refusal;
+  // How moec build chose the layout (`parallel auto;`, --layout), printed at start; NULL: written.
+  const char *layout_note;
 };
 
 #define RT_POOL_MAX_LAYERS 256   // layers with `aux pooled` in one model

@@ -38,7 +38,33 @@ typedef struct SchedCluster {
   double handoff;         // ms a chunked collective pays for its two stream hand-offs (0: none)
   double overlap_compute, overlap_comm;   // relative slowdowns of computation and communication
                                           // that run at once (0: none; a CPU rank's are not)
+  SchedCoef alltoall_intra, allreduce_intra;   // inside one node (0, 0: not in the profile)
+  double memory;          // bytes a rank may use (0: not in the profile)
 } SchedCluster;
+
+// ---- collectives on the groups of a layout (sched/sched_layout.c, DESIGN §6.1) ----
+// The profile's fits were measured on its own groups: `alltoall` and `allreduce` over the
+// inter-node group (one rank per node, every node, all gpus_per_node such groups at once),
+// `allgather`, `reducescatter` (and `alltoall_intra`, `allreduce_intra`) over one node's
+// ranks. A layout's groups differ: an EP group may hold several ranks per node, a DP group
+// too, an MP group may be smaller than a node. sched_group_fit prices a collective on a group
+// of the given shape from those fits with a link model: the inter-node part of a collective
+// scales with the elements that cross a node's link (every rank of a node communicates at
+// once, as when the profile was measured), its fixed cost with the messages that cross it, and
+// the part inside a node with the elements that stay there (manual §10).
+typedef enum SchedColl { SCHED_ALLTOALL, SCHED_ALLGATHER, SCHED_REDUCESCATTER, SCHED_ALLREDUCE } SchedColl;
+typedef enum SchedA2a { SCHED_A2A_FLAT, SCHED_A2A_1DH, SCHED_A2A_2DH } SchedA2a;   // nccl, 1dh, 2dh
+extern const char *const sched_a2a_name[3];   // "nccl", "1dh", "2dh"
+// A group: size members over `nodes` nodes, per_node of them on each (size = nodes * per_node).
+typedef struct SchedGroup {
+  int size, nodes, per_node;
+} SchedGroup;
+// The group of count members, stride apart, that rank 0 belongs to, with gpus_per_node
+// consecutive ranks per node (the runtime's placement, runtime/comm.c).
+SchedGroup sched_group_of(int count, int stride, int gpus_per_node);
+// t(n) = alpha + beta * n of collective k on group g (algo: the AlltoAll's; the others ignore
+// it), n as in the .cluster files. A group of one member costs nothing.
+SchedCoef sched_group_fit(const SchedCluster *c, SchedColl k, SchedGroup g, SchedA2a algo);
 
 typedef enum SchedFfn { SCHED_FFN_GPT, SCHED_FFN_MIXTRAL } SchedFfn;
 

@@ -275,6 +275,7 @@ else
   bad "moec plan" "$(tail -n 20 "$WORK/plan.out")"
 fi
 run_suite "plan = build" tests/plan_build.sh
+run_suite "layout search" tests/layout_search.sh
 for c in testbed-a testbed-a-solver testbed-b; do
   if "$MOEC" sweep --cluster lang/clusters/$c.cluster --quick >"$WORK/sweep.out" 2>&1 && grep -q '^OK' "$WORK/sweep.out" &&
      grep -q 'cases where fsmoe is not the fastest policy: 0' "$WORK/sweep.out"; then

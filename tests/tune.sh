@@ -1,21 +1,26 @@
 #!/usr/bin/env bash
 # `moec tune` end to end (issue 5). On 4 ranks (profiled as 2 nodes of 2):
 #   - `tune --quick -o T.cluster` finishes within 120 s (its duration is printed) and exits 0;
-#   - its table has the 6 fits (gemm, alltoall, allgather, reducescatter intra-node; alltoall,
-#     allreduce inter-node), each with alpha, beta and an r^2, the elementwise and attention
-#     fits and the stream hand-off, and an OK footer;
+#   - its table has the 7 fits (gemm; alltoall, allgather, reducescatter, allreduce intra-node;
+#     alltoall, allreduce inter-node), each with alpha, beta and an r^2, the elementwise and
+#     attention fits and the stream hand-off, and an OK footer;
 #   - every collective's alpha is a measurement (its smallest size's time, above 0), none clamped;
-#   - T.cluster holds the inter-node AlltoAll fit as `alltoall`, says how it was measured, and no
-#     temporary file is left beside it;
+#   - T.cluster holds the inter-node AlltoAll fit as `alltoall`, the intra-node AlltoAll and
+#     AllReduce fits as `alltoall_intra` and `allreduce_intra`, `memory` = this host's MemTotal / 2
+#     ranks per node (with a comment saying so), says how it was measured, and no temporary file is
+#     left beside it;
 #   - `moec build --cluster T.cluster tiny.moe` compiles, and `moec check` accepts a model whose
-#     `cluster "...";` statement names it;
+#     `cluster "...";` statement names it (the profile parses back);
+#   - 2 ranks with --gpus-per-node 1 (no intra-node group): the profile has `memory` (all of
+#     MemTotal), no alltoall_intra or allreduce_intra (a comment says why), and parses back;
 #   - `--model lang/models/mixtral.moe` times that model's expert GEMMs ([m,32]x[32,112] and
 #     [m,112]x[112,32]), not the default shapes;
 #   - a single process (no mpirun) is refused with exit status 2, and --dtype bf16 without
 #     --target cuda too;
 #   - --target cuda (build/cuda/moec-tune-cuda, on the fake device moec-tune-fake): one rank times
-#     the GEMMs only and writes a 1 x 1 profile (collectives 0, saying why) that plans tiny.moe
-#     and refuses a 4-rank layout; 2 ranks with --dtype bf16 fit the GEMMs and the 5 collectives;
+#     the GEMMs only and writes a 1 x 1 profile (collectives 0, saying why; `memory` the device's;
+#     no intra-node fits) that plans tiny.moe and refuses a 4-rank layout; 2 ranks with --dtype
+#     bf16 fit the GEMMs and the 6 collectives (alltoall_intra, allreduce_intra in the profile);
 #     the real program without a GPU exits 1 and says so; bench/gpu_predict.sh --quick (tune,
 #     plan, run: predicted beside measured) runs on the fake device.
 # Prints `ok    ...` / `FAIL  ...` lines; exits 1 on any failure.
@@ -50,14 +55,15 @@ want="gemm each-rank
 alltoall intra-node
 allgather intra-node
 reducescatter intra-node
+allreduce intra-node
 alltoall inter-node
 allreduce inter-node
 elementwise each-rank
 attention each-rank
 handoff each-rank"
 got=$(awk '{print $1, $2}' "$WORK/rows")
-if [ "$got" = "$want" ]; then ok "table has the 6 fits"
-else bad "table has the 6 fits" "got:
+if [ "$got" = "$want" ]; then ok "table has the 7 fits"
+else bad "table has the 7 fits" "got:
 $got
 output:
 $(cat "$WORK/out")"; fi
@@ -77,7 +83,7 @@ if [ -f "$T" ]; then
   if ls "$WORK"/T.cluster.tmp-* >/dev/null 2>&1; then bad "no temporary file left" "$(ls "$WORK")"; else ok "no temporary file left"; fi
   missing=""
   for line in '^# Measured by `moec tune`' '^#   mpirun -np 4 .*tune --quick -o' '^# 4 ranks; nodes assumed' \
-              '^#   gemm .* r2 ' '^#   allreduce .* r2 ' 'intra-node$' '^cluster T \{' 'nodes 2;' 'gpus_per_node 2;'; do
+              '^#   gemm .* r2 ' '^#   allreduce .* r2 ' 'alltoall_intra and allreduce_intra the intra-node ones\.$' '^cluster T \{' 'nodes 2;' 'gpus_per_node 2;'; do
     grep -Eq "$line" "$T" || missing="$missing
   $line"
   done
@@ -93,10 +99,30 @@ $(cat "$T")"; fi
          if (d > 1e-3 * m + 1e-300) exit 1 }
        exit 0 }'; then ok "alltoall in the profile is the inter-node fit ($file)"
   else bad "alltoall in the profile is the inter-node fit" "table: $inter, file: $file"; fi
+  # alltoall_intra and allreduce_intra = the intra-node AlltoAll and AllReduce fits of the table.
+  for f in alltoall allreduce; do
+    table=$(awk -v f=$f '$1 == f && $2 == "intra-node" {a = $3 < 0 ? 0 : $3; b = $4 < 0 ? 0 : $4; print a, b}' "$WORK/rows")
+    file=$(sed -n "s/^ *${f}_intra *{ *alpha \([^;]*\); *beta \([^;]*\);.*/\1 \2/p" "$T")
+    if [ -n "$table" ] && [ -n "$file" ] && awk -v t="$table" -v f="$file" 'BEGIN {
+         split(t, x, " "); split(f, y, " ")
+         for (i = 1; i <= 2; i++) { d = x[i] - y[i]; if (d < 0) d = -d; m = x[i] < 0 ? -x[i] : x[i]
+           if (d > 1e-3 * m + 1e-300) exit 1 }
+         exit 0 }'; then ok "${f}_intra in the profile is the intra-node $f fit ($file)"
+    else bad "${f}_intra in the profile is the intra-node $f fit" "table: $table, file: $file
+$(grep -v '^#' "$T")"; fi
+  done
+  # memory = MemTotal of this host (every rank runs here) / 2 ranks per node, in bytes.
+  memtotal=$(awk '$1 == "MemTotal:" {printf "%.0f", $2 * 1024}' /proc/meminfo)
+  want_mem=$(awk -v m="$memtotal" 'BEGIN {printf "%.0f", int(m / 2)}')
+  mem_line=$(grep -E '^ *memory [0-9]+;' "$T")
+  if [ -n "$memtotal" ] && [ "$(echo "$mem_line" | sed -n 's/^ *memory \([0-9]*\);.*/\1/p')" = "$want_mem" ] &&
+     echo "$mem_line" | grep -q '# MemTotal .* / 2 ranks on the node'; then
+    ok "memory in the profile is MemTotal / 2 ranks per node: $(echo "$mem_line" | sed 's/^ *//')"
+  else bad "memory in the profile is MemTotal / 2 ranks per node ($want_mem)" "$(grep -v '^#' "$T")"; fi
   # Every collective's alpha is its smallest size's time (a measurement, above 0), never a
   # negative intercept clamped to 0; the profile prices element-wise ops and stream hand-offs.
-  alphas=$(sed -n 's/^ *\(alltoall\|allgather\|reducescatter\|allreduce\) *{ *alpha \([^;]*\);.*/\2/p' "$T" | tr '\n' ' ')
-  if [ "$(echo $alphas | wc -w)" = 4 ] && awk -v a="$alphas" 'BEGIN { n = split(a, x, " "); for (i = 1; i <= n; i++) if (!(x[i] > 0)) exit 1 }' &&
+  alphas=$(sed -n 's/^ *\(alltoall\|allgather\|reducescatter\|allreduce\|alltoall_intra\|allreduce_intra\) *{ *alpha \([^;]*\);.*/\2/p' "$T" | tr '\n' ' ')
+  if [ "$(echo $alphas | wc -w)" = 6 ] && awk -v a="$alphas" 'BEGIN { n = split(a, x, " "); for (i = 1; i <= n; i++) if (!(x[i] > 0)) exit 1 }' &&
      ! grep -q 'clamped' "$T" && grep -q '^ *elementwise *{ *alpha [0-9.e+-]*; *beta [0-9.e+-]*; }' "$T" &&
      grep -q '^ *handoff [0-9.e+-]*;' "$T" && grep -q '^ *attention *{ *alpha [0-9.e+-]*; *beta [0-9.e+-]*; }' "$T"; then
     ok "every collective's alpha is measured above 0 ($alphas), none clamped; elementwise, attention and handoff are in the profile"
@@ -111,6 +137,20 @@ $(cat "$T")"; fi
 else
   bad "wrote T.cluster" "$(ls -la "$WORK")"
 fi
+
+# ---- one rank per node: no intra-node group, no alltoall_intra / allreduce_intra ----
+timeout "$TIMEOUT" $MPIRUN -np 2 "$MOEC" tune --quick --gpus-per-node 1 -o "$WORK/P1.cluster" >"$WORK/p1.out" 2>"$WORK/p1.err" </dev/null
+status=$?
+P1=$WORK/P1.cluster
+awk -v c="$P1" '/^layer/ && !done {printf "cluster \"%s\";\n\n", c; done = 1} {print}' lang/models/tiny.moe >"$WORK/named1.moe"
+memtotal=$(awk '$1 == "MemTotal:" {printf "%.0f", $2 * 1024}' /proc/meminfo)
+if [ $status -eq 0 ] && [ -f "$P1" ] && grep -q '^  gpus_per_node 1;' "$P1" && grep -Eq "^  memory $memtotal;  # MemTotal .* / 1 rank on the node" "$P1" &&
+   ! grep -Eq '^ *(alltoall_intra|allreduce_intra) *\{' "$P1" &&
+   grep -q '^  # no alltoall_intra, allreduce_intra: one rank per node' "$P1" &&
+   grep -Eq '^  (alltoall|allreduce) +all-ranks .* no \(one rank per node\)$' "$WORK/p1.out" &&
+   "$MOEC" check "$WORK/named1.moe" >"$WORK/c1.out" 2>&1; then
+  ok "one rank per node (--gpus-per-node 1): memory is all of MemTotal, no alltoall_intra/allreduce_intra (a comment says why), the profile parses back"
+else bad "one rank per node (--gpus-per-node 1), exit $status" "$(cat "$WORK/p1.err" "$WORK/c1.out" 2>/dev/null; grep -v '^#  ' "$P1" 2>/dev/null | tail -n 25)"; fi
 
 # ---- --model: the model's own GEMM shapes ----
 timeout "$TIMEOUT" $MPIRUN -np 4 "$MOEC" tune --quick --model lang/models/mixtral.moe >"$WORK/m.out" 2>"$WORK/m.err" </dev/null
@@ -145,8 +185,10 @@ else
   if [ $status -eq 0 ] && [ "$(tail -n 1 "$WORK/g1.out")" = OK ] && grep -q '^# gemm: cuBLAS (rt_cuda_gemm: fp32 inputs' "$WORK/g1.out" &&
      grep -q '^  gemm  *each-rank  *1  *8 ' "$WORK/g1.out" && grep -q '^  nodes 1;' "$WORK/G1.cluster" &&
      grep -q '^  gpus_per_node 1;' "$WORK/G1.cluster" &&
-     [ "$(grep -c '{ alpha 0; beta 0; }  # not measured: one GPU runs no collectives' "$WORK/G1.cluster")" -eq 4 ]; then
-    ok "tune --target cuda on one rank (fake device): the GEMMs' fit ($(awk '/^  gemm / {print "alpha", $5, "beta", $6}' "$WORK/g1.out")), a 1 x 1 profile whose collectives are 0 and say why"
+     [ "$(grep -c '{ alpha 0; beta 0; }  # not measured: one GPU runs no collectives' "$WORK/G1.cluster")" -eq 4 ] &&
+     grep -Eq '^  memory [0-9]+;  # the GPU.s total memory \(cuDeviceTotalMem\)' "$WORK/G1.cluster" &&
+     ! grep -Eq '^ *(alltoall_intra|allreduce_intra) *\{' "$WORK/G1.cluster"; then
+    ok "tune --target cuda on one rank (fake device): the GEMMs' fit ($(awk '/^  gemm / {print "alpha", $5, "beta", $6}' "$WORK/g1.out")), a 1 x 1 profile whose collectives are 0 and say why, with the device's memory"
   else bad "tune --target cuda on one rank (fake device), exit $status" "$(cat "$WORK/g1.out" "$WORK/G1.cluster" 2>/dev/null | tail -n 30)"; fi
   if [ -f "$WORK/G1.cluster" ] && "$MOEC" build lang/models/tiny.moe --cluster "$WORK/G1.cluster" -o "$WORK/tiny1" >"$WORK/b1.out" 2>&1 &&
      ! "$MOEC" build tests/golden/parallel.moe --cluster "$WORK/G1.cluster" -o "$WORK/par1" >"$WORK/b4.out" 2>&1 &&
@@ -158,9 +200,11 @@ else
     --quick --dtype bf16 -o "$WORK/G2.cluster" >"$WORK/g2.out" 2>&1 </dev/null
   status=$?
   if [ $status -eq 0 ] && [ "$(tail -n 1 "$WORK/g2.out")" = OK ] && grep -q '^# gemm: cuBLAS (rt_cuda_gemm: bf16 inputs' "$WORK/g2.out" &&
-     [ "$(awk '/^# model +group/ {t = 1; next} t && /^  [a-z]/ && $4 == 7' "$WORK/g2.out" | wc -l)" -eq 5 ] &&
-     ! grep -q 'not measured' "$WORK/G2.cluster"; then
-    ok "tune --target cuda --dtype bf16 on 2 ranks (fake device): bf16 GEMMs and the 5 collective fits over NCCL's calls"
+     [ "$(awk '/^# model +group/ {t = 1; next} t && /^  [a-z]/ && $4 == 7' "$WORK/g2.out" | wc -l)" -eq 6 ] &&
+     ! grep -q 'not measured' "$WORK/G2.cluster" && grep -Eq '^  memory [0-9]+;  # the GPU.s total memory' "$WORK/G2.cluster" &&
+     grep -Eq '^  alltoall_intra +\{ alpha [0-9.e+-]+; beta [0-9.e+-]+; \}' "$WORK/G2.cluster" &&
+     grep -Eq '^  allreduce_intra +\{ alpha [0-9.e+-]+; beta [0-9.e+-]+; \}' "$WORK/G2.cluster"; then
+    ok "tune --target cuda --dtype bf16 on 2 ranks (fake device): bf16 GEMMs and the 6 collective fits over NCCL's calls, alltoall_intra, allreduce_intra and memory in the profile"
   else bad "tune --target cuda --dtype bf16 on 2 ranks (fake device), exit $status" "$(tail -n 30 "$WORK/g2.out")"; fi
   # bench/gpu_predict.sh, which a GPU session runs: its --quick models on the fake device, predicted
   # and measured side by side (the fake device's times say nothing; the script's path is checked).

@@ -1,5 +1,5 @@
 // libFuzzer harness for the front end: arbitrary bytes as a .moe file through fe_load (lexer,
-// parser, checker). It must never crash, hang or leak, whatever the input; diagnostics go to
+// parser, checker) and, for a program that checks, the layout rules of `parallel auto;`. It must never crash, hang or leak, whatever the input; diagnostics go to
 // /dev/null. Seeds: tests/fuzz/corpus_moe/ (valid models and the diagnostics cases).
 #include <stddef.h>
 #include <stdint.h>
@@ -17,6 +17,13 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size) {
   IrDiag d;
   ir_diag_init(&d, devnull);
   FeProgram *p = fe_load(&d, src);
+  // The layout search's rules (parallel auto) on every layout of 4 ranks.
+  for (int mp = 1; p && mp <= 4; mp *= 2)
+    for (int esp = 1; esp <= 4; esp *= 2) {
+      char why[240];
+      FeParallel par = {.dp = 4 / mp, .mp = mp, .ep = 4 / esp, .esp = esp};
+      fe_layout_refusal(p, &par, why, sizeof why);
+    }
   fe_program_free(p);
   ir_source_free(src);
   return 0;
