@@ -45,6 +45,7 @@ typedef struct CliLayouts {
   int chosen;            // index of the chosen layout (the first), -1 when none fits
   const char *policy;
   int64_t memory;        // the cluster's memory per rank (0: not given)
+  int64_t global_batch;  // samples per step, the same in every layout (cli_global_batch)
   double seconds;        // how long the search took
 } CliLayouts;
 
@@ -52,8 +53,11 @@ typedef struct CliLayouts {
 // False on an error (reported); that nothing fits is not one (chosen -1).
 bool cli_layout_search(IrDiag *d, FeProgram *p, const FeCluster *fc, CliLayouts *out);
 void cli_layouts_free(CliLayouts *ls);
-// Sets l's degrees on p, and its algorithm on every MoE layer that does not name its own.
-void cli_layout_apply(FeProgram *p, const CliLayout *l);
+// The samples of a step every layout keeps: `batch` under `parallel auto;`, else batch * dp.
+int64_t cli_global_batch(const FeProgram *p);
+// Sets l's degrees on p, its batch per DP rank (global / dp), and its algorithm on every MoE
+// layer that does not name its own.
+void cli_layout_apply(FeProgram *p, const CliLayout *l, int64_t global);
 // The ranked table (moec plan --layouts, moec build -v).
 void cli_layouts_print(FILE *out, const CliLayouts *ls, const char *cluster);
 // {"layouts": [{dp, mp, ep, esp, algo, policy, step_ms, peak_bytes, fits, why}...], "chosen": {...}}

@@ -231,8 +231,11 @@ done:
   free(r_max);
 }
 
-void cli_layout_apply(FeProgram *p, const CliLayout *l) {
+int64_t cli_global_batch(const FeProgram *p) { return p->model.batch * (p->parallel.is_auto ? 1 : p->parallel.dp); }
+
+void cli_layout_apply(FeProgram *p, const CliLayout *l, int64_t global) {
   p->parallel.dp = l->dp, p->parallel.mp = l->mp, p->parallel.ep = l->ep, p->parallel.esp = l->esp;
+  p->model.batch = global / l->dp;
   for (int i = 0; i < p->nlayers && l->algo; i++) {
     FeMoe *moe = &p->layers[i].moe;
     if (p->layers[i].has_moe && !moe->algo_loc.src) moe->algo = l->algo;
@@ -287,6 +290,8 @@ bool cli_layout_search(IrDiag *d, FeProgram *p, const FeCluster *fc, CliLayouts 
   if (!p->schedule.pipeline_auto) s.r_fix[0] = (int)p->schedule.pipeline_fwd, s.r_fix[1] = (int)p->schedule.pipeline_bwd;
   for (int i = 0; i < p->nlayers; i++) s.algo_fixed |= p->layers[i].has_moe && p->layers[i].moe.algo_loc.src;
   FeParallel saved = p->parallel;
+  int64_t global = cli_global_batch(p), batch = p->model.batch;
+  out->global_batch = global;
   const char **algos = calloc((size_t)(p->nlayers > 0 ? p->nlayers : 1), sizeof *algos);
   if (!algos) return ir_error(d, "out of memory");
   for (int i = 0; i < p->nlayers; i++) algos[i] = p->layers[i].moe.algo;
@@ -298,7 +303,12 @@ bool cli_layout_search(IrDiag *d, FeProgram *p, const FeCluster *fc, CliLayouts 
       if (G % esp != 0 || P % esp != 0) continue;
       CliLayout l = {.dp = P / mp, .mp = mp, .ep = P / esp, .esp = esp, .step_ms = -1, .peak_bytes = -1};
       FeParallel par = {.dp = l.dp, .mp = mp, .ep = l.ep, .esp = esp};
-      bool refused = fe_layout_refusal(p, &par, l.why, sizeof l.why);
+      // The global batch is the model's in every layout: each DP rank holds global/dp samples.
+      bool refused = global % l.dp != 0;
+      if (refused) snprintf(l.why, sizeof l.why, "dp %d does not divide the global batch of %lld samples", l.dp,
+                            (long long)global);
+      p->model.batch = refused ? batch : global / l.dp;
+      refused = refused || fe_layout_refusal(p, &par, l.why, sizeof l.why);
       // The hierarchical AlltoAlls differ from the flat one where an EP group has several
       // ranks on each of several nodes (runtime/comm.c runs them flat otherwise).
       SchedGroup ep = sched_group_of(l.ep, esp, G);
@@ -307,7 +317,7 @@ bool cli_layout_search(IrDiag *d, FeProgram *p, const FeCluster *fc, CliLayouts 
         CliLayout c = l;
         c.algo = s.algo_fixed ? NULL : sched_a2a_name[a];
         if (!refused) {
-          cli_layout_apply(p, &c);
+          cli_layout_apply(p, &c, global);
           price(&s, &c);
           for (int i = 0; i < p->nlayers; i++) p->layers[i].moe.algo = algos[i];
           c.legal = c.step_ms >= 0;
@@ -323,6 +333,7 @@ bool cli_layout_search(IrDiag *d, FeProgram *p, const FeCluster *fc, CliLayouts 
     }
   }
   p->parallel = saved;
+  p->model.batch = batch;
   free(algos);
   if (!ok) return ir_error(d, "out of memory");
   qsort(out->all, (size_t)out->n, sizeof *out->all, by_rank);
@@ -352,9 +363,9 @@ const char *cli_layout_name(char *buf, size_t n, const CliLayout *l) {
 
 void cli_layouts_print(FILE *out, const CliLayouts *ls, const char *cluster) {
   char mem[32];
-  fprintf(out, "# layouts for cluster '%s', policy %s, memory per rank %s: %d candidates, searched in %.3f s\n",
-          cluster, ls->policy, ls->memory > 0 ? cli_bytes(mem, sizeof mem, (double)ls->memory) : "not given", ls->n,
-          ls->seconds);
+  fprintf(out, "# layouts for cluster '%s', policy %s, %lld samples a step, memory per rank %s: %d candidates, "
+          "searched in %.3f s\n", cluster, ls->policy, (long long)ls->global_batch,
+          ls->memory > 0 ? cli_bytes(mem, sizeof mem, (double)ls->memory) : "not given", ls->n, ls->seconds);
   fprintf(out, "%4s %5s %4s %5s %4s %5s %12s %12s  %s\n", "rank", "dp", "mp", "ep", "esp", "algo", "step ms",
           "peak", "");
   for (int i = 0; i < ls->n; i++) {
@@ -398,7 +409,7 @@ bool cli_layouts_json(const char *path, const CliLayouts *ls) {
   fprintf(f, "\n ],\n \"chosen\": ");
   if (ls->chosen >= 0) json_layout(f, &ls->all[ls->chosen], ls->policy);
   else fprintf(f, "null");
-  fprintf(f, ",\n \"search_seconds\": %.6f}\n", ls->seconds);
+  fprintf(f, ",\n \"global_batch\": %lld, \"search_seconds\": %.6f}\n", (long long)ls->global_batch, ls->seconds);
   return fclose(f) == 0;
 }
 
@@ -447,8 +458,16 @@ bool cli_resolve_layout(IrDiag *d, FeProgram *p, const FeCluster *fc, const char
       return ir_error(d, "--layout takes DP,MP,EP,ESP or DP,MP,EP,ESP,ALGO (ALGO: nccl, 1dh or 2dh), not '%s'", forced);
     FeParallel par = {.dp = l.dp, .mp = l.mp, .ep = l.ep, .esp = l.esp};
     char why[240];
-    if (fe_layout_refusal(p, &par, why, sizeof why)) return ir_error(d, "--layout %s: %s", forced, why);
-    cli_layout_apply(p, &l);
+    int64_t global = cli_global_batch(p);
+    if (global % l.dp != 0)
+      return ir_error(d, "--layout %s: dp %d does not divide the global batch of %lld samples", forced, l.dp,
+                      (long long)global);
+    int64_t batch = p->model.batch;
+    p->model.batch = global / l.dp;
+    bool refused = fe_layout_refusal(p, &par, why, sizeof why);
+    p->model.batch = batch;
+    if (refused) return ir_error(d, "--layout %s: %s", forced, why);
+    cli_layout_apply(p, &l, global);
     p->parallel.is_auto = false;
     if (note) snprintf(note, nnote, "set by --layout %s", forced);
     return true;
@@ -472,13 +491,13 @@ bool cli_resolve_layout(IrDiag *d, FeProgram *p, const FeCluster *fc, const char
   char name[96], peak[32], mem[32], line[512];
   snprintf(line, sizeof line,
            "parallel auto: %s for cluster '%s' (%lld nodes x %lld): the fastest of %d fitting layouts (%d "
-           "considered), predicted %.3f ms per step with policy %s, peak %s per rank%s%s",
+           "considered), predicted %.3f ms per step of %lld samples with policy %s, peak %s per rank%s%s",
            cli_layout_name(name, sizeof name, c), fc->name ? fc->name : "cluster", (long long)fc->nodes,
-           (long long)fc->gpus_per_node, fitting, ls.n, c->step_ms, ls.policy, cli_bytes(peak, sizeof peak, (double)c->peak_bytes),
+           (long long)fc->gpus_per_node, fitting, ls.n, c->step_ms, (long long)ls.global_batch, ls.policy, cli_bytes(peak, sizeof peak, (double)c->peak_bytes),
            fc->memory > 0 ? " of " : "", fc->memory > 0 ? cli_bytes(mem, sizeof mem, (double)fc->memory) : "");
   fprintf(stderr, "# %s\n", line);
   if (note) snprintf(note, nnote, "%s", line);
-  cli_layout_apply(p, c);
+  cli_layout_apply(p, c, ls.global_batch);
   cli_layouts_free(&ls);
   return true;
 }

@@ -33,7 +33,7 @@ cluster() {
 }
 M=tests/models/grad_lm_gpt.moe
 auto_model() {   # the model with parallel auto and a schedule the planner plans
-  sed "s/^layer block x 2/parallel auto;\nlayer block x ${1:-2}/; s/hidden 16;/hidden ${2:-16};/" "$M"
+  sed "s/^layer block x 2/parallel auto;\nlayer block x ${1:-2}/; s/hidden 16;/hidden ${2:-16};/; s/batch 2;/batch 4;/" "$M"
   echo "schedule { policy fsmoe; pipeline auto; }"
 }
 
@@ -48,7 +48,8 @@ import json, sys
 d = json.load(open(sys.argv[1]))
 keys = ["dp", "mp", "ep", "esp", "algo", "policy", "step_ms", "peak_bytes", "fits", "why"]
 bad = []
-if sorted(d) != sorted(["layouts", "chosen", "search_seconds"]): bad.append("top-level keys %s" % sorted(d))
+if sorted(d) != sorted(["layouts", "chosen", "global_batch", "search_seconds"]): bad.append("top-level keys %s" % sorted(d))
+if d["global_batch"] != 4: bad.append("global batch %s, want the model's 4" % d["global_batch"])
 ls = d["layouts"]
 for l in ls + [d["chosen"]]:
     if list(l) != keys: bad.append("fields %s" % list(l))
@@ -127,7 +128,7 @@ for shape in "2 1" "2 2"; do
   dp=$(sed -n 's/^# parallel auto: dp \([0-9]*\), mp \([0-9]*\).*/\1/p' <<<"$line")
   mp=$(sed -n 's/^# parallel auto: dp \([0-9]*\), mp \([0-9]*\).*/\2/p' <<<"$line")
   if [ -z "$dp" ] || [ -z "$mp" ]; then bad "parallel auto on $nodes x $gpus: no 'parallel auto:' line" "$(cat "$WORK/build.out")"; continue; fi
-  sed "s/batch 2;/batch $((2 * dp));/; s/capacity 0.5;/capacity 0.5; groups $((dp * mp));/" "$M" >"$WORK/one.moe"
+  sed "s/batch 2;/batch 4;/; s/capacity 0.5;/capacity 0.5; groups $((dp * mp));/" "$M" >"$WORK/one.moe"
   if ! "$MOEC" build "$WORK/one.moe" -o "$WORK/one" 2>"$WORK/err"; then bad "one-rank build" "$(cat "$WORK/err")"; continue; fi
   rm -rf "$WORK/d1" "$WORK/d2"
   if ! (cd "$WORK" && ./one --steps 1 --dump d1 >one.out 2>&1 && $MPIRUN -np "$np" ./many --steps 1 --dump d2 >many.out 2>&1); then
