@@ -124,13 +124,13 @@ static int where(Host *h, const IrFunc *f, const IrOp *op, const char *fmt, ...)
     int cap = h->cap_where ? 2 * h->cap_where : 64;
     char **w = realloc(h->where, (size_t)cap * sizeof *w);
     if (!w) {
-      h->ok = ir_error(h->d, "out of memory");
+      h->ok = ir_oom(h->d);
       return 0;
     }
     h->where = w;
     h->cap_where = cap;
   }
-  if (!(h->where[h->nwhere] = strdup(text))) h->ok = ir_error(h->d, "out of memory");
+  if (!(h->where[h->nwhere] = strdup(text))) h->ok = ir_oom(h->d);
   return h->nwhere++;
 }
 
@@ -237,7 +237,7 @@ static bool emit_kernel(Host *h, const IrFunc *f, int i, const CgKernelCall *c, 
   int nparams = cg_cuda_kernel_params(c->kernel, types, CG_MAX_KERNEL_ARGS);
   const char *name = cg_cuda_kernel_name(c->kernel);
   if (nparams != c->nargs)
-    return ir_error_at(h->d, op->loc, "internal error: kernel %s takes %d arguments, the launch of '%s' has %d", name,
+    return ir_internal_at(h->d, op->loc, "kernel %s takes %d arguments, the launch of '%s' has %d", name,
                        nparams, ir_op_info[op->kind].name, c->nargs);
   int site = where(h, f, op, "kernel %s of %s", name, ir_op_info[op->kind].name);
   fprintf(h->out, "  launch(%d, %s, %s, %" PRId64 ", %u, (void *[]){", site, cg_stream_enum(s), name, c->grid,
@@ -245,7 +245,7 @@ static bool emit_kernel(Host *h, const IrFunc *f, int i, const CgKernelCall *c, 
   for (int a = 0; a < c->nargs; a++) {
     char buf[128];
     if (!kernel_arg(h, f, i, &c->args[a], types[a], stats, buf, sizeof buf))
-      return ir_error_at(h->d, op->loc, "internal error: argument %d of kernel %s does not fit its parameter", a, name);
+      return ir_internal_at(h->d, op->loc, "argument %d of kernel %s does not fit its parameter", a, name);
     fprintf(h->out, "%s%s", a ? ", " : "", buf);
   }
   fprintf(h->out, "});\n");
@@ -328,7 +328,7 @@ static bool emit_bf16_cast(Host *h, const IrFunc *f, const IrOp *op, int k, cons
   CgParamType types[CG_MAX_KERNEL_ARGS];
   if (cg_cuda_kernel_params(kernel, types, CG_MAX_KERNEL_ARGS) != 3 || types[0] != CG_PARAM_POINTER ||
       types[1] != CG_PARAM_POINTER || types[2] != CG_PARAM_I64)
-    return ir_error_at(h->d, op->loc, "internal error: %s is not (const float *, u16 *, i64)", cg_cuda_kernel_name(kernel));
+    return ir_internal_at(h->d, op->loc, "%s is not (const float *, u16 *, i64)", cg_cuda_kernel_name(kernel));
   int64_t n = ir_type_numel(t);
   int site = where(h, f, op, "kernel %s (operand %d to bf16) of %s", cg_cuda_kernel_name(kernel), k, ir_op_info[op->kind].name);
   fprintf(h->out, "  launch(%d, %s, %s, %" PRId64 ", 0, (void *[]){PTR(%s), PTR(%s), I64(%" PRId64 ")});\n", site,
@@ -436,7 +436,7 @@ static void function_epilogue(Host *h, const IrFunc *f) {
       if (o) h->pooled_off = o;
       void *b = o ? realloc(h->pooled_bytes, (size_t)(h->npooled + 1) * sizeof *h->pooled_bytes) : NULL;
       if (!b) {
-        h->ok = ir_error(h->d, "out of memory");
+        h->ok = ir_oom(h->d);
         continue;
       }
       h->pooled_bytes = b;
@@ -508,11 +508,11 @@ static bool emit_step(Host *h, const char *name, const char *prologue, bool (*me
   char *epilogue = NULL;
   size_t size = 0;
   int64_t first_stage = h->stage_bytes;   // this step's part of the staging area starts here
-  if (!(h->epi = open_memstream(&epilogue, &size))) return ir_error(h->d, "out of memory");
+  if (!(h->epi = open_memstream(&epilogue, &size))) return ir_oom(h->d);
   bool ok = true;
   for (int i = 0; ok && i < h->m->nfuncs; i++)
     if (member(h->m->funcs[i])) ok = emit_function(h, h->m->funcs[i]);
-  if (fclose(h->epi) != 0) ok = ir_error(h->d, "out of memory");
+  if (fclose(h->epi) != 0) ok = ir_oom(h->d);
   h->epi = NULL;
   if (!ok) {
     free(epilogue);
@@ -689,7 +689,7 @@ static void emit_hooks(Host *h, FILE *out) {
 bool cg_emit_cuda_host(IrDiag *d, FILE *out, const IrModule *m, const PassMemPlan *plan, const CgEmitOptions *o,
                        const CgCudaImages *images) {
   if (!images || !images->arch || strncmp(images->arch, "sm_", 3) != 0 || atoi(images->arch + 3) < 10)
-    return ir_error(d, "internal error: the CUDA host program needs the kernels' images and their sm_NN architecture");
+    return ir_internal(d, "the CUDA host program needs the kernels' images and their sm_NN architecture");
   Host h = {.d = d, .m = m, .plan = plan, .ok = true, .bf16 = cg_bf16_gemms(m)};
   h.param_offset = cg_param_offsets(m, &h.param_floats);
   h.sp = spelling(&h);
@@ -709,7 +709,7 @@ bool cg_emit_cuda_host(IrDiag *d, FILE *out, const IrModule *m, const PassMemPla
   h.out = open_memstream(&body, &body_size);
   bool ok = h.param_offset && used && h.kernel_slot && h.staged && h.out;
   if (!ok) {
-    ok = ir_error(d, "out of memory");
+    ok = ir_oom(d);
     goto done;
   }
   cg_cuda_kernels_used(m, plan, used);
@@ -734,7 +734,7 @@ bool cg_emit_cuda_host(IrDiag *d, FILE *out, const IrModule *m, const PassMemPla
            w_input, w_input, h.output[0] ? "  st->output = output;\n" : "");
   ok = emit_step(&h, "forward", prologue, is_forward) && emit_step(&h, "backward", "", is_backward) &&
        emit_step(&h, "update", "", is_update) && h.ok;
-  if (fclose(h.out) != 0) ok = ir_error(d, "out of memory");
+  if (fclose(h.out) != 0) ok = ir_oom(d);
   h.out = NULL;
   if (!ok) goto done;
   emit_header(&h, out, o->source_name, images);

@@ -76,7 +76,7 @@ static void add_words(Command *c, const char *flags) {
 }
 
 static bool run(IrDiag *d, Command *c, const char *c_path, bool verbose) {
-  if (c->overflow) return ir_error(d, "internal error: the link command line is too long");
+  if (c->overflow) return ir_internal(d, "the link command line is too long");
   c->argv[c->argc] = NULL;
   if (verbose) {
     fprintf(stderr, "# link:");

@@ -25,9 +25,9 @@ static bool cuda_images(IrDiag *d, const IrModule *m, const PassMemPlan *plan, c
   char *src = NULL;
   size_t n = 0;
   FILE *f = open_memstream(&src, &n);
-  if (!f) return ir_error(d, "out of memory");
+  if (!f) return ir_oom(d);
   bool ok = cg_emit_cuda(d, f, m, plan);
-  if (fclose(f) != 0) ok = ir_error(d, "out of memory");
+  if (fclose(f) != 0) ok = ir_oom(d);
   void *cubin = NULL;
   char *ptx = NULL;
   ok = ok && cg_nvrtc_compile(d, src, arch, &cubin, &img->cubin_size) && cg_nvrtc_ptx(d, src, arch, &ptx, &img->ptx_size);

@@ -207,7 +207,7 @@ FeTree *fe_parse(IrDiag *d, const IrSource *src) {
   FeTree *tree = calloc(1, sizeof *tree);
   if (!tree || !(tree->arena = fe_arena_new()) ||
       !(tree->root = fe_arena_alloc(tree->arena, sizeof(FeNode)))) {
-    ir_error(d, "out of memory");
+    ir_oom(d);
     fe_tree_free(tree);
     return NULL;
   }
@@ -220,7 +220,7 @@ FeTree *fe_parse(IrDiag *d, const IrSource *src) {
   int errors = d->errors;
   yyscan_t scanner;
   if (fe_yylex_init_extra(&ctx, &scanner) != 0) {
-    ir_error(d, "out of memory");
+    ir_oom(d);
     fe_tree_free(tree);
     return NULL;
   }

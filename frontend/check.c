@@ -843,7 +843,7 @@ static void check_layer(Ctx *c, const FeNode *parent, const FeNode *n, char *dst
       c->layer_names_cap *= 2;
     c->layer_names = fe_arena_alloc(c->arena, sizeof(int) * c->layer_names_cap);
     if (!p->layers || !c->layer_nodes || !c->layer_ok || !c->layer_names) {
-      ir_error(c->d, "out of memory");
+      ir_oom(c->d);
       return;
     }
   }
@@ -900,7 +900,7 @@ static void check_hook(Ctx *c, const FeNode *parent, const FeNode *n, char *dst)
   if (!m->hooks) {
     m->hooks = fe_arena_alloc(c->arena, sizeof(FeHook) * count_kids(parent, "hook"));
     if (!m->hooks) {
-      ir_error(c->d, "out of memory");
+      ir_oom(c->d);
       return;
     }
   }
@@ -1414,7 +1414,7 @@ FeProgram *fe_check(IrDiag *d, FeTree *tree) {
   }
   FeProgram *p = fe_arena_alloc(tree->arena, sizeof *p);
   if (!p) {
-    ir_error(d, "out of memory");
+    ir_oom(d);
     return NULL;
   }
   Ctx c = {.d = d, .arena = tree->arena, .prog = p, .all_blocks = moe_blocks, .root_loc = start,

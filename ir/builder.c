@@ -22,10 +22,7 @@ static void *arena_alloc(IrArena *a, size_t bytes) {
   if (!a->head || a->head->used + bytes > a->head->cap) {
     size_t cap = bytes > 65536 ? bytes : 65536;
     ArenaBlock *b = malloc(sizeof *b + cap);
-    if (!b) {
-      fprintf(stderr, "moec: error: out of memory\n");
-      exit(1);
-    }
+    if (!b) ir_oom_exit();  // no builder call can fail: its callers do not check
     b->next = a->head;
     b->used = 0;
     b->cap = cap;

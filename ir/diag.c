@@ -186,6 +186,35 @@ const char *ir_closest(const char *word, const char *const *candidates, int n) {
   return best;
 }
 
+bool ir_oom(IrDiag *d) { return ir_error(d, "out of memory"); }
+
+_Noreturn void ir_oom_exit(void) {
+  fprintf(stderr, "moec: error: out of memory\n");
+  exit(1);
+}
+
+static bool internal_vat(IrDiag *d, SrcLoc loc, const char *fmt, va_list ap) {
+  char msg[1024];
+  vsnprintf(msg, sizeof msg, fmt, ap);
+  return ir_error_at(d, loc, "internal error: %s", msg);
+}
+
+bool ir_internal(IrDiag *d, const char *fmt, ...) {
+  va_list ap;
+  va_start(ap, fmt);
+  internal_vat(d, (SrcLoc){0}, fmt, ap);
+  va_end(ap);
+  return false;
+}
+
+bool ir_internal_at(IrDiag *d, SrcLoc loc, const char *fmt, ...) {
+  va_list ap;
+  va_start(ap, fmt);
+  internal_vat(d, loc, fmt, ap);
+  va_end(ap);
+  return false;
+}
+
 _Noreturn void ir_unreachable(const char *file, int line) {
   fprintf(stderr, "moec: internal error at %s:%d: unreachable code reached\n", file, line);
   abort();

@@ -89,6 +89,8 @@ typedef struct IrType {
 int64_t ir_type_numel(const IrType *t);
 int64_t ir_type_bytes(const IrType *t);
 bool ir_type_equal(const IrType *a, const IrType *b);
+// "f32[64, 32]" into buf (truncated to cap), for messages.
+void ir_type_str(const IrType *t, char *buf, size_t cap);
 
 typedef enum IrAttrKind { IR_ATTR_INT, IR_ATTR_FLOAT, IR_ATTR_STR } IrAttrKind;
 typedef struct IrAttr {
@@ -194,7 +196,7 @@ struct IrFunc {
   int nrets;
   IrFunc *saves;        // forward function whose values this one may read, or NULL
   IrFuncRole role;
-  IrAttr attrs[IR_MAX_ATTRS];  // the planner's decisions: r, case, t_model, grad_moe, ... (passes/plan.c)
+  IrAttr attrs[IR_MAX_ATTRS];  // the planner's decisions: r, case, t_model, grad_moe, ... (passes/degrees.c)
   int nattrs;
   SrcLoc loc;
   int index;

@@ -56,7 +56,18 @@ bool ir_error(IrDiag *d, const char *fmt, ...) __attribute__((format(printf, 2, 
 // (distance <= max(1, strlen(word)/3)). Used for "did you mean" hints.
 const char *ir_closest(const char *word, const char *const *candidates, int n);
 
-// Internal bugs, never user input.
+// The compiler's failure policy: a failed allocation and an internal error (a bug, never user
+// input) each have one entry point, report one line and return false, so the caller returns
+// false and the compilation ends with a non-zero status like any other error:
+//   moec: error: out of memory
+//   moec: error: internal error: msg            (file:line:col: error: internal error: msg at loc)
+bool ir_oom(IrDiag *d);
+bool ir_internal(IrDiag *d, const char *fmt, ...) __attribute__((format(printf, 2, 3)));
+bool ir_internal_at(IrDiag *d, SrcLoc loc, const char *fmt, ...) __attribute__((format(printf, 3, 4)));
+// For the few allocators whose callers cannot fail (the IR arena behind every builder call, the
+// IR text parser's buffers): the same line as ir_oom on stderr, then exit status 1.
+_Noreturn void ir_oom_exit(void);
+// Code that cannot be reached, whatever the input: prints where and aborts.
 #define UNREACHABLE() ir_unreachable(__FILE__, __LINE__)
 _Noreturn void ir_unreachable(const char *file, int line);
 

@@ -75,3 +75,11 @@ bool ir_type_equal(const IrType *a, const IrType *b) {
     if (a->dim[i] != b->dim[i]) return false;
   return true;
 }
+
+void ir_type_str(const IrType *t, char *buf, size_t cap) {
+  int n = snprintf(buf, cap, "%s[", ir_dtype_name(t->dtype));
+  int rank = t->rank < 0 ? 0 : t->rank > IR_MAX_RANK ? IR_MAX_RANK : t->rank;
+  for (int i = 0; i < rank && n > 0 && (size_t)n < cap; i++)
+    n += snprintf(buf + n, cap - (size_t)n, "%s%lld", i ? ", " : "", (long long)t->dim[i]);
+  if (n > 0 && (size_t)n < cap) snprintf(buf + n, cap - (size_t)n, "]");
+}

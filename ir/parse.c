@@ -69,10 +69,7 @@ typedef struct Parser {
 
 static void *xrealloc(void *p, size_t n) {
   void *q = realloc(p, n ? n : 1);
-  if (!q) {
-    fprintf(stderr, "moec: error: out of memory\n");
-    exit(1);
-  }
+  if (!q) ir_oom_exit();
   return q;
 }
 
@@ -890,7 +887,7 @@ IrModule *ir_parse(IrDiag *d, const IrSource *src) {
   Parser P = {.d = d, .src = src, .line = 1, .col = 1, .prev_end = {src, 1, 1, 1}};
   P.m = ir_module_new(NULL);
   if (!P.m) {
-    ir_error(d, "out of memory");
+    ir_oom(d);
     return NULL;
   }
   next(&P);

@@ -19,14 +19,6 @@ typedef struct Infer {
   char names[IR_MAX_ARGS][240];  // "%x (f32[64, 32])" per operand, for messages
 } Infer;
 
-static void type_str(const IrType *t, char *buf, size_t cap) {
-  int n = snprintf(buf, cap, "%s[", ir_dtype_name(t->dtype));
-  int rank = t->rank < 0 ? 0 : t->rank > IR_MAX_RANK ? IR_MAX_RANK : t->rank;
-  for (int i = 0; i < rank && n > 0 && (size_t)n < cap; i++)
-    n += snprintf(buf + n, cap - (size_t)n, "%s%lld", i ? ", " : "", (long long)t->dim[i]);
-  if (n > 0 && (size_t)n < cap) snprintf(buf + n, cap - (size_t)n, "]");
-}
-
 static const char *op_name(const IrOp *op) {
   return (unsigned)op->kind < IR_OP_COUNT ? ir_op_info[op->kind].name : "?";
 }
@@ -225,7 +217,7 @@ static bool reshape(Infer *I, IrType *out) {
   }
   if (numel != ir_type_numel(ty(I, 0))) {
     char want[128];
-    type_str(out, want, sizeof want);
+    ir_type_str(out, want, sizeof want);
     return fail(I, "cannot reshape %s to %s: %lld elements vs %lld", nm(I, 0), want,
                 (long long)ir_type_numel(ty(I, 0)), (long long)numel);
   }
@@ -243,7 +235,7 @@ static bool fits(Infer *I, const IrType *t) {
   for (int i = 0; i < t->rank; i++)
     if (__builtin_mul_overflow(b, t->dim[i], &b)) {
       char s[160];
-      type_str(t, s, sizeof s);
+      ir_type_str(t, s, sizeof s);
       return fail(I, "result %s is too large", s);
     }
   return true;
@@ -772,7 +764,7 @@ bool ir_infer_type(IrDiag *d, const IrOp *op, IrType *out) {
     if (!a->value == !a->param) return fail(&I, "operand %d is neither a value nor a parameter", i + 1);
     const IrType *t = a->value ? &a->value->type : &a->param->type;
     char ts[128];
-    type_str(t, ts, sizeof ts);
+    ir_type_str(t, ts, sizeof ts);
     const char *name = a->value ? a->value->name : a->param->name;
     snprintf(I.names[i], sizeof I.names[i], "%c%.100s (%s)", a->value ? '%' : '@', name ? name : "?", ts);
     if (!valid_type(t)) return fail(&I, "operand %s has an invalid type", I.names[i]);

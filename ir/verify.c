@@ -18,14 +18,6 @@ typedef struct Verifier {
   const IrModule *m;
 } Verifier;
 
-static void type_str(const IrType *t, char *buf, size_t cap) {
-  int n = snprintf(buf, cap, "%s[", ir_dtype_name(t->dtype));
-  int rank = t->rank < 0 ? 0 : t->rank > IR_MAX_RANK ? IR_MAX_RANK : t->rank;
-  for (int i = 0; i < rank && n > 0 && (size_t)n < cap; i++)
-    n += snprintf(buf + n, cap - (size_t)n, "%s%lld", i ? ", " : "", (long long)t->dim[i]);
-  if (n > 0 && (size_t)n < cap) snprintf(buf + n, cap - (size_t)n, "]");
-}
-
 static const char *str_or(const char *s) { return s ? s : "?"; }
 
 static const char *op_name(const IrOp *op) {
@@ -67,14 +59,11 @@ static int cmp_str(const void *a, const void *b) {
   return strcmp(*(const char *const *)a, *(const char *const *)b);
 }
 
-// Sorted copy of the non-NULL value names of f (malloc'd), count in *n.
+// Sorted copy of the non-NULL value names of f (malloc'd), count in *n; NULL when out of memory.
 static const char **sorted_names(const IrFunc *f, int *n) {
   const char **names = malloc(sizeof *names * (size_t)(f->nvalues > 0 ? f->nvalues : 1));
-  if (!names) {
-    fprintf(stderr, "moec: error: out of memory\n");
-    exit(1);
-  }
   *n = 0;
+  if (!names) return NULL;
   for (int i = 0; i < f->nvalues; i++)
     if (f->values[i] && f->values[i]->name) names[(*n)++] = f->values[i]->name;
   qsort(names, (size_t)*n, sizeof *names, cmp_str);
@@ -95,19 +84,24 @@ static void check_values(Verifier *V, const IrFunc *f) {
     if (v->func != f) func_error(V, f, "value '%%%s' is listed in @%s but belongs elsewhere", v->name, str_or(f->name));
     if (!valid_type(&v->type)) {
       char ts[128];
-      type_str(&v->type, ts, sizeof ts);
+      ir_type_str(&v->type, ts, sizeof ts);
       func_error(V, f, "value '%%%s' has an invalid type %s (rank %d)", v->name, ts, v->type.rank);
     }
   }
   int n;
   const char **names = sorted_names(f, &n);
+  if (!names) {
+    ir_oom(V->d);
+    return;
+  }
   for (int i = 1; i < n; i++)
     if (strcmp(names[i - 1], names[i]) == 0 && (i < 2 || strcmp(names[i - 2], names[i]) != 0))
       func_error(V, f, "value '%%%s' defined twice", names[i]);
   if (f->saves && f->saves != f) {
     int ns;
     const char **saved = sorted_names(f->saves, &ns);
-    for (int i = 0; i < n; i++)
+    if (!saved) ir_oom(V->d);
+    for (int i = 0; saved && i < n; i++)
       if ((i == 0 || strcmp(names[i - 1], names[i]) != 0) &&
           bsearch(&names[i], saved, (size_t)ns, sizeof *saved, cmp_str))
         func_error(V, f, "value '%%%s' of @%s is also defined in @%s, which it saves; uses would be ambiguous",
@@ -205,8 +199,8 @@ static void check_op(Verifier *V, const IrFunc *f, int index, const IrOp *op) {
   if (!ir_infer_type(V->d, op, &inferred)) return;
   if (op->result && !ir_type_equal(&op->result->type, &inferred)) {
     char declared[128], want[128];
-    type_str(&op->result->type, declared, sizeof declared);
-    type_str(&inferred, want, sizeof want);
+    ir_type_str(&op->result->type, declared, sizeof declared);
+    ir_type_str(&inferred, want, sizeof want);
     op_error(V, f, index, op, "result '%%%s' is declared %s but its operands give %s", str_or(op->result->name),
              declared, want);
   }
@@ -248,7 +242,7 @@ static void check_param(Verifier *V, int index, const IrParam *p) {
   if (p->index != index) ir_error(V->d, "%s is listed at %d but says %d", where, index, p->index);
   if (!valid_type(&p->type)) {
     char ts[128];
-    type_str(&p->type, ts, sizeof ts);
+    ir_type_str(&p->type, ts, sizeof ts);
     if (p->loc.src)
       ir_error_at(V->d, p->loc, "%s has an invalid type %s", where, ts);
     else

@@ -51,7 +51,7 @@ static bool explicit_degrees(IrModule *m, PassCtx *ctx) {
   if (r_fwd == 1 && r_bwd == 1) return true;
   PassLayer *l;
   int n = pass_find_layers(m, &l);
-  if (n < 0) return ir_error(ctx->d, "out of memory");
+  if (n < 0) return ir_oom(ctx->d);
   for (int i = 0; i < n; i++) {
     set_r(l[i].fwd, r_fwd);
     set_r(l[i].bwd, r_bwd);
@@ -118,7 +118,7 @@ bool pass_pipeline(IrModule *m, PassCtx *ctx) {
   if (!ir_policy_parse(ir_mod_str(m, "policy", "sequential"), &pol))
     return ir_error(ctx->d, "pipeline: unknown policy '%s'", ir_mod_str(m, "policy", "sequential"));
   PassStack s;
-  if (!pass_stack(m, c, &s)) return ir_error(ctx->d, "out of memory");
+  if (!pass_stack(m, c, &s)) return ir_oom(ctx->d);
   bool ok = true;
   SchedPlan plan = {0};
   double t0 = 0;
@@ -129,7 +129,7 @@ bool pass_pipeline(IrModule *m, PassCtx *ctx) {
     t0 = now_ms();
     ok = sched_plan(&st, pol, &plan);
     t0 = now_ms() - t0;
-    if (!ok) ir_error(ctx->d, "pipeline: the planner failed (an internal error)");
+    if (!ok) ir_internal(ctx->d, "pipeline: the planner failed");
   }
   if (ok && s.n > 0) {
     bool fsmoe = pol == IR_POLICY_FSMOE;

@@ -151,7 +151,7 @@ bool pass_gradpart(IrModule *m, PassCtx *ctx) {
 
   PassLayer *l;
   int n = pass_find_layers(m, &l);
-  if (n < 0) return ir_error(ctx->d, "out of memory");
+  if (n < 0) return ir_oom(ctx->d);
   Queue q = {0};
   IrFunc *last = NULL;
   int placed_slots = 0;
@@ -183,7 +183,7 @@ bool pass_gradpart(IrModule *m, PassCtx *ctx) {
   }
   int64_t tail = pending(&q);
   if (ok && last && tail > 0) place(m, last, last->nops, "tail", &q, tail, piece);
-  if (!ok) ir_error(ctx->d, "out of memory");
+  if (!ok) ir_oom(ctx->d);
   else if (ctx->verbose)
     fprintf(ctx->log ? ctx->log : stderr,
             "# gradpart: %s: gradients in the overlap slots of %d backward layers, %lld elements after the backward pass\n",

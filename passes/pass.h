@@ -118,8 +118,8 @@ void pass_stack_free(PassStack *s);
 // group, at most the compiled ones) and its r_max. False when the layer's gate drops tokens.
 bool pass_dropless_at(const PassStack *s, int i, double capacity, SchedLayerCost *cost, int *r_max);
 
-// Runs every pass in order, the verifier after each (debug builds and always when dumping),
-// dumping as ctx asks. False when a pass failed.
+// Runs every pass in order, the verifier after each (in every build: a module that does not
+// verify is an internal error), dumping as ctx asks. False when a pass failed.
 bool pass_run_pipeline(IrModule *m, PassCtx *ctx);
 void pass_ctx_free(PassCtx *ctx);
 

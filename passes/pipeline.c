@@ -44,7 +44,7 @@ bool pass_run_pipeline(IrModule *m, PassCtx *ctx) {
     int before = ctx->d->errors;
     if (!p->run(m, ctx) || ctx->d->errors > before) return false;
     if (!ir_verify(ctx->d, m)) {
-      ir_error(ctx->d, "the module does not verify after pass '%s' (an internal error)", p->name);
+      ir_internal(ctx->d, "the module does not verify after pass '%s'", p->name);
       return false;
     }
     if (wants_dump(ctx, p->name)) dump(m, ctx, p->name);
