@@ -48,116 +48,72 @@ static bool streamed(const IrFunc *f) {
   return false;
 }
 
-bool pass_memplan(IrModule *m, PassCtx *ctx) {
-  PassMemPlan *plan = calloc(1, sizeof *plan);
-  if (!plan) return ir_error(ctx->d, "out of memory");
-  pass_ctx_free(ctx);
-  ctx->memplan = plan;
-  plan->nfuncs = m->nfuncs;
-  plan->slot = calloc((size_t)m->nfuncs, sizeof *plan->slot);
-  PassMemSlot input = {.kind = PASS_MEM_INPUT}, target = {.kind = PASS_MEM_TARGET};
-  int64_t nvalues = 0;
-  for (int i = 0; i < m->nfuncs; i++) nvalues += m->funcs[i]->nvalues;
-  PassMemSlot *storage = NULL;
-  Item *items = NULL;
-  PassMemSlot **active = NULL;
-  bool ok = false;
-  storage = calloc((size_t)nvalues + 1, sizeof *storage);
-  items = calloc((size_t)nvalues + 1, sizeof *items);
-  active = calloc((size_t)nvalues + 1, sizeof *active);
-  if (!plan->slot || !storage || !items || !active) {
-    ir_error(ctx->d, "out of memory");
-    goto done;
-  }
+// The live ranges of every value of the step (pass 1), which pack (pass 2) places in the arena.
+// Arguments share their source's slot, so resolution goes through pointers: where[fi][v] is the
+// slot of value v of function fi (one of storage[], or input or target).
+typedef struct Ranges {
+  PassMemSlot input, target;
+  PassMemSlot *storage;   // the results' slots, [used]
+  Item *items;            // the same in definition order, for packing
+  int64_t used;
+  PassMemSlot ***where;   // [nfuncs][nvalues]
+  int nfuncs;
+  int nstreamed;          // functions with concurrent streams (no reuse inside them)
+} Ranges;
 
-  // Pass 1: resolve arguments, give results a slot with their definition position.
-  int64_t pos = 0, used = 0;
-  int64_t *fstart = calloc((size_t)m->nfuncs + 1, sizeof *fstart), *fend = calloc((size_t)m->nfuncs + 1, sizeof *fend);
-  if (!fstart || !fend) {
-    free(fstart);
-    free(fend);
-    ir_error(ctx->d, "out of memory");
-    goto done;
+static void ranges_free(Ranges *R) {
+  for (int fi = 0; R->where && fi < R->nfuncs; fi++) free(R->where[fi]);
+  free(R->where);
+  free(R->storage);
+  free(R->items);
+}
+
+// f's arguments resolved to the slots they alias (see the file comment); false, reported, when
+// one does not follow the calling convention.
+static bool resolve_args(IrModule *m, PassCtx *ctx, Ranges *R, int fi) {
+  IrFunc *f = m->funcs[fi];
+  for (int ai = 0; ai < f->nargs; ai++) {
+    PassMemSlot *src = NULL;
+    if (f->role == IR_ROLE_LOSS_FWD && ai == 1) src = &R->target;
+    else if (ai == 0 && fi == 0) src = &R->input;
+    else if (ai == 0) {
+      IrFunc *prev = m->funcs[fi - 1];
+      if (prev->nrets >= 1 && ir_type_equal(&prev->rets[0]->type, &f->args[0]->type))
+        src = R->where[fi - 1][prev->rets[0]->id];
+    }
+    if (!src)
+      return ir_error_at(ctx->d, f->loc,
+                         "memplan: argument %d of '@%s' does not follow the step's calling convention "
+                         "(argument 0 is the previous function's first result)", ai, f->name);
+    R->where[fi][f->args[ai]->id] = src;
   }
-  for (int fi = 0; fi < m->nfuncs; fi++) {
-    IrFunc *f = m->funcs[fi];
-    plan->slot[fi] = calloc((size_t)f->nvalues + 1, sizeof(PassMemSlot));
-    if (!plan->slot[fi]) {
-      ir_error(ctx->d, "out of memory");
-      goto done;
-    }
-  }
-  // Arguments share their source's slot, so resolution goes through pointers (`where`); the
-  // resolved slots are copied into plan->slot at the end.
-  PassMemSlot ***where = calloc((size_t)m->nfuncs, sizeof *where);
-  if (!where) goto done;
-  for (int fi = 0; fi < m->nfuncs; fi++) {
-    IrFunc *f = m->funcs[fi];
-    where[fi] = calloc((size_t)f->nvalues + 1, sizeof(PassMemSlot *));
-    for (int ai = 0; ai < f->nargs; ai++) {
-      PassMemSlot *src = NULL;
-      if (f->role == IR_ROLE_LOSS_FWD && ai == 1) src = &target;
-      else if (ai == 0 && fi == 0) src = &input;
-      else if (ai == 0) {
-        IrFunc *prev = m->funcs[fi - 1];
-        if (prev->nrets >= 1 && ir_type_equal(&prev->rets[0]->type, &f->args[0]->type))
-          src = where[fi - 1][prev->rets[0]->id];
-      }
-      if (!src) {
-        ir_error_at(ctx->d, f->loc,
-                    "memplan: argument %d of '@%s' does not follow the step's calling convention "
-                    "(argument 0 is the previous function's first result)", ai, f->name);
-        for (int j = 0; j <= fi; j++) free(where[j]);
-        free(where);
-        goto done;
-      }
-      where[fi][f->args[ai]->id] = src;
-    }
-    fstart[fi] = pos;
-    for (int oi = 0; oi < f->nops; oi++, pos++) {
-      IrOp *op = f->ops[oi];
-      for (int a = 0; a < op->nargs; a++) {
-        IrValue *v = op->args[a].value;
-        if (!v) continue;
-        PassMemSlot *s = where[v->func->index][v->id];
-        if (s && s->last < pos) s->last = pos;
-      }
-      if (!op->result) continue;
-      PassMemSlot *s = &storage[used];
-      s->kind = PASS_MEM_ARENA;
-      s->first = s->last = pos;
-      s->bytes = ir_type_bytes(&op->result->type);
-      items[used] = (Item){s, used};
-      used++;
-      where[fi][op->result->id] = s;
-    }
-    for (int r = 0; r < f->nrets; r++) {
-      PassMemSlot *s = where[fi][f->rets[r]->id];
-      if (s->last < pos) s->last = pos;  // read after the function by the generated code
-    }
-    fend[fi] = pos;
-  }
-  // Functions with concurrent streams: no reuse inside them.
-  int nstreamed = 0;
+  return true;
+}
+
+// Functions with concurrent streams: no reuse inside them. Every value live at some position
+// of such a function [fstart, fend] stays alive to its end.
+static void extend_streamed(IrModule *m, Ranges *R, const int64_t *fstart, const int64_t *fend) {
   for (int fi = 0; fi < m->nfuncs; fi++) {
     if (!streamed(m->funcs[fi])) continue;
-    nstreamed++;
-    for (int64_t i = 0; i < used; i++) {
-      PassMemSlot *s = items[i].slot;
+    R->nstreamed++;
+    for (int64_t i = 0; i < R->used; i++) {
+      PassMemSlot *s = R->items[i].slot;
       if (s->first <= fend[fi] && s->last >= fstart[fi] && s->last < fend[fi]) s->last = fend[fi];
     }
   }
-  free(fstart);
-  free(fend);
+}
+
+// Values read at the end of the step stay alive to it; values whose only use is param.grad go to
+// the gradient buffer.
+static void step_ends(IrModule *m, Ranges *R) {
   // The output of the last layer forward is read at the end of the step.
   for (int fi = 0; fi < m->nfuncs; fi++)
     if (m->funcs[fi]->role == IR_ROLE_LOSS_FWD && fi > 0 && m->funcs[fi - 1]->nrets)
-      where[fi - 1][m->funcs[fi - 1]->rets[0]->id]->last = INT64_MAX;
+      R->where[fi - 1][m->funcs[fi - 1]->rets[0]->id]->last = INT64_MAX;
   // So are a language model's logits (the loss function's second result).
   for (int fi = 0; fi < m->nfuncs; fi++)
     if (m->funcs[fi]->role == IR_ROLE_LOSS_FWD && m->funcs[fi]->nrets > 1)
-      where[fi][m->funcs[fi]->rets[1]->id]->last = INT64_MAX;
-  // Values whose only use is param.grad go to the gradient buffer.
+      R->where[fi][m->funcs[fi]->rets[1]->id]->last = INT64_MAX;
   for (int fi = 0; fi < m->nfuncs; fi++) {
     IrFunc *f = m->funcs[fi];
     for (int oi = 0; oi < f->nops; oi++) {
@@ -170,18 +126,75 @@ bool pass_memplan(IrModule *m, PassCtx *ctx) {
         for (int a = 0; a < f->ops[k]->nargs; a++) uses += f->ops[k]->args[a].value == v;
       for (int r = 0; r < f->nrets; r++) uses += f->rets[r] == v;
       if (uses == 1 && v->def) {
-        PassMemSlot *s = where[fi][v->id];
+        PassMemSlot *s = R->where[fi][v->id];
         s->kind = PASS_MEM_GRAD;
         s->offset = op->args[0].param->index;
       }
     }
   }
+}
 
-  // Pass 2: first-fit packing by position.
-  qsort(items, (size_t)used, sizeof *items, by_first);
+// Pass 1: resolve arguments, give results a slot with their definition position, extend each
+// to its last use.
+static bool live_ranges(IrModule *m, PassCtx *ctx, Ranges *R) {
+  int64_t nvalues = 0;
+  for (int i = 0; i < m->nfuncs; i++) nvalues += m->funcs[i]->nvalues;
+  R->nfuncs = m->nfuncs;
+  R->storage = calloc((size_t)nvalues + 1, sizeof *R->storage);
+  R->items = calloc((size_t)nvalues + 1, sizeof *R->items);
+  R->where = calloc((size_t)m->nfuncs + 1, sizeof *R->where);
+  int64_t *fstart = calloc((size_t)m->nfuncs + 1, sizeof *fstart), *fend = calloc((size_t)m->nfuncs + 1, sizeof *fend);
+  bool ok = R->storage && R->items && R->where && fstart && fend;
+  for (int fi = 0; ok && fi < m->nfuncs; fi++)
+    ok = (R->where[fi] = calloc((size_t)m->funcs[fi]->nvalues + 1, sizeof(PassMemSlot *))) != NULL;
+  if (!ok) {
+    free(fstart);
+    free(fend);
+    return ir_oom(ctx->d);
+  }
+  int64_t pos = 0;
+  for (int fi = 0; ok && fi < m->nfuncs; fi++) {
+    IrFunc *f = m->funcs[fi];
+    if (!(ok = resolve_args(m, ctx, R, fi))) break;
+    fstart[fi] = pos;
+    for (int oi = 0; oi < f->nops; oi++, pos++) {
+      IrOp *op = f->ops[oi];
+      for (int a = 0; a < op->nargs; a++) {
+        IrValue *v = op->args[a].value;
+        if (!v) continue;
+        PassMemSlot *s = R->where[v->func->index][v->id];
+        if (s && s->last < pos) s->last = pos;
+      }
+      if (!op->result) continue;
+      PassMemSlot *s = &R->storage[R->used];
+      s->kind = PASS_MEM_ARENA;
+      s->first = s->last = pos;
+      s->bytes = ir_type_bytes(&op->result->type);
+      R->items[R->used] = (Item){s, R->used};
+      R->used++;
+      R->where[fi][op->result->id] = s;
+    }
+    for (int r = 0; r < f->nrets; r++) {
+      PassMemSlot *s = R->where[fi][f->rets[r]->id];
+      if (s->last < pos) s->last = pos;  // read after the function by the generated code
+    }
+    fend[fi] = pos;
+  }
+  if (ok) extend_streamed(m, R, fstart, fend);
+  free(fstart);
+  free(fend);
+  if (ok) step_ends(m, R);
+  return ok;
+}
+
+// Pass 2: first-fit packing by position.
+static bool pack(PassCtx *ctx, Ranges *R, PassMemPlan *plan) {
+  PassMemSlot **active = calloc((size_t)R->used + 1, sizeof *active);
+  if (!active) return ir_oom(ctx->d);
+  qsort(R->items, (size_t)R->used, sizeof *R->items, by_first);
   int nactive = 0;
-  for (int64_t i = 0; i < used; i++) {
-    PassMemSlot *s = items[i].slot;
+  for (int64_t i = 0; i < R->used; i++) {
+    PassMemSlot *s = R->items[i].slot;
     if (s->kind != PASS_MEM_ARENA) continue;
     int keep = 0;
     for (int j = 0; j < nactive; j++)
@@ -199,37 +212,50 @@ bool pass_memplan(IrModule *m, PassCtx *ctx) {
     if (at + size > plan->arena_bytes) plan->arena_bytes = at + size;
     plan->unshared_bytes += size;
   }
+  free(active);
+  return true;
+}
 
-  for (int fi = 0; fi < m->nfuncs; fi++) {
+static void report(PassCtx *ctx, const PassMemPlan *plan, int nstreamed) {
+  FILE *log = ctx->log ? ctx->log : stderr;
+  int64_t peak = plan->arena_bytes + 2 * plan->param_bytes + plan->optimizer_bytes;
+  fprintf(log, "# memplan: activations %lld bytes in the arena (%lld without reuse, %.1fx less)\n",
+          (long long)plan->arena_bytes, (long long)plan->unshared_bytes,
+          plan->arena_bytes ? (double)plan->unshared_bytes / (double)plan->arena_bytes : 1.0);
+  fprintf(log, "# memplan: parameters %lld + gradients %lld + optimizer state %lld bytes\n",
+          (long long)plan->param_bytes, (long long)plan->param_bytes, (long long)plan->optimizer_bytes);
+  fprintf(log, "# memplan: peak %lld bytes per rank\n", (long long)peak);
+  if (nstreamed)
+    fprintf(log, "# memplan: %d functions run concurrent streams: no buffer reuse inside them "
+                 "(live ranges extend to the function's end)\n", nstreamed);
+}
+
+bool pass_memplan(IrModule *m, PassCtx *ctx) {
+  PassMemPlan *plan = calloc(1, sizeof *plan);
+  if (!plan) return ir_oom(ctx->d);
+  pass_ctx_free(ctx);
+  ctx->memplan = plan;
+  plan->slot = calloc((size_t)m->nfuncs + 1, sizeof *plan->slot);
+  if (!plan->slot) return ir_oom(ctx->d);
+  plan->nfuncs = m->nfuncs;
+  bool ok = true;
+  for (int fi = 0; ok && fi < m->nfuncs; fi++)
+    ok = (plan->slot[fi] = calloc((size_t)m->funcs[fi]->nvalues + 1, sizeof(PassMemSlot))) != NULL;
+  if (!ok) return ir_oom(ctx->d);
+  Ranges R = {.input = {.kind = PASS_MEM_INPUT}, .target = {.kind = PASS_MEM_TARGET}};
+  ok = live_ranges(m, ctx, &R) && pack(ctx, &R, plan);
+  for (int fi = 0; ok && fi < m->nfuncs; fi++)
     for (int v = 0; v < m->funcs[fi]->nvalues; v++) {
-      PassMemSlot *s = where[fi][v];
+      PassMemSlot *s = R.where[fi][v];
       plan->slot[fi][v] = s ? *s : (PassMemSlot){.kind = PASS_MEM_NONE};
     }
-    free(where[fi]);
-  }
-  free(where);
+  ranges_free(&R);
+  if (!ok) return false;
 
   for (int i = 0; i < m->nparams; i++) plan->param_bytes += ir_type_bytes(&m->params[i]->type);
   bool adamw = strcmp(ir_mod_str(m, "optimizer", "sgd"), "adamw") == 0;
   plan->optimizer_bytes = adamw ? 2 * plan->param_bytes : 0;
   ir_attrs_set_int(m->attrs, &m->nattrs, "arena_bytes", plan->arena_bytes);
-  if (ctx->verbose) {
-    FILE *log = ctx->log ? ctx->log : stderr;
-    int64_t peak = plan->arena_bytes + 2 * plan->param_bytes + plan->optimizer_bytes;
-    fprintf(log, "# memplan: activations %lld bytes in the arena (%lld without reuse, %.1fx less)\n",
-            (long long)plan->arena_bytes, (long long)plan->unshared_bytes,
-            plan->arena_bytes ? (double)plan->unshared_bytes / (double)plan->arena_bytes : 1.0);
-    fprintf(log, "# memplan: parameters %lld + gradients %lld + optimizer state %lld bytes\n",
-            (long long)plan->param_bytes, (long long)plan->param_bytes, (long long)plan->optimizer_bytes);
-    fprintf(log, "# memplan: peak %lld bytes per rank\n", (long long)peak);
-    if (nstreamed)
-      fprintf(log, "# memplan: %d functions run concurrent streams: no buffer reuse inside them "
-                   "(live ranges extend to the function's end)\n", nstreamed);
-  }
-  ok = true;
-done:
-  free(storage);
-  free(items);
-  free(active);
-  return ok;
+  if (ctx->verbose) report(ctx, plan, R.nstreamed);
+  return true;
 }

@@ -90,13 +90,19 @@ static const char *unique_name(IrModule *m, IrFunc *f, const char *base) {
 typedef struct OpList {
   IrOp **ops;
   int n, cap;
+  bool oom;   // a push failed for want of memory (checked once, when the list is used)
 } OpList;
 
 static void push(OpList *l, IrOp *op) {
   if (l->n == l->cap) {
-    l->cap = l->cap ? 2 * l->cap : 64;
-    l->ops = realloc(l->ops, sizeof *l->ops * (size_t)l->cap);
-    if (!l->ops) abort();
+    int cap = l->cap ? 2 * l->cap : 64;
+    IrOp **ops = realloc(l->ops, sizeof *l->ops * (size_t)cap);
+    if (!ops) {
+      l->oom = true;
+      return;
+    }
+    l->ops = ops;
+    l->cap = cap;
   }
   l->ops[l->n++] = op;
 }
@@ -115,9 +121,10 @@ static bool finish(Sched *S, IrOp *op) {
 
 // Per value of f: its chunk versions, or its partial sums, and its block count.
 typedef struct VInfo {
-  int kind;              // 0 other, 1 chunked, 2 partial
+  int kind;              // 0 other, 1 chunked, 2 partial sums (chunk holds them), 3 made from
+                         // partial sums (computed once, after the chunks: not chunked)
   int64_t blocks;
-  IrValue **chunk;       // [r]
+  IrValue **chunk;       // [r], kinds 1 and 2
 } VInfo;
 
 // Rebuilds f->values (arguments, then op results in op order) and the indices.
@@ -153,12 +160,16 @@ static bool dispatch_side(const IrOp *op) {
 // In the order of the chunks one after the other, the combine of chunk 1 would sit on the inter
 // stream in front of the dispatch of chunk 2 and hold it until chunk 1's experts are done: no
 // overlap at all. A chunk reads only its own values and values made before the region, so the
-// new order is still a valid program order.
-static void issue_order(OpList *out, const int *starts, int r) {
+// new order is still a valid program order. False when out of memory.
+static bool issue_order(OpList *out, const int *starts, int r) {
   int n = starts[r] - starts[0];
   IrOp **ops = malloc(sizeof *ops * (size_t)(n > 0 ? n : 1));
   int *split = malloc(sizeof *split * (size_t)r);
-  if (!ops || !split) abort();
+  if (!ops || !split) {
+    free(ops);
+    free(split);
+    return false;
+  }
   for (int j = 0; j < r; j++) {
     split[j] = starts[j];
     for (int i = starts[j]; i < starts[j + 1] && dispatch_side(out->ops[i]); i++)
@@ -172,6 +183,7 @@ static void issue_order(OpList *out, const int *starts, int r) {
   memcpy(out->ops + starts[0], ops, sizeof *ops * (size_t)n);
   free(ops);
   free(split);
+  return true;
 }
 
 // Assembles the r chunk values of v (exact copies) as a balanced tree of pairwise concats, so
@@ -182,7 +194,11 @@ static bool assemble(Sched *S, IrFunc *f, const IrOp *op, IrValue *v, IrValue **
                      OpList *out) {
   IrValue **level = malloc(sizeof *level * (size_t)r);
   int *last = malloc(sizeof *last * (size_t)r);   // the last chunk index each value holds
-  if (!level || !last) abort();
+  if (!level || !last) {
+    free(level);
+    free(last);
+    return ir_oom(S->ctx->d);
+  }
   for (int64_t j = 0; j < r; j++) level[j] = chunk[j], last[j] = (int)j;
   int64_t n = r;
   bool ok = true;
@@ -214,34 +230,25 @@ static bool assemble(Sched *S, IrFunc *f, const IrOp *op, IrValue *v, IrValue **
   return ok;
 }
 
-// Splits f's expert region into r chunks. True when done or when f has nothing to chunk.
-static bool chunk_func(Sched *S, IrFunc *f, int64_t r_want) {
-  IrModule *m = S->m;
-  bool experts = false;
-  for (int i = 0; i < f->nops; i++) experts |= reads_expert_param(f->ops[i]);
-  if (!experts || r_want <= 1) return true;
+// The expert region [lo, hi] of f that chunk_func cuts into r chunks, and what it knows of it.
+typedef struct Region {
+  IrFunc *f;
   IrValue *entry, *exit;
-  if (!pass_expert_region(f, &entry, &exit)) {
-    if (S->ctx->verbose) fprintf(S->log, "# schedule: @%s: no [E, C, M] expert region, not chunked\n", f->name);
-    return true;
-  }
-  int64_t C = entry->type.dim[1];
-  int64_t r = chunk_count(C, r_want);
-  if (r != r_want && S->ctx->verbose)
-    fprintf(S->log, "# schedule: @%s: %lld chunks are more than capacity %lld; using %lld\n", f->name,
-            (long long)r_want, (long long)C, (long long)r);
-  if (r <= 1) return true;
-  int lo = entry->def ? entry->def->index + 1 : 0, hi = exit->def->index;
+  int lo, hi;
+  int64_t r;
+  int n0;        // f's values before chunking: ir_add_op appends the new ones after [0, n0)
+  VInfo *vi;     // [n0]
+  int *cls;      // [f->nops]: 0 independent, 1 chunked, 2 partial-making, 3 post (reads sums)
+} Region;
 
-  int n0 = f->nvalues;  // ir_add_op appends to f->values below; the original values are [0, n0)
-  VInfo *vi = calloc((size_t)n0, sizeof *vi);
-  if (!vi) return ir_error(S->ctx->d, "out of memory");
-  int *cls = calloc((size_t)f->nops, sizeof *cls);  // 0 independent, 1 chunked, 2 partial-making, 3 post
-  OpList out = {0}, pre = {0}, post = {0};
-  bool ok = true;
-  vi[entry->id].kind = 1;
-  vi[entry->id].blocks = 1;
-  for (int i = lo; i <= hi; i++) {
+// Classifies the region's ops and values (R->cls, R->vi) and gives the chunked values and the
+// partial sums their r chunk slots.
+static bool classify(Sched *S, Region *R) {
+  IrFunc *f = R->f;
+  VInfo *vi = R->vi;
+  vi[R->entry->id].kind = 1;
+  vi[R->entry->id].blocks = 1;
+  for (int i = R->lo; i <= R->hi; i++) {
     IrOp *op = f->ops[i];
     int chunked = -1, partial = 0;
     for (int a = 0; a < op->nargs; a++) {
@@ -250,125 +257,178 @@ static bool chunk_func(Sched *S, IrFunc *f, int64_t r_want) {
       if (vi[v->id].kind == 1 && chunked < 0) chunked = a;
       if (vi[v->id].kind == 2 || vi[v->id].kind == 3) partial = 1;  // a sum, or made from one
     }
-    if (chunked >= 0 && partial) {
-      ok = ir_error_at(S->ctx->d, op->loc, "schedule: '@%s': an op reads both chunked values and partial sums", f->name);
-      break;
-    }
+    if (chunked >= 0 && partial)
+      return ir_error_at(S->ctx->d, op->loc, "schedule: '@%s': an op reads both chunked values and partial sums", f->name);
     if (chunked >= 0) {
-      cls[i] = pass_sums_slots(op) ? 2 : 1;
+      R->cls[i] = pass_sums_slots(op) ? 2 : 1;
       if (op->result) {
         int64_t b = vi[op->args[chunked].value->id].blocks;
         if (op->kind == IR_OP_LAYOUT_EXPERT_MAJOR) b *= ir_op_int(op, "blocks", 1);
         if (op->kind == IR_OP_LAYOUT_RANK_MAJOR) b /= ir_op_int(op, "blocks", 1);
-        vi[op->result->id].kind = cls[i] == 2 ? 2 : 1;
+        vi[op->result->id].kind = R->cls[i] == 2 ? 2 : 1;
         vi[op->result->id].blocks = b;
       }
     } else if (partial) {
-      cls[i] = 3;
+      R->cls[i] = 3;
       if (op->result) vi[op->result->id].kind = 3;  // a value made from sums: not chunked
     }
   }
-  if (!ok) goto done;
-  for (int i = 0; i < n0; i++)
-    if (vi[i].kind == 1 || vi[i].kind == 2) {
-      vi[i].chunk = calloc((size_t)r, sizeof *vi[i].chunk);
-      if (!vi[i].chunk) abort();
-    }
+  for (int i = 0; i < R->n0; i++)
+    if ((vi[i].kind == 1 || vi[i].kind == 2) && !(vi[i].chunk = calloc((size_t)R->r, sizeof *vi[i].chunk)))
+      return ir_oom(S->ctx->d);
+  return true;
+}
 
-  for (int i = 0; i < lo; i++) push(&out, f->ops[i]);
-  for (int i = lo; i <= hi; i++) {  // chunked and partial-making ops are replaced by their clones
-    if (cls[i] == 0) push(&pre, f->ops[i]);
-    if (cls[i] == 3) push(&post, f->ops[i]);
+// Chunk j's slice of v (`layout.chunk`), v made outside the region (a saved activation).
+static IrValue *slice_of(Sched *S, Region *R, const IrOp *op, IrValue *v, int64_t j, int64_t blocks, OpList *out) {
+  IrOp *s = new_op(S, R->f, IR_OP_LAYOUT_CHUNK, ir_strfmt(S->m, "%s.c%lld", v->name, (long long)j));
+  ir_op_arg(s, v);
+  ir_op_set_int(s, "chunks", R->r);
+  ir_op_set_int(s, "index", j);
+  if (blocks > 1) ir_op_set_int(s, "blocks", blocks);
+  s->chunk = (int)j;
+  if (!finish(S, s)) return NULL;
+  push(out, s);
+  return s->result;
+}
+
+// Chunk j's clone of the region's op: chunked operands by their chunk j, values from outside
+// the region by their slice (made once per chunk, in slices[], keyed by value).
+static bool clone_op(Sched *S, Region *R, const IrOp *op, int64_t j, IrValue **slices, OpList *out) {
+  IrFunc *f = R->f;
+  int64_t blocks = 1;
+  for (int a = 0; a < op->nargs; a++)
+    if (op->args[a].value && op->args[a].value->func == f && R->vi[op->args[a].value->id].kind == 1) {
+      blocks = R->vi[op->args[a].value->id].blocks;
+      break;
+    }
+  IrOp *c = new_op(S, f, op->kind, op->result ? ir_strfmt(S->m, "%s.c%lld", op->result->name, (long long)j) : NULL);
+  memcpy(c->attrs, op->attrs, sizeof op->attrs);
+  c->nattrs = op->nattrs;
+  c->loc = op->loc;
+  c->chunk = (int)j;
+  for (int a = 0; a < op->nargs; a++) {
+    IrOperand arg = op->args[a];
+    IrValue *v = arg.value;
+    if (v && v->func == f && R->vi[v->id].kind == 1) {
+      arg.value = R->vi[v->id].chunk[j];
+    } else if (v) {
+      int key = v->func == f ? v->id : R->n0 + v->id;
+      if (!slices[key] && !(slices[key] = slice_of(S, R, op, v, j, blocks, out))) return false;
+      arg.value = slices[key];
+    }
+    c->args[c->nargs++] = arg;
   }
-  for (int i = 0; i < pre.n; i++) push(&out, pre.ops[i]);
-  // The chunks, one after the other (issue_order then puts every chunk's dispatch first).
+  if (!finish(S, c)) return false;
+  push(out, c);
+  if (op->result) R->vi[op->result->id].chunk[j] = c->result;
+  return true;
+}
+
+// The chunks, one after the other (issue_order then puts every chunk's dispatch first): chunk j
+// cuts its slice of the entry and runs its clones of the chunked and partial-making ops.
+static bool emit_chunks(Sched *S, Region *R, OpList *out) {
+  IrFunc *f = R->f;
+  int64_t r = R->r;
   int *starts = calloc((size_t)r + 1, sizeof *starts);
-  if (!starts) abort();
+  if (!starts) return ir_oom(S->ctx->d);
+  bool ok = true;
   for (int64_t j = 0; ok && j < r; j++) {
-    starts[j] = out.n;
-    IrValue **slices = calloc((size_t)n0 + (size_t)(f->saves ? f->saves->nvalues : 0), sizeof *slices);
-    IrOp *cut = new_op(S, f, IR_OP_LAYOUT_CHUNK, ir_strfmt(m, "%s.c%lld", entry->name, (long long)j));
-    ir_op_arg(cut, entry);
+    starts[j] = out->n;
+    IrValue **slices = calloc((size_t)R->n0 + (size_t)(f->saves ? f->saves->nvalues : 0), sizeof *slices);
+    if (!slices) {
+      ok = ir_oom(S->ctx->d);
+      break;
+    }
+    IrOp *cut = new_op(S, f, IR_OP_LAYOUT_CHUNK, ir_strfmt(S->m, "%s.c%lld", R->entry->name, (long long)j));
+    ir_op_arg(cut, R->entry);
     ir_op_set_int(cut, "chunks", r);
     ir_op_set_int(cut, "index", j);
     cut->chunk = (int)j;
     ok = finish(S, cut);
-    push(&out, cut);
-    vi[entry->id].chunk[j] = cut->result;
-    for (int i = lo; ok && i <= hi; i++) {
-      if (cls[i] != 1 && cls[i] != 2) continue;
-      IrOp *op = f->ops[i];
-      int64_t blocks = 1;
-      for (int a = 0; a < op->nargs; a++)
-        if (op->args[a].value && op->args[a].value->func == f && vi[op->args[a].value->id].kind == 1) {
-          blocks = vi[op->args[a].value->id].blocks;
-          break;
-        }
-      IrOp *c = new_op(S, f, op->kind, op->result ? ir_strfmt(m, "%s.c%lld", op->result->name, (long long)j) : NULL);
-      memcpy(c->attrs, op->attrs, sizeof op->attrs);
-      c->nattrs = op->nattrs;
-      c->loc = op->loc;
-      c->chunk = (int)j;
-      for (int a = 0; a < op->nargs; a++) {
-        IrOperand arg = op->args[a];
-        IrValue *v = arg.value;
-        if (v && v->func == f && vi[v->id].kind == 1) {
-          arg.value = vi[v->id].chunk[j];
-        } else if (v) {  // a value made outside the region (a saved activation): its slice
-          int key = v->func == f ? v->id : n0 + v->id;
-          if (!slices[key]) {
-            IrOp *s = new_op(S, f, IR_OP_LAYOUT_CHUNK, ir_strfmt(m, "%s.c%lld", v->name, (long long)j));
-            ir_op_arg(s, v);
-            ir_op_set_int(s, "chunks", r);
-            ir_op_set_int(s, "index", j);
-            if (blocks > 1) ir_op_set_int(s, "blocks", blocks);
-            s->chunk = (int)j;
-            if (!(ok = finish(S, s))) break;
-            push(&out, s);
-            slices[key] = s->result;
-          }
-          arg.value = slices[key];
-        }
-        c->args[c->nargs++] = arg;
-      }
-      if (!ok || !(ok = finish(S, c))) break;
-      push(&out, c);
-      if (op->result) vi[op->result->id].chunk[j] = c->result;
-    }
+    push(out, cut);
+    R->vi[R->entry->id].chunk[j] = cut->result;
+    for (int i = R->lo; ok && i <= R->hi; i++)
+      if (R->cls[i] == 1 || R->cls[i] == 2) ok = clone_op(S, R, f->ops[i], j, slices, out);
     free(slices);
   }
-  starts[r] = out.n;
-  if (ok) issue_order(&out, starts, (int)r);
+  starts[r] = out->n;
+  if (ok && !out->oom && !issue_order(out, starts, (int)r)) ok = ir_oom(S->ctx->d);
   free(starts);
-  // Partial sums added up, chunk values the rest of the step reads assembled: the last op of
-  // each chain defines the original value.
-  for (int i = lo; ok && i <= hi; i++) {
-    IrOp *op = f->ops[i];
-    if ((cls[i] != 1 && cls[i] != 2) || !op->result) continue;
-    IrValue *v = op->result;
-    if (cls[i] == 1 && !used_outside(m, f, lo, hi, v)) continue;
-    if (cls[i] == 2) {   // partial sums: added up in chunk order, the float order of r = 1's sum
-      IrValue *acc = vi[v->id].chunk[0];
-      for (int64_t j = 1; ok && j < r; j++) {
-        IrOp *c = new_op(S, f, IR_OP_ADD, ir_strfmt(m, "%s.sum%lld", v->name, (long long)j));
-        ir_op_arg(c, acc);
-        ir_op_arg(c, vi[v->id].chunk[j]);
-        c->loc = op->loc;
-        c->chunk = (int)j;
-        if (!(ok = finish(S, c))) break;
-        if (j == r - 1) {  // becomes the original value's definition
-          c->result = v;
-          v->def = c;
-        }
-        push(&out, c);
-        acc = c->result;
-      }
-      continue;
+  return ok;
+}
+
+// v's r partial sums added up in chunk order, the float order of r = 1's sum; the last add
+// defines v.
+static bool add_partials(Sched *S, IrFunc *f, const IrOp *op, IrValue *v, IrValue **partial, int64_t r, OpList *out) {
+  IrValue *acc = partial[0];
+  for (int64_t j = 1; j < r; j++) {
+    IrOp *c = new_op(S, f, IR_OP_ADD, ir_strfmt(S->m, "%s.sum%lld", v->name, (long long)j));
+    ir_op_arg(c, acc);
+    ir_op_arg(c, partial[j]);
+    c->loc = op->loc;
+    c->chunk = (int)j;
+    if (!finish(S, c)) return false;
+    if (j == r - 1) {  // becomes the original value's definition
+      c->result = v;
+      v->def = c;
     }
-    ok = assemble(S, f, op, v, vi[v->id].chunk, r, vi[v->id].blocks, &out);
+    push(out, c);
+    acc = c->result;
   }
+  return true;
+}
+
+// After the chunks: partial sums added up, chunk values the rest of the step reads assembled;
+// the last op of each chain defines the original value.
+static bool join_chunks(Sched *S, Region *R, OpList *out) {
+  bool ok = true;
+  for (int i = R->lo; ok && i <= R->hi; i++) {
+    IrOp *op = R->f->ops[i];
+    if ((R->cls[i] != 1 && R->cls[i] != 2) || !op->result) continue;
+    IrValue *v = op->result;
+    VInfo *vi = &R->vi[v->id];
+    if (R->cls[i] == 2) ok = add_partials(S, R->f, op, v, vi->chunk, R->r, out);
+    else if (used_outside(S->m, R->f, R->lo, R->hi, v)) ok = assemble(S, R->f, op, v, vi->chunk, R->r, vi->blocks, out);
+  }
+  return ok;
+}
+
+// Splits f's expert region into r chunks. True when done or when f has nothing to chunk.
+static bool chunk_func(Sched *S, IrFunc *f, int64_t r_want) {
+  IrModule *m = S->m;
+  bool experts = false;
+  for (int i = 0; i < f->nops; i++) experts |= reads_expert_param(f->ops[i]);
+  if (!experts || r_want <= 1) return true;
+  Region R = {.f = f, .n0 = f->nvalues};
+  if (!pass_expert_region(f, &R.entry, &R.exit)) {
+    if (S->ctx->verbose) fprintf(S->log, "# schedule: @%s: no [E, C, M] expert region, not chunked\n", f->name);
+    return true;
+  }
+  int64_t C = R.entry->type.dim[1];
+  R.r = chunk_count(C, r_want);
+  if (R.r != r_want && S->ctx->verbose)
+    fprintf(S->log, "# schedule: @%s: %lld chunks are more than capacity %lld; using %lld\n", f->name,
+            (long long)r_want, (long long)C, (long long)R.r);
+  if (R.r <= 1) return true;
+  R.lo = R.entry->def ? R.entry->def->index + 1 : 0;
+  R.hi = R.exit->def->index;
+
+  R.vi = calloc((size_t)R.n0, sizeof *R.vi);
+  R.cls = calloc((size_t)f->nops, sizeof *R.cls);
+  OpList out = {0}, pre = {0}, post = {0};
+  bool ok = R.vi && R.cls ? classify(S, &R) : ir_oom(S->ctx->d);
+  if (!ok) goto done;
+  for (int i = 0; i < R.lo; i++) push(&out, f->ops[i]);
+  for (int i = R.lo; i <= R.hi; i++) {  // chunked and partial-making ops are replaced by their clones
+    if (R.cls[i] == 0) push(&pre, f->ops[i]);
+    if (R.cls[i] == 3) push(&post, f->ops[i]);
+  }
+  for (int i = 0; i < pre.n; i++) push(&out, pre.ops[i]);
+  ok = emit_chunks(S, &R, &out) && join_chunks(S, &R, &out);
   for (int i = 0; i < post.n; i++) push(&out, post.ops[i]);
-  for (int i = hi + 1; i < f->nops; i++) push(&out, f->ops[i]);
+  for (int i = R.hi + 1; i < f->nops; i++) push(&out, f->ops[i]);
+  if (ok && (out.oom || pre.oom || post.oom)) ok = ir_oom(S->ctx->d);
   if (ok) {
     // The op list and the values: every value made above is already in f->values (ir_add_op);
     // renumber drops the temporaries whose op now defines an original value.
@@ -381,13 +441,13 @@ static bool chunk_func(Sched *S, IrFunc *f, int64_t r_want) {
     renumber(f);
     if (S->ctx->verbose)
       fprintf(S->log, "# schedule: @%s: expert region %%%s -> %%%s in %lld chunks of %lld%s slots\n", f->name,
-              entry->name, exit->name, (long long)r, (long long)(C / r),
-              C % r ? ir_strfmt(m, " or %lld", (long long)(C / r + 1)) : "");
+              R.entry->name, R.exit->name, (long long)R.r, (long long)(C / R.r),
+              C % R.r ? ir_strfmt(m, " or %lld", (long long)(C / R.r + 1)) : "");
   }
 done:
-  for (int i = 0; vi && i < n0; i++) free(vi[i].chunk);
-  free(vi);
-  free(cls);
+  for (int i = 0; R.vi && i < R.n0; i++) free(R.vi[i].chunk);
+  free(R.vi);
+  free(R.cls);
   free(out.ops);
   free(pre.ops);
   free(post.ops);
@@ -407,12 +467,13 @@ static IrStream stream_of(const IrOp *op, const char *policy) {
 // the inter-node link while the experts compute: after chunking they go right after the first
 // AlltoAll of the last chunk (the last dispatch), as the model and the simulator place them
 // (sched/sched_sim.c). Those of the dense slot (slot="dense") stay after the expert region.
-static void place_grad_allreduces(IrFunc *f) {
+// False when out of memory.
+static bool place_grad_allreduces(IrFunc *f) {
   bool any = false;
   for (int i = 0; i < f->nops; i++) any |= f->ops[i]->kind == IR_OP_COMM_ALLTOALL;
-  if (!any) return;   // no AlltoAll (ep 1): they stay where gradpart put them
+  if (!any) return true;   // no AlltoAll (ep 1): they stay where gradpart put them
   IrOp **moved = malloc(sizeof *moved * (size_t)(f->nops > 0 ? f->nops : 1));
-  if (!moved) abort();
+  if (!moved) return false;
   int nmoved = 0, k = 0;
   for (int i = 0; i < f->nops; i++) {
     IrOp *op = f->ops[i];
@@ -433,6 +494,7 @@ static void place_grad_allreduces(IrFunc *f) {
   memcpy(&f->ops[at + 1], moved, sizeof *moved * (size_t)nmoved);
   for (int i = 0; i < f->nops; i++) f->ops[i]->index = i;
   free(moved);
+  return true;
 }
 
 // op waits for p's event (p made on another stream); false when op already waits for
@@ -500,7 +562,7 @@ bool pass_schedule(IrModule *m, PassCtx *ctx) {
       r = 1;
     }
     if (!chunk_func(&S, f, r)) return false;
-    if (bwd) place_grad_allreduces(f);
+    if (bwd && !place_grad_allreduces(f)) return ir_oom(ctx->d);
   }
   if (ctx->cluster) pass_price(m, ctx->cluster);   // the chunks' own sizes
   int next_event = 0;
