@@ -226,6 +226,64 @@ static void grad_by_rule(Grad *g, const IrOp *op, IrValue *dy, const char *rule)
   }
 }
 
+// reshape: dy reshaped back to the operand's shape.
+static void reshape_rule(Grad *g, const IrOp *op, IrValue *dy) {
+  const IrOperand *a = op->args;
+  const IrType *t = a[0].param ? &a[0].param->type : &a[0].value->type;
+  IrOp *r = new_op(g, IR_OP_RESHAPE, dname(g, &a[0]));
+  r->args[r->nargs++] = V(dy);
+  ir_op_set_int(r, "rank", t->rank);
+  static const char *const keys[] = {"d0", "d1", "d2", "d3"};
+  for (int i = 0; i < t->rank; i++) ir_op_set_int(r, keys[i], t->dim[i]);
+  r->loc = op->loc;
+  accumulate(g, a[0].value, typed(g, r));
+}
+
+// The transposes: split <-> allgather (an allgather whose consumers are replicated,
+// bwd_split, gives back this rank's slice), reducescatter <-> allgather, alltoall <->
+// alltoall, expert-major <-> rank-major.
+static void transpose_rule(Grad *g, const IrOp *op, IrValue *dy) {
+  const IrOperand *a = op->args;
+  IrOpKind back = op->kind == IR_OP_COMM_SPLIT            ? IR_OP_COMM_ALLGATHER
+                  : op->kind == IR_OP_COMM_REDUCESCATTER  ? IR_OP_COMM_ALLGATHER
+                  : op->kind == IR_OP_COMM_ALLTOALL       ? IR_OP_COMM_ALLTOALL
+                  : op->kind == IR_OP_LAYOUT_EXPERT_MAJOR ? IR_OP_LAYOUT_RANK_MAJOR
+                  : op->kind == IR_OP_LAYOUT_RANK_MAJOR   ? IR_OP_LAYOUT_EXPERT_MAJOR
+                  : ir_op_int(op, "bwd_split", 0)         ? IR_OP_COMM_SPLIT
+                                                          : IR_OP_COMM_REDUCESCATTER;
+  IrOp *b = new_op(g, back, dname(g, &a[0]));
+  b->args[b->nargs++] = V(dy);
+  copy_attrs(b, op);
+  int keep = 0;  // bwd_split describes the forward allgather only
+  for (int i = 0; i < b->nattrs; i++)
+    if (strcmp(b->attrs[i].key, "bwd_split") != 0) b->attrs[keep++] = b->attrs[i];
+  b->nattrs = keep;
+  accumulate(g, a[0].value, typed(g, b));
+}
+
+// attn.causal: the rows' softmax statistics, then one backward computes the packed
+// [dq | dk | dv]; each operand takes its columns.
+static void attn_rule(Grad *g, const IrOp *op, IrValue *dy) {
+  const IrOperand *a = op->args;
+  IrValue *stats = emit(g, IR_OP_ATTN_CAUSAL_STATS, ir_strfmt(g->m, "%s.stats", op->result->name), op, 4,
+                        (IrOperand[]){V(dy), a[0], a[1], V(op->result)});
+  IrValue *dqkv = emit(g, IR_OP_ATTN_CAUSAL_GRAD, ir_strfmt(g->m, "d%s.qkv", op->result->name), op, 5,
+                       (IrOperand[]){V(dy), a[0], a[1], a[2], V(stats)});
+  int64_t offset = 0;
+  for (int i = 0; i < 3; i++) {
+    int64_t width = a[i].value->type.dim[1];
+    if (operand_needs(g, &a[i])) {
+      IrOp *sl = new_op(g, IR_OP_COLS_SLICE, dname(g, &a[i]));
+      sl->args[sl->nargs++] = V(dqkv);
+      ir_op_set_int(sl, "offset", offset);
+      ir_op_set_int(sl, "width", width);
+      sl->loc = op->loc;
+      accumulate(g, a[i].value, typed(g, sl));
+    }
+    offset += width;
+  }
+}
+
 static bool backward_op(Grad *g, const IrOp *op) {
   IrValue *dy = op->result ? g->grad[op->result->id] : NULL;
   const IrOperand *a = op->args;
@@ -260,17 +318,7 @@ static bool backward_op(Grad *g, const IrOp *op) {
   switch (op->kind) {
   case IR_OP_MATMUL: matmul_rule(g, op, dy, IR_OP_MATMUL); return true;
   case IR_OP_EXPERT_MATMUL: matmul_rule(g, op, dy, IR_OP_EXPERT_MATMUL); return true;
-  case IR_OP_RESHAPE: {
-    const IrType *t = a[0].param ? &a[0].param->type : &a[0].value->type;
-    IrOp *r = new_op(g, IR_OP_RESHAPE, dname(g, &a[0]));
-    r->args[r->nargs++] = V(dy);
-    ir_op_set_int(r, "rank", t->rank);
-    static const char *const keys[] = {"d0", "d1", "d2", "d3"};
-    for (int i = 0; i < t->rank; i++) ir_op_set_int(r, keys[i], t->dim[i]);
-    r->loc = op->loc;
-    accumulate(g, a[0].value, typed(g, r));
-    return true;
-  }
+  case IR_OP_RESHAPE: reshape_rule(g, op, dy); return true;
   case IR_OP_COMM_COPY:
   case IR_OP_COMM_ALLREDUCE: {
     // Megatron's pair around a head- or column-split block: the copy's gradient is the sum of
@@ -291,49 +339,10 @@ static bool backward_op(Grad *g, const IrOp *op) {
   case IR_OP_COMM_REDUCESCATTER:
   case IR_OP_COMM_ALLTOALL:
   case IR_OP_LAYOUT_EXPERT_MAJOR:
-  case IR_OP_LAYOUT_RANK_MAJOR: {
-    // The transposes: split <-> allgather (an allgather whose consumers are replicated,
-    // bwd_split, gives back this rank's slice), reducescatter <-> allgather, alltoall <->
-    // alltoall, expert-major <-> rank-major.
-    IrOpKind back = op->kind == IR_OP_COMM_SPLIT            ? IR_OP_COMM_ALLGATHER
-                    : op->kind == IR_OP_COMM_REDUCESCATTER  ? IR_OP_COMM_ALLGATHER
-                    : op->kind == IR_OP_COMM_ALLTOALL       ? IR_OP_COMM_ALLTOALL
-                    : op->kind == IR_OP_LAYOUT_EXPERT_MAJOR ? IR_OP_LAYOUT_RANK_MAJOR
-                    : op->kind == IR_OP_LAYOUT_RANK_MAJOR   ? IR_OP_LAYOUT_EXPERT_MAJOR
-                    : ir_op_int(op, "bwd_split", 0)         ? IR_OP_COMM_SPLIT
-                                                            : IR_OP_COMM_REDUCESCATTER;
-    IrOp *b = new_op(g, back, dname(g, &a[0]));
-    b->args[b->nargs++] = V(dy);
-    copy_attrs(b, op);
-    int keep = 0;  // bwd_split describes the forward allgather only
-    for (int i = 0; i < b->nattrs; i++)
-      if (strcmp(b->attrs[i].key, "bwd_split") != 0) b->attrs[keep++] = b->attrs[i];
-    b->nattrs = keep;
-    accumulate(g, a[0].value, typed(g, b));
+  case IR_OP_LAYOUT_RANK_MAJOR:
+    transpose_rule(g, op, dy);
     return true;
-  }
-  case IR_OP_ATTN_CAUSAL: {
-    // The rows' softmax statistics, then one backward computes the packed [dq | dk | dv]; each
-    // operand takes its columns.
-    IrValue *stats = emit(g, IR_OP_ATTN_CAUSAL_STATS, ir_strfmt(g->m, "%s.stats", op->result->name), op, 4,
-                          (IrOperand[]){V(dy), a[0], a[1], V(op->result)});
-    IrValue *dqkv = emit(g, IR_OP_ATTN_CAUSAL_GRAD, ir_strfmt(g->m, "d%s.qkv", op->result->name), op, 5,
-                         (IrOperand[]){V(dy), a[0], a[1], a[2], V(stats)});
-    int64_t offset = 0;
-    for (int i = 0; i < 3; i++) {
-      int64_t width = a[i].value->type.dim[1];
-      if (operand_needs(g, &a[i])) {
-        IrOp *sl = new_op(g, IR_OP_COLS_SLICE, dname(g, &a[i]));
-        sl->args[sl->nargs++] = V(dqkv);
-        ir_op_set_int(sl, "offset", offset);
-        ir_op_set_int(sl, "width", width);
-        sl->loc = op->loc;
-        accumulate(g, a[i].value, typed(g, sl));
-      }
-      offset += width;
-    }
-    return true;
-  }
+  case IR_OP_ATTN_CAUSAL: attn_rule(g, op, dy); return true;
   case IR_OP_HOOK_COMPRESS:
   case IR_OP_HOOK_COMPRESS_INT8:
     return true;  // the gradient reaches the input through the matching decompress
