@@ -1,6 +1,8 @@
 // Shape inference: the result type of every op in ir/ops.def from its operands and attributes
 // (semantics in DESIGN.md §2 and the DOC column of ops.def). An op with a SHAPE rule in ops.def
-// is checked by that rule (shape_by_rule); the switch holds the rules that need attributes. Each rule checks what it reads —
+// is checked by that rule (shape_by_rule), then its attributes (rule_attrs); the ops whose result
+// the rule language cannot say (sized by attributes, literal dims, parameters as operands) have
+// their rules in C, one function per op family (infer_dense, infer_gate, ...). Each rule checks what it reads —
 // ranks, dtypes, the dimensions that must agree, the attributes that size the result — and
 // names the mismatched operands and dims in its diagnostic, so the verifier (which compares the
 // declared result type against this) and the passes (which use it to build ops) share one set
@@ -405,11 +407,59 @@ bool ir_shape_rule_check(const char *rule, int nargs, char *why, size_t size) {
   return true;
 }
 
-static bool infer(Infer *I, IrType *out) {
+// The attributes of the ops whose operands a SHAPE rule of ops.def checks (the rule language
+// does not read attributes): their types, ranges, and the dims they must divide.
+static bool rule_attrs(Infer *I) {
+  int64_t groups, layer;
+  int renorm;
+  switch (I->op->kind) {
+  case IR_OP_GATE_NOISE:
+    return num_attr(I, "sigma", true) && int_attr(I, "layer", 0, &layer);
+  case IR_OP_GATE_SOFTMAX_TOKENS:
+  case IR_OP_GATE_SOFTMAX_TOKENS_GRAD:
+    return groups_attr(I, dim(I, 0, 0), &groups);
+  case IR_OP_GATE_GATHER:
+    return flag_attr(I, "renorm", true, &renorm);
+  case IR_OP_GATE_AUX_LOSS:
+  case IR_OP_GATE_AUX_LOSS_GRAD:
+  case IR_OP_GATE_Z_LOSS:
+  case IR_OP_GATE_Z_LOSS_GRAD:
+    return groups_attr(I, dim(I, 0, 0), &groups) && num_attr(I, "coef", true);
+  default:
+    return true;
+  }
+}
+
+// attn.causal and its backward: q [S, H*d], k and v [S, KV*d] (stats: k only).
+static bool infer_attention(Infer *I, IrType *out) {
+  int64_t h, kv, seq;
+  IrOpKind kind = I->op->kind;
+  int q = kind == IR_OP_ATTN_CAUSAL ? 0 : 1, nkv = kind == IR_OP_ATTN_CAUSAL_STATS ? 1 : 2;
+  if (!int_attr(I, "heads", 1, &h) || !int_attr(I, "kv_heads", 1, &kv) || !int_attr(I, "seq", 1, &seq)) return false;
+  int64_t window;   // optional: keys i - window < j <= i
+  if (ir_attrs_get(I->op->attrs, I->op->nattrs, "window") && !int_attr(I, "window", 1, &window)) return false;
+  for (int i = 0; i < I->op->nargs; i++)
+    if (!need_float(I, i, 2, "[S, n]")) return false;
+  int64_t S = dim(I, q, 0), d = dim(I, q, 1) / h;
+  if (h % kv != 0 || dim(I, q, 1) % h != 0 || S % seq != 0)
+    return fail(I, "%s: %lld rows and %lld columns are not windows of seq=%lld with heads=%lld (a multiple of "
+                "kv_heads=%lld)", nm(I, q), (long long)S, (long long)dim(I, q, 1), (long long)seq, (long long)h, (long long)kv);
+  for (int i = q + 1; i < q + 1 + nkv; i++)
+    if (dim(I, i, 0) != S || dim(I, i, 1) != kv * d)
+      return fail(I, "%s must be [%lld, %lld] (kv_heads=%lld heads of %lld)", nm(I, i), (long long)S,
+                  (long long)(kv * d), (long long)kv, (long long)d);
+  if (kind == IR_OP_ATTN_CAUSAL_STATS && (!same_type(I, 0, 1) || !same_type(I, 0, 3))) return false;
+  if (kind == IR_OP_ATTN_CAUSAL_GRAD && (!same_type(I, 0, 1) || dim(I, 4, 0) != S || dim(I, 4, 1) != 2 * h))
+    return fail(I, "%s must be [%lld, %lld] (the statistics of attn.causal.stats)", nm(I, 4), (long long)S, (long long)(2 * h));
+  *out = t2(IR_F32, S, kind == IR_OP_ATTN_CAUSAL ? h * d : kind == IR_OP_ATTN_CAUSAL_STATS ? 2 * h : (h + 2 * kv) * d);
+  return true;
+}
+
+// Dense algebra and the language model's row ops: matmuls, reshape, column slices, row scales,
+// positions, rotary embeddings.
+static bool infer_dense(Infer *I, IrType *out) {
   const IrOp *op = I->op;
-  int64_t S, K, E, C, m, n;
-  int flag;
-  if (ir_op_info[op->kind].shape[0]) return shape_by_rule(I, ir_op_info[op->kind].shape, out);
+  int64_t m, n;
   switch (op->kind) {
   case IR_OP_MATMUL:
     if (!need_float(I, 0, 2, "[m, k]") || !need_float(I, 1, 2, "[k, n]") || !same_dtype(I, 0, 1) ||
@@ -425,31 +475,6 @@ static bool infer(Infer *I, IrType *out) {
     return true;
   case IR_OP_RESHAPE:
     return reshape(I, out);
-  case IR_OP_ATTN_CAUSAL:
-  case IR_OP_ATTN_CAUSAL_STATS:
-  case IR_OP_ATTN_CAUSAL_GRAD: {  // q [S, H*d], k and v [S, KV*d] (stats: k only)
-    int64_t h, kv, seq;
-    IrOpKind kind = I->op->kind;
-    int q = kind == IR_OP_ATTN_CAUSAL ? 0 : 1, nkv = kind == IR_OP_ATTN_CAUSAL_STATS ? 1 : 2;
-    if (!int_attr(I, "heads", 1, &h) || !int_attr(I, "kv_heads", 1, &kv) || !int_attr(I, "seq", 1, &seq)) return false;
-    int64_t window;   // optional: keys i - window < j <= i
-    if (ir_attrs_get(I->op->attrs, I->op->nattrs, "window") && !int_attr(I, "window", 1, &window)) return false;
-    for (int i = 0; i < I->op->nargs; i++)
-      if (!need_float(I, i, 2, "[S, n]")) return false;
-    int64_t S = dim(I, q, 0), d = dim(I, q, 1) / h;
-    if (h % kv != 0 || dim(I, q, 1) % h != 0 || S % seq != 0)
-      return fail(I, "%s: %lld rows and %lld columns are not windows of seq=%lld with heads=%lld (a multiple of "
-                  "kv_heads=%lld)", nm(I, q), (long long)S, (long long)dim(I, q, 1), (long long)seq, (long long)h, (long long)kv);
-    for (int i = q + 1; i < q + 1 + nkv; i++)
-      if (dim(I, i, 0) != S || dim(I, i, 1) != kv * d)
-        return fail(I, "%s must be [%lld, %lld] (kv_heads=%lld heads of %lld)", nm(I, i), (long long)S,
-                    (long long)(kv * d), (long long)kv, (long long)d);
-    if (kind == IR_OP_ATTN_CAUSAL_STATS && (!same_type(I, 0, 1) || !same_type(I, 0, 3))) return false;
-    if (kind == IR_OP_ATTN_CAUSAL_GRAD && (!same_type(I, 0, 1) || dim(I, 4, 0) != S || dim(I, 4, 1) != 2 * h))
-      return fail(I, "%s must be [%lld, %lld] (the statistics of attn.causal.stats)", nm(I, 4), (long long)S, (long long)(2 * h));
-    *out = t2(IR_F32, S, kind == IR_OP_ATTN_CAUSAL ? h * d : kind == IR_OP_ATTN_CAUSAL_STATS ? 2 * h : (h + 2 * kv) * d);
-    return true;
-  }
   case IR_OP_COLS_SLICE: {
     int64_t off, width;
     if (!need_float(I, 0, 2, "[r, n]") || !int_attr(I, "offset", 0, &off) || !int_attr(I, "width", 1, &width)) return false;
@@ -491,20 +516,18 @@ static bool infer(Infer *I, IrType *out) {
     *out = *ty(I, 0);
     return true;
   }
-  case IR_OP_GATE_NOISE:
-    if (!need_float(I, 0, 2, "[S, E]") || !num_attr(I, "sigma", true) || !int_attr(I, "layer", 0, &m))
-      return false;
-    *out = *ty(I, 0);
-    return true;
-  case IR_OP_GATE_SOFTMAX_TOKENS:
-    if (!need_float(I, 0, 2, "[S, E]") || !groups_attr(I, dim(I, 0, 0), &m)) return false;
-    *out = *ty(I, 0);
-    return true;
-  case IR_OP_GATE_SOFTMAX_TOKENS_GRAD:
-    if (!need_float(I, 0, 2, "[S, E]") || !same_type(I, 0, 1) || !groups_attr(I, dim(I, 0, 0), &m))
-      return false;
-    *out = *ty(I, 0);
-    return true;
+  default:
+    UNREACHABLE();
+  }
+}
+
+// The gate ops whose result an attribute sizes or that read pooled statistics (the others are
+// SHAPE rules of ops.def, their attributes checked by rule_attrs).
+static bool infer_gate(Infer *I, IrType *out) {
+  const IrOp *op = I->op;
+  int64_t S, K, E, C;
+  int flag;
+  switch (op->kind) {
   case IR_OP_GATE_EXPERT_CHOICE:  // (scores [S,E]) -> loc i32[S,E]
     if (!need_float(I, 0, 2, "[S, E]") || !route_attrs(I, dim(I, 0, 0), &E, &C)) return false;
     if (dim(I, 0, 1) != E)
@@ -517,12 +540,6 @@ static bool infer(Infer *I, IrType *out) {
       return fail(I, "k = %lld exceeds the E = %lld experts of %s", (long long)K, (long long)dim(I, 0, 1),
                   nm(I, 0));
     *out = t2(IR_I32, dim(I, 0, 0), K);
-    return true;
-  case IR_OP_GATE_GATHER:
-    if (!need_float(I, 0, 2, "[S, E]") || !need_i32(I, 1, 2, "[S, K]") || !same_dim(I, "S", 0, 0, 1, 0) ||
-        !flag_attr(I, "renorm", true, &flag))
-      return false;
-    *out = t2(ty(I, 0)->dtype, dim(I, 1, 0), dim(I, 1, 1));
     return true;
   case IR_OP_GATE_GATHER_GRAD:
     if (!need_float(I, 0, 2, "[S, K]") || !need_float(I, 1, 2, "[S, E]") || !need_i32(I, 2, 2, "[S, K]") ||
@@ -540,13 +557,6 @@ static bool infer(Infer *I, IrType *out) {
                   (long long)dim(I, 0, 1), (long long)E);
     *out = *ty(I, 0);
     return true;
-  case IR_OP_GATE_AUX_LOSS:
-  case IR_OP_GATE_AUX_LOSS_GRAD:
-    if (!need_float(I, 0, 2, "[S, E]") || !need_i32(I, 1, 2, "[S, K]") || !same_dim(I, "S", 0, 0, 1, 0) ||
-        !groups_attr(I, dim(I, 0, 0), &m) || !num_attr(I, "coef", true))
-      return false;
-    *out = op->kind == IR_OP_GATE_AUX_LOSS ? (IrType){.dtype = IR_F32} : *ty(I, 0);
-    return true;
   case IR_OP_GATE_AUX_POOLED:
     if (!need_float(I, 0, 2, "[S, E]") || !need_i32(I, 1, 2, "[S, K]") || !same_dim(I, "S", 0, 0, 1, 0) ||
         !num_attr(I, "coef", true))
@@ -560,13 +570,17 @@ static bool infer(Infer *I, IrType *out) {
       return fail(I, "%s must be [2, %lld] (the pooled statistics of %s)", nm(I, 1), (long long)dim(I, 0, 1), nm(I, 0));
     *out = *ty(I, 0);
     return true;
-  case IR_OP_GATE_Z_LOSS:
-  case IR_OP_GATE_Z_LOSS_GRAD:
-    if (!need_float(I, 0, 2, "[S, E]") || !groups_attr(I, dim(I, 0, 0), &m) || !num_attr(I, "coef", true))
-      return false;
-    *out = op->kind == IR_OP_GATE_Z_LOSS ? (IrType){.dtype = IR_F32} : *ty(I, 0);
-    return true;
+  default:
+    UNREACHABLE();
+  }
+}
 
+// The order ops: tokens [S, M] to and from the dispatched [E, C, M] buffers, by the routing
+// pair idx, loc [S, K].
+static bool infer_order(Infer *I, IrType *out) {
+  const IrOp *op = I->op;
+  int64_t S, K, E, C, n;
+  switch (op->kind) {
   case IR_OP_ORDER_ENCODE:  // (x [S,M], idx, loc) -> [E, C, M]
     if (!need_float(I, 0, 2, "[S, M]") || !route_attrs(I, dim(I, 0, 0), &E, &C) ||
         !routing_pair(I, 1, 2, E, &S, &K) || !same_dim(I, "S", 0, 0, 1, 0))
@@ -600,7 +614,6 @@ static bool infer(Infer *I, IrType *out) {
       return false;
     *out = t2(ty(I, 0)->dtype, S, K);
     return true;
-
   case IR_OP_ORDER_DISPATCH_MASK:  // (idx, loc) -> f32[S, E*C]
   case IR_OP_ORDER_COMBINE_WEIGHTS:  // (idx, loc, gates [S,K]) -> [S, E*C]
     if (!need_i32(I, 0, 2, "[S, K]") || !route_attrs(I, dim(I, 0, 0), &E, &C) ||
@@ -624,7 +637,16 @@ static bool infer(Infer *I, IrType *out) {
                   (long long)dim(I, 0, 1), (long long)n);
     *out = t2(ty(I, 0)->dtype, S, K);
     return true;
+  default:
+    UNREACHABLE();
+  }
+}
 
+// The hook ops: compression of the AlltoAll payload and the recording hook.
+static bool infer_hook(Infer *I, IrType *out) {
+  const IrOp *op = I->op;
+  int64_t m;
+  switch (op->kind) {
   case IR_OP_HOOK_COMPRESS: {
     if (ty(I, 0)->dtype != IR_F32) return fail(I, "%s must be f32", nm(I, 0));
     const IrAttr *a = ir_attrs_get(op->attrs, op->nattrs, "format");
@@ -661,32 +683,15 @@ static bool infer(Infer *I, IrType *out) {
     if (!int_attr(I, "layer", 0, &m)) return false;
     *out = (IrType){0};
     return true;
-
-  case IR_OP_PARAM_GRAD:
-    if (!op->args[0].param) return fail(I, "the first operand must be a parameter (@name), not %s", nm(I, 0));
-    if (!op->args[1].value) return fail(I, "the second operand must be a value (%%name), not %s", nm(I, 1));
-    if (!ir_type_equal(ty(I, 0), ty(I, 1)))
-      return fail(I, "the gradient %s does not have the type of %s", nm(I, 1), nm(I, 0));
-    *out = (IrType){0};
-    return true;
-  case IR_OP_COMM_ALLREDUCE_GRAD: {
-    int64_t size, offset, count;
-    if (!op->args[0].param) return fail(I, "the operand must be a parameter (@name), not %s", nm(I, 0));
-    if (!int_attr(I, "size", 1, &size) || !int_attr(I, "offset", 0, &offset) || !int_attr(I, "count", 1, &count))
-      return false;
-    if (offset + count > ir_type_numel(ty(I, 0)))
-      return fail(I, "elements [%lld, %lld) are not inside %s (%lld elements)", (long long)offset,
-                  (long long)(offset + count), nm(I, 0), (long long)ir_type_numel(ty(I, 0)));
-    *out = (IrType){0};
-    return true;
+  default:
+    UNREACHABLE();
   }
-  case IR_OP_COMM_SPLIT:
-  case IR_OP_COMM_COPY:
-  case IR_OP_COMM_ALLGATHER:
-  case IR_OP_COMM_REDUCESCATTER:
-  case IR_OP_COMM_ALLTOALL:
-  case IR_OP_COMM_ALLREDUCE:
-    return collective(I, out);
+}
+
+// The layout ops: expert-major <-> rank-major and the chunks of passes/schedule.c.
+static bool infer_layout(Infer *I, IrType *out) {
+  const IrOp *op = I->op;
+  switch (op->kind) {
   case IR_OP_LAYOUT_EXPERT_MAJOR:
   case IR_OP_LAYOUT_RANK_MAJOR: {
     int64_t R;
@@ -736,6 +741,33 @@ static bool infer(Infer *I, IrType *out) {
     out->dim[1] = a->dim[1] + b->dim[1];
     return true;
   }
+  default:
+    UNREACHABLE();
+  }
+}
+
+// The ops of the update: a parameter's gradient, its AllReduce and the optimizers (no result).
+static bool infer_update(Infer *I, IrType *out) {
+  const IrOp *op = I->op;
+  switch (op->kind) {
+  case IR_OP_PARAM_GRAD:
+    if (!op->args[0].param) return fail(I, "the first operand must be a parameter (@name), not %s", nm(I, 0));
+    if (!op->args[1].value) return fail(I, "the second operand must be a value (%%name), not %s", nm(I, 1));
+    if (!ir_type_equal(ty(I, 0), ty(I, 1)))
+      return fail(I, "the gradient %s does not have the type of %s", nm(I, 1), nm(I, 0));
+    *out = (IrType){0};
+    return true;
+  case IR_OP_COMM_ALLREDUCE_GRAD: {
+    int64_t size, offset, count;
+    if (!op->args[0].param) return fail(I, "the operand must be a parameter (@name), not %s", nm(I, 0));
+    if (!int_attr(I, "size", 1, &size) || !int_attr(I, "offset", 0, &offset) || !int_attr(I, "count", 1, &count))
+      return false;
+    if (offset + count > ir_type_numel(ty(I, 0)))
+      return fail(I, "elements [%lld, %lld) are not inside %s (%lld elements)", (long long)offset,
+                  (long long)(offset + count), nm(I, 0), (long long)ir_type_numel(ty(I, 0)));
+    *out = (IrType){0};
+    return true;
+  }
   case IR_OP_OPT_SGD:
   case IR_OP_OPT_ADAMW:
     if (!op->args[0].param) return fail(I, "the operand must be a parameter (@name), not %s", nm(I, 0));
@@ -746,6 +778,70 @@ static bool infer(Infer *I, IrType *out) {
       return false;
     *out = (IrType){0};
     return true;
+  default:
+    UNREACHABLE();
+  }
+}
+
+// An op with a SHAPE rule is checked by it (then its attributes); the others by their family.
+static bool infer(Infer *I, IrType *out) {
+  const char *rule = ir_op_info[I->op->kind].shape;
+  if (rule[0]) return shape_by_rule(I, rule, out) && rule_attrs(I);
+  switch (I->op->kind) {
+  case IR_OP_ATTN_CAUSAL:
+  case IR_OP_ATTN_CAUSAL_STATS:
+  case IR_OP_ATTN_CAUSAL_GRAD:
+    return infer_attention(I, out);
+  case IR_OP_MATMUL:
+  case IR_OP_EXPERT_MATMUL:
+  case IR_OP_RESHAPE:
+  case IR_OP_COLS_SLICE:
+  case IR_OP_SCALE_ROWS:
+  case IR_OP_SCALE_ROWS_GRAD_G:
+  case IR_OP_POS_ADD_GRAD_W:
+  case IR_OP_ROPE:
+  case IR_OP_ROPE_GRAD:
+    return infer_dense(I, out);
+  case IR_OP_GATE_EXPERT_CHOICE:
+  case IR_OP_GATE_TOPK:
+  case IR_OP_GATE_GATHER_GRAD:
+  case IR_OP_GATE_LOCATIONS:
+  case IR_OP_GATE_AUX_POOLED:
+  case IR_OP_GATE_AUX_POOLED_GRAD:
+    return infer_gate(I, out);
+  case IR_OP_ORDER_ENCODE:
+  case IR_OP_ORDER_ENCODE_GRAD:
+  case IR_OP_ORDER_DECODE:
+  case IR_OP_ORDER_DECODE_GRAD_Y:
+  case IR_OP_ORDER_DECODE_GRAD_G:
+  case IR_OP_ORDER_DISPATCH_MASK:
+  case IR_OP_ORDER_COMBINE_WEIGHTS:
+  case IR_OP_ORDER_COMBINE_WEIGHTS_GRAD:
+    return infer_order(I, out);
+  case IR_OP_HOOK_COMPRESS:
+  case IR_OP_HOOK_DECOMPRESS:
+  case IR_OP_HOOK_SCALES:
+  case IR_OP_HOOK_COMPRESS_INT8:
+  case IR_OP_HOOK_DECOMPRESS_INT8:
+  case IR_OP_HOOK_RECORD:
+    return infer_hook(I, out);
+  case IR_OP_LAYOUT_EXPERT_MAJOR:
+  case IR_OP_LAYOUT_RANK_MAJOR:
+  case IR_OP_LAYOUT_CHUNK:
+  case IR_OP_LAYOUT_CONCAT:
+    return infer_layout(I, out);
+  case IR_OP_PARAM_GRAD:
+  case IR_OP_COMM_ALLREDUCE_GRAD:
+  case IR_OP_OPT_SGD:
+  case IR_OP_OPT_ADAMW:
+    return infer_update(I, out);
+  case IR_OP_COMM_SPLIT:
+  case IR_OP_COMM_COPY:
+  case IR_OP_COMM_ALLGATHER:
+  case IR_OP_COMM_REDUCESCATTER:
+  case IR_OP_COMM_ALLTOALL:
+  case IR_OP_COMM_ALLREDUCE:
+    return collective(I, out);
   default:
     return fail(I, "no shape rule for this op");
   }
