@@ -966,34 +966,49 @@ static void check_shared_gate(Ctx *c, const FeNode *parent, const FeNode *n, cha
     check_surplus(c, n, 1);
 }
 
-// pipeline = "pipeline" ( "auto" ";" | "{" [forward N] [backward N] "}" )
-static void check_pipeline(Ctx *c, const FeNode *parent, const FeNode *n, char *dst) {
-  FeSchedule *s = (FeSchedule *)dst;
+// The two forms of `pipeline` and `parallel`: KW "auto" ";" or KW "{" ... "}"; `fields` is the
+// block's contents as messages show them. A block is left to the caller to check.
+typedef enum AutoOrBlock { CHOSE_NEITHER, CHOSE_AUTO, CHOSE_BLOCK } AutoOrBlock;
+
+static AutoOrBlock auto_or_block(Ctx *c, const FeNode *n, const char *kw, const char *fields) {
   char buf[96];
   if (n->has_block) {
     if (n->nvals > 0) {
-      ir_error_at(c->d, n->vals[0].loc, "'pipeline' takes either 'auto' or a '{ ... }' block, not both");
-      return;
+      ir_error_at(c->d, n->vals[0].loc, "'%s' takes either 'auto' or a '{ ... }' block, not both", kw);
+      return CHOSE_NEITHER;
     }
-    s->pipeline_auto = false;
-    check_block(c, n, &pipeline_block, NULL, dst);
-    return;
+    return CHOSE_BLOCK;
   }
   if (n->nvals == 0) {
-    ir_error_at(c->d, stmt_loc(n), "expected 'auto' or '{ forward N; backward N; }' after 'pipeline'");
-    return;
+    ir_error_at(c->d, stmt_loc(n), "expected 'auto' or '{ %s }' after '%s'", fields, kw);
+    return CHOSE_NEITHER;
   }
   const FeValue *v = &n->vals[0];
   if (v->kind != FE_VAL_IDENT || strcmp(v->text, "auto") != 0) {
     if (v->kind == FE_VAL_IDENT)
-      ir_error_at(c->d, v->loc, "unknown pipeline setting '%s'", v->text);
+      ir_error_at(c->d, v->loc, "unknown %s setting '%s'", kw, v->text);
     else
-      ir_error_at(c->d, v->loc, "expected 'auto' after 'pipeline', got %s", shown(v, buf, sizeof buf));
-    ir_note_at(c->d, v->loc, "write 'pipeline auto;' or 'pipeline { forward N; backward N; }'");
-    return;
+      ir_error_at(c->d, v->loc, "expected 'auto' after '%s', got %s", kw, shown(v, buf, sizeof buf));
+    ir_note_at(c->d, v->loc, "write '%s auto;' or '%s { %s }'", kw, kw, fields);
+    return CHOSE_NEITHER;
   }
-  if (check_surplus(c, n, 1))
+  return check_surplus(c, n, 1) ? CHOSE_AUTO : CHOSE_NEITHER;
+}
+
+// pipeline = "pipeline" ( "auto" ";" | "{" [forward N] [backward N] "}" )
+static void check_pipeline(Ctx *c, const FeNode *parent, const FeNode *n, char *dst) {
+  FeSchedule *s = (FeSchedule *)dst;
+  switch (auto_or_block(c, n, "pipeline", "forward N; backward N;")) {
+  case CHOSE_BLOCK:
+    s->pipeline_auto = false;
+    check_block(c, n, &pipeline_block, NULL, dst);
+    break;
+  case CHOSE_AUTO:
     s->pipeline_auto = true;
+    break;
+  case CHOSE_NEITHER:
+    break;
+  }
 }
 
 // grad_partition = "grad_partition" ( "auto" | "none" | "chunk" SIZE ) ";"
@@ -1067,30 +1082,16 @@ static void check_memory(Ctx *c, const FeNode *parent, const FeNode *n, char *ds
 // parallel = "parallel" ( "auto" ";" | "{" [dp] [mp] [ep] [esp] "}" )
 static void check_parallel(Ctx *c, const FeNode *parent, const FeNode *n, char *dst) {
   FeParallel *par = &((FeProgram *)dst)->parallel;
-  char buf[96];
-  if (n->has_block) {
-    if (n->nvals > 0) {
-      ir_error_at(c->d, n->vals[0].loc, "'parallel' takes either 'auto' or a '{ ... }' block, not both");
-      return;
-    }
+  switch (auto_or_block(c, n, "parallel", "dp N; mp N; ep N; esp N;")) {
+  case CHOSE_BLOCK:
     check_block(c, n, &parallel_block, NULL, (char *)par);
-    return;
-  }
-  if (n->nvals == 0) {
-    ir_error_at(c->d, stmt_loc(n), "expected 'auto' or '{ dp N; mp N; ep N; esp N; }' after 'parallel'");
-    return;
-  }
-  const FeValue *v = &n->vals[0];
-  if (v->kind != FE_VAL_IDENT || strcmp(v->text, "auto") != 0) {
-    if (v->kind == FE_VAL_IDENT)
-      ir_error_at(c->d, v->loc, "unknown parallel setting '%s'", v->text);
-    else
-      ir_error_at(c->d, v->loc, "expected 'auto' after 'parallel', got %s", shown(v, buf, sizeof buf));
-    ir_note_at(c->d, v->loc, "write 'parallel auto;' or 'parallel { dp N; mp N; ep N; esp N; }'");
-    return;
-  }
-  if (check_surplus(c, n, 1))
+    break;
+  case CHOSE_AUTO:
     par->is_auto = true;
+    break;
+  case CHOSE_NEITHER:
+    break;
+  }
 }
 
 // ffn mixtral has no activation choice and no bias.
