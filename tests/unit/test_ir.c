@@ -223,6 +223,25 @@ static const char small_text[] =
     "  return\n"
     "}\n";
 
+// The failure policy: one line each for a failed allocation and an internal error, counted
+// like any error, false returned; ir_type_str is what messages print types with.
+static void test_failure_policy(void **state) {
+  (void)state;
+  Capture c;
+  cap_open(&c);
+  assert_false(ir_oom(&c.d));
+  assert_false(ir_internal(&c.d, "pass '%s' left %d ops", "schedule", 3));
+  assert_string_equal(cap_text(&c), "moec: error: out of memory\nmoec: error: internal error: pass 'schedule' left 3 ops\n");
+  assert_int_equal(c.d.errors, 2);
+  cap_close(&c);
+  char s[64];
+  IrType t = ir_type3(IR_BF16, 4, 8, 16);
+  ir_type_str(&t, s, sizeof s);
+  assert_string_equal(s, "bf16[4, 8, 16]");
+  ir_type_str(&t, s, 6);
+  assert_string_equal(s, "bf16[");
+}
+
 static void test_print_format(void **state) {
   (void)state;
   IrModule *m = build_small();
@@ -901,6 +920,7 @@ int main(void) {
   const struct CMUnitTest tests[] = {
       cmocka_unit_test(test_op_table),
       cmocka_unit_test(test_types),
+      cmocka_unit_test(test_failure_policy),
       cmocka_unit_test(test_print_format),
       cmocka_unit_test(test_attr_values_round_trip),
       cmocka_unit_test(test_odd_names_round_trip),
