@@ -141,8 +141,6 @@ _Noreturn void rt_comm_abort(const char *fmt, ...) {
   exit(1);
 }
 
-#define MPI_CHECK(call) rt_mpi_check((call), #call, __FILE__, __LINE__)
-
 void rt_mpi_check(int err, const char *call, const char *file, int line) {
   if (err == MPI_SUCCESS)
     return;

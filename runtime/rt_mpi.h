@@ -14,5 +14,7 @@ MPI_Comm rt_comm_mpi(const RtComm *c, RtGroup g);
 // Ends the job through rt_comm_abort when err is not MPI_SUCCESS, naming the call, the MPI error
 // and file:line (the runtime's communicators return their errors).
 void rt_mpi_check(int err, const char *call, const char *file, int line);
+// MPI_CHECK(MPI_Send(...)): the call, checked by rt_mpi_check with its text and place.
+#define MPI_CHECK(call) rt_mpi_check((call), #call, __FILE__, __LINE__)
 
 #endif

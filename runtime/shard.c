@@ -158,8 +158,6 @@ int64_t rt_box_copy(int rank, const int64_t *src_off, const int64_t *src_dims, c
 
 // ---- world-wide helpers ----
 
-#define MPI_CHECK(call) rt_mpi_check((call), #call, __FILE__, __LINE__)
-
 int rt_world_agree(RtComm *c, int status) {
   int world = rt_comm_size(c, RT_GROUP_WORLD);
   if (world == 1)

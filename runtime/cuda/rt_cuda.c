@@ -100,11 +100,11 @@ static const char *call_name(const char *call, char *buf, size_t size) {
   return buf;
 }
 
-// Each check is true when the call succeeded; otherwise it reports and is false.
+// Each check is true when the call succeeded; otherwise it reports and is false. MPI calls use
+// rt_mpi.h's MPI_CHECK: a failed one ends the job (rt_comm_abort), as in comm.c.
 #define CUDA_CHECK(call) cuda_ok((call), #call, __FILE__, __LINE__)
 #define CUBLAS_CHECK(call) cublas_ok((call), #call, __FILE__, __LINE__)
 #define NCCL_CHECK(call) nccl_ok((call), #call, __FILE__, __LINE__)
-#define MPI_CHECK(call) mpi_ok((call), #call, __FILE__, __LINE__)
 
 // "NAME (description)" of a driver error.
 static const char *cuda_error_text(CUresult rc, char *buf, size_t size) {
@@ -141,16 +141,6 @@ static bool nccl_ok(ncclResult_t rc, const char *call, const char *file, int lin
   char buf[128];
   return report("%s failed: %s%s%s at %s:%d", call_name(call, buf, sizeof buf), ncclGetErrorString(rc),
                 last && *last ? ": " : "", last ? last : "", file, line);
-}
-
-static bool mpi_ok(int rc, const char *call, const char *file, int line) {
-  if (rc == MPI_SUCCESS)
-    return true;
-  char text[MPI_MAX_ERROR_STRING] = "?";
-  int len = 0;
-  MPI_Error_string(rc, text, &len);
-  char buf[128];
-  return report("%s failed: %s at %s:%d", call_name(call, buf, sizeof buf), text, file, line);
 }
 
 // ---- the device ----
@@ -408,8 +398,8 @@ struct RtNccl {
 
 RtNccl *rt_cuda_nccl_create(MPI_Comm comm) {
   int rank = 0, size = 1;
-  if (!MPI_CHECK(MPI_Comm_rank(comm, &rank)) || !MPI_CHECK(MPI_Comm_size(comm, &size)))
-    return NULL;
+  MPI_CHECK(MPI_Comm_rank(comm, &rank));
+  MPI_CHECK(MPI_Comm_size(comm, &size));
   // Rank 0 sends whether it got an id along with it, so that every rank gives up together when
   // it did not (instead of waiting in ncclCommInitRank for a rank 0 that never comes).
   struct {
@@ -419,8 +409,7 @@ RtNccl *rt_cuda_nccl_create(MPI_Comm comm) {
   memset(&root, 0, sizeof root);
   if (rank == 0)
     root.ok = NCCL_CHECK(ncclGetUniqueId(&root.id));
-  if (!MPI_CHECK(MPI_Bcast(&root, (int)sizeof root, MPI_BYTE, 0, comm)))
-    return NULL;
+  MPI_CHECK(MPI_Bcast(&root, (int)sizeof root, MPI_BYTE, 0, comm));
   if (!root.ok) {
     if (rank != 0)
       report("rank 0 could not make an NCCL unique id (its error is in its output)");
