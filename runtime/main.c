@@ -419,26 +419,140 @@ static bool eval_due(const RtTrainer *tr, int64_t t, int64_t last) {
   return t == last || (tr->opt.eval_every > 0 && t % tr->opt.eval_every == 0);
 }
 
+// The steps a run trains, first..last, and how its lines are shown.
+typedef struct Steps {
+  int64_t first, last;
+  bool progress;     // on a terminal one progress line rewrites itself instead of a line per step
+  double started;    // ms (now_ms) when the first step began
+} Steps;
+
+// After step t: the validation loss when it is due, printed by rank 0 and logged. Collective.
+static int evaluate_step(RtTrainer *tr, int64_t t, const Steps *run) {
+  if (!eval_due(tr, t, run->last))
+    return 0;
+  const RtModel *m = tr->model;
+  bool root = rt_is_root(tr);
+  double val = evaluate(tr);
+  int64_t windows = rt_lm_val_batches(&tr->lm, tr->ranks.dp) * tr->ranks.dp * m->batch;
+  if (root)
+    printf("%sval %lld  ce %.6f  (%lld windows)\n", run->progress && t < run->last ? "\n" : "", (long long)t, val,
+           (long long)windows);
+  if (tr->opt.log && rt_world_agree(tr->comm, root ? rt_log_eval(tr->log, t, val, windows) : 0) != 0)
+    return -1;
+  return 0;
+}
+
+// Step t's line on rank 0 (none with --quiet): the progress line on a terminal, else a language
+// model's figures or the others' with the experts' loads. ms: the step's compute time, the
+// slowest rank's.
+static void print_step(const RtTrainer *tr, int64_t t, const RtReport *rep, double gnorm, double ms,
+                       const Steps *run) {
+  const RtModel *m = tr->model;
+  const RtStep *st = &tr->st;
+  bool root = rt_is_root(tr);
+  double loss = rep->loss;
+  double dropped = rep->routed > 0 ? rep->dropped / rep->routed : 0.0;
+  double tokens_per_s = ms > 0 ? (double)(tr->ranks.dp * m->batch * m->seqlen) / (ms * 1e-3) : 0.0;
+  if (run->progress) {
+    rt_progress(stdout, t, run->first, run->last, loss, m->vocab > 0 ? tokens_per_s : 0, now_ms() - run->started);
+  } else if (!tr->opt.quiet && root && m->vocab > 0) {
+    double tokens = (double)(tr->ranks.dp * m->batch * m->seqlen);
+    // The timings last (tests compare the lines up to "  time").
+    printf("step %lld  loss %.6f  ce %.6f  aux %.6f  z %.6f  lr %.3e  gnorm %.4f  dropped %.4f  "
+           "time %.3f ms  tok/s %.0f\n", (long long)t, loss, rep->mse, rep->aux, rep->z,
+           m->lr * st->lr_scale, gnorm, dropped, ms, ms > 0 ? tokens / (ms * 1e-3) : 0.0);
+    fflush(stdout);
+  } else if (!tr->opt.quiet && root) {
+    // Tokens per expert, min/mean/max over every expert of every layer (0/0.0/0 without MoE).
+    bool loads = rep->load_count > 0;
+    printf("step %lld  loss %.6f  mse %.6f  aux %.6f  z %.6f  dropped %.4f  load %lld/%.1f/%lld",
+           (long long)t, loss, rep->mse, rep->aux, rep->z, dropped,
+           loads ? (long long)rep->load_min : 0LL, loads ? rep->load_sum / rep->load_count : 0.0,
+           loads ? (long long)rep->load_max : 0LL);
+    if (m->dropless)
+      printf("  capacity %lld", (long long)rep->capacity_max);
+    printf("  time %.3f ms\n", ms);
+    fflush(stdout);
+  }
+}
+
+// --profile: whole steps (from the data to the update) after the first, and their GEMM time.
+typedef struct Profile {
+  double *steps;                      // the counted steps' times, ms; NULL without --profile
+  int64_t n;                          // steps counted
+  double gemm, total, comm, hidden;   // ms over the counted steps
+} Profile;
+
+// A step of ms ms ended: counted (every step after the first) or not, the collectives' record
+// taken either way.
+static void profile_step(Profile *p, bool counted, double ms) {
+  if (!p->steps)
+    return;
+  if (!counted) {
+    double ignored[2];
+    rt_prof_take(&ignored[0], &ignored[1]);
+    return;
+  }
+  p->steps[p->n++] = ms;
+  p->total += ms;
+  p->gemm += (double)rt_gemm_ns_take() * 1e-6;
+  double comm_ms, hidden_ms;
+  rt_prof_take(&comm_ms, &hidden_ms);
+  p->comm += comm_ms;
+  p->hidden += hidden_ms;
+}
+
+static void profile_print(const RtTrainer *tr, Profile *p, int64_t first, int64_t last) {
+  if (!p->steps || !rt_is_root(tr))
+    return;
+  if (p->n == 0) {
+    printf("# profile: train at least 2 steps (the first is not counted)\n");
+    return;
+  }
+  qsort(p->steps, (size_t)p->n, sizeof *p->steps, by_double);
+  printf("# profile: steps %lld..%lld, median whole step %.3f ms (data, forward, backward, update), "
+         "GEMM %.1f %% of the steps' time (%.3f ms per step)\n", (long long)first + 1, (long long)last,
+         p->steps[p->n / 2], 100.0 * p->gemm / p->total, p->gemm / (double)p->n);
+  if (tr->ranks.world > 1)
+    printf("# profile: communication %.3f ms per step (%.1f %% of the steps' time), %.1f %% of it "
+           "hidden behind computation\n", p->comm / (double)p->n, 100.0 * p->comm / p->total,
+           p->comm > 0 ? 100.0 * p->hidden / p->comm : 0.0);
+}
+
+// The run's last line on rank 0: what was trained, or why nothing was.
+static void print_summary(const RtTrainer *tr, const Steps *run, bool convert, double loss) {
+  if (!rt_is_root(tr))
+    return;
+  if (run->first <= run->last)
+    printf("# trained %lld step%s; final loss %.6f\n", (long long)(run->last - run->first + 1),
+           run->last > run->first ? "s" : "", loss);
+  else if (convert && !tr->opt.quiet)
+    printf("# --steps 0: nothing trained; the parameters stay at step %lld\n",
+           (long long)tr->done_steps);
+  else if (!tr->opt.quiet)
+    printf("# nothing to train: the parameters are at step %lld and --steps is %lld\n",
+           (long long)tr->done_steps, (long long)run->last);
+}
+
 static int train(RtTrainer *tr) {
   const RtModel *m = tr->model;
   RtStep *st = &tr->st;
   bool root = rt_is_root(tr);
-  int64_t first = tr->done_steps + 1, last = tr->opt.steps;
+  Steps run = {.first = tr->done_steps + 1, .last = tr->opt.steps};
   bool convert = tr->opt.resume && tr->opt.steps == 0;
   if (convert)
-    last = tr->done_steps;
+    run.last = tr->done_steps;
+  int64_t first = run.first, last = run.last;
   if (!tr->opt.quiet && root)
     print_header(tr, first, last);
   double loss = NAN;
-  // --profile: whole steps (from the data to the update) after the first, and their GEMM time.
-  int64_t nprof = 0;
-  double *prof = tr->opt.profile ? calloc((size_t)(last - first + 1 > 0 ? last - first + 1 : 1), sizeof *prof) : NULL;
-  double prof_gemm = 0, prof_total = 0, prof_comm = 0, prof_hidden = 0;
-  rt_gemm_profile(prof != NULL);
-  rt_prof_enable(prof != NULL);
-  // On a terminal one progress line rewrites itself instead of a line per step.
-  bool progress = !tr->opt.quiet && root && tr->opt.watched;
-  double started = now_ms();
+  Profile prof = {0};
+  if (tr->opt.profile)
+    prof.steps = calloc((size_t)(last - first + 1 > 0 ? last - first + 1 : 1), sizeof *prof.steps);
+  rt_gemm_profile(prof.steps != NULL);
+  rt_prof_enable(prof.steps != NULL);
+  run.progress = !tr->opt.quiet && root && tr->opt.watched;
+  run.started = now_ms();
   for (int64_t t = first; t <= last; t++) {
     double t_start = now_ms();
     rt_gemm_ns_take();
@@ -458,88 +572,28 @@ static int train(RtTrainer *tr) {
     double t2 = now_ms();
     m->update(st);
     double t3 = now_ms();
-    if (prof && t > first) {
-      prof[nprof++] = t3 - t_start;
-      prof_total += t3 - t_start;
-      prof_gemm += (double)rt_gemm_ns_take() * 1e-6;
-      double comm_ms, hidden_ms;
-      rt_prof_take(&comm_ms, &hidden_ms);
-      prof_comm += comm_ms;
-      prof_hidden += hidden_ms;
-    } else if (prof) {
-      double ignored[2];
-      rt_prof_take(&ignored[0], &ignored[1]);
-    }
+    profile_step(&prof, t > first, t3 - t_start);
     tr->done_steps = t;
     double ms = (t1 - t0) + (t3 - t2);
     rt_world_max(tr->comm, &ms, 1);
     loss = rep.loss;
-    double dropped = rep.routed > 0 ? rep.dropped / rep.routed : 0.0;
     if (st->record)
       fflush(st->record);
     double tokens_per_s = ms > 0 ? (double)(tr->ranks.dp * m->batch * m->seqlen) / (ms * 1e-3) : 0.0;
     if (log_step(tr, &forward_state, &rep, t, gnorm, ms, m->vocab > 0 ? tokens_per_s : 0) != 0)
       return -1;
-    if (progress) {
-      rt_progress(stdout, t, first, last, loss, m->vocab > 0 ? tokens_per_s : 0, now_ms() - started);
-    } else if (!tr->opt.quiet && root && m->vocab > 0) {
-      double tokens = (double)(tr->ranks.dp * m->batch * m->seqlen);
-      // The timings last (tests compare the lines up to "  time").
-      printf("step %lld  loss %.6f  ce %.6f  aux %.6f  z %.6f  lr %.3e  gnorm %.4f  dropped %.4f  "
-             "time %.3f ms  tok/s %.0f\n", (long long)t, loss, rep.mse, rep.aux, rep.z,
-             m->lr * st->lr_scale, gnorm, dropped, ms, ms > 0 ? tokens / (ms * 1e-3) : 0.0);
-      fflush(stdout);
-    } else if (!tr->opt.quiet && root) {
-      // Tokens per expert, min/mean/max over every expert of every layer (0/0.0/0 without MoE).
-      bool loads = rep.load_count > 0;
-      printf("step %lld  loss %.6f  mse %.6f  aux %.6f  z %.6f  dropped %.4f  load %lld/%.1f/%lld",
-             (long long)t, loss, rep.mse, rep.aux, rep.z, dropped,
-             loads ? (long long)rep.load_min : 0LL, loads ? rep.load_sum / rep.load_count : 0.0,
-             loads ? (long long)rep.load_max : 0LL);
-      if (m->dropless)
-        printf("  capacity %lld", (long long)rep.capacity_max);
-      printf("  time %.3f ms\n", ms);
-      fflush(stdout);
-    }
+    print_step(tr, t, &rep, gnorm, ms, &run);
     if (!isfinite(loss))
       return rt_fail("the loss is %f at step %lld; training diverged (try a smaller learning "
                      "rate)", loss, (long long)t);
-    if (eval_due(tr, t, last)) {
-      double val = evaluate(tr);
-      int64_t windows = rt_lm_val_batches(&tr->lm, tr->ranks.dp) * tr->ranks.dp * m->batch;
-      if (root)
-        printf("%sval %lld  ce %.6f  (%lld windows)\n", progress && t < last ? "\n" : "", (long long)t, val,
-               (long long)windows);
-      if (tr->opt.log && rt_world_agree(tr->comm, root ? rt_log_eval(tr->log, t, val, windows) : 0) != 0)
-        return -1;
-    }
+    if (evaluate_step(tr, t, &run) != 0)
+      return -1;
   }
   rt_gemm_profile(false);
   rt_prof_enable(false);
-  if (prof && root && nprof > 0) {
-    qsort(prof, (size_t)nprof, sizeof *prof, by_double);
-    printf("# profile: steps %lld..%lld, median whole step %.3f ms (data, forward, backward, update), "
-           "GEMM %.1f %% of the steps' time (%.3f ms per step)\n", (long long)first + 1, (long long)last,
-           prof[nprof / 2], 100.0 * prof_gemm / prof_total, prof_gemm / (double)nprof);
-    if (tr->ranks.world > 1)
-      printf("# profile: communication %.3f ms per step (%.1f %% of the steps' time), %.1f %% of it "
-             "hidden behind computation\n", prof_comm / (double)nprof, 100.0 * prof_comm / prof_total,
-             prof_comm > 0 ? 100.0 * prof_hidden / prof_comm : 0.0);
-  } else if (prof && root) {
-    printf("# profile: train at least 2 steps (the first is not counted)\n");
-  }
-  free(prof);
-  if (!root)
-    return 0;
-  if (first <= last)
-    printf("# trained %lld step%s; final loss %.6f\n", (long long)(last - first + 1),
-           last > first ? "s" : "", loss);
-  else if (convert && !tr->opt.quiet)
-    printf("# --steps 0: nothing trained; the parameters stay at step %lld\n",
-           (long long)tr->done_steps);
-  else if (!tr->opt.quiet)
-    printf("# nothing to train: the parameters are at step %lld and --steps is %lld\n",
-           (long long)tr->done_steps, (long long)last);
+  profile_print(tr, &prof, first, last);
+  free(prof.steps);
+  print_summary(tr, &run, convert, loss);
   return 0;
 }
 
