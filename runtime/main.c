@@ -1,10 +1,10 @@
 // rt_main: the training driver every generated binary runs.
 //
-// The generated program knows its model (an RtModel: parameters, sizes, step functions); this
-// file knows everything around it: the command line, where parameters come from (seeded init,
-// --weights, --resume), the data of each step (synthetic from the seed, or .npy files), the
-// loop forward -> backward -> update with its one-line report, --dump, the record hook's file,
-// checkpoints and the finite-difference gradient check. Everything is a function of (seed,
+// The generated program knows its model (an RtModel: parameters, sizes, step functions); the
+// driver (this file and the rooms below) knows everything around it: the command line, where
+// parameters come from (seeded init, --weights, --resume), the data of each step (synthetic
+// from the seed, or .npy files), the loop forward -> backward -> update with its one-line
+// report, --dump, the record hook's file, checkpoints and the finite-difference gradient check. Everything is a function of (seed,
 // step, global sample, global element), so a run resumed from a checkpoint repeats an
 // uninterrupted one bit for bit, and a run on P ranks does the single-rank math.
 //
