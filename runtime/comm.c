@@ -111,27 +111,34 @@ static const char *const group_names[RT_GROUP_COUNT] = {"world", "dp", "mp", "ep
 
 // ---- errors ----
 
-_Noreturn void rt_comm_abort(const char *fmt, ...) {
-  char msg[2048];
-  va_list ap;
-  va_start(ap, fmt);
+void rt_mpi_vreport(const char *prefix, const char *fmt, va_list ap) {
+  char msg[4096];
   vsnprintf(msg, sizeof msg, fmt, ap);
-  va_end(ap);
-
-  int initialized = 0, finalized = 0, rank = 0, size = 1;
+  int initialized = 0, finalized = 0, rank = 0;
   MPI_Initialized(&initialized);
   MPI_Finalized(&finalized);
-  bool mpi_up = initialized && !finalized;
-  if (mpi_up) {
+  if (initialized && !finalized)
     MPI_Comm_rank(MPI_COMM_WORLD, &rank);
-    MPI_Comm_size(MPI_COMM_WORLD, &size);
-  }
   char host[256] = "?";
   gethostname(host, sizeof host);
   host[sizeof host - 1] = '\0';
-  fprintf(stderr, "moert: error: rank %d on %s: %s\n", rank, host, msg);
+  fprintf(stderr, "moert: error: rank %d on %s: %s%s\n", rank, host, prefix, msg);
   fflush(stderr);
+}
+
+_Noreturn void rt_comm_abort(const char *fmt, ...) {
+  va_list ap;
+  va_start(ap, fmt);
+  rt_mpi_vreport("", fmt, ap);
+  va_end(ap);
   fflush(stdout);
+
+  int initialized = 0, finalized = 0, size = 1;
+  MPI_Initialized(&initialized);
+  MPI_Finalized(&finalized);
+  bool mpi_up = initialized && !finalized;
+  if (mpi_up)
+    MPI_Comm_size(MPI_COMM_WORLD, &size);
   if (mpi_up && size > 1) {
     // MPI_Abort asks mpirun to end the job; should mpirun be out of reach (a cut link), the
     // alarm ends this process anyway.
@@ -140,8 +147,6 @@ _Noreturn void rt_comm_abort(const char *fmt, ...) {
   }
   exit(1);
 }
-
-#define MPI_CHECK(call) rt_mpi_check((call), #call, __FILE__, __LINE__)
 
 void rt_mpi_check(int err, const char *call, const char *file, int line) {
   if (err == MPI_SUCCESS)

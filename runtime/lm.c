@@ -14,7 +14,6 @@
 
 #include "moert.h"
 #include "rt_internal.h"
-#include "rt_mpi.h"
 
 int rt_lm_open(RtLm *lm, const RtModel *m, const RtRanks *r, const RtLmOptions *o) {
   *lm = (RtLm){.model = m, .val_max = o->val_windows};

@@ -273,7 +273,7 @@ int64_t rt_box_copy(int rank, const int64_t *src_off, const int64_t *src_dims, c
                     const int64_t *dst_off, const int64_t *dst_dims, float *dst,
                     unsigned char *covered);
 
-// ---- world-wide helpers (shard.c) ----
+// ---- world-wide helpers (world.c) ----
 // Over the world group of c; plain local operations on a world of one (c NULL included).
 // Called by every rank at the same point: 0 when every rank's status is 0; otherwise -1 on every
 // rank, and the last error on every rank becomes the lowest failing rank's message (prefixed

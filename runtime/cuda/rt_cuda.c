@@ -74,21 +74,10 @@ static bool load_driver(char *why, size_t why_size) {
 // "moert: error: rank R on HOST: MESSAGE" on stderr; the rank is MPI_COMM_WORLD's when MPI runs.
 static bool report(const char *fmt, ...) __attribute__((format(printf, 1, 2)));
 static bool report(const char *fmt, ...) {
-  int initialized = 0, finalized = 0, rank = 0;
-  MPI_Initialized(&initialized);
-  MPI_Finalized(&finalized);
-  if (initialized && !finalized)
-    MPI_Comm_rank(MPI_COMM_WORLD, &rank);
-  char host[256] = "?";
-  gethostname(host, sizeof host);
-  host[sizeof host - 1] = '\0';
-  char msg[4096];
   va_list ap;
   va_start(ap, fmt);
-  vsnprintf(msg, sizeof msg, fmt, ap);
+  rt_mpi_vreport("", fmt, ap);
   va_end(ap);
-  fprintf(stderr, "moert: error: rank %d on %s: %s\n", rank, host, msg);
-  fflush(stderr);
   return false;
 }
 
@@ -100,11 +89,11 @@ static const char *call_name(const char *call, char *buf, size_t size) {
   return buf;
 }
 
-// Each check is true when the call succeeded; otherwise it reports and is false.
+// Each check is true when the call succeeded; otherwise it reports and is false. MPI calls use
+// rt_mpi.h's MPI_CHECK: a failed one ends the job (rt_comm_abort), as in comm.c.
 #define CUDA_CHECK(call) cuda_ok((call), #call, __FILE__, __LINE__)
 #define CUBLAS_CHECK(call) cublas_ok((call), #call, __FILE__, __LINE__)
 #define NCCL_CHECK(call) nccl_ok((call), #call, __FILE__, __LINE__)
-#define MPI_CHECK(call) mpi_ok((call), #call, __FILE__, __LINE__)
 
 // "NAME (description)" of a driver error.
 static const char *cuda_error_text(CUresult rc, char *buf, size_t size) {
@@ -141,16 +130,6 @@ static bool nccl_ok(ncclResult_t rc, const char *call, const char *file, int lin
   char buf[128];
   return report("%s failed: %s%s%s at %s:%d", call_name(call, buf, sizeof buf), ncclGetErrorString(rc),
                 last && *last ? ": " : "", last ? last : "", file, line);
-}
-
-static bool mpi_ok(int rc, const char *call, const char *file, int line) {
-  if (rc == MPI_SUCCESS)
-    return true;
-  char text[MPI_MAX_ERROR_STRING] = "?";
-  int len = 0;
-  MPI_Error_string(rc, text, &len);
-  char buf[128];
-  return report("%s failed: %s at %s:%d", call_name(call, buf, sizeof buf), text, file, line);
 }
 
 // ---- the device ----
@@ -408,8 +387,8 @@ struct RtNccl {
 
 RtNccl *rt_cuda_nccl_create(MPI_Comm comm) {
   int rank = 0, size = 1;
-  if (!MPI_CHECK(MPI_Comm_rank(comm, &rank)) || !MPI_CHECK(MPI_Comm_size(comm, &size)))
-    return NULL;
+  MPI_CHECK(MPI_Comm_rank(comm, &rank));
+  MPI_CHECK(MPI_Comm_size(comm, &size));
   // Rank 0 sends whether it got an id along with it, so that every rank gives up together when
   // it did not (instead of waiting in ncclCommInitRank for a rank 0 that never comes).
   struct {
@@ -419,8 +398,7 @@ RtNccl *rt_cuda_nccl_create(MPI_Comm comm) {
   memset(&root, 0, sizeof root);
   if (rank == 0)
     root.ok = NCCL_CHECK(ncclGetUniqueId(&root.id));
-  if (!MPI_CHECK(MPI_Bcast(&root, (int)sizeof root, MPI_BYTE, 0, comm)))
-    return NULL;
+  MPI_CHECK(MPI_Bcast(&root, (int)sizeof root, MPI_BYTE, 0, comm));
   if (!root.ok) {
     if (rank != 0)
       report("rank 0 could not make an NCCL unique id (its error is in its output)");

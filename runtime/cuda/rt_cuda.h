@@ -106,7 +106,8 @@ bool rt_cuda_expert_gemm(RtCuda *cu, RtStream s, RtCudaType in, const void *a, c
 // ---- collectives (NCCL), fp32 ----
 // A communicator over the ranks of comm, collectively: rank 0 makes the unique id, MPI_Bcast
 // hands it out, every rank calls ncclCommInitRank with its rank in comm. The GPU is the current
-// context's (this process's device 0: one GPU per rank). NULL (reported) on failure.
+// context's (this process's device 0: one GPU per rank). NULL (reported) when NCCL fails; a
+// failed MPI call ends the job (MPI_CHECK, rt_mpi.h).
 RtNccl *rt_cuda_nccl_create(MPI_Comm comm);
 // The communicator of parallel group g of comm (runtime/comm.c's, which rt_comm_create made):
 // collective over the group's members.

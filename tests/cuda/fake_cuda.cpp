@@ -60,20 +60,10 @@ extern "C" {
 
 static bool report(const char *fmt, ...) __attribute__((format(printf, 1, 2)));
 static bool report(const char *fmt, ...) {
-  int initialized = 0, finalized = 0, rank = 0;
-  MPI_Initialized(&initialized);
-  MPI_Finalized(&finalized);
-  if (initialized && !finalized) MPI_Comm_rank(MPI_COMM_WORLD, &rank);
-  char host[256] = "?";
-  gethostname(host, sizeof host);
-  host[sizeof host - 1] = '\0';
-  char msg[4096];
   va_list ap;
   va_start(ap, fmt);
-  vsnprintf(msg, sizeof msg, fmt, ap);
+  rt_mpi_vreport("fake device: ", fmt, ap);
   va_end(ap);
-  fprintf(stderr, "moert: error: rank %d on %s: fake device: %s\n", rank, host, msg);
-  fflush(stderr);
   return false;
 }
 

@@ -1,0 +1,158 @@
+// --dump DIR and --export-hf DIR: rank 0 writes whole tensors, gathered from every rank's shard
+// and DP part (world.c), so that the files do not depend on the layout (main.c's opening
+// comment). Both are collective: every rank takes part in every gather, even after rank 0
+// failed to write, and then all agree on the outcome.
+#include "rt_hf.h"
+#include "rt_trainer.h"
+
+#include <errno.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/stat.h>
+
+// ---- --dump ----
+
+static int make_dirs(const char *path) {
+  char *p = rt_strdup(path, "the name of the --dump folder");
+  int status = 0;
+  for (char *s = p + 1;; s++) {
+    if (*s != '/' && *s != '\0')
+      continue;
+    char saved = *s;
+    *s = '\0';
+    struct stat sb;
+    if (mkdir(p, 0777) != 0 && errno != EEXIST) {
+      status = rt_fail("cannot create directory '%s': %s", p, strerror(errno));
+      break;
+    }
+    if (stat(p, &sb) != 0 || !S_ISDIR(sb.st_mode)) {
+      status = rt_fail("cannot create directory '%s': a file of that name is in the way", p);
+      break;
+    }
+    *s = saved;
+    if (saved == '\0')
+      break;
+  }
+  free(p);
+  return status;
+}
+
+// A language model's part of the dump (DESIGN §2.1): tokens.npy (int32 [dp*B, L+1], each window),
+// logits.npy [dp*B, L, V] and ce.npy. Collective; whole holds dp*B*L*V floats.
+static int dump_lm(RtTrainer *tr, const RtReport *rep, float *whole, char *path, size_t len, int status) {
+  const RtModel *m = tr->model;
+  const RtRanks *r = &tr->ranks;
+  bool root = rt_is_root(tr);
+  int64_t L = m->seqlen, tokens = m->batch * L, rows = r->dp * m->batch;
+  int32_t *windows = root ? rt_alloc((size_t)(rows * (L + 1)) * sizeof(int32_t), "the --dump tokens") : NULL;
+  rt_gather_dp(tr->comm, r, tr->input, tokens, whole);
+  for (int64_t b = 0; root && b < rows; b++)
+    memcpy(windows + b * (L + 1), (const int32_t *)whole + b * L, (size_t)L * sizeof(int32_t));
+  rt_gather_dp(tr->comm, r, tr->target, tokens, whole);
+  for (int64_t b = 0; root && b < rows; b++)
+    windows[b * (L + 1) + L] = ((const int32_t *)whole)[b * L + L - 1];
+  if (root && status == 0) {
+    snprintf(path, len, "%s/tokens.npy", tr->opt.dump);
+    status = rt_npy_write(path, RT_DTYPE_I32, 2, (int64_t[]){rows, L + 1}, windows);
+  }
+  free(windows);
+  rt_gather_dp(tr->comm, r, tr->st.output, tokens * m->vocab, whole);
+  if (root && status == 0) {
+    snprintf(path, len, "%s/logits.npy", tr->opt.dump);
+    status = rt_npy_write(path, RT_DTYPE_F32, 3, (int64_t[]){rows, L, m->vocab}, whole);
+  }
+  if (root && status == 0) {
+    snprintf(path, len, "%s/ce.npy", tr->opt.dump);
+    status = rt_npy_write(path, RT_DTYPE_F64, 0, NULL, &rep->mse);
+  }
+  return status;
+}
+
+// Rank 0 writes whole tensors: the global batch's input, target and output (gathered over DP)
+// and every parameter's gradient assembled from the ranks' shards. Collective on several ranks:
+// every rank takes part in every gather even after rank 0 failed to write, then all agree.
+int rt_dump_step(RtTrainer *tr, const RtReport *rep) {
+  const RtModel *m = tr->model;
+  const RtRanks *r = &tr->ranks;
+  const char *dir = tr->opt.dump;
+  bool root = rt_is_root(tr);
+  if (rt_device_get(tr, RT_DEVICE_GRADS | RT_DEVICE_OUTPUT) != 0)
+    return -1;
+  int status = tr->st.output ? 0
+                             : rt_fail("internal error: the forward of model '%s' did not set "
+                                       "its output", m->name);
+  if (rt_world_agree(tr->comm, status) != 0)
+    return -1;
+  size_t len = strlen(dir) + 512;
+  char *path = NULL;
+  int64_t tokens = m->batch * m->seqlen, logits = tokens * m->vocab;
+  size_t whole_floats = (size_t)(r->dp * (tr->elems > logits ? tr->elems : logits));
+  for (int i = 0; i < m->nparams; i++) {
+    size_t n = (size_t)rt_param_global_numel(&m->params[i]);
+    whole_floats = n > whole_floats ? n : whole_floats;
+  }
+  float *whole = NULL;
+  if (root) {
+    path = rt_alloc(len, "the names of the --dump files");
+    whole = rt_alloc(whole_floats * sizeof(float), "a whole tensor of the --dump");
+    snprintf(path, len, "%s/grad", dir);
+    status = make_dirs(path);
+  }
+  if (rt_world_agree(tr->comm, status) != 0) {
+    free(path);
+    free(whole);
+    return -1;
+  }
+  if (m->vocab > 0) {
+    status = dump_lm(tr, rep, whole, path, len, status);
+  } else {
+    int64_t dims[3] = {r->dp * m->batch, m->seqlen, m->embed};
+    const char *names[3] = {"input", "target", "output"};
+    const float *data[3] = {tr->st.input, tr->st.target, tr->st.output};
+    for (int k = 0; k < 3; k++) {
+      rt_gather_dp(tr->comm, r, data[k], tr->elems, whole);
+      if (root && status == 0) {
+        snprintf(path, len, "%s/%s.npy", dir, names[k]);
+        status = rt_npy_write(path, RT_DTYPE_F32, 3, dims, whole);
+      }
+    }
+  }
+  if (root && status == 0) {
+    snprintf(path, len, "%s/loss.npy", dir);
+    status = rt_npy_write(path, RT_DTYPE_F64, 0, NULL, &rep->loss);
+  }
+  for (int i = 0; i < m->nparams; i++) {
+    const RtParam *p = &m->params[i];
+    rt_gather_param(tr->comm, p, r, tr->st.grads + p->offset, whole);
+    if (root && status == 0) {
+      snprintf(path, len, "%s/grad/%s.npy", dir, p->name);
+      status = rt_npy_write(path, RT_DTYPE_F32, p->rank, p->global_dims, whole);
+    }
+  }
+  free(path);
+  free(whole);
+  return rt_world_agree(tr->comm, status);
+}
+
+// ---- --export-hf ----
+
+// --export-hf DIR: every parameter gathered whole on rank 0, which writes the checkpoint.
+// Collective.
+int rt_dump_hf(RtTrainer *tr, const char *dir) {
+  const RtModel *m = tr->model;
+  const RtRanks *r = &tr->ranks;
+  bool root = r->rank == 0;
+  float **whole = root ? rt_calloc((size_t)m->nparams, sizeof *whole, "the parameters of a checkpoint") : NULL;
+  for (int i = 0; i < m->nparams; i++) {
+    const RtParam *p = &m->params[i];
+    if (root) whole[i] = rt_alloc((size_t)rt_param_global_numel(p) * sizeof(float), "a parameter of a checkpoint");
+    rt_gather_param(tr->comm, p, r, tr->st.params + p->offset, root ? whole[i] : NULL);
+  }
+  int status = root ? rt_hf_export(m, whole, dir) : 0;
+  if (root && status == 0 && !tr->opt.quiet)
+    printf("# wrote %s/config.json and %s/model.safetensors (Hugging Face)\n", dir, dir);
+  for (int i = 0; root && i < m->nparams; i++) free(whole[i]);
+  free(whole);
+  return rt_world_agree(tr->comm, status);
+}

@@ -1,0 +1,110 @@
+// The training driver's internals (rt_main, moert.h), shared by its files:
+//   main.c        rt_main: the trainer's buffers, where parameters and data come from, the
+//                 training loop with its report and --log, the record hook's file
+//   options.c     the command line (--help's text, parsing) and the checks of the model
+//                 description and of the options against it
+//   dump.c        --dump (the first step's tensors, whole) and --export-hf
+//   check_grad.c  --check-grad: the gradients against central differences
+//   sample.c      --sample: generating tokens after a prompt
+// main.c's opening comment says how the driver works; everything here is declared for those
+// files only, never for the generated programs.
+#ifndef RT_TRAINER_H
+#define RT_TRAINER_H
+
+#include <stdbool.h>
+#include <stdint.h>
+#include <stdio.h>
+
+#include "moert.h"
+#include "rt_internal.h"
+#include "rt_log.h"
+
+// ---- the command line (options.c) ----
+
+typedef struct RtOptions {
+  int64_t steps;
+  const char *weights, *save, *resume, *input, *target, *dump, *record;
+  const char *export_hf;        // --export-hf DIR: the model as a Hugging Face checkpoint
+  const char *log;              // --log F.jsonl: a JSON line per step and per evaluation
+  bool steps_given;             // --steps was on the command line
+  bool watched;                 // a person watches stdout: one progress line (rt_main, before MPI starts)
+  bool check_grad, quiet, help, profile;
+  // language models (runtime/lm.c)
+  const char *data, *val, *prompt;
+  int64_t eval_every, val_windows, sample;
+  double temperature;
+  double comm_timeout;          // seconds; < 0: not given
+} RtOptions;
+
+// --help's text, for the program prog of model.
+void rt_options_usage(FILE *out, const RtModel *model, const char *prog);
+// argv into *o (defaults for what is not given). 0, or -1 with the reason recorded (rt_fail).
+int rt_options_parse(int argc, char **argv, RtOptions *o);
+// The model description the generated program hands to rt_main is consistent (its names, sizes,
+// layout, and every parameter's shape and split); -1 (rt_fail) otherwise.
+int rt_model_check(const RtModel *m);
+// The options that apply to language models only, --target (not to one) and --export-hf (a
+// model of a known family) fit model m; -1 (rt_fail) otherwise.
+int rt_options_check(const RtModel *m, const RtOptions *o);
+
+// ---- the trainer: every buffer a run needs (main.c) ----
+
+typedef struct RtTrainer {
+  const RtModel *model;
+  RtOptions opt;
+  RtRanks ranks;           // this rank's place in the layout
+  RtComm *comm;            // the layout's communicators (rt_main's; NULL: a world of one)
+  RtStep st;
+  float *input, *target;   // this rank's DP shard of the step's data
+  int64_t elems;           // batch * seqlen * embed
+  int64_t done_steps;      // the last step already applied to the parameters
+  bool fixed_data;         // --input given: the same data every step
+  bool device_up;          // model->device created: destroy it at the end
+  RtFault fault;           // tests only: where this rank dies (MOERT_TEST_KILL, fault.c)
+  RtLm lm;                 // a language model's data (model->vocab > 0)
+  bool lm_open;
+  RtLog *log;              // --log (rank 0; NULL elsewhere and without it)
+  RtLogLayer *log_layers;  // per routed layer, the step's reduced statistics (--log)
+} RtTrainer;
+
+static inline bool rt_is_root(const RtTrainer *tr) {
+  return tr->ranks.rank == 0;
+}
+
+// Host -> device (rt_device_put) and device -> host (rt_device_get) of what (RtDeviceData bits),
+// on every rank, agreed over the world. 0 without a device: the host buffers are the only ones.
+int rt_device_put(RtTrainer *tr, unsigned what);
+int rt_device_get(RtTrainer *tr, unsigned what);
+
+// The data of step `step` into tr->input and tr->target (a language model's windows, the
+// synthetic input and its target, or nothing new with --input); sets tr->st.step.
+void rt_fill_step_data(RtTrainer *tr, int64_t step);
+
+// ---- the report: a step's figures, reduced over the ranks (main.c) ----
+
+typedef struct RtReport {
+  double loss, mse, aux, z, aux_total;
+  double dropped, routed, load_sum, load_count;
+  double load_min, load_max, capacity_max;
+  bool route_changed;         // some rank's route_hash differs from the one given
+} RtReport;
+
+// The figures st left, reduced over the ranks; route_changed compares st->route_hash with *hash0
+// (hash0 NULL: false). Collective on several ranks.
+RtReport rt_report_reduce(const RtTrainer *tr, const RtStep *st, const uint64_t *hash0);
+
+// ---- the rooms of the command line ----
+
+// --dump DIR: rank 0 writes the step's input, target, output, loss and whole gradients
+// (dump.c). Collective; 0 or -1 on every rank.
+int rt_dump_step(RtTrainer *tr, const RtReport *rep);
+// --export-hf DIR: the parameters, gathered whole, as a Hugging Face checkpoint (dump.c).
+// Collective.
+int rt_dump_hf(RtTrainer *tr, const char *dir);
+// --check-grad at step 1 (check_grad.c): 0 when every checked entry is within tolerance, 1 when
+// some is not or nothing could be checked, -1 on a failure (recorded). Collective.
+int rt_check_grad(RtTrainer *tr);
+// --sample: tr->opt.sample tokens after the prompt, printed by rank 0 (sample.c). Collective.
+int rt_sample(RtTrainer *tr);
+
+#endif

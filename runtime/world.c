@@ -1,0 +1,101 @@
+// World-wide helpers over the driver's communicator: the few operations rt_main and the
+// checkpoints need beyond the group collectives of comm.c (agreeing on an error, max
+// reductions, gathers of whole tensors and of the DP batch to rank 0), all on the world group.
+// Only here does the driver's side call MPI directly (point-to-point sends and receives); on a
+// world of one (a NULL communicator, or one of one rank) none of them touches MPI.
+#include "moert.h"
+#include "rt_internal.h"
+#include "rt_mpi.h"
+
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+int rt_world_agree(RtComm *c, int status) {
+  int world = rt_comm_size(c, RT_GROUP_WORLD);
+  if (world == 1)
+    return status;
+  int me = rt_comm_rank(c, RT_GROUP_WORLD);
+  // The lowest failing rank (world when none), as the largest negated rank: a collective with the
+  // deadline of every other (comm.c), so that a cut link ends the job here too.
+  double lowest_neg = -(double)(status != 0 ? me : world);
+  rt_allreduce_max_f64(c, RT_GROUP_WORLD, &lowest_neg, 1);
+  int lowest = (int)-lowest_neg;
+  if (lowest == world)
+    return 0;
+  char msg[1024];
+  snprintf(msg, sizeof msg, "%s", rt_last_error()[0] ? rt_last_error() : "unknown failure");
+  rt_bcast(c, RT_GROUP_WORLD, msg, (int64_t)sizeof msg, lowest);
+  msg[sizeof msg - 1] = '\0';
+  if (lowest == 0)
+    rt_fail("%s", msg);
+  else
+    rt_fail("rank %d: %s", lowest, msg);
+  return -1;
+}
+
+void rt_world_max(RtComm *c, double *v, int n) {
+  if (rt_comm_size(c, RT_GROUP_WORLD) > 1)
+    rt_allreduce_max_f64(c, RT_GROUP_WORLD, v, n);   // with the collectives' deadline (comm.c)
+}
+
+// Point-to-point in pieces that fit MPI's int counts.
+enum { PIECE = 1 << 28 };
+
+static void send_floats(RtComm *c, const float *buf, int64_t n, int to) {
+  for (int64_t at = 0; at < n; at += PIECE) {
+    int count = (int)(n - at < PIECE ? n - at : PIECE);
+    MPI_CHECK(MPI_Send(buf + at, count, MPI_FLOAT, to, 0, rt_comm_mpi(c, RT_GROUP_WORLD)));
+  }
+}
+
+static void recv_floats(RtComm *c, float *buf, int64_t n, int from) {
+  for (int64_t at = 0; at < n; at += PIECE) {
+    int count = (int)(n - at < PIECE ? n - at : PIECE);
+    MPI_CHECK(MPI_Recv(buf + at, count, MPI_FLOAT, from, 0, rt_comm_mpi(c, RT_GROUP_WORLD),
+                       MPI_STATUS_IGNORE));
+  }
+}
+
+// The coordinates of another rank of the same layout.
+static RtRanks peer_of(const RtRanks *r, int rank) {
+  RtLayout l = {.dp = r->dp, .mp = r->mp, .ep = r->ep, .esp = r->esp, .gpus_per_node = 1};
+  return rt_ranks_of(&l, rank, r->world);
+}
+
+void rt_gather_param(RtComm *c, const RtParam *p, const RtRanks *r, const float *shard,
+                     float *whole) {
+  int64_t zero[4] = {0}, off[4];
+  if (r->rank != 0) {
+    if (rt_shard_owner(p, r))
+      send_floats(c, shard, p->numel, 0);
+    return;
+  }
+  float *buf = NULL;
+  if (r->world > 1 && p->numel > 0)
+    buf = rt_alloc((size_t)p->numel * sizeof(float), "a parameter's shard gathered on rank 0");
+  for (int k = 0; k < r->world; k++) {
+    RtRanks peer = peer_of(r, k);
+    if (!rt_shard_owner(p, &peer))
+      continue;
+    const float *src = shard;
+    if (k != 0) {
+      recv_floats(c, buf, p->numel, k);
+      src = buf;
+    }
+    rt_shard_offsets(p, &peer, off);
+    rt_box_copy(p->rank, off, p->dims, src, zero, p->global_dims, whole, NULL);
+  }
+  free(buf);
+}
+
+void rt_gather_dp(RtComm *c, const RtRanks *r, const float *mine, int64_t n, float *whole) {
+  if (r->rank != 0) {
+    if (r->mp_index == 0)
+      send_floats(c, mine, n, 0);
+    return;
+  }
+  memcpy(whole, mine, (size_t)n * sizeof(float));
+  for (int k = 1; k < r->dp; k++)
+    recv_floats(c, whole + k * n, n, k * r->mp);
+}
