@@ -305,14 +305,21 @@ bench: deps all $(BUILD)/bench/gate_order $(BUILD)/bench/alltoall $(BUILD)/bench
 	$(BUILD)/bench/gate_order
 	@echo
 	@BUILD=$(BUILD) bash bench/streams.sh
+	@BUILD=$(BUILD) bash bench/cluster/layouts.sh --search-only
 
 # ---- make cluster-bench (issue 23): planned schedules on an emulated multi-node cluster ----
 # Network namespaces joined by links shaped with tbf (tests/cluster/cluster.sh, docs/cluster.md):
 # every policy's predicted and measured step, an r sweep, a table and an SVG under
-# build/cluster-bench. About an hour; CLUSTER_BENCH_ARGS=--quick for a few minutes.
-.PHONY: cluster-bench
+# build/cluster-bench. About an hour; CLUSTER_BENCH_ARGS=--quick for a few minutes. Then the layout
+# search (issue 25, bench/cluster/layouts.sh): every fitting layout of the stack built and run on
+# 2 x 2, measured beside predicted (layouts.md); `make cluster-layouts` runs only that part
+# (CLUSTER_LAYOUTS_ARGS=--quick: one round).
+.PHONY: cluster-bench cluster-layouts
 cluster-bench: deps all
 	@BUILD=$(BUILD) bash bench/cluster/bench.sh $(CLUSTER_BENCH_ARGS)
+	@BUILD=$(BUILD) bash bench/cluster/layouts.sh $(if $(findstring --quick,$(CLUSTER_BENCH_ARGS)),--quick) $(CLUSTER_LAYOUTS_ARGS)
+cluster-layouts: deps all
+	@BUILD=$(BUILD) bash bench/cluster/layouts.sh $(CLUSTER_LAYOUTS_ARGS)
 
 # ---- make interop (issue 24): Hugging Face checkpoints against transformers itself ----
 # tests/interop/run.sh: installs torch and transformers into build/interop-venv once; tiny random
