@@ -89,8 +89,7 @@ static bool parse_options(int argc, char **argv, Options *o) {
   char for_what[64], help[64];
   snprintf(for_what, sizeof for_what, "'moec %s'", argv[1]);
   snprintf(help, sizeof help, "moec %s", argv[1]);
-  CliArgs args = {.prefix = "moec: error: ", .err = stderr, .needs_value = "option '%s' needs a value",
-                  .for_what = for_what, .help = help, .positional = &o->input, .second = "more than one input file",
+  CliArgs args = {.for_what = for_what, .help = help, .positional = &o->input, .second = "more than one input file",
                   .dash_is_positional = true, .opts = opts, .nopts = sizeof opts / sizeof opts[0]};
   if (!cli_parse_args(&args, argc, argv)) return false;
   if (!o->input) {

@@ -75,7 +75,8 @@ static bool opt_real(const CliArgs *a, const char *opt, const char *value, void 
   char *end = NULL;
   errno = 0;
   double v = strtod(value, &end);
-  if (*end || errno || !(v > 0) || !isfinite(v)) return cli_args_error(a, "%s needs a positive number, not '%s'", opt, value);
+  if (*end || errno || !(v > 0) || !isfinite(v))
+    return cli_args_error(a, "%s needs a positive number, not '%s'", opt, value);
   *(double *)dest = v;
   return true;
 }
@@ -90,7 +91,7 @@ static bool parse_options(int argc, char **argv, Options *o) {
       {"--seqlen", NULL, false, &o->seqlen, opt_count},
       {"--lr", NULL, false, &o->lr, opt_real},
   };
-  CliArgs args = {.prefix = "moec import-hf: error: ", .err = stderr, .needs_value = "%s needs a value",
+  CliArgs args = {.prefix = "moec import-hf: error: ", .needs_value = "%s needs a value",
                   .positional = &o->dir, .second = "one checkpoint folder only", .opts = opts,
                   .nopts = sizeof opts / sizeof opts[0]};
   if (!cli_parse_args(&args, argc, argv)) return false;

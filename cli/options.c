@@ -8,12 +8,12 @@
 #include <string.h>
 
 bool cli_args_error(const CliArgs *a, const char *fmt, ...) {
-  if (!a->err) return false;
+  if (a->quiet) return false;
   va_list ap;
   va_start(ap, fmt);
-  fputs(a->prefix, a->err);
-  vfprintf(a->err, fmt, ap);
-  fputc('\n', a->err);
+  fputs(a->prefix ? a->prefix : "moec: error: ", stderr);
+  vfprintf(stderr, fmt, ap);
+  fputc('\n', stderr);
   va_end(ap);
   return false;
 }
@@ -72,10 +72,10 @@ bool cli_parse_args(const CliArgs *a, int argc, char **argv) {
     }
     if (!value) {
       if (i + 1 >= argc) {
-        if (a->err) {
-          fputs(a->prefix, a->err);
-          fprintf(a->err, a->needs_value, arg);
-          fputc('\n', a->err);
+        if (!a->quiet) {
+          fputs(a->prefix ? a->prefix : "moec: error: ", stderr);
+          fprintf(stderr, a->needs_value ? a->needs_value : "option '%s' needs a value", arg);
+          fputc('\n', stderr);
         }
         return false;
       }

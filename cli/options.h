@@ -26,9 +26,9 @@ typedef struct CliOpt {
 } CliOpt;
 
 typedef struct CliArgs {
-  const char *prefix;        // "moec: error: "
-  FILE *err;                 // where errors go; NULL: nowhere (tune's ranks other than 0)
-  const char *needs_value;   // format of a missing value, with the option: "option '%s' needs a value"
+  const char *prefix;        // NULL: "moec: error: "
+  bool quiet;                // report nothing (tune's ranks other than 0); else errors go to stderr
+  const char *needs_value;   // format of a missing value, with the option; NULL: "option '%s' needs a value"
   const char *for_what;      // "'moec plan'", "tune"; NULL: "unknown option 'A'" alone
   const char *help;          // "moec plan": the command whose --help the message points at
   const char *stray;         // a non-option where none is taken: "unknown argument", "unexpected argument"
@@ -42,7 +42,7 @@ typedef struct CliArgs {
 // Parses argv[2..] (argv[1] is the command) into the table's destinations; false on a usage
 // error (reported).
 bool cli_parse_args(const CliArgs *a, int argc, char **argv);
-// PREFIX, the message, a newline, on a->err (nothing when it is NULL). Returns false.
+// PREFIX, the message, a newline, on stderr (nothing when a->quiet). Returns false.
 bool cli_args_error(const CliArgs *a, const char *fmt, ...) __attribute__((format(printf, 2, 3)));
 // Checks: a positive finite number into double * ("OPT takes a positive number, not 'V'").
 bool cli_opt_positive(const CliArgs *a, const char *opt, const char *value, void *dest);

@@ -99,8 +99,7 @@ static int parse_plan_options(int argc, char **argv, PlanOptions *o) {
       {"--layouts", NULL, true, &o->layouts},  {"--heads", NULL, false, &o->heads, cli_opt_positive},
       {"--degree", NULL, false, &o->choose, cli_opt_degree},
   };
-  CliArgs args = {.prefix = "moec: error: ", .err = stderr, .needs_value = "option '%s' needs a value",
-                  .for_what = "'moec plan'", .help = "moec plan", .positional = &o->input,
+  CliArgs args = {.for_what = "'moec plan'", .help = "moec plan", .positional = &o->input,
                   .second = "more than one input file", .dash_is_positional = true, .opts = opts,
                   .nopts = sizeof opts / sizeof opts[0]};
   if (!cli_parse_args(&args, argc, argv)) return 2;

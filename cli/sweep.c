@@ -34,9 +34,6 @@ void cli_sweep_usage(FILE *out) {
           "  --dropless-capacity X   the capacity factor a dropless layer is planned at\n");
 }
 
-
-// ---- moec sweep ----
-
 // The paper's Table 5 (average speedup over tutel) on Testbed A and B.
 static double paper_speedup(IrPolicy p, int testbed) {
   static const double a[IR_NPOLICIES] = {[IR_POLICY_FSMOE] = 1.18, [IR_POLICY_FSMOE_NO_IIO] = 1.12, [IR_POLICY_TUTEL] = 1.00,
@@ -104,8 +101,7 @@ static int parse_sweep_options(int argc, char **argv, SweepOptions *o) {
       {"--seqlens", NULL, false, o->seqlens, opt_seqlens},
       {"--dropless-capacity", NULL, false, &o->dropless_capacity, cli_opt_positive},
   };
-  CliArgs args = {.prefix = "moec: error: ", .err = stderr, .needs_value = "option '%s' needs a value",
-                  .for_what = "'moec sweep'", .help = "moec sweep", .stray = "unknown argument", .opts = opts,
+  CliArgs args = {.for_what = "'moec sweep'", .help = "moec sweep", .stray = "unknown argument", .opts = opts,
                   .nopts = sizeof opts / sizeof opts[0]};
   if (!cli_parse_args(&args, argc, argv)) return 2;
   if (!o->cluster_path) {

@@ -129,8 +129,7 @@ static bool parse_options(int argc, char **argv, TuneOptions *o) {
       {"--quick", NULL, true, &o->quick},
       {"-v", "--verbose", true, &o->verbose},
   };
-  CliArgs args = {.prefix = "moec: error: ", .err = T.rank == 0 ? stderr : NULL,
-                  .needs_value = "option '%s' needs a value", .for_what = "tune", .help = "moec tune",
+  CliArgs args = {.quiet = T.rank != 0, .for_what = "tune", .help = "moec tune",
                   .stray = "unexpected argument", .opts = opts, .nopts = sizeof opts / sizeof opts[0]};
   if (!cli_parse_args(&args, argc, argv)) return false;
   if (o->target && strcmp(o->target, "cpu") != 0 && strcmp(o->target, "cuda") != 0) {
