@@ -127,7 +127,7 @@ RUNTIME_LIBS := $(BLAS_LIBS) $(CJSON_LIBS) $(MPI_LIBS) -lm
 # The command line: moec.c, the entry point, and the subcommands in cli/ (check, dump-ir, build,
 # plan, sweep, tune) with the CUDA target; `moec tune` runs the runtime's kernels and collectives,
 # so moec links libmoert too.
-CLI_SRC := moec.c $(wildcard cli/*.c) codegen/target_cuda.c
+CLI_SRC := moec.c $(filter-out cli/tune_cuda.c,$(wildcard cli/*.c)) codegen/target_cuda.c
 CLI_OBJ := $(CLI_SRC:%.c=$(BUILD)/obj/%.o)
 $(BUILD)/moec: $(CLI_OBJ) $(BUILD)/libmoec.a $(BUILD)/libmoert.a $(filter %.o,$(MOEC_NVRTC))
 	$(CC) $(CFLAGS) -o $@ $(CLI_OBJ) $(BUILD)/libmoec.a $(BUILD)/libmoert.a $(MOEC_NVRTC) -lnlopt -ldl $(RUNTIME_LIBS)
@@ -187,18 +187,20 @@ $(BUILD)/cuda/libfake_cuda.a: $(BUILD)/obj/cuda/fake_cuda.o $(BUILD)/obj/runtime
 	@rm -f $@
 	ar rcs $@ $^
 
-# `moec tune --target cuda` (cli/tune.c with MOEC_TUNE_CUDA): cuBLAS GEMMs and NCCL collectives, in
-# a program of its own so that moec does not load cuBLAS at every start; moec runs it in its place.
-# moec-tune-fake is the same program on the fake device (MOEC_CUDA_FAKE=1, tests/tune.sh).
-$(BUILD)/obj/cuda/tune_cuda.o: cli/tune.c cli/cli.h runtime/cuda/rt_cuda.h runtime/moert.h $(CONFIG)
+# `moec tune --target cuda` (cli/tune.c with the engine of cli/tune_cuda.c, which moec does not
+# link): cuBLAS GEMMs and NCCL collectives, in a program of its own so that moec does not load
+# cuBLAS at every start; moec runs it in its place. moec-tune-fake is the same program on the
+# fake device (MOEC_CUDA_FAKE=1, tests/tune.sh).
+TUNE_CUDA_OBJ := $(BUILD)/obj/cuda/tune_cuda.o $(BUILD)/obj/cli/tune.o $(BUILD)/obj/cli/options.o
+$(BUILD)/obj/cuda/tune_cuda.o: cli/tune_cuda.c cli/tune.h runtime/cuda/rt_cuda.h runtime/moert.h $(CONFIG)
 	@mkdir -p $(dir $@)
-	$(CC) $(CFLAGS) $(INCLUDES) -I$(CUDA)/include $(MPI_CFLAGS) -DMOEC_TUNE_CUDA -c $< -o $@
+	$(CC) $(CFLAGS) $(INCLUDES) -I$(CUDA)/include $(MPI_CFLAGS) -c $< -o $@
 
-$(BUILD)/cuda/moec-tune-cuda: $(BUILD)/obj/cuda/tune_cuda.o $(BUILD)/libmoert_cuda.a $(BUILD)/libmoec.a $(BUILD)/libmoert.a
-	$(CC) $(CFLAGS) -o $@ $< $(BUILD)/libmoert_cuda.a $(BUILD)/libmoec.a $(BUILD)/libmoert.a $(CUDA_LIBS) -lnlopt $(RUNTIME_LIBS) -pthread
+$(BUILD)/cuda/moec-tune-cuda: $(TUNE_CUDA_OBJ) $(BUILD)/libmoert_cuda.a $(BUILD)/libmoec.a $(BUILD)/libmoert.a
+	$(CC) $(CFLAGS) -o $@ $(TUNE_CUDA_OBJ) $(BUILD)/libmoert_cuda.a $(BUILD)/libmoec.a $(BUILD)/libmoert.a $(CUDA_LIBS) -lnlopt $(RUNTIME_LIBS) -pthread
 
-$(BUILD)/cuda/moec-tune-fake: $(BUILD)/obj/cuda/tune_cuda.o $(BUILD)/cuda/libfake_cuda.a $(BUILD)/libmoec.a $(BUILD)/libmoert.a
-	$(CXX) $(CUDA_CXXFLAGS) -o $@ $< $(BUILD)/cuda/libfake_cuda.a $(BUILD)/libmoec.a $(BUILD)/libmoert.a -lnlopt $(RUNTIME_LIBS) -pthread
+$(BUILD)/cuda/moec-tune-fake: $(TUNE_CUDA_OBJ) $(BUILD)/cuda/libfake_cuda.a $(BUILD)/libmoec.a $(BUILD)/libmoert.a
+	$(CXX) $(CUDA_CXXFLAGS) -o $@ $(TUNE_CUDA_OBJ) $(BUILD)/cuda/libfake_cuda.a $(BUILD)/libmoec.a $(BUILD)/libmoert.a -lnlopt $(RUNTIME_LIBS) -pthread
 
 $(BUILD)/cuda/gpu_check: tests/cuda/gpu_check.cpp tests/cuda/kernel_cases.h tests/cuda/host_kernels.h \
                          $(BUILD)/cuda/kernel_library.cu $(BUILD)/obj/cuda/nvrtc.o $(BUILD)/libmoert_cuda.a \

@@ -5,7 +5,7 @@
 //   moec dump-ir F.ir                read IR text back, verify it, print it
 //   moec build F.moe [-o BIN] [-v] [--emit c|cuda] [--keep-c F.c] [--cluster C] [--target T]
 //                    [--gpu-arch sm_NN]
-//   moec plan | sweep                the FSMoE schedule model (cli/plan.c)
+//   moec plan | sweep                the FSMoE schedule model (cli/plan.c, cli/sweep.c)
 //   mpirun -np P moec tune ...       profile a cluster, fit, write a .cluster (cli/tune.c)
 //   moec import-hf DIR -o PREFIX     a Hugging Face checkpoint as a model (cli/import_hf.c)
 //   moec ops | passes                the op table and the pass list

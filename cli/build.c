@@ -7,6 +7,7 @@
 #include <unistd.h>
 
 #include "cli/cli.h"
+#include "cli/options.h"
 #include "codegen/cg.h"
 #include "frontend/fe.h"
 #include "ir/ir.h"
@@ -76,38 +77,21 @@ static bool ends_with(const char *s, const char *suffix) {
 
 // Parses options after the command; false on a usage error (already reported).
 static bool parse_options(int argc, char **argv, Options *o) {
-  for (int i = 2; i < argc; i++) {
-    const char *a = argv[i];
-    const char **value = NULL;
-    if (strcmp(a, "-o") == 0) value = &o->output;
-    else if (strcmp(a, "--emit") == 0) value = &o->emit;
-    else if (strcmp(a, "--keep-c") == 0) value = &o->keep_c;
-    else if (strcmp(a, "--cluster") == 0) value = &o->cluster;
-    else if (strcmp(a, "--target") == 0) value = &o->target;
-    else if (strcmp(a, "--gpu-arch") == 0) value = &o->gpu_arch;
-    else if (strcmp(a, "--layout") == 0) value = &o->layout;
-    else if (strncmp(a, "--gpu-arch=", 11) == 0) o->gpu_arch = a + 11;
-    else if (strncmp(a, "--after=", 8) == 0) o->after = a + 8;
-    else if (strncmp(a, "--target=", 9) == 0) o->target = a + 9;
-    else if (strncmp(a, "--emit=", 7) == 0) o->emit = a + 7;
-    else if (strcmp(a, "--all") == 0) o->all = true;
-    else if (strcmp(a, "-v") == 0 || strcmp(a, "--verbose") == 0) o->verbose = true;
-    else if (a[0] == '-' && a[1]) {
-      fprintf(stderr, "moec: error: unknown option '%s' for 'moec %s' (see 'moec %s --help')\n", a, argv[1], argv[1]);
-      return false;
-    } else if (!o->input) o->input = a;
-    else {
-      fprintf(stderr, "moec: error: more than one input file ('%s' and '%s')\n", o->input, a);
-      return false;
-    }
-    if (value) {
-      if (++i >= argc) {
-        fprintf(stderr, "moec: error: option '%s' needs a value\n", a);
-        return false;
-      }
-      *value = argv[i];
-    }
-  }
+  const CliOpt opts[] = {
+      {"-o", NULL, false, &o->output},          {"--emit", NULL, false, &o->emit},
+      {"--keep-c", NULL, false, &o->keep_c},    {"--cluster", NULL, false, &o->cluster},
+      {"--target", NULL, false, &o->target},    {"--gpu-arch", NULL, false, &o->gpu_arch},
+      {"--layout", NULL, false, &o->layout},    {"--gpu-arch=", NULL, false, &o->gpu_arch},
+      {"--after=", NULL, false, &o->after},     {"--target=", NULL, false, &o->target},
+      {"--emit=", NULL, false, &o->emit},       {"--all", NULL, true, &o->all},
+      {"-v", "--verbose", true, &o->verbose},
+  };
+  char for_what[64], help[64];
+  snprintf(for_what, sizeof for_what, "'moec %s'", argv[1]);
+  snprintf(help, sizeof help, "moec %s", argv[1]);
+  CliArgs args = {.for_what = for_what, .help = help, .positional = &o->input, .second = "more than one input file",
+                  .dash_is_positional = true, .opts = opts, .nopts = sizeof opts / sizeof opts[0]};
+  if (!cli_parse_args(&args, argc, argv)) return false;
   if (!o->input) {
     fprintf(stderr, "moec: error: no input file (see 'moec --help')\n");
     return false;

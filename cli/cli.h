@@ -16,14 +16,14 @@ void cli_check_usage(FILE *out);
 void cli_dump_ir_usage(FILE *out);
 void cli_build_usage(FILE *out);
 int cli_plan(int argc, char **argv);    // cli/plan.c: the FSMoE schedule model of a model
-int cli_sweep(int argc, char **argv);   // cli/plan.c: every policy over the paper's Table 4
-int cli_tune(int argc, char **argv);    // cli/tune.c: profile a cluster under mpirun
+int cli_sweep(int argc, char **argv);   // cli/sweep.c: every policy over the paper's Table 4
+int cli_tune(int argc, char **argv);    // cli/tune_cpu.c: profile a cluster under mpirun (cli/tune.h)
 void cli_plan_usage(FILE *out);
 void cli_sweep_usage(FILE *out);
 void cli_tune_usage(FILE *out);
 int cli_import_hf(int argc, char **argv);   // cli/import_hf.c: a Hugging Face checkpoint as a model
 void cli_import_hf_usage(FILE *out);
-// The cluster profile of the front end (a .cluster file) in the scheduling model's form.
+// The cluster profile of the front end (a .cluster file) in the scheduling model's form (cli/plan.c).
 void cli_cluster_from_fe(const FeCluster *f, SchedCluster *c);
 
 // ---- the layout search of `parallel auto;` (cli/layout.c, DESIGN §6.1) ----

@@ -21,6 +21,8 @@
 #include <time.h>
 
 #include "cli/cli.h"
+#include "cli/options.h"
+#include "frontend/fe.h"
 #include "runtime/rt_hf.h"
 #include "runtime/rt_internal.h"
 
@@ -57,46 +59,42 @@ static int fail(const char *fmt, ...) {
   return 1;
 }
 
+// --batch, --seqlen: a whole number from 1 to 2^24 (a CliOpt check).
+static bool opt_count(const CliArgs *a, const char *opt, const char *value, void *dest) {
+  char *end = NULL;
+  errno = 0;
+  int64_t v = strtoll(value, &end, 10);
+  if (*end || errno || v <= 0 || v > (1 << 24))
+    return cli_args_error(a, "%s needs a whole number from 1 to %d, not '%s'", opt, 1 << 24, value);
+  *(int64_t *)dest = v;
+  return true;
+}
+
+// --lr: a positive number (a CliOpt check).
+static bool opt_real(const CliArgs *a, const char *opt, const char *value, void *dest) {
+  char *end = NULL;
+  errno = 0;
+  double v = strtod(value, &end);
+  if (*end || errno || !(v > 0) || !isfinite(v))
+    return cli_args_error(a, "%s needs a positive number, not '%s'", opt, value);
+  *(double *)dest = v;
+  return true;
+}
+
 static bool parse_options(int argc, char **argv, Options *o) {
   *o = (Options){.optimizer = "adamw", .batch = 4, .lr = 1e-5};
-  for (int i = 2; i < argc; i++) {
-    const char *a = argv[i];
-    const char **text = NULL;
-    int64_t *count = NULL;
-    double *real = NULL;
-    if (strcmp(a, "-o") == 0) text = &o->prefix;
-    else if (strcmp(a, "--name") == 0) text = &o->name;
-    else if (strcmp(a, "--optimizer") == 0) text = &o->optimizer;
-    else if (strcmp(a, "--batch") == 0) count = &o->batch;
-    else if (strcmp(a, "--seqlen") == 0) count = &o->seqlen;
-    else if (strcmp(a, "--lr") == 0) real = &o->lr;
-    else if (a[0] == '-') {
-      fprintf(stderr, "moec import-hf: error: unknown option '%s'\n", a);
-      return false;
-    } else if (!o->dir) {
-      o->dir = a;
-      continue;
-    } else {
-      fprintf(stderr, "moec import-hf: error: one checkpoint folder only ('%s' and '%s')\n", o->dir, a);
-      return false;
-    }
-    if (i + 1 >= argc) {
-      fprintf(stderr, "moec import-hf: error: %s needs a value\n", a);
-      return false;
-    }
-    const char *v = argv[++i];
-    char *end = NULL;
-    errno = 0;
-    if (text) *text = v;
-    if (count && ((*count = strtoll(v, &end, 10)), *end || errno || *count <= 0 || *count > (1 << 24))) {
-      fprintf(stderr, "moec import-hf: error: %s needs a whole number from 1 to %d, not '%s'\n", a, 1 << 24, v);
-      return false;
-    }
-    if (real && ((*real = strtod(v, &end)), *end || errno || !(*real > 0) || !isfinite(*real))) {
-      fprintf(stderr, "moec import-hf: error: %s needs a positive number, not '%s'\n", a, v);
-      return false;
-    }
-  }
+  const CliOpt opts[] = {
+      {"-o", NULL, false, &o->prefix},
+      {"--name", NULL, false, &o->name},
+      {"--optimizer", NULL, false, &o->optimizer},
+      {"--batch", NULL, false, &o->batch, opt_count},
+      {"--seqlen", NULL, false, &o->seqlen, opt_count},
+      {"--lr", NULL, false, &o->lr, opt_real},
+  };
+  CliArgs args = {.prefix = "moec import-hf: error: ", .needs_value = "%s needs a value",
+                  .positional = &o->dir, .second = "one checkpoint folder only", .opts = opts,
+                  .nopts = sizeof opts / sizeof opts[0]};
+  if (!cli_parse_args(&args, argc, argv)) return false;
   if (!o->dir || !o->prefix) {
     fprintf(stderr, "moec import-hf: error: %s\n", !o->dir ? "which checkpoint folder?" : "-o PREFIX is required");
     cli_import_hf_usage(stderr);
@@ -438,15 +436,6 @@ static int convert(const Config *c, const RtStSet *set, const char *dir, const c
 
 // ---- the .moe file ----
 
-// The shortest text of v that reads back as v.
-static const char *num(double v, char *buf, size_t n) {
-  for (int digits = 6; digits <= 17; digits++) {
-    snprintf(buf, n, "%.*g", digits, v);
-    if (strtod(buf, NULL) == v) break;
-  }
-  return buf;
-}
-
 static void default_name(const char *dir, char *out, size_t n) {
   char buf[512];
   snprintf(buf, sizeof buf, "%s", dir);
@@ -525,9 +514,9 @@ static int write_moe(const Options *o, const Config *c, int64_t seqlen, const ch
   fprintf(f, "model %s {\n  dtype fp32; batch %lld; seqlen %lld; embed %lld; seed 1;\n  vocab %lld;\n", name,
           (long long)o->batch, (long long)seqlen, (long long)a->embed, (long long)a->vocab);
   char b1[40], b2[40];
-  fprintf(f, "  position rope { theta %s; }\n  norm rmsnorm { eps %s; }\n  tie_embeddings %s;\n", num(c->theta, b1, sizeof b1),
-          num(c->eps, b2, sizeof b2), c->tie ? "true" : "false");
-  fprintf(f, "  optimizer %s { lr %s; }\n}\n", o->optimizer, num(o->lr, b1, sizeof b1));
+  fprintf(f, "  position rope { theta %s; }\n  norm rmsnorm { eps %s; }\n  tie_embeddings %s;\n",
+          fe_float_text(c->theta, b1, sizeof b1), fe_float_text(c->eps, b2, sizeof b2), c->tie ? "true" : "false");
+  fprintf(f, "  optimizer %s { lr %s; }\n}\n", o->optimizer, fe_float_text(o->lr, b1, sizeof b1));
   for (int i = 0; i < nruns; i++) {
     const Run *r = &runs[i];
     fprintf(f, "\n# decoder layers %lld..%lld\nlayer %s x %lld {\n", (long long)r->first, (long long)(r->first + r->count - 1),
@@ -539,7 +528,7 @@ static int write_moe(const Options *o, const Config *c, int64_t seqlen, const ch
     }
     fprintf(f, "  moe {\n    experts %lld { ffn mixtral { hidden %lld; } }\n", (long long)a->experts, (long long)a->hidden);
     fprintf(f, "    gate gshard { k %lld; capacity *; renormalize %s;", (long long)c->k, c->renormalize ? "true" : "false");
-    if (c->router_logits) fprintf(f, " aux_loss %s; aux pooled;", num(c->aux_coef, b1, sizeof b1));
+    if (c->router_logits) fprintf(f, " aux_loss %s; aux pooled;", fe_float_text(c->aux_coef, b1, sizeof b1));
     fprintf(f, " }\n");
     if (a->shared_hidden > 0)
       fprintf(f, "    shared { ffn mixtral { hidden %lld; }%s }\n", (long long)a->shared_hidden, a->shared_gate ? " gate sigmoid;" : "");

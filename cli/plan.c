@@ -1,8 +1,8 @@
-// `moec plan` and `moec sweep`: the scheduling model of DESIGN §6 from the command line.
+// `moec plan`: the scheduling model of DESIGN §6 from the command line (`moec sweep`, the
+// paper's Table 4 space, is cli/sweep.c; what both use is cli/plan.h, defined here).
 //
 //   moec plan F.moe [--cluster C] [--policy NAME|all] [--heads N] [--degree RULE]
 //                   [--svg out.svg] [--trace out.json] [--json out.json]
-//   moec sweep --cluster C [--quick] [--degree RULE] [--seqlens A,B,C] [--dropless-capacity X]
 //
 // RULE picks fsmoe's pipeline degree: best (default: the fastest in simulation of the three
 // answers below), slsqp (Algorithm 1 with SLSQP, the paper's method), model (the case model's
@@ -16,11 +16,9 @@
 // times for a policy are the build's with `schedule { policy P; pipeline auto; }`
 // (tests/plan_build.sh checks it). A language model's attention is in the IR and priced there;
 // with --heads, the layers of a MoE stack get a dense attention part modelled by DESIGN §6's
-// formulas (sched_attention) on top of what the IR prices. sweep has no program: it plans the
-// paper's Table 4 space (1458 stacks of two identical generalized layers) from those formulas
-// (sched_layer_cost) and sets the average speedups over tutel beside the paper's Table 5. Both
-// are called with main's argc/argv (argv[1] is the command) and return the exit status: 0
-// success, 1 the input has errors, 2 bad command line.
+// formulas (sched_attention) on top of what the IR prices. cli_plan is called with main's
+// argc/argv (argv[1] is the command) and returns the exit status: 0 success, 1 the input has
+// errors, 2 bad command line.
 #include <math.h>
 #include <stdlib.h>
 #include <string.h>
@@ -31,7 +29,8 @@
 #include "ir/ir.h"
 #include "passes/pass.h"
 #include "sched/sched.h"
-#include "cli.h"
+#include "cli/cli.h"
+#include "cli/plan.h"
 
 void cli_cluster_from_fe(const FeCluster *f, SchedCluster *c) {
   *c = (SchedCluster){.name = f->name, .nodes = (int)f->nodes, .gpus_per_node = (int)f->gpus_per_node,
@@ -47,20 +46,19 @@ void cli_cluster_from_fe(const FeCluster *f, SchedCluster *c) {
                       .memory = (double)f->memory};
 }
 
-static double now_s(void) {
+double cli_now_s(void) {
   struct timespec ts;
   clock_gettime(CLOCK_MONOTONIC, &ts);
   return ts.tv_sec + ts.tv_nsec * 1e-9;
 }
 
-// Plans and simulates a stack under every policy.
-static bool plan_all(const SchedStack *st, SchedPlan plans[IR_NPOLICIES]) {
+bool cli_plan_all(const SchedStack *st, SchedPlan plans[IR_NPOLICIES]) {
   bool ok = true;
   for (int p = 0; p < IR_NPOLICIES; p++) ok &= sched_plan(st, (IrPolicy)p, &plans[p]);
   return ok;
 }
 
-static void free_all(SchedPlan plans[IR_NPOLICIES]) {
+void cli_plans_free(SchedPlan plans[IR_NPOLICIES]) {
   for (int p = 0; p < IR_NPOLICIES; p++) sched_plan_free(&plans[p]);
 }
 
@@ -69,31 +67,13 @@ static void print_policy_names(FILE *out) {
   for (int p = 0; p < IR_NPOLICIES; p++) fprintf(out, "%s%s", p ? ", " : "", ir_policy_name[p]);
 }
 
-static bool need_value(int i, int argc, char **argv) {
-  if (i + 1 < argc) return true;
-  fprintf(stderr, "moec: error: option '%s' needs a value\n", argv[i]);
-  return false;
-}
-
-static bool parse_choose(const char *text, SchedChoose *out) {
+bool cli_opt_degree(const CliArgs *a, const char *opt, const char *value, void *dest) {
   for (int i = 0; i < SCHED_NCHOOSE; i++)
-    if (strcmp(text, sched_choose_name[i]) == 0) {
-      *out = (SchedChoose)i;
+    if (strcmp(value, sched_choose_name[i]) == 0) {
+      *(SchedChoose *)dest = (SchedChoose)i;
       return true;
     }
-  fprintf(stderr, "moec: error: --degree takes best, slsqp, model or simulator, not '%s'\n", text);
-  return false;
-}
-
-static bool parse_positive(const char *opt, const char *text, double *out) {
-  char *end;
-  double v = strtod(text, &end);
-  if (*text == '\0' || *end != '\0' || !(v > 0) || !isfinite(v)) {
-    fprintf(stderr, "moec: error: %s takes a positive number, not '%s'\n", opt, text);
-    return false;
-  }
-  *out = v;
-  return true;
+  return cli_args_error(a, "--degree takes best, slsqp, model or simulator, not '%s'", value);
 }
 
 // ---- moec plan: the command line ----
@@ -112,39 +92,17 @@ typedef struct PlanOptions {
 static int parse_plan_options(int argc, char **argv, PlanOptions *o) {
   *o = (PlanOptions){.choose = SCHED_CHOOSE_BEST, .shown = IR_POLICY_FSMOE};
   const char *policy = "all";
-  for (int i = 2; i < argc; i++) {
-    const char *a = argv[i];
-    const char **value = strcmp(a, "--cluster") == 0 ? &o->cluster
-                         : strcmp(a, "--policy") == 0 ? &policy
-                         : strcmp(a, "--svg") == 0   ? &o->svg
-                         : strcmp(a, "--trace") == 0 ? &o->trace
-                         : strcmp(a, "--json") == 0  ? &o->json
-                         : strcmp(a, "--layout") == 0 ? &o->layout
-                                                     : NULL;
-    if (strcmp(a, "--layouts") == 0) {
-      o->layouts = true;
-      continue;
-    }
-    if (value || strcmp(a, "--heads") == 0 || strcmp(a, "--degree") == 0) {
-      if (!need_value(i, argc, argv)) return 2;
-      const char *v = argv[++i];
-      if (value) {
-        *value = v;
-      } else if (strcmp(a, "--degree") == 0) {
-        if (!parse_choose(v, &o->choose)) return 2;
-      } else if (!parse_positive("--heads", v, &o->heads)) {
-        return 2;
-      }
-    } else if (a[0] == '-' && a[1]) {
-      fprintf(stderr, "moec: error: unknown option '%s' for 'moec plan' (see 'moec plan --help')\n", a);
-      return 2;
-    } else if (!o->input) {
-      o->input = a;
-    } else {
-      fprintf(stderr, "moec: error: more than one input file ('%s' and '%s')\n", o->input, a);
-      return 2;
-    }
-  }
+  const CliOpt opts[] = {
+      {"--cluster", NULL, false, &o->cluster}, {"--policy", NULL, false, &policy},
+      {"--svg", NULL, false, &o->svg},         {"--trace", NULL, false, &o->trace},
+      {"--json", NULL, false, &o->json},       {"--layout", NULL, false, &o->layout},
+      {"--layouts", NULL, true, &o->layouts},  {"--heads", NULL, false, &o->heads, cli_opt_positive},
+      {"--degree", NULL, false, &o->choose, cli_opt_degree},
+  };
+  CliArgs args = {.for_what = "'moec plan'", .help = "moec plan", .positional = &o->input,
+                  .second = "more than one input file", .dash_is_positional = true, .opts = opts,
+                  .nopts = sizeof opts / sizeof opts[0]};
+  if (!cli_parse_args(&args, argc, argv)) return 2;
   if (!o->input) {
     fprintf(stderr, "moec: error: no input file (usage: moec plan F.moe [--cluster C] [--policy NAME|all])\n");
     return 2;
@@ -187,21 +145,6 @@ void cli_plan_usage(FILE *out) {
           "  --layout D,M,E,S[,ALGO]  plan this layout (dp, mp, ep, esp, EP AlltoAll algorithm)\n");
 }
 
-void cli_sweep_usage(FILE *out) {
-  fprintf(out,
-          "usage: moec sweep --cluster C [--quick] [--degree RULE] [--seqlens A,B,C]\n"
-          "                  [--dropless-capacity X]\n"
-          "\n"
-          "Plans every policy over the paper's Table 4 space (1458 stacks of two generalized layers)\n"
-          "and prints the average speed-ups over tutel beside the paper's Table 5.\n"
-          "\n"
-          "  --cluster C             cluster profile (required), e.g. lang/clusters/testbed-a.cluster\n"
-          "  --quick                 a sample of the space instead of all of it\n"
-          "  --degree RULE           best (default), slsqp, model or simulator (see 'moec plan --help')\n"
-          "  --seqlens A,B,C         the three sequence lengths (default: the cluster's Table 4 ones)\n"
-          "  --dropless-capacity X   the capacity factor a dropless layer is planned at\n");
-}
-
 // ---- moec plan: the model, priced from its IR ----
 
 // One MoE layer of the plan, as the report shows it.
@@ -228,7 +171,7 @@ typedef struct Plan {
 } Plan;
 
 static void plan_free(Plan *pl) {
-  free_all(pl->plans);
+  cli_plans_free(pl->plans);
   free(pl->layers);
   pass_stack_free(&pl->stack);
   ir_module_free(pl->m);
@@ -332,9 +275,9 @@ static bool plan_stack(IrDiag *d, const PlanOptions *o, Plan *pl) {
   }
   pl->st = (SchedStack){n, pl->stack.cost, pl->stack.r_max, o->choose, pl->stack.t_fwd_other, pl->stack.t_bwd_other,
                         pl->cluster.overlap_compute, pl->cluster.overlap_comm, {0, 0}};
-  double t0 = now_s();
-  if (!plan_all(&pl->st, pl->plans)) return ir_error(d, "planning failed (an internal error)");
-  pl->plan_s = now_s() - t0;
+  double t0 = cli_now_s();
+  if (!cli_plan_all(&pl->st, pl->plans)) return ir_error(d, "planning failed (an internal error)");
+  pl->plan_s = cli_now_s() - t0;
   pl->lb = sched_lower_bound(&pl->st, &pl->busiest, pl->lb_total);
   return true;
 }
@@ -625,231 +568,4 @@ int cli_plan(int argc, char **argv) {
   }
   plan_free(&pl);
   return status;
-}
-
-// ---- moec sweep ----
-
-// The paper's Table 5 (average speedup over tutel) on Testbed A and B.
-static double paper_speedup(IrPolicy p, int testbed) {
-  static const double a[IR_NPOLICIES] = {[IR_POLICY_FSMOE] = 1.18, [IR_POLICY_FSMOE_NO_IIO] = 1.12, [IR_POLICY_TUTEL] = 1.00,
-                                            [IR_POLICY_TUTEL_IMPROVED] = 1.09};
-  static const double b[IR_NPOLICIES] = {[IR_POLICY_FSMOE] = 1.22, [IR_POLICY_FSMOE_NO_IIO] = 1.16, [IR_POLICY_TUTEL] = 1.00,
-                                            [IR_POLICY_TUTEL_IMPROVED] = 1.08};
-  if (testbed == 'a') return a[p];
-  if (testbed == 'b') return b[p];
-  return 0;
-}
-
-static bool parse_seqlens(const char *text, double out[3]) {
-  char *end;
-  const char *s = text;
-  for (int i = 0; i < 3; i++) {
-    double v = strtod(s, &end);
-    if (end == s || !(v >= 1) || v != floor(v)) return false;
-    out[i] = v;
-    s = end;
-    if (i < 2) {
-      if (*s != ',') return false;
-      s++;
-    }
-  }
-  return *s == '\0';
-}
-
-// Why another policy beat fsmoe on a case: which phase, and what differed there.
-static void explain(const SchedPlan *fs, const SchedPlan *other, char *buf, size_t n) {
-  double dfwd = fs->t_fwd - other->t_fwd, dbwd = fs->t_bwd - other->t_bwd;
-  if (dfwd > 0 && dfwd >= dbwd) {
-    snprintf(buf, n, "forward %.3f ms slower: r_fwd %d (Algorithm 1) vs %d; the case model misjudges the %s overlap",
-             dfwd, fs->layer[0].r[SCHED_FWD], other->layer[0].r[SCHED_FWD],
-             other->policy == IR_POLICY_SEQUENTIAL ? "pipelining" : "stream");
-  } else {
-    snprintf(buf, n,
-             "backward %.3f ms slower: r_bwd %d/%d vs %d/%d, gradient in MoE %.0f, dense %.0f, tail %.0f (%s) vs %s",
-             dbwd, fs->layer[0].r[SCHED_BWD], fs->nlayers > 1 ? fs->layer[1].r[SCHED_BWD] : 0,
-             other->layer[0].r[SCHED_BWD], other->nlayers > 1 ? other->layer[1].r[SCHED_BWD] : 0,
-             fs->layer[0].grad_moe, fs->layer[0].grad_dense, fs->grad_tail, fs->partition, other->partition);
-  }
-}
-
-typedef struct SweepOptions {
-  const char *cluster_path;
-  bool quick;
-  double seqlens[3];          // all 0: the cluster's Table 4 ones
-  double dropless_capacity;
-  SchedChoose choose;
-} SweepOptions;
-
-// Options of `moec sweep`; 0, or 2 on a usage error (already reported).
-static int parse_sweep_options(int argc, char **argv, SweepOptions *o) {
-  *o = (SweepOptions){.dropless_capacity = SCHED_DROPLESS_CAPACITY, .choose = SCHED_CHOOSE_BEST};
-  for (int i = 2; i < argc; i++) {
-    const char *a = argv[i];
-    if (strcmp(a, "--degree") == 0) {
-      if (!need_value(i, argc, argv) || !parse_choose(argv[++i], &o->choose)) return 2;
-    } else if (strcmp(a, "--cluster") == 0) {
-      if (!need_value(i, argc, argv)) return 2;
-      o->cluster_path = argv[++i];
-    } else if (strcmp(a, "--quick") == 0) {
-      o->quick = true;
-    } else if (strcmp(a, "--seqlens") == 0) {
-      if (!need_value(i, argc, argv)) return 2;
-      if (!parse_seqlens(argv[++i], o->seqlens)) {
-        fprintf(stderr, "moec: error: --seqlens takes three sequence lengths, e.g. 512,1024,2048\n");
-        return 2;
-      }
-    } else if (strcmp(a, "--dropless-capacity") == 0) {
-      if (!need_value(i, argc, argv) || !parse_positive(a, argv[++i], &o->dropless_capacity)) return 2;
-    } else {
-      fprintf(stderr, "moec: error: unknown %s '%s' for 'moec sweep' (see 'moec sweep --help')\n",
-              a[0] == '-' ? "option" : "argument", a);
-      return 2;
-    }
-  }
-  if (!o->cluster_path) {
-    fprintf(stderr, "moec: error: moec sweep needs --cluster C (e.g. lang/clusters/testbed-a.cluster)\n");
-    return 2;
-  }
-  return 0;
-}
-
-static void print_sweep_header(const SweepOptions *o, const SchedCluster *c) {
-  int gpn = c->gpus_per_node, world = c->nodes * c->gpus_per_node;
-  printf("# moec sweep: Table 4 of the FSMoE paper, each case a stack of 2 identical generalized layers,\n"
-         "#   forward + backward, every policy planned and simulated\n");
-  printf("# cluster %s (%s): %d nodes x %d GPUs; mp = esp = %d, ep = dp = experts = %d (P = %d)\n", c->name,
-         o->cluster_path, c->nodes, gpn, gpn, c->nodes, world);
-  printf("# B {1,2,4}, heads {8,16,32}, L {%g,%g,%g}, M {1024,2048,4096}, H = hscale*M {2,3,4}, "
-         "f {1.2, 2.4, *}, ffn {gpt, mixtral}\n",
-         o->seqlens[0], o->seqlens[1], o->seqlens[2]);
-  printf("# f = * (dropless) is modelled as top-2 at capacity %.2f: f = %.2f\n", o->dropless_capacity,
-         2 * o->dropless_capacity);
-  printf("# fsmoe's degree: %s\n", o->choose == SCHED_CHOOSE_BEST ? "the fastest in simulation of SLSQP's, the model's "
-                                                                     "and the simulator's answers"
-                                    : o->choose == SCHED_CHOOSE_SLSQP ? "Algorithm 1 with SLSQP (the paper's method)"
-                                    : o->choose == SCHED_CHOOSE_MODEL ? "the case model's integer optimum"
-                                                                      : "the simulator's own best r");
-  printf("# iteration times in ms; speedup = tutel / fsmoe; r_b: backward degree of layer 1 / layer 0\n");
-  if (!o->quick)
-    printf("%5s %2s %5s %5s %5s %2s %4s %-7s %3s %5s %10s %10s %10s %10s %10s %10s %8s\n", "case", "B", "heads", "L",
-           "M", "hs", "f", "ffn", "r_f", "r_b", "sequential", "tutel", "tutel-imp", "lina", "no-iio", "fsmoe",
-           "speedup");
-}
-
-// What the sweep adds up over the cases.
-typedef struct SweepTotals {
-  double sum_speedup[IR_NPOLICIES], sum_vs_seq[IR_NPOLICIES];
-  int wins[IR_NPOLICIES];
-  int rdiff;              // cases where fsmoe's r_fwd != r_bwd in some layer
-  int ncases, nexc;
-  char (*exc)[400];       // [nexc]: the cases fsmoe is not the fastest on, with why
-} SweepTotals;
-
-// Plans and simulates Table 4 case `id` under every policy, adds it to the totals and (without
-// --quick) prints its row. False when the planner failed (an internal error).
-static bool sweep_case(int id, const SweepOptions *o, const SchedCluster *cluster, SweepTotals *t) {
-  SchedTable4Case tc;
-  SchedLayerSpec spec;
-  sched_table4_case(id, cluster, o->seqlens, o->dropless_capacity, &tc, &spec);
-  SchedLayerCost cost[2];
-  sched_layer_cost(&spec, cluster, &cost[0]);
-  cost[1] = cost[0];
-  int rm[2] = {spec.r_max, spec.r_max};
-  SchedStack st = {2, cost, rm, o->choose};
-  SchedPlan plans[IR_NPOLICIES];
-  if (!plan_all(&st, plans)) {
-    free_all(plans);
-    return false;
-  }
-  const SchedPlan *f = &plans[IR_POLICY_FSMOE];
-  double tt = plans[IR_POLICY_TUTEL].t_iter, ts = plans[IR_POLICY_SEQUENTIAL].t_iter;
-  int fastest = 0;   // ties (within rounding) go to the lower policy index, fsmoe first
-  for (int q = 0; q < IR_NPOLICIES; q++) {
-    t->sum_speedup[q] += tt / plans[q].t_iter;
-    t->sum_vs_seq[q] += ts / plans[q].t_iter;
-    if (plans[q].t_iter < plans[fastest].t_iter * (1 - 1e-9)) fastest = q;
-  }
-  t->wins[fastest]++;
-  bool differ = false;
-  for (int i = 0; i < 2; i++) differ |= f->layer[i].r[SCHED_FWD] != f->layer[i].r[SCHED_BWD];
-  t->rdiff += differ;
-  if (fastest != IR_POLICY_FSMOE) {
-    char why[300];
-    explain(f, &plans[fastest], why, sizeof why);
-    snprintf(t->exc[t->nexc++], sizeof t->exc[0], "%5d %-14s %6.2f%% faster: %s", id, ir_policy_name[fastest],
-             100 * (f->t_iter / plans[fastest].t_iter - 1), why);
-  }
-  if (!o->quick) {
-    char rb[16];
-    snprintf(rb, sizeof rb, "%d/%d", f->layer[1].r[SCHED_BWD], f->layer[0].r[SCHED_BWD]);
-    printf("%5d %2g %5d %5g %5g %2g %4s %-7s %3d %5s %10.3f %10.3f %10.3f %10.3f %10.3f %10.3f %7.3fx\n", id,
-           tc.batch, tc.heads, tc.seqlen, tc.embed, tc.hscale, tc.dropless ? "*" : tc.f < 2 ? "1.2" : "2.4",
-           tc.ffn == SCHED_FFN_MIXTRAL ? "mixtral" : "gpt", f->layer[0].r[SCHED_FWD], rb, ts, tt,
-           plans[IR_POLICY_TUTEL_IMPROVED].t_iter, plans[IR_POLICY_PIPEMOE_LINA].t_iter,
-           plans[IR_POLICY_FSMOE_NO_IIO].t_iter, f->t_iter, tt / f->t_iter);
-  }
-  free_all(plans);
-  t->ncases++;
-  return true;
-}
-
-// The averages beside the paper's Table 5, and the cases fsmoe did not win.
-static void print_sweep_summary(const SweepTotals *t, int testbed, double elapsed) {
-  printf("#\n# average speedup over tutel, %d cases (paper: Table 5, %s)\n", t->ncases,
-         testbed == 'a' ? "Testbed A" : testbed == 'b' ? "Testbed B" : "Testbed A / B");
-  printf("%-16s %9s %9s %9s %12s\n", "policy", "ours", "paper", "fastest", "vs_sequential");
-  static const IrPolicy order[] = {IR_POLICY_TUTEL, IR_POLICY_TUTEL_IMPROVED, IR_POLICY_PIPEMOE_LINA, IR_POLICY_FSMOE_NO_IIO,
-                                      IR_POLICY_FSMOE, IR_POLICY_SEQUENTIAL};
-  for (int k = 0; k < IR_NPOLICIES; k++) {
-    IrPolicy q = order[k];
-    char paper[32] = "-";
-    if (testbed && paper_speedup(q, testbed) > 0) snprintf(paper, sizeof paper, "%.2fx", paper_speedup(q, testbed));
-    else if (!testbed && paper_speedup(q, 'a') > 0)
-      snprintf(paper, sizeof paper, "%.2f/%.2f", paper_speedup(q, 'a'), paper_speedup(q, 'b'));
-    printf("%-16s %8.3fx %9s %9d %11.3fx\n", ir_policy_name[q], t->sum_speedup[q] / t->ncases, paper, t->wins[q],
-           t->sum_vs_seq[q] / t->ncases);
-  }
-  printf("# fsmoe cases with r_fwd != r_bwd in some layer: %d of %d (paper: 912 of 1458)\n", t->rdiff, t->ncases);
-  printf("# cases where fsmoe is not the fastest policy: %d\n", t->nexc);
-  for (int i = 0; i < t->nexc; i++) printf("#   %s\n", t->exc[i]);
-  printf("# %d cases x %d policies planned and simulated in %.2f s\n", t->ncases, IR_NPOLICIES, elapsed);
-  printf("OK\n");
-}
-
-int cli_sweep(int argc, char **argv) {
-  SweepOptions o;
-  int usage = parse_sweep_options(argc, argv, &o);
-  if (usage) return usage;
-  IrDiag d;
-  ir_diag_init(&d, stderr);
-  FeCluster fc;
-  if (!fe_load_cluster(&d, o.cluster_path, (SrcLoc){0}, &fc)) return 1;
-  SchedCluster cluster;
-  cli_cluster_from_fe(&fc, &cluster);
-  int testbed = strncmp(cluster.name, "testbed_a", 9) == 0 ? 'a' : strncmp(cluster.name, "testbed_b", 9) == 0 ? 'b' : 0;
-  if (o.seqlens[0] == 0) sched_table4_seqlens(&cluster, o.seqlens);
-  print_sweep_header(&o, &cluster);
-
-  SweepTotals t = {.exc = calloc(SCHED_TABLE4_CASES, sizeof *t.exc)};
-  if (!t.exc) return 1;
-  bool progress = isatty(STDOUT_FILENO) && isatty(STDERR_FILENO);
-  bool ok = true;
-  double t0 = now_s();
-  for (int id = 0; id < SCHED_TABLE4_CASES && ok; id++) {
-    ok = sweep_case(id, &o, &cluster, &t);
-    if (ok && progress && (t.ncases % 18 == 0 || t.ncases == SCHED_TABLE4_CASES)) {
-      int w = 40, filled = t.ncases * w / SCHED_TABLE4_CASES;
-      fprintf(stderr, "\r[%.*s%*s] %4d/%d", filled, "========================================", w - filled, "",
-              t.ncases, SCHED_TABLE4_CASES);
-      if (t.ncases == SCHED_TABLE4_CASES) fputc('\n', stderr);
-    }
-  }
-  double elapsed = now_s() - t0;
-  if (ok) print_sweep_summary(&t, testbed, elapsed);
-  else {
-    ir_error(&d, "planning failed (an internal error)");
-    printf("FAILED\n");
-  }
-  free(t.exc);
-  return ok ? 0 : 1;
 }

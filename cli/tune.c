@@ -32,22 +32,15 @@
 // (sched/fit.c). Rank 0 prints '#' metadata, a fixed-width table and an OK/FAILED footer, and
 // writes the profile atomically; a progress bar goes to stderr when a person is watching.
 //
-// `--target cuda` profiles GPUs, one per rank: this file compiled with MOEC_TUNE_CUDA is the
-// program build/cuda/moec-tune-cuda (linked with the GPU runtime, cuBLAS and NCCL, which moec
-// itself does not load), and moec tune --target cuda runs it in its own place (execv, before
-// MPI starts). There the GEMMs are rt_cuda_gemm (cuBLAS, fp32 or with --dtype bf16 bf16 inputs,
-// fp32 accumulation) on device memory, GPU_GEMM_UNIT = 2^27 multiply-accumulates a size step
-// (the model's or the paper's expert M = 1024, H = 4096 unscaled: 32..384 tokens), each run
-// GPU_REPS GEMMs back to back on the compute stream and a synchronisation, divided by GPU_REPS;
-// the collectives are NCCL's on the intra-node and inter-node groups, timed the same way. One
-// rank (one GPU) is allowed: it times the GEMMs only, and the profile (1 node x 1 GPU, so the
-// planner refuses a layout of more ranks) holds 0 for the collectives and says why.
-// MOEC_CUDA_FAKE=1 (the tests' hook) runs build/cuda/moec-tune-fake instead: the same program
-// on the fake device.
+// The engine that runs the timed calls is a TuneEngine (cli/tune.h): cli/tune_cpu.c (OpenBLAS
+// GEMMs, MPI collectives; `moec tune` itself) or, with `--target cuda`, cli/tune_cuda.c (cuBLAS
+// GEMMs, NCCL collectives, one GPU per rank), which only the programs build/cuda/moec-tune-cuda
+// and moec-tune-fake (the fake device, MOEC_CUDA_FAKE=1) link; moec tune --target cuda runs the
+// first in its own place (execv, before MPI starts). This file is the rest, the same for both:
+// the options, the GEMM shapes, the sweeps and their timing, the fits, the table and the profile.
 #include <mpi.h>
 
 #include <errno.h>
-#include <pthread.h>
 #include <math.h>
 #include <stdarg.h>
 #include <stdint.h>
@@ -61,76 +54,11 @@
 #include "ir/ir.h"
 #include "sched/fit.h"
 #include "runtime/moert.h"
-#include "cli.h"
-#ifdef MOEC_TUNE_CUDA
-#include "runtime/cuda/rt_cuda.h"
-#endif
-
+#include "cli/cli.h"
+#include "cli/options.h"
+#include "cli/tune.h"
 
 extern int openblas_get_num_threads(void);   // OpenBLAS, which libmoert's GEMMs run on
-
-enum {
-  RUNS = 5,                 // timed runs per size (after one warm-up)
-  QUICK_SIZES = 4,          // sizes per sweep with --quick
-  COMM_SIZES = 24,          // n = k * 2^18 floats, k = 1..24
-  GEMM_SIZES = 12,          // n = k * 2^19 multiply-accumulates, k = 1..12 (CPU: m = 4 * 2^(k-1) tokens)
-  QUICK_GEMM_SIZES = 6,     // GEMM sizes with --quick on the CPU
-  SMALL_SIZES = 3,          // communication: 2^8, 2^11, 2^14 floats, for the fixed cost alpha
-  ELEM_SIZES = 8,           // element-wise kernels: 2^16 .. 2^23 floats
-  ATTN_SIZES = 4,           // attention: 1, 2, 4, 8 windows, forward and backward
-  HANDOFF_RUNS = 200,       // stream hand-offs timed (the median is kept)
-  MAX_SHAPES = 32,
-};
-#define COMM_UNIT 262144.0  // 2^18
-#ifdef MOEC_TUNE_CUDA
-#define GEMM_UNIT 134217728.0   // 2^27: GPU_GEMM_UNIT
-#define GEMM_UNIT_TEXT "2^27"
-enum { GPU_REPS = 10 };         // GEMMs / collectives back to back in one timed run
-#else
-#define GEMM_UNIT 524288.0  // 2^19
-#define GEMM_UNIT_TEXT "2^19"
-#endif
-
-typedef struct TuneOptions {
-  const char *output, *model;
-  const char *target, *dtype;   // "cpu" / "cuda", "fp32" / "bf16" (NULL: cpu, fp32)
-  bool quick, verbose;
-  int gpus_per_node;        // 0: the default
-} TuneOptions;
-
-// The attention the `attention` fit times: the model's first attention layer (--model), or 8
-// heads of 64 over windows of 256 tokens.
-typedef struct AttnShape {
-  int heads, kv, d, seq;
-} AttnShape;
-static AttnShape attn_shape = {8, 8, 64, 256};
-
-// One GEMM shape of an expert: C [m, n] = A [m, k] x B [k, n], m tokens.
-typedef struct GemmShape {
-  int k, n;
-  char what[48];            // "up (x W1, W3)", ...
-} GemmShape;
-
-typedef enum BenchOp { OP_GEMM, OP_ALLTOALL, OP_ALLGATHER, OP_REDUCESCATTER, OP_ALLREDUCE, OP_ELEMENTWISE, OP_ATTENTION } BenchOp;
-
-// One fitted model: its points and its line.
-typedef struct Series {
-  const char *name;         // the .cluster field it feeds
-  const char *where;        // "each-rank", "intra-node", "inter-node"
-  BenchOp op;
-  RtGroup group;
-  int group_size;
-  double x[MAX_SHAPES * GEMM_SIZES + COMM_SIZES + SMALL_SIZES], t[MAX_SHAPES * GEMM_SIZES + COMM_SIZES + SMALL_SIZES];
-  int points;
-  FitLine fit;
-  bool ok;
-  bool skipped;             // not measured: a GPU profile of one rank has no collectives
-  char err[200];
-} Series;
-
-// S_A2A_INTRA .. S_AR_INTER are the collectives (measure_all runs them in that order).
-enum { S_GEMM, S_A2A_INTRA, S_AG_INTRA, S_RS_INTRA, S_AR_INTRA, S_A2A_INTER, S_AR_INTER, S_ELEM, S_ATTN, NSERIES };
-enum { NCOLLECTIVES = S_AR_INTER - S_A2A_INTRA + 1 };
 
 // Whether series i is measured on a real intra-node group (a node's ranks): the alltoall_intra and
 // allreduce_intra lines are written only then.
@@ -141,15 +69,16 @@ typedef struct Progress {
   int done, total;
 } Progress;
 
-static int my_rank;
-// What computes the GEMMs, for the printed and written metadata: "rt_matmul (OpenBLAS)", or on a
-// GPU cuBLAS with the input type and the device's name (set in cli_tune).
-static char gemm_engine[400] = "rt_matmul (OpenBLAS)";
+// The engine of this run, and what it measures besides the series (T.gemm_engine: what computes
+// the GEMMs, "rt_matmul (OpenBLAS)" unless the engine's open says otherwise).
+static const TuneEngine *engine;
+static Tune T = {.attn = {8, 8, 64, 256}, .gemm_engine = "rt_matmul (OpenBLAS)", .handoff_ms = -1, .slow_compute = -1,
+                 .slow_comm = -1};
 
 // Printed by rank 0 only (every rank reaches the same errors, since all parse the same argv).
 static void say(FILE *f, const char *fmt, ...) __attribute__((format(printf, 2, 3)));
 static void say(FILE *f, const char *fmt, ...) {
-  if (my_rank != 0) return;
+  if (T.rank != 0) return;
   va_list ap;
   va_start(ap, fmt);
   vfprintf(f, fmt, ap);
@@ -178,47 +107,31 @@ void cli_tune_usage(FILE *out) {
           "  -v                   also print every measured point\n");
 }
 
-static bool parse_int(const char *opt, const char *text, int *out) {
+// --gpus-per-node: a positive whole number (a CliOpt check).
+static bool opt_count(const CliArgs *a, const char *opt, const char *value, void *dest) {
   char *end;
   errno = 0;
-  long v = strtol(text, &end, 10);
-  if (*text == '\0' || *end != '\0' || errno || v < 1 || v > 1 << 20) {
-    say(stderr, "moec: error: %s takes a positive whole number, not '%s'\n", opt, text);
-    return false;
-  }
-  *out = (int)v;
+  long v = strtol(value, &end, 10);
+  if (*value == '\0' || *end != '\0' || errno || v < 1 || v > 1 << 20)
+    return cli_args_error(a, "%s takes a positive whole number, not '%s'", opt, value);
+  *(int *)dest = (int)v;
   return true;
 }
 
+// Every rank parses argv; rank 0 alone reports (every rank reaches the same errors).
 static bool parse_options(int argc, char **argv, TuneOptions *o) {
-  for (int i = 2; i < argc; i++) {
-    const char *a = argv[i];
-    const char **value = NULL;
-    if (strcmp(a, "-o") == 0) value = &o->output;
-    else if (strcmp(a, "--model") == 0) value = &o->model;
-    else if (strcmp(a, "--target") == 0) value = &o->target;
-    else if (strcmp(a, "--dtype") == 0) value = &o->dtype;
-    else if (strcmp(a, "--gpus-per-node") == 0) {
-      if (i + 1 >= argc) {
-        say(stderr, "moec: error: option '%s' needs a value\n", a);
-        return false;
-      }
-      if (!parse_int(a, argv[++i], &o->gpus_per_node)) return false;
-    } else if (strcmp(a, "--quick") == 0) o->quick = true;
-    else if (strcmp(a, "-v") == 0 || strcmp(a, "--verbose") == 0) o->verbose = true;
-    else {
-      say(stderr, "moec: error: %s '%s' for tune (see 'moec tune --help')\n",
-          a[0] == '-' ? "unknown option" : "unexpected argument", a);
-      return false;
-    }
-    if (value) {
-      if (++i >= argc) {
-        say(stderr, "moec: error: option '%s' needs a value\n", a);
-        return false;
-      }
-      *value = argv[i];
-    }
-  }
+  const CliOpt opts[] = {
+      {"-o", NULL, false, &o->output},
+      {"--model", NULL, false, &o->model},
+      {"--target", NULL, false, &o->target},
+      {"--dtype", NULL, false, &o->dtype},
+      {"--gpus-per-node", NULL, false, &o->gpus_per_node, opt_count},
+      {"--quick", NULL, true, &o->quick},
+      {"-v", "--verbose", true, &o->verbose},
+  };
+  CliArgs args = {.quiet = T.rank != 0, .for_what = "tune", .help = "moec tune",
+                  .stray = "unexpected argument", .opts = opts, .nopts = sizeof opts / sizeof opts[0]};
+  if (!cli_parse_args(&args, argc, argv)) return false;
   if (o->target && strcmp(o->target, "cpu") != 0 && strcmp(o->target, "cuda") != 0) {
     say(stderr, "moec: error: --target takes cpu or cuda, not '%s'\n", o->target);
     return false;
@@ -234,11 +147,6 @@ static bool parse_options(int argc, char **argv, TuneOptions *o) {
   }
   return true;
 }
-
-#ifdef MOEC_TUNE_CUDA
-// The GEMMs' input type on a GPU.
-static bool bf16_gemms(const TuneOptions *o) { return o->dtype && strcmp(o->dtype, "bf16") == 0; }
-#endif
 
 // ---- the GEMM shapes ----
 
@@ -270,7 +178,7 @@ static int model_shapes(const char *path, GemmShape *shapes, char *desc, size_t 
     if (p->layers[l].has_attention && p->layers[l].heads > 0) {
       int heads = (int)p->layers[l].heads, kv = p->layers[l].kv_heads > 0 ? (int)p->layers[l].kv_heads : heads;
       int d = p->layers[l].head_dim > 0 ? (int)p->layers[l].head_dim : (int)(p->model.embed / heads);
-      attn_shape = (AttnShape){heads, kv, d, (int)p->model.seqlen};
+      T.attn = (AttnShape){heads, kv, d, (int)p->model.seqlen};
     }
   for (int l = 0; l < p->nlayers; l++) {
     const FeExperts *e = &p->layers[l].moe.experts;
@@ -296,34 +204,20 @@ static int model_shapes(const char *path, GemmShape *shapes, char *desc, size_t 
 // single token is already 2^22 multiply-accumulates, beyond the whole sweep.
 static int default_shapes(GemmShape *shapes, char *desc, size_t desc_size) {
   int m_dim = 1024, h = 4096, halvings = 0;
-  while ((double)m_dim * h * 32 > GEMM_UNIT) m_dim /= 2, h /= 2, halvings++;
+  while ((double)m_dim * h * 32 > engine->gemm_unit) m_dim /= 2, h /= 2, halvings++;
   int n = 0;
   add_shape(shapes, &n, m_dim, h, "up (x W1)");
   add_shape(shapes, &n, h, m_dim, "down (x W2)");
   if (halvings == 0)
     snprintf(desc, desc_size, "no --model: the expert M = 1024, H = 4096 (H = 4M); one token is 2^22 "
-                              "multiply-accumulates, so " GEMM_UNIT_TEXT " is m = %d tokens", (int)(GEMM_UNIT / 4194304.0));
+                              "multiply-accumulates, so %s is m = %d tokens", engine->gemm_unit_text,
+             (int)(engine->gemm_unit / 4194304.0));
   else
     snprintf(desc, desc_size,
              "no --model: the expert M = 1024, H = 4096 (H = 4M) scaled down by %d to M = %d, H = %d "
              "(at full size one token is 2^22 multiply-accumulates, beyond the sweep; here 2^19 is m = 32 tokens)",
              1 << halvings, m_dim, h);
   return n;
-}
-
-// Tokens for GEMM size k * 2^19 (k = 1..12): m*K*N as close to it as whole tokens allow, and at
-// least k tokens so that the sizes stay distinct when one token is already bigger than 2^19.
-// The CPU instead doubles the tokens from 4 to 8192 (m = 4 * 2^(k-1)): the chunks a pipeline
-// degree r cuts an expert's slots into span that range, and a CPU GEMM's speed depends on m.
-static int tokens_for(const GemmShape *s, int k) {
-#ifdef MOEC_TUNE_CUDA
-  double per_token = (double)s->k * s->n;
-  long m = lround(k * GEMM_UNIT / per_token);
-  return (int)(m < k ? k : m);
-#else
-  (void)s;
-  return 4 << (k - 1);
-#endif
 }
 
 // ---- sizes ----
@@ -342,96 +236,11 @@ static int sweep_keep(int count, int keep, bool quick, int *idx) {
 
 static int sweep(int count, bool quick, int *idx) { return sweep_keep(count, QUICK_SIZES, quick, idx); }
 
-#ifdef MOEC_TUNE_CUDA
-static int gemm_sweep(bool quick, int *idx) { return sweep(GEMM_SIZES, quick, idx); }
-#else
-static int gemm_sweep(bool quick, int *idx) { return sweep_keep(GEMM_SIZES, QUICK_GEMM_SIZES, quick, idx); }
-#endif
+static int gemm_sweep(bool quick, int *idx) { return sweep_keep(GEMM_SIZES, engine->quick_gemm_sizes, quick, idx); }
 
 // ---- timing ----
 
-typedef struct Call {
-  BenchOp op;
-  RtComm *comm;
-  RtGroup group;
-  int64_t count;            // communication: floats per member (alltoall, allgather, reducescatter) or in all (allreduce)
-  int m, k, n;              // GEMM
-  const void *a, *b;        // fp32 (bf16 with --dtype bf16 on a GPU)
-  float *c;
-  float *send, *recv;
-  float *attn_stats, *attn_grad;   // attention's backward
-} Call;
-
-// GEMM operand sets each size cycles through (run_gemms); the next one's index.
-#ifdef MOEC_TUNE_CUDA
-enum { GEMM_RING = 1 };
-#else
-enum { GEMM_RING = 8 };
-static int gemm_turn;
-#endif
-
-#ifdef MOEC_TUNE_CUDA
-// The GPU of this rank, the GEMMs' input type, and the NCCL communicators of the groups timed.
-static RtCuda *gpu;
-static RtCudaType gemm_type;
-static RtNccl *nccl[RT_GROUP_COUNT];
-
-// GPU_REPS of the call back to back on the compute stream, then a synchronisation.
-static void call(const Call *c) {
-  bool ok = true;
-  for (int r = 0; r < GPU_REPS && ok; r++) {
-    switch (c->op) {
-    case OP_GEMM:
-      ok = rt_cuda_gemm(gpu, RT_STREAM_COMPUTE, gemm_type, c->a, c->b, c->c, c->m, c->n, c->k, false, false, false);
-      break;
-    case OP_ALLTOALL: ok = rt_cuda_alltoall(gpu, nccl[c->group], RT_STREAM_COMPUTE, c->send, c->recv, c->count); break;
-    case OP_ALLGATHER: ok = rt_cuda_allgather(gpu, nccl[c->group], RT_STREAM_COMPUTE, c->send, c->recv, c->count); break;
-    case OP_REDUCESCATTER:
-      ok = rt_cuda_reducescatter(gpu, nccl[c->group], RT_STREAM_COMPUTE, c->send, c->recv, c->count);
-      break;
-    case OP_ALLREDUCE: ok = rt_cuda_allreduce(gpu, nccl[c->group], RT_STREAM_COMPUTE, c->send, c->send, c->count); break;
-    case OP_ELEMENTWISE:
-    case OP_ATTENTION: break;   // not timed on a GPU (init_series skips them)
-    }
-  }
-  if (!ok || !rt_cuda_sync(gpu, RT_STREAM_COMPUTE)) rt_comm_abort("moec tune: a GPU call failed (the error is above)");
-}
-enum { CALL_REPS = GPU_REPS };
-#else
-enum { CALL_REPS = 1 };
-static void call(const Call *c) {
-  switch (c->op) {
-  case OP_GEMM: {   // the next operand set of the ring (run_gemms)
-    size_t turn = (size_t)(gemm_turn++ % GEMM_RING);
-    rt_matmul((const float *)c->a + turn * c->m * c->k, (const float *)c->b + turn * c->k * c->n,
-              c->c + turn * c->m * c->n, c->m, c->n, c->k, false, false, false);
-    break;
-  }
-  case OP_ALLTOALL: rt_alltoall(c->comm, c->group, RT_A2A_FLAT, c->send, c->recv, c->count); break;
-  case OP_ALLGATHER: rt_allgather(c->comm, c->group, c->send, c->recv, c->count); break;
-  case OP_REDUCESCATTER: rt_reducescatter(c->comm, c->group, c->send, c->recv, c->count); break;
-  case OP_ALLREDUCE: rt_allreduce(c->comm, c->group, c->send, c->count); break;
-  case OP_ELEMENTWISE:   // a copy (the layouts, concats, chunks) and an add: 5 floats moved per element
-    rt_copy(c->send, c->c, c->count);
-    rt_add(c->c, c->recv, c->send, c->count);
-    break;
-  case OP_ATTENTION: {   // q a, k b, v send, o c, dy recv; m rows; n 0 forward, 1 backward
-    const AttnShape *s = &attn_shape;
-    int qc = s->heads * s->d;
-    if (!c->n) {
-      rt_attn_fwd(c->a, c->b, c->send, c->c, c->m, s->seq, s->heads, s->kv, qc, 0);
-    } else {
-      rt_attn_stats(c->recv, c->a, c->b, c->c, c->attn_stats, c->m, s->seq, s->heads, s->kv, qc, 0);
-      rt_attn_grad_q(c->recv, c->a, c->b, c->send, c->attn_stats, c->attn_grad, c->m, s->seq, s->heads, s->kv, qc, 0);
-      rt_attn_grad_kv(c->recv, c->a, c->b, c->send, c->attn_stats, c->attn_grad, c->m, s->seq, s->heads, s->kv, qc, 0);
-    }
-    break;
-  }
-  }
-}
-#endif
-
-static int compare_doubles(const void *a, const void *b) {
+int tune_compare_doubles(const void *a, const void *b) {
   double x = *(const double *)a, y = *(const double *)b;
   return (x > y) - (x < y);
 }
@@ -442,12 +251,12 @@ static double measure(const Call *c) {
   for (int r = -1; r < RUNS; r++) {
     MPI_Barrier(MPI_COMM_WORLD);
     double t0 = MPI_Wtime();
-    call(c);
-    double ms = (MPI_Wtime() - t0) * 1e3 / CALL_REPS, slowest;
+    engine->call(c);
+    double ms = (MPI_Wtime() - t0) * 1e3 / engine->call_reps, slowest;
     MPI_Allreduce(&ms, &slowest, 1, MPI_DOUBLE, MPI_MAX, MPI_COMM_WORLD);
     if (r >= 0) runs[r] = slowest;
   }
-  qsort(runs, RUNS, sizeof runs[0], compare_doubles);
+  qsort(runs, RUNS, sizeof runs[0], tune_compare_doubles);
   return runs[RUNS / 2];
 }
 
@@ -483,85 +292,30 @@ static void progress_end(Progress *p) {
 
 // ---- the sweeps ----
 
-static void *xmalloc(size_t bytes) {
+void *tune_xmalloc(size_t bytes) {
   void *p = malloc(bytes ? bytes : 1);
   if (!p) rt_comm_abort("moec tune: out of memory (%zu bytes)", bytes);
   return p;
 }
 
-// The collectives' send or receive buffer of n floats, zeros (sums stay finite, and the pages are
-// touched): host memory, or device memory on a GPU (the arena, reset before).
-static float *comm_buffer(size_t n);
-static void free_comm_buffer(float *p);
-
-#ifdef MOEC_TUNE_CUDA
-// Round to nearest even on the bits, as the CUDA target's mk_compress_bf16.
-static uint16_t to_bf16(float v) {
-  uint32_t u;
-  memcpy(&u, &v, sizeof u);
-  if ((u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((u >> 16) | 0x40);   // NaN stays NaN
-  return (uint16_t)((u + 0x7fffu + ((u >> 16) & 1)) >> 16);
-}
-
-// n floats of host memory as a GEMM operand in device memory (of the GEMMs' input type).
-static void *operand(const float *host, size_t n) {
-  size_t width = gemm_type == RT_CUDA_BF16 ? 2 : 4;
-  void *staged = (void *)host, *dev = rt_cuda_alloc(gpu, n * width);
-  if (!dev) rt_comm_abort("moec tune: the GPU arena cannot hold a GEMM operand of %zu elements", n);
-  if (gemm_type == RT_CUDA_BF16) {
-    uint16_t *h = xmalloc(n * 2);
-    for (size_t i = 0; i < n; i++) h[i] = to_bf16(host[i]);
-    staged = h;
-  }
-  if (!rt_cuda_to_device(gpu, RT_STREAM_COMPUTE, dev, staged, n * width) || !rt_cuda_sync(gpu, RT_STREAM_COMPUTE))
-    rt_comm_abort("moec tune: copying a GEMM operand to the GPU failed (the error is above)");
-  if (staged != host) free(staged);
-  return dev;
-}
-
-static float *device_floats(size_t n) {
-  float *dev = rt_cuda_alloc(gpu, n * sizeof(float));
-  if (!dev || !rt_cuda_zero(gpu, RT_STREAM_COMPUTE, dev, n * sizeof(float)) || !rt_cuda_sync(gpu, RT_STREAM_COMPUTE))
-    rt_comm_abort("moec tune: %zu floats of GPU memory could not be had (the error is above)", n);
-  return dev;
-}
-
-static float *comm_buffer(size_t n) { return device_floats(n); }
-static void free_comm_buffer(float *p) { (void)p; }   // the arena's
-#else
-static float *comm_buffer(size_t n) {
-  float *p = xmalloc(sizeof(float) * n);
-  memset(p, 0, sizeof(float) * n);
-  return p;
-}
-static void free_comm_buffer(float *p) { free(p); }
-#endif
-
-// On the CPU each run of a size takes the next of the GEMM_RING operand sets (an expert's weights, its
-// tokens, its output), as a step's chunks do: the runtime's GEMMs read weights and activations
-// that other work has pushed out of the caches since their last use, and an operand that stays
-// cached from run to run would time a GEMM faster than any the step runs.
-
 static void run_gemms(Series *s, const GemmShape *shapes, int nshapes, bool quick, Progress *pr) {
   int idx[GEMM_SIZES], nsizes = gemm_sweep(quick, idx);
   for (int i = 0; i < nshapes; i++) {
     const GemmShape *g = &shapes[i];
-    int m_max = tokens_for(g, GEMM_SIZES);
-    size_t na = (size_t)m_max * g->k * GEMM_RING, nb = (size_t)g->k * g->n * GEMM_RING;
-    float *a = xmalloc(sizeof(float) * na), *b = xmalloc(sizeof(float) * nb);
-    float *c = xmalloc(sizeof(float) * (size_t)m_max * g->n * GEMM_RING);
+    int m_max = engine->tokens_for(g, GEMM_SIZES), ring = engine->gemm_ring;
+    size_t na = (size_t)m_max * g->k * ring, nb = (size_t)g->k * g->n * ring;
+    float *a = tune_xmalloc(sizeof(float) * na), *b = tune_xmalloc(sizeof(float) * nb);
+    float *c = tune_xmalloc(sizeof(float) * (size_t)m_max * g->n * ring);
     for (size_t e = 0; e < na; e++) a[e] = (float)((int)(e % 17) - 8) / 64;
     for (size_t e = 0; e < nb; e++) b[e] = (float)((int)(e % 13) - 6) / 64;
-    const void *a_in = a, *b_in = b;
-    float *c_out = c;
-#ifdef MOEC_TUNE_CUDA
-    rt_cuda_arena_reset(gpu);
-    a_in = operand(a, (size_t)m_max * g->k);
-    b_in = operand(b, (size_t)g->k * g->n);
-    c_out = device_floats((size_t)m_max * g->n);
-#endif
+    // Each size's runs on the host operands (the CPU's ring of them: the engine's call takes the
+    // next), or where the engine puts them (a GPU's memory).
+    Call ops = {.a = a, .b = b, .c = c};
+    if (engine->gemm_operands)
+      engine->gemm_operands(&ops, a, (size_t)m_max * g->k, b, (size_t)g->k * g->n, c, (size_t)m_max * g->n);
     for (int j = 0; j < nsizes; j++) {
-      Call cl = {.op = OP_GEMM, .m = tokens_for(g, idx[j]), .k = g->k, .n = g->n, .a = a_in, .b = b_in, .c = c_out};
+      Call cl = {.op = OP_GEMM, .m = engine->tokens_for(g, idx[j]), .k = g->k, .n = g->n, .a = ops.a, .b = ops.b,
+                 .c = ops.c};
       double macs = (double)cl.m * cl.k * cl.n;
       s->x[s->points] = macs;
       s->t[s->points++] = measure(&cl);
@@ -595,22 +349,13 @@ static void run_comm(RtComm *comm, Series *s, float *send, float *recv, bool qui
   }
 }
 
-static double handoff_ms = -1;   // measured stream hand-off round trip; -1: not measured
-// `memory`: bytes one rank may use (0: not known, no line) and how it was derived (the line's
-// comment, or why there is no line).
-static int64_t memory_bytes;
-static char memory_note[320];
-static char memory_host_note[400];   // a caveat for the header ("" when none)
-static double slow_compute = -1, slow_comm = -1;   // the overlap probe's slowdowns; -1: not measured
-
-#ifndef MOEC_TUNE_CUDA
 // Element-wise kernels (a copy and an add over n floats, 5n floats moved) for the `elementwise`
 // fit that prices the ops without a GEMM or a collective: 2^16 .. 2^23 floats, mostly beyond the
 // caches, as a training step's activations are.
 static void run_elementwise(Series *s, bool quick, Progress *pr) {
   int idx[ELEM_SIZES], nsizes = sweep(ELEM_SIZES, quick, idx);
   size_t most = (size_t)1 << (15 + ELEM_SIZES);
-  float *a = xmalloc(sizeof(float) * most), *b = xmalloc(sizeof(float) * most), *c = xmalloc(sizeof(float) * most);
+  float *a = tune_xmalloc(sizeof(float) * most), *b = tune_xmalloc(sizeof(float) * most), *c = tune_xmalloc(sizeof(float) * most);
   uint32_t state = 12345;
   for (size_t e = 0; e < most; e++) {
     state = state * 1664525u + 1013904223u;
@@ -632,13 +377,13 @@ static void run_elementwise(Series *s, bool quick, Progress *pr) {
 // forward (n = rows * heads*d * (seq + 1) multiply-accumulates, as the cost pass counts them)
 // and the backward (stats, dq, dk and dv: twice that n), one fit through both, relative.
 static void run_attention(Series *s, bool quick, Progress *pr) {
-  AttnShape a = attn_shape;
+  AttnShape a = T.attn;
   int idx[ATTN_SIZES], nsizes = sweep(ATTN_SIZES, quick, idx);
   size_t most = (size_t)a.seq << (ATTN_SIZES - 1), qc = (size_t)a.heads * a.d, kc = (size_t)a.kv * a.d;
-  float *q = xmalloc(sizeof(float) * most * qc), *k = xmalloc(sizeof(float) * most * kc);
-  float *v = xmalloc(sizeof(float) * most * kc), *o = xmalloc(sizeof(float) * most * qc);
-  float *dy = xmalloc(sizeof(float) * most * qc), *st = xmalloc(sizeof(float) * most * 2 * a.heads);
-  float *dqkv = xmalloc(sizeof(float) * most * (qc + 2 * kc));
+  float *q = tune_xmalloc(sizeof(float) * most * qc), *k = tune_xmalloc(sizeof(float) * most * kc);
+  float *v = tune_xmalloc(sizeof(float) * most * kc), *o = tune_xmalloc(sizeof(float) * most * qc);
+  float *dy = tune_xmalloc(sizeof(float) * most * qc), *st = tune_xmalloc(sizeof(float) * most * 2 * a.heads);
+  float *dqkv = tune_xmalloc(sizeof(float) * most * (qc + 2 * kc));
   uint32_t state = 777;
   float *fill[] = {q, k, v, dy};
   size_t count[] = {most * qc, most * kc, most * kc, most * qc};
@@ -651,7 +396,7 @@ static void run_attention(Series *s, bool quick, Progress *pr) {
     int rows = a.seq << (idx[j] - 1);
     double n = (double)rows * (double)qc * (a.seq + 1);
     for (int backward = 0; backward < 2; backward++) {
-      Call cl = {.op = OP_ATTENTION, .m = rows, .n = backward, .a = q, .b = k, .c = o, .send = v, .recv = dy};
+      Call cl = {.op = OP_ATTENTION, .m = rows, .n = backward, .a = q, .b = k, .c = o, .send = v, .recv = dy, .attn = &a};
       cl.attn_stats = st;
       cl.attn_grad = dqkv;
       s->x[s->points] = backward ? 2 * n : n;
@@ -661,116 +406,6 @@ static void run_attention(Series *s, bool quick, Progress *pr) {
   }
   free(q), free(k), free(v), free(o), free(dy), free(st), free(dqkv);
 }
-
-// The stream hand-off (runtime/streams.c): a task of the compute stream records an event, one of
-// the inter stream waits for it and records another, the compute stream waits for that: two
-// hand-offs between threads, which every chunked collective pays (the compute stream hands it
-// its operand and waits for its result). The median of HANDOFF_RUNS calls, in ms; -1 when the
-// runtime runs streams in program order (MPI without MPI_THREAD_MULTIPLE).
-static void nothing(RtStep *st) { (void)st; }
-
-typedef struct Probe {
-  RtComm *comm;
-  RtGroup group;
-  float *send, *recv;
-  int64_t count;
-  double ms;
-} Probe;
-
-static void *probe_alltoall(void *arg) {
-  Probe *p = arg;
-  double t0 = MPI_Wtime();
-  rt_alltoall(p->comm, p->group, RT_A2A_FLAT, p->send, p->recv, p->count);
-  p->ms = (MPI_Wtime() - t0) * 1e3;
-  return NULL;
-}
-
-static double median3(double a, double b, double c) {
-  return a > b ? (b > c ? b : a > c ? c : a) : (a > c ? a : b > c ? c : b);
-}
-
-// The overlap probe: what a rank's computation and its communication cost each other when they
-// run at once, as a pipelined schedule runs them (the compute thread's GEMMs beside an AlltoAll
-// on a communication thread; on a CPU they share the rank's cores, and the network stack needs
-// cycles too). An AlltoAll of 2^21 floats per rank on the inter-node group, alone and beside
-// GEMMs of the first expert shape that take as long, three times each; slow_compute and
-// slow_comm are the relative slowdowns (medians, the slowest rank's), which the planner applies
-// to the overlapped policies' GEMMs and collectives.
-static void measure_overlap(RtComm *comm, RtGroup group, int group_size, const GemmShape *g) {
-  if (!rt_comm_thread_safe(comm)) return;
-  int64_t total = (int64_t)1 << 21, count = total / group_size;
-  float *send = comm_buffer((size_t)total), *recv = comm_buffer((size_t)total);
-  int m = 256;
-  float *a = xmalloc(sizeof(float) * (size_t)m * g->k), *b = xmalloc(sizeof(float) * (size_t)g->k * g->n);
-  float *c = xmalloc(sizeof(float) * (size_t)m * g->n);
-  for (size_t e = 0; e < (size_t)m * g->k; e++) a[e] = (float)((int)(e % 17) - 8) / 64;
-  for (size_t e = 0; e < (size_t)g->k * g->n; e++) b[e] = (float)((int)(e % 13) - 6) / 64;
-  Probe p = {comm, group, send, recv, count, 0};
-  double a2a[3], gemm[3], a2a_ov[3], gemm_ov[3];
-  // The GEMMs alone, and how many of them last as long as the AlltoAll.
-  MPI_Barrier(MPI_COMM_WORLD);
-  probe_alltoall(&p);   // warm-up
-  for (int t = 0; t < 3; t++) {
-    MPI_Barrier(MPI_COMM_WORLD);
-    probe_alltoall(&p);
-    a2a[t] = p.ms;
-  }
-  double t0 = MPI_Wtime();
-  rt_matmul(a, b, c, m, g->n, g->k, false, false, false);
-  double one = (MPI_Wtime() - t0) * 1e3, longest;
-  MPI_Allreduce(&one, &longest, 1, MPI_DOUBLE, MPI_MAX, MPI_COMM_WORLD);
-  double a2a_ms = median3(a2a[0], a2a[1], a2a[2]), slowest_a2a;
-  MPI_Allreduce(&a2a_ms, &slowest_a2a, 1, MPI_DOUBLE, MPI_MAX, MPI_COMM_WORLD);
-  int reps = longest > 0 ? (int)(slowest_a2a / longest) : 1;
-  if (reps < 1) reps = 1;
-  if (reps > 10000) reps = 10000;
-  for (int t = 0; t < 3; t++) {
-    MPI_Barrier(MPI_COMM_WORLD);
-    t0 = MPI_Wtime();
-    for (int i = 0; i < reps; i++) rt_matmul(a, b, c, m, g->n, g->k, false, false, false);
-    gemm[t] = (MPI_Wtime() - t0) * 1e3;
-    MPI_Barrier(MPI_COMM_WORLD);
-    pthread_t th;
-    if (pthread_create(&th, NULL, probe_alltoall, &p) != 0) rt_comm_abort("moec tune: cannot start a thread");
-    t0 = MPI_Wtime();
-    for (int i = 0; i < reps; i++) rt_matmul(a, b, c, m, g->n, g->k, false, false, false);
-    gemm_ov[t] = (MPI_Wtime() - t0) * 1e3;
-    pthread_join(th, NULL);
-    a2a_ov[t] = p.ms;
-  }
-  double mine[2] = {median3(gemm_ov[0], gemm_ov[1], gemm_ov[2]) / median3(gemm[0], gemm[1], gemm[2]) - 1,
-                    median3(a2a_ov[0], a2a_ov[1], a2a_ov[2]) / a2a_ms - 1}, worst[2];
-  MPI_Allreduce(mine, worst, 2, MPI_DOUBLE, MPI_MAX, MPI_COMM_WORLD);
-  slow_compute = worst[0] > 0 ? worst[0] : 0;
-  slow_comm = worst[1] > 0 ? worst[1] : 0;
-  free(a), free(b), free(c);
-  free_comm_buffer(send);
-  free_comm_buffer(recv);
-}
-
-static double measure_handoff(RtComm *comm) {
-  if (!rt_comm_thread_safe(comm)) return -1;
-  RtStreams *ex = rt_streams_create(comm);
-  RtStep st = {0};
-  const RtTask tasks[] = {
-      {RT_STREAM_COMPUTE, nothing, 0, {0}, 0},
-      {RT_STREAM_INTER, nothing, 1, {0}, 1},
-      {RT_STREAM_COMPUTE, nothing, 1, {1}, -1},
-  };
-  double runs[HANDOFF_RUNS];
-  for (int r = -10; r < HANDOFF_RUNS; r++) {
-    double t0 = MPI_Wtime();
-    rt_run_streams(ex, &st, tasks, 3, 2);
-    if (r >= 0) runs[r] = (MPI_Wtime() - t0) * 1e3;
-  }
-  rt_streams_destroy(ex);
-  qsort(runs, HANDOFF_RUNS, sizeof runs[0], compare_doubles);
-  double mine = runs[HANDOFF_RUNS / 2], slowest;
-  MPI_Allreduce(&mine, &slowest, 1, MPI_DOUBLE, MPI_MAX, MPI_COMM_WORLD);
-  return slowest;
-}
-#endif
-
 
 // ---- the profile ----
 
@@ -812,8 +447,8 @@ static void write_profile(FILE *f, const char *header, const char *name, int nod
                           const Series *s) {
   fputs(header, f);
   fprintf(f, "cluster %s {\n  nodes %d;\n  gpus_per_node %d;\n", name, nodes, gpus_per_node);
-  if (memory_bytes > 0) fprintf(f, "  memory %lld;  # %s\n", (long long)memory_bytes, memory_note);
-  else fprintf(f, "  # no memory line: %s\n", memory_note);
+  if (T.memory_bytes > 0) fprintf(f, "  memory %lld;  # %s\n", (long long)T.memory_bytes, T.memory_note);
+  else fprintf(f, "  # no memory line: %s\n", T.memory_note);
   write_coef(f, "gemm", &s[S_GEMM]);
   write_coef(f, "alltoall", &s[S_A2A_INTER]);
   write_coef(f, "allgather", &s[S_AG_INTRA]);
@@ -828,8 +463,8 @@ static void write_profile(FILE *f, const char *header, const char *name, int nod
                                      "would not describe a node)");
   if (!s[S_ELEM].skipped) write_coef(f, "elementwise", &s[S_ELEM]);
   if (!s[S_ATTN].skipped) write_coef(f, "attention", &s[S_ATTN]);
-  if (handoff_ms >= 0) fprintf(f, "  handoff %.6g;\n", handoff_ms);
-  if (slow_compute >= 0) fprintf(f, "  overlap { compute %.4f; comm %.4f; }\n", slow_compute, slow_comm);
+  if (T.handoff_ms >= 0) fprintf(f, "  handoff %.6g;\n", T.handoff_ms);
+  if (T.slow_compute >= 0) fprintf(f, "  overlap { compute %.4f; comm %.4f; }\n", T.slow_compute, T.slow_comm);
   fprintf(f, "}\n");
 }
 
@@ -837,7 +472,7 @@ static void write_profile(FILE *f, const char *header, const char *name, int nod
 static bool write_atomically(const char *path, const char *header, const char *name, int nodes,
                              int gpus_per_node, const Series *s) {
   size_t len = strlen(path);
-  char *tmp = xmalloc(len + 16);
+  char *tmp = tune_xmalloc(len + 16);
   snprintf(tmp, len + 16, "%s.tmp-XXXXXX", path);
   int fd = mkstemp(tmp);
   FILE *f = fd >= 0 ? fdopen(fd, "w") : NULL;
@@ -879,27 +514,18 @@ static char *profile_header(const char *command, const char *date, const char *h
                             const char *nodes_line, const char *gemm_desc, const GemmShape *shapes, int nshapes,
                             bool quick, const Series *s) {
   size_t size = 8192;
-  char *h = xmalloc(size);
+  char *h = tune_xmalloc(size);
   size_t u = 0;
   u += snprintf(h + u, size - u, "# Measured by `moec tune` on %s (%ld cores), %s:\n#   %s\n", host, cores, date, command);
   u += snprintf(h + u, size - u, "# %d ranks; %s\n", world, nodes_line);
   char gemm_line[1200];
-  snprintf(gemm_line, sizeof gemm_line, "gemm: %s on every rank at once, %s", gemm_engine, gemm_desc);
+  snprintf(gemm_line, sizeof gemm_line, "gemm: %s on every rank at once, %s", T.gemm_engine, gemm_desc);
   u = append_wrapped(h, u, size, gemm_line);
   u += snprintf(h + u, size - u, "#   shapes:");
   for (int i = 0; i < nshapes; i++)
     u += snprintf(h + u, size - u, "%s [m, %d] x [%d, %d]", i ? "," : "", shapes[i].k, shapes[i].k, shapes[i].n);
   u += snprintf(h + u, size - u, "\n");
-#ifdef MOEC_TUNE_CUDA
-  u += snprintf(h + u, size - u,
-                "# Sizes: communication 2^8, 2^11, 2^14 and %s x 2^18 floats, gemm %s x " GEMM_UNIT_TEXT " multiply-accumulates;\n",
-                quick ? "4 of 1..24" : "1..24", quick ? "4 of 1..12" : "1..12");
-#else
-  u += snprintf(h + u, size - u,
-                "# Sizes: communication 2^8, 2^11, 2^14 and %s x 2^18 floats, gemm m = %s tokens, element-wise\n"
-                "# %s 2^16..2^23 floats;\n",
-                quick ? "4 of 1..24" : "1..24", quick ? "6 of 4, 8, ..., 8192" : "4, 8, ..., 8192", quick ? "4 of" : "");
-#endif
+  u = engine->header_sizes(h, u, size, quick);
   u += snprintf(h + u, size - u,
                 "# each point the median of %d runs after 1 warm-up, timed on the slowest rank. t(n) = alpha + beta * n,\n"
                 "# t in ms, n in elements each rank sends/receives (gemm: multiply-accumulates; elementwise: floats read and\n"
@@ -908,9 +534,9 @@ static char *profile_header(const char *command, const char *date, const char *h
                 "# 2^20 floats on. handoff: the stream hand-off round trip (ms); overlap: how much slower GEMMs and an\n"
                 "# AlltoAll run when they run at once (relative). Fits:\n",
                 RUNS);
-  if (CALL_REPS > 1)
+  if (engine->call_reps > 1)
     u += snprintf(h + u, size - u, "# (a run: %d calls back to back on the GPU's compute stream, a synchronisation, / %d)\n",
-                  CALL_REPS, CALL_REPS);
+                  engine->call_reps, engine->call_reps);
   for (int i = 0; i < NSERIES; i++)
     if (s[i].skipped && (i == S_ELEM || i == S_ATTN))
       continue;
@@ -940,7 +566,7 @@ static char *profile_header(const char *command, const char *date, const char *h
                inter, s[S_A2A_INTRA].fit.alpha, s[S_A2A_INTRA].fit.beta, s[S_AR_INTRA].fit.alpha, s[S_AR_INTRA].fit.beta);
     u = append_wrapped(h, u, size, text);
   }
-  if (memory_bytes > 0 && memory_host_note[0]) u = append_wrapped(h, u, size, memory_host_note);
+  if (T.memory_bytes > 0 && T.memory_host_note[0]) u = append_wrapped(h, u, size, T.memory_host_note);
   return h;
 }
 
@@ -959,13 +585,11 @@ static void format_run(char *buf, size_t size, int step, int count) {
 
 // The world's checks of the command line; 0, or 2 (reported).
 static int check_world(const TuneOptions *o, int world) {
-#ifndef MOEC_TUNE_CUDA   // on GPUs one rank is allowed: it times the GEMMs only
-  if (world < 2) {
+  if (world < engine->min_ranks) {   // on GPUs one rank is allowed: it times the GEMMs only
     say(stderr, "moec: error: tune needs at least 2 ranks to time collectives: run it as "
                 "'mpirun -np P moec tune ...' with P >= 2\n");
     return 2;
   }
-#endif
   if (o->gpus_per_node && world % o->gpus_per_node != 0) {
     say(stderr, "moec: error: --gpus-per-node %d does not divide the %d ranks into whole nodes\n",
         o->gpus_per_node, world);
@@ -978,22 +602,13 @@ static int check_world(const TuneOptions *o, int world) {
 // number of shapes, <= 0 on error (reported).
 static int read_shapes(const TuneOptions *o, GemmShape shapes[MAX_SHAPES], char *desc, size_t desc_size) {
   int nshapes = 0;
-  if (my_rank == 0)
+  if (T.rank == 0)
     nshapes = o->model ? model_shapes(o->model, shapes, desc, desc_size) : default_shapes(shapes, desc, desc_size);
   MPI_Bcast(&nshapes, 1, MPI_INT, 0, MPI_COMM_WORLD);
   if (nshapes == 0) say(stderr, "moec: error: %s has no expert GEMMs to time\n", o->model);
   if (nshapes > 0) MPI_Bcast(shapes, (int)(sizeof shapes[0] * nshapes), MPI_BYTE, 0, MPI_COMM_WORLD);
   return nshapes;
 }
-
-// Where and how the profile is measured: the nodes, this host, the MPI, the command line.
-typedef struct TuneRun {
-  int world, gpn, nodes;
-  bool assumed;             // no --gpus-per-node: the default node shape
-  int local_size;           // ranks that share rank 0's host
-  long cores;
-  char host[256], date[64], version[MPI_MAX_LIBRARY_VERSION_STRING], nodes_line[512], command[1024];
-} TuneRun;
 
 static void describe_run(int argc, char **argv, const TuneOptions *o, int world, TuneRun *r) {
   r->world = world;
@@ -1026,53 +641,6 @@ static void describe_run(int argc, char **argv, const TuneOptions *o, int world,
              r->gpn);
 }
 
-// `memory`, what one rank may use (memory_bytes, memory_note, memory_host_note); every rank calls
-// it. CPU: the smallest MemTotal (/proc/meminfo) of the ranks' hosts divided by the ranks of a
-// node (gpus_per_node); GPU: the smallest total memory of the ranks' GPUs (cuDeviceTotalMem,
-// one GPU per rank).
-static void measure_memory(const TuneRun *r) {
-  long long mine = -1, least;
-#ifdef MOEC_TUNE_CUDA
-  if (gpu) mine = (long long)rt_cuda_device(gpu)->memory_bytes;
-#else
-  FILE *f = fopen("/proc/meminfo", "r");
-  char line[256];
-  long long kib;
-  while (f && fgets(line, sizeof line, f))
-    if (sscanf(line, "MemTotal: %lld kB", &kib) == 1 && kib > 0) {
-      mine = kib * 1024;
-      break;
-    }
-  if (f) fclose(f);
-#endif
-  MPI_Allreduce(&mine, &least, 1, MPI_LONG_LONG, MPI_MIN, MPI_COMM_WORLD);
-  memory_host_note[0] = '\0';
-  if (least <= 0) {
-    memory_bytes = 0;
-#ifdef MOEC_TUNE_CUDA
-    snprintf(memory_note, sizeof memory_note, "a rank's GPU reports no total memory");
-#else
-    snprintf(memory_note, sizeof memory_note, "MemTotal could not be read from /proc/meminfo on every rank");
-#endif
-    return;
-  }
-#ifdef MOEC_TUNE_CUDA
-  memory_bytes = least;
-  snprintf(memory_note, sizeof memory_note, "the GPU's total memory (cuDeviceTotalMem), %.2f GiB%s (rank 0's: %.200s)",
-           least / 1073741824.0, r->world > 1 ? ", the smallest of the ranks' GPUs" : "", rt_cuda_device(gpu)->name);
-#else
-  memory_bytes = least / r->gpn;
-  snprintf(memory_note, sizeof memory_note, "MemTotal %.2f GiB (/proc/meminfo%s) / %d rank%s on the node",
-           least / 1073741824.0, r->local_size < r->world ? ", the smallest of the ranks' hosts" : "", r->gpn,
-           r->gpn == 1 ? "" : "s");
-  if (r->local_size > r->gpn)
-    snprintf(memory_host_note, sizeof memory_host_note,
-             "memory: MemTotal divided by the %d rank%s of a node of this profile; %d ranks shared rank 0's host "
-             "while it was measured (%.2f GiB each), so the nodes above are nodes of the layout, not hosts.",
-             r->gpn, r->gpn == 1 ? "" : "s", r->local_size, least / 1073741824.0 / r->local_size);
-#endif
-}
-
 // The series on their groups. A group of one has nothing to time; then its fits run on all
 // ranks (and the table says so).
 static void init_series(RtComm *comm, Series *s) {
@@ -1089,10 +657,6 @@ static void init_series(RtComm *comm, Series *s) {
   s[S_AR_INTER] = (Series){"allreduce", inter_where, OP_ALLREDUCE, inter, rt_comm_size(comm, inter)};
   s[S_ELEM] = (Series){"elementwise", "each-rank", OP_ELEMENTWISE, RT_GROUP_WORLD, 1};
   s[S_ATTN] = (Series){"attention", "each-rank", OP_ATTENTION, RT_GROUP_WORLD, 1};
-#ifdef MOEC_TUNE_CUDA
-  s[S_ELEM].skipped = true;   // the GPU's element-wise and attention kernels are not timed yet:
-  s[S_ATTN].skipped = true;   // no line in the profile
-#endif
 }
 
 // Rank 0's '#' lines before the measurements.
@@ -1101,11 +665,7 @@ static void print_preamble(const TuneOptions *o, const TuneRun *r, const Series 
   printf("# moec tune: t(n) = alpha + beta*n, t in ms, n in elements each rank sends/receives (gemm: multiply-accumulates)\n");
   printf("# %s, %d ranks on %s (%ld cores); %d of them share rank 0's host; OpenBLAS threads per rank: %d\n",
          r->version, r->world, r->host, r->cores, r->local_size, openblas_get_num_threads());
-#ifdef MOEC_TUNE_CUDA
-  const RtCudaDevice *dev = rt_cuda_device(gpu);
-  printf("# GPU of rank 0: %s, sm_%d, %d multiprocessors, %.1f GiB, driver %d\n", dev->name, dev->arch,
-         dev->multiprocessors, dev->memory_bytes / 1073741824.0, dev->driver_version);
-#endif
+  if (engine->print_device) engine->print_device();
   printf("# %s%s\n", r->nodes_line,
          r->local_size == r->world && r->nodes > 1 ? "; every rank runs on this host, so the 'nodes' share its memory"
                                                    : "");
@@ -1119,23 +679,17 @@ static void print_preamble(const TuneOptions *o, const TuneRun *r, const Series 
            "on all ranks; the profile has no alltoall_intra and allreduce_intra\n");
   if (s[S_A2A_INTER].group != RT_GROUP_EP && !s[S_A2A_INTER].skipped)
     printf("# one node: no inter-node group, so its fits (alltoall, allreduce) run on all ranks\n");
-  if (memory_bytes > 0) printf("# memory per rank: %lld bytes = %s\n", (long long)memory_bytes, memory_note);
-  else printf("# memory per rank: unknown (%s), no memory line in the profile\n", memory_note);
-  printf("# gemm: %s, C[m,N] = A[m,K] x B[K,N] on every rank at once, n = m*K*N; %s\n", gemm_engine, gemm_desc);
+  if (T.memory_bytes > 0) printf("# memory per rank: %lld bytes = %s\n", (long long)T.memory_bytes, T.memory_note);
+  else printf("# memory per rank: unknown (%s), no memory line in the profile\n", T.memory_note);
+  printf("# gemm: %s, C[m,N] = A[m,K] x B[K,N] on every rank at once, n = m*K*N; %s\n", T.gemm_engine, gemm_desc);
   for (int i = 0; i < nshapes; i++)
     printf("#   gemm shape %-16s [m, %d] x [%d, %d]  m %d..%d\n", shapes[i].what, shapes[i].k, shapes[i].k,
-           shapes[i].n, tokens_for(&shapes[i], 1), tokens_for(&shapes[i], GEMM_SIZES));
-#ifdef MOEC_TUNE_CUDA
-  printf("# sizes: communication 2^8, 2^11, 2^14 and %s of 2^18 .. 24*2^18 floats, gemm %s of " GEMM_UNIT_TEXT " .. 12*" GEMM_UNIT_TEXT
-         " multiply-accumulates%s\n",
-         o->quick ? "4" : "all 24", o->quick ? "4" : "all 12", o->quick ? " (--quick)" : "");
-#else
-  printf("# sizes: communication 2^8, 2^11, 2^14 and %s of 2^18 .. 24*2^18 floats, gemm %s of m = 4 .. 8192 tokens, "
-         "element-wise %s of 2^16 .. 2^23 floats%s\n",
-         o->quick ? "4" : "all 24", o->quick ? "6" : "all 12", o->quick ? "4" : "all 8", o->quick ? " (--quick)" : "");
-#endif
+           shapes[i].n, engine->tokens_for(&shapes[i], 1), engine->tokens_for(&shapes[i], GEMM_SIZES));
+  engine->print_sizes(o->quick);
   printf("# each point: the median of %d runs after 1 warm-up; a run is the slowest rank's time", RUNS);
-  if (CALL_REPS > 1) printf(" of %d calls back to back on the GPU's compute stream and a synchronisation, / %d", CALL_REPS, CALL_REPS);
+  if (engine->call_reps > 1)
+    printf(" of %d calls back to back on the GPU's compute stream and a synchronisation, / %d", engine->call_reps,
+           engine->call_reps);
   printf("\n");
   if (s[S_A2A_INTRA].skipped)
     printf("# one rank, one GPU: the GEMMs only; the profile's collectives are 0 (1 node x 1 GPU)\n");
@@ -1146,28 +700,21 @@ static void print_preamble(const TuneOptions *o, const TuneRun *r, const Series 
 static double measure_all(RtComm *comm, Series *s, const GemmShape *shapes, int nshapes, bool quick) {
   double t_start = MPI_Wtime();
   int comm_idx[COMM_SIZES], gemm_idx[GEMM_SIZES];
-  Progress pr = {.on = my_rank == 0 && watched()};
+  Progress pr = {.on = T.rank == 0 && watched()};
   bool collectives = !s[S_A2A_INTRA].skipped;
   int elem_idx[ELEM_SIZES];
   pr.total = nshapes * gemm_sweep(quick, gemm_idx) + (collectives ? NCOLLECTIVES : 0) * (SMALL_SIZES + sweep(COMM_SIZES, quick, comm_idx)) +
              (s[S_ELEM].skipped ? 0 : sweep(ELEM_SIZES, quick, elem_idx)) +
              (s[S_ATTN].skipped ? 0 : 2 * sweep(ATTN_SIZES, quick, elem_idx));
   run_gemms(&s[S_GEMM], shapes, nshapes, quick, &pr);
-#ifndef MOEC_TUNE_CUDA
-  run_elementwise(&s[S_ELEM], quick, &pr);
-  run_attention(&s[S_ATTN], quick, &pr);
-  if (collectives) handoff_ms = measure_handoff(comm);
-  if (collectives) measure_overlap(comm, s[S_A2A_INTER].group, s[S_A2A_INTER].group_size, &shapes[0]);
-#endif
-  size_t max_floats = (size_t)(COMM_SIZES * COMM_UNIT);
+  if (!s[S_ELEM].skipped) run_elementwise(&s[S_ELEM], quick, &pr);
+  if (!s[S_ATTN].skipped) run_attention(&s[S_ATTN], quick, &pr);
+  if (collectives && engine->probes) engine->probes(&T, comm, s, shapes);
   if (collectives) {
-#ifdef MOEC_TUNE_CUDA
-    rt_cuda_arena_reset(gpu);   // the GEMMs' operands are done with
-#endif
-    float *send = comm_buffer(max_floats), *recv = comm_buffer(max_floats);
+    float *send, *recv;
+    engine->comm_buffers((size_t)(COMM_SIZES * COMM_UNIT), &send, &recv);
     for (int i = S_A2A_INTRA; i <= S_AR_INTER; i++) run_comm(comm, &s[i], send, recv, quick, &pr);
-    free_comm_buffer(send);
-    free_comm_buffer(recv);
+    engine->free_comm_buffers(send, recv);
   }
   progress_end(&pr);
   return MPI_Wtime() - t_start;
@@ -1222,12 +769,12 @@ static int fit_and_print(const TuneOptions *o, const TuneRun *r, Series *s) {
     printf("  %-13s %-10s %5d %6d %13.4e %13.4e %10.6f  %s\n", x->name, x->where,
            i == S_GEMM || i == S_ELEM || i == S_ATTN ? r->world : x->group_size, x->points, x->fit.alpha, x->fit.beta, x->fit.r2, use);
   }
-  if (handoff_ms >= 0)
-    printf("  %-13s %-10s %5d %6d %13.4e %13s %10s  yes\n", "handoff", "each-rank", r->world, HANDOFF_RUNS, handoff_ms,
+  if (T.handoff_ms >= 0)
+    printf("  %-13s %-10s %5d %6d %13.4e %13s %10s  yes\n", "handoff", "each-rank", r->world, HANDOFF_RUNS, T.handoff_ms,
            "-", "-");
-  if (slow_compute >= 0)
+  if (T.slow_compute >= 0)
     printf("# overlap probe: GEMMs %.1f %% slower and the AlltoAll %.1f %% slower when they run at once (in the profile)\n",
-           100 * slow_compute, 100 * slow_comm);
+           100 * T.slow_compute, 100 * T.slow_comm);
   for (int i = 0; i < NSERIES; i++)
     if (s[i].ok && (s[i].fit.alpha < 0 || s[i].fit.beta < 0) && (on_a_node(s, i) || (i != S_A2A_INTRA && i != S_AR_INTRA)))
       printf("# warning: %s (%s): fitted %s < 0 (noise, or times the line does not follow near n = 0); "
@@ -1267,78 +814,12 @@ static bool write_or_show(const TuneOptions *o, const TuneRun *r, const Series *
   return ok;
 }
 
-#ifdef MOEC_TUNE_CUDA
-// Device memory for the largest GEMM (A, B of the input type, C fp32) or the two collective
-// buffers, whichever is larger.
-static size_t arena_bytes(const GemmShape *shapes, int nshapes, bool collectives) {
-  size_t w = gemm_type == RT_CUDA_BF16 ? 2 : 4, most = 0;
-  for (int i = 0; i < nshapes; i++) {
-    size_t m = (size_t)tokens_for(&shapes[i], GEMM_SIZES), k = (size_t)shapes[i].k, n = (size_t)shapes[i].n;
-    size_t bytes = (m * k + k * n) * w + m * n * 4 + 3 * 256;
-    if (bytes > most) most = bytes;
-  }
-  size_t comm = 2 * (size_t)(COMM_SIZES * COMM_UNIT) * 4 + 2 * 256;
-  return collectives && comm > most ? comm : most;
-}
-
-// This rank's GPU, its NCCL communicators for the timed groups, the GEMM engine's description;
-// false (reported) when a rank has none.
-static bool open_gpu(const TuneOptions *o, RtComm *comm, Series *s, const GemmShape *shapes, int nshapes, int world) {
-  char why[512] = "";
-  int ok = rt_cuda_probe(why, sizeof why), all;
-  MPI_Allreduce(&ok, &all, 1, MPI_INT, MPI_MIN, MPI_COMM_WORLD);
-  if (!all) {
-    if (!ok) fprintf(stderr, "moec: error: tune --target cuda: rank %d has no GPU: %s\n", my_rank, why);
-    return false;
-  }
-  gemm_type = bf16_gemms(o) ? RT_CUDA_BF16 : RT_CUDA_F32;
-  if (world == 1)
-    for (int i = S_A2A_INTRA; i < NSERIES; i++) s[i].skipped = true;
-  gpu = rt_cuda_create(arena_bytes(shapes, nshapes, world > 1), 1);
-  ok = gpu != NULL;
-  MPI_Allreduce(&ok, &all, 1, MPI_INT, MPI_MIN, MPI_COMM_WORLD);
-  if (!all) return false;
-  const RtCudaDevice *dev = rt_cuda_device(gpu);
-  snprintf(gemm_engine, sizeof gemm_engine, "cuBLAS (rt_cuda_gemm: %s inputs, fp32 accumulation, no TF32) on %s (sm_%d)",
-           gemm_type == RT_CUDA_BF16 ? "bf16" : "fp32", dev->name, dev->arch);
-  for (int i = S_A2A_INTRA; i < NSERIES && world > 1; i++)
-    if (!nccl[s[i].group] && !(nccl[s[i].group] = rt_cuda_nccl_group(comm, s[i].group)))
-      rt_comm_abort("moec tune: no NCCL communicator for the %s group (the error is above)", s[i].where);
-  return true;
-}
-
-static void close_gpu(void) {
-  for (int g = 0; g < RT_GROUP_COUNT; g++) rt_cuda_nccl_destroy(nccl[g]);
-  if (gpu) rt_cuda_destroy(gpu);
-}
-#else
-// --target cuda: build/cuda/moec-tune-cuda beside this moec (build/moec), or moec-tune-fake under
-// the tests' MOEC_CUDA_FAKE=1, in this process's place with the same arguments. Returns only when
-// it cannot run (reported): 1.
-static int exec_gpu_tune(char **argv) {
-  char path[4096];
-  ssize_t len = readlink("/proc/self/exe", path, sizeof path - 64);
-  if (len <= 0) len = 0;
-  path[len] = '\0';
-  char *slash = strrchr(path, '/');
-  const char *fake = getenv("MOEC_CUDA_FAKE");
-  snprintf(slash ? slash + 1 : path, 64, "cuda/moec-tune-%s", fake && strcmp(fake, "1") == 0 ? "fake" : "cuda");
-  execv(path, argv);
-  fprintf(stderr, "moec: error: tune --target cuda runs %s, which cannot be run (%s): make builds it where "
-                  "the CUDA toolkit, cuBLAS and NCCL are (see its '#' lines)\n", path, strerror(errno));
-  return 1;
-}
-#endif
-
-int cli_tune(int argc, char **argv) {
-#ifndef MOEC_TUNE_CUDA
-  for (int i = 2; i + 1 < argc; i++)
-    if (strcmp(argv[i], "--target") == 0 && strcmp(argv[i + 1], "cuda") == 0) return exec_gpu_tune(argv);
-#endif
+int tune_main(const TuneEngine *e, int argc, char **argv) {
+  engine = e;
   int provided;   // rt_comm_create reuses this MPI
   MPI_Init_thread(&argc, &argv, MPI_THREAD_MULTIPLE, &provided);
   int world;
-  MPI_Comm_rank(MPI_COMM_WORLD, &my_rank);
+  MPI_Comm_rank(MPI_COMM_WORLD, &T.rank);
   MPI_Comm_size(MPI_COMM_WORLD, &world);
   TuneOptions o = {0};
   int status = parse_options(argc, argv, &o) ? check_world(&o, world) : 2;
@@ -1364,21 +845,19 @@ int cli_tune(int argc, char **argv) {
   Series *s = calloc(NSERIES, sizeof *s);
   if (!s) rt_comm_abort("moec tune: out of memory");
   init_series(comm, s);
-#ifdef MOEC_TUNE_CUDA
-  if (!open_gpu(&o, comm, s, shapes, nshapes, world)) {
-    close_gpu();
+  if (engine->open && !engine->open(&T, &o, comm, s, shapes, nshapes, world)) {
+    engine->close();
     free(s);
     rt_comm_destroy(comm);
     MPI_Finalize();
     return 1;
   }
-#endif
-  measure_memory(&r);
-  if (my_rank == 0) print_preamble(&o, &r, s, shapes, nshapes, gemm_desc);
+  engine->memory(&T, &r);
+  if (T.rank == 0) print_preamble(&o, &r, s, shapes, nshapes, gemm_desc);
   double seconds = measure_all(comm, s, shapes, nshapes, o.quick);
 
   int failed = 0;
-  if (my_rank == 0) {
+  if (T.rank == 0) {
     failed = fit_and_print(&o, &r, s);
     printf("# measured in %.1f s\n", seconds);
     if (failed) printf("# %d fit%s failed: no profile written\n", failed, failed == 1 ? "" : "s");
@@ -1387,16 +866,9 @@ int cli_tune(int argc, char **argv) {
     fflush(stdout);
   }
   MPI_Bcast(&failed, 1, MPI_INT, 0, MPI_COMM_WORLD);
-#ifdef MOEC_TUNE_CUDA
-  close_gpu();
-#endif
+  if (engine->close) engine->close();
   free(s);
   rt_comm_destroy(comm);
   MPI_Finalize();
   return failed ? 1 : 0;
 }
-
-#ifdef MOEC_TUNE_CUDA
-// build/cuda/moec-tune-cuda: what `moec tune --target cuda` runs (argv as moec's: "tune" first).
-int main(int argc, char **argv) { return cli_tune(argc, argv); }
-#endif

@@ -256,5 +256,8 @@ IrModule *fe_lower(IrDiag *d, const FeProgram *p, const FeTargetCaps *target);
 // The config.json of the family p is (malloc'ed JSON text, for a binary's --export-hf), or NULL
 // with why (n bytes) holding the sentence that says why p is none.
 char *fe_hf_config(const FeProgram *p, char *why, size_t n);
+// The shortest text of v ("%.*g", 6 to 17 digits) that reads back as v; buf (n bytes) returned.
+// config.json's floats and moec import-hf's .moe numbers.
+const char *fe_float_text(double v, char *buf, size_t n);
 
 #endif

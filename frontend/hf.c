@@ -144,14 +144,19 @@ static bool is_qwen2_moe(const FeProgram *p, const FeLayer **m0, char *why, size
 
 static void add_int(cJSON *o, const char *key, int64_t v) { cJSON_AddNumberToObject(o, key, (double)v); }
 
+const char *fe_float_text(double v, char *buf, size_t n) {
+  for (int digits = 6; digits <= 17; digits++) {
+    snprintf(buf, n, "%.*g", digits, v);
+    if (strtod(buf, NULL) == v) break;
+  }
+  return buf;
+}
+
 // A float field as a JSON number that reads back as a float (transformers' configs check types:
 // 0 is an int there, 0.0 a float), in the shortest text that reads back as v.
 static void add_float(cJSON *o, const char *key, double v) {
   char buf[48];
-  for (int digits = 6; digits <= 17; digits++) {
-    snprintf(buf, sizeof buf, "%.*g", digits, v);
-    if (strtod(buf, NULL) == v) break;
-  }
+  fe_float_text(v, buf, sizeof buf);
   if (!strpbrk(buf, ".en")) strcat(buf, ".0");
   cJSON_AddRawToObject(o, key, buf);
 }
