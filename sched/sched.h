@@ -2,7 +2,7 @@
 // layer (dense attention + MoE) on a cluster profile, the four cases under Q1-Q7, Algorithm 1
 // (per-phase pipeline degree r), the gradient partition (eqs. (3)-(4) + a global optimiser),
 // the stream programs of the six policies, a discrete-event simulator that judges them, and
-// Chrome-trace / SVG writers. Internal to the compiler: `moec plan` and `moec sweep` (cli/plan.c),
+// Chrome-trace / SVG writers. Internal to the compiler: `moec plan` and `moec sweep` (cli/plan.c, cli/sweep.c),
 // the pipeline pass (passes/degrees.c, which hands its amounts to gradpart) and the tests use it.
 //
 // Units: times in ms, sizes in elements (communication: elements each rank sends/receives;
