@@ -6,7 +6,8 @@
 # shaped links and the bridge.
 #
 #   cluster.sh up NODES RATE          make it (RATE as tc writes it: 1gbit, 200mbit, ...)
-#   cluster.sh down                   remove everything this script made (idempotent)
+#   cluster.sh down [--force]         remove everything this script made (idempotent; leaves a
+#                                     cluster another run holds, unless --force)
 #   cluster.sh status                 what exists now
 #   cluster.sh rate RATE [NODE]       change the rate of every node's link (or one node's)
 #   cluster.sh cut NODE | heal NODE   take node NODE's link down / up
@@ -19,8 +20,9 @@
 #                                     mpirun on a cluster that is up (the wrapper alone)
 #
 # MOEC_CLUSTER_BURST_MS and MOEC_CLUSTER_QUEUE_MS set tbf's bucket and queue (below).
-# Only one cluster at a time: `up` and `run` take an exclusive lock and refuse, naming the
-# holder, when another one holds it. Names are moec-prefixed (namespaces moec-node0.., bridge
+# Only one cluster at a time: `up` and `run` take an exclusive lock, waiting up to
+# MOEC_CLUSTER_WAIT seconds (900) for another run to end, and refuse, naming the holder, after
+# that; `down` leaves a cluster another run holds (unless --force). Names are moec-prefixed (namespaces moec-node0.., bridge
 # moecbr0, host-side veths moecv0..) on the subnet 10.77.0.0/24 (MOEC_CLUSTER_NET=10.77.0 to
 # change the first three octets). Needs root and iproute2 (ip, tc); `cluster.sh check` exits 0
 # when namespaces can be made here, else 1 with the reason on stdout.
@@ -158,12 +160,24 @@ do_check() {
   return 0
 }
 
-locked() {  # take the lock on fd 9 or say who holds it
+locked() {  # take the lock on fd 9, waiting up to MOEC_CLUSTER_WAIT seconds (default 900), or say who holds it
   mkdir -p "$(dirname "$LOCK")"
   exec 9>>"$LOCK"
-  if ! flock -n 9; then
-    die "another emulated cluster is running ($(cat "$STATE" 2>/dev/null || echo 'state unknown')); wait for it, or stop it and run 'cluster.sh down'"
+  if ! flock -w "${MOEC_CLUSTER_WAIT:-900}" 9; then
+    die "another emulated cluster is running ($(cat "$STATE" 2>/dev/null || echo 'state unknown')); wait for it, or stop it and run 'cluster.sh down --force'"
   fi
+}
+
+# down: takes the lock first, so that a script's clean-up never removes a cluster another run is
+# using (then it says so and leaves it); --force removes it anyway.
+down_unless_used() {
+  mkdir -p "$(dirname "$LOCK")"
+  exec 9>>"$LOCK"
+  if [ "${1:-}" != --force ] && ! flock -n 9; then
+    echo "cluster.sh: another run holds the emulated cluster ($(cat "$STATE" 2>/dev/null || echo 'state unknown')); left up (cluster.sh down --force removes it)" >&2
+    return 0
+  fi
+  do_down
 }
 
 cmd=${1:-}; shift || true
@@ -171,7 +185,7 @@ case "$cmd" in
   up)     [ $# -eq 2 ] || die "usage: cluster.sh up NODES RATE"
           locked; do_up "$1" "$2"
           echo "cluster.sh: $1 node(s) at $2 up (the lock is released now; 'run' holds it for a whole run)" ;;
-  down)   do_down ;;
+  down)   down_unless_used "${1:-}" ;;
   status) ip netns list | grep '^moec-node' || echo "no emulated cluster"; [ -f "$STATE" ] && cat "$STATE"; true ;;
   rate)   [ $# -ge 1 ] || die "usage: cluster.sh rate RATE [NODE]"; do_rate "$@" ;;
   cut)    [ $# -eq 1 ] || die "usage: cluster.sh cut NODE"; do_link "$1" down ;;
