@@ -46,7 +46,7 @@ RT_CFLAGS    := $(BLAS_CFLAGS) $(OMP_CFLAGS) $(CJSON_CFLAGS) $(MPI_CFLAGS) -fno-
 # codegen/nvrtc.c needs the CUDA toolkit: it is built by the CUDA rules below, never here; the
 # CUDA target's struct (codegen/target_cuda.c), which calls it, is linked into moec only.
 COMPILER_SRC := $(filter-out codegen/nvrtc.c codegen/target_cuda.c,$(wildcard frontend/*.c ir/*.c passes/*.c sched/*.c codegen/*.c))
-RUNTIME_SRC  := $(wildcard runtime/*.c)
+RUNTIME_SRC  := $(wildcard runtime/*.c runtime/kernels/*.c)
 GEN_SRC      := $(BUILD)/gen/parser.c $(BUILD)/gen/lexer.c
 GEN_INC      := $(BUILD)/gen/cuda_kernels.inc
 COMPILER_OBJ := $(COMPILER_SRC:%.c=$(BUILD)/obj/%.o) $(BUILD)/obj/gen/parser.o $(BUILD)/obj/gen/lexer.o

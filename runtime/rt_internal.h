@@ -68,7 +68,7 @@ void rt_prof_take(double *comm_ms, double *hidden_ms);
 // MOERT_COMM_TIMEOUT override them, and rt_main's --comm-timeout overrides the timeout.
 void rt_comm_set_timeout(double seconds);
 
-// ---- routing statistics (kernels.c) ----
+// ---- routing statistics (runtime/kernels/gate.c) ----
 // Adds the per-expert loads of one layer (load[e]: tokens or choices kept by each expert) to
 // st's load_min / load_max / load_sum / load_count. st may be NULL.
 typedef struct RtStep RtStep;
