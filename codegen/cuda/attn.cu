@@ -2,14 +2,7 @@
 // backward; the siblings of runtime/kernels/attn.c.
 // See prelude.cu for the conventions and for how the build embeds this file.
 
-// ---- mk_attn_fwd ----
-// Causal grouped-query attention, tiled: a block takes a tile of blockDim.x consecutive query rows
-// of one sample and head (MK_FOR_BLOCKS over samples x heads x tiles), stages the keys and values
-// the tile sees through shared memory, MK_ATTN_KEYS(d) rows at a time, and each thread computes
-// its row with the float operations of rt_attn_fwd (runtime/kernels/attn.c) in its order, so the
-// targets agree to the bit. Nothing of size seq x seq exists anywhere. A head wider than half the
-// staging buffer reads its keys from global memory instead. With a window W > 0 a row sees keys
-// i - W < t <= i only, and a tile stages the keys from its first row's first one on.
+// ---- prelude: attention tiles (the attention kernels share them) ----
 #ifndef MK_ATTN_SH
 #define MK_ATTN_SH 8192   // floats of shared memory a block stages keys and values in (32 KB)
 #endif
@@ -51,6 +44,25 @@ static __device__ i64 mk_attn_items(int rows, int seq, int heads) {
 // The first key query i sees: 0, or i - window + 1 under a window (rt_attn_*'s first_key).
 static __device__ int mk_attn_first(int i, int window) { return window > 0 && i >= window ? i - window + 1 : 0; }
 
+// Keys [t0, t0 + n) of kv head j into sh when KT > 0 (the keys, then their values at sh + KT * d
+// when v is not NULL), between two barriers: every thread of the block takes part, whether its
+// row is active or not. KT == 0: nothing (the kernels read global memory).
+static __device__ void mk_attn_stage_keys(float *sh, const float *k, const float *v, i64 r0, int t0, int n, int kcols,
+                                          int j, int d, int KT) {
+  if (!KT) return;
+  __syncthreads();
+  mk_attn_stage(sh, k, r0, t0, n, kcols, j * d, d);
+  if (v) mk_attn_stage(sh + (i64)KT * d, v, r0, t0, n, kcols, j * d, d);
+  __syncthreads();
+}
+
+// Key row t of kv head j of x (k, or v with sh + KT * d): staged in sh from key t0 when KT > 0,
+// else in global memory.
+static __device__ const float *mk_attn_key(const float *sh, const float *x, int KT, i64 r0, int t0, int t, int kcols,
+                                           int j, int d) {
+  return KT ? sh + (i64)(t - t0) * d : x + (r0 + t) * kcols + (i64)j * d;
+}
+
 // Pass 1 of a row: m = max_t s_t over the keys lo <= t <= i, staged KT at a time from the tile's
 // first key `first` (every thread of the block takes part in the staging, whether its row is
 // active or not).
@@ -60,13 +72,9 @@ static __device__ float mk_attn_max(const float *qi, const float *k, float *sh, 
   float m = -3.40282347e38f;   // below every finite score (no INFINITY without headers)
   for (int t0 = first; t0 <= last; t0 += KT ? KT : last + 1) {
     int n = KT && last + 1 - t0 > KT ? KT : last + 1 - t0;
-    if (KT) {
-      __syncthreads();
-      mk_attn_stage(sh, k, r0, t0, n, kcols, j * d, d);
-      __syncthreads();
-    }
+    mk_attn_stage_keys(sh, k, NULL, r0, t0, n, kcols, j, d, KT);
     for (int t = t0 > lo ? t0 : lo; T.active && t < t0 + n && t <= T.i; t++) {
-      const float *kt = KT ? sh + (i64)(t - t0) * d : k + (r0 + t) * kcols + (i64)j * d;
+      const float *kt = mk_attn_key(sh, k, KT, r0, t0, t, kcols, j, d);
       float s = mk_attn_dot(qi, kt, d) * scale;
       m = s > m ? s : m;
     }
@@ -74,6 +82,14 @@ static __device__ float mk_attn_max(const float *qi, const float *k, float *sh, 
   return m;
 }
 
+// ---- mk_attn_fwd ----
+// Causal grouped-query attention, tiled: a block takes a tile of blockDim.x consecutive query rows
+// of one sample and head (MK_FOR_BLOCKS over samples x heads x tiles), stages the keys and values
+// the tile sees through shared memory, MK_ATTN_KEYS(d) rows at a time, and each thread computes
+// its row with the float operations of rt_attn_fwd (runtime/kernels/attn.c) in its order, so the
+// targets agree to the bit. Nothing of size seq x seq exists anywhere. A head wider than half the
+// staging buffer reads its keys from global memory instead. With a window W > 0 a row sees keys
+// i - W < t <= i only, and a tile stages the keys from its first row's first one on.
 extern "C" __global__ void mk_attn_fwd(const float *q, const float *k, const float *v, float *o, int rows, int seq,
                                        int heads, int kv, int qcols, int window) {
   int d = qcols / heads, group = heads / kv, kcols = kv * d, KT = MK_ATTN_KEYS(d);
@@ -90,15 +106,10 @@ extern "C" __global__ void mk_attn_fwd(const float *q, const float *k, const flo
     for (int c = 0; T.active && c < d; c++) oi[c] = 0.0f;
     for (int t0 = first; t0 <= last; t0 += KT ? KT : last + 1) {
       int n = KT && last + 1 - t0 > KT ? KT : last + 1 - t0;
-      if (KT) {
-        __syncthreads();
-        mk_attn_stage(sh, k, r0, t0, n, kcols, j * d, d);
-        mk_attn_stage(sh + (i64)KT * d, v, r0, t0, n, kcols, j * d, d);
-        __syncthreads();
-      }
+      mk_attn_stage_keys(sh, k, v, r0, t0, n, kcols, j, d, KT);
       for (int t = t0 > lo ? t0 : lo; T.active && t < t0 + n && t <= T.i; t++) {
-        const float *kt = KT ? sh + (i64)(t - t0) * d : k + (r0 + t) * kcols + (i64)j * d;
-        const float *vt = KT ? sh + (i64)(KT + t - t0) * d : v + (r0 + t) * kcols + (i64)j * d;
+        const float *kt = mk_attn_key(sh, k, KT, r0, t0, t, kcols, j, d);
+        const float *vt = mk_attn_key(sh + (i64)KT * d, v, KT, r0, t0, t, kcols, j, d);
         float p = mk_exp(mk_attn_dot(qi, kt, d) * scale - m);
         l += p;
         for (int c = 0; c < d; c++) oi[c] += p * vt[c];
@@ -124,13 +135,9 @@ extern "C" __global__ void mk_attn_stats(const float *dy, const float *q, const 
     float m = mk_attn_max(qi, k, sh, T, r0, first, last, lo, kcols, j, d, scale), l = 0.0f;
     for (int t0 = first; t0 <= last; t0 += KT ? KT : last + 1) {
       int n = KT && last + 1 - t0 > KT ? KT : last + 1 - t0;
-      if (KT) {
-        __syncthreads();
-        mk_attn_stage(sh, k, r0, t0, n, kcols, j * d, d);
-        __syncthreads();
-      }
+      mk_attn_stage_keys(sh, k, NULL, r0, t0, n, kcols, j, d, KT);
       for (int t = t0 > lo ? t0 : lo; T.active && t < t0 + n && t <= T.i; t++) {
-        const float *kt = KT ? sh + (i64)(t - t0) * d : k + (r0 + t) * kcols + (i64)j * d;
+        const float *kt = mk_attn_key(sh, k, KT, r0, t0, t, kcols, j, d);
         l += mk_exp(mk_attn_dot(qi, kt, d) * scale - m);
       }
     }
@@ -160,15 +167,10 @@ extern "C" __global__ void mk_attn_grad_q(const float *dy, const float *q, const
     for (int c = 0; T.active && c < d; c++) dq[c] = 0.0f;
     for (int t0 = first; t0 <= last; t0 += KT ? KT : last + 1) {
       int n = KT && last + 1 - t0 > KT ? KT : last + 1 - t0;
-      if (KT) {
-        __syncthreads();
-        mk_attn_stage(sh, k, r0, t0, n, kcols, j * d, d);
-        mk_attn_stage(sh + (i64)KT * d, v, r0, t0, n, kcols, j * d, d);
-        __syncthreads();
-      }
+      mk_attn_stage_keys(sh, k, v, r0, t0, n, kcols, j, d, KT);
       for (int t = t0 > lo ? t0 : lo; T.active && t < t0 + n && t <= T.i; t++) {
-        const float *kt = KT ? sh + (i64)(t - t0) * d : k + (r0 + t) * kcols + (i64)j * d;
-        const float *vt = KT ? sh + (i64)(KT + t - t0) * d : v + (r0 + t) * kcols + (i64)j * d;
+        const float *kt = mk_attn_key(sh, k, KT, r0, t0, t, kcols, j, d);
+        const float *vt = mk_attn_key(sh + (i64)KT * d, v, KT, r0, t0, t, kcols, j, d);
         float p = mk_exp(mk_attn_dot(q + at, kt, d) * scale - lse);
         float ds = p * (mk_attn_dot(dy + at, vt, d) - D);
         for (int c = 0; c < d; c++) dq[c] += ds * kt[c];
