@@ -48,31 +48,11 @@ void rt_order_encode(const float *x, const int32_t *idx, const int32_t *loc, flo
   }
 }
 
-void rt_order_encode_grad(const float *ddisp, const int32_t *idx, const int32_t *loc, float *dx,
-                          int s, int m, int k, int e, int g, int cap) {
-  if (g < 1)
-    g = 1;
-  memset(dx, 0, (size_t)s * m * sizeof *dx);
-  for (int gi = 0; gi < g; gi++) {
-    int t0 = group_begin(s, g, gi), t1 = group_begin(s, g, gi + 1);
-    RT_PARALLEL_FOR((int64_t)(t1 - t0) * k * m >= RT_PAR_MIN)
-    for (int t = t0; t < t1; t++) {
-      float *dr = dx + (size_t)t * m;
-      for (int j = 0; j < k; j++) {
-        size_t c = (size_t)t * k + j;
-        if (!kept(loc, c, cap))
-          continue;
-        const float *src = ddisp + slot_offset(idx, loc, c, gi, cap, g, m);
-        RT_SIMD
-        for (int i = 0; i < m; i++)
-          dr[i] += src[i];
-      }
-    }
-  }
-}
-
-void rt_order_decode(const float *y, const int32_t *idx, const int32_t *loc, const float *gates,
-                     float *out, int s, int m, int k, int e, int g, int cap) {
+// out[t] = the sum over the kept choices c of token t of gates[c] times c's dispatch row of rows
+// (weight 1 when gates is NULL), out zeroed first: rt_order_decode, and with unit weights the
+// gradient of rt_order_encode.
+static void gather_choices(const float *rows, const int32_t *idx, const int32_t *loc, const float *gates,
+                           float *out, int s, int m, int k, int g, int cap) {
   if (g < 1)
     g = 1;
   memset(out, 0, (size_t)s * m * sizeof *out);
@@ -85,7 +65,13 @@ void rt_order_decode(const float *y, const int32_t *idx, const int32_t *loc, con
         size_t c = (size_t)t * k + j;
         if (!kept(loc, c, cap))
           continue;
-        const float *src = y + slot_offset(idx, loc, c, gi, cap, g, m);
+        const float *src = rows + slot_offset(idx, loc, c, gi, cap, g, m);
+        if (!gates) {
+          RT_SIMD
+          for (int i = 0; i < m; i++)
+            dst[i] += src[i];
+          continue;
+        }
         float w = gates[c];
         RT_SIMD
         for (int i = 0; i < m; i++)
@@ -93,6 +79,16 @@ void rt_order_decode(const float *y, const int32_t *idx, const int32_t *loc, con
       }
     }
   }
+}
+
+void rt_order_encode_grad(const float *ddisp, const int32_t *idx, const int32_t *loc, float *dx,
+                          int s, int m, int k, int e, int g, int cap) {
+  gather_choices(ddisp, idx, loc, NULL, dx, s, m, k, g, cap);
+}
+
+void rt_order_decode(const float *y, const int32_t *idx, const int32_t *loc, const float *gates,
+                     float *out, int s, int m, int k, int e, int g, int cap) {
+  gather_choices(y, idx, loc, gates, out, s, m, k, g, cap);
 }
 
 void rt_order_decode_grad_y(const float *dout, const int32_t *idx, const int32_t *loc,
