@@ -46,7 +46,7 @@ RT_CFLAGS    := $(BLAS_CFLAGS) $(OMP_CFLAGS) $(CJSON_CFLAGS) $(MPI_CFLAGS) -fno-
 # codegen/nvrtc.c needs the CUDA toolkit: it is built by the CUDA rules below, never here; the
 # CUDA target's struct (codegen/target_cuda.c), which calls it, is linked into moec only.
 COMPILER_SRC := $(filter-out codegen/nvrtc.c codegen/target_cuda.c,$(wildcard frontend/*.c ir/*.c passes/*.c sched/*.c codegen/*.c))
-RUNTIME_SRC  := $(wildcard runtime/*.c)
+RUNTIME_SRC  := $(wildcard runtime/*.c runtime/kernels/*.c)
 GEN_SRC      := $(BUILD)/gen/parser.c $(BUILD)/gen/lexer.c
 GEN_INC      := $(BUILD)/gen/cuda_kernels.inc
 COMPILER_OBJ := $(COMPILER_SRC:%.c=$(BUILD)/obj/%.o) $(BUILD)/obj/gen/parser.o $(BUILD)/obj/gen/lexer.o
@@ -92,10 +92,13 @@ $(BUILD)/gen/lexer.c $(BUILD)/gen/lexer.h: lang/lexer.l $(BUILD)/gen/parser.h
 	@mkdir -p $(BUILD)/gen
 	flex --header-file=$(BUILD)/gen/lexer.h -o $(BUILD)/gen/lexer.c $<
 
-# The CUDA kernels' sources (codegen/cuda/kernels.cu) as C strings for codegen/emit_cuda.c.
-$(BUILD)/gen/cuda_kernels.inc: codegen/cuda/kernels.cu mk/embed_cuda.awk
+# The CUDA kernels' sources as C strings for codegen/emit_cuda.c: the prelude, then one file per
+# kernel family in this fixed order (each the sibling of runtime/kernels/FAMILY.c).
+CUDA_KERNEL_FAMILIES := elementwise ffn norm embed attn loss gate gate_loss order hook layout optim
+CUDA_KERNEL_SRC      := codegen/cuda/prelude.cu $(CUDA_KERNEL_FAMILIES:%=codegen/cuda/%.cu)
+$(BUILD)/gen/cuda_kernels.inc: $(CUDA_KERNEL_SRC) mk/embed_cuda.awk
 	@mkdir -p $(BUILD)/gen
-	awk -f mk/embed_cuda.awk $< >$@.tmp && mv $@.tmp $@
+	awk -f mk/embed_cuda.awk $(CUDA_KERNEL_SRC) >$@.tmp && mv $@.tmp $@
 $(BUILD)/obj/codegen/emit_cuda.o: $(BUILD)/gen/cuda_kernels.inc
 
 $(BUILD)/obj/gen/%.o: $(BUILD)/gen/%.c $(BUILD)/gen/parser.h $(BUILD)/gen/lexer.h $(CONFIG)

@@ -577,7 +577,7 @@ static bool check_layer(Gpu &g, Ffn ffn) {
     return false;
   }
 
-  // The CPU backend's kernels, op for op (runtime/kernels*.c).
+  // The CPU backend's kernels, op for op (runtime/kernels/*.c).
   int S = (int)d.s, M = (int)d.m, H = (int)d.h, E = (int)d.e, K = (int)d.k, T = (int)d.t;
   std::vector<float> logits(se), scores(se), gates(sk), disp(etm), h(eth), hb(eth), act(eth), h3(eth), glu(eth),
       y(etm), yb(etm), moe(sm), out(sm);

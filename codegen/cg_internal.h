@@ -139,7 +139,7 @@ typedef enum CgParamType { CG_PARAM_POINTER, CG_PARAM_INT, CG_PARAM_I64, CG_PARA
 // pointers); their number, or -1 when there are more than max.
 int cg_cuda_kernel_params(int k, CgParamType *types, int max);
 // Compares every kernel's parameter list in runtime/kernels.def with its declaration in
-// codegen/cuda/kernels.cu; prints each difference to err and returns their number.
+// codegen/cuda/*.cu; prints each difference to err and returns their number.
 int cg_cuda_check_signatures(FILE *err);
 // Which kernels the launches of module m use (used[k] for k < cg_cuda_kernel_count()), the
 // bf16 cast of the GEMM operands included.

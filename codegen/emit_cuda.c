@@ -2,12 +2,12 @@
 // compiled by NVRTC (codegen/nvrtc.c) for sm_80 / sm_90 at `moec build` time.
 //
 // The kernels are the rows of runtime/kernels.def, `mk_NAME`, with their sources in
-// codegen/cuda/kernels.cu (embedded at build time by mk/embed_cuda.awk): each reproduces the CPU
-// kernel rt_NAME of libmoert (runtime/kernels*.c, runtime/hooks.c) it stands for, with the same
+// codegen/cuda/FAMILY.cu (embedded at build time by mk/embed_cuda.awk): each reproduces the CPU
+// kernel rt_NAME of libmoert (runtime/kernels/FAMILY.c, its sibling) it stands for, with the same
 // parameters: the same formulas, the same order of choices, reductions in double. A module gets
 // the kernels its ops' lowerings use, each once, after a prelude of __device__ helpers (routing
 // groups, block reductions, the counter-based RNG of runtime/rng.c, the 16-bit conversions of
-// runtime/hooks.c on the bits). The unit is self-contained: no #include (NVRTC has no system
+// runtime/kernels/hook.c on the bits). The unit is self-contained: no #include (NVRTC has no system
 // headers), extern "C" names, no host code.
 //
 // Fused gate kernels: where a gate's softmax (or sigmoid), top-k and gather are consecutive ops
@@ -43,8 +43,8 @@ static const char *mk_name(int k) {
   return names[k];
 }
 
-// The sources: codegen/cuda/kernels.cu, embedded by mk/embed_cuda.awk as cuda_prelude_src and
-// cuda_kernel_src (in the file's order, found here by name).
+// The sources: codegen/cuda/prelude.cu and the family files, embedded by mk/embed_cuda.awk as
+// cuda_prelude_src (every prelude section) and cuda_kernel_src (in file order, found here by name).
 typedef struct CudaSource { const char *name, *src; } CudaSource;
 #include "cuda_kernels.inc"
 #define prelude_src cuda_prelude_src
@@ -75,7 +75,7 @@ int cg_cuda_kernel_params(int k, CgParamType *types, int max) {
   return n;
 }
 
-// Each parameter type of runtime/kernels.def as kernels.cu spells it.
+// Each parameter type of runtime/kernels.def as codegen/cuda/*.cu spell it.
 #define K_F32 "const float *"
 #define K_F32_OUT "float *"
 #define K_I32 "const int *"
@@ -139,7 +139,7 @@ int cg_cuda_check_signatures(FILE *err) {
       g += gl + (g[gl] ? 2 : 0);
     }
     if (!same) {
-      fprintf(err, "kernel %s: runtime/kernels.def says (%s), codegen/cuda/kernels.cu declares (%s)\n", mk_name(k), want,
+      fprintf(err, "kernel %s: runtime/kernels.def says (%s), codegen/cuda/*.cu declares (%s)\n", mk_name(k), want,
               p ? got : "no declaration");
       bad++;
     }

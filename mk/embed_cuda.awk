@@ -1,24 +1,30 @@
-# Turns codegen/cuda/kernels.cu into C: `static const char cuda_prelude_src[]` (from the first
-# "// ---- " line up to the first kernel) and `static const CudaSource cuda_kernel_src[]`, one
-# {name, source} per block that starts with a line "// ---- mk_NAME ----", in file order. The
-# marker lines are not part of the sources; one blank line ending a block is dropped (the
-# emitter prints a blank line after each). Used by the Makefile:
-#   awk -f mk/embed_cuda.awk codegen/cuda/kernels.cu > build/gen/cuda_kernels.inc
-function flush() {
-  if (n > 0 && lines[n] == "") n--
-  if (name == "") printf "static const char cuda_prelude_src[] =\n"
-  else printf "  {\"%s\",\n", name
-  for (i = 1; i <= n; i++) {
-    s = lines[i]
-    gsub(/\\/, "\\\\", s)
-    gsub(/"/, "\\\"", s)
-    printf "    \"%s\\n\"%s\n", s, (i == n ? (name == "" ? ";" : "},") : "")
-  }
-  if (n == 0) printf "    \"\"%s\n", (name == "" ? ";" : "},")
-  if (name == "") printf "\nstatic const CudaSource cuda_kernel_src[] = {\n"
-  n = 0
+# Turns the CUDA kernel sources (codegen/cuda/prelude.cu, then one file per kernel family) into C:
+# `static const char cuda_prelude_src[]` and `static const CudaSource cuda_kernel_src[]`, one
+# {name, source} per block that starts with a line "// ---- mk_NAME ----", in file order. In each
+# file, the lines before its first "// ---- " line (its header comment) are skipped; any other
+# "// ---- TITLE ----" line opens a section of the prelude, which collects every such section of
+# every file in order (the title lines included). The kernel marker lines are not part of the
+# sources; one blank line ending a kernel, and one ending the prelude, is dropped (the emitter
+# prints a blank line after each). Used by the Makefile:
+#   awk -f mk/embed_cuda.awk codegen/cuda/prelude.cu codegen/cuda/FAMILY.cu... > build/gen/cuda_kernels.inc
+function quote(s) {
+  gsub(/\\/, "\\\\", s)
+  gsub(/"/, "\\\"", s)
+  return s
 }
-BEGIN { started = 0; n = 0; name = "" }
+# The kernel being read, if any, into kernels[] (the prelude's lines stay in pre[]).
+function flush(   i, text) {
+  if (name == "") return
+  if (n > 0 && lines[n] == "") n--
+  text = sprintf("  {\"%s\",\n", name)
+  for (i = 1; i <= n; i++) text = text sprintf("    \"%s\\n\"%s\n", quote(lines[i]), (i == n ? "}," : ""))
+  if (n == 0) text = text "    \"\"},\n"
+  kernels[++nk] = text
+  n = 0
+  name = ""
+}
+BEGIN { n = 0; np = 0; nk = 0; name = "" }
+FNR == 1 { flush(); started = 0 }
 !started && /^\/\/ ---- / { started = 1 }
 !started { next }
 /^\/\/ ---- mk_[a-z0-9_]+ ----$/ {
@@ -26,5 +32,16 @@ BEGIN { started = 0; n = 0; name = "" }
   name = $3
   next
 }
-{ lines[++n] = $0 }
-END { flush(); printf "};\n" }
+/^\/\/ ---- / { flush() }
+name != "" { lines[++n] = $0; next }
+{ pre[++np] = $0 }
+END {
+  flush()
+  if (np > 0 && pre[np] == "") np--
+  printf "static const char cuda_prelude_src[] =\n"
+  for (i = 1; i <= np; i++) printf "    \"%s\\n\"%s\n", quote(pre[i]), (i == np ? ";" : "")
+  if (np == 0) printf "    \"\";\n"
+  printf "\nstatic const CudaSource cuda_kernel_src[] = {\n"
+  for (i = 1; i <= nk; i++) printf "%s", kernels[i]
+  printf "};\n"
+}

@@ -50,7 +50,7 @@ enum {
 };
 uint64_t rt_hash_name(const char *s);  // FNV-1a 64 of a parameter name
 
-// ---- kernels (runtime/kernels*.c, runtime/hooks.c) ----
+// ---- kernels (runtime/kernels/*.c) ----
 // Every kernel of the table runtime/kernels.def (WHERE = BOTH) is declared from its row: rt_NAME
 // with the row's parameters, the CUDA kernel mk_NAME's parameters. The row's comment says what
 // it computes.

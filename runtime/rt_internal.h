@@ -68,7 +68,7 @@ void rt_prof_take(double *comm_ms, double *hidden_ms);
 // MOERT_COMM_TIMEOUT override them, and rt_main's --comm-timeout overrides the timeout.
 void rt_comm_set_timeout(double seconds);
 
-// ---- routing statistics (kernels.c) ----
+// ---- routing statistics (runtime/kernels/gate.c) ----
 // Adds the per-expert loads of one layer (load[e]: tokens or choices kept by each expert) to
 // st's load_min / load_max / load_sum / load_count. st may be NULL.
 typedef struct RtStep RtStep;
@@ -378,7 +378,7 @@ void rt_print_tokens(FILE *out, const RtModel *m, const int32_t *tokens, int64_t
 // vectorise: x = n ln2 + r (n rounded by the 1.5 * 2^23 trick, ln2 in two parts), e^r by its
 // Taylor polynomial of degree 7 (|r| <= 0.35), times 2^n built from its bits. Within 1.3 ulp of
 // exp over [-87, 88]; x below -87 gives exp(-87), above 88 exp(88) (never inf, never a
-// subnormal scale); NaN stays NaN. mk_exp in codegen/cuda/kernels.cu is the same sequence of
+// subnormal scale); NaN stays NaN. mk_exp in codegen/cuda/prelude.cu is the same sequence of
 // float operations: the CUDA kernels (NVRTC with --fmad=false) compute the same bits.
 static inline float rt_exp(float x) {
   x = x < -87.0f ? -87.0f : x;

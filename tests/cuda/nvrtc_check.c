@@ -5,7 +5,7 @@
 // compiles every kernel the emitter has (cg_emit_cuda_library) instead of a file;
 // --print-library prints that source, --print-kernel-list its kernels (cg_emit_cuda_kernel_list);
 // --check-signatures compares runtime/kernels.def's parameter types with the declarations in
-// codegen/cuda/kernels.cu (the host program packs launch arguments by the former).
+// codegen/cuda/*.cu (the host program packs launch arguments by the former).
 // Exit status 1 on any failure, with NVRTC's log on stderr.
 #include <stdio.h>
 #include <stdlib.h>

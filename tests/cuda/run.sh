@@ -48,9 +48,9 @@ check() {
   done <"$WORK/out"
 }
 
-# The kernel table (runtime/kernels.def) against the sources (codegen/cuda/kernels.cu).
+# The kernel table (runtime/kernels.def) against the sources (codegen/cuda/*.cu).
 if "$CHECK" --check-signatures >"$WORK/out" 2>"$WORK/err"; then
-  echo "ok    cuda kernel signatures: $(cat "$WORK/out") (kernels.def = kernels.cu)"
+  echo "ok    cuda kernel signatures: $(cat "$WORK/out") (kernels.def = codegen/cuda/*.cu)"
 else
   echo "FAIL  cuda kernel signatures: $(cat "$WORK/out")"; sed 's/^/      /' "$WORK/err" | head -n 20; status=1
 fi

@@ -10,7 +10,7 @@ the runtime's kernels, so that tests/ref/test_ref.py can hold the compiled binar
 Everything is float64 except the compression round trips, which are the runtime's float32
 conversions bit for bit. The backward pass is written by hand and `--selftest` checks it against
 central finite differences of the reference's own forward (and the compression round trips
-against runtime/hooks.c compiled with a driver).
+against runtime/kernels/hook.c compiled with a driver).
 
 Model (S = B*L tokens, x [S, M], E experts, G routing groups of S_g = S/G tokens in order);
 per MoE layer instance, in order:
@@ -39,7 +39,7 @@ per MoE layer instance, in order:
   column idx*C + g*T + loc for hard routing): disp = D^T x [E, C, M], moe = Cw y. That is the
   gshard order's einsum, and the tutel order's encode/decode computes the same numbers.
   disp -> hook(before_dispatch) -> experts -> hook(before_combine) -> combine; a compress hook
-  is the float32 round trip of runtime/hooks.c forward and the identity backward
+  is the float32 round trip of runtime/kernels/hook.c forward and the identity backward
   experts: gpt y = act(disp.W1 + b1).W2 + b2;  mixtral y = (silu(disp.W1) * (disp.W3)).W2
   shared expert (`shared { ffn mixtral { hidden Hs; } [gate sigmoid;] }`): every token's
     s = (silu(x.Ws1) * (x.Ws3)).Ws2, times sigmoid(x.wsg) [S, 1] per token when gated;
@@ -310,7 +310,7 @@ def silu_grad(x):
     return s * (1.0 + x * (1.0 - s))
 
 
-# ---------------------------------------------------------------- compression (runtime/hooks.c)
+# ---------------------------------------------------------------- compression (runtime/kernels/hook.c)
 # Forward: the exact round trip of the float32 tensor the runtime compresses; backward:
 # straight through. Inputs and outputs are float64 arrays holding float32 values.
 def round_fp16(v):
@@ -330,7 +330,7 @@ def round_bf16(v):
 
 
 def int8_parts(v):
-    """(q int8 values as float64, scale float32 per row) of the last dim, as runtime/hooks.c:
+    """(q int8 values as float64, scale float32 per row) of the last dim, as runtime/kernels/hook.c:
     scale = max|x| / 127 in float32 (NaN ignored; 1 for a row without a non-zero),
     q = round-half-away(x / scale) (float32 division), NaN -> 0, clamped to [-127, 127]."""
     x = np.asarray(v, dtype=np.float32)
@@ -947,16 +947,16 @@ def _hook_probe_values():
 
 
 def hooks_vs_c():
-    """Compiles runtime/hooks.c with a driver and compares the round trips bit for bit."""
+    """Compiles runtime/kernels/hook.c with a driver and compares the round trips bit for bit."""
     import os
     import shutil
     import subprocess
     import tempfile
     root = os.path.abspath(os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", ".."))
-    hooks_c = os.path.join(root, "runtime", "hooks.c")
+    hooks_c = os.path.join(root, "runtime", "kernels", "hook.c")
     cc = shutil.which("cc")
     if not (cc and os.path.exists(hooks_c)):
-        print("# compression vs runtime/hooks.c: skipped (no cc or no runtime/hooks.c)")
+        print("# compression vs runtime/kernels/hook.c: skipped (no cc or no runtime/kernels/hook.c)")
         return True
     rows = _hook_probe_values()
     n, nrows = rows.size, rows.shape[0]
@@ -967,7 +967,7 @@ def hooks_vs_c():
         r = subprocess.run([cc, "-O2", "-I" + os.path.join(root, "runtime"), src, hooks_c, "-lm",
                             "-o", exe], capture_output=True, text=True)
         if r.returncode != 0:
-            print("# compression vs runtime/hooks.c: driver did not build:\n" + r.stderr)
+            print("# compression vs runtime/kernels/hook.c: driver did not build:\n" + r.stderr)
             return False
         rows.tofile(fin)
         subprocess.run([exe, fin, fout], check=True)
@@ -989,7 +989,7 @@ def hooks_vs_c():
     bad = {"fp16": bits_differ(f16, round_fp16(flat)), "bf16": bits_differ(b16, round_bf16(flat)),
            "int8 scale": bits_differ(sc, rsc), "int8 q": int((q != rq.ravel()).sum()),
            "int8": bits_differ(i8, round_int8(rows).ravel())}
-    print("# compression vs runtime/hooks.c: %d values (%d int8 rows), differing bits: %s"
+    print("# compression vs runtime/kernels/hook.c: %d values (%d int8 rows), differing bits: %s"
           % (n, nrows, ", ".join("%s %d" % kv for kv in bad.items())))
     return not any(bad.values())
 

@@ -1,5 +1,5 @@
-// Unit tests of the module library's CPU kernels (kernels_gate.c, kernels_order.c, hooks.c) and
-// of the load statistics of rt_gate_locations.
+// Unit tests of the module library's CPU kernels (runtime/kernels/: gate.c, order.c, hook.c and
+// others) and of the load statistics of rt_gate_locations.
 //
 // Backward kernels are checked as in test_kernels.c: central finite differences of a scalar
 // L = sum(w * f(inputs)) with a fixed random projection w, evaluated in double from the float
@@ -182,7 +182,7 @@ static void test_fd_l2norm_rows(void **state) {
   check_fd("gate.l2norm_rows", l2norm_obj, &c, x, R * N, dx, FD_EPS);
 }
 
-// norm.rms (runtime/kernels_norm.c): eps large enough to matter in the second row, whose
+// norm.rms (runtime/kernels/norm.c): eps large enough to matter in the second row, whose
 // values are small.
 static double rmsnorm_obj(void *p) {
   TokensCtx *c = p;
@@ -206,7 +206,7 @@ static void test_fd_rmsnorm(void **state) {
   assert_float_equal(y2[1], 4.0 / sqrt(12.5 + 1e-3), 1e-6);
 }
 
-// norm.layer, scale (runtime/kernels_norm.c).
+// norm.layer, scale (runtime/kernels/norm.c).
 static double layernorm_obj(void *p) {
   TokensCtx *c = p;
   rt_layernorm(c->x, c->y, c->s, c->e, 1e-3f);
@@ -275,7 +275,7 @@ static void test_fd_scale_rows(void **state) {
   assert_true(y2[0] == 0.5f && y2[1] == 1 && y2[2] == -6 && y2[3] == -8);
 }
 
-// embed, rope, loss.xent (runtime/kernels_lm.c).
+// embed, rope, loss.xent (runtime/kernels/embed.c, loss.c).
 typedef struct {
   const int32_t *tok;
   float *table, *y, *w;

@@ -1,6 +1,8 @@
 // Normalisations over the last dimension of a [rows, n] matrix, one row at a time, with the sums
-// in double (as the gate's l2norm in kernels_gate.c). The CUDA kernels of the same names
-// (codegen/cuda/kernels.cu) run one block per row and reduce in the same precision.
+// in double: L2-normalised rows (xmoe's cosine router), RMSNorm, LayerNorm, and the learned
+// scales by column (a norm's weight) or by row (the shared expert's gate). The siblings of
+// codegen/cuda/norm.cu, which run one block per row and reduce in the same precision.
+// Conventions of every CPU kernel: runtime/kernels.def.
 //
 // RMSNorm (Zhang and Sennrich 2019) without its learned scale, which is a separate op:
 //   r = 1 / sqrt(mean(x^2) + eps),  y = x r,
@@ -9,6 +11,38 @@
 
 #include "moert.h"
 #include "rt_internal.h"
+
+// ---- L2-normalised rows ----
+
+void rt_l2norm(const float *x, float *y, int rows, int n) {
+  for (int r = 0; r < rows; r++) {
+    const float *xr = x + (size_t)r * n;
+    float *yr = y + (size_t)r * n;
+    double ss = 0.0;
+    for (int i = 0; i < n; i++)
+      ss += (double)xr[i] * xr[i];
+    float inv = (float)(1.0 / sqrt(ss + 1e-12));
+    for (int i = 0; i < n; i++)
+      yr[i] = xr[i] * inv;
+  }
+}
+
+// With r = sqrt(sum x^2 + 1e-12): dx = dy / r - x <dy, x> / r^3.
+void rt_l2norm_grad(const float *dy, const float *x, float *dx, int rows, int n) {
+  for (int r = 0; r < rows; r++) {
+    const float *xr = x + (size_t)r * n, *dr = dy + (size_t)r * n;
+    float *out = dx + (size_t)r * n;
+    double ss = 0.0, dot = 0.0;
+    for (int i = 0; i < n; i++) {
+      ss += (double)xr[i] * xr[i];
+      dot += (double)dr[i] * xr[i];
+    }
+    double norm = sqrt(ss + 1e-12);
+    float inv = (float)(1.0 / norm), proj = (float)(dot / (norm * norm * norm));
+    for (int i = 0; i < n; i++)
+      out[i] = dr[i] * inv - xr[i] * proj;
+  }
+}
 
 // 1 / sqrt(mean(x^2) + eps) of one row.
 static double rms_inverse(const float *x, int n, float eps) {

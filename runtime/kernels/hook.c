@@ -1,4 +1,5 @@
-// The built-in hook actions: compression (fp16, bf16, int8) and the record hook.
+// The built-in hook actions: compression (fp16, bf16, int8) and the record hook. The siblings of
+// codegen/cuda/hook.cu (which also holds mk_record_stats, the record hook's statistics on the device).
 //
 // A `hook POINT compress T` compresses the tensor at POINT and decompresses it at the matching
 // after-point, so the model computes on what survived the round trip (on one rank the bytes go

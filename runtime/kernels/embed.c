@@ -1,7 +1,7 @@
-// The language model's kernels outside the norms: token embedding, rotary position embedding and
-// the fused softmax + cross-entropy over the vocabulary (DESIGN §2.1). Sums in double; the CUDA
-// kernels of the same names (codegen/cuda/kernels.cu) reduce in the same precision and, where a
-// gradient is accumulated, in the same order (so the targets agree to the bit where they can).
+// The language model's input kernels: token embedding, learned positions and rotary position
+// embedding (DESIGN §2.1). The siblings of codegen/cuda/embed.cu, which accumulate gradients in
+// the same order (so the targets agree to the bit). Conventions of every CPU kernel:
+// runtime/kernels.def.
 #include <math.h>
 #include <stdlib.h>
 #include <string.h>
@@ -68,33 +68,4 @@ void rt_rope(const float *x, float *y, int rows, int cols, int heads, int seq, f
     }
   }
   free(freq);
-}
-
-// Cross-entropy of rows of logits [t, v] against targets: loss[0] = scale * mean over rows of
-// logsumexp(row) - row[target]; the gradient scale * (softmax(row) - onehot(target)) / t.
-static double row_logsumexp(const float *row, int v) {
-  float mx = -INFINITY;
-  for (int j = 0; j < v; j++) mx = row[j] > mx ? row[j] : mx;
-  double s = 0.0;
-  for (int j = 0; j < v; j++) s += exp((double)row[j] - mx);
-  return mx + log(s);
-}
-
-void rt_xent(const float *logits, const int32_t *targets, float *loss, int t, int v, float scale) {
-  double acc = 0.0;
-  for (int i = 0; i < t; i++) {
-    const float *row = logits + (size_t)i * v;
-    acc += row_logsumexp(row, v) - row[targets[i]];
-  }
-  loss[0] = t > 0 ? (float)(scale * acc / t) : 0.0f;
-}
-
-void rt_xent_grad(const float *logits, const int32_t *targets, float *dlogits, int t, int v, float scale) {
-  RT_PARALLEL_FOR((int64_t)t * v >= RT_PAR_MIN / 8)
-  for (int i = 0; i < t; i++) {
-    const float *row = logits + (size_t)i * v;
-    float *out = dlogits + (size_t)i * v;
-    double lse = row_logsumexp(row, v), f = (double)scale / t;
-    for (int j = 0; j < v; j++) out[j] = (float)(f * (exp(row[j] - lse) - (j == targets[i])));
-  }
 }

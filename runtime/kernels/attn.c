@@ -13,7 +13,7 @@
 //   dk_j = scale * sum_h sum_i dS_ij q_i            (heads of the group ascending, then i)
 //   dv_j = sum_h sum_i p_ij dO_i                    (i from j to min(seq, j + W) - 1)
 // into one packed row [dq | dk | dv] of width (heads + 2 kv) * d. exp is rt_exp (rt_internal.h),
-// log logf. The CUDA kernels of the same names (codegen/cuda/kernels.cu) do the same float
+// log logf. The CUDA kernels of the same names (codegen/cuda/attn.cu) do the same float
 // operations per output element in the same order, so the two targets agree to the bit.
 //
 // How it runs here: every dot product is still a sum over c ascending of a[c] * b[c], but the dots

@@ -1,0 +1,60 @@
+// Token embedding, learned positions and RoPE, the siblings of runtime/kernels/embed.c.
+// See prelude.cu for the conventions and for how the build embeds this file.
+
+// ---- mk_embed ----
+extern "C" __global__ void mk_embed(const int *tokens, const float *table, float *y, int t, int m, int v) {
+  MK_FOR(i, (i64)t * m) {
+    int tok = tokens[i / m];
+    y[i] = tok < 0 || tok >= v ? 0.0f : table[(i64)tok * m + i % m];
+  }
+}
+
+// ---- mk_embed_grad ----
+// One thread per column: it zeroes that column of dtable, then adds the tokens' rows in token
+// order, as rt_embed_grad (deterministic, no atomics).
+extern "C" __global__ void mk_embed_grad(const float *dy, const int *tokens, float *dtable, int t, int m, int v) {
+  MK_FOR(j, m) {
+    for (int r = 0; r < v; r++) dtable[(i64)r * m + j] = 0.0f;
+    for (int i = 0; i < t; i++) {
+      int tok = tokens[i];
+      if (tok >= 0 && tok < v) dtable[(i64)tok * m + j] += dy[(i64)i * m + j];
+    }
+  }
+}
+
+// ---- mk_pos_add ----
+// One thread per element, as rt_pos_add (runtime/kernels/embed.c).
+extern "C" __global__ void mk_pos_add(const float *x, const float *table, float *y, int rows, int cols, int seq) {
+  MK_FOR(p, (i64)rows * cols) {
+    i64 r = p / cols;
+    y[p] = x[p] + table[(r % seq) * cols + p % cols];
+  }
+}
+
+// ---- mk_pos_add_grad ----
+// One thread per element of dtable, summing its rows in row order as rt_pos_add_grad.
+extern "C" __global__ void mk_pos_add_grad(const float *dy, float *dtable, int rows, int cols, int seq) {
+  MK_FOR(p, (i64)seq * cols) {
+    i64 i = p / cols, j = p % cols;
+    float s = 0.0f;
+    for (i64 r = i; r < rows; r += seq) s += dy[r * cols + j];
+    dtable[p] = s;
+  }
+}
+
+// ---- mk_rope ----
+// One thread per rotated pair, as rt_rope (runtime/kernels/embed.c).
+extern "C" __global__ void mk_rope(const float *x, float *y, int rows, int cols, int heads, int seq, float theta, int sign) {
+  int d = cols / heads, half = d / 2;
+  MK_FOR(p, (i64)rows * heads * half) {
+    int c = (int)(p % half), h = (int)(p / half % heads);
+    i64 r = p / half / heads;
+    int pos = (int)(r % seq);
+    double angle = pos * pow((double)theta, -2.0 * c / d);
+    float cs = (float)cos(angle), sn = (float)(sign * sin(angle));
+    i64 a = r * cols + (i64)h * d + c, b = a + half;
+    float u = x[a], w = x[b];
+    y[a] = u * cs - w * sn;
+    y[b] = w * cs + u * sn;
+  }
+}

@@ -1,0 +1,259 @@
+// The gate chain: noise, the score functions (softmax, sigmoid, softmax over tokens), top-k,
+// gather, the fused gates, locations, expert choice; the siblings of runtime/kernels/gate.c.
+// See prelude.cu for the conventions and for how the build embeds this file.
+
+// ---- prelude: per-row gate functions (the separate kernels and the fused gate kernels share them) ----
+__device__ void mk_row_softmax(const float *x, float *y, int e) {
+  float mx = -MK_INF;
+  for (int j = 0; j < e; j++)
+    if (x[j] > mx) mx = x[j];
+  double sum = 0.0;
+  for (int j = 0; j < e; j++) {
+    y[j] = expf(x[j] - mx);
+    sum += y[j];
+  }
+  float inv = (float)(1.0 / sum);
+  for (int j = 0; j < e; j++) y[j] *= inv;
+}
+// Order: score descending, index ascending; NaN ranks as -inf (runtime rt_topk).
+__device__ void mk_row_topk(const float *row, int *out, int e, int k) {
+  float prev_v = MK_INF;
+  int prev_i = -1;
+  for (int j = 0; j < k; j++) {
+    int best = -1;
+    float best_v = -MK_INF;
+    for (int i = 0; i < e; i++) {
+      float v = row[i];
+      if (v != v) v = -MK_INF;
+      bool after_prev = v < prev_v || (v == prev_v && i > prev_i);
+      if (after_prev && (best < 0 || v > best_v)) {
+        best = i;
+        best_v = v;
+      }
+    }
+    out[j] = best;
+    prev_v = best_v;
+    prev_i = best;
+  }
+}
+__device__ void mk_row_gather(const float *row, const int *ir, float *gr, int k, int renorm) {
+  double sum = 0.0;
+  for (int j = 0; j < k; j++) {
+    gr[j] = row[ir[j]];
+    sum += gr[j];
+  }
+  if (renorm && sum > 0.0)
+    for (int j = 0; j < k; j++) gr[j] = (float)(gr[j] / sum);
+}
+
+// ---- mk_gate_noise ----
+// logits + sigma*N(0,1)/e; the normal of token t, expert j is
+// mk_normal(key(key(key(seed, 4 = RT_STREAM_NOISE), step), layer), (token0 + t) * e + j).
+extern "C" __global__ void mk_gate_noise(const float *logits, float *out, int s, int e, float sigma, int layer,
+                                         u64 seed, i64 step, i64 token0) {
+  u64 key = mk_key(mk_key(mk_key(seed, 4ULL), (u64)step), (u64)(i64)layer);
+  double scale = (double)sigma / e;
+  MK_FOR(i, (i64)s * e) {
+    if (sigma == 0.0f) {
+      out[i] = logits[i];
+      continue;
+    }
+    i64 t = i / e, j = i % e;
+    u64 base = (u64)(token0 + t) * (u64)e;
+    out[i] = logits[i] + (float)(scale * mk_normal(key, base + (u64)j));
+  }
+}
+
+// ---- mk_softmax ----
+extern "C" __global__ void mk_softmax(const float *x, float *y, int s, int e) {
+  MK_FOR(t, s) mk_row_softmax(x + t * e, y + t * e, e);
+}
+
+// ---- mk_softmax_grad ----
+extern "C" __global__ void mk_softmax_grad(const float *dy, const float *y, float *dx, int s, int e) {
+  MK_FOR(t, s) {
+    const float *dr = dy + t * e, *yr = y + t * e;
+    float *xr = dx + t * e;
+    double dot = 0.0;
+    for (int j = 0; j < e; j++) dot += (double)dr[j] * yr[j];
+    float d = (float)dot;
+    for (int j = 0; j < e; j++) xr[j] = yr[j] * (dr[j] - d);
+  }
+}
+
+// ---- mk_sigmoid ----
+extern "C" __global__ void mk_sigmoid(const float *x, float *y, i64 n) {
+  MK_FOR(i, n) y[i] = mk_sigmoid1(x[i]);
+}
+
+// ---- mk_sigmoid_grad ----
+extern "C" __global__ void mk_sigmoid_grad(const float *dy, const float *y, float *dx, i64 n) {
+  MK_FOR(i, n) dx[i] = dy[i] * y[i] * (1.0f - y[i]);
+}
+
+// ---- mk_softmax_tokens ----
+// One thread per (group, column): the column of a group in token order.
+extern "C" __global__ void mk_softmax_tokens(const float *x, float *y, int s, int e, int g) {
+  if (g < 1) g = 1;
+  MK_FOR(i, (i64)g * e) {
+    int gi = (int)(i / e), j = (int)(i % e);
+    int t0 = mk_group_begin(s, g, gi), t1 = mk_group_begin(s, g, gi + 1);
+    float mx = -MK_INF;
+    for (int t = t0; t < t1; t++)
+      if (x[(i64)t * e + j] > mx) mx = x[(i64)t * e + j];
+    double sum = 0.0;
+    for (int t = t0; t < t1; t++) {
+      i64 k = (i64)t * e + j;
+      y[k] = expf(x[k] - mx);
+      sum += y[k];
+    }
+    float inv = (float)(1.0 / sum);
+    for (int t = t0; t < t1; t++) y[(i64)t * e + j] *= inv;
+  }
+}
+
+// ---- mk_softmax_tokens_grad ----
+extern "C" __global__ void mk_softmax_tokens_grad(const float *dy, const float *y, float *dx, int s, int e, int g) {
+  if (g < 1) g = 1;
+  MK_FOR(i, (i64)g * e) {
+    int gi = (int)(i / e), j = (int)(i % e);
+    int t0 = mk_group_begin(s, g, gi), t1 = mk_group_begin(s, g, gi + 1);
+    double dot = 0.0;
+    for (int t = t0; t < t1; t++) dot += (double)dy[(i64)t * e + j] * y[(i64)t * e + j];
+    for (int t = t0; t < t1; t++) {
+      i64 k = (i64)t * e + j;
+      dx[k] = y[k] * (dy[k] - (float)dot);
+    }
+  }
+}
+
+// ---- mk_topk ----
+extern "C" __global__ void mk_topk(const float *scores, int *idx, int s, int e, int k) {
+  MK_FOR(t, s) mk_row_topk(scores + t * e, idx + t * k, e, k);
+}
+
+// ---- mk_gate_gather ----
+extern "C" __global__ void mk_gate_gather(const float *scores, const int *idx, float *gates, int s, int e, int k,
+                                          int renorm) {
+  MK_FOR(t, s) mk_row_gather(scores + t * e, idx + t * k, gates + t * k, k, renorm);
+}
+
+// ---- mk_gate_gather_grad ----
+extern "C" __global__ void mk_gate_gather_grad(const float *dgates, const float *scores, const int *idx, float *dscores,
+                                               int s, int e, int k, int renorm) {
+  MK_FOR(t, s) {
+    const float *row = scores + t * e, *dg = dgates + t * k;
+    const int *ir = idx + t * k;
+    float *dr = dscores + t * e;
+    for (int j = 0; j < e; j++) dr[j] = 0.0f;
+    if (!renorm) {
+      for (int j = 0; j < k; j++) dr[ir[j]] += dg[j];
+      continue;
+    }
+    double sum = 0.0;
+    for (int j = 0; j < k; j++) sum += row[ir[j]];
+    if (!(sum > 0.0)) continue;
+    double dot = 0.0;
+    for (int j = 0; j < k; j++) dot += (double)dg[j] * (row[ir[j]] / sum);
+    for (int j = 0; j < k; j++) dr[ir[j]] += (float)((dg[j] - dot) / sum);
+  }
+}
+
+// ---- mk_gate_softmax_topk_gather ----
+// The fused gate of `gate gshard` (and xmoe): softmax -> top-k -> gather, one thread per token;
+// the same results as mk_softmax, mk_topk and mk_gate_gather in sequence.
+extern "C" __global__ void mk_gate_softmax_topk_gather(const float *logits, float *scores, int *idx, float *gates,
+                                                       int s, int e, int k, int renorm) {
+  MK_FOR(t, s) {
+    float *row = scores + t * e;
+    mk_row_softmax(logits + t * e, row, e);
+    mk_row_topk(row, idx + t * k, e, k);
+    mk_row_gather(row, idx + t * k, gates + t * k, k, renorm);
+  }
+}
+
+// ---- mk_gate_sigmoid_topk_gather ----
+// The fused gate of `gate sigmoid`: sigmoid -> top-k -> gather, one thread per token.
+extern "C" __global__ void mk_gate_sigmoid_topk_gather(const float *logits, float *scores, int *idx, float *gates,
+                                                       int s, int e, int k, int renorm) {
+  MK_FOR(t, s) {
+    float *row = scores + t * e;
+    for (int j = 0; j < e; j++) row[j] = mk_sigmoid1(logits[t * e + j]);
+    mk_row_topk(row, idx + t * k, e, k);
+    mk_row_gather(row, idx + t * k, gates + t * k, k, renorm);
+  }
+}
+
+// ---- mk_gate_locations ----
+// One block per (routing group, expert): an expert's locations only depend on its own choices,
+// numbered in [j, t] order (rt_gate_locations). The block's threads split the group's choice
+// positions p = j*n + (t - t0) into contiguous runs; each counts the expert's choices in its run,
+// an exclusive scan over the runs gives each run its first number, and a second pass numbers the
+// choices: location = number when below cap (cap <= 0: dropless), else -1. Any grid and any block
+// of at most MK_BLOCK threads give the same result. stats (may be NULL) gets int[g, e, 2]: kept
+// and wanted choices per group and expert, for the host's drop count, loads and capacity_max.
+extern "C" __global__ void mk_gate_locations(const int *idx, int *loc, int *stats, int s, int k, int e, int g,
+                                             int cap) {
+  __shared__ int first[MK_BLOCK];
+  if (g < 1) g = 1;
+  MK_FOR_BLOCKS(b, (i64)g * e) {
+    int gi = (int)(b / e), ex = (int)(b % e);
+    int t0 = mk_group_begin(s, g, gi), n = mk_group_begin(s, g, gi + 1) - t0;
+    i64 total = (i64)n * k, per = (total + blockDim.x - 1) / blockDim.x;
+    i64 p0 = (i64)threadIdx.x * per, p1 = p0 + per < total ? p0 + per : total;
+    int mine = 0;
+    for (i64 p = p0; p < p1; p++) mine += idx[(i64)(t0 + p % n) * k + p / n] == ex;
+    first[threadIdx.x] = mine;
+    __syncthreads();
+    if (threadIdx.x == 0) {
+      int wanted = 0;
+      for (int i = 0; i < (int)blockDim.x; i++) {
+        int c = first[i];
+        first[i] = wanted;
+        wanted += c;
+      }
+      if (stats) {
+        stats[((i64)gi * e + ex) * 2] = cap <= 0 || wanted < cap ? wanted : cap;
+        stats[((i64)gi * e + ex) * 2 + 1] = wanted;
+      }
+    }
+    __syncthreads();
+    int number = first[threadIdx.x];
+    for (i64 p = p0; p < p1; p++) {
+      i64 c = (i64)(t0 + p % n) * k + p / n;
+      if (idx[c] != ex) continue;
+      loc[c] = cap <= 0 || number < cap ? number : -1;
+      number++;
+    }
+    __syncthreads();  // first[] serves the block's next (group, expert)
+  }
+}
+
+// ---- mk_expert_choice ----
+// One block per (group, expert), one thread per token of the group: a token's rank is the
+// number of tokens before it in (score descending, token ascending) order; the first cap keep
+// their rank as location, the others get -1 (rt_expert_choice).
+extern "C" __global__ void mk_expert_choice(const float *scores, int *loc, int s, int e, int g, int cap) {
+  if (g < 1) g = 1;
+  MK_FOR_BLOCKS(b, (i64)g * e) {
+    int gi = (int)(b / e), j = (int)(b % e);
+    int t0 = mk_group_begin(s, g, gi), t1 = mk_group_begin(s, g, gi + 1), n = t1 - t0;
+    int take = cap < n ? cap : n;
+    for (int t = t0 + threadIdx.x; t < t1; t += blockDim.x) {
+      float v = scores[(i64)t * e + j];
+      if (v != v) v = -MK_INF;
+      int rank = 0;
+      for (int u = t0; u < t1; u++) {
+        float w = scores[(i64)u * e + j];
+        if (w != w) w = -MK_INF;
+        rank += w > v || (w == v && u < t);
+      }
+      loc[(i64)t * e + j] = take > 0 && rank < take ? rank : -1;
+    }
+  }
+}
+
+// ---- mk_iota ----
+extern "C" __global__ void mk_iota(int *idx, int s, int e) {
+  MK_FOR(i, (i64)s * e) idx[i] = (int)(i % e);
+}

@@ -1,0 +1,119 @@
+// The gate's losses: the load-balancing aux loss (per group and pooled) and the router z-loss;
+// the siblings of runtime/kernels/gate_loss.c.
+// See prelude.cu for the conventions and for how the build embeds this file.
+
+// ---- prelude: the z-loss's row logsumexp ----
+__device__ double mk_row_logsumexp(const float *row, int e) {
+  float mx = -MK_INF;
+  for (int j = 0; j < e; j++)
+    if (row[j] > mx) mx = row[j];
+  double sum = 0.0;
+  for (int j = 0; j < e; j++) sum += exp((double)row[j] - mx);
+  return mx + log(sum);
+}
+
+// ---- mk_aux_loss ----
+// One block of MK_BLOCK threads. Per group: me_i = mean score, ce_i = fraction of first choices;
+// aux = mean over groups of E * sum_i me_i ce_i; out[0] = aux / share.
+extern "C" __global__ void mk_aux_loss(const float *scores, const int *idx, float *out, int s, int e, int k, int g,
+                                       float share) {
+  if (g < 1) g = 1;
+  double total = 0.0;
+  for (int gi = 0; gi < g; gi++) {
+    int t0 = mk_group_begin(s, g, gi), t1 = mk_group_begin(s, g, gi + 1), n = t1 - t0;
+    double part = 0.0;
+    for (int i = threadIdx.x; i < e; i += blockDim.x) {
+      double me = 0.0, ce = 0.0;
+      for (int t = t0; t < t1; t++) {
+        me += scores[(i64)t * e + i];
+        ce += idx[(i64)t * k] == i;
+      }
+      if (n > 0) {
+        me /= n;
+        ce /= n;
+      }
+      part += me * ce;
+    }
+    total += e * mk_block_sum(part);
+  }
+  if (threadIdx.x == 0) out[0] = (float)(total / g) / share;
+}
+
+// ---- mk_aux_loss_grad ----
+// One block per group; dynamic shared memory e doubles. ce is a constant of the scores:
+// d/dscores[t, i] = coef * E * ce_i / (n_g * G).
+extern "C" __global__ void mk_aux_loss_grad(const float *scores, const int *idx, float *dscores, int s, int e, int k,
+                                            int g, float coef) {
+  MK_DYN_SHARED(double, mk_ce);
+  if (g < 1) g = 1;
+  MK_FOR_BLOCKS(gi, g) {
+    int t0 = mk_group_begin(s, g, (int)gi), t1 = mk_group_begin(s, g, (int)gi + 1), n = t1 - t0;
+    for (int i = threadIdx.x; i < e; i += blockDim.x) {
+      double ce = 0.0;
+      for (int t = t0; t < t1; t++) ce += idx[(i64)t * k] == i;
+      mk_ce[i] = n > 0 ? ce / n : 0.0;
+    }
+    __syncthreads();
+    for (i64 q = threadIdx.x; q < (i64)n * e; q += blockDim.x) {
+      int i = (int)(q % e);
+      dscores[(i64)t0 * e + q] = (float)((double)coef * e * mk_ce[i] / ((double)n * g));
+    }
+    __syncthreads();
+  }
+}
+
+// ---- mk_aux_pooled ----
+// One block of MK_BLOCK threads: this rank's per-expert sums of the scores and of the top-k
+// choices, stats [2, e] (rt_aux_pooled; the CUDA target refuses `aux pooled` for now).
+extern "C" __global__ void mk_aux_pooled(const float *scores, const int *idx, float *stats, int s, int e, int k) {
+  for (int i = threadIdx.x; i < e; i += blockDim.x) {
+    double sum = 0.0, count = 0.0;
+    for (int t = 0; t < s; t++) {
+      sum += scores[(i64)t * e + i];
+      for (int j = 0; j < k; j++) count += idx[(i64)t * k + j] == i;
+    }
+    stats[i] = (float)sum;
+    stats[e + i] = (float)count;
+  }
+}
+
+// ---- mk_aux_pooled_grad ----
+// dscores[t, i] = coef * E * pooled[1, i] (F_i / N) for every token t.
+extern "C" __global__ void mk_aux_pooled_grad(const float *pooled, float *dscores, int s, int e, float coef) {
+  MK_FOR(q, (i64)s * e) {
+    int i = (int)(q % e);
+    dscores[q] = (float)((double)coef * e * pooled[e + i]);
+  }
+}
+
+// ---- mk_z_loss ----
+// One block of MK_BLOCK threads: mean over groups of the group's mean of logsumexp^2, / share.
+extern "C" __global__ void mk_z_loss(const float *logits, float *out, int s, int e, int g, float share) {
+  if (g < 1) g = 1;
+  double total = 0.0;
+  for (int gi = 0; gi < g; gi++) {
+    int t0 = mk_group_begin(s, g, gi), t1 = mk_group_begin(s, g, gi + 1);
+    double acc = 0.0;
+    for (int t = t0 + threadIdx.x; t < t1; t += blockDim.x) {
+      double lse = mk_row_logsumexp(logits + (i64)t * e, e);
+      acc += lse * lse;
+    }
+    acc = mk_block_sum(acc);
+    if (t1 > t0) total += acc / (t1 - t0);
+  }
+  if (threadIdx.x == 0) out[0] = (float)(total / g) / share;
+}
+
+// ---- mk_z_loss_grad ----
+extern "C" __global__ void mk_z_loss_grad(const float *logits, float *dlogits, int s, int e, int g, float coef) {
+  if (g < 1) g = 1;
+  MK_FOR(t, s) {
+    int gi = mk_group_of(s, g, (int)t);
+    int t0 = mk_group_begin(s, g, gi), t1 = mk_group_begin(s, g, gi + 1);
+    double scale = 2.0 * coef / ((double)(t1 - t0) * g);
+    const float *row = logits + t * e;
+    float *dr = dlogits + t * e;
+    double lse = mk_row_logsumexp(row, e);
+    for (int j = 0; j < e; j++) dr[j] = (float)(scale * lse * exp((double)row[j] - lse));
+  }
+}

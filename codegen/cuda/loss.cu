@@ -1,0 +1,60 @@
+// The model's losses: cross-entropy over the vocabulary and the mean squared error; the
+// siblings of runtime/kernels/loss.c.
+// See prelude.cu for the conventions and for how the build embeds this file.
+
+// ---- prelude: the cross-entropy's row logsumexp ----
+// logsumexp of a row reduced by the block: the max, then the sum of exponentials in double (the
+// cross-entropy kernels).
+__device__ double mk_block_logsumexp(const float *row, int v) {
+  float mx = -MK_INF;
+  for (int j = threadIdx.x; j < v; j += blockDim.x) mx = row[j] > mx ? row[j] : mx;
+  mx = mk_block_max(mx);
+  double s = 0.0;
+  for (int j = threadIdx.x; j < v; j += blockDim.x) s += exp((double)row[j] - mx);
+  return mx + log(mk_block_sum(s));
+}
+
+// ---- mk_xent ----
+// One block: the rows one after another, each reduced by the block; loss[0] = scale * mean over
+// rows of logsumexp - the target's logit.
+extern "C" __global__ void mk_xent(const float *logits, const int *targets, float *loss, int t, int v, float scale) {
+  double acc = 0.0;
+  for (int i = 0; i < t; i++) {
+    const float *row = logits + (i64)i * v;
+    acc += mk_block_logsumexp(row, v) - row[targets[i]];
+  }
+  if (threadIdx.x == 0) loss[0] = t > 0 ? (float)(scale * acc / t) : 0.0f;
+}
+
+// ---- mk_xent_grad ----
+// One block per row.
+extern "C" __global__ void mk_xent_grad(const float *logits, const int *targets, float *dlogits, int t, int v, float scale) {
+  MK_FOR_BLOCKS(i, t) {
+    const float *row = logits + i * v;
+    float *out = dlogits + i * v;
+    double lse = mk_block_logsumexp(row, v), f = (double)scale / t;
+    for (int j = threadIdx.x; j < v; j += blockDim.x) out[j] = (float)(f * (exp(row[j] - lse) - (j == targets[i])));
+  }
+}
+
+// ---- mk_mse ----
+// One block of MK_BLOCK threads: out[0] = scale * mean((out - target)^2) / 2.
+extern "C" __global__ void mk_mse(const float *out, const float *target, float *loss, i64 n, float scale) {
+  double acc = 0.0;
+  for (i64 i = threadIdx.x; i < n; i += blockDim.x) {
+    double d = (double)out[i] - target[i];
+    acc += d * d;
+  }
+  acc = mk_block_sum(acc);
+  if (threadIdx.x == 0) loss[0] = scale * (n > 0 ? (float)(acc / (2.0 * n)) : 0.0f);
+}
+
+// ---- mk_mse_grad ----
+extern "C" __global__ void mk_mse_grad(const float *out, const float *target, float *dout, i64 n, float scale) {
+  double inv = n > 0 ? 1.0 / n : 0.0;
+  MK_FOR(i, n) {
+    float v = (float)(((double)out[i] - target[i]) * inv);
+    if (scale != 1.0f) v *= scale;
+    dout[i] = v;
+  }
+}

@@ -1,0 +1,141 @@
+// Row normalisations (L2, RMSNorm, LayerNorm) and the learned scales by column or row, one block
+// per row reducing in double; the siblings of runtime/kernels/norm.c.
+// See prelude.cu for the conventions and for how the build embeds this file.
+
+// ---- prelude: row reductions of the norms ----
+// A row's sum of squares and, when dy is not NULL, its dot product with dy, reduced by the
+// block in double (the l2norm and rmsnorm kernels).
+__device__ void mk_row_ss_dot(const float *x, const float *dy, int n, double *ss, double *dot) {
+  double a = 0.0, b = 0.0;
+  for (int i = threadIdx.x; i < n; i += blockDim.x) {
+    a += (double)x[i] * x[i];
+    if (dy) b += (double)dy[i] * x[i];
+  }
+  *ss = mk_block_sum(a);
+  if (dy) *dot = mk_block_sum(b);
+}
+
+// A row's mean and 1 / sqrt(variance + eps) (biased), reduced by the block in double (the
+// layernorm kernels).
+__device__ void mk_row_moments(const float *x, int n, float eps, double *mean, double *inv) {
+  double s = 0.0;
+  for (int i = threadIdx.x; i < n; i += blockDim.x) s += x[i];
+  *mean = mk_block_sum(s) / n;
+  double ss = 0.0;
+  for (int i = threadIdx.x; i < n; i += blockDim.x) {
+    double d = x[i] - *mean;
+    ss += d * d;
+  }
+  *inv = 1.0 / sqrt(mk_block_sum(ss) / n + (double)eps);
+}
+
+// ---- mk_l2norm ----
+// One block (MK_BLOCK threads) per row.
+extern "C" __global__ void mk_l2norm(const float *x, float *y, int rows, int n) {
+  MK_FOR_BLOCKS(r, rows) {
+    const float *xr = x + r * n;
+    float *yr = y + r * n;
+    double ss;
+    mk_row_ss_dot(xr, NULL, n, &ss, NULL);
+    float inv = (float)(1.0 / sqrt(ss + 1e-12));
+    for (int i = threadIdx.x; i < n; i += blockDim.x) yr[i] = xr[i] * inv;
+  }
+}
+
+// ---- mk_l2norm_grad ----
+extern "C" __global__ void mk_l2norm_grad(const float *dy, const float *x, float *dx, int rows, int n) {
+  MK_FOR_BLOCKS(r, rows) {
+    const float *xr = x + r * n, *dr = dy + r * n;
+    float *out = dx + r * n;
+    double ss, dot;
+    mk_row_ss_dot(xr, dr, n, &ss, &dot);
+    double norm = sqrt(ss + 1e-12);
+    float inv = (float)(1.0 / norm), proj = (float)(dot / (norm * norm * norm));
+    for (int i = threadIdx.x; i < n; i += blockDim.x) out[i] = dr[i] * inv - xr[i] * proj;
+  }
+}
+
+// ---- mk_rmsnorm ----
+// One block (MK_BLOCK threads) per row; as rt_rmsnorm (runtime/kernels/norm.c).
+extern "C" __global__ void mk_rmsnorm(const float *x, float *y, int rows, int n, float eps) {
+  MK_FOR_BLOCKS(r, rows) {
+    const float *xr = x + r * n;
+    float *yr = y + r * n;
+    double ss;
+    mk_row_ss_dot(xr, NULL, n, &ss, NULL);
+    float inv = (float)(1.0 / sqrt(ss / n + (double)eps));
+    for (int i = threadIdx.x; i < n; i += blockDim.x) yr[i] = xr[i] * inv;
+  }
+}
+
+// ---- mk_rmsnorm_grad ----
+extern "C" __global__ void mk_rmsnorm_grad(const float *dy, const float *x, float *dx, int rows, int n, float eps) {
+  MK_FOR_BLOCKS(r, rows) {
+    const float *xr = x + r * n, *dr = dy + r * n;
+    float *out = dx + r * n;
+    double ss, dot;
+    mk_row_ss_dot(xr, dr, n, &ss, &dot);
+    double inv = 1.0 / sqrt(ss / n + (double)eps);
+    float scale = (float)inv, proj = (float)(inv * inv * inv * dot / n);
+    for (int i = threadIdx.x; i < n; i += blockDim.x) out[i] = dr[i] * scale - xr[i] * proj;
+  }
+}
+
+// ---- mk_layernorm ----
+// One block per row; as rt_layernorm (runtime/kernels/norm.c).
+extern "C" __global__ void mk_layernorm(const float *x, float *y, int rows, int n, float eps) {
+  MK_FOR_BLOCKS(r, rows) {
+    const float *xr = x + r * n;
+    float *yr = y + r * n;
+    double mean, inv;
+    mk_row_moments(xr, n, eps, &mean, &inv);
+    for (int i = threadIdx.x; i < n; i += blockDim.x) yr[i] = (float)((xr[i] - mean) * inv);
+  }
+}
+
+// ---- mk_layernorm_grad ----
+extern "C" __global__ void mk_layernorm_grad(const float *dy, const float *x, float *dx, int rows, int n, float eps) {
+  MK_FOR_BLOCKS(r, rows) {
+    const float *xr = x + r * n, *dr = dy + r * n;
+    float *out = dx + r * n;
+    double mean, inv, sd = 0.0, sdx = 0.0;
+    mk_row_moments(xr, n, eps, &mean, &inv);
+    for (int i = threadIdx.x; i < n; i += blockDim.x) {
+      sd += dr[i];
+      sdx += dr[i] * ((xr[i] - mean) * inv);
+    }
+    sd = mk_block_sum(sd) / n;
+    sdx = mk_block_sum(sdx) / n;
+    for (int i = threadIdx.x; i < n; i += blockDim.x) out[i] = (float)(inv * (dr[i] - sd - (xr[i] - mean) * inv * sdx));
+  }
+}
+
+// ---- mk_scale_cols ----
+extern "C" __global__ void mk_scale_cols(const float *x, const float *w, float *y, int rows, int n) {
+  MK_FOR(i, (i64)rows * n) y[i] = x[i] * w[i % n];
+}
+
+// ---- mk_scale_cols_grad_w ----
+// One thread per column, rows summed in order in double, as rt_scale_cols_grad_w.
+extern "C" __global__ void mk_scale_cols_grad_w(const float *dy, const float *x, float *dw, int rows, int n) {
+  MK_FOR(c, n) {
+    double acc = 0.0;
+    for (int r = 0; r < rows; r++) acc += (double)dy[(i64)r * n + c] * x[(i64)r * n + c];
+    dw[c] = (float)acc;
+  }
+}
+
+// ---- mk_scale_rows ----
+extern "C" __global__ void mk_scale_rows(const float *x, const float *g, float *y, int rows, int n) {
+  MK_FOR(i, (i64)rows * n) y[i] = x[i] * g[i / n];
+}
+
+// ---- mk_scale_rows_grad_g ----
+// One thread per row, columns summed in order in double, as rt_scale_rows_grad_g.
+extern "C" __global__ void mk_scale_rows_grad_g(const float *dy, const float *x, float *dg, int rows, int n) {
+  MK_FOR(r, rows) {
+    double acc = 0.0;
+    for (int i = 0; i < n; i++) acc += (double)dy[r * n + i] * x[r * n + i];
+    dg[r] = (float)acc;
+  }
+}

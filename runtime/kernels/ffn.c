@@ -1,0 +1,343 @@
+// The feed-forward kernels of libmoert, dense layers and experts alike: GEMMs through OpenBLAS
+// (rt_matmul; rt_expert_matmul over an expert's filled slots only), biases and their gradients,
+// and the activations GELU, ReLU and SiLU. The siblings of codegen/cuda/ffn.cu (whose GEMMs go to
+// cuBLAS). Conventions of every CPU kernel: runtime/kernels.def.
+#include <cblas.h>
+#include <math.h>
+#include <stdatomic.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+
+#include "moert.h"
+#include "rt_internal.h"
+
+#ifdef _OPENMP
+#include <omp.h>
+#endif
+
+// ---- GEMMs and biases ----
+
+static bool gemm_profile;
+static _Atomic int64_t gemm_ns;
+
+void rt_gemm_profile(bool on) { gemm_profile = on; }
+
+int64_t rt_gemm_ns_take(void) { return atomic_exchange(&gemm_ns, 0); }
+
+static int64_t mono_ns(void) {
+  struct timespec ts;
+  clock_gettime(CLOCK_MONOTONIC, &ts);
+  return (int64_t)ts.tv_sec * 1000000000 + ts.tv_nsec;
+}
+
+// MOERT_ALL_SLOTS=1: the expert GEMMs and the GELU gradient compute every slot, filled or not
+// (the worst-case buffers; bench/cpu.sh compares the two).
+static bool all_slots(void) {
+  static int all = -1;
+  if (all < 0) {
+    const char *env = getenv("MOERT_ALL_SLOTS");
+    all = env && strcmp(env, "1") == 0;
+  }
+  return all;
+}
+
+void rt_matmul(const float *a, const float *b, float *c, int m, int n, int k, bool ta, bool tb,
+               bool accumulate) {
+  if (m <= 0 || n <= 0)
+    return;
+  if (k <= 0) {
+    if (!accumulate)
+      memset(c, 0, (size_t)m * n * sizeof *c);
+    return;
+  }
+  int lda = ta ? m : k;   // A stored [k,m] when transposed, else [m,k]
+  int ldb = tb ? k : n;   // B stored [n,k] when transposed, else [k,n]
+  int64_t t0 = gemm_profile ? mono_ns() : 0;
+  cblas_sgemm(CblasRowMajor, ta ? CblasTrans : CblasNoTrans, tb ? CblasTrans : CblasNoTrans, m, n,
+              k, 1.0f, a, lda, b, ldb, accumulate ? 1.0f : 0.0f, c, n);
+  if (gemm_profile)
+    atomic_fetch_add(&gemm_ns, mono_ns() - t0);
+}
+
+// Expert GEMMs skip the slots nobody filled. An expert's buffer holds rows (slots) of which only
+// those the routing filled carry tokens (capacity padding, a dropless layer's worst-case buffer,
+// the peers' runs after the EP layouts); the empty ones are zero rows, or after a bias and an
+// activation copies of one row (act(b1)). Zero rows contribute exactly zero, and equal rows
+// have equal products, so each expert's GEMM runs on segments of the rows that are neither
+// (gaps shorter than SEG_GAP rows merged into a segment): MegaBlocks' grouped GEMMs over the
+// tokens each expert received, found here from the data. Over the slot dimension:
+//   ta = 0 (c[m, n] = a[m, k] b, rows of a are slots): c's rows from one GEMM per segment; a zero
+//     row of a outside them gives a zero row (what the GEMM gives), a row equal to the one
+//     before it a copy of that row's result;
+//   ta = 1 (c[m, n] = a^T b with a [k, m] and b [k, n], the k rows are slots): a slot whose row
+//     of a or of b is zero adds nothing; the segments' products are summed, the first written,
+//     the rest accumulated (so the sum's rounding follows the segments, not one k loop).
+// The result equals the whole-buffer GEMM up to rounding. The CUDA target's fake device runs
+// this same function, so the two agree to the bit there (cuBLAS on a GPU multiplies the whole
+// buffers). (A zero row against an Inf or NaN
+// weight gives 0 here where a whole GEMM gives NaN.)
+enum { SEG_GAP = 8, SEG_MAX = 64 };
+
+static bool row_zero(const float *row, int n) {
+  for (int i = 0; i < n; i++)
+    if (row[i] != 0.0f) return false;
+  return true;
+}
+
+// What each slot row is (the kinds of row_kinds): zero, a copy of the row before, or live.
+enum { ROW_ZERO, ROW_DUP, ROW_LIVE };
+
+// kind[r] for rows 0..rows-1 of x (width nx), in blocks of `block` rows (an expert's):
+// ROW_ZERO, ROW_DUP (equal to row r - 1 of the same block, when dup), else ROW_LIVE; with y
+// (width ny), a row whose row of y is zero is ROW_ZERO too. Rows are independent: classified
+// in parallel.
+static void row_kinds(const float *x, int nx, bool dup, const float *y, int ny, int64_t rows, int block,
+                      unsigned char *kind) {
+  RT_PARALLEL_FOR(rows * (nx + ny) >= RT_PAR_MIN)
+  for (int64_t r = 0; r < rows; r++) {
+    const float *row = x + r * nx;
+    if (row_zero(row, nx) || (y && row_zero(y + r * ny, ny))) kind[r] = ROW_ZERO;
+    else if (dup && r % block != 0 && memcmp(row, row - nx, (size_t)nx * sizeof *row) == 0) kind[r] = ROW_DUP;
+    else kind[r] = ROW_LIVE;
+  }
+}
+
+// The segments [seg[2j], seg[2j+1]) of rows 0..rows-1 holding every live row (gaps shorter
+// than SEG_GAP rows merged in); returns their number (at most SEG_MAX: past it the last
+// segment runs on).
+static int live_segments(const unsigned char *kind, int rows, int *seg) {
+  int count = 0, gap = 0;
+  for (int r = 0; r < rows; r++) {
+    if (kind[r] != ROW_LIVE) {
+      gap++;
+      continue;
+    }
+    if (count > 0 && (gap < SEG_GAP || count == SEG_MAX)) {
+      seg[2 * count - 1] = r + 1;   // extend the last segment over the short gap
+    } else {
+      seg[2 * count] = r;
+      seg[2 * count + 1] = r + 1;
+      count++;
+    }
+    gap = 0;
+  }
+  return count;
+}
+
+void rt_expert_matmul(const float *a, const float *b, float *c, int e, int m, int n, int k,
+                      bool ta, bool tb) {
+  size_t a_size = (size_t)m * k, b_size = (size_t)k * n, c_size = (size_t)m * n;
+  if (all_slots() || (ta && tb)) {   // every slot asked for, or no such expert GEMM: the whole buffers
+    for (int i = 0; i < e; i++) rt_matmul(a + i * a_size, b + i * b_size, c + i * c_size, m, n, k, ta, tb, false);
+    return;
+  }
+  int rows = ta ? k : m;   // the slot dimension
+  unsigned char *kind = rt_alloc((size_t)e * rows, "the expert GEMMs' row kinds");
+  int *src = ta ? NULL : rt_alloc((size_t)e * rows * sizeof *src, "the expert GEMMs' row sources");
+  if (!ta) row_kinds(a, k, true, NULL, 0, (int64_t)e * rows, rows, kind);
+  else row_kinds(a, m, false, b, n, (int64_t)e * rows, rows, kind);
+  int seg[2 * SEG_MAX];
+  for (int i = 0; i < e; i++) {
+    const float *ai = a + i * a_size, *bi = b + i * b_size;
+    float *ci = c + i * c_size;
+    const unsigned char *ki = kind + (size_t)i * rows;
+    int ns = live_segments(ki, rows, seg);
+    if (!ta) {   // rows of a (and c) are slots
+      for (int j = 0; j < ns; j++)
+        rt_matmul(ai + (size_t)seg[2 * j] * k, bi, ci + (size_t)seg[2 * j] * n, seg[2 * j + 1] - seg[2 * j], n, k,
+                  false, tb, false);
+      // Each row outside the segments: -1 (zero) or the last computed row before it, which a
+      // copied row's chain of equal rows starts from (its first row is live, so computed).
+      int *si = src + (size_t)i * rows;
+      for (int j = 0, last = -1, r = 0; r < m; r++) {
+        while (j < ns && seg[2 * j + 1] <= r) j++;
+        if (j < ns && seg[2 * j] <= r) {
+          si[r] = r;
+          last = r;
+        } else {
+          si[r] = ki[r] == ROW_ZERO ? -1 : last;
+        }
+      }
+    } else {   // a [k, m], b [k, n]: the k rows of both are slots
+      if (ns == 0) memset(ci, 0, c_size * sizeof *ci);
+      for (int j = 0; j < ns; j++)
+        rt_matmul(ai + (size_t)seg[2 * j] * m, bi + (size_t)seg[2 * j] * n, ci, m, n, seg[2 * j + 1] - seg[2 * j], true,
+                  false, j > 0);
+    }
+  }
+  if (!ta) {   // fill the rows outside the segments, all experts' at once
+    int64_t all = (int64_t)e * m;
+    RT_PARALLEL_FOR(all * n >= RT_PAR_MIN)
+    for (int64_t r = 0; r < all; r++) {
+      int64_t from = src[r] < 0 ? -1 : (r / m) * m + src[r];
+      float *cr = c + r * n;
+      if (from == r) continue;
+      if (from < 0) memset(cr, 0, (size_t)n * sizeof *cr);
+      else memcpy(cr, c + from * n, (size_t)n * sizeof *cr);
+    }
+  }
+  free(kind);
+  free(src);
+}
+
+void rt_bias(const float *x, const float *b, float *y, int rows, int n) {
+  RT_PARALLEL_FOR((int64_t)rows * n >= RT_PAR_MIN)
+  for (int r = 0; r < rows; r++) {
+    const float *xr = x + (size_t)r * n;
+    float *yr = y + (size_t)r * n;
+    RT_SIMD
+    for (int i = 0; i < n; i++)
+      yr[i] = xr[i] + b[i];
+  }
+}
+
+// Column sums in double, a block of columns at a time so the rows are read contiguously and no
+// scratch memory is needed.
+void rt_bias_grad(const float *dy, float *db, int rows, int n) {
+  enum { BLOCK = 128 };
+  int nblocks = (n + BLOCK - 1) / BLOCK;
+  RT_PARALLEL_FOR(nblocks > 1 && (int64_t)rows * n >= RT_PAR_MIN)
+  for (int bi = 0; bi < nblocks; bi++) {   // a block of columns per iteration: one thread sums a column
+    double acc[BLOCK];
+    int c0 = bi * BLOCK, width = n - c0 < BLOCK ? n - c0 : BLOCK;
+    for (int i = 0; i < width; i++)
+      acc[i] = 0.0;
+    for (int r = 0; r < rows; r++) {
+      const float *dr = dy + (size_t)r * n + c0;
+      RT_SIMD
+      for (int i = 0; i < width; i++)
+        acc[i] += dr[i];
+    }
+    for (int i = 0; i < width; i++)
+      db[c0 + i] = (float)acc[i];
+  }
+}
+
+void rt_expert_bias(const float *x, const float *b, float *y, int e, int rows, int n) {
+  RT_PARALLEL_FOR((int64_t)e * rows * n >= RT_PAR_MIN)
+  for (int64_t r = 0; r < (int64_t)e * rows; r++) {   // row r of expert r / rows
+    const float *xr = x + r * n, *br = b + (r / rows) * n;
+    float *yr = y + r * n;
+    RT_SIMD
+    for (int i = 0; i < n; i++)
+      yr[i] = xr[i] + br[i];
+  }
+}
+
+void rt_expert_bias_grad(const float *dy, float *db, int e, int rows, int n) {
+  size_t block = (size_t)rows * n;
+  for (int i = 0; i < e; i++)
+    rt_bias_grad(dy + i * block, db + (size_t)i * n, rows, n);
+}
+
+// ---- activations ----
+
+// gelu(x) = 0.5 x (1 + tanh(u)), u = sqrt(2/pi) (x + 0.044715 x^3), computed as the same function
+// x * s with s = 0.5 (1 + tanh(u)) = 1 / (1 + exp(-2u)) with rt_exp (vectorised; no cancellation
+// in 1 + tanh(u) where u is very negative).
+#define GELU_C 0.7978845608028654f
+#define GELU_A 0.044715f
+
+static inline float gelu_s(float v) { return 1.0f / (1.0f + rt_exp(-2.0f * GELU_C * (v + GELU_A * v * v * v))); }
+
+// Rows (of cols elements) equal to the row before, as an expert's empty slots are after its
+// bias (copies of b1), are copied from that row's result instead of computed again: the same
+// bits. Each thread takes a contiguous block of rows and copies only from rows of its own block,
+// which it has computed already.
+RT_VECTOR_CLONES static void gelu_rows(const float *x, float *y, int64_t lo, int64_t hi, int64_t cols) {
+  for (int64_t r = lo; r < hi; r++) {
+    const float *xr = x + r * cols;
+    float *yr = y + r * cols;
+    if (r > lo && memcmp(xr, xr - cols, (size_t)cols * sizeof *xr) == 0) {
+      memcpy(yr, yr - cols, (size_t)cols * sizeof *yr);
+      continue;
+    }
+RT_SIMD
+    for (int64_t i = 0; i < cols; i++)
+      yr[i] = xr[i] * gelu_s(xr[i]);
+  }
+}
+
+void rt_gelu(const float *x, float *y, int64_t n, int64_t cols) {
+  if (cols <= 0 || n % cols != 0) cols = n;   // no row structure: one row
+  if (n <= 0) return;
+  int64_t rows = n / cols;
+#ifdef _OPENMP
+  if (n >= RT_PAR_MIN / 8 && rows > 1) {
+#pragma omp parallel
+    {
+      int64_t t = omp_get_thread_num(), nt = omp_get_num_threads();
+      gelu_rows(x, y, rows * t / nt, rows * (t + 1) / nt, cols);
+    }
+    return;
+  }
+#endif
+  gelu_rows(x, y, 0, rows, cols);
+}
+
+// d gelu/dx = s + 2 x s (1 - s) u', u' = sqrt(2/pi) (1 + 3*0.044715 x^2) (the tanh form's
+// 0.5 (1 + t) + 0.5 x (1 - t^2) u' with t = 2s - 1). Where dy is zero (an expert's empty slots)
+// dx is +0 (the product's sign of zero is not kept: nothing downstream, sums and GEMMs starting
+// from +0, can tell).
+RT_VECTOR_CLONES static void gelu_grad_range(const float *dy, const float *x, float *dx, int64_t lo, int64_t hi,
+                                             bool skip) {
+RT_SIMD
+  for (int64_t i = lo; i < hi; i++) {
+    float v = x[i], s = gelu_s(v);
+    float du = GELU_C * (1.0f + 3.0f * GELU_A * v * v);
+    float g = dy[i] * (s + 2.0f * v * s * (1.0f - s) * du);
+    dx[i] = skip && dy[i] == 0.0f ? 0.0f : g;
+  }
+}
+
+void rt_gelu_grad(const float *dy, const float *x, float *dx, int64_t n) {
+  bool skip = !all_slots();
+#ifdef _OPENMP
+  if (n >= RT_PAR_MIN / 8) {
+#pragma omp parallel
+    {
+      int64_t t = omp_get_thread_num(), nt = omp_get_num_threads();
+      gelu_grad_range(dy, x, dx, n * t / nt, n * (t + 1) / nt, skip);
+    }
+    return;
+  }
+#endif
+  gelu_grad_range(dy, x, dx, 0, n, skip);
+}
+
+void rt_relu(const float *x, float *y, int64_t n) {
+  RT_PARALLEL_FOR_SIMD(n >= RT_PAR_MIN)
+  for (int64_t i = 0; i < n; i++)
+    y[i] = x[i] > 0.0f ? x[i] : 0.0f;
+}
+
+void rt_relu_grad(const float *dy, const float *x, float *dx, int64_t n) {
+  RT_PARALLEL_FOR_SIMD(n >= RT_PAR_MIN)
+  for (int64_t i = 0; i < n; i++)
+    dx[i] = x[i] > 0.0f ? dy[i] : 0.0f;
+}
+
+// ---- SiLU (SwiGLU experts) ----
+
+// silu(x) = x sigmoid(x); the sigmoid as in rt_sigmoid, exp of a non-positive number only.
+static float sigmoid1(float v) {
+  if (v >= 0.0f)
+    return 1.0f / (1.0f + expf(-v));
+  float z = expf(v);
+  return z / (1.0f + z);
+}
+
+void rt_silu(const float *x, float *y, int64_t n) {
+  for (int64_t i = 0; i < n; i++)
+    y[i] = x[i] * sigmoid1(x[i]);
+}
+
+// d silu/dx = sigma (1 + x (1 - sigma)).
+void rt_silu_grad(const float *dy, const float *x, float *dx, int64_t n) {
+  for (int64_t i = 0; i < n; i++) {
+    float sg = sigmoid1(x[i]);
+    dx[i] = dy[i] * sg * (1.0f + x[i] * (1.0f - sg));
+  }
+}
