@@ -373,7 +373,7 @@ static void run_elementwise(Series *s, bool quick, Progress *pr) {
   free(c);
 }
 
-// Causal attention (runtime/kernels_attn.c) in the model's shape over 1, 2, 4, 8 windows: the
+// Causal attention (runtime/kernels/attn.c) in the model's shape over 1, 2, 4, 8 windows: the
 // forward (n = rows * heads*d * (seq + 1) multiply-accumulates, as the cost pass counts them)
 // and the backward (stats, dq, dk and dv: twice that n), one fit through both, relative.
 static void run_attention(Series *s, bool quick, Progress *pr) {

@@ -266,7 +266,7 @@ static void assembly_of(const IrFunc *f, const IrFunc *reader, int lo, int hi, c
 
 // The share of a layer's expert slots that tokens fill when the gate balances them: k choices of
 // S tokens over E experts x capacity x groups slots (at most 1). The CPU runtime computes the
-// expert GEMMs over the filled slots only (runtime/kernels.c), so the plan prices that share of
+// expert GEMMs over the filled slots only (runtime/kernels/ffn.c), so the plan prices that share of
 // them. 1 for the other gates (expert choice fills every slot; a dropless layer is priced at its
 // capacity by pass_dropless_at).
 static double slot_fill(const IrFunc *fwd) {
