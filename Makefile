@@ -3,7 +3,8 @@
 #   make deps    install the Debian packages moec needs (skips what is there)
 #   make         build/moec and build/libmoert.a
 #   make demo    deps + build + train lang/models/gpt_moe_bytes.moe on the GPL-3 text (tests/demo.sh)
-#   make test    deps + build + every test (unit, golden, diagnostics, numpy reference, fuzz smoke)
+#   make test    deps + build + every test suite (tests/suites.txt), with the totals
+#   make check   the suites; make check T="NAME..." builds what those need and runs them
 #   make fuzz    both fuzzers (front end, IR parser) for FUZZ_SECONDS each (default 300)
 #   make bench   benchmarks (long; never part of make test)
 #
@@ -213,33 +214,25 @@ $(BUILD)/cuda/gpu_check: tests/cuda/gpu_check.cpp tests/cuda/kernel_cases.h test
 	  -DMK_LIBRARY='"$(abspath $(BUILD))/cuda/kernel_library.cu"' -o $@ $< $(BUILD)/obj/cuda/nvrtc.o \
 	  $(BUILD)/libmoert_cuda.a $(BUILD)/libmoec.a $(BUILD)/libmoert.a $(CUDA_LIBS) $(RUNTIME_LIBS) -pthread
 
-# The GPU checks (tests/cuda/gpu.sh): one line per check and the totals; without a GPU one skip
-# line. No `deps`: GPU machines have no apt. gpu-models: the CUDA and CPU model binaries that
-# gpu.sh compares, built here to be carried to a GPU machine (docs/gpu.md).
+endif
+
+# The GPU checks (tests/cuda/gpu.sh): one line per check and the totals; without a GPU (or without
+# a toolkit: no gpu_check) one skip line. No `deps`: GPU machines have no apt. gpu-models: the
+# CUDA and CPU model binaries that gpu.sh compares, built here to be carried to a GPU machine
+# (docs/gpu.md). gpu-pack: everything a GPU session runs (gpu_check, the model binaries, moec and
+# tune --target cuda, bench/gpu_predict.sh's models, gpu_layer) with their Debian libraries, in
+# one file to carry: build/gpu-pack.tar.xz, which tests/cuda/session.sh unpacks and runs on the
+# GPU (docs/gpu.md). Where a part is missing they say so.
+GPU_RUNTIME := $(filter yes,$(HAVE_GPU_RUNTIME))
 test-gpu: $(filter $(BUILD)/cuda/gpu_check,$(CUDA_TARGETS))
 	@BUILD=$(BUILD) CUDA=$(CUDA) bash tests/cuda/gpu.sh
-gpu-models: $(BUILD)/moec $(BUILD)/libmoert.a $(filter $(BUILD)/libmoert_cuda.a,$(CUDA_TARGETS))
-	@BUILD=$(BUILD) CUDA=$(CUDA) bash tests/cuda/gpu.sh --build-models
-ifeq ($(HAVE_GPU_RUNTIME),yes)
-# gpu-pack: everything a GPU session runs (gpu_check, the model binaries, moec and tune --target
-# cuda, bench/gpu_predict.sh's models, gpu_layer) with their Debian libraries, in one file to carry:
-# build/gpu-pack.tar.xz, which tests/cuda/session.sh unpacks and runs on the GPU (docs/gpu.md).
-gpu-pack: all gpu-models $(BUILD)/bench/gpu_layer
-	@BUILD=$(BUILD) bash bench/gpu_predict.sh --build
-	@BUILD=$(BUILD) bash tests/cuda/pack.sh
-else
-gpu-pack: gpu-skip
-endif
+gpu-models: $(if $(filter yes,$(HAVE_NVRTC)),$(BUILD)/moec $(BUILD)/libmoert.a $(filter $(BUILD)/libmoert_cuda.a,$(CUDA_TARGETS)))
+	@$(if $(filter yes,$(HAVE_NVRTC)),BUILD=$(BUILD) CUDA=$(CUDA) bash tests/cuda/gpu.sh --build-models,echo "# no CUDA toolkit at $(CUDA): no CUDA model binaries")
+gpu-pack: $(if $(GPU_RUNTIME),all gpu-models $(BUILD)/bench/gpu_layer,$(filter cuda-skip gpu-skip,$(CUDA_TARGETS)))
+	$(if $(GPU_RUNTIME),@BUILD=$(BUILD) bash bench/gpu_predict.sh --build)
+	$(if $(GPU_RUNTIME),@BUILD=$(BUILD) bash tests/cuda/pack.sh)
 gpu-skip:
 	@echo "# no cuBLAS ($(CUDA)/include/cublas_v2.h) or NCCL (NCCL_HOME=$(NCCL_HOME): include/nccl.h, lib/libnccl.so.2): libmoert_cuda.a and gpu_check skipped"
-else
-test-gpu:
-	@BUILD=$(BUILD) CUDA=$(CUDA) bash tests/cuda/gpu.sh
-gpu-models:
-	@echo "# no CUDA toolkit at $(CUDA): no CUDA model binaries"
-gpu-pack:
-	@echo "# no CUDA toolkit at $(CUDA): no GPU pack"
-endif
 cuda-skip:
 	@echo "# no CUDA toolkit at $(CUDA) ($(CUDA)/include/nvrtc.h): CUDA parts (NVRTC, nvrtc_check) skipped"
 
@@ -264,18 +257,46 @@ $(BUILD)/asan/moec: $(COMPILER_SRC) $(CLI_SRC) $(RUNTIME_SRC) $(GEN_SRC) $(GEN_I
 	@mkdir -p $(dir $@)
 	$(CC) -std=c11 -D_GNU_SOURCE -O1 -g -fsanitize=address,undefined -fno-sanitize-recover=undefined \
 	  -fno-omit-frame-pointer $(INCLUDES) $(COMPILER_DEFS) $(BLAS_CFLAGS) $(CJSON_CFLAGS) $(MPI_CFLAGS) \
-	  -o $@ $(CLI_SRC) $(COMPILER_SRC) $(RUNTIME_SRC) $(GEN_SRC) -lnlopt -lopenblas $(CJSON_LIBS) $(MPI_LIBS) -lm
+	  -o $@ $(CLI_SRC) $(COMPILER_SRC) $(RUNTIME_SRC) $(GEN_SRC) -lnlopt $(BLAS_LIBS) $(CJSON_LIBS) $(MPI_LIBS) -lm
 
-# libFuzzer harnesses (clang).
+# libFuzzer harnesses (clang). The configured BLAS flags; clang's -fopenmp would link its own
+# libomp where OpenBLAS's OpenMP build needs GCC's libgomp, so that is named instead.
+FUZZ_BLAS_LIBS := $(patsubst -fopenmp,-lgomp,$(BLAS_LIBS))
 FUZZ_SRC := $(wildcard tests/fuzz/fuzz_*.c)
 FUZZ_BIN := $(FUZZ_SRC:tests/fuzz/%.c=$(BUILD)/fuzz/%)
 $(BUILD)/fuzz/%: tests/fuzz/%.c $(COMPILER_SRC) $(GEN_SRC) $(GEN_INC) $(CONFIG)
 	@mkdir -p $(dir $@)
 	clang -std=c11 -D_GNU_SOURCE -O1 -g -fsanitize=fuzzer,address,undefined -Wno-unused-function \
-	  $(INCLUDES) $(COMPILER_DEFS) $(CJSON_CFLAGS) -o $@ $< $(COMPILER_SRC) $(GEN_SRC) -lnlopt -lopenblas $(CJSON_LIBS) -lm
+	  $(INCLUDES) $(COMPILER_DEFS) $(CJSON_CFLAGS) -o $@ $< $(COMPILER_SRC) $(GEN_SRC) -lnlopt $(FUZZ_BLAS_LIBS) $(CJSON_LIBS) -lm
 
+# make test: every suite of tests/suites.txt (tests/run.sh), after building all they need.
 test: deps all $(UNIT_BIN) $(MPI_TEST_BIN) $(BUILD)/asan/moec $(FUZZ_BIN)
 	@BUILD=$(BUILD) bash tests/run.sh
+
+# make check T="NAME..." runs these suites only, after building what they need (the table's
+# third column, below); make check alone lists them. Only the Debian packages they need are
+# installed (mk/deps.sh: none is missing, no apt-get).
+SUITE_TABLE := tests/suites.txt
+SUITE_NAMES := $(shell awk -F'|' '!/^\#/ && NF > 2 {print $$1}' $(SUITE_TABLE))
+CHECK_NEEDS := $(sort $(shell awk -F'|' -v t=" $(strip $(T)) " '!/^\#/ && NF > 2 { n = $$1; gsub(/ /, "", n); if (index(t, " " n " ")) print $$3 }' $(SUITE_TABLE)))
+NEEDS_moec  := $(BUILD)/moec $(BUILD)/libmoert.a
+NEEDS_cuda  := $(CUDA_TARGETS)
+NEEDS_unit  := $(UNIT_BIN)
+NEEDS_mpi   := $(MPI_TEST_BIN)
+NEEDS_asan  := $(BUILD)/asan/moec
+NEEDS_fuzz  := $(FUZZ_BIN)
+PACKAGES_unit  := libcmocka-dev
+PACKAGES_fuzz  := clang libclang-rt-14-dev
+PACKAGES_netns := iproute2 util-linux
+ifeq ($(MAKECMDGOALS),check)
+ifneq ($(filter-out $(SUITE_NAMES),$(T)),)
+$(error no suite '$(filter-out $(SUITE_NAMES),$(T))' (make check lists them))
+endif
+DEB_PACKAGES := $(filter-out $(foreach n,unit fuzz netns,$(if $(filter $(n),$(CHECK_NEEDS)),,$(PACKAGES_$(n)))),$(DEB_PACKAGES))
+endif
+.PHONY: check
+check: $(foreach n,$(CHECK_NEEDS),$(NEEDS_$(n)))
+	@BUILD=$(BUILD) bash tests/run.sh $(if $(strip $(T)),$(T),--list)
 
 fuzz: deps $(FUZZ_BIN)
 	@BUILD=$(BUILD) FUZZ_SECONDS=$${FUZZ_SECONDS:-300} bash tests/fuzz/run.sh
@@ -341,7 +362,6 @@ clean:
 # built where gpu_check is (the CUDA toolkit, cuBLAS and NCCL), then bench/gpu.sh runs it and
 # bench/torch_ref.py on the same shapes. Without a GPU, skip lines and exit status 0 (docs/gpu.md).
 .PHONY: bench-gpu
-ifneq ($(filter $(BUILD)/cuda/gpu_check,$(CUDA_TARGETS)),)
 $(BUILD)/bench/gpu_layer: bench/gpu_layer.cpp tests/cuda/host_kernels.h $(BUILD)/cuda/kernel_library.cu \
                           $(BUILD)/obj/cuda/nvrtc.o $(BUILD)/libmoert_cuda.a $(BUILD)/libmoec.a $(BUILD)/libmoert.a
 	@mkdir -p $(dir $@)
@@ -349,9 +369,5 @@ $(BUILD)/bench/gpu_layer: bench/gpu_layer.cpp tests/cuda/host_kernels.h $(BUILD)
 	  -DMK_LIBRARY='"$(abspath $(BUILD))/cuda/kernel_library.cu"' -o $@ $< $(BUILD)/obj/cuda/nvrtc.o \
 	  $(BUILD)/libmoert_cuda.a $(BUILD)/libmoec.a $(BUILD)/libmoert.a $(CUDA_LIBS) $(RUNTIME_LIBS) -pthread
 
-bench-gpu: $(BUILD)/bench/gpu_layer
+bench-gpu: $(if $(GPU_RUNTIME),$(BUILD)/bench/gpu_layer,$(filter cuda-skip gpu-skip,$(CUDA_TARGETS)))
 	@BUILD=$(BUILD) CUDA=$(CUDA) bash bench/gpu.sh $(BENCH_GPU_ARGS)
-else
-bench-gpu: $(filter cuda-skip gpu-skip,$(CUDA_TARGETS))
-	@BUILD=$(BUILD) CUDA=$(CUDA) bash bench/gpu.sh $(BENCH_GPU_ARGS)
-endif

@@ -1,9 +1,12 @@
 #!/usr/bin/env bash
-# Runs of every model against goldens recorded before the codegen refactor (issue 12): each
-# model of lang/models, tests/models and tests/golden is built for the CPU and for the CUDA
-# target on the fake device (MOEC_CUDA_FAKE=1), trained 3 steps with --dump on the ranks its
-# layout needs, and its losses and dump files (first step: input, target, output, loss, every
-# whole gradient) must be bit-identical to tests/golden/runs.txt.
+# Runs of every model against goldens, first recorded before the codegen refactor of issue 12
+# (which left them bit-identical) and re-recorded since by the commits meant to change the
+# numbers (vectorised kernels, the thread pool, ...: git log -- tests/golden/runs.txt); models
+# added later were recorded beside them. Each model of lang/models, tests/models and tests/golden
+# is built for the CPU and for the CUDA target on the fake device (MOEC_CUDA_FAKE=1), trained 3
+# steps with --dump on the ranks its layout needs, and its losses and dump files (first step:
+# input, target, output, loss, every whole gradient) must be bit-identical to
+# tests/golden/runs.txt.
 #
 #   tests/golden_runs.sh            compare (one ok/FAIL line per model and target)
 #   tests/golden_runs.sh --record   rewrite tests/golden/runs.txt (only when a change is meant

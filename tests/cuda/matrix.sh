@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The gate x order x expert matrix for the CUDA target: writes DIR/NAME.moe for each model and
 # prints the names, one a line. Every configuration of the CPU gradient-check matrix
-# (tests/run.sh: gshard, sigmoid and xmoe with k 1, 2, 4 and capacity 4.0 or 0.6; gshard
+# (tests/suites/gradcheck.sh: gshard, sigmoid and xmoe with k 1, 2, 4 and capacity 4.0 or 0.6; gshard
 # dropless; expert_choice k 1, 2 with groups; softmoe slots 1, 2; each under order tutel and
 # gshard and with ffn gpt (GELU, biases) or ffn mixtral (SwiGLU)) is one layer of a small stack;
 # a stack holds the layers of one gate and capacity (3 layers) or the other gates (5 layers),

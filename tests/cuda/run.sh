@@ -4,7 +4,7 @@
 # unit with NVRTC for sm_80 and sm_90 (CUBIN and PTX); the whole kernel library is compiled as
 # well, and the kernels run on the CPU under emulation against libmoert (tests/cuda/emu_check.cpp).
 # Last, build/cuda/gpu_check must start: it says "skip  gpu: no GPU (...)" without a GPU.
-# One line per check, "ok    ..." or "FAIL  ..." (tests/run.sh's run_suite counts them).
+# One line per check, "ok    ..." or "FAIL  ..." (tests/run.sh counts them).
 # Without the CUDA toolkit: one "skip  cuda: no CUDA toolkit" line and exit status 0.
 set -u
 cd "$(dirname "$0")/../.."

@@ -10,18 +10,11 @@
 # Prints ok/FAIL lines; exits 1 on any failure.
 set -u
 cd "$(dirname "$0")/../.."
-BUILD=${BUILD:-build}
-MOEC=${MOEC:-$BUILD/moec}
-case "$MOEC" in /*) ;; *) MOEC=$(pwd)/$MOEC ;; esac
-WORK=$(mktemp -d "${TMPDIR:-/tmp}/moec-lm-ckpt.XXXXXX")
-trap 'rm -rf "$WORK"' EXIT
 . tests/mpi/common.sh
+case "$MOEC" in /*) ;; *) MOEC=$(pwd)/$MOEC ;; esac
+work lm-ckpt
 M=tests/models/grad_lm_gpt.moe
 
-losses() { grep '^step' "$1" | awk '$2 > 3 {print $2, $4}'; }
-close() {  # the same steps 4-6, losses within 1e-5 relative
-  paste <(losses "$1") <(losses "$2") | awk 'NF != 4 || $1 != $3 {bad = 1} { d = $2 - $4; if (d < 0) d = -d; s = $2 < 0 ? -$2 : $2; if (d > 1e-5 * s + 2e-6) bad = 1; n++ } END { exit bad || n != 3 }'
-}
 model() {  # batch groups parallel-line
   sed "s/batch 2;/batch $1;/; s/capacity 0.5;/capacity 0.5; groups $2;/;
        s/optimizer sgd { lr 0.01; }/optimizer adamw { lr 0.01; warmup 2; decay_steps 6; min_lr 0.001; clip 0.5; }/;
@@ -31,38 +24,31 @@ model 8 8 "" >"$WORK/p1.moe"
 model 4 4 "parallel { dp 2; ep 2; }" >"$WORK/p2.moe"
 model 4 2 "parallel { dp 2; mp 2; ep 4; }" >"$WORK/p4.moe"
 model 2 1 "parallel { dp 4; mp 2; ep 4; esp 2; }" >"$WORK/p8.moe"
-for n in 1 2 4 8; do
-  if ! "$MOEC" build "$WORK/p$n.moe" -o "$WORK/p$n" 2>"$WORK/err"; then bad "lm checkpoint: build the $n-rank layout" "$(cat "$WORK/err")"; exit 1; fi
-done
-run() {  # ranks args...
-  local n=$1; shift
-  if [ "$n" = 1 ]; then (cd "$WORK" && timeout 90 ./p1 "$@" </dev/null)
-  else (cd "$WORK" && timeout 90 $MPIRUN -np "$n" ./p"$n" "$@" </dev/null); fi
-}
+build_layouts "lm checkpoint: " 1 2 4 8
 
-if run 1 --steps 6 >"$WORK/full1" 2>&1 && run 1 --steps 3 --save one.ckpt >"$WORK/first1" 2>&1 &&
-   run 1 --steps 6 --resume one.ckpt >"$WORK/again1" 2>&1; then
-  if [ -n "$(losses "$WORK/full1")" ] && [ "$(losses "$WORK/full1")" = "$(losses "$WORK/again1")" ]; then
-    ok "lm checkpoint: one rank saved at step 3 and resumed repeats steps 4-6 bit for bit ($(losses "$WORK/again1" | tr '\n' ' '))"
+if run_layout 1 --steps 6 >"$WORK/full1" 2>&1 && run_layout 1 --steps 3 --save one.ckpt >"$WORK/first1" 2>&1 &&
+   run_layout 1 --steps 6 --resume one.ckpt >"$WORK/again1" 2>&1; then
+  if [ -n "$(late_losses "$WORK/full1")" ] && [ "$(late_losses "$WORK/full1")" = "$(late_losses "$WORK/again1")" ]; then
+    ok "lm checkpoint: one rank saved at step 3 and resumed repeats steps 4-6 bit for bit ($(late_losses "$WORK/again1" | tr '\n' ' '))"
   else
-    bad "lm checkpoint: one-rank resume differs" "$(paste <(losses "$WORK/full1") <(losses "$WORK/again1"))"
+    bad "lm checkpoint: one-rank resume differs" "$(paste <(late_losses "$WORK/full1") <(late_losses "$WORK/again1"))"
   fi
 else
   bad "lm checkpoint: one-rank runs" "$(tail -n 5 "$WORK/full1" "$WORK/first1" "$WORK/again1" 2>/dev/null)"
 fi
 
-if run 4 --steps 6 >"$WORK/full4" 2>&1 && run 4 --steps 3 --save four.ckpt >"$WORK/first4" 2>&1; then
+if run_layout 4 --steps 6 >"$WORK/full4" 2>&1 && run_layout 4 --steps 3 --save four.ckpt >"$WORK/first4" 2>&1; then
   for n in 1 2 8; do
-    if run "$n" --steps 6 --resume four.ckpt >"$WORK/r$n" 2>&1 && close "$WORK/full4" "$WORK/r$n"; then
-      ok "lm checkpoint of dp2·mp2·ep4 resumed on $n rank(s): steps 4-6 equal the 4-rank run ($(losses "$WORK/r$n" | tr '\n' ' '))"
+    if run_layout "$n" --steps 6 --resume four.ckpt >"$WORK/r$n" 2>&1 && close_after_3 "$WORK/full4" "$WORK/r$n"; then
+      ok "lm checkpoint of dp2·mp2·ep4 resumed on $n rank(s): steps 4-6 equal the 4-rank run ($(late_losses "$WORK/r$n" | tr '\n' ' '))"
     else
-      bad "lm checkpoint of dp2·mp2·ep4 resumed on $n rank(s)" "$(paste <(losses "$WORK/full4") <(losses "$WORK/r$n"); tail -n 5 "$WORK/r$n")"
+      bad "lm checkpoint of dp2·mp2·ep4 resumed on $n rank(s)" "$(paste <(late_losses "$WORK/full4") <(late_losses "$WORK/r$n"); tail -n 5 "$WORK/r$n")"
     fi
   done
-  if run 4 --steps 6 --resume one.ckpt >"$WORK/r41" 2>&1 && close "$WORK/full4" "$WORK/r41"; then
+  if run_layout 4 --steps 6 --resume one.ckpt >"$WORK/r41" 2>&1 && close_after_3 "$WORK/full4" "$WORK/r41"; then
     ok "lm checkpoint of one rank resumed on dp2·mp2·ep4: steps 4-6 equal the 4-rank run"
   else
-    bad "lm checkpoint of one rank resumed on dp2·mp2·ep4" "$(paste <(losses "$WORK/full4") <(losses "$WORK/r41"); tail -n 5 "$WORK/r41")"
+    bad "lm checkpoint of one rank resumed on dp2·mp2·ep4" "$(paste <(late_losses "$WORK/full4") <(late_losses "$WORK/r41"); tail -n 5 "$WORK/r41")"
   fi
 else
   bad "lm checkpoint: 4-rank run and checkpoint" "$(tail -n 20 "$WORK/full4" "$WORK/first4")"

@@ -12,30 +12,16 @@
 # a CHUNKS_TIMEOUT (120 s) limit, so a hang fails.
 set -u
 cd "$(dirname "$0")/../.."
-BUILD=${BUILD:-build}
-MOEC=${MOEC:-$BUILD/moec}
-WORK=$(mktemp -d "${TMPDIR:-/tmp}/moec-chunks.XXXXXX")
-trap 'rm -rf "$WORK"' EXIT
+. tests/mpi/common.sh
+work chunks
 TIMEOUT=${CHUNKS_TIMEOUT:-120}
 REPEAT=${CHUNKS_REPEAT:-1}
 P=4
-. tests/mpi/common.sh
 
-# 48 tokens per DP rank, 24 per MP rank (one routing group), 4 experts, k 2, capacity 1.0:
-# C = ceil(2 * 1.0 * 24 / 4) = 12.
+# The capacity is 12 slots per expert (blocks_4ranks).
 model() {  # schedule-line
-  cat <<EOF2
-model chunks { batch 4; seqlen 12; embed 16; seed 9; optimizer adamw { lr 0.01; } }
-parallel { dp 2; mp 2; ep 2; esp 2; }
-layer blk x 2 {
-  moe {
-    experts 4 { ffn gpt { hidden 32; act gelu; bias true; } }
-    gate gshard { k 2; capacity 1.0; noise 0.5; aux_loss 0.1; z_loss 0.01; }
-    order tutel;
-  }
-}
-$1
-EOF2
+  blocks_4ranks chunks
+  echo "$1"
 }
 
 

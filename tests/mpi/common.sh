@@ -1,18 +1,34 @@
-# Helpers shared by the multi-rank and CUDA suites (sourced, not run): mpirun flags, ok/FAIL/skip
-# lines, and the comparisons of two runs — whole --dump folders and per-step losses — to a
+# Helpers shared by the multi-rank and CUDA suites (sourced, not run): the preamble of every
+# suite (tests/lib.sh: ok/FAIL/skip lines, BUILD, MOEC, work), mpirun flags, the multi-rank C test
+# programs, and the comparisons of two runs — whole --dump folders and per-step losses — to a
 # relative tolerance (1e-5 unless given).
+. "$(dirname "${BASH_SOURCE[0]}")/../lib.sh"
 export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 OMPI_MCA_rmaps_base_oversubscribe=1
 MPIRUN="mpirun --oversubscribe --allow-run-as-root --mca btl self,vader --bind-to none"
+# The C test programs' mpirun (an array): only the flags every run needs.
+MPIRUN_PLAIN=(mpirun --oversubscribe)
+[ "$(id -u)" = 0 ] && MPIRUN_PLAIN+=(--allow-run-as-root)
+
+# mpi_program NAME: BIN=$BUILD/mpi/NAME, the multi-rank test program tests/mpi/NAME.c. `make test`
+# builds it; standalone it is built here with mpicc when missing or older than its source or
+# libmoert. A failed build is a FAIL line and exit 1. Needs WORK.
+mpi_program() {
+  BIN=$BUILD/mpi/$1
+  if [ ! -x "$BIN" ] || [ "tests/mpi/$1.c" -nt "$BIN" ] || [ "$BUILD/libmoert.a" -nt "$BIN" ]; then
+    mkdir -p "$(dirname "$BIN")"
+    # shellcheck disable=SC2046
+    if ! mpicc -O2 -g -std=c11 -D_GNU_SOURCE -Wall -Wextra -Wno-unused-parameter -Iruntime \
+         "tests/mpi/$1.c" "$BUILD/libmoert.a" $(blas_libs) -lcjson -lm -o "$BIN" 2>"$WORK/cc"; then
+      bad "build $1" "$(cat "$WORK/cc")"
+      exit 1
+    fi
+  fi
+}
 # numpy's Python: Debian's (python3-numpy) here; on a GPU machine without it, the venv's.
 PY=/usr/bin/python3
 if ! "$PY" -c 'import numpy' 2>/dev/null; then
   for py in python3 python; do command -v "$py" >/dev/null && "$py" -c 'import numpy' 2>/dev/null && { PY=$py; break; }; done
 fi
-failed=0
-
-ok() { printf 'ok    %s\n' "$1"; }
-bad() { failed=1; printf 'FAIL  %s\n' "$1"; [ -n "${2:-}" ] && printf '%s\n' "$2" | head -n 30 | sed 's/^/      /'; }
-skip() { printf 'skip  %s: %s\n' "$1" "$2"; }
 
 # compare_dumps REF-DIR DIR [TOL]: every .npy of REF-DIR (input, target, output, loss, every
 # parameter's whole gradient) against DIR, max|a-b| / max|a| <= TOL (default 1e-5) each. A
@@ -77,4 +93,44 @@ run_model() {
   rm -rf "$WORK/$name.dump"
   (cd "$WORK" && timeout "$TIMEOUT" $MPIRUN -np "$P" "./$name" --steps 3 --dump "$name.dump" >"$name.out" 2>&1 </dev/null) ||
     { echo "mpirun -np $P: $(tail -n 20 "$WORK/$name.out")"; return 1; }
+}
+
+# Checkpoints across layouts (tests/mpi/reshard.sh, tests/lm/checkpoint.sh): WORK/pN.moe is the
+# model for N ranks, WORK/pN its binary.
+# late_losses FILE: "step loss" of the steps after 3 (the ones a checkpoint of step 3 resumes).
+late_losses() { grep '^step' "$1" | awk '$2 > 3 {print $2, $4}'; }
+# close_after_3 FILE FILE: the same steps 4-6, losses within 1e-5 relative (+ 2e-6 absolute).
+close_after_3() {
+  paste <(late_losses "$1") <(late_losses "$2") | awk 'NF != 4 || $1 != $3 {bad = 1} { d = $2 - $4; if (d < 0) d = -d; s = $2 < 0 ? -$2 : $2; if (d > 1e-5 * s + 2e-6) bad = 1; n++ } END { exit bad || n != 3 }'
+}
+# build_layouts PREFIX N...: moec build WORK/pN.moe -o WORK/pN for every N; a failure is a FAIL
+# line (PREFIX: the label's start) and exit 1.
+build_layouts() {
+  local prefix=$1 n; shift
+  for n in "$@"; do
+    if ! "$MOEC" build "$WORK/p$n.moe" -o "$WORK/p$n" 2>"$WORK/err"; then bad "${prefix}build the $n-rank layout" "$(cat "$WORK/err")"; exit 1; fi
+  done
+}
+# run_layout N ARGS...: WORK/pN on N ranks (one: without mpirun) in WORK, under timeout 90.
+run_layout() {
+  local n=$1; shift
+  if [ "$n" = 1 ]; then (cd "$WORK" && timeout 90 ./p1 "$@" </dev/null)
+  else (cd "$WORK" && timeout 90 $MPIRUN -np "$n" ./p"$n" "$@" </dev/null); fi
+}
+
+# blocks_4ranks NAME: the model tests/mpi/chunks.sh and gradpart.sh start from, on 4 ranks (dp 2,
+# mp 2, ep 2, esp 2): 48 tokens per DP rank, 24 per MP rank (one routing group), two blocks of 4
+# experts, k 2, capacity 1.0: C = ceil(2 * 1.0 * 24 / 4) = 12 slots per expert.
+blocks_4ranks() {
+  cat <<EOF2
+model $1 { batch 4; seqlen 12; embed 16; seed 9; optimizer adamw { lr 0.01; } }
+parallel { dp 2; mp 2; ep 2; esp 2; }
+layer blk x 2 {
+  moe {
+    experts 4 { ffn gpt { hidden 32; act gelu; bias true; } }
+    gate gshard { k 2; capacity 1.0; noise 0.5; aux_loss 0.1; z_loss 0.01; }
+    order tutel;
+  }
+}
+EOF2
 }

@@ -12,26 +12,15 @@
 # Prints `ok    ...` / `FAIL  ...` lines; exits 1 on any failure.
 set -u
 cd "$(dirname "$0")/../.."
-BUILD=${BUILD:-build}
-MOEC=${MOEC:-$BUILD/moec}
-WORK=$(mktemp -d "${TMPDIR:-/tmp}/moec-gradpart.XXXXXX")
-trap 'rm -rf "$WORK"' EXIT
+. tests/mpi/common.sh
+work gradpart
 TIMEOUT=${GRADPART_TIMEOUT:-120}
 CLUSTER=tests/models/overlap.cluster
 P=4
-. tests/mpi/common.sh
 
 model() {  # schedule-line
+  blocks_4ranks gp
   cat <<EOF2
-model gp { batch 4; seqlen 12; embed 16; seed 9; optimizer adamw { lr 0.01; } }
-parallel { dp 2; mp 2; ep 2; esp 2; }
-layer blk x 2 {
-  moe {
-    experts 4 { ffn gpt { hidden 32; act gelu; bias true; } }
-    gate gshard { k 2; capacity 1.0; noise 0.5; aux_loss 0.1; z_loss 0.01; }
-    order tutel;
-  }
-}
 layer wide {
   moe {
     experts 4 { ffn gpt { hidden 256; act gelu; bias true; } }

@@ -5,15 +5,8 @@
 # `ok    ...` / `FAIL  ...` lines; exits 1 on any failure.
 set -u
 cd "$(dirname "$0")/../.."
-BUILD=${BUILD:-build}
-MOEC=${MOEC:-$BUILD/moec}
-WORK=$(mktemp -d "${TMPDIR:-/tmp}/moec-reshard.XXXXXX")
-trap 'rm -rf "$WORK"' EXIT
 . tests/mpi/common.sh
-losses() { grep '^step' "$1" | awk '$2 > 3 {print $2, $4}'; }
-close() {  # the same steps, losses within 1e-5 relative
-  paste <(losses "$1") <(losses "$2") | awk 'NF != 4 || $1 != $3 {bad = 1} { d = $2 - $4; if (d < 0) d = -d; s = $2 < 0 ? -$2 : $2; if (d > 1e-5 * s + 2e-6) bad = 1; n++ } END { exit bad || n != 3 }'
-}
+work reshard
 model() {  # batch groups parallel-line
   cat <<MOE
 model shard { batch $1; seqlen 8; embed 16; seed 4; optimizer adamw { lr 0.01; } }
@@ -27,20 +20,13 @@ model 4 2 "parallel { dp 2; mp 2; ep 2; esp 2; }" >"$WORK/p4.moe"
 model 4 4 "parallel { dp 2; ep 2; }" >"$WORK/p2.moe"
 model 2 1 "parallel { dp 4; mp 2; ep 4; esp 2; }" >"$WORK/p8.moe"
 model 8 8 "" >"$WORK/p1.moe"
-for n in 1 2 4 8; do
-  if ! "$MOEC" build "$WORK/p$n.moe" -o "$WORK/p$n" 2>"$WORK/err"; then bad "build the $n-rank layout" "$(cat "$WORK/err")"; exit 1; fi
-done
-run() {  # ranks args...
-  local n=$1; shift
-  if [ "$n" = 1 ]; then (cd "$WORK" && timeout 90 ./p1 "$@" </dev/null)
-  else (cd "$WORK" && timeout 90 $MPIRUN -np "$n" ./p"$n" "$@" </dev/null); fi
-}
-if run 4 --steps 6 >"$WORK/full" 2>&1 && run 4 --steps 3 --save ckpt >"$WORK/first" 2>&1; then
+build_layouts "" 1 2 4 8
+if run_layout 4 --steps 6 >"$WORK/full" 2>&1 && run_layout 4 --steps 3 --save ckpt >"$WORK/first" 2>&1; then
   for n in 2 8 1; do
-    if run "$n" --steps 6 --resume ckpt >"$WORK/r$n" 2>&1 && close "$WORK/full" "$WORK/r$n"; then
-      ok "checkpoint of 4 ranks resumed on $n: steps 4-6 equal the 4-rank run ($(losses "$WORK/r$n" | tr '\n' ' '))"
+    if run_layout "$n" --steps 6 --resume ckpt >"$WORK/r$n" 2>&1 && close_after_3 "$WORK/full" "$WORK/r$n"; then
+      ok "checkpoint of 4 ranks resumed on $n: steps 4-6 equal the 4-rank run ($(late_losses "$WORK/r$n" | tr '\n' ' '))"
     else
-      bad "checkpoint of 4 ranks resumed on $n" "$(paste <(losses "$WORK/full") <(losses "$WORK/r$n"); tail -n 5 "$WORK/r$n")"
+      bad "checkpoint of 4 ranks resumed on $n" "$(paste <(late_losses "$WORK/full") <(late_losses "$WORK/r$n"); tail -n 5 "$WORK/r$n")"
     fi
   done
 else

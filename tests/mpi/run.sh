@@ -14,35 +14,13 @@
 # so does an MPI error (it comes back through rt_comm_abort, naming the call and file:line).
 set -u
 cd "$(dirname "$0")/../.."
-BUILD=${BUILD:-build}
-# OpenBLAS's link flags as make configured them (its OpenMP build, -fopenmp), as libmoert needs.
-BLAS_LIBS=$(sed -n 's/^BLAS_LIBS := //p' "$BUILD/config.mk" 2>/dev/null)
-BLAS_LIBS=${BLAS_LIBS:--lopenblas}
-BIN=$BUILD/mpi/test_comm
-WORK=$(mktemp -d "${TMPDIR:-/tmp}/moec-mpi.XXXXXX")
-trap 'rm -rf "$WORK"' EXIT
-MPIRUN=(mpirun --oversubscribe)
-[ "$(id -u)" = 0 ] && MPIRUN+=(--allow-run-as-root)
+. tests/mpi/common.sh
+work mpi
+mpi_program test_comm
+MPIRUN=("${MPIRUN_PLAIN[@]}")
 TIMEOUT=60
-
-passed=0 failed=0
-ok()  { passed=$((passed + 1)); printf 'ok    %s\n' "$1"; }
-bad() {
-  failed=$((failed + 1)); printf 'FAIL  %s\n' "$1"
-  [ -n "${2:-}" ] && printf '%s\n' "$2" | sed 's/^/      /' | head -n 30
-}
 now() { date +%s.%N; }
 secs() { awk -v a="$1" -v b="$(now)" 'BEGIN { printf "%.1f s", b - a }'; }
-
-# `make test` builds the program; standalone, build it here when it is missing or stale.
-if [ ! -x "$BIN" ] || [ tests/mpi/test_comm.c -nt "$BIN" ] || [ "$BUILD/libmoert.a" -nt "$BIN" ]; then
-  mkdir -p "$(dirname "$BIN")"
-  if ! mpicc -O2 -g -std=c11 -D_GNU_SOURCE -Wall -Wextra -Wno-unused-parameter -Iruntime \
-       tests/mpi/test_comm.c "$BUILD/libmoert.a" $BLAS_LIBS -lcjson -lm -o "$BIN" 2>"$WORK/cc"; then
-    bad "build test_comm" "$(cat "$WORK/cc")"
-    exit 1
-  fi
-fi
 
 # check NAME NP ARGS...: the whole test program on one layout (NP 1: without mpirun).
 check() {
@@ -154,5 +132,5 @@ dies "an MPI error (truncated MPI_Bcast) ends the job through rt_comm_abort" 4 m
   "^moert: error: rank [1-3] on $host: MPI_Ibcast failed at runtime/comm\.c:[0-9]+: MPI_ERR_TRUNCATE" \
   some --dp 4 --ep 4 --gpus-per-node 2
 
-echo "# $passed passed, $failed failed ($(secs "$t_all"))"
-[ $failed -eq 0 ]
+echo "# $passed passed, $nfailed failed ($(secs "$t_all"))"
+exit $failed

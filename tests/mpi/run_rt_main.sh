@@ -19,33 +19,12 @@
 #   rank with one "moert: error:" line, under `timeout`.
 set -u
 cd "$(dirname "$0")/../.."
-BUILD=${BUILD:-build}
-# OpenBLAS's link flags as make configured them (its OpenMP build, -fopenmp), as libmoert needs.
-BLAS_LIBS=$(sed -n 's/^BLAS_LIBS := //p' "$BUILD/config.mk" 2>/dev/null)
-BLAS_LIBS=${BLAS_LIBS:--lopenblas}
-BIN=$BUILD/mpi/test_rt_main
-WORK=$(mktemp -d "${TMPDIR:-/tmp}/moec-rtmain.XXXXXX")
-trap 'rm -rf "$WORK"' EXIT
-MPIRUN=(mpirun --oversubscribe)
-[ "$(id -u)" = 0 ] && MPIRUN+=(--allow-run-as-root)
+. tests/mpi/common.sh
+work rtmain
+mpi_program test_rt_main
+MPIRUN=("${MPIRUN_PLAIN[@]}")
 TIMEOUT=60
 TOL=1e-5
-
-passed=0 failed=0
-ok()  { passed=$((passed + 1)); printf 'ok    %s\n' "$1"; }
-bad() {
-  failed=$((failed + 1)); printf 'FAIL  %s\n' "$1"
-  [ -n "${2:-}" ] && printf '%s\n' "$2" | sed 's/^/      /' | head -n 30
-}
-
-if [ ! -x "$BIN" ] || [ tests/mpi/test_rt_main.c -nt "$BIN" ] || [ "$BUILD/libmoert.a" -nt "$BIN" ]; then
-  mkdir -p "$(dirname "$BIN")"
-  if ! mpicc -O2 -g -std=c11 -D_GNU_SOURCE -Wall -Wextra -Wno-unused-parameter -Iruntime \
-       tests/mpi/test_rt_main.c "$BUILD/libmoert.a" $BLAS_LIBS -lcjson -lm -o "$BIN" 2>"$WORK/cc"; then
-    bad "build test_rt_main" "$(cat "$WORK/cc")"
-    exit 1
-  fi
-fi
 
 # ranks LAYOUT: dp * mp
 ranks() { local IFS=,; set -- $1; echo $(($1 * $2)); }
@@ -220,5 +199,5 @@ else
   bad "a layout for 4 ranks started on 2 fails on every rank with one message (exit status $status)" "$(cat "$WORK/fail.out" "$WORK/fail.err")"
 fi
 
-printf '# %d passed, %d failed\n' "$passed" "$failed"
-[ "$failed" -eq 0 ]
+printf '# %d passed, %d failed\n' "$passed" "$nfailed"
+exit $failed

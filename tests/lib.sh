@@ -1,0 +1,28 @@
+# The preamble every test suite shares (sourced, not run; tests/mpi/common.sh sources it too):
+# the repository root as the working folder, BUILD and MOEC, a scratch folder WORK removed at the
+# end (suite NAME: `work NAME`), and the result lines tests/run.sh counts: `ok    WHAT`,
+# `FAIL  WHAT` (with WHY indented below it) and `skip  WHAT: WHY`. A suite ends with
+# `exit $failed` (1 when anything failed).
+set -u
+cd "$(dirname "${BASH_SOURCE[0]}")/.." || exit 1
+BUILD=${BUILD:-build}
+MOEC=${MOEC:-$BUILD/moec}
+PY=/usr/bin/python3
+failed=0 passed=0 nfailed=0    # failed: 1 after any FAIL (the exit status); the counts
+
+ok()   { passed=$((passed + 1)); printf 'ok    %s\n' "$1"; }
+bad()  { failed=1 nfailed=$((nfailed + 1)); printf 'FAIL  %s\n' "$1"; [ -n "${2:-}" ] && printf '%s\n' "$2" | head -n 30 | sed 's/^/      /'; return 0; }
+skip() { printf 'skip  %s: %s\n' "$1" "$2"; }
+
+# work NAME: WORK, a fresh folder under TMPDIR, removed when the suite exits.
+work() {
+  WORK=$(mktemp -d "${TMPDIR:-/tmp}/moec-$1.XXXXXX") || exit 1
+  trap 'rm -rf "$WORK"' EXIT
+}
+
+# OpenBLAS's link flags as make configured them (its OpenMP build, -fopenmp), as libmoert needs.
+blas_libs() {
+  local libs
+  libs=$(sed -n 's/^BLAS_LIBS := //p' "$BUILD/config.mk" 2>/dev/null)
+  echo "${libs:--lopenblas}"
+}

@@ -1,0 +1,16 @@
+#!/usr/bin/env bash
+# IR round trips: print(parse(print(m))) == print(m) after every pass, for every model of
+# lang/models, tests/models and tests/golden.
+. "$(dirname "$0")/../lib.sh"
+work roundtrip
+passes="lower $("$MOEC" passes | awk '{print $1}' | tr '\n' ' ')"
+for model in lang/models/*.moe tests/models/*.moe tests/golden/*.moe; do
+  [ -f "$model" ] || continue
+  for pass in $passes; do
+    label="roundtrip $(basename "$model") after $pass"
+    if ! "$MOEC" dump-ir "$model" --after="$pass" >"$WORK/a.ir" 2>"$WORK/err"; then bad "$label" "$(cat "$WORK/err")"; continue; fi
+    if ! "$MOEC" dump-ir "$WORK/a.ir" >"$WORK/b.ir" 2>"$WORK/err"; then bad "$label" "$(cat "$WORK/err")"; continue; fi
+    if cmp -s "$WORK/a.ir" "$WORK/b.ir"; then ok "$label"; else bad "$label" "$(diff -u "$WORK/a.ir" "$WORK/b.ir" | head -n 20)"; fi
+  done
+done
+exit $failed

@@ -1,0 +1,47 @@
+#!/usr/bin/env bash
+# End to end on lang/models/tiny.moe: build, 20 steps with the loss going down, the same seed
+# twice gives the same bits, save at step 10 + resume repeats steps 11-20, --profile.
+. "$(dirname "$0")/../lib.sh"
+work tiny
+losses() { grep '^step' "$1" | awk '{print $2, $4}'; }   # step number, loss
+if ! "$MOEC" build lang/models/tiny.moe -o "$WORK/tiny" 2>"$WORK/err"; then
+  bad "build tiny.moe" "$(cat "$WORK/err")"; exit 1
+fi
+ok "build tiny.moe"
+if ! "$WORK/tiny" --steps 20 >"$WORK/run1" 2>&1; then
+  bad "tiny: run" "$(tail -n 20 "$WORK/run1")"; exit 1
+fi
+first=$(losses "$WORK/run1" | head -n 1 | awk '{print $2}'); last=$(losses "$WORK/run1" | tail -n 1 | awk '{print $2}')
+n=$(losses "$WORK/run1" | wc -l)
+if [ "$n" = 20 ] && awk -v a="$first" -v b="$last" 'BEGIN{exit !(b < 0.9 * a)}'; then
+  ok "tiny: 20 steps, loss $first -> $last"
+else
+  bad "tiny: 20 steps with the loss going down" "$(cat "$WORK/run1")"
+fi
+"$WORK/tiny" --steps 20 >"$WORK/run2" 2>&1
+if [ -n "$(losses "$WORK/run1")" ] && [ "$(losses "$WORK/run1")" = "$(losses "$WORK/run2")" ]; then
+  ok "tiny: same seed twice gives bit-identical losses"
+else
+  bad "tiny: same seed twice gives bit-identical losses" "$(diff <(losses "$WORK/run1") <(losses "$WORK/run2"))"
+fi
+if "$WORK/tiny" --steps 10 --save "$WORK/ckpt.safetensors" >"$WORK/half" 2>&1 &&
+   "$WORK/tiny" --steps 20 --resume "$WORK/ckpt.safetensors" >"$WORK/resumed" 2>&1; then
+  want=$(losses "$WORK/run1" | awk '$1 > 10'); got=$(losses "$WORK/resumed")
+  if [ -n "$want" ] && [ "$want" = "$got" ] && [ ! -e "$WORK/ckpt.safetensors.tmp" ]; then
+    ok "tiny: save at step 10 + resume gives the same losses for steps 11-20"
+  else
+    bad "tiny: save at step 10 + resume gives the same losses for steps 11-20" "$(diff <(echo "$want") <(echo "$got"))"
+  fi
+else
+  bad "tiny: save + resume" "$(cat "$WORK/half" "$WORK/resumed" 2>/dev/null | tail -n 20)"
+fi
+# --profile: the median whole step of steps 2..5 and a GEMM share in (0, 100]; --quiet keeps it.
+"$WORK/tiny" --steps 5 --quiet --profile >"$WORK/prof" 2>&1
+if grep -q '^# profile: steps 2\.\.5, median whole step [0-9.]* ms .*GEMM [0-9.]* % ' "$WORK/prof" &&
+   awk '/^# profile:/ { for (i = 1; i < NF; i++) if ($i == "GEMM") p = $(i + 1) } END { exit !(p > 0 && p <= 100) }' "$WORK/prof" &&
+   ! grep -q '^step' "$WORK/prof"; then
+  ok "tiny: --profile prints $(grep -o 'median whole step.*' "$WORK/prof" | head -c 90)"
+else
+  bad "tiny: --profile" "$(cat "$WORK/prof")"
+fi
+exit $failed
