@@ -85,20 +85,34 @@ static void grow(IrModule *m, void ***items, int n, int *cap) {
   *cap = nc;
 }
 
+// A new zeroed item of size bytes with its name, appended to an arena-backed pointer array;
+// *index is its position there.
+static void *append_named(IrModule *m, void ***items, int *n, int *cap, size_t size, const char *name, int *index) {
+  char *item = ir_alloc(m, size);
+  *(const char **)item = ir_strdup(m, name);   // IrParam and IrFunc both start with their name
+  *index = *n;
+  grow(m, items, *n, cap);
+  (*items)[(*n)++] = item;
+  return item;
+}
+
+// The item named name of an array whose items start with their name, or NULL.
+static void *find_named(void *const *items, int n, const char *name) {
+  for (int i = 0; i < n; i++)
+    if (strcmp(*(const char *const *)items[i], name) == 0) return items[i];
+  return NULL;
+}
+
 IrParam *ir_add_param(IrModule *m, const char *name, IrType type) {
-  IrParam *p = ir_alloc(m, sizeof *p);
-  p->name = ir_strdup(m, name);
+  int index;
+  IrParam *p = append_named(m, (void ***)&m->params, &m->nparams, &m->cap_params, sizeof *p, name, &index);
+  p->index = index;
   p->type = type;
-  p->index = m->nparams;
-  grow(m, (void ***)&m->params, m->nparams, &m->cap_params);
-  m->params[m->nparams++] = p;
   return p;
 }
 
 IrParam *ir_find_param(const IrModule *m, const char *name) {
-  for (int i = 0; i < m->nparams; i++)
-    if (strcmp(m->params[i]->name, name) == 0) return m->params[i];
-  return NULL;
+  return find_named((void *const *)m->params, m->nparams, name);
 }
 
 const char *const ir_policy_name[IR_NPOLICIES + 1] = {
@@ -143,19 +157,15 @@ IrPhase ir_role_phase(IrFuncRole role) {
 }
 
 IrFunc *ir_add_func(IrModule *m, const char *name, IrFuncRole role) {
-  IrFunc *f = ir_alloc(m, sizeof *f);
-  f->name = ir_strdup(m, name);
+  int index;
+  IrFunc *f = append_named(m, (void ***)&m->funcs, &m->nfuncs, &m->cap_funcs, sizeof *f, name, &index);
+  f->index = index;
   f->role = role;
-  f->index = m->nfuncs;
-  grow(m, (void ***)&m->funcs, m->nfuncs, &m->cap_funcs);
-  m->funcs[m->nfuncs++] = f;
   return f;
 }
 
 IrFunc *ir_find_func(const IrModule *m, const char *name) {
-  for (int i = 0; i < m->nfuncs; i++)
-    if (strcmp(m->funcs[i]->name, name) == 0) return m->funcs[i];
-  return NULL;
+  return find_named((void *const *)m->funcs, m->nfuncs, name);
 }
 
 static IrValue *add_value(IrFunc *f, IrModule *m, const char *name, IrType type) {

@@ -109,7 +109,7 @@ typedef struct IrFunc IrFunc;
 typedef struct IrOp IrOp;
 
 typedef struct IrParam {
-  const char *name;     // without '@'
+  const char *name;     // without '@'; first (ir/builder.c finds and adds params by it)
   IrType type;
   IrAttr attrs[IR_MAX_ATTRS];  // init="normal"|"zeros"|"ones", std=...
   int nattrs;
@@ -185,7 +185,7 @@ struct IrOp {
 };
 
 struct IrFunc {
-  const char *name;     // without '@'
+  const char *name;     // without '@'; first (ir/builder.c finds and adds functions by it)
   IrValue **args;
   int nargs;
   IrValue **values;     // args first, then op results, in order
