@@ -72,7 +72,7 @@ LOCK=${MOEC_CLUSTER_LOCK:-/run/lock/moec-cluster.lock}
 mkdir -p "$(dirname "$LOCK")"
 exec 8>>"$LOCK"
 flock -n 8 && {
-  out=$($CLUSTER run 2 1 1gbit -- true 2>&1 </dev/null); status=$?
+  out=$(MOEC_CLUSTER_WAIT=0 $CLUSTER run 2 1 1gbit -- true 2>&1 </dev/null); status=$?
   if [ $status -ne 0 ] && echo "$out" | grep -q 'another emulated cluster is running'; then ok "a second cluster at once is refused: $out"
   else bad "a second cluster at once is refused" "exit $status: $out"; fi
 }
