@@ -36,11 +36,6 @@ static int by_first(const void *a, const void *b) {
   return x->order < y->order ? -1 : x->order > y->order;
 }
 
-static int by_offset(const void *a, const void *b) {
-  const PassMemSlot *x = *(PassMemSlot *const *)a, *y = *(PassMemSlot *const *)b;
-  return x->offset < y->offset ? -1 : x->offset > y->offset;
-}
-
 // Ops on more than one stream (passes/schedule.c): the function runs them concurrently.
 static bool streamed(const IrFunc *f) {
   for (int i = 0; i < f->nops; i++)
@@ -199,8 +194,7 @@ static bool pack(PassCtx *ctx, Ranges *R, PassMemPlan *plan) {
     int keep = 0;
     for (int j = 0; j < nactive; j++)
       if (active[j]->last >= s->first) active[keep++] = active[j];
-    nactive = keep;
-    qsort(active, (size_t)nactive, sizeof *active, by_offset);
+    nactive = keep;   // still sorted by offset: filtering keeps the order, s goes in at its place below
     int64_t size = (s->bytes + ALIGN - 1) / ALIGN * ALIGN, at = 0;
     for (int j = 0; j < nactive; j++) {
       if (active[j]->offset - at >= size) break;
@@ -208,7 +202,15 @@ static bool pack(PassCtx *ctx, Ranges *R, PassMemPlan *plan) {
       if (end > at) at = end;
     }
     s->offset = at;
-    active[nactive++] = s;
+    int lo = 0, hi = nactive;   // the first active slot above at (binary search)
+    while (lo < hi) {
+      int mid = (lo + hi) / 2;
+      if (active[mid]->offset <= at) lo = mid + 1;
+      else hi = mid;
+    }
+    memmove(&active[lo + 1], &active[lo], (size_t)(nactive - lo) * sizeof *active);
+    active[lo] = s;
+    nactive++;
     if (at + size > plan->arena_bytes) plan->arena_bytes = at + size;
     plan->unshared_bytes += size;
   }
