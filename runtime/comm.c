@@ -88,7 +88,7 @@ typedef struct Group {
   MPI_Comm comm;
   int rank, size;
   Hierarchy hier;
-  float *work;           // scratch of the hierarchical AlltoAll, grown on demand
+  float *work;           // scratch of the hierarchical AlltoAll and the ring AllReduce, grown on demand
   size_t work_floats;
 } Group;
 
@@ -813,13 +813,75 @@ static void reducescatter_on(Group *gr, RtComm *c, RtGroup g, const float *send,
   }
 }
 
+// How a float AllReduce runs (each measured on the emulated cluster of docs/cluster.md, 150 Mbit/s
+// links, n = 2^20 floats; Open MPI 4.1's libnbc underneath):
+//   below 64 KiB        MPI_Iallreduce in place: latency-bound, where libnbc's binomial tree
+//                       (2 log2 p steps) beats a ring's 2 (p - 1);
+//   2 or 3 ranks        the ring below. libnbc runs a binomial tree for fewer than 4 ranks: a
+//                       reduction to the root and a broadcast back, the whole buffer over one
+//                       link after the other: 470 ms on 2 x 1 where the ring takes 243;
+//   4 ranks or more     MPI_Iallreduce out of place (into the group's workspace, then copied
+//                       back): libnbc's recursive halving (or ring), whose first and last steps
+//                       pair neighbours, so on node-major groups the cross-node steps carry the
+//                       smallest pieces. In place, libnbc runs the binomial tree again: 707 ms on
+//                       the world group of 2 x 2 against 261 out of place (the ring: 362).
+// Every rank ends with the same bits (each block is summed once, then copied to all).
+#define ALLREDUCE_BIG_BYTES 65536
+#define ALLREDUCE_SLICE ((int64_t)1 << 22)   // floats of one out-of-place call (the workspace)
+
+// Block b of n elements cut into p: [n b / p, n (b + 1) / p).
+static int64_t ring_cut(int64_t n, int p, int b) { return n * b / p; }
+
+// Sends block `out` of buf to the right neighbour while block `in` arrives from the left one
+// into dst (the workspace, or buf itself in the gather half).
+static void ring_step(Group *gr, const float *buf, int64_t n, int out, int in, float *dst) {
+  int p = gr->size, right = (gr->rank + 1) % p, left = (gr->rank + p - 1) % p;
+  int64_t o0 = ring_cut(n, p, out), in0 = ring_cut(n, p, in);
+  MPI_Request recv;
+  MPI_CHECK(MPI_Irecv(dst, (int)(ring_cut(n, p, in + 1) - in0), MPI_FLOAT, left, 0, gr->comm, &recv));
+  NB(gr, MPI_Isend(buf + o0, (int)(ring_cut(n, p, out + 1) - o0), MPI_FLOAT, right, 0, gr->comm, &req));
+  finish(&recv, gr->what, gr->id, gr->began, "MPI_Irecv", __LINE__);
+}
+
+// The ring AllReduce: every rank sends 2 n (p - 1) / p elements, to its right neighbour only,
+// both directions of a link busy at once. p - 1 steps reduce-scatter (after them this rank holds
+// the sum of block rank + 1), p - 1 steps gather the sums.
+static void allreduce_ring(Group *gr, float *buf, int64_t n) {
+  int p = gr->size, r = gr->rank;
+  float *in = workspace(gr, (size_t)(n / p + 1));
+  for (int s = 0; s < p - 1; s++) {
+    int out = (r - s + p) % p, blk = (r - s - 1 + 2 * p) % p;
+    ring_step(gr, buf, n, out, blk, in);
+    float *acc = buf + ring_cut(n, p, blk);
+    int64_t len = ring_cut(n, p, blk + 1) - ring_cut(n, p, blk);
+    for (int64_t i = 0; i < len; i++) acc[i] += in[i];
+  }
+  for (int s = 0; s < p - 1; s++) {
+    int out = (r + 1 - s + p) % p, blk = (r - s + p) % p;
+    ring_step(gr, buf, n, out, blk, buf + ring_cut(n, p, blk));
+  }
+}
+
 static void allreduce_on(Group *gr, RtComm *c, RtGroup g, float *buf, int64_t n) {
   if (!gr || gr->size == 1)
     return;
   int64_t max_chunk = c->max_chunk;
-  for (int64_t o = 0; o < n; o += max_chunk)
-    NB(gr, MPI_Iallreduce(MPI_IN_PLACE, buf + o, slice_len(o, n, max_chunk), MPI_FLOAT, MPI_SUM,
-                          gr->comm, &req));
+  for (int64_t o = 0; o < n; o += max_chunk) {
+    int len = slice_len(o, n, max_chunk);
+    bool big = (int64_t)len * (int64_t)sizeof(float) >= ALLREDUCE_BIG_BYTES && len >= gr->size;
+    if (!big) {
+      NB(gr, MPI_Iallreduce(MPI_IN_PLACE, buf + o, len, MPI_FLOAT, MPI_SUM, gr->comm, &req));
+    } else if (gr->size < 4) {
+      allreduce_ring(gr, buf + o, len);
+    } else {
+      for (int64_t s = 0; s < len; s += ALLREDUCE_SLICE) {
+        int part = slice_len(s, len, ALLREDUCE_SLICE);
+        float *out = workspace(gr, (size_t)part);
+        NB(gr, MPI_Iallreduce(buf + o + s, out, part, MPI_FLOAT, MPI_SUM, gr->comm, &req));
+        copy_floats(buf + o + s, out, part);
+      }
+    }
+  }
 }
 
 // op: MPI_SUM or MPI_MAX over doubles.

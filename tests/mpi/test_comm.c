@@ -431,8 +431,11 @@ static int run_check(const Args *a) {
   test_groups(c, &a->layout, members);
   test_print_groups(c, &a->layout, a->print_groups);
 
-  static const int64_t counts[] = {0, 1, 3, 7, 64, 1001, 4099};
+  // 16411 and 45001 floats are over the ring AllReduce's 64 KiB (and cut unevenly into blocks);
+  // in slices of 20000, 45001 is two ring slices and a small one.
+  static const int64_t counts[] = {0, 1, 3, 7, 64, 1001, 4099, 16411};
   static const int64_t sliced_counts[] = {1, 7, 13};
+  static const int64_t ring_slices[] = {45001};
   for (int g = 0; g < RT_GROUP_COUNT; g++) {
     int n = expected_members(&a->layout, (RtGroup)g, world_rank, members);
     int me = expected_index(&a->layout, (RtGroup)g, world_rank);
@@ -443,6 +446,8 @@ static int run_check(const Args *a) {
     test_collectives(c, (RtGroup)g, members, n, me, sliced_counts, 3, "slices of 5");
     rt_comm_set_max_chunk(c, 1);
     test_collectives(c, (RtGroup)g, members, n, me, sliced_counts, 2, "slices of 1");
+    rt_comm_set_max_chunk(c, 20000);
+    test_collectives(c, (RtGroup)g, members, n, me, ring_slices, 1, "slices of 20000");
     rt_comm_set_max_chunk(c, INT64_MAX);
   }
   test_second_comm(c, members);
