@@ -145,6 +145,11 @@ typedef enum RtGroup { RT_GROUP_WORLD, RT_GROUP_DP, RT_GROUP_MP, RT_GROUP_EP, RT
 typedef enum RtA2aAlgo { RT_A2A_FLAT, RT_A2A_1DH, RT_A2A_2DH } RtA2aAlgo;  // nccl (flat), 1dh, 2dh
 typedef struct RtLayout { int dp, mp, ep, esp, gpus_per_node; } RtLayout;
 
+// First thing in a program's main (rt_main, moec tune): where OpenBLAS took this CPU for a
+// Prescott (a model newer than it knows) and the CPU has AVX2 or AVX-512, sets
+// OPENBLAS_CORETYPE and runs the program again with argv (runtime/threads.c); else returns.
+void rt_blas_kernels(char **argv);
+
 // The communicators of one parallel layout: one per group, created together and passed to every
 // collective (runtime/comm.c). rt_comm_create starts MPI when nothing has (MPI_THREAD_MULTIPLE
 // where available; a process run without mpirun is a world of one), and the last

@@ -9,7 +9,9 @@
 // The kernels' results do not depend on the size (rt_internal.h); OpenBLAS's GEMMs do round
 // differently with different thread counts, so OPENBLAS_NUM_THREADS can hold them fixed.
 #include <sched.h>
+#include <stdio.h>
 #include <stdlib.h>
+#include <strings.h>
 #include <unistd.h>
 
 #include "moert.h"
@@ -20,6 +22,31 @@
 #endif
 
 void openblas_set_num_threads(int num_threads);  // OpenBLAS (cblas.h pulls in more than needed)
+char *openblas_get_corename(void);
+
+// OpenBLAS (a DYNAMIC_ARCH build, as Debian's) picks its kernels once, while it is loaded, from
+// the CPU's family and model. A model newer than the library knows gets its oldest x86-64
+// kernels, Prescott's (SSE3): Debian 12's 0.3.21 on this machine's Xeon (family 6, model 207,
+// AVX-512) runs SGEMM at 16 GMAC/s a thread there against 76 with the SkylakeX kernels, and the
+// mid-size language model of make bench took 2.9 s a step instead of 1.3. Told the kernel by
+// OPENBLAS_CORETYPE, it uses it; the variable is read only at load time, so the process sets it
+// and runs itself again (before MPI or any thread starts). A user's OPENBLAS_CORETYPE is kept
+// (tests/golden_runs.sh pins Haswell), as is any core OpenBLAS recognised.
+void rt_blas_kernels(char **argv) {
+  if (getenv("OPENBLAS_CORETYPE") || !argv || !argv[0])
+    return;
+  const char *core = openblas_get_corename();
+  if (!core || strcasecmp(core, "prescott") != 0)
+    return;
+  __builtin_cpu_init();
+  const char *want = __builtin_cpu_supports("avx512f") ? "SkylakeX" : __builtin_cpu_supports("avx2") ? "Haswell" : NULL;
+  if (!want)
+    return;
+  setenv("OPENBLAS_CORETYPE", want, 1);
+  execv("/proc/self/exe", argv);
+  fprintf(stderr, "moert: warning: OpenBLAS runs its Prescott kernels on this CPU (it does not know its model); "
+                  "OPENBLAS_CORETYPE=%s would be faster, and running again with it failed\n", want);
+}
 
 static int usable_cores(void) {
   cpu_set_t set;

@@ -44,4 +44,16 @@ if grep -q '^# profile: steps 2\.\.5, median whole step [0-9.]* ms .*GEMM [0-9.]
 else
   bad "tiny: --profile" "$(cat "$WORK/prof")"
 fi
+# OpenBLAS's kernels: on a CPU with AVX2 the binary never runs the Prescott (SSE3) ones, which a
+# DYNAMIC_ARCH OpenBLAS falls back to for a CPU model it does not know (runtime/threads.c).
+if ! grep -q '\bavx2\b' /proc/cpuinfo; then
+  skip "tiny: OpenBLAS kernels" "the CPU has no AVX2"
+else
+  core=$(env -u OPENBLAS_CORETYPE OPENBLAS_VERBOSE=2 "$WORK/tiny" --steps 1 --quiet 2>&1 | sed -n 's/^Core: //p' | tail -n 1)
+  if [ -n "$core" ] && [ "$core" != Prescott ]; then
+    ok "tiny: OpenBLAS runs its $core kernels on this AVX2 CPU"
+  else
+    bad "tiny: OpenBLAS runs kernels for this CPU (AVX2), not Prescott's" "OPENBLAS_VERBOSE=2 said: Core: ${core:-nothing}"
+  fi
+fi
 exit $failed
