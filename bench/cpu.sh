@@ -9,8 +9,10 @@
 #          three times each and the medians are compared (this machine's speed drifts).
 #   t4     Table 4 shapes (DESIGN §6): the smallest as it is, two larger with L cut to 512, gpt and
 #          mixtral experts, moec beside torch_ref (one run each).
-#   lm     lang/models/gpt_moe_bytes.moe (the demo's GPT-MoE): moec's step and GEMM share beside
-#          bench/torch_lm.py, the same model's whole training step in PyTorch (with its update).
+#   lm     three language models: lang/models/gpt_moe_bytes.moe (the demo's GPT-MoE),
+#          bench/models/lm_mid.moe and lm_large.moe (issue 28): moec's step, GEMM share and (with
+#          perf) share of cycles waiting, beside bench/torch_lm.py --size demo|mid|large, the same
+#          model's whole training step in PyTorch (with its update).
 #   dropless  bench/models/layer_dropless.moe (the layer with 4 experts and `capacity *`: each
 #          expert's worst-case buffer about half empty): the expert GEMMs and GELU gradient over
 #          the filled slots (the default) beside the same binary computing every slot
@@ -118,23 +120,42 @@ for shape in 1x512x1024x2 2x512x1024x4 1x512x2048x3; do
     printf '%-10s %-26s %12.1f %8.1f %14s %12s %14s\n' "t4 $ffn" "B$b L$l M$m H$((m * h)) E8 k2" "$ms" "$gemm" "$tms" "$tgemm" "$ratio"
   done
 done
-# The language model: moec's whole step beside bench/torch_lm.py's (the same model in PyTorch:
-# forward, backward, clip, AdamW), medians of their steps; the torch GEMM column is not measured
-# there ("-").
-if read -r ms gemm < <(moec_step lm lang/models/gpt_moe_bytes.moe) && [ -n "${gemm:-}" ]; then
-  tms="-" ratio="-"
-  if [ -z "$TORCH" ]; then
-    tms="no torch"
-  elif "$TORCH" bench/torch_lm.py >"$WORK/torch_lm.out" 2>&1 &&
-       read -r tms < <(awk '$1 == "lm" {print $3}' "$WORK/torch_lm.out") && [ -n "${tms:-}" ]; then
-    ratio=$(awk -v a="$ms" -v b="$tms" 'BEGIN {printf "%.2f", a / b}')
+# The language models (issue 28), three sizes: moec's whole step beside bench/torch_lm.py's (the
+# same model in PyTorch: forward, backward, clip, AdamW), medians of their steps, moec first then
+# PyTorch, on the same cores. GEMM %: moec's --profile share of the step in GEMM calls; wait %:
+# with perf, the share of the moec run's cycles (steps 2.., after a delay past step 1) spent
+# waiting: in libgomp (threads at barriers) and the kernel's scheduler, futex and sched_yield
+# paths; "-" without perf.
+lm_wait() {   # BIN STEPS DELAY_MS -> the waiting share in % (nothing without perf or samples)
+  command -v perf >/dev/null 2>&1 || return 0
+  MOEC_BENCH=1 perf record -q -D "$3" -o "$WORK/perf.data" "$1" --steps "$2" >/dev/null 2>&1 || return 0
+  perf report -q -i "$WORK/perf.data" --sort dso,symbol --stdio 2>/dev/null |
+    awk '$1 ~ /%$/ { p = $1 + 0; line = $0
+                     if (line ~ /libgomp/ || line ~ /\[k\] .*(schedule|futex|yield|idle|switch_to|finish_task_switch)/) w += p }
+         END { if (NR) printf "%.1f\n", w }'
+}
+for size in demo mid large; do
+  case $size in
+    demo)  model=lang/models/gpt_moe_bytes.moe shape="B8 L64 M96 V256 x3" steps=$STEPS psteps=150 tsteps=20 delay=1000 ;;
+    mid)   model=bench/models/lm_mid.moe shape="B4 L256 M512 V8192 x6" steps=6 psteps=6 tsteps=5 delay=8000 ;;
+    large) model=bench/models/lm_large.moe shape="B2 L512 M1024 V32000 x4" steps=4 psteps=5 tsteps=3 delay=20000 ;;
+  esac
+  if read -r ms gemm < <(STEPS=$steps moec_step "lm_$size" "$model") && [ -n "${gemm:-}" ]; then
+    tms="-" ratio="-"
+    wait=$(lm_wait "$WORK/${model##*/}.bin" "$psteps" "$delay"); wait=${wait:--}
+    if [ -z "$TORCH" ]; then
+      tms="no torch"
+    elif "$TORCH" bench/torch_lm.py --size "$size" --steps "$tsteps" --warmup 2 >"$WORK/torch_lm.out" 2>&1 &&
+         read -r tms < <(awk '$1 == "lm" {print $3}' "$WORK/torch_lm.out") && [ -n "${tms:-}" ]; then
+      ratio=$(awk -v a="$ms" -v b="$tms" 'BEGIN {printf "%.2f", a / b}')
+    else
+      tms="failed"; status=1; tail -n 5 "$WORK/torch_lm.out" | sed 's/^/# torch_lm: /'
+    fi
+    printf '%-10s %-26s %12.1f %8.1f %14s %12s %14s   wait %s %%\n' "lm $size" "$shape" "$ms" "$gemm" "$tms" "-" "$ratio" "$wait"
   else
-    tms="failed"; status=1; tail -n 5 "$WORK/torch_lm.out" | sed 's/^/# torch_lm: /'
+    echo "lm $size: moec failed"; status=1
   fi
-  printf '%-10s %-26s %12.1f %8.1f %14s %12s %14s\n' lm "gpt_moe_bytes B8 L64 M96" "$ms" "$gemm" "$tms" "-" "$ratio"
-else
-  echo "lm: moec failed"; status=1
-fi
+done
 # Dropless: filled slots only (A) against every slot of the worst-case buffers (B), same binary,
 # run in turn A B A B A B (the machine's speed drifts): the medians of the three runs' medians.
 : >"$WORK/a.ms"; : >"$WORK/b.ms"

@@ -14,8 +14,12 @@ step time beside the moec binary's:
   head    final LayerNorm, tied to wte, cross-entropy
   update  global-norm clip 1.0, AdamW (lr 0.003, betas 0.9/0.95, weight decay 0.1)
 
-Prints one line "lm gpt_moe_bytes <median step ms> <forward+backward ms>" (medians of --steps
-steps after --warmup), or "skip  torch_lm: torch not installed" and exit status 0.
+--size mid and --size large are bench/models/lm_mid.moe and lm_large.moe (issue 28): vocab 8192,
+batch 4, seqlen 256, embed 512, 6 blocks of 8 heads, 8 experts of hidden 1024; vocab 32000, batch
+2, seqlen 512, embed 1024, 4 blocks of 16 heads, 8 experts of hidden 2048 (lr 0.0003, no warmup).
+
+Prints one line "lm NAME <median step ms> <forward+backward ms>" (medians of --steps steps after
+--warmup), or "skip  torch_lm: torch not installed" and exit status 0.
 """
 import argparse
 import math
@@ -23,8 +27,14 @@ import statistics
 import sys
 import time
 
-VOCAB, BATCH, SEQ, EMBED, LAYERS, HEADS = 256, 8, 64, 96, 3, 4
-EXPERTS, CHOICES, CAPACITY, HIDDEN, AUX_COEF = 4, 2, 1.25, 192, 0.01
+# name: vocab, batch, seqlen, embed, layers, heads, experts, hidden, lr
+SIZES = {
+    "demo": ("gpt_moe_bytes", 256, 8, 64, 96, 3, 4, 4, 192, 0.003),
+    "mid": ("lm_mid", 8192, 4, 256, 512, 6, 8, 8, 1024, 0.0003),
+    "large": ("lm_large", 32000, 2, 512, 1024, 4, 16, 8, 2048, 0.0003),
+}
+NAME, VOCAB, BATCH, SEQ, EMBED, LAYERS, HEADS, EXPERTS, HIDDEN, LR = SIZES["demo"]
+CHOICES, CAPACITY, AUX_COEF = 2, 1.25, 0.01
 
 
 def capacity(tokens):
@@ -104,18 +114,24 @@ def main(argv):
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--warmup", type=int, default=3)
+    ap.add_argument("--size", choices=sorted(SIZES), default="demo")
+    ap.add_argument("--threads", type=int, default=0, help="torch.set_num_threads (0: PyTorch's default)")
     args = ap.parse_args(argv)
+    global NAME, VOCAB, BATCH, SEQ, EMBED, LAYERS, HEADS, EXPERTS, HIDDEN, LR
+    NAME, VOCAB, BATCH, SEQ, EMBED, LAYERS, HEADS, EXPERTS, HIDDEN, LR = SIZES[args.size]
     try:
         import torch
     except ImportError:
         print("skip  torch_lm: torch not installed")
         return 0
+    if args.threads > 0:
+        torch.set_num_threads(args.threads)
     torch.manual_seed(1)
     model = build(torch)
     decay = [p for p in model.parameters() if p.dim() >= 2]
     other = [p for p in model.parameters() if p.dim() < 2]
     opt = torch.optim.AdamW([{"params": decay, "weight_decay": 0.1}, {"params": other, "weight_decay": 0.0}],
-                            lr=0.003, betas=(0.9, 0.95))
+                            lr=LR, betas=(0.9, 0.95))
     steps, fwd_bwd = [], []
     for i in range(args.warmup + args.steps):
         data = torch.randint(0, VOCAB, (BATCH, SEQ + 1))
@@ -133,7 +149,7 @@ def main(argv):
     if not math.isfinite(loss.item()):
         print("torch_lm: the loss is not finite")
         return 1
-    print("lm gpt_moe_bytes %.3f %.3f" % (statistics.median(steps), statistics.median(fwd_bwd)))
+    print("lm %s %.3f %.3f" % (NAME, statistics.median(steps), statistics.median(fwd_bwd)))
     return 0
 
 

@@ -364,12 +364,12 @@ void rt_print_tokens(FILE *out, const RtModel *m, const int32_t *tokens, int64_t
 #define RT_PARALLEL_FOR_SIMD(cond)
 #define RT_SIMD
 #endif
-// RT_VECTOR_CLONES before a function of vectorisable loops compiles it twice on x86-64, for AVX2
-// and for the baseline, and picks one when the program loads (GCC's target_clones): twice the
-// lanes where the CPU has them. AVX2 without FMA, and C11 contracts nothing, so both versions
-// compute the same bits.
+// RT_VECTOR_CLONES before a function of vectorisable loops compiles it three times on x86-64, for
+// AVX-512, AVX2 and the baseline, and picks one when the program loads (GCC's target_clones): 4x
+// or 2x the lanes where the CPU has them. No FMA, and C11 contracts nothing, so every version
+// computes the same bits (tests/golden_runs.sh).
 #if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__) && !defined(__SANITIZE_ADDRESS__)
-#define RT_VECTOR_CLONES __attribute__((target_clones("avx2", "default")))
+#define RT_VECTOR_CLONES __attribute__((target_clones("avx512f", "avx2", "default")))
 #else
 #define RT_VECTOR_CLONES
 #endif
