@@ -16,13 +16,16 @@
 // log logf. The CUDA kernels of the same names (codegen/cuda/attn.cu) do the same float
 // operations per output element in the same order, so the two targets agree to the bit.
 //
-// How it runs here: every dot product is still a sum over c ascending of a[c] * b[c], but the dots
-// of one row against all its keys (or of one key against all its queries) are computed side by
-// side, one per SIMD lane, from copies of k, v (or q, dO) transposed per sample and head into
-// [d][seq] columns; the exps of a row's scores form one vectorised loop; the weighted sums over t
-// (o, dq, dk, dv) run over t ascending with the d columns in lanes. Sums over t of scalars (l)
-// stay sequential. So each output element sees the float operations of the scalar definition in
-// its order, and the results do not depend on the number of threads.
+// How it runs here: every dot product is still a sum over c ascending of a[c] * b[c], and every
+// weighted sum over t (o, dq, dk, dv) a sum over t ascending, but as a GEMM's register tile:
+// TILE query rows (or keys) at a time against blocks of W keys (queries), from copies of k, v
+// (or q, dO) transposed per sample and head into [d][seq] columns, so one load of a block feeds
+// the TILE rows' sums, each in its own lanes; the weighted sums likewise hold TILE rows x W
+// columns in registers over t. The exps of a row's scores form one vectorised loop; sums over t
+// of scalars (l) stay sequential. So each output element sees the float operations of the
+// scalar definition in its order (the results are those of one row at a time, to the bit), and
+// do not depend on the number of threads. Tiles go round robin over the threads (the later rows
+// of a causal sample see more keys).
 #include <math.h>
 #include <stdlib.h>
 #include <string.h>
@@ -33,9 +36,6 @@
 #include "moert.h"
 #include "rt_internal.h"
 
-// Rows are independent: a parallel loop over them, each row computed as on one thread, when the
-// causal work (rows * seq / 2 dot products of qcols) pays for the threads.
-#define ATTN_PARALLEL RT_PARALLEL_FOR((int64_t)rows * seq * qcols >= 32 * RT_PAR_MIN)
 
 static float dot(const float *a, const float *b, int d) {
   float s = 0.0f;
@@ -45,6 +45,11 @@ static float dot(const float *a, const float *b, int d) {
 
 // The first key query i sees: 0, or i - window + 1 under a window.
 static int first_key(int i, int window) { return window > 0 && i >= window ? i - window + 1 : 0; }
+
+// Rows are taken TILE at a time (TILE query rows of one sample and head, or TILE keys): the
+// loads of a column block of k, v (or q, dO) are shared by the TILE rows' sums, as in a GEMM's
+// register tile, while each element's sum keeps its order. W columns (lanes) per block.
+enum { TILE = 4, W = 16 };
 
 static float *attn_alloc(size_t floats) { return rt_alloc(floats * sizeof(float), "attention scratch"); }
 
@@ -60,7 +65,8 @@ static int thread_id(void) {
 // the samples b of rows (rows is whole samples, as everywhere in attention).
 static float *transpose_heads(const float *x, int rows, int seq, int nh, int d) {
   int samples = rows / seq;
-  float *xt = attn_alloc((size_t)rows * nh * d);
+  float *xt = attn_alloc((size_t)rows * nh * d + W);   // W floats of padding read by dots_tile
+  memset(xt + (size_t)rows * nh * d, 0, W * sizeof *xt);
   RT_PARALLEL_FOR((int64_t)rows * nh * d >= RT_PAR_MIN)
   for (int bh = 0; bh < samples * nh; bh++) {
     int b = bh / nh, h = bh % nh;
@@ -73,33 +79,40 @@ static float *transpose_heads(const float *x, int rows, int seq, int nh, int d) 
   return xt;
 }
 
-// The helpers below are inlined into the per-row functions, which are compiled for AVX2 and the
-// baseline (RT_VECTOR_CLONES): same bits either way.
+// The helpers below are inlined into the per-tile functions, which are compiled for AVX-512, AVX2
+// and the baseline (RT_VECTOR_CLONES): same bits either way.
 #define ATTN_INLINE static inline __attribute__((always_inline))
 
-// out[t] = dot(a, column t of xt) for t < n, columns [d][seq] (a * x per term, c ascending): 16
-// columns at a time in registers.
-ATTN_INLINE void dots(const float *a, const float *xt, int seq, int n, int d, float *out) {
-  enum { W = 16 };
-  int t0 = 0;
-  for (; t0 + W <= n; t0 += W) {
-    float acc[W] = {0};
+
+// W floats as one value (GCC's vector extension: one AVX-512 register, two AVX2 ones, four SSE
+// ones), and W / 2 floats, so that a tile's sums stay in registers; + and * on them round as the
+// scalar ones. VLOAD(v, p) reads one from p (any alignment).
+typedef float vfloat __attribute__((vector_size(W * sizeof(float))));
+typedef float vhalf __attribute__((vector_size(W / 2 * sizeof(float))));
+#define VLOAD(v, p) memcpy(&(v), (p), sizeof(v))
+
+// out[k * ostride + t] = dot(a[k], column t of xt) for the rows k < TILE and t < n, columns
+// [d][seq] (a * x per term, c ascending, from 0), in blocks of W columns: the last block also
+// writes out[k * ostride + t] for t up to n rounded up to W, from what xt holds past column n (a
+// row of columns runs into the next one; the buffer has W floats of padding at its end). Rows
+// past the caller's count repeat its last one (computed and not used).
+ATTN_INLINE void dots_tile(const float *const a[TILE], const float *xt, int seq, int n, int d, float *out,
+                           int ostride) {
+  for (int t0 = 0; t0 < n; t0 += W) {   // the last block's lanes past n read on (padding), unused
+    vfloat s0 = {0}, s1 = {0}, s2 = {0}, s3 = {0};
+    const float *a0 = a[0], *a1 = a[1], *a2 = a[2], *a3 = a[3];
     for (int c = 0; c < d; c++) {
-      float ac = a[c];
-      const float *xc = xt + (size_t)c * seq + t0;
-RT_SIMD
-      for (int l = 0; l < W; l++) acc[l] += ac * xc[l];
+      vfloat x;
+      VLOAD(x, xt + (size_t)c * seq + t0);
+      s0 += a0[c] * x;
+      s1 += a1[c] * x;
+      s2 += a2[c] * x;
+      s3 += a3[c] * x;
     }
-    memcpy(out + t0, acc, sizeof acc);
-  }
-  if (t0 < n) {
-    memset(out + t0, 0, (size_t)(n - t0) * sizeof *out);
-    for (int c = 0; c < d; c++) {
-      float ac = a[c];
-      const float *xc = xt + (size_t)c * seq;
-RT_SIMD
-      for (int t = t0; t < n; t++) out[t] += ac * xc[t];
-    }
+    memcpy(out + t0, &s0, sizeof s0);
+    memcpy(out + (size_t)ostride + t0, &s1, sizeof s1);
+    memcpy(out + (size_t)2 * ostride + t0, &s2, sizeof s2);
+    memcpy(out + (size_t)3 * ostride + t0, &s3, sizeof s3);
   }
 }
 
@@ -109,17 +122,77 @@ RT_SIMD
   for (int t = 0; t < n; t++) p[t] = rt_exp(s[t] * scale - sub[t * sub_step]);
 }
 
-// y[c] += w * x[c] for c < d.
-ATTN_INLINE void axpy(float w, const float *x, float *y, int d) {
-RT_SIMD
-  for (int c = 0; c < d; c++) y[c] += w * x[c];
+// Row k's weighted sum y[k][c] (+)= sum over j of w[k][j - first[k]] * x[j][c], over the rows
+// j = first[k] .. last[k] of x (stride xs) that row k takes, j ascending, for the rows k < nr;
+// y[k] starts from 0 (zero) or from what it holds. The TILE rows share the loads of x's rows.
+// Rows past nr repeat row nr - 1's pointers and take nothing.
+ATTN_INLINE void wsum_tile(const float *const w[TILE], const int first[TILE], const int last[TILE], int nr,
+                           const float *x, size_t xs, float *const y[TILE], int d, bool zero) {
+  int lo = first[0], hi = last[0], f[TILE], e[TILE], all_f = first[0], all_e = last[0];
+  for (int k = 0; k < TILE; k++) {
+    f[k] = k < nr ? first[k] : 1;   // an empty range
+    e[k] = k < nr ? last[k] : 0;
+    lo = f[k] < lo && k < nr ? f[k] : lo;
+    hi = e[k] > hi ? e[k] : hi;
+  }
+  if (nr < TILE) all_f = 1, all_e = 0;   // an empty row: no common range
+  for (int k = 0; k < nr; k++) {
+    all_f = f[k] > all_f ? f[k] : all_f;
+    all_e = e[k] < all_e ? e[k] : all_e;
+  }
+  int c0 = 0;
+  // One block of columns c0 .. c0 + sizeof(T) / 4 - 1 of the TILE rows in registers of type T.
+#define WSUM_BLOCK(T)                                                                              \
+  do {                                                                                             \
+    T y0 = {0}, y1 = {0}, y2 = {0}, y3 = {0}, xj;                                                  \
+    if (!zero) {                                                                                   \
+      VLOAD(y0, y[0] + c0), VLOAD(y1, y[1] + c0), VLOAD(y2, y[2] + c0), VLOAD(y3, y[3] + c0);      \
+    }                                                                                              \
+    for (int j = lo; j <= hi; j++) {                                                               \
+      if (j >= all_f && j <= all_e) { /* every row takes rows all_f .. all_e of x */               \
+        for (; j <= all_e; j++) {                                                                  \
+          VLOAD(xj, x + (size_t)j * xs + c0);                                                      \
+          y0 += w[0][j - f[0]] * xj;                                                               \
+          y1 += w[1][j - f[1]] * xj;                                                               \
+          y2 += w[2][j - f[2]] * xj;                                                               \
+          y3 += w[3][j - f[3]] * xj;                                                               \
+        }                                                                                          \
+        j--;                                                                                       \
+        continue;                                                                                  \
+      }                                                                                            \
+      VLOAD(xj, x + (size_t)j * xs + c0);                                                          \
+      if (j >= f[0] && j <= e[0]) y0 += w[0][j - f[0]] * xj;                                       \
+      if (j >= f[1] && j <= e[1]) y1 += w[1][j - f[1]] * xj;                                       \
+      if (j >= f[2] && j <= e[2]) y2 += w[2][j - f[2]] * xj;                                       \
+      if (j >= f[3] && j <= e[3]) y3 += w[3][j - f[3]] * xj;                                       \
+    }                                                                                              \
+    T *all[TILE] = {&y0, &y1, &y2, &y3};                                                           \
+    for (int k = 0; k < nr; k++) memcpy(y[k] + c0, all[k], sizeof y0);                             \
+    c0 += (int)(sizeof(T) / sizeof(float));                                                        \
+  } while (0)
+  while (c0 + W <= d) WSUM_BLOCK(vfloat);
+  if (c0 + W / 2 <= d) WSUM_BLOCK(vhalf);
+#undef WSUM_BLOCK
+  if (c0 < d) {
+    int cw = d - c0;
+    float acc[TILE][W];
+    for (int k = 0; k < TILE; k++)
+      for (int l = 0; l < cw; l++) acc[k][l] = zero || k >= nr ? 0.0f : y[k][c0 + l];
+    for (int j = lo; j <= hi; j++) {
+      const float *xj = x + (size_t)j * xs + c0;
+      for (int k = 0; k < nr; k++) {
+        if (j < f[k] || j > e[k]) continue;
+        float wk = w[k][j - f[k]];
+        for (int l = 0; l < cw; l++) acc[k][l] += wk * xj[l];
+      }
+    }
+    for (int k = 0; k < nr; k++) memcpy(y[k] + c0, acc[k], (size_t)cw * sizeof(float));
+  }
 }
 
-// A row's scores against its keys 0..n-1 (s: the dots, unscaled), p = their exps less the
-// maximum m of s * scale, and l = the sum of p over t ascending; returns m.
-ATTN_INLINE float row_softmax(const float *qi, const float *kt, int seq, int n, int d, float scale, float *s, float *p,
-                              float *l) {
-  dots(qi, kt, seq, n, d, s);
+// A row's softmax over its n scores s (unscaled dots): p = exp(s * scale - m), m the maximum of
+// s * scale, and l = the sum of p over t ascending; returns m.
+ATTN_INLINE float row_softmax(const float *s, int n, float scale, float *p, float *l) {
   float m = -INFINITY;
   for (int t = 0; t < n; t++) {
     float v = s[t] * scale;
@@ -132,90 +205,166 @@ ATTN_INLINE float row_softmax(const float *qi, const float *kt, int seq, int n, 
   return m;
 }
 
-// The output of a query row of a sample for one head over its n keys: kt the key head's columns
-// from the row's first key on, v0 the value row of that key (stride kcols).
-RT_VECTOR_CLONES static void fwd_row(const float *qi, const float *kt, const float *v0, float *oi, int n, int seq, int d,
-                                     int kcols, float scale, float *s, float *p) {
-  float l;
-  row_softmax(qi, kt, seq, n, d, scale, s, p, &l);
-  memset(oi, 0, (size_t)d * sizeof *oi);
-  for (int t = 0; t < n; t++) axpy(p[t], v0 + (size_t)t * kcols, oi, d);
-  for (int c = 0; c < d; c++) oi[c] /= l;
+// A tile of query rows: nr rows i0 .. i0 + nr - 1 of sample b, query head h. Row k sees keys
+// first[k] .. last[k] = i0 + k; the tile's keys run from first[0] (the smallest) on.
+typedef struct QTile {
+  int nr, first[TILE], last[TILE];
+  const float *q[TILE];   // the rows' query vectors (a repeated last one fills the tile)
+} QTile;
+
+static QTile query_tile(const float *q, int b, int i0, int nr, int h, int seq, int qcols, int d, int window) {
+  QTile t = {nr};
+  for (int k = 0; k < TILE; k++) {
+    int i = i0 + (k < nr ? k : nr - 1);
+    t.first[k] = first_key(i, window);
+    t.last[k] = i;
+    t.q[k] = q + (size_t)(b * seq + i) * qcols + (size_t)h * d;
+  }
+  return t;
 }
+
+// The scores of a query tile against its keys: row k's at s + k * ss, from its first key.
+ATTN_INLINE void tile_scores(const QTile *t, const float *const a[TILE], const float *xt, int seq, int d, float *s,
+                             int ss) {
+  int lo = t->first[0], n = t->last[t->nr - 1] - lo + 1;
+  dots_tile(a, xt + lo, seq, n, d, s, ss);
+  for (int k = 1; k < t->nr; k++)   // row k's scores start at its first key
+    if (t->first[k] > lo) memmove(s + (size_t)k * ss, s + (size_t)k * ss + (t->first[k] - lo),
+                                  (size_t)(t->last[k] - t->first[k] + 1) * sizeof *s);
+}
+
+// The outputs of a query tile for one head: kt the key head's columns of the sample, v0 the
+// head's value row of the sample's key 0 (stride kcols), o0 the output of row i0 (stride qcols).
+RT_VECTOR_CLONES static void fwd_tile(const QTile *t, const float *kt, const float *v0, float *o0, int seq, int d,
+                                      int kcols, int qcols, float scale, float *s, int ss) {
+  float *p[TILE], *y[TILE], l[TILE];
+  tile_scores(t, t->q, kt, seq, d, s, ss);
+  for (int k = 0; k < TILE; k++) {
+    p[k] = s + (size_t)(k < t->nr ? k : 0) * ss;
+    y[k] = o0 + (size_t)(k < t->nr ? k : 0) * qcols;
+  }
+  for (int k = 0; k < t->nr; k++) row_softmax(p[k], t->last[k] - t->first[k] + 1, scale, p[k], &l[k]);
+  wsum_tile((const float *const *)p, t->first, t->last, t->nr, v0, kcols, y, d, true);
+  for (int k = 0; k < t->nr; k++) {
+    float *yk = y[k], lk = l[k];
+RT_SIMD
+    for (int c = 0; c < d; c++) yk[c] /= lk;
+  }
+}
+
+// The tiles of query rows of every sample, TILE rows each (the last of a sample fewer), dealt
+// round robin over the threads (the later rows of a sample see more keys).
+#define ATTN_TILES(samples, seq) ((samples) * (((seq) + TILE - 1) / TILE))
+#ifdef _OPENMP
+#define ATTN_PARALLEL_TILES RT_PRAGMA(omp parallel for schedule(static, 1) if ((int64_t)rows * seq * qcols >= 32 * RT_PAR_MIN))
+#else
+#define ATTN_PARALLEL_TILES
+#endif
 
 void rt_attn_fwd(const float *q, const float *k, const float *v, float *o, int rows, int seq, int heads, int kv,
                  int qcols, int window) {
-  int d = qcols / heads, group = heads / kv, kcols = kv * d;
+  int d = qcols / heads, group = heads / kv, kcols = kv * d, per = (seq + TILE - 1) / TILE, ss = seq + W;
   float scale = 1.0f / sqrtf((float)d);
-  float *kt = transpose_heads(k, rows, seq, kv, d), *scratch = attn_alloc((size_t)rt_threads() * 2 * seq);
-  ATTN_PARALLEL
-  for (int r = 0; r < rows; r++) {
-    float *s = scratch + (size_t)thread_id() * 2 * seq;
+  float *kt = transpose_heads(k, rows, seq, kv, d), *scratch = attn_alloc((size_t)rt_threads() * TILE * ss);
+  ATTN_PARALLEL_TILES
+  for (int x = 0; x < ATTN_TILES(rows / seq, seq); x++) {
+    float *s = scratch + (size_t)thread_id() * TILE * ss;
+    int b = x / per, i0 = x % per * TILE, nr = seq - i0 < TILE ? seq - i0 : TILE;
     for (int h = 0; h < heads; h++) {
-      int i = r % seq, r0 = r - i, j = h / group, lo = first_key(i, window);
-      size_t at = (size_t)r * qcols + (size_t)h * d;
-      fwd_row(q + at, kt + ((size_t)(r0 / seq) * kv + j) * d * seq + lo, v + (size_t)(r0 + lo) * kcols + (size_t)j * d,
-              o + at, i - lo + 1, seq, d, kcols, scale, s, s + seq);
+      int j = h / group;
+      QTile t = query_tile(q, b, i0, nr, h, seq, qcols, d, window);
+      fwd_tile(&t, kt + ((size_t)b * kv + j) * d * seq, v + (size_t)b * seq * kcols + (size_t)j * d,
+               o + (size_t)(b * seq + i0) * qcols + (size_t)h * d, seq, d, kcols, qcols, scale, s, ss);
     }
   }
   free(kt);
   free(scratch);
 }
 
-RT_VECTOR_CLONES static float lse_row(const float *qi, const float *kt, int n, int seq, int d, float scale, float *s,
-                                      float *p) {
-  float l, m = row_softmax(qi, kt, seq, n, d, scale, s, p, &l);
-  return m + logf(l);
+RT_VECTOR_CLONES static void lse_tile(const QTile *t, const float *kt, float *lse, int seq, int d, float scale, float *s,
+                                      int ss, int lse_stride) {
+  tile_scores(t, t->q, kt, seq, d, s, ss);
+  for (int k = 0; k < t->nr; k++) {
+    float l, *row = s + (size_t)k * ss;
+    float m = row_softmax(row, t->last[k] - t->first[k] + 1, scale, row, &l);
+    lse[(size_t)k * lse_stride] = m + logf(l);
+  }
 }
 
 void rt_attn_stats(const float *dy, const float *q, const float *k, const float *o, float *stats, int rows, int seq,
                    int heads, int kv, int qcols, int window) {
-  int d = qcols / heads, group = heads / kv;
+  int d = qcols / heads, group = heads / kv, per = (seq + TILE - 1) / TILE, ss = seq + W;
   float scale = 1.0f / sqrtf((float)d);
-  float *kt = transpose_heads(k, rows, seq, kv, d), *scratch = attn_alloc((size_t)rt_threads() * 2 * seq);
-  ATTN_PARALLEL
-  for (int r = 0; r < rows; r++) {
-    float *s = scratch + (size_t)thread_id() * 2 * seq;
+  float *kt = transpose_heads(k, rows, seq, kv, d), *scratch = attn_alloc((size_t)rt_threads() * TILE * ss);
+  ATTN_PARALLEL_TILES
+  for (int x = 0; x < ATTN_TILES(rows / seq, seq); x++) {
+    float *s = scratch + (size_t)thread_id() * TILE * ss;
+    int b = x / per, i0 = x % per * TILE, nr = seq - i0 < TILE ? seq - i0 : TILE;
     for (int h = 0; h < heads; h++) {
-      int i = r % seq, r0 = r - i, j = h / group, lo = first_key(i, window);
-      size_t at = (size_t)r * qcols + (size_t)h * d;
-      stats[(size_t)r * 2 * heads + h] = lse_row(q + at, kt + ((size_t)(r0 / seq) * kv + j) * d * seq + lo, i - lo + 1,
-                                                 seq, d, scale, s, s + seq);
-      stats[(size_t)r * 2 * heads + heads + h] = dot(dy + at, o + at, d);
+      QTile t = query_tile(q, b, i0, nr, h, seq, qcols, d, window);
+      lse_tile(&t, kt + ((size_t)b * kv + h / group) * d * seq, stats + (size_t)(b * seq + i0) * 2 * heads + h, seq,
+               d, scale, s, ss, 2 * heads);
+      for (int r = b * seq + i0; r < b * seq + i0 + nr; r++) {
+        size_t at = (size_t)r * qcols + (size_t)h * d;
+        stats[(size_t)r * 2 * heads + heads + h] = dot(dy + at, o + at, d);
+      }
     }
   }
   free(kt);
   free(scratch);
 }
 
-// dq of a query row for one head over its n keys: kt, vt its key head's columns of k and v from
-// the row's first key on, k0 that key's row (stride kcols).
-RT_VECTOR_CLONES static void grad_q_row(const float *qi, const float *dyi, const float *kt, const float *vt,
-                                        const float *k0, float lse, float D, float *dq, int n, int seq, int d,
-                                        int kcols, float scale, float *s, float *u) {
-  dots(qi, kt, seq, n, d, s);
-  scaled_exps(s, scale, &lse, 0, n, s);   // s: p
-  dots(dyi, vt, seq, n, d, u);
-  memset(dq, 0, (size_t)d * sizeof *dq);
-  for (int t = 0; t < n; t++) axpy(s[t] * (u[t] - D), k0 + (size_t)t * kcols, dq, d);
-  for (int c = 0; c < d; c++) dq[c] *= scale;
+// dq of a query tile for one head: kt, vt its key head's columns of k and v (the sample's),
+// k0 the head's key row of the sample's key 0 (stride kcols), dq0 row i0's dq (stride width);
+// lse, D the rows' stats (stride 2 heads).
+RT_VECTOR_CLONES static void grad_q_tile(const QTile *t, const float *dy0, const float *kt, const float *vt,
+                                         const float *k0, const float *lse, const float *D, float *dq0, int seq,
+                                         int d, int kcols, int qcols, int width, int stats_stride, float scale,
+                                         float *s, float *u, int ss) {
+  const float *dy[TILE];
+  float *w[TILE], *y[TILE];
+  for (int k = 0; k < TILE; k++) {
+    int kk = k < t->nr ? k : t->nr - 1;
+    dy[k] = dy0 + (size_t)kk * qcols;
+    w[k] = s + (size_t)kk * ss;
+    y[k] = dq0 + (size_t)kk * width;
+  }
+  tile_scores(t, t->q, kt, seq, d, s, ss);
+  tile_scores(t, dy, vt, seq, d, u, ss);
+  for (int k = 0; k < t->nr; k++) {
+    int n = t->last[k] - t->first[k] + 1;
+    float *sk = s + (size_t)k * ss, *uk = u + (size_t)k * ss, Dk = D[(size_t)k * stats_stride];
+    scaled_exps(sk, scale, lse + (size_t)k * stats_stride, 0, n, sk);   // sk: p
+RT_SIMD
+    for (int x = 0; x < n; x++) sk[x] = sk[x] * (uk[x] - Dk);
+  }
+  wsum_tile((const float *const *)w, t->first, t->last, t->nr, k0, kcols, y, d, true);
+  for (int k = 0; k < t->nr; k++) {
+    float *yk = y[k];
+RT_SIMD
+    for (int c = 0; c < d; c++) yk[c] *= scale;
+  }
 }
 
 void rt_attn_grad_q(const float *dy, const float *q, const float *k, const float *v, const float *stats, float *dqkv,
                     int rows, int seq, int heads, int kv, int qcols, int window) {
   int d = qcols / heads, group = heads / kv, kcols = kv * d, width = qcols + 2 * kcols;
+  int per = (seq + TILE - 1) / TILE, ss = seq + W;
   float scale = 1.0f / sqrtf((float)d);
   float *kt = transpose_heads(k, rows, seq, kv, d), *vt = transpose_heads(v, rows, seq, kv, d);
-  float *scratch = attn_alloc((size_t)rt_threads() * 2 * seq);
-  ATTN_PARALLEL
-  for (int r = 0; r < rows; r++) {
-    float *s = scratch + (size_t)thread_id() * 2 * seq;
+  float *scratch = attn_alloc((size_t)rt_threads() * 2 * TILE * ss);
+  ATTN_PARALLEL_TILES
+  for (int x = 0; x < ATTN_TILES(rows / seq, seq); x++) {
+    float *s = scratch + (size_t)thread_id() * 2 * TILE * ss, *u = s + (size_t)TILE * ss;
+    int b = x / per, i0 = x % per * TILE, nr = seq - i0 < TILE ? seq - i0 : TILE, r0 = b * seq + i0;
     for (int h = 0; h < heads; h++) {
-      int i = r % seq, r0 = r - i, j = h / group, lo = first_key(i, window);
-      size_t at = (size_t)r * qcols + (size_t)h * d, col = ((size_t)(r0 / seq) * kv + j) * d * seq + lo;
-      grad_q_row(q + at, dy + at, kt + col, vt + col, k + (size_t)(r0 + lo) * kcols + (size_t)j * d,
-                 stats[(size_t)r * 2 * heads + h], stats[(size_t)r * 2 * heads + heads + h],
-                 dqkv + (size_t)r * width + (size_t)h * d, i - lo + 1, seq, d, kcols, scale, s, s + seq);
+      int j = h / group;
+      size_t col = ((size_t)b * kv + j) * d * seq;
+      QTile t = query_tile(q, b, i0, nr, h, seq, qcols, d, window);
+      const float *st = stats + (size_t)r0 * 2 * heads;
+      grad_q_tile(&t, dy + (size_t)r0 * qcols + (size_t)h * d, kt + col, vt + col,
+                  k + (size_t)b * seq * kcols + (size_t)j * d, st + h, st + heads + h,
+                  dqkv + (size_t)r0 * width + (size_t)h * d, seq, d, kcols, qcols, width, 2 * heads, scale, s, u, ss);
     }
   }
   free(kt);
@@ -223,47 +372,80 @@ void rt_attn_grad_q(const float *dy, const float *q, const float *k, const float
   free(scratch);
 }
 
-// dk, dv of key t (row kt, vt) from one head's queries t .. t + n - 1: qt, dyt their columns from
-// query t on, q0 and dy0 the head's row of query t (stride qcols), lse and D theirs.
-RT_VECTOR_CLONES static void grad_kv_head(const float *kt, const float *vt, const float *qt, const float *dyt,
-                                          const float *q0, const float *dy0, const float *lse, const float *D,
-                                          float *dk, float *dv, int n, int seq, int d, int qcols, float scale,
-                                          float *s, float *u) {
-  dots(kt, qt, seq, n, d, s);
-  scaled_exps(s, scale, lse, 1, n, s);   // s: p
-  dots(vt, dyt, seq, n, d, u);
-  for (int x = 0; x < n; x++) {
-    axpy(s[x] * (u[x] - D[x]), q0 + (size_t)x * qcols, dk, d);
-    axpy(s[x], dy0 + (size_t)x * qcols, dv, d);
+// dk, dv of a tile of keys t0 .. t0 + nr - 1 (of one sample) from one query head: key k takes
+// queries first[k] = t0 + k .. last[k] (its causal, windowed range). kr, vr the keys' rows (of
+// the kv head; stride kcols), qt, dyt the query head's columns of q and dO (the sample's), q0,
+// dy0 the head's row of the sample's query 0 (stride qcols), lse, D the sample's stats of the
+// head (stride stats_stride), dk0, dv0 the tile's first dk, dv (stride width), accumulated.
+RT_VECTOR_CLONES static void grad_kv_tile(int nr, const int first[TILE], const int last[TILE], const float *kr,
+                                          const float *vr, const float *qt, const float *dyt, const float *q0,
+                                          const float *dy0, const float *lse, const float *D, int stats_stride,
+                                          float *dk0, float *dv0, int seq, int d, int kcols, int qcols, int width,
+                                          float scale, float *s, float *u, int ss) {
+  const float *ka[TILE], *va[TILE];
+  float *p[TILE], *w[TILE], *dk[TILE], *dv[TILE];
+  for (int k = 0; k < TILE; k++) {
+    int kk = k < nr ? k : nr - 1;
+    ka[k] = kr + (size_t)kk * kcols;
+    va[k] = vr + (size_t)kk * kcols;
+    p[k] = s + (size_t)kk * ss;
+    w[k] = u + (size_t)kk * ss;
+    dk[k] = dk0 + (size_t)kk * width;
+    dv[k] = dv0 + (size_t)kk * width;
   }
+  int lo = first[0], n = last[nr - 1] - lo + 1;
+  dots_tile(ka, qt + lo, seq, n, d, s, ss);
+  dots_tile(va, dyt + lo, seq, n, d, u, ss);
+  for (int k = 0; k < nr; k++) {
+    int off = first[k] - lo, m = last[k] - first[k] + 1;
+    float *sk = s + (size_t)k * ss + off, *uk = u + (size_t)k * ss + off;
+    const float *lk = lse + (size_t)first[k] * stats_stride, *Dk = D + (size_t)first[k] * stats_stride;
+RT_SIMD
+    for (int x = 0; x < m; x++) {
+      float e = rt_exp(sk[x] * scale - lk[(size_t)x * stats_stride]);
+      uk[x] = e * (uk[x] - Dk[(size_t)x * stats_stride]);
+      sk[x] = e;
+    }
+    p[k] += off;   // from the key's first query on
+    w[k] += off;
+  }
+  wsum_tile((const float *const *)w, first, last, nr, q0, qcols, dk, d, false);
+  wsum_tile((const float *const *)p, first, last, nr, dy0, qcols, dv, d, false);
 }
 
 void rt_attn_grad_kv(const float *dy, const float *q, const float *k, const float *v, const float *stats, float *dqkv,
                      int rows, int seq, int heads, int kv, int qcols, int window) {
   int d = qcols / heads, group = heads / kv, kcols = kv * d, width = qcols + 2 * kcols;
+  int per = (seq + TILE - 1) / TILE, ss = seq + W;
   float scale = 1.0f / sqrtf((float)d);
   float *qt = transpose_heads(q, rows, seq, heads, d), *dyt = transpose_heads(dy, rows, seq, heads, d);
-  float *scratch = attn_alloc((size_t)rt_threads() * 4 * seq);
-  ATTN_PARALLEL
-  for (int r = 0; r < rows; r++) {
-    float *s = scratch + (size_t)thread_id() * 4 * seq, *u = s + seq, *lse = u + seq, *D = lse + seq;
+  float *scratch = attn_alloc((size_t)rt_threads() * 2 * TILE * ss);
+  ATTN_PARALLEL_TILES
+  for (int x = 0; x < ATTN_TILES(rows / seq, seq); x++) {
+    float *s = scratch + (size_t)thread_id() * 2 * TILE * ss, *u = s + (size_t)TILE * ss;
+    int b = x / per, t0 = x % per * TILE, nr = seq - t0 < TILE ? seq - t0 : TILE, r0 = b * seq + t0;
+    int first[TILE], last[TILE];
+    for (int k = 0; k < TILE; k++) {   // key t0 + k takes queries t0 + k .. + n - 1
+      int t = t0 + (k < nr ? k : nr - 1), n = window > 0 && window < seq - t ? window : seq - t;
+      first[k] = t;
+      last[k] = t + n - 1;
+    }
     for (int j = 0; j < kv; j++) {
-      int t = r % seq, r0 = r - t, b = r0 / seq;   // key t of sample b
-      int n = window > 0 && window < seq - t ? window : seq - t;   // its queries t .. t + n - 1
-      float *dk = dqkv + (size_t)r * width + qcols + (size_t)j * d, *dv = dk + kcols;
-      memset(dk, 0, (size_t)d * sizeof *dk);
-      memset(dv, 0, (size_t)d * sizeof *dv);
-      for (int h = j * group; h < (j + 1) * group; h++) {
-        for (int x = 0; x < n; x++) {
-          const float *st = stats + (size_t)(r + x) * 2 * heads;
-          lse[x] = st[h];
-          D[x] = st[heads + h];
-        }
-        size_t col = ((size_t)b * heads + h) * d * seq + (size_t)t, at = (size_t)r * qcols + (size_t)h * d;
-        grad_kv_head(k + (size_t)r * kcols + (size_t)j * d, v + (size_t)r * kcols + (size_t)j * d, qt + col, dyt + col,
-                     q + at, dy + at, lse, D, dk, dv, n, seq, d, qcols, scale, s, u);
+      float *dk0 = dqkv + (size_t)r0 * width + qcols + (size_t)j * d, *dv0 = dk0 + kcols;
+      for (int kk = 0; kk < nr; kk++) {
+        memset(dk0 + (size_t)kk * width, 0, (size_t)d * sizeof *dk0);
+        memset(dv0 + (size_t)kk * width, 0, (size_t)d * sizeof *dv0);
       }
-      for (int c = 0; c < d; c++) dk[c] *= scale;
+      for (int h = j * group; h < (j + 1) * group; h++) {
+        size_t col = ((size_t)b * heads + h) * d * seq;
+        grad_kv_tile(nr, first, last, k + (size_t)r0 * kcols + (size_t)j * d, v + (size_t)r0 * kcols + (size_t)j * d,
+                     qt + col, dyt + col, q + (size_t)b * seq * qcols + (size_t)h * d,
+                     dy + (size_t)b * seq * qcols + (size_t)h * d, stats + (size_t)b * seq * 2 * heads + h,
+                     stats + (size_t)b * seq * 2 * heads + heads + h, 2 * heads, dk0, dv0, seq, d, kcols, qcols,
+                     width, scale, s, u, ss);
+      }
+      for (int kk = 0; kk < nr; kk++)
+        for (int c = 0; c < d; c++) dk0[(size_t)kk * width + c] *= scale;
     }
   }
   free(qt);
