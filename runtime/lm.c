@@ -90,16 +90,26 @@ void rt_lm_fill_val(RtLm *lm, int64_t batch, int64_t first, int dp, int32_t *inp
 double rt_grad_norm(const RtModel *m, const RtRanks *r, RtComm *c, const float *grads) {
   // Every rank holds its shard of each gradient after the reductions; a shard held by several
   // ranks (replicas) counts once: its squares are divided by the number of replicas.
+  // Each tensor's sum in order on one thread, the tensors handed to the threads one at a time,
+  // then summed in tensor order: the bits of the one-thread loop.
+  double *part = rt_alloc((size_t)(m->nparams > 0 ? m->nparams : 1) * sizeof *part, "the gradient norm");
+  RT_PRAGMA_PARALLEL_DYNAMIC(m->nparams > 1)
+  for (int i = 0; i < m->nparams; i++) {
+    const RtParam *p = &m->params[i];
+    const float *g = grads + p->offset;
+    double s = 0;
+    for (int64_t j = 0; j < p->numel; j++)
+      s += (double)g[j] * g[j];
+    part[i] = s;
+  }
   double sum = 0;
   for (int i = 0; i < m->nparams; i++) {
     const RtParam *p = &m->params[i];
-    double s = 0;
-    for (int64_t j = 0; j < p->numel; j++)
-      s += (double)grads[p->offset + j] * grads[p->offset + j];
     int shards = (p->shard_ep >= 0 ? r->ep : 1) * (p->shard_esp >= 0 ? r->esp : 1) *
                  (p->shard_mp >= 0 ? r->mp : 1);
-    sum += s * shards / r->world;
+    sum += part[i] * shards / r->world;
   }
+  free(part);
   if (r->world > 1)
     rt_allreduce_f64(c, RT_GROUP_WORLD, &sum, 1);
   return sqrt(sum);

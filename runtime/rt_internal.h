@@ -359,7 +359,10 @@ void rt_print_tokens(FILE *out, const RtModel *m, const int32_t *tokens, int64_t
 #define RT_PARALLEL_FOR(cond) RT_PRAGMA(omp parallel for schedule(static) if (cond))
 #define RT_PARALLEL_FOR_SIMD(cond) RT_PRAGMA(omp parallel for simd schedule(static) if (cond))
 #define RT_SIMD RT_PRAGMA(omp simd)   // the next loop vectorises (same rules as _SIMD above)
+// Iterations of very different sizes (one per tensor): handed out one at a time as threads free.
+#define RT_PRAGMA_PARALLEL_DYNAMIC(cond) RT_PRAGMA(omp parallel for schedule(dynamic, 1) if (cond))
 #else
+#define RT_PRAGMA_PARALLEL_DYNAMIC(cond)
 #define RT_PARALLEL_FOR(cond)
 #define RT_PARALLEL_FOR_SIMD(cond)
 #define RT_SIMD

@@ -2,6 +2,7 @@
 // vocabulary (DESIGN §2.1), sums in double. The siblings of codegen/cuda/loss.cu, which reduce in
 // the same precision. Conventions of every CPU kernel: runtime/kernels.def.
 #include <math.h>
+#include <stdlib.h>
 
 #include "moert.h"
 #include "rt_internal.h"
@@ -41,12 +42,18 @@ static double row_logsumexp(const float *row, int v) {
   return mx + log(s);
 }
 
+// The rows' terms in parallel (each row's logsumexp on one thread), their sum in row order: the
+// bits of the one-thread loop.
 void rt_xent(const float *logits, const int32_t *targets, float *loss, int t, int v, float scale) {
-  double acc = 0.0;
+  double *term = rt_alloc((size_t)(t > 0 ? t : 1) * sizeof *term, "the cross-entropy's rows");
+  RT_PARALLEL_FOR((int64_t)t * v >= RT_PAR_MIN / 8)
   for (int i = 0; i < t; i++) {
     const float *row = logits + (size_t)i * v;
-    acc += row_logsumexp(row, v) - row[targets[i]];
+    term[i] = row_logsumexp(row, v) - row[targets[i]];
   }
+  double acc = 0.0;
+  for (int i = 0; i < t; i++) acc += term[i];
+  free(term);
   loss[0] = t > 0 ? (float)(scale * acc / t) : 0.0f;
 }
 

@@ -123,12 +123,22 @@ void rt_scale_cols(const float *x, const float *w, float *y, int rows, int n) {
     for (int i = 0; i < n; i++) y[(size_t)r * n + i] = x[(size_t)r * n + i] * w[i];
 }
 
+// Blocks of columns, the rows streamed through each block's accumulators (each column's sum
+// still over rows in order, one column per lane): the bits of the column-at-a-time loop.
 void rt_scale_cols_grad_w(const float *dy, const float *x, float *dw, int rows, int n) {
-  RT_PARALLEL_FOR(n > 1 && (int64_t)rows * n >= RT_PAR_MIN)
-  for (int i = 0; i < n; i++) {
-    double acc = 0.0;
-    for (int r = 0; r < rows; r++) acc += (double)dy[(size_t)r * n + i] * x[(size_t)r * n + i];
-    dw[i] = (float)acc;
+  enum { BLOCK = 64 };
+  int nblocks = (n + BLOCK - 1) / BLOCK;
+  RT_PARALLEL_FOR(nblocks > 1 && (int64_t)rows * n >= RT_PAR_MIN)
+  for (int bi = 0; bi < nblocks; bi++) {
+    double acc[BLOCK];
+    int c0 = bi * BLOCK, width = n - c0 < BLOCK ? n - c0 : BLOCK;
+    for (int i = 0; i < width; i++) acc[i] = 0.0;
+    for (int r = 0; r < rows; r++) {
+      const float *dr = dy + (size_t)r * n + c0, *xr = x + (size_t)r * n + c0;
+RT_SIMD
+      for (int i = 0; i < width; i++) acc[i] += (double)dr[i] * xr[i];
+    }
+    for (int i = 0; i < width; i++) dw[c0 + i] = (float)acc[i];
   }
 }
 
