@@ -64,6 +64,7 @@ static int thread_id(void) {
 // x [rows, nh*d] as columns: xt[((b*nh + h)*d + c)*seq + t] = x[(b*seq + t)*nh*d + h*d + c], for
 // the samples b of rows (rows is whole samples, as everywhere in attention).
 static float *transpose_heads(const float *x, int rows, int seq, int nh, int d) {
+  enum { B = 16 };   // B x B blocks: a block's rows read and its columns written as whole lines
   int samples = rows / seq;
   float *xt = attn_alloc((size_t)rows * nh * d + W);   // W floats of padding read by dots_tile
   memset(xt + (size_t)rows * nh * d, 0, W * sizeof *xt);
@@ -71,10 +72,14 @@ static float *transpose_heads(const float *x, int rows, int seq, int nh, int d) 
   for (int bh = 0; bh < samples * nh; bh++) {
     int b = bh / nh, h = bh % nh;
     float *col = xt + (size_t)bh * d * seq;
-    for (int t = 0; t < seq; t++) {
-      const float *row = x + (size_t)(b * seq + t) * nh * d + (size_t)h * d;
-      for (int c = 0; c < d; c++) col[(size_t)c * seq + t] = row[c];
-    }
+    for (int t0 = 0; t0 < seq; t0 += B)
+      for (int c0 = 0; c0 < d; c0 += B) {
+        int tn = seq - t0 < B ? seq - t0 : B, cn = d - c0 < B ? d - c0 : B;
+        for (int t = t0; t < t0 + tn; t++) {
+          const float *row = x + (size_t)(b * seq + t) * nh * d + (size_t)h * d;
+          for (int c = c0; c < c0 + cn; c++) col[(size_t)c * seq + t] = row[c];
+        }
+      }
   }
   return xt;
 }
