@@ -121,8 +121,8 @@ for shape in 1x512x1024x2 2x512x1024x4 1x512x2048x3; do
   done
 done
 # The language models (issue 28), three sizes: moec's whole step beside bench/torch_lm.py's (the
-# same model in PyTorch: forward, backward, clip, AdamW), medians of their steps, moec first then
-# PyTorch, on the same cores. GEMM %: moec's --profile share of the step in GEMM calls; wait %:
+# same model in PyTorch: forward, backward, clip, AdamW), medians of their steps; the two run in
+# turn three times (demo, mid) or once (large) and the medians of the runs are compared. GEMM %: moec's --profile share of the step in GEMM calls; wait %:
 # with perf, the share of the moec run's cycles (steps 2.., after a delay past step 1) spent
 # waiting: in libgomp (threads at barriers) and the kernel's scheduler, futex and sched_yield
 # paths; "-" without perf.
@@ -134,27 +134,42 @@ lm_wait() {   # BIN STEPS DELAY_MS -> the waiting share in % (nothing without pe
                      if (line ~ /libgomp/ || line ~ /\[k\] .*(schedule|futex|yield|idle|switch_to|finish_task_switch)/) w += p }
          END { if (NR) printf "%.1f\n", w }'
 }
+median() { sort -g | awk '{v[NR] = $1} END {if (NR) print v[int((NR + 1) / 2)]}'; }
 for size in demo mid large; do
-  case $size in
-    demo)  model=lang/models/gpt_moe_bytes.moe shape="B8 L64 M96 V256 x3" steps=$STEPS psteps=150 tsteps=20 delay=1000 ;;
-    mid)   model=bench/models/lm_mid.moe shape="B4 L256 M512 V8192 x6" steps=6 psteps=6 tsteps=5 delay=8000 ;;
-    large) model=bench/models/lm_large.moe shape="B2 L512 M1024 V32000 x4" steps=4 psteps=5 tsteps=3 delay=20000 ;;
+  case $size in   # steps per moec run, per perf run, per torch run; perf's delay (past step 1); runs
+    demo)  model=lang/models/gpt_moe_bytes.moe shape="B8 L64 M96 V256 x3" steps=$STEPS psteps=150 tsteps=20 delay=1000 runs=3 ;;
+    mid)   model=bench/models/lm_mid.moe shape="B4 L256 M512 V8192 x6" steps=6 psteps=6 tsteps=5 delay=8000 runs=3 ;;
+    large) model=bench/models/lm_large.moe shape="B2 L512 M1024 V32000 x4" steps=4 psteps=5 tsteps=3 delay=20000 runs=1 ;;
   esac
-  if read -r ms gemm < <(STEPS=$steps moec_step "lm_$size" "$model") && [ -n "${gemm:-}" ]; then
-    tms="-" ratio="-"
-    wait=$(lm_wait "$WORK/${model##*/}.bin" "$psteps" "$delay"); wait=${wait:--}
-    if [ -z "$TORCH" ]; then
-      tms="no torch"
-    elif "$TORCH" bench/torch_lm.py --size "$size" --steps "$tsteps" --warmup 2 >"$WORK/torch_lm.out" 2>&1 &&
-         read -r tms < <(awk '$1 == "lm" {print $3}' "$WORK/torch_lm.out") && [ -n "${tms:-}" ]; then
-      ratio=$(awk -v a="$ms" -v b="$tms" 'BEGIN {printf "%.2f", a / b}')
-    else
-      tms="failed"; status=1; tail -n 5 "$WORK/torch_lm.out" | sed 's/^/# torch_lm: /'
+  # moec and PyTorch in turn, `runs` times each (the machine's speed drifts), the medians.
+  : >"$WORK/lm.ms"; : >"$WORK/lm.gemm"; : >"$WORK/tlm.ms"; tstatus=""
+  for run in $(seq "$runs"); do
+    if read -r ms gemm < <(STEPS=$steps moec_step "lm_$size" "$model") && [ -n "${gemm:-}" ]; then
+      echo "$ms" >>"$WORK/lm.ms"; echo "$gemm" >>"$WORK/lm.gemm"
     fi
-    printf '%-10s %-26s %12.1f %8.1f %14s %12s %14s   wait %s %%\n' "lm $size" "$shape" "$ms" "$gemm" "$tms" "-" "$ratio" "$wait"
-  else
-    echo "lm $size: moec failed"; status=1
+    if [ -z "$TORCH" ]; then
+      tstatus="no torch"
+    elif "$TORCH" bench/torch_lm.py --size "$size" --steps "$tsteps" --warmup 2 >"$WORK/torch_lm.out" 2>&1 &&
+         awk '$1 == "lm" {print $3}' "$WORK/torch_lm.out" >>"$WORK/tlm.ms"; then
+      :
+    else
+      tstatus="failed"; tail -n 5 "$WORK/torch_lm.out" | sed 's/^/# torch_lm: /'
+    fi
+  done
+  ms=$(median <"$WORK/lm.ms"); gemm=$(median <"$WORK/lm.gemm"); tms=$(median <"$WORK/tlm.ms")
+  if [ -z "$ms" ]; then
+    echo "lm $size: moec failed"; status=1; continue
   fi
+  [ "$tstatus" = failed ] && status=1
+  ratio="-"
+  if [ -n "$tms" ] && [ -z "$tstatus" ]; then
+    ratio=$(awk -v a="$ms" -v b="$tms" 'BEGIN {printf "%.2f", a / b}')
+  else
+    tms=${tstatus:-failed}
+  fi
+  wait=$(lm_wait "$WORK/${model##*/}.bin" "$psteps" "$delay"); wait=${wait:--}
+  printf '%-10s %-26s %12.1f %8.1f %14s %12s %14s   wait %s %%  (runs: moec %s; PyTorch %s)\n' "lm $size" "$shape" "$ms" "$gemm" "$tms" "-" "$ratio" "$wait" \
+    "$(paste -sd' ' "$WORK/lm.ms")" "$(paste -sd' ' "$WORK/tlm.ms")"
 done
 # Dropless: filled slots only (A) against every slot of the worst-case buffers (B), same binary,
 # run in turn A B A B A B (the machine's speed drifts): the medians of the three runs' medians.
