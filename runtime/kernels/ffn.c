@@ -242,6 +242,22 @@ void rt_expert_bias_grad(const float *dy, float *db, int e, int rows, int n) {
 
 static inline float gelu_s(float v) { return 1.0f / (1.0f + rt_exp(-2.0f * GELU_C * (v + GELU_A * v * v * v))); }
 
+// s = gelu_s(x) in one loop and x * s in another, GELU_CHUNK elements at a time: the same bits as
+// one loop of x[i] * gelu_s(x[i]), which GCC 12 compiles (its clamps folded into the product
+// under masks) to code 6x slower on AVX-512 (6 ns an element against 1).
+enum { GELU_CHUNK = 256 };
+
+static inline __attribute__((always_inline)) void gelu_chunks(const float *x, float *y, int64_t n) {
+  float s[GELU_CHUNK];
+  for (int64_t i0 = 0; i0 < n; i0 += GELU_CHUNK) {
+    int64_t m = n - i0 < GELU_CHUNK ? n - i0 : GELU_CHUNK;
+RT_SIMD
+    for (int64_t i = 0; i < m; i++) s[i] = gelu_s(x[i0 + i]);
+RT_SIMD
+    for (int64_t i = 0; i < m; i++) y[i0 + i] = x[i0 + i] * s[i];
+  }
+}
+
 // Rows (of cols elements) equal to the row before, as an expert's empty slots are after its
 // bias (copies of b1), are copied from that row's result instead of computed again: the same
 // bits. Each thread takes a contiguous block of rows and copies only from rows of its own block,
@@ -254,9 +270,7 @@ RT_VECTOR_CLONES static void gelu_rows(const float *x, float *y, int64_t lo, int
       memcpy(yr, yr - cols, (size_t)cols * sizeof *yr);
       continue;
     }
-RT_SIMD
-    for (int64_t i = 0; i < cols; i++)
-      yr[i] = xr[i] * gelu_s(xr[i]);
+    gelu_chunks(xr, yr, cols);
   }
 }
 
@@ -283,12 +297,20 @@ void rt_gelu(const float *x, float *y, int64_t n, int64_t cols) {
 // from +0, can tell).
 RT_VECTOR_CLONES static void gelu_grad_range(const float *dy, const float *x, float *dx, int64_t lo, int64_t hi,
                                              bool skip) {
+  float sc[GELU_CHUNK];   // gelu_s apart, as in gelu_chunks
+  for (int64_t i0 = lo; i0 < hi; i0 += GELU_CHUNK) {
+    int64_t m = hi - i0 < GELU_CHUNK ? hi - i0 : GELU_CHUNK;
+    const float *xs = x + i0, *dys = dy + i0;
+    float *dxs = dx + i0;
 RT_SIMD
-  for (int64_t i = lo; i < hi; i++) {
-    float v = x[i], s = gelu_s(v);
-    float du = GELU_C * (1.0f + 3.0f * GELU_A * v * v);
-    float g = dy[i] * (s + 2.0f * v * s * (1.0f - s) * du);
-    dx[i] = skip && dy[i] == 0.0f ? 0.0f : g;
+    for (int64_t i = 0; i < m; i++) sc[i] = gelu_s(xs[i]);
+RT_SIMD
+    for (int64_t i = 0; i < m; i++) {
+      float v = xs[i], s = sc[i];
+      float du = GELU_C * (1.0f + 3.0f * GELU_A * v * v);
+      float g = dys[i] * (s + 2.0f * v * s * (1.0f - s) * du);
+      dxs[i] = skip && dys[i] == 0.0f ? 0.0f : g;
+    }
   }
 }
 
