@@ -265,7 +265,7 @@ static int exec_gpu_tune(char **argv) {
   return 1;
 }
 int cli_tune(int argc, char **argv) {
-  rt_blas_kernels(argv);
+  rt_blas_kernels();
   for (int i = 2; i + 1 < argc; i++)
     if (strcmp(argv[i], "--target") == 0 && strcmp(argv[i + 1], "cuda") == 0) return exec_gpu_tune(argv);
   return tune_main(&tune_cpu_engine, argc, argv);

@@ -695,7 +695,7 @@ static int run(const RtModel *model, const RtOptions *opt, const RtRanks *ranks,
 }
 
 int rt_main(const RtModel *model, int argc, char **argv) {
-  rt_blas_kernels(argv);
+  rt_blas_kernels();
   const char *prog = argc > 0 && argv[0] ? argv[0] : "model";
   bool speaker = launcher_rank_zero();
   rt_clear_error();

@@ -147,8 +147,9 @@ typedef struct RtLayout { int dp, mp, ep, esp, gpus_per_node; } RtLayout;
 
 // First thing in a program's main (rt_main, moec tune): where OpenBLAS took this CPU for a
 // Prescott (a model newer than it knows) and the CPU has AVX2 or AVX-512, sets
-// OPENBLAS_CORETYPE and runs the program again with argv (runtime/threads.c); else returns.
-void rt_blas_kernels(char **argv);
+// OPENBLAS_CORETYPE and runs the program again, its whole command line as it started
+// (runtime/threads.c); else returns.
+void rt_blas_kernels(void);
 
 // The communicators of one parallel layout: one per group, created together and passed to every
 // collective (runtime/comm.c). rt_comm_create starts MPI when nothing has (MPI_THREAD_MULTIPLE

@@ -11,6 +11,7 @@
 #include <sched.h>
 #include <stdio.h>
 #include <stdlib.h>
+#include <string.h>
 #include <strings.h>
 #include <unistd.h>
 
@@ -30,10 +31,10 @@ char *openblas_get_corename(void);
 // AVX-512) runs SGEMM at 16 GMAC/s a thread there against 76 with the SkylakeX kernels, and the
 // mid-size language model of make bench took 2.9 s a step instead of 1.3. Told the kernel by
 // OPENBLAS_CORETYPE, it uses it; the variable is read only at load time, so the process sets it
-// and runs itself again (before MPI or any thread starts). A user's OPENBLAS_CORETYPE is kept
-// (tests/golden_runs.sh pins Haswell), as is any core OpenBLAS recognised.
-void rt_blas_kernels(char **argv) {
-  if (getenv("OPENBLAS_CORETYPE") || !argv || !argv[0])
+// and runs itself again with its own command line (before MPI or any thread starts). A user's
+// OPENBLAS_CORETYPE is kept (tests/golden_runs.sh pins Haswell), as is any core OpenBLAS knew.
+void rt_blas_kernels(void) {
+  if (getenv("OPENBLAS_CORETYPE"))
     return;
   const char *core = openblas_get_corename();
   if (!core || strcasecmp(core, "prescott") != 0)
@@ -42,8 +43,23 @@ void rt_blas_kernels(char **argv) {
   const char *want = __builtin_cpu_supports("avx512f") ? "SkylakeX" : __builtin_cpu_supports("avx2") ? "Haswell" : NULL;
   if (!want)
     return;
-  setenv("OPENBLAS_CORETYPE", want, 1);
-  execv("/proc/self/exe", argv);
+  // The process's own command line (a caller may have consumed arguments of its own before).
+  static char line[1 << 16];
+  char *args[1024];
+  FILE *f = fopen("/proc/self/cmdline", "rb");
+  size_t len = f ? fread(line, 1, sizeof line - 1, f) : 0;
+  if (f)
+    fclose(f);
+  int n = 0;
+  if (len > 0 && len < sizeof line - 1) {
+    line[len] = '\0';
+    for (size_t i = 0; i < len && n < 1023; i += strlen(line + i) + 1) args[n++] = line + i;
+  }
+  args[n] = NULL;
+  if (n > 0 && n < 1023) {
+    setenv("OPENBLAS_CORETYPE", want, 1);
+    execv("/proc/self/exe", args);
+  }
   fprintf(stderr, "moert: warning: OpenBLAS runs its Prescott kernels on this CPU (it does not know its model); "
                   "OPENBLAS_CORETYPE=%s would be faster, and running again with it failed\n", want);
 }
