@@ -55,23 +55,40 @@ else
   echo "FAIL  cuda kernel signatures: $(cat "$WORK/out")"; sed 's/^/      /' "$WORK/err" | head -n 20; status=1
 fi
 
-for model in lang/models/*.moe tests/golden/*.moe tests/models/*.moe; do
-  [ -f "$model" ] || continue
-  name=${model%.moe}
+# one_model MODEL: its lines on stdout, its status as the exit status (run in a subshell with a
+# WORK of its own, so that the models go through NVRTC side by side, one per core).
+one_model() {
+  local model=$1 name=${1%.moe} want
+  status=0
   if ! "$MOEC" build "$model" --emit cuda -o "$WORK/k.cu" 2>"$WORK/err"; then
     echo "FAIL  cuda kernels $name: moec build --emit cuda"
     sed 's/^/      /' "$WORK/err" | head -n 20
-    status=1
-    continue
+    return 1
   fi
   # The unit must stand alone: no #include, no host code (no main, no cuda* API calls).
   if grep -vE '^[[:space:]]*//' "$WORK/k.cu" | grep -qE '#[[:space:]]*include|\<main[[:space:]]*\(|\<cuda[A-Z][A-Za-z]*[[:space:]]*\('; then
     echo "FAIL  cuda kernels $name: the unit has an #include or host code"
-    status=1
-    continue
+    return 1
   fi
   want=$(sed -n "1s/.*(\([0-9]*\) kernels).*/\1/p" "$WORK/k.cu")
   check "$name" "$WORK/k.cu" "$want"
+  return $status
+}
+
+jobs_max=$(nproc 2>/dev/null || echo 1)
+models=()
+for model in lang/models/*.moe tests/golden/*.moe tests/models/*.moe; do
+  [ -f "$model" ] && models+=("$model")
+done
+for i in "${!models[@]}"; do
+  while [ "$(jobs -rp | wc -l)" -ge "$jobs_max" ]; do wait -n; done
+  mkdir -p "$WORK/m$i"
+  (WORK=$WORK/m$i; one_model "${models[$i]}" >"$WORK/lines" 2>&1; echo $? >"$WORK/rc") &
+done
+wait
+for i in "${!models[@]}"; do   # the lines in the models' order
+  cat "$WORK/m$i/lines"
+  [ "$(cat "$WORK/m$i/rc" 2>/dev/null)" = 0 ] || status=1
 done
 check "library (every kernel)" --library ""
 
