@@ -242,6 +242,17 @@ static bool read_after(const IrFunc *f, const IrFunc *reader, int lo, int hi, co
   return false;
 }
 
+// Every read of v by g is inside g's expert region (where the schedule pass chunks it).
+static bool read_in_region_only(const IrFunc *g, const IrValue *v) {
+  IrValue *entry, *exit;
+  if (!pass_expert_region(g, &entry, &exit)) return false;
+  int lo = entry->def ? entry->def->index + 1 : 0, hi = exit->def->index;
+  for (int i = 0; i < g->nops; i++)
+    for (int a = 0; a < g->ops[i]->nargs; a++)
+      if (g->ops[i]->args[a].value == v && (i < lo || i > hi)) return false;
+  return true;
+}
+
 // What chunking adds after the chunks (SchedPhase.t_sum, t_level), priced with the elementwise
 // fit: an add of each partial sum per chunk after the first (reads two, writes one), and per
 // level of the concat tree a copy of every chunked value read after the region (reads and
@@ -260,7 +271,10 @@ static void assembly_of(const IrFunc *f, const IrFunc *reader, int lo, int hi, c
     bool from_sum = false;
     for (int a = 0; a < op->nargs; a++)
       from_sum |= op->args[a].value && op->args[a].value->def && pass_sums_slots(op->args[a].value->def);
-    if (!from_sum && read_after(f, reader, lo, hi, op->result)) p->t_level += e->alpha + e->beta * 2 * n;
+    if (from_sum || !read_after(f, reader, lo, hi, op->result)) continue;
+    p->t_level += e->alpha + e->beta * 2 * n;
+    if (reader && !read_after(f, NULL, lo, hi, op->result) && read_in_region_only(reader, op->result))
+      p->t_level_shared += e->alpha + e->beta * 2 * n;
   }
 }
 

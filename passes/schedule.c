@@ -14,7 +14,10 @@
 // [j*C/r, (j+1)*C/r) of each run, so slices of the forward's saved activations that the chunked
 // backward reads (`layout.chunk` with blocks) and the assembled values (`layout.concat`) carry
 // the block count. Chunk values that the rest of the step reads (the exit value, the saved
-// activations) are assembled back into the original value, which keeps its name.
+// activations) are assembled back into the original value, which keeps its name. A backward
+// chunked at its forward's degree reads the forward's chunks of a saved activation in place
+// instead of slicing the assembled value (the same slots of every block: the same bytes), and
+// the assembly nothing reads any more is dropped (drop_dead_assembly): no copy either way.
 // r is the module's r_fwd / r_bwd (from `schedule { pipeline { forward N; backward M; } }`);
 // any r from 1 to C: the bounds use integer floor division, so when r does not divide C the
 // chunks differ by at most one slot (C 5, r 3: 1, 2, 2 slots) and `layout.concat` assembles
@@ -45,10 +48,21 @@
 
 #include "pass.h"
 
+// A forward value whose chunks the forward kept (its assembly may become dead): a backward
+// chunked at the same degree reads chunk j itself instead of slicing the assembled value.
+typedef struct Shared {
+  IrValue *v;
+  int64_t r, blocks;
+  IrValue **chunk;   // [r], in the module's arena
+} Shared;
+
 typedef struct Sched {
   IrModule *m;
   PassCtx *ctx;
   FILE *log;
+  Shared *shared;
+  int nshared, capshared;
+  int nreused;   // slices of saved values replaced by the forward's chunks
 } Sched;
 
 
@@ -279,8 +293,19 @@ static bool classify(Sched *S, Region *R) {
   return true;
 }
 
-// Chunk j's slice of v (`layout.chunk`), v made outside the region (a saved activation).
+static bool same_type(const IrType *a, const IrType *b) {
+  if (a->dtype != b->dtype || a->rank != b->rank) return false;
+  for (int d = 0; d < a->rank; d++)
+    if (a->dim[d] != b->dim[d]) return false;
+  return true;
+}
+
+// Chunk j's slice of v (`layout.chunk`), v made outside the region (a saved activation). When
+// v is a forward value chunked at this degree with the same blocks, the forward's chunk j is
+// that slice already (the same slots of every block, the same bytes): it is read in place, and
+// the forward's assembly of v dies if nothing else reads it (drop_dead_assembly).
 static IrValue *slice_of(Sched *S, Region *R, const IrOp *op, IrValue *v, int64_t j, int64_t blocks, OpList *out) {
+  (void)op;
   IrOp *s = new_op(S, R->f, IR_OP_LAYOUT_CHUNK, ir_strfmt(S->m, "%s.c%lld", v->name, (long long)j));
   ir_op_arg(s, v);
   ir_op_set_int(s, "chunks", R->r);
@@ -288,8 +313,42 @@ static IrValue *slice_of(Sched *S, Region *R, const IrOp *op, IrValue *v, int64_
   if (blocks > 1) ir_op_set_int(s, "blocks", blocks);
   s->chunk = (int)j;
   if (!finish(S, s)) return NULL;
+  for (int i = 0; v->func != R->f && i < S->nshared; i++) {
+    const Shared *sh = &S->shared[i];
+    if (sh->v == v && sh->r == R->r && sh->blocks == blocks && same_type(&sh->chunk[j]->type, &s->result->type)) {
+      S->nreused++;
+      return sh->chunk[j];   // s is not placed: renumber drops its result
+    }
+  }
   push(out, s);
   return s->result;
+}
+
+// The forward f keeps the chunks of v, which its backward may read in place (slice_of).
+static bool share_chunks(Sched *S, IrValue *v, IrValue **chunk, int64_t r, int64_t blocks) {
+  if (S->nshared == S->capshared) {
+    int cap = S->capshared ? 2 * S->capshared : 16;
+    Shared *n = realloc(S->shared, sizeof *n * (size_t)cap);
+    if (!n) return ir_oom(S->ctx->d);
+    S->shared = n;
+    S->capshared = cap;
+  }
+  IrValue **keep = ir_alloc(S->m, sizeof *keep * (size_t)r);
+  memcpy(keep, chunk, sizeof *keep * (size_t)r);
+  S->shared[S->nshared++] = (Shared){v, r, blocks, keep};
+  return true;
+}
+
+// v is read by a layer backward that saves f.
+static bool read_by_backward(const IrModule *m, const IrFunc *f, const IrValue *v) {
+  for (int i = 0; i < m->nfuncs; i++) {
+    const IrFunc *g = m->funcs[i];
+    if (g->saves != f || g == f) continue;
+    for (int j = 0; j < g->nops; j++)
+      for (int a = 0; a < g->ops[j]->nargs; a++)
+        if (g->ops[j]->args[a].value == v) return true;
+  }
+  return false;
 }
 
 // Chunk j's clone of the region's op: chunked operands by their chunk j, values from outside
@@ -389,7 +448,11 @@ static bool join_chunks(Sched *S, Region *R, OpList *out) {
     IrValue *v = op->result;
     VInfo *vi = &R->vi[v->id];
     if (R->cls[i] == 2) ok = add_partials(S, R->f, op, v, vi->chunk, R->r, out);
-    else if (used_outside(S->m, R->f, R->lo, R->hi, v)) ok = assemble(S, R->f, op, v, vi->chunk, R->r, vi->blocks, out);
+    else if (used_outside(S->m, R->f, R->lo, R->hi, v)) {
+      if (R->f->role == IR_ROLE_LAYER_FWD && read_by_backward(S->m, R->f, v))
+        ok = share_chunks(S, v, vi->chunk, R->r, vi->blocks);
+      ok = ok && assemble(S, R->f, op, v, vi->chunk, R->r, vi->blocks, out);
+    }
   }
   return ok;
 }
@@ -539,6 +602,42 @@ static bool annotate(IrDiag *d, IrFunc *f, const char *policy, int *next_event) 
   return true;
 }
 
+// The concats of a forward's assembly that nothing reads any more (every reader of the value
+// was a backward that now reads the chunks in place), in every function: removed, leaves first
+// up to the root. Returns how many; -1 when out of memory.
+static int drop_dead_assembly(IrModule *m) {
+  int dropped = 0;
+  for (bool changed = true; changed;) {
+    changed = false;
+    for (int i = 0; i < m->nfuncs; i++) {
+      IrFunc *f = m->funcs[i];
+      int k = 0;
+      for (int j = 0; j < f->nops; j++) {
+        IrOp *op = f->ops[j];
+        bool dead = op->kind == IR_OP_LAYOUT_CONCAT && op->result;
+        for (int r = 0; dead && r < f->nrets; r++) dead = f->rets[r] != op->result;
+        for (int g = 0; dead && g < m->nfuncs; g++) {
+          const IrFunc *u = m->funcs[g];
+          if (u != f && u->saves != f) continue;
+          for (int x = 0; dead && x < u->nops; x++)
+            for (int a = 0; dead && a < u->ops[x]->nargs; a++) dead = u->ops[x]->args[a].value != op->result;
+        }
+        if (dead) {
+          dropped++;
+          changed = true;
+          continue;
+        }
+        f->ops[k++] = op;
+      }
+      if (k != f->nops) {
+        f->nops = k;
+        renumber(f);
+      }
+    }
+  }
+  return dropped;
+}
+
 bool pass_schedule(IrModule *m, PassCtx *ctx) {
   Sched S = {.m = m, .ctx = ctx, .log = ctx->log ? ctx->log : stderr};
   const char *policy = ir_mod_str(m, "policy", "sequential");
@@ -561,8 +660,21 @@ bool pass_schedule(IrModule *m, PassCtx *ctx) {
       if (ctx->verbose) fprintf(S.log, "# schedule: @%s: policy sequential runs unchunked (r = %lld ignored)\n", f->name, (long long)r);
       r = 1;
     }
-    if (!chunk_func(&S, f, r)) return false;
-    if (bwd && !place_grad_allreduces(f)) return ir_oom(ctx->d);
+    if (!chunk_func(&S, f, r)) {
+      free(S.shared);
+      return false;
+    }
+    if (bwd && !place_grad_allreduces(f)) {
+      free(S.shared);
+      return ir_oom(ctx->d);
+    }
+  }
+  free(S.shared);
+  if (S.nreused > 0) {
+    int dropped = drop_dead_assembly(m);
+    if (ctx->verbose)
+      fprintf(S.log, "# schedule: %d slices of saved activations read the forward's chunks in place; %d concats "
+                     "of their assembly dropped\n", S.nreused, dropped);
   }
   if (ctx->cluster) pass_price(m, ctx->cluster);   // the chunks' own sizes
   int next_event = 0;

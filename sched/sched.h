@@ -92,6 +92,10 @@ typedef struct SchedPhase {
   // chunks of the values read after the region assembled by a balanced tree of concats, which
   // copies them about log2 r times: log2(r) * t_level.
   double t_sum, t_level;
+  // The part of a forward's t_level for values that only its backward's chunks read: when the
+  // backward runs the same degree, it reads the forward's chunks in place (passes/schedule.c)
+  // and that assembly is not made (sched_plan prices both; 0 in the paper's model).
+  double t_level_shared;
   // How much slower the chunks' experts and collectives run because they overlap (relative, at
   // full overlap): set by sched_plan for the overlapping policies from the cluster's overlap
   // probe, scaled by how much of the one the other can cover; a chunk at degree r runs

@@ -433,7 +433,7 @@ static bool plan_stack(const SchedStack *st, IrPolicy pol, SchedPlan *out);
 // cluster's overlap slowdowns (st->slow_compute, slow_comm: measured by `moec tune`'s overlap
 // probe), on the chunks that overlap (SchedPhase.slow_exp, slow_comm); sequential runs one thing
 // at a time and keeps the plain costs.
-bool sched_plan(const SchedStack *st, IrPolicy pol, SchedPlan *out) {
+static bool plan_slowed(const SchedStack *st, IrPolicy pol, SchedPlan *out) {
   if (pol == IR_POLICY_SEQUENTIAL || (st->slow_compute <= 0 && st->slow_comm <= 0) || st->n <= 0)
     return plan_stack(st, pol, out);
   SchedLayerCost *slowed = malloc((size_t)st->n * sizeof *slowed);
@@ -456,6 +456,57 @@ bool sched_plan(const SchedStack *st, IrPolicy pol, SchedPlan *out) {
   copy.cost = slowed;
   bool ok = plan_stack(&copy, pol, out);
   free(slowed);
+  return ok;
+}
+
+// Shared chunks: a backward run at its forward's degree reads the forward's chunks of the saved
+// activations in place, so the forward does not assemble them (SchedPhase.t_level_shared). The
+// plan of the policy's rule is kept unless the same degree in both phases, priced without that
+// assembly, simulates faster: every degree the plan chose is tried in both phases of every layer.
+// Explicit equal degrees are priced without it.
+bool sched_plan(const SchedStack *st, IrPolicy pol, SchedPlan *out) {
+  if (!plan_slowed(st, pol, out)) return false;
+  bool any = false;
+  for (int i = 0; i < st->n; i++) any |= st->cost[i].phase[SCHED_FWD].t_level_shared > 0;
+  bool fixed = st->r_fix[0] > 0 || st->r_fix[1] > 0;
+  if (pol == IR_POLICY_SEQUENTIAL || !any || (fixed && st->r_fix[0] != st->r_fix[1])) return true;
+  SchedLayerCost *shared = malloc((size_t)st->n * sizeof *shared);
+  int *tried = calloc((size_t)2 * (size_t)st->n + 1, sizeof *tried);
+  if (!shared || !tried) {
+    free(shared);
+    free(tried);
+    return true;   // the plan without shared chunks stands (its price is an upper bound)
+  }
+  for (int i = 0; i < st->n; i++) {
+    shared[i] = st->cost[i];
+    SchedPhase *f = &shared[i].phase[SCHED_FWD];
+    f->t_level = fmax(0, f->t_level - f->t_level_shared);
+  }
+  int ntried = 0;
+  bool ok = true;
+  for (int i = 0; ok && i < st->n; i++)
+    for (int ph = 0; ok && ph < 2; ph++) {
+      int x = fixed ? st->r_fix[0] : out->layer[i].r[ph];
+      bool seen = x < 2;
+      for (int k = 0; k < ntried && !seen; k++) seen = tried[k] == x;
+      if (seen) continue;
+      tried[ntried++] = x;
+      SchedStack c = *st;
+      c.cost = shared;
+      c.r_fix[0] = c.r_fix[1] = x;
+      SchedPlan p = {0};
+      if (!(ok = plan_slowed(&c, pol, &p))) break;
+      if (fixed || p.t_iter < out->t_iter) {
+        for (int l = 0; !fixed && l < p.nlayers; l++)
+          p.layer[l].chosen_by[SCHED_FWD] = p.layer[l].chosen_by[SCHED_BWD] = "shared chunks";
+        sched_plan_free(out);
+        *out = p;
+      } else {
+        sched_plan_free(&p);
+      }
+    }
+  free(shared);
+  free(tried);
   return ok;
 }
 
