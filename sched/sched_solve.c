@@ -462,7 +462,8 @@ static bool plan_slowed(const SchedStack *st, IrPolicy pol, SchedPlan *out) {
 // Shared chunks: a backward run at its forward's degree reads the forward's chunks of the saved
 // activations in place, so the forward does not assemble them (SchedPhase.t_level_shared). The
 // plan of the policy's rule is kept unless the same degree in both phases, priced without that
-// assembly, simulates faster: every degree the plan chose is tried in both phases of every layer.
+// assembly, simulates faster: every degree the plan chose, and tutel's, is tried in both phases
+// of every layer.
 // Explicit equal degrees are priced without it.
 bool sched_plan(const SchedStack *st, IrPolicy pol, SchedPlan *out) {
   if (!plan_slowed(st, pol, out)) return false;
@@ -471,7 +472,7 @@ bool sched_plan(const SchedStack *st, IrPolicy pol, SchedPlan *out) {
   bool fixed = st->r_fix[0] > 0 || st->r_fix[1] > 0;
   if (pol == IR_POLICY_SEQUENTIAL || !any || (fixed && st->r_fix[0] != st->r_fix[1])) return true;
   SchedLayerCost *shared = malloc((size_t)st->n * sizeof *shared);
-  int *tried = calloc((size_t)2 * (size_t)st->n + 1, sizeof *tried);
+  int *tried = calloc((size_t)3 * (size_t)st->n + 1, sizeof *tried);
   if (!shared || !tried) {
     free(shared);
     free(tried);
@@ -482,29 +483,41 @@ bool sched_plan(const SchedStack *st, IrPolicy pol, SchedPlan *out) {
     SchedPhase *f = &shared[i].phase[SCHED_FWD];
     f->t_level = fmax(0, f->t_level - f->t_level_shared);
   }
+  // The candidate degrees: the policy plan's, and the one degree PipeMoE's rule gives each
+  // layer (tutel's plan), so that a policy with more streams is never planned slower than
+  // tutel's degrees would run on it.
+  SchedPlan tutel = {0};
+  bool have_tutel = !fixed && plan_slowed(st, IR_POLICY_TUTEL, &tutel);
   int ntried = 0;
-  bool ok = true;
-  for (int i = 0; ok && i < st->n; i++)
-    for (int ph = 0; ok && ph < 2; ph++) {
-      int x = fixed ? st->r_fix[0] : out->layer[i].r[ph];
+  for (int i = 0; i < st->n; i++)
+    for (int ph = 0; ph < 3; ph++) {
+      if (ph == 2 && !have_tutel) continue;
+      int x = fixed ? st->r_fix[0] : ph < 2 ? out->layer[i].r[ph] : tutel.layer[i].r[SCHED_FWD];
       bool seen = x < 2;
       for (int k = 0; k < ntried && !seen; k++) seen = tried[k] == x;
-      if (seen) continue;
-      tried[ntried++] = x;
-      SchedStack c = *st;
-      c.cost = shared;
-      c.r_fix[0] = c.r_fix[1] = x;
-      SchedPlan p = {0};
-      if (!(ok = plan_slowed(&c, pol, &p))) break;
-      if (fixed || p.t_iter < out->t_iter) {
-        for (int l = 0; !fixed && l < p.nlayers; l++)
-          p.layer[l].chosen_by[SCHED_FWD] = p.layer[l].chosen_by[SCHED_BWD] = "shared chunks";
-        sched_plan_free(out);
-        *out = p;
-      } else {
-        sched_plan_free(&p);
-      }
+      if (!seen) tried[ntried++] = x;
     }
+  sched_plan_free(&tutel);
+  bool ok = true;
+  for (int k = 0; ok && k < ntried; k++) {
+    int x = tried[k];
+    SchedStack c = *st;
+    c.cost = shared;
+    c.r_fix[0] = c.r_fix[1] = x;
+    SchedPlan p = {0};
+    if (!(ok = plan_slowed(&c, pol, &p))) {
+      sched_plan_free(&p);
+      break;
+    }
+    if (fixed || p.t_iter < out->t_iter) {
+      for (int l = 0; !fixed && l < p.nlayers; l++)
+        p.layer[l].chosen_by[SCHED_FWD] = p.layer[l].chosen_by[SCHED_BWD] = "shared chunks";
+      sched_plan_free(out);
+      *out = p;
+    } else {
+      sched_plan_free(&p);
+    }
+  }
   free(shared);
   free(tried);
   return ok;

@@ -10,7 +10,9 @@
 //    resource lower bound is below every simulated time;
 //  - the gradient partition conserves gradient and never all-reduces it before it exists;
 //  - the Chrome trace parses as JSON (cJSON) and the SVG has one row per stream;
-//  - planning is deterministic.
+//  - planning is deterministic;
+//  - shared chunks: the plan priced without the saved activations' assembly is never slower,
+//    runs one degree in both phases when it took that way, and prices explicit degrees right.
 #include <setjmp.h>
 #include <stdarg.h>
 #include <stddef.h>
@@ -335,6 +337,63 @@ static void test_stacks_bound_and_gradients(void **state) {
          IR_NPOLICIES - 1, 100 * worst);
 }
 
+// (8) Shared chunks (sched_plan): a backward at its forward's degree reads the forward's chunks
+// of the saved activations in place, so the forward's assembly of them (t_level_shared) is not
+// paid. With that part of t_level marked shared, no plan is slower than without it; a plan that
+// took a shared degree runs one degree in both phases of every layer; explicit equal degrees are
+// priced without the shared copies, unequal ones as before; and the shared plan is chosen at
+// least sometimes (the test is not vacuous).
+static void test_shared_chunks(void **state) {
+  (void)state;
+  SchedCluster base;
+  FeCluster fc;
+  load_cluster("testbed-b", &base, &fc);
+  int taken = 0;
+  enum { NTRIALS = 200 };
+  for (int trial = 0; trial < NTRIALS; trial++) {
+    SchedCluster c = random_cluster(&base);
+    int n = 1 + pick(4);
+    SchedLayerCost plain[4], shared[4];
+    int rm[4];
+    for (int i = 0; i < n; i++) {
+      SchedLayerSpec s = random_spec(&c);
+      sched_layer_cost(&s, &c, &plain[i]);
+      rm[i] = 1 + pick(SCHED_R_MAX);
+      // Copies of the size of a few expert GEMMs' outputs, priced like the profile's GEMM beta.
+      SchedPhase *f = &plain[i].phase[SCHED_FWD];
+      f->t_level = (1 + 4 * uniform()) * f->exp.beta * f->n_exp * 0.05;
+      shared[i] = plain[i];
+      shared[i].phase[SCHED_FWD].t_level_shared = f->t_level * (0.5 + 0.5 * uniform());
+    }
+    for (int q = 0; q < IR_NPOLICIES; q++) {
+      SchedStack a = {n, plain, rm}, b = {n, shared, rm};
+      SchedPlan pa, pb;
+      assert_true(sched_plan(&a, (IrPolicy)q, &pa));
+      assert_true(sched_plan(&b, (IrPolicy)q, &pb));
+      assert_true(pb.t_iter <= pa.t_iter * (1 + 1e-12));
+      if (pb.layer[0].chosen_by[SCHED_FWD] && strcmp(pb.layer[0].chosen_by[SCHED_FWD], "shared chunks") == 0) {
+        taken++;
+        for (int i = 0; i < n; i++) assert_int_equal(pb.layer[i].r[SCHED_FWD], pb.layer[i].r[SCHED_BWD]);
+      }
+      sched_plan_free(&pa);
+      sched_plan_free(&pb);
+      if (q == IR_POLICY_SEQUENTIAL) continue;
+      int x = 2 + pick(3);
+      for (int uneven = 0; uneven < 2; uneven++) {
+        SchedStack fa = {n, plain, rm, .r_fix = {x, x + uneven}}, fb = {n, shared, rm, .r_fix = {x, x + uneven}};
+        assert_true(sched_plan(&fa, (IrPolicy)q, &pa));
+        assert_true(sched_plan(&fb, (IrPolicy)q, &pb));
+        if (uneven) assert_true(fabs(pb.t_iter - pa.t_iter) <= 1e-9 * pa.t_iter);
+        else assert_true(pb.t_iter <= pa.t_iter * (1 + 1e-12));
+        sched_plan_free(&pa);
+        sched_plan_free(&pb);
+      }
+    }
+  }
+  printf("# shared chunks: taken in %d of %d x %d plans\n", taken, NTRIALS, IR_NPOLICIES);
+  assert_true(taken > 0);
+}
+
 static char *slurp(FILE *f, size_t *len) {
   fflush(f);
   long n = ftell(f);
@@ -460,6 +519,7 @@ int main(void) {
       cmocka_unit_test(test_trace_and_svg),
       cmocka_unit_test(test_deterministic),
       cmocka_unit_test(test_table4_fsmoe_fastest),
+      cmocka_unit_test(test_shared_chunks),
   };
   return cmocka_run_group_tests(tests, NULL, NULL);
 }
