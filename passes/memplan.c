@@ -14,10 +14,12 @@
 //
 // Streams. A function whose ops the schedule put on the intra or inter stream runs them
 // concurrently (codegen/emit_c.c, runtime/streams.c), so program order says nothing about when
-// a buffer's last reader is done. In such a function buffers are not reused: every value live
-// at some position inside it (defined, read or passed through there) stays alive to the end of
-// the function, whose boundary is a full synchronisation; reuse across functions is unchanged.
-// -v reports how many functions that applies to.
+// a buffer's last reader is done. In such a function a buffer's range runs on until every op
+// that could still overlap one of its users: its bytes are reused only by an op that every
+// user happens before, by stream order and events (streamed_ranges). The function's boundary
+// is a full synchronisation; reuse across functions is unchanged. -v reports how many
+// functions that applies to.
+#include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
 
@@ -85,17 +87,104 @@ static bool resolve_args(IrModule *m, PassCtx *ctx, Ranges *R, int fi) {
   return true;
 }
 
-// Functions with concurrent streams: no reuse inside them. Every value live at some position
-// of such a function [fstart, fend] stays alive to its end.
-static void extend_streamed(IrModule *m, Ranges *R, const int64_t *fstart, const int64_t *fend) {
+// Functions with concurrent streams (passes/schedule.c). Program order says nothing about when
+// a buffer's last reader is done: a later op on another stream may run before it. What is known
+// is "happens before": on one stream ops run in program order, and an op that waits for an
+// event runs after the op that records it (and after everything that op follows); nothing
+// else (conservative: the extra waits codegen adds between collectives of one group are not
+// counted). A buffer whose users (its writer and its readers) in such a function all happen
+// before op p is free at p: its live range is extended, from its last user, over every op
+// that does not know that (on each stream up to the first op that does; hb is monotone along a
+// stream). A value read after the function keeps its range to the function's end as before.
+// Returns false when out of memory.
+typedef struct Use {
+  PassMemSlot *slot;
+  int op;
+} Use;
+
+static int by_slot(const void *a, const void *b) {
+  const Use *x = a, *y = b;
+  if (x->slot != y->slot) return (uintptr_t)x->slot < (uintptr_t)y->slot ? -1 : 1;
+  return x->op - y->op;
+}
+
+#define HB_HAS(row, j) (((row)[(j) / 64] >> ((j) % 64)) & 1u)
+
+static bool streamed_ranges(IrModule *m, Ranges *R, int fi, int64_t fstart, int64_t fend) {
+  IrFunc *f = m->funcs[fi];
+  int n = f->nops;
+  size_t words = ((size_t)n + 63) / 64;
+  int maxev = -1, nuses = 0;
+  for (int i = 0; i < n; i++) {
+    if (f->ops[i]->event > maxev) maxev = f->ops[i]->event;
+    nuses += f->ops[i]->nargs + (f->ops[i]->result != NULL);
+  }
+  uint64_t *hb = calloc((size_t)n * words + 1, sizeof *hb);
+  int *maker = malloc(sizeof *maker * (size_t)(maxev + 2));
+  Use *use = malloc(sizeof *use * (size_t)(nuses + 1));
+  if (!hb || !maker || !use) {
+    free(hb), free(maker), free(use);
+    return false;
+  }
+  for (int e = 0; e <= maxev; e++) maker[e] = -1;
+  int last_on[IR_STREAM_INTER + 1], nstreams = 0;
+  for (int s = 0; s <= IR_STREAM_INTER; s++) last_on[s] = -1;
+  bool present[IR_STREAM_INTER + 1] = {false};
+  for (int i = 0; i < n; i++) present[f->ops[i]->stream] = true;
+  for (int s = 0; s <= IR_STREAM_INTER; s++) nstreams += present[s];
+  int k = 0;
+  for (int i = 0; i < n; i++) {
+    const IrOp *op = f->ops[i];
+    uint64_t *row = hb + (size_t)i * words;
+    int before[1 + IR_MAX_WAITS], nb = 0;
+    if (last_on[op->stream] >= 0) before[nb++] = last_on[op->stream];
+    for (int w = 0; w < op->nwaits; w++)
+      if (op->waits[w] >= 0 && op->waits[w] <= maxev && maker[op->waits[w]] >= 0) before[nb++] = maker[op->waits[w]];
+    for (int b = 0; b < nb; b++) {
+      const uint64_t *prev = hb + (size_t)before[b] * words;
+      for (size_t x = 0; x < words; x++) row[x] |= prev[x];
+      row[before[b] / 64] |= (uint64_t)1 << (before[b] % 64);
+    }
+    last_on[op->stream] = i;
+    if (op->event >= 0 && op->event <= maxev) maker[op->event] = i;
+    for (int a = 0; a < op->nargs; a++)
+      if (op->args[a].value) use[k++] = (Use){R->where[op->args[a].value->func->index][op->args[a].value->id], i};
+    if (op->result) use[k++] = (Use){R->where[fi][op->result->id], i};
+  }
+  qsort(use, (size_t)k, sizeof *use, by_slot);
+  for (int g = 0; g < k;) {
+    int h = g;
+    while (h < k && use[h].slot == use[g].slot) h++;
+    PassMemSlot *s = use[g].slot;
+    int last = use[h - 1].op;   // the group is sorted by op
+    if (s && s->last < fend) {
+      int64_t until = fstart + last;
+      bool covered[IR_STREAM_INTER + 1] = {false};
+      int open = nstreams;
+      for (int p = last + 1; p < n && open > 0; p++) {
+        int st = f->ops[p]->stream;
+        if (covered[st]) continue;
+        const uint64_t *row = hb + (size_t)p * words;
+        bool all = true;
+        for (int u = g; u < h && all; u++) all = HB_HAS(row, use[u].op);
+        if (all) covered[st] = true, open--;
+        else until = fstart + p;
+      }
+      if (s->last < until) s->last = until;
+    }
+    g = h;
+  }
+  free(hb), free(maker), free(use);
+  return true;
+}
+
+static bool extend_streamed(IrModule *m, PassCtx *ctx, Ranges *R, const int64_t *fstart, const int64_t *fend) {
   for (int fi = 0; fi < m->nfuncs; fi++) {
     if (!streamed(m->funcs[fi])) continue;
     R->nstreamed++;
-    for (int64_t i = 0; i < R->used; i++) {
-      PassMemSlot *s = R->items[i].slot;
-      if (s->first <= fend[fi] && s->last >= fstart[fi] && s->last < fend[fi]) s->last = fend[fi];
-    }
+    if (!streamed_ranges(m, R, fi, fstart[fi], fend[fi])) return ir_oom(ctx->d);
   }
+  return true;
 }
 
 // Values read at the end of the step stay alive to it; values whose only use is param.grad go to
@@ -175,7 +264,7 @@ static bool live_ranges(IrModule *m, PassCtx *ctx, Ranges *R) {
     }
     fend[fi] = pos;
   }
-  if (ok) extend_streamed(m, R, fstart, fend);
+  if (ok) ok = extend_streamed(m, ctx, R, fstart, fend);
   free(fstart);
   free(fend);
   if (ok) step_ends(m, R);
@@ -228,8 +317,8 @@ static void report(PassCtx *ctx, const PassMemPlan *plan, int nstreamed) {
           (long long)plan->param_bytes, (long long)plan->param_bytes, (long long)plan->optimizer_bytes);
   fprintf(log, "# memplan: peak %lld bytes per rank\n", (long long)peak);
   if (nstreamed)
-    fprintf(log, "# memplan: %d functions run concurrent streams: no buffer reuse inside them "
-                 "(live ranges extend to the function's end)\n", nstreamed);
+    fprintf(log, "# memplan: %d functions run concurrent streams: a buffer is reused there only after "
+                 "every user of it happens before (stream order, events)\n", nstreamed);
 }
 
 bool pass_memplan(IrModule *m, PassCtx *ctx) {
