@@ -242,11 +242,10 @@ static bool read_after(const IrFunc *f, const IrFunc *reader, int lo, int hi, co
   return false;
 }
 
-// Every read of v by g is inside g's expert region (where the schedule pass chunks it).
-static bool read_in_region_only(const IrFunc *g, const IrValue *v) {
-  IrValue *entry, *exit;
-  if (!pass_expert_region(g, &entry, &exit)) return false;
-  int lo = entry->def ? entry->def->index + 1 : 0, hi = exit->def->index;
+// Every read of v by g is inside g's ops [lo, hi] (its expert region, where the schedule pass
+// chunks it); false when g has no region (lo > hi).
+static bool read_in_region_only(const IrFunc *g, int lo, int hi, const IrValue *v) {
+  if (lo > hi) return false;
   for (int i = 0; i < g->nops; i++)
     for (int a = 0; a < g->ops[i]->nargs; a++)
       if (g->ops[i]->args[a].value == v && (i < lo || i > hi)) return false;
@@ -260,6 +259,10 @@ static bool read_in_region_only(const IrFunc *g, const IrValue *v) {
 static void assembly_of(const IrFunc *f, const IrFunc *reader, int lo, int hi, const SchedCluster *c,
                         SchedPhase *p) {
   const SchedCoef *e = &c->elementwise;
+  int rlo = 1, rhi = 0;   // the reader's expert region (empty: none)
+  IrValue *entry, *exit;
+  if (reader && pass_expert_region(reader, &entry, &exit))
+    rlo = entry->def ? entry->def->index + 1 : 0, rhi = exit->def->index;
   for (int i = lo; i <= hi && i < f->nops; i++) {
     const IrOp *op = f->ops[i];
     if (!op->result) continue;
@@ -273,7 +276,7 @@ static void assembly_of(const IrFunc *f, const IrFunc *reader, int lo, int hi, c
       from_sum |= op->args[a].value && op->args[a].value->def && pass_sums_slots(op->args[a].value->def);
     if (from_sum || !read_after(f, reader, lo, hi, op->result)) continue;
     p->t_level += e->alpha + e->beta * 2 * n;
-    if (reader && !read_after(f, NULL, lo, hi, op->result) && read_in_region_only(reader, op->result))
+    if (reader && !read_after(f, NULL, lo, hi, op->result) && read_in_region_only(reader, rlo, rhi, op->result))
       p->t_level_shared += e->alpha + e->beta * 2 * n;
   }
 }

@@ -293,19 +293,11 @@ static bool classify(Sched *S, Region *R) {
   return true;
 }
 
-static bool same_type(const IrType *a, const IrType *b) {
-  if (a->dtype != b->dtype || a->rank != b->rank) return false;
-  for (int d = 0; d < a->rank; d++)
-    if (a->dim[d] != b->dim[d]) return false;
-  return true;
-}
-
 // Chunk j's slice of v (`layout.chunk`), v made outside the region (a saved activation). When
 // v is a forward value chunked at this degree with the same blocks, the forward's chunk j is
 // that slice already (the same slots of every block, the same bytes): it is read in place, and
 // the forward's assembly of v dies if nothing else reads it (drop_dead_assembly).
 static IrValue *slice_of(Sched *S, Region *R, const IrOp *op, IrValue *v, int64_t j, int64_t blocks, OpList *out) {
-  (void)op;
   IrOp *s = new_op(S, R->f, IR_OP_LAYOUT_CHUNK, ir_strfmt(S->m, "%s.c%lld", v->name, (long long)j));
   ir_op_arg(s, v);
   ir_op_set_int(s, "chunks", R->r);
@@ -315,7 +307,7 @@ static IrValue *slice_of(Sched *S, Region *R, const IrOp *op, IrValue *v, int64_
   if (!finish(S, s)) return NULL;
   for (int i = 0; v->func != R->f && i < S->nshared; i++) {
     const Shared *sh = &S->shared[i];
-    if (sh->v == v && sh->r == R->r && sh->blocks == blocks && same_type(&sh->chunk[j]->type, &s->result->type)) {
+    if (sh->v == v && sh->r == R->r && sh->blocks == blocks && ir_type_equal(&sh->chunk[j]->type, &s->result->type)) {
       S->nreused++;
       return sh->chunk[j];   // s is not placed: renumber drops its result
     }
@@ -604,7 +596,7 @@ static bool annotate(IrDiag *d, IrFunc *f, const char *policy, int *next_event) 
 
 // The concats of a forward's assembly that nothing reads any more (every reader of the value
 // was a backward that now reads the chunks in place), in every function: removed, leaves first
-// up to the root. Returns how many; -1 when out of memory.
+// up to the root. Returns how many.
 static int drop_dead_assembly(IrModule *m) {
   int dropped = 0;
   for (bool changed = true; changed;) {

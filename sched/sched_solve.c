@@ -484,10 +484,10 @@ bool sched_plan(const SchedStack *st, IrPolicy pol, SchedPlan *out) {
     f->t_level = fmax(0, f->t_level - f->t_level_shared);
   }
   // The candidate degrees: the policy plan's, and the one degree PipeMoE's rule gives each
-  // layer (tutel's plan), so that a policy with more streams is never planned slower than
-  // tutel's degrees would run on it.
+  // layer (tutel's plan; for tutel itself, the plan's own), so that a policy with more streams
+  // is never planned slower than tutel's degrees would run on it.
   SchedPlan tutel = {0};
-  bool have_tutel = !fixed && plan_slowed(st, IR_POLICY_TUTEL, &tutel);
+  bool have_tutel = !fixed && pol != IR_POLICY_TUTEL && plan_slowed(st, IR_POLICY_TUTEL, &tutel);
   int ntried = 0;
   for (int i = 0; i < st->n; i++)
     for (int ph = 0; ph < 3; ph++) {
