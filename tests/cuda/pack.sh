@@ -30,13 +30,14 @@ STAGE=$(mktemp -d "${TMPDIR:-/tmp}/moec-pack.XXXXXX")
 trap 'rm -rf "$STAGE"' EXIT
 S=$STAGE/build
 mkdir -p "$S/cuda" "$S/bench" "$S/lib" "$S/ompi/lib/x86_64-linux-gnu/openmpi/lib" "$S/ompi/share"
-cp "$BUILD/moec" "$S/"
-cp "$BUILD/cuda/moec-tune-cuda" "$BUILD/cuda/gpu_check" "$S/cuda/"
-cp -r "$BUILD/cuda/models" "$BUILD/cuda/predict" "$S/cuda/"
-cp "$BUILD/bench/gpu_layer" "$S/bench/"
+# The dates are kept (cp -p, strip -p): tests/cuda/gpu.sh rebuilds a model binary older than moec.
+cp -p "$BUILD/moec" "$S/"
+cp -p "$BUILD/cuda/moec-tune-cuda" "$BUILD/cuda/gpu_check" "$S/cuda/"
+cp -rp "$BUILD/cuda/models" "$BUILD/cuda/predict" "$S/cuda/"
+cp -p "$BUILD/bench/gpu_layer" "$S/bench/"
 bins=$(find "$S" -type f -perm -u+x ! -name '*.moe')
 # shellcheck disable=SC2086
-strip --strip-debug $bins
+strip -p --strip-debug $bins
 # The Debian libraries (not the C runtime's, which every machine has; not the CUDA toolkit's).
 # shellcheck disable=SC2086
 ldd $bins 2>/dev/null | awk '$3 ~ /^\/(usr\/)?lib\/x86_64-linux-gnu\// {print $3}' | sort -u |

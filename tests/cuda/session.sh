@@ -5,6 +5,12 @@
 #
 #   bash tests/cuda/session.sh [env] [test] [tune] [predict] [bench] [bench-all]   (default: env test tune predict)
 #
+# A stage may carry a time limit in seconds, STAGE:SECONDS (e.g. test:240 bench:120): the stage is
+# stopped there and counts as failed (exit 124), and the next one runs, so that one call of the
+# device tool always comes back with every stage's log. TUNE_ARGS adds options to moec tune
+# (e.g. --quick). ARCHIVE=F.tar.gz packs $OUT into F after every stage (the device tool brings back
+# at most 8 files: one archive and summary.txt come back even when the call is stopped).
+#
 #   env        nvidia-smi, the driver, the libraries the binaries resolve (env.log)
 #   test       make test-gpu's checks: tests/cuda/gpu.sh (gpu_check: kernels, cuBLAS, NCCL; the zoo
 #              and language models, the gate x order x expert matrix, sm_80 PTX, bf16 against the
@@ -55,11 +61,19 @@ stage() {   # NAME LOG COMMAND...: runs it, its output to LOG, the last lines to
   local name=$1 log=$OUT/$2 start rc
   shift 2
   start=$(date +%s)
-  "$@" >"$log" 2>&1 </dev/null
+  if [ "${limit:-0}" -gt 0 ]; then
+    # the stages are functions of this script: export them for timeout's bash
+    export -f env_info tune
+    export BUILD OUT
+    timeout -k 5 "$limit" bash -c '"$@"' stage "$@" >"$log" 2>&1 </dev/null
+  else
+    "$@" >"$log" 2>&1 </dev/null
+  fi
   rc=$?
-  say "== $name: exit $rc, $(($(date +%s) - start)) s, $log"
+  say "== $name: exit $rc$([ $rc -eq 124 ] && echo " (stopped at its limit, $limit s)"), $(($(date +%s) - start)) s, $log"
   tail -n "${TAIL:-12}" "$log" | sed 's/^/   /' | tee -a "$SUMMARY"
   [ $rc -eq 0 ] || status=1
+  [ -z "${ARCHIVE:-}" ] || tar -czf "$ARCHIVE" -C "$OUT" . 2>/dev/null
 }
 
 env_info() {
@@ -76,10 +90,13 @@ env_info() {
 }
 
 tune() {   # DTYPE PROFILE
-  "$BUILD/moec" tune --target cuda --dtype "$1" -v -o "$OUT/$2"
+  # shellcheck disable=SC2086
+  "$BUILD/moec" tune --target cuda --dtype "$1" -v ${TUNE_ARGS:-} -o "$OUT/$2"
 }
 
 for s in $stages; do
+  limit=0
+  case $s in *:*) limit=${s#*:}; s=${s%%:*} ;; esac
   case $s in
     env) stage env env.log env_info ;;
     test) TAIL=60 stage "make test-gpu (tests/cuda/gpu.sh)" test-gpu.log env BUILD="$BUILD" bash tests/cuda/gpu.sh ;;
