@@ -19,11 +19,15 @@
 // of each, the aux loss's gradient and the gate's). Gradients are written where the
 // parameters' gradients live (the plan's param.grad copies are then not needed).
 //
-// Measured, per shape and ffn (fp32 everywhere, no TF32, as the CPU backend):
+// Measured, per shape and ffn (fp32 everywhere, no TF32, as the CPU backend; with --dtype bf16 as
+// the CUDA target's `dtype bf16`: every GEMM, the gate's too, first rounds its two fp32 operands
+// to bf16 with mk_compress_bf16 into a scratch, then cuBLAS multiplies them with fp32
+// accumulation and output; everything else stays fp32):
 //   layer ms    forward + backward of the layer
 //   gemm ms     the expert GEMMs alone (forward and backward set, the layer's own
-//               rt_cuda_expert_gemm calls on its own buffers): what the layer would cost if
-//               everything but those GEMMs took no time
+//               rt_cuda_expert_gemm calls on its own buffers; bf16: on bf16 operands, without
+//               the roundings): what the layer would cost if everything but those GEMMs took
+//               no time
 //   gemm/layer  gemm ms / layer ms: 1.0 is the roofline
 //   gate us     the fused gate kernel alone (softmax -> top-k -> gather)
 //   route us    the whole routing: gate matmul + fused gate + locations
@@ -43,7 +47,10 @@
 //
 // Without a GPU: one line "skip  bench-gpu: no GPU (REASON)" and exit status 0.
 //
-//   build/bench/gpu_layer [--quick | --all | --shapes SPEC] [--runs N] [--warmup N] [--list-shapes]
+//   build/bench/gpu_layer [--quick | --all | --shapes SPEC] [--dtype fp32|bf16] [--runs N] [--warmup N]
+//                         [--list-shapes]
+// The check against the CPU kernels runs in fp32 either way (bf16 changes the routing of close
+// scores; tests/cuda/gpu.sh checks bf16 training against fp32).
 //   SPEC: comma-separated FFN:BxLxMxHSCALE, e.g. gpt:4x2048x4096x4,mixtral:1x512x1024x2
 #include <algorithm>
 #include <chrono>
@@ -79,6 +86,10 @@ static const double CAPACITY_FACTOR = 1.2;
 static const float AUX_COEF = 0.01f;
 static const double MAX_REL_ERR = 1e-4;
 static const uint64_t SEED = 42;
+
+// --dtype bf16: the layers carry the bf16 scratch (want_bf16), and once the fp32 checks are done
+// their GEMMs run on bf16 operands (bf16).
+static bool want_bf16 = false, bf16 = false;
 
 // The benchmark's own kernels, compiled with the library (they use its prelude: u64, i64,
 // MK_FOR, mk_normal).
@@ -180,6 +191,8 @@ static double gate_flops(const Dims &d) { return 3.0 * 2.0 * d.s * d.m * d.e; }
 struct Gpu {
   RtCuda *cu = nullptr;
   bool ok = true;   // false from the first failed call on (rt_cuda reported it); later calls are skipped
+  u16 *sa = nullptr, *sb = nullptr;   // bf16: a GEMM's operands rounded (the layer's scratch)
+  bool raw = false;                   // bf16: GEMMs on sa and sb as they are (the GEMMs alone)
   std::unordered_map<std::string, CUfunction> kernels;
 
   CUfunction kernel(const char *name) {
@@ -220,14 +233,29 @@ struct Gpu {
     return static_cast<P>(a);
   }
 
+  // bf16: a (na elements) and b (nb) rounded into sa and sb (unless raw); the operands to use.
+  std::pair<const void *, const void *> operands(const float *a, int64_t na, const float *b, int64_t nb) {
+    if (!bf16) return {a, b};
+    if (!raw) {
+      launch("mk_compress_bf16", &mk_compress_bf16, rt_cuda_grid(na, MK_BLOCK), MK_BLOCK, 0u, a, sa, na);
+      launch("mk_compress_bf16", &mk_compress_bf16, rt_cuda_grid(nb, MK_BLOCK), MK_BLOCK, 0u, b, sb, nb);
+    }
+    return {sa, sb};
+  }
+
   void gemm(const float *a, const float *b, float *c, int64_t m, int64_t n, int64_t k, bool ta, bool tb) {
-    if (ok) ok = rt_cuda_gemm(cu, RT_STREAM_COMPUTE, RT_CUDA_F32, a, b, c, (int)m, (int)n, (int)k, ta, tb, false);
+    auto [pa, pb] = operands(a, m * k, b, k * n);
+    if (ok)
+      ok = rt_cuda_gemm(cu, RT_STREAM_COMPUTE, bf16 ? RT_CUDA_BF16 : RT_CUDA_F32, pa, pb, c, (int)m, (int)n, (int)k, ta,
+                        tb, false);
   }
 
   void expert_gemm(const float *a, const float *b, float *c, int64_t e, int64_t m, int64_t n, int64_t k, bool ta,
                    bool tb) {
+    auto [pa, pb] = operands(a, e * m * k, b, e * k * n);
     if (ok)
-      ok = rt_cuda_expert_gemm(cu, RT_STREAM_COMPUTE, RT_CUDA_F32, a, b, c, (int)e, (int)m, (int)n, (int)k, ta, tb);
+      ok = rt_cuda_expert_gemm(cu, RT_STREAM_COMPUTE, bf16 ? RT_CUDA_BF16 : RT_CUDA_F32, pa, pb, c, (int)e, (int)m,
+                               (int)n, (int)k, ta, tb);
   }
 
   template <class T> void to_host(std::vector<T> &v, const T *d) {
@@ -320,11 +348,17 @@ template <class F> static void each_buffer(Layer &L, F &&f) {
 
 static size_t aligned(size_t bytes) { return (bytes + 255) & ~(size_t)255; }   // rt_cuda_alloc's alignment
 
+// Elements of the largest GEMM operand of the layer (the bf16 scratch holds one such, twice).
+static int64_t largest_operand(const Dims &d) {
+  return std::max({d.e * d.t * d.h, d.e * d.m * d.h, d.s * d.m, d.s * d.e});
+}
+
 static size_t layer_bytes(Ffn ffn, const Dims &d) {
   Layer L;
   L.ffn = ffn, L.d = d;
   size_t bytes = 0;
   each_buffer(L, [&](auto *&, int64_t n) { bytes += aligned((size_t)n * 4); });
+  if (want_bf16) bytes += 2 * aligned((size_t)largest_operand(d) * sizeof(u16));
   return bytes;
 }
 
@@ -337,6 +371,10 @@ static bool layer_create(Gpu &gpu, Layer &L, Ffn ffn, const Dims &d) {
     p = ok ? (std::remove_reference_t<decltype(p)>)rt_cuda_alloc(gpu.cu, (size_t)n * sizeof *p) : nullptr;
     ok = p != nullptr;
   });
+  if (ok && want_bf16) {
+    size_t n = (size_t)largest_operand(d);
+    ok = (gpu.sa = (u16 *)rt_cuda_alloc(gpu.cu, n * sizeof(u16))) && (gpu.sb = (u16 *)rt_cuda_alloc(gpu.cu, n * sizeof(u16)));
+  }
   if (!ok) return gpu.ok = false;
   struct Init {
     float *p;
@@ -444,9 +482,15 @@ static void backward(Gpu &g, Layer &L) {
   g.gemm(L.x, L.dlogits, L.dwg, d.m, d.e, d.s, true, false);
 }
 
-// The layer's expert GEMMs and nothing else: the same calls on the same buffers.
+// The layer's expert GEMMs and nothing else: the same calls on the same buffers (bf16: on the
+// scratch's bf16 operands, without rounding them first).
 static void expert_gemms(Gpu &g, Layer &L) {
   const Dims &d = L.d;
+  struct Raw {
+    Gpu &g;
+    Raw(Gpu &gpu) : g(gpu) { g.raw = true; }
+    ~Raw() { g.raw = false; }
+  } raw(g);
   g.expert_gemm(L.disp, L.w1, L.h, d.e, d.t, d.h, d.m, false, false);
   if (L.ffn == FFN_GPT) {
     g.expert_gemm(L.act, L.w2, L.y, d.e, d.t, d.m, d.h, false, false);
@@ -695,7 +739,7 @@ static bool bench_shape(Gpu &g, const Shape &sh, int warmup, int runs, Row &row)
 
 static int usage(const char *argv0) {
   fprintf(stderr,
-          "usage: %s [--quick | --all | --shapes SPEC] [--runs N] [--warmup N] [--list-shapes]\n"
+          "usage: %s [--quick | --all | --shapes SPEC] [--dtype fp32|bf16] [--runs N] [--warmup N] [--list-shapes]\n"
           "  SPEC: comma-separated FFN:BxLxMxHSCALE (FFN gpt or mixtral), e.g. gpt:4x2048x4096x4\n",
           argv0);
   return 2;
@@ -722,6 +766,7 @@ int main(int argc, char **argv) {
     else if (strcmp(a, "--shapes") == 0 && v && parse_shapes(v, shapes)) i++, selection = "as given (--shapes)";
     else if (strcmp(a, "--runs") == 0 && parse_count(v, 1, MAX_RUNS, &runs)) i++;
     else if (strcmp(a, "--warmup") == 0 && parse_count(v, 0, MAX_RUNS, &warmup)) i++;
+    else if (strcmp(a, "--dtype") == 0 && v && (!strcmp(v, "fp32") || !strcmp(v, "bf16"))) want_bf16 = !strcmp(v, "bf16"), i++;
     else return usage(argv[0]);
   }
   if (shapes.empty()) {
@@ -763,7 +808,9 @@ int main(int argc, char **argv) {
     return 1;
   }
   const RtCudaDevice *dev = rt_cuda_device(gpu.cu);
-  printf("# gpu_layer: one MoE layer, forward + backward, moec's CUDA kernels + cuBLAS (fp32, no TF32)\n");
+  printf("# gpu_layer: one MoE layer, forward + backward, moec's CUDA kernels + cuBLAS (%s)\n",
+         want_bf16 ? "dtype bf16: bf16 GEMM inputs rounded by mk_compress_bf16, fp32 accumulation; the rest fp32"
+                   : "fp32, no TF32");
   printf("# device 0: %s, sm_%d, %d SMs, %.1f GiB; driver for CUDA %d.%d; arena %.1f GiB\n", dev->name, dev->arch,
          dev->multiprocessors, dev->memory_bytes / 1073741824.0, dev->driver_version / 1000,
          dev->driver_version % 1000 / 10, arena / 1073741824.0);
@@ -775,6 +822,7 @@ int main(int argc, char **argv) {
          runs, warmup, GATE_REPS);
   bool ok = load_kernels(gpu) && check_clock(gpu);
   for (Ffn ffn : {FFN_GPT, FFN_MIXTRAL}) ok = ok && check_layer(gpu, ffn);
+  bf16 = want_bf16;   // the checks ran in fp32
   if (ok) {
     printf("%-8s %-15s %6s %5s %10s %10s %10s %9s %9s %10s %9s %7s\n", "ffn", "shape", "S", "T", "layer ms", "gemm ms",
            "gemm/layer", "gate us", "route us", "layer TF/s", "gemm TF/s", "drop %");

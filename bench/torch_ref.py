@@ -269,7 +269,7 @@ def median_ms(torch, device, warmup, runs, reps, work):
     return statistics.median(times)
 
 
-def bench_shape(torch, shape, device, warmup, runs):
+def bench_shape(torch, shape, device, warmup, runs, bf16=False):
     ffn, b, l, m, hscale = shape
     s, h = b * l, hscale * m
     cap = capacity(s)
@@ -277,12 +277,20 @@ def bench_shape(torch, shape, device, warmup, runs):
     p = make_params(torch, ffn, m, h, device, torch.float32)
     x = torch.randn(s, m, device=device).requires_grad_()
     dout = torch.randn(s, m, device=device) * m ** -0.5
-    layer_ms = median_ms(torch, device, warmup, runs, 1, lambda: forward_backward(torch, p, x, dout, ffn, cap))
 
-    # The expert GEMMs alone: the layer's bmm set, forward and backward, on tensors of its shapes.
+    def step():
+        if not bf16:
+            return forward_backward(torch, p, x, dout, ffn, cap)
+        # PyTorch's mixed precision: fp32 parameters, the matrix products on bf16 copies
+        with torch.autocast(device_type=device, dtype=torch.bfloat16):
+            return forward_backward(torch, p, x, dout, ffn, cap)
+    layer_ms = median_ms(torch, device, warmup, runs, 1, step)
+
+    # The expert GEMMs alone: the layer's bmm set, forward and backward, on tensors of its shapes
+    # (bf16: bf16 tensors).
     def rand(*size):
-        return torch.randn(*size, device=device)
-    w = {k: v.detach() for k, v in p.items()}
+        return torch.randn(*size, device=device, dtype=torch.bfloat16 if bf16 else torch.float32)
+    w = {k: v.detach().to(torch.bfloat16 if bf16 else torch.float32) for k, v in p.items()}
     disp, dy = rand(EXPERTS, cap, m), rand(EXPERTS, cap, m)
     act = rand(EXPERTS, cap, h)                                    # gelu's output (gpt), glu (mixtral)
     d_hidden = [rand(EXPERTS, cap, h) for _ in range(gemms_per_expert(ffn) - 1)]   # dhb (gpt); dh1, dh3
@@ -301,12 +309,12 @@ def bench_shape(torch, shape, device, warmup, runs):
             torch.bmm(disp.transpose(1, 2), dh, out=out_mh)
     gemm_ms = median_ms(torch, device, warmup, runs, 1, gemms)
 
-    with torch.no_grad():
-        xd = x.detach()
-        logits = xd @ w["wg"]
+    with torch.no_grad():   # the routing in fp32 (as the layer's under autocast: the gate's product aside)
+        xd, wg = x.detach(), p["wg"].detach()
+        logits = xd @ wg
         gate_us = 1e3 * median_ms(torch, device, warmup, runs, GATE_REPS, lambda: gate(torch, logits))
-        route_us = 1e3 * median_ms(torch, device, warmup, runs, GATE_REPS, lambda: route(torch, xd, w["wg"], cap))
-        kept = route(torch, xd, w["wg"], cap)[5]
+        route_us = 1e3 * median_ms(torch, device, warmup, runs, GATE_REPS, lambda: route(torch, xd, wg, cap))
+        kept = route(torch, xd, wg, cap)[5]
         dropped = 100.0 * (1.0 - kept.float().mean().item())
     return format_row(shape, layer_ms, gemm_ms, gate_us, route_us, dropped)
 
@@ -319,6 +327,8 @@ def main(argv):
     ap.add_argument("--shapes", help="comma-separated FFN:BxLxMxHSCALE (overrides --quick and --all)")
     ap.add_argument("--runs", type=int, default=10)
     ap.add_argument("--warmup", type=int, default=3)
+    ap.add_argument("--dtype", choices=("fp32", "bf16"), default="fp32",
+                    help="bf16: autocast to bf16 (fp32 parameters, bf16 matrix products), as dtype bf16")
     ap.add_argument("--list-shapes", action="store_true", help="print the shapes as --shapes takes them and exit")
     args = ap.parse_args(argv)
     if args.runs < 1 or args.warmup < 0:
@@ -342,8 +352,9 @@ def main(argv):
     torch.backends.cudnn.allow_tf32 = False
     torch.set_float32_matmul_precision("highest")
 
-    print("# torch_ref: the same MoE layer in PyTorch %s (fp32, TF32 off), forward + backward by autograd" %
-          torch.__version__)
+    print("# torch_ref: the same MoE layer in PyTorch %s (%s), forward + backward by autograd" % (
+        torch.__version__, "autocast bf16: fp32 parameters, bf16 matrix products" if args.dtype == "bf16"
+        else "fp32, TF32 off"))
     if args.device == "cuda":
         props = torch.cuda.get_device_properties(0)
         print("# device: %s, sm_%d%d, %d SMs, %.1f GiB; CUDA %s" % (
@@ -361,7 +372,7 @@ def main(argv):
         print(HEADER)
         sys.stdout.flush()
         for shape in shapes:
-            print(bench_shape(torch, shape, args.device, args.warmup, args.runs))
+            print(bench_shape(torch, shape, args.device, args.warmup, args.runs, args.dtype == "bf16"))
             sys.stdout.flush()
             if args.device == "cuda":
                 torch.cuda.empty_cache()

@@ -1,7 +1,9 @@
 // `moec tune --target cuda`'s engine (cli/tune.h): GPUs, one per rank. The GEMMs are
 // rt_cuda_gemm (cuBLAS, fp32 or with --dtype bf16 bf16 inputs, fp32 accumulation) on device
-// memory, 2^27 multiply-accumulates a size step (the model's or the paper's expert M = 1024,
-// H = 4096 unscaled: 32..384 tokens), each run GPU_REPS GEMMs back to back on the compute stream
+// memory, 2^30 multiply-accumulates a size step in fp32 and 2^32 in bf16 on a GPU (2^27 on the
+// tests' fake device; the paper's expert M = 1024, H = 4096 unscaled: 256..3072 and 1024..12288
+// tokens: at 2^27, 32..384 tokens, an H200's GEMMs were launch-bound, 6 us in fp32 and less in
+// bf16, and the bf16 fit was a constant, r2 0.01, predicting a step 75x too short), each run GPU_REPS GEMMs back to back on the compute stream
 // and a synchronisation, divided by GPU_REPS; the collectives are NCCL's on the intra-node and
 // inter-node groups, timed the same way. One rank (one GPU) is allowed: it times the GEMMs only
 // (the collectives are skipped). The element-wise and attention kernels are not timed on a GPU
@@ -23,7 +25,10 @@
 #include "runtime/cuda/rt_cuda.h"
 #include "runtime/moert.h"
 
-#define GEMM_UNIT 134217728.0   // 2^27: a GEMM size step, multiply-accumulates
+#define GEMM_UNIT 134217728.0   // 2^27: the engine's GEMM size step, multiply-accumulates
+// The size step this run uses: GEMM_UNIT times 8 (fp32) or 32 (bf16) on a GPU (open_gpu).
+static double unit = GEMM_UNIT;
+static const char *unit_text = "2^27";
 enum { GPU_REPS = 10 };         // GEMMs / collectives back to back in one timed run
 
 // The GPU of this rank, the GEMMs' input type, and the NCCL communicators of the groups timed.
@@ -52,11 +57,11 @@ static void call(const Call *c) {
   if (!ok || !rt_cuda_sync(gpu, RT_STREAM_COMPUTE)) rt_comm_abort("moec tune: a GPU call failed (the error is above)");
 }
 
-// Tokens for GEMM size k * 2^27 (k = 1..12): m*K*N as close to it as whole tokens allow, and at
-// least k tokens so that the sizes stay distinct when one token is already bigger than 2^27.
+// Tokens for GEMM size k * unit (k = 1..12): m*K*N as close to it as whole tokens allow, and at
+// least k tokens so that the sizes stay distinct when one token is already bigger than the unit.
 static int tokens_for(const GemmShape *s, int k) {
   double per_token = (double)s->k * s->n;
-  long m = lround(k * GEMM_UNIT / per_token);
+  long m = lround(k * unit / per_token);
   return (int)(m < k ? k : m);
 }
 
@@ -132,15 +137,15 @@ static void print_device(void) {
 }
 
 static void print_sizes(bool quick) {
-  printf("# sizes: communication 2^8, 2^11, 2^14 and %s of 2^18 .. 24*2^18 floats, gemm %s of 2^27 .. 12*2^27"
+  printf("# sizes: communication 2^8, 2^11, 2^14 and %s of 2^18 .. 24*2^18 floats, gemm %s of %s .. 12*%s"
          " multiply-accumulates%s\n",
-         quick ? "4" : "all 24", quick ? "4" : "all 12", quick ? " (--quick)" : "");
+         quick ? "4" : "all 24", quick ? "4" : "all 12", unit_text, unit_text, quick ? " (--quick)" : "");
 }
 
 static size_t header_sizes(char *h, size_t u, size_t size, bool quick) {
   return u + snprintf(h + u, size - u,
-                      "# Sizes: communication 2^8, 2^11, 2^14 and %s x 2^18 floats, gemm %s x 2^27 multiply-accumulates;\n",
-                      quick ? "4 of 1..24" : "1..24", quick ? "4 of 1..12" : "1..12");
+                      "# Sizes: communication 2^8, 2^11, 2^14 and %s x 2^18 floats, gemm %s x %s multiply-accumulates;\n",
+                      quick ? "4 of 1..24" : "1..24", quick ? "4 of 1..12" : "1..12", unit_text);
 }
 
 // Device memory for the largest GEMM (A, B of the input type, C fp32) or the two collective
@@ -173,6 +178,12 @@ static bool open_gpu(Tune *t, const TuneOptions *o, RtComm *comm, Series *s, con
   if (world == 1)
     for (int i = S_A2A_INTRA; i < NSERIES; i++) s[i].skipped = true;
   gpu = rt_cuda_create(arena_bytes(shapes, nshapes, world > 1), 1);
+  if (gpu && !rt_cuda_device(gpu)->emulated) {   // a GPU: sizes past the launch overhead, a new arena
+    unit = GEMM_UNIT * (gemm_type == RT_CUDA_BF16 ? 32 : 8);
+    unit_text = gemm_type == RT_CUDA_BF16 ? "2^32" : "2^30";
+    rt_cuda_destroy(gpu);
+    gpu = rt_cuda_create(arena_bytes(shapes, nshapes, world > 1), 1);
+  }
   ok = gpu != NULL;
   MPI_Allreduce(&ok, &all, 1, MPI_INT, MPI_MIN, MPI_COMM_WORLD);
   if (!all) return false;
@@ -190,7 +201,8 @@ static void close_gpu(void) {
   if (gpu) rt_cuda_destroy(gpu);
 }
 
-// GEMM sizes of 2^27 multiply-accumulates, GPU_REPS calls a run on device memory, 4 GEMM sizes
+// GEMM sizes of 2^27 multiply-accumulates (the shapes' scale; a GPU's sweep uses the larger unit),
+// GPU_REPS calls a run on device memory, 4 GEMM sizes
 // with --quick, one rank allowed (its GEMMs alone); no probes (the stream hand-off and the
 // overlap are the CPU runtime's).
 const TuneEngine tune_cuda_engine = {

@@ -81,6 +81,7 @@ typedef enum CgArgKind {
   CG_ARG_MOMENT_M,  // adamw's moments of that parameter
   CG_ARG_MOMENT_V,
   CG_ARG_STATS,     // the op's statistics buffer (gate.locations: int[g, e, 2] or NULL; hook.record: double[3])
+  CG_ARG_SCRATCH,   // CUDA: the launch's scratch, CgLaunch.scratch_bytes (a reduction's partial sums)
   CG_ARG_INT,       // the literal i
   CG_ARG_FLOAT,     // the literal f
   CG_ARG_SEED,      // RtStep.seed, .step, .token0 of the step being run
@@ -118,11 +119,13 @@ typedef struct CgLaunch {
   CgKernelCall call[2];    // kernels in launch order
   int ncalls;
   int nops;                // ops of the function the launch stands for: 3 for a fused gate, else 1
+  int64_t scratch_bytes;   // CUDA: device bytes its CG_ARG_SCRATCH arguments point to (0 none)
   char note[96];           // for the launch plan comment ("" none)
 } CgLaunch;
 
 // The lowering of op i of f (or, with fuse, of ops i..i+2 when they are a gate's softmax or
-// sigmoid, top-k and gather that one fused kernel can do: nops 3). False when the op has no
+// sigmoid, top-k and gather that one fused kernel can do: nops 3; fuse is the CUDA target, which
+// also splits the whole-tensor losses into a grid of partial sums). False when the op has no
 // lowering (every op of ops.def has one).
 bool cg_lower(const PassMemPlan *plan, const IrFunc *f, int i, bool fuse, CgLaunch *l);
 // The lowering of one op alone (never fused).

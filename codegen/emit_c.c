@@ -52,6 +52,7 @@ static void call_arg(Emit *e, char *buf, size_t n, const IrFunc *f, int i, const
   if (cg_spell_pointer(&e->sp, f, i, a, buf, n)) return;
   switch (a->kind) {
   case CG_ARG_STATS: snprintf(buf, n, "st"); return;   // the CPU kernels add their statistics to the step
+  case CG_ARG_SCRATCH: snprintf(buf, n, "NULL"); return;   // CUDA only (the CPU lowering has none)
   case CG_ARG_INT: snprintf(buf, n, "%" PRId64, a->i); return;
   case CG_ARG_FLOAT: snprintf(buf, n, "(float)%.17g", a->f); return;
   case CG_ARG_SEED: snprintf(buf, n, "st->seed"); return;

@@ -237,6 +237,7 @@ static void plan_arg(char *buf, size_t n, const IrFunc *f, int i, const CgArg *a
   case CG_ARG_MOMENT_M: snprintf(buf, n, "m(@%s)", op->args[0].param->name); return;
   case CG_ARG_MOMENT_V: snprintf(buf, n, "v(@%s)", op->args[0].param->name); return;
   case CG_ARG_STATS: snprintf(buf, n, "stats"); return;
+  case CG_ARG_SCRATCH: snprintf(buf, n, "scratch"); return;
   case CG_ARG_INT: snprintf(buf, n, "%" PRId64, a->i); return;
   case CG_ARG_FLOAT: snprintf(buf, n, "%.9g", a->f); return;
   case CG_ARG_SEED: snprintf(buf, n, "seed"); return;

@@ -196,12 +196,13 @@ static void stage_op(Host *h, const IrFunc *f, const IrOp *op, IrStream s) {
 
 // One kernel argument for parameter type t, as the value macro of the program (PTR, I32, ...)
 // in buf; false when the argument does not fit the parameter (an internal error).
-static bool kernel_arg(Host *h, const IrFunc *f, int i, const CgArg *a, CgParamType t, int64_t stats, char *buf,
-                       size_t n) {
+static bool kernel_arg(Host *h, const IrFunc *f, int i, const CgArg *a, CgParamType t, int64_t stats,
+                       int64_t scratch, char *buf, size_t n) {
   const IrOp *op = f->ops[i];
   char addr[96];
   bool pointer = a->kind == CG_ARG_OPERAND || a->kind == CG_ARG_RESULT || a->kind == CG_ARG_GRAD ||
-                 a->kind == CG_ARG_MOMENT_M || a->kind == CG_ARG_MOMENT_V || a->kind == CG_ARG_STATS;
+                 a->kind == CG_ARG_MOMENT_M || a->kind == CG_ARG_MOMENT_V || a->kind == CG_ARG_STATS ||
+                 a->kind == CG_ARG_SCRATCH;
   bool real = a->kind == CG_ARG_FLOAT || a->kind == CG_ARG_LR_SCALE || a->kind == CG_ARG_GRAD_SCALE;
   if (pointer != (t == CG_PARAM_POINTER) || real != (t == CG_PARAM_FLOAT) ||
       (a->kind == CG_ARG_SEED) != (t == CG_PARAM_U64) ||
@@ -212,6 +213,10 @@ static bool kernel_arg(Host *h, const IrFunc *f, int i, const CgArg *a, CgParamT
     case CG_ARG_STATS:   // gate.locations: NULL (the host counts from idx and loc); hook.record: its doubles
       if (stats >= 0) snprintf(addr, sizeof addr, "(S + %" PRId64 ")", stats);
       else snprintf(addr, sizeof addr, "NULL");
+      break;
+    case CG_ARG_SCRATCH:   // the launch's partial sums, in the staging area (never read by the host)
+      if (scratch < 0) return false;
+      snprintf(addr, sizeof addr, "(S + %" PRId64 ")", scratch);
       break;
     case CG_ARG_INT:
       if (t == CG_PARAM_INT && (a->i < INT32_MIN || a->i > INT32_MAX))
@@ -231,7 +236,8 @@ static bool kernel_arg(Host *h, const IrFunc *f, int i, const CgArg *a, CgParamT
   return true;
 }
 
-static bool emit_kernel(Host *h, const IrFunc *f, int i, const CgKernelCall *c, IrStream s, int64_t stats) {
+static bool emit_kernel(Host *h, const IrFunc *f, int i, const CgKernelCall *c, IrStream s, int64_t stats,
+                        int64_t scratch) {
   const IrOp *op = f->ops[i];
   CgParamType types[CG_MAX_KERNEL_ARGS];
   int nparams = cg_cuda_kernel_params(c->kernel, types, CG_MAX_KERNEL_ARGS);
@@ -244,7 +250,7 @@ static bool emit_kernel(Host *h, const IrFunc *f, int i, const CgKernelCall *c, 
           c->shared_bytes);
   for (int a = 0; a < c->nargs; a++) {
     char buf[128];
-    if (!kernel_arg(h, f, i, &c->args[a], types[a], stats, buf, sizeof buf))
+    if (!kernel_arg(h, f, i, &c->args[a], types[a], stats, scratch, buf, sizeof buf))
       return ir_internal_at(h->d, op->loc, "argument %d of kernel %s does not fit its parameter", a, name);
     fprintf(h->out, "%s%s", a ? ", " : "", buf);
   }
@@ -388,8 +394,10 @@ static bool emit_op(Host *h, const IrFunc *f, int i, IrStream s, int *nops) {
   if (l.lib) return emit_comm(h, f, op, s);
   // The record hook's kernel writes its statistics into the staging area.
   int64_t stats = op->kind == IR_OP_HOOK_RECORD ? stage_place(h, 3 * (int64_t)sizeof(double)) : -1;
+  // A split reduction's partial sums: a place of their own (ops on other streams may run beside).
+  int64_t scratch = l.scratch_bytes > 0 ? stage_place(h, l.scratch_bytes) : -1;
   for (int k = 0; k < l.ncalls; k++)
-    if (!emit_kernel(h, f, i, &l.call[k], s, stats)) return false;
+    if (!emit_kernel(h, f, i, &l.call[k], s, stats, scratch)) return false;
   if (op->kind == IR_OP_HOOK_RECORD) {
     int64_t off = stats;
     fprintf(h->epi, "  rt_record_stats(st, \"");
@@ -651,7 +659,7 @@ static void emit_hooks(Host *h, FILE *out) {
                "  .cubin = cubin, .cubin_arch = CUBIN_ARCH, .ptx = ptx, .kernel_names = kernel_names, .nkernels = KERNEL_COUNT,\n"
                "  .device_bytes = DEVICE_BYTES, .events = EVENTS, .param_floats = PARAM_FLOATS,\n"
                "  .off_grads = OFF_G, .off_m = OFF_M, .off_v = OFF_V, .moments = MOMENTS,\n"
-               "  .stage_bytes = STAGE_BYTES, .output_floats = OUTPUT_FLOATS,\n  .nccl = {");
+               "  .stage_bytes = STAGE_BYTES, .output_floats = OUTPUT_FLOATS, .input_bytes = ELEMS * sizeof(float),\n  .nccl = {");
   int any = 0;
   for (int g = 0; g < 5; g++)
     if (h->group_nccl[g]) fprintf(out, "%s[%s] = true", any++ ? ", " : "", group_enums[g]);

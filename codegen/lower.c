@@ -443,8 +443,55 @@ static bool fused_gate_at(const PassMemPlan *plan, const IrFunc *f, int i) {
   return true;
 }
 
+// ---- whole-tensor reductions on CUDA ----
+// loss.mse and loss.xent reduce a whole tensor into one float; their kernel is one block (the
+// CPU's order of the sums, row by row), which on a GPU reads at the speed of one multiprocessor.
+// The CUDA target launches them as a grid writing one double per block into the launch's
+// scratch, then mk_sum_parts adding those in order: the grid is a function of the shape, so the
+// result is the same on every device and every run.
+#define CG_MAX_PARTS 512
+
+static int64_t parts_for(int64_t items) { return items < 1 ? 1 : items > CG_MAX_PARTS ? CG_MAX_PARTS : items; }
+
+// The one-block launch in l (of op) as a grid of partial sums and mk_sum_parts, where it is one.
+static void split_reduction(CgLaunch *l) {
+  if (l->lib || l->ncalls != 1) return;
+  CgKernelCall one = l->call[0];
+  int64_t n, div, parts;
+  CgKernelCall *c;
+  if (one.kernel == CG_K_MSE) {   // (x0, x1, y, n, scale)
+    n = one.args[3].i, div = 2 * n;
+    parts = parts_for((n + 8 * CG_CUDA_BLOCK - 1) / (8 * CG_CUDA_BLOCK));   // >= 8 elements a thread
+    l->ncalls = 0;
+    c = call(l, CG_K_MSE_PART, parts);
+    c->args[0] = one.args[0], c->args[1] = one.args[1], c->nargs = 2;
+    arg(c, CG_ARG_SCRATCH, 0);
+    INTS(c, n);
+  } else if (one.kernel == CG_K_XENT) {   // (logits, targets, y, t, v, scale)
+    n = one.args[3].i, div = n;
+    parts = parts_for(n);
+    l->ncalls = 0;
+    c = call(l, CG_K_XENT_PART, parts);
+    c->args[0] = one.args[0], c->args[1] = one.args[1], c->nargs = 2;
+    arg(c, CG_ARG_SCRATCH, 0);
+    INTS(c, one.args[3].i, one.args[4].i);
+  } else {
+    return;
+  }
+  c = call(l, CG_K_SUM_PARTS, 1);
+  arg(c, CG_ARG_SCRATCH, 0);
+  c->args[c->nargs++] = one.args[2];
+  INTS(c, parts, div);
+  c->args[c->nargs++] = one.args[one.nargs - 1];
+  l->scratch_bytes = parts * (int64_t)sizeof(double);
+}
+
 bool cg_lower(const PassMemPlan *plan, const IrFunc *f, int i, bool fuse, CgLaunch *l) {
-  if (!fuse || !fused_gate_at(plan, f, i)) return cg_lower_op(f->ops[i], l);
+  if (!fuse || !fused_gate_at(plan, f, i)) {
+    if (!cg_lower_op(f->ops[i], l)) return false;
+    if (fuse) split_reduction(l);
+    return true;
+  }
   memset(l, 0, sizeof *l);
   // logits (op i's operand), then scores, idx and gates (the results of ops i, i+1, i+2).
   const IrOp *a = f->ops[i], *g = f->ops[i + 2];

@@ -14,27 +14,43 @@ __device__ double mk_row_logsumexp(const float *row, int e) {
 
 // ---- mk_aux_loss ----
 // One block of MK_BLOCK threads. Per group: me_i = mean score, ce_i = fraction of first choices;
-// aux = mean over groups of E * sum_i me_i ce_i; out[0] = aux / share.
+// aux = mean over groups of E * sum_i me_i ce_i; out[0] = aux / share. The block takes
+// blockDim.x / 32 experts at a time, 32 threads each striding over the group's tokens, summed in
+// shared memory in a fixed order (one thread per expert read every token: 0.9 ms on an H200).
 extern "C" __global__ void mk_aux_loss(const float *scores, const int *idx, float *out, int s, int e, int k, int g,
                                        float share) {
+  __shared__ double sh_me[MK_BLOCK], sh_ce[MK_BLOCK];
   if (g < 1) g = 1;
+  const int lanes = blockDim.x < 32 ? (int)blockDim.x : 32, per = blockDim.x / lanes;
+  const int j = threadIdx.x / lanes, lane = threadIdx.x % lanes;
   double total = 0.0;
   for (int gi = 0; gi < g; gi++) {
     int t0 = mk_group_begin(s, g, gi), t1 = mk_group_begin(s, g, gi + 1), n = t1 - t0;
     double part = 0.0;
-    for (int i = threadIdx.x; i < e; i += blockDim.x) {
+    for (int i0 = 0; i0 < e; i0 += per) {
+      int i = i0 + j;
       double me = 0.0, ce = 0.0;
-      for (int t = t0; t < t1; t++) {
-        me += scores[(i64)t * e + i];
-        ce += idx[(i64)t * k] == i;
-      }
-      if (n > 0) {
-        me /= n;
-        ce /= n;
-      }
-      part += me * ce;
+      if (i < e && j < per)
+        for (int t = t0 + lane; t < t1; t += lanes) {
+          me += scores[(i64)t * e + i];
+          ce += idx[(i64)t * k] == i;
+        }
+      sh_me[threadIdx.x] = me;
+      sh_ce[threadIdx.x] = ce;
+      __syncthreads();
+      if (threadIdx.x == 0)
+        for (int q = 0; q < per && i0 + q < e; q++) {
+          double m = 0.0, c = 0.0;
+          for (int l = 0; l < lanes; l++) m += sh_me[q * lanes + l], c += sh_ce[q * lanes + l];
+          if (n > 0) {
+            m /= n;
+            c /= n;
+          }
+          part += m * c;
+        }
+      __syncthreads();
     }
-    total += e * mk_block_sum(part);
+    total += e * part;
   }
   if (threadIdx.x == 0) out[0] = (float)(total / g) / share;
 }

@@ -36,7 +36,7 @@
   X(cuStreamCreate) X(cuStreamDestroy) X(cuStreamSynchronize) X(cuStreamWaitEvent) X(cuEventCreate)  \
   X(cuEventDestroy) X(cuEventRecord) X(cuMemAlloc) X(cuMemFree) X(cuMemcpyHtoDAsync)                  \
   X(cuMemcpyDtoHAsync) X(cuMemcpyDtoDAsync) X(cuMemsetD8Async) X(cuModuleLoadDataEx) X(cuModuleUnload)                     \
-  X(cuModuleGetFunction) X(cuLaunchKernel)
+  X(cuModuleGetFunction) X(cuLaunchKernel) X(cuMemHostRegister) X(cuMemHostUnregister)
 
 #define DRIVER_FIELD(f) __typeof__(f) *f;
 static struct {
@@ -268,6 +268,17 @@ void rt_cuda_arena_reset(RtCuda *cu) { cu->arena_used = 0; }
 
 bool rt_cuda_to_device(RtCuda *cu, RtStream s, void *dst, const void *src, size_t bytes) {
   return CUDA_CHECK(drv.cuMemcpyHtoDAsync((CUdeviceptr)(uintptr_t)dst, src, bytes, cu->stream[s]));
+}
+
+bool rt_cuda_pin(RtCuda *cu, void *host, size_t bytes) {
+  (void)cu;
+  bytes = (bytes + 4095) & ~(size_t)4095;   // whole pages (the caller's memory is)
+  return bytes > 0 && drv.cuMemHostRegister(host, bytes, 0) == CUDA_SUCCESS;   // refused: stays pageable
+}
+
+void rt_cuda_unpin(RtCuda *cu, void *host) {
+  (void)cu;
+  drv.cuMemHostUnregister(host);
 }
 
 bool rt_cuda_to_host(RtCuda *cu, RtStream s, void *dst, const void *src, size_t bytes) {

@@ -39,6 +39,7 @@ typedef struct RtCudaDevice {
   int driver_version;        // cuDriverGetVersion: 13000 for CUDA 13.0
   int multiprocessors;
   size_t memory_bytes;
+  bool emulated;             // the fake device of the tests (tests/cuda/fake_cuda.cpp): host memory
 } RtCudaDevice;
 
 // Element type of GEMM inputs (the output and the accumulation are fp32).
@@ -66,6 +67,12 @@ const RtCudaDevice *rt_cuda_device(const RtCuda *cu);
 void *rt_cuda_alloc(RtCuda *cu, size_t bytes);
 // Every allocation made since rt_cuda_create (or the last reset) is free again.
 void rt_cuda_arena_reset(RtCuda *cu);
+// Page-locks host memory that is copied every step (the step's input and target), so that
+// rt_cuda_to_device moves it at the bus's speed; false when the driver refuses (the copies then
+// go from pageable memory, as before). host is page-aligned and owns the pages that bytes, rounded
+// up to whole pages, reaches. rt_cuda_unpin undoes it before the memory is freed.
+bool rt_cuda_pin(RtCuda *cu, void *host, size_t bytes);
+void rt_cuda_unpin(RtCuda *cu, void *host);
 bool rt_cuda_to_device(RtCuda *cu, RtStream s, void *dst, const void *src, size_t bytes);
 bool rt_cuda_to_host(RtCuda *cu, RtStream s, void *dst, const void *src, size_t bytes);
 bool rt_cuda_zero(RtCuda *cu, RtStream s, void *dst, size_t bytes);
@@ -140,6 +147,7 @@ typedef struct RtCudaProgram {
   bool moments;
   size_t stage_bytes;                // the host twin of the program's statistics staging area
   size_t output_floats;              // the model's output, [batch, seqlen, embed]
+  size_t input_bytes;                // the step's input (and its target), copied to the GPU every step
   bool nccl[RT_GROUP_COUNT];         // groups whose collectives cross ranks: a communicator each
   const char *note;                  // ends the device's description (NULL: nothing)
 } RtCudaProgram;
@@ -155,6 +163,7 @@ typedef struct RtCudaSession {
   const void *device_output;         // set by the program: where its forward leaves the output
   RtNccl *nccl[RT_GROUP_COUNT];      // made by rt_cuda_session_connect (NULL for other groups)
   char description[320];             // the GPU and which image of the kernels it runs
+  void *pinned[2];                   // the trainer's input and target, page-locked at the first upload
 } RtCudaSession;
 
 // RtDevice.create: claims the GPU (NULL with the reason recorded by rt_fail when there is none

@@ -90,6 +90,7 @@ RtCuda *rt_cuda_create(size_t arena_bytes, int nevents) {
   cu->device.arch = arch && atoi(arch) >= 10 ? atoi(arch) : 90;
   cu->device.driver_version = CUDA_VERSION;
   cu->device.multiprocessors = 1;
+  cu->device.emulated = true;
   cu->device.memory_bytes = arena_bytes;
   cu->arena_bytes = arena_bytes;
   cu->recorded.assign(nevents > 0 ? (size_t)nevents : 0, false);
@@ -165,6 +166,10 @@ bool rt_cuda_to_host(RtCuda *cu, RtStream s, void *dst, const void *src, size_t 
   if (bytes) memcpy(dst, src, bytes);
   return true;
 }
+
+bool rt_cuda_pin(RtCuda *, void *, size_t) { return true; }   // host memory already
+
+void rt_cuda_unpin(RtCuda *, void *) {}
 
 bool rt_cuda_zero(RtCuda *cu, RtStream s, void *dst, size_t bytes) {
   if (!stream_ok(s, "rt_cuda_zero") || !device_range(cu, "rt_cuda_zero", "destination", dst, bytes)) return false;

@@ -514,6 +514,11 @@ template <class Launcher> void run_kernel_cases(Launcher &L, Checks &c) {
       rt_xent(a.data(), tgt.data(), xl_c.data(), s, m, 0.5f);
       LAUNCH(1, MK_BLOCK, mk_xent, a, tgt, xl_k, s, m, 0.5f);
       c.same("loss.xent", xl_c, xl_k);
+      std::vector<double> xp = zeros<double>(4);   // the CUDA target's split: 4 blocks of rows, then the sum
+      xl_k = {0};
+      LAUNCH(4, MK_BLOCK, mk_xent_part, a, tgt, xp, s, m);
+      LAUNCH(1, MK_BLOCK, mk_sum_parts, xp, xl_k, 4, (i64)s, 0.5f);
+      c.same("loss.xent as xent_part + sum_parts", xl_c, xl_k);
       rt_xent_grad(a.data(), tgt.data(), y_c.data(), s, m, 0.5f);
       LAUNCH(5, MK_BLOCK, mk_xent_grad, a, tgt, y_k, s, m, 0.5f);
       c.same("loss.xent.grad", y_c, y_k);
@@ -532,6 +537,11 @@ template <class Launcher> void run_kernel_cases(Launcher &L, Checks &c) {
     std::vector<float> l_c = {0.5f * rt_mse_value(a.data(), b.data(), n)}, l_k = {0};
     LAUNCH(1, MK_BLOCK, mk_mse, a, b, l_k, n, 0.5f);
     c.same("loss.mse", l_c, l_k);
+    std::vector<double> mp = zeros<double>(3);   // the CUDA target's split: 3 blocks, then the sum
+    l_k = {0};
+    LAUNCH(3, MK_BLOCK, mk_mse_part, a, b, mp, n);
+    LAUNCH(1, MK_BLOCK, mk_sum_parts, mp, l_k, 3, 2 * n, 0.5f);
+    c.same("loss.mse as mse_part + sum_parts", l_c, l_k);
     rt_mse_grad(a.data(), b.data(), y_c.data(), n, 1.0f);
     rt_scale(y_c.data(), n, 0.5f);
     LAUNCH(3, 64, mk_mse_grad, a, b, y_k, n, 0.5f);

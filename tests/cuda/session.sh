@@ -3,7 +3,8 @@
 # build/gpu-pack.tar.xz (make gpu-pack, carried), then runs the stages asked for and keeps each
 # stage's log under $OUT (the device tool's folder that comes back; default build/gpu-logs).
 #
-#   bash tests/cuda/session.sh [env] [test] [tune] [predict] [bench] [bench-all]   (default: env test tune predict)
+#   bash tests/cuda/session.sh [env] [test] [tune] [predict] [profile] [bench] [bench-bf16] [bench-all]
+#                                                                  (default: env test tune predict)
 #
 # A stage may carry a time limit in seconds, STAGE:SECONDS (e.g. test:240 bench:120): the stage is
 # stopped there and counts as failed (exit 124), and the next one runs, so that one call of the
@@ -18,7 +19,10 @@
 #   tune       moec tune --target cuda, fp32 and bf16, full sweeps (tune.log, tune_bf16.log, and
 #              the profiles gpu.cluster, gpu_bf16.cluster)
 #   predict    bench/gpu_predict.sh with those profiles: predicted against measured steps (predict.log)
-#   bench      make bench-gpu's default shapes: bench/gpu.sh (bench-gpu.log); bench-all: all 162
+#   profile    the predict models' --profile (data, forward, backward, update) and ncu's kernel
+#              durations of the bf16 one (profile.log, ncu.csv)
+#   bench      make bench-gpu's default shapes: bench/gpu.sh (bench-gpu.log); bench-bf16: the same with
+#              --dtype bf16 (bench-gpu-bf16.log); BENCH_ARGS adds options (--shapes SPEC); bench-all: all 162
 #              shapes (run it as a call of its own: it can take most of the 10 minutes)
 #
 # The summary (each stage's last lines and its exit status) goes to stdout and $OUT/summary.txt.
@@ -63,7 +67,7 @@ stage() {   # NAME LOG COMMAND...: runs it, its output to LOG, the last lines to
   start=$(date +%s)
   if [ "${limit:-0}" -gt 0 ]; then
     # the stages are functions of this script: export them for timeout's bash
-    export -f env_info tune
+    export -f env_info tune profile_models
     export BUILD OUT
     timeout -k 5 "$limit" bash -c '"$@"' stage "$@" >"$log" 2>&1 </dev/null
   else
@@ -89,6 +93,20 @@ env_info() {
   python3 -c 'import torch; print("torch", torch.__version__, torch.cuda.get_device_name(0))' 2>&1 | tail -n 1
 }
 
+profile_models() {   # where a step's time goes: --profile of the predict models, ncu's kernel times
+  local m
+  for m in "$(cd "$BUILD" && pwd)"/cuda/predict/*.cuda; do
+    echo "## $m --steps 8 --profile"
+    (cd "$OUT" && "$m" --steps 8 --profile --quiet) 2>&1 | tail -n 25
+  done
+  if command -v ncu >/dev/null; then
+    m=$(cd "$BUILD" && pwd)/cuda/predict/predict_bf16_gpt_4x2048x2048x4.cuda
+    echo "## ncu $m --steps 2 (kernel durations)"
+    (cd "$OUT" && timeout -k 5 90 ncu --clock-control none --metrics gpu__time_duration.sum --csv "$m" --steps 2 --quiet) >"$OUT/ncu.csv" 2>&1
+    echo "ncu exit $?"; tail -n 5 "$OUT/ncu.csv"
+  fi
+}
+
 tune() {   # DTYPE PROFILE
   # shellcheck disable=SC2086
   "$BUILD/moec" tune --target cuda --dtype "$1" -v ${TUNE_ARGS:-} -o "$OUT/$2"
@@ -108,9 +126,13 @@ for s in $stages; do
       [ -f "$OUT/gpu.cluster" ] && given+=(--profile "$OUT/gpu.cluster")
       [ -f "$OUT/gpu_bf16.cluster" ] && given+=(--profile-bf16 "$OUT/gpu_bf16.cluster")
       TAIL=16 stage "predicted against measured (bench/gpu_predict.sh)" predict.log env BUILD="$BUILD" bash bench/gpu_predict.sh "${given[@]}" ;;
-    bench) TAIL=40 stage "make bench-gpu (bench/gpu.sh)" bench-gpu.log env BUILD="$BUILD" bash bench/gpu.sh ;;
+    profile) TAIL=80 stage "where the predict models' steps go (--profile, ncu)" profile.log profile_models ;;
+    # shellcheck disable=SC2086
+    bench) TAIL=40 stage "make bench-gpu (bench/gpu.sh)" bench-gpu.log env BUILD="$BUILD" bash bench/gpu.sh ${BENCH_ARGS:-} ;;
+    # shellcheck disable=SC2086
+    bench-bf16) TAIL=40 stage "make bench-gpu, dtype bf16 (bench/gpu.sh --dtype bf16)" bench-gpu-bf16.log env BUILD="$BUILD" bash bench/gpu.sh --dtype bf16 ${BENCH_ARGS:-} ;;
     bench-all) TAIL=60 stage "make bench-gpu --all (bench/gpu.sh --all)" bench-gpu-all.log env BUILD="$BUILD" bash bench/gpu.sh --all ;;
-    *) say "unknown stage '$s' (env test tune predict bench bench-all)"; status=1 ;;
+    *) say "unknown stage '$s' (env test tune predict profile bench bench-bf16 bench-all)"; status=1 ;;
   esac
 done
 exit $status
