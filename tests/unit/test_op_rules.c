@@ -5,7 +5,8 @@
 // kernels of runtime/kernels.def with one argument of the right kind per parameter. Malformed
 // rules are rejected with a reason. And the rules do what they say on an op added through them
 // alone (norm.rms): its shape is inferred and checked, autodiff writes its gradient op, and the
-// lowering calls rt_rmsnorm / mk_rmsnorm with the row count, the row length and eps.
+// lowering calls rt_rmsnorm / mk_rmsnorm with the row count, the row length and eps. The CUDA
+// lowering splits loss.mse and loss.xent into partial sums and their sum; the CPU's stays one call.
 #include <setjmp.h>
 #include <stdarg.h>
 #include <stddef.h>
@@ -160,8 +161,65 @@ static void test_norm_rms_through_its_rules(void **state) {
   ir_source_free(src);
 }
 
+// The CUDA target (cg_lower with fuse) runs the whole-tensor losses as a grid of partial sums in
+// the launch's scratch and mk_sum_parts; the CPU (without fuse) keeps the one rt_mse / rt_xent.
+static const char *const xent_module =
+    "module t\n"
+    "\n"
+    "func @loss.fwd(%z: f32[1000, 16], %t: i32[1000]) {\n"
+    "  %l: f32[] = loss.xent %z, %t\n"
+    "  return %l\n"
+    "}\n";
+
+static void expect_split(const IrFunc *f, int kernel, int part_kernel, int64_t parts, int64_t div) {
+  CgLaunch l;
+  assert_true(cg_lower(NULL, f, 0, false, &l));   // the CPU: one call, no scratch
+  assert_int_equal(l.ncalls, 1);
+  assert_int_equal(l.call[0].kernel, kernel);
+  assert_int_equal(l.scratch_bytes, 0);
+  assert_true(cg_lower(NULL, f, 0, true, &l));    // CUDA: partial sums, then their sum
+  assert_int_equal(l.ncalls, 2);
+  assert_int_equal(l.call[0].kernel, part_kernel);
+  assert_int_equal(l.call[0].grid, parts);
+  assert_int_equal(l.call[0].args[0].kind, CG_ARG_OPERAND);
+  assert_int_equal(l.call[0].args[1].kind, CG_ARG_OPERAND);
+  assert_int_equal(l.call[0].args[2].kind, CG_ARG_SCRATCH);
+  assert_int_equal(l.call[1].kernel, CG_K_SUM_PARTS);
+  assert_int_equal(l.call[1].grid, 1);
+  assert_int_equal(l.call[1].nargs, 5);
+  assert_int_equal(l.call[1].args[0].kind, CG_ARG_SCRATCH);
+  assert_int_equal(l.call[1].args[1].kind, CG_ARG_RESULT);
+  assert_int_equal(l.call[1].args[2].i, parts);
+  assert_int_equal(l.call[1].args[3].i, div);
+  assert_int_equal(l.call[1].args[4].kind, CG_ARG_FLOAT);
+  assert_int_equal(l.scratch_bytes, parts * (int64_t)sizeof(double));
+}
+
+static void test_cuda_splits_whole_tensor_losses(void **state) {
+  (void)state;
+  IrDiag d;
+  ir_diag_init(&d, stderr);
+  IrSource *src;
+  IrModule *m = parse(&d, norm_module, &src);   // loss.mse over 32 elements: one block of parts
+  assert_non_null(m);
+  const IrFunc *f = m->funcs[m->nfuncs - 1];
+  assert_int_equal(f->ops[0]->kind, IR_OP_LOSS_MSE);
+  expect_split(f, CG_K_MSE, CG_K_MSE_PART, 1, 64);
+  ir_module_free(m);
+  ir_source_free(src);
+  m = parse(&d, xent_module, &src);   // loss.xent over 1000 rows: 512 blocks of rows, the mean over 1000
+  assert_non_null(m);
+  assert_true(ir_verify(&d, m));
+  f = m->funcs[0];
+  assert_int_equal(f->ops[0]->kind, IR_OP_LOSS_XENT);
+  expect_split(f, CG_K_XENT, CG_K_XENT_PART, 512, 1000);
+  ir_module_free(m);
+  ir_source_free(src);
+}
+
 int main(void) {
   const struct CMUnitTest tests[] = {
+      cmocka_unit_test(test_cuda_splits_whole_tensor_losses),
       cmocka_unit_test(test_every_rule_is_well_formed),
       cmocka_unit_test(test_malformed_rules_are_rejected),
       cmocka_unit_test(test_norm_rms_through_its_rules),
