@@ -3,14 +3,14 @@
 // See prelude.cu for the conventions and for how the build embeds this file.
 
 // ---- prelude: the cross-entropy's row logsumexp ----
-// logsumexp of a row reduced by the block: the max, then the sum of exponentials in double (the
-// cross-entropy kernels).
+// logsumexp of a row reduced by the block: the max, then the sum in double of mk_exp (rt_exp's
+// float bits, as the CPU kernels) of the differences (the cross-entropy kernels).
 __device__ double mk_block_logsumexp(const float *row, int v) {
   float mx = -MK_INF;
   for (int j = threadIdx.x; j < v; j += blockDim.x) mx = row[j] > mx ? row[j] : mx;
   mx = mk_block_max(mx);
   double s = 0.0;
-  for (int j = threadIdx.x; j < v; j += blockDim.x) s += exp((double)row[j] - mx);
+  for (int j = threadIdx.x; j < v; j += blockDim.x) s += (double)mk_exp(row[j] - mx);
   return mx + log(mk_block_sum(s));
 }
 
@@ -33,7 +33,8 @@ extern "C" __global__ void mk_xent_grad(const float *logits, const int *targets,
     const float *row = logits + i * v;
     float *out = dlogits + i * v;
     double lse = mk_block_logsumexp(row, v), f = (double)scale / t;
-    for (int j = threadIdx.x; j < v; j += blockDim.x) out[j] = (float)(f * (exp(row[j] - lse) - (j == targets[i])));
+    for (int j = threadIdx.x; j < v; j += blockDim.x)
+      out[j] = (float)(f * ((double)mk_exp((float)((double)row[j] - lse)) - (j == targets[i])));
   }
 }
 

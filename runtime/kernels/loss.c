@@ -34,12 +34,27 @@ void rt_mse_grad(const float *out, const float *target, float *dout, int64_t n, 
 
 // Cross-entropy of rows of logits [t, v] against targets: loss[0] = scale * mean over rows of
 // logsumexp(row) - row[target]; the gradient scale * (softmax(row) - onehot(target)) / t.
-static double row_logsumexp(const float *row, int v) {
+// The exponentials are rt_exp's (float, within 1.3 ulp; mk_exp on CUDA computes the same bits),
+// so that a row's loops vectorise; their sum is in double, in sixteen running sums (element j
+// into sum j % 16) added pairwise. libm's double exp was 5 % of a vocabulary-8192 model's step.
+RT_VECTOR_CLONES static double row_logsumexp(const float *row, int v) {
+  enum { W = 16 };
+  float m[W];
+  for (int u = 0; u < W; u++) m[u] = -INFINITY;
+  int j = 0;
+  for (; j + W <= v; j += W)
+    for (int u = 0; u < W; u++) m[u] = row[j + u] > m[u] ? row[j + u] : m[u];
   float mx = -INFINITY;
-  for (int j = 0; j < v; j++) mx = row[j] > mx ? row[j] : mx;
-  double s = 0.0;
-  for (int j = 0; j < v; j++) s += exp((double)row[j] - mx);
-  return mx + log(s);
+  for (int u = 0; u < W; u++) mx = m[u] > mx ? m[u] : mx;
+  for (; j < v; j++) mx = row[j] > mx ? row[j] : mx;
+  double s[W];
+  for (int u = 0; u < W; u++) s[u] = 0.0;
+  for (j = 0; j + W <= v; j += W)
+    for (int u = 0; u < W; u++) s[u] += (double)rt_exp(row[j + u] - mx);
+  for (; j < v; j++) s[j % W] += (double)rt_exp(row[j] - mx);
+  for (int w = W / 2; w > 0; w /= 2)
+    for (int u = 0; u < w; u++) s[u] += s[u + w];
+  return mx + log(s[0]);
 }
 
 // The rows' terms in parallel (each row's logsumexp on one thread), their sum in row order: the
@@ -57,12 +72,17 @@ void rt_xent(const float *logits, const int32_t *targets, float *loss, int t, in
   loss[0] = t > 0 ? (float)(scale * acc / t) : 0.0f;
 }
 
+// out[j] = f * (exp(row[j] - lse) - (j == target)), the exponential rt_exp's of the float
+// difference (mk_xent_grad's operations).
+RT_VECTOR_CLONES static void xent_grad_row(const float *row, float *out, int v, double lse, double f, int target) {
+  for (int j = 0; j < v; j++) out[j] = (float)(f * (double)rt_exp((float)((double)row[j] - lse)));
+  out[target] = (float)(f * ((double)rt_exp((float)((double)row[target] - lse)) - 1.0));
+}
+
 void rt_xent_grad(const float *logits, const int32_t *targets, float *dlogits, int t, int v, float scale) {
   RT_PARALLEL_FOR((int64_t)t * v >= RT_PAR_MIN / 8)
   for (int i = 0; i < t; i++) {
     const float *row = logits + (size_t)i * v;
-    float *out = dlogits + (size_t)i * v;
-    double lse = row_logsumexp(row, v), f = (double)scale / t;
-    for (int j = 0; j < v; j++) out[j] = (float)(f * (exp(row[j] - lse) - (j == targets[i])));
+    xent_grad_row(row, dlogits + (size_t)i * v, v, row_logsumexp(row, v), (double)scale / t, targets[i]);
   }
 }
