@@ -2,9 +2,9 @@
 // rt_cuda_gemm (cuBLAS, fp32 or with --dtype bf16 bf16 inputs, fp32 accumulation) on device
 // memory, 2^30 multiply-accumulates a size step in fp32 and 2^32 in bf16 on a GPU (2^27 on the
 // tests' fake device; the paper's expert M = 1024, H = 4096 unscaled: 256..3072 and 1024..12288
-// tokens: at 2^27, 32..384 tokens, an H200's GEMMs were launch-bound, 6 us in fp32 and less in
-// bf16, and the bf16 fit was a constant, r2 0.01, predicting a step 75x too short), each run GPU_REPS GEMMs back to back on the compute stream
-// and a synchronisation, divided by GPU_REPS; the collectives are NCCL's on the intra-node and
+// tokens; at 2^27, 32..384 tokens, an H200's GEMMs were launch-bound and the bf16 fit was a
+// constant, r2 0.01, predicting a step 75x too short), each run GPU_REPS GEMMs back to back on
+// the compute stream and a synchronisation, divided by GPU_REPS; the collectives are NCCL's on the intra-node and
 // inter-node groups, timed the same way. One rank (one GPU) is allowed: it times the GEMMs only
 // (the collectives are skipped). The element-wise and attention kernels are not timed on a GPU
 // yet. `memory` is the smallest total memory of the ranks' GPUs (cuDeviceTotalMem).
