@@ -74,8 +74,15 @@ void rt_xent(const float *logits, const int32_t *targets, float *loss, int t, in
 
 // out[j] = f * (exp(row[j] - lse) - (j == target)), the exponential rt_exp's of the float
 // difference (mk_xent_grad's operations).
-RT_VECTOR_CLONES static void xent_grad_row(const float *row, float *out, int v, double lse, double f, int target) {
-  for (int j = 0; j < v; j++) out[j] = (float)(f * (double)rt_exp((float)((double)row[j] - lse)));
+// Sixteen columns at a time, row and out apart (restrict): at -O2 GCC vectorises only loops of a
+// fixed count that need no check at run time.
+RT_VECTOR_CLONES static void xent_grad_row(const float *restrict row, float *restrict out, int v, double lse,
+                                           double f, int target) {
+  enum { W = 16 };
+  int j = 0;
+  for (; j + W <= v; j += W)
+    for (int u = 0; u < W; u++) out[j + u] = (float)(f * (double)rt_exp((float)((double)row[j + u] - lse)));
+  for (; j < v; j++) out[j] = (float)(f * (double)rt_exp((float)((double)row[j] - lse)));
   out[target] = (float)(f * ((double)rt_exp((float)((double)row[target] - lse)) - 1.0));
 }
 
