@@ -459,24 +459,23 @@ static void split_reduction(CgLaunch *l) {
   CgKernelCall one = l->call[0];
   int64_t n, div, parts;
   CgKernelCall *c;
+  if (one.kernel != CG_K_MSE && one.kernel != CG_K_XENT) return;
+  memset(l->call, 0, sizeof l->call);   // two fresh calls (call() sets only kernel and grid)
+  l->ncalls = 0;
   if (one.kernel == CG_K_MSE) {   // (x0, x1, y, n, scale)
     n = one.args[3].i, div = 2 * n;
     parts = parts_for((n + 8 * CG_CUDA_BLOCK - 1) / (8 * CG_CUDA_BLOCK));   // >= 8 elements a thread
-    l->ncalls = 0;
     c = call(l, CG_K_MSE_PART, parts);
     c->args[0] = one.args[0], c->args[1] = one.args[1], c->nargs = 2;
     arg(c, CG_ARG_SCRATCH, 0);
     INTS(c, n);
-  } else if (one.kernel == CG_K_XENT) {   // (logits, targets, y, t, v, scale)
+  } else {   // loss.xent: (logits, targets, y, t, v, scale)
     n = one.args[3].i, div = n;
     parts = parts_for(n);
-    l->ncalls = 0;
     c = call(l, CG_K_XENT_PART, parts);
     c->args[0] = one.args[0], c->args[1] = one.args[1], c->nargs = 2;
     arg(c, CG_ARG_SCRATCH, 0);
     INTS(c, one.args[3].i, one.args[4].i);
-  } else {
-    return;
   }
   c = call(l, CG_K_SUM_PARTS, 1);
   arg(c, CG_ARG_SCRATCH, 0);

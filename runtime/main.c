@@ -517,13 +517,12 @@ static void profile_print(const RtTrainer *tr, Profile *p, int64_t first, int64_
     return;
   }
   qsort(p->steps, (size_t)p->n, sizeof *p->steps, by_double);
+  printf("# profile: steps %lld..%lld, median whole step %.3f ms (data, forward, backward, update), ",
+         (long long)first + 1, (long long)last, p->steps[p->n / 2]);
   if (tr->model->device)   // the GEMMs are cuBLAS's on the GPU's streams: no host clock sees them
-    printf("# profile: steps %lld..%lld, median whole step %.3f ms (data, forward, backward, update), "
-           "GEMM share not measured on a GPU\n", (long long)first + 1, (long long)last, p->steps[p->n / 2]);
+    printf("GEMM share not measured on a GPU\n");
   else
-    printf("# profile: steps %lld..%lld, median whole step %.3f ms (data, forward, backward, update), "
-           "GEMM %.1f %% of the steps' time (%.3f ms per step)\n", (long long)first + 1, (long long)last,
-           p->steps[p->n / 2], 100.0 * p->gemm / p->total, p->gemm / (double)p->n);
+    printf("GEMM %.1f %% of the steps' time (%.3f ms per step)\n", 100.0 * p->gemm / p->total, p->gemm / (double)p->n);
   if (tr->ranks.world > 1)
     printf("# profile: communication %.3f ms per step (%.1f %% of the steps' time), %.1f %% of it "
            "hidden behind computation\n", p->comm / (double)p->n, 100.0 * p->comm / p->total,
