@@ -58,8 +58,6 @@
 #include "cli/options.h"
 #include "cli/tune.h"
 
-extern int openblas_get_num_threads(void);   // OpenBLAS, which libmoert's GEMMs run on
-
 // Whether series i is measured on a real intra-node group (a node's ranks): the alltoall_intra and
 // allreduce_intra lines are written only then.
 static bool on_a_node(const Series *s, int i) { return !s[i].skipped && s[i].group == RT_GROUP_ESP; }
@@ -620,6 +618,7 @@ static void describe_run(int argc, char **argv, const TuneOptions *o, int world,
   MPI_Comm_split_type(MPI_COMM_WORLD, MPI_COMM_TYPE_SHARED, 0, MPI_INFO_NULL, &local);
   MPI_Comm_size(local, &r->local_size);
   MPI_Comm_free(&local);
+  r->threads = rt_threads_setup(r->local_size);   // the GEMMs threaded as a training binary's on this node
   snprintf(r->host, sizeof r->host, "?");
   gethostname(r->host, sizeof r->host);
   r->host[sizeof r->host - 1] = '\0';
@@ -663,8 +662,8 @@ static void init_series(RtComm *comm, Series *s) {
 static void print_preamble(const TuneOptions *o, const TuneRun *r, const Series *s, const GemmShape *shapes,
                            int nshapes, const char *gemm_desc) {
   printf("# moec tune: t(n) = alpha + beta*n, t in ms, n in elements each rank sends/receives (gemm: multiply-accumulates)\n");
-  printf("# %s, %d ranks on %s (%ld cores); %d of them share rank 0's host; OpenBLAS threads per rank: %d\n",
-         r->version, r->world, r->host, r->cores, r->local_size, openblas_get_num_threads());
+  printf("# %s, %d ranks on %s (%ld cores); %d of them share rank 0's host; threads per rank: %d (GEMMs in %d pieces)\n",
+         r->version, r->world, r->host, r->cores, r->local_size, r->threads, rt_gemm_pieces());
   if (engine->print_device) engine->print_device();
   printf("# %s%s\n", r->nodes_line,
          r->local_size == r->world && r->nodes > 1 ? "; every rank runs on this host, so the 'nodes' share its memory"

@@ -103,6 +103,7 @@ typedef struct TuneRun {
   int world, gpn, nodes;
   bool assumed;             // no --gpus-per-node: the default node shape
   int local_size;           // ranks that share rank 0's host
+  int threads;              // each rank's threads (rt_threads_setup)
   long cores;
   char host[256], date[64], version[MPI_MAX_LIBRARY_VERSION_STRING], nodes_line[512], command[1024];
 } TuneRun;

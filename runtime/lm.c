@@ -87,25 +87,20 @@ void rt_lm_fill_val(RtLm *lm, int64_t batch, int64_t first, int dp, int32_t *inp
   }
 }
 
-// The sum of g[j]^2 in double: element j into running sum j % 16, the sums added pairwise.
+// The sum of g[j]^2 in double, in RT_LANES running sums (rt_internal.h).
 RT_VECTOR_CLONES static double sum_squares(const float *g, int64_t n) {
-  enum { W = 16 };
-  double s[W];
-  for (int u = 0; u < W; u++) s[u] = 0.0;
+  double s[RT_LANES] = {0};
   int64_t j = 0;
-  for (; j + W <= n; j += W)
-    for (int u = 0; u < W; u++) s[u] += (double)g[j + u] * g[j + u];
-  for (; j < n; j++) s[j % W] += (double)g[j] * g[j];
-  for (int w = W / 2; w > 0; w /= 2)
-    for (int u = 0; u < w; u++) s[u] += s[u + w];
-  return s[0];
+  for (; j + RT_LANES <= n; j += RT_LANES)
+    for (int u = 0; u < RT_LANES; u++) s[u] += (double)g[j + u] * g[j + u];
+  for (; j < n; j++) s[j % RT_LANES] += (double)g[j] * g[j];
+  return rt_lanes_total(s);
 }
 
 double rt_grad_norm(const RtModel *m, const RtRanks *r, RtComm *c, const float *grads) {
   // Every rank holds its shard of each gradient after the reductions; a shard held by several
   // ranks (replicas) counts once: its squares are divided by the number of replicas.
-  // Each tensor's sum on one thread (sum_squares: sixteen running sums, so that the loop
-  // vectorises instead of waiting on one chain of additions), the tensors handed to the threads
+  // Each tensor's sum on one thread (sum_squares: running sums that vectorise), the tensors handed to the threads
   // one at a time, then summed in tensor order: the same bits on any number of threads.
   double *part = rt_alloc((size_t)(m->nparams > 0 ? m->nparams : 1) * sizeof *part, "the gradient norm");
   RT_PRAGMA_PARALLEL_DYNAMIC(m->nparams > 1)

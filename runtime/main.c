@@ -373,6 +373,9 @@ static void print_header(const RtTrainer *tr, int64_t first, int64_t last) {
          optimizer_name(m->opt), m->seed);
   if (m->device)
     printf("# device: %s\n", m->device->describe());
+  else
+    printf("# threads: %d per rank, each GEMM in %d piece%s\n", rt_threads(), rt_gemm_pieces(),
+           rt_gemm_pieces() == 1 ? "" : "s");
   if (r->world > 1)
     printf("# %d ranks: dp %d, mp %d, ep %d, esp %d; global batch %lld samples; figures "
            "reduced over the ranks, time of the slowest\n", r->world, r->dp, r->mp, r->ep,

@@ -150,6 +150,11 @@ typedef struct RtLayout { int dp, mp, ep, esp, gpus_per_node; } RtLayout;
 // OPENBLAS_CORETYPE and runs the program again, its whole command line as it started
 // (runtime/threads.c); else returns.
 void rt_blas_kernels(void);
+// The threads of the kernels and GEMMs (runtime/threads.c), set once, before any work: the cores
+// divided among the ranks on this node (OMP_NUM_THREADS when set). Returns the pool's size.
+// rt_gemm_pieces: how many pieces rt_matmul splits a GEMM into (1 before rt_threads_setup).
+int rt_threads_setup(long ranks_on_node);
+int rt_gemm_pieces(void);
 
 // The communicators of one parallel layout: one per group, created together and passed to every
 // collective (runtime/comm.c). rt_comm_create starts MPI when nothing has (MPI_THREAD_MULTIPLE

@@ -361,7 +361,12 @@ void rt_print_tokens(FILE *out, const RtModel *m, const int32_t *tokens, int64_t
 #define RT_SIMD RT_PRAGMA(omp simd)   // the next loop vectorises (same rules as _SIMD above)
 // Iterations of very different sizes (one per tensor): handed out one at a time as threads free.
 #define RT_PRAGMA_PARALLEL_DYNAMIC(cond) RT_PRAGMA(omp parallel for schedule(dynamic, 1) if (cond))
+int omp_get_thread_num(void), omp_get_num_threads(void);   // omp.h (not every file includes it)
+static inline int rt_thread_id(void) { return omp_get_thread_num(); }    // in a parallel region
+static inline int rt_team_size(void) { return omp_get_num_threads(); }   // its threads
 #else
+static inline int rt_thread_id(void) { return 0; }
+static inline int rt_team_size(void) { return 1; }
 #define RT_PRAGMA_PARALLEL_DYNAMIC(cond)
 #define RT_PARALLEL_FOR(cond)
 #define RT_PARALLEL_FOR_SIMD(cond)
@@ -405,10 +410,20 @@ static inline float rt_exp(float x) {
   return p * scale;
 }
 
+// Long sums in double as RT_LANES running sums: element j into sum j % RT_LANES, then the sums
+// added pairwise (rt_lanes_total). The order is fixed by the length alone, so every clone and
+// thread count gives the same bits, and the loops vectorise instead of waiting on one chain of
+// additions (the cross-entropy, the norms, the gradient norm).
+enum { RT_LANES = 16 };
+static inline double rt_lanes_total(double s[RT_LANES]) {
+  for (int w = RT_LANES / 2; w > 0; w /= 2)
+    for (int u = 0; u < w; u++) s[u] += s[u + w];
+  return s[0];
+}
+
 enum { RT_PAR_MIN = 16384 };   // elements of cheap elementwise work worth a parallel region
-// Sets the pool's size once at start: OMP_NUM_THREADS when set, else the cores this process may
-// run on divided among the ranks on this node (ranks_on_node), at least 1. Returns the size.
-int rt_threads_setup(long ranks_on_node);
+// rt_threads_setup and rt_gemm_pieces: moert.h. rt_gemm_pieces is OPENBLAS_NUM_THREADS when set,
+// else the pool's size; 1 without OpenMP, where OpenBLAS keeps its own threads.
 // The pool's size (1 without OpenMP).
 int rt_threads(void);
 

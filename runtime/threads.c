@@ -6,8 +6,13 @@
 // (the pthread build's workers yield-spin for a long while after each GEMM). The size is set
 // once: OMP_NUM_THREADS when the user sets it, else this process's cores (its affinity mask,
 // which containers and `mpirun --bind-to` narrow) shared among the ranks of this node.
-// The kernels' results do not depend on the size (rt_internal.h); OpenBLAS's GEMMs do round
-// differently with different thread counts, so OPENBLAS_NUM_THREADS can hold them fixed.
+// The kernels' results do not depend on the size (rt_internal.h). GEMMs are split here, not by
+// OpenBLAS (rt_matmul): OpenBLAS runs on one thread and each thread of the pool multiplies its
+// own range of rows (or columns) of the product. On this project's shapes that is 1.5-2x faster
+// than OpenBLAS's threading below a few hundred million multiply-accumulates (its threads wait on
+// each other inside every call) and as fast above. A product's rounding can depend on how it is
+// split (OpenBLAS picks its kernels by the size it is given), so OPENBLAS_NUM_THREADS, when set,
+// is the number of pieces, and 1 holds the GEMMs' bits fixed whatever the pool's size.
 #include <sched.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -64,6 +69,8 @@ void rt_blas_kernels(void) {
                   "OPENBLAS_CORETYPE=%s would be faster, and running again with it failed\n", want);
 }
 
+static int gemm_pieces = 1;   // rt_gemm_pieces
+
 static int usable_cores(void) {
   cpu_set_t set;
   if (sched_getaffinity(0, sizeof set, &set) == 0 && CPU_COUNT(&set) > 0) return CPU_COUNT(&set);
@@ -80,15 +87,23 @@ int rt_threads_setup(long ranks_on_node) {
     long share = usable_cores() / (ranks_on_node > 1 ? ranks_on_node : 1);
     n = share > 1 ? (int)share : 1;
   }
-#ifdef _OPENMP
-  omp_set_num_threads(n);
-#endif
-  // OPENBLAS_NUM_THREADS, when set, bounds the GEMMs alone (OpenBLAS rounds differently with
-  // different thread counts; the kernels here do not).
+  // OPENBLAS_NUM_THREADS, when set, bounds the GEMMs alone (how they are split can change their
+  // rounding; the kernels here do not depend on the pool's size).
   const char *blas = getenv("OPENBLAS_NUM_THREADS");
-  openblas_set_num_threads(blas && atoi(blas) > 0 && atoi(blas) < n ? atoi(blas) : n);
+  int g = blas && atoi(blas) > 0 && atoi(blas) < n ? atoi(blas) : n;
+#ifdef _OPENMP
+  gemm_pieces = g;               // rt_matmul splits each GEMM over the pool
+  openblas_set_num_threads(1);   // and OpenBLAS multiplies each piece on the calling thread
+  // After OpenBLAS: its OpenMP build sets the pool's size to its own thread count (so that
+  // OPENBLAS_NUM_THREADS=1 once ran every kernel on one thread too).
+  omp_set_num_threads(n);
+#else
+  openblas_set_num_threads(g);   // no pool here: OpenBLAS's own threads
+#endif
   return rt_threads();
 }
+
+int rt_gemm_pieces(void) { return gemm_pieces; }
 
 int rt_threads(void) {
 #ifdef _OPENMP

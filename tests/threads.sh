@@ -2,8 +2,8 @@
 # The thread pool (runtime/threads.c): the kernels' results do not depend on the number of
 # threads. tests/models/threads.moe (a float MoE stack) and lang/models/gpt_moe_bytes.moe (the
 # demo's language model: attention, layernorm, cross-entropy) train 3 steps with OMP_NUM_THREADS
-# 1, 2 and 3 and the GEMMs on one thread (OPENBLAS_NUM_THREADS=1: OpenBLAS itself rounds
-# differently with different thread counts): the step lines (but their times) and the step-1
+# 1, 2 and 3 and the GEMMs whole on one thread (OPENBLAS_NUM_THREADS=1: a GEMM split over the
+# threads can round differently, runtime/threads.c), each run saying it had that many threads: the step lines (but their times) and the step-1
 # --dump folders must be the same bytes. The binaries must be linked with OpenMP where make
 # configured it (build/config.mk); where make found no OpenMP the suite is one skip line.
 . "$(dirname "$0")/lib.sh"
@@ -28,6 +28,9 @@ for model in tests/models/threads.moe lang/models/gpt_moe_bytes.moe; do
     if ! OMP_NUM_THREADS=$n OPENBLAS_NUM_THREADS=1 "$WORK/$name" --steps 3 --dump "$WORK/$name.d$n" >"$WORK/$name.o$n" 2>&1; then
       bad "threads $name: OMP_NUM_THREADS=$n failed" "$(tail -n 5 "$WORK/$name.o$n")"; same=0; break
     fi
+    # The pool really has n threads (OPENBLAS_NUM_THREADS=1 once shrank it to one: runtime/threads.c).
+    grep -q "^# threads: $n per rank, each GEMM in 1 piece$" "$WORK/$name.o$n" ||
+      { same=0; why="$why; with OMP_NUM_THREADS=$n the program says: $(grep '^# threads' "$WORK/$name.o$n")"; }
     sed -n 's/  time .*//p' "$WORK/$name.o$n" | grep '^step' >"$WORK/$name.s$n"
     [ -s "$WORK/$name.s$n" ] || { same=0; why="no step lines"; }
     if [ "$n" -gt 1 ]; then

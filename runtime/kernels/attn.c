@@ -53,14 +53,6 @@ enum { TILE = 4, W = 16 };
 
 static float *attn_alloc(size_t floats) { return rt_alloc(floats * sizeof(float), "attention scratch"); }
 
-static int thread_id(void) {
-#ifdef _OPENMP
-  return omp_get_thread_num();
-#else
-  return 0;
-#endif
-}
-
 // x [rows, nh*d] as columns: xt[((b*nh + h)*d + c)*seq + t] = x[(b*seq + t)*nh*d + h*d + c], for
 // the samples b of rows (rows is whole samples, as everywhere in attention).
 static float *transpose_heads(const float *x, int rows, int seq, int nh, int d) {
@@ -273,7 +265,7 @@ void rt_attn_fwd(const float *q, const float *k, const float *v, float *o, int r
   float *kt = transpose_heads(k, rows, seq, kv, d), *scratch = attn_alloc((size_t)rt_threads() * TILE * ss);
   ATTN_PARALLEL_TILES
   for (int x = 0; x < ATTN_TILES(rows / seq, seq); x++) {
-    float *s = scratch + (size_t)thread_id() * TILE * ss;
+    float *s = scratch + (size_t)rt_thread_id() * TILE * ss;
     int b = x / per, i0 = x % per * TILE, nr = seq - i0 < TILE ? seq - i0 : TILE;
     for (int h = 0; h < heads; h++) {
       int j = h / group;
@@ -303,7 +295,7 @@ void rt_attn_stats(const float *dy, const float *q, const float *k, const float 
   float *kt = transpose_heads(k, rows, seq, kv, d), *scratch = attn_alloc((size_t)rt_threads() * TILE * ss);
   ATTN_PARALLEL_TILES
   for (int x = 0; x < ATTN_TILES(rows / seq, seq); x++) {
-    float *s = scratch + (size_t)thread_id() * TILE * ss;
+    float *s = scratch + (size_t)rt_thread_id() * TILE * ss;
     int b = x / per, i0 = x % per * TILE, nr = seq - i0 < TILE ? seq - i0 : TILE;
     for (int h = 0; h < heads; h++) {
       QTile t = query_tile(q, b, i0, nr, h, seq, qcols, d, window);
@@ -360,7 +352,7 @@ void rt_attn_grad_q(const float *dy, const float *q, const float *k, const float
   float *scratch = attn_alloc((size_t)rt_threads() * 2 * TILE * ss);
   ATTN_PARALLEL_TILES
   for (int x = 0; x < ATTN_TILES(rows / seq, seq); x++) {
-    float *s = scratch + (size_t)thread_id() * 2 * TILE * ss, *u = s + (size_t)TILE * ss;
+    float *s = scratch + (size_t)rt_thread_id() * 2 * TILE * ss, *u = s + (size_t)TILE * ss;
     int b = x / per, i0 = x % per * TILE, nr = seq - i0 < TILE ? seq - i0 : TILE, r0 = b * seq + i0;
     for (int h = 0; h < heads; h++) {
       int j = h / group;
@@ -427,7 +419,7 @@ void rt_attn_grad_kv(const float *dy, const float *q, const float *k, const floa
   float *scratch = attn_alloc((size_t)rt_threads() * 2 * TILE * ss);
   ATTN_PARALLEL_TILES
   for (int x = 0; x < ATTN_TILES(rows / seq, seq); x++) {
-    float *s = scratch + (size_t)thread_id() * 2 * TILE * ss, *u = s + (size_t)TILE * ss;
+    float *s = scratch + (size_t)rt_thread_id() * 2 * TILE * ss, *u = s + (size_t)TILE * ss;
     int b = x / per, t0 = x % per * TILE, nr = seq - t0 < TILE ? seq - t0 : TILE, r0 = b * seq + t0;
     int first[TILE], last[TILE];
     for (int k = 0; k < TILE; k++) {   // key t0 + k takes queries t0 + k .. + n - 1

@@ -43,6 +43,22 @@ static bool all_slots(void) {
   return all;
 }
 
+// GEMMs are split over the pool here (runtime/threads.c says why): pieces of at least SPLIT_MIN
+// multiply-accumulates, along the longer of c's two dimensions (its rows, or its columns), at
+// multiples of SPLIT_ALIGN (the register tiles of OpenBLAS's kernels), one piece per thread. A
+// call from inside a parallel region runs whole on its thread.
+enum { SPLIT_MIN = 1 << 18, SPLIT_ALIGN = 16 };
+
+static int gemm_pieces(int m, int n, int k) {
+  int pieces = rt_gemm_pieces(), dim = m > n ? m : n, units = (dim + SPLIT_ALIGN - 1) / SPLIT_ALIGN;
+#ifdef _OPENMP
+  if (omp_in_parallel()) return 1;
+#endif
+  int64_t work = (int64_t)m * n * k / SPLIT_MIN;
+  if (pieces > work) pieces = (int)work;
+  return pieces < units ? pieces : units;
+}
+
 void rt_matmul(const float *a, const float *b, float *c, int m, int n, int k, bool ta, bool tb,
                bool accumulate) {
   if (m <= 0 || n <= 0)
@@ -54,9 +70,30 @@ void rt_matmul(const float *a, const float *b, float *c, int m, int n, int k, bo
   }
   int lda = ta ? m : k;   // A stored [k,m] when transposed, else [m,k]
   int ldb = tb ? k : n;   // B stored [n,k] when transposed, else [k,n]
+  CBLAS_TRANSPOSE opa = ta ? CblasTrans : CblasNoTrans, opb = tb ? CblasTrans : CblasNoTrans;
+  float beta = accumulate ? 1.0f : 0.0f;
   int64_t t0 = gemm_profile ? mono_ns() : 0;
-  cblas_sgemm(CblasRowMajor, ta ? CblasTrans : CblasNoTrans, tb ? CblasTrans : CblasNoTrans, m, n,
-              k, 1.0f, a, lda, b, ldb, accumulate ? 1.0f : 0.0f, c, n);
+  int pieces = gemm_pieces(m, n, k);
+  if (pieces <= 1) {
+    cblas_sgemm(CblasRowMajor, opa, opb, m, n, k, 1.0f, a, lda, b, ldb, beta, c, n);
+  } else {
+    bool rows = m >= n;   // rows of c (and of op(a)), else columns of c (and of op(b))
+    int units = ((rows ? m : n) + SPLIT_ALIGN - 1) / SPLIT_ALIGN, dim = rows ? m : n;
+#ifdef _OPENMP
+#pragma omp parallel num_threads(pieces)
+#endif
+    for (int p = rt_thread_id(); p < pieces; p += rt_team_size()) {
+      int lo = (int)((int64_t)p * units / pieces) * SPLIT_ALIGN;
+      int hi = p + 1 == pieces ? dim : (int)((int64_t)(p + 1) * units / pieces) * SPLIT_ALIGN;
+      if (hi <= lo) continue;
+      if (rows)
+        cblas_sgemm(CblasRowMajor, opa, opb, hi - lo, n, k, 1.0f, ta ? a + lo : a + (size_t)lo * lda, lda, b, ldb,
+                    beta, c + (size_t)lo * n, n);
+      else
+        cblas_sgemm(CblasRowMajor, opa, opb, m, hi - lo, k, 1.0f, a, lda, tb ? b + (size_t)lo * ldb : b + lo, ldb,
+                    beta, c + lo, n);
+    }
+  }
   if (gemm_profile)
     atomic_fetch_add(&gemm_ns, mono_ns() - t0);
 }

@@ -47,14 +47,11 @@ RT_VECTOR_CLONES static double row_logsumexp(const float *row, int v) {
   float mx = -INFINITY;
   for (int u = 0; u < W; u++) mx = m[u] > mx ? m[u] : mx;
   for (; j < v; j++) mx = row[j] > mx ? row[j] : mx;
-  double s[W];
-  for (int u = 0; u < W; u++) s[u] = 0.0;
-  for (j = 0; j + W <= v; j += W)
-    for (int u = 0; u < W; u++) s[u] += (double)rt_exp(row[j + u] - mx);
-  for (; j < v; j++) s[j % W] += (double)rt_exp(row[j] - mx);
-  for (int w = W / 2; w > 0; w /= 2)
-    for (int u = 0; u < w; u++) s[u] += s[u + w];
-  return mx + log(s[0]);
+  double s[RT_LANES] = {0};
+  for (j = 0; j + RT_LANES <= v; j += RT_LANES)
+    for (int u = 0; u < RT_LANES; u++) s[u] += (double)rt_exp(row[j + u] - mx);
+  for (; j < v; j++) s[j % RT_LANES] += (double)rt_exp(row[j] - mx);
+  return mx + log(rt_lanes_total(s));
 }
 
 // The rows' terms in parallel (each row's logsumexp on one thread), their sum in row order: the
