@@ -305,6 +305,31 @@ static bool emit_func(Emit *e, const IrFunc *f) {
 }
 
 
+// The update: the optimizer functions' calls. When they are all rt_sgd / rt_adamw calls in
+// program order, they run in one rt_team: every thread of the pool takes its share of each
+// tensor and none waits until the last one (55 tensors of a small model: 55 parallel regions,
+// the small tensors on one thread, otherwise).
+static bool team_update(const IrModule *m) {
+  for (int i = 0; i < m->nfuncs; i++) {
+    const IrFunc *f = m->funcs[i];
+    if (f->role != IR_ROLE_OPTIMIZER) continue;
+    if (cg_func_scheduled(f)) return false;
+    for (int j = 0; j < f->nops; j++)
+      if (f->ops[j]->kind != IR_OP_OPT_SGD && f->ops[j]->kind != IR_OP_OPT_ADAMW) return false;
+  }
+  return true;
+}
+
+static bool emit_update(Emit *e, const IrModule *m) {
+  bool team = team_update(m), ok = true;
+  fprintf(e->out, "static void %s(RtStep *st) {\n", team ? "update_team" : "step_update");
+  for (int i = 0; ok && i < m->nfuncs; i++)
+    if (m->funcs[i]->role == IR_ROLE_OPTIMIZER) ok = emit_func(e, m->funcs[i]);
+  fprintf(e->out, "}\n\n");
+  if (team) fprintf(e->out, "static void step_update(RtStep *st) { rt_team(update_team, st); }\n\n");
+  return ok;
+}
+
 // After a layer forward: fold its auxiliary losses (the results after the first, made by
 // gate.aux_loss or gate.z_loss) into the step's statistics.
 static void emit_layer_stats(Emit *e, const IrFunc *f) {
@@ -478,10 +503,8 @@ bool cg_emit_c(IrDiag *d, FILE *out, const IrModule *m, const PassMemPlan *plan,
   fprintf(out, "}\n\nstatic void step_backward(RtStep *st) {\n  unsigned char *A = st->arena;\n  (void)A;\n");
   for (int i = 0; ok && i < m->nfuncs; i++)
     if (ir_role_phase(m->funcs[i]->role) == IR_PHASE_BWD) ok = emit_func(&e, m->funcs[i]);
-  fprintf(out, "}\n\nstatic void step_update(RtStep *st) {\n");
-  for (int i = 0; ok && i < m->nfuncs; i++)
-    if (m->funcs[i]->role == IR_ROLE_OPTIMIZER) ok = emit_func(&e, m->funcs[i]);
   fprintf(out, "}\n\n");
+  ok = ok && emit_update(&e, m);
   cg_emit_model(out, m, plan, total, NULL, o);
   free(e.param_offset);
   return ok;

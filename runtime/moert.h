@@ -339,6 +339,10 @@ struct RtStep {
 
 // Resets the per-forward statistics; the generated forward calls it first.
 void rt_step_begin_forward(RtStep *st);
+// fn(st) on every thread of the pool at once (runtime/threads.c): the generated update's
+// optimizer calls, each thread updating its share of every tensor, with one wait at the end
+// instead of one per tensor (rt_sgd and rt_adamw split their loops over a team they run in).
+void rt_team(void (*fn)(RtStep *), RtStep *st);
 // The pooled aux loss (manual §11.3 `aux pooled`): after each pooled layer the generated forward
 // adds its statistics [2, e] (rt_aux_pooled's, of tokens tokens) to the step's with
 // rt_pool_layer; at its end rt_pool_finish (collective over the world) sums them over the ranks,

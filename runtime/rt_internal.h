@@ -361,12 +361,16 @@ void rt_print_tokens(FILE *out, const RtModel *m, const int32_t *tokens, int64_t
 #define RT_SIMD RT_PRAGMA(omp simd)   // the next loop vectorises (same rules as _SIMD above)
 // Iterations of very different sizes (one per tensor): handed out one at a time as threads free.
 #define RT_PRAGMA_PARALLEL_DYNAMIC(cond) RT_PRAGMA(omp parallel for schedule(dynamic, 1) if (cond))
-int omp_get_thread_num(void), omp_get_num_threads(void);   // omp.h (not every file includes it)
+#define RT_PARALLEL(cond) RT_PRAGMA(omp parallel if (cond))   // the next statement on every thread
+int omp_get_thread_num(void), omp_get_num_threads(void), omp_in_parallel(void);   // omp.h
 static inline int rt_thread_id(void) { return omp_get_thread_num(); }    // in a parallel region
 static inline int rt_team_size(void) { return omp_get_num_threads(); }   // its threads
+static inline bool rt_in_team(void) { return omp_in_parallel(); }        // inside one (rt_team)
 #else
+#define RT_PARALLEL(cond)
 static inline int rt_thread_id(void) { return 0; }
 static inline int rt_team_size(void) { return 1; }
+static inline bool rt_in_team(void) { return false; }
 #define RT_PRAGMA_PARALLEL_DYNAMIC(cond)
 #define RT_PARALLEL_FOR(cond)
 #define RT_PARALLEL_FOR_SIMD(cond)
@@ -422,6 +426,16 @@ static inline double rt_lanes_total(double s[RT_LANES]) {
 }
 
 enum { RT_PAR_MIN = 16384 };   // elements of cheap elementwise work worth a parallel region
+
+// This thread's share [*lo, *hi) of n elements in the team it runs in (all of them outside one):
+// contiguous ranges in thread order, their bounds at multiples of 16 (whole vectors).
+static inline void rt_team_share(int64_t n, int64_t *lo, int64_t *hi) {
+  int64_t units = (n + 15) / 16, t = rt_thread_id(), nt = rt_team_size();
+  *lo = t * units / nt * 16;
+  *hi = t + 1 == nt ? n : (t + 1) * units / nt * 16;
+  if (*lo > n) *lo = n;
+  if (*hi > n) *hi = n;
+}
 // rt_threads_setup and rt_gemm_pieces: moert.h. rt_gemm_pieces is OPENBLAS_NUM_THREADS when set,
 // else the pool's size; 1 without OpenMP, where OpenBLAS keeps its own threads.
 // The pool's size (1 without OpenMP).

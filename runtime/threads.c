@@ -112,3 +112,8 @@ int rt_threads(void) {
   return 1;
 #endif
 }
+
+void rt_team(void (*fn)(RtStep *), RtStep *st) {
+  RT_PARALLEL(rt_threads() > 1)
+  fn(st);
+}

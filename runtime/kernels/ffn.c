@@ -230,27 +230,30 @@ void rt_bias(const float *x, const float *b, float *y, int rows, int n) {
   }
 }
 
-// Column sums in double, a block of columns at a time so the rows are read contiguously and no
-// scratch memory is needed.
-void rt_bias_grad(const float *dy, float *db, int rows, int n) {
-  enum { BLOCK = 128 };
-  int nblocks = (n + BLOCK - 1) / BLOCK;
-  RT_PARALLEL_FOR(nblocks > 1 && (int64_t)rows * n >= RT_PAR_MIN)
-  for (int bi = 0; bi < nblocks; bi++) {   // a block of columns per iteration: one thread sums a column
-    double acc[BLOCK];
-    int c0 = bi * BLOCK, width = n - c0 < BLOCK ? n - c0 : BLOCK;
-    for (int i = 0; i < width; i++)
-      acc[i] = 0.0;
+// Column sums in double of e matrices [rows, n] (dy + i rows n into db + i n), each column's
+// rows in order: one (matrix, block of columns) per iteration, the rows streamed through the
+// block's accumulators, so every column's sum is that of the one-column loop on any number of
+// threads. Narrow blocks where the columns are few (a bias of 96 columns in 6 blocks, not one
+// that leaves the other threads waiting).
+static void column_sums(const float *dy, float *db, int e, int rows, int n) {
+  enum { WIDE = 128, NARROW = 16 };
+  int block = n >= 4 * WIDE ? WIDE : NARROW, nblocks = (n + block - 1) / block, items = e * nblocks;
+  RT_PARALLEL_FOR(items > 1 && (int64_t)e * rows * n >= RT_PAR_MIN)
+  for (int it = 0; it < items; it++) {
+    double acc[WIDE];
+    int i = it / nblocks, c0 = it % nblocks * block, width = n - c0 < block ? n - c0 : block;
+    const float *d = dy + (size_t)i * rows * n + c0;
+    for (int c = 0; c < width; c++) acc[c] = 0.0;
     for (int r = 0; r < rows; r++) {
-      const float *dr = dy + (size_t)r * n + c0;
+      const float *dr = d + (size_t)r * n;
       RT_SIMD
-      for (int i = 0; i < width; i++)
-        acc[i] += dr[i];
+      for (int c = 0; c < width; c++) acc[c] += dr[c];
     }
-    for (int i = 0; i < width; i++)
-      db[c0 + i] = (float)acc[i];
+    for (int c = 0; c < width; c++) db[(size_t)i * n + c0 + c] = (float)acc[c];
   }
 }
+
+void rt_bias_grad(const float *dy, float *db, int rows, int n) { column_sums(dy, db, 1, rows, n); }
 
 void rt_expert_bias(const float *x, const float *b, float *y, int e, int rows, int n) {
   RT_PARALLEL_FOR((int64_t)e * rows * n >= RT_PAR_MIN)
@@ -263,11 +266,7 @@ void rt_expert_bias(const float *x, const float *b, float *y, int e, int rows, i
   }
 }
 
-void rt_expert_bias_grad(const float *dy, float *db, int e, int rows, int n) {
-  size_t block = (size_t)rows * n;
-  for (int i = 0; i < e; i++)
-    rt_bias_grad(dy + i * block, db + (size_t)i * n, rows, n);
-}
+void rt_expert_bias_grad(const float *dy, float *db, int e, int rows, int n) { column_sums(dy, db, e, rows, n); }
 
 // ---- activations ----
 

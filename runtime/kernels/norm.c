@@ -12,6 +12,8 @@
 #include "moert.h"
 #include "rt_internal.h"
 
+#define ROW_INLINE static inline __attribute__((always_inline))   // into each vector clone
+
 // ---- L2-normalised rows ----
 
 void rt_l2norm(const float *x, float *y, int rows, int n) {
@@ -44,74 +46,108 @@ void rt_l2norm_grad(const float *dy, const float *x, float *dx, int rows, int n)
   }
 }
 
+// The sums of a row: in double, element i into running sum i % RT_LANES (rt_internal.h), so that
+// they vectorise; inlined into each row's function of restrict pointers, compiled per vector width.
+// row_sum: x; row_dot: a b; row_dev2: (x - m)^2; row_dot_dev: dy ((x - m) r).
+ROW_INLINE double row_sum(const float *restrict x, int n) {
+  double s[RT_LANES] = {0};
+  int i = 0;
+  for (; i + RT_LANES <= n; i += RT_LANES)
+    for (int u = 0; u < RT_LANES; u++) s[u] += x[i + u];
+  for (; i < n; i++) s[i % RT_LANES] += x[i];
+  return rt_lanes_total(s);
+}
+
+ROW_INLINE double row_dot(const float *restrict a, const float *restrict b, int n) {
+  double s[RT_LANES] = {0};
+  int i = 0;
+  for (; i + RT_LANES <= n; i += RT_LANES)
+    for (int u = 0; u < RT_LANES; u++) s[u] += (double)a[i + u] * b[i + u];
+  for (; i < n; i++) s[i % RT_LANES] += (double)a[i] * b[i];
+  return rt_lanes_total(s);
+}
+
+ROW_INLINE double row_dev2(const float *restrict x, int n, double m) {
+  double s[RT_LANES] = {0};
+  int i = 0;
+  for (; i + RT_LANES <= n; i += RT_LANES)
+    for (int u = 0; u < RT_LANES; u++) s[u] += (x[i + u] - m) * (x[i + u] - m);
+  for (; i < n; i++) s[i % RT_LANES] += (x[i] - m) * (x[i] - m);
+  return rt_lanes_total(s);
+}
+
+ROW_INLINE double row_dot_dev(const float *restrict dy, const float *restrict x, int n, double m, double r) {
+  double s[RT_LANES] = {0};
+  int i = 0;
+  for (; i + RT_LANES <= n; i += RT_LANES)
+    for (int u = 0; u < RT_LANES; u++) s[u] += dy[i + u] * ((x[i + u] - m) * r);
+  for (; i < n; i++) s[i % RT_LANES] += dy[i] * ((x[i] - m) * r);
+  return rt_lanes_total(s);
+}
+
 // 1 / sqrt(mean(x^2) + eps) of one row.
-static double rms_inverse(const float *x, int n, float eps) {
-  double ss = 0.0;
-  for (int i = 0; i < n; i++) ss += (double)x[i] * x[i];
+ROW_INLINE double rms_inverse(const float *restrict x, int n, float eps) {
+  double ss = row_dot(x, x, n);
   return 1.0 / sqrt(ss / n + (double)eps);
+}
+
+RT_VECTOR_CLONES static void rmsnorm_row(const float *restrict x, float *restrict y, int n, float eps) {
+  float inv = (float)rms_inverse(x, n, eps);
+  for (int i = 0; i < n; i++) y[i] = x[i] * inv;
 }
 
 void rt_rmsnorm(const float *x, float *y, int rows, int n, float eps) {
   RT_PARALLEL_FOR((int64_t)rows * n >= RT_PAR_MIN)
-  for (int r = 0; r < rows; r++) {
-    const float *xr = x + (size_t)r * n;
-    float *yr = y + (size_t)r * n;
-    float inv = (float)rms_inverse(xr, n, eps);
-    for (int i = 0; i < n; i++) yr[i] = xr[i] * inv;
-  }
+  for (int r = 0; r < rows; r++) rmsnorm_row(x + (size_t)r * n, y + (size_t)r * n, n, eps);
+}
+
+RT_VECTOR_CLONES static void rmsnorm_grad_row(const float *restrict dy, const float *restrict x, float *restrict dx,
+                                              int n, float eps) {
+  double inv = rms_inverse(x, n, eps), dot = row_dot(dy, x, n);
+  float scale = (float)inv, proj = (float)(inv * inv * inv * dot / n);
+  for (int i = 0; i < n; i++) dx[i] = dy[i] * scale - x[i] * proj;
 }
 
 void rt_rmsnorm_grad(const float *dy, const float *x, float *dx, int rows, int n, float eps) {
   RT_PARALLEL_FOR((int64_t)rows * n >= RT_PAR_MIN)
   for (int r = 0; r < rows; r++) {
-    const float *xr = x + (size_t)r * n, *dr = dy + (size_t)r * n;
-    float *out = dx + (size_t)r * n;
-    double inv = rms_inverse(xr, n, eps), dot = 0.0;
-    for (int i = 0; i < n; i++) dot += (double)dr[i] * xr[i];
-    float scale = (float)inv, proj = (float)(inv * inv * inv * dot / n);
-    for (int i = 0; i < n; i++) out[i] = dr[i] * scale - xr[i] * proj;
+    size_t at = (size_t)r * n;
+    rmsnorm_grad_row(dy + at, x + at, dx + at, n, eps);
   }
 }
 
 // LayerNorm without its learned scale and shift (separate ops: scale, bias), biased variance:
 //   r = 1 / sqrt(var(x) + eps),  xh = (x - mean) r,  y = xh,
 //   dx = r (dy - mean(dy) - xh mean(dy xh)).
-static void row_moments(const float *x, int n, float eps, double *mean, double *inv) {
-  double s = 0.0, ss = 0.0;
-  for (int i = 0; i < n; i++) s += x[i];
-  *mean = s / n;
-  for (int i = 0; i < n; i++) {
-    double d = x[i] - *mean;
-    ss += d * d;
-  }
-  *inv = 1.0 / sqrt(ss / n + (double)eps);
+ROW_INLINE void row_moments(const float *restrict x, int n, float eps, double *mean, double *inv) {
+  *mean = row_sum(x, n) / n;
+  *inv = 1.0 / sqrt(row_dev2(x, n, *mean) / n + (double)eps);
+}
+
+RT_VECTOR_CLONES static void layernorm_row(const float *restrict x, float *restrict y, int n, float eps) {
+  double mean, inv;
+  row_moments(x, n, eps, &mean, &inv);
+  for (int i = 0; i < n; i++) y[i] = (float)((x[i] - mean) * inv);
 }
 
 void rt_layernorm(const float *x, float *y, int rows, int n, float eps) {
   RT_PARALLEL_FOR((int64_t)rows * n >= RT_PAR_MIN)
-  for (int r = 0; r < rows; r++) {
-    const float *xr = x + (size_t)r * n;
-    float *yr = y + (size_t)r * n;
-    double mean, inv;
-    row_moments(xr, n, eps, &mean, &inv);
-    for (int i = 0; i < n; i++) yr[i] = (float)((xr[i] - mean) * inv);
-  }
+  for (int r = 0; r < rows; r++) layernorm_row(x + (size_t)r * n, y + (size_t)r * n, n, eps);
+}
+
+RT_VECTOR_CLONES static void layernorm_grad_row(const float *restrict dy, const float *restrict x,
+                                                float *restrict dx, int n, float eps) {
+  double mean, inv;
+  row_moments(x, n, eps, &mean, &inv);
+  double sd = row_sum(dy, n) / n, sdx = row_dot_dev(dy, x, n, mean, inv) / n;
+  for (int i = 0; i < n; i++) dx[i] = (float)(inv * (dy[i] - sd - (x[i] - mean) * inv * sdx));
 }
 
 void rt_layernorm_grad(const float *dy, const float *x, float *dx, int rows, int n, float eps) {
   RT_PARALLEL_FOR((int64_t)rows * n >= RT_PAR_MIN)
   for (int r = 0; r < rows; r++) {
-    const float *xr = x + (size_t)r * n, *dr = dy + (size_t)r * n;
-    float *out = dx + (size_t)r * n;
-    double mean, inv, sd = 0.0, sdx = 0.0;
-    row_moments(xr, n, eps, &mean, &inv);
-    for (int i = 0; i < n; i++) {
-      sd += dr[i];
-      sdx += dr[i] * ((xr[i] - mean) * inv);
-    }
-    sd /= n;
-    sdx /= n;
-    for (int i = 0; i < n; i++) out[i] = (float)(inv * (dr[i] - sd - (xr[i] - mean) * inv * sdx));
+    size_t at = (size_t)r * n;
+    layernorm_grad_row(dy + at, x + at, dx + at, n, eps);
   }
 }
 

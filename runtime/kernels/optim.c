@@ -5,24 +5,51 @@
 #include "moert.h"
 #include "rt_internal.h"
 
+// Called inside rt_team (every thread of the pool runs the update's calls), each thread updates
+// its share of the tensor (rt_team_share) and goes on to the next tensor without waiting; called
+// alone, the loop is split over the pool when it is big enough. Per element either way: the bits
+// do not depend on the threads.
+static void sgd_share(float *p, const float *g, int64_t n, float lr, float weight_decay, float grad_scale) {
+  int64_t lo, hi;
+  rt_team_share(n, &lo, &hi);
+  RT_SIMD
+  for (int64_t i = lo; i < hi; i++)
+    p[i] -= lr * (g[i] * grad_scale + weight_decay * p[i]);
+}
+
 void rt_sgd(float *p, const float *g, int64_t n, float lr, float weight_decay, float lr_scale, float grad_scale) {
   lr *= lr_scale;
-  RT_PARALLEL_FOR_SIMD(n >= RT_PAR_MIN)
-  for (int64_t i = 0; i < n; i++)
-    p[i] -= lr * (g[i] * grad_scale + weight_decay * p[i]);
+  if (rt_in_team()) {
+    sgd_share(p, g, n, lr, weight_decay, grad_scale);
+    return;
+  }
+  RT_PARALLEL(n >= RT_PAR_MIN)
+  sgd_share(p, g, n, lr, weight_decay, grad_scale);
+}
+
+typedef struct AdamW { float lr, beta1, beta2, eps, weight_decay, bc1, bc2, grad_scale; } AdamW;
+
+static void adamw_share(float *p, const float *g, float *m, float *v, int64_t n, AdamW a) {
+  int64_t lo, hi;
+  rt_team_share(n, &lo, &hi);
+  RT_SIMD
+  for (int64_t i = lo; i < hi; i++) {
+    float gi = g[i] * a.grad_scale;
+    m[i] = a.beta1 * m[i] + (1.0f - a.beta1) * gi;
+    v[i] = a.beta2 * v[i] + (1.0f - a.beta2) * gi * gi;
+    float mhat = m[i] / a.bc1, vhat = v[i] / a.bc2;
+    p[i] -= a.lr * (mhat / (sqrtf(vhat) + a.eps) + a.weight_decay * p[i]);
+  }
 }
 
 void rt_adamw(float *p, const float *g, float *m, float *v, int64_t n, float lr, float beta1,
               float beta2, float eps, float weight_decay, int64_t step, float lr_scale, float grad_scale) {
-  float bc1 = (float)(1.0 - pow(beta1, (double)step));
-  float bc2 = (float)(1.0 - pow(beta2, (double)step));
-  lr *= lr_scale;
-  RT_PARALLEL_FOR_SIMD(n >= RT_PAR_MIN)
-  for (int64_t i = 0; i < n; i++) {
-    float gi = g[i] * grad_scale;
-    m[i] = beta1 * m[i] + (1.0f - beta1) * gi;
-    v[i] = beta2 * v[i] + (1.0f - beta2) * gi * gi;
-    float mhat = m[i] / bc1, vhat = v[i] / bc2;
-    p[i] -= lr * (mhat / (sqrtf(vhat) + eps) + weight_decay * p[i]);
+  AdamW a = {lr * lr_scale, beta1, beta2, eps, weight_decay, (float)(1.0 - pow(beta1, (double)step)),
+             (float)(1.0 - pow(beta2, (double)step)), grad_scale};
+  if (rt_in_team()) {
+    adamw_share(p, g, m, v, n, a);
+    return;
   }
+  RT_PARALLEL(n >= RT_PAR_MIN)
+  adamw_share(p, g, m, v, n, a);
 }
