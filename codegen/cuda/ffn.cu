@@ -79,14 +79,15 @@ extern "C" __global__ void mk_relu_grad(const float *dy, const float *x, float *
 }
 
 // ---- mk_silu ----
+// s = 1 / (1 + mk_exp(-x)): the float operations of rt_silu.
 extern "C" __global__ void mk_silu(const float *x, float *y, i64 n) {
-  MK_FOR(i, n) y[i] = x[i] * mk_sigmoid1(x[i]);
+  MK_FOR(i, n) y[i] = x[i] * (1.0f / (1.0f + mk_exp(-x[i])));
 }
 
 // ---- mk_silu_grad ----
 extern "C" __global__ void mk_silu_grad(const float *dy, const float *x, float *dx, i64 n) {
   MK_FOR(i, n) {
-    float sg = mk_sigmoid1(x[i]);
+    float sg = 1.0f / (1.0f + mk_exp(-x[i]));
     dx[i] = dy[i] * sg * (1.0f + x[i] * (1.0f - sg));
   }
 }

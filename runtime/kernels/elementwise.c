@@ -24,6 +24,7 @@ void rt_add(const float *a, const float *b, float *y, int64_t n) {
 
 // The gradient w.r.t. a is rt_mul(dy, b), w.r.t. b rt_mul(dy, a): no separate kernel.
 void rt_mul(const float *a, const float *b, float *y, int64_t n) {
+  RT_PARALLEL_FOR_SIMD(n >= RT_PAR_MIN)
   for (int64_t i = 0; i < n; i++)
     y[i] = a[i] * b[i];
 }
