@@ -436,9 +436,9 @@ static inline void rt_team_share(int64_t n, int64_t *lo, int64_t *hi) {
   if (*lo > n) *lo = n;
   if (*hi > n) *hi = n;
 }
-// rt_threads_setup and rt_gemm_pieces: moert.h. rt_gemm_pieces is OPENBLAS_NUM_THREADS when set,
-// else the pool's size; 1 without OpenMP, where OpenBLAS keeps its own threads.
-// The pool's size (1 without OpenMP).
+// The pool's size (1 without OpenMP). rt_threads_setup and rt_gemm_pieces are in moert.h;
+// rt_gemm_pieces is OPENBLAS_NUM_THREADS when set, else the pool's size (1 without OpenMP, where
+// OpenBLAS keeps its own threads).
 int rt_threads(void);
 
 #endif
