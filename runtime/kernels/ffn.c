@@ -385,14 +385,23 @@ void rt_relu_grad(const float *dy, const float *x, float *dx, int64_t n) {
 // mk_silu_grad compute the same float operations.
 static inline float silu_s(float v) { return 1.0f / (1.0f + rt_exp(-v)); }
 
-RT_VECTOR_CLONES static void silu_range(const float *x, float *y, int64_t lo, int64_t hi) {
+// out = silu(x) over [lo, hi) when dy is NULL, else its gradient dy s (1 + x (1 - s)).
+RT_VECTOR_CLONES static void silu_range(const float *dy, const float *x, float *out, int64_t lo, int64_t hi) {
   float s[GELU_CHUNK];
   for (int64_t i0 = lo; i0 < hi; i0 += GELU_CHUNK) {
     int64_t m = hi - i0 < GELU_CHUNK ? hi - i0 : GELU_CHUNK;
+    const float *xs = x + i0;
+    float *os = out + i0;
 RT_SIMD
-    for (int64_t i = 0; i < m; i++) s[i] = silu_s(x[i0 + i]);
+    for (int64_t i = 0; i < m; i++) s[i] = silu_s(xs[i]);
+    if (!dy) {
 RT_SIMD
-    for (int64_t i = 0; i < m; i++) y[i0 + i] = x[i0 + i] * s[i];
+      for (int64_t i = 0; i < m; i++) os[i] = xs[i] * s[i];
+    } else {
+      const float *dys = dy + i0;
+RT_SIMD
+      for (int64_t i = 0; i < m; i++) os[i] = dys[i] * s[i] * (1.0f + xs[i] * (1.0f - s[i]));
+    }
   }
 }
 
@@ -401,18 +410,7 @@ void rt_silu(const float *x, float *y, int64_t n) {
   {
     int64_t lo, hi;
     rt_team_share(n, &lo, &hi);
-    silu_range(x, y, lo, hi);
-  }
-}
-
-RT_VECTOR_CLONES static void silu_grad_range(const float *dy, const float *x, float *dx, int64_t lo, int64_t hi) {
-  float s[GELU_CHUNK];
-  for (int64_t i0 = lo; i0 < hi; i0 += GELU_CHUNK) {
-    int64_t m = hi - i0 < GELU_CHUNK ? hi - i0 : GELU_CHUNK;
-RT_SIMD
-    for (int64_t i = 0; i < m; i++) s[i] = silu_s(x[i0 + i]);
-RT_SIMD
-    for (int64_t i = 0; i < m; i++) dx[i0 + i] = dy[i0 + i] * s[i] * (1.0f + x[i0 + i] * (1.0f - s[i]));
+    silu_range(NULL, x, y, lo, hi);
   }
 }
 
@@ -421,6 +419,6 @@ void rt_silu_grad(const float *dy, const float *x, float *dx, int64_t n) {
   {
     int64_t lo, hi;
     rt_team_share(n, &lo, &hi);
-    silu_grad_range(dy, x, dx, lo, hi);
+    silu_range(dy, x, dx, lo, hi);
   }
 }
