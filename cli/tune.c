@@ -618,7 +618,6 @@ static void describe_run(int argc, char **argv, const TuneOptions *o, int world,
   MPI_Comm_split_type(MPI_COMM_WORLD, MPI_COMM_TYPE_SHARED, 0, MPI_INFO_NULL, &local);
   MPI_Comm_size(local, &r->local_size);
   MPI_Comm_free(&local);
-  r->threads = rt_threads_setup(r->local_size);   // the GEMMs threaded as a training binary's on this node
   snprintf(r->host, sizeof r->host, "?");
   gethostname(r->host, sizeof r->host);
   r->host[sizeof r->host - 1] = '\0';
@@ -835,6 +834,7 @@ int tune_main(const TuneEngine *e, int argc, char **argv) {
   }
   TuneRun r = {0};
   describe_run(argc, argv, &o, world, &r);
+  r.threads = rt_threads_setup(r.local_size);   // the GEMMs threaded as a training binary's on this node
   RtLayout layout = {r.nodes, r.gpn, r.nodes, r.gpn, r.gpn};   // mp = esp = G: ESP = intra-node, EP = inter-node
   RtComm *comm = rt_comm_create(&layout, r.nodes);
   if (!comm) {

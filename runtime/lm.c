@@ -87,15 +87,8 @@ void rt_lm_fill_val(RtLm *lm, int64_t batch, int64_t first, int dp, int32_t *inp
   }
 }
 
-// The sum of g[j]^2 in double, in RT_LANES running sums (rt_internal.h).
-RT_VECTOR_CLONES static double sum_squares(const float *g, int64_t n) {
-  double s[RT_LANES] = {0};
-  int64_t j = 0;
-  for (; j + RT_LANES <= n; j += RT_LANES)
-    for (int u = 0; u < RT_LANES; u++) s[u] += (double)g[j + u] * g[j + u];
-  for (; j < n; j++) s[j % RT_LANES] += (double)g[j] * g[j];
-  return rt_lanes_total(s);
-}
+// The sum of g[j]^2 in double (rt_lanes_dot), compiled per vector width.
+RT_VECTOR_CLONES static double sum_squares(const float *g, int64_t n) { return rt_lanes_dot(g, g, n); }
 
 double rt_grad_norm(const RtModel *m, const RtRanks *r, RtComm *c, const float *grads) {
   // Every rank holds its shard of each gradient after the reductions; a shard held by several

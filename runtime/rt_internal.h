@@ -424,6 +424,16 @@ static inline double rt_lanes_total(double s[RT_LANES]) {
     for (int u = 0; u < w; u++) s[u] += s[u + w];
   return s[0];
 }
+// The sum of a[j] b[j] in double in RT_LANES running sums (inlined into each caller's vector
+// clone): a norm's row sums, the gradient norm's sums of squares (a = b).
+static inline __attribute__((always_inline)) double rt_lanes_dot(const float *a, const float *b, int64_t n) {
+  double s[RT_LANES] = {0};
+  int64_t j = 0;
+  for (; j + RT_LANES <= n; j += RT_LANES)
+    for (int u = 0; u < RT_LANES; u++) s[u] += (double)a[j + u] * b[j + u];
+  for (; j < n; j++) s[j % RT_LANES] += (double)a[j] * b[j];
+  return rt_lanes_total(s);
+}
 
 enum { RT_PAR_MIN = 16384 };   // elements of cheap elementwise work worth a parallel region
 

@@ -38,14 +38,13 @@ void rt_mse_grad(const float *out, const float *target, float *dout, int64_t n, 
 // so that a row's loops vectorise; their sum is in double, in sixteen running sums (element j
 // into sum j % 16) added pairwise. libm's double exp was 5 % of a vocabulary-8192 model's step.
 RT_VECTOR_CLONES static double row_logsumexp(const float *row, int v) {
-  enum { W = 16 };
-  float m[W];
-  for (int u = 0; u < W; u++) m[u] = -INFINITY;
+  float m[RT_LANES];
+  for (int u = 0; u < RT_LANES; u++) m[u] = -INFINITY;
   int j = 0;
-  for (; j + W <= v; j += W)
-    for (int u = 0; u < W; u++) m[u] = row[j + u] > m[u] ? row[j + u] : m[u];
+  for (; j + RT_LANES <= v; j += RT_LANES)
+    for (int u = 0; u < RT_LANES; u++) m[u] = row[j + u] > m[u] ? row[j + u] : m[u];
   float mx = -INFINITY;
-  for (int u = 0; u < W; u++) mx = m[u] > mx ? m[u] : mx;
+  for (int u = 0; u < RT_LANES; u++) mx = m[u] > mx ? m[u] : mx;
   for (; j < v; j++) mx = row[j] > mx ? row[j] : mx;
   double s[RT_LANES] = {0};
   for (j = 0; j + RT_LANES <= v; j += RT_LANES)

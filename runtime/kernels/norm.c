@@ -48,22 +48,13 @@ void rt_l2norm_grad(const float *dy, const float *x, float *dx, int rows, int n)
 
 // The sums of a row: in double, element i into running sum i % RT_LANES (rt_internal.h), so that
 // they vectorise; inlined into each row's function of restrict pointers, compiled per vector width.
-// row_sum: x; row_dot: a b; row_dev2: (x - m)^2; row_dot_dev: dy ((x - m) r).
+// row_sum: x; row_dev2: (x - m)^2; row_dot_dev: dy ((x - m) r); a b is rt_lanes_dot's.
 ROW_INLINE double row_sum(const float *restrict x, int n) {
   double s[RT_LANES] = {0};
   int i = 0;
   for (; i + RT_LANES <= n; i += RT_LANES)
     for (int u = 0; u < RT_LANES; u++) s[u] += x[i + u];
   for (; i < n; i++) s[i % RT_LANES] += x[i];
-  return rt_lanes_total(s);
-}
-
-ROW_INLINE double row_dot(const float *restrict a, const float *restrict b, int n) {
-  double s[RT_LANES] = {0};
-  int i = 0;
-  for (; i + RT_LANES <= n; i += RT_LANES)
-    for (int u = 0; u < RT_LANES; u++) s[u] += (double)a[i + u] * b[i + u];
-  for (; i < n; i++) s[i % RT_LANES] += (double)a[i] * b[i];
   return rt_lanes_total(s);
 }
 
@@ -87,7 +78,7 @@ ROW_INLINE double row_dot_dev(const float *restrict dy, const float *restrict x,
 
 // 1 / sqrt(mean(x^2) + eps) of one row.
 ROW_INLINE double rms_inverse(const float *restrict x, int n, float eps) {
-  double ss = row_dot(x, x, n);
+  double ss = rt_lanes_dot(x, x, n);
   return 1.0 / sqrt(ss / n + (double)eps);
 }
 
@@ -103,7 +94,7 @@ void rt_rmsnorm(const float *x, float *y, int rows, int n, float eps) {
 
 RT_VECTOR_CLONES static void rmsnorm_grad_row(const float *restrict dy, const float *restrict x, float *restrict dx,
                                               int n, float eps) {
-  double inv = rms_inverse(x, n, eps), dot = row_dot(dy, x, n);
+  double inv = rms_inverse(x, n, eps), dot = rt_lanes_dot(dy, x, n);
   float scale = (float)inv, proj = (float)(inv * inv * inv * dot / n);
   for (int i = 0; i < n; i++) dx[i] = dy[i] * scale - x[i] * proj;
 }
