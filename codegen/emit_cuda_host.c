@@ -68,7 +68,8 @@ typedef struct Host {
   int64_t *pooled_off, *pooled_bytes;
   int npooled;
   bool bf16;                 // dtype bf16: the GEMMs take bf16 copies of their operands (cg_bf16_gemms)
-  int64_t bf16_need[4];      // bytes of bf16 scratch each stream needs (IrStream index): its largest GEMM's
+  int64_t bf16_slot[4];      // bytes of each of the two bf16 operand slots of a stream (IrStream index)
+  const IrValue *in_slot[4][2];   // the value whose bf16 copy each slot holds now (NULL: none), per stream
   bool ok;
 } Host;
 
@@ -342,6 +343,46 @@ static bool emit_bf16_cast(Host *h, const IrFunc *f, const IrOp *op, int k, cons
   return true;
 }
 
+// dtype bf16: the bf16 operands of a GEMM on stream s, their addresses into qa and qb. A
+// parameter is read from P16, the bf16 copy of the parameters the forward refreshes after each
+// update or upload (one cast per step, not one per GEMM). A value is rounded into one of the two
+// slots of the stream's scratch, unless a slot already holds its copy: a stream's GEMMs run one
+// after the other, so the copy made for the previous GEMM is still there (the backward's
+// dY @ W^T then X^T @ dY round dY once). The slots are forgotten at each function's start.
+static bool bf16_operands(Host *h, const IrFunc *f, const IrOp *op, IrStream s, const char *a, const char *b,
+                          char *qa, char *qb, size_t n) {
+  const char *base = s == IR_STREAM_INTRA ? "B_INTRA" : s == IR_STREAM_INTER ? "B_INTER" : "B_COMPUTE";
+  const char *src[2] = {a, b};
+  char *dst[2] = {qa, qb};
+  int slot[2] = {-1, -1};
+  for (int k = 0; k < 2; k++) {   // copies already in a slot (an operand read twice takes one)
+    const IrValue *v = op->args[k].param ? NULL : op->args[k].value;
+    for (int j = 0; v && j < 2; j++)
+      if (h->in_slot[s][j] == v) slot[k] = j;
+  }
+  for (int k = 0; k < 2; k++) {
+    const IrOperand *arg = &op->args[k];
+    if (arg->param) {
+      snprintf(dst[k], n, "(P16 + %" PRId64 ")", h->param_offset[arg->param->index]);
+      continue;
+    }
+    bool fresh = slot[k] < 0;
+    if (fresh) {   // the slot the other operand does not use
+      int other = slot[1 - k];
+      slot[k] = other == 0 ? 1 : 0;
+      if (k == 1 && op->args[0].value == arg->value && !op->args[0].param) slot[k] = slot[0], fresh = false;
+    }
+    snprintf(dst[k], n, "(B + %s + %d * SLOT_%s)", base, slot[k], base + 2);
+    int64_t bytes = bf16_bytes(operand_type(arg));
+    if (bytes > h->bf16_slot[s]) h->bf16_slot[s] = bytes;
+    if (fresh) {
+      if (!emit_bf16_cast(h, f, op, k, src[k], dst[k], operand_type(arg), s)) return false;
+      h->in_slot[s][slot[k]] = arg->value;
+    }
+  }
+  return true;
+}
+
 static bool emit_gemm(Host *h, const IrFunc *f, const IrOp *op, IrStream s) {
   char a[96], b[96], r[96];
   cg_spell_operand(&h->sp, &op->args[0], a, sizeof a);
@@ -352,14 +393,9 @@ static bool emit_gemm(Host *h, const IrFunc *f, const IrOp *op, IrStream s) {
   if (t0->dtype != IR_F32 || t1->dtype != IR_F32)
     return ir_error_at(h->d, op->loc, "the CUDA target multiplies fp32 only");
   const char *in = "RT_CUDA_F32";
-  if (h->bf16) {   // both operands to bf16 in the scratch of stream s; the GEMM reads the copies
-    const char *base = s == IR_STREAM_INTRA ? "B_INTRA" : s == IR_STREAM_INTER ? "B_INTER" : "B_COMPUTE";
+  if (h->bf16) {   // both operands as bf16 copies; the GEMM reads the copies
     char qa[96], qb[96];
-    snprintf(qa, sizeof qa, "(B + %s)", base);
-    snprintf(qb, sizeof qb, "(B + %s + %" PRId64 ")", base, bf16_bytes(t0));
-    int64_t need = bf16_bytes(t0) + bf16_bytes(t1);
-    if (need > h->bf16_need[s]) h->bf16_need[s] = need;
-    if (!emit_bf16_cast(h, f, op, 0, a, qa, t0, s) || !emit_bf16_cast(h, f, op, 1, b, qb, t1, s)) return false;
+    if (!bf16_operands(h, f, op, s, a, b, qa, qb, sizeof qa)) return false;
     snprintf(a, sizeof a, "%s", qa);
     snprintf(b, sizeof b, "%s", qb);
     in = "RT_CUDA_BF16";
@@ -464,6 +500,7 @@ static bool emit_function(Host *h, const IrFunc *f) {
   if (scheduled && !cg_events(h->d, f, &ev)) return false;
   if (scheduled && EV_BASE + ev.count > h->max_events) h->max_events = EV_BASE + ev.count;
   mark_staged(h, f);
+  memset(h->in_slot, 0, sizeof h->in_slot);   // bf16 copies are reused within a function only
   fprintf(h->out, "/* @%s%s */\nstatic void f%d(RtStep *st) {\n  (void)st;\n", f->name,
           scheduled ? ": compute, intra and inter streams" : "", f->index);
   if (scheduled) {
@@ -591,9 +628,11 @@ static void emit_header(Host *h, FILE *out, const char *source_name, const CgCud
   int64_t stage_bytes = h->stage_bytes > 0 ? h->stage_bytes : 8;
   int64_t off_s = off_a + align(h->plan->arena_bytes > 0 ? h->plan->arena_bytes : 1, 256);
   int64_t off_b = off_s + align(stage_bytes, 256);   // dtype bf16: the GEMM operands' scratch B
-  int64_t b_intra = h->bf16_need[IR_STREAM_COMPUTE], b_inter = b_intra + h->bf16_need[IR_STREAM_INTRA];
-  int64_t b_bytes = b_inter + h->bf16_need[IR_STREAM_INTER];
-  int64_t total = off_b + (h->bf16 ? align(b_bytes > 0 ? b_bytes : 1, 256) : 0);
+  const int64_t *slot = h->bf16_slot;   // two slots per stream
+  int64_t b_intra = 2 * slot[IR_STREAM_COMPUTE], b_inter = b_intra + 2 * slot[IR_STREAM_INTRA];
+  int64_t b_bytes = b_inter + 2 * slot[IR_STREAM_INTER];
+  int64_t off_p16 = off_b + (h->bf16 ? align(b_bytes > 0 ? b_bytes : 1, 256) : 0);   // dtype bf16: P16
+  int64_t total = off_p16 + (h->bf16 ? align(h->param_floats * 2, 256) : 0);
   fprintf(out, "/* Device memory, one block: parameters P, gradients G%s (floats, as the CPU\n"
                "   program's), the step's input X and target T, the activation arena A of the memory plan, and\n"
                "   the staging area S of the statistics the host reads after a step function (into H). */\n",
@@ -608,13 +647,18 @@ static void emit_header(Host *h, FILE *out, const char *source_name, const CgCud
   for (size_t i = 0; i < sizeof values / sizeof *values; i++)
     fprintf(out, "#define %s ((size_t)%" PRId64 ")\n", names[i], values[i]);
   if (h->bf16)
-    fprintf(out, "/* dtype bf16: every GEMM first rounds its two fp32 operands to bf16 (mk_compress_bf16, nearest\n"
-                 "   even) into the scratch B of its stream (at B_COMPUTE, B_INTRA or B_INTER: a stream's GEMMs run\n"
-                 "   one after the other, so each reuses it); cuBLAS multiplies the copies with fp32 accumulation\n"
-                 "   into the fp32 result. Parameters, gradients, moments and activations stay fp32. */\n"
+    fprintf(out, "/* dtype bf16: every GEMM takes bf16 copies of its two fp32 operands, rounded to nearest even by\n"
+                 "   mk_compress_bf16. A parameter's copy is P16's, the whole parameter vector rounded once after\n"
+                 "   each update or upload (at the next forward). A value's copy goes to one of the two slots of\n"
+                 "   its stream's scratch B (at B_COMPUTE, B_INTRA or B_INTER, SLOT_* bytes each: a stream's GEMMs\n"
+                 "   run one after the other, so a copy the previous GEMM made is read again, not made again).\n"
+                 "   cuBLAS multiplies the copies with fp32 accumulation into the fp32 result. Parameters,\n"
+                 "   gradients, moments and activations stay fp32. */\n"
                  "#define OFF_B ((size_t)%" PRId64 ")\n#define B_COMPUTE ((size_t)0)\n#define B_INTRA ((size_t)%" PRId64
-                 ")\n#define B_INTER ((size_t)%" PRId64 ")\n",
-            off_b, b_intra, b_inter);
+                 ")\n#define B_INTER ((size_t)%" PRId64 ")\n#define SLOT_COMPUTE ((size_t)%" PRId64
+                 ")\n#define SLOT_INTRA ((size_t)%" PRId64 ")\n#define SLOT_INTER ((size_t)%" PRId64
+                 ")\n#define OFF_P16 ((size_t)%" PRId64 ")\n",
+            off_b, b_intra, b_inter, slot[IR_STREAM_COMPUTE], slot[IR_STREAM_INTRA], slot[IR_STREAM_INTER], off_p16);
   fprintf(out, "#define EVENTS %d\n#define MOMENTS %d   /* AdamW keeps two moments per parameter */\n\n",
           h->max_events > EV_BASE ? h->max_events : EV_BASE, h->adamw);
 
@@ -647,7 +691,10 @@ static void emit_header(Host *h, FILE *out, const char *source_name, const CgCud
           "  CK(rt_cuda_launch(cu, s, kernels[kernel], grid, %d, shared_bytes, args), site);\n"
           "}\n\n",
           CG_CUDA_BLOCK);
-  if (h->bf16) fprintf(out, "static unsigned char *B;         /* the bf16 copies of the GEMM operands */\n\n");
+  if (h->bf16)
+    fprintf(out, "static unsigned char *B;         /* the bf16 copies of the GEMM operands */\n"
+                 "static uint16_t *P16;            /* the bf16 copy of the parameters */\n"
+                 "static bool p16_fresh;           /* P16 is P rounded (false after an update or upload) */\n\n");
 }
 
 // The RtDevice hooks: a description of the program for the GPU runtime (RtCudaProgram,
@@ -676,7 +723,7 @@ static void emit_hooks(Host *h, FILE *out) {
                "  unsigned char *base = session->device;\n"
                "  P = (float *)base;\n  G = (float *)(base + OFF_G);\n  M = (float *)(base + OFF_M);\n  V = (float *)(base + OFF_V);\n"
                "  X = (float *)(base + OFF_X);\n  T = (float *)(base + OFF_T);\n  A = base + OFF_A;\n  S = base + OFF_S;\n");
-  if (h->bf16) fprintf(out, "  B = base + OFF_B;\n");
+  if (h->bf16) fprintf(out, "  B = base + OFF_B;\n  P16 = (uint16_t *)(base + OFF_P16);\n  p16_fresh = false;\n");
   if (h->output[0]) fprintf(out, "  session->device_output = %s;\n", h->output);
   fprintf(out, "  return 0;\n}\n\n"
                "static void device_destroy(RtStep *st) {\n"
@@ -686,12 +733,16 @@ static void emit_hooks(Host *h, FILE *out) {
                "}\n\n"
                "static int device_connect(RtStep *st) { return rt_cuda_session_connect(session, st->comm); }\n"
                "static const char *device_describe(void) { return session->description; }\n"
-               "static int device_upload(RtStep *st, unsigned what) { return rt_cuda_session_upload(session, st, what); }\n"
+               "static int device_upload(RtStep *st, unsigned what) {\n"
+               "%s"
+               "  return rt_cuda_session_upload(session, st, what);\n"
+               "}\n"
                "static int device_download(RtStep *st, unsigned what) { return rt_cuda_session_download(session, st, what); }\n\n"
                "static const RtDevice device = {\n"
                "  .create = device_create, .connect = device_connect, .describe = device_describe,\n"
                "  .upload = device_upload, .download = device_download, .destroy = device_destroy,\n"
-               "};\n\n");
+               "};\n\n",
+          h->bf16 ? "  if (what & RT_DEVICE_PARAMS) p16_fresh = false;   /* P16 is rounded again at the next forward */\n" : "");
 }
 
 bool cg_emit_cuda_host(IrDiag *d, FILE *out, const IrModule *m, const PassMemPlan *plan, const CgEmitOptions *o,
@@ -734,14 +785,26 @@ bool cg_emit_cuda_host(IrDiag *d, FILE *out, const IrModule *m, const PassMemPla
   else if (last_fwd && last_fwd->nrets > 0) cg_spell_value(&h.sp, last_fwd->rets[0], h.output, sizeof h.output);
 
   int w_input = where(&h, NULL, NULL, "the copy of the step's input and target to the GPU");
-  char prologue[512];
+  char prologue[1024];
   snprintf(prologue, sizeof prologue,
            "  rt_step_begin_forward(st);\n"
            "  CK(rt_cuda_to_device(cu, RT_STREAM_COMPUTE, X, st->input, ELEMS * sizeof(float)), %d);\n"
            "  CK(rt_cuda_to_device(cu, RT_STREAM_COMPUTE, T, st->target, ELEMS * sizeof(float)), %d);\n%s",
            w_input, w_input, h.output[0] ? "  st->output = output;\n" : "");
+  const char *update_prologue = "";
+  if (h.bf16 && h.kernel_slot[cg_cuda_bf16_cast_kernel()] >= 0) {   // P16: the parameters rounded once
+    int kernel = cg_cuda_bf16_cast_kernel();
+    size_t len = strlen(prologue);
+    snprintf(prologue + len, sizeof prologue - len,
+             "  if (!p16_fresh) {   /* the parameters changed: their bf16 copy for the GEMMs */\n"
+             "    launch(%d, RT_STREAM_COMPUTE, %s, %" PRId64 ", 0, (void *[]){PTR(P), PTR(P16), I64(PARAM_FLOATS)});\n"
+             "    p16_fresh = true;\n  }\n",
+             where(&h, NULL, NULL, "kernel %s (the parameters to bf16)", cg_cuda_kernel_name(kernel)),
+             cg_cuda_kernel_name(kernel), cg_cuda_grid_elems(h.param_floats));
+    update_prologue = "  p16_fresh = false;   /* rounded again at the next forward */\n";
+  }
   ok = emit_step(&h, "forward", prologue, is_forward) && emit_step(&h, "backward", "", is_backward) &&
-       emit_step(&h, "update", "", is_update) && h.ok;
+       emit_step(&h, "update", update_prologue, is_update) && h.ok;
   if (fclose(h.out) != 0) ok = ir_oom(d);
   h.out = NULL;
   if (!ok) goto done;
