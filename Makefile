@@ -230,6 +230,7 @@ gpu-models: $(if $(filter yes,$(HAVE_NVRTC)),$(BUILD)/moec $(BUILD)/libmoert.a $
 	@$(if $(filter yes,$(HAVE_NVRTC)),BUILD=$(BUILD) CUDA=$(CUDA) bash tests/cuda/gpu.sh --build-models,echo "# no CUDA toolkit at $(CUDA): no CUDA model binaries")
 gpu-pack: $(if $(GPU_RUNTIME),all gpu-models $(BUILD)/bench/gpu_layer,$(filter cuda-skip gpu-skip,$(CUDA_TARGETS)))
 	$(if $(GPU_RUNTIME),@BUILD=$(BUILD) bash bench/gpu_predict.sh --build)
+	$(if $(GPU_RUNTIME),@BUILD=$(BUILD) bash bench/gpu_lm.sh --build)
 	$(if $(GPU_RUNTIME),@BUILD=$(BUILD) bash tests/cuda/pack.sh)
 gpu-skip:
 	@echo "# no cuBLAS ($(CUDA)/include/cublas_v2.h) or NCCL (NCCL_HOME=$(NCCL_HOME): include/nccl.h, lib/libnccl.so.2): libmoert_cuda.a and gpu_check skipped"

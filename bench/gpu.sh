@@ -21,6 +21,11 @@ TORCH_OUT=$(mktemp "${TMPDIR:-/tmp}/torch-bench.XXXXXX")
 trap 'rm -f "$MOEC_OUT" "$TORCH_OUT"' EXIT
 status=0
 
+# The peak the routed column divides by: the H100/H200 SXM's dense bf16 or fp32 (non-tensor) figure.
+case " $* " in
+  *" --dtype bf16 "*) PEAK=${PEAK:-989}; peak_of="dense bf16, H100/H200 SXM" ;;
+  *) PEAK=${PEAK:-67}; peak_of="fp32, H100/H200 SXM" ;;
+esac
 echo "# make bench-gpu on $(hostname): moec ($BIN), then PyTorch (bench/torch_ref.py) on the same shapes"
 shapes=""
 if [ ! -x "$BIN" ]; then
@@ -61,20 +66,30 @@ echo "# PyTorch side: ${python:-python3 (no python here imports torch)}"
 # gate_us route_us layer_TF/s gemm_TF/s drop%.
 if grep -qE '^(gpt|mixtral) ' "$MOEC_OUT" && grep -qE '^(gpt|mixtral) ' "$TORCH_OUT"; then
   echo
-  echo "# moec vs PyTorch: speedup = PyTorch time / moec time (> 1: moec is faster)"
-  awk 'function ratio(a, b) { return b > 0 ? a / b : 0 }
+  echo "# moec vs PyTorch: speedup = PyTorch time / moec time (> 1: moec is faster); eager and torch.compile"
+  awk 'function ratio(a, b) { return b > 0 && a == a ? a / b : 0 }
        FNR == 1 { file++ }
        $1 !~ /^(gpt|mixtral)$/ { next }
-       file == 1 { layer[$1 " " $2] = $5; gemm[$1 " " $2] = $6; gate[$1 " " $2] = $8; route[$1 " " $2] = $9; next }
+       file == 1 { layer[$1 " " $2] = $5; gemm[$1 " " $2] = $6; gate[$1 " " $2] = $8; route[$1 " " $2] = $9;
+                   split($2, d, "x"); n = ($1 == "gpt" ? 2 : 3)   # expert GEMMs per expert
+                   # routed: the FLOPs of the tokens the experts take (k choices less the dropped), over the peak
+                   routed[$1 " " $2] = 100 * 3 * n * 2 * $3 * 2 * (1 - $12 / 100) * d[3] * d[3] * d[4] / ($5 * 1e9) / peak
+                   tf[$1 " " $2] = $10; next }
        file == 2 && ($1 " " $2) in layer {
          if (!header++)
-           printf "%-8s %-15s %9s %9s %8s %10s %10s %10s %10s %8s %10s %10s %8s\n", "ffn", "shape", "moec ms", "torch ms",
-                  "speedup", "moec gemm", "torch gemm", "moec gate", "torch gate", "speedup", "moec rt", "torch rt", "speedup"
+           printf "%-8s %-15s %9s %9s %8s %10s %8s %9s %8s %10s %10s %10s %10s %8s %10s %10s %8s\n", "ffn", "shape", "moec ms",
+                  "eager ms", "speedup", "compile ms", "speedup", "moec TF/s", "routed %", "moec gemm", "torch gemm", "moec gate",
+                  "torch gate", "speedup", "moec rt", "torch rt", "speedup"
          k = $1 " " $2
-         printf "%-8s %-15s %9.3f %9.3f %7.2fx %10.3f %10.3f %10.1f %10.1f %7.2fx %10.1f %10.1f %7.2fx\n", $1, $2,
-                layer[k], $5, ratio($5, layer[k]), gemm[k], $6, gate[k], $8, ratio($8, gate[k]), route[k], $9, ratio($9, route[k])
-       }' "$MOEC_OUT" "$TORCH_OUT"
-  echo "# ms: forward + backward of the layer, and its expert GEMMs alone; gate: us of softmax -> top-k -> gather;"
-  echo "# rt (route): us of gate matmul + gate + capacity locations"
+         c = (NF >= 13 && $13 != "nan") ? $13 : -1
+         printf "%-8s %-15s %9.3f %9.3f %7.2fx %10.3f %7.2fx %9.1f %7.1f%% %10.3f %10.3f %10.1f %10.1f %7.2fx %10.1f %10.1f %7.2fx\n", $1, $2,
+                layer[k], $5, ratio($5, layer[k]), c, ratio(c, layer[k]), tf[k], routed[k], gemm[k], $6, gate[k], $8, ratio($8, gate[k]),
+                route[k], $9, ratio($9, route[k])
+       }' peak="$PEAK" "$MOEC_OUT" "$TORCH_OUT"
+  echo "# routed %: the expert GEMMs' FLOPs on the routed tokens (k choices less the dropped ones) per second, over"
+  echo "# the GPU's peak of $PEAK TFLOP/s ($peak_of; PEAK=N sets another)"
+  echo "# ms: forward + backward of the layer (eager: PyTorch as written; compile: torch.compile of it, -1: not run),"
+  echo "# and its expert GEMMs alone; moec TF/s: the layer's GEMM FLOPs over the capacity slots per second;"
+  echo "# gate: us of softmax -> top-k -> gather; rt (route): us of gate matmul + gate + capacity locations"
 fi
 exit $status

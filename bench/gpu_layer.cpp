@@ -20,9 +20,10 @@
 // parameters' gradients live (the plan's param.grad copies are then not needed).
 //
 // Measured, per shape and ffn (fp32 everywhere, no TF32, as the CPU backend; with --dtype bf16 as
-// the CUDA target's `dtype bf16`: every GEMM, the gate's too, first rounds its two fp32 operands
-// to bf16 with mk_compress_bf16 into a scratch, then cuBLAS multiplies them with fp32
-// accumulation and output; everything else stays fp32):
+// the CUDA target's `dtype bf16`: every GEMM, the gate's too, reads bf16 copies of its operands,
+// the weights' rounded once per run with mk_compress_bf16 (the program's P16), the other operand
+// rounded into a scratch slot unless the previous GEMM left its copy there; cuBLAS multiplies them
+// with fp32 accumulation and output; everything else stays fp32):
 //   layer ms    forward + backward of the layer
 //   gemm ms     the expert GEMMs alone (forward and backward set, the layer's own
 //               rt_cuda_expert_gemm calls on its own buffers; bf16: on bf16 operands, without
@@ -191,8 +192,15 @@ static double gate_flops(const Dims &d) { return 3.0 * 2.0 * d.s * d.m * d.e; }
 struct Gpu {
   RtCuda *cu = nullptr;
   bool ok = true;   // false from the first failed call on (rt_cuda reported it); later calls are skipped
-  u16 *sa = nullptr, *sb = nullptr;   // bf16: a GEMM's operands rounded (the layer's scratch)
+  u16 *sa = nullptr, *sb = nullptr;   // bf16: a GEMM's operands rounded (the layer's scratch: two slots)
+  const float *in_slot[2] = {nullptr, nullptr};   // whose bf16 copy sa and sb hold now
   bool raw = false;                   // bf16: GEMMs on sa and sb as they are (the GEMMs alone)
+  struct Weight {
+    const float *w;
+    u16 *copy;
+    int64_t n;
+  };
+  std::vector<Weight> weights;        // bf16: the parameters' copies (the CUDA target's P16)
   std::unordered_map<std::string, CUfunction> kernels;
 
   CUfunction kernel(const char *name) {
@@ -233,14 +241,41 @@ struct Gpu {
     return static_cast<P>(a);
   }
 
-  // bf16: a (na elements) and b (nb) rounded into sa and sb (unless raw); the operands to use.
+  // bf16, as the CUDA target's host program does (codegen/emit_cuda_host.c): the parameters are
+  // rounded once per step into their copies (refresh, at the forward's start), and a GEMM reads
+  // a parameter's copy; another operand is rounded into one of the two slots sa, sb unless a slot
+  // holds its copy already (the previous GEMM's; forgotten at each function's start: forget).
+  void refresh() {
+    for (const Weight &w : weights)
+      launch("mk_compress_bf16", &mk_compress_bf16, rt_cuda_grid(w.n, MK_BLOCK), MK_BLOCK, 0u, w.w, w.copy, w.n);
+  }
+  void forget() { in_slot[0] = in_slot[1] = nullptr; }
+
+  // bf16: the bf16 operands of a GEMM on a (na elements) and b (nb); raw: sa and sb as they are.
   std::pair<const void *, const void *> operands(const float *a, int64_t na, const float *b, int64_t nb) {
     if (!bf16) return {a, b};
-    if (!raw) {
-      launch("mk_compress_bf16", &mk_compress_bf16, rt_cuda_grid(na, MK_BLOCK), MK_BLOCK, 0u, a, sa, na);
-      launch("mk_compress_bf16", &mk_compress_bf16, rt_cuda_grid(nb, MK_BLOCK), MK_BLOCK, 0u, b, sb, nb);
+    if (raw) return {sa, sb};
+    const float *src[2] = {a, b};
+    int64_t n[2] = {na, nb};
+    const void *use[2] = {nullptr, nullptr};
+    int slot[2] = {-1, -1};
+    for (int k = 0; k < 2; k++) {
+      for (const Weight &w : weights)
+        if (w.w == src[k]) use[k] = w.copy;
+      for (int j = 0; !use[k] && j < 2; j++)
+        if (in_slot[j] == src[k]) slot[k] = j;
     }
-    return {sa, sb};
+    for (int k = 0; k < 2; k++) {
+      if (use[k]) continue;
+      if (slot[k] < 0) {
+        slot[k] = slot[1 - k] == 0 ? 1 : 0;
+        u16 *dst = slot[k] ? sb : sa;
+        launch("mk_compress_bf16", &mk_compress_bf16, rt_cuda_grid(n[k], MK_BLOCK), MK_BLOCK, 0u, src[k], dst, n[k]);
+        in_slot[slot[k]] = src[k];
+      }
+      use[k] = slot[k] ? sb : sa;
+    }
+    return {use[0], use[1]};
   }
 
   void gemm(const float *a, const float *b, float *c, int64_t m, int64_t n, int64_t k, bool ta, bool tb) {
@@ -273,6 +308,8 @@ struct Gpu {
 
 static int elementwise_grid(int64_t n) { return rt_cuda_grid(n, MK_BLOCK); }   // grid-stride kernels
 static int block_grid(int64_t n) { return (int)std::clamp<int64_t>(n, 1, 65535); }   // a block per row/choice/token
+// a block per 32-column tile of each of e blocks of columns (the bias gradients, as cg_lower_op)
+static int tile_grid(int64_t e, int64_t cols) { return block_grid(e * ((cols + 31) / 32)); }
 
 // The library (cg_emit_cuda_library) and the bench's kernels through NVRTC as CUBIN for this GPU.
 static bool load_kernels(Gpu &gpu) {
@@ -353,12 +390,22 @@ static int64_t largest_operand(const Dims &d) {
   return std::max({d.e * d.t * d.h, d.e * d.m * d.h, d.s * d.m, d.s * d.e});
 }
 
+// Elements of the parameters the GEMMs read: wg, w1, w2 (and w3 for mixtral).
+static std::vector<int64_t> weight_sizes(Ffn ffn, const Dims &d) {
+  std::vector<int64_t> n = {d.m * d.e, d.e * d.m * d.h, d.e * d.h * d.m};
+  if (ffn == FFN_MIXTRAL) n.push_back(d.e * d.m * d.h);
+  return n;
+}
+
 static size_t layer_bytes(Ffn ffn, const Dims &d) {
   Layer L;
   L.ffn = ffn, L.d = d;
   size_t bytes = 0;
   each_buffer(L, [&](auto *&, int64_t n) { bytes += aligned((size_t)n * 4); });
-  if (want_bf16) bytes += 2 * aligned((size_t)largest_operand(d) * sizeof(u16));
+  if (want_bf16) {
+    bytes += 2 * aligned((size_t)largest_operand(d) * sizeof(u16));
+    for (int64_t n : weight_sizes(ffn, d)) bytes += aligned((size_t)n * sizeof(u16));
+  }
   return bytes;
 }
 
@@ -374,6 +421,15 @@ static bool layer_create(Gpu &gpu, Layer &L, Ffn ffn, const Dims &d) {
   if (ok && want_bf16) {
     size_t n = (size_t)largest_operand(d);
     ok = (gpu.sa = (u16 *)rt_cuda_alloc(gpu.cu, n * sizeof(u16))) && (gpu.sb = (u16 *)rt_cuda_alloc(gpu.cu, n * sizeof(u16)));
+    gpu.weights.clear();
+    gpu.forget();
+    const float *w[] = {L.wg, L.w1, L.w2, L.w3};
+    std::vector<int64_t> sizes = weight_sizes(ffn, d);
+    for (size_t i = 0; ok && i < sizes.size(); i++) {
+      u16 *copy = (u16 *)rt_cuda_alloc(gpu.cu, (size_t)sizes[i] * sizeof(u16));
+      ok = copy != nullptr;
+      gpu.weights.push_back({w[i], copy, sizes[i]});
+    }
   }
   if (!ok) return gpu.ok = false;
   struct Init {
@@ -412,6 +468,8 @@ static void routing(Gpu &g, Layer &L) {
 static void forward(Gpu &g, Layer &L) {
   const Dims &d = L.d;
   int64_t etm = d.e * d.t * d.m, eth = d.e * d.t * d.h;
+  g.forget();
+  g.refresh();   // bf16: the parameters' copies, once per step (the program's P16 after an update)
   routing(g, L);
   LAUNCH(g, 1, MK_BLOCK, mk_aux_loss, L.scores, L.idx, L.aux, d.s, d.e, d.k, 1, 1.0f);
   LAUNCH(g, 1, MK_BLOCK, mk_z_loss, L.logits, L.z, d.s, d.e, 1, 1.0f);
@@ -441,6 +499,7 @@ static void backward(Gpu &g, Layer &L) {
   const Dims &d = L.d;
   int64_t etm = d.e * d.t * d.m, eth = d.e * d.t * d.h, sm = d.s * d.m, se = d.s * d.e;
   const float *expert_out = L.ffn == FFN_GPT ? L.yb : L.y;
+  g.forget();
   LAUNCH(g, elementwise_grid(etm), MK_BLOCK, mk_zero, L.dy, etm);
   LAUNCH(g, block_grid(d.s * d.k), MK_BLOCK, mk_order_decode_grad_y, L.dout, L.idx, L.loc, L.gates, L.dy, d.s, d.m,
          d.k, d.e, 1, d.t);
@@ -448,11 +507,11 @@ static void backward(Gpu &g, Layer &L) {
          d.s, d.m, d.k, d.e, 1, d.t);
   const float *ddisp;   // the gradient of disp: one GEMM's for gpt, the sum of two for mixtral
   if (L.ffn == FFN_GPT) {
-    LAUNCH(g, elementwise_grid(d.e * d.m), MK_BLOCK, mk_expert_bias_grad, L.dy, L.db2, d.e, d.t, d.m);
+    LAUNCH(g, tile_grid(d.e, d.m), MK_BLOCK, mk_expert_bias_grad, L.dy, L.db2, d.e, d.t, d.m);
     g.expert_gemm(L.dy, L.w2, L.dact, d.e, d.t, d.h, d.m, false, true);
     g.expert_gemm(L.act, L.dy, L.dw2, d.e, d.h, d.m, d.t, true, false);
     LAUNCH(g, elementwise_grid(eth), MK_BLOCK, mk_gelu_grad, L.dact, L.hb, L.dhb, eth);
-    LAUNCH(g, elementwise_grid(d.e * d.h), MK_BLOCK, mk_expert_bias_grad, L.dhb, L.db1, d.e, d.t, d.h);
+    LAUNCH(g, tile_grid(d.e, d.h), MK_BLOCK, mk_expert_bias_grad, L.dhb, L.db1, d.e, d.t, d.h);
     g.expert_gemm(L.dhb, L.w1, L.ddisp, d.e, d.t, d.m, d.h, false, true);
     g.expert_gemm(L.disp, L.dhb, L.dw1, d.e, d.m, d.h, d.t, true, false);
     ddisp = L.ddisp;
@@ -726,7 +785,7 @@ static bool bench_shape(Gpu &g, const Shape &sh, int warmup, int runs, Row &row)
     LAUNCH(g, elementwise_grid(d.s), MK_BLOCK, mk_gate_softmax_topk_gather, L.logits, L.scores, L.idx, L.gates, d.s, d.e,
            d.k, 1);
   });
-  row.route_us = 1e3 * median_ms(g, warmup, runs, GATE_REPS, [&] { routing(g, L); });
+  row.route_us = 1e3 * median_ms(g, warmup, runs, GATE_REPS, [&] { g.forget(), routing(g, L); });
   std::vector<int> stats = fetch(g, L.stats, d.e * 2);   // per expert: kept, wanted
   g.sync();
   long long kept = 0, wanted = 0;

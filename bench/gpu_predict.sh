@@ -76,8 +76,8 @@ if $build; then
     IFS=: read -r name ffn shape dtype <<<"$entry"
     model "$ffn" "$shape" "$dtype" >"$DIR/$name.moe"
     # The cluster only matters for the plan's r, which the sequential policy fixes at 1.
-    "$MOEC" build "$DIR/$name.moe" --target cuda --cluster lang/clusters/testbed-a.cluster -o "$DIR/$name.cuda" ||
-      { echo "FAILED: moec build $DIR/$name.moe --target cuda"; exit 1; }
+    "$MOEC" build "$DIR/$name.moe" --target cuda --cluster lang/clusters/testbed-a.cluster -v -o "$DIR/$name.cuda" \
+      2>"$DIR/$name.build" || { cat "$DIR/$name.build"; echo "FAILED: moec build $DIR/$name.moe --target cuda"; exit 1; }
     echo "# $DIR/$name.cuda"
   done
   exit 0

@@ -17,6 +17,11 @@ step time beside the moec binary's:
 --size mid and --size large are bench/models/lm_mid.moe and lm_large.moe (issue 28): vocab 8192,
 batch 4, seqlen 256, embed 512, 6 blocks of 8 heads, 8 experts of hidden 1024; vocab 32000, batch
 2, seqlen 512, embed 1024, 4 blocks of 16 heads, 8 experts of hidden 2048 (lr 0.0003, no warmup).
+--size gpu is bench/gpu_lm.sh's model for one GPU (vocab 32000, batch 16, seqlen 256, embed 2048,
+2 blocks of 16 heads, 8 experts of hidden 8192: 636 M parameters); gpu-quick its smoke size.
+
+--device cuda runs it on the GPU (the step's time after torch.cuda.synchronize); --dtype bf16
+under torch.autocast(bfloat16) with fp32 parameters and AdamW state (moec's dtype bf16).
 
 Prints one line "lm NAME <median step ms> <forward+backward ms>" (medians of --steps steps after
 --warmup), or "skip  torch_lm: torch not installed" and exit status 0.
@@ -32,6 +37,8 @@ SIZES = {
     "demo": ("gpt_moe_bytes", 256, 8, 64, 96, 3, 4, 4, 192, 0.003),
     "mid": ("lm_mid", 8192, 4, 256, 512, 6, 8, 8, 1024, 0.0003),
     "large": ("lm_large", 32000, 2, 512, 1024, 4, 16, 8, 2048, 0.0003),
+    "gpu": ("lm_gpu", 32000, 16, 256, 2048, 2, 16, 8, 8192, 0.0003),
+    "gpu-quick": ("lm_gpu_quick", 512, 2, 32, 64, 2, 4, 8, 256, 0.0003),
 }
 NAME, VOCAB, BATCH, SEQ, EMBED, LAYERS, HEADS, EXPERTS, HIDDEN, LR = SIZES["demo"]
 CHOICES, CAPACITY, AUX_COEF = 2, 1.25, 0.01
@@ -116,6 +123,9 @@ def main(argv):
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--size", choices=sorted(SIZES), default="demo")
     ap.add_argument("--threads", type=int, default=0, help="torch.set_num_threads (0: PyTorch's default)")
+    ap.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
+    ap.add_argument("--dtype", choices=("fp32", "bf16"), default="fp32",
+                    help="bf16: torch.autocast(bfloat16), fp32 parameters (as moec's dtype bf16)")
     args = ap.parse_args(argv)
     global NAME, VOCAB, BATCH, SEQ, EMBED, LAYERS, HEADS, EXPERTS, HIDDEN, LR
     NAME, VOCAB, BATCH, SEQ, EMBED, LAYERS, HEADS, EXPERTS, HIDDEN, LR = SIZES[args.size]
@@ -126,22 +136,36 @@ def main(argv):
         return 0
     if args.threads > 0:
         torch.set_num_threads(args.threads)
+    if args.device == "cuda" and not torch.cuda.is_available():
+        print("skip  torch_lm: no GPU (torch.cuda.is_available() is False)")
+        return 0
+    torch.backends.cuda.matmul.allow_tf32 = False   # fp32 as moec computes it
+    torch.set_float32_matmul_precision("highest")
     torch.manual_seed(1)
-    model = build(torch)
+    model = build(torch).to(args.device)
+    cuda = args.device == "cuda"
+    bf16 = args.dtype == "bf16"
     decay = [p for p in model.parameters() if p.dim() >= 2]
     other = [p for p in model.parameters() if p.dim() < 2]
     opt = torch.optim.AdamW([{"params": decay, "weight_decay": 0.1}, {"params": other, "weight_decay": 0.0}],
                             lr=LR, betas=(0.9, 0.95))
     steps, fwd_bwd = [], []
+    def sync():
+        if cuda:
+            torch.cuda.synchronize()
     for i in range(args.warmup + args.steps):
-        data = torch.randint(0, VOCAB, (BATCH, SEQ + 1))
+        data = torch.randint(0, VOCAB, (BATCH, SEQ + 1)).to(args.device)
+        sync()
         t0 = time.perf_counter()
-        loss = model(data[:, :-1], data[:, 1:])
+        with torch.autocast(device_type=args.device, dtype=torch.bfloat16, enabled=bf16):
+            loss = model(data[:, :-1], data[:, 1:])
         opt.zero_grad(set_to_none=True)
         loss.backward()
+        sync()
         t1 = time.perf_counter()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
+        sync()
         t2 = time.perf_counter()
         if i >= args.warmup:
             steps.append((t2 - t0) * 1e3)

@@ -19,7 +19,9 @@ forward and backward with autograd, on the same shapes, printing the same table:
 Columns (as gpu_layer): layer ms (forward + backward), gemm ms (the layer's torch.bmm set alone,
 forward and backward, into preallocated outputs), gemm/layer, gate us (softmax -> topk ->
 renormalised gates), route us (matmul + gate + one-hot cumsum locations + capacity mask),
-TF/s (same FLOP counts as gpu_layer), drop %. fp32, TF32 off. Times: median of --runs runs after
+TF/s (same FLOP counts as gpu_layer), drop %, and compile ms: the same layer under torch.compile
+(--compile MODE, default "default"; "off" leaves it out: nan), checked against the eager
+gradients first. fp32, TF32 off. Times: median of --runs runs after
 --warmup runs, torch.cuda.Event (on the CPU: time.perf_counter); the gate and the route over 100
 calls per run.
 
@@ -100,18 +102,18 @@ def gate_flops(tokens, model):
     return 3.0 * 2.0 * tokens * model * EXPERTS
 
 
-HEADER = "%-8s %-15s %6s %5s %10s %10s %10s %9s %9s %10s %9s %7s" % (
+HEADER = "%-8s %-15s %6s %5s %10s %10s %10s %9s %9s %10s %9s %7s %10s" % (
     "ffn", "shape", "S", "T", "layer ms", "gemm ms", "gemm/layer", "gate us", "route us", "layer TF/s", "gemm TF/s",
-    "drop %")
+    "drop %", "compile ms")
 
 
-def format_row(shape, layer_ms, gemm_ms, gate_us, route_us, dropped):
+def format_row(shape, layer_ms, gemm_ms, gate_us, route_us, dropped, compile_ms):
     ffn, b, l, m, hs = shape
     s = b * l
     flops = expert_flops(ffn, s, m, hs * m)
-    return "%-8s %-15s %6d %5d %10.3f %10.3f %10.2f %9.1f %9.1f %10.1f %9.1f %7.2f" % (
+    return "%-8s %-15s %6d %5d %10.3f %10.3f %10.2f %9.1f %9.1f %10.1f %9.1f %7.2f %10.3f" % (
         ffn, shape_name(shape), s, capacity(s), layer_ms, gemm_ms, gemm_ms / layer_ms, gate_us, route_us,
-        (flops + gate_flops(s, m)) / (layer_ms * 1e9), flops / (gemm_ms * 1e9), dropped)
+        (flops + gate_flops(s, m)) / (layer_ms * 1e9), flops / (gemm_ms * 1e9), dropped, compile_ms)
 
 
 # ---- the layer in PyTorch ----
@@ -171,6 +173,27 @@ def make_params(torch, ffn, m, h, device, dtype):
 
 def forward_backward(torch, p, x, dout, ffn, cap):
     out, aux, _, _, _, _ = layer(torch, p, x, ffn, cap)
+    inputs = [x] + list(p.values())
+    return torch.autograd.grad([out, AUX_COEF * aux], inputs, [dout, None])
+
+
+def compiled_layer(torch, names, ffn, cap, bf16, mode):
+    """torch.compile of the same layer (out and aux; under autocast when bf16), as a user compiles
+    a module: TorchInductor generates the forward and, through AOTAutograd, the backward."""
+    def forward(x, *params):
+        p = dict(zip(names, params))
+        if bf16:
+            with torch.autocast(device_type=x.device.type, dtype=torch.bfloat16):
+                out, aux = layer(torch, p, x, ffn, cap)[:2]
+        else:
+            out, aux = layer(torch, p, x, ffn, cap)[:2]
+        return out, aux
+    torch._dynamo.reset()   # a fresh compilation per shape (no recompilation limit, no stale guards)
+    return torch.compile(forward, mode=mode, dynamic=False)
+
+
+def forward_backward_compiled(torch, fn, p, x, dout):
+    out, aux = fn(x, *p.values())
     inputs = [x] + list(p.values())
     return torch.autograd.grad([out, AUX_COEF * aux], inputs, [dout, None])
 
@@ -269,7 +292,7 @@ def median_ms(torch, device, warmup, runs, reps, work):
     return statistics.median(times)
 
 
-def bench_shape(torch, shape, device, warmup, runs, bf16=False):
+def bench_shape(torch, shape, device, warmup, runs, bf16=False, compile_mode=None):
     ffn, b, l, m, hscale = shape
     s, h = b * l, hscale * m
     cap = capacity(s)
@@ -285,6 +308,28 @@ def bench_shape(torch, shape, device, warmup, runs, bf16=False):
         with torch.autocast(device_type=device, dtype=torch.bfloat16):
             return forward_backward(torch, p, x, dout, ffn, cap)
     layer_ms = median_ms(torch, device, warmup, runs, 1, step)
+
+    # torch.compile of the same layer: checked against the eager layer's gradients first (the
+    # same inputs; fp32 to 1e-3 and bf16 to 5e-2 of each tensor's largest element: the generated
+    # kernels order their sums and roundings differently), then timed as the eager one (the
+    # compilation happens in the first warm-up run).
+    compile_ms = float("nan")
+    if compile_mode:
+        fn = compiled_layer(torch, list(p), ffn, cap, bf16, compile_mode)
+        t0 = time.perf_counter()
+        got = forward_backward_compiled(torch, fn, p, x, dout)
+        seconds = time.perf_counter() - t0
+        want = step()
+        tol = 5e-2 if bf16 else 1e-3
+        worst, name = max((rel_err(g.float(), w.float()), n) for g, w, n in zip(got, want, ["dx"] + ["d" + k for k in p]))
+        print("# compile %-7s %s: torch.compile(mode=%s) compiled in %.1f s; gradients against eager: largest "
+              "relative error %.1e (%s) %s %.0e" % (ffn, shape_name(shape), compile_mode, seconds, worst, name,
+                                                   "<=" if worst <= tol else ">", tol))
+        if not worst <= tol:
+            raise RuntimeError("torch.compile's layer differs from the eager layer")
+        compile_ms = median_ms(torch, device, warmup, runs, 1,
+                               lambda: forward_backward_compiled(torch, fn, p, x, dout))
+        del fn, got, want
 
     # The expert GEMMs alone: the layer's bmm set, forward and backward, on tensors of its shapes
     # (bf16: bf16 tensors).
@@ -316,7 +361,7 @@ def bench_shape(torch, shape, device, warmup, runs, bf16=False):
         route_us = 1e3 * median_ms(torch, device, warmup, runs, GATE_REPS, lambda: route(torch, xd, wg, cap))
         kept = route(torch, xd, wg, cap)[5]
         dropped = 100.0 * (1.0 - kept.float().mean().item())
-    return format_row(shape, layer_ms, gemm_ms, gate_us, route_us, dropped)
+    return format_row(shape, layer_ms, gemm_ms, gate_us, route_us, dropped, compile_ms)
 
 
 def main(argv):
@@ -330,6 +375,9 @@ def main(argv):
     ap.add_argument("--dtype", choices=("fp32", "bf16"), default="fp32",
                     help="bf16: autocast to bf16 (fp32 parameters, bf16 matrix products), as dtype bf16")
     ap.add_argument("--list-shapes", action="store_true", help="print the shapes as --shapes takes them and exit")
+    ap.add_argument("--compile", default="default", metavar="MODE",
+                    help="also time torch.compile of the layer in this mode (default, reduce-overhead, "
+                         "max-autotune; 'off': not at all); the column 'compile ms'")
     args = ap.parse_args(argv)
     if args.runs < 1 or args.warmup < 0:
         ap.error("--runs must be >= 1 and --warmup >= 0")
@@ -372,7 +420,8 @@ def main(argv):
         print(HEADER)
         sys.stdout.flush()
         for shape in shapes:
-            print(bench_shape(torch, shape, args.device, args.warmup, args.runs, args.dtype == "bf16"))
+            print(bench_shape(torch, shape, args.device, args.warmup, args.runs, args.dtype == "bf16",
+                              None if args.compile == "off" else args.compile))
             sys.stdout.flush()
             if args.device == "cuda":
                 torch.cuda.empty_cache()

@@ -43,6 +43,12 @@
 
 enum { EV_FORK, EV_JOIN_INTRA, EV_JOIN_INTER, EV_BASE };   // events of every scheduled function, then its own
 
+// What a step function launches (Host.count).
+typedef struct Counts {
+  int64_t kernels, casts, gemms, comms;
+  double kernel_bytes, gemm_bytes;
+} Counts;
+
 typedef struct Host {
   FILE *out;                 // the functions (a memory stream: the tables they use are printed first)
   FILE *epi;                 // the current step function's host epilogue (a memory stream)
@@ -70,6 +76,11 @@ typedef struct Host {
   bool bf16;                 // dtype bf16: the GEMMs take bf16 copies of their operands (cg_bf16_gemms)
   int64_t bf16_slot[4];      // bytes of each of the two bf16 operand slots of a stream (IrStream index)
   const IrValue *in_slot[4][2];   // the value whose bf16 copy each slot holds now (NULL: none), per stream
+  // What each step function launches (moec build -v, and the program's header): by phase
+  // (forward, backward, update), the kernel launches (bf16 casts among them), cuBLAS GEMMs and
+  // collectives or device copies, and the bytes they move (operands read once, results written once)
+  int phase;
+  Counts count[3];
   bool ok;
 } Host;
 
@@ -247,6 +258,7 @@ static bool emit_kernel(Host *h, const IrFunc *f, int i, const CgKernelCall *c, 
     return ir_internal_at(h->d, op->loc, "kernel %s takes %d arguments, the launch of '%s' has %d", name,
                        nparams, ir_op_info[op->kind].name, c->nargs);
   int site = where(h, f, op, "kernel %s of %s", name, ir_op_info[op->kind].name);
+  h->count[h->phase].kernels++;
   fprintf(h->out, "  launch(%d, %s, %s, %" PRId64 ", %u, (void *[]){", site, cg_stream_enum(s), name, c->grid,
           c->shared_bytes);
   for (int a = 0; a < c->nargs; a++) {
@@ -280,6 +292,7 @@ static bool emit_comm(Host *h, const IrFunc *f, const IrOp *op, IrStream s) {
   if (op->result) cg_spell_value(&h->sp, op->result, r, sizeof r);
   int g = cg_group_index(op);
   int64_t size = h->group_size[g], count = 0;
+  h->count[h->phase].comms++;
   const char *se = cg_stream_enum(s);
   int w = where(h, f, op, "%s on the %s group", ir_op_info[op->kind].name, group_names[g]);
   const IrType *t0 = op->nargs ? operand_type(&op->args[0]) : NULL, *rt = op->result ? &op->result->type : NULL;
@@ -338,6 +351,8 @@ static bool emit_bf16_cast(Host *h, const IrFunc *f, const IrOp *op, int k, cons
     return ir_internal_at(h->d, op->loc, "%s is not (const float *, u16 *, i64)", cg_cuda_kernel_name(kernel));
   int64_t n = ir_type_numel(t);
   int site = where(h, f, op, "kernel %s (operand %d to bf16) of %s", cg_cuda_kernel_name(kernel), k, ir_op_info[op->kind].name);
+  h->count[h->phase].kernels++, h->count[h->phase].casts++;
+  h->count[h->phase].kernel_bytes += 6.0 * (double)n;
   fprintf(h->out, "  launch(%d, %s, %s, %" PRId64 ", 0, (void *[]){PTR(%s), PTR(%s), I64(%" PRId64 ")});\n", site,
           cg_stream_enum(s), cg_cuda_kernel_name(kernel), cg_cuda_grid_elems(n), src, dst, n);
   return true;
@@ -401,6 +416,9 @@ static bool emit_gemm(Host *h, const IrFunc *f, const IrOp *op, IrStream s) {
     in = "RT_CUDA_BF16";
   }
   int w = where(h, f, op, "%s (cuBLAS)", ir_op_info[op->kind].name);
+  h->count[h->phase].gemms++;
+  h->count[h->phase].gemm_bytes += (double)(h->bf16 ? 2 : 4) * (double)(ir_type_numel(t0) + ir_type_numel(t1)) +
+                                    (double)ir_type_bytes(rt);
   if (op->kind == IR_OP_MATMUL)
     fprintf(h->out, "  CK(rt_cuda_gemm(cu, %s, %s, %s, %s, (float *)%s, %" PRId64 ", %" PRId64 ", %" PRId64
                     ", %d, %d, false), %d);\n",
@@ -410,6 +428,25 @@ static bool emit_gemm(Host *h, const IrFunc *f, const IrOp *op, IrStream s) {
                     ", %" PRId64 ", %d, %d), %d);\n",
             cg_stream_enum(s), in, a, b, r, rt->dim[0], rt->dim[1], rt->dim[2], ta ? t0->dim[1] : t0->dim[2], ta, tb, w);
   return true;
+}
+
+// The bytes ops i .. i + nops - 1 of f move as kernels: each operand read once and each result
+// written once (an update also reads the gradient and rewrites the parameter and its moments).
+static double op_bytes(const Host *h, const IrFunc *f, int i, int nops) {
+  double bytes = 0.0;
+  for (int j = i; j < i + nops && j < f->nops; j++) {
+    const IrOp *op = f->ops[j];
+    if (op->kind == IR_OP_OPT_ADAMW || op->kind == IR_OP_OPT_SGD) {
+      double p = (double)ir_type_bytes(operand_type(&op->args[0]));
+      bytes += p * (op->kind == IR_OP_OPT_ADAMW ? 7.0 : 3.0);   // p, g, m, v read; p, m, v written
+      continue;
+    }
+    for (int a = 0; a < op->nargs; a++)
+      if (op->args[a].param || op->args[a].value) bytes += (double)ir_type_bytes(operand_type(&op->args[a]));
+    if (op->result) bytes += (double)ir_type_bytes(&op->result->type);
+  }
+  (void)h;
+  return bytes;
 }
 
 // Op i of f (and the ops a fused launch takes with it, *nops in all) on stream s.
@@ -432,6 +469,7 @@ static bool emit_op(Host *h, const IrFunc *f, int i, IrStream s, int *nops) {
   int64_t stats = op->kind == IR_OP_HOOK_RECORD ? stage_place(h, 3 * (int64_t)sizeof(double)) : -1;
   // A split reduction's partial sums: a place of their own (ops on other streams may run beside).
   int64_t scratch = l.scratch_bytes > 0 ? stage_place(h, l.scratch_bytes) : -1;
+  if (l.ncalls > 0) h->count[h->phase].kernel_bytes += op_bytes(h, f, i, l.nops);
   for (int k = 0; k < l.ncalls; k++)
     if (!emit_kernel(h, f, i, &l.call[k], s, stats, scratch)) return false;
   if (op->kind == IR_OP_HOOK_RECORD) {
@@ -553,6 +591,7 @@ static bool emit_step(Host *h, const char *name, const char *prologue, bool (*me
   char *epilogue = NULL;
   size_t size = 0;
   int64_t first_stage = h->stage_bytes;   // this step's part of the staging area starts here
+  h->phase = strcmp(name, "forward") == 0 ? 0 : strcmp(name, "backward") == 0 ? 1 : 2;
   if (!(h->epi = open_memstream(&epilogue, &size))) return ir_oom(h->d);
   bool ok = true;
   for (int i = 0; ok && i < h->m->nfuncs; i++)
@@ -593,11 +632,32 @@ static bool is_update(const IrFunc *f) { return f->role == IR_ROLE_OPTIMIZER; }
 
 // ---- the program ----
 
+// What a step launches and moves (moec build -v; the program's header): one line per step
+// function, then the whole step, each between `pre` and `post`.
+static void print_counts(const Host *h, FILE *out, const char *pre, const char *post) {
+  static const char *const names[3] = {"forward", "backward", "update"};
+  int64_t kernels = 0, gemms = 0, comms = 0;
+  double bytes = 0.0, gemm_bytes = 0.0;
+  for (int p = 0; p < 3; p++) {
+    const Counts *c = &h->count[p];
+    fprintf(out, "%slaunches: %-8s %4" PRId64 " kernels (%" PRId64 " bf16 casts), %3" PRId64 " GEMMs, %3" PRId64
+                 " collectives or copies; kernels move %.1f MB, GEMM operands and results %.1f MB%s",
+            pre, names[p], c->kernels, c->casts, c->gemms, c->comms, c->kernel_bytes / 1e6, c->gemm_bytes / 1e6, post);
+    kernels += c->kernels, gemms += c->gemms, comms += c->comms, bytes += c->kernel_bytes, gemm_bytes += c->gemm_bytes;
+  }
+  fprintf(out, "%slaunches: a step   %4" PRId64 " kernels, %3" PRId64 " GEMMs, %3" PRId64 " collectives or copies; "
+               "kernels move %.1f MB, GEMMs %.1f MB (each operand read once, each result written once)%s",
+          pre, kernels, gemms, comms, bytes / 1e6, gemm_bytes / 1e6, post);
+}
+
 static void emit_header(Host *h, FILE *out, const char *source_name, const CgCudaImages *img) {
   const IrModule *m = h->m;
   fprintf(out, "/* Generated by moec from %s: the training step of model '%s' for the CUDA target\n"
                "   (%s). Do not edit; change the .moe file and rebuild. */\n",
           source_name, m->name, img->arch);
+  fprintf(out, "/* What a step launches (the device's work, in program order):\n");
+  print_counts(h, out, "     ", "\n");
+  fprintf(out, "*/\n");
   fprintf(out, "#include <stdbool.h>\n#include <stdint.h>\n#include <stdio.h>\n#include <stdlib.h>\n#include <string.h>\n\n"
                "#include \"moert.h\"\n#include \"rt_cuda.h\"\n\n");
   int arch = atoi(img->arch + 3);
@@ -802,12 +862,15 @@ bool cg_emit_cuda_host(IrDiag *d, FILE *out, const IrModule *m, const PassMemPla
              where(&h, NULL, NULL, "kernel %s (the parameters to bf16)", cg_cuda_kernel_name(kernel)),
              cg_cuda_kernel_name(kernel), cg_cuda_grid_elems(h.param_floats));
     update_prologue = "  p16_fresh = false;   /* rounded again at the next forward */\n";
+    h.count[0].kernels++, h.count[0].casts++;
+    h.count[0].kernel_bytes += 6.0 * (double)h.param_floats;
   }
   ok = emit_step(&h, "forward", prologue, is_forward) && emit_step(&h, "backward", "", is_backward) &&
        emit_step(&h, "update", update_prologue, is_update) && h.ok;
   if (fclose(h.out) != 0) ok = ir_oom(d);
   h.out = NULL;
   if (!ok) goto done;
+  if (o->verbose) print_counts(&h, stderr, "# ", "\n");
   emit_header(&h, out, o->source_name, images);
   fwrite(body, 1, body_size, out);
   emit_hooks(&h, out);

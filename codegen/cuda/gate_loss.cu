@@ -57,19 +57,32 @@ extern "C" __global__ void mk_aux_loss(const float *scores, const int *idx, floa
 
 // ---- mk_aux_loss_grad ----
 // One block per group; dynamic shared memory e doubles. ce is a constant of the scores:
-// d/dscores[t, i] = coef * E * ce_i / (n_g * G).
+// d/dscores[t, i] = coef * E * ce_i / (n_g * G). The counts of first choices as in mk_aux_loss:
+// blockDim.x / 32 experts at a time, 32 threads each striding over the group's tokens (whole
+// numbers, so any order of the sums gives the same bits; one thread per expert reading every
+// token took 0.6 ms of a step on an H200).
 extern "C" __global__ void mk_aux_loss_grad(const float *scores, const int *idx, float *dscores, int s, int e, int k,
                                             int g, float coef) {
   MK_DYN_SHARED(double, mk_ce);
+  __shared__ int sh_count[MK_BLOCK];
   if (g < 1) g = 1;
+  const int lanes = blockDim.x < 32 ? (int)blockDim.x : 32, per = blockDim.x / lanes;
+  const int j = threadIdx.x / lanes, lane = threadIdx.x % lanes;
   MK_FOR_BLOCKS(gi, g) {
     int t0 = mk_group_begin(s, g, (int)gi), t1 = mk_group_begin(s, g, (int)gi + 1), n = t1 - t0;
-    for (int i = threadIdx.x; i < e; i += blockDim.x) {
-      double ce = 0.0;
-      for (int t = t0; t < t1; t++) ce += idx[(i64)t * k] == i;
-      mk_ce[i] = n > 0 ? ce / n : 0.0;
+    for (int i0 = 0; i0 < e; i0 += per) {
+      int i = i0 + j, count = 0;
+      if (i < e && j < per)
+        for (int t = t0 + lane; t < t1; t += lanes) count += idx[(i64)t * k] == i;
+      sh_count[threadIdx.x] = count;
+      __syncthreads();
+      if (threadIdx.x < per && i0 + (int)threadIdx.x < e) {
+        int c = 0;
+        for (int l = 0; l < lanes; l++) c += sh_count[threadIdx.x * lanes + l];
+        mk_ce[i0 + threadIdx.x] = n > 0 ? (double)c / n : 0.0;
+      }
+      __syncthreads();
     }
-    __syncthreads();
     for (i64 q = threadIdx.x; q < (i64)n * e; q += blockDim.x) {
       int i = (int)(q % e);
       dscores[(i64)t0 * e + q] = (float)((double)coef * e * mk_ce[i] / ((double)n * g));

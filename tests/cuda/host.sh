@@ -309,6 +309,32 @@ PY
   fi
 fi
 
+# bf16 operands made once: the parameters' bf16 copy P16 (rounded at the first forward after an
+# update or upload) is what the GEMMs read for a weight, and a value rounded for one GEMM is read
+# again, not rounded again, by the next GEMM on its stream (the backward's dY @ W^T then X^T @ dY).
+# moec build -v counts the casts per step function: tiny's forward rounds P16 and each GEMM's
+# activation (1 + 6 = 7 casts for 6 GEMMs), its backward 12 casts for 12 GEMMs (24 without either).
+if "$MOEC" build "$WORK/tiny_bf16.moe" --target cuda --emit c -v -o "$WORK/tiny_bf16.c" 2>"$WORK/v.err" &&
+   fwd=$(grep -m1 '^# launches: forward' "$WORK/v.err") && bwd=$(grep -m1 '^# launches: backward' "$WORK/v.err") &&
+   echo "$fwd" | grep -q '(7 bf16 casts),   6 GEMMs' && echo "$bwd" | grep -q '(12 bf16 casts),  12 GEMMs' &&
+   [ "$(grep -c 'rt_cuda_expert_gemm(cu, RT_STREAM_COMPUTE, RT_CUDA_BF16, [^;]*(P16 + ' "$WORK/tiny_bf16.c")" -eq 8 ] &&
+   grep -q 'if (what & RT_DEVICE_PARAMS) p16_fresh = false;' "$WORK/tiny_bf16.c"; then
+  ok "cuda host tiny bf16: weights read from P16, a value's bf16 copy reused by the next GEMM ('${fwd#\# launches: }'; backward 12 casts for 12 GEMMs)"
+else
+  bad "cuda host tiny bf16: P16 and the reused bf16 copies" "$(grep launches "$WORK/v.err"; tail -n 5 "$WORK/v.err")"
+fi
+
+# bench/gpu_lm.sh, which a GPU session runs (a language model's step beside PyTorch's): its --quick
+# model in fp32 and bf16 on the fake device (the times say nothing; the script's path is checked).
+if MOEC_CUDA_FAKE=1 LM_DIR=$WORK/lm bash bench/gpu_lm.sh --build --quick >"$WORK/lmb.out" 2>&1 &&
+   MOEC_CUDA_FAKE=1 LM_DIR=$WORK/lm TORCH_PYTHON=false bash bench/gpu_lm.sh --quick --steps 3 >"$WORK/lmr.out" 2>&1 &&
+   [ "$(grep -cE '^(fp32|bf16) +[0-9.]+ +- +-$' "$WORK/lmr.out")" -eq 2 ] && [ "$(tail -n 1 "$WORK/lmr.out")" = OK ] &&
+   [ "$(grep -c '^# moec bf16 launches: ' "$WORK/lmr.out")" -eq 4 ]; then
+  ok "bench/gpu_lm.sh --quick on the fake device: fp32 and bf16 steps with the compiler's launch counts"
+else
+  bad "bench/gpu_lm.sh --quick on the fake device" "$(cat "$WORK/lmb.out" "$WORK/lmr.out" 2>/dev/null | tail -n 20)"
+fi
+
 # The real runtime: the acceptance line "the CUDA binary links".
 CUDA_LIB=$BUILD/libmoert_cuda.a
 if [ ! -f "$CUDA_LIB" ]; then

@@ -13,6 +13,7 @@
 #                                   zoo and language models, the gate x order x expert matrix,
 #                                   sm_80 PTX, bf16)
 #   build/cuda/predict/*            bench/gpu_predict.sh's models and CUDA binaries
+#   build/cuda/lm/*                 bench/gpu_lm.sh's language model (fp32 and bf16 CUDA binaries)
 #   build/bench/gpu_layer           make bench-gpu's moec side
 #   build/lib/*                     the Debian libraries the binaries need (ldd)
 #   build/ompi/...                  Open MPI's components, for a singleton MPI_Init (OPAL_PREFIX)
@@ -34,6 +35,7 @@ mkdir -p "$S/cuda" "$S/bench" "$S/lib" "$S/ompi/lib/x86_64-linux-gnu/openmpi/lib
 cp -p "$BUILD/moec" "$S/"
 cp -p "$BUILD/cuda/moec-tune-cuda" "$BUILD/cuda/gpu_check" "$S/cuda/"
 cp -rp "$BUILD/cuda/models" "$BUILD/cuda/predict" "$S/cuda/"
+[ -d "$BUILD/cuda/lm" ] && cp -rp "$BUILD/cuda/lm" "$S/cuda/"
 cp -p "$BUILD/bench/gpu_layer" "$S/bench/"
 bins=$(find "$S" -type f -perm -u+x ! -name '*.moe')
 # shellcheck disable=SC2086
