@@ -397,9 +397,11 @@ bool cg_lower_op(const IrOp *op, CgLaunch *l) {
   if (ir_op_info[op->kind].kernel[0]) {
     Rule r = {.s = ir_op_info[op->kind].kernel, .op = op, .sh = &sh, .nargs = op->nargs, .has_result = op->result != NULL};
     if (!lower_by_rule(&r, l)) UNREACHABLE();   // tests/unit checks every rule
-    if (op->kind == IR_OP_BIAS_GRAD || op->kind == IR_OP_EXPERT_BIAS_GRAD) {   // a block per 32-column tile
+    if (op->kind == IR_OP_BIAS_GRAD || op->kind == IR_OP_EXPERT_BIAS_GRAD || op->kind == IR_OP_SCALE_GRAD_W) {
+      // column sums: a block per tile of 32 columns, or of 8 below 1024 such tiles (mk_colsum_width)
       int64_t blocks = sh.t0->rank == 3 ? sh.t0->dim[0] : 1, cols = sh.t0->dim[sh.t0->rank - 1];
-      l->call[0].grid = grid_blocks(blocks * ((cols + 31) / 32));
+      int64_t wide = blocks * ((cols + 31) / 32);
+      l->call[0].grid = grid_blocks(wide >= 1024 ? wide : blocks * ((cols + 7) / 8));
     }
     return true;
   }

@@ -25,6 +25,55 @@ extern "C" __global__ void mk_bias(const float *x, const float *b, float *y, int
 }
 
 // ---- prelude: column sums ----
+// db[ex, c] = the sum over the rows of dy[ex, :, c] (times x[ex, :, c] when x is not NULL), for e
+// blocks of rows x n (rt_bias_grad, rt_expert_bias_grad, rt_scale_cols_grad_w). A block takes a
+// tile of mk_colsum_width columns of one block of rows at a time (tiles strided over the grid);
+// its blockDim.x / width row lanes each sum every lanes-th row in double, in four running sums so
+// that four loads are in flight, and the lanes' sums are added in lane order: the same bits for a
+// shape and block size on every run and device, whatever the grid. Tiles are 32 columns wide
+// (128-byte rows) when there are at least 1024 of them, else 8 (32-byte sectors, more row lanes,
+// four times the tiles): a 2048-wide bias has 256 tiles, not 64 blocks for 132 SMs. (One thread
+// per column had 2 to 64 K threads reading a column each: 0.2 to 0.5 TB/s on an H200.)
+static __device__ int mk_colsum_width(int e, int n, int block) {
+  int w = (i64)e * ((n + 31) / 32) >= 1024 ? 32 : 8;
+  return block < w ? block : w;
+}
+static __device__ void mk_column_sums(const float *dy, const float *x, float *db, int e, int rows, int n) {
+  __shared__ double mk_colsum[MK_BLOCK];
+  const int cols = mk_colsum_width(e, n, blockDim.x), lanes = blockDim.x / cols;
+  const int cl = threadIdx.x % cols, rl = threadIdx.x / cols;
+  const i64 per = (n + cols - 1) / cols, tiles = (i64)e * per;
+  for (i64 t = blockIdx.x; t < tiles; t += gridDim.x) {
+    i64 ex = t / per;
+    int c = (int)(t % per) * cols + cl;
+    double acc = 0.0;
+    if (c < n && rl < lanes) {
+      i64 base = ex * rows * n + c;
+      double a[4] = {0.0, 0.0, 0.0, 0.0};
+      int u = 0;
+      if (x)
+        for (int r = rl; r < rows; r += lanes, u = (u + 1) & 3) a[u] += (double)dy[base + (i64)r * n] * x[base + (i64)r * n];
+      else
+        for (int r = rl; r < rows; r += lanes, u = (u + 1) & 3) a[u] += dy[base + (i64)r * n];
+      acc = (a[0] + a[1]) + (a[2] + a[3]);
+    }
+    mk_colsum[threadIdx.x] = acc;
+    __syncthreads();
+    if (rl == 0 && c < n) {
+      double sum = 0.0;
+      for (int l = 0; l < lanes; l++) sum += mk_colsum[l * cols + cl];
+      db[ex * n + c] = (float)sum;
+    }
+    __syncthreads();
+  }
+}
+
+// ---- mk_bias ----
+extern "C" __global__ void mk_bias(const float *x, const float *b, float *y, int rows, int n) {
+  mk_rows_bias(x, b, y, rows, rows > 0 ? rows : 1, n);
+}
+
+// ---- prelude: column sums ----
 // db[ex, c] = the sum over the rows of dy[ex, :, c], for e blocks of rows x n (rt_bias_grad,
 // rt_expert_bias_grad). A block takes a tile of up to 32 columns of one block of rows at a time
 // (tiles strided over the grid); its blockDim.x / 32 row lanes each sum every lanes-th row in
@@ -59,8 +108,10 @@ static __device__ void mk_column_sums(const float *dy, float *db, int e, int row
 }
 
 // ---- mk_bias_grad ----
-// Launched with one block per 32-column tile (cg_lower_op).
-extern "C" __global__ void mk_bias_grad(const float *dy, float *db, int rows, int n) { mk_column_sums(dy, db, 1, rows, n); }
+// Launched with one block per tile of columns (cg_lower_op).
+extern "C" __global__ void mk_bias_grad(const float *dy, float *db, int rows, int n) {
+  mk_column_sums(dy, NULL, db, 1, rows, n);
+}
 
 // ---- mk_expert_bias ----
 extern "C" __global__ void mk_expert_bias(const float *x, const float *b, float *y, int e, int rows, int n) {
@@ -68,9 +119,9 @@ extern "C" __global__ void mk_expert_bias(const float *x, const float *b, float 
 }
 
 // ---- mk_expert_bias_grad ----
-// Launched with one block per 32-column tile of an expert (cg_lower_op).
+// Launched with one block per tile of an expert's columns (cg_lower_op).
 extern "C" __global__ void mk_expert_bias_grad(const float *dy, float *db, int e, int rows, int n) {
-  mk_column_sums(dy, db, e, rows, n);
+  mk_column_sums(dy, NULL, db, e, rows, n);
 }
 
 // ---- mk_gelu ----

@@ -116,13 +116,10 @@ extern "C" __global__ void mk_scale_cols(const float *x, const float *w, float *
 }
 
 // ---- mk_scale_cols_grad_w ----
-// One thread per column, rows summed in order in double, as rt_scale_cols_grad_w.
+// The column sums of dy * x in double (ffn.cu's mk_column_sums), one block per tile of columns
+// (cg_lower_op), as rt_scale_cols_grad_w.
 extern "C" __global__ void mk_scale_cols_grad_w(const float *dy, const float *x, float *dw, int rows, int n) {
-  MK_FOR(c, n) {
-    double acc = 0.0;
-    for (int r = 0; r < rows; r++) acc += (double)dy[(i64)r * n + c] * x[(i64)r * n + c];
-    dw[c] = (float)acc;
-  }
+  mk_column_sums(dy, x, dw, 1, rows, n);
 }
 
 // ---- mk_scale_rows ----

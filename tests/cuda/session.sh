@@ -3,7 +3,7 @@
 # build/gpu-pack.tar.xz (make gpu-pack, carried), then runs the stages asked for and keeps each
 # stage's log under $OUT (the device tool's folder that comes back; default build/gpu-logs).
 #
-#   bash tests/cuda/session.sh [env] [test] [tune] [predict] [profile] [lm] [bench] [bench-bf16] [bench-all]
+#   bash tests/cuda/session.sh [env] [test] [tune] [predict] [profile] [profile-lm] [lm] [bench] [bench-bf16] [bench-all]
 #                                                                  (default: env test tune predict)
 #
 # A stage may carry a time limit in seconds, STAGE:SECONDS (e.g. test:240 bench:120): the stage is
@@ -21,6 +21,7 @@
 #   predict    bench/gpu_predict.sh with those profiles: predicted against measured steps (predict.log)
 #   profile    the predict models' --profile (data, forward, backward, update) and ncu's kernel
 #              durations of the bf16 one (profile.log, ncu.csv)
+#   profile-lm ncu's kernel times of bench/gpu_lm.sh's bf16 model, 2 steps (profile-lm.log, ncu_lm.csv)
 #   lm         bench/gpu_lm.sh: a language model's whole step (fp32 and bf16) beside PyTorch's (lm.log)
 #   bench      make bench-gpu's default shapes: bench/gpu.sh (bench-gpu.log); bench-bf16: the same with
 #              --dtype bf16 (bench-gpu-bf16.log); BENCH_ARGS adds options (--shapes SPEC); bench-all: all 162
@@ -68,7 +69,7 @@ stage() {   # NAME LOG COMMAND...: runs it, its output to LOG, the last lines to
   start=$(date +%s)
   if [ "${limit:-0}" -gt 0 ]; then
     # the stages are functions of this script: export them for timeout's bash
-    export -f env_info tune profile_models
+    export -f env_info tune profile_models profile_lm ncu_summary
     export BUILD OUT
     timeout -k 5 "$limit" bash -c '"$@"' stage "$@" >"$log" 2>&1 </dev/null
   else
@@ -107,8 +108,13 @@ profile_models() {   # where a step's time goes: --profile of the predict models
     echo "ncu exit $?"
     echo "## the compiler's counts for it (moec build -v): what a step launches and the bytes it moves"
     grep -h '^# launches' "${m%.cuda}.build" 2>/dev/null
-    echo "## ncu: kernel time per step (the two steps' sum / 2) and launches per step, by kernel"
-    python3 - "$OUT/ncu.csv" <<'PY'
+    ncu_summary "$OUT/ncu.csv"
+  fi
+}
+
+ncu_summary() {   # CSV of ncu --metrics gpu__time_duration.sum over 2 steps: time and launches per step by kernel
+  echo "## ncu: kernel time per step (the two steps' sum / 2) and launches per step, by kernel"
+  python3 - "$1" <<'PY'
 import collections, csv, sys
 rows = [r for r in csv.reader(open(sys.argv[1], errors="replace")) if len(r) >= 15 and r[12] == "gpu__time_duration.sum"]
 scale = {"ns": 1e-6, "us": 1e-3, "usecond": 1e-3, "ms": 1.0, "msecond": 1.0, "nsecond": 1e-6}
@@ -121,7 +127,17 @@ for k in sorted(t, key=t.get, reverse=True)[:25]:
     print("%-58s %9.3f ms %6.1f launches %5.1f %%" % (k[:58], t[k], n[k], 100 * t[k] / max(total, 1e-9)))
 print("%-58s %9.3f ms %6.1f launches" % ("all kernels (cuBLAS's included)", total, sum(n.values())))
 PY
-  fi
+}
+
+profile_lm() {   # ncu's kernel times of the language model of bench/gpu_lm.sh (bf16), beside its counts
+  local m
+  m=$(cd "$BUILD" && pwd)/cuda/lm/lm_gpu_bf16.cuda
+  echo "## the compiler's counts (moec build -v)"
+  grep -h '^# launches' "${m%.cuda}.build" 2>/dev/null
+  echo "## ncu $m --steps 2"
+  (cd "$OUT" && timeout -k 5 150 ncu --clock-control none --metrics gpu__time_duration.sum --csv "$m" --steps 2 --quiet) >"$OUT/ncu_lm.csv" 2>&1
+  echo "ncu exit $?"
+  ncu_summary "$OUT/ncu_lm.csv"
 }
 
 tune() {   # DTYPE PROFILE
@@ -144,13 +160,14 @@ for s in $stages; do
       [ -f "$OUT/gpu_bf16.cluster" ] && given+=(--profile-bf16 "$OUT/gpu_bf16.cluster")
       TAIL=16 stage "predicted against measured (bench/gpu_predict.sh)" predict.log env BUILD="$BUILD" bash bench/gpu_predict.sh "${given[@]}" ;;
     lm) TAIL=20 stage "a language model's step beside PyTorch's (bench/gpu_lm.sh)" lm.log env BUILD="$BUILD" bash bench/gpu_lm.sh ${LM_ARGS:-} ;;
+    profile-lm) TAIL=40 stage "where the language model's bf16 step goes (ncu)" profile-lm.log profile_lm ;;
     profile) TAIL=80 stage "where the predict models' steps go (--profile, ncu)" profile.log profile_models ;;
     # shellcheck disable=SC2086
     bench) TAIL=40 stage "make bench-gpu (bench/gpu.sh)" bench-gpu.log env BUILD="$BUILD" bash bench/gpu.sh ${BENCH_ARGS:-} ;;
     # shellcheck disable=SC2086
     bench-bf16) TAIL=40 stage "make bench-gpu, dtype bf16 (bench/gpu.sh --dtype bf16)" bench-gpu-bf16.log env BUILD="$BUILD" bash bench/gpu.sh --dtype bf16 ${BENCH_ARGS:-} ;;
     bench-all) TAIL=60 stage "make bench-gpu --all (bench/gpu.sh --all)" bench-gpu-all.log env BUILD="$BUILD" bash bench/gpu.sh --all ;;
-    *) say "unknown stage '$s' (env test tune predict profile lm bench bench-bf16 bench-all)"; status=1 ;;
+    *) say "unknown stage '$s' (env test tune predict profile profile-lm lm bench bench-bf16 bench-all)"; status=1 ;;
   esac
 done
 exit $status
