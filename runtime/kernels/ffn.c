@@ -44,19 +44,40 @@ static bool all_slots(void) {
 }
 
 // GEMMs are split over the pool here (runtime/threads.c says why): pieces of at least SPLIT_MIN
-// multiply-accumulates, along the longer of c's two dimensions (its rows, or its columns), at
-// multiples of SPLIT_ALIGN (the register tiles of OpenBLAS's kernels), one piece per thread. A
-// call from inside a parallel region runs whole on its thread.
-enum { SPLIT_MIN = 1 << 18, SPLIT_ALIGN = 16 };
+// multiply-accumulates, along c's rows, at multiples of SPLIT_ALIGN rows, one piece per thread.
+// Each row of c then comes out of OpenBLAS with the bits of the whole product: its kernels
+// block c's rows (the columns of its column-major view) from the start of the call, 12 at a
+// time in Haswell's (which Zen runs too), 4 in Prescott's, and compute every element of a block
+// the same way whatever follows it. Along c's columns they do not: Haswell's rounds the first
+// and last 8 columns of a call in another order of k, so a column split would change the bits
+// with the number of threads (tests/unit/test_kernels.c, test_matmul_split). A call from inside a
+// parallel region runs whole on its thread.
+enum { SPLIT_MIN = 1 << 18, SPLIT_ALIGN = 48 };
 
 static int gemm_pieces(int m, int n, int k) {
-  int pieces = rt_gemm_pieces(), dim = m > n ? m : n, units = (dim + SPLIT_ALIGN - 1) / SPLIT_ALIGN;
+  int pieces = rt_gemm_pieces(), units = (m + SPLIT_ALIGN - 1) / SPLIT_ALIGN;
 #ifdef _OPENMP
   if (omp_in_parallel()) return 1;
 #endif
   int64_t work = (int64_t)m * n * k / SPLIT_MIN;
   if (pieces > work) pieces = (int)work;
   return pieces < units ? pieces : units;
+}
+
+// One GEMM on the calling thread. OpenBLAS's OpenMP build splits a call made outside a parallel
+// region over omp_get_max_threads() threads whatever openblas_set_num_threads said, at points
+// of its own (its num_cpu_avail), so a whole GEMM rounded differently on 1 and 2 threads; the
+// pool's size is 1 for the call's duration (an ICV of this thread alone).
+static void sgemm_here(CBLAS_TRANSPOSE opa, CBLAS_TRANSPOSE opb, int m, int n, int k, const float *a, int lda,
+                       const float *b, int ldb, float beta, float *c, int ldc) {
+#ifdef _OPENMP
+  int pool = omp_in_parallel() ? 1 : omp_get_max_threads();
+  if (pool > 1) omp_set_num_threads(1);
+#endif
+  cblas_sgemm(CblasRowMajor, opa, opb, m, n, k, 1.0f, a, lda, b, ldb, beta, c, ldc);
+#ifdef _OPENMP
+  if (pool > 1) omp_set_num_threads(pool);
+#endif
 }
 
 void rt_matmul(const float *a, const float *b, float *c, int m, int n, int k, bool ta, bool tb,
@@ -75,23 +96,18 @@ void rt_matmul(const float *a, const float *b, float *c, int m, int n, int k, bo
   int64_t t0 = gemm_profile ? mono_ns() : 0;
   int pieces = gemm_pieces(m, n, k);
   if (pieces <= 1) {
-    cblas_sgemm(CblasRowMajor, opa, opb, m, n, k, 1.0f, a, lda, b, ldb, beta, c, n);
+    sgemm_here(opa, opb, m, n, k, a, lda, b, ldb, beta, c, n);
   } else {
-    bool rows = m >= n;   // rows of c (and of op(a)), else columns of c (and of op(b))
-    int units = ((rows ? m : n) + SPLIT_ALIGN - 1) / SPLIT_ALIGN, dim = rows ? m : n;
+    int units = (m + SPLIT_ALIGN - 1) / SPLIT_ALIGN;
 #ifdef _OPENMP
 #pragma omp parallel num_threads(pieces)
 #endif
     for (int p = rt_thread_id(); p < pieces; p += rt_team_size()) {
       int lo = (int)((int64_t)p * units / pieces) * SPLIT_ALIGN;
-      int hi = p + 1 == pieces ? dim : (int)((int64_t)(p + 1) * units / pieces) * SPLIT_ALIGN;
-      if (hi <= lo) continue;
-      if (rows)
-        cblas_sgemm(CblasRowMajor, opa, opb, hi - lo, n, k, 1.0f, ta ? a + lo : a + (size_t)lo * lda, lda, b, ldb,
-                    beta, c + (size_t)lo * n, n);
-      else
-        cblas_sgemm(CblasRowMajor, opa, opb, m, hi - lo, k, 1.0f, a, lda, tb ? b + (size_t)lo * ldb : b + lo, ldb,
-                    beta, c + lo, n);
+      int hi = p + 1 == pieces ? m : (int)((int64_t)(p + 1) * units / pieces) * SPLIT_ALIGN;
+      if (hi > lo)   // rows lo..hi-1 of c and of op(a)
+        sgemm_here(opa, opb, hi - lo, n, k, ta ? a + lo : a + (size_t)lo * lda, lda, b, ldb, beta,
+                   c + (size_t)lo * n, n);
     }
   }
   if (gemm_profile)
