@@ -314,7 +314,7 @@ RT_SIMD
 // bias (copies of b1), are copied from that row's result instead of computed again: the same
 // bits. Each thread takes a contiguous block of rows and copies only from rows of its own block,
 // which it has computed already.
-RT_VECTOR_CLONES static void gelu_rows(const float *x, float *y, int64_t lo, int64_t hi, int64_t cols) {
+RT_VECTOR_BODY void gelu_rows_body(const float *x, float *y, int64_t lo, int64_t hi, int64_t cols) {
   for (int64_t r = lo; r < hi; r++) {
     const float *xr = x + r * cols;
     float *yr = y + r * cols;
@@ -325,6 +325,8 @@ RT_VECTOR_CLONES static void gelu_rows(const float *x, float *y, int64_t lo, int
     gelu_chunks(xr, yr, cols);
   }
 }
+RT_VECTOR_PATHS(gelu_rows, (const float *x, float *y, int64_t lo, int64_t hi, int64_t cols),
+                (x, y, lo, hi, cols))
 
 void rt_gelu(const float *x, float *y, int64_t n, int64_t cols) {
   if (cols <= 0 || n % cols != 0) cols = n;   // no row structure: one row
@@ -347,8 +349,8 @@ void rt_gelu(const float *x, float *y, int64_t n, int64_t cols) {
 // 0.5 (1 + t) + 0.5 x (1 - t^2) u' with t = 2s - 1). Where dy is zero (an expert's empty slots)
 // dx is +0 (the product's sign of zero is not kept: nothing downstream, sums and GEMMs starting
 // from +0, can tell).
-RT_VECTOR_CLONES static void gelu_grad_range(const float *dy, const float *x, float *dx, int64_t lo, int64_t hi,
-                                             bool skip) {
+RT_VECTOR_BODY void gelu_grad_range_body(const float *dy, const float *x, float *dx, int64_t lo, int64_t hi,
+                                         bool skip) {
   float sc[GELU_CHUNK];   // gelu_s apart, as in gelu_chunks
   for (int64_t i0 = lo; i0 < hi; i0 += GELU_CHUNK) {
     int64_t m = hi - i0 < GELU_CHUNK ? hi - i0 : GELU_CHUNK;
@@ -365,6 +367,8 @@ RT_SIMD
     }
   }
 }
+RT_VECTOR_PATHS(gelu_grad_range, (const float *dy, const float *x, float *dx, int64_t lo, int64_t hi, bool skip),
+                (dy, x, dx, lo, hi, skip))
 
 void rt_gelu_grad(const float *dy, const float *x, float *dx, int64_t n) {
   bool skip = !all_slots();
@@ -402,7 +406,7 @@ void rt_relu_grad(const float *dy, const float *x, float *dx, int64_t n) {
 static inline float silu_s(float v) { return 1.0f / (1.0f + rt_exp(-v)); }
 
 // out = silu(x) over [lo, hi) when dy is NULL, else its gradient dy s (1 + x (1 - s)).
-RT_VECTOR_CLONES static void silu_range(const float *dy, const float *x, float *out, int64_t lo, int64_t hi) {
+RT_VECTOR_BODY void silu_range_body(const float *dy, const float *x, float *out, int64_t lo, int64_t hi) {
   float s[GELU_CHUNK];
   for (int64_t i0 = lo; i0 < hi; i0 += GELU_CHUNK) {
     int64_t m = hi - i0 < GELU_CHUNK ? hi - i0 : GELU_CHUNK;
@@ -420,6 +424,8 @@ RT_SIMD
     }
   }
 }
+RT_VECTOR_PATHS(silu_range, (const float *dy, const float *x, float *out, int64_t lo, int64_t hi),
+                (dy, x, out, lo, hi))
 
 void rt_silu(const float *x, float *y, int64_t n) {
   RT_PARALLEL(n >= RT_PAR_MIN / 8)
