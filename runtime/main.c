@@ -736,8 +736,14 @@ int rt_main(const RtModel *model, int argc, char **argv) {
       rt_options_usage(stdout, model, prog);
     return 0;
   }
-  if (rt_model_check(model) != 0 || rt_options_check(model, &opt) != 0 || rt_vector_check() != 0)
+  if (rt_model_check(model) != 0 || rt_options_check(model, &opt) != 0)
     return speaker ? report_error() : 1;
+  char why[200];
+  if (rt_vector_check(why, sizeof why) != 0) {
+    if (speaker)
+      fprintf(stderr, "moert: error: %s\n", why);
+    return 1;
+  }
   if (opt.comm_timeout >= 0)
     rt_comm_set_timeout(opt.comm_timeout);
   opt.watched = stdout_watched();

@@ -379,7 +379,7 @@ static inline bool rt_in_team(void) { return false; }
 // The vectorised kernels run on one of three paths, the same C compiled for AVX-512, for AVX2
 // and for the x86-64 baseline (SSE2): 4x or 2x the lanes where the CPU has them. No FMA, and C11
 // contracts nothing, so every path computes the same bits (tests/threads.sh runs each path the
-// CPU can execute). rt_vector_path (runtime/threads.c) is the path they take: the widest the CPU
+// CPU can execute). rt_vector_path (runtime/vector.c) is the path they take: the widest the CPU
 // has, or the one MOERT_VECTOR names (avx512, avx2, baseline: so that a machine checks the
 // narrower paths too; rt_vector_check refuses a name the CPU cannot run).
 // After RT_VECTOR_BODY void NAME_body(PARAMS) { ... }, RT_VECTOR_PATHS(NAME, (PARAMS), (ARGS))
@@ -389,7 +389,8 @@ static inline bool rt_in_team(void) { return false; }
 typedef enum { RT_VECTOR_BASELINE, RT_VECTOR_AVX2, RT_VECTOR_AVX512 } RtVectorPath;
 RtVectorPath rt_vector_path(void);
 const char *rt_vector_name(RtVectorPath path);
-int rt_vector_check(void);   // 0, or -1 with rt_last_error's sentence: MOERT_VECTOR is not a path this CPU runs
+// 0, or -1 with a sentence in why: MOERT_VECTOR names no path, or one this CPU cannot run.
+int rt_vector_check(char *why, size_t size);
 #define RT_VECTOR_BODY static inline __attribute__((always_inline))
 #if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__) && !defined(__SANITIZE_ADDRESS__)
 #define RT_VECTOR_BUILT 1   // the three paths are compiled (else the baseline alone)

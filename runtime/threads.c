@@ -11,10 +11,11 @@
 // own range of rows of the product. On this project's shapes that is 1.5-2x faster
 // than OpenBLAS's threading below a few hundred million multiply-accumulates (its threads wait on
 // each other inside every call) and as fast above. The pieces are rows of the product at
-// multiples OpenBLAS's kernels treat alike, so a product has the same bits in any number of
-// pieces (runtime/kernels/ffn.c); OPENBLAS_NUM_THREADS, when set, bounds the number of pieces.
+// multiples that OpenBLAS's Haswell (and Zen) and Prescott kernels treat alike, so there a
+// product has the same bits in any number of pieces; SkylakeX's pick their kernels by the size of
+// the call (runtime/kernels/ffn.c). OPENBLAS_NUM_THREADS, when set, bounds the number of pieces
+// (1: every GEMM whole, the same bits on any pool with any kernels).
 #include <sched.h>
-#include <stdatomic.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -116,55 +117,4 @@ int rt_threads(void) {
 void rt_team(void (*fn)(RtStep *), RtStep *st) {
   RT_PARALLEL(rt_threads() > 1)
   fn(st);
-}
-
-// ---- vector paths (rt_internal.h, RT_VECTOR_PATHS) ----
-
-static const char *const vector_names[] = {"baseline", "avx2", "avx512"};
-
-const char *rt_vector_name(RtVectorPath path) { return vector_names[path]; }
-
-// The widest path this CPU runs (the baseline where the paths are not compiled).
-static RtVectorPath widest_path(void) {
-#ifdef RT_VECTOR_BUILT
-  __builtin_cpu_init();
-  if (__builtin_cpu_supports("avx512f")) return RT_VECTOR_AVX512;
-  if (__builtin_cpu_supports("avx2")) return RT_VECTOR_AVX2;
-#endif
-  return RT_VECTOR_BASELINE;
-}
-
-// MOERT_VECTOR's path, or -1 when it is unset, -2 when it names none.
-static int named_path(void) {
-  const char *env = getenv("MOERT_VECTOR");
-  if (!env || !*env) return -1;
-  for (int p = 0; p < 3; p++)
-    if (strcmp(env, vector_names[p]) == 0) return p;
-  return -2;
-}
-
-int rt_vector_check(void) {
-  int named = named_path();
-  if (named == -2)
-    return rt_fail("MOERT_VECTOR=%s names no vector path (avx512, avx2 or baseline)", getenv("MOERT_VECTOR"));
-  if (named > (int)widest_path())
-    return rt_fail("MOERT_VECTOR=%s: this %s runs the %s path at most", vector_names[named],
-#ifdef RT_VECTOR_BUILT
-                   "CPU",
-#else
-                   "build of libmoert",
-#endif
-                   vector_names[widest_path()]);
-  return 0;
-}
-
-RtVectorPath rt_vector_path(void) {
-  static _Atomic int path = -1;   // chosen on the first call
-  int p = atomic_load_explicit(&path, memory_order_relaxed);
-  if (p < 0) {
-    int widest = (int)widest_path(), named = named_path();
-    p = named >= 0 && named < widest ? named : widest;   // a path the CPU lacks: rt_vector_check refused it
-    atomic_store_explicit(&path, p, memory_order_relaxed);
-  }
-  return (RtVectorPath)p;
 }

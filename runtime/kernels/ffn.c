@@ -45,13 +45,15 @@ static bool all_slots(void) {
 
 // GEMMs are split over the pool here (runtime/threads.c says why): pieces of at least SPLIT_MIN
 // multiply-accumulates, along c's rows, at multiples of SPLIT_ALIGN rows, one piece per thread.
-// Each row of c then comes out of OpenBLAS with the bits of the whole product: its kernels
-// block c's rows (the columns of its column-major view) from the start of the call, 12 at a
-// time in Haswell's (which Zen runs too), 4 in Prescott's, and compute every element of a block
-// the same way whatever follows it. Along c's columns they do not: Haswell's rounds the first
-// and last 8 columns of a call in another order of k, so a column split would change the bits
-// with the number of threads (tests/unit/test_kernels.c, test_matmul_split). A call from inside a
-// parallel region runs whole on its thread.
+// With OpenBLAS's Haswell kernels (which Zen runs too) and Prescott's, each row of c then comes
+// out with the bits of the whole product: they block c's rows (the columns of their column-major
+// view) from the start of the call, 12 and 4 at a time, and compute every element of a block the
+// same way whatever follows it. Along c's columns they do not: Haswell's rounds the first and
+// last 8 columns of a call in another order of k, so a column split would change the bits with
+// the number of threads (tests/unit/test_kernels.c, test_matmul_split). SkylakeX's kernels
+// choose small-matrix and direct kernels by the size of the call (M N K under 10^6, ...), so
+// there a piece can round differently from the whole product; OPENBLAS_NUM_THREADS=1 keeps each
+// GEMM whole. A call from inside a parallel region runs whole on its thread.
 enum { SPLIT_MIN = 1 << 18, SPLIT_ALIGN = 48 };
 
 static int gemm_pieces(int m, int n, int k) {
