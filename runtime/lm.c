@@ -87,8 +87,9 @@ void rt_lm_fill_val(RtLm *lm, int64_t batch, int64_t first, int dp, int32_t *inp
   }
 }
 
-// The sum of g[j]^2 in double (rt_lanes_dot), compiled per vector width.
-RT_VECTOR_CLONES static double sum_squares(const float *g, int64_t n) { return rt_lanes_dot(g, g, n); }
+// *sum = the sum of g[j]^2 in double (rt_lanes_dot), on each vector path.
+RT_VECTOR_BODY void sum_squares_body(const float *g, int64_t n, double *sum) { *sum = rt_lanes_dot(g, g, n); }
+RT_VECTOR_PATHS(sum_squares, (const float *g, int64_t n, double *sum), (g, n, sum))
 
 double rt_grad_norm(const RtModel *m, const RtRanks *r, RtComm *c, const float *grads) {
   // Every rank holds its shard of each gradient after the reductions; a shard held by several
@@ -99,7 +100,7 @@ double rt_grad_norm(const RtModel *m, const RtRanks *r, RtComm *c, const float *
   RT_PRAGMA_PARALLEL_DYNAMIC(m->nparams > 1)
   for (int i = 0; i < m->nparams; i++) {
     const RtParam *p = &m->params[i];
-    part[i] = sum_squares(grads + p->offset, p->numel);
+    sum_squares(grads + p->offset, p->numel, &part[i]);
   }
   double sum = 0;
   for (int i = 0; i < m->nparams; i++) {

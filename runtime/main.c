@@ -374,8 +374,8 @@ static void print_header(const RtTrainer *tr, int64_t first, int64_t last) {
   if (m->device)
     printf("# device: %s\n", m->device->describe());
   else
-    printf("# threads: %d per rank, each GEMM in %d piece%s\n", rt_threads(), rt_gemm_pieces(),
-           rt_gemm_pieces() == 1 ? "" : "s");
+    printf("# threads: %d per rank, each GEMM in %d piece%s; vector path %s\n", rt_threads(), rt_gemm_pieces(),
+           rt_gemm_pieces() == 1 ? "" : "s", rt_vector_name(rt_vector_path()));
   if (r->world > 1)
     printf("# %d ranks: dp %d, mp %d, ep %d, esp %d; global batch %lld samples; figures "
            "reduced over the ranks, time of the slowest\n", r->world, r->dp, r->mp, r->ep,
@@ -738,6 +738,12 @@ int rt_main(const RtModel *model, int argc, char **argv) {
   }
   if (rt_model_check(model) != 0 || rt_options_check(model, &opt) != 0)
     return speaker ? report_error() : 1;
+  char why[200];
+  if (rt_vector_check(why, sizeof why) != 0) {
+    if (speaker)
+      fprintf(stderr, "moert: error: %s\n", why);
+    return 1;
+  }
   if (opt.comm_timeout >= 0)
     rt_comm_set_timeout(opt.comm_timeout);
   opt.watched = stdout_watched();

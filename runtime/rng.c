@@ -70,12 +70,14 @@ double rt_normal(uint64_t key, uint64_t i) {
 }
 
 // Pairs j0 .. j1-1 into out (out[0] is element 2 j0).
-RT_VECTOR_CLONES static void normal_pairs(uint64_t key, uint64_t j0, uint64_t j1, float *out) {
+RT_VECTOR_BODY void normal_pairs_body(uint64_t key, uint64_t j0, uint64_t j1, float *out) {
   int64_t count = (int64_t)(j1 - j0);
 RT_SIMD
   for (int64_t k = 0; k < count; k++)
     normal_pair(key, j0 + (uint64_t)k, &out[2 * k], &out[2 * k + 1]);
 }
+RT_VECTOR_PATHS(normal_pairs, (uint64_t key, uint64_t j0, uint64_t j1, float *out),
+                (key, j0, j1, out))
 
 void rt_normal_fill(uint64_t key, uint64_t first, int64_t n, float *out) {
   if (n <= 0) return;

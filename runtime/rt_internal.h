@@ -376,14 +376,37 @@ static inline bool rt_in_team(void) { return false; }
 #define RT_PARALLEL_FOR_SIMD(cond)
 #define RT_SIMD
 #endif
-// RT_VECTOR_CLONES before a function of vectorisable loops compiles it three times on x86-64, for
-// AVX-512, AVX2 and the baseline, and picks one when the program loads (GCC's target_clones): 4x
-// or 2x the lanes where the CPU has them. No FMA, and C11 contracts nothing, so every version
-// computes the same bits (tests/golden_runs.sh).
+// The vectorised kernels run on one of three paths, the same C compiled for AVX-512, for AVX2
+// and for the x86-64 baseline (SSE2): 4x or 2x the lanes where the CPU has them. No FMA, and C11
+// contracts nothing, so every path computes the same bits (tests/threads.sh runs each path the
+// CPU can execute). rt_vector_path (runtime/vector.c) is the path they take: the widest the CPU
+// has, or the one MOERT_VECTOR names (avx512, avx2, baseline: so that a machine checks the
+// narrower paths too; rt_vector_check refuses a name the CPU cannot run).
+// After RT_VECTOR_BODY void NAME_body(PARAMS) { ... }, RT_VECTOR_PATHS(NAME, (PARAMS), (ARGS))
+// defines `static void NAME(PARAMS)`, which runs the body compiled for that path (ARGS: the
+// parameters' names, as a call passes them); the helpers a body calls are inlined into each
+// path's copy (always_inline).
+typedef enum { RT_VECTOR_BASELINE, RT_VECTOR_AVX2, RT_VECTOR_AVX512 } RtVectorPath;
+RtVectorPath rt_vector_path(void);
+const char *rt_vector_name(RtVectorPath path);
+// 0, or -1 with a sentence in why: MOERT_VECTOR names no path, or one this CPU cannot run.
+int rt_vector_check(char *why, size_t size);
+#define RT_VECTOR_BODY static inline __attribute__((always_inline))
 #if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__) && !defined(__SANITIZE_ADDRESS__)
-#define RT_VECTOR_CLONES __attribute__((target_clones("avx512f", "avx2", "default")))
+#define RT_VECTOR_BUILT 1   // the three paths are compiled (else the baseline alone)
+#define RT_VECTOR_PATHS(name, params, args)                                                     \
+  __attribute__((target("avx512f"))) static void name##_avx512 params { name##_body args; } \
+  __attribute__((target("avx2"))) static void name##_avx2 params { name##_body args; }      \
+  static void name##_baseline params { name##_body args; }                                  \
+  static void name params {                                                                 \
+    RtVectorPath path = rt_vector_path();                                                   \
+    if (path == RT_VECTOR_AVX512) name##_avx512 args;                                       \
+    else if (path == RT_VECTOR_AVX2) name##_avx2 args;                                      \
+    else name##_baseline args;                                                              \
+  }
 #else
-#define RT_VECTOR_CLONES
+#define RT_VECTOR_PATHS(name, params, args) \
+  static void name params { name##_body args; }
 #endif
 
 // exp(x) for the kernels' activations, from +, -, * and the exponent's bits, so that loops of it
@@ -415,7 +438,7 @@ static inline float rt_exp(float x) {
 }
 
 // Long sums in double as RT_LANES running sums: element j into sum j % RT_LANES, then the sums
-// added pairwise (rt_lanes_total). The order is fixed by the length alone, so every clone and
+// added pairwise (rt_lanes_total). The order is fixed by the length alone, so every path and
 // thread count gives the same bits, and the loops vectorise instead of waiting on one chain of
 // additions (the cross-entropy, the norms, the gradient norm).
 enum { RT_LANES = 16 };
@@ -425,7 +448,7 @@ static inline double rt_lanes_total(double s[RT_LANES]) {
   return s[0];
 }
 // The sum of a[j] b[j] in double in RT_LANES running sums (inlined into each caller's vector
-// clone): a norm's row sums, the gradient norm's sums of squares (a = b).
+// path): a norm's row sums, the gradient norm's sums of squares (a = b).
 static inline __attribute__((always_inline)) double rt_lanes_dot(const float *a, const float *b, int64_t n) {
   double s[RT_LANES] = {0};
   int64_t j = 0;

@@ -8,11 +8,13 @@
 // which containers and `mpirun --bind-to` narrow) shared among the ranks of this node.
 // The kernels' results do not depend on the size (rt_internal.h). GEMMs are split here, not by
 // OpenBLAS (rt_matmul): OpenBLAS runs on one thread and each thread of the pool multiplies its
-// own range of rows (or columns) of the product. On this project's shapes that is 1.5-2x faster
+// own range of rows of the product. On this project's shapes that is 1.5-2x faster
 // than OpenBLAS's threading below a few hundred million multiply-accumulates (its threads wait on
-// each other inside every call) and as fast above. A product's rounding can depend on how it is
-// split (OpenBLAS picks its kernels by the size it is given), so OPENBLAS_NUM_THREADS, when set,
-// is the number of pieces, and 1 holds the GEMMs' bits fixed whatever the pool's size.
+// each other inside every call) and as fast above. The pieces are rows of the product at
+// multiples that OpenBLAS's Haswell (and Zen) and Prescott kernels treat alike, so there a
+// product has the same bits in any number of pieces; SkylakeX's pick their kernels by the size of
+// the call (runtime/kernels/ffn.c). OPENBLAS_NUM_THREADS, when set, bounds the number of pieces
+// (1: every GEMM whole, the same bits on any pool with any kernels).
 #include <sched.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -87,8 +89,7 @@ int rt_threads_setup(long ranks_on_node) {
     long share = usable_cores() / (ranks_on_node > 1 ? ranks_on_node : 1);
     n = share > 1 ? (int)share : 1;
   }
-  // OPENBLAS_NUM_THREADS, when set, bounds the GEMMs alone (how they are split can change their
-  // rounding; the kernels here do not depend on the pool's size).
+  // OPENBLAS_NUM_THREADS, when set, bounds the GEMMs' pieces alone.
   const char *blas = getenv("OPENBLAS_NUM_THREADS");
   int g = blas && atoi(blas) > 0 && atoi(blas) < n ? atoi(blas) : n;
 #ifdef _OPENMP

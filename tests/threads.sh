@@ -1,47 +1,94 @@
 #!/usr/bin/env bash
-# The thread pool (runtime/threads.c): the kernels' results do not depend on the number of
-# threads. tests/models/threads.moe (a float MoE stack) and lang/models/gpt_moe_bytes.moe (the
-# demo's language model: attention, layernorm, cross-entropy) train 3 steps with OMP_NUM_THREADS
-# 1, 2 and 3 and the GEMMs whole on one thread (OPENBLAS_NUM_THREADS=1: a GEMM split over the
-# threads can round differently, runtime/threads.c), each run saying it had that many threads: the step lines (but their times) and the step-1
-# --dump folders must be the same bytes. The binaries must be linked with OpenMP where make
-# configured it (build/config.mk); where make found no OpenMP the suite is one skip line.
+# The thread pool (runtime/threads.c) and the vector paths (rt_internal.h, RT_VECTOR_PATHS): the
+# results depend neither on the number of threads nor on the vector path. Three models train 3
+# steps with --dump: tests/models/threads.moe (a GELU MoE stack), tests/models/threads_swiglu.moe
+# (SwiGLU experts, a shared expert, bf16 compression hooks, 4 and 8 experts) and
+# lang/models/gpt_moe_bytes.moe (the demo's language model: attention, layernorm, cross-entropy).
+# Each runs on every vector path this CPU can execute (MOERT_VECTOR: avx512, avx2, baseline; a
+# path the program refuses is one skip line), with OpenBLAS's kernels of that level
+# (OPENBLAS_CORETYPE SkylakeX, Haswell, Prescott), on OMP_NUM_THREADS 1, 2 and 3 with each GEMM in
+# as many pieces, each run saying it had them: the step lines (but their times) and the step-1
+# --dump folders must be the same bytes. With SkylakeX's kernels the GEMMs stay whole
+# (OPENBLAS_NUM_THREADS=1): they pick small-matrix and direct kernels by the size of the call, so
+# a piece need not round as the whole product does (runtime/kernels/ffn.c). Then each narrower path, with the widest path's OpenBLAS
+# kernels on one thread, must give the widest path's bytes. The binaries must be linked with
+# OpenMP where make configured it (build/config.mk); where make found no OpenMP the thread counts
+# are not compared (one skip line) but the paths are.
 . "$(dirname "$0")/lib.sh"
 work threads
 
 omp=$(sed -n 's/^OMP_CFLAGS := //p' "$BUILD/config.mk" 2>/dev/null)
-# Without OpenMP the kernels run on one thread whatever OMP_NUM_THREADS says: nothing to compare.
+threads="1 2 3"
 if [ -z "$omp" ]; then
   why="make configured no OpenMP ($BUILD/config.mk: OMP_CFLAGS empty; it needs Debian's libopenblas-openmp-dev and a compiler with -fopenmp): the kernels run on one thread"
   [ -f "$BUILD/config.mk" ] || why="no $BUILD/config.mk (run make first)"
-  skip "threads" "$why"
-  exit 0
+  skip "threads: 1, 2 and 3 threads" "$why"
+  threads=1
 fi
-for model in tests/models/threads.moe lang/models/gpt_moe_bytes.moe; do
+
+core_of() { case $1 in avx512) echo SkylakeX ;; avx2) echo Haswell ;; *) echo Prescott ;; esac; }
+# pieces_of CORE N: how many pieces each GEMM is in on N threads with CORE's kernels.
+pieces_of() { [ "$1" = SkylakeX ] && echo 1 || echo "$2"; }
+
+# run BIN OUT PATH CORE N: one 3-step run with its dump in OUT.d, output in OUT.o, steps in OUT.s.
+run() {
+  MOERT_VECTOR=$3 OPENBLAS_CORETYPE=$4 OMP_NUM_THREADS=$5 OPENBLAS_NUM_THREADS=$(pieces_of "$4" "$5") \
+    "$1" --steps 3 --dump "$2.d" >"$2.o" 2>&1 || return 1
+  sed -n 's/  time .*//p' "$2.o" | grep '^step' >"$2.s"
+}
+
+for model in tests/models/threads.moe tests/models/threads_swiglu.moe lang/models/gpt_moe_bytes.moe; do
   name=$(basename "$model" .moe)
   if ! "$MOEC" build "$model" -o "$WORK/$name" 2>"$WORK/err"; then bad "threads $name: build" "$(cat "$WORK/err")"; continue; fi
-  if ! ldd "$WORK/$name" | grep -q libgomp; then
+  if [ -n "$omp" ] && ! ldd "$WORK/$name" | grep -q libgomp; then
     bad "threads $name: make configured OpenMP ($omp) but the program does not link libgomp"
   fi
-  same=1 why=""
-  for n in 1 2 3; do
-    if ! OMP_NUM_THREADS=$n OPENBLAS_NUM_THREADS=1 "$WORK/$name" --steps 3 --dump "$WORK/$name.d$n" >"$WORK/$name.o$n" 2>&1; then
-      bad "threads $name: OMP_NUM_THREADS=$n failed" "$(tail -n 5 "$WORK/$name.o$n")"; same=0; break
+  paths=""
+  for path in avx512 avx2 baseline; do
+    out=$WORK/$name.$path
+    if ! run "$WORK/$name" "$out.1" $path "$(core_of $path)" 1; then
+      if grep -q "MOERT_VECTOR=$path: this .* runs the" "$out.1.o"; then skip "threads $name $path" "$(sed 's/^moert: error: //' "$out.1.o")"
+      else bad "threads $name $path: the run on 1 thread failed" "$(tail -n 5 "$out.1.o")"; fi
+      continue
     fi
-    # The pool really has n threads (OPENBLAS_NUM_THREADS=1 once shrank it to one: runtime/threads.c).
-    grep -q "^# threads: $n per rank, each GEMM in 1 piece$" "$WORK/$name.o$n" ||
-      { same=0; why="$why; with OMP_NUM_THREADS=$n the program says: $(grep '^# threads' "$WORK/$name.o$n")"; }
-    sed -n 's/  time .*//p' "$WORK/$name.o$n" | grep '^step' >"$WORK/$name.s$n"
-    [ -s "$WORK/$name.s$n" ] || { same=0; why="no step lines"; }
-    if [ "$n" -gt 1 ]; then
-      cmp -s "$WORK/$name.s1" "$WORK/$name.s$n" || { same=0; why="$why; step lines differ with $n threads"; }
-      diff -r -q "$WORK/$name.d1" "$WORK/$name.d$n" >"$WORK/diff" || { same=0; why="$why; dumps differ with $n threads: $(head -n 3 "$WORK/diff")"; }
+    paths="$paths $path"
+    same=1 why=""
+    for n in $threads; do
+      [ "$n" = 1 ] || run "$WORK/$name" "$out.$n" $path "$(core_of $path)" "$n" ||
+        { bad "threads $name $path: OMP_NUM_THREADS=$n failed" "$(tail -n 5 "$out.$n.o")"; same=0; break; }
+      # The pool really has n threads and n pieces per GEMM (OPENBLAS_NUM_THREADS=1 once shrank it
+      # to one: runtime/threads.c), and the kernels took the path asked for.
+      p=$(pieces_of "$(core_of $path)" "$n")
+      pieces="$p piece"; [ "$p" = 1 ] || pieces="$p pieces"
+      grep -q "^# threads: $n per rank, each GEMM in $pieces; vector path $path$" "$out.$n.o" ||
+        { same=0; why="$why; with OMP_NUM_THREADS=$n the program says: $(grep '^# threads' "$out.$n.o")"; }
+      [ -s "$out.$n.s" ] || { same=0; why="$why; no step lines"; }
+      if [ "$n" -gt 1 ]; then
+        cmp -s "$out.1.s" "$out.$n.s" || { same=0; why="$why; step lines differ with $n threads"; }
+        diff -r -q "$out.1.d" "$out.$n.d" >"$WORK/diff" || { same=0; why="$why; dumps differ with $n threads: $(head -n 3 "$WORK/diff")"; }
+      fi
+    done
+    if [ $same = 1 ]; then
+      ok "threads $name $path: $(echo $threads | sed 's/ /, /g') threads give the same step lines and --dump bytes ($(ls "$out.1.d"/grad | wc -l) gradients, OpenBLAS $(core_of $path), each GEMM $([ "$(pieces_of "$(core_of $path)" 2)" = 2 ] && echo "in as many pieces" || echo whole))"
+    else
+      bad "threads $name $path: results depend on the number of threads$why" "$(diff "$out.1.s" "$out.2.s" 2>/dev/null | head -n 6)"
     fi
   done
-  if [ $same = 1 ]; then
-    ok "threads $name: 1, 2 and 3 threads give the same step lines and --dump bytes ($(ls "$WORK/$name.d1"/grad | wc -l) gradients)"
-  else
-    bad "threads $name: results depend on the number of threads$why" "$(diff "$WORK/$name.s1" "$WORK/$name.s2" | head -n 6)"
-  fi
+  # The narrower paths against the widest, with the widest's OpenBLAS kernels.
+  set -- $paths
+  [ $# -gt 0 ] || continue
+  widest=$1 core=$(core_of $1)
+  shift
+  for path in "$@"; do
+    out=$WORK/$name.$path.as-$widest
+    if ! run "$WORK/$name" "$out" $path $core 1; then bad "threads $name $path (OpenBLAS $core): the run failed" "$(tail -n 5 "$out.o")"; continue; fi
+    diff -r -q "$WORK/$name.$widest.1.d" "$out.d" >"$WORK/diff"
+    if cmp -s "$WORK/$name.$widest.1.s" "$out.s" && [ ! -s "$WORK/diff" ]; then
+      ok "threads $name: the $path path gives the $widest path's step lines and --dump bytes (OpenBLAS $core)"
+    else
+      bad "threads $name: the $path path differs from the $widest path (OpenBLAS $core)" \
+        "$(diff "$WORK/$name.$widest.1.s" "$out.s" | head -n 4; head -n 3 "$WORK/diff")"
+    fi
+  done
 done
 exit $failed

@@ -77,7 +77,7 @@ static float *transpose_heads(const float *x, int rows, int seq, int nh, int d) 
 }
 
 // The helpers below are inlined into the per-tile functions, which are compiled for AVX-512, AVX2
-// and the baseline (RT_VECTOR_CLONES): same bits either way.
+// and the baseline (RT_VECTOR_PATHS): same bits either way.
 #define ATTN_INLINE static inline __attribute__((always_inline))
 
 
@@ -232,8 +232,8 @@ ATTN_INLINE void tile_scores(const QTile *t, const float *const a[TILE], const f
 
 // The outputs of a query tile for one head: kt the key head's columns of the sample, v0 the
 // head's value row of the sample's key 0 (stride kcols), o0 the output of row i0 (stride qcols).
-RT_VECTOR_CLONES static void fwd_tile(const QTile *t, const float *kt, const float *v0, float *o0, int seq, int d,
-                                      int kcols, int qcols, float scale, float *s, int ss) {
+RT_VECTOR_BODY void fwd_tile_body(const QTile *t, const float *kt, const float *v0, float *o0, int seq, int d,
+                                  int kcols, int qcols, float scale, float *s, int ss) {
   float *p[TILE], *y[TILE], l[TILE];
   tile_scores(t, t->q, kt, seq, d, s, ss);
   for (int k = 0; k < TILE; k++) {
@@ -248,6 +248,9 @@ RT_SIMD
     for (int c = 0; c < d; c++) yk[c] /= lk;
   }
 }
+RT_VECTOR_PATHS(fwd_tile, (const QTile *t, const float *kt, const float *v0, float *o0, int seq, int d, int kcols,
+                           int qcols, float scale, float *s, int ss),
+                (t, kt, v0, o0, seq, d, kcols, qcols, scale, s, ss))
 
 // The tiles of query rows of every sample, TILE rows each (the last of a sample fewer), dealt
 // round robin over the threads (the later rows of a sample see more keys).
@@ -278,8 +281,8 @@ void rt_attn_fwd(const float *q, const float *k, const float *v, float *o, int r
   free(scratch);
 }
 
-RT_VECTOR_CLONES static void lse_tile(const QTile *t, const float *kt, float *lse, int seq, int d, float scale, float *s,
-                                      int ss, int lse_stride) {
+RT_VECTOR_BODY void lse_tile_body(const QTile *t, const float *kt, float *lse, int seq, int d, float scale, float *s,
+                                  int ss, int lse_stride) {
   tile_scores(t, t->q, kt, seq, d, s, ss);
   for (int k = 0; k < t->nr; k++) {
     float l, *row = s + (size_t)k * ss;
@@ -287,6 +290,9 @@ RT_VECTOR_CLONES static void lse_tile(const QTile *t, const float *kt, float *ls
     lse[(size_t)k * lse_stride] = m + logf(l);
   }
 }
+RT_VECTOR_PATHS(lse_tile, (const QTile *t, const float *kt, float *lse, int seq, int d, float scale, float *s, int ss,
+                           int lse_stride),
+                (t, kt, lse, seq, d, scale, s, ss, lse_stride))
 
 void rt_attn_stats(const float *dy, const float *q, const float *k, const float *o, float *stats, int rows, int seq,
                    int heads, int kv, int qcols, int window) {
@@ -314,10 +320,10 @@ void rt_attn_stats(const float *dy, const float *q, const float *k, const float 
 // dq of a query tile for one head: kt, vt its key head's columns of k and v (the sample's),
 // k0 the head's key row of the sample's key 0 (stride kcols), dq0 row i0's dq (stride width);
 // lse, D the rows' stats (stride 2 heads).
-RT_VECTOR_CLONES static void grad_q_tile(const QTile *t, const float *dy0, const float *kt, const float *vt,
-                                         const float *k0, const float *lse, const float *D, float *dq0, int seq,
-                                         int d, int kcols, int qcols, int width, int stats_stride, float scale,
-                                         float *s, float *u, int ss) {
+RT_VECTOR_BODY void grad_q_tile_body(const QTile *t, const float *dy0, const float *kt, const float *vt,
+                                     const float *k0, const float *lse, const float *D, float *dq0, int seq,
+                                     int d, int kcols, int qcols, int width, int stats_stride, float scale,
+                                     float *s, float *u, int ss) {
   const float *dy[TILE];
   float *w[TILE], *y[TILE];
   for (int k = 0; k < TILE; k++) {
@@ -342,6 +348,10 @@ RT_SIMD
     for (int c = 0; c < d; c++) yk[c] *= scale;
   }
 }
+RT_VECTOR_PATHS(grad_q_tile, (const QTile *t, const float *dy0, const float *kt, const float *vt, const float *k0,
+                              const float *lse, const float *D, float *dq0, int seq, int d, int kcols, int qcols,
+                              int width, int stats_stride, float scale, float *s, float *u, int ss),
+                (t, dy0, kt, vt, k0, lse, D, dq0, seq, d, kcols, qcols, width, stats_stride, scale, s, u, ss))
 
 void rt_attn_grad_q(const float *dy, const float *q, const float *k, const float *v, const float *stats, float *dqkv,
                     int rows, int seq, int heads, int kv, int qcols, int window) {
@@ -374,11 +384,11 @@ void rt_attn_grad_q(const float *dy, const float *q, const float *k, const float
 // the kv head; stride kcols), qt, dyt the query head's columns of q and dO (the sample's), q0,
 // dy0 the head's row of the sample's query 0 (stride qcols), lse, D the sample's stats of the
 // head (stride stats_stride), dk0, dv0 the tile's first dk, dv (stride width), accumulated.
-RT_VECTOR_CLONES static void grad_kv_tile(int nr, const int first[TILE], const int last[TILE], const float *kr,
-                                          const float *vr, const float *qt, const float *dyt, const float *q0,
-                                          const float *dy0, const float *lse, const float *D, int stats_stride,
-                                          float *dk0, float *dv0, int seq, int d, int kcols, int qcols, int width,
-                                          float scale, float *s, float *u, int ss) {
+RT_VECTOR_BODY void grad_kv_tile_body(int nr, const int first[TILE], const int last[TILE], const float *kr,
+                                      const float *vr, const float *qt, const float *dyt, const float *q0,
+                                      const float *dy0, const float *lse, const float *D, int stats_stride,
+                                      float *dk0, float *dv0, int seq, int d, int kcols, int qcols, int width,
+                                      float scale, float *s, float *u, int ss) {
   const float *ka[TILE], *va[TILE];
   float *p[TILE], *w[TILE], *dk[TILE], *dv[TILE];
   for (int k = 0; k < TILE; k++) {
@@ -409,6 +419,12 @@ RT_SIMD
   wsum_tile((const float *const *)w, first, last, nr, q0, qcols, dk, d, false);
   wsum_tile((const float *const *)p, first, last, nr, dy0, qcols, dv, d, false);
 }
+RT_VECTOR_PATHS(grad_kv_tile, (int nr, const int first[TILE], const int last[TILE], const float *kr, const float *vr,
+                               const float *qt, const float *dyt, const float *q0, const float *dy0, const float *lse,
+                               const float *D, int stats_stride, float *dk0, float *dv0, int seq, int d, int kcols,
+                               int qcols, int width, float scale, float *s, float *u, int ss),
+                (nr, first, last, kr, vr, qt, dyt, q0, dy0, lse, D, stats_stride, dk0, dv0, seq, d, kcols, qcols,
+                 width, scale, s, u, ss))
 
 void rt_attn_grad_kv(const float *dy, const float *q, const float *k, const float *v, const float *stats, float *dqkv,
                      int rows, int seq, int heads, int kv, int qcols, int window) {

@@ -44,19 +44,42 @@ static bool all_slots(void) {
 }
 
 // GEMMs are split over the pool here (runtime/threads.c says why): pieces of at least SPLIT_MIN
-// multiply-accumulates, along the longer of c's two dimensions (its rows, or its columns), at
-// multiples of SPLIT_ALIGN (the register tiles of OpenBLAS's kernels), one piece per thread. A
-// call from inside a parallel region runs whole on its thread.
-enum { SPLIT_MIN = 1 << 18, SPLIT_ALIGN = 16 };
+// multiply-accumulates, along c's rows, at multiples of SPLIT_ALIGN rows, one piece per thread.
+// With OpenBLAS's Haswell kernels (which Zen runs too) and Prescott's, each row of c then comes
+// out with the bits of the whole product: they block c's rows (the columns of their column-major
+// view) from the start of the call, 12 and 4 at a time, and compute every element of a block the
+// same way whatever follows it. Along c's columns they do not: Haswell's rounds the first and
+// last 8 columns of a call in another order of k, so a column split would change the bits with
+// the number of threads (tests/unit/test_kernels.c, test_matmul_split). SkylakeX's kernels
+// choose small-matrix and direct kernels by the size of the call (M N K under 10^6, ...), so
+// there a piece can round differently from the whole product; OPENBLAS_NUM_THREADS=1 keeps each
+// GEMM whole. A call from inside a parallel region runs whole on its thread.
+enum { SPLIT_MIN = 1 << 18, SPLIT_ALIGN = 48 };
 
 static int gemm_pieces(int m, int n, int k) {
-  int pieces = rt_gemm_pieces(), dim = m > n ? m : n, units = (dim + SPLIT_ALIGN - 1) / SPLIT_ALIGN;
+  int pieces = rt_gemm_pieces(), units = (m + SPLIT_ALIGN - 1) / SPLIT_ALIGN;
 #ifdef _OPENMP
   if (omp_in_parallel()) return 1;
 #endif
   int64_t work = (int64_t)m * n * k / SPLIT_MIN;
   if (pieces > work) pieces = (int)work;
   return pieces < units ? pieces : units;
+}
+
+// One GEMM on the calling thread. OpenBLAS's OpenMP build splits a call made outside a parallel
+// region over omp_get_max_threads() threads whatever openblas_set_num_threads said, at points
+// of its own (its num_cpu_avail), so a whole GEMM rounded differently on 1 and 2 threads; the
+// pool's size is 1 for the call's duration (an ICV of this thread alone).
+static void sgemm_here(CBLAS_TRANSPOSE opa, CBLAS_TRANSPOSE opb, int m, int n, int k, const float *a, int lda,
+                       const float *b, int ldb, float beta, float *c, int ldc) {
+#ifdef _OPENMP
+  int pool = omp_in_parallel() ? 1 : omp_get_max_threads();
+  if (pool > 1) omp_set_num_threads(1);
+#endif
+  cblas_sgemm(CblasRowMajor, opa, opb, m, n, k, 1.0f, a, lda, b, ldb, beta, c, ldc);
+#ifdef _OPENMP
+  if (pool > 1) omp_set_num_threads(pool);
+#endif
 }
 
 void rt_matmul(const float *a, const float *b, float *c, int m, int n, int k, bool ta, bool tb,
@@ -75,23 +98,18 @@ void rt_matmul(const float *a, const float *b, float *c, int m, int n, int k, bo
   int64_t t0 = gemm_profile ? mono_ns() : 0;
   int pieces = gemm_pieces(m, n, k);
   if (pieces <= 1) {
-    cblas_sgemm(CblasRowMajor, opa, opb, m, n, k, 1.0f, a, lda, b, ldb, beta, c, n);
+    sgemm_here(opa, opb, m, n, k, a, lda, b, ldb, beta, c, n);
   } else {
-    bool rows = m >= n;   // rows of c (and of op(a)), else columns of c (and of op(b))
-    int units = ((rows ? m : n) + SPLIT_ALIGN - 1) / SPLIT_ALIGN, dim = rows ? m : n;
+    int units = (m + SPLIT_ALIGN - 1) / SPLIT_ALIGN;
 #ifdef _OPENMP
 #pragma omp parallel num_threads(pieces)
 #endif
     for (int p = rt_thread_id(); p < pieces; p += rt_team_size()) {
       int lo = (int)((int64_t)p * units / pieces) * SPLIT_ALIGN;
-      int hi = p + 1 == pieces ? dim : (int)((int64_t)(p + 1) * units / pieces) * SPLIT_ALIGN;
-      if (hi <= lo) continue;
-      if (rows)
-        cblas_sgemm(CblasRowMajor, opa, opb, hi - lo, n, k, 1.0f, ta ? a + lo : a + (size_t)lo * lda, lda, b, ldb,
-                    beta, c + (size_t)lo * n, n);
-      else
-        cblas_sgemm(CblasRowMajor, opa, opb, m, hi - lo, k, 1.0f, a, lda, tb ? b + (size_t)lo * ldb : b + lo, ldb,
-                    beta, c + lo, n);
+      int hi = p + 1 == pieces ? m : (int)((int64_t)(p + 1) * units / pieces) * SPLIT_ALIGN;
+      if (hi > lo)   // rows lo..hi-1 of c and of op(a)
+        sgemm_here(opa, opb, hi - lo, n, k, ta ? a + lo : a + (size_t)lo * lda, lda, b, ldb, beta,
+                   c + (size_t)lo * n, n);
     }
   }
   if (gemm_profile)
@@ -298,7 +316,7 @@ RT_SIMD
 // bias (copies of b1), are copied from that row's result instead of computed again: the same
 // bits. Each thread takes a contiguous block of rows and copies only from rows of its own block,
 // which it has computed already.
-RT_VECTOR_CLONES static void gelu_rows(const float *x, float *y, int64_t lo, int64_t hi, int64_t cols) {
+RT_VECTOR_BODY void gelu_rows_body(const float *x, float *y, int64_t lo, int64_t hi, int64_t cols) {
   for (int64_t r = lo; r < hi; r++) {
     const float *xr = x + r * cols;
     float *yr = y + r * cols;
@@ -309,6 +327,8 @@ RT_VECTOR_CLONES static void gelu_rows(const float *x, float *y, int64_t lo, int
     gelu_chunks(xr, yr, cols);
   }
 }
+RT_VECTOR_PATHS(gelu_rows, (const float *x, float *y, int64_t lo, int64_t hi, int64_t cols),
+                (x, y, lo, hi, cols))
 
 void rt_gelu(const float *x, float *y, int64_t n, int64_t cols) {
   if (cols <= 0 || n % cols != 0) cols = n;   // no row structure: one row
@@ -331,8 +351,8 @@ void rt_gelu(const float *x, float *y, int64_t n, int64_t cols) {
 // 0.5 (1 + t) + 0.5 x (1 - t^2) u' with t = 2s - 1). Where dy is zero (an expert's empty slots)
 // dx is +0 (the product's sign of zero is not kept: nothing downstream, sums and GEMMs starting
 // from +0, can tell).
-RT_VECTOR_CLONES static void gelu_grad_range(const float *dy, const float *x, float *dx, int64_t lo, int64_t hi,
-                                             bool skip) {
+RT_VECTOR_BODY void gelu_grad_range_body(const float *dy, const float *x, float *dx, int64_t lo, int64_t hi,
+                                         bool skip) {
   float sc[GELU_CHUNK];   // gelu_s apart, as in gelu_chunks
   for (int64_t i0 = lo; i0 < hi; i0 += GELU_CHUNK) {
     int64_t m = hi - i0 < GELU_CHUNK ? hi - i0 : GELU_CHUNK;
@@ -349,6 +369,8 @@ RT_SIMD
     }
   }
 }
+RT_VECTOR_PATHS(gelu_grad_range, (const float *dy, const float *x, float *dx, int64_t lo, int64_t hi, bool skip),
+                (dy, x, dx, lo, hi, skip))
 
 void rt_gelu_grad(const float *dy, const float *x, float *dx, int64_t n) {
   bool skip = !all_slots();
@@ -386,7 +408,7 @@ void rt_relu_grad(const float *dy, const float *x, float *dx, int64_t n) {
 static inline float silu_s(float v) { return 1.0f / (1.0f + rt_exp(-v)); }
 
 // out = silu(x) over [lo, hi) when dy is NULL, else its gradient dy s (1 + x (1 - s)).
-RT_VECTOR_CLONES static void silu_range(const float *dy, const float *x, float *out, int64_t lo, int64_t hi) {
+RT_VECTOR_BODY void silu_range_body(const float *dy, const float *x, float *out, int64_t lo, int64_t hi) {
   float s[GELU_CHUNK];
   for (int64_t i0 = lo; i0 < hi; i0 += GELU_CHUNK) {
     int64_t m = hi - i0 < GELU_CHUNK ? hi - i0 : GELU_CHUNK;
@@ -404,6 +426,8 @@ RT_SIMD
     }
   }
 }
+RT_VECTOR_PATHS(silu_range, (const float *dy, const float *x, float *out, int64_t lo, int64_t hi),
+                (dy, x, out, lo, hi))
 
 void rt_silu(const float *x, float *y, int64_t n) {
   RT_PARALLEL(n >= RT_PAR_MIN / 8)

@@ -37,7 +37,7 @@ void rt_mse_grad(const float *out, const float *target, float *dout, int64_t n, 
 // The exponentials are rt_exp's (float, within 1.3 ulp; mk_exp on CUDA computes the same bits),
 // so that a row's loops vectorise; their sum is in double, in sixteen running sums (element j
 // into sum j % 16) added pairwise. libm's double exp was 5 % of a vocabulary-8192 model's step.
-RT_VECTOR_CLONES static double row_logsumexp(const float *row, int v) {
+RT_VECTOR_BODY void row_logsumexp_body(const float *row, int v, double *lse) {
   float m[RT_LANES];
   for (int u = 0; u < RT_LANES; u++) m[u] = -INFINITY;
   int j = 0;
@@ -50,8 +50,9 @@ RT_VECTOR_CLONES static double row_logsumexp(const float *row, int v) {
   for (j = 0; j + RT_LANES <= v; j += RT_LANES)
     for (int u = 0; u < RT_LANES; u++) s[u] += (double)rt_exp(row[j + u] - mx);
   for (; j < v; j++) s[j % RT_LANES] += (double)rt_exp(row[j] - mx);
-  return mx + log(rt_lanes_total(s));
+  *lse = mx + log(rt_lanes_total(s));
 }
+RT_VECTOR_PATHS(row_logsumexp, (const float *row, int v, double *lse), (row, v, lse))
 
 // The rows' terms in parallel (each row's logsumexp on one thread), their sum in row order: the
 // bits of the one-thread loop.
@@ -60,7 +61,9 @@ void rt_xent(const float *logits, const int32_t *targets, float *loss, int t, in
   RT_PARALLEL_FOR((int64_t)t * v >= RT_PAR_MIN / 8)
   for (int i = 0; i < t; i++) {
     const float *row = logits + (size_t)i * v;
-    term[i] = row_logsumexp(row, v) - row[targets[i]];
+    double lse;
+    row_logsumexp(row, v, &lse);
+    term[i] = lse - row[targets[i]];
   }
   double acc = 0.0;
   for (int i = 0; i < t; i++) acc += term[i];
@@ -72,8 +75,8 @@ void rt_xent(const float *logits, const int32_t *targets, float *loss, int t, in
 // difference (mk_xent_grad's operations).
 // Sixteen columns at a time, row and out apart (restrict): at -O2 GCC vectorises only loops of a
 // fixed count that need no check at run time.
-RT_VECTOR_CLONES static void xent_grad_row(const float *restrict row, float *restrict out, int v, double lse,
-                                           double f, int target) {
+RT_VECTOR_BODY void xent_grad_row_body(const float *restrict row, float *restrict out, int v, double lse,
+                                       double f, int target) {
   enum { W = 16 };
   int j = 0;
   for (; j + W <= v; j += W)
@@ -81,11 +84,16 @@ RT_VECTOR_CLONES static void xent_grad_row(const float *restrict row, float *res
   for (; j < v; j++) out[j] = (float)(f * (double)rt_exp((float)((double)row[j] - lse)));
   out[target] = (float)(f * ((double)rt_exp((float)((double)row[target] - lse)) - 1.0));
 }
+RT_VECTOR_PATHS(xent_grad_row, (const float *restrict row, float *restrict out, int v, double lse, double f,
+                                int target),
+                (row, out, v, lse, f, target))
 
 void rt_xent_grad(const float *logits, const int32_t *targets, float *dlogits, int t, int v, float scale) {
   RT_PARALLEL_FOR((int64_t)t * v >= RT_PAR_MIN / 8)
   for (int i = 0; i < t; i++) {
     const float *row = logits + (size_t)i * v;
-    xent_grad_row(row, dlogits + (size_t)i * v, v, row_logsumexp(row, v), (double)scale / t, targets[i]);
+    double lse;
+    row_logsumexp(row, v, &lse);
+    xent_grad_row(row, dlogits + (size_t)i * v, v, lse, (double)scale / t, targets[i]);
   }
 }

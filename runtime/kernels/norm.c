@@ -12,7 +12,7 @@
 #include "moert.h"
 #include "rt_internal.h"
 
-#define ROW_INLINE static inline __attribute__((always_inline))   // into each vector clone
+#define ROW_INLINE static inline __attribute__((always_inline))   // into each vector path
 
 // ---- L2-normalised rows ----
 
@@ -82,22 +82,27 @@ ROW_INLINE double rms_inverse(const float *restrict x, int n, float eps) {
   return 1.0 / sqrt(ss / n + (double)eps);
 }
 
-RT_VECTOR_CLONES static void rmsnorm_row(const float *restrict x, float *restrict y, int n, float eps) {
+RT_VECTOR_BODY void rmsnorm_row_body(const float *restrict x, float *restrict y, int n, float eps) {
   float inv = (float)rms_inverse(x, n, eps);
   for (int i = 0; i < n; i++) y[i] = x[i] * inv;
 }
+RT_VECTOR_PATHS(rmsnorm_row, (const float *restrict x, float *restrict y, int n, float eps),
+                (x, y, n, eps))
 
 void rt_rmsnorm(const float *x, float *y, int rows, int n, float eps) {
   RT_PARALLEL_FOR((int64_t)rows * n >= RT_PAR_MIN)
   for (int r = 0; r < rows; r++) rmsnorm_row(x + (size_t)r * n, y + (size_t)r * n, n, eps);
 }
 
-RT_VECTOR_CLONES static void rmsnorm_grad_row(const float *restrict dy, const float *restrict x, float *restrict dx,
-                                              int n, float eps) {
+RT_VECTOR_BODY void rmsnorm_grad_row_body(const float *restrict dy, const float *restrict x, float *restrict dx,
+                                          int n, float eps) {
   double inv = rms_inverse(x, n, eps), dot = rt_lanes_dot(dy, x, n);
   float scale = (float)inv, proj = (float)(inv * inv * inv * dot / n);
   for (int i = 0; i < n; i++) dx[i] = dy[i] * scale - x[i] * proj;
 }
+RT_VECTOR_PATHS(rmsnorm_grad_row, (const float *restrict dy, const float *restrict x, float *restrict dx, int n,
+                                   float eps),
+                (dy, x, dx, n, eps))
 
 void rt_rmsnorm_grad(const float *dy, const float *x, float *dx, int rows, int n, float eps) {
   RT_PARALLEL_FOR((int64_t)rows * n >= RT_PAR_MIN)
@@ -115,24 +120,29 @@ ROW_INLINE void row_moments(const float *restrict x, int n, float eps, double *m
   *inv = 1.0 / sqrt(row_dev2(x, n, *mean) / n + (double)eps);
 }
 
-RT_VECTOR_CLONES static void layernorm_row(const float *restrict x, float *restrict y, int n, float eps) {
+RT_VECTOR_BODY void layernorm_row_body(const float *restrict x, float *restrict y, int n, float eps) {
   double mean, inv;
   row_moments(x, n, eps, &mean, &inv);
   for (int i = 0; i < n; i++) y[i] = (float)((x[i] - mean) * inv);
 }
+RT_VECTOR_PATHS(layernorm_row, (const float *restrict x, float *restrict y, int n, float eps),
+                (x, y, n, eps))
 
 void rt_layernorm(const float *x, float *y, int rows, int n, float eps) {
   RT_PARALLEL_FOR((int64_t)rows * n >= RT_PAR_MIN)
   for (int r = 0; r < rows; r++) layernorm_row(x + (size_t)r * n, y + (size_t)r * n, n, eps);
 }
 
-RT_VECTOR_CLONES static void layernorm_grad_row(const float *restrict dy, const float *restrict x,
-                                                float *restrict dx, int n, float eps) {
+RT_VECTOR_BODY void layernorm_grad_row_body(const float *restrict dy, const float *restrict x,
+                                            float *restrict dx, int n, float eps) {
   double mean, inv;
   row_moments(x, n, eps, &mean, &inv);
   double sd = row_sum(dy, n) / n, sdx = row_dot_dev(dy, x, n, mean, inv) / n;
   for (int i = 0; i < n; i++) dx[i] = (float)(inv * (dy[i] - sd - (x[i] - mean) * inv * sdx));
 }
+RT_VECTOR_PATHS(layernorm_grad_row, (const float *restrict dy, const float *restrict x, float *restrict dx, int n,
+                                     float eps),
+                (dy, x, dx, n, eps))
 
 void rt_layernorm_grad(const float *dy, const float *x, float *dx, int rows, int n, float eps) {
   RT_PARALLEL_FOR((int64_t)rows * n >= RT_PAR_MIN)

@@ -1009,7 +1009,8 @@ def rng_vs_c():
     with tempfile.TemporaryDirectory() as d:
         src, exe = os.path.join(d, "drv.c"), os.path.join(d, "drv")
         open(src, "w").write(_RNG_DRIVER)
-        r = subprocess.run([cc, "-O2", "-I" + os.path.join(root, "runtime"), src, rng_c, "-lm",
+        vector_c = os.path.join(root, "runtime", "vector.c")   # the vector paths rng.c runs on
+        r = subprocess.run([cc, "-O2", "-I" + os.path.join(root, "runtime"), src, rng_c, vector_c, "-lm",
                             "-o", exe], capture_output=True, text=True)
         if r.returncode != 0:
             print("# rng vs runtime/rng.c: driver did not build:\n" + r.stderr)

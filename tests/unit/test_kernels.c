@@ -16,6 +16,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <strings.h>
 
 #include <cmocka.h>
 
@@ -770,6 +771,55 @@ static void test_normal_fill(void **state) {
     }
 }
 
+char *openblas_get_corename(void);
+
+// rt_matmul on 1, 2 and 3 threads gives the same bits, whatever the shape: tall, wide (where a
+// split of c's columns rounded differently), transposed or not, accumulating, and whole GEMMs
+// that OpenBLAS's OpenMP build once split by itself. Each GEMM is in as many pieces as threads
+// on the OpenBLAS kernels whose rows are computed alike in any piece (runtime/kernels/ffn.c:
+// Haswell's, which Zen runs, and Prescott's); on others (SkylakeX's choose kernels by the size
+// of the call) each GEMM is whole (OPENBLAS_NUM_THREADS=1), on a pool of 1, 2 and 3 threads.
+static void test_matmul_split(void **state) {
+  static const struct { int m, n, k; } shapes[] = {
+      {200, 300, 64}, {150, 700, 40}, {517, 96, 33}, {40, 256, 64}, {101, 1000, 20}, {1000, 12, 300},
+  };
+  const char *core = openblas_get_corename();
+  bool split = core && (strcasecmp(core, "haswell") == 0 || strcasecmp(core, "zen") == 0 ||
+                        strcasecmp(core, "prescott") == 0);
+  printf("# OpenBLAS core %s: each GEMM %s\n", core ? core : "?", split ? "in as many pieces as threads" : "whole");
+  for (size_t s = 0; s < sizeof shapes / sizeof *shapes; s++) {
+    int m = shapes[s].m, n = shapes[s].n, k = shapes[s].k;
+    float *a = malloc((size_t)m * k * sizeof *a), *b = malloc((size_t)k * n * sizeof *b);
+    float *c0 = malloc((size_t)m * n * sizeof *c0), *want = malloc((size_t)m * n * sizeof *want);
+    float *got = malloc((size_t)m * n * sizeof *got);
+    assert_non_null(a && b && c0 && want && got);
+    fill(a, (int64_t)m * k, -1, 1);
+    fill(b, (int64_t)k * n, -1, 1);
+    fill(c0, (int64_t)m * n, -1, 1);
+    for (int t = 0; t < 8; t++) {
+      bool ta = t & 1, tb = t & 2, acc = t & 4;
+      for (int threads = 1; threads <= 3; threads++) {
+        char env[8];
+        snprintf(env, sizeof env, "%d", threads);
+        setenv("OMP_NUM_THREADS", env, 1);
+        if (split) unsetenv("OPENBLAS_NUM_THREADS");
+        else setenv("OPENBLAS_NUM_THREADS", "1", 1);
+        rt_threads_setup(1);
+        float *c = threads == 1 ? want : got;
+        memcpy(c, c0, (size_t)m * n * sizeof *c);
+        rt_matmul(a, b, c, m, n, k, ta, tb, acc);
+        if (threads > 1 && memcmp(want, got, (size_t)m * n * sizeof *got) != 0)
+          fail_msg("rt_matmul m %d n %d k %d ta %d tb %d accumulate %d: %d threads (%d pieces) differ from 1", m, n,
+                   k, ta, tb, acc, rt_threads(), rt_gemm_pieces());
+      }
+    }
+    free(a), free(b), free(c0), free(want), free(got);
+  }
+  setenv("OMP_NUM_THREADS", "1", 1);
+  unsetenv("OPENBLAS_NUM_THREADS");
+  rt_threads_setup(1);
+}
+
 static void test_gate_noise_layout(void **state) {
   enum { S = 4, E = 3 };
   float x[S * E], y[S * E], y2[2 * E];
@@ -868,6 +918,7 @@ int main(void) {
       cmocka_unit_test(test_rng_constants),
       cmocka_unit_test(test_normal_moments),
       cmocka_unit_test(test_normal_fill),
+      cmocka_unit_test(test_matmul_split),
       cmocka_unit_test(test_exp_poly),
       cmocka_unit_test(test_gate_noise_layout),
       cmocka_unit_test(test_step_begin_forward),
