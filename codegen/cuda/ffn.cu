@@ -68,45 +68,6 @@ static __device__ void mk_column_sums(const float *dy, const float *x, float *db
   }
 }
 
-// ---- mk_bias ----
-extern "C" __global__ void mk_bias(const float *x, const float *b, float *y, int rows, int n) {
-  mk_rows_bias(x, b, y, rows, rows > 0 ? rows : 1, n);
-}
-
-// ---- prelude: column sums ----
-// db[ex, c] = the sum over the rows of dy[ex, :, c], for e blocks of rows x n (rt_bias_grad,
-// rt_expert_bias_grad). A block takes a tile of up to 32 columns of one block of rows at a time
-// (tiles strided over the grid); its blockDim.x / 32 row lanes each sum every lanes-th row in
-// double, in four running sums so that four loads are in flight, and the lanes' sums are added
-// in lane order: the same bits for a block size on every run and device, whatever the grid.
-// (One thread per column had 8 to 64 K threads on 132 SMs reading one column each: 0.5 TB/s.)
-static __device__ void mk_column_sums(const float *dy, float *db, int e, int rows, int n) {
-  __shared__ double mk_colsum[MK_BLOCK];
-  const int cols = blockDim.x < 32 ? (int)blockDim.x : 32, lanes = blockDim.x / cols;
-  const int cl = threadIdx.x % cols, rl = threadIdx.x / cols;
-  const i64 per = (n + cols - 1) / cols, tiles = (i64)e * per;
-  for (i64 t = blockIdx.x; t < tiles; t += gridDim.x) {
-    i64 ex = t / per;
-    int c = (int)(t % per) * cols + cl;
-    double acc = 0.0;
-    if (c < n && rl < lanes) {
-      const float *d = dy + ex * rows * n + c;
-      double a[4] = {0.0, 0.0, 0.0, 0.0};
-      int u = 0;
-      for (int r = rl; r < rows; r += lanes, u = (u + 1) & 3) a[u] += d[(i64)r * n];
-      acc = (a[0] + a[1]) + (a[2] + a[3]);
-    }
-    mk_colsum[threadIdx.x] = acc;
-    __syncthreads();
-    if (rl == 0 && c < n) {
-      double sum = 0.0;
-      for (int l = 0; l < lanes; l++) sum += mk_colsum[l * cols + cl];
-      db[ex * n + c] = (float)sum;
-    }
-    __syncthreads();
-  }
-}
-
 // ---- mk_bias_grad ----
 // Launched with one block per tile of columns (cg_lower_op).
 extern "C" __global__ void mk_bias_grad(const float *dy, float *db, int rows, int n) {
