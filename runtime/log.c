@@ -6,8 +6,10 @@
 // "aux": .., "z": .., "lr": .., "grad_norm": .., "tokens_per_s": .., "time_ms": .., "dropped": ..,
 // "layers": [{"load_min": .., "load_mean": .., "load_max": .., "dropped": ..}, ..]}, the layers
 // being the routed MoE layers in order (tokens kept per expert and routing group; the share of
-// choices dropped). An evaluation's: {"eval": T, "val_ce": .., "windows": N}. The file is
-// flushed after every line, so a crashed run keeps what it logged.
+// choices dropped). An evaluation's: {"eval": T, "val_ce": .., "windows": N}. Each run starts
+// with {"run": {"model": NAME, "resumed_from": C or null}}; a run with --resume appends to the
+// file, so the steps before the checkpoint stay. The file is flushed after every line, so a
+// crashed run keeps what it logged.
 #include "rt_log.h"
 
 #include <errno.h>
@@ -21,8 +23,19 @@ struct RtLog {
   char *path;
 };
 
-RtLog *rt_log_open(const char *path) {
-  FILE *f = fopen(path, "w");
+// s as a JSON string (quotes, backslashes and control characters escaped).
+static void str(FILE *f, const char *s) {
+  fputc('"', f);
+  for (; *s; s++) {
+    if (*s == '"' || *s == '\\') fprintf(f, "\\%c", *s);
+    else if ((unsigned char)*s < 0x20) fprintf(f, "\\u%04x", (unsigned char)*s);
+    else fputc(*s, f);
+  }
+  fputc('"', f);
+}
+
+RtLog *rt_log_open(const char *path, const char *model, const char *resume) {
+  FILE *f = fopen(path, resume ? "a" : "w");
   if (!f) {
     rt_fail("--log '%s': cannot write it: %s", path, strerror(errno));
     return NULL;
@@ -30,6 +43,17 @@ RtLog *rt_log_open(const char *path) {
   RtLog *l = rt_calloc(1, sizeof *l, "the --log file");
   l->f = f;
   l->path = rt_strdup(path, "the --log file's name");
+  fprintf(f, "{\"run\": {\"model\": ");   // the run's header: a resumed run adds its lines after the last
+  str(f, model);
+  fprintf(f, ", \"resumed_from\": ");
+  if (resume) str(f, resume);
+  else fprintf(f, "null");
+  fprintf(f, "}}\n");
+  if (fflush(f) != 0 || ferror(f)) {
+    rt_fail("--log '%s': cannot write it: %s", path, strerror(errno));
+    rt_log_close(l);
+    return NULL;
+  }
   return l;
 }
 

@@ -135,7 +135,7 @@ static int trainer_create(RtTrainer *tr, const RtModel *model, const RtOptions *
     st->layer_stats = rt_calloc((size_t)model->nlayers, sizeof *st->layer_stats, "the layers' statistics");
     tr->log_layers = rt_calloc((size_t)model->nlayers, sizeof *tr->log_layers, "the layers' statistics");
   }
-  if (tr->opt.log && tr->ranks.rank == 0 && !(tr->log = rt_log_open(tr->opt.log)))
+  if (tr->opt.log && tr->ranks.rank == 0 && !(tr->log = rt_log_open(tr->opt.log, model->name, tr->opt.resume)))
     return -1;
   if (model->device) {
     if (model->device->create(st) != 0)

@@ -23,7 +23,9 @@ typedef struct RtLogStep {
   const RtLogLayer *layers;
 } RtLogStep;
 
-RtLog *rt_log_open(const char *path);   // NULL (rt_fail) when it cannot be written
+// Opens path for a run of model (resume: the checkpoint it resumes, appended to the file; NULL: a
+// new file) and writes the run's header line; NULL (rt_fail) when it cannot be written.
+RtLog *rt_log_open(const char *path, const char *model, const char *resume);
 // Each writes one line and flushes; 0, or -1 (rt_fail) when the file cannot be written. l may be NULL.
 int rt_log_step(RtLog *l, const RtLogStep *s);
 int rt_log_eval(RtLog *l, int64_t step, double val_ce, int64_t windows);

@@ -5,7 +5,8 @@
 #     statistics equal the single-rank twin's (same global batch, same routing groups);
 #   - on a terminal (script(1)) one progress line rewrites itself instead of the step lines;
 #   - --resume C --sample N samples from C without training (no --steps needed);
-#   - an unwritable --log is refused before training.
+#   - an unwritable --log is refused before training; --resume appends to its --log (a header
+#     line per run).
 # Prints ok/FAIL lines; exits 1 on any failure.
 set -u
 cd "$(dirname "$0")/../.."
@@ -65,7 +66,22 @@ else
   skip "progress line" "script(1) is not installed"
 fi
 
-(cd "$WORK" && ./one --steps 2 --save c.json >save.out 2>&1)
+(cd "$WORK" && ./one --steps 2 --save c.json --log r.jsonl >save.out 2>&1)
+# --resume appends to its --log: a header line per run, the steps before the checkpoint kept.
+(cd "$WORK" && ./one --resume c.json --steps 4 --log r.jsonl >resume.out 2>&1)
+if out=$($PY - "$WORK/r.jsonl" <<'EOF'
+import json, sys
+lines = [json.loads(l) for l in open(sys.argv[1])]
+runs = [r["run"] for r in lines if "run" in r]
+assert [r["resumed_from"] for r in runs] == [None, "c.json"], "a header per run: %r" % runs
+assert [r.get("step") or "run" for r in lines] == ["run", 1, 2, "run", 3, 4], "lines %r" % [list(r) for r in lines]
+print("%d lines: the first run's steps 1-2, the resumed run's 3-4" % len(lines))
+EOF
+); then
+  ok "--log on --resume appends, one header line per run: $out"
+else
+  bad "--log on --resume" "$out $(tail -n 3 "$WORK/resume.out")"
+fi
 if (cd "$WORK" && ./one --resume c.json --sample 5 >sample.out 2>&1) && grep -q '^# sample: 5 tokens' "$WORK/sample.out" &&
    ! grep -q '^step ' "$WORK/sample.out"; then
   ok "--resume C --sample N samples from C without training: $(grep -c '' "$WORK/sample.out") lines, no step"
