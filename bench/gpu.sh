@@ -50,13 +50,8 @@ else
   [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
 fi
 
-python=""
-for candidate in ${TORCH_PYTHON:-} python3 /usr/bin/python3; do
-  if command -v "$candidate" >/dev/null 2>&1 && "$candidate" -c 'import torch' >/dev/null 2>&1; then
-    python=$candidate
-    break
-  fi
-done
+. bench/torch_python.sh
+python=$(torch_python)
 echo
 echo "# PyTorch side: ${python:-python3 (no python here imports torch)}"
 "${python:-python3}" bench/torch_ref.py "$@" ${shapes:+--shapes "$shapes"} 2>&1 | tee "$TORCH_OUT"

@@ -308,12 +308,8 @@ struct Gpu {
 
 static int elementwise_grid(int64_t n) { return rt_cuda_grid(n, MK_BLOCK); }   // grid-stride kernels
 static int block_grid(int64_t n) { return (int)std::clamp<int64_t>(n, 1, 65535); }   // a block per row/choice/token
-// a block per tile of columns of each of e blocks of rows (the bias gradients, as cg_lower_op:
-// 32 columns wide when there are 1024 such tiles, else 8)
-static int tile_grid(int64_t e, int64_t cols) {
-  int64_t wide = e * ((cols + 31) / 32);
-  return block_grid(wide >= 1024 ? wide : e * ((cols + 7) / 8));
-}
+// the bias gradients' grid, as the CUDA target's (cg_cuda_column_tiles)
+static int tile_grid(int64_t e, int64_t cols) { return (int)cg_cuda_column_tiles(e, cols); }
 
 // The library (cg_emit_cuda_library) and the bench's kernels through NVRTC as CUBIN for this GPU.
 static bool load_kernels(Gpu &gpu) {

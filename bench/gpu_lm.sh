@@ -74,13 +74,8 @@ fi
 status=0
 WORK=$(mktemp -d "${TMPDIR:-/tmp}/moec-gpulm.XXXXXX")
 trap 'rm -rf "$WORK"' EXIT
-python=""
-for candidate in ${TORCH_PYTHON:-} python3 /usr/bin/python3; do
-  if command -v "$candidate" >/dev/null 2>&1 && "$candidate" -c 'import torch' >/dev/null 2>&1; then
-    python=$candidate
-    break
-  fi
-done
+. bench/torch_python.sh
+python=$(torch_python)
 echo "# a language model's training step on $(hostname): moec ($DIR) beside bench/torch_lm.py --size $size" \
      "(vocab $vocab, B $batch, L $seqlen, M $embed, $layers blocks, 8 experts of hidden $hidden, top-2)"
 median() { sort -g | awk '{a[NR] = $1} END { if (NR) print a[int((NR + 1) / 2)] }'; }

@@ -25,6 +25,10 @@ void cg_emit_cuda_library(FILE *out);
 // calls __syncthreads (directly or through a prelude function), for the host emulation of the
 // fake device (tests/cuda/fake_cuda.cpp), which runs the threads of other kernels one by one.
 void cg_emit_cuda_kernel_list(FILE *out);
+// The grid of the column-sum kernels (mk_bias_grad, mk_expert_bias_grad, mk_scale_cols_grad_w):
+// one block per tile of columns of each of `blocks` blocks of rows `cols` wide, the tiles 32
+// columns wide when there are at least 1024 of them, else 8 (the kernels' mk_colsum_width).
+int64_t cg_cuda_column_tiles(int64_t blocks, int64_t cols);
 
 // The kernels of cg_emit_cuda compiled by NVRTC, for the CUDA host program to embed.
 typedef struct CgCudaImages {

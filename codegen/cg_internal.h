@@ -167,8 +167,9 @@ bool cg_spell_pointer(const CgSpelling *sp, const IrFunc *f, int i, const CgArg 
 
 // ---- bf16 GEMM inputs (model dtype bf16, the CUDA target) ----
 // Whether m's GEMMs take bf16 inputs: the module's dtype attribute is "bf16". Then every
-// matmul and expert.matmul (forward and backward) first rounds each of its two fp32 operands to
-// bf16 (round to nearest even) into a scratch buffer on its stream with the cast kernel below,
+// matmul and expert.matmul (forward and backward) takes bf16 copies of its two fp32 operands
+// (round to nearest even, the cast kernel below: a parameter's from the program's copy of the
+// parameters, a value's made in a scratch slot of its stream unless the previous GEMM made it),
 // and cuBLAS multiplies the copies with fp32 accumulation into the fp32 result. Everything else
 // (parameters, gradients, optimizer state, activations, the other kernels, collectives) stays
 // fp32.

@@ -43,6 +43,10 @@
 
 enum { EV_FORK, EV_JOIN_INTRA, EV_JOIN_INTER, EV_BASE };   // events of every scheduled function, then its own
 
+// The step functions, in the order rt_main calls them (Host.count's index).
+enum { STEP_FORWARD, STEP_BACKWARD, STEP_UPDATE, STEP_COUNT };
+static const char *const step_names[STEP_COUNT] = {"forward", "backward", "update"};
+
 // What a step function launches (Host.count).
 typedef struct Counts {
   int64_t kernels, casts, gemms, comms;
@@ -79,8 +83,8 @@ typedef struct Host {
   // What each step function launches (moec build -v, and the program's header): by phase
   // (forward, backward, update), the kernel launches (bf16 casts among them), cuBLAS GEMMs and
   // collectives or device copies, and the bytes they move (operands read once, results written once)
-  int phase;
-  Counts count[3];
+  int phase;                 // the step function being emitted (STEP_*)
+  Counts count[STEP_COUNT];
   bool ok;
 } Host;
 
@@ -432,7 +436,7 @@ static bool emit_gemm(Host *h, const IrFunc *f, const IrOp *op, IrStream s) {
 
 // The bytes ops i .. i + nops - 1 of f move as kernels: each operand read once and each result
 // written once (an update also reads the gradient and rewrites the parameter and its moments).
-static double op_bytes(const Host *h, const IrFunc *f, int i, int nops) {
+static double op_bytes(const IrFunc *f, int i, int nops) {
   double bytes = 0.0;
   for (int j = i; j < i + nops && j < f->nops; j++) {
     const IrOp *op = f->ops[j];
@@ -445,7 +449,6 @@ static double op_bytes(const Host *h, const IrFunc *f, int i, int nops) {
       if (op->args[a].param || op->args[a].value) bytes += (double)ir_type_bytes(operand_type(&op->args[a]));
     if (op->result) bytes += (double)ir_type_bytes(&op->result->type);
   }
-  (void)h;
   return bytes;
 }
 
@@ -469,7 +472,7 @@ static bool emit_op(Host *h, const IrFunc *f, int i, IrStream s, int *nops) {
   int64_t stats = op->kind == IR_OP_HOOK_RECORD ? stage_place(h, 3 * (int64_t)sizeof(double)) : -1;
   // A split reduction's partial sums: a place of their own (ops on other streams may run beside).
   int64_t scratch = l.scratch_bytes > 0 ? stage_place(h, l.scratch_bytes) : -1;
-  if (l.ncalls > 0) h->count[h->phase].kernel_bytes += op_bytes(h, f, i, l.nops);
+  if (l.ncalls > 0) h->count[h->phase].kernel_bytes += op_bytes(f, i, l.nops);
   for (int k = 0; k < l.ncalls; k++)
     if (!emit_kernel(h, f, i, &l.call[k], s, stats, scratch)) return false;
   if (op->kind == IR_OP_HOOK_RECORD) {
@@ -587,11 +590,12 @@ static bool emit_function(Host *h, const IrFunc *f) {
 }
 
 // A step function: its IR functions in order, then a wait for every stream and the epilogue.
-static bool emit_step(Host *h, const char *name, const char *prologue, bool (*member)(const IrFunc *)) {
+static bool emit_step(Host *h, int step, const char *prologue, bool (*member)(const IrFunc *)) {
+  const char *name = step_names[step];
   char *epilogue = NULL;
   size_t size = 0;
   int64_t first_stage = h->stage_bytes;   // this step's part of the staging area starts here
-  h->phase = strcmp(name, "forward") == 0 ? 0 : strcmp(name, "backward") == 0 ? 1 : 2;
+  h->phase = step;
   if (!(h->epi = open_memstream(&epilogue, &size))) return ir_oom(h->d);
   bool ok = true;
   for (int i = 0; ok && i < h->m->nfuncs; i++)
@@ -613,7 +617,7 @@ static bool emit_step(Host *h, const char *name, const char *prologue, bool (*me
             first_stage, first_stage, h->stage_bytes - first_stage,
             where(h, NULL, NULL, "reading back the statistics of the %s", name));
   fwrite(epilogue, 1, size, h->out);
-  if (h->npooled > 0 && strcmp(name, "forward") == 0) {  // the pooled P and F/N, for the backward
+  if (h->npooled > 0 && step == STEP_FORWARD) {  // the pooled P and F/N, for the backward
     int wp = where(h, NULL, NULL, "writing back the pooled aux loss's statistics");
     fprintf(h->out, "  rt_pool_finish(st);\n");
     for (int i = 0; i < h->npooled; i++)
@@ -635,14 +639,13 @@ static bool is_update(const IrFunc *f) { return f->role == IR_ROLE_OPTIMIZER; }
 // What a step launches and moves (moec build -v; the program's header): one line per step
 // function, then the whole step, each between `pre` and `post`.
 static void print_counts(const Host *h, FILE *out, const char *pre, const char *post) {
-  static const char *const names[3] = {"forward", "backward", "update"};
   int64_t kernels = 0, gemms = 0, comms = 0;
   double bytes = 0.0, gemm_bytes = 0.0;
-  for (int p = 0; p < 3; p++) {
+  for (int p = 0; p < STEP_COUNT; p++) {
     const Counts *c = &h->count[p];
     fprintf(out, "%slaunches: %-8s %4" PRId64 " kernels (%" PRId64 " bf16 casts), %3" PRId64 " GEMMs, %3" PRId64
                  " collectives or copies; kernels move %.1f MB, GEMM operands and results %.1f MB%s",
-            pre, names[p], c->kernels, c->casts, c->gemms, c->comms, c->kernel_bytes / 1e6, c->gemm_bytes / 1e6, post);
+            pre, step_names[p], c->kernels, c->casts, c->gemms, c->comms, c->kernel_bytes / 1e6, c->gemm_bytes / 1e6, post);
     kernels += c->kernels, gemms += c->gemms, comms += c->comms, bytes += c->kernel_bytes, gemm_bytes += c->gemm_bytes;
   }
   fprintf(out, "%slaunches: a step   %4" PRId64 " kernels, %3" PRId64 " GEMMs, %3" PRId64 " collectives or copies; "
@@ -862,11 +865,11 @@ bool cg_emit_cuda_host(IrDiag *d, FILE *out, const IrModule *m, const PassMemPla
              where(&h, NULL, NULL, "kernel %s (the parameters to bf16)", cg_cuda_kernel_name(kernel)),
              cg_cuda_kernel_name(kernel), cg_cuda_grid_elems(h.param_floats));
     update_prologue = "  p16_fresh = false;   /* rounded again at the next forward */\n";
-    h.count[0].kernels++, h.count[0].casts++;
-    h.count[0].kernel_bytes += 6.0 * (double)h.param_floats;
+    h.count[STEP_FORWARD].kernels++, h.count[STEP_FORWARD].casts++;
+    h.count[STEP_FORWARD].kernel_bytes += 6.0 * (double)h.param_floats;
   }
-  ok = emit_step(&h, "forward", prologue, is_forward) && emit_step(&h, "backward", "", is_backward) &&
-       emit_step(&h, "update", update_prologue, is_update) && h.ok;
+  ok = emit_step(&h, STEP_FORWARD, prologue, is_forward) && emit_step(&h, STEP_BACKWARD, "", is_backward) &&
+       emit_step(&h, STEP_UPDATE, update_prologue, is_update) && h.ok;
   if (fclose(h.out) != 0) ok = ir_oom(d);
   h.out = NULL;
   if (!ok) goto done;

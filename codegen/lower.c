@@ -277,8 +277,13 @@ static bool rule_call(Rule *r, CgLaunch *l) {
   char grid[16];
   if (!rule_word(r, grid, sizeof grid)) return false;
   if (strcmp(grid, "one") == 0) return true;
-  int64_t items;
-  if (strcmp(grid, "threads") && strcmp(grid, "blocks")) return rule_fail(r, "threads, blocks or one is expected");
+  int64_t items, cols;
+  if (strcmp(grid, "columns") == 0) {   // columns BLOCKS COLS: the column sums' tiles
+    if (!rule_int(r, &items) || !rule_int(r, &cols)) return false;
+    c->grid = cg_cuda_column_tiles(items, cols);
+    return true;
+  }
+  if (strcmp(grid, "threads") && strcmp(grid, "blocks")) return rule_fail(r, "threads, blocks, columns or one is expected");
   if (!rule_int(r, &items)) return false;
   c->grid = grid[0] == 't' ? grid_elems(items) : grid_blocks(items);
   return true;
@@ -397,12 +402,6 @@ bool cg_lower_op(const IrOp *op, CgLaunch *l) {
   if (ir_op_info[op->kind].kernel[0]) {
     Rule r = {.s = ir_op_info[op->kind].kernel, .op = op, .sh = &sh, .nargs = op->nargs, .has_result = op->result != NULL};
     if (!lower_by_rule(&r, l)) UNREACHABLE();   // tests/unit checks every rule
-    if (op->kind == IR_OP_BIAS_GRAD || op->kind == IR_OP_EXPERT_BIAS_GRAD || op->kind == IR_OP_SCALE_GRAD_W) {
-      // column sums: a block per tile of 32 columns, or of 8 below 1024 such tiles (mk_colsum_width)
-      int64_t blocks = sh.t0->rank == 3 ? sh.t0->dim[0] : 1, cols = sh.t0->dim[sh.t0->rank - 1];
-      int64_t wide = blocks * ((cols + 31) / 32);
-      l->call[0].grid = grid_blocks(wide >= 1024 ? wide : blocks * ((cols + 7) / 8));
-    }
     return true;
   }
   return lower_in_c(op, &sh, l);
@@ -513,3 +512,8 @@ bool cg_lower(const PassMemPlan *plan, const IrFunc *f, int i, bool fuse, CgLaun
 #undef INTS
 
 int64_t cg_cuda_grid_elems(int64_t n) { return grid_elems(n); }
+
+int64_t cg_cuda_column_tiles(int64_t blocks, int64_t cols) {
+  int64_t wide = blocks * ((cols + 31) / 32);
+  return grid_blocks(wide >= 1024 ? wide : blocks * ((cols + 7) / 8));
+}

@@ -23,17 +23,6 @@ struct RtLog {
   char *path;
 };
 
-// s as a JSON string (quotes, backslashes and control characters escaped).
-static void str(FILE *f, const char *s) {
-  fputc('"', f);
-  for (; *s; s++) {
-    if (*s == '"' || *s == '\\') fprintf(f, "\\%c", *s);
-    else if ((unsigned char)*s < 0x20) fprintf(f, "\\u%04x", (unsigned char)*s);
-    else fputc(*s, f);
-  }
-  fputc('"', f);
-}
-
 RtLog *rt_log_open(const char *path, const char *model, const char *resume) {
   FILE *f = fopen(path, resume ? "a" : "w");
   if (!f) {
@@ -43,12 +32,11 @@ RtLog *rt_log_open(const char *path, const char *model, const char *resume) {
   RtLog *l = rt_calloc(1, sizeof *l, "the --log file");
   l->f = f;
   l->path = rt_strdup(path, "the --log file's name");
-  fprintf(f, "{\"run\": {\"model\": ");   // the run's header: a resumed run adds its lines after the last
-  str(f, model);
-  fprintf(f, ", \"resumed_from\": ");
-  if (resume) str(f, resume);
-  else fprintf(f, "null");
-  fprintf(f, "}}\n");
+  // The run's header: a resumed run adds its lines after the last run's.
+  char *name = rt_json_quote(model, "the --log header"), *from = resume ? rt_json_quote(resume, "the --log header") : NULL;
+  fprintf(f, "{\"run\": {\"model\": %s, \"resumed_from\": %s}}\n", name, from ? from : "null");
+  free(name);
+  free(from);
   if (fflush(f) != 0 || ferror(f)) {
     rt_fail("--log '%s': cannot write it: %s", path, strerror(errno));
     rt_log_close(l);

@@ -322,20 +322,18 @@ static int write_shard(const char *file, const RtModel *m, const RtRanks *r, int
   return status;
 }
 
-// A JSON string literal of s (quoted and escaped), malloc'ed. cJSON fails here only for want of
-// memory.
-static char *json_quote(const char *s) {
+char *rt_json_quote(const char *s, const char *what) {
   cJSON *item = cJSON_CreateString(s);
   char *text = item ? cJSON_PrintUnformatted(item) : NULL;
   cJSON_Delete(item);
   if (!text)
-    rt_out_of_memory(0, "the index of a checkpoint");
+    rt_out_of_memory(0, what);
   return text;
 }
 
 // The index: JSON text, one shard file per rank, named relative to the index's folder.
 static char *index_text(const char *path, const RtModel *m, const RtRanks *r, int64_t step) {
-  char *model = json_quote(m->name);
+  char *model = rt_json_quote(m->name, "the index of a checkpoint");
   char *text = str_printf("{\n  \"format\": \"%s\",\n  \"model\": %s,\n  "
                           "\"optimizer\": \"%s\",\n  \"step\": %lld,\n  \"world\": %d,\n  "
                           "\"layout\": {\"dp\": %d, \"mp\": %d, \"ep\": %d, \"esp\": %d},\n  "
@@ -345,7 +343,7 @@ static char *index_text(const char *path, const RtModel *m, const RtRanks *r, in
   free(model);
   for (int k = 0; k < r->world; k++) {
     char *name = shard_path(base_name(path), k, r->world);
-    char *quoted = json_quote(name);
+    char *quoted = rt_json_quote(name, "the index of a checkpoint");
     char *longer = str_printf("%s%s\n    %s", text, k ? "," : "", quoted);
     free(name);
     free(quoted);

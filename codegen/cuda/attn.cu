@@ -111,8 +111,7 @@ extern "C" __global__ void mk_attn_fwd(const float *q, const float *k, const flo
     i64 r0 = (i64)T.b * seq, at = (r0 + T.i) * qcols + (i64)T.h * d;
     const float *qi = q + at;
     float *oi = o + at, qloc[MK_ATTN_D], oloc[MK_ATTN_D];
-    bool local = d <= MK_ATTN_D;
-    if (local) {
+    if (d <= MK_ATTN_D) {
       for (int c = 0; T.active && c < d; c++) qloc[c] = qi[c];
       qi = qloc, oi = oloc;
     }

@@ -69,7 +69,7 @@ static __device__ void mk_column_sums(const float *dy, const float *x, float *db
 }
 
 // ---- mk_bias_grad ----
-// Launched with one block per tile of columns (cg_lower_op).
+// Launched with one block per tile of columns (cg_cuda_column_tiles).
 extern "C" __global__ void mk_bias_grad(const float *dy, float *db, int rows, int n) {
   mk_column_sums(dy, NULL, db, 1, rows, n);
 }
@@ -80,7 +80,7 @@ extern "C" __global__ void mk_expert_bias(const float *x, const float *b, float 
 }
 
 // ---- mk_expert_bias_grad ----
-// Launched with one block per tile of an expert's columns (cg_lower_op).
+// Launched with one block per tile of an expert's columns (cg_cuda_column_tiles).
 extern "C" __global__ void mk_expert_bias_grad(const float *dy, float *db, int e, int rows, int n) {
   mk_column_sums(dy, NULL, db, e, rows, n);
 }

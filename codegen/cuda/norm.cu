@@ -117,7 +117,7 @@ extern "C" __global__ void mk_scale_cols(const float *x, const float *w, float *
 
 // ---- mk_scale_cols_grad_w ----
 // The column sums of dy * x in double (ffn.cu's mk_column_sums), one block per tile of columns
-// (cg_lower_op), as rt_scale_cols_grad_w.
+// (cg_cuda_column_tiles), as rt_scale_cols_grad_w.
 extern "C" __global__ void mk_scale_cols_grad_w(const float *dy, const float *x, float *dw, int rows, int n) {
   mk_column_sums(dy, x, dw, 1, rows, n);
 }

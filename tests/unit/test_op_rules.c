@@ -68,7 +68,8 @@ static void test_malformed_rules_are_rejected(void **state) {
   expect_bad(cg_lower_rule_check("relu(x0, y, n, n) : threads n", 1, true, why, sizeof why), why, "more arguments");
   expect_bad(cg_lower_rule_check("relu(x1, y, n) : threads n", 1, true, why, sizeof why), why, "no such operand");
   expect_bad(cg_lower_rule_check("relu(x0, y, n)", 1, true, why, sizeof why), why, "': grid' is expected");
-  expect_bad(cg_lower_rule_check("relu(x0, y, n) : warps n", 1, true, why, sizeof why), why, "threads, blocks or one");
+  expect_bad(cg_lower_rule_check("relu(x0, y, n) : warps n", 1, true, why, sizeof why), why, "threads, blocks, columns or one");
+  expect_bad(cg_lower_rule_check("relu(x0, y, n) : columns 1", 1, true, why, sizeof why), why, "is expected");
   expect_bad(cg_lower_rule_check("relu(x0, grid, n) : one", 1, true, why, sizeof why), why, "a pointer");
   expect_bad(cg_lower_rule_check("lib blas", 1, true, why, sizeof why), why, "lib gemm");
   expect_bad(cg_lower_rule_check("sgd(x0, grad, n, @lr, @weight_decay) : one", 1, false, why, sizeof why), why,
