@@ -253,8 +253,36 @@ void rt_bias(const float *x, const float *b, float *y, int rows, int n) {
 // block's accumulators, so every column's sum is that of the one-column loop on any number of
 // threads. Narrow blocks where the columns are few (a bias of 96 columns in 6 blocks, not one
 // that leaves the other threads waiting).
+//
+// MOERT_PLANT_ORDER=1 (tests only: tests/threads.sh shows its check failing on it) plants the bug
+// this layout avoids: each column summed in float, in one piece of rows per thread, the pieces
+// then added, so that the sums' rounding depends on the number of threads.
+static bool plant_order(void) {
+  static int planted = -1;
+  if (planted < 0) planted = getenv("MOERT_PLANT_ORDER") && strcmp(getenv("MOERT_PLANT_ORDER"), "1") == 0;
+  return planted;
+}
+
+static void column_sums_planted(const float *dy, float *db, int e, int rows, int n) {
+  int pieces = rt_threads(), per = (rows + pieces - 1) / pieces;
+  for (int i = 0; i < e; i++)
+    for (int c = 0; c < n; c++) {
+      float total = 0.0f;
+      for (int p0 = 0; p0 < rows; p0 += per) {
+        float part = 0.0f;
+        for (int r = p0; r < rows && r < p0 + per; r++) part += dy[((size_t)i * rows + r) * n + c];
+        total += part;
+      }
+      db[(size_t)i * n + c] = total;
+    }
+}
+
 static void column_sums(const float *dy, float *db, int e, int rows, int n) {
   enum { WIDE = 128, NARROW = 16 };
+  if (plant_order()) {
+    column_sums_planted(dy, db, e, rows, n);
+    return;
+  }
   int block = n >= 4 * WIDE ? WIDE : NARROW, nblocks = (n + block - 1) / block, items = e * nblocks;
   RT_PARALLEL_FOR(items > 1 && (int64_t)e * rows * n >= RT_PAR_MIN)
   for (int it = 0; it < items; it++) {
