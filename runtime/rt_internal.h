@@ -407,10 +407,25 @@ int rt_vector_check(char *why, size_t size);
     else if (path == RT_VECTOR_AVX2) name##_avx2 args;                                      \
     else name##_baseline args;                                                              \
   }
+// RT_VECTOR_PATHS_P: the same, with the path passed to the body as its first parameter (a
+// constant in each copy), for a kernel whose register blocking depends on the path's width.
+#define RT_VECTOR_PATHS_P(name, params, args)                                                                 \
+  __attribute__((target("avx512f"))) static void name##_avx512 params { name##_body(RT_VECTOR_AVX512, RT_ARGS args); } \
+  __attribute__((target("avx2"))) static void name##_avx2 params { name##_body(RT_VECTOR_AVX2, RT_ARGS args); }      \
+  static void name##_baseline params { name##_body(RT_VECTOR_BASELINE, RT_ARGS args); }                             \
+  static void name params {                                                                                       \
+    RtVectorPath path = rt_vector_path();                                                                         \
+    if (path == RT_VECTOR_AVX512) name##_avx512 args;                                                             \
+    else if (path == RT_VECTOR_AVX2) name##_avx2 args;                                                            \
+    else name##_baseline args;                                                                                    \
+  }
 #else
 #define RT_VECTOR_PATHS(name, params, args) \
   static void name params { name##_body args; }
+#define RT_VECTOR_PATHS_P(name, params, args) \
+  static void name params { name##_body(RT_VECTOR_BASELINE, RT_ARGS args); }
 #endif
+#define RT_ARGS(...) __VA_ARGS__   // (a, b) -> a, b
 
 // exp(x) for the kernels' activations, from +, -, * and the exponent's bits, so that loops of it
 // vectorise: x = n ln2 + r (n rounded by the 1.5 * 2^23 trick, ln2 in two parts), e^r by its

@@ -77,41 +77,55 @@ static float *transpose_heads(const float *x, int rows, int seq, int nh, int d) 
 }
 
 // The helpers below are inlined into the per-tile functions, which are compiled for AVX-512, AVX2
-// and the baseline (RT_VECTOR_PATHS): same bits either way.
+// and the baseline (RT_VECTOR_PATHS_P): same bits either way.
 #define ATTN_INLINE static inline __attribute__((always_inline))
 
 
-// W floats as one value (GCC's vector extension: one AVX-512 register, two AVX2 ones, four SSE
-// ones), and W / 2 floats, so that a tile's sums stay in registers; + and * on them round as the
-// scalar ones. VLOAD(v, p) reads one from p (any alignment).
+// A block of W floats is held in registers as one vector of GCC's vector extension where the
+// path's registers are that wide (AVX-512), else as two of W / 2 (AVX2: one ymm each; the
+// baseline's SSE2 splits them further). GCC lowers a vector wider than the path's registers
+// through the stack (the AVX2 copy of one 16-float vector ran at a fifth of its speed), so the
+// blocking follows the path, passed to the bodies as a constant (RT_VECTOR_PATHS_P). Each lane is
+// its own column's sum either way: + and * on the vectors round as the scalar ones, the same
+// bits on every path. VLOAD(v, p) reads one from p (any alignment).
 typedef float vfloat __attribute__((vector_size(W * sizeof(float))));
 typedef float vhalf __attribute__((vector_size(W / 2 * sizeof(float))));
 #define VLOAD(v, p) memcpy(&(v), (p), sizeof(v))
+#define VSTORE(p, v) memcpy((p), &(v), sizeof(v))
 
 // out[k * ostride + t] = dot(a[k], column t of xt) for the rows k < TILE and t < n, columns
 // [d][seq] (a * x per term, c ascending, from 0), in blocks of W columns: the last block also
 // writes out[k * ostride + t] for t up to n rounded up to W, from what xt holds past column n (a
 // row of columns runs into the next one; the buffer has W floats of padding at its end). Rows
-// past the caller's count repeat its last one (computed and not used).
-ATTN_INLINE void dots_tile(const float *const a[TILE], const float *xt, int seq, int n, int d, float *out,
-                           int ostride) {
-  for (int t0 = 0; t0 < n; t0 += W) {   // the last block's lanes past n read on (padding), unused
-    vfloat s0 = {0}, s1 = {0}, s2 = {0}, s3 = {0};
-    const float *a0 = a[0], *a1 = a[1], *a2 = a[2], *a3 = a[3];
-    for (int c = 0; c < d; c++) {
-      vfloat x;
-      VLOAD(x, xt + (size_t)c * seq + t0);
-      s0 += a0[c] * x;
-      s1 += a1[c] * x;
-      s2 += a2[c] * x;
-      s3 += a3[c] * x;
-    }
-    memcpy(out + t0, &s0, sizeof s0);
-    memcpy(out + (size_t)ostride + t0, &s1, sizeof s1);
-    memcpy(out + (size_t)2 * ostride + t0, &s2, sizeof s2);
-    memcpy(out + (size_t)3 * ostride + t0, &s3, sizeof s3);
+// past the caller's count repeat its last one (computed and not used). T, NV: a block as NV
+// vectors of type T (1 vfloat or 2 vhalf).
+#define DOTS_BLOCKS(T, NV)                                                                         \
+  for (int t0 = 0; t0 < n; t0 += W) { /* the last block's lanes past n read on (padding) */      \
+    enum { H = W / NV };                                                                           \
+    T s0 = {0}, s1 = {0}, s2 = {0}, s3 = {0}, u0 = {0}, u1 = {0}, u2 = {0}, u3 = {0};              \
+    const float *a0 = a[0], *a1 = a[1], *a2 = a[2], *a3 = a[3];                                    \
+    for (int c = 0; c < d; c++) {                                                                  \
+      T x, y = {0};                                                                                \
+      VLOAD(x, xt + (size_t)c * seq + t0);                                                         \
+      s0 += a0[c] * x, s1 += a1[c] * x, s2 += a2[c] * x, s3 += a3[c] * x;                          \
+      if (NV == 2) {                                                                               \
+        VLOAD(y, xt + (size_t)c * seq + t0 + H);                                                   \
+        u0 += a0[c] * y, u1 += a1[c] * y, u2 += a2[c] * y, u3 += a3[c] * y;                        \
+      }                                                                                            \
+    }                                                                                              \
+    VSTORE(out + t0, s0), VSTORE(out + (size_t)ostride + t0, s1);                                  \
+    VSTORE(out + (size_t)2 * ostride + t0, s2), VSTORE(out + (size_t)3 * ostride + t0, s3);        \
+    if (NV == 2) {                                                                                 \
+      VSTORE(out + t0 + H, u0), VSTORE(out + (size_t)ostride + t0 + H, u1);                        \
+      VSTORE(out + (size_t)2 * ostride + t0 + H, u2), VSTORE(out + (size_t)3 * ostride + t0 + H, u3); \
+    }                                                                                              \
   }
+ATTN_INLINE void dots_tile(RtVectorPath path, const float *const a[TILE], const float *xt, int seq, int n, int d,
+                           float *out, int ostride) {
+  if (path == RT_VECTOR_AVX512) DOTS_BLOCKS(vfloat, 1)
+  else DOTS_BLOCKS(vhalf, 2)
 }
+#undef DOTS_BLOCKS
 
 // p[t] = rt_exp(s[t] * scale - sub[t * sub_step]) for t < n (sub_step 0: one value for all).
 ATTN_INLINE void scaled_exps(const float *s, float scale, const float *sub, int sub_step, int n, float *p) {
@@ -123,8 +137,9 @@ RT_SIMD
 // j = first[k] .. last[k] of x (stride xs) that row k takes, j ascending, for the rows k < nr;
 // y[k] starts from 0 (zero) or from what it holds. The TILE rows share the loads of x's rows.
 // Rows past nr repeat row nr - 1's pointers and take nothing.
-ATTN_INLINE void wsum_tile(const float *const w[TILE], const int first[TILE], const int last[TILE], int nr,
-                           const float *x, size_t xs, float *const y[TILE], int d, bool zero) {
+ATTN_INLINE void wsum_tile(RtVectorPath path, const float *const w[TILE], const int first[TILE],
+                           const int last[TILE], int nr, const float *x, size_t xs, float *const y[TILE], int d,
+                           bool zero) {
   int lo = first[0], hi = last[0], f[TILE], e[TILE], all_f = first[0], all_e = last[0];
   for (int k = 0; k < TILE; k++) {
     f[k] = k < nr ? first[k] : 1;   // an empty range
@@ -138,37 +153,53 @@ ATTN_INLINE void wsum_tile(const float *const w[TILE], const int first[TILE], co
     all_e = e[k] < all_e ? e[k] : all_e;
   }
   int c0 = 0;
-  // One block of columns c0 .. c0 + sizeof(T) / 4 - 1 of the TILE rows in registers of type T.
-#define WSUM_BLOCK(T)                                                                              \
+  // One block of columns c0 .. c0 + NV * lanes(T) - 1 of the TILE rows in NV (1 or 2) registers
+  // of type T each.
+#define WSUM_BLOCK(T, NV)                                                                          \
   do {                                                                                             \
-    T y0 = {0}, y1 = {0}, y2 = {0}, y3 = {0}, xj;                                                  \
+    enum { H = (int)(sizeof(T) / sizeof(float)) };                                                 \
+    T y0 = {0}, y1 = {0}, y2 = {0}, y3 = {0}, z0 = {0}, z1 = {0}, z2 = {0}, z3 = {0}, xj, xh = {0}; \
     if (!zero) {                                                                                   \
       VLOAD(y0, y[0] + c0), VLOAD(y1, y[1] + c0), VLOAD(y2, y[2] + c0), VLOAD(y3, y[3] + c0);      \
+      if (NV == 2)                                                                                 \
+        VLOAD(z0, y[0] + c0 + H), VLOAD(z1, y[1] + c0 + H), VLOAD(z2, y[2] + c0 + H), VLOAD(z3, y[3] + c0 + H); \
     }                                                                                              \
     for (int j = lo; j <= hi; j++) {                                                               \
       if (j >= all_f && j <= all_e) { /* every row takes rows all_f .. all_e of x */               \
         for (; j <= all_e; j++) {                                                                  \
-          VLOAD(xj, x + (size_t)j * xs + c0);                                                      \
-          y0 += w[0][j - f[0]] * xj;                                                               \
-          y1 += w[1][j - f[1]] * xj;                                                               \
-          y2 += w[2][j - f[2]] * xj;                                                               \
-          y3 += w[3][j - f[3]] * xj;                                                               \
+          const float *xr = x + (size_t)j * xs + c0;                                               \
+          float w0 = w[0][j - f[0]], w1 = w[1][j - f[1]], w2 = w[2][j - f[2]], w3 = w[3][j - f[3]]; \
+          VLOAD(xj, xr);                                                                           \
+          y0 += w0 * xj, y1 += w1 * xj, y2 += w2 * xj, y3 += w3 * xj;                              \
+          if (NV == 2) {                                                                           \
+            VLOAD(xh, xr + H);                                                                     \
+            z0 += w0 * xh, z1 += w1 * xh, z2 += w2 * xh, z3 += w3 * xh;                            \
+          }                                                                                        \
         }                                                                                          \
         j--;                                                                                       \
         continue;                                                                                  \
       }                                                                                            \
-      VLOAD(xj, x + (size_t)j * xs + c0);                                                          \
-      if (j >= f[0] && j <= e[0]) y0 += w[0][j - f[0]] * xj;                                       \
-      if (j >= f[1] && j <= e[1]) y1 += w[1][j - f[1]] * xj;                                       \
-      if (j >= f[2] && j <= e[2]) y2 += w[2][j - f[2]] * xj;                                       \
-      if (j >= f[3] && j <= e[3]) y3 += w[3][j - f[3]] * xj;                                       \
+      const float *xr = x + (size_t)j * xs + c0;                                                   \
+      VLOAD(xj, xr);                                                                               \
+      if (NV == 2) VLOAD(xh, xr + H);                                                              \
+      if (j >= f[0] && j <= e[0]) y0 += w[0][j - f[0]] * xj, z0 += w[0][j - f[0]] * xh;            \
+      if (j >= f[1] && j <= e[1]) y1 += w[1][j - f[1]] * xj, z1 += w[1][j - f[1]] * xh;            \
+      if (j >= f[2] && j <= e[2]) y2 += w[2][j - f[2]] * xj, z2 += w[2][j - f[2]] * xh;            \
+      if (j >= f[3] && j <= e[3]) y3 += w[3][j - f[3]] * xj, z3 += w[3][j - f[3]] * xh;            \
     }                                                                                              \
-    T *all[TILE] = {&y0, &y1, &y2, &y3};                                                           \
-    for (int k = 0; k < nr; k++) memcpy(y[k] + c0, all[k], sizeof y0);                             \
-    c0 += (int)(sizeof(T) / sizeof(float));                                                        \
+    T *all[TILE] = {&y0, &y1, &y2, &y3}, *all_z[TILE] = {&z0, &z1, &z2, &z3};                      \
+    for (int k = 0; k < nr; k++) {                                                                 \
+      memcpy(y[k] + c0, all[k], sizeof y0);                                                        \
+      if (NV == 2) memcpy(y[k] + c0 + H, all_z[k], sizeof z0);                                     \
+    }                                                                                              \
+    c0 += NV * H;                                                                                  \
   } while (0)
-  while (c0 + W <= d) WSUM_BLOCK(vfloat);
-  if (c0 + W / 2 <= d) WSUM_BLOCK(vhalf);
+  if (path == RT_VECTOR_AVX512) {
+    while (c0 + W <= d) WSUM_BLOCK(vfloat, 1);
+  } else {
+    while (c0 + W <= d) WSUM_BLOCK(vhalf, 2);
+  }
+  if (c0 + W / 2 <= d) WSUM_BLOCK(vhalf, 1);
 #undef WSUM_BLOCK
   if (c0 < d) {
     int cw = d - c0;
@@ -221,10 +252,10 @@ static QTile query_tile(const float *q, int b, int i0, int nr, int h, int seq, i
 }
 
 // The scores of a query tile against its keys: row k's at s + k * ss, from its first key.
-ATTN_INLINE void tile_scores(const QTile *t, const float *const a[TILE], const float *xt, int seq, int d, float *s,
+ATTN_INLINE void tile_scores(RtVectorPath path, const QTile *t, const float *const a[TILE], const float *xt, int seq, int d, float *s,
                              int ss) {
   int lo = t->first[0], n = t->last[t->nr - 1] - lo + 1;
-  dots_tile(a, xt + lo, seq, n, d, s, ss);
+  dots_tile(path, a, xt + lo, seq, n, d, s, ss);
   for (int k = 1; k < t->nr; k++)   // row k's scores start at its first key
     if (t->first[k] > lo) memmove(s + (size_t)k * ss, s + (size_t)k * ss + (t->first[k] - lo),
                                   (size_t)(t->last[k] - t->first[k] + 1) * sizeof *s);
@@ -232,23 +263,23 @@ ATTN_INLINE void tile_scores(const QTile *t, const float *const a[TILE], const f
 
 // The outputs of a query tile for one head: kt the key head's columns of the sample, v0 the
 // head's value row of the sample's key 0 (stride kcols), o0 the output of row i0 (stride qcols).
-RT_VECTOR_BODY void fwd_tile_body(const QTile *t, const float *kt, const float *v0, float *o0, int seq, int d,
+RT_VECTOR_BODY void fwd_tile_body(RtVectorPath path, const QTile *t, const float *kt, const float *v0, float *o0, int seq, int d,
                                   int kcols, int qcols, float scale, float *s, int ss) {
   float *p[TILE], *y[TILE], l[TILE];
-  tile_scores(t, t->q, kt, seq, d, s, ss);
+  tile_scores(path, t, t->q, kt, seq, d, s, ss);
   for (int k = 0; k < TILE; k++) {
     p[k] = s + (size_t)(k < t->nr ? k : 0) * ss;
     y[k] = o0 + (size_t)(k < t->nr ? k : 0) * qcols;
   }
   for (int k = 0; k < t->nr; k++) row_softmax(p[k], t->last[k] - t->first[k] + 1, scale, p[k], &l[k]);
-  wsum_tile((const float *const *)p, t->first, t->last, t->nr, v0, kcols, y, d, true);
+  wsum_tile(path, (const float *const *)p, t->first, t->last, t->nr, v0, kcols, y, d, true);
   for (int k = 0; k < t->nr; k++) {
     float *yk = y[k], lk = l[k];
 RT_SIMD
     for (int c = 0; c < d; c++) yk[c] /= lk;
   }
 }
-RT_VECTOR_PATHS(fwd_tile, (const QTile *t, const float *kt, const float *v0, float *o0, int seq, int d, int kcols,
+RT_VECTOR_PATHS_P(fwd_tile, (const QTile *t, const float *kt, const float *v0, float *o0, int seq, int d, int kcols,
                            int qcols, float scale, float *s, int ss),
                 (t, kt, v0, o0, seq, d, kcols, qcols, scale, s, ss))
 
@@ -281,16 +312,16 @@ void rt_attn_fwd(const float *q, const float *k, const float *v, float *o, int r
   free(scratch);
 }
 
-RT_VECTOR_BODY void lse_tile_body(const QTile *t, const float *kt, float *lse, int seq, int d, float scale, float *s,
+RT_VECTOR_BODY void lse_tile_body(RtVectorPath path, const QTile *t, const float *kt, float *lse, int seq, int d, float scale, float *s,
                                   int ss, int lse_stride) {
-  tile_scores(t, t->q, kt, seq, d, s, ss);
+  tile_scores(path, t, t->q, kt, seq, d, s, ss);
   for (int k = 0; k < t->nr; k++) {
     float l, *row = s + (size_t)k * ss;
     float m = row_softmax(row, t->last[k] - t->first[k] + 1, scale, row, &l);
     lse[(size_t)k * lse_stride] = m + logf(l);
   }
 }
-RT_VECTOR_PATHS(lse_tile, (const QTile *t, const float *kt, float *lse, int seq, int d, float scale, float *s, int ss,
+RT_VECTOR_PATHS_P(lse_tile, (const QTile *t, const float *kt, float *lse, int seq, int d, float scale, float *s, int ss,
                            int lse_stride),
                 (t, kt, lse, seq, d, scale, s, ss, lse_stride))
 
@@ -320,7 +351,7 @@ void rt_attn_stats(const float *dy, const float *q, const float *k, const float 
 // dq of a query tile for one head: kt, vt its key head's columns of k and v (the sample's),
 // k0 the head's key row of the sample's key 0 (stride kcols), dq0 row i0's dq (stride width);
 // lse, D the rows' stats (stride 2 heads).
-RT_VECTOR_BODY void grad_q_tile_body(const QTile *t, const float *dy0, const float *kt, const float *vt,
+RT_VECTOR_BODY void grad_q_tile_body(RtVectorPath path, const QTile *t, const float *dy0, const float *kt, const float *vt,
                                      const float *k0, const float *lse, const float *D, float *dq0, int seq,
                                      int d, int kcols, int qcols, int width, int stats_stride, float scale,
                                      float *s, float *u, int ss) {
@@ -332,8 +363,8 @@ RT_VECTOR_BODY void grad_q_tile_body(const QTile *t, const float *dy0, const flo
     w[k] = s + (size_t)kk * ss;
     y[k] = dq0 + (size_t)kk * width;
   }
-  tile_scores(t, t->q, kt, seq, d, s, ss);
-  tile_scores(t, dy, vt, seq, d, u, ss);
+  tile_scores(path, t, t->q, kt, seq, d, s, ss);
+  tile_scores(path, t, dy, vt, seq, d, u, ss);
   for (int k = 0; k < t->nr; k++) {
     int n = t->last[k] - t->first[k] + 1;
     float *sk = s + (size_t)k * ss, *uk = u + (size_t)k * ss, Dk = D[(size_t)k * stats_stride];
@@ -341,14 +372,14 @@ RT_VECTOR_BODY void grad_q_tile_body(const QTile *t, const float *dy0, const flo
 RT_SIMD
     for (int x = 0; x < n; x++) sk[x] = sk[x] * (uk[x] - Dk);
   }
-  wsum_tile((const float *const *)w, t->first, t->last, t->nr, k0, kcols, y, d, true);
+  wsum_tile(path, (const float *const *)w, t->first, t->last, t->nr, k0, kcols, y, d, true);
   for (int k = 0; k < t->nr; k++) {
     float *yk = y[k];
 RT_SIMD
     for (int c = 0; c < d; c++) yk[c] *= scale;
   }
 }
-RT_VECTOR_PATHS(grad_q_tile, (const QTile *t, const float *dy0, const float *kt, const float *vt, const float *k0,
+RT_VECTOR_PATHS_P(grad_q_tile, (const QTile *t, const float *dy0, const float *kt, const float *vt, const float *k0,
                               const float *lse, const float *D, float *dq0, int seq, int d, int kcols, int qcols,
                               int width, int stats_stride, float scale, float *s, float *u, int ss),
                 (t, dy0, kt, vt, k0, lse, D, dq0, seq, d, kcols, qcols, width, stats_stride, scale, s, u, ss))
@@ -384,7 +415,7 @@ void rt_attn_grad_q(const float *dy, const float *q, const float *k, const float
 // the kv head; stride kcols), qt, dyt the query head's columns of q and dO (the sample's), q0,
 // dy0 the head's row of the sample's query 0 (stride qcols), lse, D the sample's stats of the
 // head (stride stats_stride), dk0, dv0 the tile's first dk, dv (stride width), accumulated.
-RT_VECTOR_BODY void grad_kv_tile_body(int nr, const int first[TILE], const int last[TILE], const float *kr,
+RT_VECTOR_BODY void grad_kv_tile_body(RtVectorPath path, int nr, const int first[TILE], const int last[TILE], const float *kr,
                                       const float *vr, const float *qt, const float *dyt, const float *q0,
                                       const float *dy0, const float *lse, const float *D, int stats_stride,
                                       float *dk0, float *dv0, int seq, int d, int kcols, int qcols, int width,
@@ -401,8 +432,8 @@ RT_VECTOR_BODY void grad_kv_tile_body(int nr, const int first[TILE], const int l
     dv[k] = dv0 + (size_t)kk * width;
   }
   int lo = first[0], n = last[nr - 1] - lo + 1;
-  dots_tile(ka, qt + lo, seq, n, d, s, ss);
-  dots_tile(va, dyt + lo, seq, n, d, u, ss);
+  dots_tile(path, ka, qt + lo, seq, n, d, s, ss);
+  dots_tile(path, va, dyt + lo, seq, n, d, u, ss);
   for (int k = 0; k < nr; k++) {
     int off = first[k] - lo, m = last[k] - first[k] + 1;
     float *sk = s + (size_t)k * ss + off, *uk = u + (size_t)k * ss + off;
@@ -416,10 +447,10 @@ RT_SIMD
     p[k] += off;   // from the key's first query on
     w[k] += off;
   }
-  wsum_tile((const float *const *)w, first, last, nr, q0, qcols, dk, d, false);
-  wsum_tile((const float *const *)p, first, last, nr, dy0, qcols, dv, d, false);
+  wsum_tile(path, (const float *const *)w, first, last, nr, q0, qcols, dk, d, false);
+  wsum_tile(path, (const float *const *)p, first, last, nr, dy0, qcols, dv, d, false);
 }
-RT_VECTOR_PATHS(grad_kv_tile, (int nr, const int first[TILE], const int last[TILE], const float *kr, const float *vr,
+RT_VECTOR_PATHS_P(grad_kv_tile, (int nr, const int first[TILE], const int last[TILE], const float *kr, const float *vr,
                                const float *qt, const float *dyt, const float *q0, const float *dy0, const float *lse,
                                const float *D, int stats_stride, float *dk0, float *dv0, int seq, int d, int kcols,
                                int qcols, int width, float scale, float *s, float *u, int ss),
