@@ -17,6 +17,7 @@
 #          expert's worst-case buffer about half empty): the expert GEMMs and GELU gradient over
 #          the filled slots (the default) beside the same binary computing every slot
 #          (MOERT_ALL_SLOTS=1), the speed-up and both runs' losses (the same to 1e-5).
+# BENCH_CPU="layer t4 lm dropless" (the default: all) runs only the parts named.
 # PyTorch comes from build/torch-venv (created here with pip when missing: PyPI's torch, whose
 # Linux wheel brings NVIDIA's libraries, ~3 GB; it runs on the CPU here); without it (no network,
 # no pip) the PyTorch column says so and the moec side still runs.
@@ -47,11 +48,13 @@ moec_step() {
   sed -n 's/^# profile: .*median whole step \([0-9.]*\) ms.*GEMM \([0-9.]*\) %.*/\1 \2/p' "$WORK/$1.out"
 }
 
+want() { case " ${BENCH_CPU:-layer t4 lm dropless} " in *" $1 "*) return 0 ;; *) return 1 ;; esac; }
 echo "# moec beside PyTorch eager on the CPU: $(nproc) cores, $(grep -m1 'model name' /proc/cpuinfo | cut -d: -f2 | sed 's/^ *//')"
 echo "# moec: median whole training step of steps 2..$STEPS (data, forward, backward, adamw update), GEMM share"
 echo "# PyTorch: forward + backward of the same layer (autograd, median of 10 runs), its expert GEMMs alone"
 printf '%-10s %-26s %12s %8s %14s %12s %14s\n' case shape "moec ms" "GEMM %" "PyTorch ms" "torch GEMM" "moec/PyTorch"
 status=0
+if want layer; then
 # The layer: moec and PyTorch in turn, three runs each (the machine's speed drifts); the medians.
 : >"$WORK/layer.ms"; : >"$WORK/torch.ms"
 for run in 1 2 3; do
@@ -77,6 +80,8 @@ if read -r ms gemm < <(sort -n "$WORK/layer.ms" | sed -n 2p) && [ -n "${gemm:-}"
 else
   echo "layer: moec failed"; status=1
 fi
+fi
+if want t4; then
 # Table 4 shapes (DESIGN §6) on the CPU: its smallest, (B 1, L 512, M 1024, hscale 2), as it is,
 # and two larger ones with L cut to 512 (scaled down to fit this machine's time), each with both
 # ffns, 8 experts, gshard top-2, capacity 1.2 (f = 2.4), tutel: moec's step beside torch_ref's
@@ -120,6 +125,8 @@ for shape in 1x512x1024x2 2x512x1024x4 1x512x2048x3; do
     printf '%-10s %-26s %12.1f %8.1f %14s %12s %14s\n' "t4 $ffn" "B$b L$l M$m H$((m * h)) E8 k2" "$ms" "$gemm" "$tms" "$tgemm" "$ratio"
   done
 done
+fi
+if want lm; then
 # The language models (issue 28), three sizes: moec's whole step beside bench/torch_lm.py's (the
 # same model in PyTorch: forward, backward, clip, AdamW), medians of their steps; the two run in
 # turn three times (demo, mid) or once (large) and the medians of the runs are compared. GEMM %: moec's --profile share of the step in GEMM calls; wait %:
@@ -173,6 +180,8 @@ for size in demo mid large; do
   printf '%-10s %-26s %12.1f %8.1f %14s %12s %14s   wait %s %%  (runs: moec %s; PyTorch %s)\n' "lm $size" "$shape" "$ms" "$gemm" "$tms" "-" "$ratio" "$wait" \
     "$(paste -sd' ' "$WORK/lm.ms")" "$(paste -sd' ' "$WORK/tlm.ms")"
 done
+fi
+if want dropless; then
 # Dropless: filled slots only (A) against every slot of the worst-case buffers (B), same binary,
 # run in turn A B A B A B (the machine's speed drifts): the medians of the three runs' medians.
 : >"$WORK/a.ms"; : >"$WORK/b.ms"
@@ -191,6 +200,7 @@ if read -r ms_a gemm_a < <(sort -n "$WORK/a.ms" | sed -n 2p) && [ -n "${gemm_a:-
   [ "$same" = same ] || status=1
 else
   echo "dropless: moec failed"; status=1
+fi
 fi
 [ $status -eq 0 ] && echo OK || echo FAILED
 exit $status

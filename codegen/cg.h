@@ -52,6 +52,9 @@ bool cg_emit_cuda_host(IrDiag *d, FILE *out, const IrModule *m, const PassMemPla
 // JIT-compile. Results are malloc'd; false with a diagnostic holding NVRTC's program log.
 bool cg_nvrtc_compile(IrDiag *d, const char *src, const char *arch, void **cubin, size_t *size);
 bool cg_nvrtc_ptx(IrDiag *d, const char *src, const char *arch, char **ptx, size_t *size);
+// Both from one compilation (what moec build embeds): the CUBIN for arch and its PTX.
+bool cg_nvrtc_images(IrDiag *d, const char *src, const char *arch, void **cubin, size_t *cubin_size, char **ptx,
+                     size_t *ptx_size);
 
 // ---- targets ----
 // A target is a struct of what a build needs from it, chosen by --target NAME (moec's table in

@@ -96,3 +96,33 @@ bool cg_nvrtc_compile(IrDiag *d, const char *src, const char *arch, void **cubin
 bool cg_nvrtc_ptx(IrDiag *d, const char *src, const char *arch, char **ptx, size_t *size) {
   return compile_image(d, src, arch, true, ptx, size);
 }
+
+// Both images from one compilation for sm_NN: NVRTC keeps the PTX it generated on the way to the
+// CUBIN, the same text a compilation for compute_NN gives (compared on every model's unit), so the
+// source goes through NVRTC once instead of twice.
+bool cg_nvrtc_images(IrDiag *d, const char *src, const char *arch, void **cubin, size_t *cubin_size, char **ptx,
+                     size_t *ptx_size) {
+  *cubin = NULL, *ptx = NULL;
+  *cubin_size = *ptx_size = 0;
+  nvrtcProgram prog = compile(d, src, arch, false);
+  if (!prog) return false;
+  char *c = NULL, *p = NULL;
+  size_t nc = 0, np = 0;
+  NVRTC_CHECK(d, prog, nvrtcGetCUBINSize(prog, &nc));
+  NVRTC_CHECK(d, prog, nvrtcGetPTXSize(prog, &np));
+  if (!(c = malloc(nc ? nc : 1)) || !(p = malloc(np ? np : 1))) {
+    ir_error(d, "out of memory for %zu bytes of CUBIN and %zu of PTX", nc, np);
+    goto fail;
+  }
+  NVRTC_CHECK(d, prog, nvrtcGetCUBIN(prog, c));
+  NVRTC_CHECK(d, prog, nvrtcGetPTX(prog, p));
+  nvrtcDestroyProgram(&prog);
+  *cubin = c, *ptx = p;
+  *cubin_size = nc, *ptx_size = np;
+  return true;
+fail:
+  free(c);
+  free(p);
+  nvrtcDestroyProgram(&prog);
+  return false;
+}

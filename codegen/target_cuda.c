@@ -30,7 +30,7 @@ static bool cuda_images(IrDiag *d, const IrModule *m, const PassMemPlan *plan, c
   if (fclose(f) != 0) ok = ir_oom(d);
   void *cubin = NULL;
   char *ptx = NULL;
-  ok = ok && cg_nvrtc_compile(d, src, arch, &cubin, &img->cubin_size) && cg_nvrtc_ptx(d, src, arch, &ptx, &img->ptx_size);
+  ok = ok && cg_nvrtc_images(d, src, arch, &cubin, &img->cubin_size, &ptx, &img->ptx_size);
   free(src);
   img->arch = arch;
   img->cubin = cubin;

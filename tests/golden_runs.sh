@@ -29,7 +29,8 @@ if ! grep -q '\bavx2\b' /proc/cpuinfo; then echo "skip  golden runs: the CPU has
 targets="cpu"
 [ -f "$BUILD/cuda/libfake_cuda.a" ] && targets="cpu cuda"
 
-# one_run NAME MODEL TARGET: prints "NAME TARGET P LOSSES-AND-DUMP-SHA" or fails with why.
+# one_run NAME MODEL TARGET: prints "NAME TARGET P LOSSES-AND-DUMP-SHA" or fails with why. The
+# runs go side by side (spawn, tests/lib.sh), each with files of its own name.
 one_run() {
   local name=$1 model=$2 target=$3 bin=$WORK/$1.$3 np=1 out
   if [ "$target" = cuda ]; then
@@ -38,25 +39,38 @@ one_run() {
     "$MOEC" build "$model" -o "$bin" 2>"$bin.err" || { echo "build: $(head -c 1000 "$bin.err")"; return 1; }
   fi
   # One rank first; a layout that needs more says how many, and runs again under mpirun.
-  local dir=$WORK/$1.$3.dump
-  if ! (cd "$WORK" && timeout 120 "$bin" --steps 3 --dump "$dir" >"$bin.out" 2>&1 </dev/null); then
+  local dir=$WORK/$1.$3.dump at=$WORK/$1.$3.cwd   # a folder of its own to run in (record files)
+  mkdir -p "$at"
+  if ! (cd "$at" && timeout 120 "$bin" --steps 3 --dump "$dir" >"$bin.out" 2>&1 </dev/null); then
     np=$(grep -o 'needs [0-9]* ranks' "$bin.out" | awk '{print $2}')
     [ -n "$np" ] || { echo "run: $(tail -n 5 "$bin.out")"; return 1; }
     rm -rf "$dir"
-    (cd "$WORK" && timeout 120 $MPIRUN -x OPENBLAS_NUM_THREADS -x OPENBLAS_CORETYPE -np "$np" "$bin" --steps 3 --dump "$dir" >"$bin.out" 2>&1 </dev/null) ||
+    (cd "$at" && timeout 120 $MPIRUN -x OPENBLAS_NUM_THREADS -x OPENBLAS_CORETYPE -np "$np" "$bin" --steps 3 --dump "$dir" >"$bin.out" 2>&1 </dev/null) ||
       { echo "mpirun -np $np: $(tail -n 5 "$bin.out")"; return 1; }
   fi
   out=$(grep '^step' "$bin.out" | sed 's/  time .*//'; (cd "$dir" && find . -type f | LC_ALL=C sort | xargs sha256sum))
   echo "$name $target np=$np $(printf '%s\n' "$out" | sha256sum | cut -c1-16) $(grep '^step' "$bin.out" | awk '{printf "%s%s", (NR > 1 ? "," : ""), $4}')"
 }
+# golden_job NAME MODEL TARGET: "run LINE" or "fail WHY" (one line).
+golden_job() {
+  local line
+  if line=$(one_run "$@"); then echo "run $line"; else echo "fail $(echo "$line" | tr '\n' ' ')"; fi
+}
 
-: >"$WORK/runs"; : >"$WORK/fails"
+ids=()
 for model in lang/models/*.moe tests/models/*.moe tests/golden/*.moe; do
   name=$(echo "${model%.moe}" | tr / _)
   for target in $targets; do
-    if line=$(one_run "$name" "$model" "$target"); then echo "$line" >>"$WORK/runs"
-    else echo "FAIL  golden run $name $target: $line" | tee -a "$WORK/fails"; fi
+    spawn "$name.$target" golden_job "$name" "$model" "$target"
+    ids+=("$name.$target")
   done
+done
+wait
+: >"$WORK/runs"; : >"$WORK/fails"
+for id in "${ids[@]}"; do
+  read -r kind line <"$WORK/jobs/$id"
+  if [ "$kind" = run ]; then echo "$line" >>"$WORK/runs"
+  else echo "FAIL  golden run ${id%.*} ${id##*.}: $line" | tee -a "$WORK/fails"; fi
 done
 if [ $record = 1 ]; then
   { echo "# model target ranks sha256(losses, dump files) losses -- tests/golden_runs.sh --record"; cat "$WORK/runs"; } >"$GOLDEN"

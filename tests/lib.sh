@@ -26,3 +26,29 @@ blas_libs() {
   libs=$(sed -n 's/^BLAS_LIBS := //p' "$BUILD/config.mk" 2>/dev/null)
   echo "${libs:--lopenblas}"
 }
+
+# Checks side by side (the suites' independent builds and runs; each job one core, mostly):
+# `spawn ID CMD ARGS...` runs CMD (a function or program) in the background with its output in
+# $WORK/jobs/ID, at most TEST_JOBS at a time (default: the cores); `collect ID...` waits for them
+# all and prints each job's output in the order given, counting its ok and FAIL lines as this
+# shell's (a job reports by its lines; its exit status is not looked at). A job must not share
+# files with another: each writes under a folder or names of its own.
+TEST_JOBS=${TEST_JOBS:-$(nproc 2>/dev/null || echo 1)}
+spawn() {
+  local id=$1
+  shift
+  mkdir -p "$WORK/jobs"
+  while [ "$(jobs -rp | wc -l)" -ge "$TEST_JOBS" ]; do wait -n; done
+  ("$@") >"$WORK/jobs/$id" 2>&1 </dev/null &
+}
+collect() {
+  wait
+  local id n
+  for id in "$@"; do
+    [ -f "$WORK/jobs/$id" ] || { bad "job $id: no output"; continue; }
+    cat "$WORK/jobs/$id"
+    n=$(grep -c '^FAIL  ' "$WORK/jobs/$id")
+    [ "$n" -gt 0 ] && failed=1 nfailed=$((nfailed + n))
+    passed=$((passed + $(grep -c '^ok    ' "$WORK/jobs/$id")))
+  done
+}

@@ -112,7 +112,8 @@ for entry in $MODELS; do
 done
 wait
 
-# compare LABEL NAME P: both programs 3 steps with --dump of the first; losses and dumps.
+# compare LABEL NAME P: both programs 3 steps with --dump of the first; losses and dumps. The
+# comparisons and the matrix's run side by side (spawn, tests/lib.sh; each its own files).
 compare() {
   local label=$1 name=$2 np=$3 why
   if [ "$(cat "$WORK/$name.built" 2>/dev/null)" != 0 ]; then bad "cuda host $label: build" "$(cat "$WORK/$name.build")"; return; fi
@@ -134,42 +135,49 @@ compare() {
   fi
 }
 
-compare "tiny (gshard k2, tutel, gpt gelu)" tiny 1
-compare "switch (k1, relu)" switch 1
-compare "mixtral (SwiGLU)" mixtral 1
-compare "expert_choice" expert_choice 1
-compare "xmoe (cosine router)" xmoe 1
-compare "softmoe" softmoe 1
-compare "gpt2_moe (4 layers, hooks)" gpt2_moe 1
-compare "dense (gshard order)" dense 1
-compare "sched on 4 ranks (fsmoe streams, EP, ESP, chunks)" sched 4
-compare "parallel on 4 ranks (dp, mp, ep, esp, 2dh)" parallel 4
-compare "GPT-style language model (attention, layernorm, tied head, k 2 drops, a dense layer)" lm_gpt 1
-compare "Llama-style language model (rope, GQA, rmsnorm, untied head, mixtral k 1)" lm_llama 1
-compare "GPT-style language model on 4 ranks (dp2, mp2 by heads, ep4)" lm_mp 4
-compare "Qwen-style language model (bias qkv, head_dim 6 and 10, renormalize false, top-1 renormalised)" lm_qwen 1
-compare "Qwen-style language model on 2 ranks (mp2 by heads of head_dim, ep2)" lm_qwen_mp 2
-compare "shared expert stack (gated and ungated, k 2 drops and sigmoid k 1)" shared 1
-compare "shared expert stack on 4 ranks (dp2, mp2, ep2, esp2)" shared_par 4
-compare "Qwen2-MoE-style language model with shared experts (gated and ungated)" lm_shared 1
-compare "Qwen2-MoE-style language model with shared experts on 2 ranks (mp2, ep2)" lm_shared_mp 2
-compare "Qwen3-MoE-style language model (qk_norm head)" lm_qknorm 1
-compare "Qwen3-MoE-style language model on 2 ranks (mp2 by heads, ep2; qk_norm head)" lm_qknorm_mp 2
-compare "OLMoE-style language model (qk_norm whole, a window of 5)" lm_olmoe 1
-compare "Mixtral-style language model with sliding windows (3, 1, the sequence)" lm_window 1
-compare "Mixtral-style language model with sliding windows on 2 ranks (mp2, ep2)" lm_window_mp 2
+spawn "c_tiny" compare "tiny (gshard k2, tutel, gpt gelu)" tiny 1
+spawn "c_switch" compare "switch (k1, relu)" switch 1
+spawn "c_mixtral" compare "mixtral (SwiGLU)" mixtral 1
+spawn "c_expert_choice" compare "expert_choice" expert_choice 1
+spawn "c_xmoe" compare "xmoe (cosine router)" xmoe 1
+spawn "c_softmoe" compare "softmoe" softmoe 1
+spawn "c_gpt2_moe" compare "gpt2_moe (4 layers, hooks)" gpt2_moe 1
+spawn "c_dense" compare "dense (gshard order)" dense 1
+spawn "c_sched" compare "sched on 4 ranks (fsmoe streams, EP, ESP, chunks)" sched 4
+spawn "c_parallel" compare "parallel on 4 ranks (dp, mp, ep, esp, 2dh)" parallel 4
+spawn "c_lm_gpt" compare "GPT-style language model (attention, layernorm, tied head, k 2 drops, a dense layer)" lm_gpt 1
+spawn "c_lm_llama" compare "Llama-style language model (rope, GQA, rmsnorm, untied head, mixtral k 1)" lm_llama 1
+spawn "c_lm_mp" compare "GPT-style language model on 4 ranks (dp2, mp2 by heads, ep4)" lm_mp 4
+spawn "c_lm_qwen" compare "Qwen-style language model (bias qkv, head_dim 6 and 10, renormalize false, top-1 renormalised)" lm_qwen 1
+spawn "c_lm_qwen_mp" compare "Qwen-style language model on 2 ranks (mp2 by heads of head_dim, ep2)" lm_qwen_mp 2
+spawn "c_shared" compare "shared expert stack (gated and ungated, k 2 drops and sigmoid k 1)" shared 1
+spawn "c_shared_par" compare "shared expert stack on 4 ranks (dp2, mp2, ep2, esp2)" shared_par 4
+spawn "c_lm_shared" compare "Qwen2-MoE-style language model with shared experts (gated and ungated)" lm_shared 1
+spawn "c_lm_shared_mp" compare "Qwen2-MoE-style language model with shared experts on 2 ranks (mp2, ep2)" lm_shared_mp 2
+spawn "c_lm_qknorm" compare "Qwen3-MoE-style language model (qk_norm head)" lm_qknorm 1
+spawn "c_lm_qknorm_mp" compare "Qwen3-MoE-style language model on 2 ranks (mp2 by heads, ep2; qk_norm head)" lm_qknorm_mp 2
+spawn "c_lm_olmoe" compare "OLMoE-style language model (qk_norm whole, a window of 5)" lm_olmoe 1
+spawn "c_lm_window" compare "Mixtral-style language model with sliding windows (3, 1, the sequence)" lm_window 1
+spawn "c_lm_window_mp" compare "Mixtral-style language model with sliding windows on 2 ranks (mp2, ep2)" lm_window_mp 2
 # The matrix: the losses of 3 steps and every --dump file bit for bit, one line a model.
-for name in $(cat "$WORK/matrix.names"); do
-  if [ "$(cat "$WORK/$name.built" 2>/dev/null)" != 0 ]; then bad "cuda host $name: build" "$(cat "$WORK/$name.build")"; continue; fi
+matrix_one() {
+  local name=$1
+  if [ "$(cat "$WORK/$name.built" 2>/dev/null)" != 0 ]; then bad "cuda host $name: build" "$(cat "$WORK/$name.build")"; return; fi
   if ! run "$name" cpu 1 --steps 3 --dump "$name.cpu.dump" || ! run "$name" cuda 1 --steps 3 --dump "$name.cuda.dump"; then
-    bad "cuda host $name: a program failed" "$(tail -n 20 "$WORK/$name.cpu.out" "$WORK/$name.cuda.out")"; continue
+    bad "cuda host $name: a program failed" "$(tail -n 20 "$WORK/$name.cpu.out" "$WORK/$name.cuda.out")"; return
   fi
   if same_losses "$WORK/$name.cpu.out" "$WORK/$name.cuda.out" 0 && diff -r "$WORK/$name.cpu.dump" "$WORK/$name.cuda.dump" >/dev/null; then
     ok "cuda host $name: losses of 3 steps equal and every --dump file bit-identical to the CPU program's ($(grep -c '^layer' "$WORK/matrix/$name.moe") layers)"
   else
     bad "cuda host $name: differs from the CPU program" "$(grep -h '^step' "$WORK/$name.cpu.out" "$WORK/$name.cuda.out"; diff -rq "$WORK/$name.cpu.dump" "$WORK/$name.cuda.dump" | head -n 5)"
   fi
+}
+ids="c_tiny c_switch c_mixtral c_expert_choice c_xmoe c_softmoe c_gpt2_moe c_dense c_sched c_parallel c_lm_gpt c_lm_llama c_lm_mp c_lm_qwen c_lm_qwen_mp c_shared c_shared_par c_lm_shared c_lm_shared_mp c_lm_qknorm c_lm_qknorm_mp c_lm_olmoe c_lm_window c_lm_window_mp"
+for name in $(cat "$WORK/matrix.names"); do
+  spawn "m_$name" matrix_one "$name"
+  ids="$ids m_$name"
 done
+collect $ids
 # The language models' dumps (tokens, logits, every gradient) bit for bit: the attention kernels do
 # the CPU kernels' float operations in their order (with a window too: each row over its keys
 # from the first it sees, ascending).

@@ -81,7 +81,7 @@ int main(int argc, char **argv) {
     void *cubin = NULL;
     char *ptx = NULL;
     size_t cubin_size = 0, ptx_size = 0;
-    if (cg_nvrtc_compile(&d, src, archs[i], &cubin, &cubin_size) && cg_nvrtc_ptx(&d, src, archs[i], &ptx, &ptx_size) &&
+    if (cg_nvrtc_images(&d, src, archs[i], &cubin, &cubin_size, &ptx, &ptx_size) &&
         cubin_size > 0) {
       printf("%s: %d kernels, CUBIN %zu bytes, PTX %zu bytes\n", archs[i], count_entries(ptx), cubin_size, ptx_size);
     } else {

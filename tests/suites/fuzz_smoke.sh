@@ -4,17 +4,23 @@
 . "$(dirname "$0")/../lib.sh"
 work fuzz-smoke
 seconds=${FUZZ_SMOKE_SECONDS:-20}
-n=0
-for f in "$BUILD"/fuzz/fuzz_*; do
-  [ -x "$f" ] || continue
-  n=$((n + 1))
+# The harnesses side by side, one per core (spawn, tests/lib.sh): each runs its seconds either way.
+fuzz_one() {  # harness
+  local f=$1 name corpus
   name=$(basename "$f"); corpus=tests/fuzz/corpus_${name#fuzz_}
   mkdir -p "$WORK/$name"
-  if "$f" -max_total_time="$seconds" -timeout=10 -rss_limit_mb=2048 "$WORK/$name" "$corpus" >"$WORK/fz" 2>&1; then
-    ok "$name: $(grep -o 'Done [0-9]* runs' "$WORK/fz" | awk '{print $2}') runs in ${seconds}s, no crash"
+  if "$f" -max_total_time="$seconds" -timeout=10 -rss_limit_mb=2048 "$WORK/$name" "$corpus" >"$WORK/$name.out" 2>&1; then
+    ok "$name: $(grep -o 'Done [0-9]* runs' "$WORK/$name.out" | awk '{print $2}') runs in ${seconds}s, no crash"
   else
-    bad "$name" "$(tail -n 40 "$WORK/fz")"
+    bad "$name" "$(tail -n 40 "$WORK/$name.out")"
   fi
+}
+ids=()
+for f in "$BUILD"/fuzz/fuzz_*; do
+  [ -x "$f" ] || continue
+  spawn "$(basename "$f")" fuzz_one "$f"
+  ids+=("$(basename "$f")")
 done
-[ $n -gt 0 ] || bad "fuzz smoke" "no $BUILD/fuzz/fuzz_* harnesses (make check T=fuzz-smoke builds them with clang)"
+[ ${#ids[@]} -gt 0 ] || bad "fuzz smoke" "no $BUILD/fuzz/fuzz_* harnesses (make check T=fuzz-smoke builds them with clang)"
+[ ${#ids[@]} -gt 0 ] && collect "${ids[@]}"
 exit $failed

@@ -7,18 +7,8 @@
 # exactly against the numpy reference, tests/suites/ref.sh.)
 . "$(dirname "$0")/../lib.sh"
 work gradcheck
-gradcheck() {  # name model-file
-  local name=$1 model=$2
-  if ! "$MOEC" build "$model" -o "$WORK/gc.bin" 2>"$WORK/err"; then bad "gradcheck $name: build" "$(cat "$WORK/err")"; return; fi
-  if (cd "$WORK" && ./gc.bin --check-grad >"$WORK/gc" 2>&1); then
-    ok "gradcheck $name ($(grep -c ' OK$' "$WORK/gc") tensors, $(awk '/entries checked/ {print $2}' "$WORK/gc") entries)"
-  else
-    bad "gradcheck $name" "$(cat "$WORK/gc")"
-  fi
-}
-for model in tests/models/grad_*.moe; do
-  [ -f "$model" ] && gradcheck "$(basename "$model" .moe)" "$model"
-done
+# The checks run side by side (spawn, tests/lib.sh), each in a folder of its own; collect prints
+# their lines in this order at the end. The planted error first, in the foreground.
 # The check can fail: a gradient planted 20 % too large (MOERT_CHECK_GRAD_PLANT) is reported, even
 # though entries out of tolerance are measured a second time closer to the point.
 if "$MOEC" build tests/models/grad_k2.moe -o "$WORK/gc.bin" 2>"$WORK/err" &&
@@ -28,6 +18,26 @@ if "$MOEC" build tests/models/grad_k2.moe -o "$WORK/gc.bin" 2>"$WORK/err" &&
 else
   bad "gradcheck on a planted gradient error" "$(cat "$WORK/gc" "$WORK/err" 2>/dev/null)"
 fi
+gradcheck_one() {  # name folder (holding m.moe)
+  local name=$1 dir=$2
+  if ! "$MOEC" build "$dir/m.moe" -o "$dir/gc.bin" 2>"$dir/err"; then bad "gradcheck $name: build" "$(cat "$dir/err")"; return; fi
+  if (cd "$dir" && ./gc.bin --check-grad >"$dir/gc" 2>&1); then
+    ok "gradcheck $name ($(grep -c ' OK$' "$dir/gc") tensors, $(awk '/entries checked/ {print $2}' "$dir/gc") entries)"
+  else
+    bad "gradcheck $name" "$(cat "$dir/gc")"
+  fi
+}
+n=0 ids=()
+gradcheck() {  # name model-file: copied to a folder of its own, checked in the background
+  n=$((n + 1))
+  mkdir -p "$WORK/g$n"
+  cp "$2" "$WORK/g$n/m.moe"
+  spawn "g$n" gradcheck_one "$1" "$WORK/g$n"
+  ids+=("g$n")
+}
+for model in tests/models/grad_*.moe; do
+  [ -f "$model" ] && gradcheck "$(basename "$model" .moe)" "$model"
+done
 matrix_model() {  # gate-block order expert-block experts extra-moe-statements
   printf 'model m { batch 2; seqlen 8; embed 16; seed 5; optimizer sgd { lr 0.05; } }\n'
   printf 'layer b x 2 { moe { experts %s { %s } gate %s order %s; %s } }\n' "$4" "$3" "$1" "$2" "${5:-}"
@@ -74,4 +84,5 @@ done
 hooks=""; for p in before_moe_start before_dispatch after_dispatch before_combine after_combine before_moe_end; do hooks="$hooks hook $p record;"; done
 matrix_model "gshard { k 2; capacity 0.8; aux_loss 0.1; }" tutel "ffn gpt { hidden 24; }" 4 "$hooks" >"$WORK/m.moe"
 gradcheck "record hooks at all six points" "$WORK/m.moe"
+collect "${ids[@]}"
 exit $failed
