@@ -275,8 +275,9 @@ bool pass_parallelize(IrModule *m, PassCtx *ctx) {
   // The cluster must hold the ranks, and MP and ESP groups (consecutive ranks) stay in a node.
   int64_t nodes = ir_mod_int(m, "nodes", 0), per_node = ir_mod_int(m, "gpus_per_node", world);
   if (nodes > 0 && world > nodes * per_node)
-    return ir_error(ctx->d, "the layout needs %lld ranks but the cluster has %lld (%lld nodes x %lld gpus_per_node)",
-                    (long long)world, (long long)(nodes * per_node), (long long)nodes, (long long)per_node);
+    return ir_error(ctx->d, "the layout needs %lld ranks but the cluster has %lld (%lld node%s x %lld gpus_per_node)",
+                    (long long)world, (long long)(nodes * per_node), (long long)nodes, nodes == 1 ? "" : "s",
+                    (long long)per_node);
   if (world > per_node && (per_node % P.mp != 0 || per_node % P.esp != 0))
     return ir_error(ctx->d, "mp %lld and esp %lld must divide gpus_per_node %lld: their groups are consecutive ranks "
                     "inside a node", (long long)P.mp, (long long)P.esp, (long long)per_node);

@@ -332,8 +332,8 @@ static int check_layout(const RtLayout *l, int world, int nodes, int rank) {
   int64_t dp_mp = (int64_t)l->dp * l->mp, ep_esp = (int64_t)l->ep * l->esp;
   int gpn = l->gpus_per_node;
   if (dp_mp == ep_esp && dp_mp != world)  // one message for the usual mistake: the wrong -np
-    errors += layout_error(rank, "the layout needs %lld ranks (dp %d x mp %d = ep %d x esp %d) but %d %s "
-                           "running; start it with mpirun -np %lld", (long long)dp_mp, l->dp, l->mp, l->ep,
+    errors += layout_error(rank, "the layout needs %lld rank%s (dp %d x mp %d = ep %d x esp %d) but %d %s "
+                           "running; start it with mpirun -np %lld", (long long)dp_mp, dp_mp == 1 ? "" : "s", l->dp, l->mp, l->ep,
                            l->esp, world, world == 1 ? "is" : "are", (long long)dp_mp);
   else if (dp_mp != world)
     errors += layout_error(rank, "the layout needs dp %d x mp %d = %lld ranks but %d %s running",

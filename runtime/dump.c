@@ -13,8 +13,9 @@
 
 // ---- --dump ----
 
-static int make_dirs(const char *path) {
-  char *p = rt_strdup(path, "the name of the --dump folder");
+// The folder path and the ones above it that are missing (mkdir -p).
+int rt_make_dirs(const char *path) {
+  char *p = rt_strdup(path, "a folder's name");
   int status = 0;
   for (char *s = p + 1;; s++) {
     if (*s != '/' && *s != '\0')
@@ -97,7 +98,7 @@ int rt_dump_step(RtTrainer *tr, const RtReport *rep) {
     path = rt_alloc(len, "the names of the --dump files");
     whole = rt_alloc(whole_floats * sizeof(float), "a whole tensor of the --dump");
     snprintf(path, len, "%s/grad", dir);
-    status = make_dirs(path);
+    status = rt_make_dirs(path);
   }
   if (rt_world_agree(tr->comm, status) != 0) {
     free(path);

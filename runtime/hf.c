@@ -240,15 +240,6 @@ void rt_hf_arch_free(RtHfArch *a) {
 
 // ---- export (a training binary's --export-hf DIR) ----
 
-static int make_dir(const char *dir) {
-  if (mkdir(dir, 0777) == 0 || errno == EEXIST) {
-    struct stat sb;
-    if (stat(dir, &sb) == 0 && S_ISDIR(sb.st_mode)) return 0;
-    return rt_fail("--export-hf '%s': it exists and is not a folder", dir);
-  }
-  return rt_fail("--export-hf '%s': cannot make the folder: %s", dir, strerror(errno));
-}
-
 static int write_text(const char *path, const char *text) {
   char tmp[4200];
   snprintf(tmp, sizeof tmp, "%s.tmp", path);
@@ -310,7 +301,7 @@ int rt_hf_export(const RtModel *m, float *const *whole, const char *dir) {
     out[i] = (RtStTensor){.name = t[i].hf, .rank = t[i].rank, .dims = t[i].dims, .data = bufs[i]};
   }
   char path[4096];
-  if (status == 0) status = make_dir(dir);
+  if (status == 0) status = rt_make_dirs(dir);
   if (status == 0) {
     snprintf(path, sizeof path, "%s/model.safetensors", dir);
     static const char *const meta[] = {"format", "pt"};

@@ -445,8 +445,8 @@ static int evaluate_step(RtTrainer *tr, int64_t t, const Steps *run) {
   double val = evaluate(tr);
   int64_t windows = rt_lm_val_batches(&tr->lm, tr->ranks.dp) * tr->ranks.dp * m->batch;
   if (root)
-    printf("%sval %lld  ce %.6f  (%lld windows)\n", run->progress && t < run->last ? "\n" : "", (long long)t, val,
-           (long long)windows);
+    printf("%sval %lld  ce %.6f  (%lld window%s)\n", run->progress && t < run->last ? "\n" : "", (long long)t, val,
+           (long long)windows, windows == 1 ? "" : "s");
   if (tr->opt.log && rt_world_agree(tr->comm, root ? rt_log_eval(tr->log, t, val, windows) : 0) != 0)
     return -1;
   return 0;
@@ -666,8 +666,9 @@ static int run(const RtModel *model, const RtOptions *opt, const RtRanks *ranks,
     tr.lm_open = true;
     tr.fixed_data = opt->input != NULL;
     if (status == 0 && tr.lm.has_val && rt_lm_val_batches(&tr.lm, ranks->dp) == 0)
-      status = rt_fail("the validation file '%s' holds %lld windows of %lld tokens; one global batch needs %lld",
-                       tr.lm.val_source, (long long)tr.lm.val_count, (long long)(model->seqlen + 1),
+      status = rt_fail("the validation file '%s' holds %lld window%s of %lld tokens; one global batch needs %lld",
+                       tr.lm.val_source, (long long)tr.lm.val_count, tr.lm.val_count == 1 ? "" : "s",
+                       (long long)(model->seqlen + 1),
                        (long long)(ranks->dp * model->batch));
   } else if (status == 0 && opt->input) {
     tr.fixed_data = true;
@@ -691,15 +692,16 @@ static int run(const RtModel *model, const RtOptions *opt, const RtRanks *ranks,
     status = rt_world_agree(comm, open_record(&tr));
   if (status == 0)
     status = train(&tr);
-  if (status == 0 && opt->sample > 0)
-    status = rt_sample(&tr);
+  // What the run was asked to write, then the sample (so that nothing trained is lost to it).
   if (status == 0 && (opt->save || opt->export_hf))
     status = rt_device_get(&tr, RT_DEVICE_PARAMS | RT_DEVICE_MOMENTS);
-  if (status == 0 && opt->export_hf)
-    status = rt_dump_hf(&tr, opt->export_hf);
   if (status == 0 && opt->save)
     status = rt_checkpoint_save(comm, opt->save, model, ranks, tr.done_steps, tr.st.params,
                                 tr.st.opt_m, tr.st.opt_v);
+  if (status == 0 && opt->export_hf)
+    status = rt_dump_hf(&tr, opt->export_hf);
+  if (status == 0 && opt->sample > 0)
+    status = rt_sample(&tr);
   fflush(stdout);
   trainer_destroy(&tr);
   if (status == 0)

@@ -9,12 +9,14 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/stat.h>
+#include <unistd.h>
 
 // ---- command line ----
 
 void rt_options_usage(FILE *out, const RtModel *model, const char *prog) {
   fprintf(out,
-          "usage: %s [--steps N] [--weights W.safetensors] [--save C.safetensors] [--resume C]\n"
+          "usage: %s [--steps N] [--weights W.safetensors] [--save C] [--resume C]\n"
           "       %*s [--input x.npy] [--target t.npy] [--dump DIR] [--record FILE]\n"
           "       %*s [--check-grad] [--quiet] [--profile] [--comm-timeout S] [--log F.jsonl]\n"
           "       %*s [--export-hf DIR]\n"
@@ -227,8 +229,51 @@ int rt_model_check(const RtModel *m) {
   return 0;
 }
 
-// The options of language models need one, and --target does not apply to one.
+// A path the run writes after training, checked before it starts: a file's folder exists and is
+// writable and the file, when there, is no folder; a folder (is_dir) is one and writable, or the
+// nearest folder above it that exists is writable (the missing ones are made then).
+static int check_writable(const char *opt, const char *path, bool is_dir) {
+  struct stat sb;
+  if (stat(path, &sb) == 0) {
+    if (is_dir && !S_ISDIR(sb.st_mode)) return rt_fail("%s '%s': it exists and is not a folder", opt, path);
+    if (!is_dir && S_ISDIR(sb.st_mode)) return rt_fail("%s '%s' is a folder, not a file", opt, path);
+    if (access(path, W_OK) != 0) return rt_fail("%s '%s' is not writable: %s", opt, path, strerror(errno));
+    if (is_dir) return 0;
+  }
+  char *dir = rt_strdup(path, "a path");
+  int status = 0;
+  for (;;) {   // up one folder at a time (a file: once)
+    char *slash = strrchr(dir, '/');
+    while (slash && slash > dir && slash[1] == '\0') {   // a trailing slash
+      *slash = '\0';
+      slash = strrchr(dir, '/');
+    }
+    const char *parent = !slash ? "." : slash == dir ? "/" : (*slash = '\0', dir);
+    if (stat(parent, &sb) == 0) {
+      if (!S_ISDIR(sb.st_mode))
+        status = rt_fail("%s '%s': '%s' is not a folder", opt, path, parent);
+      else if (access(parent, W_OK) != 0)
+        status = rt_fail("%s '%s': the folder '%s' is not writable: %s", opt, path, parent, strerror(errno));
+      break;
+    }
+    if (!is_dir || !slash || slash == dir) {
+      status = rt_fail("%s '%s': the folder '%s' does not exist", opt, path, parent);
+      break;
+    }
+  }
+  free(dir);
+  return status;
+}
+
+// The options of language models need one, and --target does not apply to one. What the run
+// writes after training (--save, --export-hf, --log, --dump, --record) and the sample's prompt
+// are checked here, before the first step, so that a run does not fail after its training.
 int rt_options_check(const RtModel *m, const RtOptions *o) {
+  const struct { const char *opt, *path; bool dir; } out[] = {
+      {"--save", o->save, false}, {"--export-hf", o->export_hf, true}, {"--log", o->log, false},
+      {"--dump", o->dump, true},  {"--record", o->record, false}};
+  for (size_t i = 0; i < sizeof out / sizeof out[0]; i++)
+    if (out[i].path && check_writable(out[i].opt, out[i].path, out[i].dir) != 0) return -1;
   if (o->export_hf && !m->hf_config)
     return rt_fail("--export-hf: model '%s' cannot be written as a Hugging Face checkpoint: %s", m->name,
                    m->hf_refusal ? m->hf_refusal : "it was built by a moec that does not know the families");
@@ -236,7 +281,7 @@ int rt_options_check(const RtModel *m, const RtOptions *o) {
     return rt_fail("--target does not apply to language model '%s': the targets are the next tokens "
                    "of the --input windows", m->name);
   if (m->vocab > 0)
-    return 0;
+    return rt_prompt_check(m, o);
   const char *lm_only = o->data ? "--data" : o->val ? "--val" : o->prompt ? "--prompt" : o->sample ? "--sample"
                         : o->eval_every ? "--eval-every" : o->val_windows ? "--val-windows" : NULL;
   if (lm_only)

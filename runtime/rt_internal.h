@@ -33,6 +33,7 @@ _Noreturn void rt_out_of_memory(size_t bytes, const char *what);
 void *rt_alloc(size_t bytes, const char *what);
 void *rt_calloc(size_t n, size_t size, const char *what);
 char *rt_strdup(const char *s, const char *what);
+int rt_make_dirs(const char *path);   // mkdir -p (runtime/dump.c); -1 with rt_fail's sentence
 // A JSON string literal of s (quoted and escaped by cJSON), malloc'ed; out of memory ends the job
 // (what: for the message). runtime/shard.c.
 char *rt_json_quote(const char *s, const char *what);

@@ -106,5 +106,7 @@ int rt_dump_hf(RtTrainer *tr, const char *dir);
 int rt_check_grad(RtTrainer *tr);
 // --sample: tr->opt.sample tokens after the prompt, printed by rank 0 (sample.c). Collective.
 int rt_sample(RtTrainer *tr);
+// --prompt against the model's vocabulary (and given with --sample), before the first step.
+int rt_prompt_check(const RtModel *m, const RtOptions *o);
 
 #endif

@@ -34,6 +34,21 @@ static int prompt_tokens(const RtModel *m, const char *prompt, int32_t *out, int
   return 0;
 }
 
+int rt_prompt_check(const RtModel *m, const RtOptions *o) {
+  if (o->prompt && o->sample <= 0)
+    return rt_fail("--prompt is the text --sample continues: give --sample N too");
+  if (o->sample <= 0)
+    return 0;
+  const char *prompt = o->prompt ? o->prompt : "\n";
+  int32_t *seq = rt_alloc((strlen(prompt) + 1) * sizeof(int32_t), "the prompt");
+  int64_t n = 0;
+  int status = prompt_tokens(m, prompt, seq, &n);
+  if (status == 0 && n == 0)
+    status = rt_fail("--prompt is empty: the sample needs at least one token to continue");
+  free(seq);
+  return status;
+}
+
 // Generates opt.sample tokens after the prompt: each forward sees the last seqlen tokens in
 // every window of the batch, and the next token is drawn from the logits of global window 0 at
 // the last position (rt_sample_token; key rt_key(rt_key(seed, RT_STREAM_SAMPLE), i) for the

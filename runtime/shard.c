@@ -439,6 +439,17 @@ static const void *floats_of(const RtStEntry *t, float **converted) {
   return *converted;
 }
 
+// A tensor the model needs is not in path: a file of a Hugging Face model (its names start with
+// "model.") gets the command that converts it.
+static int missing_tensor(const char *path, const RtStSet *set, const char *name) {
+  for (int i = 0; i < set->ntensors; i++)
+    if (strncmp(set->by_name[i]->name, "model.", 6) == 0)
+      return rt_fail("'%s' has no tensor '%s': it holds a Hugging Face model's names ('%s'); convert the "
+                     "checkpoint's folder first: moec import-hf DIR -o PREFIX writes PREFIX.moe to build "
+                     "and PREFIX.safetensors for --weights", path, name, set->by_name[i]->name);
+  return rt_fail("'%s' has no tensor '%s'", path, name);
+}
+
 // Copies what files of whole tensors (--weights, moec-checkpoint-1) hold of every wanted one.
 static int take_whole(const char *path, const RtStSet *set, Wants *ws) {
   int64_t zero[RT_MAX_RANK] = {0};
@@ -447,7 +458,7 @@ static int take_whole(const char *path, const RtStSet *set, Wants *ws) {
     const RtParam *p = w->param;
     const RtStEntry *t = rt_st_set_find(set, w->name);
     if (!t)
-      return rt_fail("'%s' has no tensor '%s'", path, w->name);
+      return missing_tensor(path, set, w->name);
     if (t->rank != p->rank || !same_dims(p->rank, t->dims, p->global_dims)) {
       char have[160], want[160];
       return rt_fail("'%s': tensor '%s' has shape %s, the model needs %s", path, w->name,

@@ -158,4 +158,32 @@ elif grep -q "cannot be written as a Hugging Face checkpoint: .*position" "$WORK
 else
   bad "--export-hf of gpt_moe_bytes: unclear refusal" "$(cat "$WORK/gpt.out")"
 fi
+
+# What a run writes after training (--save, --export-hf, --log, --dump, --record) and the sample's
+# prompt are checked before the first step: a mistake in one ends the run before any training
+# and writes nothing; a Hugging Face folder given to --weights gets the command that converts it.
+early() {  # LABEL EXPECTED-WORDS ARGS...
+  local label=$1 want=$2
+  shift 2
+  rm -rf "$WORK/e1" "$WORK/c1"*
+  if (cd "$WORK" && ./mxbin "$@" >early.out 2>&1); then bad "$label: the run did not fail" "$(tail -n 3 "$WORK/early.out")"
+  elif grep -q '^step ' "$WORK/early.out"; then bad "$label: it failed after training" "$(tail -n 3 "$WORK/early.out")"
+  elif ! grep -qF -- "$want" "$WORK/early.out"; then bad "$label: not the expected message ($want)" "$(cat "$WORK/early.out")"
+  elif [ -e "$WORK/e1" ] || [ -e "$WORK/c1" ]; then bad "$label: it wrote $(ls -d "$WORK"/e1 "$WORK"/c1 2>/dev/null)"
+  else ok "$label: refused before the first step, nothing written ($(grep -m1 'error' "$WORK/early.out" | cut -c1-150))"; fi
+}
+early "a prompt the vocabulary lacks, with --export-hf and --save" "is not below vocab 64" \
+  --steps 3 --weights mx.safetensors --sample 5 --prompt "The " --export-hf e1 --save c1
+touch "$WORK/afile"
+early "--save in a folder that does not exist" "the folder 'nowhere' does not exist" --steps 3 --save nowhere/c1
+early "--export-hf onto a file" "it exists and is not a folder" --steps 3 --save c1 --export-hf afile
+early "--log in a folder that is a file" "'afile' is not a folder" --steps 3 --log afile/log.jsonl
+early "--prompt without --sample" "give --sample N too" --steps 3 --save c1 --prompt "1 2"
+early "--weights of a Hugging Face folder" "moec import-hf DIR -o PREFIX" --steps 1 --weights mx
+if (cd "$WORK" && ./mxbin --steps 2 --weights mx.safetensors --sample 4 --prompt "1 2" --save c2 --export-hf e2 >late.out 2>&1) &&
+   [ -f "$WORK/c2" ] && [ -f "$WORK/e2/config.json" ] && grep -q '^# sample: 4 tokens after a 3-token prompt' "$WORK/late.out"; then
+  ok "--save, --export-hf and --sample in one run: the checkpoint and the export written, then the sample"
+else
+  bad "--save, --export-hf and --sample in one run" "$(tail -n 5 "$WORK/late.out")"
+fi
 exit $failed

@@ -91,7 +91,7 @@ fi
 
 if (cd "$WORK" && ./one --steps 2 --log /nonexistent/dir/x.jsonl >bad.out 2>&1); then
   bad "an unwritable --log was accepted"
-elif grep -q "^moert: error: --log '/nonexistent/dir/x.jsonl': cannot write it" "$WORK/bad.out" && ! grep -q '^step' "$WORK/bad.out"; then
+elif grep -q "^moert: error: --log '/nonexistent/dir/x.jsonl': the folder '/nonexistent/dir' does not exist" "$WORK/bad.out" && ! grep -q '^step' "$WORK/bad.out"; then
   ok "an unwritable --log is refused before training: $(cat "$WORK/bad.out")"
 else
   bad "unwritable --log" "$(cat "$WORK/bad.out")"
