@@ -2,8 +2,10 @@
 //
 // fe_load parses and checks a .moe source. It does not open the cluster profile that a
 // `cluster "F";` statement names, since `moec build --cluster F` may override it: the caller
-// loads the profile it uses with fe_load_cluster (a relative F is taken from the current
-// directory). fe_load_cluster reads the file itself (rather than with ir_source_read) so that
+// loads the profile it uses with fe_load_cluster: a relative F named in a .moe file is taken from
+// that file's folder, and where it is not there from the current folder (so that a model names
+// its profile beside it and runs from anywhere, and the paths older files give from the
+// repository's root still work); --cluster F from the current folder. fe_load_cluster reads the file itself (rather than with ir_source_read) so that
 // "cannot read" points at the statement that named the file.
 #include <errno.h>
 #include <stdio.h>
@@ -82,11 +84,29 @@ static const char *intern(const char *name) {
   return i->name;
 }
 
+// path relative to the folder of the .moe file at names (malloc'd), or NULL: path is absolute, no
+// file names it, or the file is in the current folder.
+static char *beside_source(const char *path, SrcLoc at) {
+  if (!at.src || !at.src->path || path[0] == '/') return NULL;
+  const char *slash = strrchr(at.src->path, '/');
+  if (!slash) return NULL;
+  size_t n = (size_t)(slash - at.src->path) + 1 + strlen(path) + 1;
+  char *full = malloc(n);
+  if (full) snprintf(full, n, "%.*s/%s", (int)(slash - at.src->path), at.src->path, path);
+  return full;
+}
+
 bool fe_load_cluster(IrDiag *d, const char *path, SrcLoc at, FeCluster *out) {
   memset(out, 0, sizeof *out);
-  errno = 0;
   size_t len = 0;
-  char *text = read_file(path, &len);
+  char *text = NULL, *beside = beside_source(path, at);
+  if (beside && (text = read_file(beside, &len))) {
+    const char *kept = intern(beside);   // the profile's diagnostics name the file read
+    path = kept ? kept : path;
+  }
+  free(beside);
+  errno = 0;
+  if (!text) text = read_file(path, &len);
   if (!text)
     return ir_error_at(d, at, "cannot read '%s': %s", path, strerror(errno ? errno : EIO));
   IrSource *src = ir_source_from_buffer(path, text, len);

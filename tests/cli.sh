@@ -28,6 +28,17 @@ for c in check build plan; do
   else echo "FAIL  moec $c --no-such-option: exit $st: $out"; fi
 done
 
+# A relative `cluster "F";` is read from the .moe file's folder first: the paper's models (which
+# name ../../clusters/testbed-a.cluster) plan from any folder.
+root=$(pwd)
+case "$MOEC" in /*) moec_abs=$MOEC ;; *) moec_abs=$root/$MOEC ;; esac
+out=$(cd / && "$moec_abs" plan "$root/lang/models/paper/gpt2_xl_moe.moe" 2>&1); st=$?
+if [ $st -eq 0 ] && printf '%s' "$out" | grep -q 'testbed-a'; then
+  echo "ok    a .moe file's cluster path is relative to the file: the paper's model plans from / ($(printf '%s' "$out" | grep -m1 '^# cluster' | cut -c1-80))"
+else
+  echo "FAIL  the paper's model from another folder: exit $st: $(printf '%s' "$out" | head -n 5)"
+fi
+
 # The configuration: mk/configure.sh's variables -> the keys of `moec --version -v`.
 now=$(bash mk/configure.sh - 2>&1) || { echo "FAIL  mk/configure.sh: $now"; exit 0; }
 built=$("$MOEC" --version -v)
