@@ -526,10 +526,12 @@ static void profile_print(const RtTrainer *tr, Profile *p, int64_t first, int64_
     printf("GEMM share not measured on a GPU\n");
   else
     printf("GEMM %.1f %% of the steps' time (%.3f ms per step)\n", 100.0 * p->gemm / p->total, p->gemm / (double)p->n);
+  // Communication as a mean per step beside the mean step (the median step above can be shorter
+  // than the mean communication: a few slow steps raise the mean alone).
   if (tr->ranks.world > 1)
-    printf("# profile: communication %.3f ms per step (%.1f %% of the steps' time), %.1f %% of it "
+    printf("# profile: communication %.3f ms per step (%.1f %% of the mean step, %.3f ms), %.1f %% of it "
            "hidden behind computation\n", p->comm / (double)p->n, 100.0 * p->comm / p->total,
-           p->comm > 0 ? 100.0 * p->hidden / p->comm : 0.0);
+           p->total / (double)p->n, p->comm > 0 ? 100.0 * p->hidden / p->comm : 0.0);
 }
 
 // The run's last line on rank 0: what was trained, or why nothing was.
