@@ -1,5 +1,5 @@
 // --check-grad: every parameter's analytic gradient at step 1 against central differences of
-// the total loss (mse + aux_total), on up to CHECK_ENTRIES entries per parameter, on any layout
+// the objective (mse or cross-entropy, + aux_total), on up to CHECK_ENTRIES entries per parameter, on any layout
 // (each entry is perturbed on every rank that holds it, the forward runs on all). rt_trainer.h.
 #include "rt_trainer.h"
 
@@ -161,8 +161,8 @@ static bool check_param(RtTrainer *tr, Check *cx, const RtParam *p) {
 
 static void print_check_header(const RtTrainer *tr, double loss0, int width) {
   const RtModel *m = tr->model;
-  printf("# gradient check of %s at step 1: loss %.6f (mse + aux_total), %d parameters\n",
-         m->name, loss0, m->nparams);
+  printf("# gradient check of %s at step 1: loss %.6f (the objective: %s + the aux and z losses times their "
+         "coefficients), %d parameters\n", m->name, loss0, m->vocab > 0 ? "cross-entropy" : "mse", m->nparams);
   printf("# central differences on up to %d entries per parameter, eps = %.0e * max(%s, |p|)\n",
          CHECK_ENTRIES, CHECK_EPS, m->vocab > 0 ? "rms of the tensor (at least 0.01)" : "1");
   printf("# pass: |fd - g| <= atol + rtol * |g|, rtol = %.0e, atol = %.0e * max|g| of the "

@@ -18,6 +18,14 @@ if "$MOEC" build tests/models/grad_k2.moe -o "$WORK/gc.bin" 2>"$WORK/err" &&
 else
   bad "gradcheck on a planted gradient error" "$(cat "$WORK/gc" "$WORK/err" 2>/dev/null)"
 fi
+# The header names the model's objective: cross-entropy for a language model, mse otherwise.
+"$MOEC" build tests/models/grad_lm_gpt.moe -o "$WORK/lm.bin" 2>"$WORK/err" && (cd "$WORK" && ./lm.bin --check-grad >"$WORK/lm" 2>&1)
+if grep -q '^# gradient check of grad_lm_gpt at step 1: loss [0-9.]* (the objective: cross-entropy + ' "$WORK/lm" &&
+   grep -q '(the objective: mse + ' "$WORK/gc"; then
+  ok "gradcheck's header names the objective (cross-entropy for a language model, mse for the MoE stack)"
+else
+  bad "gradcheck's header" "$(head -n 2 "$WORK/lm" "$WORK/gc" "$WORK/err" 2>/dev/null)"
+fi
 gradcheck_one() {  # name folder (holding m.moe)
   local name=$1 dir=$2
   if ! "$MOEC" build "$dir/m.moe" -o "$dir/gc.bin" 2>"$dir/err"; then bad "gradcheck $name: build" "$(cat "$dir/err")"; return; fi
