@@ -347,13 +347,7 @@ void cli_layouts_free(CliLayouts *l) {
   *l = (CliLayouts){0};
 }
 
-char *cli_bytes(char *buf, size_t n, double bytes) {
-  static const char *const unit[] = {"B", "KiB", "MiB", "GiB", "TiB"};
-  int u = 0;
-  while (bytes >= 1024 && u < 4) bytes /= 1024, u++;
-  snprintf(buf, n, u ? "%.2f %s" : "%.0f %s", bytes, unit[u]);
-  return buf;
-}
+char *cli_bytes(char *buf, size_t n, double bytes) { return ir_bytes(buf, n, bytes); }
 
 const char *cli_layout_name(char *buf, size_t n, const CliLayout *l) {
   snprintf(buf, n, "dp %d, mp %d, ep %d, esp %d%s%s", l->dp, l->mp, l->ep, l->esp, l->algo ? ", alltoall " : "",

@@ -219,3 +219,12 @@ _Noreturn void ir_unreachable(const char *file, int line) {
   fprintf(stderr, "moec: internal error at %s:%d: unreachable code reached\n", file, line);
   abort();
 }
+
+// Memory in one human unit everywhere a person reads it (JSON keeps bytes): B, KiB, MiB, ...
+char *ir_bytes(char *buf, size_t n, double bytes) {
+  static const char *const unit[] = {"B", "KiB", "MiB", "GiB", "TiB"};
+  int u = 0;
+  while (bytes >= 1024 && u < 4) bytes /= 1024, u++;
+  snprintf(buf, n, u ? "%.2f %s" : "%.0f %s", bytes, unit[u]);
+  return buf;
+}

@@ -51,6 +51,8 @@ bool ir_error_vat(IrDiag *d, SrcLoc loc, const char *fmt, va_list ap);
 void ir_note_at(IrDiag *d, SrcLoc loc, const char *fmt, ...) __attribute__((format(printf, 3, 4)));
 // An error with no location: "moec: error: msg".
 bool ir_error(IrDiag *d, const char *fmt, ...) __attribute__((format(printf, 2, 3)));
+// bytes as a person reads them ("49.31 KiB", "512 B") into buf; returns buf (ir/diag.c).
+char *ir_bytes(char *buf, size_t n, double bytes);
 
 // The closest of candidates[0..n) to word by edit distance, or NULL if none is close enough
 // (distance <= max(1, strlen(word)/3)). Used for "did you mean" hints.

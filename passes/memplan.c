@@ -310,12 +310,14 @@ static bool pack(PassCtx *ctx, Ranges *R, PassMemPlan *plan) {
 static void report(PassCtx *ctx, const PassMemPlan *plan, int nstreamed) {
   FILE *log = ctx->log ? ctx->log : stderr;
   int64_t peak = plan->arena_bytes + 2 * plan->param_bytes + plan->optimizer_bytes;
-  fprintf(log, "# memplan: activations %lld bytes in the arena (%lld without reuse, %.1fx less)\n",
-          (long long)plan->arena_bytes, (long long)plan->unshared_bytes,
+  char a[32], u[32], p[32], g[32], o[32], k[32];
+  fprintf(log, "# memplan: activations %s in the arena (%s without reuse, %.1fx less)\n",
+          ir_bytes(a, sizeof a, (double)plan->arena_bytes), ir_bytes(u, sizeof u, (double)plan->unshared_bytes),
           plan->arena_bytes ? (double)plan->unshared_bytes / (double)plan->arena_bytes : 1.0);
-  fprintf(log, "# memplan: parameters %lld + gradients %lld + optimizer state %lld bytes\n",
-          (long long)plan->param_bytes, (long long)plan->param_bytes, (long long)plan->optimizer_bytes);
-  fprintf(log, "# memplan: peak %lld bytes per rank\n", (long long)peak);
+  fprintf(log, "# memplan: parameters %s + gradients %s + optimizer state %s\n",
+          ir_bytes(p, sizeof p, (double)plan->param_bytes), ir_bytes(g, sizeof g, (double)plan->param_bytes),
+          ir_bytes(o, sizeof o, (double)plan->optimizer_bytes));
+  fprintf(log, "# memplan: peak %s per rank (%lld bytes)\n", ir_bytes(k, sizeof k, (double)peak), (long long)peak);
   if (nstreamed)
     fprintf(log, "# memplan: %d functions run concurrent streams: a buffer is reused there only after "
                  "every user of it happens before (stream order, events)\n", nstreamed);

@@ -168,7 +168,7 @@ print("%d,%d,%d,%d,%s" % (c["dp"], c["mp"], c["ep"], c["esp"], c["algo"]), repr(
   sed 's/^parallel auto;//' "$WORK/deep.moe" >"$WORK/deep_explicit.moe"
   if "$MOEC" build "$WORK/deep_explicit.moe" --cluster "$WORK/c22.cluster" --layout "$lay" -v -o "$WORK/deep" >"$WORK/build.out" 2>&1; then
     bstep=$(sed -n 's/^# pipeline-plan fsmoe step [^ ]* [^ ]* \([^ ]*\) .*/\1/p' "$WORK/build.out")
-    bpeak=$(sed -n 's/^# memplan: peak \([0-9]*\) bytes per rank/\1/p' "$WORK/build.out")
+    bpeak=$(sed -n 's/^# memplan: peak .* per rank (\([0-9]*\) bytes)$/\1/p' "$WORK/build.out")
     if $PY -c 'import sys; a, b, c, d = map(float, sys.argv[1:]); sys.exit(0 if abs(a - b) <= 1e-6 * b and c == d else 1)' \
          "$step" "$bstep" "$peak" "$bpeak" 2>/dev/null; then
       ok "x 6 layers priced from 3 and 4 copies = moec build --layout $lay: step $step ms, peak $peak bytes"

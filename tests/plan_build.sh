@@ -94,7 +94,7 @@ for i in 1 2 3; do
   t=$(awk -v a="$t0" -v b="$(date +%s.%N)" 'BEGIN {printf "%.3f", b - a}')
   if [ -z "$best" ] || awk -v t="$t" -v b="$best" 'BEGIN {exit !(t < b)}'; then best=$t; fi
 done
-peak=$(grep -o 'memplan: peak [0-9]* bytes per rank' "$WORK/xl.err")
+peak=$(grep -o 'memplan: peak .* per rank ([0-9]* bytes)' "$WORK/xl.err")
 if [ "$best" != fail ] && awk -v t="$best" 'BEGIN {exit !(t < 1.0)}' && [ -n "$peak" ]; then
   printf 'ok    moec build %s in %.2f s (under 1 s), %s\n' "$XL" "$best" "$peak"
 else
