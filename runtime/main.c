@@ -43,6 +43,7 @@
 #include <stdlib.h>
 #include <unistd.h>
 #include <string.h>
+#include <sys/resource.h>
 #include <time.h>
 
 enum { EXIT_USAGE = 2 };
@@ -534,13 +535,35 @@ static void profile_print(const RtTrainer *tr, Profile *p, int64_t first, int64_
            p->total / (double)p->n, p->comm > 0 ? 100.0 * p->hidden / p->comm : 0.0);
 }
 
-// The run's last line on rank 0: what was trained, or why nothing was.
+// bytes as a person reads them: B, KiB, MiB, ... (moec's ir_bytes, for the runtime's lines).
+static char *bytes_text(char *buf, size_t n, double bytes) {
+  static const char *const unit[] = {"B", "KiB", "MiB", "GiB", "TiB"};
+  int u = 0;
+  while (bytes >= 1024 && u < 4) bytes /= 1024, u++;
+  snprintf(buf, n, u ? "%.2f %s" : "%.0f %s", bytes, unit[u]);
+  return buf;
+}
+
+// The run's last line on rank 0: what was trained, or why nothing was. After training: the
+// tokens per second of the whole job over the wall time of its steps (evaluations included), and
+// rank 0's peak resident memory (the process: libraries and OpenBLAS's buffers too) beside the
+// memory plan's (parameters, gradients, optimizer moments and the activation arena; on a GPU
+// those live in device memory).
 static void print_summary(const RtTrainer *tr, const Steps *run, bool convert, double loss) {
   if (!rt_is_root(tr))
     return;
-  if (run->first <= run->last)
-    printf("# trained %lld step%s; final loss %.6f\n", (long long)(run->last - run->first + 1),
-           run->last > run->first ? "s" : "", loss);
+  const RtModel *m = tr->model;
+  if (run->first <= run->last) {
+    int64_t steps = run->last - run->first + 1;
+    double secs = (now_ms() - run->started) * 1e-3, tokens = (double)steps * tr->ranks.dp * m->batch * m->seqlen;
+    double plan = (double)m->arena_bytes + (double)m->param_floats * sizeof(float) * (m->opt == RT_OPT_ADAMW ? 4 : 2);
+    struct rusage ru;
+    char peak[32] = "unknown", planned[32];
+    if (getrusage(RUSAGE_SELF, &ru) == 0) bytes_text(peak, sizeof peak, (double)ru.ru_maxrss * 1024.0);
+    printf("# trained %lld step%s; final loss %.6f; %.0f tokens/s over %.3g s; peak memory %s%s (the memory plan: "
+           "%s per rank)\n", (long long)steps, steps > 1 ? "s" : "", loss, secs > 0 ? tokens / secs : 0.0, secs, peak,
+           m->device ? " on the host" : "", bytes_text(planned, sizeof planned, plan));
+  }
   else if (convert && !tr->opt.quiet)
     printf("# --steps 0: nothing trained; the parameters stay at step %lld\n",
            (long long)tr->done_steps);
