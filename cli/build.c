@@ -130,8 +130,9 @@ typedef struct Cluster {
   bool have;
   SchedCluster sc;
   char name[128];
-  // The Hugging Face family of the program (frontend/hf.c): its config.json, or NULL and why not.
-  char *hf_config;
+  // The Hugging Face family of the program (frontend/hf.c): what its --export-hf writes, or
+  // hf.config NULL and why not.
+  FeHfExport hf;
   char hf_why[512];
   char layout_note[512];   // how the layout was chosen (parallel auto, --layout), "" when written
 } Cluster;
@@ -166,7 +167,10 @@ static IrModule *front_end(IrDiag *d, const Options *o, const FeTargetCaps *targ
     ir_module_free(m);
     m = NULL;
   }
-  if (m) cl->hf_config = fe_hf_config(p, cl->hf_why, sizeof cl->hf_why);
+  if (m && !fe_hf_export(d, p, &cl->hf, cl->hf_why, sizeof cl->hf_why) && !cl->hf_why[0]) {
+    ir_module_free(m);   // its hf_config folder could not be read
+    m = NULL;
+  }
   int64_t world = p->parallel.dp * p->parallel.mp;
   if (m && world > 1) {  // where the ranks sit: the cluster profile, or one node
     ir_attrs_set_int(m->attrs, &m->nattrs, "gpus_per_node", have_cluster ? cluster.gpus_per_node : world);
@@ -218,7 +222,7 @@ static int cmd_dump_ir(IrDiag *d, const Options *o) {
     if (pass_run_pipeline(m, &ctx)) status = 0;
     pass_ctx_free(&ctx);
   }
-  free(cl.hf_config);
+  fe_hf_export_free(&cl.hf);
   ir_module_free(m);
   ir_source_free(src);
   return status;
@@ -277,7 +281,8 @@ static const CgTarget *resolve_target(const Options *o, char *arch, size_t arch_
 static bool emit_program(IrDiag *d, FILE *out, const IrModule *m, const PassMemPlan *plan, const Options *o,
                          const CgTarget *target, const char *arch, const Cluster *cl) {
   CgEmitOptions eo = {.source_name = o->input, .arch = target->takes_arch ? arch : NULL, .verbose = o->verbose,
-                      .hf_config = cl->hf_config, .hf_refusal = cl->hf_config ? NULL : cl->hf_why,
+                      .hf_config = cl->hf.config, .hf_refusal = cl->hf.config ? NULL : cl->hf_why,
+                      .hf_generation = cl->hf.generation, .hf_changes = cl->hf.changes,
                       .layout_note = cl->layout_note[0] ? cl->layout_note : NULL};
   return target->emit(d, out, m, plan, &eo);
 }
@@ -333,7 +338,7 @@ static int cmd_build(IrDiag *d, const Options *o) {
   if (!o->keep_c) unlink(tmp);
 done:
   free(output);
-  free(cl.hf_config);
+  fe_hf_export_free(&cl.hf);
   pass_ctx_free(&ctx);
   ir_module_free(m);
   ir_source_free(src);

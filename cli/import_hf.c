@@ -517,6 +517,9 @@ static int write_moe(const Options *o, const Config *c, int64_t seqlen, const ch
   fprintf(f, "  position rope { theta %s; }\n  norm rmsnorm { eps %s; }\n  tie_embeddings %s;\n",
           fe_float_text(c->theta, b1, sizeof b1), fe_float_text(c->eps, b2, sizeof b2), c->tie ? "true" : "false");
   fprintf(f, "  optimizer %s { lr %s; }\n}\n", o->optimizer, fe_float_text(o->lr, b1, sizeof b1));
+  const char *base = strrchr(o->prefix, '/');
+  fprintf(f, "# The checkpoint's config.json (and generation_config.json): --export-hf keeps every key the\n"
+             "# model does not set.\nhf_config \"%s.hf\";\n", base ? base + 1 : o->prefix);
   for (int i = 0; i < nruns; i++) {
     const Run *r = &runs[i];
     fprintf(f, "\n# decoder layers %lld..%lld\nlayer %s x %lld {\n", (long long)r->first, (long long)(r->first + r->count - 1),
@@ -535,6 +538,36 @@ static int write_moe(const Options *o, const Config *c, int64_t seqlen, const ch
     fprintf(f, "  }\n}\n");
   }
   return rt_commit_file(f, !ferror(f), tmp, moe_path) == 0 ? 0 : fail("%s", rt_last_error());
+}
+
+// PREFIX.hf/: the checkpoint's config.json and generation_config.json (where it has one) as they
+// are, which the .moe's `hf_config` names: --export-hf writes every key the model does not
+// determine from them.
+static int keep_configs(const Options *o, const char *dir) {
+  if (rt_make_dirs(dir) != 0) return fail("%s", rt_last_error());
+  static const char *const files[] = {"config.json", "generation_config.json"};
+  for (int i = 0; i < 2; i++) {
+    char from[4200], to[4200], tmp[4300];
+    snprintf(from, sizeof from, "%s/%s", o->dir, files[i]);
+    snprintf(to, sizeof to, "%s/%s", dir, files[i]);
+    snprintf(tmp, sizeof tmp, "%s.tmp", to);
+    errno = 0;
+    char *text = read_text(from);
+    if (!text && i == 1 && errno == ENOENT) {
+      remove(to);   // an earlier import's
+      continue;
+    }
+    if (!text) return fail("cannot read '%s': %s", from, strerror(errno ? errno : EIO));
+    FILE *f = fopen(tmp, "w");
+    if (!f) {
+      free(text);
+      return fail("cannot write '%s': %s", tmp, strerror(errno));
+    }
+    bool ok = fputs(text, f) >= 0;
+    free(text);
+    if (rt_commit_file(f, ok, tmp, to) != 0) return fail("%s", rt_last_error());
+  }
+  return 0;
 }
 
 int cli_import_hf(int argc, char **argv) {
@@ -569,12 +602,15 @@ int cli_import_hf(int argc, char **argv) {
       }
     status = convert(&c, &set, o.dir, weights_path);
   }
+  char hf_dir[4096];
+  snprintf(hf_dir, sizeof hf_dir, "%s.hf", o.prefix);
+  if (status == 0) status = keep_configs(&o, hf_dir);
   if (status == 0) status = write_moe(&o, &c, seqlen, moe_path, weights_path, set.nfiles, runs, nruns);
   free(runs);
   if (status == 0)
-    printf("# moec import-hf: %s (%s, %lld layers, %lld experts, vocab %lld) -> %s, %s\n", o.dir,
+    printf("# moec import-hf: %s (%s, %lld layers, %lld experts, vocab %lld) -> %s, %s, %s/\n", o.dir,
            rt_hf_family_name(c.arch.family), (long long)c.arch.layers, (long long)c.arch.experts,
-           (long long)c.arch.vocab, moe_path, weights_path);
+           (long long)c.arch.vocab, moe_path, weights_path, hf_dir);
   rt_st_set_free(&set);
   rt_hf_arch_free(&c.arch);
   cJSON_Delete(c.json);

@@ -69,6 +69,9 @@ struct CgEmitOptions {
   // The program's Hugging Face family (frontend/hf.c): the config.json its --export-hf writes,
   // or NULL and the sentence its --export-hf refuses with (RtModel.hf_config, .hf_refusal).
   const char *hf_config, *hf_refusal;
+  // Its generation_config.json (NULL: none) and the imported config's values the model replaced
+  // (RtModel.hf_generation, .hf_changes; NULL: none).
+  const char *hf_generation, *hf_changes;
   // How the layout was chosen (`parallel auto;`, --layout; RtModel.layout_note), NULL: written.
   const char *layout_note;
 };

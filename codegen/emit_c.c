@@ -449,6 +449,13 @@ void cg_emit_model(FILE *out, const IrModule *m, const PassMemPlan *plan, int64_
     emit_string(out, o->hf_config ? o->hf_config : o->hf_refusal);
     fprintf(out, ",\n");
   }
+  const char *const hf_more[2][2] = {{"hf_generation", o ? o->hf_generation : NULL}, {"hf_changes", o ? o->hf_changes : NULL}};
+  for (int i = 0; i < 2; i++)
+    if (hf_more[i][1]) {
+      fprintf(out, "  .%s = ", hf_more[i][0]);
+      emit_string(out, hf_more[i][1]);
+      fprintf(out, ",\n");
+    }
   if (o && o->layout_note) {
     fprintf(out, "  .layout_note = ");
     emit_string(out, o->layout_note);
@@ -492,7 +499,7 @@ bool cg_emit_c(IrDiag *d, FILE *out, const IrModule *m, const PassMemPlan *plan,
         fprintf(out, "  st->output = %s;\n", buf);
       }
       cg_spell_value(&e.sp, f->rets[0], buf, sizeof buf);
-      fprintf(out, "  st->mse = *%s;\n", buf);
+      fprintf(out, "  st->mse = *%s;\n  st->mse_exact = rt_loss_exact(st->mse);\n", buf);
     } else if (f->role == IR_ROLE_LAYER_FWD) {
       ok = emit_func(&e, f);
       emit_layer_stats(&e, f);

@@ -340,7 +340,7 @@ static const Field schedule_fields[] = {
 };
 static const Block schedule_block = BLOCK("schedule", schedule_fields, NULL);
 
-// file = model [parallel] [cluster STRING ";"] layer+ [schedule]
+// file = model [parallel] [cluster STRING ";"] [hf_config STRING ";"] layer+ [schedule]
 static const Field moe_file_fields[] = {
   {"model", F_REQUIRED | F_BLOCK, .vals = {{V_NAME, .off = AT(FeProgram, model.name)}},
    .block = &model_block, .sub = AT(FeProgram, model), .loc = AT(FeProgram, model.loc),
@@ -348,6 +348,7 @@ static const Field moe_file_fields[] = {
   {"parallel", F_BLOCK_OPT, .block = &parallel_block, .sub = AT(FeProgram, parallel), .loc = AT(FeProgram, parallel.loc),
    .custom = check_parallel},
   {"cluster", 0, .vals = {{V_STRING, .off = AT(FeProgram, cluster_path), .loc_off = AT(FeProgram, cluster_loc)}}},
+  {"hf_config", 0, .vals = {{V_STRING, .off = AT(FeProgram, hf_config_path), .loc_off = AT(FeProgram, hf_config_loc)}}},
   {"layer", F_REQUIRED | F_MANY | F_BLOCK, .custom = check_layer,
    .missing = "missing 'layer' block: a model needs at least one layer"},
   {"schedule", F_BLOCK, .block = &schedule_block, .sub = AT(FeProgram, schedule),

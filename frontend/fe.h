@@ -217,6 +217,8 @@ typedef struct FeProgram {
   FeParallel parallel;
   const char *cluster_path;   // the `cluster "F";` statement, or NULL
   SrcLoc cluster_loc;
+  const char *hf_config_path; // the `hf_config "DIR";` statement (config.json and maybe
+  SrcLoc hf_config_loc;       // generation_config.json for --export-hf), or NULL
   FeLayer *layers;
   int nlayers;
   FeSchedule schedule;
@@ -253,9 +255,21 @@ typedef struct FeTargetCaps {
 IrModule *fe_lower(IrDiag *d, const FeProgram *p, const FeTargetCaps *target);
 
 // ---- Hugging Face families (frontend/hf.c, DESIGN §2.2) ----
-// The config.json of the family p is (malloc'ed JSON text, for a binary's --export-hf), or NULL
-// with why (n bytes) holding the sentence that says why p is none.
-char *fe_hf_config(const FeProgram *p, char *why, size_t n);
+// What a binary's --export-hf writes (malloc'ed JSON texts): config.json; generation_config.json
+// (NULL: none); and changes, the values of the `hf_config` folder's config.json that the model
+// replaced ("key: old -> new", "; " between them; NULL: none).
+typedef struct FeHfExport {
+  char *config, *generation, *changes;
+} FeHfExport;
+// p's export: its family's config.json — the keys the model determines from the model, every
+// other key of the `hf_config` folder's config.json as it is — and generation_config.json (the
+// folder's, else the token ids of the config). False with why (n bytes) saying why p is no
+// family, or with why[0] == 0 after reporting through d a folder that cannot be read.
+bool fe_hf_export(IrDiag *d, const FeProgram *p, FeHfExport *out, char *why, size_t n);
+void fe_hf_export_free(FeHfExport *e);
+// path relative to the folder of the .moe file at names (malloc'd), or NULL: path is absolute, no
+// file names it, or the file is in the current folder (load.c).
+char *fe_path_beside(const char *path, SrcLoc at);
 // The shortest text of v ("%.*g", 6 to 17 digits) that reads back as v; buf (n bytes) returned.
 // config.json's floats and moec import-hf's .moe numbers.
 const char *fe_float_text(double v, char *buf, size_t n);

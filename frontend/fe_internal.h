@@ -12,6 +12,9 @@
 
 #include "fe.h"
 
+// The whole file at path, NUL-terminated (*len its length), or NULL with errno (load.c).
+char *fe_read_file(const char *path, size_t *len);
+
 // Blocks may nest this deep; deeper input gets a diagnostic instead of a deep parser stack.
 #define FE_MAX_DEPTH 64
 

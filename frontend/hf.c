@@ -19,12 +19,13 @@
 // dropless, as transformers does. `aux pooled` in every MoE layer is transformers' own
 // load-balancing loss: output_router_logits true with its coefficient.
 #include <cjson/cJSON.h>
+#include <errno.h>
 #include <stdarg.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 
-#include "fe.h"
+#include "fe_internal.h"
 
 static bool refuse(char *why, size_t n, const char *fmt, ...) __attribute__((format(printf, 3, 4)));
 static bool refuse(char *why, size_t n, const char *fmt, ...) {
@@ -170,7 +171,9 @@ static void add_dense_layers(cJSON *c, const FeProgram *p) {
       if (p->layers[i].has_mlp) cJSON_AddItemToArray(only, cJSON_CreateNumber((double)l));
 }
 
-char *fe_hf_config(const FeProgram *p, char *why, size_t n) {
+// The keys the model determines (*soft: those whose value is the model's only where the imported
+// config has none: a size of layers the model does not have, a training-only setting).
+static cJSON *model_config(const FeProgram *p, cJSON **soft, char *why, size_t n) {
   const FeLayer *m0 = NULL;
   // What only one family has decides which family's reason to give.
   const char *qk = p->nlayers > 0 ? p->layers[0].qk_norm : NULL;
@@ -183,6 +186,7 @@ char *fe_hf_config(const FeProgram *p, char *why, size_t n) {
             : f == QWEN2_MOE ? is_qwen2_moe(p, &m0, why, n)
                              : is_qwen3_or_olmoe(p, f, &m0, why, n);
   if (!ok) return NULL;
+  *soft = cJSON_CreateObject();
   bool qwen = f == QWEN2_MOE;
   const FeModel *md = &p->model;
   const FeLayer *a0 = &p->layers[0];
@@ -193,7 +197,12 @@ char *fe_hf_config(const FeProgram *p, char *why, size_t n) {
     if (p->layers[i].has_mlp) dense_hidden = p->layers[i].mlp.hidden;
   }
   cJSON *c = cJSON_CreateObject();
-  if (!c) return NULL;
+  if (!c || !*soft) {
+    cJSON_Delete(c);
+    cJSON_Delete(*soft);
+    *soft = NULL;
+    return NULL;
+  }
   cJSON *arch = cJSON_AddArrayToObject(c, "architectures");
   cJSON_AddItemToArray(arch, cJSON_CreateString(family_classes[f]));
   cJSON_AddStringToObject(c, "model_type", family_types[f]);
@@ -208,7 +217,7 @@ char *fe_hf_config(const FeProgram *p, char *why, size_t n) {
     add_int(c, "num_experts", e->experts.count);
     add_int(c, f == OLMOE ? "intermediate_size" : "moe_intermediate_size", e->experts.hidden);
     if (f == QWEN3_MOE) {
-      add_int(c, "intermediate_size", dense_hidden > 0 ? dense_hidden : e->experts.hidden);
+      add_int(dense_hidden > 0 ? c : *soft, "intermediate_size", dense_hidden > 0 ? dense_hidden : e->experts.hidden);
       add_int(c, "head_dim", a0->head_dim);
       add_int(c, "decoder_sparse_step", 1);
       add_dense_layers(c, p);
@@ -222,7 +231,7 @@ char *fe_hf_config(const FeProgram *p, char *why, size_t n) {
     add_int(c, "num_experts", e->experts.count);
     add_int(c, "moe_intermediate_size", e->experts.hidden);
     add_int(c, "shared_expert_intermediate_size", e->shared.hidden);
-    add_int(c, "intermediate_size", dense_hidden > 0 ? dense_hidden : e->shared.hidden);
+    add_int(dense_hidden > 0 ? c : *soft, "intermediate_size", dense_hidden > 0 ? dense_hidden : e->shared.hidden);
     cJSON_AddBoolToObject(c, "norm_topk_prob", e->gate.renormalize);
     cJSON_AddBoolToObject(c, "qkv_bias", a0->attn_bias);
     add_int(c, "decoder_sparse_step", 1);
@@ -231,10 +240,11 @@ char *fe_hf_config(const FeProgram *p, char *why, size_t n) {
   } else {
     add_int(c, "num_local_experts", e->experts.count);
     add_int(c, "intermediate_size", e->experts.hidden);
-    add_int(c, "head_dim", md->embed / a0->heads);
+    add_int(*soft, "head_dim", md->embed / a0->heads);   // null in a config means this
+    // No window shorter than the sequence: any longer one (or none) trains the same.
     if (a0->window > 0 && a0->window < md->seqlen) add_int(c, "sliding_window", a0->window);
-    else cJSON_AddNullToObject(c, "sliding_window");
-    add_float(c, "router_jitter_noise", 0);
+    else cJSON_AddNullToObject(*soft, "sliding_window");
+    add_float(*soft, "router_jitter_noise", 0);
   }
   add_float(c, "rms_norm_eps", md->norm_eps);
   cJSON *rope = cJSON_AddObjectToObject(c, "rope_parameters");   // transformers 5
@@ -247,11 +257,182 @@ char *fe_hf_config(const FeProgram *p, char *why, size_t n) {
   bool pooled = true;
   for (int i = 0; i < p->nlayers; i++)
     pooled &= !p->layers[i].has_moe || fe_aux_pooled(&p->layers[i].moe.gate);
-  add_float(c, "router_aux_loss_coef", e->gate.aux_loss);
+  add_float(pooled ? c : *soft, "router_aux_loss_coef", e->gate.aux_loss);
   cJSON_AddBoolToObject(c, "output_router_logits", pooled);
-  add_float(c, "attention_dropout", 0);
-  cJSON_AddStringToObject(c, "dtype", "float32");
-  char *text = cJSON_Print(c);
-  cJSON_Delete(c);
+  add_float(*soft, "attention_dropout", 0);
+  cJSON_AddStringToObject(c, "dtype", "float32");   // the tensors --export-hf writes
+  return c;
+}
+
+static bool keep_number_text(cJSON *node, const char **at);
+
+// A JSON file of the hf_config folder: its tree, NULL when it does not exist and may not
+// (*failed stays false), or NULL with an error reported (*failed).
+static cJSON *read_json(IrDiag *d, const FeProgram *p, const char *dir, const char *file, bool required, bool *failed) {
+  char path[4096];
+  snprintf(path, sizeof path, "%s/%s", dir, file);
+  size_t len = 0;
+  errno = 0;
+  char *text = fe_read_file(path, &len);
+  if (!text) {
+    if (!required && errno == ENOENT) return NULL;
+    *failed = true;
+    ir_error_at(d, p->hf_config_loc, "cannot read '%s': %s (hf_config names a folder holding the config.json of "
+                "a Hugging Face checkpoint; moec import-hf writes one beside the .moe)", path, strerror(errno ? errno : EIO));
+    return NULL;
+  }
+  const char *end = NULL, *at = text;
+  cJSON *j = cJSON_ParseWithLengthOpts(text, len, &end, false);
+  if (j && !keep_number_text(j->child, &at)) {
+    cJSON_Delete(j);
+    j = NULL;
+  }
+  if (!j || !cJSON_IsObject(j)) {
+    *failed = true;
+    ir_error_at(d, p->hf_config_loc, "'%s' is not a JSON object%s%.20s", path, j ? "" : ": the JSON stops at ",
+                j ? "" : (end ? end : ""));
+  }
+  free(text);
+  if (*failed) {
+    cJSON_Delete(j);
+    return NULL;
+  }
+  return j;
+}
+
+// Numbers as their text in the file: cJSON prints 0.0 as 0, and transformers' configs check types.
+// text's number tokens (outside strings) come in the order a depth-first walk of the tree meets
+// its numbers; each such node becomes raw text. False when they do not pair up.
+static bool keep_number_text(cJSON *node, const char **at) {
+  for (; node; node = node->next) {
+    if (cJSON_IsNumber(node)) {
+      const char *p = *at;
+      for (bool in_string = false; *p; p++) {   // the next number token
+        if (in_string) {
+          if (*p == '\\' && p[1]) p++;
+          else if (*p == '"') in_string = false;
+        } else if (*p == '"') {
+          in_string = true;
+        } else if (*p == '-' || (*p >= '0' && *p <= '9')) {
+          break;
+        }
+      }
+      size_t n = strspn(p, "+-0123456789.eE");
+      char *raw = n ? strndup(p, n) : NULL;
+      if (!raw) return false;
+      node->type = cJSON_Raw;
+      node->valuestring = raw;
+      *at = p + n;
+    }
+    if (node->child && !keep_number_text(node->child, at)) return false;
+  }
+  return true;
+}
+
+// A copy of v with raw numbers read as numbers (for comparing values, not their texts).
+static cJSON *cooked(const cJSON *v) {
+  if (v->type == cJSON_Raw) return cJSON_Parse(v->valuestring);
+  cJSON *copy = cJSON_Duplicate(v, false);
+  for (const cJSON *k = v->child; copy && k; k = k->next) {
+    cJSON *item = cooked(k);
+    if (!item) continue;
+    if (cJSON_IsObject(copy)) cJSON_AddItemToObject(copy, k->string, item);
+    else cJSON_AddItemToArray(copy, item);
+  }
+  return copy;
+}
+
+// "key: old -> new" for a value of the folder's config.json the model replaces.
+static void note_change(char **changes, const char *key, const cJSON *old, const cJSON *now) {
+  char *a = cJSON_PrintUnformatted(old), *b = cJSON_PrintUnformatted(now);
+  size_t have = *changes ? strlen(*changes) : 0, more = strlen(key) + (a ? strlen(a) : 1) + (b ? strlen(b) : 1) + 12;
+  char *grown = realloc(*changes, have + more);
+  if (grown) {
+    snprintf(grown + have, more, "%s%s: %s -> %s", have ? "; " : "", key, a ? a : "?", b ? b : "?");
+    *changes = grown;
+  }
+  free(a);
+  free(b);
+}
+
+// generation_config.json from a config's token ids, as transformers derives it; NULL without any.
+static char *generation_of(const cJSON *config) {
+  static const char *const ids[] = {"bos_token_id", "eos_token_id", "pad_token_id"};
+  cJSON *g = cJSON_CreateObject();
+  bool any = false;
+  cJSON_AddBoolToObject(g, "_from_model_config", true);
+  for (int i = 0; i < 3; i++) {
+    const cJSON *v = cJSON_GetObjectItemCaseSensitive(config, ids[i]);
+    if (v && !cJSON_IsNull(v)) {
+      cJSON_AddItemToObject(g, ids[i], cJSON_Duplicate(v, true));
+      any = true;
+    }
+  }
+  const cJSON *version = cJSON_GetObjectItemCaseSensitive(config, "transformers_version");
+  if (version) cJSON_AddItemToObject(g, "transformers_version", cJSON_Duplicate(version, true));
+  char *text = any ? cJSON_Print(g) : NULL;
+  cJSON_Delete(g);
   return text;
+}
+
+bool fe_hf_export(IrDiag *d, const FeProgram *p, FeHfExport *out, char *why, size_t n) {
+  memset(out, 0, sizeof *out);
+  cJSON *soft = NULL, *c = model_config(p, &soft, why, n);
+  if (!c) {
+    if (p->hf_config_path) {   // an export was asked for
+      ir_error_at(d, p->hf_config_loc, "hf_config: model '%s' is no Hugging Face family to export: %s", p->model.name, why);
+      why[0] = 0;
+    }
+    return false;
+  }
+  cJSON *config = NULL, *generation = NULL;
+  bool failed = false;
+  if (p->hf_config_path) {
+    char *beside = fe_path_beside(p->hf_config_path, p->hf_config_loc);
+    const char *dir = beside ? beside : p->hf_config_path;
+    config = read_json(d, p, dir, "config.json", true, &failed);
+    if (!failed) generation = read_json(d, p, dir, "generation_config.json", false, &failed);
+    free(beside);
+  }
+  if (failed) {
+    cJSON_Delete(c);
+    cJSON_Delete(soft);
+    why[0] = 0;
+    return false;
+  }
+  if (!config) config = cJSON_CreateObject();
+  // The model's keys over the folder's, in the folder's order (new keys at the end); a soft key
+  // only where the folder has none; max_position_embeddings at least the model's seqlen.
+  for (const cJSON *k = c->child; k; k = k->next) {
+    const cJSON *old = cJSON_GetObjectItemCaseSensitive(config, k->string);
+    if (old && strcmp(k->string, "max_position_embeddings") == 0 && old->type == cJSON_Raw &&
+        strtod(old->valuestring, NULL) >= k->valuedouble)
+      continue;
+    // Floats are raw text (add_float, keep_number_text): compared as the numbers they read as.
+    cJSON *a = old ? cooked(old) : NULL, *b = old ? cooked(k) : NULL;
+    bool same = a && b && cJSON_Compare(a, b, true);
+    if (old && !same) note_change(&out->changes, k->string, old, k);
+    cJSON_Delete(a);
+    cJSON_Delete(b);
+    if (same) continue;   // the folder's text of it stays
+    if (old) cJSON_ReplaceItemInObjectCaseSensitive(config, k->string, cJSON_Duplicate(k, true));
+    else cJSON_AddItemToObject(config, k->string, cJSON_Duplicate(k, true));
+  }
+  for (const cJSON *k = soft->child; k; k = k->next)
+    if (!cJSON_GetObjectItemCaseSensitive(config, k->string))
+      cJSON_AddItemToObject(config, k->string, cJSON_Duplicate(k, true));
+  out->config = cJSON_Print(config);
+  out->generation = generation ? cJSON_Print(generation) : generation_of(config);
+  cJSON_Delete(c);
+  cJSON_Delete(soft);
+  cJSON_Delete(config);
+  cJSON_Delete(generation);
+  return out->config != NULL;
+}
+
+void fe_hf_export_free(FeHfExport *e) {
+  free(e->config);
+  free(e->generation);
+  free(e->changes);
+  memset(e, 0, sizeof *e);
 }

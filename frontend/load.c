@@ -27,7 +27,7 @@ FeProgram *fe_load(IrDiag *d, const IrSource *src) {
 }
 
 // Reads a whole file into a malloc'd, NUL-terminated buffer. NULL with errno set on failure.
-static char *read_file(const char *path, size_t *len) {
+char *fe_read_file(const char *path, size_t *len) {
   FILE *f = fopen(path, "rb");
   if (!f)
     return NULL;
@@ -84,9 +84,7 @@ static const char *intern(const char *name) {
   return i->name;
 }
 
-// path relative to the folder of the .moe file at names (malloc'd), or NULL: path is absolute, no
-// file names it, or the file is in the current folder.
-static char *beside_source(const char *path, SrcLoc at) {
+char *fe_path_beside(const char *path, SrcLoc at) {
   if (!at.src || !at.src->path || path[0] == '/') return NULL;
   const char *slash = strrchr(at.src->path, '/');
   if (!slash) return NULL;
@@ -99,14 +97,14 @@ static char *beside_source(const char *path, SrcLoc at) {
 bool fe_load_cluster(IrDiag *d, const char *path, SrcLoc at, FeCluster *out) {
   memset(out, 0, sizeof *out);
   size_t len = 0;
-  char *text = NULL, *beside = beside_source(path, at);
-  if (beside && (text = read_file(beside, &len))) {
+  char *text = NULL, *beside = fe_path_beside(path, at);
+  if (beside && (text = fe_read_file(beside, &len))) {
     const char *kept = intern(beside);   // the profile's diagnostics name the file read
     path = kept ? kept : path;
   }
   free(beside);
   errno = 0;
-  if (!text) text = read_file(path, &len);
+  if (!text) text = fe_read_file(path, &len);
   if (!text)
     return ir_error_at(d, at, "cannot read '%s': %s", path, strerror(errno ? errno : EIO));
   IrSource *src = ir_source_from_buffer(path, text, len);

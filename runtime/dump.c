@@ -151,8 +151,12 @@ int rt_dump_hf(RtTrainer *tr, const char *dir) {
     rt_gather_param(tr->comm, p, r, tr->st.params + p->offset, root ? whole[i] : NULL);
   }
   int status = root ? rt_hf_export(m, whole, dir) : 0;
-  if (root && status == 0 && !tr->opt.quiet)
-    printf("# wrote %s/config.json and %s/model.safetensors (Hugging Face)\n", dir, dir);
+  if (root && status == 0 && !tr->opt.quiet) {
+    printf("# wrote %s/config.json%s and %s/model.safetensors (Hugging Face)\n", dir,
+           m->hf_generation ? ", generation_config.json" : "", dir);
+    if (m->hf_changes)   // the imported config's values this model replaced
+      printf("# config.json: the model's own values for: %s\n", m->hf_changes);
+  }
   for (int i = 0; root && i < m->nparams; i++) free(whole[i]);
   free(whole);
   return rt_world_agree(tr->comm, status);

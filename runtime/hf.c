@@ -311,6 +311,10 @@ int rt_hf_export(const RtModel *m, float *const *whole, const char *dir) {
     snprintf(path, sizeof path, "%s/config.json", dir);
     status = write_text(path, m->hf_config);
   }
+  if (status == 0 && m->hf_generation) {
+    snprintf(path, sizeof path, "%s/generation_config.json", dir);
+    status = write_text(path, m->hf_generation);
+  }
   for (int i = 0; bufs && i < n; i++) free(bufs[i]);
   free(bufs);
   free(out);

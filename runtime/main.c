@@ -181,14 +181,19 @@ static int load_checkpoint(RtTrainer *tr, const char *path) {
 // value), so it sums over DP; aux, z and aux_total are shares that sum over the world, as do
 // the routing counts. Collective on several ranks.
 RtReport rt_report_reduce(const RtTrainer *tr, const RtStep *st, const uint64_t *hash0) {
-  RtReport r = {.mse = st->mse};
+  // mse_exact is mse before its rounding to float where the forward set it (else mse itself).
+  bool exact = fabs(st->mse_exact - st->mse) <= 4 * 0x1p-23 * fabs(st->mse);
+  RtReport r = {.mse = st->mse, .loss_exact = exact ? st->mse_exact : st->mse};
   double sums[7] = {st->aux, st->z, st->aux_total, (double)st->dropped, (double)st->routed,
                     st->load_sum, (double)st->load_count};
   double maxes[4] = {st->load_count > 0 ? -(double)st->load_min : -INFINITY,
                      (double)st->load_max, (double)st->capacity_max,
                      hash0 && st->route_hash != *hash0};
   if (tr->ranks.world > 1) {
-    rt_allreduce_f64(tr->comm, RT_GROUP_DP, &r.mse, 1);
+    double mse[2] = {r.mse, r.loss_exact};
+    rt_allreduce_f64(tr->comm, RT_GROUP_DP, mse, 2);
+    r.mse = mse[0];
+    r.loss_exact = mse[1];
     rt_allreduce_f64(tr->comm, RT_GROUP_WORLD, sums, 7);
     rt_world_max(tr->comm, maxes, 4);
   }
@@ -204,6 +209,7 @@ RtReport rt_report_reduce(const RtTrainer *tr, const RtStep *st, const uint64_t 
   r.capacity_max = maxes[2];
   r.route_changed = maxes[3] != 0;
   r.loss = r.mse + r.aux_total;
+  r.loss_exact += r.aux_total;
   return r;
 }
 

@@ -127,6 +127,9 @@ void rt_expert_choice_stats(RtStep *st, const int32_t *loc, int s, int e, int g,
 float rt_aux_loss_value(const float *scores, const int32_t *idx, int s, int e, int k, int g);
 float rt_z_loss_value(const float *logits, int s, int e, int g);
 float rt_mse_value(const float *out, const float *target, int64_t n);   // sum (o-t)^2 / (2n)
+// The last rt_mse's or rt_xent's loss in double when value is that loss rounded to float (within
+// 4 ulps), else value: the step's loss before rounding, for --check-grad (kernels/loss.c).
+double rt_loss_exact(double value);
 // The record hook: writes one JSON line {"step", "layer", "point", "numel", "mean", "max_abs",
 // "dropped"} to st->record (nothing when NULL); dropped is the layer's dropped fraction so far.
 void rt_record(RtStep *st, const char *point, int layer, const float *x, int64_t n);
@@ -286,6 +289,9 @@ struct RtModel {
   // The Hugging Face family the model is (DESIGN §2.2): the config.json that --export-hf writes,
   // or NULL with hf_refusal, the sentence saying why it is none (moec build decides).
   const char *hf_config, *hf_refusal;
+  // Its generation_config.json (NULL: none), and the values of the imported config.json the
+  // model replaced ("key: old -> new; ...", NULL: none), which --export-hf reports.
+  const char *hf_generation, *hf_changes;
   // How moec build chose the layout (`parallel auto;`, --layout), printed at start; NULL: written.
   const char *layout_note;
 };
@@ -309,6 +315,7 @@ struct RtStep {
   int64_t token0;                 // global index of this rank's first token (0 on one rank)
   // filled by forward
   double mse, aux_total;          // loss = mse + aux_total
+  double mse_exact;               // mse before its rounding to float (rt_loss_exact; the CUDA program: mse)
   double aux, z;                  // unweighted sums over layers (for the report)
   int64_t dropped, routed;        // choices dropped / routed this step
   uint64_t route_hash;            // hash of every routing decision (for --check-grad)

@@ -53,7 +53,8 @@ void rt_options_usage(FILE *out, const RtModel *model, const char *prog) {
           "%s.record.jsonl;\n"
           "                   rank R > 0 writes FILE.rank<R>; appended to on --resume)\n"
           "  --check-grad     compare the gradients at step 1 with finite differences, "
-          "then exit\n"
+          "then exit;\n"
+          "                   --check-grad=P,Q,... only the parameters whose names begin with P, Q, ...\n"
           "A language model (one with a vocabulary) also takes:\n"
           "  --data F         train on the token file F (llm.c's .bin by its header, .txt: "
           "bytes, else\n"
@@ -97,15 +98,16 @@ static int parse_nonneg(const char *text, double max, double *out) {
 }
 
 // options = ("--steps" N | "--weights" W | "--save" C | "--resume" C | "--input" X
-//            | "--target" T | "--dump" DIR | "--record" FILE | "--check-grad" | "--quiet"
+//            | "--target" T | "--dump" DIR | "--record" FILE | "--check-grad" ["=" P,...] | "--quiet"
 //            | "--help")*
 // A value may also follow "=": --steps=5.
 int rt_options_parse(int argc, char **argv, RtOptions *o) {
   *o = (RtOptions){.steps = 20, .temperature = 1.0, .comm_timeout = -1};
   for (int i = 1; i < argc; i++) {
     const char *arg = argv[i];
-    if (strcmp(arg, "--check-grad") == 0) {
+    if (strcmp(arg, "--check-grad") == 0 || strncmp(arg, "--check-grad=", 13) == 0) {
       o->check_grad = true;
+      o->check_grad_only = arg[12] == '=' ? arg + 13 : NULL;
       continue;
     }
     if (strcmp(arg, "--quiet") == 0) {

@@ -54,7 +54,8 @@ int rt_hf_arch_of_config(const char *json, RtHfArch *a);
 void rt_hf_arch_free(RtHfArch *a);   // frees inst[] and dense (NULL allowed)
 // The family of a config.json's model_type ("mixtral", ...); false when none.
 bool rt_hf_family_of(const char *model_type, RtHfFamily *f);
-// Writes DIR/config.json (m->hf_config) and DIR/model.safetensors (F32, the family's names) from
+// Writes DIR/config.json (m->hf_config), DIR/generation_config.json (m->hf_generation, where there
+// is one) and DIR/model.safetensors (F32, the family's names) from
 // whole[i], the whole tensor of parameter i of m. 0, or -1 (rt_fail) with a sentence.
 int rt_hf_export(const RtModel *m, float *const *whole, const char *dir);
 

@@ -29,6 +29,7 @@ typedef struct RtOptions {
   bool steps_given;             // --steps was on the command line
   bool watched;                 // a person watches stdout: one progress line (rt_main, before MPI starts)
   bool check_grad, quiet, help, profile;
+  const char *check_grad_only;   // --check-grad=P,Q: only parameters whose names begin so (NULL: all)
   // language models (runtime/lm.c)
   const char *data, *val, *prompt;
   int64_t eval_every, val_windows, sample;
@@ -84,6 +85,7 @@ void rt_fill_step_data(RtTrainer *tr, int64_t step);
 
 typedef struct RtReport {
   double loss, mse, aux, z, aux_total;
+  double loss_exact;          // mse_exact + aux_total: the loss before its rounding to float
   double dropped, routed, load_sum, load_count;
   double load_min, load_max, capacity_max;
   bool route_changed;         // some rank's route_hash differs from the one given

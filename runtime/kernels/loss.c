@@ -7,19 +7,33 @@
 #include "moert.h"
 #include "rt_internal.h"
 
-// ---- mean squared error ----
+// The last loss a kernel computed, before its rounding to the float the step carries: --check-grad
+// differences losses that float rounding would quantise to steps of 2^-24 |loss| (rt_loss_exact).
+static double last_exact;
 
-void rt_mse(const float *out, const float *target, float *loss, int64_t n, float scale) {
-  loss[0] = scale * rt_mse_value(out, target, n);
+double rt_loss_exact(double value) {
+  return fabs(last_exact - value) <= 4 * 0x1p-23 * fabs(value) ? last_exact : value;
 }
 
-float rt_mse_value(const float *out, const float *target, int64_t n) {
+// ---- mean squared error ----
+
+static double mse_sum(const float *out, const float *target, int64_t n) {
   double acc = 0.0;
   for (int64_t i = 0; i < n; i++) {
     double d = (double)out[i] - target[i];
     acc += d * d;
   }
-  return n > 0 ? (float)(acc / (2.0 * n)) : 0.0f;
+  return acc;
+}
+
+void rt_mse(const float *out, const float *target, float *loss, int64_t n, float scale) {
+  double acc = mse_sum(out, target, n);
+  loss[0] = scale * (n > 0 ? (float)(acc / (2.0 * n)) : 0.0f);
+  last_exact = n > 0 ? (double)scale * acc / (2.0 * n) : 0.0;
+}
+
+float rt_mse_value(const float *out, const float *target, int64_t n) {
+  return n > 0 ? (float)(mse_sum(out, target, n) / (2.0 * n)) : 0.0f;
 }
 
 void rt_mse_grad(const float *out, const float *target, float *dout, int64_t n, float scale) {
@@ -69,6 +83,7 @@ void rt_xent(const float *logits, const int32_t *targets, float *loss, int t, in
   for (int i = 0; i < t; i++) acc += term[i];
   free(term);
   loss[0] = t > 0 ? (float)(scale * acc / t) : 0.0f;
+  last_exact = t > 0 ? scale * acc / t : 0.0;
 }
 
 // out[j] = f * (exp(row[j] - lse) - (j == target)), the exponential rt_exp's of the float

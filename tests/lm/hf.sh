@@ -44,6 +44,58 @@ EOF
 then ok "the exported config.json has the checkpoint's architecture"
 else bad "the exported config.json differs from the checkpoint's"
 fi
+# The export keeps the imported config: import-hf keeps config.json (and generation_config.json)
+# in PREFIX.hf, which the .moe names (hf_config); after training, the exported config.json is the
+# checkpoint's key by key, generation_config.json carries its token ids, and nothing is listed as
+# changed. A model that changes a value the config holds (its aux loss) exports its own value and
+# lists it; a checkpoint's own generation_config.json is exported as it is.
+cfgdiff() {   # A B: the keys whose values differ, "key: a -> b" per line (as JSON values)
+  $PY - "$1" "$2" <<'EOF'
+import json, sys
+a, b = (json.load(open(p)) for p in sys.argv[1:3])
+for k in list(a) + [k for k in b if k not in a]:
+    if a.get(k, "<absent>") != b.get(k, "<absent>"):
+        print("%s: %s -> %s" % (k, json.dumps(a.get(k, "<absent>")), json.dumps(b.get(k, "<absent>"))))
+EOF
+}
+echo '{"_from_model_config": true, "bos_token_id": 1, "eos_token_id": 2, "transformers_version": "5.24.0"}' >"$WORK/gen_want.json"
+if (cd "$WORK" && ./mxbin --steps 2 --weights mx.safetensors --export-hf kept >kept.out 2>&1) &&
+   d=$(cfgdiff "$WORK/mx/config.json" "$WORK/kept/config.json") && [ -z "$d" ] &&
+   ! grep -q "config.json: the model's own values" "$WORK/kept.out" &&
+   [ -z "$(cfgdiff "$WORK/kept/generation_config.json" "$WORK/gen_want.json")" ]; then
+  ok "import-hf, 2 steps, --export-hf: config.json key by key the checkpoint's ($(grep -c ':' "$WORK/kept/config.json") lines: max_position_embeddings 64, not the seqlen 16; router_aux_loss_coef, bos/eos_token_id, use_cache, initializer_range kept), generation_config.json with bos 1 and eos 2"
+else
+  bad "the exported config differs from the imported one" "$(tail -n 3 "$WORK/kept.out"; echo "${d:-}"; cat "$WORK/kept/generation_config.json" 2>/dev/null)"
+fi
+sed 's/gate gshard { k 2;/gate gshard { k 2; aux_loss 0.05; aux pooled;/' "$WORK/mx.moe" >"$WORK/mxaux.moe"
+if "$MOEC" build "$WORK/mxaux.moe" -o "$WORK/mxaux" 2>"$WORK/err" &&
+   (cd "$WORK" && ./mxaux --steps 1 --weights mx.safetensors --export-hf auxout >aux.out 2>&1) &&
+   grep -qF "# config.json: the model's own values for: router_aux_loss_coef: 0.02 -> 0.05; output_router_logits: false -> true" "$WORK/aux.out" &&
+   [ "$(cfgdiff "$WORK/mx/config.json" "$WORK/auxout/config.json" | tr '\n' ' ')" = "router_aux_loss_coef: 0.02 -> 0.05 output_router_logits: false -> true " ]; then
+  ok "a model that sets aux_loss 0.05 and aux pooled exports them, the rest as imported, and lists what it changed: $(grep -o 'router_aux.*' "$WORK/aux.out")"
+else
+  bad "the changed aux loss in the export" "$(cat "$WORK/err" "$WORK/aux.out" 2>/dev/null | tail -n 4; cfgdiff "$WORK/mx/config.json" "$WORK/auxout/config.json")"
+fi
+mkdir -p "$WORK/gen"
+cp "$WORK/mx/"* "$WORK/gen/"
+printf '{\n  "bos_token_id": 1,\n  "eos_token_id": [2, 5],\n  "max_new_tokens": 20,\n  "temperature": 0.7\n}\n' >"$WORK/gen/generation_config.json"
+if "$MOEC" import-hf "$WORK/gen" -o "$WORK/gen/imp" --batch 2 --seqlen 16 >"$WORK/gen.out" 2>&1 &&
+   "$MOEC" build "$WORK/gen/imp.moe" -o "$WORK/gen/bin" 2>"$WORK/err" &&
+   (cd "$WORK/gen" && ./bin --steps 0 --weights imp.safetensors --export-hf out >exp.out 2>&1) &&
+   [ -f "$WORK/gen/out/generation_config.json" ] &&
+   [ -z "$(cfgdiff "$WORK/gen/generation_config.json" "$WORK/gen/out/generation_config.json")" ]; then
+  ok "a checkpoint's generation_config.json (eos [2, 5], max_new_tokens, temperature) is exported as it is"
+else
+  bad "the checkpoint's generation_config.json" "$(cat "$WORK/gen.out" "$WORK/err" "$WORK/gen/exp.out" 2>/dev/null | tail -n 4; cat "$WORK/gen/out/generation_config.json" 2>/dev/null)"
+fi
+sed 's/^hf_config "mx.hf";/hf_config "nowhere.hf";/' "$WORK/mx.moe" >"$WORK/nohf.moe"
+if ! "$MOEC" build "$WORK/nohf.moe" -o "$WORK/nohf" 2>"$WORK/err" &&
+   grep -q "nohf.moe:[0-9]*:[0-9]*: error: cannot read '.*nowhere.hf/config.json': No such file or directory" "$WORK/err"; then
+  ok "hf_config naming a missing folder: $(head -n 1 "$WORK/err" | sed "s|$WORK/||g" | cut -c1-160)"
+else
+  bad "hf_config naming a missing folder" "$(cat "$WORK/err")"
+fi
+
 if (cd "$WORK" && ./mxbin --steps 3 --weights mx.safetensors >train.out 2>&1) && [ "$(losses "$WORK/train.out" | wc -l)" = 3 ]; then
   ok "the imported model trains from its weights: losses $(losses "$WORK/train.out" | tr '\n' ' ')"
 else
@@ -86,6 +138,11 @@ if "$MOEC" import-hf "$WORK/q2" -o "$WORK/q2" --batch 4 --seqlen 16 >"$WORK/q2.o
 else
   bad "Qwen2-MoE import-hf then --export-hf is not the checkpoint" "$(cat "$WORK/q2.out" "$WORK/err" "$WORK/q2exp.out" 2>/dev/null) ${same:-}"
 fi
+if [ -f "$WORK/q2out/config.json" ] && d=$(cfgdiff "$WORK/q2/config.json" "$WORK/q2out/config.json") && [ -z "$d" ]; then
+  ok "Qwen2-MoE import-hf then --export-hf: config.json key by key the checkpoint's (mlp_only_layers, intermediate_size, qkv_bias, ...)"
+else
+  bad "Qwen2-MoE's exported config.json differs from the checkpoint's" "${d:-no export}"
+fi
 sed 's/batch 4;/batch 2;/; 0,/^layer /s//parallel { dp 2; mp 2; ep 2; esp 2; }\nlayer /' "$WORK/q2.moe" >"$WORK/q2four.moe"
 if "$MOEC" build "$WORK/q2four.moe" -o "$WORK/q2four" 2>"$WORK/err" &&
    (cd "$WORK" && ./q2one --steps 3 --weights q2.safetensors >q2one.out 2>&1) &&
@@ -95,6 +152,14 @@ if "$MOEC" build "$WORK/q2four.moe" -o "$WORK/q2four" 2>"$WORK/err" &&
 else
   bad "the imported Qwen2-MoE on 4 ranks differs from one rank" "$(cat "$WORK/err"; paste <(losses "$WORK/q2one.out") <(losses "$WORK/q2four.out"); tail -n 5 "$WORK/q2four.out")"
 fi
+
+# --check-grad on the imported families (one rank, and Mixtral on dp2·mp2·ep4): it passes, and a
+# gradient planted 10 % off in an attention projection, an expert, a norm, the head or the
+# router fails it (tests/gradplant.sh).
+. tests/gradplant.sh
+grad_planted "of the imported Mixtral" "$WORK" ./mxbin --weights mx.safetensors
+grad_planted "of the imported Qwen2-MoE" "$WORK" ./q2one --weights q2.safetensors
+grad_planted "of the imported Mixtral on dp2·mp2·ep4 (4 ranks)" "$WORK" timeout 300 $MPIRUN -np 4 ./four --weights mx.safetensors
 
 # Mixtral's sliding window shorter than the sequence: the attention's window, exported back.
 $FIX make "$WORK/sw" --config sliding_window=8

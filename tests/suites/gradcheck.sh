@@ -7,6 +7,8 @@
 # exactly against the numpy reference, tests/suites/ref.sh.)
 . "$(dirname "$0")/../lib.sh"
 work gradcheck
+# One thread per check: the checks run side by side, one per core.
+export OMP_NUM_THREADS=1 OPENBLAS_NUM_THREADS=1
 # The checks run side by side (spawn, tests/lib.sh), each in a folder of its own; collect prints
 # their lines in this order at the end. The planted error first, in the foreground.
 # The check can fail: a gradient planted 20 % too large (MOERT_CHECK_GRAD_PLANT) is reported, even
@@ -88,6 +90,20 @@ for order in tutel gshard; do
     matrix_model "$gate { k $k; capacity 0.6; noise 0.5; aux_loss 0.1; z_loss 0.01; renormalize $renorm; $extra }" $order "$eblock" 8 >"$WORK/m.moe"
     gradcheck "$gate k=$k renormalize $renorm with drops, order $order, ffn $expert" "$WORK/m.moe"
   done
+done
+# Every shipped model (lang/models; the paper's full-size ones are for planning, not a CPU
+# check): the whole check passes, and planted errors fail it (tests/gradplant.sh).
+. tests/gradplant.sh
+planted_one() {  # name folder (holding m.moe)
+  if ! "$MOEC" build "$2/m.moe" -o "$2/gc.bin" 2>"$2/err"; then bad "gradcheck $1: build" "$(cat "$2/err")"; return; fi
+  grad_planted "$1" "$2" ./gc.bin
+}
+for model in lang/models/*.moe; do
+  n=$((n + 1))
+  mkdir -p "$WORK/g$n"
+  cp "$model" "$WORK/g$n/m.moe"
+  spawn "g$n" planted_one "$(basename "$model" .moe)" "$WORK/g$n"
+  ids+=("g$n")
 done
 hooks=""; for p in before_moe_start before_dispatch after_dispatch before_combine after_combine before_moe_end; do hooks="$hooks hook $p record;"; done
 matrix_model "gshard { k 2; capacity 0.8; aux_loss 0.1; }" tutel "ffn gpt { hidden 24; }" 4 "$hooks" >"$WORK/m.moe"
