@@ -513,8 +513,12 @@ static void print_policy_table(const PlanOptions *o, const Plan *pl) {
 // --svg, --trace and --json; false if one could not be written (reported).
 static bool write_outputs(IrDiag *d, const PlanOptions *o, const Plan *pl) {
   const SchedPlan *main_plan = &pl->plans[o->shown];
-  char title[256];
-  snprintf(title, sizeof title, "%s on %s: %s", pl->p->model.name, pl->cluster.name, ir_policy_name[o->shown]);
+  // The planned step as the table gives it: the layers' timeline and the time outside the layers.
+  char title[384];
+  double outside = pl->st.t_fwd_other + pl->st.t_bwd_other;
+  snprintf(title, sizeof title, "%s on %s: %s, planned step %.3f ms = the layers' timeline %.3f ms + %.3f ms outside them "
+           "(embedding, head, loss)", pl->p->model.name, pl->cluster.name, ir_policy_name[o->shown],
+           main_plan->t_iter, main_plan->t_iter - outside, outside);
   bool ok = true;
   if (o->svg && !write_timeline(o->svg, &pl->st, main_plan, true, title)) ok = ir_error(d, "cannot write '%s'", o->svg);
   if (o->trace && !write_timeline(o->trace, &pl->st, main_plan, false, title))

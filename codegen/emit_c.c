@@ -430,6 +430,22 @@ void cg_emit_model(FILE *out, const IrModule *m, const PassMemPlan *plan, int64_
           ir_mod_int(m, "dp", 1), ir_mod_int(m, "mp", 1), ir_mod_int(m, "ep", 1), ir_mod_int(m, "esp", 1),
           ir_mod_int(m, "gpus_per_node", 1), ir_mod_int(m, "nodes", 0));
   if (device) fprintf(out, "  .device = &%s,\n", device);
+  // Which auxiliary losses are in the objective (a coefficient above 0), for the step lines.
+  bool aux = false, z = false;
+  for (int i = 0; i < m->nfuncs; i++)
+    for (int j = 0; j < m->funcs[i]->nops; j++) {
+      const IrOp *op = m->funcs[i]->ops[j];
+      bool in = ir_op_float(op, "coef", 0) > 0;
+      aux |= in && (op->kind == IR_OP_GATE_AUX_LOSS || op->kind == IR_OP_GATE_AUX_POOLED);
+      z |= in && op->kind == IR_OP_GATE_Z_LOSS;
+    }
+  fprintf(out, "  .aux_in_loss = %d, .z_in_loss = %d,\n", aux, z);
+  // The step's floating-point operations on a rank: 2 per multiply-accumulate of its GEMMs (the
+  // experts' over every capacity slot) and attention, forward and backward.
+  double flops = 0;
+  for (int i = 0; i < m->nfuncs; i++)
+    for (int j = 0; j < m->funcs[i]->nops; j++) flops += 2 * pass_op_macs(m->funcs[i]->ops[j]);
+  fprintf(out, "  .step_flops = %.17g,\n", flops);
   fprintf(out, "  .lr = %.17g, .min_lr = %.17g, .clip = %.17g, .warmup = %" PRId64 ", .decay_steps = %" PRId64 ",\n",
           ir_mod_float(m, "lr", 0), ir_mod_float(m, "min_lr", 0), ir_mod_float(m, "clip", 0), ir_mod_int(m, "warmup", 0),
           ir_mod_int(m, "decay_steps", 0));

@@ -49,6 +49,23 @@ static double macs(const IrOp *op) {
   return sqrt(a * b * y / e);
 }
 
+double pass_op_macs(const IrOp *op) {
+  switch (op->kind) {
+  case IR_OP_MATMUL:
+  case IR_OP_EXPERT_MATMUL: return macs(op);
+  case IR_OP_ATTN_CAUSAL:
+  case IR_OP_ATTN_CAUSAL_GRAD: {
+    const IrType *q = &op->args[op->kind == IR_OP_ATTN_CAUSAL ? 0 : 1].value->type;
+    int64_t L = ir_op_int(op, "seq", 1), W = ir_op_int(op, "window", 0);
+    double f = op->kind == IR_OP_ATTN_CAUSAL ? 1.0 : 2.0;
+    if (W > 0 && W < L)   // a window: 2 * (W(W+1)/2 + (L-W)W) / L keys a row on average instead of L + 1
+      return f * (double)q->dim[0] * (double)q->dim[1] * (double)(W * (W + 1) + 2 * (L - W) * W) / (double)L;
+    return f * (double)q->dim[0] * (double)q->dim[1] * (double)(L + 1);
+  }
+  default: return 0;
+  }
+}
+
 // The groups of the module's layout (DESIGN §6.1): the collectives of a group are priced for its
 // shape (sched_group_fit) when the module says where its ranks sit (gpus_per_node, set with a
 // cluster profile for more than one rank); otherwise by the profile's fits as they are.
@@ -109,16 +126,10 @@ static bool price(const IrOp *op, const SchedCluster *c, const Groups *gs, Sched
     *n = (double)ir_op_int(op, "count", 0);
     return true;
   case IR_OP_ATTN_CAUSAL:
-  case IR_OP_ATTN_CAUSAL_GRAD: {
-    const IrType *q = &op->args[op->kind == IR_OP_ATTN_CAUSAL ? 0 : 1].value->type;
+  case IR_OP_ATTN_CAUSAL_GRAD:
     *coef = c->attention.alpha > 0 || c->attention.beta > 0 ? c->attention : c->gemm;
-    int64_t L = ir_op_int(op, "seq", 1), W = ir_op_int(op, "window", 0);
-    *n = (op->kind == IR_OP_ATTN_CAUSAL ? 1.0 : 2.0) * (double)q->dim[0] * (double)q->dim[1] * (double)(L + 1);
-    if (W > 0 && W < L)   // a window: 2 * (W(W+1)/2 + (L-W)W) / L keys a row on average instead of L + 1
-      *n = (op->kind == IR_OP_ATTN_CAUSAL ? 1.0 : 2.0) * (double)q->dim[0] * (double)q->dim[1] *
-           (double)(W * (W + 1) + 2 * (L - W) * W) / (double)L;
+    *n = pass_op_macs(op);
     return true;
-  }
   default:
     if (c->elementwise.alpha <= 0 && c->elementwise.beta <= 0) return false;
     *coef = c->elementwise;

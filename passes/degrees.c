@@ -92,7 +92,7 @@ static void report(FILE *log, const PassLayer *l, int n, const SchedPlan *plan, 
             lp->r[SCHED_FWD], lp->r[SCHED_BWD], lp->t_model[SCHED_FWD], lp->t_model[SCHED_BWD], lp->grad_moe,
             lp->grad_dense);
   }
-  fprintf(log, "#   gradients after the backward pass: %.0f elements; partition: %s\n", plan->grad_tail,
+  fprintf(log, "#   the layers' gradients after the backward pass: %.0f elements; partition: %s\n", plan->grad_tail,
           plan->partition ? plan->partition : "-");
   fprintf(log, "#   simulated step: forward %.4f ms, backward %.4f ms, iteration %.4f ms\n", plan->t_fwd, plan->t_bwd,
           plan->t_iter);

@@ -155,6 +155,7 @@ bool pass_gradpart(IrModule *m, PassCtx *ctx) {
   Queue q = {0};
   IrFunc *last = NULL;
   int placed_slots = 0;
+  int64_t outside = 0;   // gradient elements of the functions outside the layers (embedding, head)
   bool ok = true;
   // The backward visits the layers in module order of their backward functions; one without an
   // expert region (a language model's head, an mlp layer, the embedding) has no slots: its
@@ -163,7 +164,9 @@ bool pass_gradpart(IrModule *m, PassCtx *ctx) {
     IrFunc *f = m->funcs[i];
     if (f->role != IR_ROLE_LAYER_BWD && f->role != IR_ROLE_LOSS_BWD) continue;
     if (!is_layer_bwd(l, n, f)) {
+      int64_t before = pending(&q);
       ok = take_allreduces(f, &q);
+      outside += pending(&q) - before;
       last = f;
       continue;
     }
@@ -186,8 +189,9 @@ bool pass_gradpart(IrModule *m, PassCtx *ctx) {
   if (!ok) ir_oom(ctx->d);
   else if (ctx->verbose)
     fprintf(ctx->log ? ctx->log : stderr,
-            "# gradpart: %s: gradients in the overlap slots of %d backward layers, %lld elements after the backward pass\n",
-            chunked ? "fixed chunks" : "planned partition", placed_slots, (long long)tail);
+            "# gradpart: %s: gradients in the overlap slots of %d backward layers, %lld elements after the backward "
+            "pass (%lld of them from the functions outside the layers: embedding, head, final norm)\n",
+            chunked ? "fixed chunks" : "planned partition", placed_slots, (long long)tail, (long long)outside);
   free(q.p);
   free(l);
   return ok;

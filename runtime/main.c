@@ -459,6 +459,12 @@ static int evaluate_step(RtTrainer *tr, int64_t t, const Steps *run) {
   return 0;
 }
 
+// The auxiliary losses the objective has (a coefficient above 0), unweighted, summed over layers.
+static void print_aux_parts(const RtModel *m, const RtReport *rep) {
+  if (m->aux_in_loss) printf("  aux %.6f", rep->aux);
+  if (m->z_in_loss) printf("  z %.6f", rep->z);
+}
+
 // Step t's line on rank 0 (none with --quiet): the progress line on a terminal, else a language
 // model's figures or the others' with the experts' loads. ms: the step's compute time, the
 // slowest rank's.
@@ -474,16 +480,18 @@ static void print_step(const RtTrainer *tr, int64_t t, const RtReport *rep, doub
     rt_progress(stdout, t, run->first, run->last, loss, m->vocab > 0 ? tokens_per_s : 0, now_ms() - run->started);
   } else if (!tr->opt.quiet && root && m->vocab > 0) {
     double tokens = (double)(tr->ranks.dp * m->batch * m->seqlen);
-    // The timings last (tests compare the lines up to "  time").
-    printf("step %lld  loss %.6f  ce %.6f  aux %.6f  z %.6f  lr %.3e  gnorm %.4f  dropped %.4f  "
-           "time %.3f ms  tok/s %.0f\n", (long long)t, loss, rep->mse, rep->aux, rep->z,
-           m->lr * st->lr_scale, gnorm, dropped, ms, ms > 0 ? tokens / (ms * 1e-3) : 0.0);
+    // The objective's parts, then the timings last (tests compare the lines up to "  time").
+    printf("step %lld  loss %.6f  ce %.6f", (long long)t, loss, rep->mse);
+    print_aux_parts(m, rep);
+    printf("  lr %.3e  gnorm %.4f  dropped %.4f  time %.3f ms  tok/s %.0f\n", m->lr * st->lr_scale, gnorm, dropped,
+           ms, ms > 0 ? tokens / (ms * 1e-3) : 0.0);
     fflush(stdout);
   } else if (!tr->opt.quiet && root) {
     // Tokens per expert, min/mean/max over every expert of every layer (0/0.0/0 without MoE).
     bool loads = rep->load_count > 0;
-    printf("step %lld  loss %.6f  mse %.6f  aux %.6f  z %.6f  dropped %.4f  load %lld/%.1f/%lld",
-           (long long)t, loss, rep->mse, rep->aux, rep->z, dropped,
+    printf("step %lld  loss %.6f  mse %.6f", (long long)t, loss, rep->mse);
+    print_aux_parts(m, rep);
+    printf("  dropped %.4f  load min/mean/max %lld/%.1f/%lld", dropped,
            loads ? (long long)rep->load_min : 0LL, loads ? rep->load_sum / rep->load_count : 0.0,
            loads ? (long long)rep->load_max : 0LL);
     if (m->dropless)
@@ -573,8 +581,10 @@ static void print_summary(const RtTrainer *tr, const Steps *run, bool convert, d
     struct rusage ru;
     char peak[32] = "unknown", planned[32];
     if (getrusage(RUSAGE_SELF, &ru) == 0) bytes_text(peak, sizeof peak, (double)ru.ru_maxrss * 1024.0);
-    printf("# trained %lld step%s; final loss %.6f; %.0f tokens/s over %.3g s; peak memory %s%s (the memory plan: "
-           "%s per rank)\n", (long long)steps, steps > 1 ? "s" : "", loss, secs > 0 ? tokens / secs : 0.0, secs, peak,
+    printf("# trained %lld step%s; final loss %.6f; %.0f tokens/s over %.3g s; %.3g GFLOP/s per rank (%.3g GFLOP a "
+           "step: its GEMMs and attention, forward and backward, the experts' over every slot); peak memory %s%s (the "
+           "memory plan: %s per rank)\n", (long long)steps, steps > 1 ? "s" : "", loss, secs > 0 ? tokens / secs : 0.0,
+           secs, secs > 0 ? m->step_flops * (double)steps / secs * 1e-9 : 0.0, m->step_flops * 1e-9, peak,
            m->device ? " on the host" : "", bytes_text(planned, sizeof planned, plan));
   }
   else if (convert && !tr->opt.quiet)

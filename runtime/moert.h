@@ -263,6 +263,8 @@ struct RtModel {
   int nlayers;                    // MoE layers, for statistics
   bool records;                   // a `record` hook exists: rt_main opens the record file
   bool dropless;                  // a layer has `capacity *`: the report shows the capacity used
+  bool aux_in_loss, z_in_loss;    // a gate's aux (z) loss has a coefficient: the step lines show it
+  double step_flops;              // 2 x the multiply-accumulates of a step's GEMMs and attention on a rank
   RtLayout layout;                // the parallel layout it was compiled for ({1,1,1,1,...} = one rank)
   int nodes;                      // nodes of the cluster profile (0 = not given)
   // Loss reduction over ranks: st->mse is this rank's share (already divided by dp); the

@@ -83,7 +83,7 @@ bool sched_write_svg(FILE *out, const SchedProgram *g, const char *title) {
           width, height, width, height);
   fputs("<rect width=\"100%\" height=\"100%\" fill=\"white\"/>\n<text x=\"10\" y=\"20\" font-size=\"14\">", out);
   put_escaped(out, title, true);
-  fprintf(out, " (%.3f ms)</text>\n", g->makespan);
+  fputs("</text>\n", out);
   for (int k = 0; k < g->nstreams; k++) {
     double y = top + row_h * k;
     fprintf(out, "<g class=\"stream\" data-stream=\"%s\">\n", g->stream_name[k]);

@@ -41,10 +41,15 @@ run() {
   timeout "$TIMEOUT" "${cmd[@]}" >"$WORK/$tag.out" 2>"$WORK/$tag.err"
 }
 
-# losses FILE [FROM]: "step loss mse aux z dropped" of every step line from step FROM on.
-losses() { awk -v from="${2:-1}" '$1 == "step" && $2 >= from { print $2, $4, $6, $8, $10, $12 }' "$1"; }
-# loads FILE: the load and capacity figures of step 1.
-loads() { awk '$1 == "step" && $2 == 1 { print $13 " " $14 "  " $15 " " $16 }' "$1"; }
+# losses FILE [FROM]: "step loss mse aux z dropped" of every step line from step FROM on, by their
+# names (aux and z are on the line only where the objective has them: 0 otherwise).
+losses() {
+  awk -v from="${2:-1}" '$1 == "step" && $2 >= from {
+    delete v; for (i = 3; i < NF; i += 2) v[$i] = $(i + 1)
+    print $2, v["loss"], v["mse"], v["aux"] + 0, v["z"] + 0, v["dropped"] }' "$1"
+}
+# loads FILE: the load and capacity figures of step 1 ("load min/mean/max A/B/C  capacity N").
+loads() { awk '$1 == "step" && $2 == 1 { for (i = 1; i <= NF; i++) if ($i == "load") { s = $i " " $(i + 1) " " $(i + 2); if ($(i + 3) == "capacity") s = s "  capacity " $(i + 4); print s } }' "$1"; }
 
 # same_losses A B: the same steps, every figure within TOL (relative, at least absolute).
 same_losses() {

@@ -233,7 +233,7 @@ static int expect_loads(void) {
       sum += load[e];
     }
   }
-  printf("load %lld/%.1f/%lld  capacity %lld\n", (long long)lo, (double)sum / (world * E),
+  printf("load min/mean/max %lld/%.1f/%lld  capacity %lld\n", (long long)lo, (double)sum / (world * E),
          (long long)hi, (long long)hi);
   return 0;
 }

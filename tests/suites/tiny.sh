@@ -56,10 +56,10 @@ else
     bad "tiny: OpenBLAS runs kernels for this CPU (AVX2), not Prescott's" "OPENBLAS_VERBOSE=2 said: Core: ${core:-nothing}"
   fi
 fi
-# The run's summary: tokens per second, the peak resident memory and the memory plan's, in one
-# unit each; the process (libraries, OpenBLAS) holds at least what the plan lays out.
+# The run's summary: tokens per second, the FLOP rate of the compiled step's GEMMs and attention,
+# the peak resident memory and the memory plan's, in one unit each; the process (libraries, OpenBLAS) holds at least what the plan lays out.
 line=$("$WORK/tiny" --steps 4 | grep '^# trained')
-if echo "$line" | grep -qE '^# trained 4 steps; final loss [0-9.]+; [0-9]+ tokens/s over [0-9.e-]+ s; peak memory [0-9.]+ (B|KiB|MiB|GiB) \(the memory plan: [0-9.]+ (B|KiB|MiB|GiB) per rank\)$' &&
+if echo "$line" | grep -qE '^# trained 4 steps; final loss [0-9.]+; [0-9]+ tokens/s over [0-9.e-]+ s; [0-9.e+-]+ GFLOP/s per rank \([0-9.e+-]+ GFLOP a step: its GEMMs and attention, forward and backward, the experts. over every slot\); peak memory [0-9.]+ (B|KiB|MiB|GiB) \(the memory plan: [0-9.]+ (B|KiB|MiB|GiB) per rank\)$' &&
    echo "$line" | awk '{for (i = 1; i <= NF; i++) if ($i == "tokens/s") t = $(i - 1); exit !(t > 0)}'; then
   ok "tiny: the run's summary ($(echo "$line" | cut -c3-))"
 else

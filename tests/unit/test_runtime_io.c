@@ -869,17 +869,18 @@ static void test_main_trains(void **state) {
   Run r = run_main(&model, "--steps", "30", NULL);
   assert_int_equal(r.rc, 0);
   assert_string_equal(r.err, "");
-  // The exact line format of lang/manual.md §12; no MoE layer: load 0/0.0/0, no capacity.
-  double loss, mse, aux, z, dropped, load_mean, ms;
+  // The exact line format of lang/manual.md §12; no MoE layer: no aux or z in the objective,
+  // load 0/0.0/0, no capacity.
+  double loss, mse, dropped, load_mean, ms;
   long long load_min, load_max;
   int step;
   const char *first = strstr(r.out, "step 1 ");
   assert_non_null(first);
-  assert_int_equal(sscanf(first, "step %d  loss %lf  mse %lf  aux %lf  z %lf  dropped %lf  "
-                                 "load %lld/%lf/%lld  time %lf ms", &step, &loss, &mse, &aux, &z,
+  assert_int_equal(sscanf(first, "step %d  loss %lf  mse %lf  dropped %lf  "
+                                 "load min/mean/max %lld/%lf/%lld  time %lf ms", &step, &loss, &mse,
                           &dropped, &load_min, &load_mean, &load_max, &ms),
-                   10);
-  assert_true(loss == mse && aux == 0 && z == 0 && dropped == 0 && ms >= 0);
+                   8);
+  assert_true(loss == mse && dropped == 0 && ms >= 0);
   assert_true(load_min == 0 && load_mean == 0 && load_max == 0);
   assert_null(strstr(r.out, "capacity"));
   double l1 = step_loss(r.out, 1), l30 = step_loss(r.out, 30);
@@ -1499,7 +1500,7 @@ static void test_main_record_and_loads(void **state) {
   const char *rec = tmp_path("run.record.jsonl");
   Run r = run_main(&model, "--steps", "3", "--record", rec, NULL);
   assert_int_equal(r.rc, 0);
-  assert_non_null(strstr(r.out, "dropped 0.0000  load 0/4.0/6  capacity 6  time "));
+  assert_non_null(strstr(r.out, "dropped 0.0000  load min/mean/max 0/4.0/6  capacity 6  time "));
   char *text = read_text(rec);
   assert_non_null(text);
   assert_int_equal(count_lines(text), 3);
