@@ -2,7 +2,8 @@
 # make interop (DESIGN §2.2): moec against transformers itself. Installs torch and transformers
 # into a virtual environment under build/ the first time (pip, PyPI; a few GB), then runs
 # tests/interop/hf.py: tiny random checkpoints made by transformers, imported, built, run and
-# exported, each compared with transformers in float64. Never part of make test.
+# exported, each compared with transformers in float64; then tests/interop/readme.sh, the
+# README's Hugging Face walk-through as written. Never part of make test.
 # Prints ok/FAIL lines and "N passed, N failed"; exits 1 on a failure.
 set -u
 cd "$(dirname "$0")/../.."
@@ -23,6 +24,8 @@ export OMP_NUM_THREADS=${OMP_NUM_THREADS:-2}
 "$VENV/bin/python" tests/interop/hf.py "$BUILD/moec" "$WORK" 2>"$WORK/stderr" | tee "$WORK/out"
 status=${PIPESTATUS[0]}
 [ "$status" = 0 ] || grep -v 'Writing\|Loading' "$WORK/stderr" | tail -n 20
+# The README's Hugging Face walk-through, as written (its CPU walk-throughs: tests/readme.sh).
+bash tests/interop/readme.sh "$VENV/bin/python" "$BUILD" | tee -a "$WORK/out"
 passed=$(grep -c '^ok ' "$WORK/out") failed=$(grep -c '^FAIL' "$WORK/out")
 echo "$passed passed, $failed failed"
 [ "$status" = 0 ] && [ "$failed" = 0 ]
