@@ -5,8 +5,9 @@
 // loads the profile it uses with fe_load_cluster: a relative F named in a .moe file is taken from
 // that file's folder, and where it is not there from the current folder (so that a model names
 // its profile beside it and runs from anywhere, and the paths older files give from the
-// repository's root still work); --cluster F from the current folder. fe_load_cluster reads the file itself (rather than with ir_source_read) so that
-// "cannot read" points at the statement that named the file.
+// repository's root still work); --cluster F from the current folder. fe_load_cluster reads the
+// file itself (rather than with ir_source_read) so that "cannot read" points at the statement
+// that named the file.
 #include <errno.h>
 #include <stdio.h>
 #include <stdlib.h>

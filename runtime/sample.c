@@ -8,8 +8,8 @@
 #include <string.h>
 
 // The prompt as tokens: its bytes for a byte model (vocab <= 256), otherwise token ids
-// separated by spaces. Fails on a token the vocabulary lacks.
-static int prompt_tokens(const RtModel *m, const char *prompt, int32_t *out, int64_t *n) {
+// separated by spaces. Fails on a token the vocabulary lacks, and on no token at all.
+static int tokens_of(const RtModel *m, const char *prompt, int32_t *out, int64_t *n) {
   *n = 0;
   if (m->vocab <= 256) {
     for (const unsigned char *c = (const unsigned char *)prompt; *c; c++) {
@@ -34,6 +34,13 @@ static int prompt_tokens(const RtModel *m, const char *prompt, int32_t *out, int
   return 0;
 }
 
+static int prompt_tokens(const RtModel *m, const char *prompt, int32_t *out, int64_t *n) {
+  int status = tokens_of(m, prompt, out, n);
+  if (status == 0 && *n == 0)
+    status = rt_fail("--prompt is empty: the sample needs at least one token to continue");
+  return status;
+}
+
 int rt_prompt_check(const RtModel *m, const RtOptions *o) {
   if (o->prompt && o->sample <= 0)
     return rt_fail("--prompt is the text --sample continues: give --sample N too");
@@ -43,8 +50,6 @@ int rt_prompt_check(const RtModel *m, const RtOptions *o) {
   int32_t *seq = rt_alloc((strlen(prompt) + 1) * sizeof(int32_t), "the prompt");
   int64_t n = 0;
   int status = prompt_tokens(m, prompt, seq, &n);
-  if (status == 0 && n == 0)
-    status = rt_fail("--prompt is empty: the sample needs at least one token to continue");
   free(seq);
   return status;
 }
@@ -60,8 +65,6 @@ int rt_sample(RtTrainer *tr) {
   const char *prompt = tr->opt.prompt ? tr->opt.prompt : "\n";
   int32_t *seq = rt_alloc((strlen(prompt) + 1 + (size_t)n) * sizeof(int32_t), "the sample");
   int status = prompt_tokens(m, prompt, seq, &plen);
-  if (status == 0 && plen == 0)
-    status = rt_fail("--prompt is empty: the sample needs at least one token to continue");
   if (rt_world_agree(tr->comm, status) != 0) {
     free(seq);
     return -1;
