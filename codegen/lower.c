@@ -490,10 +490,45 @@ static void split_reduction(CgLaunch *l) {
   l->scratch_bytes = parts * (int64_t)sizeof(double);
 }
 
+// The updates that follow op i of f and can share its launch (CUDA): the same optimizer with the
+// same settings on the parameters that follow op i's in the flat buffers (parameters, gradients,
+// moments: cg_param_offsets lays them out in index order), in a function on one stream (so no
+// event wait falls between them). Their number beside op i, and their elements in *more.
+static int update_run(const IrFunc *f, int i, int64_t *more) {
+  static const char *const settings[] = {"lr", "weight_decay", "beta1", "beta2", "eps"};
+  const IrOp *a = f->ops[i];
+  *more = 0;
+  if ((a->kind != IR_OP_OPT_SGD && a->kind != IR_OP_OPT_ADAMW) || cg_func_scheduled(f)) return 0;
+  int n = 0;
+  for (int j = i + 1; j < f->nops; j++) {
+    const IrOp *b = f->ops[j];
+    bool same = b->kind == a->kind && b->args[0].param && b->args[0].param->index == a->args[0].param->index + (j - i);
+    for (int k = 0; same && k < 5; k++) same = ir_op_float(b, settings[k], 0) == ir_op_float(a, settings[k], 0);
+    if (!same) break;
+    *more += ir_type_numel(&b->args[0].param->type);
+    n++;
+  }
+  return n;
+}
+
 bool cg_lower(const PassMemPlan *plan, const IrFunc *f, int i, bool fuse, CgLaunch *l) {
   if (!fuse || !fused_gate_at(plan, f, i)) {
     if (!cg_lower_op(f->ops[i], l)) return false;
     if (fuse) split_reduction(l);
+    int64_t more = 0;
+    int run = fuse ? update_run(f, i, &more) : 0;
+    if (run > 0 && l->ncalls == 1) {   // the element count is the kernel's one integer of n elements
+      int64_t n = ir_type_numel(&f->ops[i]->args[0].param->type);
+      CgKernelCall *c = &l->call[0];
+      for (int a = 0; a < c->nargs; a++)
+        if (c->args[a].kind == CG_ARG_INT && c->args[a].i == n) {
+          c->args[a].i = n + more;
+          c->grid = grid_elems(n + more);
+          l->nops = 1 + run;
+          snprintf(l->note, sizeof l->note, "the update of %d parameters in one launch", 1 + run);
+          break;
+        }
+    }
     return true;
   }
   memset(l, 0, sizeof *l);

@@ -332,6 +332,20 @@ else
   bad "cuda host tiny bf16: P16 and the reused bf16 copies" "$(grep launches "$WORK/v.err"; tail -n 5 "$WORK/v.err")"
 fi
 
+# The update in as few launches as its settings allow (issue 39): the optimizer's kernel over
+# every run of parameters that follow each other in the flat buffers with the same settings, one
+# launch for tiny (SGD/AdamW alike over all its tensors), a run per weight-decay class change for
+# a language model (its norms and biases are not decayed); the golden runs hold the bits.
+if "$MOEC" build lang/models/tiny.moe --target cuda --emit c -v -o "$WORK/tiny_upd.c" 2>"$WORK/u.err" &&
+   grep -q '^# launches: update      1 kernels' "$WORK/u.err" &&
+   [ "$(grep -c 'launch([0-9]*, RT_STREAM_COMPUTE, mk_adamw' "$WORK/tiny_upd.c")" -eq 1 ] &&
+   "$MOEC" build lang/models/gpt_moe_bytes.moe --target cuda -v -o "$WORK/gmb_upd" 2>"$WORK/g.err" &&
+   upd=$(grep -m1 '^# launches: update' "$WORK/g.err" | awk '{print $4}') && [ "$upd" -lt 55 ]; then
+  ok "cuda host: the update of tiny's 10 tensors is 1 launch; gpt_moe_bytes's 55 tensors $upd launches (a run per weight-decay change)"
+else
+  bad "cuda host: the update's launches" "$(grep 'launches: update' "$WORK/u.err" "$WORK/g.err"; tail -n 3 "$WORK/u.err")"
+fi
+
 # bench/gpu_lm.sh, which a GPU session runs (a language model's step beside PyTorch's): its --quick
 # model in fp32 and bf16 on the fake device (the times say nothing; the script's path is checked).
 if MOEC_CUDA_FAKE=1 LM_DIR=$WORK/lm bash bench/gpu_lm.sh --build --quick >"$WORK/lmb.out" 2>&1 &&
