@@ -3,8 +3,10 @@
 // Reads DIR/config.json and the weights (model.safetensors or model.safetensors.index.json with
 // its shards; F32, BF16, F16 or F64), and writes PREFIX.moe, the architecture in the language
 // with the training fields the command line gives, and PREFIX.safetensors, the weights in moec's
-// names (F32), which the built binary loads with --weights. Which tensor is which parameter is
-// runtime/hf.c's table, the one a binary's --export-hf writes back with.
+// names (F32), which the built binary loads with --weights, and PREFIX.hf/, the checkpoint's
+// config.json and generation_config.json as they are (the .moe's `hf_config` names it; the
+// export writes every key the model does not determine from it: frontend/hf.c). Which tensor is
+// which parameter is runtime/hf.c's table, the one a binary's --export-hf writes back with.
 //
 // Nothing is silently dropped: every key of config.json is either represented, checked to hold
 // the value moec computes with (hidden_act silu, no dropout, no router jitter, ...), or known to
@@ -38,7 +40,8 @@ void cli_import_hf_usage(FILE *out) {
           "\n"
           "Reads the Hugging Face checkpoint in DIR (config.json; model.safetensors or model.safetensors.index.json\n"
           "with its shards; F32, BF16, F16 or F64 tensors) and writes PREFIX.moe (the architecture as a moec\n"
-          "model) and PREFIX.safetensors (the weights in moec's names, F32). Then:\n"
+          "model), PREFIX.safetensors (the weights in moec's names, F32) and PREFIX.hf/ (the checkpoint's\n"
+          "config.json and generation_config.json, which --export-hf keeps: the .moe names it). Then:\n"
           "  moec build PREFIX.moe -o BIN && BIN --weights PREFIX.safetensors [--data F] ... [--export-hf OUT]\n"
           "Families: mixtral, qwen2_moe, qwen3_moe, olmoe (model_type in config.json). A config value moec cannot represent is refused.\n"
           "  --name NAME       the model's name (default: DIR's last folder, as an identifier)\n"
