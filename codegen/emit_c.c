@@ -515,7 +515,7 @@ bool cg_emit_c(IrDiag *d, FILE *out, const IrModule *m, const PassMemPlan *plan,
         fprintf(out, "  st->output = %s;\n", buf);
       }
       cg_spell_value(&e.sp, f->rets[0], buf, sizeof buf);
-      fprintf(out, "  st->mse = *%s;\n  st->mse_exact = rt_loss_exact(st->mse);\n", buf);
+      fprintf(out, "  st->mse = *%s;\n", buf);
     } else if (f->role == IR_ROLE_LAYER_FWD) {
       ok = emit_func(&e, f);
       emit_layer_stats(&e, f);

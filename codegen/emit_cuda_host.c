@@ -510,7 +510,7 @@ static void function_epilogue(Host *h, const IrFunc *f) {
     if (v->func != f || h->staged[v->id] < 0) continue;
     int64_t off = h->staged[v->id];
     if (f->role == IR_ROLE_LOSS_FWD && r == 0) {
-      fprintf(h->epi, "  st->mse = st->mse_exact = *(const float *)(H + %" PRId64 ");\n", off);
+      fprintf(h->epi, "  st->mse = *(const float *)(H + %" PRId64 ");\n", off);
     } else if (layer && v->def->kind == IR_OP_GATE_AUX_POOLED) {  // pooled on the host, then back (emit_step)
       const IrType *scores = &v->def->args[0].value->type;
       fprintf(h->epi, "  rt_pool_layer(st, (float *)(H + %" PRId64 "), %" PRId64 ", %" PRId64 ", %.17g);\n", off,

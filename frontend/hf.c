@@ -287,10 +287,17 @@ static cJSON *read_json(IrDiag *d, const FeProgram *p, const char *dir, const ch
     cJSON_Delete(j);
     j = NULL;
   }
-  if (!j || !cJSON_IsObject(j)) {
+  if (!j) {   // where the parser stopped, as line and column of the file
+    int line = 1, col = 1;
+    for (const char *c = text; end && c < end && *c; c++) {
+      line += *c == '\n';
+      col = *c == '\n' ? 1 : col + 1;
+    }
     *failed = true;
-    ir_error_at(d, p->hf_config_loc, "'%s' is not a JSON object%s%.20s", path, j ? "" : ": the JSON stops at ",
-                j ? "" : (end ? end : ""));
+    ir_error_at(d, p->hf_config_loc, "'%s' is not JSON: it stops at line %d, column %d", path, line, col);
+  } else if (!cJSON_IsObject(j)) {
+    *failed = true;
+    ir_error_at(d, p->hf_config_loc, "'%s' is not a JSON object", path);
   }
   free(text);
   if (*failed) {

@@ -12,7 +12,6 @@
 // elsewhere it says "noise", never OK.
 #include "rt_trainer.h"
 
-#include <float.h>
 #include <math.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -289,21 +288,14 @@ static void print_direction(const Directional *d) {
 // entry counts where its noise is under half its tolerance and it is not zero (both the
 // difference and the gradient under cx->zero_entry); the noise is its own (measured at a step
 // 2^-7 longer) or what the directions measured, the larger. *max_rel: the largest relative error of the entries counted.
-static bool check_entries(RtTrainer *tr, Check *cx, const RtParam *p, int counts[4], double *max_rel) {
+static bool check_entries(RtTrainer *tr, Check *cx, const RtParam *p, double unit, int counts[4], double *max_rel) {
   const RtRanks *r = &tr->ranks;
   const float *g = cx->grad + p->offset;
   float *w = tr->st.params + p->offset;
-  double max_g = 0, sq = 0;
-  for (int64_t j = 0; j < p->numel; j++) {
+  double max_g = 0;
+  for (int64_t j = 0; j < p->numel; j++)
     max_g = fmax(max_g, fabs(g[j]));
-    sq += (double)w[j] * w[j];
-  }
   rt_world_max(tr->comm, &max_g, 1);
-  // A language model's weights start at 0.02 and its norms amplify small inputs: the step
-  // follows the tensor's scale there (its root mean square), not 1.
-  double unit = p->numel > 0 ? sqrt(sq / (double)p->numel) : 0;
-  rt_world_max(tr->comm, &unit, 1);
-  unit = tr->model->vocab > 0 ? fmax(unit, 1e-2) : 1.0;
   double atol_grad = CHECK_ATOL_GRAD * max_g;
   int64_t numel = rt_param_global_numel(p);
   int64_t count = numel < CHECK_ENTRIES ? numel : CHECK_ENTRIES;
@@ -378,6 +370,8 @@ static bool check_entries(RtTrainer *tr, Check *cx, const RtParam *p, int counts
 // losses are compared with the owner's gradient. False when an upload to the device failed (all
 // ranks agree).
 static bool check_param(RtTrainer *tr, Check *cx, const RtParam *p) {
+  // The entries' unit: 1, or for a language model (whose weights start at 0.02 and whose norms
+  // amplify small inputs) the tensor's root mean square, at least 0.01.
   double sq = 0;
   for (int64_t j = 0; j < p->numel; j++)
     sq += (double)tr->st.params[p->offset + j] * tr->st.params[p->offset + j];
@@ -395,7 +389,7 @@ static bool check_param(RtTrainer *tr, Check *cx, const RtParam *p) {
   free(u);
   int counts[4] = {0, 0, 0, 0};   // entries checked, skipped, unresolved, failed
   double max_rel = 0;
-  if (!ok || !check_entries(tr, cx, p, counts, &max_rel))
+  if (!ok || !check_entries(tr, cx, p, unit, counts, &max_rel))
     return false;
   bool failed = counts[3] > 0 || dir[0].result == DIR_FAILED || dir[1].result == DIR_FAILED;
   bool resolved = counts[0] > counts[3] || dir[0].result == DIR_OK || dir[1].result == DIR_OK;

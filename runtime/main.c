@@ -181,9 +181,9 @@ static int load_checkpoint(RtTrainer *tr, const char *path) {
 // value), so it sums over DP; aux, z and aux_total are shares that sum over the world, as do
 // the routing counts. Collective on several ranks.
 RtReport rt_report_reduce(const RtTrainer *tr, const RtStep *st, const uint64_t *hash0) {
-  // mse_exact is mse before its rounding to float where the forward set it (else mse itself).
-  bool exact = fabs(st->mse_exact - st->mse) <= 4 * 0x1p-23 * fabs(st->mse);
-  RtReport r = {.mse = st->mse, .loss_exact = exact ? st->mse_exact : st->mse};
+  // The loss before its rounding to float, where the last loss kernel on this host computed it
+  // (else mse itself: the CUDA program's, a hand-written forward's).
+  RtReport r = {.mse = st->mse, .loss_exact = rt_loss_exact(st->mse)};
   double sums[7] = {st->aux, st->z, st->aux_total, (double)st->dropped, (double)st->routed,
                     st->load_sum, (double)st->load_count};
   double maxes[4] = {st->load_count > 0 ? -(double)st->load_min : -INFINITY,

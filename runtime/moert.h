@@ -317,7 +317,6 @@ struct RtStep {
   int64_t token0;                 // global index of this rank's first token (0 on one rank)
   // filled by forward
   double mse, aux_total;          // loss = mse + aux_total
-  double mse_exact;               // mse before its rounding to float (rt_loss_exact; the CUDA program: mse)
   double aux, z;                  // unweighted sums over layers (for the report)
   int64_t dropped, routed;        // choices dropped / routed this step
   uint64_t route_hash;            // hash of every routing decision (for --check-grad)

@@ -85,7 +85,7 @@ void rt_fill_step_data(RtTrainer *tr, int64_t step);
 
 typedef struct RtReport {
   double loss, mse, aux, z, aux_total;
-  double loss_exact;          // mse_exact + aux_total: the loss before its rounding to float
+  double loss_exact;          // the loss before its rounding to float (rt_loss_exact's mse + aux_total)
   double dropped, routed, load_sum, load_count;
   double load_min, load_max, capacity_max;
   bool route_changed;         // some rank's route_hash differs from the one given

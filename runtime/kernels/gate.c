@@ -425,7 +425,7 @@ void rt_iota(int32_t *idx, int s, int e) {
 // ---- step statistics ----
 
 void rt_step_begin_forward(RtStep *st) {
-  st->mse = st->mse_exact = st->aux_total = st->aux = st->z = 0.0;
+  st->mse = st->aux_total = st->aux = st->z = 0.0;
   st->dropped = st->routed = 0;
   st->route_hash = 0;
   st->load_min = INT64_MAX;
