@@ -3,132 +3,218 @@
 // See prelude.cu for the conventions and for how the build embeds this file.
 
 // ---- prelude: attention tiles (the attention kernels share them) ----
-#ifndef MK_ATTN_SH
-#define MK_ATTN_SH 8192   // floats of shared memory a block stages keys and values in (32 KB)
+// The tiled kernels below keep every output element's float operations and their order those
+// of runtime/kernels/attn.c (a dot product is a sum over c ascending of a[c] * b[c] from 0; a
+// weighted sum over keys or queries runs over them ascending; so the targets agree to the bit),
+// and spread them over a block as a GEMM's register tiles do:
+//   - a block takes a tile of R = blockDim.x / 8 rows of its own (queries of one sample and head,
+//     or keys of one kv head), 8 threads a row: thread (r, g) = (threadIdx.x / 8, threadIdx.x % 8);
+//   - it steps over the other side (keys, or queries) MK_ATTN_X rows at a time; the R x MK_ATTN_X
+//     dot products of a step are staged through shared memory MK_ATTN_C columns at a time and
+//     thread (r, g) keeps those of its row against rows g, g + 8, ... of the step in registers;
+//   - the weights of a step (the exps, or dS) go to shared memory, and thread (r, g) adds the
+//     weighted rows of the step (staged MK_ATTN_C columns at a time) into its columns g, g + 8, ...
+//     of its output row, held in registers: MK_ATTN_D columns a pass, a wider head in several
+//     passes (each recomputing its dots).
+// Nothing of size seq x seq exists. On an H200, the one-thread-per-row kernels these replace spent
+// 88 of a 2-block language model's 118 kernel-milliseconds a step (B16 L256, 16 heads of 128).
+// The launch gives 8 threads per (row, head): `threads rows*heads*8` in ir/ops.def. The blocks
+// must be a multiple of 8 threads, at most 8 * MK_ATTN_X (MK_BLOCK is 256).
+#ifndef MK_ATTN_X
+#define MK_ATTN_X 32   // rows of the other side per step
 #endif
-#define MK_ATTN_KEYS(d) (2 * (d) <= MK_ATTN_SH ? MK_ATTN_SH / (2 * (d)) : 0)
-// Heads up to MK_ATTN_D wide keep each thread's own rows (its query, its dy, its key and value)
-// and its sums over the keys (o, dq, dk, dv) in arrays of its own, local memory, that the threads
-// of a warp read and write side by side; a wider head reads and adds into global memory, row by
-// row (each thread on a row of its own: 32 transactions for a warp's one access). Either way each
-// element sees the same float operations in the same order. On an H200 the global sums made the
-// attention of a 2-block language model (B16 L256, 16 heads of 128) 192 of its 230 ms a step.
+#ifndef MK_ATTN_C
+#define MK_ATTN_C 32   // columns per staged chunk
+#endif
 #ifndef MK_ATTN_D
-#define MK_ATTN_D 256
+#define MK_ATTN_D 256  // output columns a thread row holds in one pass (8 threads: MK_ATTN_D / 8 each)
 #endif
+#define MK_ATTN_U (MK_ATTN_X / 8)        // dot products a thread keeps per step
+#define MK_ATTN_J (MK_ATTN_C / 8)        // columns of a chunk per thread
+#define MK_ATTN_PAD (MK_ATTN_C + 1)      // a staged row, padded against bank conflicts
+#define MK_ATTN_WPAD (MK_ATTN_X + 1)     // a row of weights
 
-static __device__ float mk_attn_dot(const float *a, const float *b, int d) {
-  float s = 0.0f;
-  for (int c = 0; c < d; c++) s += a[c] * b[c];
-  return s;
-}
+// Shared memory of a block: two chunks for the dots, two rows of weights per tile row, and a
+// chunk of the rows the weights apply to.
+typedef struct MkAttnShared {
+  float a[MK_ATTN_X * MK_ATTN_PAD], b[MK_ATTN_X * MK_ATTN_PAD], x[MK_ATTN_X * MK_ATTN_PAD];
+  float w[MK_ATTN_X * MK_ATTN_WPAD], w2[MK_ATTN_X * MK_ATTN_WPAD], red[8 * MK_ATTN_X];
+} MkAttnShared;
 
-// Rows [t0, t0 + n) of columns [col, col + d) of x (row stride cols, rows from base) into sh, [n, d].
-static __device__ void mk_attn_stage(float *sh, const float *x, i64 base, int t0, int n, int cols, int col, int d) {
-  for (int e = threadIdx.x; e < n * d; e += blockDim.x) sh[e] = x[(base + t0 + e / d) * cols + col + e % d];
-}
-
-// Where the loops of a tiled attention kernel stand: work item w of MK_FOR_BLOCKS is tile `tile`
-// of head h (or kv head) of sample b; this thread's row of the tile is i (active when i < seq).
+// Where a tile stands: tile w of MK_FOR_BLOCKS is tile `tile` of R rows of head h of sample b;
+// this thread's row i = i0 + r (active when i < seq), lane g.
 typedef struct MkAttnTile {
-  int b, h, i0, i;
+  int b, h, i0, i, r, g, R;
   bool active;
 } MkAttnTile;
 
 static __device__ MkAttnTile mk_attn_tile(i64 w, int seq, int heads) {
-  int tiles = (seq + blockDim.x - 1) / blockDim.x;
   MkAttnTile t;
-  t.i0 = (int)(w % tiles) * blockDim.x;
+  t.R = blockDim.x / 8;
+  int tiles = (seq + t.R - 1) / t.R;
+  t.i0 = (int)(w % tiles) * t.R;
   t.h = (int)(w / tiles % heads);
   t.b = (int)(w / tiles / heads);
-  t.i = t.i0 + threadIdx.x;
+  t.r = threadIdx.x / 8;
+  t.g = threadIdx.x % 8;
+  t.i = t.i0 + t.r;
   t.active = t.i < seq;
   return t;
 }
 
 static __device__ i64 mk_attn_items(int rows, int seq, int heads) {
-  return (i64)(rows / seq) * heads * ((seq + blockDim.x - 1) / blockDim.x);
+  int R = blockDim.x / 8;
+  return (i64)(rows / seq) * heads * ((seq + R - 1) / R);
 }
 
 // The first key query i sees: 0, or i - window + 1 under a window (rt_attn_*'s first_key).
 static __device__ int mk_attn_first(int i, int window) { return window > 0 && i >= window ? i - window + 1 : 0; }
 
-// Keys [t0, t0 + n) of kv head j into sh when KT > 0 (the keys, then their values at sh + KT * d
-// when v is not NULL), between two barriers: every thread of the block takes part, whether its
-// row is active or not. KT == 0: nothing (the kernels read global memory).
-static __device__ void mk_attn_stage_keys(float *sh, const float *k, const float *v, i64 r0, int t0, int n, int kcols,
-                                          int j, int d, int KT) {
-  if (!KT) return;
-  __syncthreads();
-  mk_attn_stage(sh, k, r0, t0, n, kcols, j * d, d);
-  if (v) mk_attn_stage(sh + (i64)KT * d, v, r0, t0, n, kcols, j * d, d);
-  __syncthreads();
-}
-
-// Key row t of kv head j of x (k, or v with sh + KT * d): staged in sh from key t0 when KT > 0,
-// else in global memory.
-static __device__ const float *mk_attn_key(const float *sh, const float *x, int KT, i64 r0, int t0, int t, int kcols,
-                                           int j, int d) {
-  return KT ? sh + (i64)(t - t0) * d : x + (r0 + t) * kcols + (i64)j * d;
-}
-
-// Pass 1 of a row: m = max_t s_t over the keys lo <= t <= i, staged KT at a time from the tile's
-// first key `first` (every thread of the block takes part in the staging, whether its row is
-// active or not).
-static __device__ float mk_attn_max(const float *qi, const float *k, float *sh, MkAttnTile T, i64 r0, int first, int last,
-                                    int lo, int kcols, int j, int d, float scale) {
-  int KT = MK_ATTN_KEYS(d);
-  float m = -3.40282347e38f;   // below every finite score (no INFINITY without headers)
-  for (int t0 = first; t0 <= last; t0 += KT ? KT : last + 1) {
-    int n = KT && last + 1 - t0 > KT ? KT : last + 1 - t0;
-    mk_attn_stage_keys(sh, k, NULL, r0, t0, n, kcols, j, d, KT);
-    for (int t = t0 > lo ? t0 : lo; T.active && t < t0 + n && t <= T.i; t++) {
-      const float *kt = mk_attn_key(sh, k, KT, r0, t0, t, kcols, j, d);
-      float s = mk_attn_dot(qi, kt, d) * scale;
-      m = s > m ? s : m;
+// s[u] = sum over c ascending of a_r[c] * b_x[c] (from 0) for x = g + 8u: a_r row r of the tile's
+// own rows (na of them from a, stride as), b_x row x of the step's (nb from b, stride bs), d
+// columns, staged MK_ATTN_C at a time. Every thread of the block calls it.
+static __device__ void mk_attn_dots(float s[MK_ATTN_U], MkAttnShared *sh, const MkAttnTile *T, const float *a, int na,
+                                    i64 as, const float *b, int nb, i64 bs, int d) {
+  for (int u = 0; u < MK_ATTN_U; u++) s[u] = 0.0f;
+  for (int c0 = 0; c0 < d; c0 += MK_ATTN_C) {
+    int cn = d - c0 < MK_ATTN_C ? d - c0 : MK_ATTN_C;
+    __syncthreads();
+    for (int e = threadIdx.x; e < T->R * MK_ATTN_C; e += blockDim.x) {
+      int r = e / MK_ATTN_C, c = e % MK_ATTN_C;
+      sh->a[r * MK_ATTN_PAD + c] = r < na && c < cn ? a[r * as + c0 + c] : 0.0f;
     }
+    for (int e = threadIdx.x; e < MK_ATTN_X * MK_ATTN_C; e += blockDim.x) {
+      int x = e / MK_ATTN_C, c = e % MK_ATTN_C;
+      sh->b[x * MK_ATTN_PAD + c] = x < nb && c < cn ? b[x * bs + c0 + c] : 0.0f;
+    }
+    __syncthreads();
+    const float *ar = sh->a + T->r * MK_ATTN_PAD;
+    for (int c = 0; c < cn; c++) {
+      float av = ar[c];
+      for (int u = 0; u < MK_ATTN_U; u++) s[u] += av * sh->b[(T->g + 8 * u) * MK_ATTN_PAD + c];
+    }
+  }
+}
+
+// acc[ch * J + j] (column col0 + ch * MK_ATTN_C + g + 8j of this thread's row) += w_r[x] * x_x[col]
+// for x = xlo .. xhi ascending (w: the row's weights in shared memory; x rows from xs, nx of
+// them, stride xst, columns col0 .. col0 + MK_ATTN_D of d), staged MK_ATTN_C columns at a time.
+// Every thread of the block calls it.
+static __device__ void mk_attn_wsum(float acc[MK_ATTN_D / 8], MkAttnShared *sh, const MkAttnTile *T, const float *w,
+                                    const float *xs, int nx, i64 xst, int col0, int d, int xlo, int xhi) {
+MK_UNROLL
+  for (int ch = 0; ch < MK_ATTN_D / MK_ATTN_C; ch++) {
+    int c0 = col0 + ch * MK_ATTN_C;
+    if (c0 >= d) break;
+    int cn = d - c0 < MK_ATTN_C ? d - c0 : MK_ATTN_C;
+    __syncthreads();
+    for (int e = threadIdx.x; e < MK_ATTN_X * MK_ATTN_C; e += blockDim.x) {
+      int x = e / MK_ATTN_C, c = e % MK_ATTN_C;
+      sh->x[x * MK_ATTN_PAD + c] = x < nx && c < cn ? xs[x * xst + c0 + c] : 0.0f;
+    }
+    __syncthreads();
+    for (int x = xlo; x <= xhi; x++) {
+      float wx = w[x];
+      const float *xr = sh->x + x * MK_ATTN_PAD + T->g;
+MK_UNROLL
+      for (int j = 0; j < MK_ATTN_J; j++) acc[ch * MK_ATTN_J + j] += wx * xr[8 * j];
+    }
+  }
+}
+
+// Writes out[col] = f(acc) for this thread's columns of a pass (f: 0 copy, 1 divide by v, 2
+// multiply by v).
+static __device__ void mk_attn_store(float *out, const float acc[MK_ATTN_D / 8], const MkAttnTile *T, int col0, int d,
+                                     int how, float v) {
+MK_UNROLL
+  for (int ch = 0; ch < MK_ATTN_D / MK_ATTN_C; ch++)
+MK_UNROLL
+    for (int j = 0; j < MK_ATTN_J; j++) {
+      int c = col0 + ch * MK_ATTN_C + T->g + 8 * j;
+      if (c < d) out[c] = how == 1 ? acc[ch * MK_ATTN_J + j] / v : how == 2 ? acc[ch * MK_ATTN_J + j] * v : acc[ch * MK_ATTN_J + j];
+    }
+}
+
+static __device__ void mk_attn_zero(float acc[MK_ATTN_D / 8]) {
+MK_UNROLL
+  for (int e = 0; e < MK_ATTN_D / 8; e++) acc[e] = 0.0f;
+}
+
+// The largest of v over the 8 threads of each tile row (exact: a maximum does not round).
+static __device__ float mk_attn_row_max(MkAttnShared *sh, float v) {
+  __syncthreads();
+  sh->red[threadIdx.x] = v;
+  __syncthreads();
+  float m = v;
+  for (int g = 0; g < 8; g++) {
+    float o = sh->red[threadIdx.x / 8 * 8 + g];
+    m = o > m ? o : m;
   }
   return m;
 }
 
+// Pass 1 of a query row: m = max of the scaled scores over the keys lo <= t <= i (the tile's keys
+// first .. last, MK_ATTN_X a step), as rt_attn's row_softmax: v = s * scale, m = v > m ? v : m.
+static __device__ float mk_attn_max(MkAttnShared *sh, const MkAttnTile *T, const float *qt, int na, i64 qs,
+                                    const float *k, i64 ks, int first, int last, int lo, int d, float scale) {
+  float m = -3.40282347e38f;   // below every finite score (no INFINITY without headers)
+  for (int t0 = first; t0 <= last; t0 += MK_ATTN_X) {
+    int nt = last + 1 - t0 < MK_ATTN_X ? last + 1 - t0 : MK_ATTN_X;
+    float s[MK_ATTN_U];
+    mk_attn_dots(s, sh, T, qt, na, qs, k + (i64)t0 * ks, nt, ks, d);
+    for (int u = 0; u < MK_ATTN_U; u++) {
+      int t = t0 + T->g + 8 * u;
+      float v = s[u] * scale;
+      if (T->active && t < t0 + nt && t >= lo && t <= T->i) m = v > m ? v : m;
+    }
+  }
+  return mk_attn_row_max(sh, m);
+}
+
+// The weights of a step: row r's w[x] for its keys t0 + x (this thread's x = g + 8u; 0 where the
+// row does not see the key), between barriers; returns the row's range of x (xlo > xhi: none).
+static __device__ void mk_attn_key_range(const MkAttnTile *T, int t0, int nt, int lo, int *xlo, int *xhi) {
+  *xlo = lo > t0 ? lo - t0 : 0;
+  *xhi = T->i - t0 < nt - 1 ? T->i - t0 : nt - 1;
+  if (!T->active) *xlo = 1, *xhi = 0;
+}
+
 // ---- mk_attn_fwd ----
-// Causal grouped-query attention, tiled: a block takes a tile of blockDim.x consecutive query rows
-// of one sample and head (MK_FOR_BLOCKS over samples x heads x tiles), stages the keys and values
-// the tile sees through shared memory, MK_ATTN_KEYS(d) rows at a time, and each thread computes
-// its row with the float operations of rt_attn_fwd (runtime/kernels/attn.c) in its order, so the
-// targets agree to the bit. Nothing of size seq x seq exists anywhere. A head wider than half the
-// staging buffer reads its keys from global memory instead. With a window W > 0 a row sees keys
-// i - W < t <= i only, and a tile stages the keys from its first row's first one on.
+// Causal grouped-query attention, tiled (see the prelude): per query row, m (pass 1), then per
+// step of keys p = exp(s * scale - m), l += p in key order, o += p v; o / l at the end. With a
+// window W > 0 a row sees keys i - W < t <= i only.
 extern "C" __global__ void mk_attn_fwd(const float *q, const float *k, const float *v, float *o, int rows, int seq,
                                        int heads, int kv, int qcols, int window) {
-  int d = qcols / heads, group = heads / kv, kcols = kv * d, KT = MK_ATTN_KEYS(d);
+  int d = qcols / heads, group = heads / kv, kcols = kv * d;
   float scale = 1.0f / sqrtf((float)d);
-  __shared__ float sh[MK_ATTN_SH];
+  __shared__ MkAttnShared sh;
   MK_FOR_BLOCKS(w, mk_attn_items(rows, seq, heads)) {
     MkAttnTile T = mk_attn_tile(w, seq, heads);
-    int j = T.h / group, last = (T.i0 + (int)blockDim.x < seq ? T.i0 + (int)blockDim.x : seq) - 1;
+    int j = T.h / group, last = (T.i0 + T.R < seq ? T.i0 + T.R : seq) - 1, na = last + 1 - T.i0;
     int first = mk_attn_first(T.i0, window), lo = mk_attn_first(T.i, window);
-    i64 r0 = (i64)T.b * seq, at = (r0 + T.i) * qcols + (i64)T.h * d;
-    const float *qi = q + at;
-    float *oi = o + at, qloc[MK_ATTN_D], oloc[MK_ATTN_D];
-    if (d <= MK_ATTN_D) {
-      for (int c = 0; T.active && c < d; c++) qloc[c] = qi[c];
-      qi = qloc, oi = oloc;
-    }
-    float m = mk_attn_max(qi, k, sh, T, r0, first, last, lo, kcols, j, d, scale), l = 0.0f;
-    for (int c = 0; T.active && c < d; c++) oi[c] = 0.0f;
-    for (int t0 = first; t0 <= last; t0 += KT ? KT : last + 1) {
-      int n = KT && last + 1 - t0 > KT ? KT : last + 1 - t0;
-      mk_attn_stage_keys(sh, k, v, r0, t0, n, kcols, j, d, KT);
-      for (int t = t0 > lo ? t0 : lo; T.active && t < t0 + n && t <= T.i; t++) {
-        const float *kt = mk_attn_key(sh, k, KT, r0, t0, t, kcols, j, d);
-        const float *vt = mk_attn_key(sh + (i64)KT * d, v, KT, r0, t0, t, kcols, j, d);
-        float p = mk_exp(mk_attn_dot(qi, kt, d) * scale - m);
-        l += p;
-        for (int c = 0; c < d; c++) oi[c] += p * vt[c];
+    i64 r0 = (i64)T.b * seq;
+    const float *qt = q + (r0 + T.i0) * qcols + (i64)T.h * d, *kh = k + r0 * kcols + (i64)j * d,
+                *vh = v + r0 * kcols + (i64)j * d;
+    float m = mk_attn_max(&sh, &T, qt, na, qcols, kh, kcols, first, last, lo, d, scale);
+    for (int col0 = 0; col0 < d; col0 += MK_ATTN_D) {
+      float acc[MK_ATTN_D / 8], l = 0.0f;
+      mk_attn_zero(acc);
+      for (int t0 = first; t0 <= last; t0 += MK_ATTN_X) {
+        int nt = last + 1 - t0 < MK_ATTN_X ? last + 1 - t0 : MK_ATTN_X, xlo, xhi;
+        float s[MK_ATTN_U];
+        mk_attn_dots(s, &sh, &T, qt, na, qcols, kh + (i64)t0 * kcols, nt, kcols, d);
+        mk_attn_key_range(&T, t0, nt, lo, &xlo, &xhi);
+        for (int u = 0; u < MK_ATTN_U; u++) {
+          int x = T.g + 8 * u;
+          sh.w[T.r * MK_ATTN_WPAD + x] = x >= xlo && x <= xhi ? mk_exp(s[u] * scale - m) : 0.0f;
+        }
+        __syncthreads();
+        const float *wr = sh.w + T.r * MK_ATTN_WPAD;
+        for (int x = xlo; x <= xhi; x++) l += wr[x];
+        mk_attn_wsum(acc, &sh, &T, wr, vh + (i64)t0 * kcols, nt, kcols, col0, d, xlo, xhi);
       }
+      if (T.active) mk_attn_store(o + (r0 + T.i) * qcols + (i64)T.h * d, acc, &T, col0, d, 1, l);
     }
-    for (int c = 0; T.active && c < d; c++) o[at + c] = oi[c] / l;
   }
 }
 
@@ -136,128 +222,130 @@ extern "C" __global__ void mk_attn_fwd(const float *q, const float *k, const flo
 // Per (row, head): the logsumexp of its scores and dy . o, as rt_attn_stats, tiled as mk_attn_fwd.
 extern "C" __global__ void mk_attn_stats(const float *dy, const float *q, const float *k, const float *o,
                                          float *stats, int rows, int seq, int heads, int kv, int qcols, int window) {
-  int d = qcols / heads, group = heads / kv, kcols = kv * d, KT = MK_ATTN_KEYS(d);
+  int d = qcols / heads, group = heads / kv, kcols = kv * d;
   float scale = 1.0f / sqrtf((float)d);
-  __shared__ float sh[MK_ATTN_SH];
+  __shared__ MkAttnShared sh;
   MK_FOR_BLOCKS(w, mk_attn_items(rows, seq, heads)) {
     MkAttnTile T = mk_attn_tile(w, seq, heads);
-    int j = T.h / group, last = (T.i0 + (int)blockDim.x < seq ? T.i0 + (int)blockDim.x : seq) - 1;
+    int j = T.h / group, last = (T.i0 + T.R < seq ? T.i0 + T.R : seq) - 1, na = last + 1 - T.i0;
     int first = mk_attn_first(T.i0, window), lo = mk_attn_first(T.i, window);
-    i64 r0 = (i64)T.b * seq, at = (r0 + T.i) * qcols + (i64)T.h * d;
-    const float *qi = q + at;
-    float qloc[MK_ATTN_D];
-    if (d <= MK_ATTN_D) {
-      for (int c = 0; T.active && c < d; c++) qloc[c] = qi[c];
-      qi = qloc;
-    }
-    float m = mk_attn_max(qi, k, sh, T, r0, first, last, lo, kcols, j, d, scale), l = 0.0f;
-    for (int t0 = first; t0 <= last; t0 += KT ? KT : last + 1) {
-      int n = KT && last + 1 - t0 > KT ? KT : last + 1 - t0;
-      mk_attn_stage_keys(sh, k, NULL, r0, t0, n, kcols, j, d, KT);
-      for (int t = t0 > lo ? t0 : lo; T.active && t < t0 + n && t <= T.i; t++) {
-        const float *kt = mk_attn_key(sh, k, KT, r0, t0, t, kcols, j, d);
-        l += mk_exp(mk_attn_dot(qi, kt, d) * scale - m);
+    i64 r0 = (i64)T.b * seq;
+    const float *qt = q + (r0 + T.i0) * qcols + (i64)T.h * d, *kh = k + r0 * kcols + (i64)j * d;
+    float m = mk_attn_max(&sh, &T, qt, na, qcols, kh, kcols, first, last, lo, d, scale), l = 0.0f;
+    for (int t0 = first; t0 <= last; t0 += MK_ATTN_X) {
+      int nt = last + 1 - t0 < MK_ATTN_X ? last + 1 - t0 : MK_ATTN_X, xlo, xhi;
+      float s[MK_ATTN_U];
+      mk_attn_dots(s, &sh, &T, qt, na, qcols, kh + (i64)t0 * kcols, nt, kcols, d);
+      mk_attn_key_range(&T, t0, nt, lo, &xlo, &xhi);
+      for (int u = 0; u < MK_ATTN_U; u++) {
+        int x = T.g + 8 * u;
+        sh.w[T.r * MK_ATTN_WPAD + x] = x >= xlo && x <= xhi ? mk_exp(s[u] * scale - m) : 0.0f;
       }
+      __syncthreads();
+      for (int x = xlo; x <= xhi; x++) l += sh.w[T.r * MK_ATTN_WPAD + x];
     }
-    if (T.active) {
+    if (T.active && T.g == 0) {
+      i64 at = (r0 + T.i) * qcols + (i64)T.h * d;
+      float D = 0.0f;
+      for (int c = 0; c < d; c++) D += dy[at + c] * o[at + c];
       stats[(r0 + T.i) * 2 * heads + T.h] = m + logf(l);
-      stats[(r0 + T.i) * 2 * heads + heads + T.h] = mk_attn_dot(dy + at, o + at, d);
+      stats[(r0 + T.i) * 2 * heads + heads + T.h] = D;
     }
   }
 }
 
 // ---- mk_attn_grad_q ----
-// dq of one (row, head) per thread, as rt_attn_grad_q, tiled as mk_attn_fwd (keys and values
-// staged together).
+// dq of a tile of query rows, as rt_attn_grad_q: per step of keys p = exp(q.k * scale - lse),
+// dS = p (dy.v - D), dq += dS k in key order; dq * scale at the end.
 extern "C" __global__ void mk_attn_grad_q(const float *dy, const float *q, const float *k, const float *v,
                                           const float *stats, float *dqkv, int rows, int seq, int heads, int kv,
                                           int qcols, int window) {
-  int d = qcols / heads, group = heads / kv, kcols = kv * d, width = qcols + 2 * kcols, KT = MK_ATTN_KEYS(d);
+  int d = qcols / heads, group = heads / kv, kcols = kv * d, width = qcols + 2 * kcols;
   float scale = 1.0f / sqrtf((float)d);
-  __shared__ float sh[MK_ATTN_SH];
+  __shared__ MkAttnShared sh;
   MK_FOR_BLOCKS(w, mk_attn_items(rows, seq, heads)) {
     MkAttnTile T = mk_attn_tile(w, seq, heads);
-    int j = T.h / group, last = (T.i0 + (int)blockDim.x < seq ? T.i0 + (int)blockDim.x : seq) - 1;
+    int j = T.h / group, last = (T.i0 + T.R < seq ? T.i0 + T.R : seq) - 1, na = last + 1 - T.i0;
     int first = mk_attn_first(T.i0, window), lo = mk_attn_first(T.i, window);
-    i64 r0 = (i64)T.b * seq, r = r0 + T.i, at = r * qcols + (i64)T.h * d;
+    i64 r0 = (i64)T.b * seq, r = r0 + T.i;
     float lse = T.active ? stats[r * 2 * heads + T.h] : 0.0f, D = T.active ? stats[r * 2 * heads + heads + T.h] : 0.0f;
-    float *dq = dqkv + r * width + (i64)T.h * d, *acc = dq, qloc[MK_ATTN_D], yloc[MK_ATTN_D], dloc[MK_ATTN_D];
-    const float *qi = q + at, *yi = dy + at;
-    if (d <= MK_ATTN_D) {
-      for (int c = 0; T.active && c < d; c++) qloc[c] = qi[c], yloc[c] = yi[c];
-      qi = qloc, yi = yloc, acc = dloc;
-    }
-    for (int c = 0; T.active && c < d; c++) acc[c] = 0.0f;
-    for (int t0 = first; t0 <= last; t0 += KT ? KT : last + 1) {
-      int n = KT && last + 1 - t0 > KT ? KT : last + 1 - t0;
-      mk_attn_stage_keys(sh, k, v, r0, t0, n, kcols, j, d, KT);
-      for (int t = t0 > lo ? t0 : lo; T.active && t < t0 + n && t <= T.i; t++) {
-        const float *kt = mk_attn_key(sh, k, KT, r0, t0, t, kcols, j, d);
-        const float *vt = mk_attn_key(sh + (i64)KT * d, v, KT, r0, t0, t, kcols, j, d);
-        float p = mk_exp(mk_attn_dot(qi, kt, d) * scale - lse);
-        float ds = p * (mk_attn_dot(yi, vt, d) - D);
-        for (int c = 0; c < d; c++) acc[c] += ds * kt[c];
+    const float *qt = q + (r0 + T.i0) * qcols + (i64)T.h * d, *yt = dy + (r0 + T.i0) * qcols + (i64)T.h * d;
+    const float *kh = k + r0 * kcols + (i64)j * d, *vh = v + r0 * kcols + (i64)j * d;
+    for (int col0 = 0; col0 < d; col0 += MK_ATTN_D) {
+      float acc[MK_ATTN_D / 8];
+      mk_attn_zero(acc);
+      for (int t0 = first; t0 <= last; t0 += MK_ATTN_X) {
+        int nt = last + 1 - t0 < MK_ATTN_X ? last + 1 - t0 : MK_ATTN_X, xlo, xhi;
+        float s[MK_ATTN_U], u2[MK_ATTN_U];
+        mk_attn_dots(s, &sh, &T, qt, na, qcols, kh + (i64)t0 * kcols, nt, kcols, d);
+        mk_attn_dots(u2, &sh, &T, yt, na, qcols, vh + (i64)t0 * kcols, nt, kcols, d);
+        mk_attn_key_range(&T, t0, nt, lo, &xlo, &xhi);
+        for (int u = 0; u < MK_ATTN_U; u++) {
+          int x = T.g + 8 * u;
+          float p = mk_exp(s[u] * scale - lse);
+          sh.w[T.r * MK_ATTN_WPAD + x] = x >= xlo && x <= xhi ? p * (u2[u] - D) : 0.0f;
+        }
+        __syncthreads();
+        mk_attn_wsum(acc, &sh, &T, sh.w + T.r * MK_ATTN_WPAD, kh + (i64)t0 * kcols, nt, kcols, col0, d, xlo, xhi);
       }
+      if (T.active) mk_attn_store(dqkv + r * width + (i64)T.h * d, acc, &T, col0, d, 2, scale);
     }
-    for (int c = 0; T.active && c < d; c++) dq[c] = acc[c] * scale;
   }
 }
 
 // ---- mk_attn_grad_kv ----
-// dk and dv of one (key row, kv head) per thread, as rt_attn_grad_kv (no atomics): a block takes a
-// tile of blockDim.x keys of one sample and kv head and, for each head of the group in order,
-// stages the rows of q and dy (and their lse and D) of the queries i >= its first key (under a
-// window W, up to its last key's t + W - 1), MK_ATTN_KEYS(d) rows at a time; each thread adds its
-// queries t <= i < t + W in order.
+// dk and dv of a tile of keys of one kv head, as rt_attn_grad_kv (no atomics): for each head of
+// the group in order, steps over the queries i >= the tile's first key (under a window W, up to
+// its last key's t + W - 1); key t takes the queries t <= i < t + W: p = exp(q.k * scale - lse),
+// dS = p (dy.v - D), dk += dS q, dv += p dy in query order; dk * scale at the end.
 extern "C" __global__ void mk_attn_grad_kv(const float *dy, const float *q, const float *k, const float *v,
                                            const float *stats, float *dqkv, int rows, int seq, int heads, int kv,
                                            int qcols, int window) {
   int d = qcols / heads, group = heads / kv, kcols = kv * d, width = qcols + 2 * kcols;
-  int KT = MK_ATTN_KEYS(d + 1);   // a staged query row: q, dy and its two statistics
   float scale = 1.0f / sqrtf((float)d);
-  __shared__ float sh[MK_ATTN_SH];
+  __shared__ MkAttnShared sh;
   MK_FOR_BLOCKS(w, mk_attn_items(rows, seq, kv)) {
     MkAttnTile T = mk_attn_tile(w, seq, kv);   // T.h: the kv head, T.i: this thread's key t
-    int j = T.h, t = T.i, last = (T.i0 + (int)blockDim.x < seq ? T.i0 + (int)blockDim.x : seq) - 1;
+    int j = T.h, t = T.i, last = (T.i0 + T.R < seq ? T.i0 + T.R : seq) - 1, na = last + 1 - T.i0;
     int end = window > 0 && last + window < seq ? last + window : seq;   // the tile's queries end before
     int stop = window > 0 && t + window < seq ? t + window : seq;        // this key's
     i64 r0 = (i64)T.b * seq, r = r0 + t;
-    const float *kt = k + r * kcols + (i64)j * d, *vt = v + r * kcols + (i64)j * d;
-    float *dk = dqkv + r * width + qcols + (i64)j * d, *dv = dk + kcols, *ak = dk, *av = dv;
-    float kloc[MK_ATTN_D], vloc[MK_ATTN_D], akloc[MK_ATTN_D], avloc[MK_ATTN_D];
-    if (d <= MK_ATTN_D) {
-      for (int c = 0; T.active && c < d; c++) kloc[c] = kt[c], vloc[c] = vt[c];
-      kt = kloc, vt = vloc, ak = akloc, av = avloc;
-    }
-    for (int c = 0; T.active && c < d; c++) ak[c] = av[c] = 0.0f;
-    for (int h = j * group; h < (j + 1) * group; h++)
-      for (int i0 = T.i0; i0 < end; i0 += KT ? KT : end) {
-        int n = KT && end - i0 > KT ? KT : end - i0;
-        float *shq = sh, *shy = sh + (i64)KT * d, *shs = sh + (i64)2 * KT * d;
-        if (KT) {
-          __syncthreads();
-          mk_attn_stage(shq, q, r0, i0, n, qcols, h * d, d);
-          mk_attn_stage(shy, dy, r0, i0, n, qcols, h * d, d);
-          for (int e = threadIdx.x; e < n; e += blockDim.x) {
-            shs[2 * e] = stats[(r0 + i0 + e) * 2 * heads + h];
-            shs[2 * e + 1] = stats[(r0 + i0 + e) * 2 * heads + heads + h];
+    const float *kt = k + (r0 + T.i0) * kcols + (i64)j * d, *vt = v + (r0 + T.i0) * kcols + (i64)j * d;
+    for (int col0 = 0; col0 < d; col0 += MK_ATTN_D) {
+      float ak[MK_ATTN_D / 8], av[MK_ATTN_D / 8];
+      mk_attn_zero(ak);
+      mk_attn_zero(av);
+      for (int h = j * group; h < (j + 1) * group; h++) {
+        const float *qh = q + r0 * qcols + (i64)h * d, *yh = dy + r0 * qcols + (i64)h * d;
+        for (int i0 = T.i0; i0 < end; i0 += MK_ATTN_X) {
+          int ni = end - i0 < MK_ATTN_X ? end - i0 : MK_ATTN_X;
+          float s[MK_ATTN_U], u2[MK_ATTN_U];
+          mk_attn_dots(s, &sh, &T, kt, na, kcols, qh + (i64)i0 * qcols, ni, qcols, d);
+          mk_attn_dots(u2, &sh, &T, vt, na, kcols, yh + (i64)i0 * qcols, ni, qcols, d);
+          int xlo = t > i0 ? t - i0 : 0, xhi = stop - 1 - i0 < ni - 1 ? stop - 1 - i0 : ni - 1;
+          if (!T.active) xlo = 1, xhi = 0;
+          for (int u = 0; u < MK_ATTN_U; u++) {
+            int x = T.g + 8 * u;
+            bool on = x >= xlo && x <= xhi;
+            float p = 0.0f, ds = 0.0f;
+            if (on) {
+              i64 ri = r0 + i0 + x;
+              p = mk_exp(s[u] * scale - stats[ri * 2 * heads + h]);
+              ds = p * (u2[u] - stats[ri * 2 * heads + heads + h]);
+            }
+            sh.w[T.r * MK_ATTN_WPAD + x] = ds;
+            sh.w2[T.r * MK_ATTN_WPAD + x] = p;
           }
           __syncthreads();
-        }
-        for (int i = i0 > t ? i0 : t; T.active && i < i0 + n && i < stop; i++) {
-          i64 at = (r0 + i) * qcols + (i64)h * d;
-          const float *qi = KT ? shq + (i64)(i - i0) * d : q + at, *yi = KT ? shy + (i64)(i - i0) * d : dy + at;
-          float lse = KT ? shs[2 * (i - i0)] : stats[(r0 + i) * 2 * heads + h];
-          float D = KT ? shs[2 * (i - i0) + 1] : stats[(r0 + i) * 2 * heads + heads + h];
-          float p = mk_exp(mk_attn_dot(qi, kt, d) * scale - lse);
-          float ds = p * (mk_attn_dot(yi, vt, d) - D);
-          for (int c = 0; c < d; c++) {
-            ak[c] += ds * qi[c];
-            av[c] += p * yi[c];
-          }
+          mk_attn_wsum(ak, &sh, &T, sh.w + T.r * MK_ATTN_WPAD, qh + (i64)i0 * qcols, ni, qcols, col0, d, xlo, xhi);
+          mk_attn_wsum(av, &sh, &T, sh.w2 + T.r * MK_ATTN_WPAD, yh + (i64)i0 * qcols, ni, qcols, col0, d, xlo, xhi);
         }
       }
-    for (int c = 0; T.active && c < d; c++) dk[c] = ak[c] * scale, dv[c] = av[c];
+      if (T.active) {
+        mk_attn_store(dqkv + r * width + qcols + (i64)j * d, ak, &T, col0, d, 2, scale);
+        mk_attn_store(dqkv + r * width + qcols + kcols + (i64)j * d, av, &T, col0, d, 0, 0.0f);
+      }
+    }
   }
 }
 

@@ -24,6 +24,11 @@ typedef signed char i8;
 #define MK_BLOCK 256
 #define MK_FOR(i, n) for (i64 i = (i64)blockIdx.x * blockDim.x + threadIdx.x; i < (i64)(n); i += (i64)blockDim.x * gridDim.x)
 #define MK_FOR_BLOCKS(b, n) for (i64 b = blockIdx.x; b < (i64)(n); b += gridDim.x)
+#ifdef __CUDACC__
+#define MK_UNROLL _Pragma("unroll")   // NVRTC unrolls the loop (register arrays stay in registers)
+#else
+#define MK_UNROLL                     // the host C++ builds of the library (fake device, emulation)
+#endif
 #ifndef MK_DYN_SHARED
 #define MK_DYN_SHARED(T, name) extern __shared__ T name[]
 #endif
