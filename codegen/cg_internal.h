@@ -80,6 +80,7 @@ typedef enum CgArgKind {
   CG_ARG_GRAD,      // the gradient buffer of the parameter op->args[0]
   CG_ARG_MOMENT_M,  // adamw's moments of that parameter
   CG_ARG_MOMENT_V,
+  CG_ARG_PARAM16,   // CUDA dtype bf16: the bf16 copy (P16) of the parameter op->args[0]
   CG_ARG_STATS,     // the op's statistics buffer (gate.locations: int[g, e, 2] or NULL; hook.record: double[3])
   CG_ARG_SCRATCH,   // CUDA: the launch's scratch, CgLaunch.scratch_bytes (a reduction's partial sums)
   CG_ARG_INT,       // the literal i
@@ -123,11 +124,15 @@ typedef struct CgLaunch {
   char note[96];           // for the launch plan comment ("" none)
 } CgLaunch;
 
-// The lowering of op i of f (or, with fuse, of ops i..i+2 when they are a gate's softmax or
-// sigmoid, top-k and gather that one fused kernel can do: nops 3; fuse is the CUDA target, which
-// also splits the whole-tensor losses into a grid of partial sums). False when the op has no
-// lowering (every op of ops.def has one).
-bool cg_lower(const PassMemPlan *plan, const IrFunc *f, int i, bool fuse, CgLaunch *l);
+// The lowering of op i of f (or, with CG_LOWER_FUSE, of ops i..i+2 when they are a gate's softmax
+// or sigmoid, top-k and gather that one fused kernel can do: nops 3; fusing is the CUDA target's,
+// which also splits the whole-tensor losses into a grid of partial sums and updates runs of
+// parameters in one launch; CG_LOWER_BF16, its dtype bf16, has the update round the parameters
+// into P16 too). False when the op has no lowering (every op of ops.def has one).
+enum { CG_LOWER_FUSE = 1, CG_LOWER_BF16 = 2 };
+bool cg_lower(const PassMemPlan *plan, const IrFunc *f, int i, unsigned how, CgLaunch *l);
+// How the CUDA target lowers the ops of m (CG_LOWER_FUSE, and CG_LOWER_BF16 with dtype bf16).
+unsigned cg_cuda_lowering(const IrModule *m);
 // The lowering of one op alone (never fused).
 bool cg_lower_op(const IrOp *op, CgLaunch *l);
 // Whether rule is a well-formed KERNEL rule of ops.def for an op of nargs operands (has_result:
@@ -157,6 +162,7 @@ typedef struct CgSpelling {
   const char *input, *target;    // the step's input and target
   const char *input_i32, *target_i32;   // the same of integer type (token ids); NULL: as above
   const char *params, *grads, *opt_m, *opt_v;   // the flat parameter, gradient and moment buffers
+  const char *params16;                         // CUDA dtype bf16: the parameters' bf16 copy (NULL: none)
 } CgSpelling;
 // The pointer expression of value v (by its memory plan slot), of operand a, and of a pointer
 // argument (operand, result, gradient, moment) of a kernel call of op i of f; cg_spell_pointer

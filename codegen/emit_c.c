@@ -131,7 +131,7 @@ static bool emit_library_op(Emit *e, const IrOp *op) {
 static bool emit_op(Emit *e, const IrFunc *f, int i) {
   const IrOp *op = f->ops[i];
   CgLaunch l;
-  if (!cg_lower(e->plan, f, i, false, &l)) {
+  if (!cg_lower(e->plan, f, i, 0, &l)) {
     ir_error_at(e->d, op->loc, "the CPU target cannot emit op '%s'", ir_op_info[op->kind].name);
     return false;
   }

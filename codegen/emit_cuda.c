@@ -149,6 +149,8 @@ int cg_cuda_check_signatures(FILE *err) {
 
 bool cg_bf16_gemms(const IrModule *m) { return strcmp(ir_mod_str(m, "dtype", "fp32"), "bf16") == 0; }
 
+unsigned cg_cuda_lowering(const IrModule *m) { return CG_LOWER_FUSE | (cg_bf16_gemms(m) ? CG_LOWER_BF16 : 0); }
+
 int cg_cuda_bf16_cast_kernel(void) { return CG_K_COMPRESS_BF16; }
 
 
@@ -159,7 +161,7 @@ void cg_cuda_kernels_used(const IrModule *m, const PassMemPlan *plan, bool *used
     const IrFunc *f = m->funcs[fi];
     for (int i = 0; i < f->nops;) {
       CgLaunch l;
-      if (cg_lower(plan, f, i, true, &l)) {
+      if (cg_lower(plan, f, i, cg_cuda_lowering(m), &l)) {
         for (int k = 0; k < l.ncalls; k++) used[l.call[k].kernel] = true;
         if (bf16 && l.lib == CG_LIB_GEMM) used[CG_K_COMPRESS_BF16] = true;   // the operands' cast
       }
@@ -236,6 +238,7 @@ static void plan_arg(char *buf, size_t n, const IrFunc *f, int i, const CgArg *a
   case CG_ARG_GRAD: snprintf(buf, n, "grad(@%s)", op->args[0].param->name); return;
   case CG_ARG_MOMENT_M: snprintf(buf, n, "m(@%s)", op->args[0].param->name); return;
   case CG_ARG_MOMENT_V: snprintf(buf, n, "v(@%s)", op->args[0].param->name); return;
+  case CG_ARG_PARAM16: snprintf(buf, n, "bf16(@%s)", op->args[0].param->name); return;
   case CG_ARG_STATS: snprintf(buf, n, "stats"); return;
   case CG_ARG_SCRATCH: snprintf(buf, n, "scratch"); return;
   case CG_ARG_INT: snprintf(buf, n, "%" PRId64, a->i); return;
@@ -268,7 +271,7 @@ bool cg_emit_cuda(IrDiag *d, FILE *out, const IrModule *m, const PassMemPlan *pl
     const IrFunc *f = m->funcs[fi];
     for (int i = 0; i < f->nops;) {
       CgLaunch l;
-      if (!cg_lower(plan, f, i, true, &l)) {
+      if (!cg_lower(plan, f, i, cg_cuda_lowering(m), &l)) {
         const IrOp *op = f->ops[i];
         ok = ir_error_at(d, op->loc, "the CUDA target cannot emit op '%s'",
                          op->kind < IR_OP_COUNT ? ir_op_info[op->kind].name : "?");
@@ -325,7 +328,7 @@ bool cg_emit_cuda(IrDiag *d, FILE *out, const IrModule *m, const PassMemPlan *pl
     for (int i = 0; i < f->nops;) {
       const IrOp *op = f->ops[i];
       CgLaunch l;
-      cg_lower(plan, f, i, true, &l);
+      cg_lower(plan, f, i, cg_cuda_lowering(m), &l);
       fprintf(out, "//   %s", ir_op_info[op->kind].name);
       for (int j = 1; j < l.nops; j++) fprintf(out, " + %s", ir_op_info[f->ops[i + j]->kind].name);
       if (l.lib) {

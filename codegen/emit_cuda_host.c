@@ -154,7 +154,8 @@ static int where(Host *h, const IrFunc *f, const IrOp *op, const char *fmt, ...)
 // target, P, G, M, V the parameters, gradients and moments).
 static CgSpelling spelling(const Host *h) {
   return (CgSpelling){.plan = h->plan, .param_offset = h->param_offset, .typed = false, .arena = "A",
-                      .input = "X", .target = "T", .params = "P", .grads = "G", .opt_m = "M", .opt_v = "V"};
+                      .input = "X", .target = "T", .params = "P", .grads = "G", .opt_m = "M", .opt_v = "V",
+                      .params16 = h->bf16 ? "P16" : NULL};
 }
 
 static const IrType *operand_type(const IrOperand *a) { return a->param ? &a->param->type : &a->value->type; }
@@ -218,7 +219,7 @@ static bool kernel_arg(Host *h, const IrFunc *f, int i, const CgArg *a, CgParamT
   char addr[96];
   bool pointer = a->kind == CG_ARG_OPERAND || a->kind == CG_ARG_RESULT || a->kind == CG_ARG_GRAD ||
                  a->kind == CG_ARG_MOMENT_M || a->kind == CG_ARG_MOMENT_V || a->kind == CG_ARG_STATS ||
-                 a->kind == CG_ARG_SCRATCH;
+                 a->kind == CG_ARG_SCRATCH || a->kind == CG_ARG_PARAM16;
   bool real = a->kind == CG_ARG_FLOAT || a->kind == CG_ARG_LR_SCALE || a->kind == CG_ARG_GRAD_SCALE;
   if (pointer != (t == CG_PARAM_POINTER) || real != (t == CG_PARAM_FLOAT) ||
       (a->kind == CG_ARG_SEED) != (t == CG_PARAM_U64) ||
@@ -436,13 +437,14 @@ static bool emit_gemm(Host *h, const IrFunc *f, const IrOp *op, IrStream s) {
 
 // The bytes ops i .. i + nops - 1 of f move as kernels: each operand read once and each result
 // written once (an update also reads the gradient and rewrites the parameter and its moments).
-static double op_bytes(const IrFunc *f, int i, int nops) {
+static double op_bytes(const IrFunc *f, int i, int nops, bool bf16) {
   double bytes = 0.0;
   for (int j = i; j < i + nops && j < f->nops; j++) {
     const IrOp *op = f->ops[j];
     if (op->kind == IR_OP_OPT_ADAMW || op->kind == IR_OP_OPT_SGD) {
       double p = (double)ir_type_bytes(operand_type(&op->args[0]));
       bytes += p * (op->kind == IR_OP_OPT_ADAMW ? 7.0 : 3.0);   // p, g, m, v read; p, m, v written
+      if (bf16) bytes += p / 2;                                // and the bf16 copy written
       continue;
     }
     for (int a = 0; a < op->nargs; a++)
@@ -456,7 +458,7 @@ static double op_bytes(const IrFunc *f, int i, int nops) {
 static bool emit_op(Host *h, const IrFunc *f, int i, IrStream s, int *nops) {
   const IrOp *op = f->ops[i];
   CgLaunch l;
-  if (!cg_lower(h->plan, f, i, true, &l))
+  if (!cg_lower(h->plan, f, i, CG_LOWER_FUSE | (h->bf16 ? CG_LOWER_BF16 : 0), &l))
     return ir_error_at(h->d, op->loc, "the CUDA target cannot emit op '%s'", op->kind < IR_OP_COUNT ? ir_op_info[op->kind].name : "?");
   *nops = l.nops;
   if (op->kind == IR_OP_PARAM_GRAD) {
@@ -472,7 +474,7 @@ static bool emit_op(Host *h, const IrFunc *f, int i, IrStream s, int *nops) {
   int64_t stats = op->kind == IR_OP_HOOK_RECORD ? stage_place(h, 3 * (int64_t)sizeof(double)) : -1;
   // A split reduction's partial sums: a place of their own (ops on other streams may run beside).
   int64_t scratch = l.scratch_bytes > 0 ? stage_place(h, l.scratch_bytes) : -1;
-  if (l.ncalls > 0) h->count[h->phase].kernel_bytes += op_bytes(f, i, l.nops);
+  if (l.ncalls > 0) h->count[h->phase].kernel_bytes += op_bytes(f, i, l.nops, h->bf16);
   for (int k = 0; k < l.ncalls; k++)
     if (!emit_kernel(h, f, i, &l.call[k], s, stats, scratch)) return false;
   if (op->kind == IR_OP_HOOK_RECORD) {
@@ -757,7 +759,7 @@ static void emit_header(Host *h, FILE *out, const char *source_name, const CgCud
   if (h->bf16)
     fprintf(out, "static unsigned char *B;         /* the bf16 copies of the GEMM operands */\n"
                  "static uint16_t *P16;            /* the bf16 copy of the parameters */\n"
-                 "static bool p16_fresh;           /* P16 is P rounded (false after an update or upload) */\n\n");
+                 "static bool p16_fresh;           /* P16 is P rounded (false after an upload, or an update that does not round it) */\n\n");
 }
 
 // The RtDevice hooks: a description of the program for the GPU runtime (RtCudaProgram,
@@ -855,6 +857,13 @@ bool cg_emit_cuda_host(IrDiag *d, FILE *out, const IrModule *m, const PassMemPla
            "  CK(rt_cuda_to_device(cu, RT_STREAM_COMPUTE, T, st->target, ELEMS * sizeof(float)), %d);\n%s",
            w_input, w_input, h.output[0] ? "  st->output = output;\n" : "");
   const char *update_prologue = "";
+  // The update's kernels write P16 as they update P (mk_adamw_bf16, mk_sgd_bf16) when the update
+  // functions hold nothing but optimizer ops: then P16 stays fresh, and the forward rounds it only
+  // after an upload (init, --weights, --resume, --check-grad).
+  bool update_keeps_p16 = true;
+  for (int i = 0; i < m->nfuncs; i++)
+    for (int j = 0; is_update(m->funcs[i]) && j < m->funcs[i]->nops; j++)
+      update_keeps_p16 &= m->funcs[i]->ops[j]->kind == IR_OP_OPT_ADAMW || m->funcs[i]->ops[j]->kind == IR_OP_OPT_SGD;
   if (h.bf16 && h.kernel_slot[cg_cuda_bf16_cast_kernel()] >= 0) {   // P16: the parameters rounded once
     int kernel = cg_cuda_bf16_cast_kernel();
     size_t len = strlen(prologue);
@@ -864,9 +873,11 @@ bool cg_emit_cuda_host(IrDiag *d, FILE *out, const IrModule *m, const PassMemPla
              "    p16_fresh = true;\n  }\n",
              where(&h, NULL, NULL, "kernel %s (the parameters to bf16)", cg_cuda_kernel_name(kernel)),
              cg_cuda_kernel_name(kernel), cg_cuda_grid_elems(h.param_floats));
-    update_prologue = "  p16_fresh = false;   /* rounded again at the next forward */\n";
-    h.count[STEP_FORWARD].kernels++, h.count[STEP_FORWARD].casts++;
-    h.count[STEP_FORWARD].kernel_bytes += 6.0 * (double)h.param_floats;
+    if (!update_keeps_p16) {   // counted in the forward: it runs at every step
+      update_prologue = "  p16_fresh = false;   /* rounded again at the next forward */\n";
+      h.count[STEP_FORWARD].kernels++, h.count[STEP_FORWARD].casts++;
+      h.count[STEP_FORWARD].kernel_bytes += 6.0 * (double)h.param_floats;
+    }
   }
   ok = emit_step(&h, STEP_FORWARD, prologue, is_forward) && emit_step(&h, STEP_BACKWARD, "", is_backward) &&
        emit_step(&h, STEP_UPDATE, update_prologue, is_update) && h.ok;

@@ -511,7 +511,17 @@ static int update_run(const IrFunc *f, int i, int64_t *more) {
   return n;
 }
 
-bool cg_lower(const PassMemPlan *plan, const IrFunc *f, int i, bool fuse, CgLaunch *l) {
+// The update's kernel that also rounds the parameters into their bf16 copy (CG_LOWER_BF16), its
+// last argument that copy.
+static void update_bf16(CgLaunch *l) {
+  CgKernelCall *c = &l->call[0];
+  if (l->ncalls != 1 || (c->kernel != CG_K_ADAMW && c->kernel != CG_K_SGD)) return;
+  c->kernel = c->kernel == CG_K_ADAMW ? CG_K_ADAMW_BF16 : CG_K_SGD_BF16;
+  arg(c, CG_ARG_PARAM16, 0);
+}
+
+bool cg_lower(const PassMemPlan *plan, const IrFunc *f, int i, unsigned how, CgLaunch *l) {
+  bool fuse = how & CG_LOWER_FUSE;
   if (!fuse || !fused_gate_at(plan, f, i)) {
     if (!cg_lower_op(f->ops[i], l)) return false;
     if (fuse) split_reduction(l);
@@ -529,6 +539,7 @@ bool cg_lower(const PassMemPlan *plan, const IrFunc *f, int i, bool fuse, CgLaun
           break;
         }
     }
+    if (how & CG_LOWER_BF16) update_bf16(l);
     return true;
   }
   memset(l, 0, sizeof *l);

@@ -14,7 +14,8 @@
 //   dv_j = sum_h sum_i p_ij dO_i                    (i from j to min(seq, j + W) - 1)
 // into one packed row [dq | dk | dv] of width (heads + 2 kv) * d. exp is rt_exp (rt_internal.h),
 // log logf. The CUDA kernels of the same names (codegen/cuda/attn.cu) do the same float
-// operations per output element in the same order, so the two targets agree to the bit.
+// operations per output element in the same order, so the fake device agrees to the bit (a GPU
+// fuses the multiply-adds of the dot products and weighted sums: equal up to those roundings).
 //
 // How it runs here: every dot product is still a sum over c ascending of a[c] * b[c], and every
 // weighted sum over t (o, dq, dk, dv) a sum over t ascending, but as a GEMM's register tile:

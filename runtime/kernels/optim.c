@@ -53,3 +53,17 @@ void rt_adamw(float *p, const float *g, float *m, float *v, int64_t n, float lr,
   RT_PARALLEL(n >= RT_PAR_MIN)
   adamw_share(p, g, m, v, n, a);
 }
+
+// The optimizers, then the updated parameters rounded to bf16 (the CUDA target's dtype bf16 keeps
+// its GEMMs' copy of the parameters so; here, the twins its kernels are checked against).
+void rt_sgd_bf16(float *p, const float *g, int64_t n, float lr, float weight_decay, float lr_scale, float grad_scale,
+                 uint16_t *p16) {
+  rt_sgd(p, g, n, lr, weight_decay, lr_scale, grad_scale);
+  rt_compress_bf16(p, p16, n);
+}
+
+void rt_adamw_bf16(float *p, const float *g, float *m, float *v, int64_t n, float lr, float beta1, float beta2, float eps,
+                   float weight_decay, int64_t step, float lr_scale, float grad_scale, uint16_t *p16) {
+  rt_adamw(p, g, m, v, n, lr, beta1, beta2, eps, weight_decay, step, lr_scale, grad_scale);
+  rt_compress_bf16(p, p16, n);
+}

@@ -317,17 +317,20 @@ PY
   fi
 fi
 
-# bf16 operands made once: the parameters' bf16 copy P16 (rounded at the first forward after an
-# update or upload) is what the GEMMs read for a weight, and a value rounded for one GEMM is read
-# again, not rounded again, by the next GEMM on its stream (the backward's dY @ W^T then X^T @ dY).
-# moec build -v counts the casts per step function: tiny's forward rounds P16 and each GEMM's
-# activation (1 + 6 = 7 casts for 6 GEMMs), its backward 12 casts for 12 GEMMs (24 without either).
+# bf16 operands made once: the parameters' bf16 copy P16 (written by the update's kernel,
+# mk_adamw_bf16 / mk_sgd_bf16, as it updates them; rounded at the first forward after an upload)
+# is what the GEMMs read for a weight, and a value rounded for one GEMM is read again, not rounded
+# again, by the next GEMM on its stream (the backward's dY @ W^T then X^T @ dY). moec build -v
+# counts the casts per step function: tiny's forward rounds each GEMM's activation (6 casts for 6
+# GEMMs), its backward 12 casts for 12 GEMMs (24 without the reuse).
 if "$MOEC" build "$WORK/tiny_bf16.moe" --target cuda --emit c -v -o "$WORK/tiny_bf16.c" 2>"$WORK/v.err" &&
    fwd=$(grep -m1 '^# launches: forward' "$WORK/v.err") && bwd=$(grep -m1 '^# launches: backward' "$WORK/v.err") &&
-   echo "$fwd" | grep -q '(7 bf16 casts),   6 GEMMs' && echo "$bwd" | grep -q '(12 bf16 casts),  12 GEMMs' &&
+   echo "$fwd" | grep -q '(6 bf16 casts),   6 GEMMs' && echo "$bwd" | grep -q '(12 bf16 casts),  12 GEMMs' &&
    [ "$(grep -c 'rt_cuda_expert_gemm(cu, RT_STREAM_COMPUTE, RT_CUDA_BF16, [^;]*(P16 + ' "$WORK/tiny_bf16.c")" -eq 8 ] &&
+   grep -q 'launch([0-9]*, RT_STREAM_COMPUTE, mk_\(adamw\|sgd\)_bf16, .*PTR((P16 + 0))});' "$WORK/tiny_bf16.c" &&
+   ! grep -q 'p16_fresh = false;   /\* rounded again' "$WORK/tiny_bf16.c" &&
    grep -q 'if (what & RT_DEVICE_PARAMS) p16_fresh = false;' "$WORK/tiny_bf16.c"; then
-  ok "cuda host tiny bf16: weights read from P16, a value's bf16 copy reused by the next GEMM ('${fwd#\# launches: }'; backward 12 casts for 12 GEMMs)"
+  ok "cuda host tiny bf16: weights read from P16, which the update writes, a value's bf16 copy reused by the next GEMM ('${fwd#\# launches: }'; backward 12 casts for 12 GEMMs)"
 else
   bad "cuda host tiny bf16: P16 and the reused bf16 copies" "$(grep launches "$WORK/v.err"; tail -n 5 "$WORK/v.err")"
 fi

@@ -558,6 +558,24 @@ template <class Launcher> void run_kernel_cases(Launcher &L, Checks &c) {
       LAUNCH(3, 64, mk_sgd, p_k, b, n, 0.1f, 0.01f, 0.5f, 0.75f);
     }
     c.same("opt.sgd (3 steps)", p_c, p_k);
+    {  // the dtype bf16 update: the optimizer, then the parameters' bf16 copy
+      auto q_c = zeros<uint16_t>(n), q_k = zeros<uint16_t>(n);
+      p_c = a, p_k = a, m_c = zeros<float>(n), m_k = zeros<float>(n), v_c = zeros<float>(n), v_k = zeros<float>(n);
+      for (int step = 1; step <= 3; step++) {
+        rt_adamw_bf16(p_c.data(), b.data(), m_c.data(), v_c.data(), n, 1e-3f, 0.9f, 0.999f, 1e-8f, 0.01f, step, 0.5f,
+                      0.75f, q_c.data());
+        LAUNCH(3, 64, mk_adamw_bf16, p_k, b, m_k, v_k, n, 1e-3f, 0.9f, 0.999f, 1e-8f, 0.01f, step, 0.5f, 0.75f, q_k);
+      }
+      c.same("opt.adamw_bf16 (3 steps)", p_c, p_k);
+      c.same("opt.adamw_bf16's bf16 copy", q_c, q_k);
+      p_c = a, p_k = a;
+      for (int step = 1; step <= 3; step++) {
+        rt_sgd_bf16(p_c.data(), b.data(), n, 0.1f, 0.01f, 0.5f, 0.75f, q_c.data());
+        LAUNCH(3, 64, mk_sgd_bf16, p_k, b, n, 0.1f, 0.01f, 0.5f, 0.75f, q_k);
+      }
+      c.same("opt.sgd_bf16 (3 steps)", p_c, p_k);
+      c.same("opt.sgd_bf16's bf16 copy", q_c, q_k);
+    }
     // hooks
     auto h = randn(n, 1000.0f);
     h[0] = 1e-7f, h[1] = 70000.0f, h[2] = -0.0f, h[3] = NAN, h[4] = 65519.0f, h[5] = 3e-8f;
