@@ -12,11 +12,11 @@
 //     or keys of one kv head), 8 threads a row: thread (r, g) = (threadIdx.x / 8, threadIdx.x % 8);
 //   - it steps over the other side (keys, or queries) MK_ATTN_X rows at a time; the R x MK_ATTN_X
 //     dot products of a step are staged through shared memory MK_ATTN_C columns at a time and
-//     thread (r, g) keeps those of its row against rows g, g + 8, ... of the step in registers;
+//     thread (r, g) keeps those of its row against rows 4g .. 4g + 3 of the step in registers;
 //   - the weights of a step (the exps, or dS) go to shared memory, and thread (r, g) adds the
-//     weighted rows of the step (staged MK_ATTN_C columns at a time) into its columns g, g + 8, ...
-//     of its output row, held in registers: MK_ATTN_D columns a pass, a wider head in several
-//     passes (each recomputing its dots).
+//     weighted rows of the step (staged MK_ATTN_C columns at a time) into its columns 4g .. 4g + 3
+//     of each chunk of its output row, held in registers: MK_ATTN_D columns a pass, a wider head
+//     in several passes (each recomputing its dots).
 // Nothing of size seq x seq exists. On an H200, the one-thread-per-row kernels these replace spent
 // 88 of a 2-block language model's 118 kernel-milliseconds a step (B16 L256, 16 heads of 128).
 // The launch gives 8 threads per (row, head): `threads rows*heads*8` in ir/ops.def. The blocks
@@ -31,26 +31,40 @@
 #else
 #define MK_ATTN_FMA(a, b, s) ((s) + (a) * (b))
 #endif
-#ifndef MK_ATTN_X
-#define MK_ATTN_X 32   // rows of the other side per step
-#endif
-#ifndef MK_ATTN_C
-#define MK_ATTN_C 32   // columns per staged chunk
-#endif
+// Fixed: a step is 32 rows of the other side (4 a thread: x = 4g .. 4g + 3) and a chunk 32 columns
+// (4 a thread: 4g .. 4g + 3), so that a thread reads 4 neighbours of shared memory at once.
+#define MK_ATTN_X 32        // rows of the other side per step
+#define MK_ATTN_C 32        // columns per staged chunk
+#define MK_ATTN_U 4         // dot products a thread keeps per step
+#define MK_ATTN_J 4         // columns of a chunk per thread
 #ifndef MK_ATTN_D
-#define MK_ATTN_D 256  // output columns a thread row holds in one pass (8 threads: MK_ATTN_D / 8 each)
+#define MK_ATTN_D 128       // output columns a tile row holds in one pass (a multiple of 32; 8 threads: D / 8 each)
 #endif
-#define MK_ATTN_U (MK_ATTN_X / 8)        // dot products a thread keeps per step
-#define MK_ATTN_J (MK_ATTN_C / 8)        // columns of a chunk per thread
-#define MK_ATTN_PAD (MK_ATTN_C + 1)      // a staged row, padded against bank conflicts
+#define MK_ATTN_PAD (MK_ATTN_C + 4)      // a staged row (16-byte aligned rows)
+#define MK_ATTN_BPAD (MK_ATTN_X + 4)     // a staged column of the other side's rows
 #define MK_ATTN_WPAD (MK_ATTN_X + 1)     // a row of weights
 
-// Shared memory of a block: two chunks for the dots, two rows of weights per tile row, and a
-// chunk of the rows the weights apply to.
-typedef struct MkAttnShared {
-  float a[MK_ATTN_X * MK_ATTN_PAD], b[MK_ATTN_X * MK_ATTN_PAD], x[MK_ATTN_X * MK_ATTN_PAD];
+// Shared memory of a block: the tile's chunk [R][c] and the step's chunk transposed [c][x] for the
+// dots, a chunk [x][c] of the rows the weights apply to, two rows of weights per tile row.
+#ifdef __CUDACC__
+#define MK_ATTN_ALIGN __align__(16)
+#else
+#define MK_ATTN_ALIGN
+#endif
+typedef struct MK_ATTN_ALIGN MkAttnShared {
+  float a[MK_ATTN_X * MK_ATTN_PAD], b[MK_ATTN_C * MK_ATTN_BPAD], x[MK_ATTN_X * MK_ATTN_PAD];
   float w[MK_ATTN_X * MK_ATTN_WPAD], w2[MK_ATTN_X * MK_ATTN_WPAD], red[8 * MK_ATTN_X];
 } MkAttnShared;
+
+// Four floats from 16-byte aligned shared memory: one load on the GPU.
+#ifdef __CUDACC__
+static __device__ __forceinline__ void mk_attn_ld4(const float *p, float v[4]) {
+  float4 q = *(const float4 *)p;
+  v[0] = q.x, v[1] = q.y, v[2] = q.z, v[3] = q.w;
+}
+#else
+static __device__ void mk_attn_ld4(const float *p, float v[4]) { v[0] = p[0], v[1] = p[1], v[2] = p[2], v[3] = p[3]; }
+#endif
 
 // Where a tile stands: tile w of MK_FOR_BLOCKS is tile `tile` of R rows of head h of sample b;
 // this thread's row i = i0 + r (active when i < seq), lane g.
@@ -81,9 +95,11 @@ static __device__ i64 mk_attn_items(int rows, int seq, int heads) {
 // The first key query i sees: 0, or i - window + 1 under a window (rt_attn_*'s first_key).
 static __device__ int mk_attn_first(int i, int window) { return window > 0 && i >= window ? i - window + 1 : 0; }
 
-// s[u] = sum over c ascending of a_r[c] * b_x[c] (from 0) for x = g + 8u: a_r row r of the tile's
+// s[u] = sum over c ascending of a_r[c] * b_x[c] (from 0) for x = 4g + u: a_r row r of the tile's
 // own rows (na of them from a, stride as), b_x row x of the step's (nb from b, stride bs), d
-// columns, staged MK_ATTN_C at a time. Every thread of the block calls it.
+// columns, staged MK_ATTN_C at a time. A chunk's columns past d are staged as zeros on both sides
+// and added as the products 0 * 0: a sum of products is never -0, so adding +0 changes nothing.
+// Every thread of the block calls it.
 static __device__ void mk_attn_dots(float s[MK_ATTN_U], MkAttnShared *sh, const MkAttnTile *T, const float *a, int na,
                                     i64 as, const float *b, int nb, i64 bs, int d) {
   for (int u = 0; u < MK_ATTN_U; u++) s[u] = 0.0f;
@@ -96,18 +112,25 @@ static __device__ void mk_attn_dots(float s[MK_ATTN_U], MkAttnShared *sh, const 
     }
     for (int e = threadIdx.x; e < MK_ATTN_X * MK_ATTN_C; e += blockDim.x) {
       int x = e / MK_ATTN_C, c = e % MK_ATTN_C;
-      sh->b[x * MK_ATTN_PAD + c] = x < nb && c < cn ? b[x * bs + c0 + c] : 0.0f;
+      sh->b[c * MK_ATTN_BPAD + x] = x < nb && c < cn ? b[x * bs + c0 + c] : 0.0f;
     }
     __syncthreads();
-    const float *ar = sh->a + T->r * MK_ATTN_PAD;
-    for (int c = 0; c < cn; c++) {
-      float av = ar[c];
-      for (int u = 0; u < MK_ATTN_U; u++) s[u] = MK_ATTN_FMA(av, sh->b[(T->g + 8 * u) * MK_ATTN_PAD + c], s[u]);
+    const float *ar = sh->a + T->r * MK_ATTN_PAD, *bg = sh->b + 4 * T->g;
+    for (int c = 0; c < cn; c += 4) {
+      float av[4];
+      mk_attn_ld4(ar + c, av);
+MK_UNROLL
+      for (int cc = 0; cc < 4; cc++) {
+        float bv[4];
+        mk_attn_ld4(bg + (c + cc) * MK_ATTN_BPAD, bv);
+MK_UNROLL
+        for (int u = 0; u < MK_ATTN_U; u++) s[u] = MK_ATTN_FMA(av[cc], bv[u], s[u]);
+      }
     }
   }
 }
 
-// acc[ch * J + j] (column col0 + ch * MK_ATTN_C + g + 8j of this thread's row) += w_r[x] * x_x[col]
+// acc[ch * J + j] (column col0 + ch * MK_ATTN_C + 4g + j of this thread's row) += w_r[x] * x_x[col]
 // for x = xlo .. xhi ascending (w: the row's weights in shared memory; x rows from xs, nx of
 // them, stride xst, columns col0 .. col0 + MK_ATTN_D of d), staged MK_ATTN_C columns at a time.
 // Every thread of the block calls it.
@@ -125,10 +148,10 @@ MK_UNROLL
     }
     __syncthreads();
     for (int x = xlo; x <= xhi; x++) {
-      float wx = w[x];
-      const float *xr = sh->x + x * MK_ATTN_PAD + T->g;
+      float wx = w[x], xv[4];
+      mk_attn_ld4(sh->x + x * MK_ATTN_PAD + 4 * T->g, xv);
 MK_UNROLL
-      for (int j = 0; j < MK_ATTN_J; j++) acc[ch * MK_ATTN_J + j] = MK_ATTN_FMA(wx, xr[8 * j], acc[ch * MK_ATTN_J + j]);
+      for (int j = 0; j < MK_ATTN_J; j++) acc[ch * MK_ATTN_J + j] = MK_ATTN_FMA(wx, xv[j], acc[ch * MK_ATTN_J + j]);
     }
   }
 }
@@ -141,7 +164,7 @@ MK_UNROLL
   for (int ch = 0; ch < MK_ATTN_D / MK_ATTN_C; ch++)
 MK_UNROLL
     for (int j = 0; j < MK_ATTN_J; j++) {
-      int c = col0 + ch * MK_ATTN_C + T->g + 8 * j;
+      int c = col0 + ch * MK_ATTN_C + 4 * T->g + j;
       if (c < d) out[c] = how == 1 ? acc[ch * MK_ATTN_J + j] / v : how == 2 ? acc[ch * MK_ATTN_J + j] * v : acc[ch * MK_ATTN_J + j];
     }
 }
@@ -174,7 +197,7 @@ static __device__ float mk_attn_max(MkAttnShared *sh, const MkAttnTile *T, const
     float s[MK_ATTN_U];
     mk_attn_dots(s, sh, T, qt, na, qs, k + (i64)t0 * ks, nt, ks, d);
     for (int u = 0; u < MK_ATTN_U; u++) {
-      int t = t0 + T->g + 8 * u;
+      int t = t0 + 4 * T->g + u;
       float v = s[u] * scale;
       if (T->active && t < t0 + nt && t >= lo && t <= T->i) m = v > m ? v : m;
     }
@@ -182,7 +205,7 @@ static __device__ float mk_attn_max(MkAttnShared *sh, const MkAttnTile *T, const
   return mk_attn_row_max(sh, m);
 }
 
-// The weights of a step: row r's w[x] for its keys t0 + x (this thread's x = g + 8u; 0 where the
+// The weights of a step: row r's w[x] for its keys t0 + x (this thread's x = 4g + u; 0 where the
 // row does not see the key), between barriers; returns the row's range of x (xlo > xhi: none).
 static __device__ void mk_attn_key_range(const MkAttnTile *T, int t0, int nt, int lo, int *xlo, int *xhi) {
   *xlo = lo > t0 ? lo - t0 : 0;
@@ -216,7 +239,7 @@ extern "C" __global__ void mk_attn_fwd(const float *q, const float *k, const flo
         mk_attn_dots(s, &sh, &T, qt, na, qcols, kh + (i64)t0 * kcols, nt, kcols, d);
         mk_attn_key_range(&T, t0, nt, lo, &xlo, &xhi);
         for (int u = 0; u < MK_ATTN_U; u++) {
-          int x = T.g + 8 * u;
+          int x = 4 * T.g + u;
           sh.w[T.r * MK_ATTN_WPAD + x] = x >= xlo && x <= xhi ? mk_exp(s[u] * scale - m) : 0.0f;
         }
         __syncthreads();
@@ -249,7 +272,7 @@ extern "C" __global__ void mk_attn_stats(const float *dy, const float *q, const 
       mk_attn_dots(s, &sh, &T, qt, na, qcols, kh + (i64)t0 * kcols, nt, kcols, d);
       mk_attn_key_range(&T, t0, nt, lo, &xlo, &xhi);
       for (int u = 0; u < MK_ATTN_U; u++) {
-        int x = T.g + 8 * u;
+        int x = 4 * T.g + u;
         sh.w[T.r * MK_ATTN_WPAD + x] = x >= xlo && x <= xhi ? mk_exp(s[u] * scale - m) : 0.0f;
       }
       __syncthreads();
@@ -292,7 +315,7 @@ extern "C" __global__ void mk_attn_grad_q(const float *dy, const float *q, const
         mk_attn_dots(u2, &sh, &T, yt, na, qcols, vh + (i64)t0 * kcols, nt, kcols, d);
         mk_attn_key_range(&T, t0, nt, lo, &xlo, &xhi);
         for (int u = 0; u < MK_ATTN_U; u++) {
-          int x = T.g + 8 * u;
+          int x = 4 * T.g + u;
           float p = mk_exp(s[u] * scale - lse);
           sh.w[T.r * MK_ATTN_WPAD + x] = x >= xlo && x <= xhi ? p * (u2[u] - D) : 0.0f;
         }
@@ -336,7 +359,7 @@ extern "C" __global__ void mk_attn_grad_kv(const float *dy, const float *q, cons
           int xlo = t > i0 ? t - i0 : 0, xhi = stop - 1 - i0 < ni - 1 ? stop - 1 - i0 : ni - 1;
           if (!T.active) xlo = 1, xhi = 0;
           for (int u = 0; u < MK_ATTN_U; u++) {
-            int x = T.g + 8 * u;
+            int x = 4 * T.g + u;
             bool on = x >= xlo && x <= xhi;
             float p = 0.0f, ds = 0.0f;
             if (on) {

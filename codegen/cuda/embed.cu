@@ -10,14 +10,20 @@ extern "C" __global__ void mk_embed(const int *tokens, const float *table, float
 }
 
 // ---- mk_embed_grad ----
-// One thread per column: it zeroes that column of dtable, then adds the tokens' rows in token
-// order, as rt_embed_grad (deterministic, no atomics).
+// Thread (b, j), p = b * m + j, owns the rows r with r % B == b of column j (B buckets of rows,
+// the largest power of two up to min(v, 64)): it zeroes them, then adds the tokens' rows of dy
+// that fall in them in token order, as rt_embed_grad (each element's sum in token order, no
+// atomics). Launched with 64 m threads: one thread per column (2048 threads for a 2048-wide
+// table) scanned a 32000-row vocabulary alone, 2.4 ms of a language model's step on an H200.
 extern "C" __global__ void mk_embed_grad(const float *dy, const int *tokens, float *dtable, int t, int m, int v) {
-  MK_FOR(j, m) {
-    for (int r = 0; r < v; r++) dtable[(i64)r * m + j] = 0.0f;
+  int B = 1;
+  while (B * 2 <= v && B * 2 <= 64) B *= 2;
+  MK_FOR(p, (i64)B * m) {
+    int b = (int)(p / m), j = (int)(p % m);
+    for (int r = b; r < v; r += B) dtable[(i64)r * m + j] = 0.0f;
     for (int i = 0; i < t; i++) {
       int tok = tokens[i];
-      if (tok >= 0 && tok < v) dtable[(i64)tok * m + j] += dy[(i64)i * m + j];
+      if (tok >= 0 && tok < v && (tok & (B - 1)) == b) dtable[(i64)tok * m + j] += dy[(i64)i * m + j];
     }
   }
 }

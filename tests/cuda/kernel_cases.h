@@ -446,12 +446,13 @@ template <class Launcher> void run_kernel_cases(Launcher &L, Checks &c) {
       LAUNCH(2, 64, mk_pos_add_grad, dy, pg_k, rows, qc, seq);
       c.same("pos.add.grad_w", pg_c, pg_k);
     }
-    // The tiled attention kernels on more shapes: query tiles of a block's threads (seq 37 over
-    // blocks of 16 and 8: several tiles per sample, a partial last one), key tiles of
-    // MK_ATTN_KEYS(d) rows (tests/cuda/run.sh builds this emulation with a 60-float staging
-    // buffer, so d 6 stages 5 keys at a time and d 32 reads its keys from global memory), MQA.
+    // The tiled attention kernels on more shapes: query tiles of a block's threads / 8 rows (seq 37
+    // over blocks of 16 and 8: several tiles per sample, a partial last one), steps of 32 keys
+    // (seq 37 and 40: two, the last partial), chunks of 32 columns (d 6: one partial; d 70: three)
+    // and passes of MK_ATTN_D output columns (tests/cuda/run.sh builds this emulation with 32, so
+    // d 70 takes three), MQA.
     for (auto [seq, H, KV, d, block] : {std::array<int, 5>{37, 2, 1, 6, 16}, std::array<int, 5>{37, 4, 2, 6, 8},
-                                        std::array<int, 5>{9, 2, 2, 32, 8}}) {
+                                        std::array<int, 5>{9, 2, 2, 32, 8}, std::array<int, 5>{40, 2, 1, 70, 16}}) {
       const int rows = 2 * seq, qc = H * d, kc = KV * d, w = qc + 2 * kc;
       auto q = randn((size_t)rows * qc), kk = randn((size_t)rows * kc), vv = randn((size_t)rows * kc);
       auto dy = randn((size_t)rows * qc);
@@ -471,11 +472,12 @@ template <class Launcher> void run_kernel_cases(Launcher &L, Checks &c) {
       c.same(("attn.causal.stats" + shape).c_str(), st_c, st_k);
       c.same(("attn.causal.grad" + shape).c_str(), g_c, g_k);
     }
-    // Sliding windows (keys i - W < j <= i): a window inside one staged tile of keys (3), one
-    // spanning several tiles and query blocks (11), a window of 1 (each query sees itself), one as
-    // long as the sequence (the causal mask: the same bits as no window), and d 32 from global memory.
+    // Sliding windows (keys i - W < j <= i): a window inside one step of keys (3), one spanning
+    // several query tiles (11) and one several steps of keys (40 over seq 70), a window of 1 (each
+    // query sees itself), one as long as the sequence (the causal mask: the same bits as no
+    // window), and d 32.
     for (auto [seq, H, KV, d, block, window] :
-         {std::array<int, 6>{37, 2, 1, 6, 16, 3}, std::array<int, 6>{37, 4, 2, 6, 8, 11}, std::array<int, 6>{37, 2, 2, 6, 8, 1},
+         {std::array<int, 6>{37, 2, 1, 6, 16, 3}, std::array<int, 6>{37, 4, 2, 6, 8, 11}, std::array<int, 6>{37, 2, 2, 6, 8, 1}, std::array<int, 6>{70, 2, 1, 6, 16, 40},
           std::array<int, 6>{13, 2, 1, 6, 8, 13}, std::array<int, 6>{9, 2, 2, 32, 8, 4}}) {
       const int rows = 2 * seq, qc = H * d, kc = KV * d, w = qc + 2 * kc;
       auto q = randn((size_t)rows * qc), kk = randn((size_t)rows * kc), vv = randn((size_t)rows * kc);

@@ -96,10 +96,9 @@ check "library (every kernel)" --library ""
 # C++ under a small emulation of CUDA threads and blocks against libmoert's CPU kernels.
 CXX=${CXX:-g++}
 "$CHECK" --print-library >"$WORK/lib.cu"
-# MK_ATTN_X=8, MK_ATTN_C=8, MK_ATTN_D=16: the attention kernels step over 8 keys (queries) at a
-# time and stage 8 columns at a time, and hold 16 output columns a pass, so the cases' small heads
-# go through several steps and chunks and a head of 32 through two passes (the defaults: 32, 32, 256).
-if ! "$CXX" -std=c++20 -O1 -w -Iruntime -DMK_ATTN_X=8 -DMK_ATTN_C=8 -DMK_ATTN_D=16 -DMK_LIBRARY="\"$WORK/lib.cu\"" -o "$WORK/emu" tests/cuda/emu_check.cpp \
+# MK_ATTN_D=32: the attention kernels hold 32 output columns a pass (the default is 128), so the
+# cases' heads of 70 go through three passes (the last one partial).
+if ! "$CXX" -std=c++20 -O1 -w -Iruntime -DMK_ATTN_D=32 -DMK_LIBRARY="\"$WORK/lib.cu\"" -o "$WORK/emu" tests/cuda/emu_check.cpp \
      "$BUILD/libmoert.a" $BLAS_LIBS -lcjson $(mpicc --showme:link 2>/dev/null || echo -lmpi) -lm -pthread 2>"$WORK/err"; then
   echo "FAIL  cuda emu: building tests/cuda/emu_check.cpp with $CXX"
   sed 's/^/      /' "$WORK/err" | head -n 30
