@@ -80,7 +80,8 @@ typedef enum CgArgKind {
   CG_ARG_GRAD,      // the gradient buffer of the parameter op->args[0]
   CG_ARG_MOMENT_M,  // adamw's moments of that parameter
   CG_ARG_MOMENT_V,
-  CG_ARG_PARAM16,   // CUDA dtype bf16: the bf16 copy (P16) of the parameter op->args[0]
+  CG_ARG_PARAM16,   // CUDA: the bf16 copy (P16) of the parameter op->args[0] (NULL without dtype bf16)
+  CG_ARG_RANGES,    // CUDA: the table of RtUpdateRange of an update run (ops i .. i + nops - 1)
   CG_ARG_STATS,     // the op's statistics buffer (gate.locations: int[g, e, 2] or NULL; hook.record: double[3])
   CG_ARG_SCRATCH,   // CUDA: the launch's scratch, CgLaunch.scratch_bytes (a reduction's partial sums)
   CG_ARG_INT,       // the literal i
@@ -131,6 +132,10 @@ typedef struct CgLaunch {
 // into P16 too). False when the op has no lowering (every op of ops.def has one).
 enum { CG_LOWER_FUSE = 1, CG_LOWER_BF16 = 2 };
 bool cg_lower(const PassMemPlan *plan, const IrFunc *f, int i, unsigned how, CgLaunch *l);
+// An update run's blocks of CG_UPDATE_CHUNK elements (ops i .. i + nops - 1 of f; each range
+// starts a block of its own).
+enum { CG_UPDATE_CHUNK = 4096 };
+int64_t cg_update_blocks(const IrFunc *f, int i, int nops);
 // How the CUDA target lowers the ops of m (CG_LOWER_FUSE, and CG_LOWER_BF16 with dtype bf16).
 unsigned cg_cuda_lowering(const IrModule *m);
 // The lowering of one op alone (never fused).

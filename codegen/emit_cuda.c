@@ -239,6 +239,7 @@ static void plan_arg(char *buf, size_t n, const IrFunc *f, int i, const CgArg *a
   case CG_ARG_MOMENT_M: snprintf(buf, n, "m(@%s)", op->args[0].param->name); return;
   case CG_ARG_MOMENT_V: snprintf(buf, n, "v(@%s)", op->args[0].param->name); return;
   case CG_ARG_PARAM16: snprintf(buf, n, "bf16(@%s)", op->args[0].param->name); return;
+  case CG_ARG_RANGES: snprintf(buf, n, "ranges"); return;
   case CG_ARG_STATS: snprintf(buf, n, "stats"); return;
   case CG_ARG_SCRATCH: snprintf(buf, n, "scratch"); return;
   case CG_ARG_INT: snprintf(buf, n, "%" PRId64, a->i); return;

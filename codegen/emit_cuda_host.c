@@ -53,6 +53,12 @@ typedef struct Counts {
   double kernel_bytes, gemm_bytes;
 } Counts;
 
+// A range of an update run's table, as the program prints it (runtime/moert.h's RtUpdateRange).
+typedef struct CgUpdateRange {
+  int64_t start, n, block0;
+  double lr, weight_decay;
+} CgUpdateRange;
+
 typedef struct Host {
   FILE *out;                 // the functions (a memory stream: the tables they use are printed first)
   FILE *epi;                 // the current step function's host epilogue (a memory stream)
@@ -83,6 +89,10 @@ typedef struct Host {
   // What each step function launches (moec build -v, and the program's header): by phase
   // (forward, backward, update), the kernel launches (bf16 casts among them), cuBLAS GEMMs and
   // collectives or device copies, and the bytes they move (operands read once, results written once)
+  // The tables of the update runs (CG_ARG_RANGES): every run's ranges, one after the other, copied
+  // to the device (U) when it is created; ranges_at: the current launch's first range
+  CgUpdateRange *ranges;
+  int nranges, cap_ranges, ranges_at, w_ranges;
   int phase;                 // the step function being emitted (STEP_*)
   Counts count[STEP_COUNT];
   bool ok;
@@ -219,7 +229,7 @@ static bool kernel_arg(Host *h, const IrFunc *f, int i, const CgArg *a, CgParamT
   char addr[96];
   bool pointer = a->kind == CG_ARG_OPERAND || a->kind == CG_ARG_RESULT || a->kind == CG_ARG_GRAD ||
                  a->kind == CG_ARG_MOMENT_M || a->kind == CG_ARG_MOMENT_V || a->kind == CG_ARG_STATS ||
-                 a->kind == CG_ARG_SCRATCH || a->kind == CG_ARG_PARAM16;
+                 a->kind == CG_ARG_SCRATCH || a->kind == CG_ARG_PARAM16 || a->kind == CG_ARG_RANGES;
   bool real = a->kind == CG_ARG_FLOAT || a->kind == CG_ARG_LR_SCALE || a->kind == CG_ARG_GRAD_SCALE;
   if (pointer != (t == CG_PARAM_POINTER) || real != (t == CG_PARAM_FLOAT) ||
       (a->kind == CG_ARG_SEED) != (t == CG_PARAM_U64) ||
@@ -234,6 +244,9 @@ static bool kernel_arg(Host *h, const IrFunc *f, int i, const CgArg *a, CgParamT
     case CG_ARG_SCRATCH:   // the launch's partial sums, in the staging area (never read by the host)
       if (scratch < 0) return false;
       snprintf(addr, sizeof addr, "(S + %" PRId64 ")", scratch);
+      break;
+    case CG_ARG_RANGES:    // the update run's table, in U
+      snprintf(addr, sizeof addr, "(U + %d * sizeof(RtUpdateRange))", h->ranges_at);
       break;
     case CG_ARG_INT:
       if (t == CG_PARAM_INT && (a->i < INT32_MIN || a->i > INT32_MAX))
@@ -454,6 +467,29 @@ static double op_bytes(const IrFunc *f, int i, int nops, bool bf16) {
   return bytes;
 }
 
+// The table of the update run of ops i .. i + nops - 1 of f (lower.c's lower_update_run): each
+// parameter's range from the first one's offset, its blocks of CG_UPDATE_CHUNK elements, its lr
+// and weight decay; h->ranges_at says where it starts.
+static bool update_ranges(Host *h, const IrFunc *f, int i, int nops) {
+  if (h->nranges + nops > h->cap_ranges) {
+    int cap = 2 * h->cap_ranges + nops;
+    CgUpdateRange *r = realloc(h->ranges, (size_t)cap * sizeof *r);
+    if (!r) return ir_oom(h->d);
+    h->ranges = r, h->cap_ranges = cap;
+  }
+  h->ranges_at = h->nranges;
+  int64_t base = h->param_offset[f->ops[i]->args[0].param->index], block0 = 0;
+  for (int j = i; j < i + nops; j++) {
+    const IrOp *op = f->ops[j];
+    int64_t n = ir_type_numel(&op->args[0].param->type);
+    h->ranges[h->nranges++] = (CgUpdateRange){.start = h->param_offset[op->args[0].param->index] - base, .n = n,
+                                              .block0 = block0, .lr = ir_op_float(op, "lr", 0),
+                                              .weight_decay = ir_op_float(op, "weight_decay", 0)};
+    block0 += (n + CG_UPDATE_CHUNK - 1) / CG_UPDATE_CHUNK;
+  }
+  return true;
+}
+
 // Op i of f (and the ops a fused launch takes with it, *nops in all) on stream s.
 static bool emit_op(Host *h, const IrFunc *f, int i, IrStream s, int *nops) {
   const IrOp *op = f->ops[i];
@@ -475,6 +511,9 @@ static bool emit_op(Host *h, const IrFunc *f, int i, IrStream s, int *nops) {
   // A split reduction's partial sums: a place of their own (ops on other streams may run beside).
   int64_t scratch = l.scratch_bytes > 0 ? stage_place(h, l.scratch_bytes) : -1;
   if (l.ncalls > 0) h->count[h->phase].kernel_bytes += op_bytes(f, i, l.nops, h->bf16);
+  if (l.ncalls > 0 && (l.call[0].kernel == cg_kernel_by_name("adamw_ranges") ||
+                       l.call[0].kernel == cg_kernel_by_name("sgd_ranges")) && !update_ranges(h, f, i, l.nops))
+    return false;
   for (int k = 0; k < l.ncalls; k++)
     if (!emit_kernel(h, f, i, &l.call[k], s, stats, scratch)) return false;
   if (op->kind == IR_OP_HOOK_RECORD) {
@@ -697,7 +736,8 @@ static void emit_header(Host *h, FILE *out, const char *source_name, const CgCud
   int64_t b_intra = 2 * slot[IR_STREAM_COMPUTE], b_inter = b_intra + 2 * slot[IR_STREAM_INTRA];
   int64_t b_bytes = b_inter + 2 * slot[IR_STREAM_INTER];
   int64_t off_p16 = off_b + (h->bf16 ? align(b_bytes > 0 ? b_bytes : 1, 256) : 0);   // dtype bf16: P16
-  int64_t total = off_p16 + (h->bf16 ? align(h->param_floats * 2, 256) : 0);
+  int64_t off_u = off_p16 + (h->bf16 ? align(h->param_floats * 2, 256) : 0);   // the update runs' tables
+  int64_t total = off_u + align(h->nranges > 0 ? h->nranges * 32 : 1, 256);
   fprintf(out, "/* Device memory, one block: parameters P, gradients G%s (floats, as the CPU\n"
                "   program's), the step's input X and target T, the activation arena A of the memory plan, and\n"
                "   the staging area S of the statistics the host reads after a step function (into H). */\n",
@@ -724,6 +764,19 @@ static void emit_header(Host *h, FILE *out, const char *source_name, const CgCud
                  ")\n#define SLOT_INTRA ((size_t)%" PRId64 ")\n#define SLOT_INTER ((size_t)%" PRId64
                  ")\n#define OFF_P16 ((size_t)%" PRId64 ")\n",
             off_b, b_intra, b_inter, slot[IR_STREAM_COMPUTE], slot[IR_STREAM_INTRA], slot[IR_STREAM_INTER], off_p16);
+  if (h->nranges > 0) {   // the update runs' tables: copied to U when the device is created
+    fprintf(out, "/* The update in one launch per run of optimizer ops (mk_adamw_ranges, mk_sgd_ranges): each\n"
+                 "   parameter's range from the run's first one, its first block of %d elements, its lr and\n"
+                 "   weight decay. */\n#define OFF_U ((size_t)%" PRId64 ")\n"
+                 "static const RtUpdateRange update_ranges[%d] = {\n",
+            CG_UPDATE_CHUNK, off_u, h->nranges);
+    for (int i = 0; i < h->nranges; i++) {
+      const CgUpdateRange *r = &h->ranges[i];
+      fprintf(out, "  {%" PRId64 ", %" PRId64 ", %" PRId64 ", (float)%.17g, (float)%.17g},\n", r->start, r->n, r->block0,
+              r->lr, r->weight_decay);
+    }
+    fprintf(out, "};\n");
+  }
   fprintf(out, "#define EVENTS %d\n#define MOMENTS %d   /* AdamW keeps two moments per parameter */\n\n",
           h->max_events > EV_BASE ? h->max_events : EV_BASE, h->adamw);
 
@@ -742,7 +795,7 @@ static void emit_header(Host *h, FILE *out, const char *source_name, const CgCud
           "static CUfunction *kernels;\n"
           "static RtNccl **nccl;           /* by RtGroup; made when the ranks connect */\n"
           "static float *P, *G, *M, *V, *X, *T;\n"
-          "static unsigned char *A, *S;\n"
+          "static unsigned char *A, *S%s;\n"
           "static unsigned char *H;       /* the host's copy of the staging area S */\n"
           "static float *output;          /* host copy of the model's output (--dump) */\n\n"
           "static _Noreturn void op_failed(int site) {\n"
@@ -755,7 +808,7 @@ static void emit_header(Host *h, FILE *out, const char *source_name, const CgCud
           "static void launch(int site, RtStream s, int kernel, int grid, unsigned shared_bytes, void **args) {\n"
           "  CK(rt_cuda_launch(cu, s, kernels[kernel], grid, %d, shared_bytes, args), site);\n"
           "}\n\n",
-          CG_CUDA_BLOCK);
+          h->nranges > 0 ? ", *U" : "", CG_CUDA_BLOCK);
   if (h->bf16)
     fprintf(out, "static unsigned char *B;         /* the bf16 copies of the GEMM operands */\n"
                  "static uint16_t *P16;            /* the bf16 copy of the parameters */\n"
@@ -789,6 +842,9 @@ static void emit_hooks(Host *h, FILE *out) {
                "  P = (float *)base;\n  G = (float *)(base + OFF_G);\n  M = (float *)(base + OFF_M);\n  V = (float *)(base + OFF_V);\n"
                "  X = (float *)(base + OFF_X);\n  T = (float *)(base + OFF_T);\n  A = base + OFF_A;\n  S = base + OFF_S;\n");
   if (h->bf16) fprintf(out, "  B = base + OFF_B;\n  P16 = (uint16_t *)(base + OFF_P16);\n  p16_fresh = false;\n");
+  if (h->nranges > 0)
+    fprintf(out, "  U = base + OFF_U;\n  CK(rt_cuda_to_device(cu, RT_STREAM_COMPUTE, U, update_ranges, sizeof update_ranges), %d);\n",
+            h->w_ranges);
   if (h->output[0]) fprintf(out, "  session->device_output = %s;\n", h->output);
   fprintf(out, "  return 0;\n}\n\n"
                "static void device_destroy(RtStep *st) {\n"
@@ -881,6 +937,7 @@ bool cg_emit_cuda_host(IrDiag *d, FILE *out, const IrModule *m, const PassMemPla
   }
   ok = emit_step(&h, STEP_FORWARD, prologue, is_forward) && emit_step(&h, STEP_BACKWARD, "", is_backward) &&
        emit_step(&h, STEP_UPDATE, update_prologue, is_update) && h.ok;
+  if (h.nranges > 0) h.w_ranges = where(&h, NULL, NULL, "the copy of the update's table of ranges to the GPU");
   if (fclose(h.out) != 0) ok = ir_oom(d);
   h.out = NULL;
   if (!ok) goto done;
@@ -895,6 +952,7 @@ done:
   for (int i = 0; i < h.nwhere; i++) free(h.where[i]);
   free(h.where);
   free(h.staged);
+  free(h.ranges);
   free(h.pooled_addr);
   free(h.pooled_off);
   free(h.pooled_bytes);

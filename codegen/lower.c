@@ -490,29 +490,62 @@ static void split_reduction(CgLaunch *l) {
   l->scratch_bytes = parts * (int64_t)sizeof(double);
 }
 
-// The updates that follow op i of f and can share its launch (CUDA): the same optimizer with the
-// same settings on the parameters that follow op i's in the flat buffers (parameters, gradients,
-// moments: cg_param_offsets lays them out in index order), in a function on one stream (so no
-// event wait falls between them). Their number beside op i, and their elements in *more.
-static int update_run(const IrFunc *f, int i, int64_t *more) {
-  static const char *const settings[] = {"lr", "weight_decay", "beta1", "beta2", "eps"};
+// The updates that follow op i of f and share its launch (CUDA): the ops right after it with the
+// same optimizer (AdamW: the same beta1, beta2 and eps; each keeps its lr and weight decay, as a
+// range of the launch's table), in a function on one stream (no event wait falls between them).
+// -1 when op i is no update or its function is scheduled (then each op is a launch of its own).
+static int update_run(const IrFunc *f, int i) {
+  static const char *const settings[] = {"beta1", "beta2", "eps"};
   const IrOp *a = f->ops[i];
-  *more = 0;
-  if ((a->kind != IR_OP_OPT_SGD && a->kind != IR_OP_OPT_ADAMW) || cg_func_scheduled(f)) return 0;
+  if ((a->kind != IR_OP_OPT_SGD && a->kind != IR_OP_OPT_ADAMW) || cg_func_scheduled(f)) return -1;
   int n = 0;
   for (int j = i + 1; j < f->nops; j++) {
     const IrOp *b = f->ops[j];
-    bool same = b->kind == a->kind && b->args[0].param && b->args[0].param->index == a->args[0].param->index + (j - i);
-    for (int k = 0; same && k < 5; k++) same = ir_op_float(b, settings[k], 0) == ir_op_float(a, settings[k], 0);
+    bool same = b->kind == a->kind && b->args[0].param;
+    for (int k = 0; same && a->kind == IR_OP_OPT_ADAMW && k < 3; k++)
+      same = ir_op_float(b, settings[k], 0) == ir_op_float(a, settings[k], 0);
     if (!same) break;
-    *more += ir_type_numel(&b->args[0].param->type);
     n++;
   }
   return n;
 }
 
-// The update's kernel that also rounds the parameters into their bf16 copy (CG_LOWER_BF16), its
-// last argument that copy.
+int64_t cg_update_blocks(const IrFunc *f, int i, int nops) {
+  int64_t blocks = 0;
+  for (int j = i; j < i + nops; j++)
+    blocks += (ir_type_numel(&f->ops[j]->args[0].param->type) + CG_UPDATE_CHUNK - 1) / CG_UPDATE_CHUNK;
+  return blocks;
+}
+
+// The launch of ops i .. i + run of f (update_run): mk_adamw_ranges or mk_sgd_ranges from op i's
+// parameter on, over the table of ranges CG_ARG_RANGES (the host program writes it), with the bf16
+// copy P16 where the program has one (CG_ARG_PARAM16 is NULL otherwise).
+static void lower_update_run(const IrFunc *f, int i, int run, CgLaunch *l) {
+  const IrOp *a = f->ops[i];
+  bool adamw = a->kind == IR_OP_OPT_ADAMW;
+  memset(l, 0, sizeof *l);
+  int64_t blocks = cg_update_blocks(f, i, run + 1);
+  CgKernelCall *c = call(l, adamw ? CG_K_ADAMW_RANGES : CG_K_SGD_RANGES, grid_blocks(blocks));
+  arg(c, CG_ARG_OPERAND, 0);
+  arg(c, CG_ARG_GRAD, 0);
+  if (adamw) arg(c, CG_ARG_MOMENT_M, 0), arg(c, CG_ARG_MOMENT_V, 0);
+  arg(c, CG_ARG_RANGES, 0);
+  INTS(c, run + 1, blocks, CG_UPDATE_CHUNK);
+  if (adamw) {
+    flt(c, ir_op_float(a, "beta1", 0.9));
+    flt(c, ir_op_float(a, "beta2", 0.999));
+    flt(c, ir_op_float(a, "eps", 1e-8));
+    arg(c, CG_ARG_STEP, 0);
+  }
+  arg(c, CG_ARG_LR_SCALE, 0);
+  arg(c, CG_ARG_GRAD_SCALE, 0);
+  arg(c, CG_ARG_PARAM16, 0);
+  l->nops = 1 + run;
+  if (run > 0) snprintf(l->note, sizeof l->note, "the update of %d parameters in one launch", 1 + run);
+}
+
+// A scheduled function's update (op by op) with dtype bf16: the kernel that also rounds the
+// parameters into their bf16 copy, its last argument that copy.
 static void update_bf16(CgLaunch *l) {
   CgKernelCall *c = &l->call[0];
   if (l->ncalls != 1 || (c->kernel != CG_K_ADAMW && c->kernel != CG_K_SGD)) return;
@@ -522,24 +555,15 @@ static void update_bf16(CgLaunch *l) {
 
 bool cg_lower(const PassMemPlan *plan, const IrFunc *f, int i, unsigned how, CgLaunch *l) {
   bool fuse = how & CG_LOWER_FUSE;
+  int run = fuse ? update_run(f, i) : -1;
+  if (run >= 0) {
+    lower_update_run(f, i, run, l);
+    return true;
+  }
   if (!fuse || !fused_gate_at(plan, f, i)) {
     if (!cg_lower_op(f->ops[i], l)) return false;
     if (fuse) split_reduction(l);
-    int64_t more = 0;
-    int run = fuse ? update_run(f, i, &more) : 0;
-    if (run > 0 && l->ncalls == 1) {   // the element count is the kernel's one integer of n elements
-      int64_t n = ir_type_numel(&f->ops[i]->args[0].param->type);
-      CgKernelCall *c = &l->call[0];
-      for (int a = 0; a < c->nargs; a++)
-        if (c->args[a].kind == CG_ARG_INT && c->args[a].i == n) {
-          c->args[a].i = n + more;
-          c->grid = grid_elems(n + more);
-          l->nops = 1 + run;
-          snprintf(l->note, sizeof l->note, "the update of %d parameters in one launch", 1 + run);
-          break;
-        }
-    }
-    if (how & CG_LOWER_BF16) update_bf16(l);
+    if (how & CG_LOWER_BF16) update_bf16(l);   // a scheduled function's update, op by op
     return true;
   }
   memset(l, 0, sizeof *l);

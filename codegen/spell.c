@@ -43,8 +43,8 @@ bool cg_spell_pointer(const CgSpelling *sp, const IrFunc *f, int i, const CgArg 
     snprintf(buf, n, "(%s + %" PRId64 ")", base, sp->param_offset[op->args[0].param->index]);
     return true;
   case CG_ARG_PARAM16:
-    if (!sp->params16) return false;
-    snprintf(buf, n, "(%s + %" PRId64 ")", sp->params16, sp->param_offset[op->args[0].param->index]);
+    if (!sp->params16) snprintf(buf, n, "NULL");
+    else snprintf(buf, n, "(%s + %" PRId64 ")", sp->params16, sp->param_offset[op->args[0].param->index]);
     return true;
   default: return false;
   }

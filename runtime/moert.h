@@ -51,6 +51,14 @@ enum {
 uint64_t rt_hash_name(const char *s);  // FNV-1a 64 of a parameter name
 
 // ---- kernels (runtime/kernels/*.c) ----
+// One range of parameters of an update launch (rt_adamw_ranges, rt_sgd_ranges; the CUDA target's
+// update of a run of parameter tensors): elements [start, start + n) of the flat buffers (from the
+// launch's p, g, m, v, p16), its blocks of `chunk` elements from block0 on, its lr and weight decay.
+typedef struct RtUpdateRange {
+  int64_t start, n, block0;
+  float lr, weight_decay;
+} RtUpdateRange;
+
 // Every kernel of the table runtime/kernels.def (WHERE = BOTH) is declared from its row: rt_NAME
 // with the row's parameters, the CUDA kernel mk_NAME's parameters. The row's comment says what
 // it computes.

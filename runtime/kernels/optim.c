@@ -67,3 +67,28 @@ void rt_adamw_bf16(float *p, const float *g, float *m, float *v, int64_t n, floa
   rt_adamw(p, g, m, v, n, lr, beta1, beta2, eps, weight_decay, step, lr_scale, grad_scale);
   rt_compress_bf16(p, p16, n);
 }
+
+// A run of parameter tensors (the CUDA target's one launch; here, the twins its kernels are checked
+// against): each range as rt_sgd / rt_adamw with its lr and weight decay, then its bf16 copy when
+// p16 is not NULL. blocks and chunk say how the GPU splits the ranges; the result does not depend
+// on them.
+void rt_sgd_ranges(float *p, const float *g, const void *ranges, int nranges, int64_t blocks, int64_t chunk,
+                   float lr_scale, float grad_scale, uint16_t *p16) {
+  const RtUpdateRange *r = ranges;
+  for (int j = 0; j < nranges; j++) {
+    rt_sgd(p + r[j].start, g + r[j].start, r[j].n, r[j].lr, r[j].weight_decay, lr_scale, grad_scale);
+    if (p16) rt_compress_bf16(p + r[j].start, p16 + r[j].start, r[j].n);
+  }
+}
+
+void rt_adamw_ranges(float *p, const float *g, float *m, float *v, const void *ranges, int nranges, int64_t blocks,
+                     int64_t chunk, float beta1, float beta2, float eps, int64_t step, float lr_scale,
+                     float grad_scale, uint16_t *p16) {
+  const RtUpdateRange *r = ranges;
+  for (int j = 0; j < nranges; j++) {
+    int64_t s = r[j].start;
+    rt_adamw(p + s, g + s, m + s, v + s, r[j].n, r[j].lr, beta1, beta2, eps, r[j].weight_decay, step, lr_scale,
+             grad_scale);
+    if (p16) rt_compress_bf16(p + s, p16 + s, r[j].n);
+  }
+}

@@ -318,7 +318,7 @@ PY
 fi
 
 # bf16 operands made once: the parameters' bf16 copy P16 (written by the update's kernel,
-# mk_adamw_bf16 / mk_sgd_bf16, as it updates them; rounded at the first forward after an upload)
+# mk_adamw_ranges / mk_sgd_ranges, as it updates them; rounded at the first forward after an upload)
 # is what the GEMMs read for a weight, and a value rounded for one GEMM is read again, not rounded
 # again, by the next GEMM on its stream (the backward's dY @ W^T then X^T @ dY). moec build -v
 # counts the casts per step function: tiny's forward rounds each GEMM's activation (6 casts for 6
@@ -327,7 +327,7 @@ if "$MOEC" build "$WORK/tiny_bf16.moe" --target cuda --emit c -v -o "$WORK/tiny_
    fwd=$(grep -m1 '^# launches: forward' "$WORK/v.err") && bwd=$(grep -m1 '^# launches: backward' "$WORK/v.err") &&
    echo "$fwd" | grep -q '(6 bf16 casts),   6 GEMMs' && echo "$bwd" | grep -q '(12 bf16 casts),  12 GEMMs' &&
    [ "$(grep -c 'rt_cuda_expert_gemm(cu, RT_STREAM_COMPUTE, RT_CUDA_BF16, [^;]*(P16 + ' "$WORK/tiny_bf16.c")" -eq 8 ] &&
-   grep -q 'launch([0-9]*, RT_STREAM_COMPUTE, mk_\(adamw\|sgd\)_bf16, .*PTR((P16 + 0))});' "$WORK/tiny_bf16.c" &&
+   grep -q 'launch([0-9]*, RT_STREAM_COMPUTE, mk_\(adamw\|sgd\)_ranges, .*PTR((P16 + 0))});' "$WORK/tiny_bf16.c" &&
    ! grep -q 'p16_fresh = false;   /\* rounded again' "$WORK/tiny_bf16.c" &&
    grep -q 'if (what & RT_DEVICE_PARAMS) p16_fresh = false;' "$WORK/tiny_bf16.c"; then
   ok "cuda host tiny bf16: weights read from P16, which the update writes, a value's bf16 copy reused by the next GEMM ('${fwd#\# launches: }'; backward 12 casts for 12 GEMMs)"
@@ -335,18 +335,20 @@ else
   bad "cuda host tiny bf16: P16 and the reused bf16 copies" "$(grep launches "$WORK/v.err"; tail -n 5 "$WORK/v.err")"
 fi
 
-# The update in as few launches as its settings allow (issue 39): the optimizer's kernel over
-# every run of parameters that follow each other in the flat buffers with the same settings, one
-# launch for tiny (SGD/AdamW alike over all its tensors), a run per weight-decay class change for
-# a language model (its norms and biases are not decayed); the golden runs hold the bits.
+# The update in one launch (issue 39): the optimizer's kernel over a table of ranges, one per
+# parameter tensor with its own lr and weight decay (mk_adamw_ranges, mk_sgd_ranges), for tiny's
+# 10 tensors and the language model's 55 (its norms and biases not decayed: 32 runs of equal
+# settings before); the golden runs hold the bits.
 if "$MOEC" build lang/models/tiny.moe --target cuda --emit c -v -o "$WORK/tiny_upd.c" 2>"$WORK/u.err" &&
    grep -q '^# launches: update      1 kernels' "$WORK/u.err" &&
-   [ "$(grep -c 'launch([0-9]*, RT_STREAM_COMPUTE, mk_adamw' "$WORK/tiny_upd.c")" -eq 1 ] &&
-   "$MOEC" build lang/models/gpt_moe_bytes.moe --target cuda -v -o "$WORK/gmb_upd" 2>"$WORK/g.err" &&
-   upd=$(grep -m1 '^# launches: update' "$WORK/g.err" | awk '{print $4}') && [ "$upd" -lt 55 ]; then
-  ok "cuda host: the update of tiny's 10 tensors is 1 launch; gpt_moe_bytes's 55 tensors $upd launches (a run per weight-decay change)"
+   [ "$(grep -c 'launch([0-9]*, RT_STREAM_COMPUTE, mk_adamw_ranges, .*I32(10)' "$WORK/tiny_upd.c")" -eq 1 ] &&
+   "$MOEC" build lang/models/gpt_moe_bytes.moe --target cuda -v --emit c -o "$WORK/gmb_upd.c" 2>"$WORK/g.err" &&
+   grep -q '^# launches: update      1 kernels' "$WORK/g.err" &&
+   grep -q 'static const RtUpdateRange update_ranges\[55\]' "$WORK/gmb_upd.c" &&
+   [ "$(grep -c ', (float)0},$' "$WORK/gmb_upd.c")" -gt 0 ] && [ "$(grep -c ', (float)0.10000000000000001},$' "$WORK/gmb_upd.c")" -gt 0 ]; then
+  ok "cuda host: the update is one launch: tiny's 10 tensors, gpt_moe_bytes's 55 (decayed and not, one table of ranges)"
 else
-  bad "cuda host: the update's launches" "$(grep 'launches: update' "$WORK/u.err" "$WORK/g.err"; tail -n 3 "$WORK/u.err")"
+  bad "cuda host: the update's launches" "$(grep 'launches: update' "$WORK/u.err" "$WORK/g.err"; tail -n 3 "$WORK/u.err" "$WORK/g.err")"
 fi
 
 # bench/gpu_lm.sh, which a GPU session runs (a language model's step beside PyTorch's): its --quick

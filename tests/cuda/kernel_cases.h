@@ -54,11 +54,16 @@ template <class P, class T> P kernel_pointer(T *data) {
   return reinterpret_cast<P>(data);
 }
 
-// The value of scalar parameter type P for argument a.
+// The value of scalar parameter type P for argument a (nullptr: a NULL pointer parameter).
 template <class P, class A> P kernel_scalar(const A &a) {
-  static_assert(!std::is_pointer_v<P>, "a kernel pointer parameter needs a std::vector argument");
-  static_assert(std::is_arithmetic_v<A>, "a kernel scalar parameter needs a number");
-  return static_cast<P>(a);
+  if constexpr (std::is_same_v<std::remove_cv_t<A>, std::nullptr_t>) {
+    static_assert(std::is_pointer_v<P>, "nullptr is passed where the kernel takes a number");
+    return nullptr;
+  } else {
+    static_assert(!std::is_pointer_v<P>, "a kernel pointer parameter needs a std::vector argument");
+    static_assert(std::is_arithmetic_v<A>, "a kernel scalar parameter needs a number");
+    return static_cast<P>(a);
+  }
 }
 
 // ---- results ----
@@ -577,6 +582,36 @@ template <class Launcher> void run_kernel_cases(Launcher &L, Checks &c) {
       }
       c.same("opt.sgd_bf16 (3 steps)", p_c, p_k);
       c.same("opt.sgd_bf16's bf16 copy", q_c, q_k);
+    }
+    {  // the update of a run of tensors in one launch: three ranges with a gap between the last two
+       // (a parameter outside the run), their own lr and weight decay, blocks of 16 elements
+      const int64_t chunk = 16;
+      std::vector<RtUpdateRange> r = {{0, 40, 0, 1e-3f, 0.01f}, {40, 25, 3, 2e-3f, 0.0f}, {70, (int64_t)n - 70, 5, 1e-3f, 0.1f}};
+      int64_t blocks = 5 + ((int64_t)n - 70 + chunk - 1) / chunk;
+      for (int with16 = 0; with16 < 2; with16++) {
+        auto q_c = zeros<uint16_t>(n), q_k = zeros<uint16_t>(n);
+        p_c = a, p_k = a, m_c = zeros<float>(n), m_k = zeros<float>(n), v_c = zeros<float>(n), v_k = zeros<float>(n);
+        for (int step = 1; step <= 3; step++) {
+          rt_adamw_ranges(p_c.data(), b.data(), m_c.data(), v_c.data(), r.data(), 3, blocks, chunk, 0.9f, 0.999f, 1e-8f,
+                          step, 0.5f, 0.75f, with16 ? q_c.data() : nullptr);
+          if (with16)
+            LAUNCH(2, 32, mk_adamw_ranges, p_k, b, m_k, v_k, r, 3, blocks, chunk, 0.9f, 0.999f, 1e-8f, step, 0.5f, 0.75f, q_k);
+          else
+            LAUNCH(2, 32, mk_adamw_ranges, p_k, b, m_k, v_k, r, 3, blocks, chunk, 0.9f, 0.999f, 1e-8f, step, 0.5f, 0.75f,
+                   nullptr);
+        }
+        c.same(with16 ? "opt.adamw_ranges with the bf16 copy (3 steps)" : "opt.adamw_ranges (3 steps)", p_c, p_k);
+        c.same(with16 ? "opt.adamw_ranges's moments m" : "opt.adamw_ranges's moments m (no bf16 copy)", m_c, m_k);
+        if (with16) c.same("opt.adamw_ranges's bf16 copy", q_c, q_k);
+        p_c = a, p_k = a;
+        for (int step = 1; step <= 3; step++) {
+          rt_sgd_ranges(p_c.data(), b.data(), r.data(), 3, blocks, chunk, 0.5f, 0.75f, with16 ? q_c.data() : nullptr);
+          if (with16) LAUNCH(3, 64, mk_sgd_ranges, p_k, b, r, 3, blocks, chunk, 0.5f, 0.75f, q_k);
+          else LAUNCH(3, 64, mk_sgd_ranges, p_k, b, r, 3, blocks, chunk, 0.5f, 0.75f, nullptr);
+        }
+        c.same(with16 ? "opt.sgd_ranges with the bf16 copy (3 steps)" : "opt.sgd_ranges (3 steps)", p_c, p_k);
+        if (with16) c.same("opt.sgd_ranges's bf16 copy", q_c, q_k);
+      }
     }
     // hooks
     auto h = randn(n, 1000.0f);
