@@ -48,6 +48,7 @@ void cli_build_usage(FILE *out) {
   fprintf(out,
           "usage: moec build F.moe [-o BIN] [-v] [--target cpu|cuda|auto] [--gpu-arch sm_NN]\n"
           "                  [--cluster C] [--layout D,M,E,S[,ALGO]] [--emit c|cuda] [--keep-c F.c]\n"
+          "                  [--no-fuse]\n"
           "\n"
           "Compiles a model into a training binary (BIN --help says what the binary can do).\n"
           "\n"
@@ -62,12 +63,15 @@ void cli_build_usage(FILE *out) {
           "                    nccl, 1dh or 2dh) instead of the model's 'parallel'\n"
           "  --emit c          write the generated C program (of the target) to -o or stdout\n"
           "  --emit cuda       write the generated CUDA kernels (for NVRTC) to -o or stdout\n"
-          "  --keep-c F.c      also keep the generated C program as F.c\n");
+          "  --keep-c F.c      also keep the generated C program as F.c\n"
+          "  --no-fuse         the CUDA program op by op: no fused gate kernel, no split reductions,\n"
+          "                    an update launch per parameter (for comparison; the CPU program is op\n"
+          "                    by op either way)\n");
 }
 
 typedef struct Options {
   const char *input, *output, *after, *emit, *keep_c, *cluster, *target, *gpu_arch, *layout;
-  bool all, verbose;
+  bool all, verbose, no_fuse;
 } Options;
 
 static bool ends_with(const char *s, const char *suffix) {
@@ -84,7 +88,7 @@ static bool parse_options(int argc, char **argv, Options *o) {
       {"--layout", NULL, false, &o->layout},    {"--gpu-arch=", NULL, false, &o->gpu_arch},
       {"--after=", NULL, false, &o->after},     {"--target=", NULL, false, &o->target},
       {"--emit=", NULL, false, &o->emit},       {"--all", NULL, true, &o->all},
-      {"-v", "--verbose", true, &o->verbose},
+      {"-v", "--verbose", true, &o->verbose},   {"--no-fuse", NULL, true, &o->no_fuse},
   };
   char for_what[64], help[64];
   snprintf(for_what, sizeof for_what, "'moec %s'", argv[1]);
@@ -302,6 +306,7 @@ static int cmd_build(IrDiag *d, const Options *o) {
   char *output = NULL;
   FILE *c = NULL;
   if (!m || !pass_run_pipeline(m, &ctx)) goto done;
+  if (o->no_fuse) ir_attrs_set_int(m->attrs, &m->nattrs, "no_fuse", 1);   // cg_cuda_lowering reads it
 
   if (o->emit) {  // --emit c: the program only; --emit cuda: the CUDA kernels only
     c = o->output ? fopen(o->output, "w") : stdout;

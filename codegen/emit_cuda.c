@@ -149,7 +149,9 @@ int cg_cuda_check_signatures(FILE *err) {
 
 bool cg_bf16_gemms(const IrModule *m) { return strcmp(ir_mod_str(m, "dtype", "fp32"), "bf16") == 0; }
 
-unsigned cg_cuda_lowering(const IrModule *m) { return CG_LOWER_FUSE | (cg_bf16_gemms(m) ? CG_LOWER_BF16 : 0); }
+unsigned cg_cuda_lowering(const IrModule *m) {
+  return (ir_mod_int(m, "no_fuse", 0) ? 0 : CG_LOWER_FUSE) | (cg_bf16_gemms(m) ? CG_LOWER_BF16 : 0);
+}
 
 int cg_cuda_bf16_cast_kernel(void) { return CG_K_COMPRESS_BF16; }
 

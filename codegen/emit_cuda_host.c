@@ -494,7 +494,7 @@ static bool update_ranges(Host *h, const IrFunc *f, int i, int nops) {
 static bool emit_op(Host *h, const IrFunc *f, int i, IrStream s, int *nops) {
   const IrOp *op = f->ops[i];
   CgLaunch l;
-  if (!cg_lower(h->plan, f, i, CG_LOWER_FUSE | (h->bf16 ? CG_LOWER_BF16 : 0), &l))
+  if (!cg_lower(h->plan, f, i, cg_cuda_lowering(h->m), &l))
     return ir_error_at(h->d, op->loc, "the CUDA target cannot emit op '%s'", op->kind < IR_OP_COUNT ? ir_op_info[op->kind].name : "?");
   *nops = l.nops;
   if (op->kind == IR_OP_PARAM_GRAD) {
@@ -679,6 +679,27 @@ static bool is_update(const IrFunc *f) { return f->role == IR_ROLE_OPTIMIZER; }
 
 // What a step launches and moves (moec build -v; the program's header): one line per step
 // function, then the whole step, each between `pre` and `post`.
+// The kernels a step's fused launches stand for when each op is lowered alone (moec build
+// --no-fuse), less theirs: the gate chain, the split reductions, the update runs.
+static int64_t unfused_extra(const Host *h) {
+  unsigned how = cg_cuda_lowering(h->m), alone = how & ~(unsigned)CG_LOWER_FUSE;
+  int64_t extra = 0;
+  for (int fi = 0; fi < h->m->nfuncs && (how & CG_LOWER_FUSE); fi++) {
+    const IrFunc *f = h->m->funcs[fi];
+    if (!is_forward(f) && !is_backward(f) && !is_update(f)) continue;
+    for (int i = 0; i < f->nops;) {
+      CgLaunch l, u;
+      if (!cg_lower(h->plan, f, i, how, &l) || l.nops < 1) break;
+      if (l.lib == CG_LIB_NONE) {
+        extra -= l.ncalls;
+        for (int j = i; j < i + l.nops; j++) extra += cg_lower(h->plan, f, j, alone, &u) ? u.ncalls : 0;
+      }
+      i += l.nops;
+    }
+  }
+  return extra;
+}
+
 static void print_counts(const Host *h, FILE *out, const char *pre, const char *post) {
   int64_t kernels = 0, gemms = 0, comms = 0;
   double bytes = 0.0, gemm_bytes = 0.0;
@@ -692,6 +713,12 @@ static void print_counts(const Host *h, FILE *out, const char *pre, const char *
   fprintf(out, "%slaunches: a step   %4" PRId64 " kernels, %3" PRId64 " GEMMs, %3" PRId64 " collectives or copies; "
                "kernels move %.1f MB, GEMMs %.1f MB (each operand read once, each result written once)%s",
           pre, kernels, gemms, comms, bytes / 1e6, gemm_bytes / 1e6, post);
+  if (cg_cuda_lowering(h->m) & CG_LOWER_FUSE)
+    fprintf(out, "%slaunches: %" PRId64 " kernels, %" PRId64 " GEMMs per step (unfused: %" PRId64 " kernels)%s", pre, kernels,
+            gemms, kernels + unfused_extra(h), post);
+  else
+    fprintf(out, "%slaunches: %" PRId64 " kernels, %" PRId64 " GEMMs per step (--no-fuse: each op alone)%s", pre, kernels, gemms,
+            post);
 }
 
 static void emit_header(Host *h, FILE *out, const char *source_name, const CgCudaImages *img) {

@@ -351,12 +351,28 @@ else
   bad "cuda host: the update's launches" "$(grep 'launches: update' "$WORK/u.err" "$WORK/g.err"; tail -n 3 "$WORK/u.err" "$WORK/g.err")"
 fi
 
+# --no-fuse (issue 39): the CUDA program op by op (the gate chain unfused, each loss reduced by one
+# block, an update launch per tensor) trains as the fused one does, bit for bit on the fake device,
+# and the fused program's "unfused" count (moec build -v) is what the --no-fuse build launches.
+if MOEC_CUDA_FAKE=1 "$MOEC" build lang/models/tiny.moe --target cuda --no-fuse -v -o "$WORK/tiny_nofuse.cuda" 2>"$WORK/nf.err" &&
+   "$MOEC" build lang/models/tiny.moe --target cuda -v --emit c -o "$WORK/tiny_f.c" 2>"$WORK/f.err" &&
+   unf=$(sed -n 's/^# launches: \([0-9]*\) kernels, .* per step (unfused: \([0-9]*\) kernels)$/\1 \2/p' "$WORK/f.err") &&
+   nf=$(sed -n 's/^# launches: \([0-9]*\) kernels, .* per step (--no-fuse: each op alone)$/\1/p' "$WORK/nf.err") &&
+   [ -n "$nf" ] && [ "${unf#* }" = "$nf" ] && [ "${unf% *}" -lt "$nf" ] &&
+   run tiny_nofuse cuda 1 --steps 3 --dump tiny_nofuse.dump && run tiny cuda 1 --steps 3 --dump tiny_fused.dump &&
+   same_losses "$WORK/tiny.cuda.out" "$WORK/tiny_nofuse.cuda.out" 0 &&
+   why=$(compare_dumps "$WORK/tiny_fused.dump" "$WORK/tiny_nofuse.dump" 0); then
+  ok "cuda host: tiny --no-fuse ($nf kernels a step, fused ${unf% *}) trains as the fused program: losses and --dump equal ($why)"
+else
+  bad "cuda host: --no-fuse" "$(grep 'per step' "$WORK/f.err" "$WORK/nf.err"; tail -n 5 "$WORK/nf.err" "$WORK/tiny_nofuse.cuda.out" 2>/dev/null)"
+fi
+
 # bench/gpu_lm.sh, which a GPU session runs (a language model's step beside PyTorch's): its --quick
 # model in fp32 and bf16 on the fake device (the times say nothing; the script's path is checked).
 if MOEC_CUDA_FAKE=1 LM_DIR=$WORK/lm bash bench/gpu_lm.sh --build --quick >"$WORK/lmb.out" 2>&1 &&
    MOEC_CUDA_FAKE=1 LM_DIR=$WORK/lm TORCH_PYTHON=false bash bench/gpu_lm.sh --quick --steps 3 >"$WORK/lmr.out" 2>&1 &&
    [ "$(grep -cE '^(fp32|bf16) +[0-9.]+ +- +-$' "$WORK/lmr.out")" -eq 2 ] && [ "$(tail -n 1 "$WORK/lmr.out")" = OK ] &&
-   [ "$(grep -c '^# moec bf16 launches: ' "$WORK/lmr.out")" -eq 4 ]; then
+   [ "$(grep -c '^# moec bf16 launches: ' "$WORK/lmr.out")" -eq 5 ] && grep -q '^# moec bf16 launches: [0-9]* kernels, [0-9]* GEMMs per step (unfused: ' "$WORK/lmr.out"; then
   ok "bench/gpu_lm.sh --quick on the fake device: fp32 and bf16 steps with the compiler's launch counts"
 else
   bad "bench/gpu_lm.sh --quick on the fake device" "$(cat "$WORK/lmb.out" "$WORK/lmr.out" 2>/dev/null | tail -n 20)"
