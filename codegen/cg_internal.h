@@ -138,6 +138,21 @@ enum { CG_UPDATE_CHUNK = 4096 };
 int64_t cg_update_blocks(const IrFunc *f, int i, int nops);
 // How the CUDA target lowers the ops of m (CG_LOWER_FUSE, and CG_LOWER_BF16 with dtype bf16).
 unsigned cg_cuda_lowering(const IrModule *m);
+// The launches of every function of m in program order, each op lowered once (cg_lower with
+// how): what the CUDA emitters read. fn[fi].launch[k] stands for ops at[k] .. at[k] + nops - 1 of
+// m->funcs[fi].
+typedef struct CgFuncLaunches {
+  CgLaunch *launch;
+  int *at;
+  int n;
+} CgFuncLaunches;
+typedef struct CgLaunches {
+  CgFuncLaunches *fn;
+  int nfuncs;
+} CgLaunches;
+// NULL (reported on d) when an op has no lowering or memory runs out.
+CgLaunches *cg_lower_module(IrDiag *d, const IrModule *m, const PassMemPlan *plan, unsigned how);
+void cg_launches_free(CgLaunches *ls);
 // The lowering of one op alone (never fused).
 bool cg_lower_op(const IrOp *op, CgLaunch *l);
 // Whether rule is a well-formed KERNEL rule of ops.def for an op of nargs operands (has_result:
@@ -156,7 +171,7 @@ int cg_cuda_kernel_params(int k, CgParamType *types, int max);
 int cg_cuda_check_signatures(FILE *err);
 // Which kernels the launches of module m use (used[k] for k < cg_cuda_kernel_count()), the
 // bf16 cast of the GEMM operands included.
-void cg_cuda_kernels_used(const IrModule *m, const PassMemPlan *plan, bool *used);
+void cg_cuda_kernels_used(const IrModule *m, const CgLaunches *ls, bool *used);
 
 // ---- how a host program names its buffers (spell.c) ----
 typedef struct CgSpelling {

@@ -156,20 +156,15 @@ unsigned cg_cuda_lowering(const IrModule *m) {
 int cg_cuda_bf16_cast_kernel(void) { return CG_K_COMPRESS_BF16; }
 
 
-void cg_cuda_kernels_used(const IrModule *m, const PassMemPlan *plan, bool *used) {
+void cg_cuda_kernels_used(const IrModule *m, const CgLaunches *ls, bool *used) {
   memset(used, 0, CG_K_COUNT * sizeof *used);
   bool bf16 = cg_bf16_gemms(m);
-  for (int fi = 0; fi < m->nfuncs; fi++) {
-    const IrFunc *f = m->funcs[fi];
-    for (int i = 0; i < f->nops;) {
-      CgLaunch l;
-      if (cg_lower(plan, f, i, cg_cuda_lowering(m), &l)) {
-        for (int k = 0; k < l.ncalls; k++) used[l.call[k].kernel] = true;
-        if (bf16 && l.lib == CG_LIB_GEMM) used[CG_K_COMPRESS_BF16] = true;   // the operands' cast
-      }
-      i += l.nops;
+  for (int fi = 0; fi < ls->nfuncs; fi++)
+    for (int k = 0; k < ls->fn[fi].n; k++) {
+      const CgLaunch *l = &ls->fn[fi].launch[k];
+      for (int c = 0; c < l->ncalls; c++) used[l->call[c].kernel] = true;
+      if (bf16 && l->lib == CG_LIB_GEMM) used[CG_K_COMPRESS_BF16] = true;   // the operands' cast
     }
-  }
 }
 
 // The library the CUDA target uses for what the lowering leaves to one (the unit's plan comment).
@@ -268,23 +263,11 @@ static void pointer_list(char *buf, size_t n, const IrOp *op) {
 }
 
 bool cg_emit_cuda(IrDiag *d, FILE *out, const IrModule *m, const PassMemPlan *plan) {
-  bool ok = true;
-  // Which kernels, and what goes to cuBLAS / NCCL.
-  for (int fi = 0; fi < m->nfuncs; fi++) {
-    const IrFunc *f = m->funcs[fi];
-    for (int i = 0; i < f->nops;) {
-      CgLaunch l;
-      if (!cg_lower(plan, f, i, cg_cuda_lowering(m), &l)) {
-        const IrOp *op = f->ops[i];
-        ok = ir_error_at(d, op->loc, "the CUDA target cannot emit op '%s'",
-                         op->kind < IR_OP_COUNT ? ir_op_info[op->kind].name : "?");
-      }
-      i += l.nops;
-    }
-  }
-  if (!ok) return false;
+  // Which kernels, and what goes to cuBLAS / NCCL: each op lowered once.
+  CgLaunches *ls = cg_lower_module(d, m, plan, cg_cuda_lowering(m));
+  if (!ls) return false;
   bool used[CG_K_COUNT];
-  cg_cuda_kernels_used(m, plan, used);
+  cg_cuda_kernels_used(m, ls, used);
   int nkernels = 0;
   for (int k = 0; k < CG_K_COUNT; k++) nkernels += used[k];
 
@@ -328,34 +311,33 @@ bool cg_emit_cuda(IrDiag *d, FILE *out, const IrModule *m, const PassMemPlan *pl
   for (int fi = 0; fi < m->nfuncs; fi++) {
     const IrFunc *f = m->funcs[fi];
     fprintf(out, "// @%s\n", f->name);
-    for (int i = 0; i < f->nops;) {
+    for (int k = 0; k < ls->fn[fi].n; k++) {
+      const CgLaunch *l = &ls->fn[fi].launch[k];
+      int i = ls->fn[fi].at[k];
       const IrOp *op = f->ops[i];
-      CgLaunch l;
-      cg_lower(plan, f, i, cg_cuda_lowering(m), &l);
       fprintf(out, "//   %s", ir_op_info[op->kind].name);
-      for (int j = 1; j < l.nops; j++) fprintf(out, " + %s", ir_op_info[f->ops[i + j]->kind].name);
-      if (l.lib) {
+      for (int j = 1; j < l->nops; j++) fprintf(out, " + %s", ir_op_info[f->ops[i + j]->kind].name);
+      if (l->lib) {
         char ptrs[512];
         pointer_list(ptrs, sizeof ptrs, op);
-        bool cast = bf16 && l.lib == CG_LIB_GEMM;
-        fprintf(out, " %s -> %s%s\n", ptrs, cast ? "mk_compress_bf16 of each operand, " : "", lib_name(l.lib));
-        i += l.nops;
+        bool cast = bf16 && l->lib == CG_LIB_GEMM;
+        fprintf(out, " %s -> %s%s\n", ptrs, cast ? "mk_compress_bf16 of each operand, " : "", lib_name(l->lib));
         continue;
       }
       fprintf(out, " ->");
-      for (int k = 0; k < l.ncalls; k++) {
-        const CgKernelCall *c = &l.call[k];
-        fprintf(out, "%s %s<<<%" PRId64 ">>>(", k ? "," : "", mk_name(c->kernel), c->grid);
-        for (int a = 0; a < c->nargs; a++) {
+      for (int c = 0; c < l->ncalls; c++) {
+        const CgKernelCall *call = &l->call[c];
+        fprintf(out, "%s %s<<<%" PRId64 ">>>(", c ? "," : "", mk_name(call->kernel), call->grid);
+        for (int a = 0; a < call->nargs; a++) {
           char buf[160];
-          plan_arg(buf, sizeof buf, f, i, &c->args[a]);
+          plan_arg(buf, sizeof buf, f, i, &call->args[a]);
           fprintf(out, "%s%s", a ? ", " : "", buf);
         }
         fprintf(out, ")");
       }
-      fprintf(out, "%s%s\n", l.note[0] ? "  -- " : "", l.note);
-      i += l.nops;
+      fprintf(out, "%s%s\n", l->note[0] ? "  -- " : "", l->note);
     }
   }
+  cg_launches_free(ls);
   return true;
 }

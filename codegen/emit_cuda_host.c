@@ -65,6 +65,7 @@ typedef struct Host {
   IrDiag *d;
   const IrModule *m;
   const PassMemPlan *plan;
+  CgLaunches *ls;            // every op lowered once (cg_lower_module), by function
   int64_t *param_offset;     // floats, by parameter index
   CgSpelling sp;             // the names of the device buffers (spelling)
   int64_t param_floats;
@@ -491,12 +492,9 @@ static bool update_ranges(Host *h, const IrFunc *f, int i, int nops) {
 }
 
 // Op i of f (and the ops a fused launch takes with it, *nops in all) on stream s.
-static bool emit_op(Host *h, const IrFunc *f, int i, IrStream s, int *nops) {
+static bool emit_op(Host *h, const IrFunc *f, int i, const CgLaunch *lp, IrStream s) {
   const IrOp *op = f->ops[i];
-  CgLaunch l;
-  if (!cg_lower(h->plan, f, i, cg_cuda_lowering(h->m), &l))
-    return ir_error_at(h->d, op->loc, "the CUDA target cannot emit op '%s'", op->kind < IR_OP_COUNT ? ir_op_info[op->kind].name : "?");
-  *nops = l.nops;
+  CgLaunch l = *lp;
   if (op->kind == IR_OP_PARAM_GRAD) {
     const PassMemSlot *slot = &h->plan->slot[op->args[1].value->func->index][op->args[1].value->id];
     if (slot->kind == PASS_MEM_GRAD && slot->offset == op->args[0].param->index) {
@@ -592,7 +590,9 @@ static bool emit_function(Host *h, const IrFunc *f) {
             EV_FORK, w, EV_FORK, w);
   }
   bool ok = true;
-  for (int i = 0; ok && i < f->nops;) {
+  const CgFuncLaunches *fl = &h->ls->fn[f->index];
+  for (int k = 0; ok && k < fl->n; k++) {
+    int i = fl->at[k];
     const IrOp *op = f->ops[i];
     IrStream s = scheduled ? stream_of(op) : IR_STREAM_COMPUTE;
     if (scheduled) {
@@ -602,14 +602,13 @@ static bool emit_function(Host *h, const IrFunc *f) {
         fprintf(h->out, "  CK(rt_cuda_wait(cu, %s, %d), %d);\n", cg_stream_enum(s), EV_BASE + waits[k],
                 where(h, f, op, "waiting for an event before %s", ir_op_info[op->kind].name));
     }
-    int nops = 1;
-    ok = emit_op(h, f, i, s, &nops);
+    int nops = fl->launch[k].nops;
+    ok = emit_op(h, f, i, &fl->launch[k], s);
     for (int j = i; ok && j < i + nops; j++) stage_op(h, f, f->ops[j], s);
     int last = i + nops - 1;
     if (ok && scheduled && ev.rec[last])
       fprintf(h->out, "  CK(rt_cuda_record(cu, %s, %d), %d);\n", cg_stream_enum(s), EV_BASE + ev.local[last],
               where(h, f, f->ops[last], "recording the event of %s", ir_op_info[f->ops[last]->kind].name));
-    i += nops;
   }
   if (scheduled) {
     int w = where(h, f, NULL, "the end of the function");
@@ -687,14 +686,13 @@ static int64_t unfused_extra(const Host *h) {
   for (int fi = 0; fi < h->m->nfuncs && (how & CG_LOWER_FUSE); fi++) {
     const IrFunc *f = h->m->funcs[fi];
     if (!is_forward(f) && !is_backward(f) && !is_update(f)) continue;
-    for (int i = 0; i < f->nops;) {
-      CgLaunch l, u;
-      if (!cg_lower(h->plan, f, i, how, &l) || l.nops < 1) break;
-      if (l.lib == CG_LIB_NONE) {
-        extra -= l.ncalls;
-        for (int j = i; j < i + l.nops; j++) extra += cg_lower(h->plan, f, j, alone, &u) ? u.ncalls : 0;
-      }
-      i += l.nops;
+    for (int k = 0; k < h->ls->fn[fi].n; k++) {
+      const CgLaunch *l = &h->ls->fn[fi].launch[k];
+      if (l->lib != CG_LIB_NONE || (l->nops == 1 && l->ncalls == 1)) continue;   // as it would be alone
+      CgLaunch u;
+      extra -= l->ncalls;
+      for (int j = h->ls->fn[fi].at[k]; j < h->ls->fn[fi].at[k] + l->nops; j++)
+        extra += cg_lower(h->plan, f, j, alone, &u) ? u.ncalls : 0;
     }
   }
   return extra;
@@ -919,7 +917,12 @@ bool cg_emit_cuda_host(IrDiag *d, FILE *out, const IrModule *m, const PassMemPla
     ok = ir_oom(d);
     goto done;
   }
-  cg_cuda_kernels_used(m, plan, used);
+  h.ls = cg_lower_module(d, m, plan, cg_cuda_lowering(m));
+  if (!h.ls) {
+    ok = false;
+    goto done;
+  }
+  cg_cuda_kernels_used(m, h.ls, used);
   for (int k = 0, slot = 0; k < nk; k++) h.kernel_slot[k] = used[k] ? slot++ : -1;
 
   // The model's output: a language model's logits (the loss function's second result), else the
@@ -980,6 +983,7 @@ done:
   free(h.where);
   free(h.staged);
   free(h.ranges);
+  cg_launches_free(h.ls);
   free(h.pooled_addr);
   free(h.pooled_off);
   free(h.pooled_bytes);

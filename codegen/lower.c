@@ -579,6 +579,47 @@ bool cg_lower(const PassMemPlan *plan, const IrFunc *f, int i, unsigned how, CgL
   return true;
 }
 
+CgLaunches *cg_lower_module(IrDiag *d, const IrModule *m, const PassMemPlan *plan, unsigned how) {
+  CgLaunches *ls = calloc(1, sizeof *ls);
+  if (!ls || !(ls->fn = calloc((size_t)(m->nfuncs > 0 ? m->nfuncs : 1), sizeof *ls->fn))) {
+    free(ls);
+    ir_oom(d);
+    return NULL;
+  }
+  ls->nfuncs = m->nfuncs;
+  bool ok = true;
+  for (int fi = 0; ok && fi < m->nfuncs; fi++) {
+    const IrFunc *f = m->funcs[fi];
+    CgFuncLaunches *fl = &ls->fn[fi];
+    fl->launch = malloc((size_t)(f->nops > 0 ? f->nops : 1) * sizeof *fl->launch);
+    fl->at = malloc((size_t)(f->nops > 0 ? f->nops : 1) * sizeof *fl->at);
+    if (!fl->launch || !fl->at) ok = ir_oom(d);
+    for (int i = 0; ok && i < f->nops; i += fl->launch[fl->n++].nops) {
+      fl->at[fl->n] = i;
+      if (!cg_lower(plan, f, i, how, &fl->launch[fl->n]) || fl->launch[fl->n].nops < 1) {
+        const IrOp *op = f->ops[i];
+        ok = ir_error_at(d, op->loc, "the CUDA target cannot emit op '%s'",
+                         op->kind < IR_OP_COUNT ? ir_op_info[op->kind].name : "?");
+      }
+    }
+  }
+  if (!ok) {
+    cg_launches_free(ls);
+    return NULL;
+  }
+  return ls;
+}
+
+void cg_launches_free(CgLaunches *ls) {
+  if (!ls) return;
+  for (int fi = 0; fi < ls->nfuncs; fi++) {
+    free(ls->fn[fi].launch);
+    free(ls->fn[fi].at);
+  }
+  free(ls->fn);
+  free(ls);
+}
+
 #undef INTS
 
 int64_t cg_cuda_grid_elems(int64_t n) { return grid_elems(n); }
