@@ -213,6 +213,23 @@ static __device__ void mk_attn_key_range(const MkAttnTile *T, int t0, int nt, in
   if (!T->active) *xlo = 1, *xhi = 0;
 }
 
+// The weights of a step of keys t0 .. t0 + nt - 1 for each query row of the tile: p = exp(q.k *
+// scale - m) where the row sees the key, 0 elsewhere, into the row's weights in shared memory
+// (returned), after a barrier; *xlo, *xhi the row's range of them.
+static __device__ const float *mk_attn_exps(MkAttnShared *sh, const MkAttnTile *T, const float *qt, int na, i64 qs,
+                                            const float *k, i64 ks, int t0, int nt, int lo, int d, float scale,
+                                            float m, int *xlo, int *xhi) {
+  float s[MK_ATTN_U];
+  mk_attn_dots(s, sh, T, qt, na, qs, k + (i64)t0 * ks, nt, ks, d);
+  mk_attn_key_range(T, t0, nt, lo, xlo, xhi);
+  for (int u = 0; u < MK_ATTN_U; u++) {
+    int x = 4 * T->g + u;
+    sh->w[T->r * MK_ATTN_WPAD + x] = x >= *xlo && x <= *xhi ? mk_exp(s[u] * scale - m) : 0.0f;
+  }
+  __syncthreads();
+  return sh->w + T->r * MK_ATTN_WPAD;
+}
+
 // ---- mk_attn_fwd ----
 // Causal grouped-query attention, tiled (see the prelude): per query row, m (pass 1), then per
 // step of keys p = exp(s * scale - m), l += p in key order, o += p v; o / l at the end. With a
@@ -235,15 +252,7 @@ extern "C" __global__ void mk_attn_fwd(const float *q, const float *k, const flo
       mk_attn_zero(acc);
       for (int t0 = first; t0 <= last; t0 += MK_ATTN_X) {
         int nt = last + 1 - t0 < MK_ATTN_X ? last + 1 - t0 : MK_ATTN_X, xlo, xhi;
-        float s[MK_ATTN_U];
-        mk_attn_dots(s, &sh, &T, qt, na, qcols, kh + (i64)t0 * kcols, nt, kcols, d);
-        mk_attn_key_range(&T, t0, nt, lo, &xlo, &xhi);
-        for (int u = 0; u < MK_ATTN_U; u++) {
-          int x = 4 * T.g + u;
-          sh.w[T.r * MK_ATTN_WPAD + x] = x >= xlo && x <= xhi ? mk_exp(s[u] * scale - m) : 0.0f;
-        }
-        __syncthreads();
-        const float *wr = sh.w + T.r * MK_ATTN_WPAD;
+        const float *wr = mk_attn_exps(&sh, &T, qt, na, qcols, kh, kcols, t0, nt, lo, d, scale, m, &xlo, &xhi);
         for (int x = xlo; x <= xhi; x++) l += wr[x];
         mk_attn_wsum(acc, &sh, &T, wr, vh + (i64)t0 * kcols, nt, kcols, col0, d, xlo, xhi);
       }
@@ -268,15 +277,8 @@ extern "C" __global__ void mk_attn_stats(const float *dy, const float *q, const 
     float m = mk_attn_max(&sh, &T, qt, na, qcols, kh, kcols, first, last, lo, d, scale), l = 0.0f;
     for (int t0 = first; t0 <= last; t0 += MK_ATTN_X) {
       int nt = last + 1 - t0 < MK_ATTN_X ? last + 1 - t0 : MK_ATTN_X, xlo, xhi;
-      float s[MK_ATTN_U];
-      mk_attn_dots(s, &sh, &T, qt, na, qcols, kh + (i64)t0 * kcols, nt, kcols, d);
-      mk_attn_key_range(&T, t0, nt, lo, &xlo, &xhi);
-      for (int u = 0; u < MK_ATTN_U; u++) {
-        int x = 4 * T.g + u;
-        sh.w[T.r * MK_ATTN_WPAD + x] = x >= xlo && x <= xhi ? mk_exp(s[u] * scale - m) : 0.0f;
-      }
-      __syncthreads();
-      for (int x = xlo; x <= xhi; x++) l += sh.w[T.r * MK_ATTN_WPAD + x];
+      const float *wr = mk_attn_exps(&sh, &T, qt, na, qcols, kh, kcols, t0, nt, lo, d, scale, m, &xlo, &xhi);
+      for (int x = xlo; x <= xhi; x++) l += wr[x];
     }
     if (T.active && T.g == 0) {
       i64 at = (r0 + T.i) * qcols + (i64)T.h * d;
