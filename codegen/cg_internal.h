@@ -23,10 +23,15 @@ void cg_emit_params(FILE *out, const IrModule *m, const int64_t *param_offset);
 // or NULL (the CPU target).
 void cg_emit_model(FILE *out, const IrModule *m, const PassMemPlan *plan, int64_t param_floats,
                    const char *device, const CgEmitOptions *o);
-// "RT_GROUP_EP" for an op with group="ep" (RT_GROUP_WORLD when it names none).
-const char *cg_group_enum(const IrOp *op);
-// The group an op's group attribute names, as an RtGroup value (0 world ... 4 esp).
+// The parallel groups in RtGroup order (0 world ... 4 esp): their names ("ep") and enums
+// ("RT_GROUP_EP"); the group an op's group attribute names (world when it names none) and its enum.
+extern const char *const cg_group_names[5], *const cg_group_enums[5];
 int cg_group_index(const IrOp *op);
+const char *cg_group_enum(const IrOp *op);
+// The stream op runs on (none is compute), and an operand's type (a parameter's or a value's):
+// what both targets' host programs ask of an op.
+IrStream cg_op_stream(const IrOp *op);
+const IrType *cg_operand_type(const IrOperand *a);
 const char *cg_stream_enum(IrStream s);   // "RT_STREAM_INTRA"; none and compute are compute
 // Whether f's ops run on several streams (ops on the intra or inter stream; MOEC_STREAMS=0 in
 // the environment turns this off, and such functions run in program order on one stream).

@@ -30,22 +30,6 @@ static CgSpelling spelling(const Emit *e) {
                       .params = "st->params", .grads = "st->grads", .opt_m = "st->opt_m", .opt_v = "st->opt_v"};
 }
 
-static const IrType *arg_type(const IrOp *op, int i) {
-  return op->args[i].param ? &op->args[i].param->type : &op->args[i].value->type;
-}
-
-static const char *const group_enums[] = {"RT_GROUP_WORLD", "RT_GROUP_DP", "RT_GROUP_MP", "RT_GROUP_EP",
-                                          "RT_GROUP_ESP"};
-
-int cg_group_index(const IrOp *op) {
-  static const char *const names[] = {"world", "dp", "mp", "ep", "esp"};
-  const char *g = ir_op_str(op, "group", "world");
-  for (int i = 1; i < 5; i++)
-    if (strcmp(g, names[i]) == 0) return i;
-  return 0;
-}
-
-const char *cg_group_enum(const IrOp *op) { return group_enums[cg_group_index(op)]; }
 
 // One argument of a kernel call of the lowering (cg_lower) as a C expression of the CPU program.
 static void call_arg(Emit *e, char *buf, size_t n, const IrFunc *f, int i, const CgArg *a) {
@@ -71,7 +55,7 @@ static bool emit_library_op(Emit *e, const IrOp *op) {
   char a[2][96], r[96] = "";
   for (int i = 0; i < op->nargs && i < 2; i++) cg_spell_operand(&e->sp, &op->args[i], a[i], sizeof a[i]);
   if (op->result) cg_spell_value(&e->sp, op->result, r, sizeof r);
-  const IrType *t0 = arg_type(op, 0);
+  const IrType *t0 = cg_operand_type(&op->args[0]);
   const IrType *rt = op->result ? &op->result->type : NULL;
   int64_t n = rt ? ir_type_numel(rt) : 0;
   fprintf(out, "  ");
@@ -140,7 +124,7 @@ static bool emit_op(Emit *e, const IrFunc *f, int i) {
   if (op->kind == IR_OP_HOOK_RECORD) {   // computes and writes the record line at once
     cg_spell_operand(&e->sp, &op->args[0], buf[0], sizeof buf[0]);
     fprintf(e->out, "  rt_record(st, \"%s\", %" PRId64 ", %s, %" PRId64 ");\n", ir_op_str(op, "point", "?"),
-            ir_op_int(op, "layer", 0), buf[0], ir_type_numel(arg_type(op, 0)));
+            ir_op_int(op, "layer", 0), buf[0], ir_type_numel(cg_operand_type(&op->args[0])));
     return true;
   }
   if (op->kind == IR_OP_PARAM_GRAD) {
@@ -184,7 +168,6 @@ const char *cg_stream_enum(IrStream s) {
   return s == IR_STREAM_INTRA ? "RT_STREAM_INTRA" : s == IR_STREAM_INTER ? "RT_STREAM_INTER" : "RT_STREAM_COMPUTE";
 }
 
-static IrStream stream_of(const IrOp *op) { return op->stream == IR_STREAM_NONE ? IR_STREAM_COMPUTE : op->stream; }
 
 bool cg_events(IrDiag *d, const IrFunc *f, CgEvents *ev) {
   int n = f->nops;
@@ -258,7 +241,7 @@ static bool emit_tasks(Emit *e, const IrFunc *f, int fi, int *ntasks_out, int *n
   int ntasks = 0;
   for (int i = 0; i < n; i++) {
     const IrOp *op = f->ops[i];
-    bool cut = i == 0 || op->nwaits > 0 || ev.dep[i] >= 0 || ev.rec[i - 1] || stream_of(op) != stream_of(f->ops[i - 1]);
+    bool cut = i == 0 || op->nwaits > 0 || ev.dep[i] >= 0 || ev.rec[i - 1] || cg_op_stream(op) != cg_op_stream(f->ops[i - 1]);
     if (cut) {
       if (i > 0) fprintf(e->out, "}\n\n");
       fprintf(e->out, "static void task_%d_%d(RtStep *st) {\n  unsigned char *A = st->arena;\n  (void)A;\n", fi, ntasks);

@@ -101,11 +101,7 @@ typedef struct Host {
 
 // ---- small helpers ----
 
-static const char *const group_names[5] = {"world", "dp", "mp", "ep", "esp"};
-static const char *const group_enums[5] = {"RT_GROUP_WORLD", "RT_GROUP_DP", "RT_GROUP_MP", "RT_GROUP_EP",
-                                           "RT_GROUP_ESP"};
 
-static IrStream stream_of(const IrOp *op) { return op->stream == IR_STREAM_NONE ? IR_STREAM_COMPUTE : op->stream; }
 
 static int64_t align(int64_t n, int64_t a) { return (n + a - 1) / a * a; }
 
@@ -169,7 +165,6 @@ static CgSpelling spelling(const Host *h) {
                       .params16 = h->bf16 ? "P16" : NULL};
 }
 
-static const IrType *operand_type(const IrOperand *a) { return a->param ? &a->param->type : &a->value->type; }
 
 // ---- staging: values the host reads after the step function ----
 
@@ -313,11 +308,11 @@ static bool emit_comm(Host *h, const IrFunc *f, const IrOp *op, IrStream s) {
   int64_t size = h->group_size[g], count = 0;
   h->count[h->phase].comms++;
   const char *se = cg_stream_enum(s);
-  int w = where(h, f, op, "%s on the %s group", ir_op_info[op->kind].name, group_names[g]);
-  const IrType *t0 = op->nargs ? operand_type(&op->args[0]) : NULL, *rt = op->result ? &op->result->type : NULL;
+  int w = where(h, f, op, "%s on the %s group", ir_op_info[op->kind].name, cg_group_names[g]);
+  const IrType *t0 = op->nargs ? cg_operand_type(&op->args[0]) : NULL, *rt = op->result ? &op->result->type : NULL;
   if (op->kind == IR_OP_COMM_SPLIT) {
     fprintf(h->out, "  CK(rt_cuda_copy(cu, %s, %s, (const unsigned char *)%s + (size_t)rt_comm_rank(st->comm, %s) * %" PRId64 ", %" PRId64
-                    "), %d);\n", se, r, a, group_enums[g], ir_type_bytes(rt), ir_type_bytes(rt), w);
+                    "), %d);\n", se, r, a, cg_group_enums[g], ir_type_bytes(rt), ir_type_bytes(rt), w);
     return true;
   }
   if (op->kind == IR_OP_COMM_COPY) {
@@ -332,7 +327,7 @@ static bool emit_comm(Host *h, const IrFunc *f, const IrOp *op, IrStream s) {
     }
     h->group_nccl[g] = true;
     fprintf(h->out, "  CK(rt_cuda_allreduce(cu, nccl[%s], %s, G + %" PRId64 ", G + %" PRId64 ", %" PRId64 "), %d);\n",
-            group_enums[g], se, off, off, ir_op_int(op, "count", 0), w);
+            cg_group_enums[g], se, off, off, ir_op_int(op, "count", 0), w);
     return true;
   }
   const char *fn = op->kind == IR_OP_COMM_ALLGATHER       ? "rt_cuda_allgather"
@@ -352,7 +347,7 @@ static bool emit_comm(Host *h, const IrFunc *f, const IrOp *op, IrStream s) {
     return true;
   }
   h->group_nccl[g] = true;
-  fprintf(h->out, "  CK(%s(cu, nccl[%s], %s, (const float *)%s, (float *)%s, %" PRId64 "), %d);\n", fn, group_enums[g], se,
+  fprintf(h->out, "  CK(%s(cu, nccl[%s], %s, (const float *)%s, (float *)%s, %" PRId64 "), %d);\n", fn, cg_group_enums[g], se,
           a, r, count, w);
   return true;
 }
@@ -407,10 +402,10 @@ static bool bf16_operands(Host *h, const IrFunc *f, const IrOp *op, IrStream s, 
       if (k == 1 && op->args[0].value == arg->value && !op->args[0].param) slot[k] = slot[0], fresh = false;
     }
     snprintf(dst[k], n, "(B + %s + %d * SLOT_%s)", base, slot[k], base + 2);
-    int64_t bytes = bf16_bytes(operand_type(arg));
+    int64_t bytes = bf16_bytes(cg_operand_type(arg));
     if (bytes > h->bf16_slot[s]) h->bf16_slot[s] = bytes;
     if (fresh) {
-      if (!emit_bf16_cast(h, f, op, k, src[k], dst[k], operand_type(arg), s)) return false;
+      if (!emit_bf16_cast(h, f, op, k, src[k], dst[k], cg_operand_type(arg), s)) return false;
       h->in_slot[s][slot[k]] = arg->value;
     }
   }
@@ -422,7 +417,7 @@ static bool emit_gemm(Host *h, const IrFunc *f, const IrOp *op, IrStream s) {
   cg_spell_operand(&h->sp, &op->args[0], a, sizeof a);
   cg_spell_operand(&h->sp, &op->args[1], b, sizeof b);
   cg_spell_value(&h->sp, op->result, r, sizeof r);
-  const IrType *t0 = operand_type(&op->args[0]), *t1 = operand_type(&op->args[1]), *rt = &op->result->type;
+  const IrType *t0 = cg_operand_type(&op->args[0]), *t1 = cg_operand_type(&op->args[1]), *rt = &op->result->type;
   bool ta = ir_op_int(op, "ta", 0), tb = ir_op_int(op, "tb", 0);
   if (t0->dtype != IR_F32 || t1->dtype != IR_F32)
     return ir_error_at(h->d, op->loc, "the CUDA target multiplies fp32 only");
@@ -456,13 +451,13 @@ static double op_bytes(const IrFunc *f, int i, int nops, bool bf16) {
   for (int j = i; j < i + nops && j < f->nops; j++) {
     const IrOp *op = f->ops[j];
     if (op->kind == IR_OP_OPT_ADAMW || op->kind == IR_OP_OPT_SGD) {
-      double p = (double)ir_type_bytes(operand_type(&op->args[0]));
+      double p = (double)ir_type_bytes(cg_operand_type(&op->args[0]));
       bytes += p * (op->kind == IR_OP_OPT_ADAMW ? 7.0 : 3.0);   // p, g, m, v read; p, m, v written
       if (bf16) bytes += p / 2;                                // and the bf16 copy written
       continue;
     }
     for (int a = 0; a < op->nargs; a++)
-      if (op->args[a].param || op->args[a].value) bytes += (double)ir_type_bytes(operand_type(&op->args[a]));
+      if (op->args[a].param || op->args[a].value) bytes += (double)ir_type_bytes(cg_operand_type(&op->args[a]));
     if (op->result) bytes += (double)ir_type_bytes(&op->result->type);
   }
   return bytes;
@@ -520,7 +515,7 @@ static bool emit_op(Host *h, const IrFunc *f, int i, const CgLaunch *lp, IrStrea
     put_escaped(h->epi, ir_op_str(op, "point", "?"));
     fprintf(h->epi, "\", %" PRId64 ", %" PRId64 ", ((const double *)(H + %" PRId64 "))[0], ((const double *)(H + %" PRId64
                     "))[1], (int64_t)((const double *)(H + %" PRId64 "))[2]);\n",
-            ir_op_int(op, "layer", 0), ir_type_numel(operand_type(&op->args[0])), off, off, off);
+            ir_op_int(op, "layer", 0), ir_type_numel(cg_operand_type(&op->args[0])), off, off, off);
   }
   return true;
 }
@@ -594,7 +589,7 @@ static bool emit_function(Host *h, const IrFunc *f) {
   for (int k = 0; ok && k < fl->n; k++) {
     int i = fl->at[k];
     const IrOp *op = f->ops[i];
-    IrStream s = scheduled ? stream_of(op) : IR_STREAM_COMPUTE;
+    IrStream s = scheduled ? cg_op_stream(op) : IR_STREAM_COMPUTE;
     if (scheduled) {
       int waits[IR_MAX_WAITS + 1];
       int nw = cg_op_waits(f, &ev, i, waits, IR_MAX_WAITS + 1);
@@ -852,7 +847,7 @@ static void emit_hooks(Host *h, FILE *out) {
                "  .stage_bytes = STAGE_BYTES, .output_floats = OUTPUT_FLOATS, .input_bytes = ELEMS * sizeof(float),\n  .nccl = {");
   int any = 0;
   for (int g = 0; g < 5; g++)
-    if (h->group_nccl[g]) fprintf(out, "%s[%s] = true", any++ ? ", " : "", group_enums[g]);
+    if (h->group_nccl[g]) fprintf(out, "%s[%s] = true", any++ ? ", " : "", cg_group_enums[g]);
   fprintf(out, "%s},%s\n", any ? "" : "false", any ? "" : "  /* every collective is on a group of one */");
   if (h->bf16) fprintf(out, "  .note = \"; bf16 GEMM inputs, fp32 accumulation and master weights\",\n");
   fprintf(out, "};\n\n"

@@ -50,9 +50,6 @@ int cg_kernel_by_name(const char *name) {
 // kernel's loops are written for: per element (MK_FOR), per row, token, choice or group
 // (MK_FOR_BLOCKS), or a single block for the whole-tensor reductions. The CPU ignores grids.
 
-static const IrType *arg_type(const IrOp *op, int i) {
-  return op->args[i].param ? &op->args[i].param->type : &op->args[i].value->type;
-}
 
 static int64_t clamp_grid(int64_t g) { return g < 1 ? 1 : g > 65535 ? 65535 : g; }
 static int64_t grid_elems(int64_t n) { return clamp_grid((n + CG_CUDA_BLOCK - 1) / CG_CUDA_BLOCK); }
@@ -137,7 +134,7 @@ static int rule_tensor(const char *word) {
   return -2;
 }
 
-static const IrType *rule_type(const Rule *r, int t) { return t == -1 ? r->sh->rt : arg_type(r->op, t); }
+static const IrType *rule_type(const Rule *r, int t) { return t == -1 ? r->sh->rt : cg_operand_type(&r->op->args[t]); }
 
 // One factor of an integer argument or grid: a number, n / rows / cols (with an operand number),
 // y.D / xK.D, @attr[=default].
@@ -333,7 +330,7 @@ static bool lower_in_c(const IrOp *op, const Shapes *sh, CgLaunch *l) {
     bool grad = op->kind == IR_OP_GATE_AUX_LOSS_GRAD;
     c = simple(l, op, grad ? CG_K_AUX_LOSS_GRAD : CG_K_AUX_LOSS, grad ? grid_blocks(ir_op_int(op, "groups", 1)) : 1);
     if (grad) c->shared_bytes = (unsigned)(t0->dim[1] * (int64_t)sizeof(double));
-    INTS(c, t0->dim[0], t0->dim[1], arg_type(op, 1)->dim[1], ir_op_int(op, "groups", 1));
+    INTS(c, t0->dim[0], t0->dim[1], cg_operand_type(&op->args[1])->dim[1], ir_op_int(op, "groups", 1));
     flt(c, grad ? ir_op_float(op, "coef", 0) / (double)ir_op_int(op, "share", 1) : (double)ir_op_int(op, "share", 1));
     return true;
   }
@@ -367,7 +364,7 @@ static bool lower_in_c(const IrOp *op, const Shapes *sh, CgLaunch *l) {
       INTS(c, t0->dim[0], blocks, t0->dim[1] / blocks, inner, ir_op_int(op, "chunks", 1), ir_op_int(op, "index", 0));
     } else {
       c = simple(l, op, CG_K_LAYOUT_CONCAT, grid_elems(ir_type_bytes(rt)));
-      INTS(c, t0->dim[0], blocks, t0->dim[1] / blocks, arg_type(op, 1)->dim[1] / blocks, inner);
+      INTS(c, t0->dim[0], blocks, t0->dim[1] / blocks, cg_operand_type(&op->args[1])->dim[1] / blocks, inner);
     }
     return true;
   }
@@ -397,7 +394,7 @@ static bool lower_in_c(const IrOp *op, const Shapes *sh, CgLaunch *l) {
 bool cg_lower_op(const IrOp *op, CgLaunch *l) {
   memset(l, 0, sizeof *l);
   l->nops = 1;
-  Shapes sh = {.t0 = op->nargs ? arg_type(op, 0) : NULL, .rt = op->result ? &op->result->type : NULL};
+  Shapes sh = {.t0 = op->nargs ? cg_operand_type(&op->args[0]) : NULL, .rt = op->result ? &op->result->type : NULL};
   sh.n = sh.rt ? ir_type_numel(sh.rt) : 0;
   if (ir_op_info[op->kind].kernel[0]) {
     Rule r = {.s = ir_op_info[op->kind].kernel, .op = op, .sh = &sh, .nargs = op->nargs, .has_result = op->result != NULL};
