@@ -137,10 +137,8 @@ typedef struct CgLaunch {
 // into P16 too). False when the op has no lowering (every op of ops.def has one).
 enum { CG_LOWER_FUSE = 1, CG_LOWER_BF16 = 2 };
 bool cg_lower(const PassMemPlan *plan, const IrFunc *f, int i, unsigned how, CgLaunch *l);
-// An update run's blocks of CG_UPDATE_CHUNK elements (ops i .. i + nops - 1 of f; each range
-// starts a block of its own).
+// The elements of a block of an update run's launch (each parameter's range starts a block).
 enum { CG_UPDATE_CHUNK = 4096 };
-int64_t cg_update_blocks(const IrFunc *f, int i, int nops);
 // How the CUDA target lowers the ops of m (CG_LOWER_FUSE, and CG_LOWER_BF16 with dtype bf16).
 unsigned cg_cuda_lowering(const IrModule *m);
 // The launches of every function of m in program order, each op lowered once (cg_lower with

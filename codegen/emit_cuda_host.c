@@ -58,6 +58,7 @@ typedef struct CgUpdateRange {
   int64_t start, n, block0;
   double lr, weight_decay;
 } CgUpdateRange;
+enum { RANGE_BYTES = 32 };   // sizeof(RtUpdateRange) in the program: three int64_t, two floats
 
 typedef struct Host {
   FILE *out;                 // the functions (a memory stream: the tables they use are printed first)
@@ -87,21 +88,19 @@ typedef struct Host {
   bool bf16;                 // dtype bf16: the GEMMs take bf16 copies of their operands (cg_bf16_gemms)
   int64_t bf16_slot[4];      // bytes of each of the two bf16 operand slots of a stream (IrStream index)
   const IrValue *in_slot[4][2];   // the value whose bf16 copy each slot holds now (NULL: none), per stream
-  // What each step function launches (moec build -v, and the program's header): by phase
-  // (forward, backward, update), the kernel launches (bf16 casts among them), cuBLAS GEMMs and
-  // collectives or device copies, and the bytes they move (operands read once, results written once)
   // The tables of the update runs (CG_ARG_RANGES): every run's ranges, one after the other, copied
   // to the device (U) when it is created; ranges_at: the current launch's first range
   CgUpdateRange *ranges;
   int nranges, cap_ranges, ranges_at, w_ranges;
+  // What each step function launches (moec build -v, and the program's header): by phase
+  // (forward, backward, update), the kernel launches (bf16 casts among them), cuBLAS GEMMs and
+  // collectives or device copies, and the bytes they move (operands read once, results written once)
   int phase;                 // the step function being emitted (STEP_*)
   Counts count[STEP_COUNT];
   bool ok;
 } Host;
 
 // ---- small helpers ----
-
-
 
 static int64_t align(int64_t n, int64_t a) { return (n + a - 1) / a * a; }
 
@@ -164,7 +163,6 @@ static CgSpelling spelling(const Host *h) {
                       .input = "X", .target = "T", .params = "P", .grads = "G", .opt_m = "M", .opt_v = "V",
                       .params16 = h->bf16 ? "P16" : NULL};
 }
-
 
 // ---- staging: values the host reads after the step function ----
 
@@ -463,6 +461,12 @@ static double op_bytes(const IrFunc *f, int i, int nops, bool bf16) {
   return bytes;
 }
 
+static bool has_arg(const CgKernelCall *c, CgArgKind kind) {
+  for (int a = 0; a < c->nargs; a++)
+    if (c->args[a].kind == kind) return true;
+  return false;
+}
+
 // The table of the update run of ops i .. i + nops - 1 of f (lower.c's lower_update_run): each
 // parameter's range from the first one's offset, its blocks of CG_UPDATE_CHUNK elements, its lr
 // and weight decay; h->ranges_at says where it starts.
@@ -504,9 +508,7 @@ static bool emit_op(Host *h, const IrFunc *f, int i, const CgLaunch *lp, IrStrea
   // A split reduction's partial sums: a place of their own (ops on other streams may run beside).
   int64_t scratch = l.scratch_bytes > 0 ? stage_place(h, l.scratch_bytes) : -1;
   if (l.ncalls > 0) h->count[h->phase].kernel_bytes += op_bytes(f, i, l.nops, h->bf16);
-  if (l.ncalls > 0 && (l.call[0].kernel == cg_kernel_by_name("adamw_ranges") ||
-                       l.call[0].kernel == cg_kernel_by_name("sgd_ranges")) && !update_ranges(h, f, i, l.nops))
-    return false;
+  if (l.ncalls > 0 && has_arg(&l.call[0], CG_ARG_RANGES) && !update_ranges(h, f, i, l.nops)) return false;
   for (int k = 0; k < l.ncalls; k++)
     if (!emit_kernel(h, f, i, &l.call[k], s, stats, scratch)) return false;
   if (op->kind == IR_OP_HOOK_RECORD) {
@@ -671,8 +673,6 @@ static bool is_update(const IrFunc *f) { return f->role == IR_ROLE_OPTIMIZER; }
 
 // ---- the program ----
 
-// What a step launches and moves (moec build -v; the program's header): one line per step
-// function, then the whole step, each between `pre` and `post`.
 // The kernels a step's fused launches stand for when each op is lowered alone (moec build
 // --no-fuse), less theirs: the gate chain, the split reductions, the update runs.
 static int64_t unfused_extra(const Host *h) {
@@ -693,6 +693,8 @@ static int64_t unfused_extra(const Host *h) {
   return extra;
 }
 
+// What a step launches and moves (moec build -v; the program's header): one line per step
+// function, then the whole step and the op-by-op count, each between `pre` and `post`.
 static void print_counts(const Host *h, FILE *out, const char *pre, const char *post) {
   int64_t kernels = 0, gemms = 0, comms = 0;
   double bytes = 0.0, gemm_bytes = 0.0;
@@ -757,7 +759,7 @@ static void emit_header(Host *h, FILE *out, const char *source_name, const CgCud
   int64_t b_bytes = b_inter + 2 * slot[IR_STREAM_INTER];
   int64_t off_p16 = off_b + (h->bf16 ? align(b_bytes > 0 ? b_bytes : 1, 256) : 0);   // dtype bf16: P16
   int64_t off_u = off_p16 + (h->bf16 ? align(h->param_floats * 2, 256) : 0);   // the update runs' tables
-  int64_t total = off_u + align(h->nranges > 0 ? h->nranges * 32 : 1, 256);
+  int64_t total = off_u + align(h->nranges > 0 ? h->nranges * RANGE_BYTES : 1, 256);
   fprintf(out, "/* Device memory, one block: parameters P, gradients G%s (floats, as the CPU\n"
                "   program's), the step's input X and target T, the activation arena A of the memory plan, and\n"
                "   the staging area S of the statistics the host reads after a step function (into H). */\n",
@@ -938,13 +940,15 @@ bool cg_emit_cuda_host(IrDiag *d, FILE *out, const IrModule *m, const PassMemPla
            "  CK(rt_cuda_to_device(cu, RT_STREAM_COMPUTE, T, st->target, ELEMS * sizeof(float)), %d);\n%s",
            w_input, w_input, h.output[0] ? "  st->output = output;\n" : "");
   const char *update_prologue = "";
-  // The update's kernels write P16 as they update P (mk_adamw_bf16, mk_sgd_bf16) when the update
-  // functions hold nothing but optimizer ops: then P16 stays fresh, and the forward rounds it only
-  // after an upload (init, --weights, --resume, --check-grad).
+  // When every launch of the update writes P16 as it updates P (a CG_ARG_PARAM16 argument:
+  // mk_adamw_ranges, mk_adamw_bf16, ...), P16 stays fresh, and the forward rounds it only after
+  // an upload (init, --weights, --resume, --check-grad).
   bool update_keeps_p16 = true;
-  for (int i = 0; i < m->nfuncs; i++)
-    for (int j = 0; is_update(m->funcs[i]) && j < m->funcs[i]->nops; j++)
-      update_keeps_p16 &= m->funcs[i]->ops[j]->kind == IR_OP_OPT_ADAMW || m->funcs[i]->ops[j]->kind == IR_OP_OPT_SGD;
+  for (int fi = 0; fi < m->nfuncs; fi++)
+    for (int k = 0; is_update(m->funcs[fi]) && k < h.ls->fn[fi].n; k++) {
+      const CgLaunch *l = &h.ls->fn[fi].launch[k];
+      update_keeps_p16 &= l->ncalls == 1 && has_arg(&l->call[0], CG_ARG_PARAM16);
+    }
   if (h.bf16 && h.kernel_slot[cg_cuda_bf16_cast_kernel()] >= 0) {   // P16: the parameters rounded once
     int kernel = cg_cuda_bf16_cast_kernel();
     size_t len = strlen(prologue);

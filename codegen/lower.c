@@ -507,7 +507,7 @@ static int update_run(const IrFunc *f, int i) {
   return n;
 }
 
-int64_t cg_update_blocks(const IrFunc *f, int i, int nops) {
+static int64_t update_blocks(const IrFunc *f, int i, int nops) {
   int64_t blocks = 0;
   for (int j = i; j < i + nops; j++)
     blocks += (ir_type_numel(&f->ops[j]->args[0].param->type) + CG_UPDATE_CHUNK - 1) / CG_UPDATE_CHUNK;
@@ -521,7 +521,7 @@ static void lower_update_run(const IrFunc *f, int i, int run, CgLaunch *l) {
   const IrOp *a = f->ops[i];
   bool adamw = a->kind == IR_OP_OPT_ADAMW;
   memset(l, 0, sizeof *l);
-  int64_t blocks = cg_update_blocks(f, i, run + 1);
+  int64_t blocks = update_blocks(f, i, run + 1);
   CgKernelCall *c = call(l, adamw ? CG_K_ADAMW_RANGES : CG_K_SGD_RANGES, grid_blocks(blocks));
   arg(c, CG_ARG_OPERAND, 0);
   arg(c, CG_ARG_GRAD, 0);
@@ -541,8 +541,8 @@ static void lower_update_run(const IrFunc *f, int i, int run, CgLaunch *l) {
   if (run > 0) snprintf(l->note, sizeof l->note, "the update of %d parameters in one launch", 1 + run);
 }
 
-// A scheduled function's update (op by op) with dtype bf16: the kernel that also rounds the
-// parameters into their bf16 copy, its last argument that copy.
+// An update op by op (--no-fuse, or a scheduled function) with dtype bf16: the kernel that also
+// rounds the parameters into their bf16 copy, its last argument that copy.
 static void update_bf16(CgLaunch *l) {
   CgKernelCall *c = &l->call[0];
   if (l->ncalls != 1 || (c->kernel != CG_K_ADAMW && c->kernel != CG_K_SGD)) return;
@@ -560,7 +560,7 @@ bool cg_lower(const PassMemPlan *plan, const IrFunc *f, int i, unsigned how, CgL
   if (!fuse || !fused_gate_at(plan, f, i)) {
     if (!cg_lower_op(f->ops[i], l)) return false;
     if (fuse) split_reduction(l);
-    if (how & CG_LOWER_BF16) update_bf16(l);   // a scheduled function's update, op by op
+    if (how & CG_LOWER_BF16) update_bf16(l);
     return true;
   }
   memset(l, 0, sizeof *l);
