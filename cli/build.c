@@ -220,7 +220,8 @@ static int cmd_dump_ir(IrDiag *d, const Options *o) {
   IrModule *m = front_end(d, o, NULL, &src, &cl);   // the IR does not depend on the target
   if (m) {
     PassCtx ctx = {.d = d, .verbose = o->verbose, .log = stderr, .dump_out = stdout, .dump_all = o->all,
-                   .cluster = cl.have ? &cl.sc : NULL};
+                   .cluster = cl.have ? &cl.sc : NULL,
+                   .fuse = o->target && strcmp(o->target, "cuda") == 0 && !o->no_fuse};   // fuse: the CUDA target's
     ctx.dump_after = o->all ? NULL : (o->after ? o->after : pass_list[pass_count - 1].name);
     ctx.stop_after = o->all ? NULL : ctx.dump_after;
     if (pass_run_pipeline(m, &ctx)) status = 0;
@@ -283,11 +284,11 @@ static const CgTarget *resolve_target(const Options *o, char *arch, size_t arch_
 
 // Writes the target's program for m to out.
 static bool emit_program(IrDiag *d, FILE *out, const IrModule *m, const PassMemPlan *plan, const Options *o,
-                         const CgTarget *target, const char *arch, const Cluster *cl) {
+                         const CgTarget *target, const char *arch, const Cluster *cl, const char *path) {
   CgEmitOptions eo = {.source_name = o->input, .arch = target->takes_arch ? arch : NULL, .verbose = o->verbose,
                       .hf_config = cl->hf.config, .hf_refusal = cl->hf.config ? NULL : cl->hf_why,
                       .hf_generation = cl->hf.generation, .hf_changes = cl->hf.changes,
-                      .layout_note = cl->layout_note[0] ? cl->layout_note : NULL};
+                      .layout_note = cl->layout_note[0] ? cl->layout_note : NULL, .program_path = path};
   return target->emit(d, out, m, plan, &eo);
 }
 
@@ -301,12 +302,13 @@ static int cmd_build(IrDiag *d, const Options *o) {
   FeTargetCaps caps = {.name = target->name, .bf16 = target->bf16};
   IrModule *m = front_end(d, o, &caps, &src, &cl);
   int status = 1;
-  PassCtx ctx = {.d = d, .verbose = o->verbose, .log = stderr, .cluster = cl.have ? &cl.sc : NULL};
+  PassCtx ctx = {.d = d, .verbose = o->verbose, .log = stderr, .cluster = cl.have ? &cl.sc : NULL,
+                 .fuse = strcmp(target->name, "cuda") == 0 && !o->no_fuse};
   char tmp[] = "/tmp/moec-XXXXXX.c";
   char *output = NULL;
   FILE *c = NULL;
+  if (m && o->no_fuse) ir_attrs_set_int(m->attrs, &m->nattrs, "no_fuse", 1);   // cg_cuda_lowering reads it
   if (!m || !pass_run_pipeline(m, &ctx)) goto done;
-  if (o->no_fuse) ir_attrs_set_int(m->attrs, &m->nattrs, "no_fuse", 1);   // cg_cuda_lowering reads it
 
   if (o->emit) {  // --emit c: the program only; --emit cuda: the CUDA kernels only
     c = o->output ? fopen(o->output, "w") : stdout;
@@ -314,7 +316,7 @@ static int cmd_build(IrDiag *d, const Options *o) {
       ir_error(d, "cannot write '%s'", o->output);
       goto done;
     }
-    bool ok = cuda_unit ? cg_emit_cuda(d, c, m, ctx.memplan) : emit_program(d, c, m, ctx.memplan, o, target, arch, &cl);
+    bool ok = cuda_unit ? cg_emit_cuda(d, c, m, ctx.memplan) : emit_program(d, c, m, ctx.memplan, o, target, arch, &cl, NULL);
     if (c != stdout && fclose(c) != 0) ok = ir_error(d, "cannot write '%s'", o->output);
     c = NULL;
     status = ok ? 0 : 1;
@@ -332,7 +334,7 @@ static int cmd_build(IrDiag *d, const Options *o) {
     ir_error(d, "cannot write '%s'", c_path);
     goto done;
   }
-  bool ok = emit_program(d, c, m, ctx.memplan, o, target, arch, &cl);
+  bool ok = emit_program(d, c, m, ctx.memplan, o, target, arch, &cl, c_path);
   if (fclose(c) != 0) ok = ir_error(d, "cannot write '%s'", c_path);
   c = NULL;
   output = o->output ? strdup(o->output) : default_output(o->input);

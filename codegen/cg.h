@@ -19,6 +19,9 @@ bool cg_emit_c(IrDiag *d, FILE *out, const IrModule *m, const PassMemPlan *plan,
 // and collectives (NCCL), fused gate kernels where the gate's ops allow, no host code and no
 // #include, ready for NVRTC. False (with a diagnostic) on an op it cannot emit.
 bool cg_emit_cuda(IrDiag *d, FILE *out, const IrModule *m, const PassMemPlan *plan);
+// The fused groups' kernels of m (passes/fuse.c, codegen/fused.c) as host C++ for the fake device
+// of the tests (tests/cuda/fused_host.h): the prelude, the kernels and their table.
+bool cg_emit_cuda_fused_host(IrDiag *d, FILE *out, const IrModule *m, const PassMemPlan *plan);
 // The same prelude with every kernel the CUDA target has (the test of the whole library).
 void cg_emit_cuda_library(FILE *out);
 // One line per kernel of the library, `MK_KERNEL(name, syncs)`: syncs is 1 when the kernel
@@ -74,6 +77,10 @@ struct CgEmitOptions {
   const char *hf_generation, *hf_changes;
   // How the layout was chosen (`parallel auto;`, --layout; RtModel.layout_note), NULL: written.
   const char *layout_note;
+  // The path the program is written to (NULL: not a file of a build). The CUDA target's test hook
+  // MOEC_CUDA_FAKE=1 writes the fused kernels as host C++ beside it (PATH.fused.cpp), which its
+  // link step compiles into the program (tests/cuda/fake_cuda.cpp runs them).
+  const char *program_path;
 };
 
 typedef struct CgTarget {
@@ -109,12 +116,16 @@ typedef struct CgLinkExtra {
   char library[4096];
   const char *how;
   const char *libs;
+  char object[4096];   // an object file linked before the library ("" none)
 } CgLinkExtra;
 // Compiles and links the C file at c_path into the executable out_path with the system C
 // compiler ($CC, default cc) and libmoert (from MOEC_ROOT's build/ when set, else the build this
 // moec came from), plus extra (NULL: nothing). The compiler's output goes to stderr; false with a
 // diagnostic when it fails or a library is missing.
 bool cg_link_program(IrDiag *d, const char *c_path, const char *out_path, const CgLinkExtra *extra, bool verbose);
+// Compiles the C++ file src into the object obj with the system C++ compiler ($CXX, default c++)
+// and flags; false with a diagnostic when it fails.
+bool cg_compile_cxx(IrDiag *d, const char *src, const char *obj, const char *flags, bool verbose);
 // The path of a file of the build moec came from (or of MOEC_ROOT's build/): "libmoert.a"; and
 // of the source tree ("runtime/cuda").
 void cg_build_file(const char *name, char *path, size_t size);

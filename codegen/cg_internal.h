@@ -80,7 +80,7 @@ int cg_kernel_by_name(const char *name);
 #define CG_CUDA_BLOCK 256   // MK_BLOCK: every kernel is launched with this many threads per block
 
 typedef enum CgArgKind {
-  CG_ARG_OPERAND,   // op->args[index]: a value or a parameter
+  CG_ARG_OPERAND,   // operand `index` of op i + `i` (i 0 but in a fused group): a value or a parameter
   CG_ARG_RESULT,    // the result of op i + index (index 0; a fused gate: 0 scores, 1 idx, 2 gates)
   CG_ARG_GRAD,      // the gradient buffer of the parameter op->args[0]
   CG_ARG_MOMENT_M,  // adamw's moments of that parameter
@@ -149,11 +149,22 @@ typedef struct CgFuncLaunches {
   int *at;
   int n;
 } CgFuncLaunches;
+// A kernel generated for a fused group (fused.c): kernel id CG_K_COUNT + its index in
+// CgLaunches.gen; its parameters are pointers only.
+typedef struct CgGenKernel {
+  char name[24];      // mk_fuse_N
+  char ops[96];       // "bias + act.gelu": its members' ops, for comments
+  char *source;       // "(params) {body}": the kernel after `extern "C" __global__ void NAME`
+  int nparams;
+} CgGenKernel;
 typedef struct CgLaunches {
   CgFuncLaunches *fn;
   int nfuncs;
+  CgGenKernel *gen;   // the fused groups' kernels, each once
+  int ngen;
 } CgLaunches;
-// NULL (reported on d) when an op has no lowering or memory runs out.
+// NULL (reported on d) when an op has no lowering or memory runs out. With CG_LOWER_FUSE a fused
+// group (passes/fuse.c) is one launch of a generated kernel (cg_lower_fused).
 CgLaunches *cg_lower_module(IrDiag *d, const IrModule *m, const PassMemPlan *plan, unsigned how);
 void cg_launches_free(CgLaunches *ls);
 // The lowering of one op alone (never fused).
@@ -162,17 +173,34 @@ bool cg_lower_op(const IrOp *op, CgLaunch *l);
 // it has a result): kernels of runtime/kernels.def that both targets have, one argument of the
 // right kind per parameter, naming only operands the op has; why says what is wrong.
 bool cg_lower_rule_check(const char *rule, int nargs, bool has_result, char *why, size_t size);
-int cg_cuda_kernel_count(void);
-const char *cg_cuda_kernel_name(int k);
+// ---- fused groups (fused.c) ----
+// The number of ops of the fused group that starts at op i of f (consecutive ops with its `fuse`
+// attribute), or 0 when op i is in none.
+int cg_fused_members(const IrFunc *f, int i);
+// The launch of the group at op i: one call of its generated kernel, added to ls->gen unless an
+// identical one is there. False (reported) when out of memory.
+bool cg_lower_fused(IrDiag *d, CgLaunches *ls, const IrFunc *f, int i, CgLaunch *l);
+
+// Whether expr is a well-formed scalar expression (ir/scalar.def) of an op with nargs operands:
+// operands x0 .. x(nargs-1), indices c, r, ec, 0, functions the CUDA prelude defines as mk_f_NAME,
+// C arithmetic; why says what is wrong.
+bool cg_scalar_check(const char *expr, int nargs, char *why, size_t size);
+// The CUDA kernels' prelude (codegen/cuda/prelude.cu and every family's prelude sections).
+const char *cg_cuda_prelude(void);
+
+// The kernels a module's launches can name: the library's (runtime/kernels.def), then ls's
+// generated ones.
+int cg_cuda_kernel_count(const CgLaunches *ls);
+const char *cg_cuda_kernel_name(const CgLaunches *ls, int k);
 
 typedef enum CgParamType { CG_PARAM_POINTER, CG_PARAM_INT, CG_PARAM_I64, CG_PARAM_U64, CG_PARAM_FLOAT } CgParamType;
 // Kernel k's parameter types, from its row of runtime/kernels.def (int, i64, u64, float,
 // pointers); their number, or -1 when there are more than max.
-int cg_cuda_kernel_params(int k, CgParamType *types, int max);
+int cg_cuda_kernel_params(const CgLaunches *ls, int k, CgParamType *types, int max);
 // Compares every kernel's parameter list in runtime/kernels.def with its declaration in
 // codegen/cuda/*.cu; prints each difference to err and returns their number.
 int cg_cuda_check_signatures(FILE *err);
-// Which kernels the launches of module m use (used[k] for k < cg_cuda_kernel_count()), the
+// Which kernels the launches of module m use (used[k] for k < cg_cuda_kernel_count(ls)), the
 // bf16 cast of the GEMM operands included.
 void cg_cuda_kernels_used(const IrModule *m, const CgLaunches *ls, bool *used);
 

@@ -51,6 +51,7 @@ static const char *const step_names[STEP_COUNT] = {"forward", "backward", "updat
 typedef struct Counts {
   int64_t kernels, casts, gemms, comms;
   double kernel_bytes, gemm_bytes;
+  double unfused_bytes;   // what the fused groups' ops would move op by op, less what their kernels move
 } Counts;
 
 // A range of an update run's table, as the program prints it (runtime/moert.h's RtUpdateRange).
@@ -264,8 +265,8 @@ static bool emit_kernel(Host *h, const IrFunc *f, int i, const CgKernelCall *c, 
                         int64_t scratch) {
   const IrOp *op = f->ops[i];
   CgParamType types[CG_MAX_KERNEL_ARGS];
-  int nparams = cg_cuda_kernel_params(c->kernel, types, CG_MAX_KERNEL_ARGS);
-  const char *name = cg_cuda_kernel_name(c->kernel);
+  int nparams = cg_cuda_kernel_params(h->ls, c->kernel, types, CG_MAX_KERNEL_ARGS);
+  const char *name = cg_cuda_kernel_name(h->ls, c->kernel);
   if (nparams != c->nargs)
     return ir_internal_at(h->d, op->loc, "kernel %s takes %d arguments, the launch of '%s' has %d", name,
                        nparams, ir_op_info[op->kind].name, c->nargs);
@@ -358,15 +359,15 @@ static bool emit_bf16_cast(Host *h, const IrFunc *f, const IrOp *op, int k, cons
                            const IrType *t, IrStream s) {
   int kernel = cg_cuda_bf16_cast_kernel();
   CgParamType types[CG_MAX_KERNEL_ARGS];
-  if (cg_cuda_kernel_params(kernel, types, CG_MAX_KERNEL_ARGS) != 3 || types[0] != CG_PARAM_POINTER ||
+  if (cg_cuda_kernel_params(h->ls, kernel, types, CG_MAX_KERNEL_ARGS) != 3 || types[0] != CG_PARAM_POINTER ||
       types[1] != CG_PARAM_POINTER || types[2] != CG_PARAM_I64)
-    return ir_internal_at(h->d, op->loc, "%s is not (const float *, u16 *, i64)", cg_cuda_kernel_name(kernel));
+    return ir_internal_at(h->d, op->loc, "%s is not (const float *, u16 *, i64)", cg_cuda_kernel_name(h->ls, kernel));
   int64_t n = ir_type_numel(t);
-  int site = where(h, f, op, "kernel %s (operand %d to bf16) of %s", cg_cuda_kernel_name(kernel), k, ir_op_info[op->kind].name);
+  int site = where(h, f, op, "kernel %s (operand %d to bf16) of %s", cg_cuda_kernel_name(h->ls, kernel), k, ir_op_info[op->kind].name);
   h->count[h->phase].kernels++, h->count[h->phase].casts++;
   h->count[h->phase].kernel_bytes += 6.0 * (double)n;
   fprintf(h->out, "  launch(%d, %s, %s, %" PRId64 ", 0, (void *[]){PTR(%s), PTR(%s), I64(%" PRId64 ")});\n", site,
-          cg_stream_enum(s), cg_cuda_kernel_name(kernel), cg_cuda_grid_elems(n), src, dst, n);
+          cg_stream_enum(s), cg_cuda_kernel_name(h->ls, kernel), cg_cuda_grid_elems(n), src, dst, n);
   return true;
 }
 
@@ -461,6 +462,18 @@ static double op_bytes(const IrFunc *f, int i, int nops, bool bf16) {
   return bytes;
 }
 
+// The bytes a fused group's kernel moves: each pointer argument once (its inputs read, the
+// results that leave written).
+static double fused_bytes(const IrFunc *f, int i, const CgKernelCall *c) {
+  double bytes = 0.0;
+  for (int a = 0; a < c->nargs; a++) {
+    const CgArg *x = &c->args[a];
+    if (x->kind == CG_ARG_OPERAND) bytes += (double)ir_type_bytes(cg_operand_type(&f->ops[i + x->i]->args[x->index]));
+    else if (x->kind == CG_ARG_RESULT) bytes += (double)ir_type_bytes(&f->ops[i + x->index]->result->type);
+  }
+  return bytes;
+}
+
 static bool has_arg(const CgKernelCall *c, CgArgKind kind) {
   for (int a = 0; a < c->nargs; a++)
     if (c->args[a].kind == kind) return true;
@@ -507,7 +520,13 @@ static bool emit_op(Host *h, const IrFunc *f, int i, const CgLaunch *lp, IrStrea
   int64_t stats = op->kind == IR_OP_HOOK_RECORD ? stage_place(h, 3 * (int64_t)sizeof(double)) : -1;
   // A split reduction's partial sums: a place of their own (ops on other streams may run beside).
   int64_t scratch = l.scratch_bytes > 0 ? stage_place(h, l.scratch_bytes) : -1;
-  if (l.ncalls > 0) h->count[h->phase].kernel_bytes += op_bytes(f, i, l.nops, h->bf16);
+  if (l.ncalls == 1 && l.call[0].kernel >= CG_K_COUNT) {   // a fused group
+    double fused = fused_bytes(f, i, &l.call[0]);
+    h->count[h->phase].kernel_bytes += fused;
+    h->count[h->phase].unfused_bytes += op_bytes(f, i, l.nops, h->bf16) - fused;
+  } else if (l.ncalls > 0) {
+    h->count[h->phase].kernel_bytes += op_bytes(f, i, l.nops, h->bf16);
+  }
   if (l.ncalls > 0 && has_arg(&l.call[0], CG_ARG_RANGES) && !update_ranges(h, f, i, l.nops)) return false;
   for (int k = 0; k < l.ncalls; k++)
     if (!emit_kernel(h, f, i, &l.call[k], s, stats, scratch)) return false;
@@ -697,20 +716,22 @@ static int64_t unfused_extra(const Host *h) {
 // function, then the whole step and the op-by-op count, each between `pre` and `post`.
 static void print_counts(const Host *h, FILE *out, const char *pre, const char *post) {
   int64_t kernels = 0, gemms = 0, comms = 0;
-  double bytes = 0.0, gemm_bytes = 0.0;
+  double bytes = 0.0, gemm_bytes = 0.0, unfused_bytes = 0.0;
   for (int p = 0; p < STEP_COUNT; p++) {
     const Counts *c = &h->count[p];
     fprintf(out, "%slaunches: %-8s %4" PRId64 " kernels (%" PRId64 " bf16 casts), %3" PRId64 " GEMMs, %3" PRId64
                  " collectives or copies; kernels move %.1f MB, GEMM operands and results %.1f MB%s",
             pre, step_names[p], c->kernels, c->casts, c->gemms, c->comms, c->kernel_bytes / 1e6, c->gemm_bytes / 1e6, post);
     kernels += c->kernels, gemms += c->gemms, comms += c->comms, bytes += c->kernel_bytes, gemm_bytes += c->gemm_bytes;
+    unfused_bytes += c->unfused_bytes;
   }
   fprintf(out, "%slaunches: a step   %4" PRId64 " kernels, %3" PRId64 " GEMMs, %3" PRId64 " collectives or copies; "
                "kernels move %.1f MB, GEMMs %.1f MB (each operand read once, each result written once)%s",
           pre, kernels, gemms, comms, bytes / 1e6, gemm_bytes / 1e6, post);
   if (cg_cuda_lowering(h->m) & CG_LOWER_FUSE)
-    fprintf(out, "%slaunches: %" PRId64 " kernels, %" PRId64 " GEMMs per step (unfused: %" PRId64 " kernels)%s", pre, kernels,
-            gemms, kernels + unfused_extra(h), post);
+    fprintf(out, "%slaunches: %" PRId64 " kernels, %" PRId64 " GEMMs per step (unfused: %" PRId64 " kernels)%s"
+                 "%skernel traffic: %.1f MB per step (unfused: %.1f MB)%s",
+            pre, kernels, gemms, kernels + unfused_extra(h), post, pre, bytes / 1e6, (bytes + unfused_bytes) / 1e6, post);
   else
     fprintf(out, "%slaunches: %" PRId64 " kernels, %" PRId64 " GEMMs per step (--no-fuse: each op alone)%s", pre, kernels, gemms,
             post);
@@ -737,13 +758,13 @@ static void emit_header(Host *h, FILE *out, const char *source_name, const CgCud
   fprintf(out, ";\n\n");
   cg_emit_params(out, m, h->param_offset);
 
-  int nk = cg_cuda_kernel_count(), used = 0;
+  int nk = cg_cuda_kernel_count(h->ls), used = 0;
   fprintf(out, "/* The kernels the steps launch, looked up by name in the loaded module. */\nenum {");
   for (int k = 0; k < nk; k++)
-    if (h->kernel_slot[k] >= 0) fprintf(out, "%s %s", used++ ? "," : "", cg_cuda_kernel_name(k));
+    if (h->kernel_slot[k] >= 0) fprintf(out, "%s %s", used++ ? "," : "", cg_cuda_kernel_name(h->ls, k));
   fprintf(out, "%sKERNEL_COUNT };\nstatic const char *const kernel_names[KERNEL_COUNT + 1] = {", used ? ", " : " ");
   for (int k = 0; k < nk; k++)
-    if (h->kernel_slot[k] >= 0) fprintf(out, "\"%s\", ", cg_cuda_kernel_name(k));
+    if (h->kernel_slot[k] >= 0) fprintf(out, "\"%s\", ", cg_cuda_kernel_name(h->ls, k));
   fprintf(out, "NULL};\n\n");
 
   // Device memory, in bytes: parameters, gradients, moments, input, target, activations, statistics.
@@ -900,7 +921,9 @@ bool cg_emit_cuda_host(IrDiag *d, FILE *out, const IrModule *m, const PassMemPla
   int64_t sizes[5] = {dp * mp, dp, mp, ir_mod_int(m, "ep", 1), ir_mod_int(m, "esp", 1)};
   memcpy(h.group_size, sizes, sizeof sizes);
   h.max_events = EV_BASE;
-  int nk = cg_cuda_kernel_count(), max_values = 1;
+  int max_values = 1;
+  h.ls = cg_lower_module(d, m, plan, cg_cuda_lowering(m));   // each op lowered once
+  int nk = h.ls ? cg_cuda_kernel_count(h.ls) : 1;
   bool *used = calloc((size_t)nk, sizeof *used);
   h.kernel_slot = malloc((size_t)nk * sizeof *h.kernel_slot);
   for (int i = 0; i < m->nfuncs; i++)
@@ -910,13 +933,8 @@ bool cg_emit_cuda_host(IrDiag *d, FILE *out, const IrModule *m, const PassMemPla
   size_t body_size = 0;
   h.out = open_memstream(&body, &body_size);
   bool ok = h.param_offset && used && h.kernel_slot && h.staged && h.out;
-  if (!ok) {
-    ok = ir_oom(d);
-    goto done;
-  }
-  h.ls = cg_lower_module(d, m, plan, cg_cuda_lowering(m));
-  if (!h.ls) {
-    ok = false;
+  if (!ok || !h.ls) {
+    ok = h.ls ? ir_oom(d) : false;
     goto done;
   }
   cg_cuda_kernels_used(m, h.ls, used);
@@ -956,8 +974,8 @@ bool cg_emit_cuda_host(IrDiag *d, FILE *out, const IrModule *m, const PassMemPla
              "  if (!p16_fresh) {   /* the parameters changed: their bf16 copy for the GEMMs */\n"
              "    launch(%d, RT_STREAM_COMPUTE, %s, %" PRId64 ", 0, (void *[]){PTR(P), PTR(P16), I64(PARAM_FLOATS)});\n"
              "    p16_fresh = true;\n  }\n",
-             where(&h, NULL, NULL, "kernel %s (the parameters to bf16)", cg_cuda_kernel_name(kernel)),
-             cg_cuda_kernel_name(kernel), cg_cuda_grid_elems(h.param_floats));
+             where(&h, NULL, NULL, "kernel %s (the parameters to bf16)", cg_cuda_kernel_name(h.ls, kernel)),
+             cg_cuda_kernel_name(h.ls, kernel), cg_cuda_grid_elems(h.param_floats));
     if (!update_keeps_p16) {   // counted in the forward: it runs at every step
       update_prologue = "  p16_fresh = false;   /* rounded again at the next forward */\n";
       h.count[STEP_FORWARD].kernels++, h.count[STEP_FORWARD].casts++;

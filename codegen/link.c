@@ -133,6 +133,7 @@ bool cg_link_program(IrDiag *d, const char *c_path, const char *out_path, const 
   add(&c, include);
   if (extra) add_words(&c, extra->cflags);
   add(&c, c_path);
+  if (extra && extra->object[0]) add(&c, extra->object);
   if (extra && extra->library[0]) add(&c, extra->library);
   add(&c, lib);
   add_words(&c, MOEC_BLAS_LIBS);   // OpenBLAS (its OpenMP build and -fopenmp where configured)
@@ -143,6 +144,18 @@ bool cg_link_program(IrDiag *d, const char *c_path, const char *out_path, const 
   add_words(&c, "-lm -o");
   add(&c, out_path);
   return run(d, &c, c_path, verbose);
+}
+
+bool cg_compile_cxx(IrDiag *d, const char *src, const char *obj, const char *flags, bool verbose) {
+  const char *cxx = getenv("CXX");
+  Command c = {.argc = 0};
+  add(&c, cxx && *cxx ? cxx : "c++");
+  add_words(&c, flags);
+  add(&c, "-c");
+  add(&c, src);
+  add(&c, "-o");
+  add(&c, obj);
+  return run(d, &c, src, verbose);
 }
 
 // The driver's two calls, by their unversioned names, typed without cuda.h (moec is built

@@ -593,7 +593,9 @@ CgLaunches *cg_lower_module(IrDiag *d, const IrModule *m, const PassMemPlan *pla
     if (!fl->launch || !fl->at) ok = ir_oom(d);
     for (int i = 0; ok && i < f->nops; i += fl->launch[fl->n++].nops) {
       fl->at[fl->n] = i;
-      if (!cg_lower(plan, f, i, how, &fl->launch[fl->n]) || fl->launch[fl->n].nops < 1) {
+      if ((how & CG_LOWER_FUSE) && cg_fused_members(f, i) > 0) {
+        if (!(ok = cg_lower_fused(d, ls, f, i, &fl->launch[fl->n]))) break;
+      } else if (!cg_lower(plan, f, i, how, &fl->launch[fl->n]) || fl->launch[fl->n].nops < 1) {
         const IrOp *op = f->ops[i];
         ok = ir_error_at(d, op->loc, "the CUDA target cannot emit op '%s'",
                          op->kind < IR_OP_COUNT ? ir_op_info[op->kind].name : "?");
@@ -614,6 +616,8 @@ void cg_launches_free(CgLaunches *ls) {
     free(ls->fn[fi].at);
   }
   free(ls->fn);
+  for (int g = 0; g < ls->ngen; g++) free(ls->gen[g].source);
+  free(ls->gen);
   free(ls);
 }
 

@@ -52,7 +52,7 @@ bool cg_spell_pointer(const CgSpelling *sp, const IrFunc *f, int i, const CgArg 
   const IrOp *op = f->ops[i];
   const char *base = a->kind == CG_ARG_GRAD ? sp->grads : a->kind == CG_ARG_MOMENT_M ? sp->opt_m : sp->opt_v;
   switch (a->kind) {
-  case CG_ARG_OPERAND: cg_spell_operand(sp, &op->args[a->index], buf, n); return true;
+  case CG_ARG_OPERAND: cg_spell_operand(sp, &f->ops[i + a->i]->args[a->index], buf, n); return true;
   case CG_ARG_RESULT: cg_spell_value(sp, f->ops[i + a->index]->result, buf, n); return true;
   case CG_ARG_GRAD:
   case CG_ARG_MOMENT_M:

@@ -10,6 +10,7 @@
 // emulated), so that `make test` runs CUDA programs on machines without a GPU.
 #include <stdlib.h>
 #include <string.h>
+#include <unistd.h>
 
 #include "cg.h"
 
@@ -53,9 +54,31 @@ static bool cuda_images(IrDiag *d, const IrModule *m, const PassMemPlan *plan, c
 }
 #endif
 
+static bool use_fake(void) {
+  const char *fake = getenv("MOEC_CUDA_FAKE");
+  return fake && strcmp(fake, "1") == 0;
+}
+
+// PATH.fused.cpp (and .o) beside the program at path.
+static void fused_path(char *buf, size_t size, const char *path, const char *ext) { snprintf(buf, size, "%s.fused.%s", path, ext); }
+
+// The fake device runs the library's kernels from its own build; a program's fused kernels are
+// generated per program, so under MOEC_CUDA_FAKE=1 they are also written as host C++ beside the
+// program, for cuda_link to compile into it.
+static bool fake_fused(IrDiag *d, const IrModule *m, const PassMemPlan *plan, const CgEmitOptions *o) {
+  if (!use_fake() || !o->program_path) return true;
+  char path[4096];
+  fused_path(path, sizeof path, o->program_path, "cpp");
+  FILE *f = fopen(path, "w");
+  if (!f) return ir_error(d, "cannot write '%s'", path);
+  bool ok = cg_emit_cuda_fused_host(d, f, m, plan);
+  if (fclose(f) != 0) ok = ir_error(d, "cannot write '%s'", path);
+  return ok;
+}
+
 static bool cuda_emit(IrDiag *d, FILE *out, const IrModule *m, const PassMemPlan *plan, const CgEmitOptions *o) {
   CgCudaImages img = {0};
-  bool ok = cuda_images(d, m, plan, o->arch ? o->arch : "sm_90", &img);
+  bool ok = fake_fused(d, m, plan, o) && cuda_images(d, m, plan, o->arch ? o->arch : "sm_90", &img);
   if (ok && o->verbose)
     fprintf(stderr, "# nvrtc: CUBIN for %s %zu bytes, PTX %zu bytes, embedded in the program\n", img.arch,
             img.cubin_size, img.ptx_size);
@@ -68,12 +91,11 @@ static bool cuda_emit(IrDiag *d, FILE *out, const IrModule *m, const PassMemPlan
 // libmoert_cuda (needs cuBLAS, NCCL and libdl; the driver itself is opened at run time,
 // runtime/cuda/rt_cuda.c), or the fake device of the tests.
 static bool cuda_link(IrDiag *d, const char *c_path, const char *out_path, bool verbose) {
-  const char *fake = getenv("MOEC_CUDA_FAKE");
-  bool use_fake = fake && strcmp(fake, "1") == 0;
+  bool fake = use_fake();
   if (!*cg_cuda_cflags)
     return ir_error(d, "this moec was built where make found no CUDA toolkit, so it cannot link a CUDA program "
                        "(rebuild moec with 'make' where the toolkit is, CUDA=/path)");
-  if (!use_fake && !*cg_cuda_libs)
+  if (!fake && !*cg_cuda_libs)
     return ir_error(d, "this moec was built where make found no cuBLAS or NCCL, so it cannot link a CUDA program "
                        "(see the '#' lines of 'make'; NCCL_HOME=/path)");
   char cflags[8192], include[4096];
@@ -81,12 +103,26 @@ static bool cuda_link(IrDiag *d, const char *c_path, const char *out_path, bool 
   snprintf(cflags, sizeof cflags, "-I%s %s %s", include, cg_cuda_cflags, cg_mpi_cflags);
   CgLinkExtra extra = {
       .cflags = cflags,
-      .how = use_fake ? "the fake device of the tests: 'make' builds it where the CUDA toolkit is"
-                      : "the GPU runtime: 'make' builds it where the CUDA toolkit, cuBLAS and NCCL are",
-      .libs = use_fake ? "-lstdc++" : cg_cuda_libs,
+      .how = fake ? "the fake device of the tests: 'make' builds it where the CUDA toolkit is"
+                  : "the GPU runtime: 'make' builds it where the CUDA toolkit, cuBLAS and NCCL are",
+      .libs = fake ? "-lstdc++" : cg_cuda_libs,
   };
-  cg_build_file(use_fake ? "cuda/libfake_cuda.a" : "libmoert_cuda.a", extra.library, sizeof extra.library);
-  return cg_link_program(d, c_path, out_path, &extra, verbose);
+  cg_build_file(fake ? "cuda/libfake_cuda.a" : "libmoert_cuda.a", extra.library, sizeof extra.library);
+  char src[4096], tests[4096], flags[8192];
+  fused_path(src, sizeof src, c_path, "cpp");
+  bool fused = fake && access(src, R_OK) == 0, ok = true;
+  if (fused) {   // the fused kernels for the fake device (fake_fused)
+    fused_path(extra.object, sizeof extra.object, c_path, "o");
+    cg_source_file("tests/cuda", tests, sizeof tests);
+    snprintf(flags, sizeof flags, "-std=c++20 -O1 -w -I%s", tests);
+    ok = cg_compile_cxx(d, src, extra.object, flags, verbose);
+  }
+  ok = ok && cg_link_program(d, c_path, out_path, &extra, verbose);
+  if (fused) {
+    unlink(src);
+    unlink(extra.object);
+  }
+  return ok;
 }
 
 const CgTarget cg_target_cuda = {

@@ -72,6 +72,9 @@ static inline bool ir_op_is_collective(IrOpKind k) {
 // least 1, so that a whole k*f*S/E stays whole (k 1, f 1.1, S 200, E 2 gives 110, not the 111
 // that 110.00000000000001 would round up to). The front end, the planner and the references use it.
 int64_t ir_capacity_slots(int64_t k, double f, int64_t tokens, int64_t experts);
+// The element of op k's result as a scalar expression (ir/scalar.def: the elementwise ops the
+// fuse pass groups and the CUDA target generates kernels for), or NULL.
+const char *ir_op_scalar(IrOpKind k);
 // IR_OP_COUNT when name is not an op.
 IrOpKind ir_op_by_name(const char *name);
 

@@ -13,6 +13,15 @@ const IrOpInfo ir_op_info[IR_OP_COUNT] = {
 #undef IR_OP
 };
 
+// The scalar expressions of ir/scalar.def by op; NULL for the ops that have none.
+static const char *const op_scalar[IR_OP_COUNT] = {
+#define IR_SCALAR(E, EXPR) [IR_OP_##E] = EXPR,
+#include "scalar.def"
+#undef IR_SCALAR
+};
+
+const char *ir_op_scalar(IrOpKind k) { return k >= 0 && k < IR_OP_COUNT ? op_scalar[k] : NULL; }
+
 int64_t ir_capacity_slots(int64_t k, double f, int64_t tokens, int64_t experts) {
   int64_t t = (int64_t)ceil((double)k * f * (double)tokens / (double)experts - 1e-9);
   return t < 1 ? 1 : t;

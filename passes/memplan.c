@@ -9,7 +9,8 @@
 // value read by a backward function (a saved activation) stays alive across the phase boundary —
 // and an offset in one arena, packed first-fit by position so buffers whose ranges do not
 // overlap share bytes. A value whose only use is `param.grad` is written straight into that
-// parameter's gradient buffer. The final layer output stays alive to the end of the step (the
+// parameter's gradient buffer. A result the fuse pass keeps inside its fused kernel (`inner=1`)
+// gets no memory (PASS_MEM_NONE). The final layer output stays alive to the end of the step (the
 // binary's --dump reads it after the backward pass).
 //
 // Streams. A function whose ops the schedule put on the intra or inter stream runs them
@@ -218,6 +219,17 @@ static void step_ends(IrModule *m, Ranges *R) {
   }
 }
 
+// The members of a fused group (passes/fuse.c: consecutive ops with one `fuse` attribute) run
+// as one kernel, whose threads read every input and write every result over the whole group:
+// op oi's span [*first, *last] (global positions, *first and *last its own position on entry)
+// becomes its group's, so that no result shares bytes with an input of the same kernel.
+static void fused_span(const IrFunc *f, int oi, int64_t *first, int64_t *last) {
+  int64_t id = ir_op_int(f->ops[oi], "fuse", -1);
+  if (id < 0) return;
+  for (int i = oi - 1; i >= 0 && ir_op_int(f->ops[i], "fuse", -1) == id; i--) (*first)--;
+  for (int i = oi + 1; i < f->nops && ir_op_int(f->ops[i], "fuse", -1) == id; i++) (*last)++;
+}
+
 // Pass 1: resolve arguments, give results a slot with their definition position, extend each
 // to its last use.
 static bool live_ranges(IrModule *m, PassCtx *ctx, Ranges *R) {
@@ -243,16 +255,19 @@ static bool live_ranges(IrModule *m, PassCtx *ctx, Ranges *R) {
     fstart[fi] = pos;
     for (int oi = 0; oi < f->nops; oi++, pos++) {
       IrOp *op = f->ops[oi];
+      int64_t first = pos, last = pos;   // a fused group's members: the whole group's span
+      fused_span(f, oi, &first, &last);
       for (int a = 0; a < op->nargs; a++) {
         IrValue *v = op->args[a].value;
         if (!v) continue;
         PassMemSlot *s = R->where[v->func->index][v->id];
-        if (s && s->last < pos) s->last = pos;
+        if (s && s->last < last) s->last = last;
       }
-      if (!op->result) continue;
+      if (!op->result || ir_op_int(op, "inner", 0)) continue;   // inner: in a fused kernel's registers only
       PassMemSlot *s = &R->storage[R->used];
       s->kind = PASS_MEM_ARENA;
-      s->first = s->last = pos;
+      s->first = first;
+      s->last = pos;
       s->bytes = ir_type_bytes(&op->result->type);
       R->items[R->used] = (Item){s, R->used};
       R->used++;

@@ -46,6 +46,7 @@ typedef struct PassCtx {
   const char *stop_after;    // stop the pipeline after this pass (NULL: run all)
   PassMemPlan *memplan;      // set by memplan; freed by pass_ctx_free
   const SchedCluster *cluster;   // the cluster profile the planner prices with (NULL: none)
+  bool fuse;                 // group elementwise ops into fused kernels (the CUDA target without --no-fuse)
 } PassCtx;
 
 typedef bool (*PassFn)(IrModule *m, PassCtx *ctx);
@@ -74,6 +75,7 @@ double pass_op_macs(const IrOp *op);
 bool pass_pipeline(IrModule *m, PassCtx *ctx);
 bool pass_gradpart(IrModule *m, PassCtx *ctx);
 bool pass_schedule(IrModule *m, PassCtx *ctx);
+bool pass_fuse(IrModule *m, PassCtx *ctx);
 bool pass_memplan(IrModule *m, PassCtx *ctx);
 
 // Sets cost_n and cost_t on every op the scheduling model prices (passes/cost.c); the number

@@ -8,6 +8,26 @@
 #define MK_GELU_A 0.044715f
 __device__ float mk_gelu_s(float v) { return 1.0f / (1.0f + mk_exp(-2.0f * MK_GELU_C * (v + MK_GELU_A * v * v * v))); }
 
+// ---- prelude: activations, one element ----
+// One element of each activation and its gradient: what the kernels below compute per element
+// and what the fused kernels (ir/scalar.def, codegen/fused.c) call, so both do the same float
+// operations. mk_f_gelu: x * s (rt_gelu); mk_f_gelu_grad: +0 where dy is zero (an expert's empty
+// slots), without the exp (rt_gelu_grad); mk_f_silu: x * s, s = 1 / (1 + mk_exp(-x)) (rt_silu).
+__device__ __forceinline__ float mk_f_gelu(float v) { return v * mk_gelu_s(v); }
+__device__ __forceinline__ float mk_f_gelu_grad(float dy, float v) {
+  if (dy == 0.0f) return 0.0f;
+  float s = mk_gelu_s(v);
+  float du = MK_GELU_C * (1.0f + 3.0f * MK_GELU_A * v * v);
+  return dy * (s + 2.0f * v * s * (1.0f - s) * du);
+}
+__device__ __forceinline__ float mk_f_relu(float v) { return v > 0.0f ? v : 0.0f; }
+__device__ __forceinline__ float mk_f_relu_grad(float dy, float v) { return v > 0.0f ? dy : 0.0f; }
+__device__ __forceinline__ float mk_f_silu(float v) { return v * (1.0f / (1.0f + mk_exp(-v))); }
+__device__ __forceinline__ float mk_f_silu_grad(float dy, float v) {
+  float sg = 1.0f / (1.0f + mk_exp(-v));
+  return dy * sg * (1.0f + v * (1.0f - sg));
+}
+
 // ---- prelude: rows plus a bias ----
 // y[r, c] = x[r, c] + b[r / rows_per_bias, c]: rows strided over the blocks, columns over the
 // threads (no 64-bit division per element; any grid covers every row).
@@ -89,46 +109,30 @@ extern "C" __global__ void mk_expert_bias_grad(const float *dy, float *db, int e
 // The tanh GELU as x * s, s = 1 / (1 + exp(-2u)) = 0.5 (1 + tanh(u)), as rt_gelu computes it
 // (cols, the row width, lets the CPU kernel copy repeated rows; every element is computed here).
 extern "C" __global__ void mk_gelu(const float *x, float *y, i64 n, i64 cols) {
-  MK_FOR(i, n) {
-    float v = x[i];
-    y[i] = v * mk_gelu_s(v);
-  }
+  MK_FOR(i, n) y[i] = mk_f_gelu(x[i]);
 }
 
 // ---- mk_gelu_grad ----
-// +0 where dy is zero (an expert's empty slots), without the exp, as rt_gelu_grad.
 extern "C" __global__ void mk_gelu_grad(const float *dy, const float *x, float *dx, i64 n) {
-  MK_FOR(i, n) {
-    if (dy[i] == 0.0f) {
-      dx[i] = 0.0f;
-      continue;
-    }
-    float v = x[i], s = mk_gelu_s(v);
-    float du = MK_GELU_C * (1.0f + 3.0f * MK_GELU_A * v * v);
-    dx[i] = dy[i] * (s + 2.0f * v * s * (1.0f - s) * du);
-  }
+  MK_FOR(i, n) dx[i] = mk_f_gelu_grad(dy[i], x[i]);
 }
 
 // ---- mk_relu ----
 extern "C" __global__ void mk_relu(const float *x, float *y, i64 n) {
-  MK_FOR(i, n) y[i] = x[i] > 0.0f ? x[i] : 0.0f;
+  MK_FOR(i, n) y[i] = mk_f_relu(x[i]);
 }
 
 // ---- mk_relu_grad ----
 extern "C" __global__ void mk_relu_grad(const float *dy, const float *x, float *dx, i64 n) {
-  MK_FOR(i, n) dx[i] = x[i] > 0.0f ? dy[i] : 0.0f;
+  MK_FOR(i, n) dx[i] = mk_f_relu_grad(dy[i], x[i]);
 }
 
 // ---- mk_silu ----
-// s = 1 / (1 + mk_exp(-x)): the float operations of rt_silu.
 extern "C" __global__ void mk_silu(const float *x, float *y, i64 n) {
-  MK_FOR(i, n) y[i] = x[i] * (1.0f / (1.0f + mk_exp(-x[i])));
+  MK_FOR(i, n) y[i] = mk_f_silu(x[i]);
 }
 
 // ---- mk_silu_grad ----
 extern "C" __global__ void mk_silu_grad(const float *dy, const float *x, float *dx, i64 n) {
-  MK_FOR(i, n) {
-    float sg = 1.0f / (1.0f + mk_exp(-x[i]));
-    dx[i] = dy[i] * sg * (1.0f + x[i] * (1.0f - sg));
-  }
+  MK_FOR(i, n) dx[i] = mk_f_silu_grad(dy[i], x[i]);
 }

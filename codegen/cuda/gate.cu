@@ -83,12 +83,12 @@ extern "C" __global__ void mk_softmax_grad(const float *dy, const float *y, floa
 
 // ---- mk_sigmoid ----
 extern "C" __global__ void mk_sigmoid(const float *x, float *y, i64 n) {
-  MK_FOR(i, n) y[i] = mk_sigmoid1(x[i]);
+  MK_FOR(i, n) y[i] = mk_f_sigmoid(x[i]);
 }
 
 // ---- mk_sigmoid_grad ----
 extern "C" __global__ void mk_sigmoid_grad(const float *dy, const float *y, float *dx, i64 n) {
-  MK_FOR(i, n) dx[i] = dy[i] * y[i] * (1.0f - y[i]);
+  MK_FOR(i, n) dx[i] = mk_f_sigmoid_grad(dy[i], y[i]);
 }
 
 // ---- mk_softmax_tokens ----

@@ -135,3 +135,7 @@ __device__ float mk_sigmoid1(float v) {
   float z = expf(v);
   return z / (1.0f + z);
 }
+// One element of gate.sigmoid and of its gradient (dy, y): what mk_sigmoid, mk_sigmoid_grad and
+// the fused kernels (ir/scalar.def) compute.
+__device__ __forceinline__ float mk_f_sigmoid(float v) { return mk_sigmoid1(v); }
+__device__ __forceinline__ float mk_f_sigmoid_grad(float dy, float y) { return dy * y * (1.0f - y); }

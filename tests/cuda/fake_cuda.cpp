@@ -256,6 +256,7 @@ struct FakeKernel {
   const char *name;
   bool syncs;
   bool (*run)(RtCuda *cu, const FakeKernel &k, void **args, int grid, int block);
+  const MkFusedKernel *fused;   // a program's fused kernel (below), else NULL
 };
 
 // Fibers for the threads of one block of a kernel that synchronises. On x86-64 a fiber switch
@@ -443,6 +444,41 @@ static const FakeKernel kernel_table[] = {
 };
 #undef MK_KERNEL
 
+// A program's fused kernels (codegen/fused.c): generated per program and compiled into it as host
+// C++ (tests/cuda/fused_host.h), found by these weak symbols (absent, NULL, in a program without
+// any). Each takes pointers only, checked like a library kernel's.
+extern "C" {
+extern const MkFusedKernel mk_fused_kernels[] __attribute__((weak));
+extern const int mk_fused_count __attribute__((weak));
+}
+static std::vector<FakeKernel> fused_table;
+
+static bool run_fused(RtCuda *cu, const FakeKernel &k, void **args, int grid, int block) {
+  for (int a = 0; a < k.fused->nptrs; a++) {
+    void *p;
+    memcpy(&p, args[a], sizeof p);
+    if (p && !in_arena(cu, p, 1)) return report("kernel %s: argument %d (%p) is not device memory", k.name, a, p);
+  }
+  running_kernel = k.name;
+  k.fused->run(args, grid, block);
+  return true;
+}
+
+static const FakeKernel *fused_kernel(const char *name) {
+  if (fused_table.empty() && mk_fused_kernels && &mk_fused_count) {
+    fused_table.reserve((size_t)mk_fused_count);   // never grows after: its addresses are CUfunctions
+    for (int i = 0; i < mk_fused_count; i++) fused_table.push_back({mk_fused_kernels[i].name, false, run_fused, &mk_fused_kernels[i]});
+  }
+  for (const FakeKernel &k : fused_table)
+    if (strcmp(k.name, name) == 0) return &k;
+  return nullptr;
+}
+
+static bool is_kernel(const FakeKernel *k) {
+  if (k >= kernel_table && k < kernel_table + sizeof kernel_table / sizeof *kernel_table) return true;
+  return !fused_table.empty() && k >= fused_table.data() && k < fused_table.data() + fused_table.size();
+}
+
 CUfunction rt_cuda_kernel(RtCuda *cu, const char *name) {
   if (!cu->image) {
     report("no kernel module is loaded (looking for kernel '%s')", name);
@@ -454,6 +490,7 @@ CUfunction rt_cuda_kernel(RtCuda *cu, const char *name) {
   }
   for (const FakeKernel &k : kernel_table)
     if (strcmp(k.name, name) == 0) return (CUfunction)(uintptr_t)&k;
+  if (const FakeKernel *k = fused_kernel(name)) return (CUfunction)(uintptr_t)k;
   report("kernel '%s' is in the module but not in the library the fake device was built with", name);
   return nullptr;
 }
@@ -466,7 +503,7 @@ int rt_cuda_grid(int64_t n, int block) {
 bool rt_cuda_launch(RtCuda *cu, RtStream s, CUfunction f, int grid, int block, unsigned shared_bytes, void **args) {
   const FakeKernel *k = (const FakeKernel *)(uintptr_t)f;
   if (!stream_ok(s, "rt_cuda_launch")) return false;
-  if (!f || k < kernel_table || k >= kernel_table + sizeof kernel_table / sizeof *kernel_table)
+  if (!f || !is_kernel(k))
     return report("rt_cuda_launch: not a kernel of rt_cuda_kernel");
   if (grid < 1 || grid > 65535 || block < 1 || block > 1024)
     return report("kernel %s: launch <<<%d, %d>>> out of range", k->name, grid, block);

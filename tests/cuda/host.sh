@@ -367,6 +367,29 @@ else
   bad "cuda host: --no-fuse" "$(grep 'per step' "$WORK/f.err" "$WORK/nf.err"; tail -n 5 "$WORK/nf.err" "$WORK/tiny_nofuse.cuda.out" 2>/dev/null)"
 fi
 
+# The fuse pass (issue 39): gpt_moe_bytes's elementwise chains (a norm's scale and bias, the q, k
+# and v biases, bias + residual, expert bias + GELU, the gradient sums) run as generated kernels
+# (codegen/fused.c; on the fake device compiled into the program as host C++); the program trains
+# to the bits of its --no-fuse build (losses and every --dump tensor), launches fewer kernels and
+# moves fewer bytes than op by op, and its kernel unit has the generated kernels.
+if MOEC_CUDA_FAKE=1 "$MOEC" build lang/models/gpt_moe_bytes.moe --target cuda -v -o "$WORK/gmbf.cuda" 2>"$WORK/gf.err" &&
+   MOEC_CUDA_FAKE=1 "$MOEC" build lang/models/gpt_moe_bytes.moe --target cuda --no-fuse -v -o "$WORK/gmbn.cuda" 2>"$WORK/gn.err" &&
+   "$MOEC" build lang/models/gpt_moe_bytes.moe --target cuda --emit cuda -o "$WORK/gmbf.cu" 2>/dev/null &&
+   grep -q '^MK_FUSED void mk_fuse_0(' "$WORK/gmbf.cu" && ! ls "$WORK"/*.fused.* >/dev/null 2>&1 &&
+   fk=$(sed -n 's/^# launches: \([0-9]*\) kernels, .* per step (unfused: \([0-9]*\) kernels)$/\1 \2/p' "$WORK/gf.err") &&
+   nk=$(sed -n 's/^# launches: \([0-9]*\) kernels, .* per step (--no-fuse: each op alone)$/\1/p' "$WORK/gn.err") &&
+   mb=$(sed -n 's/^# kernel traffic: \([0-9.]*\) MB per step (unfused: \([0-9.]*\) MB)$/\1 \2/p' "$WORK/gf.err") &&
+   groups=$(sed -n 's/^# fuse: \([0-9]*\) elementwise ops in \([0-9]*\) fused kernels.*/\2/p' "$WORK/gf.err") &&
+   [ -n "$nk" ] && [ "${fk#* }" = "$nk" ] && [ "${fk% *}" -lt "$nk" ] && [ -n "$groups" ] && [ "$groups" -gt 10 ] &&
+   awk -v a="${mb% *}" -v b="${mb#* }" 'BEGIN { exit !(a < b) }' &&
+   run gmbf cuda 1 --steps 2 --dump gmbf.dump && run gmbn cuda 1 --steps 2 --dump gmbn.dump &&
+   same_losses "$WORK/gmbf.cuda.out" "$WORK/gmbn.cuda.out" 0 &&
+   why=$(compare_dumps "$WORK/gmbf.dump" "$WORK/gmbn.dump" 0); then
+  ok "cuda host: gpt_moe_bytes fused ($groups groups: ${fk% *} kernels a step, ${mb% *} MB) trains as --no-fuse ($nk kernels, ${mb#* } MB): losses and --dump equal ($why)"
+else
+  bad "cuda host: gpt_moe_bytes fused against --no-fuse" "$(grep -E 'per step|traffic|fuse' "$WORK/gf.err" "$WORK/gn.err"; tail -n 5 "$WORK/gf.err" "$WORK/gmbf.cuda.out" "$WORK/gmbn.cuda.out" 2>/dev/null)"
+fi
+
 # bench/gpu_lm.sh, which a GPU session runs (a language model's step beside PyTorch's): its --quick
 # model in fp32 and bf16 on the fake device (the times say nothing; the script's path is checked).
 if MOEC_CUDA_FAKE=1 LM_DIR=$WORK/lm bash bench/gpu_lm.sh --build --quick >"$WORK/lmb.out" 2>&1 &&

@@ -4,7 +4,8 @@
 // blockIdx, the barrier behind __syncthreads: one std::thread per CUDA thread, blocks one at a
 // time so __shared__ can be static); fake_cuda.cpp under its own (one fiber per CUDA thread,
 // switched at __syncthreads through emu_sync). gpu_check.cpp only takes their parameter types,
-// to pass each argument to the GPU with the exact type the kernel declares.
+// to pass each argument to the GPU with the exact type the kernel declares. Without MK_LIBRARY
+// only the definitions (tests/cuda/fused_host.h).
 #ifndef HOST_KERNELS_H
 #define HOST_KERNELS_H
 
@@ -35,6 +36,17 @@ static inline float __int_as_float(int i) { float f; memcpy(&f, &i, 4); return f
 static inline float __uint_as_float(unsigned i) { float f; memcpy(&f, &i, 4); return f; }
 static inline unsigned __float_as_uint(float f) { unsigned i; memcpy(&i, &f, 4); return i; }
 
+// A fused group's kernel (codegen/fused.c), generated per program: moec compiles a program's
+// fused kernels as host C++ for the fake device (tests/cuda/fused_host.h), with a table of these
+// that fake_cuda.cpp looks kernels up in after the library's. run runs the whole grid.
+struct MkFusedKernel {
+  const char *name;
+  int nptrs;   // its parameters: pointers, all of them
+  void (*run)(void **args, int grid, int block);
+};
+
+#ifdef MK_LIBRARY
 #include MK_LIBRARY
+#endif
 
 #endif

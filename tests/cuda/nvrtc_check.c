@@ -50,7 +50,7 @@ int main(int argc, char **argv) {
   }
   if (strcmp(argv[1], "--check-signatures") == 0) {
     int bad = cg_cuda_check_signatures(stderr);
-    printf("%d kernels, %d signatures differ\n", cg_cuda_kernel_count(), bad);
+    printf("%d kernels, %d signatures differ\n", cg_cuda_kernel_count(NULL), bad);
     return bad != 0;
   }
   if (strcmp(argv[1], "--print-kernel-list") == 0) {  // MK_KERNEL(name, syncs), for tests/cuda/fake_cuda.cpp

@@ -1,12 +1,15 @@
 // libFuzzer harness for the IR parser, verifier and printer: any input must give diagnostics or
 // a module, never a crash, and a module that parsed must round-trip exactly —
-// print(parse(print(m))) == print(m) — or the harness aborts so the fuzzer keeps the input.
+// print(parse(print(m))) == print(m) — or the harness aborts so the fuzzer keeps the input. A
+// module that verifies goes through the CUDA target's fuse pass first (passes/fuse.c), which
+// must leave it verifying, and its groups must round-trip too.
 #include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 
 #include "ir.h"
+#include "passes/pass.h"
 
 static FILE *devnull;
 
@@ -18,7 +21,13 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size) {
   if (!src) return 0;
   IrModule *m = ir_parse(&d, src);
   if (m) {
-    ir_verify(&d, m);
+    if (ir_verify(&d, m)) {
+      PassCtx ctx = {.d = &d, .log = devnull, .fuse = true};
+      if (pass_fuse(m, &ctx) && !ir_verify(&d, m)) {
+        fprintf(stderr, "the module does not verify after the fuse pass\n");
+        abort();
+      }
+    }
     char *first = ir_print_to_string(m);
     if (!first) abort();
     IrDiag d2;

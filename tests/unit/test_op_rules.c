@@ -39,6 +39,18 @@ static void test_every_rule_is_well_formed(void **state) {
     kernels += o->kernel[0] != 0;
   }
   printf("# %d ops: %d shape rules, %d gradient rules, %d kernel rules as data\n", IR_OP_COUNT, shapes, grads, kernels);
+  // every scalar expression (ir/scalar.def) of an op with a result, well formed
+  int scalars = 0;
+  for (int k = 0; k < IR_OP_COUNT; k++) {
+    const char *e = ir_op_scalar((IrOpKind)k);
+    char why[200] = "";
+    if (!e) continue;
+    scalars++;
+    if (ir_op_info[k].nres != 1) fail_msg("%s: a scalar expression but no result", ir_op_info[k].name);
+    if (!cg_scalar_check(e, ir_op_info[k].nargs, why, sizeof why)) fail_msg("%s: SCALAR \"%s\": %s", ir_op_info[k].name, e, why);
+  }
+  printf("# %d elementwise ops as scalar expressions\n", scalars);
+  assert_true(scalars >= 10);
   // every kernel of runtime/kernels.def has a name and at most CG_MAX_KERNEL_ARGS parameters
   for (int k = 0; k < CG_K_COUNT; k++) {
     assert_int_equal(cg_kernel_by_name(cg_kernel_name(k)), k);
@@ -65,6 +77,12 @@ static void test_malformed_rules_are_rejected(void **state) {
   expect_bad(pass_grad_rule_check("act.gelu.grad(dy, x1)", 1, true, why, sizeof why), why, "names an operand");
   expect_bad(cg_lower_rule_check("nokernel(x0) : one", 1, true, why, sizeof why), why, "no such kernel");
   expect_bad(cg_lower_rule_check("relu(x0, y) : threads n", 1, true, why, sizeof why), why, "fewer arguments");
+  expect_bad(cg_scalar_check("x0 + x2", 2, why, sizeof why), why, "the op has 2 operands");
+  expect_bad(cg_scalar_check("x0 * x1[col]", 2, why, sizeof why), why, "the index is c, r, ec or 0");
+  expect_bad(cg_scalar_check("tanhish(x0)", 1, why, sizeof why), why, "the CUDA prelude has no mk_f_tanhish");
+  expect_bad(cg_scalar_check("x0 + y", 1, why, sizeof why), why, "a name is an operand xK or a function call");
+  expect_bad(cg_scalar_check("x0 ; x0", 1, why, sizeof why), why, "is not C arithmetic");
+  assert_true(cg_scalar_check("gelu_grad(x0, x1) * x1[ec] + x0[0]", 2, why, sizeof why));
   expect_bad(cg_lower_rule_check("relu(x0, y, n, n) : threads n", 1, true, why, sizeof why), why, "more arguments");
   expect_bad(cg_lower_rule_check("relu(x1, y, n) : threads n", 1, true, why, sizeof why), why, "no such operand");
   expect_bad(cg_lower_rule_check("relu(x0, y, n)", 1, true, why, sizeof why), why, "': grid' is expected");

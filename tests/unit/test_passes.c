@@ -33,7 +33,7 @@ typedef struct Built {
   PassCtx ctx;
 } Built;
 
-static void build(Built *b, const char *text) {
+static void build_fused(Built *b, const char *text, bool fuse) {
   ir_diag_init(&b->d, stderr);
   b->src = ir_source_from_buffer("test.moe", text, strlen(text));
   FeProgram *p = fe_load(&b->d, b->src);
@@ -41,10 +41,12 @@ static void build(Built *b, const char *text) {
   b->m = fe_lower(&b->d, p, NULL);
   fe_program_free(p);
   assert_non_null(b->m);
-  b->ctx = (PassCtx){.d = &b->d};
+  b->ctx = (PassCtx){.d = &b->d, .fuse = fuse};
   assert_true(pass_run_pipeline(b->m, &b->ctx));
   assert_int_equal(b->d.errors, 0);
 }
+
+static void build(Built *b, const char *text) { build_fused(b, text, false); }
 
 static void release(Built *b) {
   pass_ctx_free(&b->ctx);
@@ -136,6 +138,60 @@ static void test_memplan_saved_activation(void **state) {
   for (int j = 0; j < bwd->nops; j++)
     for (int a = 0; a < bwd->ops[j]->nargs; a++) read_in_bwd |= bwd->ops[j]->args[a].value == scores;
   assert_true(read_in_bwd);
+  release(&b);
+}
+
+// The fuse pass (the CUDA target's): in each layer's forward the expert bias and the GELU after it
+// are one group, next to each other; the bias's result is saved for the backward (GELU's
+// gradient reads it), so it leaves the kernel, and a member result nothing outside reads gets no
+// memory. Without ctx.fuse (the CPU target, --no-fuse) nothing is marked. The memory plan of
+// the fused module still never lets live buffers share bytes (a group's inputs stay alive over
+// the whole group, its results from its start).
+static void test_fuse_groups_elementwise_chains(void **state) {
+  (void)state;
+  Built b;
+  build_fused(&b, model_text(2, 1.0, 2, 1), true);
+  check_plan(&b);
+  int groups = 0, inner = 0;
+  for (int fi = 0; fi < b.m->nfuncs; fi++) {
+    const IrFunc *f = b.m->funcs[fi];
+    for (int i = 0; i < f->nops; i++) {
+      const IrOp *op = f->ops[i];
+      int64_t id = ir_op_int(op, "fuse", -1);
+      if (id < 0) continue;
+      assert_non_null(ir_op_scalar(op->kind));
+      if (i == 0 || ir_op_int(f->ops[i - 1], "fuse", -1) != id) {   // a group's first op
+        groups++;
+        assert_true(i + 1 < f->nops && ir_op_int(f->ops[i + 1], "fuse", -1) == id);   // two ops at least
+        for (int j = i + 2; j < f->nops; j++)   // members are consecutive: the id does not come back
+          if (ir_op_int(f->ops[j - 1], "fuse", -1) != id) assert_int_not_equal(ir_op_int(f->ops[j], "fuse", -1), id);
+      }
+      if (ir_op_int(op, "inner", 0)) {
+        inner++;
+        assert_int_equal(b.ctx.memplan->slot[fi][op->result->id].kind, PASS_MEM_NONE);
+      }
+    }
+  }
+  IrFunc *fwd = ir_find_func(b.m, "a0.fwd");
+  IrValue *hb = NULL, *act = NULL;
+  for (int i = 0; i < fwd->nops; i++) {
+    if (fwd->ops[i]->kind == IR_OP_EXPERT_BIAS && !hb) hb = fwd->ops[i]->result;
+    if (fwd->ops[i]->kind == IR_OP_ACT_GELU) act = fwd->ops[i]->result;
+  }
+  assert_non_null(hb);
+  assert_non_null(act);
+  assert_int_equal(act->def->index, hb->def->index + 1);
+  assert_int_not_equal(ir_op_int(hb->def, "fuse", -1), -1);
+  assert_int_equal(ir_op_int(hb->def, "fuse", -1), ir_op_int(act->def, "fuse", -2));
+  assert_int_equal(ir_op_int(hb->def, "inner", 0), 0);   // the backward reads it
+  assert_int_equal(b.ctx.memplan->slot[fwd->index][hb->id].kind, PASS_MEM_ARENA);
+  assert_true(groups >= 2);
+  printf("# fuse: %d groups, %d results in registers only\n", groups, inner);
+  release(&b);
+
+  build_fused(&b, model_text(2, 1.0, 2, 1), false);
+  for (int fi = 0; fi < b.m->nfuncs; fi++)
+    for (int i = 0; i < b.m->funcs[fi]->nops; i++) assert_int_equal(ir_op_int(b.m->funcs[fi]->ops[i], "fuse", -1), -1);
   release(&b);
 }
 
@@ -303,6 +359,7 @@ int main(void) {
       cmocka_unit_test(test_memplan_no_overlap),
       cmocka_unit_test(test_memplan_saved_activation),
       cmocka_unit_test(test_pipeline_stop_after),
+      cmocka_unit_test(test_fuse_groups_elementwise_chains),
       cmocka_unit_test(test_lower_bf16_by_target),
       cmocka_unit_test(test_capacity_whole_stays_whole),
       cmocka_unit_test(test_stack_prices_design_workloads),

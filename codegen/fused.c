@@ -1,0 +1,186 @@
+// The kernels of fused groups (passes/fuse.c), generated from the members' scalar expressions
+// (ir/scalar.def).
+//
+// A group is a run of consecutive ops with one `fuse` attribute. Its kernel takes pointers only:
+// first the distinct operands the members read from outside the group (values and parameters,
+// in the order the members first read them), then the result of each member that leaves the
+// kernel (members without `inner=1`). One grid-stride loop over the elements (all members have
+// results of the same number of elements) computes each member's element in program order into
+// a register, `float vJ = EXPR;`, and stores the results that leave; shapes are literals. An
+// operand another member made is that member's register; one from outside is loaded at the
+// index its expression says (the element, its column, row, expert and column, or element 0).
+// The elementwise functions are the prelude's mk_f_NAME, which the ops' own kernels call as
+// well, so each element gets the float operations of the op-by-op program, in its order.
+//
+// Groups with the same kernel text (the same chain at the same shapes, as in every layer of a
+// stack) share one kernel.
+#include <inttypes.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "cg_internal.h"
+
+int cg_fused_members(const IrFunc *f, int i) {
+  const IrOp *op = f->ops[i];
+  int64_t id = ir_op_int(op, "fuse", -1);
+  if (id < 0) return 0;
+  int n = 1;
+  while (i + n < f->nops && ir_op_int(f->ops[i + n], "fuse", -1) == id) n++;
+  return n;
+}
+
+// The member (offset from the group's first op) that makes value v, or -1.
+static int member_making(const IrFunc *f, int i, int n, const IrValue *v) {
+  if (!v || !v->def || v->func != f) return -1;
+  int at = v->def->index - i;
+  return at >= 0 && at < n ? at : -1;
+}
+
+static bool same_operand(const IrOperand *a, const IrOperand *b) { return a->value == b->value && a->param == b->param; }
+
+// The load of external pointer p for operand mode `mode` ("", "c", "r", "ec", "0") of a member
+// with result type rt.
+static void load(FILE *out, int p, const char *mode, const IrType *rt) {
+  int64_t cols = rt->rank ? rt->dim[rt->rank - 1] : 1, mid = rt->rank >= 2 ? rt->dim[rt->rank - 2] : 1;
+  if (!*mode) fprintf(out, "a%d[i]", p);
+  else if (strcmp(mode, "c") == 0) fprintf(out, "a%d[i %% %" PRId64 "]", p, cols);
+  else if (strcmp(mode, "r") == 0) fprintf(out, "a%d[i / %" PRId64 "]", p, cols);
+  else if (strcmp(mode, "0") == 0) fprintf(out, "a%d[0]", p);
+  else if (strcmp(mode, "ec") == 0)
+    fprintf(out, "a%d[i / %" PRId64 " * %" PRId64 " + i %% %" PRId64 "]", p, mid * cols, cols, cols);
+  else UNREACHABLE();   // tests/unit checks every row of ir/scalar.def
+}
+
+// The expression of member j (op) in CUDA: operands become registers or loads, functions the
+// prelude's mk_f_NAME.
+static void expression(FILE *out, const IrFunc *f, int i, int n, const IrOp *op, const IrOperand *const *in, int nin) {
+  const char *e = ir_op_scalar(op->kind);
+  while (*e) {
+    if (e[0] == 'x' && e[1] >= '0' && e[1] <= '9') {
+      int k = (int)strtol(e + 1, (char **)&e, 10);
+      char mode[4] = "";
+      if (*e == '[') {
+        size_t len = strcspn(e + 1, "]");
+        snprintf(mode, sizeof mode, "%.*s", (int)len, e + 1);
+        e += len + 2;
+      }
+      int made = member_making(f, i, n, op->args[k].value);
+      if (made >= 0) {   // another member's register (its numel is the group's: every mode is the element)
+        fprintf(out, "v%d", made);
+        continue;
+      }
+      int p = 0;
+      while (p < nin && !same_operand(in[p], &op->args[k])) p++;
+      load(out, p, mode, &op->result->type);
+    } else if ((*e >= 'a' && *e <= 'z') || *e == '_') {
+      size_t len = strspn(e, "abcdefghijklmnopqrstuvwxyz_0123456789");
+      fprintf(out, "%s%.*s", e[len] == '(' ? "mk_f_" : "", (int)len, e);
+      e += len;
+    } else {
+      fputc(*e++, out);
+    }
+  }
+}
+
+bool cg_scalar_check(const char *expr, int nargs, char *why, size_t size) {
+  static const char *const modes[] = {"", "c", "r", "ec", "0"};
+  why[0] = '\0';
+  for (const char *e = expr; *e;) {
+    if (e[0] == 'x' && e[1] >= '0' && e[1] <= '9') {
+      int k = (int)strtol(e + 1, (char **)&e, 10);
+      if (k >= nargs) return snprintf(why, size, "x%d: the op has %d operands", k, nargs), false;
+      if (*e != '[') continue;
+      size_t len = strcspn(e + 1, "]");
+      bool known = false;
+      for (size_t m = 1; m < sizeof modes / sizeof *modes && !known; m++)
+        known = strlen(modes[m]) == len && strncmp(modes[m], e + 1, len) == 0;
+      if (!known || e[1 + len] != ']') return snprintf(why, size, "x%d[%.*s]: the index is c, r, ec or 0", k, (int)len, e + 1), false;
+      e += len + 2;
+    } else if ((*e >= 'a' && *e <= 'z') || *e == '_') {
+      size_t len = strspn(e, "abcdefghijklmnopqrstuvwxyz_0123456789");
+      char fn[64];
+      snprintf(fn, sizeof fn, "mk_f_%.*s(", (int)len, e);
+      if (e[len] != '(') return snprintf(why, size, "'%.*s': a name is an operand xK or a function call", (int)len, e), false;
+      if (!strstr(cg_cuda_prelude(), fn)) return snprintf(why, size, "%.*s(): the CUDA prelude has no mk_f_%.*s", (int)len, e, (int)len, e), false;
+      e += len;
+    } else if (strchr(" +-*/()?:<>=!.,0123456789", *e)) {
+      e++;
+    } else {
+      return snprintf(why, size, "'%c' is not C arithmetic", *e), false;
+    }
+  }
+  return true;
+}
+
+bool cg_lower_fused(IrDiag *d, CgLaunches *ls, const IrFunc *f, int i, CgLaunch *l) {
+  int n = cg_fused_members(f, i);
+  memset(l, 0, sizeof *l);
+  l->nops = n;
+  // The pointers: outside operands in first-read order, then the results that leave.
+  const IrOperand *in[CG_MAX_KERNEL_ARGS];
+  int nin = 0, nout = 0, in_op[CG_MAX_KERNEL_ARGS], in_arg[CG_MAX_KERNEL_ARGS], out_op[CG_MAX_KERNEL_ARGS];
+  for (int j = 0; j < n; j++) {
+    const IrOp *op = f->ops[i + j];
+    for (int a = 0; a < op->nargs; a++) {
+      if (member_making(f, i, n, op->args[a].value) >= 0) continue;
+      bool seen = false;
+      for (int p = 0; p < nin && !seen; p++) seen = same_operand(in[p], &op->args[a]);
+      if (seen) continue;
+      if (nin + nout >= CG_MAX_KERNEL_ARGS) return ir_internal_at(d, op->loc, "a fused group has more than %d pointers", CG_MAX_KERNEL_ARGS);
+      in_op[nin] = j, in_arg[nin] = a, in[nin++] = &op->args[a];
+    }
+    if (!ir_op_int(op, "inner", 0)) out_op[nout++] = j;
+  }
+  if (nin + nout > CG_MAX_KERNEL_ARGS) return ir_internal_at(d, f->ops[i]->loc, "a fused group has more than %d pointers", CG_MAX_KERNEL_ARGS);
+  int64_t numel = ir_type_numel(&f->ops[i]->result->type);
+
+  struct {
+    char *s;
+    size_t n;
+    FILE *f;
+  } t = {0};   // the kernel's text after its name
+  if (!(t.f = open_memstream(&t.s, &t.n))) return ir_oom(d);
+  fprintf(t.f, "(");
+  for (int p = 0; p < nin; p++) fprintf(t.f, "%sconst float *a%d", p ? ", " : "", p);
+  for (int p = 0; p < nout; p++) fprintf(t.f, "%sfloat *o%d", nin + p ? ", " : "", p);
+  fprintf(t.f, ") {\n  MK_FOR(i, %" PRId64 ") {\n", numel);
+  for (int j = 0, p = 0; j < n; j++) {
+    const IrOp *op = f->ops[i + j];
+    fprintf(t.f, "    const float v%d = ", j);
+    expression(t.f, f, i, n, op, in, nin);
+    fprintf(t.f, ";   // %s\n", ir_op_info[op->kind].name);
+    if (p < nout && out_op[p] == j) fprintf(t.f, "    o%d[i] = v%d;\n", p++, j);
+  }
+  fprintf(t.f, "  }\n}\n");
+  if (fclose(t.f) != 0) {
+    free(t.s);
+    return ir_oom(d);
+  }
+  int g = 0;
+  while (g < ls->ngen && strcmp(ls->gen[g].source, t.s) != 0) g++;
+  if (g < ls->ngen) {
+    free(t.s);
+  } else {
+    CgGenKernel *gen = realloc(ls->gen, (size_t)(ls->ngen + 1) * sizeof *gen);
+    if (!gen) {
+      free(t.s);
+      return ir_oom(d);
+    }
+    ls->gen = gen;
+    CgGenKernel *k = &ls->gen[ls->ngen++];
+    memset(k, 0, sizeof *k);
+    snprintf(k->name, sizeof k->name, "mk_fuse_%d", g);
+    k->source = t.s;
+    k->nparams = nin + nout;
+    size_t used = 0;
+    for (int j = 0; j < n && used < sizeof k->ops; j++)
+      used += (size_t)snprintf(k->ops + used, sizeof k->ops - used, "%s%s", j ? " + " : "", ir_op_info[f->ops[i + j]->kind].name);
+  }
+  CgKernelCall *c = &l->call[l->ncalls++];
+  c->kernel = CG_K_COUNT + g;
+  c->grid = cg_cuda_grid_elems(numel);
+  for (int p = 0; p < nin; p++) c->args[c->nargs++] = (CgArg){.kind = CG_ARG_OPERAND, .index = in_arg[p], .i = in_op[p]};
+  for (int p = 0; p < nout; p++) c->args[c->nargs++] = (CgArg){.kind = CG_ARG_RESULT, .index = out_op[p]};
+  snprintf(l->note, sizeof l->note, "%d ops fused", n);
+  return true;
+}

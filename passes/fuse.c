@@ -1,0 +1,193 @@
+// The `fuse` pass: elementwise ops grouped into fused kernels (the CUDA target's; the CPU program
+// runs its ops one by one and the pass leaves its modules alone).
+//
+// An elementwise op is one with a scalar expression in ir/scalar.def (bias, add, mul, the
+// activations and their gradients, a norm's scale, a per-row scale, reshape, the division by a
+// scalar, expert biases, the sigmoid gate's elementwise parts). Within a function, ops of that
+// kind with results of the same number of elements join a group when
+//   - one reads the result of another (a chain: bias then GELU, a scale then a bias, a residual
+//     add after a bias), or they are independent (three biases of q, k and v: one kernel);
+//   - every op from the group's first to its last runs on one stream, and none of them waits
+//     for or records an event (a group never crosses one);
+//   - no op outside the group between its first and its last member reads a member's result:
+//     the group runs where its last member is, so such an op would run before its input exists;
+//   - the kernel has at most 16 pointers (its inputs from outside the group and the members'
+//     results), and the group spans at most 48 ops (so that it moves no op far: a moved op keeps
+//     its inputs alive longer).
+// Ops join greedily in program order: an op goes into the group that produced one of its
+// operands if it can, else into the latest group of its size on its stream it can join, else it
+// starts one. Groups of one op are left as they were.
+//
+// What the pass changes: the members of a group move to just before its last member, keeping
+// their order (nothing between read them, so the program computes the same values), and each
+// member gets the attribute `fuse=G` (G numbers the module's groups from 0). A member whose
+// result is read by no op outside its group (of any function: a backward reads saved forward
+// values) and is not returned also gets `inner=1`: the value lives only in the fused kernel's
+// registers, and memplan gives it no memory. codegen/fused.c generates each group's kernel
+// from the members' scalar expressions, in their order, so every element gets the float
+// operations of the ops' own kernels: fused and `moec build --no-fuse` (which skips this pass)
+// compute the same bits.
+#include <stdlib.h>
+#include <string.h>
+
+#include "pass.h"
+
+enum { MAX_MEMBERS = 16, MAX_POINTERS = 16, MAX_SPAN = 48 };
+
+typedef struct Group {
+  int member[MAX_MEMBERS];   // op indices, in program order
+  int n;
+  int64_t numel;
+  IrStream stream;
+} Group;
+
+static IrStream stream_of(const IrOp *op) { return op->stream == IR_STREAM_NONE ? IR_STREAM_COMPUTE : op->stream; }
+
+static bool is_f32(const IrType *t) { return t->dtype == IR_F32; }
+
+// Whether op can be a member: it has a scalar expression, f32 operands and result, no event
+// recorded or waited for, and it does not feed gate.topk (the gate's softmax or sigmoid, top-k
+// and gather are one kernel of their own: codegen/lower.c).
+static bool candidate(const IrFunc *f, const IrOp *op) {
+  if (!ir_op_scalar(op->kind) || !op->result || !is_f32(&op->result->type)) return false;
+  if (op->nwaits > 0 || op->event >= 0) return false;
+  for (int a = 0; a < op->nargs; a++) {
+    const IrOperand *x = &op->args[a];
+    if (!is_f32(x->param ? &x->param->type : &x->value->type)) return false;
+  }
+  for (int i = op->index + 1; i < f->nops; i++)
+    if (f->ops[i]->kind == IR_OP_GATE_TOPK && f->ops[i]->args[0].value == op->result) return false;
+  return true;
+}
+
+static bool member_of(const Group *g, int i) {
+  for (int k = 0; k < g->n; k++)
+    if (g->member[k] == i) return true;
+  return false;
+}
+
+// Whether operand x of a member reads the result of a member of g.
+static bool reads_member(const IrFunc *f, const Group *g, const IrOperand *x) {
+  return x->value && x->value->def && x->value->func == f && member_of(g, x->value->def->index);
+}
+
+// Whether g with op b added (b after every member) satisfies the rules of the file comment.
+static bool can_join(const IrFunc *f, const Group *g, int b) {
+  const IrOp *ob = f->ops[b];
+  if (g->n >= MAX_MEMBERS || b - g->member[0] > MAX_SPAN || stream_of(ob) != g->stream ||
+      ir_type_numel(&ob->result->type) != g->numel)
+    return false;
+  Group t = *g;
+  t.member[t.n++] = b;
+  for (int p = t.member[0]; p <= b; p++) {
+    const IrOp *op = f->ops[p];
+    if (stream_of(op) != t.stream || op->nwaits > 0 || op->event >= 0) return false;
+    if (member_of(&t, p)) continue;
+    for (int a = 0; a < op->nargs; a++)
+      if (reads_member(f, &t, &op->args[a])) return false;
+  }
+  // The kernel's pointers: the members' results and their distinct operands from outside.
+  const IrOperand *outside[MAX_MEMBERS * IR_MAX_ARGS];
+  int nout = 0;
+  for (int k = 0; k < t.n; k++) {
+    const IrOp *op = f->ops[t.member[k]];
+    for (int a = 0; a < op->nargs; a++) {
+      const IrOperand *x = &op->args[a];
+      if (reads_member(f, &t, x)) continue;
+      bool seen = false;
+      for (int j = 0; j < nout && !seen; j++) seen = outside[j]->value == x->value && outside[j]->param == x->param;
+      if (!seen) outside[nout++] = x;
+    }
+  }
+  return t.n + nout <= MAX_POINTERS;
+}
+
+// Whether value v of f is read outside group g (by an op of f that is no member, by another
+// function) or returned.
+static bool read_outside(const IrModule *m, const IrFunc *f, const Group *g, const IrValue *v) {
+  for (int r = 0; r < f->nrets; r++)
+    if (f->rets[r] == v) return true;
+  for (int fi = 0; fi < m->nfuncs; fi++) {
+    const IrFunc *h = m->funcs[fi];
+    if (h != f && h->saves != f) continue;
+    for (int i = 0; i < h->nops; i++)
+      for (int a = 0; a < h->ops[i]->nargs; a++)
+        if (h->ops[i]->args[a].value == v && (h != f || !member_of(g, i))) return true;
+  }
+  return false;
+}
+
+// Groups the candidates of f; the groups of two or more ops get attributes (starting at *next_id)
+// and their members move before their last. Returns false when out of memory.
+static bool fuse_func(IrModule *m, IrFunc *f, PassCtx *ctx, int *next_id, int *nfused, int *ninner) {
+  if (f->nops < 2) return true;
+  Group *groups = calloc((size_t)f->nops, sizeof *groups);
+  int *group_of = malloc((size_t)f->nops * sizeof *group_of);
+  IrOp **order = malloc((size_t)f->nops * sizeof *order);
+  if (!groups || !group_of || !order) {
+    free(groups), free(group_of), free(order);
+    return ir_oom(ctx->d);
+  }
+  int ngroups = 0;
+  for (int b = 0; b < f->nops; b++) {
+    group_of[b] = -1;
+    IrOp *op = f->ops[b];
+    if (!candidate(f, op)) continue;
+    int join = -1;
+    for (int a = 0; a < op->nargs && join < 0; a++) {   // the group of an operand's producer
+      const IrValue *v = op->args[a].value;
+      if (v && v->def && v->func == f && group_of[v->def->index] >= 0 && can_join(f, &groups[group_of[v->def->index]], b))
+        join = group_of[v->def->index];
+    }
+    for (int g = ngroups - 1; g >= 0 && join < 0; g--)   // else the latest it can join
+      if (can_join(f, &groups[g], b)) join = g;
+    if (join < 0) {
+      join = ngroups++;
+      groups[join] = (Group){.numel = ir_type_numel(&op->result->type), .stream = stream_of(op)};
+    }
+    groups[join].member[groups[join].n++] = b;
+    group_of[b] = join;
+  }
+  // Attributes, then the new order: a member of a group of two or more waits for its last.
+  for (int g = 0; g < ngroups; g++) {
+    Group *gr = &groups[g];
+    if (gr->n < 2) continue;
+    int id = (*next_id)++;
+    (*nfused) += gr->n;
+    for (int k = 0; k < gr->n; k++) {
+      IrOp *op = f->ops[gr->member[k]];
+      ir_op_set_int(op, "fuse", id);
+      if (!read_outside(m, f, gr, op->result)) {
+        ir_op_set_int(op, "inner", 1);
+        (*ninner)++;
+      }
+    }
+  }
+  int n = 0;
+  for (int i = 0; i < f->nops; i++) {
+    int g = group_of[i];
+    if (g < 0 || groups[g].n < 2) {
+      order[n++] = f->ops[i];
+    } else if (groups[g].member[groups[g].n - 1] == i) {
+      for (int k = 0; k < groups[g].n; k++) order[n++] = f->ops[groups[g].member[k]];
+    }
+  }
+  for (int i = 0; i < n; i++) {
+    f->ops[i] = order[i];
+    f->ops[i]->index = i;
+  }
+  free(groups), free(group_of), free(order);
+  return true;
+}
+
+bool pass_fuse(IrModule *m, PassCtx *ctx) {
+  if (!ctx->fuse) return true;
+  int next_id = 0, nfused = 0, ninner = 0;
+  for (int fi = 0; fi < m->nfuncs; fi++)
+    if (!fuse_func(m, m->funcs[fi], ctx, &next_id, &nfused, &ninner)) return false;
+  if (ctx->verbose)
+    fprintf(ctx->log ? ctx->log : stderr,
+            "# fuse: %d elementwise ops in %d fused kernels; %d of their results never leave the kernel\n", nfused,
+            next_id, ninner);
+  return true;
+}

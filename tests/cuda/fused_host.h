@@ -1,0 +1,37 @@
+// The fused kernels of one CUDA program as host C++ for the fake device (tests/cuda/fake_cuda.cpp).
+// Under MOEC_CUDA_FAKE=1 moec writes PROGRAM.fused.cpp (codegen/emit_cuda.c's
+// cg_emit_cuda_fused_host): this header, the kernel prelude and the program's fused kernels in
+// an unnamed namespace (the prelude's helpers are also in the fake device's library), then the
+// table mk_fused_kernels[mk_fused_count] of MkFusedKernel; its link step compiles it into the
+// program (codegen/target_cuda.c). The fake device finds a kernel there when the library has
+// none of its name, and runs its blocks and threads one after the other (fused kernels have no
+// barrier).
+#ifndef FUSED_HOST_H
+#define FUSED_HOST_H
+
+#include <cstring>
+
+#include "host_kernels.h"
+
+#define MK_FUSED static
+
+// The pointer the launch's argument holds.
+static inline float *mk_ptr(void *arg) {
+  float *p;
+  memcpy(&p, arg, sizeof p);
+  return p;
+}
+
+// Runs body (one thread of the kernel) for every thread of every block.
+template <class F> static void mk_fused_grid(F body, int grid, int block) {
+  gridDim.x = (unsigned)grid;
+  blockDim.x = (unsigned)block;
+  for (int b = 0; b < grid; b++)
+    for (int t = 0; t < block; t++) {
+      blockIdx.x = (unsigned)b;
+      threadIdx.x = (unsigned)t;
+      body();
+    }
+}
+
+#endif
