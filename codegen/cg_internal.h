@@ -156,6 +156,7 @@ typedef struct CgGenKernel {
   char ops[96];       // "bias + act.gelu": its members' ops, for comments
   char *source;       // "(params) {body}": the kernel after `extern "C" __global__ void NAME`
   int nparams;
+  bool syncs;         // it calls __syncthreads (a group with a row-wise op: one block a row)
 } CgGenKernel;
 typedef struct CgLaunches {
   CgFuncLaunches *fn;
@@ -234,5 +235,6 @@ bool cg_bf16_gemms(const IrModule *m);
 // The cast kernel (mk_compress_bf16: const float *x, u16 *q, i64 n) and its grid for n elements.
 int cg_cuda_bf16_cast_kernel(void);
 int64_t cg_cuda_grid_elems(int64_t n);
+int64_t cg_cuda_grid_blocks(int64_t n);   // one block per item
 
 #endif

@@ -375,11 +375,11 @@ bool cg_emit_cuda_fused_host(IrDiag *d, FILE *out, const IrModule *m, const Pass
   fprintf(out, "}  // namespace\n\nextern \"C\" const MkFusedKernel mk_fused_kernels[] = {\n");
   for (int g = 0; g < ls->ngen; g++) {
     const CgGenKernel *k = &ls->gen[g];
-    fprintf(out, "    {\"%s\", %d, [](void **a, int grid, int block) { mk_fused_grid([&] { %s(", k->name, k->nparams, k->name);
+    fprintf(out, "    {\"%s\", %d, %s, [](void **a) { %s(", k->name, k->nparams, k->syncs ? "true" : "false", k->name);
     for (int p = 0; p < k->nparams; p++) fprintf(out, "%smk_ptr(a[%d])", p ? ", " : "", p);
-    fprintf(out, "); }, grid, block); }},\n");
+    fprintf(out, "); }},\n");
   }
-  fprintf(out, "    {nullptr, 0, nullptr}};\nextern \"C\" const int mk_fused_count = %d;\n", ls->ngen);
+  fprintf(out, "    {nullptr, 0, false, nullptr}};\nextern \"C\" const int mk_fused_count = %d;\n", ls->ngen);
   cg_launches_free(ls);
   return true;
 }

@@ -112,6 +112,20 @@ bool cg_scalar_check(const char *expr, int nargs, char *why, size_t size) {
   return true;
 }
 
+// Members lo .. hi - 1 of the group at op i: each element into a register, and the results that
+// leave (out_op[0 .. nout - 1]: member numbers) stored.
+static void members(FILE *out, const IrFunc *f, int i, int n, int lo, int hi, const IrOperand *const *in, int nin,
+                    const int *out_op, int nout, const char *indent) {
+  for (int j = lo; j < hi; j++) {
+    const IrOp *op = f->ops[i + j];
+    fprintf(out, "%sconst float v%d = ", indent, j);
+    expression(out, f, i, n, op, in, nin);
+    fprintf(out, ";   // %s\n", ir_op_info[op->kind].name);
+    for (int p = 0; p < nout; p++)
+      if (out_op[p] == j) fprintf(out, "%so%d[i] = v%d;\n", indent, p, j);
+  }
+}
+
 bool cg_lower_fused(IrDiag *d, CgLaunches *ls, const IrFunc *f, int i, CgLaunch *l) {
   int n = cg_fused_members(f, i);
   memset(l, 0, sizeof *l);
@@ -140,18 +154,40 @@ bool cg_lower_fused(IrDiag *d, CgLaunches *ls, const IrFunc *f, int i, CgLaunch 
     FILE *f;
   } t = {0};   // the kernel's text after its name
   if (!(t.f = open_memstream(&t.s, &t.n))) return ir_oom(d);
+  int row = -1;   // the member that is a row-wise op
+  for (int j = 0; j < n; j++)
+    if (ir_op_row(f->ops[i + j]->kind)) row = j;
+  const IrType *rt = &f->ops[i + (row >= 0 ? row : 0)]->result->type;
+  int64_t cols = rt->rank ? rt->dim[rt->rank - 1] : 1;
   fprintf(t.f, "(");
   for (int p = 0; p < nin; p++) fprintf(t.f, "%sconst float *a%d", p ? ", " : "", p);
   for (int p = 0; p < nout; p++) fprintf(t.f, "%sfloat *o%d", nin + p ? ", " : "", p);
-  fprintf(t.f, ") {\n  MK_FOR(i, %" PRId64 ") {\n", numel);
-  for (int j = 0, p = 0; j < n; j++) {
-    const IrOp *op = f->ops[i + j];
-    fprintf(t.f, "    const float v%d = ", j);
-    expression(t.f, f, i, n, op, in, nin);
-    fprintf(t.f, ";   // %s\n", ir_op_info[op->kind].name);
-    if (p < nout && out_op[p] == j) fprintf(t.f, "    o%d[i] = v%d;\n", p++, j);
+  if (row < 0) {
+    fprintf(t.f, ") {\n  MK_FOR(i, %" PRId64 ") {\n", numel);
+    members(t.f, f, i, n, 0, n, in, nin, out_op, nout, "    ");
+    fprintf(t.f, "  }\n}\n");
+  } else {   // one block a row: the prologue in each loader, the epilogue in the storer
+    const IrOp *r = f->ops[i + row];
+    fprintf(t.f, ") {\n  MK_FOR_BLOCKS(row, %" PRId64 ") {\n    mk_%s_row(", numel / cols, ir_op_row(r->kind));
+    for (int a = 0; a < r->nargs; a++) {
+      fprintf(t.f, "\n        [&](int c) {\n          const i64 i = row * %" PRId64 " + c;\n", cols);
+      members(t.f, f, i, n, 0, row, in, nin, out_op, 0, "          ");
+      int made = member_making(f, i, n, r->args[a].value), p = 0;
+      if (made >= 0) {
+        fprintf(t.f, "          return v%d;\n        },", made);
+        continue;
+      }
+      while (p < nin && !same_operand(in[p], &r->args[a])) p++;
+      fprintf(t.f, "          return a%d[i];\n        },", p);
+    }
+    fprintf(t.f, "\n        [&](int c, float v) {\n          const i64 i = row * %" PRId64 " + c;\n          const float v%d = v;   // %s\n",
+            cols, row, ir_op_info[r->kind].name);
+    int p = 0;
+    while (p < nout && out_op[p] < row) p++;
+    if (p < nout && out_op[p] == row) fprintf(t.f, "          o%d[i] = v%d;\n", p++, row);
+    members(t.f, f, i, n, row + 1, n, in, nin, out_op, nout, "          ");
+    fprintf(t.f, "        },\n        %" PRId64 ", (float)%.17g);\n  }\n}\n", cols, ir_op_float(r, "eps", 0));
   }
-  fprintf(t.f, "  }\n}\n");
   if (fclose(t.f) != 0) {
     free(t.s);
     return ir_oom(d);
@@ -172,13 +208,14 @@ bool cg_lower_fused(IrDiag *d, CgLaunches *ls, const IrFunc *f, int i, CgLaunch 
     snprintf(k->name, sizeof k->name, "mk_fuse_%d", g);
     k->source = t.s;
     k->nparams = nin + nout;
+    k->syncs = row >= 0;
     size_t used = 0;
     for (int j = 0; j < n && used < sizeof k->ops; j++)
       used += (size_t)snprintf(k->ops + used, sizeof k->ops - used, "%s%s", j ? " + " : "", ir_op_info[f->ops[i + j]->kind].name);
   }
   CgKernelCall *c = &l->call[l->ncalls++];
   c->kernel = CG_K_COUNT + g;
-  c->grid = cg_cuda_grid_elems(numel);
+  c->grid = row >= 0 ? cg_cuda_grid_blocks(numel / cols) : cg_cuda_grid_elems(numel);
   for (int p = 0; p < nin; p++) c->args[c->nargs++] = (CgArg){.kind = CG_ARG_OPERAND, .index = in_arg[p], .i = in_op[p]};
   for (int p = 0; p < nout; p++) c->args[c->nargs++] = (CgArg){.kind = CG_ARG_RESULT, .index = out_op[p]};
   snprintf(l->note, sizeof l->note, "%d ops fused", n);

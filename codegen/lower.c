@@ -624,6 +624,7 @@ void cg_launches_free(CgLaunches *ls) {
 #undef INTS
 
 int64_t cg_cuda_grid_elems(int64_t n) { return grid_elems(n); }
+int64_t cg_cuda_grid_blocks(int64_t n) { return grid_blocks(n); }
 
 int64_t cg_cuda_column_tiles(int64_t blocks, int64_t cols) {
   int64_t wide = blocks * ((cols + 31) / 32);

@@ -75,6 +75,9 @@ int64_t ir_capacity_slots(int64_t k, double f, int64_t tokens, int64_t experts);
 // The element of op k's result as a scalar expression (ir/scalar.def: the elementwise ops the
 // fuse pass groups and the CUDA target generates kernels for), or NULL.
 const char *ir_op_scalar(IrOpKind k);
+// The one-row device function of row-wise op k that a fused kernel can hold (ir/scalar.def's
+// IR_ROW: "layernorm" for mk_layernorm_row), or NULL.
+const char *ir_op_row(IrOpKind k);
 // IR_OP_COUNT when name is not an op.
 IrOpKind ir_op_by_name(const char *name);
 

@@ -22,6 +22,17 @@ static const char *const op_scalar[IR_OP_COUNT] = {
 
 const char *ir_op_scalar(IrOpKind k) { return k >= 0 && k < IR_OP_COUNT ? op_scalar[k] : NULL; }
 
+// The row-wise ops of ir/scalar.def a fused kernel can hold: their one-row function.
+static const char *const op_row[IR_OP_COUNT] = {
+#define IR_SCALAR(E, EXPR)
+#define IR_ROW(E, FUNCTION) [IR_OP_##E] = FUNCTION,
+#include "scalar.def"
+#undef IR_ROW
+#undef IR_SCALAR
+};
+
+const char *ir_op_row(IrOpKind k) { return k >= 0 && k < IR_OP_COUNT ? op_row[k] : NULL; }
+
 int64_t ir_capacity_slots(int64_t k, double f, int64_t tokens, int64_t experts) {
   int64_t t = (int64_t)ceil((double)k * f * (double)tokens / (double)experts - 1e-9);
   return t < 1 ? 1 : t;

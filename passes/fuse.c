@@ -3,14 +3,19 @@
 //
 // An elementwise op is one with a scalar expression in ir/scalar.def (bias, add, mul, the
 // activations and their gradients, a norm's scale, a per-row scale, reshape, the division by a
-// scalar, expert biases, the sigmoid gate's elementwise parts). Within a function, ops of that
-// kind with results of the same number of elements join a group when
+// scalar, expert biases, the sigmoid gate's elementwise parts); a row-wise op one with a row
+// function there (RMSNorm, LayerNorm and their gradients). Within a function, ops of these
+// kinds with results of the same number of elements join a group when
 //   - one reads the result of another (a chain: bias then GELU, a scale then a bias, a residual
 //     add after a bias), or they are independent (three biases of q, k and v: one kernel);
 //   - every op from the group's first to its last runs on one stream, and none of them waits
 //     for or records an event (a group never crosses one);
 //   - no op outside the group between its first and its last member reads a member's result:
 //     the group runs where its last member is, so such an op would run before its input exists;
+//   - a group holds at most one row-wise op, and then every member has its result's shape; the
+//     members before it (its prologue, computed where it loads its operands) are read by no op
+//     outside the group, and the members after it (its epilogue, computed where it stores its
+//     result) read no prologue value;
 //   - the kernel has at most 16 pointers (its inputs from outside the group and the members'
 //     results), and the group spans at most 48 ops (so that it moves no op far: a moved op keeps
 //     its inputs alive longer).
@@ -37,6 +42,7 @@ enum { MAX_MEMBERS = 16, MAX_POINTERS = 16, MAX_SPAN = 48 };
 typedef struct Group {
   int member[MAX_MEMBERS];   // op indices, in program order
   int n;
+  int row;                   // the member that is a row-wise op (ir_op_row), -1 none
   int64_t numel;
   IrStream stream;
 } Group;
@@ -49,7 +55,7 @@ static bool is_f32(const IrType *t) { return t->dtype == IR_F32; }
 // recorded or waited for, and it does not feed gate.topk (the gate's softmax or sigmoid, top-k
 // and gather are one kernel of their own: codegen/lower.c).
 static bool candidate(const IrFunc *f, const IrOp *op) {
-  if (!ir_op_scalar(op->kind) || !op->result || !is_f32(&op->result->type)) return false;
+  if ((!ir_op_scalar(op->kind) && !ir_op_row(op->kind)) || !op->result || !is_f32(&op->result->type)) return false;
   if (op->nwaits > 0 || op->event >= 0) return false;
   for (int a = 0; a < op->nargs; a++) {
     const IrOperand *x = &op->args[a];
@@ -71,9 +77,42 @@ static bool reads_member(const IrFunc *f, const Group *g, const IrOperand *x) {
   return x->value && x->value->def && x->value->func == f && member_of(g, x->value->def->index);
 }
 
+// Whether value v of f is read outside group g (by an op of f that is no member, by another
+// function) or returned.
+static bool read_outside(const IrModule *m, const IrFunc *f, const Group *g, const IrValue *v) {
+  for (int r = 0; r < f->nrets; r++)
+    if (f->rets[r] == v) return true;
+  for (int fi = 0; fi < m->nfuncs; fi++) {
+    const IrFunc *h = m->funcs[fi];
+    if (h != f && h->saves != f) continue;
+    for (int i = 0; i < h->nops; i++)
+      for (int a = 0; a < h->ops[i]->nargs; a++)
+        if (h->ops[i]->args[a].value == v && (h != f || !member_of(g, i))) return true;
+  }
+  return false;
+}
+
 // Whether g with op b added (b after every member) satisfies the rules of the file comment.
-static bool can_join(const IrFunc *f, const Group *g, int b) {
+static bool can_join(const IrModule *m, const IrFunc *f, const Group *g, int b) {
   const IrOp *ob = f->ops[b];
+  bool row = ir_op_row(ob->kind) != NULL;
+  if (row && g->row >= 0) return false;   // one row-wise op a kernel
+  if (row || g->row >= 0) {   // a norm's kernel: every member of its shape, the prologue its own
+    const IrType *rt = &f->ops[row ? b : g->member[g->row]]->result->type;
+    if (!ir_type_equal(&ob->result->type, rt) || rt->rank < 1) return false;
+    for (int k = 0; k < g->n; k++) {
+      const IrOp *op = f->ops[g->member[k]];
+      if (!ir_type_equal(&op->result->type, rt)) return false;
+      if (row) {   // the members so far become its prologue: read by the group alone
+        Group t = *g;
+        t.member[t.n++] = b;
+        if (read_outside(m, f, &t, op->result)) return false;
+      } else if (k < g->row) {   // an epilogue op reads no prologue value (it lives in a loader)
+        for (int a = 0; a < ob->nargs; a++)
+          if (ob->args[a].value == op->result) return false;
+      }
+    }
+  }
   if (g->n >= MAX_MEMBERS || b - g->member[0] > MAX_SPAN || stream_of(ob) != g->stream ||
       ir_type_numel(&ob->result->type) != g->numel)
     return false;
@@ -102,21 +141,6 @@ static bool can_join(const IrFunc *f, const Group *g, int b) {
   return t.n + nout <= MAX_POINTERS;
 }
 
-// Whether value v of f is read outside group g (by an op of f that is no member, by another
-// function) or returned.
-static bool read_outside(const IrModule *m, const IrFunc *f, const Group *g, const IrValue *v) {
-  for (int r = 0; r < f->nrets; r++)
-    if (f->rets[r] == v) return true;
-  for (int fi = 0; fi < m->nfuncs; fi++) {
-    const IrFunc *h = m->funcs[fi];
-    if (h != f && h->saves != f) continue;
-    for (int i = 0; i < h->nops; i++)
-      for (int a = 0; a < h->ops[i]->nargs; a++)
-        if (h->ops[i]->args[a].value == v && (h != f || !member_of(g, i))) return true;
-  }
-  return false;
-}
-
 // Groups the candidates of f; the groups of two or more ops get attributes (starting at *next_id)
 // and their members move before their last. Returns false when out of memory.
 static bool fuse_func(IrModule *m, IrFunc *f, PassCtx *ctx, int *next_id, int *nfused, int *ninner) {
@@ -136,15 +160,16 @@ static bool fuse_func(IrModule *m, IrFunc *f, PassCtx *ctx, int *next_id, int *n
     int join = -1;
     for (int a = 0; a < op->nargs && join < 0; a++) {   // the group of an operand's producer
       const IrValue *v = op->args[a].value;
-      if (v && v->def && v->func == f && group_of[v->def->index] >= 0 && can_join(f, &groups[group_of[v->def->index]], b))
+      if (v && v->def && v->func == f && group_of[v->def->index] >= 0 && can_join(m, f, &groups[group_of[v->def->index]], b))
         join = group_of[v->def->index];
     }
     for (int g = ngroups - 1; g >= 0 && join < 0; g--)   // else the latest it can join
-      if (can_join(f, &groups[g], b)) join = g;
+      if (can_join(m, f, &groups[g], b)) join = g;
     if (join < 0) {
       join = ngroups++;
-      groups[join] = (Group){.numel = ir_type_numel(&op->result->type), .stream = stream_of(op)};
+      groups[join] = (Group){.row = -1, .numel = ir_type_numel(&op->result->type), .stream = stream_of(op)};
     }
+    if (ir_op_row(op->kind)) groups[join].row = groups[join].n;
     groups[join].member[groups[join].n++] = b;
     group_of[b] = join;
   }

@@ -4,29 +4,71 @@
 
 // ---- prelude: row reductions of the norms ----
 // A row's sum of squares and, when dy is not NULL, its dot product with dy, reduced by the
-// block in double (the l2norm and rmsnorm kernels).
-__device__ void mk_row_ss_dot(const float *x, const float *dy, int n, double *ss, double *dot) {
+// block in double (the l2norm and rmsnorm kernels). The _f forms read the row through loaders
+// x(i), dy(i) (i the column): the kernels below pass the row's memory, the fused kernels
+// (codegen/fused.c) the element of a chain of elementwise ops, with the same float operations.
+template <class X, class D> __device__ void mk_row_ss_dot_f(X x, D dy, bool has_dy, int n, double *ss, double *dot) {
   double a = 0.0, b = 0.0;
   for (int i = threadIdx.x; i < n; i += blockDim.x) {
-    a += (double)x[i] * x[i];
-    if (dy) b += (double)dy[i] * x[i];
+    float xi = x(i);
+    a += (double)xi * xi;
+    if (has_dy) b += (double)dy(i) * xi;
   }
   *ss = mk_block_sum(a);
-  if (dy) *dot = mk_block_sum(b);
+  if (has_dy) *dot = mk_block_sum(b);
+}
+__device__ void mk_row_ss_dot(const float *x, const float *dy, int n, double *ss, double *dot) {
+  mk_row_ss_dot_f([&](int i) { return x[i]; }, [&](int i) { return dy[i]; }, dy != NULL, n, ss, dot);
 }
 
 // A row's mean and 1 / sqrt(variance + eps) (biased), reduced by the block in double (the
 // layernorm kernels).
-__device__ void mk_row_moments(const float *x, int n, float eps, double *mean, double *inv) {
+template <class X> __device__ void mk_row_moments_f(X x, int n, float eps, double *mean, double *inv) {
   double s = 0.0;
-  for (int i = threadIdx.x; i < n; i += blockDim.x) s += x[i];
+  for (int i = threadIdx.x; i < n; i += blockDim.x) s += x(i);
   *mean = mk_block_sum(s) / n;
   double ss = 0.0;
   for (int i = threadIdx.x; i < n; i += blockDim.x) {
-    double d = x[i] - *mean;
+    double d = x(i) - *mean;
     ss += d * d;
   }
   *inv = 1.0 / sqrt(mk_block_sum(ss) / n + (double)eps);
+}
+
+// ---- prelude: the norms of one row, over loaders and a storer ----
+// One row of rmsnorm, rmsnorm_grad, layernorm, layernorm_grad (runtime/kernels/norm.c): the
+// operands read through loaders x(i), dy(i) and the result written through y(i, v), i the
+// column. The kernels below pass the row's memory; the fused kernels (codegen/fused.c) compute
+// a chain of elementwise ops into the loaders (its prologue) and after the storer (its epilogue).
+template <class X, class Y> __device__ void mk_rmsnorm_row(X x, Y y, int n, float eps) {
+  double ss;
+  mk_row_ss_dot_f(x, x, false, n, &ss, (double *)NULL);
+  float inv = (float)(1.0 / sqrt(ss / n + (double)eps));
+  for (int i = threadIdx.x; i < n; i += blockDim.x) y(i, x(i) * inv);
+}
+template <class D, class X, class Y> __device__ void mk_rmsnorm_grad_row(D dy, X x, Y dx, int n, float eps) {
+  double ss, dot;
+  mk_row_ss_dot_f(x, dy, true, n, &ss, &dot);
+  double inv = 1.0 / sqrt(ss / n + (double)eps);
+  float scale = (float)inv, proj = (float)(inv * inv * inv * dot / n);
+  for (int i = threadIdx.x; i < n; i += blockDim.x) dx(i, dy(i) * scale - x(i) * proj);
+}
+template <class X, class Y> __device__ void mk_layernorm_row(X x, Y y, int n, float eps) {
+  double mean, inv;
+  mk_row_moments_f(x, n, eps, &mean, &inv);
+  for (int i = threadIdx.x; i < n; i += blockDim.x) y(i, (float)((x(i) - mean) * inv));
+}
+template <class D, class X, class Y> __device__ void mk_layernorm_grad_row(D dy, X x, Y dx, int n, float eps) {
+  double mean, inv, sd = 0.0, sdx = 0.0;
+  mk_row_moments_f(x, n, eps, &mean, &inv);
+  for (int i = threadIdx.x; i < n; i += blockDim.x) {
+    float d = dy(i);
+    sd += d;
+    sdx += d * ((x(i) - mean) * inv);
+  }
+  sd = mk_block_sum(sd) / n;
+  sdx = mk_block_sum(sdx) / n;
+  for (int i = threadIdx.x; i < n; i += blockDim.x) dx(i, (float)(inv * (dy(i) - sd - (x(i) - mean) * inv * sdx)));
 }
 
 // ---- mk_l2norm ----
@@ -61,10 +103,7 @@ extern "C" __global__ void mk_rmsnorm(const float *x, float *y, int rows, int n,
   MK_FOR_BLOCKS(r, rows) {
     const float *xr = x + r * n;
     float *yr = y + r * n;
-    double ss;
-    mk_row_ss_dot(xr, NULL, n, &ss, NULL);
-    float inv = (float)(1.0 / sqrt(ss / n + (double)eps));
-    for (int i = threadIdx.x; i < n; i += blockDim.x) yr[i] = xr[i] * inv;
+    mk_rmsnorm_row([&](int i) { return xr[i]; }, [&](int i, float v) { yr[i] = v; }, n, eps);
   }
 }
 
@@ -73,11 +112,7 @@ extern "C" __global__ void mk_rmsnorm_grad(const float *dy, const float *x, floa
   MK_FOR_BLOCKS(r, rows) {
     const float *xr = x + r * n, *dr = dy + r * n;
     float *out = dx + r * n;
-    double ss, dot;
-    mk_row_ss_dot(xr, dr, n, &ss, &dot);
-    double inv = 1.0 / sqrt(ss / n + (double)eps);
-    float scale = (float)inv, proj = (float)(inv * inv * inv * dot / n);
-    for (int i = threadIdx.x; i < n; i += blockDim.x) out[i] = dr[i] * scale - xr[i] * proj;
+    mk_rmsnorm_grad_row([&](int i) { return dr[i]; }, [&](int i) { return xr[i]; }, [&](int i, float v) { out[i] = v; }, n, eps);
   }
 }
 
@@ -87,9 +122,7 @@ extern "C" __global__ void mk_layernorm(const float *x, float *y, int rows, int 
   MK_FOR_BLOCKS(r, rows) {
     const float *xr = x + r * n;
     float *yr = y + r * n;
-    double mean, inv;
-    mk_row_moments(xr, n, eps, &mean, &inv);
-    for (int i = threadIdx.x; i < n; i += blockDim.x) yr[i] = (float)((xr[i] - mean) * inv);
+    mk_layernorm_row([&](int i) { return xr[i]; }, [&](int i, float v) { yr[i] = v; }, n, eps);
   }
 }
 
@@ -98,15 +131,7 @@ extern "C" __global__ void mk_layernorm_grad(const float *dy, const float *x, fl
   MK_FOR_BLOCKS(r, rows) {
     const float *xr = x + r * n, *dr = dy + r * n;
     float *out = dx + r * n;
-    double mean, inv, sd = 0.0, sdx = 0.0;
-    mk_row_moments(xr, n, eps, &mean, &inv);
-    for (int i = threadIdx.x; i < n; i += blockDim.x) {
-      sd += dr[i];
-      sdx += dr[i] * ((xr[i] - mean) * inv);
-    }
-    sd = mk_block_sum(sd) / n;
-    sdx = mk_block_sum(sdx) / n;
-    for (int i = threadIdx.x; i < n; i += blockDim.x) out[i] = (float)(inv * (dr[i] - sd - (xr[i] - mean) * inv * sdx));
+    mk_layernorm_grad_row([&](int i) { return dr[i]; }, [&](int i) { return xr[i]; }, [&](int i, float v) { out[i] = v; }, n, eps);
   }
 }
 

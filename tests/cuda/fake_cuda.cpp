@@ -453,21 +453,31 @@ extern const int mk_fused_count __attribute__((weak));
 }
 static std::vector<FakeKernel> fused_table;
 
+static void fused_thread(void *self) {
+  const FakeKernel *k = (const FakeKernel *)((void **)self)[0];
+  k->fused->thread((void **)((void **)self)[1]);
+}
+
 static bool run_fused(RtCuda *cu, const FakeKernel &k, void **args, int grid, int block) {
   for (int a = 0; a < k.fused->nptrs; a++) {
     void *p;
     memcpy(&p, args[a], sizeof p);
     if (p && !in_arena(cu, p, 1)) return report("kernel %s: argument %d (%p) is not device memory", k.name, a, p);
   }
+  gridDim.x = (unsigned)grid;
+  blockDim.x = (unsigned)block;
   running_kernel = k.name;
-  k.fused->run(args, grid, block);
-  return true;
+  void *self[2] = {(void *)&k, (void *)args};
+  bool ok = true;
+  for (int b = 0; b < grid && ok; b++) ok = run_block(k, b, block, fused_thread, self);
+  emu_sync = nullptr;
+  return ok;
 }
 
 static const FakeKernel *fused_kernel(const char *name) {
   if (fused_table.empty() && mk_fused_kernels && &mk_fused_count) {
     fused_table.reserve((size_t)mk_fused_count);   // never grows after: its addresses are CUfunctions
-    for (int i = 0; i < mk_fused_count; i++) fused_table.push_back({mk_fused_kernels[i].name, false, run_fused, &mk_fused_kernels[i]});
+    for (int i = 0; i < mk_fused_count; i++) fused_table.push_back({mk_fused_kernels[i].name, mk_fused_kernels[i].syncs, run_fused, &mk_fused_kernels[i]});
   }
   for (const FakeKernel &k : fused_table)
     if (strcmp(k.name, name) == 0) return &k;

@@ -4,8 +4,8 @@
 // an unnamed namespace (the prelude's helpers are also in the fake device's library), then the
 // table mk_fused_kernels[mk_fused_count] of MkFusedKernel; its link step compiles it into the
 // program (codegen/target_cuda.c). The fake device finds a kernel there when the library has
-// none of its name, and runs its blocks and threads one after the other (fused kernels have no
-// barrier).
+// none of its name, and runs it as it runs the library's (threads as fibers where it has
+// barriers); the thread indices are shared with it (host_kernels.h).
 #ifndef FUSED_HOST_H
 #define FUSED_HOST_H
 
@@ -20,18 +20,6 @@ static inline float *mk_ptr(void *arg) {
   float *p;
   memcpy(&p, arg, sizeof p);
   return p;
-}
-
-// Runs body (one thread of the kernel) for every thread of every block.
-template <class F> static void mk_fused_grid(F body, int grid, int block) {
-  gridDim.x = (unsigned)grid;
-  blockDim.x = (unsigned)block;
-  for (int b = 0; b < grid; b++)
-    for (int t = 0; t < block; t++) {
-      blockIdx.x = (unsigned)b;
-      threadIdx.x = (unsigned)t;
-      body();
-    }
 }
 
 #endif

@@ -16,8 +16,10 @@
 struct dim3 {
   unsigned x = 1, y = 1, z = 1;
 };
-static thread_local dim3 threadIdx, blockIdx;
-static dim3 blockDim, gridDim;
+// inline: one of each in a program, so that a program's fused kernels (tests/cuda/fused_host.h,
+// another translation unit) see the indices fake_cuda.cpp sets, across its fibers' switches too.
+inline thread_local dim3 threadIdx, blockIdx;
+inline dim3 blockDim, gridDim;
 inline std::barrier<> *emu_barrier;   // set by emu_check's launcher; inline, not static: gpu_check never sets it
 inline void (*emu_sync)();            // when set (fake_cuda), __syncthreads calls it instead of the barrier
 static double emu_dyn_shared[1 << 16];
@@ -38,11 +40,12 @@ static inline unsigned __float_as_uint(float f) { unsigned i; memcpy(&i, &f, 4);
 
 // A fused group's kernel (codegen/fused.c), generated per program: moec compiles a program's
 // fused kernels as host C++ for the fake device (tests/cuda/fused_host.h), with a table of these
-// that fake_cuda.cpp looks kernels up in after the library's. run runs the whole grid.
+// that fake_cuda.cpp looks kernels up in after the library's and runs as it runs the library's.
 struct MkFusedKernel {
   const char *name;
-  int nptrs;   // its parameters: pointers, all of them
-  void (*run)(void **args, int grid, int block);
+  int nptrs;    // its parameters: pointers, all of them
+  bool syncs;   // it calls __syncthreads (a group with a norm: one block per row)
+  void (*thread)(void **args);   // one thread of it, at the threadIdx and blockIdx set
 };
 
 #ifdef MK_LIBRARY
