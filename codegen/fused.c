@@ -38,14 +38,20 @@ static int member_making(const IrFunc *f, int i, int n, const IrValue *v) {
 
 static bool same_operand(const IrOperand *a, const IrOperand *b) { return a->value == b->value && a->param == b->param; }
 
-// The load of external pointer p for operand mode `mode` ("", "c", "r", "ec", "0") of a member
-// with result type rt.
-static void load(FILE *out, int p, const char *mode, const IrType *rt) {
+// The load of external pointer p, operand k of member op, for operand mode `mode` ("", "c", "r",
+// "ec", "0", "slice").
+static void load(FILE *out, int p, const char *mode, const IrOp *op, int k) {
+  const IrType *rt = &op->result->type;
   int64_t cols = rt->rank ? rt->dim[rt->rank - 1] : 1, mid = rt->rank >= 2 ? rt->dim[rt->rank - 2] : 1;
   if (!*mode) fprintf(out, "a%d[i]", p);
   else if (strcmp(mode, "c") == 0) fprintf(out, "a%d[i %% %" PRId64 "]", p, cols);
   else if (strcmp(mode, "r") == 0) fprintf(out, "a%d[i / %" PRId64 "]", p, cols);
   else if (strcmp(mode, "0") == 0) fprintf(out, "a%d[0]", p);
+  else if (strcmp(mode, "slice") == 0) {
+    const IrType *t = cg_operand_type(&op->args[k]);
+    fprintf(out, "a%d[i / %" PRId64 " * %" PRId64 " + %" PRId64 " + i %% %" PRId64 "]", p, cols, t->dim[t->rank - 1],
+            ir_op_int(op, "offset", 0), cols);
+  }
   else if (strcmp(mode, "ec") == 0)
     fprintf(out, "a%d[i / %" PRId64 " * %" PRId64 " + i %% %" PRId64 "]", p, mid * cols, cols, cols);
   else UNREACHABLE();   // tests/unit checks every row of ir/scalar.def
@@ -58,7 +64,7 @@ static void expression(FILE *out, const IrFunc *f, int i, int n, const IrOp *op,
   while (*e) {
     if (e[0] == 'x' && e[1] >= '0' && e[1] <= '9') {
       int k = (int)strtol(e + 1, (char **)&e, 10);
-      char mode[4] = "";
+      char mode[8] = "";
       if (*e == '[') {
         size_t len = strcspn(e + 1, "]");
         snprintf(mode, sizeof mode, "%.*s", (int)len, e + 1);
@@ -71,7 +77,7 @@ static void expression(FILE *out, const IrFunc *f, int i, int n, const IrOp *op,
       }
       int p = 0;
       while (p < nin && !same_operand(in[p], &op->args[k])) p++;
-      load(out, p, mode, &op->result->type);
+      load(out, p, mode, op, k);
     } else if ((*e >= 'a' && *e <= 'z') || *e == '_') {
       size_t len = strspn(e, "abcdefghijklmnopqrstuvwxyz_0123456789");
       fprintf(out, "%s%.*s", e[len] == '(' ? "mk_f_" : "", (int)len, e);
@@ -83,7 +89,7 @@ static void expression(FILE *out, const IrFunc *f, int i, int n, const IrOp *op,
 }
 
 bool cg_scalar_check(const char *expr, int nargs, char *why, size_t size) {
-  static const char *const modes[] = {"", "c", "r", "ec", "0"};
+  static const char *const modes[] = {"", "c", "r", "ec", "0", "slice"};
   why[0] = '\0';
   for (const char *e = expr; *e;) {
     if (e[0] == 'x' && e[1] >= '0' && e[1] <= '9') {
@@ -94,7 +100,7 @@ bool cg_scalar_check(const char *expr, int nargs, char *why, size_t size) {
       bool known = false;
       for (size_t m = 1; m < sizeof modes / sizeof *modes && !known; m++)
         known = strlen(modes[m]) == len && strncmp(modes[m], e + 1, len) == 0;
-      if (!known || e[1 + len] != ']') return snprintf(why, size, "x%d[%.*s]: the index is c, r, ec or 0", k, (int)len, e + 1), false;
+      if (!known || e[1 + len] != ']') return snprintf(why, size, "x%d[%.*s]: the index is c, r, ec, 0 or slice", k, (int)len, e + 1), false;
       e += len + 2;
     } else if ((*e >= 'a' && *e <= 'z') || *e == '_') {
       size_t len = strspn(e, "abcdefghijklmnopqrstuvwxyz_0123456789");
@@ -126,6 +132,41 @@ static void members(FILE *out, const IrFunc *f, int i, int n, int lo, int hi, co
   }
 }
 
+// A group of column sums: each member's tiles (mk_colsum_tile of codegen/cuda/ffn.cu, with its own
+// shape's tile width, as its own kernel would) one after the other in one tile space that the
+// blocks stride over. *grid gets minus the number of tiles (a block per tile).
+static void colsums(FILE *out, const IrFunc *f, int i, int n, const IrOperand *const *in, int nin, int64_t *grid) {
+  int64_t total = 0, e[CG_MAX_KERNEL_ARGS], rows[CG_MAX_KERNEL_ARGS], cols[CG_MAX_KERNEL_ARGS], tiles[CG_MAX_KERNEL_ARGS];
+  for (int j = 0; j < n; j++) {
+    const IrType *t0 = cg_operand_type(&f->ops[i + j]->args[0]);
+    cols[j] = t0->dim[t0->rank - 1], rows[j] = t0->dim[t0->rank - 2], e[j] = 1;
+    for (int d = 0; d + 2 < t0->rank; d++) e[j] *= t0->dim[d];
+    int64_t width = e[j] * ((cols[j] + 31) / 32) >= 1024 ? 32 : 8;
+    tiles[j] = e[j] * ((cols[j] + width - 1) / width);
+    total += tiles[j];
+  }
+  fprintf(out, "(");
+  for (int p = 0; p < nin; p++) fprintf(out, "%sconst float *a%d", p ? ", " : "", p);
+  for (int j = 0; j < n; j++) fprintf(out, ", float *o%d", j);
+  fprintf(out, ") {\n  for (i64 t = blockIdx.x; t < %" PRId64 "; t += gridDim.x) {\n", total);
+  int64_t first = 0;
+  for (int j = 0; j < n; j++) {
+    const IrOp *op = f->ops[i + j];
+    bool with_x = ir_op_colsum(op->kind) == 1;
+    int p0 = 0, p1 = 0;
+    while (p0 < nin && !same_operand(in[p0], &op->args[0])) p0++;
+    while (with_x && p1 < nin && !same_operand(in[p1], &op->args[1])) p1++;
+    fprintf(out, "    %sif (t < %" PRId64 ") mk_colsum_tile(a%d, ", j ? "else " : "", first + tiles[j], p0);
+    if (with_x) fprintf(out, "a%d", p1);
+    else fprintf(out, "NULL");
+    fprintf(out, ", o%d, %" PRId64 ", %" PRId64 ", %" PRId64 ", t - %" PRId64 ");   // %s\n", j, e[j], rows[j], cols[j],
+            first, ir_op_info[op->kind].name);
+    first += tiles[j];
+  }
+  fprintf(out, "  }\n}\n");
+  *grid = -total;
+}
+
 bool cg_lower_fused(IrDiag *d, CgLaunches *ls, const IrFunc *f, int i, CgLaunch *l) {
   int n = cg_fused_members(f, i);
   memset(l, 0, sizeof *l);
@@ -154,6 +195,9 @@ bool cg_lower_fused(IrDiag *d, CgLaunches *ls, const IrFunc *f, int i, CgLaunch 
     FILE *f;
   } t = {0};   // the kernel's text after its name
   if (!(t.f = open_memstream(&t.s, &t.n))) return ir_oom(d);
+  if (ir_op_colsum(f->ops[i]->kind) >= 0) {
+    colsums(t.f, f, i, n, in, nin, &numel);
+  } else {
   int row = -1;   // the member that is a row-wise op
   for (int j = 0; j < n; j++)
     if (ir_op_row(f->ops[i + j]->kind)) row = j;
@@ -188,6 +232,8 @@ bool cg_lower_fused(IrDiag *d, CgLaunches *ls, const IrFunc *f, int i, CgLaunch 
     members(t.f, f, i, n, row + 1, n, in, nin, out_op, nout, "          ");
     fprintf(t.f, "        },\n        %" PRId64 ", (float)%.17g);\n  }\n}\n", cols, ir_op_float(r, "eps", 0));
   }
+  if (row >= 0) numel = -(numel / cols);   // the grid: a block per row
+  }
   if (fclose(t.f) != 0) {
     free(t.s);
     return ir_oom(d);
@@ -208,14 +254,14 @@ bool cg_lower_fused(IrDiag *d, CgLaunches *ls, const IrFunc *f, int i, CgLaunch 
     snprintf(k->name, sizeof k->name, "mk_fuse_%d", g);
     k->source = t.s;
     k->nparams = nin + nout;
-    k->syncs = row >= 0;
+    k->syncs = numel < 0 || ir_op_colsum(f->ops[i]->kind) >= 0;
     size_t used = 0;
     for (int j = 0; j < n && used < sizeof k->ops; j++)
       used += (size_t)snprintf(k->ops + used, sizeof k->ops - used, "%s%s", j ? " + " : "", ir_op_info[f->ops[i + j]->kind].name);
   }
   CgKernelCall *c = &l->call[l->ncalls++];
   c->kernel = CG_K_COUNT + g;
-  c->grid = row >= 0 ? cg_cuda_grid_blocks(numel / cols) : cg_cuda_grid_elems(numel);
+  c->grid = numel < 0 ? cg_cuda_grid_blocks(-numel) : cg_cuda_grid_elems(numel);
   for (int p = 0; p < nin; p++) c->args[c->nargs++] = (CgArg){.kind = CG_ARG_OPERAND, .index = in_arg[p], .i = in_op[p]};
   for (int p = 0; p < nout; p++) c->args[c->nargs++] = (CgArg){.kind = CG_ARG_RESULT, .index = out_op[p]};
   snprintf(l->note, sizeof l->note, "%d ops fused", n);

@@ -78,6 +78,9 @@ const char *ir_op_scalar(IrOpKind k);
 // The one-row device function of row-wise op k that a fused kernel can hold (ir/scalar.def's
 // IR_ROW: "layernorm" for mk_layernorm_row), or NULL.
 const char *ir_op_row(IrOpKind k);
+// Whether op k is a column sum a fused kernel can run with others (ir/scalar.def's IR_COLSUM):
+// 1 when it multiplies by its second operand, 0 when not, -1 when it is none.
+int ir_op_colsum(IrOpKind k);
 // IR_OP_COUNT when name is not an op.
 IrOpKind ir_op_by_name(const char *name);
 

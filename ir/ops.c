@@ -33,6 +33,17 @@ static const char *const op_row[IR_OP_COUNT] = {
 
 const char *ir_op_row(IrOpKind k) { return k >= 0 && k < IR_OP_COUNT ? op_row[k] : NULL; }
 
+// The column sums of ir/scalar.def: 1 + WITH_X, 0 for other ops.
+static const int op_colsum[IR_OP_COUNT] = {
+#define IR_SCALAR(E, EXPR)
+#define IR_COLSUM(E, WITH_X) [IR_OP_##E] = 1 + (WITH_X),
+#include "scalar.def"
+#undef IR_COLSUM
+#undef IR_SCALAR
+};
+
+int ir_op_colsum(IrOpKind k) { return k >= 0 && k < IR_OP_COUNT ? op_colsum[k] - 1 : -1; }
+
 int64_t ir_capacity_slots(int64_t k, double f, int64_t tokens, int64_t experts) {
   int64_t t = (int64_t)ceil((double)k * f * (double)tokens / (double)experts - 1e-9);
   return t < 1 ? 1 : t;

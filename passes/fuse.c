@@ -19,6 +19,9 @@
 //   - the kernel has at most 16 pointers (its inputs from outside the group and the members'
 //     results), and the group spans at most 48 ops (so that it moves no op far: a moved op keeps
 //     its inputs alive longer).
+// Column sums (bias gradients, a norm scale's gradient: ir/scalar.def's IR_COLSUM) make groups of
+// their own, of any shapes: one launch runs every member's tiles. A param.grad that copies a
+// member's result into the gradient does not hold a group back: it moves to right after it.
 // Ops join greedily in program order: an op goes into the group that produced one of its
 // operands if it can, else into the latest group of its size on its stream it can join, else it
 // starts one. Groups of one op are left as they were.
@@ -43,6 +46,7 @@ typedef struct Group {
   int member[MAX_MEMBERS];   // op indices, in program order
   int n;
   int row;                   // the member that is a row-wise op (ir_op_row), -1 none
+  bool colsum;               // a group of column sums (ir_op_colsum), any shapes
   int64_t numel;
   IrStream stream;
 } Group;
@@ -55,7 +59,9 @@ static bool is_f32(const IrType *t) { return t->dtype == IR_F32; }
 // recorded or waited for, and it does not feed gate.topk (the gate's softmax or sigmoid, top-k
 // and gather are one kernel of their own: codegen/lower.c).
 static bool candidate(const IrFunc *f, const IrOp *op) {
-  if ((!ir_op_scalar(op->kind) && !ir_op_row(op->kind)) || !op->result || !is_f32(&op->result->type)) return false;
+  if ((!ir_op_scalar(op->kind) && !ir_op_row(op->kind) && ir_op_colsum(op->kind) < 0) || !op->result ||
+      !is_f32(&op->result->type))
+    return false;
   if (op->nwaits > 0 || op->event >= 0) return false;
   for (int a = 0; a < op->nargs; a++) {
     const IrOperand *x = &op->args[a];
@@ -72,9 +78,18 @@ static bool member_of(const Group *g, int i) {
   return false;
 }
 
+// Whether op, outside group g, can wait until after it: a param.grad of a member's result that
+// copies it into the gradient (or nothing, when the member writes the gradient in place); it
+// moves to right after the group.
+static bool deferrable(const IrFunc *f, const Group *g, const IrOp *op);
+
 // Whether operand x of a member reads the result of a member of g.
 static bool reads_member(const IrFunc *f, const Group *g, const IrOperand *x) {
   return x->value && x->value->def && x->value->func == f && member_of(g, x->value->def->index);
+}
+
+static bool deferrable(const IrFunc *f, const Group *g, const IrOp *op) {
+  return op->kind == IR_OP_PARAM_GRAD && !ir_op_int(op, "accumulate", 0) && reads_member(f, g, &op->args[1]);
 }
 
 // Whether value v of f is read outside group g (by an op of f that is no member, by another
@@ -96,6 +111,7 @@ static bool read_outside(const IrModule *m, const IrFunc *f, const Group *g, con
 static bool can_join(const IrModule *m, const IrFunc *f, const Group *g, int b) {
   const IrOp *ob = f->ops[b];
   bool row = ir_op_row(ob->kind) != NULL;
+  if ((ir_op_colsum(ob->kind) >= 0) != g->colsum) return false;
   if (row && g->row >= 0) return false;   // one row-wise op a kernel
   if (row || g->row >= 0) {   // a norm's kernel: every member of its shape, the prologue its own
     const IrType *rt = &f->ops[row ? b : g->member[g->row]]->result->type;
@@ -114,14 +130,14 @@ static bool can_join(const IrModule *m, const IrFunc *f, const Group *g, int b) 
     }
   }
   if (g->n >= MAX_MEMBERS || b - g->member[0] > MAX_SPAN || stream_of(ob) != g->stream ||
-      ir_type_numel(&ob->result->type) != g->numel)
+      (!g->colsum && ir_type_numel(&ob->result->type) != g->numel))
     return false;
   Group t = *g;
   t.member[t.n++] = b;
   for (int p = t.member[0]; p <= b; p++) {
     const IrOp *op = f->ops[p];
     if (stream_of(op) != t.stream || op->nwaits > 0 || op->event >= 0) return false;
-    if (member_of(&t, p)) continue;
+    if (member_of(&t, p) || deferrable(f, &t, op)) continue;
     for (int a = 0; a < op->nargs; a++)
       if (reads_member(f, &t, &op->args[a])) return false;
   }
@@ -167,7 +183,8 @@ static bool fuse_func(IrModule *m, IrFunc *f, PassCtx *ctx, int *next_id, int *n
       if (can_join(m, f, &groups[g], b)) join = g;
     if (join < 0) {
       join = ngroups++;
-      groups[join] = (Group){.row = -1, .numel = ir_type_numel(&op->result->type), .stream = stream_of(op)};
+      groups[join] = (Group){.row = -1, .colsum = ir_op_colsum(op->kind) >= 0, .numel = ir_type_numel(&op->result->type),
+                             .stream = stream_of(op)};
     }
     if (ir_op_row(op->kind)) groups[join].row = groups[join].n;
     groups[join].member[groups[join].n++] = b;
@@ -188,15 +205,32 @@ static bool fuse_func(IrModule *m, IrFunc *f, PassCtx *ctx, int *next_id, int *n
       }
     }
   }
+  // The param.grad ops a group waits for (deferrable) go right after it, in their order.
+  int *after = malloc((size_t)f->nops * sizeof *after);
+  if (!after) {
+    free(groups), free(group_of), free(order);
+    return ir_oom(ctx->d);
+  }
+  for (int i = 0; i < f->nops; i++) {
+    after[i] = -1;
+    const IrOp *op = f->ops[i];
+    const IrValue *v = op->kind == IR_OP_PARAM_GRAD ? op->args[1].value : NULL;
+    int g = v && v->def && v->func == f ? group_of[v->def->index] : -1;
+    if (g >= 0 && groups[g].n >= 2 && groups[g].member[groups[g].n - 1] > i) after[i] = g;
+  }
   int n = 0;
   for (int i = 0; i < f->nops; i++) {
     int g = group_of[i];
+    if (after[i] >= 0) continue;
     if (g < 0 || groups[g].n < 2) {
       order[n++] = f->ops[i];
     } else if (groups[g].member[groups[g].n - 1] == i) {
       for (int k = 0; k < groups[g].n; k++) order[n++] = f->ops[groups[g].member[k]];
+      for (int j = 0; j < f->nops; j++)
+        if (after[j] == g) order[n++] = f->ops[j];
     }
   }
+  free(after);
   for (int i = 0; i < n; i++) {
     f->ops[i] = order[i];
     f->ops[i]->index = i;
@@ -212,7 +246,7 @@ bool pass_fuse(IrModule *m, PassCtx *ctx) {
     if (!fuse_func(m, m->funcs[fi], ctx, &next_id, &nfused, &ninner)) return false;
   if (ctx->verbose)
     fprintf(ctx->log ? ctx->log : stderr,
-            "# fuse: %d elementwise ops in %d fused kernels; %d of their results never leave the kernel\n", nfused,
+            "# fuse: %d ops in %d fused kernels; %d of their results never leave the kernel\n", nfused,
             next_id, ninner);
   return true;
 }

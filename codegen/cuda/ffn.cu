@@ -58,34 +58,40 @@ static __device__ int mk_colsum_width(int e, int n, int block) {
   int w = (i64)e * ((n + 31) / 32) >= 1024 ? 32 : 8;
   return block < w ? block : w;
 }
-static __device__ void mk_column_sums(const float *dy, const float *x, float *db, int e, int rows, int n) {
+// Tile t of the column sums (of tiles = e * ceil(n / width) in all): every thread of the block
+// takes part (it synchronises). The fused kernels (codegen/fused.c) run several column sums'
+// tiles, each with its own shape's width, in one launch.
+static __device__ void mk_colsum_tile(const float *dy, const float *x, float *db, int e, int rows, int n, i64 t) {
   __shared__ double mk_colsum[MK_BLOCK];
   const int cols = mk_colsum_width(e, n, blockDim.x), lanes = blockDim.x / cols;
   const int cl = threadIdx.x % cols, rl = threadIdx.x / cols;
-  const i64 per = (n + cols - 1) / cols, tiles = (i64)e * per;
-  for (i64 t = blockIdx.x; t < tiles; t += gridDim.x) {
-    i64 ex = t / per;
-    int c = (int)(t % per) * cols + cl;
-    double acc = 0.0;
-    if (c < n && rl < lanes) {
-      i64 base = ex * rows * n + c;
-      double a[4] = {0.0, 0.0, 0.0, 0.0};
-      int u = 0;
-      if (x)
-        for (int r = rl; r < rows; r += lanes, u = (u + 1) & 3) a[u] += (double)dy[base + (i64)r * n] * x[base + (i64)r * n];
-      else
-        for (int r = rl; r < rows; r += lanes, u = (u + 1) & 3) a[u] += dy[base + (i64)r * n];
-      acc = (a[0] + a[1]) + (a[2] + a[3]);
-    }
-    mk_colsum[threadIdx.x] = acc;
-    __syncthreads();
-    if (rl == 0 && c < n) {
-      double sum = 0.0;
-      for (int l = 0; l < lanes; l++) sum += mk_colsum[l * cols + cl];
-      db[ex * n + c] = (float)sum;
-    }
-    __syncthreads();
+  const i64 per = (n + cols - 1) / cols;
+  i64 ex = t / per;
+  int c = (int)(t % per) * cols + cl;
+  double acc = 0.0;
+  if (c < n && rl < lanes) {
+    i64 base = ex * rows * n + c;
+    double a[4] = {0.0, 0.0, 0.0, 0.0};
+    int u = 0;
+    if (x)
+      for (int r = rl; r < rows; r += lanes, u = (u + 1) & 3) a[u] += (double)dy[base + (i64)r * n] * x[base + (i64)r * n];
+    else
+      for (int r = rl; r < rows; r += lanes, u = (u + 1) & 3) a[u] += dy[base + (i64)r * n];
+    acc = (a[0] + a[1]) + (a[2] + a[3]);
   }
+  mk_colsum[threadIdx.x] = acc;
+  __syncthreads();
+  if (rl == 0 && c < n) {
+    double sum = 0.0;
+    for (int l = 0; l < lanes; l++) sum += mk_colsum[l * cols + cl];
+    db[ex * n + c] = (float)sum;
+  }
+  __syncthreads();
+}
+static __device__ void mk_column_sums(const float *dy, const float *x, float *db, int e, int rows, int n) {
+  const int cols = mk_colsum_width(e, n, blockDim.x);
+  const i64 tiles = (i64)e * ((n + cols - 1) / cols);
+  for (i64 t = blockIdx.x; t < tiles; t += gridDim.x) mk_colsum_tile(dy, x, db, e, rows, n, t);
 }
 
 // ---- mk_bias_grad ----

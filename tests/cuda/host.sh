@@ -379,7 +379,7 @@ if MOEC_CUDA_FAKE=1 "$MOEC" build lang/models/gpt_moe_bytes.moe --target cuda -v
    fk=$(sed -n 's/^# launches: \([0-9]*\) kernels, .* per step (unfused: \([0-9]*\) kernels)$/\1 \2/p' "$WORK/gf.err") &&
    nk=$(sed -n 's/^# launches: \([0-9]*\) kernels, .* per step (--no-fuse: each op alone)$/\1/p' "$WORK/gn.err") &&
    mb=$(sed -n 's/^# kernel traffic: \([0-9.]*\) MB per step (unfused: \([0-9.]*\) MB)$/\1 \2/p' "$WORK/gf.err") &&
-   groups=$(sed -n 's/^# fuse: \([0-9]*\) elementwise ops in \([0-9]*\) fused kernels.*/\2/p' "$WORK/gf.err") &&
+   groups=$(sed -n 's/^# fuse: \([0-9]*\) ops in \([0-9]*\) fused kernels.*/\2/p' "$WORK/gf.err") &&
    [ -n "$nk" ] && [ "${fk#* }" = "$nk" ] && [ "${fk% *}" -lt "$nk" ] && [ -n "$groups" ] && [ "$groups" -gt 10 ] &&
    awk -v a="${mb% *}" -v b="${mb#* }" 'BEGIN { exit !(a < b) }' &&
    run gmbf cuda 1 --steps 2 --dump gmbf.dump && run gmbn cuda 1 --steps 2 --dump gmbn.dump &&

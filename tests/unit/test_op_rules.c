@@ -21,6 +21,8 @@
 #include "ir/ir.h"
 #include "passes/pass.h"
 
+static bool ir_attrs_has_key(const char *keys, const char *key) { return strstr(keys, key) != NULL; }
+
 static void test_every_rule_is_well_formed(void **state) {
   (void)state;
   int shapes = 0, grads = 0, kernels = 0;
@@ -49,7 +51,23 @@ static void test_every_rule_is_well_formed(void **state) {
     if (ir_op_info[k].nres != 1) fail_msg("%s: a scalar expression but no result", ir_op_info[k].name);
     if (!cg_scalar_check(e, ir_op_info[k].nargs, why, sizeof why)) fail_msg("%s: SCALAR \"%s\": %s", ir_op_info[k].name, e, why);
   }
-  printf("# %d elementwise ops as scalar expressions\n", scalars);
+  int rows = 0, colsums = 0;
+  for (int k = 0; k < IR_OP_COUNT; k++) {
+    if (ir_op_row((IrOpKind)k)) {   // a row function of the CUDA prelude, taking a loader per operand
+      char fn[64];
+      snprintf(fn, sizeof fn, "mk_%s_row(", ir_op_row((IrOpKind)k));
+      if (!strstr(cg_cuda_prelude(), fn)) fail_msg("%s: IR_ROW names %s, not in the CUDA prelude", ir_op_info[k].name, fn);
+      if (!ir_attrs_has_key(ir_op_info[k].attrs, "eps")) fail_msg("%s: a row op without eps", ir_op_info[k].name);
+      rows++;
+    }
+    if (ir_op_colsum((IrOpKind)k) >= 0) {
+      if (ir_op_info[k].nargs != 1 + ir_op_colsum((IrOpKind)k)) fail_msg("%s: IR_COLSUM's operands", ir_op_info[k].name);
+      colsums++;
+    }
+  }
+  printf("# %d elementwise ops as scalar expressions, %d row-wise ops, %d column sums a fused kernel can hold\n", scalars,
+         rows, colsums);
+  assert_true(rows >= 4 && colsums >= 3);
   assert_true(scalars >= 10);
   // every kernel of runtime/kernels.def has a name and at most CG_MAX_KERNEL_ARGS parameters
   for (int k = 0; k < CG_K_COUNT; k++) {
@@ -78,7 +96,7 @@ static void test_malformed_rules_are_rejected(void **state) {
   expect_bad(cg_lower_rule_check("nokernel(x0) : one", 1, true, why, sizeof why), why, "no such kernel");
   expect_bad(cg_lower_rule_check("relu(x0, y) : threads n", 1, true, why, sizeof why), why, "fewer arguments");
   expect_bad(cg_scalar_check("x0 + x2", 2, why, sizeof why), why, "the op has 2 operands");
-  expect_bad(cg_scalar_check("x0 * x1[col]", 2, why, sizeof why), why, "the index is c, r, ec or 0");
+  expect_bad(cg_scalar_check("x0 * x1[col]", 2, why, sizeof why), why, "the index is c, r, ec, 0 or slice");
   expect_bad(cg_scalar_check("tanhish(x0)", 1, why, sizeof why), why, "the CUDA prelude has no mk_f_tanhish");
   expect_bad(cg_scalar_check("x0 + y", 1, why, sizeof why), why, "a name is an operand xK or a function call");
   expect_bad(cg_scalar_check("x0 ; x0", 1, why, sizeof why), why, "is not C arithmetic");

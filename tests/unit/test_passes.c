@@ -142,7 +142,8 @@ static void test_memplan_saved_activation(void **state) {
 }
 
 // The fuse pass (the CUDA target's): in each layer's forward the expert bias and the GELU after it
-// are one group, next to each other; the bias's result is saved for the backward (GELU's
+// are one group, next to each other, and in its backward the experts' two bias gradients (column
+// sums) another; the bias's result is saved for the backward (GELU's
 // gradient reads it), so it leaves the kernel, and a member result nothing outside reads gets no
 // memory. Without ctx.fuse (the CPU target, --no-fuse) nothing is marked. The memory plan of
 // the fused module still never lets live buffers share bytes (a group's inputs stay alive over
@@ -152,14 +153,15 @@ static void test_fuse_groups_elementwise_chains(void **state) {
   Built b;
   build_fused(&b, model_text(2, 1.0, 2, 1), true);
   check_plan(&b);
-  int groups = 0, inner = 0;
+  int groups = 0, inner = 0, colsums = 0;
   for (int fi = 0; fi < b.m->nfuncs; fi++) {
     const IrFunc *f = b.m->funcs[fi];
     for (int i = 0; i < f->nops; i++) {
       const IrOp *op = f->ops[i];
       int64_t id = ir_op_int(op, "fuse", -1);
       if (id < 0) continue;
-      assert_non_null(ir_op_scalar(op->kind));
+      assert_true(ir_op_scalar(op->kind) || ir_op_row(op->kind) || ir_op_colsum(op->kind) >= 0);
+      if (ir_op_colsum(op->kind) >= 0) colsums++;
       if (i == 0 || ir_op_int(f->ops[i - 1], "fuse", -1) != id) {   // a group's first op
         groups++;
         assert_true(i + 1 < f->nops && ir_op_int(f->ops[i + 1], "fuse", -1) == id);   // two ops at least
@@ -186,7 +188,8 @@ static void test_fuse_groups_elementwise_chains(void **state) {
   assert_int_equal(ir_op_int(hb->def, "inner", 0), 0);   // the backward reads it
   assert_int_equal(b.ctx.memplan->slot[fwd->index][hb->id].kind, PASS_MEM_ARENA);
   assert_true(groups >= 2);
-  printf("# fuse: %d groups, %d results in registers only\n", groups, inner);
+  assert_true(colsums >= 2);   // the experts' bias gradients: one launch
+  printf("# fuse: %d groups, %d results in registers only, %d column sums\n", groups, inner, colsums);
   release(&b);
 
   build_fused(&b, model_text(2, 1.0, 2, 1), false);
