@@ -82,6 +82,7 @@ int cg_kernel_by_name(const char *name);
 typedef enum CgArgKind {
   CG_ARG_OPERAND,   // operand `index` of op i + `i` (i 0 but in a fused group): a value or a parameter
   CG_ARG_RESULT,    // the result of op i + index (index 0; a fused gate: 0 scores, 1 idx, 2 gates)
+  CG_ARG_COPY,      // the bf16 copy of that result (dtype bf16: a GEMM operand's, PassMemPlan.copy)
   CG_ARG_GRAD,      // the gradient buffer of the parameter op->args[0]
   CG_ARG_MOMENT_M,  // adamw's moments of that parameter
   CG_ARG_MOMENT_V,
@@ -221,6 +222,8 @@ typedef struct CgSpelling {
 // is false for the other kinds of argument.
 void cg_spell_value(const CgSpelling *sp, const IrValue *v, char *buf, size_t n);
 void cg_spell_operand(const CgSpelling *sp, const IrOperand *a, char *buf, size_t n);
+// The bf16 copy of value v (PassMemPlan.copy); false when it has none.
+bool cg_spell_copy(const CgSpelling *sp, const IrValue *v, char *buf, size_t n);
 bool cg_spell_pointer(const CgSpelling *sp, const IrFunc *f, int i, const CgArg *a, char *buf, size_t n);
 
 // ---- bf16 GEMM inputs (model dtype bf16, the CUDA target) ----

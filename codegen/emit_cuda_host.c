@@ -89,6 +89,9 @@ typedef struct Host {
   bool bf16;                 // dtype bf16: the GEMMs take bf16 copies of their operands (cg_bf16_gemms)
   int64_t bf16_slot[4];      // bytes of each of the two bf16 operand slots of a stream (IrStream index)
   const IrValue *in_slot[4][2];   // the value whose bf16 copy each slot holds now (NULL: none), per stream
+  const IrValue **copied;         // the values rounded into their bf16 copy so far (value_copy)
+  int ncopied, cap_copied;
+  int64_t operand_casts;          // the GEMM operands' casts a step (mk_compress_bf16 launches)
   // The tables of the update runs (CG_ARG_RANGES): every run's ranges, one after the other, copied
   // to the device (U) when it is created; ranges_at: the current launch's first range
   CgUpdateRange *ranges;
@@ -222,7 +225,7 @@ static bool kernel_arg(Host *h, const IrFunc *f, int i, const CgArg *a, CgParamT
                        int64_t scratch, char *buf, size_t n) {
   const IrOp *op = f->ops[i];
   char addr[96];
-  bool pointer = a->kind == CG_ARG_OPERAND || a->kind == CG_ARG_RESULT || a->kind == CG_ARG_GRAD ||
+  bool pointer = a->kind == CG_ARG_OPERAND || a->kind == CG_ARG_RESULT || a->kind == CG_ARG_COPY || a->kind == CG_ARG_GRAD ||
                  a->kind == CG_ARG_MOMENT_M || a->kind == CG_ARG_MOMENT_V || a->kind == CG_ARG_STATS ||
                  a->kind == CG_ARG_SCRATCH || a->kind == CG_ARG_PARAM16 || a->kind == CG_ARG_RANGES;
   bool real = a->kind == CG_ARG_FLOAT || a->kind == CG_ARG_LR_SCALE || a->kind == CG_ARG_GRAD_SCALE;
@@ -366,9 +369,34 @@ static bool emit_bf16_cast(Host *h, const IrFunc *f, const IrOp *op, int k, cons
   int site = where(h, f, op, "kernel %s (operand %d to bf16) of %s", cg_cuda_kernel_name(h->ls, kernel), k, ir_op_info[op->kind].name);
   h->count[h->phase].kernels++, h->count[h->phase].casts++;
   h->count[h->phase].kernel_bytes += 6.0 * (double)n;
+  h->operand_casts++;
   fprintf(h->out, "  launch(%d, %s, %s, %" PRId64 ", 0, (void *[]){PTR(%s), PTR(%s), I64(%" PRId64 ")});\n", site,
           cg_stream_enum(s), cg_cuda_kernel_name(h->ls, kernel), cg_cuda_grid_elems(n), src, dst, n);
   return true;
+}
+
+// dtype bf16: operand k of GEMM op from its bf16 copy of the memory plan (passes/fuse.c gives GEMM
+// operands one), its address into dst: written by the value's maker where that is a fused kernel;
+// else rounded into it before the first GEMM that reads it (once a step: the backward's GEMMs read
+// the copies of saved activations the forward made), except in functions on several streams,
+// where the stream's scratch slots serve as before. 1: done; 0: the value has no copy to use; -1:
+// failed (reported).
+static int value_copy(Host *h, const IrFunc *f, const IrOp *op, int k, const char *src, char *dst, size_t n, IrStream s) {
+  const IrValue *v = op->args[k].value;
+  if (!v || !v->def || !cg_spell_copy(&h->sp, v, dst, n)) return 0;
+  const IrOp *maker = v->def;
+  if (ir_op_int(maker, "fuse", -1) >= 0 && ir_op_colsum(maker->kind) < 0) return 1;   // the fused kernel wrote it
+  if (cg_func_scheduled(f) || cg_func_scheduled(v->func)) return 0;
+  for (int j = 0; j < h->ncopied; j++)
+    if (h->copied[j] == v) return 1;
+  if (h->ncopied == h->cap_copied) {
+    int cap = 2 * h->cap_copied + 16;
+    const IrValue **c = realloc(h->copied, (size_t)cap * sizeof *c);
+    if (!c) return ir_oom(h->d), -1;
+    h->copied = c, h->cap_copied = cap;
+  }
+  h->copied[h->ncopied++] = v;
+  return emit_bf16_cast(h, f, op, k, src, dst, &v->type, s) ? 1 : -1;
 }
 
 // dtype bf16: the bf16 operands of a GEMM on stream s, their addresses into qa and qb. A
@@ -394,6 +422,9 @@ static bool bf16_operands(Host *h, const IrFunc *f, const IrOp *op, IrStream s, 
       snprintf(dst[k], n, "(P16 + %" PRId64 ")", h->param_offset[arg->param->index]);
       continue;
     }
+    int copy = value_copy(h, f, op, k, src[k], dst[k], n, s);
+    if (copy < 0) return false;
+    if (copy > 0) continue;
     bool fresh = slot[k] < 0;
     if (fresh) {   // the slot the other operand does not use
       int other = slot[1 - k];
@@ -470,6 +501,7 @@ static double fused_bytes(const IrFunc *f, int i, const CgKernelCall *c) {
     const CgArg *x = &c->args[a];
     if (x->kind == CG_ARG_OPERAND) bytes += (double)ir_type_bytes(cg_operand_type(&f->ops[i + x->i]->args[x->index]));
     else if (x->kind == CG_ARG_RESULT) bytes += (double)ir_type_bytes(&f->ops[i + x->index]->result->type);
+    else if (x->kind == CG_ARG_COPY) bytes += 2.0 * (double)ir_type_numel(&f->ops[i + x->index]->result->type);
   }
   return bytes;
 }
@@ -692,8 +724,38 @@ static bool is_update(const IrFunc *f) { return f->role == IR_ROLE_OPTIMIZER; }
 
 // ---- the program ----
 
+// dtype bf16: the GEMM operands' casts of the op-by-op program (--no-fuse): each value operand
+// rounded into a slot of its stream's scratch unless a slot holds it (bf16_operands without
+// copies), the slots forgotten at each function's start.
+static int64_t slot_casts(const Host *h) {
+  int64_t casts = 0;
+  for (int fi = 0; fi < h->m->nfuncs; fi++) {
+    const IrFunc *f = h->m->funcs[fi];
+    const IrValue *in_slot[4][2] = {{NULL}};
+    bool scheduled = cg_func_scheduled(f);
+    for (int i = 0; i < f->nops; i++) {
+      const IrOp *op = f->ops[i];
+      if (op->kind != IR_OP_MATMUL && op->kind != IR_OP_EXPERT_MATMUL) continue;
+      IrStream s = scheduled ? cg_op_stream(op) : IR_STREAM_COMPUTE;
+      int slot[2] = {-1, -1};
+      for (int k = 0; k < 2; k++)
+        for (int j = 0; !op->args[k].param && j < 2; j++)
+          if (in_slot[s][j] == op->args[k].value) slot[k] = j;
+      for (int k = 0; k < 2; k++) {
+        if (op->args[k].param || slot[k] >= 0) continue;
+        if (k == 1 && !op->args[0].param && op->args[0].value == op->args[1].value) continue;
+        slot[k] = slot[1 - k] == 0 ? 1 : 0;
+        in_slot[s][slot[k]] = op->args[k].value;
+        casts++;
+      }
+    }
+  }
+  return casts;
+}
+
 // The kernels a step's fused launches stand for when each op is lowered alone (moec build
-// --no-fuse), less theirs: the gate chain, the split reductions, the update runs.
+// --no-fuse), less theirs: the gate chain, the split reductions, the update runs, the fused
+// groups, and with dtype bf16 the casts of GEMM operands their bf16 copies save.
 static int64_t unfused_extra(const Host *h) {
   unsigned how = cg_cuda_lowering(h->m), alone = how & ~(unsigned)CG_LOWER_FUSE;
   int64_t extra = 0;
@@ -709,6 +771,7 @@ static int64_t unfused_extra(const Host *h) {
         extra += cg_lower(h->plan, f, j, alone, &u) ? u.ncalls : 0;
     }
   }
+  if (h->bf16 && (how & CG_LOWER_FUSE)) extra += slot_casts(h) - h->operand_casts;
   return extra;
 }
 
@@ -1005,6 +1068,7 @@ done:
   free(h.pooled_off);
   free(h.pooled_bytes);
   free(h.kernel_slot);
+  free(h.copied);
   free(used);
   free(h.param_offset);
   return ok;

@@ -4,7 +4,8 @@
 // A group is a run of consecutive ops with one `fuse` attribute. Its kernel takes pointers only:
 // first the distinct operands the members read from outside the group (values and parameters,
 // in the order the members first read them), then the result of each member that leaves the
-// kernel (members without `inner=1`). One grid-stride loop over the elements (all members have
+// kernel (members without `inner=1`), then with dtype bf16 the bf16 copies of the members with
+// `bf16=1` (GEMM operands, rounded as mk_compress_bf16 rounds). One grid-stride loop over the elements (all members have
 // results of the same number of elements) computes each member's element in program order into
 // a register, `float vJ = EXPR;`, and stores the results that leave; shapes are literals. An
 // operand another member made is that member's register; one from outside is loaded at the
@@ -118,24 +119,46 @@ bool cg_scalar_check(const char *expr, int nargs, char *why, size_t size) {
   return true;
 }
 
-// Members lo .. hi - 1 of the group at op i: each element into a register, and the results that
-// leave (out_op[0 .. nout - 1]: member numbers) stored.
+// What a group's kernel stores: the results that leave it (member numbers out[0 .. nout - 1],
+// pointers oP) and the bf16 copies (dtype bf16: of GEMM operands, members copy[0 .. ncopy - 1],
+// pointers hP).
+typedef struct Stores {
+  int out[CG_MAX_KERNEL_ARGS], nout;
+  int copy[CG_MAX_KERNEL_ARGS], ncopy;
+} Stores;
+
+// The stores of member j's register.
+static void store(FILE *out, const Stores *st, int j, const char *indent) {
+  for (int p = 0; p < st->nout; p++)
+    if (st->out[p] == j) fprintf(out, "%so%d[i] = v%d;\n", indent, p, j);
+  for (int p = 0; p < st->ncopy; p++)
+    if (st->copy[p] == j) fprintf(out, "%sh%d[i] = mk_bf16_from_float(v%d);\n", indent, p, j);
+}
+
+// Members lo .. hi - 1 of the group at op i: each element into a register, then its stores (st,
+// NULL: none).
 static void members(FILE *out, const IrFunc *f, int i, int n, int lo, int hi, const IrOperand *const *in, int nin,
-                    const int *out_op, int nout, const char *indent) {
+                    const Stores *st, const char *indent) {
   for (int j = lo; j < hi; j++) {
     const IrOp *op = f->ops[i + j];
     fprintf(out, "%sconst float v%d = ", indent, j);
     expression(out, f, i, n, op, in, nin);
     fprintf(out, ";   // %s\n", ir_op_info[op->kind].name);
-    for (int p = 0; p < nout; p++)
-      if (out_op[p] == j) fprintf(out, "%so%d[i] = v%d;\n", indent, p, j);
+    if (st) store(out, st, j, indent);
   }
 }
 
-// A group of column sums: each member's tiles (mk_colsum_tile of codegen/cuda/ffn.cu, with its own
-// shape's tile width, as its own kernel would) one after the other in one tile space that the
-// blocks stride over. *grid gets minus the number of tiles (a block per tile).
-static void colsums(FILE *out, const IrFunc *f, int i, int n, const IrOperand *const *in, int nin, int64_t *grid) {
+// The launch a generated kernel is written for: items threads (one block per item where blocks),
+// and whether it synchronises (then the fake device runs its threads as fibers).
+typedef struct Grid {
+  int64_t items;
+  bool blocks, syncs;
+} Grid;
+
+// The body of a group of column sums: each member's tiles (mk_colsum_tile of codegen/cuda/ffn.cu,
+// with its own shape's tile width, as its own kernel would) one after the other in one tile space
+// that the blocks stride over.
+static Grid colsums(FILE *out, const IrFunc *f, int i, int n, const IrOperand *const *in, int nin) {
   int64_t total = 0, e[CG_MAX_KERNEL_ARGS], rows[CG_MAX_KERNEL_ARGS], cols[CG_MAX_KERNEL_ARGS], tiles[CG_MAX_KERNEL_ARGS];
   for (int j = 0; j < n; j++) {
     const IrType *t0 = cg_operand_type(&f->ops[i + j]->args[0]);
@@ -145,10 +168,7 @@ static void colsums(FILE *out, const IrFunc *f, int i, int n, const IrOperand *c
     tiles[j] = e[j] * ((cols[j] + width - 1) / width);
     total += tiles[j];
   }
-  fprintf(out, "(");
-  for (int p = 0; p < nin; p++) fprintf(out, "%sconst float *a%d", p ? ", " : "", p);
-  for (int j = 0; j < n; j++) fprintf(out, ", float *o%d", j);
-  fprintf(out, ") {\n  for (i64 t = blockIdx.x; t < %" PRId64 "; t += gridDim.x) {\n", total);
+  fprintf(out, "  for (i64 t = blockIdx.x; t < %" PRId64 "; t += gridDim.x) {\n", total);
   int64_t first = 0;
   for (int j = 0; j < n; j++) {
     const IrOp *op = f->ops[i + j];
@@ -163,8 +183,45 @@ static void colsums(FILE *out, const IrFunc *f, int i, int n, const IrOperand *c
             first, ir_op_info[op->kind].name);
     first += tiles[j];
   }
-  fprintf(out, "  }\n}\n");
-  *grid = -total;
+  fprintf(out, "  }\n");
+  return (Grid){.items = total, .blocks = true, .syncs = true};
+}
+
+// The body of an elementwise group (a thread an element), or of one with a row-wise op: a block
+// (or a thread) a row, the prologue computed in each of the row function's loaders, the epilogue
+// in its storer.
+static Grid elements(FILE *out, const IrFunc *f, int i, int n, const IrOperand *const *in, int nin, const Stores *st) {
+  int row = -1;   // the member that is a row-wise op
+  for (int j = 0; j < n; j++)
+    if (ir_op_row(f->ops[i + j]->kind)) row = j;
+  int64_t numel = ir_type_numel(&f->ops[i]->result->type);
+  if (row < 0) {
+    fprintf(out, "  MK_FOR(i, %" PRId64 ") {\n", numel);
+    members(out, f, i, n, 0, n, in, nin, st, "    ");
+    fprintf(out, "  }\n");
+    return (Grid){.items = numel};
+  }
+  const IrOp *r = f->ops[i + row];
+  const IrRowInfo *ri = ir_op_row(r->kind);
+  const IrType *rt = &r->result->type;
+  int64_t cols = rt->dim[rt->rank - 1], rows = numel / cols;
+  fprintf(out, "  %s(row, %" PRId64 ") {\n    mk_%s_row(", ri->per_thread ? "MK_FOR" : "MK_FOR_BLOCKS", rows, ri->function);
+  for (int a = 0; a < r->nargs; a++) {
+    fprintf(out, "\n        [&](int c) {\n          const i64 i = row * %" PRId64 " + c;\n", cols);
+    members(out, f, i, n, 0, row, in, nin, NULL, "          ");
+    int made = member_making(f, i, n, r->args[a].value), p = 0;
+    while (made < 0 && p < nin && !same_operand(in[p], &r->args[a])) p++;
+    if (made >= 0) fprintf(out, "          return v%d;\n        },", made);
+    else fprintf(out, "          return a%d[i];\n        },", p);
+  }
+  fprintf(out, "\n        [&](int c, float v) {\n          const i64 i = row * %" PRId64 " + c;\n          const float v%d = v;   // %s\n",
+          cols, row, ir_op_info[r->kind].name);
+  store(out, st, row, "          ");
+  members(out, f, i, n, row + 1, n, in, nin, st, "          ");
+  fprintf(out, "        },\n        %" PRId64, cols);
+  if (ri->eps) fprintf(out, ", (float)%.17g", ir_op_float(r, "eps", 0));
+  fprintf(out, ");\n  }\n");
+  return (Grid){.items = rows, .blocks = !ri->per_thread, .syncs = !ri->per_thread};
 }
 
 bool cg_lower_fused(IrDiag *d, CgLaunches *ls, const IrFunc *f, int i, CgLaunch *l) {
@@ -173,7 +230,9 @@ bool cg_lower_fused(IrDiag *d, CgLaunches *ls, const IrFunc *f, int i, CgLaunch 
   l->nops = n;
   // The pointers: outside operands in first-read order, then the results that leave.
   const IrOperand *in[CG_MAX_KERNEL_ARGS];
-  int nin = 0, nout = 0, in_op[CG_MAX_KERNEL_ARGS], in_arg[CG_MAX_KERNEL_ARGS], out_op[CG_MAX_KERNEL_ARGS];
+  int nin = 0, in_op[CG_MAX_KERNEL_ARGS], in_arg[CG_MAX_KERNEL_ARGS];
+  Stores st = {.nout = 0};
+  bool colsum = ir_op_colsum(f->ops[i]->kind) >= 0;
   for (int j = 0; j < n; j++) {
     const IrOp *op = f->ops[i + j];
     for (int a = 0; a < op->nargs; a++) {
@@ -181,59 +240,28 @@ bool cg_lower_fused(IrDiag *d, CgLaunches *ls, const IrFunc *f, int i, CgLaunch 
       bool seen = false;
       for (int p = 0; p < nin && !seen; p++) seen = same_operand(in[p], &op->args[a]);
       if (seen) continue;
-      if (nin + nout >= CG_MAX_KERNEL_ARGS) return ir_internal_at(d, op->loc, "a fused group has more than %d pointers", CG_MAX_KERNEL_ARGS);
+      if (nin + st.nout >= CG_MAX_KERNEL_ARGS) return ir_internal_at(d, op->loc, "a fused group has more than %d pointers", CG_MAX_KERNEL_ARGS);
       in_op[nin] = j, in_arg[nin] = a, in[nin++] = &op->args[a];
     }
-    if (!ir_op_int(op, "inner", 0)) out_op[nout++] = j;
+    if (!ir_op_int(op, "inner", 0)) st.out[st.nout++] = j;
+    if (!colsum && ir_op_int(op, "bf16", 0) && st.ncopy < CG_MAX_KERNEL_ARGS) st.copy[st.ncopy++] = j;
   }
-  if (nin + nout > CG_MAX_KERNEL_ARGS) return ir_internal_at(d, f->ops[i]->loc, "a fused group has more than %d pointers", CG_MAX_KERNEL_ARGS);
-  int64_t numel = ir_type_numel(&f->ops[i]->result->type);
-
+  if (nin + st.nout + st.ncopy > CG_MAX_KERNEL_ARGS) return ir_internal_at(d, f->ops[i]->loc, "a fused group has more than %d pointers", CG_MAX_KERNEL_ARGS);
   struct {
     char *s;
     size_t n;
     FILE *f;
   } t = {0};   // the kernel's text after its name
   if (!(t.f = open_memstream(&t.s, &t.n))) return ir_oom(d);
-  if (ir_op_colsum(f->ops[i]->kind) >= 0) {
-    colsums(t.f, f, i, n, in, nin, &numel);
-  } else {
-  int row = -1;   // the member that is a row-wise op
-  for (int j = 0; j < n; j++)
-    if (ir_op_row(f->ops[i + j]->kind)) row = j;
-  const IrType *rt = &f->ops[i + (row >= 0 ? row : 0)]->result->type;
-  int64_t cols = rt->rank ? rt->dim[rt->rank - 1] : 1;
+  Grid grid;
   fprintf(t.f, "(");
   for (int p = 0; p < nin; p++) fprintf(t.f, "%sconst float *a%d", p ? ", " : "", p);
-  for (int p = 0; p < nout; p++) fprintf(t.f, "%sfloat *o%d", nin + p ? ", " : "", p);
-  if (row < 0) {
-    fprintf(t.f, ") {\n  MK_FOR(i, %" PRId64 ") {\n", numel);
-    members(t.f, f, i, n, 0, n, in, nin, out_op, nout, "    ");
-    fprintf(t.f, "  }\n}\n");
-  } else {   // one block a row: the prologue in each loader, the epilogue in the storer
-    const IrOp *r = f->ops[i + row];
-    fprintf(t.f, ") {\n  MK_FOR_BLOCKS(row, %" PRId64 ") {\n    mk_%s_row(", numel / cols, ir_op_row(r->kind));
-    for (int a = 0; a < r->nargs; a++) {
-      fprintf(t.f, "\n        [&](int c) {\n          const i64 i = row * %" PRId64 " + c;\n", cols);
-      members(t.f, f, i, n, 0, row, in, nin, out_op, 0, "          ");
-      int made = member_making(f, i, n, r->args[a].value), p = 0;
-      if (made >= 0) {
-        fprintf(t.f, "          return v%d;\n        },", made);
-        continue;
-      }
-      while (p < nin && !same_operand(in[p], &r->args[a])) p++;
-      fprintf(t.f, "          return a%d[i];\n        },", p);
-    }
-    fprintf(t.f, "\n        [&](int c, float v) {\n          const i64 i = row * %" PRId64 " + c;\n          const float v%d = v;   // %s\n",
-            cols, row, ir_op_info[r->kind].name);
-    int p = 0;
-    while (p < nout && out_op[p] < row) p++;
-    if (p < nout && out_op[p] == row) fprintf(t.f, "          o%d[i] = v%d;\n", p++, row);
-    members(t.f, f, i, n, row + 1, n, in, nin, out_op, nout, "          ");
-    fprintf(t.f, "        },\n        %" PRId64 ", (float)%.17g);\n  }\n}\n", cols, ir_op_float(r, "eps", 0));
-  }
-  if (row >= 0) numel = -(numel / cols);   // the grid: a block per row
-  }
+  for (int p = 0; p < st.nout; p++) fprintf(t.f, "%sfloat *o%d", nin + p ? ", " : "", p);
+  for (int p = 0; p < st.ncopy; p++) fprintf(t.f, ", u16 *h%d", p);
+  fprintf(t.f, ") {\n");
+  if (colsum) grid = colsums(t.f, f, i, n, in, nin);
+  else grid = elements(t.f, f, i, n, in, nin, &st);
+  fprintf(t.f, "}\n");
   if (fclose(t.f) != 0) {
     free(t.s);
     return ir_oom(d);
@@ -253,17 +281,18 @@ bool cg_lower_fused(IrDiag *d, CgLaunches *ls, const IrFunc *f, int i, CgLaunch 
     memset(k, 0, sizeof *k);
     snprintf(k->name, sizeof k->name, "mk_fuse_%d", g);
     k->source = t.s;
-    k->nparams = nin + nout;
-    k->syncs = numel < 0 || ir_op_colsum(f->ops[i]->kind) >= 0;
+    k->nparams = nin + st.nout + st.ncopy;
+    k->syncs = grid.syncs;
     size_t used = 0;
     for (int j = 0; j < n && used < sizeof k->ops; j++)
       used += (size_t)snprintf(k->ops + used, sizeof k->ops - used, "%s%s", j ? " + " : "", ir_op_info[f->ops[i + j]->kind].name);
   }
   CgKernelCall *c = &l->call[l->ncalls++];
   c->kernel = CG_K_COUNT + g;
-  c->grid = numel < 0 ? cg_cuda_grid_blocks(-numel) : cg_cuda_grid_elems(numel);
+  c->grid = grid.blocks ? cg_cuda_grid_blocks(grid.items) : cg_cuda_grid_elems(grid.items);
   for (int p = 0; p < nin; p++) c->args[c->nargs++] = (CgArg){.kind = CG_ARG_OPERAND, .index = in_arg[p], .i = in_op[p]};
-  for (int p = 0; p < nout; p++) c->args[c->nargs++] = (CgArg){.kind = CG_ARG_RESULT, .index = out_op[p]};
+  for (int p = 0; p < st.nout; p++) c->args[c->nargs++] = (CgArg){.kind = CG_ARG_RESULT, .index = st.out[p]};
+  for (int p = 0; p < st.ncopy; p++) c->args[c->nargs++] = (CgArg){.kind = CG_ARG_COPY, .index = st.copy[p]};
   snprintf(l->note, sizeof l->note, "%d ops fused", n);
   return true;
 }

@@ -43,6 +43,14 @@ void cg_spell_value(const CgSpelling *sp, const IrValue *v, char *buf, size_t n)
   UNREACHABLE();
 }
 
+bool cg_spell_copy(const CgSpelling *sp, const IrValue *v, char *buf, size_t n) {
+  const PassMemSlot *s = sp->plan->copy ? &sp->plan->copy[v->func->index][v->id] : NULL;
+  if (!s || s->kind != PASS_MEM_ARENA) return false;
+  if (sp->typed) snprintf(buf, n, "((uint16_t *)(%s + %" PRId64 "))", sp->arena, s->offset);
+  else snprintf(buf, n, "(%s + %" PRId64 ")", sp->arena, s->offset);
+  return true;
+}
+
 void cg_spell_operand(const CgSpelling *sp, const IrOperand *a, char *buf, size_t n) {
   if (a->param) snprintf(buf, n, "(%s + %" PRId64 ")", sp->params, sp->param_offset[a->param->index]);
   else cg_spell_value(sp, a->value, buf, n);
@@ -54,6 +62,9 @@ bool cg_spell_pointer(const CgSpelling *sp, const IrFunc *f, int i, const CgArg 
   switch (a->kind) {
   case CG_ARG_OPERAND: cg_spell_operand(sp, &f->ops[i + a->i]->args[a->index], buf, n); return true;
   case CG_ARG_RESULT: cg_spell_value(sp, f->ops[i + a->index]->result, buf, n); return true;
+  case CG_ARG_COPY:
+    if (!cg_spell_copy(sp, f->ops[i + a->index]->result, buf, n)) UNREACHABLE();   // memplan gives bf16=1 results one
+    return true;
   case CG_ARG_GRAD:
   case CG_ARG_MOMENT_M:
   case CG_ARG_MOMENT_V:

@@ -75,9 +75,14 @@ int64_t ir_capacity_slots(int64_t k, double f, int64_t tokens, int64_t experts);
 // The element of op k's result as a scalar expression (ir/scalar.def: the elementwise ops the
 // fuse pass groups and the CUDA target generates kernels for), or NULL.
 const char *ir_op_scalar(IrOpKind k);
-// The one-row device function of row-wise op k that a fused kernel can hold (ir/scalar.def's
-// IR_ROW: "layernorm" for mk_layernorm_row), or NULL.
-const char *ir_op_row(IrOpKind k);
+// A row-wise op a fused kernel can hold (ir/scalar.def's IR_ROW): its one-row device function
+// ("layernorm" for mk_layernorm_row), whether one thread does a row (else a block), whether the
+// function takes the op's eps. NULL for other ops.
+typedef struct IrRowInfo {
+  const char *function;
+  bool per_thread, eps;
+} IrRowInfo;
+const IrRowInfo *ir_op_row(IrOpKind k);
 // Whether op k is a column sum a fused kernel can run with others (ir/scalar.def's IR_COLSUM):
 // 1 when it multiplies by its second operand, 0 when not, -1 when it is none.
 int ir_op_colsum(IrOpKind k);

@@ -23,15 +23,15 @@ static const char *const op_scalar[IR_OP_COUNT] = {
 const char *ir_op_scalar(IrOpKind k) { return k >= 0 && k < IR_OP_COUNT ? op_scalar[k] : NULL; }
 
 // The row-wise ops of ir/scalar.def a fused kernel can hold: their one-row function.
-static const char *const op_row[IR_OP_COUNT] = {
+static const IrRowInfo op_row[IR_OP_COUNT] = {
 #define IR_SCALAR(E, EXPR)
-#define IR_ROW(E, FUNCTION) [IR_OP_##E] = FUNCTION,
+#define IR_ROW(E, FUNCTION, THREADS, EPS) [IR_OP_##E] = {FUNCTION, THREADS, EPS},
 #include "scalar.def"
 #undef IR_ROW
 #undef IR_SCALAR
 };
 
-const char *ir_op_row(IrOpKind k) { return k >= 0 && k < IR_OP_COUNT ? op_row[k] : NULL; }
+const IrRowInfo *ir_op_row(IrOpKind k) { return k >= 0 && k < IR_OP_COUNT && op_row[k].function ? &op_row[k] : NULL; }
 
 // The column sums of ir/scalar.def: 1 + WITH_X, 0 for other ops.
 static const int op_colsum[IR_OP_COUNT] = {

@@ -31,7 +31,8 @@
 // member gets the attribute `fuse=G` (G numbers the module's groups from 0). A member whose
 // result is read by no op outside its group (of any function: a backward reads saved forward
 // values) and is not returned also gets `inner=1`: the value lives only in the fused kernel's
-// registers, and memplan gives it no memory. codegen/fused.c generates each group's kernel
+// registers, and memplan gives it no memory. With dtype bf16 a GEMM operand's maker also gets
+// `bf16=1` (bf16_copies below). codegen/fused.c generates each group's kernel
 // from the members' scalar expressions, in their order, so every element gets the float
 // operations of the ops' own kernels: fused and `moec build --no-fuse` (which skips this pass)
 // compute the same bits.
@@ -154,7 +155,8 @@ static bool can_join(const IrModule *m, const IrFunc *f, const Group *g, int b) 
       if (!seen) outside[nout++] = x;
     }
   }
-  return t.n + nout <= MAX_POINTERS;
+  int per = strcmp(ir_mod_str(m, "dtype", "fp32"), "bf16") == 0 ? 2 : 1;   // dtype bf16: room for the copies
+  return t.n * per + nout <= MAX_POINTERS;
 }
 
 // Groups the candidates of f; the groups of two or more ops get attributes (starting at *next_id)
@@ -239,11 +241,41 @@ static bool fuse_func(IrModule *m, IrFunc *f, PassCtx *ctx, int *next_id, int *n
   return true;
 }
 
+// dtype bf16: every GEMM operand made by an op of the step (not an argument) gets a bf16 copy
+// beside it (`bf16=1` on its maker; memplan gives the copy its bytes for the value's whole life),
+// so that a value is rounded once however many GEMMs read it (a saved activation is read again
+// by the backward). A fused kernel writes the copy where it writes the value; an elementwise or
+// row-wise op that is in no group becomes a group of its own (a kernel generated to write both);
+// the copy of any other op's value is made by the program before its first GEMM.
+static int bf16_copies(IrModule *m, int *next_id) {
+  int n = 0;
+  for (int fi = 0; fi < m->nfuncs; fi++) {
+    IrFunc *f = m->funcs[fi];
+    for (int i = 0; i < f->nops; i++) {
+      const IrOp *op = f->ops[i];
+      if (op->kind != IR_OP_MATMUL && op->kind != IR_OP_EXPERT_MATMUL) continue;
+      for (int a = 0; a < 2; a++) {
+        IrValue *v = op->args[a].value;
+        if (!v || !v->def || v->type.dtype != IR_F32 || ir_op_int(v->def, "bf16", 0)) continue;
+        IrOp *maker = v->def;
+        ir_op_set_int(maker, "bf16", 1);
+        n++;
+        if (ir_op_int(maker, "fuse", -1) < 0 && ir_op_colsum(maker->kind) < 0 && candidate(v->func, maker))
+          ir_op_set_int(maker, "fuse", (*next_id)++);
+      }
+    }
+  }
+  return n;
+}
+
 bool pass_fuse(IrModule *m, PassCtx *ctx) {
   if (!ctx->fuse) return true;
   int next_id = 0, nfused = 0, ninner = 0;
   for (int fi = 0; fi < m->nfuncs; fi++)
     if (!fuse_func(m, m->funcs[fi], ctx, &next_id, &nfused, &ninner)) return false;
+  int copies = strcmp(ir_mod_str(m, "dtype", "fp32"), "bf16") == 0 ? bf16_copies(m, &next_id) : 0;
+  if (ctx->verbose && copies)
+    fprintf(ctx->log ? ctx->log : stderr, "# fuse: dtype bf16: %d GEMM operands with a bf16 copy beside them\n", copies);
   if (ctx->verbose)
     fprintf(ctx->log ? ctx->log : stderr,
             "# fuse: %d ops in %d fused kernels; %d of their results never leave the kernel\n", nfused,

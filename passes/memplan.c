@@ -10,7 +10,8 @@
 // and an offset in one arena, packed first-fit by position so buffers whose ranges do not
 // overlap share bytes. A value whose only use is `param.grad` is written straight into that
 // parameter's gradient buffer. A result the fuse pass keeps inside its fused kernel (`inner=1`)
-// gets no memory (PASS_MEM_NONE). The final layer output stays alive to the end of the step (the
+// gets no memory (PASS_MEM_NONE); a result whose maker has `bf16=1` (dtype bf16: a GEMM operand)
+// gets a second slot, its bf16 copy, over the same range (PassMemPlan.copy). The final layer output stays alive to the end of the step (the
 // binary's --dump reads it after the backward pass).
 //
 // Streams. A function whose ops the schedule put on the intra or inter stream runs them
@@ -55,13 +56,16 @@ typedef struct Ranges {
   Item *items;            // the same in definition order, for packing
   int64_t used;
   PassMemSlot ***where;   // [nfuncs][nvalues]
+  PassMemSlot ***copy;    // [nfuncs][nvalues]: the bf16 copy of a value whose maker has bf16=1, else NULL
   int nfuncs;
   int nstreamed;          // functions with concurrent streams (no reuse inside them)
 } Ranges;
 
 static void ranges_free(Ranges *R) {
   for (int fi = 0; R->where && fi < R->nfuncs; fi++) free(R->where[fi]);
+  for (int fi = 0; R->copy && fi < R->nfuncs; fi++) free(R->copy[fi]);
   free(R->where);
+  free(R->copy);
   free(R->storage);
   free(R->items);
 }
@@ -236,13 +240,15 @@ static bool live_ranges(IrModule *m, PassCtx *ctx, Ranges *R) {
   int64_t nvalues = 0;
   for (int i = 0; i < m->nfuncs; i++) nvalues += m->funcs[i]->nvalues;
   R->nfuncs = m->nfuncs;
-  R->storage = calloc((size_t)nvalues + 1, sizeof *R->storage);
-  R->items = calloc((size_t)nvalues + 1, sizeof *R->items);
+  R->storage = calloc(2 * (size_t)nvalues + 1, sizeof *R->storage);   // a bf16 copy at most per value
+  R->items = calloc(2 * (size_t)nvalues + 1, sizeof *R->items);
   R->where = calloc((size_t)m->nfuncs + 1, sizeof *R->where);
+  R->copy = calloc((size_t)m->nfuncs + 1, sizeof *R->copy);
   int64_t *fstart = calloc((size_t)m->nfuncs + 1, sizeof *fstart), *fend = calloc((size_t)m->nfuncs + 1, sizeof *fend);
-  bool ok = R->storage && R->items && R->where && fstart && fend;
+  bool ok = R->storage && R->items && R->where && R->copy && fstart && fend;
   for (int fi = 0; ok && fi < m->nfuncs; fi++)
-    ok = (R->where[fi] = calloc((size_t)m->funcs[fi]->nvalues + 1, sizeof(PassMemSlot *))) != NULL;
+    ok = (R->where[fi] = calloc((size_t)m->funcs[fi]->nvalues + 1, sizeof(PassMemSlot *))) != NULL &&
+         (R->copy[fi] = calloc((size_t)m->funcs[fi]->nvalues + 1, sizeof(PassMemSlot *))) != NULL;
   if (!ok) {
     free(fstart);
     free(fend);
@@ -272,6 +278,13 @@ static bool live_ranges(IrModule *m, PassCtx *ctx, Ranges *R) {
       R->items[R->used] = (Item){s, R->used};
       R->used++;
       R->where[fi][op->result->id] = s;
+      if (ir_op_int(op, "bf16", 0)) {   // its bf16 copy: as long as the value (set after pass 1)
+        PassMemSlot *c = &R->storage[R->used];
+        *c = (PassMemSlot){.kind = PASS_MEM_ARENA, .first = first, .last = pos, .bytes = ir_type_numel(&op->result->type) * 2};
+        R->items[R->used] = (Item){c, R->used};
+        R->used++;
+        R->copy[fi][op->result->id] = c;
+      }
     }
     for (int r = 0; r < f->nrets; r++) {
       PassMemSlot *s = R->where[fi][f->rets[r]->id];
@@ -283,6 +296,9 @@ static bool live_ranges(IrModule *m, PassCtx *ctx, Ranges *R) {
   free(fstart);
   free(fend);
   if (ok) step_ends(m, R);
+  for (int fi = 0; ok && fi < m->nfuncs; fi++)   // a bf16 copy lives as long as its value
+    for (int v = 0; v < m->funcs[fi]->nvalues; v++)
+      if (R->copy[fi][v] && R->where[fi][v]) R->copy[fi][v]->last = R->where[fi][v]->last;
   return ok;
 }
 
@@ -344,18 +360,21 @@ bool pass_memplan(IrModule *m, PassCtx *ctx) {
   pass_ctx_free(ctx);
   ctx->memplan = plan;
   plan->slot = calloc((size_t)m->nfuncs + 1, sizeof *plan->slot);
-  if (!plan->slot) return ir_oom(ctx->d);
+  plan->copy = calloc((size_t)m->nfuncs + 1, sizeof *plan->copy);
+  if (!plan->slot || !plan->copy) return ir_oom(ctx->d);
   plan->nfuncs = m->nfuncs;
   bool ok = true;
   for (int fi = 0; ok && fi < m->nfuncs; fi++)
-    ok = (plan->slot[fi] = calloc((size_t)m->funcs[fi]->nvalues + 1, sizeof(PassMemSlot))) != NULL;
+    ok = (plan->slot[fi] = calloc((size_t)m->funcs[fi]->nvalues + 1, sizeof(PassMemSlot))) != NULL &&
+         (plan->copy[fi] = calloc((size_t)m->funcs[fi]->nvalues + 1, sizeof(PassMemSlot))) != NULL;
   if (!ok) return ir_oom(ctx->d);
   Ranges R = {.input = {.kind = PASS_MEM_INPUT}, .target = {.kind = PASS_MEM_TARGET}};
   ok = live_ranges(m, ctx, &R) && pack(ctx, &R, plan);
   for (int fi = 0; ok && fi < m->nfuncs; fi++)
     for (int v = 0; v < m->funcs[fi]->nvalues; v++) {
-      PassMemSlot *s = R.where[fi][v];
+      PassMemSlot *s = R.where[fi][v], *c = R.copy[fi][v];
       plan->slot[fi][v] = s ? *s : (PassMemSlot){.kind = PASS_MEM_NONE};
+      plan->copy[fi][v] = c ? *c : (PassMemSlot){.kind = PASS_MEM_NONE};
     }
   ranges_free(&R);
   if (!ok) return false;

@@ -30,6 +30,7 @@ typedef struct PassMemSlot {
 typedef struct PassMemPlan {
   int nfuncs;
   PassMemSlot **slot;        // slot[func index][value id] (function args resolve to their source)
+  PassMemSlot **copy;        // copy[func index][value id]: the value's bf16 copy (`bf16=1` on its maker), else NONE
   int64_t arena_bytes;       // peak of the activation arena
   int64_t unshared_bytes;    // what the activations would take without reuse
   int64_t param_bytes;       // parameters (and as much again for gradients)

@@ -64,6 +64,16 @@ extern "C" __global__ void mk_gate_noise(const float *logits, float *out, int s,
   }
 }
 
+// ---- prelude: the softmax gradient of one row ----
+// dx = y * (dy - sum(dy * y)), the sum in double (rt_softmax_grad), over loaders dy(j), y(j) and a
+// storer dx(j, v): one thread a row, for mk_softmax_grad and the fused kernels (codegen/fused.c).
+template <class D, class Y, class X> __device__ void mk_softmax_grad_row(D dy, Y y, X dx, int e) {
+  double dot = 0.0;
+  for (int j = 0; j < e; j++) dot += (double)dy(j) * y(j);
+  float d = (float)dot;
+  for (int j = 0; j < e; j++) dx(j, y(j) * (dy(j) - d));
+}
+
 // ---- mk_softmax ----
 extern "C" __global__ void mk_softmax(const float *x, float *y, int s, int e) {
   MK_FOR(t, s) mk_row_softmax(x + t * e, y + t * e, e);
@@ -74,10 +84,7 @@ extern "C" __global__ void mk_softmax_grad(const float *dy, const float *y, floa
   MK_FOR(t, s) {
     const float *dr = dy + t * e, *yr = y + t * e;
     float *xr = dx + t * e;
-    double dot = 0.0;
-    for (int j = 0; j < e; j++) dot += (double)dr[j] * yr[j];
-    float d = (float)dot;
-    for (int j = 0; j < e; j++) xr[j] = yr[j] * (dr[j] - d);
+    mk_softmax_grad_row([&](int j) { return dr[j]; }, [&](int j) { return yr[j]; }, [&](int j, float v) { xr[j] = v; }, e);
   }
 }
 

@@ -15,10 +15,14 @@
 
 #define MK_FUSED static
 
-// The pointer the launch's argument holds.
-static inline float *mk_ptr(void *arg) {
-  float *p;
-  memcpy(&p, arg, sizeof p);
+// The pointer the launch's argument holds, as the kernel's parameter type (float *, u16 *).
+struct MkPtr {
+  void *p;
+  template <class T> operator T *() const { return (T *)p; }
+};
+static inline MkPtr mk_ptr(void *arg) {
+  MkPtr p;
+  memcpy(&p.p, arg, sizeof p.p);
   return p;
 }
 

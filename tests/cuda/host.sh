@@ -319,20 +319,26 @@ fi
 
 # bf16 operands made once: the parameters' bf16 copy P16 (written by the update's kernel,
 # mk_adamw_ranges / mk_sgd_ranges, as it updates them; rounded at the first forward after an upload)
-# is what the GEMMs read for a weight, and a value rounded for one GEMM is read again, not rounded
-# again, by the next GEMM on its stream (the backward's dY @ W^T then X^T @ dY). moec build -v
-# counts the casts per step function: tiny's forward rounds each GEMM's activation (6 casts for 6
-# GEMMs), its backward 12 casts for 12 GEMMs (24 without the reuse).
+# is what the GEMMs read for a weight. Op by op (--no-fuse) a value rounded for one GEMM is read
+# again, not rounded again, by the next GEMM on its stream (the backward's dY @ W^T then X^T @ dY):
+# tiny's forward rounds each GEMM's activation (6 casts for 6 GEMMs), its backward 12 casts for 12
+# GEMMs (24 without the reuse). Fused, a GEMM operand has a bf16 copy of its own that the fused
+# kernel making it writes, or that is rounded once a step: fewer casts still (the backward reads
+# the forward's copies of saved activations).
 if "$MOEC" build "$WORK/tiny_bf16.moe" --target cuda --emit c -v -o "$WORK/tiny_bf16.c" 2>"$WORK/v.err" &&
-   fwd=$(grep -m1 '^# launches: forward' "$WORK/v.err") && bwd=$(grep -m1 '^# launches: backward' "$WORK/v.err") &&
+   "$MOEC" build "$WORK/tiny_bf16.moe" --target cuda --no-fuse --emit c -v -o "$WORK/tiny_bf16n.c" 2>"$WORK/vn.err" &&
+   fwd=$(grep -m1 '^# launches: forward' "$WORK/vn.err") && bwd=$(grep -m1 '^# launches: backward' "$WORK/vn.err") &&
    echo "$fwd" | grep -q '(6 bf16 casts),   6 GEMMs' && echo "$bwd" | grep -q '(12 bf16 casts),  12 GEMMs' &&
+   ffwd=$(sed -n 's/^# launches: forward .*(\([0-9]*\) bf16 casts).*/\1/p' "$WORK/v.err") &&
+   fbwd=$(sed -n 's/^# launches: backward .*(\([0-9]*\) bf16 casts).*/\1/p' "$WORK/v.err") &&
+   [ -n "$ffwd" ] && [ -n "$fbwd" ] && [ "$ffwd" -lt 6 ] && [ "$fbwd" -lt 12 ] &&
    [ "$(grep -c 'rt_cuda_expert_gemm(cu, RT_STREAM_COMPUTE, RT_CUDA_BF16, [^;]*(P16 + ' "$WORK/tiny_bf16.c")" -eq 8 ] &&
    grep -q 'launch([0-9]*, RT_STREAM_COMPUTE, mk_\(adamw\|sgd\)_ranges, .*PTR((P16 + 0))});' "$WORK/tiny_bf16.c" &&
    ! grep -q 'p16_fresh = false;   /\* rounded again' "$WORK/tiny_bf16.c" &&
    grep -q 'if (what & RT_DEVICE_PARAMS) p16_fresh = false;' "$WORK/tiny_bf16.c"; then
-  ok "cuda host tiny bf16: weights read from P16, which the update writes, a value's bf16 copy reused by the next GEMM ('${fwd#\# launches: }'; backward 12 casts for 12 GEMMs)"
+  ok "cuda host tiny bf16: weights read from P16, which the update writes; op by op a value's bf16 copy reused by the next GEMM ('${fwd#\# launches: }'; backward 12 casts for 12 GEMMs), fused $ffwd and $fbwd casts"
 else
-  bad "cuda host tiny bf16: P16 and the reused bf16 copies" "$(grep launches "$WORK/v.err"; tail -n 5 "$WORK/v.err")"
+  bad "cuda host tiny bf16: P16 and the reused bf16 copies" "$(grep launches "$WORK/v.err" "$WORK/vn.err"; tail -n 5 "$WORK/v.err")"
 fi
 
 # The update in one launch (issue 39): the optimizer's kernel over a table of ranges, one per
@@ -388,6 +394,26 @@ if MOEC_CUDA_FAKE=1 "$MOEC" build lang/models/gpt_moe_bytes.moe --target cuda -v
   ok "cuda host: gpt_moe_bytes fused ($groups groups: ${fk% *} kernels a step, ${mb% *} MB) trains as --no-fuse ($nk kernels, ${mb#* } MB): losses and --dump equal ($why)"
 else
   bad "cuda host: gpt_moe_bytes fused against --no-fuse" "$(grep -E 'per step|traffic|fuse' "$WORK/gf.err" "$WORK/gn.err"; tail -n 5 "$WORK/gf.err" "$WORK/gmbf.cuda.out" "$WORK/gmbn.cuda.out" 2>/dev/null)"
+fi
+
+# dtype bf16 (issue 39): every GEMM operand has a bf16 copy of its own, written by the fused kernel
+# that makes the value (or rounded once a step before its first GEMM), instead of a cast per GEMM:
+# gpt_moe_bytes in bf16 launches at most 10 % more kernels than in fp32, trains to the bits of its
+# --no-fuse build, and its "unfused" count is what that build launches.
+sed 's/dtype fp32;/dtype bf16;/' lang/models/gpt_moe_bytes.moe >"$WORK/gmb16.moe"
+if grep -q 'dtype bf16;' "$WORK/gmb16.moe" &&
+   MOEC_CUDA_FAKE=1 "$MOEC" build "$WORK/gmb16.moe" --target cuda -v -o "$WORK/gmb16f.cuda" 2>"$WORK/bf.err" &&
+   MOEC_CUDA_FAKE=1 "$MOEC" build "$WORK/gmb16.moe" --target cuda --no-fuse -v -o "$WORK/gmb16n.cuda" 2>"$WORK/bn.err" &&
+   bk=$(sed -n 's/^# launches: \([0-9]*\) kernels, .* per step (unfused: \([0-9]*\) kernels)$/\1 \2/p' "$WORK/bf.err") &&
+   bn=$(sed -n 's/^# launches: \([0-9]*\) kernels, .* per step (--no-fuse: each op alone)$/\1/p' "$WORK/bn.err") &&
+   f32=$(sed -n 's/^# launches: \([0-9]*\) kernels, .* per step (unfused: .*/\1/p' "$WORK/gf.err") &&
+   [ -n "$bn" ] && [ -n "$f32" ] && [ "${bk#* }" = "$bn" ] && [ $((100 * ${bk% *})) -le $((110 * f32)) ] &&
+   run gmb16f cuda 1 --steps 2 --dump gmb16f.dump && run gmb16n cuda 1 --steps 2 --dump gmb16n.dump &&
+   same_losses "$WORK/gmb16f.cuda.out" "$WORK/gmb16n.cuda.out" 0 &&
+   why=$(compare_dumps "$WORK/gmb16f.dump" "$WORK/gmb16n.dump" 0); then
+  ok "cuda host: gpt_moe_bytes bf16 fused: ${bk% *} kernels a step against $f32 in fp32 (at most +10 %), $bn op by op; trains as --no-fuse ($why)"
+else
+  bad "cuda host: gpt_moe_bytes bf16 fused" "$(grep -E 'per step|copy|casts' "$WORK/bf.err" "$WORK/bn.err" "$WORK/gf.err"; tail -n 5 "$WORK/bf.err" "$WORK/gmb16f.cuda.out" 2>/dev/null)"
 fi
 
 # bench/gpu_lm.sh, which a GPU session runs (a language model's step beside PyTorch's): its --quick

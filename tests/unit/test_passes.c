@@ -85,17 +85,18 @@ static void check_plan(const Built *b) {
   assert_non_null(plan);
   int64_t n = 0;
   for (int i = 0; i < b->m->nfuncs; i++) n += b->m->funcs[i]->nvalues;
-  const PassMemSlot **all = calloc((size_t)n, sizeof *all);
+  const PassMemSlot **all = calloc(2 * (size_t)n, sizeof *all);
   int64_t k = 0;
   for (int i = 0; i < b->m->nfuncs; i++)
-    for (int v = 0; v < b->m->funcs[i]->nvalues; v++) {
-      const PassMemSlot *s = &plan->slot[i][v];
-      if (s->kind == PASS_MEM_ARENA && b->m->funcs[i]->values[v]->def) {
-        assert_true(s->offset % 64 == 0);
-        assert_true(s->offset + s->bytes <= plan->arena_bytes);
-        all[k++] = s;
+    for (int v = 0; v < b->m->funcs[i]->nvalues; v++)
+      for (int c = 0; c < 2; c++) {   // the value's slot, then its bf16 copy's (dtype bf16)
+        const PassMemSlot *s = c ? &plan->copy[i][v] : &plan->slot[i][v];
+        if (s->kind == PASS_MEM_ARENA && b->m->funcs[i]->values[v]->def) {
+          assert_true(s->offset % 64 == 0);
+          assert_true(s->offset + s->bytes <= plan->arena_bytes);
+          all[k++] = s;
+        }
       }
-    }
   for (int64_t i = 0; i < k; i++)
     for (int64_t j = i + 1; j < k; j++) {
       const PassMemSlot *x = all[i], *y = all[j];
@@ -195,6 +196,36 @@ static void test_fuse_groups_elementwise_chains(void **state) {
   build_fused(&b, model_text(2, 1.0, 2, 1), false);
   for (int fi = 0; fi < b.m->nfuncs; fi++)
     for (int i = 0; i < b.m->funcs[fi]->nops; i++) assert_int_equal(ir_op_int(b.m->funcs[fi]->ops[i], "fuse", -1), -1);
+  release(&b);
+
+  // dtype bf16: every GEMM operand the step makes has a bf16 copy (2 bytes an element) that lives
+  // as long as it, without sharing bytes with anything alive beside it.
+  char text[2048];
+  snprintf(text, sizeof text, "%s", model_text(2, 1.0, 2, 1));
+  char *dt = strstr(text, "dtype fp32");
+  assert_non_null(dt);
+  memcpy(dt, "dtype bf16", 10);
+  build_fused(&b, text, true);
+  check_plan(&b);
+  int copies = 0;
+  for (int fi = 0; fi < b.m->nfuncs; fi++) {
+    const IrFunc *f = b.m->funcs[fi];
+    for (int i = 0; i < f->nops; i++) {
+      const IrOp *op = f->ops[i];
+      if (op->kind != IR_OP_MATMUL && op->kind != IR_OP_EXPERT_MATMUL) continue;
+      for (int a = 0; a < 2; a++) {
+        const IrValue *v = op->args[a].value;
+        if (!v || !v->def) continue;
+        const PassMemSlot *c = &b.ctx.memplan->copy[v->func->index][v->id], *s = &b.ctx.memplan->slot[v->func->index][v->id];
+        assert_int_equal(ir_op_int(v->def, "bf16", 0), 1);
+        assert_int_equal(c->kind, PASS_MEM_ARENA);
+        assert_int_equal(c->bytes, ir_type_numel(&v->type) * 2);
+        assert_true(c->last == s->last);
+        copies++;
+      }
+    }
+  }
+  assert_true(copies >= 4);
   release(&b);
 }
 
