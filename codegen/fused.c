@@ -187,6 +187,37 @@ static Grid colsums(FILE *out, const IrFunc *f, int i, int n, const IrOperand *c
   return (Grid){.items = total, .blocks = true, .syncs = true};
 }
 
+// The body of a group that starts with an op of a storing function: that function with the
+// arguments of the op's own kernel (cg_lower_op), a storer in place of the result that computes
+// the other members per element, on the op's own grid.
+static Grid stored(FILE *out, const IrFunc *f, int i, int n, const IrOperand *const *in, int nin, const Stores *st) {
+  const IrOp *op = f->ops[i];
+  CgLaunch l;
+  if (!cg_lower_op(op, &l) || l.ncalls != 1) UNREACHABLE();   // tests/unit checks the IR_STORE rows
+  const CgKernelCall *c = &l.call[0];
+  fprintf(out, "  mk_%s_store(", ir_op_store(op->kind));
+  for (int a = 0; a < c->nargs; a++) {
+    const CgArg *x = &c->args[a];
+    fprintf(out, "%s", !a ? "" : x->kind == CG_ARG_RESULT ? "," : ", ");
+    if (x->kind == CG_ARG_OPERAND) {
+      int p = 0;
+      while (p < nin && !same_operand(in[p], &op->args[x->index])) p++;
+      fprintf(out, "a%d", p);
+    } else if (x->kind == CG_ARG_RESULT) {
+      fprintf(out, "\n      [&](i64 i, float v) {\n        const float v0 = v;   // %s\n", ir_op_info[op->kind].name);
+      store(out, st, 0, "        ");
+      members(out, f, i, n, 1, n, in, nin, st, "        ");
+      fprintf(out, "      }");
+    } else if (x->kind == CG_ARG_INT) {
+      fprintf(out, "%" PRId64, x->i);
+    } else {
+      UNREACHABLE();   // the IR_STORE ops' kernels take pointers and integers
+    }
+  }
+  fprintf(out, ");\n");
+  return (Grid){.items = c->grid, .blocks = true};
+}
+
 // The body of an elementwise group (a thread an element), or of one with a row-wise op: a block
 // (or a thread) a row, the prologue computed in each of the row function's loaders, the epilogue
 // in its storer.
@@ -255,11 +286,13 @@ bool cg_lower_fused(IrDiag *d, CgLaunches *ls, const IrFunc *f, int i, CgLaunch 
   if (!(t.f = open_memstream(&t.s, &t.n))) return ir_oom(d);
   Grid grid;
   fprintf(t.f, "(");
-  for (int p = 0; p < nin; p++) fprintf(t.f, "%sconst float *a%d", p ? ", " : "", p);
+  for (int p = 0; p < nin; p++)
+    fprintf(t.f, "%sconst %s *a%d", p ? ", " : "", cg_operand_type(in[p])->dtype == IR_I32 ? "int" : "float", p);
   for (int p = 0; p < st.nout; p++) fprintf(t.f, "%sfloat *o%d", nin + p ? ", " : "", p);
   for (int p = 0; p < st.ncopy; p++) fprintf(t.f, ", u16 *h%d", p);
   fprintf(t.f, ") {\n");
   if (colsum) grid = colsums(t.f, f, i, n, in, nin);
+  else if (ir_op_store(f->ops[i]->kind)) grid = stored(t.f, f, i, n, in, nin, &st);
   else grid = elements(t.f, f, i, n, in, nin, &st);
   fprintf(t.f, "}\n");
   if (fclose(t.f) != 0) {

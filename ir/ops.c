@@ -33,6 +33,17 @@ static const IrRowInfo op_row[IR_OP_COUNT] = {
 
 const IrRowInfo *ir_op_row(IrOpKind k) { return k >= 0 && k < IR_OP_COUNT && op_row[k].function ? &op_row[k] : NULL; }
 
+// The ops of ir/scalar.def a fused kernel can start with: their storing function.
+static const char *const op_store[IR_OP_COUNT] = {
+#define IR_SCALAR(E, EXPR)
+#define IR_STORE(E, FUNCTION) [IR_OP_##E] = FUNCTION,
+#include "scalar.def"
+#undef IR_STORE
+#undef IR_SCALAR
+};
+
+const char *ir_op_store(IrOpKind k) { return k >= 0 && k < IR_OP_COUNT ? op_store[k] : NULL; }
+
 // The column sums of ir/scalar.def: 1 + WITH_X, 0 for other ops.
 static const int op_colsum[IR_OP_COUNT] = {
 #define IR_SCALAR(E, EXPR)

@@ -19,6 +19,9 @@
 //   - the kernel has at most 16 pointers (its inputs from outside the group and the members'
 //     results), and the group spans at most 48 ops (so that it moves no op far: a moved op keeps
 //     its inputs alive longer).
+// An op with a storing function (the combine, order.decode, and its transpose order.encode.grad:
+// ir/scalar.def's IR_STORE) starts a group whose other members take its result's shape and run
+// where it stores each element (the residual add after the combine).
 // Column sums (bias gradients, a norm scale's gradient: ir/scalar.def's IR_COLSUM) make groups of
 // their own, of any shapes: one launch runs every member's tiles. A param.grad that copies a
 // member's result into the gradient does not hold a group back: it moves to right after it.
@@ -47,6 +50,7 @@ typedef struct Group {
   int member[MAX_MEMBERS];   // op indices, in program order
   int n;
   int row;                   // the member that is a row-wise op (ir_op_row), -1 none
+  bool store;                // its first member is an op with a storing function (ir_op_store)
   bool colsum;               // a group of column sums (ir_op_colsum), any shapes
   int64_t numel;
   IrStream stream;
@@ -60,11 +64,12 @@ static bool is_f32(const IrType *t) { return t->dtype == IR_F32; }
 // recorded or waited for, and it does not feed gate.topk (the gate's softmax or sigmoid, top-k
 // and gather are one kernel of their own: codegen/lower.c).
 static bool candidate(const IrFunc *f, const IrOp *op) {
-  if ((!ir_op_scalar(op->kind) && !ir_op_row(op->kind) && ir_op_colsum(op->kind) < 0) || !op->result ||
+  bool store = ir_op_store(op->kind) != NULL;
+  if ((!ir_op_scalar(op->kind) && !ir_op_row(op->kind) && ir_op_colsum(op->kind) < 0 && !store) || !op->result ||
       !is_f32(&op->result->type))
     return false;
   if (op->nwaits > 0 || op->event >= 0) return false;
-  for (int a = 0; a < op->nargs; a++) {
+  for (int a = 0; a < op->nargs && !store; a++) {   // (a storing op reads its routing's integers too)
     const IrOperand *x = &op->args[a];
     if (!is_f32(x->param ? &x->param->type : &x->value->type)) return false;
   }
@@ -113,6 +118,8 @@ static bool can_join(const IrModule *m, const IrFunc *f, const Group *g, int b) 
   const IrOp *ob = f->ops[b];
   bool row = ir_op_row(ob->kind) != NULL;
   if ((ir_op_colsum(ob->kind) >= 0) != g->colsum) return false;
+  if (ir_op_store(ob->kind)) return false;   // a storing op starts its group
+  if (g->store && (row || !ir_type_equal(&ob->result->type, &f->ops[g->member[0]]->result->type))) return false;
   if (row && g->row >= 0) return false;   // one row-wise op a kernel
   if (row || g->row >= 0) {   // a norm's kernel: every member of its shape, the prologue its own
     const IrType *rt = &f->ops[row ? b : g->member[g->row]]->result->type;
@@ -185,8 +192,8 @@ static bool fuse_func(IrModule *m, IrFunc *f, PassCtx *ctx, int *next_id, int *n
       if (can_join(m, f, &groups[g], b)) join = g;
     if (join < 0) {
       join = ngroups++;
-      groups[join] = (Group){.row = -1, .colsum = ir_op_colsum(op->kind) >= 0, .numel = ir_type_numel(&op->result->type),
-                             .stream = stream_of(op)};
+      groups[join] = (Group){.row = -1, .colsum = ir_op_colsum(op->kind) >= 0, .store = ir_op_store(op->kind) != NULL,
+                             .numel = ir_type_numel(&op->result->type), .stream = stream_of(op)};
     }
     if (ir_op_row(op->kind)) groups[join].row = groups[join].n;
     groups[join].member[groups[join].n++] = b;

@@ -38,10 +38,13 @@ extern "C" __global__ void mk_order_encode(const float *x, const int *idx, const
   }
 }
 
-// ---- mk_order_encode_grad ----
-// One block per token: the sum of its kept choices' slot rows, in choice order.
-extern "C" __global__ void mk_order_encode_grad(const float *ddisp, const int *idx, const int *loc, float *dx, int s,
-                                                int m, int k, int e, int g, int cap) {
+// ---- prelude: the combine's rows, over a storer ----
+// order.encode.grad and order.decode write each element of their result once, out(i, v) with i
+// its index in [s, m]: the kernels below store to memory, the fused kernels (codegen/fused.c,
+// ir/scalar.def's IR_STORE) compute elementwise ops after them (the residual add) in the storer.
+// One block per token: the sum of its kept choices' slot rows (times the gate), in choice order.
+template <class S> __device__ void mk_order_encode_grad_store(const float *ddisp, const int *idx, const int *loc, S out,
+                                                              int s, int m, int k, int e, int g, int cap) {
   if (g < 1) g = 1;
   MK_FOR_BLOCKS(t, s) {
     int gi = mk_group_of(s, g, (int)t);
@@ -51,15 +54,12 @@ extern "C" __global__ void mk_order_encode_grad(const float *ddisp, const int *i
         i64 c = t * k + j;
         if (mk_kept(loc, c, cap)) acc += ddisp[mk_slot(idx, loc, c, gi, cap, g) * m + i];
       }
-      dx[t * m + i] = acc;
+      out(t * m + i, acc);
     }
   }
 }
-
-// ---- mk_order_decode ----
-// One block per token: sum over kept choices of gate * expert output row, in choice order.
-extern "C" __global__ void mk_order_decode(const float *y, const int *idx, const int *loc, const float *gates,
-                                           float *out, int s, int m, int k, int e, int g, int cap) {
+template <class S> __device__ void mk_order_decode_store(const float *y, const int *idx, const int *loc, const float *gates,
+                                                         S out, int s, int m, int k, int e, int g, int cap) {
   if (g < 1) g = 1;
   MK_FOR_BLOCKS(t, s) {
     int gi = mk_group_of(s, g, (int)t);
@@ -69,9 +69,23 @@ extern "C" __global__ void mk_order_decode(const float *y, const int *idx, const
         i64 c = t * k + j;
         if (mk_kept(loc, c, cap)) acc += gates[c] * y[mk_slot(idx, loc, c, gi, cap, g) * m + i];
       }
-      out[t * m + i] = acc;
+      out(t * m + i, acc);
     }
   }
+}
+
+// ---- mk_order_encode_grad ----
+// One block per token: the sum of its kept choices' slot rows, in choice order.
+extern "C" __global__ void mk_order_encode_grad(const float *ddisp, const int *idx, const int *loc, float *dx, int s,
+                                                int m, int k, int e, int g, int cap) {
+  mk_order_encode_grad_store(ddisp, idx, loc, [&](i64 i, float v) { dx[i] = v; }, s, m, k, e, g, cap);
+}
+
+// ---- mk_order_decode ----
+// One block per token: sum over kept choices of gate * expert output row, in choice order.
+extern "C" __global__ void mk_order_decode(const float *y, const int *idx, const int *loc, const float *gates,
+                                           float *out, int s, int m, int k, int e, int g, int cap) {
+  mk_order_decode_store(y, idx, loc, gates, [&](i64 i, float v) { out[i] = v; }, s, m, k, e, g, cap);
 }
 
 // ---- mk_order_decode_grad_y ----

@@ -23,6 +23,19 @@
 
 static bool ir_attrs_has_key(const char *keys, const char *key) { return strstr(keys, key) != NULL; }
 
+// An IR_STORE op's KERNEL rule: one kernel whose parameters are pointers (operands, the result)
+// and integers, which codegen/fused.c passes to the storing function.
+static void check_store_rule(const char *rule, const char *name) {
+  if (strchr(rule, ';')) fail_msg("%s: IR_STORE with a KERNEL rule of several kernels", name);
+  char kernel[64];
+  size_t len = strcspn(rule, "(");
+  snprintf(kernel, sizeof kernel, "%.*s", (int)len, rule);
+  int k = cg_kernel_by_name(kernel);
+  if (k < 0) fail_msg("%s: no kernel %s", name, kernel);
+  for (const char *c = cg_kernel_info[k].sig; *c; c++)
+    if (*c != 'p' && *c != 'i') fail_msg("%s: IR_STORE's kernel %s takes a parameter other than pointers and ints", name, kernel);
+}
+
 static void test_every_rule_is_well_formed(void **state) {
   (void)state;
   int shapes = 0, grads = 0, kernels = 0;
@@ -51,7 +64,7 @@ static void test_every_rule_is_well_formed(void **state) {
     if (ir_op_info[k].nres != 1) fail_msg("%s: a scalar expression but no result", ir_op_info[k].name);
     if (!cg_scalar_check(e, ir_op_info[k].nargs, why, sizeof why)) fail_msg("%s: SCALAR \"%s\": %s", ir_op_info[k].name, e, why);
   }
-  int rows = 0, colsums = 0;
+  int rows = 0, colsums = 0, stores = 0;
   for (int k = 0; k < IR_OP_COUNT; k++) {
     if (ir_op_row((IrOpKind)k)) {   // a row function of the CUDA prelude, taking a loader per operand
       char fn[64];
@@ -61,14 +74,21 @@ static void test_every_rule_is_well_formed(void **state) {
         fail_msg("%s: IR_ROW takes eps, the op has none", ir_op_info[k].name);
       rows++;
     }
+    if (ir_op_store((IrOpKind)k)) {   // a storing function; its kernel: one call of pointers and integers
+      char fn[64];
+      snprintf(fn, sizeof fn, "mk_%s_store(", ir_op_store((IrOpKind)k));
+      if (!strstr(cg_cuda_prelude(), fn)) fail_msg("%s: IR_STORE names %s, not in the CUDA prelude", ir_op_info[k].name, fn);
+      check_store_rule(ir_op_info[k].kernel, ir_op_info[k].name);
+      stores++;
+    }
     if (ir_op_colsum((IrOpKind)k) >= 0) {
       if (ir_op_info[k].nargs != 1 + ir_op_colsum((IrOpKind)k)) fail_msg("%s: IR_COLSUM's operands", ir_op_info[k].name);
       colsums++;
     }
   }
-  printf("# %d elementwise ops as scalar expressions, %d row-wise ops, %d column sums a fused kernel can hold\n", scalars,
-         rows, colsums);
-  assert_true(rows >= 4 && colsums >= 3);
+  printf("# %d elementwise ops as scalar expressions, %d row-wise ops, %d column sums, %d storing ops a fused kernel can hold\n",
+         scalars, rows, colsums, stores);
+  assert_true(rows >= 4 && colsums >= 3 && stores >= 2);
   assert_true(scalars >= 10);
   // every kernel of runtime/kernels.def has a name and at most CG_MAX_KERNEL_ARGS parameters
   for (int k = 0; k < CG_K_COUNT; k++) {

@@ -161,7 +161,7 @@ static void test_fuse_groups_elementwise_chains(void **state) {
       const IrOp *op = f->ops[i];
       int64_t id = ir_op_int(op, "fuse", -1);
       if (id < 0) continue;
-      assert_true(ir_op_scalar(op->kind) || ir_op_row(op->kind) || ir_op_colsum(op->kind) >= 0);
+      assert_true(ir_op_scalar(op->kind) || ir_op_row(op->kind) || ir_op_colsum(op->kind) >= 0 || ir_op_store(op->kind));
       if (ir_op_colsum(op->kind) >= 0) colsums++;
       if (i == 0 || ir_op_int(f->ops[i - 1], "fuse", -1) != id) {   // a group's first op
         groups++;
