@@ -3,8 +3,9 @@
 //
 // An elementwise op is one with a scalar expression in ir/scalar.def (bias, add, mul, the
 // activations and their gradients, a norm's scale, a per-row scale, reshape, the division by a
-// scalar, expert biases, the sigmoid gate's elementwise parts); a row-wise op one with a row
-// function there (RMSNorm, LayerNorm and their gradients). Within a function, ops of these
+// scalar, expert biases, the sigmoid gate's elementwise parts, a slice of columns); a row-wise op
+// one with a row function there (RMSNorm, LayerNorm and their gradients, the gate softmax's
+// gradient). Within a function, ops of these
 // kinds with results of the same number of elements join a group when
 //   - one reads the result of another (a chain: bias then GELU, a scale then a bias, a residual
 //     add after a bias), or they are independent (three biases of q, k and v: one kernel);
