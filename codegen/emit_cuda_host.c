@@ -92,6 +92,7 @@ typedef struct Host {
   const IrValue **copied;         // the values rounded into their bf16 copy so far (value_copy)
   int ncopied, cap_copied;
   int64_t operand_casts;          // the GEMM operands' casts a step (mk_compress_bf16 launches)
+  double operand_cast_bytes;      // and the bytes they move
   // The tables of the update runs (CG_ARG_RANGES): every run's ranges, one after the other, copied
   // to the device (U) when it is created; ranges_at: the current launch's first range
   CgUpdateRange *ranges;
@@ -370,6 +371,7 @@ static bool emit_bf16_cast(Host *h, const IrFunc *f, const IrOp *op, int k, cons
   h->count[h->phase].kernels++, h->count[h->phase].casts++;
   h->count[h->phase].kernel_bytes += 6.0 * (double)n;
   h->operand_casts++;
+  h->operand_cast_bytes += 6.0 * (double)n;
   fprintf(h->out, "  launch(%d, %s, %s, %" PRId64 ", 0, (void *[]){PTR(%s), PTR(%s), I64(%" PRId64 ")});\n", site,
           cg_stream_enum(s), cg_cuda_kernel_name(h->ls, kernel), cg_cuda_grid_elems(n), src, dst, n);
   return true;
@@ -726,9 +728,10 @@ static bool is_update(const IrFunc *f) { return f->role == IR_ROLE_OPTIMIZER; }
 
 // dtype bf16: the GEMM operands' casts of the op-by-op program (--no-fuse): each value operand
 // rounded into a slot of its stream's scratch unless a slot holds it (bf16_operands without
-// copies), the slots forgotten at each function's start.
-static int64_t slot_casts(const Host *h) {
+// copies), the slots forgotten at each function's start; *bytes gets what they move.
+static int64_t slot_casts(const Host *h, double *bytes) {
   int64_t casts = 0;
+  *bytes = 0.0;
   for (int fi = 0; fi < h->m->nfuncs; fi++) {
     const IrFunc *f = h->m->funcs[fi];
     const IrValue *in_slot[4][2] = {{NULL}};
@@ -747,6 +750,7 @@ static int64_t slot_casts(const Host *h) {
         slot[k] = slot[1 - k] == 0 ? 1 : 0;
         in_slot[s][slot[k]] = op->args[k].value;
         casts++;
+        *bytes += 6.0 * (double)ir_type_numel(&op->args[k].value->type);
       }
     }
   }
@@ -771,7 +775,8 @@ static int64_t unfused_extra(const Host *h) {
         extra += cg_lower(h->plan, f, j, alone, &u) ? u.ncalls : 0;
     }
   }
-  if (h->bf16 && (how & CG_LOWER_FUSE)) extra += slot_casts(h) - h->operand_casts;
+  double bytes;
+  if (h->bf16 && (how & CG_LOWER_FUSE)) extra += slot_casts(h, &bytes) - h->operand_casts;
   return extra;
 }
 
@@ -787,6 +792,11 @@ static void print_counts(const Host *h, FILE *out, const char *pre, const char *
             pre, step_names[p], c->kernels, c->casts, c->gemms, c->comms, c->kernel_bytes / 1e6, c->gemm_bytes / 1e6, post);
     kernels += c->kernels, gemms += c->gemms, comms += c->comms, bytes += c->kernel_bytes, gemm_bytes += c->gemm_bytes;
     unfused_bytes += c->unfused_bytes;
+  }
+  double slot_bytes = 0.0;   // dtype bf16: the op-by-op program's casts instead of the copies' casts
+  if (h->bf16 && (cg_cuda_lowering(h->m) & CG_LOWER_FUSE)) {
+    slot_casts(h, &slot_bytes);
+    unfused_bytes += slot_bytes - h->operand_cast_bytes;
   }
   fprintf(out, "%slaunches: a step   %4" PRId64 " kernels, %3" PRId64 " GEMMs, %3" PRId64 " collectives or copies; "
                "kernels move %.1f MB, GEMMs %.1f MB (each operand read once, each result written once)%s",

@@ -377,7 +377,8 @@ fi
 # and v biases, bias + residual, expert bias + GELU, the gradient sums) run as generated kernels
 # (codegen/fused.c; on the fake device compiled into the program as host C++); the program trains
 # to the bits of its --no-fuse build (losses and every --dump tensor), launches fewer kernels and
-# moves fewer bytes than op by op, and its kernel unit has the generated kernels.
+# moves fewer bytes than op by op (its "unfused" numbers are the --no-fuse build's), and its kernel
+# unit has the generated kernels.
 if MOEC_CUDA_FAKE=1 "$MOEC" build lang/models/gpt_moe_bytes.moe --target cuda -v -o "$WORK/gmbf.cuda" 2>"$WORK/gf.err" &&
    MOEC_CUDA_FAKE=1 "$MOEC" build lang/models/gpt_moe_bytes.moe --target cuda --no-fuse -v -o "$WORK/gmbn.cuda" 2>"$WORK/gn.err" &&
    "$MOEC" build lang/models/gpt_moe_bytes.moe --target cuda --emit cuda -o "$WORK/gmbf.cu" 2>/dev/null &&
@@ -388,6 +389,7 @@ if MOEC_CUDA_FAKE=1 "$MOEC" build lang/models/gpt_moe_bytes.moe --target cuda -v
    groups=$(sed -n 's/^# fuse: \([0-9]*\) ops in \([0-9]*\) fused kernels.*/\2/p' "$WORK/gf.err") &&
    [ -n "$nk" ] && [ "${fk#* }" = "$nk" ] && [ "${fk% *}" -lt "$nk" ] && [ -n "$groups" ] && [ "$groups" -gt 10 ] &&
    awk -v a="${mb% *}" -v b="${mb#* }" 'BEGIN { exit !(a < b) }' &&
+   grep -q "^# launches: a step .* kernels move ${mb#* } MB" "$WORK/gn.err" &&
    run gmbf cuda 1 --steps 2 --dump gmbf.dump && run gmbn cuda 1 --steps 2 --dump gmbn.dump &&
    same_losses "$WORK/gmbf.cuda.out" "$WORK/gmbn.cuda.out" 0 &&
    why=$(compare_dumps "$WORK/gmbf.dump" "$WORK/gmbn.dump" 0); then
@@ -399,7 +401,7 @@ fi
 # dtype bf16 (issue 39): every GEMM operand has a bf16 copy of its own, written by the fused kernel
 # that makes the value (or rounded once a step before its first GEMM), instead of a cast per GEMM:
 # gpt_moe_bytes in bf16 launches at most 10 % more kernels than in fp32, trains to the bits of its
-# --no-fuse build, and its "unfused" count is what that build launches.
+# --no-fuse build, and its "unfused" count and traffic are what that build launches and moves.
 sed 's/dtype fp32;/dtype bf16;/' lang/models/gpt_moe_bytes.moe >"$WORK/gmb16.moe"
 if grep -q 'dtype bf16;' "$WORK/gmb16.moe" &&
    MOEC_CUDA_FAKE=1 "$MOEC" build "$WORK/gmb16.moe" --target cuda -v -o "$WORK/gmb16f.cuda" 2>"$WORK/bf.err" &&
@@ -408,6 +410,8 @@ if grep -q 'dtype bf16;' "$WORK/gmb16.moe" &&
    bn=$(sed -n 's/^# launches: \([0-9]*\) kernels, .* per step (--no-fuse: each op alone)$/\1/p' "$WORK/bn.err") &&
    f32=$(sed -n 's/^# launches: \([0-9]*\) kernels, .* per step (unfused: .*/\1/p' "$WORK/gf.err") &&
    [ -n "$bn" ] && [ -n "$f32" ] && [ "${bk#* }" = "$bn" ] && [ $((100 * ${bk% *})) -le $((110 * f32)) ] &&
+   bmb=$(sed -n 's/^# kernel traffic: [0-9.]* MB per step (unfused: \([0-9.]*\) MB)$/\1/p' "$WORK/bf.err") &&
+   [ -n "$bmb" ] && grep -q "^# launches: a step .* kernels move $bmb MB" "$WORK/bn.err" &&
    run gmb16f cuda 1 --steps 2 --dump gmb16f.dump && run gmb16n cuda 1 --steps 2 --dump gmb16n.dump &&
    same_losses "$WORK/gmb16f.cuda.out" "$WORK/gmb16n.cuda.out" 0 &&
    why=$(compare_dumps "$WORK/gmb16f.dump" "$WORK/gmb16n.dump" 0); then
