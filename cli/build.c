@@ -316,7 +316,14 @@ static int cmd_build(IrDiag *d, const Options *o) {
       ir_error(d, "cannot write '%s'", o->output);
       goto done;
     }
-    bool ok = cuda_unit ? cg_emit_cuda(d, c, m, ctx.memplan) : emit_program(d, c, m, ctx.memplan, o, target, arch, &cl, NULL);
+    bool ok;
+    if (cuda_unit) {
+      CgLaunches *ls = cg_cuda_launches(d, m, ctx.memplan);
+      ok = ls && cg_emit_cuda(d, c, m, ls);
+      cg_launches_free(ls);
+    } else {
+      ok = emit_program(d, c, m, ctx.memplan, o, target, arch, &cl, NULL);
+    }
     if (c != stdout && fclose(c) != 0) ok = ir_error(d, "cannot write '%s'", o->output);
     c = NULL;
     status = ok ? 0 : 1;

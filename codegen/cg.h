@@ -14,14 +14,22 @@
 typedef struct CgEmitOptions CgEmitOptions;
 bool cg_emit_c(IrDiag *d, FILE *out, const IrModule *m, const PassMemPlan *plan, const CgEmitOptions *o);
 
+// The CUDA target's lowering of module m (codegen/lower.c): every op's launches, the fused
+// groups' generated kernels. One per build, read by each CUDA emitter below. NULL (reported on d)
+// when an op cannot be emitted or memory runs out; cg_launches_free releases it.
+typedef struct CgLaunches CgLaunches;
+CgLaunches *cg_cuda_launches(IrDiag *d, const IrModule *m, const PassMemPlan *plan);
+void cg_launches_free(CgLaunches *ls);
+// How many kernels the lowering generated for fused groups (passes/fuse.c, codegen/fused.c).
+int cg_cuda_generated_kernels(const CgLaunches *ls);
 // Writes the CUDA C translation unit of module m's device kernels (codegen/emit_cuda.c): one
 // extern "C" __global__ kernel `mk_<op>` per op kind the module uses other than GEMMs (cuBLAS)
-// and collectives (NCCL), fused gate kernels where the gate's ops allow, no host code and no
-// #include, ready for NVRTC. False (with a diagnostic) on an op it cannot emit.
-bool cg_emit_cuda(IrDiag *d, FILE *out, const IrModule *m, const PassMemPlan *plan);
-// The fused groups' kernels of m (passes/fuse.c, codegen/fused.c) as host C++ for the fake device
-// of the tests (tests/cuda/fused_host.h): the prelude, the kernels and their table.
-bool cg_emit_cuda_fused_host(IrDiag *d, FILE *out, const IrModule *m, const PassMemPlan *plan);
+// and collectives (NCCL), fused gate kernels where the gate's ops allow, the fused groups'
+// generated kernels, no host code and no #include, ready for NVRTC.
+bool cg_emit_cuda(IrDiag *d, FILE *out, const IrModule *m, const CgLaunches *ls);
+// The fused groups' kernels of m as host C++ for the fake device of the tests
+// (tests/cuda/fused_host.h): the prelude, the kernels and their table.
+bool cg_emit_cuda_fused_host(IrDiag *d, FILE *out, const IrModule *m, const CgLaunches *ls);
 // The same prelude with every kernel the CUDA target has (the test of the whole library).
 void cg_emit_cuda_library(FILE *out);
 // One line per kernel of the library, `MK_KERNEL(name, syncs)`: syncs is 1 when the kernel
@@ -45,10 +53,10 @@ typedef struct CgCudaImages {
 // Writes the CUDA target's host program of module m (codegen/emit_cuda_host.c): the training
 // step as calls into runtime/cuda (kernel launches of cg_emit_cuda's unit, cuBLAS GEMMs, NCCL
 // collectives on the scheduled streams) with the images embedded, linked with libmoert_cuda
-// and libmoert into a binary that trains on one GPU per rank. False (with a diagnostic) on an
-// op it cannot emit.
+// and libmoert into a binary that trains on one GPU per rank; ls is the lowering the images were
+// compiled from. False (with a diagnostic) on an op it cannot emit.
 bool cg_emit_cuda_host(IrDiag *d, FILE *out, const IrModule *m, const PassMemPlan *plan, const CgEmitOptions *o,
-                       const CgCudaImages *images);
+                       const CgCudaImages *images, const CgLaunches *ls);
 
 // NVRTC (codegen/nvrtc.c, built only where the CUDA toolkit is found). arch is "sm_80", "sm_90"
 // (any "sm_NN"): the CUBIN for that architecture, and the PTX of compute_NN that newer GPUs

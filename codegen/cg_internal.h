@@ -159,16 +159,15 @@ typedef struct CgGenKernel {
   int nparams;
   bool syncs;         // it calls __syncthreads (a group with a row-wise op: one block a row)
 } CgGenKernel;
-typedef struct CgLaunches {
+struct CgLaunches {   // (cg.h: CgLaunches)
   CgFuncLaunches *fn;
   int nfuncs;
   CgGenKernel *gen;   // the fused groups' kernels, each once
   int ngen;
-} CgLaunches;
+};
 // NULL (reported on d) when an op has no lowering or memory runs out. With CG_LOWER_FUSE a fused
 // group (passes/fuse.c) is one launch of a generated kernel (cg_lower_fused).
 CgLaunches *cg_lower_module(IrDiag *d, const IrModule *m, const PassMemPlan *plan, unsigned how);
-void cg_launches_free(CgLaunches *ls);
 // The lowering of one op alone (never fused).
 bool cg_lower_op(const IrOp *op, CgLaunch *l);
 // Whether rule is a well-formed KERNEL rule of ops.def for an op of nargs operands (has_result:
@@ -182,6 +181,9 @@ int cg_fused_members(const IrFunc *f, int i);
 // The launch of the group at op i: one call of its generated kernel, added to ls->gen unless an
 // identical one is there. False (reported) when out of memory.
 bool cg_lower_fused(IrDiag *d, CgLaunches *ls, const IrFunc *f, int i, CgLaunch *l);
+// Whether op's fused kernel writes the bf16 copy of its result (dtype bf16: op has `bf16=1` and
+// is in a group other than column sums); else the host program rounds the copy before its GEMM.
+bool cg_fused_writes_copy(const IrOp *op);
 
 // Whether expr is a well-formed scalar expression (ir/scalar.def) of an op with nargs operands:
 // operands x0 .. x(nargs-1), indices c, r, ec, 0, functions the CUDA prelude defines as mk_f_NAME,

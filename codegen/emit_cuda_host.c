@@ -67,7 +67,7 @@ typedef struct Host {
   IrDiag *d;
   const IrModule *m;
   const PassMemPlan *plan;
-  CgLaunches *ls;            // every op lowered once (cg_lower_module), by function
+  const CgLaunches *ls;      // every op lowered once (cg_cuda_launches), by function
   int64_t *param_offset;     // floats, by parameter index
   CgSpelling sp;             // the names of the device buffers (spelling)
   int64_t param_floats;
@@ -387,7 +387,7 @@ static int value_copy(Host *h, const IrFunc *f, const IrOp *op, int k, const cha
   const IrValue *v = op->args[k].value;
   if (!v || !v->def || !cg_spell_copy(&h->sp, v, dst, n)) return 0;
   const IrOp *maker = v->def;
-  if (ir_op_int(maker, "fuse", -1) >= 0 && ir_op_colsum(maker->kind) < 0) return 1;   // the fused kernel wrote it
+  if (cg_fused_writes_copy(maker)) return 1;
   if (cg_func_scheduled(f) || cg_func_scheduled(v->func)) return 0;
   for (int j = 0; j < h->ncopied; j++)
     if (h->copied[j] == v) return 1;
@@ -401,45 +401,60 @@ static int value_copy(Host *h, const IrFunc *f, const IrOp *op, int k, const cha
   return emit_bf16_cast(h, f, op, k, src, dst, &v->type, s) ? 1 : -1;
 }
 
+// The scratch slots of GEMM op's value operands on one stream (in_slot: the values its two slots
+// hold, updated): slot[k] of operand k and fresh[k] when it must be rounded into it now. An operand
+// already in a slot is read from there (a stream's GEMMs run one after the other); a fresh one
+// takes the slot the other does not use, one slot when both are one value. A parameter and an
+// operand with skip[k] (read from a bf16 copy of its own) take none.
+static void gemm_slots(const IrValue **in_slot, const IrOp *op, const bool *skip, int *slot, bool *fresh) {
+  for (int k = 0; k < 2; k++) {
+    const IrValue *v = op->args[k].param ? NULL : op->args[k].value;
+    slot[k] = -1, fresh[k] = false;
+    for (int j = 0; v && j < 2; j++)
+      if (in_slot[j] == v) slot[k] = j;
+  }
+  for (int k = 0; k < 2; k++) {
+    if (op->args[k].param || skip[k] || slot[k] >= 0) continue;
+    if (k == 1 && !op->args[0].param && op->args[0].value == op->args[1].value) {
+      slot[1] = slot[0];
+      continue;
+    }
+    slot[k] = slot[1 - k] == 0 ? 1 : 0;
+    fresh[k] = true;
+    in_slot[slot[k]] = op->args[k].value;
+  }
+}
+
 // dtype bf16: the bf16 operands of a GEMM on stream s, their addresses into qa and qb. A
 // parameter is read from P16, the bf16 copy of the parameters the forward refreshes after each
-// update or upload (one cast per step, not one per GEMM). A value is rounded into one of the two
-// slots of the stream's scratch, unless a slot already holds its copy: a stream's GEMMs run one
-// after the other, so the copy made for the previous GEMM is still there (the backward's
-// dY @ W^T then X^T @ dY round dY once). The slots are forgotten at each function's start.
+// update or upload (one cast per step, not one per GEMM); a value with a bf16 copy of its own from
+// there (value_copy); any other value from a slot of the stream's scratch (gemm_slots: the
+// backward's dY @ W^T then X^T @ dY round dY once). The slots are forgotten at each function's
+// start.
 static bool bf16_operands(Host *h, const IrFunc *f, const IrOp *op, IrStream s, const char *a, const char *b,
                           char *qa, char *qb, size_t n) {
   const char *base = s == IR_STREAM_INTRA ? "B_INTRA" : s == IR_STREAM_INTER ? "B_INTER" : "B_COMPUTE";
   const char *src[2] = {a, b};
   char *dst[2] = {qa, qb};
-  int slot[2] = {-1, -1};
-  for (int k = 0; k < 2; k++) {   // copies already in a slot (an operand read twice takes one)
-    const IrValue *v = op->args[k].param ? NULL : op->args[k].value;
-    for (int j = 0; v && j < 2; j++)
-      if (h->in_slot[s][j] == v) slot[k] = j;
+  bool copy[2] = {false, false}, fresh[2];
+  int slot[2];
+  for (int k = 0; k < 2; k++) {
+    int c = op->args[k].param ? 0 : value_copy(h, f, op, k, src[k], dst[k], n, s);
+    if (c < 0) return false;
+    copy[k] = c > 0;
   }
+  gemm_slots(h->in_slot[s], op, copy, slot, fresh);
   for (int k = 0; k < 2; k++) {
     const IrOperand *arg = &op->args[k];
     if (arg->param) {
       snprintf(dst[k], n, "(P16 + %" PRId64 ")", h->param_offset[arg->param->index]);
       continue;
     }
-    int copy = value_copy(h, f, op, k, src[k], dst[k], n, s);
-    if (copy < 0) return false;
-    if (copy > 0) continue;
-    bool fresh = slot[k] < 0;
-    if (fresh) {   // the slot the other operand does not use
-      int other = slot[1 - k];
-      slot[k] = other == 0 ? 1 : 0;
-      if (k == 1 && op->args[0].value == arg->value && !op->args[0].param) slot[k] = slot[0], fresh = false;
-    }
+    if (copy[k]) continue;
     snprintf(dst[k], n, "(B + %s + %d * SLOT_%s)", base, slot[k], base + 2);
     int64_t bytes = bf16_bytes(cg_operand_type(arg));
     if (bytes > h->bf16_slot[s]) h->bf16_slot[s] = bytes;
-    if (fresh) {
-      if (!emit_bf16_cast(h, f, op, k, src[k], dst[k], cg_operand_type(arg), s)) return false;
-      h->in_slot[s][slot[k]] = arg->value;
-    }
+    if (fresh[k] && !emit_bf16_cast(h, f, op, k, src[k], dst[k], cg_operand_type(arg), s)) return false;
   }
   return true;
 }
@@ -726,32 +741,24 @@ static bool is_update(const IrFunc *f) { return f->role == IR_ROLE_OPTIMIZER; }
 
 // ---- the program ----
 
-// dtype bf16: the GEMM operands' casts of the op-by-op program (--no-fuse): each value operand
-// rounded into a slot of its stream's scratch unless a slot holds it (bf16_operands without
-// copies), the slots forgotten at each function's start; *bytes gets what they move.
+// dtype bf16: the GEMM operands' casts of the op-by-op program (--no-fuse: every value operand
+// from a scratch slot, gemm_slots), their number and, in *bytes, what they move.
 static int64_t slot_casts(const Host *h, double *bytes) {
   int64_t casts = 0;
   *bytes = 0.0;
+  const bool none[2] = {false, false};
   for (int fi = 0; fi < h->m->nfuncs; fi++) {
     const IrFunc *f = h->m->funcs[fi];
-    const IrValue *in_slot[4][2] = {{NULL}};
+    const IrValue *in_slot[IR_STREAM_INTER + 1][2] = {{NULL}};   // forgotten at each function's start
     bool scheduled = cg_func_scheduled(f);
     for (int i = 0; i < f->nops; i++) {
       const IrOp *op = f->ops[i];
       if (op->kind != IR_OP_MATMUL && op->kind != IR_OP_EXPERT_MATMUL) continue;
-      IrStream s = scheduled ? cg_op_stream(op) : IR_STREAM_COMPUTE;
-      int slot[2] = {-1, -1};
+      int slot[2];
+      bool fresh[2];
+      gemm_slots(in_slot[scheduled ? cg_op_stream(op) : IR_STREAM_COMPUTE], op, none, slot, fresh);
       for (int k = 0; k < 2; k++)
-        for (int j = 0; !op->args[k].param && j < 2; j++)
-          if (in_slot[s][j] == op->args[k].value) slot[k] = j;
-      for (int k = 0; k < 2; k++) {
-        if (op->args[k].param || slot[k] >= 0) continue;
-        if (k == 1 && !op->args[0].param && op->args[0].value == op->args[1].value) continue;
-        slot[k] = slot[1 - k] == 0 ? 1 : 0;
-        in_slot[s][slot[k]] = op->args[k].value;
-        casts++;
-        *bytes += 6.0 * (double)ir_type_numel(&op->args[k].value->type);
-      }
+        if (fresh[k]) casts++, *bytes += 6.0 * (double)ir_type_numel(&op->args[k].value->type);
     }
   }
   return casts;
@@ -760,7 +767,7 @@ static int64_t slot_casts(const Host *h, double *bytes) {
 // The kernels a step's fused launches stand for when each op is lowered alone (moec build
 // --no-fuse), less theirs: the gate chain, the split reductions, the update runs, the fused
 // groups, and with dtype bf16 the casts of GEMM operands their bf16 copies save.
-static int64_t unfused_extra(const Host *h) {
+static int64_t unfused_extra(const Host *h, int64_t op_by_op_casts) {
   unsigned how = cg_cuda_lowering(h->m), alone = how & ~(unsigned)CG_LOWER_FUSE;
   int64_t extra = 0;
   for (int fi = 0; fi < h->m->nfuncs && (how & CG_LOWER_FUSE); fi++) {
@@ -775,8 +782,7 @@ static int64_t unfused_extra(const Host *h) {
         extra += cg_lower(h->plan, f, j, alone, &u) ? u.ncalls : 0;
     }
   }
-  double bytes;
-  if (h->bf16 && (how & CG_LOWER_FUSE)) extra += slot_casts(h, &bytes) - h->operand_casts;
+  if (h->bf16 && (how & CG_LOWER_FUSE)) extra += op_by_op_casts - h->operand_casts;
   return extra;
 }
 
@@ -794,8 +800,9 @@ static void print_counts(const Host *h, FILE *out, const char *pre, const char *
     unfused_bytes += c->unfused_bytes;
   }
   double slot_bytes = 0.0;   // dtype bf16: the op-by-op program's casts instead of the copies' casts
+  int64_t op_by_op_casts = 0;
   if (h->bf16 && (cg_cuda_lowering(h->m) & CG_LOWER_FUSE)) {
-    slot_casts(h, &slot_bytes);
+    op_by_op_casts = slot_casts(h, &slot_bytes);
     unfused_bytes += slot_bytes - h->operand_cast_bytes;
   }
   fprintf(out, "%slaunches: a step   %4" PRId64 " kernels, %3" PRId64 " GEMMs, %3" PRId64 " collectives or copies; "
@@ -804,7 +811,8 @@ static void print_counts(const Host *h, FILE *out, const char *pre, const char *
   if (cg_cuda_lowering(h->m) & CG_LOWER_FUSE)
     fprintf(out, "%slaunches: %" PRId64 " kernels, %" PRId64 " GEMMs per step (unfused: %" PRId64 " kernels)%s"
                  "%skernel traffic: %.1f MB per step (unfused: %.1f MB)%s",
-            pre, kernels, gemms, kernels + unfused_extra(h), post, pre, bytes / 1e6, (bytes + unfused_bytes) / 1e6, post);
+            pre, kernels, gemms, kernels + unfused_extra(h, op_by_op_casts), post, pre, bytes / 1e6,
+            (bytes + unfused_bytes) / 1e6, post);
   else
     fprintf(out, "%slaunches: %" PRId64 " kernels, %" PRId64 " GEMMs per step (--no-fuse: each op alone)%s", pre, kernels, gemms,
             post);
@@ -983,7 +991,7 @@ static void emit_hooks(Host *h, FILE *out) {
 }
 
 bool cg_emit_cuda_host(IrDiag *d, FILE *out, const IrModule *m, const PassMemPlan *plan, const CgEmitOptions *o,
-                       const CgCudaImages *images) {
+                       const CgCudaImages *images, const CgLaunches *ls) {
   if (!images || !images->arch || strncmp(images->arch, "sm_", 3) != 0 || atoi(images->arch + 3) < 10)
     return ir_internal(d, "the CUDA host program needs the kernels' images and their sm_NN architecture");
   Host h = {.d = d, .m = m, .plan = plan, .ok = true, .bf16 = cg_bf16_gemms(m)};
@@ -995,8 +1003,8 @@ bool cg_emit_cuda_host(IrDiag *d, FILE *out, const IrModule *m, const PassMemPla
   memcpy(h.group_size, sizes, sizeof sizes);
   h.max_events = EV_BASE;
   int max_values = 1;
-  h.ls = cg_lower_module(d, m, plan, cg_cuda_lowering(m));   // each op lowered once
-  int nk = h.ls ? cg_cuda_kernel_count(h.ls) : 1;
+  h.ls = ls;
+  int nk = cg_cuda_kernel_count(ls);
   bool *used = calloc((size_t)nk, sizeof *used);
   h.kernel_slot = malloc((size_t)nk * sizeof *h.kernel_slot);
   for (int i = 0; i < m->nfuncs; i++)
@@ -1006,8 +1014,8 @@ bool cg_emit_cuda_host(IrDiag *d, FILE *out, const IrModule *m, const PassMemPla
   size_t body_size = 0;
   h.out = open_memstream(&body, &body_size);
   bool ok = h.param_offset && used && h.kernel_slot && h.staged && h.out;
-  if (!ok || !h.ls) {
-    ok = h.ls ? ir_oom(d) : false;
+  if (!ok) {
+    ok = ir_oom(d);
     goto done;
   }
   cg_cuda_kernels_used(m, h.ls, used);
@@ -1073,7 +1081,6 @@ done:
   free(h.where);
   free(h.staged);
   free(h.ranges);
-  cg_launches_free(h.ls);
   free(h.pooled_addr);
   free(h.pooled_off);
   free(h.pooled_bytes);

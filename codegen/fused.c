@@ -30,6 +30,10 @@ int cg_fused_members(const IrFunc *f, int i) {
   return n;
 }
 
+bool cg_fused_writes_copy(const IrOp *op) {
+  return ir_op_int(op, "bf16", 0) && ir_op_int(op, "fuse", -1) >= 0 && ir_op_colsum(op->kind) < 0;
+}
+
 // The member (offset from the group's first op) that makes value v, or -1.
 static int member_making(const IrFunc *f, int i, int n, const IrValue *v) {
   if (!v || !v->def || v->func != f) return -1;
@@ -275,7 +279,7 @@ bool cg_lower_fused(IrDiag *d, CgLaunches *ls, const IrFunc *f, int i, CgLaunch 
       in_op[nin] = j, in_arg[nin] = a, in[nin++] = &op->args[a];
     }
     if (!ir_op_int(op, "inner", 0)) st.out[st.nout++] = j;
-    if (!colsum && ir_op_int(op, "bf16", 0) && st.ncopy < CG_MAX_KERNEL_ARGS) st.copy[st.ncopy++] = j;
+    if (cg_fused_writes_copy(op) && st.ncopy < CG_MAX_KERNEL_ARGS) st.copy[st.ncopy++] = j;
   }
   if (nin + st.nout + st.ncopy > CG_MAX_KERNEL_ARGS) return ir_internal_at(d, f->ops[i]->loc, "a fused group has more than %d pointers", CG_MAX_KERNEL_ARGS);
   struct {

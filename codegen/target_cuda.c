@@ -22,12 +22,12 @@ static bool cuda_available(char *why, size_t size) {
 
 // The model's kernels compiled by NVRTC: the CUBIN for arch and the PTX of its virtual
 // architecture, malloc'd.
-static bool cuda_images(IrDiag *d, const IrModule *m, const PassMemPlan *plan, const char *arch, CgCudaImages *img) {
+static bool cuda_images(IrDiag *d, const IrModule *m, const CgLaunches *ls, const char *arch, CgCudaImages *img) {
   char *src = NULL;
   size_t n = 0;
   FILE *f = open_memstream(&src, &n);
   if (!f) return ir_oom(d);
-  bool ok = cg_emit_cuda(d, f, m, plan);
+  bool ok = cg_emit_cuda(d, f, m, ls);
   if (fclose(f) != 0) ok = ir_oom(d);
   void *cubin = NULL;
   char *ptx = NULL;
@@ -46,8 +46,8 @@ static bool cuda_available(char *why, size_t size) {
   return false;
 }
 
-static bool cuda_images(IrDiag *d, const IrModule *m, const PassMemPlan *plan, const char *arch, CgCudaImages *img) {
-  (void)m, (void)plan, (void)arch, (void)img;
+static bool cuda_images(IrDiag *d, const IrModule *m, const CgLaunches *ls, const char *arch, CgCudaImages *img) {
+  (void)m, (void)ls, (void)arch, (void)img;
   char why[512];
   cuda_available(why, sizeof why);
   return ir_error(d, "%s", why);
@@ -64,25 +64,27 @@ static void fused_path(char *buf, size_t size, const char *path, const char *ext
 
 // The fake device runs the library's kernels from its own build; a program's fused kernels are
 // generated per program, so under MOEC_CUDA_FAKE=1 they are also written as host C++ beside the
-// program, for cuda_link to compile into it.
-static bool fake_fused(IrDiag *d, const IrModule *m, const PassMemPlan *plan, const CgEmitOptions *o) {
-  if (!use_fake() || !o->program_path) return true;
+// program (when there are any), for cuda_link to compile into it.
+static bool fake_fused(IrDiag *d, const IrModule *m, const CgLaunches *ls, const CgEmitOptions *o) {
+  if (!use_fake() || !o->program_path || cg_cuda_generated_kernels(ls) == 0) return true;
   char path[4096];
   fused_path(path, sizeof path, o->program_path, "cpp");
   FILE *f = fopen(path, "w");
   if (!f) return ir_error(d, "cannot write '%s'", path);
-  bool ok = cg_emit_cuda_fused_host(d, f, m, plan);
+  bool ok = cg_emit_cuda_fused_host(d, f, m, ls);
   if (fclose(f) != 0) ok = ir_error(d, "cannot write '%s'", path);
   return ok;
 }
 
 static bool cuda_emit(IrDiag *d, FILE *out, const IrModule *m, const PassMemPlan *plan, const CgEmitOptions *o) {
   CgCudaImages img = {0};
-  bool ok = fake_fused(d, m, plan, o) && cuda_images(d, m, plan, o->arch ? o->arch : "sm_90", &img);
+  CgLaunches *ls = cg_cuda_launches(d, m, plan);   // each op lowered once, for every emitter
+  bool ok = ls && fake_fused(d, m, ls, o) && cuda_images(d, m, ls, o->arch ? o->arch : "sm_90", &img);
   if (ok && o->verbose)
     fprintf(stderr, "# nvrtc: CUBIN for %s %zu bytes, PTX %zu bytes, embedded in the program\n", img.arch,
             img.cubin_size, img.ptx_size);
-  ok = ok && cg_emit_cuda_host(d, out, m, plan, o, &img);
+  ok = ok && cg_emit_cuda_host(d, out, m, plan, o, &img, ls);
+  cg_launches_free(ls);
   free((void *)img.cubin);
   free((void *)img.ptx);
   return ok;
