@@ -62,7 +62,7 @@ typedef enum CgKernel {
   CG_K_COUNT
 } CgKernel;
 
-enum { CG_MAX_KERNEL_ARGS = 16 };
+enum { CG_MAX_KERNEL_ARGS = 32 };
 
 // A row of runtime/kernels.def: the name ("gelu": the CPU target calls rt_NAME, the CUDA target
 // mk_NAME), whether the CPU has it (WHERE = BOTH) and the parameters as letters: p a pointer, i

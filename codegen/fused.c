@@ -131,6 +131,13 @@ typedef struct Stores {
   int copy[CG_MAX_KERNEL_ARGS], ncopy;
 } Stores;
 
+// The pointer of member j's result (o%d), -1 when it stays in the kernel.
+static int out_of(const Stores *st, int j) {
+  for (int p = 0; p < st->nout; p++)
+    if (st->out[p] == j) return p;
+  return -1;
+}
+
 // The stores of member j's register.
 static void store(FILE *out, const Stores *st, int j, const char *indent) {
   for (int p = 0; p < st->nout; p++)
@@ -159,7 +166,7 @@ typedef struct Grid {
   bool blocks, syncs;
 } Grid;
 
-// The body of a group of column sums: each member's tiles (mk_colsum_tile of codegen/cuda/ffn.cu,
+// The body of a group of column sums: each member's tiles (mk_colsum_tile_of of codegen/cuda/ffn.cu,
 // with its own shape's tile width, as its own kernel would) one after the other in one tile space
 // that the blocks stride over.
 static Grid colsums(FILE *out, const IrFunc *f, int i, int n, const IrOperand *const *in, int nin) {
@@ -180,9 +187,10 @@ static Grid colsums(FILE *out, const IrFunc *f, int i, int n, const IrOperand *c
     int p0 = 0, p1 = 0;
     while (p0 < nin && !same_operand(in[p0], &op->args[0])) p0++;
     while (with_x && p1 < nin && !same_operand(in[p1], &op->args[1])) p1++;
-    fprintf(out, "    %sif (t < %" PRId64 ") mk_colsum_tile(a%d, ", j ? "else " : "", first + tiles[j], p0);
-    if (with_x) fprintf(out, "a%d", p1);
-    else fprintf(out, "NULL");
+    fprintf(out, "    %sif (t < %" PRId64 ") mk_colsum_tile_of([&](i64 i) { return a%d[i]; }, ", j ? "else " : "",
+            first + tiles[j], p0);
+    if (with_x) fprintf(out, "[&](i64 i) { return a%d[i]; }, true", p1);
+    else fprintf(out, "[&](i64 i) { return 0.0f; }, false");
     fprintf(out, ", o%d, %" PRId64 ", %" PRId64 ", %" PRId64 ", t - %" PRId64 ");   // %s\n", j, e[j], rows[j], cols[j],
             first, ir_op_info[op->kind].name);
     first += tiles[j];
@@ -219,7 +227,7 @@ static Grid stored(FILE *out, const IrFunc *f, int i, int n, const IrOperand *co
     }
   }
   fprintf(out, ");\n");
-  return (Grid){.items = c->grid, .blocks = true};
+  return (Grid){.items = c->grid, .blocks = true, .syncs = ir_op_store_syncs(op->kind)};
 }
 
 // The body of an elementwise group (a thread an element), or of one with a row-wise op: a block
@@ -249,8 +257,17 @@ static Grid elements(FILE *out, const IrFunc *f, int i, int n, const IrOperand *
     if (made >= 0) fprintf(out, "          return v%d;\n        },", made);
     else fprintf(out, "          return a%d[i];\n        },", p);
   }
-  fprintf(out, "\n        [&](int c, float v) {\n          const i64 i = row * %" PRId64 " + c;\n          const float v%d = v;   // %s\n",
-          cols, row, ir_op_info[r->kind].name);
+  fprintf(out, "\n        [&](int c, float v) {\n          const i64 i = row * %" PRId64 " + c;\n", cols);
+  // The prologue again where a value of it leaves the kernel or the epilogue reads one.
+  bool again = false;
+  for (int j = 0; j < row && !again; j++) {
+    again = out_of(st, j) >= 0;
+    for (int p = 0; p < st->ncopy; p++) again |= st->copy[p] == j;
+    for (int e = row + 1; e < n && !again; e++)
+      for (int a = 0; a < f->ops[i + e]->nargs; a++) again |= member_making(f, i, n, f->ops[i + e]->args[a].value) == j;
+  }
+  if (again) members(out, f, i, n, 0, row, in, nin, st, "          ");
+  fprintf(out, "          const float v%d = v;   // %s\n", row, ir_op_info[r->kind].name);
   store(out, st, row, "          ");
   members(out, f, i, n, row + 1, n, in, nin, st, "          ");
   fprintf(out, "        },\n        %" PRId64, cols);

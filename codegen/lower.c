@@ -176,13 +176,16 @@ static bool rule_factor(Rule *r, int64_t *v) {
   return true;
 }
 
+// Factors multiplied (`a*b`) and divided rounding up (`a/b`: the blocks of b items each that
+// hold a items), left to right.
 static bool rule_int(Rule *r, int64_t *v) {
   if (!rule_factor(r, v)) return false;
-  for (rule_spaces(r); *r->s == '*'; rule_spaces(r)) {
+  for (rule_spaces(r); *r->s == '*' || *r->s == '/'; rule_spaces(r)) {
     int64_t f;
-    r->s++;
+    char o = *r->s++;
     if (!rule_factor(r, &f)) return false;
-    *v *= f;
+    if (o == '/' && f <= 0) return rule_fail(r, "a divisor is positive");
+    *v = o == '*' ? *v * f : (*v + f - 1) / f;
   }
   return true;
 }

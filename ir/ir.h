@@ -86,6 +86,8 @@ const IrRowInfo *ir_op_row(IrOpKind k);
 // The storing function of op k that a fused kernel can start with, elementwise ops after it
 // (ir/scalar.def's IR_STORE: "order_decode" for mk_order_decode_store), or NULL.
 const char *ir_op_store(IrOpKind k);
+// Whether op k's storing function synchronises the block (__syncthreads).
+bool ir_op_store_syncs(IrOpKind k);
 // Whether op k is a column sum a fused kernel can run with others (ir/scalar.def's IR_COLSUM):
 // 1 when it multiplies by its second operand, 0 when not, -1 when it is none.
 int ir_op_colsum(IrOpKind k);

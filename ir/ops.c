@@ -36,13 +36,21 @@ const IrRowInfo *ir_op_row(IrOpKind k) { return k >= 0 && k < IR_OP_COUNT && op_
 // The ops of ir/scalar.def a fused kernel can start with: their storing function.
 static const char *const op_store[IR_OP_COUNT] = {
 #define IR_SCALAR(E, EXPR)
-#define IR_STORE(E, FUNCTION) [IR_OP_##E] = FUNCTION,
+#define IR_STORE(E, FUNCTION, SYNCS) [IR_OP_##E] = FUNCTION,
+#include "scalar.def"
+#undef IR_STORE
+#undef IR_SCALAR
+};
+static const bool op_store_syncs[IR_OP_COUNT] = {
+#define IR_SCALAR(E, EXPR)
+#define IR_STORE(E, FUNCTION, SYNCS) [IR_OP_##E] = SYNCS,
 #include "scalar.def"
 #undef IR_STORE
 #undef IR_SCALAR
 };
 
 const char *ir_op_store(IrOpKind k) { return k >= 0 && k < IR_OP_COUNT ? op_store[k] : NULL; }
+bool ir_op_store_syncs(IrOpKind k) { return k >= 0 && k < IR_OP_COUNT && op_store_syncs[k]; }
 
 // The column sums of ir/scalar.def: 1 + WITH_X, 0 for other ops.
 static const int op_colsum[IR_OP_COUNT] = {

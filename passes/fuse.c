@@ -12,23 +12,26 @@
 //   - every op from the group's first to its last runs on one stream, and none of them waits
 //     for or records an event (a group never crosses one);
 //   - no op outside the group between its first and its last member reads a member's result:
-//     the group runs where its last member is, so such an op would run before its input exists;
-//   - a group holds at most one row-wise op, and then every member has its result's shape; the
-//     members before it (its prologue, computed where it loads its operands) are read by no op
-//     outside the group, and the members after it (its epilogue, computed where it stores its
-//     result) read no prologue value;
-//   - the kernel has at most 16 pointers (its inputs from outside the group and the members'
+//     the group runs where its last member is, so such an op would run before its input exists
+//     (unless it is a member of a group whose last member comes later: that group runs later);
+//   - a group holds at most one row-wise op, and then every member has its result's shape: the
+//     members before it are its prologue (computed where it loads its operands, and again where
+//     it stores its result when a prologue value leaves the kernel or the epilogue reads one),
+//     the members after it its epilogue (computed where it stores its result);
+//   - the kernel has at most 32 pointers (its inputs from outside the group and the members'
 //     results), and the group spans at most 48 ops (so that it moves no op far: a moved op keeps
 //     its inputs alive longer).
 // An op with a storing function (the combine, order.decode, and its transpose order.encode.grad:
 // ir/scalar.def's IR_STORE) starts a group whose other members take its result's shape and run
 // where it stores each element (the residual add after the combine).
-// Column sums (bias gradients, a norm scale's gradient: ir/scalar.def's IR_COLSUM) make groups of
-// their own, of any shapes: one launch runs every member's tiles. A param.grad that copies a
+// Column sums (bias gradients, a norm scale's gradient: ir/scalar.def's IR_COLSUM) first move down
+// the function (sink_colsums), then make groups of their own, of any shapes: one launch runs every
+// member's tiles. A param.grad that copies a
 // member's result into the gradient does not hold a group back: it moves to right after it.
-// Ops join greedily in program order: an op goes into the group that produced one of its
-// operands if it can, else into the latest group of its size on its stream it can join, else it
-// starts one. Groups of one op are left as they were.
+// Ops join greedily in program order, the column sums after all others (so that a sum knows
+// where the groups before it run: an op between that reads a member is fine when its own group
+// runs after, a param.grad of another sum's group in the way): an op goes into the group that produced one of its operands if it can, else into
+// the latest group it can join, else it starts one. Groups of one op are left as they were.
 //
 // What the pass changes: the members of a group move to just before its last member, keeping
 // their order (nothing between read them, so the program computes the same values), and each
@@ -45,7 +48,7 @@
 
 #include "pass.h"
 
-enum { MAX_MEMBERS = 16, MAX_POINTERS = 16, MAX_SPAN = 48 };
+enum { MAX_MEMBERS = 24, MAX_POINTERS = 32, MAX_SPAN = 48 };
 
 typedef struct Group {
   int member[MAX_MEMBERS];   // op indices, in program order
@@ -115,31 +118,22 @@ static bool read_outside(const IrModule *m, const IrFunc *f, const Group *g, con
 }
 
 // Whether g with op b added (b after every member) satisfies the rules of the file comment.
-static bool can_join(const IrModule *m, const IrFunc *f, const Group *g, int b) {
+static bool can_join(const IrModule *m, const IrFunc *f, const Group *groups, const int *group_of, const Group *g, int b) {
   const IrOp *ob = f->ops[b];
-  bool row = ir_op_row(ob->kind) != NULL;
-  if ((ir_op_colsum(ob->kind) >= 0) != g->colsum) return false;
+  bool row = ir_op_row(ob->kind) != NULL, colsum = ir_op_colsum(ob->kind) >= 0;
+  if (b <= g->member[g->n - 1]) return false;   // (column sums come after the rest: a later group)
+  if (colsum != g->colsum) return false;   // column sums among themselves
   if (ir_op_store(ob->kind)) return false;   // a storing op starts its group
   if (g->store && (row || !ir_type_equal(&ob->result->type, &f->ops[g->member[0]]->result->type))) return false;
   if (row && g->row >= 0) return false;   // one row-wise op a kernel
-  if (row || g->row >= 0) {   // a norm's kernel: every member of its shape, the prologue its own
+  if (row || g->row >= 0) {   // a norm's kernel: every member of its shape
     const IrType *rt = &f->ops[row ? b : g->member[g->row]]->result->type;
     if (!ir_type_equal(&ob->result->type, rt) || rt->rank < 1) return false;
-    for (int k = 0; k < g->n; k++) {
-      const IrOp *op = f->ops[g->member[k]];
-      if (!ir_type_equal(&op->result->type, rt)) return false;
-      if (row) {   // the members so far become its prologue: read by the group alone
-        Group t = *g;
-        t.member[t.n++] = b;
-        if (read_outside(m, f, &t, op->result)) return false;
-      } else if (k < g->row) {   // an epilogue op reads no prologue value (it lives in a loader)
-        for (int a = 0; a < ob->nargs; a++)
-          if (ob->args[a].value == op->result) return false;
-      }
-    }
+    for (int k = 0; k < g->n; k++)
+      if (!ir_type_equal(&f->ops[g->member[k]]->result->type, rt)) return false;
   }
   if (g->n >= MAX_MEMBERS || b - g->member[0] > MAX_SPAN || stream_of(ob) != g->stream ||
-      (!g->colsum && ir_type_numel(&ob->result->type) != g->numel))
+      (!colsum && ir_type_numel(&ob->result->type) != g->numel))
     return false;
   Group t = *g;
   t.member[t.n++] = b;
@@ -147,6 +141,8 @@ static bool can_join(const IrModule *m, const IrFunc *f, const Group *g, int b) 
     const IrOp *op = f->ops[p];
     if (stream_of(op) != t.stream || op->nwaits > 0 || op->event >= 0) return false;
     if (member_of(&t, p) || deferrable(f, &t, op)) continue;
+    const Group *other = group_of[p] >= 0 ? &groups[group_of[p]] : NULL;   // it runs after b (at its last)
+    if (other && other->n >= 2 && other->member[other->n - 1] > b) continue;
     for (int a = 0; a < op->nargs; a++)
       if (reads_member(f, &t, &op->args[a])) return false;
   }
@@ -169,8 +165,45 @@ static bool can_join(const IrModule *m, const IrFunc *f, const Group *g, int b) 
 
 // Groups the candidates of f; the groups of two or more ops get attributes (starting at *next_id)
 // and their members move before their last. Returns false when out of memory.
+// Column sums move down, with the param.grad ops that copy their results into gradients, to just
+// before the first later op that reads their result otherwise, waits for or records an event, or
+// writes one of those gradients (or to the end): their results only feed parameter gradients, so
+// the elementwise ops whose results they sum group without them in the way, and the sums meet in
+// one launch at the end. (Later reads, nothing else: the same values.)
+static void sink_colsums(IrFunc *f) {
+  for (int i = f->nops - 2; i >= 0; i--) {
+    IrOp *op = f->ops[i];
+    if (ir_op_colsum(op->kind) < 0 || !candidate(f, op)) continue;
+    IrOp *moved[1 + IR_MAX_ARGS * 4];
+    int nmoved = 0, j = i + 1;
+    moved[nmoved++] = op;
+    for (; j < f->nops; j++) {
+      IrOp *o = f->ops[j];
+      bool reads = false, same_grad = false;
+      for (int a = 0; a < o->nargs; a++) reads |= o->args[a].value == op->result;
+      for (int k = 1; k < nmoved && o->kind == IR_OP_PARAM_GRAD; k++) same_grad |= o->args[0].param == moved[k]->args[0].param;
+      if (reads && o->kind == IR_OP_PARAM_GRAD && !ir_op_int(o, "accumulate", 0) && o->args[1].value == op->result &&
+          nmoved < (int)(sizeof moved / sizeof *moved)) {
+        moved[nmoved++] = o;
+        continue;
+      }
+      if (reads || same_grad || o->nwaits > 0 || o->event >= 0) break;
+    }
+    if (j == i + nmoved) continue;   // nothing to move over
+    int w = i;
+    for (int k = i; k < j; k++) {   // the others keep their order, then the moved ops
+      bool is_moved = false;
+      for (int q = 0; q < nmoved; q++) is_moved |= f->ops[k] == moved[q];
+      if (!is_moved) f->ops[w++] = f->ops[k];
+    }
+    for (int q = 0; q < nmoved; q++) f->ops[w++] = moved[q];
+    for (int k = i; k < j; k++) f->ops[k]->index = k;
+  }
+}
+
 static bool fuse_func(IrModule *m, IrFunc *f, PassCtx *ctx, int *next_id, int *nfused, int *ninner) {
   if (f->nops < 2) return true;
+  sink_colsums(f);
   Group *groups = calloc((size_t)f->nops, sizeof *groups);
   int *group_of = malloc((size_t)f->nops * sizeof *group_of);
   IrOp **order = malloc((size_t)f->nops * sizeof *order);
@@ -179,24 +212,28 @@ static bool fuse_func(IrModule *m, IrFunc *f, PassCtx *ctx, int *next_id, int *n
     return ir_oom(ctx->d);
   }
   int ngroups = 0;
+  for (int b = 0; b < f->nops; b++) group_of[b] = -1;
+  // Elementwise, row-wise and storing ops first, then the column sums (they join the groups made
+  // by then, knowing where each of those runs).
+  for (int phase = 0; phase < 2; phase++)
   for (int b = 0; b < f->nops; b++) {
-    group_of[b] = -1;
     IrOp *op = f->ops[b];
-    if (!candidate(f, op)) continue;
+    if (!candidate(f, op) || (ir_op_colsum(op->kind) >= 0) != (phase == 1)) continue;
     int join = -1;
     for (int a = 0; a < op->nargs && join < 0; a++) {   // the group of an operand's producer
       const IrValue *v = op->args[a].value;
-      if (v && v->def && v->func == f && group_of[v->def->index] >= 0 && can_join(m, f, &groups[group_of[v->def->index]], b))
+      if (v && v->def && v->func == f && group_of[v->def->index] >= 0 && can_join(m, f, groups, group_of, &groups[group_of[v->def->index]], b))
         join = group_of[v->def->index];
     }
     for (int g = ngroups - 1; g >= 0 && join < 0; g--)   // else the latest it can join
-      if (can_join(m, f, &groups[g], b)) join = g;
+      if (can_join(m, f, groups, group_of, &groups[g], b)) join = g;
     if (join < 0) {
       join = ngroups++;
       groups[join] = (Group){.row = -1, .colsum = ir_op_colsum(op->kind) >= 0, .store = ir_op_store(op->kind) != NULL,
                              .numel = ir_type_numel(&op->result->type), .stream = stream_of(op)};
     }
     if (ir_op_row(op->kind)) groups[join].row = groups[join].n;
+    if (ir_op_colsum(op->kind) >= 0) groups[join].colsum = true;
     groups[join].member[groups[join].n++] = b;
     group_of[b] = join;
   }

@@ -59,9 +59,12 @@ static __device__ int mk_colsum_width(int e, int n, int block) {
   return block < w ? block : w;
 }
 // Tile t of the column sums (of tiles = e * ceil(n / width) in all): every thread of the block
-// takes part (it synchronises). The fused kernels (codegen/fused.c) run several column sums'
-// tiles, each with its own shape's width, in one launch.
-static __device__ void mk_colsum_tile(const float *dy, const float *x, float *db, int e, int rows, int n, i64 t) {
+// takes part (it synchronises). dy and x are loaders, dy(i) the element at flat index i of [e,
+// rows, n], each element loaded once; with_x: the sum of dy * x, else of dy.
+// The fused kernels (codegen/fused.c) run several column sums' tiles, each with its own shape's
+// width, in one launch.
+template <class D, class X>
+static __device__ void mk_colsum_tile_of(D dy, X x, bool with_x, float *db, int e, int rows, int n, i64 t) {
   __shared__ double mk_colsum[MK_BLOCK];
   const int cols = mk_colsum_width(e, n, blockDim.x), lanes = blockDim.x / cols;
   const int cl = threadIdx.x % cols, rl = threadIdx.x / cols;
@@ -73,10 +76,10 @@ static __device__ void mk_colsum_tile(const float *dy, const float *x, float *db
     i64 base = ex * rows * n + c;
     double a[4] = {0.0, 0.0, 0.0, 0.0};
     int u = 0;
-    if (x)
-      for (int r = rl; r < rows; r += lanes, u = (u + 1) & 3) a[u] += (double)dy[base + (i64)r * n] * x[base + (i64)r * n];
+    if (with_x)
+      for (int r = rl; r < rows; r += lanes, u = (u + 1) & 3) a[u] += (double)dy(base + (i64)r * n) * x(base + (i64)r * n);
     else
-      for (int r = rl; r < rows; r += lanes, u = (u + 1) & 3) a[u] += dy[base + (i64)r * n];
+      for (int r = rl; r < rows; r += lanes, u = (u + 1) & 3) a[u] += dy(base + (i64)r * n);
     acc = (a[0] + a[1]) + (a[2] + a[3]);
   }
   mk_colsum[threadIdx.x] = acc;
@@ -87,6 +90,9 @@ static __device__ void mk_colsum_tile(const float *dy, const float *x, float *db
     db[ex * n + c] = (float)sum;
   }
   __syncthreads();
+}
+static __device__ void mk_colsum_tile(const float *dy, const float *x, float *db, int e, int rows, int n, i64 t) {
+  mk_colsum_tile_of([&](i64 i) { return dy[i]; }, [&](i64 i) { return x ? x[i] : 0.0f; }, x != NULL, db, e, rows, n, t);
 }
 static __device__ void mk_column_sums(const float *dy, const float *x, float *db, int e, int rows, int n) {
   const int cols = mk_colsum_width(e, n, blockDim.x);

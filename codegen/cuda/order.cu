@@ -24,18 +24,48 @@ __device__ void mk_scatter_choices(const int *idx, const int *loc, const float *
   }
 }
 
+// ---- prelude: the slot rows and the choices that fill them ----
+// order.encode and order.decode.grad_y write every row of their [e, g*cap, m] result, empty slots
+// zero (no separate zeroing): one block per MK_SLOT_ROWS rows (the rule's grid: blocks y.0*y.1/16).
+// The block finds which kept choice fills each of its rows (from[r], -1: none) by a pass over the
+// choices, then writes its rows whole.
+#define MK_SLOT_ROWS 16
+__device__ void mk_slot_choices(const int *idx, const int *loc, int *from, i64 r0, int s, int k, int g, int cap) {
+  for (int r = threadIdx.x; r < MK_SLOT_ROWS; r += blockDim.x) from[r] = -1;
+  __syncthreads();
+  for (i64 c = threadIdx.x; c < (i64)s * k; c += blockDim.x) {
+    if (!mk_kept(loc, c, cap)) continue;
+    i64 r = mk_slot(idx, loc, c, mk_group_of(s, g, (int)(c / k)), cap, g) - r0;
+    if (r >= 0 && r < MK_SLOT_ROWS) from[r] = (int)c;   // kept choices have distinct slots
+  }
+  __syncthreads();
+}
+
+// ---- prelude: encode over a storer ----
+// The token's row of each kept choice in its slot, the empty slots zero; out(i, v) stores element
+// i of [e, g*cap, m] (a fused kernel writes the bf16 copy there too).
+template <class S> __device__ void mk_order_encode_store(const float *x, const int *idx, const int *loc, S out, int s,
+                                                         int m, int k, int e, int g, int cap) {
+  __shared__ int from[MK_SLOT_ROWS];
+  if (g < 1) g = 1;
+  i64 rows = (i64)e * g * cap;
+  MK_FOR_BLOCKS(b, (rows + MK_SLOT_ROWS - 1) / MK_SLOT_ROWS) {
+    i64 r0 = b * MK_SLOT_ROWS;
+    mk_slot_choices(idx, loc, from, r0, s, k, g, cap);
+    for (i64 i = threadIdx.x; i < (i64)MK_SLOT_ROWS * m; i += blockDim.x) {
+      i64 r = i / m, col = i % m;
+      if (r0 + r >= rows) break;
+      int c = from[r];
+      out((r0 + r) * m + col, c < 0 ? 0.0f : x[(i64)(c / k) * m + col]);
+    }
+    __syncthreads();   // from[] serves the block's next rows
+  }
+}
+
 // ---- mk_order_encode ----
-// After mk_zero on disp: one block per choice copies the token's row to its slot (slots of kept
-// choices are distinct, so nothing races).
 extern "C" __global__ void mk_order_encode(const float *x, const int *idx, const int *loc, float *disp, int s, int m,
                                            int k, int e, int g, int cap) {
-  if (g < 1) g = 1;
-  MK_FOR_BLOCKS(c, (i64)s * k) {
-    if (!mk_kept(loc, c, cap)) continue;
-    int t = (int)(c / k);
-    float *dst = disp + mk_slot(idx, loc, c, mk_group_of(s, g, t), cap, g) * m;
-    for (int i = threadIdx.x; i < m; i += blockDim.x) dst[i] = x[(i64)t * m + i];
-  }
+  mk_order_encode_store(x, idx, loc, [&](i64 i, float v) { disp[i] = v; }, s, m, k, e, g, cap);
 }
 
 // ---- prelude: the combine's rows, over a storer ----
@@ -88,19 +118,33 @@ extern "C" __global__ void mk_order_decode(const float *y, const int *idx, const
   mk_order_decode_store(y, idx, loc, gates, [&](i64 i, float v) { out[i] = v; }, s, m, k, e, g, cap);
 }
 
+// ---- prelude: decode_grad_y over a storer ----
+// Each kept choice's slot gets gate * dout row (0 + gate * dout, as rt_order_decode_grad_y), the
+// empty slots zero.
+template <class S> __device__ void mk_order_decode_grad_y_store(const float *dout, const int *idx, const int *loc,
+                                                                const float *gates, S out, int s, int m, int k, int e,
+                                                                int g, int cap) {
+  __shared__ int from[MK_SLOT_ROWS];
+  if (g < 1) g = 1;
+  i64 rows = (i64)e * g * cap;
+  MK_FOR_BLOCKS(b, (rows + MK_SLOT_ROWS - 1) / MK_SLOT_ROWS) {
+    i64 r0 = b * MK_SLOT_ROWS;
+    mk_slot_choices(idx, loc, from, r0, s, k, g, cap);
+    for (i64 i = threadIdx.x; i < (i64)MK_SLOT_ROWS * m; i += blockDim.x) {
+      i64 r = i / m, col = i % m;
+      if (r0 + r >= rows) break;
+      int c = from[r];
+      out((r0 + r) * m + col, c < 0 ? 0.0f : 0.0f + gates[c] * dout[(i64)(c / k) * m + col]);
+    }
+    __syncthreads();
+  }
+}
+
 // ---- mk_order_decode_grad_y ----
-// After mk_zero on dy: one block per kept choice writes gate * dout row to its slot.
 extern "C" __global__ void mk_order_decode_grad_y(const float *dout, const int *idx, const int *loc,
                                                   const float *gates, float *dy, int s, int m, int k, int e, int g,
                                                   int cap) {
-  if (g < 1) g = 1;
-  MK_FOR_BLOCKS(c, (i64)s * k) {
-    if (!mk_kept(loc, c, cap)) continue;
-    int t = (int)(c / k);
-    float *dst = dy + mk_slot(idx, loc, c, mk_group_of(s, g, t), cap, g) * m;
-    float w = gates[c];
-    for (int i = threadIdx.x; i < m; i += blockDim.x) dst[i] += w * dout[(i64)t * m + i];
-  }
+  mk_order_decode_grad_y_store(dout, idx, loc, gates, [&](i64 i, float v) { dy[i] = v; }, s, m, k, e, g, cap);
 }
 
 // ---- mk_order_decode_grad_gates ----

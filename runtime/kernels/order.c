@@ -9,6 +9,7 @@
 // are two GEMMs. The slot of choice (t, j) of a token in group gi is exactly the dispatch row
 // rt_order_encode gives it, column idx*c + gi*cap + loc; dropped choices (loc < 0 or >= cap)
 // have no column. The backward of the combine weights is a gather of dcw at those columns.
+#include <stdlib.h>
 #include <string.h>
 
 #include "moert.h"
@@ -29,10 +30,41 @@ static size_t slot_offset(const int32_t *idx, const int32_t *loc, size_t c, int 
 
 static bool kept(const int32_t *loc, size_t c, int cap) { return loc[c] >= 0 && loc[c] < cap; }
 
+// Marks the rows of [e, g*cap] that a kept choice fills (mark[r] = 1); NULL when out of memory.
+static unsigned char *filled_rows(const int32_t *idx, const int32_t *loc, int s, int k, int e, int g, int cap) {
+  unsigned char *mark = calloc((size_t)e * g * cap + 1, 1);
+  if (!mark)
+    return NULL;
+  for (int gi = 0; gi < g; gi++)
+    for (int t = group_begin(s, g, gi); t < group_begin(s, g, gi + 1); t++)
+      for (int j = 0; j < k; j++) {
+        size_t c = (size_t)t * k + j;
+        if (kept(loc, c, cap))
+          mark[((size_t)idx[c] * g + gi) * cap + (size_t)loc[c]] = 1;
+      }
+  return mark;
+}
+
+// Zeroes the rows of out ([rows, m]) that no kept choice fills (all of them when mark is NULL,
+// before the choices are written).
+static void zero_empty_rows(float *out, const unsigned char *mark, int64_t rows, int m) {
+  if (!mark) {
+    memset(out, 0, (size_t)rows * m * sizeof *out);
+    return;
+  }
+  RT_PARALLEL_FOR(rows * m >= RT_PAR_MIN)
+  for (int64_t r = 0; r < rows; r++)
+    if (!mark[r])
+      memset(out + r * m, 0, (size_t)m * sizeof *out);
+}
+
+// Every row of the result is written: a kept choice's row in its slot, the empty slots zero.
 void rt_order_encode(const float *x, const int32_t *idx, const int32_t *loc, float *disp, int s,
                      int m, int k, int e, int g, int cap) {
   if (g < 1)
     g = 1;
+  unsigned char *mark = filled_rows(idx, loc, s, k, e, g, cap);
+  zero_empty_rows(disp, mark, (int64_t)e * g * cap, m);
   for (int gi = 0; gi < g; gi++) {
     int t0 = group_begin(s, g, gi), t1 = group_begin(s, g, gi + 1);
     RT_PARALLEL_FOR((int64_t)(t1 - t0) * k * m >= RT_PAR_MIN)
@@ -46,6 +78,7 @@ void rt_order_encode(const float *x, const int32_t *idx, const int32_t *loc, flo
       }
     }
   }
+  free(mark);
 }
 
 // out[t] = the sum over the kept choices c of token t of gates[c] times c's dispatch row of rows
@@ -91,11 +124,15 @@ void rt_order_decode(const float *y, const int32_t *idx, const int32_t *loc, con
   gather_choices(y, idx, loc, gates, out, s, m, k, g, cap);
 }
 
+// Every row of the result is written: 0 + gate * dout row in a kept choice's slot (the sum its
+// one term makes), the empty slots zero.
 void rt_order_decode_grad_y(const float *dout, const int32_t *idx, const int32_t *loc,
                             const float *gates, float *dy, int s, int m, int k, int e, int g,
                             int cap) {
   if (g < 1)
     g = 1;
+  unsigned char *mark = filled_rows(idx, loc, s, k, e, g, cap);
+  zero_empty_rows(dy, mark, (int64_t)e * g * cap, m);
   for (int gi = 0; gi < g; gi++) {
     int t0 = group_begin(s, g, gi), t1 = group_begin(s, g, gi + 1);
     RT_PARALLEL_FOR((int64_t)(t1 - t0) * k * m >= RT_PAR_MIN)
@@ -109,10 +146,11 @@ void rt_order_decode_grad_y(const float *dout, const int32_t *idx, const int32_t
         float w = gates[c];
         RT_SIMD
         for (int i = 0; i < m; i++)
-          dst[i] += w * dr[i];
+          dst[i] = 0.0f + w * dr[i];
       }
     }
   }
+  free(mark);
 }
 
 void rt_order_decode_grad_gates(const float *dout, const float *y, const int32_t *idx,

@@ -377,8 +377,9 @@ fi
 # and v biases, bias + residual, expert bias + GELU, the gradient sums) run as generated kernels
 # (codegen/fused.c; on the fake device compiled into the program as host C++); the program trains
 # to the bits of its --no-fuse build (losses and every --dump tensor), launches fewer kernels and
-# moves fewer bytes than op by op (its "unfused" numbers are the --no-fuse build's), and its kernel
-# unit has the generated kernels.
+# moves fewer bytes than op by op (its "unfused" numbers are the --no-fuse build's), launches at
+# most 91 kernels a step (issue 39: 40 % of the 228 its op-by-op program launched when the issue
+# was filed), and its kernel unit has the generated kernels.
 if MOEC_CUDA_FAKE=1 "$MOEC" build lang/models/gpt_moe_bytes.moe --target cuda -v -o "$WORK/gmbf.cuda" 2>"$WORK/gf.err" &&
    MOEC_CUDA_FAKE=1 "$MOEC" build lang/models/gpt_moe_bytes.moe --target cuda --no-fuse -v -o "$WORK/gmbn.cuda" 2>"$WORK/gn.err" &&
    "$MOEC" build lang/models/gpt_moe_bytes.moe --target cuda --emit cuda -o "$WORK/gmbf.cu" 2>/dev/null &&
@@ -387,7 +388,8 @@ if MOEC_CUDA_FAKE=1 "$MOEC" build lang/models/gpt_moe_bytes.moe --target cuda -v
    nk=$(sed -n 's/^# launches: \([0-9]*\) kernels, .* per step (--no-fuse: each op alone)$/\1/p' "$WORK/gn.err") &&
    mb=$(sed -n 's/^# kernel traffic: \([0-9.]*\) MB per step (unfused: \([0-9.]*\) MB)$/\1 \2/p' "$WORK/gf.err") &&
    groups=$(sed -n 's/^# fuse: \([0-9]*\) ops in \([0-9]*\) fused kernels.*/\2/p' "$WORK/gf.err") &&
-   [ -n "$nk" ] && [ "${fk#* }" = "$nk" ] && [ "${fk% *}" -lt "$nk" ] && [ -n "$groups" ] && [ "$groups" -gt 10 ] &&
+   [ -n "$nk" ] && [ "${fk#* }" = "$nk" ] && [ "${fk% *}" -lt "$nk" ] && [ "${fk% *}" -le 91 ] &&
+   [ -n "$groups" ] && [ "$groups" -gt 10 ] &&
    awk -v a="${mb% *}" -v b="${mb#* }" 'BEGIN { exit !(a < b) }' &&
    grep -q "^# launches: a step .* kernels move ${mb#* } MB" "$WORK/gn.err" &&
    run gmbf cuda 1 --steps 2 --dump gmbf.dump && run gmbn cuda 1 --steps 2 --dump gmbn.dump &&

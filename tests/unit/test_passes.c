@@ -229,6 +229,63 @@ static void test_fuse_groups_elementwise_chains(void **state) {
   release(&b);
 }
 
+// The fuse pass on a pre-norm GPT-MoE block (attention with biases, LayerNorm, an MoE with
+// biased GELU experts): the program order stays valid (every operand made before its reader);
+// the residual add before the second norm is that norm's prologue and still leaves the kernel
+// (the combine's residual reads it), computed again where the norm stores; column sums move
+// down to the end of the backward and make one group there; with dtype bf16 the dispatch
+// (order.encode, a GEMM operand) is a group of one that writes its bf16 copy.
+static void test_fuse_prologues_and_column_sums(void **state) {
+  (void)state;
+  const char *text =
+      "model g {\n  dtype %s; batch 2; seqlen 8; embed 16; seed 1; vocab 32; position learned; norm layernorm;\n"
+      "  tie_embeddings true; optimizer sgd { lr 0.1; }\n}\n"
+      "layer block x 2 {\n  attention { heads 2; }\n  moe {\n    experts 2 { ffn gpt { hidden 32; act gelu; } }\n"
+      "    gate gshard { k 2; capacity 1.25; aux_loss 0.01; }\n  }\n}\n";
+  char model[1024];
+  for (int bf16 = 0; bf16 < 2; bf16++) {
+    snprintf(model, sizeof model, text, bf16 ? "bf16" : "fp32");
+    Built b;
+    build_fused(&b, model, true);
+    check_plan(&b);
+    int stored_prologue = 0, sums = 0, encode_copy = 0;
+    for (int fi = 0; fi < b.m->nfuncs; fi++) {
+      const IrFunc *f = b.m->funcs[fi];
+      for (int i = 0; i < f->nops; i++) {
+        const IrOp *op = f->ops[i];
+        for (int a = 0; a < op->nargs; a++) {
+          const IrValue *v = op->args[a].value;
+          if (v && v->def && v->func == f) assert_true(v->def->index < i);
+        }
+        int64_t id = ir_op_int(op, "fuse", -1);
+        if (op->kind == IR_OP_ORDER_ENCODE && bf16) {
+          assert_true(id >= 0 && ir_op_int(op, "bf16", 0) == 1);
+          encode_copy++;
+        }
+        if (id < 0 || (i > 0 && ir_op_int(f->ops[i - 1], "fuse", -1) == id)) continue;
+        int n = 1;   // a group's first op: its members
+        while (i + n < f->nops && ir_op_int(f->ops[i + n], "fuse", -1) == id) n++;
+        for (int j = 0; j < n; j++) {
+          const IrOp *mj = f->ops[i + j];
+          if (ir_op_row(mj->kind))   // a prologue member before it that leaves the kernel
+            for (int p = 0; p < j; p++) stored_prologue += !ir_op_int(f->ops[i + p], "inner", 0);
+          if (ir_op_colsum(mj->kind) >= 0) {   // sums among themselves, at the backward's end
+            assert_true(ir_op_colsum(f->ops[i]->kind) >= 0);
+            for (int p = i + n; p < f->nops; p++) assert_true(f->ops[p]->kind == IR_OP_PARAM_GRAD);
+            sums++;
+          }
+        }
+      }
+    }
+    assert_true(stored_prologue >= 2);   // a block's second norm, in each of the two blocks
+    assert_true(sums >= 8);   // a block's biases of q, k, v, o, two norm weights and biases
+    if (bf16) assert_int_equal(encode_copy, 2);
+    printf("# fuse %s: %d stored prologue values, %d column sums in groups\n", bf16 ? "bf16" : "fp32",
+           stored_prologue, sums);
+    release(&b);
+  }
+}
+
 static void test_pipeline_stop_after(void **state) {
   IrDiag d;
   ir_diag_init(&d, stderr);
@@ -394,6 +451,7 @@ int main(void) {
       cmocka_unit_test(test_memplan_saved_activation),
       cmocka_unit_test(test_pipeline_stop_after),
       cmocka_unit_test(test_fuse_groups_elementwise_chains),
+      cmocka_unit_test(test_fuse_prologues_and_column_sums),
       cmocka_unit_test(test_lower_bf16_by_target),
       cmocka_unit_test(test_capacity_whole_stays_whole),
       cmocka_unit_test(test_stack_prices_design_workloads),
