@@ -64,9 +64,8 @@ void cli_build_usage(FILE *out) {
           "  --emit c          write the generated C program (of the target) to -o or stdout\n"
           "  --emit cuda       write the generated CUDA kernels (for NVRTC) to -o or stdout\n"
           "  --keep-c F.c      also keep the generated C program as F.c\n"
-          "  --no-fuse         the CUDA program op by op: no fused gate kernel, no split reductions,\n"
-          "                    an update launch per parameter (for comparison; the CPU program is op\n"
-          "                    by op either way)\n");
+          "  --no-fuse         the program op by op (no fuse pass; CUDA: no fused gate kernel, no\n"
+          "                    split reductions, an update launch per parameter), for comparison\n");
 }
 
 typedef struct Options {
@@ -221,7 +220,7 @@ static int cmd_dump_ir(IrDiag *d, const Options *o) {
   if (m) {
     PassCtx ctx = {.d = d, .verbose = o->verbose, .log = stderr, .dump_out = stdout, .dump_all = o->all,
                    .cluster = cl.have ? &cl.sc : NULL,
-                   .fuse = o->target && strcmp(o->target, "cuda") == 0 && !o->no_fuse};   // fuse: the CUDA target's
+                   .fuse = !o->no_fuse, .fuse_cpu = !o->target || strcmp(o->target, "cuda") != 0};
     ctx.dump_after = o->all ? NULL : (o->after ? o->after : pass_list[pass_count - 1].name);
     ctx.stop_after = o->all ? NULL : ctx.dump_after;
     if (pass_run_pipeline(m, &ctx)) status = 0;
@@ -303,7 +302,7 @@ static int cmd_build(IrDiag *d, const Options *o) {
   IrModule *m = front_end(d, o, &caps, &src, &cl);
   int status = 1;
   PassCtx ctx = {.d = d, .verbose = o->verbose, .log = stderr, .cluster = cl.have ? &cl.sc : NULL,
-                 .fuse = strcmp(target->name, "cuda") == 0 && !o->no_fuse};
+                 .fuse = !o->no_fuse, .fuse_cpu = strcmp(target->name, "cuda") != 0};
   char tmp[] = "/tmp/moec-XXXXXX.c";
   char *output = NULL;
   FILE *c = NULL;

@@ -179,8 +179,13 @@ bool cg_lower_rule_check(const char *rule, int nargs, bool has_result, char *why
 // attribute), or 0 when op i is in none.
 int cg_fused_members(const IrFunc *f, int i);
 // The launch of the group at op i: one call of its generated kernel, added to ls->gen unless an
-// identical one is there. False (reported) when out of memory.
-bool cg_lower_fused(IrDiag *d, CgLaunches *ls, const IrFunc *f, int i, CgLaunch *l);
+// identical one is there. False (reported) when out of memory. cpu: the CPU program's function
+// (the group's elementwise ops over rows; its source is a C function named FUSED_NAME, to be
+// renamed by the program as gen's name, fuse_N) instead of a CUDA kernel.
+bool cg_lower_fused(IrDiag *d, CgLaunches *ls, const IrFunc *f, int i, bool cpu, CgLaunch *l);
+// Whether scalar expression expr is a form the CPU loops take: one function call of plain
+// operands (rt_fv_NAME of runtime/rt_fused.h), or arithmetic without functions.
+bool cg_scalar_c_form(const char *expr);
 // Whether op's fused kernel writes the bf16 copy of its result (dtype bf16: op has `bf16=1` and
 // is in a group other than column sums); else the host program rounds the copy before its GEMM.
 bool cg_fused_writes_copy(const IrOp *op);

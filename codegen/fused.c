@@ -276,7 +276,161 @@ static Grid elements(FILE *out, const IrFunc *f, int i, int n, const IrOperand *
   return (Grid){.items = rows, .blocks = !ri->per_thread, .syncs = !ri->per_thread};
 }
 
-bool cg_lower_fused(IrDiag *d, CgLaunches *ls, const IrFunc *f, int i, CgLaunch *l) {
+// ---- the CPU program's loops ----
+// On the CPU a group holds elementwise ops of one row length, or column sums (passes/fuse.c, the
+// CPU target's groups; the column sums: c_colsums below). Its function runs the rows of a thread's share (rt_team_share, in a parallel region
+// when the work is worth one) in chunks of RT_FUSED_CHUNK columns: each member's chunk is one
+// vector loop into a chunk array vJ (a function call is the loop rt_fv_NAME of runtime/rt_fused.h,
+// which the CPU kernels run too), then copied where it leaves the kernel. The body is compiled
+// for each vector path (RT_VECTOR_PATHS) and named FUSED_NAME until the program numbers it.
+
+// Whether expr is one function call of plain operands, "name(xA, xB)": the name and the operand
+// numbers (at most 2) into name and arg.
+static bool function_form(const char *expr, char *name, size_t size, int arg[2], int *nargs) {
+  size_t len = strspn(expr, "abcdefghijklmnopqrstuvwxyz_0123456789");
+  if (!len || expr[len] != '(' || len >= size) return false;
+  snprintf(name, size, "%.*s", (int)len, expr);
+  const char *e = expr + len + 1;
+  *nargs = 0;
+  while (*e == 'x' && e[1] >= '0' && e[1] <= '9' && *nargs < 2) {
+    arg[(*nargs)++] = (int)strtol(e + 1, (char **)&e, 10);
+    if (*e == ',') e += strspn(e + 1, " ") + 1;
+  }
+  return *e == ')' && !e[1] && *nargs > 0;
+}
+
+bool cg_scalar_c_form(const char *expr) {
+  char name[32];
+  int arg[2], n;
+  if (function_form(expr, name, sizeof name, arg, &n)) return true;
+  for (const char *e = expr; *e; e++)   // else no name( anywhere
+    if (*e == '(' && e > expr && ((e[-1] >= 'a' && e[-1] <= 'z') || e[-1] == '_')) return false;
+  return true;
+}
+
+// Operand k of member op as a C expression at row r, column c0 + c (element i0 + c), cols a row.
+static void c_load(FILE *out, const IrFunc *f, int i, int n, const IrOp *op, int k, const char *mode,
+                   const IrOperand *const *in, int nin, int64_t cols) {
+  int made = member_making(f, i, n, op->args[k].value);
+  if (made >= 0) {
+    fprintf(out, "v%d[c]", made);
+    return;
+  }
+  int p = 0;
+  while (p < nin && !same_operand(in[p], &op->args[k])) p++;
+  const IrType *rt = &op->result->type;
+  int64_t mid = rt->rank >= 2 ? rt->dim[rt->rank - 2] : 1;
+  if (!*mode) fprintf(out, "a%d[i0 + c]", p);
+  else if (strcmp(mode, "c") == 0) fprintf(out, "a%d[c0 + c]", p);
+  else if (strcmp(mode, "r") == 0) fprintf(out, "a%d[r]", p);
+  else if (strcmp(mode, "0") == 0) fprintf(out, "a%d[0]", p);
+  else if (strcmp(mode, "ec") == 0) fprintf(out, "a%d[r / %" PRId64 " * %" PRId64 " + c0 + c]", p, mid, cols);
+  else if (strcmp(mode, "slice") == 0) {
+    const IrType *t = cg_operand_type(&op->args[k]);
+    fprintf(out, "a%d[r * %" PRId64 " + %" PRId64 " + c0 + c]", p, t->dim[t->rank - 1], ir_op_int(op, "offset", 0));
+  } else {
+    UNREACHABLE();   // tests/unit checks every row of ir/scalar.def
+  }
+}
+
+// The C function of a group (FUSED_NAME for its name) into out; whether a member calls a function.
+static bool c_function(FILE *out, const IrFunc *f, int i, int n, const IrOperand *const *in, int nin, const Stores *st) {
+  const IrType *rt = &f->ops[i]->result->type;
+  int64_t cols = rt->rank ? rt->dim[rt->rank - 1] : 1, rows = ir_type_numel(rt) / (cols ? cols : 1);
+  char params[2048] = "", args[1024] = "";
+  size_t pn = 0, an = 0;
+  for (int p = 0; p < nin; p++) {
+    pn += (size_t)snprintf(params + pn, sizeof params - pn, "%sconst %s *restrict a%d", p ? ", " : "",
+                           cg_operand_type(in[p])->dtype == IR_I32 ? "int32_t" : "float", p);
+    an += (size_t)snprintf(args + an, sizeof args - an, "%sa%d", p ? ", " : "", p);
+  }
+  for (int p = 0; p < st->nout; p++) {
+    pn += (size_t)snprintf(params + pn, sizeof params - pn, "%sfloat *restrict o%d", nin + p ? ", " : "", p);
+    an += (size_t)snprintf(args + an, sizeof args - an, "%so%d", nin + p ? ", " : "", p);
+  }
+  fprintf(out, "RT_VECTOR_BODY void FUSED_NAME_rows_body(%s, int64_t lo, int64_t hi) {\n", params);
+  fprintf(out, "  float ");
+  for (int j = 0; j < n; j++) fprintf(out, "%sv%d[RT_FUSED_CHUNK]", j ? ", " : "", j);
+  fprintf(out, ";\n  for (int64_t r = lo; r < hi; r++)\n");
+  fprintf(out, "    for (int64_t c0 = 0; c0 < %" PRId64 "; c0 += RT_FUSED_CHUNK) {\n", cols);
+  fprintf(out, "      const int64_t m = %" PRId64 " - c0 < RT_FUSED_CHUNK ? %" PRId64 " - c0 : RT_FUSED_CHUNK, i0 = r * %" PRId64
+               " + c0;\n      (void)i0;\n", cols, cols, cols);
+  bool calls = false;
+  for (int j = 0; j < n; j++) {
+    const IrOp *op = f->ops[i + j];
+    const char *e = ir_op_scalar(op->kind);
+    char fn[32];
+    int arg[2], na;
+    if (function_form(e, fn, sizeof fn, arg, &na)) {
+      calls = true;
+      fprintf(out, "      rt_fv_%s(m, v%d", fn, j);
+      for (int a = 0; a < na; a++) {
+        int made = member_making(f, i, n, op->args[arg[a]].value), p = 0;
+        while (made < 0 && p < nin && !same_operand(in[p], &op->args[arg[a]])) p++;
+        if (made >= 0) fprintf(out, ", v%d", made);
+        else fprintf(out, ", a%d + i0", p);
+      }
+      fprintf(out, ");   // %s\n", ir_op_info[op->kind].name);
+    } else {
+      fprintf(out, "RT_SIMD\n      for (int64_t c = 0; c < m; c++) v%d[c] = ", j);
+      while (*e) {
+        if (e[0] == 'x' && e[1] >= '0' && e[1] <= '9') {
+          int k = (int)strtol(e + 1, (char **)&e, 10);
+          char mode[8] = "";
+          if (*e == '[') {
+            size_t len = strcspn(e + 1, "]");
+            snprintf(mode, sizeof mode, "%.*s", (int)len, e + 1);
+            e += len + 2;
+          }
+          c_load(out, f, i, n, op, k, mode, in, nin, cols);
+        } else {
+          fputc(*e++, out);
+        }
+      }
+      fprintf(out, ";   // %s\n", ir_op_info[op->kind].name);
+    }
+    for (int p = 0; p < st->nout; p++)
+      if (st->out[p] == j) fprintf(out, "      memcpy(o%d + i0, v%d, (size_t)m * sizeof(float));\n", p, j);
+  }
+  fprintf(out, "    }\n}\n");
+  fprintf(out, "RT_VECTOR_PATHS(FUSED_NAME_rows, (%s, int64_t lo, int64_t hi), (%s, lo, hi))\n", params, args);
+  fprintf(out, "static void FUSED_NAME(%s) {\n", params);
+  fprintf(out, "  RT_PARALLEL(%s%" PRId64 " >= RT_PAR_MIN%s)\n", rows > 1 ? "" : "0 && ", ir_type_numel(rt), calls ? " / 8" : "");
+  fprintf(out, "  {\n    int64_t lo, hi;\n    rt_team_share(%" PRId64 ", &lo, &hi);\n    FUSED_NAME_rows(%s, lo, hi);\n  }\n}\n",
+          rows, args);
+  return calls;
+}
+
+// The C function of a group of column sums: each member's share of its kernel's work items
+// (rt_column_sums_share, rt_scale_cols_grad_w_share of runtime/rt_fused.h), all in one parallel
+// region, each with its own kernel's order of additions.
+static void c_colsums(FILE *out, const IrFunc *f, int i, int n, const IrOperand *const *in, int nin) {
+  fprintf(out, "static void FUSED_NAME(");
+  for (int p = 0; p < nin; p++) fprintf(out, "%sconst float *a%d", p ? ", " : "", p);
+  for (int j = 0; j < n; j++) fprintf(out, ", float *o%d", j);
+  int64_t total = 0;
+  for (int j = 0; j < n; j++) total += ir_type_numel(cg_operand_type(&f->ops[i + j]->args[0]));
+  fprintf(out, ") {\n  RT_PARALLEL(%" PRId64 " >= RT_PAR_MIN)\n  {\n", total);
+  for (int j = 0; j < n; j++) {
+    const IrOp *op = f->ops[i + j];
+    const IrType *t0 = cg_operand_type(&op->args[0]);
+    int64_t cols = t0->dim[t0->rank - 1], rows = t0->dim[t0->rank - 2], e = 1;
+    for (int d = 0; d + 2 < t0->rank; d++) e *= t0->dim[d];
+    int p0 = 0, p1 = 0;
+    while (p0 < nin && !same_operand(in[p0], &op->args[0])) p0++;
+    if (ir_op_colsum(op->kind) == 1) {
+      while (p1 < nin && !same_operand(in[p1], &op->args[1])) p1++;
+      fprintf(out, "    rt_scale_cols_grad_w_share(a%d, a%d, o%d, %" PRId64 ", %" PRId64 ");   // %s\n", p0, p1, j,
+              e * rows, cols, ir_op_info[op->kind].name);
+    } else {
+      fprintf(out, "    rt_column_sums_share(a%d, o%d, %" PRId64 ", %" PRId64 ", %" PRId64 ");   // %s\n", p0, j, e, rows,
+              cols, ir_op_info[op->kind].name);
+    }
+  }
+  fprintf(out, "  }\n}\n");
+}
+
+bool cg_lower_fused(IrDiag *d, CgLaunches *ls, const IrFunc *f, int i, bool cpu, CgLaunch *l) {
   int n = cg_fused_members(f, i);
   memset(l, 0, sizeof *l);
   l->nops = n;
@@ -305,17 +459,21 @@ bool cg_lower_fused(IrDiag *d, CgLaunches *ls, const IrFunc *f, int i, CgLaunch 
     FILE *f;
   } t = {0};   // the kernel's text after its name
   if (!(t.f = open_memstream(&t.s, &t.n))) return ir_oom(d);
-  Grid grid;
-  fprintf(t.f, "(");
-  for (int p = 0; p < nin; p++)
+  Grid grid = {.items = 1};
+  if (cpu && colsum) c_colsums(t.f, f, i, n, in, nin);
+  else if (cpu) c_function(t.f, f, i, n, in, nin, &st);
+  else fprintf(t.f, "(");
+  for (int p = 0; p < nin && !cpu; p++)
     fprintf(t.f, "%sconst %s *a%d", p ? ", " : "", cg_operand_type(in[p])->dtype == IR_I32 ? "int" : "float", p);
-  for (int p = 0; p < st.nout; p++) fprintf(t.f, "%sfloat *o%d", nin + p ? ", " : "", p);
-  for (int p = 0; p < st.ncopy; p++) fprintf(t.f, ", u16 *h%d", p);
-  fprintf(t.f, ") {\n");
-  if (colsum) grid = colsums(t.f, f, i, n, in, nin);
-  else if (ir_op_store(f->ops[i]->kind)) grid = stored(t.f, f, i, n, in, nin, &st);
-  else grid = elements(t.f, f, i, n, in, nin, &st);
-  fprintf(t.f, "}\n");
+  for (int p = 0; p < st.nout && !cpu; p++) fprintf(t.f, "%sfloat *o%d", nin + p ? ", " : "", p);
+  for (int p = 0; p < st.ncopy && !cpu; p++) fprintf(t.f, ", u16 *h%d", p);
+  if (!cpu) {
+    fprintf(t.f, ") {\n");
+    if (colsum) grid = colsums(t.f, f, i, n, in, nin);
+    else if (ir_op_store(f->ops[i]->kind)) grid = stored(t.f, f, i, n, in, nin, &st);
+    else grid = elements(t.f, f, i, n, in, nin, &st);
+    fprintf(t.f, "}\n");
+  }
   if (fclose(t.f) != 0) {
     free(t.s);
     return ir_oom(d);
@@ -333,7 +491,7 @@ bool cg_lower_fused(IrDiag *d, CgLaunches *ls, const IrFunc *f, int i, CgLaunch 
     ls->gen = gen;
     CgGenKernel *k = &ls->gen[ls->ngen++];
     memset(k, 0, sizeof *k);
-    snprintf(k->name, sizeof k->name, "mk_fuse_%d", g);
+    snprintf(k->name, sizeof k->name, cpu ? "fuse_%d" : "mk_fuse_%d", g);
     k->source = t.s;
     k->nparams = nin + st.nout + st.ncopy;
     k->syncs = grid.syncs;

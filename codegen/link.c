@@ -129,7 +129,9 @@ bool cg_link_program(IrDiag *d, const char *c_path, const char *out_path, const 
   const char *cc = getenv("CC");
   Command c = {.argc = 0};
   add(&c, cc && *cc ? cc : "cc");
-  add_words(&c, "-std=c11 -O2 -w");
+  // the runtime's math flags (the Makefile's RT_CFLAGS): the fused loops' clamps and divisions
+  // vectorise as the kernels' do (no errno, no trap to keep), with the same bits
+  add_words(&c, "-std=c11 -O2 -w -fno-math-errno -fno-trapping-math");
   add(&c, include);
   if (extra) add_words(&c, extra->cflags);
   add(&c, c_path);

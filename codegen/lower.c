@@ -597,7 +597,7 @@ CgLaunches *cg_lower_module(IrDiag *d, const IrModule *m, const PassMemPlan *pla
     for (int i = 0; ok && i < f->nops; i += fl->launch[fl->n++].nops) {
       fl->at[fl->n] = i;
       if ((how & CG_LOWER_FUSE) && cg_fused_members(f, i) > 0) {
-        if (!(ok = cg_lower_fused(d, ls, f, i, &fl->launch[fl->n]))) break;
+        if (!(ok = cg_lower_fused(d, ls, f, i, false, &fl->launch[fl->n]))) break;
       } else if (!cg_lower(plan, f, i, how, &fl->launch[fl->n]) || fl->launch[fl->n].nops < 1) {
         const IrOp *op = f->ops[i];
         ok = ir_error_at(d, op->loc, "the CUDA target cannot emit op '%s'",

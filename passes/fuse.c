@@ -1,5 +1,7 @@
-// The `fuse` pass: elementwise ops grouped into fused kernels (the CUDA target's; the CPU program
-// runs its ops one by one and the pass leaves its modules alone).
+// The `fuse` pass: elementwise ops grouped into fused kernels, on both targets (moec build
+// --no-fuse skips it). The CUDA target's groups are of every kind below; the CPU target's
+// (ctx->fuse_cpu) of elementwise ops of one row length (one loop over rows in the CPU program)
+// and of column sums (one parallel region for all of them).
 //
 // An elementwise op is one with a scalar expression in ir/scalar.def (bias, add, mul, the
 // activations and their gradients, a norm's scale, a per-row scale, reshape, the division by a
@@ -67,8 +69,9 @@ static bool is_f32(const IrType *t) { return t->dtype == IR_F32; }
 // Whether op can be a member: it has a scalar expression, f32 operands and result, no event
 // recorded or waited for, and it does not feed gate.topk (the gate's softmax or sigmoid, top-k
 // and gather are one kernel of their own: codegen/lower.c).
-static bool candidate(const IrFunc *f, const IrOp *op) {
+static bool candidate(const IrFunc *f, const IrOp *op, bool cpu) {
   bool store = ir_op_store(op->kind) != NULL;
+  if (cpu && !ir_op_scalar(op->kind) && ir_op_colsum(op->kind) < 0) return false;   // the CPU's: elementwise, column sums
   if ((!ir_op_scalar(op->kind) && !ir_op_row(op->kind) && ir_op_colsum(op->kind) < 0 && !store) || !op->result ||
       !is_f32(&op->result->type))
     return false;
@@ -118,7 +121,8 @@ static bool read_outside(const IrModule *m, const IrFunc *f, const Group *g, con
 }
 
 // Whether g with op b added (b after every member) satisfies the rules of the file comment.
-static bool can_join(const IrModule *m, const IrFunc *f, const Group *groups, const int *group_of, const Group *g, int b) {
+static bool can_join(const IrModule *m, const IrFunc *f, const Group *groups, const int *group_of, const Group *g, int b,
+                     bool cpu) {
   const IrOp *ob = f->ops[b];
   bool row = ir_op_row(ob->kind) != NULL, colsum = ir_op_colsum(ob->kind) >= 0;
   if (b <= g->member[g->n - 1]) return false;   // (column sums come after the rest: a later group)
@@ -131,6 +135,10 @@ static bool can_join(const IrModule *m, const IrFunc *f, const Group *groups, co
     if (!ir_type_equal(&ob->result->type, rt) || rt->rank < 1) return false;
     for (int k = 0; k < g->n; k++)
       if (!ir_type_equal(&f->ops[g->member[k]]->result->type, rt)) return false;
+  }
+  if (cpu && !colsum) {   // the CPU loop runs over rows and columns: one row length
+    const IrType *t0 = &f->ops[g->member[0]]->result->type, *tb = &ob->result->type;
+    if (t0->rank < 1 || tb->rank < 1 || t0->dim[t0->rank - 1] != tb->dim[tb->rank - 1]) return false;
   }
   if (g->n >= MAX_MEMBERS || b - g->member[0] > MAX_SPAN || stream_of(ob) != g->stream ||
       (!colsum && ir_type_numel(&ob->result->type) != g->numel))
@@ -173,7 +181,7 @@ static bool can_join(const IrModule *m, const IrFunc *f, const Group *groups, co
 static void sink_colsums(IrFunc *f) {
   for (int i = f->nops - 2; i >= 0; i--) {
     IrOp *op = f->ops[i];
-    if (ir_op_colsum(op->kind) < 0 || !candidate(f, op)) continue;
+    if (ir_op_colsum(op->kind) < 0 || !candidate(f, op, false)) continue;   // (the same on both targets)
     IrOp *moved[1 + IR_MAX_ARGS * 4];
     int nmoved = 0, j = i + 1;
     moved[nmoved++] = op;
@@ -203,6 +211,7 @@ static void sink_colsums(IrFunc *f) {
 
 static bool fuse_func(IrModule *m, IrFunc *f, PassCtx *ctx, int *next_id, int *nfused, int *ninner) {
   if (f->nops < 2) return true;
+  bool cpu = ctx->fuse_cpu;
   sink_colsums(f);
   Group *groups = calloc((size_t)f->nops, sizeof *groups);
   int *group_of = malloc((size_t)f->nops * sizeof *group_of);
@@ -218,15 +227,15 @@ static bool fuse_func(IrModule *m, IrFunc *f, PassCtx *ctx, int *next_id, int *n
   for (int phase = 0; phase < 2; phase++)
   for (int b = 0; b < f->nops; b++) {
     IrOp *op = f->ops[b];
-    if (!candidate(f, op) || (ir_op_colsum(op->kind) >= 0) != (phase == 1)) continue;
+    if (!candidate(f, op, cpu) || (ir_op_colsum(op->kind) >= 0) != (phase == 1)) continue;
     int join = -1;
     for (int a = 0; a < op->nargs && join < 0; a++) {   // the group of an operand's producer
       const IrValue *v = op->args[a].value;
-      if (v && v->def && v->func == f && group_of[v->def->index] >= 0 && can_join(m, f, groups, group_of, &groups[group_of[v->def->index]], b))
+      if (v && v->def && v->func == f && group_of[v->def->index] >= 0 && can_join(m, f, groups, group_of, &groups[group_of[v->def->index]], b, cpu))
         join = group_of[v->def->index];
     }
     for (int g = ngroups - 1; g >= 0 && join < 0; g--)   // else the latest it can join
-      if (can_join(m, f, groups, group_of, &groups[g], b)) join = g;
+      if (can_join(m, f, groups, group_of, &groups[g], b, cpu)) join = g;
     if (join < 0) {
       join = ngroups++;
       groups[join] = (Group){.row = -1, .colsum = ir_op_colsum(op->kind) >= 0, .store = ir_op_store(op->kind) != NULL,
@@ -305,7 +314,7 @@ static int bf16_copies(IrModule *m, int *next_id) {
         IrOp *maker = v->def;
         ir_op_set_int(maker, "bf16", 1);
         n++;
-        if (ir_op_int(maker, "fuse", -1) < 0 && ir_op_colsum(maker->kind) < 0 && candidate(v->func, maker))
+        if (ir_op_int(maker, "fuse", -1) < 0 && ir_op_colsum(maker->kind) < 0 && candidate(v->func, maker, false))
           ir_op_set_int(maker, "fuse", (*next_id)++);
       }
     }
@@ -318,7 +327,7 @@ bool pass_fuse(IrModule *m, PassCtx *ctx) {
   int next_id = 0, nfused = 0, ninner = 0;
   for (int fi = 0; fi < m->nfuncs; fi++)
     if (!fuse_func(m, m->funcs[fi], ctx, &next_id, &nfused, &ninner)) return false;
-  int copies = strcmp(ir_mod_str(m, "dtype", "fp32"), "bf16") == 0 ? bf16_copies(m, &next_id) : 0;
+  int copies = !ctx->fuse_cpu && strcmp(ir_mod_str(m, "dtype", "fp32"), "bf16") == 0 ? bf16_copies(m, &next_id) : 0;
   if (ctx->verbose && copies)
     fprintf(ctx->log ? ctx->log : stderr, "# fuse: dtype bf16: %d GEMM operands with a bf16 copy beside them\n", copies);
   if (ctx->verbose)

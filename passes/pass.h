@@ -47,7 +47,8 @@ typedef struct PassCtx {
   const char *stop_after;    // stop the pipeline after this pass (NULL: run all)
   PassMemPlan *memplan;      // set by memplan; freed by pass_ctx_free
   const SchedCluster *cluster;   // the cluster profile the planner prices with (NULL: none)
-  bool fuse;                 // group elementwise ops into fused kernels (the CUDA target without --no-fuse)
+  bool fuse;                 // group ops into fused kernels (without --no-fuse)
+  bool fuse_cpu;             // ... the CPU target's groups: elementwise ops of one row length only
 } PassCtx;
 
 typedef bool (*PassFn)(IrModule *m, PassCtx *ctx);

@@ -1,5 +1,5 @@
 // The pass pipeline, in order (DESIGN §4). One readable loop: run a pass, verify the module,
-// dump it if asked. `fuse` groups the elementwise ops of the CUDA target (the gate's softmax,
+// dump it if asked. `fuse` groups the elementwise ops of both targets (on CUDA the gate's softmax,
 // top-k and gather are still fused by codegen/lower.c).
 #include <stdlib.h>
 #include <string.h>
@@ -15,7 +15,7 @@ const PassInfo pass_list[] = {
     {"pipeline", pass_pipeline, "per MoE layer and phase the pipeline degree r (Algorithm 1 and the simulator, or the model's explicit degrees)"},
     {"gradpart", pass_gradpart, "place the dense gradients' AllReduces in the overlap slots of later backward layers"},
     {"schedule", pass_schedule, "split expert regions into r chunks along the capacity, assign streams and events per policy"},
-    {"fuse", pass_fuse, "CUDA: group elementwise ops into fused kernels (attributes fuse=G, inner=1), members next to each other"},
+    {"fuse", pass_fuse, "group elementwise ops, norms, column sums into fused kernels (fuse=G, inner=1; the CPU: loops and column sums)"},
     {"memplan", pass_memplan, "buffer lifetimes over the whole step, arena offsets with reuse, peak bytes"},
 };
 const int pass_count = sizeof pass_list / sizeof pass_list[0];

@@ -363,6 +363,11 @@ void rt_print_tokens(FILE *out, const RtModel *m, const int32_t *tokens, int64_t
 #define RT_PARALLEL_FOR(cond) RT_PRAGMA(omp parallel for schedule(static) if (cond))
 #define RT_PARALLEL_FOR_SIMD(cond) RT_PRAGMA(omp parallel for simd schedule(static) if (cond))
 #define RT_SIMD RT_PRAGMA(omp simd)   // the next loop vectorises (same rules as _SIMD above)
+// In a parallel region: the next loop's iterations shared out as RT_PARALLEL_FOR would (static),
+// or the next statement on one thread, without a barrier after (the region's end has one);
+// outside one, the caller runs all of it. (The column sums' _share functions: runtime/rt_fused.h.)
+#define RT_FOR_SHARE RT_PRAGMA(omp for schedule(static) nowait)
+#define RT_SINGLE_SHARE RT_PRAGMA(omp single nowait)
 // Iterations of very different sizes (one per tensor): handed out one at a time as threads free.
 #define RT_PRAGMA_PARALLEL_DYNAMIC(cond) RT_PRAGMA(omp parallel for schedule(dynamic, 1) if (cond))
 #define RT_PARALLEL(cond) RT_PRAGMA(omp parallel if (cond))   // the next statement on every thread
@@ -379,6 +384,8 @@ static inline bool rt_in_team(void) { return false; }
 #define RT_PARALLEL_FOR(cond)
 #define RT_PARALLEL_FOR_SIMD(cond)
 #define RT_SIMD
+#define RT_FOR_SHARE
+#define RT_SINGLE_SHARE
 #endif
 // The vectorised kernels run on one of three paths, the same C compiled for AVX-512, for AVX2
 // and for the x86-64 baseline (SSE2): 4x or 2x the lanes where the CPU has them. No FMA, and C11

@@ -11,6 +11,7 @@
 #include <time.h>
 
 #include "moert.h"
+#include "rt_fused.h"
 #include "rt_internal.h"
 
 #ifdef _OPENMP
@@ -277,14 +278,15 @@ static void column_sums_planted(const float *dy, float *db, int e, int rows, int
     }
 }
 
-static void column_sums(const float *dy, float *db, int e, int rows, int n) {
+void rt_column_sums_share(const float *dy, float *db, int e, int rows, int n) {
   enum { WIDE = 128, NARROW = 16 };
   if (plant_order()) {
+    RT_SINGLE_SHARE
     column_sums_planted(dy, db, e, rows, n);
     return;
   }
   int block = n >= 4 * WIDE ? WIDE : NARROW, nblocks = (n + block - 1) / block, items = e * nblocks;
-  RT_PARALLEL_FOR(items > 1 && (int64_t)e * rows * n >= RT_PAR_MIN)
+  RT_FOR_SHARE
   for (int it = 0; it < items; it++) {
     double acc[WIDE];
     int i = it / nblocks, c0 = it % nblocks * block, width = n - c0 < block ? n - c0 : block;
@@ -297,6 +299,11 @@ static void column_sums(const float *dy, float *db, int e, int rows, int n) {
     }
     for (int c = 0; c < width; c++) db[(size_t)i * n + c0 + c] = (float)acc[c];
   }
+}
+
+static void column_sums(const float *dy, float *db, int e, int rows, int n) {
+  RT_PARALLEL((int64_t)e * rows * n >= RT_PAR_MIN && (e > 1 || n > 16))
+  rt_column_sums_share(dy, db, e, rows, n);
 }
 
 void rt_bias_grad(const float *dy, float *db, int rows, int n) { column_sums(dy, db, 1, rows, n); }
@@ -319,25 +326,15 @@ void rt_expert_bias_grad(const float *dy, float *db, int e, int rows, int n) { c
 // gelu(x) = 0.5 x (1 + tanh(u)), u = sqrt(2/pi) (x + 0.044715 x^3), computed as the same function
 // x * s with s = 0.5 (1 + tanh(u)) = 1 / (1 + exp(-2u)) with rt_exp (vectorised; no cancellation
 // in 1 + tanh(u) where u is very negative).
-#define GELU_C 0.7978845608028654f
-#define GELU_A 0.044715f
-
-static inline float gelu_s(float v) { return 1.0f / (1.0f + rt_exp(-2.0f * GELU_C * (v + GELU_A * v * v * v))); }
+// (rt_gelu_s, RT_GELU_C and RT_GELU_A: runtime/rt_fused.h, which the fused loops use too.)
 
 // s = gelu_s(x) in one loop and x * s in another, GELU_CHUNK elements at a time: the same bits as
 // one loop of x[i] * gelu_s(x[i]), which GCC 12 compiles (its clamps folded into the product
 // under masks) to code 6x slower on AVX-512 (6 ns an element against 1).
-enum { GELU_CHUNK = 256 };
+enum { GELU_CHUNK = RT_FUSED_CHUNK };
 
 static inline __attribute__((always_inline)) void gelu_chunks(const float *x, float *y, int64_t n) {
-  float s[GELU_CHUNK];
-  for (int64_t i0 = 0; i0 < n; i0 += GELU_CHUNK) {
-    int64_t m = n - i0 < GELU_CHUNK ? n - i0 : GELU_CHUNK;
-RT_SIMD
-    for (int64_t i = 0; i < m; i++) s[i] = gelu_s(x[i0 + i]);
-RT_SIMD
-    for (int64_t i = 0; i < m; i++) y[i0 + i] = x[i0 + i] * s[i];
-  }
+  for (int64_t i0 = 0; i0 < n; i0 += GELU_CHUNK) rt_fv_gelu(n - i0 < GELU_CHUNK ? n - i0 : GELU_CHUNK, y + i0, x + i0);
 }
 
 // Rows (of cols elements) equal to the row before, as an expert's empty slots are after its
@@ -387,11 +384,11 @@ RT_VECTOR_BODY void gelu_grad_range_body(const float *dy, const float *x, float 
     const float *xs = x + i0, *dys = dy + i0;
     float *dxs = dx + i0;
 RT_SIMD
-    for (int64_t i = 0; i < m; i++) sc[i] = gelu_s(xs[i]);
+    for (int64_t i = 0; i < m; i++) sc[i] = rt_gelu_s(xs[i]);
 RT_SIMD
     for (int64_t i = 0; i < m; i++) {
       float v = xs[i], s = sc[i];
-      float du = GELU_C * (1.0f + 3.0f * GELU_A * v * v);
+      float du = RT_GELU_C * (1.0f + 3.0f * RT_GELU_A * v * v);
       float g = dys[i] * (s + 2.0f * v * s * (1.0f - s) * du);
       dxs[i] = skip && dys[i] == 0.0f ? 0.0f : g;
     }
@@ -433,7 +430,6 @@ void rt_relu_grad(const float *dy, const float *x, float *dx, int64_t n) {
 // about 1e-38 to 1), in chunks as GELU's: s in one vectorised loop, then the product; the elements
 // split over the threads (rt_team_share). d silu/dx = s (1 + x (1 - s)). mk_silu and
 // mk_silu_grad compute the same float operations.
-static inline float silu_s(float v) { return 1.0f / (1.0f + rt_exp(-v)); }
 
 // out = silu(x) over [lo, hi) when dy is NULL, else its gradient dy s (1 + x (1 - s)).
 RT_VECTOR_BODY void silu_range_body(const float *dy, const float *x, float *out, int64_t lo, int64_t hi) {
@@ -443,7 +439,7 @@ RT_VECTOR_BODY void silu_range_body(const float *dy, const float *x, float *out,
     const float *xs = x + i0;
     float *os = out + i0;
 RT_SIMD
-    for (int64_t i = 0; i < m; i++) s[i] = silu_s(xs[i]);
+    for (int64_t i = 0; i < m; i++) s[i] = rt_silu_s(xs[i]);
     if (!dy) {
 RT_SIMD
       for (int64_t i = 0; i < m; i++) os[i] = xs[i] * s[i];

@@ -10,6 +10,7 @@
 #include <math.h>
 
 #include "moert.h"
+#include "rt_fused.h"
 #include "rt_internal.h"
 
 #define ROW_INLINE static inline __attribute__((always_inline))   // into each vector path
@@ -162,10 +163,10 @@ void rt_scale_cols(const float *x, const float *w, float *y, int rows, int n) {
 
 // Blocks of columns, the rows streamed through each block's accumulators (each column's sum
 // still over rows in order, one column per lane): the bits of the column-at-a-time loop.
-void rt_scale_cols_grad_w(const float *dy, const float *x, float *dw, int rows, int n) {
+void rt_scale_cols_grad_w_share(const float *dy, const float *x, float *dw, int rows, int n) {
   enum { BLOCK = 64 };
   int nblocks = (n + BLOCK - 1) / BLOCK;
-  RT_PARALLEL_FOR(nblocks > 1 && (int64_t)rows * n >= RT_PAR_MIN)
+  RT_FOR_SHARE
   for (int bi = 0; bi < nblocks; bi++) {
     double acc[BLOCK];
     int c0 = bi * BLOCK, width = n - c0 < BLOCK ? n - c0 : BLOCK;
@@ -177,6 +178,11 @@ RT_SIMD
     }
     for (int i = 0; i < width; i++) dw[c0 + i] = (float)acc[i];
   }
+}
+
+void rt_scale_cols_grad_w(const float *dy, const float *x, float *dw, int rows, int n) {
+  RT_PARALLEL(n > 64 && (int64_t)rows * n >= RT_PAR_MIN)
+  rt_scale_cols_grad_w_share(dy, x, dw, rows, n);
 }
 
 // A per-row scale (the shared expert's sigmoid gate, op scale_rows): y = x g, g [rows] one factor

@@ -63,6 +63,8 @@ static void test_every_rule_is_well_formed(void **state) {
     scalars++;
     if (ir_op_info[k].nres != 1) fail_msg("%s: a scalar expression but no result", ir_op_info[k].name);
     if (!cg_scalar_check(e, ir_op_info[k].nargs, why, sizeof why)) fail_msg("%s: SCALAR \"%s\": %s", ir_op_info[k].name, e, why);
+    // the CPU loops: one call of rt_fv_NAME (runtime/rt_fused.h) or arithmetic alone
+    if (!cg_scalar_c_form(e)) fail_msg("%s: SCALAR \"%s\" mixes a function call with arithmetic", ir_op_info[k].name, e);
   }
   int rows = 0, colsums = 0, stores = 0;
   for (int k = 0; k < IR_OP_COUNT; k++) {
@@ -100,6 +102,28 @@ static void test_every_rule_is_well_formed(void **state) {
 static void expect_bad(bool ok, const char *why, const char *reason) {
   if (ok) fail_msg("a malformed rule was accepted (expected: %s)", reason);
   if (!strstr(why, reason)) fail_msg("reason \"%s\" does not contain \"%s\"", why, reason);
+}
+
+// Every function an IR_SCALAR row calls has its chunk loop rt_fv_NAME in runtime/rt_fused.h,
+// which the CPU program's fused loops call (codegen/fused.c).
+static void test_scalar_functions_have_cpu_loops(void **state) {
+  (void)state;
+  FILE *h = fopen(MOEC_ROOT "/runtime/rt_fused.h", "r");
+  assert_non_null(h);
+  static char text[1 << 16];
+  size_t n = fread(text, 1, sizeof text - 1, h);
+  text[n] = '\0';
+  fclose(h);
+  int functions = 0;
+  for (int k = 0; k < IR_OP_COUNT; k++) {
+    const char *e = ir_op_scalar((IrOpKind)k);
+    char fn[48], decl[80];
+    if (!e || !strchr(e, '(') || sscanf(e, "%40[a-z_]", fn) != 1) continue;
+    snprintf(decl, sizeof decl, "rt_fv_%s(int64_t m", fn);
+    if (!strstr(text, decl)) fail_msg("%s: runtime/rt_fused.h has no %s", ir_op_info[k].name, decl);
+    functions++;
+  }
+  assert_true(functions >= 8);
 }
 
 static void test_malformed_rules_are_rejected(void **state) {
@@ -279,6 +303,7 @@ int main(void) {
   const struct CMUnitTest tests[] = {
       cmocka_unit_test(test_cuda_splits_whole_tensor_losses),
       cmocka_unit_test(test_every_rule_is_well_formed),
+      cmocka_unit_test(test_scalar_functions_have_cpu_loops),
       cmocka_unit_test(test_malformed_rules_are_rejected),
       cmocka_unit_test(test_norm_rms_through_its_rules),
   };

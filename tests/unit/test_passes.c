@@ -33,7 +33,7 @@ typedef struct Built {
   PassCtx ctx;
 } Built;
 
-static void build_fused(Built *b, const char *text, bool fuse) {
+static void build_target(Built *b, const char *text, bool fuse, bool cpu) {
   ir_diag_init(&b->d, stderr);
   b->src = ir_source_from_buffer("test.moe", text, strlen(text));
   FeProgram *p = fe_load(&b->d, b->src);
@@ -41,10 +41,12 @@ static void build_fused(Built *b, const char *text, bool fuse) {
   b->m = fe_lower(&b->d, p, NULL);
   fe_program_free(p);
   assert_non_null(b->m);
-  b->ctx = (PassCtx){.d = &b->d, .fuse = fuse};
+  b->ctx = (PassCtx){.d = &b->d, .fuse = fuse, .fuse_cpu = cpu};
   assert_true(pass_run_pipeline(b->m, &b->ctx));
   assert_int_equal(b->d.errors, 0);
 }
+
+static void build_fused(Built *b, const char *text, bool fuse) { build_target(b, text, fuse, false); }
 
 static void build(Built *b, const char *text) { build_fused(b, text, false); }
 
@@ -284,6 +286,36 @@ static void test_fuse_prologues_and_column_sums(void **state) {
            stored_prologue, sums);
     release(&b);
   }
+  // The CPU target's groups: elementwise ops of one row length (one loop over rows), and column
+  // sums (one parallel region); no norm, no storing op, no bf16 copy.
+  snprintf(model, sizeof model, text, "fp32");
+  Built b;
+  build_target(&b, model, true, true);
+  check_plan(&b);
+  int loops = 0, sums = 0;
+  for (int fi = 0; fi < b.m->nfuncs; fi++) {
+    const IrFunc *f = b.m->funcs[fi];
+    for (int i = 0; i < f->nops; i++) {
+      const IrOp *op = f->ops[i];
+      int64_t id = ir_op_int(op, "fuse", -1);
+      if (id < 0) continue;
+      assert_true(ir_op_scalar(op->kind) || ir_op_colsum(op->kind) >= 0);
+      assert_int_equal(ir_op_int(op, "bf16", 0), 0);
+      const IrOp *first = op;
+      for (int j = i; j >= 0 && ir_op_int(f->ops[j], "fuse", -1) == id; j--) first = f->ops[j];
+      assert_int_equal(ir_op_colsum(op->kind) >= 0, ir_op_colsum(first->kind) >= 0);
+      if (ir_op_colsum(op->kind) >= 0) {
+        sums++;
+      } else {
+        loops++;
+        const IrType *a = &op->result->type, *t = &first->result->type;
+        assert_int_equal(a->dim[a->rank - 1], t->dim[t->rank - 1]);
+      }
+    }
+  }
+  assert_true(loops >= 4 && sums >= 8);
+  printf("# fuse cpu: %d elementwise ops in loops, %d column sums in groups\n", loops, sums);
+  release(&b);
 }
 
 static void test_pipeline_stop_after(void **state) {
