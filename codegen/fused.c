@@ -308,12 +308,19 @@ bool cg_scalar_c_form(const char *expr) {
   return true;
 }
 
+// A value made by member `made` of the group, read in the segment [m0, m1): its chunk array there,
+// else (another segment made it: it has memory) its output pointer at the element.
+static void c_member(FILE *out, const Stores *st, int made, int m0, int m1, bool pointer) {
+  if (made >= m0 && made < m1) fprintf(out, pointer ? "v%d" : "v%d[c]", made);
+  else fprintf(out, pointer ? "o%d + i0" : "o%d[i0 + c]", out_of(st, made));
+}
+
 // Operand k of member op as a C expression at row r, column c0 + c (element i0 + c), cols a row.
-static void c_load(FILE *out, const IrFunc *f, int i, int n, const IrOp *op, int k, const char *mode,
-                   const IrOperand *const *in, int nin, int64_t cols) {
+static void c_load(FILE *out, const IrFunc *f, int i, int n, int m0, int m1, const IrOp *op, int k, const char *mode,
+                   const IrOperand *const *in, int nin, const Stores *st, int64_t cols) {
   int made = member_making(f, i, n, op->args[k].value);
   if (made >= 0) {
-    fprintf(out, "v%d[c]", made);
+    c_member(out, st, made, m0, m1, false);
     return;
   }
   int p = 0;
@@ -333,30 +340,19 @@ static void c_load(FILE *out, const IrFunc *f, int i, int n, const IrOp *op, int
   }
 }
 
-// The C function of a group (FUSED_NAME for its name) into out; whether a member calls a function.
-static bool c_function(FILE *out, const IrFunc *f, int i, int n, const IrOperand *const *in, int nin, const Stores *st) {
-  const IrType *rt = &f->ops[i]->result->type;
-  int64_t cols = rt->rank ? rt->dim[rt->rank - 1] : 1, rows = ir_type_numel(rt) / (cols ? cols : 1);
-  char params[2048] = "", args[1024] = "";
-  size_t pn = 0, an = 0;
-  for (int p = 0; p < nin; p++) {
-    pn += (size_t)snprintf(params + pn, sizeof params - pn, "%sconst %s *restrict a%d", p ? ", " : "",
-                           cg_operand_type(in[p])->dtype == IR_I32 ? "int32_t" : "float", p);
-    an += (size_t)snprintf(args + an, sizeof args - an, "%sa%d", p ? ", " : "", p);
-  }
-  for (int p = 0; p < st->nout; p++) {
-    pn += (size_t)snprintf(params + pn, sizeof params - pn, "%sfloat *restrict o%d", nin + p ? ", " : "", p);
-    an += (size_t)snprintf(args + an, sizeof args - an, "%so%d", nin + p ? ", " : "", p);
-  }
-  fprintf(out, "RT_VECTOR_BODY void FUSED_NAME_rows_body(%s, int64_t lo, int64_t hi) {\n", params);
+// The rows function NAME (compiled for each vector path) of the elementwise members [m0, m1):
+// each row of [lo, hi) in chunks, a loop per member. Whether one calls a function.
+static bool c_segment(FILE *out, const char *name, const IrFunc *f, int i, int n, int m0, int m1, const IrOperand *const *in,
+                      int nin, const Stores *st, const char *params, const char *args, int64_t cols) {
+  fprintf(out, "RT_VECTOR_BODY void %s_body(%s, int64_t lo, int64_t hi) {\n", name, params);
   fprintf(out, "  float ");
-  for (int j = 0; j < n; j++) fprintf(out, "%sv%d[RT_FUSED_CHUNK]", j ? ", " : "", j);
+  for (int j = m0; j < m1; j++) fprintf(out, "%sv%d[RT_FUSED_CHUNK]", j > m0 ? ", " : "", j);
   fprintf(out, ";\n  for (int64_t r = lo; r < hi; r++)\n");
   fprintf(out, "    for (int64_t c0 = 0; c0 < %" PRId64 "; c0 += RT_FUSED_CHUNK) {\n", cols);
   fprintf(out, "      const int64_t m = %" PRId64 " - c0 < RT_FUSED_CHUNK ? %" PRId64 " - c0 : RT_FUSED_CHUNK, i0 = r * %" PRId64
                " + c0;\n      (void)i0;\n", cols, cols, cols);
   bool calls = false;
-  for (int j = 0; j < n; j++) {
+  for (int j = m0; j < m1; j++) {
     const IrOp *op = f->ops[i + j];
     const char *e = ir_op_scalar(op->kind);
     char fn[32];
@@ -367,8 +363,9 @@ static bool c_function(FILE *out, const IrFunc *f, int i, int n, const IrOperand
       for (int a = 0; a < na; a++) {
         int made = member_making(f, i, n, op->args[arg[a]].value), p = 0;
         while (made < 0 && p < nin && !same_operand(in[p], &op->args[arg[a]])) p++;
-        if (made >= 0) fprintf(out, ", v%d", made);
-        else fprintf(out, ", a%d + i0", p);
+        fprintf(out, ", ");
+        if (made >= 0) c_member(out, st, made, m0, m1, true);
+        else fprintf(out, "a%d + i0", p);
       }
       fprintf(out, ");   // %s\n", ir_op_info[op->kind].name);
     } else {
@@ -382,23 +379,66 @@ static bool c_function(FILE *out, const IrFunc *f, int i, int n, const IrOperand
             snprintf(mode, sizeof mode, "%.*s", (int)len, e + 1);
             e += len + 2;
           }
-          c_load(out, f, i, n, op, k, mode, in, nin, cols);
+          c_load(out, f, i, n, m0, m1, op, k, mode, in, nin, st, cols);
         } else {
           fputc(*e++, out);
         }
       }
       fprintf(out, ";   // %s\n", ir_op_info[op->kind].name);
     }
-    for (int p = 0; p < st->nout; p++)
-      if (st->out[p] == j) fprintf(out, "      memcpy(o%d + i0, v%d, (size_t)m * sizeof(float));\n", p, j);
+    int p = out_of(st, j);
+    if (p >= 0) fprintf(out, "      memcpy(o%d + i0, v%d, (size_t)m * sizeof(float));\n", p, j);
   }
   fprintf(out, "    }\n}\n");
-  fprintf(out, "RT_VECTOR_PATHS(FUSED_NAME_rows, (%s, int64_t lo, int64_t hi), (%s, lo, hi))\n", params, args);
+  fprintf(out, "RT_VECTOR_PATHS(%s, (%s, int64_t lo, int64_t hi), (%s, lo, hi))\n", name, params, args);
+  return calls;
+}
+
+// The C function of a group (FUSED_NAME for its name) into out: the elementwise members as rows
+// functions, and a norm's rows (rt_NAME_rows of runtime/rt_fused.h, the kernel's own rows) between
+// its prologue's and its epilogue's, each thread over its share of the rows: a thread reads only
+// rows it wrote, so no barrier is needed between them (the CPU's fuse pass gives memory to every
+// value that crosses from one to the next).
+static void c_function(FILE *out, const IrFunc *f, int i, int n, const IrOperand *const *in, int nin, const Stores *st) {
+  const IrType *rt = &f->ops[i]->result->type;
+  int64_t cols = rt->rank ? rt->dim[rt->rank - 1] : 1, rows = ir_type_numel(rt) / (cols ? cols : 1);
+  char params[2048] = "", args[1024] = "";
+  size_t pn = 0, an = 0;
+  for (int p = 0; p < nin; p++) {
+    pn += (size_t)snprintf(params + pn, sizeof params - pn, "%sconst %s *restrict a%d", p ? ", " : "",
+                           cg_operand_type(in[p])->dtype == IR_I32 ? "int32_t" : "float", p);
+    an += (size_t)snprintf(args + an, sizeof args - an, "%sa%d", p ? ", " : "", p);
+  }
+  for (int p = 0; p < st->nout; p++) {   // (not restrict: a segment reads what another wrote)
+    pn += (size_t)snprintf(params + pn, sizeof params - pn, "%sfloat *o%d", nin + p ? ", " : "", p);
+    an += (size_t)snprintf(args + an, sizeof args - an, "%so%d", nin + p ? ", " : "", p);
+  }
+  int row = -1;
+  for (int j = 0; j < n; j++)
+    if (ir_op_row(f->ops[i + j]->kind)) row = j;
+  bool calls = row >= 0;
+  if (row != 0) calls |= c_segment(out, "FUSED_NAME_pro", f, i, n, 0, row < 0 ? n : row, in, nin, st, params, args, cols);
+  if (row >= 0 && row + 1 < n) calls |= c_segment(out, "FUSED_NAME_epi", f, i, n, row + 1, n, in, nin, st, params, args, cols);
   fprintf(out, "static void FUSED_NAME(%s) {\n", params);
   fprintf(out, "  RT_PARALLEL(%s%" PRId64 " >= RT_PAR_MIN%s)\n", rows > 1 ? "" : "0 && ", ir_type_numel(rt), calls ? " / 8" : "");
-  fprintf(out, "  {\n    int64_t lo, hi;\n    rt_team_share(%" PRId64 ", &lo, &hi);\n    FUSED_NAME_rows(%s, lo, hi);\n  }\n}\n",
-          rows, args);
-  return calls;
+  fprintf(out, "  {\n    int64_t lo, hi;\n    rt_team_share(%" PRId64 ", &lo, &hi);\n", rows);
+  if (row != 0) fprintf(out, "    FUSED_NAME_pro(%s, lo, hi);\n", args);
+  if (row >= 0) {
+    const IrOp *r = f->ops[i + row];
+    const IrRowInfo *ri = ir_op_row(r->kind);
+    fprintf(out, "    rt_%s_rows(", ri->function);
+    for (int a = 0; a < r->nargs; a++) {
+      int made = member_making(f, i, n, r->args[a].value), p = 0;
+      while (made < 0 && p < nin && !same_operand(in[p], &r->args[a])) p++;
+      if (made >= 0) fprintf(out, "o%d, ", out_of(st, made));
+      else fprintf(out, "a%d, ", p);
+    }
+    fprintf(out, "o%d, lo, hi, %" PRId64, out_of(st, row), cols);
+    if (ri->eps) fprintf(out, ", (float)%.17g", ir_op_float(r, "eps", 0));
+    fprintf(out, ");   // %s\n", ir_op_info[r->kind].name);
+    if (row + 1 < n) fprintf(out, "    FUSED_NAME_epi(%s, lo, hi);\n", args);
+  }
+  fprintf(out, "  }\n}\n");
 }
 
 // The C function of a group of column sums: each member's share of its kernel's work items

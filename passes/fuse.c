@@ -1,7 +1,7 @@
 // The `fuse` pass: elementwise ops grouped into fused kernels, on both targets (moec build
 // --no-fuse skips it). The CUDA target's groups are of every kind below; the CPU target's
-// (ctx->fuse_cpu) of elementwise ops of one row length (one loop over rows in the CPU program)
-// and of column sums (one parallel region for all of them).
+// (ctx->fuse_cpu) of elementwise ops of one row length with at most one norm (one parallel region
+// over rows in the CPU program) and of column sums (one parallel region for all of them).
 //
 // An elementwise op is one with a scalar expression in ir/scalar.def (bias, add, mul, the
 // activations and their gradients, a norm's scale, a per-row scale, reshape, the division by a
@@ -71,7 +71,8 @@ static bool is_f32(const IrType *t) { return t->dtype == IR_F32; }
 // and gather are one kernel of their own: codegen/lower.c).
 static bool candidate(const IrFunc *f, const IrOp *op, bool cpu) {
   bool store = ir_op_store(op->kind) != NULL;
-  if (cpu && !ir_op_scalar(op->kind) && ir_op_colsum(op->kind) < 0) return false;   // the CPU's: elementwise, column sums
+  const IrRowInfo *ri = ir_op_row(op->kind);   // the CPU's: elementwise, norms (a block a row), column sums
+  if (cpu && !ir_op_scalar(op->kind) && ir_op_colsum(op->kind) < 0 && (!ri || ri->per_thread)) return false;
   if ((!ir_op_scalar(op->kind) && !ir_op_row(op->kind) && ir_op_colsum(op->kind) < 0 && !store) || !op->result ||
       !is_f32(&op->result->type))
     return false;
@@ -171,6 +172,22 @@ static bool can_join(const IrModule *m, const IrFunc *f, const Group *groups, co
   return t.n * per + nout <= MAX_POINTERS;
 }
 
+// On the CPU a group with a norm runs the ops before it, the norm's rows and the ops after it one
+// after the other (codegen/fused.c): whether member k's result goes from one of those parts to
+// another (the norm's own result, or a value the norm or a later part reads), and needs memory.
+static bool crosses_norm(const IrFunc *f, const Group *g, int k) {
+  if (g->row < 0) return false;
+  if (k == g->row) return true;
+  int part = k < g->row ? 0 : 2;
+  for (int j = 0; j < g->n; j++) {
+    const IrOp *op = f->ops[g->member[j]];
+    int pj = j < g->row ? 0 : j == g->row ? 1 : 2;
+    for (int a = 0; a < op->nargs && pj != part; a++)
+      if (op->args[a].value == f->ops[g->member[k]]->result) return true;
+  }
+  return false;
+}
+
 // Groups the candidates of f; the groups of two or more ops get attributes (starting at *next_id)
 // and their members move before their last. Returns false when out of memory.
 // Column sums move down, with the param.grad ops that copy their results into gradients, to just
@@ -255,7 +272,7 @@ static bool fuse_func(IrModule *m, IrFunc *f, PassCtx *ctx, int *next_id, int *n
     for (int k = 0; k < gr->n; k++) {
       IrOp *op = f->ops[gr->member[k]];
       ir_op_set_int(op, "fuse", id);
-      if (!read_outside(m, f, gr, op->result)) {
+      if (!read_outside(m, f, gr, op->result) && !(ctx->fuse_cpu && crosses_norm(f, gr, k))) {
         ir_op_set_int(op, "inner", 1);
         (*ninner)++;
       }

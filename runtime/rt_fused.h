@@ -95,4 +95,12 @@ RT_SIMD
 void rt_column_sums_share(const float *dy, float *db, int e, int rows, int n);
 void rt_scale_cols_grad_w_share(const float *dy, const float *x, float *dw, int rows, int n);
 
+// The norms' rows lo .. hi - 1 (runtime/kernels/norm.c: the rows of rt_rmsnorm, rt_layernorm and
+// their gradients, one at a time in the vector path's copy), for a fused group of the CPU program
+// that runs a norm between elementwise ops: each thread its own rows, then the ops after it.
+void rt_rmsnorm_rows(const float *x, float *y, int64_t lo, int64_t hi, int n, float eps);
+void rt_rmsnorm_grad_rows(const float *dy, const float *x, float *dx, int64_t lo, int64_t hi, int n, float eps);
+void rt_layernorm_rows(const float *x, float *y, int64_t lo, int64_t hi, int n, float eps);
+void rt_layernorm_grad_rows(const float *dy, const float *x, float *dx, int64_t lo, int64_t hi, int n, float eps);
+
 #endif

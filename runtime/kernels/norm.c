@@ -90,6 +90,10 @@ RT_VECTOR_BODY void rmsnorm_row_body(const float *restrict x, float *restrict y,
 RT_VECTOR_PATHS(rmsnorm_row, (const float *restrict x, float *restrict y, int n, float eps),
                 (x, y, n, eps))
 
+void rt_rmsnorm_rows(const float *x, float *y, int64_t lo, int64_t hi, int n, float eps) {
+  for (int64_t r = lo; r < hi; r++) rmsnorm_row(x + (size_t)r * n, y + (size_t)r * n, n, eps);
+}
+
 void rt_rmsnorm(const float *x, float *y, int rows, int n, float eps) {
   RT_PARALLEL_FOR((int64_t)rows * n >= RT_PAR_MIN)
   for (int r = 0; r < rows; r++) rmsnorm_row(x + (size_t)r * n, y + (size_t)r * n, n, eps);
@@ -104,6 +108,10 @@ RT_VECTOR_BODY void rmsnorm_grad_row_body(const float *restrict dy, const float 
 RT_VECTOR_PATHS(rmsnorm_grad_row, (const float *restrict dy, const float *restrict x, float *restrict dx, int n,
                                    float eps),
                 (dy, x, dx, n, eps))
+
+void rt_rmsnorm_grad_rows(const float *dy, const float *x, float *dx, int64_t lo, int64_t hi, int n, float eps) {
+  for (int64_t r = lo; r < hi; r++) rmsnorm_grad_row(dy + (size_t)r * n, x + (size_t)r * n, dx + (size_t)r * n, n, eps);
+}
 
 void rt_rmsnorm_grad(const float *dy, const float *x, float *dx, int rows, int n, float eps) {
   RT_PARALLEL_FOR((int64_t)rows * n >= RT_PAR_MIN)
@@ -129,6 +137,10 @@ RT_VECTOR_BODY void layernorm_row_body(const float *restrict x, float *restrict 
 RT_VECTOR_PATHS(layernorm_row, (const float *restrict x, float *restrict y, int n, float eps),
                 (x, y, n, eps))
 
+void rt_layernorm_rows(const float *x, float *y, int64_t lo, int64_t hi, int n, float eps) {
+  for (int64_t r = lo; r < hi; r++) layernorm_row(x + (size_t)r * n, y + (size_t)r * n, n, eps);
+}
+
 void rt_layernorm(const float *x, float *y, int rows, int n, float eps) {
   RT_PARALLEL_FOR((int64_t)rows * n >= RT_PAR_MIN)
   for (int r = 0; r < rows; r++) layernorm_row(x + (size_t)r * n, y + (size_t)r * n, n, eps);
@@ -144,6 +156,10 @@ RT_VECTOR_BODY void layernorm_grad_row_body(const float *restrict dy, const floa
 RT_VECTOR_PATHS(layernorm_grad_row, (const float *restrict dy, const float *restrict x, float *restrict dx, int n,
                                      float eps),
                 (dy, x, dx, n, eps))
+
+void rt_layernorm_grad_rows(const float *dy, const float *x, float *dx, int64_t lo, int64_t hi, int n, float eps) {
+  for (int64_t r = lo; r < hi; r++) layernorm_grad_row(dy + (size_t)r * n, x + (size_t)r * n, dx + (size_t)r * n, n, eps);
+}
 
 void rt_layernorm_grad(const float *dy, const float *x, float *dx, int rows, int n, float eps) {
   RT_PARALLEL_FOR((int64_t)rows * n >= RT_PAR_MIN)

@@ -104,8 +104,9 @@ static void expect_bad(bool ok, const char *why, const char *reason) {
   if (!strstr(why, reason)) fail_msg("reason \"%s\" does not contain \"%s\"", why, reason);
 }
 
-// Every function an IR_SCALAR row calls has its chunk loop rt_fv_NAME in runtime/rt_fused.h,
-// which the CPU program's fused loops call (codegen/fused.c).
+// Every function an IR_SCALAR row calls has its chunk loop rt_fv_NAME in runtime/rt_fused.h, and
+// every norm of IR_ROW its rows function rt_NAME_rows, which the CPU program's fused groups call
+// (codegen/fused.c).
 static void test_scalar_functions_have_cpu_loops(void **state) {
   (void)state;
   FILE *h = fopen(MOEC_ROOT "/runtime/rt_fused.h", "r");
@@ -124,6 +125,16 @@ static void test_scalar_functions_have_cpu_loops(void **state) {
     functions++;
   }
   assert_true(functions >= 8);
+  int norms = 0;   // and every norm a CPU group can hold (a block a row) its rows function there
+  for (int k = 0; k < IR_OP_COUNT; k++) {
+    const IrRowInfo *ri = ir_op_row((IrOpKind)k);
+    char decl[80];
+    if (!ri || ri->per_thread) continue;
+    snprintf(decl, sizeof decl, "void rt_%s_rows(", ri->function);
+    if (!strstr(text, decl)) fail_msg("%s: runtime/rt_fused.h has no %s", ir_op_info[k].name, decl);
+    norms++;
+  }
+  assert_true(norms >= 4);
 }
 
 static void test_malformed_rules_are_rejected(void **state) {

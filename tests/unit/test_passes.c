@@ -286,35 +286,44 @@ static void test_fuse_prologues_and_column_sums(void **state) {
            stored_prologue, sums);
     release(&b);
   }
-  // The CPU target's groups: elementwise ops of one row length (one loop over rows), and column
-  // sums (one parallel region); no norm, no storing op, no bf16 copy.
+  // The CPU target's groups: elementwise ops of one row length with at most one norm (one parallel
+  // region over rows; the norm's result and every value crossing it have memory), and column sums
+  // (one parallel region); no storing op, no bf16 copy.
   snprintf(model, sizeof model, text, "fp32");
   Built b;
   build_target(&b, model, true, true);
   check_plan(&b);
-  int loops = 0, sums = 0;
+  int loops = 0, sums = 0, norms = 0;
   for (int fi = 0; fi < b.m->nfuncs; fi++) {
     const IrFunc *f = b.m->funcs[fi];
     for (int i = 0; i < f->nops; i++) {
       const IrOp *op = f->ops[i];
       int64_t id = ir_op_int(op, "fuse", -1);
       if (id < 0) continue;
-      assert_true(ir_op_scalar(op->kind) || ir_op_colsum(op->kind) >= 0);
+      assert_true(ir_op_scalar(op->kind) || ir_op_colsum(op->kind) >= 0 || ir_op_row(op->kind));
       assert_int_equal(ir_op_int(op, "bf16", 0), 0);
+      if (ir_op_row(op->kind)) {
+        norms++;
+        assert_int_equal(ir_op_int(op, "inner", 0), 0);
+        assert_int_equal(b.ctx.memplan->slot[fi][op->result->id].kind, PASS_MEM_ARENA);
+        for (int a = 0; a < op->nargs; a++)   // what it reads from a member has memory too
+          if (op->args[a].value && op->args[a].value->def && ir_op_int(op->args[a].value->def, "fuse", -1) == id)
+            assert_int_equal(ir_op_int(op->args[a].value->def, "inner", 0), 0);
+      }
       const IrOp *first = op;
       for (int j = i; j >= 0 && ir_op_int(f->ops[j], "fuse", -1) == id; j--) first = f->ops[j];
       assert_int_equal(ir_op_colsum(op->kind) >= 0, ir_op_colsum(first->kind) >= 0);
       if (ir_op_colsum(op->kind) >= 0) {
         sums++;
-      } else {
+      } else if (!ir_op_row(op->kind)) {
         loops++;
         const IrType *a = &op->result->type, *t = &first->result->type;
         assert_int_equal(a->dim[a->rank - 1], t->dim[t->rank - 1]);
       }
     }
   }
-  assert_true(loops >= 4 && sums >= 8);
-  printf("# fuse cpu: %d elementwise ops in loops, %d column sums in groups\n", loops, sums);
+  assert_true(loops >= 4 && sums >= 8 && norms >= 4);
+  printf("# fuse cpu: %d elementwise ops in loops, %d norms among them, %d column sums in groups\n", loops, norms, sums);
   release(&b);
 }
 
