@@ -62,10 +62,18 @@ static void load(FILE *out, int p, const char *mode, const IrOp *op, int k) {
   else UNREACHABLE();   // tests/unit checks every row of ir/scalar.def
 }
 
-// The expression of member j (op) in CUDA: operands become registers or loads, functions the
-// prelude's mk_f_NAME.
-static void expression(FILE *out, const IrFunc *f, int i, int n, const IrOp *op, const IrOperand *const *in, int nin) {
-  const char *e = ir_op_scalar(op->kind);
+// What a group's kernel stores: the results that leave it (member numbers out[0 .. nout - 1],
+// pointers oP) and the bf16 copies (dtype bf16: of GEMM operands, members copy[0 .. ncopy - 1],
+// pointers hP).
+typedef struct Stores {
+  int out[CG_MAX_KERNEL_ARGS], nout;
+  int copy[CG_MAX_KERNEL_ARGS], ncopy;
+} Stores;
+
+// Writes scalar expression e (ir/scalar.def) to out: each operand xK[mode] as operand(out, k,
+// mode, ctx) writes it, a function name with prefix before it, the rest as it is.
+typedef void OperandFn(FILE *out, int k, const char *mode, void *ctx);
+static void write_expression(FILE *out, const char *e, const char *prefix, OperandFn *operand, void *ctx) {
   while (*e) {
     if (e[0] == 'x' && e[1] >= '0' && e[1] <= '9') {
       int k = (int)strtol(e + 1, (char **)&e, 10);
@@ -75,22 +83,50 @@ static void expression(FILE *out, const IrFunc *f, int i, int n, const IrOp *op,
         snprintf(mode, sizeof mode, "%.*s", (int)len, e + 1);
         e += len + 2;
       }
-      int made = member_making(f, i, n, op->args[k].value);
-      if (made >= 0) {   // another member's register (its numel is the group's: every mode is the element)
-        fprintf(out, "v%d", made);
-        continue;
-      }
-      int p = 0;
-      while (p < nin && !same_operand(in[p], &op->args[k])) p++;
-      load(out, p, mode, op, k);
+      operand(out, k, mode, ctx);
     } else if ((*e >= 'a' && *e <= 'z') || *e == '_') {
       size_t len = strspn(e, "abcdefghijklmnopqrstuvwxyz_0123456789");
-      fprintf(out, "%s%.*s", e[len] == '(' ? "mk_f_" : "", (int)len, e);
+      fprintf(out, "%s%.*s", e[len] == '(' ? prefix : "", (int)len, e);
       e += len;
     } else {
       fputc(*e++, out);
     }
   }
+}
+
+// Where a member's operands come from: the group (ops i .. i + n - 1 of f), the member, the
+// pointers from outside; for the CPU loops also the stores, the segment [m0, m1) and the row length.
+typedef struct Operands {
+  const IrFunc *f;
+  int i, n;
+  const IrOp *op;
+  const IrOperand *const *in;
+  int nin;
+  const Stores *st;
+  int m0, m1;
+  int64_t cols;
+} Operands;
+
+static int outside_pointer(const Operands *o, int k) {
+  int p = 0;
+  while (p < o->nin && !same_operand(o->in[p], &o->op->args[k])) p++;
+  return p;
+}
+
+// A CUDA operand: another member's register (its numel is the group's: every mode is the
+// element), or the load of a pointer from outside.
+static void cuda_operand(FILE *out, int k, const char *mode, void *ctx) {
+  const Operands *o = ctx;
+  int made = member_making(o->f, o->i, o->n, o->op->args[k].value);
+  if (made >= 0) fprintf(out, "v%d", made);
+  else load(out, outside_pointer(o, k), mode, o->op, k);
+}
+
+// The expression of member op in CUDA: operands become registers or loads, functions the
+// prelude's mk_f_NAME.
+static void expression(FILE *out, const IrFunc *f, int i, int n, const IrOp *op, const IrOperand *const *in, int nin) {
+  Operands o = {.f = f, .i = i, .n = n, .op = op, .in = in, .nin = nin};
+  write_expression(out, ir_op_scalar(op->kind), "mk_f_", cuda_operand, &o);
 }
 
 bool cg_scalar_check(const char *expr, int nargs, char *why, size_t size) {
@@ -123,13 +159,6 @@ bool cg_scalar_check(const char *expr, int nargs, char *why, size_t size) {
   return true;
 }
 
-// What a group's kernel stores: the results that leave it (member numbers out[0 .. nout - 1],
-// pointers oP) and the bf16 copies (dtype bf16: of GEMM operands, members copy[0 .. ncopy - 1],
-// pointers hP).
-typedef struct Stores {
-  int out[CG_MAX_KERNEL_ARGS], nout;
-  int copy[CG_MAX_KERNEL_ARGS], ncopy;
-} Stores;
 
 // The pointer of member j's result (o%d), -1 when it stays in the kernel.
 static int out_of(const Stores *st, int j) {
@@ -315,26 +344,25 @@ static void c_member(FILE *out, const Stores *st, int made, int m0, int m1, bool
   else fprintf(out, pointer ? "o%d + i0" : "o%d[i0 + c]", out_of(st, made));
 }
 
-// Operand k of member op as a C expression at row r, column c0 + c (element i0 + c), cols a row.
-static void c_load(FILE *out, const IrFunc *f, int i, int n, int m0, int m1, const IrOp *op, int k, const char *mode,
-                   const IrOperand *const *in, int nin, const Stores *st, int64_t cols) {
-  int made = member_making(f, i, n, op->args[k].value);
+// Operand k of a CPU loop's member as a C expression at row r, column c0 + c (element i0 + c).
+static void c_operand(FILE *out, int k, const char *mode, void *ctx) {
+  const Operands *o = ctx;
+  int made = member_making(o->f, o->i, o->n, o->op->args[k].value);
   if (made >= 0) {
-    c_member(out, st, made, m0, m1, false);
+    c_member(out, o->st, made, o->m0, o->m1, false);
     return;
   }
-  int p = 0;
-  while (p < nin && !same_operand(in[p], &op->args[k])) p++;
-  const IrType *rt = &op->result->type;
-  int64_t mid = rt->rank >= 2 ? rt->dim[rt->rank - 2] : 1;
+  int p = outside_pointer(o, k);
+  const IrType *rt = &o->op->result->type;
+  int64_t mid = rt->rank >= 2 ? rt->dim[rt->rank - 2] : 1, cols = o->cols;
   if (!*mode) fprintf(out, "a%d[i0 + c]", p);
   else if (strcmp(mode, "c") == 0) fprintf(out, "a%d[c0 + c]", p);
   else if (strcmp(mode, "r") == 0) fprintf(out, "a%d[r]", p);
   else if (strcmp(mode, "0") == 0) fprintf(out, "a%d[0]", p);
   else if (strcmp(mode, "ec") == 0) fprintf(out, "a%d[r / %" PRId64 " * %" PRId64 " + c0 + c]", p, mid, cols);
   else if (strcmp(mode, "slice") == 0) {
-    const IrType *t = cg_operand_type(&op->args[k]);
-    fprintf(out, "a%d[r * %" PRId64 " + %" PRId64 " + c0 + c]", p, t->dim[t->rank - 1], ir_op_int(op, "offset", 0));
+    const IrType *t = cg_operand_type(&o->op->args[k]);
+    fprintf(out, "a%d[r * %" PRId64 " + %" PRId64 " + c0 + c]", p, t->dim[t->rank - 1], ir_op_int(o->op, "offset", 0));
   } else {
     UNREACHABLE();   // tests/unit checks every row of ir/scalar.def
   }
@@ -369,21 +397,9 @@ static bool c_segment(FILE *out, const char *name, const IrFunc *f, int i, int n
       }
       fprintf(out, ");   // %s\n", ir_op_info[op->kind].name);
     } else {
+      Operands o = {.f = f, .i = i, .n = n, .op = op, .in = in, .nin = nin, .st = st, .m0 = m0, .m1 = m1, .cols = cols};
       fprintf(out, "RT_SIMD\n      for (int64_t c = 0; c < m; c++) v%d[c] = ", j);
-      while (*e) {
-        if (e[0] == 'x' && e[1] >= '0' && e[1] <= '9') {
-          int k = (int)strtol(e + 1, (char **)&e, 10);
-          char mode[8] = "";
-          if (*e == '[') {
-            size_t len = strcspn(e + 1, "]");
-            snprintf(mode, sizeof mode, "%.*s", (int)len, e + 1);
-            e += len + 2;
-          }
-          c_load(out, f, i, n, m0, m1, op, k, mode, in, nin, st, cols);
-        } else {
-          fputc(*e++, out);
-        }
-      }
+      write_expression(out, e, "", c_operand, &o);   // (no function: cg_scalar_c_form)
       fprintf(out, ";   // %s\n", ir_op_info[op->kind].name);
     }
     int p = out_of(st, j);

@@ -2,8 +2,10 @@
 // elements: rt_fv_NAME(m, out, in...) computes out[i] = NAME(in...[i]) for i < m, the twin of the
 // CUDA prelude's mk_f_NAME, in the vector loops of the CPU kernels (runtime/kernels/ffn.c: the
 // exp-based factor in one loop, the product in another, which GCC vectorises well on every path).
-// The CPU kernels and the fused loops of the generated CPU program (codegen/fused.c) both call
-// these, so a fused group computes the bits of its ops one by one.
+// The CPU kernels (GELU, SiLU, the sigmoid gate) and the fused loops of the generated CPU program
+// (codegen/fused.c) both call these, so a fused group computes the bits of its ops one by one
+// (rt_gelu_grad keeps its own loop for MOERT_ALL_SLOTS, where it does not zero empty slots; ReLU
+// is a comparison either way).
 #ifndef RT_FUSED_H
 #define RT_FUSED_H
 

@@ -41,11 +41,10 @@ __device__ void mk_slot_choices(const int *idx, const int *loc, int *from, i64 r
   __syncthreads();
 }
 
-// ---- prelude: encode over a storer ----
-// The token's row of each kept choice in its slot, the empty slots zero; out(i, v) stores element
-// i of [e, g*cap, m] (a fused kernel writes the bf16 copy there too).
-template <class S> __device__ void mk_order_encode_store(const float *x, const int *idx, const int *loc, S out, int s,
-                                                         int m, int k, int e, int g, int cap) {
+// Every row of [e, g*cap, m] through out(i, v) (a fused kernel writes the bf16 copy there too):
+// the element of a slot that choice c fills is fill(c, col), an empty slot's zero.
+template <class S, class F> __device__ void mk_slot_rows_store(const int *idx, const int *loc, S out, F fill, int s,
+                                                               int m, int k, int e, int g, int cap) {
   __shared__ int from[MK_SLOT_ROWS];
   if (g < 1) g = 1;
   i64 rows = (i64)e * g * cap;
@@ -56,10 +55,17 @@ template <class S> __device__ void mk_order_encode_store(const float *x, const i
       i64 r = i / m, col = i % m;
       if (r0 + r >= rows) break;
       int c = from[r];
-      out((r0 + r) * m + col, c < 0 ? 0.0f : x[(i64)(c / k) * m + col]);
+      out((r0 + r) * m + col, c < 0 ? 0.0f : fill(c, col));
     }
     __syncthreads();   // from[] serves the block's next rows
   }
+}
+
+// ---- prelude: encode over a storer ----
+// The token's row of each kept choice in its slot, the empty slots zero.
+template <class S> __device__ void mk_order_encode_store(const float *x, const int *idx, const int *loc, S out, int s,
+                                                         int m, int k, int e, int g, int cap) {
+  mk_slot_rows_store(idx, loc, out, [&](int c, i64 col) { return x[(i64)(c / k) * m + col]; }, s, m, k, e, g, cap);
 }
 
 // ---- mk_order_encode ----
@@ -124,20 +130,8 @@ extern "C" __global__ void mk_order_decode(const float *y, const int *idx, const
 template <class S> __device__ void mk_order_decode_grad_y_store(const float *dout, const int *idx, const int *loc,
                                                                 const float *gates, S out, int s, int m, int k, int e,
                                                                 int g, int cap) {
-  __shared__ int from[MK_SLOT_ROWS];
-  if (g < 1) g = 1;
-  i64 rows = (i64)e * g * cap;
-  MK_FOR_BLOCKS(b, (rows + MK_SLOT_ROWS - 1) / MK_SLOT_ROWS) {
-    i64 r0 = b * MK_SLOT_ROWS;
-    mk_slot_choices(idx, loc, from, r0, s, k, g, cap);
-    for (i64 i = threadIdx.x; i < (i64)MK_SLOT_ROWS * m; i += blockDim.x) {
-      i64 r = i / m, col = i % m;
-      if (r0 + r >= rows) break;
-      int c = from[r];
-      out((r0 + r) * m + col, c < 0 ? 0.0f : 0.0f + gates[c] * dout[(i64)(c / k) * m + col]);
-    }
-    __syncthreads();
-  }
+  mk_slot_rows_store(idx, loc, out, [&](int c, i64 col) { return 0.0f + gates[c] * dout[(i64)(c / k) * m + col]; }, s, m,
+                     k, e, g, cap);
 }
 
 // ---- mk_order_decode_grad_y ----

@@ -433,21 +433,10 @@ void rt_relu_grad(const float *dy, const float *x, float *dx, int64_t n) {
 
 // out = silu(x) over [lo, hi) when dy is NULL, else its gradient dy s (1 + x (1 - s)).
 RT_VECTOR_BODY void silu_range_body(const float *dy, const float *x, float *out, int64_t lo, int64_t hi) {
-  float s[GELU_CHUNK];
   for (int64_t i0 = lo; i0 < hi; i0 += GELU_CHUNK) {
     int64_t m = hi - i0 < GELU_CHUNK ? hi - i0 : GELU_CHUNK;
-    const float *xs = x + i0;
-    float *os = out + i0;
-RT_SIMD
-    for (int64_t i = 0; i < m; i++) s[i] = rt_silu_s(xs[i]);
-    if (!dy) {
-RT_SIMD
-      for (int64_t i = 0; i < m; i++) os[i] = xs[i] * s[i];
-    } else {
-      const float *dys = dy + i0;
-RT_SIMD
-      for (int64_t i = 0; i < m; i++) os[i] = dys[i] * s[i] * (1.0f + xs[i] * (1.0f - s[i]));
-    }
+    if (!dy) rt_fv_silu(m, out + i0, x + i0);
+    else rt_fv_silu_grad(m, out + i0, dy + i0, x + i0);
   }
 }
 RT_VECTOR_PATHS(silu_range, (const float *dy, const float *x, float *out, int64_t lo, int64_t hi),

@@ -11,6 +11,7 @@
 #include <string.h>
 
 #include "moert.h"
+#include "rt_fused.h"
 #include "rt_internal.h"
 
 static int group_begin(int s, int g, int gi) { return (int)((int64_t)s * gi / g); }
@@ -145,23 +146,11 @@ void rt_gate_gather_grad(const float *dgates, const float *scores, const int32_t
 
 // ---- sigmoid scores ----
 
-// exp of a non-positive number only, so that neither branch overflows.
-void rt_sigmoid(const float *x, float *y, int64_t n) {
-  for (int64_t i = 0; i < n; i++) {
-    float v = x[i];
-    if (v >= 0.0f) {
-      y[i] = 1.0f / (1.0f + expf(-v));
-    } else {
-      float z = expf(v);
-      y[i] = z / (1.0f + z);
-    }
-  }
-}
+// exp of a non-positive number only, so that neither branch overflows (runtime/rt_fused.h, which
+// the CPU program's fused loops call too).
+void rt_sigmoid(const float *x, float *y, int64_t n) { rt_fv_sigmoid(n, y, x); }
 
-void rt_sigmoid_grad(const float *dy, const float *y, float *dx, int64_t n) {
-  for (int64_t i = 0; i < n; i++)
-    dx[i] = dy[i] * y[i] * (1.0f - y[i]);
-}
+void rt_sigmoid_grad(const float *dy, const float *y, float *dx, int64_t n) { rt_fv_sigmoid_grad(n, dx, dy, y); }
 
 // ---- softmax over the tokens of a group ----
 

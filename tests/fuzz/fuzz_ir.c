@@ -1,8 +1,9 @@
 // libFuzzer harness for the IR parser, verifier and printer: any input must give diagnostics or
 // a module, never a crash, and a module that parsed must round-trip exactly —
 // print(parse(print(m))) == print(m) — or the harness aborts so the fuzzer keeps the input. A
-// module that verifies goes through the CUDA target's fuse pass first (passes/fuse.c), which
-// must leave it verifying, and its groups must round-trip too.
+// module that verifies goes through the fuse pass first (passes/fuse.c; the CPU target's groups
+// when the input's first byte is odd, else the CUDA target's), which must leave it verifying,
+// and its groups must round-trip too.
 #include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -22,7 +23,7 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size) {
   IrModule *m = ir_parse(&d, src);
   if (m) {
     if (ir_verify(&d, m)) {
-      PassCtx ctx = {.d = &d, .log = devnull, .fuse = true};
+      PassCtx ctx = {.d = &d, .log = devnull, .fuse = true, .fuse_cpu = size > 0 && (data[0] & 1)};   // either target's groups
       if (pass_fuse(m, &ctx) && !ir_verify(&d, m)) {
         fprintf(stderr, "the module does not verify after the fuse pass\n");
         abort();
