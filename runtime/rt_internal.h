@@ -368,6 +368,11 @@ void rt_print_tokens(FILE *out, const RtModel *m, const int32_t *tokens, int64_t
 // outside one, the caller runs all of it. (The column sums' _share functions: runtime/rt_fused.h.)
 #define RT_FOR_SHARE RT_PRAGMA(omp for schedule(static) nowait)
 #define RT_SINGLE_SHARE RT_PRAGMA(omp single nowait)
+// The same with a barrier after (every thread sees the loop's or the statement's results), and a
+// loop whose iterations are handed out one at a time as threads free (sizes that differ).
+#define RT_FOR_TEAM RT_PRAGMA(omp for schedule(static))
+#define RT_FOR_TEAM_DYNAMIC RT_PRAGMA(omp for schedule(dynamic, 1))
+#define RT_SINGLE_TEAM RT_PRAGMA(omp single)
 // Iterations of very different sizes (one per tensor): handed out one at a time as threads free.
 #define RT_PRAGMA_PARALLEL_DYNAMIC(cond) RT_PRAGMA(omp parallel for schedule(dynamic, 1) if (cond))
 #define RT_PARALLEL(cond) RT_PRAGMA(omp parallel if (cond))   // the next statement on every thread
@@ -386,6 +391,9 @@ static inline bool rt_in_team(void) { return false; }
 #define RT_SIMD
 #define RT_FOR_SHARE
 #define RT_SINGLE_SHARE
+#define RT_FOR_TEAM
+#define RT_FOR_TEAM_DYNAMIC
+#define RT_SINGLE_TEAM
 #endif
 // The vectorised kernels run on one of three paths, the same C compiled for AVX-512, for AVX2
 // and for the x86-64 baseline (SSE2): 4x or 2x the lanes where the CPU has them. No FMA, and C11

@@ -49,22 +49,37 @@ static bool all_slots(void) {
 // With OpenBLAS's Haswell kernels (which Zen runs too) and Prescott's, each row of c then comes
 // out with the bits of the whole product: they block c's rows (the columns of their column-major
 // view) from the start of the call, 12 and 4 at a time, and compute every element of a block the
-// same way whatever follows it. Along c's columns they do not: Haswell's rounds the first and
+// same way whatever follows it, so a cut at a multiple of 12 rows keeps every block (4 or 8 do
+// not; 12 and not a coarser multiple, so that 2 threads share a 512-row product 252:260 rather
+// than 240:272). Along c's columns they do not: Haswell's rounds the first and
 // last 8 columns of a call in another order of k, so a column split would change the bits with
 // the number of threads (tests/unit/test_kernels.c, test_matmul_split). SkylakeX's kernels
 // choose small-matrix and direct kernels by the size of the call (M N K under 10^6, ...), so
 // there a piece can round differently from the whole product; OPENBLAS_NUM_THREADS=1 keeps each
 // GEMM whole. A call from inside a parallel region runs whole on its thread.
-enum { SPLIT_MIN = 1 << 18, SPLIT_ALIGN = 48 };
+enum { SPLIT_MIN = 1 << 18, SPLIT_ALIGN = 12 };
+
+// How many pieces a GEMM of m x n x k is split into, outside a parallel region.
+static int pieces_of(int m, int n, int k) {
+  int pieces = rt_gemm_pieces(), units = (m + SPLIT_ALIGN - 1) / SPLIT_ALIGN;
+  int64_t work = (int64_t)m * n * k / SPLIT_MIN;
+  if (pieces > work) pieces = (int)work;
+  if (pieces > units) pieces = units;
+  return pieces < 1 ? 1 : pieces;
+}
 
 static int gemm_pieces(int m, int n, int k) {
-  int pieces = rt_gemm_pieces(), units = (m + SPLIT_ALIGN - 1) / SPLIT_ALIGN;
 #ifdef _OPENMP
   if (omp_in_parallel()) return 1;
 #endif
-  int64_t work = (int64_t)m * n * k / SPLIT_MIN;
-  if (pieces > work) pieces = (int)work;
-  return pieces < units ? pieces : units;
+  return pieces_of(m, n, k);
+}
+
+// Rows [*lo, *hi) of piece p of `pieces` over m rows: at multiples of SPLIT_ALIGN, the last to m.
+static void piece_rows(int m, int pieces, int p, int *lo, int *hi) {
+  int units = (m + SPLIT_ALIGN - 1) / SPLIT_ALIGN;
+  *lo = (int)((int64_t)p * units / pieces) * SPLIT_ALIGN;
+  *hi = p + 1 == pieces ? m : (int)((int64_t)(p + 1) * units / pieces) * SPLIT_ALIGN;
 }
 
 // One GEMM on the calling thread. OpenBLAS's OpenMP build splits a call made outside a parallel
@@ -101,13 +116,12 @@ void rt_matmul(const float *a, const float *b, float *c, int m, int n, int k, bo
   if (pieces <= 1) {
     sgemm_here(opa, opb, m, n, k, a, lda, b, ldb, beta, c, n);
   } else {
-    int units = (m + SPLIT_ALIGN - 1) / SPLIT_ALIGN;
 #ifdef _OPENMP
 #pragma omp parallel num_threads(pieces)
 #endif
     for (int p = rt_thread_id(); p < pieces; p += rt_team_size()) {
-      int lo = (int)((int64_t)p * units / pieces) * SPLIT_ALIGN;
-      int hi = p + 1 == pieces ? m : (int)((int64_t)(p + 1) * units / pieces) * SPLIT_ALIGN;
+      int lo, hi;
+      piece_rows(m, pieces, p, &lo, &hi);
       if (hi > lo)   // rows lo..hi-1 of c and of op(a)
         sgemm_here(opa, opb, hi - lo, n, k, ta ? a + lo : a + (size_t)lo * lda, lda, b, ldb, beta,
                    c + (size_t)lo * n, n);
@@ -145,19 +159,14 @@ static bool row_zero(const float *row, int n) {
 // What each slot row is (the kinds of row_kinds): zero, a copy of the row before, or live.
 enum { ROW_ZERO, ROW_DUP, ROW_LIVE };
 
-// kind[r] for rows 0..rows-1 of x (width nx), in blocks of `block` rows (an expert's):
-// ROW_ZERO, ROW_DUP (equal to row r - 1 of the same block, when dup), else ROW_LIVE; with y
-// (width ny), a row whose row of y is zero is ROW_ZERO too. Rows are independent: classified
-// in parallel.
-static void row_kinds(const float *x, int nx, bool dup, const float *y, int ny, int64_t rows, int block,
-                      unsigned char *kind) {
-  RT_PARALLEL_FOR(rows * (nx + ny) >= RT_PAR_MIN)
-  for (int64_t r = 0; r < rows; r++) {
-    const float *row = x + r * nx;
-    if (row_zero(row, nx) || (y && row_zero(y + r * ny, ny))) kind[r] = ROW_ZERO;
-    else if (dup && r % block != 0 && memcmp(row, row - nx, (size_t)nx * sizeof *row) == 0) kind[r] = ROW_DUP;
-    else kind[r] = ROW_LIVE;
-  }
+// The kind of row r of x (width nx) in blocks of `block` rows (an expert's): ROW_ZERO, ROW_DUP
+// (equal to row r - 1 of the same block, when dup), else ROW_LIVE; with y (width ny), a row
+// whose row of y is zero is ROW_ZERO too.
+static unsigned char row_kind(const float *x, int nx, bool dup, const float *y, int ny, int64_t r, int block) {
+  const float *row = x + r * nx;
+  if (row_zero(row, nx) || (y && row_zero(y + r * ny, ny))) return ROW_ZERO;
+  if (dup && r % block != 0 && memcmp(row, row - nx, (size_t)nx * sizeof *row) == 0) return ROW_DUP;
+  return ROW_LIVE;
 }
 
 // The segments [seg[2j], seg[2j+1]) of rows 0..rows-1 holding every live row (gaps shorter
@@ -182,6 +191,52 @@ static int live_segments(const unsigned char *kind, int rows, int *seg) {
   return count;
 }
 
+// One GEMM call's worth of an rt_expert_matmul: expert `expert`, rows lo..hi-1 of the slot
+// dimension (ta = 0: rows of a and c in one segment) or of c (ta = 1: over all the expert's
+// segments in order).
+typedef struct {
+  int expert, lo, hi;
+  int64_t work;   // multiply-accumulates, to hand out the largest first
+} ExpertTask;
+
+static int task_larger(const void *x, const void *y) {
+  const ExpertTask *p = x, *q = y;
+  if (p->work != q->work) return p->work > q->work ? -1 : 1;
+  return p->expert != q->expert ? p->expert - q->expert : p->lo - q->lo;
+}
+
+// The tasks of e experts whose segments are seg + i * 2 * SEG_MAX (ns[i] of them): each segment
+// (ta = 0) or each expert's rows of c (ta = 1, over its live slots) in the pieces rt_matmul would
+// cut it into outside a parallel region, so every row has the bits of rt_matmul's product.
+static int expert_tasks(int e, int m, int n, int k, bool ta, const int *seg, const int *ns, ExpertTask *task) {
+  int count = 0;
+  for (int i = 0; i < e; i++) {
+    const int *si = seg + (size_t)i * 2 * SEG_MAX;
+    if (!ta) {
+      for (int j = 0; j < ns[i]; j++) {
+        int rows = si[2 * j + 1] - si[2 * j], pieces = pieces_of(rows, n, k);
+        for (int p = 0; p < pieces; p++) {
+          int lo, hi;
+          piece_rows(rows, pieces, p, &lo, &hi);
+          if (hi > lo)
+            task[count++] = (ExpertTask){i, si[2 * j] + lo, si[2 * j] + hi, (int64_t)(hi - lo) * n * k};
+        }
+      }
+    } else {
+      int live = 0;
+      for (int j = 0; j < ns[i]; j++) live += si[2 * j + 1] - si[2 * j];
+      int pieces = pieces_of(m, n, live > 0 ? live : 1);
+      for (int p = 0; p < pieces; p++) {
+        int lo, hi;
+        piece_rows(m, pieces, p, &lo, &hi);
+        if (hi > lo) task[count++] = (ExpertTask){i, lo, hi, (int64_t)(hi - lo) * n * live};
+      }
+    }
+  }
+  qsort(task, (size_t)count, sizeof *task, task_larger);
+  return count;
+}
+
 void rt_expert_matmul(const float *a, const float *b, float *c, int e, int m, int n, int k,
                       bool ta, bool tb) {
   size_t a_size = (size_t)m * k, b_size = (size_t)k * n, c_size = (size_t)m * n;
@@ -190,52 +245,86 @@ void rt_expert_matmul(const float *a, const float *b, float *c, int e, int m, in
     return;
   }
   int rows = ta ? k : m;   // the slot dimension
-  unsigned char *kind = rt_alloc((size_t)e * rows, "the expert GEMMs' row kinds");
-  int *src = ta ? NULL : rt_alloc((size_t)e * rows * sizeof *src, "the expert GEMMs' row sources");
-  if (!ta) row_kinds(a, k, true, NULL, 0, (int64_t)e * rows, rows, kind);
-  else row_kinds(a, m, false, b, n, (int64_t)e * rows, rows, kind);
-  int seg[2 * SEG_MAX];
-  for (int i = 0; i < e; i++) {
-    const float *ai = a + i * a_size, *bi = b + i * b_size;
-    float *ci = c + i * c_size;
-    const unsigned char *ki = kind + (size_t)i * rows;
-    int ns = live_segments(ki, rows, seg);
-    if (!ta) {   // rows of a (and c) are slots
-      for (int j = 0; j < ns; j++)
-        rt_matmul(ai + (size_t)seg[2 * j] * k, bi, ci + (size_t)seg[2 * j] * n, seg[2 * j + 1] - seg[2 * j], n, k,
-                  false, tb, false);
-      // Each row outside the segments: -1 (zero) or the last computed row before it, which a
-      // copied row's chain of equal rows starts from (its first row is live, so computed).
-      int *si = src + (size_t)i * rows;
-      for (int j = 0, last = -1, r = 0; r < m; r++) {
-        while (j < ns && seg[2 * j + 1] <= r) j++;
-        if (j < ns && seg[2 * j] <= r) {
-          si[r] = r;
-          last = r;
-        } else {
-          si[r] = ki[r] == ROW_ZERO ? -1 : last;
+  int64_t all = (int64_t)e * rows;
+  unsigned char *kind = rt_alloc((size_t)all, "the expert GEMMs' row kinds");
+  int *src = ta ? NULL : rt_alloc((size_t)all * sizeof *src, "the expert GEMMs' row sources");
+  int *seg = rt_alloc((size_t)e * 2 * SEG_MAX * sizeof *seg, "the expert GEMMs' segments");
+  int *ns = rt_alloc((size_t)e * sizeof *ns, "the expert GEMMs' segment counts");
+  ExpertTask *task = rt_alloc((size_t)e * (ta ? 1 : SEG_MAX) * rt_gemm_pieces() * sizeof *task, "the expert GEMMs' tasks");
+  int tasks = 0;
+  int64_t t0 = 0, t1 = 0;
+  bool team = rt_threads() > 1 && rt_gemm_pieces() > 1 && !rt_in_team() &&
+              (int64_t)e * m * n * k >= 2 * (int64_t)SPLIT_MIN;
+  // One parallel region: the rows' kinds, then the GEMM calls (handed out largest first as
+  // threads free), then (ta = 0) the rows outside the segments, all experts' at once.
+  RT_PARALLEL(team) {
+    RT_FOR_TEAM
+    for (int64_t r = 0; r < all; r++)
+      kind[r] = ta ? row_kind(a, m, false, b, n, r, rows) : row_kind(a, k, true, NULL, 0, r, rows);
+    RT_SINGLE_TEAM
+    {
+      for (int i = 0; i < e; i++) {
+        int *si = seg + (size_t)i * 2 * SEG_MAX;
+        const unsigned char *ki = kind + (size_t)i * rows;
+        ns[i] = live_segments(ki, rows, si);
+        if (!ta) {
+          // Each row outside the segments: -1 (zero) or the last computed row before it, which a
+          // copied row's chain of equal rows starts from (its first row is live, so computed).
+          int *sr = src + (size_t)i * rows;
+          for (int j = 0, last = -1, r = 0; r < m; r++) {
+            while (j < ns[i] && si[2 * j + 1] <= r) j++;
+            if (j < ns[i] && si[2 * j] <= r) {
+              sr[r] = r;
+              last = r;
+            } else {
+              sr[r] = ki[r] == ROW_ZERO ? -1 : last;
+            }
+          }
         }
       }
-    } else {   // a [k, m], b [k, n]: the k rows of both are slots
-      if (ns == 0) memset(ci, 0, c_size * sizeof *ci);
-      for (int j = 0; j < ns; j++)
-        rt_matmul(ai + (size_t)seg[2 * j] * m, bi + (size_t)seg[2 * j] * n, ci, m, n, seg[2 * j + 1] - seg[2 * j], true,
-                  false, j > 0);
+      tasks = expert_tasks(e, m, n, k, ta, seg, ns, task);
+      t0 = gemm_profile ? mono_ns() : 0;
+    }
+    RT_FOR_TEAM_DYNAMIC
+    for (int t = 0; t < tasks; t++) {
+      const ExpertTask *tk = &task[t];
+      int i = tk->expert, lo = tk->lo, hi = tk->hi;
+      const float *ai = a + i * a_size, *bi = b + i * b_size;
+      float *ci = c + i * c_size;
+      if (!ta) {   // rows lo..hi-1 of a (and c) are slots of one segment
+        sgemm_here(CblasNoTrans, tb ? CblasTrans : CblasNoTrans, hi - lo, n, k, ai + (size_t)lo * k, k, bi,
+                   tb ? k : n, 0.0f, ci + (size_t)lo * n, n);
+      } else {     // a [k, m], b [k, n]: rows lo..hi-1 of c, the k rows of both (slots) by segments
+        const int *si = seg + (size_t)i * 2 * SEG_MAX;
+        for (int j = 0; j < ns[i]; j++)
+          sgemm_here(CblasTrans, CblasNoTrans, hi - lo, n, si[2 * j + 1] - si[2 * j], ai + (size_t)si[2 * j] * m + lo,
+                     m, bi + (size_t)si[2 * j] * n, n, j > 0 ? 1.0f : 0.0f, ci + (size_t)lo * n, n);
+      }
+    }
+    RT_SINGLE_SHARE
+    t1 = gemm_profile ? mono_ns() : 0;
+    if (ta) {   // an expert nobody routed to: its product is zero
+      RT_FOR_SHARE
+      for (int i = 0; i < e; i++)
+        if (ns[i] == 0) memset(c + i * c_size, 0, c_size * sizeof *c);
+    } else {
+      RT_FOR_SHARE
+      for (int64_t r = 0; r < (int64_t)e * m; r++) {
+        int64_t from = src[r] < 0 ? -1 : (r / m) * m + src[r];
+        float *cr = c + r * n;
+        if (from == r) continue;
+        if (from < 0) memset(cr, 0, (size_t)n * sizeof *cr);
+        else memcpy(cr, c + from * n, (size_t)n * sizeof *cr);
+      }
     }
   }
-  if (!ta) {   // fill the rows outside the segments, all experts' at once
-    int64_t all = (int64_t)e * m;
-    RT_PARALLEL_FOR(all * n >= RT_PAR_MIN)
-    for (int64_t r = 0; r < all; r++) {
-      int64_t from = src[r] < 0 ? -1 : (r / m) * m + src[r];
-      float *cr = c + r * n;
-      if (from == r) continue;
-      if (from < 0) memset(cr, 0, (size_t)n * sizeof *cr);
-      else memcpy(cr, c + from * n, (size_t)n * sizeof *cr);
-    }
-  }
+  if (gemm_profile)
+    atomic_fetch_add(&gemm_ns, t1 - t0);
   free(kind);
   free(src);
+  free(seg);
+  free(ns);
+  free(task);
 }
 
 void rt_bias(const float *x, const float *b, float *y, int rows, int n) {

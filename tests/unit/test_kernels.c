@@ -822,6 +822,59 @@ static void test_matmul_split(void **state) {
   rt_threads_setup(1);
 }
 
+// rt_expert_matmul at a size that runs in the pool (one region: row kinds, the GEMM calls handed
+// out largest first, the rows outside the segments): every expert's rows as the slots leave them
+// (full, live then zero, live then copies of one row, gaps, none), equal to a double reference
+// and bit-identical on 1, 2 and 3 threads, both products a model takes (ta = 0 forward, ta = 1
+// the weights' gradient).
+static void test_expert_matmul_team(void **state) {
+  enum { E = 4, S = 320, N = 192, K = 96 };
+  for (int ta = 0; ta <= 1; ta++) {
+    int m = ta ? K : S, k = ta ? S : K;   // ta = 1: a [S, K] and b [S, N] per expert, c [K, N]
+    int acols = K, bsize = ta ? S * N : K * N;
+    float *a = malloc((size_t)E * S * acols * sizeof *a), *b = malloc((size_t)E * bsize * sizeof *b);
+    float *want = malloc((size_t)E * m * N * sizeof *want), *got = malloc((size_t)E * m * N * sizeof *got);
+    assert_non_null(a && b && want && got);
+    fill(a, (int64_t)E * S * acols, -1, 1);
+    fill(b, (int64_t)E * bsize, -1, 1);
+    for (int e = 0; e < E; e++)
+      for (int r = 0; r < S; r++) {   // the slot rows of a
+        float *row = a + ((size_t)e * S + r) * acols;
+        bool zero = (e == 1 && r >= 200) || (e == 2 && r % 37 < 20) || e == 3;
+        if (zero) memset(row, 0, acols * sizeof *row);
+        if (!ta && e == 1 && r >= 150 && r < 200) memcpy(row, row - acols, acols * sizeof *row);   // act(b1) copies
+      }
+    for (int threads = 1; threads <= 3; threads++) {
+      char env[8];
+      snprintf(env, sizeof env, "%d", threads);
+      setenv("OMP_NUM_THREADS", env, 1);
+      unsetenv("OPENBLAS_NUM_THREADS");
+      rt_threads_setup(1);
+      float *c = threads == 1 ? want : got;
+      for (int64_t i = 0; i < (int64_t)E * m * N; i++) c[i] = NAN;   // every row written
+      rt_expert_matmul(a, b, c, E, m, N, k, ta, false);
+      if (threads > 1 && memcmp(want, got, (size_t)E * m * N * sizeof *got) != 0)
+        fail_msg("rt_expert_matmul ta %d: %d threads differ from 1", ta, threads);
+    }
+    for (int e = 0; e < E; e++)
+      for (int i = 0; i < m; i++)
+        for (int j = 0; j < N; j++) {
+          double ref = 0;
+          for (int p = 0; p < k; p++) {
+            double x = ta ? a[((size_t)e * S + p) * K + i] : a[((size_t)e * S + i) * K + p];
+            double y = ta ? b[((size_t)e * S + p) * N + j] : b[(size_t)e * K * N + (size_t)p * N + j];
+            ref += x * y;
+          }
+          float v = want[((size_t)e * m + i) * N + j];
+          if (!(fabs(v - ref) <= 1e-4 * (1 + fabs(ref))))
+            fail_msg("rt_expert_matmul ta %d expert %d c[%d,%d] = %g, want %g", ta, e, i, j, v, ref);
+        }
+    free(a), free(b), free(want), free(got);
+  }
+  setenv("OMP_NUM_THREADS", "1", 1);
+  rt_threads_setup(1);
+}
+
 static void test_gate_noise_layout(void **state) {
   enum { S = 4, E = 3 };
   float x[S * E], y[S * E], y2[2 * E];
@@ -921,6 +974,7 @@ int main(void) {
       cmocka_unit_test(test_normal_moments),
       cmocka_unit_test(test_normal_fill),
       cmocka_unit_test(test_matmul_split),
+      cmocka_unit_test(test_expert_matmul_team),
       cmocka_unit_test(test_exp_poly),
       cmocka_unit_test(test_gate_noise_layout),
       cmocka_unit_test(test_step_begin_forward),
