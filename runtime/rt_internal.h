@@ -373,6 +373,7 @@ void rt_print_tokens(FILE *out, const RtModel *m, const int32_t *tokens, int64_t
 #define RT_FOR_TEAM RT_PRAGMA(omp for schedule(static))
 #define RT_FOR_TEAM_DYNAMIC RT_PRAGMA(omp for schedule(dynamic, 1))
 #define RT_SINGLE_TEAM RT_PRAGMA(omp single)
+#define RT_BARRIER RT_PRAGMA(omp barrier)
 // Iterations of very different sizes (one per tensor): handed out one at a time as threads free.
 #define RT_PRAGMA_PARALLEL_DYNAMIC(cond) RT_PRAGMA(omp parallel for schedule(dynamic, 1) if (cond))
 #define RT_PARALLEL(cond) RT_PRAGMA(omp parallel if (cond))   // the next statement on every thread
@@ -394,6 +395,7 @@ static inline bool rt_in_team(void) { return false; }
 #define RT_FOR_TEAM
 #define RT_FOR_TEAM_DYNAMIC
 #define RT_SINGLE_TEAM
+#define RT_BARRIER
 #endif
 // The vectorised kernels run on one of three paths, the same C compiled for AVX-512, for AVX2
 // and for the x86-64 baseline (SSE2): 4x or 2x the lanes where the CPU has them. No FMA, and C11
