@@ -17,7 +17,13 @@
 #          expert's worst-case buffer about half empty): the expert GEMMs and GELU gradient over
 #          the filled slots (the default) beside the same binary computing every slot
 #          (MOERT_ALL_SLOTS=1), the speed-up and both runs' losses (the same to 1e-5).
-# BENCH_CPU="layer t4 lm dropless" (the default: all) runs only the parts named.
+#   before  this checkout beside an earlier commit (BENCH_BEFORE, default ec9d643: the last before
+#          the CPU program fused its elementwise ops and pooled its expert GEMMs, issue 39), built
+#          from a git worktree under build/ (removed after): the three language models and the
+#          layer, each built by both compilers and run in turn (5 runs each, mid 3, large 1): the
+#          medians of their --profile median steps and of each run's now/before (the pair ran
+#          back to back: this machine's speed drifts); the losses must be the same.
+# BENCH_CPU="layer t4 lm dropless before" (the default: all) runs only the parts named.
 # PyTorch comes from build/torch-venv (created here with pip when missing: PyPI's torch, whose
 # Linux wheel brings NVIDIA's libraries, ~3 GB; it runs on the CPU here); without it (no network,
 # no pip) the PyTorch column says so and the moec side still runs.
@@ -48,7 +54,8 @@ moec_step() {
   sed -n 's/^# profile: .*median whole step \([0-9.]*\) ms.*GEMM \([0-9.]*\) %.*/\1 \2/p' "$WORK/$1.out"
 }
 
-want() { case " ${BENCH_CPU:-layer t4 lm dropless} " in *" $1 "*) return 0 ;; *) return 1 ;; esac; }
+median() { sort -g | awk '{v[NR] = $1} END {if (NR) print v[int((NR + 1) / 2)]}'; }   # of the lines of stdin
+want() { case " ${BENCH_CPU:-layer t4 lm dropless before} " in *" $1 "*) return 0 ;; *) return 1 ;; esac; }
 echo "# moec beside PyTorch eager on the CPU: $(nproc) cores, $(grep -m1 'model name' /proc/cpuinfo | cut -d: -f2 | sed 's/^ *//')"
 echo "# moec: median whole training step of steps 2..$STEPS (data, forward, backward, adamw update), GEMM share"
 echo "# PyTorch: forward + backward of the same layer (autograd, median of 10 runs), its expert GEMMs alone"
@@ -141,7 +148,6 @@ lm_wait() {   # BIN STEPS DELAY_MS -> the waiting share in % (nothing without pe
                      if (line ~ /libgomp/ || line ~ /\[k\] .*(schedule|futex|yield|idle|switch_to|finish_task_switch)/) w += p }
          END { if (NR) printf "%.1f\n", w }'
 }
-median() { sort -g | awk '{v[NR] = $1} END {if (NR) print v[int((NR + 1) / 2)]}'; }
 for size in demo mid large; do
   case $size in   # steps per moec run, per perf run, per torch run; perf's delay when step 1's time is unknown; runs
     demo)  model=lang/models/gpt_moe_bytes.moe shape="B8 L64 M96 V256 x3" steps=$STEPS psteps=300 tsteps=20 delay=1000 runs=3 ;;
@@ -201,6 +207,44 @@ if read -r ms_a gemm_a < <(sort -n "$WORK/a.ms" | sed -n 2p) && [ -n "${gemm_a:-
 else
   echo "dropless: moec failed"; status=1
 fi
+fi
+if want before; then
+REV=${BENCH_BEFORE:-ec9d643}
+BEFORE=$(cd "$BUILD" && pwd)/before-$REV
+echo "# before: this checkout beside $REV (its moec built in $BEFORE), in turn; median --profile steps, ms"
+if ! git rev-parse -q --verify "$REV^{commit}" >/dev/null 2>&1; then
+  echo "# before: commit $REV is not in this clone (a shallow clone?): skipped"
+elif ! { [ -x "$BEFORE/build/moec" ] ||
+         { git worktree add -f --detach "$BEFORE" "$REV" >"$WORK/before.log" 2>&1 &&
+           make -C "$BEFORE" build/moec build/libmoert.a >>"$WORK/before.log" 2>&1; }; }; then
+  echo "before: building $REV failed: $(tail -n 2 "$WORK/before.log")"; status=1
+else
+  printf '%-10s %-26s %12s %12s %12s\n' case shape "before ms" "now ms" "now/before"
+  for c in "lm demo|lang/models/gpt_moe_bytes.moe|B8 L64 M96 V256 x3|300|5" "lm mid|bench/models/lm_mid.moe|B4 L256 M512 V8192 x6|6|3" \
+           "lm large|bench/models/lm_large.moe|B2 L512 M1024 V32000 x4|4|1" "layer|bench/models/layer_cpu.moe|B4 L512 M512 H1024 E8 k2|$STEPS|5"; do
+    IFS='|' read -r name model shape steps runs <<<"$c"
+    bin=$WORK/before_${model##*/}
+    if ! "$MOEC" build "$model" -o "$bin.now" >"$WORK/b.err" 2>&1 ||
+       ! MOEC_ROOT=$BEFORE "$BEFORE/build/moec" build "$model" -o "$bin.before" >>"$WORK/b.err" 2>&1; then
+      echo "$name: build failed: $(head -n 2 "$WORK/b.err")"; status=1; continue
+    fi
+    : >"$WORK/now.ms"; : >"$WORK/before.ms"; : >"$WORK/ratio"; same=same
+    for run in $(seq "$runs"); do
+      for which in before now; do
+        MOEC_BENCH=1 "$bin.$which" --steps "$steps" --profile >"$WORK/$which.out" 2>&1 || { status=1; echo "$name: $which run failed"; }
+        sed -n 's/^# profile: .*median whole step \([0-9.]*\) ms.*/\1/p' "$WORK/$which.out" >>"$WORK/$which.ms"
+      done
+      cmp -s <(awk '/^step/ {print $4}' "$WORK/before.out") <(awk '/^step/ {print $4}' "$WORK/now.out") || same=DIFFER
+      paste <(tail -n 1 "$WORK/now.ms") <(tail -n 1 "$WORK/before.ms") | awk '$2 > 0 {printf "%.3f\n", $1 / $2}' >>"$WORK/ratio"
+    done
+    b=$(median <"$WORK/before.ms"); n=$(median <"$WORK/now.ms"); r=$(median <"$WORK/ratio")
+    if [ -z "$b" ] || [ -z "$n" ] || [ -z "$r" ]; then echo "$name: no profile line"; status=1; continue; fi
+    [ "$same" = same ] || status=1
+    printf '%-10s %-26s %12.1f %12.1f %12s   losses %s  (now/before of each run: %s)\n' "$name" "$shape" "$b" "$n" "$r" "$same" \
+      "$(paste -sd' ' "$WORK/ratio")"
+  done
+fi
+if [ -d "$BEFORE" ] && [ -z "${BENCH_BEFORE_KEEP:-}" ]; then git worktree remove --force "$BEFORE" >/dev/null 2>&1 || rm -rf "$BEFORE"; git worktree prune; fi
 fi
 [ $status -eq 0 ] && echo OK || echo FAILED
 exit $status
