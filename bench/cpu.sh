@@ -137,7 +137,8 @@ if want lm; then
 # The language models (issue 28), three sizes: moec's whole step beside bench/torch_lm.py's (the
 # same model in PyTorch: forward, backward, clip, AdamW), medians of their steps; the two run in
 # turn three times (demo, mid) or once (large) and the medians of the runs are compared. GEMM %: moec's --profile share of the step in GEMM calls; wait %:
-# with perf, the share of the moec run's cycles (steps 2.., after a delay past step 1) spent
+# with perf, the share of the moec runs' cycles (steps 2.., after a delay past step 1; the median of
+# as many perf runs as timed runs) spent
 # waiting: in libgomp (threads at barriers) and the kernel's scheduler, futex and sched_yield
 # paths; "-" without perf.
 lm_wait() {   # BIN STEPS DELAY_MS -> the waiting share in % (nothing without perf or samples)
@@ -182,7 +183,10 @@ for size in demo mid large; do
   fi
   # perf's delay: past step 1 as the last moec run took it (1.5 x its time + 0.5 s: the start), else the table's.
   step1=$(awk '$1 == "step" && $2 == 1 { for (i = 3; i < NF; i++) if ($i == "time") print int(1.5 * $(i + 1)) + 500 }' "$WORK/lm_$size.out")
-  wait=$(lm_wait "$WORK/${model##*/}.bin" "$psteps" "${step1:-$delay}"); wait=${wait:--}
+  # the median of `runs` perf runs (a run in which the machine's other tenants took a core
+  # waits more: 6.7 to 11.3 % for the demo model within an hour here)
+  wait=$(for run in $(seq "$runs"); do lm_wait "$WORK/${model##*/}.bin" "$psteps" "${step1:-$delay}"; done | median)
+  wait=${wait:--}
   printf '%-10s %-26s %12.1f %8.1f %14s %12s %14s   wait %s %%  (runs: moec %s; PyTorch %s)\n' "lm $size" "$shape" "$ms" "$gemm" "$tms" "-" "$ratio" "$wait" \
     "$(paste -sd' ' "$WORK/lm.ms")" "$(paste -sd' ' "$WORK/tlm.ms")"
 done
