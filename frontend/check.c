@@ -237,7 +237,7 @@ static const Field experts_fields[] = {
 static const Block experts_block = BLOCK("experts", experts_fields, NULL);
 
 // gate = "gate" NAME [ "{" [k] [capacity] [noise] [aux_loss] [z_loss] [groups] [proj] [slots]
-//                         [renormalize] [aux (group | pooled)] "}" ]
+//                         [renormalize] [aux (group | pooled)] [bias] "}" ]
 static const Field gate_fields[] = {
   {"k", 0, .vals = {{V_INT, R_POS, .def = "1", .off = AT(FeGate, k)}},
    .loc = AT(FeGate, field_loc[FE_GATE_F_K])},
@@ -260,6 +260,8 @@ static const Field gate_fields[] = {
    .loc = AT(FeGate, field_loc[FE_GATE_F_RENORM])},   // default k > 1: finish_gate
   {"aux", 0, .vals = {{V_WORD, .what = "aux form", .words = aux_forms, .def = "group", .off = AT(FeGate, aux_form)}},
    .loc = AT(FeGate, field_loc[FE_GATE_F_AUX_FORM])},
+  {"bias", 0, .vals = {{V_BOOL, .def = "false", .off = AT(FeGate, bias)}},
+   .loc = AT(FeGate, field_loc[FE_GATE_F_BIAS])},
 };
 static const Block gate_block = BLOCK("gate", gate_fields, finish_gate);
 
@@ -1141,7 +1143,7 @@ static void finish_gate(Ctx *c, const FeNode *n, const char *variant, char *dst)
   FeGate *g = (FeGate *)dst;
   const FeGateDef *def = variant ? fe_gate_find(variant) : NULL;
   static const char *const names[] = {"k", "capacity", "noise", "aux_loss", "z_loss", "groups", "proj", "slots",
-                                      "renormalize", "aux"};
+                                      "renormalize", "aux", "bias"};
   for (int f = 0; def && f < COUNT(names); f++) {
     if (!g->field_loc[f].src || (def->fields & FE_GATE_FIELD(f)) || f == FE_GATE_F_PROJ || f == FE_GATE_F_SLOTS)
       continue;
@@ -1151,6 +1153,9 @@ static void finish_gate(Ctx *c, const FeNode *n, const char *variant, char *dst)
     if (f == FE_GATE_F_AUX_FORM)
       ir_note_at(c->d, g->field_loc[f], "only 'gate gshard' has it: 'aux pooled' is transformers' load-balancing loss "
                                         "over the softmax of the logits");
+    if (f == FE_GATE_F_BIAS)
+      ir_note_at(c->d, g->field_loc[f], "only 'gate gshard' and 'gate sigmoid' have it: a learned bias added to the "
+                                        "router's logits");
   }
   if (g->dropless && def && strcmp(def->name, "expert_choice") == 0)
     ir_error_at(c->d, g->field_loc[FE_GATE_F_CAPACITY],

@@ -115,10 +115,11 @@ typedef struct FeGate {
   int64_t slots;        // softmoe, default 1
   bool renormalize;     // gshard, xmoe: the k gates scaled to sum 1; default k > 1
   const char *aux_form; // gshard: "group" (default, manual §11.3) | "pooled" (transformers' form)
+  bool bias;            // gshard, sigmoid: a learned router bias, logits = x·Wg + bg (gpt-oss's router)
   SrcLoc field_loc[16]; // where fields were written (index: FE_GATE_F_*), for later diagnostics
 } FeGate;
 enum { FE_GATE_F_K, FE_GATE_F_CAPACITY, FE_GATE_F_NOISE, FE_GATE_F_AUX, FE_GATE_F_Z, FE_GATE_F_GROUPS, FE_GATE_F_PROJ, FE_GATE_F_SLOTS,
-       FE_GATE_F_RENORM, FE_GATE_F_AUX_FORM };
+       FE_GATE_F_RENORM, FE_GATE_F_AUX_FORM, FE_GATE_F_BIAS };
 
 // The gate's aux loss is the pooled form (`aux pooled`, manual §11.3).
 static inline bool fe_aux_pooled(const FeGate *g) { return g->aux_form && strcmp(g->aux_form, "pooled") == 0; }

@@ -85,6 +85,9 @@ IrParam *fe_expert_param(FeLower *L, const char *suffix, IrType t, const char *i
 void fe_token_choice(FeLower *L, IrValue *logits, IrValue *scores, bool renorm, FeRouting *out);
 // logits + training noise when the gate has `noise`.
 IrValue *fe_noise(FeLower *L, IrValue *logits);
+// The router's logits x·Wg [S, E] (parameter moe.gate.wg [M, E]), plus the learned bias
+// moe.gate.bg [E] (initialised to zero) with `bias true`.
+IrValue *fe_router_logits(FeLower *L, IrValue *x);
 // Per-group capacity T of token choice with k choices per token.
 int64_t fe_capacity(const FeLower *L, int64_t k);
 

@@ -73,6 +73,8 @@ static bool common(const FeProgram *p, Family f, const FeLayer **first_moe, char
       return refuse(why, n, "layer '%s' has 'ffn %s' experts; %s's are SwiGLU ('ffn mixtral')", l->name, e->experts.kind, fam);
     if (strcmp(e->gate.name, "gshard") != 0)
       return refuse(why, n, "layer '%s' has gate '%s'; %s's router is a softmax top-k ('gshard')", l->name, e->gate.name, fam);
+    if (e->gate.bias)
+      return refuse(why, n, "layer '%s' has a router bias ('bias true'); %s's router has none", l->name, fam);
     if (!m0) {
       m0 = l;
       continue;

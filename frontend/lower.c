@@ -71,6 +71,14 @@ int64_t fe_capacity(const FeLower *L, int64_t k) {
   return ir_capacity_slots(k, g->capacity, tokens, L->E);
 }
 
+IrValue *fe_router_logits(FeLower *L, IrValue *x) {
+  IrParam *wg = fe_param(L, "moe.gate.wg", ir_type2(IR_F32, L->M, L->E), "normal", 1.0 / sqrt((double)L->M));
+  IrValue *logits = fe_op2(L, IR_OP_MATMUL, "logits", FE_V(x), FE_P(wg));
+  if (!L->layer->moe.gate.bias) return logits;
+  IrParam *bg = fe_param(L, "moe.gate.bg", ir_type1(IR_F32, L->E), "zeros", 0);
+  return fe_op2(L, IR_OP_BIAS, "logits_b", FE_V(logits), FE_P(bg));
+}
+
 IrValue *fe_noise(FeLower *L, IrValue *logits) {
   double sigma = L->layer->moe.gate.noise;
   if (sigma <= 0) return logits;

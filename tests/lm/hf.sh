@@ -88,6 +88,15 @@ if "$MOEC" import-hf "$WORK/gen" -o "$WORK/gen/imp" --batch 2 --seqlen 16 >"$WOR
 else
   bad "the checkpoint's generation_config.json" "$(cat "$WORK/gen.out" "$WORK/err" "$WORK/gen/exp.out" 2>/dev/null | tail -n 4; cat "$WORK/gen/out/generation_config.json" 2>/dev/null)"
 fi
+# A router bias (`bias true`, gpt-oss's) is no Mixtral setting: a model that names its Hugging Face
+# config (hf_config) and has one is refused by the build, naming it.
+sed 's/gate gshard { k 2;/gate gshard { k 2; bias true;/' "$WORK/mx.moe" >"$WORK/mxbias.moe"
+if ! "$MOEC" build "$WORK/mxbias.moe" -o "$WORK/mxbias" 2>"$WORK/err" &&
+   grep -q "mxbias.moe:[0-9]*:[0-9]*: error: .*has a router bias ('bias true'); Mixtral's router has none" "$WORK/err"; then
+  ok "a Mixtral with a router bias is refused: $(head -n 1 "$WORK/err" | sed "s|$WORK/||g" | cut -c1-160)"
+else
+  bad "a Mixtral with a router bias" "$(cat "$WORK/err" 2>/dev/null | tail -n 4)"
+fi
 sed 's/^hf_config "mx.hf";/hf_config "nowhere.hf";/' "$WORK/mx.moe" >"$WORK/nohf.moe"
 if ! "$MOEC" build "$WORK/nohf.moe" -o "$WORK/nohf" 2>"$WORK/err" &&
    grep -q "nohf.moe:[0-9]*:[0-9]*: error: cannot read '.*nowhere.hf/config.json': No such file or directory" "$WORK/err"; then

@@ -2,7 +2,8 @@
 # The parallel layout must not change the math: for each layout, dispatch algorithm and k, a
 # P-rank run (mpirun) and its single-rank twin (the same global batch, one routing group per
 # rank: `groups dp*mp`) must give the same losses for 3 steps and the same loss, output and
-# whole gradients at step 1 (--dump), to 1e-5 relative. Prints `ok    ...` / `FAIL  ...` lines;
+# whole gradients at step 1 (--dump), to 1e-5 relative. With k 2 the router has a learned bias
+# (`bias true`, replicated like its weight). Prints `ok    ...` / `FAIL  ...` lines;
 # exits 1 on any failure.
 set -u
 cd "$(dirname "$0")/../.."
@@ -21,7 +22,7 @@ $6
 layer blk x 2 {
   moe {
     experts 8 { ffn gpt { hidden 32; act gelu; bias true; } }
-    gate gshard { k $4; capacity 0.8; noise 0.5; aux_loss 0.1; z_loss 0.01; groups $3; }
+    gate gshard { k $4; capacity 0.8; noise 0.5; aux_loss 0.1; z_loss 0.01; groups $3; bias $([ "$4" = 2 ] && echo true || echo false); }
     order tutel;
     dispatch { algo ALGO; }
   }
