@@ -1116,7 +1116,8 @@ static void finish_shared(Ctx *c, const FeNode *n, const char *variant, char *ds
   m->shared.count = 1;
 }
 
-// Which gates take `renormalize`, from the registry: "only 'gate gshard' and 'gate xmoe' have it".
+// Which gates take `renormalize`, from the registry: "only 'gate gshard', 'gate sigmoid' and 'gate
+// xmoe' have it".
 static void renormalize_note(Ctx *c, SrcLoc at) {
   char list[256];
   size_t len = 0;
@@ -1133,12 +1134,13 @@ static void renormalize_note(Ctx *c, SrcLoc at) {
       len += snprintf(list + len, sizeof list - len, "%s'gate %s'", sep, fe_gates[i].name);
     count++;
   }
-  ir_note_at(c->d, at, "only %s %s it: %s the top k of a softmax", list, count == 1 ? "has" : "have",
-             count == 1 ? "it renormalises" : "they renormalise");
+  ir_note_at(c->d, at, "only %s %s it: %s the k chosen scores to sum 1", list, count == 1 ? "has" : "have",
+             count == 1 ? "it scales" : "they scale");
 }
 
 // Every field written must be one the gate accepts (its row in the registry); `capacity *` is
-// dropless, which only token-choice gates have. `renormalize` defaults to k > 1 where it applies.
+// dropless, which only token-choice gates have. `renormalize` defaults to k > 1 where it applies,
+// except with sigmoid scores (each expert's own score scales its output unless asked).
 static void finish_gate(Ctx *c, const FeNode *n, const char *variant, char *dst) {
   FeGate *g = (FeGate *)dst;
   const FeGateDef *def = variant ? fe_gate_find(variant) : NULL;
@@ -1163,7 +1165,7 @@ static void finish_gate(Ctx *c, const FeNode *n, const char *variant, char *dst)
   if (g->dropless)
     g->capacity = 0;
   if (!g->field_loc[FE_GATE_F_RENORM].src)
-    g->renormalize = def && (def->fields & FE_GATE_FIELD(FE_GATE_F_RENORM)) && g->k > 1;
+    g->renormalize = def && (def->fields & FE_GATE_FIELD(FE_GATE_F_RENORM)) && g->k > 1 && strcmp(def->name, "sigmoid") != 0;
 }
 
 // `bias true` gives q, k, v and the output projection biases, `qkv` the first three only.

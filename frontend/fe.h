@@ -113,7 +113,7 @@ typedef struct FeGate {
   int64_t groups;       // default 1
   int64_t proj;         // xmoe, default 16
   int64_t slots;        // softmoe, default 1
-  bool renormalize;     // gshard, xmoe: the k gates scaled to sum 1; default k > 1
+  bool renormalize;     // gshard, xmoe, sigmoid: the k gates scaled to sum 1; default k > 1 (sigmoid: false)
   const char *aux_form; // gshard: "group" (default, manual §11.3) | "pooled" (transformers' form)
   bool bias;            // gshard, sigmoid: a learned router bias, logits = x·Wg + bg (gpt-oss's router)
   SrcLoc field_loc[16]; // where fields were written (index: FE_GATE_F_*), for later diagnostics

@@ -7,7 +7,8 @@
 # a stack holds the layers of one gate and capacity (3 layers) or the other gates (5 layers),
 # deep enough to share a build and shallow enough that the activations stay small: 28 models,
 # then matrix_hooks (record hooks at all six points) and matrix_renorm (`renormalize` against its
-# default: gshard and xmoe with k 1 renormalised, every gate 1, and k 2 with the raw scores).
+# default: gshard and xmoe with k 1 renormalised, every gate 1, and k 2 with the raw scores;
+# sigmoid scores renormalised).
 #
 #   bash tests/cuda/matrix.sh DIR      # tests/cuda/host.sh (fake device), tests/cuda/gpu.sh
 #
@@ -68,5 +69,6 @@ stack tutel "ffn gpt { hidden 24; }" \
   "gshard { k 1; capacity 0.6; noise 0.5; aux_loss 0.1; z_loss 0.01; renormalize true; }|8" \
   "gshard { k 2; capacity 0.6; noise 0.5; aux_loss 0.1; z_loss 0.01; renormalize false; }|8" \
   "xmoe { k 1; capacity 0.6; noise 0.5; aux_loss 0.1; proj 8; renormalize true; }|8" \
-  "xmoe { k 2; capacity 0.6; noise 0.5; z_loss 0.01; proj 8; renormalize false; }|8" >"$dir/matrix_renorm.moe"
+  "xmoe { k 2; capacity 0.6; noise 0.5; z_loss 0.01; proj 8; renormalize false; }|8" \
+  "sigmoid { k 2; capacity 0.6; noise 0.5; aux_loss 0.1; renormalize true; }|8" >"$dir/matrix_renorm.moe"
 echo matrix_renorm

@@ -81,9 +81,10 @@ for expert in gpt mixtral; do
   done
 done
 # `renormalize` against its default: k 1 renormalised (every gate exactly 1, the router learns
-# from the aux and z losses only) and k 2 with the raw softmax scores, gshard and xmoe.
+# from the aux and z losses only) and k 2 with the raw softmax scores, gshard and xmoe; sigmoid
+# scores renormalised (DeepSeek-V3's norm_topk_prob).
 for order in tutel gshard; do
-  for spec in "gshard|1|true|gpt" "gshard|2|false|mixtral" "xmoe|2|false|gpt" "xmoe|1|true|mixtral"; do
+  for spec in "gshard|1|true|gpt" "gshard|2|false|mixtral" "xmoe|2|false|gpt" "xmoe|1|true|mixtral" "sigmoid|2|true|mixtral"; do
     IFS='|' read -r gate k renorm expert <<<"$spec"
     eblock=$(expert_block "$expert")
     extra=""; [ $gate = xmoe ] && extra="proj 8;"
