@@ -1,8 +1,6 @@
-// gate gshard: logits = x·Wg (+ bg with `bias true`); training noise; scores = softmax(logits); the top k experts by
-// score; gates renormalised to sum 1 with `renormalize` (default: when k > 1; with k 1 the gate is
-// then 1); capacity locations; aux and z losses.
-#include <math.h>
-
+// gate gshard: logits = x·Wg (+ bg with `bias true`); training noise; scores = softmax(logits);
+// the top k experts by score; gates renormalised to sum 1 with `renormalize` (default: when k > 1;
+// with k 1 the gate is then 1); capacity locations; aux and z losses.
 #include "fe_lower.h"
 
 bool fe_gate_gshard(FeLower *L, IrValue *x, FeRouting *out) {

@@ -1,8 +1,6 @@
 // gate sigmoid (BASE/StableMoE-style): scores = sigmoid(x·Wg (+ bg) + noise), independent per expert;
 // the top k experts by score; each output is scaled by its own score, or with `renormalize true`
 // by the k chosen scores scaled to sum 1 (DeepSeek-V3's norm_topk_prob).
-#include <math.h>
-
 #include "fe_lower.h"
 
 bool fe_gate_sigmoid(FeLower *L, IrValue *x, FeRouting *out) {

@@ -368,9 +368,8 @@ void rt_print_tokens(FILE *out, const RtModel *m, const int32_t *tokens, int64_t
 // outside one, the caller runs all of it. (The column sums' _share functions: runtime/rt_fused.h.)
 #define RT_FOR_SHARE RT_PRAGMA(omp for schedule(static) nowait)
 #define RT_SINGLE_SHARE RT_PRAGMA(omp single nowait)
-// The same with a barrier after (every thread sees the loop's or the statement's results), and a
-// loop whose iterations are handed out one at a time as threads free (sizes that differ).
-#define RT_FOR_TEAM RT_PRAGMA(omp for schedule(static))
+// A loop whose iterations are handed out one at a time as threads free (sizes that differ) and
+// the next statement on one thread, each with a barrier after; a barrier.
 #define RT_FOR_TEAM_DYNAMIC RT_PRAGMA(omp for schedule(dynamic, 1))
 #define RT_SINGLE_TEAM RT_PRAGMA(omp single)
 #define RT_BARRIER RT_PRAGMA(omp barrier)
@@ -392,7 +391,6 @@ static inline bool rt_in_team(void) { return false; }
 #define RT_SIMD
 #define RT_FOR_SHARE
 #define RT_SINGLE_SHARE
-#define RT_FOR_TEAM
 #define RT_FOR_TEAM_DYNAMIC
 #define RT_SINGLE_TEAM
 #define RT_BARRIER

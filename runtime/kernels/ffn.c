@@ -191,108 +191,97 @@ static int live_segments(const unsigned char *kind, int rows, int *seg) {
   return count;
 }
 
-// GEMMs of which none reads or writes what another writes, as one (gemms): the pool's threads
-// take their pieces largest first. expert: rt_expert_matmul's product of e experts (over the
-// live slots), else rt_matmul's (e is 1, accumulate false). Each result has the bits of the call
-// it stands for. (Batching a backward's dX and dW GEMMs this way measured no faster than two
-// calls on 2 threads: only the experts' products, 4 to 8 calls and more, take it.)
+// One rt_expert_matmul: its operands, and what its parallel region shares. slots: over the
+// live slots (else every row of every expert, as rt_matmul); then the slot rows' kinds, each
+// expert's segments and their count, and (ta = 0) the row each row outside them copies.
 typedef struct {
   const float *a, *b;
   float *c;
   int e, m, n, k;
-  bool ta, tb, expert;
-} Gemm;
+  bool ta, tb, slots;
+  int rows;   // the slot dimension
+  unsigned char *kind;
+  int *src, *seg, *ns;
+} ExpertGemm;
 
-// One GEMM call's worth of a gemms: item `item`, expert `expert` (0 for a plain product),
-// rows lo..hi-1 of c (a plain product, or an expert's over its live slots when ta = 1) or of the
-// slot dimension (an expert's with ta = 0: rows of a and c in one segment).
+// One GEMM call of it: expert `expert`, rows lo..hi-1 of c (every row, or ta = 1 over the live
+// slots) or of the slot dimension (ta = 0: rows of a and c in one segment).
 typedef struct {
-  int item, expert, lo, hi;
+  int expert, lo, hi;
   int64_t work;   // multiply-accumulates, to hand out the largest first
 } GemmTask;
 
 static int task_larger(const void *x, const void *y) {
   const GemmTask *p = x, *q = y;
   if (p->work != q->work) return p->work > q->work ? -1 : 1;
-  if (p->item != q->item) return p->item - q->item;
   return p->expert != q->expert ? p->expert - q->expert : p->lo - q->lo;
 }
 
-// What gemms keeps of an item whose experts run over their live slots only: the slot rows'
-// kinds, the rows each copies (ta = 0), each expert's segments and their count.
-typedef struct {
-  bool slots;   // over the live slots (else every row, as rt_matmul)
-  int rows;     // the slot dimension
-  unsigned char *kind;
-  int *src, *seg, *ns;
-} GemmItem;
-
-// Appends the tasks of item g to task: each product (or each segment, for an expert's with ta =
-// 0) in the pieces rt_matmul would cut it into outside a parallel region, so every row has the
-// bits of rt_matmul's product (whole: called inside a parallel region, every product whole).
-static int gemm_tasks(const Gemm *g, const GemmItem *it, int item, bool whole, GemmTask *task) {
+// Each product (or each segment, ta = 0 over the slots) in the pieces rt_matmul would cut it
+// into outside a parallel region, so every row has the bits of rt_matmul's product (whole:
+// called inside a parallel region, every product whole); returns their number.
+static int expert_tasks(const ExpertGemm *g, bool whole, GemmTask *task) {
   int count = 0, n = g->n;
   for (int i = 0; i < g->e; i++) {
-    const int *si = it->slots ? it->seg + (size_t)i * 2 * SEG_MAX : NULL;
-    if (it->slots && !g->ta) {
-      for (int j = 0; j < it->ns[i]; j++) {
+    const int *si = g->slots ? g->seg + (size_t)i * 2 * SEG_MAX : NULL;
+    if (g->slots && !g->ta) {
+      for (int j = 0; j < g->ns[i]; j++) {
         int rows = si[2 * j + 1] - si[2 * j], pieces = whole ? 1 : pieces_of(rows, n, g->k);
         for (int p = 0; p < pieces; p++) {
           int lo, hi;
           piece_rows(rows, pieces, p, &lo, &hi);
-          if (hi > lo)
-            task[count++] = (GemmTask){item, i, si[2 * j] + lo, si[2 * j] + hi, (int64_t)(hi - lo) * n * g->k};
+          if (hi > lo) task[count++] = (GemmTask){i, si[2 * j] + lo, si[2 * j] + hi, (int64_t)(hi - lo) * n * g->k};
         }
       }
       continue;
     }
     int k = g->k;
-    if (it->slots) {   // ta = 1: the live slots of the expert are its k
+    if (g->slots) {   // ta = 1: the live slots of the expert are its k
       k = 0;
-      for (int j = 0; j < it->ns[i]; j++) k += si[2 * j + 1] - si[2 * j];
+      for (int j = 0; j < g->ns[i]; j++) k += si[2 * j + 1] - si[2 * j];
       if (k == 0) continue;   // nobody routed to it: zeroed after the GEMMs
     }
     int pieces = whole ? 1 : pieces_of(g->m, n, k);
     for (int p = 0; p < pieces; p++) {
       int lo, hi;
       piece_rows(g->m, pieces, p, &lo, &hi);
-      if (hi > lo) task[count++] = (GemmTask){item, i, lo, hi, (int64_t)(hi - lo) * n * k};
+      if (hi > lo) task[count++] = (GemmTask){i, lo, hi, (int64_t)(hi - lo) * n * k};
     }
   }
   return count;
 }
 
-static void gemm_task_run(const Gemm *g, const GemmItem *it, const GemmTask *tk) {
+static void expert_task_run(const ExpertGemm *g, const GemmTask *tk) {
   int i = tk->expert, lo = tk->lo, hi = tk->hi, m = g->m, n = g->n, k = g->k;
   const float *a = g->a + (size_t)i * m * k, *b = g->b + (size_t)i * k * n;
   float *c = g->c + (size_t)i * m * n;
   CBLAS_TRANSPOSE opa = g->ta ? CblasTrans : CblasNoTrans, opb = g->tb ? CblasTrans : CblasNoTrans;
   int lda = g->ta ? m : k, ldb = g->tb ? k : n;
-  if (!it->slots || !g->ta) {   // rows lo..hi-1 of c (and of op(a)): of the product, or of one segment
+  if (!g->slots || !g->ta) {   // rows lo..hi-1 of c (and of op(a)): of the product, or of one segment
     sgemm_here(opa, opb, hi - lo, n, k, g->ta ? a + lo : a + (size_t)lo * lda, lda, b, ldb, 0.0f, c + (size_t)lo * n, n);
     return;
   }
   // a [k, m], b [k, n]: rows lo..hi-1 of c, the k rows of both (slots) by segments, in order
-  const int *si = it->seg + (size_t)i * 2 * SEG_MAX;
-  for (int j = 0; j < it->ns[i]; j++)
+  const int *si = g->seg + (size_t)i * 2 * SEG_MAX;
+  for (int j = 0; j < g->ns[i]; j++)
     sgemm_here(CblasTrans, CblasNoTrans, hi - lo, n, si[2 * j + 1] - si[2 * j], a + (size_t)si[2 * j] * m + lo, m,
                b + (size_t)si[2 * j] * n, n, j > 0 ? 1.0f : 0.0f, c + (size_t)lo * n, n);
 }
 
-// Item g's segments (and, ta = 0, the rows the rows outside them copy), from its kinds.
-static void gemm_segments(const Gemm *g, GemmItem *it) {
-  int rows = it->rows;
+// The segments (and, ta = 0, the rows the rows outside them copy), from the kinds.
+static void expert_segments(ExpertGemm *g) {
+  int rows = g->rows;
   for (int i = 0; i < g->e; i++) {
-    int *si = it->seg + (size_t)i * 2 * SEG_MAX;
-    const unsigned char *ki = it->kind + (size_t)i * rows;
-    it->ns[i] = live_segments(ki, rows, si);
+    int *si = g->seg + (size_t)i * 2 * SEG_MAX;
+    const unsigned char *ki = g->kind + (size_t)i * rows;
+    g->ns[i] = live_segments(ki, rows, si);
     if (g->ta) continue;
     // Each row outside the segments: -1 (zero) or the last computed row before it, which a
     // copied row's chain of equal rows starts from (its first row is live, so computed).
-    int *sr = it->src + (size_t)i * rows;
+    int *sr = g->src + (size_t)i * rows;
     for (int j = 0, last = -1, r = 0; r < g->m; r++) {
-      while (j < it->ns[i] && si[2 * j + 1] <= r) j++;
-      if (j < it->ns[i] && si[2 * j] <= r) {
+      while (j < g->ns[i] && si[2 * j + 1] <= r) j++;
+      if (j < g->ns[i] && si[2 * j] <= r) {
         sr[r] = r;
         last = r;
       } else {
@@ -302,94 +291,70 @@ static void gemm_segments(const Gemm *g, GemmItem *it) {
   }
 }
 
-static void gemms(int count, const Gemm *g) {
-  GemmItem *items = rt_alloc((size_t)count * sizeof *items, "the GEMMs' items");
-  size_t ntask_max = 0;
-  int64_t work = 0;
-  for (int t = 0; t < count; t++) {
-    GemmItem *it = &items[t];
-    *it = (GemmItem){.slots = g[t].expert && !all_slots() && !(g[t].ta && g[t].tb)};
-    int e = g[t].e;
-    ntask_max += (size_t)e * (it->slots && !g[t].ta ? SEG_MAX : 1) * rt_gemm_pieces();
-    work += (int64_t)e * g[t].m * g[t].n * g[t].k;
-    if (!it->slots) continue;
-    it->rows = g[t].ta ? g[t].k : g[t].m;
-    it->kind = rt_alloc((size_t)e * it->rows, "the expert GEMMs' row kinds");
-    it->src = g[t].ta ? NULL : rt_alloc((size_t)e * it->rows * sizeof *it->src, "the expert GEMMs' row sources");
-    it->seg = rt_alloc((size_t)e * 2 * SEG_MAX * sizeof *it->seg, "the expert GEMMs' segments");
-    it->ns = rt_alloc((size_t)e * sizeof *it->ns, "the expert GEMMs' segment counts");
+// One parallel region: the slot rows' kinds, then every GEMM call (handed out largest first as
+// threads free: the experts' products differ in size), then the rows outside the segments. Where
+// every slot is asked for (MOERT_ALL_SLOTS=1) or ta and tb (no such expert GEMM), the experts'
+// whole products are its tasks.
+void rt_expert_matmul(const float *a, const float *b, float *c, int e, int m, int n, int k,
+                      bool ta, bool tb) {
+  if (e <= 0 || m <= 0 || n <= 0) return;
+  if (k <= 0) {   // an empty sum
+    memset(c, 0, (size_t)e * m * n * sizeof *c);
+    return;
   }
-  GemmTask *task = rt_alloc((ntask_max + 1) * sizeof *task, "the GEMMs' tasks");
+  ExpertGemm g = {a, b, c, e, m, n, k, ta, tb, !all_slots() && !(ta && tb), ta ? k : m};
+  if (g.slots) {
+    g.kind = rt_alloc((size_t)e * g.rows, "the expert GEMMs' row kinds");
+    g.src = ta ? NULL : rt_alloc((size_t)e * g.rows * sizeof *g.src, "the expert GEMMs' row sources");
+    g.seg = rt_alloc((size_t)e * (2 * SEG_MAX + 1) * sizeof *g.seg, "the expert GEMMs' segments");
+    g.ns = g.seg + (size_t)e * 2 * SEG_MAX;
+  }
+  GemmTask *task = rt_alloc(((size_t)e * (g.slots && !ta ? SEG_MAX : 1) * rt_gemm_pieces() + 1) * sizeof *task,
+                            "the expert GEMMs' tasks");
   int tasks = 0;
-  int64_t t0 = 0, t1 = 0;
-  bool whole = rt_in_team(), team = rt_threads() > 1 && rt_gemm_pieces() > 1 && !whole && work >= 2 * (int64_t)SPLIT_MIN;
-  // One parallel region: the slot rows' kinds, then every GEMM call (handed out largest first as
-  // threads free), then the rows outside the segments.
+  int64_t t0 = 0, t1 = 0, all = (int64_t)e * g.rows;
+  bool whole = rt_in_team(), team = rt_threads() > 1 && rt_gemm_pieces() > 1 && !whole &&
+                                    (int64_t)e * m * n * k >= 2 * (int64_t)SPLIT_MIN;
   RT_PARALLEL(team) {
-    for (int t = 0; t < count; t++) {
-      const Gemm *gt = &g[t];
-      GemmItem *it = &items[t];
-      if (!it->slots) continue;
-      int64_t all = (int64_t)gt->e * it->rows;
+    if (g.slots) {
       RT_FOR_SHARE
       for (int64_t r = 0; r < all; r++)
-        it->kind[r] = gt->ta ? row_kind(gt->a, gt->m, false, gt->b, gt->n, r, it->rows)
-                             : row_kind(gt->a, gt->k, true, NULL, 0, r, it->rows);
+        g.kind[r] = ta ? row_kind(a, m, false, b, n, r, g.rows) : row_kind(a, k, true, NULL, 0, r, g.rows);
     }
     RT_BARRIER
     RT_SINGLE_TEAM
     {
-      for (int t = 0; t < count; t++) {
-        if (items[t].slots) gemm_segments(&g[t], &items[t]);
-        if (g[t].m > 0 && g[t].n > 0 && g[t].k <= 0)   // an empty sum
-          memset(g[t].c, 0, (size_t)g[t].e * g[t].m * g[t].n * sizeof *g[t].c);
-        else if (g[t].m > 0 && g[t].n > 0)
-          tasks += gemm_tasks(&g[t], &items[t], t, whole, task + tasks);
-      }
+      if (g.slots) expert_segments(&g);
+      tasks = expert_tasks(&g, whole, task);
       qsort(task, (size_t)tasks, sizeof *task, task_larger);
       t0 = gemm_profile ? mono_ns() : 0;
     }
     RT_FOR_TEAM_DYNAMIC
-    for (int t = 0; t < tasks; t++) gemm_task_run(&g[task[t].item], &items[task[t].item], &task[t]);
+    for (int t = 0; t < tasks; t++) expert_task_run(&g, &task[t]);
     RT_SINGLE_SHARE
     t1 = gemm_profile ? mono_ns() : 0;
-    for (int t = 0; t < count; t++) {
-      const Gemm *gt = &g[t];
-      const GemmItem *it = &items[t];
-      if (!it->slots) continue;
-      size_t c_size = (size_t)gt->m * gt->n;
-      if (gt->ta) {   // an expert nobody routed to: its product is zero
-        RT_FOR_SHARE
-        for (int i = 0; i < gt->e; i++)
-          if (it->ns[i] == 0) memset(gt->c + i * c_size, 0, c_size * sizeof *gt->c);
-        continue;
-      }
+    size_t c_size = (size_t)m * n;
+    if (g.slots && ta) {   // an expert nobody routed to: its product is zero
       RT_FOR_SHARE
-      for (int64_t r = 0; r < (int64_t)gt->e * gt->m; r++) {
-        int m = gt->m, n = gt->n;
-        int64_t from = it->src[r] < 0 ? -1 : (r / m) * m + it->src[r];
-        float *cr = gt->c + r * n;
+      for (int i = 0; i < e; i++)
+        if (g.ns[i] == 0) memset(c + i * c_size, 0, c_size * sizeof *c);
+    } else if (g.slots) {
+      RT_FOR_SHARE
+      for (int64_t r = 0; r < (int64_t)e * m; r++) {
+        int64_t from = g.src[r] < 0 ? -1 : (r / m) * m + g.src[r];
+        float *cr = c + r * n;
         if (from == r) continue;
         if (from < 0) memset(cr, 0, (size_t)n * sizeof *cr);
-        else memcpy(cr, gt->c + from * n, (size_t)n * sizeof *cr);
+        else memcpy(cr, c + from * n, (size_t)n * sizeof *cr);
       }
     }
   }
   if (gemm_profile)
     atomic_fetch_add(&gemm_ns, t1 - t0);
-  for (int t = 0; t < count; t++) {
-    free(items[t].kind);
-    free(items[t].src);
-    free(items[t].seg);
-    free(items[t].ns);
-  }
-  free(items);
+  free(g.kind);
+  free(g.src);
+  free(g.seg);
   free(task);
-}
-
-void rt_expert_matmul(const float *a, const float *b, float *c, int e, int m, int n, int k,
-                      bool ta, bool tb) {
-  gemms(1, &(Gemm){a, b, c, e, m, n, k, ta, tb, true});
 }
 
 void rt_bias(const float *x, const float *b, float *y, int rows, int n) {
