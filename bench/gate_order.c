@@ -167,8 +167,8 @@ static void gate_forward(Bench *b, RtStep *st) {
       rt_softmax(b->logits, b->scores, s, e);
     else
       rt_sigmoid(b->logits, b->scores, (int64_t)s * e);
-    rt_topk(b->scores, b->idx, s, e, k);
-    rt_gate_gather(b->scores, b->idx, b->gates, s, e, k, b->gate->kind == GATE_GSHARD && k > 1);
+    rt_topk(b->scores, b->idx, s, e, k, 1, 1, 0);
+    rt_gate_gather(b->scores, b->idx, b->gates, s, e, k, b->gate->kind == GATE_GSHARD && k > 1, 1.0f);
     rt_gate_locations(b->idx, b->loc, st, s, k, e, 1, b->c);
     break;
   case GATE_XMOE:
@@ -179,8 +179,8 @@ static void gate_forward(Bench *b, RtStep *st) {
     rt_matmul(b->hn, b->en, b->cosine, s, e, b->d, false, true, false);
     rt_div_scalar(b->cosine, b->temp, b->logits, (int64_t)s * e);
     rt_softmax(b->logits, b->scores, s, e);
-    rt_topk(b->scores, b->idx, s, e, k);
-    rt_gate_gather(b->scores, b->idx, b->gates, s, e, k, k > 1);
+    rt_topk(b->scores, b->idx, s, e, k, 1, 1, 0);
+    rt_gate_gather(b->scores, b->idx, b->gates, s, e, k, k > 1, 1.0f);
     rt_gate_locations(b->idx, b->loc, st, s, k, e, 1, b->c);
     break;
   case GATE_EXPERT_CHOICE:
@@ -188,7 +188,7 @@ static void gate_forward(Bench *b, RtStep *st) {
     rt_softmax_tokens(b->logits, b->scores, s, e, 1);
     rt_iota(b->idx, s, e);
     (rt_expert_choice(b->scores, b->loc, s, e, 1, b->c), rt_expert_choice_stats(st, b->loc, s, e, 1, b->c));
-    rt_gate_gather(b->scores, b->idx, b->gates, s, e, e, false);
+    rt_gate_gather(b->scores, b->idx, b->gates, s, e, e, false, 1.0f);
     break;
   }
 }
@@ -197,7 +197,7 @@ static void gate_forward(Bench *b, RtStep *st) {
 static void gate_backward(Bench *b) {
   int s = b->s, m = b->m, e = b->e, k = b->kc;
   bool renorm = b->gate->kind != GATE_SIGMOID && b->gate->kind != GATE_EXPERT_CHOICE && k > 1;
-  rt_gate_gather_grad(b->dgates, b->scores, b->idx, b->dscores, s, e, k, renorm);
+  rt_gate_gather_grad(b->dgates, b->scores, b->idx, b->dscores, s, e, k, renorm, 1.0f);
   switch (b->gate->kind) {
   case GATE_GSHARD: rt_softmax_grad(b->dscores, b->scores, b->dlogits, s, e); break;
   case GATE_SIGMOID: rt_sigmoid_grad(b->dscores, b->scores, b->dlogits, (int64_t)s * e); break;

@@ -533,7 +533,7 @@ static void backward(Gpu &g, Layer &L) {
   LAUNCH_SHARED(g, 1, MK_BLOCK, d.e * sizeof(double), mk_aux_loss_grad, L.scores, L.idx, L.daux, d.s, d.e, d.k, 1,
                 AUX_COEF);
   LAUNCH(g, elementwise_grid(d.s), MK_BLOCK, mk_gate_gather_grad, L.dgates, L.scores, L.idx, L.dscores, d.s, d.e, d.k,
-         1);
+         1, 1.0f);
   LAUNCH(g, elementwise_grid(se), MK_BLOCK, mk_add, L.daux, L.dscores, L.dscores1, se);
   LAUNCH(g, elementwise_grid(d.s), MK_BLOCK, mk_softmax_grad, L.dscores1, L.scores, L.dlogits, d.s, d.e);
   g.gemm(L.dlogits, L.wg, L.dx2, d.s, d.m, d.e, false, true);
@@ -687,8 +687,8 @@ static bool check_layer(Gpu &g, Ffn ffn) {
   std::vector<int32_t> idx(sk), loc(sk);
   rt_matmul(x.data(), wg.data(), logits.data(), S, E, M, false, false, false);
   rt_softmax(logits.data(), scores.data(), S, E);
-  rt_topk(scores.data(), idx.data(), S, E, K);
-  rt_gate_gather(scores.data(), idx.data(), gates.data(), S, E, K, true);
+  rt_topk(scores.data(), idx.data(), S, E, K, 1, 1, 0);
+  rt_gate_gather(scores.data(), idx.data(), gates.data(), S, E, K, true, 1.0f);
   rt_gate_locations(idx.data(), loc.data(), nullptr, S, K, E, 1, T);
   float aux = rt_aux_loss_value(scores.data(), idx.data(), S, E, K, 1), z = rt_z_loss_value(logits.data(), S, E, 1);
   rt_zero(disp.data(), (int64_t)disp.size());
@@ -737,7 +737,7 @@ static bool check_layer(Gpu &g, Ffn ffn) {
   rt_order_encode_grad(ddisp.data(), idx.data(), loc.data(), dx.data(), S, M, K, E, 1, T);
   rt_add(dout.data(), dx.data(), dx1.data(), sm);
   rt_aux_loss_grad(scores.data(), idx.data(), daux.data(), S, E, K, 1, AUX_COEF);
-  rt_gate_gather_grad(dgates.data(), scores.data(), idx.data(), dscores.data(), S, E, K, true);
+  rt_gate_gather_grad(dgates.data(), scores.data(), idx.data(), dscores.data(), S, E, K, true, 1.0f);
   rt_add(daux.data(), dscores.data(), dscores.data(), se);
   rt_softmax_grad(dscores.data(), scores.data(), dlogits.data(), S, E);
   rt_matmul(dlogits.data(), wg.data(), dx2.data(), S, M, E, false, true, false);

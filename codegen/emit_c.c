@@ -404,7 +404,8 @@ void cg_emit_params(FILE *out, const IrModule *m, const int64_t *param_offset) {
       if (k == shard_mp) g *= ir_mod_int(m, "mp", 1);
       fprintf(out, "%s%" PRId64, k ? ", " : "", g);
     }
-    fprintf(out, "}, %d, %d, %d},\n", shard_ep, shard_esp, shard_mp);
+    fprintf(out, "}, %d, %d, %d, %d},\n", shard_ep, shard_esp, shard_mp,
+            ir_attrs_get(p->attrs, p->nattrs, "balance") != NULL);
   }
   fprintf(out, "};\n\n");
 }

@@ -438,6 +438,7 @@ static bool fused_gate_at(const PassMemPlan *plan, const IrFunc *f, int i) {
       c->args[1].value != b->result)
     return false;
   if (a->result->type.rank != 2 || a->result->type.dtype != IR_F32) return false;
+  if (ir_op_int(b, "expert_groups", 1) > 1 || ir_op_float(c, "scale", 1) != 1) return false;   // the plain chain only
   if (b->stream != a->stream || c->stream != a->stream || a->event >= 0 || b->event >= 0 || b->nwaits > 0 ||
       c->nwaits > 0)
     return false;

@@ -123,6 +123,8 @@ static const char *const acts[] = {"gelu", "relu", NULL};
 static const char *const orders[] = {"tutel", "gshard", NULL};
 static const char *const algos[] = {"nccl", "1dh", "2dh", NULL};
 static const char *const aux_forms[] = {"group", "pooled", NULL};
+static const char *const group_scores[] = {"top2", "max", NULL};
+static const char *const balance_forms[] = {"bias", NULL};
 #define policies ((const char *const *)ir_policy_name)
 static const char *const hook_points[] = {"before_moe_start", "before_dispatch", "after_dispatch",
                                           "before_combine", "after_combine", "before_moe_end", NULL};
@@ -237,7 +239,8 @@ static const Field experts_fields[] = {
 static const Block experts_block = BLOCK("experts", experts_fields, NULL);
 
 // gate = "gate" NAME [ "{" [k] [capacity] [noise] [aux_loss] [z_loss] [groups] [proj] [slots]
-//                         [renormalize] [aux (group | pooled)] [bias] "}" ]
+//                         [renormalize] [aux (group | pooled)] [bias] [expert_groups] [topk_groups]
+//                         [group_score (top2 | max)] [scale] [balance bias RATE] "}" ]
 static const Field gate_fields[] = {
   {"k", 0, .vals = {{V_INT, R_POS, .def = "1", .off = AT(FeGate, k)}},
    .loc = AT(FeGate, field_loc[FE_GATE_F_K])},
@@ -262,6 +265,17 @@ static const Field gate_fields[] = {
    .loc = AT(FeGate, field_loc[FE_GATE_F_AUX_FORM])},
   {"bias", 0, .vals = {{V_BOOL, .def = "false", .off = AT(FeGate, bias)}},
    .loc = AT(FeGate, field_loc[FE_GATE_F_BIAS])},
+  {"expert_groups", 0, .vals = {{V_INT, R_POS, .def = "1", .off = AT(FeGate, expert_groups)}},
+   .loc = AT(FeGate, field_loc[FE_GATE_F_EXPERT_GROUPS])},
+  {"topk_groups", 0, .vals = {{V_INT, R_POS, .off = AT(FeGate, topk_groups)}},
+   .loc = AT(FeGate, field_loc[FE_GATE_F_TOPK_GROUPS])},   // default expert_groups: finish_gate
+  {"group_score", 0, .vals = {{V_WORD, .what = "group score", .words = group_scores, .def = "top2", .off = AT(FeGate, group_score)}},
+   .loc = AT(FeGate, field_loc[FE_GATE_F_GROUP_SCORE])},
+  {"scale", 0, .vals = {{V_NUM, R_POS, .def = "1", .off = AT(FeGate, scale)}},
+   .loc = AT(FeGate, field_loc[FE_GATE_F_SCALE])},
+  {"balance", 0, .vals = {{V_WORD, .what = "balance form", .words = balance_forms, .off = AT(FeGate, balance)},
+                          {V_NUM, R_NONNEG, .off = AT(FeGate, balance_rate)}},
+   .loc = AT(FeGate, field_loc[FE_GATE_F_BALANCE])},
 };
 static const Block gate_block = BLOCK("gate", gate_fields, finish_gate);
 
@@ -1145,7 +1159,8 @@ static void finish_gate(Ctx *c, const FeNode *n, const char *variant, char *dst)
   FeGate *g = (FeGate *)dst;
   const FeGateDef *def = variant ? fe_gate_find(variant) : NULL;
   static const char *const names[] = {"k", "capacity", "noise", "aux_loss", "z_loss", "groups", "proj", "slots",
-                                      "renormalize", "aux", "bias"};
+                                      "renormalize", "aux", "bias", "expert_groups", "topk_groups", "group_score",
+                                      "scale", "balance"};
   for (int f = 0; def && f < COUNT(names); f++) {
     if (!g->field_loc[f].src || (def->fields & FE_GATE_FIELD(f)) || f == FE_GATE_F_PROJ || f == FE_GATE_F_SLOTS)
       continue;
@@ -1158,7 +1173,15 @@ static void finish_gate(Ctx *c, const FeNode *n, const char *variant, char *dst)
     if (f == FE_GATE_F_BIAS)
       ir_note_at(c->d, g->field_loc[f], "only 'gate gshard' and 'gate sigmoid' have it: a learned bias added to the "
                                         "router's logits");
+    if (f >= FE_GATE_F_EXPERT_GROUPS && f <= FE_GATE_F_BALANCE)
+      ir_note_at(c->d, g->field_loc[f], "only 'gate gshard' and 'gate sigmoid' have it: it shapes the top-k choice of "
+                                        "each token");
   }
+  if (!g->field_loc[FE_GATE_F_TOPK_GROUPS].src)
+    g->topk_groups = g->expert_groups;
+  if (g->field_loc[FE_GATE_F_TOPK_GROUPS].src && g->topk_groups > g->expert_groups)
+    ir_error_at(c->d, g->field_loc[FE_GATE_F_TOPK_GROUPS], "topk_groups %lld is more than the %lld expert groups",
+                (long long)g->topk_groups, (long long)g->expert_groups);
   if (g->dropless && def && strcmp(def->name, "expert_choice") == 0)
     ir_error_at(c->d, g->field_loc[FE_GATE_F_CAPACITY],
                 "'capacity *' (dropless) does not apply to gate 'expert_choice': each expert takes a fixed number of tokens");
@@ -1166,6 +1189,27 @@ static void finish_gate(Ctx *c, const FeNode *n, const char *variant, char *dst)
     g->capacity = 0;
   if (!g->field_loc[FE_GATE_F_RENORM].src)
     g->renormalize = def && (def->fields & FE_GATE_FIELD(FE_GATE_F_RENORM)) && g->k > 1 && strcmp(def->name, "sigmoid") != 0;
+}
+
+// The group limit (`expert_groups`, `topk_groups`, `group_score`): equal groups of experts (at most
+// 64), the best topk_groups of them hold at least k experts, and "top2" needs two experts a group.
+static void check_expert_groups(Ctx *c, const FeGate *g, int64_t experts) {
+  SrcLoc at = g->field_loc[FE_GATE_F_EXPERT_GROUPS];
+  int64_t n = g->expert_groups;
+  if (n <= 1)
+    return;
+  if (n > 64 || experts % n != 0) {
+    ir_error_at(c->d, at, "expert_groups %lld does not split the %lld experts into equal groups%s", (long long)n,
+                (long long)experts, n > 64 ? " (at most 64 groups)" : "");
+    return;
+  }
+  int64_t per = experts / n;
+  if (g->topk_groups * per < g->k)
+    ir_error_at(c->d, g->field_loc[FE_GATE_F_TOPK_GROUPS].src ? g->field_loc[FE_GATE_F_TOPK_GROUPS] : at,
+                "the %lld best groups of %lld experts hold fewer than the k %lld chosen experts",
+                (long long)g->topk_groups, (long long)per, (long long)g->k);
+  if (per < 2 && strcmp(g->group_score, "top2") == 0)
+    ir_error_at(c->d, at, "groups of one expert have no second best to sum (group_score top2); write 'group_score max;'");
 }
 
 // `bias true` gives q, k, v and the output projection biases, `qkv` the first three only.
@@ -1337,6 +1381,8 @@ static void check_semantics(Ctx *c, FeProgram *p) {
     if (moe->gate.k > moe->experts.count)
       ir_error_at(c->d, moe->gate.field_loc[FE_GATE_F_K], "k %lld is larger than the number of experts (%lld)",
                   (long long)moe->gate.k, (long long)moe->experts.count);
+    else
+      check_expert_groups(c, &moe->gate, moe->experts.count);
     if (par_ok && moe->experts.hidden % par->esp != 0) {
       const FeNode *ffn = find_kid(find_kid(find_kid(ln, "moe"), "experts"), "ffn");
       ir_error_at(c->d, kid_loc(ffn, "hidden", moe->experts.kind_loc),

@@ -116,10 +116,21 @@ typedef struct FeGate {
   bool renormalize;     // gshard, xmoe, sigmoid: the k gates scaled to sum 1; default k > 1 (sigmoid: false)
   const char *aux_form; // gshard: "group" (default, manual §11.3) | "pooled" (transformers' form)
   bool bias;            // gshard, sigmoid: a learned router bias, logits = x·Wg + bg (gpt-oss's router)
-  SrcLoc field_loc[16]; // where fields were written (index: FE_GATE_F_*), for later diagnostics
+  // gshard, sigmoid: the group limit of the choice (DeepSeek's n_group, topk_group): the experts in
+  // expert_groups equal groups (default 1: no limit), the k chosen among the topk_groups best groups
+  // (default expert_groups), ranked by group_score "top2" (the sum of a group's two best; default) or "max"
+  int64_t expert_groups, topk_groups;
+  const char *group_score;
+  double scale;         // gshard, sigmoid: the gates times scale after renormalize (routed_scaling_factor); default 1
+  // gshard, sigmoid: `balance bias RATE`: a correction bias added to the scores for the choice only,
+  // moved by RATE against the sign of each expert's load imbalance after every step (aux-loss-free)
+  const char *balance;  // "bias" when written, NULL otherwise
+  double balance_rate;
+  SrcLoc field_loc[24]; // where fields were written (index: FE_GATE_F_*), for later diagnostics
 } FeGate;
 enum { FE_GATE_F_K, FE_GATE_F_CAPACITY, FE_GATE_F_NOISE, FE_GATE_F_AUX, FE_GATE_F_Z, FE_GATE_F_GROUPS, FE_GATE_F_PROJ, FE_GATE_F_SLOTS,
-       FE_GATE_F_RENORM, FE_GATE_F_AUX_FORM, FE_GATE_F_BIAS };
+       FE_GATE_F_RENORM, FE_GATE_F_AUX_FORM, FE_GATE_F_BIAS, FE_GATE_F_EXPERT_GROUPS, FE_GATE_F_TOPK_GROUPS,
+       FE_GATE_F_GROUP_SCORE, FE_GATE_F_SCALE, FE_GATE_F_BALANCE };
 
 // The gate's aux loss is the pooled form (`aux pooled`, manual §11.3).
 static inline bool fe_aux_pooled(const FeGate *g) { return g->aux_form && strcmp(g->aux_form, "pooled") == 0; }

@@ -75,6 +75,9 @@ static bool common(const FeProgram *p, Family f, const FeLayer **first_moe, char
       return refuse(why, n, "layer '%s' has gate '%s'; %s's router is a softmax top-k ('gshard')", l->name, e->gate.name, fam);
     if (e->gate.bias)
       return refuse(why, n, "layer '%s' has a router bias ('bias true'); %s's router has none", l->name, fam);
+    if (e->gate.expert_groups > 1 || e->gate.scale != 1 || e->gate.balance)
+      return refuse(why, n, "layer '%s' has DeepSeek's choice (%s); %s's router is a plain top-k", l->name,
+                    e->gate.balance ? "'balance bias'" : e->gate.scale != 1 ? "'scale'" : "'expert_groups'", fam);
     if (!m0) {
       m0 = l;
       continue;

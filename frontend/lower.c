@@ -91,9 +91,25 @@ void fe_token_choice(FeLower *L, IrValue *logits, IrValue *scores, bool renorm, 
   out->capacity = fe_capacity(L, g->k);
   IrAttr route[4] = {FE_I("experts", L->E), FE_I("groups", L->G), FE_I("capacity", out->capacity),
                      FE_I("dropless", 1)};
-  out->idx = fe_emit(L, IR_OP_GATE_TOPK, "idx", 1, (IrOperand[]){FE_V(scores)}, 1, (IrAttr[]){FE_I("k", g->k)});
-  out->gates = fe_emit(L, IR_OP_GATE_GATHER, "gates", 2, (IrOperand[]){FE_V(scores), FE_V(out->idx)}, 1,
-                       (IrAttr[]){FE_I("renorm", renorm)});
+  // The choice: top k of the scores (plus the correction bias with `balance bias`), among the best
+  // expert groups with a group limit; the gates are the chosen scores, without the bias.
+  IrAttr choice[4] = {FE_I("k", g->k)};
+  int nchoice = 1;
+  if (g->expert_groups > 1 && g->topk_groups < g->expert_groups) {
+    choice[nchoice++] = FE_I("expert_groups", g->expert_groups);
+    choice[nchoice++] = FE_I("topk_groups", g->topk_groups);
+    if (strcmp(g->group_score, "max") == 0) choice[nchoice++] = FE_I("group_score", 1);
+  }
+  if (g->balance) {
+    IrParam *eb = fe_param(L, "moe.gate.eb", ir_type1(IR_F32, L->E), "zeros", 0);
+    ir_attrs_set_float(eb->attrs, &eb->nattrs, "balance", g->balance_rate);
+    out->idx = fe_emit(L, IR_OP_GATE_TOPK_BIAS, "idx", 2, (IrOperand[]){FE_V(scores), FE_P(eb)}, nchoice, choice);
+  } else {
+    out->idx = fe_emit(L, IR_OP_GATE_TOPK, "idx", 1, (IrOperand[]){FE_V(scores)}, nchoice, choice);
+  }
+  IrAttr gather[2] = {FE_I("renorm", renorm), FE_F("scale", g->scale)};
+  out->gates = fe_emit(L, IR_OP_GATE_GATHER, "gates", 2, (IrOperand[]){FE_V(scores), FE_V(out->idx)},
+                       g->scale != 1 ? 2 : 1, gather);
   out->loc = fe_emit(L, IR_OP_GATE_LOCATIONS, "loc", 1, (IrOperand[]){FE_V(out->idx)}, g->dropless ? 4 : 3, route);
   if (fe_aux_pooled(g))  // the model's one pooled loss: this layer's sums, pooled by the runtime
     out->aux = fe_emit(L, IR_OP_GATE_AUX_POOLED, "aux", 2, (IrOperand[]){FE_V(scores), FE_V(out->idx)}, 1,

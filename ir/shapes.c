@@ -119,6 +119,27 @@ static bool groups_attr(Infer *I, int64_t S, int64_t *groups) {
   return true;
 }
 
+// gate.topk's group limit (optional): the E experts in expert_groups equal groups, the k chosen
+// among the topk_groups best of them (ranked by group_score 0: the sum of a group's two best
+// scores, which needs two experts a group; 1: its best), which hold at least k experts.
+static bool expert_groups_attrs(Infer *I, int64_t E, int64_t K) {
+  const IrOp *op = I->op;
+  int64_t groups = ir_op_int(op, "expert_groups", 1), best = ir_op_int(op, "topk_groups", 1),
+          score = ir_op_int(op, "group_score", 0);
+  if (groups < 1 || groups > 64 || E % groups != 0)
+    return fail(I, "expert_groups=%lld does not split the %lld experts into at most 64 equal groups", (long long)groups,
+                (long long)E);
+  if (best < 1 || best > groups)
+    return fail(I, "topk_groups=%lld must be between 1 and expert_groups=%lld", (long long)best, (long long)groups);
+  if (groups > 1 && best * (E / groups) < K)
+    return fail(I, "topk_groups=%lld groups of %lld experts hold fewer than k=%lld", (long long)best,
+                (long long)(E / groups), (long long)K);
+  if (score != 0 && score != 1) return fail(I, "group_score must be 0 (the sum of the two best) or 1 (the best)");
+  if (groups > 1 && score == 0 && E / groups < 2)
+    return fail(I, "group_score=0 sums each group's two best scores: groups of one expert have no second");
+  return true;
+}
+
 // experts, groups, capacity of the order ops; *slots = groups * capacity.
 static bool route_attrs(Infer *I, int64_t S, int64_t *experts, int64_t *slots) {
   int64_t groups, capacity;
@@ -419,7 +440,7 @@ static bool rule_attrs(Infer *I) {
   case IR_OP_GATE_SOFTMAX_TOKENS_GRAD:
     return groups_attr(I, dim(I, 0, 0), &groups);
   case IR_OP_GATE_GATHER:
-    return flag_attr(I, "renorm", true, &renorm);
+    return flag_attr(I, "renorm", true, &renorm) && num_attr(I, "scale", false);
   case IR_OP_GATE_AUX_LOSS:
   case IR_OP_GATE_AUX_LOSS_GRAD:
   case IR_OP_GATE_Z_LOSS:
@@ -535,16 +556,28 @@ static bool infer_gate(Infer *I, IrType *out) {
     *out = t2(IR_I32, dim(I, 0, 0), E);
     return true;
   case IR_OP_GATE_TOPK:
+  case IR_OP_GATE_TOPK_BIAS:
     if (!need_float(I, 0, 2, "[S, E]") || !int_attr(I, "k", 1, &K)) return false;
+    if (op->kind == IR_OP_GATE_TOPK_BIAS && (!need_float(I, 1, 1, "[E]") || !same_dtype(I, 0, 1) ||
+                                             !same_dim(I, "E", 0, 1, 1, 0)))
+      return false;
     if (K > dim(I, 0, 1))
       return fail(I, "k = %lld exceeds the E = %lld experts of %s", (long long)K, (long long)dim(I, 0, 1),
                   nm(I, 0));
+    if (!expert_groups_attrs(I, dim(I, 0, 1), K)) return false;
     *out = t2(IR_I32, dim(I, 0, 0), K);
+    return true;
+  case IR_OP_GATE_BALANCE_LOAD:
+    if (!need_i32(I, 0, 2, "[S, K]") || !int_attr(I, "experts", 1, &E)) return false;
+    if (dim(I, 0, 1) > E)
+      return fail(I, "%s has K = %lld choices per token but there are only experts=%lld", nm(I, 0),
+                  (long long)dim(I, 0, 1), (long long)E);
+    *out = (IrType){.dtype = IR_F32, .rank = 1, .dim = {E}};
     return true;
   case IR_OP_GATE_GATHER_GRAD:
     if (!need_float(I, 0, 2, "[S, K]") || !need_float(I, 1, 2, "[S, E]") || !need_i32(I, 2, 2, "[S, K]") ||
         !same_dtype(I, 0, 1) || !same_dim(I, "S", 0, 0, 1, 0) || !same_dim(I, "S", 0, 0, 2, 0) ||
-        !same_dim(I, "K", 0, 1, 2, 1) || !flag_attr(I, "renorm", true, &flag))
+        !same_dim(I, "K", 0, 1, 2, 1) || !flag_attr(I, "renorm", true, &flag) || !num_attr(I, "scale", false))
       return false;
     *out = *ty(I, 1);
     return true;
@@ -768,6 +801,11 @@ static bool infer_update(Infer *I, IrType *out) {
     *out = (IrType){0};
     return true;
   }
+  case IR_OP_OPT_BALANCE:
+    if (!op->args[0].param) return fail(I, "the operand must be a parameter (@name), not %s", nm(I, 0));
+    if (!num_attr(I, "rate", true)) return false;
+    *out = (IrType){0};
+    return true;
   case IR_OP_OPT_SGD:
   case IR_OP_OPT_ADAMW:
     if (!op->args[0].param) return fail(I, "the operand must be a parameter (@name), not %s", nm(I, 0));
@@ -804,6 +842,8 @@ static bool infer(Infer *I, IrType *out) {
     return infer_dense(I, out);
   case IR_OP_GATE_EXPERT_CHOICE:
   case IR_OP_GATE_TOPK:
+  case IR_OP_GATE_TOPK_BIAS:
+  case IR_OP_GATE_BALANCE_LOAD:
   case IR_OP_GATE_GATHER_GRAD:
   case IR_OP_GATE_LOCATIONS:
   case IR_OP_GATE_AUX_POOLED:
@@ -834,6 +874,7 @@ static bool infer(Infer *I, IrType *out) {
   case IR_OP_COMM_ALLREDUCE_GRAD:
   case IR_OP_OPT_SGD:
   case IR_OP_OPT_ADAMW:
+  case IR_OP_OPT_BALANCE:
     return infer_update(I, out);
   case IR_OP_COMM_SPLIT:
   case IR_OP_COMM_COPY:

@@ -303,6 +303,15 @@ static bool backward_op(Grad *g, const IrOp *op) {
     return true;
   case IR_OP_HOOK_RECORD:
     return true;  // observes only
+  case IR_OP_GATE_TOPK_BIAS: {  // the correction bias's "gradient" is the load imbalance (opt.balance)
+    IrOp *load = new_op(g, IR_OP_GATE_BALANCE_LOAD, dname(g, &a[1]));
+    load->args[load->nargs++] = V(op->result);
+    ir_op_set_int(load, "experts", a[1].param ? a[1].param->type.dim[0] : 1);
+    load->loc = op->loc;
+    IrValue *v = typed(g, load);
+    if (a[1].param) param_grad(g, a[1].param, v);
+    return true;
+  }
   case IR_OP_LOSS_XENT:  // the loss itself: its gradient is the seed (scale * (softmax - onehot) / t)
     accumulate(g, a[0].value, emit(g, IR_OP_LOSS_XENT_GRAD, "dlogits", op, 2, (IrOperand[]){a[0], a[1]}));
     return true;
@@ -475,6 +484,7 @@ bool pass_autodiff(IrModule *m, PassCtx *ctx) {
   const char *kind = ir_mod_str(m, "optimizer", "sgd");
   bool adamw = strcmp(kind, "adamw") == 0;
   for (int i = 0; i < m->nparams; i++) {
+    if (ir_attrs_get(m->params[i]->attrs, m->params[i]->nattrs, "balance")) continue;   // below
     IrOp *u = ir_add_op(opt, m, adamw ? IR_OP_OPT_ADAMW : IR_OP_OPT_SGD, NULL, (IrType){0});
     ir_op_param(u, m->params[i]);
     ir_op_set_float(u, "lr", ir_mod_float(m, "lr", 0.01));
@@ -486,6 +496,16 @@ bool pass_autodiff(IrModule *m, PassCtx *ctx) {
       ir_op_set_float(u, "beta2", ir_mod_float(m, "beta2", 0.999));
       ir_op_set_float(u, "eps", ir_mod_float(m, "eps", 1e-8));
     }
+  }
+
+  // A correction bias (attribute balance = its rate) is moved by the sign of its summed load, after
+  // the other updates (their launches stay one run on CUDA).
+  for (int i = 0; i < m->nparams; i++) {
+    const IrAttr *rate = ir_attrs_get(m->params[i]->attrs, m->params[i]->nattrs, "balance");
+    if (!rate) continue;
+    IrOp *u = ir_add_op(opt, m, IR_OP_OPT_BALANCE, NULL, (IrType){0});
+    ir_op_param(u, m->params[i]);
+    ir_op_set_float(u, "rate", rate->kind == IR_ATTR_INT ? (double)rate->i : rate->f);
   }
 
   // Execution order: layer forwards (already first), loss.fwd, loss.bwd, backwards, optimizer.

@@ -500,7 +500,7 @@ int rt_check_grad(RtTrainer *tr) {
     const RtParam *p = &m->params[i];
     bool owner = rt_shard_owner(p, &tr->ranks);
     norms[i] = 0;
-    for (int64_t j = 0; j < p->numel; j++) {
+    for (int64_t j = 0; j < p->numel && !p->balance; j++) {
       double g = grad[p->offset + j];
       max_g = fmax(max_g, fabs(g));
       norms[i] += owner ? g * g : 0;
@@ -522,9 +522,14 @@ int rt_check_grad(RtTrainer *tr) {
   if (root)
     print_check_header(tr, rep0.loss, cx.width);
   bool device_failed = false;   // an upload of the perturbed parameters failed (all ranks agree)
-  int nchecked = 0;
+  int nchecked = 0, nbalance = 0;
   for (int i = 0; i < m->nparams && !device_failed; i++)
-    if (selected(tr->opt.check_grad_only, m->params[i].name)) {
+    if (m->params[i].balance && selected(tr->opt.check_grad_only, m->params[i].name)) {
+      // its "gradient" is the load imbalance (opt.balance), not a derivative of the loss
+      if (root)
+        printf("%-*s  not trained by its gradient (balance bias): not checked\n", cx.width, m->params[i].name);
+      nbalance++;
+    } else if (selected(tr->opt.check_grad_only, m->params[i].name)) {
       device_failed = !check_param(tr, &cx, &m->params[i]);
       nchecked++;
     }
@@ -537,8 +542,11 @@ int rt_check_grad(RtTrainer *tr) {
   int resolved = nchecked - cx.params_failed - cx.params_unresolved - cx.params_zero - cx.params_skipped;
   bool ok = cx.params_failed == 0 && resolved > 0;
   if (root) {
-    if (nchecked == 0)
+    if (nchecked + nbalance == 0)
       printf("# --check-grad=%s names no parameter of %s\n", tr->opt.check_grad_only, m->name);
+    if (nbalance > 0)
+      printf("# %d correction bias%s of aux-loss-free balancing not checked (moved by the sign of the load, not by a "
+             "gradient)\n", nbalance, nbalance == 1 ? "" : "es");
     printf("# %d entries checked, %d skipped, %d below noise or zero, %d measured again at eps/%d, %d out of "
            "tolerance\n", cx.checked, cx.skipped, cx.unresolved, cx.retried, CHECK_RETRY, cx.failed);
     printf("# %d parameter%s: %d checked, %d failed, %d zero, %d unresolved (float32 cannot resolve them), "

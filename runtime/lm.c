@@ -100,7 +100,9 @@ double rt_grad_norm(const RtModel *m, const RtRanks *r, RtComm *c, const float *
   RT_PRAGMA_PARALLEL_DYNAMIC(m->nparams > 1)
   for (int i = 0; i < m->nparams; i++) {
     const RtParam *p = &m->params[i];
-    sum_squares(grads + p->offset, p->numel, &part[i]);
+    part[i] = 0;
+    if (!p->balance)   // a correction bias's "gradient" is its load imbalance
+      sum_squares(grads + p->offset, p->numel, &part[i]);
   }
   double sum = 0;
   for (int i = 0; i < m->nparams; i++) {

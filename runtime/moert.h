@@ -257,6 +257,7 @@ typedef struct RtParam {
   // tensors, so they do not depend on the layout.
   int64_t global_dims[4];
   int shard_ep, shard_esp, shard_mp;
+  int balance;             // 1: a correction bias (`balance bias`), moved by opt.balance, not trained by a gradient
 } RtParam;
 
 struct RtModel {

@@ -15,28 +15,61 @@ __device__ void mk_row_softmax(const float *x, float *y, int e) {
   float inv = (float)(1.0 / sum);
   for (int j = 0; j < e; j++) y[j] *= inv;
 }
-// Order: score descending, index ascending; NaN ranks as -inf (runtime rt_topk).
-__device__ void mk_row_topk(const float *row, int *out, int e, int k) {
+// Order: score descending, index ascending; NaN ranks as -inf; with bias, row[i] + bias[i];
+// with groups > 1 only the experts of the best `best` groups take part, the others count as 0
+// (runtime rt_topk).
+__device__ float mk_choice_score(const float *row, const float *bias, int i) {
+  float v = bias ? row[i] + bias[i] : row[i];
+  return v != v ? -MK_INF : v;
+}
+__device__ void mk_row_topk_limited(const float *row, const float *bias, int *out, int e, int k, int groups, int best,
+                                    int score_kind) {
+  u64 keep = ~(u64)0;
+  if (groups > 1 && best < groups) {
+    int per = e / groups;
+    float gscore[64];
+    for (int g = 0; g < groups; g++) {
+      float a = -MK_INF, b = -MK_INF;
+      for (int i = g * per; i < (g + 1) * per; i++) {
+        float v = mk_choice_score(row, bias, i);
+        if (v > a) {
+          b = a;
+          a = v;
+        } else if (v > b) {
+          b = v;
+        }
+      }
+      gscore[g] = score_kind == 0 ? a + b : a;
+    }
+    keep = 0;
+    for (int j = 0; j < best; j++) {
+      int pick = -1;
+      for (int g = 0; g < groups; g++)
+        if (!(keep >> g & 1) && (pick < 0 || gscore[g] > gscore[pick])) pick = g;
+      keep |= (u64)1 << pick;
+    }
+  }
+  int per = e / (groups > 0 ? groups : 1);
   float prev_v = MK_INF;
   int prev_i = -1;
   for (int j = 0; j < k; j++) {
-    int best = -1;
+    int pick = -1;
     float best_v = -MK_INF;
     for (int i = 0; i < e; i++) {
-      float v = row[i];
-      if (v != v) v = -MK_INF;
+      float v = keep >> (i / per) & 1 ? mk_choice_score(row, bias, i) : 0.0f;
       bool after_prev = v < prev_v || (v == prev_v && i > prev_i);
-      if (after_prev && (best < 0 || v > best_v)) {
-        best = i;
+      if (after_prev && (pick < 0 || v > best_v)) {
+        pick = i;
         best_v = v;
       }
     }
-    out[j] = best;
+    out[j] = pick;
     prev_v = best_v;
-    prev_i = best;
+    prev_i = pick;
   }
 }
-__device__ void mk_row_gather(const float *row, const int *ir, float *gr, int k, int renorm) {
+__device__ void mk_row_topk(const float *row, int *out, int e, int k) { mk_row_topk_limited(row, 0, out, e, k, 1, 1, 0); }
+__device__ void mk_row_gather(const float *row, const int *ir, float *gr, int k, int renorm, float scale) {
   double sum = 0.0;
   for (int j = 0; j < k; j++) {
     gr[j] = row[ir[j]];
@@ -44,6 +77,7 @@ __device__ void mk_row_gather(const float *row, const int *ir, float *gr, int k,
   }
   if (renorm && sum > 0.0)
     for (int j = 0; j < k; j++) gr[j] = (float)(gr[j] / sum);
+  for (int j = 0; j < k; j++) gr[j] *= scale;
 }
 
 // ---- mk_gate_noise ----
@@ -135,34 +169,52 @@ extern "C" __global__ void mk_softmax_tokens_grad(const float *dy, const float *
 }
 
 // ---- mk_topk ----
-extern "C" __global__ void mk_topk(const float *scores, int *idx, int s, int e, int k) {
-  MK_FOR(t, s) mk_row_topk(scores + t * e, idx + t * k, e, k);
+extern "C" __global__ void mk_topk(const float *scores, int *idx, int s, int e, int k, int groups, int best,
+                                   int score_kind) {
+  MK_FOR(t, s) mk_row_topk_limited(scores + t * e, 0, idx + t * k, e, k, groups, best, score_kind);
+}
+
+// ---- mk_topk_bias ----
+extern "C" __global__ void mk_topk_bias(const float *scores, const float *bias, int *idx, int s, int e, int k,
+                                        int groups, int best, int score_kind) {
+  MK_FOR(t, s) mk_row_topk_limited(scores + t * e, bias, idx + t * k, e, k, groups, best, score_kind);
+}
+
+// ---- mk_balance_load ----
+// One thread (a grid of one): e * count_i - s * k, as rt_balance_load.
+extern "C" __global__ void mk_balance_load(const int *idx, float *load, int s, int k, int e) {
+  if (blockIdx.x != 0 || threadIdx.x != 0) return;
+  for (int i = 0; i < e; i++) {
+    i64 count = 0;
+    for (i64 c = 0; c < (i64)s * k; c++) count += idx[c] == i;
+    load[i] = (float)((i64)e * count - (i64)s * k);
+  }
 }
 
 // ---- mk_gate_gather ----
 extern "C" __global__ void mk_gate_gather(const float *scores, const int *idx, float *gates, int s, int e, int k,
-                                          int renorm) {
-  MK_FOR(t, s) mk_row_gather(scores + t * e, idx + t * k, gates + t * k, k, renorm);
+                                          int renorm, float scale) {
+  MK_FOR(t, s) mk_row_gather(scores + t * e, idx + t * k, gates + t * k, k, renorm, scale);
 }
 
 // ---- mk_gate_gather_grad ----
 extern "C" __global__ void mk_gate_gather_grad(const float *dgates, const float *scores, const int *idx, float *dscores,
-                                               int s, int e, int k, int renorm) {
+                                               int s, int e, int k, int renorm, float scale) {
   MK_FOR(t, s) {
     const float *row = scores + t * e, *dg = dgates + t * k;
     const int *ir = idx + t * k;
     float *dr = dscores + t * e;
     for (int j = 0; j < e; j++) dr[j] = 0.0f;
     if (!renorm) {
-      for (int j = 0; j < k; j++) dr[ir[j]] += dg[j];
+      for (int j = 0; j < k; j++) dr[ir[j]] += dg[j] * scale;
       continue;
     }
     double sum = 0.0;
     for (int j = 0; j < k; j++) sum += row[ir[j]];
     if (!(sum > 0.0)) continue;
     double dot = 0.0;
-    for (int j = 0; j < k; j++) dot += (double)dg[j] * (row[ir[j]] / sum);
-    for (int j = 0; j < k; j++) dr[ir[j]] += (float)((dg[j] - dot) / sum);
+    for (int j = 0; j < k; j++) dot += (double)(dg[j] * scale) * (row[ir[j]] / sum);
+    for (int j = 0; j < k; j++) dr[ir[j]] += (float)((dg[j] * scale - dot) / sum);
   }
 }
 
@@ -175,7 +227,7 @@ extern "C" __global__ void mk_gate_softmax_topk_gather(const float *logits, floa
     float *row = scores + t * e;
     mk_row_softmax(logits + t * e, row, e);
     mk_row_topk(row, idx + t * k, e, k);
-    mk_row_gather(row, idx + t * k, gates + t * k, k, renorm);
+    mk_row_gather(row, idx + t * k, gates + t * k, k, renorm, 1.0f);
   }
 }
 
@@ -187,7 +239,7 @@ extern "C" __global__ void mk_gate_sigmoid_topk_gather(const float *logits, floa
     float *row = scores + t * e;
     for (int j = 0; j < e; j++) row[j] = mk_sigmoid1(logits[t * e + j]);
     mk_row_topk(row, idx + t * k, e, k);
-    mk_row_gather(row, idx + t * k, gates + t * k, k, renorm);
+    mk_row_gather(row, idx + t * k, gates + t * k, k, renorm, 1.0f);
   }
 }
 

@@ -52,6 +52,11 @@ extern "C" __global__ void mk_adamw(float *p, const float *g, float *m, float *v
   MK_FOR(i, n) mk_adamw_at(p, g, m, v, i, lr, beta1, beta2, eps, weight_decay, bc1, bc2, grad_scale);
 }
 
+// ---- mk_balance_update ----
+extern "C" __global__ void mk_balance_update(float *p, const float *g, i64 n, float rate) {
+  MK_FOR(i, n) p[i] -= rate * (float)((g[i] > 0.0f) - (g[i] < 0.0f));
+}
+
 // ---- mk_sgd_bf16 ----
 // mk_sgd, and each updated parameter rounded to bf16 into p16 (dtype bf16: the GEMMs' copy).
 extern "C" __global__ void mk_sgd_bf16(float *p, const float *g, i64 n, float lr, float weight_decay, float lr_scale,

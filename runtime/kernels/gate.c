@@ -73,33 +73,90 @@ void rt_softmax_grad(const float *dy, const float *y, float *dx, int s, int e) {
 
 // The j-th choice is the largest score among those that come after choice j-1 in the order
 // (score descending, index ascending); scanning indices upwards with a strict comparison gives
-// ties to the lower index. NaN ranks as -inf so a row always yields k distinct experts.
-void rt_topk(const float *scores, int32_t *idx, int s, int e, int k) {
-  for (int t = 0; t < s; t++) {
-    const float *row = scores + (size_t)t * e;
-    int32_t *out = idx + (size_t)t * k;
-    float prev_v = INFINITY;
-    int prev_i = -1;
-    for (int j = 0; j < k; j++) {
-      int best = -1;
-      float best_v = -INFINITY;
-      for (int i = 0; i < e; i++) {
-        float v = isnan(row[i]) ? -INFINITY : row[i];
-        bool after_prev = v < prev_v || (v == prev_v && i > prev_i);
-        if (after_prev && (best < 0 || v > best_v)) {
-          best = i;
-          best_v = v;
+// ties to the lower index. NaN ranks as -inf so a row always yields k distinct experts. row[i] +
+// bias[i] is expert i's score when bias is not NULL. With groups > 1 the experts are groups equal
+// runs and only those of the best `best` groups take part: a group ranks by the sum of its two
+// best scores (score_kind 0) or its best (1), ties to the lower group; the others count as 0
+// (transformers masks them with 0.0, not -inf, and so does this).
+static float choice_score(const float *row, const float *bias, int i) {
+  float v = bias ? row[i] + bias[i] : row[i];
+  return isnan(v) ? -INFINITY : v;
+}
+
+static void topk_row(const float *row, const float *bias, int32_t *out, int e, int k, int groups, int best,
+                     int score_kind) {
+  uint64_t keep = ~(uint64_t)0;   // bit g: group g takes part (groups <= 64: the compiler checks)
+  if (groups > 1 && best < groups) {
+    int per = e / groups;
+    float gscore[64];
+    for (int g = 0; g < groups; g++) {
+      float a = -INFINITY, b = -INFINITY;   // the group's best and second best
+      for (int i = g * per; i < (g + 1) * per; i++) {
+        float v = choice_score(row, bias, i);
+        if (v > a) {
+          b = a;
+          a = v;
+        } else if (v > b) {
+          b = v;
         }
       }
-      out[j] = best;
-      prev_v = best_v;
-      prev_i = best;
+      gscore[g] = score_kind == 0 ? a + b : a;
     }
+    keep = 0;
+    for (int j = 0; j < best; j++) {
+      int pick = -1;
+      for (int g = 0; g < groups; g++)
+        if (!(keep >> g & 1) && (pick < 0 || gscore[g] > gscore[pick]))
+          pick = g;
+      keep |= (uint64_t)1 << pick;
+    }
+  }
+  int per = e / (groups > 0 ? groups : 1);
+  float prev_v = INFINITY;
+  int prev_i = -1;
+  for (int j = 0; j < k; j++) {
+    int pick = -1;
+    float best_v = -INFINITY;
+    for (int i = 0; i < e; i++) {
+      float v = keep >> (i / per) & 1 ? choice_score(row, bias, i) : 0.0f;
+      bool after_prev = v < prev_v || (v == prev_v && i > prev_i);
+      if (after_prev && (pick < 0 || v > best_v)) {
+        pick = i;
+        best_v = v;
+      }
+    }
+    out[j] = pick;
+    prev_v = best_v;
+    prev_i = pick;
   }
 }
 
+void rt_topk(const float *scores, int32_t *idx, int s, int e, int k, int groups, int best, int score_kind) {
+  for (int t = 0; t < s; t++)
+    topk_row(scores + (size_t)t * e, NULL, idx + (size_t)t * k, e, k, groups, best, score_kind);
+}
+
+void rt_topk_bias(const float *scores, const float *bias, int32_t *idx, int s, int e, int k, int groups, int best,
+                  int score_kind) {
+  for (int t = 0; t < s; t++)
+    topk_row(scores + (size_t)t * e, bias, idx + (size_t)t * k, e, k, groups, best, score_kind);
+}
+
+// E * count_i - S * K in integers (exact in float below 2^24 choices): only its sign is used.
+void rt_balance_load(const int32_t *idx, float *load, int s, int k, int e) {
+  int64_t *count = rt_alloc((size_t)e * sizeof *count, "rt_balance_load");
+  for (int i = 0; i < e; i++)
+    count[i] = 0;
+  for (int64_t c = 0; c < (int64_t)s * k; c++)
+    if (idx[c] >= 0 && idx[c] < e)
+      count[idx[c]]++;
+  for (int i = 0; i < e; i++)
+    load[i] = (float)((int64_t)e * count[i] - (int64_t)s * k);
+  free(count);
+}
+
 void rt_gate_gather(const float *scores, const int32_t *idx, float *gates, int s, int e, int k,
-                    int renorm) {
+                    int renorm, float scale) {
   for (int t = 0; t < s; t++) {
     const float *row = scores + (size_t)t * e;
     const int32_t *ir = idx + (size_t)t * k;
@@ -113,13 +170,15 @@ void rt_gate_gather(const float *scores, const int32_t *idx, float *gates, int s
       for (int j = 0; j < k; j++)
         gr[j] = (float)(gr[j] / sum);
     }
+    for (int j = 0; j < k; j++)
+      gr[j] *= scale;
   }
 }
 
 // Without renorm: dscores[idx_j] = dgates_j. With renorm, g_j = p_j / P (P = sum of the chosen
-// scores): dL/dp_i = (dgates_i - sum_j dgates_j g_j) / P.
+// scores): dL/dp_i = (dgates_i - sum_j dgates_j g_j) / P. dgates_j is scale * the incoming one.
 void rt_gate_gather_grad(const float *dgates, const float *scores, const int32_t *idx,
-                         float *dscores, int s, int e, int k, int renorm) {
+                         float *dscores, int s, int e, int k, int renorm, float scale) {
   memset(dscores, 0, (size_t)s * e * sizeof *dscores);
   for (int t = 0; t < s; t++) {
     const float *row = scores + (size_t)t * e;
@@ -128,7 +187,7 @@ void rt_gate_gather_grad(const float *dgates, const float *scores, const int32_t
     float *dr = dscores + (size_t)t * e;
     if (!renorm) {
       for (int j = 0; j < k; j++)
-        dr[ir[j]] += dg[j];
+        dr[ir[j]] += dg[j] * scale;
       continue;
     }
     double sum = 0.0;
@@ -138,9 +197,9 @@ void rt_gate_gather_grad(const float *dgates, const float *scores, const int32_t
       continue;
     double dot = 0.0;
     for (int j = 0; j < k; j++)
-      dot += (double)dg[j] * (row[ir[j]] / sum);
+      dot += (double)(dg[j] * scale) * (row[ir[j]] / sum);
     for (int j = 0; j < k; j++)
-      dr[ir[j]] += (float)((dg[j] - dot) / sum);
+      dr[ir[j]] += (float)((dg[j] * scale - dot) / sum);
   }
 }
 

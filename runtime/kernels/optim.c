@@ -54,6 +54,16 @@ void rt_adamw(float *p, const float *g, float *m, float *v, int64_t n, float lr,
   adamw_share(p, g, m, v, n, a);
 }
 
+// Aux-loss-free balancing (manual, `balance bias`): the correction bias moves by rate against the
+// sign of its summed load imbalance (gate.balance_load): down for an expert above the mean load.
+void rt_balance_update(float *p, const float *g, int64_t n, float rate) {
+  int64_t lo = 0, hi = n;
+  if (rt_in_team())
+    rt_team_share(n, &lo, &hi);
+  for (int64_t i = lo; i < hi; i++)
+    p[i] -= rate * (float)((g[i] > 0.0f) - (g[i] < 0.0f));
+}
+
 // The optimizers, then the updated parameters rounded to bf16 (the CUDA target's dtype bf16 keeps
 // its GEMMs' copy of the parameters so; here, the twins its kernels are checked against).
 void rt_sgd_bf16(float *p, const float *g, int64_t n, float lr, float weight_decay, float lr_scale, float grad_scale,

@@ -177,12 +177,12 @@ template <class Launcher> void run_kernel_cases(Launcher &L, Checks &c) {
   LAUNCH(2, 32, mk_softmax, noisy_c, sc_k, s, e);
   c.same("gate.softmax", sc_c, sc_k);
   auto idx_c = zeros<int32_t>(s * k), idx_k = zeros<int32_t>(s * k);
-  rt_topk(sc_c.data(), idx_c.data(), s, e, k);
-  LAUNCH(2, 32, mk_topk, sc_c, idx_k, s, e, k);
+  rt_topk(sc_c.data(), idx_c.data(), s, e, k, 1, 1, 0);
+  LAUNCH(2, 32, mk_topk, sc_c, idx_k, s, e, k, 1, 1, 0);
   c.same("gate.topk", idx_c, idx_k);
   auto gates_c = zeros<float>(s * k), gates_k = zeros<float>(s * k);
-  rt_gate_gather(sc_c.data(), idx_c.data(), gates_c.data(), s, e, k, true);
-  LAUNCH(2, 32, mk_gate_gather, sc_c, idx_c, gates_k, s, e, k, 1);
+  rt_gate_gather(sc_c.data(), idx_c.data(), gates_c.data(), s, e, k, true, 1.0f);
+  LAUNCH(2, 32, mk_gate_gather, sc_c, idx_c, gates_k, s, e, k, 1, 1.0f);
   c.same("gate.gather renorm", gates_c, gates_k);
   {
     auto fs = zeros<float>(s * e), fg = zeros<float>(s * k);
@@ -194,17 +194,49 @@ template <class Launcher> void run_kernel_cases(Launcher &L, Checks &c) {
     auto sg = zeros<float>(s * e), sgg = zeros<float>(s * k);
     auto sgi = zeros<int32_t>(s * k);
     rt_sigmoid(noisy_c.data(), sg.data(), s * e);
-    rt_topk(sg.data(), sgi.data(), s, e, k);
-    rt_gate_gather(sg.data(), sgi.data(), sgg.data(), s, e, k, false);
+    rt_topk(sg.data(), sgi.data(), s, e, k, 1, 1, 0);
+    rt_gate_gather(sg.data(), sgi.data(), sgg.data(), s, e, k, false, 1.0f);
     LAUNCH(3, 16, mk_gate_sigmoid_topk_gather, noisy_c, fs, fi, fg, s, e, k, 0);
     c.same("fused sigmoid+topk+gather: scores", sg, fs);
     c.same("fused sigmoid+topk+gather: idx", sgi, fi);
     c.same("fused sigmoid+topk+gather: gates", sgg, fg);
   }
   auto dg = randn(s * k), dsc_c = zeros<float>(s * e), dsc_k = zeros<float>(s * e);
-  rt_gate_gather_grad(dg.data(), sc_c.data(), idx_c.data(), dsc_c.data(), s, e, k, true);
-  LAUNCH(2, 32, mk_gate_gather_grad, dg, sc_c, idx_c, dsc_k, s, e, k, 1);
+  rt_gate_gather_grad(dg.data(), sc_c.data(), idx_c.data(), dsc_c.data(), s, e, k, true, 1.0f);
+  LAUNCH(2, 32, mk_gate_gather_grad, dg, sc_c, idx_c, dsc_k, s, e, k, 1, 1.0f);
   c.same("gate.gather.grad renorm", dsc_c, dsc_k);
+  {  // DeepSeek's choice: a correction bias, a group limit (both group scores), scaled gates, the bias's update
+    auto bias = randn(e);
+    for (int kind : {0, 1}) {
+      int groups = e % 4 == 0 ? 4 : e % 2 == 0 ? 2 : 1;
+      auto li_c = zeros<int32_t>(s * k), li_k = zeros<int32_t>(s * k);
+      rt_topk_bias(sc_c.data(), bias.data(), li_c.data(), s, e, k, groups, groups > 1 ? groups / 2 + (kind == 1) : 1,
+                   kind);
+      LAUNCH(2, 32, mk_topk_bias, sc_c, bias, li_k, s, e, k, groups, groups > 1 ? groups / 2 + (kind == 1) : 1, kind);
+      c.same(kind ? "gate.topk_bias, groups by their best" : "gate.topk_bias, groups by their two best", li_c, li_k);
+      rt_topk(noisy_c.data(), li_c.data(), s, e, k, groups, 1, kind);
+      LAUNCH(2, 32, mk_topk, noisy_c, li_k, s, e, k, groups, 1, kind);
+      c.same("gate.topk, one group", li_c, li_k);
+    }
+    auto sg_c = zeros<float>(s * k), sg_k = zeros<float>(s * k);
+    rt_gate_gather(sc_c.data(), idx_c.data(), sg_c.data(), s, e, k, true, 2.5f);
+    LAUNCH(2, 32, mk_gate_gather, sc_c, idx_c, sg_k, s, e, k, 1, 2.5f);
+    c.same("gate.gather renorm scale 2.5", sg_c, sg_k);
+    for (int rn : {0, 1}) {
+      auto d_c = zeros<float>(s * e), d_k = zeros<float>(s * e);
+      rt_gate_gather_grad(dg.data(), sc_c.data(), idx_c.data(), d_c.data(), s, e, k, rn, 2.5f);
+      LAUNCH(2, 32, mk_gate_gather_grad, dg, sc_c, idx_c, d_k, s, e, k, rn, 2.5f);
+      c.same(rn ? "gate.gather.grad renorm scale 2.5" : "gate.gather.grad scale 2.5", d_c, d_k);
+    }
+    auto ld_c = zeros<float>(e), ld_k = zeros<float>(e);
+    rt_balance_load(idx_c.data(), ld_c.data(), s, k, e);
+    LAUNCH(1, 1, mk_balance_load, idx_c, ld_k, s, k, e);
+    c.same("gate.balance_load", ld_c, ld_k);
+    auto eb_c = bias, eb_k = bias;
+    rt_balance_update(eb_c.data(), ld_c.data(), e, 0.125f);
+    LAUNCH(1, 32, mk_balance_update, eb_k, ld_c, (int64_t)e, 0.125f);
+    c.same("opt.balance", eb_c, eb_k);
+  }
   auto dl_c = zeros<float>(s * e), dl_k = zeros<float>(s * e);
   rt_softmax_grad(dsc_c.data(), sc_c.data(), dl_c.data(), s, e);
   LAUNCH(2, 32, mk_softmax_grad, dsc_c, sc_c, dl_k, s, e);

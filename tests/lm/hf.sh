@@ -97,6 +97,16 @@ if ! "$MOEC" build "$WORK/mxbias.moe" -o "$WORK/mxbias" 2>"$WORK/err" &&
 else
   bad "a Mixtral with a router bias" "$(cat "$WORK/err" 2>/dev/null | tail -n 4)"
 fi
+# So is DeepSeek's choice (a correction bias, a group limit, a scale): each is refused by name.
+for what in "balance bias 0.001;:'balance bias'" "expert_groups 2;:'expert_groups'" "scale 2.5;:'scale'"; do
+  sed "s/gate gshard { k 2;/gate gshard { k 2; ${what%%:*}/" "$WORK/mx.moe" >"$WORK/mxds.moe"
+  if ! "$MOEC" build "$WORK/mxds.moe" -o "$WORK/mxds" 2>"$WORK/err" &&
+     grep -q "mxds.moe:[0-9]*:[0-9]*: error: .*has DeepSeek's choice (${what#*:}); Mixtral's router is a plain top-k" "$WORK/err"; then
+    ok "a Mixtral with ${what#*:} is refused: $(head -n 1 "$WORK/err" | sed "s|$WORK/||g" | cut -c1-150)"
+  else
+    bad "a Mixtral with ${what#*:}" "$(cat "$WORK/err" 2>/dev/null | tail -n 4)"
+  fi
+done
 sed 's/^hf_config "mx.hf";/hf_config "nowhere.hf";/' "$WORK/mx.moe" >"$WORK/nohf.moe"
 if ! "$MOEC" build "$WORK/nohf.moe" -o "$WORK/nohf" 2>"$WORK/err" &&
    grep -q "nohf.moe:[0-9]*:[0-9]*: error: cannot read '.*nowhere.hf/config.json': No such file or directory" "$WORK/err"; then

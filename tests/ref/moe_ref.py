@@ -174,10 +174,20 @@ class Layer:
     def __init__(self, name, embed, experts, hidden, k=1, capacity=1.0, groups=1, noise=0.0,
                  aux_loss=0.0, z_loss=0.0, act="gelu", bias=True, gate="gshard", order="tutel",
                  ffn="gpt", proj=16, slots=1, hooks=(), renormalize=None, shared_hidden=None,
-                 shared_gate=False, aux="group"):
+                 shared_gate=False, aux="group", expert_groups=1, topk_groups=None, group_score="top2",
+                 scale=1.0, balance=None):
         assert gate in GATES and order in ("tutel", "gshard") and ffn in ("gpt", "mixtral")
-        assert renormalize is None or gate in ("gshard", "xmoe"), "renormalize: gshard and xmoe only"
+        assert renormalize is None or gate in ("gshard", "xmoe", "sigmoid"), "renormalize: gshard, sigmoid, xmoe"
         self.renormalize = renormalize
+        # DeepSeek's choice (gshard, sigmoid): the experts in expert_groups equal groups, the k
+        # chosen among the topk_groups best groups (by the sum of their two best scores, "top2", or
+        # their best, "max"; the other experts count as 0), gates times scale; balance (a rate):
+        # a correction bias gate.eb [E] added to the scores for the choice only, whose dumped
+        # "gradient" is the load imbalance E * count_e - S * k
+        assert (expert_groups == 1 and scale == 1.0 and balance is None) or gate in ("gshard", "sigmoid")
+        self.expert_groups = expert_groups
+        self.topk_groups = expert_groups if topk_groups is None else topk_groups
+        self.group_score, self.scale, self.balance = group_score, scale, balance
         self.name, self.M, self.E, self.H = name, embed, experts, hidden
         self.k, self.capacity, self.groups, self.noise = k, capacity, groups, noise
         self.aux_coef, self.z_coef = aux_loss, z_loss
@@ -201,10 +211,12 @@ class Layer:
 
     @property
     def renorm(self):
-        """Whether the k chosen scores are scaled to sum 1 (sigmoid: never)."""
-        if self.gate not in ("gshard", "xmoe"):
+        """Whether the k chosen scores are scaled to sum 1 (sigmoid: only when asked)."""
+        if self.gate not in ("gshard", "xmoe", "sigmoid"):
             return False
-        return self.k > 1 if self.renormalize is None else bool(self.renormalize)
+        if self.renormalize is None:
+            return self.k > 1 and self.gate != "sigmoid"
+        return bool(self.renormalize)
 
     @property
     def dropless(self):
@@ -236,6 +248,8 @@ class Layer:
             shapes = {p + "gate.wg": (M, E * self.slots)}
         else:
             shapes = {p + "gate.wg": (M, E)}
+            if self.balance is not None:
+                shapes[p + "gate.eb"] = (E,)
         shapes.update(shared)
         if self.ffn == "mixtral":
             shapes.update({p + "experts.w1": (E, M, H), p + "experts.w3": (E, M, H),
@@ -419,6 +433,20 @@ def topk_rows(scores, k):
     return np.argsort(-scores, axis=1, kind="stable")[:, :k]
 
 
+def limited_choice(choice, groups, best, how):
+    """DeepSeek's group limit: each row's experts in `groups` equal runs, ranked by the sum of
+    their two best (how "top2") or their best ("max"), ties to the lower group; the experts
+    outside the `best` best groups count as 0 (transformers' masked_fill with 0.0)."""
+    if groups <= 1 or best >= groups:
+        return choice
+    s, e = choice.shape
+    grouped = np.sort(choice.reshape(s, groups, e // groups), axis=2)
+    gscore = grouped[:, :, -1] + grouped[:, :, -2] if how == "top2" else grouped[:, :, -1]
+    keep = np.zeros((s, groups), dtype=bool)
+    np.put_along_axis(keep, np.argsort(-gscore, axis=1, kind="stable")[:, :best], True, axis=1)
+    return np.where(np.repeat(keep, e // groups, axis=1), choice, 0.0)
+
+
 def locations(idx, e, groups, cap):
     """loc[s, j]: slot of choice j of token s in its group's buffer of expert idx[s, j], or -1;
     cap None: dropless. Also the largest per-group count of one expert (kept or not)."""
@@ -490,11 +518,16 @@ def gate_forward(ly, p, x, normals, z_noisy=True):
         aux, most = 0.0, 0
     else:
         scores = sigmoid(noisy) if ly.gate == "sigmoid" else softmax_rows(noisy)
-        idx = topk_rows(scores, ly.k)
+        choice = scores + p["gate.eb"][None, :] if ly.balance is not None else scores
+        limited = limited_choice(choice, ly.expert_groups, ly.topk_groups, ly.group_score)
+        idx = topk_rows(limited, ly.k)
+        c.update(choice=choice, limited=limited)
         picked = scores[rows, idx]
         renorm = ly.renorm
         zsum = picked.sum(axis=1, keepdims=True)
-        gates = picked / zsum if renorm else picked.copy()
+        gates0 = picked / zsum if renorm else picked.copy()
+        gates = gates0 * ly.scale
+        c.update(gates0=gates0)
         loc, most = locations(idx, E, G, None if ly.dropless else cap)
         kept = loc >= 0
         dropped, routed = int((~kept).sum()), int(kept.size)
@@ -537,12 +570,15 @@ def gate_backward(ly, p, c, dD, dCw):
         dnoisy = softmax_tokens_grad(dgates, sc, G)
     else:
         idx, rows = c["idx"], np.arange(s)[:, None]
+        dgates = dgates * ly.scale
         if c["renorm"]:
             zsum = c["zsum"][:, 0]
-            common = (dgates * gates).sum(axis=1) / zsum
+            common = (dgates * c["gates0"]).sum(axis=1) / zsum
             contrib = dgates / zsum[:, None] - common[:, None]
         else:
             contrib = dgates
+        if ly.balance is not None:   # the correction bias's "gradient": its load imbalance
+            grads["gate.eb"] = E * np.bincount(idx.ravel(), minlength=E).astype(np.float64) - s * ly.k
         dscores = np.zeros_like(sc)
         np.add.at(dscores, (np.repeat(rows, ly.k, axis=1), idx), contrib)
         if ly.aux_coef and ly.aux_form == "pooled":    # coef * E * F_e / N, F pooled (constant)
@@ -769,9 +805,16 @@ def cache_margin(ly, cache):
                 srt = -np.sort(-cache["scores"][g * sg:(g + 1) * sg], axis=0)
                 gap = min(gap, float((srt[cap - 1] - srt[cap]).min()))
     elif ly.gate != "softmoe":
-        srt = -np.sort(-cache["scores"], axis=1)
+        srt = -np.sort(-cache["limited"], axis=1)
         if ly.k < ly.E:
             gap = min(gap, float((srt[:, ly.k - 1] - srt[:, ly.k]).min()))
+        G, T = ly.expert_groups, ly.topk_groups
+        if 1 < G and T < G:   # the group limit: the T-th and (T+1)-th group scores
+            s, e = cache["choice"].shape
+            grouped = np.sort(cache["choice"].reshape(s, G, e // G), axis=2)
+            gs = grouped[:, :, -1] + grouped[:, :, -2] if ly.group_score == "top2" else grouped[:, :, -1]
+            gs = -np.sort(-gs, axis=1)
+            gap = min(gap, float((gs[:, T - 1] - gs[:, T]).min()))
     return gap
 
 
@@ -845,7 +888,10 @@ def _fd_check(layers, params, x, tgt, seed, eps=1e-6, rtol=1e-6, z_noisy=True, b
         r = forward_backward(layers, params, x, tgt, seed=seed, z_noisy=z_noisy, want_grads=False)
         return r["loss"], same_routing(r["routing"], ref_run["routing"])
 
-    targets = [(n, params[n], base["grads"][n]) for n in sorted(params)] + [("input", x, base["dx"])]
+    # a correction bias (gate.eb) steers the choice only: the loss does not move with it while the
+    # routing holds (its dumped "gradient" is the load imbalance, checked against the binary)
+    targets = [(n, params[n], np.zeros_like(params[n]) if n.endswith("gate.eb") else base["grads"][n])
+               for n in sorted(params)] + [("input", x, base["dx"])]
     rows = []
     for name, arr, an in targets:
         fd = np.zeros_like(arr)
@@ -1071,7 +1117,9 @@ def _strip_compress(ly):
               groups=ly.groups, noise=ly.noise, aux_loss=ly.aux_coef, z_loss=ly.z_coef,
               act=ly.act or "gelu", bias=ly.bias, gate=ly.gate, order=ly.order, ffn=ly.ffn,
               proj=ly.proj, slots=ly.slots, hooks=[h for h in ly.hooks if h[1] == "record"],
-              renormalize=ly.renormalize, shared_hidden=ly.shared_hidden, shared_gate=ly.shared_gate)
+              renormalize=ly.renormalize, shared_hidden=ly.shared_hidden, shared_gate=ly.shared_gate,
+              expert_groups=ly.expert_groups, topk_groups=ly.topk_groups, group_score=ly.group_score,
+              scale=ly.scale, balance=ly.balance)
     return Layer(ly.name, **kw)
 
 
@@ -1091,6 +1139,12 @@ def selftest():
         # `renormalize`: k 1 renormalised (every gate 1: the scores reach the loss through the
         # aux and z terms only), k 2 with the raw softmax scores
         ("k1 renormalize drops", [("a", 1, dict(k=1, capacity=0.5, renormalize=True, **noisy))]),
+        # DeepSeek's choice: V3's sigmoid scores with a correction bias, 4 groups of 2 (the best 2),
+        # renormalised and scaled; V2's softmax with groups ranked by their best, scaled
+        ("deepseek v3 choice", [("a", 1, dict(gate="sigmoid", k=2, capacity=2.0, experts=8, renormalize=True,
+                                              expert_groups=4, topk_groups=2, scale=2.5, balance=0.01))]),
+        ("deepseek v2 choice", [("a", 1, dict(k=3, capacity=2.0, experts=8, renormalize=False, expert_groups=4,
+                                              topk_groups=2, group_score="max", scale=1.5, **noisy))]),
         ("k2 renormalize false drops", [("a", 1, dict(k=2, capacity=0.75, renormalize=False,
                                                       **noisy))]),
         ("xmoe k2 renormalize false", [("a", 1, dict(gate="xmoe", k=2, capacity=2.0, proj=3,
@@ -1185,7 +1239,7 @@ def selftest():
                 want, what = np.ones_like(c["gates"]), "gates of exactly 1"
             else:
                 want, what = c["picked"] / c["picked"].sum(axis=1, keepdims=True), "gates summing to 1"
-            same = np.array_equal(c["gates"], want)
+            same = np.array_equal(c["gates"], want * ly.scale)
             print("# %s: renormalize %s with k %d gives %s: %s" % (cname, ly.renormalize, ly.k, what,
                                                                    same))
             ok = ok and same

@@ -62,6 +62,16 @@ def moe_block(kw, indent="  ", experts=None, hidden=None):
             gate.append("renormalize %s;" % ("true" if kw["renormalize"] else "false"))
         if kw.get("aux", "group") != "group":
             gate.append("aux %s;" % kw["aux"])
+        if kw.get("expert_groups", 1) != 1:
+            gate.append("expert_groups %d;" % kw["expert_groups"])
+            if kw.get("topk_groups") is not None:
+                gate.append("topk_groups %d;" % kw["topk_groups"])
+            if kw.get("group_score", "top2") != "top2":
+                gate.append("group_score %s;" % kw["group_score"])
+        if kw.get("scale", 1.0) != 1.0:
+            gate.append("scale %r;" % float(kw["scale"]))
+        if kw.get("balance") is not None:
+            gate.append("balance bias %r;" % float(kw["balance"]))
     hidden = kw.get("hidden", hidden)
     if kw.get("ffn", "gpt") == "mixtral":
         ffn = "ffn mixtral { hidden %d; }" % hidden
@@ -150,6 +160,14 @@ CONFIGS = [
                       ("b", 2, dict(k=2, capacity=1.0, groups=2, order="gshard", act="relu",
                                     shared_hidden=16, shared_gate=True, **NOISY))], {}),
     # dropless
+    # DeepSeek's choice: V3 (sigmoid + a random correction bias, 4 groups of 2 of which the best 2,
+    # renormalised, scaled 2.5) and V2 (softmax, groups by their best, scaled 1.5)
+    ("ds_v3_choice", [("blk", 1, dict(gate="sigmoid", k=2, capacity=1.0, experts=8, ffn="mixtral",
+                                      renormalize=True, expert_groups=4, topk_groups=2, scale=2.5,
+                                      balance=0.01))], {}),
+    ("ds_v2_choice", [("blk", 1, dict(k=3, capacity="*", experts=8, renormalize=False, expert_groups=4,
+                                      topk_groups=2, group_score="max", scale=1.5, **NOISY))],
+     dict(expect="nodrop")),
     ("o_dropless", [("blk", 1, dict(k=2, capacity="*", groups=2, **NOISY))], dict(expect="nodrop")),
     ("p_dropless_mix", [("a", 1, dict(gate="xmoe", k=2, capacity="*", proj=4, order="gshard",
                                       ffn="mixtral", **NOISY)),

@@ -130,7 +130,7 @@ typedef struct {
 
 static double gather_obj(void *p) {
   GatherCtx *c = p;
-  rt_gate_gather(c->scores, c->idx, c->gates, c->s, c->e, c->k, c->renorm);
+  rt_gate_gather(c->scores, c->idx, c->gates, c->s, c->e, c->k, c->renorm, 1.0f);
   return dot(c->w, c->gates, (int64_t)c->s * c->k);
 }
 
@@ -140,10 +140,10 @@ static void fd_gather(int k, bool renorm) {
   int32_t idx[S * 3];
   fill(logits, S * E, -2, 2);
   rt_softmax(logits, scores, S, E);
-  rt_topk(scores, idx, S, E, k);
+  rt_topk(scores, idx, S, E, k, 1, 1, 0);
   fill(w, S * k, -1, 1);
   GatherCtx c = {scores, gates, w, idx, S, E, k, renorm};
-  rt_gate_gather_grad(w, scores, idx, ds, S, E, k, renorm);
+  rt_gate_gather_grad(w, scores, idx, ds, S, E, k, renorm, 1.0f);
   char name[64];
   snprintf(name, sizeof name, "gate.gather k=%d renorm=%d", k, renorm);
   check_fd(name, gather_obj, &c, scores, S * E, ds, 1e-3);
@@ -184,7 +184,7 @@ static void test_fd_aux_loss(void **state) {
   int32_t idx[S * K];
   fill(logits, S * E, -2, 2);
   rt_softmax(logits, scores, S, E);
-  rt_topk(scores, idx, S, E, K);
+  rt_topk(scores, idx, S, E, K, 1, 1, 0);
   LossCtx c = {scores, idx, S, E, K, G, 0.5f};
   rt_aux_loss_grad(scores, idx, ds, S, E, K, G, c.coef);
   check_fd("gate.aux_loss (d/dscores)", aux_obj, &c, scores, S * E, ds, FD_EPS);
@@ -541,11 +541,11 @@ static void test_topk_ties(void **state) {
   };
   const int32_t want[S * K] = {1, 2, 4, 0, 1, 2, 3, 0, 2, 4, 3, 2};
   int32_t idx[S * K];
-  rt_topk(scores, idx, S, E, K);
+  rt_topk(scores, idx, S, E, K, 1, 1, 0);
   assert_memory_equal(idx, want, sizeof want);
 
   int32_t all[E];
-  rt_topk(scores + 15, all, 1, E, E);   // k = e: the full descending order
+  rt_topk(scores + 15, all, 1, E, E, 1, 1, 0);   // k = e: the full descending order
   const int32_t want_all[E] = {4, 3, 2, 1, 0};
   assert_memory_equal(all, want_all, sizeof want_all);
 }
@@ -554,9 +554,9 @@ static void test_gate_gather_values(void **state) {
   const float scores[4] = {0.5f, 0.1f, 0.3f, 0.1f};
   const int32_t idx[2] = {0, 2};
   float gates[2];
-  rt_gate_gather(scores, idx, gates, 1, 4, 2, false);
+  rt_gate_gather(scores, idx, gates, 1, 4, 2, false, 1.0f);
   assert_true(gates[0] == 0.5f && gates[1] == 0.3f);
-  rt_gate_gather(scores, idx, gates, 1, 4, 2, true);
+  rt_gate_gather(scores, idx, gates, 1, 4, 2, true, 1.0f);
   assert_float_equal(gates[0], 0.625, 1e-7);
   assert_float_equal(gates[1], 0.375, 1e-7);
 }
@@ -662,7 +662,7 @@ static void test_order_round_trip(void **state) {
 static void test_loss_values(void **state) {
   const float scores[8] = {0.9f, 0.1f, 0.6f, 0.4f, 0.2f, 0.8f, 0.5f, 0.5f};
   int32_t idx[4];
-  rt_topk(scores, idx, 4, 2, 1);   // 0, 0, 1, 0 (the tie goes to expert 0)
+  rt_topk(scores, idx, 4, 2, 1, 1, 1, 0);   // 0, 0, 1, 0 (the tie goes to expert 0)
   // One group: me = (0.55, 0.45), ce = (0.75, 0.25): 2 * (0.4125 + 0.1125) = 1.05.
   assert_float_equal(rt_aux_loss_value(scores, idx, 4, 2, 1, 1), 1.05, 1e-6);
   // Two groups: 2*(0.75*1) = 1.5 and 2*(0.35*0.5 + 0.65*0.5) = 1.0, mean 1.25.

@@ -597,8 +597,8 @@ static void test_dense_order_token_choice(void **state) {
     for (int cap = 1; cap <= 6; cap += 5) {   // 1: many drops; 6: a few
       fill(logits, S * E, -2, 2);
       rt_softmax(logits, scores, S, E);
-      rt_topk(scores, idx, S, E, K);
-      rt_gate_gather(scores, idx, gates, S, E, K, true);
+      rt_topk(scores, idx, S, E, K, 1, 1, 0);
+      rt_gate_gather(scores, idx, gates, S, E, K, true, 1.0f);
       rt_gate_locations(idx, loc, NULL, S, K, E, g, cap);
       char what[64];
       snprintf(what, sizeof what, "topk g=%d cap=%d", g, cap);
