@@ -43,7 +43,8 @@ void cli_import_hf_usage(FILE *out) {
           "model), PREFIX.safetensors (the weights in moec's names, F32) and PREFIX.hf/ (the checkpoint's\n"
           "config.json and generation_config.json, which --export-hf keeps: the .moe names it). Then:\n"
           "  moec build PREFIX.moe -o BIN && BIN --weights PREFIX.safetensors [--data F] ... [--export-hf OUT]\n"
-          "Families: mixtral, qwen2_moe, qwen3_moe, olmoe (model_type in config.json). A config value moec cannot represent is refused.\n"
+          "Families: mixtral, qwen2_moe, qwen3_moe, olmoe, glm4_moe, deepseek_v2, deepseek_v3 (model_type in config.json).\n"
+          "A config value moec cannot represent is refused.\n"
           "  --name NAME       the model's name (default: DIR's last folder, as an identifier)\n"
           "  --batch B         samples per data-parallel rank (default 4)\n"
           "  --seqlen L        tokens per sample (default min(128, max_position_embeddings))\n"
@@ -122,7 +123,23 @@ typedef struct Config {
   bool router_logits;  // output_router_logits: transformers' load-balancing loss in the objective
   double aux_coef;     // its router_aux_loss_coef
   int64_t window;   // Mixtral's sliding_window when shorter than the sequence (0: none)
+  double partial;   // rope_parameters' partial_rotary_factor (GLM-4.5; default 1)
+  // GLM-4.5's and DeepSeek's router: n_group, topk_group, routed_scaling_factor; DeepSeek-V2's
+  // topk_method group_limited_greedy (the groups ranked by their best; greedy: no limit)
+  int64_t n_group, topk_group;
+  double scale;
+  bool group_greedy;
+  bool interleave;  // DeepSeek's rope on adjacent pairs (V2 always, V3 with rope_interleave)
+  // rope_type "yarn" (DeepSeek): factor, original_max_position_embeddings, beta_fast, beta_slow,
+  // mscale, mscale_all_dim (0: absent)
+  bool yarn;
+  double yarn_factor, yarn_beta_fast, yarn_beta_slow, yarn_mscale, yarn_mscale_all_dim;
+  int64_t yarn_original;
 } Config;
+
+static bool is_deepseek(RtHfFamily f) { return f == RT_HF_DEEPSEEK_V2 || f == RT_HF_DEEPSEEK_V3; }
+// GLM-4.5 and the DeepSeek families: n_routed_experts, shared experts, dense layers first.
+static bool is_glm_like(RtHfFamily f) { return f == RT_HF_GLM4_MOE || is_deepseek(f); }
 
 // The value of key as text, for a sentence.
 static void value_text(const cJSON *v, char *buf, size_t n) {
@@ -160,13 +177,51 @@ static bool harmless(const Config *c, const char *k) {
                                       "norm_topk_prob", "decoder_sparse_step", "mlp_only_layers", "max_window_layers",
                                       "head_dim", "attention_bias", NULL};
   static const char *const olmoe[] = {"num_experts", "intermediate_size", "norm_topk_prob", "attention_bias", NULL};
+  static const char *const glm4[] = {"n_routed_experts", "moe_intermediate_size", "intermediate_size", "n_shared_experts",
+                                     "first_k_dense_replace", "head_dim", "norm_topk_prob", "attention_bias",
+                                     "use_qk_norm", NULL};
   for (size_t i = 0; i < sizeof any / sizeof *any; i++)
     if (strcmp(k, any[i]) == 0) return true;
   if (is_family(c, RT_HF_MIXTRAL)) return strcmp(k, mixtral[0]) == 0 || strcmp(k, mixtral[1]) == 0;
-  const char *const *fam = is_family(c, RT_HF_QWEN2_MOE) ? qwen2 : is_family(c, RT_HF_QWEN3_MOE) ? qwen3 : olmoe;
+  static const char *const deepseek[] = {"n_routed_experts", "moe_intermediate_size", "intermediate_size",
+                                         "n_shared_experts", "first_k_dense_replace", "attention_bias", "kv_lora_rank",
+                                         "q_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim", NULL};
+  const char *const *fam = is_family(c, RT_HF_QWEN2_MOE)   ? qwen2
+                           : is_family(c, RT_HF_QWEN3_MOE) ? qwen3
+                           : is_family(c, RT_HF_GLM4_MOE)  ? glm4
+                           : is_deepseek(c->arch.family)   ? deepseek
+                                                           : olmoe;
   for (size_t i = 0; fam[i]; i++)
     if (strcmp(k, fam[i]) == 0) return true;
   return false;
+}
+
+// DeepSeek's rope_parameters with rope_type "yarn": theta, factor and the original positions, and
+// beta_fast, beta_slow (32, 1), mscale, mscale_all_dim where given; nothing else (attention_factor
+// given outright, truncate false: refused).
+static int read_yarn(Config *c, const cJSON *v) {
+  static const char *const keys[] = {"rope_type", "rope_theta", "factor", "original_max_position_embeddings",
+                                     "beta_fast", "beta_slow", "mscale", "mscale_all_dim"};
+  double *at[] = {NULL, &c->theta, &c->yarn_factor, NULL, &c->yarn_beta_fast, &c->yarn_beta_slow, &c->yarn_mscale,
+                  &c->yarn_mscale_all_dim};
+  c->yarn_beta_fast = 32;
+  c->yarn_beta_slow = 1;
+  for (const cJSON *e = v->child; e; e = e->next) {
+    size_t i = 0;
+    while (i < sizeof keys / sizeof *keys && strcmp(e->string, keys[i]) != 0) i++;
+    if (i == sizeof keys / sizeof *keys)
+      return refuse(c, v, "moec's yarn takes rope_theta, factor, original_max_position_embeddings, beta_fast, "
+                    "beta_slow, mscale and mscale_all_dim");
+    if (i == 0 || (cJSON_IsNull(e) && i >= 4)) continue;
+    if (!cJSON_IsNumber(e) || !(e->valuedouble > 0 || (i >= 6 && e->valuedouble == 0)))
+      return refuse(c, v, "its yarn numbers must be positive");
+    if (i == 3) c->yarn_original = (int64_t)e->valuedouble;
+    else *at[i] = e->valuedouble;
+  }
+  if (!(c->yarn_factor > 0) || c->yarn_original < 1)
+    return refuse(c, v, "yarn needs its factor and original_max_position_embeddings");
+  c->yarn = true;
+  return 0;
 }
 
 // One key of config.json: 0 when represented or harmless, 2 when read_arch checks it against the
@@ -184,6 +239,46 @@ static int check_key(Config *c, const cJSON *v) {
     return cJSON_IsBool(v) ? 0 : refuse(c, v, "it must be true or false");
   }
   if (strcmp(k, "head_dim") == 0) return cJSON_IsNull(v) ? 0 : 2;
+  if (is_deepseek(c->arch.family)) {
+    // transformers' derived values: the rotary heads' width (the rope part) and q's and k's heads
+    if (strcmp(k, "qk_head_dim") == 0) return 2;
+    if (strcmp(k, "norm_topk_prob") == 0) {   // DeepSeek-V2's router never renormalises (the key is unused)
+      c->renormalize = is_family(c, RT_HF_DEEPSEEK_V3) && cJSON_IsTrue(v);
+      return cJSON_IsBool(v) ? 0 : refuse(c, v, "it must be true or false");
+    }
+    if (strcmp(k, "pretraining_tp") == 0)
+      return cJSON_IsNull(v) || (cJSON_IsNumber(v) && v->valuedouble == 1) ? 0
+             : refuse(c, v, "transformers computes with one tensor-parallel slice (it only describes pretraining)");
+    if (strcmp(k, "mlp_bias") == 0 && is_family(c, RT_HF_DEEPSEEK_V2))
+      return cJSON_IsFalse(v) ? 0 : refuse(c, v, "moec's SwiGLU experts have no biases");
+    if (strcmp(k, "rope_interleave") == 0 && is_family(c, RT_HF_DEEPSEEK_V3)) {
+      c->interleave = cJSON_IsTrue(v);
+      return cJSON_IsBool(v) ? 0 : refuse(c, v, "it must be true or false");
+    }
+    if (strcmp(k, "topk_method") == 0 && is_family(c, RT_HF_DEEPSEEK_V2)) {
+      bool greedy = cJSON_IsString(v) && strcmp(v->valuestring, "greedy") == 0;
+      c->group_greedy = cJSON_IsString(v) && strcmp(v->valuestring, "group_limited_greedy") == 0;
+      return greedy || c->group_greedy ? 0 : refuse(c, v, "moec's DeepSeek-V2 router is \"greedy\" or \"group_limited_greedy\"");
+    }
+  }
+  if (is_glm_like(c->arch.family)) {
+    if (strcmp(k, "n_group") == 0 || strcmp(k, "topk_group") == 0) {
+      if (cJSON_IsNull(v)) return 0;   // DeepSeek-V2's greedy router has none
+      if (!cJSON_IsNumber(v) || v->valuedouble < 1 || v->valuedouble > 64 || v->valuedouble != floor(v->valuedouble))
+        return refuse(c, v, "moec's router takes a whole number of expert groups from 1 to 64");
+      *(k[0] == 'n' ? &c->n_group : &c->topk_group) = (int64_t)v->valuedouble;
+      return 0;
+    }
+    if (strcmp(k, "routed_scaling_factor") == 0) {
+      if (!cJSON_IsNumber(v) || !(v->valuedouble > 0)) return refuse(c, v, "it must be a positive number");
+      c->scale = v->valuedouble;
+      return 0;
+    }
+    // The multi-token-prediction layers after the last decoder layer: transformers does not build
+    // them (nor load their tensors), and neither does moec.
+    if (strcmp(k, "num_nextn_predict_layers") == 0)
+      return cJSON_IsNumber(v) && v->valuedouble >= 0 ? 0 : refuse(c, v, "it must be a number of layers");
+  }
   bool qwen = is_family(c, RT_HF_QWEN2_MOE) || is_family(c, RT_HF_QWEN3_MOE);
   if (strcmp(k, "use_sliding_window") == 0 && qwen)
     return cJSON_IsFalse(v) ? 0 : refuse(c, v, "the Qwen families' windows apply from max_window_layers on, which moec does not represent");
@@ -211,13 +306,21 @@ static int check_key(Config *c, const cJSON *v) {
   if (strcmp(k, "rope_parameters") == 0) {
     const cJSON *type = cJSON_GetObjectItemCaseSensitive(v, "rope_type");
     const cJSON *theta = cJSON_GetObjectItemCaseSensitive(v, "rope_theta");
+    const cJSON *partial = cJSON_GetObjectItemCaseSensitive(v, "partial_rotary_factor");
+    if (is_deepseek(c->arch.family) && cJSON_IsString(type) && strcmp(type->valuestring, "yarn") == 0)
+      return read_yarn(c, v);
     if (type && !(cJSON_IsString(type) && strcmp(type->valuestring, "default") == 0))
-      return refuse(c, v, "moec's rotary positions are the default ones (rope_type \"default\")");
+      return refuse(c, v, is_deepseek(c->arch.family) ? "moec's rotary positions are the default ones or yarn"
+                                                      : "moec's rotary positions are the default ones (rope_type \"default\")");
     if (!cJSON_IsNumber(theta) || !(theta->valuedouble > 0)) return refuse(c, v, "it needs a positive rope_theta");
+    if (partial && !(cJSON_IsNumber(partial) && partial->valuedouble > 0 && partial->valuedouble <= 1))
+      return refuse(c, v, "its partial_rotary_factor must be a number in (0, 1]");
     for (const cJSON *e = v->child; e; e = e->next)
-      if (strcmp(e->string, "rope_type") != 0 && strcmp(e->string, "rope_theta") != 0)
-        return refuse(c, v, "moec's rotary positions have no parameters beyond rope_theta");
+      if (strcmp(e->string, "rope_type") != 0 && strcmp(e->string, "rope_theta") != 0 &&
+          strcmp(e->string, "partial_rotary_factor") != 0)
+        return refuse(c, v, "moec's rotary positions have no parameters beyond rope_theta and partial_rotary_factor");
     c->theta = theta->valuedouble;
+    if (partial) c->partial = partial->valuedouble;
     return 0;
   }
   char text[200];
@@ -239,16 +342,21 @@ static int read_arch(Config *c, const char *text, int64_t seqlen) {
   RtHfArch *a = &c->arch;
   RtHfFamily family = a->family;
   c->theta = family == RT_HF_MIXTRAL ? 1e6 : 1e4;   // the configs' defaults
+  c->partial = c->scale = 1;
+  c->n_group = c->topk_group = 1;
+  c->interleave = is_deepseek(family);   // V2 always, V3's rope_interleave defaults to true
   int deferred = 0;
   for (const cJSON *v = c->json->child; v; v = v->next) {
     int r = check_key(c, v);
     if (r == 1) return 1;
     deferred |= r == 2;
   }
-  bool mixtral = family == RT_HF_MIXTRAL;
+  bool mixtral = family == RT_HF_MIXTRAL, glm = is_glm_like(family), deepseek = is_deepseek(family);
   const char *required[] = {"vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads",
                             "num_experts_per_tok",
-                            mixtral || (family == RT_HF_QWEN3_MOE && !key(c, "num_experts")) ? "num_local_experts" : "num_experts",
+                            glm ? "n_routed_experts"
+                            : mixtral || (family == RT_HF_QWEN3_MOE && !key(c, "num_experts")) ? "num_local_experts"
+                                                                                               : "num_experts",
                             mixtral || family == RT_HF_OLMOE ? "intermediate_size" : "moe_intermediate_size"};
   for (size_t i = 0; i < sizeof required / sizeof *required; i++)
     if (need_count(c, required[i])) return 1;
@@ -272,18 +380,48 @@ static int read_arch(Config *c, const char *text, int64_t seqlen) {
   if (coef && cJSON_IsNumber(coef)) c->aux_coef = coef->valuedouble;
   const cJSON *norm = key(c, "norm_topk_prob");
   if (norm && !cJSON_IsBool(norm)) return refuse(c, norm, "it must be true or false");
-  c->renormalize = mixtral || cJSON_IsTrue(norm);
-  if (family != RT_HF_QWEN3_MOE && a->embed % a->heads != 0)
+  // GLM-4.5's and DeepSeek-V3's default is true; DeepSeek-V2 never renormalises
+  c->renormalize = family != RT_HF_DEEPSEEK_V2 && (mixtral || cJSON_IsTrue(norm) || (glm && !norm));
+  if (family == RT_HF_DEEPSEEK_V2 && !c->group_greedy) c->n_group = c->topk_group = 1;   // greedy: no groups
+  if (family != RT_HF_QWEN3_MOE && !glm && a->embed % a->heads != 0)
     return fail("%s: hidden_size %lld is not a multiple of num_attention_heads %lld", c->path, (long long)a->embed,
                 (long long)a->heads);
   if (a->heads % a->kv_heads != 0)
     return fail("%s: num_attention_heads %lld is not a multiple of num_key_value_heads %lld", c->path,
                 (long long)a->heads, (long long)a->kv_heads);
-  if (a->head_dim % 2 != 0)
-    return fail("%s: the head width %lld is odd; rotary positions need it even", c->path, (long long)a->head_dim);
+  if ((deepseek ? a->rope : a->head_dim) % 2 != 0)
+    return fail("%s: the head width %lld is odd; rotary positions need it even", c->path,
+                (long long)(deepseek ? a->rope : a->head_dim));
   if (c->k > a->experts)
     return fail("%s: num_experts_per_tok %lld is more than the %lld experts", c->path, (long long)c->k,
                 (long long)a->experts);
+  if (glm) {
+    bool dense = false;
+    for (int64_t l = 0; l < a->layers; l++) dense |= a->dense[l];
+    if (dense && need_count(c, "intermediate_size")) return 1;
+    if (a->experts % c->n_group != 0 || c->topk_group > c->n_group || c->topk_group * (a->experts / c->n_group) < c->k ||
+        (c->n_group > 1 && a->experts / c->n_group < 2))
+      return fail("%s: n_group %lld and topk_group %lld do not fit %lld experts with num_experts_per_tok %lld (equal "
+                  "groups of at least 2, the best topk_group of them holding k)", c->path, (long long)c->n_group,
+                  (long long)c->topk_group, (long long)a->experts, (long long)c->k);
+    int64_t turned = (int64_t)((double)(deepseek ? a->rope : a->head_dim) * c->partial);
+    if (turned < 2 || turned % 2 != 0 || (deepseek && c->partial != 1))
+      return fail("%s: partial_rotary_factor %g turns %lld of the %lld columns of a head; rope needs an even number%s",
+                  c->path, c->partial, (long long)turned, (long long)a->head_dim, deepseek ? ", all of qk_rope_head_dim" : "");
+  }
+  if (deepseek) {
+    if (a->kv_heads != a->heads)
+      return fail("%s: num_key_value_heads %lld is not num_attention_heads %lld: DeepSeek's latent attention gives every "
+                  "head its keys and values", c->path, (long long)a->kv_heads, (long long)a->heads);
+    if (a->v > a->nope + a->rope)
+      return fail("%s: v_head_dim %lld is wider than qk_nope_head_dim + qk_rope_head_dim = %lld, which moec's mla does "
+                  "not take", c->path, (long long)a->v, (long long)(a->nope + a->rope));
+    const cJSON *hd = key(c, "head_dim"), *qk = key(c, "qk_head_dim");
+    if (hd && !cJSON_IsNull(hd) && !(cJSON_IsNumber(hd) && hd->valuedouble == (double)a->rope))
+      return refuse(c, hd, "DeepSeek's rotary heads are qk_rope_head_dim wide");
+    if (qk && !(cJSON_IsNumber(qk) && qk->valuedouble == (double)(a->nope + a->rope)))
+      return refuse(c, qk, "it is qk_nope_head_dim + qk_rope_head_dim");
+  }
   if (family == RT_HF_QWEN3_MOE) {
     bool dense = false;
     for (int64_t l = 0; l < a->layers; l++) dense |= a->dense[l];
@@ -300,7 +438,7 @@ static int read_arch(Config *c, const char *text, int64_t seqlen) {
   }
   if (deferred) {
     const cJSON *hd = key(c, "head_dim");
-    if (hd && !cJSON_IsNull(hd) && !(cJSON_IsNumber(hd) && hd->valuedouble * (double)a->heads == (double)a->embed))
+    if (!glm && hd && !cJSON_IsNull(hd) && !(cJSON_IsNumber(hd) && hd->valuedouble * (double)a->heads == (double)a->embed))
       return refuse(c, hd, "moec's attention heads here are hidden_size / num_attention_heads wide");
     const cJSON *sw = key(c, "sliding_window");
     if (sw && cJSON_IsNumber(sw) && sw->valuedouble < (double)seqlen) c->window = (int64_t)sw->valuedouble;
@@ -346,7 +484,8 @@ static int read_config(const Options *o, Config *c, int64_t *seqlen) {
   if (!cJSON_IsObject(c->json)) status = fail("'%s' is not a JSON object", path);
   else if (!cJSON_IsString(type)) status = fail("%s: \"model_type\" is missing; it names the family", path);
   else if (!rt_hf_family_of(type->valuestring, &c->arch.family))
-    status = fail("%s: model_type \"%s\" is not a family moec reads (it reads mixtral, qwen2_moe, qwen3_moe and olmoe)",
+    status = fail("%s: model_type \"%s\" is not a family moec reads (it reads mixtral, qwen2_moe, qwen3_moe, olmoe, "
+                  "glm4_moe, deepseek_v2 and deepseek_v3)",
                   path, type->valuestring);
   if (status == 0) {
     const cJSON *mp = key(c, "max_position_embeddings");
@@ -367,6 +506,15 @@ static int read_config(const Options *o, Config *c, int64_t *seqlen) {
 static bool derived(const char *name) {
   size_t n = strlen(name);
   return n > 24 && strcmp(name + n - 24, ".rotary_emb.inv_freq") == 0;
+}
+
+// GLM-4.5's and DeepSeek-V3's multi-token-prediction layers: decoder layers from num_hidden_layers on,
+// which transformers neither builds nor loads (its _keys_to_ignore_on_load_unexpected).
+static bool prediction_layer(const Config *c, const char *name) {
+  long long l;
+  int at = 0;
+  return is_glm_like(c->arch.family) && sscanf(name, "model.layers.%lld.%n", &l, &at) == 1 && at > 0 &&
+         l >= c->arch.layers;
 }
 
 // Every moec parameter of the table, whole, filled from the checkpoint (F32).
@@ -419,8 +567,14 @@ static int convert(const Config *c, const RtStSet *set, const char *dir, const c
     rt_st_copy(e, tmp);
     rt_hf_to_moec(&t[i], tmp, data[j]);
   }
+  int skipped = 0;
   for (int k = 0; status == 0 && k < set->ntensors; k++)
-    if (!used[k] && !derived(set->by_name[k]->name))
+    skipped += !used[k] && prediction_layer(c, set->by_name[k]->name);
+  if (skipped > 0)
+    printf("# moec import-hf: %d tensors of the multi-token-prediction layers (model.layers.%lld and on) not read: "
+           "transformers does not load them either\n", skipped, (long long)c->arch.layers);
+  for (int k = 0; status == 0 && k < set->ntensors; k++)
+    if (!used[k] && !derived(set->by_name[k]->name) && !prediction_layer(c, set->by_name[k]->name))
       status = fail("%s: tensor '%s' is not part of a %s with this config.json; refusing rather than ignoring it", dir,
                     set->by_name[k]->name, rt_hf_family_name(c->arch.family));
   if (status == 0) {
@@ -487,6 +641,15 @@ static int runs_of(const RtHfArch *a, Run *runs) {
 
 static void attention_line(FILE *f, const Config *c) {
   const RtHfArch *a = &c->arch;
+  if (a->mla) {
+    fprintf(f, "  attention { heads %lld; bias %s; mla { ", (long long)a->heads, a->o_bias ? "true" : "false");
+    if (a->q_lora > 0) fprintf(f, "q_lora %lld; ", (long long)a->q_lora);
+    fprintf(f, "kv_lora %lld; nope %lld; rope %lld; v %lld; }", (long long)a->kv_lora, (long long)a->nope,
+            (long long)a->rope, (long long)a->v);
+    if (c->window > 0) fprintf(f, " window %lld;", (long long)c->window);
+    fprintf(f, " }\n");
+    return;
+  }
   fprintf(f, "  attention { heads %lld; kv_heads %lld; bias %s;", (long long)a->heads, (long long)a->kv_heads,
           a->o_bias ? "true" : a->qkv_bias ? "qkv" : "false");
   if (a->head_dim * a->heads != a->embed) fprintf(f, " head_dim %lld;", (long long)a->head_dim);
@@ -508,17 +671,29 @@ static int write_moe(const Options *o, const Config *c, int64_t seqlen, const ch
   fprintf(f,
           "# Imported by `moec import-hf` from %s (%s: config.json and %d safetensors file%s).\n"
           "# Its weights, in moec's names: %s; train from them with `BIN --weights %s`.\n"
-          "# As transformers computes it: dropless routing (capacity *), the k chosen softmax scores%s,\n"
+          "# As transformers computes it: dropless routing (capacity *), the k chosen %s scores%s,\n"
           "# %s, no router noise.\n",
           o->dir, rt_hf_family_name(a->family), nfiles, nfiles == 1 ? "" : "s", weights_path, weights_path,
-          c->renormalize ? " renormalised" : " as they are (not renormalised)",
+          a->correction_bias ? "sigmoid" : "softmax", c->renormalize ? " renormalised" : " as they are (not renormalised)",
           c->router_logits ? "its load-balancing loss pooled over the layers (output_router_logits is true: aux pooled)"
                            : "no aux loss in the objective (output_router_logits is false)");
   fprintf(f, "model %s {\n  dtype fp32; batch %lld; seqlen %lld; embed %lld; seed 1;\n  vocab %lld;\n", name,
           (long long)o->batch, (long long)seqlen, (long long)a->embed, (long long)a->vocab);
   char b1[40], b2[40];
-  fprintf(f, "  position rope { theta %s; }\n  norm rmsnorm { eps %s; }\n  tie_embeddings %s;\n",
-          fe_float_text(c->theta, b1, sizeof b1), fe_float_text(c->eps, b2, sizeof b2), c->tie ? "true" : "false");
+  fprintf(f, "  position rope { theta %s;", fe_float_text(c->theta, b1, sizeof b1));
+  if (c->partial != 1) fprintf(f, " partial %s;", fe_float_text(c->partial, b1, sizeof b1));
+  if (c->interleave) fprintf(f, " interleave true;");
+  if (c->yarn) {
+    fprintf(f, "\n    yarn { factor %s; original %lld;", fe_float_text(c->yarn_factor, b1, sizeof b1),
+            (long long)c->yarn_original);
+    fprintf(f, " beta_fast %s; beta_slow %s;", fe_float_text(c->yarn_beta_fast, b1, sizeof b1),
+            fe_float_text(c->yarn_beta_slow, b2, sizeof b2));
+    if (c->yarn_mscale > 0) fprintf(f, " mscale %s;", fe_float_text(c->yarn_mscale, b1, sizeof b1));
+    if (c->yarn_mscale_all_dim > 0) fprintf(f, " mscale_all_dim %s;", fe_float_text(c->yarn_mscale_all_dim, b1, sizeof b1));
+    fprintf(f, " }\n ");
+  }
+  fprintf(f, " }\n  norm rmsnorm { eps %s; }\n  tie_embeddings %s;\n", fe_float_text(c->eps, b2, sizeof b2),
+          c->tie ? "true" : "false");
   fprintf(f, "  optimizer %s { lr %s; }\n}\n", o->optimizer, fe_float_text(o->lr, b1, sizeof b1));
   const char *base = strrchr(o->prefix, '/');
   fprintf(f, "# The checkpoint's config.json (and generation_config.json): --export-hf keeps every key the\n"
@@ -533,9 +708,21 @@ static int write_moe(const Options *o, const Config *c, int64_t seqlen, const ch
       continue;
     }
     fprintf(f, "  moe {\n    experts %lld { ffn mixtral { hidden %lld; } }\n", (long long)a->experts, (long long)a->hidden);
-    fprintf(f, "    gate gshard { k %lld; capacity *; renormalize %s;", (long long)c->k, c->renormalize ? "true" : "false");
-    if (c->router_logits) fprintf(f, " aux_loss %s; aux pooled;", fe_float_text(c->aux_coef, b1, sizeof b1));
-    fprintf(f, " }\n");
+    if (a->correction_bias) {   // DeepSeek-V3's router: the correction bias stays as imported (rate 0)
+      fprintf(f, "    # the checkpoint's e_score_correction_bias steers the choice; 'balance bias 0' keeps it fixed\n"
+                 "    # as transformers does (DeepSeek-V3 pretrained with 'balance bias 0.001')\n");
+      fprintf(f, "    gate sigmoid { k %lld; capacity *; renormalize %s;", (long long)c->k, c->renormalize ? "true" : "false");
+      if (c->n_group > 1) fprintf(f, " expert_groups %lld; topk_groups %lld;", (long long)c->n_group, (long long)c->topk_group);
+      if (c->scale != 1) fprintf(f, " scale %s;", fe_float_text(c->scale, b1, sizeof b1));
+      fprintf(f, " balance bias 0; }\n");
+    } else {
+      fprintf(f, "    gate gshard { k %lld; capacity *; renormalize %s;", (long long)c->k, c->renormalize ? "true" : "false");
+      if (c->n_group > 1)   // DeepSeek-V2's group_limited_greedy
+        fprintf(f, " expert_groups %lld; topk_groups %lld; group_score max;", (long long)c->n_group, (long long)c->topk_group);
+      if (c->scale != 1) fprintf(f, " scale %s;", fe_float_text(c->scale, b1, sizeof b1));
+      if (c->router_logits) fprintf(f, " aux_loss %s; aux pooled;", fe_float_text(c->aux_coef, b1, sizeof b1));
+      fprintf(f, " }\n");
+    }
     if (a->shared_hidden > 0)
       fprintf(f, "    shared { ffn mixtral { hidden %lld; }%s }\n", (long long)a->shared_hidden, a->shared_gate ? " gate sigmoid;" : "");
     fprintf(f, "  }\n}\n");

@@ -52,11 +52,11 @@ static void call(const Call *c) {
     const AttnShape *s = c->attn;
     int qc = s->heads * s->d;
     if (!c->n) {
-      rt_attn_fwd(c->a, c->b, c->send, c->c, c->m, s->seq, s->heads, s->kv, qc, 0);
+      rt_attn_fwd(c->a, c->b, c->send, c->c, c->m, s->seq, s->heads, s->kv, qc, 0, 0.0f);
     } else {
-      rt_attn_stats(c->recv, c->a, c->b, c->c, c->attn_stats, c->m, s->seq, s->heads, s->kv, qc, 0);
-      rt_attn_grad_q(c->recv, c->a, c->b, c->send, c->attn_stats, c->attn_grad, c->m, s->seq, s->heads, s->kv, qc, 0);
-      rt_attn_grad_kv(c->recv, c->a, c->b, c->send, c->attn_stats, c->attn_grad, c->m, s->seq, s->heads, s->kv, qc, 0);
+      rt_attn_stats(c->recv, c->a, c->b, c->c, c->attn_stats, c->m, s->seq, s->heads, s->kv, qc, 0, 0.0f);
+      rt_attn_grad_q(c->recv, c->a, c->b, c->send, c->attn_stats, c->attn_grad, c->m, s->seq, s->heads, s->kv, qc, 0, 0.0f);
+      rt_attn_grad_kv(c->recv, c->a, c->b, c->send, c->attn_stats, c->attn_grad, c->m, s->seq, s->heads, s->kv, qc, 0, 0.0f);
     }
     break;
   }

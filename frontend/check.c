@@ -165,9 +165,24 @@ static const Field optimizer_fields[] = {
 };
 static const Block optimizer_block = BLOCK("optimizer", optimizer_fields, NULL);
 
-// position = "position" (learned | rope) [ "{" [theta] "}" ]
+// yarn = "yarn" "{" factor original [beta_fast] [beta_slow] [mscale] [mscale_all_dim] "}"
+static const Field yarn_fields[] = {
+  {"factor", F_REQUIRED, .vals = {{V_NUM, R_POS, .off = AT(FeModel, yarn_factor)}}},
+  {"original", F_REQUIRED, .vals = {{V_INT, R_POS, .off = AT(FeModel, yarn_original)}}},
+  {"beta_fast", 0, .vals = {{V_NUM, R_POS, .def = "32", .off = AT(FeModel, yarn_beta_fast)}}},
+  {"beta_slow", 0, .vals = {{V_NUM, R_POS, .def = "1", .off = AT(FeModel, yarn_beta_slow)}}},
+  {"mscale", 0, .vals = {{V_NUM, R_NONNEG, .def = "0", .off = AT(FeModel, yarn_mscale)}}},
+  {"mscale_all_dim", 0, .vals = {{V_NUM, R_NONNEG, .def = "0", .off = AT(FeModel, yarn_mscale_all_dim)}}},
+};
+static const Block yarn_block = BLOCK("yarn", yarn_fields, NULL);
+
+// position = "position" (learned | rope) [ "{" [theta] [partial] [interleave] [yarn] "}" ]
 static const Field position_fields[] = {
   {"theta", 0, "rope", {{V_NUM, R_POS, .def = "10000", .off = AT(FeModel, rope_theta)}}},
+  {"partial", 0, "rope", {{V_NUM, R_POS, .def = "1", .off = AT(FeModel, rope_partial)}},
+   .loc = AT(FeModel, rope_partial_loc)},
+  {"interleave", 0, "rope", {{V_BOOL, .def = "false", .off = AT(FeModel, rope_interleave)}}},
+  {"yarn", F_BLOCK, "rope", .block = &yarn_block, .sub = SAME, .loc = AT(FeModel, yarn_loc), .present = AT(FeModel, has_yarn)},
 };
 static const Block position_block = BLOCK("position", position_fields, NULL);
 
@@ -315,6 +330,16 @@ static const Block moe_block = BLOCK("moe", moe_fields, NULL);
 
 // attention = "attention" "{" heads [kv_heads] [head_dim] [bias (true | false | qkv)]
 //                              [qk_norm (head | whole)] [window N] "}"
+// mla = "mla" "{" [q_lora] kv_lora nope rope v "}"
+static const Field mla_fields[] = {
+  {"q_lora", 0, .vals = {{V_INT, R_NONNEG, .def = "0", .off = AT(FeLayer, mla_q_lora)}}},
+  {"kv_lora", F_REQUIRED, .vals = {{V_INT, R_POS, .off = AT(FeLayer, mla_kv_lora)}}},
+  {"nope", F_REQUIRED, .vals = {{V_INT, R_POS, .off = AT(FeLayer, mla_nope)}}},
+  {"rope", F_REQUIRED, .vals = {{V_INT, R_POS, .off = AT(FeLayer, mla_rope)}}},
+  {"v", F_REQUIRED, .vals = {{V_INT, R_POS, .off = AT(FeLayer, mla_v)}}},
+};
+static const Block mla_block = BLOCK("mla", mla_fields, NULL);
+
 static const Field attention_fields[] = {
   {"heads", F_REQUIRED, .vals = {{V_INT, R_POS, .off = AT(FeLayer, heads)}}},
   {"kv_heads", 0, .vals = {{V_INT, R_POS, .def = "0", .off = AT(FeLayer, kv_heads)}}},
@@ -324,6 +349,7 @@ static const Field attention_fields[] = {
   {"qk_norm", 0, .vals = {{V_WORD, .what = "qk_norm kind", .words = qk_norms, .off = AT(FeLayer, qk_norm)}},
    .loc = AT(FeLayer, qk_norm_loc)},
   {"window", 0, .vals = {{V_INT, R_POS, .def = "0", .off = AT(FeLayer, window)}}, .loc = AT(FeLayer, window_loc)},
+  {"mla", F_BLOCK, .block = &mla_block, .sub = SAME, .loc = AT(FeLayer, mla_loc), .present = AT(FeLayer, has_mla)},
 };
 static const Block attention_block = BLOCK("attention", attention_fields, finish_attention);
 
@@ -376,7 +402,7 @@ static const Block *const moe_blocks[] = {
   &moe_file_block, &model_block, &optimizer_block, &position_block, &norm_block, &data_block,
   &parallel_block, &layer_block, &attention_block,
   &moe_block, &experts_block, &ffn_block, &gate_block, &dispatch_block, &schedule_block,
-  &pipeline_block, &shared_block, NULL,
+  &pipeline_block, &shared_block, &mla_block, &yarn_block, NULL,
 };
 
 // ---- the .cluster schema ----
@@ -1258,6 +1284,43 @@ static bool check_layer_parts(Ctx *c, const FeProgram *p, FeLayer *l, const FeNo
 
 // heads, kv_heads and head_dim against the model and the layout; fills in head_dim when not
 // written (embed/heads).
+// Multi-head latent attention (`mla { ... }`): its own head widths (no head_dim, kv_heads or
+// qk_norm), rope positions of an even width turning whole (no `partial`), v at most nope + rope
+// wide (the attention pads v to the heads' width), biases on all of its projections or none, and
+// heads that MP splits evenly.
+static void check_mla(Ctx *c, const FeProgram *p, FeLayer *l, const FeNode *an) {
+  const FeModel *m = &p->model;
+  const FeNode *mn = find_kid(an, "mla");
+  SrcLoc at = l->mla_loc;
+  if (l->kv_heads != l->heads)
+    ir_error_at(c->d, kid_loc(an, "kv_heads", at), "kv_heads %lld with mla: every head has its own keys and values from "
+                "the latent (kv_heads is heads)", (long long)l->kv_heads);
+  if (kid_loc(an, "head_dim", (SrcLoc){0}).src)
+    ir_error_at(c->d, kid_loc(an, "head_dim", at), "head_dim with mla: the heads are nope + rope wide (q, k) and v wide");
+  if (l->qk_norm)
+    ir_error_at(c->d, l->qk_norm_loc, "qk_norm with mla: its latents have their own RMSNorms");
+  if (strcmp(l->attn_bias_kind, "qkv") == 0)
+    ir_error_at(c->d, kid_loc(an, "bias", at), "'bias qkv' with mla: 'bias true' gives its down projections and the "
+                "output projection biases (attention_bias), 'bias false' none");
+  if (!m->has_vocab || strcmp(m->position, "rope") != 0)
+    ir_error_at(c->d, at, "mla turns the rope part of q and k: the model needs 'position rope;'");
+  else if (m->rope_partial != 1)
+    ir_error_at(c->d, m->rope_partial_loc, "'partial' with mla: its rope part turns whole ('rope %lld')",
+                (long long)l->mla_rope);
+  if (l->mla_rope % 2 != 0)
+    ir_error_at(c->d, kid_loc(mn, "rope", at), "rope %lld is odd: rotary positions turn pairs of columns",
+                (long long)l->mla_rope);
+  if (l->mla_v > l->mla_nope + l->mla_rope)
+    ir_error_at(c->d, kid_loc(mn, "v", at), "v %lld is wider than nope + rope = %lld: moec's mla pads v to the heads' "
+                "width, not q and k to v's", (long long)l->mla_v, (long long)(l->mla_nope + l->mla_rope));
+  if (c->parallel_ok && l->heads % p->parallel.mp != 0) {
+    ir_error_at(c->d, kid_loc(an, "heads", at), "heads %lld cannot be split evenly over mp %lld ranks",
+                (long long)l->heads, (long long)p->parallel.mp);
+    ir_note_at(c->d, kid_loc(c->parallel_node, "mp", p->parallel.loc), "each mp rank computes heads/mp of the heads");
+  }
+  l->head_dim = l->mla_nope + l->mla_rope;
+}
+
 static void check_attention(Ctx *c, const FeProgram *p, FeLayer *l, const FeNode *ln) {
   const FeModel *m = &p->model;
   const FeParallel *par = &p->parallel;
@@ -1269,6 +1332,10 @@ static void check_attention(Ctx *c, const FeProgram *p, FeLayer *l, const FeNode
     l->kv_heads = l->heads;
   if (!c->model_ok)
     return;
+  if (l->has_mla) {
+    check_mla(c, p, l, an);
+    return;
+  }
   if (!own_dim && m->embed % l->heads != 0) {
     ir_error_at(c->d, at, "heads %lld does not divide embed %lld: each head gets embed/heads features",
                 (long long)l->heads, (long long)m->embed);
@@ -1286,6 +1353,13 @@ static void check_attention(Ctx *c, const FeProgram *p, FeLayer *l, const FeNode
     else
       ir_error_at(c->d, at, "rope needs an even head size, but embed/heads = %lld/%lld = %lld",
                   (long long)m->embed, (long long)l->heads, (long long)(m->embed / l->heads));
+  }
+  if (m->has_vocab && strcmp(m->position, "rope") == 0 && l->head_dim % 2 == 0 && m->rope_partial != 1) {
+    // transformers: int(head_dim * partial_rotary_factor) columns turn
+    int64_t turned = (int64_t)((double)l->head_dim * m->rope_partial);
+    if (m->rope_partial > 1 || turned < 2 || turned % 2 != 0)
+      ir_error_at(c->d, m->rope_partial_loc, "partial %g turns %lld of the %lld columns of a head; rope needs an even "
+                  "number from 2 to all of them", m->rope_partial, (long long)turned, (long long)l->head_dim);
   }
   if (c->parallel_ok && (l->heads % par->mp != 0 || l->kv_heads % par->mp != 0)) {
     ir_error_at(c->d, l->heads % par->mp != 0 ? at : kv_at, "%s %lld cannot be split evenly over mp %lld ranks",

@@ -84,6 +84,16 @@ typedef struct FeModel {
   SrcLoc position_loc;
   bool has_position;
   double rope_theta;         // default 10000
+  double rope_partial;       // the part of each head rope turns (GLM's partial_rotary_factor); default 1
+  SrcLoc rope_partial_loc;
+  bool rope_interleave;      // rope turns adjacent pairs (2c, 2c+1) (DeepSeek's); default false: halves
+  // `yarn { ... }`: YaRN's rope scaling (transformers' rope_type "yarn"): the frequencies blended
+  // between theta's and theta's / factor over the pairs of original positions' correction range
+  // (beta_fast, beta_slow), cos and sin times attention_factor from mscale, mscale_all_dim
+  bool has_yarn;
+  SrcLoc yarn_loc;
+  double yarn_factor, yarn_beta_fast, yarn_beta_slow, yarn_mscale, yarn_mscale_all_dim;
+  int64_t yarn_original;
   const char *norm;          // "layernorm" | "rmsnorm"
   SrcLoc norm_loc;
   bool has_norm;
@@ -188,6 +198,12 @@ typedef struct FeLayer {
   SrcLoc qk_norm_loc;
   int64_t window;       // `window W`: query i sees keys j with i - W < j <= i; 0: all keys j <= i
   SrcLoc window_loc;
+  // `mla { ... }`: multi-head latent attention (DeepSeek-V2/V3): q through a rank q_lora bottleneck
+  // with its RMSNorm (0: one projection), keys and values from a rank kv_lora latent with its RMSNorm,
+  // every head nope + rope wide for q and k (the rope part of k one for all heads), v wide for v
+  bool has_mla;
+  SrcLoc mla_loc;
+  int64_t mla_q_lora, mla_kv_lora, mla_nope, mla_rope, mla_v;
   bool has_moe;
   FeMoe moe;
   bool has_mlp;         // a dense FFN layer of a language model (`mlp { ffn ... }`)

@@ -13,7 +13,18 @@
 //     projections or none (attention_bias), dense layers allowed, renormalised or not;
 //   - OLMoE: RMSNorm of q and k over the whole width (`qk_norm whole`), biases on all four or
 //     none, no dense layers, renormalised or not.
-// Mixtral alone has a sliding window (`window W`, the same in every layer).
+//   - GLM-4.5 (glm4_moe): DeepSeek-V3's router instead (`gate sigmoid` with `balance bias`, the
+//     group limit by the two best, `scale`, renormalised or not), an ungated shared expert of
+//     n_shared_experts times the experts' hidden, the first layers dense (first_k_dense_replace),
+//     q/k/v biases or none, RMSNorm of q and k per head or none, any head_dim, and rope turning a
+//     part of each head (`position rope { partial F; }`, partial_rotary_factor).
+//   - DeepSeek-V3 (deepseek_v3; also Kimi K2, Moonlight): multi-head latent attention (`mla`, the
+//     same in every layer) with its rope on adjacent pairs (`interleave true`: rope_interleave) or
+//     halves, YaRN's scaling (`yarn`) or none, GLM-4.5's router, shared expert and dense layers;
+//   - DeepSeek-V2 (deepseek_v2): the same attention (interleaved), `gate gshard` not renormalised,
+//     greedy or the group limit by the best (`group_score max`: group_limited_greedy), `scale`.
+// Mixtral alone has a sliding window (`window W`, the same in every layer), GLM-4.5 alone a
+// partial rotary factor, the DeepSeek families alone `mla`, `interleave` and `yarn`.
 // Training-only settings (capacity, noise, aux and z losses, hooks, the layout, the schedule) do
 // not change the weights' meaning and do not stop an export; the exported model computes
 // dropless, as transformers does. `aux pooled` in every MoE layer is transformers' own
@@ -36,11 +47,60 @@ static bool refuse(char *why, size_t n, const char *fmt, ...) {
   return false;
 }
 
-typedef enum Family { MIXTRAL, QWEN2_MOE, QWEN3_MOE, OLMOE } Family;
-static const char *const family_names[] = {"Mixtral", "Qwen2-MoE", "Qwen3-MoE", "OLMoE"};
-static const char *const family_types[] = {"mixtral", "qwen2_moe", "qwen3_moe", "olmoe"};
+typedef enum Family { MIXTRAL, QWEN2_MOE, QWEN3_MOE, OLMOE, GLM4_MOE, DEEPSEEK_V2, DEEPSEEK_V3 } Family;
+static const char *const family_names[] = {"Mixtral", "Qwen2-MoE", "Qwen3-MoE", "OLMoE", "GLM-4.5", "DeepSeek-V2",
+                                           "DeepSeek-V3"};
+static const char *const family_types[] = {"mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "glm4_moe", "deepseek_v2",
+                                           "deepseek_v3"};
 static const char *const family_classes[] = {"MixtralForCausalLM", "Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM",
-                                             "OlmoeForCausalLM"};
+                                             "OlmoeForCausalLM", "Glm4MoeForCausalLM", "DeepseekV2ForCausalLM",
+                                             "DeepseekV3ForCausalLM"};
+
+static bool deepseek(Family f) { return f == DEEPSEEK_V2 || f == DEEPSEEK_V3; }
+
+// The router of an MoE layer: GLM-4.5's is DeepSeek-V3's (sigmoid scores, a correction bias, the
+// group limit by the two best, a scale); the others' a plain softmax top-k.
+static bool router_of(const FeLayer *l, Family f, char *why, size_t n) {
+  const FeGate *g = &l->moe.gate;
+  const char *fam = family_names[f];
+  if (f == DEEPSEEK_V2) {
+    if (strcmp(g->name, "gshard") != 0)
+      return refuse(why, n, "layer '%s' has gate '%s'; %s's router is a softmax top-k ('gshard')", l->name, g->name, fam);
+    if (g->bias || g->balance)
+      return refuse(why, n, "layer '%s' has a router %s; %s's router has none", l->name, g->bias ? "bias" : "correction bias", fam);
+    if (g->renormalize)
+      return refuse(why, n, "layer '%s' renormalises its gates; %s's keeps the softmax scores (times its scale)", l->name, fam);
+    if (g->expert_groups > 1 && strcmp(g->group_score, "max") != 0)
+      return refuse(why, n, "layer '%s' ranks its expert groups by their two best; %s's group_limited_greedy by their "
+                    "best ('group_score max')", l->name, fam);
+    return true;
+  }
+  if (f == GLM4_MOE || f == DEEPSEEK_V3) {
+    if (strcmp(g->name, "sigmoid") != 0)
+      return refuse(why, n, "layer '%s' has gate '%s'; %s's router is 'gate sigmoid' with a correction bias", l->name,
+                    g->name, fam);
+    if (g->bias) return refuse(why, n, "layer '%s' has a router bias ('bias true'); %s's router has none", l->name, fam);
+    if (!g->balance)
+      return refuse(why, n, "layer '%s' has no correction bias; %s's router has one ('balance bias RATE')", l->name, fam);
+    if (g->expert_groups > 1 && strcmp(g->group_score, "top2") != 0)
+      return refuse(why, n, "layer '%s' ranks its expert groups by their best ('group_score max'); %s's by the sum of "
+                    "their two best", l->name, fam);
+    return true;
+  }
+  if (strcmp(g->name, "gshard") != 0)
+    return refuse(why, n, "layer '%s' has gate '%s'; %s's router is a softmax top-k ('gshard')", l->name, g->name, fam);
+  if (g->bias) return refuse(why, n, "layer '%s' has a router bias ('bias true'); %s's router has none", l->name, fam);
+  if (g->expert_groups > 1 || g->scale != 1 || g->balance)
+    return refuse(why, n, "layer '%s' has DeepSeek's choice (%s); %s's router is a plain top-k", l->name,
+                  g->balance ? "'balance bias'" : g->scale != 1 ? "'scale'" : "'expert_groups'", fam);
+  return true;
+}
+
+// Two MoE layers' routers are the one of a config.
+static bool same_router(const FeGate *a, const FeGate *b) {
+  return a->k == b->k && a->renormalize == b->renormalize && a->expert_groups == b->expert_groups &&
+         a->topk_groups == b->topk_groups && a->scale == b->scale && (!a->balance) == (!b->balance);
+}
 
 // What every family shares; first_moe is the first MoE layer (all MoE layers must equal it).
 static bool common(const FeProgram *p, Family f, const FeLayer **first_moe, char *why, size_t n) {
@@ -50,41 +110,50 @@ static bool common(const FeProgram *p, Family f, const FeLayer **first_moe, char
   if (strcmp(md->position, "rope") != 0)
     return refuse(why, n, "it has 'position %s'; %s has rotary positions ('position rope')", md->position, fam);
   if (strcmp(md->norm, "rmsnorm") != 0) return refuse(why, n, "it has 'norm %s'; %s has 'norm rmsnorm'", md->norm, fam);
+  if (f != GLM4_MOE && md->rope_partial != 1)
+    return refuse(why, n, "its rope turns a part of each head ('partial %g'); %s's turns whole heads", md->rope_partial, fam);
+  if (!deepseek(f) && (md->rope_interleave || md->has_yarn))
+    return refuse(why, n, "its rope has '%s'; %s's is the plain rotate-half one", md->has_yarn ? "yarn" : "interleave", fam);
+  if (f == DEEPSEEK_V2 && !md->rope_interleave)
+    return refuse(why, n, "its rope turns halves of the heads; %s's turns adjacent pairs ('interleave true')", fam);
   const FeLayer *m0 = NULL, *a0 = &p->layers[0];
   for (int i = 0; i < p->nlayers; i++) {
     const FeLayer *l = &p->layers[i];
     bool same_norm = (!l->qk_norm && !a0->qk_norm) || (l->qk_norm && a0->qk_norm && strcmp(l->qk_norm, a0->qk_norm) == 0);
+    if (l->has_mla != deepseek(f))
+      return refuse(why, n, "layer '%s' %s; %s", l->name, l->has_mla ? "has latent attention ('mla')" : "has no 'mla'",
+                    deepseek(f) ? "DeepSeek's attention is latent in every layer" : "only DeepSeek's attention is latent");
+    if (l->has_mla && (l->mla_q_lora != a0->mla_q_lora || l->mla_kv_lora != a0->mla_kv_lora || l->mla_nope != a0->mla_nope ||
+                       l->mla_rope != a0->mla_rope || l->mla_v != a0->mla_v))
+      return refuse(why, n, "layers '%s' and '%s' have different attention; a %s config has one", a0->name, l->name, fam);
     if (l->heads != a0->heads || l->kv_heads != a0->kv_heads || l->head_dim != a0->head_dim ||
         l->attn_bias != a0->attn_bias || l->attn_bias_out != a0->attn_bias_out || !same_norm || l->window != a0->window)
       return refuse(why, n, "layers '%s' and '%s' have different attention; a %s config has one", a0->name, l->name, fam);
-    if (f != QWEN3_MOE && l->head_dim > 0 && l->head_dim * l->heads != md->embed)
+    if (f != QWEN3_MOE && f != GLM4_MOE && !deepseek(f) && l->head_dim > 0 && l->head_dim * l->heads != md->embed)
       return refuse(why, n, "layer '%s' has head_dim %lld, not embed/heads; %s's heads are hidden_size/heads wide",
                     l->name, (long long)l->head_dim, fam);
     if (f != MIXTRAL && l->window > 0 && l->window < md->seqlen)
       return refuse(why, n, "layer '%s' has 'window %lld'; %s's attention sees the whole sequence", l->name,
                     (long long)l->window, fam);
     const char *want_norm = f == QWEN3_MOE ? "head" : f == OLMOE ? "whole" : NULL;
-    if ((want_norm == NULL) != (l->qk_norm == NULL) || (want_norm && strcmp(want_norm, l->qk_norm) != 0))
+    if (f == GLM4_MOE && l->qk_norm && strcmp(l->qk_norm, "head") != 0)
+      return refuse(why, n, "layer '%s' has qk_norm %s; %s normalises q and k per head ('qk_norm head') or not at all",
+                    l->name, l->qk_norm, fam);
+    if (f != GLM4_MOE && ((want_norm == NULL) != (l->qk_norm == NULL) || (want_norm && strcmp(want_norm, l->qk_norm) != 0)))
       return refuse(why, n, "layer '%s' has %s%s; %s has %s", l->name, l->qk_norm ? "qk_norm " : "no qk_norm",
                     l->qk_norm ? l->qk_norm : "", fam, want_norm ? (f == QWEN3_MOE ? "'qk_norm head'" : "'qk_norm whole'") : "none");
     if (!l->has_moe) continue;
     const FeMoe *e = &l->moe;
     if (strcmp(e->experts.kind, "mixtral") != 0)
       return refuse(why, n, "layer '%s' has 'ffn %s' experts; %s's are SwiGLU ('ffn mixtral')", l->name, e->experts.kind, fam);
-    if (strcmp(e->gate.name, "gshard") != 0)
-      return refuse(why, n, "layer '%s' has gate '%s'; %s's router is a softmax top-k ('gshard')", l->name, e->gate.name, fam);
-    if (e->gate.bias)
-      return refuse(why, n, "layer '%s' has a router bias ('bias true'); %s's router has none", l->name, fam);
-    if (e->gate.expert_groups > 1 || e->gate.scale != 1 || e->gate.balance)
-      return refuse(why, n, "layer '%s' has DeepSeek's choice (%s); %s's router is a plain top-k", l->name,
-                    e->gate.balance ? "'balance bias'" : e->gate.scale != 1 ? "'scale'" : "'expert_groups'", fam);
+    if (!router_of(l, f, why, n)) return false;
     if (!m0) {
       m0 = l;
       continue;
     }
     const FeMoe *e0 = &m0->moe;
-    if (e->experts.count != e0->experts.count || e->experts.hidden != e0->experts.hidden || e->gate.k != e0->gate.k ||
-        e->gate.renormalize != e0->gate.renormalize || e->has_shared != e0->has_shared ||
+    if (e->experts.count != e0->experts.count || e->experts.hidden != e0->experts.hidden ||
+        !same_router(&e->gate, &e0->gate) || e->has_shared != e0->has_shared ||
         (e->has_shared && (e->shared.hidden != e0->shared.hidden || e->shared_gated != e0->shared_gated)))
       return refuse(why, n, "MoE layers '%s' and '%s' differ; a %s config has one MoE", m0->name, l->name, fam);
   }
@@ -123,6 +192,39 @@ static bool is_mixtral(const FeProgram *p, const FeLayer **m0, char *why, size_t
   if (!e->gate.renormalize)
     return refuse(why, n, "its gate keeps the softmax scores ('renormalize false' or k 1); Mixtral renormalises the k "
                   "chosen ones ('renormalize true')");
+  return true;
+}
+
+// GLM-4.5 and DeepSeek: the first_k_dense_replace first layers dense SwiGLU ones (of one hidden),
+// the others MoE; an ungated shared expert n_shared_experts experts wide. GLM-4.5 has no output
+// projection bias.
+static bool is_glm4_moe(const FeProgram *p, Family f, const FeLayer **m0, char *why, size_t n) {
+  if (!common(p, f, m0, why, n)) return false;
+  const char *fam = family_names[f];
+  bool moe_seen = false;
+  for (int i = 0; i < p->nlayers; i++) {
+    const FeLayer *l = &p->layers[i];
+    if (f == GLM4_MOE && l->attn_bias_out)
+      return refuse(why, n, "layer '%s' has an output projection bias ('bias true'); GLM-4.5 has q, k and v biases "
+                    "only ('bias qkv') or none", l->name);
+    if (deepseek(f) && l->window > 0 && l->window < p->model.seqlen)
+      return refuse(why, n, "layer '%s' has 'window %lld'; %s's attention sees the whole sequence", l->name,
+                    (long long)l->window, fam);
+    if (l->has_mlp && (moe_seen || strcmp(l->mlp.kind, "mixtral") != 0))
+      return refuse(why, n, "layer '%s' is dense %s; %s's dense layers are SwiGLU ('ffn mixtral') and come first "
+                    "(first_k_dense_replace)", l->name, moe_seen ? "after an MoE layer" : "but not SwiGLU", fam);
+    moe_seen |= l->has_moe;
+    for (int j = 0; j < i; j++)
+      if (l->has_mlp && p->layers[j].has_mlp && l->mlp.hidden != p->layers[j].mlp.hidden)
+        return refuse(why, n, "dense layers '%s' and '%s' differ in hidden; a %s config has one", p->layers[j].name,
+                      l->name, fam);
+  }
+  const FeMoe *e = &(*m0)->moe;
+  if (!e->has_shared || e->shared_gated || e->shared.hidden % e->experts.hidden != 0)
+    return refuse(why, n, "%s; %s's MoE layers have an ungated shared expert of n_shared_experts times the "
+                  "experts' hidden (%lld)", !e->has_shared ? "it has no shared expert" : e->shared_gated
+                  ? "its shared expert is gated" : "its shared expert's hidden is not a multiple of the experts'",
+                  fam, (long long)e->experts.hidden);
   return true;
 }
 
@@ -176,6 +278,50 @@ static void add_dense_layers(cJSON *c, const FeProgram *p) {
       if (p->layers[i].has_mlp) cJSON_AddItemToArray(only, cJSON_CreateNumber((double)l));
 }
 
+// GLM-4.5's and the DeepSeek families' keys: their MoE (routed, shared, dense first), router and,
+// for DeepSeek, the latent attention (transformers' head_dim is its rotary heads' width).
+static void glm_like_keys(cJSON *c, cJSON *soft, const FeProgram *p, Family f, const FeMoe *e, const FeLayer *a0,
+                          int64_t dense_hidden) {
+  const FeModel *md = &p->model;
+  int64_t first_dense = 0;
+  for (int i = 0; i < p->nlayers && p->layers[i].has_mlp; i++) first_dense += p->layers[i].repeat;
+  add_int(c, "n_routed_experts", e->experts.count);
+  add_int(c, "moe_intermediate_size", e->experts.hidden);
+  add_int(c, "n_shared_experts", e->shared.hidden / e->experts.hidden);
+  add_int(dense_hidden > 0 ? c : soft, "intermediate_size", dense_hidden > 0 ? dense_hidden : e->experts.hidden);
+  add_int(c, "first_k_dense_replace", first_dense);
+  bool groups = e->gate.expert_groups > 1;
+  if (f == DEEPSEEK_V2) {   // greedy, or group_limited_greedy with its groups
+    cJSON_AddStringToObject(c, "topk_method", groups ? "group_limited_greedy" : "greedy");
+    add_int(groups ? c : soft, "n_group", e->gate.expert_groups);   // greedy: the config's own, if any
+    add_int(groups ? c : soft, "topk_group", e->gate.topk_groups);
+    cJSON_AddBoolToObject(soft, "norm_topk_prob", false);
+    cJSON_AddBoolToObject(soft, "mlp_bias", false);
+  } else {
+    add_int(c, "n_group", e->gate.expert_groups);
+    add_int(c, "topk_group", e->gate.topk_groups);
+    cJSON_AddBoolToObject(c, "norm_topk_prob", e->gate.renormalize);
+  }
+  add_float(c, "routed_scaling_factor", e->gate.scale);
+  if (f == GLM4_MOE) {
+    add_int(c, "head_dim", a0->head_dim);
+    cJSON_AddBoolToObject(c, "use_qk_norm", a0->qk_norm != NULL);
+  } else {   // the latent attention; transformers' head_dim is the rotary heads' width
+    if (a0->mla_q_lora > 0) add_int(c, "q_lora_rank", a0->mla_q_lora);
+    else cJSON_AddNullToObject(c, "q_lora_rank");
+    add_int(c, "kv_lora_rank", a0->mla_kv_lora);
+    add_int(c, "qk_nope_head_dim", a0->mla_nope);
+    add_int(c, "qk_rope_head_dim", a0->mla_rope);
+    add_int(c, "v_head_dim", a0->mla_v);
+    add_int(c, "qk_head_dim", a0->mla_nope + a0->mla_rope);
+    add_int(c, "head_dim", a0->mla_rope);
+    if (f == DEEPSEEK_V3) cJSON_AddBoolToObject(c, "rope_interleave", md->rope_interleave);
+    add_int(soft, "pretraining_tp", 1);
+  }
+  cJSON_AddBoolToObject(c, "attention_bias", a0->attn_bias);
+  if (f != DEEPSEEK_V2) add_int(soft, "num_nextn_predict_layers", 0);
+}
+
 // The keys the model determines (*soft: those whose value is the model's only where the imported
 // config has none: a size of layers the model does not have, a training-only setting).
 static cJSON *model_config(const FeProgram *p, cJSON **soft, char *why, size_t n) {
@@ -186,10 +332,17 @@ static cJSON *model_config(const FeProgram *p, cJSON **soft, char *why, size_t n
   for (int i = 0; i < p->nlayers; i++)
     looks_qwen2 |= (p->layers[i].has_moe && p->layers[i].moe.has_shared) ||
                    (p->layers[i].attn_bias && !p->layers[i].attn_bias_out) || (!qk && p->layers[i].has_mlp);
-  Family f = qk && strcmp(qk, "head") == 0 ? QWEN3_MOE : qk ? OLMOE : looks_qwen2 ? QWEN2_MOE : MIXTRAL;
-  bool ok = f == MIXTRAL     ? is_mixtral(p, &m0, why, n)
-            : f == QWEN2_MOE ? is_qwen2_moe(p, &m0, why, n)
-                             : is_qwen3_or_olmoe(p, f, &m0, why, n);
+  bool sigmoid = false, mla = false;
+  for (int i = 0; i < p->nlayers; i++) {
+    sigmoid |= p->layers[i].has_moe && strcmp(p->layers[i].moe.gate.name, "sigmoid") == 0;
+    mla |= p->layers[i].has_mla;
+  }
+  Family f = mla ? (sigmoid ? DEEPSEEK_V3 : DEEPSEEK_V2) : sigmoid ? GLM4_MOE : qk && strcmp(qk, "head") == 0 ? QWEN3_MOE
+           : qk ? OLMOE : looks_qwen2 ? QWEN2_MOE : MIXTRAL;
+  bool ok = f == MIXTRAL                       ? is_mixtral(p, &m0, why, n)
+            : f == QWEN2_MOE                   ? is_qwen2_moe(p, &m0, why, n)
+            : f == GLM4_MOE || deepseek(f)     ? is_glm4_moe(p, f, &m0, why, n)
+                                               : is_qwen3_or_olmoe(p, f, &m0, why, n);
   if (!ok) return NULL;
   *soft = cJSON_CreateObject();
   bool qwen = f == QWEN2_MOE;
@@ -232,6 +385,8 @@ static cJSON *model_config(const FeProgram *p, cJSON **soft, char *why, size_t n
     }
     cJSON_AddBoolToObject(c, "norm_topk_prob", e->gate.renormalize);
     cJSON_AddBoolToObject(c, "attention_bias", a0->attn_bias);
+  } else if (f == GLM4_MOE || deepseek(f)) {
+    glm_like_keys(c, *soft, p, f, e, a0, dense_hidden);
   } else if (qwen) {
     add_int(c, "num_experts", e->experts.count);
     add_int(c, "moe_intermediate_size", e->experts.hidden);
@@ -254,7 +409,16 @@ static cJSON *model_config(const FeProgram *p, cJSON **soft, char *why, size_t n
   add_float(c, "rms_norm_eps", md->norm_eps);
   cJSON *rope = cJSON_AddObjectToObject(c, "rope_parameters");   // transformers 5
   add_float(rope, "rope_theta", md->rope_theta);
-  cJSON_AddStringToObject(rope, "rope_type", "default");
+  cJSON_AddStringToObject(rope, "rope_type", md->has_yarn ? "yarn" : "default");
+  if (f == GLM4_MOE) add_float(rope, "partial_rotary_factor", md->rope_partial);
+  if (md->has_yarn) {
+    add_float(rope, "factor", md->yarn_factor);
+    add_int(rope, "original_max_position_embeddings", md->yarn_original);
+    add_float(rope, "beta_fast", md->yarn_beta_fast);
+    add_float(rope, "beta_slow", md->yarn_beta_slow);
+    if (md->yarn_mscale > 0) add_float(rope, "mscale", md->yarn_mscale);
+    if (md->yarn_mscale_all_dim > 0) add_float(rope, "mscale_all_dim", md->yarn_mscale_all_dim);
+  }
   cJSON_AddStringToObject(c, "hidden_act", "silu");
   cJSON_AddBoolToObject(c, "tie_word_embeddings", md->tie_embeddings);
   // transformers' objective has its load-balancing loss when every MoE layer has `aux pooled`
@@ -262,8 +426,12 @@ static cJSON *model_config(const FeProgram *p, cJSON **soft, char *why, size_t n
   bool pooled = true;
   for (int i = 0; i < p->nlayers; i++)
     pooled &= !p->layers[i].has_moe || fe_aux_pooled(&p->layers[i].moe.gate);
-  add_float(pooled ? c : *soft, "router_aux_loss_coef", e->gate.aux_loss);
-  cJSON_AddBoolToObject(c, "output_router_logits", pooled);
+  if (f == GLM4_MOE || deepseek(f)) {   // their objective has no load-balancing loss; output_router_logits only returns them
+    cJSON_AddBoolToObject(*soft, "output_router_logits", false);
+  } else {
+    add_float(pooled ? c : *soft, "router_aux_loss_coef", e->gate.aux_loss);
+    cJSON_AddBoolToObject(c, "output_router_logits", pooled);
+  }
   add_float(*soft, "attention_dropout", 0);
   cJSON_AddStringToObject(c, "dtype", "float32");   // the tensors --export-hf writes
   return c;

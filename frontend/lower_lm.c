@@ -67,9 +67,109 @@ static IrValue *linear(FeLower *L, IrValue *x, const char *w, const char *b, int
   return y;
 }
 
+// YaRN's mscale of a factor (transformers' get_mscale): 1 up to a factor of 1.
+static double yarn_mscale(double factor, double m) { return factor <= 1 ? 1.0 : 0.1 * m * log(factor) + 1.0; }
+
+// With `partial F` the first int(d * F) columns of each head turn (transformers' rounding); with
+// `interleave true` the adjacent pairs; with `yarn` YaRN's frequencies, cos and sin times its
+// attention factor (mscale over mscale_all_dim when both are given, else the factor's own).
 static IrValue *rope(FeLower *L, IrValue *x, int64_t heads, const char *name) {
-  return fe_emit(L, IR_OP_ROPE, name, 1, (IrOperand[]){FE_V(x)}, 3,
-                 (IrAttr[]){FE_I("heads", heads), FE_I("seq", L->p->model.seqlen), FE_F("theta", L->p->model.rope_theta)});
+  const FeModel *md = &L->p->model;
+  int64_t d = x->type.dim[1] / heads, turned = (int64_t)((double)d * md->rope_partial);
+  IrAttr a[10] = {FE_I("heads", heads), FE_I("seq", md->seqlen), FE_F("theta", md->rope_theta)};
+  int n = 3;
+  if (turned < d) a[n++] = FE_I("rotary", turned);
+  if (md->rope_interleave) a[n++] = FE_I("interleave", 1);
+  if (md->has_yarn) {
+    double f = md->yarn_factor, m = md->yarn_mscale, all = md->yarn_mscale_all_dim;
+    a[n++] = FE_F("yarn_factor", f);
+    a[n++] = FE_I("yarn_original", md->yarn_original);
+    a[n++] = FE_F("beta_fast", md->yarn_beta_fast);
+    a[n++] = FE_F("beta_slow", md->yarn_beta_slow);
+    a[n++] = FE_F("rope_scale", m > 0 && all > 0 ? yarn_mscale(f, m) / yarn_mscale(f, all) : yarn_mscale(f, 1));
+  }
+  return fe_emit(L, IR_OP_ROPE, name, 1, (IrOperand[]){FE_V(x)}, n, a);
+}
+
+// The scores' factor of heads d wide: 1/sqrt(d), times YaRN's mscale(factor, mscale_all_dim)^2 when
+// the model has `yarn { mscale_all_dim M; }` (DeepSeek's attention); 0 (the op's default) otherwise.
+static double scores_scale(FeLower *L, int64_t d) {
+  const FeModel *md = &L->p->model;
+  if (!md->has_yarn || !(md->yarn_mscale_all_dim > 0)) return 0;
+  double m = yarn_mscale(md->yarn_factor, md->yarn_mscale_all_dim);
+  return m * m / sqrt((double)d);
+}
+
+// Columns [offset, offset + width) of each of the heads of x [S, heads·d] (MLA's parts of a head).
+static IrValue *heads_slice(FeLower *L, IrValue *x, int64_t heads, int64_t offset, int64_t width, const char *name) {
+  return fe_emit(L, IR_OP_HEADS_SLICE, name, 1, (IrOperand[]){FE_V(x)}, 3,
+                 (IrAttr[]){FE_I("heads", heads), FE_I("offset", offset), FE_I("width", width)});
+}
+
+// RMSNorm of x's rows with the learned scale PREFIX.weight [width] (ones; eps: the model's).
+static IrValue *rms(FeLower *L, IrValue *x, const char *prefix, const char *name) {
+  IrValue *y = fe_emit(L, IR_OP_NORM_RMS, ir_strfmt(L->m, "%s.n", name), 1, (IrOperand[]){FE_V(x)}, 1,
+                       (IrAttr[]){FE_F("eps", L->p->model.norm_eps)});
+  IrParam *w = dense_param(L, ir_strfmt(L->m, "%s.weight", prefix), ir_type1(IR_F32, x->type.dim[1]), "ones", 0);
+  return fe_op2(L, IR_OP_SCALE, name, FE_V(y), FE_P(w));
+}
+
+// An op on MLA's latent, which every head shares: MP does not split its heads (mp_shared).
+static IrValue *shared(IrValue *v) {
+  ir_op_set_int(v->def, "mp_shared", 1);
+  return v;
+}
+
+// Causal attention of heads d wide: the layer's window when shorter than the sequence (a longer
+// one is the causal mask itself), the scores' factor when it is not 1/sqrt(d).
+static IrValue *causal(FeLower *L, IrValue *q, IrValue *k, IrValue *v, int64_t H, int64_t KV, int64_t d, const char *name) {
+  int64_t seq = L->p->model.seqlen, window = L->layer->window;
+  IrAttr a[5] = {FE_I("heads", H), FE_I("kv_heads", KV), FE_I("seq", seq)};
+  int n = 3;
+  if (window > 0 && window < seq) a[n++] = FE_I("window", window);
+  double scale = scores_scale(L, d);
+  if (scale > 0) a[n++] = FE_F("scale", scale);
+  return fe_emit(L, IR_OP_ATTN_CAUSAL, name, 3, (IrOperand[]){FE_V(q), FE_V(k), FE_V(v)}, n, a);
+}
+
+// Multi-head latent attention (`mla`, DeepSeek-V2/V3; manual §7.2), H heads, dn = nope, dr = rope:
+//   q = x·Wq [M, H·(dn+dr)], or with q_lora r: rms(x·Wq_a [M, r]) · Wq_b [r, H·(dn+dr)];
+//   [c | kr] = x·Wkv_a [M, kv_lora + dr]; kv = rms(c) · Wkv_b [kv_lora, H·(dn+dv)];
+//   each head's q is [q_nope | q_rope] and its k [k_nope | kr] (kr one for all heads), its v dv wide;
+//   rope turns q_rope and kr; scores q·k / sqrt(dn + dr), so any order of a head's columns that q
+//   and k share gives them: moec's heads are [rope | nope] (heads.cat), v zero-padded to dn + dr
+//   (heads.place) and the output's first dv columns of each head taken (heads.slice).
+// Biases (`bias true`: attention_bias) on the down projections and the output one. Under MP each
+// rank computes its heads/mp heads: Wq (Wq_b), Wkv_b split by columns, Wo by rows; the down
+// projections, their norms and the rope key replicated (passes/parallelize.c).
+static IrValue *mla_attention(FeLower *L, IrValue *x, double out_std) {
+  const FeLayer *l = L->layer;
+  int64_t M = L->M, H = l->heads, dn = l->mla_nope, dr = l->mla_rope, dv = l->mla_v, dq = dn + dr;
+  bool bias = l->attn_bias;
+  IrValue *q;
+  if (l->mla_q_lora > 0) {
+    q = linear(L, x, "attn.wq_a", bias ? "attn.bq_a" : NULL, M, l->mla_q_lora, STD, MP_WHOLE, "q.a");
+    q = rms(L, q, "attn.q_a_norm", "q.an");
+    q = linear(L, q, "attn.wq_b", NULL, l->mla_q_lora, H * dq, STD, MP_COLUMNS, "q");
+  } else {
+    q = linear(L, x, "attn.wq", NULL, M, H * dq, STD, MP_COLUMNS, "q");
+  }
+  IrValue *ckv = linear(L, x, "attn.wkv_a", bias ? "attn.bkv_a" : NULL, M, l->mla_kv_lora + dr, STD, MP_WHOLE, "ckv");
+  IrValue *c = rms(L, shared(heads_slice(L, ckv, 1, 0, l->mla_kv_lora, "c")), "attn.kv_a_norm", "c.n");
+  IrValue *kr = shared(rope(L, shared(heads_slice(L, ckv, 1, l->mla_kv_lora, dr, "kr")), 1, "kr.rope"));
+  IrValue *kv = linear(L, c, "attn.wkv_b", NULL, l->mla_kv_lora, H * (dn + dv), STD, MP_COLUMNS, "kv");
+  IrValue *qr = rope(L, heads_slice(L, q, H, dn, dr, "q.r"), H, "q.rope");
+  IrValue *qh = fe_emit(L, IR_OP_HEADS_CAT, "q.heads", 2, (IrOperand[]){FE_V(qr), FE_V(heads_slice(L, q, H, 0, dn, "q.nope"))},
+                        2, (IrAttr[]){FE_I("heads", H), FE_I("a_heads", H)});
+  IrValue *kh = fe_emit(L, IR_OP_HEADS_CAT, "k.heads", 2, (IrOperand[]){FE_V(kr), FE_V(heads_slice(L, kv, H, 0, dn, "k.nope"))},
+                        2, (IrAttr[]){FE_I("heads", H), FE_I("a_heads", 1)});
+  IrValue *v = heads_slice(L, kv, H, dn, dv, "v");
+  if (dv < dq)
+    v = fe_emit(L, IR_OP_HEADS_PLACE, "v.pad", 1, (IrOperand[]){FE_V(v)}, 4,
+                (IrAttr[]){FE_I("heads", H), FE_I("offset", 0), FE_I("width", dv), FE_I("d", dq)});
+  IrValue *o = causal(L, qh, kh, v, H, H, dq, "o.heads");
+  if (dv < dq) o = heads_slice(L, o, H, 0, dv, "o");
+  return linear(L, o, "attn.wo", bias ? "attn.bo" : NULL, H * dv, M, out_std, MP_ROWS, "attn");
 }
 
 // x [S, heads·d] seen as [S·heads, d] (one row per head) and back: under MP each rank holds whole
@@ -106,6 +206,7 @@ static IrValue *qk_norm(FeLower *L, IrValue *x, int64_t heads, const char *prefi
 // i − W < j ≤ i.
 static IrValue *attention(FeLower *L, IrValue *x, double out_std) {
   const FeLayer *l = L->layer;
+  if (l->has_mla) return mla_attention(L, x, out_std);
   int64_t M = L->M, H = l->heads, KV = l->kv_heads, d = l->head_dim;   // d: embed/heads or head_dim
   bool bias = l->attn_bias, rotary = strcmp(L->p->model.position, "rope") == 0;
   IrValue *q = linear(L, x, "attn.wq", bias ? "attn.bq" : NULL, M, H * d, STD, MP_COLUMNS, "q");
@@ -119,10 +220,7 @@ static IrValue *attention(FeLower *L, IrValue *x, double out_std) {
     q = rope(L, q, H, "q.rope");
     k = rope(L, k, KV, "k.rope");
   }
-  int64_t seq = L->p->model.seqlen;
-  bool window = l->window > 0 && l->window < seq;
-  IrValue *o = fe_emit(L, IR_OP_ATTN_CAUSAL, "o", 3, (IrOperand[]){FE_V(q), FE_V(k), FE_V(v)}, window ? 4 : 3,
-                       (IrAttr[]){FE_I("heads", H), FE_I("kv_heads", KV), FE_I("seq", seq), FE_I("window", l->window)});
+  IrValue *o = causal(L, q, k, v, H, KV, d, "o");
   return linear(L, o, "attn.wo", l->attn_bias_out ? "attn.bo" : NULL, H * d, M, out_std, MP_ROWS, "attn");
 }
 

@@ -459,6 +459,7 @@ static bool infer_attention(Infer *I, IrType *out) {
   if (!int_attr(I, "heads", 1, &h) || !int_attr(I, "kv_heads", 1, &kv) || !int_attr(I, "seq", 1, &seq)) return false;
   int64_t window;   // optional: keys i - window < j <= i
   if (ir_attrs_get(I->op->attrs, I->op->nattrs, "window") && !int_attr(I, "window", 1, &window)) return false;
+  if (!num_attr(I, "scale", false)) return false;   // optional: the scores' factor, 1/sqrt(d) by default
   for (int i = 0; i < I->op->nargs; i++)
     if (!need_float(I, i, 2, "[S, n]")) return false;
   int64_t S = dim(I, q, 0), d = dim(I, q, 1) / h;
@@ -505,6 +506,40 @@ static bool infer_dense(Infer *I, IrType *out) {
     *out = t2(IR_F32, dim(I, 0, 0), width);
     return true;
   }
+  case IR_OP_HEADS_SLICE:   // x [r, heads*d] -> [r, heads*width]
+  case IR_OP_HEADS_PLACE:   // x [r, heads*width] -> [r, heads*d]
+  case IR_OP_HEADS_SUM: {   // x [r, heads*w] -> [r, w]
+    int64_t heads, off = 0, width = 0, d = 0;
+    if (!need_float(I, 0, 2, "[r, heads*n]") || !int_attr(I, "heads", 1, &heads)) return false;
+    if (dim(I, 0, 1) % heads != 0)
+      return fail(I, "%s has %lld columns, not heads=%lld heads of one width", nm(I, 0), (long long)dim(I, 0, 1),
+                  (long long)heads);
+    int64_t w = dim(I, 0, 1) / heads;
+    if (op->kind == IR_OP_HEADS_SUM) {
+      *out = t2(ty(I, 0)->dtype, dim(I, 0, 0), w);
+      return true;
+    }
+    if (!int_attr(I, "offset", 0, &off) || !int_attr(I, "width", 1, &width)) return false;
+    if (op->kind == IR_OP_HEADS_PLACE && (!int_attr(I, "d", 1, &d) || width != w))
+      return d < 1 ? false : fail(I, "%s's heads are %lld wide, not width=%lld", nm(I, 0), (long long)w, (long long)width);
+    int64_t head = op->kind == IR_OP_HEADS_SLICE ? w : d;
+    if (off + width > head)
+      return fail(I, "columns [%lld, %lld) are not inside a head of %lld", (long long)off, (long long)(off + width),
+                  (long long)head);
+    *out = t2(ty(I, 0)->dtype, dim(I, 0, 0), heads * (op->kind == IR_OP_HEADS_SLICE ? width : d));
+    return true;
+  }
+  case IR_OP_HEADS_CAT: {   // (a [r, a_heads*wa], b [r, heads*wb]) -> [r, heads*(wa+wb)]
+    int64_t heads, ah;
+    if (!need_float(I, 0, 2, "[r, a_heads*wa]") || !need_float(I, 1, 2, "[r, heads*wb]") || !same_dtype(I, 0, 1) ||
+        !same_dim(I, "r", 0, 0, 1, 0) || !int_attr(I, "heads", 1, &heads) || !int_attr(I, "a_heads", 1, &ah))
+      return false;
+    if (ah != 1 && ah != heads) return fail(I, "a_heads=%lld must be 1 or heads=%lld", (long long)ah, (long long)heads);
+    if (dim(I, 0, 1) % ah != 0 || dim(I, 1, 1) % heads != 0)
+      return fail(I, "%s or %s does not split into its heads", nm(I, 0), nm(I, 1));
+    *out = t2(ty(I, 0)->dtype, dim(I, 0, 0), heads * (dim(I, 0, 1) / ah + dim(I, 1, 1) / heads));
+    return true;
+  }
   case IR_OP_SCALE_ROWS:           // (x [r, n], g [r, 1]) -> [r, n]
   case IR_OP_SCALE_ROWS_GRAD_G:    // (dy [r, n], x [r, n]) -> [r, 1]
     if (!need_float(I, 0, 2, "[r, n]")) return false;
@@ -534,6 +569,10 @@ static bool infer_dense(Infer *I, IrType *out) {
     if (dim(I, 0, 1) % heads != 0 || (dim(I, 0, 1) / heads) % 2 != 0)
       return fail(I, "%s: %lld columns are not heads=%lld heads of an even size", nm(I, 0), (long long)dim(I, 0, 1),
                   (long long)heads);
+    int64_t rotary = ir_op_int(I->op, "rotary", 0);
+    if (rotary < 0 || rotary % 2 != 0 || rotary > dim(I, 0, 1) / heads)
+      return fail(I, "rotary=%lld must be an even number of columns of a head of %lld (0: all)", (long long)rotary,
+                  (long long)(dim(I, 0, 1) / heads));
     *out = *ty(I, 0);
     return true;
   }
@@ -834,6 +873,10 @@ static bool infer(Infer *I, IrType *out) {
   case IR_OP_EXPERT_MATMUL:
   case IR_OP_RESHAPE:
   case IR_OP_COLS_SLICE:
+  case IR_OP_HEADS_SLICE:
+  case IR_OP_HEADS_PLACE:
+  case IR_OP_HEADS_CAT:
+  case IR_OP_HEADS_SUM:
   case IR_OP_SCALE_ROWS:
   case IR_OP_SCALE_ROWS_GRAD_G:
   case IR_OP_POS_ADD_GRAD_W:

@@ -262,6 +262,46 @@ static void transpose_rule(Grad *g, const IrOp *op, IrValue *dy) {
 }
 
 // attn.causal: the rows' softmax statistics, then one backward computes the packed
+// MLA's parts of heads (manual §7.2 `mla`): a slice's gradient is placed back into zeros, a
+// placement's is the slice; heads.cat's operands take their columns of every head, a shared head
+// (a_heads 1) the sum of its copies over the heads.
+static IrValue *heads_op(Grad *g, IrOpKind kind, const char *name, IrValue *x, int64_t heads, int64_t offset,
+                         int64_t width, int64_t d, SrcLoc loc) {
+  IrOp *o = new_op(g, kind, name);
+  o->args[o->nargs++] = V(x);
+  ir_op_set_int(o, "heads", heads);
+  if (kind != IR_OP_HEADS_SUM) {
+    ir_op_set_int(o, "offset", offset);
+    ir_op_set_int(o, "width", width);
+  }
+  if (kind == IR_OP_HEADS_PLACE) ir_op_set_int(o, "d", d);
+  o->loc = loc;
+  return typed(g, o);
+}
+
+static void heads_rule(Grad *g, const IrOp *op, IrValue *dy) {
+  const IrOperand *a = op->args;
+  int64_t heads = ir_op_int(op, "heads", 1);
+  if (op->kind == IR_OP_HEADS_SLICE) {
+    accumulate(g, a[0].value, heads_op(g, IR_OP_HEADS_PLACE, dname(g, &a[0]), dy, heads, ir_op_int(op, "offset", 0),
+                                       ir_op_int(op, "width", 1), a[0].value->type.dim[1] / heads, op->loc));
+    return;
+  }
+  if (op->kind == IR_OP_HEADS_PLACE) {
+    accumulate(g, a[0].value, heads_op(g, IR_OP_HEADS_SLICE, dname(g, &a[0]), dy, heads, ir_op_int(op, "offset", 0),
+                                       ir_op_int(op, "width", 1), 0, op->loc));
+    return;
+  }
+  int64_t ah = ir_op_int(op, "a_heads", 1), wa = a[0].value->type.dim[1] / ah, wb = a[1].value->type.dim[1] / heads;
+  if (operand_needs(g, &a[0])) {
+    IrValue *da = heads_op(g, IR_OP_HEADS_SLICE, dname(g, &a[0]), dy, heads, 0, wa, 0, op->loc);
+    if (ah == 1 && heads > 1) da = heads_op(g, IR_OP_HEADS_SUM, ir_strfmt(g->m, "%s.sum", da->name), da, heads, 0, 0, 0, op->loc);
+    accumulate(g, a[0].value, da);
+  }
+  if (operand_needs(g, &a[1]))
+    accumulate(g, a[1].value, heads_op(g, IR_OP_HEADS_SLICE, dname(g, &a[1]), dy, heads, wa, wb, 0, op->loc));
+}
+
 // [dq | dk | dv]; each operand takes its columns.
 static void attn_rule(Grad *g, const IrOp *op, IrValue *dy) {
   const IrOperand *a = op->args;
@@ -352,6 +392,9 @@ static bool backward_op(Grad *g, const IrOp *op) {
     transpose_rule(g, op, dy);
     return true;
   case IR_OP_ATTN_CAUSAL: attn_rule(g, op, dy); return true;
+  case IR_OP_HEADS_SLICE:
+  case IR_OP_HEADS_PLACE:
+  case IR_OP_HEADS_CAT: heads_rule(g, op, dy); return true;
   case IR_OP_HOOK_COMPRESS:
   case IR_OP_HOOK_COMPRESS_INT8:
     return true;  // the gradient reaches the input through the matching decompress

@@ -118,7 +118,11 @@ static int64_t mp_split(const IrOperand *a) {
 // marked mp_split 1 by frontend/lower_lm.c) reads its input through comm.copy, whose gradient is
 // the AllReduce of the members' partial input gradients; one split by rows (mp_split 0) gives a
 // partial product, summed by a comm.allreduce before its bias. Attention and rope compute the
-// rank's heads/mp query and kv_heads/mp key/value heads. Returns whether f had such a projection.
+// rank's heads/mp query and kv_heads/mp key/value heads. Multi-head latent attention (`mla`): its
+// parts of heads too (heads.*), except the ops on the latent all heads share (attr mp_shared: its
+// slices and the rope key's rope); the shared rope key enters the rank's heads (heads.cat with
+// a_heads 1) through comm.copy, whose gradient sums the ranks' parts. Returns whether f had such
+// a projection.
 static bool split_heads(Par *P) {
   IrFunc *f = P->f;
   bool any = false;
@@ -126,9 +130,18 @@ static bool split_heads(Par *P) {
   int ncopies = 0;
   for (int i = 0; i < f->nops; i++) {
     IrOp *op = f->ops[i];
-    if (op->kind == IR_OP_ROPE || op->kind == IR_OP_ATTN_CAUSAL) {
+    bool heads_op = op->kind == IR_OP_ROPE || op->kind == IR_OP_ATTN_CAUSAL || op->kind == IR_OP_HEADS_SLICE ||
+                    op->kind == IR_OP_HEADS_PLACE || op->kind == IR_OP_HEADS_CAT;
+    if (heads_op && !ir_op_int(op, "mp_shared", 0)) {
       ir_op_set_int(op, "heads", ir_op_int(op, "heads", 1) / P->mp);
       if (op->kind == IR_OP_ATTN_CAUSAL) ir_op_set_int(op, "kv_heads", ir_op_int(op, "kv_heads", 1) / P->mp);
+      if (op->kind == IR_OP_HEADS_CAT && ir_op_int(op, "a_heads", 1) == 1) {   // the shared rope key
+        IrValue *x = op->args[0].value;
+        op->args[0].value = collective(P, i, IR_OP_COMM_COPY, ir_strfmt(P->m, "%s.mp", x->name), x, "mp", P->mp)->result;
+        i++;
+      } else if (op->kind == IR_OP_HEADS_CAT) {
+        ir_op_set_int(op, "a_heads", ir_op_int(op, "a_heads", 1) / P->mp);
+      }
       continue;
     }
     if (op->kind == IR_OP_RESHAPE && ir_op_int(op, "mp_split", -1) >= 0) {   // q or k by heads (qk_norm head)

@@ -35,7 +35,7 @@ static void add(RtHfTensor *t, int *n, const char *moec, int64_t expert, bool tr
   e->dims[1] = cols > 0 ? cols : 0;
 }
 
-static const char *const family_names[] = {"mixtral", "qwen2_moe", "qwen3_moe", "olmoe"};
+static const char *const family_names[] = {"mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "glm4_moe", "deepseek_v2", "deepseek_v3"};
 
 const char *rt_hf_family_name(RtHfFamily f) {
   return (unsigned)f < sizeof family_names / sizeof *family_names ? family_names[f] : "?";
@@ -69,6 +69,31 @@ static void swiglu(RtHfTensor *t, int *n, const RtHfArch *a, const char *moec_pr
   }
 }
 
+// DeepSeek's multi-head latent attention of decoder layer PRE (moec instance IN): q through q_a /
+// q_a_layernorm / q_b (or one q_proj), kv_a_proj_with_mqa to the latent and the shared rope key,
+// kv_a_layernorm, kv_b_proj to every head's k_nope and v; biases (attention_bias) on the down
+// projections and o.
+static void mla(RtHfTensor *t, int *n, const RtHfArch *a, const char *in, const char *pre) {
+  int64_t M = a->embed, H = a->heads, dq = a->nope + a->rope;
+  char name[RT_HF_NAME];
+#define MOEC(suffix) (snprintf(name, sizeof name, "%s.%s", in, suffix), name)
+  if (a->q_lora > 0) {
+    add(t, n, MOEC("attn.wq_a"), -1, true, a->q_lora, M, "%s.self_attn.q_a_proj.weight", pre);
+    if (a->o_bias) add(t, n, MOEC("attn.bq_a"), -1, false, a->q_lora, 0, "%s.self_attn.q_a_proj.bias", pre);
+    add(t, n, MOEC("attn.q_a_norm.weight"), -1, false, a->q_lora, 0, "%s.self_attn.q_a_layernorm.weight", pre);
+    add(t, n, MOEC("attn.wq_b"), -1, true, H * dq, a->q_lora, "%s.self_attn.q_b_proj.weight", pre);
+  } else {
+    add(t, n, MOEC("attn.wq"), -1, true, H * dq, M, "%s.self_attn.q_proj.weight", pre);
+  }
+  add(t, n, MOEC("attn.wkv_a"), -1, true, a->kv_lora + a->rope, M, "%s.self_attn.kv_a_proj_with_mqa.weight", pre);
+  if (a->o_bias) add(t, n, MOEC("attn.bkv_a"), -1, false, a->kv_lora + a->rope, 0, "%s.self_attn.kv_a_proj_with_mqa.bias", pre);
+  add(t, n, MOEC("attn.kv_a_norm.weight"), -1, false, a->kv_lora, 0, "%s.self_attn.kv_a_layernorm.weight", pre);
+  add(t, n, MOEC("attn.wkv_b"), -1, true, H * (a->nope + a->v), a->kv_lora, "%s.self_attn.kv_b_proj.weight", pre);
+  add(t, n, MOEC("attn.wo"), -1, true, M, H * a->v, "%s.self_attn.o_proj.weight", pre);
+  if (a->o_bias) add(t, n, MOEC("attn.bo"), -1, false, M, 0, "%s.self_attn.o_proj.bias", pre);
+#undef MOEC
+}
+
 // The families' tensors (transformers' *ForCausalLM; DESIGN §2.2 has the names).
 static int family_table(const RtHfArch *a, RtHfTensor *t) {
   int n = 0;
@@ -80,6 +105,9 @@ static int family_table(const RtHfArch *a, RtHfTensor *t) {
 #define MOEC(suffix) (snprintf(name, sizeof name, "%s.%s", in, suffix), name)
     snprintf(pre, sizeof pre, "model.layers.%lld", (long long)l);
     add(t, &n, MOEC("attn.norm.weight"), -1, false, M, 0, "%s.input_layernorm.weight", pre);
+    if (a->mla) {
+      mla(t, &n, a, in, pre);
+    } else {
     add(t, &n, MOEC("attn.wq"), -1, true, Q, M, "%s.self_attn.q_proj.weight", pre);
     add(t, &n, MOEC("attn.wk"), -1, true, KV, M, "%s.self_attn.k_proj.weight", pre);
     add(t, &n, MOEC("attn.wv"), -1, true, KV, M, "%s.self_attn.v_proj.weight", pre);
@@ -94,6 +122,7 @@ static int family_table(const RtHfArch *a, RtHfTensor *t) {
       add(t, &n, MOEC("attn.q_norm.weight"), -1, false, a->qk_norm == 1 ? a->head_dim : Q, 0, "%s.self_attn.q_norm.weight", pre);
       add(t, &n, MOEC("attn.k_norm.weight"), -1, false, a->qk_norm == 1 ? a->head_dim : KV, 0, "%s.self_attn.k_norm.weight", pre);
     }
+    }
     add(t, &n, MOEC("ffn.norm.weight"), -1, false, M, 0, "%s.post_attention_layernorm.weight", pre);
     char hf[96], moec[RT_HF_NAME];
     snprintf(moec, sizeof moec, "%s", MOEC("mlp"));
@@ -104,12 +133,13 @@ static int family_table(const RtHfArch *a, RtHfTensor *t) {
     }
     if (a->family == RT_HF_MIXTRAL) snprintf(hf, sizeof hf, "%s.block_sparse_moe", pre);
     add(t, &n, MOEC("moe.gate.wg"), -1, true, a->experts, M, "%s.gate.weight", hf);
+    if (a->correction_bias) add(t, &n, MOEC("moe.gate.eb"), -1, false, a->experts, 0, "%s.gate.e_score_correction_bias", hf);
     snprintf(moec, sizeof moec, "%s", MOEC("moe.experts"));
     swiglu(t, &n, a, moec, hf, a->experts, a->hidden);
     if (a->shared_hidden > 0) {
       char shf[128];
       snprintf(moec, sizeof moec, "%s", MOEC("moe.shared"));
-      snprintf(shf, sizeof shf, "%s.shared_expert", hf);
+      snprintf(shf, sizeof shf, "%s.%s", hf, a->family == RT_HF_QWEN2_MOE ? "shared_expert" : "shared_experts");
       swiglu(t, &n, a, moec, shf, 0, a->shared_hidden);
       if (a->shared_gate) add(t, &n, MOEC("moe.shared.gate"), -1, true, 1, M, "%s.shared_expert_gate.weight", hf);
     }
@@ -121,7 +151,7 @@ static int family_table(const RtHfArch *a, RtHfTensor *t) {
 }
 
 static int64_t table_size(const RtHfArch *a) {
-  return 3 + a->layers * (14 + 3 * a->experts + 4);
+  return 3 + a->layers * (16 + 3 * a->experts + 4);
 }
 
 int rt_hf_tensors(const RtHfArch *a, RtHfTensor **out) {
@@ -203,10 +233,12 @@ int rt_hf_arch_of_config(const char *json, RtHfArch *a) {
   if (!cfg) return rt_fail("a Hugging Face config that is not JSON");
   const cJSON *type = cJSON_GetObjectItemCaseSensitive(cfg, "model_type");
   bool ok = cJSON_IsString(type) && rt_hf_family_of(type->valuestring, &a->family);
-  bool mixtral = a->family == RT_HF_MIXTRAL, qwen = a->family == RT_HF_QWEN2_MOE || a->family == RT_HF_QWEN3_MOE;
+  bool mixtral = a->family == RT_HF_MIXTRAL;
+  bool glm = a->family == RT_HF_GLM4_MOE || a->family == RT_HF_DEEPSEEK_V2 || a->family == RT_HF_DEEPSEEK_V3;   // alike
+  bool qwen = a->family == RT_HF_QWEN2_MOE || a->family == RT_HF_QWEN3_MOE || glm;   // moe_intermediate_size
   ok = ok && count(cfg, "num_hidden_layers", &a->layers) && count(cfg, "vocab_size", &a->vocab) &&
        count(cfg, "hidden_size", &a->embed) && count(cfg, "num_attention_heads", &a->heads) && a->heads > 0 &&
-       (count(cfg, mixtral ? "num_local_experts" : "num_experts", &a->experts) ||
+       (count(cfg, mixtral ? "num_local_experts" : glm ? "n_routed_experts" : "num_experts", &a->experts) ||
         (a->family == RT_HF_QWEN3_MOE && count(cfg, "num_local_experts", &a->experts))) &&   // transformers 5's name
        count(cfg, qwen ? "moe_intermediate_size" : "intermediate_size", &a->hidden);
   if (ok && !count(cfg, "num_key_value_heads", &a->kv_heads)) a->kv_heads = a->heads;
@@ -219,10 +251,29 @@ int rt_hf_arch_of_config(const char *json, RtHfArch *a) {
   }
   a->qk_norm = a->family == RT_HF_QWEN3_MOE ? 1 : a->family == RT_HF_OLMOE ? 2 : 0;
   if (a->qk_norm) a->qkv_bias = a->o_bias = cJSON_IsTrue(cJSON_GetObjectItemCaseSensitive(cfg, "attention_bias"));
+  int64_t shared = 1, first_dense = 1;   // GLM-4.5: n_shared_experts SwiGLU experts as one, dense layers first
+  if (glm) {   // GLM-4.5 and DeepSeek-V2/V3
+    count(cfg, "n_shared_experts", &shared);
+    count(cfg, "first_k_dense_replace", &first_dense);
+    a->shared_hidden = shared * a->hidden;
+    a->correction_bias = a->family != RT_HF_DEEPSEEK_V2;
+  }
+  if (a->family == RT_HF_GLM4_MOE) {
+    a->qk_norm = cJSON_IsTrue(cJSON_GetObjectItemCaseSensitive(cfg, "use_qk_norm")) ? 1 : 0;
+    a->qkv_bias = cJSON_IsTrue(cJSON_GetObjectItemCaseSensitive(cfg, "attention_bias"));   // o_proj has none
+  } else if (glm) {   // DeepSeek's latent attention
+    a->mla = true;
+    a->o_bias = cJSON_IsTrue(cJSON_GetObjectItemCaseSensitive(cfg, "attention_bias"));
+    if (!count(cfg, "q_lora_rank", &a->q_lora)) a->q_lora = 0;   // null: one q projection
+    ok = ok && count(cfg, "kv_lora_rank", &a->kv_lora) && count(cfg, "qk_nope_head_dim", &a->nope) &&
+         count(cfg, "qk_rope_head_dim", &a->rope) && count(cfg, "v_head_dim", &a->v);
+    a->head_dim = a->nope + a->rope;
+  }
   a->tie = cJSON_IsTrue(cJSON_GetObjectItemCaseSensitive(cfg, "tie_word_embeddings"));
   if (ok && a->layers > 0 && a->layers <= (1 << 16)) {
     a->dense = rt_calloc((size_t)a->layers, sizeof *a->dense, "the layers of a checkpoint");
-    if (qwen) dense_layers(cfg, a);
+    if (qwen && !glm) dense_layers(cfg, a);
+    for (int64_t l = 0; glm && l < a->layers; l++) a->dense[l] = l < first_dense;
   }
   cJSON_Delete(cfg);
   if (!ok) return rt_fail("a Hugging Face config without the fields of its family");

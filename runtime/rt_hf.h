@@ -8,7 +8,9 @@
 
 #include "moert.h"
 
-typedef enum RtHfFamily { RT_HF_MIXTRAL, RT_HF_QWEN2_MOE, RT_HF_QWEN3_MOE, RT_HF_OLMOE } RtHfFamily;
+typedef enum RtHfFamily {
+  RT_HF_MIXTRAL, RT_HF_QWEN2_MOE, RT_HF_QWEN3_MOE, RT_HF_OLMOE, RT_HF_GLM4_MOE, RT_HF_DEEPSEEK_V2, RT_HF_DEEPSEEK_V3
+} RtHfFamily;
 
 // What a checkpoint's tensors depend on. Per decoder layer l: inst[l], its moec layer instance
 // ("block3"), and dense[l], a dense SwiGLU mlp of dense_hidden instead of the MoE (NULL: none).
@@ -18,10 +20,15 @@ typedef struct RtHfArch {
   int64_t dense_hidden;    // the dense layers' intermediate size
   int64_t shared_hidden;   // a shared expert's (0: none)
   bool shared_gate;        // the shared expert's output scaled by sigmoid(x·w)
+  bool correction_bias;    // the router's e_score_correction_bias (moec's `balance bias`: moe.gate.eb)
   bool qkv_bias;           // biases on q, k and v
   bool o_bias;             // and on o (Qwen3-MoE's and OLMoE's attention_bias)
   int qk_norm;             // RMSNorm of q and k: 0 none, 1 per head (over head_dim), 2 over the whole width
   bool tie;                // no lm_head: the head is the embedding
+  // DeepSeek's multi-head latent attention (moec's `mla`): q_lora 0 for one q projection; its
+  // biases (attention_bias) on the down projections and o (o_bias)
+  bool mla;
+  int64_t q_lora, kv_lora, nope, rope, v;
   char **inst;
   bool *dense;
 } RtHfArch;

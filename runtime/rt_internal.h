@@ -158,6 +158,10 @@ double rt_lr_at(double lr, int64_t warmup, int64_t decay_steps, double min_lr, i
 // norm <= clip or norm is not finite (the caller reports that), else clip / norm.
 double rt_clip_scale(double norm, double clip);
 
+// The turn per position of rope pair c of R rotary columns: theta^(-2c/R), or with factor > 0
+// YaRN's blend of it and its 1/factor (runtime/kernels/embed.c; codegen/cuda/embed.cu's twin).
+double rt_rope_freq(int c, int R, double theta, double factor, int original, double beta_fast, double beta_slow);
+
 // ---- atomic files (safetensors.c) ----
 // Finishes writing the temporary file tmp (f open on it; ok: every write so far succeeded):
 // flush, fsync, close, rename to path, fsync the folder. On failure removes tmp and returns -1

@@ -235,9 +235,9 @@ static __device__ const float *mk_attn_exps(MkAttnShared *sh, const MkAttnTile *
 // step of keys p = exp(s * scale - m), l += p in key order, o += p v; o / l at the end. With a
 // window W > 0 a row sees keys i - W < t <= i only.
 extern "C" __global__ void mk_attn_fwd(const float *q, const float *k, const float *v, float *o, int rows, int seq,
-                                       int heads, int kv, int qcols, int window) {
+                                       int heads, int kv, int qcols, int window, float qk_scale) {
   int d = qcols / heads, group = heads / kv, kcols = kv * d;
-  float scale = 1.0f / sqrtf((float)d);
+  float scale = qk_scale > 0 ? qk_scale : 1.0f / sqrtf((float)d);
   __shared__ MkAttnShared sh;
   MK_FOR_BLOCKS(w, mk_attn_items(rows, seq, heads)) {
     MkAttnTile T = mk_attn_tile(w, seq, heads);
@@ -264,9 +264,9 @@ extern "C" __global__ void mk_attn_fwd(const float *q, const float *k, const flo
 // ---- mk_attn_stats ----
 // Per (row, head): the logsumexp of its scores and dy . o, as rt_attn_stats, tiled as mk_attn_fwd.
 extern "C" __global__ void mk_attn_stats(const float *dy, const float *q, const float *k, const float *o,
-                                         float *stats, int rows, int seq, int heads, int kv, int qcols, int window) {
+                                         float *stats, int rows, int seq, int heads, int kv, int qcols, int window, float qk_scale) {
   int d = qcols / heads, group = heads / kv, kcols = kv * d;
-  float scale = 1.0f / sqrtf((float)d);
+  float scale = qk_scale > 0 ? qk_scale : 1.0f / sqrtf((float)d);
   __shared__ MkAttnShared sh;
   MK_FOR_BLOCKS(w, mk_attn_items(rows, seq, heads)) {
     MkAttnTile T = mk_attn_tile(w, seq, heads);
@@ -295,9 +295,9 @@ extern "C" __global__ void mk_attn_stats(const float *dy, const float *q, const 
 // dS = p (dy.v - D), dq += dS k in key order; dq * scale at the end.
 extern "C" __global__ void mk_attn_grad_q(const float *dy, const float *q, const float *k, const float *v,
                                           const float *stats, float *dqkv, int rows, int seq, int heads, int kv,
-                                          int qcols, int window) {
+                                          int qcols, int window, float qk_scale) {
   int d = qcols / heads, group = heads / kv, kcols = kv * d, width = qcols + 2 * kcols;
-  float scale = 1.0f / sqrtf((float)d);
+  float scale = qk_scale > 0 ? qk_scale : 1.0f / sqrtf((float)d);
   __shared__ MkAttnShared sh;
   MK_FOR_BLOCKS(w, mk_attn_items(rows, seq, heads)) {
     MkAttnTile T = mk_attn_tile(w, seq, heads);
@@ -336,9 +336,9 @@ extern "C" __global__ void mk_attn_grad_q(const float *dy, const float *q, const
 // dS = p (dy.v - D), dk += dS q, dv += p dy in query order; dk * scale at the end.
 extern "C" __global__ void mk_attn_grad_kv(const float *dy, const float *q, const float *k, const float *v,
                                            const float *stats, float *dqkv, int rows, int seq, int heads, int kv,
-                                           int qcols, int window) {
+                                           int qcols, int window, float qk_scale) {
   int d = qcols / heads, group = heads / kv, kcols = kv * d, width = qcols + 2 * kcols;
-  float scale = 1.0f / sqrtf((float)d);
+  float scale = qk_scale > 0 ? qk_scale : 1.0f / sqrtf((float)d);
   __shared__ MkAttnShared sh;
   MK_FOR_BLOCKS(w, mk_attn_items(rows, seq, kv)) {
     MkAttnTile T = mk_attn_tile(w, seq, kv);   // T.h: the kv head, T.i: this thread's key t
@@ -388,4 +388,46 @@ extern "C" __global__ void mk_attn_grad_kv(const float *dy, const float *q, cons
 // ---- mk_cols_slice ----
 extern "C" __global__ void mk_cols_slice(const float *x, float *y, int rows, int cols, int offset, int width) {
   MK_FOR(p, (i64)rows * width) y[p] = x[p / width * cols + offset + p % width];
+}
+
+// ---- mk_heads_slice ----
+// MLA's parts of heads, one thread per output element, as runtime/kernels/attn.c.
+extern "C" __global__ void mk_heads_slice(const float *x, float *y, int rows, int cols, int heads, int offset, int width) {
+  int d = cols / heads;
+  MK_FOR(p, (i64)rows * heads * width) {
+    i64 rh = p / width;   // row * heads + head
+    y[p] = x[rh / heads * cols + rh % heads * d + offset + p % width];
+  }
+}
+
+// ---- mk_heads_place ----
+extern "C" __global__ void mk_heads_place(const float *x, float *y, int rows, int heads, int offset, int width, int d) {
+  MK_FOR(p, (i64)rows * heads * d) {
+    int c = (int)(p % d);
+    y[p] = c >= offset && c < offset + width ? x[p / d * width + (c - offset)] : 0.0f;
+  }
+}
+
+// ---- mk_heads_cat ----
+extern "C" __global__ void mk_heads_cat(const float *a, const float *b, float *y, int rows, int cols_a, int cols_b, int heads,
+                                        int a_heads) {
+  int wa = cols_a / a_heads, wb = cols_b / heads, w = wa + wb;
+  MK_FOR(p, (i64)rows * heads * w) {
+    int c = (int)(p % w);
+    i64 rh = p / w, r = rh / heads;
+    int h = (int)(rh % heads);
+    y[p] = c < wa ? a[r * cols_a + (i64)(a_heads == 1 ? 0 : h) * wa + c] : b[r * cols_b + (i64)h * wb + (c - wa)];
+  }
+}
+
+// ---- mk_heads_sum ----
+extern "C" __global__ void mk_heads_sum(const float *x, float *y, int rows, int cols, int heads) {
+  int w = cols / heads;
+  MK_FOR(p, (i64)rows * w) {
+    i64 r = p / w;
+    int c = (int)(p % w);
+    float s = 0.0f;
+    for (int h = 0; h < heads; h++) s += x[r * cols + (i64)h * w + c];
+    y[p] = s;
+  }
 }

@@ -16,7 +16,7 @@ __device__ void mk_row_softmax(const float *x, float *y, int e) {
   for (int j = 0; j < e; j++) y[j] *= inv;
 }
 // Order: score descending, index ascending; NaN ranks as -inf; with bias, row[i] + bias[i];
-// with groups > 1 only the experts of the best `best` groups take part, the others count as 0
+// with groups > 1 only the experts of the best `best` groups take part, the others count as -inf
 // (runtime rt_topk).
 __device__ float mk_choice_score(const float *row, const float *bias, int i) {
   float v = bias ? row[i] + bias[i] : row[i];
@@ -56,7 +56,7 @@ __device__ void mk_row_topk_limited(const float *row, const float *bias, int *ou
     int pick = -1;
     float best_v = -MK_INF;
     for (int i = 0; i < e; i++) {
-      float v = keep >> (i / per) & 1 ? mk_choice_score(row, bias, i) : 0.0f;
+      float v = keep >> (i / per) & 1 ? mk_choice_score(row, bias, i) : -MK_INF;
       bool after_prev = v < prev_v || (v == prev_v && i > prev_i);
       if (after_prev && (pick < 0 || v > best_v)) {
         pick = i;

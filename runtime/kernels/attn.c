@@ -294,9 +294,9 @@ RT_VECTOR_PATHS_P(fwd_tile, (const QTile *t, const float *kt, const float *v0, f
 #endif
 
 void rt_attn_fwd(const float *q, const float *k, const float *v, float *o, int rows, int seq, int heads, int kv,
-                 int qcols, int window) {
+                 int qcols, int window, float qk_scale) {
   int d = qcols / heads, group = heads / kv, kcols = kv * d, per = (seq + TILE - 1) / TILE, ss = seq + W;
-  float scale = 1.0f / sqrtf((float)d);
+  float scale = qk_scale > 0 ? qk_scale : 1.0f / sqrtf((float)d);
   float *kt = transpose_heads(k, rows, seq, kv, d), *scratch = attn_alloc((size_t)rt_threads() * TILE * ss);
   ATTN_PARALLEL_TILES
   for (int x = 0; x < ATTN_TILES(rows / seq, seq); x++) {
@@ -327,9 +327,9 @@ RT_VECTOR_PATHS_P(lse_tile, (const QTile *t, const float *kt, float *lse, int se
                 (t, kt, lse, seq, d, scale, s, ss, lse_stride))
 
 void rt_attn_stats(const float *dy, const float *q, const float *k, const float *o, float *stats, int rows, int seq,
-                   int heads, int kv, int qcols, int window) {
+                   int heads, int kv, int qcols, int window, float qk_scale) {
   int d = qcols / heads, group = heads / kv, per = (seq + TILE - 1) / TILE, ss = seq + W;
-  float scale = 1.0f / sqrtf((float)d);
+  float scale = qk_scale > 0 ? qk_scale : 1.0f / sqrtf((float)d);
   float *kt = transpose_heads(k, rows, seq, kv, d), *scratch = attn_alloc((size_t)rt_threads() * TILE * ss);
   ATTN_PARALLEL_TILES
   for (int x = 0; x < ATTN_TILES(rows / seq, seq); x++) {
@@ -386,10 +386,10 @@ RT_VECTOR_PATHS_P(grad_q_tile, (const QTile *t, const float *dy0, const float *k
                 (t, dy0, kt, vt, k0, lse, D, dq0, seq, d, kcols, qcols, width, stats_stride, scale, s, u, ss))
 
 void rt_attn_grad_q(const float *dy, const float *q, const float *k, const float *v, const float *stats, float *dqkv,
-                    int rows, int seq, int heads, int kv, int qcols, int window) {
+                    int rows, int seq, int heads, int kv, int qcols, int window, float qk_scale) {
   int d = qcols / heads, group = heads / kv, kcols = kv * d, width = qcols + 2 * kcols;
   int per = (seq + TILE - 1) / TILE, ss = seq + W;
-  float scale = 1.0f / sqrtf((float)d);
+  float scale = qk_scale > 0 ? qk_scale : 1.0f / sqrtf((float)d);
   float *kt = transpose_heads(k, rows, seq, kv, d), *vt = transpose_heads(v, rows, seq, kv, d);
   float *scratch = attn_alloc((size_t)rt_threads() * 2 * TILE * ss);
   ATTN_PARALLEL_TILES
@@ -459,10 +459,10 @@ RT_VECTOR_PATHS_P(grad_kv_tile, (int nr, const int first[TILE], const int last[T
                  width, scale, s, u, ss))
 
 void rt_attn_grad_kv(const float *dy, const float *q, const float *k, const float *v, const float *stats, float *dqkv,
-                     int rows, int seq, int heads, int kv, int qcols, int window) {
+                     int rows, int seq, int heads, int kv, int qcols, int window, float qk_scale) {
   int d = qcols / heads, group = heads / kv, kcols = kv * d, width = qcols + 2 * kcols;
   int per = (seq + TILE - 1) / TILE, ss = seq + W;
-  float scale = 1.0f / sqrtf((float)d);
+  float scale = qk_scale > 0 ? qk_scale : 1.0f / sqrtf((float)d);
   float *qt = transpose_heads(q, rows, seq, heads, d), *dyt = transpose_heads(dy, rows, seq, heads, d);
   float *scratch = attn_alloc((size_t)rt_threads() * 2 * TILE * ss);
   ATTN_PARALLEL_TILES
@@ -501,4 +501,47 @@ void rt_attn_grad_kv(const float *dy, const float *q, const float *k, const floa
 void rt_cols_slice(const float *x, float *y, int rows, int cols, int offset, int width) {
   for (int r = 0; r < rows; r++)
     memcpy(y + (size_t)r * width, x + (size_t)r * cols + offset, (size_t)width * sizeof *y);
+}
+
+// ---- MLA's parts of heads (manual §7.2 `mla`) ----
+// Row r of x [rows, heads*d]; each output element is one input element (or 0, or a sum over the
+// heads in head order): the same bits on any number of threads.
+void rt_heads_slice(const float *x, float *y, int rows, int cols, int heads, int offset, int width) {
+  int d = cols / heads;
+  RT_PARALLEL_FOR((int64_t)rows * cols >= RT_PAR_MIN)
+  for (int r = 0; r < rows; r++)
+    for (int h = 0; h < heads; h++)
+      memcpy(y + ((size_t)r * heads + h) * width, x + (size_t)r * cols + (size_t)h * d + offset, (size_t)width * sizeof *y);
+}
+
+void rt_heads_place(const float *x, float *y, int rows, int heads, int offset, int width, int d) {
+  RT_PARALLEL_FOR((int64_t)rows * heads * d >= RT_PAR_MIN)
+  for (int r = 0; r < rows; r++)
+    for (int h = 0; h < heads; h++) {
+      float *yh = y + ((size_t)r * heads + h) * d;
+      for (int c = 0; c < d; c++)
+        yh[c] = c >= offset && c < offset + width ? x[((size_t)r * heads + h) * width + (c - offset)] : 0.0f;
+    }
+}
+
+void rt_heads_cat(const float *a, const float *b, float *y, int rows, int cols_a, int cols_b, int heads, int a_heads) {
+  int wa = cols_a / a_heads, wb = cols_b / heads;
+  RT_PARALLEL_FOR((int64_t)rows * (cols_b + (int64_t)heads * wa) >= RT_PAR_MIN)
+  for (int r = 0; r < rows; r++)
+    for (int h = 0; h < heads; h++) {
+      float *yh = y + ((size_t)r * heads + h) * (wa + wb);
+      memcpy(yh, a + (size_t)r * cols_a + (size_t)(a_heads == 1 ? 0 : h) * wa, (size_t)wa * sizeof *y);
+      memcpy(yh + wa, b + (size_t)r * cols_b + (size_t)h * wb, (size_t)wb * sizeof *y);
+    }
+}
+
+void rt_heads_sum(const float *x, float *y, int rows, int cols, int heads) {
+  int w = cols / heads;
+  RT_PARALLEL_FOR((int64_t)rows * cols >= RT_PAR_MIN)
+  for (int r = 0; r < rows; r++)
+    for (int c = 0; c < w; c++) {
+      float s = 0.0f;
+      for (int h = 0; h < heads; h++) s += x[(size_t)r * cols + (size_t)h * w + c];
+      y[(size_t)r * w + c] = s;
+    }
 }

@@ -47,25 +47,52 @@ void rt_pos_add_grad(const float *dy, float *dtable, int rows, int cols, int seq
     }
 }
 
-// RoPE ("rotate half") on rows of [heads * d]: row s is position s % seq; for c < d/2 the pair
-// (c, c + d/2) of every head turns by angle = pos * theta^(-2c/d), sign +1; sign -1 turns back
-// (the gradient: the rotation's transpose).
-void rt_rope(const float *x, float *y, int rows, int cols, int heads, int seq, float theta, int sign) {
-  int d = cols / heads, half = d / 2;
+// The turn per position of pair c of R rotary columns: theta^(-2c/R); with YaRN (factor > 0,
+// transformers' rope_type "yarn", truncated correction range) the blend of that and its
+// 1/factor by a linear ramp over the pairs between the dimensions where `original` positions make
+// beta_fast and beta_slow turns.
+static double yarn_dim(double turns, int R, double theta, int original) {
+  return R * log(original / (turns * 2 * M_PI)) / (2 * log(theta));
+}
+
+double rt_rope_freq(int c, int R, double theta, double factor, int original, double beta_fast, double beta_slow) {
+  double extrapolated = pow(theta, -2.0 * c / R);
+  if (!(factor > 0))
+    return extrapolated;
+  double low = fmax(floor(yarn_dim(beta_fast, R, theta, original)), 0);
+  double high = fmin(ceil(yarn_dim(beta_slow, R, theta, original)), R - 1);
+  if (low == high)
+    high += 0.001;
+  double ramp = fmin(fmax((c - low) / (high - low), 0), 1);
+  return extrapolated / factor * ramp + extrapolated * (1 - ramp);
+}
+
+// RoPE ("rotate half") on rows of [heads * d]: row s is position s % seq; the first R = rotary
+// columns of every head turn (R = d when rotary is 0), the pair (c, c + R/2) for c < R/2 by angle =
+// pos * theta^(-2c/R), sign +1; sign -1 turns back (the gradient: the rotation's transpose). The
+// columns R..d of a head pass unchanged (a partial rotary factor, GLM's). With interleave the pair
+// of frequency c is the adjacent (2c, 2c + 1) (DeepSeek's layout). With factor > 0, YaRN's
+// frequencies (rt_rope_freq) and cos and sin times scale.
+void rt_rope(const float *x, float *y, int rows, int cols, int heads, int seq, float theta, int sign, int rotary,
+             int interleave, float factor, int original, float beta_fast, float beta_slow, float scale) {
+  int d = cols / heads, rd = rotary > 0 ? rotary : d, half = rd / 2;
   double *freq = rt_alloc((size_t)(half > 0 ? half : 1) * sizeof *freq, "rt_rope");
-  for (int c = 0; c < half; c++) freq[c] = pow((double)theta, -2.0 * c / d);
+  for (int c = 0; c < half; c++) freq[c] = rt_rope_freq(c, rd, theta, factor, original, beta_fast, beta_slow);
   for (int r = 0; r < rows; r++) {
     int pos = r % seq;
     for (int c = 0; c < half; c++) {   // the same turn for every head
       double angle = pos * freq[c];
-      float cs = (float)cos(angle), sn = (float)(sign * sin(angle));
+      float cs = (float)(cos(angle) * scale), sn = (float)(sign * sin(angle) * scale);
       for (int h = 0; h < heads; h++) {
-        size_t a = (size_t)r * cols + (size_t)h * d + c, b = a + half;
+        size_t a = (size_t)r * cols + (size_t)h * d + (interleave ? 2 * c : c), b = a + (interleave ? 1 : half);
         float u = x[a], w = x[b];
         y[a] = u * cs - w * sn;
         y[b] = w * cs + u * sn;
       }
     }
+    for (int h = 0; h < heads && rd < d; h++)
+      for (int c = rd; c < d; c++)
+        y[(size_t)r * cols + (size_t)h * d + c] = x[(size_t)r * cols + (size_t)h * d + c];
   }
   free(freq);
 }

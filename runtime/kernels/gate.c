@@ -76,8 +76,8 @@ void rt_softmax_grad(const float *dy, const float *y, float *dx, int s, int e) {
 // ties to the lower index. NaN ranks as -inf so a row always yields k distinct experts. row[i] +
 // bias[i] is expert i's score when bias is not NULL. With groups > 1 the experts are groups equal
 // runs and only those of the best `best` groups take part: a group ranks by the sum of its two
-// best scores (score_kind 0) or its best (1), ties to the lower group; the others count as 0
-// (transformers masks them with 0.0, not -inf, and so does this).
+// best scores (score_kind 0) or its best (1), ties to the lower group; the others count as -inf
+// (transformers 5's masked_fill; the compiler checks the groups kept hold at least k experts).
 static float choice_score(const float *row, const float *bias, int i) {
   float v = bias ? row[i] + bias[i] : row[i];
   return isnan(v) ? -INFINITY : v;
@@ -118,7 +118,7 @@ static void topk_row(const float *row, const float *bias, int32_t *out, int e, i
     int pick = -1;
     float best_v = -INFINITY;
     for (int i = 0; i < e; i++) {
-      float v = keep >> (i / per) & 1 ? choice_score(row, bias, i) : 0.0f;
+      float v = keep >> (i / per) & 1 ? choice_score(row, bias, i) : -INFINITY;
       bool after_prev = v < prev_v || (v == prev_v && i > prev_i);
       if (after_prev && (pick < 0 || v > best_v)) {
         pick = i;

@@ -104,7 +104,7 @@ MODELS="$MODELS lm_qknorm:tests/models/grad_lm_qknorm.moe lm_qknorm_mp:$WORK/lm_
         lm_olmoe:tests/models/grad_lm_olmoe.moe lm_window:tests/models/grad_lm_window.moe lm_window_mp:$WORK/lm_window_mp.moe"
 # A router with a learned bias (`bias true`: gshard with GELU experts, sigmoid with SwiGLU ones).
 MODELS="$MODELS router_bias:tests/models/grad_router_bias.moe"
-MODELS="$MODELS deepseek_gate:tests/models/grad_deepseek_gate.moe"
+MODELS="$MODELS deepseek_gate:tests/models/grad_deepseek_gate.moe lm_glm:tests/models/grad_lm_glm.moe lm_mla:tests/models/grad_lm_mla.moe"
 # The gate x order x expert matrix (tests/cuda/matrix.sh: every configuration of the CPU gradient
 # check's matrix, as layers of 30 small stacks), the models tests/cuda/gpu.sh runs on a GPU.
 bash tests/cuda/matrix.sh "$WORK/matrix" >"$WORK/matrix.names"

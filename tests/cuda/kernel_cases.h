@@ -458,18 +458,18 @@ template <class Launcher> void run_kernel_cases(Launcher &L, Checks &c) {
       auto q = randn((size_t)rows * qc), kk = randn((size_t)rows * kc), vv = randn((size_t)rows * kc);
       auto dy = randn((size_t)rows * qc);
       auto o_c = zeros<float>(rows * qc), o_k = zeros<float>(rows * qc);
-      rt_attn_fwd(q.data(), kk.data(), vv.data(), o_c.data(), rows, seq, H, KV, qc, 0);
-      LAUNCH(2, 32, mk_attn_fwd, q, kk, vv, o_k, rows, seq, H, KV, qc, 0);
+      rt_attn_fwd(q.data(), kk.data(), vv.data(), o_c.data(), rows, seq, H, KV, qc, 0, 0.0f);
+      LAUNCH(2, 32, mk_attn_fwd, q, kk, vv, o_k, rows, seq, H, KV, qc, 0, 0.0f);
       c.same("attn.causal", o_c, o_k);
       auto st_c = zeros<float>(rows * 2 * H), st_k = zeros<float>(rows * 2 * H);
-      rt_attn_stats(dy.data(), q.data(), kk.data(), o_c.data(), st_c.data(), rows, seq, H, KV, qc, 0);
-      LAUNCH(2, 32, mk_attn_stats, dy, q, kk, o_c, st_k, rows, seq, H, KV, qc, 0);
+      rt_attn_stats(dy.data(), q.data(), kk.data(), o_c.data(), st_c.data(), rows, seq, H, KV, qc, 0, 0.0f);
+      LAUNCH(2, 32, mk_attn_stats, dy, q, kk, o_c, st_k, rows, seq, H, KV, qc, 0, 0.0f);
       c.same("attn.causal.stats", st_c, st_k);
       auto g_c = zeros<float>(rows * w), g_k = zeros<float>(rows * w);
-      rt_attn_grad_q(dy.data(), q.data(), kk.data(), vv.data(), st_c.data(), g_c.data(), rows, seq, H, KV, qc, 0);
-      rt_attn_grad_kv(dy.data(), q.data(), kk.data(), vv.data(), st_c.data(), g_c.data(), rows, seq, H, KV, qc, 0);
-      LAUNCH(2, 32, mk_attn_grad_q, dy, q, kk, vv, st_c, g_k, rows, seq, H, KV, qc, 0);
-      LAUNCH(2, 16, mk_attn_grad_kv, dy, q, kk, vv, st_c, g_k, rows, seq, H, KV, qc, 0);
+      rt_attn_grad_q(dy.data(), q.data(), kk.data(), vv.data(), st_c.data(), g_c.data(), rows, seq, H, KV, qc, 0, 0.0f);
+      rt_attn_grad_kv(dy.data(), q.data(), kk.data(), vv.data(), st_c.data(), g_c.data(), rows, seq, H, KV, qc, 0, 0.0f);
+      LAUNCH(2, 32, mk_attn_grad_q, dy, q, kk, vv, st_c, g_k, rows, seq, H, KV, qc, 0, 0.0f);
+      LAUNCH(2, 16, mk_attn_grad_kv, dy, q, kk, vv, st_c, g_k, rows, seq, H, KV, qc, 0, 0.0f);
       c.same("attn.causal.grad", g_c, g_k);
       auto sl_c = zeros<float>(rows * kc), sl_k = zeros<float>(rows * kc);
       rt_cols_slice(g_c.data(), sl_c.data(), rows, w, qc, kc);
@@ -497,14 +497,14 @@ template <class Launcher> void run_kernel_cases(Launcher &L, Checks &c) {
       auto o_c = zeros<float>(rows * qc), o_k = zeros<float>(rows * qc);
       auto st_c = zeros<float>(rows * 2 * H), st_k = zeros<float>(rows * 2 * H);
       auto g_c = zeros<float>(rows * w), g_k = zeros<float>(rows * w);
-      rt_attn_fwd(q.data(), kk.data(), vv.data(), o_c.data(), rows, seq, H, KV, qc, 0);
-      rt_attn_stats(dy.data(), q.data(), kk.data(), o_c.data(), st_c.data(), rows, seq, H, KV, qc, 0);
-      rt_attn_grad_q(dy.data(), q.data(), kk.data(), vv.data(), st_c.data(), g_c.data(), rows, seq, H, KV, qc, 0);
-      rt_attn_grad_kv(dy.data(), q.data(), kk.data(), vv.data(), st_c.data(), g_c.data(), rows, seq, H, KV, qc, 0);
-      LAUNCH(3, block, mk_attn_fwd, q, kk, vv, o_k, rows, seq, H, KV, qc, 0);
-      LAUNCH(2, block, mk_attn_stats, dy, q, kk, o_c, st_k, rows, seq, H, KV, qc, 0);
-      LAUNCH(3, block, mk_attn_grad_q, dy, q, kk, vv, st_c, g_k, rows, seq, H, KV, qc, 0);
-      LAUNCH(2, block, mk_attn_grad_kv, dy, q, kk, vv, st_c, g_k, rows, seq, H, KV, qc, 0);
+      rt_attn_fwd(q.data(), kk.data(), vv.data(), o_c.data(), rows, seq, H, KV, qc, 0, 0.0f);
+      rt_attn_stats(dy.data(), q.data(), kk.data(), o_c.data(), st_c.data(), rows, seq, H, KV, qc, 0, 0.0f);
+      rt_attn_grad_q(dy.data(), q.data(), kk.data(), vv.data(), st_c.data(), g_c.data(), rows, seq, H, KV, qc, 0, 0.0f);
+      rt_attn_grad_kv(dy.data(), q.data(), kk.data(), vv.data(), st_c.data(), g_c.data(), rows, seq, H, KV, qc, 0, 0.0f);
+      LAUNCH(3, block, mk_attn_fwd, q, kk, vv, o_k, rows, seq, H, KV, qc, 0, 0.0f);
+      LAUNCH(2, block, mk_attn_stats, dy, q, kk, o_c, st_k, rows, seq, H, KV, qc, 0, 0.0f);
+      LAUNCH(3, block, mk_attn_grad_q, dy, q, kk, vv, st_c, g_k, rows, seq, H, KV, qc, 0, 0.0f);
+      LAUNCH(2, block, mk_attn_grad_kv, dy, q, kk, vv, st_c, g_k, rows, seq, H, KV, qc, 0, 0.0f);
       std::string shape = " (seq " + std::to_string(seq) + ", d " + std::to_string(d) + ", block " + std::to_string(block) + ")";
       c.same(("attn.causal" + shape).c_str(), o_c, o_k);
       c.same(("attn.causal.stats" + shape).c_str(), st_c, st_k);
@@ -523,30 +523,62 @@ template <class Launcher> void run_kernel_cases(Launcher &L, Checks &c) {
       auto o_c = zeros<float>(rows * qc), o_k = zeros<float>(rows * qc), o_0 = zeros<float>(rows * qc);
       auto st_c = zeros<float>(rows * 2 * H), st_k = zeros<float>(rows * 2 * H);
       auto g_c = zeros<float>(rows * w), g_k = zeros<float>(rows * w);
-      rt_attn_fwd(q.data(), kk.data(), vv.data(), o_c.data(), rows, seq, H, KV, qc, window);
-      rt_attn_stats(dy.data(), q.data(), kk.data(), o_c.data(), st_c.data(), rows, seq, H, KV, qc, window);
-      rt_attn_grad_q(dy.data(), q.data(), kk.data(), vv.data(), st_c.data(), g_c.data(), rows, seq, H, KV, qc, window);
-      rt_attn_grad_kv(dy.data(), q.data(), kk.data(), vv.data(), st_c.data(), g_c.data(), rows, seq, H, KV, qc, window);
-      LAUNCH(3, block, mk_attn_fwd, q, kk, vv, o_k, rows, seq, H, KV, qc, window);
-      LAUNCH(2, block, mk_attn_stats, dy, q, kk, o_c, st_k, rows, seq, H, KV, qc, window);
-      LAUNCH(3, block, mk_attn_grad_q, dy, q, kk, vv, st_c, g_k, rows, seq, H, KV, qc, window);
-      LAUNCH(2, block, mk_attn_grad_kv, dy, q, kk, vv, st_c, g_k, rows, seq, H, KV, qc, window);
+      float sc = d == 32 ? 0.37f : 0.0f;   // a scale of the scores other than 1/sqrt(d) (yarn's mscale), once
+      rt_attn_fwd(q.data(), kk.data(), vv.data(), o_c.data(), rows, seq, H, KV, qc, window, sc);
+      rt_attn_stats(dy.data(), q.data(), kk.data(), o_c.data(), st_c.data(), rows, seq, H, KV, qc, window, sc);
+      rt_attn_grad_q(dy.data(), q.data(), kk.data(), vv.data(), st_c.data(), g_c.data(), rows, seq, H, KV, qc, window, sc);
+      rt_attn_grad_kv(dy.data(), q.data(), kk.data(), vv.data(), st_c.data(), g_c.data(), rows, seq, H, KV, qc, window, sc);
+      LAUNCH(3, block, mk_attn_fwd, q, kk, vv, o_k, rows, seq, H, KV, qc, window, sc);
+      LAUNCH(2, block, mk_attn_stats, dy, q, kk, o_c, st_k, rows, seq, H, KV, qc, window, sc);
+      LAUNCH(3, block, mk_attn_grad_q, dy, q, kk, vv, st_c, g_k, rows, seq, H, KV, qc, window, sc);
+      LAUNCH(2, block, mk_attn_grad_kv, dy, q, kk, vv, st_c, g_k, rows, seq, H, KV, qc, window, sc);
       std::string shape = " (seq " + std::to_string(seq) + ", d " + std::to_string(d) + ", block " + std::to_string(block) +
-                          ", window " + std::to_string(window) + ")";
+                          ", window " + std::to_string(window) + (sc > 0 ? ", scale 0.37" : "") + ")";
       c.same(("attn.causal" + shape).c_str(), o_c, o_k);
       c.same(("attn.causal.stats" + shape).c_str(), st_c, st_k);
       c.same(("attn.causal.grad" + shape).c_str(), g_c, g_k);
       if (window >= seq) {   // the causal mask itself
-        rt_attn_fwd(q.data(), kk.data(), vv.data(), o_0.data(), rows, seq, H, KV, qc, 0);
+        rt_attn_fwd(q.data(), kk.data(), vv.data(), o_0.data(), rows, seq, H, KV, qc, 0, 0.0f);
         c.same(("attn.causal without a window" + shape).c_str(), o_0, o_c);
       }
     }
-    rt_rope(a.data(), y_c.data(), s, m, 4, 12, 10000.0f, 1);
-    LAUNCH(3, 64, mk_rope, a, y_k, s, m, 4, 12, 10000.0f, 1);
-    c.same("rope", y_c, y_k);
-    rt_rope(a.data(), y_c.data(), s, m, 4, 12, 10000.0f, -1);
-    LAUNCH(3, 64, mk_rope, a, y_k, s, m, 4, 12, 10000.0f, -1);
-    c.same("rope.grad", y_c, y_k);
+    {  // YaRN's frequencies and scaled cos and sin (the theta must make the ramp fall inside the pairs)
+      rt_rope(a.data(), y_c.data(), s, m, 4, 12, 10000.0f, 1, 0, 1, 4.0f, 8, 32.0f, 1.0f, 1.25f);
+      LAUNCH(3, 64, mk_rope, a, y_k, s, m, 4, 12, 10000.0f, 1, 0, 1, 4.0f, 8, 32.0f, 1.0f, 1.25f);
+      c.same("rope, yarn", y_c, y_k);
+    }
+    for (int k = 0; k < 4; k++) {   // whole heads, then a quarter of each (a partial rotary factor); halves, then adjacent pairs
+      int rotary = k % 2 ? 2 * (m / 4 / 4) : 0, il = k / 2;
+      std::string what = std::string(rotary ? ", partial" : "") + (il ? ", interleaved" : "");
+      rt_rope(a.data(), y_c.data(), s, m, 4, 12, 10000.0f, 1, rotary, il, 0.0f, 0, 32.0f, 1.0f, 1.0f);
+      LAUNCH(3, 64, mk_rope, a, y_k, s, m, 4, 12, 10000.0f, 1, rotary, il, 0.0f, 0, 32.0f, 1.0f, 1.0f);
+      c.same(("rope" + what).c_str(), y_c, y_k);
+      rt_rope(a.data(), y_c.data(), s, m, 4, 12, 10000.0f, -1, rotary, il, 0.0f, 0, 32.0f, 1.0f, 1.0f);
+      LAUNCH(3, 64, mk_rope, a, y_k, s, m, 4, 12, 10000.0f, -1, rotary, il, 0.0f, 0, 32.0f, 1.0f, 1.0f);
+      c.same(("rope.grad" + what).c_str(), y_c, y_k);
+    }
+    {  // MLA's parts of heads: 4 heads of m/4 columns
+      int d = m / 4, off = 1, w = d / 2;
+      auto hs_c = zeros<float>(s * 4 * w), hs_k = zeros<float>(s * 4 * w);
+      rt_heads_slice(a.data(), hs_c.data(), s, m, 4, off, w);
+      LAUNCH(3, 64, mk_heads_slice, a, hs_k, s, m, 4, off, w);
+      c.same("heads.slice", hs_c, hs_k);
+      auto hp_c = zeros<float>(s * m), hp_k = zeros<float>(s * m);
+      rt_heads_place(hs_c.data(), hp_c.data(), s, 4, off, w, d);
+      LAUNCH(3, 64, mk_heads_place, hs_c, hp_k, s, 4, off, w, d);
+      c.same("heads.place", hp_c, hp_k);
+      auto hc_c = zeros<float>(s * 4 * (w + d)), hc_k = zeros<float>(s * 4 * (w + d));
+      for (int ah : {1, 4}) {
+        std::vector<float> part(hs_c.begin(), hs_c.begin() + s * ah * w);   // [s, ah*w]
+        rt_heads_cat(part.data(), a.data(), hc_c.data(), s, ah * w, m, 4, ah);
+        LAUNCH(3, 64, mk_heads_cat, part, a, hc_k, s, ah * w, m, 4, ah);
+        c.same(ah == 1 ? "heads.cat, a shared head" : "heads.cat", hc_c, hc_k);
+      }
+      auto hsum_c = zeros<float>(s * d), hsum_k = zeros<float>(s * d);
+      rt_heads_sum(a.data(), hsum_c.data(), s, m, 4);
+      LAUNCH(3, 64, mk_heads_sum, a, hsum_k, s, m, 4);
+      c.same("heads.sum", hsum_c, hsum_k);
+    }
     {  // cross-entropy of the s rows of a as logits over m classes
       std::vector<int32_t> tgt(s);
       for (int i = 0; i < s; i++) tgt[i] = (i * 13 + 1) % m;

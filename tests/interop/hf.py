@@ -5,7 +5,7 @@ case: a tiny random checkpoint made by transformers, `moec import-hf`, `moec bui
 run on fixed tokens, and its logits, loss, export and one SGD step compared with transformers'.
 Prints `ok    ...` / `FAIL  ...` lines; exits 1 on a failure.
 
-usage: hf.py MOEC WORKDIR
+usage: hf.py MOEC WORKDIR      (INTEROP_ONLY=family,...: those families alone)
 """
 import json
 import os
@@ -62,6 +62,38 @@ FAMILIES = {
                        num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=12, num_experts=4,
                        num_experts_per_tok=2, norm_topk_prob=True, max_position_embeddings=64,
                        initializer_range=0.1, rms_norm_eps=1e-6)),
+    # GLM-4.5: a dense first layer, rope on half of each head (partial_rotary_factor), head_dim 12 != 32 / 4,
+    # q/k/v biases, q/k RMSNorm per head; DeepSeek-V3's router (sigmoid, a correction bias, 4 groups of 2 of
+    # which the best 2, renormalised, scaled by 2.5) beside 2 shared experts
+    "glm4_moe": ("Glm4MoeConfig", "Glm4MoeForCausalLM",
+                 dict(vocab_size=96, hidden_size=32, intermediate_size=40, moe_intermediate_size=12,
+                      num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2, head_dim=12,
+                      n_routed_experts=8, n_shared_experts=2, num_experts_per_tok=2, n_group=4, topk_group=2,
+                      routed_scaling_factor=2.5, norm_topk_prob=True, first_k_dense_replace=1, use_qk_norm=True,
+                      attention_bias=True, partial_rotary_factor=0.5, max_position_embeddings=64,
+                      initializer_range=0.1, rms_norm_eps=1e-5)),
+    # DeepSeek-V3: multi-head latent attention with q LoRA, yarn (factor 4 over 16 original positions, both mscales)
+    # and rope on adjacent pairs; a dense first layer; the router of 2 groups of 4 experts (the best 1), sigmoid
+    # scores with a correction bias, renormalised, scaled by 2.5; a shared expert
+    "deepseek_v3": ("DeepseekV3Config", "DeepseekV3ForCausalLM",
+                    dict(vocab_size=96, hidden_size=32, intermediate_size=40, moe_intermediate_size=12,
+                         num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=4, n_routed_experts=8,
+                         n_shared_experts=1, num_experts_per_tok=2, n_group=2, topk_group=1, routed_scaling_factor=2.5,
+                         first_k_dense_replace=1, q_lora_rank=12, kv_lora_rank=10, qk_nope_head_dim=6,
+                         qk_rope_head_dim=4, v_head_dim=6, max_position_embeddings=64, initializer_range=0.1,
+                         rms_norm_eps=1e-6,
+                         rope_parameters={"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0,
+                                          "original_max_position_embeddings": 16, "beta_fast": 32, "beta_slow": 1,
+                                          "mscale": 0.8, "mscale_all_dim": 0.6})),
+    # DeepSeek-V2 (V2-Lite's shape): no q LoRA, softmax scores not renormalised, scaled by 1.5, group-limited
+    # greedy (4 groups, the best 2 by their best score), 2 shared experts, v narrower than q and k
+    "deepseek_v2": ("DeepseekV2Config", "DeepseekV2ForCausalLM",
+                    dict(vocab_size=96, hidden_size=32, intermediate_size=40, moe_intermediate_size=12,
+                         num_hidden_layers=3, num_attention_heads=4, n_routed_experts=8, n_shared_experts=2,
+                         num_experts_per_tok=3, n_group=4, topk_group=2, topk_method="group_limited_greedy",
+                         routed_scaling_factor=1.5, first_k_dense_replace=1, q_lora_rank=None, kv_lora_rank=10,
+                         qk_nope_head_dim=6, qk_rope_head_dim=4, v_head_dim=8, max_position_embeddings=64,
+                         initializer_range=0.1, rms_norm_eps=1e-6)),
     # RMSNorm of q and k over the whole width, top-k without renormalisation
     "olmoe": ("OlmoeConfig", "OlmoeForCausalLM",
               dict(vocab_size=96, hidden_size=32, intermediate_size=24, num_hidden_layers=2, num_attention_heads=4,
@@ -85,6 +117,9 @@ def tiny(family, seed, **over):
                 p.uniform_(0.5, 1.5)
             elif name.endswith(".bias") or "shared_expert_gate" in name or name.endswith("mlp.gate.weight"):
                 p.normal_(0, 0.3)
+        for name, b in model.named_buffers():   # DeepSeek-V3's correction bias, so that it steers the choice
+            if name.endswith("e_score_correction_bias"):
+                b.normal_(0, 0.3)
     return model
 
 
@@ -190,9 +225,45 @@ def family_checks(family):
     with torch.no_grad():   # the weights as the shards hold them; buffers (the rotary table) as computed
         for p in ref.parameters():
             p.copy_(p.to(torch.bfloat16).to(p.dtype))
+        for name, b in ref.named_buffers():   # saved in BF16 too
+            if name.endswith("e_score_correction_bias"):
+                b.copy_(b.to(torch.bfloat16).to(b.dtype))
     compare_forward(f"{family} (BF16, {len(shards)} shards)", ref, src_bf)
 
     sgd_check(family, family, src, {})
+    if family == "deepseek_v3":
+        layout_check(family, prefix)
+
+
+def layout_check(family, prefix):
+    """The imported model on dp2·mp2·ep2·esp2 (4 ranks, its heads split over MP) against one rank:
+    two steps' losses and the step-1 dump (logits, every gradient) within 1e-5."""
+    base = open(prefix + ".moe").read()
+    first = base.index("\nlayer ")
+    one, many = prefix + ".one", prefix + ".many"
+    with open(one + ".moe", "w") as f:
+        f.write(base.replace("batch 2;", "batch 4;"))
+    with open(many + ".moe", "w") as f:
+        f.write(base[:first] + "\nparallel { dp 2; mp 2; ep 2; esp 2; }" + base[first:])
+    toks = tokens(FAMILIES[family][2]["vocab_size"], 4, 16, 5)
+    np.save(prefix + ".t4.npy", toks)
+    common = ["--steps", "2", "--weights", prefix + ".safetensors", "--input", prefix + ".t4.npy"]
+    outs = []
+    for name, launch in ((one, []), (many, ["mpirun", "--allow-run-as-root", "--oversubscribe", "-np", "4"])):
+        run([MOEC, "build", name + ".moe", "-o", name])
+        outs.append(run(launch + [name, *common, "--dump", name + ".dump"]))
+    losses = [[float(l.split()[3]) for l in o.splitlines() if l.startswith("step ")] for o in outs]
+    worst = 0.0
+    for root, _, files in os.walk(one + ".dump"):
+        for f in files:
+            a = np.load(os.path.join(root, f)).astype(np.float64)
+            b = np.load(os.path.join(root.replace(one + ".dump", many + ".dump"), f)).astype(np.float64)
+            worst = max(worst, float(np.abs(a - b).max() / max(np.abs(a).max(), 1e-30)))
+    if len(losses[0]) == 2 and np.allclose(losses[0], losses[1], rtol=1e-5, atol=2e-6) and worst <= 1e-5:
+        ok(f"{family} imported, on dp2·mp2·ep2·esp2 (4 ranks): the losses of 2 steps and the step-1 dump equal one "
+           f"rank's (worst {worst:.1e})")
+    else:
+        bad(f"{family} on dp2·mp2·ep2·esp2 differs from one rank: losses {losses}, dump {worst:.2e}")
 
 
 def sgd_check(what, family, src, over):
@@ -247,12 +318,17 @@ def router_logits_checks(family):
 
 def main():
     os.makedirs(WORK, exist_ok=True)
+    only = [f for f in os.environ.get("INTEROP_ONLY", "").split(",") if f]   # INTEROP_ONLY=glm4_moe,...: those alone
     for family in FAMILIES:
+        if only and family not in only:
+            continue
         try:
             family_checks(family)
         except Exception as e:  # a failed command is one failed check, the others still run
             bad(f"{family}: {type(e).__name__}", str(e))
     for family in ("mixtral", "qwen2_moe", "olmoe"):
+        if only and family not in only:
+            continue
         try:
             router_logits_checks(family)
         except Exception as e:

@@ -88,6 +88,38 @@ if "$MOEC" import-hf "$WORK/gen" -o "$WORK/gen/imp" --batch 2 --seqlen 16 >"$WOR
 else
   bad "the checkpoint's generation_config.json" "$(cat "$WORK/gen.out" "$WORK/err" "$WORK/gen/exp.out" 2>/dev/null | tail -n 4; cat "$WORK/gen/out/generation_config.json" 2>/dev/null)"
 fi
+# GLM-4.5 (glm4_moe): the gradient-check model of its parts (a dense first layer, partial rope,
+# q/k norms and biases, DeepSeek-V3's router with its correction bias, a shared expert) exports a
+# glm4_moe checkpoint after 2 steps; import-hf reads it back (the router, the partial rope) and its
+# --steps 0 export is the same checkpoint bit for bit. (Against transformers itself: make interop.)
+if "$MOEC" build tests/models/grad_lm_glm.moe -o "$WORK/glm" 2>"$WORK/err" &&
+   (cd "$WORK" && ./glm --steps 2 --export-hf glmhf >glme.out 2>&1) &&
+   $PY - "$WORK/glmhf/config.json" >"$WORK/glmcfg" 2>&1 <<'EOF'
+import json, sys
+c = json.load(open(sys.argv[1]))
+want = {"model_type": "glm4_moe", "first_k_dense_replace": 1, "n_routed_experts": 8, "n_shared_experts": 1,
+        "n_group": 4, "topk_group": 2, "routed_scaling_factor": 2.5, "norm_topk_prob": True, "use_qk_norm": True,
+        "attention_bias": True, "head_dim": 8}
+bad = {k: (c.get(k), v) for k, v in want.items() if c.get(k) != v}
+if c.get("rope_parameters", {}).get("partial_rotary_factor") != 0.5:
+    bad["partial_rotary_factor"] = c.get("rope_parameters")
+print(bad or "ok")
+sys.exit(1 if bad else 0)
+EOF
+then
+  if "$MOEC" import-hf "$WORK/glmhf" -o "$WORK/glmre" --batch 2 --seqlen 8 --optimizer sgd --lr 0.01 >"$WORK/imp.out" 2>&1 &&
+     grep -q 'gate sigmoid { k 2; capacity \*; renormalize true; expert_groups 4; topk_groups 2; scale 2.5; balance bias 0; }' "$WORK/glmre.moe" &&
+     grep -q 'position rope { theta 10000; partial 0.5; }' "$WORK/glmre.moe" &&
+     "$MOEC" build "$WORK/glmre.moe" -o "$WORK/glmrebin" 2>"$WORK/err" &&
+     (cd "$WORK" && ./glmrebin --steps 0 --weights glmre.safetensors --export-hf glmhf2 >re0.out 2>&1) &&
+     same=$($FIX same "$WORK/glmhf/model.safetensors" "$WORK/glmhf2/model.safetensors" 2>&1); then
+    ok "GLM-4.5: --export-hf writes a glm4_moe checkpoint (e_score_correction_bias, partial_rotary_factor, n_group, ...); import-hf reads it back and --steps 0 exports it again: $same"
+  else
+    bad "GLM-4.5: import-hf of the exported checkpoint" "$(cat "$WORK/imp.out" "$WORK/err" "$WORK/re0.out" 2>/dev/null | tail -n 5; grep -n 'gate\|position' "$WORK/glmre.moe" 2>/dev/null)"
+  fi
+else
+  bad "GLM-4.5: --export-hf of tests/models/grad_lm_glm.moe" "$(cat "$WORK/err" "$WORK/glme.out" "$WORK/glmcfg" 2>/dev/null | tail -n 5)"
+fi
 # A router bias (`bias true`, gpt-oss's) is no Mixtral setting: a model that names its Hugging Face
 # config (hf_config) and has one is refused by the build, naming it.
 sed 's/gate gshard { k 2;/gate gshard { k 2; bias true;/' "$WORK/mx.moe" >"$WORK/mxbias.moe"
@@ -223,7 +255,7 @@ refused "an unknown config key" '"moe_layer_freq": 2 is a key moec does not know
 refused "router jitter" '"router_jitter_noise": 0.1' --config router_jitter_noise=0.1
 refused "output_router_logits not a boolean" '"output_router_logits": 1 is not something moec can represent: it must be true or false' --config output_router_logits=1
 refused "a negative router_aux_loss_coef with output_router_logits" '"router_aux_loss_coef": -1 is not something' --config output_router_logits=true --config router_aux_loss_coef=-1
-refused "a family moec does not read" 'model_type "deepseek_v3" is not a family moec reads' --config model_type='"deepseek_v3"'
+refused "a family moec does not read" 'model_type "gpt_oss" is not a family moec reads' --config model_type='"gpt_oss"'
 refused "a missing tensor" "has no tensor 'model.layers.1.block_sparse_moe.experts.2.w3.weight'" --drop model.layers.1.block_sparse_moe.experts.2.w3.weight
 refused "a tensor it does not know" "tensor 'model.layers.0.mlp.shared_expert_gate.weight' is not part of" --extra model.layers.0.mlp.shared_expert_gate.weight
 refused "a tensor of the wrong shape" "is \[40, 32\]; config.json makes it \[48, 32\]" --claim intermediate_size=48

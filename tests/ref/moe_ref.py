@@ -436,7 +436,7 @@ def topk_rows(scores, k):
 def limited_choice(choice, groups, best, how):
     """DeepSeek's group limit: each row's experts in `groups` equal runs, ranked by the sum of
     their two best (how "top2") or their best ("max"), ties to the lower group; the experts
-    outside the `best` best groups count as 0 (transformers' masked_fill with 0.0)."""
+    outside the `best` best groups count as -inf (transformers 5's masked_fill)."""
     if groups <= 1 or best >= groups:
         return choice
     s, e = choice.shape
@@ -444,7 +444,7 @@ def limited_choice(choice, groups, best, how):
     gscore = grouped[:, :, -1] + grouped[:, :, -2] if how == "top2" else grouped[:, :, -1]
     keep = np.zeros((s, groups), dtype=bool)
     np.put_along_axis(keep, np.argsort(-gscore, axis=1, kind="stable")[:, :best], True, axis=1)
-    return np.where(np.repeat(keep, e // groups, axis=1), choice, 0.0)
+    return np.where(np.repeat(keep, e // groups, axis=1), choice, -np.inf)
 
 
 def locations(idx, e, groups, cap):

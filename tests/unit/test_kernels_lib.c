@@ -22,6 +22,7 @@
 #include <cmocka.h>
 
 #include "moert.h"
+#include "rt_internal.h"
 
 #define FD_EPS 1e-2    // step for smooth ops
 #define FD_TOL 1e-3    // relative to the largest analytic gradient
@@ -302,28 +303,87 @@ static void test_fd_embed(void **state) {
 
 typedef struct {
   float *x, *y, *w;
-  int rows, cols, heads, seq;
+  int rows, cols, heads, seq, rotary, interleave;
 } RopeCtx;
 
 static double rope_obj(void *p) {
   RopeCtx *c = p;
-  rt_rope(c->x, c->y, c->rows, c->cols, c->heads, c->seq, 10000.0f, 1);
+  rt_rope(c->x, c->y, c->rows, c->cols, c->heads, c->seq, 10000.0f, 1, c->rotary, c->interleave, 0.0f, 0, 32.0f, 1.0f, 1.0f);
   return dot(c->w, c->y, (int64_t)c->rows * c->cols);
 }
 
+// Whole heads (rotary 0) and a partial rotary factor (4 of a head's 8 columns turn, the rest
+// pass), each with the halves paired (c, c + R/2) and with adjacent pairs (2c, 2c + 1, interleave).
 static void test_fd_rope(void **state) {
-  enum { ROWS = 6, COLS = 8, HEADS = 2, SEQ = 3 };
-  float x[ROWS * COLS], y[ROWS * COLS], w[ROWS * COLS], dx[ROWS * COLS], back[ROWS * COLS];
-  fill(x, ROWS * COLS, -2, 2);
-  fill(w, ROWS * COLS, -1, 1);
-  RopeCtx c = {x, y, w, ROWS, COLS, HEADS, SEQ};
-  rt_rope(w, dx, ROWS, COLS, HEADS, SEQ, 10000.0f, -1);   // the gradient: the inverse rotation
-  check_fd("rope", rope_obj, &c, x, ROWS * COLS, dx, FD_EPS);
-  // position 0 (rows 0 and 3) is unrotated; rotating back restores x
-  rt_rope(x, y, ROWS, COLS, HEADS, SEQ, 10000.0f, 1);
-  for (int j = 0; j < COLS; j++) assert_true(y[j] == x[j] && y[3 * COLS + j] == x[3 * COLS + j]);
-  rt_rope(y, back, ROWS, COLS, HEADS, SEQ, 10000.0f, -1);
-  assert_true(max_abs_diff(back, x, ROWS * COLS) < 1e-5f);
+  enum { ROWS = 6, COLS = 16, HEADS = 2, SEQ = 3 };
+  for (int k = 0; k < 4; k++) {
+    int rotary = k % 2 ? 4 : 0, il = k / 2;
+    float x[ROWS * COLS], y[ROWS * COLS], w[ROWS * COLS], dx[ROWS * COLS], back[ROWS * COLS];
+    fill(x, ROWS * COLS, -2, 2);
+    fill(w, ROWS * COLS, -1, 1);
+    RopeCtx c = {x, y, w, ROWS, COLS, HEADS, SEQ, rotary, il};
+    rt_rope(w, dx, ROWS, COLS, HEADS, SEQ, 10000.0f, -1, rotary, il, 0.0f, 0, 32.0f, 1.0f, 1.0f);   // the gradient: the inverse rotation
+    check_fd("rope", rope_obj, &c, x, ROWS * COLS, dx, FD_EPS);
+    // position 0 (rows 0 and 3) is unrotated; rotating back restores x
+    rt_rope(x, y, ROWS, COLS, HEADS, SEQ, 10000.0f, 1, rotary, il, 0.0f, 0, 32.0f, 1.0f, 1.0f);
+    for (int j = 0; j < COLS; j++) assert_true(y[j] == x[j] && y[3 * COLS + j] == x[3 * COLS + j]);
+    // the columns past rotary of every head pass unchanged; the turned ones move at position 1
+    for (int h = 0; rotary > 0 && h < HEADS; h++)
+      for (int j = rotary; j < COLS / HEADS; j++) assert_true(y[COLS + h * (COLS / HEADS) + j] == x[COLS + h * (COLS / HEADS) + j]);
+    // the turn of the pair of frequency 1 at position 1 is theta^(-2/R): columns (1, 1 + R/2), or (2, 3)
+    int R = rotary ? rotary : COLS / HEADS, a = il ? 2 : 1, b = il ? 3 : 1 + R / 2;
+    double angle = pow(10000.0, -2.0 * 1 / R);
+    assert_true(y[COLS + a] != x[COLS + a]);
+    assert_true(fabs(y[COLS + a] - (x[COLS + a] * cos(angle) - x[COLS + b] * sin(angle))) < 1e-5);
+    assert_true(fabs(y[COLS + b] - (x[COLS + b] * cos(angle) + x[COLS + a] * sin(angle))) < 1e-5);
+    rt_rope(y, back, ROWS, COLS, HEADS, SEQ, 10000.0f, -1, rotary, il, 0.0f, 0, 32.0f, 1.0f, 1.0f);
+    assert_true(max_abs_diff(back, x, ROWS * COLS) < 1e-5f);
+  }
+}
+
+// YaRN's frequencies against transformers' (rope_type "yarn", float32 there: 1e-6): 16 rotary
+// columns, theta 10000, factor 4, 2048 original positions, beta 32 and 1. Pairs 0-2 keep theta's,
+// 4-7 take theta's / 4, pair 3 is on the ramp. Without a factor: theta's.
+static void test_rope_yarn(void **state) {
+  static const double want[8] = {1, 0.316227764, 0.100000001, 0.025693506, 0.00624999963, 0.00138349656,
+                                 0.000250000012, 7.90569466e-05};
+  for (int c = 0; c < 8; c++) {
+    double f = rt_rope_freq(c, 16, 10000.0, 4.0, 2048, 32.0, 1.0);
+    assert_true(fabs(f - want[c]) <= 1e-6 * want[c]);
+    assert_true(rt_rope_freq(c, 16, 10000.0, 0.0, 2048, 32.0, 1.0) == pow(10000.0, -2.0 * c / 16));
+  }
+}
+
+// MLA's parts of heads: slices, placements back into zeros (the slice's adjoint: <slice(x), w> =
+// <x, place(w)>), a shared head and per-head parts concatenated, and the sum over heads.
+static void test_heads_ops(void **state) {
+  enum { R = 3, H = 4, D = 6, OFF = 2, W = 3 };
+  float x[R * H * D], s[R * H * W], w[R * H * W], p[R * H * D], a[R * 2], b[R * H * W], c[R * H * (2 + W)], sum[R * W];
+  fill(x, R * H * D, -1, 1);
+  fill(w, R * H * W, -1, 1);
+  rt_heads_slice(x, s, R, H * D, H, OFF, W);
+  for (int r = 0; r < R; r++)
+    for (int h = 0; h < H; h++)
+      for (int j = 0; j < W; j++) assert_true(s[(r * H + h) * W + j] == x[r * H * D + h * D + OFF + j]);
+  rt_heads_place(w, p, R, H, OFF, W, D);
+  assert_true(fabs(dot(s, w, R * H * W) - dot(x, p, R * H * D)) < 1e-5);
+  for (int r = 0; r < R; r++)
+    for (int h = 0; h < H; h++) assert_true(p[(r * H + h) * D] == 0.0f && p[(r * H + h) * D + OFF] == w[(r * H + h) * W]);
+  fill(a, R * 2, -1, 1);
+  memcpy(b, w, sizeof b);
+  rt_heads_cat(a, b, c, R, 2, H * W, H, 1);
+  for (int r = 0; r < R; r++)
+    for (int h = 0; h < H; h++) {
+      assert_true(c[(r * H + h) * (2 + W)] == a[r * 2] && c[(r * H + h) * (2 + W) + 1] == a[r * 2 + 1]);
+      assert_true(c[(r * H + h) * (2 + W) + 2] == b[(r * H + h) * W]);
+    }
+  rt_heads_sum(w, sum, R, H * W, H);
+  for (int r = 0; r < R; r++)
+    for (int j = 0; j < W; j++) {
+      float t = 0.0f;
+      for (int h = 0; h < H; h++) t += w[(r * H + h) * W + j];
+      assert_true(sum[r * W + j] == t);
+    }
 }
 
 typedef struct {
@@ -947,6 +1007,8 @@ int main(void) {
       cmocka_unit_test(test_fd_scale_rows),
       cmocka_unit_test(test_fd_embed),
       cmocka_unit_test(test_fd_rope),
+    cmocka_unit_test(test_heads_ops),
+    cmocka_unit_test(test_rope_yarn),
       cmocka_unit_test(test_fd_xent),
       cmocka_unit_test(test_fd_softmax_tokens),
       cmocka_unit_test(test_fd_l2norm_rows),
