@@ -329,10 +329,11 @@ static bool lower_in_c(const IrOp *op, const Shapes *sh, CgLaunch *l) {
          ir_op_int(op, "dropless", 0) ? 0 : ir_op_int(op, "capacity", 0));
     return true;
   case IR_OP_GATE_AUX_LOSS:
-  case IR_OP_GATE_AUX_LOSS_GRAD: {
-    bool grad = op->kind == IR_OP_GATE_AUX_LOSS_GRAD;
-    c = simple(l, op, grad ? CG_K_AUX_LOSS_GRAD : CG_K_AUX_LOSS, grad ? grid_blocks(ir_op_int(op, "groups", 1)) : 1);
-    if (grad) c->shared_bytes = (unsigned)(t0->dim[1] * (int64_t)sizeof(double));
+  case IR_OP_GATE_AUX_LOSS_GRAD: {   // `aux sequence` (attr sequence): DeepSeek-V3's form, its own kernels
+    bool grad = op->kind == IR_OP_GATE_AUX_LOSS_GRAD, seq = ir_op_int(op, "sequence", 0);
+    c = simple(l, op, seq ? (grad ? CG_K_AUX_SEQ_GRAD : CG_K_AUX_SEQ) : grad ? CG_K_AUX_LOSS_GRAD : CG_K_AUX_LOSS,
+               grad ? grid_blocks(ir_op_int(op, "groups", 1)) : 1);
+    if (grad || seq) c->shared_bytes = (unsigned)(t0->dim[1] * (int64_t)sizeof(double) * (grad ? 1 : 2));
     INTS(c, t0->dim[0], t0->dim[1], cg_operand_type(&op->args[1])->dim[1], ir_op_int(op, "groups", 1));
     flt(c, grad ? ir_op_float(op, "coef", 0) / (double)ir_op_int(op, "share", 1) : (double)ir_op_int(op, "share", 1));
     return true;

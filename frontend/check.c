@@ -122,7 +122,7 @@ static const char *const optimizers[] = {"sgd", "adamw", NULL};
 static const char *const acts[] = {"gelu", "relu", NULL};
 static const char *const orders[] = {"tutel", "gshard", NULL};
 static const char *const algos[] = {"nccl", "1dh", "2dh", NULL};
-static const char *const aux_forms[] = {"group", "pooled", NULL};
+static const char *const aux_forms[] = {"group", "pooled", "sequence", NULL};
 static const char *const group_scores[] = {"top2", "max", NULL};
 static const char *const balance_forms[] = {"bias", NULL};
 #define policies ((const char *const *)ir_policy_name)
@@ -1194,8 +1194,9 @@ static void finish_gate(Ctx *c, const FeNode *n, const char *variant, char *dst)
     if (f == FE_GATE_F_RENORM)
       renormalize_note(c, g->field_loc[f]);
     if (f == FE_GATE_F_AUX_FORM)
-      ir_note_at(c->d, g->field_loc[f], "only 'gate gshard' has it: 'aux pooled' is transformers' load-balancing loss "
-                                        "over the softmax of the logits");
+      ir_note_at(c->d, g->field_loc[f], "only 'gate gshard' and 'gate sigmoid' have it: 'aux pooled' is transformers' "
+                                        "load-balancing loss over the softmax of the logits (gshard), 'aux sequence' "
+                                        "DeepSeek-V3's per sequence");
     if (f == FE_GATE_F_BIAS)
       ir_note_at(c->d, g->field_loc[f], "only 'gate gshard' and 'gate sigmoid' have it: a learned bias added to the "
                                         "router's logits");
@@ -1213,6 +1214,10 @@ static void finish_gate(Ctx *c, const FeNode *n, const char *variant, char *dst)
                 "'capacity *' (dropless) does not apply to gate 'expert_choice': each expert takes a fixed number of tokens");
   if (g->dropless)
     g->capacity = 0;
+  if (def && (def->fields & FE_GATE_FIELD(FE_GATE_F_AUX_FORM)) && g->aux_form && strcmp(g->aux_form, "pooled") == 0 &&
+      strcmp(def->name, "gshard") != 0)
+    ir_error_at(c->d, g->field_loc[FE_GATE_F_AUX_FORM], "'aux pooled' is transformers' loss over the softmax of the "
+                "logits: 'gate gshard' only ('aux group' or 'aux sequence' for 'gate %s')", def->name);
   if (!g->field_loc[FE_GATE_F_RENORM].src)
     g->renormalize = def && (def->fields & FE_GATE_FIELD(FE_GATE_F_RENORM)) && g->k > 1 && strcmp(def->name, "sigmoid") != 0;
 }
@@ -1457,6 +1462,10 @@ static void check_semantics(Ctx *c, FeProgram *p) {
                   (long long)moe->gate.k, (long long)moe->experts.count);
     else
       check_expert_groups(c, &moe->gate, moe->experts.count);
+    if (par_ok && par->mp > 1 && fe_aux_sequence(&moe->gate))
+      ir_error_at(c->d, moe->gate.field_loc[FE_GATE_F_AUX_FORM], "'aux sequence' with mp %lld: MP splits a sequence's "
+                  "tokens over its ranks, and moec takes the loss per sequence on one rank; use dp, ep and esp",
+                  (long long)par->mp);
     if (par_ok && moe->experts.hidden % par->esp != 0) {
       const FeNode *ffn = find_kid(find_kid(find_kid(ln, "moe"), "experts"), "ffn");
       ir_error_at(c->d, kid_loc(ffn, "hidden", moe->experts.kind_loc),

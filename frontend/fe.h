@@ -124,7 +124,8 @@ typedef struct FeGate {
   int64_t proj;         // xmoe, default 16
   int64_t slots;        // softmoe, default 1
   bool renormalize;     // gshard, xmoe, sigmoid: the k gates scaled to sum 1; default k > 1 (sigmoid: false)
-  const char *aux_form; // gshard: "group" (default, manual §11.3) | "pooled" (transformers' form)
+  const char *aux_form; // gshard, sigmoid: "group" (default, manual §11.3) | "pooled" (transformers' form, gshard) |
+                        // "sequence" (DeepSeek-V3's sequence-wise loss)
   bool bias;            // gshard, sigmoid: a learned router bias, logits = x·Wg + bg (gpt-oss's router)
   // gshard, sigmoid: the group limit of the choice (DeepSeek's n_group, topk_group): the experts in
   // expert_groups equal groups (default 1: no limit), the k chosen among the topk_groups best groups
@@ -142,8 +143,9 @@ enum { FE_GATE_F_K, FE_GATE_F_CAPACITY, FE_GATE_F_NOISE, FE_GATE_F_AUX, FE_GATE_
        FE_GATE_F_RENORM, FE_GATE_F_AUX_FORM, FE_GATE_F_BIAS, FE_GATE_F_EXPERT_GROUPS, FE_GATE_F_TOPK_GROUPS,
        FE_GATE_F_GROUP_SCORE, FE_GATE_F_SCALE, FE_GATE_F_BALANCE };
 
-// The gate's aux loss is the pooled form (`aux pooled`, manual §11.3).
+// The gate's aux loss is the pooled form (`aux pooled`, manual §11.3), or DeepSeek-V3's per sequence.
 static inline bool fe_aux_pooled(const FeGate *g) { return g->aux_form && strcmp(g->aux_form, "pooled") == 0; }
+static inline bool fe_aux_sequence(const FeGate *g) { return g->aux_form && strcmp(g->aux_form, "sequence") == 0; }
 
 typedef struct FeExperts {
   SrcLoc loc;

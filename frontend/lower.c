@@ -114,6 +114,10 @@ void fe_token_choice(FeLower *L, IrValue *logits, IrValue *scores, bool renorm, 
   if (fe_aux_pooled(g))  // the model's one pooled loss: this layer's sums, pooled by the runtime
     out->aux = fe_emit(L, IR_OP_GATE_AUX_POOLED, "aux", 2, (IrOperand[]){FE_V(scores), FE_V(out->idx)}, 1,
                        (IrAttr[]){FE_F("coef", g->aux_loss)});
+  else if (fe_aux_sequence(g))   // DeepSeek-V3's: one group per sequence of the rank's tokens
+    out->aux = fe_emit(L, IR_OP_GATE_AUX_LOSS, "aux", 2, (IrOperand[]){FE_V(scores), FE_V(out->idx)}, 3,
+                       (IrAttr[]){FE_I("groups", L->S / L->p->model.seqlen), FE_F("coef", g->aux_loss),
+                                  FE_I("sequence", 1)});
   else
     out->aux = fe_emit(L, IR_OP_GATE_AUX_LOSS, "aux", 2, (IrOperand[]){FE_V(scores), FE_V(out->idx)}, 2,
                        (IrAttr[]){FE_I("groups", L->G), FE_F("coef", g->aux_loss)});

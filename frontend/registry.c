@@ -12,7 +12,7 @@
 
 const FeGateDef fe_gates[] = {
     {"gshard", SOFTMAX_TOP_K | F(AUX_FORM) | F(BIAS) | LIMITED, "noisy top-k softmax (k 1 is Switch)", fe_gate_gshard},
-    {"sigmoid", TOKEN_CHOICE | F(RENORM) | F(BIAS) | LIMITED, "top-k of sigmoid scores, outputs scaled by the score (BASE/StableMoE)", fe_gate_sigmoid},
+    {"sigmoid", TOKEN_CHOICE | F(RENORM) | F(AUX_FORM) | F(BIAS) | LIMITED, "top-k of sigmoid scores, outputs scaled by the score (BASE/StableMoE)", fe_gate_sigmoid},
     {"xmoe", SOFTMAX_TOP_K | F(PROJ), "cosine routing in a low-rank space with a learned temperature", fe_gate_xmoe},
     {"expert_choice", F(K) | F(CAPACITY) | F(NOISE) | F(Z) | F(GROUPS), "each expert takes its top-T tokens", fe_gate_expert_choice},
     {"softmoe", F(SLOTS), "soft dispatch and combine weights over expert slots", fe_gate_softmoe},

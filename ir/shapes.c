@@ -443,6 +443,7 @@ static bool rule_attrs(Infer *I) {
     return flag_attr(I, "renorm", true, &renorm) && num_attr(I, "scale", false);
   case IR_OP_GATE_AUX_LOSS:
   case IR_OP_GATE_AUX_LOSS_GRAD:
+    return groups_attr(I, dim(I, 0, 0), &groups) && num_attr(I, "coef", true) && flag_attr(I, "sequence", false, &renorm);
   case IR_OP_GATE_Z_LOSS:
   case IR_OP_GATE_Z_LOSS_GRAD:
     return groups_attr(I, dim(I, 0, 0), &groups) && num_attr(I, "coef", true);

@@ -91,6 +91,66 @@ extern "C" __global__ void mk_aux_loss_grad(const float *scores, const int *idx,
   }
 }
 
+// ---- prelude: DeepSeek-V3's sequence-wise balance loss, as runtime/kernels/gate_loss.c ----
+__device__ void mk_seq_counts(const int *idx, int t0, int t1, int e, int k, double *f) {
+  for (int i = 0; i < e; i++) f[i] = 0.0;
+  for (i64 c = (i64)t0 * k; c < (i64)t1 * k; c++) f[idx[c]] += 1.0;
+  double n = (double)(t1 - t0) * k;
+  for (int i = 0; i < e && n > 0; i++) f[i] = f[i] * e / n;
+}
+__device__ double mk_seq_row_sum(const float *row, int e) {
+  double z = 0.0;
+  for (int j = 0; j < e; j++) z += row[j];
+  return z;
+}
+
+// ---- mk_aux_seq ----
+// One thread (block 0's first); dynamic shared memory 2e doubles (f and P).
+extern "C" __global__ void mk_aux_seq(const float *scores, const int *idx, float *out, int s, int e, int k, int g,
+                                      float share) {
+  MK_DYN_SHARED(double, mk_fp);
+  if (blockIdx.x != 0 || threadIdx.x != 0) return;
+  if (g < 1) g = 1;
+  double *f = mk_fp, *p = mk_fp + e, total = 0.0;
+  for (int gi = 0; gi < g; gi++) {
+    int t0 = mk_group_begin(s, g, gi), t1 = mk_group_begin(s, g, gi + 1);
+    mk_seq_counts(idx, t0, t1, e, k, f);
+    for (int i = 0; i < e; i++) p[i] = 0.0;
+    for (int t = t0; t < t1; t++) {
+      const float *row = scores + (i64)t * e;
+      double z = mk_seq_row_sum(row, e);
+      for (int i = 0; i < e && z > 0; i++) p[i] += row[i] / z;
+    }
+    double part = 0.0;
+    for (int i = 0; i < e && t1 > t0; i++) part += f[i] * (p[i] / (t1 - t0));
+    total += part;
+  }
+  out[0] = (float)(total / g) / share;
+}
+
+// ---- mk_aux_seq_grad ----
+// One block per group; dynamic shared memory e doubles (f, by the block's first thread); then each
+// thread whole tokens, as rt_aux_seq_grad.
+extern "C" __global__ void mk_aux_seq_grad(const float *scores, const int *idx, float *dscores, int s, int e, int k,
+                                           int g, float coef) {
+  MK_DYN_SHARED(double, mk_f);
+  if (g < 1) g = 1;
+  MK_FOR_BLOCKS(gi, g) {
+    int t0 = mk_group_begin(s, g, (int)gi), t1 = mk_group_begin(s, g, (int)gi + 1);
+    if (threadIdx.x == 0) mk_seq_counts(idx, t0, t1, e, k, mk_f);
+    __syncthreads();
+    for (int t = t0 + threadIdx.x; t < t1; t += blockDim.x) {
+      const float *row = scores + (i64)t * e;
+      float *dr = dscores + (i64)t * e;
+      double z = mk_seq_row_sum(row, e), dot = 0.0;
+      for (int i = 0; i < e; i++) dot += mk_f[i] * row[i];
+      for (int j = 0; j < e; j++)
+        dr[j] = z > 0 ? (float)((double)coef / ((double)(t1 - t0) * g) * (mk_f[j] - dot / z) / z) : 0.0f;
+    }
+    __syncthreads();
+  }
+}
+
 // ---- mk_aux_pooled ----
 // One block of MK_BLOCK threads: this rank's per-expert sums of the scores and of the top-k
 // choices, stats [2, e] (rt_aux_pooled; the CUDA target refuses `aux pooled` for now).

@@ -70,6 +70,73 @@ void rt_aux_loss_grad(const float *scores, const int32_t *idx, float *dscores, i
   free(me);
 }
 
+// DeepSeek-V3's sequence-wise balance loss (manual §11.3 `aux sequence`): per group (a sequence)
+// of T tokens, f_i = E / (K T) * (the choices of expert i among its T*K) and P_i = (1/T) * sum_t
+// scores[t, i] / Z_t, Z_t = sum_j scores[t, j] (the scores normalised per token); the group's loss
+// sum_i f_i P_i, the mean over the g groups. In double: Z_t over j ascending, P over t ascending.
+static void seq_counts(const int32_t *idx, int t0, int t1, int e, int k, double *f) {
+  for (int i = 0; i < e; i++)
+    f[i] = 0.0;
+  for (int64_t c = (int64_t)t0 * k; c < (int64_t)t1 * k; c++)
+    f[idx[c]] += 1.0;
+  double n = (double)(t1 - t0) * k;
+  for (int i = 0; i < e && n > 0; i++)
+    f[i] = f[i] * e / n;
+}
+
+static double row_sum(const float *row, int e) {
+  double z = 0.0;
+  for (int j = 0; j < e; j++)
+    z += row[j];
+  return z;
+}
+
+void rt_aux_seq(const float *scores, const int32_t *idx, float *out, int s, int e, int k, int g, float share) {
+  if (g < 1)
+    g = 1;
+  double *f = rt_alloc(2 * (size_t)e * sizeof *f, "rt_aux_seq"), *p = f + e, total = 0.0;
+  for (int gi = 0; gi < g; gi++) {
+    int t0 = group_begin(s, g, gi), t1 = group_begin(s, g, gi + 1);
+    seq_counts(idx, t0, t1, e, k, f);
+    for (int i = 0; i < e; i++)
+      p[i] = 0.0;
+    for (int t = t0; t < t1; t++) {
+      const float *row = scores + (size_t)t * e;
+      double z = row_sum(row, e);
+      for (int i = 0; i < e && z > 0; i++)
+        p[i] += row[i] / z;
+    }
+    double part = 0.0;
+    for (int i = 0; i < e && t1 > t0; i++)
+      part += f[i] * (p[i] / (t1 - t0));
+    total += part;
+  }
+  free(f);
+  out[0] = (float)(total / g) / share;
+}
+
+// f is a constant of the scores (piecewise constant): d/dscores[t, j] = coef / (T g) * (f_j -
+// sum_i f_i scores[t, i] / Z_t) / Z_t.
+void rt_aux_seq_grad(const float *scores, const int32_t *idx, float *dscores, int s, int e, int k, int g, float coef) {
+  if (g < 1)
+    g = 1;
+  double *f = rt_alloc((size_t)e * sizeof *f, "rt_aux_seq_grad");
+  for (int gi = 0; gi < g; gi++) {
+    int t0 = group_begin(s, g, gi), t1 = group_begin(s, g, gi + 1);
+    seq_counts(idx, t0, t1, e, k, f);
+    for (int t = t0; t < t1; t++) {
+      const float *row = scores + (size_t)t * e;
+      float *dr = dscores + (size_t)t * e;
+      double z = row_sum(row, e), dot = 0.0;
+      for (int i = 0; i < e; i++)
+        dot += f[i] * row[i];
+      for (int j = 0; j < e; j++)
+        dr[j] = z > 0 ? (float)((double)coef / ((double)(t1 - t0) * g) * (f[j] - dot / z) / z) : 0.0f;
+    }
+  }
+  free(f);
+}
+
 // The pooled aux loss (manual §11.3 `aux pooled`): this layer's sums on this rank, stats[i] =
 // sum_t scores[t, i] and stats[e + i] = the number of the s*k top-k choices that are expert i.
 // rt_pool_layer and rt_pool_finish make the loss of them and write the pooled P and F/N back.

@@ -277,6 +277,16 @@ template <class Launcher> void run_kernel_cases(Launcher &L, Checks &c) {
     rt_aux_loss_grad(sc_c.data(), idx_c.data(), d_c.data(), s, e, k, g, 0.01f);
     LAUNCH_SHARED(g, 64, e * sizeof(double), mk_aux_loss_grad, sc_c, idx_c, d_k, s, e, k, g, 0.01f);
     c.same("gate.aux_loss.grad", d_c, d_k);
+    {  // DeepSeek-V3's sequence-wise form, g sequences
+      std::vector<float> q_c = {0}, q_k = {0};
+      rt_aux_seq(sc_c.data(), idx_c.data(), q_c.data(), s, e, k, g, 2.0f);
+      LAUNCH_SHARED(1, 64, 2 * e * sizeof(double), mk_aux_seq, sc_c, idx_c, q_k, s, e, k, g, 2.0f);
+      c.same("gate.aux_loss sequence", q_c, q_k);
+      auto dq_c = zeros<float>(s * e), dq_k = zeros<float>(s * e);
+      rt_aux_seq_grad(sc_c.data(), idx_c.data(), dq_c.data(), s, e, k, g, 0.01f);
+      LAUNCH_SHARED(g, 64, e * sizeof(double), mk_aux_seq_grad, sc_c, idx_c, dq_k, s, e, k, g, 0.01f);
+      c.same("gate.aux_loss.grad sequence", dq_c, dq_k);
+    }
     auto p_c = zeros<float>(2 * e), p_k = zeros<float>(2 * e);   // the pooled form: sums, then its gradient
     rt_aux_pooled(sc_c.data(), idx_c.data(), p_c.data(), s, e, k);
     LAUNCH(1, 4, mk_aux_pooled, sc_c, idx_c, p_k, s, e, k);

@@ -193,8 +193,12 @@ class Layer:
         self.aux_coef, self.z_coef = aux_loss, z_loss
         # aux "pooled": transformers' load-balancing loss, one over every pooled layer of a
         # language model (tests/ref/lm_ref.py computes it and sets the caches' "pooled_fn")
-        assert aux in ("group", "pooled") and (aux == "group" or gate == "gshard")
+        # aux "sequence": DeepSeek-V3's sequence-wise loss, one group per sequence (seqlen tokens;
+        # layer_forward is told the sequence length through the caches' "seqlen")
+        assert aux in ("group", "pooled", "sequence") and (aux != "pooled" or gate == "gshard")
+        assert aux != "sequence" or gate in ("gshard", "sigmoid")
         self.aux_form = aux
+        self.seqlen = None   # set from the batch by forward_backward and route_margin
         self.gate, self.order, self.ffn, self.proj, self.slots = gate, order, ffn, proj, slots
         self.act = act if ffn == "gpt" else None
         self.bias = bias if ffn == "gpt" else False
@@ -534,11 +538,20 @@ def gate_forward(ly, p, x, normals, z_noisy=True):
         loads = np.concatenate([np.bincount(idx[g * sg:(g + 1) * sg][kept[g * sg:(g + 1) * sg]], minlength=E)
                                 for g in range(G)])
         aux = 0.0
-        for g in range(G):
-            me = scores[g * sg:(g + 1) * sg].mean(axis=0)
-            ce = np.bincount(idx[g * sg:(g + 1) * sg, 0], minlength=E) / sg
-            aux += E * float(np.dot(me, ce))
-        aux /= G
+        if ly.aux_form == "sequence":   # per sequence: f_e = E/(K T) count_e, P_e = mean of scores/their row sum
+            T = ly.seqlen
+            for q in range(s // T):
+                rows_q = slice(q * T, (q + 1) * T)
+                f = E * np.bincount(idx[rows_q].ravel(), minlength=E) / (ly.k * T)
+                P = (scores[rows_q] / scores[rows_q].sum(axis=1, keepdims=True)).mean(axis=0)
+                aux += float(np.dot(f, P))
+            aux /= s // T
+        else:
+            for g in range(G):
+                me = scores[g * sg:(g + 1) * sg].mean(axis=0)
+                ce = np.bincount(idx[g * sg:(g + 1) * sg, 0], minlength=E) / sg
+                aux += E * float(np.dot(me, ce))
+            aux /= G
         c.update(picked=picked, zsum=zsum, renorm=renorm)
     col = idx * C + (np.arange(s) // sg)[:, None] * cap + np.where(kept, loc, 0)
     D = np.zeros((s, E * C))
@@ -583,6 +596,15 @@ def gate_backward(ly, p, c, dD, dCw):
         np.add.at(dscores, (np.repeat(rows, ly.k, axis=1), idx), contrib)
         if ly.aux_coef and ly.aux_form == "pooled":    # coef * E * F_e / N, F pooled (constant)
             dscores += ly.aux_coef * E * c["pooled_fn"][None, :]
+        elif ly.aux_coef and ly.aux_form == "sequence":   # f constant: coef/(T Q) (f_j - f.s_t/Z_t)/Z_t
+            T = ly.seqlen
+            Q = s // T
+            for q in range(Q):
+                rows_q = slice(q * T, (q + 1) * T)
+                f = E * np.bincount(idx[rows_q].ravel(), minlength=E) / (ly.k * T)
+                z = sc[rows_q].sum(axis=1, keepdims=True)
+                dot = (sc[rows_q] * f[None, :]).sum(axis=1, keepdims=True)
+                dscores[rows_q] += ly.aux_coef / (T * Q) * (f[None, :] - dot / z) / z
         elif ly.aux_coef:         # ce is piecewise constant
             for g in range(G):
                 ce = np.bincount(idx[g * sg:(g + 1) * sg, 0], minlength=E) / sg
@@ -746,6 +768,8 @@ def forward_backward(layers, params, x, target, seed=0, step=1, token0=0, traini
     tgt = np.asarray(target, dtype=np.float64).reshape(-1, M)
     s = h.shape[0]
     caches, stats, aux_total = [], [], 0.0
+    for ly in layers:
+        ly.seqlen = shape[1] if len(shape) == 3 else s
     for li, ly in enumerate(layers):
         p = {n: np.asarray(v, dtype=np.float64) for n, v in split_params(ly, params).items()}
         normals = gate_noise_normals(seed, step, li, token0, s, ly.E) if (training and ly.noise) else None
@@ -786,6 +810,8 @@ def route_margin(layers, params, x, seed=0, step=1, token0=0, z_noisy=True):
     h = np.asarray(x, dtype=np.float64).reshape(-1, M)
     s = h.shape[0]
     gap = math.inf
+    for ly in layers:
+        ly.seqlen = x.shape[1] if x.ndim == 3 else s
     for li, ly in enumerate(layers):
         p = {n: np.asarray(v, dtype=np.float64) for n, v in split_params(ly, params).items()}
         normals = gate_noise_normals(seed, step, li, token0, s, ly.E) if ly.noise else None
@@ -1145,6 +1171,10 @@ def selftest():
                                               expert_groups=4, topk_groups=2, scale=2.5, balance=0.01))]),
         ("deepseek v2 choice", [("a", 1, dict(k=3, capacity=2.0, experts=8, renormalize=False, expert_groups=4,
                                               topk_groups=2, group_score="max", scale=1.5, **noisy))]),
+        # DeepSeek-V3's sequence-wise balance loss on sigmoid scores, and on softmax ones
+        ("aux sequence sigmoid", [("a", 1, dict(gate="sigmoid", k=2, capacity=2.0, experts=8, renormalize=True,
+                                                aux_loss=0.3, aux="sequence", z_loss=0.01))]),
+        ("aux sequence gshard", [("a", 1, dict(k=2, capacity=0.75, aux_loss=0.3, aux="sequence", noise=1.0))]),
         ("k2 renormalize false drops", [("a", 1, dict(k=2, capacity=0.75, renormalize=False,
                                                       **noisy))]),
         ("xmoe k2 renormalize false", [("a", 1, dict(gate="xmoe", k=2, capacity=2.0, proj=3,

@@ -165,6 +165,9 @@ CONFIGS = [
     ("ds_v3_choice", [("blk", 1, dict(gate="sigmoid", k=2, capacity=1.0, experts=8, ffn="mixtral",
                                       renormalize=True, expert_groups=4, topk_groups=2, scale=2.5,
                                       balance=0.01))], {}),
+    # DeepSeek-V3's sequence-wise balance loss (aux sequence): per sequence of the batch
+    ("ds_aux_sequence", [("blk", 1, dict(gate="sigmoid", k=2, capacity=1.0, experts=8, ffn="mixtral",
+                                         renormalize=True, aux_loss=0.2, aux="sequence", z_loss=0.01))], {}),
     ("ds_v2_choice", [("blk", 1, dict(k=3, capacity="*", experts=8, renormalize=False, expert_groups=4,
                                       topk_groups=2, group_score="max", scale=1.5, **NOISY))],
      dict(expect="nodrop")),
