@@ -185,7 +185,8 @@ static bool harmless(const Config *c, const char *k) {
   if (is_family(c, RT_HF_MIXTRAL)) return strcmp(k, mixtral[0]) == 0 || strcmp(k, mixtral[1]) == 0;
   static const char *const deepseek[] = {"n_routed_experts", "moe_intermediate_size", "intermediate_size",
                                          "n_shared_experts", "first_k_dense_replace", "attention_bias", "kv_lora_rank",
-                                         "q_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim", NULL};
+                                         "q_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim",
+                                         "norm_topk_prob", NULL};   // read_arch: V2's router never renormalises
   const char *const *fam = is_family(c, RT_HF_QWEN2_MOE)   ? qwen2
                            : is_family(c, RT_HF_QWEN3_MOE) ? qwen3
                            : is_family(c, RT_HF_GLM4_MOE)  ? glm4
@@ -242,10 +243,6 @@ static int check_key(Config *c, const cJSON *v) {
   if (is_deepseek(c->arch.family)) {
     // transformers' derived values: the rotary heads' width (the rope part) and q's and k's heads
     if (strcmp(k, "qk_head_dim") == 0) return 2;
-    if (strcmp(k, "norm_topk_prob") == 0) {   // DeepSeek-V2's router never renormalises (the key is unused)
-      c->renormalize = is_family(c, RT_HF_DEEPSEEK_V3) && cJSON_IsTrue(v);
-      return cJSON_IsBool(v) ? 0 : refuse(c, v, "it must be true or false");
-    }
     if (strcmp(k, "pretraining_tp") == 0)
       return cJSON_IsNull(v) || (cJSON_IsNumber(v) && v->valuedouble == 1) ? 0
              : refuse(c, v, "transformers computes with one tensor-parallel slice (it only describes pretraining)");

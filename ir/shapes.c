@@ -521,8 +521,9 @@ static bool infer_dense(Infer *I, IrType *out) {
       return true;
     }
     if (!int_attr(I, "offset", 0, &off) || !int_attr(I, "width", 1, &width)) return false;
-    if (op->kind == IR_OP_HEADS_PLACE && (!int_attr(I, "d", 1, &d) || width != w))
-      return d < 1 ? false : fail(I, "%s's heads are %lld wide, not width=%lld", nm(I, 0), (long long)w, (long long)width);
+    if (op->kind == IR_OP_HEADS_PLACE && !int_attr(I, "d", 1, &d)) return false;
+    if (op->kind == IR_OP_HEADS_PLACE && width != w)
+      return fail(I, "%s's heads are %lld wide, not width=%lld", nm(I, 0), (long long)w, (long long)width);
     int64_t head = op->kind == IR_OP_HEADS_SLICE ? w : d;
     if (off + width > head)
       return fail(I, "columns [%lld, %lld) are not inside a head of %lld", (long long)off, (long long)(off + width),

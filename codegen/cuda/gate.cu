@@ -181,14 +181,14 @@ extern "C" __global__ void mk_topk_bias(const float *scores, const float *bias, 
 }
 
 // ---- mk_balance_load ----
-// One thread (a grid of one): e * count_i - s * k, as rt_balance_load.
+// One thread (a grid of one), one pass over the choices: the counts in load (whole numbers, exact
+// in float below 2^24), then e * count_i - s * k, as rt_balance_load.
 extern "C" __global__ void mk_balance_load(const int *idx, float *load, int s, int k, int e) {
   if (blockIdx.x != 0 || threadIdx.x != 0) return;
-  for (int i = 0; i < e; i++) {
-    i64 count = 0;
-    for (i64 c = 0; c < (i64)s * k; c++) count += idx[c] == i;
-    load[i] = (float)((i64)e * count - (i64)s * k);
-  }
+  for (int i = 0; i < e; i++) load[i] = 0.0f;
+  for (i64 c = 0; c < (i64)s * k; c++)
+    if (idx[c] >= 0 && idx[c] < e) load[idx[c]] += 1.0f;
+  for (int i = 0; i < e; i++) load[i] = (float)((i64)e * (i64)load[i] - (i64)s * k);
 }
 
 // ---- mk_gate_gather ----
