@@ -329,7 +329,7 @@ static const Field moe_fields[] = {
 static const Block moe_block = BLOCK("moe", moe_fields, NULL);
 
 // attention = "attention" "{" heads [kv_heads] [head_dim] [bias (true | false | qkv)]
-//                              [qk_norm (head | whole)] [window N] "}"
+//                              [qk_norm (head | whole)] [window N] [sinks (true | false)] [mla] "}"
 // mla = "mla" "{" [q_lora] kv_lora nope rope v "}"
 static const Field mla_fields[] = {
   {"q_lora", 0, .vals = {{V_INT, R_NONNEG, .def = "0", .off = AT(FeLayer, mla_q_lora)}}},
@@ -349,6 +349,7 @@ static const Field attention_fields[] = {
   {"qk_norm", 0, .vals = {{V_WORD, .what = "qk_norm kind", .words = qk_norms, .off = AT(FeLayer, qk_norm)}},
    .loc = AT(FeLayer, qk_norm_loc)},
   {"window", 0, .vals = {{V_INT, R_POS, .def = "0", .off = AT(FeLayer, window)}}, .loc = AT(FeLayer, window_loc)},
+  {"sinks", 0, .vals = {{V_BOOL, .def = "false", .off = AT(FeLayer, sinks)}}},
   {"mla", F_BLOCK, .block = &mla_block, .sub = SAME, .loc = AT(FeLayer, mla_loc), .present = AT(FeLayer, has_mla)},
 };
 static const Block attention_block = BLOCK("attention", attention_fields, finish_attention);

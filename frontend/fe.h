@@ -200,6 +200,7 @@ typedef struct FeLayer {
   SrcLoc qk_norm_loc;
   int64_t window;       // `window W`: query i sees keys j with i - W < j <= i; 0: all keys j <= i
   SrcLoc window_loc;
+  bool sinks;           // `sinks true`: a learned logit per head in each row's softmax (gpt-oss)
   // `mla { ... }`: multi-head latent attention (DeepSeek-V2/V3): q through a rank q_lora bottleneck
   // with its RMSNorm (0: one projection), keys and values from a rank kv_lora latent with its RMSNorm,
   // every head nope + rope wide for q and k (the rope part of k one for all heads), v wide for v

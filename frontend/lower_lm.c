@@ -121,7 +121,9 @@ static IrValue *shared(IrValue *v) {
 }
 
 // Causal attention of heads d wide: the layer's window when shorter than the sequence (a longer
-// one is the causal mask itself), the scores' factor when it is not 1/sqrt(d).
+// one is the causal mask itself), the scores' factor when it is not 1/sqrt(d). `sinks true`: a
+// learned logit per head, attn.sinks [H] (zeros; split over MP with the heads), in each row's
+// softmax (attn.sink).
 static IrValue *causal(FeLower *L, IrValue *q, IrValue *k, IrValue *v, int64_t H, int64_t KV, int64_t d, const char *name) {
   int64_t seq = L->p->model.seqlen, window = L->layer->window;
   IrAttr a[5] = {FE_I("heads", H), FE_I("kv_heads", KV), FE_I("seq", seq)};
@@ -129,6 +131,11 @@ static IrValue *causal(FeLower *L, IrValue *q, IrValue *k, IrValue *v, int64_t H
   if (window > 0 && window < seq) a[n++] = FE_I("window", window);
   double scale = scores_scale(L, d);
   if (scale > 0) a[n++] = FE_F("scale", scale);
+  if (L->layer->sinks) {
+    IrParam *s = dense_param(L, "attn.sinks", ir_type1(IR_F32, H), "zeros", 0);
+    if (L->p->parallel.mp > 1) ir_attrs_set_int(s->attrs, &s->nattrs, "mp_split", 0);
+    return fe_emit(L, IR_OP_ATTN_SINK, name, 4, (IrOperand[]){FE_V(q), FE_V(k), FE_V(v), FE_P(s)}, n, a);
+  }
   return fe_emit(L, IR_OP_ATTN_CAUSAL, name, 3, (IrOperand[]){FE_V(q), FE_V(k), FE_V(v)}, n, a);
 }
 

@@ -447,22 +447,35 @@ static bool rule_attrs(Infer *I) {
   case IR_OP_GATE_Z_LOSS:
   case IR_OP_GATE_Z_LOSS_GRAD:
     return groups_attr(I, dim(I, 0, 0), &groups) && num_attr(I, "coef", true);
+  case IR_OP_ATTN_SINK_GRAD:
+    if (dim(I, 0, 1) != 2 * dim(I, 1, 0))
+      return fail(I, "%s must be [S, %lld] (the statistics of attn.sink.stats for %lld heads)", nm(I, 0),
+                  (long long)(2 * dim(I, 1, 0)), (long long)dim(I, 1, 0));
+    return true;
   default:
     return true;
   }
 }
 
-// attn.causal and its backward: q [S, H*d], k and v [S, KV*d] (stats: k only).
+// attn.causal (attn.sink) and its backward: q [S, H*d], k and v [S, KV*d] (stats: k only); attn.sink's
+// and its stats' last operand the sinks [H].
 static bool infer_attention(Infer *I, IrType *out) {
   int64_t h, kv, seq;
   IrOpKind kind = I->op->kind;
-  int q = kind == IR_OP_ATTN_CAUSAL ? 0 : 1, nkv = kind == IR_OP_ATTN_CAUSAL_STATS ? 1 : 2;
+  bool sink = kind == IR_OP_ATTN_SINK || kind == IR_OP_ATTN_SINK_STATS;
+  bool fwd = kind == IR_OP_ATTN_CAUSAL || kind == IR_OP_ATTN_SINK;
+  bool stats = kind == IR_OP_ATTN_CAUSAL_STATS || kind == IR_OP_ATTN_SINK_STATS;
+  int q = fwd ? 0 : 1, nkv = stats ? 1 : 2;
   if (!int_attr(I, "heads", 1, &h) || !int_attr(I, "kv_heads", 1, &kv) || !int_attr(I, "seq", 1, &seq)) return false;
   int64_t window;   // optional: keys i - window < j <= i
   if (ir_attrs_get(I->op->attrs, I->op->nattrs, "window") && !int_attr(I, "window", 1, &window)) return false;
   if (!num_attr(I, "scale", false)) return false;   // optional: the scores' factor, 1/sqrt(d) by default
-  for (int i = 0; i < I->op->nargs; i++)
+  int nmat = I->op->nargs - (sink ? 1 : 0);
+  for (int i = 0; i < nmat; i++)
     if (!need_float(I, i, 2, "[S, n]")) return false;
+  if (sink && !need_float(I, nmat, 1, "[H]")) return false;
+  if (sink && dim(I, nmat, 0) != h)
+    return fail(I, "%s must be [%lld] (a sink logit per head)", nm(I, nmat), (long long)h);
   int64_t S = dim(I, q, 0), d = dim(I, q, 1) / h;
   if (h % kv != 0 || dim(I, q, 1) % h != 0 || S % seq != 0)
     return fail(I, "%s: %lld rows and %lld columns are not windows of seq=%lld with heads=%lld (a multiple of "
@@ -471,10 +484,10 @@ static bool infer_attention(Infer *I, IrType *out) {
     if (dim(I, i, 0) != S || dim(I, i, 1) != kv * d)
       return fail(I, "%s must be [%lld, %lld] (kv_heads=%lld heads of %lld)", nm(I, i), (long long)S,
                   (long long)(kv * d), (long long)kv, (long long)d);
-  if (kind == IR_OP_ATTN_CAUSAL_STATS && (!same_type(I, 0, 1) || !same_type(I, 0, 3))) return false;
+  if (stats && (!same_type(I, 0, 1) || !same_type(I, 0, 3))) return false;
   if (kind == IR_OP_ATTN_CAUSAL_GRAD && (!same_type(I, 0, 1) || dim(I, 4, 0) != S || dim(I, 4, 1) != 2 * h))
     return fail(I, "%s must be [%lld, %lld] (the statistics of attn.causal.stats)", nm(I, 4), (long long)S, (long long)(2 * h));
-  *out = t2(IR_F32, S, kind == IR_OP_ATTN_CAUSAL ? h * d : kind == IR_OP_ATTN_CAUSAL_STATS ? 2 * h : (h + 2 * kv) * d);
+  *out = t2(IR_F32, S, fwd ? h * d : stats ? 2 * h : (h + 2 * kv) * d);
   return true;
 }
 
@@ -870,6 +883,8 @@ static bool infer(Infer *I, IrType *out) {
   case IR_OP_ATTN_CAUSAL:
   case IR_OP_ATTN_CAUSAL_STATS:
   case IR_OP_ATTN_CAUSAL_GRAD:
+  case IR_OP_ATTN_SINK:
+  case IR_OP_ATTN_SINK_STATS:
     return infer_attention(I, out);
   case IR_OP_MATMUL:
   case IR_OP_EXPERT_MATMUL:

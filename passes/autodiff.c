@@ -302,11 +302,24 @@ static void heads_rule(Grad *g, const IrOp *op, IrValue *dy) {
     accumulate(g, a[1].value, heads_op(g, IR_OP_HEADS_SLICE, dname(g, &a[1]), dy, heads, wa, wb, 0, op->loc));
 }
 
-// [dq | dk | dv]; each operand takes its columns.
+// [dq | dk | dv]; each operand takes its columns. attn.sink's statistics hold the sinks in each
+// logsumexp, so the same backward gives its dq, dk, dv; the sinks' gradient comes from them too.
 static void attn_rule(Grad *g, const IrOp *op, IrValue *dy) {
   const IrOperand *a = op->args;
-  IrValue *stats = emit(g, IR_OP_ATTN_CAUSAL_STATS, ir_strfmt(g->m, "%s.stats", op->result->name), op, 4,
-                        (IrOperand[]){V(dy), a[0], a[1], V(op->result)});
+  bool sink = op->kind == IR_OP_ATTN_SINK;
+  IrValue *stats = sink ? emit(g, IR_OP_ATTN_SINK_STATS, ir_strfmt(g->m, "%s.stats", op->result->name), op, 5,
+                               (IrOperand[]){V(dy), a[0], a[1], V(op->result), a[3]})
+                        : emit(g, IR_OP_ATTN_CAUSAL_STATS, ir_strfmt(g->m, "%s.stats", op->result->name), op, 4,
+                               (IrOperand[]){V(dy), a[0], a[1], V(op->result)});
+  if (sink && operand_needs(g, &a[3])) {
+    IrOp *sg = new_op(g, IR_OP_ATTN_SINK_GRAD, dname(g, &a[3]));
+    sg->args[sg->nargs++] = V(stats);
+    sg->args[sg->nargs++] = a[3];
+    sg->loc = op->loc;
+    IrValue *d = typed(g, sg);
+    if (a[3].param) param_grad(g, a[3].param, d);
+    else accumulate(g, a[3].value, d);
+  }
   IrValue *dqkv = emit(g, IR_OP_ATTN_CAUSAL_GRAD, ir_strfmt(g->m, "d%s.qkv", op->result->name), op, 5,
                        (IrOperand[]){V(dy), a[0], a[1], a[2], V(stats)});
   int64_t offset = 0;
@@ -391,7 +404,8 @@ static bool backward_op(Grad *g, const IrOp *op) {
   case IR_OP_LAYOUT_RANK_MAJOR:
     transpose_rule(g, op, dy);
     return true;
-  case IR_OP_ATTN_CAUSAL: attn_rule(g, op, dy); return true;
+  case IR_OP_ATTN_CAUSAL:
+  case IR_OP_ATTN_SINK: attn_rule(g, op, dy); return true;
   case IR_OP_HEADS_SLICE:
   case IR_OP_HEADS_PLACE:
   case IR_OP_HEADS_CAT: heads_rule(g, op, dy); return true;

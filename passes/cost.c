@@ -54,10 +54,12 @@ double pass_op_macs(const IrOp *op) {
   case IR_OP_MATMUL:
   case IR_OP_EXPERT_MATMUL: return macs(op);
   case IR_OP_ATTN_CAUSAL:
+  case IR_OP_ATTN_SINK:
   case IR_OP_ATTN_CAUSAL_GRAD: {
-    const IrType *q = &op->args[op->kind == IR_OP_ATTN_CAUSAL ? 0 : 1].value->type;
+    bool fwd = op->kind != IR_OP_ATTN_CAUSAL_GRAD;
+    const IrType *q = &op->args[fwd ? 0 : 1].value->type;
     int64_t L = ir_op_int(op, "seq", 1), W = ir_op_int(op, "window", 0);
-    double f = op->kind == IR_OP_ATTN_CAUSAL ? 1.0 : 2.0;
+    double f = fwd ? 1.0 : 2.0;
     if (W > 0 && W < L)   // a window: 2 * (W(W+1)/2 + (L-W)W) / L keys a row on average instead of L + 1
       return f * (double)q->dim[0] * (double)q->dim[1] * (double)(W * (W + 1) + 2 * (L - W) * W) / (double)L;
     return f * (double)q->dim[0] * (double)q->dim[1] * (double)(L + 1);
@@ -126,6 +128,7 @@ static bool price(const IrOp *op, const SchedCluster *c, const Groups *gs, Sched
     *n = (double)ir_op_int(op, "count", 0);
     return true;
   case IR_OP_ATTN_CAUSAL:
+  case IR_OP_ATTN_SINK:
   case IR_OP_ATTN_CAUSAL_GRAD:
     *coef = c->attention.alpha > 0 || c->attention.beta > 0 ? c->attention : c->gemm;
     *n = pass_op_macs(op);
@@ -325,7 +328,7 @@ static void phase_of(const IrFunc *f, const IrFunc *reader, double fill, const S
   for (int i = 0; i < f->nops; i++) {
     const IrOp *op = f->ops[i];
     if (ir_op_class(op->kind) != IR_CLASS_GEMM && !ir_op_is_collective(op->kind) && op->kind != IR_OP_ATTN_CAUSAL &&
-        op->kind != IR_OP_ATTN_CAUSAL_GRAD && ir_attrs_get(op->attrs, op->nattrs, "cost_t")) {
+        op->kind != IR_OP_ATTN_SINK && op->kind != IR_OP_ATTN_CAUSAL_GRAD && ir_attrs_get(op->attrs, op->nattrs, "cost_t")) {
       double t = ir_op_float(op, "cost_t", 0);
       if (i >= lo && i <= hi) elem_alpha += c->elementwise.alpha, elem_t += t;
       else p->t_att += t;
@@ -344,6 +347,7 @@ static void phase_of(const IrFunc *f, const IrFunc *reader, double fill, const S
     case IR_OP_EXPERT_MATMUL: p->n_exp += fill * attr_n(op); n_exp += (int)op->result->type.dim[0]; break;
     case IR_OP_MATMUL:
     case IR_OP_ATTN_CAUSAL:
+    case IR_OP_ATTN_SINK:
     case IR_OP_ATTN_CAUSAL_GRAD: p->t_att += ir_op_float(op, "cost_t", 0); break;
     case IR_OP_COMM_ALLREDUCE:
       if (in_group(op, "mp")) p->t_att += ir_op_float(op, "cost_t", 0);

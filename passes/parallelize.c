@@ -130,11 +130,12 @@ static bool split_heads(Par *P) {
   int ncopies = 0;
   for (int i = 0; i < f->nops; i++) {
     IrOp *op = f->ops[i];
-    bool heads_op = op->kind == IR_OP_ROPE || op->kind == IR_OP_ATTN_CAUSAL || op->kind == IR_OP_HEADS_SLICE ||
+    bool attn = op->kind == IR_OP_ATTN_CAUSAL || op->kind == IR_OP_ATTN_SINK;
+    bool heads_op = op->kind == IR_OP_ROPE || attn || op->kind == IR_OP_HEADS_SLICE ||
                     op->kind == IR_OP_HEADS_PLACE || op->kind == IR_OP_HEADS_CAT;
     if (heads_op && !ir_op_int(op, "mp_shared", 0)) {
       ir_op_set_int(op, "heads", ir_op_int(op, "heads", 1) / P->mp);
-      if (op->kind == IR_OP_ATTN_CAUSAL) ir_op_set_int(op, "kv_heads", ir_op_int(op, "kv_heads", 1) / P->mp);
+      if (attn) ir_op_set_int(op, "kv_heads", ir_op_int(op, "kv_heads", 1) / P->mp);
       if (op->kind == IR_OP_HEADS_CAT && ir_op_int(op, "a_heads", 1) == 1) {   // the shared rope key
         IrValue *x = op->args[0].value;
         op->args[0].value = collective(P, i, IR_OP_COMM_COPY, ir_strfmt(P->m, "%s.mp", x->name), x, "mp", P->mp)->result;

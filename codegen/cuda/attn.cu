@@ -230,15 +230,16 @@ static __device__ const float *mk_attn_exps(MkAttnShared *sh, const MkAttnTile *
   return sh->w + T->r * MK_ATTN_WPAD;
 }
 
-// ---- mk_attn_fwd ----
-// Causal grouped-query attention, tiled (see the prelude): per query row, m (pass 1), then per
+// ---- prelude: the forward and statistics bodies (with and without sinks) ----
+// mk_attn_fwd_body: causal grouped-query attention, tiled (see the prelude): per query row, m (pass 1), then per
 // step of keys p = exp(s * scale - m), l += p in key order, o += p v; o / l at the end. With a
-// window W > 0 a row sees keys i - W < t <= i only.
-extern "C" __global__ void mk_attn_fwd(const float *q, const float *k, const float *v, float *o, int rows, int seq,
-                                       int heads, int kv, int qcols, int window, float qk_scale) {
+// window W > 0 a row sees keys i - W < t <= i only. With sinks (attn.sink, one logit per head),
+// as rt_attn's row_softmax: m is also at least the head's sink, and l ends with exp(sink - m).
+static __device__ void mk_attn_fwd_body(MkAttnShared *sh, const float *q, const float *k, const float *v,
+                                        const float *sinks, float *o, int rows, int seq, int heads, int kv, int qcols,
+                                        int window, float qk_scale) {
   int d = qcols / heads, group = heads / kv, kcols = kv * d;
   float scale = qk_scale > 0 ? qk_scale : 1.0f / sqrtf((float)d);
-  __shared__ MkAttnShared sh;
   MK_FOR_BLOCKS(w, mk_attn_items(rows, seq, heads)) {
     MkAttnTile T = mk_attn_tile(w, seq, heads);
     int j = T.h / group, last = (T.i0 + T.R < seq ? T.i0 + T.R : seq) - 1, na = last + 1 - T.i0;
@@ -246,40 +247,44 @@ extern "C" __global__ void mk_attn_fwd(const float *q, const float *k, const flo
     i64 r0 = (i64)T.b * seq;
     const float *qt = q + (r0 + T.i0) * qcols + (i64)T.h * d, *kh = k + r0 * kcols + (i64)j * d,
                 *vh = v + r0 * kcols + (i64)j * d;
-    float m = mk_attn_max(&sh, &T, qt, na, qcols, kh, kcols, first, last, lo, d, scale);
+    float m = mk_attn_max(sh, &T, qt, na, qcols, kh, kcols, first, last, lo, d, scale);
+    if (sinks) m = sinks[T.h] > m ? sinks[T.h] : m;
     for (int col0 = 0; col0 < d; col0 += MK_ATTN_D) {
       float acc[MK_ATTN_D / 8], l = 0.0f;
       mk_attn_zero(acc);
       for (int t0 = first; t0 <= last; t0 += MK_ATTN_X) {
         int nt = last + 1 - t0 < MK_ATTN_X ? last + 1 - t0 : MK_ATTN_X, xlo, xhi;
-        const float *wr = mk_attn_exps(&sh, &T, qt, na, qcols, kh, kcols, t0, nt, lo, d, scale, m, &xlo, &xhi);
+        const float *wr = mk_attn_exps(sh, &T, qt, na, qcols, kh, kcols, t0, nt, lo, d, scale, m, &xlo, &xhi);
         for (int x = xlo; x <= xhi; x++) l += wr[x];
-        mk_attn_wsum(acc, &sh, &T, wr, vh + (i64)t0 * kcols, nt, kcols, col0, d, xlo, xhi);
+        mk_attn_wsum(acc, sh, &T, wr, vh + (i64)t0 * kcols, nt, kcols, col0, d, xlo, xhi);
       }
+      if (sinks) l += mk_exp(sinks[T.h] - m);
       if (T.active) mk_attn_store(o + (r0 + T.i) * qcols + (i64)T.h * d, acc, &T, col0, d, 1, l);
     }
   }
 }
 
-// ---- mk_attn_stats ----
-// Per (row, head): the logsumexp of its scores and dy . o, as rt_attn_stats, tiled as mk_attn_fwd.
-extern "C" __global__ void mk_attn_stats(const float *dy, const float *q, const float *k, const float *o,
-                                         float *stats, int rows, int seq, int heads, int kv, int qcols, int window, float qk_scale) {
+// mk_attn_stats_body: per (row, head): the logsumexp of its scores (and the head's sink, when there are sinks) and
+// dy . o, as rt_attn_stats, tiled as mk_attn_fwd.
+static __device__ void mk_attn_stats_body(MkAttnShared *sh, const float *dy, const float *q, const float *k,
+                                          const float *o, const float *sinks, float *stats, int rows, int seq, int heads,
+                                          int kv, int qcols, int window, float qk_scale) {
   int d = qcols / heads, group = heads / kv, kcols = kv * d;
   float scale = qk_scale > 0 ? qk_scale : 1.0f / sqrtf((float)d);
-  __shared__ MkAttnShared sh;
   MK_FOR_BLOCKS(w, mk_attn_items(rows, seq, heads)) {
     MkAttnTile T = mk_attn_tile(w, seq, heads);
     int j = T.h / group, last = (T.i0 + T.R < seq ? T.i0 + T.R : seq) - 1, na = last + 1 - T.i0;
     int first = mk_attn_first(T.i0, window), lo = mk_attn_first(T.i, window);
     i64 r0 = (i64)T.b * seq;
     const float *qt = q + (r0 + T.i0) * qcols + (i64)T.h * d, *kh = k + r0 * kcols + (i64)j * d;
-    float m = mk_attn_max(&sh, &T, qt, na, qcols, kh, kcols, first, last, lo, d, scale), l = 0.0f;
+    float m = mk_attn_max(sh, &T, qt, na, qcols, kh, kcols, first, last, lo, d, scale), l = 0.0f;
+    if (sinks) m = sinks[T.h] > m ? sinks[T.h] : m;
     for (int t0 = first; t0 <= last; t0 += MK_ATTN_X) {
       int nt = last + 1 - t0 < MK_ATTN_X ? last + 1 - t0 : MK_ATTN_X, xlo, xhi;
-      const float *wr = mk_attn_exps(&sh, &T, qt, na, qcols, kh, kcols, t0, nt, lo, d, scale, m, &xlo, &xhi);
+      const float *wr = mk_attn_exps(sh, &T, qt, na, qcols, kh, kcols, t0, nt, lo, d, scale, m, &xlo, &xhi);
       for (int x = xlo; x <= xhi; x++) l += wr[x];
     }
+    if (sinks) l += mk_exp(sinks[T.h] - m);
     if (T.active && T.g == 0) {
       i64 at = (r0 + T.i) * qcols + (i64)T.h * d;
       float D = 0.0f;
@@ -287,6 +292,47 @@ extern "C" __global__ void mk_attn_stats(const float *dy, const float *q, const 
       stats[(r0 + T.i) * 2 * heads + T.h] = m + logf(l);
       stats[(r0 + T.i) * 2 * heads + heads + T.h] = D;
     }
+  }
+}
+
+// ---- mk_attn_fwd ----
+extern "C" __global__ void mk_attn_fwd(const float *q, const float *k, const float *v, float *o, int rows, int seq,
+                                       int heads, int kv, int qcols, int window, float qk_scale) {
+  __shared__ MkAttnShared sh;
+  mk_attn_fwd_body(&sh, q, k, v, 0, o, rows, seq, heads, kv, qcols, window, qk_scale);
+}
+
+// ---- mk_attn_sink_fwd ----
+extern "C" __global__ void mk_attn_sink_fwd(const float *q, const float *k, const float *v, const float *sinks, float *o,
+                                            int rows, int seq, int heads, int kv, int qcols, int window, float qk_scale) {
+  __shared__ MkAttnShared sh;
+  mk_attn_fwd_body(&sh, q, k, v, sinks, o, rows, seq, heads, kv, qcols, window, qk_scale);
+}
+
+// ---- mk_attn_stats ----
+extern "C" __global__ void mk_attn_stats(const float *dy, const float *q, const float *k, const float *o,
+                                         float *stats, int rows, int seq, int heads, int kv, int qcols, int window, float qk_scale) {
+  __shared__ MkAttnShared sh;
+  mk_attn_stats_body(&sh, dy, q, k, o, 0, stats, rows, seq, heads, kv, qcols, window, qk_scale);
+}
+
+// ---- mk_attn_sink_stats ----
+extern "C" __global__ void mk_attn_sink_stats(const float *dy, const float *q, const float *k, const float *o,
+                                              const float *sinks, float *stats, int rows, int seq, int heads, int kv,
+                                              int qcols, int window, float qk_scale) {
+  __shared__ MkAttnShared sh;
+  mk_attn_stats_body(&sh, dy, q, k, o, sinks, stats, rows, seq, heads, kv, qcols, window, qk_scale);
+}
+
+// ---- mk_attn_sink_grad ----
+// The sinks' gradient, as rt_attn_sink_grad: a thread per head, -sum over rows ascending of
+// exp(sink - lse) * D.
+extern "C" __global__ void mk_attn_sink_grad(const float *stats, const float *sinks, float *dsinks, int rows, int heads) {
+  MK_FOR(h, heads) {
+    float sum = 0.0f;
+    for (int r = 0; r < rows; r++)
+      sum += mk_exp(sinks[h] - stats[(i64)r * 2 * heads + h]) * stats[(i64)r * 2 * heads + heads + h];
+    dsinks[h] = -sum;
   }
 }
 

@@ -12,7 +12,10 @@
 //   dq_i = scale * sum_j dS_ij k_j                  (j ascending)
 //   dk_j = scale * sum_h sum_i dS_ij q_i            (heads of the group ascending, then i)
 //   dv_j = sum_h sum_i p_ij dO_i                    (i from j to min(seq, j + W) - 1)
-// into one packed row [dq | dk | dv] of width (heads + 2 kv) * d. exp is rt_exp (rt_internal.h),
+// into one packed row [dq | dk | dv] of width (heads + 2 kv) * d. With attention sinks (attn.sink,
+// gpt-oss: a logit sink_h per head in every row's softmax, with no value) m is also at least
+// sink_h and l ends with exp(sink_h - m); the statistics' lse holds it, so the same backward
+// gives dq, dk, dv, and d sink_h = -sum_i exp(sink_h - lse_i) D_i (rt_attn_sink_grad). exp is rt_exp (rt_internal.h),
 // log logf. The CUDA kernels of the same names (codegen/cuda/attn.cu) do the same float
 // operations per output element in the same order, so the fake device agrees to the bit (a GPU
 // fuses the multiply-adds of the dot products and weighted sums: equal up to those roundings).
@@ -220,16 +223,21 @@ ATTN_INLINE void wsum_tile(RtVectorPath path, const float *const w[TILE], const 
 }
 
 // A row's softmax over its n scores s (unscaled dots): p = exp(s * scale - m), m the maximum of
-// s * scale, and l = the sum of p over t ascending; returns m.
-ATTN_INLINE float row_softmax(const float *s, int n, float scale, float *p, float *l) {
+// s * scale, and l = the sum of p over t ascending; returns m. With an attention sink (gpt-oss:
+// a learned logit per head in the denominator, sink > -INFINITY) m is the maximum of the scores
+// and the sink, and l ends with exp(sink - m): the sink takes its share of the weight and no
+// value.
+ATTN_INLINE float row_softmax(const float *s, int n, float scale, float sink, float *p, float *l) {
   float m = -INFINITY;
   for (int t = 0; t < n; t++) {
     float v = s[t] * scale;
     m = v > m ? v : m;
   }
+  if (sink > -INFINITY) m = sink > m ? sink : m;
   scaled_exps(s, scale, &m, 0, n, p);
   float sum = 0.0f;
   for (int t = 0; t < n; t++) sum += p[t];
+  if (sink > -INFINITY) sum += rt_exp(sink - m);
   *l = sum;
   return m;
 }
@@ -265,14 +273,14 @@ ATTN_INLINE void tile_scores(RtVectorPath path, const QTile *t, const float *con
 // The outputs of a query tile for one head: kt the key head's columns of the sample, v0 the
 // head's value row of the sample's key 0 (stride kcols), o0 the output of row i0 (stride qcols).
 RT_VECTOR_BODY void fwd_tile_body(RtVectorPath path, const QTile *t, const float *kt, const float *v0, float *o0, int seq, int d,
-                                  int kcols, int qcols, float scale, float *s, int ss) {
+                                  int kcols, int qcols, float scale, float sink, float *s, int ss) {
   float *p[TILE], *y[TILE], l[TILE];
   tile_scores(path, t, t->q, kt, seq, d, s, ss);
   for (int k = 0; k < TILE; k++) {
     p[k] = s + (size_t)(k < t->nr ? k : 0) * ss;
     y[k] = o0 + (size_t)(k < t->nr ? k : 0) * qcols;
   }
-  for (int k = 0; k < t->nr; k++) row_softmax(p[k], t->last[k] - t->first[k] + 1, scale, p[k], &l[k]);
+  for (int k = 0; k < t->nr; k++) row_softmax(p[k], t->last[k] - t->first[k] + 1, scale, sink, p[k], &l[k]);
   wsum_tile(path, (const float *const *)p, t->first, t->last, t->nr, v0, kcols, y, d, true);
   for (int k = 0; k < t->nr; k++) {
     float *yk = y[k], lk = l[k];
@@ -281,8 +289,8 @@ RT_SIMD
   }
 }
 RT_VECTOR_PATHS_P(fwd_tile, (const QTile *t, const float *kt, const float *v0, float *o0, int seq, int d, int kcols,
-                           int qcols, float scale, float *s, int ss),
-                (t, kt, v0, o0, seq, d, kcols, qcols, scale, s, ss))
+                           int qcols, float scale, float sink, float *s, int ss),
+                (t, kt, v0, o0, seq, d, kcols, qcols, scale, sink, s, ss))
 
 // The tiles of query rows of every sample, TILE rows each (the last of a sample fewer), dealt
 // round robin over the threads (the later rows of a sample see more keys).
@@ -293,8 +301,9 @@ RT_VECTOR_PATHS_P(fwd_tile, (const QTile *t, const float *kt, const float *v0, f
 #define ATTN_PARALLEL_TILES
 #endif
 
-void rt_attn_fwd(const float *q, const float *k, const float *v, float *o, int rows, int seq, int heads, int kv,
-                 int qcols, int window, float qk_scale) {
+// sinks: NULL, or one logit per head (attn.sink).
+static void attn_fwd(const float *q, const float *k, const float *v, const float *sinks, float *o, int rows, int seq,
+                     int heads, int kv, int qcols, int window, float qk_scale) {
   int d = qcols / heads, group = heads / kv, kcols = kv * d, per = (seq + TILE - 1) / TILE, ss = seq + W;
   float scale = qk_scale > 0 ? qk_scale : 1.0f / sqrtf((float)d);
   float *kt = transpose_heads(k, rows, seq, kv, d), *scratch = attn_alloc((size_t)rt_threads() * TILE * ss);
@@ -306,28 +315,38 @@ void rt_attn_fwd(const float *q, const float *k, const float *v, float *o, int r
       int j = h / group;
       QTile t = query_tile(q, b, i0, nr, h, seq, qcols, d, window);
       fwd_tile(&t, kt + ((size_t)b * kv + j) * d * seq, v + (size_t)b * seq * kcols + (size_t)j * d,
-               o + (size_t)(b * seq + i0) * qcols + (size_t)h * d, seq, d, kcols, qcols, scale, s, ss);
+               o + (size_t)(b * seq + i0) * qcols + (size_t)h * d, seq, d, kcols, qcols, scale, sinks ? sinks[h] : -INFINITY, s, ss);
     }
   }
   free(kt);
   free(scratch);
 }
 
-RT_VECTOR_BODY void lse_tile_body(RtVectorPath path, const QTile *t, const float *kt, float *lse, int seq, int d, float scale, float *s,
-                                  int ss, int lse_stride) {
+void rt_attn_fwd(const float *q, const float *k, const float *v, float *o, int rows, int seq, int heads, int kv,
+                 int qcols, int window, float qk_scale) {
+  attn_fwd(q, k, v, NULL, o, rows, seq, heads, kv, qcols, window, qk_scale);
+}
+
+void rt_attn_sink_fwd(const float *q, const float *k, const float *v, const float *sinks, float *o, int rows, int seq,
+                      int heads, int kv, int qcols, int window, float qk_scale) {
+  attn_fwd(q, k, v, sinks, o, rows, seq, heads, kv, qcols, window, qk_scale);
+}
+
+RT_VECTOR_BODY void lse_tile_body(RtVectorPath path, const QTile *t, const float *kt, float *lse, int seq, int d, float scale,
+                                  float sink, float *s, int ss, int lse_stride) {
   tile_scores(path, t, t->q, kt, seq, d, s, ss);
   for (int k = 0; k < t->nr; k++) {
     float l, *row = s + (size_t)k * ss;
-    float m = row_softmax(row, t->last[k] - t->first[k] + 1, scale, row, &l);
+    float m = row_softmax(row, t->last[k] - t->first[k] + 1, scale, sink, row, &l);
     lse[(size_t)k * lse_stride] = m + logf(l);
   }
 }
-RT_VECTOR_PATHS_P(lse_tile, (const QTile *t, const float *kt, float *lse, int seq, int d, float scale, float *s, int ss,
-                           int lse_stride),
-                (t, kt, lse, seq, d, scale, s, ss, lse_stride))
+RT_VECTOR_PATHS_P(lse_tile, (const QTile *t, const float *kt, float *lse, int seq, int d, float scale, float sink, float *s,
+                           int ss, int lse_stride),
+                (t, kt, lse, seq, d, scale, sink, s, ss, lse_stride))
 
-void rt_attn_stats(const float *dy, const float *q, const float *k, const float *o, float *stats, int rows, int seq,
-                   int heads, int kv, int qcols, int window, float qk_scale) {
+static void attn_stats(const float *dy, const float *q, const float *k, const float *o, const float *sinks, float *stats,
+                       int rows, int seq, int heads, int kv, int qcols, int window, float qk_scale) {
   int d = qcols / heads, group = heads / kv, per = (seq + TILE - 1) / TILE, ss = seq + W;
   float scale = qk_scale > 0 ? qk_scale : 1.0f / sqrtf((float)d);
   float *kt = transpose_heads(k, rows, seq, kv, d), *scratch = attn_alloc((size_t)rt_threads() * TILE * ss);
@@ -338,7 +357,7 @@ void rt_attn_stats(const float *dy, const float *q, const float *k, const float 
     for (int h = 0; h < heads; h++) {
       QTile t = query_tile(q, b, i0, nr, h, seq, qcols, d, window);
       lse_tile(&t, kt + ((size_t)b * kv + h / group) * d * seq, stats + (size_t)(b * seq + i0) * 2 * heads + h, seq,
-               d, scale, s, ss, 2 * heads);
+               d, scale, sinks ? sinks[h] : -INFINITY, s, ss, 2 * heads);
       for (int r = b * seq + i0; r < b * seq + i0 + nr; r++) {
         size_t at = (size_t)r * qcols + (size_t)h * d;
         stats[(size_t)r * 2 * heads + heads + h] = dot(dy + at, o + at, d);
@@ -347,6 +366,30 @@ void rt_attn_stats(const float *dy, const float *q, const float *k, const float 
   }
   free(kt);
   free(scratch);
+}
+
+void rt_attn_stats(const float *dy, const float *q, const float *k, const float *o, float *stats, int rows, int seq,
+                   int heads, int kv, int qcols, int window, float qk_scale) {
+  attn_stats(dy, q, k, o, NULL, stats, rows, seq, heads, kv, qcols, window, qk_scale);
+}
+
+// The statistics with the sinks in each row's logsumexp: the backward kernels then give the
+// sink attention's dq, dk and dv (p_ij = exp(s_ij - lse_i) are its weights; the sink has no value).
+void rt_attn_sink_stats(const float *dy, const float *q, const float *k, const float *o, const float *sinks, float *stats,
+                        int rows, int seq, int heads, int kv, int qcols, int window, float qk_scale) {
+  attn_stats(dy, q, k, o, sinks, stats, rows, seq, heads, kv, qcols, window, qk_scale);
+}
+
+// The sinks' gradient: each sink is a logit of every row's softmax with no value, so
+// d sink_h = sum over rows r of p_sink (0 - D_rh) = -sum_r exp(sink_h - lse_rh) D_rh (rows ascending).
+void rt_attn_sink_grad(const float *stats, const float *sinks, float *dsinks, int rows, int heads) {
+  RT_PARALLEL_FOR((int64_t)rows * heads >= RT_PAR_MIN)
+  for (int h = 0; h < heads; h++) {
+    float sum = 0.0f;
+    for (int r = 0; r < rows; r++)
+      sum += rt_exp(sinks[h] - stats[(size_t)r * 2 * heads + h]) * stats[(size_t)r * 2 * heads + heads + h];
+    dsinks[h] = -sum;
+  }
 }
 
 // dq of a query tile for one head: kt, vt its key head's columns of k and v (the sample's),

@@ -551,6 +551,31 @@ template <class Launcher> void run_kernel_cases(Launcher &L, Checks &c) {
         rt_attn_fwd(q.data(), kk.data(), vv.data(), o_0.data(), rows, seq, H, KV, qc, 0, 0.0f);
         c.same(("attn.causal without a window" + shape).c_str(), o_0, o_c);
       }
+      // gpt-oss's sinks (a logit per head, one above every score of its rows' softmax, once):
+      // the forward, the statistics (their logsumexp holds the sink), the backward through them
+      // and the sinks' gradient.
+      auto sinks = randn((size_t)H);
+      if (window == 11) sinks[1] = 30.0f;
+      auto ds_c = zeros<float>(H), ds_k = zeros<float>(H);
+      rt_attn_sink_fwd(q.data(), kk.data(), vv.data(), sinks.data(), o_c.data(), rows, seq, H, KV, qc, window, sc);
+      rt_attn_sink_stats(dy.data(), q.data(), kk.data(), o_c.data(), sinks.data(), st_c.data(), rows, seq, H, KV, qc, window, sc);
+      rt_attn_grad_q(dy.data(), q.data(), kk.data(), vv.data(), st_c.data(), g_c.data(), rows, seq, H, KV, qc, window, sc);
+      rt_attn_grad_kv(dy.data(), q.data(), kk.data(), vv.data(), st_c.data(), g_c.data(), rows, seq, H, KV, qc, window, sc);
+      rt_attn_sink_grad(st_c.data(), sinks.data(), ds_c.data(), rows, H);
+      LAUNCH(3, block, mk_attn_sink_fwd, q, kk, vv, sinks, o_k, rows, seq, H, KV, qc, window, sc);
+      LAUNCH(2, block, mk_attn_sink_stats, dy, q, kk, o_c, sinks, st_k, rows, seq, H, KV, qc, window, sc);
+      LAUNCH(1, 32, mk_attn_sink_grad, st_c, sinks, ds_k, rows, H);
+      c.same(("attn.sink" + shape).c_str(), o_c, o_k);
+      c.same(("attn.sink.stats" + shape).c_str(), st_c, st_k);
+      c.same(("attn.sink.grad" + shape).c_str(), ds_c, ds_k);
+      if (window == 11) {   // a sink far above the scores takes the weight: head 1's outputs vanish
+        float big0 = 0.0f, big1 = 0.0f;
+        for (int r = 0; r < rows; r++)
+          for (int e = 0; e < d; e++)
+            big0 = fmaxf(big0, fabsf(o_c[(size_t)r * qc + e])), big1 = fmaxf(big1, fabsf(o_c[(size_t)r * qc + d + e]));
+        if (big1 < 1e-6f && big0 > 1e-2f) c.ok("attn.sink: a sink of 30 leaves its head's outputs at most %.2g", big1);
+        else c.fail("attn.sink: a sink of 30 leaves its head's outputs at %.3g (head 0: %.3g)", big1, big0);
+      }
     }
     {  // YaRN's frequencies and scaled cos and sin (the theta must make the ramp fall inside the pairs)
       rt_rope(a.data(), y_c.data(), s, m, 4, 12, 10000.0f, 1, 0, 1, 4.0f, 8, 32.0f, 1.0f, 1.25f);

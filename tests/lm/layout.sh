@@ -26,7 +26,9 @@
 # load is summed over the ranks, the partial rope, a dense first layer) on dp2·ep2 and on
 # dp2·mp2·ep2·esp2 (4 ranks), with --check-grad there. tests/models/grad_lm_mla.moe (multi-head
 # latent attention: MP splits its heads, the latent and the shared rope key replicated) on dp2·ep2,
-# dp2·mp2·ep2·esp2 with --check-grad, and dp4·ep2·esp2.
+# dp2·mp2·ep2·esp2 with --check-grad, and dp4·ep2·esp2. tests/models/grad_lm_sinks.moe (gpt-oss's
+# attention sinks, split over MP with the heads, sliding windows, biased routers) on dp2·ep2,
+# mp2·ep2 with --check-grad, and dp2·mp2·ep2·esp2.
 set -u
 cd "$(dirname "$0")/../.."
 BUILD=${BUILD:-build}
@@ -48,7 +50,8 @@ for entry in "gpt:dp 2; ep 2;:2:2:1:0" "gpt:dp 2; mp 2; ep 4;:4:2:2:1" "gpt:dp 4
              "pooled:dp 2; ep 2;:2:2:1:0" "pooled:mp 2; ep 2;:2:1:2:1" "pooled:dp 2; mp 2; ep 2; esp 2;:4:2:2:0" \
              "pooled:dp 4; ep 4;:4:4:1:0" \
              "glm:dp 2; ep 2;:2:2:1:0" "glm:dp 2; mp 2; ep 2; esp 2;:4:2:2:1" \
-             "mla:dp 2; ep 2;:2:2:1:0" "mla:dp 2; mp 2; ep 2; esp 2;:4:2:2:1" "mla:dp 4; ep 2; esp 2;:4:4:1:0"; do
+             "mla:dp 2; ep 2;:2:2:1:0" "mla:dp 2; mp 2; ep 2; esp 2;:4:2:2:1" "mla:dp 4; ep 2; esp 2;:4:4:1:0" \
+             "sinks:dp 2; ep 2;:2:2:1:0" "sinks:mp 2; ep 2;:2:1:2:1" "sinks:dp 2; mp 2; ep 2; esp 2;:4:2:2:0"; do
   IFS=: read -r model lay np dp mp grad <<<"$entry"
   M=$(pwd)/tests/models/grad_lm_$model.moe
   [ "$model" = gpt ] && lay_name="{ $lay }" || lay_name="$model { $lay }"

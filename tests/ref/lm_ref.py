@@ -52,9 +52,12 @@ NOISE_STEP = 1          # the dumped step: the gate noise of step 1
 # ---------------------------------------------------------------- model description
 class Attention:
     """bias: True (q, k, v and o), False (none) or "qkv" (q, k, v only); head_dim: d, default
-    embed/heads; qk_norm: None, "head" or "whole"; window: None or W >= 1 (keys i-W < j <= i)."""
+    embed/heads; qk_norm: None, "head" or "whole"; window: None or W >= 1 (keys i-W < j <= i);
+    sinks: gpt-oss's learned logit per head (attn.sinks [H]) in each row's softmax, weight
+    without a value."""
 
-    def __init__(self, heads, kv_heads=None, bias=True, head_dim=None, qk_norm=None, window=None):
+    def __init__(self, heads, kv_heads=None, bias=True, head_dim=None, qk_norm=None, window=None,
+                 sinks=False):
         self.heads = heads
         self.kv_heads = heads if kv_heads is None else kv_heads
         assert bias in (True, False, "qkv")
@@ -66,6 +69,7 @@ class Attention:
         self.qk_norm = qk_norm
         assert window is None or window >= 1
         self.window = window
+        self.sinks = sinks
         assert self.heads % self.kv_heads == 0
 
 
@@ -136,6 +140,8 @@ class LMModel:
                 sh[n + ".attn.bv"] = (at.kv_heads * d,)
             if at.bias_o:
                 sh[n + ".attn.bo"] = (M,)
+            if at.sinks:
+                sh[n + ".attn.sinks"] = (at.heads,)
             if at.qk_norm:
                 sh[n + ".attn.q_norm.weight"] = (d if at.qk_norm == "head" else at.heads * d,)
                 sh[n + ".attn.k_norm.weight"] = (d if at.qk_norm == "head" else at.kv_heads * d,)
@@ -249,15 +255,20 @@ def attn_forward(model, ly, p, x):
     vh = np.repeat(v4, g, axis=1)
     s = q4 @ kh.transpose(0, 1, 3, 2) / math.sqrt(d)          # [B, H, L, L]
     s = np.where(window_mask(L, at.window), s, -np.inf)
-    s = s - s.max(axis=-1, keepdims=True)
-    e = np.exp(s)
-    pr = e / e.sum(axis=-1, keepdims=True)
+    sink = p["sinks"].reshape(1, H, 1, 1) if at.sinks else None
+    mx = s.max(axis=-1, keepdims=True)
+    if at.sinks:   # the sink: a logit in the denominator, no value
+        mx = np.maximum(mx, sink)
+    e = np.exp(s - mx)
+    den = e.sum(axis=-1, keepdims=True) + (np.exp(sink - mx) if at.sinks else 0)
+    pr = e / den
+    psink = np.exp(sink - mx) / den if at.sinks else None
     o4 = pr @ vh                                              # [B, H, L, d]
     o = o4.transpose(0, 2, 1, 3).reshape(B * L, H * d)
     y = o @ p["wo"]
     if at.bias_o:
         y = y + p["bo"]
-    return y, dict(x=x, q4=q4, kh=kh, vh=vh, pr=pr, o=o, rope=rope, qn=qn, kn=kn)
+    return y, dict(x=x, q4=q4, kh=kh, vh=vh, pr=pr, psink=psink, o=o, rope=rope, qn=qn, kn=kn)
 
 
 def attn_backward(model, ly, p, c, dy):
@@ -273,7 +284,10 @@ def attn_backward(model, ly, p, c, dy):
     pr = c["pr"]
     dpr = do4 @ c["vh"].transpose(0, 1, 3, 2)
     dvh = pr.transpose(0, 1, 3, 2) @ do4
-    ds = pr * (dpr - (dpr * pr).sum(axis=-1, keepdims=True)) / math.sqrt(d)
+    D = (dpr * pr).sum(axis=-1, keepdims=True)
+    ds = pr * (dpr - D) / math.sqrt(d)
+    if at.sinks:   # d sink = sum over rows of p_sink (0 - D)
+        gr["sinks"] = -(c["psink"] * D).sum(axis=(0, 2, 3))
     dq4 = ds @ c["kh"]
     dkh = ds.transpose(0, 1, 3, 2) @ c["q4"]
     dk4 = dkh.reshape(B, KV, g, L, d).sum(axis=2)
@@ -506,9 +520,10 @@ def naive_attention(model, ly, p, x):
                 keys = range(first(i), i + 1)
                 sc = [float(qi @ rot(k[b * L + t, j * d:(j + 1) * d], t)) / math.sqrt(d)
                       for t in keys]
-                mx = max(sc)
+                sk = [float(p["sinks"][hh])] if at.sinks else []
+                mx = max(sc + sk)
                 w = [math.exp(s - mx) for s in sc]
-                tot = sum(w)
+                tot = sum(w) + sum(math.exp(s - mx) for s in sk)
                 for wt, t in zip(w, keys):
                     o[b * L + i, hh * d:(hh + 1) * d] += wt / tot * v[b * L + t, j * d:(j + 1) * d]
     return o @ p["wo"] + (p["bo"] if at.bias_o else 0)
@@ -623,6 +638,15 @@ SELFTEST_CASES = [
                         mlp=dict(ffn="gpt", hidden=6, act="gelu", bias=True))),
       ("one", 1, dict(attention=dict(heads=2, window=1),
                       mlp=dict(ffn="mixtral", hidden=6)))], None),
+    # gpt-oss's attention sinks under a window of 2 and over the whole sequence, GQA 4/2
+    ("gpt-oss: sinks + window 2, sinks over the whole sequence",
+     dict(vocab=9, batch=2, seqlen=5, embed=8, position="rope", theta=100.0, norm="rmsnorm",
+          eps=1e-5, tie_embeddings=False, seed=31),
+     [("sw", 1, dict(attention=dict(heads=4, kv_heads=2, head_dim=4, bias=True, window=2, sinks=True),
+                     moe=dict(experts=4, hidden=5, k=2, capacity=1.0, ffn="mixtral",
+                              renormalize=True, aux_loss=0.05))),
+      ("fa", 1, dict(attention=dict(heads=2, bias=True, sinks=True),
+                     mlp=dict(ffn="mixtral", hidden=6)))], None),
     # transformers' load-balancing loss (aux "pooled"): one loss over a k 2 and a k 1 layer
     # (drops counted: F counts every top-k choice), the gradient coef E F_e/N into both
     ("pooled: aux pooled over k2 (drops) and k1 layers, rope rmsnorm",

@@ -158,6 +158,15 @@ CONFIGS = [
       ("grp", 1, dict(attention=dict(heads=2, bias=False),
                       moe=dict(GPT_FFN, k=1, capacity=1.0, **LOSSES)))],
      dict(expect="drops")),
+    # gpt-oss's attention: learned sinks (a logit per head in each row's softmax, no value) under a
+    # sliding window of 3 and over the whole sequence, q/k/v and o biases, GQA 4/2; its router
+    # (a bias is the gate's own; top-k then softmax over the chosen: renormalised)
+    ("l_gpt_oss_sinks", dict(position="rope", norm="rmsnorm", eps=1e-5, tie_embeddings=False),
+     [("slide", 1, dict(attention=dict(heads=4, kv_heads=2, bias=True, window=3, sinks=True),
+                        moe=dict(MIX_FFN, k=2, capacity="*", renormalize=True, **LOSSES))),
+      ("full", 1, dict(attention=dict(heads=4, kv_heads=2, bias=True, sinks=True),
+                       moe=dict(MIX_FFN, k=2, capacity=0.75, renormalize=True, **LOSSES)))],
+     dict(expect="drops")),
 ]
 
 
@@ -192,6 +201,8 @@ def lm_text(model_name, fields, items):
             fields_at.append("qk_norm %s;" % at["qk_norm"])
         if at.get("window"):
             fields_at.append("window %d;" % at["window"])
+        if at.get("sinks"):
+            fields_at.append("sinks true;")
         out.append("layer %s%s {" % (name, " x %d" % repeat if repeat != 1 else ""))
         out.append("  attention { %s }" % " ".join(fields_at))
         if "moe" in kw:

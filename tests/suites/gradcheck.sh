@@ -20,6 +20,14 @@ if "$MOEC" build tests/models/grad_k2.moe -o "$WORK/gc.bin" 2>"$WORK/err" &&
 else
   bad "gradcheck on a planted gradient error" "$(cat "$WORK/gc" "$WORK/err" 2>/dev/null)"
 fi
+# The attention sinks' gradient can fail too: 10 % off in one layer's sinks is reported.
+if "$MOEC" build tests/models/grad_lm_sinks.moe -o "$WORK/sinks.bin" 2>"$WORK/err" &&
+   ! (cd "$WORK" && MOERT_CHECK_GRAD_PLANT=block0.attn.sinks ./sinks.bin --check-grad=block0.attn.sinks >"$WORK/sk" 2>&1) &&
+   grep -q '^block0.attn.sinks .*FAILED$' "$WORK/sk"; then
+  ok "gradcheck fails on a planted error in the attention sinks' gradient (block0.attn.sinks 10 % off)"
+else
+  bad "gradcheck on a planted error in the attention sinks' gradient" "$(cat "$WORK/sk" "$WORK/err" 2>/dev/null)"
+fi
 # The header names the model's objective: cross-entropy for a language model, mse otherwise.
 "$MOEC" build tests/models/grad_lm_gpt.moe -o "$WORK/lm.bin" 2>"$WORK/err" && (cd "$WORK" && ./lm.bin --check-grad >"$WORK/lm" 2>&1)
 if grep -q '^# gradient check of grad_lm_gpt at step 1: loss [0-9.]* (the objective: cross-entropy + ' "$WORK/lm" &&
