@@ -135,11 +135,16 @@ typedef struct Config {
   bool yarn;
   double yarn_factor, yarn_beta_fast, yarn_beta_slow, yarn_mscale, yarn_mscale_all_dim;
   int64_t yarn_original;
+  bool yarn_truncate;   // truncate: the ramp's ends rounded out to whole pairs (default true; gpt-oss false)
+  bool *sliding;        // gpt-oss: per decoder layer, "sliding_attention" in layer_types (the window when shorter
+                        // than the sequence), else "full_attention"
 } Config;
 
 static bool is_deepseek(RtHfFamily f) { return f == RT_HF_DEEPSEEK_V2 || f == RT_HF_DEEPSEEK_V3; }
 // GLM-4.5 and the DeepSeek families: n_routed_experts, shared experts, dense layers first.
 static bool is_glm_like(RtHfFamily f) { return f == RT_HF_GLM4_MOE || is_deepseek(f); }
+// Mixtral and gpt-oss: num_local_experts and intermediate_size.
+static bool is_mixtral_like(RtHfFamily f) { return f == RT_HF_MIXTRAL || f == RT_HF_GPT_OSS; }
 
 // The value of key as text, for a sentence.
 static void value_text(const cJSON *v, char *buf, size_t n) {
@@ -183,6 +188,12 @@ static bool harmless(const Config *c, const char *k) {
   for (size_t i = 0; i < sizeof any / sizeof *any; i++)
     if (strcmp(k, any[i]) == 0) return true;
   if (is_family(c, RT_HF_MIXTRAL)) return strcmp(k, mixtral[0]) == 0 || strcmp(k, mixtral[1]) == 0;
+  static const char *const oss[] = {"num_local_experts", "intermediate_size", "head_dim", "attention_bias", NULL};
+  if (is_family(c, RT_HF_GPT_OSS)) {
+    for (size_t i = 0; oss[i]; i++)
+      if (strcmp(k, oss[i]) == 0) return true;
+    return false;
+  }
   static const char *const deepseek[] = {"n_routed_experts", "moe_intermediate_size", "intermediate_size",
                                          "n_shared_experts", "first_k_dense_replace", "attention_bias", "kv_lora_rank",
                                          "q_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim",
@@ -197,12 +208,12 @@ static bool harmless(const Config *c, const char *k) {
   return false;
 }
 
-// DeepSeek's rope_parameters with rope_type "yarn": theta, factor and the original positions, and
-// beta_fast, beta_slow (32, 1), mscale, mscale_all_dim where given; nothing else (attention_factor
-// given outright, truncate false: refused).
+// DeepSeek's and gpt-oss's rope_parameters with rope_type "yarn": theta, factor and the original
+// positions, and beta_fast, beta_slow (32, 1), mscale, mscale_all_dim, truncate where given;
+// nothing else (attention_factor given outright: refused).
 static int read_yarn(Config *c, const cJSON *v) {
   static const char *const keys[] = {"rope_type", "rope_theta", "factor", "original_max_position_embeddings",
-                                     "beta_fast", "beta_slow", "mscale", "mscale_all_dim"};
+                                     "beta_fast", "beta_slow", "mscale", "mscale_all_dim", "truncate"};
   double *at[] = {NULL, &c->theta, &c->yarn_factor, NULL, &c->yarn_beta_fast, &c->yarn_beta_slow, &c->yarn_mscale,
                   &c->yarn_mscale_all_dim};
   c->yarn_beta_fast = 32;
@@ -212,8 +223,13 @@ static int read_yarn(Config *c, const cJSON *v) {
     while (i < sizeof keys / sizeof *keys && strcmp(e->string, keys[i]) != 0) i++;
     if (i == sizeof keys / sizeof *keys)
       return refuse(c, v, "moec's yarn takes rope_theta, factor, original_max_position_embeddings, beta_fast, "
-                    "beta_slow, mscale and mscale_all_dim");
+                    "beta_slow, mscale, mscale_all_dim and truncate");
     if (i == 0 || (cJSON_IsNull(e) && i >= 4)) continue;
+    if (i == 8) {
+      if (!cJSON_IsBool(e)) return refuse(c, v, "its truncate must be true or false");
+      c->yarn_truncate = cJSON_IsTrue(e);
+      continue;
+    }
     if (!cJSON_IsNumber(e) || !(e->valuedouble > 0 || (i >= 6 && e->valuedouble == 0)))
       return refuse(c, v, "its yarn numbers must be positive");
     if (i == 3) c->yarn_original = (int64_t)e->valuedouble;
@@ -240,6 +256,19 @@ static int check_key(Config *c, const cJSON *v) {
     return cJSON_IsBool(v) ? 0 : refuse(c, v, "it must be true or false");
   }
   if (strcmp(k, "head_dim") == 0) return cJSON_IsNull(v) ? 0 : 2;
+  if (is_family(c, RT_HF_GPT_OSS)) {   // 'ffn oss': the clamped SwiGLU of gpt-oss's constants
+    if (strcmp(k, "swiglu_alpha") == 0)
+      return cJSON_IsNumber(v) && v->valuedouble == 1.702 ? 0 : refuse(c, v, "moec's 'ffn oss' has alpha 1.702");
+    if (strcmp(k, "swiglu_limit") == 0)
+      return cJSON_IsNumber(v) && v->valuedouble == 7.0 ? 0 : refuse(c, v, "moec's 'ffn oss' clamps at 7");
+    if (strcmp(k, "layer_types") == 0) {
+      for (const cJSON *e = cJSON_IsArray(v) ? v->child : NULL; e; e = e->next)
+        if (!cJSON_IsString(e) || (strcmp(e->valuestring, "full_attention") != 0 &&
+                                   strcmp(e->valuestring, "sliding_attention") != 0))
+          return refuse(c, v, "moec's layers are \"sliding_attention\" (a window) or \"full_attention\"");
+      return cJSON_IsArray(v) ? 2 : refuse(c, v, "it must be a list of layer types");
+    }
+  }
   if (is_deepseek(c->arch.family)) {
     // transformers' derived values: the rotary heads' width (the rope part) and q's and k's heads
     if (strcmp(k, "qk_head_dim") == 0) return 2;
@@ -282,7 +311,8 @@ static int check_key(Config *c, const cJSON *v) {
   if (strcmp(k, "sliding_window") == 0) {
     if (qwen && !cJSON_IsTrue(key(c, "use_sliding_window"))) return 0;   // unused
     if (cJSON_IsNull(v)) return 0;
-    if (!is_family(c, RT_HF_MIXTRAL)) return refuse(c, v, "only Mixtral's attention has a sliding window in moec");
+    if (!is_mixtral_like(c->arch.family))
+      return refuse(c, v, "only Mixtral's and gpt-oss's attention have a sliding window in moec");
     return cJSON_IsNumber(v) && v->valuedouble >= 1 && v->valuedouble == floor(v->valuedouble)
                ? 2 : refuse(c, v, "it must be null or a whole number of at least 1");
   }
@@ -304,10 +334,12 @@ static int check_key(Config *c, const cJSON *v) {
     const cJSON *type = cJSON_GetObjectItemCaseSensitive(v, "rope_type");
     const cJSON *theta = cJSON_GetObjectItemCaseSensitive(v, "rope_theta");
     const cJSON *partial = cJSON_GetObjectItemCaseSensitive(v, "partial_rotary_factor");
-    if (is_deepseek(c->arch.family) && cJSON_IsString(type) && strcmp(type->valuestring, "yarn") == 0)
+    if ((is_deepseek(c->arch.family) || is_family(c, RT_HF_GPT_OSS)) && cJSON_IsString(type) &&
+        strcmp(type->valuestring, "yarn") == 0)
       return read_yarn(c, v);
     if (type && !(cJSON_IsString(type) && strcmp(type->valuestring, "default") == 0))
-      return refuse(c, v, is_deepseek(c->arch.family) ? "moec's rotary positions are the default ones or yarn"
+      return refuse(c, v, is_deepseek(c->arch.family) || is_family(c, RT_HF_GPT_OSS)
+                              ? "moec's rotary positions are the default ones or yarn"
                                                       : "moec's rotary positions are the default ones (rope_type \"default\")");
     if (!cJSON_IsNumber(theta) || !(theta->valuedouble > 0)) return refuse(c, v, "it needs a positive rope_theta");
     if (partial && !(cJSON_IsNumber(partial) && partial->valuedouble > 0 && partial->valuedouble <= 1))
@@ -338,7 +370,8 @@ static int need_count(const Config *c, const char *k) {
 static int read_arch(Config *c, const char *text, int64_t seqlen) {
   RtHfArch *a = &c->arch;
   RtHfFamily family = a->family;
-  c->theta = family == RT_HF_MIXTRAL ? 1e6 : 1e4;   // the configs' defaults
+  c->theta = family == RT_HF_MIXTRAL ? 1e6 : family == RT_HF_GPT_OSS ? 1.5e5 : 1e4;   // the configs' defaults
+  c->yarn_truncate = true;
   c->partial = c->scale = 1;
   c->n_group = c->topk_group = 1;
   c->interleave = is_deepseek(family);   // V2 always, V3's rope_interleave defaults to true
@@ -348,7 +381,8 @@ static int read_arch(Config *c, const char *text, int64_t seqlen) {
     if (r == 1) return 1;
     deferred |= r == 2;
   }
-  bool mixtral = family == RT_HF_MIXTRAL, glm = is_glm_like(family), deepseek = is_deepseek(family);
+  bool mixtral = is_mixtral_like(family), glm = is_glm_like(family), deepseek = is_deepseek(family);
+  bool oss = family == RT_HF_GPT_OSS;
   const char *required[] = {"vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads",
                             "num_experts_per_tok",
                             glm ? "n_routed_experts"
@@ -362,7 +396,7 @@ static int read_arch(Config *c, const char *text, int64_t seqlen) {
   const cJSON *mp = key(c, "max_position_embeddings");
   c->max_positions = cJSON_IsNumber(mp) ? (int64_t)mp->valuedouble : 0;
   const cJSON *eps = key(c, "rms_norm_eps");
-  c->eps = mixtral ? 1e-5 : 1e-6;
+  c->eps = mixtral ? 1e-5 : 1e-6;   // Mixtral's and gpt-oss's default
   if (eps && (!cJSON_IsNumber(eps) || !(eps->valuedouble > 0))) return refuse(c, eps, "it must be a positive number");
   if (eps) c->eps = eps->valuedouble;
   const cJSON *tie = key(c, "tie_word_embeddings");
@@ -378,9 +412,10 @@ static int read_arch(Config *c, const char *text, int64_t seqlen) {
   const cJSON *norm = key(c, "norm_topk_prob");
   if (norm && !cJSON_IsBool(norm)) return refuse(c, norm, "it must be true or false");
   // GLM-4.5's and DeepSeek-V3's default is true; DeepSeek-V2 never renormalises
-  c->renormalize = family != RT_HF_DEEPSEEK_V2 && (mixtral || cJSON_IsTrue(norm) || (glm && !norm));
+  c->renormalize = family != RT_HF_DEEPSEEK_V2 && (mixtral || cJSON_IsTrue(norm) || (glm && !norm));   // gpt-oss: the
+  // softmax of the k chosen logits, the renormalised softmax of all
   if (family == RT_HF_DEEPSEEK_V2 && !c->group_greedy) c->n_group = c->topk_group = 1;   // greedy: no groups
-  if (family != RT_HF_QWEN3_MOE && !glm && a->embed % a->heads != 0)
+  if (family != RT_HF_QWEN3_MOE && !glm && !oss && a->embed % a->heads != 0)
     return fail("%s: hidden_size %lld is not a multiple of num_attention_heads %lld", c->path, (long long)a->embed,
                 (long long)a->heads);
   if (a->heads % a->kv_heads != 0)
@@ -433,9 +468,23 @@ static int read_arch(Config *c, const char *text, int64_t seqlen) {
     if (step && !(cJSON_IsNumber(step) && step->valuedouble >= 1 && step->valuedouble == floor(step->valuedouble)))
       return refuse(c, step, "it must be a whole number of at least 1");
   }
+  if (oss && (c->sliding = calloc((size_t)a->layers, sizeof *c->sliding)) == NULL) return fail("out of memory");
+  if (oss) {   // layer_types, or transformers' default: sliding and full alternating from a sliding first
+    const cJSON *types = key(c, "layer_types");
+    if (types && cJSON_GetArraySize(types) != (int)a->layers)
+      return refuse(c, types, "it must name the type of each of the num_hidden_layers layers");
+    int64_t l = 0;
+    for (const cJSON *e = types ? types->child : NULL; e; e = e->next) c->sliding[l++] = strcmp(e->valuestring, "sliding_attention") == 0;
+    for (l = 0; !types && l < a->layers; l++) c->sliding[l] = (l + 1) % 2 != 0;
+    const cJSON *sw = key(c, "sliding_window");
+    bool any = false;
+    for (l = 0; l < a->layers; l++) any |= c->sliding[l];
+    if (any && !cJSON_IsNumber(sw))
+      return fail("%s: layer_types has sliding layers but \"sliding_window\" is not a number", c->path);
+  }
   if (deferred) {
     const cJSON *hd = key(c, "head_dim");
-    if (!glm && hd && !cJSON_IsNull(hd) && !(cJSON_IsNumber(hd) && hd->valuedouble * (double)a->heads == (double)a->embed))
+    if (!glm && !oss && hd && !cJSON_IsNull(hd) && !(cJSON_IsNumber(hd) && hd->valuedouble * (double)a->heads == (double)a->embed))
       return refuse(c, hd, "moec's attention heads here are hidden_size / num_attention_heads wide");
     const cJSON *sw = key(c, "sliding_window");
     if (sw && cJSON_IsNumber(sw) && sw->valuedouble < (double)seqlen) c->window = (int64_t)sw->valuedouble;
@@ -482,7 +531,7 @@ static int read_config(const Options *o, Config *c, int64_t *seqlen) {
   else if (!cJSON_IsString(type)) status = fail("%s: \"model_type\" is missing; it names the family", path);
   else if (!rt_hf_family_of(type->valuestring, &c->arch.family))
     status = fail("%s: model_type \"%s\" is not a family moec reads (it reads mixtral, qwen2_moe, qwen3_moe, olmoe, "
-                  "glm4_moe, deepseek_v2 and deepseek_v3)",
+                  "glm4_moe, deepseek_v2, deepseek_v3 and gpt_oss)",
                   path, type->valuestring);
   if (status == 0) {
     const cJSON *mp = key(c, "max_position_embeddings");
@@ -534,8 +583,10 @@ static int convert(const Config *c, const RtStSet *set, const char *dir, const c
     }
     for (int k = 0; k < set->ntensors; k++)
       if (set->by_name[k] == e) used[k] = true;
-    int64_t numel = t[i].dims[0] * (t[i].rank == 2 ? t[i].dims[1] : 1);
-    if (e->rank != t[i].rank || e->dims[0] != t[i].dims[0] || (t[i].rank == 2 && e->dims[1] != t[i].dims[1])) {
+    int64_t numel = rt_hf_numel(&t[i]);
+    bool same = e->rank == t[i].rank;
+    for (int d = 0; same && d < t[i].rank; d++) same = e->dims[d] == t[i].dims[d];
+    if (!same) {
       char want[64], got[64];
       status = fail("%s: tensor '%s' is %s; config.json makes it %s", dir, t[i].hf, rt_shape_str(got, sizeof got, e->rank, e->dims),
                     rt_shape_str(want, sizeof want, t[i].rank, t[i].dims));
@@ -603,26 +654,28 @@ static void default_name(const char *dir, char *out, size_t n) {
   if (k == 0 || isdigit((unsigned char)out[0])) snprintf(out, n, "imported");
 }
 
-// The layers as runs of one kind (MoE or dense), each a `layer NAME x N` group: "moe", "dense",
-// then "moeb", "denseb", ... (a name ending in a letter, so that NAME + index is unique); the
-// instance of decoder layer l is its group's name and its index in the group.
+// The layers as runs of one kind (MoE, dense, or gpt-oss's MoE with a sliding window), each a
+// `layer NAME x N` group: "moe", "dense", "slide", then "moeb", "denseb", ... (a name ending in a
+// letter, so that NAME + index is unique); the instance of decoder layer l is its group's name and
+// its index in the group.
 typedef struct Run {
-  bool dense;
+  bool dense, sliding;
   int64_t first, count;
   char name[16];
 } Run;
 
-static int runs_of(const RtHfArch *a, Run *runs) {
-  int n = 0, seen[2] = {0, 0};
+static int runs_of(const Config *c, Run *runs) {
+  const RtHfArch *a = &c->arch;
+  int n = 0, seen[3] = {0, 0, 0};
   for (int64_t l = 0; l < a->layers; l++) {
-    bool dense = a->dense && a->dense[l];
-    if (n > 0 && runs[n - 1].dense == dense) {
+    bool dense = a->dense && a->dense[l], sliding = c->sliding && c->sliding[l];
+    if (n > 0 && runs[n - 1].dense == dense && runs[n - 1].sliding == sliding) {
       runs[n - 1].count++;
       continue;
     }
     Run *r = &runs[n++];
-    *r = (Run){.dense = dense, .first = l, .count = 1};
-    int k = seen[dense]++;
+    *r = (Run){.dense = dense, .sliding = sliding, .first = l, .count = 1};
+    int kind = sliding ? 2 : dense, k = seen[kind]++;
     char suffix[8] = "";
     if (k > 0) {   // b, c, ..., z, ba, bb, ...
       char tmp[8];
@@ -631,12 +684,12 @@ static int runs_of(const RtHfArch *a, Run *runs) {
       for (int i = 0; i < len; i++) suffix[i] = tmp[len - 1 - i];
       suffix[len] = '\0';
     }
-    snprintf(r->name, sizeof r->name, "%s%s", dense ? "dense" : "moe", suffix);
+    snprintf(r->name, sizeof r->name, "%s%s", sliding ? "slide" : dense ? "dense" : "moe", suffix);
   }
   return n;
 }
 
-static void attention_line(FILE *f, const Config *c) {
+static void attention_line(FILE *f, const Config *c, const Run *r) {
   const RtHfArch *a = &c->arch;
   if (a->mla) {
     fprintf(f, "  attention { heads %lld; bias %s; mla { ", (long long)a->heads, a->o_bias ? "true" : "false");
@@ -651,7 +704,8 @@ static void attention_line(FILE *f, const Config *c) {
           a->o_bias ? "true" : a->qkv_bias ? "qkv" : "false");
   if (a->head_dim * a->heads != a->embed) fprintf(f, " head_dim %lld;", (long long)a->head_dim);
   if (a->qk_norm) fprintf(f, " qk_norm %s;", a->qk_norm == 1 ? "head" : "whole");
-  if (c->window > 0) fprintf(f, " window %lld;", (long long)c->window);
+  if (c->window > 0 && (!c->sliding || r->sliding)) fprintf(f, " window %lld;", (long long)c->window);
+  if (a->sinks) fprintf(f, " sinks true;");
   fprintf(f, " }\n");
 }
 
@@ -687,6 +741,7 @@ static int write_moe(const Options *o, const Config *c, int64_t seqlen, const ch
             fe_float_text(c->yarn_beta_slow, b2, sizeof b2));
     if (c->yarn_mscale > 0) fprintf(f, " mscale %s;", fe_float_text(c->yarn_mscale, b1, sizeof b1));
     if (c->yarn_mscale_all_dim > 0) fprintf(f, " mscale_all_dim %s;", fe_float_text(c->yarn_mscale_all_dim, b1, sizeof b1));
+    if (!c->yarn_truncate) fprintf(f, " truncate false;");
     fprintf(f, " }\n ");
   }
   fprintf(f, " }\n  norm rmsnorm { eps %s; }\n  tie_embeddings %s;\n", fe_float_text(c->eps, b2, sizeof b2),
@@ -699,12 +754,13 @@ static int write_moe(const Options *o, const Config *c, int64_t seqlen, const ch
     const Run *r = &runs[i];
     fprintf(f, "\n# decoder layers %lld..%lld\nlayer %s x %lld {\n", (long long)r->first, (long long)(r->first + r->count - 1),
             r->name, (long long)r->count);
-    attention_line(f, c);
+    attention_line(f, c, r);
     if (r->dense) {
       fprintf(f, "  mlp { ffn mixtral { hidden %lld; } }\n}\n", (long long)a->dense_hidden);
       continue;
     }
-    fprintf(f, "  moe {\n    experts %lld { ffn mixtral { hidden %lld; } }\n", (long long)a->experts, (long long)a->hidden);
+    fprintf(f, "  moe {\n    experts %lld { ffn %s { hidden %lld; } }\n", (long long)a->experts, a->sinks ? "oss" : "mixtral",
+            (long long)a->hidden);
     if (a->correction_bias) {   // DeepSeek-V3's router: the correction bias stays as imported (rate 0)
       fprintf(f, "    # the checkpoint's e_score_correction_bias steers the choice; 'balance bias 0' keeps it fixed\n"
                  "    # as transformers does (DeepSeek-V3 pretrained with 'balance bias 0.001')\n");
@@ -713,7 +769,8 @@ static int write_moe(const Options *o, const Config *c, int64_t seqlen, const ch
       if (c->scale != 1) fprintf(f, " scale %s;", fe_float_text(c->scale, b1, sizeof b1));
       fprintf(f, " balance bias 0; }\n");
     } else {
-      fprintf(f, "    gate gshard { k %lld; capacity *; renormalize %s;", (long long)c->k, c->renormalize ? "true" : "false");
+      fprintf(f, "    gate gshard { k %lld; capacity *; renormalize %s;%s", (long long)c->k, c->renormalize ? "true" : "false",
+              a->sinks ? " bias true;" : "");   // gpt-oss's router has a bias
       if (c->n_group > 1)   // DeepSeek-V2's group_limited_greedy
         fprintf(f, " expert_groups %lld; topk_groups %lld; group_score max;", (long long)c->n_group, (long long)c->topk_group);
       if (c->scale != 1) fprintf(f, " scale %s;", fe_float_text(c->scale, b1, sizeof b1));
@@ -780,7 +837,7 @@ int cli_import_hf(int argc, char **argv) {
     if (!runs || !c.arch.inst) status = fail("out of memory");
   }
   if (status == 0) {
-    nruns = runs_of(&c.arch, runs);
+    nruns = runs_of(&c, runs);
     for (int i = 0; i < nruns; i++)
       for (int64_t j = 0; j < runs[i].count; j++) {
         char buf[48];
@@ -800,6 +857,7 @@ int cli_import_hf(int argc, char **argv) {
            (long long)c.arch.vocab, moe_path, weights_path, hf_dir);
   rt_st_set_free(&set);
   rt_hf_arch_free(&c.arch);
+  free(c.sliding);
   cJSON_Delete(c.json);
   free((char *)c.path);
   return status;

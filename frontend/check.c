@@ -165,7 +165,7 @@ static const Field optimizer_fields[] = {
 };
 static const Block optimizer_block = BLOCK("optimizer", optimizer_fields, NULL);
 
-// yarn = "yarn" "{" factor original [beta_fast] [beta_slow] [mscale] [mscale_all_dim] "}"
+// yarn = "yarn" "{" factor original [beta_fast] [beta_slow] [mscale] [mscale_all_dim] [truncate] "}"
 static const Field yarn_fields[] = {
   {"factor", F_REQUIRED, .vals = {{V_NUM, R_POS, .off = AT(FeModel, yarn_factor)}}},
   {"original", F_REQUIRED, .vals = {{V_INT, R_POS, .off = AT(FeModel, yarn_original)}}},
@@ -173,6 +173,7 @@ static const Field yarn_fields[] = {
   {"beta_slow", 0, .vals = {{V_NUM, R_POS, .def = "1", .off = AT(FeModel, yarn_beta_slow)}}},
   {"mscale", 0, .vals = {{V_NUM, R_NONNEG, .def = "0", .off = AT(FeModel, yarn_mscale)}}},
   {"mscale_all_dim", 0, .vals = {{V_NUM, R_NONNEG, .def = "0", .off = AT(FeModel, yarn_mscale_all_dim)}}},
+  {"truncate", 0, .vals = {{V_BOOL, .def = "true", .off = AT(FeModel, yarn_truncate)}}},
 };
 static const Block yarn_block = BLOCK("yarn", yarn_fields, NULL);
 

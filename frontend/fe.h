@@ -94,6 +94,7 @@ typedef struct FeModel {
   SrcLoc yarn_loc;
   double yarn_factor, yarn_beta_fast, yarn_beta_slow, yarn_mscale, yarn_mscale_all_dim;
   int64_t yarn_original;
+  bool yarn_truncate;   // `truncate false`: the ramp's ends not rounded to whole pairs (gpt-oss)
   const char *norm;          // "layernorm" | "rmsnorm"
   SrcLoc norm_loc;
   bool has_norm;

@@ -23,8 +23,14 @@
 //     halves, YaRN's scaling (`yarn`) or none, GLM-4.5's router, shared expert and dense layers;
 //   - DeepSeek-V2 (deepseek_v2): the same attention (interleaved), `gate gshard` not renormalised,
 //     greedy or the group limit by the best (`group_score max`: group_limited_greedy), `scale`.
-// Mixtral alone has a sliding window (`window W`, the same in every layer), GLM-4.5 alone a
-// partial rotary factor, the DeepSeek families alone `mla`, `interleave` and `yarn`.
+//   - gpt-oss (gpt_oss): attention sinks in every layer (`sinks true`), biases on all four
+//     projections or none, any head_dim, layers with one sliding window W and layers over the
+//     whole sequence in any order (layer_types), YaRN (truncated or not) or none; experts of the
+//     clamped SwiGLU with biases (`ffn oss`), a router with a bias whose k chosen logits are
+//     softmaxed (`gate gshard { bias true; renormalize true; }`), every layer MoE.
+// Mixtral alone has one sliding window in every layer, gpt-oss a window in some layers, GLM-4.5
+// alone a partial rotary factor, the DeepSeek families alone `mla` and `interleave`, they and
+// gpt-oss `yarn`.
 // Training-only settings (capacity, noise, aux and z losses, hooks, the layout, the schedule) do
 // not change the weights' meaning and do not stop an export; the exported model computes
 // dropless, as transformers does. `aux pooled` in every MoE layer is transformers' own
@@ -47,14 +53,14 @@ static bool refuse(char *why, size_t n, const char *fmt, ...) {
   return false;
 }
 
-typedef enum Family { MIXTRAL, QWEN2_MOE, QWEN3_MOE, OLMOE, GLM4_MOE, DEEPSEEK_V2, DEEPSEEK_V3 } Family;
+typedef enum Family { MIXTRAL, QWEN2_MOE, QWEN3_MOE, OLMOE, GLM4_MOE, DEEPSEEK_V2, DEEPSEEK_V3, GPT_OSS } Family;
 static const char *const family_names[] = {"Mixtral", "Qwen2-MoE", "Qwen3-MoE", "OLMoE", "GLM-4.5", "DeepSeek-V2",
-                                           "DeepSeek-V3"};
+                                           "DeepSeek-V3", "gpt-oss"};
 static const char *const family_types[] = {"mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "glm4_moe", "deepseek_v2",
-                                           "deepseek_v3"};
+                                           "deepseek_v3", "gpt_oss"};
 static const char *const family_classes[] = {"MixtralForCausalLM", "Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM",
                                              "OlmoeForCausalLM", "Glm4MoeForCausalLM", "DeepseekV2ForCausalLM",
-                                             "DeepseekV3ForCausalLM"};
+                                             "DeepseekV3ForCausalLM", "GptOssForCausalLM"};
 
 static bool deepseek(Family f) { return f == DEEPSEEK_V2 || f == DEEPSEEK_V3; }
 
@@ -89,7 +95,11 @@ static bool router_of(const FeLayer *l, Family f, char *why, size_t n) {
   }
   if (strcmp(g->name, "gshard") != 0)
     return refuse(why, n, "layer '%s' has gate '%s'; %s's router is a softmax top-k ('gshard')", l->name, g->name, fam);
-  if (g->bias) return refuse(why, n, "layer '%s' has a router bias ('bias true'); %s's router has none", l->name, fam);
+  if (f == GPT_OSS && (!g->bias || !g->renormalize))
+    return refuse(why, n, "layer '%s' has %s; %s's router has a bias and softmaxes the k chosen logits ('bias true; "
+                  "renormalize true;')", l->name, !g->bias ? "no router bias" : "'renormalize false'", fam);
+  if (g->bias && f != GPT_OSS)
+    return refuse(why, n, "layer '%s' has a router bias ('bias true'); %s's router has none", l->name, fam);
   if (g->expert_groups > 1 || g->scale != 1 || g->balance)
     return refuse(why, n, "layer '%s' has DeepSeek's choice (%s); %s's router is a plain top-k", l->name,
                   g->balance ? "'balance bias'" : g->scale != 1 ? "'scale'" : "'expert_groups'", fam);
@@ -112,7 +122,7 @@ static bool common(const FeProgram *p, Family f, const FeLayer **first_moe, char
   if (strcmp(md->norm, "rmsnorm") != 0) return refuse(why, n, "it has 'norm %s'; %s has 'norm rmsnorm'", md->norm, fam);
   if (f != GLM4_MOE && md->rope_partial != 1)
     return refuse(why, n, "its rope turns a part of each head ('partial %g'); %s's turns whole heads", md->rope_partial, fam);
-  if (!deepseek(f) && (md->rope_interleave || md->has_yarn))
+  if (!deepseek(f) && (md->rope_interleave || (md->has_yarn && f != GPT_OSS)))
     return refuse(why, n, "its rope has '%s'; %s's is the plain rotate-half one", md->has_yarn ? "yarn" : "interleave", fam);
   if (f == DEEPSEEK_V2 && !md->rope_interleave)
     return refuse(why, n, "its rope turns halves of the heads; %s's turns adjacent pairs ('interleave true')", fam);
@@ -126,13 +136,19 @@ static bool common(const FeProgram *p, Family f, const FeLayer **first_moe, char
     if (l->has_mla && (l->mla_q_lora != a0->mla_q_lora || l->mla_kv_lora != a0->mla_kv_lora || l->mla_nope != a0->mla_nope ||
                        l->mla_rope != a0->mla_rope || l->mla_v != a0->mla_v))
       return refuse(why, n, "layers '%s' and '%s' have different attention; a %s config has one", a0->name, l->name, fam);
+    if (l->sinks != (f == GPT_OSS))
+      return refuse(why, n, "layer '%s' %s; %s", l->name, l->sinks ? "has attention sinks" : "has no attention sinks",
+                    f == GPT_OSS ? "gpt-oss's attention has them in every layer ('sinks true')" : "only gpt-oss's has them");
+    // gpt-oss: one window W for the sliding layers, the others over the whole sequence
+    int64_t w = l->window > 0 && l->window < md->seqlen ? l->window : 0, w0 = a0->window > 0 && a0->window < md->seqlen ? a0->window : 0;
+    bool same_window = f == GPT_OSS ? w == 0 || w0 == 0 || w == w0 : l->window == a0->window;
     if (l->heads != a0->heads || l->kv_heads != a0->kv_heads || l->head_dim != a0->head_dim ||
-        l->attn_bias != a0->attn_bias || l->attn_bias_out != a0->attn_bias_out || !same_norm || l->window != a0->window)
+        l->attn_bias != a0->attn_bias || l->attn_bias_out != a0->attn_bias_out || !same_norm || !same_window)
       return refuse(why, n, "layers '%s' and '%s' have different attention; a %s config has one", a0->name, l->name, fam);
-    if (f != QWEN3_MOE && f != GLM4_MOE && !deepseek(f) && l->head_dim > 0 && l->head_dim * l->heads != md->embed)
+    if (f != QWEN3_MOE && f != GLM4_MOE && f != GPT_OSS && !deepseek(f) && l->head_dim > 0 && l->head_dim * l->heads != md->embed)
       return refuse(why, n, "layer '%s' has head_dim %lld, not embed/heads; %s's heads are hidden_size/heads wide",
                     l->name, (long long)l->head_dim, fam);
-    if (f != MIXTRAL && l->window > 0 && l->window < md->seqlen)
+    if (f != MIXTRAL && f != GPT_OSS && l->window > 0 && l->window < md->seqlen)
       return refuse(why, n, "layer '%s' has 'window %lld'; %s's attention sees the whole sequence", l->name,
                     (long long)l->window, fam);
     const char *want_norm = f == QWEN3_MOE ? "head" : f == OLMOE ? "whole" : NULL;
@@ -144,8 +160,10 @@ static bool common(const FeProgram *p, Family f, const FeLayer **first_moe, char
                     l->qk_norm ? l->qk_norm : "", fam, want_norm ? (f == QWEN3_MOE ? "'qk_norm head'" : "'qk_norm whole'") : "none");
     if (!l->has_moe) continue;
     const FeMoe *e = &l->moe;
-    if (strcmp(e->experts.kind, "mixtral") != 0)
-      return refuse(why, n, "layer '%s' has 'ffn %s' experts; %s's are SwiGLU ('ffn mixtral')", l->name, e->experts.kind, fam);
+    const char *kind = f == GPT_OSS ? "oss" : "mixtral";
+    if (strcmp(e->experts.kind, kind) != 0)
+      return refuse(why, n, "layer '%s' has 'ffn %s' experts; %s's are %s ('ffn %s')", l->name, e->experts.kind, fam,
+                    f == GPT_OSS ? "the clamped SwiGLU with biases" : "SwiGLU", kind);
     if (!router_of(l, f, why, n)) return false;
     if (!m0) {
       m0 = l;
@@ -176,6 +194,19 @@ static bool is_qwen3_or_olmoe(const FeProgram *p, Family f, const FeLayer **m0, 
                     f == OLMOE ? "OLMoE's layers are all MoE" : "Qwen3-MoE's dense layers are SwiGLU ('ffn mixtral')");
   }
   if ((*m0)->moe.has_shared) return refuse(why, n, "it has a shared expert; %s has none", family_names[f]);
+  return true;
+}
+
+// gpt-oss: every layer MoE, biases on all four projections or none, no shared expert.
+static bool is_gpt_oss(const FeProgram *p, const FeLayer **m0, char *why, size_t n) {
+  if (!common(p, GPT_OSS, m0, why, n)) return false;
+  for (int i = 0; i < p->nlayers; i++) {
+    const FeLayer *l = &p->layers[i];
+    if (!l->has_moe) return refuse(why, n, "layer '%s' is dense ('mlp'); gpt-oss's layers are all MoE", l->name);
+    if (l->attn_bias != l->attn_bias_out)
+      return refuse(why, n, "layer '%s' has 'bias qkv'; gpt-oss has biases on all four projections or none", l->name);
+  }
+  if ((*m0)->moe.has_shared) return refuse(why, n, "it has a shared expert; gpt-oss has none");
   return true;
 }
 
@@ -332,14 +363,16 @@ static cJSON *model_config(const FeProgram *p, cJSON **soft, char *why, size_t n
   for (int i = 0; i < p->nlayers; i++)
     looks_qwen2 |= (p->layers[i].has_moe && p->layers[i].moe.has_shared) ||
                    (p->layers[i].attn_bias && !p->layers[i].attn_bias_out) || (!qk && p->layers[i].has_mlp);
-  bool sigmoid = false, mla = false;
+  bool sigmoid = false, mla = false, oss = false;
   for (int i = 0; i < p->nlayers; i++) {
     sigmoid |= p->layers[i].has_moe && strcmp(p->layers[i].moe.gate.name, "sigmoid") == 0;
     mla |= p->layers[i].has_mla;
+    oss |= p->layers[i].sinks || (p->layers[i].has_moe && strcmp(p->layers[i].moe.experts.kind, "oss") == 0);
   }
-  Family f = mla ? (sigmoid ? DEEPSEEK_V3 : DEEPSEEK_V2) : sigmoid ? GLM4_MOE : qk && strcmp(qk, "head") == 0 ? QWEN3_MOE
-           : qk ? OLMOE : looks_qwen2 ? QWEN2_MOE : MIXTRAL;
-  bool ok = f == MIXTRAL                       ? is_mixtral(p, &m0, why, n)
+  Family f = oss ? GPT_OSS : mla ? (sigmoid ? DEEPSEEK_V3 : DEEPSEEK_V2) : sigmoid ? GLM4_MOE
+           : qk && strcmp(qk, "head") == 0 ? QWEN3_MOE : qk ? OLMOE : looks_qwen2 ? QWEN2_MOE : MIXTRAL;
+  bool ok = f == GPT_OSS                       ? is_gpt_oss(p, &m0, why, n)
+            : f == MIXTRAL                     ? is_mixtral(p, &m0, why, n)
             : f == QWEN2_MOE                   ? is_qwen2_moe(p, &m0, why, n)
             : f == GLM4_MOE || deepseek(f)     ? is_glm4_moe(p, f, &m0, why, n)
                                                : is_qwen3_or_olmoe(p, f, &m0, why, n);
@@ -397,6 +430,23 @@ static cJSON *model_config(const FeProgram *p, cJSON **soft, char *why, size_t n
     add_int(c, "decoder_sparse_step", 1);
     add_dense_layers(c, p);
     cJSON_AddBoolToObject(c, "use_sliding_window", false);
+  } else if (f == GPT_OSS) {
+    add_int(c, "num_local_experts", e->experts.count);
+    add_int(c, "intermediate_size", e->experts.hidden);
+    add_int(c, "head_dim", a0->head_dim);
+    cJSON_AddBoolToObject(c, "attention_bias", a0->attn_bias);
+    add_float(c, "swiglu_alpha", 1.702);
+    add_float(c, "swiglu_limit", 7.0);
+    int64_t window = 0;   // the sliding layers' window (a layer with none or a longer one sees the whole sequence)
+    cJSON *types = cJSON_AddArrayToObject(c, "layer_types");
+    for (int i = 0; i < p->nlayers; i++) {
+      const FeLayer *l = &p->layers[i];
+      bool sliding = l->window > 0 && l->window < md->seqlen;
+      if (sliding) window = l->window;
+      for (int64_t r = 0; r < l->repeat; r++)
+        cJSON_AddItemToArray(types, cJSON_CreateString(sliding ? "sliding_attention" : "full_attention"));
+    }
+    add_int(window > 0 ? c : *soft, "sliding_window", window > 0 ? window : md->seqlen);
   } else {
     add_int(c, "num_local_experts", e->experts.count);
     add_int(c, "intermediate_size", e->experts.hidden);
@@ -418,6 +468,7 @@ static cJSON *model_config(const FeProgram *p, cJSON **soft, char *why, size_t n
     add_float(rope, "beta_slow", md->yarn_beta_slow);
     if (md->yarn_mscale > 0) add_float(rope, "mscale", md->yarn_mscale);
     if (md->yarn_mscale_all_dim > 0) add_float(rope, "mscale_all_dim", md->yarn_mscale_all_dim);
+    if (!md->yarn_truncate) cJSON_AddBoolToObject(rope, "truncate", false);
   }
   cJSON_AddStringToObject(c, "hidden_act", "silu");
   cJSON_AddBoolToObject(c, "tie_word_embeddings", md->tie_embeddings);

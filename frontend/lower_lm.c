@@ -76,7 +76,7 @@ static double yarn_mscale(double factor, double m) { return factor <= 1 ? 1.0 : 
 static IrValue *rope(FeLower *L, IrValue *x, int64_t heads, const char *name) {
   const FeModel *md = &L->p->model;
   int64_t d = x->type.dim[1] / heads, turned = (int64_t)((double)d * md->rope_partial);
-  IrAttr a[10] = {FE_I("heads", heads), FE_I("seq", md->seqlen), FE_F("theta", md->rope_theta)};
+  IrAttr a[12] = {FE_I("heads", heads), FE_I("seq", md->seqlen), FE_F("theta", md->rope_theta)};
   int n = 3;
   if (turned < d) a[n++] = FE_I("rotary", turned);
   if (md->rope_interleave) a[n++] = FE_I("interleave", 1);
@@ -84,6 +84,7 @@ static IrValue *rope(FeLower *L, IrValue *x, int64_t heads, const char *name) {
     double f = md->yarn_factor, m = md->yarn_mscale, all = md->yarn_mscale_all_dim;
     a[n++] = FE_F("yarn_factor", f);
     a[n++] = FE_I("yarn_original", md->yarn_original);
+    if (!md->yarn_truncate) a[n++] = FE_I("yarn_truncate", 0);
     a[n++] = FE_F("beta_fast", md->yarn_beta_fast);
     a[n++] = FE_F("beta_slow", md->yarn_beta_slow);
     a[n++] = FE_F("rope_scale", m > 0 && all > 0 ? yarn_mscale(f, m) / yarn_mscale(f, all) : yarn_mscale(f, 1));

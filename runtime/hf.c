@@ -35,7 +35,8 @@ static void add(RtHfTensor *t, int *n, const char *moec, int64_t expert, bool tr
   e->dims[1] = cols > 0 ? cols : 0;
 }
 
-static const char *const family_names[] = {"mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "glm4_moe", "deepseek_v2", "deepseek_v3"};
+static const char *const family_names[] = {"mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "glm4_moe", "deepseek_v2", "deepseek_v3",
+                                           "gpt_oss"};
 
 const char *rt_hf_family_name(RtHfFamily f) {
   return (unsigned)f < sizeof family_names / sizeof *family_names ? family_names[f] : "?";
@@ -94,6 +95,38 @@ static void mla(RtHfTensor *t, int *n, const RtHfArch *a, const char *in, const 
 #undef MOEC
 }
 
+// A 3-dimensional (or picked) entry: the whole tensor of all experts, not transposed.
+static void add3(RtHfTensor *t, int *n, const char *moec, int pick, int64_t d0, int64_t d1, int64_t d2, const char *hf) {
+  RtHfTensor *e = &t[(*n)++];
+  memset(e, 0, sizeof *e);
+  snprintf(e->hf, sizeof e->hf, "%s", hf);
+  snprintf(e->moec, sizeof e->moec, "%s", moec);
+  e->expert = -1;
+  e->pick = pick;
+  e->rank = d2 > 0 ? 3 : 2;
+  e->dims[0] = d0, e->dims[1] = d1, e->dims[2] = d2 > 0 ? d2 : 0;
+}
+
+// gpt-oss's MoE of decoder layer PRE (moec instance IN): the router's weight and bias, the experts'
+// gate_up_proj [E, M, 2I] (gate and up interleaved: moec's w1 the even columns, w3 the odd ones)
+// and its bias [E, 2I] (b1, b3), down_proj [E, I, M] (w2) and its bias [E, M] (b2), as they are.
+static void oss_moe(RtHfTensor *t, int *n, const RtHfArch *a, const char *in, const char *pre) {
+  int64_t M = a->embed, E = a->experts, I = a->hidden;
+  char name[RT_HF_NAME], hf[RT_HF_NAME];
+#define MOEC(suffix) (snprintf(name, sizeof name, "%s.%s", in, suffix), name)
+#define HF(suffix) (snprintf(hf, sizeof hf, "%s.mlp.%s", pre, suffix), hf)
+  add(t, n, MOEC("moe.gate.wg"), -1, true, E, M, "%s", HF("router.weight"));
+  add(t, n, MOEC("moe.gate.bg"), -1, false, E, 0, "%s", HF("router.bias"));
+  add3(t, n, MOEC("moe.experts.w1"), 1, E, M, 2 * I, HF("experts.gate_up_proj"));
+  add3(t, n, MOEC("moe.experts.w3"), 2, E, M, 2 * I, HF("experts.gate_up_proj"));
+  add3(t, n, MOEC("moe.experts.b1"), 1, E, 2 * I, 0, HF("experts.gate_up_proj_bias"));
+  add3(t, n, MOEC("moe.experts.b3"), 2, E, 2 * I, 0, HF("experts.gate_up_proj_bias"));
+  add3(t, n, MOEC("moe.experts.w2"), 0, E, I, M, HF("experts.down_proj"));
+  add3(t, n, MOEC("moe.experts.b2"), 0, E, M, 0, HF("experts.down_proj_bias"));
+#undef MOEC
+#undef HF
+}
+
 // The families' tensors (transformers' *ForCausalLM; DESIGN §2.2 has the names).
 static int family_table(const RtHfArch *a, RtHfTensor *t) {
   int n = 0;
@@ -118,6 +151,7 @@ static int family_table(const RtHfArch *a, RtHfTensor *t) {
       add(t, &n, MOEC("attn.bv"), -1, false, KV, 0, "%s.self_attn.v_proj.bias", pre);
     }
     if (a->o_bias) add(t, &n, MOEC("attn.bo"), -1, false, M, 0, "%s.self_attn.o_proj.bias", pre);
+    if (a->sinks) add(t, &n, MOEC("attn.sinks"), -1, false, a->heads, 0, "%s.self_attn.sinks", pre);
     if (a->qk_norm) {
       add(t, &n, MOEC("attn.q_norm.weight"), -1, false, a->qk_norm == 1 ? a->head_dim : Q, 0, "%s.self_attn.q_norm.weight", pre);
       add(t, &n, MOEC("attn.k_norm.weight"), -1, false, a->qk_norm == 1 ? a->head_dim : KV, 0, "%s.self_attn.k_norm.weight", pre);
@@ -129,6 +163,10 @@ static int family_table(const RtHfArch *a, RtHfTensor *t) {
     snprintf(hf, sizeof hf, "%s.mlp", pre);
     if (a->dense && a->dense[l]) {
       swiglu(t, &n, a, moec, hf, 0, a->dense_hidden);
+      continue;
+    }
+    if (a->family == RT_HF_GPT_OSS) {
+      oss_moe(t, &n, a, in, pre);
       continue;
     }
     if (a->family == RT_HF_MIXTRAL) snprintf(hf, sizeof hf, "%s.block_sparse_moe", pre);
@@ -169,6 +207,10 @@ int rt_hf_tensors(const RtHfArch *a, RtHfTensor **out) {
 // entry says so), with the experts' dimension first for an expert's slice.
 int rt_hf_moec_dims(const RtHfArch *a, const RtHfTensor *t, int64_t *dims) {
   int rank = 0;
+  if (t->rank == 3 || t->pick) {   // as it is, the last dimension halved when picked
+    for (int d = 0; d < t->rank; d++) dims[d] = t->dims[d] / (t->pick && d == t->rank - 1 ? 2 : 1);
+    return t->rank;
+  }
   if (t->expert >= 0) dims[rank++] = a->experts;
   if (t->rank == 1) {
     dims[rank++] = t->dims[0];
@@ -179,8 +221,35 @@ int rt_hf_moec_dims(const RtHfArch *a, const RtHfTensor *t, int64_t *dims) {
   return rank;
 }
 
+// The elements of the entry's tensor, and moec[i] <-> hf at pick's columns: the last dimension's
+// even (pick 1) or odd (pick 2) ones, moec holding half as many per row.
+int64_t rt_hf_numel(const RtHfTensor *t) {
+  int64_t n = 1;
+  for (int d = 0; d < t->rank; d++) n *= t->dims[d];
+  return n;
+}
+
+static void picked(const RtHfTensor *t, float *moec, float *hf, bool to_moec) {
+  int64_t last = t->dims[t->rank - 1], half = last / 2, rows = rt_hf_numel(t) / last;
+  for (int64_t r = 0; r < rows; r++)
+    for (int64_t j = 0; j < half; j++) {
+      float *m = moec + r * half + j, *h = hf + r * last + 2 * j + (t->pick - 1);
+      if (to_moec) *m = *h;
+      else *h = *m;
+    }
+}
+
 // hf = the entry's part of moec (whole or slice, transposed or not); moec is the whole parameter.
+// A picked entry writes its columns of hf only.
 void rt_hf_from_moec(const RtHfTensor *t, const float *moec, float *hf) {
+  if (t->pick) {
+    picked(t, (float *)moec, hf, false);
+    return;
+  }
+  if (t->rank == 3) {
+    memcpy(hf, moec, (size_t)rt_hf_numel(t) * sizeof(float));
+    return;
+  }
   int64_t r = t->dims[0], c = t->rank == 2 ? t->dims[1] : 1, n = r * c;
   const float *src = moec + (t->expert >= 0 ? t->expert * n : 0);
   if (t->rank == 2 && t->transpose) {
@@ -193,6 +262,14 @@ void rt_hf_from_moec(const RtHfTensor *t, const float *moec, float *hf) {
 
 // The inverse: the entry's part of moec from hf.
 void rt_hf_to_moec(const RtHfTensor *t, const float *hf, float *moec) {
+  if (t->pick) {
+    picked(t, moec, (float *)hf, true);
+    return;
+  }
+  if (t->rank == 3) {
+    memcpy(moec, hf, (size_t)rt_hf_numel(t) * sizeof(float));
+    return;
+  }
   int64_t r = t->dims[0], c = t->rank == 2 ? t->dims[1] : 1, n = r * c;
   float *dst = moec + (t->expert >= 0 ? t->expert * n : 0);
   if (t->rank == 2 && t->transpose) {
@@ -233,7 +310,7 @@ int rt_hf_arch_of_config(const char *json, RtHfArch *a) {
   if (!cfg) return rt_fail("a Hugging Face config that is not JSON");
   const cJSON *type = cJSON_GetObjectItemCaseSensitive(cfg, "model_type");
   bool ok = cJSON_IsString(type) && rt_hf_family_of(type->valuestring, &a->family);
-  bool mixtral = a->family == RT_HF_MIXTRAL;
+  bool mixtral = a->family == RT_HF_MIXTRAL || a->family == RT_HF_GPT_OSS;   // num_local_experts, intermediate_size
   bool glm = a->family == RT_HF_GLM4_MOE || a->family == RT_HF_DEEPSEEK_V2 || a->family == RT_HF_DEEPSEEK_V3;   // alike
   bool qwen = a->family == RT_HF_QWEN2_MOE || a->family == RT_HF_QWEN3_MOE || glm;   // moe_intermediate_size
   ok = ok && count(cfg, "num_hidden_layers", &a->layers) && count(cfg, "vocab_size", &a->vocab) &&
@@ -268,6 +345,10 @@ int rt_hf_arch_of_config(const char *json, RtHfArch *a) {
     ok = ok && count(cfg, "kv_lora_rank", &a->kv_lora) && count(cfg, "qk_nope_head_dim", &a->nope) &&
          count(cfg, "qk_rope_head_dim", &a->rope) && count(cfg, "v_head_dim", &a->v);
     a->head_dim = a->nope + a->rope;
+  }
+  if (a->family == RT_HF_GPT_OSS) {   // attention_bias defaults to true there
+    a->sinks = true;
+    a->qkv_bias = a->o_bias = !cJSON_IsFalse(cJSON_GetObjectItemCaseSensitive(cfg, "attention_bias"));
   }
   a->tie = cJSON_IsTrue(cJSON_GetObjectItemCaseSensitive(cfg, "tie_word_embeddings"));
   if (ok && a->layers > 0 && a->layers <= (1 << 16)) {
@@ -333,30 +414,34 @@ int rt_hf_export(const RtModel *m, float *const *whole, const char *dir) {
   RtHfArch a;
   if (rt_hf_arch_of_config(m->hf_config, &a) != 0) return -1;
   RtHfTensor *t = NULL;
-  int n = -1, status = instances_of(m, &a);
+  int n = -1, nout = 0, status = instances_of(m, &a);
   if (status == 0) status = (n = rt_hf_tensors(&a, &t)) < 0 ? -1 : 0;
   RtStTensor *out = status == 0 ? rt_calloc((size_t)n, sizeof *out, "the tensors of a checkpoint") : NULL;
   float **bufs = status == 0 ? rt_calloc((size_t)n, sizeof *bufs, "the tensors of a checkpoint") : NULL;
   for (int i = 0; status == 0 && i < n; i++) {
     const RtParam *p = param_named(m, t[i].moec);
-    int64_t dims[3];
+    int64_t dims[4];
     int rank = rt_hf_moec_dims(&a, &t[i], dims);
     if (!p || p->rank != rank || memcmp(p->global_dims, dims, (size_t)rank * sizeof *dims) != 0) {
       status = rt_fail("internal error: model '%s' has no parameter '%s' of the shape its %s tensor '%s' needs", m->name,
                        t[i].moec, rt_hf_family_name(a.family), t[i].hf);
       break;
     }
-    int64_t numel = t[i].dims[0] * (t[i].rank == 2 ? t[i].dims[1] : 1);
-    bufs[i] = rt_alloc((size_t)numel * sizeof(float), "a tensor of a checkpoint");
-    rt_hf_from_moec(&t[i], whole[p - m->params], bufs[i]);
-    out[i] = (RtStTensor){.name = t[i].hf, .rank = t[i].rank, .dims = t[i].dims, .data = bufs[i]};
+    if (nout > 0 && t[i].pick == 2) {   // the odd columns of the previous entry's tensor
+      rt_hf_from_moec(&t[i], whole[p - m->params], bufs[nout - 1]);
+      continue;
+    }
+    bufs[nout] = rt_alloc((size_t)rt_hf_numel(&t[i]) * sizeof(float), "a tensor of a checkpoint");
+    rt_hf_from_moec(&t[i], whole[p - m->params], bufs[nout]);
+    out[nout] = (RtStTensor){.name = t[i].hf, .rank = t[i].rank, .dims = t[i].dims, .data = bufs[nout]};
+    nout++;
   }
   char path[4096];
   if (status == 0) status = rt_make_dirs(dir);
   if (status == 0) {
     snprintf(path, sizeof path, "%s/model.safetensors", dir);
     static const char *const meta[] = {"format", "pt"};
-    status = rt_st_write(path, n, out, 1, meta);
+    status = rt_st_write(path, nout, out, 1, meta);
   }
   if (status == 0) {
     snprintf(path, sizeof path, "%s/config.json", dir);
@@ -366,7 +451,7 @@ int rt_hf_export(const RtModel *m, float *const *whole, const char *dir) {
     snprintf(path, sizeof path, "%s/generation_config.json", dir);
     status = write_text(path, m->hf_generation);
   }
-  for (int i = 0; bufs && i < n; i++) free(bufs[i]);
+  for (int i = 0; bufs && i < nout; i++) free(bufs[i]);
   free(bufs);
   free(out);
   free(t);

@@ -9,7 +9,8 @@
 #include "moert.h"
 
 typedef enum RtHfFamily {
-  RT_HF_MIXTRAL, RT_HF_QWEN2_MOE, RT_HF_QWEN3_MOE, RT_HF_OLMOE, RT_HF_GLM4_MOE, RT_HF_DEEPSEEK_V2, RT_HF_DEEPSEEK_V3
+  RT_HF_MIXTRAL, RT_HF_QWEN2_MOE, RT_HF_QWEN3_MOE, RT_HF_OLMOE, RT_HF_GLM4_MOE, RT_HF_DEEPSEEK_V2, RT_HF_DEEPSEEK_V3,
+  RT_HF_GPT_OSS
 } RtHfFamily;
 
 // What a checkpoint's tensors depend on. Per decoder layer l: inst[l], its moec layer instance
@@ -25,6 +26,8 @@ typedef struct RtHfArch {
   bool o_bias;             // and on o (Qwen3-MoE's and OLMoE's attention_bias)
   int qk_norm;             // RMSNorm of q and k: 0 none, 1 per head (over head_dim), 2 over the whole width
   bool tie;                // no lm_head: the head is the embedding
+  bool sinks;              // gpt-oss: attention sinks (self_attn.sinks), experts with biases and the gate and up
+                           // projections in one tensor, a router with a bias
   // DeepSeek's multi-head latent attention (moec's `mla`): q_lora 0 for one q projection; its
   // biases (attention_bias) on the down projections and o (o_bias)
   bool mla;
@@ -36,15 +39,18 @@ typedef struct RtHfArch {
 enum { RT_HF_NAME = 192 };
 
 // One tensor of the family's checkpoint: the moec parameter it is, or expert `expert`'s slice
-// along the parameter's first dimension (-1: the whole parameter), transposed or not; its shape
-// in the checkpoint is dims[0..rank).
+// along the parameter's first dimension (-1: the whole parameter), transposed or not (rank 2);
+// its shape in the checkpoint is dims[0..rank). pick 1 (2): the parameter is the even (odd)
+// columns of the tensor's last dimension (gpt-oss's gate_up_proj holds gate and up interleaved);
+// two consecutive entries then name one tensor.
 typedef struct RtHfTensor {
   char hf[RT_HF_NAME];
   char moec[RT_HF_NAME];
   int64_t expert;
   bool transpose;
+  int pick;
   int rank;
-  int64_t dims[2];
+  int64_t dims[3];
 } RtHfTensor;
 
 const char *rt_hf_family_name(RtHfFamily f);
@@ -53,6 +59,8 @@ const char *rt_hf_family_name(RtHfFamily f);
 int rt_hf_tensors(const RtHfArch *a, RtHfTensor **out);
 // The moec parameter's whole shape for entry t (its rank; dims holds up to 3).
 int rt_hf_moec_dims(const RtHfArch *a, const RtHfTensor *t, int64_t *dims);
+// The elements of entry t's tensor in the checkpoint.
+int64_t rt_hf_numel(const RtHfTensor *t);
 // Entry t of the checkpoint from the whole moec parameter, and back.
 void rt_hf_from_moec(const RtHfTensor *t, const float *moec, float *hf);
 void rt_hf_to_moec(const RtHfTensor *t, const float *hf, float *moec);

@@ -160,7 +160,8 @@ double rt_clip_scale(double norm, double clip);
 
 // The turn per position of rope pair c of R rotary columns: theta^(-2c/R), or with factor > 0
 // YaRN's blend of it and its 1/factor (runtime/kernels/embed.c; codegen/cuda/embed.cu's twin).
-double rt_rope_freq(int c, int R, double theta, double factor, int original, double beta_fast, double beta_slow);
+double rt_rope_freq(int c, int R, double theta, double factor, int original, int truncate, double beta_fast,
+                    double beta_slow);
 
 // ---- atomic files (safetensors.c) ----
 // Finishes writing the temporary file tmp (f open on it; ok: every write so far succeeded):

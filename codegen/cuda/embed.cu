@@ -52,11 +52,13 @@ extern "C" __global__ void mk_pos_add_grad(const float *dy, float *dtable, int r
 __device__ double mk_yarn_dim(double turns, int R, double theta, int original) {
   return R * log(original / (turns * 2 * 3.14159265358979323846)) / (2 * log(theta));
 }
-__device__ double mk_rope_freq(int c, int R, double theta, double factor, int original, double beta_fast, double beta_slow) {
+__device__ double mk_rope_freq(int c, int R, double theta, double factor, int original, int truncate, double beta_fast,
+                               double beta_slow) {
   double extrapolated = pow(theta, -2.0 * c / R);
   if (!(factor > 0)) return extrapolated;
-  double low = fmax(floor(mk_yarn_dim(beta_fast, R, theta, original)), 0.0);
-  double high = fmin(ceil(mk_yarn_dim(beta_slow, R, theta, original)), (double)(R - 1));
+  double low = mk_yarn_dim(beta_fast, R, theta, original), high = mk_yarn_dim(beta_slow, R, theta, original);
+  if (truncate) low = floor(low), high = ceil(high);
+  low = fmax(low, 0.0), high = fmin(high, (double)(R - 1));
   if (low == high) high += 0.001;
   double ramp = fmin(fmax((c - low) / (high - low), 0.0), 1.0);
   return extrapolated / factor * ramp + extrapolated * (1 - ramp);
@@ -65,8 +67,8 @@ __device__ double mk_rope_freq(int c, int R, double theta, double factor, int or
 // ---- mk_rope ----
 // One thread per rotated pair and per passed column, as rt_rope (runtime/kernels/embed.c).
 extern "C" __global__ void mk_rope(const float *x, float *y, int rows, int cols, int heads, int seq, float theta, int sign,
-                                   int rotary, int interleave, float factor, int original, float beta_fast, float beta_slow,
-                                   float scale) {
+                                   int rotary, int interleave, float factor, int original, int truncate, float beta_fast,
+                                   float beta_slow, float scale) {
   int d = cols / heads, rd = rotary > 0 ? rotary : d, half = rd / 2, pass = d - rd;
   i64 pairs = (i64)rows * heads * half;
   MK_FOR(p, pairs + (i64)rows * heads * pass) {
@@ -79,7 +81,7 @@ extern "C" __global__ void mk_rope(const float *x, float *y, int rows, int cols,
     int c = (int)(p % half), h = (int)(p / half % heads);
     i64 r = p / half / heads;
     int pos = (int)(r % seq);
-    double angle = pos * mk_rope_freq(c, rd, theta, factor, original, beta_fast, beta_slow);
+    double angle = pos * mk_rope_freq(c, rd, theta, factor, original, truncate, beta_fast, beta_slow);
     float cs = (float)(cos(angle) * scale), sn = (float)(sign * sin(angle) * scale);
     i64 a = r * cols + (i64)h * d + (interleave ? 2 * c : c), b = a + (interleave ? 1 : half);
     float u = x[a], w = x[b];

@@ -48,19 +48,22 @@ void rt_pos_add_grad(const float *dy, float *dtable, int rows, int cols, int seq
 }
 
 // The turn per position of pair c of R rotary columns: theta^(-2c/R); with YaRN (factor > 0,
-// transformers' rope_type "yarn", truncated correction range) the blend of that and its
-// 1/factor by a linear ramp over the pairs between the dimensions where `original` positions make
-// beta_fast and beta_slow turns.
+// transformers' rope_type "yarn") the blend of that and its 1/factor by a linear ramp over the
+// pairs between the dimensions where `original` positions make beta_fast and beta_slow turns,
+// rounded out to whole pairs when truncate is 1 (transformers' default; gpt-oss's is 0).
 static double yarn_dim(double turns, int R, double theta, int original) {
   return R * log(original / (turns * 2 * M_PI)) / (2 * log(theta));
 }
 
-double rt_rope_freq(int c, int R, double theta, double factor, int original, double beta_fast, double beta_slow) {
+double rt_rope_freq(int c, int R, double theta, double factor, int original, int truncate, double beta_fast,
+                    double beta_slow) {
   double extrapolated = pow(theta, -2.0 * c / R);
   if (!(factor > 0))
     return extrapolated;
-  double low = fmax(floor(yarn_dim(beta_fast, R, theta, original)), 0);
-  double high = fmin(ceil(yarn_dim(beta_slow, R, theta, original)), R - 1);
+  double low = yarn_dim(beta_fast, R, theta, original), high = yarn_dim(beta_slow, R, theta, original);
+  if (truncate)
+    low = floor(low), high = ceil(high);
+  low = fmax(low, 0), high = fmin(high, R - 1);
   if (low == high)
     high += 0.001;
   double ramp = fmin(fmax((c - low) / (high - low), 0), 1);
@@ -74,10 +77,10 @@ double rt_rope_freq(int c, int R, double theta, double factor, int original, dou
 // of frequency c is the adjacent (2c, 2c + 1) (DeepSeek's layout). With factor > 0, YaRN's
 // frequencies (rt_rope_freq) and cos and sin times scale.
 void rt_rope(const float *x, float *y, int rows, int cols, int heads, int seq, float theta, int sign, int rotary,
-             int interleave, float factor, int original, float beta_fast, float beta_slow, float scale) {
+             int interleave, float factor, int original, int truncate, float beta_fast, float beta_slow, float scale) {
   int d = cols / heads, rd = rotary > 0 ? rotary : d, half = rd / 2;
   double *freq = rt_alloc((size_t)(half > 0 ? half : 1) * sizeof *freq, "rt_rope");
-  for (int c = 0; c < half; c++) freq[c] = rt_rope_freq(c, rd, theta, factor, original, beta_fast, beta_slow);
+  for (int c = 0; c < half; c++) freq[c] = rt_rope_freq(c, rd, theta, factor, original, truncate, beta_fast, beta_slow);
   for (int r = 0; r < rows; r++) {
     int pos = r % seq;
     for (int c = 0; c < half; c++) {   // the same turn for every head

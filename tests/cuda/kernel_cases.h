@@ -578,18 +578,21 @@ template <class Launcher> void run_kernel_cases(Launcher &L, Checks &c) {
       }
     }
     {  // YaRN's frequencies and scaled cos and sin (the theta must make the ramp fall inside the pairs)
-      rt_rope(a.data(), y_c.data(), s, m, 4, 12, 10000.0f, 1, 0, 1, 4.0f, 8, 32.0f, 1.0f, 1.25f);
-      LAUNCH(3, 64, mk_rope, a, y_k, s, m, 4, 12, 10000.0f, 1, 0, 1, 4.0f, 8, 32.0f, 1.0f, 1.25f);
+      rt_rope(a.data(), y_c.data(), s, m, 4, 12, 10000.0f, 1, 0, 1, 4.0f, 8, 1, 32.0f, 1.0f, 1.25f);
+      LAUNCH(3, 64, mk_rope, a, y_k, s, m, 4, 12, 10000.0f, 1, 0, 1, 4.0f, 8, 1, 32.0f, 1.0f, 1.25f);
       c.same("rope, yarn", y_c, y_k);
+      rt_rope(a.data(), y_c.data(), s, m, 4, 12, 10000.0f, 1, 0, 1, 4.0f, 8, 0, 32.0f, 1.0f, 1.25f);
+      LAUNCH(3, 64, mk_rope, a, y_k, s, m, 4, 12, 10000.0f, 1, 0, 1, 4.0f, 8, 0, 32.0f, 1.0f, 1.25f);
+      c.same("rope, yarn without truncation (gpt-oss)", y_c, y_k);
     }
     for (int k = 0; k < 4; k++) {   // whole heads, then a quarter of each (a partial rotary factor); halves, then adjacent pairs
       int rotary = k % 2 ? 2 * (m / 4 / 4) : 0, il = k / 2;
       std::string what = std::string(rotary ? ", partial" : "") + (il ? ", interleaved" : "");
-      rt_rope(a.data(), y_c.data(), s, m, 4, 12, 10000.0f, 1, rotary, il, 0.0f, 0, 32.0f, 1.0f, 1.0f);
-      LAUNCH(3, 64, mk_rope, a, y_k, s, m, 4, 12, 10000.0f, 1, rotary, il, 0.0f, 0, 32.0f, 1.0f, 1.0f);
+      rt_rope(a.data(), y_c.data(), s, m, 4, 12, 10000.0f, 1, rotary, il, 0.0f, 0, 1, 32.0f, 1.0f, 1.0f);
+      LAUNCH(3, 64, mk_rope, a, y_k, s, m, 4, 12, 10000.0f, 1, rotary, il, 0.0f, 0, 1, 32.0f, 1.0f, 1.0f);
       c.same(("rope" + what).c_str(), y_c, y_k);
-      rt_rope(a.data(), y_c.data(), s, m, 4, 12, 10000.0f, -1, rotary, il, 0.0f, 0, 32.0f, 1.0f, 1.0f);
-      LAUNCH(3, 64, mk_rope, a, y_k, s, m, 4, 12, 10000.0f, -1, rotary, il, 0.0f, 0, 32.0f, 1.0f, 1.0f);
+      rt_rope(a.data(), y_c.data(), s, m, 4, 12, 10000.0f, -1, rotary, il, 0.0f, 0, 1, 32.0f, 1.0f, 1.0f);
+      LAUNCH(3, 64, mk_rope, a, y_k, s, m, 4, 12, 10000.0f, -1, rotary, il, 0.0f, 0, 1, 32.0f, 1.0f, 1.0f);
       c.same(("rope.grad" + what).c_str(), y_c, y_k);
     }
     {  // MLA's parts of heads: 4 heads of m/4 columns

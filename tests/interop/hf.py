@@ -94,6 +94,16 @@ FAMILIES = {
                          routed_scaling_factor=1.5, first_k_dense_replace=1, q_lora_rank=None, kv_lora_rank=10,
                          qk_nope_head_dim=6, qk_rope_head_dim=4, v_head_dim=8, max_position_embeddings=64,
                          initializer_range=0.1, rms_norm_eps=1e-6)),
+    # gpt-oss: attention sinks, layers sliding (a window of 6 of the 16 tokens) and full in turn, head_dim 12 !=
+    # 32 / 4, biases on q, k, v and o; yarn without truncation (factor 4 over 16 original positions); the router's
+    # bias and softmax over the k chosen logits; the clamped SwiGLU experts with biases (their gate_up_proj scaled
+    # so that the clamps at 7 act)
+    "gpt_oss": ("GptOssConfig", "GptOssForCausalLM",
+                dict(vocab_size=96, hidden_size=32, intermediate_size=24, num_hidden_layers=3, num_attention_heads=4,
+                     num_key_value_heads=2, head_dim=12, num_local_experts=4, num_experts_per_tok=2, sliding_window=6,
+                     max_position_embeddings=64, initializer_range=0.1, rms_norm_eps=1e-5,
+                     rope_parameters={"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "beta_fast": 32.0,
+                                      "beta_slow": 1.0, "truncate": False, "original_max_position_embeddings": 16})),
     # RMSNorm of q and k over the whole width, top-k without renormalisation
     "olmoe": ("OlmoeConfig", "OlmoeForCausalLM",
               dict(vocab_size=96, hidden_size=32, intermediate_size=24, num_hidden_layers=2, num_attention_heads=4,
@@ -115,8 +125,11 @@ def tiny(family, seed, **over):
         for name, p in model.named_parameters():
             if "norm" in name:
                 p.uniform_(0.5, 1.5)
-            elif name.endswith(".bias") or "shared_expert_gate" in name or name.endswith("mlp.gate.weight"):
+            elif (name.endswith(".bias") or name.endswith("_bias") or name.endswith(".sinks") or
+                  "shared_expert_gate" in name or name.endswith("mlp.gate.weight")):
                 p.normal_(0, 0.3)
+            elif name.endswith("experts.gate_up_proj"):   # gpt-oss: gate and up values past its clamps at 7
+                p.mul_(20)
         for name, b in model.named_buffers():   # DeepSeek-V3's correction bias, so that it steers the choice
             if name.endswith("e_score_correction_bias"):
                 b.normal_(0, 0.3)
@@ -326,7 +339,7 @@ def main():
             family_checks(family)
         except Exception as e:  # a failed command is one failed check, the others still run
             bad(f"{family}: {type(e).__name__}", str(e))
-    for family in ("mixtral", "qwen2_moe", "olmoe"):
+    for family in ("mixtral", "qwen2_moe", "olmoe", "gpt_oss"):
         if only and family not in only:
             continue
         try:

@@ -308,7 +308,7 @@ typedef struct {
 
 static double rope_obj(void *p) {
   RopeCtx *c = p;
-  rt_rope(c->x, c->y, c->rows, c->cols, c->heads, c->seq, 10000.0f, 1, c->rotary, c->interleave, 0.0f, 0, 32.0f, 1.0f, 1.0f);
+  rt_rope(c->x, c->y, c->rows, c->cols, c->heads, c->seq, 10000.0f, 1, c->rotary, c->interleave, 0.0f, 0, 1, 32.0f, 1.0f, 1.0f);
   return dot(c->w, c->y, (int64_t)c->rows * c->cols);
 }
 
@@ -322,10 +322,10 @@ static void test_fd_rope(void **state) {
     fill(x, ROWS * COLS, -2, 2);
     fill(w, ROWS * COLS, -1, 1);
     RopeCtx c = {x, y, w, ROWS, COLS, HEADS, SEQ, rotary, il};
-    rt_rope(w, dx, ROWS, COLS, HEADS, SEQ, 10000.0f, -1, rotary, il, 0.0f, 0, 32.0f, 1.0f, 1.0f);   // the gradient: the inverse rotation
+    rt_rope(w, dx, ROWS, COLS, HEADS, SEQ, 10000.0f, -1, rotary, il, 0.0f, 0, 1, 32.0f, 1.0f, 1.0f);   // the gradient: the inverse rotation
     check_fd("rope", rope_obj, &c, x, ROWS * COLS, dx, FD_EPS);
     // position 0 (rows 0 and 3) is unrotated; rotating back restores x
-    rt_rope(x, y, ROWS, COLS, HEADS, SEQ, 10000.0f, 1, rotary, il, 0.0f, 0, 32.0f, 1.0f, 1.0f);
+    rt_rope(x, y, ROWS, COLS, HEADS, SEQ, 10000.0f, 1, rotary, il, 0.0f, 0, 1, 32.0f, 1.0f, 1.0f);
     for (int j = 0; j < COLS; j++) assert_true(y[j] == x[j] && y[3 * COLS + j] == x[3 * COLS + j]);
     // the columns past rotary of every head pass unchanged; the turned ones move at position 1
     for (int h = 0; rotary > 0 && h < HEADS; h++)
@@ -336,7 +336,7 @@ static void test_fd_rope(void **state) {
     assert_true(y[COLS + a] != x[COLS + a]);
     assert_true(fabs(y[COLS + a] - (x[COLS + a] * cos(angle) - x[COLS + b] * sin(angle))) < 1e-5);
     assert_true(fabs(y[COLS + b] - (x[COLS + b] * cos(angle) + x[COLS + a] * sin(angle))) < 1e-5);
-    rt_rope(y, back, ROWS, COLS, HEADS, SEQ, 10000.0f, -1, rotary, il, 0.0f, 0, 32.0f, 1.0f, 1.0f);
+    rt_rope(y, back, ROWS, COLS, HEADS, SEQ, 10000.0f, -1, rotary, il, 0.0f, 0, 1, 32.0f, 1.0f, 1.0f);
     assert_true(max_abs_diff(back, x, ROWS * COLS) < 1e-5f);
   }
 }
@@ -348,9 +348,9 @@ static void test_rope_yarn(void **state) {
   static const double want[8] = {1, 0.316227764, 0.100000001, 0.025693506, 0.00624999963, 0.00138349656,
                                  0.000250000012, 7.90569466e-05};
   for (int c = 0; c < 8; c++) {
-    double f = rt_rope_freq(c, 16, 10000.0, 4.0, 2048, 32.0, 1.0);
+    double f = rt_rope_freq(c, 16, 10000.0, 4.0, 2048, 1, 32.0, 1.0);
     assert_true(fabs(f - want[c]) <= 1e-6 * want[c]);
-    assert_true(rt_rope_freq(c, 16, 10000.0, 0.0, 2048, 32.0, 1.0) == pow(10000.0, -2.0 * c / 16));
+    assert_true(rt_rope_freq(c, 16, 10000.0, 0.0, 2048, 1, 32.0, 1.0) == pow(10000.0, -2.0 * c / 16));
   }
 }
 
