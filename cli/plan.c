@@ -231,7 +231,7 @@ static const FeLayer *source_layer(const FeProgram *p, const char *fwd_name) {
 static void add_attention(const FeProgram *p, const FeLayer *L, const SchedCluster *c, SchedLayerCost *cost) {
   SchedLayerSpec s = {.batch = (double)p->model.batch, .seqlen = (double)p->model.seqlen,
                       .embed = (double)p->model.embed, .heads = (int)L->heads,
-                      .ffn = strcmp(L->moe.experts.kind, "mixtral") == 0 ? SCHED_FFN_MIXTRAL : SCHED_FFN_GPT,
+                      .ffn = sched_ffn_of(L->moe.experts.kind),
                       .dp = (int)p->parallel.dp, .mp = (int)p->parallel.mp};
   double t_att, n_grad;
   sched_attention(&s, c, &t_att, &n_grad);

@@ -182,7 +182,7 @@ static bool sweep_case(int id, const SweepOptions *o, const SchedCluster *cluste
     snprintf(rb, sizeof rb, "%d/%d", f->layer[1].r[SCHED_BWD], f->layer[0].r[SCHED_BWD]);
     printf("%5d %2g %5d %5g %5g %2g %4s %-7s %3d %5s %10.3f %10.3f %10.3f %10.3f %10.3f %10.3f %7.3fx\n", id,
            tc.batch, tc.heads, tc.seqlen, tc.embed, tc.hscale, tc.dropless ? "*" : tc.f < 2 ? "1.2" : "2.4",
-           tc.ffn == SCHED_FFN_MIXTRAL ? "mixtral" : "gpt", f->layer[0].r[SCHED_FWD], rb, ts, tt,
+           tc.ffn == SCHED_FFN_MIXTRAL ? "mixtral" : tc.ffn == SCHED_FFN_OSS ? "oss" : "gpt", f->layer[0].r[SCHED_FWD], rb, ts, tt,
            plans[IR_POLICY_TUTEL_IMPROVED].t_iter, plans[IR_POLICY_PIPEMOE_LINA].t_iter,
            plans[IR_POLICY_FSMOE_NO_IIO].t_iter, f->t_iter, tt / f->t_iter);
   }

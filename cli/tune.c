@@ -53,6 +53,7 @@
 #include "frontend/fe.h"
 #include "ir/ir.h"
 #include "sched/fit.h"
+#include "sched/sched.h"
 #include "runtime/moert.h"
 #include "cli/cli.h"
 #include "cli/options.h"
@@ -181,9 +182,9 @@ static int model_shapes(const char *path, GemmShape *shapes, char *desc, size_t 
   for (int l = 0; l < p->nlayers; l++) {
     const FeExperts *e = &p->layers[l].moe.experts;
     int m_dim = (int)p->model.embed, h = (int)(e->hidden / (p->parallel.esp > 0 ? p->parallel.esp : 1));
-    bool mixtral = e->kind && strcmp(e->kind, "mixtral") == 0;
+    bool swiglu = sched_ffn_gemms(sched_ffn_of(e->kind)) == 3;   // mixtral, oss: W1 and W3
     int before = n;
-    add_shape(shapes, &n, m_dim, h, mixtral ? "up (x W1, x W3)" : "up (x W1)");
+    add_shape(shapes, &n, m_dim, h, swiglu ? "up (x W1, x W3)" : "up (x W1)");
     add_shape(shapes, &n, h, m_dim, "down (x W2)");
     if (n > before && used < desc_size)
       used += snprintf(desc + used, desc_size - used, " layer %s: ffn %s, H = hidden %lld / esp = %d;",

@@ -313,15 +313,16 @@ static Grid elements(FILE *out, const IrFunc *f, int i, int n, const IrOperand *
 // which the CPU kernels run too), then copied where it leaves the kernel. The body is compiled
 // for each vector path (RT_VECTOR_PATHS) and named FUSED_NAME until the program numbers it.
 
-// Whether expr is one function call of plain operands, "name(xA, xB)": the name and the operand
-// numbers (at most 2) into name and arg.
-static bool function_form(const char *expr, char *name, size_t size, int arg[2], int *nargs) {
+// Whether expr is one function call of plain operands, "name(xA, xB, ...)": the name and the
+// operand numbers (at most FORM_ARGS) into name and arg.
+enum { FORM_ARGS = 3 };
+static bool function_form(const char *expr, char *name, size_t size, int arg[FORM_ARGS], int *nargs) {
   size_t len = strspn(expr, "abcdefghijklmnopqrstuvwxyz_0123456789");
   if (!len || expr[len] != '(' || len >= size) return false;
   snprintf(name, size, "%.*s", (int)len, expr);
   const char *e = expr + len + 1;
   *nargs = 0;
-  while (*e == 'x' && e[1] >= '0' && e[1] <= '9' && *nargs < 2) {
+  while (*e == 'x' && e[1] >= '0' && e[1] <= '9' && *nargs < FORM_ARGS) {
     arg[(*nargs)++] = (int)strtol(e + 1, (char **)&e, 10);
     if (*e == ',') e += strspn(e + 1, " ") + 1;
   }
@@ -330,7 +331,7 @@ static bool function_form(const char *expr, char *name, size_t size, int arg[2],
 
 bool cg_scalar_c_form(const char *expr) {
   char name[32];
-  int arg[2], n;
+  int arg[FORM_ARGS], n;
   if (function_form(expr, name, sizeof name, arg, &n)) return true;
   for (const char *e = expr; *e; e++)   // else no name( anywhere
     if (*e == '(' && e > expr && ((e[-1] >= 'a' && e[-1] <= 'z') || e[-1] == '_')) return false;
@@ -384,7 +385,7 @@ static bool c_segment(FILE *out, const char *name, const IrFunc *f, int i, int n
     const IrOp *op = f->ops[i + j];
     const char *e = ir_op_scalar(op->kind);
     char fn[32];
-    int arg[2], na;
+    int arg[FORM_ARGS], na;
     if (function_form(e, fn, sizeof fn, arg, &na)) {
       calls = true;
       fprintf(out, "      rt_fv_%s(m, v%d", fn, j);

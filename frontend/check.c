@@ -236,7 +236,7 @@ static const Field parallel_fields[] = {
 };
 static const Block parallel_block = BLOCK("parallel", parallel_fields, NULL);
 
-// ffn = "ffn" (gpt | mixtral) "{" hidden [act] [bias] "}"       (act, bias: gpt only)
+// ffn = "ffn" (gpt | mixtral | oss) "{" hidden [act] [bias] "}"       (act, bias: gpt only)
 static const Field ffn_fields[] = {
   {"hidden", F_REQUIRED, .vals = {{V_INT, R_POS, .off = AT(FeExperts, hidden)}}},
   {"act", 0, "gpt", {{V_WORD, .what = "activation", .words = acts, .def = "gelu",
@@ -1139,12 +1139,13 @@ static void check_parallel(Ctx *c, const FeNode *parent, const FeNode *n, char *
   }
 }
 
-// ffn mixtral has no activation choice and no bias.
+// ffn mixtral has no activation choice and no bias; ffn oss no activation choice and always its
+// biases.
 static void finish_ffn(Ctx *c, const FeNode *n, const char *variant, char *dst) {
   FeExperts *e = (FeExperts *)dst;
-  if (variant && strcmp(variant, "mixtral") == 0) {
+  if (variant && (strcmp(variant, "mixtral") == 0 || strcmp(variant, "oss") == 0)) {
     e->act = NULL;
-    e->bias = false;
+    e->bias = strcmp(variant, "oss") == 0;
   }
 }
 
@@ -1284,6 +1285,9 @@ static bool check_layer_parts(Ctx *c, const FeProgram *p, FeLayer *l, const FeNo
   if (lm && !l->has_attention)
     ok = ir_error_at(c->d, stmt_loc(ln), "a layer of a language model needs 'attention { heads N; }' in '%s'",
                      fe_stmt_text(ln, head, sizeof head, 40));
+  if (l->has_mlp && l->mlp.kind && strcmp(l->mlp.kind, "oss") == 0)   // gpt-oss's layers are all MoE
+    ok = ir_error_at(c->d, l->mlp.kind_loc, "'ffn oss' is an expert (gpt-oss's layers are all MoE): a dense 'mlp' "
+                     "is 'ffn gpt' or 'ffn mixtral'");
   if (l->has_mlp)
     l->mlp.count = 1;
   return ok;

@@ -151,12 +151,12 @@ static inline bool fe_aux_sequence(const FeGate *g) { return g->aux_form && strc
 typedef struct FeExperts {
   SrcLoc loc;
   int64_t count;
-  const char *kind;     // "gpt" | "mixtral" (written `ffn gpt { ... }`)
+  const char *kind;     // "gpt" | "mixtral" | "oss" (written `ffn gpt { ... }`)
   SrcLoc kind_loc;
   int64_t hidden;
   const char *act;      // "gelu" | "relu" (gpt; default gelu)
   SrcLoc act_loc;
-  bool bias;            // gpt; default true
+  bool bias;            // gpt; default true (oss: always, mixtral: never)
 } FeExperts;
 
 typedef struct FeHook {

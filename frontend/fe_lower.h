@@ -105,5 +105,6 @@ bool fe_gate_expert_choice(FeLower *L, IrValue *x, FeRouting *out);
 bool fe_gate_softmoe(FeLower *L, IrValue *x, FeRouting *out);
 IrValue *fe_expert_gpt(FeLower *L, IrValue *disp);
 IrValue *fe_expert_mixtral(FeLower *L, IrValue *disp);
+IrValue *fe_expert_oss(FeLower *L, IrValue *disp);
 
 #endif

@@ -22,6 +22,7 @@ const int fe_gate_count = sizeof fe_gates / sizeof fe_gates[0];
 const FeExpertDef fe_experts[] = {
     {"gpt", fe_expert_gpt},
     {"mixtral", fe_expert_mixtral},
+    {"oss", fe_expert_oss},
 };
 const int fe_expert_count = sizeof fe_experts / sizeof fe_experts[0];
 

@@ -2,7 +2,7 @@
 // elements: rt_fv_NAME(m, out, in...) computes out[i] = NAME(in...[i]) for i < m, the twin of the
 // CUDA prelude's mk_f_NAME, in the vector loops of the CPU kernels (runtime/kernels/ffn.c: the
 // exp-based factor in one loop, the product in another, which GCC vectorises well on every path).
-// The CPU kernels (GELU, SiLU, the sigmoid gate) and the fused loops of the generated CPU program
+// The CPU kernels (GELU, SiLU, gpt-oss's clamped SwiGLU, the sigmoid gate) and the fused loops of the generated CPU program
 // (codegen/fused.c) both call these, so a fused group computes the bits of its ops one by one
 // (rt_gelu_grad keeps its own loop for MOERT_ALL_SLOTS, where it does not zero empty slots; ReLU
 // is a comparison either way).
@@ -22,6 +22,15 @@ enum { RT_FUSED_CHUNK = 256 };
 static inline float rt_gelu_s(float v) { return 1.0f / (1.0f + rt_exp(-2.0f * RT_GELU_C * (v + RT_GELU_A * v * v * v))); }
 // SiLU's s = sigmoid(x) = 1 / (1 + exp(-x)); silu(x) = x s.
 static inline float rt_silu_s(float v) { return 1.0f / (1.0f + rt_exp(-v)); }
+// gpt-oss's clamped SwiGLU (transformers' GptOssExperts, alpha 1.702 and limit 7): the gate g
+// clamped above, g' = min(g, 7), the up projection u to u' = clamp(u, -7, 7), s = sigmoid(1.702
+// g') = 1 / (1 + exp(-1.702 g')); oss(g, u) = (u' + 1) (g' s). The CUDA prelude's MK_OSS_*,
+// mk_oss_gate, mk_oss_up and mk_f_oss* (codegen/cuda/ffn.cu) are the same float operations.
+#define RT_OSS_ALPHA 1.702f
+#define RT_OSS_LIMIT 7.0f
+static inline float rt_oss_gate(float g) { return g > RT_OSS_LIMIT ? RT_OSS_LIMIT : g; }
+static inline float rt_oss_up(float u) { return u < -RT_OSS_LIMIT ? -RT_OSS_LIMIT : u > RT_OSS_LIMIT ? RT_OSS_LIMIT : u; }
+static inline float rt_oss_s(float g) { return 1.0f / (1.0f + rt_exp(-RT_OSS_ALPHA * rt_oss_gate(g))); }
 
 static inline __attribute__((always_inline)) void rt_fv_gelu(int64_t m, float *y, const float *x) {
   float s[RT_FUSED_CHUNK];
@@ -69,6 +78,43 @@ RT_SIMD
   for (int64_t i = 0; i < m; i++) s[i] = rt_silu_s(x[i]);
 RT_SIMD
   for (int64_t i = 0; i < m; i++) dx[i] = dy[i] * s[i] * (1.0f + x[i] * (1.0f - s[i]));
+}
+
+// oss(g, u) = (u' + 1) (g' s): s in one loop, the product in another (as SiLU).
+static inline __attribute__((always_inline)) void rt_fv_oss(int64_t m, float *y, const float *g, const float *u) {
+  float s[RT_FUSED_CHUNK];
+RT_SIMD
+  for (int64_t i = 0; i < m; i++) s[i] = rt_oss_s(g[i]);
+RT_SIMD
+  for (int64_t i = 0; i < m; i++) y[i] = (rt_oss_up(u[i]) + 1.0f) * (rt_oss_gate(g[i]) * s[i]);
+}
+
+// Its gradients as torch's clamp passes them (where min <= x <= max, bounds included): d/dg =
+// dy (u' + 1) s (1 + 1.702 g' (1 - s)) where g <= 7, else 0; d/du = dy (g' s) where -7 <= u <= 7,
+// else 0. +0 where dy is zero (an expert's empty slots), as mk_f_oss_grad_gate and
+// mk_f_oss_grad_up, which skip the exp there; a NaN g or u gives 0, a NaN dy NaN.
+static inline __attribute__((always_inline)) void rt_fv_oss_grad_gate(int64_t m, float *dg, const float *dy, const float *g,
+                                                                       const float *u) {
+  float s[RT_FUSED_CHUNK];
+RT_SIMD
+  for (int64_t i = 0; i < m; i++) s[i] = rt_oss_s(g[i]);
+RT_SIMD
+  for (int64_t i = 0; i < m; i++) {
+    float d = (dy[i] * (rt_oss_up(u[i]) + 1.0f)) * (s[i] * (1.0f + RT_OSS_ALPHA * rt_oss_gate(g[i]) * (1.0f - s[i])));
+    dg[i] = dy[i] != 0.0f && g[i] <= RT_OSS_LIMIT ? d : 0.0f;
+  }
+}
+
+static inline __attribute__((always_inline)) void rt_fv_oss_grad_up(int64_t m, float *du, const float *dy, const float *g,
+                                                                     const float *u) {
+  float s[RT_FUSED_CHUNK];
+RT_SIMD
+  for (int64_t i = 0; i < m; i++) s[i] = rt_oss_s(g[i]);
+RT_SIMD
+  for (int64_t i = 0; i < m; i++) {
+    float d = dy[i] * (rt_oss_gate(g[i]) * s[i]);
+    du[i] = dy[i] != 0.0f && u[i] >= -RT_OSS_LIMIT && u[i] <= RT_OSS_LIMIT ? d : 0.0f;
+  }
 }
 
 // The gate's sigmoid with libm's expf of a non-positive number (rt_sigmoid): a scalar loop, so

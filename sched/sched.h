@@ -66,7 +66,13 @@ SchedGroup sched_group_of(int count, int stride, int gpus_per_node);
 // it), n as in the .cluster files. A group of one member costs nothing.
 SchedCoef sched_group_fit(const SchedCluster *c, SchedColl k, SchedGroup g, SchedA2a algo);
 
-typedef enum SchedFfn { SCHED_FFN_GPT, SCHED_FFN_MIXTRAL } SchedFfn;
+// The expert's kind (`ffn gpt`, `ffn mixtral`, `ffn oss`): GEMMs per expert, sched_ffn_gemms.
+typedef enum SchedFfn { SCHED_FFN_GPT, SCHED_FFN_MIXTRAL, SCHED_FFN_OSS } SchedFfn;
+// The expert GEMMs per routed token: 2 for gpt (W1, W2), 3 for the SwiGLU kinds mixtral and oss
+// (W1, W3, W2).
+static inline int sched_ffn_gemms(SchedFfn ffn) { return ffn == SCHED_FFN_GPT ? 2 : 3; }
+// The SchedFfn of an `ffn` kind ("gpt" when kind is NULL or unknown).
+SchedFfn sched_ffn_of(const char *kind);
 
 // One generalized layer (attention, then an MoE layer) as one rank sees it.
 typedef struct SchedLayerSpec {

@@ -12,9 +12,16 @@
 
 #include "sched.h"
 
+SchedFfn sched_ffn_of(const char *kind) {
+  if (kind && strcmp(kind, "mixtral") == 0) return SCHED_FFN_MIXTRAL;
+  if (kind && strcmp(kind, "oss") == 0) return SCHED_FFN_OSS;
+  return SCHED_FFN_GPT;
+}
+
 // Dense gradient of the attention of a generalized layer, sharded over MP (DESIGN §6): GPT
 // blocks have QKV (3M^2 + 3M) and the output projection (M^2 + M, its bias replicated);
 // Mixtral uses grouped-query attention (K and V with 8 of 32 heads: 1.5 M^2) and no biases.
+// (An oss layer is priced as GPT's: gpt-oss's attention has the biases.)
 static double dense_grad_elems(const SchedLayerSpec *s) {
   double m = s->embed, mp = s->mp;
   if (s->ffn == SCHED_FFN_MIXTRAL) return 1.5 * m * m / mp + m * m / mp;
@@ -30,7 +37,7 @@ void sched_attention(const SchedLayerSpec *s, const SchedCluster *c, double *t_a
 }
 
 void sched_layer_cost(const SchedLayerSpec *s, const SchedCluster *c, SchedLayerCost *out) {
-  double gemms = s->ffn == SCHED_FFN_MIXTRAL ? 3 : 2;   // GEMMs per expert
+  double gemms = sched_ffn_gemms(s->ffn);                // GEMMs per expert
   double tokens = s->f * s->batch * s->seqlen;          // f*B*L routed token slots
   double esp = s->esp;
   SchedPhase fwd = {0};

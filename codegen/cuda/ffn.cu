@@ -1,5 +1,5 @@
 // The feed-forward CUDA kernels beside cuBLAS's GEMMs: biases (dense and per expert) and the
-// activations GELU, ReLU, SiLU; the siblings of runtime/kernels/ffn.c.
+// activations GELU, ReLU, SiLU and gpt-oss's clamped SwiGLU; the siblings of runtime/kernels/ffn.c.
 // See prelude.cu for the conventions and for how the build embeds this file.
 
 // ---- prelude: GELU ----
@@ -26,6 +26,28 @@ __device__ __forceinline__ float mk_f_silu(float v) { return v * (1.0f / (1.0f +
 __device__ __forceinline__ float mk_f_silu_grad(float dy, float v) {
   float sg = 1.0f / (1.0f + mk_exp(-v));
   return dy * sg * (1.0f + v * (1.0f - sg));
+}
+// gpt-oss's clamped SwiGLU of (gate g, up u), runtime/rt_fused.h's rt_oss_* and rt_fv_oss*: g' =
+// min(g, 7), u' = clamp(u, -7, 7), s = 1 / (1 + mk_exp(-1.702 g')); mk_f_oss: (u' + 1) (g' s);
+// mk_f_oss_grad_gate: dy (u' + 1) s (1 + 1.702 g' (1 - s)) where g <= 7; mk_f_oss_grad_up:
+// dy (g' s) where -7 <= u <= 7; else, and where dy is zero (an expert's empty slots, without the
+// exp), +0.
+#define MK_OSS_ALPHA 1.702f
+#define MK_OSS_LIMIT 7.0f
+__device__ __forceinline__ float mk_oss_gate(float g) { return g > MK_OSS_LIMIT ? MK_OSS_LIMIT : g; }
+__device__ __forceinline__ float mk_oss_up(float u) {
+  return u < -MK_OSS_LIMIT ? -MK_OSS_LIMIT : u > MK_OSS_LIMIT ? MK_OSS_LIMIT : u;
+}
+__device__ __forceinline__ float mk_oss_s(float g) { return 1.0f / (1.0f + mk_exp(-MK_OSS_ALPHA * mk_oss_gate(g))); }
+__device__ __forceinline__ float mk_f_oss(float g, float u) { return (mk_oss_up(u) + 1.0f) * (mk_oss_gate(g) * mk_oss_s(g)); }
+__device__ __forceinline__ float mk_f_oss_grad_gate(float dy, float g, float u) {
+  if (dy == 0.0f || !(g <= MK_OSS_LIMIT)) return 0.0f;
+  float s = mk_oss_s(g);
+  return (dy * (mk_oss_up(u) + 1.0f)) * (s * (1.0f + MK_OSS_ALPHA * mk_oss_gate(g) * (1.0f - s)));
+}
+__device__ __forceinline__ float mk_f_oss_grad_up(float dy, float g, float u) {
+  if (dy == 0.0f || !(u >= -MK_OSS_LIMIT && u <= MK_OSS_LIMIT)) return 0.0f;
+  return dy * (mk_oss_gate(g) * mk_oss_s(g));
 }
 
 // ---- prelude: rows plus a bias ----
@@ -147,4 +169,19 @@ extern "C" __global__ void mk_silu(const float *x, float *y, i64 n) {
 // ---- mk_silu_grad ----
 extern "C" __global__ void mk_silu_grad(const float *dy, const float *x, float *dx, i64 n) {
   MK_FOR(i, n) dx[i] = mk_f_silu_grad(dy[i], x[i]);
+}
+
+// ---- mk_oss ----
+extern "C" __global__ void mk_oss(const float *g, const float *u, float *y, i64 n) {
+  MK_FOR(i, n) y[i] = mk_f_oss(g[i], u[i]);
+}
+
+// ---- mk_oss_grad_gate ----
+extern "C" __global__ void mk_oss_grad_gate(const float *dy, const float *g, const float *u, float *dg, i64 n) {
+  MK_FOR(i, n) dg[i] = mk_f_oss_grad_gate(dy[i], g[i], u[i]);
+}
+
+// ---- mk_oss_grad_up ----
+extern "C" __global__ void mk_oss_grad_up(const float *dy, const float *g, const float *u, float *du, i64 n) {
+  MK_FOR(i, n) du[i] = mk_f_oss_grad_up(dy[i], g[i], u[i]);
 }

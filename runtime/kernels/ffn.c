@@ -1,6 +1,6 @@
 // The feed-forward kernels of libmoert, dense layers and experts alike: GEMMs through OpenBLAS
 // (rt_matmul; rt_expert_matmul over an expert's filled slots only), biases and their gradients,
-// and the activations GELU, ReLU and SiLU. The siblings of codegen/cuda/ffn.cu (whose GEMMs go to
+// and the activations GELU, ReLU, SiLU and gpt-oss's clamped SwiGLU. The siblings of codegen/cuda/ffn.cu (whose GEMMs go to
 // cuBLAS). Conventions of every CPU kernel: runtime/kernels.def.
 #include <cblas.h>
 #include <math.h>
@@ -577,4 +577,46 @@ void rt_silu_grad(const float *dy, const float *x, float *dx, int64_t n) {
     rt_team_share(n, &lo, &hi);
     silu_range(dy, x, dx, lo, hi);
   }
+}
+
+// ---- gpt-oss's clamped SwiGLU (ffn oss) ----
+
+// y = (u' + 1) g' sigmoid(1.702 g'), g' = min(g, 7), u' = clamp(u, -7, 7), and its gradients
+// (runtime/rt_fused.h's rt_fv_oss loops, which the fused groups run too; mk_oss, mk_oss_grad_gate
+// and mk_oss_grad_up compute the same float operations), in chunks as SiLU's, the elements split
+// over the threads. The gradients are +0 where dy is zero (an expert's empty slots, which after
+// the biases hold act(b1, b3), not zeros), with MOERT_ALL_SLOTS too: the vector loop computes
+// every element either way.
+enum { OSS_Y, OSS_GRAD_GATE, OSS_GRAD_UP };
+
+// out over [lo, hi): what `which` names, of gate g and up u (and dy for the gradients).
+RT_VECTOR_BODY void oss_range_body(int which, const float *dy, const float *g, const float *u, float *out, int64_t lo,
+                                   int64_t hi) {
+  for (int64_t i0 = lo; i0 < hi; i0 += GELU_CHUNK) {
+    int64_t m = hi - i0 < GELU_CHUNK ? hi - i0 : GELU_CHUNK;
+    if (which == OSS_Y) rt_fv_oss(m, out + i0, g + i0, u + i0);
+    else if (which == OSS_GRAD_GATE) rt_fv_oss_grad_gate(m, out + i0, dy + i0, g + i0, u + i0);
+    else rt_fv_oss_grad_up(m, out + i0, dy + i0, g + i0, u + i0);
+  }
+}
+RT_VECTOR_PATHS(oss_range, (int which, const float *dy, const float *g, const float *u, float *out, int64_t lo, int64_t hi),
+                (which, dy, g, u, out, lo, hi))
+
+static void oss_kernel(int which, const float *dy, const float *g, const float *u, float *out, int64_t n) {
+  RT_PARALLEL(n >= RT_PAR_MIN / 8)
+  {
+    int64_t lo, hi;
+    rt_team_share(n, &lo, &hi);
+    oss_range(which, dy, g, u, out, lo, hi);
+  }
+}
+
+void rt_oss(const float *g, const float *u, float *y, int64_t n) { oss_kernel(OSS_Y, NULL, g, u, y, n); }
+
+void rt_oss_grad_gate(const float *dy, const float *g, const float *u, float *dg, int64_t n) {
+  oss_kernel(OSS_GRAD_GATE, dy, g, u, dg, n);
+}
+
+void rt_oss_grad_up(const float *dy, const float *g, const float *u, float *du, int64_t n) {
+  oss_kernel(OSS_GRAD_UP, dy, g, u, du, n);
 }

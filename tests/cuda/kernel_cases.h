@@ -105,6 +105,17 @@ struct Checks {
     }
     ok("%s (%zu elements)", name, want.size());
   }
+
+  // Bit for bit (the kernels whose float operations are the CPU kernel's, in its order, with mk_exp
+  // for rt_exp: the fake device's fused kernels must give the CPU program's bits).
+  void bits(const char *name, const std::vector<float> &want, const std::vector<float> &got) {
+    for (size_t i = 0; i < want.size(); i++)
+      if (memcmp(&want[i], &got[i], sizeof want[i]) != 0) {
+        fail("%s: element %zu: cpu %.9g, kernel %.9g (not the same bits)", name, i, want[i], got[i]);
+        return;
+      }
+    ok("%s (%zu elements, bit for bit)", name, want.size());
+  }
 };
 
 // The kernels of a library source: the names after "__global__ void ".
@@ -402,6 +413,20 @@ template <class Launcher> void run_kernel_cases(Launcher &L, Checks &c) {
     rt_silu_grad(b.data(), a.data(), y_c.data(), n);
     LAUNCH(3, 64, mk_silu_grad, b, a, y_k, n);
     c.same("act.silu.grad", y_c, y_k);
+    {  // gpt-oss's clamped SwiGLU on gate and up values past both sides of the clamps (|x| up to
+       // about 20 where 7 clamps), with gradients of zero (+0 and -0: an expert's empty slots)
+      auto g = randn(n, 5.0f), u = randn(n, 5.0f), dy = randn(n);
+      for (size_t i = 0; i < n; i += 7) dy[i] = i % 2 ? -0.0f : 0.0f;
+      rt_oss(g.data(), u.data(), y_c.data(), n);
+      LAUNCH(3, 64, mk_oss, g, u, y_k, n);
+      c.bits("act.oss", y_c, y_k);
+      rt_oss_grad_gate(dy.data(), g.data(), u.data(), y_c.data(), n);
+      LAUNCH(3, 64, mk_oss_grad_gate, dy, g, u, y_k, n);
+      c.bits("act.oss.grad_gate", y_c, y_k);
+      rt_oss_grad_up(dy.data(), g.data(), u.data(), y_c.data(), n);
+      LAUNCH(3, 64, mk_oss_grad_up, dy, g, u, y_k, n);
+      c.bits("act.oss.grad_up", y_c, y_k);
+    }
     rt_sigmoid(a.data(), y_c.data(), n);
     LAUNCH(3, 64, mk_sigmoid, a, y_k, n);
     c.same("gate.sigmoid", y_c, y_k);

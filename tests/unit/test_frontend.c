@@ -288,6 +288,48 @@ static void test_shared_expert(void **state) {
   cap_close(&c);
 }
 
+// gpt-oss's experts (`ffn oss { hidden H; }`): no activation choice, always their biases; the
+// lowering's parameters with the ESP splits of gpt's and mixtral's (w1, w3 by columns, b1 and b3
+// with them, w2 by rows, b2 whole).
+static void test_oss_expert(void **state) {
+  Capture c;
+  IrSource *src;
+  cap_open(&c);
+  FeProgram *p = load(&c,
+                      "model m { batch 1; seqlen 8; embed 16; optimizer sgd { lr 0.1; } }\n"
+                      "layer a { moe { experts 4 { ffn oss { hidden 8; } } gate gshard { k 2; bias true; } } }\n",
+                      &src);
+  assert_string_equal(cap_text(&c), "");
+  assert_non_null(p);
+  const FeExperts *e = &p->layers[0].moe.experts;
+  assert_string_equal(e->kind, "oss");
+  assert_int_equal(e->hidden, 8);
+  assert_null(e->act);
+  assert_true(e->bias);
+  IrModule *m = fe_lower(&c.d, p, NULL);
+  assert_non_null(m);
+  static const struct { const char *name; int rank; int64_t d1, d2; int64_t hidden; const char *init; } want[] = {
+      {"a0.moe.experts.w1", 3, 16, 8, 2, "normal"}, {"a0.moe.experts.b1", 2, 8, 0, 1, "zeros"},
+      {"a0.moe.experts.w3", 3, 16, 8, 2, "normal"}, {"a0.moe.experts.b3", 2, 8, 0, 1, "zeros"},
+      {"a0.moe.experts.w2", 3, 8, 16, 1, "normal"}, {"a0.moe.experts.b2", 2, 16, 0, -1, "zeros"},
+  };
+  for (size_t i = 0; i < sizeof want / sizeof want[0]; i++) {
+    const IrParam *q = ir_find_param(m, want[i].name);
+    assert_non_null(q);
+    assert_int_equal(q->type.rank, want[i].rank);
+    assert_int_equal(q->type.dim[0], 4);
+    assert_int_equal(q->type.dim[1], want[i].d1);
+    if (want[i].rank == 3) assert_int_equal(q->type.dim[2], want[i].d2);
+    assert_int_equal(ir_attr_int(q->attrs, q->nattrs, "shard_expert", -1), 0);
+    assert_int_equal(ir_attr_int(q->attrs, q->nattrs, "shard_hidden", -1), want[i].hidden);
+    assert_string_equal(ir_attr_str(q->attrs, q->nattrs, "init", ""), want[i].init);
+  }
+  ir_module_free(m);
+  fe_program_free(p);
+  ir_source_free(src);
+  cap_close(&c);
+}
+
 // The demo model, read from the repository.
 static void test_tiny_model(void **state) {
   Capture c;
@@ -438,6 +480,7 @@ int main(void) {
     cmocka_unit_test(test_defaults),
     cmocka_unit_test(test_hf_fields),
     cmocka_unit_test(test_shared_expert),
+    cmocka_unit_test(test_oss_expert),
     cmocka_unit_test(test_tiny_model),
     cmocka_unit_test(test_cluster_files),
     cmocka_unit_test(test_tree),

@@ -700,7 +700,7 @@ static void test_shapes_dense(void **state) {
   cap_close(&c);
 }
 
-// The other gates (sigmoid, expert choice), the gshard order, the mixtral and xmoe helpers, hooks.
+// The other gates (sigmoid, expert choice), the gshard order, the mixtral, oss and xmoe helpers, hooks.
 static void test_shapes_more_ops(void **state) {
   (void)state;
   const char *text =
@@ -725,6 +725,9 @@ static void test_shapes_more_ops(void **state) {
       "  %r: f32[4, 4, 8] = reshape %mu {d0=4, d1=4, d2=8, rank=3}\n"
       "  %n: f32[16, 8] = l2norm %x\n"
       "  %dn: f32[16, 8] = l2norm.grad %n, %x\n"
+      "  %xo: f32[16, 8] = act.oss %x, %xs\n"
+      "  %dxo: f32[16, 8] = act.oss.grad_gate %n, %x, %xs\n"
+      "  %dxu: f32[16, 8] = act.oss.grad_up %n, %x, %xs\n"
       "  %dv: f32[16, 8] = div_scalar %x, %s\n"
       "  %dvx: f32[16, 8] = div_scalar.grad_x %dv, %s\n"
       "  %dvs: f32[] = div_scalar.grad_s %dv, %x, %s\n"

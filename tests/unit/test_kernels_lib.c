@@ -138,6 +138,42 @@ static void test_fd_silu(void **state) {
   check_fd("act.silu", act_obj, &c, x, N, dx, FD_EPS);
 }
 
+// gpt-oss's clamped SwiGLU y = (clamp(u, -7, 7) + 1) g' sigmoid(1.702 g'), g' = min(g, 7):
+// its two gradient kernels against central differences in g and in u, over values on both sides
+// of every clamp (none within 0.05 of one: the differences would straddle the kink).
+typedef struct {
+  float *g, *u, *y, *w;
+  int64_t n;
+} OssCtx;
+
+static double oss_obj(void *p) {
+  OssCtx *c = p;
+  rt_oss(c->g, c->u, c->y, c->n);
+  return dot(c->w, c->y, c->n);
+}
+
+static void fill_off_clamps(float *x, int64_t n) {
+  fill(x, n, -10, 10);
+  for (int64_t i = 0; i < n; i++)
+    if (fabsf(fabsf(x[i]) - 7.0f) < 0.05f) x[i] += 0.1f;
+}
+
+static void test_fd_oss(void **state) {
+  enum { N = 96 };
+  float g[N], u[N], y[N], w[N], dg[N], du[N];
+  fill_off_clamps(g, N);
+  fill_off_clamps(u, N);
+  fill(w, N, -1, 1);
+  int above = 0, below = 0, over = 0;
+  for (int i = 0; i < N; i++) above += g[i] > 7.0f, below += u[i] < -7.0f, over += u[i] > 7.0f;
+  assert_true(above > 0 && below > 0 && over > 0);   // every clamp is reached
+  OssCtx c = {g, u, y, w, N};
+  rt_oss_grad_gate(w, g, u, dg, N);
+  rt_oss_grad_up(w, g, u, du, N);
+  check_fd("act.oss (gate)", oss_obj, &c, g, N, dg, FD_EPS);
+  check_fd("act.oss (up)", oss_obj, &c, u, N, du, FD_EPS);
+}
+
 typedef struct {
   float *x, *y, *w;
   int s, e, g;
@@ -500,6 +536,28 @@ static void test_elementwise_values(void **state) {
   rt_silu(x, y, 5);   // its sigmoid from rt_exp, which clamps at exp(88): silu(-100) = -100 / (1 + e^88)
   assert_true(y[0] == 0.0f && y[1] == 100.0f && y[2] < 0.0f && y[2] > -1e-35f);
   assert_float_equal(y[3], 0.7310585786300049, 1e-7);
+  {   // act.oss: clamped values equal the edge's; gradients zero past an edge, passed at it; +0
+      // where dy is zero (an expert's empty slots), whatever the sign of the rest
+    const float g[6] = {10.0f, 7.0f, -100.0f, 0.5f, 3.0f, 2.0f}, u[6] = {2.0f, 2.0f, 0.5f, 10.0f, -7.5f, -7.0f};
+    const float ge[6] = {7.0f, 7.0f, -100.0f, 0.5f, 3.0f, 2.0f}, ue[6] = {2.0f, 2.0f, 0.5f, 7.0f, -7.0f, -7.0f};
+    float yo[6], ye[6], dg[6], du[6];
+    const float dy[6] = {1.0f, 1.0f, 1.0f, 1.0f, 1.0f, 1.0f}, dz[6] = {-0.0f, 0.0f, -0.0f, 0.0f, -0.0f, -0.0f};
+    rt_oss(g, u, yo, 6);
+    rt_oss(ge, ue, ye, 6);
+    assert_memory_equal(yo, ye, sizeof yo);
+    assert_float_equal(yo[4], (-7.0 + 1.0) * 3.0 / (1.0 + exp(-1.702 * 3.0)), 1e-5);   // -6 g' sigmoid(1.702 g')
+    rt_oss_grad_gate(dy, g, u, dg, 6);
+    rt_oss_grad_up(dy, g, u, du, 6);
+    assert_true(dg[0] == 0.0f && dg[1] != 0.0f);   // g = 10 past the edge, g = 7 at it
+    assert_true(du[3] == 0.0f && du[4] == 0.0f && du[5] != 0.0f);   // u = 10, -7.5 past, -7 at
+    assert_true(dg[2] > -1e-30f && dg[2] <= 0.0f);   // g = -100: sigmoid(-170) (rt_exp's clamp)
+    assert_float_equal(du[5], 2.0 / (1.0 + exp(-1.702 * 2.0)), 1e-6);   // g' sigmoid(1.702 g'), g = 2
+    assert_float_equal(dg[3], (7.0 + 1.0) * (1.0 / (1.0 + exp(-1.702 * 0.5))) *
+                                  (1.0 + 1.702 * 0.5 * (1.0 - 1.0 / (1.0 + exp(-1.702 * 0.5)))), 1e-5);
+    rt_oss_grad_gate(dz, g, u, dg, 6);
+    rt_oss_grad_up(dz, g, u, du, 6);
+    for (int i = 0; i < 6; i++) assert_true(dg[i] == 0.0f && !signbit(dg[i]) && du[i] == 0.0f && !signbit(du[i]));
+  }
   rt_copy(x, y, 5);
   assert_memory_equal(x, y, sizeof x);
   rt_copy(y, y, 5);   // in place
@@ -1001,6 +1059,7 @@ int main(void) {
   const struct CMUnitTest tests[] = {
       cmocka_unit_test(test_fd_sigmoid),
       cmocka_unit_test(test_fd_silu),
+      cmocka_unit_test(test_fd_oss),
       cmocka_unit_test(test_fd_rmsnorm),
       cmocka_unit_test(test_fd_layernorm),
       cmocka_unit_test(test_fd_scale),

@@ -75,7 +75,7 @@ static SchedLayerSpec random_spec(const SchedCluster *c) {
                       embeds[] = {512, 1024, 2048, 4096, 8192};
   SchedLayerSpec s = {.batch = batches[pick(4)], .seqlen = seqlens[pick(5)], .embed = embeds[pick(5)],
                       .f = 0.5 + 3.5 * uniform(), .experts = c->nodes, .heads = 16,
-                      .ffn = pick(2) ? SCHED_FFN_MIXTRAL : SCHED_FFN_GPT, .dp = c->nodes, .mp = c->gpus_per_node,
+                      .ffn = (SchedFfn)pick(3) /* gpt, mixtral, oss */, .dp = c->nodes, .mp = c->gpus_per_node,
                       .ep = c->nodes, .esp = c->gpus_per_node, .r_max = SCHED_R_MAX};
   s.hidden = (1 + pick(4)) * s.embed;
   return s;
@@ -184,7 +184,7 @@ static void test_sequential_closed_form(void **state) {
       s.heads = pick(4) ? 16 : 0;
       sched_layer_cost(&s, &c, &cost[i]);
       rm[i] = SCHED_R_MAX;
-      double g = s.ffn == SCHED_FFN_MIXTRAL ? 3 : 2, tokens = s.f * s.batch * s.seqlen, m = s.embed;
+      double g = s.ffn == SCHED_FFN_GPT ? 2 : 3, tokens = s.f * s.batch * s.seqlen, m = s.embed;
       double t_a2a = c.alltoall.alpha + c.alltoall.beta * tokens * m / s.esp;
       double t_ag = c.allgather.alpha + c.allgather.beta * tokens * m;
       double t_rs = c.reducescatter.alpha + c.reducescatter.beta * tokens * m;
