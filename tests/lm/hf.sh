@@ -120,6 +120,79 @@ then
 else
   bad "GLM-4.5: --export-hf of tests/models/grad_lm_glm.moe" "$(cat "$WORK/err" "$WORK/glme.out" "$WORK/glmcfg" 2>/dev/null | tail -n 5)"
 fi
+# gpt-oss (gpt_oss): tests/models/grad_lm_oss.moe (sinks, sliding and full layers, head_dim 6, yarn
+# without truncation, `ffn oss` experts, the router's bias, aux pooled) exports a gpt_oss checkpoint
+# after 2 steps (layer_types, sliding_window, swiglu_*, truncate); import-hf reads it back (the
+# windows by layer, the sinks, the experts' interleaved gate_up_proj) and its --steps 0 export is
+# the same checkpoint bit for bit.
+if "$MOEC" build tests/models/grad_lm_oss.moe -o "$WORK/oss" 2>"$WORK/err" &&
+   (cd "$WORK" && ./oss --steps 2 --export-hf osshf >osse.out 2>&1) &&
+   $PY - "$WORK/osshf/config.json" >"$WORK/osscfg" 2>&1 <<'EOF'
+import json, sys
+c = json.load(open(sys.argv[1]))
+want = {"model_type": "gpt_oss", "num_local_experts": 4, "intermediate_size": 12, "head_dim": 6,
+        "attention_bias": True, "swiglu_alpha": 1.702, "swiglu_limit": 7.0, "sliding_window": 3,
+        "layer_types": ["sliding_attention", "full_attention", "sliding_attention"],
+        "output_router_logits": True, "router_aux_loss_coef": 0.01}
+bad = {k: (c.get(k), v) for k, v in want.items() if c.get(k) != v}
+if c.get("rope_parameters", {}).get("truncate") is not False:
+    bad["truncate"] = c.get("rope_parameters")
+print(bad or "ok")
+sys.exit(1 if bad else 0)
+EOF
+then
+  if "$MOEC" import-hf "$WORK/osshf" -o "$WORK/ossre" --batch 2 --seqlen 8 --optimizer sgd --lr 0.05 >"$WORK/imp.out" 2>&1 &&
+     grep -q 'gate gshard { k 2; capacity \*; renormalize true; bias true; aux_loss 0.01; aux pooled; }' "$WORK/ossre.moe" &&
+     grep -q 'attention { heads 4; kv_heads 2; bias true; head_dim 6; window 3; sinks true; }' "$WORK/ossre.moe" &&
+     grep -q 'attention { heads 4; kv_heads 2; bias true; head_dim 6; sinks true; }' "$WORK/ossre.moe" &&
+     grep -q 'experts 4 { ffn oss { hidden 12; } }' "$WORK/ossre.moe" && grep -q 'truncate false;' "$WORK/ossre.moe" &&
+     "$MOEC" build "$WORK/ossre.moe" -o "$WORK/ossrebin" 2>"$WORK/err" &&
+     (cd "$WORK" && ./ossrebin --steps 0 --weights ossre.safetensors --export-hf osshf2 >re0.out 2>&1) &&
+     same=$($FIX same "$WORK/osshf/model.safetensors" "$WORK/osshf2/model.safetensors" 2>&1); then
+    ok "gpt-oss: --export-hf writes a gpt_oss checkpoint (sinks, layer_types, gate_up_proj, truncate false, ...); import-hf reads it back and --steps 0 exports it again: $same"
+  else
+    bad "gpt-oss: import-hf of the exported checkpoint" "$(cat "$WORK/imp.out" "$WORK/err" "$WORK/re0.out" 2>/dev/null | tail -n 5; grep -n 'gate\|attention\|ffn' "$WORK/ossre.moe" 2>/dev/null)"
+  fi
+else
+  bad "gpt-oss: --export-hf of tests/models/grad_lm_oss.moe" "$(cat "$WORK/err" "$WORK/osse.out" "$WORK/osscfg" 2>/dev/null | tail -n 5)"
+fi
+# gpt-oss's refusals, on the checkpoint exported above: a clamp or gain other than 'ffn oss''s, a
+# layer type other than sliding or full, sliding layers without a window, an unknown yarn key.
+oss_refused() {  # label expected-text python-statement-on-c
+  rm -rf "$WORK/ossr"; cp -r "$WORK/osshf" "$WORK/ossr"
+  $PY -c "import json; p='$WORK/ossr/config.json'; c = json.load(open(p)); $3; json.dump(c, open(p, 'w'))"
+  if "$MOEC" import-hf "$WORK/ossr" -o "$WORK/ossr/x" --seqlen 8 >"$WORK/r.out" 2>&1; then
+    bad "import-hf accepted gpt-oss's $1"
+  elif grep -q -- "$2" "$WORK/r.out"; then
+    ok "import-hf refuses gpt-oss's $1: $(head -n 1 "$WORK/r.out" | sed 's/.*error: //')"
+  else
+    bad "import-hf refused gpt-oss's $1 without saying '$2'" "$(cat "$WORK/r.out")"
+  fi
+}
+if [ -f "$WORK/osshf/config.json" ]; then
+  oss_refused "swiglu_limit 6" "clamps at 7" "c['swiglu_limit'] = 6.0"
+  oss_refused "swiglu_alpha 1.5" "has alpha 1.702" "c['swiglu_alpha'] = 1.5"
+  oss_refused "chunked attention" 'are "sliding_attention" (a window) or "full_attention"' "c['layer_types'][1] = 'chunked_attention'"
+  oss_refused "layer_types of the wrong length" "the type of each of the num_hidden_layers layers" "c['layer_types'].pop()"
+  oss_refused "sliding layers without a window" '"sliding_window" is not a number' "c['sliding_window'] = None"
+  oss_refused "an attention_factor" "takes rope_theta, factor" "c['rope_parameters']['attention_factor'] = 2.0"
+fi
+# And the export's: a gpt-oss model (its hf_config) whose layers lose the sinks, the experts or the
+# router's bias is refused by the build, naming the part. (sed expression|what the error says|label)
+while IFS='|' read -r expr says label; do
+  [ -f "$WORK/ossre.moe" ] || { bad "gpt-oss export refusals: no imported model"; break; }
+  sed "$expr" "$WORK/ossre.moe" >"$WORK/ossx.moe"
+  if ! "$MOEC" build "$WORK/ossx.moe" -o "$WORK/ossx" 2>"$WORK/err" &&
+     grep -qF "$says" "$WORK/err" && grep -q "ossx.moe:[0-9]*:[0-9]*: error: " "$WORK/err"; then
+    ok "a gpt-oss model with $label is refused: $(head -n 1 "$WORK/err" | sed "s|$WORK/||g" | cut -c1-150)"
+  else
+    bad "a gpt-oss model with $label" "$(cat "$WORK/err" 2>/dev/null | tail -n 4)"
+  fi
+done <<'EOF'
+0,/ sinks true;/s/ sinks true;//|has no attention sinks; gpt-oss's attention has them in every layer|a layer without sinks
+0,/ffn oss/s/ffn oss/ffn mixtral/|experts; gpt-oss's are the clamped SwiGLU with biases ('ffn oss')|SwiGLU experts
+0,/ bias true; aux_loss/s/ bias true; aux_loss/ aux_loss/|has no router bias; gpt-oss's router has a bias|a router without its bias
+EOF
 # A router bias (`bias true`, gpt-oss's) is no Mixtral setting, nor is DeepSeek's choice (a
 # correction bias, a group limit, a scale): a model that names its Hugging Face config (hf_config)
 # and has one is refused by the build, naming it. (statement|what the error says|label)
@@ -253,7 +326,7 @@ refused "an unknown config key" '"moe_layer_freq": 2 is a key moec does not know
 refused "router jitter" '"router_jitter_noise": 0.1' --config router_jitter_noise=0.1
 refused "output_router_logits not a boolean" '"output_router_logits": 1 is not something moec can represent: it must be true or false' --config output_router_logits=1
 refused "a negative router_aux_loss_coef with output_router_logits" '"router_aux_loss_coef": -1 is not something' --config output_router_logits=true --config router_aux_loss_coef=-1
-refused "a family moec does not read" 'model_type "gpt_oss" is not a family moec reads' --config model_type='"gpt_oss"'
+refused "a family moec does not read" 'model_type "llama4" is not a family moec reads' --config model_type='"llama4"'
 refused "a missing tensor" "has no tensor 'model.layers.1.block_sparse_moe.experts.2.w3.weight'" --drop model.layers.1.block_sparse_moe.experts.2.w3.weight
 refused "a tensor it does not know" "tensor 'model.layers.0.mlp.shared_expert_gate.weight' is not part of" --extra model.layers.0.mlp.shared_expert_gate.weight
 refused "a tensor of the wrong shape" "is \[40, 32\]; config.json makes it \[48, 32\]" --claim intermediate_size=48
