@@ -53,8 +53,9 @@ GPU_MODELS="tiny switch mixtral expert_choice gpt_moe_bytes llama_moe"
 # head_dim, the shared expert, q/k norms, sliding windows (tests/models)
 GPU_MODELS="$GPU_MODELS grad_lm_qwen grad_lm_shared grad_shared grad_lm_qknorm grad_lm_window grad_lm_olmoe"
 # and the families of issue 40: the router bias, DeepSeek's choice with its correction bias and
-# sequence-wise loss, GLM-4.5's parts (partial rope), multi-head latent attention (interleaved rope)
-GPU_MODELS="$GPU_MODELS grad_router_bias grad_deepseek_gate grad_lm_glm grad_lm_mla"
+# sequence-wise loss, GLM-4.5's parts (partial rope), multi-head latent attention (interleaved rope),
+# gpt-oss's attention sinks, its clamped SwiGLU experts and the whole gpt-oss model (yarn untruncated)
+GPU_MODELS="$GPU_MODELS grad_router_bias grad_deepseek_gate grad_lm_glm grad_lm_mla grad_lm_sinks grad_expert_oss grad_lm_oss"
 TOL=1e-4
 WORK=$(mktemp -d "${TMPDIR:-/tmp}/moec-gpu.XXXXXX")
 OUT=$WORK/lines

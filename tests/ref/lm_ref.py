@@ -57,7 +57,7 @@ class Attention:
     without a value."""
 
     def __init__(self, heads, kv_heads=None, bias=True, head_dim=None, qk_norm=None, window=None,
-                 sinks=False):
+                 sinks=False, mla=None):
         self.heads = heads
         self.kv_heads = heads if kv_heads is None else kv_heads
         assert bias in (True, False, "qkv")
@@ -70,6 +70,11 @@ class Attention:
         assert window is None or window >= 1
         self.window = window
         self.sinks = sinks
+        # DeepSeek's multi-head latent attention: dict(q_lora (0: one q projection), kv_lora, nope,
+        # rope, v); `bias` True puts biases on the down projections and the output
+        self.mla = mla
+        if mla:
+            self.head_dim = mla["nope"] + mla["rope"]
         assert self.heads % self.kv_heads == 0
 
 
@@ -103,10 +108,13 @@ class LMModel:
     gpt|mixtral, hidden, act, bias)))] -> instances name0, name1, ... per statement."""
 
     def __init__(self, vocab, batch, seqlen, embed, items, position="learned", theta=10000.0,
-                 norm="layernorm", eps=1e-5, tie_embeddings=True, seed=0):
+                 norm="layernorm", eps=1e-5, tie_embeddings=True, seed=0, interleave=False, yarn=None):
         assert position in ("learned", "rope") and norm in ("layernorm", "rmsnorm")
         self.V, self.B, self.L, self.M = vocab, batch, seqlen, embed
         self.position, self.theta, self.norm, self.eps = position, float(theta), norm, float(eps)
+        # rope on adjacent pairs (DeepSeek); yarn: dict(factor, original, beta_fast, beta_slow,
+        # mscale, mscale_all_dim, truncate) as the manual's §7.2
+        self.interleave, self.yarn = interleave, yarn
         self.tie, self.seed = tie_embeddings, seed
         self.items = items
         self.layers = []
@@ -133,11 +141,15 @@ class LMModel:
             sh[n + ".attn.wq"] = (M, at.heads * d)
             sh[n + ".attn.wk"] = (M, at.kv_heads * d)
             sh[n + ".attn.wv"] = (M, at.kv_heads * d)
-            sh[n + ".attn.wo"] = (at.heads * d, M)
+            sh[n + ".attn.wo"] = (at.heads * (at.mla["v"] if at.mla else d), M)
             if at.bias_qkv:
                 sh[n + ".attn.bq"] = (at.heads * d,)
                 sh[n + ".attn.bk"] = (at.kv_heads * d,)
                 sh[n + ".attn.bv"] = (at.kv_heads * d,)
+            if at.mla:
+                del sh[n + ".attn.wq"], sh[n + ".attn.wk"], sh[n + ".attn.wv"]
+                sh.pop(n + ".attn.bq", None), sh.pop(n + ".attn.bk", None), sh.pop(n + ".attn.bv", None)
+                sh.update(mla_shapes(n + ".attn.", at, M))
             if at.bias_o:
                 sh[n + ".attn.bo"] = (M,)
             if at.sinks:
@@ -190,21 +202,165 @@ def norm_backward(kind, cache, w, dy):
     return r * (dxh - xh * (dxh * xh).mean(axis=1, keepdims=True)), dw, None
 
 
-def rope_tables(L, d, theta):
-    """cos, sin [L, d/2]: angle of position i, pair c = i * theta^(-2c/d)."""
+def yarn_mscale(factor, m):
+    return 1.0 if factor <= 1 else 0.1 * m * math.log(factor) + 1.0
+
+
+def rope_tables(model, L, d):
+    """cos, sin [L, d/2]: angle of position i, pair c = i * theta^(-2c/d); with yarn the turn
+    blended with its 1/factor over the ramp, cos and sin times the attention factor."""
     c = np.arange(d // 2, dtype=np.float64)
-    ang = np.arange(L, dtype=np.float64)[:, None] * theta ** (-2.0 * c / d)[None, :]
-    return np.cos(ang), np.sin(ang)
+    theta, y = model.theta, model.yarn
+    freq, scale = theta ** (-2.0 * c / d), 1.0
+    if y:
+        def dim(turns):
+            return d * math.log(y["original"] / (turns * 2 * math.pi)) / (2 * math.log(theta))
+        low, high = dim(y.get("beta_fast", 32.0)), dim(y.get("beta_slow", 1.0))
+        if y.get("truncate", True):
+            low, high = math.floor(low), math.ceil(high)
+        low, high = max(low, 0), min(high, d - 1)
+        if low == high:
+            high += 0.001
+        r = np.clip((c - low) / (high - low), 0, 1)
+        freq = freq / y["factor"] * r + freq * (1 - r)
+        m, a = y.get("mscale", 0), y.get("mscale_all_dim", 0)
+        scale = (yarn_mscale(y["factor"], m) / yarn_mscale(y["factor"], a) if m > 0 and a > 0
+                 else yarn_mscale(y["factor"], 1.0))
+    ang = np.arange(L, dtype=np.float64)[:, None] * freq[None, :]
+    return np.cos(ang) * scale, np.sin(ang) * scale
 
 
-def rope_apply(a, cos, sin, inverse=False):
-    """a [..., L, d]: (u, w) -> (u cos - w sin, w cos + u sin); inverse (the transpose, for the
-    backward): (u cos + w sin, w cos - u sin)."""
-    h = a.shape[-1] // 2
-    u, w = a[..., :h], a[..., h:]
+def scores_scale(model, d):
+    """1/sqrt(d), times yarn's mscale(factor, mscale_all_dim)^2 when it has mscale_all_dim."""
+    y = model.yarn
+    f = yarn_mscale(y["factor"], y["mscale_all_dim"]) ** 2 if y and y.get("mscale_all_dim", 0) > 0 else 1.0
+    return f / math.sqrt(d)
+
+
+def rope_apply(a, cos, sin, inverse=False, interleave=False):
+    """a [..., L, d]: each pair (u, w) -> (u cos - w sin, w cos + u sin), the pairs the halves
+    (c, c + d/2) or, interleaved, (2c, 2c + 1); inverse (the transpose, for the backward):
+    (u cos + w sin, w cos - u sin)."""
     if inverse:
         sin = -sin
+    if interleave:
+        u, w = a[..., 0::2], a[..., 1::2]
+        out = np.empty_like(a)
+        out[..., 0::2], out[..., 1::2] = u * cos - w * sin, w * cos + u * sin
+        return out
+    h = a.shape[-1] // 2
+    u, w = a[..., :h], a[..., h:]
     return np.concatenate([u * cos - w * sin, w * cos + u * sin], axis=-1)
+
+
+def mla_shapes(pre, at, M):
+    m, H = at.mla, at.heads
+    dq, K = m["nope"] + m["rope"], m["kv_lora"]
+    sh = {}
+    if m.get("q_lora"):
+        sh[pre + "wq_a"] = (M, m["q_lora"])
+        if at.bias_qkv:
+            sh[pre + "bq_a"] = (m["q_lora"],)
+        sh[pre + "q_a_norm.weight"] = (m["q_lora"],)
+        sh[pre + "wq_b"] = (m["q_lora"], H * dq)
+    else:
+        sh[pre + "wq"] = (M, H * dq)
+    sh[pre + "wkv_a"] = (M, K + m["rope"])
+    if at.bias_qkv:
+        sh[pre + "bkv_a"] = (K + m["rope"],)
+    sh[pre + "kv_a_norm.weight"] = (K,)
+    sh[pre + "wkv_b"] = (K, H * (m["nope"] + m["v"]))
+    return sh
+
+
+def softmax_rows(at, s, p, L):
+    """The masked rows' softmax of scores s [B, H, L, L] (with the sinks p["sinks"] [H] in each
+    denominator): probabilities and the sinks' share (None without)."""
+    H = s.shape[1]
+    s = np.where(window_mask(L, at.window), s, -np.inf)
+    sink = p["sinks"].reshape(1, H, 1, 1) if at.sinks else None
+    mx = s.max(axis=-1, keepdims=True)
+    if at.sinks:   # the sink: a logit in the denominator, no value
+        mx = np.maximum(mx, sink)
+    e = np.exp(s - mx)
+    den = e.sum(axis=-1, keepdims=True) + (np.exp(sink - mx) if at.sinks else 0)
+    return e / den, (np.exp(sink - mx) / den if at.sinks else None)
+
+
+def mla_forward(model, ly, p, x):
+    """Multi-head latent attention (manual §7.2 `mla`): q (through q_lora's bottleneck and its
+    RMSNorm), the latent c and the shared rope key from x·Wkv_a, kv = rms(c)·Wkv_b [k_nope | v]
+    per head; heads [q_nope | q_rope]; scores (q_nope·k_nope + rope(q_rope)·rope(kr)) * scale."""
+    B, L = model.B, model.L
+    at, m, H = ly.attn, ly.attn.mla, ly.attn.heads
+    dn, dr, dv, K = m["nope"], m["rope"], m["v"], m["kv_lora"]
+    c = dict(x=x)
+    if m.get("q_lora"):
+        qa = x @ p["wq_a"] + (p["bq_a"] if at.bias_qkv else 0)
+        c["qan"], c["qa_cache"] = norm_forward("rmsnorm", model.eps, qa, p["q_a_norm.weight"], None)
+        q = c["qan"] @ p["wq_b"]
+    else:
+        q = x @ p["wq"]
+    ckv = x @ p["wkv_a"] + (p["bkv_a"] if at.bias_qkv else 0)
+    c["cn"], c["c_cache"] = norm_forward("rmsnorm", model.eps, ckv[:, :K], p["kv_a_norm.weight"], None)
+    kv4 = (c["cn"] @ p["wkv_b"]).reshape(B, L, H, dn + dv).transpose(0, 2, 1, 3)
+    q4 = q.reshape(B, L, H, dn + dr).transpose(0, 2, 1, 3)
+    kr = ckv[:, K:].reshape(B, L, 1, dr).transpose(0, 2, 1, 3)           # [B, 1, L, dr]
+    rope = tuple(t.astype(x.dtype) for t in rope_tables(model, L, dr))
+    qr = rope_apply(q4[..., dn:], *rope, interleave=model.interleave)
+    krr = rope_apply(kr, *rope, interleave=model.interleave)
+    qn, kn, v4 = q4[..., :dn], kv4[..., :dn], kv4[..., dn:]
+    scale = scores_scale(model, dn + dr)
+    s = (qn @ kn.transpose(0, 1, 3, 2) + qr @ krr.transpose(0, 1, 3, 2)) * scale
+    pr, psink = softmax_rows(at, s, p, L)
+    o = (pr @ v4).transpose(0, 2, 1, 3).reshape(B * L, H * dv)
+    y = o @ p["wo"] + (p["bo"] if at.bias_o else 0)
+    c.update(qn=qn, kn=kn, v4=v4, qr=qr, krr=krr, pr=pr, psink=psink, o=o, rope=rope, scale=scale)
+    return y, c
+
+
+def mla_backward(model, ly, p, c, dy):
+    B, L = model.B, model.L
+    at, m, H = ly.attn, ly.attn.mla, ly.attn.heads
+    dn, dr, dv, K = m["nope"], m["rope"], m["v"], m["kv_lora"]
+    S, x = B * L, c["x"]
+    gr = {"wo": c["o"].T @ dy}
+    if at.bias_o:
+        gr["bo"] = dy.sum(axis=0)
+    do4 = (dy @ p["wo"].T).reshape(B, L, H, dv).transpose(0, 2, 1, 3)
+    pr = c["pr"]
+    dpr = do4 @ c["v4"].transpose(0, 1, 3, 2)
+    dv4 = pr.transpose(0, 1, 3, 2) @ do4
+    D = (dpr * pr).sum(axis=-1, keepdims=True)
+    ds = pr * (dpr - D) * c["scale"]
+    if at.sinks:
+        gr["sinks"] = -(c["psink"] * D).sum(axis=(0, 2, 3))
+    dqn, dkn = ds @ c["kn"], ds.transpose(0, 1, 3, 2) @ c["qn"]
+    dqr = rope_apply(ds @ c["krr"], *c["rope"], inverse=True, interleave=model.interleave)
+    dkr = rope_apply((ds.transpose(0, 1, 3, 2) @ c["qr"]).sum(axis=1, keepdims=True), *c["rope"],
+                     inverse=True, interleave=model.interleave)
+    dq = np.concatenate([dqn, dqr], axis=-1).transpose(0, 2, 1, 3).reshape(S, H * (dn + dr))
+    dkv = np.concatenate([dkn, dv4], axis=-1).transpose(0, 2, 1, 3).reshape(S, H * (dn + dv))
+    gr["wkv_b"] = c["cn"].T @ dkv
+    dc, gr["kv_a_norm.weight"], _ = norm_backward("rmsnorm", c["c_cache"], p["kv_a_norm.weight"],
+                                                  dkv @ p["wkv_b"].T)
+    dckv = np.concatenate([dc, dkr.transpose(0, 2, 1, 3).reshape(S, dr)], axis=1)
+    gr["wkv_a"] = x.T @ dckv
+    if at.bias_qkv:
+        gr["bkv_a"] = dckv.sum(axis=0)
+    dx = dckv @ p["wkv_a"].T
+    if m.get("q_lora"):
+        gr["wq_b"] = c["qan"].T @ dq
+        dqa, gr["q_a_norm.weight"], _ = norm_backward("rmsnorm", c["qa_cache"], p["q_a_norm.weight"],
+                                                      dq @ p["wq_b"].T)
+        gr["wq_a"] = x.T @ dqa
+        if at.bias_qkv:
+            gr["bq_a"] = dqa.sum(axis=0)
+        dx = dx + dqa @ p["wq_a"].T
+    else:
+        gr["wq"] = x.T @ dq
+        dx = dx + dq @ p["wq"].T
+    return dx, gr
 
 
 def qk_norm_forward(model, ly, x, w, heads):
@@ -231,6 +387,8 @@ def window_mask(L, window):
 
 def attn_forward(model, ly, p, x):
     """x [S, M] (normed); p: short names wq, wk, wv, wo, bq, bk, bv, bo."""
+    if ly.attn.mla:
+        return mla_forward(model, ly, p, x)
     B, L = model.B, model.L
     at, d = ly.attn, ly.d
     H, KV = at.heads, at.kv_heads
@@ -249,20 +407,13 @@ def attn_forward(model, ly, p, x):
     v4 = v.reshape(B, L, KV, d).transpose(0, 2, 1, 3)
     rope = None
     if model.position == "rope":
-        rope = tuple(t.astype(x.dtype) for t in rope_tables(L, d, model.theta))
-        q4, k4 = rope_apply(q4, *rope), rope_apply(k4, *rope)
+        rope = tuple(t.astype(x.dtype) for t in rope_tables(model, L, d))
+        q4 = rope_apply(q4, *rope, interleave=model.interleave)
+        k4 = rope_apply(k4, *rope, interleave=model.interleave)
     kh = np.repeat(k4, g, axis=1)                             # head h reads kv head h // g
     vh = np.repeat(v4, g, axis=1)
-    s = q4 @ kh.transpose(0, 1, 3, 2) / math.sqrt(d)          # [B, H, L, L]
-    s = np.where(window_mask(L, at.window), s, -np.inf)
-    sink = p["sinks"].reshape(1, H, 1, 1) if at.sinks else None
-    mx = s.max(axis=-1, keepdims=True)
-    if at.sinks:   # the sink: a logit in the denominator, no value
-        mx = np.maximum(mx, sink)
-    e = np.exp(s - mx)
-    den = e.sum(axis=-1, keepdims=True) + (np.exp(sink - mx) if at.sinks else 0)
-    pr = e / den
-    psink = np.exp(sink - mx) / den if at.sinks else None
+    s = q4 @ kh.transpose(0, 1, 3, 2) * scores_scale(model, d)  # [B, H, L, L]
+    pr, psink = softmax_rows(at, s, p, L)
     o4 = pr @ vh                                              # [B, H, L, d]
     o = o4.transpose(0, 2, 1, 3).reshape(B * L, H * d)
     y = o @ p["wo"]
@@ -272,6 +423,8 @@ def attn_forward(model, ly, p, x):
 
 
 def attn_backward(model, ly, p, c, dy):
+    if ly.attn.mla:
+        return mla_backward(model, ly, p, c, dy)
     B, L = model.B, model.L
     at, d = ly.attn, ly.d
     H, KV = at.heads, at.kv_heads
@@ -285,7 +438,7 @@ def attn_backward(model, ly, p, c, dy):
     dpr = do4 @ c["vh"].transpose(0, 1, 3, 2)
     dvh = pr.transpose(0, 1, 3, 2) @ do4
     D = (dpr * pr).sum(axis=-1, keepdims=True)
-    ds = pr * (dpr - D) / math.sqrt(d)
+    ds = pr * (dpr - D) * scores_scale(model, d)
     if at.sinks:   # d sink = sum over rows of p_sink (0 - D)
         gr["sinks"] = -(c["psink"] * D).sum(axis=(0, 2, 3))
     dq4 = ds @ c["kh"]
@@ -293,8 +446,8 @@ def attn_backward(model, ly, p, c, dy):
     dk4 = dkh.reshape(B, KV, g, L, d).sum(axis=2)
     dv4 = dvh.reshape(B, KV, g, L, d).sum(axis=2)
     if c["rope"] is not None:
-        dq4 = rope_apply(dq4, *c["rope"], inverse=True)
-        dk4 = rope_apply(dk4, *c["rope"], inverse=True)
+        dq4 = rope_apply(dq4, *c["rope"], inverse=True, interleave=model.interleave)
+        dk4 = rope_apply(dk4, *c["rope"], inverse=True, interleave=model.interleave)
     dq = dq4.transpose(0, 2, 1, 3).reshape(B * L, H * d)
     dk = dk4.transpose(0, 2, 1, 3).reshape(B * L, KV * d)
     dv = dv4.transpose(0, 2, 1, 3).reshape(B * L, KV * d)
@@ -647,6 +800,20 @@ SELFTEST_CASES = [
                               renormalize=True, aux_loss=0.05))),
       ("fa", 1, dict(attention=dict(heads=2, bias=True, sinks=True),
                      mlp=dict(ffn="mixtral", hidden=6)))], None),
+    # DeepSeek's multi-head latent attention with q LoRA (and biases on the down projections and
+    # o), then without (and a window of 3), v narrower than the heads, rope on adjacent pairs,
+    # yarn with both mscales (the scores scaled by mscale_all_dim's) and untruncated
+    ("deepseek: mla with q_lora + yarn + interleave; mla without q_lora, window 3",
+     dict(vocab=9, batch=2, seqlen=5, embed=8, position="rope", theta=100.0, norm="rmsnorm",
+          eps=1e-6, tie_embeddings=False, seed=37, interleave=True,
+          yarn=dict(factor=4.0, original=2, beta_fast=32.0, beta_slow=1.0, mscale=0.8,
+                    mscale_all_dim=0.6, truncate=False)),
+     [("ql", 1, dict(attention=dict(heads=2, bias=True, mla=dict(q_lora=5, kv_lora=4, nope=2, rope=4, v=3)),
+                     moe=dict(experts=4, hidden=5, k=2, capacity=1.0, ffn="mixtral",
+                              renormalize=True, aux_loss=0.05))),
+      ("kv", 1, dict(attention=dict(heads=2, bias=False, window=3,
+                                    mla=dict(q_lora=0, kv_lora=3, nope=4, rope=2, v=2)),
+                     mlp=dict(ffn="mixtral", hidden=6)))], None),
     # transformers' load-balancing loss (aux "pooled"): one loss over a k 2 and a k 1 layer
     # (drops counted: F counts every top-k choice), the gradient coef E F_e/N into both
     ("pooled: aux pooled over k2 (drops) and k1 layers, rope rmsnorm",
@@ -676,6 +843,8 @@ def selftest():
         base = forward(model, params, tokens, want_grads=False)
         att_err = 0.0
         for ly, c in zip(model.layers, base["caches"]):
+            if ly.attn.mla or model.interleave or model.yarn:   # the loops know plain rope only
+                continue
             p = sub(params, ly.name + ".attn.")
             y, _ = attn_forward(model, ly, p, c["xa"])
             att_err = max(att_err, float(np.abs(y - naive_attention(model, ly, p, c["xa"])).max()))

@@ -158,6 +158,18 @@ CONFIGS = [
       ("grp", 1, dict(attention=dict(heads=2, bias=False),
                       moe=dict(GPT_FFN, k=1, capacity=1.0, **LOSSES)))],
      dict(expect="drops")),
+    # DeepSeek-V2/V3's multi-head latent attention: with q LoRA and biases (the down projections'
+    # and o), yarn (both mscales: the scores scaled too; untruncated) and rope on adjacent pairs;
+    # then without q LoRA, v narrower than nope + rope, a window of 3 and sinks
+    ("m_deepseek_mla", dict(position="rope", norm="rmsnorm", eps=1e-6, tie_embeddings=False, interleave=True,
+                            yarn=dict(factor=4.0, original=4, beta_fast=32.0, beta_slow=1.0, mscale=0.8,
+                                      mscale_all_dim=0.6, truncate=False)),
+     [("ql", 1, dict(attention=dict(heads=4, bias=True, mla=dict(q_lora=6, kv_lora=5, nope=4, rope=4, v=6)),
+                     moe=dict(MIX_FFN, k=2, capacity="*", renormalize=True, **LOSSES))),
+      ("kv", 1, dict(attention=dict(heads=2, bias=False, window=3, sinks=True,
+                                    mla=dict(q_lora=0, kv_lora=4, nope=6, rope=2, v=4)),
+                     moe=dict(MIX_FFN, k=2, capacity=0.75, **LOSSES)))],
+     dict(expect="drops")),
     # gpt-oss's attention: learned sinks (a logit per head in each row's softmax, no value) under a
     # sliding window of 3 and over the whole sequence, q/k/v and o biases, GQA 4/2; its router
     # (a bias is the gate's own; top-k then softmax over the chosen: renormalised)
@@ -177,8 +189,20 @@ def make_model(fields, items):
 def lm_text(model_name, fields, items):
     """The .moe source of a config (DESIGN §2.1's syntax)."""
     pos = fields.get("position", "learned") + ";"          # a block takes no `;` after it
-    if fields.get("position") == "rope" and "theta" in fields:
-        pos = "rope { theta %r; }" % float(fields["theta"])
+    if fields.get("position") == "rope" and ("theta" in fields or "yarn" in fields or "interleave" in fields):
+        inner = "theta %r;" % float(fields.get("theta", 10000.0))
+        if fields.get("interleave"):
+            inner += " interleave true;"
+        y = fields.get("yarn")
+        if y:
+            inner += " yarn { factor %r; original %d; beta_fast %r; beta_slow %r;" % (
+                float(y["factor"]), y["original"], float(y.get("beta_fast", 32.0)), float(y.get("beta_slow", 1.0)))
+            for k in ("mscale", "mscale_all_dim"):
+                if y.get(k):
+                    inner += " %s %r;" % (k, float(y[k]))
+            inner += "" if y.get("truncate", True) else " truncate false;"
+            inner += " }"
+        pos = "rope { %s }" % inner
     norm = fields.get("norm", "layernorm") + ";"
     if "eps" in fields:
         norm = norm[:-1] + " { eps %r; }" % float(fields["eps"])
@@ -203,6 +227,10 @@ def lm_text(model_name, fields, items):
             fields_at.append("window %d;" % at["window"])
         if at.get("sinks"):
             fields_at.append("sinks true;")
+        if at.get("mla"):
+            m = at["mla"]
+            fields_at.append("mla { %skv_lora %d; nope %d; rope %d; v %d; }" % (
+                "q_lora %d; " % m["q_lora"] if m.get("q_lora") else "", m["kv_lora"], m["nope"], m["rope"], m["v"]))
         out.append("layer %s%s {" % (name, " x %d" % repeat if repeat != 1 else ""))
         out.append("  attention { %s }" % " ".join(fields_at))
         if "moe" in kw:
