@@ -244,7 +244,7 @@ def family_checks(family):
     compare_forward(f"{family} (BF16, {len(shards)} shards)", ref, src_bf)
 
     sgd_check(family, family, src, {})
-    if family == "deepseek_v3":
+    if family in ("deepseek_v3", "gpt_oss"):
         layout_check(family, prefix)
 
 
