@@ -216,8 +216,12 @@ static bool check_direction(RtTrainer *tr, Check *cx, const RtParam *p, const fl
     if (!measure_direction(tr, cx, p, u, t, &m))
       return false;
     DirResult r = classify_direction(cx, &m);
-    if (r == DIR_NOISE && !missed && halvings == 0 && growths < CHECK_DIR_GROWTHS) {
-      // The noise is about constant in the loss: a longer step divides its share.
+    // The noise is about constant in the loss: a longer step divides its share, while D(t) and
+    // D(t/2) agree (else the jitter measured curvature, not rounding, and a longer step leaves
+    // the neighbourhood: a function that flattens out, as gpt-oss's clamps do, then looks smooth
+    // and wrong far away; the result stays "noise").
+    if (r == DIR_NOISE && !missed && halvings == 0 && growths < CHECK_DIR_GROWTHS &&
+        m.curv <= m.noise + CHECK_DIR_RTOL * m.scale) {
       out->result = DIR_NOISE;
       growths++;
       t *= 4;

@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
 # The thread pool (runtime/threads.c) and the vector paths (rt_internal.h, RT_VECTOR_PATHS): the
-# results depend neither on the number of threads nor on the vector path. Three models train 3
+# results depend neither on the number of threads nor on the vector path. Four models train 3
 # steps with --dump: tests/models/threads.moe (a GELU MoE stack), tests/models/threads_swiglu.moe
-# (SwiGLU experts, a shared expert, bf16 compression hooks, 4 and 8 experts) and
-# lang/models/gpt_moe_bytes.moe (the demo's language model: attention, layernorm, cross-entropy).
+# (SwiGLU experts, a shared expert, bf16 compression hooks, 4 and 8 experts),
+# tests/models/threads_oss.moe (gpt-oss's clamped SwiGLU experts) and lang/models/gpt_moe_bytes.moe
+# (the demo's language model: attention, layernorm, cross-entropy).
 # Each runs on every vector path this CPU can execute (MOERT_VECTOR: avx512, avx2, baseline; a
 # path the program refuses is one skip line), with OpenBLAS's kernels of that level
 # (OPENBLAS_CORETYPE SkylakeX, Haswell, Prescott), on OMP_NUM_THREADS 1, 2 and 3 with each GEMM in
@@ -37,7 +38,7 @@ run() {
   sed -n 's/  time .*//p' "$2.o" | grep '^step' >"$2.s"
 }
 
-for model in tests/models/threads.moe tests/models/threads_swiglu.moe lang/models/gpt_moe_bytes.moe; do
+for model in tests/models/threads.moe tests/models/threads_swiglu.moe tests/models/threads_oss.moe lang/models/gpt_moe_bytes.moe; do
   name=$(basename "$model" .moe)
   if ! "$MOEC" build "$model" -o "$WORK/$name" 2>"$WORK/err"; then bad "threads $name: build" "$(cat "$WORK/err")"; continue; fi
   if [ -n "$omp" ] && ! ldd "$WORK/$name" | grep -q libgomp; then

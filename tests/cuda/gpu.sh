@@ -8,7 +8,7 @@
 #   models           $BUILD/cuda/models/NAME.cuda and NAME.cpu (`make gpu-models`, which runs
 #                    this script with --build-models: tiny, switch, mixtral, expert_choice,
 #                    gpt_moe_bytes and llama_moe (language models), the gate x order x expert
-#                    matrix of tests/cuda/matrix.sh (30 stacks) for sm_90, and tiny for sm_80,
+#                    matrix of tests/cuda/matrix.sh (34 stacks) for sm_90, and tiny for sm_80,
 #                    whose PTX the driver compiles for a newer GPU):
 #                    3 training steps and the first step's
 #                    --dump (output and every whole gradient) equal to the CPU binary's to 1e-4
@@ -60,7 +60,7 @@ TOL=1e-4
 WORK=$(mktemp -d "${TMPDIR:-/tmp}/moec-gpu.XXXXXX")
 OUT=$WORK/lines
 trap 'rm -rf "$WORK"' EXIT
-# The gate x order x expert matrix (tests/cuda/matrix.sh: 30 stacks of small layers that hold
+# The gate x order x expert matrix (tests/cuda/matrix.sh: 34 stacks of small layers that hold
 # every configuration of the CPU gradient check's matrix).
 MATRIX_MODELS=$(bash tests/cuda/matrix.sh "$WORK/matrix")
 . tests/cuda/common.sh

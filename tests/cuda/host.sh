@@ -4,7 +4,7 @@
 # build/cuda/libfake_cuda.a (tests/cuda/fake_cuda.cpp: rt_cuda.h on host memory, the kernels
 # emulated on the CPU, GEMMs and collectives by libmoert); its runs are compared with the CPU
 # program of the same model:
-#   - the gate x order x expert matrix (tests/cuda/matrix.sh, 30 stacks): losses and --dump bit
+#   - the gate x order x expert matrix (tests/cuda/matrix.sh, 34 stacks): losses and --dump bit
 #     for bit;
 #   - zoo models of different gates, orders, experts and hooks on one rank, and two layouts on
 #     4 ranks (scheduled streams with events, EP AlltoAll, ESP AllGather/ReduceScatter, MP,
@@ -106,7 +106,7 @@ MODELS="$MODELS lm_qknorm:tests/models/grad_lm_qknorm.moe lm_qknorm_mp:$WORK/lm_
 MODELS="$MODELS router_bias:tests/models/grad_router_bias.moe"
 MODELS="$MODELS deepseek_gate:tests/models/grad_deepseek_gate.moe lm_glm:tests/models/grad_lm_glm.moe lm_mla:tests/models/grad_lm_mla.moe"
 # The gate x order x expert matrix (tests/cuda/matrix.sh: every configuration of the CPU gradient
-# check's matrix, as layers of 30 small stacks), the models tests/cuda/gpu.sh runs on a GPU.
+# check's matrix, as layers of 34 small stacks), the models tests/cuda/gpu.sh runs on a GPU.
 bash tests/cuda/matrix.sh "$WORK/matrix" >"$WORK/matrix.names"
 for name in $(cat "$WORK/matrix.names"); do MODELS="$MODELS $name:$WORK/matrix/$name.moe"; done
 for entry in $MODELS; do

@@ -6,14 +6,15 @@
 # gshard and with ffn gpt (GELU, biases) or ffn mixtral (SwiGLU)) is one layer of a small stack;
 # a stack holds the layers of one gate and capacity (3 layers) or the other gates (5 layers),
 # deep enough to share a build and shallow enough that the activations stay small: 28 models,
-# then matrix_hooks (record hooks at all six points) and matrix_renorm (`renormalize` against its
-# default: gshard and xmoe with k 1 renormalised, every gate 1, and k 2 with the raw scores;
-# sigmoid scores renormalised).
+# then matrix_ORDER_oss_token and _other (ffn oss, gpt-oss's experts, under each gate: the token
+# choice gates with drops, then dropless, expert choice and soft MoE), matrix_hooks (record hooks
+# at all six points) and matrix_renorm (`renormalize` against its default: gshard and xmoe with
+# k 1 renormalised, every gate 1, and k 2 with the raw scores; sigmoid scores renormalised).
 #
 #   bash tests/cuda/matrix.sh DIR      # tests/cuda/host.sh (fake device), tests/cuda/gpu.sh
 #
 # Names: matrix_ORDER_EXPERT_GROUP, GROUP one of gshard4, gshard06, sigmoid4, sigmoid06, xmoe4,
-# xmoe06 (the gate and capacity 4.0 or 0.6), other.
+# xmoe06 (the gate and capacity 4.0 or 0.6), other; matrix_ORDER_oss_token, _oss_other.
 set -eu
 dir=${1:?usage: matrix.sh DIR}
 mkdir -p "$dir"
@@ -57,6 +58,17 @@ for expert in gpt mixtral; do
     stack $order "$eblock" "${layers[@]}" >"$dir/matrix_${order}_${expert}_other.moe"
     echo "matrix_${order}_${expert}_other"
   done
+done
+# gpt-oss's experts (ffn oss: clamped SwiGLU with biases) under every gate, two stacks of 3 per
+# order (the CPU matrix runs each configuration of it as a model of its own).
+for order in tutel gshard; do
+  stack $order "ffn oss { hidden 24; }" "gshard { k 2; capacity 0.6; noise 0.5; aux_loss 0.1; z_loss 0.01; bias true; }|8" \
+    "sigmoid { k 1; capacity 4.0; noise 0.5; aux_loss 0.1; }|8" "xmoe { k 2; capacity 0.6; proj 8; z_loss 0.01; }|8" \
+    >"$dir/matrix_${order}_oss_token.moe"
+  stack $order "ffn oss { hidden 24; }" "gshard { k 2; capacity *; noise 0.5; aux_loss 0.1; }|4" \
+    "expert_choice { k 2; capacity 0.75; groups 2; }|4" "softmoe { slots 2; }|4" >"$dir/matrix_${order}_oss_other.moe"
+  echo "matrix_${order}_oss_token"
+  echo "matrix_${order}_oss_other"
 done
 hooks=""
 for p in before_moe_start before_dispatch after_dispatch before_combine after_combine before_moe_end; do

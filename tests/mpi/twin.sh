@@ -3,8 +3,8 @@
 # P-rank run (mpirun) and its single-rank twin (the same global batch, one routing group per
 # rank: `groups dp*mp`) must give the same losses for 3 steps and the same loss, output and
 # whole gradients at step 1 (--dump), to 1e-5 relative. With k 2 the router has a learned bias
-# (`bias true`, replicated like its weight). Prints `ok    ...` / `FAIL  ...` lines;
-# exits 1 on any failure.
+# (`bias true`, replicated like its weight). Then the shared expert and gpt-oss's experts on every
+# layout. Prints `ok    ...` / `FAIL  ...` lines; exits 1 on any failure.
 set -u
 cd "$(dirname "$0")/../.."
 BUILD=${BUILD:-build}
@@ -86,29 +86,51 @@ layer blk x 2 {
 }
 EOF
 }
-while IFS=: read -r name P dp mp ep esp gpn; do
-  label="$name shared expert (gated)"
-  printf 'cluster c { nodes %d; gpus_per_node %d;\n gemm { alpha 1e-2; beta 1e-11; } alltoall { alpha 1e-1; beta 1e-7; }\n allgather { alpha 1e-1; beta 1e-7; } reducescatter { alpha 1e-1; beta 1e-7; } allreduce { alpha 1e-1; beta 1e-7; } }\n' \
-    "$((P / gpn))" "$gpn" >"$WORK/c.cluster"
-  shared_model twin $((2 * dp)) $((dp * mp)) "" "" >"$WORK/twin.moe"
-  shared_model par 2 1 "parallel { dp $dp; mp $mp; ep $ep; esp $esp; }" "cluster \"$WORK/c.cluster\";" >"$WORK/par.moe"
-  if ! "$MOEC" build "$WORK/twin.moe" -o "$WORK/twin" 2>"$WORK/err" || ! "$MOEC" build "$WORK/par.moe" -o "$WORK/par" 2>>"$WORK/err"; then
-    bad "$label: build" "$(cat "$WORK/err")"; continue
-  fi
-  rm -rf "$WORK/twin.dump" "$WORK/par.dump"
-  if ! (cd "$WORK" && timeout "$TIMEOUT" ./twin --steps 3 --dump twin.dump >twin.out 2>&1 </dev/null); then
-    bad "$label: twin run" "$(tail -n 20 "$WORK/twin.out")"; continue
-  fi
-  if ! (cd "$WORK" && timeout "$TIMEOUT" $MPIRUN -np "$P" ./par --steps 3 --dump par.dump >par.out 2>&1 </dev/null); then
-    bad "$label: mpirun -np $P" "$(tail -n 20 "$WORK/par.out")"; continue
-  fi
-  if ! same_losses "$WORK/twin.out" "$WORK/par.out"; then
-    bad "$label: losses differ from the single-rank twin" "$(paste <(losses "$WORK/twin.out") <(losses "$WORK/par.out"))"; continue
-  fi
-  if result=$(compare_dumps "$WORK/twin.dump" "$WORK/par.dump"); then
-    ok "$label: losses and dump equal the single-rank twin: $result"
-  else
-    bad "$label: dump differs from the single-rank twin" "$result"
-  fi
-done <<<"$layouts"
+# gpt-oss's experts (`ffn oss`: W1 and W3 with their biases split by columns over ESP, W2 by
+# rows, b2 whole) behind gpt-oss's router (a bias), 4 layers, so that the residual stream grows
+# into the clamps (gate above 7, up beyond +-7) in the last. Every layout, k 2, nccl.
+oss_model() {  # name batch groups parallel-line cluster-line
+  cat <<EOF
+model $1 { batch $2; seqlen 8; embed 16; seed 9; optimizer adamw { lr 0.01; } }
+$4
+$5
+layer blk x 4 {
+  moe {
+    experts 8 { ffn oss { hidden 32; } }
+    gate gshard { k 2; capacity 0.8; noise 0.5; aux_loss 0.1; z_loss 0.01; groups $3; bias true; }
+  }
+}
+EOF
+}
+# twin_layouts WHAT MODEL-FUNCTION: each layout above, nccl, against its single-rank twin.
+twin_layouts() {
+  local what=$1 fn=$2 label name P dp mp ep esp gpn result
+  while IFS=: read -r name P dp mp ep esp gpn; do
+    label="$name $what"
+    printf 'cluster c { nodes %d; gpus_per_node %d;\n gemm { alpha 1e-2; beta 1e-11; } alltoall { alpha 1e-1; beta 1e-7; }\n allgather { alpha 1e-1; beta 1e-7; } reducescatter { alpha 1e-1; beta 1e-7; } allreduce { alpha 1e-1; beta 1e-7; } }\n' \
+      "$((P / gpn))" "$gpn" >"$WORK/c.cluster"
+    "$fn" twin $((2 * dp)) $((dp * mp)) "" "" >"$WORK/twin.moe"
+    "$fn" par 2 1 "parallel { dp $dp; mp $mp; ep $ep; esp $esp; }" "cluster \"$WORK/c.cluster\";" >"$WORK/par.moe"
+    if ! "$MOEC" build "$WORK/twin.moe" -o "$WORK/twin" 2>"$WORK/err" || ! "$MOEC" build "$WORK/par.moe" -o "$WORK/par" 2>>"$WORK/err"; then
+      bad "$label: build" "$(cat "$WORK/err")"; continue
+    fi
+    rm -rf "$WORK/twin.dump" "$WORK/par.dump"
+    if ! (cd "$WORK" && timeout "$TIMEOUT" ./twin --steps 3 --dump twin.dump >twin.out 2>&1 </dev/null); then
+      bad "$label: twin run" "$(tail -n 20 "$WORK/twin.out")"; continue
+    fi
+    if ! (cd "$WORK" && timeout "$TIMEOUT" $MPIRUN -np "$P" ./par --steps 3 --dump par.dump >par.out 2>&1 </dev/null); then
+      bad "$label: mpirun -np $P" "$(tail -n 20 "$WORK/par.out")"; continue
+    fi
+    if ! same_losses "$WORK/twin.out" "$WORK/par.out"; then
+      bad "$label: losses differ from the single-rank twin" "$(paste <(losses "$WORK/twin.out") <(losses "$WORK/par.out"))"; continue
+    fi
+    if result=$(compare_dumps "$WORK/twin.dump" "$WORK/par.dump"); then
+      ok "$label: losses and dump equal the single-rank twin: $result"
+    else
+      bad "$label: dump differs from the single-rank twin" "$result"
+    fi
+  done <<<"$layouts"
+}
+twin_layouts "shared expert (gated)" shared_model
+twin_layouts "ffn oss" oss_model
 exit $failed

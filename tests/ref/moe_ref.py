@@ -1,7 +1,7 @@
 #!/usr/bin/python3
 """Independent numpy reference of the MoE layer stacks moec compiles: every gate (gshard any k,
-sigmoid, xmoe, expert_choice, softmoe), both orders (tutel, gshard: the same math), both experts
-(ffn gpt gelu/relu with or without bias, ffn mixtral), capacity factors and dropless, hooks
+sigmoid, xmoe, expert_choice, softmoe), both orders (tutel, gshard: the same math), every expert
+(ffn gpt gelu/relu with or without bias, ffn mixtral, ffn oss), capacity factors and dropless, hooks
 (record; compress fp16 | bf16 | int8 at before_dispatch / before_combine).
 
 Written from DESIGN.md §2 ("Exact semantics"), runtime/moert.h's kernel comments and the gate /
@@ -40,7 +40,10 @@ per MoE layer instance, in order:
   gshard order's einsum, and the tutel order's encode/decode computes the same numbers.
   disp -> hook(before_dispatch) -> experts -> hook(before_combine) -> combine; a compress hook
   is the float32 round trip of runtime/kernels/hook.c forward and the identity backward
-  experts: gpt y = act(disp.W1 + b1).W2 + b2;  mixtral y = (silu(disp.W1) * (disp.W3)).W2
+  experts: gpt y = act(disp.W1 + b1).W2 + b2;  mixtral y = (silu(disp.W1) * (disp.W3)).W2;
+    oss (gpt-oss) y = ((clip(u, -7, 7) + 1) * g' * sigmoid(1.702 g')).W2 + b2 with g = disp.W1 + b1,
+    g' = min(g, 7), u = disp.W3 + b3; the clamps' gradients pass where -7 <= u <= 7 and g <= 7
+    (torch.clamp's, bounds included)
   shared expert (`shared { ffn mixtral { hidden Hs; } [gate sigmoid;] }`): every token's
     s = (silu(x.Ws1) * (x.Ws3)).Ws2, times sigmoid(x.wsg) [S, 1] per token when gated;
     moe = combined routed output + s (before_moe_end records the sum)
@@ -163,7 +166,7 @@ class Layer:
     """One MoE layer instance (`layer NAME x N` gives N of these: NAME0, NAME1, ...).
 
     gate: gshard | sigmoid | xmoe | expert_choice | softmoe; order: tutel | gshard (the same
-    math here; it only matters for the .moe text); ffn: gpt | mixtral; capacity: a factor or
+    math here; it only matters for the .moe text); ffn: gpt | mixtral | oss; capacity: a factor or
     "*" (dropless); renormalize (gshard, xmoe): True | False | None (the default: k > 1);
     hooks: [(point, action)] with action record | fp16 | bf16 | int8 (compress
     at before_dispatch / before_combine, decompressed at the matching after-point).
@@ -176,7 +179,7 @@ class Layer:
                  ffn="gpt", proj=16, slots=1, hooks=(), renormalize=None, shared_hidden=None,
                  shared_gate=False, aux="group", expert_groups=1, topk_groups=None, group_score="top2",
                  scale=1.0, balance=None):
-        assert gate in GATES and order in ("tutel", "gshard") and ffn in ("gpt", "mixtral")
+        assert gate in GATES and order in ("tutel", "gshard") and ffn in ("gpt", "mixtral", "oss")
         assert renormalize is None or gate in ("gshard", "xmoe", "sigmoid"), "renormalize: gshard, sigmoid, xmoe"
         self.renormalize = renormalize
         # DeepSeek's choice (gshard, sigmoid): the experts in expert_groups equal groups, the k
@@ -201,7 +204,7 @@ class Layer:
         self.seqlen = None   # set from the batch by forward_backward and route_margin
         self.gate, self.order, self.ffn, self.proj, self.slots = gate, order, ffn, proj, slots
         self.act = act if ffn == "gpt" else None
-        self.bias = bias if ffn == "gpt" else False
+        self.bias = bias if ffn == "gpt" else ffn == "oss"   # oss: always its biases
         # the shared expert: hidden Hs (None: none), gated by sigmoid(x.wsg) or not
         assert shared_hidden is None or shared_hidden >= 1
         self.shared_hidden, self.shared_gate = shared_hidden, bool(shared_gate and shared_hidden)
@@ -258,6 +261,11 @@ class Layer:
         if self.ffn == "mixtral":
             shapes.update({p + "experts.w1": (E, M, H), p + "experts.w3": (E, M, H),
                            p + "experts.w2": (E, H, M)})
+            return shapes
+        if self.ffn == "oss":
+            shapes.update({p + "experts.w1": (E, M, H), p + "experts.b1": (E, H),
+                           p + "experts.w3": (E, M, H), p + "experts.b3": (E, H),
+                           p + "experts.w2": (E, H, M), p + "experts.b2": (E, M)})
             return shapes
         shapes[p + "experts.w1"] = (E, M, H)
         if self.bias:
@@ -326,6 +334,27 @@ def silu(x):
 def silu_grad(x):
     s = sigmoid(x)
     return s * (1.0 + x * (1.0 - s))
+
+
+OSS_ALPHA, OSS_LIMIT = 1.702, 7.0
+
+
+def oss_act(g, u):
+    """gpt-oss's clamped SwiGLU (transformers' GptOssExperts): (clip(u, -7, 7) + 1) * g' *
+    sigmoid(1.702 g'), g' = min(g, 7)."""
+    gc = np.minimum(g, OSS_LIMIT)
+    return (np.clip(u, -OSS_LIMIT, OSS_LIMIT) + 1.0) * gc * sigmoid(OSS_ALPHA * gc)
+
+
+def oss_act_grads(g, u):
+    """d oss_act / d g and / d u, zero where the clamp holds the value (torch.clamp passes the
+    gradient where min <= x <= max)."""
+    gc = np.minimum(g, OSS_LIMIT)
+    s = sigmoid(OSS_ALPHA * gc)
+    uc = np.clip(u, -OSS_LIMIT, OSS_LIMIT)
+    dg = np.where(g <= OSS_LIMIT, (uc + 1.0) * s * (1.0 + OSS_ALPHA * gc * (1.0 - s)), 0.0)
+    du = np.where((u >= -OSS_LIMIT) & (u <= OSS_LIMIT), gc * s, 0.0)
+    return dg, du
 
 
 # ---------------------------------------------------------------- compression (runtime/kernels/hook.c)
@@ -637,6 +666,12 @@ def expert_forward(ly, p, disp):
         a = silu(h1)
         g = a * h3
         return np.einsum("ech,ehm->ecm", g, p["experts.w2"]), dict(h1=h1, h3=h3, a=a, g=g)
+    if ly.ffn == "oss":
+        h1 = np.einsum("ecm,emh->ech", disp, p["experts.w1"]) + p["experts.b1"][:, None, :]
+        h3 = np.einsum("ecm,emh->ech", disp, p["experts.w3"]) + p["experts.b3"][:, None, :]
+        a = oss_act(h1, h3)
+        y = np.einsum("ech,ehm->ecm", a, p["experts.w2"]) + p["experts.b2"][:, None, :]
+        return y, dict(h1=h1, h3=h3, a=a)
     h = np.einsum("ecm,emh->ech", disp, p["experts.w1"])
     if ly.bias:
         h = h + p["experts.b1"][:, None, :]
@@ -656,6 +691,19 @@ def expert_backward(ly, p, disp, ec, dy):
         dh1 = dg * ec["h3"] * silu_grad(ec["h1"])
         grads["experts.w1"] = np.einsum("ecm,ech->emh", disp, dh1)
         grads["experts.w3"] = np.einsum("ecm,ech->emh", disp, dh3)
+        ddisp = np.einsum("ech,emh->ecm", dh1, p["experts.w1"]) + \
+            np.einsum("ech,emh->ecm", dh3, p["experts.w3"])
+        return ddisp, grads
+    if ly.ffn == "oss":
+        grads["experts.w2"] = np.einsum("ech,ecm->ehm", ec["a"], dy)
+        grads["experts.b2"] = dy.sum(axis=1)
+        da = np.einsum("ecm,ehm->ech", dy, p["experts.w2"])
+        dg, du = oss_act_grads(ec["h1"], ec["h3"])
+        dh1, dh3 = da * dg, da * du
+        grads["experts.w1"] = np.einsum("ecm,ech->emh", disp, dh1)
+        grads["experts.b1"] = dh1.sum(axis=1)
+        grads["experts.w3"] = np.einsum("ecm,ech->emh", disp, dh3)
+        grads["experts.b3"] = dh3.sum(axis=1)
         ddisp = np.einsum("ech,emh->ecm", dh1, p["experts.w1"]) + \
             np.einsum("ech,emh->ecm", dh3, p["experts.w3"])
         return ddisp, grads
@@ -1218,7 +1266,13 @@ def selftest():
             ("b", 1, dict(gate="expert_choice", k=2, capacity=1.0, groups=2, ffn="mixtral",
                           noise=0.5, z_loss=0.01)),
             ("c", 1, dict(gate="softmoe", slots=2, act="relu", bias=False))]),
+        # gpt-oss's experts on inputs 4x larger (OSS_XSCALE), so that the gate passes 7 and the up
+        # projection both -7 and 7 in some filled slots: the clamps' zero gradients are checked too
+        ("oss k2 drops", [("a", 1, dict(k=2, capacity=0.75, ffn="oss", **noisy))]),
+        ("oss stack sigmoid + gshard", [("a", 1, dict(gate="sigmoid", k=1, capacity="*", ffn="oss")),
+                                        ("b", 1, dict(k=2, capacity=2.0, ffn="oss", aux_loss=0.1))]),
     ]
+    OSS_XSCALE = 4.0
     ste_cases = [
         ("ste fp16 disp", [("a", 1, dict(k=2, capacity=1.0, hooks=[("before_dispatch", "fp16")]))]),
         ("ste bf16 comb mixtral", [("a", 1, dict(gate="sigmoid", k=2, capacity=0.5, ffn="mixtral",
@@ -1240,7 +1294,7 @@ def selftest():
     for cname, items in cases:
         layers = expand_layers([(n, r, dict(base_kw, **kw)) for n, r, kw in items])
         params = random_params(layers, rng, 0.5)
-        x = rng.standard_normal((B, L, M))
+        x = rng.standard_normal((B, L, M)) * (OSS_XSCALE if cname.startswith("oss") else 1.0)
         t = rng.standard_normal((B, L, M))
         z_noisy = "z-clean" not in cname
         base, rows, worst, skipped, failed = _fd_check(layers, params, x, t, seed=7, z_noisy=z_noisy)
@@ -1259,6 +1313,16 @@ def selftest():
         if ("dropless" in cname or "nodrop" in cname) and drops:
             print("# %s: expected no drops, got %d" % (cname, drops))
             ok = False
+        # the oss cases reach every clamp in the slots that hold tokens
+        for ly, c in zip(layers, base["caches"]):
+            if ly.ffn != "oss":
+                continue
+            filled = np.abs(c["disp_h"]).sum(axis=2) > 0
+            g, u = c["ec"]["h1"][filled], c["ec"]["h3"][filled]
+            counts = (int((g > OSS_LIMIT).sum()), int((u < -OSS_LIMIT).sum()), int((u > OSS_LIMIT).sum()))
+            print("# %s: layer %s clamps gate > 7, up < -7, up > 7 in %d, %d, %d of %d elements"
+                  % (cname, ly.name, counts[0], counts[1], counts[2], g.size))
+            ok = ok and min(counts) > 0
         # `renormalize` true with k 1 makes every gate exactly 1; false keeps the chosen scores
         for ly, c in zip(layers, base["caches"]):
             if ly.renormalize is None:

@@ -73,8 +73,8 @@ def moe_block(kw, indent="  ", experts=None, hidden=None):
         if kw.get("balance") is not None:
             gate.append("balance bias %r;" % float(kw["balance"]))
     hidden = kw.get("hidden", hidden)
-    if kw.get("ffn", "gpt") == "mixtral":
-        ffn = "ffn mixtral { hidden %d; }" % hidden
+    if kw.get("ffn", "gpt") in ("mixtral", "oss"):
+        ffn = "ffn %s { hidden %d; }" % (kw["ffn"], hidden)
     else:
         ffn = "ffn gpt { hidden %d; act %s; bias %s; }" % (
             hidden, kw.get("act", "gelu"), "true" if kw.get("bias", True) else "false")
@@ -107,7 +107,8 @@ ALL_RECORDS = [(p, "record") for p in ref.HOOK_POINTS]
 NOISY = dict(noise=1.0, aux_loss=0.1, z_loss=0.01)
 
 # (name, layer items, options). Options: grid (exact-arithmetic data for compression, below),
-# expect ("drops" / "nodrop": checked against the reference's routing).
+# expect ("drops" / "nodrop": checked against the reference's routing), xscale (the input times
+# this: gpt-oss's experts then reach their clamps, which the run must show, clamp_stats).
 CONFIGS = [
     # gshard + tutel + ffn gpt (the original four; d_synthetic runs on the binary's own data)
     ("a_k1_nodrop", [("blk", 1, dict(k=1, capacity=4.0))], dict(expect="nodrop")),
@@ -211,6 +212,12 @@ CONFIGS = [
     # 1e-3 of a rounding boundary, in units of its row's scale)
     ("z_softmoe_int8", [("blk", 1, dict(gate="softmoe", slots=2, ffn="mixtral",
                                         hooks=[("before_dispatch", "int8")]))], {}),
+    # gpt-oss's experts (clamped SwiGLU with biases) on inputs large enough to clamp the gate above
+    # and the up projection on both sides in some filled slots
+    ("oss_k2", [("blk", 1, dict(k=2, capacity=0.75, ffn="oss", **NOISY))], dict(expect="drops", xscale=4.0)),
+    ("oss_stack", [("a", 1, dict(gate="sigmoid", k=1, capacity="*", ffn="oss")),
+                   ("b", 1, dict(k=1, capacity=1.0, groups=2, order="gshard", ffn="oss", aux_loss=0.05))],
+     dict(xscale=3.0)),
 ]
 
 
@@ -291,6 +298,24 @@ def int8_margin(layers, params, x):
             u = np.abs(rows) / np.where(mx > 0, mx / 127.0, 1.0)[:, None]
             gap = min(gap, float(np.abs(u - np.floor(u) - 0.5).min()))
     return gap
+
+
+def clamp_stats(layers, params, x):
+    """gpt-oss's clamps in the slots that hold tokens: the smallest distance of a gate or up
+    value to a clamp's edge (g to 7, |u| to 7; float32 rounding must not move one across it) and
+    the counts of gate > 7, up < -7 and up > 7 (None where no layer is oss)."""
+    res = ref.forward_backward(layers, params, x, x, seed=SEED, step=1, want_grads=False)
+    gap, counts = math.inf, None
+    for ly, c in zip(layers, res["caches"]):
+        if ly.ffn != "oss":
+            continue
+        filled = np.abs(c["disp_h"]).sum(axis=2) > 0
+        g, u = c["ec"]["h1"][filled], c["ec"]["h3"][filled]
+        lim = ref.OSS_LIMIT
+        gap = min(gap, float(np.abs(g - lim).min()), float(np.abs(np.abs(u) - lim).min()))
+        n = (int((g > lim).sum()), int((u < -lim).sum()), int((u > lim).sum()))
+        counts = n if counts is None else tuple(a + b for a, b in zip(counts, n))
+    return gap, counts
 
 
 def combine_input_exact(layers, want):
@@ -466,16 +491,23 @@ def run_config(rep, moec, cname, items, opts, tmp):
             x, t = ref.synthetic_batch(SEED, 1, B, L, M)
         else:
             x = grid_input(rng) if grid else rng.standard_normal((B, L, M)).astype(np.float32)
+            x = (x * opts.get("xscale", 1.0)).astype(np.float32)
             t = rng.standard_normal((B, L, M)).astype(np.float32)
         gap = ref.route_margin(layers, params, x, seed=SEED, step=1)
         qgap = math.inf if grid else int8_margin(layers, params, x)
-        if gap > 1e-4 and qgap > 1e-3:
+        cgap, clamps = clamp_stats(layers, params, x)
+        if gap > 1e-4 and qgap > 1e-3 and cgap > 1e-3:
             break
     rep.note("%s: %d layer instance(s) %s, routing margin %.2e%s (weights draw %d)%s"
              % (cname, len(layers), ",".join("%s(%s,%s,%s)" % (ly.name, ly.gate, ly.order, ly.ffn)
                                               for ly in layers),
                 gap, ", int8 rounding margin %.2e" % qgap if qgap < math.inf else "", attempt,
                 ", grid data" if grid else ""))
+    if clamps is not None:
+        rep.note("%s: clamps in filled slots: gate > 7 %d, up < -7 %d, up > 7 %d (nearest edge %.2e away)"
+                 % ((cname,) + clamps + (cgap,)))
+        if opts.get("xscale") and min(clamps) == 0:
+            rep.fail("%s: the input is meant to reach every clamp of the oss experts; counts %r" % (cname, clamps))
     ref.save_safetensors(os.path.join(d, "W.safetensors"), params)
     if not synthetic:
         ref.save_npy(os.path.join(d, "x.npy"), x)

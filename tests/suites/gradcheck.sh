@@ -53,17 +53,21 @@ gradcheck() {  # name model-file: copied to a folder of its own, checked in the 
   spawn "g$n" gradcheck_one "$1" "$WORK/g$n"
   ids+=("g$n")
 }
+# (grad_expert_oss, whose last layers reach gpt-oss's clamps, also with planted errors below)
 for model in tests/models/grad_*.moe; do
-  [ -f "$model" ] && gradcheck "$(basename "$model" .moe)" "$model"
+  [ -f "$model" ] && [ "$model" != tests/models/grad_expert_oss.moe ] && gradcheck "$(basename "$model" .moe)" "$model"
 done
 matrix_model() {  # gate-block order expert-block experts extra-moe-statements
   printf 'model m { batch 2; seqlen 8; embed 16; seed 5; optimizer sgd { lr 0.05; } }\n'
   printf 'layer b x 2 { moe { experts %s { %s } gate %s order %s; %s } }\n' "$4" "$3" "$1" "$2" "${5:-}"
 }
-expert_block() {  # gpt | mixtral
-  case $1 in gpt) echo "ffn gpt { hidden 24; act gelu; bias true; }" ;; mixtral) echo "ffn mixtral { hidden 24; }" ;; esac
+expert_block() {  # gpt | mixtral | oss
+  case $1 in
+    gpt) echo "ffn gpt { hidden 24; act gelu; bias true; }" ;;
+    mixtral | oss) echo "ffn $1 { hidden 24; }" ;;
+  esac
 }
-for expert in gpt mixtral; do
+for expert in gpt mixtral oss; do
   eblock=$(expert_block $expert)
   for order in tutel gshard; do
     for gate in gshard sigmoid xmoe; do
@@ -92,7 +96,8 @@ done
 # from the aux and z losses only) and k 2 with the raw softmax scores, gshard and xmoe; sigmoid
 # scores renormalised (DeepSeek-V3's norm_topk_prob).
 for order in tutel gshard; do
-  for spec in "gshard|1|true|gpt" "gshard|2|false|mixtral" "xmoe|2|false|gpt" "xmoe|1|true|mixtral" "sigmoid|2|true|mixtral"; do
+  for spec in "gshard|1|true|gpt" "gshard|2|false|mixtral" "xmoe|2|false|gpt" "xmoe|1|true|mixtral" "sigmoid|2|true|mixtral" \
+              "gshard|2|true|oss"; do
     IFS='|' read -r gate k renorm expert <<<"$spec"
     eblock=$(expert_block "$expert")
     extra=""; [ $gate = xmoe ] && extra="proj 8;"
@@ -101,13 +106,14 @@ for order in tutel gshard; do
   done
 done
 # Every shipped model (lang/models; the paper's full-size ones are for planning, not a CPU
-# check): the whole check passes, and planted errors fail it (tests/gradplant.sh).
+# check) and gpt-oss's clamped experts: the whole check passes, and planted errors fail it
+# (tests/gradplant.sh).
 . tests/gradplant.sh
 planted_one() {  # name folder (holding m.moe)
   if ! "$MOEC" build "$2/m.moe" -o "$2/gc.bin" 2>"$2/err"; then bad "gradcheck $1: build" "$(cat "$2/err")"; return; fi
   grad_planted "$1" "$2" ./gc.bin
 }
-for model in lang/models/*.moe; do
+for model in lang/models/*.moe tests/models/grad_expert_oss.moe; do
   n=$((n + 1))
   mkdir -p "$WORK/g$n"
   cp "$model" "$WORK/g$n/m.moe"
