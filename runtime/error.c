@@ -10,9 +10,11 @@
 // rt_comm_abort, so that no rank waits forever for the one that stopped) and exit status 1. The
 // same holds where a library allocates for us (cJSON building a header): its failure is ours.
 #include <stdarg.h>
+#include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/mman.h>
 
 #include "moert.h"
 #include "rt_internal.h"
@@ -53,6 +55,45 @@ void *rt_calloc(size_t n, size_t size, const char *what) {
   if (!p)
     rt_out_of_memory(n * size, what);
   return p;
+}
+
+static size_t big_length(size_t bytes) { return (bytes + RT_BIG_PAGE - 1) / RT_BIG_PAGE * RT_BIG_PAGE; }
+
+void *rt_big_alloc(size_t bytes, const char *what) {
+  if (bytes < RT_BIG_PAGE)
+    return rt_calloc(1, bytes, what);
+  size_t len = big_length(bytes);
+  // One huge page more than needed, then the unaligned head and the tail given back.
+  unsigned char *p = mmap(NULL, len + RT_BIG_PAGE, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+  if (p == MAP_FAILED)
+    rt_out_of_memory(bytes, what);
+  uintptr_t at = ((uintptr_t)p + RT_BIG_PAGE - 1) & ~(uintptr_t)(RT_BIG_PAGE - 1);
+  size_t head = at - (uintptr_t)p;
+  if (head)
+    munmap(p, head);
+  if (RT_BIG_PAGE - head)
+    munmap((unsigned char *)at + len, RT_BIG_PAGE - head);
+#ifdef MADV_HUGEPAGE
+  madvise((void *)at, len, MADV_HUGEPAGE);   // a hint: without huge pages it is still memory
+#endif
+  return (void *)at;
+}
+
+void rt_big_touch(void *p, size_t bytes) {
+  volatile unsigned char *b = p;   // each write happens: it is the page's first touch
+  int64_t pages = (int64_t)((bytes + 4095) / 4096);
+  RT_PARALLEL_FOR(bytes >= RT_BIG_PAGE)
+  for (int64_t i = 0; i < pages; i++)
+    b[i * 4096] = 0;
+}
+
+void rt_big_free(void *p, size_t bytes) {
+  if (!p)
+    return;
+  if (bytes < RT_BIG_PAGE)
+    free(p);
+  else
+    munmap(p, big_length(bytes));
 }
 
 char *rt_strdup(const char *s, const char *what) {

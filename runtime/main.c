@@ -77,11 +77,12 @@ static void trainer_destroy(RtTrainer *tr) {
   if (tr->st.record)
     fclose(tr->st.record);
   rt_streams_destroy(tr->st.streams);
-  free(tr->st.params);
-  free(tr->st.grads);
-  free(tr->st.opt_m);
-  free(tr->st.opt_v);
-  free(tr->st.arena);
+  size_t bytes = (tr->model->param_floats ? tr->model->param_floats : 1) * sizeof(float);
+  rt_big_free(tr->st.params, bytes);
+  rt_big_free(tr->st.grads, bytes);
+  rt_big_free(tr->st.opt_m, bytes);
+  rt_big_free(tr->st.opt_v, bytes);
+  rt_big_free(tr->st.arena, tr->arena_bytes);
   free(tr->input);
   free(tr->target);
   if (tr->lm_open)
@@ -107,13 +108,15 @@ static int trainer_create(RtTrainer *tr, const RtModel *model, const RtOptions *
   // the MP part of that shard the program gives this rank.
   int64_t tokens = model->batch * model->seqlen;
   st->token0 = ranks->dp_index * tokens + ranks->mp_index * (tokens / ranks->mp);
-  st->params = rt_calloc(floats, sizeof(float), "the parameters");
-  st->grads = rt_calloc(floats, sizeof(float), "the gradients");
-  st->opt_m = rt_calloc(floats, sizeof(float), "the optimizer's first moments");
-  st->opt_v = rt_calloc(floats, sizeof(float), "the optimizer's second moments");
+  // Zeroed blocks on huge pages (rt_big_alloc): the kernel zeroes them as they are first touched.
+  st->params = rt_big_alloc(floats * sizeof(float), "the parameters");
+  st->grads = rt_big_alloc(floats * sizeof(float), "the gradients");
+  st->opt_m = rt_big_alloc(floats * sizeof(float), "the optimizer's first moments");
+  st->opt_v = rt_big_alloc(floats * sizeof(float), "the optimizer's second moments");
   // The activations of a device model live on the device.
-  if (!model->device && !(st->arena = aligned_alloc(64, arena ? arena : 64)))
-    rt_out_of_memory(arena, "the activation arena");
+  tr->arena_bytes = arena ? arena : 64;
+  if (!model->device)
+    st->arena = rt_big_alloc(tr->arena_bytes, "the activation arena");
   // A language model's input and target are int32 tokens, one per position, at the start of
   // buffers of the float size (a device copies the whole buffers).
   // Whole pages of their own: a device page-locks them (rt_cuda_pin), which works on pages.
@@ -126,9 +129,8 @@ static int trainer_create(RtTrainer *tr, const RtModel *model, const RtOptions *
   memset(tr->target, 0, data_bytes);
   st->lr_scale = 1.0f;
   st->grad_scale = 1.0f;
-  // Zeroed once so that a plan that reads a buffer before writing it is at least deterministic.
-  if (st->arena)
-    memset(st->arena, 0, arena ? arena : 64);
+  // The arena is zeroed (rt_big_alloc) so that a plan that reads a buffer before writing it is at
+  // least deterministic.
   st->input = tr->input;
   st->target = tr->target;
   if (tr->opt.log && model->nlayers > 0) {   // every rank keeps them: --log reduces them over the world

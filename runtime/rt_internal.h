@@ -33,6 +33,16 @@ _Noreturn void rt_out_of_memory(size_t bytes, const char *what);
 void *rt_alloc(size_t bytes, const char *what);
 void *rt_calloc(size_t n, size_t size, const char *what);
 char *rt_strdup(const char *s, const char *what);
+// A large block (parameters, gradients, optimizer state, the arena, a file read whole): zeroed,
+// and from RT_BIG_PAGE bytes on its own mapping, 2 MiB aligned, asked for transparent huge pages
+// (madvise: the kernel's "madvise" mode gives them only so), so that filling it takes a fault per
+// 2 MiB, not per 4 KiB. Freed with rt_big_free and the same size (NULL allowed).
+enum { RT_BIG_PAGE = 2 << 20 };
+void *rt_big_alloc(size_t bytes, const char *what);
+void rt_big_free(void *p, size_t bytes);
+// Writes a zero into every page of p[0, bytes), the pages shared out over the threads: the first
+// touch of a block about to be overwritten (a checkpoint's parameters), in parallel.
+void rt_big_touch(void *p, size_t bytes);
 int rt_make_dirs(const char *path);   // mkdir -p (runtime/dump.c); -1 with rt_fail's sentence
 // A JSON string literal of s (quoted and escaped by cJSON), malloc'ed; out of memory ends the job
 // (what: for the message). runtime/shard.c.
@@ -202,8 +212,9 @@ typedef struct RtStFile {
   RtStEntry *tensors;           // in file order
   int nmeta;
   char **meta;                  // 2*nmeta strings: key, value, ...
-  unsigned char *buffer;        // the whole file
+  unsigned char *buffer;        // the whole file (read-only)
   size_t size;
+  bool mapped;                  // buffer is the file mapped (a large file), else read into memory
 } RtStFile;
 
 // Reads and validates PATH (header, dtypes, shapes, offsets); *out is zeroed on failure.

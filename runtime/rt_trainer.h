@@ -58,6 +58,7 @@ typedef struct RtTrainer {
   RtStep st;
   float *input, *target;   // this rank's DP shard of the step's data
   int64_t elems;           // batch * seqlen * embed
+  size_t arena_bytes;      // st.arena's size (rt_big_alloc)
   int64_t done_steps;      // the last step already applied to the parameters
   bool fixed_data;         // --input given: the same data every step
   bool device_up;          // model->device created: destroy it at the end

@@ -25,6 +25,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/mman.h>
 #include <sys/stat.h>
 #include <unistd.h>
 
@@ -239,6 +240,8 @@ void rt_st_copy(const RtStEntry *t, float *dst) {
 
 // ---- reading ----
 
+static void release_file(unsigned char *buf, size_t size, bool mapped);
+
 void rt_st_free(RtStFile *f) {
   for (int i = 0; i < f->ntensors; i++)
     free(f->tensors[i].name);
@@ -246,11 +249,15 @@ void rt_st_free(RtStFile *f) {
     free(f->meta[i]);
   free(f->tensors);
   free(f->meta);
-  free(f->buffer);
+  if (f->buffer)
+    release_file(f->buffer, f->size, f->mapped);
   memset(f, 0, sizeof *f);
 }
 
-static int read_whole_file(const char *path, unsigned char **buf, size_t *size) {
+// A large file is mapped (read-only, its pages the page cache's: no copy, no fresh memory; a file
+// changed while it is read is the caller's error), a small one read into memory. *mapped says
+// which; release_file undoes either.
+static int read_whole_file(const char *path, unsigned char **buf, size_t *size, bool *mapped) {
   int fd = open(path, O_RDONLY);
   if (fd < 0)
     return rt_fail("cannot open '%s': %s", path, strerror(errno));
@@ -260,7 +267,18 @@ static int read_whole_file(const char *path, unsigned char **buf, size_t *size) 
     return rt_fail("cannot read '%s': it is not a regular file", path);
   }
   size_t n = (size_t)sb.st_size;
-  unsigned char *b = rt_alloc(n, "a safetensors file read whole");
+  *mapped = false;
+  if (n >= RT_BIG_PAGE) {
+    void *m = mmap(NULL, n, PROT_READ, MAP_PRIVATE | MAP_POPULATE, fd, 0);
+    if (m != MAP_FAILED) {
+      close(fd);
+      *buf = m;
+      *size = n;
+      *mapped = true;
+      return 0;
+    }
+  }
+  unsigned char *b = rt_alloc(n ? n : 1, "a safetensors file read whole");
   size_t got = 0;
   while (got < n) {
     ssize_t r = read(fd, b + got, n - got);
@@ -278,6 +296,13 @@ static int read_whole_file(const char *path, unsigned char **buf, size_t *size) 
   *buf = b;
   *size = n;
   return 0;
+}
+
+static void release_file(unsigned char *buf, size_t size, bool mapped) {
+  if (mapped)
+    munmap(buf, size);
+  else
+    free(buf);
 }
 
 // A JSON number that is an exact non-negative integer.
@@ -447,11 +472,12 @@ done:
   return status;
 }
 
-// Parses the file read whole into buf (size bytes), which *out takes.
-static int parse_file(const char *path, unsigned char *buf, size_t size, RtStFile *out) {
+// Parses the file read whole into buf (size bytes; mapped: read_whole_file's), which *out takes.
+static int parse_file(const char *path, unsigned char *buf, size_t size, bool mapped, RtStFile *out) {
   memset(out, 0, sizeof *out);
   out->buffer = buf;
   out->size = size;
+  out->mapped = mapped;
   if (size < 8) {
     rt_fail("'%s' is not a safetensors file: it has %zu bytes, fewer than the 8-byte header "
             "length", path, size);
@@ -495,9 +521,10 @@ int rt_st_read(const char *path, RtStFile *out) {
   memset(out, 0, sizeof *out);
   unsigned char *buf = NULL;
   size_t size = 0;
-  if (read_whole_file(path, &buf, &size) != 0)
+  bool mapped;
+  if (read_whole_file(path, &buf, &size, &mapped) != 0)
     return -1;
-  return parse_file(path, buf, size, out);
+  return parse_file(path, buf, size, mapped, out);
 }
 
 const RtStEntry *rt_st_find(const RtStFile *f, const char *name) {
@@ -710,11 +737,12 @@ static bool looks_like_json(const unsigned char *buf, size_t size) {
 static int open_file(const char *path, RtStSet *s) {
   unsigned char *buf = NULL;
   size_t size = 0;
-  if (read_whole_file(path, &buf, &size) != 0)
+  bool mapped;
+  if (read_whole_file(path, &buf, &size, &mapped) != 0)
     return -1;
   if (!looks_like_safetensors(buf, size) && looks_like_json(buf, size)) {
     int status = open_index(path, (const char *)buf, size, s);
-    free(buf);
+    release_file(buf, size, mapped);
     return status;
   }
   const char *what = "a safetensors set";
@@ -722,7 +750,7 @@ static int open_file(const char *path, RtStSet *s) {
   s->paths = rt_calloc(1, sizeof(char *), what);
   s->paths[0] = rt_strdup(path, what);
   s->nfiles = 1;
-  if (parse_file(path, buf, size, &s->files[0]) != 0)
+  if (parse_file(path, buf, size, mapped, &s->files[0]) != 0)
     return -1;
   Located *all = sort_located(s, path);   // one file's names are distinct (parse_file)
   if (!all)

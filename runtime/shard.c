@@ -751,6 +751,10 @@ int rt_checkpoint_load(const char *path, const RtModel *m, const RtRanks *r, flo
     return -1;
   const RtStFile *f = is_index ? NULL : &set.files[0];   // one file: no index, no folder
   Wants ws = {0};
+  size_t bytes = (size_t)m->param_floats * sizeof(float);   // their first touch, by every thread
+  rt_big_touch(params, bytes);
+  if (adamw)
+    rt_big_touch(opt_m, bytes), rt_big_touch(opt_v, bytes);
   int status = wants_make(&ws, m, r, params, adamw ? opt_m : NULL, adamw ? opt_v : NULL);
   if (status == 0 && is_index) {
     status = check_identity(path, m, ix.model, ix.optimizer, true);
@@ -802,6 +806,7 @@ int rt_weights_load(const char *path, const RtModel *m, const RtRanks *r, float 
   if (open_source(path, true, &ix, &set, &is_index) != 0)
     return -1;
   Wants ws = {0};
+  rt_big_touch(params, (size_t)m->param_floats * sizeof(float));   // their first touch, by every thread
   int status = wants_make(&ws, m, r, params, NULL, NULL);
   if (status == 0 && is_index) {
     status = check_identity(path, m, ix.model, ix.optimizer, false);
