@@ -366,6 +366,27 @@ static int need_count(const Config *c, const char *k) {
   return 0;
 }
 
+// gpt-oss's layer_types (checked by check_key), or transformers' default: sliding and full in
+// turn from a sliding first; the sliding ones need sliding_window.
+static int read_layer_types(Config *c) {
+  int64_t layers = c->arch.layers;
+  if ((c->sliding = calloc((size_t)layers, sizeof *c->sliding)) == NULL) return fail("out of memory");
+  const cJSON *types = key(c, "layer_types");
+  if (types && cJSON_GetArraySize(types) != (int)layers)
+    return refuse(c, types, "it must name the type of each of the num_hidden_layers layers");
+  int64_t l = 0;
+  for (const cJSON *e = types ? types->child : NULL; e; e = e->next)
+    c->sliding[l++] = strcmp(e->valuestring, "sliding_attention") == 0;
+  bool any = false;
+  for (l = 0; l < layers; l++) {
+    if (!types) c->sliding[l] = (l + 1) % 2 != 0;
+    any |= c->sliding[l];
+  }
+  if (any && !cJSON_IsNumber(key(c, "sliding_window")))
+    return fail("%s: layer_types has sliding layers but \"sliding_window\" is not a number", c->path);
+  return 0;
+}
+
 // The architecture (rt_hf_arch_of_config, shared with --export-hf), after every key is checked.
 static int read_arch(Config *c, const char *text, int64_t seqlen) {
   RtHfArch *a = &c->arch;
@@ -468,20 +489,7 @@ static int read_arch(Config *c, const char *text, int64_t seqlen) {
     if (step && !(cJSON_IsNumber(step) && step->valuedouble >= 1 && step->valuedouble == floor(step->valuedouble)))
       return refuse(c, step, "it must be a whole number of at least 1");
   }
-  if (oss && (c->sliding = calloc((size_t)a->layers, sizeof *c->sliding)) == NULL) return fail("out of memory");
-  if (oss) {   // layer_types, or transformers' default: sliding and full alternating from a sliding first
-    const cJSON *types = key(c, "layer_types");
-    if (types && cJSON_GetArraySize(types) != (int)a->layers)
-      return refuse(c, types, "it must name the type of each of the num_hidden_layers layers");
-    int64_t l = 0;
-    for (const cJSON *e = types ? types->child : NULL; e; e = e->next) c->sliding[l++] = strcmp(e->valuestring, "sliding_attention") == 0;
-    for (l = 0; !types && l < a->layers; l++) c->sliding[l] = (l + 1) % 2 != 0;
-    const cJSON *sw = key(c, "sliding_window");
-    bool any = false;
-    for (l = 0; l < a->layers; l++) any |= c->sliding[l];
-    if (any && !cJSON_IsNumber(sw))
-      return fail("%s: layer_types has sliding layers but \"sliding_window\" is not a number", c->path);
-  }
+  if (oss && read_layer_types(c) != 0) return 1;
   if (deferred) {
     const cJSON *hd = key(c, "head_dim");
     if (!glm && !oss && hd && !cJSON_IsNull(hd) && !(cJSON_IsNumber(hd) && hd->valuedouble * (double)a->heads == (double)a->embed))

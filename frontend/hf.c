@@ -353,6 +353,27 @@ static void glm_like_keys(cJSON *c, cJSON *soft, const FeProgram *p, Family f, c
   if (f != DEEPSEEK_V2) add_int(soft, "num_nextn_predict_layers", 0);
 }
 
+// gpt-oss's keys: its experts, heads, the SwiGLU's constants, the layers' types and the sliding
+// layers' window (a layer with none, or one at least the sequence, sees the whole sequence).
+static void oss_keys(cJSON *c, cJSON *soft, const FeProgram *p, const FeMoe *e, const FeLayer *a0) {
+  add_int(c, "num_local_experts", e->experts.count);
+  add_int(c, "intermediate_size", e->experts.hidden);
+  add_int(c, "head_dim", a0->head_dim);
+  cJSON_AddBoolToObject(c, "attention_bias", a0->attn_bias);
+  add_float(c, "swiglu_alpha", 1.702);
+  add_float(c, "swiglu_limit", 7.0);
+  int64_t window = 0, seq = p->model.seqlen;
+  cJSON *types = cJSON_AddArrayToObject(c, "layer_types");
+  for (int i = 0; i < p->nlayers; i++) {
+    const FeLayer *l = &p->layers[i];
+    bool sliding = l->window > 0 && l->window < seq;
+    if (sliding) window = l->window;
+    for (int64_t r = 0; r < l->repeat; r++)
+      cJSON_AddItemToArray(types, cJSON_CreateString(sliding ? "sliding_attention" : "full_attention"));
+  }
+  add_int(window > 0 ? c : soft, "sliding_window", window > 0 ? window : seq);
+}
+
 // The keys the model determines (*soft: those whose value is the model's only where the imported
 // config has none: a size of layers the model does not have, a training-only setting).
 static cJSON *model_config(const FeProgram *p, cJSON **soft, char *why, size_t n) {
@@ -431,22 +452,7 @@ static cJSON *model_config(const FeProgram *p, cJSON **soft, char *why, size_t n
     add_dense_layers(c, p);
     cJSON_AddBoolToObject(c, "use_sliding_window", false);
   } else if (f == GPT_OSS) {
-    add_int(c, "num_local_experts", e->experts.count);
-    add_int(c, "intermediate_size", e->experts.hidden);
-    add_int(c, "head_dim", a0->head_dim);
-    cJSON_AddBoolToObject(c, "attention_bias", a0->attn_bias);
-    add_float(c, "swiglu_alpha", 1.702);
-    add_float(c, "swiglu_limit", 7.0);
-    int64_t window = 0;   // the sliding layers' window (a layer with none or a longer one sees the whole sequence)
-    cJSON *types = cJSON_AddArrayToObject(c, "layer_types");
-    for (int i = 0; i < p->nlayers; i++) {
-      const FeLayer *l = &p->layers[i];
-      bool sliding = l->window > 0 && l->window < md->seqlen;
-      if (sliding) window = l->window;
-      for (int64_t r = 0; r < l->repeat; r++)
-        cJSON_AddItemToArray(types, cJSON_CreateString(sliding ? "sliding_attention" : "full_attention"));
-    }
-    add_int(window > 0 ? c : *soft, "sliding_window", window > 0 ? window : md->seqlen);
+    oss_keys(c, *soft, p, e, a0);
   } else {
     add_int(c, "num_local_experts", e->experts.count);
     add_int(c, "intermediate_size", e->experts.hidden);

@@ -57,10 +57,21 @@ void *rt_calloc(size_t n, size_t size, const char *what) {
   return p;
 }
 
+// MOERT_PLAIN_MEMORY=1 (bench/memory.sh's baseline): calloc'ed blocks, files read into memory,
+// no touching ahead, as before.
+bool rt_plain_memory(void) {
+  static int plain = -1;
+  if (plain < 0) {
+    const char *v = getenv("MOERT_PLAIN_MEMORY");
+    plain = v && strcmp(v, "1") == 0;
+  }
+  return plain;
+}
+
 static size_t big_length(size_t bytes) { return (bytes + RT_BIG_PAGE - 1) / RT_BIG_PAGE * RT_BIG_PAGE; }
 
 void *rt_big_alloc(size_t bytes, const char *what) {
-  if (bytes < RT_BIG_PAGE)
+  if (bytes < RT_BIG_PAGE || rt_plain_memory())
     return rt_calloc(1, bytes, what);
   size_t len = big_length(bytes);
   // One huge page more than needed, then the unaligned head and the tail given back.
@@ -80,6 +91,8 @@ void *rt_big_alloc(size_t bytes, const char *what) {
 }
 
 void rt_big_touch(void *p, size_t bytes) {
+  if (rt_plain_memory())
+    return;
   volatile unsigned char *b = p;   // each write happens: it is the page's first touch
   int64_t pages = (int64_t)((bytes + 4095) / 4096);
   RT_PARALLEL_FOR(bytes >= RT_BIG_PAGE)
@@ -90,7 +103,7 @@ void rt_big_touch(void *p, size_t bytes) {
 void rt_big_free(void *p, size_t bytes) {
   if (!p)
     return;
-  if (bytes < RT_BIG_PAGE)
+  if (bytes < RT_BIG_PAGE || rt_plain_memory())
     free(p);
   else
     munmap(p, big_length(bytes));

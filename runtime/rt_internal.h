@@ -43,6 +43,8 @@ void rt_big_free(void *p, size_t bytes);
 // Writes a zero into every page of p[0, bytes), the pages shared out over the threads: the first
 // touch of a block about to be overwritten (a checkpoint's parameters), in parallel.
 void rt_big_touch(void *p, size_t bytes);
+// MOERT_PLAIN_MEMORY=1: none of this (calloc, files read into memory): bench/memory.sh's baseline.
+bool rt_plain_memory(void);
 int rt_make_dirs(const char *path);   // mkdir -p (runtime/dump.c); -1 with rt_fail's sentence
 // A JSON string literal of s (quoted and escaped by cJSON), malloc'ed; out of memory ends the job
 // (what: for the message). runtime/shard.c.

@@ -268,7 +268,7 @@ static int read_whole_file(const char *path, unsigned char **buf, size_t *size, 
   }
   size_t n = (size_t)sb.st_size;
   *mapped = false;
-  if (n >= RT_BIG_PAGE) {
+  if (n >= RT_BIG_PAGE && !rt_plain_memory()) {
     void *m = mmap(NULL, n, PROT_READ, MAP_PRIVATE | MAP_POPULATE, fd, 0);
     if (m != MAP_FAILED) {
       close(fd);
