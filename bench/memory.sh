@@ -16,7 +16,7 @@ MOEC=$PWD/$BUILD/moec
 WORK=$(mktemp -d "${TMPDIR:-/tmp}/moec-memory.XXXXXX")
 trap 'rm -rf "$WORK"' EXIT
 median() { sort -g | awk '{v[NR] = $1} END {print NR % 2 ? v[(NR + 1) / 2] : (v[NR / 2] + v[NR / 2 + 1]) / 2}'; }
-echo "# memory: this build (huge pages, the file mapped, blocks touched by every thread) beside MOERT_PLAIN_MEMORY=1"
+echo "# memory: this build (blocks of their own mappings, the checkpoint mapped, first touches by every thread) beside MOERT_PLAIN_MEMORY=1"
 "$MOEC" build bench/models/olmoe_layer.moe -o "$WORK/olmoe" >/dev/null || exit 1
 "$MOEC" build bench/models/lm_mid.moe -o "$WORK/mid" >/dev/null || exit 1
 (cd "$WORK" && ./olmoe --steps 0 --save ck --quiet >/dev/null) || exit 1

@@ -130,7 +130,9 @@ static int trainer_create(RtTrainer *tr, const RtModel *model, const RtOptions *
   st->lr_scale = 1.0f;
   st->grad_scale = 1.0f;
   // The arena is zeroed (rt_big_alloc) so that a plan that reads a buffer before writing it is at
-  // least deterministic.
+  // least deterministic; every step writes it, so every thread touches it first here.
+  if (st->arena)
+    rt_big_touch(st->arena, tr->arena_bytes);
   st->input = tr->input;
   st->target = tr->target;
   if (tr->opt.log && model->nlayers > 0) {   // every rank keeps them: --log reduces them over the world
@@ -615,6 +617,12 @@ static int train(RtTrainer *tr) {
   rt_gemm_profile(prof.steps != NULL);
   rt_prof_enable(prof.steps != NULL);
   run.progress = !tr->opt.quiet && root && tr->opt.watched;
+  if (first <= last && !m->device) {   // what every step writes, first touched by every thread
+    size_t bytes = (m->param_floats ? m->param_floats : 1) * sizeof(float);
+    rt_big_touch(st->grads, bytes);
+    if (m->opt == RT_OPT_ADAMW && !tr->opt.resume)   // (a resume's load touched them)
+      rt_big_touch(st->opt_m, bytes), rt_big_touch(st->opt_v, bytes);
+  }
   run.started = now_ms();
   for (int64_t t = first; t <= last; t++) {
     profile_begin(&prof);
