@@ -43,7 +43,7 @@ void cli_import_hf_usage(FILE *out) {
           "model), PREFIX.safetensors (the weights in moec's names, F32) and PREFIX.hf/ (the checkpoint's\n"
           "config.json and generation_config.json, which --export-hf keeps: the .moe names it). Then:\n"
           "  moec build PREFIX.moe -o BIN && BIN --weights PREFIX.safetensors [--data F] ... [--export-hf OUT]\n"
-          "Families: mixtral, qwen2_moe, qwen3_moe, olmoe, glm4_moe, deepseek_v2, deepseek_v3 (model_type in config.json).\n"
+          "Families: mixtral, qwen2_moe, qwen3_moe, olmoe, glm4_moe, deepseek_v2, deepseek_v3, gpt_oss (model_type in config.json).\n"
           "A config value moec cannot represent is refused.\n"
           "  --name NAME       the model's name (default: DIR's last folder, as an identifier)\n"
           "  --batch B         samples per data-parallel rank (default 4)\n"
