@@ -90,18 +90,19 @@ void *rt_big_alloc(size_t bytes, const char *what) {
 void rt_big_touch(void *p, size_t bytes) {
   if (rt_plain_memory() || bytes < RT_BIG_PAGE)
     return;
-  unsigned char *b = p;   // rt_big_alloc's: RT_BIG_PAGE aligned, whole RT_BIG_PAGEs mapped
-  int64_t chunks = (int64_t)((bytes + RT_BIG_PAGE - 1) / RT_BIG_PAGE);
+  // The whole pages inside the block, in chunks of RT_BIG_PAGE (the last one shorter).
+  uintptr_t lo = ((uintptr_t)p + 4095) & ~(uintptr_t)4095, hi = ((uintptr_t)p + bytes) & ~(uintptr_t)4095;
+  int64_t chunks = (int64_t)((hi - lo + RT_BIG_PAGE - 1) / RT_BIG_PAGE);
   RT_PARALLEL_FOR(true)
   for (int64_t i = 0; i < chunks; i++) {
+    uintptr_t a = lo + (uintptr_t)i * RT_BIG_PAGE, e = a + RT_BIG_PAGE < hi ? a + RT_BIG_PAGE : hi;
 #ifdef MADV_POPULATE_WRITE
     // The pages faulted in writable, their contents kept (Linux 5.14 on).
-    if (madvise(b + i * RT_BIG_PAGE, RT_BIG_PAGE, MADV_POPULATE_WRITE) == 0)
+    if (madvise((void *)a, e - a, MADV_POPULATE_WRITE) == 0)
       continue;
 #endif
-    volatile unsigned char *c = b + i * RT_BIG_PAGE;   // each access happens: a page's first touch
-    for (int64_t k = 0; k < RT_BIG_PAGE; k += 4096)
-      c[k] = c[k];
+    for (volatile unsigned char *c = (volatile unsigned char *)a; (uintptr_t)c < e; c += 4096)
+      *c = *c;   // each access happens: the page's first touch, its byte kept
   }
 }
 

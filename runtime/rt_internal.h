@@ -40,9 +40,9 @@ char *rt_strdup(const char *s, const char *what);
 enum { RT_BIG_PAGE = 2 << 20 };
 void *rt_big_alloc(size_t bytes, const char *what);
 void rt_big_free(void *p, size_t bytes);
-// Faults in every page of a block of rt_big_alloc's, its contents kept, the 2 MiB chunks shared
-// out over the threads: the first touch of what is about to be written (a checkpoint's
-// parameters, every step's gradients), in parallel rather than by the first writer.
+// Faults in every whole page of the block p[0, bytes) of at least RT_BIG_PAGE bytes, its contents
+// kept, 2 MiB chunks shared out over the threads: the first touch of what is about to be written
+// (a checkpoint's parameters, every step's gradients), in parallel rather than by the first writer.
 void rt_big_touch(void *p, size_t bytes);
 // MOERT_PLAIN_MEMORY=1: none of this (calloc, files read into memory): bench/memory.sh's baseline.
 bool rt_plain_memory(void);
