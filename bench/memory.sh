@@ -7,6 +7,8 @@
 #     peak resident memory (GNU time), medians;
 #   - the first training step beside the median of the next four (--log's time_ms) of that model
 #     and of bench/models/lm_mid.moe (AdamW: its moments are written every step).
+#   - the sharded optimizer: the mid-size model's peak resident memory on dp2·ep2 beside the memory
+#     plan's, with and without `shard true`.
 # On a virtual machine the first touch of memory the host has not backed yet costs far more than
 # the guest's page fault; the numbers say what this machine does. MEMORY_ROUNDS="1" for one round.
 set -u
@@ -50,4 +52,20 @@ done
 for m in olmoe mid; do
   read -r rp fp np <<<"$(first_next $m plain)"; read -r rn fn nn <<<"$(first_next $m now)"
   printf "%-44s %14s %14s\n" "$m: first step / next (ms)" "$rp ($fp/$np)" "$rn ($fn/$nn)"
+done
+
+# The sharded optimizer (`optimizer adamw { shard true; }`): the mid-size model on dp2·ep2 (2 ranks,
+# one thread each), each rank's peak resident memory beside the memory plan's peak, with and
+# without it (the plan counts parameters, gradients, moments and the arena; the process also
+# holds its libraries, MPI's and OpenBLAS's buffers).
+echo "# the mid-size model on dp2·ep2: rank 0's peak resident memory (MiB) beside the memory plan's"
+sed 's/^layer block x 6/parallel { dp 2; ep 2; }\nlayer block x 6/' bench/models/lm_mid.moe >"$WORK/mid_dp2.moe"
+sed 's/adamw {/adamw { shard true;/' "$WORK/mid_dp2.moe" >"$WORK/mid_dp2_shard.moe"
+printf "%-44s %14s %14s %8s\n" "" "measured" "plan" "meas/plan"
+for v in mid_dp2 mid_dp2_shard; do
+  "$MOEC" build "$WORK/$v.moe" -o "$WORK/$v" >/dev/null || exit 1
+  line=$(cd "$WORK" && OMP_NUM_THREADS=1 mpirun --allow-run-as-root --oversubscribe -np 2 ./$v --steps 3 2>&1 | grep -o 'peak memory .*')
+  read -r meas plan <<<"$(echo "$line" | sed -n 's/peak memory \([0-9.]*\) MiB (the memory plan: \([0-9.]*\) MiB.*/\1 \2/p')"
+  [ -n "$meas" ] || { echo "FAIL  memory: $v: no peak line"; exit 1; }
+  printf "%-44s %14s %14s %8s\n" "$v: peak per rank" "$meas" "$plan" "$(awk -v a="$meas" -v b="$plan" 'BEGIN {printf "%.3f", a / b}')"
 done

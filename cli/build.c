@@ -298,7 +298,7 @@ static int cmd_build(IrDiag *d, const Options *o) {
   bool cuda_unit = o->emit && strcmp(o->emit, "cuda") == 0;
   char arch[32] = "sm_90";
   const CgTarget *target = cuda_unit ? &cg_target_cuda : resolve_target(o, arch, sizeof arch);
-  FeTargetCaps caps = {.name = target->name, .bf16 = target->bf16};
+  FeTargetCaps caps = {.name = target->name, .bf16 = target->bf16, .shard_optimizer = target->shard_optimizer};
   IrModule *m = front_end(d, o, &caps, &src, &cl);
   int status = 1;
   PassCtx ctx = {.d = d, .verbose = o->verbose, .log = stderr, .cluster = cl.have ? &cl.sc : NULL,

@@ -103,12 +103,26 @@ static bool emit_library_op(Emit *e, const IrOp *op) {
     return true;
   }
   case IR_OP_COMM_ALLREDUCE:
-    fprintf(out, "rt_copy(%s, %s, %" PRId64 ");\n  rt_allreduce(st->comm, %s, %s, %" PRId64 ");\n", a[0], r, n, cg_group_enum(op), r, n);
+    fprintf(out, "rt_copy(%s, %s, %" PRId64 ");\n  ", a[0], r, n);
+    if (ir_op_int(op, "shard", 0) > 0) {   // a sharded optimizer's gradient: each member's rows (autodiff)
+      int64_t rows = ir_op_int(op, "shard", 1);
+      fprintf(out, "rt_shard_reduce(st->comm, %s, %s, 0, %" PRId64 ", %" PRId64 ", %" PRId64 ");\n", cg_group_enum(op), r,
+              n, rows, n / rows);
+    } else {
+      fprintf(out, "rt_allreduce(st->comm, %s, %s, %" PRId64 ");\n", cg_group_enum(op), r, n);
+    }
     return true;
-  case IR_OP_COMM_ALLREDUCE_GRAD:  // a slice of a parameter's gradient, in place (passes/gradpart.c)
-    fprintf(out, "rt_allreduce(st->comm, %s, st->grads + %" PRId64 ", %" PRId64 ");\n", cg_group_enum(op),
-            e->param_offset[op->args[0].param->index] + ir_op_int(op, "offset", 0), ir_op_int(op, "count", 0));
+  case IR_OP_COMM_ALLREDUCE_GRAD: {  // a slice of a parameter's gradient, in place (passes/gradpart.c)
+    const IrParam *p = op->args[0].param;
+    int64_t at = e->param_offset[p->index], offset = ir_op_int(op, "offset", 0), count = ir_op_int(op, "count", 0);
+    int64_t rows = ir_op_int(op, "shard", 0);
+    if (rows > 0)
+      fprintf(out, "rt_shard_reduce(st->comm, %s, st->grads + %" PRId64 ", %" PRId64 ", %" PRId64 ", %" PRId64 ", %" PRId64 ");\n",
+              cg_group_enum(op), at, offset, count, rows, ir_type_numel(&p->type) / rows);
+    else
+      fprintf(out, "rt_allreduce(st->comm, %s, st->grads + %" PRId64 ", %" PRId64 ");\n", cg_group_enum(op), at + offset, count);
     return true;
+  }
   default:
     break;
   }
@@ -156,15 +170,22 @@ static bool emit_op(Emit *e, const IrFunc *f, int i) {
       return true;
     }
   }
+  // A sharded optimizer's update (autodiff: group) takes the rows the rank owns: its four
+  // pointers (parameter, gradient, moments) moved by lo, its count n (the KERNEL rule's order).
+  bool part = op->kind == IR_OP_OPT_ADAMW && ir_op_str(op, "group", NULL);
+  if (part)
+    fprintf(e->out, "  {\n    int64_t lo, n;\n    rt_param_part(st->comm, &params[%d], &lo, &n);\n  ", op->args[0].param->index);
   for (int c = 0; c < l.ncalls; c++) {
     const CgKernelCall *call = &l.call[c];
     fprintf(e->out, "  rt_%s(", cg_kernel_name(call->kernel));
     for (int k = 0; k < call->nargs; k++) {
       call_arg(e, buf[k], sizeof buf[k], f, i, &call->args[k]);
-      fprintf(e->out, "%s%s", k ? ", " : "", buf[k]);
+      if (part && k < 4) strncat(buf[k], " + lo", sizeof buf[k] - strlen(buf[k]) - 1);
+      fprintf(e->out, "%s%s", k ? ", " : "", part && k == 4 ? "n" : buf[k]);
     }
     fprintf(e->out, ");\n");
   }
+  if (part) fprintf(e->out, "  }\n");
   if (op->kind == IR_OP_GATE_EXPERT_CHOICE)   // loc, s, e, g, cap of the call
     fprintf(e->out, "  rt_expert_choice_stats(st, %s, %s, %s, %s, %s);\n", buf[1], buf[2], buf[3], buf[4], buf[5]);
   return true;
@@ -325,13 +346,33 @@ static bool team_update(const IrModule *m) {
   return true;
 }
 
+// After the updates of a sharded optimizer: each parameter's rows from the members that own them.
+static void emit_shard_gathers(Emit *e, const IrModule *m) {
+  for (int i = 0; i < m->nfuncs; i++) {
+    const IrFunc *f = m->funcs[i];
+    for (int j = 0; f->role == IR_ROLE_OPTIMIZER && j < f->nops; j++) {
+      const IrOp *op = f->ops[j];
+      if (op->kind != IR_OP_OPT_ADAMW || !ir_op_str(op, "group", NULL)) continue;
+      const IrParam *p = op->args[0].param;
+      int64_t rows = p->type.dim[0];
+      fprintf(e->out, "  rt_shard_gather(st->comm, %s, st->params + %" PRId64 ", %" PRId64 ", %" PRId64 ");\n",
+              cg_group_enum(op), e->param_offset[p->index], rows, ir_type_numel(&p->type) / rows);
+    }
+  }
+}
+
 static bool emit_update(Emit *e, const IrModule *m) {
   bool team = team_update(m), ok = true;
   fprintf(e->out, "static void %s(RtStep *st) {\n", team ? "update_team" : "step_update");
   for (int i = 0; ok && i < m->nfuncs; i++)
     if (m->funcs[i]->role == IR_ROLE_OPTIMIZER) ok = emit_func(e, m->funcs[i]);
+  if (!team) emit_shard_gathers(e, m);
   fprintf(e->out, "}\n\n");
-  if (team) fprintf(e->out, "static void step_update(RtStep *st) { rt_team(update_team, st); }\n\n");
+  if (team) {
+    fprintf(e->out, "static void step_update(RtStep *st) {\n  rt_team(update_team, st);\n");
+    emit_shard_gathers(e, m);
+    fprintf(e->out, "}\n\n");
+  }
   return ok;
 }
 
@@ -404,8 +445,14 @@ void cg_emit_params(FILE *out, const IrModule *m, const int64_t *param_offset) {
       if (k == shard_mp) g *= ir_mod_int(m, "mp", 1);
       fprintf(out, "%s%" PRId64, k ? ", " : "", g);
     }
-    fprintf(out, "}, %d, %d, %d, %d},\n", shard_ep, shard_esp, shard_mp,
-            ir_attrs_get(p->attrs, p->nattrs, "balance") != NULL);
+    // A sharded optimizer's group (autodiff): 1 + its RtGroup.
+    const char *shard = ir_attr_str(p->attrs, p->nattrs, "shard", NULL);
+    int group = 0;
+    for (int g = 0; shard && g < 5; g++)
+      if (strcmp(shard, cg_group_names[g]) == 0) group = 1 + g;
+    fprintf(out, "}, %d, %d, %d, %d", shard_ep, shard_esp, shard_mp, ir_attrs_get(p->attrs, p->nattrs, "balance") != NULL);
+    if (group) fprintf(out, ", 1 + %s", cg_group_enums[group - 1]);
+    fprintf(out, "},\n");
   }
   fprintf(out, "};\n\n");
 }

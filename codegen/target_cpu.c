@@ -18,6 +18,7 @@ static bool cpu_link(IrDiag *d, const char *c_path, const char *out_path, bool v
 const CgTarget cg_target_cpu = {
     .name = "cpu",
     .bf16 = false,
+    .shard_optimizer = true,
     .takes_arch = false,
     .probe = NULL,
     .available = cpu_available,

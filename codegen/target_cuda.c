@@ -130,6 +130,7 @@ static bool cuda_link(IrDiag *d, const char *c_path, const char *out_path, bool 
 const CgTarget cg_target_cuda = {
     .name = "cuda",
     .bf16 = true,
+    .shard_optimizer = false,
     .takes_arch = true,
     .probe = cg_gpu_probe,
     .available = cuda_available,

@@ -151,7 +151,8 @@ static void finish_gate(Ctx *c, const FeNode *n, const char *variant, char *dst)
 static void finish_attention(Ctx *c, const FeNode *n, const char *variant, char *dst);
 
 // ---- the .moe schema ----
-// optimizer = "optimizer" (sgd | adamw) "{" lr [beta1] [beta2] [eps] [weight_decay] "}"
+// optimizer = "optimizer" (sgd | adamw) "{" lr [beta1] [beta2] [eps] [weight_decay] [warmup]
+//             [decay_steps] [min_lr] [clip] [shard] "}"
 static const Field optimizer_fields[] = {
   {"lr", F_REQUIRED, .vals = {{V_NUM, R_POS, .off = AT(FeOptimizer, lr)}}},
   {"beta1", 0, "adamw", {{V_NUM, R_UNIT, .def = "0.9", .off = AT(FeOptimizer, beta1)}}},
@@ -162,6 +163,7 @@ static const Field optimizer_fields[] = {
   {"decay_steps", 0, .vals = {{V_INT, R_NONNEG, .def = "0", .off = AT(FeOptimizer, decay_steps)}}},
   {"min_lr", 0, .vals = {{V_NUM, R_NONNEG, .def = "0", .off = AT(FeOptimizer, min_lr)}}},
   {"clip", 0, .vals = {{V_NUM, R_NONNEG, .def = "0", .off = AT(FeOptimizer, clip)}}},
+  {"shard", 0, "adamw", {{V_BOOL, .def = "false", .off = AT(FeOptimizer, shard)}}},
 };
 static const Block optimizer_block = BLOCK("optimizer", optimizer_fields, NULL);
 

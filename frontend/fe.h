@@ -59,6 +59,7 @@ typedef struct FeOptimizer {
   double lr, beta1, beta2, eps, weight_decay;
   int64_t warmup, decay_steps;   // language models' schedule (DESIGN §2.1); 0: none
   double min_lr, clip;           // clip 0: no gradient clipping
+  bool shard;                    // adamw: the moments sharded over each parameter's replicas (ZeRO-1)
 } FeOptimizer;
 
 // `data { train "F"; val "F"; format u16|bytes|llmc; }` of a language model.
@@ -281,6 +282,7 @@ bool fe_load_cluster(IrDiag *d, const char *path, SrcLoc at, FeCluster *out);
 typedef struct FeTargetCaps {
   const char *name;   // the target's name
   bool bf16;          // trains dtype bf16 (bf16 GEMM inputs, fp32 master weights)
+  bool shard_optimizer;   // `optimizer adamw { shard true; }`
 } FeTargetCaps;
 // Refuses, with a diagnostic naming it, every construct that parses and checks but does not
 // run yet (on target); otherwise builds the forward IR module (params, @*.fwd, @loss.fwd).

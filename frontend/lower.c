@@ -134,6 +134,11 @@ static void refuse_unsupported(IrDiag *d, const FeProgram *p, const FeTargetCaps
                 "dtype '%s' runs on the CUDA target only (bf16 GEMM inputs, fp32 master weights): the CPU "
                 "backend trains in fp32; build with --target cuda, or write 'dtype fp32;'",
                 p->model.dtype);
+  if (target && !target->shard_optimizer && p->model.optimizer.shard)
+    ir_error_at(d, p->model.optimizer.loc,
+                "'shard true' (the optimizer's moments sharded over each parameter's replicas) runs on the CPU "
+                "target only: the %s target keeps every moment on every replica; leave 'shard' out to build for it",
+                target->name);
   // `aux pooled` is one loss over every layer that has it: one coefficient, one number of experts.
   const FeLayer *pooled = NULL;
   for (int i = 0; i < p->nlayers; i++) {
@@ -332,6 +337,7 @@ IrModule *fe_lower(IrDiag *d, const FeProgram *p, const FeTargetCaps *caps) {
   if (o->decay_steps > 0) ir_attrs_set_int(m->attrs, &m->nattrs, "decay_steps", o->decay_steps);
   if (o->min_lr > 0) ir_attrs_set_float(m->attrs, &m->nattrs, "min_lr", o->min_lr);
   if (o->clip > 0) ir_attrs_set_float(m->attrs, &m->nattrs, "clip", o->clip);
+  if (o->shard) ir_attrs_set_int(m->attrs, &m->nattrs, "shard_optimizer", 1);
   if (p->model.has_data) {
     const FeData *dt = &p->model.data;
     if (dt->train) ir_attrs_set_str(m, m->attrs, &m->nattrs, "data_train", dt->train);

@@ -473,6 +473,63 @@ static void reduce_once(IrModule *m) {
   }
 }
 
+// The reductions of parameter p's gradient: its comm.allreduce_grad ops, and the comm.allreduce
+// whose sum a param.grad of p takes (and nothing else reads). False when a contribution reaches the
+// gradient unsummed (no comm.allreduce_grad follows) or the reductions are not over one group.
+static bool reductions_of(IrModule *m, const IrParam *p, IrOp **out, int *n) {
+  bool unsummed = false, inplace = false;
+  *n = 0;
+  for (int i = 0; i < m->nfuncs; i++)
+    for (int j = 0; j < m->funcs[i]->nops; j++) {
+      IrOp *op = m->funcs[i]->ops[j];
+      if (op->kind == IR_OP_COMM_ALLREDUCE_GRAD && op->args[0].param == p) {
+        out[(*n)++] = op;
+        inplace = true;
+      }
+      if (op->kind != IR_OP_PARAM_GRAD || op->args[0].param != p) continue;
+      IrOp *def = op->args[1].value->def;
+      int users = 0;
+      for (int k = 0; def && k < m->funcs[i]->nops; k++)
+        for (int a = 0; a < m->funcs[i]->ops[k]->nargs; a++) users += m->funcs[i]->ops[k]->args[a].value == def->result;
+      if (def && def->kind == IR_OP_COMM_ALLREDUCE && users == 1)
+        out[(*n)++] = def;
+      else
+        unsummed = true;
+      if (*n >= 8) return false;
+    }
+  if ((unsummed && !inplace) || *n == 0) return false;
+  for (int k = 0; k < *n; k++)
+    if (strcmp(ir_op_str(out[k], "group", ""), ir_op_str(out[0], "group", "")) != 0 ||
+        ir_op_int(out[k], "size", 1) != ir_op_int(out[0], "size", 1))
+      return false;
+  return ir_op_int(out[0], "size", 1) > 1;
+}
+
+// `optimizer adamw { shard true; }` (ZeRO-1): a parameter whose gradient is summed over a group of
+// replicas keeps the moments of its rows of dim 0 only (member i of p: rows [R i / p, R (i+1) / p)).
+// The parameter gets attribute shard = the group; its reductions shard = R (a reduce-scatter: each
+// member gets the sums of its rows); its opt.adamw the group and size (it updates the rows the rank
+// owns, then every member's rows are gathered, codegen/emit_c.c). A correction bias and a scalar
+// stay whole.
+static void mark_shards(IrModule *m) {
+  if (!ir_mod_int(m, "shard_optimizer", 0)) return;
+  IrFunc *opt = NULL;
+  for (int i = 0; i < m->nfuncs; i++)
+    if (m->funcs[i]->role == IR_ROLE_OPTIMIZER) opt = m->funcs[i];
+  for (int i = 0; opt && i < opt->nops; i++) {
+    IrOp *u = opt->ops[i];
+    IrParam *p = u->args[0].param;
+    IrOp *red[8];
+    int n;
+    if (u->kind != IR_OP_OPT_ADAMW || p->type.rank == 0 || p->type.dim[0] < 2 || !reductions_of(m, p, red, &n)) continue;
+    const char *group = ir_op_str(red[0], "group", "");
+    ir_attrs_set_str(m, p->attrs, &p->nattrs, "shard", group);
+    for (int k = 0; k < n; k++) ir_op_set_int(red[k], "shard", p->type.dim[0]);
+    ir_attrs_set_str(m, u->attrs, &u->nattrs, "group", group);
+    ir_op_set_int(u, "size", ir_op_int(red[0], "size", 1));
+  }
+}
+
 static IrFunc *backward_func(IrModule *m, IrDiag *d, IrFunc *fwd, const char *name, IrFuncRole role, bool *has_grad) {
   Grad g = {.m = m, .d = d, .fwd = fwd, .has_grad = has_grad};
   g.bwd = ir_add_func(m, name, role);
@@ -564,6 +621,8 @@ bool pass_autodiff(IrModule *m, PassCtx *ctx) {
     ir_op_param(u, m->params[i]);
     ir_op_set_float(u, "rate", rate->kind == IR_ATTR_INT ? (double)rate->i : rate->f);
   }
+
+  mark_shards(m);
 
   // Execution order: layer forwards (already first), loss.fwd, loss.bwd, backwards, optimizer.
   int n = 0;

@@ -122,9 +122,14 @@ static bool price(const IrOp *op, const SchedCluster *c, const Groups *gs, Sched
     *coef = group_fit(op, c, gs, SCHED_REDUCESCATTER);
     *n = (double)numel_of(&op->args[0]);
     return true;
-  case IR_OP_COMM_ALLREDUCE: *coef = group_fit(op, c, gs, SCHED_ALLREDUCE); *n = (double)numel_of(&op->args[0]); return true;
+  // A sharded optimizer's gradient (attribute shard, autodiff) is reduce-scattered: each member
+  // gets the sums of its rows.
+  case IR_OP_COMM_ALLREDUCE:
+    *coef = group_fit(op, c, gs, ir_op_int(op, "shard", 0) ? SCHED_REDUCESCATTER : SCHED_ALLREDUCE);
+    *n = (double)numel_of(&op->args[0]);
+    return true;
   case IR_OP_COMM_ALLREDUCE_GRAD:
-    *coef = group_fit(op, c, gs, SCHED_ALLREDUCE);
+    *coef = group_fit(op, c, gs, ir_op_int(op, "shard", 0) ? SCHED_REDUCESCATTER : SCHED_ALLREDUCE);
     *n = (double)ir_op_int(op, "count", 0);
     return true;
   case IR_OP_ATTN_CAUSAL:
@@ -162,8 +167,13 @@ int pass_price(IrModule *m, const SchedCluster *c) {
       SchedCoef coef;
       double n;
       if (!price(op, c, &gs, &coef, &n)) continue;
+      double t = coef.alpha + coef.beta * n;
+      if (op->kind == IR_OP_OPT_ADAMW && ir_op_str(op, "group", NULL)) {   // then the members' rows gathered
+        SchedCoef ag = group_fit(op, c, &gs, SCHED_ALLGATHER);
+        t += ag.alpha + ag.beta * (double)ir_type_numel(&op->args[0].param->type);
+      }
       ir_op_set_float(op, "cost_n", n);
-      ir_op_set_float(op, "cost_t", coef.alpha + coef.beta * n);
+      ir_op_set_float(op, "cost_t", t);
       priced++;
     }
   return priced;
@@ -411,7 +421,7 @@ static void layer_cost(const PassLayer *l, const SchedCluster *c, const Groups *
       const IrOp *op = l->bwd->ops[i];
       if ((op->kind == IR_OP_COMM_ALLREDUCE || op->kind == IR_OP_COMM_ALLREDUCE_GRAD) &&
           (in_group(op, "world") || in_group(op, "dp"))) {
-        out->ar = group_fit(op, c, gs, SCHED_ALLREDUCE);
+        out->ar = group_fit(op, c, gs, ir_op_int(op, "shard", 0) ? SCHED_REDUCESCATTER : SCHED_ALLREDUCE);
         break;
       }
     }

@@ -95,6 +95,8 @@ static int place(IrModule *m, IrFunc *f, int at, const char *slot, Queue *q, int
     ir_op_set_int(op, "offset", p->offset);
     ir_op_set_int(op, "count", take);
     ir_attrs_set_str(m, op->attrs, &op->nattrs, "slot", slot);
+    if (ir_attrs_get(p->param->attrs, p->param->nattrs, "shard"))   // a sharded optimizer's (autodiff)
+      ir_op_set_int(op, "shard", p->param->type.dim[0]);
     op->loc = p->param->loc;
     memmove(&f->ops[at + 1], &f->ops[at], sizeof *f->ops * (size_t)(f->nops - 1 - at));
     f->ops[at] = op;

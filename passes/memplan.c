@@ -380,8 +380,18 @@ bool pass_memplan(IrModule *m, PassCtx *ctx) {
   if (!ok) return false;
 
   for (int i = 0; i < m->nparams; i++) plan->param_bytes += ir_type_bytes(&m->params[i]->type);
-  bool adamw = strcmp(ir_mod_str(m, "optimizer", "sgd"), "adamw") == 0;
-  plan->optimizer_bytes = adamw ? 2 * plan->param_bytes : 0;
+  // AdamW's two moments of every parameter; under a sharded optimizer (opt.adamw with a group) the
+  // largest member's rows of it: ceil(R / size) of its R rows.
+  for (int i = 0; i < m->nfuncs; i++)
+    for (int j = 0; m->funcs[i]->role == IR_ROLE_OPTIMIZER && j < m->funcs[i]->nops; j++) {
+      const IrOp *op = m->funcs[i]->ops[j];
+      if (op->kind != IR_OP_OPT_ADAMW) continue;
+      const IrType *t = &op->args[0].param->type;
+      int64_t bytes = ir_type_bytes(t), size = ir_op_int(op, "size", 1);
+      if (ir_op_str(op, "group", NULL) && size > 1 && t->rank > 0 && t->dim[0] > 0)
+        bytes = (t->dim[0] + size - 1) / size * (bytes / t->dim[0]);
+      plan->optimizer_bytes += 2 * bytes;
+    }
   ir_attrs_set_int(m->attrs, &m->nattrs, "arena_bytes", plan->arena_bytes);
   if (ctx->verbose) report(ctx, plan, R.nstreamed);
   return true;

@@ -494,6 +494,7 @@ int rt_check_grad(RtTrainer *tr) {
     return -1;
   }
   memcpy(grad, st->grads, m->param_floats * sizeof(float));
+  rt_shard_gather_grads(tr->comm, m, grad);
   plant_error(m, grad);
   cx.grad = grad;
   // The scale "zero" is measured against: the largest gradient entry, the largest norm.

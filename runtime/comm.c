@@ -964,3 +964,84 @@ void rt_bcast(RtComm *c, RtGroup g, void *buf, int64_t bytes, int root) {
   bcast_on(gr, c, g, buf, bytes, root);
   end(gr);
 }
+
+// ---- a sharded optimizer's rows (ZeRO-1) ----
+// Sums of groups of 2 are the same bits in any order (a + b == b + a), so on such groups the
+// reduce-scatter equals rt_allreduce on the rows a member owns; on larger groups MPI orders the
+// sums its own way, as rt_allreduce's algorithms do.
+
+static void part_of(int64_t rows, int64_t row, int p, int i, int64_t *lo, int64_t *n) {
+  int64_t r0 = rows * i / p, r1 = rows * (i + 1) / p;
+  *lo = r0 * row;
+  *n = (r1 - r0) * row;
+}
+
+void rt_shard_part(const RtComm *c, RtGroup g, int64_t rows, int64_t row, int64_t *lo, int64_t *n) {
+  part_of(rows, row, rt_comm_size(c, g), rt_comm_rank(c, g), lo, n);
+}
+
+// counts[j] / displs[j]: member j's elements of the window [o, o + len), displs from o.
+static void window_parts(int64_t rows, int64_t row, int p, int64_t o, int64_t len, int *counts, int *displs) {
+  for (int j = 0; j < p; j++) {
+    int64_t lo, n;
+    part_of(rows, row, p, j, &lo, &n);
+    int64_t a = lo > o ? lo : o, b = lo + n < o + len ? lo + n : o + len;
+    counts[j] = b > a ? (int)(b - a) : 0;
+    displs[j] = b > a ? (int)(a - o) : 0;
+  }
+}
+
+// The ring reduce-scatter of buf's parts (counts, displs): p - 1 steps; part j starts at member
+// j + 1 and ends at j, each member adding its own addends in place as the running sum passes, so
+// no buffer but one part's (MPI_Reduce_scatter's libnbc takes temporaries of the whole message).
+static void reduce_scatter_ring(Group *gr, float *buf, const int *counts, const int *displs) {
+  int p = gr->size, r = gr->rank, right = (r + 1) % p, left = (r + p - 1) % p, largest = 0;
+  for (int j = 0; j < p; j++) largest = counts[j] > largest ? counts[j] : largest;
+  float *in = workspace(gr, (size_t)largest + 1);
+  for (int s = 0; s < p - 1; s++) {
+    int out = ((r - 1 - s) % p + p) % p, blk = ((r - 2 - s) % p + p) % p;
+    MPI_Request recv;
+    MPI_CHECK(MPI_Irecv(in, counts[blk], MPI_FLOAT, left, 0, gr->comm, &recv));
+    NB(gr, MPI_Isend(buf + displs[out], counts[out], MPI_FLOAT, right, 0, gr->comm, &req));
+    finish(&recv, gr->what, gr->id, gr->began, "MPI_Irecv", __LINE__);
+    float *acc = buf + displs[blk];
+    for (int i = 0; i < counts[blk]; i++) acc[i] += in[i];
+  }
+}
+
+void rt_shard_reduce(RtComm *c, RtGroup g, float *grad, int64_t offset, int64_t count, int64_t rows,
+                     int64_t row) {
+  Group *gr = begin(c, g, "rt_shard_reduce", "ReduceScatter", count);
+  if (gr && gr->size > 1) {
+    int p = gr->size, *counts = rt_alloc(2 * (size_t)p * sizeof(int), "a sharded reduction");
+    for (int64_t o = offset; o < offset + count; o += c->max_chunk) {
+      int len = slice_len(o - offset, count, c->max_chunk);
+      window_parts(rows, row, p, o, len, counts, counts + p);
+      if ((int64_t)len * (int64_t)sizeof(float) >= ALLREDUCE_BIG_BYTES) {   // as rt_allreduce: the ring
+        reduce_scatter_ring(gr, grad + o, counts, counts + p);
+        continue;
+      }
+      float *out = workspace(gr, (size_t)counts[gr->rank] + 1);
+      NB(gr, MPI_Ireduce_scatter(grad + o, out, counts, MPI_FLOAT, MPI_SUM, gr->comm, &req));
+      copy_floats(grad + o + counts[p + gr->rank], out, counts[gr->rank]);
+    }
+    free(counts);
+  }
+  end(gr);
+}
+
+void rt_shard_gather(RtComm *c, RtGroup g, float *buf, int64_t rows, int64_t row) {
+  int64_t count = rows * row;
+  Group *gr = begin(c, g, "rt_shard_gather", "AllGather", count);
+  if (gr && gr->size > 1) {
+    int p = gr->size, *counts = rt_alloc(2 * (size_t)p * sizeof(int), "a sharded gather");
+    for (int64_t o = 0; o < count; o += c->max_chunk) {
+      int len = slice_len(o, count, c->max_chunk);
+      window_parts(rows, row, p, o, len, counts, counts + p);
+      NB(gr, MPI_Iallgatherv(MPI_IN_PLACE, 0, MPI_DATATYPE_NULL, buf + o, counts, counts + p, MPI_FLOAT,
+                             gr->comm, &req));
+    }
+    free(counts);
+  }
+  end(gr);
+}

@@ -123,6 +123,7 @@ int rt_dump_step(RtTrainer *tr, const RtReport *rep) {
     snprintf(path, len, "%s/loss.npy", dir);
     status = rt_npy_write(path, RT_DTYPE_F64, 0, NULL, &rep->loss);
   }
+  rt_shard_gather_grads(tr->comm, m, tr->st.grads);   // (the update reads its own rows only)
   for (int i = 0; i < m->nparams; i++) {
     const RtParam *p = &m->params[i];
     rt_gather_param(tr->comm, p, r, tr->st.grads + p->offset, whole);

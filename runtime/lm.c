@@ -93,22 +93,26 @@ RT_VECTOR_PATHS(sum_squares, (const float *g, int64_t n, double *sum), (g, n, su
 
 double rt_grad_norm(const RtModel *m, const RtRanks *r, RtComm *c, const float *grads) {
   // Every rank holds its shard of each gradient after the reductions; a shard held by several
-  // ranks (replicas) counts once: its squares are divided by the number of replicas.
+  // ranks (replicas) counts once: its squares are divided by the number of replicas. Under a
+  // sharded optimizer a rank holds the sums of its rows only (rt_param_part): the rows of the
+  // members of its group make the shard, so the replicas are fewer by the group's size.
   // Each tensor's sum on one thread (sum_squares: running sums that vectorise), the tensors handed to the threads
   // one at a time, then summed in tensor order: the same bits on any number of threads.
   double *part = rt_alloc((size_t)(m->nparams > 0 ? m->nparams : 1) * sizeof *part, "the gradient norm");
   RT_PRAGMA_PARALLEL_DYNAMIC(m->nparams > 1)
   for (int i = 0; i < m->nparams; i++) {
     const RtParam *p = &m->params[i];
+    int64_t lo, n;
+    rt_param_part(c, p, &lo, &n);
     part[i] = 0;
     if (!p->balance)   // a correction bias's "gradient" is its load imbalance
-      sum_squares(grads + p->offset, p->numel, &part[i]);
+      sum_squares(grads + p->offset + lo, n, &part[i]);
   }
   double sum = 0;
   for (int i = 0; i < m->nparams; i++) {
     const RtParam *p = &m->params[i];
     int shards = (p->shard_ep >= 0 ? r->ep : 1) * (p->shard_esp >= 0 ? r->esp : 1) *
-                 (p->shard_mp >= 0 ? r->mp : 1);
+                 (p->shard_mp >= 0 ? r->mp : 1) * (p->shard ? rt_comm_size(c, (RtGroup)(p->shard - 1)) : 1);
     sum += part[i] * shards / r->world;
   }
   free(part);

@@ -172,7 +172,7 @@ static void init_params(RtTrainer *tr) {
 
 static int load_checkpoint(RtTrainer *tr, const char *path) {
   int64_t done = 0;
-  if (rt_checkpoint_load(path, tr->model, &tr->ranks, tr->st.params, tr->st.opt_m,
+  if (rt_checkpoint_load(tr->comm, path, tr->model, &tr->ranks, tr->st.params, tr->st.opt_m,
                          tr->st.opt_v, &done) != 0)
     return -1;
   tr->done_steps = done;
@@ -581,7 +581,16 @@ static void print_summary(const RtTrainer *tr, const Steps *run, bool convert, d
   if (run->first <= run->last) {
     int64_t steps = run->last - run->first + 1;
     double secs = (now_ms() - run->started) * 1e-3, tokens = (double)steps * tr->ranks.dp * m->batch * m->seqlen;
-    double plan = (double)m->arena_bytes + (double)m->param_floats * sizeof(float) * (m->opt == RT_OPT_ADAMW ? 4 : 2);
+    double plan = (double)m->arena_bytes + (double)m->param_floats * sizeof(float) * 2;
+    for (int i = 0; m->opt == RT_OPT_ADAMW && i < m->nparams; i++) {   // the moments: the largest member's rows
+      const RtParam *p = &m->params[i];
+      int64_t kept = p->numel;
+      if (p->shard && p->rank > 0 && p->dims[0] > 0) {
+        int64_t g = rt_comm_size(tr->comm, (RtGroup)(p->shard - 1));
+        kept = (p->dims[0] + g - 1) / g * (p->numel / p->dims[0]);
+      }
+      plan += 2.0 * sizeof(float) * (double)kept;
+    }
     struct rusage ru;
     char peak[32] = "unknown", planned[32];
     if (getrusage(RUSAGE_SELF, &ru) == 0) bytes_text(peak, sizeof peak, (double)ru.ru_maxrss * 1024.0);
@@ -621,7 +630,7 @@ static int train(RtTrainer *tr) {
     size_t bytes = (m->param_floats ? m->param_floats : 1) * sizeof(float);
     rt_big_touch(st->grads, bytes);
     if (m->opt == RT_OPT_ADAMW && !tr->opt.resume)   // (a resume's load touched them)
-      rt_big_touch(st->opt_m, bytes), rt_big_touch(st->opt_v, bytes);
+      rt_touch_moments(tr->comm, m, st->opt_m, st->opt_v);
   }
   run.started = now_ms();
   for (int64_t t = first; t <= last; t++) {

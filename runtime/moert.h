@@ -197,6 +197,17 @@ void rt_allreduce(RtComm *c, RtGroup g, float *buf, int64_t n);                 
 void rt_allreduce_f64(RtComm *c, RtGroup g, double *buf, int64_t n);
 void rt_allreduce_max_f64(RtComm *c, RtGroup g, double *buf, int64_t n);   // element-wise max
 void rt_bcast(RtComm *c, RtGroup g, void *buf, int64_t bytes, int root);
+// A sharded optimizer (`optimizer adamw { shard true; }`, ZeRO-1): member i of group g owns rows
+// [rows*i/p, rows*(i+1)/p) of a parameter of `rows` rows of `row` floats (p members), the
+// elements [*lo, *lo + *n) of this rank's part.
+void rt_shard_part(const RtComm *c, RtGroup g, int64_t rows, int64_t row, int64_t *lo, int64_t *n);
+// Sums elements [offset, offset + count) of grad (a parameter's gradient) over g; each member
+// receives the sums of its own rows, in place (a reduce-scatter; the other elements are left
+// with this rank's addends or partial sums).
+void rt_shard_reduce(RtComm *c, RtGroup g, float *grad, int64_t offset, int64_t count, int64_t rows,
+                     int64_t row);
+// Each member's rows of buf (a parameter after its owners' updates) to every member, in place.
+void rt_shard_gather(RtComm *c, RtGroup g, float *buf, int64_t rows, int64_t row);
 // Every rank exits through here on a fatal runtime error: message on stderr, MPI_Abort when
 // several ranks run (so no peer hangs), exit status 1.
 _Noreturn void rt_comm_abort(const char *fmt, ...) __attribute__((format(printf, 1, 2)));
@@ -258,7 +269,13 @@ typedef struct RtParam {
   int64_t global_dims[4];
   int shard_ep, shard_esp, shard_mp;
   int balance;             // 1: a correction bias (`balance bias`), moved by opt.balance, not trained by a gradient
+  int shard;               // 1 + the RtGroup over which its optimizer moments are sharded by rows
+                           // of dims[0] (rt_shard_part); 0: every replica holds them whole
 } RtParam;
+
+// The elements [*lo, *lo + *n) of parameter p whose moments this rank keeps and updates: its rows
+// when p->shard, all of them otherwise (runtime/shard.c).
+void rt_param_part(const RtComm *c, const RtParam *p, int64_t *lo, int64_t *n);
 
 struct RtModel {
   const char *name;

@@ -324,8 +324,14 @@ int rt_checkpoint_save(RtComm *c, const char *path, const RtModel *m, const RtRa
 // Loads rank r's shard of every parameter (and of both moments for adamw) from the checkpoint
 // at path, whatever layout wrote it, and its step. Also reads the single-file format
 // "moec-checkpoint-1". Each rank reads on its own (not collective).
-int rt_checkpoint_load(const char *path, const RtModel *m, const RtRanks *r, float *params,
+int rt_checkpoint_load(RtComm *c, const char *path, const RtModel *m, const RtRanks *r, float *params,
                        float *opt_m, float *opt_v, int64_t *step);
+// The first touch (rt_big_touch) of the moments this rank keeps (rt_param_part): all of them, or
+// under a sharded optimizer its rows of each parameter, the other pages never backed.
+void rt_touch_moments(const RtComm *c, const RtModel *m, float *opt_m, float *opt_v);
+// Under a sharded optimizer a rank holds the sums of its rows of each gradient only: each member's
+// rows of grads to every member (--dump and --check-grad read whole gradients).
+void rt_shard_gather_grads(RtComm *c, const RtModel *m, float *grads);
 // --weights: rank r's shard of every parameter from a safetensors file of whole tensors (F32,
 // F64, BF16 or F16, converted to float32), a Hugging Face index of such files or a folder that
 // holds one (rt_st_open; told from a moec index by its "weight_map"), or a checkpoint (index

@@ -61,6 +61,57 @@ bool rt_shard_owner(const RtParam *p, const RtRanks *r) {
   return (p->shard_ep >= 0 || r->ep_index == 0) && (p->shard_esp >= 0 || r->esp_index == 0);
 }
 
+void rt_param_part(const RtComm *c, const RtParam *p, int64_t *lo, int64_t *n) {
+  *lo = 0;
+  *n = p->numel;
+  if (p->shard && p->rank > 0 && p->dims[0] > 0)
+    rt_shard_part(c, (RtGroup)(p->shard - 1), p->dims[0], p->numel / p->dims[0], lo, n);
+}
+
+// This rank's box of parameter p: its shard (off, dims), or for a moment of a sharded optimizer
+// (moment true, p->shard) the rows of the shard it keeps; *lo: the box's first element in the
+// shard, *numel its elements.
+static void box_of(const RtComm *c, const RtParam *p, const RtRanks *r, bool moment, int64_t off[4],
+                   int64_t dims[4], int64_t *lo, int64_t *numel) {
+  rt_shard_offsets(p, r, off);
+  memcpy(dims, p->dims, 4 * sizeof *dims);
+  *lo = 0;
+  *numel = p->numel;
+  if (!moment || !p->shard)
+    return;
+  rt_param_part(c, p, lo, numel);
+  int64_t row = p->dims[0] > 0 ? p->numel / p->dims[0] : 1;
+  off[0] += *lo / row;
+  dims[0] = *numel / row;
+}
+
+void rt_touch_moments(const RtComm *c, const RtModel *m, float *opt_m, float *opt_v) {
+  bool sharded = false;
+  for (int i = 0; i < m->nparams; i++)
+    sharded |= m->params[i].shard != 0;
+  if (!sharded) {
+    size_t bytes = (m->param_floats ? m->param_floats : 1) * sizeof(float);
+    rt_big_touch(opt_m, bytes);
+    rt_big_touch(opt_v, bytes);
+    return;
+  }
+  for (int i = 0; i < m->nparams; i++) {
+    const RtParam *p = &m->params[i];
+    int64_t lo, n;
+    rt_param_part(c, p, &lo, &n);
+    rt_big_touch(opt_m + p->offset + lo, (size_t)n * sizeof(float));
+    rt_big_touch(opt_v + p->offset + lo, (size_t)n * sizeof(float));
+  }
+}
+
+void rt_shard_gather_grads(RtComm *c, const RtModel *m, float *grads) {
+  for (int i = 0; i < m->nparams; i++) {
+    const RtParam *p = &m->params[i];
+    if (p->shard && p->rank > 0 && p->dims[0] > 0)
+      rt_shard_gather(c, (RtGroup)(p->shard - 1), grads + p->offset, p->dims[0], p->numel / p->dims[0]);
+  }
+}
+
 int64_t rt_param_global_numel(const RtParam *p) {
   int64_t n = 1;
   for (int d = 0; d < p->rank; d++)
@@ -264,7 +315,7 @@ done:
 }
 
 // This rank's shard file: the boxes it owns of every parameter and moment.
-static int write_shard(const char *file, const RtModel *m, const RtRanks *r, int64_t step,
+static int write_shard(const RtComm *c, const char *file, const RtModel *m, const RtRanks *r, int64_t step,
                        const float *params, const float *opt_m, const float *opt_v) {
   enum { FIXED_META = 7 };
   int per = m->opt == RT_OPT_ADAMW ? 3 : 1;
@@ -289,20 +340,24 @@ static int write_shard(const char *file, const RtModel *m, const RtRanks *r, int
   memcpy(meta, fixed, sizeof fixed);
   const float *src[3] = {params, opt_m, opt_v};
   const char *prefix[3] = {"", "opt.m.", "opt.v."};
+  int64_t (*dims)[4] = rt_calloc(cap, sizeof *dims, what);
   for (int i = 0; i < m->nparams; i++) {
     const RtParam *p = &m->params[i];
-    if (!rt_shard_owner(p, r))
-      continue;
-    int64_t off[4];
-    rt_shard_offsets(p, r, off);
-    char global[160], offset[160];
-    shape_text(global, sizeof global, p->rank, p->global_dims);
-    shape_text(offset, sizeof offset, p->rank, off);
+    bool owner = rt_shard_owner(p, r);
     for (int k = 0; k < per; k++) {
+      // The owner writes the shard; a sharded moment's rows come from each member that keeps them.
+      bool rows = k > 0 && p->shard;
+      int64_t off[4], lo, numel;
+      box_of(c, p, r, k > 0, off, dims[n], &lo, &numel);
+      if (rows ? numel == 0 : !owner)
+        continue;
+      char global[160], offset[160];
+      shape_text(global, sizeof global, p->rank, p->global_dims);
+      shape_text(offset, sizeof offset, p->rank, off);
       names[n] = str_printf("%s%s", prefix[k], p->name);
       keys[n] = str_printf("shard.%s%s", prefix[k], p->name);
       boxes[n] = str_printf("global=%s offset=%s", global, offset);
-      tensors[n] = (RtStTensor){names[n], p->rank, p->dims, src[k] + p->offset};
+      tensors[n] = (RtStTensor){names[n], p->rank, dims[n], src[k] + p->offset + lo};
       meta[2 * (FIXED_META + n)] = keys[n];
       meta[2 * (FIXED_META + n) + 1] = boxes[n];
       n++;
@@ -319,6 +374,7 @@ static int write_shard(const char *file, const RtModel *m, const RtRanks *r, int
   free(boxes);
   free(meta);
   free(tensors);
+  free(dims);
   return status;
 }
 
@@ -359,7 +415,7 @@ int rt_checkpoint_save(RtComm *c, const char *path, const RtModel *m, const RtRa
                        int64_t step, const float *params, const float *opt_m,
                        const float *opt_v) {
   char *file = shard_path(path, r->rank, r->world);
-  int status = write_shard(file, m, r, step, params, opt_m, opt_v);
+  int status = write_shard(c, file, m, r, step, params, opt_m, opt_v);
   free(file);
   // Every shard is durable (written, fsynced, renamed) before the index that names them.
   if (rt_world_agree(c, status) != 0)
@@ -381,7 +437,7 @@ typedef struct Wanted {
   char *name;
   const RtParam *param;
   float *dst;
-  int64_t off[4];
+  int64_t off[4], dims[4], numel;   // the box: the rank's shard, or its rows of a sharded moment
   unsigned char *covered;
   bool found;
 } Wanted;
@@ -400,7 +456,7 @@ static void wants_free(Wants *ws) {
   memset(ws, 0, sizeof *ws);
 }
 
-static int wants_make(Wants *ws, const RtModel *m, const RtRanks *r, float *params,
+static int wants_make(Wants *ws, const RtComm *c, const RtModel *m, const RtRanks *r, float *params,
                       float *opt_m, float *opt_v) {
   int per = opt_m ? 3 : 1;
   ws->n = 0;
@@ -411,11 +467,12 @@ static int wants_make(Wants *ws, const RtModel *m, const RtRanks *r, float *para
     const RtParam *p = &m->params[i];
     for (int k = 0; k < per; k++) {
       Wanted *w = &ws->w[ws->n++];
+      int64_t lo;
       w->param = p;
-      w->dst = dst[k] + p->offset;
-      rt_shard_offsets(p, r, w->off);
+      box_of(c, p, r, k > 0, w->off, w->dims, &lo, &w->numel);
+      w->dst = dst[k] + p->offset + lo;
       w->name = str_printf("%s%s", prefix[k], p->name);
-      w->covered = rt_calloc((size_t)p->numel + 1, 1, "the map of loaded elements");
+      w->covered = rt_calloc((size_t)w->numel + 1, 1, "the map of loaded elements");
     }
   }
   return 0;
@@ -466,7 +523,7 @@ static int take_whole(const char *path, const RtStSet *set, Wants *ws) {
                      rt_shape_str(want, sizeof want, p->rank, p->global_dims));
     }
     float *converted;
-    rt_box_copy(p->rank, zero, t->dims, floats_of(t, &converted), w->off, p->dims, w->dst,
+    rt_box_copy(p->rank, zero, t->dims, floats_of(t, &converted), w->off, w->dims, w->dst,
                 w->covered);
     free(converted);
     w->found = true;
@@ -506,7 +563,7 @@ static int take_shard(const char *file, const RtStFile *f, Wants *ws) {
                      rt_shape_str(want, sizeof want, rank, off),
                      rt_shape_str(whole, sizeof whole, rank, global));
     float *converted;
-    rt_box_copy(p->rank, off, t->dims, floats_of(t, &converted), w->off, p->dims, w->dst,
+    rt_box_copy(p->rank, off, t->dims, floats_of(t, &converted), w->off, w->dims, w->dst,
                 w->covered);
     free(converted);
     w->found = true;
@@ -522,10 +579,15 @@ static int check_covered(const char *path, const Wants *ws, int nshards, const R
     if (!w->found)
       return rt_fail("checkpoint '%s' has no tensor '%s' in any of its %d shard file%s", path,
                      w->name, nshards, nshards == 1 ? "" : "s");
-    for (int64_t j = 0; j < p->numel; j++) {
+    for (int64_t j = 0; j < w->numel; j++) {
       if (w->covered[j])
         continue;
-      int64_t g = rt_shard_global_index(p, w->off, j), coord[4];
+      int64_t g = 0, stride = 1, rest = j, coord[4];
+      for (int d = p->rank - 1; d >= 0; d--) {   // element j of the box, as a global index
+        g += (rest % w->dims[d] + w->off[d]) * stride;
+        rest /= w->dims[d];
+        stride *= p->global_dims[d];
+      }
       for (int d = p->rank - 1; d >= 0; d--) {
         coord[d] = g % p->global_dims[d];
         g /= p->global_dims[d];
@@ -742,7 +804,7 @@ static int open_source(const char *path, bool for_weights, Index *ix, RtStSet *s
   return status;
 }
 
-int rt_checkpoint_load(const char *path, const RtModel *m, const RtRanks *r, float *params,
+int rt_checkpoint_load(RtComm *c, const char *path, const RtModel *m, const RtRanks *r, float *params,
                        float *opt_m, float *opt_v, int64_t *step) {
   bool adamw = m->opt == RT_OPT_ADAMW, is_index;
   Index ix;
@@ -754,8 +816,8 @@ int rt_checkpoint_load(const char *path, const RtModel *m, const RtRanks *r, flo
   size_t bytes = (size_t)m->param_floats * sizeof(float);   // their first touch, by every thread
   rt_big_touch(params, bytes);
   if (adamw)
-    rt_big_touch(opt_m, bytes), rt_big_touch(opt_v, bytes);
-  int status = wants_make(&ws, m, r, params, adamw ? opt_m : NULL, adamw ? opt_v : NULL);
+    rt_touch_moments(c, m, opt_m, opt_v);
+  int status = wants_make(&ws, c, m, r, params, adamw ? opt_m : NULL, adamw ? opt_v : NULL);
   if (status == 0 && is_index) {
     status = check_identity(path, m, ix.model, ix.optimizer, true);
     if (status == 0)
@@ -807,7 +869,7 @@ int rt_weights_load(const char *path, const RtModel *m, const RtRanks *r, float 
     return -1;
   Wants ws = {0};
   rt_big_touch(params, (size_t)m->param_floats * sizeof(float));   // their first touch, by every thread
-  int status = wants_make(&ws, m, r, params, NULL, NULL);
+  int status = wants_make(&ws, NULL, m, r, params, NULL, NULL);
   if (status == 0 && is_index) {
     status = check_identity(path, m, ix.model, ix.optimizer, false);
     if (status == 0)

@@ -294,7 +294,7 @@ static int same_checkpoint(const char *a, const char *b, RtOptKind opt, double t
   for (int k = 0; k < 2; k++) {
     for (int j = 0; j < 3; j++)
       buf[k][j] = calloc(n, sizeof(float));
-    if (rt_checkpoint_load(path[k], &model, &one, buf[k][0], buf[k][1], buf[k][2], &step[k])) {
+    if (rt_checkpoint_load(NULL, path[k], &model, &one, buf[k][0], buf[k][1], buf[k][2], &step[k])) {
       fprintf(stderr, "%s\n", rt_last_error());
       return 1;
     }

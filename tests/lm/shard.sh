@@ -1,0 +1,152 @@
+#!/usr/bin/env bash
+# The sharded optimizer (`optimizer adamw { shard true; }`, ZeRO-1; lang/manual.md §12 "Memory"):
+# each parameter's AdamW moments kept by rows over the ranks that hold the parameter, the
+# gradient reduce-scattered to the rows' owners, the updated rows all-gathered.
+#   - equality: on dp2·ep2, dp2·mp2·ep2·esp2 and dp4·ep4 (groups of 2 and of 4, the gate's over
+#     the whole world), language models with adamw, warmup, decay and clipping (gpt: biases,
+#     layernorm, tied head; qwen: rope, rmsnorm, SwiGLU, an untied head) train 8 steps with the
+#     same step lines and the same --dump bytes (logits, loss, every gradient) with and without
+#     `shard true`;
+#   - checkpoints: the sharded build saves at step 3 on dp2·mp2·ep2·esp2 (each rank writes the rows
+#     of the moments it keeps); the sharded and the plain build resume it and repeat steps 4-8 of
+#     the uninterrupted run, and the sharded build resumes the plain build's checkpoint; both
+#     checkpoints converted to one rank (--steps 0 --save) are the same bytes;
+#   - --check-grad passes on a sharded multi-rank build (the gradient's rows gathered first);
+#   - the memory plan: `moec build -v`'s optimizer state is the sharded size, the IR shows the
+#     shard attributes and round-trips;
+#   - refusals: `shard` in `optimizer sgd`, `shard true` for the CUDA target.
+. "$(dirname "$0")/../lib.sh"
+work lm-shard
+MPIRUN="mpirun --allow-run-as-root --oversubscribe"
+export OMP_NUM_THREADS=1
+ADAMW="optimizer adamw { lr 0.01; warmup 2; decay_steps 8; min_lr 0.001; clip 0.5; }"
+
+# variant MODEL LAYOUT SHARD: the model with adamw, the layout and (SHARD 1) shard true.
+variant() {
+  local opt=$ADAMW
+  [ "$3" = 1 ] && opt=${ADAMW/adamw \{/adamw \{ shard true;}
+  sed "s/optimizer sgd { lr 0.01; }/$opt/; s/^layer block x 2/parallel { $2 }\nlayer block x 2/" "tests/models/grad_lm_$1.moe"
+}
+
+steps() { grep '^step' "$1" | sed 's/  time.*//'; }
+
+# equal NAME MODEL LAYOUT RANKS
+equal() {
+  local d="$WORK/$1" label="shard $1: $3"
+  mkdir -p "$d"
+  variant "$2" "$3" 0 >"$d/plain.moe"
+  variant "$2" "$3" 1 >"$d/sharded.moe"
+  if ! "$MOEC" build "$d/plain.moe" -o "$d/plain" 2>"$d/err" || ! "$MOEC" build "$d/sharded.moe" -o "$d/sharded" 2>>"$d/err"; then
+    bad "$label: moec build" "$(cat "$d/err")"; return
+  fi
+  if ! (cd "$d" && $MPIRUN -np "$4" ./plain --steps 8 --dump dp >plain.out 2>&1 &&
+        $MPIRUN -np "$4" ./sharded --steps 8 --dump ds >sharded.out 2>&1); then
+    bad "$label: a run failed" "$(tail -n 5 "$d/plain.out" "$d/sharded.out")"; return
+  fi
+  if [ "$(steps "$d/plain.out" | wc -l)" -eq 8 ] && cmp -s <(steps "$d/plain.out") <(steps "$d/sharded.out") &&
+     diff -r "$d/dp" "$d/ds" >/dev/null && [ "$(find "$d/ds/grad" -name '*.npy' | wc -l)" -gt 10 ]; then
+    ok "$label: 8 steps and every --dump tensor the same bits as the unsharded build"
+  else
+    bad "$label: differs from the unsharded build" "$(diff <(steps "$d/plain.out") <(steps "$d/sharded.out") | head; diff -rq "$d/dp" "$d/ds" | head -n 5)"
+  fi
+}
+
+spawn gpt2 equal gpt2 gpt "dp 2; ep 2;" 2
+spawn gpt4 equal gpt4 gpt "dp 2; mp 2; ep 2; esp 2;" 4
+spawn gptdp4 equal gptdp4 gpt "dp 4; ep 4;" 4
+spawn qwen4 equal qwen4 qwen "dp 2; mp 2; ep 2; esp 2;" 4
+collect gpt2 gpt4 gptdp4 qwen4
+
+# ---- checkpoints ----
+d="$WORK/gpt4"
+if [ -x "$d/sharded" ] && [ -x "$d/plain" ]; then
+  (cd "$d" && rm -rf ck* && $MPIRUN -np 4 ./sharded --steps 3 --save cks >s3.out 2>&1 &&
+     $MPIRUN -np 4 ./sharded --steps 8 --resume cks >s8.out 2>&1 &&
+     $MPIRUN -np 4 ./plain --steps 8 --resume cks >p8.out 2>&1 &&
+     $MPIRUN -np 4 ./plain --steps 3 --save ckp >p3.out 2>&1 &&
+     $MPIRUN -np 4 ./sharded --steps 8 --resume ckp >sp8.out 2>&1) 2>"$WORK/err"
+  want=$(steps "$d/sharded.out" | tail -n 5)
+  for f in s8 p8 sp8; do
+    case $f in s8) what="the sharded build resumes its own checkpoint" ;;
+               p8) what="the plain build resumes the sharded checkpoint" ;;
+               sp8) what="the sharded build resumes the plain checkpoint" ;; esac
+    if [ -n "$want" ] && [ "$(steps "$d/$f.out")" = "$want" ]; then ok "shard checkpoint: $what: steps 4-8 as the uninterrupted run"
+    else bad "shard checkpoint: $what" "$(diff <(echo "$want") <(steps "$d/$f.out") | head; tail -n 3 "$d/$f.out")"; fi
+  done
+  # Both converted to whole tensors on one rank: the same moments, so the same bytes.
+  variant gpt "" 0 | sed 's/batch 2;/batch 4;/; s/capacity 0.5;/capacity 0.5; groups 4;/' >"$d/one.moe"
+  if "$MOEC" build "$d/one.moe" -o "$d/one" 2>"$WORK/err" &&
+     (cd "$d" && ./one --steps 0 --resume cks --save one_s >/dev/null 2>&1 && ./one --steps 0 --resume ckp --save one_p >/dev/null 2>&1) &&
+     cmp -s "$d/one_s.rank0-of-1.safetensors" "$d/one_p.rank0-of-1.safetensors"; then
+    ok "shard checkpoint: the sharded and the plain checkpoint converted to one rank are the same bytes"
+  else
+    bad "shard checkpoint: converted to one rank" "$(cat "$WORK/err"; ls "$d" | head -n 30)"
+  fi
+else
+  bad "shard checkpoint: the dp2·mp2·ep2·esp2 builds are missing"
+fi
+
+# ---- --check-grad on a sharded build over 2 ranks ----
+variant gpt "mp 2; ep 2;" 1 >"$WORK/cg.moe"
+if "$MOEC" build "$WORK/cg.moe" -o "$WORK/cg" 2>"$WORK/err" && (cd "$WORK" && $MPIRUN -np 2 ./cg --check-grad >cg.out 2>&1) &&
+   [ "$(tail -n 1 "$WORK/cg.out")" = OK ]; then
+  ok "shard --check-grad on mp2·ep2: $(grep -m1 'parameters:' "$WORK/cg.out" | cut -c3-100)"
+else
+  bad "shard --check-grad on mp2·ep2" "$(cat "$WORK/err"; tail -n 8 "$WORK/cg.out")"
+fi
+
+# ---- the memory plan and the IR ----
+state() { "$MOEC" build "$1" -v -o "$WORK/v.bin" 2>&1 | sed -n 's/.*optimizer state \([0-9.]*\) \(KiB\|MiB\).*/\1 \2/p'; }
+variant gpt "dp 2; ep 2;" 0 >"$WORK/v0.moe"
+variant gpt "dp 2; ep 2;" 1 >"$WORK/v1.moe"
+s0=$(state "$WORK/v0.moe") s1=$(state "$WORK/v1.moe")
+# dp2·ep2 (world 2): every parameter with a shard attribute keeps ceil(rows / 2) of its rows.
+expect=$($PY - "$MOEC" "$WORK/v1.moe" <<'PY'
+import re, subprocess, sys
+ir = subprocess.run([sys.argv[1], "dump-ir", sys.argv[2], "--after=memplan"], capture_output=True, text=True).stdout
+total = 0
+for m in re.finditer(r'param @(\S+): f32\[([0-9, ]+)\]([^\n]*)', ir):
+    dims = [int(x) for x in m.group(2).split(",")]
+    n = 1
+    for x in dims: n *= x
+    if 'shard=' in m.group(3):   # over dp or the world: 2 ranks here
+        n = (dims[0] + 1) // 2 * (n // dims[0])
+    total += 2 * 4 * n
+print("%.2f KiB" % (total / 1024))
+PY
+)
+if [ -n "$s0" ] && [ "$s1" = "$expect" ] && [ "$s1" != "$s0" ]; then
+  ok "shard memory plan: optimizer state $s0 -> $s1 per rank on dp2·ep2 (the parameters' rows: $expect)"
+else
+  bad "shard memory plan" "unsharded '$s0', sharded '$s1', expected '$expect'"
+fi
+if "$MOEC" dump-ir "$WORK/v1.moe" --after=memplan >"$WORK/a.ir" 2>"$WORK/err" &&
+   "$MOEC" dump-ir "$WORK/a.ir" >"$WORK/b.ir" 2>>"$WORK/err" && cmp -s "$WORK/a.ir" "$WORK/b.ir" &&
+   grep -q 'opt.adamw.*group="dp"' "$WORK/a.ir" && grep -q 'shard=' "$WORK/a.ir"; then
+  ok "shard IR: dump-ir shows the sharded reductions and updates, and round-trips"
+else
+  bad "shard IR" "$(cat "$WORK/err"; diff "$WORK/a.ir" "$WORK/b.ir" | head)"
+fi
+
+# ---- refusals ----
+sed 's/optimizer sgd { lr 0.01; }/optimizer sgd { lr 0.01; shard true; }/' tests/models/grad_lm_gpt.moe >"$WORK/sgd.moe"
+if ! "$MOEC" build "$WORK/sgd.moe" -o "$WORK/x" 2>"$WORK/err" && grep -q "'shard' is not a field of 'optimizer sgd'" "$WORK/err"; then
+  ok "shard refused in optimizer sgd: $(grep -m1 error "$WORK/err" | cut -c1-110)"
+else
+  bad "shard in optimizer sgd is not refused as expected" "$(cat "$WORK/err")"
+fi
+if [ -f "$BUILD/libmoert_cuda.a" ] || grep -q '^CUDA_OK := 1' "$BUILD/config.mk" 2>/dev/null; then
+  if ! "$MOEC" build "$WORK/v1.moe" --target cuda -o "$WORK/x" 2>"$WORK/err" && grep -q "runs on the CPU target only" "$WORK/err" &&
+     grep -q '\^' "$WORK/err"; then
+    ok "shard refused for the CUDA target, at the optimizer: $(grep -m1 error "$WORK/err" | cut -c1-110)"
+  else
+    bad "shard true --target cuda is not refused as expected" "$(cat "$WORK/err")"
+  fi
+else
+  if ! "$MOEC" build "$WORK/v1.moe" --target cuda -o "$WORK/x" 2>"$WORK/err"; then
+    ok "shard --target cuda: refused (no CUDA toolkit here: $(grep -m1 error "$WORK/err" | cut -c1-80))"
+  else
+    bad "shard --target cuda built without a toolkit"
+  fi
+fi
+exit $failed
