@@ -138,6 +138,7 @@ typedef struct Cluster {
   FeHfExport hf;
   char hf_why[512];
   char layout_note[512];   // how the layout was chosen (parallel auto, --layout), "" when written
+  int64_t memory;          // the profile's `memory`: bytes a rank may use (0: no limit known)
 } Cluster;
 
 // Front end: read, parse, check, load the cluster profile, lower (with the refusals of target).
@@ -158,6 +159,7 @@ static IrModule *front_end(IrDiag *d, const Options *o, const FeTargetCaps *targ
     snprintf(cl->name, sizeof cl->name, "%s", cluster.name ? cluster.name : "cluster");
     cl->sc.name = cl->name;
     cl->have = true;
+    cl->memory = cluster.memory;
   }
   // `parallel auto;` (or --layout): the layout is chosen before lowering (cli/layout.c).
   ok = ok && cli_resolve_layout(d, p, have_cluster ? &cluster : NULL, o->layout, o->verbose, cl->layout_note,
@@ -291,6 +293,113 @@ static bool emit_program(IrDiag *d, FILE *out, const IrModule *m, const PassMemP
   return target->emit(d, out, m, plan, &eo);
 }
 
+// ---- the profile's memory, honoured (lang/manual.md §12, "Memory") ----
+
+static int64_t plan_peak(const PassMemPlan *p) { return p->arena_bytes + 2 * p->param_bytes + p->optimizer_bytes; }
+
+// What a build may change to fit `memory`, cheapest first by the cost model's measure of what it
+// adds to a step: the sharded optimizer (a ReduceScatter where an AllReduce was, then an AllGather
+// of the updated rows). attr: the module attribute that asks for it.
+typedef struct MemoryChoice {
+  const char *attr, *what;
+} MemoryChoice;
+static const MemoryChoice memory_choices[] = {
+    {"shard_optimizer", "'optimizer adamw { shard true; }': AdamW's moments sharded over each parameter's replicas"},
+};
+
+static bool choice_applies(const MemoryChoice *c, const IrModule *m, const FeTargetCaps *caps) {
+  if (strcmp(c->attr, "shard_optimizer") == 0)
+    return caps->shard_optimizer && strcmp(ir_mod_str(m, "optimizer", "sgd"), "adamw") == 0 &&
+           !ir_mod_int(m, "shard_optimizer", 0) && ir_mod_int(m, "dp", 1) * ir_mod_int(m, "mp", 1) > 1;
+  return false;
+}
+
+// When the memory plan's peak per rank exceeds the profile's memory, builds the program again with
+// each choice that applies, in order, keeping what it has chosen, until one fits (*m and *ctx are
+// then that build's); says what it chose and what it costs. False (an error saying the smallest peak
+// reached and what would fit) when nothing does.
+static bool fit_memory(IrDiag *d, const Options *o, const FeTargetCaps *caps, Cluster *cl, IrModule **m, PassCtx *ctx) {
+  if (!cl->have || cl->memory <= 0) return true;
+  int64_t peak = plan_peak(ctx->memplan), limit = cl->memory;
+  double t0 = ir_mod_float(*m, "t_iter_pred", 0);
+  char a[32], b[32], c[32];
+  if (peak <= limit) {
+    if (o->verbose)
+      fprintf(stderr, "# memory: peak %s per rank, within the memory of cluster '%s' (%s)\n",
+              ir_bytes(a, sizeof a, (double)peak), cl->name, ir_bytes(b, sizeof b, (double)limit));
+    return true;
+  }
+  int64_t best = peak;
+  bool chosen[sizeof memory_choices / sizeof memory_choices[0]] = {false};
+  // `parallel auto;` chose the layout (the search priced these choices too): the builds below take it
+  // as chosen, without searching again.
+  Options again_o = *o;
+  char forced[96];
+  int dp, mp, ep, esp;
+  char algo[8] = "";
+  if (sscanf(cl->layout_note, "parallel auto: dp %d, mp %d, ep %d, esp %d, alltoall %7[a-z0-9]", &dp, &mp, &ep, &esp, algo) >= 4) {
+    snprintf(forced, sizeof forced, "%d,%d,%d,%d%s%s", dp, mp, ep, esp, algo[0] ? "," : "", algo);
+    again_o.layout = forced;
+  }
+  for (size_t i = 0; i < sizeof memory_choices / sizeof memory_choices[0]; i++) {
+    const MemoryChoice *mc = &memory_choices[i];
+    if (!choice_applies(mc, *m, caps)) continue;
+    IrSource *src = NULL;
+    Cluster again;
+    IrModule *m2 = front_end(d, &again_o, caps, &src, &again);
+    fe_hf_export_free(&again.hf);
+    PassCtx ctx2 = *ctx;
+    ctx2.verbose = false;
+    ctx2.memplan = NULL;
+    chosen[i] = true;
+    for (size_t k = 0; m2 && k <= i; k++)
+      if (chosen[k]) ir_attrs_set_int(m2->attrs, &m2->nattrs, memory_choices[k].attr, 1);
+    if (m2 && o->no_fuse) ir_attrs_set_int(m2->attrs, &m2->nattrs, "no_fuse", 1);
+    if (!m2 || !pass_run_pipeline(m2, &ctx2)) {
+      ir_module_free(m2);
+      ir_source_free(src);
+      pass_ctx_free(&ctx2);
+      return false;
+    }
+    ir_source_free(src);
+    int64_t now = plan_peak(ctx2.memplan);
+    double t1 = ir_mod_float(m2, "t_iter_pred", 0);
+    fprintf(stderr, "# memory: peak %s per rank, over the memory of cluster '%s' (%s): chose %s: peak %s",
+            ir_bytes(a, sizeof a, (double)peak), cl->name, ir_bytes(b, sizeof b, (double)limit), mc->what,
+            ir_bytes(c, sizeof c, (double)now));
+    if (t0 > 0 && t1 > 0)
+      fprintf(stderr, ", planned step %.2f -> %.2f ms (%+.1f %%)", t0, t1, 100.0 * (t1 - t0) / t0);
+    fprintf(stderr, "\n");
+    ir_module_free(*m);
+    pass_ctx_free(ctx);
+    *m = m2;
+    *ctx = ctx2;
+    ctx->verbose = o->verbose;
+    best = now;
+    if (now <= limit) return true;
+  }
+  const PassMemPlan *p = ctx->memplan;
+  int64_t fixed = 2 * p->param_bytes + p->optimizer_bytes;
+  char f[32];
+  if (fixed >= limit) {
+    ir_error(d,
+                "the program does not fit: its smallest peak per rank is %s, over the memory of cluster '%s' (%s); its "
+                "parameters, gradients and optimizer state alone take %s per rank: split them over more ranks "
+                "(a larger mp, ep or esp)", ir_bytes(a, sizeof a, (double)best), cl->name,
+                ir_bytes(b, sizeof b, (double)limit), ir_bytes(f, sizeof f, (double)fixed));
+  } else {
+    int64_t batch = ir_mod_int(*m, "batch", 1);
+    int64_t fits = p->arena_bytes > 0 ? (int64_t)((double)batch * (double)(limit - fixed) / (double)p->arena_bytes) : batch;
+    ir_error(d,
+                "the program does not fit: its smallest peak per rank is %s, over the memory of cluster '%s' (%s; activations "
+                "%s, parameters, gradients and optimizer state %s); the activations grow with the batch: a batch of "
+                "about %lld per rank would fit, or more ranks (dp) for the same global batch",
+                ir_bytes(a, sizeof a, (double)best), cl->name, ir_bytes(b, sizeof b, (double)limit),
+                ir_bytes(c, sizeof c, (double)p->arena_bytes), ir_bytes(f, sizeof f, (double)fixed), (long long)fits);
+  }
+  return false;
+}
+
 static int cmd_build(IrDiag *d, const Options *o) {
   IrSource *src = NULL;
   Cluster cl;
@@ -307,7 +416,7 @@ static int cmd_build(IrDiag *d, const Options *o) {
   char *output = NULL;
   FILE *c = NULL;
   if (m && o->no_fuse) ir_attrs_set_int(m->attrs, &m->nattrs, "no_fuse", 1);   // cg_cuda_lowering reads it
-  if (!m || !pass_run_pipeline(m, &ctx)) goto done;
+  if (!m || !pass_run_pipeline(m, &ctx) || !fit_memory(d, o, &caps, &cl, &m, &ctx)) goto done;
 
   if (o->emit) {  // --emit c: the program only; --emit cuda: the CUDA kernels only
     c = o->output ? fopen(o->output, "w") : stdout;

@@ -244,6 +244,12 @@ void cli_layout_apply(FeProgram *p, const CliLayout *l, int64_t global) {
   }
 }
 
+// Whether moec build may shard the optimizer to fit the memory (its first memory choice): adamw,
+// not asked for already, several ranks.
+static bool shardable(const FeProgram *p) {
+  return strcmp(p->model.optimizer.name, "adamw") == 0 && !p->model.optimizer.shard && p->parallel.dp * p->parallel.mp > 1;
+}
+
 // Collectives a layout runs: groups of more than one rank, then a hierarchical AlltoAll.
 static int collectives(const CliLayout *l) {
   return (l->dp > 1) + (l->mp > 1) + (l->ep > 1) + (l->esp > 1);
@@ -321,9 +327,17 @@ bool cli_layout_search(IrDiag *d, FeProgram *p, const FeCluster *fc, CliLayouts 
         if (!refused) {
           cli_layout_apply(p, &c, global);
           price(&s, &c);
-          for (int i = 0; i < p->nlayers; i++) p->layers[i].moe.algo = algos[i];
           c.legal = c.step_ms >= 0;
           c.fits = c.legal && (fc->memory <= 0 || c.peak_bytes <= fc->memory);
+          if (c.legal && !c.fits && shardable(p)) {   // what moec build would do to fit (cli/build.c)
+            CliLayout again = c;
+            p->model.optimizer.shard = true;
+            price(&s, &again);
+            p->model.optimizer.shard = false;
+            if (again.step_ms >= 0) c = again, c.shard = true;
+            c.fits = fc->memory <= 0 || c.peak_bytes <= fc->memory;
+          }
+          for (int i = 0; i < p->nlayers; i++) p->layers[i].moe.algo = algos[i];
           if (c.legal && !c.fits) {
             char need[32], have[32];
             snprintf(c.why, sizeof c.why, "peak %s per rank is more than the cluster's memory %s",
@@ -347,7 +361,10 @@ bool cli_layout_search(IrDiag *d, FeProgram *p, const FeCluster *fc, CliLayouts 
     if (long_stack) {
       Eval whole = {0};
       cli_layout_apply(p, c, global);
+      bool written = p->model.optimizer.shard;
+      p->model.optimizer.shard = written || c->shard;
       bool priced = eval_program(p, fc, &s.sc, &whole, c->why, sizeof c->why);
+      p->model.optimizer.shard = written;
       for (int i = 0; i < p->nlayers; i++) p->layers[i].moe.algo = algos[i];
       if (priced) c->peak_bytes = (int64_t)llround(whole.peak), c->act_bytes = (int64_t)llround(whole.act);
       eval_free(&whole);
@@ -396,7 +413,7 @@ void cli_layouts_print(FILE *out, const CliLayouts *ls, const char *cluster) {
     if (l->peak_bytes >= 0) cli_bytes(peak, sizeof peak, (double)l->peak_bytes);
     fprintf(out, "%4d %5d %4d %5d %4d %5s %12s %12s  %s%s\n", i + 1, l->dp, l->mp, l->ep, l->esp,
             l->algo ? l->algo : "as-is", step, peak, i == ls->chosen ? "chosen" : l->fits ? "fits" : "",
-            l->fits ? "" : l->why);
+            l->fits ? (l->shard ? ", with the sharded optimizer" : "") : l->why);
   }
 }
 
@@ -410,7 +427,7 @@ static void json_layout(FILE *f, const CliLayout *l, const char *policy) {
   fprintf(f, ", \"peak_bytes\": ");
   if (l->peak_bytes >= 0) fprintf(f, "%lld", (long long)l->peak_bytes);
   else fprintf(f, "null");
-  fprintf(f, ", \"fits\": %s, \"why\": \"", l->fits ? "true" : "false");
+  fprintf(f, ", \"fits\": %s, \"shard\": %s, \"why\": \"", l->fits ? "true" : "false", l->shard ? "true" : "false");
   for (const char *s = l->why; *s; s++) {
     if (*s == '"' || *s == '\\') fprintf(f, "\\%c", *s);
     else if ((unsigned char)*s < 0x20) fprintf(f, "\\u%04x", (unsigned char)*s);
@@ -512,10 +529,11 @@ bool cli_resolve_layout(IrDiag *d, FeProgram *p, const FeCluster *fc, const char
   char name[96], peak[32], mem[32], line[512];
   snprintf(line, sizeof line,
            "parallel auto: %s for cluster '%s' (%lld nodes x %lld): the fastest of %d fitting layouts (%d "
-           "considered), predicted %.3f ms per step of %lld samples with policy %s, peak %s per rank%s%s",
+           "considered), predicted %.3f ms per step of %lld samples with policy %s, peak %s per rank%s%s%s",
            cli_layout_name(name, sizeof name, c), fc->name ? fc->name : "cluster", (long long)fc->nodes,
            (long long)fc->gpus_per_node, fitting, ls.n, c->step_ms, (long long)ls.global_batch, ls.policy, cli_bytes(peak, sizeof peak, (double)c->peak_bytes),
-           fc->memory > 0 ? " of " : "", fc->memory > 0 ? cli_bytes(mem, sizeof mem, (double)fc->memory) : "");
+           fc->memory > 0 ? " of " : "", fc->memory > 0 ? cli_bytes(mem, sizeof mem, (double)fc->memory) : "",
+           c->shard ? " with the sharded optimizer" : "");
   fprintf(stderr, "# %s\n", line);
   if (note) snprintf(note, nnote, "%s", line);
   cli_layout_apply(p, c, ls.global_batch);

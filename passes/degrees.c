@@ -28,11 +28,12 @@ static void set_r(IrFunc *f, int64_t r) {
 
 static void report(FILE *log, const PassLayer *l, int n, const SchedPlan *plan, const SchedCluster *c, double ms);
 
-// Explicit degrees with a cluster profile and -v: the plan those degrees make, priced and
-// simulated as `pipeline auto` prices its own (the predicted step of a model written by hand).
+// Explicit degrees with a cluster profile: the plan those degrees make, priced and simulated as
+// `pipeline auto` prices its own (the predicted step of a model written by hand: t_iter_pred on the
+// module, which moec build's memory choices compare; the report with -v).
 static void price_explicit(IrModule *m, PassCtx *ctx, int64_t r_fwd, int64_t r_bwd) {
   IrPolicy pol;
-  if (!ctx->verbose || !ctx->cluster || !ir_policy_parse(ir_mod_str(m, "policy", "sequential"), &pol)) return;
+  if (!ctx->cluster || !ir_policy_parse(ir_mod_str(m, "policy", "sequential"), &pol)) return;
   PassStack s;
   if (!pass_stack(m, ctx->cluster, &s)) return;
   SchedPlan plan = {0};
@@ -40,7 +41,10 @@ static void price_explicit(IrModule *m, PassCtx *ctx, int64_t r_fwd, int64_t r_b
                    .t_fwd_other = s.t_fwd_other, .t_bwd_other = s.t_bwd_other,
                    .slow_compute = ctx->cluster->overlap_compute, .slow_comm = ctx->cluster->overlap_comm,
                    .r_fix = {(int)r_fwd, (int)r_bwd}};
-  if (s.n > 0 && sched_plan(&st, pol, &plan)) report(ctx->log ? ctx->log : stderr, s.layer, s.n, &plan, ctx->cluster, 0);
+  if (s.n > 0 && sched_plan(&st, pol, &plan)) {
+    ir_attrs_set_float(m->attrs, &m->nattrs, "t_iter_pred", plan.t_iter);
+    if (ctx->verbose) report(ctx->log ? ctx->log : stderr, s.layer, s.n, &plan, ctx->cluster, 0);
+  }
   sched_plan_free(&plan);
   pass_stack_free(&s);
 }

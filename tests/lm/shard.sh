@@ -14,6 +14,10 @@
 #   - --check-grad passes on a sharded multi-rank build (the gradient's rows gathered first);
 #   - the memory plan: `moec build -v`'s optimizer state is the sharded size, the IR shows the
 #     shard attributes and round-trips;
+#   - a cluster profile's `memory` honoured by `moec build`: between the two peaks it chooses the
+#     sharded optimizer (and says so with the planned step), below the smaller it refuses (saying
+#     what would fit), above the larger it leaves the program as written; `parallel auto;` with a
+#     memory below every layout's unsharded peak chooses a layout priced with it;
 #   - refusals: `shard` in `optimizer sgd`, `shard true` for the CUDA target.
 . "$(dirname "$0")/../lib.sh"
 work lm-shard
@@ -126,6 +130,56 @@ if "$MOEC" dump-ir "$WORK/v1.moe" --after=memplan >"$WORK/a.ir" 2>"$WORK/err" &&
   ok "shard IR: dump-ir shows the sharded reductions and updates, and round-trips"
 else
   bad "shard IR" "$(cat "$WORK/err"; diff "$WORK/a.ir" "$WORK/b.ir" | head)"
+fi
+
+# ---- a cluster's memory honoured by moec build ----
+peak() { "$MOEC" build "$1" -v -o "$WORK/v.bin" 2>&1 | sed -n 's/^# memplan: peak .*(\([0-9]*\) bytes)$/\1/p' | tail -n 1; }
+p0=$(peak "$WORK/v0.moe") p1=$(peak "$WORK/v1.moe")
+cluster() { sed "s/^  memory [0-9]*;.*/  memory $1;/" lang/clusters/cpu-2core.cluster >"$WORK/m.cluster"; }
+if [ -n "$p0" ] && [ -n "$p1" ] && [ "$p1" -lt "$p0" ]; then
+  cluster $(((p0 + p1) / 2))
+  if "$MOEC" build "$WORK/v0.moe" --cluster "$WORK/m.cluster" --keep-c "$WORK/m.c" -o "$WORK/m.bin" 2>"$WORK/err" &&
+     grep -q "chose 'optimizer adamw { shard true; }'.*planned step" "$WORK/err" && grep -q 'rt_shard_gather' "$WORK/m.c" &&
+     (cd "$WORK" && $MPIRUN -np 2 ./m.bin --steps 8 >m.out 2>&1) && cmp -s <(steps "$WORK/m.out") <(steps "$WORK/gpt2/plain.out"); then
+    ok "shard chosen by moec build for a cluster's memory between the two peaks ($p1 < memory < $p0 bytes): $(grep -o 'peak [0-9.]* KiB, planned.*' "$WORK/err")"
+  else
+    bad "shard chosen by moec build for a cluster's memory" "$(cat "$WORK/err"; tail -n 3 "$WORK/m.out" 2>/dev/null)"
+  fi
+  cluster $((p1 - 1024))
+  if ! "$MOEC" build "$WORK/v0.moe" --cluster "$WORK/m.cluster" -o "$WORK/m.bin" 2>"$WORK/err" &&
+     grep -q "error: the program does not fit: its smallest peak per rank is .*a batch of about" "$WORK/err"; then
+    ok "moec build refuses a cluster's memory below the smallest peak: $(grep -o 'smallest peak.*' "$WORK/err" | cut -c1-120)"
+  else
+    bad "moec build with a cluster's memory below the smallest peak" "$(cat "$WORK/err")"
+  fi
+  cluster $((p0 + 1024))
+  if "$MOEC" build "$WORK/v0.moe" --cluster "$WORK/m.cluster" --keep-c "$WORK/m.c" -o "$WORK/m.bin" 2>"$WORK/err" &&
+     ! grep -q 'rt_shard_gather' "$WORK/m.c" && ! grep -q 'chose' "$WORK/err"; then
+    ok "moec build keeps the program as written when it fits the cluster's memory"
+  else
+    bad "moec build with ample memory changed the program" "$(cat "$WORK/err")"
+  fi
+else
+  bad "shard: the memory plan's peaks" "unsharded '$p0', sharded '$p1'"
+fi
+
+# ---- parallel auto: the layout search prices the sharded optimizer where a layout does not fit ----
+sed "s/optimizer sgd { lr 0.01; }/$ADAMW/; s/batch 2;/batch 4;/; s/^layer block x 2/parallel auto;\nlayer block x 2/" \
+  tests/models/grad_lm_gpt.moe >"$WORK/auto.moe"
+cluster 1000000000
+if "$MOEC" plan "$WORK/auto.moe" --cluster "$WORK/m.cluster" --layouts --json "$WORK/all.json" >/dev/null 2>"$WORK/err"; then
+  least=$($PY -c 'import json,sys; print(min(l["peak_bytes"] for l in json.load(open(sys.argv[1]))["layouts"] if l["peak_bytes"]))' "$WORK/all.json")
+  cluster $((least - 1))
+  if "$MOEC" plan "$WORK/auto.moe" --cluster "$WORK/m.cluster" --layouts --json "$WORK/tight.json" >"$WORK/table" 2>"$WORK/err" &&
+     $PY -c 'import json,sys; c=json.load(open(sys.argv[1]))["chosen"]; sys.exit(0 if c and c["shard"] and c["fits"] else 1)' "$WORK/tight.json" &&
+     "$MOEC" build "$WORK/auto.moe" --cluster "$WORK/m.cluster" --keep-c "$WORK/auto.c" -o "$WORK/auto.bin" 2>"$WORK/err" &&
+     grep -q 'rt_shard_gather' "$WORK/auto.c" && grep -q 'with the sharded optimizer' "$WORK/err"; then
+    ok "parallel auto with memory below every layout's unsharded peak ($least bytes): $(grep -m1 chosen "$WORK/table" | tr -s ' ' | cut -c1-90)"
+  else
+    bad "parallel auto with the sharded optimizer" "$(cat "$WORK/err" "$WORK/table" 2>/dev/null | head -n 20)"
+  fi
+else
+  bad "parallel auto: moec plan --layouts" "$(cat "$WORK/err")"
 fi
 
 # ---- refusals ----
