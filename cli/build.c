@@ -297,31 +297,60 @@ static bool emit_program(IrDiag *d, FILE *out, const IrModule *m, const PassMemP
 
 static int64_t plan_peak(const PassMemPlan *p) { return p->arena_bytes + 2 * p->param_bytes + p->optimizer_bytes; }
 
-// What a build may change to fit `memory`, cheapest first by the cost model's measure of what it
-// adds to a step: the sharded optimizer (a ReduceScatter where an AllReduce was, then an AllGather
-// of the updated rows). attr: the module attribute that asks for it.
+// What a build may change to fit `memory` (module attribute attr set to value): the sharded
+// optimizer (a ReduceScatter where an AllReduce was, then an AllGather of the updated rows) and
+// recomputation (the activations, then the norms' outputs too, made again in the backward).
 typedef struct MemoryChoice {
-  const char *attr, *what;
+  const char *attr;
+  int value;
+  const char *what;
 } MemoryChoice;
 static const MemoryChoice memory_choices[] = {
-    {"shard_optimizer", "'optimizer adamw { shard true; }': AdamW's moments sharded over each parameter's replicas"},
+    {"shard_optimizer", 1, "'optimizer adamw { shard true; }' (AdamW's moments sharded over each parameter's replicas)"},
+    {"recompute", 1, "'recompute activations;' (the activations computed again in the backward)"},
+    {"recompute", 2, "'recompute norms;' (the activations and the norms' outputs computed again in the backward)"},
 };
+enum { NCHOICES = sizeof memory_choices / sizeof memory_choices[0] };
 
 static bool choice_applies(const MemoryChoice *c, const IrModule *m, const FeTargetCaps *caps) {
   if (strcmp(c->attr, "shard_optimizer") == 0)
     return caps->shard_optimizer && strcmp(ir_mod_str(m, "optimizer", "sgd"), "adamw") == 0 &&
            !ir_mod_int(m, "shard_optimizer", 0) && ir_mod_int(m, "dp", 1) * ir_mod_int(m, "mp", 1) > 1;
-  return false;
+  return ir_mod_int(m, c->attr, 0) < c->value;
 }
 
-// When the memory plan's peak per rank exceeds the profile's memory, builds the program again with
-// each choice that applies, in order, keeping what it has chosen, until one fits (*m and *ctx are
-// then that build's); says what it chose and what it costs. False (an error saying the smallest peak
-// reached and what would fit) when nothing does.
+// The program built again (front end with the layout already chosen, every pass) with the choices
+// in set; NULL when that failed (reported).
+static IrModule *rebuild(IrDiag *d, const Options *o, const FeTargetCaps *caps, const bool *set, const PassCtx *like,
+                         PassCtx *ctx) {
+  IrSource *src = NULL;
+  Cluster again;
+  IrModule *m = front_end(d, o, caps, &src, &again);
+  fe_hf_export_free(&again.hf);
+  ir_source_free(src);
+  *ctx = *like;
+  ctx->verbose = false;
+  ctx->memplan = NULL;
+  for (int k = 0; m && k < NCHOICES; k++) {
+    const MemoryChoice *c = &memory_choices[k];
+    if (set[k] && ir_mod_int(m, c->attr, 0) < c->value) ir_attrs_set_int(m->attrs, &m->nattrs, c->attr, c->value);
+  }
+  if (m && o->no_fuse) ir_attrs_set_int(m->attrs, &m->nattrs, "no_fuse", 1);
+  if (m && pass_run_pipeline(m, ctx)) return m;
+  ir_module_free(m);
+  pass_ctx_free(ctx);
+  return NULL;
+}
+
+// When the memory plan's peak per rank exceeds the profile's memory, applies the choices that
+// apply, each round the one whose build the cost model prices fastest (ties: one that fits, then
+// the one listed first),
+// until the program fits (*m and *ctx are then that build's), saying each choice, its peak and the
+// planned step. False (an error with the smallest peak reached and what would fit) when nothing
+// does.
 static bool fit_memory(IrDiag *d, const Options *o, const FeTargetCaps *caps, Cluster *cl, IrModule **m, PassCtx *ctx) {
   if (!cl->have || cl->memory <= 0) return true;
   int64_t peak = plan_peak(ctx->memplan), limit = cl->memory;
-  double t0 = ir_mod_float(*m, "t_iter_pred", 0);
   char a[32], b[32], c[32];
   if (peak <= limit) {
     if (o->verbose)
@@ -329,73 +358,74 @@ static bool fit_memory(IrDiag *d, const Options *o, const FeTargetCaps *caps, Cl
               ir_bytes(a, sizeof a, (double)peak), cl->name, ir_bytes(b, sizeof b, (double)limit));
     return true;
   }
-  int64_t best = peak;
-  bool chosen[sizeof memory_choices / sizeof memory_choices[0]] = {false};
   // `parallel auto;` chose the layout (the search priced these choices too): the builds below take it
   // as chosen, without searching again.
   Options again_o = *o;
-  char forced[96];
+  char forced[96], algo[8] = "";
   int dp, mp, ep, esp;
-  char algo[8] = "";
   if (sscanf(cl->layout_note, "parallel auto: dp %d, mp %d, ep %d, esp %d, alltoall %7[a-z0-9]", &dp, &mp, &ep, &esp, algo) >= 4) {
     snprintf(forced, sizeof forced, "%d,%d,%d,%d%s%s", dp, mp, ep, esp, algo[0] ? "," : "", algo);
     again_o.layout = forced;
   }
-  for (size_t i = 0; i < sizeof memory_choices / sizeof memory_choices[0]; i++) {
-    const MemoryChoice *mc = &memory_choices[i];
-    if (!choice_applies(mc, *m, caps)) continue;
-    IrSource *src = NULL;
-    Cluster again;
-    IrModule *m2 = front_end(d, &again_o, caps, &src, &again);
-    fe_hf_export_free(&again.hf);
-    PassCtx ctx2 = *ctx;
-    ctx2.verbose = false;
-    ctx2.memplan = NULL;
-    chosen[i] = true;
-    for (size_t k = 0; m2 && k <= i; k++)
-      if (chosen[k]) ir_attrs_set_int(m2->attrs, &m2->nattrs, memory_choices[k].attr, 1);
-    if (m2 && o->no_fuse) ir_attrs_set_int(m2->attrs, &m2->nattrs, "no_fuse", 1);
-    if (!m2 || !pass_run_pipeline(m2, &ctx2)) {
-      ir_module_free(m2);
-      ir_source_free(src);
-      pass_ctx_free(&ctx2);
-      return false;
+  bool set[NCHOICES] = {false};
+  while (peak > limit) {
+    int best = -1;
+    IrModule *best_m = NULL;
+    PassCtx best_ctx = {0};
+    double t0 = ir_mod_float(*m, "t_iter_pred", 0), best_t = 0;
+    for (int k = 0; k < NCHOICES; k++) {
+      if (set[k] || !choice_applies(&memory_choices[k], *m, caps)) continue;
+      set[k] = true;
+      PassCtx try_ctx;
+      IrModule *try_m = rebuild(d, &again_o, caps, set, ctx, &try_ctx);
+      set[k] = false;
+      if (!try_m) return false;
+      double t = ir_mod_float(try_m, "t_iter_pred", 0);
+      int64_t p = plan_peak(try_ctx.memplan);
+      // The fastest; on a tie one that fits, then the one listed first (the smaller change).
+      bool better = best < 0 || t < best_t || (t == best_t && p <= limit && plan_peak(best_ctx.memplan) > limit);
+      if (better) {
+        if (best_m) ir_module_free(best_m), pass_ctx_free(&best_ctx);
+        best = k, best_m = try_m, best_ctx = try_ctx, best_t = t;
+      } else {
+        ir_module_free(try_m);
+        pass_ctx_free(&try_ctx);
+      }
     }
-    ir_source_free(src);
-    int64_t now = plan_peak(ctx2.memplan);
-    double t1 = ir_mod_float(m2, "t_iter_pred", 0);
+    if (best < 0) break;
+    set[best] = true;
+    int64_t now = plan_peak(best_ctx.memplan);
     fprintf(stderr, "# memory: peak %s per rank, over the memory of cluster '%s' (%s): chose %s: peak %s",
-            ir_bytes(a, sizeof a, (double)peak), cl->name, ir_bytes(b, sizeof b, (double)limit), mc->what,
+            ir_bytes(a, sizeof a, (double)peak), cl->name, ir_bytes(b, sizeof b, (double)limit), memory_choices[best].what,
             ir_bytes(c, sizeof c, (double)now));
-    if (t0 > 0 && t1 > 0)
-      fprintf(stderr, ", planned step %.2f -> %.2f ms (%+.1f %%)", t0, t1, 100.0 * (t1 - t0) / t0);
+    if (t0 > 0 && best_t > 0) fprintf(stderr, ", planned step %.2f -> %.2f ms (%+.1f %%)", t0, best_t, 100.0 * (best_t - t0) / t0);
     fprintf(stderr, "\n");
     ir_module_free(*m);
     pass_ctx_free(ctx);
-    *m = m2;
-    *ctx = ctx2;
+    *m = best_m;
+    *ctx = best_ctx;
     ctx->verbose = o->verbose;
-    best = now;
-    if (now <= limit) return true;
+    peak = now;
   }
+  if (peak <= limit) return true;
   const PassMemPlan *p = ctx->memplan;
   int64_t fixed = 2 * p->param_bytes + p->optimizer_bytes;
   char f[32];
   if (fixed >= limit) {
     ir_error(d,
-                "the program does not fit: its smallest peak per rank is %s, over the memory of cluster '%s' (%s); its "
-                "parameters, gradients and optimizer state alone take %s per rank: split them over more ranks "
-                "(a larger mp, ep or esp)", ir_bytes(a, sizeof a, (double)best), cl->name,
-                ir_bytes(b, sizeof b, (double)limit), ir_bytes(f, sizeof f, (double)fixed));
+             "the program does not fit: its smallest peak per rank is %s, over the memory of cluster '%s' (%s); its "
+             "parameters, gradients and optimizer state alone take %s per rank: split them over more ranks "
+             "(a larger mp, ep or esp)", ir_bytes(a, sizeof a, (double)peak), cl->name,
+             ir_bytes(b, sizeof b, (double)limit), ir_bytes(f, sizeof f, (double)fixed));
   } else {
     int64_t batch = ir_mod_int(*m, "batch", 1);
     int64_t fits = p->arena_bytes > 0 ? (int64_t)((double)batch * (double)(limit - fixed) / (double)p->arena_bytes) : batch;
     ir_error(d,
-                "the program does not fit: its smallest peak per rank is %s, over the memory of cluster '%s' (%s; activations "
-                "%s, parameters, gradients and optimizer state %s); the activations grow with the batch: a batch of "
-                "about %lld per rank would fit, or more ranks (dp) for the same global batch",
-                ir_bytes(a, sizeof a, (double)best), cl->name, ir_bytes(b, sizeof b, (double)limit),
-                ir_bytes(c, sizeof c, (double)p->arena_bytes), ir_bytes(f, sizeof f, (double)fixed), (long long)fits);
+             "the program does not fit: its smallest peak per rank is %s, over the memory of cluster '%s' (%s; activations "
+             "%s, parameters, gradients and optimizer state %s); the activations grow with the batch: a batch of "
+             "about %lld per rank would fit, or more ranks (dp) for the same global batch",
+             ir_bytes(a, sizeof a, (double)peak), cl->name, ir_bytes(b, sizeof b, (double)limit),
+             ir_bytes(c, sizeof c, (double)p->arena_bytes), ir_bytes(f, sizeof f, (double)fixed), (long long)fits);
   }
   return false;
 }

@@ -115,6 +115,7 @@ struct Ctx {
 
 // ---- words ----
 static const char *const dtypes[] = {"fp32", "bf16", NULL};
+static const char *const recomputes[] = {"none", "activations", "norms", NULL};
 static const char *const optimizers[] = {"sgd", "adamw", NULL};
 // gates and ffn kinds come from the registry (frontend/registry.c)
 #define gates ((const char *const *)fe_gate_words)
@@ -226,6 +227,8 @@ static const Field model_fields[] = {
    .loc = AT(FeModel, tie_loc), .present = AT(FeModel, has_tie)},
   {"data", F_BLOCK, .block = &data_block, .sub = AT(FeModel, data), .loc = AT(FeModel, data.loc),
    .present = AT(FeModel, has_data)},
+  {"recompute", 0, .vals = {{V_WORD, .what = "recomputation", .words = recomputes, .def = "none",
+                             .off = AT(FeModel, recompute)}}},
 };
 static const Block model_block = BLOCK("model", model_fields, NULL);
 

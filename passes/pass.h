@@ -70,6 +70,7 @@ bool pass_autodiff(IrModule *m, PassCtx *ctx);
 // Whether rule is a well-formed GRAD rule of ops.def for an op of nargs operands (has_result:
 // the op has a result that `y` may name); why says what is wrong otherwise.
 bool pass_grad_rule_check(const char *rule, int nargs, bool has_result, char *why, size_t size);
+bool pass_recompute(IrModule *m, PassCtx *ctx);
 bool pass_cost(IrModule *m, PassCtx *ctx);
 // The multiply-accumulates of a GEMM (matmul, expert.matmul over every slot) or of causal
 // attention (its forward, or its gradient: twice that) as cost.c prices them; 0 for other ops.

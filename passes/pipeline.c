@@ -11,6 +11,7 @@ const PassInfo pass_list[] = {
     {"shapes", pass_shapes, "shape inference: every result type from its operands"},
     {"parallelize", pass_parallelize, "one rank's program: MP split/gather, EP alltoall, ESP gather/reduce-scatter, expert shards"},
     {"autodiff", pass_autodiff, "backward functions with saved activations, the loss gradient, the optimizer"},
+    {"recompute", pass_recompute, "saved activations the model or moec build's memory choice names, computed again in the backward (recompute=1)"},
     {"cost", pass_cost, "price the GEMMs and collectives with the cluster profile: cost_n, cost_t (ms)"},
     {"pipeline", pass_pipeline, "per MoE layer and phase the pipeline degree r (Algorithm 1 and the simulator, or the model's explicit degrees)"},
     {"gradpart", pass_gradpart, "place the dense gradients' AllReduces in the overlap slots of later backward layers"},

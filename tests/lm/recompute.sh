@@ -1,0 +1,101 @@
+#!/usr/bin/env bash
+# Recomputation (`recompute activations;` / `recompute norms;` in the model block, or chosen by
+# moec build for a cluster's memory; lang/manual.md §12 "Memory"): saved activations computed again
+# in the backward.
+#   - equality: gpt (GELU, layernorm, biases), qwen (SwiGLU: silu and mul, rmsnorm) and oss (the
+#     clamped SwiGLU) language models with adamw train 8 steps with the same step lines and --dump
+#     bytes at each level as without, on one rank, on dp2·ep2 and on dp2·mp2·ep2·esp2 with the
+#     fsmoe policy at pipeline degree 2 (the recomputed activation inside a chunked expert region);
+#   - --check-grad passes with `recompute norms;`;
+#   - the memory plan: the peak falls with each level (bench/models/lm_mid.moe);
+#   - the IR: dump-ir shows the copies (recompute=1) in the backward and round-trips;
+#   - moec build for a cluster's memory between the peaks on one rank (no sharded optimizer there)
+#     chooses recomputation, says so, and the binary trains the unconstrained build's losses.
+. "$(dirname "$0")/../lib.sh"
+work lm-recompute
+MPIRUN="mpirun --allow-run-as-root --oversubscribe"
+export OMP_NUM_THREADS=1
+ADAMW="optimizer adamw { lr 0.01; warmup 2; decay_steps 8; min_lr 0.001; clip 0.5; }"
+steps() { grep '^step' "$1" | sed 's/  time.*//'; }
+
+# variant MODEL PARALLEL SCHEDULE LEVEL: adamw, the layout, the schedule, `recompute LEVEL;`.
+variant() {
+  local seed
+  seed=$(sed -n 's/.*\(seed [0-9]*;\).*/\1/p' "tests/models/grad_lm_$1.moe" | head -n 1)
+  sed "s/optimizer sgd { lr 0.01; }/$ADAMW/; s/$seed/$seed recompute $4;/; s/^layer \([a-z]*\) x 2/$2\n$3\nlayer \1 x 2/" \
+    "tests/models/grad_lm_$1.moe"
+}
+
+# equal NAME MODEL RANKS PARALLEL SCHEDULE
+equal() {
+  local d="$WORK/$1" label="recompute $1" lv
+  mkdir -p "$d"
+  for lv in none activations norms; do
+    variant "$2" "$4" "$5" $lv >"$d/$lv.moe"
+    if ! "$MOEC" build "$d/$lv.moe" -o "$d/$lv" 2>"$d/err"; then bad "$label: moec build ($lv)" "$(cat "$d/err")"; return; fi
+    if ! (cd "$d" && $MPIRUN -np "$3" ./$lv --steps 8 --dump "d_$lv" >$lv.out 2>&1); then
+      bad "$label: the $lv run failed" "$(tail -n 5 "$d/$lv.out")"; return
+    fi
+  done
+  local made
+  made=$("$MOEC" dump-ir "$d/norms.moe" --after=recompute 2>/dev/null | grep -c 'recompute=1')
+  for lv in activations norms; do
+    if [ "$(steps "$d/none.out" | wc -l)" -eq 8 ] && cmp -s <(steps "$d/none.out") <(steps "$d/$lv.out") &&
+       diff -r "$d/d_none" "$d/d_$lv" >/dev/null && [ "$made" -gt 0 ]; then
+      ok "$label: recompute $lv: 8 steps and every --dump tensor the same bits as keeping them ($made copies at norms)"
+    else
+      bad "$label: recompute $lv differs" "$(diff <(steps "$d/none.out") <(steps "$d/$lv.out") | head; diff -rq "$d/d_none" "$d/d_$lv" | head -n 5; echo "copies: $made")"
+    fi
+  done
+}
+
+spawn gpt1 equal gpt1 gpt 1 "" ""
+spawn qwen1 equal qwen1 qwen 1 "" ""
+spawn oss1 equal oss1 oss 1 "" ""
+spawn gpt2 equal gpt2 gpt 2 "parallel { dp 2; ep 2; }" ""
+spawn gpt4 equal gpt4 gpt 4 "parallel { dp 2; mp 2; ep 2; esp 2; }" "schedule { policy fsmoe; pipeline { forward 2; backward 2; } }"
+spawn qwen4 equal qwen4 qwen 4 "parallel { dp 2; mp 2; ep 2; esp 2; }" "schedule { policy fsmoe; pipeline { forward 2; backward 2; } }"
+collect gpt1 qwen1 oss1 gpt2 gpt4 qwen4
+
+# ---- --check-grad ----
+variant gpt "" "" norms >"$WORK/cg.moe"
+if "$MOEC" build "$WORK/cg.moe" -o "$WORK/cg" 2>"$WORK/err" && (cd "$WORK" && ./cg --check-grad >cg.out 2>&1) &&
+   [ "$(tail -n 1 "$WORK/cg.out")" = OK ]; then
+  ok "recompute norms: --check-grad: $(grep -m1 'parameters:' "$WORK/cg.out" | cut -c3-100)"
+else
+  bad "recompute norms: --check-grad" "$(cat "$WORK/err"; tail -n 8 "$WORK/cg.out")"
+fi
+
+# ---- the memory plan, the IR ----
+peak() { "$MOEC" build "$1" -v -o "$WORK/v.bin" 2>&1 | sed -n 's/^# memplan: peak .*(\([0-9]*\) bytes)$/\1/p' | tail -n 1; }
+for lv in none activations norms; do
+  sed "s/seed 1;/seed 1; recompute $lv;/" bench/models/lm_mid.moe >"$WORK/mid_$lv.moe"
+done
+p0=$(peak "$WORK/mid_none.moe") p1=$(peak "$WORK/mid_activations.moe") p2=$(peak "$WORK/mid_norms.moe")
+if [ -n "$p0" ] && [ -n "$p2" ] && [ "$p1" -lt "$p0" ] && [ "$p2" -lt "$p1" ]; then
+  ok "recompute: the mid-size model's planned peak $p0 -> $p1 (activations) -> $p2 bytes (norms)"
+else
+  bad "recompute: the planned peaks do not fall" "none '$p0', activations '$p1', norms '$p2'"
+fi
+if "$MOEC" dump-ir "$WORK/gpt4/norms.moe" --after=memplan >"$WORK/a.ir" 2>"$WORK/err" &&
+   "$MOEC" dump-ir "$WORK/a.ir" >"$WORK/b.ir" 2>>"$WORK/err" && cmp -s "$WORK/a.ir" "$WORK/b.ir" &&
+   grep -q '= act.gelu .*recompute=1' "$WORK/a.ir" && grep -q '= norm.layer .*recompute=1' "$WORK/a.ir"; then
+  ok "recompute IR: dump-ir shows the copies in the backward (act.gelu, norm.layer) and round-trips"
+else
+  bad "recompute IR" "$(cat "$WORK/err"; diff "$WORK/a.ir" "$WORK/b.ir" | head)"
+fi
+
+# ---- moec build chooses it for a cluster's memory ----
+variant gpt "" "" none >"$WORK/one.moe"
+variant gpt "" "" norms >"$WORK/one_norms.moe"   # (at this size the peak is the head's: activations alone leave it)
+q0=$(peak "$WORK/one.moe") q1=$(peak "$WORK/one_norms.moe")
+sed "s/^  memory [0-9]*;.*/  memory $(((q0 + q1) / 2));/" lang/clusters/cpu-2core.cluster >"$WORK/m.cluster"
+if [ -n "$q0" ] && [ -n "$q1" ] && [ "$q1" -lt "$q0" ] &&
+   "$MOEC" build "$WORK/one.moe" --cluster "$WORK/m.cluster" -o "$WORK/m.bin" 2>"$WORK/err" &&
+   grep -q "chose 'recompute" "$WORK/err" && (cd "$WORK" && ./m.bin --steps 8 >m.out 2>&1) &&
+   cmp -s <(steps "$WORK/m.out") <(steps "$WORK/gpt1/none.out"); then
+  ok "moec build chose recomputation for a memory between the peaks ($q1 < memory < $q0 bytes), same losses: $(grep -o "chose 'recompute [a-z]*;'" "$WORK/err")"
+else
+  bad "moec build choosing recomputation" "$(cat "$WORK/err"; tail -n 3 "$WORK/m.out" 2>/dev/null)"
+fi
+exit $failed
