@@ -7,8 +7,8 @@
 #     peak resident memory (GNU time), medians;
 #   - the first training step beside the median of the next four (--log's time_ms) of that model
 #     and of bench/models/lm_mid.moe (AdamW: its moments are written every step).
-#   - the sharded optimizer: the mid-size model's peak resident memory on dp2·ep2 beside the memory
-#     plan's, with and without `shard true`.
+#   - the memory features: the mid-size model's peak resident memory on 1, 2 and 4 ranks beside the
+#     memory plan's, with and without the sharded optimizer and recomputation, and their step time.
 # On a virtual machine the first touch of memory the host has not backed yet costs far more than
 # the guest's page fault; the numbers say what this machine does. MEMORY_ROUNDS="1" for one round.
 set -u
@@ -54,18 +54,33 @@ for m in olmoe mid; do
   printf "%-44s %14s %14s\n" "$m: first step / next (ms)" "$rp ($fp/$np)" "$rn ($fn/$nn)"
 done
 
-# The sharded optimizer (`optimizer adamw { shard true; }`): the mid-size model on dp2·ep2 (2 ranks,
-# one thread each), each rank's peak resident memory beside the memory plan's peak, with and
-# without it (the plan counts parameters, gradients, moments and the arena; the process also
-# holds its libraries, MPI's and OpenBLAS's buffers).
-echo "# the mid-size model on dp2·ep2: rank 0's peak resident memory (MiB) beside the memory plan's"
-sed 's/^layer block x 6/parallel { dp 2; ep 2; }\nlayer block x 6/' bench/models/lm_mid.moe >"$WORK/mid_dp2.moe"
-sed 's/adamw {/adamw { shard true;/' "$WORK/mid_dp2.moe" >"$WORK/mid_dp2_shard.moe"
-printf "%-44s %14s %14s %8s\n" "" "measured" "plan" "meas/plan"
-for v in mid_dp2 mid_dp2_shard; do
-  "$MOEC" build "$WORK/$v.moe" -o "$WORK/$v" >/dev/null || exit 1
-  line=$(cd "$WORK" && OMP_NUM_THREADS=1 mpirun --allow-run-as-root --oversubscribe -np 2 ./$v --steps 3 2>&1 | grep -o 'peak memory .*')
-  read -r meas plan <<<"$(echo "$line" | sed -n 's/peak memory \([0-9.]*\) MiB (the memory plan: \([0-9.]*\) MiB.*/\1 \2/p')"
-  [ -n "$meas" ] || { echo "FAIL  memory: $v: no peak line"; exit 1; }
-  printf "%-44s %14s %14s %8s\n" "$v: peak per rank" "$meas" "$plan" "$(awk -v a="$meas" -v b="$plan" 'BEGIN {printf "%.3f", a / b}')"
+# The plan's peak against the measured one: the mid-size model on 1, 2 and 4 ranks, with and
+# without the memory features (the sharded optimizer, recomputation), rank 0's peak resident
+# memory beside the memory plan's peak per rank (parameters, gradients, moments, the arena; the
+# process also holds its libraries, MPI's and OpenBLAS's buffers), and the median step time of
+# steps 2-3 beside the same layout's without the features.
+echo "# the mid-size model: rank 0's peak resident memory (MiB) beside the memory plan's, and the step time"
+printf "%-40s %10s %10s %9s %10s %9s\n" "" "measured" "plan" "meas/plan" "step ms" "vs plain"
+mid_variant() {   # NAME RANKS PARALLEL SHARD RECOMPUTE
+  local opt="s/adamw {/adamw {/"
+  [ "$4" = 1 ] && opt="s/adamw {/adamw { shard true;/"
+  sed "$opt; s/seed 1;/seed 1; recompute $5;/; s/^layer block x 6/$3\nlayer block x 6/" bench/models/lm_mid.moe >"$WORK/$1.moe"
+  "$MOEC" build "$WORK/$1.moe" -o "$WORK/$1" >/dev/null || exit 1
+  (cd "$WORK" && OMP_NUM_THREADS=$((2 / $2 > 0 ? 2 / $2 : 1)) mpirun --allow-run-as-root --oversubscribe -np "$2" ./$1 --steps 3 \
+     --log "$1.jsonl" >"$1.out" 2>&1) || { echo "FAIL  memory: $1"; tail -n 3 "$WORK/$1.out"; exit 1; }
+  read -r meas plan <<<"$(sed -n 's/.*peak memory \([0-9.]*\) MiB (the memory plan: \([0-9.]*\) \(MiB\|GiB\).*/\1 \2 \3/p' "$WORK/$1.out" |
+                          awk '{print $1, ($3 == "GiB" ? $2 * 1024 : $2)}')"
+  step=$(awk -F'"time_ms": ' '/^\{"step": [2-9]/ {split($2, a, ","); print a[1]}' "$WORK/$1.jsonl" | median)
+  echo "$meas $plan $step"
+}
+for row in "mid_1|1||0|none" "mid_1_rc|1||0|norms" "mid_2|2|parallel { dp 2; ep 2; }|0|none" \
+           "mid_2_shard|2|parallel { dp 2; ep 2; }|1|none" "mid_2_all|2|parallel { dp 2; ep 2; }|1|norms" \
+           "mid_4|4|parallel { dp 2; mp 2; ep 2; esp 2; }|0|none" "mid_4_all|4|parallel { dp 2; mp 2; ep 2; esp 2; }|1|norms"; do
+  IFS='|' read -r name np par shard rc <<<"$row"
+  read -r meas plan step <<<"$(mid_variant "$name" "$np" "$par" "$shard" "$rc")"
+  [ -n "$meas" ] || { echo "FAIL  memory: $name: no peak line"; exit 1; }
+  case $name in *_rc|*_shard|*_all) base_step=${plain_step:-$step} ;; *) plain_step=$step base_step=$step ;; esac
+  what="$name (${np} rank$([ "$np" -gt 1 ] && echo s)$([ "$shard" = 1 ] && echo ', shard')$([ "$rc" != none ] && echo ", recompute $rc"))"
+  printf "%-40s %10s %10s %9s %10s %9s\n" "$what" "$meas" "$plan" "$(awk -v a="$meas" -v b="$plan" 'BEGIN {printf "%.3f", a / b}')" \
+    "$step" "$(awk -v a="$step" -v b="$base_step" 'BEGIN {printf "%.3f", a / b}')"
 done

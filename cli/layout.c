@@ -329,12 +329,25 @@ bool cli_layout_search(IrDiag *d, FeProgram *p, const FeCluster *fc, CliLayouts 
           price(&s, &c);
           c.legal = c.step_ms >= 0;
           c.fits = c.legal && (fc->memory <= 0 || c.peak_bytes <= fc->memory);
-          if (c.legal && !c.fits && shardable(p)) {   // what moec build would do to fit (cli/build.c)
+          // What moec build would do to fit (cli/build.c): the sharded optimizer, then recomputation.
+          if (c.legal && !c.fits && shardable(p)) {
             CliLayout again = c;
             p->model.optimizer.shard = true;
             price(&s, &again);
             p->model.optimizer.shard = false;
             if (again.step_ms >= 0) c = again, c.shard = true;
+            c.fits = fc->memory <= 0 || c.peak_bytes <= fc->memory;
+          }
+          const char *written = p->model.recompute;
+          if (c.legal && !c.fits && (!written || strcmp(written, "norms") != 0)) {
+            CliLayout again = c;
+            bool shard = p->model.optimizer.shard;
+            p->model.optimizer.shard = shard || c.shard;
+            p->model.recompute = "norms";
+            price(&s, &again);
+            p->model.optimizer.shard = shard;
+            p->model.recompute = written;
+            if (again.step_ms >= 0) c = again, c.recompute = true;
             c.fits = fc->memory <= 0 || c.peak_bytes <= fc->memory;
           }
           for (int i = 0; i < p->nlayers; i++) p->layers[i].moe.algo = algos[i];
@@ -362,9 +375,12 @@ bool cli_layout_search(IrDiag *d, FeProgram *p, const FeCluster *fc, CliLayouts 
       Eval whole = {0};
       cli_layout_apply(p, c, global);
       bool written = p->model.optimizer.shard;
+      const char *written_rc = p->model.recompute;
       p->model.optimizer.shard = written || c->shard;
+      if (c->recompute) p->model.recompute = "norms";
       bool priced = eval_program(p, fc, &s.sc, &whole, c->why, sizeof c->why);
       p->model.optimizer.shard = written;
+      p->model.recompute = written_rc;
       for (int i = 0; i < p->nlayers; i++) p->layers[i].moe.algo = algos[i];
       if (priced) c->peak_bytes = (int64_t)llround(whole.peak), c->act_bytes = (int64_t)llround(whole.act);
       eval_free(&whole);
@@ -413,7 +429,8 @@ void cli_layouts_print(FILE *out, const CliLayouts *ls, const char *cluster) {
     if (l->peak_bytes >= 0) cli_bytes(peak, sizeof peak, (double)l->peak_bytes);
     fprintf(out, "%4d %5d %4d %5d %4d %5s %12s %12s  %s%s\n", i + 1, l->dp, l->mp, l->ep, l->esp,
             l->algo ? l->algo : "as-is", step, peak, i == ls->chosen ? "chosen" : l->fits ? "fits" : "",
-            l->fits ? (l->shard ? ", with the sharded optimizer" : "") : l->why);
+            l->fits ? (l->shard && l->recompute ? ", with the sharded optimizer and recompute norms"
+                       : l->shard ? ", with the sharded optimizer" : l->recompute ? ", with recompute norms" : "") : l->why);
   }
 }
 
@@ -427,7 +444,8 @@ static void json_layout(FILE *f, const CliLayout *l, const char *policy) {
   fprintf(f, ", \"peak_bytes\": ");
   if (l->peak_bytes >= 0) fprintf(f, "%lld", (long long)l->peak_bytes);
   else fprintf(f, "null");
-  fprintf(f, ", \"fits\": %s, \"shard\": %s, \"why\": \"", l->fits ? "true" : "false", l->shard ? "true" : "false");
+  fprintf(f, ", \"fits\": %s, \"shard\": %s, \"recompute\": %s, \"why\": \"", l->fits ? "true" : "false",
+          l->shard ? "true" : "false", l->recompute ? "true" : "false");
   for (const char *s = l->why; *s; s++) {
     if (*s == '"' || *s == '\\') fprintf(f, "\\%c", *s);
     else if ((unsigned char)*s < 0x20) fprintf(f, "\\u%04x", (unsigned char)*s);
@@ -533,7 +551,8 @@ bool cli_resolve_layout(IrDiag *d, FeProgram *p, const FeCluster *fc, const char
            cli_layout_name(name, sizeof name, c), fc->name ? fc->name : "cluster", (long long)fc->nodes,
            (long long)fc->gpus_per_node, fitting, ls.n, c->step_ms, (long long)ls.global_batch, ls.policy, cli_bytes(peak, sizeof peak, (double)c->peak_bytes),
            fc->memory > 0 ? " of " : "", fc->memory > 0 ? cli_bytes(mem, sizeof mem, (double)fc->memory) : "",
-           c->shard ? " with the sharded optimizer" : "");
+           c->shard && c->recompute ? " with the sharded optimizer and recompute norms" : c->shard ? " with the sharded optimizer"
+           : c->recompute ? " with recompute norms" : "");
   fprintf(stderr, "# %s\n", line);
   if (note) snprintf(note, nnote, "%s", line);
   cli_layout_apply(p, c, ls.global_batch);

@@ -4,7 +4,8 @@
 # gradient reduce-scattered to the rows' owners, the updated rows all-gathered.
 #   - equality: on dp2·ep2, dp2·mp2·ep2·esp2 and dp4·ep4 (groups of 2 and of 4, the gate's over
 #     the whole world), language models with adamw, warmup, decay and clipping (gpt: biases,
-#     layernorm, tied head; qwen: rope, rmsnorm, SwiGLU, an untied head) train 8 steps with the
+#     layernorm, tied head; qwen: rope, rmsnorm, SwiGLU, an untied head; glm on dp2·ep2: a
+#     correction bias, so the update runs outside the thread team) train 8 steps with the
 #     same step lines and the same --dump bytes (logits, loss, every gradient) with and without
 #     `shard true`;
 #   - checkpoints: the sharded build saves at step 3 on dp2·mp2·ep2·esp2 (each rank writes the rows
@@ -15,8 +16,8 @@
 #   - the memory plan: `moec build -v`'s optimizer state is the sharded size, the IR shows the
 #     shard attributes and round-trips;
 #   - a cluster profile's `memory` honoured by `moec build`: between the two peaks it chooses the
-#     sharded optimizer (and says so with the planned step), below the smaller it refuses (saying
-#     what would fit), above the larger it leaves the program as written; `parallel auto;` with a
+#     sharded optimizer (and says so with the planned step), below the peak with every choice
+#     (sharded and recompute norms) it refuses (saying what would fit), above the larger it leaves the program as written; `parallel auto;` with a
 #     memory below every layout's unsharded peak chooses a layout priced with it;
 #   - refusals: `shard` in `optimizer sgd`, `shard true` for the CUDA target.
 . "$(dirname "$0")/../lib.sh"
@@ -29,7 +30,7 @@ ADAMW="optimizer adamw { lr 0.01; warmup 2; decay_steps 8; min_lr 0.001; clip 0.
 variant() {
   local opt=$ADAMW
   [ "$3" = 1 ] && opt=${ADAMW/adamw \{/adamw \{ shard true;}
-  sed "s/optimizer sgd { lr 0.01; }/$opt/; s/^layer block x 2/parallel { $2 }\nlayer block x 2/" "tests/models/grad_lm_$1.moe"
+  sed "s/optimizer sgd { lr 0.01; }/$opt/; s/^layer \([a-z]*\) x 2/parallel { $2 }\nlayer \1 x 2/" "tests/models/grad_lm_$1.moe"
 }
 
 steps() { grep '^step' "$1" | sed 's/  time.*//'; }
@@ -59,7 +60,8 @@ spawn gpt2 equal gpt2 gpt "dp 2; ep 2;" 2
 spawn gpt4 equal gpt4 gpt "dp 2; mp 2; ep 2; esp 2;" 4
 spawn gptdp4 equal gptdp4 gpt "dp 4; ep 4;" 4
 spawn qwen4 equal qwen4 qwen "dp 2; mp 2; ep 2; esp 2;" 4
-collect gpt2 gpt4 gptdp4 qwen4
+spawn glm2 equal glm2 glm "dp 2; ep 2;" 2
+collect gpt2 gpt4 gptdp4 qwen4 glm2
 
 # ---- checkpoints ----
 d="$WORK/gpt4"
@@ -134,7 +136,8 @@ fi
 
 # ---- a cluster's memory honoured by moec build ----
 peak() { "$MOEC" build "$1" -v -o "$WORK/v.bin" 2>&1 | sed -n 's/^# memplan: peak .*(\([0-9]*\) bytes)$/\1/p' | tail -n 1; }
-p0=$(peak "$WORK/v0.moe") p1=$(peak "$WORK/v1.moe")
+sed 's/seed 5;/seed 5; recompute norms;/' "$WORK/v1.moe" >"$WORK/v2.moe"   # every memory choice
+p0=$(peak "$WORK/v0.moe") p1=$(peak "$WORK/v1.moe") p2=$(peak "$WORK/v2.moe")
 cluster() { sed "s/^  memory [0-9]*;.*/  memory $1;/" lang/clusters/cpu-2core.cluster >"$WORK/m.cluster"; }
 if [ -n "$p0" ] && [ -n "$p1" ] && [ "$p1" -lt "$p0" ]; then
   cluster $(((p0 + p1) / 2))
@@ -145,7 +148,7 @@ if [ -n "$p0" ] && [ -n "$p1" ] && [ "$p1" -lt "$p0" ]; then
   else
     bad "shard chosen by moec build for a cluster's memory" "$(cat "$WORK/err"; tail -n 3 "$WORK/m.out" 2>/dev/null)"
   fi
-  cluster $((p1 - 1024))
+  cluster $((p2 - 1024))
   if ! "$MOEC" build "$WORK/v0.moe" --cluster "$WORK/m.cluster" -o "$WORK/m.bin" 2>"$WORK/err" &&
      grep -q "error: the program does not fit: its smallest peak per rank is .*a batch of about" "$WORK/err"; then
     ok "moec build refuses a cluster's memory below the smallest peak: $(grep -o 'smallest peak.*' "$WORK/err" | cut -c1-120)"
