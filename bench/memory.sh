@@ -68,17 +68,18 @@ mid_variant() {   # NAME RANKS PARALLEL SHARD RECOMPUTE
   "$MOEC" build "$WORK/$1.moe" -o "$WORK/$1" >/dev/null || exit 1
   (cd "$WORK" && OMP_NUM_THREADS=$((2 / $2 > 0 ? 2 / $2 : 1)) mpirun --allow-run-as-root --oversubscribe -np "$2" ./$1 --steps 3 \
      --log "$1.jsonl" >"$1.out" 2>&1) || { echo "FAIL  memory: $1"; tail -n 3 "$WORK/$1.out"; exit 1; }
-  read -r meas plan <<<"$(sed -n 's/.*peak memory \([0-9.]*\) MiB (the memory plan: \([0-9.]*\) \(MiB\|GiB\).*/\1 \2 \3/p' "$WORK/$1.out" |
-                          awk '{print $1, ($3 == "GiB" ? $2 * 1024 : $2)}')"
+  read -r meas plan <<<"$(sed -n 's/.*peak memory \([0-9.]*\) \([KMG]iB\) (the memory plan: \([0-9.]*\) \([KMG]iB\).*/\1 \2 \3 \4/p' "$WORK/$1.out" |
+                          awk 'function mib(v, u) { return u == "GiB" ? v * 1024 : u == "KiB" ? v / 1024 : v }
+                               {printf "%.2f %.2f\n", mib($1, $2), mib($3, $4)}')"
   step=$(awk -F'"time_ms": ' '/^\{"step": [2-9]/ {split($2, a, ","); print a[1]}' "$WORK/$1.jsonl" | median)
-  echo "$meas $plan $step"
+  echo "${meas:-?} ${plan:-?} ${step:-?}"
 }
 for row in "mid_1|1||0|none" "mid_1_rc|1||0|norms" "mid_2|2|parallel { dp 2; ep 2; }|0|none" \
            "mid_2_shard|2|parallel { dp 2; ep 2; }|1|none" "mid_2_all|2|parallel { dp 2; ep 2; }|1|norms" \
            "mid_4|4|parallel { dp 2; mp 2; ep 2; esp 2; }|0|none" "mid_4_all|4|parallel { dp 2; mp 2; ep 2; esp 2; }|1|norms"; do
   IFS='|' read -r name np par shard rc <<<"$row"
   read -r meas plan step <<<"$(mid_variant "$name" "$np" "$par" "$shard" "$rc")"
-  [ -n "$meas" ] || { echo "FAIL  memory: $name: no peak line"; exit 1; }
+  [ "$meas" != "?" ] || { echo "FAIL  memory: $name: no peak line"; exit 1; }
   case $name in *_rc|*_shard|*_all) base_step=${plain_step:-$step} ;; *) plain_step=$step base_step=$step ;; esac
   what="$name (${np} rank$([ "$np" -gt 1 ] && echo s)$([ "$shard" = 1 ] && echo ', shard')$([ "$rc" != none ] && echo ", recompute $rc"))"
   printf "%-40s %10s %10s %9s %10s %9s\n" "$what" "$meas" "$plan" "$(awk -v a="$meas" -v b="$plan" 'BEGIN {printf "%.3f", a / b}')" \
