@@ -165,13 +165,15 @@ int pass_price(IrModule *m, const SchedCluster *c) {
     for (int j = 0; j < m->funcs[i]->nops; j++) {
       IrOp *op = m->funcs[i]->ops[j];
       SchedCoef coef;
-      double n;
-      if (!price(op, c, &gs, &coef, &n)) continue;
-      double t = coef.alpha + coef.beta * n;
+      double n = 0, t = 0;
+      bool priced_op = price(op, c, &gs, &coef, &n);
+      if (priced_op) t = coef.alpha + coef.beta * n;
       if (op->kind == IR_OP_OPT_ADAMW && ir_op_str(op, "group", NULL)) {   // then the members' rows gathered
         SchedCoef ag = group_fit(op, c, &gs, SCHED_ALLGATHER);
         t += ag.alpha + ag.beta * (double)ir_type_numel(&op->args[0].param->type);
+        priced_op = true;
       }
+      if (!priced_op) continue;
       ir_op_set_float(op, "cost_n", n);
       ir_op_set_float(op, "cost_t", t);
       priced++;

@@ -90,11 +90,12 @@ SchedCoef sched_group_fit(const SchedCluster *c, SchedColl k, SchedGroup g, Sche
     return per > 1 ? sum(inter, intra(ar_in, per, G)) : inter;
   }
   case SCHED_ALLGATHER:
-  case SCHED_REDUCESCATTER: {   // across nodes (a layout moec builds keeps these in a node): as the AlltoAll's link share
-    SchedCoef fit = k == SCHED_ALLGATHER ? c->allgather : c->reducescatter;
-    double cross = (double)(g.size - per) / g.size;
-    double b = c->alltoall.beta * cross / cross_t;
-    return (SchedCoef){fit.alpha, fit.beta > b ? fit.beta : b};
+  case SCHED_REDUCESCATTER: {
+    // Across nodes: a sharded optimizer's over a DP group (an ESP group stays in a node). A ring
+    // AllReduce is a ReduceScatter and then an AllGather over the same links, so each is half of
+    // the group's AllReduce, priced from the profile's allreduce fit over those links.
+    SchedCoef ar = sched_group_fit(c, SCHED_ALLREDUCE, g, algo);
+    return (SchedCoef){ar.alpha / 2, ar.beta / 2};
   }
   }
   return (SchedCoef){0, 0};

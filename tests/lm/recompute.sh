@@ -6,7 +6,8 @@
 #     clamped SwiGLU) language models with adamw train 8 steps with the same step lines and --dump
 #     bytes at each level as without, on one rank, on dp2·ep2 and on dp2·mp2·ep2·esp2 with the
 #     fsmoe policy at pipeline degree 2 (the recomputed activation inside a chunked expert region);
-#   - --check-grad passes with `recompute norms;`;
+#   - --check-grad passes with `recompute norms;`; the CUDA program with it equals the CPU one on the
+#     fake device;
 #   - the memory plan: the peak falls with each level (bench/models/lm_mid.moe);
 #   - the IR: dump-ir shows the copies (recompute=1) in the backward and round-trips;
 #   - moec build for a cluster's memory between the peaks on one rank (no sharded optimizer there)
@@ -83,6 +84,18 @@ if "$MOEC" dump-ir "$WORK/gpt4/norms.moe" --after=memplan >"$WORK/a.ir" 2>"$WORK
   ok "recompute IR: dump-ir shows the copies in the backward (act.gelu, norm.layer) and round-trips"
 else
   bad "recompute IR" "$(cat "$WORK/err"; diff "$WORK/a.ir" "$WORK/b.ir" | head)"
+fi
+
+# ---- the CUDA target on the fake device (tests/cuda/host.sh): the copies are ordinary ops there ----
+if [ -f "$BUILD/cuda/libfake_cuda.a" ]; then
+  if MOEC_CUDA_FAKE=1 "$MOEC" build "$WORK/gpt1/norms.moe" --target cuda -o "$WORK/norms.cuda" 2>"$WORK/err" &&
+     (cd "$WORK" && ./norms.cuda --steps 8 >norms.cuda.out 2>&1) && cmp -s <(steps "$WORK/norms.cuda.out") <(steps "$WORK/gpt1/none.out"); then
+    ok "recompute norms on the CUDA target (fake device): the CPU program's 8 steps"
+  else
+    bad "recompute norms on the CUDA target (fake device)" "$(cat "$WORK/err"; tail -n 3 "$WORK/norms.cuda.out" 2>/dev/null)"
+  fi
+else
+  skip "recompute on the CUDA target (fake device)" "no CUDA toolkit here ($BUILD/cuda/libfake_cuda.a not built)"
 fi
 
 # ---- moec build chooses it for a cluster's memory ----
