@@ -406,20 +406,25 @@ static bool fit_memory(IrDiag *d, const Options *o, const FeTargetCaps *caps, Cl
     *ctx = best_ctx;
     ctx->verbose = o->verbose;
     peak = now;
+    if (o->verbose)   // the plan the program is built with (the passes' own report was the first build's)
+      fprintf(stderr, "# memplan: peak %s per rank (%lld bytes), with the memory choices\n", ir_bytes(a, sizeof a, (double)now),
+              (long long)now);
   }
   if (peak <= limit) return true;
   const PassMemPlan *p = ctx->memplan;
   int64_t fixed = 2 * p->param_bytes + p->optimizer_bytes;
   char f[32];
-  if (fixed >= limit) {
+  int64_t batch = ir_mod_int(*m, "batch", 1);
+  int64_t fits = p->arena_bytes > 0 ? (int64_t)((double)batch * (double)(limit - fixed) / (double)p->arena_bytes) : batch;
+  if (fixed >= limit || fits < 1) {
     ir_error(d,
              "the program does not fit: its smallest peak per rank is %s, over the memory of cluster '%s' (%s); its "
-             "parameters, gradients and optimizer state alone take %s per rank: split them over more ranks "
-             "(a larger mp, ep or esp)", ir_bytes(a, sizeof a, (double)peak), cl->name,
-             ir_bytes(b, sizeof b, (double)limit), ir_bytes(f, sizeof f, (double)fixed));
+             "parameters, gradients and optimizer state take %s per rank and its activations %s at a batch of %lld%s: "
+             "split them over more ranks (a larger mp, ep or esp)", ir_bytes(a, sizeof a, (double)peak), cl->name,
+             ir_bytes(b, sizeof b, (double)limit), ir_bytes(f, sizeof f, (double)fixed),
+             ir_bytes(c, sizeof c, (double)p->arena_bytes), (long long)batch,
+             fixed < limit ? ", and a batch of 1 would not fit either" : "");
   } else {
-    int64_t batch = ir_mod_int(*m, "batch", 1);
-    int64_t fits = p->arena_bytes > 0 ? (int64_t)((double)batch * (double)(limit - fixed) / (double)p->arena_bytes) : batch;
     ir_error(d,
              "the program does not fit: its smallest peak per rank is %s, over the memory of cluster '%s' (%s; activations "
              "%s, parameters, gradients and optimizer state %s); the activations grow with the batch: a batch of "

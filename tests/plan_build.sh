@@ -101,3 +101,32 @@ else
   echo "FAIL  moec build $XL: ${best:-?} s (must be under 1 s), memory plan: ${peak:-not printed}"
   tail -n 3 "$WORK/xl.err"
 fi
+
+# The paper's language models against their testbeds' `memory` (the GPU's less 1-2 GiB; manual §12,
+# "Memory"): Mixtral-8x7B's widths on Testbed-B fit once moec build shards AdamW's moments (its
+# planned step within 15 % of the one without), Mixtral-8x22B's on Testbed-A fit as written, and
+# GPT2-XL-MoE on Testbed-B does not fit even with every choice: moec build refuses it, saying the
+# smallest peak (sharded gradients, ZeRO stage 2, are not built).
+paper() {   # MODEL EXPECT (fits-as-written | fits-with | refused)
+  local model=lang/models/paper/$1.moe out
+  if "$MOEC" build "$model" --emit c -o /dev/null -v >/dev/null 2>"$WORK/mem.err"; then out=fits; else out=refused; fi
+  local chose step peak
+  chose=$(grep -c '^# memory: .* chose ' "$WORK/mem.err")
+  step=$(sed -n 's/.*planned step .* (\([-+][0-9.]*\) %)$/\1/p' "$WORK/mem.err" | tail -n 1)
+  peak=$(grep -o 'memplan: peak [0-9.]* [KMG]iB' "$WORK/mem.err" | tail -n 1)
+  case $2 in
+    fits-as-written) [ "$out" = fits ] && [ "$chose" = 0 ] ;;
+    fits-with) [ "$out" = fits ] && [ "$chose" -gt 0 ] && [ -n "$step" ] && awk -v s="$step" 'BEGIN {exit !(s <= 15)}' ;;
+    refused) [ "$out" = refused ] && grep -q 'error: the program does not fit: its smallest peak per rank is' "$WORK/mem.err" ;;
+  esac
+  if [ $? -eq 0 ]; then
+    echo "ok    memory: $1: $2 ($([ "$out" = fits ] && echo "$peak${step:+, planned step $step %}" || grep -o 'smallest peak per rank is [0-9.]* [KMG]iB' "$WORK/mem.err"))"
+  else
+    echo "FAIL  memory: $1: expected $2, got $out"
+    sed 's/^/      /' "$WORK/mem.err" | grep -v '^      #  ' | tail -n 6
+  fi
+}
+paper mixtral_8x7b_lm fits-with
+paper mixtral_8x22b_lm fits-as-written
+paper gpt2_xl_moe_lm fits-as-written
+paper gpt2_xl_moe_lm_b refused
