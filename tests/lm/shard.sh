@@ -5,7 +5,9 @@
 #   - equality: on dp2·ep2, dp2·mp2·ep2·esp2 and dp4·ep4 (groups of 2 and of 4, the gate's over
 #     the whole world), language models with adamw, warmup, decay and clipping (gpt: biases,
 #     layernorm, tied head; qwen: rope, rmsnorm, SwiGLU, an untied head; glm on dp2·ep2: a
-#     correction bias, so the update runs outside the thread team) train 8 steps with the
+#     correction bias, so the update runs outside the thread team; gpt with fsmoe at pipeline degree 2:
+#     the reduce-scatters in the planner's overlap slots, on the streams; gpt with a vocabulary of
+#     2048: the embedding's gradient takes the ring reduce-scatter) train 8 steps with the
 #     same step lines and the same --dump bytes (logits, loss, every gradient) with and without
 #     `shard true`;
 #   - checkpoints: the sharded build saves at step 3 on dp2·mp2·ep2·esp2 (each rank writes the rows
@@ -26,21 +28,24 @@ MPIRUN="mpirun --allow-run-as-root --oversubscribe"
 export OMP_NUM_THREADS=1
 ADAMW="optimizer adamw { lr 0.01; warmup 2; decay_steps 8; min_lr 0.001; clip 0.5; }"
 
-# variant MODEL LAYOUT SHARD: the model with adamw, the layout and (SHARD 1) shard true.
+# variant MODEL LAYOUT SHARD [SCHEDULE]: the model with adamw, the layout, (SHARD 1) shard true, and
+# a schedule statement.
 variant() {
   local opt=$ADAMW
   [ "$3" = 1 ] && opt=${ADAMW/adamw \{/adamw \{ shard true;}
-  sed "s/optimizer sgd { lr 0.01; }/$opt/; s/^layer \([a-z]*\) x 2/parallel { $2 }\nlayer \1 x 2/" "tests/models/grad_lm_$1.moe"
+  local src="tests/models/grad_lm_$1.moe"
+  [ -f "$src" ] || src="$WORK/grad_lm_$1.moe"
+  sed "s/optimizer sgd { lr 0.01; }/$opt/; s/^layer \([a-z]*\) x 2/parallel { $2 }\n${4:-}\nlayer \1 x 2/" "$src"
 }
 
 steps() { grep '^step' "$1" | sed 's/  time.*//'; }
 
-# equal NAME MODEL LAYOUT RANKS
+# equal NAME MODEL LAYOUT RANKS [SCHEDULE]
 equal() {
-  local d="$WORK/$1" label="shard $1: $3"
+  local d="$WORK/$1" label="shard $1: $3${5:+ $5}"
   mkdir -p "$d"
-  variant "$2" "$3" 0 >"$d/plain.moe"
-  variant "$2" "$3" 1 >"$d/sharded.moe"
+  variant "$2" "$3" 0 "${5:-}" >"$d/plain.moe"
+  variant "$2" "$3" 1 "${5:-}" >"$d/sharded.moe"
   if ! "$MOEC" build "$d/plain.moe" -o "$d/plain" 2>"$d/err" || ! "$MOEC" build "$d/sharded.moe" -o "$d/sharded" 2>>"$d/err"; then
     bad "$label: moec build" "$(cat "$d/err")"; return
   fi
@@ -61,7 +66,11 @@ spawn gpt4 equal gpt4 gpt "dp 2; mp 2; ep 2; esp 2;" 4
 spawn gptdp4 equal gptdp4 gpt "dp 4; ep 4;" 4
 spawn qwen4 equal qwen4 qwen "dp 2; mp 2; ep 2; esp 2;" 4
 spawn glm2 equal glm2 glm "dp 2; ep 2;" 2
-collect gpt2 gpt4 gptdp4 qwen4 glm2
+spawn gptfs equal gptfs gpt "dp 2; mp 2; ep 2; esp 2;" 4 "schedule { policy fsmoe; pipeline { forward 2; backward 2; } }"
+# A vocabulary of 2048: the tied embedding's gradient (128 KiB) takes the ring reduce-scatter.
+sed 's/vocab 32;/vocab 2048;/' tests/models/grad_lm_gpt.moe >"$WORK/grad_lm_gptbig.moe"
+spawn gptbig equal gptbig gptbig "dp 2; ep 2;" 2
+collect gpt2 gpt4 gptdp4 qwen4 glm2 gptfs gptbig
 
 # ---- checkpoints ----
 d="$WORK/gpt4"
