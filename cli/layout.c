@@ -88,8 +88,38 @@ static void first_error(const char *text, char *why, size_t n) {
   snprintf(why, n, "%.*s", (int)len, e);
 }
 
-// Lowers p as it stands (its layout, repeats and algorithms) and runs the passes with the
-// cluster profile: false with why when the compiler refuses it.
+// What the pipeline hands the layout search after the `cost` pass: the priced stack, copied.
+typedef struct Grab {
+  const FeProgram *p;
+  const SchedCluster *sc;
+  Eval *out;
+} Grab;
+
+static bool grab_stack(IrModule *m, const char *pass, void *arg) {
+  if (strcmp(pass, "cost") != 0) return true;
+  Grab *g = arg;
+  Eval *out = g->out;
+  PassStack s;
+  if (!pass_stack(m, g->sc, &s)) return false;
+  out->n = s.n;
+  size_t n = (size_t)(s.n > 0 ? s.n : 1);
+  out->cost = malloc(n * sizeof *out->cost);
+  out->r_max = malloc(n * sizeof *out->r_max);
+  out->group = malloc(n * sizeof *out->group);
+  out->instance = malloc(n * sizeof *out->instance);
+  bool ok = out->cost && out->r_max && out->group && out->instance;
+  for (int k = 0; ok && k < s.n; k++) {
+    out->cost[k] = s.cost[k];
+    out->r_max[k] = s.r_max[k];
+    ok = layer_of(g->p, s.layer[k].name, &out->group[k], &out->instance[k]);
+  }
+  out->t_fwd_other = s.t_fwd_other, out->t_bwd_other = s.t_bwd_other;
+  pass_stack_free(&s);
+  return ok;
+}
+
+// Lowers p as it stands (its layout, repeats and algorithms) and runs the build's pass pipeline
+// (with its verifier) with the cluster profile: false with why when the compiler refuses it.
 static bool eval_program(const FeProgram *p, const FeCluster *fc, const SchedCluster *sc, Eval *out, char *why,
                          size_t nwhy) {
   *out = (Eval){0};
@@ -109,30 +139,10 @@ static bool eval_program(const FeProgram *p, const FeCluster *fc, const SchedClu
     ir_attrs_set_int(m->attrs, &m->nattrs, "gpus_per_node", fc->gpus_per_node);
     ir_attrs_set_int(m->attrs, &m->nattrs, "nodes", fc->nodes);
   }
-  PassCtx ctx = {.d = &d, .log = log, .cluster = sc, .fuse = true, .fuse_cpu = true};   // the CPU build's plan
-  for (int i = 0; ok && i < pass_count; i++) {
-    ok = pass_list[i].run(m, &ctx) && d.errors == 0;
-    if (!ok || strcmp(pass_list[i].name, "cost") != 0) continue;
-    PassStack s;
-    if (!pass_stack(m, sc, &s)) {
-      ok = false;
-      break;
-    }
-    out->n = s.n;
-    size_t n = (size_t)(s.n > 0 ? s.n : 1);
-    out->cost = malloc(n * sizeof *out->cost);
-    out->r_max = malloc(n * sizeof *out->r_max);
-    out->group = malloc(n * sizeof *out->group);
-    out->instance = malloc(n * sizeof *out->instance);
-    ok = out->cost && out->r_max && out->group && out->instance;
-    for (int k = 0; ok && k < s.n; k++) {
-      out->cost[k] = s.cost[k];
-      out->r_max[k] = s.r_max[k];
-      ok = layer_of(p, s.layer[k].name, &out->group[k], &out->instance[k]);
-    }
-    out->t_fwd_other = s.t_fwd_other, out->t_bwd_other = s.t_bwd_other;
-    pass_stack_free(&s);
-  }
+  Grab grab = {.p = p, .sc = sc, .out = out};
+  PassCtx ctx = {.d = &d, .log = log, .cluster = sc, .fuse = true, .fuse_cpu = true,   // the CPU build's plan
+                 .after_pass = grab_stack, .after_arg = &grab};
+  ok = ok && pass_run_pipeline(m, &ctx) && d.errors == 0;
   if (ok && ctx.memplan) {
     const PassMemPlan *mp = ctx.memplan;
     out->peak = (double)(mp->arena_bytes + 2 * mp->param_bytes + mp->optimizer_bytes);

@@ -49,6 +49,11 @@ typedef struct PassCtx {
   const SchedCluster *cluster;   // the cluster profile the planner prices with (NULL: none)
   bool fuse;                 // group ops into fused kernels (without --no-fuse)
   bool fuse_cpu;             // ... the CPU target's groups: elementwise ops of one row length only
+  // Called after each pass has run and the module verified (NULL: nothing): what a caller takes
+  // from the module between passes (the layout search: the priced stack after `cost`). False stops
+  // the pipeline as a failure.
+  bool (*after_pass)(IrModule *m, const char *pass, void *arg);
+  void *after_arg;
 } PassCtx;
 
 typedef bool (*PassFn)(IrModule *m, PassCtx *ctx);

@@ -50,6 +50,7 @@ bool pass_run_pipeline(IrModule *m, PassCtx *ctx) {
       return false;
     }
     if (wants_dump(ctx, p->name)) dump(m, ctx, p->name);
+    if (ctx->after_pass && !ctx->after_pass(m, p->name, ctx->after_arg)) return false;
     if (ctx->stop_after && strcmp(ctx->stop_after, p->name) == 0) break;
   }
   return true;
