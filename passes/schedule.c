@@ -77,20 +77,25 @@ static bool reads_expert_param(const IrOp *op) {
   return false;
 }
 
-// v is read outside the region [lo, hi] of f: by a later or earlier op of f, f's results or
-// another function's op (a backward reading a saved activation).
-static bool used_outside(const IrModule *m, const IrFunc *f, int lo, int hi, const IrValue *v) {
+// By value id of f: the value is read outside the region [lo, hi] of f, by a later or earlier op
+// of f, f's results or another function's op (a backward reading a saved activation). One pass
+// over the module for the whole region (NULL when out of memory).
+static bool *used_outside(const IrModule *m, const IrFunc *f, int lo, int hi) {
+  bool *mark = calloc((size_t)f->nvalues + 1, sizeof *mark);
+  if (!mark) return NULL;
   for (int r = 0; r < f->nrets; r++)
-    if (f->rets[r] == v) return true;
+    if (f->rets[r]->func == f) mark[f->rets[r]->id] = true;
   for (int i = 0; i < m->nfuncs; i++) {
     const IrFunc *g = m->funcs[i];
     for (int j = 0; j < g->nops; j++) {
       if (g == f && j >= lo && j <= hi) continue;
-      for (int a = 0; a < g->ops[j]->nargs; a++)
-        if (g->ops[j]->args[a].value == v) return true;
+      for (int a = 0; a < g->ops[j]->nargs; a++) {
+        const IrValue *v = g->ops[j]->args[a].value;
+        if (v && v->func == f) mark[v->id] = true;
+      }
     }
   }
-  return false;
+  return mark;
 }
 
 static const char *unique_name(IrModule *m, IrFunc *f, const char *base) {
@@ -433,19 +438,21 @@ static bool add_partials(Sched *S, IrFunc *f, const IrOp *op, IrValue *v, IrValu
 // After the chunks: partial sums added up, chunk values the rest of the step reads assembled;
 // the last op of each chain defines the original value.
 static bool join_chunks(Sched *S, Region *R, OpList *out) {
-  bool ok = true;
+  bool *outside = used_outside(S->m, R->f, R->lo, R->hi);
+  bool ok = outside != NULL;
   for (int i = R->lo; ok && i <= R->hi; i++) {
     IrOp *op = R->f->ops[i];
     if ((R->cls[i] != 1 && R->cls[i] != 2) || !op->result) continue;
     IrValue *v = op->result;
     VInfo *vi = &R->vi[v->id];
     if (R->cls[i] == 2) ok = add_partials(S, R->f, op, v, vi->chunk, R->r, out);
-    else if (used_outside(S->m, R->f, R->lo, R->hi, v)) {
+    else if (outside[v->id]) {
       if (R->f->role == IR_ROLE_LAYER_FWD && read_by_backward(S->m, R->f, v))
         ok = share_chunks(S, v, vi->chunk, R->r, vi->blocks);
       ok = ok && assemble(S, R->f, op, v, vi->chunk, R->r, vi->blocks, out);
     }
   }
+  free(outside);
   return ok;
 }
 
