@@ -11,7 +11,9 @@
 #   - the memory plan: the peak falls with each level (bench/models/lm_mid.moe);
 #   - the IR: dump-ir shows the copies (recompute=1) in the backward and round-trips;
 #   - moec build for a cluster's memory between the peaks on one rank (no sharded optimizer there)
-#     chooses recomputation, says so, and the binary trains the unconstrained build's losses.
+#     chooses recomputation, says so, and the binary trains the unconstrained build's losses;
+#   - the plan's peak against the measured one: the mid-size model on 4 ranks, as written and with
+#     the sharded optimizer and `recompute norms`, rank 0's peak resident memory 1.00-1.10x the plan's.
 . "$(dirname "$0")/../lib.sh"
 work lm-recompute
 MPIRUN="mpirun --allow-run-as-root --oversubscribe"
@@ -110,5 +112,25 @@ if [ -n "$q0" ] && [ -n "$q1" ] && [ "$q1" -lt "$q0" ] &&
   ok "moec build chose recomputation for a memory between the peaks ($q1 < memory < $q0 bytes), same losses: $(grep -o "chose 'recompute [a-z]*;'" "$WORK/err")"
 else
   bad "moec build choosing recomputation" "$(cat "$WORK/err"; tail -n 3 "$WORK/m.out" 2>/dev/null)"
+fi
+# ---- the plan's peak against the measured one ----
+# bench/models/lm_mid.moe on dp2·mp2·ep2·esp2 (4 ranks, one step), as written and with the sharded
+# optimizer and `recompute norms`: rank 0's peak resident memory within 1.00-1.10x the memory plan's
+# (the plan counts parameters, gradients, moments and the arena; the process adds its libraries and
+# MPI's buffers), and lower with the choices.
+mem_line() {   # MODEL -> "measured plan" in MiB
+  "$MOEC" build "$1" -o "$1.bin" 2>"$WORK/err" || return 1
+  (cd "$WORK" && $MPIRUN -np 4 "$1.bin" --steps 1 2>&1) | sed -n 's/.*peak memory \([0-9.]*\) \([KMG]iB\) (the memory plan: \([0-9.]*\) \([KMG]iB\).*/\1 \2 \3 \4/p' |
+    awk 'function mib(v, u) { return u == "GiB" ? v * 1024 : u == "KiB" ? v / 1024 : v } {printf "%.2f %.2f\n", mib($1, $2), mib($3, $4)}'
+}
+sed 's/^layer block x 6/parallel { dp 2; mp 2; ep 2; esp 2; }\nlayer block x 6/' bench/models/lm_mid.moe >"$WORK/m4.moe"
+sed 's/adamw {/adamw { shard true;/; s/seed 1;/seed 1; recompute norms;/' "$WORK/m4.moe" >"$WORK/m4all.moe"
+read -r meas0 plan0 <<<"$(mem_line "$WORK/m4.moe")"
+read -r meas1 plan1 <<<"$(mem_line "$WORK/m4all.moe")"
+if [ -n "${plan1:-}" ] && awk -v a="$meas0" -v b="$plan0" -v c="$meas1" -v d="$plan1" \
+     'BEGIN {exit !(a >= b && a <= 1.10 * b && c >= d && c <= 1.10 * d && c < a)}'; then
+  ok "memory plan against the measured peak, mid-size model on 4 ranks: $meas0 MiB measured / $plan0 planned as written, $meas1 / $plan1 with shard and recompute norms"
+else
+  bad "memory plan against the measured peak" "as written: ${meas0:-?} measured, ${plan0:-?} planned; with the choices: ${meas1:-?} / ${plan1:-?} (MiB); $(cat "$WORK/err")"
 fi
 exit $failed
