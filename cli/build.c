@@ -320,14 +320,13 @@ static bool choice_applies(const MemoryChoice *c, const IrModule *m, const FeTar
 }
 
 // The program built again (front end with the layout already chosen, every pass) with the choices
-// in set; NULL when that failed (reported).
+// in set, and *src its source (the module's locations point into it); NULL when that failed
+// (reported).
 static IrModule *rebuild(IrDiag *d, const Options *o, const FeTargetCaps *caps, const bool *set, const PassCtx *like,
-                         PassCtx *ctx) {
-  IrSource *src = NULL;
+                         PassCtx *ctx, IrSource **src) {
   Cluster again;
-  IrModule *m = front_end(d, o, caps, &src, &again);
+  IrModule *m = front_end(d, o, caps, src, &again);
   fe_hf_export_free(&again.hf);
-  ir_source_free(src);
   *ctx = *like;
   ctx->verbose = false;
   ctx->memplan = NULL;
@@ -339,6 +338,8 @@ static IrModule *rebuild(IrDiag *d, const Options *o, const FeTargetCaps *caps, 
   if (m && pass_run_pipeline(m, ctx)) return m;
   ir_module_free(m);
   pass_ctx_free(ctx);
+  ir_source_free(*src);
+  *src = NULL;
   return NULL;
 }
 
@@ -348,7 +349,8 @@ static IrModule *rebuild(IrDiag *d, const Options *o, const FeTargetCaps *caps, 
 // until the program fits (*m and *ctx are then that build's), saying each choice, its peak and the
 // planned step. False (an error with the smallest peak reached and what would fit) when nothing
 // does.
-static bool fit_memory(IrDiag *d, const Options *o, const FeTargetCaps *caps, Cluster *cl, IrModule **m, PassCtx *ctx) {
+static bool fit_memory(IrDiag *d, const Options *o, const FeTargetCaps *caps, Cluster *cl, IrModule **m, PassCtx *ctx,
+                       IrSource **src) {
   if (!cl->have || cl->memory <= 0) return true;
   int64_t peak = plan_peak(ctx->memplan), limit = cl->memory;
   char a[32], b[32], c[32];
@@ -371,25 +373,33 @@ static bool fit_memory(IrDiag *d, const Options *o, const FeTargetCaps *caps, Cl
   while (peak > limit) {
     int best = -1;
     IrModule *best_m = NULL;
+    IrSource *best_src = NULL;
     PassCtx best_ctx = {0};
     double t0 = ir_mod_float(*m, "t_iter_pred", 0), best_t = 0;
     for (int k = 0; k < NCHOICES; k++) {
       if (set[k] || !choice_applies(&memory_choices[k], *m, caps)) continue;
       set[k] = true;
       PassCtx try_ctx;
-      IrModule *try_m = rebuild(d, &again_o, caps, set, ctx, &try_ctx);
+      IrSource *try_src = NULL;
+      IrModule *try_m = rebuild(d, &again_o, caps, set, ctx, &try_ctx, &try_src);
       set[k] = false;
-      if (!try_m) return false;
+      if (!try_m) {
+        ir_module_free(best_m);
+        pass_ctx_free(&best_ctx);
+        ir_source_free(best_src);
+        return false;
+      }
       double t = ir_mod_float(try_m, "t_iter_pred", 0);
       int64_t p = plan_peak(try_ctx.memplan);
       // The fastest; on a tie one that fits, then the one listed first (the smaller change).
       bool better = best < 0 || t < best_t || (t == best_t && p <= limit && plan_peak(best_ctx.memplan) > limit);
       if (better) {
-        if (best_m) ir_module_free(best_m), pass_ctx_free(&best_ctx);
-        best = k, best_m = try_m, best_ctx = try_ctx, best_t = t;
+        if (best_m) ir_module_free(best_m), pass_ctx_free(&best_ctx), ir_source_free(best_src);
+        best = k, best_m = try_m, best_ctx = try_ctx, best_src = try_src, best_t = t;
       } else {
         ir_module_free(try_m);
         pass_ctx_free(&try_ctx);
+        ir_source_free(try_src);
       }
     }
     if (best < 0) break;
@@ -402,8 +412,10 @@ static bool fit_memory(IrDiag *d, const Options *o, const FeTargetCaps *caps, Cl
     fprintf(stderr, "\n");
     ir_module_free(*m);
     pass_ctx_free(ctx);
+    ir_source_free(*src);
     *m = best_m;
     *ctx = best_ctx;
+    *src = best_src;
     ctx->verbose = o->verbose;
     peak = now;
     if (o->verbose)   // the plan the program is built with (the passes' own report was the first build's)
@@ -451,7 +463,7 @@ static int cmd_build(IrDiag *d, const Options *o) {
   char *output = NULL;
   FILE *c = NULL;
   if (m && o->no_fuse) ir_attrs_set_int(m->attrs, &m->nattrs, "no_fuse", 1);   // cg_cuda_lowering reads it
-  if (!m || !pass_run_pipeline(m, &ctx) || !fit_memory(d, o, &caps, &cl, &m, &ctx)) goto done;
+  if (!m || !pass_run_pipeline(m, &ctx) || !fit_memory(d, o, &caps, &cl, &m, &ctx, &src)) goto done;
 
   if (o->emit) {  // --emit c: the program only; --emit cuda: the CUDA kernels only
     c = o->output ? fopen(o->output, "w") : stdout;

@@ -153,7 +153,7 @@ if [ -n "$p0" ] && [ -n "$p1" ] && [ "$p1" -lt "$p0" ]; then
   if "$MOEC" build "$WORK/v0.moe" --cluster "$WORK/m.cluster" --keep-c "$WORK/m.c" -o "$WORK/m.bin" 2>"$WORK/err" &&
      grep -q "chose 'optimizer adamw { shard true; }'.*planned step" "$WORK/err" && grep -q 'rt_shard_gather' "$WORK/m.c" &&
      (cd "$WORK" && $MPIRUN -np 2 ./m.bin --steps 8 >m.out 2>&1) && cmp -s <(steps "$WORK/m.out") <(steps "$WORK/gpt2/plain.out"); then
-    ok "shard chosen by moec build for a cluster's memory between the two peaks ($p1 < memory < $p0 bytes): $(grep -o 'peak [0-9.]* KiB, planned.*' "$WORK/err")"
+    ok "shard chosen by moec build for a cluster's memory between the two peaks ($p1 < memory < $p0 bytes): $(grep '^# memory:' "$WORK/err" | grep -o "chose '[a-z ]*[{ ]*[a-z ]*[;} ]*'.*" | sed "s/ (.*)//" | tr '\n' ';')"
   else
     bad "shard chosen by moec build for a cluster's memory" "$(cat "$WORK/err"; tail -n 3 "$WORK/m.out" 2>/dev/null)"
   fi
