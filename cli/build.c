@@ -138,6 +138,7 @@ typedef struct Cluster {
   FeHfExport hf;
   char hf_why[512];
   char layout_note[512];   // how the layout was chosen (parallel auto, --layout), "" when written
+  char layout_spec[64];    // the layout parallel auto chose, as --layout takes it ("" otherwise)
   int64_t memory;          // the profile's `memory`: bytes a rank may use (0: no limit known)
 } Cluster;
 
@@ -163,7 +164,7 @@ static IrModule *front_end(IrDiag *d, const Options *o, const FeTargetCaps *targ
   }
   // `parallel auto;` (or --layout): the layout is chosen before lowering (cli/layout.c).
   ok = ok && cli_resolve_layout(d, p, have_cluster ? &cluster : NULL, o->layout, o->verbose, cl->layout_note,
-                                sizeof cl->layout_note);
+                                sizeof cl->layout_note, cl->layout_spec, sizeof cl->layout_spec);
   IrModule *m = ok ? fe_lower(d, p, target) : NULL;
   if (ok && !have_cluster && p->schedule.pipeline_auto) {
     ir_error_at(d, p->schedule.pipeline_loc,
@@ -295,8 +296,6 @@ static bool emit_program(IrDiag *d, FILE *out, const IrModule *m, const PassMemP
 
 // ---- the profile's memory, honoured (lang/manual.md §12, "Memory") ----
 
-static int64_t plan_peak(const PassMemPlan *p) { return p->arena_bytes + 2 * p->param_bytes + p->optimizer_bytes; }
-
 // What a build may change to fit `memory` (module attribute attr set to value): the sharded
 // optimizer (a ReduceScatter where an AllReduce was, then an AllGather of the updated rows) and
 // recomputation (the activations, then the norms' outputs too, made again in the backward).
@@ -352,7 +351,7 @@ static IrModule *rebuild(IrDiag *d, const Options *o, const FeTargetCaps *caps, 
 static bool fit_memory(IrDiag *d, const Options *o, const FeTargetCaps *caps, Cluster *cl, IrModule **m, PassCtx *ctx,
                        IrSource **src) {
   if (!cl->have || cl->memory <= 0) return true;
-  int64_t peak = plan_peak(ctx->memplan), limit = cl->memory;
+  int64_t peak = pass_mem_peak(ctx->memplan), limit = cl->memory;
   char a[32], b[32], c[32];
   if (peak <= limit) {
     if (o->verbose)
@@ -363,12 +362,7 @@ static bool fit_memory(IrDiag *d, const Options *o, const FeTargetCaps *caps, Cl
   // `parallel auto;` chose the layout (the search priced these choices too): the builds below take it
   // as chosen, without searching again.
   Options again_o = *o;
-  char forced[96], algo[8] = "";
-  int dp, mp, ep, esp;
-  if (sscanf(cl->layout_note, "parallel auto: dp %d, mp %d, ep %d, esp %d, alltoall %7[a-z0-9]", &dp, &mp, &ep, &esp, algo) >= 4) {
-    snprintf(forced, sizeof forced, "%d,%d,%d,%d%s%s", dp, mp, ep, esp, algo[0] ? "," : "", algo);
-    again_o.layout = forced;
-  }
+  if (cl->layout_spec[0]) again_o.layout = cl->layout_spec;
   bool set[NCHOICES] = {false};
   while (peak > limit) {
     int best = -1;
@@ -390,9 +384,9 @@ static bool fit_memory(IrDiag *d, const Options *o, const FeTargetCaps *caps, Cl
         return false;
       }
       double t = ir_mod_float(try_m, "t_iter_pred", 0);
-      int64_t p = plan_peak(try_ctx.memplan);
+      int64_t p = pass_mem_peak(try_ctx.memplan);
       // The fastest; on a tie one that fits, then the one listed first (the smaller change).
-      bool better = best < 0 || t < best_t || (t == best_t && p <= limit && plan_peak(best_ctx.memplan) > limit);
+      bool better = best < 0 || t < best_t || (t == best_t && p <= limit && pass_mem_peak(best_ctx.memplan) > limit);
       if (better) {
         if (best_m) ir_module_free(best_m), pass_ctx_free(&best_ctx), ir_source_free(best_src);
         best = k, best_m = try_m, best_ctx = try_ctx, best_src = try_src, best_t = t;
@@ -404,7 +398,7 @@ static bool fit_memory(IrDiag *d, const Options *o, const FeTargetCaps *caps, Cl
     }
     if (best < 0) break;
     set[best] = true;
-    int64_t now = plan_peak(best_ctx.memplan);
+    int64_t now = pass_mem_peak(best_ctx.memplan);
     fprintf(stderr, "# memory: peak %s per rank, over the memory of cluster '%s' (%s): chose %s: peak %s",
             ir_bytes(a, sizeof a, (double)peak), cl->name, ir_bytes(b, sizeof b, (double)limit), memory_choices[best].what,
             ir_bytes(c, sizeof c, (double)now));
@@ -463,6 +457,7 @@ static int cmd_build(IrDiag *d, const Options *o) {
   char *output = NULL;
   FILE *c = NULL;
   if (m && o->no_fuse) ir_attrs_set_int(m->attrs, &m->nattrs, "no_fuse", 1);   // cg_cuda_lowering reads it
+  ctx.plan_step = cl.have && cl.memory > 0;   // fit_memory compares planned steps
   if (!m || !pass_run_pipeline(m, &ctx) || !fit_memory(d, o, &caps, &cl, &m, &ctx, &src)) goto done;
 
   if (o->emit) {  // --emit c: the program only; --emit cuda: the CUDA kernels only

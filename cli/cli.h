@@ -68,9 +68,10 @@ bool cli_layouts_json(const char *path, const CliLayouts *ls);
 bool cli_layout_nothing_fits(IrDiag *d, const FeProgram *p, const CliLayouts *ls);
 // The layout p is built with: --layout DP,MP,EP,ESP[,ALGO] (forced, checked against the model's
 // rules), else for `parallel auto;` the search's choice for cluster fc (-v: the table on stderr;
-// one line says what was chosen and why, also into note). False on an error (reported).
+// one line says what was chosen and why, also into note; the choice as --layout takes it into spec,
+// "" otherwise). note and spec may be NULL. False on an error (reported).
 bool cli_resolve_layout(IrDiag *d, FeProgram *p, const FeCluster *fc, const char *forced, bool verbose, char *note,
-                        size_t nnote);
+                        size_t nnote, char *spec, size_t nspec);
 // "dp 2, mp 1, ep 2, esp 1, alltoall nccl"
 const char *cli_layout_name(char *buf, size_t n, const CliLayout *l);
 // bytes as "1.50 GiB"

@@ -145,7 +145,7 @@ static bool eval_program(const FeProgram *p, const FeCluster *fc, const SchedClu
   ok = ok && pass_run_pipeline(m, &ctx) && d.errors == 0;
   if (ok && ctx.memplan) {
     const PassMemPlan *mp = ctx.memplan;
-    out->peak = (double)(mp->arena_bytes + 2 * mp->param_bytes + mp->optimizer_bytes);
+    out->peak = (double)pass_mem_peak(mp);
     out->act = (double)mp->arena_bytes;
   }
   pass_ctx_free(&ctx);
@@ -254,10 +254,47 @@ void cli_layout_apply(FeProgram *p, const CliLayout *l, int64_t global) {
   }
 }
 
-// Whether moec build may shard the optimizer to fit the memory (its first memory choice): adamw,
+// Whether moec build may shard the optimizer to fit the memory (one of its memory choices): adamw,
 // not asked for already, several ranks.
 static bool shardable(const FeProgram *p) {
   return strcmp(p->model.optimizer.name, "adamw") == 0 && !p->model.optimizer.shard && p->parallel.dp * p->parallel.mp > 1;
+}
+
+// The model's own memory settings, while a layout is priced with moec build's choices on top.
+typedef struct Written {
+  bool shard;
+  const char *recompute;
+} Written;
+
+static Written with_choices(FeProgram *p, bool shard, bool recompute) {
+  Written w = {p->model.optimizer.shard, p->model.recompute};
+  p->model.optimizer.shard = w.shard || shard;
+  if (recompute) p->model.recompute = "norms";
+  return w;
+}
+
+static void restore_choices(FeProgram *p, Written w) {
+  p->model.optimizer.shard = w.shard;
+  p->model.recompute = w.recompute;
+}
+
+// c priced again with the sharded optimizer and `recompute norms` as asked (and c's own): kept, with
+// the choices marked, when the compiler prices it.
+static void price_with(Search *s, CliLayout *c, bool shard, bool recompute) {
+  CliLayout again = *c;
+  Written w = with_choices(s->p, shard || c->shard, recompute || c->recompute);
+  price(s, &again);
+  restore_choices(s->p, w);
+  if (again.step_ms < 0) return;
+  *c = again;
+  c->shard |= shard;
+  c->recompute |= recompute;
+}
+
+// ", with ..." of a layout priced with moec build's memory choices; "" without.
+static const char *choices_text(const CliLayout *l) {
+  return l->shard && l->recompute ? " with the sharded optimizer and recompute norms"
+         : l->shard ? " with the sharded optimizer" : l->recompute ? " with recompute norms" : "";
 }
 
 // Collectives a layout runs: groups of more than one rank, then a hierarchical AlltoAll.
@@ -340,26 +377,11 @@ bool cli_layout_search(IrDiag *d, FeProgram *p, const FeCluster *fc, CliLayouts 
           c.legal = c.step_ms >= 0;
           c.fits = c.legal && (fc->memory <= 0 || c.peak_bytes <= fc->memory);
           // What moec build would do to fit (cli/build.c): the sharded optimizer, then recomputation.
-          if (c.legal && !c.fits && shardable(p)) {
-            CliLayout again = c;
-            p->model.optimizer.shard = true;
-            price(&s, &again);
-            p->model.optimizer.shard = false;
-            if (again.step_ms >= 0) c = again, c.shard = true;
-            c.fits = fc->memory <= 0 || c.peak_bytes <= fc->memory;
-          }
-          const char *written = p->model.recompute;
-          if (c.legal && !c.fits && (!written || strcmp(written, "norms") != 0)) {
-            CliLayout again = c;
-            bool shard = p->model.optimizer.shard;
-            p->model.optimizer.shard = shard || c.shard;
-            p->model.recompute = "norms";
-            price(&s, &again);
-            p->model.optimizer.shard = shard;
-            p->model.recompute = written;
-            if (again.step_ms >= 0) c = again, c.recompute = true;
-            c.fits = fc->memory <= 0 || c.peak_bytes <= fc->memory;
-          }
+          if (c.legal && !c.fits && shardable(p)) price_with(&s, &c, true, false);
+          c.fits = c.legal && (fc->memory <= 0 || c.peak_bytes <= fc->memory);
+          if (c.legal && !c.fits && (!p->model.recompute || strcmp(p->model.recompute, "norms") != 0))
+            price_with(&s, &c, false, true);
+          c.fits = c.legal && (fc->memory <= 0 || c.peak_bytes <= fc->memory);
           for (int i = 0; i < p->nlayers; i++) p->layers[i].moe.algo = algos[i];
           if (c.legal && !c.fits) {
             char need[32], have[32];
@@ -384,13 +406,9 @@ bool cli_layout_search(IrDiag *d, FeProgram *p, const FeCluster *fc, CliLayouts 
     if (long_stack) {
       Eval whole = {0};
       cli_layout_apply(p, c, global);
-      bool written = p->model.optimizer.shard;
-      const char *written_rc = p->model.recompute;
-      p->model.optimizer.shard = written || c->shard;
-      if (c->recompute) p->model.recompute = "norms";
+      Written w = with_choices(p, c->shard, c->recompute);
       bool priced = eval_program(p, fc, &s.sc, &whole, c->why, sizeof c->why);
-      p->model.optimizer.shard = written;
-      p->model.recompute = written_rc;
+      restore_choices(p, w);
       for (int i = 0; i < p->nlayers; i++) p->layers[i].moe.algo = algos[i];
       if (priced) c->peak_bytes = (int64_t)llround(whole.peak), c->act_bytes = (int64_t)llround(whole.act);
       eval_free(&whole);
@@ -437,10 +455,9 @@ void cli_layouts_print(FILE *out, const CliLayouts *ls, const char *cluster) {
     char step[32] = "-", peak[32] = "-";
     if (l->step_ms >= 0) snprintf(step, sizeof step, "%.3f", l->step_ms);
     if (l->peak_bytes >= 0) cli_bytes(peak, sizeof peak, (double)l->peak_bytes);
-    fprintf(out, "%4d %5d %4d %5d %4d %5s %12s %12s  %s%s\n", i + 1, l->dp, l->mp, l->ep, l->esp,
+    fprintf(out, "%4d %5d %4d %5d %4d %5s %12s %12s  %s%s%s\n", i + 1, l->dp, l->mp, l->ep, l->esp,
             l->algo ? l->algo : "as-is", step, peak, i == ls->chosen ? "chosen" : l->fits ? "fits" : "",
-            l->fits ? (l->shard && l->recompute ? ", with the sharded optimizer and recompute norms"
-                       : l->shard ? ", with the sharded optimizer" : l->recompute ? ", with recompute norms" : "") : l->why);
+            l->fits && *choices_text(l) ? "," : "", l->fits ? choices_text(l) : l->why);
   }
 }
 
@@ -516,8 +533,9 @@ static bool parse_layout(const char *text, CliLayout *l) {
 }
 
 bool cli_resolve_layout(IrDiag *d, FeProgram *p, const FeCluster *fc, const char *forced, bool verbose, char *note,
-                        size_t nnote) {
+                        size_t nnote, char *spec, size_t nspec) {
   if (note && nnote) note[0] = '\0';
+  if (spec && nspec) spec[0] = '\0';
   if (forced) {
     CliLayout l;
     if (!parse_layout(forced, &l))
@@ -561,10 +579,10 @@ bool cli_resolve_layout(IrDiag *d, FeProgram *p, const FeCluster *fc, const char
            cli_layout_name(name, sizeof name, c), fc->name ? fc->name : "cluster", (long long)fc->nodes,
            (long long)fc->gpus_per_node, fitting, ls.n, c->step_ms, (long long)ls.global_batch, ls.policy, cli_bytes(peak, sizeof peak, (double)c->peak_bytes),
            fc->memory > 0 ? " of " : "", fc->memory > 0 ? cli_bytes(mem, sizeof mem, (double)fc->memory) : "",
-           c->shard && c->recompute ? " with the sharded optimizer and recompute norms" : c->shard ? " with the sharded optimizer"
-           : c->recompute ? " with recompute norms" : "");
+           choices_text(c));
   fprintf(stderr, "# %s\n", line);
   if (note) snprintf(note, nnote, "%s", line);
+  if (spec) snprintf(spec, nspec, "%d,%d,%d,%d%s%s", c->dp, c->mp, c->ep, c->esp, c->algo ? "," : "", c->algo ? c->algo : "");
   cli_layout_apply(p, c, ls.global_batch);
   cli_layouts_free(&ls);
   return true;

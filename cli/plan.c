@@ -197,7 +197,7 @@ static bool plan_load(IrDiag *d, const PlanOptions *o, Plan *pl) {
   FeCluster fc;
   if (!fe_load_cluster(d, pl->cluster_path, o->cluster ? (SrcLoc){0} : p->cluster_loc, &fc)) return false;
   cli_cluster_from_fe(&fc, &pl->cluster);
-  if (!cli_resolve_layout(d, p, &fc, o->layout, false, NULL, 0)) return false;
+  if (!cli_resolve_layout(d, p, &fc, o->layout, false, NULL, 0, NULL, 0)) return false;
   // A language model's attention is in its IR (passes/cost.c prices it): nothing is modelled.
   for (int i = 0; i < p->nlayers && !p->model.has_vocab; i++) {
     FeLayer *L = &p->layers[i];

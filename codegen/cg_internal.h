@@ -27,6 +27,7 @@ void cg_emit_model(FILE *out, const IrModule *m, const PassMemPlan *plan, int64_
 // ("RT_GROUP_EP"); the group an op's group attribute names (world when it names none) and its enum.
 extern const char *const cg_group_names[5], *const cg_group_enums[5];
 int cg_group_index(const IrOp *op);
+int cg_group_named(const char *group);   // "dp" -> the index of cg_group_names (0: world, or unknown)
 const char *cg_group_enum(const IrOp *op);
 // The stream op runs on (none is compute), and an operand's type (a parameter's or a value's):
 // what both targets' host programs ask of an op.

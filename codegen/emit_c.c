@@ -173,6 +173,8 @@ static bool emit_op(Emit *e, const IrFunc *f, int i) {
   // A sharded optimizer's update (autodiff: group) takes the rows the rank owns: its four
   // pointers (parameter, gradient, moments) moved by lo, its count n (the KERNEL rule's order).
   bool part = op->kind == IR_OP_OPT_ADAMW && ir_op_str(op, "group", NULL);
+  if (part && (l.ncalls != 1 || strcmp(cg_kernel_name(l.call[0].kernel), "adamw") != 0 || l.call[0].nargs < 5))
+    return ir_internal(e->d, "a sharded opt.adamw lowers to one adamw(param, grad, m, v, n, ...) call");
   if (part)
     fprintf(e->out, "  {\n    int64_t lo, n;\n    rt_param_part(st->comm, &params[%d], &lo, &n);\n  ", op->args[0].param->index);
   for (int c = 0; c < l.ncalls; c++) {
@@ -447,11 +449,8 @@ void cg_emit_params(FILE *out, const IrModule *m, const int64_t *param_offset) {
     }
     // A sharded optimizer's group (autodiff): 1 + its RtGroup.
     const char *shard = ir_attr_str(p->attrs, p->nattrs, "shard", NULL);
-    int group = 0;
-    for (int g = 0; shard && g < 5; g++)
-      if (strcmp(shard, cg_group_names[g]) == 0) group = 1 + g;
     fprintf(out, "}, %d, %d, %d, %d", shard_ep, shard_esp, shard_mp, ir_attrs_get(p->attrs, p->nattrs, "balance") != NULL);
-    if (group) fprintf(out, ", 1 + %s", cg_group_enums[group - 1]);
+    if (shard) fprintf(out, ", 1 + %s", cg_group_enums[cg_group_named(shard)]);
     fprintf(out, "},\n");
   }
   fprintf(out, "};\n\n");

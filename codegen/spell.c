@@ -10,12 +10,13 @@
 const char *const cg_group_names[5] = {"world", "dp", "mp", "ep", "esp"};
 const char *const cg_group_enums[5] = {"RT_GROUP_WORLD", "RT_GROUP_DP", "RT_GROUP_MP", "RT_GROUP_EP", "RT_GROUP_ESP"};
 
-int cg_group_index(const IrOp *op) {
-  const char *g = ir_op_str(op, "group", "world");
+int cg_group_named(const char *g) {
   for (int i = 1; i < 5; i++)
     if (strcmp(g, cg_group_names[i]) == 0) return i;
   return 0;
 }
+
+int cg_group_index(const IrOp *op) { return cg_group_named(ir_op_str(op, "group", "world")); }
 
 const char *cg_group_enum(const IrOp *op) { return cg_group_enums[cg_group_index(op)]; }
 

@@ -30,10 +30,10 @@ static void report(FILE *log, const PassLayer *l, int n, const SchedPlan *plan, 
 
 // Explicit degrees with a cluster profile: the plan those degrees make, priced and simulated as
 // `pipeline auto` prices its own (the predicted step of a model written by hand: t_iter_pred on the
-// module, which moec build's memory choices compare; the report with -v).
+// module, which moec build's memory choices compare: ctx->plan_step; the report with -v).
 static void price_explicit(IrModule *m, PassCtx *ctx, int64_t r_fwd, int64_t r_bwd) {
   IrPolicy pol;
-  if (!ctx->cluster || !ir_policy_parse(ir_mod_str(m, "policy", "sequential"), &pol)) return;
+  if (!(ctx->verbose || ctx->plan_step) || !ctx->cluster || !ir_policy_parse(ir_mod_str(m, "policy", "sequential"), &pol)) return;
   PassStack s;
   if (!pass_stack(m, ctx->cluster, &s)) return;
   SchedPlan plan = {0};

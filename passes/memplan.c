@@ -340,7 +340,7 @@ static bool pack(PassCtx *ctx, Ranges *R, PassMemPlan *plan) {
 
 static void report(PassCtx *ctx, const PassMemPlan *plan, int nstreamed) {
   FILE *log = ctx->log ? ctx->log : stderr;
-  int64_t peak = plan->arena_bytes + 2 * plan->param_bytes + plan->optimizer_bytes;
+  int64_t peak = pass_mem_peak(plan);
   char a[32], u[32], p[32], g[32], o[32], k[32];
   fprintf(log, "# memplan: activations %s in the arena (%s without reuse, %.1fx less)\n",
           ir_bytes(a, sizeof a, (double)plan->arena_bytes), ir_bytes(u, sizeof u, (double)plan->unshared_bytes),
@@ -353,6 +353,8 @@ static void report(PassCtx *ctx, const PassMemPlan *plan, int nstreamed) {
     fprintf(log, "# memplan: %d functions run concurrent streams: a buffer is reused there only after "
                  "every user of it happens before (stream order, events)\n", nstreamed);
 }
+
+int64_t pass_mem_peak(const PassMemPlan *p) { return p->arena_bytes + 2 * p->param_bytes + p->optimizer_bytes; }
 
 bool pass_memplan(IrModule *m, PassCtx *ctx) {
   PassMemPlan *plan = calloc(1, sizeof *plan);

@@ -49,6 +49,8 @@ typedef struct PassCtx {
   const SchedCluster *cluster;   // the cluster profile the planner prices with (NULL: none)
   bool fuse;                 // group ops into fused kernels (without --no-fuse)
   bool fuse_cpu;             // ... the CPU target's groups: elementwise ops of one row length only
+  bool plan_step;            // explicit degrees: simulate the step too (t_iter_pred, which moec build's
+                             // memory choices compare); -v does it to report it
   // Called after each pass has run and the module verified (NULL: nothing): what a caller takes
   // from the module between passes (the layout search: the priced stack after `cost`). False stops
   // the pipeline as a failure.
@@ -85,6 +87,8 @@ bool pass_gradpart(IrModule *m, PassCtx *ctx);
 bool pass_schedule(IrModule *m, PassCtx *ctx);
 bool pass_fuse(IrModule *m, PassCtx *ctx);
 bool pass_memplan(IrModule *m, PassCtx *ctx);
+// The plan's peak per rank: the activation arena, the parameters and gradients, the optimizer state.
+int64_t pass_mem_peak(const PassMemPlan *p);
 
 // Sets cost_n and cost_t on every op the scheduling model prices (passes/cost.c); the number
 // priced. The schedule pass re-prices its chunks with it.

@@ -36,28 +36,18 @@ typedef struct Rc {
   IrFunc *f, *b;         // the forward and the backward that saves it
   int level;
   bool *read;            // by value id of f: an op of b (before this pass) reads it
+  bool *elsewhere;       // by value id of f: f's results, or a function other than f and b, read it
   signed char *state;    // by value id of f: 0 undecided, 1 recomputed, -1 kept
   IrValue **copy;        // by value id of f: its copy in b, once made
   int made;
 } Rc;
-
-static bool read_by(const IrFunc *g, const IrValue *v) {
-  for (int i = 0; i < g->nops; i++)
-    for (int a = 0; a < g->ops[i]->nargs; a++)
-      if (g->ops[i]->args[a].value == v) return true;
-  return false;
-}
 
 // Whether v (a value of f) is recomputed in b; decided once, depth-first through its operands.
 static bool recomputed(Rc *c, IrValue *v, int depth) {
   if (c->state[v->id]) return c->state[v->id] > 0;
   c->state[v->id] = -1;
   const IrOp *op = v->def;
-  if (!op || depth > 6 || level_of(op->kind) == 0 || level_of(op->kind) > c->level) return false;
-  for (int r = 0; r < c->f->nrets; r++)
-    if (c->f->rets[r] == v) return false;
-  for (int i = 0; i < c->m->nfuncs; i++)
-    if (c->m->funcs[i] != c->f && c->m->funcs[i] != c->b && read_by(c->m->funcs[i], v)) return false;
+  if (!op || depth > 6 || level_of(op->kind) == 0 || level_of(op->kind) > c->level || c->elsewhere[v->id]) return false;
   for (int a = 0; a < op->nargs; a++) {
     IrValue *u = op->args[a].value;
     if (u && !c->read[u->id] && !recomputed(c, u, depth + 1)) return false;
@@ -96,18 +86,21 @@ static bool recompute_func(IrModule *m, IrFunc *b, int level, int *made) {
   int n = f->nvalues + 1;
   Rc c = {.m = m, .f = f, .b = b, .level = level};
   c.read = calloc((size_t)n, sizeof *c.read);
+  c.elsewhere = calloc((size_t)n, sizeof *c.elsewhere);
   c.state = calloc((size_t)n, sizeof *c.state);
   c.copy = calloc((size_t)n, sizeof *c.copy);
-  if (!c.read || !c.state || !c.copy) {
-    free(c.read), free(c.state), free(c.copy);
-    return false;
-  }
-  for (int i = 0; i < b->nops; i++)
-    for (int a = 0; a < b->ops[i]->nargs; a++) {
-      IrValue *v = b->ops[i]->args[a].value;
-      if (v && v->func == f) c.read[v->id] = true;
-    }
-  for (int i = 0; i < b->nops; i++) {
+  bool ok = c.read && c.elsewhere && c.state && c.copy;
+  for (int r = 0; ok && r < f->nrets; r++)
+    if (f->rets[r]->func == f) c.elsewhere[f->rets[r]->id] = true;
+  for (int g = 0; ok && g < m->nfuncs; g++)   // one scan of the module: who reads f's values
+    for (int i = 0; i < m->funcs[g]->nops; i++)
+      for (int a = 0; a < m->funcs[g]->ops[i]->nargs; a++) {
+        IrValue *v = m->funcs[g]->ops[i]->args[a].value;
+        if (!v || v->func != f || m->funcs[g] == f) continue;
+        if (m->funcs[g] == b) c.read[v->id] = true;
+        else c.elsewhere[v->id] = true;
+      }
+  for (int i = 0; ok && i < b->nops; i++) {
     IrOp *op = b->ops[i];
     if (ir_op_int(op, "recompute", 0)) continue;
     for (int a = 0; a < op->nargs; a++) {
@@ -119,8 +112,8 @@ static bool recompute_func(IrModule *m, IrFunc *b, int level, int *made) {
     }
   }
   *made += c.made;
-  free(c.read), free(c.state), free(c.copy);
-  return true;
+  free(c.read), free(c.elsewhere), free(c.state), free(c.copy);
+  return ok;
 }
 
 bool pass_recompute(IrModule *m, PassCtx *ctx) {

@@ -832,15 +832,21 @@ static void reducescatter_on(Group *gr, RtComm *c, RtGroup g, const float *send,
 // Block b of n elements cut into p: [n b / p, n (b + 1) / p).
 static int64_t ring_cut(int64_t n, int p, int b) { return n * b / p; }
 
+// Sends nsend floats to the right neighbour while nrecv arrive from the left one into dst.
+static void ring_exchange(Group *gr, const float *send, int nsend, float *dst, int nrecv) {
+  int p = gr->size, right = (gr->rank + 1) % p, left = (gr->rank + p - 1) % p;
+  MPI_Request recv;
+  MPI_CHECK(MPI_Irecv(dst, nrecv, MPI_FLOAT, left, 0, gr->comm, &recv));
+  NB(gr, MPI_Isend(send, nsend, MPI_FLOAT, right, 0, gr->comm, &req));
+  finish(&recv, gr->what, gr->id, gr->began, "MPI_Irecv", __LINE__);
+}
+
 // Sends block `out` of buf to the right neighbour while block `in` arrives from the left one
 // into dst (the workspace, or buf itself in the gather half).
 static void ring_step(Group *gr, const float *buf, int64_t n, int out, int in, float *dst) {
-  int p = gr->size, right = (gr->rank + 1) % p, left = (gr->rank + p - 1) % p;
+  int p = gr->size;
   int64_t o0 = ring_cut(n, p, out), in0 = ring_cut(n, p, in);
-  MPI_Request recv;
-  MPI_CHECK(MPI_Irecv(dst, (int)(ring_cut(n, p, in + 1) - in0), MPI_FLOAT, left, 0, gr->comm, &recv));
-  NB(gr, MPI_Isend(buf + o0, (int)(ring_cut(n, p, out + 1) - o0), MPI_FLOAT, right, 0, gr->comm, &req));
-  finish(&recv, gr->what, gr->id, gr->began, "MPI_Irecv", __LINE__);
+  ring_exchange(gr, buf + o0, (int)(ring_cut(n, p, out + 1) - o0), dst, (int)(ring_cut(n, p, in + 1) - in0));
 }
 
 // The ring AllReduce: every rank sends 2 n (p - 1) / p elements, to its right neighbour only,
@@ -995,15 +1001,12 @@ static void window_parts(int64_t rows, int64_t row, int p, int64_t o, int64_t le
 // j + 1 and ends at j, each member adding its own addends in place as the running sum passes, so
 // no buffer but one part's (MPI_Reduce_scatter's libnbc takes temporaries of the whole message).
 static void reduce_scatter_ring(Group *gr, float *buf, const int *counts, const int *displs) {
-  int p = gr->size, r = gr->rank, right = (r + 1) % p, left = (r + p - 1) % p, largest = 0;
+  int p = gr->size, r = gr->rank, largest = 0;
   for (int j = 0; j < p; j++) largest = counts[j] > largest ? counts[j] : largest;
   float *in = workspace(gr, (size_t)largest + 1);
   for (int s = 0; s < p - 1; s++) {
     int out = ((r - 1 - s) % p + p) % p, blk = ((r - 2 - s) % p + p) % p;
-    MPI_Request recv;
-    MPI_CHECK(MPI_Irecv(in, counts[blk], MPI_FLOAT, left, 0, gr->comm, &recv));
-    NB(gr, MPI_Isend(buf + displs[out], counts[out], MPI_FLOAT, right, 0, gr->comm, &req));
-    finish(&recv, gr->what, gr->id, gr->began, "MPI_Irecv", __LINE__);
+    ring_exchange(gr, buf + displs[out], counts[out], in, counts[blk]);
     float *acc = buf + displs[blk];
     for (int i = 0; i < counts[blk]; i++) acc[i] += in[i];
   }

@@ -582,15 +582,8 @@ static void print_summary(const RtTrainer *tr, const Steps *run, bool convert, d
     int64_t steps = run->last - run->first + 1;
     double secs = (now_ms() - run->started) * 1e-3, tokens = (double)steps * tr->ranks.dp * m->batch * m->seqlen;
     double plan = (double)m->arena_bytes + (double)m->param_floats * sizeof(float) * 2;
-    for (int i = 0; m->opt == RT_OPT_ADAMW && i < m->nparams; i++) {   // the moments: the largest member's rows
-      const RtParam *p = &m->params[i];
-      int64_t kept = p->numel;
-      if (p->shard && p->rank > 0 && p->dims[0] > 0) {
-        int64_t g = rt_comm_size(tr->comm, (RtGroup)(p->shard - 1));
-        kept = (p->dims[0] + g - 1) / g * (p->numel / p->dims[0]);
-      }
-      plan += 2.0 * sizeof(float) * (double)kept;
-    }
+    if (m->opt == RT_OPT_ADAMW)
+      plan += 2.0 * sizeof(float) * (double)rt_moment_floats(tr->comm, m);
     struct rusage ru;
     char peak[32] = "unknown", planned[32];
     if (getrusage(RUSAGE_SELF, &ru) == 0) bytes_text(peak, sizeof peak, (double)ru.ru_maxrss * 1024.0);

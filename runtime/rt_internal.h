@@ -329,6 +329,9 @@ int rt_checkpoint_load(RtComm *c, const char *path, const RtModel *m, const RtRa
 // The first touch (rt_big_touch) of the moments this rank keeps (rt_param_part): all of them, or
 // under a sharded optimizer its rows of each parameter, the other pages never backed.
 void rt_touch_moments(const RtComm *c, const RtModel *m, float *opt_m, float *opt_v);
+// The floats of one AdamW moment the plan counts per rank: every parameter's, or under a sharded
+// optimizer the largest member's rows (the memory plan's count, passes/memplan.c).
+int64_t rt_moment_floats(const RtComm *c, const RtModel *m);
 // Under a sharded optimizer a rank holds the sums of its rows of each gradient only: each member's
 // rows of grads to every member (--dump and --check-grad read whole gradients).
 void rt_shard_gather_grads(RtComm *c, const RtModel *m, float *grads);

@@ -61,11 +61,28 @@ bool rt_shard_owner(const RtParam *p, const RtRanks *r) {
   return (p->shard_ep >= 0 || r->ep_index == 0) && (p->shard_esp >= 0 || r->esp_index == 0);
 }
 
+// p's moments are kept by rows of dims[0] over its group (p->shard), and it has rows to split.
+static bool row_sharded(const RtParam *p) { return p->shard && p->rank > 0 && p->dims[0] > 0; }
+
 void rt_param_part(const RtComm *c, const RtParam *p, int64_t *lo, int64_t *n) {
   *lo = 0;
   *n = p->numel;
-  if (p->shard && p->rank > 0 && p->dims[0] > 0)
+  if (row_sharded(p))
     rt_shard_part(c, (RtGroup)(p->shard - 1), p->dims[0], p->numel / p->dims[0], lo, n);
+}
+
+int64_t rt_moment_floats(const RtComm *c, const RtModel *m) {
+  int64_t floats = 0;
+  for (int i = 0; i < m->nparams; i++) {
+    const RtParam *p = &m->params[i];
+    int64_t kept = p->numel;
+    if (row_sharded(p)) {
+      int64_t g = rt_comm_size(c, (RtGroup)(p->shard - 1));
+      kept = (p->dims[0] + g - 1) / g * (p->numel / p->dims[0]);
+    }
+    floats += kept;
+  }
+  return floats;
 }
 
 // This rank's box of parameter p: its shard (off, dims), or for a moment of a sharded optimizer
@@ -107,7 +124,7 @@ void rt_touch_moments(const RtComm *c, const RtModel *m, float *opt_m, float *op
 void rt_shard_gather_grads(RtComm *c, const RtModel *m, float *grads) {
   for (int i = 0; i < m->nparams; i++) {
     const RtParam *p = &m->params[i];
-    if (p->shard && p->rank > 0 && p->dims[0] > 0)
+    if (row_sharded(p))
       rt_shard_gather(c, (RtGroup)(p->shard - 1), grads + p->offset, p->dims[0], p->numel / p->dims[0]);
   }
 }
@@ -119,15 +136,20 @@ int64_t rt_param_global_numel(const RtParam *p) {
   return n;
 }
 
-int64_t rt_shard_global_index(const RtParam *p, const int64_t off[4], int64_t j) {
+// Element j of the box of dims at off in p's whole tensor, as a global index.
+static int64_t box_global_index(const RtParam *p, const int64_t off[4], const int64_t dims[4], int64_t j) {
   int64_t g = 0, stride = 1;
   for (int d = p->rank - 1; d >= 0; d--) {
-    int64_t c = j % p->dims[d];
-    j /= p->dims[d];
+    int64_t c = j % dims[d];
+    j /= dims[d];
     g += (c + off[d]) * stride;
     stride *= p->global_dims[d];
   }
   return g;
+}
+
+int64_t rt_shard_global_index(const RtParam *p, const int64_t off[4], int64_t j) {
+  return box_global_index(p, off, p->dims, j);
 }
 
 void rt_shard_init(const RtParam *p, const RtRanks *r, uint64_t seed, float *w) {
@@ -582,12 +604,7 @@ static int check_covered(const char *path, const Wants *ws, int nshards, const R
     for (int64_t j = 0; j < w->numel; j++) {
       if (w->covered[j])
         continue;
-      int64_t g = 0, stride = 1, rest = j, coord[4];
-      for (int d = p->rank - 1; d >= 0; d--) {   // element j of the box, as a global index
-        g += (rest % w->dims[d] + w->off[d]) * stride;
-        rest /= w->dims[d];
-        stride *= p->global_dims[d];
-      }
+      int64_t g = box_global_index(p, w->off, w->dims, j), coord[4];
       for (int d = p->rank - 1; d >= 0; d--) {
         coord[d] = g % p->global_dims[d];
         g /= p->global_dims[d];

@@ -52,3 +52,19 @@ collect() {
     passed=$((passed + $(grep -c '^ok    ' "$WORK/jobs/$id")))
   done
 }
+
+# The memory features' suites (tests/lm/shard.sh, tests/lm/recompute.sh):
+# step_lines OUT: a run's step lines without their times (what two runs of the same bits share).
+step_lines() { grep '^step' "$1" | sed 's/  time.*//'; }
+# plan_peak F.moe: the memory plan's peak per rank in bytes, as `moec build -v` prints it ("" when
+# the build fails).
+plan_peak() { "$MOEC" build "$1" -v -o "$WORK/plan_peak.bin" 2>&1 | sed -n 's/^# memplan: peak .*(\([0-9]*\) bytes)$/\1/p' | tail -n 1; }
+# ir_roundtrip F.moe PASS PATTERN...: dump-ir of F after PASS ($WORK/a.ir) reads back the same and
+# holds a line matching each grep pattern; false otherwise ($WORK/err and a diff of $WORK/b.ir say why).
+ir_roundtrip() {
+  local model=$1 pass=$2 pat
+  shift 2
+  "$MOEC" dump-ir "$model" --after="$pass" >"$WORK/a.ir" 2>"$WORK/err" &&
+    "$MOEC" dump-ir "$WORK/a.ir" >"$WORK/b.ir" 2>>"$WORK/err" && cmp -s "$WORK/a.ir" "$WORK/b.ir" || return 1
+  for pat in "$@"; do grep -q "$pat" "$WORK/a.ir" || return 1; done
+}

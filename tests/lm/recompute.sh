@@ -19,7 +19,6 @@ work lm-recompute
 MPIRUN="mpirun --allow-run-as-root --oversubscribe"
 export OMP_NUM_THREADS=1
 ADAMW="optimizer adamw { lr 0.01; warmup 2; decay_steps 8; min_lr 0.001; clip 0.5; }"
-steps() { grep '^step' "$1" | sed 's/  time.*//'; }
 
 # variant MODEL PARALLEL SCHEDULE LEVEL: adamw, the layout, the schedule, `recompute LEVEL;`.
 variant() {
@@ -43,11 +42,11 @@ equal() {
   local made
   made=$("$MOEC" dump-ir "$d/norms.moe" --after=recompute 2>/dev/null | grep -c 'recompute=1')
   for lv in activations norms; do
-    if [ "$(steps "$d/none.out" | wc -l)" -eq 8 ] && cmp -s <(steps "$d/none.out") <(steps "$d/$lv.out") &&
+    if [ "$(step_lines "$d/none.out" | wc -l)" -eq 8 ] && cmp -s <(step_lines "$d/none.out") <(step_lines "$d/$lv.out") &&
        diff -r "$d/d_none" "$d/d_$lv" >/dev/null && [ "$made" -gt 0 ]; then
       ok "$label: recompute $lv: 8 steps and every --dump tensor the same bits as keeping them ($made copies at norms)"
     else
-      bad "$label: recompute $lv differs" "$(diff <(steps "$d/none.out") <(steps "$d/$lv.out") | head; diff -rq "$d/d_none" "$d/d_$lv" | head -n 5; echo "copies: $made")"
+      bad "$label: recompute $lv differs" "$(diff <(step_lines "$d/none.out") <(step_lines "$d/$lv.out") | head; diff -rq "$d/d_none" "$d/d_$lv" | head -n 5; echo "copies: $made")"
     fi
   done
 }
@@ -70,19 +69,16 @@ else
 fi
 
 # ---- the memory plan, the IR ----
-peak() { "$MOEC" build "$1" -v -o "$WORK/v.bin" 2>&1 | sed -n 's/^# memplan: peak .*(\([0-9]*\) bytes)$/\1/p' | tail -n 1; }
 for lv in none activations norms; do
   sed "s/seed 1;/seed 1; recompute $lv;/" bench/models/lm_mid.moe >"$WORK/mid_$lv.moe"
 done
-p0=$(peak "$WORK/mid_none.moe") p1=$(peak "$WORK/mid_activations.moe") p2=$(peak "$WORK/mid_norms.moe")
+p0=$(plan_peak "$WORK/mid_none.moe") p1=$(plan_peak "$WORK/mid_activations.moe") p2=$(plan_peak "$WORK/mid_norms.moe")
 if [ -n "$p0" ] && [ -n "$p2" ] && [ "$p1" -lt "$p0" ] && [ "$p2" -lt "$p1" ]; then
   ok "recompute: the mid-size model's planned peak $p0 -> $p1 (activations) -> $p2 bytes (norms)"
 else
   bad "recompute: the planned peaks do not fall" "none '$p0', activations '$p1', norms '$p2'"
 fi
-if "$MOEC" dump-ir "$WORK/gpt4/norms.moe" --after=memplan >"$WORK/a.ir" 2>"$WORK/err" &&
-   "$MOEC" dump-ir "$WORK/a.ir" >"$WORK/b.ir" 2>>"$WORK/err" && cmp -s "$WORK/a.ir" "$WORK/b.ir" &&
-   grep -q '= act.gelu .*recompute=1' "$WORK/a.ir" && grep -q '= norm.layer .*recompute=1' "$WORK/a.ir"; then
+if ir_roundtrip "$WORK/gpt4/norms.moe" memplan '= act.gelu .*recompute=1' '= norm.layer .*recompute=1'; then
   ok "recompute IR: dump-ir shows the copies in the backward (act.gelu, norm.layer) and round-trips"
 else
   bad "recompute IR" "$(cat "$WORK/err"; diff "$WORK/a.ir" "$WORK/b.ir" | head)"
@@ -91,7 +87,7 @@ fi
 # ---- the CUDA target on the fake device (tests/cuda/host.sh): the copies are ordinary ops there ----
 if [ -f "$BUILD/cuda/libfake_cuda.a" ]; then
   if MOEC_CUDA_FAKE=1 "$MOEC" build "$WORK/gpt1/norms.moe" --target cuda -o "$WORK/norms.cuda" 2>"$WORK/err" &&
-     (cd "$WORK" && ./norms.cuda --steps 8 >norms.cuda.out 2>&1) && cmp -s <(steps "$WORK/norms.cuda.out") <(steps "$WORK/gpt1/none.out"); then
+     (cd "$WORK" && ./norms.cuda --steps 8 >norms.cuda.out 2>&1) && cmp -s <(step_lines "$WORK/norms.cuda.out") <(step_lines "$WORK/gpt1/none.out"); then
     ok "recompute norms on the CUDA target (fake device): the CPU program's 8 steps"
   else
     bad "recompute norms on the CUDA target (fake device)" "$(cat "$WORK/err"; tail -n 3 "$WORK/norms.cuda.out" 2>/dev/null)"
@@ -103,12 +99,12 @@ fi
 # ---- moec build chooses it for a cluster's memory ----
 variant gpt "" "" none >"$WORK/one.moe"
 variant gpt "" "" norms >"$WORK/one_norms.moe"   # (at this size the peak is the head's: activations alone leave it)
-q0=$(peak "$WORK/one.moe") q1=$(peak "$WORK/one_norms.moe")
+q0=$(plan_peak "$WORK/one.moe") q1=$(plan_peak "$WORK/one_norms.moe")
 sed "s/^  memory [0-9]*;.*/  memory $(((q0 + q1) / 2));/" lang/clusters/cpu-2core.cluster >"$WORK/m.cluster"
 if [ -n "$q0" ] && [ -n "$q1" ] && [ "$q1" -lt "$q0" ] &&
    "$MOEC" build "$WORK/one.moe" --cluster "$WORK/m.cluster" -o "$WORK/m.bin" 2>"$WORK/err" &&
    grep -q "chose 'recompute" "$WORK/err" && (cd "$WORK" && ./m.bin --steps 8 >m.out 2>&1) &&
-   cmp -s <(steps "$WORK/m.out") <(steps "$WORK/gpt1/none.out"); then
+   cmp -s <(step_lines "$WORK/m.out") <(step_lines "$WORK/gpt1/none.out"); then
   ok "moec build chose recomputation for a memory between the peaks ($q1 < memory < $q0 bytes), same losses: $(grep -o "chose 'recompute [a-z]*;'" "$WORK/err")"
 else
   bad "moec build choosing recomputation" "$(cat "$WORK/err"; tail -n 3 "$WORK/m.out" 2>/dev/null)"

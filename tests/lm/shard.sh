@@ -38,7 +38,6 @@ variant() {
   sed "s/optimizer sgd { lr 0.01; }/$opt/; s/^layer \([a-z]*\) x 2/parallel { $2 }\n${4:-}\nlayer \1 x 2/" "$src"
 }
 
-steps() { grep '^step' "$1" | sed 's/  time.*//'; }
 
 # equal NAME MODEL LAYOUT RANKS [SCHEDULE]
 equal() {
@@ -53,11 +52,11 @@ equal() {
         $MPIRUN -np "$4" ./sharded --steps 8 --dump ds >sharded.out 2>&1); then
     bad "$label: a run failed" "$(tail -n 5 "$d/plain.out" "$d/sharded.out")"; return
   fi
-  if [ "$(steps "$d/plain.out" | wc -l)" -eq 8 ] && cmp -s <(steps "$d/plain.out") <(steps "$d/sharded.out") &&
+  if [ "$(step_lines "$d/plain.out" | wc -l)" -eq 8 ] && cmp -s <(step_lines "$d/plain.out") <(step_lines "$d/sharded.out") &&
      diff -r "$d/dp" "$d/ds" >/dev/null && [ "$(find "$d/ds/grad" -name '*.npy' | wc -l)" -gt 10 ]; then
     ok "$label: 8 steps and every --dump tensor the same bits as the unsharded build"
   else
-    bad "$label: differs from the unsharded build" "$(diff <(steps "$d/plain.out") <(steps "$d/sharded.out") | head; diff -rq "$d/dp" "$d/ds" | head -n 5)"
+    bad "$label: differs from the unsharded build" "$(diff <(step_lines "$d/plain.out") <(step_lines "$d/sharded.out") | head; diff -rq "$d/dp" "$d/ds" | head -n 5)"
   fi
 }
 
@@ -80,13 +79,13 @@ if [ -x "$d/sharded" ] && [ -x "$d/plain" ]; then
      $MPIRUN -np 4 ./plain --steps 8 --resume cks >p8.out 2>&1 &&
      $MPIRUN -np 4 ./plain --steps 3 --save ckp >p3.out 2>&1 &&
      $MPIRUN -np 4 ./sharded --steps 8 --resume ckp >sp8.out 2>&1) 2>"$WORK/err"
-  want=$(steps "$d/sharded.out" | tail -n 5)
+  want=$(step_lines "$d/sharded.out" | tail -n 5)
   for f in s8 p8 sp8; do
     case $f in s8) what="the sharded build resumes its own checkpoint" ;;
                p8) what="the plain build resumes the sharded checkpoint" ;;
                sp8) what="the sharded build resumes the plain checkpoint" ;; esac
-    if [ -n "$want" ] && [ "$(steps "$d/$f.out")" = "$want" ]; then ok "shard checkpoint: $what: steps 4-8 as the uninterrupted run"
-    else bad "shard checkpoint: $what" "$(diff <(echo "$want") <(steps "$d/$f.out") | head; tail -n 3 "$d/$f.out")"; fi
+    if [ -n "$want" ] && [ "$(step_lines "$d/$f.out")" = "$want" ]; then ok "shard checkpoint: $what: steps 4-8 as the uninterrupted run"
+    else bad "shard checkpoint: $what" "$(diff <(echo "$want") <(step_lines "$d/$f.out") | head; tail -n 3 "$d/$f.out")"; fi
   done
   # Both converted to whole tensors on one rank: the same moments, so the same bytes.
   variant gpt "" 0 | sed 's/batch 2;/batch 4;/; s/capacity 0.5;/capacity 0.5; groups 4;/' >"$d/one.moe"
@@ -135,24 +134,21 @@ if [ -n "$s0" ] && [ "$s1" = "$expect" ] && [ "$s1" != "$s0" ]; then
 else
   bad "shard memory plan" "unsharded '$s0', sharded '$s1', expected '$expect'"
 fi
-if "$MOEC" dump-ir "$WORK/v1.moe" --after=memplan >"$WORK/a.ir" 2>"$WORK/err" &&
-   "$MOEC" dump-ir "$WORK/a.ir" >"$WORK/b.ir" 2>>"$WORK/err" && cmp -s "$WORK/a.ir" "$WORK/b.ir" &&
-   grep -q 'opt.adamw.*group="dp"' "$WORK/a.ir" && grep -q 'shard=' "$WORK/a.ir"; then
+if ir_roundtrip "$WORK/v1.moe" memplan 'opt.adamw.*group="dp"' 'shard='; then
   ok "shard IR: dump-ir shows the sharded reductions and updates, and round-trips"
 else
   bad "shard IR" "$(cat "$WORK/err"; diff "$WORK/a.ir" "$WORK/b.ir" | head)"
 fi
 
 # ---- a cluster's memory honoured by moec build ----
-peak() { "$MOEC" build "$1" -v -o "$WORK/v.bin" 2>&1 | sed -n 's/^# memplan: peak .*(\([0-9]*\) bytes)$/\1/p' | tail -n 1; }
 sed 's/seed 5;/seed 5; recompute norms;/' "$WORK/v1.moe" >"$WORK/v2.moe"   # every memory choice
-p0=$(peak "$WORK/v0.moe") p1=$(peak "$WORK/v1.moe") p2=$(peak "$WORK/v2.moe")
+p0=$(plan_peak "$WORK/v0.moe") p1=$(plan_peak "$WORK/v1.moe") p2=$(plan_peak "$WORK/v2.moe")
 cluster() { sed "s/^  memory [0-9]*;.*/  memory $1;/" lang/clusters/cpu-2core.cluster >"$WORK/m.cluster"; }
 if [ -n "$p0" ] && [ -n "$p1" ] && [ "$p1" -lt "$p0" ]; then
   cluster $(((p0 + p1) / 2))
   if "$MOEC" build "$WORK/v0.moe" --cluster "$WORK/m.cluster" --keep-c "$WORK/m.c" -o "$WORK/m.bin" 2>"$WORK/err" &&
      grep -q "chose 'optimizer adamw { shard true; }'.*planned step" "$WORK/err" && grep -q 'rt_shard_gather' "$WORK/m.c" &&
-     (cd "$WORK" && $MPIRUN -np 2 ./m.bin --steps 8 >m.out 2>&1) && cmp -s <(steps "$WORK/m.out") <(steps "$WORK/gpt2/plain.out"); then
+     (cd "$WORK" && $MPIRUN -np 2 ./m.bin --steps 8 >m.out 2>&1) && cmp -s <(step_lines "$WORK/m.out") <(step_lines "$WORK/gpt2/plain.out"); then
     ok "shard chosen by moec build for a cluster's memory between the two peaks ($p1 < memory < $p0 bytes): $(grep '^# memory:' "$WORK/err" | grep -o "chose '[a-z ]*[{ ]*[a-z ]*[;} ]*'.*" | sed "s/ (.*)//" | tr '\n' ';')"
   else
     bad "shard chosen by moec build for a cluster's memory" "$(cat "$WORK/err"; tail -n 3 "$WORK/m.out" 2>/dev/null)"
