@@ -298,7 +298,8 @@ static bool emit_program(IrDiag *d, FILE *out, const IrModule *m, const PassMemP
 
 // What a build may change to fit `memory` (module attribute attr set to value): the sharded
 // optimizer (a ReduceScatter where an AllReduce was, then an AllGather of the updated rows) and
-// recomputation (the activations, then the norms' outputs too, made again in the backward).
+// recomputation (the activations, then the norms' outputs too, then whole layers but their
+// collectives, made again in the backward).
 typedef struct MemoryChoice {
   const char *attr;
   int value;
@@ -308,6 +309,7 @@ static const MemoryChoice memory_choices[] = {
     {"shard_optimizer", 1, "'optimizer adamw { shard true; }' (AdamW's moments sharded over each parameter's replicas)"},
     {"recompute", 1, "'recompute activations;' (the activations computed again in the backward)"},
     {"recompute", 2, "'recompute norms;' (the activations and the norms' outputs computed again in the backward)"},
+    {"recompute", 3, "'recompute layers;' (every op of a layer but its collectives and routing computed again in the backward)"},
 };
 enum { NCHOICES = sizeof memory_choices / sizeof memory_choices[0] };
 

@@ -266,11 +266,21 @@ typedef struct Written {
   const char *recompute;
 } Written;
 
-static Written with_choices(FeProgram *p, bool shard, bool recompute) {
+static Written with_choices(FeProgram *p, bool shard, const char *recompute) {
   Written w = {p->model.optimizer.shard, p->model.recompute};
   p->model.optimizer.shard = w.shard || shard;
-  if (recompute) p->model.recompute = "norms";
+  if (recompute) p->model.recompute = recompute;
   return w;
+}
+
+// The recomputation moec build would try next on a layout priced with `recompute` (NULL: none
+// chosen yet) for the model that writes `written`: norms, then layers; NULL when none is left.
+static const char *next_recompute(const char *written, const char *recompute) {
+  static const char *const levels[] = {"none", "activations", "norms", "layers"};
+  int have = 0;
+  for (int i = 0; i < 4; i++)
+    if (strcmp(recompute ? recompute : written ? written : "none", levels[i]) == 0) have = i;
+  return have < 2 ? "norms" : have < 3 ? "layers" : NULL;
 }
 
 static void restore_choices(FeProgram *p, Written w) {
@@ -278,23 +288,25 @@ static void restore_choices(FeProgram *p, Written w) {
   p->model.recompute = w.recompute;
 }
 
-// c priced again with the sharded optimizer and `recompute norms` as asked (and c's own): kept, with
-// the choices marked, when the compiler prices it.
-static void price_with(Search *s, CliLayout *c, bool shard, bool recompute) {
+// c priced again with the sharded optimizer and the recomputation as asked (and c's own): kept,
+// with the choices marked, when the compiler prices it.
+static void price_with(Search *s, CliLayout *c, bool shard, const char *recompute) {
   CliLayout again = *c;
-  Written w = with_choices(s->p, shard || c->shard, recompute || c->recompute);
+  Written w = with_choices(s->p, shard || c->shard, recompute ? recompute : c->recompute);
   price(s, &again);
   restore_choices(s->p, w);
   if (again.step_ms < 0) return;
   *c = again;
   c->shard |= shard;
-  c->recompute |= recompute;
+  if (recompute) c->recompute = recompute;
 }
 
 // ", with ..." of a layout priced with moec build's memory choices; "" without.
 static const char *choices_text(const CliLayout *l) {
-  return l->shard && l->recompute ? " with the sharded optimizer and recompute norms"
-         : l->shard ? " with the sharded optimizer" : l->recompute ? " with recompute norms" : "";
+  static char text[96];
+  snprintf(text, sizeof text, "%s%s%s%s%s", l->shard || l->recompute ? " with " : "", l->shard ? "the sharded optimizer" : "",
+           l->shard && l->recompute ? " and " : "", l->recompute ? "recompute " : "", l->recompute ? l->recompute : "");
+  return text;
 }
 
 // Collectives a layout runs: groups of more than one rank, then a hierarchical AlltoAll.
@@ -379,9 +391,12 @@ bool cli_layout_search(IrDiag *d, FeProgram *p, const FeCluster *fc, CliLayouts 
           // What moec build would do to fit (cli/build.c): the sharded optimizer, then recomputation.
           if (c.legal && !c.fits && shardable(p)) price_with(&s, &c, true, false);
           c.fits = c.legal && (fc->memory <= 0 || c.peak_bytes <= fc->memory);
-          if (c.legal && !c.fits && (!p->model.recompute || strcmp(p->model.recompute, "norms") != 0))
-            price_with(&s, &c, false, true);
-          c.fits = c.legal && (fc->memory <= 0 || c.peak_bytes <= fc->memory);
+          for (const char *r; c.legal && !c.fits && (r = next_recompute(p->model.recompute, c.recompute));) {
+            const char *had = c.recompute;
+            price_with(&s, &c, false, r);
+            c.fits = c.legal && (fc->memory <= 0 || c.peak_bytes <= fc->memory);
+            if (c.recompute == had) break;   // not priced
+          }
           for (int i = 0; i < p->nlayers; i++) p->layers[i].moe.algo = algos[i];
           if (c.legal && !c.fits) {
             char need[32], have[32];
@@ -471,8 +486,8 @@ static void json_layout(FILE *f, const CliLayout *l, const char *policy) {
   fprintf(f, ", \"peak_bytes\": ");
   if (l->peak_bytes >= 0) fprintf(f, "%lld", (long long)l->peak_bytes);
   else fprintf(f, "null");
-  fprintf(f, ", \"fits\": %s, \"shard\": %s, \"recompute\": %s, \"why\": \"", l->fits ? "true" : "false",
-          l->shard ? "true" : "false", l->recompute ? "true" : "false");
+  fprintf(f, ", \"fits\": %s, \"shard\": %s, \"recompute\": %s%s%s, \"why\": \"", l->fits ? "true" : "false",
+          l->shard ? "true" : "false", l->recompute ? "\"" : "", l->recompute ? l->recompute : "null", l->recompute ? "\"" : "");
   for (const char *s = l->why; *s; s++) {
     if (*s == '"' || *s == '\\') fprintf(f, "\\%c", *s);
     else if ((unsigned char)*s < 0x20) fprintf(f, "\\u%04x", (unsigned char)*s);

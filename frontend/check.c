@@ -115,7 +115,7 @@ struct Ctx {
 
 // ---- words ----
 static const char *const dtypes[] = {"fp32", "bf16", NULL};
-static const char *const recomputes[] = {"none", "activations", "norms", NULL};
+static const char *const recomputes[] = {"none", "activations", "norms", "layers", NULL};
 static const char *const optimizers[] = {"sgd", "adamw", NULL};
 // gates and ffn kinds come from the registry (frontend/registry.c)
 #define gates ((const char *const *)fe_gate_words)

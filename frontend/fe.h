@@ -73,7 +73,7 @@ typedef struct FeModel {
   SrcLoc loc;
   const char *name;
   const char *dtype;    // "fp32" | "bf16"
-  const char *recompute;   // "none" | "activations" | "norms": saved values made again in the backward
+  const char *recompute;   // "none" | "activations" | "norms" | "layers": saved values made again in the backward
   SrcLoc dtype_loc;
   int64_t batch, seqlen, embed, seed;
   FeOptimizer optimizer;

@@ -339,7 +339,10 @@ IrModule *fe_lower(IrDiag *d, const FeProgram *p, const FeTargetCaps *caps) {
   if (o->clip > 0) ir_attrs_set_float(m->attrs, &m->nattrs, "clip", o->clip);
   if (o->shard) ir_attrs_set_int(m->attrs, &m->nattrs, "shard_optimizer", 1);
   if (p->model.recompute && strcmp(p->model.recompute, "none") != 0)
-    ir_attrs_set_int(m->attrs, &m->nattrs, "recompute", strcmp(p->model.recompute, "norms") == 0 ? 2 : 1);
+    ir_attrs_set_int(m->attrs, &m->nattrs, "recompute",
+                     strcmp(p->model.recompute, "layers") == 0  ? 3
+                     : strcmp(p->model.recompute, "norms") == 0 ? 2
+                                                                : 1);
   if (p->model.has_data) {
     const FeData *dt = &p->model.data;
     if (dt->train) ir_attrs_set_str(m, m->attrs, &m->nattrs, "data_train", dt->train);

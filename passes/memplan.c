@@ -354,6 +354,45 @@ static void report(PassCtx *ctx, const PassMemPlan *plan, int nstreamed) {
                  "every user of it happens before (stream order, events)\n", nstreamed);
 }
 
+// Where the arena reaches its top (-v): the first slot to end at arena_bytes, the function and op
+// it is made at, and the largest values live there (what a memory choice would have to free).
+static void report_top(const IrModule *m, PassCtx *ctx, const Ranges *R, const PassMemPlan *plan) {
+  const PassMemSlot *top = NULL;
+  for (int64_t i = 0; i < R->used && !top; i++) {
+    const PassMemSlot *s = R->items[i].slot;   // sorted by first position: the earliest top
+    if (s->kind == PASS_MEM_ARENA && s->offset + (s->bytes + ALIGN - 1) / ALIGN * ALIGN == plan->arena_bytes) top = s;
+  }
+  if (!top) return;
+  enum { SHOWN = 4 };
+  const IrValue *big[SHOWN] = {0};
+  int64_t bytes[SHOWN] = {0}, pos = 0, live = 0;
+  const IrOp *at = NULL;
+  for (int fi = 0; fi < m->nfuncs; fi++)
+    for (int oi = 0; oi < m->funcs[fi]->nops; oi++, pos++) {
+      const IrOp *op = m->funcs[fi]->ops[oi];
+      if (pos == top->first) at = op;
+      const PassMemSlot *s = op->result ? R->where[fi][op->result->id] : NULL;
+      if (!s || s->kind != PASS_MEM_ARENA || s->first > top->first || s->last < top->first) continue;
+      live += (s->bytes + ALIGN - 1) / ALIGN * ALIGN;
+      int k = SHOWN;   // insertion into the largest SHOWN
+      while (k > 0 && bytes[k - 1] < s->bytes) k--;
+      if (k == SHOWN) continue;
+      memmove(&big[k + 1], &big[k], sizeof *big * (SHOWN - 1 - k));
+      memmove(&bytes[k + 1], &bytes[k], sizeof *bytes * (SHOWN - 1 - k));
+      big[k] = op->result, bytes[k] = s->bytes;
+    }
+  if (!at) return;
+  FILE *log = ctx->log ? ctx->log : stderr;
+  char l[32];
+  fprintf(log, "# memplan: the arena's top is reached at @%s %%%s, %s live there; the largest:", at->func->name,
+          at->result ? at->result->name : ir_op_info[at->kind].name, ir_bytes(l, sizeof l, (double)live));
+  for (int k = 0; k < SHOWN && big[k]; k++) {
+    char b[32];
+    fprintf(log, "%s @%s %%%s %s", k ? "," : "", big[k]->func->name, big[k]->name, ir_bytes(b, sizeof b, (double)bytes[k]));
+  }
+  fputc('\n', log);
+}
+
 int64_t pass_mem_peak(const PassMemPlan *p) { return p->arena_bytes + 2 * p->param_bytes + p->optimizer_bytes; }
 
 bool pass_memplan(IrModule *m, PassCtx *ctx) {
@@ -378,6 +417,7 @@ bool pass_memplan(IrModule *m, PassCtx *ctx) {
       plan->slot[fi][v] = s ? *s : (PassMemSlot){.kind = PASS_MEM_NONE};
       plan->copy[fi][v] = c ? *c : (PassMemSlot){.kind = PASS_MEM_NONE};
     }
+  if (ok && ctx->verbose) report_top(m, ctx, &R, plan);
   ranges_free(&R);
   if (!ok) return false;
 

@@ -4,10 +4,14 @@
 //   1  activations: act.gelu / relu / silu / oss, mul (a SwiGLU's product): the largest saved
 //      values of an MoE layer ([E, C, H] per expert GEMM), cheapest to make again;
 //   2  and the norms' outputs: norm.layer, norm.rms, scale, bias, add (the input of the
-//      attention's and the gate's GEMMs, their weights' gradients read them).
+//      attention's and the gate's GEMMs, their weights' gradients read them);
+//   3  layers: every op of the forward but the collectives and the routing decisions (GEMMs,
+//      attention, the gate's softmax, rotary positions, ...): a layer keeps its input, what its
+//      collectives delivered (the dispatched tokens, the gathered shards) and its integer routing;
+//      the backward makes the rest again from those, each GEMM a second time.
 // A value of @F.fwd is recomputed in @F.bwd when its op is of the level, it is not a result of
 // @F.fwd, no function but @F.fwd and @F.bwd reads it, and each of its value operands is either
-// read by @F.bwd anyway (so kept) or recomputed itself. The copy (attribute recompute=1) goes
+// recomputed itself or, when it cannot be, read by @F.bwd anyway (so kept). The copy (attribute recompute=1) goes
 // right before the first op that reads it; the forward's own op is untouched. Same op, same
 // operands: the same bits as keeping the value (tests/lm/recompute.sh holds whole runs to it).
 #include <stdlib.h>
@@ -16,6 +20,8 @@
 #include "pass.h"
 
 static int level_of(IrOpKind k) {
+  IrOpClass cls = ir_op_class(k);
+  if (ir_op_info[k].nres != 1 || (cls != IR_CLASS_COMPUTE && cls != IR_CLASS_GEMM)) return 0;
   switch (k) {
   case IR_OP_ACT_GELU:
   case IR_OP_ACT_RELU:
@@ -27,7 +33,7 @@ static int level_of(IrOpKind k) {
   case IR_OP_SCALE:
   case IR_OP_BIAS:
   case IR_OP_ADD: return 2;
-  default: return 0;
+  default: return 3;
   }
 }
 
@@ -47,10 +53,10 @@ static bool recomputed(Rc *c, IrValue *v, int depth) {
   if (c->state[v->id]) return c->state[v->id] > 0;
   c->state[v->id] = -1;
   const IrOp *op = v->def;
-  if (!op || depth > 6 || level_of(op->kind) == 0 || level_of(op->kind) > c->level || c->elsewhere[v->id]) return false;
+  if (!op || depth > (c->level < 3 ? 6 : 256) || level_of(op->kind) == 0 || level_of(op->kind) > c->level || c->elsewhere[v->id]) return false;
   for (int a = 0; a < op->nargs; a++) {
     IrValue *u = op->args[a].value;
-    if (u && !c->read[u->id] && !recomputed(c, u, depth + 1)) return false;
+    if (u && !recomputed(c, u, depth + 1) && !c->read[u->id]) return false;   // made again, else kept anyway
   }
   c->state[v->id] = 1;
   return true;
@@ -126,6 +132,6 @@ bool pass_recompute(IrModule *m, PassCtx *ctx) {
   }
   if (ctx->verbose)
     fprintf(ctx->log ? ctx->log : stderr, "# recompute: level %d (%s): %d ops computed again in the backward\n", level,
-            level == 1 ? "activations" : "activations and norms", made);
+            level == 1 ? "activations" : level == 2 ? "activations and norms" : "layers", made);
   return true;
 }

@@ -32,7 +32,7 @@ variant() {
 equal() {
   local d="$WORK/$1" label="recompute $1" lv
   mkdir -p "$d"
-  for lv in none activations norms; do
+  for lv in none activations norms layers; do
     variant "$2" "$4" "$5" $lv >"$d/$lv.moe"
     if ! "$MOEC" build "$d/$lv.moe" -o "$d/$lv" 2>"$d/err"; then bad "$label: moec build ($lv)" "$(cat "$d/err")"; return; fi
     if ! (cd "$d" && $MPIRUN -np "$3" ./$lv --steps 8 --dump "d_$lv" >$lv.out 2>&1); then
@@ -40,11 +40,11 @@ equal() {
     fi
   done
   local made
-  made=$("$MOEC" dump-ir "$d/norms.moe" --after=recompute 2>/dev/null | grep -c 'recompute=1')
-  for lv in activations norms; do
+  for lv in activations norms layers; do
+    made=$("$MOEC" dump-ir "$d/$lv.moe" --after=recompute 2>/dev/null | grep -c 'recompute=1')
     if [ "$(step_lines "$d/none.out" | wc -l)" -eq 8 ] && cmp -s <(step_lines "$d/none.out") <(step_lines "$d/$lv.out") &&
        diff -r "$d/d_none" "$d/d_$lv" >/dev/null && [ "$made" -gt 0 ]; then
-      ok "$label: recompute $lv: 8 steps and every --dump tensor the same bits as keeping them ($made copies at norms)"
+      ok "$label: recompute $lv: 8 steps and every --dump tensor the same bits as keeping them ($made ops made again)"
     else
       bad "$label: recompute $lv differs" "$(diff <(step_lines "$d/none.out") <(step_lines "$d/$lv.out") | head; diff -rq "$d/d_none" "$d/d_$lv" | head -n 5; echo "copies: $made")"
     fi
@@ -60,38 +60,44 @@ spawn qwen4 equal qwen4 qwen 4 "parallel { dp 2; mp 2; ep 2; esp 2; }" "schedule
 collect gpt1 qwen1 oss1 gpt2 gpt4 qwen4
 
 # ---- --check-grad ----
-variant gpt "" "" norms >"$WORK/cg.moe"
-if "$MOEC" build "$WORK/cg.moe" -o "$WORK/cg" 2>"$WORK/err" && (cd "$WORK" && ./cg --check-grad >cg.out 2>&1) &&
-   [ "$(tail -n 1 "$WORK/cg.out")" = OK ]; then
-  ok "recompute norms: --check-grad: $(grep -m1 'parameters:' "$WORK/cg.out" | cut -c3-100)"
-else
-  bad "recompute norms: --check-grad" "$(cat "$WORK/err"; tail -n 8 "$WORK/cg.out")"
-fi
+for lv in norms layers; do
+  variant gpt "" "" $lv >"$WORK/cg.moe"
+  if "$MOEC" build "$WORK/cg.moe" -o "$WORK/cg" 2>"$WORK/err" && (cd "$WORK" && ./cg --check-grad >cg.out 2>&1) &&
+     [ "$(tail -n 1 "$WORK/cg.out")" = OK ]; then
+    ok "recompute $lv: --check-grad: $(grep -m1 'parameters:' "$WORK/cg.out" | cut -c3-100)"
+  else
+    bad "recompute $lv: --check-grad" "$(cat "$WORK/err"; tail -n 8 "$WORK/cg.out")"
+  fi
+done
 
 # ---- the memory plan, the IR ----
-for lv in none activations norms; do
+for lv in none activations norms layers; do
   sed "s/seed 1;/seed 1; recompute $lv;/" bench/models/lm_mid.moe >"$WORK/mid_$lv.moe"
 done
 p0=$(plan_peak "$WORK/mid_none.moe") p1=$(plan_peak "$WORK/mid_activations.moe") p2=$(plan_peak "$WORK/mid_norms.moe")
-if [ -n "$p0" ] && [ -n "$p2" ] && [ "$p1" -lt "$p0" ] && [ "$p2" -lt "$p1" ]; then
-  ok "recompute: the mid-size model's planned peak $p0 -> $p1 (activations) -> $p2 bytes (norms)"
+p3=$(plan_peak "$WORK/mid_layers.moe")
+if [ -n "$p0" ] && [ -n "$p3" ] && [ "$p1" -lt "$p0" ] && [ "$p2" -lt "$p1" ] && [ "$p3" -lt "$p2" ]; then
+  ok "recompute: the mid-size model's planned peak $p0 -> $p1 (activations) -> $p2 (norms) -> $p3 bytes (layers)"
 else
-  bad "recompute: the planned peaks do not fall" "none '$p0', activations '$p1', norms '$p2'"
+  bad "recompute: the planned peaks do not fall" "none '$p0', activations '$p1', norms '$p2', layers '$p3'"
 fi
-if ir_roundtrip "$WORK/gpt4/norms.moe" memplan '= act.gelu .*recompute=1' '= norm.layer .*recompute=1'; then
-  ok "recompute IR: dump-ir shows the copies in the backward (act.gelu, norm.layer) and round-trips"
+if ir_roundtrip "$WORK/gpt4/layers.moe" memplan '= act.gelu .*recompute=1' '= norm.layer .*recompute=1' \
+     '= expert.matmul .*recompute=1' '= attn.causal .*recompute=1'; then
+  ok "recompute IR: dump-ir shows the copies in the backward (act.gelu, norm.layer; at layers expert.matmul, attn.causal) and round-trips"
 else
   bad "recompute IR" "$(cat "$WORK/err"; diff "$WORK/a.ir" "$WORK/b.ir" | head)"
 fi
 
 # ---- the CUDA target on the fake device (tests/cuda/host.sh): the copies are ordinary ops there ----
 if [ -f "$BUILD/cuda/libfake_cuda.a" ]; then
-  if MOEC_CUDA_FAKE=1 "$MOEC" build "$WORK/gpt1/norms.moe" --target cuda -o "$WORK/norms.cuda" 2>"$WORK/err" &&
-     (cd "$WORK" && ./norms.cuda --steps 8 >norms.cuda.out 2>&1) && cmp -s <(step_lines "$WORK/norms.cuda.out") <(step_lines "$WORK/gpt1/none.out"); then
-    ok "recompute norms on the CUDA target (fake device): the CPU program's 8 steps"
-  else
-    bad "recompute norms on the CUDA target (fake device)" "$(cat "$WORK/err"; tail -n 3 "$WORK/norms.cuda.out" 2>/dev/null)"
-  fi
+  for lv in norms layers; do
+    if MOEC_CUDA_FAKE=1 "$MOEC" build "$WORK/gpt1/$lv.moe" --target cuda -o "$WORK/$lv.cuda" 2>"$WORK/err" &&
+       (cd "$WORK" && ./$lv.cuda --steps 8 >$lv.cuda.out 2>&1) && cmp -s <(step_lines "$WORK/$lv.cuda.out") <(step_lines "$WORK/gpt1/none.out"); then
+      ok "recompute $lv on the CUDA target (fake device): the CPU program's 8 steps"
+    else
+      bad "recompute $lv on the CUDA target (fake device)" "$(cat "$WORK/err"; tail -n 3 "$WORK/$lv.cuda.out" 2>/dev/null)"
+    fi
+  done
 else
   skip "recompute on the CUDA target (fake device)" "no CUDA toolkit here ($BUILD/cuda/libfake_cuda.a not built)"
 fi

@@ -17,9 +17,10 @@
 #   - --check-grad passes on a sharded multi-rank build (the gradient's rows gathered first);
 #   - the memory plan: `moec build -v`'s optimizer state is the sharded size, the IR shows the
 #     shard attributes and round-trips;
-#   - a cluster profile's `memory` honoured by `moec build`: between the two peaks it chooses the
-#     sharded optimizer (and says so with the planned step), below the peak with every choice
-#     (sharded and recompute norms) it refuses (saying what would fit), above the larger it leaves the program as written; `parallel auto;` with a
+#   - a cluster profile's `memory` honoured by `moec build`: between the two peaks of a model that
+#     writes `recompute layers;` it chooses the sharded optimizer (and says so with the planned
+#     step), below the peak with every choice it refuses (saying what would fit), above the larger
+#     it leaves the program as written; `parallel auto;` with a
 #     memory below every layout's unsharded peak chooses a layout priced with it;
 #   - refusals: `shard` in `optimizer sgd`, `shard true` for the CUDA target.
 . "$(dirname "$0")/../lib.sh"
@@ -141,12 +142,14 @@ else
 fi
 
 # ---- a cluster's memory honoured by moec build ----
-sed 's/seed 5;/seed 5; recompute norms;/' "$WORK/v1.moe" >"$WORK/v2.moe"   # every memory choice
-p0=$(plan_peak "$WORK/v0.moe") p1=$(plan_peak "$WORK/v1.moe") p2=$(plan_peak "$WORK/v2.moe")
+# The model writes `recompute layers;` (the same bits): the sharded optimizer is the one choice left.
+sed 's/seed 5;/seed 5; recompute layers;/' "$WORK/v0.moe" >"$WORK/v0r.moe"
+sed 's/seed 5;/seed 5; recompute layers;/' "$WORK/v1.moe" >"$WORK/v2.moe"   # every memory choice
+p0=$(plan_peak "$WORK/v0r.moe") p1=$(plan_peak "$WORK/v2.moe") p2=$p1
 cluster() { sed "s/^  memory [0-9]*;.*/  memory $1;/" lang/clusters/cpu-2core.cluster >"$WORK/m.cluster"; }
 if [ -n "$p0" ] && [ -n "$p1" ] && [ "$p1" -lt "$p0" ]; then
   cluster $(((p0 + p1) / 2))
-  if "$MOEC" build "$WORK/v0.moe" --cluster "$WORK/m.cluster" --keep-c "$WORK/m.c" -o "$WORK/m.bin" 2>"$WORK/err" &&
+  if "$MOEC" build "$WORK/v0r.moe" --cluster "$WORK/m.cluster" --keep-c "$WORK/m.c" -o "$WORK/m.bin" 2>"$WORK/err" &&
      grep -q "chose 'optimizer adamw { shard true; }'.*planned step" "$WORK/err" && grep -q 'rt_shard_gather' "$WORK/m.c" &&
      (cd "$WORK" && $MPIRUN -np 2 ./m.bin --steps 8 >m.out 2>&1) && cmp -s <(step_lines "$WORK/m.out") <(step_lines "$WORK/gpt2/plain.out"); then
     ok "shard chosen by moec build for a cluster's memory between the two peaks ($p1 < memory < $p0 bytes): $(grep '^# memory:' "$WORK/err" | grep -o "chose '[a-z ]*[{ ]*[a-z ]*[;} ]*'.*" | sed "s/ (.*)//" | tr '\n' ';')"
@@ -161,7 +164,7 @@ if [ -n "$p0" ] && [ -n "$p1" ] && [ "$p1" -lt "$p0" ]; then
     bad "moec build with a cluster's memory below the smallest peak" "$(cat "$WORK/err")"
   fi
   cluster $((p0 + 1024))
-  if "$MOEC" build "$WORK/v0.moe" --cluster "$WORK/m.cluster" --keep-c "$WORK/m.c" -o "$WORK/m.bin" 2>"$WORK/err" &&
+  if "$MOEC" build "$WORK/v0r.moe" --cluster "$WORK/m.cluster" --keep-c "$WORK/m.c" -o "$WORK/m.bin" 2>"$WORK/err" &&
      ! grep -q 'rt_shard_gather' "$WORK/m.c" && ! grep -q 'chose' "$WORK/err"; then
     ok "moec build keeps the program as written when it fits the cluster's memory"
   else
