@@ -62,18 +62,13 @@ static void eval_free(Eval *e) {
   *e = (Eval){0};
 }
 
-// The FeLayer and the repeat of the forward function fwd_name ("block3.fwd").
-static bool layer_of(const FeProgram *p, const char *fwd_name, int *group, int *instance) {
-  for (int i = 0; i < p->nlayers; i++) {
-    size_t k = strlen(p->layers[i].name);
-    if (strncmp(fwd_name, p->layers[i].name, k) != 0) continue;
-    char *end;
-    long rep = strtol(fwd_name + k, &end, 10);
-    if (end == fwd_name + k || strcmp(end, ".fwd") != 0) continue;
-    *group = i, *instance = (int)rep;
-    return true;
-  }
-  return false;
+// The layer item of p and the repeat that forward function f lowers (its attributes `item` and
+// `repeat`, frontend/lower.c fe_layer_func).
+static bool layer_of(const FeProgram *p, const IrFunc *f, int *group, int *instance) {
+  int64_t item = ir_func_int(f, "item", -1), repeat = ir_func_int(f, "repeat", -1);
+  if (item < 0 || item >= p->nlayers || repeat < 0 || repeat >= p->layers[item].repeat) return false;
+  *group = (int)item, *instance = (int)repeat;
+  return true;
 }
 
 // The first error's sentence of a diagnostics text ("F:1:2: error: SENTENCE\n...").
@@ -111,7 +106,7 @@ static bool grab_stack(IrModule *m, const char *pass, void *arg) {
   for (int k = 0; ok && k < s.n; k++) {
     out->cost[k] = s.cost[k];
     out->r_max[k] = s.r_max[k];
-    ok = layer_of(g->p, s.layer[k].name, &out->group[k], &out->instance[k]);
+    ok = layer_of(g->p, s.layer[k].fwd, &out->group[k], &out->instance[k]);
   }
   out->t_fwd_other = s.t_fwd_other, out->t_bwd_other = s.t_bwd_other;
   pass_stack_free(&s);

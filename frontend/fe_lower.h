@@ -19,8 +19,12 @@ typedef struct FeLower {
   const FeLayer *layer;
   const char *inst;        // layer instance name: block0
   int64_t layer_index;     // global index of the MoE layer instance
+  int64_t repeat;          // which repeat of its layer item the instance is (`layer x N`: 0..N-1)
   int64_t S, M, E, H, G;   // tokens, model dim, experts, expert hidden, routing groups
 } FeLower;
+
+// Adds the forward function of layer instance L->inst (attributes `item`, `repeat`) as L->f.
+void fe_layer_func(FeLower *L);
 
 typedef struct FeRouting {
   bool soft;               // soft MoE: dispatch/combine weights, no indices

@@ -300,9 +300,17 @@ IrValue *fe_lower_moe(FeLower *L, IrValue *x, IrValue **aux, IrValue **z) {
   return combined;
 }
 
-static void lower_layer(FeLower *L) {
+// The forward function of layer instance L->inst, and in its attributes which item of the source
+// (`item`, the index of its `layer` in the file) and which of its repeats (`repeat`) it is.
+void fe_layer_func(FeLower *L) {
   L->f = ir_add_func(L->m, ir_strfmt(L->m, "%s.fwd", L->inst), IR_ROLE_LAYER_FWD);
   L->f->loc = L->layer->loc;
+  ir_attrs_set_int(L->f->attrs, &L->f->nattrs, "item", L->layer - L->p->layers);
+  ir_attrs_set_int(L->f->attrs, &L->f->nattrs, "repeat", L->repeat);
+}
+
+static void lower_layer(FeLower *L) {
+  fe_layer_func(L);
   IrValue *x = ir_add_arg(L->f, L->m, "x", ir_type2(IR_F32, L->S, L->M));
   IrValue *aux = NULL, *z = NULL;
   IrValue *combined = fe_lower_moe(L, x, &aux, &z);
@@ -381,6 +389,7 @@ IrModule *fe_lower(IrDiag *d, const FeProgram *p, const FeTargetCaps *caps) {
     L.G = l->moe.gate.groups * p->parallel.mp;  // routing groups of one DP rank's tokens
     for (int64_t r = 0; r < l->repeat; r++, L.layer_index++) {
       L.inst = ir_strfmt(m, "%s%lld", l->name, (long long)r);
+      L.repeat = r;
       lower_layer(&L);
     }
   }

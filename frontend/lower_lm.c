@@ -248,8 +248,7 @@ static IrValue *mlp(FeLower *L, IrValue *x, double out_std) {
 }
 
 static void lower_block(FeLower *L, double out_std) {
-  L->f = ir_add_func(L->m, ir_strfmt(L->m, "%s.fwd", L->inst), IR_ROLE_LAYER_FWD);
-  L->f->loc = L->layer->loc;
+  fe_layer_func(L);
   IrValue *x = ir_add_arg(L->f, L->m, "x", ir_type2(IR_F32, L->S, L->M));
   IrValue *a = fe_op2(L, IR_OP_ADD, "a", FE_V(x), FE_V(attention(L, norm(L, x, "attn.norm", "xn"), out_std)));
   IrValue *an = norm(L, a, "ffn.norm", "an");
@@ -298,6 +297,7 @@ void fe_lower_lm(FeLower *L) {
     }
     for (int64_t r = 0; r < l->repeat; r++, L->layer_index++) {
       L->inst = ir_strfmt(m, "%s%lld", l->name, (long long)r);
+      L->repeat = r;
       lower_block(L, out_std);
     }
   }
