@@ -96,6 +96,7 @@ typedef enum CgArgKind {
   CG_ARG_SEED,      // RtStep.seed, .step, .token0 of the step being run
   CG_ARG_STEP,
   CG_ARG_TOKEN0,
+  CG_ARG_VOCAB0,   // the first token of a vocabulary-parallel rank's rows (0 otherwise)
   CG_ARG_LR_SCALE,  // RtStep.lr_scale and .grad_scale (floats): the learning-rate schedule and clipping
   CG_ARG_GRAD_SCALE,
 } CgArgKind;

@@ -50,6 +50,7 @@ static void call_arg(Emit *e, char *buf, size_t n, const IrFunc *f, int i, const
   case CG_ARG_SEED: snprintf(buf, n, "st->seed"); return;
   case CG_ARG_STEP: snprintf(buf, n, "st->step"); return;
   case CG_ARG_TOKEN0: snprintf(buf, n, "st->token0"); return;
+  case CG_ARG_VOCAB0: snprintf(buf, n, "st->vocab0"); return;
   case CG_ARG_LR_SCALE: snprintf(buf, n, "st->lr_scale"); return;
   case CG_ARG_GRAD_SCALE: snprintf(buf, n, "st->grad_scale"); return;
   default: break;
@@ -502,7 +503,8 @@ void cg_emit_model(FILE *out, const IrModule *m, const PassMemPlan *plan, int64_
           ir_mod_float(m, "lr", 0), ir_mod_float(m, "min_lr", 0), ir_mod_float(m, "clip", 0), ir_mod_int(m, "warmup", 0),
           ir_mod_int(m, "decay_steps", 0));
   if (ir_mod_int(m, "vocab", 0) > 0) {
-    fprintf(out, "  .vocab = %" PRId64 ",\n", ir_mod_int(m, "vocab", 0));
+    fprintf(out, "  .vocab = %" PRId64 ", .vocab_parallel = %s,\n", ir_mod_int(m, "vocab", 0),
+            ir_mod_int(m, "vocab_parallel", 0) ? "true" : "false");
     static const char *const data[] = {"data_train", "data_val", "data_format"};
     for (int i = 0; i < 3; i++) {
       const char *v = ir_mod_str(m, data[i], NULL);

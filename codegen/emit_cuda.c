@@ -259,6 +259,7 @@ static void plan_arg(char *buf, size_t n, const IrFunc *f, int i, const CgArg *a
   case CG_ARG_SEED: snprintf(buf, n, "seed"); return;
   case CG_ARG_STEP: snprintf(buf, n, "step"); return;
   case CG_ARG_TOKEN0: snprintf(buf, n, "token0"); return;
+  case CG_ARG_VOCAB0: snprintf(buf, n, "vocab0"); return;
   case CG_ARG_LR_SCALE: snprintf(buf, n, "lr_scale"); return;
   case CG_ARG_GRAD_SCALE: snprintf(buf, n, "grad_scale"); return;
   }

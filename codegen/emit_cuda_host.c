@@ -232,7 +232,7 @@ static bool kernel_arg(Host *h, const IrFunc *f, int i, const CgArg *a, CgParamT
   bool real = a->kind == CG_ARG_FLOAT || a->kind == CG_ARG_LR_SCALE || a->kind == CG_ARG_GRAD_SCALE;
   if (pointer != (t == CG_PARAM_POINTER) || real != (t == CG_PARAM_FLOAT) ||
       (a->kind == CG_ARG_SEED) != (t == CG_PARAM_U64) ||
-      ((a->kind == CG_ARG_STEP || a->kind == CG_ARG_TOKEN0) && t != CG_PARAM_I64))
+      ((a->kind == CG_ARG_STEP || a->kind == CG_ARG_TOKEN0 || a->kind == CG_ARG_VOCAB0) && t != CG_PARAM_I64))
     return false;
   if (!cg_spell_pointer(&h->sp, f, i, a, addr, sizeof addr)) {
     switch (a->kind) {
@@ -256,6 +256,7 @@ static bool kernel_arg(Host *h, const IrFunc *f, int i, const CgArg *a, CgParamT
     case CG_ARG_SEED: snprintf(buf, n, "U64(st->seed)"); return true;
     case CG_ARG_STEP: snprintf(buf, n, "I64(st->step)"); return true;
     case CG_ARG_TOKEN0: snprintf(buf, n, "I64(st->token0)"); return true;
+    case CG_ARG_VOCAB0: snprintf(buf, n, "I64(st->vocab0)"); return true;
     case CG_ARG_LR_SCALE: snprintf(buf, n, "F32(st->lr_scale)"); return true;
     case CG_ARG_GRAD_SCALE: snprintf(buf, n, "F32(st->grad_scale)"); return true;
     default: return false;

@@ -224,12 +224,12 @@ static bool rule_pointer(Rule *r, CgKernelCall *c) {
   return true;
 }
 
-// The step's seed, step, token0, lr_scale and grad_scale, where the kernel takes them.
+// The step's seed, step, token0, vocab0, lr_scale and grad_scale, where the kernel takes them.
 static bool rule_step_value(Rule *r, CgKernelCall *c) {
-  const char *names[] = {"seed", "step", "token0", "lr_scale", "grad_scale"};
-  CgArgKind kinds[] = {CG_ARG_SEED, CG_ARG_STEP, CG_ARG_TOKEN0, CG_ARG_LR_SCALE, CG_ARG_GRAD_SCALE};
+  const char *names[] = {"seed", "step", "token0", "vocab0", "lr_scale", "grad_scale"};
+  CgArgKind kinds[] = {CG_ARG_SEED, CG_ARG_STEP, CG_ARG_TOKEN0, CG_ARG_VOCAB0, CG_ARG_LR_SCALE, CG_ARG_GRAD_SCALE};
   rule_spaces(r);
-  for (int i = 0; i < 5; i++) {
+  for (int i = 0; i < 6; i++) {
     size_t n = strlen(names[i]);
     if (strncmp(r->s, names[i], n) == 0 && !strchr("abcdefghijklmnopqrstuvwxyz_0123456789", r->s[n])) {
       r->s += n;

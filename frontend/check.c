@@ -205,7 +205,8 @@ static const Field data_fields[] = {
 static const Block data_block = BLOCK("data", data_fields, NULL);
 
 // model = "model" NAME "{" [dtype] batch seqlen embed [seed] optimizer
-//                          [vocab [position] [norm] [tie_embeddings] [data]] "}"
+//                          [vocab [position] [norm] [tie_embeddings] [vocab_parallel] [data]]
+//                          [recompute] "}"
 static const Field model_fields[] = {
   {"dtype", 0, .vals = {{V_WORD, .what = "dtype", .words = dtypes, .def = "fp32",
                          .off = AT(FeModel, dtype), .loc_off = AT(FeModel, dtype_loc)}}},
@@ -225,6 +226,8 @@ static const Field model_fields[] = {
    .block = &norm_block, .sub = SAME, .loc = AT(FeModel, norm_loc), .present = AT(FeModel, has_norm)},
   {"tie_embeddings", 0, .vals = {{V_BOOL, .def = "true", .off = AT(FeModel, tie_embeddings)}},
    .loc = AT(FeModel, tie_loc), .present = AT(FeModel, has_tie)},
+  {"vocab_parallel", 0, .vals = {{V_BOOL, .def = "false", .off = AT(FeModel, vocab_parallel)}},
+   .loc = AT(FeModel, vocab_parallel_loc), .present = AT(FeModel, has_vocab_parallel)},
   {"data", F_BLOCK, .block = &data_block, .sub = AT(FeModel, data), .loc = AT(FeModel, data.loc),
    .present = AT(FeModel, has_data)},
   {"recompute", 0, .vals = {{V_WORD, .what = "recomputation", .words = recomputes, .def = "none",
@@ -1407,6 +1410,7 @@ static void check_language_model(Ctx *c, const FeProgram *p) {
       {"position", offsetof(FeModel, has_position), offsetof(FeModel, position_loc)},
       {"norm", offsetof(FeModel, has_norm), offsetof(FeModel, norm_loc)},
       {"tie_embeddings", offsetof(FeModel, has_tie), offsetof(FeModel, tie_loc)},
+      {"vocab_parallel", offsetof(FeModel, has_vocab_parallel), offsetof(FeModel, vocab_parallel_loc)},
       {"data", offsetof(FeModel, has_data), offsetof(FeModel, data.loc)},
     };
     for (int i = 0; i < COUNT(opts); i++)
@@ -1445,6 +1449,10 @@ static void check_semantics(Ctx *c, FeProgram *p) {
                 (long long)par->mp, (long long)tokens, (long long)m->batch, (long long)m->seqlen);
   if (c->model_ok)
     check_language_model(c, p);
+  if (c->model_ok && par_ok && m->vocab_parallel && m->has_vocab && m->vocab % par->mp != 0)
+    ir_error_at(c->d, m->vocab_parallel_loc,
+                "vocab_parallel splits the vocabulary's rows over the mp %lld ranks, but mp does not divide vocab %lld",
+                (long long)par->mp, (long long)m->vocab);
   for (int i = 0; i < p->nlayers; i++) {
     if (!c->layer_ok[i])
       continue;
@@ -1510,6 +1518,11 @@ bool fe_layout_refusal(const FeProgram *p, const FeParallel *par, char *why, siz
   }
   if (tokens % par->mp != 0) {
     snprintf(why, n, "mp %lld does not divide the %lld tokens of a step", (long long)par->mp, tokens);
+    return true;
+  }
+  if (m->vocab_parallel && m->vocab % par->mp != 0) {
+    snprintf(why, n, "vocab_parallel: mp %lld does not divide the vocabulary of %lld tokens", (long long)par->mp,
+             (long long)m->vocab);
     return true;
   }
   for (int i = 0; i < p->nlayers; i++) {

@@ -104,6 +104,9 @@ typedef struct FeModel {
   bool tie_embeddings;       // default true
   SrcLoc tie_loc;
   bool has_tie;
+  bool vocab_parallel;       // `vocab_parallel true;`: the embedding, head and loss split over MP
+  SrcLoc vocab_parallel_loc;
+  bool has_vocab_parallel;
   FeData data;
   bool has_data;
 } FeModel;

@@ -346,6 +346,8 @@ IrModule *fe_lower(IrDiag *d, const FeProgram *p, const FeTargetCaps *caps) {
   if (o->min_lr > 0) ir_attrs_set_float(m->attrs, &m->nattrs, "min_lr", o->min_lr);
   if (o->clip > 0) ir_attrs_set_float(m->attrs, &m->nattrs, "clip", o->clip);
   if (o->shard) ir_attrs_set_int(m->attrs, &m->nattrs, "shard_optimizer", 1);
+  if (p->model.vocab_parallel && p->model.vocab > 0 && p->parallel.mp > 1)
+    ir_attrs_set_int(m->attrs, &m->nattrs, "vocab_parallel", 1);
   if (p->model.recompute && strcmp(p->model.recompute, "none") != 0)
     ir_attrs_set_int(m->attrs, &m->nattrs, "recompute",
                      strcmp(p->model.recompute, "layers") == 0  ? 3

@@ -511,6 +511,29 @@ static bool infer_dense(Infer *I, IrType *out) {
     return true;
   case IR_OP_RESHAPE:
     return reshape(I, out);
+  case IR_OP_LOSS_XENT_STATS:   // (logits [t, v], targets i32[t]) -> f32[t, 3]
+    if (!need_float(I, 0, 2, "[t, v]") || !need_i32(I, 1, 1, "[t]") || !same_dim(I, "t", 0, 0, 1, 0)) return false;
+    *out = t2(IR_F32, dim(I, 0, 0), 3);
+    return true;
+  case IR_OP_LOSS_XENT_VP:      // (stats [parts*t, 3]) -> f32[]
+  case IR_OP_LOSS_XENT_VP_GRAD: {   // (logits [t, v], targets i32[t], stats [parts*t, 3]) -> [t, v]
+    int64_t parts;
+    int s = op->kind == IR_OP_LOSS_XENT_VP ? 0 : 2;
+    if (!int_attr(I, "parts", 1, &parts) || !num_attr(I, "scale", false) || !need_float(I, s, 2, "[parts*t, 3]"))
+      return false;
+    if (dim(I, s, 1) != 3 || dim(I, s, 0) % parts != 0)
+      return fail(I, "%s must be [parts*t, 3] (every part's loss.xent.stats), parts=%lld", nm(I, s), (long long)parts);
+    if (op->kind == IR_OP_LOSS_XENT_VP) {
+      *out = (IrType){.dtype = IR_F32, .rank = 0};
+      return true;
+    }
+    if (!need_float(I, 0, 2, "[t, v]") || !need_i32(I, 1, 1, "[t]") || !same_dim(I, "t", 0, 0, 1, 0)) return false;
+    if (dim(I, 2, 0) != parts * dim(I, 0, 0))
+      return fail(I, "%s has %lld rows: parts=%lld times the %lld rows of %s", nm(I, 2), (long long)dim(I, 2, 0),
+                  (long long)parts, (long long)dim(I, 0, 0), nm(I, 0));
+    *out = *ty(I, 0);
+    return true;
+  }
   case IR_OP_COLS_SLICE: {
     int64_t off, width;
     if (!need_float(I, 0, 2, "[r, n]") || !int_attr(I, "offset", 0, &off) || !int_attr(I, "width", 1, &width)) return false;
@@ -899,6 +922,9 @@ static bool infer(Infer *I, IrType *out) {
   case IR_OP_POS_ADD_GRAD_W:
   case IR_OP_ROPE:
   case IR_OP_ROPE_GRAD:
+  case IR_OP_LOSS_XENT_STATS:
+  case IR_OP_LOSS_XENT_VP:
+  case IR_OP_LOSS_XENT_VP_GRAD:
     return infer_dense(I, out);
   case IR_OP_GATE_EXPERT_CHOICE:
   case IR_OP_GATE_TOPK:

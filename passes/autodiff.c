@@ -368,6 +368,15 @@ static bool backward_op(Grad *g, const IrOp *op) {
   case IR_OP_LOSS_XENT:  // the loss itself: its gradient is the seed (scale * (softmax - onehot) / t)
     accumulate(g, a[0].value, emit(g, IR_OP_LOSS_XENT_GRAD, "dlogits", op, 2, (IrOperand[]){a[0], a[1]}));
     return true;
+  case IR_OP_LOSS_XENT_VP: {  // over a vocabulary split over MP: the seed of the rank's logits
+    // (passes/parallelize.c vocab_split: loss.xent.stats(logits, targets) -> comm.allgather -> here)
+    const IrOp *all = a[0].value->def, *st = all ? all->args[0].value->def : NULL;
+    if (!st || st->kind != IR_OP_LOSS_XENT_STATS)
+      return ir_error_at(g->d, op->loc, "autodiff: loss.xent.vp does not read the gathered loss.xent.stats");
+    accumulate(g, st->args[0].value,
+               emit(g, IR_OP_LOSS_XENT_VP_GRAD, "dlogits", op, 3, (IrOperand[]){st->args[0], st->args[1], a[0]}));
+    return true;
+  }
   default:
     if (blocks_gradient(op->kind)) return true;  // routing decisions: no gradient
     break;

@@ -16,6 +16,7 @@
 // Expert parameters shrink to this rank's shard (attrs shard_ep / shard_esp name the split
 // dimensions for the runtime). Gradients of replicated parameters are marked for an AllReduce
 // (grad_reduce: the gate over the world, b2 over the ESP group), which autodiff inserts.
+// A language model's vocabulary may be split over MP as well (`vocab_parallel true;`, vocab_split).
 // Losses are shares: mse scaled by 1/dp (MP copies are identical; the runtime sums over DP),
 // aux and z divided by dp*mp (the runtime sums over the world), so every loss and gradient
 // equals the single-rank run's.
@@ -176,6 +177,57 @@ static bool split_heads(Par *P) {
   return any;
 }
 
+static bool retype(Par *P) {
+  for (int i = 0; i < P->f->nops; i++) {
+    IrOp *op = P->f->ops[i];
+    if (op->result && !ir_infer_type(P->d, op, &op->result->type)) return false;
+  }
+  return true;
+}
+
+// A language model's vocabulary split over MP (`vocab_parallel true;`: the table's rows, or the
+// untied head's columns, marked mp_split by frontend/lower_lm.c): each rank holds the rows of V/mp
+// tokens from vocab0 = mp_index * V/mp (the step value the kernels take).
+//   embed   the rank's rows (zeros for the other tokens), summed by a comm.allreduce over MP: its
+//           consumers are replicated, so its gradient passes unchanged;
+//   head    its input through comm.copy (the gradient: the members' partial sums, all-reduced), the
+//           rank's columns of the logits [t, V/mp];
+//   loss    loss.xent -> loss.xent.stats (each row's logsumexp over the rank's columns and the
+//           target's logit where it holds it), comm.allgather over MP, loss.xent.vp (the whole
+//           row's logsumexp from the parts'); autodiff seeds loss.xent.vp.grad of the rank's
+//           columns from them.
+static bool vocab_split(Par *P) {
+  IrFunc *f = P->f;
+  int made = 0;
+  for (int i = 0; i < f->nops; i++) {
+    IrOp *op = f->ops[i];
+    if (op->kind == IR_OP_EMBED && mp_split(&op->args[1]) == 0) {
+      IrOp *sum = collective(P, i + 1, IR_OP_COMM_ALLREDUCE, ir_strfmt(P->m, "%s.sum", op->result->name), op->result,
+                             "mp", P->mp);
+      replace_uses(f, i + 2, f->nops, op->result, sum->result);
+      for (int r = 0; r < f->nrets; r++)
+        if (f->rets[r] == op->result) f->rets[r] = sum->result;
+      i++, made++;
+    } else if (f->role == IR_ROLE_LOSS_FWD && op->kind == IR_OP_MATMUL && op->nargs == 2 && mp_split(&op->args[1]) >= 0) {
+      IrValue *x = op->args[0].value;
+      op->args[0].value = collective(P, i, IR_OP_COMM_COPY, ir_strfmt(P->m, "%s.mp", x->name), x, "mp", P->mp)->result;
+      i++, made++;
+    } else if (op->kind == IR_OP_LOSS_XENT) {
+      IrOp *st = insert_at(P, i, IR_OP_LOSS_XENT_STATS, "xent.stats", op->args[0].value);
+      ir_op_arg(st, op->args[1].value);
+      st->loc = op->loc;
+      IrOp *all = collective(P, i + 1, IR_OP_COMM_ALLGATHER, "xent.stats.all", st->result, "mp", P->mp);
+      op->kind = IR_OP_LOSS_XENT_VP;   // now at i + 2: the loss from every part's statistics
+      op->args[0].value = all->result;
+      op->args[1] = (IrOperand){0};
+      op->nargs = 1;
+      ir_op_set_int(op, "parts", P->mp);
+      i += 2, made++;
+    }
+  }
+  return made == 0 || retype(P);
+}
+
 // EP and ESP around the expert region: the ops that read expert parameters.
 static bool shard_experts(Par *P, const char *algo) {
   IrFunc *f = P->f;
@@ -245,14 +297,6 @@ static bool shard_experts(Par *P, const char *algo) {
   replace_uses(f, after, f->nops, dout, v);
   for (int r = 0; r < f->nrets; r++)
     if (f->rets[r] == dout) f->rets[r] = v;
-  return true;
-}
-
-static bool retype(Par *P) {
-  for (int i = 0; i < P->f->nops; i++) {
-    IrOp *op = P->f->ops[i];
-    if (op->result && !ir_infer_type(P->d, op, &op->result->type)) return false;
-  }
   return true;
 }
 
@@ -328,13 +372,16 @@ bool pass_parallelize(IrModule *m, PassCtx *ctx) {
   for (int i = 0; i < m->nfuncs; i++) {
     IrFunc *f = m->funcs[i];
     P.f = f;
+    bool vp = P.mp > 1 && ir_mod_int(m, "vocab_parallel", 0);
     if (f->role == IR_ROLE_LOSS_FWD) {
       for (int j = 0; j < f->nops; j++)
         if (f->ops[j]->kind == IR_OP_LOSS_MSE || f->ops[j]->kind == IR_OP_LOSS_XENT)
           ir_op_set_float(f->ops[j], "scale", 1.0 / (double)P.dp);
+      if (vp && !vocab_split(&P)) return false;
       continue;
     }
     if (f->role != IR_ROLE_LAYER_FWD) continue;
+    if (vp && !vocab_split(&P)) return false;
     bool heads = P.mp > 1 && split_heads(&P);
     bool moe = false;   // a language model's embedding and mlp layers have no MoE
     for (int j = 0; j < f->nops; j++) moe |= uses_expert_param(f->ops[j]);

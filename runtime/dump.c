@@ -58,7 +58,10 @@ static int dump_lm(RtTrainer *tr, const RtReport *rep, float *whole, char *path,
     status = rt_npy_write(path, RT_DTYPE_I32, 2, (int64_t[]){rows, L + 1}, windows);
   }
   free(windows);
-  rt_gather_dp(tr->comm, r, tr->st.output, tokens * m->vocab, whole);
+  const float *logits = rt_lm_logits(tr);
+  if (!logits)
+    return -1;
+  rt_gather_dp(tr->comm, r, logits, tokens * m->vocab, whole);
   if (root && status == 0) {
     snprintf(path, len, "%s/logits.npy", tr->opt.dump);
     status = rt_npy_write(path, RT_DTYPE_F32, 3, (int64_t[]){rows, L, m->vocab}, whole);

@@ -14,6 +14,7 @@
 
 #include "moert.h"
 #include "rt_internal.h"
+#include "rt_trainer.h"
 
 int rt_lm_open(RtLm *lm, const RtModel *m, const RtRanks *r, const RtLmOptions *o) {
   *lm = (RtLm){.model = m, .val_max = o->val_windows};
@@ -142,4 +143,26 @@ void rt_print_tokens(FILE *out, const RtModel *m, const int32_t *tokens, int64_t
       fprintf(out, "\\x%02x", t);
   }
   fputc('\n', out);
+}
+
+const float *rt_lm_logits(RtTrainer *tr) {
+  const RtModel *m = tr->model;
+  const RtRanks *r = &tr->ranks;
+  if (!m->vocab_parallel || r->mp == 1)
+    return tr->st.output;
+  int64_t t = m->batch * m->seqlen, part = m->vocab / r->mp;
+  float *parts = malloc((size_t)(t * m->vocab) * sizeof *parts);
+  if (!tr->logits_whole)
+    tr->logits_whole = malloc((size_t)(t * m->vocab) * sizeof *tr->logits_whole);
+  if (!parts || !tr->logits_whole) {
+    free(parts);
+    rt_fail("out of memory gathering the logits of the vocabulary's %d parts", r->mp);
+    return NULL;
+  }
+  rt_allgather(tr->comm, RT_GROUP_MP, tr->st.output, parts, t * part);   // [mp][t][part]
+  for (int64_t p = 0; p < r->mp; p++)
+    for (int64_t i = 0; i < t; i++)
+      memcpy(tr->logits_whole + i * m->vocab + p * part, parts + (p * t + i) * part, (size_t)part * sizeof *parts);
+  free(parts);
+  return tr->logits_whole;
 }

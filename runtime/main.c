@@ -85,6 +85,7 @@ static void trainer_destroy(RtTrainer *tr) {
   rt_big_free(tr->st.arena, tr->arena_bytes);
   free(tr->input);
   free(tr->target);
+  free(tr->logits_whole);
   if (tr->lm_open)
     rt_lm_close(&tr->lm);
   rt_log_close(tr->log);
@@ -108,6 +109,7 @@ static int trainer_create(RtTrainer *tr, const RtModel *model, const RtOptions *
   // the MP part of that shard the program gives this rank.
   int64_t tokens = model->batch * model->seqlen;
   st->token0 = ranks->dp_index * tokens + ranks->mp_index * (tokens / ranks->mp);
+  st->vocab0 = model->vocab_parallel ? ranks->mp_index * (model->vocab / ranks->mp) : 0;
   // Zeroed blocks on huge pages (rt_big_alloc): the kernel zeroes them as they are first touched.
   st->params = rt_big_alloc(floats * sizeof(float), "the parameters");
   st->grads = rt_big_alloc(floats * sizeof(float), "the gradients");

@@ -313,6 +313,10 @@ struct RtModel {
   // the logits [batch*seqlen, vocab] and mse to the cross-entropy's share; the model's `data`
   // block names its token files (NULL: none; --data and --val override).
   int64_t vocab;
+  // `vocab_parallel true;` on mp ranks: each holds the table's (the head's) rows of vocab/mp
+  // tokens from RtStep.vocab0, and output is the logits of those [batch*seqlen, vocab/mp]
+  // (rt_lm_logits gathers the whole).
+  bool vocab_parallel;
   const char *data_train, *data_val, *data_format;
   // The Hugging Face family the model is (DESIGN §2.2): the config.json that --export-hf writes,
   // or NULL with hf_refusal, the sentence saying why it is none (moec build decides).
@@ -341,6 +345,7 @@ struct RtStep {
   int64_t step;                   // 1-based number of the step being run
   uint64_t seed;
   int64_t token0;                 // global index of this rank's first token (0 on one rank)
+  int64_t vocab0;                 // a vocabulary-parallel rank's first row of the vocabulary (else 0)
   // filled by forward
   double mse, aux_total;          // loss = mse + aux_total
   double aux, z;                  // unweighted sums over layers (for the report)

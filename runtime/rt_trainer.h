@@ -67,11 +67,17 @@ typedef struct RtTrainer {
   bool lm_open;
   RtLog *log;              // --log (rank 0; NULL elsewhere and without it)
   RtLogLayer *log_layers;  // per routed layer, the step's reduced statistics (--log)
+  float *logits_whole;     // a vocabulary-parallel model's logits gathered over MP (rt_lm_logits)
 } RtTrainer;
 
 static inline bool rt_is_root(const RtTrainer *tr) {
   return tr->ranks.rank == 0;
 }
+
+// A language model's logits [batch*seqlen, vocab] of the last forward, on the host (after
+// rt_device_get of the output): st.output, or, when the vocabulary is split over MP, the ranks'
+// columns gathered over the MP group. Collective over MP; NULL when out of memory (reported).
+const float *rt_lm_logits(RtTrainer *tr);
 
 // Host -> device (rt_device_put) and device -> host (rt_device_get) of what (RtDeviceData bits),
 // on every rank, agreed over the world. 0 without a device: the host buffers are the only ones.

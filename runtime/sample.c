@@ -84,9 +84,14 @@ int rt_sample(RtTrainer *tr) {
       free(seq);
       return -1;
     }
+    const float *logits = rt_lm_logits(tr);
+    if (!logits) {
+      free(seq);
+      return -1;
+    }
     int32_t next = 0;
     if (rt_is_root(tr))
-      next = rt_sample_token(st->output + (ctx - 1) * m->vocab, (int)m->vocab, (float)tr->opt.temperature,
+      next = rt_sample_token(logits + (ctx - 1) * m->vocab, (int)m->vocab, (float)tr->opt.temperature,
                              rt_key(key, (uint64_t)k));
     if (tr->ranks.world > 1)
       rt_bcast(tr->comm, RT_GROUP_WORLD, &next, sizeof next, 0);

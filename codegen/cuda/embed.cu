@@ -2,9 +2,9 @@
 // See prelude.cu for the conventions and for how the build embeds this file.
 
 // ---- mk_embed ----
-extern "C" __global__ void mk_embed(const int *tokens, const float *table, float *y, int t, int m, int v) {
+extern "C" __global__ void mk_embed(const int *tokens, const float *table, float *y, int t, int m, int v, i64 v0) {
   MK_FOR(i, (i64)t * m) {
-    int tok = tokens[i / m];
+    i64 tok = tokens[i / m] - v0;
     y[i] = tok < 0 || tok >= v ? 0.0f : table[(i64)tok * m + i % m];
   }
 }
@@ -15,15 +15,15 @@ extern "C" __global__ void mk_embed(const int *tokens, const float *table, float
 // that fall in them in token order, as rt_embed_grad (each element's sum in token order, no
 // atomics). Launched with 64 m threads: one thread per column (2048 threads for a 2048-wide
 // table) scanned a 32000-row vocabulary alone, 2.4 ms of a language model's step on an H200.
-extern "C" __global__ void mk_embed_grad(const float *dy, const int *tokens, float *dtable, int t, int m, int v) {
+extern "C" __global__ void mk_embed_grad(const float *dy, const int *tokens, float *dtable, int t, int m, int v, i64 v0) {
   int B = 1;
   while (B * 2 <= v && B * 2 <= 64) B *= 2;
   MK_FOR(p, (i64)B * m) {
     int b = (int)(p / m), j = (int)(p % m);
     for (int r = b; r < v; r += B) dtable[(i64)r * m + j] = 0.0f;
     for (int i = 0; i < t; i++) {
-      int tok = tokens[i];
-      if (tok >= 0 && tok < v && (tok & (B - 1)) == b) dtable[(i64)tok * m + j] += dy[(i64)i * m + j];
+      i64 tok = tokens[i] - v0;
+      if (tok >= 0 && tok < v && (tok & (B - 1)) == b) dtable[tok * m + j] += dy[(i64)i * m + j];
     }
   }
 }

@@ -38,6 +38,67 @@ extern "C" __global__ void mk_xent_grad(const float *logits, const int *targets,
   }
 }
 
+// ---- mk_xent_stats ----
+// One block per row, as rt_xent_stats (runtime/kernels/loss.c): the slice's logsumexp as two
+// floats, the target's logit where the slice holds it.
+extern "C" __global__ void mk_xent_stats(const float *logits, const int *targets, float *stats, int t, int v, i64 v0) {
+  MK_FOR_BLOCKS(i, t) {
+    const float *row = logits + i * v;
+    double lse = mk_block_logsumexp(row, v);
+    i64 k = targets[i] - v0;
+    if (threadIdx.x == 0) {
+      float hi = (float)lse;
+      stats[3 * i] = hi;
+      stats[3 * i + 1] = (float)(lse - hi);
+      stats[3 * i + 2] = k >= 0 && k < v ? row[k] : 0.0f;
+    }
+  }
+}
+
+// Row i's logsumexp over the whole vocabulary and its target's logit (rt_xent_vp's whole_lse).
+__device__ double mk_whole_lse(const float *stats, int t, int parts, int i, double *target) {
+  double m = -MK_INF, s = 0.0;
+  *target = 0.0;
+  for (int r = 0; r < parts; r++) {
+    const float *p = stats + 3 * ((i64)r * t + i);
+    double l = (double)p[0] + (double)p[1];
+    m = l > m ? l : m;
+    *target += p[2];
+  }
+  for (int r = 0; r < parts; r++) {
+    const float *p = stats + 3 * ((i64)r * t + i);
+    s += exp((double)p[0] + (double)p[1] - m);
+  }
+  return m + log(s);
+}
+
+// ---- mk_xent_vp ----
+// One thread: the rows' terms in order, as rt_xent_vp.
+extern "C" __global__ void mk_xent_vp(const float *stats, float *loss, int n, int parts, float scale) {
+  if (blockIdx.x != 0 || threadIdx.x != 0) return;
+  int t = parts > 0 ? n / parts : 0;
+  double acc = 0.0;
+  for (int i = 0; i < t; i++) {
+    double target, lse = mk_whole_lse(stats, t, parts, i, &target);
+    acc += lse - target;
+  }
+  loss[0] = t > 0 ? (float)(scale * acc / t) : 0.0f;
+}
+
+// ---- mk_xent_vp_grad ----
+// One block per row, mk_xent_grad's operations with the whole row's logsumexp.
+extern "C" __global__ void mk_xent_vp_grad(const float *logits, const int *targets, const float *stats, float *dlogits,
+                                           int t, int v, int parts, i64 v0, float scale) {
+  MK_FOR_BLOCKS(i, t) {
+    const float *row = logits + i * v;
+    float *out = dlogits + i * v;
+    double target, lse = mk_whole_lse(stats, t, parts, (int)i, &target), f = (double)scale / t;
+    i64 k = targets[i] - v0;
+    for (int j = threadIdx.x; j < v; j += blockDim.x)
+      out[j] = (float)(f * ((double)mk_exp((float)((double)row[j] - lse)) - (j == k)));
+  }
+}
+
 // ---- mk_mse ----
 // One block of MK_BLOCK threads: out[0] = scale * mean((out - target)^2) / 2.
 extern "C" __global__ void mk_mse(const float *out, const float *target, float *loss, i64 n, float scale) {

@@ -9,21 +9,22 @@
 #include "moert.h"
 #include "rt_internal.h"
 
-// y[i] = table[tokens[i]] for t tokens, rows of m; a token outside [0, v) gives a zero row (the
-// driver refuses such data before it gets here).
-void rt_embed(const int32_t *tokens, const float *table, float *y, int t, int m, int v) {
+// y[i] = table[tokens[i] - v0] for t tokens, rows of m; a token outside [v0, v0 + v) gives a zero
+// row: a vocabulary-parallel rank's table holds the rows of tokens [v0, v0 + v), and the ranks'
+// rows are summed (the driver refuses tokens outside the vocabulary before they get here).
+void rt_embed(const int32_t *tokens, const float *table, float *y, int t, int m, int v, int64_t v0) {
   for (int i = 0; i < t; i++) {
-    int tok = tokens[i];
+    int64_t tok = tokens[i] - v0;
     if (tok < 0 || tok >= v) memset(y + (size_t)i * m, 0, (size_t)m * sizeof *y);
     else memcpy(y + (size_t)i * m, table + (size_t)tok * m, (size_t)m * sizeof *y);
   }
 }
 
-// dtable = sum over tokens i of dy[i] into row tokens[i], in token order (deterministic).
-void rt_embed_grad(const float *dy, const int32_t *tokens, float *dtable, int t, int m, int v) {
+// dtable = sum over tokens i of dy[i] into row tokens[i] - v0, in token order (deterministic).
+void rt_embed_grad(const float *dy, const int32_t *tokens, float *dtable, int t, int m, int v, int64_t v0) {
   memset(dtable, 0, (size_t)v * m * sizeof *dtable);
   for (int i = 0; i < t; i++) {
-    int tok = tokens[i];
+    int64_t tok = tokens[i] - v0;
     if (tok < 0 || tok >= v) continue;
     for (int j = 0; j < m; j++) dtable[(size_t)tok * m + j] += dy[(size_t)i * m + j];
   }

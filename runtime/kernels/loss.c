@@ -97,7 +97,7 @@ RT_VECTOR_BODY void xent_grad_row_body(const float *restrict row, float *restric
   for (; j + W <= v; j += W)
     for (int u = 0; u < W; u++) out[j + u] = (float)(f * (double)rt_exp((float)((double)row[j + u] - lse)));
   for (; j < v; j++) out[j] = (float)(f * (double)rt_exp((float)((double)row[j] - lse)));
-  out[target] = (float)(f * ((double)rt_exp((float)((double)row[target] - lse)) - 1.0));
+  if (target >= 0) out[target] = (float)(f * ((double)rt_exp((float)((double)row[target] - lse)) - 1.0));
 }
 RT_VECTOR_PATHS(xent_grad_row, (const float *restrict row, float *restrict out, int v, double lse, double f,
                                 int target),
@@ -110,5 +110,68 @@ void rt_xent_grad(const float *logits, const int32_t *targets, float *dlogits, i
     double lse;
     row_logsumexp(row, v, &lse);
     xent_grad_row(row, dlogits + (size_t)i * v, v, lse, (double)scale / t, targets[i]);
+  }
+}
+
+// ---- cross-entropy over a vocabulary split over MP ranks ----
+// Each rank holds the logits of tokens [v0, v0 + v) (its rows of the tied table, its columns of the
+// head). A row's statistics: its slice's logsumexp (row_logsumexp's, as a double split into two
+// floats: high, and the rest) and the target's logit where the target is in the slice, else 0.
+// The ranks' statistics, gathered, give the whole row's logsumexp: M + log(sum_r exp(lse_r - M)),
+// M the largest; the target's logit is the one part's that holds it (the others add 0).
+
+void rt_xent_stats(const float *logits, const int32_t *targets, float *stats, int t, int v, int64_t v0) {
+  RT_PARALLEL_FOR((int64_t)t * v >= RT_PAR_MIN / 8)
+  for (int i = 0; i < t; i++) {
+    const float *row = logits + (size_t)i * v;
+    double lse;
+    row_logsumexp(row, v, &lse);
+    int64_t k = targets[i] - v0;
+    float hi = (float)lse;
+    stats[3 * (size_t)i] = hi;
+    stats[3 * (size_t)i + 1] = (float)(lse - hi);
+    stats[3 * (size_t)i + 2] = k >= 0 && k < v ? row[k] : 0.0f;
+  }
+}
+
+// Row i's logsumexp over the whole vocabulary and its target's logit, from the parts' statistics
+// [parts * t, 3] (part r's rows r*t ... r*t + t - 1).
+static double whole_lse(const float *stats, int t, int parts, int i, double *target) {
+  double m = -INFINITY, s = 0.0;
+  *target = 0.0;
+  for (int r = 0; r < parts; r++) {
+    const float *p = stats + 3 * ((size_t)r * t + i);
+    double l = (double)p[0] + (double)p[1];
+    m = l > m ? l : m;
+    *target += p[2];
+  }
+  for (int r = 0; r < parts; r++) {
+    const float *p = stats + 3 * ((size_t)r * t + i);
+    s += exp((double)p[0] + (double)p[1] - m);
+  }
+  return m + log(s);
+}
+
+// loss[0] = scale * mean over rows of (logsumexp - the target's logit), the rows' sum in order.
+void rt_xent_vp(const float *stats, float *loss, int n, int parts, float scale) {
+  int t = parts > 0 ? n / parts : 0;
+  double acc = 0.0;
+  for (int i = 0; i < t; i++) {
+    double target, lse = whole_lse(stats, t, parts, i, &target);
+    acc += lse - target;
+  }
+  loss[0] = t > 0 ? (float)(scale * acc / t) : 0.0f;
+  last_exact = t > 0 ? scale * acc / t : 0.0;
+}
+
+// The gradient of the rank's columns: scale * (softmax - onehot) / t, xent_grad_row's operations
+// with the whole row's logsumexp.
+void rt_xent_vp_grad(const float *logits, const int32_t *targets, const float *stats, float *dlogits, int t, int v,
+                     int parts, int64_t v0, float scale) {
+  RT_PARALLEL_FOR((int64_t)t * v >= RT_PAR_MIN / 8)
+  for (int i = 0; i < t; i++) {
+    double target, lse = whole_lse(stats, t, parts, i, &target);
+    int64_t k = targets[i] - v0;
+    xent_grad_row(logits + (size_t)i * v, dlogits + (size_t)i * v, v, lse, (double)scale / t, k >= 0 && k < v ? (int)k : -1);
   }
 }

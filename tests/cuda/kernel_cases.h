@@ -18,6 +18,7 @@
 #ifndef KERNEL_CASES_H
 #define KERNEL_CASES_H
 
+#include <algorithm>
 #include <array>
 #include <cmath>
 #include <cstdarg>
@@ -480,12 +481,19 @@ template <class Launcher> void run_kernel_cases(Launcher &L, Checks &c) {
       for (int i = 0; i < s; i++) tok[i] = (i * 7 + 3) % v;
       tok[5] = v;
       std::vector<float> table(a.begin(), a.begin() + v * m), dt_c = zeros<float>(v * m), dt_k = zeros<float>(v * m);
-      rt_embed(tok.data(), table.data(), y_c.data(), s, m, v);
-      LAUNCH(3, 64, mk_embed, tok, table, y_k, s, m, v);
+      rt_embed(tok.data(), table.data(), y_c.data(), s, m, v, 0);
+      LAUNCH(3, 64, mk_embed, tok, table, y_k, s, m, v, (i64)0);
       c.same("embed", y_c, y_k);
-      rt_embed_grad(b.data(), tok.data(), dt_c.data(), s, m, v);
-      LAUNCH(1, 32, mk_embed_grad, b, tok, dt_k, s, m, v);
+      rt_embed_grad(b.data(), tok.data(), dt_c.data(), s, m, v, 0);
+      LAUNCH(1, 32, mk_embed_grad, b, tok, dt_k, s, m, v, (i64)0);
       c.same("embed.grad", dt_c, dt_k);
+      // a vocabulary-parallel rank's rows: tokens [4, 4 + 7) of the table's first 7 rows
+      rt_embed(tok.data(), table.data(), y_c.data(), s, m, 7, 4);
+      LAUNCH(3, 64, mk_embed, tok, table, y_k, s, m, 7, (i64)4);
+      c.same("embed, rows from token 4", y_c, y_k);
+      rt_embed_grad(b.data(), tok.data(), dt_c.data(), s, m, 7, 4);
+      LAUNCH(1, 32, mk_embed_grad, b, tok, dt_k, s, m, 7, (i64)4);
+      c.same("embed.grad, rows from token 4", dt_c, dt_k);
     }
     {  // causal grouped-query attention: 2 samples of 13 positions, 4 heads over 2 kv heads, d 6;
        // learned positions; the slice of the packed gradient
@@ -657,6 +665,24 @@ template <class Launcher> void run_kernel_cases(Launcher &L, Checks &c) {
       rt_xent_grad(a.data(), tgt.data(), y_c.data(), s, m, 0.5f);
       LAUNCH(5, MK_BLOCK, mk_xent_grad, a, tgt, y_k, s, m, 0.5f);
       c.same("loss.xent.grad", y_c, y_k);
+      // the vocabulary in two parts (columns [0, h) and [h, m) as two ranks' logits)
+      const int h = m / 2;
+      std::vector<float> lo(s * h), hi(s * (m - h)), st_c = zeros<float>(6 * s), st_k = zeros<float>(6 * s);
+      for (int i = 0; i < s; i++)
+        for (int j = 0; j < m; j++) (j < h ? lo[i * h + j] : hi[i * (m - h) + j - h]) = a[i * m + j];
+      std::vector<float> st_hi_k = zeros<float>(3 * s), g_c = zeros<float>(s * h), g_k = zeros<float>(s * h);
+      rt_xent_stats(lo.data(), tgt.data(), st_c.data(), s, h, 0);
+      rt_xent_stats(hi.data(), tgt.data(), st_c.data() + 3 * s, s, m - h, h);
+      LAUNCH(3, MK_BLOCK, mk_xent_stats, lo, tgt, st_k, s, h, (i64)0);
+      LAUNCH(3, MK_BLOCK, mk_xent_stats, hi, tgt, st_hi_k, s, m - h, (i64)h);
+      std::copy(st_hi_k.begin(), st_hi_k.end(), st_k.begin() + 3 * s);
+      c.same("loss.xent.stats", st_c, st_k);
+      rt_xent_vp(st_c.data(), xl_c.data(), 2 * s, 2, 0.5f);
+      LAUNCH(1, MK_BLOCK, mk_xent_vp, st_c, xl_k, 2 * s, 2, 0.5f);
+      c.same("loss.xent.vp", xl_c, xl_k);
+      rt_xent_vp_grad(lo.data(), tgt.data(), st_c.data(), g_c.data(), s, h, 2, 0, 0.5f);
+      LAUNCH(5, MK_BLOCK, mk_xent_vp_grad, lo, tgt, st_c, g_k, s, h, 2, (i64)0, 0.5f);
+      c.same("loss.xent.vp.grad", g_c, g_k);
     }
     std::vector<float> sc = {1.7f};
     rt_div_scalar(a.data(), sc.data(), y_c.data(), n);

@@ -321,7 +321,7 @@ typedef struct {
 
 static double embed_obj(void *p) {
   EmbedCtx *c = p;
-  rt_embed(c->tok, c->table, c->y, c->t, c->m, c->v);
+  rt_embed(c->tok, c->table, c->y, c->t, c->m, c->v, 0);
   return dot(c->w, c->y, (int64_t)c->t * c->m);
 }
 
@@ -332,7 +332,7 @@ static void test_fd_embed(void **state) {
   fill(table, V * M, -1, 1);
   fill(w, T * M, -1, 1);
   EmbedCtx c = {tok, table, y, w, T, M, V};
-  rt_embed_grad(w, tok, dt, T, M, V);
+  rt_embed_grad(w, tok, dt, T, M, V, 0);
   check_fd("embed (d/dtable)", embed_obj, &c, table, V * M, dt, FD_EPS);
   for (int j = 0; j < M; j++) assert_true(dt[3 * M + j] == 0.0f);
 }
