@@ -299,17 +299,22 @@ static bool emit_program(IrDiag *d, FILE *out, const IrModule *m, const PassMemP
 // What a build may change to fit `memory` (module attribute attr set to value): the sharded
 // optimizer (a ReduceScatter where an AllReduce was, then an AllGather of the updated rows) and
 // recomputation (the activations, then the norms' outputs too, then whole layers but their
-// collectives, made again in the backward).
+// collectives, made again in the backward), all of them the same bits as the program as written;
+// and, when those are not enough, a language model's vocabulary split over MP, whose head and
+// loss add their sums in another order (inexact: losses equal to about 1e-6, not to the bit).
 typedef struct MemoryChoice {
   const char *attr;
   int value;
   const char *what;
+  bool inexact;
 } MemoryChoice;
 static const MemoryChoice memory_choices[] = {
     {"shard_optimizer", 1, "'optimizer adamw { shard true; }' (AdamW's moments sharded over each parameter's replicas)"},
     {"recompute", 1, "'recompute activations;' (the activations computed again in the backward)"},
     {"recompute", 2, "'recompute norms;' (the activations and the norms' outputs computed again in the backward)"},
     {"recompute", 3, "'recompute layers;' (every op of a layer but its collectives and routing computed again in the backward)"},
+    {"vocab_parallel", 1, "'vocab_parallel true;' (the embedding, the head and the loss split over MP; their sums in "
+                          "another order: losses equal to about 1e-6, not to the bit)", true},
 };
 enum { NCHOICES = sizeof memory_choices / sizeof memory_choices[0] };
 
@@ -317,6 +322,10 @@ static bool choice_applies(const MemoryChoice *c, const IrModule *m, const FeTar
   if (strcmp(c->attr, "shard_optimizer") == 0)
     return caps->shard_optimizer && strcmp(ir_mod_str(m, "optimizer", "sgd"), "adamw") == 0 &&
            !ir_mod_int(m, "shard_optimizer", 0) && ir_mod_int(m, "dp", 1) * ir_mod_int(m, "mp", 1) > 1;
+  if (strcmp(c->attr, "vocab_parallel") == 0) {
+    int64_t mp = ir_mod_int(m, "mp", 1), vocab = ir_mod_int(m, "vocab", 0);
+    if (mp < 2 || vocab <= 0 || vocab % mp != 0) return false;
+  }
   return ir_mod_int(m, c->attr, 0) < c->value;
 }
 
@@ -372,8 +381,12 @@ static bool fit_memory(IrDiag *d, const Options *o, const FeTargetCaps *caps, Cl
     IrSource *best_src = NULL;
     PassCtx best_ctx = {0};
     double t0 = ir_mod_float(*m, "t_iter_pred", 0), best_t = 0;
+    // The exact choices first: an inexact one only when none of them is left.
+    bool exact_left = false;
+    for (int k = 0; k < NCHOICES; k++)
+      exact_left |= !set[k] && !memory_choices[k].inexact && choice_applies(&memory_choices[k], *m, caps);
     for (int k = 0; k < NCHOICES; k++) {
-      if (set[k] || !choice_applies(&memory_choices[k], *m, caps)) continue;
+      if (set[k] || (exact_left && memory_choices[k].inexact) || !choice_applies(&memory_choices[k], *m, caps)) continue;
       set[k] = true;
       PassCtx try_ctx;
       IrSource *try_src = NULL;

@@ -277,9 +277,6 @@ void fe_lower_lm(FeLower *L) {
   L->f = ir_add_func(m, "embed.fwd", IR_ROLE_LAYER_FWD);
   IrValue *tokens = ir_add_arg(L->f, m, "tokens", ir_type1(IR_I32, L->S));
   IrParam *wte = dense_param(L, "wte", ir_type2(IR_F32, V, L->M), "normal", STD);
-  // `vocab_parallel true;` on mp ranks: each holds the rows of V/mp tokens (passes/parallelize.c)
-  bool vp = md->vocab_parallel && p->parallel.mp > 1;
-  if (vp) ir_attrs_set_int(wte->attrs, &wte->nattrs, "mp_split", 0);
   IrValue *h = fe_op2(L, IR_OP_EMBED, "h", FE_V(tokens), FE_P(wte));
   if (strcmp(md->position, "learned") == 0) {
     IrParam *wpe = dense_param(L, "wpe", ir_type2(IR_F32, md->seqlen, L->M), "normal", STD);
@@ -317,7 +314,6 @@ void fe_lower_lm(FeLower *L) {
   } else {
     L->inst = "head";
     IrParam *w = dense_param(L, "w", ir_type2(IR_F32, L->M, V), "normal", STD);
-    if (vp) ir_attrs_set_int(w->attrs, &w->nattrs, "mp_split", 1);
     logits = fe_op2(L, IR_OP_MATMUL, "logits", FE_V(hn), FE_P(w));
   }
   ir_add_ret(L->f, m, fe_op2(L, IR_OP_LOSS_XENT, "loss", FE_V(logits), FE_V(target)));

@@ -491,26 +491,11 @@ static bool infer_attention(Infer *I, IrType *out) {
   return true;
 }
 
-// Dense algebra and the language model's row ops: matmuls, reshape, column slices, row scales,
-// positions, rotary embeddings.
-static bool infer_dense(Infer *I, IrType *out) {
+// The cross-entropy over a vocabulary split over MP: each row's statistics, the loss from the
+// parts' statistics gathered, its gradient of the rank's columns.
+static bool infer_xent_vp(Infer *I, IrType *out) {
   const IrOp *op = I->op;
-  int64_t m, n;
   switch (op->kind) {
-  case IR_OP_MATMUL:
-    if (!need_float(I, 0, 2, "[m, k]") || !need_float(I, 1, 2, "[k, n]") || !same_dtype(I, 0, 1) ||
-        !matmul_dims(I, 0, &m, &n))
-      return false;
-    *out = t2(ty(I, 0)->dtype, m, n);
-    return true;
-  case IR_OP_EXPERT_MATMUL:
-    if (!need_float(I, 0, 3, "[E, m, k]") || !need_float(I, 1, 3, "[E, k, n]") || !same_dtype(I, 0, 1) ||
-        !same_dim(I, "E", 0, 0, 1, 0) || !matmul_dims(I, 1, &m, &n))
-      return false;
-    *out = t3(ty(I, 0)->dtype, dim(I, 0, 0), m, n);
-    return true;
-  case IR_OP_RESHAPE:
-    return reshape(I, out);
   case IR_OP_LOSS_XENT_STATS:   // (logits [t, v], targets i32[t]) -> f32[t, 3]
     if (!need_float(I, 0, 2, "[t, v]") || !need_i32(I, 1, 1, "[t]") || !same_dim(I, "t", 0, 0, 1, 0)) return false;
     *out = t2(IR_F32, dim(I, 0, 0), 3);
@@ -534,6 +519,31 @@ static bool infer_dense(Infer *I, IrType *out) {
     *out = *ty(I, 0);
     return true;
   }
+  default:
+    UNREACHABLE();
+  }
+}
+
+// Dense algebra and the language model's row ops: matmuls, reshape, column slices, row scales,
+// positions, rotary embeddings.
+static bool infer_dense(Infer *I, IrType *out) {
+  const IrOp *op = I->op;
+  int64_t m, n;
+  switch (op->kind) {
+  case IR_OP_MATMUL:
+    if (!need_float(I, 0, 2, "[m, k]") || !need_float(I, 1, 2, "[k, n]") || !same_dtype(I, 0, 1) ||
+        !matmul_dims(I, 0, &m, &n))
+      return false;
+    *out = t2(ty(I, 0)->dtype, m, n);
+    return true;
+  case IR_OP_EXPERT_MATMUL:
+    if (!need_float(I, 0, 3, "[E, m, k]") || !need_float(I, 1, 3, "[E, k, n]") || !same_dtype(I, 0, 1) ||
+        !same_dim(I, "E", 0, 0, 1, 0) || !matmul_dims(I, 1, &m, &n))
+      return false;
+    *out = t3(ty(I, 0)->dtype, dim(I, 0, 0), m, n);
+    return true;
+  case IR_OP_RESHAPE:
+    return reshape(I, out);
   case IR_OP_COLS_SLICE: {
     int64_t off, width;
     if (!need_float(I, 0, 2, "[r, n]") || !int_attr(I, "offset", 0, &off) || !int_attr(I, "width", 1, &width)) return false;
@@ -922,10 +932,11 @@ static bool infer(Infer *I, IrType *out) {
   case IR_OP_POS_ADD_GRAD_W:
   case IR_OP_ROPE:
   case IR_OP_ROPE_GRAD:
+    return infer_dense(I, out);
   case IR_OP_LOSS_XENT_STATS:
   case IR_OP_LOSS_XENT_VP:
   case IR_OP_LOSS_XENT_VP_GRAD:
-    return infer_dense(I, out);
+    return infer_xent_vp(I, out);
   case IR_OP_GATE_EXPERT_CHOICE:
   case IR_OP_GATE_TOPK:
   case IR_OP_GATE_TOPK_BIAS:

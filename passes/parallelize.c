@@ -185,8 +185,8 @@ static bool retype(Par *P) {
   return true;
 }
 
-// A language model's vocabulary split over MP (`vocab_parallel true;`: the table's rows, or the
-// untied head's columns, marked mp_split by frontend/lower_lm.c): each rank holds the rows of V/mp
+// A language model's vocabulary split over MP (module attribute vocab_parallel: the table's rows,
+// or the untied head's columns, marked mp_split by mark_vocab): each rank holds the rows of V/mp
 // tokens from vocab0 = mp_index * V/mp (the step value the kernels take).
 //   embed   the rank's rows (zeros for the other tokens), summed by a comm.allreduce over MP: its
 //           consumers are replicated, so its gradient passes unchanged;
@@ -196,6 +196,18 @@ static bool retype(Par *P) {
 //           target's logit where it holds it), comm.allgather over MP, loss.xent.vp (the whole
 //           row's logsumexp from the parts'); autodiff seeds loss.xent.vp.grad of the rank's
 //           columns from them.
+// The parameters vocab_split splits: the embedding's table by rows (mp_split 0) and the head's
+// weight, the same table when tied (logits = x·tableᵀ), else by columns (mp_split 1).
+static void mark_vocab(IrModule *m) {
+  for (int i = 0; i < m->nfuncs; i++)
+    for (int j = 0; j < m->funcs[i]->nops; j++) {
+      const IrOp *op = m->funcs[i]->ops[j];
+      IrParam *w = op->nargs == 2 ? op->args[1].param : NULL;
+      if (!w || (op->kind != IR_OP_EMBED && (op->kind != IR_OP_MATMUL || m->funcs[i]->role != IR_ROLE_LOSS_FWD))) continue;
+      ir_attrs_set_int(w->attrs, &w->nattrs, "mp_split", op->kind == IR_OP_EMBED || ir_op_int(op, "tb", 0) ? 0 : 1);
+    }
+}
+
 static bool vocab_split(Par *P) {
   IrFunc *f = P->f;
   int made = 0;
@@ -340,6 +352,7 @@ bool pass_parallelize(IrModule *m, PassCtx *ctx) {
     return ir_error(ctx->d, "mp %lld and esp %lld must divide gpus_per_node %lld: their groups are consecutive ranks "
                     "inside a node", (long long)P.mp, (long long)P.esp, (long long)per_node);
 
+  if (P.mp > 1 && ir_mod_int(m, "vocab_parallel", 0)) mark_vocab(m);
   // Parameters: expert shards and gradient reductions.
   for (int i = 0; i < m->nparams; i++) {
     IrParam *p = m->params[i];
