@@ -8,7 +8,8 @@
 #   - the first training step beside the median of the next four (--log's time_ms) of that model
 #     and of bench/models/lm_mid.moe (AdamW: its moments are written every step).
 #   - the memory features: the mid-size model's peak resident memory on 1, 2 and 4 ranks beside the
-#     memory plan's, with and without the sharded optimizer and recomputation, and their step time.
+#     memory plan's, with and without the sharded optimizer, recomputation (norms, layers) and the
+#     vocabulary split over MP, and their step time.
 # On a virtual machine the first touch of memory the host has not backed yet costs far more than
 # the guest's page fault; the numbers say what this machine does. MEMORY_ROUNDS="1" for one round.
 set -u
@@ -61,10 +62,10 @@ done
 # steps 2-3 beside the same layout's without the features.
 echo "# the mid-size model: rank 0's peak resident memory (MiB) beside the memory plan's, and the step time"
 printf "%-40s %10s %10s %9s %10s %9s\n" "" "measured" "plan" "meas/plan" "step ms" "vs plain"
-mid_variant() {   # NAME RANKS PARALLEL SHARD RECOMPUTE
+mid_variant() {   # NAME RANKS PARALLEL SHARD RECOMPUTE VOCAB_PARALLEL
   local opt="s/adamw {/adamw {/"
   [ "$4" = 1 ] && opt="s/adamw {/adamw { shard true;/"
-  sed "$opt; s/seed 1;/seed 1; recompute $5;/; s/^layer block x 6/$3\nlayer block x 6/" bench/models/lm_mid.moe >"$WORK/$1.moe"
+  sed "$opt; s/seed 1;/seed 1; recompute $5; vocab_parallel $([ "${6:-0}" = 1 ] && echo true || echo false);/; s/^layer block x 6/$3\nlayer block x 6/" bench/models/lm_mid.moe >"$WORK/$1.moe"
   "$MOEC" build "$WORK/$1.moe" -o "$WORK/$1" >/dev/null || exit 1
   (cd "$WORK" && OMP_NUM_THREADS=$((2 / $2 > 0 ? 2 / $2 : 1)) mpirun --allow-run-as-root --oversubscribe -np "$2" ./$1 --steps 3 \
      --log "$1.jsonl" >"$1.out" 2>&1) || { echo "FAIL  memory: $1"; tail -n 3 "$WORK/$1.out"; exit 1; }
@@ -76,12 +77,14 @@ mid_variant() {   # NAME RANKS PARALLEL SHARD RECOMPUTE
 }
 for row in "mid_1|1||0|none" "mid_1_rc|1||0|norms" "mid_2|2|parallel { dp 2; ep 2; }|0|none" \
            "mid_2_shard|2|parallel { dp 2; ep 2; }|1|none" "mid_2_all|2|parallel { dp 2; ep 2; }|1|norms" \
-           "mid_4|4|parallel { dp 2; mp 2; ep 2; esp 2; }|0|none" "mid_4_all|4|parallel { dp 2; mp 2; ep 2; esp 2; }|1|norms"; do
-  IFS='|' read -r name np par shard rc <<<"$row"
-  read -r meas plan step <<<"$(mid_variant "$name" "$np" "$par" "$shard" "$rc")"
+           "mid_4|4|parallel { dp 2; mp 2; ep 2; esp 2; }|0|none" "mid_4_all|4|parallel { dp 2; mp 2; ep 2; esp 2; }|1|norms" \
+           "mid_4_layers|4|parallel { dp 2; mp 2; ep 2; esp 2; }|1|layers" \
+           "mid_4_vp|4|parallel { dp 2; mp 2; ep 2; esp 2; }|1|layers|1"; do
+  IFS='|' read -r name np par shard rc vp <<<"$row"
+  read -r meas plan step <<<"$(mid_variant "$name" "$np" "$par" "$shard" "$rc" "$vp")"
   [ "$meas" != "?" ] || { echo "FAIL  memory: $name: no peak line"; exit 1; }
-  case $name in *_rc|*_shard|*_all) base_step=${plain_step:-$step} ;; *) plain_step=$step base_step=$step ;; esac
-  what="$name (${np} rank$([ "$np" -gt 1 ] && echo s)$([ "$shard" = 1 ] && echo ', shard')$([ "$rc" != none ] && echo ", recompute $rc"))"
+  case $name in *_rc|*_shard|*_all|*_layers|*_vp) base_step=${plain_step:-$step} ;; *) plain_step=$step base_step=$step ;; esac
+  what="$name (${np} rank$([ "$np" -gt 1 ] && echo s)$([ "$shard" = 1 ] && echo ', shard')$([ "$rc" != none ] && echo ", recompute $rc")$([ "$vp" = 1 ] && echo ', vocab_parallel'))"
   printf "%-40s %10s %10s %9s %10s %9s\n" "$what" "$meas" "$plan" "$(awk -v a="$meas" -v b="$plan" 'BEGIN {printf "%.3f", a / b}')" \
     "$step" "$(awk -v a="$step" -v b="$base_step" 'BEGIN {printf "%.3f", a / b}')"
 done

@@ -329,36 +329,78 @@ static bool choice_applies(const MemoryChoice *c, const IrModule *m, const FeTar
   return ir_mod_int(m, c->attr, 0) < c->value;
 }
 
+// A build of the program with memory choices: its module, the source its locations point into,
+// the pass context holding its memory plan.
+typedef struct Built {
+  IrModule *m;
+  IrSource *src;
+  PassCtx ctx;
+} Built;
+
+static void built_free(Built *b) {
+  ir_module_free(b->m);
+  pass_ctx_free(&b->ctx);
+  ir_source_free(b->src);
+  *b = (Built){0};
+}
+
+static double built_step(const Built *b) { return ir_mod_float(b->m, "t_iter_pred", 0); }
+static int64_t built_peak(const Built *b) { return pass_mem_peak(b->ctx.memplan); }
+
 // The program built again (front end with the layout already chosen, every pass) with the choices
-// in set, and *src its source (the module's locations point into it); NULL when that failed
+// in set, `recompute layers` in the first `upto` layers only when upto > 0; false when that failed
 // (reported).
-static IrModule *rebuild(IrDiag *d, const Options *o, const FeTargetCaps *caps, const bool *set, const PassCtx *like,
-                         PassCtx *ctx, IrSource **src) {
+static bool rebuild(IrDiag *d, const Options *o, const FeTargetCaps *caps, const bool *set, int64_t upto,
+                    const PassCtx *like, Built *out) {
   Cluster again;
-  IrModule *m = front_end(d, o, caps, src, &again);
+  *out = (Built){0};
+  IrModule *m = front_end(d, o, caps, &out->src, &again);
   fe_hf_export_free(&again.hf);
-  *ctx = *like;
-  ctx->verbose = false;
-  ctx->memplan = NULL;
+  out->ctx = *like;
+  out->ctx.verbose = false;
+  out->ctx.memplan = NULL;
   for (int k = 0; m && k < NCHOICES; k++) {
     const MemoryChoice *c = &memory_choices[k];
     if (set[k] && ir_mod_int(m, c->attr, 0) < c->value) ir_attrs_set_int(m->attrs, &m->nattrs, c->attr, c->value);
   }
+  if (m && upto > 0) ir_attrs_set_int(m->attrs, &m->nattrs, "recompute_layers", upto);
   if (m && o->no_fuse) ir_attrs_set_int(m->attrs, &m->nattrs, "no_fuse", 1);
-  if (m && pass_run_pipeline(m, ctx)) return m;
-  ir_module_free(m);
-  pass_ctx_free(ctx);
-  ir_source_free(*src);
-  *src = NULL;
-  return NULL;
+  out->m = m;
+  if (m && pass_run_pipeline(m, &out->ctx)) return true;
+  built_free(out);
+  return false;
+}
+
+// `recompute layers` fits: the fewest first layers that still fit (bisection; each layer left
+// out saves its GEMMs' second run). *b becomes that build; *upto its count (0: every layer).
+static bool fewest_layers(IrDiag *d, const Options *o, const FeTargetCaps *caps, const bool *set, const PassCtx *like,
+                          int64_t limit, Built *b, int64_t *upto, int64_t *layers) {
+  *layers = 0;
+  for (int i = 0; i < b->m->nfuncs; i++) *layers += b->m->funcs[i]->role == IR_ROLE_LAYER_BWD;
+  int64_t lo = 1, hi = *layers;   // hi: the fewest known to fit
+  *upto = 0;
+  while (lo < hi) {
+    int64_t mid = (lo + hi) / 2;
+    Built t;
+    if (!rebuild(d, o, caps, set, mid, like, &t)) return false;
+    if (built_peak(&t) <= limit) {
+      built_free(b);
+      *b = t;
+      hi = *upto = mid;
+    } else {
+      built_free(&t);
+      lo = mid + 1;
+    }
+  }
+  return true;
 }
 
 // When the memory plan's peak per rank exceeds the profile's memory, applies the choices that
 // apply, each round the one whose build the cost model prices fastest (ties: one that fits, then
-// the one listed first),
-// until the program fits (*m and *ctx are then that build's), saying each choice, its peak and the
-// planned step. False (an error with the smallest peak reached and what would fit) when nothing
-// does.
+// the one listed first; the inexact one only when no exact one is left), `recompute layers` in
+// the fewest first layers that fit, until the program fits (*m and *ctx are then that build's),
+// saying each choice, its peak and the planned step. False (an error with the smallest peak
+// reached and what would fit) when nothing does.
 static bool fit_memory(IrDiag *d, const Options *o, const FeTargetCaps *caps, Cluster *cl, IrModule **m, PassCtx *ctx,
                        IrSource **src) {
   if (!cl->have || cl->memory <= 0) return true;
@@ -375,12 +417,11 @@ static bool fit_memory(IrDiag *d, const Options *o, const FeTargetCaps *caps, Cl
   Options again_o = *o;
   if (cl->layout_spec[0]) again_o.layout = cl->layout_spec;
   bool set[NCHOICES] = {false};
+  int64_t chosen_upto = 0;   // `recompute layers` in the first chosen_upto layers (0: all)
   while (peak > limit) {
     int best = -1;
-    IrModule *best_m = NULL;
-    IrSource *best_src = NULL;
-    PassCtx best_ctx = {0};
-    double t0 = ir_mod_float(*m, "t_iter_pred", 0), best_t = 0;
+    Built best_b = {0};
+    double t0 = ir_mod_float(*m, "t_iter_pred", 0);
     // The exact choices first: an inexact one only when none of them is left.
     bool exact_left = false;
     for (int k = 0; k < NCHOICES; k++)
@@ -388,43 +429,47 @@ static bool fit_memory(IrDiag *d, const Options *o, const FeTargetCaps *caps, Cl
     for (int k = 0; k < NCHOICES; k++) {
       if (set[k] || (exact_left && memory_choices[k].inexact) || !choice_applies(&memory_choices[k], *m, caps)) continue;
       set[k] = true;
-      PassCtx try_ctx;
-      IrSource *try_src = NULL;
-      IrModule *try_m = rebuild(d, &again_o, caps, set, ctx, &try_ctx, &try_src);
+      Built t;
+      bool built = rebuild(d, &again_o, caps, set, chosen_upto, ctx, &t);
       set[k] = false;
-      if (!try_m) {
-        ir_module_free(best_m);
-        pass_ctx_free(&best_ctx);
-        ir_source_free(best_src);
+      if (!built) {
+        built_free(&best_b);
         return false;
       }
-      double t = ir_mod_float(try_m, "t_iter_pred", 0);
-      int64_t p = pass_mem_peak(try_ctx.memplan);
       // The fastest; on a tie one that fits, then the one listed first (the smaller change).
-      bool better = best < 0 || t < best_t || (t == best_t && p <= limit && pass_mem_peak(best_ctx.memplan) > limit);
+      bool better = best < 0 || built_step(&t) < built_step(&best_b) ||
+                    (built_step(&t) == built_step(&best_b) && built_peak(&t) <= limit && built_peak(&best_b) > limit);
       if (better) {
-        if (best_m) ir_module_free(best_m), pass_ctx_free(&best_ctx), ir_source_free(best_src);
-        best = k, best_m = try_m, best_ctx = try_ctx, best_src = try_src, best_t = t;
+        built_free(&best_b);
+        best = k, best_b = t;
       } else {
-        ir_module_free(try_m);
-        pass_ctx_free(&try_ctx);
-        ir_source_free(try_src);
+        built_free(&t);
       }
     }
     if (best < 0) break;
     set[best] = true;
-    int64_t now = pass_mem_peak(best_ctx.memplan);
-    fprintf(stderr, "# memory: peak %s per rank, over the memory of cluster '%s' (%s): chose %s: peak %s",
-            ir_bytes(a, sizeof a, (double)peak), cl->name, ir_bytes(b, sizeof b, (double)limit), memory_choices[best].what,
-            ir_bytes(c, sizeof c, (double)now));
+    int64_t upto = 0, layers = 0;
+    const MemoryChoice *ch = &memory_choices[best];
+    if (strcmp(ch->attr, "recompute") == 0 && ch->value == 3 && built_peak(&best_b) <= limit &&
+        !fewest_layers(d, &again_o, caps, set, ctx, limit, &best_b, &upto, &layers)) {
+      built_free(&best_b);
+      return false;
+    }
+    if (upto > 0) chosen_upto = upto;
+    int64_t now = built_peak(&best_b);
+    double best_t = built_step(&best_b);
+    fprintf(stderr, "# memory: peak %s per rank, over the memory of cluster '%s' (%s): chose %s", ir_bytes(a, sizeof a, (double)peak),
+            cl->name, ir_bytes(b, sizeof b, (double)limit), ch->what);
+    if (upto > 0) fprintf(stderr, " in the first %lld of %lld layers", (long long)upto, (long long)layers);
+    fprintf(stderr, ": peak %s", ir_bytes(c, sizeof c, (double)now));
     if (t0 > 0 && best_t > 0) fprintf(stderr, ", planned step %.2f -> %.2f ms (%+.1f %%)", t0, best_t, 100.0 * (best_t - t0) / t0);
     fprintf(stderr, "\n");
     ir_module_free(*m);
     pass_ctx_free(ctx);
     ir_source_free(*src);
-    *m = best_m;
-    *ctx = best_ctx;
-    *src = best_src;
+    *m = best_b.m;
+    *ctx = best_b.ctx;
+    *src = best_b.src;
     ctx->verbose = o->verbose;
     peak = now;
     if (o->verbose)   // the plan the program is built with (the passes' own report was the first build's)

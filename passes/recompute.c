@@ -122,16 +122,28 @@ static bool recompute_func(IrModule *m, IrFunc *b, int level, int *made) {
   return ok;
 }
 
+// With module attribute recompute_layers K > 0 (moec build's memory choice: the fewest layers
+// that fit), level 3 applies to the backward functions of the first K layer functions in forward
+// order — their saved values live longest — and level 2 to the others and the loss.
 bool pass_recompute(IrModule *m, PassCtx *ctx) {
   int level = (int)ir_mod_int(m, "recompute", 0), made = 0;
+  int64_t upto = level == 3 ? ir_mod_int(m, "recompute_layers", 0) : 0, layers = 0;
   if (level <= 0) return true;
   for (int i = 0; i < m->nfuncs; i++) {
     IrFunc *b = m->funcs[i];
     if ((b->role != IR_ROLE_LAYER_BWD && b->role != IR_ROLE_LOSS_BWD) || !b->saves) continue;
-    if (!recompute_func(m, b, level, &made)) return ir_oom(ctx->d);
+    int64_t k = 0;   // the position of b's forward among the layer functions that have a backward
+    for (int j = 0; b->role == IR_ROLE_LAYER_BWD && j < m->nfuncs; j++)
+      if (m->funcs[j]->saves && m->funcs[j]->role == IR_ROLE_LAYER_BWD && m->funcs[j]->saves->index < b->saves->index) k++;
+    layers += b->role == IR_ROLE_LAYER_BWD;
+    int lv = upto > 0 && (b->role == IR_ROLE_LOSS_BWD || k >= upto) ? 2 : level;
+    if (!recompute_func(m, b, lv, &made)) return ir_oom(ctx->d);
   }
-  if (ctx->verbose)
-    fprintf(ctx->log ? ctx->log : stderr, "# recompute: level %d (%s): %d ops computed again in the backward\n", level,
-            level == 1 ? "activations" : level == 2 ? "activations and norms" : "layers", made);
+  if (ctx->verbose) {
+    FILE *log = ctx->log ? ctx->log : stderr;
+    fprintf(log, "# recompute: level %d (%s", level, level == 1 ? "activations" : level == 2 ? "activations and norms" : "layers");
+    if (upto > 0 && upto < layers) fprintf(log, " of the first %lld of %lld layer functions, norms elsewhere", (long long)upto, (long long)layers);
+    fprintf(log, "): %d ops computed again in the backward\n", made);
+  }
   return true;
 }

@@ -13,7 +13,9 @@
 #   - moec build for a cluster's memory between the peaks on one rank (no sharded optimizer there)
 #     chooses recomputation, says so, and the binary trains the unconstrained build's losses;
 #   - an 8-block language model on dp2·mp2·ep2·esp2 built against 60 % of its peak fits and trains
-#     the unconstrained build's bits (8 steps, every --dump tensor);
+#     the unconstrained build's bits (8 steps, every --dump tensor); against a memory between the
+#     peaks of `recompute norms` and `recompute layers` the build recomputes whole layers in the
+#     fewest first layer functions that fit, the same bits;
 #   - the plan's peak against the measured one: the mid-size model on 4 ranks, as written and with
 #     the sharded optimizer and `recompute norms`, rank 0's peak resident memory 1.00-1.10x the plan's.
 . "$(dirname "$0")/../lib.sh"
@@ -150,6 +152,21 @@ if [ -n "$full" ] && "$MOEC" build "$WORK/m60.moe" -o "$WORK/m60.full" 2>"$WORK/
   fi
 else
   bad "memory at 60 % of the peak on dp2·mp2·ep2·esp2" "$(cat "$WORK/err" "$WORK/m60.err" | tail -n 6; diff <(step_lines "$WORK/m60_full.out") <(step_lines "$WORK/m60_fit.out") | head -n 4)"
+fi
+
+# Between the peak with every exact choice and the one short of whole layers: moec build recomputes
+# whole layers in the fewest first layer functions that fit (bisection), the same bits again.
+sed 's/seed 5;/seed 5; recompute norms;/; s/clip 1.0;/clip 1.0; shard true;/' "$WORK/m60.moe" >"$WORK/m60n.moe"
+sed 's/seed 5;/seed 5; recompute layers;/; s/clip 1.0;/clip 1.0; shard true;/' "$WORK/m60.moe" >"$WORK/m60l.moe"
+pn=$(plan_peak "$WORK/m60n.moe") pl=$(plan_peak "$WORK/m60l.moe")
+sed "s/^  memory [0-9]*;.*/  memory $(((pn + pl) / 2));/" lang/clusters/cpu-2core.cluster >"$WORK/m60p.cluster"
+if [ -n "$pn" ] && [ -n "$pl" ] && "$MOEC" build "$WORK/m60.moe" --cluster "$WORK/m60p.cluster" -o "$WORK/m60.part" 2>"$WORK/m60p.err" &&
+   grep -q "chose 'recompute layers;' .* in the first [0-9]* of 9 layers" "$WORK/m60p.err" &&
+   (cd "$WORK" && $MPIRUN -np 4 ./m60.part --steps 8 --dump d60_part >m60_part.out 2>&1) &&
+   cmp -s <(step_lines "$WORK/m60_full.out") <(step_lines "$WORK/m60_part.out") && diff -r "$WORK/d60_full" "$WORK/d60_part" >/dev/null; then
+  ok "memory between the peaks of recompute norms and layers ($pl < memory < $pn bytes): $(grep -o 'in the first [0-9]* of 9 layers.*' "$WORK/m60p.err"), the unconstrained bits"
+else
+  bad "recompute layers in the fewest layers" "$(grep -v '^# target' "$WORK/m60p.err" | cut -c1-200 | tail -n 4)"
 fi
 
 # ---- the plan's peak against the measured one ----
