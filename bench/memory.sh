@@ -61,7 +61,7 @@ done
 # process also holds its libraries, MPI's and OpenBLAS's buffers), and the median step time of
 # steps 2-3 beside the same layout's without the features.
 echo "# the mid-size model: rank 0's peak resident memory (MiB) beside the memory plan's, and the step time"
-printf "%-40s %10s %10s %9s %10s %9s\n" "" "measured" "plan" "meas/plan" "step ms" "vs plain"
+printf "%-60s %10s %10s %9s %10s %9s\n" "" "measured" "plan" "meas/plan" "step ms" "vs plain"
 mid_variant() {   # NAME RANKS PARALLEL SHARD RECOMPUTE VOCAB_PARALLEL
   local opt="s/adamw {/adamw {/"
   [ "$4" = 1 ] && opt="s/adamw {/adamw { shard true;/"
@@ -85,6 +85,6 @@ for row in "mid_1|1||0|none" "mid_1_rc|1||0|norms" "mid_2|2|parallel { dp 2; ep 
   [ "$meas" != "?" ] || { echo "FAIL  memory: $name: no peak line"; exit 1; }
   case $name in *_rc|*_shard|*_all|*_layers|*_vp) base_step=${plain_step:-$step} ;; *) plain_step=$step base_step=$step ;; esac
   what="$name (${np} rank$([ "$np" -gt 1 ] && echo s)$([ "$shard" = 1 ] && echo ', shard')$([ "$rc" != none ] && echo ", recompute $rc")$([ "$vp" = 1 ] && echo ', vocab_parallel'))"
-  printf "%-40s %10s %10s %9s %10s %9s\n" "$what" "$meas" "$plan" "$(awk -v a="$meas" -v b="$plan" 'BEGIN {printf "%.3f", a / b}')" \
+  printf "%-60s %10s %10s %9s %10s %9s\n" "$what" "$meas" "$plan" "$(awk -v a="$meas" -v b="$plan" 'BEGIN {printf "%.3f", a / b}')" \
     "$step" "$(awk -v a="$step" -v b="$base_step" 'BEGIN {printf "%.3f", a / b}')"
 done
