@@ -3,7 +3,8 @@
 # (all of them, or the ones named) and ends with the totals: "N passed, N failed, N skipped".
 # Exit status 1 if anything failed.
 #
-#   tests/run.sh             every suite, in the table's order
+#   tests/run.sh             every suite, in the table's order (SUITE_JOBS at a time, default 2:
+#                            the reports in order; SUITE_JOBS=1 one after another)
 #   tests/run.sh NAME...     these suites (builds nothing: `make check T="NAME..."` builds what they need)
 #   tests/run.sh --list      the suites, with what each needs built
 #
@@ -51,28 +52,63 @@ ok()   { passed=$((passed + 1)); printf 'ok    %s\n' "$1"; }
 bad()  { failed=$((failed + 1)); failures+=("$1"); printf 'FAIL  %s\n' "$1"; [ -n "${2:-}" ] && printf '%s\n' "$2" | sed 's/^/      /' | head -n 40; }
 skip() { skipped=$((skipped + 1)); printf 'skip  %s: %s\n' "$1" "$2"; }
 
-# run_suite NAME SCRIPT: counts the script's `ok    `, `FAIL  ` and `skip  ` lines.
-run_suite() {
-  local label=$1 script=$2 results=0 fails=0 line l
+# count_suite NAME FILE: counts the `ok    `, `FAIL  ` and `skip  ` lines of a suite's output
+# (ending with its "exit status N" line).
+count_suite() {
+  local label=$1 file=$2 results=0 fails=0 line l
   while IFS= read -r line; do
     case "$line" in
       "ok    "*) ok "${line#ok    }"; results=$((results + 1)) ;;
       "FAIL  "*) bad "${line#FAIL  }"; results=$((results + 1)); fails=$((fails + 1)) ;;
       "skip  "*) l=${line#skip  }; skip "${l%%: *}" "${l#*: }"; results=$((results + 1)) ;;
-      "exit status "*) [ "${line#exit status }" = 0 ] || [ "$fails" -gt 0 ] || bad "$label" "$script exited with ${line#exit status } without reporting a failure" ;;
+      "exit status "*) [ "${line#exit status }" = 0 ] || [ "$fails" -gt 0 ] || bad "$label" "$file exited with ${line#exit status } without reporting a failure" ;;
       *) printf '      %s\n' "$line" ;;
     esac
-  done < <(BUILD=$BUILD MOEC=$MOEC bash "$script" 2>&1; echo "exit status $?")
-  [ "$results" -gt 0 ] || bad "$label" "$script reported no result"
+  done <"$file"
+  [ "$results" -gt 0 ] || bad "$label" "${scripts[$3]} reported no result"
 }
 
-times=()
-for i in "${run[@]}"; do
-  printf '\n# %s (%s: %s)\n' "${titles[$i]}" "${names[$i]}" "${scripts[$i]}"
-  start=$SECONDS
-  run_suite "${names[$i]}" "${scripts[$i]}"
-  times+=("${names[$i]} $((SECONDS - start))s")
+# Suites run SUITE_JOBS at a time (default 2: most suites keep one core busy, so two at a time
+# take the 2-core machine's both), their reports printed whole and in the table's order as soon
+# as they and the ones before them are done. The suites that time themselves or the network
+# (a build under 1 s, tune's bounded time, the emulated cluster's links and timeouts, MPI's
+# failure detection) run alone.
+SOLO=" plan-build tune cluster-link cluster-smoke cluster-faults mpi-comm mpi-failures "
+JOBS=${SUITE_JOBS:-2}
+OUT=$(mktemp -d "${TMPDIR:-/tmp}/moec-run.XXXXXX")
+trap 'rm -rf "$OUT"' EXIT
+start_suite() {   # K: suite run[K], in the background, its output to $OUT/K.out, its seconds to $OUT/K.time
+  local i=${run[$1]}
+  ( s0=$SECONDS
+    BUILD=$BUILD MOEC=$MOEC bash "${scripts[$i]}" >"$OUT/$1.part" 2>&1 </dev/null
+    echo "exit status $?" >>"$OUT/$1.part"
+    echo $((SECONDS - s0)) >"$OUT/$1.time"
+    mv "$OUT/$1.part" "$OUT/$1.out" ) &
+}
+times=() shown=0
+show_done() {   # prints the finished suites whose predecessors are all printed
+  while [ "$shown" -lt "${#run[@]}" ] && [ -f "$OUT/$shown.out" ]; do
+    local i=${run[$shown]}
+    printf '\n# %s (%s: %s)\n' "${titles[$i]}" "${names[$i]}" "${scripts[$i]}"
+    count_suite "${names[$i]}" "$OUT/$shown.out" "$i"
+    times+=("${names[$i]} $(cat "$OUT/$shown.time")s")
+    shown=$((shown + 1))
+  done
+}
+for k in "${!run[@]}"; do
+  if [ "${SOLO/ ${names[${run[$k]}]} /}" != "$SOLO" ] || [ "$JOBS" -le 1 ]; then
+    wait
+    show_done
+    start_suite "$k"
+    wait
+  else
+    while [ "$(jobs -rp | wc -l)" -ge "$JOBS" ]; do wait -n; show_done; done
+    start_suite "$k"
+  fi
+  show_done
 done
+wait
+show_done
 
 echo
 [ ${#run[@]} -gt 1 ] && echo "time per suite: $(printf '%s, ' "${times[@]}" | sed 's/, $//')"
