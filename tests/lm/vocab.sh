@@ -171,8 +171,9 @@ fi
 # ---- the CUDA target on the fake device ----
 if [ -f "$BUILD/cuda/libfake_cuda.a" ]; then
   if MOEC_CUDA_FAKE=1 "$MOEC" build "$WORK/gpt2/vp.moe" --target cuda -o "$WORK/vp.cuda" 2>"$WORK/err" &&
-     (cd "$WORK" && $MPIRUN -np 2 ./vp.cuda --steps 8 >vp.cuda.out 2>&1) && cmp -s <(step_lines "$WORK/vp.cuda.out") <(step_lines "$WORK/gpt2/vp.out"); then
-    ok "vocab_parallel on the CUDA target (fake device, mp2·ep2): the CPU program's 8 steps"
+     (cd "$WORK" && $MPIRUN -np 2 ./vp.cuda --steps 8 --dump dc >vp.cuda.out 2>&1) &&
+     cmp -s <(step_lines "$WORK/vp.cuda.out") <(step_lines "$WORK/gpt2/vp.out") && diff -r "$WORK/dc" "$WORK/gpt2/dv" >/dev/null; then
+    ok "vocab_parallel on the CUDA target (fake device, mp2·ep2): the CPU program's 8 steps and --dump bytes (the logits gathered from the device)"
   else
     bad "vocab_parallel on the CUDA target (fake device)" "$(cat "$WORK/err"; tail -n 3 "$WORK/vp.cuda.out" 2>/dev/null)"
   fi
