@@ -34,6 +34,7 @@ typedef struct CliLayout {
   bool fits;             // legal and its peak within the cluster's memory
   bool shard;            // priced with the sharded optimizer, which moec build chooses to fit the memory
   const char *recompute; // priced with `recompute norms` or `recompute layers` (the same); NULL: as written
+  bool vocab_parallel;   // priced with the vocabulary split over MP (the same, when nothing exact fits)
   double step_ms;        // the model's policy's planned (simulated) step; -1: not priced
   int64_t peak_bytes;    // the memory plan's peak per rank; -1: not priced
   int64_t act_bytes;     // its activations (the rest: parameters, gradients, optimizer state)
@@ -62,7 +63,7 @@ int64_t cli_global_batch(const FeProgram *p);
 void cli_layout_apply(FeProgram *p, const CliLayout *l, int64_t global);
 // The ranked table (moec plan --layouts, moec build -v).
 void cli_layouts_print(FILE *out, const CliLayouts *ls, const char *cluster);
-// {"layouts": [{dp, mp, ep, esp, algo, policy, step_ms, peak_bytes, fits, shard, recompute (a level or null), why}...], "chosen": {...}}
+// {"layouts": [{dp, mp, ep, esp, algo, policy, step_ms, peak_bytes, fits, shard, recompute (a level or null), vocab_parallel, why}...], "chosen": {...}}
 bool cli_layouts_json(const char *path, const CliLayouts *ls);
 // Reports, at p's `parallel auto;`, that no layout fits (the smallest peak and what would help). False.
 bool cli_layout_nothing_fits(IrDiag *d, const FeProgram *p, const CliLayouts *ls);

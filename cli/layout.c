@@ -259,13 +259,21 @@ static bool shardable(const FeProgram *p) {
 typedef struct Written {
   bool shard;
   const char *recompute;
+  bool vocab_parallel;
 } Written;
 
-static Written with_choices(FeProgram *p, bool shard, const char *recompute) {
-  Written w = {p->model.optimizer.shard, p->model.recompute};
+static Written with_choices(FeProgram *p, bool shard, const char *recompute, bool vocab_parallel) {
+  Written w = {p->model.optimizer.shard, p->model.recompute, p->model.vocab_parallel};
   p->model.optimizer.shard = w.shard || shard;
   if (recompute) p->model.recompute = recompute;
+  p->model.vocab_parallel = w.vocab_parallel || vocab_parallel;
   return w;
+}
+
+// Whether moec build may split a language model's vocabulary over the mp ranks of layout c to fit
+// (its last memory choice, the one that changes the order of float sums).
+static bool vocab_splittable(const FeProgram *p, const CliLayout *c) {
+  return p->model.has_vocab && !p->model.vocab_parallel && !c->vocab_parallel && c->mp > 1 && p->model.vocab % c->mp == 0;
 }
 
 // The recomputation moec build would try next on a layout priced with `recompute` (NULL: none
@@ -281,26 +289,35 @@ static const char *next_recompute(const char *written, const char *recompute) {
 static void restore_choices(FeProgram *p, Written w) {
   p->model.optimizer.shard = w.shard;
   p->model.recompute = w.recompute;
+  p->model.vocab_parallel = w.vocab_parallel;
 }
 
-// c priced again with the sharded optimizer and the recomputation as asked (and c's own): kept,
-// with the choices marked, when the compiler prices it.
-static void price_with(Search *s, CliLayout *c, bool shard, const char *recompute) {
+// c priced again with the sharded optimizer, the recomputation and the vocabulary split as asked
+// (and c's own): kept, with the choices marked, when the compiler prices it.
+static void price_with(Search *s, CliLayout *c, bool shard, const char *recompute, bool vocab_parallel) {
   CliLayout again = *c;
-  Written w = with_choices(s->p, shard || c->shard, recompute ? recompute : c->recompute);
+  Written w = with_choices(s->p, shard || c->shard, recompute ? recompute : c->recompute, vocab_parallel || c->vocab_parallel);
   price(s, &again);
   restore_choices(s->p, w);
   if (again.step_ms < 0) return;
   *c = again;
   c->shard |= shard;
   if (recompute) c->recompute = recompute;
+  c->vocab_parallel |= vocab_parallel;
 }
 
-// ", with ..." of a layout priced with moec build's memory choices; "" without.
+// ", with ..." of a layout priced with moec build's memory choices ("A", "A and B", "A, B and C");
+// "" without.
 static const char *choices_text(const CliLayout *l) {
-  static char text[96];
-  snprintf(text, sizeof text, "%s%s%s%s%s", l->shard || l->recompute ? " with " : "", l->shard ? "the sharded optimizer" : "",
-           l->shard && l->recompute ? " and " : "", l->recompute ? "recompute " : "", l->recompute ? l->recompute : "");
+  static char text[128], rc[32];
+  const char *part[3];
+  int n = 0;
+  if (l->shard) part[n++] = "the sharded optimizer";
+  if (l->recompute) snprintf(rc, sizeof rc, "recompute %s", l->recompute), part[n++] = rc;
+  if (l->vocab_parallel) part[n++] = "the vocabulary split over MP";
+  text[0] = '\0';
+  for (int k = 0; k < n; k++)
+    snprintf(text + strlen(text), sizeof text - strlen(text), "%s%s", k == 0 ? " with " : k == n - 1 ? " and " : ", ", part[k]);
   return text;
 }
 
@@ -383,15 +400,19 @@ bool cli_layout_search(IrDiag *d, FeProgram *p, const FeCluster *fc, CliLayouts 
           price(&s, &c);
           c.legal = c.step_ms >= 0;
           c.fits = c.legal && (fc->memory <= 0 || c.peak_bytes <= fc->memory);
-          // What moec build would do to fit (cli/build.c): the sharded optimizer, then recomputation.
-          if (c.legal && !c.fits && shardable(p)) price_with(&s, &c, true, false);
+          // What moec build would do to fit (cli/build.c): the sharded optimizer, then recomputation
+          // (norms, then layers: all of them, where the build recomputes the fewest that fit), then
+          // the vocabulary split over MP.
+          if (c.legal && !c.fits && shardable(p)) price_with(&s, &c, true, NULL, false);
           c.fits = c.legal && (fc->memory <= 0 || c.peak_bytes <= fc->memory);
           for (const char *r; c.legal && !c.fits && (r = next_recompute(p->model.recompute, c.recompute));) {
             const char *had = c.recompute;
-            price_with(&s, &c, false, r);
+            price_with(&s, &c, false, r, false);
             c.fits = c.legal && (fc->memory <= 0 || c.peak_bytes <= fc->memory);
             if (c.recompute == had) break;   // not priced
           }
+          if (c.legal && !c.fits && vocab_splittable(p, &c)) price_with(&s, &c, false, NULL, true);
+          c.fits = c.legal && (fc->memory <= 0 || c.peak_bytes <= fc->memory);
           for (int i = 0; i < p->nlayers; i++) p->layers[i].moe.algo = algos[i];
           if (c.legal && !c.fits) {
             char need[32], have[32];
@@ -416,7 +437,7 @@ bool cli_layout_search(IrDiag *d, FeProgram *p, const FeCluster *fc, CliLayouts 
     if (long_stack) {
       Eval whole = {0};
       cli_layout_apply(p, c, global);
-      Written w = with_choices(p, c->shard, c->recompute);
+      Written w = with_choices(p, c->shard, c->recompute, c->vocab_parallel);
       bool priced = eval_program(p, fc, &s.sc, &whole, c->why, sizeof c->why);
       restore_choices(p, w);
       for (int i = 0; i < p->nlayers; i++) p->layers[i].moe.algo = algos[i];
@@ -481,8 +502,9 @@ static void json_layout(FILE *f, const CliLayout *l, const char *policy) {
   fprintf(f, ", \"peak_bytes\": ");
   if (l->peak_bytes >= 0) fprintf(f, "%lld", (long long)l->peak_bytes);
   else fprintf(f, "null");
-  fprintf(f, ", \"fits\": %s, \"shard\": %s, \"recompute\": %s%s%s, \"why\": \"", l->fits ? "true" : "false",
-          l->shard ? "true" : "false", l->recompute ? "\"" : "", l->recompute ? l->recompute : "null", l->recompute ? "\"" : "");
+  fprintf(f, ", \"fits\": %s, \"shard\": %s, \"recompute\": %s%s%s, \"vocab_parallel\": %s, \"why\": \"",
+          l->fits ? "true" : "false", l->shard ? "true" : "false", l->recompute ? "\"" : "", l->recompute ? l->recompute : "null",
+          l->recompute ? "\"" : "", l->vocab_parallel ? "true" : "false");
   for (const char *s = l->why; *s; s++) {
     if (*s == '"' || *s == '\\') fprintf(f, "\\%c", *s);
     else if ((unsigned char)*s < 0x20) fprintf(f, "\\u%04x", (unsigned char)*s);

@@ -867,10 +867,8 @@ static void emit_header(Host *h, FILE *out, const char *source_name, const CgCud
                "   program's), the step's input X and target T, the activation arena A of the memory plan, and\n"
                "   the staging area S of the statistics the host reads after a step function (into H). */\n",
           h->adamw ? ", AdamW moments M and V" : "");
-  // The output: the last layer's [batch*seqlen, embed], or a language model's logits [batch*seqlen, vocab]
-  // (a vocabulary-parallel rank's columns: vocab/mp of them).
-  int64_t vocab = ir_mod_int(m, "vocab", 0);
-  if (ir_mod_int(m, "vocab_parallel", 0)) vocab /= ir_mod_int(m, "mp", 1);
+  // The output: the last layer's [batch*seqlen, embed], or a language model's logits (a split vocabulary: the rank's)
+  int64_t vocab = ir_mod_int(m, "vocab", 0) / (ir_mod_int(m, "vocab_parallel", 0) ? ir_mod_int(m, "mp", 1) : 1);
   int64_t output_floats = vocab > 0 ? ir_mod_int(m, "batch", 1) * ir_mod_int(m, "seqlen", 1) * vocab : elems;
   const char *names[] = {"PARAM_FLOATS", "ELEMS", "OFF_G", "OFF_M", "OFF_V", "OFF_X", "OFF_T", "OFF_A", "OFF_S",
                          "DEVICE_BYTES", "STAGE_BYTES", "OUTPUT_FLOATS"};

@@ -49,7 +49,7 @@ else
   if why=$($PY - "$WORK/legal.json" <<'PY'
 import json, sys
 d = json.load(open(sys.argv[1]))
-keys = ["dp", "mp", "ep", "esp", "algo", "policy", "step_ms", "peak_bytes", "fits", "shard", "recompute", "why"]
+keys = ["dp", "mp", "ep", "esp", "algo", "policy", "step_ms", "peak_bytes", "fits", "shard", "recompute", "vocab_parallel", "why"]
 bad = []
 if sorted(d) != sorted(["layouts", "chosen", "global_batch", "search_seconds"]): bad.append("top-level keys %s" % sorted(d))
 if d["global_batch"] != 4: bad.append("global batch %s, want the model's 4" % d["global_batch"])

@@ -16,6 +16,8 @@
 #   - the memory plan: the table and the logits are split (parameters and activations fall);
 #   - the IR: dump-ir shows loss.xent.stats, its AllGather, loss.xent.vp and round-trips;
 #   - the CUDA program with the split equals the CPU one on the fake device (2 ranks);
+#   - `parallel auto;` with a memory only the split reaches chooses a layout priced with it, and
+#     moec build applies it there (its last memory choice);
 #   - refusals: without `vocab`, and with an mp that does not divide vocab.
 . "$(dirname "$0")/../lib.sh"
 work lm-vocab
@@ -179,6 +181,21 @@ if [ -f "$BUILD/cuda/libfake_cuda.a" ]; then
   fi
 else
   skip "vocab_parallel on the CUDA target (fake device)" "no CUDA toolkit here ($BUILD/cuda/libfake_cuda.a not built)"
+fi
+
+# ---- parallel auto: a memory only the split reaches ----
+# make bench's mid-size model with `parallel auto;` on cpu-2core (2 nodes x 2) with 330 MB a rank:
+# the search prices every legal layout with the memory choices, the vocabulary split last; the
+# chosen layout fits only with it, and moec build applies it to that layout.
+sed 's/^layer block x 6/parallel auto;\nlayer block x 6/' bench/models/lm_mid.moe >"$WORK/auto.moe"
+sed 's/^  memory [0-9]*;.*/  memory 330000000;/' lang/clusters/cpu-2core.cluster >"$WORK/auto.cluster"
+if "$MOEC" plan "$WORK/auto.moe" --cluster "$WORK/auto.cluster" --layouts --json "$WORK/auto.json" >"$WORK/auto.out" 2>&1 &&
+   $PY -c 'import json, sys; c = json.load(open(sys.argv[1]))["chosen"]; sys.exit(not (c["vocab_parallel"] and c["mp"] > 1 and c["fits"]))' "$WORK/auto.json" &&
+   "$MOEC" build "$WORK/auto.moe" --cluster "$WORK/auto.cluster" --emit c -o /dev/null 2>"$WORK/err" >/dev/null &&
+   grep -q "chose 'vocab_parallel true;'" "$WORK/err"; then
+  ok "parallel auto with 330 MB a rank: $(grep -m1 chosen "$WORK/auto.out" | sed 's/  */ /g' | cut -c1-150); moec build splits the vocabulary last"
+else
+  bad "parallel auto with the vocabulary split" "$(cat "$WORK/auto.out" "$WORK/err" | cut -c1-200 | tail -n 12)"
 fi
 
 # ---- refusals ----
