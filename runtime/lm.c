@@ -151,18 +151,19 @@ const float *rt_lm_logits(RtTrainer *tr) {
   if (!m->vocab_parallel || r->mp == 1)
     return tr->st.output;
   int64_t t = m->batch * m->seqlen, part = m->vocab / r->mp;
-  float *parts = malloc((size_t)(t * m->vocab) * sizeof *parts);
-  if (!tr->logits_whole)
+  // Both buffers made once (--sample gathers after every token's forward).
+  if (!tr->logits_whole) {
     tr->logits_whole = malloc((size_t)(t * m->vocab) * sizeof *tr->logits_whole);
-  if (!parts || !tr->logits_whole) {
-    free(parts);
+    tr->logits_parts = malloc((size_t)(t * m->vocab) * sizeof *tr->logits_parts);
+  }
+  if (!tr->logits_whole || !tr->logits_parts) {
     rt_fail("out of memory gathering the logits of the vocabulary's %d parts", r->mp);
     return NULL;
   }
+  float *parts = tr->logits_parts;
   rt_allgather(tr->comm, RT_GROUP_MP, tr->st.output, parts, t * part);   // [mp][t][part]
   for (int64_t p = 0; p < r->mp; p++)
     for (int64_t i = 0; i < t; i++)
       memcpy(tr->logits_whole + i * m->vocab + p * part, parts + (p * t + i) * part, (size_t)part * sizeof *parts);
-  free(parts);
   return tr->logits_whole;
 }

@@ -86,6 +86,7 @@ static void trainer_destroy(RtTrainer *tr) {
   free(tr->input);
   free(tr->target);
   free(tr->logits_whole);
+  free(tr->logits_parts);
   if (tr->lm_open)
     rt_lm_close(&tr->lm);
   rt_log_close(tr->log);

@@ -67,7 +67,8 @@ typedef struct RtTrainer {
   bool lm_open;
   RtLog *log;              // --log (rank 0; NULL elsewhere and without it)
   RtLogLayer *log_layers;  // per routed layer, the step's reduced statistics (--log)
-  float *logits_whole;     // a vocabulary-parallel model's logits gathered over MP (rt_lm_logits)
+  float *logits_whole;     // a vocabulary-parallel model's logits gathered over MP (rt_lm_logits),
+  float *logits_parts;     // and the parts as the AllGather delivers them
 } RtTrainer;
 
 static inline bool rt_is_root(const RtTrainer *tr) {
