@@ -460,7 +460,7 @@ static bool fit_memory(IrDiag *d, const Options *o, const FeTargetCaps *caps, Cl
     double best_t = built_step(&best_b);
     fprintf(stderr, "# memory: peak %s per rank, over the memory of cluster '%s' (%s): chose %s", ir_bytes(a, sizeof a, (double)peak),
             cl->name, ir_bytes(b, sizeof b, (double)limit), ch->what);
-    if (upto > 0) fprintf(stderr, " in the first %lld of %lld layers", (long long)upto, (long long)layers);
+    if (upto > 0) fprintf(stderr, " in the first %lld of %lld layer functions", (long long)upto, (long long)layers);
     fprintf(stderr, ": peak %s", ir_bytes(c, sizeof c, (double)now));
     if (t0 > 0 && best_t > 0) fprintf(stderr, ", planned step %.2f -> %.2f ms (%+.1f %%)", t0, best_t, 100.0 * (best_t - t0) / t0);
     fprintf(stderr, "\n");

@@ -185,17 +185,6 @@ static bool retype(Par *P) {
   return true;
 }
 
-// A language model's vocabulary split over MP (module attribute vocab_parallel: the table's rows,
-// or the untied head's columns, marked mp_split by mark_vocab): each rank holds the rows of V/mp
-// tokens from vocab0 = mp_index * V/mp (the step value the kernels take).
-//   embed   the rank's rows (zeros for the other tokens), summed by a comm.allreduce over MP: its
-//           consumers are replicated, so its gradient passes unchanged;
-//   head    its input through comm.copy (the gradient: the members' partial sums, all-reduced), the
-//           rank's columns of the logits [t, V/mp];
-//   loss    loss.xent -> loss.xent.stats (each row's logsumexp over the rank's columns and the
-//           target's logit where it holds it), comm.allgather over MP, loss.xent.vp (the whole
-//           row's logsumexp from the parts'); autodiff seeds loss.xent.vp.grad of the rank's
-//           columns from them.
 // The parameters vocab_split splits: the embedding's table by rows (mp_split 0) and the head's
 // weight, the same table when tied (logits = x·tableᵀ), else by columns (mp_split 1).
 static void mark_vocab(IrModule *m) {
@@ -208,6 +197,17 @@ static void mark_vocab(IrModule *m) {
     }
 }
 
+// A language model's vocabulary split over MP (module attribute vocab_parallel: the table's rows,
+// or the untied head's columns, marked mp_split by mark_vocab): each rank holds the rows of V/mp
+// tokens from vocab0 = mp_index * V/mp (the step value the kernels take).
+//   embed   the rank's rows (zeros for the other tokens), summed by a comm.allreduce over MP: its
+//           consumers are replicated, so its gradient passes unchanged;
+//   head    its input through comm.copy (the gradient: the members' partial sums, all-reduced), the
+//           rank's columns of the logits [t, V/mp];
+//   loss    loss.xent -> loss.xent.stats (each row's logsumexp over the rank's columns and the
+//           target's logit where it holds it), comm.allgather over MP, loss.xent.vp (the whole
+//           row's logsumexp from the parts'); autodiff seeds loss.xent.vp.grad of the rank's
+//           columns from them.
 static bool vocab_split(Par *P) {
   IrFunc *f = P->f;
   int made = 0;
@@ -352,7 +352,8 @@ bool pass_parallelize(IrModule *m, PassCtx *ctx) {
     return ir_error(ctx->d, "mp %lld and esp %lld must divide gpus_per_node %lld: their groups are consecutive ranks "
                     "inside a node", (long long)P.mp, (long long)P.esp, (long long)per_node);
 
-  if (P.mp > 1 && ir_mod_int(m, "vocab_parallel", 0)) mark_vocab(m);
+  bool vp = P.mp > 1 && ir_mod_int(m, "vocab_parallel", 0);   // the vocabulary split too (vocab_split)
+  if (vp) mark_vocab(m);
   // Parameters: expert shards and gradient reductions.
   for (int i = 0; i < m->nparams; i++) {
     IrParam *p = m->params[i];
@@ -385,7 +386,6 @@ bool pass_parallelize(IrModule *m, PassCtx *ctx) {
   for (int i = 0; i < m->nfuncs; i++) {
     IrFunc *f = m->funcs[i];
     P.f = f;
-    bool vp = P.mp > 1 && ir_mod_int(m, "vocab_parallel", 0);
     if (f->role == IR_ROLE_LOSS_FWD) {
       for (int j = 0; j < f->nops; j++)
         if (f->ops[j]->kind == IR_OP_LOSS_MSE || f->ops[j]->kind == IR_OP_LOSS_XENT)

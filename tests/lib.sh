@@ -53,7 +53,16 @@ collect() {
   done
 }
 
-# The memory features' suites (tests/lm/shard.sh, tests/lm/recompute.sh):
+# The memory features' suites (tests/lm/shard.sh, tests/lm/recompute.sh, tests/lm/vocab.sh):
+# lm_variant MODEL FIELDS PARALLEL SCHEDULE: tests/models/grad_lm_MODEL.moe with the caller's $ADAMW
+# for its optimizer, the model fields FIELDS after its seed, and the statements PARALLEL and
+# SCHEDULE before its first layer.
+lm_variant() {
+  local seed
+  seed=$(sed -n 's/.*\(seed [0-9]*;\).*/\1/p' "tests/models/grad_lm_$1.moe" | head -n 1)
+  sed "s/optimizer sgd { lr 0.01; }/$ADAMW/; s/$seed/$seed $2/; s/^layer \([a-z]*\) x 2/$3\n$4\nlayer \1 x 2/" \
+    "tests/models/grad_lm_$1.moe"
+}
 # step_lines OUT: a run's step lines without their times (what two runs of the same bits share).
 step_lines() { grep '^step' "$1" | sed 's/  time.*//'; }
 # plan_peak F.moe: the memory plan's peak per rank in bytes, as `moec build -v` prints it ("" when

@@ -25,12 +25,7 @@ export OMP_NUM_THREADS=1
 ADAMW="optimizer adamw { lr 0.01; warmup 2; decay_steps 8; min_lr 0.001; clip 0.5; }"
 
 # variant MODEL PARALLEL SCHEDULE LEVEL: adamw, the layout, the schedule, `recompute LEVEL;`.
-variant() {
-  local seed
-  seed=$(sed -n 's/.*\(seed [0-9]*;\).*/\1/p' "tests/models/grad_lm_$1.moe" | head -n 1)
-  sed "s/optimizer sgd { lr 0.01; }/$ADAMW/; s/$seed/$seed recompute $4;/; s/^layer \([a-z]*\) x 2/$2\n$3\nlayer \1 x 2/" \
-    "tests/models/grad_lm_$1.moe"
-}
+variant() { lm_variant "$1" "recompute $4;" "$2" "$3"; }
 
 # equal NAME MODEL RANKS PARALLEL SCHEDULE
 equal() {
@@ -161,10 +156,10 @@ sed 's/seed 5;/seed 5; recompute layers;/; s/clip 1.0;/clip 1.0; shard true;/' "
 pn=$(plan_peak "$WORK/m60n.moe") pl=$(plan_peak "$WORK/m60l.moe")
 sed "s/^  memory [0-9]*;.*/  memory $(((pn + pl) / 2));/" lang/clusters/cpu-2core.cluster >"$WORK/m60p.cluster"
 if [ -n "$pn" ] && [ -n "$pl" ] && "$MOEC" build "$WORK/m60.moe" --cluster "$WORK/m60p.cluster" -o "$WORK/m60.part" 2>"$WORK/m60p.err" &&
-   grep -q "chose 'recompute layers;' .* in the first [0-9]* of 9 layers" "$WORK/m60p.err" &&
+   grep -q "chose 'recompute layers;' .* in the first [0-9]* of 9 layer functions" "$WORK/m60p.err" &&
    (cd "$WORK" && $MPIRUN -np 4 ./m60.part --steps 8 --dump d60_part >m60_part.out 2>&1) &&
    cmp -s <(step_lines "$WORK/m60_full.out") <(step_lines "$WORK/m60_part.out") && diff -r "$WORK/d60_full" "$WORK/d60_part" >/dev/null; then
-  ok "memory between the peaks of recompute norms and layers ($pl < memory < $pn bytes): $(grep -o 'in the first [0-9]* of 9 layers.*' "$WORK/m60p.err"), the unconstrained bits"
+  ok "memory between the peaks of recompute norms and layers ($pl < memory < $pn bytes): $(grep -o 'in the first [0-9]* of 9 layer functions.*' "$WORK/m60p.err"), the unconstrained bits"
 else
   bad "recompute layers in the fewest layers" "$(grep -v '^# target' "$WORK/m60p.err" | cut -c1-200 | tail -n 4)"
 fi

@@ -26,12 +26,7 @@ export OMP_NUM_THREADS=1
 ADAMW="optimizer adamw { lr 0.01; warmup 2; decay_steps 8; min_lr 0.001; clip 0.5; }"
 
 # variant MODEL LAYOUT EXTRA [SCHEDULE]: adamw, the layout, EXTRA model fields, a schedule statement.
-variant() {
-  local seed
-  seed=$(sed -n 's/.*\(seed [0-9]*;\).*/\1/p' "tests/models/grad_lm_$1.moe" | head -n 1)
-  sed "s/optimizer sgd { lr 0.01; }/$ADAMW/; s/$seed/$seed $3/; s/^layer \([a-z]*\) x 2/parallel { $2 }\n${4:-}\nlayer \1 x 2/" \
-    "tests/models/grad_lm_$1.moe"
-}
+variant() { lm_variant "$1" "$3" "parallel { $2 }" "${4:-}"; }
 
 # close A B: every float tensor of --dump folder B within 1e-5 of A's largest element (plus 1e-9
 # for the gradients that are zero but for rounding: a key bias's), integers equal, the logits
