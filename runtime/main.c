@@ -111,7 +111,7 @@ static int trainer_create(RtTrainer *tr, const RtModel *model, const RtOptions *
   int64_t tokens = model->batch * model->seqlen;
   st->token0 = ranks->dp_index * tokens + ranks->mp_index * (tokens / ranks->mp);
   st->vocab0 = model->vocab_parallel ? ranks->mp_index * (model->vocab / ranks->mp) : 0;
-  // Zeroed blocks on huge pages (rt_big_alloc): the kernel zeroes them as they are first touched.
+  // Zeroed blocks of their own mappings (rt_big_alloc): the kernel zeroes them as they are first touched.
   st->params = rt_big_alloc(floats * sizeof(float), "the parameters");
   st->grads = rt_big_alloc(floats * sizeof(float), "the gradients");
   st->opt_m = rt_big_alloc(floats * sizeof(float), "the optimizer's first moments");
@@ -133,9 +133,8 @@ static int trainer_create(RtTrainer *tr, const RtModel *model, const RtOptions *
   st->lr_scale = 1.0f;
   st->grad_scale = 1.0f;
   // The arena is zeroed (rt_big_alloc) so that a plan that reads a buffer before writing it is at
-  // least deterministic; every step writes it, so every thread touches it first here.
-  if (st->arena)
-    rt_big_touch(st->arena, tr->arena_bytes);
+  // least deterministic; every step writes it, so every thread touches it first before the first
+  // step (a run that trains none, a conversion or --sample, faults in what it uses).
   st->input = tr->input;
   st->target = tr->target;
   if (tr->opt.log && model->nlayers > 0) {   // every rank keeps them: --log reduces them over the world
@@ -625,6 +624,8 @@ static int train(RtTrainer *tr) {
   if (first <= last && !m->device) {   // what every step writes, first touched by every thread
     size_t bytes = (m->param_floats ? m->param_floats : 1) * sizeof(float);
     rt_big_touch(st->grads, bytes);
+    if (st->arena)
+      rt_big_touch(st->arena, tr->arena_bytes);
     if (m->opt == RT_OPT_ADAMW && !tr->opt.resume)   // (a resume's load touched them)
       rt_touch_moments(tr->comm, m, st->opt_m, st->opt_v);
   }

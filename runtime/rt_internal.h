@@ -34,9 +34,10 @@ void *rt_alloc(size_t bytes, const char *what);
 void *rt_calloc(size_t n, size_t size, const char *what);
 char *rt_strdup(const char *s, const char *what);
 // A large block (parameters, gradients, optimizer state, the arena, a file read whole): zeroed,
-// and from RT_BIG_PAGE bytes on its own mapping, 2 MiB aligned, asked for transparent huge pages
-// (madvise: the kernel's "madvise" mode gives them only so), so that filling it takes a fault per
-// 2 MiB, not per 4 KiB. Freed with rt_big_free and the same size (NULL allowed).
+// and from RT_BIG_PAGE bytes on its own mapping, 2 MiB aligned (a kernel whose transparent huge
+// pages are "always" backs it with them; moec does not ask for them: the "madvise" mode's
+// compaction stalled the first step), its pages zeroed by the kernel at their first touch.
+// Freed with rt_big_free and the same size (NULL allowed).
 enum { RT_BIG_PAGE = 2 << 20 };
 void *rt_big_alloc(size_t bytes, const char *what);
 void rt_big_free(void *p, size_t bytes);
@@ -290,11 +291,9 @@ int64_t rt_shard_global_index(const RtParam *p, const int64_t off[4], int64_t j)
 void rt_shard_init(const RtParam *p, const RtRanks *r, uint64_t seed, float *w);
 // Copies the intersection of a source box (offsets src_off, dims src_dims; src holds its
 // little-endian floats, possibly unaligned) and a destination box of the same tensor of `rank`
-// dimensions into dst, and sets covered[i] (destination flat index) for every element copied
-// when covered is not NULL. Returns the number of elements copied.
+// dimensions into dst (a large one by every thread). Returns the number of elements copied.
 int64_t rt_box_copy(int rank, const int64_t *src_off, const int64_t *src_dims, const void *src,
-                    const int64_t *dst_off, const int64_t *dst_dims, float *dst,
-                    unsigned char *covered);
+                    const int64_t *dst_off, const int64_t *dst_dims, float *dst);
 
 // ---- world-wide helpers (world.c) ----
 // Over the world group of c; plain local operations on a world of one (c NULL included).

@@ -181,29 +181,33 @@ static void strides_of(int rank, const int64_t *dims, int64_t *stride) {
   }
 }
 
-int64_t rt_box_copy(int rank, const int64_t *src_off, const int64_t *src_dims, const void *src,
-                    const int64_t *dst_off, const int64_t *dst_dims, float *dst,
-                    unsigned char *covered) {
-  int64_t lo[RT_MAX_RANK], hi[RT_MAX_RANK], c[RT_MAX_RANK];
-  int64_t sstride[RT_MAX_RANK], dstride[RT_MAX_RANK];
+// The intersection of two boxes of a tensor of `rank` dimensions, [lo, hi) in each; false when
+// it is empty.
+static bool box_meet(int rank, const int64_t *a_off, const int64_t *a_dims, const int64_t *b_off,
+                     const int64_t *b_dims, int64_t *lo, int64_t *hi) {
   for (int d = 0; d < rank; d++) {
-    lo[d] = src_off[d] > dst_off[d] ? src_off[d] : dst_off[d];
-    int64_t se = src_off[d] + src_dims[d], de = dst_off[d] + dst_dims[d];
-    hi[d] = se < de ? se : de;
+    lo[d] = a_off[d] > b_off[d] ? a_off[d] : b_off[d];
+    int64_t ae = a_off[d] + a_dims[d], be = b_off[d] + b_dims[d];
+    hi[d] = ae < be ? ae : be;
     if (lo[d] >= hi[d])
-      return 0;
-    c[d] = lo[d];
+      return false;
   }
-  if (rank == 0) {
-    memcpy(dst, src, sizeof(float));
-    if (covered)
-      covered[0] = 1;
-    return 1;
-  }
+  return true;
+}
+
+// rt_box_copy of the source rows [lo0, hi0) of the first dimension, the others from lo to hi.
+static void box_copy_rows(int rank, const int64_t *src_off, const int64_t *src_dims, const void *src,
+                          const int64_t *dst_off, const int64_t *dst_dims, float *dst,
+                          const int64_t *lo, const int64_t *hi, int64_t lo0, int64_t hi0) {
+  int64_t c[RT_MAX_RANK], sstride[RT_MAX_RANK], dstride[RT_MAX_RANK];
   strides_of(rank, src_dims, sstride);
   strides_of(rank, dst_dims, dstride);
+  memcpy(c, lo, (size_t)rank * sizeof *c);
+  c[0] = lo0;
   int last = rank - 1;
-  int64_t run = hi[last] - lo[last], total = 0;
+  int64_t run = hi[last] - lo[last];
+  if (last == 0)
+    run = hi0 - lo0;
   for (;;) {
     int64_t si = 0, di = 0;
     for (int d = 0; d < rank; d++) {
@@ -212,17 +216,36 @@ int64_t rt_box_copy(int rank, const int64_t *src_off, const int64_t *src_dims, c
     }
     memcpy(dst + di, (const unsigned char *)src + si * (int64_t)sizeof(float),
            (size_t)run * sizeof(float));
-    if (covered)
-      memset(covered + di, 1, (size_t)run);
-    total += run;
     int d = last - 1;
-    while (d >= 0 && ++c[d] == hi[d]) {
-      c[d] = lo[d];
+    while (d >= 0 && ++c[d] == (d == 0 ? hi0 : hi[d])) {
+      c[d] = d == 0 ? lo0 : lo[d];
       d--;
     }
     if (d < 0)
-      return total;
+      return;
   }
+}
+
+int64_t rt_box_copy(int rank, const int64_t *src_off, const int64_t *src_dims, const void *src,
+                    const int64_t *dst_off, const int64_t *dst_dims, float *dst) {
+  int64_t lo[RT_MAX_RANK], hi[RT_MAX_RANK];
+  if (!box_meet(rank, src_off, src_dims, dst_off, dst_dims, lo, hi))
+    return 0;
+  if (rank == 0) {
+    memcpy(dst, src, sizeof(float));
+    return 1;
+  }
+  int64_t total = 1;
+  for (int d = 0; d < rank; d++)
+    total *= hi[d] - lo[d];
+  // Slabs of the first dimension's rows shared out over the threads: a large tensor's copy is
+  // the first write of its pages' lines, one core's memory bandwidth would bound it.
+  int64_t rows = hi[0] - lo[0], slabs = total >= (1 << 20) && rows > 1 ? (rows < 64 ? rows : 64) : 1;
+  RT_PARALLEL_FOR(slabs > 1)
+  for (int64_t k = 0; k < slabs; k++)
+    box_copy_rows(rank, src_off, src_dims, src, dst_off, dst_dims, dst, lo, hi,
+                  lo[0] + rows * k / slabs, lo[0] + rows * (k + 1) / slabs);
+  return total;
 }
 
 // ---- small text helpers ----
@@ -453,14 +476,20 @@ int rt_checkpoint_save(RtComm *c, const char *path, const RtModel *m, const RtRa
 
 // ---- reading ----
 
-// One tensor a rank needs: its destination box, which elements are filled, whether any source
-// had it.
+// A box of a tensor, [lo, hi) in each dimension of its global shape.
+typedef struct Box {
+  int64_t lo[RT_MAX_RANK], hi[RT_MAX_RANK];
+} Box;
+
+// One tensor a rank needs: its destination box, the parts of it the sources filled, whether any
+// source had it.
 typedef struct Wanted {
   char *name;
   const RtParam *param;
   float *dst;
   int64_t off[4], dims[4], numel;   // the box: the rank's shard, or its rows of a sharded moment
-  unsigned char *covered;
+  Box *filled;
+  int nfilled, max_filled;
   bool found;
 } Wanted;
 
@@ -472,7 +501,7 @@ typedef struct Wants {
 static void wants_free(Wants *ws) {
   for (int i = 0; i < ws->n; i++) {
     free(ws->w[i].name);
-    free(ws->w[i].covered);
+    free(ws->w[i].filled);
   }
   free(ws->w);
   memset(ws, 0, sizeof *ws);
@@ -494,7 +523,6 @@ static int wants_make(Wants *ws, const RtComm *c, const RtModel *m, const RtRank
       box_of(c, p, r, k > 0, w->off, w->dims, &lo, &w->numel);
       w->dst = dst[k] + p->offset + lo;
       w->name = str_printf("%s%s", prefix[k], p->name);
-      w->covered = rt_calloc((size_t)w->numel + 1, 1, "the map of loaded elements");
     }
   }
   return 0;
@@ -545,8 +573,7 @@ static int take_whole(const char *path, const RtStSet *set, Wants *ws) {
                      rt_shape_str(want, sizeof want, p->rank, p->global_dims));
     }
     float *converted;
-    rt_box_copy(p->rank, zero, t->dims, floats_of(t, &converted), w->off, w->dims, w->dst,
-                w->covered);
+    rt_box_copy(p->rank, zero, t->dims, floats_of(t, &converted), w->off, w->dims, w->dst);
     free(converted);
     w->found = true;
   }
@@ -585,12 +612,71 @@ static int take_shard(const char *file, const RtStFile *f, Wants *ws) {
                      rt_shape_str(want, sizeof want, rank, off),
                      rt_shape_str(whole, sizeof whole, rank, global));
     float *converted;
-    rt_box_copy(p->rank, off, t->dims, floats_of(t, &converted), w->off, w->dims, w->dst,
-                w->covered);
+    rt_box_copy(p->rank, off, t->dims, floats_of(t, &converted), w->off, w->dims, w->dst);
     free(converted);
     w->found = true;
+    Box b;
+    if (box_meet(p->rank, off, t->dims, w->off, w->dims, b.lo, b.hi)) {
+      if (w->nfilled == w->max_filled) {
+        w->max_filled = w->max_filled ? 2 * w->max_filled : 4;
+        Box *more = realloc(w->filled, (size_t)w->max_filled * sizeof *more);
+        if (!more)
+          rt_out_of_memory((size_t)w->max_filled * sizeof *more, "the boxes a checkpoint filled");
+        w->filled = more;
+      }
+      w->filled[w->nfilled++] = b;
+    }
   }
   return 0;
+}
+
+static bool boxes_meet(int rank, const Box *a, const Box *b) {
+  for (int d = 0; d < rank; d++)
+    if (a->hi[d] <= b->lo[d] || b->hi[d] <= a->lo[d])
+      return false;
+  return true;
+}
+
+// The first element of w's box that none of the filled boxes holds (its index in the box), or -1.
+// Boxes that do not overlap (the shards of a checkpoint moec saved) cover the box when their
+// sizes add up to it; otherwise a map of the box's elements is drawn.
+static int64_t first_hole(const Wanted *w) {
+  int rank = w->param->rank;
+  int64_t sum = 0;
+  bool apart = true;
+  for (int i = 0; i < w->nfilled; i++) {
+    int64_t n = 1;
+    for (int d = 0; d < rank; d++)
+      n *= w->filled[i].hi[d] - w->filled[i].lo[d];
+    sum += n;
+    for (int j = 0; j < i && apart; j++)
+      apart = !boxes_meet(rank, &w->filled[i], &w->filled[j]);
+  }
+  if (apart && sum == w->numel)
+    return -1;
+  unsigned char *map = rt_calloc((size_t)w->numel + 1, 1, "the map of loaded elements");
+  int64_t stride[RT_MAX_RANK], hole = -1;
+  strides_of(rank, w->dims, stride);
+  for (int i = 0; i < w->nfilled; i++) {
+    const Box *b = &w->filled[i];
+    int64_t n = 1, c[RT_MAX_RANK];
+    for (int d = 0; d < rank; d++)
+      n *= b->hi[d] - b->lo[d];
+    for (int64_t e = 0; e < n; e++) {   // element e of the box, row-major
+      int64_t rest = e, at = 0;
+      for (int d = rank - 1; d >= 0; d--) {
+        c[d] = b->lo[d] + rest % (b->hi[d] - b->lo[d]);
+        rest /= b->hi[d] - b->lo[d];
+        at += (c[d] - w->off[d]) * stride[d];
+      }
+      map[at] = 1;
+    }
+  }
+  for (int64_t j = 0; j < w->numel && hole < 0; j++)
+    if (!map[j])
+      hole = j;
+  free(map);
+  return hole;
 }
 
 // Every wanted element came from somewhere.
@@ -601,9 +687,8 @@ static int check_covered(const char *path, const Wants *ws, int nshards, const R
     if (!w->found)
       return rt_fail("checkpoint '%s' has no tensor '%s' in any of its %d shard file%s", path,
                      w->name, nshards, nshards == 1 ? "" : "s");
-    for (int64_t j = 0; j < w->numel; j++) {
-      if (w->covered[j])
-        continue;
+    int64_t j = first_hole(w);
+    if (j >= 0) {
       int64_t g = box_global_index(p, w->off, w->dims, j), coord[4];
       for (int d = p->rank - 1; d >= 0; d--) {
         coord[d] = g % p->global_dims[d];

@@ -84,7 +84,7 @@ void rt_gather_param(RtComm *c, const RtParam *p, const RtRanks *r, const float 
       src = buf;
     }
     rt_shard_offsets(p, &peer, off);
-    rt_box_copy(p->rank, off, p->dims, src, zero, p->global_dims, whole, NULL);
+    rt_box_copy(p->rank, off, p->dims, src, zero, p->global_dims, whole);
   }
   free(buf);
 }

@@ -1095,6 +1095,26 @@ static void test_main_checkpoint_shards(void **state) {
     assert_non_null(strstr(r.err, "does not cover tensor 'lin.w': element [3, 0] (needed by "
                                   "rank 0) is in none of its 1 shard file"));
     run_free(&r);
+    // Overlapping shards: rows 0-3 and 2-7 cover the tensor and resume; rows 0-3 listed twice
+    // add up to the tensor's size but leave row 4 to none of them.
+    write_row_shard(tmp_path("split/upper.safetensors"), "3", 0, 4, w, m, v, opt);
+    write_row_shard(tmp_path("split/lower.safetensors"), "3", 2, 6, w, m, v, opt);
+    const char *overlap[] = {"split/upper.safetensors", "split/lower.safetensors"};
+    write_index(tmp_path("split_index"), optimizer, 3, 2, overlap);
+    r = run_main(&model, "--resume", tmp_path("split_index"), "--steps", "6", NULL);
+    if (r.rc != 0)
+      fail_msg("resume from overlapping shards failed: %s", r.err);
+    got = step_lines(r.out, 1);
+    assert_string_equal(want, got);
+    free(got);
+    run_free(&r);
+    const char *twice[] = {"split/upper.safetensors", "split/upper.safetensors"};
+    write_index(tmp_path("split_index"), optimizer, 3, 2, twice);
+    r = run_main(&model, "--resume", tmp_path("split_index"), NULL);
+    assert_int_equal(r.rc, 1);
+    assert_non_null(strstr(r.err, "does not cover tensor 'lin.w': element [4, 0] (needed by "
+                                  "rank 0) is in none of its 2 shard files"));
+    run_free(&r);
     // A shard of another step: torn.
     write_row_shard(tmp_path("split/top.safetensors"), "4", 0, 3, w, m, v, opt);
     write_index(tmp_path("split_index"), optimizer, 3, 2, both);
@@ -1148,6 +1168,8 @@ static void test_main_checkpoint_shards(void **state) {
 
     remove(tmp_path("split/top.safetensors"));
     remove(tmp_path("split/bottom.safetensors"));
+    remove(tmp_path("split/upper.safetensors"));
+    remove(tmp_path("split/lower.safetensors"));
     assert_int_equal(rmdir(tmp_path("split")), 0);
     free(want);
     run_free(&a);
