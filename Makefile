@@ -324,6 +324,8 @@ bench: deps all $(BUILD)/bench/gate_order $(BUILD)/bench/alltoall $(BUILD)/bench
 	@echo
 	@BUILD=$(BUILD) bash bench/memory.sh
 	@echo
+	@BUILD=$(BUILD) bash bench/predict.sh
+	@echo
 	$(BUILD)/bench/sched_bench .
 	@for c in testbed-a testbed-a-solver testbed-b; do echo; $(BUILD)/moec sweep --cluster lang/clusters/$$c.cluster || exit 1; done
 	@echo

@@ -18,6 +18,10 @@
 //   alltoall      inter   the scheduler's t_a2a                                         [alltoall]
 //   allreduce     inter   rt_allreduce, n = the buffer                                  [allreduce]
 //
+// Besides the fits, the CPU engine times a grid of GEMM shapes (run_gemm_grid), written as the
+// profile's `gemm_at M K N MS` lines, from which the planner prices a model's GEMMs by shape
+// (sched/sched_gemm.c); `gemm` stays for profiles without them.
+//
 // With one rank per node there is no intra-node group: the intra-node series run on all ranks,
 // allgather and reducescatter (required fields) are written from them, alltoall_intra and
 // allreduce_intra are not (they would not describe a node). `memory` is what one rank may use:
@@ -326,6 +330,57 @@ static void run_gemms(Series *s, const GemmShape *shapes, int nshapes, bool quic
   }
 }
 
+// The grid of GEMM shapes (the profile's `gemm_at` lines): [m, k] x [k, n] for m the tokens a
+// GEMM gets, from a pipeline's narrow chunks to whole batches, and k, n the widths of experts,
+// attention and heads; each shape at most GRID_MACS multiply-accumulates and GRID_FLOATS floats an
+// operand (the planner takes a larger one at the speed of the largest measured at its k and n:
+// sched/sched_gemm.c). Every rank at once, as the other GEMMs.
+static const int grid_m[] = {4, 16, 64, 256, 1024, 4096}, grid_w[] = {64, 256, 1024, 4096};
+enum { GRID_MAX = 6 * 4 * 4 };
+#define GRID_MACS 268435456.0   // 2^28
+#define GRID_FLOATS 4194304.0   // 2^22
+static double grid[GRID_MAX][4];   // m, k, n, ms
+static int ngrid;
+
+static bool grid_keeps(int m, int k, int n) {
+  return (double)m * k * n <= GRID_MACS && (double)m * k <= GRID_FLOATS && (double)k * n <= GRID_FLOATS &&
+         (double)m * n <= GRID_FLOATS;
+}
+
+static int grid_points(void) {
+  int n = 0;
+  for (int i = 0; i < 6; i++)
+    for (int j = 0; j < 4; j++)
+      for (int l = 0; l < 4; l++) n += grid_keeps(grid_m[i], grid_w[j], grid_w[l]);
+  return n;
+}
+
+static void run_gemm_grid(Progress *pr) {
+  int ring = engine->gemm_ring;
+  size_t most = (size_t)GRID_FLOATS * ring;
+  float *a = tune_xmalloc(sizeof(float) * most), *b = tune_xmalloc(sizeof(float) * most);
+  float *c = tune_xmalloc(sizeof(float) * most);
+  for (size_t e = 0; e < most; e++) a[e] = (float)((int)(e % 17) - 8) / 64, b[e] = (float)((int)(e % 13) - 6) / 64;
+  for (int j = 0; j < 4; j++)
+    for (int l = 0; l < 4; l++) {
+      int k = grid_w[j], n = grid_w[l];
+      Call ops = {.a = a, .b = b, .c = c};
+      if (engine->gemm_operands) engine->gemm_operands(&ops, a, (size_t)GRID_FLOATS, b, (size_t)GRID_FLOATS, c, (size_t)GRID_FLOATS);
+      for (int i = 0; i < 6; i++) {
+        int m = grid_m[i];
+        if (!grid_keeps(m, k, n)) continue;
+        Call cl = {.op = OP_GEMM, .m = m, .k = k, .n = n, .a = ops.a, .b = ops.b, .c = ops.c};
+        double ms = measure(&cl);
+        grid[ngrid][0] = m, grid[ngrid][1] = k, grid[ngrid][2] = n, grid[ngrid][3] = ms;
+        ngrid++;
+        progress_step(pr, "gemm grid", (double)m * k * n);
+      }
+    }
+  free(a);
+  free(b);
+  free(c);
+}
+
 // The small sizes first (2^8, 2^11, 2^14 floats: the fixed cost alpha is the smallest one's
 // time, a measurement), then the sweep of 2^18 .. 24 * 2^18 for the slope.
 static int64_t comm_size(int j, const int *idx) {
@@ -464,6 +519,11 @@ static void write_profile(FILE *f, const char *header, const char *name, int nod
   if (!s[S_ATTN].skipped) write_coef(f, "attention", &s[S_ATTN]);
   if (T.handoff_ms >= 0) fprintf(f, "  handoff %.6g;\n", T.handoff_ms);
   if (T.slow_compute >= 0) fprintf(f, "  overlap { compute %.4f; comm %.4f; }\n", T.slow_compute, T.slow_comm);
+  if (ngrid > 0)
+    fprintf(f, "  # GEMMs by shape: gemm_at M K N MS, [M, K] x [K, N] in MS ms; the planner prices a model's GEMMs\n"
+               "  # from these (interpolated), `gemm` above only where there are none\n");
+  for (int i = 0; i < ngrid; i++)
+    fprintf(f, "  gemm_at %d %d %d %.6g;\n", (int)grid[i][0], (int)grid[i][1], (int)grid[i][2], grid[i][3]);
   fprintf(f, "}\n");
 }
 
@@ -704,8 +764,10 @@ static double measure_all(RtComm *comm, Series *s, const GemmShape *shapes, int 
   int elem_idx[ELEM_SIZES];
   pr.total = nshapes * gemm_sweep(quick, gemm_idx) + (collectives ? NCOLLECTIVES : 0) * (SMALL_SIZES + sweep(COMM_SIZES, quick, comm_idx)) +
              (s[S_ELEM].skipped ? 0 : sweep(ELEM_SIZES, quick, elem_idx)) +
-             (s[S_ATTN].skipped ? 0 : 2 * sweep(ATTN_SIZES, quick, elem_idx));
+             (s[S_ATTN].skipped ? 0 : 2 * sweep(ATTN_SIZES, quick, elem_idx)) +
+             (engine->gemm_grid ? grid_points() : 0);
   run_gemms(&s[S_GEMM], shapes, nshapes, quick, &pr);
+  if (engine->gemm_grid) run_gemm_grid(&pr);
   if (!s[S_ELEM].skipped) run_elementwise(&s[S_ELEM], quick, &pr);
   if (!s[S_ATTN].skipped) run_attention(&s[S_ATTN], quick, &pr);
   if (collectives && engine->probes) engine->probes(&T, comm, s, shapes);
@@ -774,6 +836,19 @@ static int fit_and_print(const TuneOptions *o, const TuneRun *r, Series *s) {
   if (T.slow_compute >= 0)
     printf("# overlap probe: GEMMs %.1f %% slower and the AlltoAll %.1f %% slower when they run at once (in the profile)\n",
            100 * T.slow_compute, 100 * T.slow_comm);
+  if (ngrid > 0) {
+    int fast = 0, slow = 0;
+    for (int i = 1; i < ngrid; i++) {
+      double e = grid[i][3] / (grid[i][0] * grid[i][1] * grid[i][2]);
+      if (e < grid[fast][3] / (grid[fast][0] * grid[fast][1] * grid[fast][2])) fast = i;
+      if (e > grid[slow][3] / (grid[slow][0] * grid[slow][1] * grid[slow][2])) slow = i;
+    }
+    printf("# gemm grid: %d shapes (gemm_at lines); ms per multiply-accumulate from %.3e ([%d, %d] x [%d, %d]) to %.3e "
+           "([%d, %d] x [%d, %d])\n", ngrid, grid[fast][3] / (grid[fast][0] * grid[fast][1] * grid[fast][2]),
+           (int)grid[fast][0], (int)grid[fast][1], (int)grid[fast][1], (int)grid[fast][2],
+           grid[slow][3] / (grid[slow][0] * grid[slow][1] * grid[slow][2]), (int)grid[slow][0], (int)grid[slow][1],
+           (int)grid[slow][1], (int)grid[slow][2]);
+  }
   for (int i = 0; i < NSERIES; i++)
     if (s[i].ok && (s[i].fit.alpha < 0 || s[i].fit.beta < 0) && (on_a_node(s, i) || (i != S_A2A_INTRA && i != S_AR_INTRA)))
       printf("# warning: %s (%s): fitted %s < 0 (noise, or times the line does not follow near n = 0); "

@@ -115,6 +115,7 @@ typedef struct TuneEngine {
   int call_reps;             // calls back to back in one timed run (the time is divided by it)
   int gemm_ring;             // GEMM operand sets a size cycles through (host memory is allocated for all)
   int quick_gemm_sizes;      // GEMM sizes kept with --quick
+  bool gemm_grid;            // times the grid of GEMM shapes (the profile's gemm_at lines)
   int min_ranks;             // fewer is refused (the CPU needs 2 to time collectives)
   // Tokens m for GEMM size k (1..GEMM_SIZES) of shape s.
   int (*tokens_for)(const GemmShape *s, int k);

@@ -145,6 +145,7 @@ static void check_pipeline(Ctx *c, const FeNode *parent, const FeNode *n, char *
 static void check_grad_partition(Ctx *c, const FeNode *parent, const FeNode *n, char *dst);
 static void check_parallel(Ctx *c, const FeNode *parent, const FeNode *n, char *dst);
 static void check_memory(Ctx *c, const FeNode *parent, const FeNode *n, char *dst);
+static void check_gemm_at(Ctx *c, const FeNode *parent, const FeNode *n, char *dst);
 static bool size_value(Ctx *c, const FeValue *v, const char *what, const char *example, int64_t *out);
 static void finish_ffn(Ctx *c, const FeNode *n, const char *variant, char *dst);
 static void finish_shared(Ctx *c, const FeNode *n, const char *variant, char *dst);
@@ -447,6 +448,7 @@ static const Field cluster_fields[] = {
   {"alltoall_intra", F_BLOCK, .block = &coef_block, .sub = AT(FeCluster, alltoall_intra)},
   {"allreduce_intra", F_BLOCK, .block = &coef_block, .sub = AT(FeCluster, allreduce_intra)},
   {"memory", 0, .loc = AT(FeCluster, memory_loc), .custom = check_memory},
+  {"gemm_at", F_MANY, .custom = check_gemm_at},
 };
 static const Block cluster_block = BLOCK("cluster", cluster_fields, NULL);
 
@@ -1130,6 +1132,38 @@ static void check_memory(Ctx *c, const FeNode *parent, const FeNode *n, char *ds
   }
   if (check_surplus(c, n, 1))
     size_value(c, &n->vals[0], "'memory'", "80GiB", &((FeCluster *)dst)->memory);
+}
+
+// gemm_at = "gemm_at" M K N MS ";"   a GEMM [M, K] x [K, N] takes MS ms (M, K, N >= 1, MS > 0)
+static void check_gemm_at(Ctx *c, const FeNode *parent, const FeNode *n, char *dst) {
+  FeCluster *cl = (FeCluster *)dst;
+  static const Field form = {"gemm_at", 0};
+  if (!check_block_form(c, n, &form))
+    return;
+  if (n->nvals < 4) {
+    ir_error_at(c->d, stmt_loc(n), "expected M K N and the milliseconds after 'gemm_at', e.g. "
+                                   "'gemm_at 256 1024 4096 1.5e-1;'");
+    return;
+  }
+  if (!check_surplus(c, n, 4))
+    return;
+  double v[4];
+  for (int i = 0; i < 4; i++) {
+    const FeValue *x = &n->vals[i];
+    bool number = x->kind == FE_VAL_INT || x->kind == FE_VAL_FLOAT;
+    if (!number || (i < 3 && (x->kind != FE_VAL_INT || x->i < 1 || x->i > INT32_MAX)) || !(x->f > 0)) {
+      ir_error_at(c->d, x->loc, i < 3 ? "'gemm_at' wants %s as a whole number of at least 1"
+                                      : "'gemm_at' wants %s as a number of milliseconds above 0",
+                  i == 0 ? "M" : i == 1 ? "K" : i == 2 ? "N" : "the time");
+      return;
+    }
+    v[i] = x->f;
+  }
+  if (cl->ngemm_at == FE_MAX_GEMM_AT) {
+    ir_error_at(c->d, stmt_loc(n), "more than %d 'gemm_at' statements", FE_MAX_GEMM_AT);
+    return;
+  }
+  memcpy(cl->gemm_at[cl->ngemm_at++], v, sizeof v);
 }
 
 // parallel = "parallel" ( "auto" ";" | "{" [dp] [mp] [ep] [esp] "}" )

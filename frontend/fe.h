@@ -233,6 +233,7 @@ typedef struct FeSchedule {
 
 typedef struct FeCollective { double alpha, beta; } FeCollective;
 
+enum { FE_MAX_GEMM_AT = 256 };   // the most `gemm_at` statements a profile may hold
 typedef struct FeCluster {
   SrcLoc loc;
   const char *name;
@@ -247,6 +248,10 @@ typedef struct FeCluster {
   FeCollective alltoall_intra, allreduce_intra;
   int64_t memory;             // optional `memory SIZE;`: bytes a rank may use (0: no limit known)
   SrcLoc memory_loc;
+  // Optional `gemm_at M K N MS;` statements: one GEMM [M, K] x [K, N] measured at MS ms (moec
+  // tune's grid of shapes; the GEMMs of a model are priced from them, `gemm` is then unused).
+  double gemm_at[FE_MAX_GEMM_AT][4];
+  int ngemm_at;
 } FeCluster;
 
 typedef struct FeProgram {

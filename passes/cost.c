@@ -104,13 +104,31 @@ static SchedCoef group_fit(const IrOp *op, const SchedCluster *c, const Groups *
   return sched_group_fit(c, k, *g, a);
 }
 
+// The GEMM shape of a matmul ([m, k] x [k, n], its result's rows and columns) or of each of the
+// `count` GEMMs of an expert.matmul ([E, C, n]: m = C).
+static void gemm_shape(const IrOp *op, double *count, double *m, double *k, double *n) {
+  const IrType *y = &op->result->type;
+  *count = op->kind == IR_OP_EXPERT_MATMUL ? (double)y->dim[0] : 1;
+  *n = y->rank > 0 ? (double)y->dim[y->rank - 1] : 1;
+  *m = (double)ir_type_numel(y) / (*count * (*n > 0 ? *n : 1));
+  *k = *m > 0 && *n > 0 ? macs(op) / (*count * *m * *n) : 0;
+}
+
+// A GEMM's price: by its shape (the profile's gemm_at grid) as a slope over its multiply-
+// accumulates, else the gemm fit (one alpha per GEMM call).
+static SchedCoef gemm_price(const IrOp *op, const SchedCluster *c) {
+  double count, m, k, n;
+  gemm_shape(op, &count, &m, &k, &n);
+  if (c->ngemm_at <= 0 || m * k * n <= 0) return (SchedCoef){c->gemm.alpha * count, c->gemm.beta};
+  return (SchedCoef){0, sched_gemm_ms(c, m, k, n) / (m * k * n)};
+}
+
 // The fit and the size of an op the model prices; false for the others.
 static bool price(const IrOp *op, const SchedCluster *c, const Groups *gs, SchedCoef *coef, double *n) {
   switch (op->kind) {
-  case IR_OP_MATMUL: *coef = c->gemm; *n = macs(op); return true;
+  case IR_OP_MATMUL:
   case IR_OP_EXPERT_MATMUL:   // one GEMM call per expert: E fixed costs
-    *coef = c->gemm;
-    coef->alpha *= (double)op->result->type.dim[0];
+    *coef = gemm_price(op, c);
     *n = macs(op);
     return true;
   case IR_OP_COMM_ALLTOALL: *coef = group_fit(op, c, gs, SCHED_ALLTOALL); *n = (double)numel_of(&op->args[0]); return true;
@@ -310,12 +328,13 @@ static void assembly_of(const IrFunc *f, const IrFunc *reader, int lo, int hi, c
 // The share of a layer's expert slots that tokens fill when the gate balances them: k choices of
 // S tokens over E experts x capacity x groups slots (at most 1). The CPU runtime computes the
 // expert GEMMs over the filled slots only (runtime/kernels/ffn.c), so the plan prices that share of
-// them. 1 for the other gates (expert choice fills every slot; a dropless layer is priced at its
-// capacity by pass_dropless_at).
+// them. A dropless layer (`capacity *`) fills exactly S·k of its slots, however the gate spreads
+// the tokens: its buffers hold every token for every expert, its GEMMs compute the k·S routed
+// ones. 1 for the other gates (expert choice fills every slot).
 static double slot_fill(const IrFunc *fwd) {
   for (int i = 0; i < fwd->nops; i++) {
     const IrOp *op = fwd->ops[i];
-    if (op->kind != IR_OP_GATE_LOCATIONS || ir_op_int(op, "dropless", 0) || !op->args[0].value) continue;
+    if (op->kind != IR_OP_GATE_LOCATIONS || !op->args[0].value) continue;
     const IrType *idx = &op->args[0].value->type;   // [S, k]
     double slots = (double)ir_op_int(op, "experts", 1) * (double)ir_op_int(op, "capacity", 1) *
                    (double)ir_op_int(op, "groups", 1);
@@ -337,6 +356,7 @@ static void phase_of(const IrFunc *f, const IrFunc *reader, double fill, const S
     hi = exit->def->index;
   }
   double elem_alpha = 0, elem_t = 0;   // the region's element-wise ops at r = 1
+  double exp_alpha = 0, exp_t = 0;     // the expert GEMMs, chunked (sched_gemm_chunks), at r = 1
   for (int i = 0; i < f->nops; i++) {
     const IrOp *op = f->ops[i];
     if (ir_op_class(op->kind) != IR_CLASS_GEMM && !ir_op_is_collective(op->kind) && op->kind != IR_OP_ATTN_CAUSAL &&
@@ -356,7 +376,16 @@ static void phase_of(const IrFunc *f, const IrFunc *reader, double fill, const S
     case IR_OP_COMM_REDUCESCATTER:
       if (in_group(op, "esp")) p->n_rs += attr_n(op), n_rs++, rs = op;
       break;
-    case IR_OP_EXPERT_MATMUL: p->n_exp += fill * attr_n(op); n_exp += (int)op->result->type.dim[0]; break;
+    case IR_OP_EXPERT_MATMUL: {   // the filled share of each expert's slots, as the CPU computes them
+      double count, m, k, n;
+      gemm_shape(op, &count, &m, &k, &n);
+      SchedCoef e = sched_gemm_chunks(c, count, fill * m, k, n);
+      p->n_exp += fill * attr_n(op);
+      n_exp += (int)count;
+      exp_alpha += e.alpha;
+      exp_t += e.alpha + e.beta * fill * attr_n(op);
+      break;
+    }
     case IR_OP_MATMUL:
     case IR_OP_ATTN_CAUSAL:
     case IR_OP_ATTN_SINK:
@@ -371,7 +400,8 @@ static void phase_of(const IrFunc *f, const IrFunc *reader, double fill, const S
   if (n_a2a > 0) p->a2a = group_fit(a2a, c, gs, SCHED_ALLTOALL), p->n_a2a /= n_a2a;
   if (n_ag > 0) p->ag = group_fit(ag, c, gs, SCHED_ALLGATHER);
   if (n_rs > 0) p->rs = group_fit(rs, c, gs, SCHED_REDUCESCATTER);
-  if (n_exp > 0) p->exp = (SchedCoef){c->gemm.alpha * n_exp, c->gemm.beta};
+  if (n_exp > 0 && c->ngemm_at <= 0) p->exp = (SchedCoef){c->gemm.alpha * n_exp, c->gemm.beta};
+  else if (n_exp > 0 && p->n_exp > 0) p->exp = (SchedCoef){exp_alpha, (exp_t - exp_alpha) / p->n_exp};
   if (n_exp > 0 && p->n_exp > 0 && elem_t > 0) {
     p->exp.alpha += elem_alpha;
     p->exp.beta += (elem_t - elem_alpha) / p->n_exp;
@@ -512,12 +542,14 @@ bool pass_dropless_at(const PassStack *s, int i, double capacity, SchedLayerCost
   int64_t groups = ir_op_int(loc, "groups", 1), experts = ir_op_int(loc, "experts", 1);
   double per_group = (double)ir_capacity_slots(idx->dim[1], capacity, idx->dim[0] / groups, experts);
   double slots = fmin(per_group * (double)groups, (double)l->capacity);
-  // Every priced size of the expert region is linear in the slots; the dense part does not change.
-  double scale = slots / (double)l->capacity;
+  // The collectives move the buffers, linear in the slots; the expert GEMMs compute the routed
+  // tokens (slot_fill), S·k of them while the slots hold them; the dense part does not change.
+  double scale = slots / (double)l->capacity, routed = (double)idx->dim[0] * (double)idx->dim[1];
+  double kept = routed > 0 ? fmin(1.0, slots * (double)experts / routed) : 1;
   *cost = s->cost[i];
   for (int ph = 0; ph < 2; ph++) {
     SchedPhase *p = &cost->phase[ph];
-    p->n_a2a *= scale, p->n_ag *= scale, p->n_rs *= scale, p->n_exp *= scale;
+    p->n_a2a *= scale, p->n_ag *= scale, p->n_rs *= scale, p->n_exp *= kept;
   }
   *r_max = (int)(slots < SCHED_R_MAX ? slots : SCHED_R_MAX);
   return true;

@@ -28,6 +28,12 @@ typedef struct SchedCoef {
   double alpha, beta;
 } SchedCoef;
 
+// One GEMM [m, k] x [k, n] of a profile's grid and its time (`gemm_at`, moec tune).
+enum { SCHED_MAX_GEMM_AT = 256 };
+typedef struct SchedGemmAt {
+  double m, k, n, ms;
+} SchedGemmAt;
+
 typedef struct SchedCluster {
   const char *name;
   int nodes, gpus_per_node;
@@ -40,7 +46,20 @@ typedef struct SchedCluster {
                                           // that run at once (0: none; a CPU rank's are not)
   SchedCoef alltoall_intra, allreduce_intra;   // inside one node (0, 0: not in the profile)
   double memory;          // bytes a rank may use (0: not in the profile)
+  SchedGemmAt gemm_at[SCHED_MAX_GEMM_AT];   // GEMM times by shape (none: `gemm` prices by size)
+  int ngemm_at;
 } SchedCluster;
+
+// ---- GEMMs by shape (sched/sched_gemm.c) ----
+// The time in ms of one GEMM [m, k] x [k, n]: with the profile's `gemm_at` grid, its time per
+// multiply-accumulate interpolated at the shape (geometrically, in log m, log k, log n, each axis
+// clamped to the grid: a shape past the grid's largest runs at its speed) times m·k·n; without
+// one, gemm's alpha + beta·m·k·n.
+double sched_gemm_ms(const SchedCluster *c, double m, double k, double n);
+// `count` GEMMs [m, k] x [k, n] (one per expert) as the scheduling model takes them, cut into r
+// chunks of m/r rows: alpha + beta·x for a chunk of x multiply-accumulates (all of them), the
+// line through r = 1 and r = 4 (of sched_gemm_ms), so that narrow chunks' lower speed shows.
+SchedCoef sched_gemm_chunks(const SchedCluster *c, double count, double m, double k, double n);
 
 // ---- collectives on the groups of a layout (sched/sched_layout.c, DESIGN §6.1) ----
 // The profile's fits were measured on its own groups: `alltoall` and `allreduce` over the

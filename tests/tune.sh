@@ -9,6 +9,7 @@
 #     AllReduce fits as `alltoall_intra` and `allreduce_intra`, `memory` = this host's MemTotal / 2
 #     ranks per node (with a comment saying so), says how it was measured, and no temporary file is
 #     left beside it;
+#   - T.cluster holds the grid of GEMM shapes (`gemm_at M K N MS`, m 4..4096, k and n 64..4096);
 #   - `moec build --cluster T.cluster tiny.moe` compiles, and `moec check` accepts a model whose
 #     `cluster "...";` statement names it (the profile parses back);
 #   - 2 ranks with --gpus-per-node 1 (no intra-node group): the profile has `memory` (all of
@@ -127,6 +128,14 @@ $(grep -v '^#' "$T")"; fi
      grep -q '^ *handoff [0-9.e+-]*;' "$T" && grep -q '^ *attention *{ *alpha [0-9.e+-]*; *beta [0-9.e+-]*; }' "$T"; then
     ok "every collective's alpha is measured above 0 ($alphas), none clamped; elementwise, attention and handoff are in the profile"
   else bad "collective alphas measured, elementwise and handoff in the profile" "$(grep -v '^#' "$T")"; fi
+
+  # The grid of GEMM shapes: m from 4 to 4096 rows, k and n from 64 to 4096, every time above 0,
+  # and the table's line about it; the planner prices a model's GEMMs from them.
+  grid=$(grep -c '^ *gemm_at [0-9]* [0-9]* [0-9]* [0-9.e+-]*;' "$T")
+  if [ "$grid" -ge 60 ] && grep -q '^ *gemm_at 4 64 64 ' "$T" && grep -q '^ *gemm_at 4096 64 64 ' "$T" &&
+     awk '$1 == "gemm_at" {sub(";", "", $5); if (!($5 > 0)) exit 1}' "$T" && grep -q '^# gemm grid: [0-9]* shapes' "$WORK/out"; then
+    ok "the profile holds the grid of GEMM shapes ($grid gemm_at lines, m 4..4096, k and n 64..4096)"
+  else bad "the profile holds the grid of GEMM shapes" "$(grep -c gemm_at "$T") lines; $(grep 'gemm grid' "$WORK/out")"; fi
 
   if "$MOEC" build --cluster "$T" lang/models/tiny.moe -o "$WORK/tiny" >"$WORK/b.out" 2>&1 && [ -x "$WORK/tiny" ]; then
     ok "moec build --cluster T.cluster tiny.moe"

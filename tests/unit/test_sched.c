@@ -510,6 +510,38 @@ static void test_deterministic(void **state) {
   }
 }
 
+// GEMMs by shape (sched/sched_gemm.c): a grid point's own time, the geometric mean of two rows'
+// speeds halfway (in log m) between them, clamping past the grid, a shape the sweep left out
+// taken at the speed of the most rows measured at its k and n, and the chunk line of narrow rows.
+static void test_gemm_by_shape(void **state) {
+  (void)state;
+  SchedCluster c = {.gemm = {0.5, 1e-6}};
+  assert_true(fabs(sched_gemm_ms(&c, 8, 8, 8) - (0.5 + 1e-6 * 512)) < 1e-12);   // no grid: the line
+  // ms per multiply-accumulate: 4e-8 at m 16, 1e-8 at m 256 (k = n = 64); 2e-8 at m 16, k = n = 256.
+  SchedGemmAt g[] = {{16, 64, 64, 16 * 64 * 64 * 4e-8}, {256, 64, 64, 256 * 64 * 64 * 1e-8},
+                     {16, 256, 256, 16 * 256 * 256 * 2e-8}};
+  for (int i = 0; i < 3; i++) c.gemm_at[c.ngemm_at++] = g[i];
+  double e;
+  e = sched_gemm_ms(&c, 16, 64, 64) / (16 * 64 * 64);
+  assert_true(fabs(e / 4e-8 - 1) < 1e-12);
+  e = sched_gemm_ms(&c, 64, 64, 64) / (64 * 64 * 64);   // log-halfway between 16 and 256
+  assert_true(fabs(e / 2e-8 - 1) < 1e-12);
+  e = sched_gemm_ms(&c, 4096, 64, 64) / (4096.0 * 64 * 64);   // past the grid: the last row's speed
+  assert_true(fabs(e / 1e-8 - 1) < 1e-12);
+  e = sched_gemm_ms(&c, 1, 64, 64) / (64 * 64);   // below it: the first row's
+  assert_true(fabs(e / 4e-8 - 1) < 1e-12);
+  // [256, 256] x [256, 256] was left out: the speed of m 16 at that k and n.
+  e = sched_gemm_ms(&c, 256, 256, 256) / (256.0 * 256 * 256);
+  assert_true(fabs(e / 2e-8 - 1) < 1e-12);
+  // 8 experts of 256 rows in chunks: whole (r = 1) at 1e-8, a quarter (64 rows) at 2e-8 a
+  // multiply-accumulate: the chunk line passes through both.
+  SchedCoef k = sched_gemm_chunks(&c, 8, 256, 64, 64);
+  double x1 = 8 * 256 * 64 * 64.0;
+  assert_true(fabs(k.alpha + k.beta * x1 - x1 * 1e-8) < 1e-9);
+  assert_true(fabs(4 * (k.alpha + k.beta * x1 / 4) - x1 * 2e-8) < 1e-9);
+  assert_true(k.alpha > 0);
+}
+
 int main(void) {
   const struct CMUnitTest tests[] = {
       cmocka_unit_test(test_degree_within_one_percent),
@@ -520,6 +552,7 @@ int main(void) {
       cmocka_unit_test(test_deterministic),
       cmocka_unit_test(test_table4_fsmoe_fastest),
       cmocka_unit_test(test_shared_chunks),
+      cmocka_unit_test(test_gemm_by_shape),
   };
   return cmocka_run_group_tests(tests, NULL, NULL);
 }
