@@ -20,7 +20,9 @@
 //
 // Besides the fits, the CPU engine times a grid of GEMM shapes (run_gemm_grid), written as the
 // profile's `gemm_at M K N MS` lines, from which the planner prices a model's GEMMs by shape
-// (sched/sched_gemm.c); `gemm` stays for profiles without them.
+// (sched/sched_gemm.c); `gemm` stays for profiles without them. With --model there is no grid:
+// the `gemm` line measured at that model's own shapes prices it (on the emulated 2 x 2 cluster the
+// grid's interpolation between its widths misranked layouts that the model's line ranked right).
 //
 // With one rank per node there is no intra-node group: the intra-node series run on all ranks,
 // allgather and reducescatter (required fields) are written from them, alltoall_intra and
@@ -334,11 +336,15 @@ static void run_gemms(Series *s, const GemmShape *shapes, int nshapes, bool quic
 // GEMM gets, from a pipeline's narrow chunks to whole batches, and k, n the widths of experts,
 // attention and heads; each shape at most GRID_MACS multiply-accumulates and GRID_FLOATS floats an
 // operand (the planner takes a larger one at the speed of the largest measured at its k and n:
-// sched/sched_gemm.c). Every rank at once, as the other GEMMs.
+// sched/sched_gemm.c). Every rank at once, as the other GEMMs. Each run takes the next of as many
+// operand sets as add up to GRID_COLD floats (64 MiB, beyond a CPU's last-level cache): a step's
+// GEMMs read operands other work has pushed out of the caches, and a small shape whose few sets
+// stayed cached timed up to 1.6x faster than the same shape in a step.
 static const int grid_m[] = {4, 16, 64, 256, 1024, 4096}, grid_w[] = {64, 256, 1024, 4096};
-enum { GRID_MAX = 6 * 4 * 4 };
+enum { GRID_NM = sizeof grid_m / sizeof *grid_m, GRID_NW = sizeof grid_w / sizeof *grid_w, GRID_MAX = GRID_NM * GRID_NW * GRID_NW };
 #define GRID_MACS 268435456.0   // 2^28
 #define GRID_FLOATS 4194304.0   // 2^22
+#define GRID_COLD 16777216.0    // 2^24 floats: the operand sets a shape cycles through, at least
 static double grid[GRID_MAX][4];   // m, k, n, ms
 static int ngrid;
 
@@ -349,27 +355,31 @@ static bool grid_keeps(int m, int k, int n) {
 
 static int grid_points(void) {
   int n = 0;
-  for (int i = 0; i < 6; i++)
-    for (int j = 0; j < 4; j++)
-      for (int l = 0; l < 4; l++) n += grid_keeps(grid_m[i], grid_w[j], grid_w[l]);
+  for (int i = 0; i < GRID_NM; i++)
+    for (int j = 0; j < GRID_NW; j++)
+      for (int l = 0; l < GRID_NW; l++) n += grid_keeps(grid_m[i], grid_w[j], grid_w[l]);
   return n;
 }
 
+static double grid_ms_per_mac(int i) { return grid[i][3] / (grid[i][0] * grid[i][1] * grid[i][2]); }
+
 static void run_gemm_grid(Progress *pr) {
-  int ring = engine->gemm_ring;
-  size_t most = (size_t)GRID_FLOATS * ring;
+  size_t most = (size_t)(engine->gemm_ring > 1 ? GRID_COLD : GRID_FLOATS);
   float *a = tune_xmalloc(sizeof(float) * most), *b = tune_xmalloc(sizeof(float) * most);
   float *c = tune_xmalloc(sizeof(float) * most);
   for (size_t e = 0; e < most; e++) a[e] = (float)((int)(e % 17) - 8) / 64, b[e] = (float)((int)(e % 13) - 6) / 64;
-  for (int j = 0; j < 4; j++)
-    for (int l = 0; l < 4; l++) {
+  for (int j = 0; j < GRID_NW; j++)
+    for (int l = 0; l < GRID_NW; l++) {
       int k = grid_w[j], n = grid_w[l];
       Call ops = {.a = a, .b = b, .c = c};
-      if (engine->gemm_operands) engine->gemm_operands(&ops, a, (size_t)GRID_FLOATS, b, (size_t)GRID_FLOATS, c, (size_t)GRID_FLOATS);
-      for (int i = 0; i < 6; i++) {
+      if (engine->gemm_operands) engine->gemm_operands(&ops, a, most, b, most, c, most);
+      for (int i = 0; i < GRID_NM; i++) {
         int m = grid_m[i];
         if (!grid_keeps(m, k, n)) continue;
-        Call cl = {.op = OP_GEMM, .m = m, .k = k, .n = n, .a = ops.a, .b = ops.b, .c = ops.c};
+        double set = (double)m * k + (double)k * n + (double)m * n;
+        double biggest = fmax((double)m * k, fmax((double)k * n, (double)m * n));
+        int ring = engine->gemm_ring > 1 ? (int)fmin(floor((double)most / biggest), ceil(GRID_COLD / set)) : 1;
+        Call cl = {.op = OP_GEMM, .m = m, .k = k, .n = n, .a = ops.a, .b = ops.b, .c = ops.c, .ring = ring};
         double ms = measure(&cl);
         grid[ngrid][0] = m, grid[ngrid][1] = k, grid[ngrid][2] = n, grid[ngrid][3] = ms;
         ngrid++;
@@ -756,7 +766,8 @@ static void print_preamble(const TuneOptions *o, const TuneRun *r, const Series 
 }
 
 // Times every series on every rank; the seconds it took.
-static double measure_all(RtComm *comm, Series *s, const GemmShape *shapes, int nshapes, bool quick) {
+// grid: time the grid of GEMM shapes too (the engine has one and no --model names the shapes).
+static double measure_all(RtComm *comm, Series *s, const GemmShape *shapes, int nshapes, bool quick, bool grid) {
   double t_start = MPI_Wtime();
   int comm_idx[COMM_SIZES], gemm_idx[GEMM_SIZES];
   Progress pr = {.on = T.rank == 0 && watched()};
@@ -765,9 +776,9 @@ static double measure_all(RtComm *comm, Series *s, const GemmShape *shapes, int 
   pr.total = nshapes * gemm_sweep(quick, gemm_idx) + (collectives ? NCOLLECTIVES : 0) * (SMALL_SIZES + sweep(COMM_SIZES, quick, comm_idx)) +
              (s[S_ELEM].skipped ? 0 : sweep(ELEM_SIZES, quick, elem_idx)) +
              (s[S_ATTN].skipped ? 0 : 2 * sweep(ATTN_SIZES, quick, elem_idx)) +
-             (engine->gemm_grid ? grid_points() : 0);
+             (grid ? grid_points() : 0);
   run_gemms(&s[S_GEMM], shapes, nshapes, quick, &pr);
-  if (engine->gemm_grid) run_gemm_grid(&pr);
+  if (grid) run_gemm_grid(&pr);
   if (!s[S_ELEM].skipped) run_elementwise(&s[S_ELEM], quick, &pr);
   if (!s[S_ATTN].skipped) run_attention(&s[S_ATTN], quick, &pr);
   if (collectives && engine->probes) engine->probes(&T, comm, s, shapes);
@@ -839,14 +850,12 @@ static int fit_and_print(const TuneOptions *o, const TuneRun *r, Series *s) {
   if (ngrid > 0) {
     int fast = 0, slow = 0;
     for (int i = 1; i < ngrid; i++) {
-      double e = grid[i][3] / (grid[i][0] * grid[i][1] * grid[i][2]);
-      if (e < grid[fast][3] / (grid[fast][0] * grid[fast][1] * grid[fast][2])) fast = i;
-      if (e > grid[slow][3] / (grid[slow][0] * grid[slow][1] * grid[slow][2])) slow = i;
+      if (grid_ms_per_mac(i) < grid_ms_per_mac(fast)) fast = i;
+      if (grid_ms_per_mac(i) > grid_ms_per_mac(slow)) slow = i;
     }
     printf("# gemm grid: %d shapes (gemm_at lines); ms per multiply-accumulate from %.3e ([%d, %d] x [%d, %d]) to %.3e "
-           "([%d, %d] x [%d, %d])\n", ngrid, grid[fast][3] / (grid[fast][0] * grid[fast][1] * grid[fast][2]),
-           (int)grid[fast][0], (int)grid[fast][1], (int)grid[fast][1], (int)grid[fast][2],
-           grid[slow][3] / (grid[slow][0] * grid[slow][1] * grid[slow][2]), (int)grid[slow][0], (int)grid[slow][1],
+           "([%d, %d] x [%d, %d])\n", ngrid, grid_ms_per_mac(fast), (int)grid[fast][0], (int)grid[fast][1],
+           (int)grid[fast][1], (int)grid[fast][2], grid_ms_per_mac(slow), (int)grid[slow][0], (int)grid[slow][1],
            (int)grid[slow][1], (int)grid[slow][2]);
   }
   for (int i = 0; i < NSERIES; i++)
@@ -929,7 +938,7 @@ int tune_main(const TuneEngine *e, int argc, char **argv) {
   }
   engine->memory(&T, &r);
   if (T.rank == 0) print_preamble(&o, &r, s, shapes, nshapes, gemm_desc);
-  double seconds = measure_all(comm, s, shapes, nshapes, o.quick);
+  double seconds = measure_all(comm, s, shapes, nshapes, o.quick, engine->gemm_grid && !o.model);
 
   int failed = 0;
   if (T.rank == 0) {

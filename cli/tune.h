@@ -79,6 +79,7 @@ typedef struct Call {
   RtGroup group;
   int64_t count;            // communication: floats per member (alltoall, allgather, reducescatter) or in all (allreduce)
   int m, k, n;              // GEMM
+  int ring;                 // GEMM: the operand sets at a, b, c a CPU call cycles through (0: GEMM_RING)
   const void *a, *b;        // fp32 (bf16 with --dtype bf16 on a GPU)
   float *c;
   float *send, *recv;

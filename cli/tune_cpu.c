@@ -35,7 +35,7 @@ static int tokens_for(const GemmShape *s, int k) {
 static void call(const Call *c) {
   switch (c->op) {
   case OP_GEMM: {   // the next operand set of the ring (run_gemms)
-    size_t turn = (size_t)(gemm_turn++ % GEMM_RING);
+    size_t turn = (size_t)(gemm_turn++ % (c->ring > 0 ? c->ring : GEMM_RING));
     rt_matmul((const float *)c->a + turn * c->m * c->k, (const float *)c->b + turn * c->k * c->n,
               c->c + turn * c->m * c->n, c->m, c->n, c->k, false, false, false);
     break;

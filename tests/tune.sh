@@ -10,6 +10,7 @@
 #     ranks per node (with a comment saying so), says how it was measured, and no temporary file is
 #     left beside it;
 #   - T.cluster holds the grid of GEMM shapes (`gemm_at M K N MS`, m 4..4096, k and n 64..4096);
+#     a profile tuned with --model has none (the model's own `gemm` line prices it);
 #   - `moec build --cluster T.cluster tiny.moe` compiles, and `moec check` accepts a model whose
 #     `cluster "...";` statement names it (the profile parses back);
 #   - 2 ranks with --gpus-per-node 1 (no intra-node group): the profile has `memory` (all of
@@ -172,6 +173,9 @@ else bad "tune --model mixtral.moe times its expert GEMMs (exit $status)" "$(cat
 if grep -q 'M = embed 32' "$WORK/m.out" && grep -q 'ffn mixtral, H = hidden 112 / esp = 112' "$WORK/m.out"; then
   ok "tune --model explains the shapes (M = embed, H = hidden / esp)"
 else bad "tune --model explains the shapes" "$(grep '^# gemm' "$WORK/m.out")"; fi
+if grep -q '^#   |   gemm ' "$WORK/m.out" && ! grep -q 'gemm_at\|gemm grid' "$WORK/m.out"; then
+  ok "tune --model writes no grid of GEMM shapes: the model's own line prices it"
+else bad "tune --model writes no grid of GEMM shapes" "$(grep -c 'gemm_at' "$WORK/m.out") gemm_at lines"; fi
 
 # ---- refusals ----
 "$MOEC" tune --quick >"$WORK/one.out" 2>&1 </dev/null
