@@ -90,6 +90,12 @@ for dtype in fp32 bf16; do
     echo "# moec $dtype: the binary failed: $(tail -n 5 "$WORK/run.$dtype")"; status=1; continue
   fi
   ms=$(awk '$1 == "step" && $2 >= 3 { for (i = 1; i < NF; i++) if ($i == "time") print $(i + 1) }' "$WORK/run.$dtype" | median)
+  # the same binary op by op (its step functions not captured into CUDA graphs)
+  if (cd "$WORK" && MOERT_CUDA_GRAPH=0 timeout 300 "$bin" --steps "$steps" >"$WORK/eager.$dtype" 2>&1 </dev/null); then
+    ems=$(awk '$1 == "step" && $2 >= 3 { for (i = 1; i < NF; i++) if ($i == "time") print $(i + 1) }' "$WORK/eager.$dtype" | median)
+  else
+    echo "# moec $dtype op by op: the binary failed: $(tail -n 5 "$WORK/eager.$dtype")"; status=1; ems=-
+  fi
   loss=$(awk '$1 == "step" { for (i = 1; i < NF; i++) if ($i == "loss") l = $(i + 1) } END { print l }' "$WORK/run.$dtype")
   echo "# moec $dtype: steps 1..$steps, loss $(awk '$1 == "step" && $2 == 1 { for (i = 1; i < NF; i++) if ($i == "loss") print $(i + 1) }' "$WORK/run.$dtype") -> $loss"
   tms="-"
@@ -103,11 +109,12 @@ for dtype in fp32 bf16; do
   else
     echo "# no python here imports torch: PyTorch's side is not run"
   fi
-  rows+=("$(printf '%-6s %12.2f %12s %10s' "$dtype" "$ms" "$tms" \
+  rows+=("$(printf '%-6s %12.2f %14s %12s %10s' "$dtype" "$ms" "$ems" "$tms" \
            "$(awk -v a="$ms" -v b="$tms" 'BEGIN { if (b + 0 > 0 && a > 0) printf "%.2fx", b / a; else print "-" }')")")
 done
-printf '%-6s %12s %12s %10s\n' dtype "moec ms" "PyTorch ms" "speedup"
+printf '%-6s %12s %14s %12s %10s\n' dtype "moec ms" "op by op ms" "PyTorch ms" "speedup"
 for r in "${rows[@]}"; do echo "$r"; done
-echo "# ms: one whole training step (forward, backward, clip, AdamW), median; speedup = PyTorch / moec"
+echo "# ms: one whole training step (forward, backward, clip, AdamW), median; moec's step functions replayed as CUDA"
+echo "# graphs, and op by op (MOERT_CUDA_GRAPH=0) beside; speedup = PyTorch / moec (graphs)"
 [ $status -eq 0 ] && echo OK || echo FAILED
 exit $status

@@ -277,8 +277,14 @@ static bool emit_kernel(Host *h, const IrFunc *f, int i, const CgKernelCall *c, 
                        nparams, ir_op_info[op->kind].name, c->nargs);
   int site = where(h, f, op, "kernel %s of %s", name, ir_op_info[op->kind].name);
   h->count[h->phase].kernels++;
-  fprintf(h->out, "  launch(%d, %s, %s, %" PRId64 ", %u, (void *[]){", site, cg_stream_enum(s), name, c->grid,
-          c->shared_bytes);
+  bool per_step = false;   // an argument that changes from step to step: its graph node is set before each replay
+  for (int a = 0; a < c->nargs; a++) {
+    CgArgKind k = c->args[a].kind;
+    per_step |= k == CG_ARG_SEED || k == CG_ARG_STEP || k == CG_ARG_TOKEN0 || k == CG_ARG_VOCAB0 ||
+                k == CG_ARG_LR_SCALE || k == CG_ARG_GRAD_SCALE;
+  }
+  fprintf(h->out, "  %s(%d, %s, %s, %" PRId64 ", %u, (void *[]){", per_step ? "launch_step" : "launch", site,
+          cg_stream_enum(s), name, c->grid, c->shared_bytes);
   for (int a = 0; a < c->nargs; a++) {
     char buf[128];
     if (!kernel_arg(h, f, i, &c->args[a], types[a], stats, scratch, buf, sizeof buf))
@@ -712,9 +718,13 @@ static bool emit_step(Host *h, int step, const char *prologue, bool (*member)(co
     free(epilogue);
     return false;
   }
-  fprintf(h->out, "static void step_%s(RtStep *st) {\n%s", name, prologue);
+  fprintf(h->out, "/* The %s's launches. */\nstatic void run_%s(RtStep *st) {\n", name, name);
   for (int i = 0; i < h->m->nfuncs; i++)
     if (member(h->m->funcs[i])) fprintf(h->out, "  f%d(st);  /* @%s */\n", i, h->m->funcs[i]->name);
+  fprintf(h->out, "}\n\nstatic void step_%s(RtStep *st) {\n%s", name, prologue);
+  fprintf(h->out, "  graph_run(%d, run_%s, st, %d);\n", step, name,
+          where(h, NULL, NULL, "the %s as a CUDA graph (captured at its second call, then replayed; "
+                "MOERT_CUDA_GRAPH=0 runs it op by op)", name));
   int w = where(h, NULL, NULL, "the end of the %s", name);
   fprintf(h->out, "  for (int s = 0; s < RT_STREAM_COUNT; s++)\n    CK(rt_cuda_sync(cu, (RtStream)s), %d);\n", w);
   if (h->stage_bytes > first_stage)
@@ -926,14 +936,50 @@ static void emit_header(Host *h, FILE *out, const char *source_name, const CgCud
           "static _Noreturn void op_failed(int site) {\n"
           "  rt_comm_abort(\"the GPU failed at %%s (the CUDA error is above)\", where[site]);\n"
           "}\n"
-          "#define CK(call, site) do { if (!(call)) op_failed(site); } while (0)\n\n"
+          "\n/* CUDA graphs (rt_cuda.h): each step function runs op by op at its first call, is captured into a\n"
+          "   graph at its second and replayed from then on, one launch a step; MOERT_CUDA_GRAPH=0 keeps it op by\n"
+          "   op. Before a replay the step's launches are issued again in GRAPH_SET mode: every call is skipped but\n"
+          "   those of launch_step, whose arguments change from step to step (the step, the learning rate), which\n"
+          "   set their node's arguments instead. */\n"
+          "enum { GRAPH_RUN, GRAPH_SET };\n"
+          "static bool use_graphs;\n"
+          "static int graph_mode, graph_next;\n"
+          "static RtCudaGraph *graph_now, *graphs[3];\n"
+          "static long long graph_calls[3];\n\n"
+          "#define CK(call, site) do { if (graph_mode != GRAPH_SET && !(call)) op_failed(site); } while (0)\n\n"
           "/* Kernel arguments: the address of each parameter's value, with the kernel's parameter type. */\n"
           "#define PTR(x) &(void *){(void *)(x)}\n#define I32(x) &(int){x}\n#define I64(x) &(long long){x}\n"
           "#define U64(x) &(unsigned long long){x}\n#define F32(x) &(float){x}\n\n"
           "static void launch(int site, RtStream s, int kernel, int grid, unsigned shared_bytes, void **args) {\n"
           "  CK(rt_cuda_launch(cu, s, kernels[kernel], grid, %d, shared_bytes, args), site);\n"
+          "}\n\n"
+          "/* A launch with the step's arguments. */\n"
+          "static void launch_step(int site, RtStream s, int kernel, int grid, unsigned shared_bytes, void **args) {\n"
+          "  if (graph_mode == GRAPH_SET) {\n"
+          "    if (!rt_cuda_graph_set(cu, graph_now, graph_next++, kernels[kernel], grid, %d, shared_bytes, args))\n"
+          "      op_failed(site);\n"
+          "  } else {\n"
+          "    CK(rt_cuda_launch_step(cu, s, kernels[kernel], grid, %d, shared_bytes, args), site);\n"
+          "  }\n"
+          "}\n\n"
+          "/* Step function g's launches (run): op by op, into a graph, or by replaying it. */\n"
+          "static void graph_run(int g, void (*run)(RtStep *), RtStep *st, int site) {\n"
+          "  if (!use_graphs || graph_calls[g]++ == 0) {   /* the first call warms cuBLAS and NCCL up */\n"
+          "    run(st);\n"
+          "    return;\n"
+          "  }\n"
+          "  if (!graphs[g]) {\n"
+          "    CK(rt_cuda_capture_begin(cu), site);\n"
+          "    run(st);\n"
+          "    CK((graphs[g] = rt_cuda_capture_end(cu)) != NULL, site);\n"
+          "  } else {\n"
+          "    graph_mode = GRAPH_SET, graph_now = graphs[g], graph_next = 0;\n"
+          "    run(st);\n"
+          "    graph_mode = GRAPH_RUN;\n"
+          "  }\n"
+          "  CK(rt_cuda_graph_launch(cu, graphs[g], RT_STREAM_COMPUTE), site);\n"
           "}\n\n",
-          h->nranges > 0 ? ", *U" : "", CG_CUDA_BLOCK);
+          h->nranges > 0 ? ", *U" : "", CG_CUDA_BLOCK, CG_CUDA_BLOCK, CG_CUDA_BLOCK);
   if (h->bf16)
     fprintf(out, "static unsigned char *B;         /* the bf16 copies of the GEMM operands */\n"
                  "static uint16_t *P16;            /* the bf16 copy of the parameters */\n"
@@ -971,9 +1017,17 @@ static void emit_hooks(Host *h, FILE *out) {
     fprintf(out, "  U = base + OFF_U;\n  CK(rt_cuda_to_device(cu, RT_STREAM_COMPUTE, U, update_ranges, sizeof update_ranges), %d);\n",
             h->w_ranges);
   if (h->output[0]) fprintf(out, "  session->device_output = %s;\n", h->output);
+  fprintf(out, "  if ((use_graphs = rt_cuda_graphs_wanted())) {\n"
+               "    size_t len = strlen(session->description);\n"
+               "    snprintf(session->description + len, sizeof session->description - len, \"; steps as CUDA graphs\");\n"
+               "  }\n");
   fprintf(out, "  return 0;\n}\n\n"
                "static void device_destroy(RtStep *st) {\n"
                "  (void)st;\n"
+               "  for (int g = 0; g < 3; g++) {\n"
+               "    rt_cuda_graph_destroy(graphs[g]);\n"
+               "    graphs[g] = NULL, graph_calls[g] = 0;\n"
+               "  }\n"
                "  rt_cuda_session_destroy(session);\n"
                "  session = NULL;\n"
                "}\n\n"

@@ -36,7 +36,9 @@
   X(cuStreamCreate) X(cuStreamDestroy) X(cuStreamSynchronize) X(cuStreamWaitEvent) X(cuEventCreate)  \
   X(cuEventDestroy) X(cuEventRecord) X(cuMemAlloc) X(cuMemFree) X(cuMemcpyHtoDAsync)                  \
   X(cuMemcpyDtoHAsync) X(cuMemcpyDtoDAsync) X(cuMemsetD8Async) X(cuModuleLoadDataEx) X(cuModuleUnload)                     \
-  X(cuModuleGetFunction) X(cuLaunchKernel) X(cuMemHostRegister) X(cuMemHostUnregister)
+  X(cuModuleGetFunction) X(cuLaunchKernel) X(cuMemHostRegister) X(cuMemHostUnregister)                \
+  X(cuStreamBeginCapture) X(cuStreamEndCapture) X(cuStreamGetCaptureInfo) X(cuGraphInstantiate)      \
+  X(cuGraphLaunch) X(cuGraphExecKernelNodeSetParams) X(cuGraphDestroy) X(cuGraphExecDestroy)
 
 #define DRIVER_FIELD(f) __typeof__(f) *f;
 static struct {
@@ -145,6 +147,20 @@ struct RtCuda {
   CUmodule module;                   // NULL until rt_cuda_load_module
   CUdeviceptr arena;
   size_t arena_bytes, arena_used;
+  CUdeviceptr workspace;             // cuBLAS's, WORKSPACE_BYTES per stream (no allocation while capturing)
+  RtCudaGraph *capture;              // the graph being captured, or NULL
+};
+
+// cuBLAS's workspace per stream: NVIDIA's advice for Hopper (32 MiB). A handle's own workspace
+// would be allocated by cuBLAS when it is first needed, which a graph capture cannot record, and
+// one workspace shared by GEMMs on two streams at once would be a race.
+#define WORKSPACE_BYTES ((size_t)32 << 20)
+
+struct RtCudaGraph {
+  CUgraph graph;
+  CUgraphExec exec;
+  CUgraphNode *nodes;                // the nodes with step arguments, in launch order
+  int nnodes, cap;
 };
 
 bool rt_cuda_probe(char *why, size_t why_size) {
@@ -219,6 +235,7 @@ RtCuda *rt_cuda_create(size_t arena_bytes, int nevents) {
   ok = ok && CUBLAS_CHECK(cublasCreate(&cu->blas));
   if (ok && arena_bytes > 0 && (ok = CUDA_CHECK(drv.cuMemAlloc(&cu->arena, arena_bytes))))
     cu->arena_bytes = arena_bytes;
+  ok = ok && CUDA_CHECK(drv.cuMemAlloc(&cu->workspace, WORKSPACE_BYTES * RT_STREAM_COUNT));
   if (!ok) {
     rt_cuda_destroy(cu);
     return NULL;
@@ -233,6 +250,8 @@ bool rt_cuda_destroy(RtCuda *cu) {
   if (cu->module && !CUDA_CHECK(drv.cuModuleUnload(cu->module)))
     ok = false;
   if (cu->arena && !CUDA_CHECK(drv.cuMemFree(cu->arena)))
+    ok = false;
+  if (cu->workspace && !CUDA_CHECK(drv.cuMemFree(cu->workspace)))
     ok = false;
   if (cu->blas && !CUBLAS_CHECK(cublasDestroy(cu->blas)))
     ok = false;
@@ -359,6 +378,92 @@ bool rt_cuda_launch(RtCuda *cu, RtStream s, CUfunction f, int grid, int block, u
                                        args, NULL));
 }
 
+// ---- CUDA graphs ----
+
+bool rt_cuda_capture_begin(RtCuda *cu) {
+  if (cu->capture)
+    return report("rt_cuda_capture_begin: a capture is already under way");
+  cu->capture = rt_calloc(1, sizeof *cu->capture, "a CUDA graph");
+  if (CUDA_CHECK(drv.cuStreamBeginCapture(cu->stream[RT_STREAM_COMPUTE], CU_STREAM_CAPTURE_MODE_RELAXED)))
+    return true;
+  free(cu->capture);
+  cu->capture = NULL;
+  return false;
+}
+
+RtCudaGraph *rt_cuda_capture_end(RtCuda *cu) {
+  RtCudaGraph *g = cu->capture;
+  if (!g) {
+    report("rt_cuda_capture_end: no capture is under way");
+    return NULL;
+  }
+  cu->capture = NULL;
+  bool ok = CUDA_CHECK(drv.cuStreamEndCapture(cu->stream[RT_STREAM_COMPUTE], &g->graph)) &&
+            CUDA_CHECK(drv.cuGraphInstantiate(&g->exec, g->graph, 0));
+  if (ok)
+    return g;
+  rt_cuda_graph_destroy(g);
+  return NULL;
+}
+
+bool rt_cuda_launch_step(RtCuda *cu, RtStream s, CUfunction f, int grid, int block, unsigned shared_bytes,
+                         void **args) {
+  if (!rt_cuda_launch(cu, s, f, grid, block, shared_bytes, args))
+    return false;
+  RtCudaGraph *g = cu->capture;
+  if (!g)
+    return true;
+  // The stream's capture dependencies after a launch: the launch's own node, alone.
+  CUstreamCaptureStatus status;
+  const CUgraphNode *deps = NULL;
+  size_t ndeps = 0;
+  if (!CUDA_CHECK(drv.cuStreamGetCaptureInfo(cu->stream[s], &status, NULL, NULL, &deps, NULL, &ndeps)))
+    return false;
+  if (status != CU_STREAM_CAPTURE_STATUS_ACTIVE || ndeps != 1)
+    return report("rt_cuda_launch_step: the launch on stream %d is not in the capture (status %d, %zu nodes)", (int)s,
+                  (int)status, ndeps);
+  if (g->nnodes == g->cap) {
+    int cap = g->cap ? 2 * g->cap : 16;
+    CUgraphNode *more = realloc(g->nodes, (size_t)cap * sizeof *more);
+    if (!more)
+      rt_out_of_memory((size_t)cap * sizeof *more, "a CUDA graph's nodes");
+    g->nodes = more;
+    g->cap = cap;
+  }
+  g->nodes[g->nnodes++] = deps[0];
+  return true;
+}
+
+int rt_cuda_graph_step_nodes(const RtCudaGraph *g) { return g->nnodes; }
+
+bool rt_cuda_graph_set(RtCuda *cu, RtCudaGraph *g, int node, CUfunction f, int grid, int block, unsigned shared_bytes,
+                       void **args) {
+  (void)cu;
+  if (node < 0 || node >= g->nnodes)
+    return report("rt_cuda_graph_set: node %d of a graph with %d nodes of step arguments", node, g->nnodes);
+  CUDA_KERNEL_NODE_PARAMS p = {.func = f, .gridDimX = (unsigned)grid, .gridDimY = 1, .gridDimZ = 1,
+                               .blockDimX = (unsigned)block, .blockDimY = 1, .blockDimZ = 1,
+                               .sharedMemBytes = shared_bytes, .kernelParams = args};
+  return CUDA_CHECK(drv.cuGraphExecKernelNodeSetParams(g->exec, g->nodes[node], &p));
+}
+
+bool rt_cuda_graph_launch(RtCuda *cu, RtCudaGraph *g, RtStream s) {
+  return CUDA_CHECK(drv.cuGraphLaunch(g->exec, cu->stream[s]));
+}
+
+bool rt_cuda_graph_destroy(RtCudaGraph *g) {
+  if (!g)
+    return true;
+  bool ok = true;
+  if (g->exec && !CUDA_CHECK(drv.cuGraphExecDestroy(g->exec)))
+    ok = false;
+  if (g->graph && !CUDA_CHECK(drv.cuGraphDestroy(g->graph)))
+    ok = false;
+  free(g->nodes);
+  free(g);
+  return ok;
+}
+
 // ---- GEMMs ----
 
 // batch GEMMs of [m, n] = op(a) op(b), row-major, blocks of m*k, k*n and m*n apart; c scaled by
@@ -373,6 +478,8 @@ static bool gemm(RtCuda *cu, RtStream s, RtCudaType in, const void *a, const voi
   int lda = ta ? m : k, ldb = tb ? k : n;
   float alpha = 1.0f;
   return CUBLAS_CHECK(cublasSetStream(cu->blas, cu->stream[s])) &&
+         CUBLAS_CHECK(cublasSetWorkspace(cu->blas, (void *)(uintptr_t)(cu->workspace + (size_t)s * WORKSPACE_BYTES),
+                                         WORKSPACE_BYTES)) &&
          CUBLAS_CHECK(cublasGemmStridedBatchedEx(
              cu->blas, tb ? CUBLAS_OP_T : CUBLAS_OP_N, ta ? CUBLAS_OP_T : CUBLAS_OP_N, n, m, k, &alpha, b, type, ldb,
              (long long)k * n, a, type, lda, (long long)m * k, &beta, c, CUDA_R_32F, n, (long long)m * n, batch,

@@ -99,6 +99,36 @@ int rt_cuda_grid(int64_t n, int block);
 bool rt_cuda_launch(RtCuda *cu, RtStream s, CUfunction f, int grid, int block, unsigned shared_bytes,
                     void **args);
 
+// ---- CUDA graphs: a step function captured once, replayed at every later step ----
+// What the host issues on the compute stream between rt_cuda_capture_begin and
+// rt_cuda_capture_end is recorded into a graph instead of run (relaxed capture mode): kernels,
+// GEMMs, copies, collectives, and the work of the intra and inter streams that wait for an event
+// recorded in the capture (they must be joined back into the compute stream, by an event it waits
+// for, before the end). Nothing may be read back or waited for on the host while capturing, and
+// a stream may wait only for events recorded in the same capture. The graph runs, as one launch,
+// at each rt_cuda_graph_launch; the nodes of rt_cuda_launch_step calls are the ones whose
+// arguments change from step to step (the step, the learning rate): rt_cuda_graph_set gives the
+// i-th of them new arguments for the launches that follow.
+typedef struct RtCudaGraph RtCudaGraph;
+bool rt_cuda_capture_begin(RtCuda *cu);
+// The instantiated graph; NULL (reported) when the capture failed (a stream left unjoined, an
+// operation a capture does not allow). The capture ends either way.
+RtCudaGraph *rt_cuda_capture_end(RtCuda *cu);
+// rt_cuda_launch; while capturing, the node it adds is remembered as the graph's next node
+// with step arguments.
+bool rt_cuda_launch_step(RtCuda *cu, RtStream s, CUfunction f, int grid, int block, unsigned shared_bytes,
+                         void **args);
+// The number of nodes with step arguments.
+int rt_cuda_graph_step_nodes(const RtCudaGraph *g);
+// Node `node` (0 .. rt_cuda_graph_step_nodes - 1) launches f again with these arguments (the same
+// kernel and grid it was captured with).
+bool rt_cuda_graph_set(RtCuda *cu, RtCudaGraph *g, int node, CUfunction f, int grid, int block, unsigned shared_bytes,
+                       void **args);
+bool rt_cuda_graph_launch(RtCuda *cu, RtCudaGraph *g, RtStream s);
+bool rt_cuda_graph_destroy(RtCudaGraph *g);   // NULL: nothing
+// Whether the programs capture their step functions (true unless MOERT_CUDA_GRAPH=0 is set).
+bool rt_cuda_graphs_wanted(void);
+
 // ---- GEMMs (cuBLAS), row-major as the CPU runtime's rt_matmul / rt_expert_matmul ----
 // c [m, n] = op(a) [m, k] * op(b) [k, n] (+ c when accumulate); ta / tb: the operand is stored
 // transposed (a as [k, m], b as [n, k]). a and b are of type in, c is fp32, accumulation fp32

@@ -19,6 +19,11 @@
 #include "rt_cuda.h"
 #include "rt_internal.h"
 
+bool rt_cuda_graphs_wanted(void) {
+  const char *v = getenv("MOERT_CUDA_GRAPH");
+  return !v || strcmp(v, "0") != 0;
+}
+
 // The module to load on device d: the CUBIN on its own architecture (same major version, at
 // least its minor), the PTX on a newer one, none on an older one.
 static const void *choose_image(const RtCudaProgram *p, const RtCudaDevice *d) {

@@ -24,6 +24,15 @@
 //   NCCL       libmoert's MPI collectives (runtime/comm.c) on the same parallel group of the
 //              same RtComm: communicators are groups (rt_cuda_nccl_group; rt_cuda_nccl_create
 //              over a bare MPI_Comm is refused), so results equal the CPU program's bit for bit.
+//   graphs     a capture (rt_cuda_capture_begin .. end) keeps each call as a closure, with its
+//              arguments copied, instead of running it; rt_cuda_graph_launch runs them in order.
+//              What a GPU refuses is refused here too: reading back or synchronising while
+//              capturing, work on a stream that is not in the capture (it would run outside the
+//              graph on a GPU), a wait for an event recorded outside the capture (CUDA's
+//              STREAM_CAPTURE_ISOLATION) or, outside a capture, for one recorded inside it
+//              (CAPTURED_EVENT), and a stream not joined back into the compute stream at the end
+//              (STREAM_CAPTURE_UNJOINED). A program that relied on a step's values changing
+//              between replays other than through rt_cuda_graph_set computes stale results here.
 //   the device "moert fake device", sm_90 (MOERT_FAKE_ARCH=NN in the environment says sm_NN,
 //              to exercise the programs' choice between CUBIN and PTX).
 // Errors are reported as rt_cuda.c reports them: "moert: error: rank R on HOST: fake device:
@@ -36,7 +45,11 @@
 #include <cstdint>
 #include <cstdio>
 #include <cstdlib>
+#include <algorithm>
+#include <array>
 #include <cstring>
+#include <functional>
+#include <memory>
 #include <tuple>
 #include <type_traits>
 #include <utility>
@@ -69,13 +82,23 @@ static bool report(const char *fmt, ...) {
 
 // ---- the device ----
 
+// What is ordered before a point of a stream: the number of calls of each stream (of the
+// capture under way), for checking that the streams are joined back at its end.
+typedef std::array<size_t, RT_STREAM_COUNT> Seen;
+
 struct RtCuda {
   RtCudaDevice device;
   unsigned char *arena;
   size_t arena_bytes, arena_used;
   std::vector<bool> recorded;          // by event
+  std::vector<uint64_t> event_capture; // by event: the capture it was last recorded in, 0: none
+  std::vector<Seen> event_seen;        // by event: what its record followed, in that capture
   const unsigned char *image;          // the loaded module, and its size in bytes
   size_t image_bytes;
+  RtCudaGraph *capture;                // the graph being captured, or NULL
+  uint64_t captures;                   // the id of the last capture begun
+  bool in_capture[RT_STREAM_COUNT];
+  Seen seen[RT_STREAM_COUNT];          // per stream, during a capture
 };
 
 bool rt_cuda_probe(char *why, size_t why_size) {
@@ -94,6 +117,8 @@ RtCuda *rt_cuda_create(size_t arena_bytes, int nevents) {
   cu->device.memory_bytes = arena_bytes;
   cu->arena_bytes = arena_bytes;
   cu->recorded.assign(nevents > 0 ? (size_t)nevents : 0, false);
+  cu->event_capture.assign(cu->recorded.size(), 0);
+  cu->event_seen.assign(cu->recorded.size(), Seen{});
   if (arena_bytes > 0 && !(cu->arena = (unsigned char *)aligned_alloc(256, (arena_bytes + 255) / 256 * 256))) {
     report("out of memory for an arena of %zu bytes", arena_bytes);
     delete cu;
@@ -151,8 +176,34 @@ static bool stream_ok(RtStream s, const char *call) {
   return report("%s on stream %d, which does not exist", call, (int)s);
 }
 
+// ---- the capture of a graph: calls kept as closures ----
+
+struct FakeLaunch;
+struct RtCudaGraph {
+  std::vector<std::function<bool()>> calls;
+  std::vector<std::shared_ptr<FakeLaunch>> step_nodes;   // rt_cuda_launch_step's, in order
+};
+
+// Runs the call now, or, while a graph is captured, keeps it for the graph's launches.
+static bool issue(RtCuda *cu, RtStream s, const char *call, std::function<bool()> run) {
+  if (!cu->capture) return run();
+  if (!cu->in_capture[s])
+    return report("%s on stream %d while the compute stream captures a graph: the stream waited for no event "
+                  "recorded in the capture, so on a GPU it would run now, outside the graph",
+                  call, (int)s);
+  cu->capture->calls.push_back(std::move(run));
+  cu->seen[s][s]++;
+  return true;
+}
+
+static bool not_capturing(const RtCuda *cu, const char *call) {
+  if (!cu->capture) return true;
+  return report("%s while a graph is captured: nothing can be copied to or from the host or waited for "
+                "until the capture ends (CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED)", call);
+}
+
 bool rt_cuda_to_device(RtCuda *cu, RtStream s, void *dst, const void *src, size_t bytes) {
-  if (!stream_ok(s, "rt_cuda_to_device") || !device_range(cu, "rt_cuda_to_device", "destination", dst, bytes) ||
+  if (!stream_ok(s, "rt_cuda_to_device") || !not_capturing(cu, "rt_cuda_to_device") || !device_range(cu, "rt_cuda_to_device", "destination", dst, bytes) ||
       !host_range(cu, "rt_cuda_to_device", "source", src, bytes))
     return false;
   if (bytes) memcpy(dst, src, bytes);
@@ -160,7 +211,7 @@ bool rt_cuda_to_device(RtCuda *cu, RtStream s, void *dst, const void *src, size_
 }
 
 bool rt_cuda_to_host(RtCuda *cu, RtStream s, void *dst, const void *src, size_t bytes) {
-  if (!stream_ok(s, "rt_cuda_to_host") || !host_range(cu, "rt_cuda_to_host", "destination", dst, bytes) ||
+  if (!stream_ok(s, "rt_cuda_to_host") || !not_capturing(cu, "rt_cuda_to_host") || !host_range(cu, "rt_cuda_to_host", "destination", dst, bytes) ||
       !device_range(cu, "rt_cuda_to_host", "source", src, bytes))
     return false;
   if (bytes) memcpy(dst, src, bytes);
@@ -173,8 +224,10 @@ void rt_cuda_unpin(RtCuda *, void *) {}
 
 bool rt_cuda_zero(RtCuda *cu, RtStream s, void *dst, size_t bytes) {
   if (!stream_ok(s, "rt_cuda_zero") || !device_range(cu, "rt_cuda_zero", "destination", dst, bytes)) return false;
-  if (bytes) memset(dst, 0, bytes);
-  return true;
+  return issue(cu, s, "rt_cuda_zero", [=] {
+    if (bytes) memset(dst, 0, bytes);
+    return true;
+  });
 }
 
 bool rt_cuda_copy(RtCuda *cu, RtStream s, void *dst, const void *src, size_t bytes) {
@@ -183,13 +236,15 @@ bool rt_cuda_copy(RtCuda *cu, RtStream s, void *dst, const void *src, size_t byt
     return false;
   if (bytes && (const unsigned char *)src < (unsigned char *)dst + bytes && (unsigned char *)dst < (const unsigned char *)src + bytes)
     return report("rt_cuda_copy: the ranges overlap");
-  if (bytes) memcpy(dst, src, bytes);
-  return true;
+  return issue(cu, s, "rt_cuda_copy", [=] {
+    if (bytes) memcpy(dst, src, bytes);
+    return true;
+  });
 }
 
 // ---- streams and events ----
 
-bool rt_cuda_sync(RtCuda *, RtStream s) { return stream_ok(s, "rt_cuda_sync"); }
+bool rt_cuda_sync(RtCuda *cu, RtStream s) { return stream_ok(s, "rt_cuda_sync") && not_capturing(cu, "rt_cuda_sync"); }
 
 static bool event_ok(const RtCuda *cu, int event, const char *call) {
   if (event >= 0 && (size_t)event < cu->recorded.size()) return true;
@@ -199,12 +254,28 @@ static bool event_ok(const RtCuda *cu, int event, const char *call) {
 bool rt_cuda_record(RtCuda *cu, RtStream s, int event) {
   if (!stream_ok(s, "rt_cuda_record") || !event_ok(cu, event, "rt_cuda_record")) return false;
   cu->recorded[(size_t)event] = true;
+  cu->event_capture[(size_t)event] = 0;
+  if (!cu->capture) return true;
+  if (!cu->in_capture[s])
+    return report("rt_cuda_record of event %d on stream %d, which is not in the capture under way", event, (int)s);
+  cu->event_capture[(size_t)event] = cu->captures;
+  cu->event_seen[(size_t)event] = cu->seen[s];
   return true;
 }
 
 bool rt_cuda_wait(RtCuda *cu, RtStream s, int event) {
   if (!stream_ok(s, "rt_cuda_wait") || !event_ok(cu, event, "rt_cuda_wait")) return false;
   if (!cu->recorded[(size_t)event]) return report("rt_cuda_wait: event %d has never been recorded", event);
+  uint64_t in = cu->event_capture[(size_t)event];
+  if (!cu->capture && in)
+    return report("rt_cuda_wait for event %d, last recorded in a graph's capture (CUDA_ERROR_CAPTURED_EVENT)", event);
+  if (!cu->capture) return true;
+  if (in != cu->captures)
+    return report("rt_cuda_wait on stream %d for event %d, recorded outside the capture under way: a dependency "
+                  "across the capture's boundary (CUDA_ERROR_STREAM_CAPTURE_ISOLATION)", (int)s, event);
+  cu->in_capture[s] = true;
+  for (int t = 0; t < RT_STREAM_COUNT; t++)
+    cu->seen[s][t] = std::max(cu->seen[s][t], cu->event_seen[(size_t)event][t]);
   return true;
 }
 
@@ -256,6 +327,7 @@ struct FakeKernel {
   const char *name;
   bool syncs;
   bool (*run)(RtCuda *cu, const FakeKernel &k, void **args, int grid, int block);
+  void (*arg_sizes)(const FakeKernel &k, std::vector<size_t> &sizes);   // each parameter's bytes
   const MkFusedKernel *fused;   // a program's fused kernel (below), else NULL
 };
 
@@ -435,10 +507,14 @@ static bool run_kernel(RtCuda *cu, const FakeKernel &k, void (*kernel)(P...), vo
   return run_kernel(cu, k, kernel, args, grid, block, std::index_sequence_for<P...>{});
 }
 
+template <class... P> static void param_sizes(void (*)(P...), std::vector<size_t> &sizes) { sizes = {sizeof(P)...}; }
+
 #define MK_KERNEL(name, syncs)                                                                   \
-  {#name, syncs, [](RtCuda *cu, const FakeKernel &k, void **args, int grid, int block) {         \
+  {#name, syncs,                                                                                 \
+   [](RtCuda *cu, const FakeKernel &k, void **args, int grid, int block) {                       \
      return run_kernel(cu, k, &name, args, grid, block);                                          \
-   }},
+   },                                                                                            \
+   [](const FakeKernel &, std::vector<size_t> &sizes) { param_sizes(&name, sizes); }, nullptr},
 static const FakeKernel kernel_table[] = {
 #include MK_KERNEL_LIST
 };
@@ -474,10 +550,15 @@ static bool run_fused(RtCuda *cu, const FakeKernel &k, void **args, int grid, in
   return ok;
 }
 
+static void fused_sizes(const FakeKernel &k, std::vector<size_t> &sizes) {
+  sizes.assign((size_t)k.fused->nptrs, sizeof(void *));
+}
+
 static const FakeKernel *fused_kernel(const char *name) {
   if (fused_table.empty() && mk_fused_kernels && &mk_fused_count) {
     fused_table.reserve((size_t)mk_fused_count);   // never grows after: its addresses are CUfunctions
-    for (int i = 0; i < mk_fused_count; i++) fused_table.push_back({mk_fused_kernels[i].name, mk_fused_kernels[i].syncs, run_fused, &mk_fused_kernels[i]});
+    for (int i = 0; i < mk_fused_count; i++)
+      fused_table.push_back({mk_fused_kernels[i].name, mk_fused_kernels[i].syncs, run_fused, fused_sizes, &mk_fused_kernels[i]});
   }
   for (const FakeKernel &k : fused_table)
     if (strcmp(k.name, name) == 0) return &k;
@@ -510,17 +591,131 @@ int rt_cuda_grid(int64_t n, int block) {
   return grid < 1 ? 1 : grid > 65535 ? 65535 : (int)grid;
 }
 
-bool rt_cuda_launch(RtCuda *cu, RtStream s, CUfunction f, int grid, int block, unsigned shared_bytes, void **args) {
+// A launch kept by a capture: the kernel and a copy of its arguments' values.
+struct FakeLaunch {
+  const FakeKernel *k;
+  int grid, block;
+  unsigned shared_bytes;
+  std::vector<size_t> sizes;
+  std::vector<unsigned char> values;   // the arguments one after the other
+
+  void set(void **args) {
+    values.clear();
+    for (size_t i = 0; i < sizes.size(); i++)
+      values.insert(values.end(), (const unsigned char *)args[i], (const unsigned char *)args[i] + sizes[i]);
+  }
+  bool run(RtCuda *cu) {
+    std::vector<void *> args(sizes.size());
+    for (size_t i = 0, at = 0; i < sizes.size(); at += sizes[i++]) args[i] = values.data() + at;
+    return k->run(cu, *k, args.data(), grid, block);
+  }
+};
+
+static const FakeKernel *launch_check(CUfunction f, int grid, int block, unsigned shared_bytes) {
   const FakeKernel *k = (const FakeKernel *)(uintptr_t)f;
+  if (!f || !is_kernel(k)) {
+    report("rt_cuda_launch: not a kernel of rt_cuda_kernel");
+    return nullptr;
+  }
+  if (grid < 1 || grid > 65535 || block < 1 || block > 1024) {
+    report("kernel %s: launch <<<%d, %d>>> out of range", k->name, grid, block);
+    return nullptr;
+  }
+  if (shared_bytes > sizeof emu_dyn_shared) {
+    report("kernel %s: %u bytes of dynamic shared memory, the fake device has %zu", k->name, shared_bytes,
+           sizeof emu_dyn_shared);
+    return nullptr;
+  }
+  return k;
+}
+
+static std::shared_ptr<FakeLaunch> capture_launch(RtCuda *cu, RtStream s, const FakeKernel *k, int grid, int block,
+                                                  unsigned shared_bytes, void **args) {
+  auto l = std::make_shared<FakeLaunch>();
+  *l = FakeLaunch{k, grid, block, shared_bytes, {}, {}};
+  k->arg_sizes(*k, l->sizes);
+  l->set(args);
+  if (!issue(cu, s, "rt_cuda_launch", [cu, l] { return l->run(cu); })) return nullptr;
+  return l;
+}
+
+bool rt_cuda_launch(RtCuda *cu, RtStream s, CUfunction f, int grid, int block, unsigned shared_bytes, void **args) {
   if (!stream_ok(s, "rt_cuda_launch")) return false;
-  if (!f || !is_kernel(k))
-    return report("rt_cuda_launch: not a kernel of rt_cuda_kernel");
-  if (grid < 1 || grid > 65535 || block < 1 || block > 1024)
-    return report("kernel %s: launch <<<%d, %d>>> out of range", k->name, grid, block);
-  if (shared_bytes > sizeof emu_dyn_shared)
-    return report("kernel %s: %u bytes of dynamic shared memory, the fake device has %zu", k->name, shared_bytes,
-                  sizeof emu_dyn_shared);
-  return k->run(cu, *k, args, grid, block);
+  const FakeKernel *k = launch_check(f, grid, block, shared_bytes);
+  if (!k) return false;
+  if (!cu->capture) return k->run(cu, *k, args, grid, block);
+  return capture_launch(cu, s, k, grid, block, shared_bytes, args) != nullptr;
+}
+
+// ---- graphs ----
+
+bool rt_cuda_capture_begin(RtCuda *cu) {
+  if (cu->capture) return report("rt_cuda_capture_begin: a capture is already under way");
+  cu->capture = new RtCudaGraph{};
+  cu->captures++;
+  for (int t = 0; t < RT_STREAM_COUNT; t++) {
+    cu->in_capture[t] = t == RT_STREAM_COMPUTE;
+    cu->seen[t] = Seen{};
+  }
+  return true;
+}
+
+RtCudaGraph *rt_cuda_capture_end(RtCuda *cu) {
+  RtCudaGraph *g = cu->capture;
+  if (!g) {
+    report("rt_cuda_capture_end: no capture is under way");
+    return nullptr;
+  }
+  cu->capture = nullptr;
+  bool ok = true;
+  for (int t = 0; t < RT_STREAM_COUNT; t++) {
+    if (t != RT_STREAM_COMPUTE && cu->in_capture[t] && cu->seen[RT_STREAM_COMPUTE][t] != cu->seen[t][t])
+      ok = report("rt_cuda_capture_end: %zu calls on stream %d after its last join into the compute stream "
+                  "(CUDA_ERROR_STREAM_CAPTURE_UNJOINED)", cu->seen[t][t] - cu->seen[RT_STREAM_COMPUTE][t], t);
+    cu->in_capture[t] = false;
+  }
+  if (ok) return g;
+  delete g;
+  return nullptr;
+}
+
+bool rt_cuda_launch_step(RtCuda *cu, RtStream s, CUfunction f, int grid, int block, unsigned shared_bytes,
+                         void **args) {
+  if (!cu->capture) return rt_cuda_launch(cu, s, f, grid, block, shared_bytes, args);
+  if (!stream_ok(s, "rt_cuda_launch_step")) return false;
+  const FakeKernel *k = launch_check(f, grid, block, shared_bytes);
+  std::shared_ptr<FakeLaunch> l = k ? capture_launch(cu, s, k, grid, block, shared_bytes, args) : nullptr;
+  if (!l) return false;
+  cu->capture->step_nodes.push_back(l);
+  return true;
+}
+
+int rt_cuda_graph_step_nodes(const RtCudaGraph *g) { return (int)g->step_nodes.size(); }
+
+bool rt_cuda_graph_set(RtCuda *cu, RtCudaGraph *g, int node, CUfunction f, int grid, int block, unsigned shared_bytes,
+                       void **args) {
+  if (!not_capturing(cu, "rt_cuda_graph_set")) return false;
+  if (node < 0 || (size_t)node >= g->step_nodes.size())
+    return report("rt_cuda_graph_set: node %d of a graph with %zu nodes of step arguments", node, g->step_nodes.size());
+  FakeLaunch &l = *g->step_nodes[(size_t)node];
+  if ((const FakeKernel *)(uintptr_t)f != l.k || grid != l.grid || block != l.block || shared_bytes != l.shared_bytes)
+    return report("rt_cuda_graph_set: node %d launches kernel %s <<<%d, %d>>>, not the kernel and grid it was captured "
+                  "with (%s <<<%d, %d>>>)", node, f ? ((const FakeKernel *)(uintptr_t)f)->name : "NULL", grid, block,
+                  l.k->name, l.grid, l.block);
+  l.set(args);
+  return true;
+}
+
+bool rt_cuda_graph_launch(RtCuda *cu, RtCudaGraph *g, RtStream s) {
+  if (!stream_ok(s, "rt_cuda_graph_launch") || !not_capturing(cu, "rt_cuda_graph_launch")) return false;
+  for (auto &call : g->calls)
+    if (!call()) return false;
+  return true;
+}
+
+bool rt_cuda_graph_destroy(RtCudaGraph *g) {
+  delete g;
+  return true;
 }
 
 // ---- GEMMs: libmoert's, on the arena ----
@@ -544,19 +739,23 @@ static const float *as_f32(RtCudaType in, const void *a, size_t count, std::vect
 bool rt_cuda_gemm(RtCuda *cu, RtStream s, RtCudaType in, const void *a, const void *b, float *c, int m, int n, int k,
                   bool ta, bool tb, bool accumulate) {
   if (!stream_ok(s, "rt_cuda_gemm") || !gemm_ranges(cu, in, a, b, c, 1, m, n, k)) return false;
-  if (m <= 0 || n <= 0) return true;
-  std::vector<float> wa, wb;
-  rt_matmul(as_f32(in, a, (size_t)m * k, wa), as_f32(in, b, (size_t)k * n, wb), c, m, n, k, ta, tb, accumulate);
-  return true;
+  return issue(cu, s, "rt_cuda_gemm", [=] {
+    if (m <= 0 || n <= 0) return true;
+    std::vector<float> wa, wb;
+    rt_matmul(as_f32(in, a, (size_t)m * k, wa), as_f32(in, b, (size_t)k * n, wb), c, m, n, k, ta, tb, accumulate);
+    return true;
+  });
 }
 
 bool rt_cuda_expert_gemm(RtCuda *cu, RtStream s, RtCudaType in, const void *a, const void *b, float *c, int e, int m,
                          int n, int k, bool ta, bool tb) {
   if (!stream_ok(s, "rt_cuda_expert_gemm") || !gemm_ranges(cu, in, a, b, c, e > 0 ? (size_t)e : 0, m, n, k)) return false;
-  if (e <= 0 || m <= 0 || n <= 0) return true;
-  std::vector<float> wa, wb;
-  rt_expert_matmul(as_f32(in, a, (size_t)e * m * k, wa), as_f32(in, b, (size_t)e * k * n, wb), c, e, m, n, k, ta, tb);
-  return true;
+  return issue(cu, s, "rt_cuda_expert_gemm", [=] {
+    if (e <= 0 || m <= 0 || n <= 0) return true;
+    std::vector<float> wa, wb;
+    rt_expert_matmul(as_f32(in, a, (size_t)e * m * k, wa), as_f32(in, b, (size_t)e * k * n, wb), c, e, m, n, k, ta, tb);
+    return true;
+  });
 }
 
 // ---- NCCL: the runtime's MPI collectives on the same group ----
@@ -595,26 +794,34 @@ static bool collective_ranges(RtCuda *cu, const char *call, RtStream s, const fl
 
 bool rt_cuda_allreduce(RtCuda *cu, RtNccl *nc, RtStream s, const float *send, float *recv, size_t count) {
   if (!collective_ranges(cu, "rt_cuda_allreduce", s, send, count, recv, count)) return false;
-  if (send != recv) memcpy(recv, send, count * sizeof(float));
-  rt_allreduce(nc->comm, nc->group, recv, (int64_t)count);
-  return true;
+  return issue(cu, s, "rt_cuda_allreduce", [=] {
+    if (send != recv) memcpy(recv, send, count * sizeof(float));
+    rt_allreduce(nc->comm, nc->group, recv, (int64_t)count);
+    return true;
+  });
 }
 
 bool rt_cuda_allgather(RtCuda *cu, RtNccl *nc, RtStream s, const float *send, float *recv, size_t count) {
   if (!collective_ranges(cu, "rt_cuda_allgather", s, send, count, recv, count * (size_t)nc->ranks)) return false;
-  rt_allgather(nc->comm, nc->group, send, recv, (int64_t)count);
-  return true;
+  return issue(cu, s, "rt_cuda_allgather", [=] {
+    rt_allgather(nc->comm, nc->group, send, recv, (int64_t)count);
+    return true;
+  });
 }
 
 bool rt_cuda_reducescatter(RtCuda *cu, RtNccl *nc, RtStream s, const float *send, float *recv, size_t count) {
   if (!collective_ranges(cu, "rt_cuda_reducescatter", s, send, count * (size_t)nc->ranks, recv, count)) return false;
-  rt_reducescatter(nc->comm, nc->group, send, recv, (int64_t)count);
-  return true;
+  return issue(cu, s, "rt_cuda_reducescatter", [=] {
+    rt_reducescatter(nc->comm, nc->group, send, recv, (int64_t)count);
+    return true;
+  });
 }
 
 bool rt_cuda_alltoall(RtCuda *cu, RtNccl *nc, RtStream s, const float *send, float *recv, size_t count) {
   size_t total = count * (size_t)nc->ranks;
   if (!collective_ranges(cu, "rt_cuda_alltoall", s, send, total, recv, total)) return false;
-  rt_alltoall(nc->comm, nc->group, RT_A2A_FLAT, send, recv, (int64_t)count);
-  return true;
+  return issue(cu, s, "rt_cuda_alltoall", [=] {
+    rt_alltoall(nc->comm, nc->group, RT_A2A_FLAT, send, recv, (int64_t)count);
+    return true;
+  });
 }

@@ -19,6 +19,9 @@
 #                    CPU binary's; gpt_moe_bytes_bf16 likewise over 100 steps (the language
 #                    model); tinyq_bf16 (tiny without gate noise, whose first step routes
 #                    alike in bf16 and fp32) --dump within 3e-2 of each tensor's largest element.
+#                    graphs: tiny and gpt_moe_bytes (fp32, bf16) 6 steps with their step
+#                    functions as CUDA graphs and op by op (MOERT_CUDA_GRAPH=0): the same losses,
+#                    and the two step times.
 #                    Binaries that are missing are built with $MOEC when it can (the build
 #                    machine); on a GPU machine they come carried in $BUILD/cuda.
 #
@@ -181,6 +184,28 @@ compare() {
   fi
 }
 
+# graphs NAME: the binary 6 steps with its step functions as CUDA graphs (captured at step 2,
+# replayed from step 3) and 6 op by op (MOERT_CUDA_GRAPH=0): the same losses (1e-5), and the median
+# step time of steps 3..6 of each, for the note.
+graphs() {
+  local name=$1 why mode
+  if ! why=$(model "$name"); then bad "gpu graphs $name: binaries" "$why"; return; fi
+  for mode in 1 0; do
+    if ! (cd "$WORK" && MOERT_CUDA_GRAPH=$mode timeout 300 "$MODELS_DIR/$name.cuda" --steps 6 >"$name.graph$mode.out" 2>&1 </dev/null); then
+      bad "gpu graphs $name: the binary failed (MOERT_CUDA_GRAPH=$mode)" "$(tail -n 20 "$WORK/$name.graph$mode.out")"
+      return
+    fi
+  done
+  local t1 t0
+  t1=$(awk '$1 == "step" && $2 >= 3 { for (i = 1; i < NF; i++) if ($i == "time") print $(i + 1) }' "$WORK/$name.graph1.out" | sort -g | awk '{a[NR] = $1} END { print a[int((NR + 1) / 2)] }')
+  t0=$(awk '$1 == "step" && $2 >= 3 { for (i = 1; i < NF; i++) if ($i == "time") print $(i + 1) }' "$WORK/$name.graph0.out" | sort -g | awk '{a[NR] = $1} END { print a[int((NR + 1) / 2)] }')
+  if grep -q 'steps as CUDA graphs' "$WORK/$name.graph1.out" && same_losses "$WORK/$name.graph0.out" "$WORK/$name.graph1.out" 1e-5; then
+    ok "gpu graphs $name: 6 steps from CUDA graphs train as op by op (losses 1e-5); step $t1 ms with graphs, $t0 ms op by op"
+  else
+    bad "gpu graphs $name: graphs against op by op" "$(grep -h '^step\|^# device' "$WORK/$name.graph1.out" "$WORK/$name.graph0.out")"
+  fi
+}
+
 if [ "${1:-}" = --build-models ] || $FAKE; then   # make gpu-models: the binaries, to carry to a GPU machine
   for name in $GPU_MODELS $MATRIX_MODELS tiny_sm80 tiny_bf16 tinyq_bf16 gpt_moe_bytes_bf16; do
     model "$name" || exit 1
@@ -223,6 +248,9 @@ else
         bad "gpu model tiny: --check-grad on the GPU" "$(tail -n 15 "$WORK/check.out")"
       fi
       bf16_checks
+      graphs tiny
+      graphs gpt_moe_bytes
+      graphs gpt_moe_bytes_bf16
       exit $failed
     } 2>&1 | tee -a "$OUT"
     [ "${PIPESTATUS[0]}" -eq 0 ] || status=1

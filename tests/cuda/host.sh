@@ -192,6 +192,60 @@ for name in lm_gpt lm_llama lm_mp lm_qwen lm_qwen_mp lm_qknorm lm_qknorm_mp lm_o
   fi
 done
 
+# CUDA graphs: every program above ran its steps op by op at the first step, captured them into
+# graphs at the second and replayed them at the third (the fake device refuses what a capture may
+# not do). Here: 5 steps with graphs (3 replays, the step, lr and gate noise set in the nodes) end
+# with the parameters and AdamW moments, bit for bit, of 5 steps op by op (MOERT_CUDA_GRAPH=0),
+# on one rank and on 4 (sched: fsmoe streams joined by events, EP and ESP collectives; lm_mp).
+graph_same() {
+  local name=$1 np=$2
+  if [ "$(cat "$WORK/$name.built" 2>/dev/null)" != 0 ]; then bad "cuda host graphs $name: build" "$(cat "$WORK/$name.build")"; return; fi
+  if ! run "$name" cuda "$np" --steps 5 --save "$name.g.ckpt" || ! grep -q 'steps as CUDA graphs' "$WORK/$name.cuda.out"; then
+    bad "cuda host graphs $name: the run with graphs" "$(tail -n 20 "$WORK/$name.cuda.out")"; return
+  fi
+  cp "$WORK/$name.cuda.out" "$WORK/$name.g.out"
+  if ! MOERT_CUDA_GRAPH=0 run "$name" cuda "$np" --steps 5 --save "$name.e.ckpt" || grep -q 'steps as CUDA graphs' "$WORK/$name.cuda.out"; then
+    bad "cuda host graphs $name: the run op by op" "$(tail -n 20 "$WORK/$name.cuda.out")"; return
+  fi
+  local files=0 f
+  for f in "$WORK/$name.e.ckpt".*.safetensors; do   # the shards (the index names them)
+    if ! cmp -s "$f" "$WORK/$name.g.ckpt${f#"$WORK/$name.e.ckpt"}"; then
+      bad "cuda host graphs $name: ${f##*/} differs from the op-by-op run's" "$(grep -h '^step' "$WORK/$name.g.out" "$WORK/$name.cuda.out")"; return
+    fi
+    files=$((files + 1))
+  done
+  if same_losses "$WORK/$name.g.out" "$WORK/$name.cuda.out" 0 && [ "$files" -eq "$np" ]; then
+    ok "cuda host graphs $name ($np rank(s)): 5 steps replayed from graphs end with the op-by-op run's checkpoint bit for bit ($files shards) and losses"
+  else bad "cuda host graphs $name: losses" "$(grep -h '^step' "$WORK/$name.g.out" "$WORK/$name.cuda.out")"; fi
+}
+graph_same tiny 1
+graph_same sched 4
+graph_same lm_mp 4
+graph_same tiny_bf16 1
+
+# The checks can fail: tiny's program (op by op, no fused kernels to compile) with the gate noise
+# launched as a plain launch replays the second step's noise at the third, and with a read-back in
+# its forward it is refused at the capture.
+if "$MOEC" build lang/models/tiny.moe --target cuda --no-fuse --emit c -o "$WORK/gm.c" 2>"$WORK/gm.err" &&
+   link=$(MOEC_CUDA_FAKE=1 "$MOEC" build lang/models/tiny.moe --target cuda --no-fuse -v -o "$WORK/gm0" 2>&1 | sed -n 's/^# link: //p') &&
+   [ -n "$link" ] && c_file=$(echo "$link" | grep -o '[^ ]*moec-[^ ]*\.c') &&
+   sed 's/launch_step(\([0-9]*\), RT_STREAM_COMPUTE, mk_gate_noise,/launch(\1, RT_STREAM_COMPUTE, mk_gate_noise,/' "$WORK/gm.c" >"$WORK/gm_stale.c" &&
+   awk '{print} /^static void f0\(RtStep \*st\) \{/ {print "  CK(rt_cuda_sync(cu, RT_STREAM_COMPUTE), 0);"}' "$WORK/gm.c" >"$WORK/gm_sync.c" &&
+   ! cmp -s "$WORK/gm.c" "$WORK/gm_stale.c" && ! cmp -s "$WORK/gm.c" "$WORK/gm_sync.c" &&
+   ${link//$c_file/$WORK/gm_stale.c} -o "$WORK/gm_stale.cuda" 2>"$WORK/gm.err" &&
+   ${link//$c_file/$WORK/gm_sync.c} -o "$WORK/gm_sync.cuda" 2>"$WORK/gm.err"; then
+  run gm_stale cuda 1 --steps 3 && run tiny cpu 1 --steps 3 && ! MOERT_CUDA_GRAPH=1 run gm_sync cuda 1 --steps 3
+  s2=$(grep -h '^step 2 ' "$WORK/gm_stale.cuda.out" "$WORK/tiny.cpu.out" | awk '{print $4}' | sort -u | wc -l)
+  s3=$(grep -h '^step 3 ' "$WORK/gm_stale.cuda.out" "$WORK/tiny.cpu.out" | awk '{print $4}' | sort -u | wc -l)
+  if [ "$s2" = 1 ] && [ "$s3" = 2 ] && grep -q 'rt_cuda_sync while a graph is captured' "$WORK/gm_sync.cuda.out"; then
+    ok "cuda host graphs: a per-step argument left out of the nodes' updates changes step 3's loss, a read-back inside a step is refused at the capture"
+  else
+    bad "cuda host graphs: the planted faults were not caught" "$(grep -h '^step' "$WORK/gm_stale.cuda.out" "$WORK/tiny.cpu.out"; tail -n 3 "$WORK/gm_sync.cuda.out")"
+  fi
+else
+  bad "cuda host graphs: building the planted programs" "$(tail -n 5 "$WORK/gm.err")"
+fi
+
 # The shared expert's programs bit for bit too (scale_rows and its gradient sum in the CPU's order).
 for name in shared shared_par lm_shared lm_shared_mp; do
   if [ -d "$WORK/$name.cpu.dump" ] && [ -d "$WORK/$name.cuda.dump" ]; then
@@ -336,7 +390,7 @@ if "$MOEC" build "$WORK/tiny_bf16.moe" --target cuda --emit c -v -o "$WORK/tiny_
    fbwd=$(sed -n 's/^# launches: backward .*(\([0-9]*\) bf16 casts).*/\1/p' "$WORK/v.err") &&
    [ -n "$ffwd" ] && [ -n "$fbwd" ] && [ "$ffwd" -lt 6 ] && [ "$fbwd" -lt 12 ] &&
    [ "$(grep -c 'rt_cuda_expert_gemm(cu, RT_STREAM_COMPUTE, RT_CUDA_BF16, [^;]*(P16 + ' "$WORK/tiny_bf16.c")" -eq 8 ] &&
-   grep -q 'launch([0-9]*, RT_STREAM_COMPUTE, mk_\(adamw\|sgd\)_ranges, .*PTR((P16 + 0))});' "$WORK/tiny_bf16.c" &&
+   grep -q 'launch_step([0-9]*, RT_STREAM_COMPUTE, mk_\(adamw\|sgd\)_ranges, .*PTR((P16 + 0))});' "$WORK/tiny_bf16.c" &&
    ! grep -q 'p16_fresh = false;   /\* rounded again' "$WORK/tiny_bf16.c" &&
    grep -q 'if (what & RT_DEVICE_PARAMS) p16_fresh = false;' "$WORK/tiny_bf16.c"; then
   ok "cuda host tiny bf16: weights read from P16, which the update writes; op by op a value's bf16 copy reused by the next GEMM ('${fwd#\# launches: }'; backward 12 casts for 12 GEMMs), fused $ffwd and $fbwd casts"
@@ -350,7 +404,7 @@ fi
 # settings before); the golden runs hold the bits.
 if "$MOEC" build lang/models/tiny.moe --target cuda --emit c -v -o "$WORK/tiny_upd.c" 2>"$WORK/u.err" &&
    grep -q '^# launches: update      1 kernels' "$WORK/u.err" &&
-   [ "$(grep -c 'launch([0-9]*, RT_STREAM_COMPUTE, mk_adamw_ranges, .*I32(10)' "$WORK/tiny_upd.c")" -eq 1 ] &&
+   [ "$(grep -c 'launch_step([0-9]*, RT_STREAM_COMPUTE, mk_adamw_ranges, .*I32(10)' "$WORK/tiny_upd.c")" -eq 1 ] &&
    "$MOEC" build lang/models/gpt_moe_bytes.moe --target cuda -v --emit c -o "$WORK/gmb_upd.c" 2>"$WORK/g.err" &&
    grep -q '^# launches: update      1 kernels' "$WORK/g.err" &&
    grep -q 'static const RtUpdateRange update_ranges\[55\]' "$WORK/gmb_upd.c" &&
@@ -426,10 +480,11 @@ else
 fi
 
 # bench/gpu_lm.sh, which a GPU session runs (a language model's step beside PyTorch's): its --quick
-# model in fp32 and bf16 on the fake device (the times say nothing; the script's path is checked).
+# model in fp32 and bf16 on the fake device, with CUDA graphs and op by op (the times say nothing;
+# the script's path is checked).
 if MOEC_CUDA_FAKE=1 LM_DIR=$WORK/lm bash bench/gpu_lm.sh --build --quick >"$WORK/lmb.out" 2>&1 &&
    MOEC_CUDA_FAKE=1 LM_DIR=$WORK/lm TORCH_PYTHON=false bash bench/gpu_lm.sh --quick --steps 3 >"$WORK/lmr.out" 2>&1 &&
-   [ "$(grep -cE '^(fp32|bf16) +[0-9.]+ +- +-$' "$WORK/lmr.out")" -eq 2 ] && [ "$(tail -n 1 "$WORK/lmr.out")" = OK ] &&
+   [ "$(grep -cE '^(fp32|bf16) +[0-9.]+ +[0-9.]+ +- +-$' "$WORK/lmr.out")" -eq 2 ] && [ "$(tail -n 1 "$WORK/lmr.out")" = OK ] &&
    [ "$(grep -c '^# moec bf16 launches: ' "$WORK/lmr.out")" -eq 5 ] && grep -q '^# moec bf16 launches: [0-9]* kernels, [0-9]* GEMMs per step (unfused: ' "$WORK/lmr.out"; then
   ok "bench/gpu_lm.sh --quick on the fake device: fp32 and bf16 steps with the compiler's launch counts"
 else
