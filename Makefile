@@ -344,11 +344,15 @@ bench: deps all $(BUILD)/bench/gate_order $(BUILD)/bench/alltoall $(BUILD)/bench
 # build/cluster-bench. About an hour; CLUSTER_BENCH_ARGS=--quick for a few minutes. Then the layout
 # search (issue 25, bench/cluster/layouts.sh): every fitting layout of the stack built and run on
 # 2 x 2, measured beside predicted (layouts.md); `make cluster-layouts` runs only that part
-# (CLUSTER_LAYOUTS_ARGS=--quick: one round).
+# (CLUSTER_LAYOUTS_ARGS=--quick: one round). Then (issue 42, bench/predict.sh) one profile of each
+# cluster without --model and four models predicted beside measured (predict.md; --quick: 2 x 1).
 .PHONY: cluster-bench cluster-layouts
 cluster-bench: deps all
 	@BUILD=$(BUILD) bash bench/cluster/bench.sh $(CLUSTER_BENCH_ARGS)
 	@BUILD=$(BUILD) bash bench/cluster/layouts.sh $(if $(findstring --quick,$(CLUSTER_BENCH_ARGS)),--quick) $(CLUSTER_LAYOUTS_ARGS)
+	@rm -f $(BUILD)/cluster-bench/predict.md
+	@BUILD=$(BUILD) bash bench/predict.sh --cluster 2x1 --out $(BUILD)/cluster-bench
+	$(if $(findstring --quick,$(CLUSTER_BENCH_ARGS)),,@BUILD=$(BUILD) bash bench/predict.sh --cluster 2x2 --out $(BUILD)/cluster-bench)
 cluster-layouts: deps all
 	@BUILD=$(BUILD) bash bench/cluster/layouts.sh $(CLUSTER_LAYOUTS_ARGS)
 

@@ -40,6 +40,10 @@ void cli_cluster_from_fe(const FeCluster *f, SchedCluster *c) {
                       .allreduce = {f->allreduce.alpha, f->allreduce.beta},
                       .elementwise = {f->elementwise.alpha, f->elementwise.beta},
                       .attention = {f->attention.alpha, f->attention.beta}, .handoff = f->handoff,
+                      .attention_grad = {f->attention_grad.alpha, f->attention_grad.beta},
+                      .elementwise_math = {f->elementwise_math.alpha, f->elementwise_math.beta},
+                      .update_adamw = {f->update_adamw.alpha, f->update_adamw.beta},
+                      .update_sgd = {f->update_sgd.alpha, f->update_sgd.beta},
                       .overlap_compute = f->overlap_compute, .overlap_comm = f->overlap_comm,
                       .alltoall_intra = {f->alltoall_intra.alpha, f->alltoall_intra.beta},
                       .allreduce_intra = {f->allreduce_intra.alpha, f->allreduce_intra.beta},
@@ -88,6 +92,7 @@ typedef struct PlanOptions {
   SchedChoose choose;    // --degree
   IrPolicy shown;        // --policy: the policy whose per-layer plan is printed
   bool all;              // --policy all: every policy in the summary (else shown, tutel, sequential)
+  bool verbose;          // -v: the sequential step per class of work (pass_class_times)
 } PlanOptions;
 
 // Options of `moec plan`; 0, or 2 on a usage error (already reported).
@@ -100,6 +105,7 @@ static int parse_plan_options(int argc, char **argv, PlanOptions *o) {
       {"--json", NULL, false, &o->json},       {"--layout", NULL, false, &o->layout},
       {"--layouts", NULL, true, &o->layouts},  {"--heads", NULL, false, &o->heads, cli_opt_positive},
       {"--degree", NULL, false, &o->choose, cli_opt_degree},
+      {"-v", "--verbose", true, &o->verbose},
   };
   CliArgs args = {.for_what = "'moec plan'", .help = "moec plan", .positional = &o->input,
                   .second = "more than one input file", .dash_is_positional = true, .opts = opts,
@@ -124,7 +130,7 @@ static int parse_plan_options(int argc, char **argv, PlanOptions *o) {
 void cli_plan_usage(FILE *out) {
   fprintf(out,
           "usage: moec plan F.moe [--cluster C] [--policy NAME|all] [--heads N] [--degree RULE]\n"
-          "                 [--svg F.svg] [--trace F.json] [--json F.json] [--layouts] [--layout D,M,E,S]\n"
+          "                 [--svg F.svg] [--trace F.json] [--json F.json] [--layouts] [--layout D,M,E,S] [-v]\n"
           "\n"
           "Plans the model's MoE stack with the FSMoE scheduling model (DESIGN section 6): for each\n"
           "policy the pipeline degree r per layer and phase, the partition of the dense gradients and\n"
@@ -144,7 +150,9 @@ void cli_plan_usage(FILE *out) {
           "  --json F.json     the whole plan as JSON (with --layouts: the layouts)\n"
           "  --layouts         every parallel layout of the cluster's ranks, priced and ranked\n"
           "                    (DESIGN 6.1); the model's 'parallel auto;' picks the first that fits\n"
-          "  --layout D,M,E,S[,ALGO]  plan this layout (dp, mp, ep, esp, EP AlltoAll algorithm)\n");
+          "  --layout D,M,E,S[,ALGO]  plan this layout (dp, mp, ep, esp, EP AlltoAll algorithm)\n"
+          "  -v, --verbose     the sequential step per class of work (GEMM, attention, update, each\n"
+          "                    collective, the rest), as the binary's --profile measures them\n");
 }
 
 // ---- moec plan: the model, priced from its IR ----
@@ -512,6 +520,19 @@ static void print_policy_table(const PlanOptions *o, const Plan *pl) {
   printf("# planned %d policies in %.3f ms\n", IR_NPOLICIES, pl->plan_s * 1e3);
 }
 
+// -v: the sequential step's time per class of work, the classes a binary's --profile measures.
+static void print_classes(const Plan *pl) {
+  double t[PASS_CLASSES], sum = 0;
+  pass_class_times(pl->m, &pl->cluster, t);
+  printf("# per class (ms a step, every op once as the sequential schedule runs them; the binary's --profile "
+         "measures the same classes):");
+  for (int k = 0; k < PASS_CLASSES; k++) {
+    printf("%s %s %.3f", k ? "," : "", pass_class_names[k], t[k]);
+    sum += t[k];
+  }
+  printf("; sum %.3f (sequential %.3f)\n", sum, pl->plans[IR_POLICY_SEQUENTIAL].t_iter);
+}
+
 // --svg, --trace and --json; false if one could not be written (reported).
 static bool write_outputs(IrDiag *d, const PlanOptions *o, const Plan *pl) {
   const SchedPlan *main_plan = &pl->plans[o->shown];
@@ -568,6 +589,7 @@ int cli_plan(int argc, char **argv) {
     print_header(&o, &pl);
     print_layer_table(&o, &pl);
     print_policy_table(&o, &pl);
+    if (o.verbose) print_classes(&pl);
     bool ok = write_outputs(&d, &o, &pl);
     printf(ok ? "OK\n" : "FAILED\n");
     status = ok ? 0 : 1;

@@ -340,9 +340,9 @@ static void run_gemms(Series *s, const GemmShape *shapes, int nshapes, bool quic
 // operand sets as add up to GRID_COLD floats (64 MiB, beyond a CPU's last-level cache): a step's
 // GEMMs read operands other work has pushed out of the caches, and a small shape whose few sets
 // stayed cached timed up to 1.6x faster than the same shape in a step.
-static const int grid_m[] = {4, 16, 64, 256, 1024, 4096}, grid_w[] = {64, 256, 1024, 4096};
+static const int grid_m[] = {4, 16, 64, 256, 1024, 2048, 4096}, grid_w[] = {64, 128, 256, 512, 1024, 2048, 4096};
 enum { GRID_NM = sizeof grid_m / sizeof *grid_m, GRID_NW = sizeof grid_w / sizeof *grid_w, GRID_MAX = GRID_NM * GRID_NW * GRID_NW };
-#define GRID_MACS 268435456.0   // 2^28
+#define GRID_MACS 2147483648.0  // 2^31
 #define GRID_FLOATS 4194304.0   // 2^22
 #define GRID_COLD 16777216.0    // 2^24 floats: the operand sets a shape cycles through, at least
 static double grid[GRID_MAX][4];   // m, k, n, ms
@@ -437,10 +437,43 @@ static void run_elementwise(Series *s, bool quick, Progress *pr) {
   free(c);
 }
 
+// The kernels the planner prices apart from the plain element-wise ones, over 2^16 .. 2^23
+// elements as run_elementwise: `elementwise_math` (GELU, tanh and its arithmetic per element: the
+// activations, softmaxes and losses that evaluate exp, tanh or erf per element), `update_adamw`
+// and `update_sgd` (the optimizer over n parameters: AdamW reads and writes the parameter and two
+// moments and reads the gradient).
+static void run_kernel_sweeps(Series *series, bool quick, Progress *pr) {
+  int idx[ELEM_SIZES], nsizes = sweep(ELEM_SIZES, quick, idx);
+  size_t most = (size_t)1 << (15 + ELEM_SIZES);
+  float *x = tune_xmalloc(sizeof(float) * most), *y = tune_xmalloc(sizeof(float) * most);
+  float *m = tune_xmalloc(sizeof(float) * most), *v = tune_xmalloc(sizeof(float) * most);
+  uint32_t state = 4242;
+  for (size_t e = 0; e < most; e++) {
+    state = state * 1664525u + 1013904223u;
+    x[e] = (float)(state >> 8) / 4194304.0f - 2.0f;
+    y[e] = (float)(e % 31) / 64.0f, m[e] = 0.0f, v[e] = 0.0f;
+  }
+  static const int which[] = {S_MATH, S_ADAMW, S_SGD};
+  static const char *const what[] = {"elementwise_math", "update_adamw", "update_sgd"};
+  for (int w = 0; w < 3; w++)
+    for (int j = 0; j < nsizes; j++) {
+      Series *s = &series[which[w]];
+      Call cl = {.op = s->op, .count = (int64_t)1 << (15 + idx[j]), .send = x, .c = y, .attn_stats = m, .attn_grad = v};
+      s->x[s->points] = (double)cl.count;
+      s->t[s->points++] = measure(&cl);
+      progress_step(pr, what[w], (double)cl.count);
+    }
+  free(x);
+  free(y);
+  free(m);
+  free(v);
+}
+
 // Causal attention (runtime/kernels/attn.c) in the model's shape over 1, 2, 4, 8 windows: the
 // forward (n = rows * heads*d * (seq + 1) multiply-accumulates, as the cost pass counts them)
-// and the backward (stats, dq, dk and dv: twice that n), one fit through both, relative.
-static void run_attention(Series *s, bool quick, Progress *pr) {
+// and the backward (stats, dq, dk and dv: twice that n), a fit each (`attention`,
+// `attention_grad`), relative: the backward's kernels take several times the forward's.
+static void run_attention(Series *series, bool quick, Progress *pr) {
   AttnShape a = T.attn;
   int idx[ATTN_SIZES], nsizes = sweep(ATTN_SIZES, quick, idx);
   size_t most = (size_t)a.seq << (ATTN_SIZES - 1), qc = (size_t)a.heads * a.d, kc = (size_t)a.kv * a.d;
@@ -461,6 +494,7 @@ static void run_attention(Series *s, bool quick, Progress *pr) {
     double n = (double)rows * (double)qc * (a.seq + 1);
     for (int backward = 0; backward < 2; backward++) {
       Call cl = {.op = OP_ATTENTION, .m = rows, .n = backward, .a = q, .b = k, .c = o, .send = v, .recv = dy, .attn = &a};
+      Series *s = &series[backward ? S_ATTN_GRAD : S_ATTN];
       cl.attn_stats = st;
       cl.attn_grad = dqkv;
       s->x[s->points] = backward ? 2 * n : n;
@@ -526,7 +560,8 @@ static void write_profile(FILE *f, const char *header, const char *name, int nod
                                    : "one rank per node, so no intra-node group (measured on all ranks, they "
                                      "would not describe a node)");
   if (!s[S_ELEM].skipped) write_coef(f, "elementwise", &s[S_ELEM]);
-  if (!s[S_ATTN].skipped) write_coef(f, "attention", &s[S_ATTN]);
+  for (int i = S_ATTN; i < NSERIES; i++)
+    if (!s[i].skipped) write_coef(f, s[i].name, &s[i]);
   if (T.handoff_ms >= 0) fprintf(f, "  handoff %.6g;\n", T.handoff_ms);
   if (T.slow_compute >= 0) fprintf(f, "  overlap { compute %.4f; comm %.4f; }\n", T.slow_compute, T.slow_comm);
   if (ngrid > 0)
@@ -607,7 +642,7 @@ static char *profile_header(const char *command, const char *date, const char *h
     u += snprintf(h + u, size - u, "# (a run: %d calls back to back on the GPU's compute stream, a synchronisation, / %d)\n",
                   engine->call_reps, engine->call_reps);
   for (int i = 0; i < NSERIES; i++)
-    if (s[i].skipped && (i == S_ELEM || i == S_ATTN))
+    if (s[i].skipped && i >= S_ELEM)
       continue;
     else if (s[i].skipped)
       u += snprintf(h + u, size - u, "#   %-13s %-10s not measured: one rank (one GPU) runs no collectives\n", s[i].name,
@@ -726,7 +761,14 @@ static void init_series(RtComm *comm, Series *s) {
   s[S_AR_INTER] = (Series){"allreduce", inter_where, OP_ALLREDUCE, inter, rt_comm_size(comm, inter)};
   s[S_ELEM] = (Series){"elementwise", "each-rank", OP_ELEMENTWISE, RT_GROUP_WORLD, 1};
   s[S_ATTN] = (Series){"attention", "each-rank", OP_ATTENTION, RT_GROUP_WORLD, 1};
+  s[S_ATTN_GRAD] = (Series){"attention_grad", "each-rank", OP_ATTENTION, RT_GROUP_WORLD, 1};
+  s[S_MATH] = (Series){"elementwise_math", "each-rank", OP_MATH, RT_GROUP_WORLD, 1};
+  s[S_ADAMW] = (Series){"update_adamw", "each-rank", OP_ADAMW, RT_GROUP_WORLD, 1};
+  s[S_SGD] = (Series){"update_sgd", "each-rank", OP_SGD, RT_GROUP_WORLD, 1};
 }
+
+// A series every rank times alone (the GEMMs, the element-wise, attention and update kernels).
+static bool each_rank(int i) { return i == S_GEMM || i >= S_ELEM; }
 
 // Rank 0's '#' lines before the measurements.
 static void print_preamble(const TuneOptions *o, const TuneRun *r, const Series *s, const GemmShape *shapes,
@@ -776,11 +818,13 @@ static double measure_all(RtComm *comm, Series *s, const GemmShape *shapes, int 
   pr.total = nshapes * gemm_sweep(quick, gemm_idx) + (collectives ? NCOLLECTIVES : 0) * (SMALL_SIZES + sweep(COMM_SIZES, quick, comm_idx)) +
              (s[S_ELEM].skipped ? 0 : sweep(ELEM_SIZES, quick, elem_idx)) +
              (s[S_ATTN].skipped ? 0 : 2 * sweep(ATTN_SIZES, quick, elem_idx)) +
+             (s[S_MATH].skipped ? 0 : 3 * sweep(ELEM_SIZES, quick, elem_idx)) +
              (grid ? grid_points() : 0);
   run_gemms(&s[S_GEMM], shapes, nshapes, quick, &pr);
   if (grid) run_gemm_grid(&pr);
   if (!s[S_ELEM].skipped) run_elementwise(&s[S_ELEM], quick, &pr);
-  if (!s[S_ATTN].skipped) run_attention(&s[S_ATTN], quick, &pr);
+  if (!s[S_ATTN].skipped) run_attention(s, quick, &pr);
+  if (!s[S_MATH].skipped) run_kernel_sweeps(s, quick, &pr);
   if (collectives && engine->probes) engine->probes(&T, comm, s, shapes);
   if (collectives) {
     float *send, *recv;
@@ -802,6 +846,8 @@ static bool fit_series(Series *x) {
     return fit_line_relative(x->x, x->t, x->points, &x->fit, x->err, sizeof x->err);
   if (x->op == OP_ELEMENTWISE)   // the slope where the data leaves the caches (from 2^20 floats on)
     return fit_anchored(x->x, x->t, x->points, x->t[0], 5.0 * (1 << 20), &x->fit, x->err, sizeof x->err);
+  if (x->op == OP_MATH || x->op == OP_ADAMW || x->op == OP_SGD)
+    return fit_anchored(x->x, x->t, x->points, x->t[0], 1 << 20, &x->fit, x->err, sizeof x->err);
   return fit_anchored(x->x, x->t, x->points, x->t[0], COMM_UNIT, &x->fit, x->err, sizeof x->err);
 }
 
@@ -829,17 +875,17 @@ static int fit_and_print(const TuneOptions *o, const TuneRun *r, Series *s) {
                                         : "yes";
     if (x->skipped) {
       printf("  %-13s %-10s %5d %6d %13s %13s %10s  %s\n", x->name, x->where, 1, 0, "-", "-", "-",
-             i == S_ELEM || i == S_ATTN ? "not measured on a GPU; no line in the profile"
+             i >= S_ELEM ? "not measured on a GPU; no line in the profile"
                          : "not measured (one rank: no collectives); 0 in the profile");
       continue;
     }
     if (!x->ok) {
-      printf("  %-13s %-10s %5d %6d %13s %13s %10s  %s\n", x->name, x->where, i == S_GEMM || i == S_ELEM || i == S_ATTN ? r->world : x->group_size,
+      printf("  %-13s %-10s %5d %6d %13s %13s %10s  %s\n", x->name, x->where, each_rank(i) ? r->world : x->group_size,
              x->points, "-", "-", "-", x->err);
       continue;
     }
     printf("  %-13s %-10s %5d %6d %13.4e %13.4e %10.6f  %s\n", x->name, x->where,
-           i == S_GEMM || i == S_ELEM || i == S_ATTN ? r->world : x->group_size, x->points, x->fit.alpha, x->fit.beta, x->fit.r2, use);
+           each_rank(i) ? r->world : x->group_size, x->points, x->fit.alpha, x->fit.beta, x->fit.r2, use);
   }
   if (T.handoff_ms >= 0)
     printf("  %-13s %-10s %5d %6d %13.4e %13s %10s  yes\n", "handoff", "each-rank", r->world, HANDOFF_RUNS, T.handoff_ms,

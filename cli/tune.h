@@ -51,7 +51,8 @@ typedef struct GemmShape {
   char what[48];            // "up (x W1, W3)", ...
 } GemmShape;
 
-typedef enum BenchOp { OP_GEMM, OP_ALLTOALL, OP_ALLGATHER, OP_REDUCESCATTER, OP_ALLREDUCE, OP_ELEMENTWISE, OP_ATTENTION } BenchOp;
+typedef enum BenchOp { OP_GEMM, OP_ALLTOALL, OP_ALLGATHER, OP_REDUCESCATTER, OP_ALLREDUCE, OP_ELEMENTWISE, OP_ATTENTION,
+                       OP_MATH, OP_ADAMW, OP_SGD } BenchOp;
 
 // One fitted model: its points and its line.
 typedef struct Series {
@@ -69,7 +70,9 @@ typedef struct Series {
 } Series;
 
 // S_A2A_INTRA .. S_AR_INTER are the collectives (measure_all runs them in that order).
-enum { S_GEMM, S_A2A_INTRA, S_AG_INTRA, S_RS_INTRA, S_AR_INTRA, S_A2A_INTER, S_AR_INTER, S_ELEM, S_ATTN, NSERIES };
+// S_ELEM and after: kernels each rank times alone (not measured on a GPU yet).
+enum { S_GEMM, S_A2A_INTRA, S_AG_INTRA, S_RS_INTRA, S_AR_INTRA, S_A2A_INTER, S_AR_INTER, S_ELEM, S_ATTN, S_ATTN_GRAD,
+       S_MATH, S_ADAMW, S_SGD, NSERIES };
 enum { NCOLLECTIVES = S_AR_INTER - S_A2A_INTRA + 1 };
 
 // One timed call.
@@ -83,7 +86,7 @@ typedef struct Call {
   const void *a, *b;        // fp32 (bf16 with --dtype bf16 on a GPU)
   float *c;
   float *send, *recv;
-  float *attn_stats, *attn_grad;   // attention's backward
+  float *attn_stats, *attn_grad;   // attention's backward; AdamW's moments (OP_ADAMW)
   const AttnShape *attn;           // attention's shape
 } Call;
 

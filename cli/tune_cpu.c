@@ -48,6 +48,11 @@ static void call(const Call *c) {
     rt_copy(c->send, c->c, c->count);
     rt_add(c->c, c->recv, c->send, c->count);
     break;
+  case OP_MATH: rt_gelu(c->send, c->c, c->count, 1024); break;   // tanh and its arithmetic per element
+  case OP_ADAMW:   // the update of count parameters at c from the gradient send, moments in attn_stats / attn_grad
+    rt_adamw(c->c, c->send, c->attn_stats, c->attn_grad, c->count, 1e-3f, 0.9f, 0.999f, 1e-8f, 0.1f, 10, 1.0f, 1.0f);
+    break;
+  case OP_SGD: rt_sgd(c->c, c->send, c->count, 1e-3f, 0.1f, 1.0f, 1.0f); break;
   case OP_ATTENTION: {   // q a, k b, v send, o c, dy recv; m rows; n 0 forward, 1 backward
     const AttnShape *s = c->attn;
     int qc = s->heads * s->d;

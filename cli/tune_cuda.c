@@ -51,7 +51,10 @@ static void call(const Call *c) {
       break;
     case OP_ALLREDUCE: ok = rt_cuda_allreduce(gpu, nccl[c->group], RT_STREAM_COMPUTE, c->send, c->send, c->count); break;
     case OP_ELEMENTWISE:
-    case OP_ATTENTION: break;   // not timed on a GPU (open_gpu skips them)
+    case OP_ATTENTION:
+    case OP_MATH:
+    case OP_ADAMW:
+    case OP_SGD: break;   // not timed on a GPU (open_gpu skips them)
     }
   }
   if (!ok || !rt_cuda_sync(gpu, RT_STREAM_COMPUTE)) rt_comm_abort("moec tune: a GPU call failed (the error is above)");
@@ -175,6 +178,7 @@ static bool open_gpu(Tune *t, const TuneOptions *o, RtComm *comm, Series *s, con
   gemm_type = o->dtype && strcmp(o->dtype, "bf16") == 0 ? RT_CUDA_BF16 : RT_CUDA_F32;
   s[S_ELEM].skipped = true;   // the GPU's element-wise and attention kernels are not timed yet:
   s[S_ATTN].skipped = true;   // no line in the profile
+  for (int i = S_ATTN_GRAD; i < NSERIES; i++) s[i].skipped = true;
   if (world == 1)
     for (int i = S_A2A_INTRA; i < NSERIES; i++) s[i].skipped = true;
   gpu = rt_cuda_create(arena_bytes(shapes, nshapes, world > 1), 1);

@@ -425,7 +425,8 @@ static const Field coef_fields[] = {
 static const Block coef_block = BLOCK("gemm", coef_fields, NULL);
 
 // cluster = "cluster" NAME "{" nodes gpus_per_node gemm alltoall allgather reducescatter allreduce
-//           [elementwise] [attention] [handoff] [overlap] [alltoall_intra] [allreduce_intra]
+//           [elementwise] [attention] [attention_grad] [elementwise_math] [update_adamw] [update_sgd]
+//           [handoff] [overlap] [alltoall_intra] [allreduce_intra]
 //           [memory SIZE] "}"
 // overlap = "overlap" "{" compute comm "}"    relative slowdowns when both run at once
 static const Field overlap_fields[] = {
@@ -443,6 +444,10 @@ static const Field cluster_fields[] = {
   {"allreduce", F_REQUIRED | F_BLOCK, .block = &coef_block, .sub = AT(FeCluster, allreduce)},
   {"elementwise", F_BLOCK, .block = &coef_block, .sub = AT(FeCluster, elementwise)},
   {"attention", F_BLOCK, .block = &coef_block, .sub = AT(FeCluster, attention)},
+  {"attention_grad", F_BLOCK, .block = &coef_block, .sub = AT(FeCluster, attention_grad)},
+  {"elementwise_math", F_BLOCK, .block = &coef_block, .sub = AT(FeCluster, elementwise_math)},
+  {"update_adamw", F_BLOCK, .block = &coef_block, .sub = AT(FeCluster, update_adamw)},
+  {"update_sgd", F_BLOCK, .block = &coef_block, .sub = AT(FeCluster, update_sgd)},
   {"handoff", 0, .vals = {{V_NUM, R_NONNEG, .def = "0", .off = AT(FeCluster, handoff)}}},
   {"overlap", F_BLOCK, .block = &overlap_block, .sub = SAME},
   {"alltoall_intra", F_BLOCK, .block = &coef_block, .sub = AT(FeCluster, alltoall_intra)},

@@ -233,7 +233,7 @@ typedef struct FeSchedule {
 
 typedef struct FeCollective { double alpha, beta; } FeCollective;
 
-enum { FE_MAX_GEMM_AT = 256 };   // the most `gemm_at` statements a profile may hold
+enum { FE_MAX_GEMM_AT = 1024 };   // the most `gemm_at` statements a profile may hold
 typedef struct FeCluster {
   SrcLoc loc;
   const char *name;
@@ -241,6 +241,9 @@ typedef struct FeCluster {
   FeCollective gemm, alltoall, allgather, reducescatter, allreduce;
   FeCollective elementwise;   // optional (0, 0 when absent)
   FeCollective attention;     // optional (0, 0 when absent: attention is priced as GEMMs)
+  // Optional (0, 0 when absent): attention's backward, the element-wise ops that evaluate exp, tanh
+  // or erf per element, and the optimizers' update per parameter (sched.h says how each prices).
+  FeCollective attention_grad, elementwise_math, update_adamw, update_sgd;
   double handoff;             // optional (0 when absent)
   double overlap_compute, overlap_comm;   // optional `overlap { compute X; comm Y; }` (0 when absent)
   // Optional fits of the collectives inside one node (0, 0 when absent: the layout search

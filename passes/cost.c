@@ -123,6 +123,41 @@ static SchedCoef gemm_price(const IrOp *op, const SchedCluster *c) {
   return (SchedCoef){0, sched_gemm_ms(c, m, k, n) / (m * k * n)};
 }
 
+static bool has(SchedCoef f) { return f.alpha > 0 || f.beta > 0; }
+
+// The element-wise and row-wise ops that evaluate exp, tanh, erf or log per element (the
+// profile's elementwise_math prices them per element): the activations with a curve, the gates'
+// softmax and sigmoid, the noise's normals, the cross-entropy over the logits.
+static bool evaluates_math(IrOpKind k) {
+  switch (k) {
+  case IR_OP_ACT_GELU:
+  case IR_OP_ACT_GELU_GRAD:
+  case IR_OP_ACT_SILU:
+  case IR_OP_ACT_SILU_GRAD:
+  case IR_OP_ACT_OSS:
+  case IR_OP_ACT_OSS_GRAD_GATE:
+  case IR_OP_ACT_OSS_GRAD_UP:
+  case IR_OP_GATE_NOISE:
+  case IR_OP_GATE_SOFTMAX:
+  case IR_OP_GATE_SIGMOID:
+  case IR_OP_GATE_SOFTMAX_TOKENS:
+  case IR_OP_LOSS_XENT:
+  case IR_OP_LOSS_XENT_GRAD:
+  case IR_OP_LOSS_XENT_STATS:
+  case IR_OP_LOSS_XENT_VP:
+  case IR_OP_LOSS_XENT_VP_GRAD: return true;
+  default: return false;
+  }
+}
+
+// The most elements an op reads or writes.
+static double elements_of(const IrOp *op) {
+  double n = op->result ? (double)ir_type_numel(&op->result->type) : 0;
+  for (int a = 0; a < op->nargs; a++)
+    if ((double)numel_of(&op->args[a]) > n) n = (double)numel_of(&op->args[a]);
+  return n;
+}
+
 // The fit and the size of an op the model prices; false for the others.
 static bool price(const IrOp *op, const SchedCluster *c, const Groups *gs, SchedCoef *coef, double *n) {
   switch (op->kind) {
@@ -153,16 +188,38 @@ static bool price(const IrOp *op, const SchedCluster *c, const Groups *gs, Sched
   case IR_OP_ATTN_CAUSAL:
   case IR_OP_ATTN_SINK:
   case IR_OP_ATTN_CAUSAL_GRAD:
-    *coef = c->attention.alpha > 0 || c->attention.beta > 0 ? c->attention : c->gemm;
+    *coef = op->kind == IR_OP_ATTN_CAUSAL_GRAD && has(c->attention_grad) ? c->attention_grad
+            : has(c->attention)                                         ? c->attention
+                                                                        : c->gemm;
     *n = pass_op_macs(op);
     return true;
-  default:
-    if (c->elementwise.alpha <= 0 && c->elementwise.beta <= 0) return false;
-    *coef = c->elementwise;
-    *n = op->result ? (double)ir_type_numel(&op->result->type) : 0;
-    for (int a = 0; a < op->nargs; a++) *n += (double)numel_of(&op->args[a]);
+  case IR_OP_ATTN_CAUSAL_STATS:   // timed with the gradient's kernels in attention_grad
+  case IR_OP_ATTN_SINK_STATS:
+    if (!has(c->attention_grad)) break;
+    *coef = (SchedCoef){0, 0};
+    *n = 0;
+    return true;
+  case IR_OP_OPT_ADAMW:
+  case IR_OP_OPT_SGD: {
+    SchedCoef u = op->kind == IR_OP_OPT_ADAMW ? c->update_adamw : c->update_sgd;
+    if (!has(u)) break;
+    *coef = u;
+    *n = (double)numel_of(&op->args[0]);
     return true;
   }
+  default:
+    if (evaluates_math(op->kind) && has(c->elementwise_math)) {
+      *coef = c->elementwise_math;
+      *n = elements_of(op);
+      return true;
+    }
+    break;
+  }
+  if (!has(c->elementwise)) return false;   // the rest: floats read and written
+  *coef = c->elementwise;
+  *n = op->result ? (double)ir_type_numel(&op->result->type) : 0;
+  for (int a = 0; a < op->nargs; a++) *n += (double)numel_of(&op->args[a]);
+  return true;
 }
 
 bool pass_cost(IrModule *m, PassCtx *ctx) {
@@ -422,6 +479,48 @@ static double dense_grad_elems(const IrFunc *bwd) {
     if (op->kind == IR_OP_COMM_ALLREDUCE_GRAD && replicas) n += (double)ir_op_int(op, "count", 0);
   }
   return n;
+}
+
+const char *const pass_class_names[PASS_CLASSES] = {"GEMM", "attention", "update", "AlltoAll", "AllGather",
+                                                    "ReduceScatter", "AllReduce", "the rest"};
+
+// The filled share of the slots the expert GEMMs of f compute: its layer's (f a layer's forward,
+// or the backward that reads one), 1 elsewhere.
+static double fill_of(const IrFunc *f) {
+  if (f->role == IR_ROLE_LAYER_FWD) return slot_fill(f);
+  if (f->role == IR_ROLE_LAYER_BWD && f->saves) return slot_fill(f->saves);
+  return 1;
+}
+
+void pass_class_times(const IrModule *m, const SchedCluster *c, double t[PASS_CLASSES]) {
+  for (int k = 0; k < PASS_CLASSES; k++) t[k] = 0;
+  for (int i = 0; i < m->nfuncs; i++) {
+    const IrFunc *f = m->funcs[i];
+    double fill = fill_of(f);
+    for (int j = 0; j < f->nops; j++) {
+      const IrOp *op = f->ops[j];
+      if (!ir_attrs_get(op->attrs, op->nattrs, "cost_t")) continue;
+      double cost = ir_op_float(op, "cost_t", 0);
+      PassClass k = PASS_CLASS_REST;
+      if (f->role == IR_ROLE_OPTIMIZER) k = PASS_CLASS_UPDATE;
+      else if (op->kind == IR_OP_EXPERT_MATMUL) {
+        double count, gm, gk, gn;
+        gemm_shape(op, &count, &gm, &gk, &gn);
+        SchedCoef e = c->ngemm_at > 0 ? sched_gemm_chunks(c, count, fill * gm, gk, gn)
+                                       : (SchedCoef){c->gemm.alpha * count, c->gemm.beta};
+        cost = e.alpha + e.beta * fill * attr_n(op);
+        k = PASS_CLASS_GEMM;
+      } else if (op->kind == IR_OP_MATMUL) k = PASS_CLASS_GEMM;
+      else if (op->kind == IR_OP_ATTN_CAUSAL || op->kind == IR_OP_ATTN_SINK || op->kind == IR_OP_ATTN_CAUSAL_GRAD)
+        k = PASS_CLASS_ATTN;
+      else if (op->kind == IR_OP_COMM_ALLTOALL) k = PASS_CLASS_ALLTOALL;
+      else if (op->kind == IR_OP_COMM_ALLGATHER) k = PASS_CLASS_ALLGATHER;
+      else if (op->kind == IR_OP_COMM_REDUCESCATTER) k = PASS_CLASS_REDUCESCATTER;
+      else if (op->kind == IR_OP_COMM_ALLREDUCE || op->kind == IR_OP_COMM_ALLREDUCE_GRAD)
+        k = ir_op_int(op, "shard", 0) ? PASS_CLASS_REDUCESCATTER : PASS_CLASS_ALLREDUCE;
+      t[k] += cost;
+    }
+  }
 }
 
 int pass_find_layers(IrModule *m, PassLayer **out) {

@@ -135,6 +135,18 @@ void pass_stack_free(PassStack *s);
 // group, at most the compiled ones) and its r_max. False when the layer's gate drops tokens.
 bool pass_dropless_at(const PassStack *s, int i, double capacity, SchedLayerCost *cost, int *r_max);
 
+// The priced time of each class of a step's work (ms, every op once, as the sequential schedule
+// runs them; passes/cost.c, after pass_price): the classes a binary's --profile measures
+// (runtime/main.c), so that a prediction's miss can be located. Expert GEMMs at their layer's
+// filled share of slots, as the planner prices them; the update is every op of the optimizer
+// function; the rest is the other priced ops (element-wise and row-wise kernels, copies).
+typedef enum PassClass {
+  PASS_CLASS_GEMM, PASS_CLASS_ATTN, PASS_CLASS_UPDATE, PASS_CLASS_ALLTOALL, PASS_CLASS_ALLGATHER,
+  PASS_CLASS_REDUCESCATTER, PASS_CLASS_ALLREDUCE, PASS_CLASS_REST, PASS_CLASSES
+} PassClass;
+extern const char *const pass_class_names[PASS_CLASSES];
+void pass_class_times(const IrModule *m, const SchedCluster *c, double t[PASS_CLASSES]);
+
 // Runs every pass in order, the verifier after each (in every build: a module that does not
 // verify is an internal error), dumping as ctx asks. False when a pass failed.
 bool pass_run_pipeline(IrModule *m, PassCtx *ctx);

@@ -924,8 +924,14 @@ static Group *begin(RtComm *c, RtGroup g, const char *who, const char *what, int
 }
 
 static void end(const Group *gr) {
-  if (gr && gr->size > 1)
-    rt_prof_comm(gr->began, rt_mono_ns());
+  if (!gr || gr->size <= 1)
+    return;
+  RtProfKind kind = RT_PROF_OTHER;
+  if (strcmp(gr->what, "AlltoAll") == 0) kind = RT_PROF_ALLTOALL;
+  else if (strcmp(gr->what, "AllGather") == 0) kind = RT_PROF_ALLGATHER;
+  else if (strcmp(gr->what, "ReduceScatter") == 0) kind = RT_PROF_REDUCESCATTER;
+  else if (strcmp(gr->what, "AllReduce") == 0) kind = RT_PROF_ALLREDUCE;
+  rt_prof_comm(kind, gr->began, rt_mono_ns());
 }
 
 void rt_alltoall(RtComm *c, RtGroup g, RtA2aAlgo algo, const float *send, float *recv,

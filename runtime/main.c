@@ -507,37 +507,59 @@ static void print_step(const RtTrainer *tr, int64_t t, const RtReport *rep, doub
   }
 }
 
-// --profile: whole steps (from the data to the update) after the first, and their GEMM time.
+// --profile: whole steps (from the data to the update) after the first, and the time of each
+// class of work in them: GEMMs, attention, the update, each kind of collective.
 typedef struct Profile {
   double *steps;                      // the counted steps' times, ms; NULL without --profile
   int64_t n;                          // steps counted
   double gemm, total, comm, hidden;   // ms over the counted steps
+  double attn, update;
+  double kind[RT_PROF_KINDS];
 } Profile;
 
 // A step begins: the collectives between steps (the step time's maximum over ranks, evaluations)
 // are not its communication, so that a step's time in flight never exceeds the step.
 static void profile_begin(Profile *p) {
   double ignored[2];
-  if (p->steps) rt_prof_take(&ignored[0], &ignored[1]);
+  if (p->steps) rt_prof_take(&ignored[0], &ignored[1], NULL);
 }
 
 // A step of ms ms ended: counted (every step after the first) or not, the collectives' record
 // taken either way.
-static void profile_step(Profile *p, bool counted, double ms) {
+static void profile_step(Profile *p, bool counted, double ms, double update_ms) {
   if (!p->steps)
     return;
   if (!counted) {
     double ignored[2];
-    rt_prof_take(&ignored[0], &ignored[1]);
+    rt_prof_take(&ignored[0], &ignored[1], NULL);
+    rt_attn_ns_take();
     return;
   }
   p->steps[p->n++] = ms;
   p->total += ms;
   p->gemm += (double)rt_gemm_ns_take() * 1e-6;
-  double comm_ms, hidden_ms;
-  rt_prof_take(&comm_ms, &hidden_ms);
+  p->attn += (double)rt_attn_ns_take() * 1e-6;
+  p->update += update_ms;
+  double comm_ms, hidden_ms, kind[RT_PROF_KINDS];
+  rt_prof_take(&comm_ms, &hidden_ms, kind);
   p->comm += comm_ms;
   p->hidden += hidden_ms;
+  for (int k = 0; k < RT_PROF_KINDS; k++) p->kind[k] += kind[k];
+}
+
+// The classes of a step's work, ms per counted step: what moec plan -v predicts per class
+// (passes/cost.c) beside it. Kernel and collective times are sums over the threads and streams
+// (work that overlaps counts twice); the rest is the mean step less the GEMMs, attention, the
+// update and the communication not hidden.
+static void profile_classes(const Profile *p) {
+  double n = (double)p->n, gemm = p->gemm / n, attn = p->attn / n, update = p->update / n;
+  double exposed = (p->comm - p->hidden) / n, rest = p->total / n - gemm - attn - update - exposed;
+  printf("# profile: per class, ms a step: GEMM %.3f, attention %.3f, update %.3f, AlltoAll %.3f, AllGather %.3f, "
+         "ReduceScatter %.3f, AllReduce %.3f, other collectives %.3f, the rest %.3f (element-wise and row-wise kernels, "
+         "copies, waits: the mean step %.3f less the GEMMs, attention, update and communication not hidden)\n",
+         gemm, attn, update, p->kind[RT_PROF_ALLTOALL] / n, p->kind[RT_PROF_ALLGATHER] / n,
+         p->kind[RT_PROF_REDUCESCATTER] / n, p->kind[RT_PROF_ALLREDUCE] / n, p->kind[RT_PROF_OTHER] / n,
+         rest > 0 ? rest : 0.0, p->total / n);
 }
 
 static void profile_print(const RtTrainer *tr, Profile *p, int64_t first, int64_t last) {
@@ -560,6 +582,8 @@ static void profile_print(const RtTrainer *tr, Profile *p, int64_t first, int64_
     printf("# profile: communication %.3f ms per step (%.1f %% of the mean step, %.3f ms), %.1f %% of it "
            "hidden behind computation\n", p->comm / (double)p->n, 100.0 * p->comm / p->total,
            p->total / (double)p->n, p->comm > 0 ? 100.0 * p->hidden / p->comm : 0.0);
+  if (!tr->model->device)
+    profile_classes(p);
 }
 
 // bytes as a person reads them: B, KiB, MiB, ... (moec's ir_bytes, for the runtime's lines).
@@ -634,6 +658,7 @@ static int train(RtTrainer *tr) {
     profile_begin(&prof);
     double t_start = now_ms();
     rt_gemm_ns_take();
+    rt_attn_ns_take();
     rt_fill_step_data(tr, t);
     double t0 = now_ms();
     m->forward(st);
@@ -650,7 +675,7 @@ static int train(RtTrainer *tr) {
     double t2 = now_ms();
     m->update(st);
     double t3 = now_ms();
-    profile_step(&prof, t > first, t3 - t_start);
+    profile_step(&prof, t > first, t3 - t_start, t3 - t2);
     tr->done_steps = t;
     double ms = (t1 - t0) + (t3 - t2);
     rt_world_max(tr->comm, &ms, 1);

@@ -105,10 +105,12 @@ typedef struct RtUpdateRange {
 // stored transposed.
 void rt_matmul(const float *a, const float *b, float *c, int m, int n, int k, bool ta, bool tb,
                bool accumulate);
-// --profile: while on, rt_matmul adds the time of its GEMMs to a counter that rt_gemm_ns_take
-// returns and clears (nanoseconds, every thread of the process).
+// --profile: while on, rt_matmul and rt_expert_matmul add the time of their GEMMs to a counter
+// that rt_gemm_ns_take returns and clears, and the attention kernels (rt_attn_*) theirs to
+// rt_attn_ns_take's (nanoseconds, every thread of the process).
 void rt_gemm_profile(bool on);
 int64_t rt_gemm_ns_take(void);
+int64_t rt_attn_ns_take(void);
 // Batched over e: A [e, ...], B [e, ...], C [e, m, n].
 void rt_expert_matmul(const float *a, const float *b, float *c, int e, int m, int n, int k,
                       bool ta, bool tb);

@@ -2,7 +2,8 @@
 // much of that time the compute thread spent computing rather than waiting.
 //
 // Two kinds of intervals are recorded while profiling is on (rt_prof_enable), from any thread:
-//   comm  a collective from its call to its return (comm.c, every rt_alltoall ... rt_bcast);
+//   comm  a collective from its call to its return (comm.c, every rt_alltoall ... rt_bcast),
+//         also summed per kind (AlltoAll, AllGather, ReduceScatter, AllReduce, the others);
 //   idle  the compute thread not computing: inside a collective of its own (sequential
 //         schedules run every collective there), or asleep in the stream executor until an
 //         event of another stream is recorded or until the other streams finish (streams.c).
@@ -29,6 +30,7 @@ static struct {
   pthread_mutex_t mu;
   Interval *iv;
   size_t n, cap;
+  int64_t kind_ns[RT_PROF_KINDS];   // summed per kind of collective (overlaps counted twice)
 } prof = {.mu = PTHREAD_MUTEX_INITIALIZER};
 
 static _Thread_local bool on_worker;
@@ -42,6 +44,7 @@ int64_t rt_mono_ns(void) {
 void rt_prof_enable(bool on) {
   pthread_mutex_lock(&prof.mu);
   prof.n = 0;
+  for (int k = 0; k < RT_PROF_KINDS; k++) prof.kind_ns[k] = 0;
   atomic_store(&prof.on, on);
   pthread_mutex_unlock(&prof.mu);
 }
@@ -63,8 +66,11 @@ static void add(int64_t t0, int64_t t1, bool idle) {
   pthread_mutex_unlock(&prof.mu);
 }
 
-void rt_prof_comm(int64_t t0, int64_t t1) {
+void rt_prof_comm(RtProfKind kind, int64_t t0, int64_t t1) {
   if (!rt_prof_on() || t1 <= t0) return;
+  pthread_mutex_lock(&prof.mu);
+  prof.kind_ns[kind] += t1 - t0;
+  pthread_mutex_unlock(&prof.mu);
   add(t0, t1, false);
   if (!on_worker) add(t0, t1, true);
 }
@@ -83,8 +89,12 @@ static int by_time(const void *a, const void *b) {
   return (x > y) - (x < y);
 }
 
-void rt_prof_take(double *comm_ms, double *hidden_ms) {
+void rt_prof_take(double *comm_ms, double *hidden_ms, double *per_kind) {
   pthread_mutex_lock(&prof.mu);
+  for (int k = 0; k < RT_PROF_KINDS; k++) {
+    if (per_kind) per_kind[k] = (double)prof.kind_ns[k] * 1e-6;
+    prof.kind_ns[k] = 0;
+  }
   size_t n = prof.n;
   Edge *e = n ? malloc(2 * n * sizeof *e) : NULL;
   if (n && !e) rt_out_of_memory(2 * n * sizeof *e, "the communication profile");

@@ -68,13 +68,20 @@ int64_t rt_mono_ns(void);
 // Starts (and clears) or stops recording. While on, comm.c records every collective and
 // streams.c every wait of the compute thread; rt_prof_take gives, since the last take, the
 // time any collective was in flight (comm) and the part of it the compute thread spent
-// computing (hidden), in ms, and clears the record.
+// computing (hidden), in ms, and clears the record; per_kind (may be NULL) gets the summed time
+// of each kind of collective (RT_PROF_KINDS, in RtProfKind's order), ms.
+typedef enum RtProfKind { RT_PROF_ALLTOALL, RT_PROF_ALLGATHER, RT_PROF_REDUCESCATTER, RT_PROF_ALLREDUCE,
+                          RT_PROF_OTHER, RT_PROF_KINDS } RtProfKind;
 void rt_prof_enable(bool on);
 bool rt_prof_on(void);
 void rt_prof_set_worker(void);               // this thread runs an intra or inter stream
-void rt_prof_comm(int64_t t0_ns, int64_t t1_ns);
+void rt_prof_comm(RtProfKind kind, int64_t t0_ns, int64_t t1_ns);
 void rt_prof_idle(int64_t t0_ns, int64_t t1_ns);
-void rt_prof_take(double *comm_ms, double *hidden_ms);
+void rt_prof_take(double *comm_ms, double *hidden_ms, double *per_kind);
+// --profile's kernel times (kernels/ffn.c): whether rt_gemm_profile turned them on, and the
+// attention kernels' (kernels/attn.c) share of them.
+bool rt_gemm_profiling(void);
+void rt_attn_ns_add(int64_t ns);
 
 // ---- waiting for collectives (comm.c) ----
 // Collectives are nonblocking MPI calls completed by polling MPI_Test: `sleep` (the default)

@@ -29,7 +29,7 @@ typedef struct SchedCoef {
 } SchedCoef;
 
 // One GEMM [m, k] x [k, n] of a profile's grid and its time (`gemm_at`, moec tune).
-enum { SCHED_MAX_GEMM_AT = 256 };
+enum { SCHED_MAX_GEMM_AT = 1024 };
 typedef struct SchedGemmAt {
   double m, k, n, ms;
 } SchedGemmAt;
@@ -41,6 +41,11 @@ typedef struct SchedCluster {
   SchedCoef elementwise;  // the ops without a GEMM or a collective, n = floats read and written
                           // (0, 0: not in the profile, those ops are free)
   SchedCoef attention;    // causal attention, n = multiply-accumulates (0, 0: priced as GEMMs)
+  SchedCoef attention_grad;     // its backward (the statistics and the gradients), n = the
+                                // forward's multiply-accumulates times 2 (0, 0: priced as attention)
+  SchedCoef elementwise_math;   // the ops that evaluate exp, tanh or erf per element (activations,
+                                // softmaxes, losses), n = elements (0, 0: priced as elementwise)
+  SchedCoef update_adamw, update_sgd;   // the optimizer, n = parameters (0, 0: as elementwise)
   double handoff;         // ms a chunked collective pays for its two stream hand-offs (0: none)
   double overlap_compute, overlap_comm;   // relative slowdowns of computation and communication
                                           // that run at once (0: none; a CPU rank's are not)

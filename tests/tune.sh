@@ -2,8 +2,9 @@
 # `moec tune` end to end (issue 5). On 4 ranks (profiled as 2 nodes of 2):
 #   - `tune --quick -o T.cluster` finishes within 120 s (its duration is printed) and exits 0;
 #   - its table has the 7 fits (gemm; alltoall, allgather, reducescatter, allreduce intra-node;
-#     alltoall, allreduce inter-node), each with alpha, beta and an r^2, the elementwise and
-#     attention fits and the stream hand-off, and an OK footer;
+#     alltoall, allreduce inter-node), each with alpha, beta and an r^2, the elementwise,
+#     attention (forward and backward), element-wise math and update (AdamW, SGD) fits and the
+#     stream hand-off, and an OK footer;
 #   - every collective's alpha is a measurement (its smallest size's time, above 0), none clamped;
 #   - T.cluster holds the inter-node AlltoAll fit as `alltoall`, the intra-node AlltoAll and
 #     AllReduce fits as `alltoall_intra` and `allreduce_intra`, `memory` = this host's MemTotal / 2
@@ -62,10 +63,14 @@ alltoall inter-node
 allreduce inter-node
 elementwise each-rank
 attention each-rank
+attention_grad each-rank
+elementwise_math each-rank
+update_adamw each-rank
+update_sgd each-rank
 handoff each-rank"
 got=$(awk '{print $1, $2}' "$WORK/rows")
-if [ "$got" = "$want" ]; then ok "table has the 7 fits"
-else bad "table has the 7 fits" "got:
+if [ "$got" = "$want" ]; then ok "table has the 7 fits and the kernels' (element-wise, math, attention, its backward, the updates)"
+else bad "table has the 7 fits and the kernels'" "got:
 $got
 output:
 $(cat "$WORK/out")"; fi
@@ -126,8 +131,9 @@ $(grep -v '^#' "$T")"; fi
   alphas=$(sed -n 's/^ *\(alltoall\|allgather\|reducescatter\|allreduce\|alltoall_intra\|allreduce_intra\) *{ *alpha \([^;]*\);.*/\2/p' "$T" | tr '\n' ' ')
   if [ "$(echo $alphas | wc -w)" = 6 ] && awk -v a="$alphas" 'BEGIN { n = split(a, x, " "); for (i = 1; i <= n; i++) if (!(x[i] > 0)) exit 1 }' &&
      ! grep -q 'clamped' "$T" && grep -q '^ *elementwise *{ *alpha [0-9.e+-]*; *beta [0-9.e+-]*; }' "$T" &&
-     grep -q '^ *handoff [0-9.e+-]*;' "$T" && grep -q '^ *attention *{ *alpha [0-9.e+-]*; *beta [0-9.e+-]*; }' "$T"; then
-    ok "every collective's alpha is measured above 0 ($alphas), none clamped; elementwise, attention and handoff are in the profile"
+     grep -q '^ *handoff [0-9.e+-]*;' "$T" && grep -q '^ *attention *{ *alpha [0-9.e+-]*; *beta [0-9.e+-]*; }' "$T" &&
+     [ "$(grep -cE '^ *(attention_grad|elementwise_math|update_adamw|update_sgd) +\{ *alpha [0-9.e+-]*; *beta [0-9.e+-]*; \}' "$T")" -eq 4 ]; then
+    ok "every collective's alpha is measured above 0 ($alphas), none clamped; elementwise, attention (and its backward), element-wise math, the updates and handoff are in the profile"
   else bad "collective alphas measured, elementwise and handoff in the profile" "$(grep -v '^#' "$T")"; fi
 
   # The grid of GEMM shapes: m from 4 to 4096 rows, k and n from 64 to 4096, every time above 0,

@@ -5,7 +5,8 @@
 # For each emulated cluster (2 nodes x 1 rank, 2 nodes x 2 ranks), each link rate (a
 # communication-heavy and a compute-heavy one) and each model (the MoE stack bench/cluster/
 # stack.moe and the GPT-MoE language model bench/cluster/gpt_moe.moe):
-#   1. `moec tune --quick --model M` on that cluster writes its profile;
+#   1. `moec tune --quick` on that cluster writes its profile (of the cluster alone, its GEMMs by
+#      shape; --tune-with-model: `--model M` as well, a GEMM line measured at M's own shapes);
 #   2. every policy is built with `pipeline auto` on that profile (sequential as written), and
 #      fsmoe with the explicit degrees r = 1, 2, 4, 8 (`pipeline { forward r; backward r; }`);
 #      `moec build -v` prints each one's predicted step (# pipeline-plan ... step);
@@ -19,14 +20,14 @@
 #
 # Options: --quick (one round of 4 steps, the 2 x 1 cluster at its communication-heavy rate,
 # the stack only: a few minutes; the whole run takes about an hour here), --out DIR, --rounds N, --steps N, --only 2x1|2x2,
-# --model stack|lm, --no-calibrate, --comm-heavy-only. Needs root and network namespaces (tests/cluster/cluster.sh check).
+# --model stack|lm, --no-calibrate, --comm-heavy-only, --tune-with-model. Needs root and network namespaces (tests/cluster/cluster.sh check).
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 BUILD=${BUILD:-build}
 MOEC=$BUILD/moec
 CLUSTER=tests/cluster/cluster.sh
 OUT=$BUILD/cluster-bench
-ROUNDS=3 STEPS=6 QUICK=0 ONLY="" ONLY_MODEL="" CALIBRATE=1 COMM_ONLY=0
+ROUNDS=3 STEPS=6 QUICK=0 ONLY="" ONLY_MODEL="" CALIBRATE=1 COMM_ONLY=0 WITH_MODEL=0
 while [ $# -gt 0 ]; do
   case "$1" in
     --quick) QUICK=1; ROUNDS=1; STEPS=4 ;;
@@ -37,6 +38,7 @@ while [ $# -gt 0 ]; do
     --model) ONLY_MODEL=$2; shift ;;
     --no-calibrate) CALIBRATE=0 ;;
     --comm-heavy-only) COMM_ONLY=1 ;;
+    --tune-with-model) WITH_MODEL=1 ;;
     *) echo "bench/cluster/bench.sh: unknown option '$1'" >&2; exit 2 ;;
   esac
   shift
@@ -115,7 +117,9 @@ run_config() {   # name nodes rpn layout batch rate ratekind model-name model-fi
   mv "$base" "$dir/base.moe"; base="$dir/base.moe"
   [ -n "${cal:-}" ] && mv "$cal" "$dir/calibrate"
   echo "## $mname on $name ($nodes nodes x $rpn ranks), link $rate ($kind)" | tee -a "$OUT/report.md"
-  if ! $CLUSTER run "$nodes" "$rpn" "$rate" -- "$MOEC" tune --quick --model "$base" --gpus-per-node "$rpn" \
+  local with=()
+  [ "$WITH_MODEL" = 1 ] && with=(--model "$base")
+  if ! $CLUSTER run "$nodes" "$rpn" "$rate" -- "$MOEC" tune --quick "${with[@]}" --gpus-per-node "$rpn" \
        -o "$dir/c.cluster" >"$dir/tune.out" 2>&1; then
     echo "tune failed: $(tail -n 5 "$dir/tune.out")" | tee -a "$OUT/report.md"; return 0
   fi

@@ -4,7 +4,8 @@
 #
 #   1. the emulated cluster of 2 nodes x 2 ranks at one link rate (--rate, default 300mbit, the
 #      communication-heavy starting rate bench.sh uses on 2 x 2);
-#   2. `moec tune --quick --model M` there writes its profile;
+#   2. `moec tune --quick` there writes its profile (of the cluster alone; --tune-with-model:
+#      with `--model M` as well);
 #   3. M is bench/cluster/stack.moe with `parallel auto;` and `schedule { policy fsmoe; pipeline
 #      auto; }`; under `parallel auto` its batch 4 is the global batch of every layout (dp 4: one
 #      sample per rank, as bench.sh's 2 x 2; dp 2 x mp 2: two per DP rank, split over MP), so
@@ -32,7 +33,7 @@
 #
 # Options: --quick (1 round of 4 steps), --out DIR, --rounds N (3), --steps N (6), --rate R
 # (300mbit), --model F.moe (instead of the stack, e.g. bench/cluster/gpt_moe.moe, whose MP splits
-# attention by heads), --search-only, --no-search. Needs root and network namespaces for the cluster part
+# attention by heads), --search-only, --no-search, --tune-with-model. Needs root and network namespaces for the cluster part
 # (tests/cluster/cluster.sh check; without them that part says it is skipped).
 set -euo pipefail
 cd "$(dirname "$0")/../.."
@@ -40,7 +41,7 @@ BUILD=${BUILD:-build}
 MOEC=$BUILD/moec
 CLUSTER=tests/cluster/cluster.sh
 OUT=$BUILD/cluster-bench
-ROUNDS=3 STEPS=6 RATE=300mbit SEARCH=1 MEASURE=1
+ROUNDS=3 STEPS=6 RATE=300mbit SEARCH=1 MEASURE=1 WITH_MODEL=0
 NODES=2 RPN=2
 BASE_MODEL=bench/cluster/stack.moe
 DEEP_MODEL=bench/cluster/deep64.moe
@@ -55,6 +56,7 @@ while [ $# -gt 0 ]; do
     --rate) RATE=$2; shift ;;
     --model) BASE_MODEL=$2; shift ;;
     --search-only) MEASURE=0 ;;
+    --tune-with-model) WITH_MODEL=1 ;;
     --no-search) SEARCH=0 ;;
     -h|--help) sed -n '2,/^set -euo/p' "$0" | sed '$d' | sed 's/^# \{0,1\}//'; exit 0 ;;
     *) echo "bench/cluster/layouts.sh: unknown option '$1'" >&2; exit 2 ;;
@@ -115,7 +117,9 @@ measure() {
   sed -e 's|^parallel .*|parallel auto;|' \
       -e 's|^schedule .*|schedule { policy fsmoe; pipeline auto; }|' "$BASE_MODEL" >"$W/model.moe"
   echo "profiling the cluster (moec tune --quick, about 1-2 minutes)..."
-  if ! crun_retry 900 "$W/tune.out" "^# wrote" "$MOEC" tune --quick --model "$W/model.moe" \
+  local with=()
+  [ "$WITH_MODEL" = 1 ] && with=(--model "$W/model.moe")
+  if ! crun_retry 900 "$W/tune.out" "^# wrote" "$MOEC" tune --quick "${with[@]}" \
        --gpus-per-node "$RPN" -o "$W/c.cluster"; then
     say "layouts: moec tune failed: $(tail -n 3 "$W/tune.out")"; return 1
   fi

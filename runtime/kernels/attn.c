@@ -322,14 +322,22 @@ static void attn_fwd(const float *q, const float *k, const float *v, const float
   free(scratch);
 }
 
+// --profile's attention time (rt_attn_ns_add): a kernel's whole call, when profiling.
+#define ATTN_TIMED(call)                                                                   \
+  do {                                                                                     \
+    int64_t t0_ = rt_gemm_profiling() ? rt_mono_ns() : 0;                                  \
+    call;                                                                                  \
+    if (t0_) rt_attn_ns_add(rt_mono_ns() - t0_);                                           \
+  } while (0)
+
 void rt_attn_fwd(const float *q, const float *k, const float *v, float *o, int rows, int seq, int heads, int kv,
                  int qcols, int window, float qk_scale) {
-  attn_fwd(q, k, v, NULL, o, rows, seq, heads, kv, qcols, window, qk_scale);
+  ATTN_TIMED(attn_fwd(q, k, v, NULL, o, rows, seq, heads, kv, qcols, window, qk_scale));
 }
 
 void rt_attn_sink_fwd(const float *q, const float *k, const float *v, const float *sinks, float *o, int rows, int seq,
                       int heads, int kv, int qcols, int window, float qk_scale) {
-  attn_fwd(q, k, v, sinks, o, rows, seq, heads, kv, qcols, window, qk_scale);
+  ATTN_TIMED(attn_fwd(q, k, v, sinks, o, rows, seq, heads, kv, qcols, window, qk_scale));
 }
 
 RT_VECTOR_BODY void lse_tile_body(RtVectorPath path, const QTile *t, const float *kt, float *lse, int seq, int d, float scale,
@@ -370,14 +378,14 @@ static void attn_stats(const float *dy, const float *q, const float *k, const fl
 
 void rt_attn_stats(const float *dy, const float *q, const float *k, const float *o, float *stats, int rows, int seq,
                    int heads, int kv, int qcols, int window, float qk_scale) {
-  attn_stats(dy, q, k, o, NULL, stats, rows, seq, heads, kv, qcols, window, qk_scale);
+  ATTN_TIMED(attn_stats(dy, q, k, o, NULL, stats, rows, seq, heads, kv, qcols, window, qk_scale));
 }
 
 // The statistics with the sinks in each row's logsumexp: the backward kernels then give the
 // sink attention's dq, dk and dv (p_ij = exp(s_ij - lse_i) are its weights; the sink has no value).
 void rt_attn_sink_stats(const float *dy, const float *q, const float *k, const float *o, const float *sinks, float *stats,
                         int rows, int seq, int heads, int kv, int qcols, int window, float qk_scale) {
-  attn_stats(dy, q, k, o, sinks, stats, rows, seq, heads, kv, qcols, window, qk_scale);
+  ATTN_TIMED(attn_stats(dy, q, k, o, sinks, stats, rows, seq, heads, kv, qcols, window, qk_scale));
 }
 
 // The sinks' gradient: each sink is a logit of every row's softmax with no value, so
@@ -428,8 +436,8 @@ RT_VECTOR_PATHS_P(grad_q_tile, (const QTile *t, const float *dy0, const float *k
                               int width, int stats_stride, float scale, float *s, float *u, int ss),
                 (t, dy0, kt, vt, k0, lse, D, dq0, seq, d, kcols, qcols, width, stats_stride, scale, s, u, ss))
 
-void rt_attn_grad_q(const float *dy, const float *q, const float *k, const float *v, const float *stats, float *dqkv,
-                    int rows, int seq, int heads, int kv, int qcols, int window, float qk_scale) {
+static void attn_grad_q_body(const float *dy, const float *q, const float *k, const float *v, const float *stats,
+                             float *dqkv, int rows, int seq, int heads, int kv, int qcols, int window, float qk_scale) {
   int d = qcols / heads, group = heads / kv, kcols = kv * d, width = qcols + 2 * kcols;
   int per = (seq + TILE - 1) / TILE, ss = seq + W;
   float scale = qk_scale > 0 ? qk_scale : 1.0f / sqrtf((float)d);
@@ -452,6 +460,11 @@ void rt_attn_grad_q(const float *dy, const float *q, const float *k, const float
   free(kt);
   free(vt);
   free(scratch);
+}
+
+void rt_attn_grad_q(const float *dy, const float *q, const float *k, const float *v, const float *stats, float *dqkv,
+                    int rows, int seq, int heads, int kv, int qcols, int window, float qk_scale) {
+  ATTN_TIMED(attn_grad_q_body(dy, q, k, v, stats, dqkv, rows, seq, heads, kv, qcols, window, qk_scale));
 }
 
 // dk, dv of a tile of keys t0 .. t0 + nr - 1 (of one sample) from one query head: key k takes
@@ -501,8 +514,8 @@ RT_VECTOR_PATHS_P(grad_kv_tile, (int nr, const int first[TILE], const int last[T
                 (nr, first, last, kr, vr, qt, dyt, q0, dy0, lse, D, stats_stride, dk0, dv0, seq, d, kcols, qcols,
                  width, scale, s, u, ss))
 
-void rt_attn_grad_kv(const float *dy, const float *q, const float *k, const float *v, const float *stats, float *dqkv,
-                     int rows, int seq, int heads, int kv, int qcols, int window, float qk_scale) {
+static void attn_grad_kv_body(const float *dy, const float *q, const float *k, const float *v, const float *stats,
+                              float *dqkv, int rows, int seq, int heads, int kv, int qcols, int window, float qk_scale) {
   int d = qcols / heads, group = heads / kv, kcols = kv * d, width = qcols + 2 * kcols;
   int per = (seq + TILE - 1) / TILE, ss = seq + W;
   float scale = qk_scale > 0 ? qk_scale : 1.0f / sqrtf((float)d);
@@ -539,6 +552,11 @@ void rt_attn_grad_kv(const float *dy, const float *q, const float *k, const floa
   free(qt);
   free(dyt);
   free(scratch);
+}
+
+void rt_attn_grad_kv(const float *dy, const float *q, const float *k, const float *v, const float *stats, float *dqkv,
+                     int rows, int seq, int heads, int kv, int qcols, int window, float qk_scale) {
+  ATTN_TIMED(attn_grad_kv_body(dy, q, k, v, stats, dqkv, rows, seq, heads, kv, qcols, window, qk_scale));
 }
 
 void rt_cols_slice(const float *x, float *y, int rows, int cols, int offset, int width) {

@@ -21,11 +21,14 @@
 // ---- GEMMs and biases ----
 
 static bool gemm_profile;
-static _Atomic int64_t gemm_ns;
+static _Atomic int64_t gemm_ns, attn_ns;
 
 void rt_gemm_profile(bool on) { gemm_profile = on; }
+bool rt_gemm_profiling(void) { return gemm_profile; }
 
 int64_t rt_gemm_ns_take(void) { return atomic_exchange(&gemm_ns, 0); }
+int64_t rt_attn_ns_take(void) { return atomic_exchange(&attn_ns, 0); }
+void rt_attn_ns_add(int64_t ns) { atomic_fetch_add(&attn_ns, ns); }
 
 static int64_t mono_ns(void) {
   struct timespec ts;

@@ -20,6 +20,34 @@ if "$MOEC" plan bench/models/lm_mid.moe --cluster lang/clusters/testbed-a.cluste
 else
   bad "moec plan --svg: the title and the table disagree" "$(grep -o '<text x="10" y="20"[^<]*' "$WORK/lm.svg"; grep -A3 '^policy' "$WORK/lm.out")"
 fi
+# moec plan -v: the sequential step per class of work (what the binaries' --profile measures); on
+# the 4-rank parallel model every class a collective of its layout has is priced and the classes
+# add up to the sequential step within 10 % (the planner's simulation overlaps the dense
+# gradients' AllReduce with the backward; hand-offs and chunk assemblies are its alone); the
+# language model has attention.
+if "$MOEC" plan tests/golden/parallel.moe --cluster lang/clusters/testbed-b.cluster -v >"$WORK/v.out" 2>&1 &&
+   "$MOEC" plan bench/models/lm_mid.moe --cluster lang/clusters/testbed-a.cluster -v >"$WORK/vl.out" 2>&1 &&
+   line=$(grep '^# per class' "$WORK/v.out") && lline=$(grep '^# per class' "$WORK/vl.out") &&
+   echo "$line" | awk '{ for (i = 1; i < NF; i++) { if ($i == "AlltoAll" || $i == "AllGather" || $i == "ReduceScatter" || $i == "AllReduce") { v = $(i + 1); sub(/,/, "", v); if (v + 0 <= 0) bad = 1 }
+                         if ($i == "sum") s = $(i + 1); if ($i == "(sequential") q = $(i + 1) } }
+                       END { sub(/\)/, "", q); d = s - q; if (d < 0) d = -d; exit bad || q <= 0 || d > 0.1 * q }' &&
+   echo "$lline" | awk '{ for (i = 1; i < NF; i++) if ($i == "attention") { v = $(i + 1); sub(/,/, "", v) } } END { exit !(v > 0) }'; then
+  ok "moec plan -v: the step per class ($(echo "$line" | sed 's/.*the same classes): //' | head -c 150))"
+else
+  bad "moec plan -v: the step per class" "$(grep -h '^# per class\|^sequential' "$WORK/v.out" "$WORK/vl.out")"
+fi
+# The profile's kernel fits price their ops: with update_adamw at 1 ms a parameter tiny's update is
+# its 33792 parameters; with elementwise_math at 1 ms an element its math ops are their elements:
+# GELU and its gradient over each layer's [4, 20, 64] slots, the gates' noise and softmax over
+# [32, 4] (2 layers: 2 x (2 x 5120 + 2 x 128) = 20992).
+cp lang/clusters/testbed-a.cluster "$WORK/kf.cluster"
+sed -i 's/^}$/  update_adamw { alpha 0; beta 1; }\n  elementwise_math { alpha 0; beta 1; }\n}/' "$WORK/kf.cluster"
+if "$MOEC" plan lang/models/tiny.moe --cluster "$WORK/kf.cluster" -v >"$WORK/kf.out" 2>&1 &&
+   grep -q '^# per class.*update 33792\.000,.*the rest 20992\.000;' "$WORK/kf.out"; then
+  ok "moec plan -v: update_adamw prices tiny's 33792 parameters, elementwise_math its 20992 GELU, noise and softmax elements"
+else
+  bad "moec plan -v with update_adamw and elementwise_math" "$(grep '^# per class' "$WORK/kf.out"; tail -n 3 "$WORK/kf.out")"
+fi
 for c in testbed-a testbed-a-solver testbed-b; do
   if "$MOEC" sweep --cluster lang/clusters/$c.cluster --quick >"$WORK/sweep.out" 2>&1 && grep -q '^OK' "$WORK/sweep.out" &&
      grep -q 'cases where fsmoe is not the fastest policy: 0' "$WORK/sweep.out"; then

@@ -35,12 +35,16 @@ if "$WORK/tiny" --steps 10 --save "$WORK/ckpt.safetensors" >"$WORK/half" 2>&1 &&
 else
   bad "tiny: save + resume" "$(cat "$WORK/half" "$WORK/resumed" 2>/dev/null | tail -n 20)"
 fi
-# --profile: the median whole step of steps 2..5 and a GEMM share in (0, 100]; --quiet keeps it.
+# --profile: the median whole step of steps 2..5 and a GEMM share in (0, 100]; the step per class
+# (GEMMs and the update timed, no attention or collective in tiny); --quiet keeps it.
 "$WORK/tiny" --steps 5 --quiet --profile >"$WORK/prof" 2>&1
 if grep -q '^# profile: steps 2\.\.5, median whole step [0-9.]* ms .*GEMM [0-9.]* % ' "$WORK/prof" &&
    awk '/^# profile:/ { for (i = 1; i < NF; i++) if ($i == "GEMM") p = $(i + 1) } END { exit !(p > 0 && p <= 100) }' "$WORK/prof" &&
+   grep -q '^# profile: per class, ms a step: GEMM [0-9.]*, attention 0\.000, update [0-9.]*, AlltoAll 0\.000, .*the rest [0-9.]*' "$WORK/prof" &&
+   awk '/^# profile: per class/ { for (i = 1; i < NF && $i !~ /^\(/; i++) if ($i == "GEMM" || $i == "update") { v = $(i + 1); sub(/,/, "", v); if (v + 0 <= 0) bad = 1 } }
+        END { exit bad }' "$WORK/prof" &&
    ! grep -q '^step' "$WORK/prof"; then
-  ok "tiny: --profile prints $(grep -o 'median whole step.*' "$WORK/prof" | head -c 90)"
+  ok "tiny: --profile prints $(grep -o 'median whole step.*' "$WORK/prof" | head -c 90) and the step per class"
 else
   bad "tiny: --profile" "$(cat "$WORK/prof")"
 fi
