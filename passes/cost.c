@@ -123,6 +123,16 @@ static SchedCoef gemm_price(const IrOp *op, const SchedCluster *c) {
   return (SchedCoef){0, sched_gemm_ms(c, m, k, n) / (m * k * n)};
 }
 
+// The members of the op's group (its `group` attribute: a sharded optimizer's), 1 without one.
+static double group_members(const IrModule *m, const IrOp *op) {
+  const char *g = ir_op_str(op, "group", NULL);
+  if (!g) return 1;
+  double dp = (double)ir_mod_int(m, "dp", 1), mp = (double)ir_mod_int(m, "mp", 1);
+  double size = strcmp(g, "world") == 0 ? dp * mp : strcmp(g, "dp") == 0 ? dp : strcmp(g, "mp") == 0 ? mp
+                : strcmp(g, "ep") == 0 ? (double)ir_mod_int(m, "ep", 1) : strcmp(g, "esp") == 0 ? (double)ir_mod_int(m, "esp", 1) : 1;
+  return size > 1 ? size : 1;
+}
+
 static bool has(SchedCoef f) { return f.alpha > 0 || f.beta > 0; }
 
 // The element-wise and row-wise ops that evaluate exp, tanh, erf or log per element (the
@@ -159,7 +169,7 @@ static double elements_of(const IrOp *op) {
 }
 
 // The fit and the size of an op the model prices; false for the others.
-static bool price(const IrOp *op, const SchedCluster *c, const Groups *gs, SchedCoef *coef, double *n) {
+static bool price(const IrModule *m, const IrOp *op, const SchedCluster *c, const Groups *gs, SchedCoef *coef, double *n) {
   switch (op->kind) {
   case IR_OP_MATMUL:
   case IR_OP_EXPERT_MATMUL:   // one GEMM call per expert: E fixed costs
@@ -204,7 +214,7 @@ static bool price(const IrOp *op, const SchedCluster *c, const Groups *gs, Sched
     SchedCoef u = op->kind == IR_OP_OPT_ADAMW ? c->update_adamw : c->update_sgd;
     if (!has(u)) break;
     *coef = u;
-    *n = (double)numel_of(&op->args[0]);
+    *n = (double)numel_of(&op->args[0]) / group_members(m, op);   // a sharded optimizer's rows of this rank
     return true;
   }
   default:
@@ -241,7 +251,7 @@ int pass_price(IrModule *m, const SchedCluster *c) {
       IrOp *op = m->funcs[i]->ops[j];
       SchedCoef coef;
       double n = 0, t = 0;
-      bool priced_op = price(op, c, &gs, &coef, &n);
+      bool priced_op = price(m, op, c, &gs, &coef, &n);
       if (priced_op) t = coef.alpha + coef.beta * n;
       if (op->kind == IR_OP_OPT_ADAMW && ir_op_str(op, "group", NULL)) {   // then the members' rows gathered
         SchedCoef ag = group_fit(op, c, &gs, SCHED_ALLGATHER);
