@@ -134,7 +134,7 @@ RUNTIME_LIBS := $(BLAS_LIBS) $(CJSON_LIBS) $(MPI_LIBS) -lm
 CLI_SRC := moec.c $(filter-out cli/tune_cuda.c,$(wildcard cli/*.c)) codegen/target_cuda.c
 CLI_OBJ := $(CLI_SRC:%.c=$(BUILD)/obj/%.o)
 $(BUILD)/moec: $(CLI_OBJ) $(BUILD)/libmoec.a $(BUILD)/libmoert.a $(filter %.o,$(MOEC_NVRTC))
-	$(CC) $(CFLAGS) -o $@ $(CLI_OBJ) $(BUILD)/libmoec.a $(BUILD)/libmoert.a $(MOEC_NVRTC) -lnlopt -ldl $(RUNTIME_LIBS)
+	$(CC) $(CFLAGS) -o $@ $(CLI_OBJ) $(MOEC_NVRTC) $(BUILD)/libmoec.a $(BUILD)/libmoert.a -lnlopt -ldl $(RUNTIME_LIBS)
 
 # What moec and its link step were configured with (NVRTC, the CUDA and MPI flags) is in these
 # objects: rebuild them when the Makefile or the configuration changes.

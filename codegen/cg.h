@@ -48,6 +48,7 @@ typedef struct CgCudaImages {
   size_t cubin_size;
   const char *ptx;           // NUL-terminated text
   size_t ptx_size;
+  bool cached;               // both read from the build cache (codegen/cache.c), not compiled
 } CgCudaImages;
 
 // Writes the CUDA target's host program of module m (codegen/emit_cuda_host.c): the training
@@ -66,6 +67,10 @@ bool cg_nvrtc_ptx(IrDiag *d, const char *src, const char *arch, char **ptx, size
 // Both from one compilation (what moec build embeds): the CUBIN for arch and its PTX.
 bool cg_nvrtc_images(IrDiag *d, const char *src, const char *arch, void **cubin, size_t *cubin_size, char **ptx,
                      size_t *ptx_size);
+// cg_nvrtc_images through the build cache (cg_cache_get / put below), keyed by NVRTC's version
+// and options, the architecture and the source; *cached: the images came from it.
+bool cg_nvrtc_images_cached(IrDiag *d, const char *src, const char *arch, void **cubin, size_t *cubin_size, char **ptx,
+                            size_t *ptx_size, bool *cached);
 
 // ---- targets ----
 // A target is a struct of what a build needs from it, chosen by --target NAME (moec's table in
@@ -138,6 +143,16 @@ bool cg_compile_cxx(IrDiag *d, const char *src, const char *obj, const char *fla
 // The path of a file of the build moec came from (or of MOEC_ROOT's build/): "libmoert.a"; and
 // of the source tree ("runtime/cuda").
 void cg_build_file(const char *name, char *path, size_t size);
+// The build cache (codegen/cache.c): files named by a hash of the parts a result depends on,
+// under MOEC_CACHE ("off" or "0": none), else $XDG_CACHE_HOME/moec, else $HOME/.cache/moec.
+// cg_cache_get gives a malloc'd copy (false when absent or unreadable); cg_cache_put writes one
+// whole or not at all, and ignores a cache it cannot write.
+typedef struct CgCacheKey {
+  char hex[33];
+} CgCacheKey;
+CgCacheKey cg_cache_key(int n, const char *const *parts, const size_t *sizes);
+bool cg_cache_get(const CgCacheKey *k, const char *ext, void **data, size_t *size);
+void cg_cache_put(const CgCacheKey *k, const char *ext, const void *data, size_t size);
 void cg_source_file(const char *name, char *path, size_t size);
 // The flags make found (empty where it found no CUDA toolkit, or no cuBLAS or NCCL).
 extern const char *const cg_cuda_cflags, *const cg_cuda_libs, *const cg_mpi_cflags;

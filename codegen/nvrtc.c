@@ -40,6 +40,18 @@ static int arch_number(const char *arch) {
   return *end || v < 10 || v > 999 ? 0 : (int)v;
 }
 
+// The options besides -arch.
+static const char *const options[] = {"-std=c++17", "-default-device", "--fmad=false", "--ftz=false", "--prec-div=true",
+                                      "--prec-sqrt=true"};
+
+static void signature(char *buf, size_t size) {
+  int major = 0, minor = 0;
+  nvrtcVersion(&major, &minor);
+  size_t u = (size_t)snprintf(buf, size, "nvrtc %d.%d", major, minor);
+  for (size_t i = 0; i < sizeof options / sizeof options[0] && u < size; i++)
+    u += (size_t)snprintf(buf + u, size - u, " %s", options[i]);
+}
+
 // Compiles src for -arch=<virtual ? compute_NN : sm_NN>; returns the program (NULL on error).
 static nvrtcProgram compile(IrDiag *d, const char *src, const char *arch, bool virtual_arch) {
   int num = arch_number(arch);
@@ -49,8 +61,8 @@ static nvrtcProgram compile(IrDiag *d, const char *src, const char *arch, bool v
   }
   char opt_arch[32];
   snprintf(opt_arch, sizeof opt_arch, "-arch=%s_%d", virtual_arch ? "compute" : "sm", num);
-  const char *opts[] = {opt_arch, "-std=c++17", "-default-device", "--fmad=false", "--ftz=false",
-                        "--prec-div=true", "--prec-sqrt=true"};
+  const char *opts[1 + sizeof options / sizeof options[0]] = {opt_arch};
+  memcpy(opts + 1, options, sizeof options);
   nvrtcProgram prog = NULL;
   NVRTC_CHECK(d, NULL, nvrtcCreateProgram(&prog, src, "moec_kernels.cu", 0, NULL, NULL));
   NVRTC_CHECK(d, prog, nvrtcCompileProgram(prog, (int)(sizeof opts / sizeof opts[0]), opts));
@@ -125,4 +137,28 @@ fail:
   free(p);
   nvrtcDestroyProgram(&prog);
   return false;
+}
+
+bool cg_nvrtc_images_cached(IrDiag *d, const char *src, const char *arch, void **cubin, size_t *cubin_size, char **ptx,
+                            size_t *ptx_size, bool *cached) {
+  char sig[512];
+  signature(sig, sizeof sig);
+  const char *parts[] = {"moec nvrtc images 1", sig, arch, src};
+  size_t sizes[] = {strlen(parts[0]), strlen(sig), strlen(arch), strlen(src)};
+  CgCacheKey key = cg_cache_key(4, parts, sizes);
+  void *c = NULL, *p = NULL;
+  size_t nc = 0, np = 0;
+  *cached = cg_cache_get(&key, "cubin", &c, &nc) && cg_cache_get(&key, "ptx", &p, &np) && np > 0 &&
+            ((const char *)p)[np - 1] == '\0';   // the PTX is NUL-terminated text
+  if (*cached) {
+    *cubin = c, *ptx = p;
+    *cubin_size = nc, *ptx_size = np;
+    return true;
+  }
+  free(c);
+  free(p);
+  if (!cg_nvrtc_images(d, src, arch, cubin, cubin_size, ptx, ptx_size)) return false;
+  cg_cache_put(&key, "cubin", *cubin, *cubin_size);
+  cg_cache_put(&key, "ptx", *ptx, *ptx_size);
+  return true;
 }

@@ -31,7 +31,7 @@ static bool cuda_images(IrDiag *d, const IrModule *m, const CgLaunches *ls, cons
   if (fclose(f) != 0) ok = ir_oom(d);
   void *cubin = NULL;
   char *ptx = NULL;
-  ok = ok && cg_nvrtc_images(d, src, arch, &cubin, &img->cubin_size, &ptx, &img->ptx_size);
+  ok = ok && cg_nvrtc_images_cached(d, src, arch, &cubin, &img->cubin_size, &ptx, &img->ptx_size, &img->cached);
   free(src);
   img->arch = arch;
   img->cubin = cubin;
@@ -81,8 +81,8 @@ static bool cuda_emit(IrDiag *d, FILE *out, const IrModule *m, const PassMemPlan
   CgLaunches *ls = cg_cuda_launches(d, m, plan);   // each op lowered once, for every emitter
   bool ok = ls && fake_fused(d, m, ls, o) && cuda_images(d, m, ls, o->arch ? o->arch : "sm_90", &img);
   if (ok && o->verbose)
-    fprintf(stderr, "# nvrtc: CUBIN for %s %zu bytes, PTX %zu bytes, embedded in the program\n", img.arch,
-            img.cubin_size, img.ptx_size);
+    fprintf(stderr, "# nvrtc: CUBIN for %s %zu bytes, PTX %zu bytes%s, embedded in the program\n", img.arch,
+            img.cubin_size, img.ptx_size, img.cached ? " (from the build cache)" : "");
   ok = ok && cg_emit_cuda_host(d, out, m, plan, o, &img, ls);
   cg_launches_free(ls);
   free((void *)img.cubin);

@@ -46,6 +46,10 @@ else
   done
 fi
 
+# moec build's cache of NVRTC's images (codegen/cache.c) under the build folder: the suites build
+# many of the same models for the CUDA target, each NVRTC compilation a second or more.
+export MOEC_CACHE=${MOEC_CACHE:-$PWD/$BUILD/cache}
+
 passed=0 failed=0 skipped=0
 failures=()
 ok()   { passed=$((passed + 1)); printf 'ok    %s\n' "$1"; }

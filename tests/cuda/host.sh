@@ -491,6 +491,19 @@ else
   bad "bench/gpu_lm.sh --quick on the fake device" "$(cat "$WORK/lmb.out" "$WORK/lmr.out" 2>/dev/null | tail -n 20)"
 fi
 
+# The build cache (codegen/cache.c): a second build of a model takes NVRTC's images from it and
+# writes the same program; MOEC_CACHE=off compiles again.
+if MOEC_CACHE=$WORK/cache "$MOEC" build lang/models/tiny.moe --target cuda --emit c -v -o "$WORK/bc1.c" 2>"$WORK/bc1.err" &&
+   MOEC_CACHE=$WORK/cache "$MOEC" build lang/models/tiny.moe --target cuda --emit c -v -o "$WORK/bc2.c" 2>"$WORK/bc2.err" &&
+   MOEC_CACHE=off "$MOEC" build lang/models/tiny.moe --target cuda --emit c -v -o "$WORK/bc3.c" 2>"$WORK/bc3.err" &&
+   ! grep -q 'from the build cache' "$WORK/bc1.err" && grep -q '^# nvrtc: .*(from the build cache)' "$WORK/bc2.err" &&
+   ! grep -q 'from the build cache' "$WORK/bc3.err" && cmp -s "$WORK/bc1.c" "$WORK/bc2.c" && cmp -s "$WORK/bc1.c" "$WORK/bc3.c" &&
+   [ "$(ls "$WORK/cache" | wc -l)" -eq 2 ]; then
+  ok "cuda host: the build cache gives NVRTC's images to a second build (the same program; MOEC_CACHE=off compiles)"
+else
+  bad "cuda host: the build cache" "$(grep -h nvrtc "$WORK"/bc*.err; ls "$WORK/cache" 2>&1)"
+fi
+
 # The real runtime: the acceptance line "the CUDA binary links".
 CUDA_LIB=$BUILD/libmoert_cuda.a
 if [ ! -f "$CUDA_LIB" ]; then

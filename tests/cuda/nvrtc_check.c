@@ -81,9 +81,11 @@ int main(int argc, char **argv) {
     void *cubin = NULL;
     char *ptx = NULL;
     size_t cubin_size = 0, ptx_size = 0;
-    if (cg_nvrtc_images(&d, src, archs[i], &cubin, &cubin_size, &ptx, &ptx_size) &&
+    bool cached = false;
+    if (cg_nvrtc_images_cached(&d, src, archs[i], &cubin, &cubin_size, &ptx, &ptx_size, &cached) &&
         cubin_size > 0) {
-      printf("%s: %d kernels, CUBIN %zu bytes, PTX %zu bytes\n", archs[i], count_entries(ptx), cubin_size, ptx_size);
+      printf("%s: %d kernels, CUBIN %zu bytes, PTX %zu bytes%s\n", archs[i], count_entries(ptx), cubin_size, ptx_size,
+             cached ? " (from the build cache)" : "");
     } else {
       fprintf(stderr, "nvrtc_check: %s: %s failed\n", argv[1], archs[i]);
       status = 1;
