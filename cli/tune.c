@@ -21,8 +21,7 @@
 // Besides the fits, the CPU engine times a grid of GEMM shapes (run_gemm_grid), written as the
 // profile's `gemm_at M K N MS` lines, from which the planner prices a model's GEMMs by shape
 // (sched/sched_gemm.c); `gemm` stays for profiles without them. With --model there is no grid:
-// the `gemm` line measured at that model's own shapes prices it (on the emulated 2 x 2 cluster the
-// grid's interpolation between its widths misranked layouts that the model's line ranked right).
+// the `gemm` line measured at that model's own shapes prices it.
 //
 // With one rank per node there is no intra-node group: the intra-node series run on all ranks,
 // allgather and reducescatter (required fields) are written from them, alltoall_intra and

@@ -176,9 +176,8 @@ static bool open_gpu(Tune *t, const TuneOptions *o, RtComm *comm, Series *s, con
     return false;
   }
   gemm_type = o->dtype && strcmp(o->dtype, "bf16") == 0 ? RT_CUDA_BF16 : RT_CUDA_F32;
-  s[S_ELEM].skipped = true;   // the GPU's element-wise and attention kernels are not timed yet:
-  s[S_ATTN].skipped = true;   // no line in the profile
-  for (int i = S_ATTN_GRAD; i < NSERIES; i++) s[i].skipped = true;
+  for (int i = S_ELEM; i < NSERIES; i++)   // the GPU's element-wise, attention and update kernels
+    s[i].skipped = true;                   // are not timed yet: no line in the profile
   if (world == 1)
     for (int i = S_A2A_INTRA; i < NSERIES; i++) s[i].skipped = true;
   gpu = rt_cuda_create(arena_bytes(shapes, nshapes, world > 1), 1);

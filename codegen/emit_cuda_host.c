@@ -841,8 +841,8 @@ static void emit_launchers(FILE *out) {
           "enum { GRAPH_RUN, GRAPH_SET };\n"
           "static bool use_graphs;\n"
           "static int graph_mode, graph_next;\n"
-          "static RtCudaGraph *graph_now, *graphs[3];\n"
-          "static long long graph_calls[3];\n\n"
+          "static RtCudaGraph *graph_now, *graphs[%d];\n"
+          "static long long graph_calls[%d];\n\n"
           "#define CK(call, site) do { if (graph_mode != GRAPH_SET && !(call)) op_failed(site); } while (0)\n\n"
           "/* Kernel arguments: the address of each parameter's value, with the kernel's parameter type. */\n"
           "#define PTR(x) &(void *){(void *)(x)}\n#define I32(x) &(int){x}\n#define I64(x) &(long long){x}\n"
@@ -873,10 +873,12 @@ static void emit_launchers(FILE *out) {
           "    graph_mode = GRAPH_SET, graph_now = graphs[g], graph_next = 0;\n"
           "    run(st);\n"
           "    graph_mode = GRAPH_RUN;\n"
+          "    if (graph_next != rt_cuda_graph_step_nodes(graphs[g]))   /* every node with step arguments set */\n"
+          "      op_failed(site);\n"
           "  }\n"
           "  CK(rt_cuda_graph_launch(cu, graphs[g], RT_STREAM_COMPUTE), site);\n"
           "}\n\n",
-          CG_CUDA_BLOCK, CG_CUDA_BLOCK, CG_CUDA_BLOCK);
+          STEP_COUNT, STEP_COUNT, CG_CUDA_BLOCK, CG_CUDA_BLOCK, CG_CUDA_BLOCK);
 }
 
 static void emit_header(Host *h, FILE *out, const char *source_name, const CgCudaImages *img) {
@@ -1033,7 +1035,7 @@ static void emit_hooks(Host *h, FILE *out) {
   fprintf(out, "  return 0;\n}\n\n"
                "static void device_destroy(RtStep *st) {\n"
                "  (void)st;\n"
-               "  for (int g = 0; g < 3; g++) {\n"
+               "  for (int g = 0; g < %d; g++) {\n"
                "    rt_cuda_graph_destroy(graphs[g]);\n"
                "    graphs[g] = NULL, graph_calls[g] = 0;\n"
                "  }\n"
@@ -1051,6 +1053,7 @@ static void emit_hooks(Host *h, FILE *out) {
                "  .create = device_create, .connect = device_connect, .describe = device_describe,\n"
                "  .upload = device_upload, .download = device_download, .destroy = device_destroy,\n"
                "};\n\n",
+          STEP_COUNT,
           h->bf16 ? "  if (what & RT_DEVICE_PARAMS) p16_fresh = false;   /* P16 is rounded again at the next forward */\n" : "");
 }
 

@@ -323,16 +323,19 @@ int64_t pass_region_capacity(const IrFunc *f) {
 
 static double attr_n(const IrOp *op) { return ir_op_float(op, "cost_n", 0); }
 
+// An expert.matmul over the filled share `fill` of its slots (the CPU computes those), as the
+// scheduling model takes it: the line through its whole and chunked times (sched_gemm_chunks);
+// *t its time at r = 1.
+static SchedCoef expert_gemm(const IrOp *op, double fill, const SchedCluster *c, double *t) {
+  double count, m, k, n;
+  gemm_shape(op, &count, &m, &k, &n);
+  SchedCoef e = sched_gemm_chunks(c, count, fill * m, k, n);
+  *t = e.alpha + e.beta * fill * attr_n(op);
+  return e;
+}
+
 static bool in_group(const IrOp *op, const char *group) { return strcmp(ir_op_str(op, "group", ""), group) == 0; }
 
-// The phase costs of f's ops (priced by pass_cost) in the model's form. Its collectives are the
-// expert region's: the EP AlltoAlls and the ESP AllGather and ReduceScatter. The MP AllGather
-// after the layer (Fig. 2) is none of them: the schedule pass does not chunk it and DESIGN §6's
-// workloads have no term for it.
-// The other ops (priced by the profile's `elementwise` fit): inside the expert region they run
-// once per chunk on 1/r of the slots, so they join the experts' term (their alphas to its alpha,
-// their per-slot time to its beta); outside it, the dense time. A chunked collective also pays
-// the stream hand-offs (the profile's `handoff`) with its alpha.
 bool pass_sums_slots(const IrOp *op) {
   return op->kind == IR_OP_EXPERT_BIAS_GRAD || (op->kind == IR_OP_EXPERT_MATMUL && ir_op_int(op, "ta", 0));
 }
@@ -411,6 +414,14 @@ static double slot_fill(const IrFunc *fwd) {
   return 1;
 }
 
+// The phase costs of f's ops (priced by pass_cost) in the model's form. Its collectives are the
+// expert region's: the EP AlltoAlls and the ESP AllGather and ReduceScatter. The MP AllGather
+// after the layer (Fig. 2) is none of them: the schedule pass does not chunk it and DESIGN §6's
+// workloads have no term for it.
+// The other ops (priced by the profile's `elementwise` fit): inside the expert region they run
+// once per chunk on 1/r of the slots, so they join the experts' term (their alphas to its alpha,
+// their per-slot time to its beta); outside it, the dense time. A chunked collective also pays
+// the stream hand-offs (the profile's `handoff`) with its alpha.
 static void phase_of(const IrFunc *f, const IrFunc *reader, double fill, const SchedCluster *c, const Groups *gs,
                      SchedPhase *p) {
   *p = (SchedPhase){0};
@@ -444,13 +455,11 @@ static void phase_of(const IrFunc *f, const IrFunc *reader, double fill, const S
       if (in_group(op, "esp")) p->n_rs += attr_n(op), n_rs++, rs = op;
       break;
     case IR_OP_EXPERT_MATMUL: {   // the filled share of each expert's slots, as the CPU computes them
-      double count, m, k, n;
-      gemm_shape(op, &count, &m, &k, &n);
-      SchedCoef e = sched_gemm_chunks(c, count, fill * m, k, n);
+      double t;
+      exp_alpha += expert_gemm(op, fill, c, &t).alpha;
+      exp_t += t;
       p->n_exp += fill * attr_n(op);
-      n_exp += (int)count;
-      exp_alpha += e.alpha;
-      exp_t += e.alpha + e.beta * fill * attr_n(op);
+      n_exp += (int)op->result->type.dim[0];
       break;
     }
     case IR_OP_MATMUL:
@@ -514,11 +523,7 @@ void pass_class_times(const IrModule *m, const SchedCluster *c, double t[PASS_CL
       PassClass k = PASS_CLASS_REST;
       if (f->role == IR_ROLE_OPTIMIZER) k = PASS_CLASS_UPDATE;
       else if (op->kind == IR_OP_EXPERT_MATMUL) {
-        double count, gm, gk, gn;
-        gemm_shape(op, &count, &gm, &gk, &gn);
-        SchedCoef e = c->ngemm_at > 0 ? sched_gemm_chunks(c, count, fill * gm, gk, gn)
-                                       : (SchedCoef){c->gemm.alpha * count, c->gemm.beta};
-        cost = e.alpha + e.beta * fill * attr_n(op);
+        expert_gemm(op, fill, c, &cost);
         k = PASS_CLASS_GEMM;
       } else if (op->kind == IR_OP_MATMUL) k = PASS_CLASS_GEMM;
       else if (op->kind == IR_OP_ATTN_CAUSAL || op->kind == IR_OP_ATTN_SINK || op->kind == IR_OP_ATTN_CAUSAL_GRAD)

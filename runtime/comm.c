@@ -924,7 +924,7 @@ static Group *begin(RtComm *c, RtGroup g, const char *who, const char *what, int
 }
 
 static void end(const Group *gr) {
-  if (!gr || gr->size <= 1)
+  if (!gr || gr->size <= 1 || !rt_prof_on())
     return;
   RtProfKind kind = RT_PROF_OTHER;
   if (strcmp(gr->what, "AlltoAll") == 0) kind = RT_PROF_ALLTOALL;

@@ -532,7 +532,6 @@ static void profile_step(Profile *p, bool counted, double ms, double update_ms) 
   if (!counted) {
     double ignored[2];
     rt_prof_take(&ignored[0], &ignored[1], NULL);
-    rt_attn_ns_take();
     return;
   }
   p->steps[p->n++] = ms;

@@ -53,8 +53,8 @@ bool rt_prof_on(void) { return atomic_load_explicit(&prof.on, memory_order_relax
 
 void rt_prof_set_worker(void) { on_worker = true; }
 
-static void add(int64_t t0, int64_t t1, bool idle) {
-  pthread_mutex_lock(&prof.mu);
+// Under prof.mu.
+static void add_locked(int64_t t0, int64_t t1, bool idle) {
   if (prof.n == prof.cap) {
     size_t cap = prof.cap ? 2 * prof.cap : 256;
     Interval *iv = realloc(prof.iv, cap * sizeof *iv);
@@ -63,20 +63,22 @@ static void add(int64_t t0, int64_t t1, bool idle) {
     prof.cap = cap;
   }
   prof.iv[prof.n++] = (Interval){t0, t1, idle};
-  pthread_mutex_unlock(&prof.mu);
 }
 
 void rt_prof_comm(RtProfKind kind, int64_t t0, int64_t t1) {
   if (!rt_prof_on() || t1 <= t0) return;
   pthread_mutex_lock(&prof.mu);
   prof.kind_ns[kind] += t1 - t0;
+  add_locked(t0, t1, false);
+  if (!on_worker) add_locked(t0, t1, true);
   pthread_mutex_unlock(&prof.mu);
-  add(t0, t1, false);
-  if (!on_worker) add(t0, t1, true);
 }
 
 void rt_prof_idle(int64_t t0, int64_t t1) {
-  if (rt_prof_on() && t1 > t0 && !on_worker) add(t0, t1, true);
+  if (!rt_prof_on() || t1 <= t0 || on_worker) return;
+  pthread_mutex_lock(&prof.mu);
+  add_locked(t0, t1, true);
+  pthread_mutex_unlock(&prof.mu);
 }
 
 typedef struct Edge {

@@ -629,22 +629,25 @@ static const FakeKernel *launch_check(CUfunction f, int grid, int block, unsigne
   return k;
 }
 
-static std::shared_ptr<FakeLaunch> capture_launch(RtCuda *cu, RtStream s, const FakeKernel *k, int grid, int block,
-                                                  unsigned shared_bytes, void **args) {
-  auto l = std::make_shared<FakeLaunch>();
-  *l = FakeLaunch{k, grid, block, shared_bytes, {}, {}};
-  k->arg_sizes(*k, l->sizes);
-  l->set(args);
-  if (!issue(cu, s, "rt_cuda_launch", [cu, l] { return l->run(cu); })) return nullptr;
-  return l;
-}
-
-bool rt_cuda_launch(RtCuda *cu, RtStream s, CUfunction f, int grid, int block, unsigned shared_bytes, void **args) {
+// A launch: run now, or kept by the capture under way (and, with step arguments, remembered as
+// the graph's next node that rt_cuda_graph_set may update).
+static bool launch(RtCuda *cu, RtStream s, CUfunction f, int grid, int block, unsigned shared_bytes, void **args,
+                   bool step) {
   if (!stream_ok(s, "rt_cuda_launch")) return false;
   const FakeKernel *k = launch_check(f, grid, block, shared_bytes);
   if (!k) return false;
   if (!cu->capture) return k->run(cu, *k, args, grid, block);
-  return capture_launch(cu, s, k, grid, block, shared_bytes, args) != nullptr;
+  auto l = std::make_shared<FakeLaunch>();
+  *l = FakeLaunch{k, grid, block, shared_bytes, {}, {}};
+  k->arg_sizes(*k, l->sizes);
+  l->set(args);
+  if (!issue(cu, s, "rt_cuda_launch", [cu, l] { return l->run(cu); })) return false;
+  if (step) cu->capture->step_nodes.push_back(l);
+  return true;
+}
+
+bool rt_cuda_launch(RtCuda *cu, RtStream s, CUfunction f, int grid, int block, unsigned shared_bytes, void **args) {
+  return launch(cu, s, f, grid, block, shared_bytes, args, false);
 }
 
 // ---- graphs ----
@@ -681,13 +684,7 @@ RtCudaGraph *rt_cuda_capture_end(RtCuda *cu) {
 
 bool rt_cuda_launch_step(RtCuda *cu, RtStream s, CUfunction f, int grid, int block, unsigned shared_bytes,
                          void **args) {
-  if (!cu->capture) return rt_cuda_launch(cu, s, f, grid, block, shared_bytes, args);
-  if (!stream_ok(s, "rt_cuda_launch_step")) return false;
-  const FakeKernel *k = launch_check(f, grid, block, shared_bytes);
-  std::shared_ptr<FakeLaunch> l = k ? capture_launch(cu, s, k, grid, block, shared_bytes, args) : nullptr;
-  if (!l) return false;
-  cu->capture->step_nodes.push_back(l);
-  return true;
+  return launch(cu, s, f, grid, block, shared_bytes, args, true);
 }
 
 int rt_cuda_graph_step_nodes(const RtCudaGraph *g) { return (int)g->step_nodes.size(); }

@@ -88,4 +88,17 @@ for c in fsmoe:3:3 fsmoe:2:4 tutel:4:4 fsmoe-no-iio:5:7 pipemoe-lina:13:16; do
     fi
   done
 done
+
+# --profile's step per class on the reference's 4 ranks (dp 2, mp 2, ep 2, esp 2): the GEMMs and the
+# update timed, and each kind of collective its layout runs (the EP AlltoAll, the ESP AllGather and
+# ReduceScatter, the AllReduces) summed over its calls.
+if (cd "$WORK" && timeout "$TIMEOUT" $MPIRUN -np "$P" ./ref --steps 4 --profile --quiet >prof.out 2>&1 </dev/null) &&
+   line=$(grep '^# profile: per class, ms a step: ' "$WORK/prof.out") &&
+   echo "$line" | awk '{ for (i = 1; i < NF && $i !~ /^\(/; i++) if ($i == "GEMM" || $i == "update" || $i == "AlltoAll" || $i == "AllGather" ||
+                                                           $i == "ReduceScatter" || $i == "AllReduce") { v = $(i + 1); sub(/,/, "", v); n++; if (v + 0 <= 0) bad = 1 } }
+                      END { exit bad || n != 6 }'; then
+  ok "reference on 4 ranks: --profile times each class ($(echo "$line" | sed 's/^# profile: per class, ms a step: //; s/ (element-wise.*//'))"
+else
+  bad "reference on 4 ranks: --profile per class" "$(tail -n 5 "$WORK/prof.out")"
+fi
 exit $failed

@@ -48,6 +48,27 @@ if "$MOEC" plan lang/models/tiny.moe --cluster "$WORK/kf.cluster" -v >"$WORK/kf.
 else
   bad "moec plan -v with update_adamw and elementwise_math" "$(grep '^# per class' "$WORK/kf.out"; tail -n 3 "$WORK/kf.out")"
 fi
+# attention_grad prices attention's backward apart: with attention at 1 ms and attention_grad at 2 ms
+# a multiply-accumulate, the mid LM's attention class is 5/3 of what attention alone gives it (the
+# backward counts twice the forward's multiply-accumulates); update_sgd prices an SGD model's update
+# (tiny with SGD, 1000 ms a parameter), update_adamw does not.
+attn_class() { sed -n 's/^# per class.*: GEMM [0-9.]*, attention \([0-9.]*\),.*/\1/p' "$1"; }
+cp lang/clusters/testbed-a.cluster "$WORK/a1.cluster"
+sed -i 's/^}$/  attention { alpha 0; beta 1; }\n}/' "$WORK/a1.cluster"
+sed 's/^  attention { alpha 0; beta 1; }$/&\n  attention_grad { alpha 0; beta 2; }/' "$WORK/a1.cluster" >"$WORK/a2.cluster"
+cp lang/clusters/testbed-a.cluster "$WORK/a3.cluster"
+sed -i 's/^}$/  update_adamw { alpha 0; beta 1; }\n  update_sgd { alpha 0; beta 1000; }\n}/' "$WORK/a3.cluster"
+sed 's/optimizer adamw { lr 0.003; }/optimizer sgd { lr 0.003; }/' lang/models/tiny.moe >"$WORK/tiny_sgd.moe"
+if "$MOEC" plan bench/models/lm_mid.moe --cluster "$WORK/a1.cluster" -v >"$WORK/a1.out" 2>&1 &&
+   "$MOEC" plan bench/models/lm_mid.moe --cluster "$WORK/a2.cluster" -v >"$WORK/a2.out" 2>&1 &&
+   "$MOEC" plan "$WORK/tiny_sgd.moe" --cluster "$WORK/a3.cluster" -v >"$WORK/a3.out" 2>&1 &&
+   a1=$(attn_class "$WORK/a1.out") && a2=$(attn_class "$WORK/a2.out") && [ -n "$a1" ] && [ -n "$a2" ] &&
+   awk -v a="$a1" -v b="$a2" 'BEGIN { r = b / a; exit !(a > 0 && r > 5 / 3 - 1e-6 && r < 5 / 3 + 1e-6) }' &&
+   grep -q '^# per class.*update 33792000\.000,' "$WORK/a3.out"; then
+  ok "moec plan -v: attention_grad prices the backward (the mid LM's attention $a1 -> $a2, 5/3), update_sgd an SGD model's update"
+else
+  bad "moec plan -v with attention_grad and update_sgd" "$(grep -h '^# per class' "$WORK"/a[123].out; tail -n 2 "$WORK"/a[123].out)"
+fi
 for c in testbed-a testbed-a-solver testbed-b; do
   if "$MOEC" sweep --cluster lang/clusters/$c.cluster --quick >"$WORK/sweep.out" 2>&1 && grep -q '^OK' "$WORK/sweep.out" &&
      grep -q 'cases where fsmoe is not the fastest policy: 0' "$WORK/sweep.out"; then
