@@ -228,7 +228,7 @@ graph_same tiny_bf16 1
 # its forward it is refused at the capture.
 if "$MOEC" build lang/models/tiny.moe --target cuda --no-fuse --emit c -o "$WORK/gm.c" 2>"$WORK/gm.err" &&
    link=$(MOEC_CUDA_FAKE=1 "$MOEC" build lang/models/tiny.moe --target cuda --no-fuse -v -o "$WORK/gm0" 2>&1 | sed -n 's/^# link: //p') &&
-   [ -n "$link" ] && c_file=$(echo "$link" | grep -o '[^ ]*moec-[^ ]*\.c') &&
+   [ -n "$link" ] && c_file=$(echo "$link" | tr ' ' '\n' | grep -m1 '\.c$') && [ -n "$c_file" ] &&
    sed 's/launch_step(\([0-9]*\), RT_STREAM_COMPUTE, mk_gate_noise,/launch(\1, RT_STREAM_COMPUTE, mk_gate_noise,/' "$WORK/gm.c" >"$WORK/gm_stale.c" &&
    awk '{print} /^static void f0\(RtStep \*st\) \{/ {print "  CK(rt_cuda_sync(cu, RT_STREAM_COMPUTE), 0);"}' "$WORK/gm.c" >"$WORK/gm_sync.c" &&
    ! cmp -s "$WORK/gm.c" "$WORK/gm_stale.c" && ! cmp -s "$WORK/gm.c" "$WORK/gm_sync.c" &&
