@@ -23,7 +23,9 @@
 #          layer, each built by both compilers and run in turn (5 runs each, mid 3, large 1): the
 #          medians of their --profile median steps and of each run's now/before (the pair ran
 #          back to back: this machine's speed drifts); the losses must be the same.
-# BENCH_CPU="layer t4 lm dropless before" (the default: all) runs only the parts named.
+#   epilogue  the CPU program's GEMM epilogues (fused groups in the GEMMs' pieces) beside the same
+#          models built with MOEC_GEMM_ROWS=0 (each group after its GEMM), in turn as `before`.
+# BENCH_CPU="layer t4 lm dropless before epilogue" (the default: all) runs only the parts named.
 # PyTorch comes from build/torch-venv (created here with pip when missing: PyPI's torch, whose
 # Linux wheel brings NVIDIA's libraries, ~3 GB; it runs on the CPU here); without it (no network,
 # no pip) the PyTorch column says so and the moec side still runs.
@@ -55,7 +57,7 @@ moec_step() {
 }
 
 median() { sort -g | awk '{v[NR] = $1} END {if (NR) print v[int((NR + 1) / 2)]}'; }   # of the lines of stdin
-want() { case " ${BENCH_CPU:-layer t4 lm dropless before} " in *" $1 "*) return 0 ;; *) return 1 ;; esac; }
+want() { case " ${BENCH_CPU:-layer t4 lm dropless before epilogue} " in *" $1 "*) return 0 ;; *) return 1 ;; esac; }
 echo "# moec beside PyTorch eager on the CPU: $(nproc) cores, $(grep -m1 'model name' /proc/cpuinfo | cut -d: -f2 | sed 's/^ *//')"
 echo "# moec: median whole training step of steps 2..$STEPS (data, forward, backward, adamw update), GEMM share"
 echo "# PyTorch: forward + backward of the same layer (autograd, median of 10 runs), its expert GEMMs alone"
@@ -212,6 +214,26 @@ else
   echo "dropless: moec failed"; status=1
 fi
 fi
+# in_turn NAME SHAPE BIN STEPS RUNS: BIN.before and BIN.now run in turn RUNS times (--steps STEPS
+# --profile); prints the medians of their median steps and of each pair's now/before, and whether
+# the losses are the same.
+in_turn() {
+  local name=$1 shape=$2 bin=$3 steps=$4 runs=$5 same=same b n r
+  : >"$WORK/now.ms"; : >"$WORK/before.ms"; : >"$WORK/ratio"
+  for run in $(seq "$runs"); do
+    for which in before now; do
+      MOEC_BENCH=1 "$bin.$which" --steps "$steps" --profile >"$WORK/$which.out" 2>&1 || { status=1; echo "$name: $which run failed"; }
+      sed -n 's/^# profile: .*median whole step \([0-9.]*\) ms.*/\1/p' "$WORK/$which.out" >>"$WORK/$which.ms"
+    done
+    cmp -s <(awk '/^step/ {print $4}' "$WORK/before.out") <(awk '/^step/ {print $4}' "$WORK/now.out") || same=DIFFER
+    paste <(tail -n 1 "$WORK/now.ms") <(tail -n 1 "$WORK/before.ms") | awk '$2 > 0 {printf "%.3f\n", $1 / $2}' >>"$WORK/ratio"
+  done
+  b=$(median <"$WORK/before.ms"); n=$(median <"$WORK/now.ms"); r=$(median <"$WORK/ratio")
+  if [ -z "$b" ] || [ -z "$n" ] || [ -z "$r" ]; then echo "$name: no profile line"; status=1; return; fi
+  [ "$same" = same ] || status=1
+  printf '%-10s %-26s %12.1f %12.1f %12s   losses %s  (now/before of each run: %s)\n' "$name" "$shape" "$b" "$n" "$r" "$same" \
+    "$(paste -sd' ' "$WORK/ratio")"
+}
 if want before; then
 REV=${BENCH_BEFORE:-ec9d643}
 BEFORE=$(cd "$BUILD" && pwd)/before-$REV
@@ -232,23 +254,26 @@ else
        ! MOEC_ROOT=$BEFORE "$BEFORE/build/moec" build "$model" -o "$bin.before" >>"$WORK/b.err" 2>&1; then
       echo "$name: build failed: $(head -n 2 "$WORK/b.err")"; status=1; continue
     fi
-    : >"$WORK/now.ms"; : >"$WORK/before.ms"; : >"$WORK/ratio"; same=same
-    for run in $(seq "$runs"); do
-      for which in before now; do
-        MOEC_BENCH=1 "$bin.$which" --steps "$steps" --profile >"$WORK/$which.out" 2>&1 || { status=1; echo "$name: $which run failed"; }
-        sed -n 's/^# profile: .*median whole step \([0-9.]*\) ms.*/\1/p' "$WORK/$which.out" >>"$WORK/$which.ms"
-      done
-      cmp -s <(awk '/^step/ {print $4}' "$WORK/before.out") <(awk '/^step/ {print $4}' "$WORK/now.out") || same=DIFFER
-      paste <(tail -n 1 "$WORK/now.ms") <(tail -n 1 "$WORK/before.ms") | awk '$2 > 0 {printf "%.3f\n", $1 / $2}' >>"$WORK/ratio"
-    done
-    b=$(median <"$WORK/before.ms"); n=$(median <"$WORK/now.ms"); r=$(median <"$WORK/ratio")
-    if [ -z "$b" ] || [ -z "$n" ] || [ -z "$r" ]; then echo "$name: no profile line"; status=1; continue; fi
-    [ "$same" = same ] || status=1
-    printf '%-10s %-26s %12.1f %12.1f %12s   losses %s  (now/before of each run: %s)\n' "$name" "$shape" "$b" "$n" "$r" "$same" \
-      "$(paste -sd' ' "$WORK/ratio")"
+    in_turn "$name" "$shape" "$bin" "$steps" "$runs"
   done
 fi
 if [ -d "$BEFORE" ] && [ -z "${BENCH_BEFORE_KEEP:-}" ]; then git worktree remove --force "$BEFORE" >/dev/null 2>&1 || rm -rf "$BEFORE"; git worktree prune; fi
+fi
+if want epilogue; then
+# The CPU program's GEMM epilogues (the fused group after a GEMM run in the GEMM's pieces) beside
+# the same model built with MOEC_GEMM_ROWS=0 (each group after its GEMM), in turn.
+echo "# epilogue: the groups in their GEMMs' pieces (now) beside MOEC_GEMM_ROWS=0 (before: after the GEMMs), in turn; median --profile steps, ms"
+printf '%-10s %-26s %12s %12s %12s\n' case shape "after ms" "in ms" "in/after"
+for c in "lm demo|lang/models/gpt_moe_bytes.moe|B8 L64 M96 V256 x3|300|5" "lm mid|bench/models/lm_mid.moe|B4 L256 M512 V8192 x6|6|3" \
+         "layer|bench/models/layer_cpu.moe|B4 L512 M512 H1024 E8 k2|$STEPS|5" "dropless|bench/models/layer_dropless.moe|B4 L512 M512 H1024 E4 k2 *|$STEPS|5"; do
+  IFS='|' read -r name model shape steps runs <<<"$c"
+  bin=$WORK/epilogue_${model##*/}
+  if ! "$MOEC" build "$model" -o "$bin.now" >"$WORK/b.err" 2>&1 ||
+     ! MOEC_GEMM_ROWS=0 "$MOEC" build "$model" -o "$bin.before" >>"$WORK/b.err" 2>&1; then
+    echo "$name: build failed: $(head -n 2 "$WORK/b.err")"; status=1; continue
+  fi
+  in_turn "$name" "$shape" "$bin" "$steps" "$runs"
+done
 fi
 [ $status -eq 0 ] && echo OK || echo FAILED
 exit $status

@@ -249,17 +249,21 @@ int tune_compare_doubles(const void *a, const void *b) {
   return (x > y) - (x < y);
 }
 
+// One run of reps calls at once on every rank: the slowest rank's milliseconds per call.
+static double time_run(const Call *c, int reps) {
+  MPI_Barrier(MPI_COMM_WORLD);
+  double t0 = MPI_Wtime();
+  for (int i = 0; i < reps; i++) engine->call(c);
+  double ms = (MPI_Wtime() - t0) * 1e3 / (engine->call_reps * reps), slowest;
+  MPI_Allreduce(&ms, &slowest, 1, MPI_DOUBLE, MPI_MAX, MPI_COMM_WORLD);
+  return slowest;
+}
+
 // Milliseconds: one warm-up, then the median of RUNS runs, each the slowest rank's time.
 static double measure(const Call *c) {
   double runs[RUNS];
-  for (int r = -1; r < RUNS; r++) {
-    MPI_Barrier(MPI_COMM_WORLD);
-    double t0 = MPI_Wtime();
-    engine->call(c);
-    double ms = (MPI_Wtime() - t0) * 1e3 / engine->call_reps, slowest;
-    MPI_Allreduce(&ms, &slowest, 1, MPI_DOUBLE, MPI_MAX, MPI_COMM_WORLD);
-    if (r >= 0) runs[r] = slowest;
-  }
+  time_run(c, 1);
+  for (int r = 0; r < RUNS; r++) runs[r] = time_run(c, 1);
   qsort(runs, RUNS, sizeof runs[0], tune_compare_doubles);
   return runs[RUNS / 2];
 }
@@ -339,13 +343,30 @@ static void run_gemms(Series *s, const GemmShape *shapes, int nshapes, bool quic
 // operand sets as add up to GRID_COLD floats (64 MiB, beyond a CPU's last-level cache): a step's
 // GEMMs read operands other work has pushed out of the caches, and a small shape whose few sets
 // stayed cached timed up to 1.6x faster than the same shape in a step.
+//
+// The grid is timed in RUNS passes, one run of every shape a pass, and each shape keeps the median
+// of its passes: a shared machine has slow spells of a second or more (other work, a rank moved to
+// a busy core), and five runs of a shape in a row fell into the same spell: three profiles of 2
+// ranks on 2 cores disagreed by more than 25 % at 51 of 284 shapes and by more than 50 % at 12 with
+// runs in a row, at 29 and 1 in passes. Where the ranks' threads outnumber the cores the times were also two-valued (the
+// slowest rank's GEMM ran alone or beside another, 2.5e-8 or 5e-8 ms per multiply-accumulate, by
+// where it fell in the scheduler's time slices; 98 shapes over 25 % and 48 over 50 % for three
+// profiles of 4 ranks, in a row or in passes): there a run lasts GRID_RUN_SHARED_MS, long enough to
+// hold many slices, so that each rank gets its share of a core as in a step (those three profiles,
+// in passes of such runs: 41 shapes over 25 %, 6 over 50 %, against 98 and 48). A run of a short
+// shape is as many calls as take the run's time (at most GRID_REPS), counted at the first pass's
+// warm-up.
 static const int grid_m[] = {4, 16, 64, 256, 1024, 2048, 4096}, grid_w[] = {64, 128, 256, 512, 1024, 2048, 4096};
 enum { GRID_NM = sizeof grid_m / sizeof *grid_m, GRID_NW = sizeof grid_w / sizeof *grid_w, GRID_MAX = GRID_NM * GRID_NW * GRID_NW };
+enum { GRID_REPS = 1024 };
 #define GRID_MACS 2147483648.0  // 2^31
 #define GRID_FLOATS 4194304.0   // 2^22
 #define GRID_COLD 16777216.0    // 2^24 floats: the operand sets a shape cycles through, at least
+#define GRID_RUN_MS 2.0
+#define GRID_RUN_SHARED_MS 20.0
 static double grid[GRID_MAX][4];   // m, k, n, ms
 static int ngrid;
+static double grid_run;            // a run's least length (ms)
 
 static bool grid_keeps(int m, int k, int n) {
   return (double)m * k * n <= GRID_MACS && (double)m * k <= GRID_FLOATS && (double)k * n <= GRID_FLOATS &&
@@ -362,29 +383,48 @@ static int grid_points(void) {
 
 static double grid_ms_per_mac(int i) { return grid[i][3] / (grid[i][0] * grid[i][1] * grid[i][2]); }
 
-static void run_gemm_grid(Progress *pr) {
-  size_t most = (size_t)(engine->gemm_ring > 1 ? GRID_COLD : GRID_FLOATS);
-  float *a = tune_xmalloc(sizeof(float) * most), *b = tune_xmalloc(sizeof(float) * most);
-  float *c = tune_xmalloc(sizeof(float) * most);
-  for (size_t e = 0; e < most; e++) a[e] = (float)((int)(e % 17) - 8) / 64, b[e] = (float)((int)(e % 13) - 6) / 64;
+// The grid's shapes as calls on the operands ops (the ring of operand sets each takes).
+static int grid_calls(const Call *ops, size_t most, Call *calls) {
+  int count = 0;
   for (int j = 0; j < GRID_NW; j++)
-    for (int l = 0; l < GRID_NW; l++) {
-      int k = grid_w[j], n = grid_w[l];
-      Call ops = {.a = a, .b = b, .c = c};
-      if (engine->gemm_operands) engine->gemm_operands(&ops, a, most, b, most, c, most);
+    for (int l = 0; l < GRID_NW; l++)
       for (int i = 0; i < GRID_NM; i++) {
-        int m = grid_m[i];
+        int m = grid_m[i], k = grid_w[j], n = grid_w[l];
         if (!grid_keeps(m, k, n)) continue;
         double set = (double)m * k + (double)k * n + (double)m * n;
         double biggest = fmax((double)m * k, fmax((double)k * n, (double)m * n));
         int ring = engine->gemm_ring > 1 ? (int)fmin(floor((double)most / biggest), ceil(GRID_COLD / set)) : 1;
-        Call cl = {.op = OP_GEMM, .m = m, .k = k, .n = n, .a = ops.a, .b = ops.b, .c = ops.c, .ring = ring};
-        double ms = measure(&cl);
-        grid[ngrid][0] = m, grid[ngrid][1] = k, grid[ngrid][2] = n, grid[ngrid][3] = ms;
-        ngrid++;
-        progress_step(pr, "gemm grid", (double)m * k * n);
+        calls[count++] = (Call){.op = OP_GEMM, .m = m, .k = k, .n = n, .a = ops->a, .b = ops->b, .c = ops->c,
+                                .ring = ring};
       }
+  return count;
+}
+
+static void run_gemm_grid(double run_ms, Progress *pr) {
+  grid_run = run_ms;
+  size_t most = (size_t)(engine->gemm_ring > 1 ? GRID_COLD : GRID_FLOATS);
+  float *a = tune_xmalloc(sizeof(float) * most), *b = tune_xmalloc(sizeof(float) * most);
+  float *c = tune_xmalloc(sizeof(float) * most);
+  for (size_t e = 0; e < most; e++) a[e] = (float)((int)(e % 17) - 8) / 64, b[e] = (float)((int)(e % 13) - 6) / 64;
+  Call ops = {.a = a, .b = b, .c = c};
+  if (engine->gemm_operands) engine->gemm_operands(&ops, a, most, b, most, c, most);
+  static Call calls[GRID_MAX];
+  static double runs[GRID_MAX][RUNS];
+  static int reps[GRID_MAX];
+  ngrid = grid_calls(&ops, most, calls);
+  for (int pass = 0; pass < RUNS; pass++)
+    for (int i = 0; i < ngrid; i++) {
+      if (pass == 0) {
+        double warm = time_run(&calls[i], 1);
+        reps[i] = warm > 0 ? (int)fmin(GRID_REPS, fmax(1, ceil(run_ms / warm))) : GRID_REPS;
+      }
+      runs[i][pass] = time_run(&calls[i], reps[i]);
+      if (pass == RUNS - 1) progress_step(pr, "gemm grid", (double)calls[i].m * calls[i].k * calls[i].n);
     }
+  for (int i = 0; i < ngrid; i++) {
+    qsort(runs[i], RUNS, sizeof runs[i][0], tune_compare_doubles);
+    grid[i][0] = calls[i].m, grid[i][1] = calls[i].k, grid[i][2] = calls[i].n, grid[i][3] = runs[i][RUNS / 2];
+  }
   free(a);
   free(b);
   free(c);
@@ -808,7 +848,8 @@ static void print_preamble(const TuneOptions *o, const TuneRun *r, const Series 
 
 // Times every series on every rank; the seconds it took.
 // grid: time the grid of GEMM shapes too (the engine has one and no --model names the shapes).
-static double measure_all(RtComm *comm, Series *s, const GemmShape *shapes, int nshapes, bool quick, bool grid) {
+// grid_run_ms: the GEMM grid's runs' least length, 0 for no grid.
+static double measure_all(RtComm *comm, Series *s, const GemmShape *shapes, int nshapes, bool quick, double grid_run_ms) {
   double t_start = MPI_Wtime();
   int comm_idx[COMM_SIZES], gemm_idx[GEMM_SIZES];
   Progress pr = {.on = T.rank == 0 && watched()};
@@ -818,9 +859,9 @@ static double measure_all(RtComm *comm, Series *s, const GemmShape *shapes, int 
              (s[S_ELEM].skipped ? 0 : sweep(ELEM_SIZES, quick, elem_idx)) +
              (s[S_ATTN].skipped ? 0 : 2 * sweep(ATTN_SIZES, quick, elem_idx)) +
              (s[S_MATH].skipped ? 0 : 3 * sweep(ELEM_SIZES, quick, elem_idx)) +
-             (grid ? grid_points() : 0);
+             (grid_run_ms > 0 ? grid_points() : 0);
   run_gemms(&s[S_GEMM], shapes, nshapes, quick, &pr);
-  if (grid) run_gemm_grid(&pr);
+  if (grid_run_ms > 0) run_gemm_grid(grid_run_ms, &pr);
   if (!s[S_ELEM].skipped) run_elementwise(&s[S_ELEM], quick, &pr);
   if (!s[S_ATTN].skipped) run_attention(s, quick, &pr);
   if (!s[S_MATH].skipped) run_kernel_sweeps(s, quick, &pr);
@@ -898,8 +939,9 @@ static int fit_and_print(const TuneOptions *o, const TuneRun *r, Series *s) {
       if (grid_ms_per_mac(i) < grid_ms_per_mac(fast)) fast = i;
       if (grid_ms_per_mac(i) > grid_ms_per_mac(slow)) slow = i;
     }
-    printf("# gemm grid: %d shapes (gemm_at lines); ms per multiply-accumulate from %.3e ([%d, %d] x [%d, %d]) to %.3e "
-           "([%d, %d] x [%d, %d])\n", ngrid, grid_ms_per_mac(fast), (int)grid[fast][0], (int)grid[fast][1],
+    printf("# gemm grid: %d shapes (gemm_at lines), each the median of %d passes of runs of at least %g ms%s; ms per "
+           "multiply-accumulate from %.3e ([%d, %d] x [%d, %d]) to %.3e ([%d, %d] x [%d, %d])\n", ngrid, RUNS, grid_run,
+           grid_run == GRID_RUN_SHARED_MS ? " (the ranks' threads outnumber the cores)" : "", grid_ms_per_mac(fast), (int)grid[fast][0], (int)grid[fast][1],
            (int)grid[fast][1], (int)grid[fast][2], grid_ms_per_mac(slow), (int)grid[slow][0], (int)grid[slow][1],
            (int)grid[slow][1], (int)grid[slow][2]);
   }
@@ -983,7 +1025,8 @@ int tune_main(const TuneEngine *e, int argc, char **argv) {
   }
   engine->memory(&T, &r);
   if (T.rank == 0) print_preamble(&o, &r, s, shapes, nshapes, gemm_desc);
-  double seconds = measure_all(comm, s, shapes, nshapes, o.quick, engine->gemm_grid && !o.model);
+  double grid_run_ms = !engine->gemm_grid || o.model ? 0 : r.local_size * r.threads > r.cores ? GRID_RUN_SHARED_MS : GRID_RUN_MS;
+  double seconds = measure_all(comm, s, shapes, nshapes, o.quick, grid_run_ms);
 
   int failed = 0;
   if (T.rank == 0) {

@@ -26,6 +26,7 @@ typedef struct Emit {
   struct Fused {           // the call of each fused group, by its first op
     int func, op;
     CgLaunch launch;
+    bool in_gemm;          // runs in the pieces of the GEMM before it (in_gemm)
   } *fused;
   int nfused;
 } Emit;
@@ -131,6 +132,48 @@ static bool emit_library_op(Emit *e, const IrOp *op) {
   return false;
 }
 
+// The call of fused group g's function (fuse_N(args)), or with piece its table for the GEMM
+// epilogue (fuse_N_piece, (const void *const[]){args}).
+static void fused_call(Emit *e, const struct Fused *g, bool piece) {
+  const IrFunc *f = e->m->funcs[g->func];
+  const CgKernelCall *call = &g->launch.call[0];
+  char buf[96];
+  fprintf(e->out, piece ? "%s_piece, (const void *const[]){" : "%s(", e->gen.gen[call->kernel - CG_K_COUNT].name);
+  for (int k = 0; k < call->nargs; k++) {
+    call_arg(e, buf, sizeof buf, f, g->op, &call->args[k]);
+    fprintf(e->out, "%s%s", k ? ", " : "", buf);
+  }
+  fprintf(e->out, piece ? "}" : ")");
+}
+
+static const struct Fused *fused_at(const Emit *e, const IrFunc *f, int i) {
+  for (int g = 0; g < e->nfused; g++)
+    if (e->fused[g].func == f->index && e->fused[g].op == i) return &e->fused[g];
+  return NULL;
+}
+
+// GEMM op i of f, whose product the fused group after it takes row by row as the GEMM's pieces
+// finish (in_gemm): rt_matmul_rows, and the group over the whole product when the GEMM ran in one
+// piece.
+static void emit_gemm_rows(Emit *e, const IrFunc *f, int i, const struct Fused *g) {
+  const IrOp *op = f->ops[i];
+  char a[2][96], r[96];
+  for (int k = 0; k < 2; k++) cg_spell_operand(&e->sp, &op->args[k], a[k], sizeof a[k]);
+  cg_spell_value(&e->sp, op->result, r, sizeof r);
+  bool ta = ir_op_int(op, "ta", 0), tb = ir_op_int(op, "tb", 0);
+  const IrType *t0 = cg_operand_type(&op->args[0]), *rt = &op->result->type;
+  if (op->kind == IR_OP_EXPERT_MATMUL)   // ta = 0 (in_gemm)
+    fprintf(e->out, "  if (!rt_expert_matmul_rows(%s, %s, %s, %" PRId64 ", %" PRId64 ", %" PRId64 ", %" PRId64 ", %d, ",
+            a[0], a[1], r, rt->dim[0], rt->dim[1], rt->dim[2], t0->dim[2], tb);
+  else
+    fprintf(e->out, "  if (!rt_matmul_rows(%s, %s, %s, %" PRId64 ", %" PRId64 ", %" PRId64 ", %d, %d, ", a[0], a[1], r,
+            rt->dim[0], rt->dim[1], ta ? t0->dim[0] : t0->dim[1], ta, tb);
+  fused_call(e, g, true);
+  fprintf(e->out, "))\n    ");
+  fused_call(e, g, false);
+  fprintf(e->out, ";   /* %s, in the GEMM's pieces */\n", e->gen.gen[g->launch.call[0].kernel - CG_K_COUNT].ops);
+}
+
 // Op i of f: the kernel calls of its lowering (cg_lower, never fused on the CPU), each as
 // rt_KERNEL(args) of libmoert, whose CPU kernels take the CUDA kernels' parameters in their
 // order (runtime/kernels.def); GEMMs and collectives go to emit_library_op. The statistics a
@@ -139,17 +182,17 @@ static bool emit_op(Emit *e, const IrFunc *f, int i) {
   const IrOp *op = f->ops[i];
   CgLaunch l;
   if (ir_op_int(op, "fuse", -1) >= 0) {   // a group's first op calls its function, the others nothing
-    char buf[96];
-    for (int g = 0; g < e->nfused; g++) {
-      if (e->fused[g].func != f->index || e->fused[g].op != i) continue;
-      const CgKernelCall *call = &e->fused[g].launch.call[0];
-      fprintf(e->out, "  %s(", e->gen.gen[call->kernel - CG_K_COUNT].name);
-      for (int k = 0; k < call->nargs; k++) {
-        call_arg(e, buf, sizeof buf, f, i, &call->args[k]);
-        fprintf(e->out, "%s%s", k ? ", " : "", buf);
-      }
-      fprintf(e->out, ");   /* %s */\n", e->gen.gen[call->kernel - CG_K_COUNT].ops);
+    const struct Fused *g = fused_at(e, f, i);
+    if (g && !g->in_gemm) {
+      fprintf(e->out, "  ");
+      fused_call(e, g, false);
+      fprintf(e->out, ";   /* %s */\n", e->gen.gen[g->launch.call[0].kernel - CG_K_COUNT].ops);
     }
+    return true;
+  }
+  const struct Fused *after = i + 1 < f->nops ? fused_at(e, f, i + 1) : NULL;
+  if (after && after->in_gemm) {
+    emit_gemm_rows(e, f, i, after);
     return true;
   }
   if (!cg_lower(e->plan, f, i, 0, &l)) {
@@ -534,6 +577,56 @@ void cg_emit_model(FILE *out, const IrModule *m, const PassMemPlan *plan, int64_
   fprintf(out, "};\n\nint main(int argc, char **argv) { return rt_main(&model, argc, argv); }\n");
 }
 
+// Whether slots s and t share bytes.
+static bool slots_overlap(const PassMemSlot *s, const PassMemSlot *t) {
+  if (s->kind != t->kind) return false;
+  if (s->kind != PASS_MEM_ARENA) return s->kind == PASS_MEM_GRAD && s->offset == t->offset;
+  return s->offset < t->offset + t->bytes && t->offset < s->offset + s->bytes;
+}
+
+// Whether fused group g (at op g->op of f) can run in the pieces of the GEMM right before it, each
+// piece's thread over the rows it computed (rt_matmul_rows, rt_expert_matmul_rows): a group of
+// elementwise ops and norms over rows as long as the product's, that reads the product only row by
+// row (cg_fused_reads_rows; its other operands are complete before the GEMM starts), with no event
+// or stream between the two (the product is read by nothing else before the group), and whose
+// results overwrite neither the GEMM's operands (another piece may still read them) nor the
+// product, except in place (and not at all after an expert GEMM, whose rows outside the filled
+// slots copy other rows of the product after the pieces). An expert GEMM's only with ta = 0 (its
+// rows are the slots).
+// MOEC_GEMM_ROWS=0 in the environment runs every group after its GEMM instead (for comparison).
+static bool in_gemm(const Emit *e, const IrFunc *f, const struct Fused *g) {
+  int i = g->op;
+  const char *env = getenv("MOEC_GEMM_ROWS");
+  if ((env && strcmp(env, "0") == 0) || i == 0 || ir_op_colsum(f->ops[i]->kind) >= 0 || ir_op_store(f->ops[i]->kind)) return false;
+  const IrOp *gemm = f->ops[i - 1], *first = f->ops[i];
+  bool expert = gemm->kind == IR_OP_EXPERT_MATMUL;
+  if ((gemm->kind != IR_OP_MATMUL && !(expert && !ir_op_int(gemm, "ta", 0))) || ir_op_int(gemm, "fuse", -1) >= 0 ||
+      gemm->event >= 0 || first->nwaits > 0 || gemm->stream != first->stream || ir_op_is_collective(first->kind))
+    return false;
+  const IrType *pt = &gemm->result->type, *rt = &first->result->type;
+  if (pt->rank != (expert ? 3 : 2) || rt->rank < 1 || rt->dim[rt->rank - 1] != pt->dim[pt->rank - 1] ||
+      ir_type_numel(rt) != ir_type_numel(pt))
+    return false;
+  bool reads = false;
+  for (int j = 0; j < cg_fused_members(f, i); j++)
+    for (int k = 0; k < f->ops[i + j]->nargs; k++) reads |= f->ops[i + j]->args[k].value == gemm->result;
+  if (!reads || !cg_fused_reads_rows(f, i, gemm->result)) return false;
+  const PassMemSlot *made = &e->plan->slot[f->index][gemm->result->id];
+  for (int k = 0; k < g->launch.call[0].nargs; k++) {
+    const CgArg *a = &g->launch.call[0].args[k];
+    if (a->kind != CG_ARG_RESULT) continue;
+    const IrValue *v = f->ops[i + a->index]->result;
+    const PassMemSlot *s = &e->plan->slot[f->index][v->id];
+    for (int o = 0; o < 2; o++)
+      if (!gemm->args[o].param && slots_overlap(s, &e->plan->slot[gemm->args[o].value->func->index][gemm->args[o].value->id]))
+        return false;
+    if (slots_overlap(s, made) &&
+        (expert || s->kind != made->kind || s->offset != made->offset || s->bytes != made->bytes))
+      return false;
+  }
+  return true;
+}
+
 // The functions of the fused groups (each distinct one once, fuse_N), and the call of every group.
 static bool emit_fused(Emit *e) {
   for (int fi = 0; fi < e->m->nfuncs; fi++) {
@@ -550,6 +643,7 @@ static bool emit_fused(Emit *e) {
       struct Fused *g = &e->fused[e->nfused++];
       g->func = f->index, g->op = i;
       if (!cg_lower_fused(e->d, &e->gen, f, i, true, &g->launch)) return false;
+      g->in_gemm = in_gemm(e, f, g);
       i += n;
     }
   }

@@ -129,6 +129,37 @@ static void expression(FILE *out, const IrFunc *f, int i, int n, const IrOp *op,
   write_expression(out, ir_op_scalar(op->kind), "mk_f_", cuda_operand, &o);
 }
 
+// Whether scalar expression expr reads operand k only as the element (`xK`, no index).
+static bool reads_element_only(const char *expr, int k) {
+  for (const char *e = expr; *e;) {
+    bool ident = e > expr && ((e[-1] >= 'a' && e[-1] <= 'z') || e[-1] == '_' || (e[-1] >= '0' && e[-1] <= '9'));
+    if (e[0] == 'x' && e[1] >= '0' && e[1] <= '9' && !ident) {
+      char *end;
+      int at = (int)strtol(e + 1, &end, 10);
+      if (at == k && *end == '[') return false;
+      e = end;
+    } else {
+      e++;
+    }
+  }
+  return true;
+}
+
+bool cg_fused_reads_rows(const IrFunc *f, int i, const IrValue *v) {
+  int n = cg_fused_members(f, i);
+  for (int j = 0; j < n; j++) {
+    const IrOp *op = f->ops[i + j];
+    for (int k = 0; k < op->nargs; k++) {
+      if (op->args[k].param || op->args[k].value != v) continue;
+      if (ir_op_row(op->kind)) continue;   // a norm reads its operand's rows
+      const char *expr = ir_op_scalar(op->kind);
+      if (!expr || !reads_element_only(expr, k) || ir_type_numel(&op->result->type) != ir_type_numel(&v->type))
+        return false;
+    }
+  }
+  return true;
+}
+
 bool cg_scalar_check(const char *expr, int nargs, char *why, size_t size) {
   static const char *const modes[] = {"", "c", "r", "ec", "0", "slice"};
   why[0] = '\0';
@@ -436,14 +467,14 @@ static void c_function(FILE *out, const IrFunc *f, int i, int n, const IrOperand
   bool calls = row >= 0;
   if (row != 0) calls |= c_segment(out, "FUSED_NAME_pro", f, i, n, 0, row < 0 ? n : row, in, nin, st, params, args, cols);
   if (row >= 0 && row + 1 < n) calls |= c_segment(out, "FUSED_NAME_epi", f, i, n, row + 1, n, in, nin, st, params, args, cols);
-  fprintf(out, "static void FUSED_NAME(%s) {\n", params);
-  fprintf(out, "  RT_PARALLEL(%s%" PRId64 " >= RT_PAR_MIN%s)\n", rows > 1 ? "" : "0 && ", ir_type_numel(rt), calls ? " / 8" : "");
-  fprintf(out, "  {\n    int64_t lo, hi;\n    rt_team_share(%" PRId64 ", &lo, &hi);\n", rows);
-  if (row != 0) fprintf(out, "    FUSED_NAME_pro(%s, lo, hi);\n", args);
+  // FUSED_NAME_rows: the group over rows [lo, hi); FUSED_NAME_piece the same on a pointer table (the
+  // GEMM epilogue's call, rt_matmul_rows); FUSED_NAME over every row, on the team.
+  fprintf(out, "static void FUSED_NAME_rows(%s, int64_t lo, int64_t hi) {\n", params);
+  if (row != 0) fprintf(out, "  FUSED_NAME_pro(%s, lo, hi);\n", args);
   if (row >= 0) {
     const IrOp *r = f->ops[i + row];
     const IrRowInfo *ri = ir_op_row(r->kind);
-    fprintf(out, "    rt_%s_rows(", ri->function);
+    fprintf(out, "  rt_%s_rows(", ri->function);
     for (int a = 0; a < r->nargs; a++) {
       int made = member_making(f, i, n, r->args[a].value), p = 0;
       while (made < 0 && p < nin && !same_operand(in[p], &r->args[a])) p++;
@@ -453,9 +484,19 @@ static void c_function(FILE *out, const IrFunc *f, int i, int n, const IrOperand
     fprintf(out, "o%d, lo, hi, %" PRId64, out_of(st, row), cols);
     if (ri->eps) fprintf(out, ", (float)%.17g", ir_op_float(r, "eps", 0));
     fprintf(out, ");   // %s\n", ir_op_info[r->kind].name);
-    if (row + 1 < n) fprintf(out, "    FUSED_NAME_epi(%s, lo, hi);\n", args);
+    if (row + 1 < n) fprintf(out, "  FUSED_NAME_epi(%s, lo, hi);\n", args);
   }
-  fprintf(out, "  }\n}\n");
+  fprintf(out, "}\n");
+  fprintf(out, "static __attribute__((unused)) void FUSED_NAME_piece(const void *const *x, int64_t lo, int64_t hi) {\n"
+               "  FUSED_NAME_rows(");
+  for (int p = 0; p < nin; p++)
+    fprintf(out, "(const %s *)x[%d], ", cg_operand_type(in[p])->dtype == IR_I32 ? "int32_t" : "float", p);
+  for (int p = 0; p < st->nout; p++) fprintf(out, "(float *)x[%d], ", nin + p);
+  fprintf(out, "lo, hi);\n}\n");
+  fprintf(out, "static void FUSED_NAME(%s) {\n", params);
+  fprintf(out, "  RT_PARALLEL(%s%" PRId64 " >= RT_PAR_MIN%s)\n", rows > 1 ? "" : "0 && ", ir_type_numel(rt), calls ? " / 8" : "");
+  fprintf(out, "  {\n    int64_t lo, hi;\n    rt_team_share(%" PRId64 ", &lo, &hi);\n", rows);
+  fprintf(out, "    FUSED_NAME_rows(%s, lo, hi);\n  }\n}\n", args);
 }
 
 // The C function of a group of column sums: each member's share of its kernel's work items

@@ -105,6 +105,15 @@ typedef struct RtUpdateRange {
 // stored transposed.
 void rt_matmul(const float *a, const float *b, float *c, int m, int n, int k, bool ta, bool tb,
                bool accumulate);
+// rt_matmul (not accumulating), then rows(args, lo, hi) over each piece's rows of C as the piece's
+// thread finishes it: a GEMM epilogue. False when the GEMM ran whole and rows did not run.
+typedef void (*RtRowsFn)(const void *const *args, int64_t lo, int64_t hi);
+bool rt_matmul_rows(const float *a, const float *b, float *c, int m, int n, int k, bool ta, bool tb, RtRowsFn rows,
+                    const void *const *args);
+// rt_expert_matmul (ta = 0), then rows(args, lo, hi) over rows of C ([e * m, n]) as they are made,
+// each row once: a GEMM epilogue. False when it did not run rows (an empty product).
+bool rt_expert_matmul_rows(const float *a, const float *b, float *c, int e, int m, int n, int k, bool tb, RtRowsFn rows,
+                           const void *const *args);
 // --profile: while on, rt_matmul and rt_expert_matmul add the time of their GEMMs to a counter
 // that rt_gemm_ns_take returns and clears, and the attention kernels (rt_attn_*) theirs to
 // rt_attn_ns_take's (nanoseconds, every thread of the process).

@@ -93,6 +93,26 @@ for model in tests/models/threads.moe tests/models/threads_swiglu.moe tests/mode
   done
 done
 
+# GEMM epilogues: the CPU program runs the fused group after a GEMM in the GEMM's pieces, each
+# piece's thread over its rows (codegen/emit_c.c, rt_matmul_rows); on 2 threads with Haswell's
+# kernels (2 pieces a GEMM) the program must give the bytes of the one built with MOEC_GEMM_ROWS=0
+# (every group after its GEMM, on the team).
+name=gpt_moe_bytes
+if [ -x "$WORK/$name" ] && "$MOEC" build lang/models/$name.moe --emit c -o "$WORK/rows.c" 2>"$WORK/err" &&
+   MOEC_GEMM_ROWS=0 "$MOEC" build lang/models/$name.moe -o "$WORK/$name.after" 2>>"$WORK/err"; then
+  in_gemm=$(grep -c 'if (!rt_matmul_rows(' "$WORK/rows.c"); in_expert=$(grep -c 'if (!rt_expert_matmul_rows(' "$WORK/rows.c")
+  n=2; [ "$threads" = 1 ] && n=1
+  if run "$WORK/$name" "$WORK/rows.on" avx2 Haswell $n && run "$WORK/$name.after" "$WORK/rows.off" avx2 Haswell $n &&
+     [ "$in_gemm" -gt 0 ] && [ "$in_expert" -gt 0 ] && diff -q "$WORK/rows.on.s" "$WORK/rows.off.s" >/dev/null &&
+     diff -r -q "$WORK/rows.on.d" "$WORK/rows.off.d" >/dev/null; then
+    ok "threads $name: $in_gemm fused groups run in their GEMM's pieces and $in_expert in the expert GEMMs' (a step's); on $n threads the step lines and --dump bytes of the program that runs them after (MOEC_GEMM_ROWS=0)"
+  else
+    bad "threads $name: the groups in the GEMMs' pieces ($in_gemm, $in_expert in experts') differ from MOEC_GEMM_ROWS=0" "$(cat "$WORK/err"; diff "$WORK/rows.on.s" "$WORK/rows.off.s" 2>&1 | head -n 6)"
+  fi
+else
+  bad "threads $name: the build with the groups in the GEMMs' pieces and MOEC_GEMM_ROWS=0" "$(cat "$WORK/err")"
+fi
+
 # The check can fail: with MOERT_PLANT_ORDER=1 the bias gradients' column sums are taken in one
 # float piece of rows per thread (runtime/kernels/ffn.c), an order that depends on the number of
 # threads; 1 and 2 threads must then give different --dump bytes, and this suite's comparison must

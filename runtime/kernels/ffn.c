@@ -134,6 +134,39 @@ void rt_matmul(const float *a, const float *b, float *c, int m, int n, int k, bo
     atomic_fetch_add(&gemm_ns, mono_ns() - t0);
 }
 
+// A GEMM and then rows(args, lo, hi) over each piece's rows of c on the thread that computed
+// them, while they are still in its cache: the CPU program's GEMM epilogue, a fused group of
+// elementwise and row-wise ops over the product's rows (codegen/emit_c.c says which). Returns
+// false when the GEMM ran in one piece (a small one, or inside a parallel region) and rows did not
+// run: the caller then runs the group over the whole product, on the team. --profile counts the
+// slowest piece's epilogue out of the GEMM's time.
+bool rt_matmul_rows(const float *a, const float *b, float *c, int m, int n, int k, bool ta, bool tb, RtRowsFn rows,
+                    const void *const *args) {
+  int pieces = m > 0 && n > 0 && k > 0 ? gemm_pieces(m, n, k) : 1;
+  if (pieces <= 1) {
+    rt_matmul(a, b, c, m, n, k, ta, tb, false);
+    return false;
+  }
+  int lda = ta ? m : k, ldb = tb ? k : n;
+  CBLAS_TRANSPOSE opa = ta ? CblasTrans : CblasNoTrans, opb = tb ? CblasTrans : CblasNoTrans;
+  int64_t t0 = gemm_profile ? mono_ns() : 0, rows_ns = 0;
+#ifdef _OPENMP
+#pragma omp parallel num_threads(pieces) reduction(max : rows_ns)
+#endif
+  for (int p = rt_thread_id(); p < pieces; p += rt_team_size()) {
+    int lo, hi;
+    piece_rows(m, pieces, p, &lo, &hi);
+    if (hi <= lo) continue;
+    sgemm_here(opa, opb, hi - lo, n, k, ta ? a + lo : a + (size_t)lo * lda, lda, b, ldb, 0.0f, c + (size_t)lo * n, n);
+    int64_t r0 = gemm_profile ? mono_ns() : 0;
+    rows(args, lo, hi);
+    if (gemm_profile && mono_ns() - r0 > rows_ns) rows_ns = mono_ns() - r0;
+  }
+  if (gemm_profile)
+    atomic_fetch_add(&gemm_ns, mono_ns() - t0 - rows_ns);
+  return true;
+}
+
 // Expert GEMMs skip the slots nobody filled. An expert's buffer holds rows (slots) of which only
 // those the routing filled carry tokens (capacity padding, a dropless layer's worst-case buffer,
 // the peers' runs after the EP layouts); the empty ones are zero rows, or after a bias and an
@@ -205,6 +238,9 @@ typedef struct {
   int rows;   // the slot dimension
   unsigned char *kind;
   int *src, *seg, *ns;
+  RtRowsFn then;              // the epilogue over rows of c (its rows numbered over every expert), or NULL
+  const void *const *args;
+  _Atomic int64_t *then_ns;   // --profile: the epilogues' time, summed over the threads
 } ExpertGemm;
 
 // One GEMM call of it: expert `expert`, rows lo..hi-1 of c (every row, or ta = 1 over the live
@@ -262,6 +298,11 @@ static void expert_task_run(const ExpertGemm *g, const GemmTask *tk) {
   int lda = g->ta ? m : k, ldb = g->tb ? k : n;
   if (!g->slots || !g->ta) {   // rows lo..hi-1 of c (and of op(a)): of the product, or of one segment
     sgemm_here(opa, opb, hi - lo, n, k, g->ta ? a + lo : a + (size_t)lo * lda, lda, b, ldb, 0.0f, c + (size_t)lo * n, n);
+    if (g->then) {
+      int64_t r0 = gemm_profile ? mono_ns() : 0;
+      g->then(g->args, (int64_t)i * m + lo, (int64_t)i * m + hi);
+      if (gemm_profile) atomic_fetch_add(g->then_ns, mono_ns() - r0);
+    }
     return;
   }
   // a [k, m], b [k, n]: rows lo..hi-1 of c, the k rows of both (slots) by segments, in order
@@ -297,15 +338,13 @@ static void expert_segments(ExpertGemm *g) {
 // One parallel region: the slot rows' kinds, then every GEMM call (handed out largest first as
 // threads free: the experts' products differ in size), then the rows outside the segments. Where
 // every slot is asked for (MOERT_ALL_SLOTS=1) or ta and tb (no such expert GEMM), the experts'
-// whole products are its tasks.
-void rt_expert_matmul(const float *a, const float *b, float *c, int e, int m, int n, int k,
-                      bool ta, bool tb) {
-  if (e <= 0 || m <= 0 || n <= 0) return;
-  if (k <= 0) {   // an empty sum
-    memset(c, 0, (size_t)e * m * n * sizeof *c);
-    return;
-  }
-  ExpertGemm g = {a, b, c, e, m, n, k, ta, tb, !all_slots() && !(ta && tb), ta ? k : m};
+// whole products are its tasks. With an epilogue (then, ta = 0), each task's rows of c go through
+// it on the task's thread, and each row outside the segments after its copy.
+static void expert_matmul(const float *a, const float *b, float *c, int e, int m, int n, int k, bool ta, bool tb,
+                          RtRowsFn then, const void *const *args) {
+  _Atomic int64_t then_ns = 0;
+  ExpertGemm g = {a, b, c, e, m, n, k, ta, tb, !all_slots() && !(ta && tb), ta ? k : m, .then = then, .args = args,
+                  .then_ns = &then_ns};
   if (g.slots) {
     g.kind = rt_alloc((size_t)e * g.rows, "the expert GEMMs' row kinds");
     g.src = ta ? NULL : rt_alloc((size_t)e * g.rows * sizeof *g.src, "the expert GEMMs' row sources");
@@ -349,15 +388,35 @@ void rt_expert_matmul(const float *a, const float *b, float *c, int e, int m, in
         if (from == r) continue;
         if (from < 0) memset(cr, 0, (size_t)n * sizeof *cr);
         else memcpy(cr, c + from * n, (size_t)n * sizeof *cr);
+        if (then) then(args, r, r + 1);
       }
     }
   }
-  if (gemm_profile)
-    atomic_fetch_add(&gemm_ns, t1 - t0);
+  if (gemm_profile)   // the epilogues ran on every thread of the team (or on this one)
+    atomic_fetch_add(&gemm_ns, t1 - t0 - atomic_load(&then_ns) / (team ? rt_threads() : 1));
   free(g.kind);
   free(g.src);
   free(g.seg);
   free(task);
+}
+
+void rt_expert_matmul(const float *a, const float *b, float *c, int e, int m, int n, int k, bool ta, bool tb) {
+  if (e <= 0 || m <= 0 || n <= 0) return;
+  if (k <= 0) {   // an empty sum
+    memset(c, 0, (size_t)e * m * n * sizeof *c);
+    return;
+  }
+  expert_matmul(a, b, c, e, m, n, k, ta, tb, NULL, NULL);
+}
+
+bool rt_expert_matmul_rows(const float *a, const float *b, float *c, int e, int m, int n, int k, bool tb, RtRowsFn rows,
+                           const void *const *args) {
+  if (e <= 0 || m <= 0 || n <= 0 || k <= 0) {
+    rt_expert_matmul(a, b, c, e, m, n, k, false, tb);
+    return false;
+  }
+  expert_matmul(a, b, c, e, m, n, k, false, tb, rows, args);
+  return true;
 }
 
 void rt_bias(const float *x, const float *b, float *y, int rows, int n) {

@@ -875,6 +875,64 @@ static void test_expert_matmul_team(void **state) {
   rt_threads_setup(1);
 }
 
+// The GEMM epilogues (rt_matmul_rows, rt_expert_matmul_rows): the rows function sees each row of
+// the product once and final (it writes y = 2c + 1 and counts the row; after the call y must equal
+// 2c + 1 of the final c), on 1, 2 and 3 threads; a GEMM run in pieces says so (true), and the
+// expert GEMM's rows outside the filled slots (zero rows, copies) go through it too.
+static int rows_seen[4 * 320];
+static void rows_twice_plus_one(const void *const *x, int64_t lo, int64_t hi) {
+  const float *c = x[0];
+  float *y = (float *)x[1];
+  int n = (int)(intptr_t)x[2];
+  for (int64_t r = lo; r < hi; r++) {
+    rows_seen[r]++;
+    for (int j = 0; j < n; j++) y[r * n + j] = 2 * c[r * n + j] + 1;
+  }
+}
+
+static void check_rows(const char *what, int threads, bool ran, const float *c, const float *y, int rows, int n) {
+  for (int r = 0; r < rows; r++) {
+    if (ran && rows_seen[r] != 1) fail_msg("%s, %d threads: row %d went through the epilogue %d times", what, threads, r, rows_seen[r]);
+    for (int j = 0; ran && j < n; j++)
+      if (y[r * n + j] != 2 * c[r * n + j] + 1) fail_msg("%s, %d threads: row %d was not final in the epilogue", what, threads, r);
+  }
+}
+
+static void test_gemm_rows(void **state) {
+  enum { E = 4, S = 320, N = 192, K = 96 };
+  float *a = malloc((size_t)E * S * K * sizeof *a), *b = malloc((size_t)E * K * N * sizeof *b);
+  float *c = malloc((size_t)E * S * N * sizeof *c), *y = malloc((size_t)E * S * N * sizeof *y);
+  assert_non_null(a && b && c && y);
+  fill(a, (int64_t)E * S * K, -1, 1);
+  fill(b, (int64_t)E * K * N, -1, 1);
+  for (int r = 0; r < S; r++) {   // expert 1: live rows, copies of one row, zero rows; expert 3 empty
+    float *row = a + ((size_t)S + r) * K;
+    if (r >= 200) memset(row, 0, K * sizeof *row);
+    else if (r >= 150) memcpy(row, row - K, K * sizeof *row);
+    memset(a + ((size_t)3 * S + r) * K, 0, K * sizeof *row);
+  }
+  for (int threads = 1; threads <= 3; threads++) {
+    char env[8];
+    snprintf(env, sizeof env, "%d", threads);
+    setenv("OMP_NUM_THREADS", env, 1);
+    unsetenv("OPENBLAS_NUM_THREADS");
+    rt_threads_setup(1);
+    const void *args[] = {c, y, (void *)(intptr_t)N};
+    memset(rows_seen, 0, sizeof rows_seen);
+    bool ran = rt_matmul_rows(a, b, c, E * S, N, K, false, false, rows_twice_plus_one, args);
+    if (threads > 1 && !ran) fail_msg("rt_matmul_rows of [%d, %d] x [%d, %d] on %d threads ran whole", E * S, K, K, N, threads);
+    check_rows("rt_matmul_rows", threads, ran, c, y, E * S, N);
+    memset(rows_seen, 0, sizeof rows_seen);
+    for (int64_t i = 0; i < (int64_t)E * S * N; i++) c[i] = y[i] = NAN;
+    ran = rt_expert_matmul_rows(a, b, c, E, S, N, K, false, rows_twice_plus_one, args);
+    if (!ran) fail_msg("rt_expert_matmul_rows on %d threads did not run its epilogue", threads);
+    check_rows("rt_expert_matmul_rows", threads, ran, c, y, E * S, N);
+  }
+  free(a), free(b), free(c), free(y);
+  setenv("OMP_NUM_THREADS", "1", 1);
+  rt_threads_setup(1);
+}
+
 static void test_gate_noise_layout(void **state) {
   enum { S = 4, E = 3 };
   float x[S * E], y[S * E], y2[2 * E];
@@ -975,6 +1033,7 @@ int main(void) {
       cmocka_unit_test(test_normal_fill),
       cmocka_unit_test(test_matmul_split),
       cmocka_unit_test(test_expert_matmul_team),
+      cmocka_unit_test(test_gemm_rows),
       cmocka_unit_test(test_exp_poly),
       cmocka_unit_test(test_gate_noise_layout),
       cmocka_unit_test(test_step_begin_forward),
