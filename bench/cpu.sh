@@ -7,7 +7,7 @@
 #          bench/torch_ref.py --device cpu --shapes gpt:4x512x512x2 (the same layer's forward +
 #          backward by autograd, median of its runs; its expert GEMMs alone); the two run in turn
 #          three times each and the medians are compared (this machine's speed drifts).
-#   t4     Table 4 shapes (DESIGN §6): the smallest as it is, two larger with L cut to 512, gpt and
+#   t4     Table 4 shapes (the FSMoE paper's): the smallest as it is, two larger with L cut to 512, gpt and
 #          mixtral experts, moec beside torch_ref (one run each).
 #   lm     three language models: lang/models/gpt_moe_bytes.moe (the demo's GPT-MoE),
 #          bench/models/lm_mid.moe and lm_large.moe (issue 28): moec's step, GEMM share and (with
@@ -91,7 +91,7 @@ else
 fi
 fi
 if want t4; then
-# Table 4 shapes (DESIGN §6) on the CPU: its smallest, (B 1, L 512, M 1024, hscale 2), as it is,
+# Table 4 shapes (the FSMoE paper's) on the CPU: its smallest, (B 1, L 512, M 1024, hscale 2), as it is,
 # and two larger ones with L cut to 512 (scaled down to fit this machine's time), each with both
 # ffns, 8 experts, gshard top-2, capacity 1.2 (f = 2.4), tutel: moec's step beside torch_ref's
 # forward + backward of the same layer, one run each.

@@ -24,7 +24,7 @@ cd "$(dirname "$0")/.."
 BUILD=${BUILD:-build}
 MOEC=$PWD/$BUILD/moec
 CLUSTER_SH=$PWD/tests/cluster/cluster.sh
-cluster="" rate="" out=""
+cluster="" rate="" out="" ROUNDS=${PREDICT_ROUNDS:-3}
 while [ $# -gt 0 ]; do
   case $1 in
     --cluster) cluster=$2; shift ;;
@@ -54,13 +54,14 @@ else
   tune_args=()
 fi
 {
-echo "# prediction on $where: one moec tune --quick without --model, four models on dp$ranks·ep$ranks, sequential"
+echo "# prediction on $where: one moec tune --quick without --model, four models on dp$ranks·ep$ranks, sequential; measured: the median step of $ROUNDS rounds"
 (cd "$WORK" && launch "$MOEC" tune --quick "${tune_args[@]}" -o "$WORK/host.cluster" >"$WORK/tune.out" 2>&1) ||
   { echo "FAIL  predict: moec tune"; tail -n 5 "$WORK/tune.out"; exit 1; }
 grep -v '^ *gemm_at ' "$WORK/host.cluster" >"$WORK/line.cluster"
 grep '^# gemm grid' "$WORK/tune.out"
 worst=0 rows=() classes=()
-for m in bench/cluster/stack.moe bench/cluster/gpt_moe.moe bench/cluster/mixtral_lm.moe bench/models/lm_mid.moe; do
+models="bench/cluster/stack.moe bench/cluster/gpt_moe.moe bench/cluster/mixtral_lm.moe bench/models/lm_mid.moe"
+for m in $models; do
   n=$(basename "$m" .moe)
   layout="parallel { dp $ranks; mp 1; ep $ranks; esp 1; }"
   if grep -q '^parallel' "$m"; then
@@ -69,8 +70,20 @@ for m in bench/cluster/stack.moe bench/cluster/gpt_moe.moe bench/cluster/mixtral
     sed "s/^layer block/$layout\nlayer block/" "$m" >"$WORK/$n.moe"
   fi
   "$MOEC" build "$WORK/$n.moe" -o "$WORK/$n" >/dev/null 2>"$WORK/$n.err" || { echo "FAIL  predict: build $n"; cat "$WORK/$n.err"; exit 1; }
-  (cd "$WORK" && launch "$WORK/$n" --steps 8 --profile >"$n.out" 2>&1) || { echo "FAIL  predict: run $n"; tail -n 3 "$WORK/$n.out"; exit 1; }
-  meas=$(grep '^step' "$WORK/$n.out" | grep -o 'time [0-9.]*' | awk 'NR > 2 {print $2}' | sort -g | awk '{a[NR] = $1} END {print a[int((NR + 1) / 2)]}')
+done
+# ROUNDS rounds, each running the four models in turn (this machine's speed drifts by 10 % over
+# minutes: one run of each measured one spell); a model's step is the median of steps 3..8 of all
+# its runs, its classes its last run's.
+for round in $(seq "$ROUNDS"); do
+  for m in $models; do
+    n=$(basename "$m" .moe)
+    (cd "$WORK" && launch "$WORK/$n" --steps 8 --profile >"$n.out" 2>&1) || { echo "FAIL  predict: run $n"; tail -n 3 "$WORK/$n.out"; exit 1; }
+    grep '^step' "$WORK/$n.out" | grep -o 'time [0-9.]*' | awk 'NR > 2 {print $2}' >>"$WORK/$n.steps"
+  done
+done
+for m in $models; do
+  n=$(basename "$m" .moe)
+  meas=$(sort -g "$WORK/$n.steps" | awk '{a[NR] = $1} END {print a[int((NR + 1) / 2)]}')
   pred() { "$MOEC" plan "$WORK/$n.moe" --cluster "$1" -v 2>/dev/null >"$WORK/$n.plan"; awk '$1 == "sequential" {print $4}' "$WORK/$n.plan"; }
   pl=$(pred "$WORK/line.cluster") ps=$(pred "$WORK/host.cluster")
   rows+=("$(printf "%-12s %12.1f %22s %22s" "$n" "$meas" "$(awk -v p="$ps" -v m="$meas" 'BEGIN {printf "%.1f (%.2fx)", p, p / m}')" \

@@ -26,7 +26,7 @@ gradients first. fp32, TF32 off. Times: median of --runs runs after
 calls per run.
 
 Before timing, the layer is compared on a tiny shape in float64 with a per-token loop version of
-the same semantics (DESIGN.md §2): routing, output, aux loss and every gradient.
+the same semantics (lang/manual.md §11): routing, output, aux loss and every gradient.
 
 Without torch: "skip  torch_ref: torch not installed", exit status 0; likewise without a GPU
 for --device cuda. --device cpu --quick runs tiny shapes on the CPU.
@@ -201,7 +201,7 @@ def forward_backward_compiled(torch, fn, p, x, dout):
 # ---- the check: the same layer as loops over tokens ----
 
 def loop_layer(torch, p, x, ffn, cap):
-    """DESIGN.md §2 read literally: per-token top-k (ties to the lower index), locations by
+    """lang/manual.md §11 read literally: per-token top-k (ties to the lower index), locations by
     counting, y_t = x_t + sum over kept choices of gate * FFN_e(x_t)."""
     F = torch.nn.functional
     s = x.shape[0]

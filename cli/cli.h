@@ -26,7 +26,7 @@ void cli_import_hf_usage(FILE *out);
 // The cluster profile of the front end (a .cluster file) in the scheduling model's form (cli/plan.c).
 void cli_cluster_from_fe(const FeCluster *f, SchedCluster *c);
 
-// ---- the layout search of `parallel auto;` (cli/layout.c, DESIGN §6.1) ----
+// ---- the layout search of `parallel auto;` (cli/layout.c, lang/manual.md §6) ----
 typedef struct CliLayout {
   int dp, mp, ep, esp;
   const char *algo;      // the EP AlltoAll: "nccl" | "1dh" | "2dh"; NULL: as each layer names it

@@ -1,4 +1,4 @@
-// moec import-hf DIR -o PREFIX: a Hugging Face checkpoint (DESIGN §2.2) as a moec model.
+// moec import-hf DIR -o PREFIX: a Hugging Face checkpoint (lang/manual.md §19) as a moec model.
 //
 // Reads DIR/config.json and the weights (model.safetensors or model.safetensors.index.json with
 // its shards; F32, BF16, F16 or F64), and writes PREFIX.moe, the architecture in the language

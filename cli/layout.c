@@ -1,4 +1,4 @@
-// The layout search of `parallel auto;` and `moec plan --layouts` (DESIGN §6.1).
+// The layout search of `parallel auto;` and `moec plan --layouts` (lang/manual.md §6).
 //
 // For a cluster of P = nodes x gpus_per_node ranks the candidates are every (dp, mp, ep, esp)
 // with dp*mp = ep*esp = P, mp and esp dividing gpus_per_node (their groups are consecutive

@@ -1,4 +1,4 @@
-// `moec plan`: the scheduling model of DESIGN §6 from the command line (`moec sweep`, the
+// `moec plan`: the scheduling model of lang/manual.md §8 from the command line (`moec sweep`, the
 // paper's Table 4 space, is cli/sweep.c; what both use is cli/plan.h, defined here).
 //
 //   moec plan F.moe [--cluster C] [--policy NAME|all] [--heads N] [--degree RULE]
@@ -15,7 +15,7 @@
 // calls) and simulates the stream programs (sched/sched_sim.c), so its degrees and predicted
 // times for a policy are the build's with `schedule { policy P; pipeline auto; }`
 // (tests/plan_build.sh checks it). A language model's attention is in the IR and priced there;
-// with --heads, the layers of a MoE stack get a dense attention part modelled by DESIGN §6's
+// with --heads, the layers of a MoE stack get a dense attention part modelled by lang/manual.md §8's
 // formulas (sched_attention) on top of what the IR prices. cli_plan is called with main's
 // argc/argv (argv[1] is the command) and returns the exit status: 0 success, 1 the input has
 // errors, 2 bad command line.
@@ -132,7 +132,7 @@ void cli_plan_usage(FILE *out) {
           "usage: moec plan F.moe [--cluster C] [--policy NAME|all] [--heads N] [--degree RULE]\n"
           "                 [--svg F.svg] [--trace F.json] [--json F.json] [--layouts] [--layout D,M,E,S] [-v]\n"
           "\n"
-          "Plans the model's MoE stack with the FSMoE scheduling model (DESIGN section 6): for each\n"
+          "Plans the model's MoE stack with the FSMoE scheduling model (lang/manual.md section 8): for each\n"
           "policy the pipeline degree r per layer and phase, the partition of the dense gradients and\n"
           "the predicted step time, with the simulated timeline.\n"
           "\n"
@@ -149,7 +149,7 @@ void cli_plan_usage(FILE *out) {
           "  --trace F.json    ... as a Chrome trace (chrome://tracing, Perfetto)\n"
           "  --json F.json     the whole plan as JSON (with --layouts: the layouts)\n"
           "  --layouts         every parallel layout of the cluster's ranks, priced and ranked\n"
-          "                    (DESIGN 6.1); the model's 'parallel auto;' picks the first that fits\n"
+          "                    (manual 6); the model's 'parallel auto;' picks the first that fits\n"
           "  --layout D,M,E,S[,ALGO]  plan this layout (dp, mp, ep, esp, EP AlltoAll algorithm)\n"
           "  -v, --verbose     the sequential step per class of work (GEMM, attention, update, each\n"
           "                    collective, the rest), as the binary's --profile measures them\n");
@@ -237,7 +237,7 @@ static const FeLayer *source_layer(const FeProgram *p, const char *fwd_name) {
   return NULL;
 }
 
-// Adds the dense attention part of L->heads heads to a layer's costs (DESIGN §6's formulas).
+// Adds the dense attention part of L->heads heads to a layer's costs (lang/manual.md §8's formulas).
 static void add_attention(const FeProgram *p, const FeLayer *L, const SchedCluster *c, SchedLayerCost *cost) {
   SchedLayerSpec s = {.batch = (double)p->model.batch, .seqlen = (double)p->model.seqlen,
                       .embed = (double)p->model.embed, .heads = (int)L->heads,
@@ -445,7 +445,7 @@ static void print_header(const PlanOptions *o, const Plan *pl) {
     printf("# no attention in the model (and no --heads): dense time is the layers' GEMMs outside the experts "
            "(gate, dense dispatch), dense gradient the gates'\n");
   else
-    printf("# attention in front of %d of %d layers (--heads), modelled by DESIGN section 6's formulas: the compiled "
+    printf("# attention in front of %d of %d layers (--heads), modelled by the scheduling model's formulas: the compiled "
            "program has none\n", attention, n);
   if (any_dropless)
     printf("# dropless layers planned at the capacity the program computes over (every token at one expert); "

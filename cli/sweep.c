@@ -1,9 +1,9 @@
-// `moec sweep`: every policy of the scheduling model (DESIGN §6) over the paper's Table 4 space.
+// `moec sweep`: every policy of the scheduling model (lang/manual.md §8) over the paper's Table 4 space.
 //
 //   moec sweep --cluster C [--quick] [--degree RULE] [--seqlens A,B,C] [--dropless-capacity X]
 //
 // sweep has no program: it plans the paper's Table 4 space (1458 stacks of two identical
-// generalized layers) from DESIGN §6's formulas (sched_layer_cost), plans and simulates each
+// generalized layers) from lang/manual.md §8's formulas (sched_layer_cost), plans and simulates each
 // under every policy (cli/plan.h: the planner `moec plan` runs), and sets the average speedups
 // over tutel beside the paper's Table 5. RULE picks fsmoe's pipeline degree as for `moec plan`.
 // Called with main's argc/argv (argv[1] is the command); returns the exit status: 0 success,

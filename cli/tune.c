@@ -4,7 +4,7 @@
 //
 // The idea is the paper's §6.2: time the runtime's own GEMM and collectives over a range of
 // sizes and fit t(n) = alpha + beta * n to each (t in ms; n in elements each rank
-// sends/receives, or multiply-accumulates for a GEMM; DESIGN §2 and §6). The world is cut
+// sends/receives, or multiply-accumulates for a GEMM; lang/manual.md §10 and §8). The world is cut
 // into nodes of G consecutive ranks (the runtime's layout with mp = esp = G), which gives the
 // two groups the FSMoE schedule runs collectives on: the intra-node group (the G ranks of a
 // node, the ESP group) and the inter-node group (the ranks with the same local index on every
@@ -18,7 +18,7 @@
 //   alltoall      inter   the scheduler's t_a2a                                         [alltoall]
 //   allreduce     inter   rt_allreduce, n = the buffer                                  [allreduce]
 //
-// Besides the fits, the CPU engine times a grid of GEMM shapes (run_gemm_grid), written as the
+// Besides the fits, each engine times a grid of GEMM shapes (run_gemm_grid), written as the
 // profile's `gemm_at M K N MS` lines, from which the planner prices a model's GEMMs by shape
 // (sched/sched_gemm.c); `gemm` stays for profiles without them. With --model there is no grid:
 // the `gemm` line measured at that model's own shapes prices it.
@@ -95,7 +95,7 @@ void cli_tune_usage(FILE *out) {
           "                              [--target cpu|cuda] [--dtype fp32|bf16]\n"
           "\n"
           "Profiles GEMMs and collectives on the P >= 2 ranks it runs on, fits t(n) = alpha + beta*n\n"
-          "(t in ms, n in elements) to each and writes the cluster profile of DESIGN.md section 2.\n"
+          "(t in ms, n in elements) to each and writes the cluster profile (lang/manual.md section 10).\n"
           "\n"
           "  --target cuda        profile GPUs, one per rank: cuBLAS GEMMs and NCCL collectives (runs\n"
           "                       build/cuda/moec-tune-cuda); P = 1 (one GPU) times the GEMMs only\n"
@@ -337,7 +337,8 @@ static void run_gemms(Series *s, const GemmShape *shapes, int nshapes, bool quic
 
 // The grid of GEMM shapes (the profile's `gemm_at` lines): [m, k] x [k, n] for m the tokens a
 // GEMM gets, from a pipeline's narrow chunks to whole batches, and k, n the widths of experts,
-// attention and heads; each shape at most GRID_MACS multiply-accumulates and GRID_FLOATS floats an
+// attention and heads; each shape at most TUNE_GRID_MACS multiply-accumulates (an engine may ask
+// for fewer: the fake device's) and GRID_FLOATS floats an
 // operand (the planner takes a larger one at the speed of the largest measured at its k and n:
 // sched/sched_gemm.c). Every rank at once, as the other GEMMs. Each run takes the next of as many
 // operand sets as add up to GRID_COLD floats (64 MiB, beyond a CPU's last-level cache): a step's
@@ -359,8 +360,7 @@ static void run_gemms(Series *s, const GemmShape *shapes, int nshapes, bool quic
 static const int grid_m[] = {4, 16, 64, 256, 1024, 2048, 4096}, grid_w[] = {64, 128, 256, 512, 1024, 2048, 4096};
 enum { GRID_NM = sizeof grid_m / sizeof *grid_m, GRID_NW = sizeof grid_w / sizeof *grid_w, GRID_MAX = GRID_NM * GRID_NW * GRID_NW };
 enum { GRID_REPS = 1024 };
-#define GRID_MACS 2147483648.0  // 2^31
-#define GRID_FLOATS 4194304.0   // 2^22
+#define GRID_FLOATS TUNE_GRID_FLOATS
 #define GRID_COLD 16777216.0    // 2^24 floats: the operand sets a shape cycles through, at least
 #define GRID_RUN_MS 2.0
 #define GRID_RUN_SHARED_MS 20.0
@@ -369,7 +369,8 @@ static int ngrid;
 static double grid_run;            // a run's least length (ms)
 
 static bool grid_keeps(int m, int k, int n) {
-  return (double)m * k * n <= GRID_MACS && (double)m * k <= GRID_FLOATS && (double)k * n <= GRID_FLOATS &&
+  double macs = T.grid_macs > 0 ? T.grid_macs : TUNE_GRID_MACS;
+  return (double)m * k * n <= macs && (double)m * k <= GRID_FLOATS && (double)k * n <= GRID_FLOATS &&
          (double)m * n <= GRID_FLOATS;
 }
 
@@ -416,7 +417,8 @@ static void run_gemm_grid(double run_ms, Progress *pr) {
     for (int i = 0; i < ngrid; i++) {
       if (pass == 0) {
         double warm = time_run(&calls[i], 1);
-        reps[i] = warm > 0 ? (int)fmin(GRID_REPS, fmax(1, ceil(run_ms / warm))) : GRID_REPS;
+        double call_ms = warm * engine->call_reps;   // time_run's is per GEMM
+        reps[i] = call_ms > 0 ? (int)fmin(GRID_REPS, fmax(1, ceil(run_ms / call_ms))) : GRID_REPS;
       }
       runs[i][pass] = time_run(&calls[i], reps[i]);
       if (pass == RUNS - 1) progress_step(pr, "gemm grid", (double)calls[i].m * calls[i].k * calls[i].n);
@@ -1025,7 +1027,8 @@ int tune_main(const TuneEngine *e, int argc, char **argv) {
   }
   engine->memory(&T, &r);
   if (T.rank == 0) print_preamble(&o, &r, s, shapes, nshapes, gemm_desc);
-  double grid_run_ms = !engine->gemm_grid || o.model ? 0 : r.local_size * r.threads > r.cores ? GRID_RUN_SHARED_MS : GRID_RUN_MS;
+  bool shared = strcmp(engine->name, "cpu") == 0 && r.local_size * r.threads > r.cores;   // the cores, not GPUs
+  double grid_run_ms = !engine->gemm_grid || o.model ? 0 : shared ? GRID_RUN_SHARED_MS : GRID_RUN_MS;
   double seconds = measure_all(comm, s, shapes, nshapes, o.quick, grid_run_ms);
 
   int failed = 0;

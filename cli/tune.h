@@ -100,7 +100,13 @@ typedef struct Tune {
   char memory_host_note[400];  // a caveat for the header ("" when none)
   double handoff_ms;           // the stream hand-off round trip; -1: not measured
   double slow_compute, slow_comm;   // the overlap probe's slowdowns; -1: not measured
+  double grid_macs;            // the GEMM grid's largest shape in multiply-accumulates (0: TUNE_GRID_MACS)
 } Tune;
+
+// The GEMM grid's bounds (cli/tune.c, run_gemm_grid): a shape's multiply-accumulates and the
+// floats of each of its operands.
+#define TUNE_GRID_MACS 2147483648.0  // 2^31
+#define TUNE_GRID_FLOATS 4194304.0   // 2^22
 
 // Where and how the profile is measured: the nodes, this host, the MPI, the command line.
 typedef struct TuneRun {

@@ -6,8 +6,10 @@
 // constant, r2 0.01, predicting a step 75x too short), each run GPU_REPS GEMMs back to back on
 // the compute stream and a synchronisation, divided by GPU_REPS; the collectives are NCCL's on the intra-node and
 // inter-node groups, timed the same way. One rank (one GPU) is allowed: it times the GEMMs only
-// (the collectives are skipped). The element-wise and attention kernels are not timed on a GPU
-// yet. `memory` is the smallest total memory of the ranks' GPUs (cuDeviceTotalMem).
+// (the collectives are skipped). The grid of GEMM shapes (the profile's gemm_at lines, cli/tune.c)
+// is timed as on the CPU, GPU_REPS GEMMs a call, on one operand set (a GPU has no cache to keep
+// them out of that matters at these sizes); on the fake device only its shapes up to
+// GRID_MACS_FAKE. The element-wise, attention and update kernels are not timed on a GPU yet. `memory` is the smallest total memory of the ranks' GPUs (cuDeviceTotalMem).
 //
 // Built only into the CUDA programs (the Makefile): build/cuda/moec-tune-cuda, linked with the
 // GPU runtime, cuBLAS and NCCL (which moec itself does not load; moec tune --target cuda runs it
@@ -30,6 +32,7 @@
 static double unit = GEMM_UNIT;
 static const char *unit_text = "2^27";
 enum { GPU_REPS = 10 };         // GEMMs / collectives back to back in one timed run
+#define GRID_MACS_FAKE 1048576.0  // 2^20: the GEMM grid's largest shape on the fake device (its GEMMs run on the CPU)
 
 // The GPU of this rank, the GEMMs' input type, and the NCCL communicators of the groups timed.
 static RtCuda *gpu;
@@ -160,6 +163,8 @@ static size_t arena_bytes(const GemmShape *shapes, int nshapes, bool collectives
     size_t bytes = (m * k + k * n) * w + m * n * 4 + 3 * 256;
     if (bytes > most) most = bytes;
   }
+  size_t grid = (size_t)TUNE_GRID_FLOATS * (2 * w + 4) + 3 * 256;   // the grid's operands (run_gemm_grid)
+  if (grid > most) most = grid;
   size_t comm = 2 * (size_t)(COMM_SIZES * COMM_UNIT) * 4 + 2 * 256;
   return collectives && comm > most ? comm : most;
 }
@@ -191,6 +196,7 @@ static bool open_gpu(Tune *t, const TuneOptions *o, RtComm *comm, Series *s, con
   MPI_Allreduce(&ok, &all, 1, MPI_INT, MPI_MIN, MPI_COMM_WORLD);
   if (!all) return false;
   const RtCudaDevice *dev = rt_cuda_device(gpu);
+  if (dev->emulated) t->grid_macs = GRID_MACS_FAKE;
   snprintf(t->gemm_engine, sizeof t->gemm_engine, "cuBLAS (rt_cuda_gemm: %s inputs, fp32 accumulation, no TF32) on %s (sm_%d)",
            gemm_type == RT_CUDA_BF16 ? "bf16" : "fp32", dev->name, dev->arch);
   for (int i = S_A2A_INTRA; i < NSERIES && world > 1; i++)
@@ -205,12 +211,12 @@ static void close_gpu(void) {
 }
 
 // GEMM sizes of 2^27 multiply-accumulates (the shapes' scale; a GPU's sweep uses the larger unit),
-// GPU_REPS calls a run on device memory, 4 GEMM sizes
+// the grid of GEMM shapes, GPU_REPS calls a run on device memory, 4 GEMM sizes
 // with --quick, one rank allowed (its GEMMs alone); no probes (the stream hand-off and the
 // overlap are the CPU runtime's).
 const TuneEngine tune_cuda_engine = {
     .name = "cuda", .gemm_unit = GEMM_UNIT, .gemm_unit_text = "2^27", .call_reps = GPU_REPS, .gemm_ring = 1,
-    .quick_gemm_sizes = QUICK_SIZES, .min_ranks = 1,
+    .quick_gemm_sizes = QUICK_SIZES, .gemm_grid = true, .min_ranks = 1,
     .tokens_for = tokens_for, .call = call, .open = open_gpu, .close = close_gpu, .gemm_operands = gemm_operands,
     .comm_buffers = comm_buffers, .free_comm_buffers = free_comm_buffers, .probes = NULL, .memory = memory,
     .print_device = print_device, .print_sizes = print_sizes, .header_sizes = header_sizes,

@@ -1303,7 +1303,7 @@ static void finish_attention(Ctx *c, const FeNode *n, const char *variant, char 
 // ---- semantic rules ----
 
 // A layer holds one of `moe` or `mlp`; `mlp` and `attention` need a language model, whose
-// layers all have attention (DESIGN §2.1). False when the layer's parts do not fit.
+// layers all have attention (lang/manual.md §7.2). False when the layer's parts do not fit.
 static bool check_layer_parts(Ctx *c, const FeProgram *p, FeLayer *l, const FeNode *ln) {
   char head[64];
   bool lm = c->model_ok && p->model.has_vocab;

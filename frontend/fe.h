@@ -57,7 +57,7 @@ typedef struct FeOptimizer {
   SrcLoc loc;
   const char *name;     // "sgd" | "adamw"
   double lr, beta1, beta2, eps, weight_decay;
-  int64_t warmup, decay_steps;   // language models' schedule (DESIGN §2.1); 0: none
+  int64_t warmup, decay_steps;   // language models' schedule (lang/manual.md §7.2); 0: none
   double min_lr, clip;           // clip 0: no gradient clipping
   bool shard;                    // adamw: the moments sharded over each parameter's replicas (ZeRO-1)
 } FeOptimizer;
@@ -77,7 +77,7 @@ typedef struct FeModel {
   SrcLoc dtype_loc;
   int64_t batch, seqlen, embed, seed;
   FeOptimizer optimizer;
-  // A language model (DESIGN §2.1) when has_vocab; the fields below it are its options and are
+  // A language model (lang/manual.md §7.2) when has_vocab; the fields below it are its options and are
   // refused without `vocab` (their present flags say whether they were written).
   bool has_vocab;
   SrcLoc vocab_loc;
@@ -115,7 +115,7 @@ typedef struct FeParallel {
   SrcLoc loc;           // no source when the block is absent (all 1)
   int64_t dp, mp, ep, esp;
   // `parallel auto;`: the layout is chosen for the cluster by `moec build` (cli/layout.c,
-  // DESIGN §6.1); the degrees above stay 1 until then.
+  // lang/manual.md §6); the degrees above stay 1 until then.
   bool is_auto;
 } FeParallel;
 
@@ -300,7 +300,7 @@ typedef struct FeTargetCaps {
 // run yet (on target); otherwise builds the forward IR module (params, @*.fwd, @loss.fwd).
 IrModule *fe_lower(IrDiag *d, const FeProgram *p, const FeTargetCaps *target);
 
-// ---- Hugging Face families (frontend/hf.c, DESIGN §2.2) ----
+// ---- Hugging Face families (frontend/hf.c, lang/manual.md §19) ----
 // What a binary's --export-hf writes (malloc'ed JSON texts): config.json; generation_config.json
 // (NULL: none); and changes, the values of the `hf_config` folder's config.json that the model
 // replaced ("key: old -> new", "; " between them; NULL: none).

@@ -98,7 +98,7 @@ int64_t fe_capacity(const FeLower *L, int64_t k);
 // The MoE of the current layer on x [S, M] without its residual: the combined expert outputs
 // [S, M]; *aux and *z get the gate's auxiliary losses (NULL when it has none).
 IrValue *fe_lower_moe(FeLower *L, IrValue *x, IrValue **aux, IrValue **z);
-// A language model (DESIGN §2.1; frontend/lower_lm.c): @embed.fwd, one forward per layer
+// A language model (lang/manual.md §7.2; frontend/lower_lm.c): @embed.fwd, one forward per layer
 // instance, @loss.fwd with the final norm, the head and the cross-entropy.
 void fe_lower_lm(FeLower *L);
 

@@ -1,4 +1,4 @@
-// Which Hugging Face family a checked program is (DESIGN §2.2), for a binary's --export-hf: the
+// Which Hugging Face family a checked program is (lang/manual.md §19), for a binary's --export-hf: the
 // config.json the family's loader reads, or the sentence saying why the program is none.
 //
 // Every family is a language model with RMSNorm, rotary positions and, in every MoE layer, the

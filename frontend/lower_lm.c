@@ -1,4 +1,4 @@
-// Lowering of a language model (DESIGN §2.1): a model with `vocab V`.
+// Lowering of a language model (lang/manual.md §7.2): a model with `vocab V`.
 //
 // The step's input is the tokens of this DP rank's windows, i32 [S] (S = batch*seqlen, row
 // s = b*seqlen + i), and its target the next tokens, i32 [S]. The functions, in order:
@@ -9,7 +9,7 @@
 //   @loss.fwd(%out, %target) -> %loss, %logits
 //                                      logits = Norm_final(out)·wteᵀ (tied) or ·head.w;
 //                                      loss = mean cross-entropy (its share over DP ranks)
-// Parameters use the names of DESIGN §2.1 and GPT-2's initialisation: weights normal(0.02), the
+// Parameters use the names of lang/manual.md §7.2 and GPT-2's initialisation: weights normal(0.02), the
 // output projections (attn.wo, mlp.w2) scaled by 1/sqrt(2*layers), norms 1 and 0, biases 0. The
 // MoE's own parameters keep the initialisation of the MoE stacks (manual §11.8).
 #include <math.h>
@@ -205,7 +205,7 @@ static IrValue *qk_norm(FeLower *L, IrValue *x, int64_t heads, const char *prefi
   return per_head ? heads_reshape(L, y, S, heads * d, 1, name) : y;
 }
 
-// Attn(x) of DESIGN §2.1: projections, rope, causal grouped-query attention, output projection.
+// Attn(x) of lang/manual.md §7.2: projections, rope, causal grouped-query attention, output projection.
 // Heads are d = head_dim wide (embed/heads unless written): Wq [M, H·d], Wk and Wv [M, KV·d],
 // Wo [H·d, M]; the attention and rope ops take d from their operands' widths over heads. The q,
 // k and v biases come with `bias true` or `bias qkv`, the output projection's with `bias true`.

@@ -68,7 +68,7 @@ static inline IrOpClass ir_op_class(IrOpKind k) { return ir_op_info[k].cls; }
 static inline bool ir_op_is_collective(IrOpKind k) {
   return ir_op_info[k].cls == IR_CLASS_COMM_INTER || ir_op_info[k].cls == IR_CLASS_COMM_INTRA;
 }
-// The capacity of a routing group (DESIGN §2): ceil(k*f*tokens/experts - 1e-9) in double, at
+// The capacity of a routing group (lang/manual.md §11): ceil(k*f*tokens/experts - 1e-9) in double, at
 // least 1, so that a whole k*f*S/E stays whole (k 1, f 1.1, S 200, E 2 gives 110, not the 111
 // that 110.00000000000001 would round up to). The front end, the planner and the references use it.
 int64_t ir_capacity_slots(int64_t k, double f, int64_t tokens, int64_t experts);
@@ -168,7 +168,7 @@ IrFuncRole ir_func_role_of_name(const char *name);
 // The phase a function's ops run in: forward (layer and loss forwards), backward, optimizer.
 IrPhase ir_role_phase(IrFuncRole role);
 
-// The schedule policies (DESIGN §6, paper §6): one table for the language's words, the planner
+// The schedule policies (lang/manual.md §8, paper §6): one table for the language's words, the planner
 // and the schedule pass.
 typedef enum IrPolicy {
   IR_POLICY_FSMOE,           // per-phase r (Algorithm 1), gradient partition, intra/inter/compute streams

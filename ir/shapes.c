@@ -1,5 +1,5 @@
 // Shape inference: the result type of every op in ir/ops.def from its operands and attributes
-// (semantics in DESIGN.md §2 and the DOC column of ops.def). An op with a SHAPE rule in ops.def
+// (semantics in lang/manual.md §11 and the DOC column of ops.def). An op with a SHAPE rule in ops.def
 // is checked by that rule (shape_by_rule), then its attributes (rule_attrs); the ops whose result
 // the rule language cannot say (sized by attributes, literal dims, parameters as operands) have
 // their rules in C, one function per op family (infer_dense, infer_gate, ...). Each rule checks what it reads —

@@ -611,7 +611,7 @@ bool pass_autodiff(IrModule *m, PassCtx *ctx) {
     IrOp *u = ir_add_op(opt, m, adamw ? IR_OP_OPT_ADAMW : IR_OP_OPT_SGD, NULL, (IrType){0});
     ir_op_param(u, m->params[i]);
     ir_op_set_float(u, "lr", ir_mod_float(m, "lr", 0.01));
-    // A language model decays only tensors of rank >= 2 (not norms, biases); DESIGN §2.1.
+    // A language model decays only tensors of rank >= 2 (not norms, biases); lang/manual.md §7.2.
     bool decays = ir_mod_int(m, "vocab", 0) == 0 || m->params[i]->type.rank >= 2;
     ir_op_set_float(u, "weight_decay", decays ? ir_mod_float(m, "weight_decay", 0) : 0);
     if (adamw) {

@@ -1,4 +1,4 @@
-// The `cost` pass (DESIGN §4 step 5, §6) and the layer view the planner passes share.
+// The `cost` pass (lang/manual.md §8 and §14) and the layer view the planner passes share.
 //
 // cost: with a cluster profile (the model's `cluster` statement or `moec build --cluster`),
 // every op the scheduling model prices gets two attributes: cost_n, its size n, and cost_t =
@@ -68,7 +68,7 @@ double pass_op_macs(const IrOp *op) {
   }
 }
 
-// The groups of the module's layout (DESIGN §6.1): the collectives of a group are priced for its
+// The groups of the module's layout (lang/manual.md §6): the collectives of a group are priced for its
 // shape (sched_group_fit) when the module says where its ranks sit (gpus_per_node, set with a
 // cluster profile for more than one rank); otherwise by the profile's fits as they are.
 typedef struct Groups {
@@ -416,7 +416,7 @@ static double slot_fill(const IrFunc *fwd) {
 
 // The phase costs of f's ops (priced by pass_cost) in the model's form. Its collectives are the
 // expert region's: the EP AlltoAlls and the ESP AllGather and ReduceScatter. The MP AllGather
-// after the layer (Fig. 2) is none of them: the schedule pass does not chunk it and DESIGN §6's
+// after the layer (Fig. 2) is none of them: the schedule pass does not chunk it and lang/manual.md §8's
 // workloads have no term for it.
 // The other ops (priced by the profile's `elementwise` fit): inside the expert region they run
 // once per chunk on 1/r of the slots, so they join the experts' term (their alphas to its alpha,

@@ -1,4 +1,4 @@
-// The `pipeline` pass (DESIGN §4 step 6, §6): the pipeline degree r of every MoE layer and
+// The `pipeline` pass (lang/manual.md §8 and §14): the pipeline degree r of every MoE layer and
 // phase, written on the layer's functions as attribute r (the schedule pass chunks by it).
 //
 // `schedule { pipeline { forward N; backward M; } }` gives every layer N and M. With

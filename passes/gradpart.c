@@ -1,4 +1,4 @@
-// The `gradpart` pass (DESIGN §4 step 7, §6, paper §5): where the dense gradients are
+// The `gradpart` pass (lang/manual.md §8 and §14, paper §5): where the dense gradients are
 // all-reduced.
 //
 // autodiff all-reduces a replicated parameter's gradient (the gate's, over the world) right

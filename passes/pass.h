@@ -103,7 +103,7 @@ typedef struct PassLayer {
 
 // The MoE layers of m in forward order (*out malloc'd, free it); -1 when out of memory.
 int pass_find_layers(IrModule *m, PassLayer **out);
-// The expert region of f (DESIGN §6: dispatch AlltoAll ... experts ... combine AlltoAll): its entry
+// The expert region of f (lang/manual.md §8: dispatch AlltoAll ... experts ... combine AlltoAll): its entry
 // value ([E, C, M] tokens the order packed, or their gradient) and its exit value; false if none.
 bool pass_expert_region(const IrFunc *f, IrValue **entry, IrValue **exit);
 // Slots per expert at the entry of f's expert region ([E, C, M]), 0 when f has none.
@@ -131,7 +131,7 @@ bool pass_stack(IrModule *m, const SchedCluster *c, PassStack *out);
 void pass_stack_free(PassStack *s);
 // Layer i of a dropless gate (`capacity *`, compiled for the worst case: every token at one
 // expert) as if its gate had capacity factor `capacity`: the costs with the expert region's
-// sizes scaled to those slots per expert (DESIGN §2: ceil(k * capacity * S / E) per routing
+// sizes scaled to those slots per expert (lang/manual.md §11: ceil(k * capacity * S / E) per routing
 // group, at most the compiled ones) and its r_max. False when the layer's gate drops tokens.
 bool pass_dropless_at(const PassStack *s, int i, double capacity, SchedLayerCost *cost, int *r_max);
 

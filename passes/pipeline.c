@@ -1,4 +1,4 @@
-// The pass pipeline, in order (DESIGN §4). One readable loop: run a pass, verify the module,
+// The pass pipeline, in order (lang/manual.md §14). One readable loop: run a pass, verify the module,
 // dump it if asked. `fuse` groups the elementwise ops of both targets (on CUDA the gate's softmax,
 // top-k and gather are still fused by codegen/lower.c).
 #include <stdlib.h>

@@ -1,4 +1,4 @@
-// The `schedule` pass (DESIGN §4 step 8, §6): chunks, streams and events.
+// The `schedule` pass (lang/manual.md §8 and §14): chunks, streams and events.
 //
 // Chunks. In every layer's forward function and its backward, the expert region — the ops
 // between the region's entry value (the [E, C, M] tokens the order packed, or their gradient)

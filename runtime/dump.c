@@ -39,7 +39,7 @@ int rt_make_dirs(const char *path) {
   return status;
 }
 
-// A language model's part of the dump (DESIGN §2.1): tokens.npy (int32 [dp*B, L+1], each window),
+// A language model's part of the dump (lang/manual.md §7.2): tokens.npy (int32 [dp*B, L+1], each window),
 // logits.npy [dp*B, L, V] and ce.npy. Collective; whole holds dp*B*L*V floats.
 static int dump_lm(RtTrainer *tr, const RtReport *rep, float *whole, char *path, size_t len, int status) {
   const RtModel *m = tr->model;

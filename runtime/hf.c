@@ -1,4 +1,4 @@
-// Hugging Face checkpoints (DESIGN §2.2): which moec parameter each tensor of a family's
+// Hugging Face checkpoints (lang/manual.md §19): which moec parameter each tensor of a family's
 // checkpoint is, written once and used both ways: `moec import-hf` (cli/import_hf.c) fills
 // moec's tensors from a checkpoint, a training binary's `--export-hf DIR` writes the family's
 // tensors and config.json from moec's.
@@ -127,7 +127,7 @@ static void oss_moe(RtHfTensor *t, int *n, const RtHfArch *a, const char *in, co
 #undef HF
 }
 
-// The families' tensors (transformers' *ForCausalLM; DESIGN §2.2 has the names).
+// The families' tensors (transformers' *ForCausalLM; lang/manual.md §19 has the names).
 static int family_table(const RtHfArch *a, RtHfTensor *t) {
   int n = 0;
   int64_t M = a->embed, Q = a->heads * a->head_dim, KV = a->kv_heads * a->head_dim;

@@ -1,4 +1,4 @@
-// The language model's side of the trainer (DESIGN §2.1): where a step's tokens come from, the
+// The language model's side of the trainer (lang/manual.md §7.2): where a step's tokens come from, the
 // validation loss, the gradient norm and its clipping, the learning-rate schedule, sampling.
 //
 // A step's global batch is dp*batch windows of seqlen+1 tokens; DP rank r holds windows

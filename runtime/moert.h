@@ -314,12 +314,12 @@ struct RtModel {
   void (*backward)(RtStep *st);
   void (*update)(RtStep *st);
   const RtDevice *device;         // NULL: the steps run on the host (the CPU target)
-  // The optimizer's schedule (DESIGN §2.1; 0 fields: none): lr is the kernels' learning rate;
+  // The optimizer's schedule (lang/manual.md §7.2; 0 fields: none): lr is the kernels' learning rate;
   // warmup, cosine decay to min_lr at decay_steps and global-norm clipping reach the update
   // kernels as RtStep.lr_scale and .grad_scale.
   double lr, min_lr, clip;
   int64_t warmup, decay_steps;
-  // A language model (DESIGN §2.1) when vocab > 0: input and target are int32 tokens
+  // A language model (lang/manual.md §7.2) when vocab > 0: input and target are int32 tokens
   // [batch*seqlen] (a window's first L tokens and the L after them), the forward sets output to
   // the logits [batch*seqlen, vocab] and mse to the cross-entropy's share; the model's `data`
   // block names its token files (NULL: none; --data and --val override).
@@ -329,7 +329,7 @@ struct RtModel {
   // (rt_lm_logits gathers the whole).
   bool vocab_parallel;
   const char *data_train, *data_val, *data_format;
-  // The Hugging Face family the model is (DESIGN §2.2): the config.json that --export-hf writes,
+  // The Hugging Face family the model is (lang/manual.md §19): the config.json that --export-hf writes,
   // or NULL with hf_refusal, the sentence saying why it is none (moec build decides).
   const char *hf_config, *hf_refusal;
   // Its generation_config.json (NULL: none), and the values of the imported config.json the

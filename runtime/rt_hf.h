@@ -1,4 +1,4 @@
-// Hugging Face checkpoints (runtime/hf.c, DESIGN §2.2): the table of which moec parameter each
+// Hugging Face checkpoints (runtime/hf.c, lang/manual.md §19): the table of which moec parameter each
 // tensor of a family's checkpoint is, used by `moec import-hf` and a binary's --export-hf.
 #ifndef RT_HF_H
 #define RT_HF_H

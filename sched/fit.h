@@ -1,4 +1,4 @@
-// Least-squares fit of the linear performance models t(n) = alpha + beta * n (DESIGN §6, paper
+// Least-squares fit of the linear performance models t(n) = alpha + beta * n (lang/manual.md §8, paper
 // §4.1 eq. (1) and §6.2): `moec tune` fits one per microbenchmark, the tests check it on
 // synthetic points. No MPI, no IR: the solver is LAPACK's dgels (QR) from OpenBLAS.
 #ifndef FIT_H

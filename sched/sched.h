@@ -1,4 +1,4 @@
-// The scheduling model of FSMoE (DESIGN §6, paper §4-§5): per-chunk costs of a generalized
+// The scheduling model of FSMoE (lang/manual.md §8, paper §4-§5): per-chunk costs of a generalized
 // layer (dense attention + MoE) on a cluster profile, the four cases under Q1-Q7, Algorithm 1
 // (per-phase pipeline degree r), the gradient partition (eqs. (3)-(4) + a global optimiser),
 // the stream programs of the six policies, a discrete-event simulator that judges them, and
@@ -66,7 +66,7 @@ double sched_gemm_ms(const SchedCluster *c, double m, double k, double n);
 // line through r = 1 and r = 4 (of sched_gemm_ms), so that narrow chunks' lower speed shows.
 SchedCoef sched_gemm_chunks(const SchedCluster *c, double count, double m, double k, double n);
 
-// ---- collectives on the groups of a layout (sched/sched_layout.c, DESIGN §6.1) ----
+// ---- collectives on the groups of a layout (sched/sched_layout.c, lang/manual.md §6) ----
 // The profile's fits were measured on its own groups: `alltoall` and `allreduce` over the
 // inter-node group (one rank per node, every node, all gpus_per_node such groups at once),
 // `allgather`, `reducescatter` (and `alltoall_intra`, `allreduce_intra`) over one node's
@@ -139,10 +139,10 @@ typedef struct SchedLayerCost {
   SchedCoef ar;         // the AllReduce fit
 } SchedLayerCost;
 
-// Per-rank workloads and costs of DESIGN §6 for one layer on a cluster (the Table 4 space of
+// Per-rank workloads and costs of lang/manual.md §8 for one layer on a cluster (the Table 4 space of
 // `moec sweep`; a compiled model is priced from its IR, passes/cost.c).
 void sched_layer_cost(const SchedLayerSpec *s, const SchedCluster *c, SchedLayerCost *out);
-// The dense attention part of a generalized layer by DESIGN §6's formulas, from s's batch,
+// The dense attention part of a generalized layer by lang/manual.md §8's formulas, from s's batch,
 // seqlen, embed, heads, ffn, dp and mp: its forward time t_att (the backward's is 2 t_att) and
 // its gradient elements all-reduced over the ranks (0 when dp = 1); both 0 when heads = 0.
 void sched_attention(const SchedLayerSpec *s, const SchedCluster *c, double *t_att, double *n_grad);
@@ -174,7 +174,7 @@ double sched_tutel_model(const SchedPhase *p, double r);
 // FSMoE without inter/intra overlap: A2A, AG, RS (and the AllReduce) share one stream.
 double sched_noiio_model(const SchedPhase *p, double r, double t_gar);
 double sched_noiio_olp(const SchedPhase *p, double r);
-// Sequential (DS-MoE) iteration time of a stack, DESIGN §6 closed form.
+// Sequential (DS-MoE) iteration time of a stack, lang/manual.md §8 closed form.
 double sched_sequential_time(const SchedLayerCost *c, int n);
 
 // ---- the paper's Table 4 space ----
@@ -260,7 +260,7 @@ typedef struct SchedStack {
                                 // explicit `pipeline { forward N; backward M; }`), only priced
 } SchedStack;
 
-// fsmoe's degree for one layer and phase with grad_elems of AllReduce inside the MoE (DESIGN §6):
+// fsmoe's degree for one layer and phase with grad_elems of AllReduce inside the MoE (lang/manual.md §8):
 // Algorithm 1 by SLSQP, the case model scanned at every integer r, and the simulator's own
 // judgement of every r; `choose` says which is used (by default the fastest of the three in
 // simulation, a model answer on a tie); all are reported. Fills lp->r, r_slsqp, r_exhaustive,

@@ -1,4 +1,4 @@
-// The dense-gradient partition of FSMoE (paper §5, DESIGN §6).
+// The dense-gradient partition of FSMoE (paper §5, lang/manual.md §8).
 //
 // The backward pass visits the generalized layers last to first: layer i's MoE, then its
 // attention, whose weight gradients (n_grad[i] elements) are then ready for the DP AllReduce.

@@ -1,5 +1,5 @@
 // Collectives on the groups of a layout: the profile's fits carried over to groups of other
-// shapes (sched.h, DESIGN §6.1, manual §10).
+// shapes (sched.h, lang/manual.md §6, manual §10).
 //
 // The profile measured (cli/tune.c):
 //   alltoall, allreduce   over the inter-node group: one rank on each of the N nodes, and all

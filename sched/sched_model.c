@@ -1,4 +1,4 @@
-// The cost model of a generalized layer (DESIGN §6, paper §4.1-§4.2 and §5.1).
+// The cost model of a generalized layer (lang/manual.md §8, paper §4.1-§4.2 and §5.1).
 //
 // A layer is cut into r chunks along the capacity dimension; each chunk's dispatch AlltoAll,
 // ESP AllGather, expert GEMMs, ESP ReduceScatter and combine AlltoAll cost
@@ -18,7 +18,7 @@ SchedFfn sched_ffn_of(const char *kind) {
   return SCHED_FFN_GPT;
 }
 
-// Dense gradient of the attention of a generalized layer, sharded over MP (DESIGN §6): GPT
+// Dense gradient of the attention of a generalized layer, sharded over MP (lang/manual.md §8): GPT
 // blocks have QKV (3M^2 + 3M) and the output projection (M^2 + M, its bias replicated);
 // Mixtral uses grouped-query attention (K and V with 8 of 32 heads: 1.5 M^2) and no biases.
 // (An oss layer is priced as GPT's: gpt-oss's attention has the biases.)

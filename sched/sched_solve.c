@@ -10,11 +10,11 @@
 // cases partition the truth table, scanning r = 1..32 with the closed forms is exact for the
 // model. The case model only approximates how the streams overlap (it assumes AllGather and
 // ReduceScatter take about as long), so fsmoe's final degree is the fastest in simulation
-// among SLSQP's answer, the model scan's and the simulator's own scan of every r (DESIGN §6:
+// among SLSQP's answer, the model scan's and the simulator's own scan of every r (lang/manual.md §8:
 // "use whichever choice is better, and report both"); all three are kept in the plan.
 //
 // The planner (sched_plan) gives every policy its own way to choose r and to place the dense
-// gradients (DESIGN §6), builds its stream program and simulates it.
+// gradients (lang/manual.md §8), builds its stream program and simulates it.
 #include <math.h>
 #include <nlopt.h>
 #include <stdlib.h>
@@ -231,7 +231,7 @@ static double noiio_fmoe(const SchedLayerCost *c, int r_max, double t_gar) {
 
 const char *const sched_choose_name[SCHED_NCHOOSE] = {"best", "slsqp", "model", "simulator"};
 
-// fsmoe: Algorithm 1 both ways and the simulator's own scan; the simulator judges (DESIGN §6).
+// fsmoe: Algorithm 1 both ways and the simulator's own scan; the simulator judges (lang/manual.md §8).
 void sched_fsmoe_degree(const SchedLayerCost *c, int r_max, int ph, double grad_elems, SchedChoose choose,
                         SchedLayerPlan *lp) {
   const SchedPhase *p = &c->phase[ph];

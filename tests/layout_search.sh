@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The layout search of `parallel auto;` (cli/layout.c, DESIGN §6.1), one ok/FAIL line per check:
+# The layout search of `parallel auto;` (cli/layout.c, lang/manual.md §6), one ok/FAIL line per check:
 #   legality   tests/models/grad_lm_gpt.moe (expert hidden 18) on a 1 x 4 cluster: the layouts
 #              with mp 4 (heads 2) and esp 4 (hidden 18) are refused, each with its reason; the
 #              other four are priced, fit, and are ranked by their step.

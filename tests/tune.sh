@@ -209,6 +209,13 @@ else
      ! grep -Eq '^ *(alltoall_intra|allreduce_intra) *\{' "$WORK/G1.cluster"; then
     ok "tune --target cuda on one rank (fake device): the GEMMs' fit ($(awk '/^  gemm / {print "alpha", $5, "beta", $6}' "$WORK/g1.out")), a 1 x 1 profile whose collectives are 0 and say why, with the device's memory"
   else bad "tune --target cuda on one rank (fake device), exit $status" "$(cat "$WORK/g1.out" "$WORK/G1.cluster" 2>/dev/null | tail -n 30)"; fi
+  # The grid of GEMM shapes on the GPU engine (on the fake device its shapes up to 2^20
+  # multiply-accumulates, its GEMMs being the CPU's).
+  ggrid=$(grep -c '^ *gemm_at [0-9]* [0-9]* [0-9]* [0-9.e+-]*;' "$WORK/G1.cluster" 2>/dev/null)
+  if [ "${ggrid:-0}" -ge 20 ] && grep -q '^# gemm grid: [0-9]* shapes' "$WORK/g1.out" &&
+     awk '$1 == "gemm_at" {sub(";", "", $5); if ($2 * $3 * $4 > 1048576 || !($5 > 0)) exit 1}' "$WORK/G1.cluster"; then
+    ok "tune --target cuda times the grid of GEMM shapes ($ggrid gemm_at lines on the fake device, each at most 2^20 multiply-accumulates)"
+  else bad "tune --target cuda times the grid of GEMM shapes" "$(grep 'gemm grid' "$WORK/g1.out"; grep -c gemm_at "$WORK/G1.cluster" 2>/dev/null) lines"; fi
   if [ -f "$WORK/G1.cluster" ] && "$MOEC" build lang/models/tiny.moe --cluster "$WORK/G1.cluster" -o "$WORK/tiny1" >"$WORK/b1.out" 2>&1 &&
      ! "$MOEC" build tests/golden/parallel.moe --cluster "$WORK/G1.cluster" -o "$WORK/par1" >"$WORK/b4.out" 2>&1 &&
      grep -q 'the layout needs 4 ranks but the cluster has 1' "$WORK/b4.out"; then

@@ -1,4 +1,4 @@
-// Causal grouped-query attention (DESIGN §2.1) and the column slice its backward needs.
+// Causal grouped-query attention (lang/manual.md §7.2) and the column slice its backward needs.
 //
 // Rows r = b*seq + i of q [rows, heads*d], k and v [rows, kv*d]; query head h reads key/value
 // head h / (heads/kv); query i of sample b sees keys j <= i of the same sample, and with a window

@@ -1,5 +1,5 @@
 // The language model's input kernels: token embedding, learned positions and rotary position
-// embedding (DESIGN §2.1). The siblings of codegen/cuda/embed.cu, which accumulate gradients in
+// embedding (lang/manual.md §7.2). The siblings of codegen/cuda/embed.cu, which accumulate gradients in
 // the same order (so the targets agree to the bit). Conventions of every CPU kernel:
 // runtime/kernels.def.
 #include <math.h>

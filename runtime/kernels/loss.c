@@ -1,5 +1,5 @@
 // The model's losses: the mean squared error and the fused softmax + cross-entropy over the
-// vocabulary (DESIGN §2.1), sums in double. The siblings of codegen/cuda/loss.cu, which reduce in
+// vocabulary (lang/manual.md §7.2), sums in double. The siblings of codegen/cuda/loss.cu, which reduce in
 // the same precision. Conventions of every CPU kernel: runtime/kernels.def.
 #include <math.h>
 #include <stdlib.h>

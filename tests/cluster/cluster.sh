@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The emulated cluster (DESIGN §8; docs/cluster.md): N "nodes" as Linux network namespaces on
+# The emulated cluster (docs/cluster.md): N "nodes" as Linux network namespaces on
 # one machine, each joined to a bridge in the host namespace by a veth pair whose two ends are
 # shaped with tbf at the link rate (traffic into and out of a node). Ranks of one node share its
 # namespace and talk over its loopback-speed local route; ranks of different nodes cross two

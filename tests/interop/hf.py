@@ -1,4 +1,4 @@
-"""make interop: moec against transformers itself (DESIGN §2.2), one family at a time.
+"""make interop: moec against transformers itself (lang/manual.md §19), one family at a time.
 
 Run by tests/interop/run.sh with the virtual environment's python (torch, transformers). For each
 case: a tiny random checkpoint made by transformers, `moec import-hf`, `moec build`, the binary

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# make interop (DESIGN §2.2): moec against transformers itself. Installs torch and transformers
+# make interop (lang/manual.md §19): moec against transformers itself. Installs torch and transformers
 # into a virtual environment under build/ the first time (pip, PyPI; a few GB), then runs
 # tests/interop/hf.py: tiny random checkpoints made by transformers, imported, built, run and
 # exported, each compared with transformers in float64; then tests/interop/readme.sh, the

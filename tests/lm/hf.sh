@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Hugging Face checkpoints in make test (DESIGN §2.2; the comparison with transformers itself is
+# Hugging Face checkpoints in make test (lang/manual.md §19; the comparison with transformers itself is
 # make interop): a Mixtral checkpoint written by tests/lm/hf_fixture.py with numpy.
 #   - moec import-hf writes a model that builds and trains; --steps 0 --export-hf writes back
 #     every tensor bit for bit (and a config.json with the same architecture);

@@ -1,7 +1,7 @@
 #!/usr/bin/python3
-"""Independent float64 numpy reference of moec's language models (DESIGN.md §2.1), next to
+"""Independent float64 numpy reference of moec's language models (lang/manual.md §7.2), next to
 tests/ref/moe_ref.py, whose MoE layer (every gate, expert, order, aux and z loss), RNG and
-file readers/writers it imports rather than repeats. Written from DESIGN §2 and §2.1, not from
+file readers/writers it imports rather than repeats. Written from lang/manual.md §11 and §2.1, not from
 moec's kernels, so that tests/ref/test_lm_ref.py can hold a compiled language model against it.
 The backward pass is written by hand; `--selftest` checks it against central finite
 differences of this file's own forward.
@@ -631,7 +631,7 @@ def random_tokens(model, rng):
 
 # ---------------------------------------------------------------- self-test
 def naive_attention(model, ly, p, x):
-    """The attention of DESIGN §2.1 with explicit loops (rope by its angle formula, GQA by the
+    """The attention of lang/manual.md §7.2 with explicit loops (rope by its angle formula, GQA by the
     head mapping, the qk norm per row or per head slice, the window by its inequality): an
     independent check of the vectorised forward."""
     B, L = model.B, model.L
@@ -744,7 +744,7 @@ SELFTEST_CASES = [
                                aux_loss=0.05, z_loss=0.01, act="gelu", bias=False))),
       ("tail", 1, dict(attention=dict(heads=1, bias=False),
                        mlp=dict(ffn="mixtral", hidden=6)))], None),
-    # the Hugging Face families (DESIGN §2.2): Qwen2-MoE's q/k/v biases without an o bias and
+    # the Hugging Face families (lang/manual.md §19): Qwen2-MoE's q/k/v biases without an o bias and
     # the raw softmax scores as gates (renormalize false), Qwen3-MoE's head_dim apart from
     # embed/heads (6 and 10 here, embed 8), Mixtral's top-1 renormalised to a gate of 1
     ("qwen: rope head_dim 6 gqa 4/2 bias qkv, k2 not renormalised; head_dim 10 k1 renormalised",

@@ -4,7 +4,7 @@ sigmoid, xmoe, expert_choice, softmoe), both orders (tutel, gshard: the same mat
 (ffn gpt gelu/relu with or without bias, ffn mixtral, ffn oss), capacity factors and dropless, hooks
 (record; compress fp16 | bf16 | int8 at before_dispatch / before_combine).
 
-Written from DESIGN.md §2 ("Exact semantics"), runtime/moert.h's kernel comments and the gate /
+Written from lang/manual.md §11 ("Exact semantics"), runtime/moert.h's kernel comments and the gate /
 expert lowering files (frontend/gate_*.c, expert_*.c: which op sequence each gate is), not from
 the runtime's kernels, so that tests/ref/test_ref.py can hold the compiled binary against it.
 Everything is float64 except the compression round trips, which are the runtime's float32
@@ -30,7 +30,7 @@ per MoE layer instance, in order:
     T = min(ceil(k*f*S_g/E - 1e-9), S_g); expert j takes its T best tokens of every group (ties: lower
     token); gate of (t, j) = scores[t, j]; no aux loss
   z = mean_s logsumexp(noisy_s)^2 (all but softmoe)
-      DESIGN §2 adds the noise "to the logits" and then uses "logits" for both softmax and z, so
+      lang/manual.md §11 adds the noise "to the logits" and then uses "logits" for both softmax and z, so
       z sees the noisy logits (what the softmax sees); z_noisy=False gives the x.Wg reading.
   softmoe (slots N): logits = x.Wg [S, E*N] (no noise, no groups, no losses); dispatch
     D = softmax over all tokens per column, combine Cw = softmax over each token's row;
@@ -1198,7 +1198,7 @@ def _strip_compress(ly):
 
 
 def selftest():
-    # DESIGN §2's capacity rounding, as the compiler's ir_capacity_slots: 1.1 * 200 / 2 is
+    # lang/manual.md §11's capacity rounding, as the compiler's ir_capacity_slots: 1.1 * 200 / 2 is
     # 110.00000000000001 in double, and T is 110
     assert Layer("c", 8, 2, 8, k=1, capacity=1.1).capacity_per_group(200) == 110
     assert Layer("c", 8, 2, 8, k=1, capacity=1.1).capacity_per_group(201) == 111

@@ -1,5 +1,5 @@
 #!/usr/bin/python3
-"""Holds language models built by `build/moec` (DESIGN.md §2.1) against the numpy reference
+"""Holds language models built by `build/moec` (lang/manual.md §7.2) against the numpy reference
 tests/ref/lm_ref.py.
 
 For each config: writes F.moe (a model with `vocab`), random float32 weights of every parameter
@@ -95,7 +95,7 @@ CONFIGS = [
                         moe=dict(GPT_FFN, act="relu", bias=False, k=2, capacity="*", groups=2,
                                  order="gshard", noise=1.0, **LOSSES)))],
      dict(expect="nodrop")),
-    # Qwen2-MoE / Qwen3-MoE style (DESIGN §2.2): q, k, v biases without an o bias (`bias qkv`),
+    # Qwen2-MoE / Qwen3-MoE style (lang/manual.md §19): q, k, v biases without an o bias (`bias qkv`),
     # heads of head_dim 6 apart from embed/heads = 4 (Wq [16, 24], Wo [24, 16]), the raw
     # softmax scores as gates (`renormalize false`, dropless); a dense layer of head_dim 2
     ("f_qwen", dict(position="rope", norm="rmsnorm", eps=1e-6, tie_embeddings=False),
@@ -114,7 +114,7 @@ CONFIGS = [
                      moe=dict(GPT_FFN, gate="xmoe", k=2, capacity=1.0, proj=8,
                               renormalize=False, z_loss=0.01)))],
      dict(expect="drops")),
-    # Qwen2-MoE (DESIGN §2.2): the routed experts' raw softmax scores as gates plus the shared
+    # Qwen2-MoE (lang/manual.md §19): the routed experts' raw softmax scores as gates plus the shared
     # SwiGLU expert times sigmoid(x.wsg) per token (`shared { ffn mixtral { hidden 24; } gate
     # sigmoid; }`), q/k/v biases; then an ungated shared expert (DeepSeek's) beside a top-1
     ("h_qwen2_shared", dict(position="rope", norm="rmsnorm", eps=1e-6, tie_embeddings=False),
@@ -124,7 +124,7 @@ CONFIGS = [
       ("top1", 1, dict(attention=dict(heads=2, bias="qkv"),
                        moe=dict(MIX_FFN, k=1, capacity="*", shared_hidden=8, **LOSSES)))],
      dict(expect="drops")),
-    # Qwen3-MoE (DESIGN §2.2): RMSNorm of each head of q and k (`qk_norm head`: q_norm.weight and
+    # Qwen3-MoE (lang/manual.md §19): RMSNorm of each head of q and k (`qk_norm head`: q_norm.weight and
     # k_norm.weight [head_dim], shared by the heads) after the projections, before rope, head_dim
     # 6 apart from embed/heads, GQA 4/2, no biases, renormalised top-2; then Mixtral's sliding
     # window (`window 3` of seqlen 8: query i sees keys i-2..i) under the per-head norm, and a
@@ -138,7 +138,7 @@ CONFIGS = [
       ("one", 1, dict(attention=dict(heads=2, kv_heads=1, bias=False, window=1),
                       mlp=dict(ffn="mixtral", hidden=H)))],
      dict(expect="drops")),
-    # OLMoE (DESIGN §2.2): RMSNorm over the whole width of q (weight [H*d]) and k ([KV*d]), the
+    # OLMoE (lang/manual.md §19): RMSNorm over the whole width of q (weight [H*d]) and k ([KV*d]), the
     # raw softmax scores as gates (dropless); learned positions with q/k/v biases and a window of
     # 5 in the second layer, layernorm (whose eps the qk norm shares), tied embeddings
     ("j_olmoe_window", dict(position="learned", norm="layernorm", eps=1e-6, tie_embeddings=True),
@@ -187,7 +187,7 @@ def make_model(fields, items):
 
 
 def lm_text(model_name, fields, items):
-    """The .moe source of a config (DESIGN §2.1's syntax)."""
+    """The .moe source of a config (lang/manual.md §7.2's syntax)."""
     pos = fields.get("position", "learned") + ";"          # a block takes no `;` after it
     if fields.get("position") == "rope" and ("theta" in fields or "yarn" in fields or "interleave" in fields):
         inner = "theta %r;" % float(fields.get("theta", 10000.0))

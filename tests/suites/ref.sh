@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The numpy reference (tests/ref): its own backward against its finite differences, then the
-# binaries' --dump against it (MoE models; language models, DESIGN §2.1), within 1e-5. A check
+# binaries' --dump against it (MoE models; language models, lang/manual.md §7.2), within 1e-5. A check
 # that exits 77 (what it needs is missing) is a skip.
 . "$(dirname "$0")/../lib.sh"
 work ref

@@ -37,7 +37,7 @@ static int grid(double unit, int count, double alpha, double beta, double *x, do
 }
 
 static void test_exact_points(void **state) {
-  // The paper's coefficients (DESIGN §2) and a few of other magnitudes.
+  // The paper's coefficients (lang/manual.md §10) and a few of other magnitudes.
   static const struct { double unit; int count; double alpha, beta; } cases[] = {
     {524288, 12, 4.26e-2, 2.29e-11},    // Testbed-A gemm
     {524288, 12, 9.24e-2, 4.42e-11},    // Testbed-B gemm

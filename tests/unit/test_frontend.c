@@ -225,7 +225,7 @@ static void test_defaults(void **state) {
   cap_close(&c);
 }
 
-// The fields the Hugging Face families need (DESIGN §2.2): renormalisation of the top k as a
+// The fields the Hugging Face families need (lang/manual.md §19): renormalisation of the top k as a
 // field, q/k/v biases without the output's, a head width of its own.
 static void test_hf_fields(void **state) {
   Capture c;

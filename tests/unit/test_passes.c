@@ -2,7 +2,7 @@
 // gradient and the functions their execution order; memplan never lets two buffers that are
 // alive at the same time share a byte, keeps saved activations alive into the backward pass,
 // and reuses memory; the pipeline stops and dumps where asked; the planner's stack (pass_stack),
-// priced from the IR, equals DESIGN §6's workloads (sched_layer_cost) in the paper's setting.
+// priced from the IR, equals lang/manual.md §8's workloads (sched_layer_cost) in the paper's setting.
 #include <setjmp.h>
 #include <stdarg.h>
 #include <stddef.h>
@@ -350,7 +350,7 @@ static void test_pipeline_stop_after(void **state) {
   ir_source_free(src);
 }
 
-// DESIGN §2's rounding of the capacity: a whole k*f*S/E stays whole. k 1, f 1.1, S 200, E 2 is
+// lang/manual.md §11's rounding of the capacity: a whole k*f*S/E stays whole. k 1, f 1.1, S 200, E 2 is
 // 110.00000000000001 in double, which ceil alone makes 111.
 static void test_capacity_whole_stays_whole(void **state) {
   (void)state;
@@ -419,7 +419,7 @@ static void test_lower_bf16_by_target(void **state) {
 }
 
 // The paper's setting (mp = esp, k * capacity * S / E whole): the stack the pipeline pass and
-// `moec plan` plan, priced from the IR, has DESIGN §6's per-chunk times of the MoE part at every
+// `moec plan` plan, priced from the IR, has lang/manual.md §8's per-chunk times of the MoE part at every
 // r (sched_layer_cost, from the formulas), so the MP AllGather after the layer is not counted as
 // the ESP one; its dense part is the gate's GEMMs and its dense gradient the gate's. A dropless
 // gate priced at a capacity factor is the gate compiled with it.
@@ -454,7 +454,7 @@ static void test_stack_prices_design_workloads(void **state) {
                          .ffn = SCHED_FFN_GPT, .dp = 2, .mp = 2, .ep = 2, .esp = 2};
   SchedLayerCost want, at;
   sched_layer_cost(&spec, &c, &want);
-  // DESIGN §6 prices one GEMM launch per expert GEMM of a chunk (a batched GEMM); the runtime
+  // lang/manual.md §8 prices one GEMM launch per expert GEMM of a chunk (a batched GEMM); the runtime
   // makes one call per expert of the rank (experts / ep = 2 here), and the IR is priced so.
   for (int ph = 0; ph < 2; ph++) want.phase[ph].exp.alpha *= 2;
   int r_max;

@@ -1,8 +1,8 @@
-// Unit tests of the scheduling model (sched/sched_*.c, DESIGN §6):
+// Unit tests of the scheduling model (sched/sched_*.c, lang/manual.md §8):
 //  - the chosen integer pipeline degree is within 1 % (simulated time) of the best degree found
 //    by simulating every r in 1..32, over 2000 seeded random layers, and Algorithm 1 is fast
 //    (solver time per layer printed and asserted under 1 ms);
-//  - `sequential` costs exactly the closed form of DESIGN §6, recomputed here from the cluster
+//  - `sequential` costs exactly the closed form of lang/manual.md §8, recomputed here from the cluster
 //    coefficients and the workload formulas (an independent formulation);
 //  - the simulator agrees with the case model where one resource clearly dominates;
 //  - on every Table 4 case of the shipped profiles, fsmoe's simulated iteration is no slower than
@@ -89,7 +89,7 @@ static double elapsed_since(const struct timespec *t0) {
 
 // (1) + (2): the chosen r against every r, and the solver's time. The chosen r is the fastest in
 // simulation of Algorithm 1's SLSQP answer, the case model's integer optimum and the simulator's
-// own scan (DESIGN §6: "use whichever choice is better, and report both"); how often the paper's
+// own scan (lang/manual.md §8: "use whichever choice is better, and report both"); how often the paper's
 // model alone is within 1 % is printed and held to a floor. The random layers perturb the shipped
 // profiles' coefficients by up to 4x each way, so AllGather and ReduceScatter often differ by far
 // more than the paper's model assumes ("AllGather and ReduceScatter require similar durations").
@@ -168,7 +168,7 @@ static void test_degree_within_one_percent(void **state) {
 }
 
 // (3): sequential = sum over layers of t_att + 2 t_a2a + t_ag + t_rs + t_exp (forward, r = 1), the
-// same with backward times, plus one AllReduce per layer; recomputed from DESIGN §6's formulas.
+// same with backward times, plus one AllReduce per layer; recomputed from lang/manual.md §8's formulas.
 static void test_sequential_closed_form(void **state) {
   SchedCluster base;
   FeCluster fc;
