@@ -341,7 +341,7 @@ bench: deps all $(BUILD)/bench/gate_order $(BUILD)/bench/alltoall $(BUILD)/bench
 # ---- make cluster-bench (issue 23): planned schedules on an emulated multi-node cluster ----
 # Network namespaces joined by links shaped with tbf (tests/cluster/cluster.sh, docs/cluster.md):
 # every policy's predicted and measured step, an r sweep, a table and an SVG under
-# build/cluster-bench. About an hour; CLUSTER_BENCH_ARGS=--quick for a few minutes. Then the layout
+# build/cluster-bench. About an hour and a half; CLUSTER_BENCH_ARGS=--quick about 20 minutes. Then the layout
 # search (issue 25, bench/cluster/layouts.sh): every fitting layout of the stack built and run on
 # 2 x 2, measured beside predicted (layouts.md); `make cluster-layouts` runs only that part
 # (CLUSTER_LAYOUTS_ARGS=--quick: one round). Then (issue 42, bench/predict.sh) one profile of each
