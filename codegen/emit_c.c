@@ -597,7 +597,8 @@ static bool slots_overlap(const PassMemSlot *s, const PassMemSlot *t) {
 static bool in_gemm(const Emit *e, const IrFunc *f, const struct Fused *g) {
   int i = g->op;
   const char *env = getenv("MOEC_GEMM_ROWS");
-  if ((env && strcmp(env, "0") == 0) || i == 0 || ir_op_colsum(f->ops[i]->kind) >= 0 || ir_op_store(f->ops[i]->kind)) return false;
+  if ((env && strcmp(env, "0") == 0) || i == 0 || ir_op_colsum(f->ops[i]->kind) >= 0 || ir_op_store(f->ops[i]->kind))
+    return false;
   const IrOp *gemm = f->ops[i - 1], *first = f->ops[i];
   bool expert = gemm->kind == IR_OP_EXPERT_MATMUL;
   if ((gemm->kind != IR_OP_MATMUL && !(expert && !ir_op_int(gemm, "ta", 0))) || ir_op_int(gemm, "fuse", -1) >= 0 ||
@@ -617,9 +618,10 @@ static bool in_gemm(const Emit *e, const IrFunc *f, const struct Fused *g) {
     if (a->kind != CG_ARG_RESULT) continue;
     const IrValue *v = f->ops[i + a->index]->result;
     const PassMemSlot *s = &e->plan->slot[f->index][v->id];
-    for (int o = 0; o < 2; o++)
-      if (!gemm->args[o].param && slots_overlap(s, &e->plan->slot[gemm->args[o].value->func->index][gemm->args[o].value->id]))
-        return false;
+    for (int o = 0; o < 2; o++) {
+      const IrValue *in = gemm->args[o].value;
+      if (!gemm->args[o].param && slots_overlap(s, &e->plan->slot[in->func->index][in->id])) return false;
+    }
     if (slots_overlap(s, made) &&
         (expert || s->kind != made->kind || s->offset != made->offset || s->bytes != made->bytes))
       return false;
