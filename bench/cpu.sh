@@ -214,6 +214,16 @@ else
   echo "dropless: moec failed"; status=1
 fi
 fi
+# build_pair NAME MODEL BIN CMD...: BIN.now built from MODEL by this moec, BIN.before by the moec
+# command CMD (with its environment); says so and fails when either build fails.
+build_pair() {
+  local name=$1 model=$2 bin=$3
+  shift 3
+  if ! "$MOEC" build "$model" -o "$bin.now" >"$WORK/b.err" 2>&1 || ! "$@" build "$model" -o "$bin.before" >>"$WORK/b.err" 2>&1; then
+    echo "$name: build failed: $(head -n 2 "$WORK/b.err")"; status=1; return 1
+  fi
+}
+
 # in_turn NAME SHAPE BIN STEPS RUNS: BIN.before and BIN.now run in turn RUNS times (--steps STEPS
 # --profile); prints the medians of their median steps and of each pair's now/before, and whether
 # the losses are the same.
@@ -249,12 +259,8 @@ else
   for c in "lm demo|lang/models/gpt_moe_bytes.moe|B8 L64 M96 V256 x3|300|5" "lm mid|bench/models/lm_mid.moe|B4 L256 M512 V8192 x6|6|3" \
            "lm large|bench/models/lm_large.moe|B2 L512 M1024 V32000 x4|4|1" "layer|bench/models/layer_cpu.moe|B4 L512 M512 H1024 E8 k2|$STEPS|5"; do
     IFS='|' read -r name model shape steps runs <<<"$c"
-    bin=$WORK/before_${model##*/}
-    if ! "$MOEC" build "$model" -o "$bin.now" >"$WORK/b.err" 2>&1 ||
-       ! MOEC_ROOT=$BEFORE "$BEFORE/build/moec" build "$model" -o "$bin.before" >>"$WORK/b.err" 2>&1; then
-      echo "$name: build failed: $(head -n 2 "$WORK/b.err")"; status=1; continue
-    fi
-    in_turn "$name" "$shape" "$bin" "$steps" "$runs"
+    build_pair "$name" "$model" "$WORK/before_${model##*/}" env MOEC_ROOT="$BEFORE" "$BEFORE/build/moec" &&
+      in_turn "$name" "$shape" "$WORK/before_${model##*/}" "$steps" "$runs"
   done
 fi
 if [ -d "$BEFORE" ] && [ -z "${BENCH_BEFORE_KEEP:-}" ]; then git worktree remove --force "$BEFORE" >/dev/null 2>&1 || rm -rf "$BEFORE"; git worktree prune; fi
@@ -267,12 +273,8 @@ printf '%-10s %-26s %12s %12s %12s\n' case shape "after ms" "in ms" "in/after"
 for c in "lm demo|lang/models/gpt_moe_bytes.moe|B8 L64 M96 V256 x3|300|5" "lm mid|bench/models/lm_mid.moe|B4 L256 M512 V8192 x6|6|3" \
          "layer|bench/models/layer_cpu.moe|B4 L512 M512 H1024 E8 k2|$STEPS|5" "dropless|bench/models/layer_dropless.moe|B4 L512 M512 H1024 E4 k2 *|$STEPS|5"; do
   IFS='|' read -r name model shape steps runs <<<"$c"
-  bin=$WORK/epilogue_${model##*/}
-  if ! "$MOEC" build "$model" -o "$bin.now" >"$WORK/b.err" 2>&1 ||
-     ! MOEC_GEMM_ROWS=0 "$MOEC" build "$model" -o "$bin.before" >>"$WORK/b.err" 2>&1; then
-    echo "$name: build failed: $(head -n 2 "$WORK/b.err")"; status=1; continue
-  fi
-  in_turn "$name" "$shape" "$bin" "$steps" "$runs"
+  build_pair "$name" "$model" "$WORK/epilogue_${model##*/}" env MOEC_GEMM_ROWS=0 "$MOEC" &&
+    in_turn "$name" "$shape" "$WORK/epilogue_${model##*/}" "$steps" "$runs"
 done
 fi
 [ $status -eq 0 ] && echo OK || echo FAILED

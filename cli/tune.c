@@ -338,9 +338,8 @@ static void run_gemms(Series *s, const GemmShape *shapes, int nshapes, bool quic
 // The grid of GEMM shapes (the profile's `gemm_at` lines): [m, k] x [k, n] for m the tokens a
 // GEMM gets, from a pipeline's narrow chunks to whole batches, and k, n the widths of experts,
 // attention and heads; each shape at most TUNE_GRID_MACS multiply-accumulates (an engine may ask
-// for fewer: the fake device's) and GRID_FLOATS floats an
-// operand (the planner takes a larger one at the speed of the largest measured at its k and n:
-// sched/sched_gemm.c). Every rank at once, as the other GEMMs. Each run takes the next of as many
+// for fewer: the fake device's) and GRID_FLOATS floats an operand (the planner takes a larger one
+// at the speed of the largest measured at its k and n: sched/sched_gemm.c). Every rank at once, as the other GEMMs. Each run takes the next of as many
 // operand sets as add up to GRID_COLD floats (64 MiB, beyond a CPU's last-level cache): a step's
 // GEMMs read operands other work has pushed out of the caches, and a small shape whose few sets
 // stayed cached timed up to 1.6x faster than the same shape in a step.
@@ -349,14 +348,14 @@ static void run_gemms(Series *s, const GemmShape *shapes, int nshapes, bool quic
 // of its passes: a shared machine has slow spells of a second or more (other work, a rank moved to
 // a busy core), and five runs of a shape in a row fell into the same spell: three profiles of 2
 // ranks on 2 cores disagreed by more than 25 % at 51 of 284 shapes and by more than 50 % at 12 with
-// runs in a row, at 29 and 1 in passes. Where the ranks' threads outnumber the cores the times were also two-valued (the
-// slowest rank's GEMM ran alone or beside another, 2.5e-8 or 5e-8 ms per multiply-accumulate, by
-// where it fell in the scheduler's time slices; 98 shapes over 25 % and 48 over 50 % for three
-// profiles of 4 ranks, in a row or in passes): there a run lasts GRID_RUN_SHARED_MS, long enough to
-// hold many slices, so that each rank gets its share of a core as in a step (those three profiles,
-// in passes of such runs: 41 shapes over 25 %, 6 over 50 %, against 98 and 48). A run of a short
-// shape is as many calls as take the run's time (at most GRID_REPS), counted at the first pass's
-// warm-up.
+// runs in a row, at 29 and 1 in passes. Where the ranks' threads outnumber the cores the times were
+// also two-valued (the slowest rank's GEMM ran alone or beside another, 2.5e-8 or 5e-8 ms per
+// multiply-accumulate, by where it fell in the scheduler's time slices; 98 shapes over 25 % and 48
+// over 50 % for three profiles of 4 ranks, in a row or in passes): there a run lasts
+// GRID_RUN_SHARED_MS, long enough to hold many slices, so that each rank gets its share of a core as
+// in a step (those three profiles, in passes of such runs: 41 shapes over 25 %, 6 over 50 %). A run
+// of a short shape is as many calls as take the run's time (at most GRID_REPS), counted at the first
+// pass's warm-up.
 static const int grid_m[] = {4, 16, 64, 256, 1024, 2048, 4096}, grid_w[] = {64, 128, 256, 512, 1024, 2048, 4096};
 enum { GRID_NM = sizeof grid_m / sizeof *grid_m, GRID_NW = sizeof grid_w / sizeof *grid_w, GRID_MAX = GRID_NM * GRID_NW * GRID_NW };
 enum { GRID_REPS = 1024 };
@@ -848,10 +847,10 @@ static void print_preamble(const TuneOptions *o, const TuneRun *r, const Series 
   fflush(stdout);
 }
 
-// Times every series on every rank; the seconds it took.
-// grid: time the grid of GEMM shapes too (the engine has one and no --model names the shapes).
-// grid_run_ms: the GEMM grid's runs' least length, 0 for no grid.
-static double measure_all(RtComm *comm, Series *s, const GemmShape *shapes, int nshapes, bool quick, double grid_run_ms) {
+// Times every series on every rank; the seconds it took. grid_run_ms: the least length of the GEMM
+// grid's runs, 0 for no grid (the engine has none, or --model names the shapes).
+static double measure_all(RtComm *comm, Series *s, const GemmShape *shapes, int nshapes, bool quick,
+                          double grid_run_ms) {
   double t_start = MPI_Wtime();
   int comm_idx[COMM_SIZES], gemm_idx[GEMM_SIZES];
   Progress pr = {.on = T.rank == 0 && watched()};
@@ -942,10 +941,10 @@ static int fit_and_print(const TuneOptions *o, const TuneRun *r, Series *s) {
       if (grid_ms_per_mac(i) > grid_ms_per_mac(slow)) slow = i;
     }
     printf("# gemm grid: %d shapes (gemm_at lines), each the median of %d passes of runs of at least %g ms%s; ms per "
-           "multiply-accumulate from %.3e ([%d, %d] x [%d, %d]) to %.3e ([%d, %d] x [%d, %d])\n", ngrid, RUNS, grid_run,
-           grid_run == GRID_RUN_SHARED_MS ? " (the ranks' threads outnumber the cores)" : "", grid_ms_per_mac(fast), (int)grid[fast][0], (int)grid[fast][1],
-           (int)grid[fast][1], (int)grid[fast][2], grid_ms_per_mac(slow), (int)grid[slow][0], (int)grid[slow][1],
-           (int)grid[slow][1], (int)grid[slow][2]);
+           "multiply-accumulate from %.3e ([%d, %d] x [%d, %d]) to %.3e ([%d, %d] x [%d, %d])\n",
+           ngrid, RUNS, grid_run, grid_run == GRID_RUN_SHARED_MS ? " (the ranks' threads outnumber the cores)" : "",
+           grid_ms_per_mac(fast), (int)grid[fast][0], (int)grid[fast][1], (int)grid[fast][1], (int)grid[fast][2],
+           grid_ms_per_mac(slow), (int)grid[slow][0], (int)grid[slow][1], (int)grid[slow][1], (int)grid[slow][2]);
   }
   for (int i = 0; i < NSERIES; i++)
     if (s[i].ok && (s[i].fit.alpha < 0 || s[i].fit.beta < 0) && (on_a_node(s, i) || (i != S_A2A_INTRA && i != S_AR_INTRA)))

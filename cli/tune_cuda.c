@@ -9,7 +9,8 @@
 // (the collectives are skipped). The grid of GEMM shapes (the profile's gemm_at lines, cli/tune.c)
 // is timed as on the CPU, GPU_REPS GEMMs a call, on one operand set (a GPU has no cache to keep
 // them out of that matters at these sizes); on the fake device only its shapes up to
-// GRID_MACS_FAKE. The element-wise, attention and update kernels are not timed on a GPU yet. `memory` is the smallest total memory of the ranks' GPUs (cuDeviceTotalMem).
+// GRID_MACS_FAKE. The element-wise, attention and update kernels are not timed on a GPU yet.
+// `memory` is the smallest total memory of the ranks' GPUs (cuDeviceTotalMem).
 //
 // Built only into the CUDA programs (the Makefile): build/cuda/moec-tune-cuda, linked with the
 // GPU runtime, cuBLAS and NCCL (which moec itself does not load; moec tune --target cuda runs it
@@ -32,7 +33,7 @@
 static double unit = GEMM_UNIT;
 static const char *unit_text = "2^27";
 enum { GPU_REPS = 10 };         // GEMMs / collectives back to back in one timed run
-#define GRID_MACS_FAKE 1048576.0  // 2^20: the GEMM grid's largest shape on the fake device (its GEMMs run on the CPU)
+#define GRID_MACS_FAKE 1048576.0  // 2^20: the grid's largest shape on the fake device (its GEMMs are the CPU's)
 
 // The GPU of this rank, the GEMMs' input type, and the NCCL communicators of the groups timed.
 static RtCuda *gpu;

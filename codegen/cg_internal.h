@@ -185,8 +185,8 @@ int cg_fused_members(const IrFunc *f, int i);
 // (the group's elementwise ops over rows; its source is a C function named FUSED_NAME, to be
 // renamed by the program as gen's name, fuse_N) instead of a CUDA kernel.
 bool cg_lower_fused(IrDiag *d, CgLaunches *ls, const IrFunc *f, int i, bool cpu, CgLaunch *l);
-// Whether every member of the group at op i of f reads value v by rows: as its element (a scalar
-// expression's xK), or a norm's rows, never another row's element.
+// Whether the group at op i of f reads value v, and every member that does by rows: as its element
+// (a scalar expression's xK), or a norm's rows, never another row's element.
 bool cg_fused_reads_rows(const IrFunc *f, int i, const IrValue *v);
 // Whether scalar expression expr is a form the CPU loops take: one function call of plain
 // operands (rt_fv_NAME of runtime/rt_fused.h), or arithmetic without functions.

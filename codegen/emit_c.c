@@ -586,7 +586,7 @@ static bool slots_overlap(const PassMemSlot *s, const PassMemSlot *t) {
 
 // Whether fused group g (at op g->op of f) can run in the pieces of the GEMM right before it, each
 // piece's thread over the rows it computed (rt_matmul_rows, rt_expert_matmul_rows): a group of
-// elementwise ops and norms over rows as long as the product's, that reads the product only row by
+// elementwise ops and norms over rows as long as the product's, that reads the product, only row by
 // row (cg_fused_reads_rows; its other operands are complete before the GEMM starts), with no event
 // or stream between the two (the product is read by nothing else before the group), and whose
 // results overwrite neither the GEMM's operands (another piece may still read them) nor the
@@ -608,10 +608,7 @@ static bool in_gemm(const Emit *e, const IrFunc *f, const struct Fused *g) {
   if (pt->rank != (expert ? 3 : 2) || rt->rank < 1 || rt->dim[rt->rank - 1] != pt->dim[pt->rank - 1] ||
       ir_type_numel(rt) != ir_type_numel(pt))
     return false;
-  bool reads = false;
-  for (int j = 0; j < cg_fused_members(f, i); j++)
-    for (int k = 0; k < f->ops[i + j]->nargs; k++) reads |= f->ops[i + j]->args[k].value == gemm->result;
-  if (!reads || !cg_fused_reads_rows(f, i, gemm->result)) return false;
+  if (!cg_fused_reads_rows(f, i, gemm->result)) return false;
   const PassMemSlot *made = &e->plan->slot[f->index][gemm->result->id];
   for (int k = 0; k < g->launch.call[0].nargs; k++) {
     const CgArg *a = &g->launch.call[0].args[k];

@@ -147,17 +147,19 @@ static bool reads_element_only(const char *expr, int k) {
 
 bool cg_fused_reads_rows(const IrFunc *f, int i, const IrValue *v) {
   int n = cg_fused_members(f, i);
+  bool reads = false;
   for (int j = 0; j < n; j++) {
     const IrOp *op = f->ops[i + j];
     for (int k = 0; k < op->nargs; k++) {
       if (op->args[k].param || op->args[k].value != v) continue;
+      reads = true;
       if (ir_op_row(op->kind)) continue;   // a norm reads its operand's rows
       const char *expr = ir_op_scalar(op->kind);
       if (!expr || !reads_element_only(expr, k) || ir_type_numel(&op->result->type) != ir_type_numel(&v->type))
         return false;
     }
   }
-  return true;
+  return reads;
 }
 
 bool cg_scalar_check(const char *expr, int nargs, char *why, size_t size) {

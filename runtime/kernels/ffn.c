@@ -101,70 +101,59 @@ static void sgemm_here(CBLAS_TRANSPOSE opa, CBLAS_TRANSPOSE opb, int m, int n, i
 #endif
 }
 
-void rt_matmul(const float *a, const float *b, float *c, int m, int n, int k, bool ta, bool tb,
-               bool accumulate) {
+// C = op(A) op(B) (+ C when accumulate) in pieces of c's rows over the pool. With rows (the GEMM
+// epilogue of rt_matmul_rows), each piece's thread then runs rows(args, lo, hi) over the rows it
+// computed, while they are in its cache; returns whether it did (false when the GEMM ran in one
+// piece: a small one, or inside a parallel region). --profile counts the slowest piece's epilogue
+// out of the GEMM's time.
+static bool matmul(const float *a, const float *b, float *c, int m, int n, int k, bool ta, bool tb, bool accumulate,
+                   RtRowsFn rows, const void *const *args) {
   if (m <= 0 || n <= 0)
-    return;
+    return false;
   if (k <= 0) {
     if (!accumulate)
       memset(c, 0, (size_t)m * n * sizeof *c);
-    return;
+    return false;
   }
   int lda = ta ? m : k;   // A stored [k,m] when transposed, else [m,k]
   int ldb = tb ? k : n;   // B stored [n,k] when transposed, else [k,n]
   CBLAS_TRANSPOSE opa = ta ? CblasTrans : CblasNoTrans, opb = tb ? CblasTrans : CblasNoTrans;
   float beta = accumulate ? 1.0f : 0.0f;
-  int64_t t0 = gemm_profile ? mono_ns() : 0;
+  int64_t t0 = gemm_profile ? mono_ns() : 0, rows_ns = 0;
   int pieces = gemm_pieces(m, n, k);
   if (pieces <= 1) {
     sgemm_here(opa, opb, m, n, k, a, lda, b, ldb, beta, c, n);
   } else {
 #ifdef _OPENMP
-#pragma omp parallel num_threads(pieces)
+#pragma omp parallel num_threads(pieces) reduction(max : rows_ns)
 #endif
     for (int p = rt_thread_id(); p < pieces; p += rt_team_size()) {
       int lo, hi;
       piece_rows(m, pieces, p, &lo, &hi);
-      if (hi > lo)   // rows lo..hi-1 of c and of op(a)
-        sgemm_here(opa, opb, hi - lo, n, k, ta ? a + lo : a + (size_t)lo * lda, lda, b, ldb, beta,
-                   c + (size_t)lo * n, n);
+      if (hi <= lo) continue;   // rows lo..hi-1 of c and of op(a)
+      sgemm_here(opa, opb, hi - lo, n, k, ta ? a + lo : a + (size_t)lo * lda, lda, b, ldb, beta, c + (size_t)lo * n, n);
+      if (!rows) continue;
+      int64_t r0 = gemm_profile ? mono_ns() : 0;
+      rows(args, lo, hi);
+      if (gemm_profile && mono_ns() - r0 > rows_ns) rows_ns = mono_ns() - r0;
     }
   }
   if (gemm_profile)
-    atomic_fetch_add(&gemm_ns, mono_ns() - t0);
+    atomic_fetch_add(&gemm_ns, mono_ns() - t0 - rows_ns);
+  return rows && pieces > 1;
 }
 
-// A GEMM and then rows(args, lo, hi) over each piece's rows of c on the thread that computed
-// them, while they are still in its cache: the CPU program's GEMM epilogue, a fused group of
-// elementwise and row-wise ops over the product's rows (codegen/emit_c.c says which). Returns
-// false when the GEMM ran in one piece (a small one, or inside a parallel region) and rows did not
-// run: the caller then runs the group over the whole product, on the team. --profile counts the
-// slowest piece's epilogue out of the GEMM's time.
+void rt_matmul(const float *a, const float *b, float *c, int m, int n, int k, bool ta, bool tb,
+               bool accumulate) {
+  matmul(a, b, c, m, n, k, ta, tb, accumulate, NULL, NULL);
+}
+
+// The CPU program's GEMM epilogue: a fused group of elementwise and row-wise ops over the product's
+// rows (codegen/emit_c.c says which) in matmul's pieces; when it returns false the caller runs the
+// group over the whole product, on the team.
 bool rt_matmul_rows(const float *a, const float *b, float *c, int m, int n, int k, bool ta, bool tb, RtRowsFn rows,
                     const void *const *args) {
-  int pieces = m > 0 && n > 0 && k > 0 ? gemm_pieces(m, n, k) : 1;
-  if (pieces <= 1) {
-    rt_matmul(a, b, c, m, n, k, ta, tb, false);
-    return false;
-  }
-  int lda = ta ? m : k, ldb = tb ? k : n;
-  CBLAS_TRANSPOSE opa = ta ? CblasTrans : CblasNoTrans, opb = tb ? CblasTrans : CblasNoTrans;
-  int64_t t0 = gemm_profile ? mono_ns() : 0, rows_ns = 0;
-#ifdef _OPENMP
-#pragma omp parallel num_threads(pieces) reduction(max : rows_ns)
-#endif
-  for (int p = rt_thread_id(); p < pieces; p += rt_team_size()) {
-    int lo, hi;
-    piece_rows(m, pieces, p, &lo, &hi);
-    if (hi <= lo) continue;
-    sgemm_here(opa, opb, hi - lo, n, k, ta ? a + lo : a + (size_t)lo * lda, lda, b, ldb, 0.0f, c + (size_t)lo * n, n);
-    int64_t r0 = gemm_profile ? mono_ns() : 0;
-    rows(args, lo, hi);
-    if (gemm_profile && mono_ns() - r0 > rows_ns) rows_ns = mono_ns() - r0;
-  }
-  if (gemm_profile)
-    atomic_fetch_add(&gemm_ns, mono_ns() - t0 - rows_ns);
-  return true;
+  return matmul(a, b, c, m, n, k, ta, tb, false, rows, args);
 }
 
 // Expert GEMMs skip the slots nobody filled. An expert's buffer holds rows (slots) of which only

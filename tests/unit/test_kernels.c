@@ -775,6 +775,17 @@ static void test_normal_fill(void **state) {
 
 char *openblas_get_corename(void);
 
+// The pool of n threads (rt_threads_setup as a program's start): OMP_NUM_THREADS n, and with
+// whole each GEMM in one piece (OPENBLAS_NUM_THREADS=1), else in as many as threads.
+static void use_threads(int n, bool whole) {
+  char env[8];
+  snprintf(env, sizeof env, "%d", n);
+  setenv("OMP_NUM_THREADS", env, 1);
+  if (whole) setenv("OPENBLAS_NUM_THREADS", "1", 1);
+  else unsetenv("OPENBLAS_NUM_THREADS");
+  rt_threads_setup(1);
+}
+
 // rt_matmul on 1, 2 and 3 threads gives the same bits, whatever the shape: tall, wide (where a
 // split of c's columns rounded differently), transposed or not, accumulating, and whole GEMMs
 // that OpenBLAS's OpenMP build once split by itself. Each GEMM is in as many pieces as threads
@@ -801,12 +812,7 @@ static void test_matmul_split(void **state) {
     for (int t = 0; t < 8; t++) {
       bool ta = t & 1, tb = t & 2, acc = t & 4;
       for (int threads = 1; threads <= 3; threads++) {
-        char env[8];
-        snprintf(env, sizeof env, "%d", threads);
-        setenv("OMP_NUM_THREADS", env, 1);
-        if (split) unsetenv("OPENBLAS_NUM_THREADS");
-        else setenv("OPENBLAS_NUM_THREADS", "1", 1);
-        rt_threads_setup(1);
+        use_threads(threads, !split);
         float *c = threads == 1 ? want : got;
         memcpy(c, c0, (size_t)m * n * sizeof *c);
         rt_matmul(a, b, c, m, n, k, ta, tb, acc);
@@ -817,9 +823,7 @@ static void test_matmul_split(void **state) {
     }
     free(a), free(b), free(c0), free(want), free(got);
   }
-  setenv("OMP_NUM_THREADS", "1", 1);
-  unsetenv("OPENBLAS_NUM_THREADS");
-  rt_threads_setup(1);
+  use_threads(1, false);
 }
 
 // rt_expert_matmul at a size that runs in the pool (one region: row kinds, the GEMM calls handed
@@ -845,11 +849,7 @@ static void test_expert_matmul_team(void **state) {
         if (!ta && e == 1 && r >= 150 && r < 200) memcpy(row, row - acols, acols * sizeof *row);   // act(b1) copies
       }
     for (int threads = 1; threads <= 3; threads++) {
-      char env[8];
-      snprintf(env, sizeof env, "%d", threads);
-      setenv("OMP_NUM_THREADS", env, 1);
-      unsetenv("OPENBLAS_NUM_THREADS");
-      rt_threads_setup(1);
+      use_threads(threads, false);
       float *c = threads == 1 ? want : got;
       for (int64_t i = 0; i < (int64_t)E * m * N; i++) c[i] = NAN;   // every row written
       rt_expert_matmul(a, b, c, E, m, N, k, ta, false);
@@ -871,8 +871,7 @@ static void test_expert_matmul_team(void **state) {
         }
     free(a), free(b), free(want), free(got);
   }
-  setenv("OMP_NUM_THREADS", "1", 1);
-  rt_threads_setup(1);
+  use_threads(1, false);
 }
 
 // The GEMM epilogues (rt_matmul_rows, rt_expert_matmul_rows): the rows function sees each row of
@@ -912,11 +911,7 @@ static void test_gemm_rows(void **state) {
     memset(a + ((size_t)3 * S + r) * K, 0, K * sizeof *row);
   }
   for (int threads = 1; threads <= 3; threads++) {
-    char env[8];
-    snprintf(env, sizeof env, "%d", threads);
-    setenv("OMP_NUM_THREADS", env, 1);
-    unsetenv("OPENBLAS_NUM_THREADS");
-    rt_threads_setup(1);
+    use_threads(threads, false);
     const void *args[] = {c, y, (void *)(intptr_t)N};
     memset(rows_seen, 0, sizeof rows_seen);
     bool ran = rt_matmul_rows(a, b, c, E * S, N, K, false, false, rows_twice_plus_one, args);
@@ -930,8 +925,7 @@ static void test_gemm_rows(void **state) {
     check_rows("rt_expert_matmul_rows", threads, ran, c, y, E * S, N);
   }
   free(a), free(b), free(c), free(y);
-  setenv("OMP_NUM_THREADS", "1", 1);
-  rt_threads_setup(1);
+  use_threads(1, false);
 }
 
 static void test_gate_noise_layout(void **state) {
