@@ -478,7 +478,7 @@ static bool fit_memory(IrDiag *d, const Options *o, const FeTargetCaps *caps, Cl
   }
   if (peak <= limit) return true;
   const PassMemPlan *p = ctx->memplan;
-  int64_t fixed = 2 * p->param_bytes + p->optimizer_bytes;
+  int64_t fixed = 2 * p->param_bytes + p->optimizer_bytes + p->param16_bytes;
   char f[32];
   int64_t batch = ir_mod_int(*m, "batch", 1);
   int64_t fits = p->arena_bytes > 0 ? (int64_t)((double)batch * (double)(limit - fixed) / (double)p->arena_bytes) : batch;

@@ -82,6 +82,7 @@ int cg_kernel_by_name(const char *name);
 
 typedef enum CgArgKind {
   CG_ARG_OPERAND,   // operand `index` of op i + `i` (i 0 but in a fused group): a value or a parameter
+  CG_ARG_OPERAND16, // that operand's bf16 copy (dtype bf16: a saved activation, passes/fuse.c's bf16_reads)
   CG_ARG_RESULT,    // the result of op i + index (index 0; a fused gate: 0 scores, 1 idx, 2 gates)
   CG_ARG_COPY,      // the bf16 copy of that result (dtype bf16: a GEMM operand's, PassMemPlan.copy)
   CG_ARG_GRAD,      // the gradient buffer of the parameter op->args[0]

@@ -526,6 +526,7 @@ void cg_emit_model(FILE *out, const IrModule *m, const PassMemPlan *plan, int64_
           ir_mod_int(m, "dp", 1), ir_mod_int(m, "mp", 1), ir_mod_int(m, "ep", 1), ir_mod_int(m, "esp", 1),
           ir_mod_int(m, "gpus_per_node", 1), ir_mod_int(m, "nodes", 0));
   if (device) fprintf(out, "  .device = &%s,\n", device);
+  if (plan->param16_bytes) fprintf(out, "  .param16_bytes = %" PRId64 ",\n", plan->param16_bytes);
   // Which auxiliary losses are in the objective (a coefficient above 0), for the step lines.
   bool aux = false, z = false;
   for (int i = 0; i < m->nfuncs; i++)

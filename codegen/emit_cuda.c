@@ -247,6 +247,7 @@ static void plan_arg(char *buf, size_t n, const IrFunc *f, int i, const CgArg *a
   case CG_ARG_OPERAND: operand_name(buf, n, &f->ops[i + a->i]->args[a->index]); return;
   case CG_ARG_RESULT: snprintf(buf, n, "%%%s", f->ops[i + a->index]->result->name); return;
   case CG_ARG_COPY: snprintf(buf, n, "bf16(%%%s)", f->ops[i + a->index]->result->name); return;
+  case CG_ARG_OPERAND16: snprintf(buf, n, "bf16(%%%s)", f->ops[i + a->i]->args[a->index].value->name); return;
   case CG_ARG_GRAD: snprintf(buf, n, "grad(@%s)", op->args[0].param->name); return;
   case CG_ARG_MOMENT_M: snprintf(buf, n, "m(@%s)", op->args[0].param->name); return;
   case CG_ARG_MOMENT_V: snprintf(buf, n, "v(@%s)", op->args[0].param->name); return;

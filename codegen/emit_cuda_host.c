@@ -226,7 +226,8 @@ static bool kernel_arg(Host *h, const IrFunc *f, int i, const CgArg *a, CgParamT
                        int64_t scratch, char *buf, size_t n) {
   const IrOp *op = f->ops[i];
   char addr[96];
-  bool pointer = a->kind == CG_ARG_OPERAND || a->kind == CG_ARG_RESULT || a->kind == CG_ARG_COPY || a->kind == CG_ARG_GRAD ||
+  bool pointer = a->kind == CG_ARG_OPERAND || a->kind == CG_ARG_OPERAND16 || a->kind == CG_ARG_RESULT ||
+                 a->kind == CG_ARG_COPY || a->kind == CG_ARG_GRAD ||
                  a->kind == CG_ARG_MOMENT_M || a->kind == CG_ARG_MOMENT_V || a->kind == CG_ARG_STATS ||
                  a->kind == CG_ARG_SCRATCH || a->kind == CG_ARG_PARAM16 || a->kind == CG_ARG_RANGES;
   bool real = a->kind == CG_ARG_FLOAT || a->kind == CG_ARG_LR_SCALE || a->kind == CG_ARG_GRAD_SCALE;
@@ -458,6 +459,9 @@ static bool bf16_operands(Host *h, const IrFunc *f, const IrOp *op, IrStream s, 
       continue;
     }
     if (copy[k]) continue;
+    if (strcmp(src[k], "NULL") == 0)
+      return ir_internal_at(h->d, op->loc, "operand %d of %s is stored in bf16 only and has no copy to read", k,
+                            ir_op_info[op->kind].name);
     snprintf(dst[k], n, "(B + %s + %d * SLOT_%s)", base, slot[k], base + 2);
     int64_t bytes = bf16_bytes(cg_operand_type(arg));
     if (bytes > h->bf16_slot[s]) h->bf16_slot[s] = bytes;
@@ -466,10 +470,17 @@ static bool bf16_operands(Host *h, const IrFunc *f, const IrOp *op, IrStream s, 
   return true;
 }
 
+// GEMM operand x's fp32 address into buf; "NULL" for a value stored in bf16 only (passes/fuse.c:
+// its maker writes the copy, and bf16_operands reads that).
+static void gemm_operand(const Host *h, const IrOperand *x, char *buf, size_t n) {
+  if (!x->param && h->sp.plan->slot[x->value->func->index][x->value->id].kind == PASS_MEM_NONE) snprintf(buf, n, "NULL");
+  else cg_spell_operand(&h->sp, x, buf, n);
+}
+
 static bool emit_gemm(Host *h, const IrFunc *f, const IrOp *op, IrStream s) {
   char a[96], b[96], r[96];
-  cg_spell_operand(&h->sp, &op->args[0], a, sizeof a);
-  cg_spell_operand(&h->sp, &op->args[1], b, sizeof b);
+  gemm_operand(h, &op->args[0], a, sizeof a);
+  gemm_operand(h, &op->args[1], b, sizeof b);
   cg_spell_value(&h->sp, op->result, r, sizeof r);
   const IrType *t0 = cg_operand_type(&op->args[0]), *t1 = cg_operand_type(&op->args[1]), *rt = &op->result->type;
   bool ta = ir_op_int(op, "ta", 0), tb = ir_op_int(op, "tb", 0);
@@ -526,6 +537,7 @@ static double fused_bytes(const IrFunc *f, int i, const CgKernelCall *c) {
     if (x->kind == CG_ARG_OPERAND) bytes += (double)ir_type_bytes(cg_operand_type(&f->ops[i + x->i]->args[x->index]));
     else if (x->kind == CG_ARG_RESULT) bytes += (double)ir_type_bytes(&f->ops[i + x->index]->result->type);
     else if (x->kind == CG_ARG_COPY) bytes += 2.0 * (double)ir_type_numel(&f->ops[i + x->index]->result->type);
+    else if (x->kind == CG_ARG_OPERAND16) bytes += 2.0 * (double)ir_type_numel(cg_operand_type(&f->ops[i + x->i]->args[x->index]));
   }
   return bytes;
 }

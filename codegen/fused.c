@@ -30,9 +30,7 @@ int cg_fused_members(const IrFunc *f, int i) {
   return n;
 }
 
-bool cg_fused_writes_copy(const IrOp *op) {
-  return ir_op_int(op, "bf16", 0) && ir_op_int(op, "fuse", -1) >= 0 && ir_op_colsum(op->kind) < 0;
-}
+bool cg_fused_writes_copy(const IrOp *op) { return pass_writes_copy(op); }
 
 // The member (offset from the group's first op) that makes value v, or -1.
 static int member_making(const IrFunc *f, int i, int n, const IrValue *v) {
@@ -118,8 +116,14 @@ static int outside_pointer(const Operands *o, int k) {
 static void cuda_operand(FILE *out, int k, const char *mode, void *ctx) {
   const Operands *o = ctx;
   int made = member_making(o->f, o->i, o->n, o->op->args[k].value);
-  if (made >= 0) fprintf(out, "v%d", made);
-  else load(out, outside_pointer(o, k), mode, o->op, k);
+  bool copy = pass_reads_copy(o->op, k);   // a saved activation's bf16 copy (passes/fuse.c)
+  if (made >= 0) {
+    fprintf(out, "v%d", made);
+    return;
+  }
+  fprintf(out, "%s", copy ? "mk_float_from_bf16(" : "");
+  load(out, outside_pointer(o, k), mode, o->op, k);
+  fprintf(out, "%s", copy ? ")" : "");
 }
 
 // The expression of member op in CUDA: operands become registers or loads, functions the
@@ -543,9 +547,12 @@ bool cg_lower_fused(IrDiag *d, CgLaunches *ls, const IrFunc *f, int i, bool cpu,
     const IrOp *op = f->ops[i + j];
     for (int a = 0; a < op->nargs; a++) {
       if (member_making(f, i, n, op->args[a].value) >= 0) continue;
-      bool seen = false;
-      for (int p = 0; p < nin && !seen; p++) seen = same_operand(in[p], &op->args[a]);
-      if (seen) continue;
+      int seen = -1;
+      for (int p = 0; p < nin && seen < 0; p++)
+        if (same_operand(in[p], &op->args[a])) seen = p;
+      if (seen >= 0 && pass_reads_copy(op, a) != pass_reads_copy(f->ops[i + in_op[seen]], in_arg[seen]))
+        return ir_internal_at(d, op->loc, "a fused group reads a value both from its bf16 copy and in fp32");
+      if (seen >= 0) continue;
       if (nin + st.nout >= CG_MAX_KERNEL_ARGS) return ir_internal_at(d, op->loc, "a fused group has more than %d pointers", CG_MAX_KERNEL_ARGS);
       in_op[nin] = j, in_arg[nin] = a, in[nin++] = &op->args[a];
     }
@@ -564,7 +571,8 @@ bool cg_lower_fused(IrDiag *d, CgLaunches *ls, const IrFunc *f, int i, bool cpu,
   else if (cpu) c_function(t.f, f, i, n, in, nin, &st);
   else fprintf(t.f, "(");
   for (int p = 0; p < nin && !cpu; p++)
-    fprintf(t.f, "%sconst %s *a%d", p ? ", " : "", cg_operand_type(in[p])->dtype == IR_I32 ? "int" : "float", p);
+    fprintf(t.f, "%sconst %s *a%d", p ? ", " : "",
+            pass_reads_copy(f->ops[i + in_op[p]], in_arg[p]) ? "u16" : cg_operand_type(in[p])->dtype == IR_I32 ? "int" : "float", p);
   for (int p = 0; p < st.nout && !cpu; p++) fprintf(t.f, "%sfloat *o%d", nin + p ? ", " : "", p);
   for (int p = 0; p < st.ncopy && !cpu; p++) fprintf(t.f, ", u16 *h%d", p);
   if (!cpu) {
@@ -602,7 +610,9 @@ bool cg_lower_fused(IrDiag *d, CgLaunches *ls, const IrFunc *f, int i, bool cpu,
   CgKernelCall *c = &l->call[l->ncalls++];
   c->kernel = CG_K_COUNT + g;
   c->grid = grid.blocks ? cg_cuda_grid_blocks(grid.items) : cg_cuda_grid_elems(grid.items);
-  for (int p = 0; p < nin; p++) c->args[c->nargs++] = (CgArg){.kind = CG_ARG_OPERAND, .index = in_arg[p], .i = in_op[p]};
+  for (int p = 0; p < nin; p++)
+    c->args[c->nargs++] = (CgArg){.kind = pass_reads_copy(f->ops[i + in_op[p]], in_arg[p]) ? CG_ARG_OPERAND16 : CG_ARG_OPERAND,
+                                  .index = in_arg[p], .i = in_op[p]};
   for (int p = 0; p < st.nout; p++) c->args[c->nargs++] = (CgArg){.kind = CG_ARG_RESULT, .index = st.out[p]};
   for (int p = 0; p < st.ncopy; p++) c->args[c->nargs++] = (CgArg){.kind = CG_ARG_COPY, .index = st.copy[p]};
   snprintf(l->note, sizeof l->note, "%d ops fused", n);

@@ -63,6 +63,9 @@ bool cg_spell_pointer(const CgSpelling *sp, const IrFunc *f, int i, const CgArg 
   switch (a->kind) {
   case CG_ARG_OPERAND: cg_spell_operand(sp, &f->ops[i + a->i]->args[a->index], buf, n); return true;
   case CG_ARG_RESULT: cg_spell_value(sp, f->ops[i + a->index]->result, buf, n); return true;
+  case CG_ARG_OPERAND16:
+    if (!cg_spell_copy(sp, f->ops[i + a->i]->args[a->index].value, buf, n)) UNREACHABLE();   // fuse marks values with one
+    return true;
   case CG_ARG_COPY:
     if (!cg_spell_copy(sp, f->ops[i + a->index]->result, buf, n)) UNREACHABLE();   // memplan gives bf16=1 results one
     return true;

@@ -41,7 +41,8 @@
 // result is read by no op outside its group (of any function: a backward reads saved forward
 // values) and is not returned also gets `inner=1`: the value lives only in the fused kernel's
 // registers, and memplan gives it no memory. With dtype bf16 a GEMM operand's maker also gets
-// `bf16=1` (bf16_copies below). codegen/fused.c generates each group's kernel
+// `bf16=1`, a saved activation's reader in the backward `bf16_reads`, and a value read only from
+// its bf16 copy `inner=1` with `bf16=1` (bf16_copies below). codegen/fused.c generates each group's kernel
 // from the members' scalar expressions, in their order, so every element gets the float
 // operations of the ops' own kernels: fused and `moec build --no-fuse` (which skips this pass)
 // compute the same bits.
@@ -318,7 +319,82 @@ static bool fuse_func(IrModule *m, IrFunc *f, PassCtx *ctx, int *next_id, int *n
 // by the backward). A fused kernel writes the copy where it writes the value; an elementwise or
 // row-wise op that is in no group becomes a group of its own (a kernel generated to write both);
 // the copy of any other op's value is made by the program before its first GEMM.
-static int bf16_copies(IrModule *m, int *next_id) {
+//
+// Saved activations: an elementwise member of a backward's group that reads a forward value
+// (gelu_grad's pre-activation, a residual's input) reads it from a bf16 copy the forward's kernel
+// writes (`bf16_reads`, a bit an operand, on the reader; `bf16=1` on the maker), so the fp32
+// value dies with the forward's last reader of it. Row-wise ops (a norm's gradient), column sums
+// and storing ops read fp32; so does a group in which any of them reads the value.
+// MOEC_BF16_SAVED=0 in the environment leaves every saved activation in fp32 (then the program
+// computes the bits of its --no-fuse build; tests/cuda/host.sh compares them).
+static bool reads_element(const IrOp *op) {
+  return ir_op_scalar(op->kind) && !ir_op_row(op->kind) && ir_op_colsum(op->kind) < 0 && !ir_op_store(op->kind);
+}
+
+static int saved_copies(IrModule *m, int *next_id) {
+  const char *env = getenv("MOEC_BF16_SAVED");
+  if (env && strcmp(env, "0") == 0) return 0;
+  int n = 0;
+  for (int fi = 0; fi < m->nfuncs; fi++) {
+    IrFunc *h = m->funcs[fi];
+    for (int i = 0; h->saves && i < h->nops; i++) {
+      IrOp *op = h->ops[i];
+      int64_t group = ir_op_int(op, "fuse", -1);
+      if (group < 0 || !reads_element(op)) continue;
+      for (int a = 0; a < op->nargs; a++) {
+        IrValue *v = op->args[a].value;
+        if (!v || v->func != h->saves || !v->def || v->type.dtype != IR_F32 || ir_op_colsum(v->def->kind) >= 0) continue;
+        if (ir_op_int(v->def, "fuse", -1) < 0 && !candidate(v->func, v->def, false)) continue;
+        bool all = true;   // every member of op's group that reads v reads elements
+        for (int j = 0; j < h->nops && all; j++)
+          for (int b = 0; b < h->ops[j]->nargs && all; b++)
+            if (h->ops[j]->args[b].value == v && ir_op_int(h->ops[j], "fuse", -1) == group) all = reads_element(h->ops[j]);
+        if (!all) continue;
+        ir_op_set_int(op, "bf16_reads", ir_op_int(op, "bf16_reads", 0) | (1 << a));
+        if (!ir_op_int(v->def, "bf16", 0)) n++;
+        ir_op_set_int(v->def, "bf16", 1);
+        if (ir_op_int(v->def, "fuse", -1) < 0) ir_op_set_int(v->def, "fuse", (*next_id)++);
+      }
+    }
+  }
+  return n;
+}
+
+// A fused kernel's result that is read outside its group (and that is not returned) from its
+// bf16 copy only (by GEMMs, by the backward's marked readers) is stored in bf16 only: its maker
+// gets `inner=1` too, so the kernel writes the copy and not the fp32 value, and memplan gives the
+// value its copy's 2 bytes an element (a saved activation: 2 bytes instead of 6). Those readers
+// read the copy either way, so this changes no bit.
+static bool only_copies_read(const IrModule *m, const IrValue *v) {
+  const IrFunc *f = v->func;
+  int64_t group = ir_op_int(v->def, "fuse", -1);
+  for (int r = 0; r < f->nrets; r++)
+    if (f->rets[r] == v) return false;
+  for (int fi = 0; fi < m->nfuncs; fi++) {
+    const IrFunc *h = m->funcs[fi];
+    if (h != f && h->saves != f) continue;
+    for (int i = 0; i < h->nops; i++) {
+      const IrOp *op = h->ops[i];
+      for (int a = 0; a < op->nargs; a++)
+        if (op->args[a].value == v && !pass_reads_copy(op, a) && !(h == f && ir_op_int(op, "fuse", -1) == group))
+          return false;
+    }
+  }
+  return true;
+}
+
+bool pass_writes_copy(const IrOp *op) {
+  return ir_op_int(op, "bf16", 0) && ir_op_int(op, "fuse", -1) >= 0 && ir_op_colsum(op->kind) < 0;
+}
+
+bool pass_reads_copy(const IrOp *op, int a) {
+  const IrValue *v = a < op->nargs ? op->args[a].value : NULL;
+  if (!v || !v->def) return false;
+  if ((op->kind == IR_OP_MATMUL || op->kind == IR_OP_EXPERT_MATMUL) && a < 2) return pass_writes_copy(v->def);
+  return (ir_op_int(op, "bf16_reads", 0) >> a) & 1;
+}
+
+static int bf16_copies(IrModule *m, int *next_id, int *saved, int *only) {
   int n = 0;
   for (int fi = 0; fi < m->nfuncs; fi++) {
     IrFunc *f = m->funcs[fi];
@@ -336,6 +412,15 @@ static int bf16_copies(IrModule *m, int *next_id) {
       }
     }
   }
+  *saved = saved_copies(m, next_id);
+  for (int fi = 0; fi < m->nfuncs; fi++)
+    for (int i = 0; i < m->funcs[fi]->nops; i++) {
+      IrOp *op = m->funcs[fi]->ops[i];
+      if (pass_writes_copy(op) && !ir_op_int(op, "inner", 0) && only_copies_read(m, op->result)) {
+        ir_op_set_int(op, "inner", 1);
+        (*only)++;
+      }
+    }
   return n;
 }
 
@@ -344,9 +429,12 @@ bool pass_fuse(IrModule *m, PassCtx *ctx) {
   int next_id = 0, nfused = 0, ninner = 0;
   for (int fi = 0; fi < m->nfuncs; fi++)
     if (!fuse_func(m, m->funcs[fi], ctx, &next_id, &nfused, &ninner)) return false;
-  int copies = !ctx->fuse_cpu && strcmp(ir_mod_str(m, "dtype", "fp32"), "bf16") == 0 ? bf16_copies(m, &next_id) : 0;
+  int only = 0, saved = 0;
+  int copies = !ctx->fuse_cpu && strcmp(ir_mod_str(m, "dtype", "fp32"), "bf16") == 0 ? bf16_copies(m, &next_id, &saved, &only) : 0;
   if (ctx->verbose && copies)
-    fprintf(ctx->log ? ctx->log : stderr, "# fuse: dtype bf16: %d GEMM operands with a bf16 copy beside them\n", copies);
+    fprintf(ctx->log ? ctx->log : stderr,
+            "# fuse: dtype bf16: %d GEMM operands and %d more saved activations with a bf16 copy beside them, %d "
+            "values stored in bf16 only (only their copies are read)\n", copies, saved, only);
   if (ctx->verbose)
     fprintf(ctx->log ? ctx->log : stderr,
             "# fuse: %d ops in %d fused kernels; %d of their results never leave the kernel\n", nfused,

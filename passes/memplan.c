@@ -11,7 +11,8 @@
 // overlap share bytes. A value whose only use is `param.grad` is written straight into that
 // parameter's gradient buffer. A result the fuse pass keeps inside its fused kernel (`inner=1`)
 // gets no memory (PASS_MEM_NONE); a result whose maker has `bf16=1` (dtype bf16: a GEMM operand)
-// gets a second slot, its bf16 copy, over the same range (PassMemPlan.copy). The final layer output stays alive to the end of the step (the
+// gets a second slot, its bf16 copy, over the same range (PassMemPlan.copy); with both, the
+// value is stored in bf16 only (its one slot is the copy's, ranged over the value's readers). The final layer output stays alive to the end of the step (the
 // binary's --dump reads it after the backward pass).
 //
 // Streams. A function whose ops the schedule put on the intra or inter stream runs them
@@ -122,7 +123,7 @@ static bool streamed_ranges(IrModule *m, Ranges *R, int fi, int64_t fstart, int6
   int maxev = -1, nuses = 0;
   for (int i = 0; i < n; i++) {
     if (f->ops[i]->event > maxev) maxev = f->ops[i]->event;
-    nuses += f->ops[i]->nargs + (f->ops[i]->result != NULL);
+    nuses += 2 * (f->ops[i]->nargs + (f->ops[i]->result != NULL));   // a value and its bf16 copy
   }
   uint64_t *hb = calloc((size_t)n * words + 1, sizeof *hb);
   int *maker = malloc(sizeof *maker * (size_t)(maxev + 2));
@@ -152,9 +153,13 @@ static bool streamed_ranges(IrModule *m, Ranges *R, int fi, int64_t fstart, int6
     }
     last_on[op->stream] = i;
     if (op->event >= 0 && op->event <= maxev) maker[op->event] = i;
-    for (int a = 0; a < op->nargs; a++)
-      if (op->args[a].value) use[k++] = (Use){R->where[op->args[a].value->func->index][op->args[a].value->id], i};
+    for (int a = 0; a < op->nargs; a++) {   // (a value and its bf16 copy: both used, whichever op reads)
+      const IrValue *v = op->args[a].value;
+      if (v) use[k++] = (Use){R->where[v->func->index][v->id], i};
+      if (v && R->copy[v->func->index][v->id]) use[k++] = (Use){R->copy[v->func->index][v->id], i};
+    }
     if (op->result) use[k++] = (Use){R->where[fi][op->result->id], i};
+    if (op->result && R->copy[fi][op->result->id]) use[k++] = (Use){R->copy[fi][op->result->id], i};
   }
   qsort(use, (size_t)k, sizeof *use, by_slot);
   for (int g = 0; g < k;) {
@@ -266,24 +271,26 @@ static bool live_ranges(IrModule *m, PassCtx *ctx, Ranges *R) {
       for (int a = 0; a < op->nargs; a++) {
         IrValue *v = op->args[a].value;
         if (!v) continue;
-        PassMemSlot *s = R->where[v->func->index][v->id];
+        PassMemSlot *s = R->where[v->func->index][v->id], *c = R->copy[v->func->index][v->id];
+        if (c && pass_reads_copy(op, a)) s = c;   // read from its bf16 copy: the fp32 value may die before
         if (s && s->last < last) s->last = last;
       }
-      if (!op->result || ir_op_int(op, "inner", 0)) continue;   // inner: in a fused kernel's registers only
-      PassMemSlot *s = &R->storage[R->used];
-      s->kind = PASS_MEM_ARENA;
-      s->first = first;
-      s->last = pos;
-      s->bytes = ir_type_bytes(&op->result->type);
-      R->items[R->used] = (Item){s, R->used};
-      R->used++;
-      R->where[fi][op->result->id] = s;
-      if (ir_op_int(op, "bf16", 0)) {   // its bf16 copy: as long as the value (set after pass 1)
+      bool inner = ir_op_int(op, "inner", 0), copy = ir_op_int(op, "bf16", 0);
+      if (!op->result || (inner && !copy)) continue;   // inner: in a fused kernel's registers only
+      if (!inner) {
+        PassMemSlot *s = &R->storage[R->used];
+        *s = (PassMemSlot){.kind = PASS_MEM_ARENA, .first = first, .last = pos, .bytes = ir_type_bytes(&op->result->type)};
+        R->items[R->used] = (Item){s, R->used};
+        R->used++;
+        R->where[fi][op->result->id] = s;
+      }
+      if (copy) {   // its bf16 copy: as long as the value (set after pass 1)
         PassMemSlot *c = &R->storage[R->used];
         *c = (PassMemSlot){.kind = PASS_MEM_ARENA, .first = first, .last = pos, .bytes = ir_type_numel(&op->result->type) * 2};
         R->items[R->used] = (Item){c, R->used};
         R->used++;
         R->copy[fi][op->result->id] = c;
+        if (inner) R->where[fi][op->result->id] = c;   // stored in bf16 only: its readers keep the copy alive
       }
     }
     for (int r = 0; r < f->nrets; r++) {
@@ -296,9 +303,11 @@ static bool live_ranges(IrModule *m, PassCtx *ctx, Ranges *R) {
   free(fstart);
   free(fend);
   if (ok) step_ends(m, R);
-  for (int fi = 0; ok && fi < m->nfuncs; fi++)   // a bf16 copy lives as long as its value
-    for (int v = 0; v < m->funcs[fi]->nvalues; v++)
-      if (R->copy[fi][v] && R->where[fi][v]) R->copy[fi][v]->last = R->where[fi][v]->last;
+  for (int fi = 0; ok && fi < m->nfuncs; fi++)   // a bf16 copy lives at least as long as its value
+    for (int v = 0; v < m->funcs[fi]->nvalues; v++) {
+      PassMemSlot *s = R->where[fi][v], *c = R->copy[fi][v];
+      if (c && s && c->last < s->last) c->last = s->last;
+    }
   return ok;
 }
 
@@ -345,9 +354,11 @@ static void report(PassCtx *ctx, const PassMemPlan *plan, int nstreamed) {
   fprintf(log, "# memplan: activations %s in the arena (%s without reuse, %.1fx less)\n",
           ir_bytes(a, sizeof a, (double)plan->arena_bytes), ir_bytes(u, sizeof u, (double)plan->unshared_bytes),
           plan->arena_bytes ? (double)plan->unshared_bytes / (double)plan->arena_bytes : 1.0);
-  fprintf(log, "# memplan: parameters %s + gradients %s + optimizer state %s\n",
+  fprintf(log, "# memplan: parameters %s + gradients %s + optimizer state %s",
           ir_bytes(p, sizeof p, (double)plan->param_bytes), ir_bytes(g, sizeof g, (double)plan->param_bytes),
           ir_bytes(o, sizeof o, (double)plan->optimizer_bytes));
+  if (plan->param16_bytes) fprintf(log, " + the parameters' bf16 copy %s", ir_bytes(k, sizeof k, (double)plan->param16_bytes));
+  fputc('\n', log);
   fprintf(log, "# memplan: peak %s per rank (%lld bytes)\n", ir_bytes(k, sizeof k, (double)peak), (long long)peak);
   if (nstreamed)
     fprintf(log, "# memplan: %d functions run concurrent streams: a buffer is reused there only after "
@@ -393,7 +404,9 @@ static void report_top(const IrModule *m, PassCtx *ctx, const Ranges *R, const P
   fputc('\n', log);
 }
 
-int64_t pass_mem_peak(const PassMemPlan *p) { return p->arena_bytes + 2 * p->param_bytes + p->optimizer_bytes; }
+int64_t pass_mem_peak(const PassMemPlan *p) {
+  return p->arena_bytes + 2 * p->param_bytes + p->optimizer_bytes + p->param16_bytes;
+}
 
 bool pass_memplan(IrModule *m, PassCtx *ctx) {
   PassMemPlan *plan = calloc(1, sizeof *plan);
@@ -414,7 +427,7 @@ bool pass_memplan(IrModule *m, PassCtx *ctx) {
   for (int fi = 0; ok && fi < m->nfuncs; fi++)
     for (int v = 0; v < m->funcs[fi]->nvalues; v++) {
       PassMemSlot *s = R.where[fi][v], *c = R.copy[fi][v];
-      plan->slot[fi][v] = s ? *s : (PassMemSlot){.kind = PASS_MEM_NONE};
+      plan->slot[fi][v] = s && s != c ? *s : (PassMemSlot){.kind = PASS_MEM_NONE};
       plan->copy[fi][v] = c ? *c : (PassMemSlot){.kind = PASS_MEM_NONE};
     }
   if (ok && ctx->verbose) report_top(m, ctx, &R, plan);
@@ -422,6 +435,8 @@ bool pass_memplan(IrModule *m, PassCtx *ctx) {
   if (!ok) return false;
 
   for (int i = 0; i < m->nparams; i++) plan->param_bytes += ir_type_bytes(&m->params[i]->type);
+  if (strcmp(ir_mod_str(m, "dtype", "fp32"), "bf16") == 0)   // the GEMMs read the weights from a bf16 copy
+    for (int i = 0; i < m->nparams; i++) plan->param16_bytes += 2 * ir_type_numel(&m->params[i]->type);
   // AdamW's two moments of every parameter; under a sharded optimizer (opt.adamw with a group) the
   // largest member's rows of it: ceil(R / size) of its R rows.
   for (int i = 0; i < m->nfuncs; i++)

@@ -35,6 +35,7 @@ typedef struct PassMemPlan {
   int64_t unshared_bytes;    // what the activations would take without reuse
   int64_t param_bytes;       // parameters (and as much again for gradients)
   int64_t optimizer_bytes;   // optimizer state
+  int64_t param16_bytes;     // dtype bf16 (the CUDA target): the parameters' bf16 copy (P16)
 } PassMemPlan;
 
 typedef struct PassCtx {
@@ -87,6 +88,12 @@ bool pass_gradpart(IrModule *m, PassCtx *ctx);
 bool pass_schedule(IrModule *m, PassCtx *ctx);
 bool pass_fuse(IrModule *m, PassCtx *ctx);
 bool pass_memplan(IrModule *m, PassCtx *ctx);
+// dtype bf16 (passes/fuse.c): whether op's fused kernel writes the bf16 copy of its result
+// (`bf16=1`, a member of a group, not a column sum); whether op reads its operand a from that
+// copy: a GEMM's operand whose maker writes one, or an operand fuse marked (`bf16_reads`, a
+// bit an operand). memplan keeps the fp32 value alive for its other reads only.
+bool pass_writes_copy(const IrOp *op);
+bool pass_reads_copy(const IrOp *op, int a);
 // The plan's peak per rank: the activation arena, the parameters and gradients, the optimizer state.
 int64_t pass_mem_peak(const PassMemPlan *p);
 

@@ -597,8 +597,8 @@ static char *bytes_text(char *buf, size_t n, double bytes) {
 // The run's last line on rank 0: what was trained, or why nothing was. After training: the
 // tokens per second of the whole job over the wall time of its steps (evaluations included), and
 // rank 0's peak resident memory (the process: libraries and OpenBLAS's buffers too) beside the
-// memory plan's (parameters, gradients, optimizer moments and the activation arena; on a GPU
-// those live in device memory).
+// memory plan's (parameters, gradients, optimizer moments, the activation arena and with dtype
+// bf16 the parameters' bf16 copy; on a GPU those live in device memory).
 static void print_summary(const RtTrainer *tr, const Steps *run, bool convert, double loss) {
   if (!rt_is_root(tr))
     return;
@@ -606,7 +606,7 @@ static void print_summary(const RtTrainer *tr, const Steps *run, bool convert, d
   if (run->first <= run->last) {
     int64_t steps = run->last - run->first + 1;
     double secs = (now_ms() - run->started) * 1e-3, tokens = (double)steps * tr->ranks.dp * m->batch * m->seqlen;
-    double plan = (double)m->arena_bytes + (double)m->param_floats * sizeof(float) * 2;
+    double plan = (double)m->arena_bytes + (double)m->param_floats * sizeof(float) * 2 + (double)m->param16_bytes;
     if (m->opt == RT_OPT_ADAMW)
       plan += 2.0 * sizeof(float) * (double)rt_moment_floats(tr->comm, m);
     struct rusage ru;

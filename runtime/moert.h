@@ -296,6 +296,7 @@ struct RtModel {
   const RtParam *params;
   size_t param_floats;            // total floats of all parameters
   size_t arena_bytes;             // activation arena from the memory plan
+  size_t param16_bytes;           // dtype bf16 (CUDA): the parameters' bf16 copy the plan counts (else 0)
   RtOptKind opt;
   int nlayers;                    // MoE layers, for statistics
   bool records;                   // a `record` hook exists: rt_main opens the record file
