@@ -192,7 +192,7 @@ typedef struct RtCudaSession {
   float *output;                     // host memory, program->output_floats
   const void *device_output;         // set by the program: where its forward leaves the output
   RtNccl *nccl[RT_GROUP_COUNT];      // made by rt_cuda_session_connect (NULL for other groups)
-  char description[320];             // the GPU and which image of the kernels it runs
+  char description[512];             // the GPU, which image of the kernels it runs, its memory
   void *pinned[2];                   // the trainer's input and target, page-locked at the first upload
 } RtCudaSession;
 

@@ -49,9 +49,9 @@ static int setup(RtCudaSession *s) {
     return rt_fail("the kernels were compiled for sm_%d and need a GPU of that architecture or "
                    "newer; %s is sm_%d (build with --gpu-arch sm_%d)", p->cubin_arch, d->name,
                    d->arch, d->arch);
-  snprintf(s->description, sizeof s->description, "%s (sm_%d), kernels from the %s%s", d->name,
-           d->arch, image == p->cubin ? "CUBIN" : "PTX, compiled by the driver",
-           p->note ? p->note : "");
+  snprintf(s->description, sizeof s->description, "%s (sm_%d), kernels from the %s, %.1f MiB of device memory in one "
+           "block%s", d->name, d->arch, image == p->cubin ? "CUBIN" : "PTX, compiled by the driver",
+           (double)p->device_bytes / (1 << 20), p->note ? p->note : "");
   if (!rt_cuda_load_module(s->cu, image))
     return rt_fail("the kernels could not be loaded on %s (the CUDA error is above)", d->name);
   for (int k = 0; k < p->nkernels; k++)

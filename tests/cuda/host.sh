@@ -496,9 +496,12 @@ if MOEC_CUDA_FAKE=1 "$MOEC" build "$WORK/gmb16.moe" --target cuda -v -o "$WORK/g
    ps=$(peak "$WORK/bs.err") && p0=$(peak "$WORK/bf.err") && p32=$(peak "$WORK/gf.err") &&
    [ -n "$ps" ] && [ -n "$p0" ] && [ -n "$p32" ] && [ "$ps" -lt "$p0" ] && [ "$ps" -lt "$p32" ] &&
    run gmb16s cuda 1 --steps 2 && grep -q 'bf16 GEMM inputs' "$WORK/gmb16s.cuda.out" &&
+   block=$(sed -n 's/^# device: .*, \([0-9.]*\) MiB of device memory in one block.*/\1/p' "$WORK/gmb16s.cuda.out") &&
+   plan=$(sed -n 's/.*(the memory plan: \([0-9.]*\) MiB per rank)$/\1/p' "$WORK/gmb16s.cuda.out") &&
+   [ -n "$block" ] && [ -n "$plan" ] && awk -v b="$block" -v p="$plan" 'BEGIN { exit !(b >= p && b <= 1.1 * p) }' &&
    awk 'FNR == NR && $1 == "step" { l[$2] = $4; next } $1 == "step" { d = $4 - l[$2]; if (d < 0) d = -d; if (d > 1e-3) bad = 1; n++ }
         END { exit !(n == 2 && !bad) }' "$WORK/gmb16f.cuda.out" "$WORK/gmb16s.cuda.out"; then
-  ok "cuda host: gpt_moe_bytes bf16 with saved activations in bf16: peak $ps bytes (saved in fp32 $p0, the fp32 program $p32); losses within 1e-3 of the fp32-saved program's"
+  ok "cuda host: gpt_moe_bytes bf16 with saved activations in bf16: peak $ps bytes (saved in fp32 $p0, the fp32 program $p32); the device block $block MiB for the plan's $plan MiB; losses within 1e-3 of the fp32-saved program's"
 else
   bad "cuda host: gpt_moe_bytes bf16 with saved activations in bf16" "$(grep -E 'fuse|peak' "$WORK/bs.err" "$WORK/bf.err" "$WORK/gf.err"; grep -h '^step' "$WORK/gmb16f.cuda.out" "$WORK/gmb16s.cuda.out" 2>/dev/null; tail -n 5 "$WORK/bs.err")"
 fi
