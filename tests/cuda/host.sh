@@ -17,7 +17,10 @@
 #     rest), tiny.moe with 'dtype bf16' against the fp32 CPU program of tiny.moe: 20 steps lower
 #     the loss (last < 0.9 x first), the first step's loss is within 1e-2 relative; tiny without
 #     gate noise (tinyq), whose first step routes every token alike in bf16 and fp32: --dump
-#     (output and every whole gradient) within 3e-2 of each tensor's largest element;
+#     (output and every whole gradient) within 3e-2 of each tensor's largest element; bf16
+#     storage (values only GEMMs read, saved activations read by the backward's elementwise
+#     kernels): gpt_moe_bytes' peak, its device block, the bits of --no-fuse with
+#     MOEC_BF16_SAVED=0, and the language model on 4 ranks with fsmoe streams;
 #   - `moec build --target cuda` without the hook links the real runtime (libmoert_cuda,
 #     cuBLAS, NCCL), and without a GPU the binary says so and exits 1; `--target auto` says
 #     which target it picked and why.
@@ -504,6 +507,27 @@ if MOEC_CUDA_FAKE=1 "$MOEC" build "$WORK/gmb16.moe" --target cuda -v -o "$WORK/g
   ok "cuda host: gpt_moe_bytes bf16 with saved activations in bf16: peak $ps bytes (saved in fp32 $p0, the fp32 program $p32); the device block $block MiB for the plan's $plan MiB; losses within 1e-3 of the fp32-saved program's"
 else
   bad "cuda host: gpt_moe_bytes bf16 with saved activations in bf16" "$(grep -E 'fuse|peak' "$WORK/bs.err" "$WORK/bf.err" "$WORK/gf.err"; grep -h '^step' "$WORK/gmb16f.cuda.out" "$WORK/gmb16s.cuda.out" 2>/dev/null; tail -n 5 "$WORK/bs.err")"
+fi
+
+# bf16 storage in functions on several streams: the language model on dp2·mp2·ep4 over 4 ranks
+# with the fsmoe schedule (expert regions in 2 chunks on the compute, intra and inter streams), in
+# bf16 with its saved activations and GEMM-only values in bf16, trains within 1e-3 of the fp32 CPU
+# program's losses over 3 steps (memplan keeps a value's fp32 buffer and its copy alive for every
+# op of such a function that may overlap a user of either).
+sed 's/^layer block x 2/parallel { dp 2; mp 2; ep 4; }\nschedule { policy fsmoe; pipeline { forward 2; backward 2; } }\nlayer block x 2/' \
+  tests/models/grad_lm_gpt.moe >"$WORK/lm_fs.moe"
+sed 's/^model grad_lm_gpt { /model grad_lm_gpt { dtype bf16; /' "$WORK/lm_fs.moe" >"$WORK/lm_fs16.moe"
+if grep -q 'policy fsmoe' "$WORK/lm_fs16.moe" && grep -q 'dtype bf16' "$WORK/lm_fs16.moe" &&
+   MOEC_CUDA_FAKE=1 "$MOEC" build "$WORK/lm_fs16.moe" --target cuda -v -o "$WORK/lm_fs16.cuda" 2>"$WORK/fs16.err" &&
+   "$MOEC" build "$WORK/lm_fs.moe" -o "$WORK/lm_fs16.cpu" 2>/dev/null &&
+   grep -q '^# fuse: dtype bf16: [0-9]* GEMM operands and [1-9][0-9]* more saved activations.*, [1-9][0-9]* values stored in bf16 only' "$WORK/fs16.err" &&
+   grep -q 'functions run concurrent streams' "$WORK/fs16.err" &&
+   run lm_fs16 cuda 4 --steps 3 && run lm_fs16 cpu 4 --steps 3 &&
+   awk 'FNR == NR && $1 == "step" { l[$2] = $4; next } $1 == "step" { d = $4 - l[$2]; if (d < 0) d = -d; if (d > 1e-3) bad = 1; n++ }
+        END { exit !(n == 3 && !bad) }' "$WORK/lm_fs16.cpu.out" "$WORK/lm_fs16.cuda.out"; then
+  ok "cuda host: the language model on dp2·mp2·ep4 with fsmoe streams in bf16 (bf16 storage) trains within 1e-3 of the fp32 CPU program ($(awk '$1 == "step" {printf "%s ", $4}' "$WORK/lm_fs16.cuda.out"))"
+else
+  bad "cuda host: the language model on dp2·mp2·ep4 with fsmoe streams in bf16" "$(grep -E 'fuse|streams' "$WORK/fs16.err"; grep -h '^step' "$WORK/lm_fs16.cpu.out" "$WORK/lm_fs16.cuda.out" 2>/dev/null; tail -n 5 "$WORK/lm_fs16.cuda.out" 2>/dev/null)"
 fi
 
 # bench/gpu_lm.sh, which a GPU session runs (a language model's step beside PyTorch's): its --quick
