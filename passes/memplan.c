@@ -10,10 +10,12 @@
 // and an offset in one arena, packed first-fit by position so buffers whose ranges do not
 // overlap share bytes. A value whose only use is `param.grad` is written straight into that
 // parameter's gradient buffer. A result the fuse pass keeps inside its fused kernel (`inner=1`)
-// gets no memory (PASS_MEM_NONE); a result whose maker has `bf16=1` (dtype bf16: a GEMM operand)
-// gets a second slot, its bf16 copy, over the same range (PassMemPlan.copy); with both, the
-// value is stored in bf16 only (its one slot is the copy's, ranged over the value's readers). The final layer output stays alive to the end of the step (the
-// binary's --dump reads it after the backward pass).
+// gets no memory (PASS_MEM_NONE); a result whose maker has `bf16=1` (dtype bf16: a GEMM operand,
+// a saved activation) gets a second slot, its bf16 copy (PassMemPlan.copy): the value's slot
+// lives to its last fp32 read, the copy's to its last read of the copy (pass_reads_copy) and at
+// least as long as the value's; with both attributes the value is stored in bf16 only (its one
+// slot is the copy's). The final layer output stays alive to the end of the step (the binary's
+// --dump reads it after the backward pass).
 //
 // Streams. A function whose ops the schedule put on the intra or inter stream runs them
 // concurrently (codegen/emit_c.c, runtime/streams.c), so program order says nothing about when
@@ -284,7 +286,7 @@ static bool live_ranges(IrModule *m, PassCtx *ctx, Ranges *R) {
         R->used++;
         R->where[fi][op->result->id] = s;
       }
-      if (copy) {   // its bf16 copy: as long as the value (set after pass 1)
+      if (copy) {   // its bf16 copy: at least as long as the value (set after pass 1)
         PassMemSlot *c = &R->storage[R->used];
         *c = (PassMemSlot){.kind = PASS_MEM_ARENA, .first = first, .last = pos, .bytes = ir_type_numel(&op->result->type) * 2};
         R->items[R->used] = (Item){c, R->used};
