@@ -1026,7 +1026,7 @@ int tune_main(const TuneEngine *e, int argc, char **argv) {
   }
   engine->memory(&T, &r);
   if (T.rank == 0) print_preamble(&o, &r, s, shapes, nshapes, gemm_desc);
-  bool shared = strcmp(engine->name, "cpu") == 0 && r.local_size * r.threads > r.cores;   // the cores, not GPUs
+  bool shared = engine->on_cores && r.local_size * r.threads > r.cores;
   double grid_run_ms = !engine->gemm_grid || o.model ? 0 : shared ? GRID_RUN_SHARED_MS : GRID_RUN_MS;
   double seconds = measure_all(comm, s, shapes, nshapes, o.quick, grid_run_ms);
 

@@ -126,6 +126,7 @@ typedef struct TuneEngine {
   int gemm_ring;             // GEMM operand sets a size cycles through (host memory is allocated for all)
   int quick_gemm_sizes;      // GEMM sizes kept with --quick
   bool gemm_grid;            // times the grid of GEMM shapes (the profile's gemm_at lines)
+  bool on_cores;             // its GEMMs run on the host's cores, which the ranks' threads share
   int min_ranks;             // fewer is refused (the CPU needs 2 to time collectives)
   // Tokens m for GEMM size k (1..GEMM_SIZES) of shape s.
   int (*tokens_for)(const GemmShape *s, int k);

@@ -247,7 +247,7 @@ static size_t header_sizes(char *h, size_t u, size_t size, bool quick) {
 // 6 GEMM sizes with --quick, at least 2 ranks (the collectives are the point).
 const TuneEngine tune_cpu_engine = {
     .name = "cpu", .gemm_unit = 524288.0, .gemm_unit_text = "2^19", .call_reps = 1, .gemm_ring = GEMM_RING,
-    .quick_gemm_sizes = QUICK_GEMM_SIZES, .gemm_grid = true, .min_ranks = 2,
+    .quick_gemm_sizes = QUICK_GEMM_SIZES, .gemm_grid = true, .on_cores = true, .min_ranks = 2,
     .tokens_for = tokens_for, .call = call, .open = NULL, .close = NULL, .gemm_operands = NULL,
     .comm_buffers = comm_buffers, .free_comm_buffers = free_comm_buffers, .probes = probes, .memory = memory,
     .print_device = NULL, .print_sizes = print_sizes, .header_sizes = header_sizes,

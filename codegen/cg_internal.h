@@ -192,9 +192,6 @@ bool cg_fused_reads_rows(const IrFunc *f, int i, const IrValue *v);
 // Whether scalar expression expr is a form the CPU loops take: one function call of plain
 // operands (rt_fv_NAME of runtime/rt_fused.h), or arithmetic without functions.
 bool cg_scalar_c_form(const char *expr);
-// Whether op's fused kernel writes the bf16 copy of its result (dtype bf16: op has `bf16=1` and
-// is in a group other than column sums); else the host program rounds the copy before its GEMM.
-bool cg_fused_writes_copy(const IrOp *op);
 
 // Whether expr is a well-formed scalar expression (ir/scalar.def) of an op with nargs operands:
 // operands x0 .. x(nargs-1), indices c, r, ec, 0, functions the CUDA prelude defines as mk_f_NAME,

@@ -385,6 +385,12 @@ static bool emit_bf16_cast(Host *h, const IrFunc *f, const IrOp *op, int k, cons
   return true;
 }
 
+// Whether GEMM operand x is a value stored in bf16 only (passes/fuse.c: no fp32 memory; its maker
+// writes the copy, which bf16_operands reads).
+static bool bf16_only(const Host *h, const IrOperand *x) {
+  return !x->param && h->sp.plan->slot[x->value->func->index][x->value->id].kind == PASS_MEM_NONE;
+}
+
 // dtype bf16: operand k of GEMM op from its bf16 copy of the memory plan (passes/fuse.c gives GEMM
 // operands one), its address into dst: written by the value's maker where that is a fused kernel;
 // else rounded into it before the first GEMM that reads it (once a step: the backward's GEMMs read
@@ -395,7 +401,7 @@ static int value_copy(Host *h, const IrFunc *f, const IrOp *op, int k, const cha
   const IrValue *v = op->args[k].value;
   if (!v || !v->def || !cg_spell_copy(&h->sp, v, dst, n)) return 0;
   const IrOp *maker = v->def;
-  if (cg_fused_writes_copy(maker)) return 1;
+  if (pass_writes_copy(maker)) return 1;   // its fused kernel writes it (else rounded here, once)
   if (cg_func_scheduled(f) || cg_func_scheduled(v->func)) return 0;
   for (int j = 0; j < h->ncopied; j++)
     if (h->copied[j] == v) return 1;
@@ -459,7 +465,7 @@ static bool bf16_operands(Host *h, const IrFunc *f, const IrOp *op, IrStream s, 
       continue;
     }
     if (copy[k]) continue;
-    if (strcmp(src[k], "NULL") == 0)
+    if (bf16_only(h, arg))
       return ir_internal_at(h->d, op->loc, "operand %d of %s is stored in bf16 only and has no copy to read", k,
                             ir_op_info[op->kind].name);
     snprintf(dst[k], n, "(B + %s + %d * SLOT_%s)", base, slot[k], base + 2);
@@ -470,10 +476,9 @@ static bool bf16_operands(Host *h, const IrFunc *f, const IrOp *op, IrStream s, 
   return true;
 }
 
-// GEMM operand x's fp32 address into buf; "NULL" for a value stored in bf16 only (passes/fuse.c:
-// its maker writes the copy, and bf16_operands reads that).
+// GEMM operand x's fp32 address into buf ("NULL" for one stored in bf16 only).
 static void gemm_operand(const Host *h, const IrOperand *x, char *buf, size_t n) {
-  if (!x->param && h->sp.plan->slot[x->value->func->index][x->value->id].kind == PASS_MEM_NONE) snprintf(buf, n, "NULL");
+  if (bf16_only(h, x)) snprintf(buf, n, "NULL");
   else cg_spell_operand(&h->sp, x, buf, n);
 }
 

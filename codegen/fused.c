@@ -30,8 +30,6 @@ int cg_fused_members(const IrFunc *f, int i) {
   return n;
 }
 
-bool cg_fused_writes_copy(const IrOp *op) { return pass_writes_copy(op); }
-
 // The member (offset from the group's first op) that makes value v, or -1.
 static int member_making(const IrFunc *f, int i, int n, const IrValue *v) {
   if (!v || !v->def || v->func != f) return -1;
@@ -541,6 +539,7 @@ bool cg_lower_fused(IrDiag *d, CgLaunches *ls, const IrFunc *f, int i, bool cpu,
   // The pointers: outside operands in first-read order, then the results that leave.
   const IrOperand *in[CG_MAX_KERNEL_ARGS];
   int nin = 0, in_op[CG_MAX_KERNEL_ARGS], in_arg[CG_MAX_KERNEL_ARGS];
+  bool in16[CG_MAX_KERNEL_ARGS];   // read from the value's bf16 copy (pass_reads_copy)
   Stores st = {.nout = 0};
   bool colsum = ir_op_colsum(f->ops[i]->kind) >= 0;
   for (int j = 0; j < n; j++) {
@@ -550,14 +549,14 @@ bool cg_lower_fused(IrDiag *d, CgLaunches *ls, const IrFunc *f, int i, bool cpu,
       int seen = -1;
       for (int p = 0; p < nin && seen < 0; p++)
         if (same_operand(in[p], &op->args[a])) seen = p;
-      if (seen >= 0 && pass_reads_copy(op, a) != pass_reads_copy(f->ops[i + in_op[seen]], in_arg[seen]))
+      if (seen >= 0 && pass_reads_copy(op, a) != in16[seen])
         return ir_internal_at(d, op->loc, "a fused group reads a value both from its bf16 copy and in fp32");
       if (seen >= 0) continue;
       if (nin + st.nout >= CG_MAX_KERNEL_ARGS) return ir_internal_at(d, op->loc, "a fused group has more than %d pointers", CG_MAX_KERNEL_ARGS);
-      in_op[nin] = j, in_arg[nin] = a, in[nin++] = &op->args[a];
+      in_op[nin] = j, in_arg[nin] = a, in16[nin] = pass_reads_copy(op, a), in[nin++] = &op->args[a];
     }
     if (!ir_op_int(op, "inner", 0)) st.out[st.nout++] = j;
-    if (cg_fused_writes_copy(op) && st.ncopy < CG_MAX_KERNEL_ARGS) st.copy[st.ncopy++] = j;
+    if (pass_writes_copy(op) && st.ncopy < CG_MAX_KERNEL_ARGS) st.copy[st.ncopy++] = j;
   }
   if (nin + st.nout + st.ncopy > CG_MAX_KERNEL_ARGS) return ir_internal_at(d, f->ops[i]->loc, "a fused group has more than %d pointers", CG_MAX_KERNEL_ARGS);
   struct {
@@ -572,7 +571,7 @@ bool cg_lower_fused(IrDiag *d, CgLaunches *ls, const IrFunc *f, int i, bool cpu,
   else fprintf(t.f, "(");
   for (int p = 0; p < nin && !cpu; p++)
     fprintf(t.f, "%sconst %s *a%d", p ? ", " : "",
-            pass_reads_copy(f->ops[i + in_op[p]], in_arg[p]) ? "u16" : cg_operand_type(in[p])->dtype == IR_I32 ? "int" : "float", p);
+            in16[p] ? "u16" : cg_operand_type(in[p])->dtype == IR_I32 ? "int" : "float", p);
   for (int p = 0; p < st.nout && !cpu; p++) fprintf(t.f, "%sfloat *o%d", nin + p ? ", " : "", p);
   for (int p = 0; p < st.ncopy && !cpu; p++) fprintf(t.f, ", u16 *h%d", p);
   if (!cpu) {
@@ -611,8 +610,7 @@ bool cg_lower_fused(IrDiag *d, CgLaunches *ls, const IrFunc *f, int i, bool cpu,
   c->kernel = CG_K_COUNT + g;
   c->grid = grid.blocks ? cg_cuda_grid_blocks(grid.items) : cg_cuda_grid_elems(grid.items);
   for (int p = 0; p < nin; p++)
-    c->args[c->nargs++] = (CgArg){.kind = pass_reads_copy(f->ops[i + in_op[p]], in_arg[p]) ? CG_ARG_OPERAND16 : CG_ARG_OPERAND,
-                                  .index = in_arg[p], .i = in_op[p]};
+    c->args[c->nargs++] = (CgArg){.kind = in16[p] ? CG_ARG_OPERAND16 : CG_ARG_OPERAND, .index = in_arg[p], .i = in_op[p]};
   for (int p = 0; p < st.nout; p++) c->args[c->nargs++] = (CgArg){.kind = CG_ARG_RESULT, .index = st.out[p]};
   for (int p = 0; p < st.ncopy; p++) c->args[c->nargs++] = (CgArg){.kind = CG_ARG_COPY, .index = st.copy[p]};
   snprintf(l->note, sizeof l->note, "%d ops fused", n);
