@@ -194,8 +194,8 @@ $(BUILD)/cuda/libfake_cuda.a: $(BUILD)/obj/cuda/fake_cuda.o $(BUILD)/obj/runtime
 # `moec tune --target cuda` (cli/tune.c with the engine of cli/tune_cuda.c, which moec does not
 # link): cuBLAS GEMMs and NCCL collectives, in a program of its own so that moec does not load
 # cuBLAS at every start; moec runs it in its place. moec-tune-fake is the same program on the
-# fake device (MOEC_CUDA_FAKE=1, tests/tune.sh).
-TUNE_CUDA_OBJ := $(BUILD)/obj/cuda/tune_cuda.o $(BUILD)/obj/cli/tune.o $(BUILD)/obj/cli/options.o
+# fake device (MOEC_CUDA_FAKE=1, tests/tune.sh). Both compile the kernel library with NVRTC.
+TUNE_CUDA_OBJ := $(BUILD)/obj/cuda/tune_cuda.o $(BUILD)/obj/cli/tune.o $(BUILD)/obj/cli/options.o $(BUILD)/obj/cuda/nvrtc.o
 $(BUILD)/obj/cuda/tune_cuda.o: cli/tune_cuda.c cli/tune.h runtime/cuda/rt_cuda.h runtime/moert.h $(CONFIG)
 	@mkdir -p $(dir $@)
 	$(CC) $(CFLAGS) $(INCLUDES) -I$(CUDA)/include $(MPI_CFLAGS) -c $< -o $@
@@ -204,7 +204,8 @@ $(BUILD)/cuda/moec-tune-cuda: $(TUNE_CUDA_OBJ) $(BUILD)/libmoert_cuda.a $(BUILD)
 	$(CC) $(CFLAGS) -o $@ $(TUNE_CUDA_OBJ) $(BUILD)/libmoert_cuda.a $(BUILD)/libmoec.a $(BUILD)/libmoert.a $(CUDA_LIBS) -lnlopt $(RUNTIME_LIBS) -pthread
 
 $(BUILD)/cuda/moec-tune-fake: $(TUNE_CUDA_OBJ) $(BUILD)/cuda/libfake_cuda.a $(BUILD)/libmoec.a $(BUILD)/libmoert.a
-	$(CXX) $(CUDA_CXXFLAGS) -o $@ $(TUNE_CUDA_OBJ) $(BUILD)/cuda/libfake_cuda.a $(BUILD)/libmoec.a $(BUILD)/libmoert.a -lnlopt $(RUNTIME_LIBS) -pthread
+	$(CXX) $(CUDA_CXXFLAGS) -o $@ $(TUNE_CUDA_OBJ) $(BUILD)/cuda/libfake_cuda.a $(BUILD)/libmoec.a $(BUILD)/libmoert.a \
+	  -L$(CUDA_LIBDIR) -Wl,-rpath,$(CUDA_LIBDIR) -lnvrtc -lnlopt $(RUNTIME_LIBS) -pthread
 
 $(BUILD)/cuda/gpu_check: tests/cuda/gpu_check.cpp tests/cuda/kernel_cases.h tests/cuda/host_kernels.h \
                          $(BUILD)/cuda/kernel_library.cu $(BUILD)/obj/cuda/nvrtc.o $(BUILD)/libmoert_cuda.a \

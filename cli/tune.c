@@ -453,96 +453,106 @@ static void run_comm(RtComm *comm, Series *s, float *send, float *recv, bool qui
   }
 }
 
+// The kernel sweeps' buffers where the engine's kernels use them (TuneEngine.kernel_buffers).
+static void place(float *const *host, const size_t *n, int count, float **dev) {
+  for (int i = 0; i < count; i++) dev[i] = host[i];
+  if (engine->kernel_buffers) engine->kernel_buffers(host, n, count, dev);
+}
+
+// Size j of the element-wise and update sweeps: 2^(15 + idx[j] + T.elem_shift) floats.
+static int64_t elem_count(int j, const int *idx) { return (int64_t)1 << (15 + idx[j] + T.elem_shift); }
+
 // Element-wise kernels (a copy and an add over n floats, 5n floats moved) for the `elementwise`
-// fit that prices the ops without a GEMM or a collective: 2^16 .. 2^23 floats, mostly beyond the
-// caches, as a training step's activations are.
+// fit that prices the ops without a GEMM or a collective: 2^16 .. 2^23 floats on a CPU (a GPU:
+// 2^19 .. 2^26, T.elem_shift), mostly beyond the caches, as a training step's activations are.
 static void run_elementwise(Series *s, bool quick, Progress *pr) {
   int idx[ELEM_SIZES], nsizes = sweep(ELEM_SIZES, quick, idx);
-  size_t most = (size_t)1 << (15 + ELEM_SIZES);
-  float *a = tune_xmalloc(sizeof(float) * most), *b = tune_xmalloc(sizeof(float) * most), *c = tune_xmalloc(sizeof(float) * most);
+  size_t most = (size_t)1 << (15 + ELEM_SIZES + T.elem_shift);
+  float *host[3], *dev[3];
+  size_t n[3] = {most, most, most};
+  for (int i = 0; i < 3; i++) host[i] = tune_xmalloc(sizeof(float) * most);
   uint32_t state = 12345;
   for (size_t e = 0; e < most; e++) {
     state = state * 1664525u + 1013904223u;
-    a[e] = (float)(state >> 8) / 16777216.0f - 0.5f;
-    b[e] = (float)(e % 29) / 32.0f;
+    host[0][e] = (float)(state >> 8) / 16777216.0f - 0.5f;
+    host[1][e] = (float)(e % 29) / 32.0f;
+    host[2][e] = 0.0f;
   }
+  place(host, n, 3, dev);
   for (int j = 0; j < nsizes; j++) {
-    Call cl = {.op = OP_ELEMENTWISE, .count = (int64_t)1 << (15 + idx[j]), .send = a, .recv = b, .c = c};
+    Call cl = {.op = OP_ELEMENTWISE, .count = elem_count(j, idx), .send = dev[0], .recv = dev[1], .c = dev[2]};
     s->x[s->points] = 5.0 * (double)cl.count;
     s->t[s->points++] = measure(&cl);
     progress_step(pr, "elementwise", 5.0 * (double)cl.count);
   }
-  free(a);
-  free(b);
-  free(c);
+  for (int i = 0; i < 3; i++) free(host[i]);
 }
 
-// The kernels the planner prices apart from the plain element-wise ones, over 2^16 .. 2^23
-// elements as run_elementwise: `elementwise_math` (GELU, tanh and its arithmetic per element: the
+// The kernels the planner prices apart from the plain element-wise ones, over the sizes of
+// run_elementwise: `elementwise_math` (GELU, tanh and its arithmetic per element: the
 // activations, softmaxes and losses that evaluate exp, tanh or erf per element), `update_adamw`
 // and `update_sgd` (the optimizer over n parameters: AdamW reads and writes the parameter and two
 // moments and reads the gradient).
 static void run_kernel_sweeps(Series *series, bool quick, Progress *pr) {
   int idx[ELEM_SIZES], nsizes = sweep(ELEM_SIZES, quick, idx);
-  size_t most = (size_t)1 << (15 + ELEM_SIZES);
-  float *x = tune_xmalloc(sizeof(float) * most), *y = tune_xmalloc(sizeof(float) * most);
-  float *m = tune_xmalloc(sizeof(float) * most), *v = tune_xmalloc(sizeof(float) * most);
+  size_t most = (size_t)1 << (15 + ELEM_SIZES + T.elem_shift);
+  float *host[4], *dev[4];   // x, y, m, v
+  size_t n[4] = {most, most, most, most};
+  for (int i = 0; i < 4; i++) host[i] = tune_xmalloc(sizeof(float) * most);
   uint32_t state = 4242;
   for (size_t e = 0; e < most; e++) {
     state = state * 1664525u + 1013904223u;
-    x[e] = (float)(state >> 8) / 4194304.0f - 2.0f;
-    y[e] = (float)(e % 31) / 64.0f, m[e] = 0.0f, v[e] = 0.0f;
+    host[0][e] = (float)(state >> 8) / 4194304.0f - 2.0f;
+    host[1][e] = (float)(e % 31) / 64.0f, host[2][e] = 0.0f, host[3][e] = 0.0f;
   }
+  place(host, n, 4, dev);
   static const int which[] = {S_MATH, S_ADAMW, S_SGD};
   static const char *const what[] = {"elementwise_math", "update_adamw", "update_sgd"};
   for (int w = 0; w < 3; w++)
     for (int j = 0; j < nsizes; j++) {
       Series *s = &series[which[w]];
-      Call cl = {.op = s->op, .count = (int64_t)1 << (15 + idx[j]), .send = x, .c = y, .attn_stats = m, .attn_grad = v};
+      Call cl = {.op = s->op, .count = elem_count(j, idx), .send = dev[0], .c = dev[1], .attn_stats = dev[2],
+                 .attn_grad = dev[3]};
       s->x[s->points] = (double)cl.count;
       s->t[s->points++] = measure(&cl);
       progress_step(pr, what[w], (double)cl.count);
     }
-  free(x);
-  free(y);
-  free(m);
-  free(v);
+  for (int i = 0; i < 4; i++) free(host[i]);
 }
 
-// Causal attention (runtime/kernels/attn.c) in the model's shape over 1, 2, 4, 8 windows: the
-// forward (n = rows * heads*d * (seq + 1) multiply-accumulates, as the cost pass counts them)
-// and the backward (stats, dq, dk and dv: twice that n), a fit each (`attention`,
-// `attention_grad`), relative: the backward's kernels take several times the forward's.
+// Causal attention (runtime/kernels/attn.c, the GPU's codegen/cuda/attn.cu) in the model's shape
+// over 1, 2, 4, 8 windows (times 2^T.attn_shift): the forward (n = rows * heads*d * (seq + 1)
+// multiply-accumulates, as the cost pass counts them) and the backward (stats, dq, dk and dv:
+// twice that n), a fit each (`attention`, `attention_grad`), relative: the backward's kernels
+// take several times the forward's.
 static void run_attention(Series *series, bool quick, Progress *pr) {
   AttnShape a = T.attn;
   int idx[ATTN_SIZES], nsizes = sweep(ATTN_SIZES, quick, idx);
-  size_t most = (size_t)a.seq << (ATTN_SIZES - 1), qc = (size_t)a.heads * a.d, kc = (size_t)a.kv * a.d;
-  float *q = tune_xmalloc(sizeof(float) * most * qc), *k = tune_xmalloc(sizeof(float) * most * kc);
-  float *v = tune_xmalloc(sizeof(float) * most * kc), *o = tune_xmalloc(sizeof(float) * most * qc);
-  float *dy = tune_xmalloc(sizeof(float) * most * qc), *st = tune_xmalloc(sizeof(float) * most * 2 * a.heads);
-  float *dqkv = tune_xmalloc(sizeof(float) * most * (qc + 2 * kc));
+  size_t most = (size_t)a.seq << (ATTN_SIZES - 1 + T.attn_shift), qc = (size_t)a.heads * a.d, kc = (size_t)a.kv * a.d;
+  enum { Q, K, V, O, DY, ST, DQKV, NBUF };
+  size_t n[NBUF] = {most * qc, most * kc, most * kc, most * qc, most * qc, most * 2 * a.heads, most * (qc + 2 * kc)};
+  float *host[NBUF], *dev[NBUF];
+  for (int b = 0; b < NBUF; b++) host[b] = tune_xmalloc(sizeof(float) * n[b]);
   uint32_t state = 777;
-  float *fill[] = {q, k, v, dy};
-  size_t count[] = {most * qc, most * kc, most * kc, most * qc};
-  for (int b = 0; b < 4; b++)
-    for (size_t e = 0; e < count[b]; e++) {
+  for (int b = 0; b < NBUF; b++)
+    for (size_t e = 0; e < n[b]; e++) {
       state = state * 1664525u + 1013904223u;
-      fill[b][e] = (float)(state >> 8) / 16777216.0f - 0.5f;
+      host[b][e] = b <= V || b == DY ? (float)(state >> 8) / 16777216.0f - 0.5f : 0.0f;
     }
+  place(host, n, NBUF, dev);
   for (int j = 0; j < nsizes; j++) {
-    int rows = a.seq << (idx[j] - 1);
-    double n = (double)rows * (double)qc * (a.seq + 1);
+    int rows = a.seq << (idx[j] - 1 + T.attn_shift);
+    double macs = (double)rows * (double)qc * (a.seq + 1);
     for (int backward = 0; backward < 2; backward++) {
-      Call cl = {.op = OP_ATTENTION, .m = rows, .n = backward, .a = q, .b = k, .c = o, .send = v, .recv = dy, .attn = &a};
+      Call cl = {.op = OP_ATTENTION, .m = rows, .n = backward, .a = dev[Q], .b = dev[K], .c = dev[O], .send = dev[V],
+                 .recv = dev[DY], .attn_stats = dev[ST], .attn_grad = dev[DQKV], .attn = &a};
       Series *s = &series[backward ? S_ATTN_GRAD : S_ATTN];
-      cl.attn_stats = st;
-      cl.attn_grad = dqkv;
-      s->x[s->points] = backward ? 2 * n : n;
+      s->x[s->points] = backward ? 2 * macs : macs;
       s->t[s->points++] = measure(&cl);
-      progress_step(pr, "attention", backward ? 2 * n : n);
+      progress_step(pr, "attention", backward ? 2 * macs : macs);
     }
   }
-  free(q), free(k), free(v), free(o), free(dy), free(st), free(dqkv);
+  for (int b = 0; b < NBUF; b++) free(host[b]);
 }
 
 // ---- the profile ----
@@ -881,14 +891,15 @@ static double measure_all(RtComm *comm, Series *s, const GemmShape *shapes, int 
 // measurement of the fixed cost, never a negative intercept), beta the slope above it fitted to
 // the sizes from 2^18 on. GEMMs: relative least squares, so that the small sizes a pipeline's
 // chunks run at count as much as the large ones. Element-wise kernels: alpha the smallest size's
-// time, beta the slope from 2^20 floats on, where a step's activations live (beyond the caches).
+// time, beta the slope from 2^20 floats on (a GPU's 2^23: T.elem_shift), where a step's
+// activations live (beyond the caches).
 static bool fit_series(Series *x) {
   if (x->op == OP_GEMM || x->op == OP_ATTENTION)
     return fit_line_relative(x->x, x->t, x->points, &x->fit, x->err, sizeof x->err);
-  if (x->op == OP_ELEMENTWISE)   // the slope where the data leaves the caches (from 2^20 floats on)
-    return fit_anchored(x->x, x->t, x->points, x->t[0], 5.0 * (1 << 20), &x->fit, x->err, sizeof x->err);
+  if (x->op == OP_ELEMENTWISE)   // the slope where the data leaves the caches
+    return fit_anchored(x->x, x->t, x->points, x->t[0], 5.0 * ldexp(1, 20 + T.elem_shift), &x->fit, x->err, sizeof x->err);
   if (x->op == OP_MATH || x->op == OP_ADAMW || x->op == OP_SGD)
-    return fit_anchored(x->x, x->t, x->points, x->t[0], 1 << 20, &x->fit, x->err, sizeof x->err);
+    return fit_anchored(x->x, x->t, x->points, x->t[0], ldexp(1, 20 + T.elem_shift), &x->fit, x->err, sizeof x->err);
   return fit_anchored(x->x, x->t, x->points, x->t[0], COMM_UNIT, &x->fit, x->err, sizeof x->err);
 }
 
@@ -916,7 +927,7 @@ static int fit_and_print(const TuneOptions *o, const TuneRun *r, Series *s) {
                                         : "yes";
     if (x->skipped) {
       printf("  %-13s %-10s %5d %6d %13s %13s %10s  %s\n", x->name, x->where, 1, 0, "-", "-", "-",
-             i >= S_ELEM ? "not measured on a GPU; no line in the profile"
+             i >= S_ELEM ? T.kernels_note
                          : "not measured (one rank: no collectives); 0 in the profile");
       continue;
     }

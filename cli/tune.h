@@ -65,12 +65,12 @@ typedef struct Series {
   int points;
   FitLine fit;
   bool ok;
-  bool skipped;             // not measured: a GPU profile of one rank has no collectives, a GPU no kernels
+  bool skipped;             // not measured: a GPU profile of one rank has no collectives
   char err[200];
 } Series;
 
 // S_A2A_INTRA .. S_AR_INTER are the collectives (measure_all runs them in that order).
-// S_ELEM and after: kernels each rank times alone (not measured on a GPU yet).
+// S_ELEM and after: kernels each rank times alone.
 enum { S_GEMM, S_A2A_INTRA, S_AG_INTRA, S_RS_INTRA, S_AR_INTRA, S_A2A_INTER, S_AR_INTER, S_ELEM, S_ATTN, S_ATTN_GRAD,
        S_MATH, S_ADAMW, S_SGD, NSERIES };
 enum { NCOLLECTIVES = S_AR_INTER - S_A2A_INTRA + 1 };
@@ -101,6 +101,11 @@ typedef struct Tune {
   double handoff_ms;           // the stream hand-off round trip; -1: not measured
   double slow_compute, slow_comm;   // the overlap probe's slowdowns; -1: not measured
   double grid_macs;            // the GEMM grid's largest shape in multiply-accumulates (0: TUNE_GRID_MACS)
+  // The kernels' sizes against the CPU's (the engine's open sets them): element-wise and update
+  // sweeps of 2^(16+elem_shift) .. 2^(23+elem_shift) floats, attention over 2^attn_shift times
+  // 1, 2, 4, 8 windows.
+  int elem_shift, attn_shift;
+  char kernels_note[240];      // why the element-wise, attention and update series are skipped ("" when timed)
 } Tune;
 
 // The GEMM grid's bounds (cli/tune.c, run_gemm_grid): a shape's multiply-accumulates and the
@@ -139,6 +144,10 @@ typedef struct TuneEngine {
   void (*close)(void);
   // The GEMM operands of cl from host a (na floats), b (nb), c (nc); NULL: the host buffers.
   void (*gemm_operands)(Call *cl, const float *a, size_t na, const float *b, size_t nb, float *c, size_t nc);
+  // The kernel sweeps' buffers: dev[i] is where the engine's kernels read and write host[i]
+  // (n[i] floats, copied there); the buffers of the sweep before are released. NULL: the host
+  // buffers themselves.
+  void (*kernel_buffers)(float *const *host, const size_t *n, int count, float **dev);
   // The collectives' send and receive buffers of n floats each, zeros; and their release.
   void (*comm_buffers)(size_t n, float **send, float **recv);
   void (*free_comm_buffers)(float *send, float *recv);

@@ -9,7 +9,15 @@
 // (the collectives are skipped). The grid of GEMM shapes (the profile's gemm_at lines, cli/tune.c)
 // is timed as on the CPU, GPU_REPS GEMMs a call, on one operand set (a GPU has no cache to keep
 // them out of that matters at these sizes); on the fake device only its shapes up to
-// GRID_MACS_FAKE. The element-wise, attention and update kernels are not timed on a GPU yet.
+// GRID_MACS_FAKE. The element-wise, attention and update kernels are the CUDA programs' own
+// (codegen/cuda/*.cu, the library every program's kernel unit holds), compiled by NVRTC for the
+// rank's GPU when the engine opens (through moec's build cache) and launched as a program
+// launches them (MK_BLOCK threads a block, its grids): the copy and the add (`elementwise`), the
+// GELU (`elementwise_math`), AdamW and SGD (with --dtype bf16 the kernels that also write the
+// parameters' bf16 copy, as a bf16 program's update does) over 2^19 .. 2^26 floats (the CPU's
+// sizes times 8: below, a GPU's kernels are launch-bound), and the causal attention's forward and
+// backward over 8, 16, 32, 64 windows. On the fake device, whose kernels run emulated on the host,
+// the sizes are 2^9 .. 2^16 floats and the attention 2 heads of 8 over windows of 16 tokens.
 // `memory` is the smallest total memory of the ranks' GPUs (cuDeviceTotalMem).
 //
 // Built only into the CUDA programs (the Makefile): build/cuda/moec-tune-cuda, linked with the
@@ -25,6 +33,7 @@
 #include <string.h>
 
 #include "cli/tune.h"
+#include "codegen/cg.h"
 #include "runtime/cuda/rt_cuda.h"
 #include "runtime/moert.h"
 
@@ -32,13 +41,74 @@
 // The size step this run uses: GEMM_UNIT times 8 (fp32) or 32 (bf16) on a GPU (open_gpu).
 static double unit = GEMM_UNIT;
 static const char *unit_text = "2^27";
+static int elem_shift;          // Tune.elem_shift of this run (open_gpu), for the printed sizes
 enum { GPU_REPS = 10 };         // GEMMs / collectives back to back in one timed run
 #define GRID_MACS_FAKE 1048576.0  // 2^20: the grid's largest shape on the fake device (its GEMMs are the CPU's)
+
+enum { KERNEL_BLOCK = 256 };    // MK_BLOCK: the threads of every block the CUDA programs launch
+enum { GPU_ELEM_SHIFT = 3, GPU_ATTN_SHIFT = 3, FAKE_ELEM_SHIFT = -7 };   // Tune.elem_shift, attn_shift
+enum { ATTN_ROWS_MOST = 16384 };   // the attention sweep's most rows on a GPU (fewer windows for long ones)
 
 // The GPU of this rank, the GEMMs' input type, and the NCCL communicators of the groups timed.
 static RtCuda *gpu;
 static RtCudaType gemm_type;
 static RtNccl *nccl[RT_GROUP_COUNT];
+
+// The library's kernels the sweeps launch (NULL until the library is loaded), and the bf16
+// parameter copy the bf16 updates write (in the arena with the sweep's buffers).
+enum { K_COPY, K_ADD, K_GELU, K_ADAMW, K_SGD, K_ATTN_FWD, K_ATTN_STATS, K_ATTN_GRAD_Q, K_ATTN_GRAD_KV, NKERNELS };
+static CUfunction kernel[NKERNELS];
+static uint16_t *param16;
+static void *module_image;   // the loaded CUBIN (the fake device reads it while the module lives)
+static char kernels_line[400];   // what the kernel sweeps launch, for rank 0's preamble
+
+static bool launch(int k, int64_t threads, void **args) {
+  return rt_cuda_launch(gpu, RT_STREAM_COMPUTE, kernel[k], rt_cuda_grid(threads, KERNEL_BLOCK), KERNEL_BLOCK, 0, args);
+}
+
+#define PTR(x) &(void *){(void *)(x)}
+#define I32(x) &(int){x}
+#define I64(x) &(long long){x}
+#define F32(x) &(float){x}
+
+// One call of a kernel sweep (cli/tune.c's Call, as tune_cpu.c's call reads it).
+static bool call_kernels(const Call *c) {
+  long long n = c->count;
+  switch (c->op) {
+  case OP_ELEMENTWISE:   // a copy and an add: 5 floats moved per element
+    return launch(K_COPY, n, (void *[]){PTR(c->send), PTR(c->c), I64(n)}) &&
+           launch(K_ADD, n, (void *[]){PTR(c->c), PTR(c->recv), PTR(c->send), I64(n)});
+  case OP_MATH: return launch(K_GELU, n, (void *[]){PTR(c->send), PTR(c->c), I64(n), I64(1024)});
+  // The parameters at c, the gradient at send, AdamW's moments at attn_stats and attn_grad; the
+  // last argument, the bf16 copy, is read by the bf16 kernels only (a kernel takes the
+  // parameters it declares).
+  case OP_ADAMW:
+    return launch(K_ADAMW, n, (void *[]){PTR(c->c), PTR(c->send), PTR(c->attn_stats), PTR(c->attn_grad), I64(n),
+                                         F32(1e-3f), F32(0.9f), F32(0.999f), F32(1e-8f), F32(0.1f), I64(10), F32(1.0f),
+                                         F32(1.0f), PTR(param16)});
+  case OP_SGD:
+    return launch(K_SGD, n, (void *[]){PTR(c->c), PTR(c->send), I64(n), F32(1e-3f), F32(0.1f), F32(1.0f), F32(1.0f),
+                                       PTR(param16)});
+  case OP_ATTENTION: {   // q a, k b, v send, o c, dy recv; m rows; n 0 forward, 1 backward
+    const AttnShape *s = c->attn;
+    int rows = c->m, qc = s->heads * s->d;
+    int64_t threads = (int64_t)rows * s->heads * 8, kv_threads = (int64_t)rows * s->kv * 8;
+    if (!c->n)
+      return launch(K_ATTN_FWD, threads, (void *[]){PTR(c->a), PTR(c->b), PTR(c->send), PTR(c->c), I32(rows),
+                                                     I32(s->seq), I32(s->heads), I32(s->kv), I32(qc), I32(0), F32(0.0f)});
+    return launch(K_ATTN_STATS, threads, (void *[]){PTR(c->recv), PTR(c->a), PTR(c->b), PTR(c->c), PTR(c->attn_stats),
+                                                     I32(rows), I32(s->seq), I32(s->heads), I32(s->kv), I32(qc), I32(0),
+                                                     F32(0.0f)}) &&
+           launch(K_ATTN_GRAD_Q, threads, (void *[]){PTR(c->recv), PTR(c->a), PTR(c->b), PTR(c->send),
+                                                      PTR(c->attn_stats), PTR(c->attn_grad), I32(rows), I32(s->seq),
+                                                      I32(s->heads), I32(s->kv), I32(qc), I32(0), F32(0.0f)}) &&
+           launch(K_ATTN_GRAD_KV, kv_threads, (void *[]){PTR(c->recv), PTR(c->a), PTR(c->b), PTR(c->send),
+                                                          PTR(c->attn_stats), PTR(c->attn_grad), I32(rows), I32(s->seq),
+                                                          I32(s->heads), I32(s->kv), I32(qc), I32(0), F32(0.0f)});
+  }
+  default: return false;
+  }
+}
 
 // GPU_REPS of the call back to back on the compute stream, then a synchronisation.
 static void call(const Call *c) {
@@ -58,7 +128,7 @@ static void call(const Call *c) {
     case OP_ATTENTION:
     case OP_MATH:
     case OP_ADAMW:
-    case OP_SGD: break;   // not timed on a GPU (open_gpu skips them)
+    case OP_SGD: ok = call_kernels(c); break;
     }
   }
   if (!ok || !rt_cuda_sync(gpu, RT_STREAM_COMPUTE)) rt_comm_abort("moec tune: a GPU call failed (the error is above)");
@@ -121,6 +191,76 @@ static void comm_buffers(size_t n, float **send, float **recv) {
 
 static void free_comm_buffers(float *send, float *recv) { (void)send, (void)recv; }   // the arena's
 
+// The kernel sweeps' buffers in device memory (the arena, reset: the sweep before is done), and
+// the bf16 parameter copy as long as the longest.
+static void kernel_buffers(float *const *host, const size_t *n, int count, float **dev) {
+  rt_cuda_arena_reset(gpu);
+  size_t most = 0;
+  for (int i = 0; i < count; i++) {
+    if (!(dev[i] = rt_cuda_alloc(gpu, n[i] * sizeof(float))) ||
+        !rt_cuda_to_device(gpu, RT_STREAM_COMPUTE, dev[i], host[i], n[i] * sizeof(float)))
+      rt_comm_abort("moec tune: %zu floats of a kernel's operand could not be had on the GPU (the error is above)", n[i]);
+    if (n[i] > most) most = n[i];
+  }
+  if (!(param16 = rt_cuda_alloc(gpu, most * sizeof(uint16_t))) || !rt_cuda_sync(gpu, RT_STREAM_COMPUTE))
+    rt_comm_abort("moec tune: the GPU arena cannot hold the bf16 copy of %zu parameters", most);
+}
+
+// Device memory the kernel sweeps take at most (kernel_buffers): the update sweep's 4 buffers and
+// the bf16 copy, or the attention's 7 buffers, whichever is larger (with the arena's alignment).
+static size_t kernel_bytes(const Tune *t) {
+  size_t most = (size_t)1 << (15 + ELEM_SIZES + t->elem_shift);
+  size_t sweeps = most * (4 * sizeof(float) + sizeof(uint16_t)) + 5 * 256;
+  const AttnShape *a = &t->attn;
+  size_t rows = (size_t)a->seq << (ATTN_SIZES - 1 + t->attn_shift), qc = (size_t)a->heads * a->d, kc = (size_t)a->kv * a->d;
+  size_t attn = rows * (3 * qc + 2 * kc + 2 * (size_t)a->heads + qc + 2 * kc) * sizeof(float) + 8 * 256;
+  return sweeps > attn ? sweeps : attn;
+}
+
+// The kernel library (codegen/cuda, as every CUDA program's unit holds it) compiled by NVRTC for
+// this rank's GPU (through moec's build cache: once per NVRTC version and library), loaded, and
+// the kernels the sweeps launch; false with why in t->kernels_note.
+static bool load_kernels(Tune *t) {
+  static const char *const names[NKERNELS] = {"mk_copy", "mk_add", "mk_gelu", "mk_adamw", "mk_sgd", "mk_attn_fwd",
+                                              "mk_attn_stats", "mk_attn_grad_q", "mk_attn_grad_kv"};
+  char *src = NULL, *ptx = NULL, arch[16];
+  size_t src_size = 0, cubin_size = 0, ptx_size = 0;
+  void *cubin = NULL;
+  bool cached = false;
+  FILE *f = open_memstream(&src, &src_size);
+  if (!f) {
+    snprintf(t->kernels_note, sizeof t->kernels_note, "not measured: no memory for the kernel library's source");
+    return false;
+  }
+  cg_emit_cuda_library(f);
+  fclose(f);
+  snprintf(arch, sizeof arch, "sm_%d", rt_cuda_device(gpu)->arch);
+  IrDiag diag;
+  ir_diag_init(&diag, stderr);
+  bool ok = cg_nvrtc_images_cached(&diag, src, arch, &cubin, &cubin_size, &ptx, &ptx_size, &cached) &&
+            rt_cuda_load_module(gpu, cubin);
+  free(src), free(ptx);
+  module_image = cubin;
+  for (int k = 0; k < NKERNELS && ok; k++) {
+    bool bf16_update = gemm_type == RT_CUDA_BF16 && (k == K_ADAMW || k == K_SGD);
+    char name[32];
+    snprintf(name, sizeof name, "%s%s", names[k], bf16_update ? "_bf16" : "");
+    ok = (kernel[k] = rt_cuda_kernel(gpu, name)) != NULL;
+  }
+  if (!ok) {
+    snprintf(t->kernels_note, sizeof t->kernels_note,
+             "not measured: the kernel library did not compile or load for %s (the error is above); no line", arch);
+    return false;
+  }
+  const char *u = gemm_type == RT_CUDA_BF16 ? "_bf16" : "";
+  snprintf(kernels_line, sizeof kernels_line,
+           "# kernels: the CUDA programs' library, NVRTC for %s%s: elementwise mk_copy + mk_add, elementwise_math mk_gelu, "
+           "update_adamw mk_adamw%s, update_sgd mk_sgd%s, attention mk_attn_fwd, attention_grad mk_attn_stats + "
+           "mk_attn_grad_q + mk_attn_grad_kv (%d heads, %d kv heads of %d, windows of %d tokens)",
+           arch, cached ? " (from the build cache)" : "", u, u, t->attn.heads, t->attn.kv, t->attn.d, t->attn.seq);
+  return true;
+}
+
 // `memory`: the smallest total memory of the ranks' GPUs (cuDeviceTotalMem, one GPU per rank).
 static void memory(Tune *t, const TuneRun *r) {
   long long mine = gpu ? (long long)rt_cuda_device(gpu)->memory_bytes : -1, least;
@@ -141,18 +281,22 @@ static void print_device(void) {
   const RtCudaDevice *dev = rt_cuda_device(gpu);
   printf("# GPU of rank 0: %s, sm_%d, %d multiprocessors, %.1f GiB, driver %d\n", dev->name, dev->arch,
          dev->multiprocessors, dev->memory_bytes / 1073741824.0, dev->driver_version);
+  if (kernels_line[0]) printf("%s\n", kernels_line);
 }
 
 static void print_sizes(bool quick) {
   printf("# sizes: communication 2^8, 2^11, 2^14 and %s of 2^18 .. 24*2^18 floats, gemm %s of %s .. 12*%s"
-         " multiply-accumulates%s\n",
-         quick ? "4" : "all 24", quick ? "4" : "all 12", unit_text, unit_text, quick ? " (--quick)" : "");
+         " multiply-accumulates, element-wise %s of 2^%d .. 2^%d floats%s\n",
+         quick ? "4" : "all 24", quick ? "4" : "all 12", unit_text, unit_text, quick ? "4" : "all 8",
+         16 + elem_shift, 23 + elem_shift, quick ? " (--quick)" : "");
 }
 
 static size_t header_sizes(char *h, size_t u, size_t size, bool quick) {
   return u + snprintf(h + u, size - u,
-                      "# Sizes: communication 2^8, 2^11, 2^14 and %s x 2^18 floats, gemm %s x %s multiply-accumulates;\n",
-                      quick ? "4 of 1..24" : "1..24", quick ? "4 of 1..12" : "1..12", unit_text);
+                      "# Sizes: communication 2^8, 2^11, 2^14 and %s x 2^18 floats, gemm %s x %s multiply-accumulates,\n"
+                      "# element-wise %s 2^%d..2^%d floats;\n",
+                      quick ? "4 of 1..24" : "1..24", quick ? "4 of 1..12" : "1..12", unit_text, quick ? "4 of" : "",
+                      16 + elem_shift, 23 + elem_shift);
 }
 
 // Device memory for the largest GEMM (A, B of the input type, C fp32) or the two collective
@@ -182,22 +326,36 @@ static bool open_gpu(Tune *t, const TuneOptions *o, RtComm *comm, Series *s, con
     return false;
   }
   gemm_type = o->dtype && strcmp(o->dtype, "bf16") == 0 ? RT_CUDA_BF16 : RT_CUDA_F32;
-  for (int i = S_ELEM; i < NSERIES; i++)   // the GPU's element-wise, attention and update kernels
-    s[i].skipped = true;                   // are not timed yet: no line in the profile
   if (world == 1)
-    for (int i = S_A2A_INTRA; i < NSERIES; i++) s[i].skipped = true;
+    for (int i = S_A2A_INTRA; i <= S_AR_INTER; i++) s[i].skipped = true;
   gpu = rt_cuda_create(arena_bytes(shapes, nshapes, world > 1), 1);
-  if (gpu && !rt_cuda_device(gpu)->emulated) {   // a GPU: sizes past the launch overhead, a new arena
-    unit = GEMM_UNIT * (gemm_type == RT_CUDA_BF16 ? 32 : 8);
-    unit_text = gemm_type == RT_CUDA_BF16 ? "2^32" : "2^30";
+  if (gpu) {   // the sizes for this device, then an arena that holds them
+    bool fake = rt_cuda_device(gpu)->emulated;
+    if (!fake) {   // a GPU: GEMM sizes past the launch overhead
+      unit = GEMM_UNIT * (gemm_type == RT_CUDA_BF16 ? 32 : 8);
+      unit_text = gemm_type == RT_CUDA_BF16 ? "2^32" : "2^30";
+    } else {       // emulated kernels: small sizes (their times say nothing)
+      t->grid_macs = GRID_MACS_FAKE;
+      t->attn = (AttnShape){2, 1, 8, 16};
+    }
+    t->elem_shift = elem_shift = fake ? FAKE_ELEM_SHIFT : GPU_ELEM_SHIFT;
+    t->attn_shift = fake ? 0 : GPU_ATTN_SHIFT;
+    while (t->attn_shift > 0 && ((int64_t)t->attn.seq << (ATTN_SIZES - 1 + t->attn_shift)) > ATTN_ROWS_MOST) t->attn_shift--;
+    size_t gemm = arena_bytes(shapes, nshapes, world > 1), kernels = kernel_bytes(t);
     rt_cuda_destroy(gpu);
-    gpu = rt_cuda_create(arena_bytes(shapes, nshapes, world > 1), 1);
+    gpu = rt_cuda_create(gemm > kernels ? gemm : kernels, 1);
   }
   ok = gpu != NULL;
   MPI_Allreduce(&ok, &all, 1, MPI_INT, MPI_MIN, MPI_COMM_WORLD);
   if (!all) return false;
+  ok = load_kernels(t);   // the element-wise, attention and update kernels, else their series skipped
+  MPI_Allreduce(&ok, &all, 1, MPI_INT, MPI_MIN, MPI_COMM_WORLD);
+  if (!all) {
+    for (int i = S_ELEM; i < NSERIES; i++) s[i].skipped = true;
+    kernels_line[0] = '\0';
+    if (ok) snprintf(t->kernels_note, sizeof t->kernels_note, "not measured: another rank's kernel library did not load; no line");
+  }
   const RtCudaDevice *dev = rt_cuda_device(gpu);
-  if (dev->emulated) t->grid_macs = GRID_MACS_FAKE;
   snprintf(t->gemm_engine, sizeof t->gemm_engine, "cuBLAS (rt_cuda_gemm: %s inputs, fp32 accumulation, no TF32) on %s (sm_%d)",
            gemm_type == RT_CUDA_BF16 ? "bf16" : "fp32", dev->name, dev->arch);
   for (int i = S_A2A_INTRA; i < NSERIES && world > 1; i++)
@@ -209,6 +367,7 @@ static bool open_gpu(Tune *t, const TuneOptions *o, RtComm *comm, Series *s, con
 static void close_gpu(void) {
   for (int g = 0; g < RT_GROUP_COUNT; g++) rt_cuda_nccl_destroy(nccl[g]);
   if (gpu) rt_cuda_destroy(gpu);
+  free(module_image);
 }
 
 // GEMM sizes of 2^27 multiply-accumulates (the shapes' scale; a GPU's sweep uses the larger unit),
@@ -219,7 +378,8 @@ const TuneEngine tune_cuda_engine = {
     .name = "cuda", .gemm_unit = GEMM_UNIT, .gemm_unit_text = "2^27", .call_reps = GPU_REPS, .gemm_ring = 1,
     .quick_gemm_sizes = QUICK_SIZES, .gemm_grid = true, .min_ranks = 1,
     .tokens_for = tokens_for, .call = call, .open = open_gpu, .close = close_gpu, .gemm_operands = gemm_operands,
-    .comm_buffers = comm_buffers, .free_comm_buffers = free_comm_buffers, .probes = NULL, .memory = memory,
+    .kernel_buffers = kernel_buffers, .comm_buffers = comm_buffers, .free_comm_buffers = free_comm_buffers,
+    .probes = NULL, .memory = memory,
     .print_device = print_device, .print_sizes = print_sizes, .header_sizes = header_sizes,
 };
 

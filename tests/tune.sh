@@ -21,9 +21,11 @@
 #   - a single process (no mpirun) is refused with exit status 2, and --dtype bf16 without
 #     --target cuda too;
 #   - --target cuda (build/cuda/moec-tune-cuda, on the fake device moec-tune-fake): one rank times
-#     the GEMMs only and writes a 1 x 1 profile (collectives 0, saying why; `memory` the device's;
-#     no intra-node fits) that plans tiny.moe and refuses a 4-rank layout; 2 ranks with --dtype
-#     bf16 fit the GEMMs and the 6 collectives (alltoall_intra, allreduce_intra in the profile);
+#     the GEMMs and the programs' kernels (NVRTC's build of the library: element-wise, attention,
+#     update) and writes a 1 x 1 profile (collectives 0, saying why; `memory` the device's; no
+#     intra-node fits) that plans tiny.moe and refuses a 4-rank layout; 2 ranks with --dtype bf16
+#     fit the GEMMs, the 6 collectives (alltoall_intra, allreduce_intra in the profile) and the
+#     kernels (the bf16 updates);
 #     the real program without a GPU exits 1 and says so; bench/gpu_predict.sh --quick (tune,
 #     plan, run: predicted beside measured) runs on the fake device.
 # Prints `ok    ...` / `FAIL  ...` lines; exits 1 on any failure.
@@ -209,6 +211,13 @@ else
      ! grep -Eq '^ *(alltoall_intra|allreduce_intra) *\{' "$WORK/G1.cluster"; then
     ok "tune --target cuda on one rank (fake device): the GEMMs' fit ($(awk '/^  gemm / {print "alpha", $5, "beta", $6}' "$WORK/g1.out")), a 1 x 1 profile whose collectives are 0 and say why, with the device's memory"
   else bad "tune --target cuda on one rank (fake device), exit $status" "$(cat "$WORK/g1.out" "$WORK/G1.cluster" 2>/dev/null | tail -n 30)"; fi
+  # The CUDA programs' own kernels, through NVRTC: the element-wise, attention and update fits a
+  # GPU profile prices those ops with (the fake device emulates them at small sizes).
+  kfits=$(grep -cE '^  (elementwise|attention|attention_grad|elementwise_math|update_adamw|update_sgd) +\{ alpha [0-9.e+-]+; beta [0-9.e+-]+; \}$' "$WORK/G1.cluster" 2>/dev/null)
+  if [ "${kfits:-0}" -eq 6 ] && grep -q '^# kernels: the CUDA programs. library, NVRTC for sm_[0-9]*.*update_adamw mk_adamw, ' "$WORK/g1.out" &&
+     awk '$1 ~ /^(elementwise|attention|update_)/ && $2 == "{" {sub(";", "", $6); if (!($6 > 0)) bad = 1} END {exit bad}' "$WORK/G1.cluster"; then
+    ok "tune --target cuda times the programs' kernels (fake device): elementwise, elementwise_math, attention, attention_grad, update_adamw and update_sgd lines, each beta > 0"
+  else bad "tune --target cuda times the programs' kernels: 6 kernel fits (got ${kfits:-0})" "$(grep -E '^# kernels|^  (elementwise|attention|update)' "$WORK/g1.out" "$WORK/G1.cluster" 2>/dev/null)"; fi
   # The grid of GEMM shapes on the GPU engine (on the fake device its shapes up to 2^20
   # multiply-accumulates, its GEMMs being the CPU's).
   ggrid=$(grep -c '^ *gemm_at [0-9]* [0-9]* [0-9]* [0-9.e+-]*;' "$WORK/G1.cluster" 2>/dev/null)
@@ -228,9 +237,11 @@ else
   if [ $status -eq 0 ] && [ "$(tail -n 1 "$WORK/g2.out")" = OK ] && grep -q '^# gemm: cuBLAS (rt_cuda_gemm: bf16 inputs' "$WORK/g2.out" &&
      [ "$(awk '/^# model +group/ {t = 1; next} t && /^  [a-z]/ && $4 == 7' "$WORK/g2.out" | wc -l)" -eq 6 ] &&
      ! grep -q 'not measured' "$WORK/G2.cluster" && grep -Eq '^  memory [0-9]+;  # the GPU.s total memory' "$WORK/G2.cluster" &&
+     grep -q '^# kernels: .*update_adamw mk_adamw_bf16, update_sgd mk_sgd_bf16' "$WORK/g2.out" &&
+     [ "$(grep -cE '^  (elementwise|attention|attention_grad|elementwise_math|update_adamw|update_sgd) +\{' "$WORK/G2.cluster")" -eq 6 ] &&
      grep -Eq '^  alltoall_intra +\{ alpha [0-9.e+-]+; beta [0-9.e+-]+; \}' "$WORK/G2.cluster" &&
      grep -Eq '^  allreduce_intra +\{ alpha [0-9.e+-]+; beta [0-9.e+-]+; \}' "$WORK/G2.cluster"; then
-    ok "tune --target cuda --dtype bf16 on 2 ranks (fake device): bf16 GEMMs and the 6 collective fits over NCCL's calls, alltoall_intra, allreduce_intra and memory in the profile"
+    ok "tune --target cuda --dtype bf16 on 2 ranks (fake device): bf16 GEMMs, the 6 collective fits over NCCL's calls, alltoall_intra, allreduce_intra, memory and the kernel fits (the bf16 updates) in the profile"
   else bad "tune --target cuda --dtype bf16 on 2 ranks (fake device), exit $status" "$(tail -n 30 "$WORK/g2.out")"; fi
   # bench/gpu_predict.sh, which a GPU session runs: its --quick models on the fake device, predicted
   # and measured side by side (the fake device's times say nothing; the script's path is checked).
