@@ -221,9 +221,10 @@ endif
 # a toolkit: no gpu_check) one skip line. No `deps`: GPU machines have no apt. gpu-models: the
 # CUDA and CPU model binaries that gpu.sh compares, built here to be carried to a GPU machine
 # (docs/gpu.md). gpu-pack: everything a GPU session runs (gpu_check, the model binaries, moec and
-# tune --target cuda, bench/gpu_predict.sh's models, gpu_layer) with their Debian libraries, in
-# one file to carry: build/gpu-pack.tar.xz, which tests/cuda/session.sh unpacks and runs on the
-# GPU (docs/gpu.md). Where a part is missing they say so.
+# tune --target cuda, bench/gpu_predict.sh's models, gpu_layer, bench/gpu_compiled.sh's layers)
+# with their Debian libraries, in one file to carry: build/gpu-pack.tar.xz, which
+# tests/cuda/session.sh unpacks and runs on the GPU (docs/gpu.md). Where a part is missing they
+# say so.
 GPU_RUNTIME := $(filter yes,$(HAVE_GPU_RUNTIME))
 test-gpu: $(filter $(BUILD)/cuda/gpu_check,$(CUDA_TARGETS))
 	@BUILD=$(BUILD) CUDA=$(CUDA) bash tests/cuda/gpu.sh
@@ -232,6 +233,7 @@ gpu-models: $(if $(filter yes,$(HAVE_NVRTC)),$(BUILD)/moec $(BUILD)/libmoert.a $
 gpu-pack: $(if $(GPU_RUNTIME),all gpu-models $(BUILD)/bench/gpu_layer,$(filter cuda-skip gpu-skip,$(CUDA_TARGETS)))
 	$(if $(GPU_RUNTIME),@BUILD=$(BUILD) bash bench/gpu_predict.sh --build)
 	$(if $(GPU_RUNTIME),@BUILD=$(BUILD) bash bench/gpu_lm.sh --build)
+	$(if $(GPU_RUNTIME),@BUILD=$(BUILD) bash bench/gpu_compiled.sh --build)
 	$(if $(GPU_RUNTIME),@BUILD=$(BUILD) bash tests/cuda/pack.sh)
 gpu-skip:
 	@echo "# no cuBLAS ($(CUDA)/include/cublas_v2.h) or NCCL (NCCL_HOME=$(NCCL_HOME): include/nccl.h, lib/libnccl.so.2): libmoert_cuda.a and gpu_check skipped"

@@ -3,8 +3,13 @@
 #   1. build/bench/gpu_layer (bench/gpu_layer.cpp): the layer from moec's CUDA kernels and
 #      cuBLAS, and its expert GEMMs alone (the roofline);
 #   2. bench/torch_ref.py: the same layer in PyTorch, on the shapes gpu_layer ran;
-#   3. the two side by side: PyTorch time / moec time for the layer, the gate and the routing.
-# Arguments go to both programs: --quick, --all, --shapes SPEC, --runs N, --warmup N.
+#   3. the two side by side: PyTorch time / moec time for the layer, the gate and the routing;
+#   4. the layer as moec compiles it (bench/gpu_compiled.sh: `moec build --target cuda`'s program,
+#      fused, bf16 storage with --dtype bf16, CUDA graphs; built by make gpu-pack for Table 4's
+#      largest shape and 2x2048x2048x4, both ffns) and its forward + backward beside PyTorch's,
+#      eager and torch.compile, on the shapes both ran.
+# Arguments go to both programs: --quick, --all, --shapes SPEC, --runs N, --warmup N (and --dtype,
+# --quick to bench/gpu_compiled.sh).
 #
 # Without a GPU each program prints one skip line and the status is 0. On a GPU machine without
 # the build machine's Debian packages (docs/gpu.md): libraries gpu_layer cannot find through its
@@ -18,7 +23,8 @@ CUDA=${CUDA:-/usr/local/cuda}
 BIN=$BUILD/bench/gpu_layer
 MOEC_OUT=$(mktemp "${TMPDIR:-/tmp}/moec-bench.XXXXXX")
 TORCH_OUT=$(mktemp "${TMPDIR:-/tmp}/torch-bench.XXXXXX")
-trap 'rm -f "$MOEC_OUT" "$TORCH_OUT"' EXIT
+COMPILED_OUT=$(mktemp "${TMPDIR:-/tmp}/compiled-bench.XXXXXX")
+trap 'rm -f "$MOEC_OUT" "$TORCH_OUT" "$COMPILED_OUT"' EXIT
 status=0
 
 # The peak the routed column divides by: the H100/H200 SXM's dense bf16 or fp32 (non-tensor) figure.
@@ -86,5 +92,39 @@ if grep -qE '^(gpt|mixtral) ' "$MOEC_OUT" && grep -qE '^(gpt|mixtral) ' "$TORCH_
   echo "# ms: forward + backward of the layer (eager: PyTorch as written; compile: torch.compile of it, -1: not run),"
   echo "# and its expert GEMMs alone; moec TF/s: the layer's GEMM FLOPs over the capacity slots per second;"
   echo "# gate: us of softmax -> top-k -> gather; rt (route): us of gate matmul + gate + capacity locations"
+fi
+
+# 4. The compiled layer (its shapes PyTorch ran too get a row below).
+cargs=()
+for a in "$@"; do case $a in --quick | bf16 | fp32) cargs+=("$a") ;; --dtype) cargs+=(--dtype) ;; esac; done
+echo
+if nvidia-smi -L >/dev/null 2>&1; then
+  bash bench/gpu_compiled.sh "${cargs[@]}" 2>&1 | tee "$COMPILED_OUT"
+  [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
+else
+  echo "skip  the compiled layer (bench/gpu_compiled.sh): no GPU"
+fi
+if grep -qE '^(gpt|mixtral) ' "$COMPILED_OUT" && grep -qE '^(gpt|mixtral) ' "$TORCH_OUT"; then
+  echo
+  echo "# the compiled layer vs PyTorch: speedup = PyTorch time / compiled time (> 1: moec is faster)"
+  awk 'function ratio(a, b) { return b > 0 && a == a ? a / b : 0 }
+       FNR == 1 { file++ }
+       $1 !~ /^(gpt|mixtral)$/ { next }
+       file == 1 { layer[$1 " " $2] = $5; split($2, d, "x"); n = ($1 == "gpt" ? 2 : 3)
+                   routed[$1 " " $2] = 3 * n * 2 * $3 * 2 * (1 - $12 / 100) * d[3] * d[3] * d[4] / 1e9 / peak; next }
+       file == 2 { comp[$1 " " $2] = $4; kern[$1 " " $2] = $7; next }
+       file == 3 && ($1 " " $2) in comp {
+         k = $1 " " $2
+         if (!header++)
+           printf "%-8s %-15s %11s %11s %9s %9s %10s %9s %9s %8s\n", "ffn", "shape", "compiled ms", "replica ms",
+                  "eager ms", "speedup", "compile ms", "speedup", "routed %", "kernels"
+         c = (NF >= 13 && $13 != "nan") ? $13 : -1
+         printf "%-8s %-15s %11.3f %11.3f %9.3f %8.2fx %10.3f %8.2fx %8.1f%% %8s\n", $1, $2, comp[k],
+                (k in layer) ? layer[k] : -1, $5, ratio($5, comp[k]), c, ratio(c, comp[k]),
+                (k in routed) ? 100 * routed[k] / comp[k] : -1, kern[k]
+       }' peak="$PEAK" "$MOEC_OUT" "$COMPILED_OUT" "$TORCH_OUT"
+  echo "# compiled ms: forward + backward of the program moec build --target cuda makes of the layer (its MSE loss"
+  echo "# included); replica ms: gpu_layer's op-by-op replica of round 4's program; routed %: the routed tokens'"
+  echo "# expert FLOPs per second of the compiled layer over the peak of $PEAK TFLOP/s; kernels: its launches a step"
 fi
 exit $status

@@ -511,6 +511,7 @@ static void print_step(const RtTrainer *tr, int64_t t, const RtReport *rep, doub
 // class of work in them: GEMMs, attention, the update, each kind of collective.
 typedef struct Profile {
   double *steps;                      // the counted steps' times, ms; NULL without --profile
+  double *fwd_bwd, *updates;          // their forward and backward, and their update, ms
   int64_t n;                          // steps counted
   double gemm, total, comm, hidden;   // ms over the counted steps
   double attn, update;
@@ -526,7 +527,7 @@ static void profile_begin(Profile *p) {
 
 // A step of ms ms ended: counted (every step after the first) or not, the collectives' record
 // taken either way.
-static void profile_step(Profile *p, bool counted, double ms, double update_ms) {
+static void profile_step(Profile *p, bool counted, double ms, double fwd_bwd_ms, double update_ms) {
   if (!p->steps)
     return;
   if (!counted) {
@@ -534,6 +535,7 @@ static void profile_step(Profile *p, bool counted, double ms, double update_ms) 
     rt_prof_take(&ignored[0], &ignored[1], NULL);
     return;
   }
+  p->fwd_bwd[p->n] = fwd_bwd_ms, p->updates[p->n] = update_ms;
   p->steps[p->n++] = ms;
   p->total += ms;
   p->gemm += (double)rt_gemm_ns_take() * 1e-6;
@@ -571,9 +573,15 @@ static void profile_print(const RtTrainer *tr, Profile *p, int64_t first, int64_
   qsort(p->steps, (size_t)p->n, sizeof *p->steps, by_double);
   printf("# profile: steps %lld..%lld, median whole step %.3f ms (data, forward, backward, update), ",
          (long long)first + 1, (long long)last, p->steps[p->n / 2]);
-  if (tr->model->device)   // the GEMMs are cuBLAS's on the GPU's streams: no host clock sees them
+  if (tr->model->device) {   // the GEMMs are cuBLAS's on the GPU's streams: no host clock sees them
     printf("GEMM share not measured on a GPU\n");
-  else
+    // Each step function ends waiting for the GPU's streams, so the host's clock times what the
+    // GPU did in it (and the launch of its graph).
+    qsort(p->fwd_bwd, (size_t)p->n, sizeof *p->fwd_bwd, by_double);
+    qsort(p->updates, (size_t)p->n, sizeof *p->updates, by_double);
+    printf("# profile: median forward and backward %.3f ms, median update %.3f ms (each step function ends "
+           "waiting for the GPU)\n", p->fwd_bwd[p->n / 2], p->updates[p->n / 2]);
+  } else
     printf("GEMM %.1f %% of the steps' time (%.3f ms per step)\n", 100.0 * p->gemm / p->total, p->gemm / (double)p->n);
   // Communication as a mean per step beside the mean step (the median step above can be shorter
   // than the mean communication: a few slow steps raise the mean alone).
@@ -639,8 +647,15 @@ static int train(RtTrainer *tr) {
     print_header(tr, first, last);
   double loss = NAN;
   Profile prof = {0};
-  if (tr->opt.profile)
-    prof.steps = calloc((size_t)(last - first + 1 > 0 ? last - first + 1 : 1), sizeof *prof.steps);
+  if (tr->opt.profile) {
+    size_t n = (size_t)(last - first + 1 > 0 ? last - first + 1 : 1);
+    prof.steps = calloc(n, sizeof *prof.steps), prof.fwd_bwd = calloc(n, sizeof *prof.fwd_bwd);
+    prof.updates = calloc(n, sizeof *prof.updates);
+    if (!prof.steps || !prof.fwd_bwd || !prof.updates) {
+      free(prof.steps), free(prof.fwd_bwd), free(prof.updates);
+      return rt_fail("out of memory for --profile's step times");
+    }
+  }
   rt_gemm_profile(prof.steps != NULL);
   rt_prof_enable(prof.steps != NULL);
   run.progress = !tr->opt.quiet && root && tr->opt.watched;
@@ -674,7 +689,7 @@ static int train(RtTrainer *tr) {
     double t2 = now_ms();
     m->update(st);
     double t3 = now_ms();
-    profile_step(&prof, t > first, t3 - t_start, t3 - t2);
+    profile_step(&prof, t > first, t3 - t_start, t1 - t0, t3 - t2);
     tr->done_steps = t;
     double ms = (t1 - t0) + (t3 - t2);
     rt_world_max(tr->comm, &ms, 1);
@@ -694,7 +709,7 @@ static int train(RtTrainer *tr) {
   rt_gemm_profile(false);
   rt_prof_enable(false);
   profile_print(tr, &prof, first, last);
-  free(prof.steps);
+  free(prof.steps), free(prof.fwd_bwd), free(prof.updates);
   print_summary(tr, &run, convert, loss);
   return 0;
 }

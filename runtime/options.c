@@ -78,7 +78,8 @@ void rt_options_usage(FILE *out, const RtModel *model, const char *prog) {
           "  --profile        after training, the median whole step (data, forward, backward,\n"
           "                   update) of steps 2..N, its share in GEMMs, and the time collectives\n"
           "                   were in flight per step with the share of it hidden behind\n"
-          "                   computation (rank 0's)\n"
+          "                   computation (rank 0's); on a GPU the median forward and\n"
+          "                   backward and the median update\n"
           "  --comm-timeout S end the job when a collective has not completed after S seconds\n"
           "                   (a cut link, a dead rank; default 20, 0 waits forever)\n"
           "  --help           print this message\n",

@@ -27,7 +27,7 @@
 #     fit the GEMMs, the 6 collectives (alltoall_intra, allreduce_intra in the profile) and the
 #     kernels (the bf16 updates);
 #     the real program without a GPU exits 1 and says so; bench/gpu_predict.sh --quick (tune,
-#     plan, run: predicted beside measured) runs on the fake device.
+#     plan, run: predicted, the fused program's prediction and measured) runs on the fake device.
 # Prints `ok    ...` / `FAIL  ...` lines; exits 1 on any failure.
 set -u
 cd "$(dirname "$0")/.."
@@ -247,8 +247,8 @@ else
   # and measured side by side (the fake device's times say nothing; the script's path is checked).
   if MOEC_CUDA_FAKE=1 PREDICT_DIR=$WORK/predict bash bench/gpu_predict.sh --build --quick >"$WORK/pb.out" 2>&1 &&
      MOEC_CUDA_FAKE=1 PREDICT_DIR=$WORK/predict bash bench/gpu_predict.sh --quick >"$WORK/pr.out" 2>&1 &&
-     [ "$(grep -cE '^predict_q_(gpt|bf16) +(fp32|bf16)( +[0-9.]+){5}$' "$WORK/pr.out")" -eq 2 ] && [ "$(tail -n 1 "$WORK/pr.out")" = OK ]; then
-    ok "bench/gpu_predict.sh --quick on the fake device: a profile per dtype, predicted and measured step of each model"
+     [ "$(grep -cE '^predict_q_(gpt|bf16) +(fp32|bf16)( +[0-9.]+){7}$' "$WORK/pr.out")" -eq 2 ] && [ "$(tail -n 1 "$WORK/pr.out")" = OK ]; then
+    ok "bench/gpu_predict.sh --quick on the fake device: a profile per dtype (with kernel lines), the planner's and the fused program's predicted step and the measured one of each model"
   else bad "bench/gpu_predict.sh --quick on the fake device" "$(cat "$WORK/pb.out" "$WORK/pr.out" 2>/dev/null | tail -n 20)"; fi
 fi
 # The real program without a GPU says so (on a GPU machine it profiles: make test-gpu's session runs it).

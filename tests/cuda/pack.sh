@@ -14,6 +14,8 @@
 #                                   sm_80 PTX, bf16)
 #   build/cuda/predict/*            bench/gpu_predict.sh's models and CUDA binaries
 #   build/cuda/lm/*                 bench/gpu_lm.sh's language model (fp32 and bf16 CUDA binaries)
+#   build/cuda/layers/*             bench/gpu_compiled.sh's layers: make bench-gpu's layer as moec
+#                                   compiles it (fp32 and bf16 CUDA binaries)
 #   build/bench/gpu_layer           make bench-gpu's moec side
 #   build/lib/*                     the Debian libraries the binaries need (ldd)
 #   build/ompi/...                  Open MPI's components, for a singleton MPI_Init (OPAL_PREFIX)
@@ -36,6 +38,7 @@ cp -p "$BUILD/moec" "$S/"
 cp -p "$BUILD/cuda/moec-tune-cuda" "$BUILD/cuda/gpu_check" "$S/cuda/"
 cp -rp "$BUILD/cuda/models" "$BUILD/cuda/predict" "$S/cuda/"
 [ -d "$BUILD/cuda/lm" ] && cp -rp "$BUILD/cuda/lm" "$S/cuda/"
+[ -d "$BUILD/cuda/layers" ] && cp -rp "$BUILD/cuda/layers" "$S/cuda/"
 cp -p "$BUILD/bench/gpu_layer" "$S/bench/"
 bins=$(find "$S" -type f -perm -u+x ! -name '*.moe')
 # shellcheck disable=SC2086

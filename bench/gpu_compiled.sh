@@ -1,0 +1,114 @@
+#!/usr/bin/env bash
+# make bench-gpu's compiled layer: the MoE layer bench/gpu_layer replicates op by op, as `moec
+# build --target cuda` compiles it (the fuse pass's kernels, bf16 storage with dtype bf16, the
+# update in one launch, each step function a CUDA graph), trained on the GPU.
+#
+#   bash bench/gpu_compiled.sh --build [--quick]       (build machine) writes DIR/NAME.moe and
+#                                                      builds DIR/NAME.cuda for each shape, fp32 and bf16
+#   bash bench/gpu_compiled.sh [--quick] [--dtype fp32|bf16] [--steps N] [--shapes SPEC]
+#                                                      (GPU machine) runs them
+#
+# The layer is gpu_layer's: 8 experts (ffn gpt with bias and GELU, or mixtral's SwiGLU), gate
+# gshard top-2 with capacity 1.2 and aux loss 0.01, order tutel, on B x L tokens of width M
+# (SPEC: FFN:BxLxMxHSCALE, comma-separated, H = HSCALE*M), with an MSE loss on synthetic data and
+# AdamW. Each binary trains N steps (default 12) with --profile; its "forward and backward" is the
+# median over steps 2..N of the forward and backward step functions, each ending when the GPU is
+# done (the data's upload and the update are not in it; PyTorch's side, bench/torch_ref.py, times
+# the layer's forward and backward the same way); the update and the whole step are printed too.
+# Shapes built: gpt and mixtral at 4x2048x4096x4 (Table 4's largest) and 2x2048x2048x4;
+# --quick: gpt 1x32x32x2 (the tests run it on the fake device, where the times say nothing).
+# DIR is COMPILED_DIR (default $BUILD/cuda/layers, carried to the GPU machine by make gpu-pack).
+#
+# Rows: ffn shape dtype, forward and backward ms, update ms, whole step ms, and the program's
+# kernels, GEMMs and kernel traffic a step (moec build -v). '#' lines are metadata; the footer
+# says OK or FAILED; exit status 1 when something failed.
+set -u
+cd "$(dirname "$0")/.." || exit 1
+BUILD=${BUILD:-build}
+MOEC=${MOEC:-$BUILD/moec}
+DIR=${COMPILED_DIR:-$BUILD/cuda/layers}
+case $DIR in /*) ;; *) DIR=$PWD/$DIR ;; esac
+build=false quick=false dtype=fp32 steps=12 spec=""
+while [ $# -gt 0 ]; do
+  case $1 in
+    --build) build=true ;;
+    --quick) quick=true ;;
+    --dtype) dtype=${2:?--dtype needs fp32 or bf16}; shift ;;
+    --steps) steps=${2:?--steps needs a number}; shift ;;
+    --shapes) spec=${2:?--shapes needs FFN:BxLxMxHSCALE,...}; shift ;;
+    --all | --runs | --warmup) [ "$1" = --all ] || shift ;;   # bench/gpu.sh's other options: not ours
+    *) echo "usage: bench/gpu_compiled.sh [--build] [--quick] [--dtype fp32|bf16] [--steps N] [--shapes SPEC]" >&2; exit 2 ;;
+  esac
+  shift
+done
+case $dtype in fp32 | bf16) ;; *) echo "bench/gpu_compiled.sh: --dtype fp32 or bf16, not '$dtype'" >&2; exit 2 ;; esac
+
+SHAPES="gpt:4x2048x4096x4 mixtral:4x2048x4096x4 gpt:2x2048x2048x4 mixtral:2x2048x2048x4"
+$quick && SHAPES="gpt:1x32x32x2"
+[ -n "$spec" ] && SHAPES=$(echo "$spec" | tr ',' ' ')
+
+name_of() { echo "layer_$1_$2_$3"; }   # FFN SHAPE DTYPE
+
+model() {   # FFN BxLxMxHSCALE DTYPE
+  local b l m h ffn
+  IFS=x read -r b l m h <<<"$2"
+  case $1 in
+    gpt) ffn="ffn gpt { hidden $((m * h)); act gelu; bias true; }" ;;
+    mixtral) ffn="ffn mixtral { hidden $((m * h)); }" ;;
+    *) echo "bench/gpu_compiled.sh: unknown ffn '$1' (gpt or mixtral)" >&2; return 1 ;;
+  esac
+  cat <<EOF
+# bench/gpu_compiled.sh: make bench-gpu's MoE layer, B $b L $l M $m H $((m * h)) ($1, $3)
+model layer { dtype $3; batch $b; seqlen $l; embed $m; seed 1; optimizer adamw { lr 0.0003; } }
+layer block {
+  moe {
+    experts 8 { $ffn }
+    gate gshard { k 2; capacity 1.2; aux_loss 0.01; }
+    order tutel;
+  }
+}
+EOF
+}
+
+if $build; then
+  mkdir -p "$DIR"
+  for entry in $SHAPES; do
+    IFS=: read -r ffn shape <<<"$entry"
+    for dt in fp32 bf16; do
+      name=$(name_of "$ffn" "$shape" "$dt")
+      model "$ffn" "$shape" "$dt" >"$DIR/$name.moe" || exit 1
+      "$MOEC" build "$DIR/$name.moe" --target cuda -v -o "$DIR/$name.cuda" 2>"$DIR/$name.build" ||
+        { cat "$DIR/$name.build"; echo "FAILED: moec build $DIR/$name.moe --target cuda"; exit 1; }
+      echo "# $DIR/$name.cuda"
+    done
+  done
+  exit 0
+fi
+
+status=0
+WORK=$(mktemp -d "${TMPDIR:-/tmp}/moec-compiled.XXXXXX")
+trap 'rm -rf "$WORK"' EXIT
+echo "# the compiled layer (moec build --target cuda, $dtype): forward and backward, update and whole step, medians of steps 2..$steps"
+printf '%-8s %-15s %6s %11s %10s %9s %8s %6s %10s\n' ffn shape dtype "fwdbwd ms" "update ms" "step ms" kernels gemms "traffic MB"
+for entry in $SHAPES; do
+  IFS=: read -r ffn shape <<<"$entry"
+  name=$(name_of "$ffn" "$shape" "$dtype")
+  if [ ! -x "$DIR/$name.cuda" ]; then
+    echo "# $ffn $shape: $DIR/$name.cuda is missing (bash bench/gpu_compiled.sh --build on the build machine)"; status=1; continue
+  fi
+  if ! (cd "$WORK" && timeout 300 "$DIR/$name.cuda" --steps "$steps" --profile >"$WORK/run" 2>&1 </dev/null); then
+    echo "# $ffn $shape: the binary failed: $(tail -n 5 "$WORK/run")"; status=1; continue
+  fi
+  read -r fb up < <(awk '/^# profile: median forward and backward/ {print $7, $11}' "$WORK/run")
+  whole=$(awk '/^# profile: steps/ {print $8}' "$WORK/run")
+  # The compiler's counts: "# launches: a step  K kernels,  G GEMMs, ..." and "kernel traffic: X MB".
+  read -r kernels gemms < <(awk '/^# launches: a step/ {print $5, $7}' "$DIR/$name.build" 2>/dev/null)
+  traffic=$(awk '/^# kernel traffic:/ {print $4}' "$DIR/$name.build" 2>/dev/null)
+  if [ -z "${fb:-}" ] || [ -z "${up:-}" ] || [ -z "$whole" ]; then
+    echo "# $ffn $shape: no --profile lines: $(tail -n 3 "$WORK/run")"; status=1; continue
+  fi
+  printf '%-8s %-15s %6s %11.3f %10.3f %9.3f %8s %6s %10s\n' "$ffn" "$shape" "$dtype" "$fb" "$up" "$whole" \
+    "${kernels:--}" "${gemms:--}" "${traffic:--}"
+done
+[ $status -eq 0 ] && echo OK || echo FAILED
+exit $status
