@@ -3,7 +3,8 @@
 # build/gpu-pack.tar.xz (make gpu-pack, carried), then runs the stages asked for and keeps each
 # stage's log under $OUT (the device tool's folder that comes back; default build/gpu-logs).
 #
-#   bash tests/cuda/session.sh [env] [test] [tune] [predict] [profile] [profile-lm] [lm] [bench] [bench-bf16] [bench-all]
+#   bash tests/cuda/session.sh [env] [test] [tune] [predict] [profile] [profile-lm] [profile-layer] [compiled] [lm]
+#                              [bench] [bench-bf16] [bench-all]
 #                                                                  (default: env test tune predict)
 #
 # A stage may carry a time limit in seconds, STAGE:SECONDS (e.g. test:240 bench:120): the stage is
@@ -22,6 +23,10 @@
 #   profile    the predict models' --profile (data, forward, backward, update) and ncu's kernel
 #              durations of the bf16 one (profile.log, ncu.csv)
 #   profile-lm ncu's kernel times of bench/gpu_lm.sh's bf16 model, 2 steps (profile-lm.log, ncu_lm.csv)
+#   profile-layer  the same for make bench-gpu's compiled layer, gpt 4x2048x4096x4 in bf16
+#              (profile-layer.log, ncu_layer.csv)
+#   compiled   bench/gpu_compiled.sh, fp32 and bf16: the layer as moec compiles it, without PyTorch
+#              (compiled.log, compiled-bf16.log; bench and bench-bf16 run it too, beside PyTorch)
 #   lm         bench/gpu_lm.sh: a language model's whole step (fp32 and bf16) beside PyTorch's (lm.log)
 #   bench      make bench-gpu's default shapes: bench/gpu.sh (bench-gpu.log); bench-bf16: the same with
 #              --dtype bf16 (bench-gpu-bf16.log); BENCH_ARGS adds options (--shapes SPEC); bench-all: all 162
@@ -69,7 +74,7 @@ stage() {   # NAME LOG COMMAND...: runs it, its output to LOG, the last lines to
   start=$(date +%s)
   if [ "${limit:-0}" -gt 0 ]; then
     # the stages are functions of this script: export them for timeout's bash
-    export -f env_info tune profile_models profile_lm ncu_summary
+    export -f env_info tune profile_models profile_lm profile_layer profile_binary ncu_summary
     export BUILD OUT
     timeout -k 5 "$limit" bash -c '"$@"' stage "$@" >"$log" 2>&1 </dev/null
   else
@@ -129,15 +134,23 @@ print("%-58s %9.3f ms %6.1f launches" % ("all kernels (cuBLAS's included)", tota
 PY
 }
 
-profile_lm() {   # ncu's kernel times of the language model of bench/gpu_lm.sh (bf16), beside its counts
-  local m
-  m=$(cd "$BUILD" && pwd)/cuda/lm/lm_gpu_bf16.cuda
+profile_binary() {   # BINARY CSV SECONDS: ncu's kernel times of a CUDA binary's 2 steps, beside its counts
+  local m=$1
   echo "## the compiler's counts (moec build -v)"
   grep -h '^# launches' "${m%.cuda}.build" 2>/dev/null
+  grep -h '^# kernel traffic' "${m%.cuda}.build" 2>/dev/null
   echo "## ncu $m --steps 2"
-  (cd "$OUT" && timeout -k 5 150 ncu --clock-control none --metrics gpu__time_duration.sum --csv "$m" --steps 2 --quiet) >"$OUT/ncu_lm.csv" 2>&1
+  (cd "$OUT" && timeout -k 5 "$3" ncu --clock-control none --metrics gpu__time_duration.sum --csv "$m" --steps 2 --quiet) >"$OUT/$2" 2>&1
   echo "ncu exit $?"
-  ncu_summary "$OUT/ncu_lm.csv"
+  ncu_summary "$OUT/$2"
+}
+
+profile_lm() {   # ncu's kernel times of the language model of bench/gpu_lm.sh (bf16), beside its counts
+  profile_binary "$(cd "$BUILD" && pwd)/cuda/lm/lm_gpu_bf16.cuda" ncu_lm.csv 150
+}
+
+profile_layer() {   # the same for make bench-gpu's compiled layer, gpt 4x2048x4096x4 in bf16
+  profile_binary "$(cd "$BUILD" && pwd)/cuda/layers/layer_gpt_4x2048x4096x4_bf16.cuda" ncu_layer.csv 150
 }
 
 tune() {   # DTYPE PROFILE
@@ -161,13 +174,17 @@ for s in $stages; do
       TAIL=16 stage "predicted against measured (bench/gpu_predict.sh)" predict.log env BUILD="$BUILD" bash bench/gpu_predict.sh "${given[@]}" ;;
     lm) TAIL=20 stage "a language model's step beside PyTorch's (bench/gpu_lm.sh)" lm.log env BUILD="$BUILD" bash bench/gpu_lm.sh ${LM_ARGS:-} ;;
     profile-lm) TAIL=40 stage "where the language model's bf16 step goes (ncu)" profile-lm.log profile_lm ;;
+    profile-layer) TAIL=40 stage "where the compiled layer's bf16 step goes (ncu)" profile-layer.log profile_layer ;;
+    compiled)
+      TAIL=10 stage "the compiled layer, fp32 (bench/gpu_compiled.sh)" compiled.log env BUILD="$BUILD" bash bench/gpu_compiled.sh
+      TAIL=10 stage "the compiled layer, bf16 (bench/gpu_compiled.sh --dtype bf16)" compiled-bf16.log env BUILD="$BUILD" bash bench/gpu_compiled.sh --dtype bf16 ;;
     profile) TAIL=80 stage "where the predict models' steps go (--profile, ncu)" profile.log profile_models ;;
     # shellcheck disable=SC2086
     bench) TAIL=40 stage "make bench-gpu (bench/gpu.sh)" bench-gpu.log env BUILD="$BUILD" bash bench/gpu.sh ${BENCH_ARGS:-} ;;
     # shellcheck disable=SC2086
     bench-bf16) TAIL=40 stage "make bench-gpu, dtype bf16 (bench/gpu.sh --dtype bf16)" bench-gpu-bf16.log env BUILD="$BUILD" bash bench/gpu.sh --dtype bf16 ${BENCH_ARGS:-} ;;
     bench-all) TAIL=60 stage "make bench-gpu --all (bench/gpu.sh --all)" bench-gpu-all.log env BUILD="$BUILD" bash bench/gpu.sh --all ;;
-    *) say "unknown stage '$s' (env test tune predict profile profile-lm lm bench bench-bf16 bench-all)"; status=1 ;;
+    *) say "unknown stage '$s' (env test tune predict profile profile-lm profile-layer compiled lm bench bench-bf16 bench-all)"; status=1 ;;
   esac
 done
 exit $status
