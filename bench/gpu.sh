@@ -64,17 +64,19 @@ echo "# PyTorch side: ${python:-python3 (no python here imports torch)}"
 [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
 
 # Rows of both tables start with the ffn; columns: ffn shape S T layer_ms gemm_ms gemm/layer
-# gate_us route_us layer_TF/s gemm_TF/s drop%.
+# gate_us route_us layer_TF/s gemm_TF/s drop%. The comparisons' awk functions: a ratio, and the
+# TFLOP the experts compute on the routed tokens (k choices less the dropped) of a gpu_layer row.
+AWK_LIB='function ratio(a, b) { return b > 0 && a == a ? a / b : 0 }
+         function routed_tflop(   d, n) { split($2, d, "x"); n = ($1 == "gpt" ? 2 : 3)   # expert GEMMs per expert
+                                           return 3 * n * 2 * $3 * 2 * (1 - $12 / 100) * d[3] * d[3] * d[4] / 1e12 }'
 if grep -qE '^(gpt|mixtral) ' "$MOEC_OUT" && grep -qE '^(gpt|mixtral) ' "$TORCH_OUT"; then
   echo
   echo "# moec vs PyTorch: speedup = PyTorch time / moec time (> 1: moec is faster); eager and torch.compile"
-  awk 'function ratio(a, b) { return b > 0 && a == a ? a / b : 0 }
+  awk "$AWK_LIB"'
        FNR == 1 { file++ }
        $1 !~ /^(gpt|mixtral)$/ { next }
        file == 1 { layer[$1 " " $2] = $5; gemm[$1 " " $2] = $6; gate[$1 " " $2] = $8; route[$1 " " $2] = $9;
-                   split($2, d, "x"); n = ($1 == "gpt" ? 2 : 3)   # expert GEMMs per expert
-                   # routed: the FLOPs of the tokens the experts take (k choices less the dropped), over the peak
-                   routed[$1 " " $2] = 100 * 3 * n * 2 * $3 * 2 * (1 - $12 / 100) * d[3] * d[3] * d[4] / ($5 * 1e9) / peak
+                   routed[$1 " " $2] = 100 * routed_tflop() / ($5 * 1e-3) / peak   # % of the peak
                    tf[$1 " " $2] = $10; next }
        file == 2 && ($1 " " $2) in layer {
          if (!header++)
@@ -107,11 +109,10 @@ fi
 if grep -qE '^(gpt|mixtral) ' "$COMPILED_OUT" && grep -qE '^(gpt|mixtral) ' "$TORCH_OUT"; then
   echo
   echo "# the compiled layer vs PyTorch: speedup = PyTorch time / compiled time (> 1: moec is faster)"
-  awk 'function ratio(a, b) { return b > 0 && a == a ? a / b : 0 }
+  awk "$AWK_LIB"'
        FNR == 1 { file++ }
        $1 !~ /^(gpt|mixtral)$/ { next }
-       file == 1 { layer[$1 " " $2] = $5; split($2, d, "x"); n = ($1 == "gpt" ? 2 : 3)
-                   routed[$1 " " $2] = 3 * n * 2 * $3 * 2 * (1 - $12 / 100) * d[3] * d[3] * d[4] / 1e9 / peak; next }
+       file == 1 { layer[$1 " " $2] = $5; routed[$1 " " $2] = routed_tflop(); next }
        file == 2 { comp[$1 " " $2] = $4; kern[$1 " " $2] = $7; next }
        file == 3 && ($1 " " $2) in comp {
          k = $1 " " $2
@@ -121,7 +122,7 @@ if grep -qE '^(gpt|mixtral) ' "$COMPILED_OUT" && grep -qE '^(gpt|mixtral) ' "$TO
          c = (NF >= 13 && $13 != "nan") ? $13 : -1
          printf "%-8s %-15s %11.3f %11.3f %9.3f %8.2fx %10.3f %8.2fx %8.1f%% %8s\n", $1, $2, comp[k],
                 (k in layer) ? layer[k] : -1, $5, ratio($5, comp[k]), c, ratio(c, comp[k]),
-                (k in routed) ? 100 * routed[k] / comp[k] : -1, kern[k]
+                (k in routed) ? 100 * routed[k] / (comp[k] * 1e-3) / peak : -1, kern[k]
        }' peak="$PEAK" "$MOEC_OUT" "$COMPILED_OUT" "$TORCH_OUT"
   echo "# compiled ms: forward + backward of the program moec build --target cuda makes of the layer (its MSE loss"
   echo "# included); replica ms: gpu_layer's op-by-op replica of round 4's program; routed %: the routed tokens'"

@@ -49,26 +49,8 @@ $quick && SHAPES="gpt:1x32x32x2"
 
 name_of() { echo "layer_$1_$2_$3"; }   # FFN SHAPE DTYPE
 
-model() {   # FFN BxLxMxHSCALE DTYPE
-  local b l m h ffn
-  IFS=x read -r b l m h <<<"$2"
-  case $1 in
-    gpt) ffn="ffn gpt { hidden $((m * h)); act gelu; bias true; }" ;;
-    mixtral) ffn="ffn mixtral { hidden $((m * h)); }" ;;
-    *) echo "bench/gpu_compiled.sh: unknown ffn '$1' (gpt or mixtral)" >&2; return 1 ;;
-  esac
-  cat <<EOF
-# bench/gpu_compiled.sh: make bench-gpu's MoE layer, B $b L $l M $m H $((m * h)) ($1, $3)
-model layer { dtype $3; batch $b; seqlen $l; embed $m; seed 1; optimizer adamw { lr 0.0003; } }
-layer block {
-  moe {
-    experts 8 { $ffn }
-    gate gshard { k 2; capacity 1.2; aux_loss 0.01; }
-    order tutel;
-  }
-}
-EOF
-}
+. bench/layer_model.sh
+model() { layer_model bench/gpu_compiled.sh layer "$1" "$2" "$3"; }   # FFN BxLxMxHSCALE DTYPE
 
 if $build; then
   mkdir -p "$DIR"

@@ -50,25 +50,9 @@ else
           predict_mixtral_2x1024x1024x2:mixtral:2x1024x1024x2:fp32 predict_bf16_gpt_4x2048x2048x4:gpt:4x2048x2048x4:bf16"
 fi
 
+. bench/layer_model.sh
 model() {   # FFN BxLxMxhscale DTYPE
-  local b l m h ffn
-  IFS=x read -r b l m h <<<"$2"
-  case $1 in
-    gpt) ffn="ffn gpt { hidden $((m * h)); act gelu; bias true; }" ;;
-    mixtral) ffn="ffn mixtral { hidden $((m * h)); }" ;;
-  esac
-  cat <<EOF
-# bench/gpu_predict.sh: one MoE layer, B $b L $l M $m H $((m * h)) ($1, $3)
-model predict { dtype $3; batch $b; seqlen $l; embed $m; seed 1; optimizer adamw { lr 0.0003; } }
-schedule { policy sequential; pipeline auto; }
-layer block {
-  moe {
-    experts 8 { $ffn }
-    gate gshard { k 2; capacity 1.2; aux_loss 0.01; }
-    order tutel;
-  }
-}
-EOF
+  layer_model bench/gpu_predict.sh predict "$1" "$2" "$3" "schedule { policy sequential; pipeline auto; }"
 }
 
 if $build; then
