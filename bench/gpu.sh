@@ -9,7 +9,7 @@
 #      largest shape and 2x2048x2048x4, both ffns) and its forward + backward beside PyTorch's,
 #      eager and torch.compile, on the shapes both ran.
 # Arguments go to both programs: --quick, --all, --shapes SPEC, --runs N, --warmup N (and --dtype,
-# --quick to bench/gpu_compiled.sh).
+# --quick, --shapes to bench/gpu_compiled.sh, which skips a shape it has no binary for).
 #
 # Without a GPU each program prints one skip line and the status is 0. On a GPU machine without
 # the build machine's Debian packages (docs/gpu.md): libraries gpu_layer cannot find through its
@@ -97,8 +97,11 @@ if grep -qE '^(gpt|mixtral) ' "$MOEC_OUT" && grep -qE '^(gpt|mixtral) ' "$TORCH_
 fi
 
 # 4. The compiled layer (its shapes PyTorch ran too get a row below).
-cargs=()
-for a in "$@"; do case $a in --quick | bf16 | fp32) cargs+=("$a") ;; --dtype) cargs+=(--dtype) ;; esac; done
+cargs=() next=""
+for a in "$@"; do
+  [ -n "$next" ] && { cargs+=("$next" "$a"); next=""; continue; }
+  case $a in --quick) cargs+=("$a") ;; --dtype | --shapes) next=$a ;; esac
+done
 echo
 if nvidia-smi -L >/dev/null 2>&1; then
   bash bench/gpu_compiled.sh "${cargs[@]}" 2>&1 | tee "$COMPILED_OUT"

@@ -16,7 +16,8 @@
 # done (the data's upload and the update are not in it; PyTorch's side, bench/torch_ref.py, times
 # the layer's forward and backward the same way); the update and the whole step are printed too.
 # Shapes built: gpt and mixtral at 4x2048x4096x4 (Table 4's largest) and 2x2048x2048x4;
-# --quick: gpt 1x32x32x2 (the tests run it on the fake device, where the times say nothing).
+# --quick: gpt 1x32x32x2 (the tests run it on the fake device, where the times say nothing);
+# --shapes: those (a shape asked for that was not built is said and skipped).
 # DIR is COMPILED_DIR (default $BUILD/cuda/layers, carried to the GPU machine by make gpu-pack).
 #
 # Rows: ffn shape dtype, forward and backward ms, update ms, whole step ms, and the program's
@@ -75,7 +76,9 @@ printf '%-8s %-15s %6s %11s %10s %9s %8s %6s %10s\n' ffn shape dtype "fwdbwd ms"
 for entry in $SHAPES; do
   IFS=: read -r ffn shape <<<"$entry"
   name=$(name_of "$ffn" "$shape" "$dtype")
-  if [ ! -x "$DIR/$name.cuda" ]; then
+  if [ ! -x "$DIR/$name.cuda" ] && [ -n "$spec" ]; then   # a shape asked for that make gpu-pack did not build
+    echo "# $ffn $shape: not built ($DIR/$name.cuda: bash bench/gpu_compiled.sh --build --shapes SPEC builds it)"; continue
+  elif [ ! -x "$DIR/$name.cuda" ]; then
     echo "# $ffn $shape: $DIR/$name.cuda is missing (bash bench/gpu_compiled.sh --build on the build machine)"; status=1; continue
   fi
   if ! (cd "$WORK" && timeout 300 "$DIR/$name.cuda" --steps "$steps" --profile >"$WORK/run" 2>&1 </dev/null); then
