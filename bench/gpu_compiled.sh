@@ -37,7 +37,6 @@ while [ $# -gt 0 ]; do
     --dtype) dtype=${2:?--dtype needs fp32 or bf16}; shift ;;
     --steps) steps=${2:?--steps needs a number}; shift ;;
     --shapes) spec=${2:?--shapes needs FFN:BxLxMxHSCALE,...}; shift ;;
-    --all | --runs | --warmup) [ "$1" = --all ] || shift ;;   # bench/gpu.sh's other options: not ours
     *) echo "usage: bench/gpu_compiled.sh [--build] [--quick] [--dtype fp32|bf16] [--steps N] [--shapes SPEC]" >&2; exit 2 ;;
   esac
   shift

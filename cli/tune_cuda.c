@@ -206,14 +206,16 @@ static void kernel_buffers(float *const *host, const size_t *n, int count, float
     rt_comm_abort("moec tune: the GPU arena cannot hold the bf16 copy of %zu parameters", most);
 }
 
-// Device memory the kernel sweeps take at most (kernel_buffers): the update sweep's 4 buffers and
-// the bf16 copy, or the attention's 7 buffers, whichever is larger (with the arena's alignment).
+// Device memory the kernel sweeps take at most (kernel_buffers): the update sweep's 4 buffers or
+// the attention's 7, each sweep with the bf16 copy as long as its longest buffer (the update's 2^k
+// floats, the attention's dq, dk, dv), whichever is larger (with the arena's alignment).
 static size_t kernel_bytes(const Tune *t) {
   size_t most = (size_t)1 << (15 + ELEM_SIZES + t->elem_shift);
   size_t sweeps = most * (4 * sizeof(float) + sizeof(uint16_t)) + 5 * 256;
   const AttnShape *a = &t->attn;
   size_t rows = (size_t)a->seq << (ATTN_SIZES - 1 + t->attn_shift), qc = (size_t)a->heads * a->d, kc = (size_t)a->kv * a->d;
-  size_t attn = rows * (3 * qc + 2 * kc + 2 * (size_t)a->heads + qc + 2 * kc) * sizeof(float) + 8 * 256;
+  size_t attn = rows * (3 * qc + 2 * kc + 2 * (size_t)a->heads + qc + 2 * kc) * sizeof(float) +
+                rows * (qc + 2 * kc) * sizeof(uint16_t) + 8 * 256;
   return sweeps > attn ? sweeps : attn;
 }
 

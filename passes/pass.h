@@ -94,7 +94,8 @@ bool pass_memplan(IrModule *m, PassCtx *ctx);
 // bit an operand). memplan keeps the fp32 value alive for its other reads only.
 bool pass_writes_copy(const IrOp *op);
 bool pass_reads_copy(const IrOp *op, int a);
-// The plan's peak per rank: the activation arena, the parameters and gradients, the optimizer state.
+// The plan's peak per rank: the activation arena, the parameters and gradients, the optimizer state
+// and (dtype bf16) the parameters' bf16 copy.
 int64_t pass_mem_peak(const PassMemPlan *p);
 
 // Sets cost_n and cost_t on every op the scheduling model prices (passes/cost.c); the number
