@@ -260,11 +260,39 @@ typedef struct Region {
   int *cls;      // [f->nops]: 0 independent, 1 chunked, 2 partial-making, 3 post (reads sums)
 } Region;
 
+// The blocks of the forward's chunks of v kept at degree r (share_chunks), or 0 when none are.
+static int64_t shared_blocks(const Sched *S, const IrValue *v, int64_t r) {
+  for (int i = 0; i < S->nshared; i++)
+    if (S->shared[i].v == v && S->shared[i].r == r) return S->shared[i].blocks;
+  return 0;
+}
+
+// A recomputed op of the backward's region (recompute=1: `recompute layers` makes the expert
+// GEMMs again) that reads only the forward's chunks kept at this degree (the dispatched tokens)
+// and parameters: it is chunked too, each chunk reading the forward's chunk in place, so that it
+// runs on the slots the forward's op ran on, call for call. Whole, its GEMM would multiply every
+// slot at once, which rounds as the forward's chunks do only where OpenBLAS's kernels happen to
+// (not on the Haswell kernels): recomputing would change the bits. *blocks: the chunks' blocks.
+static bool remade_in_chunks(const Sched *S, const Region *R, const IrOp *op, int64_t *blocks) {
+  if (!op->result || !ir_op_int(op, "recompute", 0) || pass_sums_slots(op) || R->f->role != IR_ROLE_LAYER_BWD)
+    return false;
+  *blocks = 0;
+  for (int a = 0; a < op->nargs; a++) {
+    const IrValue *v = op->args[a].value;
+    if (!v) continue;
+    int64_t b = v->func == R->f ? 0 : shared_blocks(S, v, R->r);
+    if (b == 0 || (*blocks && b != *blocks)) return false;
+    *blocks = b;
+  }
+  return *blocks > 0;
+}
+
 // Classifies the region's ops and values (R->cls, R->vi) and gives the chunked values and the
 // partial sums their r chunk slots.
 static bool classify(Sched *S, Region *R) {
   IrFunc *f = R->f;
   VInfo *vi = R->vi;
+  int64_t b;
   vi[R->entry->id].kind = 1;
   vi[R->entry->id].blocks = 1;
   for (int i = R->lo; i <= R->hi; i++) {
@@ -290,6 +318,10 @@ static bool classify(Sched *S, Region *R) {
     } else if (partial) {
       R->cls[i] = 3;
       if (op->result) vi[op->result->id].kind = 3;  // a value made from sums: not chunked
+    } else if (remade_in_chunks(S, R, op, &b)) {
+      R->cls[i] = 1;
+      vi[op->result->id].kind = 1;
+      vi[op->result->id].blocks = b;
     }
   }
   for (int i = 0; i < R->n0; i++)
@@ -352,12 +384,14 @@ static bool read_by_backward(const IrModule *m, const IrFunc *f, const IrValue *
 // the region by their slice (made once per chunk, in slices[], keyed by value).
 static bool clone_op(Sched *S, Region *R, const IrOp *op, int64_t j, IrValue **slices, OpList *out) {
   IrFunc *f = R->f;
-  int64_t blocks = 1;
+  int64_t blocks = 0;
   for (int a = 0; a < op->nargs; a++)
     if (op->args[a].value && op->args[a].value->func == f && R->vi[op->args[a].value->id].kind == 1) {
       blocks = R->vi[op->args[a].value->id].blocks;
       break;
     }
+  if (blocks == 0)   // a recomputed op reading the forward's chunks only (remade_in_chunks): theirs
+    blocks = op->result ? R->vi[op->result->id].blocks : 1;
   IrOp *c = new_op(S, f, op->kind, op->result ? ir_strfmt(S->m, "%s.c%lld", op->result->name, (long long)j) : NULL);
   memcpy(c->attrs, op->attrs, sizeof op->attrs);
   c->nattrs = op->nattrs;
