@@ -11,6 +11,11 @@
 # Every goal but `clean` first installs missing packages (mk/deps.sh) and writes this machine's
 # configuration (mk/configure.sh -> build/config.mk), before anything is compiled.
 
+# Every goal builds on all of the machine's cores unless the caller says how many (make -jN).
+ifeq ($(filter -j%,$(MAKEFLAGS)),)
+MAKEFLAGS += -j$(shell nproc 2>/dev/null || echo 1)
+endif
+
 CC      ?= cc
 BUILD   ?= build
 CFLAGS  ?= -O2 -g
@@ -256,22 +261,34 @@ $(BUILD)/mpi/%: tests/mpi/%.c $(BUILD)/libmoert.a
 	@mkdir -p $(dir $@)
 	$(CC) $(CFLAGS) $(INCLUDES) $(MPI_CFLAGS) -o $@ $< $(BUILD)/libmoert.a $(RUNTIME_LIBS)
 
-# Sanitizer build of the compiler, used by the diagnostics tests.
-$(BUILD)/asan/moec: $(COMPILER_SRC) $(CLI_SRC) $(RUNTIME_SRC) $(GEN_SRC) $(GEN_INC) $(CONFIG)
+# Sanitizer build of the compiler, used by the diagnostics tests: an object per source (so that
+# make -j compiles them side by side), linked into one program.
+ASAN_SRC := $(CLI_SRC) $(COMPILER_SRC) $(RUNTIME_SRC) $(GEN_SRC)
+ASAN_OBJ := $(ASAN_SRC:%.c=$(BUILD)/asan/obj/%.o)
+$(BUILD)/asan/obj/%.o: %.c $(GEN_SRC) $(GEN_INC) $(CONFIG)
 	@mkdir -p $(dir $@)
 	$(CC) -std=c11 -D_GNU_SOURCE -O1 -g -fsanitize=address,undefined -fno-sanitize-recover=undefined \
-	  -fno-omit-frame-pointer $(INCLUDES) $(COMPILER_DEFS) $(BLAS_CFLAGS) $(CJSON_CFLAGS) $(MPI_CFLAGS) \
-	  -o $@ $(CLI_SRC) $(COMPILER_SRC) $(RUNTIME_SRC) $(GEN_SRC) -lnlopt $(BLAS_LIBS) $(CJSON_LIBS) $(MPI_LIBS) -lm
+	  -fno-omit-frame-pointer $(INCLUDES) $(COMPILER_DEFS) $(BLAS_CFLAGS) $(CJSON_CFLAGS) $(MPI_CFLAGS) -MMD -MP -c $< -o $@
+$(BUILD)/asan/moec: $(ASAN_OBJ)
+	$(CC) -fsanitize=address,undefined -o $@ $(ASAN_OBJ) -lnlopt $(BLAS_LIBS) $(CJSON_LIBS) $(MPI_LIBS) -lm
 
 # libFuzzer harnesses (clang). The configured BLAS flags; clang's -fopenmp would link its own
-# libomp where OpenBLAS's OpenMP build needs GCC's libgomp, so that is named instead.
+# libomp where OpenBLAS's OpenMP build needs GCC's libgomp, so that is named instead. The compiler's
+# objects are built once (instrumented for the fuzzer, not linked with its main) and shared by
+# every harness.
 FUZZ_BLAS_LIBS := $(patsubst -fopenmp,-lgomp,$(BLAS_LIBS))
 FUZZ_SRC := $(wildcard tests/fuzz/fuzz_*.c)
 FUZZ_BIN := $(FUZZ_SRC:tests/fuzz/%.c=$(BUILD)/fuzz/%)
-$(BUILD)/fuzz/%: tests/fuzz/%.c $(COMPILER_SRC) $(GEN_SRC) $(GEN_INC) $(CONFIG)
+FUZZ_OBJ := $(patsubst %.c,$(BUILD)/fuzz/obj/%.o,$(COMPILER_SRC) $(GEN_SRC))
+FUZZ_CFLAGS = -std=c11 -D_GNU_SOURCE -O1 -g -Wno-unused-function $(INCLUDES) $(COMPILER_DEFS) $(CJSON_CFLAGS)
+$(BUILD)/fuzz/obj/%.o: %.c $(GEN_SRC) $(GEN_INC) $(CONFIG)
 	@mkdir -p $(dir $@)
-	clang -std=c11 -D_GNU_SOURCE -O1 -g -fsanitize=fuzzer,address,undefined -Wno-unused-function \
-	  $(INCLUDES) $(COMPILER_DEFS) $(CJSON_CFLAGS) -o $@ $< $(COMPILER_SRC) $(GEN_SRC) -lnlopt $(FUZZ_BLAS_LIBS) $(CJSON_LIBS) -lm
+	clang $(FUZZ_CFLAGS) -fsanitize=fuzzer-no-link,address,undefined -MMD -MP -c $< -o $@
+$(BUILD)/fuzz/%: tests/fuzz/%.c $(FUZZ_OBJ)
+	@mkdir -p $(dir $@)
+	clang $(FUZZ_CFLAGS) -fsanitize=fuzzer,address,undefined -o $@ $< $(FUZZ_OBJ) -lnlopt $(FUZZ_BLAS_LIBS) $(CJSON_LIBS) -lm
+.SECONDARY: $(FUZZ_OBJ)
+-include $(shell find $(BUILD)/asan/obj $(BUILD)/fuzz/obj -name '*.d' 2>/dev/null)
 
 # make test: every suite of tests/suites.txt (tests/run.sh), after building all they need.
 test: deps all $(UNIT_BIN) $(MPI_TEST_BIN) $(BUILD)/asan/moec $(FUZZ_BIN)

@@ -760,6 +760,8 @@ static int run(const RtModel *model, const RtOptions *opt, const RtRanks *ranks,
       status = rt_weights_load(opt->weights, model, ranks, tr.st.params);
     else
       init_params(&tr);
+    if (status == 0)
+      rt_fault_scale(model, ranks->rank, tr.st.params);
     status = rt_world_agree(comm, status);
     if (status == 0)
       status = rt_device_put(&tr, RT_DEVICE_PARAMS | RT_DEVICE_MOMENTS);

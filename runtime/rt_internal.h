@@ -61,6 +61,8 @@ typedef struct RtFault {
 RtFault rt_fault_from_env(void);
 // Where a step may die: the driver calls it once per step, between forward and backward.
 void rt_fault_point(const RtFault *f, int rank, int64_t step);
+// MOERT_TEST_SCALE="RANK:NAME:FACTOR": world rank RANK's shard of parameter NAME times FACTOR.
+void rt_fault_scale(const RtModel *m, int rank, float *params);
 
 // ---- --profile's communication figures (profile.c) ----
 // CLOCK_MONOTONIC in ns.

@@ -4,9 +4,23 @@
 # Exit status 1 if anything failed.
 #
 #   tests/run.sh             every suite, in the table's order (SUITE_JOBS at a time, default 2:
-#                            the reports in order; SUITE_JOBS=1 one after another)
+#                            the reports in order; SUITE_JOBS=1 one after another), then the
+#                            suites that claim exact bits again on other kernels (below)
 #   tests/run.sh NAME...     these suites (builds nothing: `make check T="NAME..."` builds what they need)
+#   tests/run.sh --other-kernels [NAME...]
+#                            only the second pass: these suites (default: the bits suites below)
+#                            on the other kernels
 #   tests/run.sh --list      the suites, with what each needs built
+#
+# The second pass. The suites whose checks compare two programs bit for bit (BITS below) run
+# again with OpenBLAS's kernels of another class than this run's own (OPENBLAS_CORETYPE: the
+# first of Haswell, SkylakeX, Prescott that is not this run's and that the CPU runs) and the
+# runtime's next narrower vector path (MOERT_VECTOR: avx512 -> avx2 -> baseline), their lines
+# marked "[CORE, PATH]". An exactness claim that holds only for the kernels of the machine it was
+# written on (a GEMM whose shape differs between the two programs rounds alike on some kernels
+# and not on others) fails there on any machine. threads and golden-runs are not in it: they set
+# OPENBLAS_CORETYPE and MOERT_VECTOR themselves (threads runs every vector path with its kernels;
+# golden-runs pins Haswell's, so that its recorded bytes hold on every AVX2 CPU).
 #
 # Every suite is a script that prints one line per check (`ok    WHAT`, `FAIL  WHAT`, or
 # `skip  WHAT: WHY`) and exits non-zero on a failure; a suite that reports nothing, or exits
@@ -23,6 +37,8 @@ while IFS='|' read -r name script need title; do
   names+=("$name"); scripts+=("$(echo $script)"); needs+=("$(echo $need)"); titles+=("$(echo "$title" | sed 's/^ *//; s/ *$//')")
 done <"$TABLE"
 
+BITS="lm-vocab lm-recompute mpi-twin lm-shard lm-checkpoint balance tiny"
+
 if [ "${1:-}" = --list ] || [ "${1:-}" = -l ]; then
   echo "suites (make check T=NAME, or T=\"NAME NAME\"; make test runs them all; table: $TABLE):"
   for i in "${!names[@]}"; do printf '  %-14s %-11s %s\n' "${names[$i]}" "${needs[$i]}" "${titles[$i]}"; done
@@ -30,11 +46,9 @@ if [ "${1:-}" = --list ] || [ "${1:-}" = -l ]; then
 fi
 case "${1:-}" in -h|--help) sed -n '2,12s/^# \{0,1\}//p' "$0"; exit 0 ;; esac
 
-# The suites to run: all, or the named ones (in the order given).
-run=()
-if [ $# -eq 0 ]; then
-  run=("${!names[@]}")
-else
+# index_of NAME...: the suites' indices in the table (exit 2 on an unknown name).
+index_of() {
+  local want found i
   for want in "$@"; do
     found=""
     for i in "${!names[@]}"; do [ "${names[$i]}" = "$want" ] && found=$i; done
@@ -42,9 +56,50 @@ else
       echo "tests/run.sh: no suite '$want'; the suites: ${names[*]}" >&2
       exit 2
     fi
-    run+=("$found")
+    echo "$found"
   done
+}
+
+# The suites to run: all, or the named ones (in the order given); second: those of the second
+# pass.
+run=() second=()
+if [ "${1:-}" = --other-kernels ]; then
+  shift
+  [ $# -gt 0 ] || set -- $BITS
+  second=($(index_of "$@")) || exit 2
+elif [ $# -eq 0 ]; then
+  run=("${!names[@]}")
+  second=($(index_of $BITS)) || exit 2
+else
+  run=($(index_of "$@")) || exit 2
 fi
+
+# The second pass's kernels: this run's own class (OPENBLAS_CORETYPE when set, else what OpenBLAS
+# picks on this CPU: SkylakeX's with AVX-512, Haswell's (Zen's) with AVX2, else Prescott's) and
+# vector path (MOERT_VECTOR, else the widest the CPU runs); the other: the first of Haswell,
+# SkylakeX, Prescott that differs and runs here, and the next narrower path.
+cpu_has() { grep -qw "$1" /proc/cpuinfo 2>/dev/null; }
+core_class() {
+  case "$(echo "$1" | tr 'A-Z' 'a-z')" in
+    skylakex|cooperlake|sapphirerapids) echo SkylakeX ;;
+    haswell|zen|skylake|broadwell) echo Haswell ;;
+    *) echo Prescott ;;
+  esac
+}
+if [ -n "${OPENBLAS_CORETYPE:-}" ]; then own_core=$(core_class "$OPENBLAS_CORETYPE")
+elif cpu_has avx512f; then own_core=SkylakeX
+elif cpu_has avx2; then own_core=Haswell
+else own_core=Prescott; fi
+other_core=""
+for c in Haswell SkylakeX Prescott; do
+  [ "$c" = "$own_core" ] && continue
+  [ "$c" = Haswell ] && ! cpu_has avx2 && continue
+  [ "$c" = SkylakeX ] && ! cpu_has avx512f && continue
+  other_core=$c; break
+done
+own_path=${MOERT_VECTOR:-}
+[ -n "$own_path" ] || { if cpu_has avx512f; then own_path=avx512; elif cpu_has avx2; then own_path=avx2; else own_path=baseline; fi; }
+case $own_path in avx512) other_path=avx2 ;; *) other_path=baseline ;; esac
 
 # moec build's cache of NVRTC's images (codegen/cache.c) under the build folder: the suites build
 # many of the same models for the CUDA target, each NVRTC compilation a second or more.
@@ -56,15 +111,15 @@ ok()   { passed=$((passed + 1)); printf 'ok    %s\n' "$1"; }
 bad()  { failed=$((failed + 1)); failures+=("$1"); printf 'FAIL  %s\n' "$1"; [ -n "${2:-}" ] && printf '%s\n' "$2" | sed 's/^/      /' | head -n 40; }
 skip() { skipped=$((skipped + 1)); printf 'skip  %s: %s\n' "$1" "$2"; }
 
-# count_suite NAME FILE: counts the `ok    `, `FAIL  ` and `skip  ` lines of a suite's output
-# (ending with its "exit status N" line).
+# count_suite NAME FILE K [MARK]: counts the `ok    `, `FAIL  ` and `skip  ` lines of a suite's
+# output (ending with its "exit status N" line), each marked MARK (the second pass's kernels).
 count_suite() {
-  local label=$1 file=$2 results=0 fails=0 line l
+  local label=$1 file=$2 results=0 fails=0 line l m=${4:+$4 }
   while IFS= read -r line; do
     case "$line" in
-      "ok    "*) ok "${line#ok    }"; results=$((results + 1)) ;;
-      "FAIL  "*) bad "${line#FAIL  }"; results=$((results + 1)); fails=$((fails + 1)) ;;
-      "skip  "*) l=${line#skip  }; skip "${l%%: *}" "${l#*: }"; results=$((results + 1)) ;;
+      "ok    "*) ok "$m${line#ok    }"; results=$((results + 1)) ;;
+      "FAIL  "*) bad "$m${line#FAIL  }"; results=$((results + 1)); fails=$((fails + 1)) ;;
+      "skip  "*) l=${line#skip  }; skip "$m${l%%: *}" "${l#*: }"; results=$((results + 1)) ;;
       "exit status "*) [ "${line#exit status }" = 0 ] || [ "$fails" -gt 0 ] || bad "$label" "$file exited with ${line#exit status } without reporting a failure" ;;
       *) printf '      %s\n' "$line" ;;
     esac
@@ -81,41 +136,61 @@ SOLO=" plan-build tune cluster-link cluster-smoke cluster-faults mpi-comm mpi-fa
 JOBS=${SUITE_JOBS:-2}
 OUT=$(mktemp -d "${TMPDIR:-/tmp}/moec-run.XXXXXX")
 trap 'rm -rf "$OUT"' EXIT
-start_suite() {   # K: suite run[K], in the background, its output to $OUT/K.out, its seconds to $OUT/K.time
-  local i=${run[$1]}
+# One pass: the suites of the array `pass` (indices into the table), their output under
+# $OUT/$PASS_ID.K, each started with the environment words of PASS_ENV and its lines marked
+# PASS_MARK.
+start_suite() {   # K: suite pass[K], in the background, its output to $OUT/ID.K.out, its seconds to ID.K.time
+  local i=${pass[$1]} o=$OUT/$PASS_ID.$1
   ( s0=$SECONDS
-    BUILD=$BUILD MOEC=$MOEC bash "${scripts[$i]}" >"$OUT/$1.part" 2>&1 </dev/null
-    echo "exit status $?" >>"$OUT/$1.part"
-    echo $((SECONDS - s0)) >"$OUT/$1.time"
-    mv "$OUT/$1.part" "$OUT/$1.out" ) &
+    env $PASS_ENV BUILD=$BUILD MOEC=$MOEC bash "${scripts[$i]}" >"$o.part" 2>&1 </dev/null
+    echo "exit status $?" >>"$o.part"
+    echo $((SECONDS - s0)) >"$o.time"
+    mv "$o.part" "$o.out" ) &
 }
-times=() shown=0
+times=()
 show_done() {   # prints the finished suites whose predecessors are all printed
-  while [ "$shown" -lt "${#run[@]}" ] && [ -f "$OUT/$shown.out" ]; do
-    local i=${run[$shown]}
-    printf '\n# %s (%s: %s)\n' "${titles[$i]}" "${names[$i]}" "${scripts[$i]}"
-    count_suite "${names[$i]}" "$OUT/$shown.out" "$i"
-    times+=("${names[$i]} $(cat "$OUT/$shown.time")s")
+  while [ "$shown" -lt "${#pass[@]}" ] && [ -f "$OUT/$PASS_ID.$shown.out" ]; do
+    local i=${pass[$shown]}
+    printf '\n# %s%s (%s: %s)\n' "${PASS_MARK:+$PASS_MARK }" "${titles[$i]}" "${names[$i]}" "${scripts[$i]}"
+    count_suite "${names[$i]}" "$OUT/$PASS_ID.$shown.out" "$i" "$PASS_MARK"
+    times+=("${PASS_MARK:+$PASS_MARK }${names[$i]} $(cat "$OUT/$PASS_ID.$shown.time")s")
     shown=$((shown + 1))
   done
 }
-for k in "${!run[@]}"; do
-  if [ "${SOLO/ ${names[${run[$k]}]} /}" != "$SOLO" ] || [ "$JOBS" -le 1 ]; then
-    wait
+run_pass() {
+  local k
+  shown=0
+  for k in "${!pass[@]}"; do
+    if [ "${SOLO/ ${names[${pass[$k]}]} /}" != "$SOLO" ] || [ "$JOBS" -le 1 ]; then
+      wait
+      show_done
+      start_suite "$k"
+      wait
+    else
+      while [ "$(jobs -rp | wc -l)" -ge "$JOBS" ]; do wait -n; show_done; done
+      start_suite "$k"
+    fi
     show_done
-    start_suite "$k"
-    wait
-  else
-    while [ "$(jobs -rp | wc -l)" -ge "$JOBS" ]; do wait -n; show_done; done
-    start_suite "$k"
-  fi
+  done
+  wait
   show_done
-done
-wait
-show_done
+}
+t0=$SECONDS
+pass=("${run[@]}") PASS_ID=1 PASS_ENV="" PASS_MARK=""
+[ ${#pass[@]} -eq 0 ] || run_pass
+if [ ${#second[@]} -gt 0 ]; then
+  if [ -z "$other_core" ]; then
+    skip "second pass (${BITS// /, })" "this CPU runs no OpenBLAS kernels but its own ($own_core: no AVX2)"
+  else
+    printf '\n# the second pass: the suites that claim exact bits, with OpenBLAS'"'"'s %s kernels (this run'"'"'s: %s) and the %s vector path (this run'"'"'s: %s)\n' \
+      "$other_core" "$own_core" "$other_path" "$own_path"
+    pass=("${second[@]}") PASS_ID=2 PASS_ENV="OPENBLAS_CORETYPE=$other_core MOERT_VECTOR=$other_path" PASS_MARK="[$other_core, $other_path]"
+    run_pass
+  fi
+fi
 
 echo
-[ ${#run[@]} -gt 1 ] && echo "time per suite: $(printf '%s, ' "${times[@]}" | sed 's/, $//')"
+[ ${#times[@]} -gt 1 ] && echo "time per suite: $(printf '%s, ' "${times[@]}" | sed 's/, $//'); $((SECONDS - t0)) s in all"
 for f in "${failures[@]}"; do echo "failed: $f"; done
 echo "$passed passed, $failed failed, $skipped skipped"
 [ "$failed" -eq 0 ]

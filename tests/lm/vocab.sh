@@ -4,9 +4,13 @@
 # computes its columns of the logits and the loss from every rank's row statistics.
 #   - equality: gpt (tied) and qwen (untied, rope, rmsnorm) language models with adamw train 8
 #     steps on mp2·ep2, mp2·esp2 and dp2·mp2·ep2·esp2 (the fsmoe policy at pipeline degree 2 for
-#     one of them) with the split and without: the same losses to 1e-5, the same logits (the split
-#     GEMM's columns: the same bits) and every gradient of --dump within 1e-5 of its largest
-#     element (the head's input gradient and the softmax's sums are added in another order);
+#     one of them) with the split and without: the same losses to 1e-5 and every tensor of --dump,
+#     the logits included, within 1e-5 of its largest element: the head's input gradient and the
+#     softmax's sums are added in another order, and the split head multiplies vocab/mp columns
+#     a call, which OpenBLAS's kernels need not round as they round the whole product's (its
+#     Haswell kernels do not: a column's bits depend on the call's shape);
+#   - a planted error (one rank's half of the table scaled by 1 + 1e-4, MOERT_TEST_SCALE) fails
+#     that comparison;
 #   - exact on top: the split with the sharded optimizer and `recompute layers` is the split alone,
 #     bit for bit;
 #   - --check-grad passes on mp2·ep2 with the split;
@@ -29,8 +33,7 @@ ADAMW="optimizer adamw { lr 0.01; warmup 2; decay_steps 8; min_lr 0.001; clip 0.
 variant() { lm_variant "$1" "$3" "parallel { $2 }" "${4:-}"; }
 
 # close A B: every float tensor of --dump folder B within 1e-5 of A's largest element (plus 1e-9
-# for the gradients that are zero but for rounding: a key bias's), integers equal, the logits
-# the same bits.
+# for the gradients that are zero but for rounding: a key bias's), integers equal.
 close() {
   /usr/bin/python3 - "$1" "$2" <<'PY'
 import os, sys
@@ -43,7 +46,7 @@ for root, _, files in os.walk(a_dir):
         a = np.load(os.path.join(root, f)); b = np.load(os.path.join(b_dir, os.path.relpath(root, a_dir), f))
         n += 1
         if a.shape != b.shape: bad.append("%s: shape %s vs %s" % (f, a.shape, b.shape)); continue
-        if a.dtype.kind != "f" or f == "logits.npy":
+        if a.dtype.kind != "f":
             if not np.array_equal(a, b): bad.append("%s differs" % f)
             continue
         d = float(np.max(np.abs(a.astype(np.float64) - b))) if a.size else 0.0
@@ -61,6 +64,18 @@ losses_close() {
     awk 'NF == 2 {n++; d = $1 - $2; if (d < 0) d = -d; if (d > 1e-5 * ($1 < 0 ? -$1 : $1)) bad = 1} END {exit !(n == 8 && !bad)}'
 }
 
+# same_as_plain DIR: the split run of DIR (vp.out, dv) against the plain one (plain.out, dp): ok, or
+# false with why on stdout.
+same_as_plain() {
+  local why
+  if losses_close "$1/plain.out" "$1/vp.out" && why=$(close "$1/dp" "$1/dv"); then
+    echo "8 losses and every --dump tensor within 1e-5: $why"
+  else
+    paste <(step_lines "$1/plain.out") <(step_lines "$1/vp.out") | head -n 8; echo "$why"
+    return 1
+  fi
+}
+
 # equal NAME MODEL LAYOUT RANKS [SCHEDULE]
 equal() {
   local d="$WORK/$1" label="vocab_parallel $1: $3${5:+ $5}" why
@@ -74,10 +89,10 @@ equal() {
         $MPIRUN -np "$4" ./vp --steps 8 --dump dv >vp.out 2>&1); then
     bad "$label: a run failed" "$(tail -n 5 "$d/plain.out" "$d/vp.out")"; return
   fi
-  if losses_close "$d/plain.out" "$d/vp.out" && why=$(close "$d/dp" "$d/dv"); then
-    ok "$label: 8 losses within 1e-5, the logits the same bits, $why"
+  if why=$(same_as_plain "$d"); then
+    ok "$label: $why"
   else
-    bad "$label: differs from the plain build" "$(paste <(step_lines "$d/plain.out") <(step_lines "$d/vp.out") | head -n 8; echo "$why")"
+    bad "$label: differs from the plain build" "$why"
   fi
 }
 
@@ -87,6 +102,21 @@ spawn gpt4 equal gpt4 gpt "dp 2; mp 2; ep 2; esp 2;" 4
 spawn qwen4 equal qwen4 qwen "dp 2; mp 2; ep 2; esp 2;" 4 "schedule { policy fsmoe; pipeline { forward 2; backward 2; } }"
 spawn gpt_esp equal gpt_esp gpt "mp 2; esp 2;" 2
 collect gpt2 qwen2 gpt4 qwen4 gpt_esp
+
+# ---- a planted error: rank 1's half of the (tied) table scaled by 1 + 1e-4 ----
+d="$WORK/gpt2" p="$WORK/planted"
+mkdir -p "$p"
+cp "$d/plain.out" "$p/" && cp -r "$d/dp" "$p/" 2>/dev/null
+if [ -x "$d/vp" ] && (cd "$p" && MOERT_TEST_SCALE=1:embed.wte:1.0001 $MPIRUN -np 2 "$d/vp" --steps 8 --dump dv >vp.out 2>&1) &&
+   grep -q 'MOERT_TEST_SCALE: rank 1' "$p/vp.out"; then
+  if why=$(same_as_plain "$p"); then
+    bad "vocab_parallel planted error: rank 1's rows of embed.wte times 1 + 1e-4 pass the comparison" "$why"
+  else
+    ok "vocab_parallel planted error: rank 1's rows of embed.wte times 1 + 1e-4 fail the comparison ($(echo "$why" | tail -n 1 | cut -c1-120))"
+  fi
+else
+  bad "vocab_parallel planted error: the run failed" "$(tail -n 5 "$p/vp.out" 2>/dev/null)"
+fi
 
 # ---- exact on top: the sharded optimizer and recompute layers ----
 d="$WORK/gpt4"
