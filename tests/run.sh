@@ -20,7 +20,8 @@
 # written on (a GEMM whose shape differs between the two programs rounds alike on some kernels
 # and not on others) fails there on any machine. threads and golden-runs are not in it: they set
 # OPENBLAS_CORETYPE and MOERT_VECTOR themselves (threads runs every vector path with its kernels;
-# golden-runs pins Haswell's, so that its recorded bytes hold on every AVX2 CPU).
+# golden-runs pins Haswell's, so that its recorded bytes hold on every AVX2 CPU). A suite sees
+# TESTS_SECOND_PASS=1 there (mpi-twin runs its layouts nearest their tolerance only).
 #
 # Every suite is a script that prints one line per check (`ok    WHAT`, `FAIL  WHAT`, or
 # `skip  WHAT: WHY`) and exits non-zero on a failure; a suite that reports nothing, or exits
@@ -184,7 +185,7 @@ if [ ${#second[@]} -gt 0 ]; then
   else
     printf '\n# the second pass: the suites that claim exact bits, with OpenBLAS'"'"'s %s kernels (this run'"'"'s: %s) and the %s vector path (this run'"'"'s: %s)\n' \
       "$other_core" "$own_core" "$other_path" "$own_path"
-    pass=("${second[@]}") PASS_ID=2 PASS_ENV="OPENBLAS_CORETYPE=$other_core MOERT_VECTOR=$other_path" PASS_MARK="[$other_core, $other_path]"
+    pass=("${second[@]}") PASS_ID=2 PASS_ENV="OPENBLAS_CORETYPE=$other_core MOERT_VECTOR=$other_path TESTS_SECOND_PASS=1" PASS_MARK="[$other_core, $other_path]"
     run_pass
   fi
 fi

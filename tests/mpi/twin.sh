@@ -37,7 +37,11 @@ P4-ep4:4:4:1:4:1:4
 P4-dp2-mp2-ep2-esp2:4:2:2:2:2:4
 P8-2x4-ep2-esp4:8:8:1:2:4:4
 P8-ep4-esp2-mp2:8:4:2:4:2:4"
-for k in 1 2; do
+# make test's second pass (tests/run.sh: other OpenBLAS kernels, TESTS_SECOND_PASS=1) runs the
+# shared-expert and gpt-oss layouts only: this matrix of small GELU stacks stays far inside 1e-5.
+ks="1 2"
+[ "${TESTS_SECOND_PASS:-0}" = 1 ] && ks="" && echo "# second pass: the k x algo matrix left to the first"
+for k in $ks; do
   while IFS=: read -r name P dp mp ep esp gpn; do
     nodes=$((P / gpn))
     printf 'cluster c { nodes %d; gpus_per_node %d;\n gemm { alpha 1e-2; beta 1e-11; } alltoall { alpha 1e-1; beta 1e-7; }\n allgather { alpha 1e-1; beta 1e-7; } reducescatter { alpha 1e-1; beta 1e-7; } allreduce { alpha 1e-1; beta 1e-7; } }\n' \
