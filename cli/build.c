@@ -33,7 +33,7 @@ void cli_check_usage(FILE *out) {
 
 void cli_dump_ir_usage(FILE *out) {
   fprintf(out,
-          "usage: moec dump-ir F.moe [--after=PASS | --all] [--cluster C] [-v]\n"
+          "usage: moec dump-ir F.moe [--after=PASS | --all] [--cluster C] [--stage N] [-v]\n"
           "       moec dump-ir F.ir\n"
           "\n"
           "Prints the IR of a model after all passes, or reads IR text back, verifies it and prints it.\n"
@@ -41,6 +41,7 @@ void cli_dump_ir_usage(FILE *out) {
           "  --after=PASS      after one pass (lower: before any pass; 'moec passes' lists them)\n"
           "  --all             after every pass, each headed by its name\n"
           "  --cluster C       cluster profile (overrides the model's 'cluster' statement)\n"
+          "  --stage N         the program of pipeline stage N (a model with 'pp'; default 0)\n"
           "  -v                also report what the passes decided\n");
 }
 
@@ -48,7 +49,7 @@ void cli_build_usage(FILE *out) {
   fprintf(out,
           "usage: moec build F.moe [-o BIN] [-v] [--target cpu|cuda|auto] [--gpu-arch sm_NN]\n"
           "                  [--cluster C] [--layout D,M,E,S[,ALGO]] [--emit c|cuda] [--keep-c F.c]\n"
-          "                  [--no-fuse]\n"
+          "                  [--no-fuse] [--stage N]\n"
           "\n"
           "Compiles a model into a training binary (BIN --help says what the binary can do).\n"
           "\n"
@@ -64,13 +65,15 @@ void cli_build_usage(FILE *out) {
           "  --emit c          write the generated C program (of the target) to -o or stdout\n"
           "  --emit cuda       write the generated CUDA kernels (for NVRTC) to -o or stdout\n"
           "  --keep-c F.c      also keep the generated C program as F.c\n"
+          "  --stage N         with --emit c: the program of pipeline stage N (a model with 'pp')\n"
           "  --no-fuse         the program op by op (no fuse pass; CUDA: no fused gate kernel, no\n"
           "                    split reductions, an update launch per parameter), for comparison\n");
 }
 
 typedef struct Options {
-  const char *input, *output, *after, *emit, *keep_c, *cluster, *target, *gpu_arch, *layout;
+  const char *input, *output, *after, *emit, *keep_c, *cluster, *target, *gpu_arch, *layout, *stage_arg;
   bool all, verbose, no_fuse;
+  int stage;   // the pipeline stage lowered (--stage N for dump-ir and --emit c; the build: each)
 } Options;
 
 static bool ends_with(const char *s, const char *suffix) {
@@ -88,6 +91,7 @@ static bool parse_options(int argc, char **argv, Options *o) {
       {"--after=", NULL, false, &o->after},     {"--target=", NULL, false, &o->target},
       {"--emit=", NULL, false, &o->emit},       {"--all", NULL, true, &o->all},
       {"-v", "--verbose", true, &o->verbose},   {"--no-fuse", NULL, true, &o->no_fuse},
+      {"--stage", NULL, false, &o->stage_arg},
   };
   char for_what[64], help[64];
   snprintf(for_what, sizeof for_what, "'moec %s'", argv[1]);
@@ -98,6 +102,15 @@ static bool parse_options(int argc, char **argv, Options *o) {
   if (!o->input) {
     fprintf(stderr, "moec: error: no input file (see 'moec --help')\n");
     return false;
+  }
+  if (o->stage_arg) {
+    char *end = NULL;
+    long v = strtol(o->stage_arg, &end, 10);
+    if (!*o->stage_arg || *end || v < 0 || v > 1000) {
+      fprintf(stderr, "moec: error: --stage takes a pipeline stage's number (0 for the first), not '%s'\n", o->stage_arg);
+      return false;
+    }
+    o->stage = (int)v;
   }
   if (o->after && !pass_known(o->after)) {
     fprintf(stderr, "moec: error: unknown pass '%s' for --after (see 'moec passes')\n", o->after);
@@ -140,6 +153,7 @@ typedef struct Cluster {
   char layout_note[512];   // how the layout was chosen (parallel auto, --layout), "" when written
   char layout_spec[64];    // the layout parallel auto chose, as --layout takes it ("" otherwise)
   int64_t memory;          // the profile's `memory`: bytes a rank may use (0: no limit known)
+  int stages;              // the model's pipeline stages (1: none)
 } Cluster;
 
 // Front end: read, parse, check, load the cluster profile, lower (with the refusals of target).
@@ -165,6 +179,13 @@ static IrModule *front_end(IrDiag *d, const Options *o, const FeTargetCaps *targ
   // `parallel auto;` (or --layout): the layout is chosen before lowering (cli/layout.c).
   ok = ok && cli_resolve_layout(d, p, have_cluster ? &cluster : NULL, o->layout, o->verbose, cl->layout_note,
                                 sizeof cl->layout_note, cl->layout_spec, sizeof cl->layout_spec);
+  if (ok && o->stage >= (p->parallel.pp > 1 ? p->parallel.pp : 1)) {
+    ir_error(d, "--stage %d: model '%s' has %lld pipeline stage%s (0 .. %lld)", o->stage, p->model.name,
+             (long long)p->parallel.pp, p->parallel.pp == 1 ? "" : "s", (long long)p->parallel.pp - 1);
+    ok = false;
+  }
+  p->stage = o->stage;
+  cl->stages = p->parallel.pp > 1 ? (int)p->parallel.pp : 1;
   IrModule *m = ok ? fe_lower(d, p, target) : NULL;
   if (ok && !have_cluster && p->schedule.pipeline_auto) {
     ir_error_at(d, p->schedule.pipeline_loc,
@@ -178,7 +199,7 @@ static IrModule *front_end(IrDiag *d, const Options *o, const FeTargetCaps *targ
     m = NULL;
   }
   int64_t world = p->parallel.dp * p->parallel.mp;
-  if (m && world > 1) {  // where the ranks sit: the cluster profile, or one node
+  if (m && (world > 1 || p->parallel.pp > 1)) {  // where the ranks sit: the cluster profile, or one node
     ir_attrs_set_int(m->attrs, &m->nattrs, "gpus_per_node", have_cluster ? cluster.gpus_per_node : world);
     ir_attrs_set_int(m->attrs, &m->nattrs, "nodes", have_cluster ? cluster.nodes : 0);
   }
@@ -501,6 +522,109 @@ static bool fit_memory(IrDiag *d, const Options *o, const FeTargetCaps *caps, Cl
   return false;
 }
 
+// A model of several pipeline stages: each stage's program built like a whole model's (front end,
+// passes, the memory it needs) into a C file of its own, and the main that runs a rank's stage.
+static int build_stages(IrDiag *d, const Options *o, const FeTargetCaps *caps, const CgTarget *target,
+                        const char *arch, int stages) {
+  char paths[FE_MAX_STAGES + 1][64];
+  const char *sources[FE_MAX_STAGES + 1] = {NULL};
+  int made = 0, status = 1;
+  double worst = 0;
+  int64_t worst_peak = 0;
+  int64_t micro = 1;
+  char *output = NULL;
+  for (int s = 0; s < stages; s++) {
+    Options os = *o;
+    os.stage = s;
+    IrSource *src = NULL;
+    Cluster cl;
+    if (o->verbose) fprintf(stderr, "# stage %d of %d\n", s, stages);
+    IrModule *m = front_end(d, &os, caps, &src, &cl);
+    PassCtx ctx = {.d = d, .verbose = o->verbose, .log = stderr, .cluster = cl.have ? &cl.sc : NULL,
+                   .fuse = !o->no_fuse, .fuse_cpu = true};
+    ctx.plan_step = cl.have && cl.memory > 0;
+    bool ok = m && pass_run_pipeline(m, &ctx) && fit_memory(d, &os, caps, &cl, &m, &ctx, &src);
+    FILE *c = NULL;
+    if (ok) {
+      snprintf(paths[s], sizeof paths[s], "/tmp/moec-stage%d-XXXXXX.c", s);
+      int fd = mkstemps(paths[s], 2);
+      if (fd < 0 || !(c = fdopen(fd, "w"))) ok = ir_error(d, "cannot create a temporary file for the generated program");
+      else sources[made++] = paths[s];
+    }
+    if (ok) {
+      ok = emit_program(d, c, m, ctx.memplan, &os, target, arch, &cl, paths[s]);
+      if (fclose(c) != 0) ok = ir_error(d, "cannot write '%s'", paths[s]);
+      micro = ir_mod_int(m, "microbatches", 1);
+      int64_t peak = pass_mem_peak(ctx.memplan), slots;
+      // the microbatches in flight on this stage keep an arena each (runtime/pipeline.c)
+      bool gpipe = strcmp(ir_mod_str(m, "pp_schedule", "1f1b"), "gpipe") == 0;
+      slots = gpipe ? micro : (stages - s < micro ? stages - s : micro);
+      peak += (slots - 1) * ctx.memplan->arena_bytes;
+      double t = ir_mod_float(m, "t_iter_pred", 0);
+      char a[32];
+      if (o->verbose) {
+        int64_t first = 0, n = 0;
+        for (int i = 0; i < m->nfuncs; i++) n += m->funcs[i]->role == IR_ROLE_LAYER_FWD;
+        (void)first;
+        fprintf(stderr, "# stage %d: %lld layer function%s, %lld microbatch%s in flight, peak %s per rank", s,
+                (long long)n, n == 1 ? "" : "s", (long long)slots, slots == 1 ? "" : "es", ir_bytes(a, sizeof a, (double)peak));
+        if (t > 0) fprintf(stderr, ", planned %.3f ms per microbatch", t);
+        fprintf(stderr, "\n");
+      }
+      if (t > worst) worst = t;
+      if (peak > worst_peak) worst_peak = peak;
+    }
+    fe_hf_export_free(&cl.hf);
+    pass_ctx_free(&ctx);
+    ir_module_free(m);
+    ir_source_free(src);
+    if (!ok) goto done;
+  }
+  if (o->verbose) {
+    char a[32];
+    double bubble = (double)(stages - 1) / (double)(micro + stages - 1);
+    fprintf(stderr, "# pipeline: %d stages, %lld microbatch%s, bubble %.1f %% of the step, peak %s per rank (the largest stage's)",
+            stages, (long long)micro, micro == 1 ? "" : "es", 100 * bubble, ir_bytes(a, sizeof a, (double)worst_peak));
+    if (worst > 0) fprintf(stderr, ", planned step %.3f ms ((M + P - 1) x the slowest stage's microbatch)", (micro + stages - 1) * worst);
+    fprintf(stderr, "\n");
+  }
+  {
+    char main_c[] = "/tmp/moec-XXXXXX.c";
+    int fd = mkstemps(main_c, 2);
+    FILE *c = fd >= 0 ? fdopen(fd, "w") : NULL;
+    if (!c) {
+      ir_error(d, "cannot create a temporary file for the generated program");
+      goto done;
+    }
+    const char *base = strrchr(o->input, '/');
+    cg_emit_stages_main(c, base ? base + 1 : o->input, stages);
+    bool ok = fclose(c) == 0;
+    output = o->output ? strdup(o->output) : default_output(o->input);
+    CgLinkExtra extra = {.cflags = "", .libs = "", .sources = sources};
+    if (ok && output && cg_link_program(d, main_c, output, &extra, o->verbose)) {
+      status = 0;
+      if (o->verbose) fprintf(stderr, "# wrote %s\n", output);
+    }
+    if (o->keep_c) {   // the main and the stages' programs as F.c, F.stage0.c, ...
+      char to[4200];
+      rename(main_c, o->keep_c);
+      for (int s = 0; s < made; s++) {
+        size_t n = strlen(o->keep_c);
+        int cut = n > 2 && strcmp(o->keep_c + n - 2, ".c") == 0 ? (int)n - 2 : (int)n;
+        snprintf(to, sizeof to, "%.*s.stage%d.c", cut, o->keep_c, s);
+        if (rename(paths[s], to) == 0) sources[s] = NULL;
+      }
+    } else {
+      unlink(main_c);
+    }
+  }
+done:
+  for (int s = 0; s < made; s++)
+    if (sources[s]) unlink(paths[s]);
+  free(output);
+  return status;
+}
+
 static int cmd_build(IrDiag *d, const Options *o) {
   IrSource *src = NULL;
   Cluster cl;
@@ -518,6 +642,10 @@ static int cmd_build(IrDiag *d, const Options *o) {
   FILE *c = NULL;
   if (m && o->no_fuse) ir_attrs_set_int(m->attrs, &m->nattrs, "no_fuse", 1);   // cg_cuda_lowering reads it
   ctx.plan_step = cl.have && cl.memory > 0;   // fit_memory compares planned steps
+  if (m && cl.stages > 1 && !o->emit) {   // one program per stage (--emit c writes --stage N's)
+    status = build_stages(d, o, &caps, target, arch, cl.stages);
+    goto done;
+  }
   if (!m || !pass_run_pipeline(m, &ctx) || !fit_memory(d, o, &caps, &cl, &m, &ctx, &src)) goto done;
 
   if (o->emit) {  // --emit c: the program only; --emit cuda: the CUDA kernels only

@@ -13,6 +13,9 @@
 // the header comment. False (with a diagnostic) on an op the CPU target cannot emit.
 typedef struct CgEmitOptions CgEmitOptions;
 bool cg_emit_c(IrDiag *d, FILE *out, const IrModule *m, const PassMemPlan *plan, const CgEmitOptions *o);
+// A model of several pipeline stages is one C file per stage (cg_emit_c of each stage's module,
+// which then exports `moec_stage_S` instead of a main) and this main, which runs a rank's stage.
+void cg_emit_stages_main(FILE *out, const char *model_name, int stages);
 
 // The CUDA target's lowering of module m (codegen/lower.c): every op's launches, the fused
 // groups' generated kernels. One per build, read by each CUDA emitter below. NULL (reported on d)
@@ -131,6 +134,7 @@ typedef struct CgLinkExtra {
   const char *how;
   const char *libs;
   char object[4096];   // an object file linked before the library ("" none)
+  const char *const *sources;   // more C files compiled into the program (NULL-terminated; NULL none)
 } CgLinkExtra;
 // Compiles and links the C file at c_path into the executable out_path with the system C
 // compiler ($CC, default cc) and libmoert (from MOEC_ROOT's build/ when set, else the build this

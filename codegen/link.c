@@ -135,6 +135,7 @@ bool cg_link_program(IrDiag *d, const char *c_path, const char *out_path, const 
   add(&c, include);
   if (extra) add_words(&c, extra->cflags);
   add(&c, c_path);
+  for (int i = 0; extra && extra->sources && extra->sources[i]; i++) add(&c, extra->sources[i]);
   if (extra && extra->object[0]) add(&c, extra->object);
   if (extra && extra->library[0]) add(&c, extra->library);
   add(&c, lib);

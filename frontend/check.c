@@ -236,8 +236,16 @@ static const Field model_fields[] = {
 };
 static const Block model_block = BLOCK("model", model_fields, NULL);
 
-// parallel = "parallel" ( "auto" ";" | "{" [dp] [mp] [ep] [esp] "}" )   (check_parallel)
+// parallel = "parallel" ( "auto" ";" | "{" [pp] [microbatches] [pp_schedule] [pp_layers] [dp] [mp] [ep] [esp] "}" )
+//                                                            (check_parallel)
+static const char *const pp_schedules[] = {"1f1b", "gpipe", NULL};
+static void check_pp_layers(Ctx *c, const FeNode *parent, const FeNode *n, char *dst);
 static const Field parallel_fields[] = {
+  {"pp", 0, .vals = {{V_INT, R_POS, .def = "1", .off = AT(FeParallel, pp)}}},
+  {"microbatches", 0, .vals = {{V_INT, R_POS, .def = "1", .off = AT(FeParallel, microbatches)}}},
+  {"pp_schedule", 0, .vals = {{V_WORD, .what = "pipeline schedule", .words = pp_schedules, .def = "1f1b",
+                               .off = AT(FeParallel, pp_schedule)}}},
+  {"pp_layers", 0, .custom = check_pp_layers},
   {"dp", 0, .vals = {{V_INT, R_POS, .def = "1", .off = AT(FeParallel, dp)}}},
   {"mp", 0, .vals = {{V_INT, R_POS, .def = "1", .off = AT(FeParallel, mp)}}},
   {"ep", 0, .vals = {{V_INT, R_POS, .def = "1", .off = AT(FeParallel, ep)}}},
@@ -1171,7 +1179,34 @@ static void check_gemm_at(Ctx *c, const FeNode *parent, const FeNode *n, char *d
   memcpy(cl->gemm_at[cl->ngemm_at++], v, sizeof v);
 }
 
-// parallel = "parallel" ( "auto" ";" | "{" [dp] [mp] [ep] [esp] "}" )
+// pp_layers = "pp_layers" N1 N2 ... ";"   the layer instances of each stage, in order (each >= 1)
+static void check_pp_layers(Ctx *c, const FeNode *parent, const FeNode *n, char *dst) {
+  (void)parent;
+  FeParallel *par = (FeParallel *)dst;
+  static const Field form = {"pp_layers", 0};
+  if (!check_block_form(c, n, &form))
+    return;
+  if (n->nvals == 0) {
+    ir_error_at(c->d, stmt_loc(n), "expected the layers of each stage after 'pp_layers', e.g. 'pp_layers 3 2;'");
+    return;
+  }
+  if (n->nvals > FE_MAX_STAGES) {
+    ir_error_at(c->d, n->vals[FE_MAX_STAGES].loc, "more than %d stages in 'pp_layers'", FE_MAX_STAGES);
+    return;
+  }
+  for (int i = 0; i < n->nvals; i++) {
+    const FeValue *x = &n->vals[i];
+    if (x->kind != FE_VAL_INT || x->i < 1 || x->i > INT32_MAX) {
+      ir_error_at(c->d, x->loc, "'pp_layers' wants each stage's number of layers as a whole number of at least 1");
+      return;
+    }
+    par->pp_layers[i] = x->i;
+  }
+  par->npp_layers = n->nvals;
+  par->pp_layers_loc = n->loc;
+}
+
+// parallel = "parallel" ( "auto" ";" | "{" [pp] ... [dp] [mp] [ep] [esp] "}" )
 static void check_parallel(Ctx *c, const FeNode *parent, const FeNode *n, char *dst) {
   FeParallel *par = &((FeProgram *)dst)->parallel;
   switch (auto_or_block(c, n, "parallel", "dp N; mp N; ep N; esp N;")) {
@@ -1465,6 +1500,47 @@ static void check_language_model(Ctx *c, const FeProgram *p) {
                 (long long)m->vocab);
 }
 
+// The pipeline's fields: microbatches divides the batch, pp at most the layer instances, pp_layers
+// one count per stage adding up to them; `aux pooled` (one loss over every layer's routing)
+// stays on one stage.
+static void check_stages(Ctx *c, const FeProgram *p) {
+  const FeParallel *par = &p->parallel;
+  const FeNode *pn = c->parallel_node;
+  if (!c->parallel_ok)
+    return;
+  if (c->model_ok && p->model.batch % par->microbatches != 0)
+    ir_error_at(c->d, kid_loc(pn, "microbatches", par->loc),
+                "microbatches %lld does not divide batch %lld: each microbatch holds batch/microbatches samples",
+                (long long)par->microbatches, (long long)p->model.batch);
+  int64_t instances = 0;
+  for (int i = 0; i < p->nlayers; i++) instances += p->layers[i].repeat;
+  if (par->pp > FE_MAX_STAGES)
+    ir_error_at(c->d, kid_loc(pn, "pp", par->loc), "pp %lld: at most %d stages", (long long)par->pp, FE_MAX_STAGES);
+  else if (par->pp > instances)
+    ir_error_at(c->d, kid_loc(pn, "pp", par->loc),
+                "pp %lld is larger than the %lld layer%s of the model: every stage holds at least one layer",
+                (long long)par->pp, (long long)instances, instances == 1 ? "" : "s");
+  if (par->npp_layers > 0) {
+    int64_t sum = 0;
+    for (int i = 0; i < par->npp_layers; i++) sum += par->pp_layers[i];
+    if (par->npp_layers != par->pp)
+      ir_error_at(c->d, par->pp_layers_loc, "pp_layers names %d stage%s, but pp is %lld", par->npp_layers,
+                  par->npp_layers == 1 ? "" : "s", (long long)par->pp);
+    else if (sum != instances)
+      ir_error_at(c->d, par->pp_layers_loc, "pp_layers adds up to %lld layers, but the model has %lld", (long long)sum,
+                  (long long)instances);
+  }
+  if (par->pp > 1)
+    for (int i = 0; i < p->nlayers; i++)
+      if (c->layer_ok[i] && p->layers[i].has_moe && p->layers[i].moe.gate.aux_form &&
+          strcmp(p->layers[i].moe.gate.aux_form, "pooled") == 0) {
+        ir_error_at(c->d, p->layers[i].moe.gate.field_loc[FE_GATE_F_AUX_FORM],
+                    "'aux pooled' with pp %lld: the pooled loss sums the routing of every layer at once, and the "
+                    "stages hold different layers; use 'aux group' or pp 1", (long long)par->pp);
+        break;
+      }
+}
+
 // Each rule reads only statements that checked cleanly (model_ok, parallel_ok, layer_ok).
 static void check_semantics(Ctx *c, FeProgram *p) {
   const FeModel *m = &p->model;
@@ -1479,13 +1555,18 @@ static void check_semantics(Ctx *c, FeProgram *p) {
                 "and ep*esp = %lld*%lld = %lld",
                 (long long)par->dp, (long long)par->mp, (long long)(par->dp * par->mp),
                 (long long)par->ep, (long long)par->esp, (long long)(par->ep * par->esp));
-  int64_t tokens = m->batch * m->seqlen;  // both <= INT32_MAX: no overflow
-  bool tokens_ok = c->model_ok && par_ok && tokens % par->mp == 0;
-  if (c->model_ok && par_ok && !tokens_ok)
+  check_stages(c, p);
+  // A program runs one microbatch at a time: its tokens are the microbatch's.
+  bool micro_ok = c->model_ok && par_ok && m->batch % par->microbatches == 0;
+  int64_t batch = micro_ok ? m->batch / par->microbatches : m->batch;
+  int64_t tokens = batch * m->seqlen;  // both <= INT32_MAX: no overflow
+  bool tokens_ok = micro_ok && tokens % par->mp == 0;
+  if (micro_ok && !tokens_ok)
     ir_error_at(c->d, kid_loc(pn, "mp", ploc),
-                "mp %lld does not divide the %lld tokens of a step (batch*seqlen = %lld*%lld): "
+                "mp %lld does not divide the %lld tokens of a %s (batch*seqlen = %lld*%lld): "
                 "tokens are split evenly over the mp ranks",
-                (long long)par->mp, (long long)tokens, (long long)m->batch, (long long)m->seqlen);
+                (long long)par->mp, (long long)tokens, par->microbatches > 1 ? "microbatch" : "step",
+                (long long)batch, (long long)m->seqlen);
   if (c->model_ok)
     check_language_model(c, p);
   if (c->model_ok && par_ok && m->vocab_parallel && m->has_vocab && m->vocab % par->mp != 0)
@@ -1536,11 +1617,11 @@ static void check_semantics(Ctx *c, FeProgram *p) {
       if (par->mp == 1)
         ir_error_at(c->d, at, "groups %lld does not divide the %lld tokens of a rank (batch*seqlen = "
                     "%lld*%lld): routing groups must be equal",
-                    (long long)moe->gate.groups, (long long)tokens, (long long)m->batch, (long long)m->seqlen);
+                    (long long)moe->gate.groups, (long long)tokens, (long long)batch, (long long)m->seqlen);
       else
         ir_error_at(c->d, at, "groups %lld does not divide the %lld tokens of a rank (batch*seqlen/mp = "
                     "%lld*%lld/%lld): routing groups must be equal",
-                    (long long)moe->gate.groups, (long long)(tokens / par->mp), (long long)m->batch,
+                    (long long)moe->gate.groups, (long long)(tokens / par->mp), (long long)batch,
                     (long long)m->seqlen, (long long)par->mp);
     }
   }

@@ -111,9 +111,19 @@ typedef struct FeModel {
   bool has_data;
 } FeModel;
 
+#define FE_MAX_STAGES 64
 typedef struct FeParallel {
   SrcLoc loc;           // no source when the block is absent (all 1)
   int64_t dp, mp, ep, esp;
+  // Pipeline stages (lang/manual.md §6): the layers split over pp stages of dp*mp ranks each, a
+  // step's batch in `microbatches` microbatches (default 1; also without pp: gradient
+  // accumulation), scheduled gpipe or 1f1b (default). pp_layers: the layer instances of each
+  // stage (npp_layers == pp when written; 0: the compiler's balance).
+  int64_t pp, microbatches;
+  const char *pp_schedule;
+  int npp_layers;
+  int64_t pp_layers[FE_MAX_STAGES];
+  SrcLoc pp_layers_loc;
   // `parallel auto;`: the layout is chosen for the cluster by `moec build` (cli/layout.c,
   // lang/manual.md §6); the degrees above stay 1 until then.
   bool is_auto;
@@ -268,6 +278,8 @@ typedef struct FeProgram {
   int nlayers;
   FeSchedule schedule;
   FeTree *tree;               // owns every string above
+  // The pipeline stage being lowered (0 .. parallel.pp - 1; set by the caller before fe_lower).
+  int stage;
 } FeProgram;
 
 // Checks a parsed .moe tree against the language's schema and the semantic rules of the
@@ -299,6 +311,10 @@ typedef struct FeTargetCaps {
 // Refuses, with a diagnostic naming it, every construct that parses and checks but does not
 // run yet (on target); otherwise builds the forward IR module (params, @*.fwd, @loss.fwd).
 IrModule *fe_lower(IrDiag *d, const FeProgram *p, const FeTargetCaps *target);
+// The layer instances of pipeline stage `stage` (0 .. pp - 1): [*first, *first + *count) in file
+// order. `pp_layers` when written, else the instances in equal parts, the earlier stages taking
+// one more where they do not divide (the last stage also holds the head and the loss).
+void fe_stage_layers(const FeProgram *p, int stage, int64_t *first, int64_t *count);
 
 // ---- Hugging Face families (frontend/hf.c, lang/manual.md §19) ----
 // What a binary's --export-hf writes (malloc'ed JSON texts): config.json; generation_config.json

@@ -21,7 +21,15 @@ typedef struct FeLower {
   int64_t layer_index;     // global index of the MoE layer instance
   int64_t repeat;          // which repeat of its layer item the instance is (`layer x N`: 0..N-1)
   int64_t S, M, E, H, G;   // tokens, model dim, experts, expert hidden, routing groups
+  int64_t stage_first, stage_end;   // the layer instances of the stage lowered: [first, end)
 } FeLower;
+
+// Whether the stage lowered holds the embedding (the first) / the loss (the last).
+static inline bool fe_first_stage(const FeLower *L) { return L->p->stage == 0; }
+static inline bool fe_last_stage(const FeLower *L) { return L->p->stage == L->p->parallel.pp - 1; }
+// A stage before the last: @loss.fwd(%out, %dout) = loss.link (the gradient of out comes from the
+// next stage).
+void fe_lower_link(FeLower *L);
 
 // Adds the forward function of layer instance L->inst (attributes `item`, `repeat`) as L->f.
 void fe_layer_func(FeLower *L);

@@ -159,6 +159,11 @@ static void refuse_unsupported(IrDiag *d, const FeProgram *p, const FeTargetCaps
                   l->name, (long long)l->moe.experts.count, pooled->name, (long long)pooled->moe.experts.count);
   }
   const FeParallel *par = &p->parallel;
+  if (target && strcmp(target->name, "cpu") != 0 && (par->pp > 1 || par->microbatches > 1))
+    ir_error_at(d, par->loc,
+                "%s runs on the CPU target only in this version (the %s target's steps keep one microbatch's "
+                "activations and gradients on the device); build with --target cpu",
+                par->pp > 1 ? "'pp' (pipeline stages)" : "'microbatches' (gradient accumulation)", target->name);
   for (int i = 0; i < p->nlayers; i++) {
     const FeLayer *l = &p->layers[i];
     if (par->dp * par->mp > 1 && l->has_moe && strcmp(l->moe.gate.name, "softmoe") == 0)
@@ -320,6 +325,29 @@ static void lower_layer(FeLower *L) {
   if (z) ir_add_ret(L->f, L->m, z);
 }
 
+void fe_stage_layers(const FeProgram *p, int stage, int64_t *first, int64_t *count) {
+  int64_t instances = 0, pp = p->parallel.pp > 1 ? p->parallel.pp : 1;
+  for (int i = 0; i < p->nlayers; i++) instances += p->layers[i].repeat;
+  *first = 0;
+  if (p->parallel.npp_layers == pp) {
+    for (int s = 0; s < stage; s++) *first += p->parallel.pp_layers[s];
+    *count = p->parallel.pp_layers[stage];
+    return;
+  }
+  int64_t base = instances / pp, extra = instances % pp;
+  for (int s = 0; s < stage; s++) *first += base + (s < extra);
+  *count = base + (stage < extra);
+}
+
+void fe_lower_link(FeLower *L) {
+  L->layer = NULL;
+  L->inst = "loss";
+  L->f = ir_add_func(L->m, "loss.fwd", IR_ROLE_LOSS_FWD);
+  IrValue *out = ir_add_arg(L->f, L->m, "out", ir_type2(IR_F32, L->S, L->M));
+  IrValue *dout = ir_add_arg(L->f, L->m, "dnext", ir_type2(IR_F32, L->S, L->M));
+  ir_add_ret(L->f, L->m, fe_op2(L, IR_OP_LOSS_LINK, "loss", FE_V(out), FE_V(dout)));
+}
+
 IrModule *fe_lower(IrDiag *d, const FeProgram *p, const FeTargetCaps *caps) {
   int before = d->errors;
   refuse_unsupported(d, p, caps);
@@ -377,7 +405,22 @@ IrModule *fe_lower(IrDiag *d, const FeProgram *p, const FeTargetCaps *caps) {
     ir_attrs_set_int(m->attrs, &m->nattrs, "esp", par->esp);
   }
 
-  L.S = p->model.batch * p->model.seqlen;
+  // Pipeline stages and microbatches (lang/manual.md §6): the program is one stage's, for one
+  // microbatch of batch/microbatches samples.
+  int64_t micro = p->parallel.microbatches > 1 ? p->parallel.microbatches : 1;
+  if (micro > 1) {
+    ir_attrs_set_int(m->attrs, &m->nattrs, "batch", p->model.batch / micro);
+    ir_attrs_set_int(m->attrs, &m->nattrs, "microbatches", micro);
+  }
+  int64_t count = 0;
+  fe_stage_layers(p, p->stage, &L.stage_first, &count);
+  L.stage_end = L.stage_first + count;
+  if (p->parallel.pp > 1) {
+    ir_attrs_set_int(m->attrs, &m->nattrs, "pp", p->parallel.pp);
+    ir_attrs_set_int(m->attrs, &m->nattrs, "stage", p->stage);
+    ir_attrs_set_str(m, m->attrs, &m->nattrs, "pp_schedule", p->parallel.pp_schedule);
+  }
+  L.S = p->model.batch / micro * p->model.seqlen;
   L.M = p->model.embed;
   if (p->model.has_vocab) {
     fe_lower_lm(&L);
@@ -390,12 +433,17 @@ IrModule *fe_lower(IrDiag *d, const FeProgram *p, const FeTargetCaps *caps) {
     L.H = l->moe.experts.hidden;
     L.G = l->moe.gate.groups * p->parallel.mp;  // routing groups of one DP rank's tokens
     for (int64_t r = 0; r < l->repeat; r++, L.layer_index++) {
+      if (L.layer_index < L.stage_first || L.layer_index >= L.stage_end) continue;
       L.inst = ir_strfmt(m, "%s%lld", l->name, (long long)r);
       L.repeat = r;
       lower_layer(&L);
     }
   }
 
+  if (!fe_last_stage(&L)) {
+    fe_lower_link(&L);
+    return m;
+  }
   L.layer = NULL;
   L.f = ir_add_func(m, "loss.fwd", IR_ROLE_LOSS_FWD);
   IrValue *out = ir_add_arg(L.f, m, "out", ir_type2(IR_F32, L.S, L.M));

@@ -274,15 +274,18 @@ void fe_lower_lm(FeLower *L) {
 
   L->inst = "embed";
   L->layer = NULL;
-  L->f = ir_add_func(m, "embed.fwd", IR_ROLE_LAYER_FWD);
-  IrValue *tokens = ir_add_arg(L->f, m, "tokens", ir_type1(IR_I32, L->S));
-  IrParam *wte = dense_param(L, "wte", ir_type2(IR_F32, V, L->M), "normal", STD);
-  IrValue *h = fe_op2(L, IR_OP_EMBED, "h", FE_V(tokens), FE_P(wte));
-  if (strcmp(md->position, "learned") == 0) {
-    IrParam *wpe = dense_param(L, "wpe", ir_type2(IR_F32, md->seqlen, L->M), "normal", STD);
-    h = fe_emit(L, IR_OP_POS_ADD, "hp", 2, (IrOperand[]){FE_V(h), FE_P(wpe)}, 1, (IrAttr[]){FE_I("seq", md->seqlen)});
+  IrParam *wte = NULL;
+  if (fe_first_stage(L)) {   // a later pipeline stage starts from the previous stage's activations
+    L->f = ir_add_func(m, "embed.fwd", IR_ROLE_LAYER_FWD);
+    IrValue *tokens = ir_add_arg(L->f, m, "tokens", ir_type1(IR_I32, L->S));
+    wte = dense_param(L, "wte", ir_type2(IR_F32, V, L->M), "normal", STD);
+    IrValue *h = fe_op2(L, IR_OP_EMBED, "h", FE_V(tokens), FE_P(wte));
+    if (strcmp(md->position, "learned") == 0) {
+      IrParam *wpe = dense_param(L, "wpe", ir_type2(IR_F32, md->seqlen, L->M), "normal", STD);
+      h = fe_emit(L, IR_OP_POS_ADD, "hp", 2, (IrOperand[]){FE_V(h), FE_P(wpe)}, 1, (IrAttr[]){FE_I("seq", md->seqlen)});
+    }
+    ir_add_ret(L->f, m, h);
   }
-  ir_add_ret(L->f, m, h);
 
   int64_t layers = 0;
   for (int i = 0; i < p->nlayers; i++) layers += p->layers[i].repeat;
@@ -296,12 +299,17 @@ void fe_lower_lm(FeLower *L) {
       L->G = l->moe.gate.groups * p->parallel.mp;  // routing groups of one DP rank's tokens
     }
     for (int64_t r = 0; r < l->repeat; r++, L->layer_index++) {
+      if (L->layer_index < L->stage_first || L->layer_index >= L->stage_end) continue;
       L->inst = ir_strfmt(m, "%s%lld", l->name, (long long)r);
       L->repeat = r;
       lower_block(L, out_std);
     }
   }
 
+  if (!fe_last_stage(L)) {
+    fe_lower_link(L);
+    return;
+  }
   L->layer = NULL;
   L->f = ir_add_func(m, "loss.fwd", IR_ROLE_LOSS_FWD);
   IrValue *out = ir_add_arg(L->f, m, "out", ir_type2(IR_F32, L->S, L->M));
@@ -310,6 +318,11 @@ void fe_lower_lm(FeLower *L) {
   IrValue *hn = norm(L, out, NULL, "hn");
   IrValue *logits;
   if (md->tie_embeddings) {
+    if (!wte) {   // the last of several pipeline stages holds the tied table too
+      L->inst = "embed";
+      wte = dense_param(L, "wte", ir_type2(IR_F32, V, L->M), "normal", STD);
+      ir_attrs_set_int(wte->attrs, &wte->nattrs, "pp_tied", 1);
+    }
     logits = fe_emit(L, IR_OP_MATMUL, "logits", 2, (IrOperand[]){FE_V(hn), FE_P(wte)}, 1, (IrAttr[]){FE_I("tb", 1)});
   } else {
     L->inst = "head";

@@ -580,12 +580,17 @@ bool pass_autodiff(IrModule *m, PassCtx *ctx) {
 
   // @loss.bwd: d loss / d out. The mse of MoE stacks is written here; a language model's
   // head and cross-entropy are differentiated like a layer.
-  bool mse = false;
-  for (int i = 0; i < loss->nops; i++) mse |= loss->ops[i]->kind == IR_OP_LOSS_MSE;
-  if (mse) {
+  // A pipeline stage before the last ends in loss.link: its loss.bwd passes on the gradient of
+  // out that the next stage sent (the loss function's second argument).
+  bool mse = false, link = false;
+  for (int i = 0; i < loss->nops; i++) {
+    mse |= loss->ops[i]->kind == IR_OP_LOSS_MSE;
+    link |= loss->ops[i]->kind == IR_OP_LOSS_LINK;
+  }
+  if (mse || link) {
     IrFunc *lb = ir_add_func(m, "loss.bwd", IR_ROLE_LOSS_BWD);
     lb->saves = loss;
-    IrOp *op = ir_add_op(lb, m, IR_OP_LOSS_MSE_GRAD, "dout", (IrType){0});
+    IrOp *op = ir_add_op(lb, m, link ? IR_OP_LOSS_LINK_GRAD : IR_OP_LOSS_MSE_GRAD, "dout", (IrType){0});
     ir_op_arg(op, loss->args[0]);
     ir_op_arg(op, loss->args[1]);
     for (int i = 0; i < loss->nops; i++)  // the loss's share of the global mean (parallelize)

@@ -206,6 +206,14 @@ static void step_ends(IrModule *m, Ranges *R) {
   for (int fi = 0; fi < m->nfuncs; fi++)
     if (m->funcs[fi]->role == IR_ROLE_LOSS_FWD && fi > 0 && m->funcs[fi - 1]->nrets)
       R->where[fi - 1][m->funcs[fi - 1]->rets[0]->id]->last = INT64_MAX;
+  // A later pipeline stage sends the gradient of its input (the last backward's result) after the
+  // backward.
+  if (ir_mod_int(m, "stage", 0) > 0)
+    for (int fi = m->nfuncs - 1; fi >= 0; fi--)
+      if (m->funcs[fi]->role == IR_ROLE_LAYER_BWD) {
+        if (m->funcs[fi]->nrets) R->where[fi][m->funcs[fi]->rets[0]->id]->last = INT64_MAX;
+        break;
+      }
   // So are a language model's logits (the loss function's second result).
   for (int fi = 0; fi < m->nfuncs; fi++)
     if (m->funcs[fi]->role == IR_ROLE_LOSS_FWD && m->funcs[fi]->nrets > 1)

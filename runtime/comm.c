@@ -95,7 +95,12 @@ typedef struct Group {
 struct RtComm {
   int thread_level;
   RtLayout layout;       // gpus_per_node already resolved (never <= 0)
-  int world_rank, world_size;
+  int world_rank, world_size;   // in this rank's pipeline stage (the whole job when pp is 1)
+  // Pipeline stages (layout.pp > 1): this rank's stage, the communicator of the ranks with its
+  // place in every stage (point-to-point between neighbouring stages, sums over stages) and the
+  // whole job's.
+  int stage, stages;
+  MPI_Comm pp, all;
   int64_t max_chunk;     // the largest count of one MPI call
   Group group[RT_GROUP_COUNT];
 };
@@ -415,10 +420,25 @@ RtComm *rt_comm_create(const RtLayout *layout, int nodes) {
   MPI_Comm_rank(MPI_COMM_WORLD, &world_rank);
   MPI_Comm_size(MPI_COMM_WORLD, &world_size);
 
-  RtLayout l = layout ? *layout : (RtLayout){world_size, 1, world_size, 1, 0};
+  RtLayout l = layout ? *layout : (RtLayout){world_size, 1, world_size, 1, 0, 1};
+  if (l.pp < 1)
+    l.pp = 1;
+  int64_t stage_size = (int64_t)l.dp * l.mp;
+  if (l.pp > 1 && stage_size * l.pp != world_size) {
+    layout_error(world_rank, "the layout needs pp %d x dp %d x mp %d = %lld ranks but %d %s running; start it "
+                 "with mpirun -np %lld", l.pp, l.dp, l.mp, (long long)(stage_size * l.pp), world_size,
+                 world_size == 1 ? "is" : "are", (long long)(stage_size * l.pp));
+    release_mpi();
+    return NULL;
+  }
+  int all_rank = world_rank;
+  if (l.pp > 1) {   // the rest of the communicator is the stage's
+    world_rank = all_rank % (int)stage_size;
+    world_size = (int)stage_size;
+  }
   if (l.gpus_per_node <= 0)
     l.gpus_per_node = world_size;   // unknown cluster: one node holds every rank
-  if (check_layout(&l, world_size, nodes, world_rank) != 0) {
+  if (check_layout(&l, world_size, l.pp > 1 ? 0 : nodes, world_rank) != 0) {
     release_mpi();
     return NULL;
   }
@@ -429,8 +449,18 @@ RtComm *rt_comm_create(const RtLayout *layout, int nodes) {
   c->world_rank = world_rank;
   c->world_size = world_size;
   c->max_chunk = INT_MAX;
+  c->stages = l.pp;
+  c->stage = all_rank / world_size;
+  c->pp = c->all = MPI_COMM_NULL;
   MPI_Comm world;
-  MPI_Comm_dup(MPI_COMM_WORLD, &world);
+  if (l.pp > 1) {
+    world = split(MPI_COMM_WORLD, c->stage, all_rank);
+    c->pp = split(MPI_COMM_WORLD, world_rank, all_rank);
+    MPI_CHECK(MPI_Comm_dup(MPI_COMM_WORLD, &c->all));
+    MPI_CHECK(MPI_Comm_set_errhandler(c->all, MPI_ERRORS_RETURN));
+  } else {
+    MPI_Comm_dup(MPI_COMM_WORLD, &world);
+  }
   MPI_CHECK(MPI_Comm_set_errhandler(world, MPI_ERRORS_RETURN));
   // Open MPI raises the error of a failed nonblocking collective in MPI_Test on MPI_COMM_WORLD's
   // handler, not on the request's communicator: returned, it reaches rt_mpi_check (with the
@@ -461,6 +491,8 @@ void rt_comm_destroy(RtComm *c) {
     free_comm(&gr->comm);
     free(gr->work);
   }
+  free_comm(&c->pp);
+  free_comm(&c->all);
   free(c);
   mpi_use.live--;
   release_mpi();
@@ -1054,3 +1086,80 @@ void rt_shard_gather(RtComm *c, RtGroup g, float *buf, int64_t rows, int64_t row
   }
   end(gr);
 }
+
+// ---- pipeline stages ----
+
+_Static_assert(sizeof(MPI_Request) <= sizeof(long long), "RtPpSend stores MPI_Request in a long long");
+
+int rt_comm_stage(const RtComm *c) { return c ? c->stage : 0; }
+int rt_comm_stages(const RtComm *c) { return c ? c->stages : 1; }
+
+// Floats to or from the same place in stage `stage`, in pieces that fit MPI's int counts; tag
+// tells the messages of a step apart. Sends are nonblocking (rt_pp_wait finishes them), so that a
+// stage computes while it sends; receives wait with the collectives' deadline.
+enum { PP_PIECE = 1 << 28 };
+
+void rt_pp_send(RtComm *c, int stage, const float *buf, int64_t n, int tag, RtPpSend *req) {
+  req->n = 0;
+  int64_t began = rt_mono_ns();
+  for (int64_t at = 0; at < n; at += PP_PIECE, req->n++) {
+    if (req->n == RT_PP_PIECES)
+      rt_comm_abort("internal error: a pipeline message of %lld floats is too large", (long long)n);
+    int count = (int)(n - at < PP_PIECE ? n - at : PP_PIECE);
+    MPI_CHECK(MPI_Isend(buf + at, count, MPI_FLOAT, stage, tag, c->pp, (MPI_Request *)&req->req[req->n]));
+  }
+  req->began = began;
+}
+
+void rt_pp_wait(RtPpSend *req) {
+  for (int i = 0; i < req->n; i++)
+    finish((MPI_Request *)&req->req[i], "pipeline send", RT_GROUP_WORLD, req->began, "MPI_Isend", __LINE__);
+  req->n = 0;
+}
+
+void rt_pp_recv(RtComm *c, int stage, float *buf, int64_t n, int tag) {
+  int64_t began = rt_mono_ns();
+  for (int64_t at = 0; at < n; at += PP_PIECE) {
+    int count = (int)(n - at < PP_PIECE ? n - at : PP_PIECE);
+    MPI_Request req;
+    MPI_CHECK(MPI_Irecv(buf + at, count, MPI_FLOAT, stage, tag, c->pp, &req));
+    finish(&req, "pipeline receive", RT_GROUP_WORLD, began, "MPI_Irecv", __LINE__);
+  }
+}
+
+void rt_pp_sum_f64(RtComm *c, double *buf, int n) {
+  if (!c || c->stages <= 1) return;
+  MPI_Request req;
+  MPI_CHECK(MPI_Iallreduce(MPI_IN_PLACE, buf, n, MPI_DOUBLE, MPI_SUM, c->pp, &req));
+  finish(&req, "sum over the stages", RT_GROUP_WORLD, rt_mono_ns(), "MPI_Iallreduce", __LINE__);
+}
+
+void rt_pp_max_f64(RtComm *c, double *buf, int n) {
+  if (!c || c->stages <= 1) return;
+  MPI_Request req;
+  MPI_CHECK(MPI_Iallreduce(MPI_IN_PLACE, buf, n, MPI_DOUBLE, MPI_MAX, c->pp, &req));
+  finish(&req, "maximum over the stages", RT_GROUP_WORLD, rt_mono_ns(), "MPI_Iallreduce", __LINE__);
+}
+
+void rt_all_max_f64(RtComm *c, double *buf, int n) {
+  if (c && c->stages > 1) {
+    MPI_Request req;
+    MPI_CHECK(MPI_Iallreduce(MPI_IN_PLACE, buf, n, MPI_DOUBLE, MPI_MAX, c->all, &req));
+    finish(&req, "maximum over the job", RT_GROUP_WORLD, rt_mono_ns(), "MPI_Iallreduce", __LINE__);
+  } else if (rt_comm_size(c, RT_GROUP_WORLD) > 1) {
+    rt_allreduce_max_f64(c, RT_GROUP_WORLD, buf, n);
+  }
+}
+
+void rt_all_bcast(RtComm *c, void *buf, int64_t bytes, int root) {
+  if (c && c->stages > 1) {
+    MPI_Request req;
+    MPI_CHECK(MPI_Ibcast(buf, (int)bytes, MPI_BYTE, root, c->all, &req));
+    finish(&req, "broadcast over the job", RT_GROUP_WORLD, rt_mono_ns(), "MPI_Ibcast", __LINE__);
+  } else if (rt_comm_size(c, RT_GROUP_WORLD) > 1) {
+    rt_bcast(c, RT_GROUP_WORLD, buf, bytes, root);
+  }
+}
+
+int rt_all_rank(const RtComm *c) { return c ? c->stage * c->world_size + c->world_rank : 0; }
+int rt_all_size(const RtComm *c) { return c ? c->stages * c->world_size : 1; }

@@ -92,7 +92,7 @@ void rt_lm_fill_val(RtLm *lm, int64_t batch, int64_t first, int dp, int32_t *inp
 RT_VECTOR_BODY void sum_squares_body(const float *g, int64_t n, double *sum) { *sum = rt_lanes_dot(g, g, n); }
 RT_VECTOR_PATHS(sum_squares, (const float *g, int64_t n, double *sum), (g, n, sum))
 
-double rt_grad_norm(const RtModel *m, const RtRanks *r, RtComm *c, const float *grads) {
+double rt_grad_norm(const RtModel *m, const RtRanks *r, RtComm *c, const float *grads, const bool *skip) {
   // Every rank holds its shard of each gradient after the reductions; a shard held by several
   // ranks (replicas) counts once: its squares are divided by the number of replicas. Under a
   // sharded optimizer a rank holds the sums of its rows only (rt_param_part): the rows of the
@@ -106,7 +106,7 @@ double rt_grad_norm(const RtModel *m, const RtRanks *r, RtComm *c, const float *
     int64_t lo, n;
     rt_param_part(c, p, &lo, &n);
     part[i] = 0;
-    if (!p->balance)   // a correction bias's "gradient" is its load imbalance
+    if (!p->balance && !(skip && skip[i]))   // a correction bias's "gradient" is its load imbalance
       sum_squares(grads + p->offset + lo, n, &part[i]);
   }
   double sum = 0;
@@ -119,6 +119,8 @@ double rt_grad_norm(const RtModel *m, const RtRanks *r, RtComm *c, const float *
   free(part);
   if (r->world > 1)
     rt_allreduce_f64(c, RT_GROUP_WORLD, &sum, 1);
+  if (r->stages > 1)   // every stage's parameters
+    rt_pp_sum_f64(c, &sum, 1);
   return sqrt(sum);
 }
 

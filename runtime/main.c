@@ -82,9 +82,13 @@ static void trainer_destroy(RtTrainer *tr) {
   rt_big_free(tr->st.grads, bytes);
   rt_big_free(tr->st.opt_m, bytes);
   rt_big_free(tr->st.opt_v, bytes);
+  if (tr->arenas)
+    rt_pipe_destroy(tr);
   rt_big_free(tr->st.arena, tr->arena_bytes);
   free(tr->input);
   free(tr->target);
+  free(tr->fixed_in);
+  free(tr->fixed_target);
   free(tr->logits_whole);
   free(tr->logits_parts);
   if (tr->lm_open)
@@ -95,9 +99,9 @@ static void trainer_destroy(RtTrainer *tr) {
 }
 
 static int trainer_create(RtTrainer *tr, const RtModel *model, const RtOptions *opt,
-                          const RtRanks *ranks, RtComm *comm) {
+                          const RtRanks *ranks, RtComm *comm, const RtModel *const *stages, int nstages) {
   *tr = (RtTrainer){.model = model, .opt = *opt, .ranks = *ranks, .comm = comm,
-                  .fault = rt_fault_from_env()};
+                  .fault = rt_fault_from_env(), .stages = stages, .nstages = nstages};
   tr->elems = model->batch * model->seqlen * model->embed;
   size_t floats = model->param_floats ? model->param_floats : 1;
   size_t arena = (model->arena_bytes + 63) / 64 * 64;
@@ -126,6 +130,7 @@ static int trainer_create(RtTrainer *tr, const RtModel *model, const RtOptions *
   size_t data_bytes = ((size_t)tr->elems * sizeof(float) + 4095) & ~(size_t)4095;
   if (data_bytes == 0)
     data_bytes = 4096;
+  tr->data_bytes = data_bytes;
   if (!(tr->input = aligned_alloc(4096, data_bytes)) || !(tr->target = aligned_alloc(4096, data_bytes)))
     rt_out_of_memory(data_bytes, "the step's input and target");
   memset(tr->input, 0, data_bytes);
@@ -142,14 +147,14 @@ static int trainer_create(RtTrainer *tr, const RtModel *model, const RtOptions *
     st->layer_stats = rt_calloc((size_t)model->nlayers, sizeof *st->layer_stats, "the layers' statistics");
     tr->log_layers = rt_calloc((size_t)model->nlayers, sizeof *tr->log_layers, "the layers' statistics");
   }
-  if (tr->opt.log && tr->ranks.rank == 0 && !(tr->log = rt_log_open(tr->opt.log, model->name, tr->opt.resume)))
+  if (tr->opt.log && tr->ranks.rank == 0 && tr->ranks.stage == 0 && !(tr->log = rt_log_open(tr->opt.log, model->name, tr->opt.resume)))
     return -1;
   if (model->device) {
     if (model->device->create(st) != 0)
       return -1;
     tr->device_up = true;
   }
-  return 0;
+  return rt_pipe_create(tr);
 }
 
 // ---- the device's copies (a model of the CUDA target) ----
@@ -203,6 +208,14 @@ RtReport rt_report_reduce(const RtTrainer *tr, const RtStep *st, const uint64_t 
     rt_allreduce_f64(tr->comm, RT_GROUP_WORLD, sums, 7);
     rt_world_max(tr->comm, maxes, 4);
   }
+  if (tr->ranks.stages > 1) {   // the loss is the last stage's; the layers' figures every stage's
+    double mse[2] = {r.mse, r.loss_exact};
+    rt_pp_sum_f64(tr->comm, mse, 2);
+    r.mse = mse[0];
+    r.loss_exact = mse[1];
+    rt_pp_sum_f64(tr->comm, sums, 7);
+    rt_pp_max_f64(tr->comm, maxes, 4);
+  }
   r.aux = sums[0];
   r.z = sums[1];
   r.aux_total = sums[2];
@@ -243,44 +256,64 @@ static void synthetic_input(const RtModel *m, int64_t step, int64_t first, float
     rt_normal_fill(rt_key(step_key, (uint64_t)(first + s)), 0, per_sample, x + s * per_sample);
 }
 
-// The files hold the global batch [dp*B, L, M]; this rank keeps its DP shard.
+// The files hold the global batch [dp*B, L, M] (B = microbatches x the program's batch); this
+// rank keeps its DP shard, its microbatches one after the other.
 static int read_global_batch(RtTrainer *tr, const char *path, float *dst) {
   const RtModel *m = tr->model;
   const RtRanks *r = &tr->ranks;
+  int64_t micro = m->microbatches > 1 ? m->microbatches : 1, mine = micro * tr->elems;
   if (r->dp == 1) {
-    int64_t dims[3] = {m->batch, m->seqlen, m->embed};
+    int64_t dims[3] = {micro * m->batch, m->seqlen, m->embed};
     return rt_npy_read_f32(path, 3, dims, dst);
   }
-  int64_t dims[3] = {r->dp * m->batch, m->seqlen, m->embed};
-  float *all = rt_alloc((size_t)(r->dp * tr->elems) * sizeof(float), "the global batch");
+  int64_t dims[3] = {r->dp * micro * m->batch, m->seqlen, m->embed};
+  float *all = rt_alloc((size_t)(r->dp * mine) * sizeof(float), "the global batch");
   int status = rt_npy_read_f32(path, 3, dims, all);
   if (status == 0)
-    memcpy(dst, all + r->dp_index * tr->elems, (size_t)tr->elems * sizeof(float));
+    memcpy(dst, all + r->dp_index * mine, (size_t)mine * sizeof(float));
   free(all);
   return status;
 }
 
+// --input (and --target): with microbatches every one of them in fixed_in and fixed_target, else
+// the step's input and target themselves.
 static int load_data(RtTrainer *tr) {
   const RtModel *m = tr->model;
-  if (read_global_batch(tr, tr->opt.input, tr->input) != 0)
+  float *in = tr->input, *target = tr->target;
+  if (m->microbatches > 1) {
+    size_t bytes = (size_t)(m->microbatches * tr->elems) * sizeof(float);
+    in = tr->fixed_in = rt_alloc(bytes, "the microbatches' input");
+    target = tr->fixed_target = rt_alloc(bytes, "the microbatches' target");
+  }
+  int64_t micro = m->microbatches > 1 ? m->microbatches : 1;
+  if (read_global_batch(tr, tr->opt.input, in) != 0)
     return -1;
   if (tr->opt.target)
-    return read_global_batch(tr, tr->opt.target, tr->target);
-  derive_target(tr->input, tr->target, m->batch * m->seqlen, m->embed);
+    return read_global_batch(tr, tr->opt.target, target);
+  derive_target(in, target, micro * m->batch * m->seqlen, m->embed);
   return 0;
 }
 
-void rt_fill_step_data(RtTrainer *tr, int64_t step) {
+void rt_fill_data(RtTrainer *tr, int64_t step, int64_t first, int micro, float *input, float *target) {
   tr->st.step = step;
   const RtModel *m = tr->model;
   if (m->vocab > 0) {
-    rt_lm_fill(&tr->lm, step, tr->ranks.dp_index * m->batch, (int32_t *)tr->input, (int32_t *)tr->target);
+    rt_lm_fill(&tr->lm, step, first, (int32_t *)input, (int32_t *)target);
     return;
   }
-  if (tr->fixed_data)
+  if (tr->fixed_data) {
+    if (tr->fixed_in) {
+      memcpy(input, tr->fixed_in + micro * tr->elems, (size_t)tr->elems * sizeof(float));
+      memcpy(target, tr->fixed_target + micro * tr->elems, (size_t)tr->elems * sizeof(float));
+    }
     return;
-  synthetic_input(m, step, tr->ranks.dp_index * m->batch, tr->input);
-  derive_target(tr->input, tr->target, m->batch * m->seqlen, m->embed);
+  }
+  synthetic_input(m, step, first, input);
+  derive_target(input, target, m->batch * m->seqlen, m->embed);
+}
+
+void rt_fill_step_data(RtTrainer *tr, int64_t step) {
+  rt_fill_data(tr, step, tr->ranks.dp_index * tr->model->batch, 0, tr->input, tr->target);
 }
 
 // --log: the step's line, its per-layer statistics reduced over the world (collective).
@@ -309,7 +342,7 @@ static int log_step(RtTrainer *tr, const RtStep *fwd, const RtReport *rep, int64
                                      .load_max = maxes[2 * i + 1],
                                      .dropped = sums[4 * i + 3] > 0 ? sums[4 * i + 2] / sums[4 * i + 3] : 0};
   free(sums);
-  if (tr->ranks.rank != 0)
+  if (!rt_is_root(tr))
     return rt_world_agree(tr->comm, 0);
   const RtModel *m = tr->model;
   RtLogStep s = {.step = t, .lm = m->vocab > 0, .loss = rep->loss, .ce = rep->mse, .aux = rep->aux, .z = rep->z,
@@ -417,7 +450,7 @@ static int schedule_step(RtTrainer *tr, int64_t t, double *gnorm) {
     return 0;
   if (rt_device_get(tr, RT_DEVICE_GRADS) != 0)
     return -1;
-  *gnorm = rt_grad_norm(m, &tr->ranks, tr->comm, st->grads);
+  *gnorm = rt_grad_norm(m, &tr->ranks, tr->comm, st->grads, tr->pp_skip);
   st->grad_scale = (float)rt_clip_scale(*gnorm, m->clip);
   return 0;
 }
@@ -430,7 +463,10 @@ static double evaluate(RtTrainer *tr) {
   for (int64_t b = 0; b < batches; b++) {
     rt_lm_fill_val(&tr->lm, b, tr->ranks.dp_index * m->batch, tr->ranks.dp, (int32_t *)tr->input,
                    (int32_t *)tr->target);
-    m->forward(&tr->st);
+    if (tr->ranks.stages > 1)
+      rt_pipe_forward(tr);
+    else
+      m->forward(&tr->st);
     sum += rt_report_reduce(tr, &tr->st, NULL).mse;
   }
   return sum / (double)batches;
@@ -481,11 +517,11 @@ static void print_step(const RtTrainer *tr, int64_t t, const RtReport *rep, doub
   bool root = rt_is_root(tr);
   double loss = rep->loss;
   double dropped = rep->routed > 0 ? rep->dropped / rep->routed : 0.0;
-  double tokens_per_s = ms > 0 ? (double)(tr->ranks.dp * m->batch * m->seqlen) / (ms * 1e-3) : 0.0;
+  double tokens_per_s = ms > 0 ? (double)(rt_step_samples(tr) * m->seqlen) / (ms * 1e-3) : 0.0;
   if (run->progress) {
     rt_progress(stdout, t, run->first, run->last, loss, m->vocab > 0 ? tokens_per_s : 0, now_ms() - run->started);
   } else if (!tr->opt.quiet && root && m->vocab > 0) {
-    double tokens = (double)(tr->ranks.dp * m->batch * m->seqlen);
+    double tokens = (double)(rt_step_samples(tr) * m->seqlen);
     // The objective's parts, then the timings last (tests compare the lines up to "  time").
     printf("step %lld  loss %.6f  ce %.6f", (long long)t, loss, rep->mse);
     print_aux_parts(m, rep);
@@ -611,9 +647,10 @@ static void print_summary(const RtTrainer *tr, const Steps *run, bool convert, d
   if (!rt_is_root(tr))
     return;
   const RtModel *m = tr->model;
+  double micro = m->microbatches > 1 ? m->microbatches : 1;
   if (run->first <= run->last) {
     int64_t steps = run->last - run->first + 1;
-    double secs = (now_ms() - run->started) * 1e-3, tokens = (double)steps * tr->ranks.dp * m->batch * m->seqlen;
+    double secs = (now_ms() - run->started) * 1e-3, tokens = (double)steps * rt_step_samples(tr) * m->seqlen;
     double plan = (double)m->arena_bytes + (double)m->param_floats * sizeof(float) * 2 + (double)m->param16_bytes;
     if (m->opt == RT_OPT_ADAMW)
       plan += 2.0 * sizeof(float) * (double)rt_moment_floats(tr->comm, m);
@@ -623,7 +660,7 @@ static void print_summary(const RtTrainer *tr, const Steps *run, bool convert, d
     printf("# trained %lld step%s; final loss %.6f; %.0f tokens/s over %.3g s; %.3g GFLOP/s per rank (%.3g GFLOP a "
            "step: its GEMMs and attention, forward and backward, the experts' over every slot); peak memory %s%s (the "
            "memory plan: %s per rank)\n", (long long)steps, steps > 1 ? "s" : "", loss, secs > 0 ? tokens / secs : 0.0,
-           secs, secs > 0 ? m->step_flops * (double)steps / secs * 1e-9 : 0.0, m->step_flops * 1e-9, peak,
+           secs, secs > 0 ? m->step_flops * micro * (double)steps / secs * 1e-9 : 0.0, m->step_flops * micro * 1e-9, peak,
            m->device ? " on the host" : "", bytes_text(planned, sizeof planned, plan));
   }
   else if (convert && !tr->opt.quiet)
@@ -673,12 +710,10 @@ static int train(RtTrainer *tr) {
     double t_start = now_ms();
     rt_gemm_ns_take();
     rt_attn_ns_take();
-    rt_fill_step_data(tr, t);
     double t0 = now_ms();
-    m->forward(st);
-    rt_fault_point(&tr->fault, tr->ranks.rank, t);
-    RtStep forward_state = *st;   // the statistics the forward left, in case backward adds any
-    m->backward(st);
+    RtStep forward_state;   // the statistics the forwards left, in case backward adds any
+    if (rt_pipe_step(tr, t, &forward_state) != 0)
+      return -1;
     double t1 = now_ms();
     RtReport rep = rt_report_reduce(tr, &forward_state, NULL);
     if (tr->opt.dump && t == first && rt_dump_step(tr, &rep) != 0)
@@ -696,7 +731,7 @@ static int train(RtTrainer *tr) {
     loss = rep.loss;
     if (st->record)
       fflush(st->record);
-    double tokens_per_s = ms > 0 ? (double)(tr->ranks.dp * m->batch * m->seqlen) / (ms * 1e-3) : 0.0;
+    double tokens_per_s = ms > 0 ? (double)(rt_step_samples(tr) * m->seqlen) / (ms * 1e-3) : 0.0;
     if (log_step(tr, &forward_state, &rep, t, gnorm, ms, m->vocab > 0 ? tokens_per_s : 0) != 0)
       return -1;
     print_step(tr, t, &rep, gnorm, ms, &run);
@@ -747,9 +782,10 @@ static int open_record(RtTrainer *tr) {
 
 // Everything after the collectives started: every rank runs it, and every failure is agreed
 // on, so all ranks return the same status. Rank 0 prints.
-static int run(const RtModel *model, const RtOptions *opt, const RtRanks *ranks, RtComm *comm) {
+static int run(const RtModel *model, const RtOptions *opt, const RtRanks *ranks, RtComm *comm,
+               const RtModel *const *stages, int nstages) {
   RtTrainer tr;
-  int status = rt_world_agree(comm, trainer_create(&tr, model, opt, ranks, comm));
+  int status = rt_world_agree(comm, trainer_create(&tr, model, opt, ranks, comm, stages, nstages));
   // The device's collective part (its communicators) once every rank has its device.
   if (status == 0 && model->device)
     status = rt_world_agree(comm, model->device->connect(&tr.st));
@@ -782,7 +818,7 @@ static int run(const RtModel *model, const RtOptions *opt, const RtRanks *ranks,
   }
   if (status == 0 && opt->check_grad) {
     status = rt_check_grad(&tr);
-    if (status < 0 && ranks->rank == 0)
+    if (status < 0 && ranks->rank == 0 && ranks->stage == 0)
       report_error();
     fflush(stdout);
     trainer_destroy(&tr);
@@ -812,7 +848,7 @@ static int run(const RtModel *model, const RtOptions *opt, const RtRanks *ranks,
   trainer_destroy(&tr);
   if (status == 0)
     return 0;
-  return ranks->rank == 0 ? report_error() : 1;
+  return ranks->rank == 0 && ranks->stage == 0 ? report_error() : 1;
 }
 
 // The step's kernels allocate their scratch per call (attention's transposes, a few MB each):
@@ -825,7 +861,8 @@ static void keep_heap_pages(void) {
   mallopt(M_TRIM_THRESHOLD, 1 << 30);
 }
 
-int rt_main(const RtModel *model, int argc, char **argv) {
+// rt_main and rt_main_stages: stages[s] is the program of stage s of nstages (model itself when 1).
+static int main_of(const RtModel *model, const RtModel *const *stages, int nstages, int argc, char **argv) {
   rt_blas_kernels();
   keep_heap_pages();
   const char *prog = argc > 0 && argv[0] ? argv[0] : "model";
@@ -856,20 +893,37 @@ int rt_main(const RtModel *model, int argc, char **argv) {
     rt_comm_set_timeout(opt.comm_timeout);
   opt.watched = stdout_watched();
   // rt_comm_create reports a layout that does not fit the world itself, once.
-  RtComm *comm = rt_comm_create(&model->layout, model->nodes);
+  RtLayout layout = model->layout;
+  layout.pp = nstages;
+  RtComm *comm = rt_comm_create(&layout, model->nodes);
   if (!comm)
     return 1;
+  if (nstages > 1) {   // this rank's stage's program
+    model = stages[rt_comm_stage(comm)];
+    if (rt_world_agree(comm, rt_model_check(model)) != 0) {
+      rt_comm_destroy(comm);
+      return speaker ? report_error() : 1;
+    }
+  }
   RtRanks ranks = rt_ranks_of(&model->layout, rt_comm_rank(comm, RT_GROUP_WORLD),
                               rt_comm_size(comm, RT_GROUP_WORLD));
+  ranks.stage = rt_comm_stage(comm);
+  ranks.stages = rt_comm_stages(comm);
   // Ranks sharing a machine share its cores: each rank's threads (kernels and GEMMs) get its
   // share, or the threads of all ranks oversubscribe the cores many times over.
   const char *local = getenv("OMPI_COMM_WORLD_LOCAL_SIZE");
   rt_threads_setup(ranks.world > 1 && local ? atol(local) : 1);
-  if (ranks.world > 1 && ranks.rank == 0 && !opt.quiet) {
+  if (ranks.world > 1 && ranks.rank == 0 && ranks.stage == 0 && !opt.quiet) {
     rt_comm_print_groups(comm, stdout);
     fflush(stdout);
   }
-  int status = run(model, &opt, &ranks, comm);
+  int status = run(model, &opt, &ranks, comm, nstages > 1 ? stages : NULL, nstages);
   rt_comm_destroy(comm);
   return status;
+}
+
+int rt_main(const RtModel *model, int argc, char **argv) { return main_of(model, &model, 1, argc, argv); }
+
+int rt_main_stages(const RtModel *const *stages, int nstages, int argc, char **argv) {
+  return main_of(stages[0], stages, nstages, argc, argv);
 }

@@ -165,7 +165,9 @@ void rt_scale(float *x, int64_t n, float s);
 // ep index = rank / esp, esp index = rank % esp.
 typedef enum RtGroup { RT_GROUP_WORLD, RT_GROUP_DP, RT_GROUP_MP, RT_GROUP_EP, RT_GROUP_ESP, RT_GROUP_COUNT } RtGroup;
 typedef enum RtA2aAlgo { RT_A2A_FLAT, RT_A2A_1DH, RT_A2A_2DH } RtA2aAlgo;  // nccl (flat), 1dh, 2dh
-typedef struct RtLayout { int dp, mp, ep, esp, gpus_per_node; } RtLayout;
+// pp: pipeline stages of dp*mp ranks each (0 or 1: one); world rank = stage * dp*mp + the rank's
+// place in its stage, and every group above lies inside one stage (rt_comm_create).
+typedef struct RtLayout { int dp, mp, ep, esp, gpus_per_node, pp; } RtLayout;
 
 // First thing in a program's main (rt_main, moec tune): where OpenBLAS took this CPU for a
 // Prescott (a model newer than it knows) and the CPU has AVX2 or AVX-512, sets
@@ -260,6 +262,7 @@ typedef struct RtDevice {
 // ---- the model description the generated program fills in ----
 typedef enum RtInit { RT_INIT_ZEROS, RT_INIT_ONES, RT_INIT_NORMAL, RT_INIT_CONST } RtInit;
 typedef enum RtOptKind { RT_OPT_SGD, RT_OPT_ADAMW } RtOptKind;
+typedef enum RtPpSchedule { RT_PP_1F1B, RT_PP_GPIPE } RtPpSchedule;
 
 typedef struct RtParam {
   const char *name;        // e.g. "block0.moe.experts.w1"
@@ -325,6 +328,15 @@ struct RtModel {
   // the logits [batch*seqlen, vocab] and mse to the cross-entropy's share; the model's `data`
   // block names its token files (NULL: none; --data and --val override).
   int64_t vocab;
+  // Pipeline stages and microbatches (lang/manual.md §6): the program runs one microbatch of
+  // batch samples; a step is `microbatches` of them (0 or 1: one) with their gradients summed and
+  // divided by microbatches before one update (runtime/pipeline.c). With pp > 1 the program is
+  // stage `stage` of pp: stage 0 reads the tokens (input), a later stage the activations [batch *
+  // seqlen, embed] the previous stage sent (input), and a stage before the last ends in loss.link:
+  // its target is the gradient of its output that the next stage sent back, and its backward sets
+  // st->input_grad, the gradient of its input, to send to the stage before (stage > 0).
+  int microbatches, pp, stage;
+  RtPpSchedule pp_schedule;
   // `vocab_parallel true;` on mp ranks: each holds the table's (the head's) rows of vocab/mp
   // tokens from RtStep.vocab0, and output is the logits of those [batch*seqlen, vocab/mp]
   // (rt_lm_logits gathers the whole).
@@ -354,6 +366,7 @@ struct RtStep {
   unsigned char *arena;           // arena_bytes, 64-byte aligned
   const float *input, *target;    // [batch*seqlen*embed] each
   const float *output;            // set by forward
+  const float *input_grad;        // set by backward of a pipeline stage after the first (RtModel.stage)
   int64_t step;                   // 1-based number of the step being run
   uint64_t seed;
   int64_t token0;                 // global index of this rank's first token (0 on one rank)
@@ -405,6 +418,9 @@ void rt_pool_finish(RtStep *st);
 
 // The generated main(): `return rt_main(&model, argc, argv);`
 int rt_main(const RtModel *model, int argc, char **argv);
+// The main of a model of several pipeline stages (codegen's cg_emit_stages_main): stages[s] is
+// stage s's program; each rank runs its stage's (world rank / (dp*mp)).
+int rt_main_stages(const RtModel *const *stages, int nstages, int argc, char **argv);
 
 // Stream execution of a scheduled function (passes/schedule.c, runtime/streams.c). The
 // generated code turns a function whose ops carry streams and events into a table of tasks in

@@ -275,7 +275,8 @@ typedef struct RtParam RtParam;
 typedef struct RtModel RtModel;
 
 typedef struct RtRanks {
-  int rank, world;
+  int rank, world;                              // in this rank's pipeline stage
+  int stage, stages;                            // the pipeline stage (0 and 1 without stages)
   int dp, mp, ep, esp;                          // group sizes of the layout
   int dp_index, mp_index, ep_index, esp_index;  // rank / mp, rank % mp, rank / esp, rank % esp
 } RtRanks;
@@ -310,6 +311,31 @@ int64_t rt_box_copy(int rank, const int64_t *src_off, const int64_t *src_dims, c
 // rank, and the last error on every rank becomes the lowest failing rank's message (prefixed
 // "rank R: " when R is not 0), so that rank 0 alone can report it.
 int rt_world_agree(RtComm *c, int status);
+// ---- pipeline stages (comm.c; RtLayout.pp > 1) ----
+// This rank's stage and the number of stages (0 and 1 without stages, or for NULL).
+int rt_comm_stage(const RtComm *c);
+int rt_comm_stages(const RtComm *c);
+// Rank and size of the whole job (every stage; the world when pp is 1).
+int rt_all_rank(const RtComm *c);
+int rt_all_size(const RtComm *c);
+// Point-to-point with the rank of the same place in stage `stage`: a nonblocking send that
+// rt_pp_wait finishes (before buf changes), a receive that returns with the data (with the
+// collectives' deadline: a peer that is gone ends the job with a sentence).
+enum { RT_PP_PIECES = 8 };
+typedef struct RtPpSend {
+  long long req[RT_PP_PIECES];   // MPI_Request (an int or a pointer: stored in 64 bits)
+  int n;
+  int64_t began;
+} RtPpSend;
+void rt_pp_send(RtComm *c, int stage, const float *buf, int64_t n, int tag, RtPpSend *req);
+void rt_pp_wait(RtPpSend *req);
+void rt_pp_recv(RtComm *c, int stage, float *buf, int64_t n, int tag);
+// Sum and maximum over the stages (the ranks of this rank's place in each), in place.
+void rt_pp_sum_f64(RtComm *c, double *buf, int n);
+void rt_pp_max_f64(RtComm *c, double *buf, int n);
+// Maximum and broadcast over the whole job (the world's when pp is 1).
+void rt_all_max_f64(RtComm *c, double *buf, int n);
+void rt_all_bcast(RtComm *c, void *buf, int64_t bytes, int root);
 void rt_world_max(RtComm *c, double *v, int n);   // element-wise maximum over the world, in place
 // Rank 0 assembles the whole tensor of p (global_dims, row-major) in whole from the owners'
 // shards; other ranks pass their shard and whole = NULL.
@@ -375,7 +401,7 @@ void rt_lm_fill(RtLm *lm, int64_t step, int64_t first, int32_t *input, int32_t *
 int64_t rt_lm_val_batches(const RtLm *lm, int dp);
 void rt_lm_fill_val(RtLm *lm, int64_t batch, int64_t first, int dp, int32_t *input, int32_t *target);
 // The global L2 norm of the gradients: every shard counted once over the layout. Collective.
-double rt_grad_norm(const RtModel *m, const RtRanks *r, RtComm *c, const float *grads);
+double rt_grad_norm(const RtModel *m, const RtRanks *r, RtComm *c, const float *grads, const bool *skip);
 // lr_t / lr of the model's schedule at step t (1 without one).
 double rt_lr_scale(const RtModel *m, int64_t step);
 // tokens as text (a byte model, control bytes escaped) or ids, and a newline.

@@ -69,10 +69,38 @@ typedef struct RtTrainer {
   RtLogLayer *log_layers;  // per routed layer, the step's reduced statistics (--log)
   float *logits_whole;     // a vocabulary-parallel model's logits gathered over MP (rt_lm_logits),
   float *logits_parts;     // and the parts as the AllGather delivers them
+  size_t data_bytes;       // the size of input and target (whole pages)
+  // Microbatches and pipeline stages (pipeline.c): the microbatches in flight at once on this
+  // stage, each with its arena, input and target (slot 0: st.arena, input, target) and its two
+  // pending sends (activations, gradients); where a later microbatch's backward writes its
+  // gradients; the per-layer statistics summed over the microbatches (--log).
+  int slots;
+  unsigned char **arenas;
+  float **inputs, **targets;
+  RtPpSend *sends;
+  float *grad_work;
+  RtLayerStats *layer_acc;
+  // --input with microbatches: every microbatch of the rank's samples (fixed_data)
+  float *fixed_in, *fixed_target;
+  // pipeline stages: every stage's program (stages[s]; NULL with one), for the parameters that
+  // two stages hold (a tied embedding: the first stage's table and the last's head)
+  const RtModel *const *stages;
+  int nstages;
+  // Per parameter of this stage: the stage before or after that holds it too (-1: none; a tied
+  // embedding), and whether an earlier stage counts it in the gradient norm (pp_skip).
+  int *pp_peer;
+  bool *pp_skip;
+  float *share_buf;   // the peer's part of those gradients (without grad_work)
 } RtTrainer;
 
+// The samples of a step over the whole job: dp x microbatches x the program's batch.
+static inline int64_t rt_step_samples(const RtTrainer *tr) {
+  return (int64_t)tr->ranks.dp * (tr->model->microbatches > 1 ? tr->model->microbatches : 1) * tr->model->batch;
+}
+
+// The rank that prints: rank 0 of the first stage.
 static inline bool rt_is_root(const RtTrainer *tr) {
-  return tr->ranks.rank == 0;
+  return tr->ranks.rank == 0 && tr->ranks.stage == 0;
 }
 
 // A language model's logits [batch*seqlen, vocab] of the last forward, on the host (after
@@ -88,6 +116,22 @@ int rt_device_get(RtTrainer *tr, unsigned what);
 // The data of step `step` into tr->input and tr->target (a language model's windows, the
 // synthetic input and its target, or nothing new with --input); sets tr->st.step.
 void rt_fill_step_data(RtTrainer *tr, int64_t step);
+// The data of samples first .. first + batch - 1 of step `step` (microbatch `micro` of the
+// rank's) into input and target.
+void rt_fill_data(RtTrainer *tr, int64_t step, int64_t first, int micro, float *input, float *target);
+
+// ---- microbatches and pipeline stages (pipeline.c) ----
+// How many microbatches are in flight at once on this stage (its slots).
+int rt_pipe_slots(const RtModel *m);
+// The slots' buffers beyond the first and the gradients' second buffer; rt_pipe_destroy frees them.
+int rt_pipe_create(RtTrainer *tr);
+void rt_pipe_destroy(RtTrainer *tr);
+// Step t's forwards and backwards of every microbatch in the stage's schedule: st.grads holds the
+// mean of their gradients (reduced as each backward reduces them) and *fwd the forward's figures
+// (losses averaged over the microbatches, counts summed). Collective over the stages.
+int rt_pipe_step(RtTrainer *tr, int64_t t, RtStep *fwd);
+// One forward through the stages of the data in slot 0 (validation).
+void rt_pipe_forward(RtTrainer *tr);
 
 // ---- the report: a step's figures, reduced over the ranks (main.c) ----
 

@@ -35,7 +35,7 @@ static const char checkpoint_v2[] = "moec-checkpoint-2";
 
 RtRanks rt_ranks_of(const RtLayout *l, int rank, int world) {
   RtRanks r = {.rank = rank, .world = world, .dp = l->dp, .mp = l->mp, .ep = l->ep,
-               .esp = l->esp};
+               .esp = l->esp, .stages = 1};
   r.dp_index = rank / l->mp;
   r.mp_index = rank % l->mp;
   r.ep_index = rank / l->esp;

@@ -12,20 +12,20 @@
 #include <string.h>
 
 int rt_world_agree(RtComm *c, int status) {
-  int world = rt_comm_size(c, RT_GROUP_WORLD);
+  int world = rt_all_size(c);   // every stage's ranks: a failing stage stops the others too
   if (world == 1)
     return status;
-  int me = rt_comm_rank(c, RT_GROUP_WORLD);
+  int me = rt_all_rank(c);
   // The lowest failing rank (world when none), as the largest negated rank: a collective with the
   // deadline of every other (comm.c), so that a cut link ends the job here too.
   double lowest_neg = -(double)(status != 0 ? me : world);
-  rt_allreduce_max_f64(c, RT_GROUP_WORLD, &lowest_neg, 1);
+  rt_all_max_f64(c, &lowest_neg, 1);
   int lowest = (int)-lowest_neg;
   if (lowest == world)
     return 0;
   char msg[1024];
   snprintf(msg, sizeof msg, "%s", rt_last_error()[0] ? rt_last_error() : "unknown failure");
-  rt_bcast(c, RT_GROUP_WORLD, msg, (int64_t)sizeof msg, lowest);
+  rt_all_bcast(c, msg, (int64_t)sizeof msg, lowest);
   msg[sizeof msg - 1] = '\0';
   if (lowest == 0)
     rt_fail("%s", msg);

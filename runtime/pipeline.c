@@ -1,0 +1,264 @@
+// A training step of microbatches and pipeline stages (lang/manual.md §6, `parallel { pp P;
+// microbatches M; pp_schedule gpipe | 1f1b; }`).
+//
+// The generated program computes one microbatch: its forward reads st->input and st->target,
+// its backward writes every parameter's gradient into st->grads. A step runs M of them and
+// updates once with the mean of their gradients: the first microbatch's backward writes
+// st->grads, each later one writes a second buffer that is added to it, and the sum is divided
+// by M. Each microbatch is routed on its own (its capacity, its aux loss); the step's loss is the
+// mean of the microbatches'.
+//
+// With pp stages each rank runs its stage's program (codegen emits one per stage). Microbatch i
+// on stage s: its forward reads the tokens (s = 0) or the activations stage s - 1 sent, and sends
+// its output to stage s + 1 (s < P - 1); its backward reads the gradient stage s + 1 sent back as
+// its target (loss.link passes it on) or the loss's (the last stage), and sends the gradient of
+// its input (st->input_grad) to stage s - 1. Sends are nonblocking: a stage computes while its
+// messages travel. A microbatch in flight (forward done, backward not yet) keeps its arena,
+// input and target: a slot of its own.
+//   gpipe: every forward, then every backward: M slots.
+//   1f1b:  P - s - 1 forwards to fill the pipeline, then one forward and one backward in turn,
+//          then the backwards left: at most P - s microbatches in flight on stage s (Narayanan
+//          et al., PipeDream-Flush), so stage s needs min(P - s, M) slots.
+// Both run the same microbatches through the same programs: their gradients are the same bits.
+#include "rt_trainer.h"
+
+#include <math.h>
+#include <stdlib.h>
+#include <string.h>
+
+static void find_shared(RtTrainer *tr);
+
+static int micro_count(const RtModel *m) { return m->microbatches > 1 ? m->microbatches : 1; }
+static int stage_count(const RtModel *m) { return m->pp > 1 ? m->pp : 1; }
+
+int rt_pipe_slots(const RtModel *m) {
+  int M = micro_count(m), P = stage_count(m), s = m->pp > 1 ? m->stage : 0;
+  if (m->pp_schedule == RT_PP_GPIPE) return P > 1 ? M : 1;
+  return P - s < M ? P - s : M;
+}
+
+int rt_pipe_create(RtTrainer *tr) {
+  const RtModel *m = tr->model;
+  int n = rt_pipe_slots(m);
+  tr->slots = n;
+  tr->arenas = rt_calloc((size_t)n, sizeof *tr->arenas, "the pipeline's slots");
+  tr->inputs = rt_calloc((size_t)n, sizeof *tr->inputs, "the pipeline's slots");
+  tr->targets = rt_calloc((size_t)n, sizeof *tr->targets, "the pipeline's slots");
+  tr->sends = rt_calloc((size_t)(2 * n), sizeof *tr->sends, "the pipeline's slots");
+  tr->arenas[0] = tr->st.arena;
+  tr->inputs[0] = tr->input;
+  tr->targets[0] = tr->target;
+  for (int i = 1; i < n; i++) {
+    tr->arenas[i] = rt_big_alloc(tr->arena_bytes, "a microbatch's activation arena");
+    if (!(tr->inputs[i] = aligned_alloc(4096, tr->data_bytes)) || !(tr->targets[i] = aligned_alloc(4096, tr->data_bytes)))
+      rt_out_of_memory(tr->data_bytes, "a microbatch's input and target");
+    memset(tr->inputs[i], 0, tr->data_bytes);
+    memset(tr->targets[i], 0, tr->data_bytes);
+  }
+  if (tr->st.layer_stats && (micro_count(m) > 1 || stage_count(m) > 1))
+    tr->layer_acc = rt_calloc((size_t)tr->st.max_layer_stats, sizeof *tr->layer_acc, "the layers' statistics");
+  if (micro_count(m) > 1) {
+    size_t bytes = (m->param_floats ? m->param_floats : 1) * sizeof(float);
+    tr->grad_work = rt_big_alloc(bytes, "the microbatches' gradients");
+  }
+  if (tr->nstages > 1)
+    find_shared(tr);
+  return 0;
+}
+
+void rt_pipe_destroy(RtTrainer *tr) {
+  for (int i = 1; i < tr->slots; i++) {
+    rt_big_free(tr->arenas[i], tr->arena_bytes);
+    free(tr->inputs[i]);
+    free(tr->targets[i]);
+  }
+  free(tr->arenas), free(tr->inputs), free(tr->targets), free(tr->sends);
+  free(tr->layer_acc);
+  free(tr->pp_peer);
+  free(tr->pp_skip);
+  if (tr->share_buf)
+    rt_big_free(tr->share_buf, (tr->model->param_floats ? tr->model->param_floats : 1) * sizeof(float));
+  if (tr->grad_work)
+    rt_big_free(tr->grad_work, (tr->model->param_floats ? tr->model->param_floats : 1) * sizeof(float));
+}
+
+// Microbatch i's data of step t into the slot's input and target: the rank's samples
+// dp_index*M*b + i*b .. + b - 1 (b = the program's batch), and the first token the rank routes.
+static void fill_micro(RtTrainer *tr, int64_t t, int i, float *input, float *target) {
+  const RtModel *m = tr->model;
+  int M = micro_count(m);
+  int64_t first = (int64_t)tr->ranks.dp_index * M * m->batch + (int64_t)i * m->batch;
+  int64_t tokens = m->batch * m->seqlen;
+  tr->st.step = t;
+  tr->st.token0 = first * m->seqlen + tr->ranks.mp_index * (tokens / tr->ranks.mp);
+  rt_fill_data(tr, t, first, i, input, target);
+}
+
+// The statistics of microbatch forwards, summed (loads: min, max) into acc.
+static void add_stats(RtStep *acc, const RtStep *st, bool first) {
+  if (first) {
+    acc->mse = acc->aux_total = acc->aux = acc->z = 0;
+    acc->dropped = acc->routed = 0;
+    acc->route_hash = 0;
+    acc->load_min = INT64_MAX, acc->load_max = 0, acc->load_sum = 0, acc->load_count = 0;
+    acc->capacity_max = 0;
+  }
+  acc->mse += st->mse, acc->aux_total += st->aux_total, acc->aux += st->aux, acc->z += st->z;
+  acc->dropped += st->dropped, acc->routed += st->routed;
+  acc->route_hash = rt_mix(acc->route_hash ^ st->route_hash);
+  if (st->load_min < acc->load_min) acc->load_min = st->load_min;
+  if (st->load_max > acc->load_max) acc->load_max = st->load_max;
+  acc->load_sum += st->load_sum, acc->load_count += st->load_count;
+  if (st->capacity_max > acc->capacity_max) acc->capacity_max = st->capacity_max;
+  for (int l = 0; l < st->nlayer_stats && l < acc->max_layer_stats && acc->layer_stats; l++) {
+    RtLayerStats *a = &acc->layer_stats[l];
+    const RtLayerStats *b = &st->layer_stats[l];
+    if (first) *a = (RtLayerStats){.load_min = INT64_MAX};
+    if (b->load_min < a->load_min) a->load_min = b->load_min;
+    if (b->load_max > a->load_max) a->load_max = b->load_max;
+    a->load_count += b->load_count, a->dropped += b->dropped, a->routed += b->routed, a->load_sum += b->load_sum;
+  }
+}
+
+static void use_slot(RtTrainer *tr, int slot) {
+  tr->st.arena = tr->arenas[slot];
+  tr->st.input = tr->inputs[slot];
+  tr->st.target = tr->targets[slot];
+}
+
+static int64_t boundary_floats(const RtModel *m) { return m->batch * m->seqlen * m->embed; }
+
+static void forward(RtTrainer *tr, int64_t t, int i, RtStep *acc) {
+  const RtModel *m = tr->model;
+  RtStep *st = &tr->st;
+  int P = stage_count(m), s = m->pp > 1 ? m->stage : 0, slot = i % tr->slots;
+  rt_pp_wait(&tr->sends[2 * slot]);   // the slot's last microbatch is gone: its buffers are free
+  rt_pp_wait(&tr->sends[2 * slot + 1]);
+  use_slot(tr, slot);
+  fill_micro(tr, t, i, tr->inputs[slot], tr->targets[slot]);
+  if (s > 0)
+    rt_pp_recv(tr->comm, s - 1, tr->inputs[slot], boundary_floats(m), 2 * i);
+  m->forward(st);
+  rt_fault_point(&tr->fault, tr->ranks.rank, t);
+  add_stats(acc, st, i == 0);
+  if (s < P - 1)
+    rt_pp_send(tr->comm, s + 1, st->output, boundary_floats(m), 2 * i, &tr->sends[2 * slot]);
+}
+
+static void backward(RtTrainer *tr, int i, int *done) {
+  const RtModel *m = tr->model;
+  RtStep *st = &tr->st;
+  int P = stage_count(m), s = m->pp > 1 ? m->stage : 0, slot = i % tr->slots;
+  use_slot(tr, slot);
+  if (s < P - 1)
+    rt_pp_recv(tr->comm, s + 1, tr->targets[slot], boundary_floats(m), 2 * i + 1);
+  float *sum = st->grads;
+  if (*done > 0)
+    st->grads = tr->grad_work;
+  m->backward(st);
+  if (*done > 0) {
+    rt_add(sum, tr->grad_work, sum, (int64_t)m->param_floats);
+    st->grads = sum;
+  }
+  (*done)++;
+  if (s > 0)
+    rt_pp_send(tr->comm, s - 1, st->input_grad, boundary_floats(m), 2 * i + 1, &tr->sends[2 * slot + 1]);
+}
+
+// Parameters two stages hold (a tied embedding: the first stage's table, the last's head): each
+// stage's gradient is its own part; both add the first stage's part and the last's, in that order,
+// so the two copies get the same sum and stay equal. Tags above the microbatches' (2 * M + 1).
+static void share_grads(RtTrainer *tr) {
+  const RtModel *m = tr->model;
+  int s = m->stage, tag = 2 * micro_count(m) + 2;
+  for (int i = 0; i < m->nparams; i++) {
+    int peer = tr->pp_peer[i];
+    if (peer < 0) continue;
+    const RtParam *p = &m->params[i];
+    float *g = tr->st.grads + p->offset, *other = tr->grad_work ? tr->grad_work : tr->share_buf;
+    // the message's tag: the parameter's index in the earlier stage's program (both know it)
+    const RtModel *low = tr->stages[s < peer ? s : peer];
+    int k = 0;
+    while (k < low->nparams && strcmp(low->params[k].name, p->name) != 0) k++;
+    RtPpSend send;
+    rt_pp_send(tr->comm, peer, g, p->numel, tag + k, &send);
+    rt_pp_recv(tr->comm, peer, other + p->offset, p->numel, tag + k);
+    rt_pp_wait(&send);
+    if (s < peer) rt_add(g, other + p->offset, g, p->numel);
+    else rt_add(other + p->offset, g, g, p->numel);
+  }
+}
+
+// Which parameters another stage holds too (same name): rt_pipe_create.
+static void find_shared(RtTrainer *tr) {
+  const RtModel *m = tr->model;
+  bool any = false;
+  tr->pp_peer = rt_calloc((size_t)(m->nparams ? m->nparams : 1), sizeof *tr->pp_peer, "the pipeline's parameters");
+  tr->pp_skip = rt_calloc((size_t)(m->nparams ? m->nparams : 1), sizeof *tr->pp_skip, "the pipeline's parameters");
+  for (int i = 0; i < m->nparams; i++) {
+    tr->pp_peer[i] = -1;
+    for (int s = 0; s < tr->nstages; s++) {
+      if (s == m->stage) continue;
+      const RtModel *o = tr->stages[s];
+      for (int j = 0; j < o->nparams; j++)
+        if (strcmp(o->params[j].name, m->params[i].name) == 0) {
+          tr->pp_peer[i] = s;
+          tr->pp_skip[i] = s < m->stage;
+          any = true;
+        }
+    }
+  }
+  if (any && !tr->grad_work)
+    tr->share_buf = rt_big_alloc((m->param_floats ? m->param_floats : 1) * sizeof(float), "the shared parameters' gradients");
+}
+
+int rt_pipe_step(RtTrainer *tr, int64_t t, RtStep *fwd) {
+  const RtModel *m = tr->model;
+  RtStep *st = &tr->st;
+  int M = micro_count(m), P = stage_count(m), s = m->pp > 1 ? m->stage : 0;
+  if (M == 1 && P == 1) {   // one program, one microbatch: the step as it always ran
+    rt_fill_step_data(tr, t);
+    m->forward(st);
+    rt_fault_point(&tr->fault, tr->ranks.rank, t);
+    *fwd = *st;   // the statistics the forward left, in case backward adds any
+    m->backward(st);
+    return 0;
+  }
+  RtStep acc = {.layer_stats = tr->layer_acc, .max_layer_stats = tr->layer_acc ? st->max_layer_stats : 0};
+  // forwards before the first backward: none on one stage (forward, backward, ...), every one with
+  // gpipe, the pipeline's fill with 1f1b
+  int warm = P == 1 ? 0 : m->pp_schedule == RT_PP_GPIPE ? M : (P - s - 1 < M ? P - s - 1 : M);
+  int done = 0, next_fwd = 0, next_bwd = 0;
+  for (; next_fwd < warm; next_fwd++) forward(tr, t, next_fwd, &acc);
+  while (next_bwd < M) {
+    if (next_fwd < M) forward(tr, t, next_fwd++, &acc);
+    backward(tr, next_bwd++, &done);
+  }
+  for (int k = 0; k < 2 * tr->slots; k++) rt_pp_wait(&tr->sends[k]);
+  use_slot(tr, 0);
+  if (P > 1)
+    share_grads(tr);
+  // The step's figures: the losses the mean over its microbatches, the counts their sums.
+  *fwd = acc;
+  fwd->nlayer_stats = st->nlayer_stats;
+  fwd->mse /= M, fwd->aux_total /= M, fwd->aux /= M, fwd->z /= M;
+  if (M > 1)
+    rt_scale(st->grads, (int64_t)m->param_floats, 1.0f / (float)M);
+  return 0;
+}
+
+// The forward of a validation batch through the stages (evaluate): the loss lands in st->mse on
+// the last stage (0 elsewhere; the report sums the stages).
+void rt_pipe_forward(RtTrainer *tr) {
+  const RtModel *m = tr->model;
+  RtStep *st = &tr->st;
+  int P = stage_count(m), s = m->pp > 1 ? m->stage : 0;
+  use_slot(tr, 0);
+  if (s > 0)
+    rt_pp_recv(tr->comm, s - 1, tr->inputs[0], boundary_floats(m), 0);
+  m->forward(st);
+  if (s < P - 1) {
+    rt_pp_send(tr->comm, s + 1, st->output, boundary_floats(m), 0, &tr->sends[0]);
+    rt_pp_wait(&tr->sends[0]);
+  }
+}
