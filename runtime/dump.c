@@ -76,14 +76,20 @@ static int dump_lm(RtTrainer *tr, const RtReport *rep, float *whole, char *path,
 // Rank 0 writes whole tensors: the global batch's input, target and output (gathered over DP)
 // and every parameter's gradient assembled from the ranks' shards. Collective on several ranks:
 // every rank takes part in every gather even after rank 0 failed to write, then all agree.
+//
+// With microbatches or pipeline stages the step's tensors are the loss and the gradients (the
+// mean over the microbatches): each stage's rank 0 writes its parameters' (a tensor two stages
+// hold, the first's), rank 0 of the first stage the loss; the data and outputs of the
+// microbatches are not kept to the end of the step and are not written.
 int rt_dump_step(RtTrainer *tr, const RtReport *rep) {
   const RtModel *m = tr->model;
   const RtRanks *r = &tr->ranks;
   const char *dir = tr->opt.dump;
-  bool root = rt_is_root(tr);
+  bool whole_step = m->microbatches <= 1 && r->stages <= 1;
+  bool root = r->rank == 0;   // of this stage (rt_is_root: of the first)
   if (rt_device_get(tr, RT_DEVICE_GRADS | RT_DEVICE_OUTPUT) != 0)
     return -1;
-  int status = tr->st.output ? 0
+  int status = tr->st.output || !whole_step ? 0
                              : rt_fail("internal error: the forward of model '%s' did not set "
                                        "its output", m->name);
   if (rt_world_agree(tr->comm, status) != 0)
@@ -108,7 +114,9 @@ int rt_dump_step(RtTrainer *tr, const RtReport *rep) {
     free(whole);
     return -1;
   }
-  if (m->vocab > 0) {
+  if (!whole_step) {
+    // the loss and the gradients only (above)
+  } else if (m->vocab > 0) {
     status = dump_lm(tr, rep, whole, path, len, status);
   } else {
     int64_t dims[3] = {r->dp * m->batch, m->seqlen, m->embed};
@@ -122,13 +130,15 @@ int rt_dump_step(RtTrainer *tr, const RtReport *rep) {
       }
     }
   }
-  if (root && status == 0) {
+  if (root && r->stage == 0 && status == 0) {
     snprintf(path, len, "%s/loss.npy", dir);
     status = rt_npy_write(path, RT_DTYPE_F64, 0, NULL, &rep->loss);
   }
   rt_shard_gather_grads(tr->comm, m, tr->st.grads);   // (the update reads its own rows only)
   for (int i = 0; i < m->nparams; i++) {
     const RtParam *p = &m->params[i];
+    if (tr->pp_skip && tr->pp_skip[i])   // the earlier stage that holds it too writes it
+      continue;
     rt_gather_param(tr->comm, p, r, tr->st.grads + p->offset, whole);
     if (root && status == 0) {
       snprintf(path, len, "%s/grad/%s.npy", dir, p->name);

@@ -1,6 +1,6 @@
 // Fault injection, for the tests only.
 //
-// MOERT_TEST_KILL="RANK:STEP" (tests/mpi/failures.sh) in the environment makes world rank RANK
+// MOERT_TEST_KILL="RANK:STEP" (tests/mpi/failures.sh) in the environment makes rank RANK of the job
 // die by SIGKILL in the middle of training step STEP (after its forward, before its backward), as
 // a crashed process would, so that the tests can check that the other ranks end in bounded time
 // and that the last checkpoint stays intact. The driver reads the variable once

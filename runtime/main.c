@@ -552,6 +552,7 @@ typedef struct Profile {
   double gemm, total, comm, hidden;   // ms over the counted steps
   double attn, update;
   double kind[RT_PROF_KINDS];
+  double pp_wait;                     // pipeline stages: ms this stage waited for the others
 } Profile;
 
 // A step begins: the collectives between steps (the step time's maximum over ranks, evaluations)
@@ -599,7 +600,23 @@ static void profile_classes(const Profile *p) {
          rest > 0 ? rest : 0.0, p->total / n);
 }
 
+// Pipeline stages: each stage's mean step and the part of it spent waiting for the messages of
+// other stages (the bubble and the transfers), printed by the root. Collective over the stages.
+static void profile_stages(const RtTrainer *tr, const Profile *p) {
+  int P = tr->ranks.stages, s = tr->ranks.stage;
+  double *v = calloc((size_t)(2 * P), sizeof *v);
+  if (!v) return;
+  if (p->n > 0) v[2 * s] = p->total / (double)p->n, v[2 * s + 1] = p->pp_wait / (double)p->n;
+  rt_pp_sum_f64(tr->comm, v, 2 * P);
+  for (int k = 0; rt_is_root(tr) && p->n > 0 && k < P; k++)
+    printf("# profile: stage %d: %.3f ms a step, of which %.3f ms (%.1f %%) waiting for the other stages\n", k,
+           v[2 * k], v[2 * k + 1], v[2 * k] > 0 ? 100.0 * v[2 * k + 1] / v[2 * k] : 0.0);
+  free(v);
+}
+
 static void profile_print(const RtTrainer *tr, Profile *p, int64_t first, int64_t last) {
+  if (p->steps && tr->ranks.stages > 1)
+    profile_stages(tr, p);
   if (!p->steps || !rt_is_root(tr))
     return;
   if (p->n == 0) {
@@ -724,6 +741,9 @@ static int train(RtTrainer *tr) {
     double t2 = now_ms();
     m->update(st);
     double t3 = now_ms();
+    if (prof.steps && t > first)
+      prof.pp_wait += (double)tr->pp_wait_ns * 1e-6;
+    tr->pp_wait_ns = 0;
     profile_step(&prof, t > first, t3 - t_start, t1 - t0, t3 - t2);
     tr->done_steps = t;
     double ms = (t1 - t0) + (t3 - t2);
@@ -797,7 +817,7 @@ static int run(const RtModel *model, const RtOptions *opt, const RtRanks *ranks,
     else
       init_params(&tr);
     if (status == 0)
-      rt_fault_scale(model, ranks->rank, tr.st.params);
+      rt_fault_scale(model, rt_all_rank(comm), tr.st.params);
     status = rt_world_agree(comm, status);
     if (status == 0)
       status = rt_device_put(&tr, RT_DEVICE_PARAMS | RT_DEVICE_MOMENTS);
@@ -839,7 +859,7 @@ static int run(const RtModel *model, const RtOptions *opt, const RtRanks *ranks,
     status = rt_device_get(&tr, RT_DEVICE_PARAMS | RT_DEVICE_MOMENTS);
   if (status == 0 && opt->save)
     status = rt_checkpoint_save(comm, opt->save, model, ranks, tr.done_steps, tr.st.params,
-                                tr.st.opt_m, tr.st.opt_v);
+                                tr.st.opt_m, tr.st.opt_v, tr.pp_skip);
   if (status == 0 && opt->export_hf)
     status = rt_dump_hf(&tr, opt->export_hf);
   if (status == 0 && opt->sample > 0)

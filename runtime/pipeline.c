@@ -128,18 +128,31 @@ static void use_slot(RtTrainer *tr, int slot) {
 
 static int64_t boundary_floats(const RtModel *m) { return m->batch * m->seqlen * m->embed; }
 
+// The messages between stages, the time this stage waits for them counted (--profile).
+static void recv_from(RtTrainer *tr, int stage, float *buf, int tag) {
+  int64_t t0 = rt_mono_ns();
+  rt_pp_recv(tr->comm, stage, buf, boundary_floats(tr->model), tag);
+  tr->pp_wait_ns += rt_mono_ns() - t0;
+}
+
+static void wait_sent(RtTrainer *tr, RtPpSend *req) {
+  int64_t t0 = rt_mono_ns();
+  rt_pp_wait(req);
+  tr->pp_wait_ns += rt_mono_ns() - t0;
+}
+
 static void forward(RtTrainer *tr, int64_t t, int i, RtStep *acc) {
   const RtModel *m = tr->model;
   RtStep *st = &tr->st;
   int P = stage_count(m), s = m->pp > 1 ? m->stage : 0, slot = i % tr->slots;
-  rt_pp_wait(&tr->sends[2 * slot]);   // the slot's last microbatch is gone: its buffers are free
-  rt_pp_wait(&tr->sends[2 * slot + 1]);
+  wait_sent(tr, &tr->sends[2 * slot]);   // the slot's last microbatch is gone: its buffers are free
+  wait_sent(tr, &tr->sends[2 * slot + 1]);
   use_slot(tr, slot);
   fill_micro(tr, t, i, tr->inputs[slot], tr->targets[slot]);
   if (s > 0)
-    rt_pp_recv(tr->comm, s - 1, tr->inputs[slot], boundary_floats(m), 2 * i);
+    recv_from(tr, s - 1, tr->inputs[slot], 2 * i);
   m->forward(st);
-  rt_fault_point(&tr->fault, tr->ranks.rank, t);
+  rt_fault_point(&tr->fault, rt_all_rank(tr->comm), t);
   add_stats(acc, st, i == 0);
   if (s < P - 1)
     rt_pp_send(tr->comm, s + 1, st->output, boundary_floats(m), 2 * i, &tr->sends[2 * slot]);
@@ -151,7 +164,7 @@ static void backward(RtTrainer *tr, int i, int *done) {
   int P = stage_count(m), s = m->pp > 1 ? m->stage : 0, slot = i % tr->slots;
   use_slot(tr, slot);
   if (s < P - 1)
-    rt_pp_recv(tr->comm, s + 1, tr->targets[slot], boundary_floats(m), 2 * i + 1);
+    recv_from(tr, s + 1, tr->targets[slot], 2 * i + 1);
   float *sum = st->grads;
   if (*done > 0)
     st->grads = tr->grad_work;
@@ -219,7 +232,7 @@ int rt_pipe_step(RtTrainer *tr, int64_t t, RtStep *fwd) {
   if (M == 1 && P == 1) {   // one program, one microbatch: the step as it always ran
     rt_fill_step_data(tr, t);
     m->forward(st);
-    rt_fault_point(&tr->fault, tr->ranks.rank, t);
+    rt_fault_point(&tr->fault, rt_all_rank(tr->comm), t);
     *fwd = *st;   // the statistics the forward left, in case backward adds any
     m->backward(st);
     return 0;
@@ -234,7 +247,7 @@ int rt_pipe_step(RtTrainer *tr, int64_t t, RtStep *fwd) {
     if (next_fwd < M) forward(tr, t, next_fwd++, &acc);
     backward(tr, next_bwd++, &done);
   }
-  for (int k = 0; k < 2 * tr->slots; k++) rt_pp_wait(&tr->sends[k]);
+  for (int k = 0; k < 2 * tr->slots; k++) wait_sent(tr, &tr->sends[k]);
   use_slot(tr, 0);
   if (P > 1)
     share_grads(tr);

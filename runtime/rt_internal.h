@@ -352,9 +352,11 @@ void rt_gather_dp(RtComm *c, const RtRanks *r, const float *mine, int64_t n, flo
 // shape and offsets in the metadata ("shard.NAME": "global=[4,8,8] offset=[2,0,0]").
 // Saving is collective over the world of c: every rank writes its shard (atomically), and after
 // all are durable rank 0 writes the index (atomically). opt_m / opt_v are written for adamw.
+// With pipeline stages every rank of every stage writes its shard (R and P count the whole job)
+// of its stage's parameters, but those skip[i] marks (another stage writes them; NULL: none).
 int rt_checkpoint_save(RtComm *c, const char *path, const RtModel *m, const RtRanks *r,
                        int64_t step, const float *params, const float *opt_m,
-                       const float *opt_v);
+                       const float *opt_v, const bool *skip);
 // Loads rank r's shard of every parameter (and of both moments for adamw) from the checkpoint
 // at path, whatever layout wrote it, and its step. Also reads the single-file format
 // "moec-checkpoint-1". Each rank reads on its own (not collective).

@@ -91,6 +91,7 @@ typedef struct RtTrainer {
   int *pp_peer;
   bool *pp_skip;
   float *share_buf;   // the peer's part of those gradients (without grad_work)
+  int64_t pp_wait_ns;  // time this stage waited for messages of other stages (--profile)
 } RtTrainer;
 
 // The samples of a step over the whole job: dp x microbatches x the program's batch.

@@ -361,7 +361,7 @@ done:
 
 // This rank's shard file: the boxes it owns of every parameter and moment.
 static int write_shard(const RtComm *c, const char *file, const RtModel *m, const RtRanks *r, int64_t step,
-                       const float *params, const float *opt_m, const float *opt_v) {
+                       const float *params, const float *opt_m, const float *opt_v, const bool *skip) {
   enum { FIXED_META = 7 };
   int per = m->opt == RT_OPT_ADAMW ? 3 : 1;
   size_t cap = (size_t)m->nparams * per + 1;
@@ -374,9 +374,9 @@ static int write_shard(const RtComm *c, const char *file, const RtModel *m, cons
   int n = 0;
   char step_text[32], world_text[16], rank_text[16], layout_text[96];
   snprintf(step_text, sizeof step_text, "%lld", (long long)step);
-  snprintf(world_text, sizeof world_text, "%d", r->world);
-  snprintf(rank_text, sizeof rank_text, "%d", r->rank);
-  snprintf(layout_text, sizeof layout_text, "dp=%d mp=%d ep=%d esp=%d", r->dp, r->mp, r->ep,
+  snprintf(world_text, sizeof world_text, "%d", rt_all_size(c));
+  snprintf(rank_text, sizeof rank_text, "%d", rt_all_rank(c));
+  snprintf(layout_text, sizeof layout_text, "pp=%d dp=%d mp=%d ep=%d esp=%d", r->stages, r->dp, r->mp, r->ep,
            r->esp);
   const char *fixed[2 * FIXED_META] = {"format", checkpoint_v2, "model", m->name,
                                        "optimizer", optimizer_of(m), "step", step_text,
@@ -389,6 +389,8 @@ static int write_shard(const RtComm *c, const char *file, const RtModel *m, cons
   for (int i = 0; i < m->nparams; i++) {
     const RtParam *p = &m->params[i];
     bool owner = rt_shard_owner(p, r);
+    if (skip && skip[i])   // an earlier pipeline stage writes it (a tied embedding)
+      continue;
     for (int k = 0; k < per; k++) {
       // The owner writes the shard; a sharded moment's rows come from each member that keeps them.
       bool rows = k > 0 && p->shard;
@@ -433,17 +435,18 @@ char *rt_json_quote(const char *s, const char *what) {
 }
 
 // The index: JSON text, one shard file per rank, named relative to the index's folder.
-static char *index_text(const char *path, const RtModel *m, const RtRanks *r, int64_t step) {
+// Every rank of every pipeline stage writes a shard: world is the whole job's.
+static char *index_text(const char *path, const RtModel *m, const RtRanks *r, int world, int64_t step) {
   char *model = rt_json_quote(m->name, "the index of a checkpoint");
   char *text = str_printf("{\n  \"format\": \"%s\",\n  \"model\": %s,\n  "
                           "\"optimizer\": \"%s\",\n  \"step\": %lld,\n  \"world\": %d,\n  "
-                          "\"layout\": {\"dp\": %d, \"mp\": %d, \"ep\": %d, \"esp\": %d},\n  "
+                          "\"layout\": {\"pp\": %d, \"dp\": %d, \"mp\": %d, \"ep\": %d, \"esp\": %d},\n  "
                           "\"shards\": [",
-                          checkpoint_v2, model, optimizer_of(m), (long long)step, r->world, r->dp,
+                          checkpoint_v2, model, optimizer_of(m), (long long)step, world, r->stages, r->dp,
                           r->mp, r->ep, r->esp);
   free(model);
-  for (int k = 0; k < r->world; k++) {
-    char *name = shard_path(base_name(path), k, r->world);
+  for (int k = 0; k < world; k++) {
+    char *name = shard_path(base_name(path), k, world);
     char *quoted = rt_json_quote(name, "the index of a checkpoint");
     char *longer = str_printf("%s%s\n    %s", text, k ? "," : "", quoted);
     free(name);
@@ -458,16 +461,16 @@ static char *index_text(const char *path, const RtModel *m, const RtRanks *r, in
 
 int rt_checkpoint_save(RtComm *c, const char *path, const RtModel *m, const RtRanks *r,
                        int64_t step, const float *params, const float *opt_m,
-                       const float *opt_v) {
-  char *file = shard_path(path, r->rank, r->world);
-  int status = write_shard(c, file, m, r, step, params, opt_m, opt_v);
+                       const float *opt_v, const bool *skip) {
+  char *file = shard_path(path, rt_all_rank(c), rt_all_size(c));
+  int status = write_shard(c, file, m, r, step, params, opt_m, opt_v, skip);
   free(file);
   // Every shard is durable (written, fsynced, renamed) before the index that names them.
   if (rt_world_agree(c, status) != 0)
     return -1;
   status = 0;
-  if (r->rank == 0) {
-    char *text = index_text(path, m, r, step);
+  if (rt_all_rank(c) == 0) {
+    char *text = index_text(path, m, r, rt_all_size(c), step);
     status = write_text_atomic(path, text);
     free(text);
   }
