@@ -434,7 +434,7 @@ static const Block coef_block = BLOCK("gemm", coef_fields, NULL);
 
 // cluster = "cluster" NAME "{" nodes gpus_per_node gemm alltoall allgather reducescatter allreduce
 //           [elementwise] [attention] [attention_grad] [elementwise_math] [update_adamw] [update_sgd]
-//           [handoff] [overlap] [alltoall_intra] [allreduce_intra]
+//           [handoff] [overlap] [alltoall_intra] [allreduce_intra] [p2p] [p2p_intra]
 //           [memory SIZE] "}"
 // overlap = "overlap" "{" compute comm "}"    relative slowdowns when both run at once
 static const Field overlap_fields[] = {
@@ -460,6 +460,8 @@ static const Field cluster_fields[] = {
   {"overlap", F_BLOCK, .block = &overlap_block, .sub = SAME},
   {"alltoall_intra", F_BLOCK, .block = &coef_block, .sub = AT(FeCluster, alltoall_intra)},
   {"allreduce_intra", F_BLOCK, .block = &coef_block, .sub = AT(FeCluster, allreduce_intra)},
+  {"p2p", F_BLOCK, .block = &coef_block, .sub = AT(FeCluster, p2p)},
+  {"p2p_intra", F_BLOCK, .block = &coef_block, .sub = AT(FeCluster, p2p_intra)},
   {"memory", 0, .loc = AT(FeCluster, memory_loc), .custom = check_memory},
   {"gemm_at", F_MANY, .custom = check_gemm_at},
 };
@@ -1516,7 +1518,7 @@ static void check_stages(Ctx *c, const FeProgram *p) {
   for (int i = 0; i < p->nlayers; i++) instances += p->layers[i].repeat;
   if (par->pp > FE_MAX_STAGES)
     ir_error_at(c->d, kid_loc(pn, "pp", par->loc), "pp %lld: at most %d stages", (long long)par->pp, FE_MAX_STAGES);
-  else if (par->pp > instances)
+  else if (par->pp > instances && instances > 0)   // (no layer at all: reported as such)
     ir_error_at(c->d, kid_loc(pn, "pp", par->loc),
                 "pp %lld is larger than the %lld layer%s of the model: every stage holds at least one layer",
                 (long long)par->pp, (long long)instances, instances == 1 ? "" : "s");

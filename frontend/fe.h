@@ -259,6 +259,9 @@ typedef struct FeCluster {
   // Optional fits of the collectives inside one node (0, 0 when absent: the layout search
   // then prices them from allgather and reducescatter, sched/sched_layout.c).
   FeCollective alltoall_intra, allreduce_intra;
+  // Optional fits of a point-to-point message between pipeline stages, across nodes and inside one
+  // (0, 0 when absent: sched_p2p_fit derives them from the AlltoAll fits).
+  FeCollective p2p, p2p_intra;
   int64_t memory;             // optional `memory SIZE;`: bytes a rank may use (0: no limit known)
   SrcLoc memory_loc;
   // Optional `gemm_at M K N MS;` statements: one GEMM [M, K] x [K, N] measured at MS ms (moec

@@ -112,7 +112,9 @@ static struct {
   int live;              // communicators created and not yet destroyed
 } mpi_use;
 
-static const char *const group_names[RT_GROUP_COUNT] = {"world", "dp", "mp", "ep", "esp"};
+// (and the pipeline's point-to-point messages, between the ranks of one place in every stage)
+enum { PP_GROUP = RT_GROUP_COUNT };
+static const char *const group_names[RT_GROUP_COUNT + 1] = {"world", "dp", "mp", "ep", "esp", "pp"};
 
 // ---- errors ----
 
@@ -201,7 +203,7 @@ void rt_comm_set_timeout(double seconds) {
 
 // Completes req, a step of the collective `what` on group g that began at `began` (ns); call and
 // line name the MPI call that started it, for an error that MPI_Test reports.
-static void finish(MPI_Request *req, const char *what, RtGroup g, int64_t began, const char *call, int line) {
+static void finish(MPI_Request *req, const char *what, int g, int64_t began, const char *call, int line) {
   int done = 0;
 #define TEST_CHECK(err) rt_mpi_check((err), call, __FILE__, line)
   TEST_CHECK(MPI_Test(req, &done, MPI_STATUS_IGNORE));
@@ -1101,6 +1103,7 @@ enum { PP_PIECE = 1 << 28 };
 
 void rt_pp_send(RtComm *c, int stage, const float *buf, int64_t n, int tag, RtPpSend *req) {
   req->n = 0;
+  req->to = stage;
   int64_t began = rt_mono_ns();
   for (int64_t at = 0; at < n; at += PP_PIECE, req->n++) {
     if (req->n == RT_PP_PIECES)
@@ -1112,8 +1115,10 @@ void rt_pp_send(RtComm *c, int stage, const float *buf, int64_t n, int tag, RtPp
 }
 
 void rt_pp_wait(RtPpSend *req) {
+  char what[64];
+  snprintf(what, sizeof what, "send to pipeline stage %d", req->to);
   for (int i = 0; i < req->n; i++)
-    finish((MPI_Request *)&req->req[i], "pipeline send", RT_GROUP_WORLD, req->began, "MPI_Isend", __LINE__);
+    finish((MPI_Request *)&req->req[i], what, PP_GROUP, req->began, "MPI_Isend", __LINE__);
   req->n = 0;
 }
 
@@ -1123,7 +1128,9 @@ void rt_pp_recv(RtComm *c, int stage, float *buf, int64_t n, int tag) {
     int count = (int)(n - at < PP_PIECE ? n - at : PP_PIECE);
     MPI_Request req;
     MPI_CHECK(MPI_Irecv(buf + at, count, MPI_FLOAT, stage, tag, c->pp, &req));
-    finish(&req, "pipeline receive", RT_GROUP_WORLD, began, "MPI_Irecv", __LINE__);
+    char what[64];
+    snprintf(what, sizeof what, "receive from pipeline stage %d", stage);
+    finish(&req, what, PP_GROUP, began, "MPI_Irecv", __LINE__);
   }
 }
 
@@ -1131,14 +1138,14 @@ void rt_pp_sum_f64(RtComm *c, double *buf, int n) {
   if (!c || c->stages <= 1) return;
   MPI_Request req;
   MPI_CHECK(MPI_Iallreduce(MPI_IN_PLACE, buf, n, MPI_DOUBLE, MPI_SUM, c->pp, &req));
-  finish(&req, "sum over the stages", RT_GROUP_WORLD, rt_mono_ns(), "MPI_Iallreduce", __LINE__);
+  finish(&req, "sum over the stages", PP_GROUP, rt_mono_ns(), "MPI_Iallreduce", __LINE__);
 }
 
 void rt_pp_max_f64(RtComm *c, double *buf, int n) {
   if (!c || c->stages <= 1) return;
   MPI_Request req;
   MPI_CHECK(MPI_Iallreduce(MPI_IN_PLACE, buf, n, MPI_DOUBLE, MPI_MAX, c->pp, &req));
-  finish(&req, "maximum over the stages", RT_GROUP_WORLD, rt_mono_ns(), "MPI_Iallreduce", __LINE__);
+  finish(&req, "maximum over the stages", PP_GROUP, rt_mono_ns(), "MPI_Iallreduce", __LINE__);
 }
 
 void rt_all_max_f64(RtComm *c, double *buf, int n) {

@@ -660,7 +660,41 @@ static char *bytes_text(char *buf, size_t n, double bytes) {
 // rank 0's peak resident memory (the process: libraries and OpenBLAS's buffers too) beside the
 // memory plan's (parameters, gradients, optimizer moments, the activation arena and with dtype
 // bf16 the parameters' bf16 copy; on a GPU those live in device memory).
+// The memory plan of this rank: parameters, gradients, optimizer moments, an activation arena per
+// microbatch in flight, the microbatches' second gradient buffer, the bf16 copy (bytes).
+static double planned_bytes(const RtTrainer *tr) {
+  const RtModel *m = tr->model;
+  double param = (double)m->param_floats * sizeof(float);
+  double plan = (double)m->arena_bytes * (tr->slots > 1 ? tr->slots : 1) + param * 2 + (double)m->param16_bytes;
+  if (tr->grad_work || tr->share_buf)
+    plan += param;
+  if (m->opt == RT_OPT_ADAMW)
+    plan += 2.0 * sizeof(float) * (double)rt_moment_floats(tr->comm, m);
+  return plan;
+}
+
+// Pipeline stages: each stage's rank 0's peak resident memory beside its plan, printed by the
+// root. Collective over the stages.
+static void print_stage_memory(const RtTrainer *tr) {
+  int P = tr->ranks.stages;
+  double *v = calloc((size_t)(2 * P), sizeof *v);
+  struct rusage ru;
+  if (!v) return;
+  if (getrusage(RUSAGE_SELF, &ru) == 0) v[2 * tr->ranks.stage] = (double)ru.ru_maxrss * 1024.0;
+  v[2 * tr->ranks.stage + 1] = planned_bytes(tr);
+  rt_pp_sum_f64(tr->comm, v, 2 * P);
+  for (int s = 0; rt_is_root(tr) && s < P; s++) {
+    char a[32], b[32];
+    printf("# stage %d: peak memory %s (the memory plan: %s per rank; %d microbatch%s in flight at most)\n", s,
+           bytes_text(a, sizeof a, v[2 * s]), bytes_text(b, sizeof b, v[2 * s + 1]), rt_pipe_slots(tr->stages[s]),
+           rt_pipe_slots(tr->stages[s]) == 1 ? "" : "es");
+  }
+  free(v);
+}
+
 static void print_summary(const RtTrainer *tr, const Steps *run, bool convert, double loss) {
+  if (tr->ranks.stages > 1 && run->first <= run->last)
+    print_stage_memory(tr);
   if (!rt_is_root(tr))
     return;
   const RtModel *m = tr->model;
@@ -668,9 +702,7 @@ static void print_summary(const RtTrainer *tr, const Steps *run, bool convert, d
   if (run->first <= run->last) {
     int64_t steps = run->last - run->first + 1;
     double secs = (now_ms() - run->started) * 1e-3, tokens = (double)steps * rt_step_samples(tr) * m->seqlen;
-    double plan = (double)m->arena_bytes + (double)m->param_floats * sizeof(float) * 2 + (double)m->param16_bytes;
-    if (m->opt == RT_OPT_ADAMW)
-      plan += 2.0 * sizeof(float) * (double)rt_moment_floats(tr->comm, m);
+    double plan = planned_bytes(tr);
     struct rusage ru;
     char peak[32] = "unknown", planned[32];
     if (getrusage(RUSAGE_SELF, &ru) == 0) bytes_text(peak, sizeof peak, (double)ru.ru_maxrss * 1024.0);

@@ -324,7 +324,7 @@ int rt_all_size(const RtComm *c);
 enum { RT_PP_PIECES = 8 };
 typedef struct RtPpSend {
   long long req[RT_PP_PIECES];   // MPI_Request (an int or a pointer: stored in 64 bits)
-  int n;
+  int n, to;
   int64_t began;
 } RtPpSend;
 void rt_pp_send(RtComm *c, int stage, const float *buf, int64_t n, int tag, RtPpSend *req);

@@ -6,6 +6,8 @@
 #     stops before its own deadline passes prints nothing of its own); the checkpoint written before
 #     is intact (same bytes) and resumes on another layout (the single-rank build of the model):
 #     its steps equal those of an uninterrupted 2-node run;
+#   - the same with pipeline stages (pp 2, a stage on each node): the stages' point-to-point
+#     messages have the collectives' deadline;
 #   - a link slowed mid-run (`cluster.sh rate 20mbit` while training at 1 Gbit/s): the run
 #     completes, its steps after the change are slower, and it loses nothing: every loss equals
 #     the unslowed run's, bit for bit.
@@ -49,7 +51,8 @@ EOF
 }
 model par 4 1 "parallel { dp 2; mp 1; ep 2; esp 1; }" >"$WORK/par.moe"
 model one 8 2 "" >"$WORK/one.moe"
-for m in par one; do
+model pipe 8 1 "parallel { pp 2; microbatches 2; }" >"$WORK/pipe.moe"
+for m in par one pipe; do
   if ! "$MOEC" build "$WORK/$m.moe" -o "$WORK/$m" 2>"$WORK/err"; then bad "build $m" "$(cat "$WORK/err")"; exit 1; fi
 done
 cd "$WORK"
@@ -98,6 +101,29 @@ if timeout 120 ./one --steps 8 --resume ckpt >resume.out 2>&1 </dev/null &&
   ok "it resumes on another layout (one rank): steps 4..8 equal the uninterrupted 2-node run's"
 else
   bad "the checkpoint resumes on one rank with the 2-node run's losses" "$(paste <(grep '^step' ref.out | awk '{print $2, $4}') <(grep '^step' resume.out | awk '{print $2, $4}'))"
+fi
+
+# ---- a pipeline stage's link cut (pp 2: one stage per node, activations and gradients between) ----
+if true; then
+  timeout 180 "$CLUSTER" run 2 1 100mbit -- ./pipe --steps 100000 >pcut.out 2>&1 </dev/null &
+  bg_pid=$!
+  if ! wait_step pcut.out 6; then
+    bad "the pp 2 run to be cut trains" "$(tail -n 20 pcut.out)"
+  else
+    "$CLUSTER" cut 1
+    cut_at=$(date +%s.%N)
+    wait "$bg_pid"; status=$?
+    bg_pid=""
+    secs=$(awk -v a="$cut_at" -v b="$(date +%s.%N)" 'BEGIN { printf "%.1f", b - a }')
+    msgs=$(grep -c 'moert: error: rank [01] .*has not completed after' pcut.out)
+    left=$(pgrep -f "\./pipe --steps 100000" | wc -l)
+    if [ "$status" -ne 0 ] && [ "$status" -ne 124 ] && awk -v s="$secs" 'BEGIN { exit !(s < 30) }' && [ "$msgs" -ge 1 ] && [ "$left" = 0 ]; then
+      ok "pp 2: the second stage's link cut mid-training: exit $status ${secs}s after the cut, no rank left: $(grep -m1 'moert: error' pcut.out | cut -c1-200)"
+    else
+      bad "pp 2: a stage's link cut: exit $status after ${secs}s, $msgs error sentences, $left processes left" "$(tail -n 20 pcut.out)"
+    fi
+  fi
+  "$CLUSTER" down
 fi
 
 # ---- a link slowed mid-run ----

@@ -1,0 +1,161 @@
+#!/usr/bin/env bash
+# Pipeline stages and microbatches (lang/manual.md §6: parallel { pp P; microbatches M;
+# pp_schedule gpipe | 1f1b; }). The pipeline adds nothing to the math: each claim compares a run
+# with stages against pp 1 with the same microbatches, losses of 4 steps and every whole gradient of
+# the step-1 --dump to 1e-5 of each tensor's largest element (tests/mpi/common.sh compare_dumps; a
+# stage's messages do not change the sums, but the tied embedding's two parts are added in another
+# order, and the gradient norm sums its stages' squares in another order):
+#   - an MoE stack (tests/models/grad_k2.moe, 4 layers) and a language model (grad_lm_gpt.moe with
+#     3 MoE blocks and its dense layer: 4 layer instances, a tied embedding the first and last
+#     stage hold) on pp 2 and pp 4, with 1f1b and gpipe, 4 microbatches;
+#   - combined with the other splits: pp 2 x dp 2 x ep 2 and pp 2 x mp 2 x esp 2 (4 ranks) against
+#     dp 2 x ep 2 and mp 2 x esp 2; with the sharded optimizer (adamw shard true, pp 2 x dp 2) and
+#     with recompute layers (pp 2);
+#   - gradient accumulation without stages: the stack (no token dropped) with microbatches 4 equals
+#     one batch of 4 times the samples;
+#   - a pp 2 checkpoint resumes on one rank and on pp 4 (the stages' shards in one index), with the
+#     uninterrupted run's losses;
+#   - a stage's rank killed mid-step ends the job, no hang (a cut link between stages: the
+#     emulated cluster's fault suite, tests/cluster/faults.sh);
+#   - refusals: what is not built for stages (--check-grad, --sample, --export-hf), the CUDA
+#     target, `aux pooled` over stages, and the wrong number of ranks.
+. "$(dirname "$0")/../lib.sh"
+. "$(dirname "$0")/../mpi/common.sh"
+work lm-pipeline
+MPIRUN="mpirun --allow-run-as-root --oversubscribe"
+export OMP_NUM_THREADS=1
+
+# The two models, with PARALLEL as their `parallel` block and OPT as the optimizer (default sgd).
+stack() {
+  sed "s/batch 2;/batch 8;/; s/^layer block x 2/parallel { $1 }\nlayer block x 4/" tests/models/grad_k2.moe
+}
+lm() {
+  local opt=${2:-optimizer sgd { lr 0.01; \}}
+  sed "s/batch 2;/batch 4;/; s/optimizer sgd { lr 0.01; }/$opt/; s/^layer block x 2/parallel { $1 }\nlayer block x 3/" \
+    tests/models/grad_lm_gpt.moe
+}
+
+# run NAME RANKS: builds $WORK/NAME.moe and runs it 4 steps with --dump on RANKS ranks (NAME.out,
+# NAME.dump); false with the reason printed as a FAIL.
+run() {
+  local d="$WORK/$1"
+  mkdir -p "$d"
+  "$MOEC" build "$WORK/$1.moe" -o "$d/bin" 2>"$d/err" || { bad "$1: moec build" "$(cat "$d/err")"; return 1; }
+  (cd "$d" && timeout 300 $MPIRUN -np "$2" ./bin --steps 4 --dump dump >out 2>&1) ||
+    { bad "$1: the run failed" "$(tail -n 8 "$d/out")"; return 1; }
+}
+
+# equal LABEL REF REF_RANKS NAME RANKS: run both, then the losses and the step-1 dump compared.
+equal() {
+  local label=$1 ref=$2 nref=$3 name=$4 n=$5 cmp
+  [ -f "$WORK/$ref/out" ] || run "$ref" "$nref" || return
+  run "$name" "$n" || return
+  if [ "$(losses "$WORK/$name/out" | wc -l)" -eq 4 ] && same_losses "$WORK/$ref/out" "$WORK/$name/out" &&
+     cmp=$(compare_dumps "$WORK/$ref/dump" "$WORK/$name/dump"); then
+    ok "$label: 4 losses and the step-1 gradients equal ($cmp)"
+  else
+    bad "$label: differs" "$(paste <(losses "$WORK/$ref/out") <(losses "$WORK/$name/out")); $(compare_dumps "$WORK/$ref/dump" "$WORK/$name/dump")"
+  fi
+}
+
+# ---- every stage count and schedule against pp 1 ----
+stack "microbatches 4;" >"$WORK/stack_m4.moe"
+stack "pp 2; microbatches 4;" >"$WORK/stack_pp2.moe"
+stack "pp 4; microbatches 4; pp_schedule gpipe;" >"$WORK/stack_pp4g.moe"
+lm "microbatches 4;" >"$WORK/lm_m4.moe"
+lm "pp 2; microbatches 4;" >"$WORK/lm_pp2.moe"
+lm "pp 2; microbatches 4; pp_schedule gpipe;" >"$WORK/lm_pp2g.moe"
+lm "pp 4; microbatches 4;" >"$WORK/lm_pp4.moe"
+lm "pp 3; microbatches 4; pp_layers 2 1 1;" >"$WORK/lm_pp3.moe"
+run stack_m4 1
+run lm_m4 1
+spawn stack2 equal "stack pp 2, 1f1b" stack_m4 1 stack_pp2 2
+spawn stack4 equal "stack pp 4, gpipe" stack_m4 1 stack_pp4g 4
+spawn lm2 equal "language model pp 2, 1f1b" lm_m4 1 lm_pp2 2
+spawn lm2g equal "language model pp 2, gpipe" lm_m4 1 lm_pp2g 2
+collect stack2 stack4 lm2 lm2g
+spawn lm4 equal "language model pp 4, 1f1b" lm_m4 1 lm_pp4 4
+spawn lm3 equal "language model pp 3, pp_layers 2 1 1" lm_m4 1 lm_pp3 3
+collect lm4 lm3
+
+# ---- with the other splits, the sharded optimizer and recomputation ----
+ADAMW="optimizer adamw { lr 0.01; warmup 2; decay_steps 8; min_lr 0.001; clip 0.5; shard true; }"
+lm "dp 2; ep 2; microbatches 2;" >"$WORK/dpep.moe"
+lm "pp 2; dp 2; ep 2; microbatches 2;" >"$WORK/pp_dpep.moe"
+lm "mp 2; esp 2; microbatches 2;" >"$WORK/mpesp.moe"
+lm "pp 2; mp 2; esp 2; microbatches 2; pp_schedule gpipe;" >"$WORK/pp_mpesp.moe"
+lm "dp 2; ep 2; microbatches 2;" "$ADAMW" >"$WORK/shard.moe"
+lm "pp 2; dp 2; ep 2; microbatches 2;" "$ADAMW" >"$WORK/pp_shard.moe"
+lm "microbatches 2;" | sed 's/seed 5;/seed 5; recompute layers;/' >"$WORK/rc.moe"
+lm "pp 2; microbatches 2;" | sed 's/seed 5;/seed 5; recompute layers;/' >"$WORK/pp_rc.moe"
+equal "pp 2 x dp 2 x ep 2 (4 ranks)" dpep 2 pp_dpep 4
+equal "pp 2 x mp 2 x esp 2 (4 ranks), gpipe" mpesp 2 pp_mpesp 4
+equal "pp 2 x dp 2 x ep 2, adamw shard true and clip" shard 2 pp_shard 4
+spawn rc equal "pp 2, recompute layers" rc 1 pp_rc 2
+
+# ---- gradient accumulation: microbatches 4 equals one batch of 4 times the samples ----
+accumulate() {
+  sed "s/batch 2;/batch 8;/; s/^layer block x 2/layer block x 4/" tests/models/grad_k2.moe >"$WORK/stack_b8.moe"
+  run stack_b8 1 || return
+  local cmp
+  if same_losses "$WORK/stack_b8/out" "$WORK/stack_m4/out" &&
+     cmp=$(compare_dumps "$WORK/stack_m4/dump" "$WORK/stack_b8/dump"); then   # (the loss and gradients M 4 writes)
+    ok "microbatches 4 of 2 samples equal one batch of 8 (no token dropped): 4 losses, the gradients ($cmp)"
+  else
+    bad "microbatches 4 differ from a batch of 8" "$(paste <(losses "$WORK/stack_b8/out") <(losses "$WORK/stack_m4/out")); $(compare_dumps "$WORK/stack_m4/dump" "$WORK/stack_b8/dump")"
+  fi
+}
+spawn acc accumulate
+collect rc acc
+
+# ---- checkpoints: pp 2 saved, resumed on one rank and on pp 4 ----
+resume() {
+  local d="$WORK/lm_pp2" ok1
+  (cd "$d" && rm -rf ck && mkdir ck && $MPIRUN -np 2 ./bin --steps 2 --save ck/a >s.out 2>&1 &&
+     "$WORK/lm_m4/bin" --resume ck/a --steps 4 >r1.out 2>&1 &&
+     $MPIRUN -np 4 "$WORK/lm_pp4/bin" --resume ck/a --steps 4 >r4.out 2>&1) ||
+    { bad "pp 2 checkpoint: a run failed" "$(tail -n 5 "$d"/s.out "$d"/r1.out "$d"/r4.out 2>/dev/null)"; return; }
+  local want got1 got4
+  want=$(losses "$WORK/lm_m4/out" | tail -n 2 | tr '\n' ' ')
+  got1=$(losses "$d/r1.out" | tr '\n' ' ')
+  got4=$(losses "$d/r4.out" | tr '\n' ' ')
+  if [ "$(ls "$d"/ck/a.rank*-of-2.safetensors | wc -l)" -eq 2 ] && grep -q '"pp": 2' "$d/ck/a" &&
+     [ "$got1" = "$want" ] && [ "$got4" = "$want" ]; then
+    ok "a pp 2 checkpoint (2 shards, one index) resumed on 1 rank and on pp 4: steps 3-4 $want as uninterrupted"
+  else
+    bad "pp 2 checkpoint resumed" "uninterrupted: $want; one rank: $got1; pp 4: $got4"
+  fi
+}
+resume
+
+# ---- a stage's rank killed mid-step ----
+killed() {
+  local d="$WORK/lm_pp2" t0 t1 status
+  t0=$(date +%s)
+  (cd "$d" && MOERT_TEST_KILL=1:2 timeout 120 $MPIRUN -x MOERT_TEST_KILL -np 2 ./bin --steps 4 --comm-timeout 10 >kill.out 2>&1)
+  status=$?
+  t1=$(date +%s)
+  if [ "$status" -ne 0 ] && [ "$status" -ne 124 ] && [ $((t1 - t0)) -lt 100 ] &&
+     grep -q 'exited on signal 9\|has not completed after' "$d/kill.out"; then
+    ok "the last stage's rank killed at step 2: the job ends (status $status) in $((t1 - t0)) s, no hang: $(grep -m1 'exited on signal 9\|has not completed after' "$d/kill.out" | cut -c1-120)"
+  else
+    bad "a killed stage" "status $status after $((t1 - t0)) s: $(tail -n 5 "$d/kill.out")"
+  fi
+}
+killed
+
+# ---- refusals ----
+refuse() {   # refuse LABEL PATTERN CMD...: CMD fails and says PATTERN
+  local label=$1 pattern=$2
+  shift 2
+  if "$@" >"$WORK/r.out" 2>&1; then bad "$label: accepted"; return; fi
+  if grep -q -- "$pattern" "$WORK/r.out"; then ok "$label: refused ($(grep -m1 -- "$pattern" "$WORK/r.out" | cut -c1-150))"
+  else bad "$label: the message" "$(cat "$WORK/r.out")"; fi
+}
+refuse "--check-grad with pp 2" "not built for pipeline stages yet" $MPIRUN -np 2 "$WORK/lm_pp2/bin" --check-grad
+refuse "--sample with pp 2" "not built for pipeline stages yet" $MPIRUN -np 2 "$WORK/lm_pp2/bin" --steps 1 --sample 4
+refuse "pp 2 on 1 rank" "needs pp 2 x dp 1 x mp 1 = 2 ranks but 1 is running" "$WORK/lm_pp2/bin" --steps 1
+refuse "pp 2 for the CUDA target" "runs on the CPU target only" "$MOEC" build "$WORK/lm_pp2.moe" --target cuda -o "$WORK/x"
+sed 's/gate gshard { k 2;/gate gshard { aux pooled; k 2;/' "$WORK/lm_pp2.moe" >"$WORK/pooled.moe"
+refuse "aux pooled over stages" "'aux pooled' with pp 2" "$MOEC" check "$WORK/pooled.moe"
+exit $failed
