@@ -152,9 +152,65 @@ int rt_dump_step(RtTrainer *tr, const RtReport *rep) {
 
 // ---- --export-hf ----
 
+// With pipeline stages: the model of every stage's parameters (a tensor two stages hold once, the
+// earlier's), each gathered whole on its stage's rank 0 and sent to the first stage's, which
+// writes the checkpoint. Collective over the job.
+static int dump_hf_stages(RtTrainer *tr, const char *dir) {
+  const RtRanks *r = &tr->ranks;
+  int total = 0, n = 0;
+  for (int s = 0; s < r->stages; s++) total += tr->stages[s]->nparams;
+  RtParam *all = rt_calloc((size_t)(total ? total : 1), sizeof *all, "the parameters of a checkpoint");
+  int *owner = rt_calloc((size_t)(total ? total : 1), sizeof *owner, "the parameters of a checkpoint");
+  int *index = rt_calloc((size_t)(total ? total : 1), sizeof *index, "the parameters of a checkpoint");
+  for (int s = 0; s < r->stages; s++)
+    for (int i = 0; i < tr->stages[s]->nparams; i++) {
+      const RtParam *p = &tr->stages[s]->params[i];
+      int k = 0;
+      while (k < n && strcmp(all[k].name, p->name) != 0) k++;
+      if (k < n) continue;
+      all[n] = *p, owner[n] = s, index[n] = i;
+      n++;
+    }
+  bool root = rt_is_root(tr);
+  float **whole = root ? rt_calloc((size_t)(n ? n : 1), sizeof *whole, "the parameters of a checkpoint") : NULL;
+  for (int k = 0; k < n; k++) {
+    int64_t numel = rt_param_global_numel(&all[k]);
+    if (r->stage == owner[k]) {
+      const RtParam *p = &tr->model->params[index[k]];
+      float *buf = r->rank == 0 ? rt_alloc((size_t)numel * sizeof(float), "a parameter of a checkpoint") : NULL;
+      rt_gather_param(tr->comm, p, r, tr->st.params + p->offset, buf);
+      if (buf && owner[k] == 0) {
+        whole[k] = buf;
+      } else if (buf) {
+        RtPpSend send;
+        rt_pp_send(tr->comm, 0, buf, numel, k, &send);
+        rt_pp_wait(&send);
+        free(buf);
+      }
+    } else if (root) {
+      whole[k] = rt_alloc((size_t)numel * sizeof(float), "a parameter of a checkpoint");
+      rt_pp_recv(tr->comm, owner[k], whole[k], numel, k);
+    }
+  }
+  int status = 0;
+  if (root) {
+    RtModel m = *tr->stages[0];
+    m.params = all, m.nparams = n;
+    status = rt_hf_export(&m, whole, dir);
+    if (status == 0 && !tr->opt.quiet)
+      printf("# wrote %s/config.json%s and %s/model.safetensors (Hugging Face; the parameters of %d stages)\n", dir,
+             m.hf_generation ? ", generation_config.json" : "", dir, r->stages);
+  }
+  for (int k = 0; root && k < n; k++) free(whole[k]);
+  free(whole), free(all), free(owner), free(index);
+  return rt_world_agree(tr->comm, status);
+}
+
 // --export-hf DIR: every parameter gathered whole on rank 0, which writes the checkpoint.
 // Collective.
 int rt_dump_hf(RtTrainer *tr, const char *dir) {
+  if (tr->ranks.stages > 1)
+    return dump_hf_stages(tr, dir);
   const RtModel *m = tr->model;
   const RtRanks *r = &tr->ranks;
   bool root = r->rank == 0;

@@ -278,8 +278,7 @@ int rt_options_check(const RtModel *m, const RtOptions *o) {
   for (size_t i = 0; i < sizeof out / sizeof out[0]; i++)
     if (out[i].path && check_writable(out[i].opt, out[i].path, out[i].dir) != 0) return -1;
   if (m->pp > 1) {   // what reads or writes the whole model at once is not split into stages yet
-    const char *whole = o->check_grad ? "--check-grad" : o->export_hf ? "--export-hf"
-                        : o->sample ? "--sample" : NULL;
+    const char *whole = o->check_grad ? "--check-grad" : NULL;
     if (whole)
       return rt_fail("%s is not built for pipeline stages yet (model '%s' has pp %d): build it with pp 1 (the same "
                      "microbatches give the same training) for %s", whole, m->name, m->pp, whole);

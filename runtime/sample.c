@@ -57,7 +57,8 @@ int rt_prompt_check(const RtModel *m, const RtOptions *o) {
 // Generates opt.sample tokens after the prompt: each forward sees the last seqlen tokens in
 // every window of the batch, and the next token is drawn from the logits of global window 0 at
 // the last position (rt_sample_token; key rt_key(rt_key(seed, RT_STREAM_SAMPLE), i) for the
-// i-th token), then shared by rank 0. Collective.
+// i-th token), then shared by rank 0 (of the last pipeline stage, whose forward ends in the
+// logits; the earlier stages' forwards pass the activations on). Collective.
 int rt_sample(RtTrainer *tr) {
   const RtModel *m = tr->model;
   RtStep *st = &tr->st;
@@ -70,6 +71,8 @@ int rt_sample(RtTrainer *tr) {
     return -1;
   }
   uint64_t key = rt_key(m->seed, RT_STREAM_SAMPLE);
+  int stages = tr->ranks.stages;
+  bool last = tr->ranks.stage == stages - 1;
   int32_t *in = (int32_t *)tr->input, *tgt = (int32_t *)tr->target;
   for (int64_t k = 0; k < n; k++) {
     int64_t len = plen + k, start = len > L ? len - L : 0, ctx = len - start;
@@ -79,21 +82,28 @@ int rt_sample(RtTrainer *tr) {
         tgt[b * L + i] = 0;
       }
     st->step = tr->done_steps + 1;
-    m->forward(st);
+    if (stages > 1)
+      rt_pipe_forward(tr);
+    else
+      m->forward(st);
     if (rt_device_get(tr, RT_DEVICE_OUTPUT) != 0) {
       free(seq);
       return -1;
     }
-    const float *logits = rt_lm_logits(tr);
-    if (!logits) {
+    // The logits are the last stage's (with stages): its rank 0 draws, and every rank of every
+    // stage receives the token.
+    const float *logits = last ? rt_lm_logits(tr) : NULL;
+    if (rt_world_agree(tr->comm, last && !logits ? -1 : 0) != 0) {
       free(seq);
       return -1;
     }
     int32_t next = 0;
-    if (rt_is_root(tr))
+    if (last && tr->ranks.rank == 0)
       next = rt_sample_token(logits + (ctx - 1) * m->vocab, (int)m->vocab, (float)tr->opt.temperature,
                              rt_key(key, (uint64_t)k));
-    if (tr->ranks.world > 1)
+    if (stages > 1)
+      rt_all_bcast(tr->comm, &next, sizeof next, (stages - 1) * tr->ranks.world);
+    else if (tr->ranks.world > 1)
       rt_bcast(tr->comm, RT_GROUP_WORLD, &next, sizeof next, 0);
     seq[len] = next;
   }

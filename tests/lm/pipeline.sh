@@ -17,8 +17,9 @@
 #     uninterrupted run's losses;
 #   - a stage's rank killed mid-step ends the job, no hang (a cut link between stages: the
 #     emulated cluster's fault suite, tests/cluster/faults.sh);
-#   - refusals: what is not built for stages (--check-grad, --sample, --export-hf), the CUDA
-#     target, `aux pooled` over stages, and the wrong number of ranks.
+#   - --sample and --export-hf through the stages: the same tokens and checkpoint bytes as one rank;
+#   - refusals: what is not built for stages (--check-grad), the CUDA target, `aux pooled` over
+#     stages, and the wrong number of ranks.
 . "$(dirname "$0")/../lib.sh"
 . "$(dirname "$0")/../mpi/common.sh"
 work lm-pipeline
@@ -128,6 +129,30 @@ resume() {
 }
 resume
 
+# ---- --sample and --export-hf through the stages ----
+# grad_lm_glm.moe (a family --export-hf writes: GLM-4.5's parts) trained 2 steps on one rank
+# (microbatches 2), then resumed on pp 2: the same sample and the same checkpoint bytes.
+hf_sample() {
+  local d="$WORK/glm"
+  mkdir -p "$d"
+  sed "s/^layer dense {/parallel { microbatches 2; }\nlayer dense {/" tests/models/grad_lm_glm.moe >"$d/one.moe"
+  sed "s/^layer dense {/parallel { pp 2; microbatches 2; }\nlayer dense {/" tests/models/grad_lm_glm.moe >"$d/two.moe"
+  "$MOEC" build "$d/one.moe" -o "$d/one" 2>"$d/err" && "$MOEC" build "$d/two.moe" -o "$d/two" 2>>"$d/err" ||
+    { bad "glm: moec build" "$(cat "$d/err")"; return; }
+  local prompt=$'\x01\x02\x03'
+  if ! (cd "$d" && ./one --steps 2 --save ck --export-hf h1 --sample 12 --prompt "$prompt" >one.out 2>&1 &&
+        $MPIRUN -np 2 ./two --steps 0 --resume ck --export-hf h2 --sample 12 --prompt "$prompt" >two.out 2>&1); then
+    bad "glm on pp 2: a run failed" "$(tail -n 5 "$d/one.out" "$d/two.out")"; return
+  fi
+  if cmp -s "$d/h1/model.safetensors" "$d/h2/model.safetensors" && cmp -s "$d/h1/config.json" "$d/h2/config.json" &&
+     [ -n "$(tail -n 1 "$d/one.out")" ] && [ "$(tail -n 1 "$d/one.out")" = "$(tail -n 1 "$d/two.out")" ]; then
+    ok "pp 2 from a one-rank checkpoint: --export-hf the same bytes, --sample the same 12 tokens ($(tail -n 1 "$d/two.out"))"
+  else
+    bad "pp 2: --export-hf or --sample differ" "$(tail -n 2 "$d/one.out" "$d/two.out")"
+  fi
+}
+hf_sample
+
 # ---- a stage's rank killed mid-step ----
 killed() {
   local d="$WORK/lm_pp2" t0 t1 status
@@ -153,7 +178,6 @@ refuse() {   # refuse LABEL PATTERN CMD...: CMD fails and says PATTERN
   else bad "$label: the message" "$(cat "$WORK/r.out")"; fi
 }
 refuse "--check-grad with pp 2" "not built for pipeline stages yet" $MPIRUN -np 2 "$WORK/lm_pp2/bin" --check-grad
-refuse "--sample with pp 2" "not built for pipeline stages yet" $MPIRUN -np 2 "$WORK/lm_pp2/bin" --steps 1 --sample 4
 refuse "pp 2 on 1 rank" "needs pp 2 x dp 1 x mp 1 = 2 ranks but 1 is running" "$WORK/lm_pp2/bin" --steps 1
 refuse "pp 2 for the CUDA target" "runs on the CPU target only" "$MOEC" build "$WORK/lm_pp2.moe" --target cuda -o "$WORK/x"
 sed 's/gate gshard { k 2;/gate gshard { aux pooled; k 2;/' "$WORK/lm_pp2.moe" >"$WORK/pooled.moe"
