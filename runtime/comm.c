@@ -92,7 +92,20 @@ typedef struct Group {
   size_t work_floats;
 } Group;
 
+// Gradient accumulation over microbatches (rt_comm_grad_hook): the reductions of the gradient
+// buffer's elements skipped (every microbatch but the last), or preceded by the addition of the
+// earlier microbatches' sums (the last), each such range recorded.
+typedef struct GradHook {
+  int mode;                   // RT_GRAD_HOOK_*
+  float *grads, *acc;
+  int64_t n;
+  pthread_mutex_t lock;       // the collectives of a backward run on several streams' threads
+  int64_t (*done)[2];         // [ndone] offset, count of the ranges reduced in ADD mode
+  int ndone, max_done;
+} GradHook;
+
 struct RtComm {
+  GradHook hook;
   int thread_level;
   RtLayout layout;       // gpus_per_node already resolved (never <= 0)
   int world_rank, world_size;   // in this rank's pipeline stage (the whole job when pp is 1)
@@ -495,6 +508,10 @@ void rt_comm_destroy(RtComm *c) {
   }
   free_comm(&c->pp);
   free_comm(&c->all);
+  if (c->hook.done) {
+    pthread_mutex_destroy(&c->hook.lock);
+    free(c->hook.done);
+  }
   free(c);
   mpi_use.live--;
   release_mpi();
@@ -987,7 +1004,66 @@ void rt_reducescatter(RtComm *c, RtGroup g, const float *send, float *recv, int6
   end(gr);
 }
 
+// ---- gradient accumulation ----
+
+void rt_comm_grad_hook(RtComm *c, int mode, float *grads, float *acc, int64_t n) {
+  if (!c) return;
+  GradHook *h = &c->hook;
+  if (!h->done) pthread_mutex_init(&h->lock, NULL);
+  h->mode = mode, h->grads = grads, h->acc = acc, h->n = n;
+  h->ndone = 0;
+  if (!h->done) {
+    h->max_done = 64;
+    h->done = rt_alloc((size_t)h->max_done * sizeof *h->done, "the reduced gradient ranges");
+  }
+}
+
+// Whether the reduction of [buf, buf + n) goes ahead: false in SKIP mode for the gradient buffer;
+// in ADD mode the earlier microbatches' sums are added to it first (and the range recorded).
+static bool grad_hook(RtComm *c, float *buf, int64_t n) {
+  GradHook *h = c ? &c->hook : NULL;
+  if (!h || h->mode == RT_GRAD_HOOK_OFF || buf < h->grads || buf >= h->grads + h->n)
+    return true;
+  if (h->mode == RT_GRAD_HOOK_SKIP)
+    return false;
+  int64_t off = buf - h->grads;
+  rt_add(buf, h->acc + off, buf, n);
+  pthread_mutex_lock(&h->lock);
+  if (h->ndone == h->max_done) {
+    h->max_done *= 2;
+    void *more = realloc(h->done, (size_t)h->max_done * sizeof *h->done);
+    if (!more) rt_out_of_memory((size_t)h->max_done * sizeof *h->done, "the reduced gradient ranges");
+    h->done = more;
+  }
+  h->done[h->ndone][0] = off, h->done[h->ndone][1] = n;
+  h->ndone++;
+  pthread_mutex_unlock(&h->lock);
+  return true;
+}
+
+static int by_offset(const void *a, const void *b) {
+  int64_t x = ((const int64_t *)a)[0], y = ((const int64_t *)b)[0];
+  return x < y ? -1 : x > y;
+}
+
+void rt_comm_grad_hook_finish(RtComm *c) {
+  if (!c || c->hook.mode != RT_GRAD_HOOK_ADD) {
+    if (c) c->hook.mode = RT_GRAD_HOOK_OFF;
+    return;
+  }
+  GradHook *h = &c->hook;
+  qsort(h->done, (size_t)h->ndone, sizeof *h->done, by_offset);
+  int64_t at = 0;
+  for (int i = 0; i <= h->ndone; i++) {   // the elements no reduction saw: their sums here
+    int64_t lo = i < h->ndone ? h->done[i][0] : h->n;
+    if (lo > at) rt_add(h->grads + at, h->acc + at, h->grads + at, lo - at);
+    if (i < h->ndone && h->done[i][0] + h->done[i][1] > at) at = h->done[i][0] + h->done[i][1];
+  }
+  h->mode = RT_GRAD_HOOK_OFF;
+}
+
 void rt_allreduce(RtComm *c, RtGroup g, float *buf, int64_t n) {
+  if (!grad_hook(c, buf, n)) return;
   Group *gr = begin(c, g, "rt_allreduce", "AllReduce", n);
   allreduce_on(gr, c, g, buf, n);
   end(gr);
@@ -1054,6 +1130,7 @@ static void reduce_scatter_ring(Group *gr, float *buf, const int *counts, const 
 
 void rt_shard_reduce(RtComm *c, RtGroup g, float *grad, int64_t offset, int64_t count, int64_t rows,
                      int64_t row) {
+  if (!grad_hook(c, grad + offset, count)) return;
   Group *gr = begin(c, g, "rt_shard_reduce", "ReduceScatter", count);
   if (gr && gr->size > 1) {
     int p = gr->size, *counts = rt_alloc(2 * (size_t)p * sizeof(int), "a sharded reduction");

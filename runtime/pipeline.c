@@ -3,9 +3,9 @@
 //
 // The generated program computes one microbatch: its forward reads st->input and st->target,
 // its backward writes every parameter's gradient into st->grads. A step runs M of them and
-// updates once with the mean of their gradients: the first microbatch's backward writes
-// st->grads, each later one writes a second buffer that is added to it, and the sum is divided
-// by M. Each microbatch is routed on its own (its capacity, its aux loss); the step's loss is the
+// updates once with the mean of their gradients: the microbatches before the last sum their
+// local gradients without reducing them, the last one's reductions (DP, and those over other
+// groups) reduce the sum as they overlap its backward, and the mean is the sum divided by M. Each microbatch is routed on its own (its capacity, its aux loss); the step's loss is the
 // mean of the microbatches'.
 //
 // With pp stages each rank runs its stage's program (codegen emits one per stage). Microbatch i
@@ -165,13 +165,23 @@ static void backward(RtTrainer *tr, int i, int *done) {
   use_slot(tr, slot);
   if (s < P - 1)
     recv_from(tr, s + 1, tr->targets[slot], 2 * i + 1);
-  float *sum = st->grads;
-  if (*done > 0)
-    st->grads = tr->grad_work;
+  // Microbatches: the gradients reduced once, in the last microbatch's backward (as its schedule
+  // overlaps them). The earlier ones skip their reductions of st->grads and sum their local
+  // gradients in grad_work; the last one's reductions add that sum to their elements first, and
+  // the elements no reduction saw get it after (comm.c, the gradient hook).
+  int M = micro_count(m);
+  int64_t n = (int64_t)m->param_floats;
+  if (M > 1)
+    rt_comm_grad_hook(tr->comm, *done == M - 1 ? RT_GRAD_HOOK_ADD : RT_GRAD_HOOK_SKIP, st->grads, tr->grad_work, n);
   m->backward(st);
-  if (*done > 0) {
-    rt_add(sum, tr->grad_work, sum, (int64_t)m->param_floats);
-    st->grads = sum;
+  if (M > 1 && *done == 0) {   // the first microbatch's gradients become the sum
+    float *sum = st->grads;
+    st->grads = tr->grad_work;
+    tr->grad_work = sum;
+  } else if (M > 1 && *done < M - 1) {
+    rt_add(tr->grad_work, st->grads, tr->grad_work, n);
+  } else if (M > 1) {
+    rt_comm_grad_hook_finish(tr->comm);
   }
   (*done)++;
   if (s > 0)

@@ -311,6 +311,15 @@ int64_t rt_box_copy(int rank, const int64_t *src_off, const int64_t *src_dims, c
 // rank, and the last error on every rank becomes the lowest failing rank's message (prefixed
 // "rank R: " when R is not 0), so that rank 0 alone can report it.
 int rt_world_agree(RtComm *c, int status);
+// ---- gradient accumulation (comm.c) ----
+// Microbatches (runtime/pipeline.c) reduce their summed gradients once: while the hook is SKIP, a
+// reduction (rt_allreduce, rt_shard_reduce) of elements of grads [0, n) does nothing (the
+// microbatches before the last add their local gradients into acc); in ADD mode each such
+// reduction first adds acc to its elements, and rt_comm_grad_hook_finish adds acc to the
+// elements no reduction saw (those each rank holds alone) and turns the hook off.
+enum { RT_GRAD_HOOK_OFF, RT_GRAD_HOOK_SKIP, RT_GRAD_HOOK_ADD };
+void rt_comm_grad_hook(RtComm *c, int mode, float *grads, float *acc, int64_t n);
+void rt_comm_grad_hook_finish(RtComm *c);
 // ---- pipeline stages (comm.c; RtLayout.pp > 1) ----
 // This rank's stage and the number of stages (0 and 1 without stages, or for NULL).
 int rt_comm_stage(const RtComm *c);

@@ -12,7 +12,8 @@
 #     dp 2 x ep 2 and mp 2 x esp 2; with the sharded optimizer (adamw shard true, pp 2 x dp 2) and
 #     with recompute layers (pp 2);
 #   - gradient accumulation without stages: the stack (no token dropped) with microbatches 4 equals
-#     one batch of 4 times the samples;
+#     one batch of 4 times the samples; dp 2 x ep 2 with 2 microbatches a rank (its gradients
+#     reduced once a step, in the last microbatch's backward) equals one rank with 4;
 #   - a pp 2 checkpoint resumes on one rank and on pp 4 (the stages' shards in one index), with the
 #     uninterrupted run's losses;
 #   - a stage's rank killed mid-step ends the job, no hang (a cut link between stages: the
@@ -89,8 +90,15 @@ lm "dp 2; ep 2; microbatches 2;" "$ADAMW" >"$WORK/shard.moe"
 lm "pp 2; dp 2; ep 2; microbatches 2;" "$ADAMW" >"$WORK/pp_shard.moe"
 lm "microbatches 2;" | sed 's/seed 5;/seed 5; recompute layers;/' >"$WORK/rc.moe"
 lm "pp 2; microbatches 2;" | sed 's/seed 5;/seed 5; recompute layers;/' >"$WORK/pp_rc.moe"
+# The gradients reduced once a step (the last microbatch's reductions add the earlier ones' sums):
+# dp 2 x ep 2 with 2 microbatches of 2 samples per rank holds the same microbatches, routed
+# alike, as one rank with 4 microbatches of a batch of 8.
+lm "microbatches 4;" | sed 's/batch 4;/batch 8;/' >"$WORK/one_m4.moe"
+equal "dp 2 x ep 2, 2 microbatches a rank (reduced once a step)" one_m4 1 dpep 2
 equal "pp 2 x dp 2 x ep 2 (4 ranks)" dpep 2 pp_dpep 4
 equal "pp 2 x mp 2 x esp 2 (4 ranks), gpipe" mpesp 2 pp_mpesp 4
+lm "microbatches 4;" "${ADAMW/ shard true;/}" | sed 's/batch 4;/batch 8;/' >"$WORK/one_m4_adamw.moe"
+equal "dp 2 x ep 2, adamw shard true and clip, 2 microbatches a rank (its ReduceScatter once a step)" one_m4_adamw 1 shard 2
 equal "pp 2 x dp 2 x ep 2, adamw shard true and clip" shard 2 pp_shard 4
 spawn rc equal "pp 2, recompute layers" rc 1 pp_rc 2
 
