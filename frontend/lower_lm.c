@@ -279,6 +279,8 @@ void fe_lower_lm(FeLower *L) {
     L->f = ir_add_func(m, "embed.fwd", IR_ROLE_LAYER_FWD);
     IrValue *tokens = ir_add_arg(L->f, m, "tokens", ir_type1(IR_I32, L->S));
     wte = dense_param(L, "wte", ir_type2(IR_F32, V, L->M), "normal", STD);
+    if (md->tie_embeddings && L->p->parallel.pp > 1)   // the last stage holds it too
+      ir_attrs_set_int(wte->attrs, &wte->nattrs, "pp_tied", 1);
     IrValue *h = fe_op2(L, IR_OP_EMBED, "h", FE_V(tokens), FE_P(wte));
     if (strcmp(md->position, "learned") == 0) {
       IrParam *wpe = dense_param(L, "wpe", ir_type2(IR_F32, md->seqlen, L->M), "normal", STD);

@@ -357,7 +357,7 @@ static bool pack(PassCtx *ctx, Ranges *R, PassMemPlan *plan) {
   return true;
 }
 
-static void report(PassCtx *ctx, const PassMemPlan *plan, int nstreamed) {
+static void report(const IrModule *m, PassCtx *ctx, const PassMemPlan *plan, int nstreamed) {
   FILE *log = ctx->log ? ctx->log : stderr;
   int64_t peak = pass_mem_peak(plan);
   char a[32], u[32], p[32], g[32], o[32], k[32];
@@ -368,6 +368,9 @@ static void report(PassCtx *ctx, const PassMemPlan *plan, int nstreamed) {
           ir_bytes(p, sizeof p, (double)plan->param_bytes), ir_bytes(g, sizeof g, (double)plan->param_bytes),
           ir_bytes(o, sizeof o, (double)plan->optimizer_bytes));
   if (plan->param16_bytes) fprintf(log, " + the parameters' bf16 copy %s", ir_bytes(k, sizeof k, (double)plan->param16_bytes));
+  if (plan->accum_bytes)
+    fprintf(log, " + %s of %s", ir_bytes(k, sizeof k, (double)plan->accum_bytes),
+            ir_mod_int(m, "microbatches", 1) > 1 ? "the microbatches' gradients" : "a tied parameter's other part");
   fputc('\n', log);
   fprintf(log, "# memplan: peak %s per rank (%lld bytes)\n", ir_bytes(k, sizeof k, (double)peak), (long long)peak);
   if (nstreamed)
@@ -415,7 +418,7 @@ static void report_top(const IrModule *m, PassCtx *ctx, const Ranges *R, const P
 }
 
 int64_t pass_mem_peak(const PassMemPlan *p) {
-  return p->arena_bytes + 2 * p->param_bytes + p->optimizer_bytes + p->param16_bytes;
+  return p->arena_bytes + 2 * p->param_bytes + p->optimizer_bytes + p->param16_bytes + p->accum_bytes;
 }
 
 bool pass_memplan(IrModule *m, PassCtx *ctx) {
@@ -445,6 +448,12 @@ bool pass_memplan(IrModule *m, PassCtx *ctx) {
   if (!ok) return false;
 
   for (int i = 0; i < m->nparams; i++) plan->param_bytes += ir_type_bytes(&m->params[i]->type);
+  if (ir_mod_int(m, "microbatches", 1) > 1)
+    plan->accum_bytes = plan->param_bytes;
+  else
+    for (int i = 0; i < m->nparams; i++)
+      if (ir_attr_int(m->params[i]->attrs, m->params[i]->nattrs, "pp_tied", 0))
+        plan->accum_bytes += ir_type_bytes(&m->params[i]->type);
   if (strcmp(ir_mod_str(m, "dtype", "fp32"), "bf16") == 0)   // the GEMMs read the weights from a bf16 copy
     for (int i = 0; i < m->nparams; i++) plan->param16_bytes += 2 * ir_type_numel(&m->params[i]->type);
   // AdamW's two moments of every parameter; under a sharded optimizer (opt.adamw with a group) the
@@ -460,6 +469,6 @@ bool pass_memplan(IrModule *m, PassCtx *ctx) {
       plan->optimizer_bytes += 2 * bytes;
     }
   ir_attrs_set_int(m->attrs, &m->nattrs, "arena_bytes", plan->arena_bytes);
-  if (ctx->verbose) report(ctx, plan, R.nstreamed);
+  if (ctx->verbose) report(m, ctx, plan, R.nstreamed);
   return true;
 }

@@ -36,6 +36,9 @@ typedef struct PassMemPlan {
   int64_t param_bytes;       // parameters (and as much again for gradients)
   int64_t optimizer_bytes;   // optimizer state
   int64_t param16_bytes;     // dtype bf16 (the CUDA target): the parameters' bf16 copy (P16)
+  // Microbatches: a second gradient buffer (the later microbatches' local gradients); pipeline
+  // stages without them: the other stage's part of a parameter two stages hold (runtime/pipeline.c).
+  int64_t accum_bytes;
 } PassMemPlan;
 
 typedef struct PassCtx {

@@ -666,8 +666,9 @@ static double planned_bytes(const RtTrainer *tr) {
   const RtModel *m = tr->model;
   double param = (double)m->param_floats * sizeof(float);
   double plan = (double)m->arena_bytes * (tr->slots > 1 ? tr->slots : 1) + param * 2 + (double)m->param16_bytes;
-  if (tr->grad_work || tr->share_buf)
+  if (tr->grad_work)
     plan += param;
+  plan += (double)tr->share_floats * sizeof(float);
   if (m->opt == RT_OPT_ADAMW)
     plan += 2.0 * sizeof(float) * (double)rt_moment_floats(tr->comm, m);
   return plan;

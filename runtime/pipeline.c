@@ -20,6 +20,9 @@
 //          then the backwards left: at most P - s microbatches in flight on stage s (Narayanan
 //          et al., PipeDream-Flush), so stage s needs min(P - s, M) slots.
 // Both run the same microbatches through the same programs: their gradients are the same bits.
+// A program of the CUDA target (RtModel.device) keeps the slots' arenas and the gradients' sums in
+// device memory: its hooks (RtDevice.use_slot, .accumulate, .grads_part) do there what the lines
+// beside them do on the host, in the same arithmetic; the messages go from and to host memory.
 #include "rt_trainer.h"
 
 #include <math.h>
@@ -49,7 +52,8 @@ int rt_pipe_create(RtTrainer *tr) {
   tr->inputs[0] = tr->input;
   tr->targets[0] = tr->target;
   for (int i = 1; i < n; i++) {
-    tr->arenas[i] = rt_big_alloc(tr->arena_bytes, "a microbatch's activation arena");
+    if (!m->device)   // a device's slots have their arenas in device memory (RtDevice.use_slot)
+      tr->arenas[i] = rt_big_alloc(tr->arena_bytes, "a microbatch's activation arena");
     if (!(tr->inputs[i] = aligned_alloc(4096, tr->data_bytes)) || !(tr->targets[i] = aligned_alloc(4096, tr->data_bytes)))
       rt_out_of_memory(tr->data_bytes, "a microbatch's input and target");
     memset(tr->inputs[i], 0, tr->data_bytes);
@@ -57,7 +61,7 @@ int rt_pipe_create(RtTrainer *tr) {
   }
   if (tr->st.layer_stats && (micro_count(m) > 1 || stage_count(m) > 1))
     tr->layer_acc = rt_calloc((size_t)tr->st.max_layer_stats, sizeof *tr->layer_acc, "the layers' statistics");
-  if (micro_count(m) > 1) {
+  if (micro_count(m) > 1 && !m->device) {   // a device sums them in device memory (RtDevice.accumulate)
     size_t bytes = (m->param_floats ? m->param_floats : 1) * sizeof(float);
     tr->grad_work = rt_big_alloc(bytes, "the microbatches' gradients");
   }
@@ -77,7 +81,7 @@ void rt_pipe_destroy(RtTrainer *tr) {
   free(tr->pp_peer);
   free(tr->pp_skip);
   if (tr->share_buf)
-    rt_big_free(tr->share_buf, (tr->model->param_floats ? tr->model->param_floats : 1) * sizeof(float));
+    rt_big_free(tr->share_buf, (size_t)tr->share_floats * sizeof(float));
   if (tr->grad_work)
     rt_big_free(tr->grad_work, (tr->model->param_floats ? tr->model->param_floats : 1) * sizeof(float));
 }
@@ -124,6 +128,8 @@ static void use_slot(RtTrainer *tr, int slot) {
   tr->st.arena = tr->arenas[slot];
   tr->st.input = tr->inputs[slot];
   tr->st.target = tr->targets[slot];
+  if (tr->model->device)
+    tr->model->device->use_slot(&tr->st, slot);
 }
 
 static int64_t boundary_floats(const RtModel *m) { return m->batch * m->seqlen * m->embed; }
@@ -169,12 +175,17 @@ static void backward(RtTrainer *tr, int i, int *done) {
   // overlaps them). The earlier ones skip their reductions of st->grads and sum their local
   // gradients in grad_work; the last one's reductions add that sum to their elements first, and
   // the elements no reduction saw get it after (comm.c, the gradient hook).
+  // A device does the same with its own buffers (RtDevice.accumulate).
   int M = micro_count(m);
   int64_t n = (int64_t)m->param_floats;
-  if (M > 1)
+  if (M > 1 && m->device)
+    m->device->accumulate(st, *done, M, false);
+  else if (M > 1)
     rt_comm_grad_hook(tr->comm, *done == M - 1 ? RT_GRAD_HOOK_ADD : RT_GRAD_HOOK_SKIP, st->grads, tr->grad_work, n);
   m->backward(st);
-  if (M > 1 && *done == 0) {   // the first microbatch's gradients become the sum
+  if (M > 1 && m->device) {
+    m->device->accumulate(st, *done, M, true);
+  } else if (M > 1 && *done == 0) {   // the first microbatch's gradients become the sum
     float *sum = st->grads;
     st->grads = tr->grad_work;
     tr->grad_work = sum;
@@ -198,17 +209,21 @@ static void share_grads(RtTrainer *tr) {
     int peer = tr->pp_peer[i];
     if (peer < 0) continue;
     const RtParam *p = &m->params[i];
-    float *g = tr->st.grads + p->offset, *other = tr->grad_work ? tr->grad_work : tr->share_buf;
+    float *g = tr->st.grads + p->offset, *other = (tr->grad_work ? tr->grad_work + p->offset : tr->share_buf);
     // the message's tag: the parameter's index in the earlier stage's program (both know it)
     const RtModel *low = tr->stages[s < peer ? s : peer];
     int k = 0;
     while (k < low->nparams && strcmp(low->params[k].name, p->name) != 0) k++;
+    if (m->device)   // the device's gradient on the host for the exchange, and the sum back
+      m->device->grads_part(&tr->st, p->offset, p->numel, false);
     RtPpSend send;
     rt_pp_send(tr->comm, peer, g, p->numel, tag + k, &send);
-    rt_pp_recv(tr->comm, peer, other + p->offset, p->numel, tag + k);
+    rt_pp_recv(tr->comm, peer, other, p->numel, tag + k);
     rt_pp_wait(&send);
-    if (s < peer) rt_add(g, other + p->offset, g, p->numel);
-    else rt_add(other + p->offset, g, g, p->numel);
+    if (s < peer) rt_add(g, other, g, p->numel);
+    else rt_add(other, g, g, p->numel);
+    if (m->device)
+      m->device->grads_part(&tr->st, p->offset, p->numel, true);
   }
 }
 
@@ -231,8 +246,13 @@ static void find_shared(RtTrainer *tr) {
         }
     }
   }
-  if (any && !tr->grad_work)
-    tr->share_buf = rt_big_alloc((m->param_floats ? m->param_floats : 1) * sizeof(float), "the shared parameters' gradients");
+  int64_t largest = 0;   // without grad_work, room for the largest one's other part
+  for (int i = 0; i < m->nparams; i++)
+    if (tr->pp_peer[i] >= 0 && m->params[i].numel > largest) largest = m->params[i].numel;
+  if (any && !tr->grad_work) {
+    tr->share_floats = largest;
+    tr->share_buf = rt_big_alloc((size_t)largest * sizeof(float), "the shared parameters' gradients");
+  }
 }
 
 int rt_pipe_step(RtTrainer *tr, int64_t t, RtStep *fwd) {
@@ -265,7 +285,9 @@ int rt_pipe_step(RtTrainer *tr, int64_t t, RtStep *fwd) {
   *fwd = acc;
   fwd->nlayer_stats = st->nlayer_stats;
   fwd->mse /= M, fwd->aux_total /= M, fwd->aux /= M, fwd->z /= M;
-  if (M > 1)
+  if (M > 1 && m->device)
+    m->device->accumulate(st, M, M, true);
+  else if (M > 1)
     rt_scale(st->grads, (int64_t)m->param_floats, 1.0f / (float)M);
   return 0;
 }

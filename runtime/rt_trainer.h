@@ -90,7 +90,8 @@ typedef struct RtTrainer {
   // embedding), and whether an earlier stage counts it in the gradient norm (pp_skip).
   int *pp_peer;
   bool *pp_skip;
-  float *share_buf;   // the peer's part of those gradients (without grad_work)
+  float *share_buf;   // the peer's part of those gradients (without grad_work), share_floats large
+  int64_t share_floats;
   int64_t pp_wait_ns;  // time this stage waited for messages of other stages (--profile)
 } RtTrainer;
 

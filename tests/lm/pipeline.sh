@@ -18,6 +18,8 @@
 #     uninterrupted run's losses;
 #   - a stage's rank killed mid-step ends the job, no hang (a cut link between stages: the
 #     emulated cluster's fault suite, tests/cluster/faults.sh);
+#   - the memory plan per stage and schedule against each stage's measured peak (1.00-1.10x), 1F1B's
+#     below GPipe's at 8 microbatches;
 #   - --sample and --export-hf through the stages: the same tokens and checkpoint bytes as one rank;
 #   - refusals: what is not built for stages (--check-grad), the CUDA target, `aux pooled` over
 #     stages, and the wrong number of ranks.
@@ -160,6 +162,40 @@ hf_sample() {
   fi
 }
 hf_sample
+
+# ---- the memory plan per stage and schedule against the measured peaks ----
+# bench/models/lm_mid.moe (6 blocks, 125 MiB of parameters; 8 windows of 128 tokens) on pp 2 with 8
+# microbatches, one step:
+# each stage's rank 0's peak resident memory within 1.00-1.10x its plan (parameters, gradients,
+# moments, the second gradient buffer, an arena per microbatch in flight: the process adds its
+# libraries and MPI's buffers), the plan as `moec build -v` prints it; 1F1B's plan below GPipe's
+# (2 and 1 microbatches in flight against 8).
+mem_stages() {   # SCHEDULE -> "plan0 plan1 measured0 measured1" in MiB
+  local d="$WORK/mid_$1"
+  mkdir -p "$d"
+  sed "s/batch 4; seqlen 256;/batch 8; seqlen 128;/; s/^layer block x 6/parallel { pp 2; microbatches 8; pp_schedule $1; }\nlayer block x 6/" \
+    bench/models/lm_mid.moe >"$d/m.moe"
+  "$MOEC" build "$d/m.moe" -v -o "$d/bin" 2>"$d/build.err" || return 1
+  (cd "$d" && $MPIRUN -np 2 ./bin --steps 1 >run.out 2>&1) || return 1
+  local plan meas
+  plan=$(sed -n 's/^# stage \([01]\): .*peak \([0-9.]*\) \([KMG]iB\) per rank.*/\2 \3/p' "$d/build.err" | awk '{print ($2 == "GiB" ? $1 * 1024 : $1)}' | paste -sd' ')
+  meas=$(sed -n 's/^# stage [01]: peak memory \([0-9.]*\) \([KMG]iB\) .*/\1 \2/p' "$d/run.out" | awk '{print ($2 == "GiB" ? $1 * 1024 : $1)}' | paste -sd' ')
+  echo "$plan $meas"
+}
+memory() {
+  local one gp
+  read -r -a one <<<"$(mem_stages 1f1b)"
+  read -r -a gp <<<"$(mem_stages gpipe)"
+  if [ "${#one[@]}" -eq 4 ] && [ "${#gp[@]}" -eq 4 ] &&
+     awk -v a="${one[*]}" -v b="${gp[*]}" 'BEGIN { split(a, x, " "); split(b, y, " ")
+       for (i = 1; i <= 2; i++) { if (x[i+2] < x[i] || x[i+2] > 1.10 * x[i] || y[i+2] < y[i] || y[i+2] > 1.10 * y[i]) exit 1 }
+       exit !(x[1] < y[1] && x[2] < y[2]) }'; then
+    ok "memory per stage, pp 2 x 8 microbatches: 1f1b planned ${one[0]} / ${one[1]} MiB, measured ${one[2]} / ${one[3]}; gpipe planned ${gp[0]} / ${gp[1]}, measured ${gp[2]} / ${gp[3]}"
+  else
+    bad "memory per stage against the plan" "1f1b: ${one[*]:-?}; gpipe: ${gp[*]:-?} (plan0 plan1 measured0 measured1, MiB)"
+  fi
+}
+memory
 
 # ---- a stage's rank killed mid-step ----
 killed() {
