@@ -1,6 +1,8 @@
 // --check-grad: every parameter's analytic gradient at step 1 against central differences of
 // the objective (mse or cross-entropy, + the aux and z losses), on any layout (each entry is
-// perturbed on every rank that holds it, the forward runs on all). rt_trainer.h; manual §12.
+// perturbed on every rank that holds it, the forward runs on all), pipeline stages included (the
+// forwards run through every stage, every sum and maximum is the job's, the first microbatch's
+// gradients are checked). rt_trainer.h; manual §12.
 //
 // float32 cannot see one entry's share of a language model's loss: a step of 1e-2 of a 0.02
 // weight moves a loss of 5 by about 1e-10, while the loss in float moves in steps of 5 * 2^-24.
@@ -41,6 +43,26 @@ enum { CHECK_ENTRIES = 12, CHECK_RETRY = 8, CHECK_RETRIES = 3 };
 #define CHECK_DIR_RESOLVE 1e-2
 #define CHECK_DIR_RTOL 2e-2
 
+// Sums and maxima over every rank of the job (the world's, then over the pipeline's stages).
+static void sum_all(RtTrainer *tr, double *v, int n) {
+  if (tr->ranks.world > 1)
+    rt_allreduce_f64(tr->comm, RT_GROUP_WORLD, v, n);
+  rt_pp_sum_f64(tr->comm, v, n);
+}
+
+static void max_all(RtTrainer *tr, double *v, int n) {
+  rt_world_max(tr->comm, v, n);
+  rt_pp_max_f64(tr->comm, v, n);
+}
+
+// The step's forward (through every stage).
+static void forward(RtTrainer *tr) {
+  if (tr->ranks.stages > 1)
+    rt_pipe_forward(tr);
+  else
+    tr->model->forward(&tr->st);
+}
+
 // Where global flat index g of p lies: *local is its index in rank r's shard, or -1 when r
 // does not hold it; the result is the world rank that owns it (rt_shard_owner).
 static int locate_entry(const RtParam *p, const RtRanks *r, int64_t g, int64_t *local) {
@@ -79,7 +101,7 @@ static bool central_difference(RtTrainer *tr, float *w, int64_t j, float orig, d
         w[j] = orig;
       return false;
     }
-    tr->model->forward(&tr->st);
+    forward(tr);
     rep[s] = rt_report_reduce(tr, &tr->st, hash0);
   }
   if (j >= 0)
@@ -99,6 +121,10 @@ typedef struct Check {
   float *saved;           // room for one parameter's values (the largest shard)
   double loss_noise;      // the rounding noise of a loss difference the directions measured (the largest)
   int width;              // of the parameter column
+  // Pipeline stages: whether this rank's stage counts the parameter being checked (its first
+  // holder); a stage that holds it too (a tied table) moves its copy alike, one that does not
+  // holds an empty view of it (numel 0) and only takes part in the forwards and reductions.
+  bool counts;
   int checked, skipped, unresolved, failed, retried;   // entries
   int params_failed, params_unresolved, params_zero, params_skipped;
 } Check;
@@ -128,7 +154,7 @@ static bool directional_difference(RtTrainer *tr, Check *cx, const RtParam *p, c
   float *w = tr->st.params + p->offset;
   memcpy(cx->saved, w, (size_t)p->numel * sizeof(float));
   double proj = 0;
-  if (rt_shard_owner(p, &tr->ranks))
+  if (cx->counts && rt_shard_owner(p, &tr->ranks))
     for (int64_t j = 0; j < p->numel; j++)
       proj += (double)g[j] * ((double)(float)(cx->saved[j] + t * u[j]) - (double)(float)(cx->saved[j] - t * u[j]));
   RtReport rep[2];
@@ -139,12 +165,11 @@ static bool directional_difference(RtTrainer *tr, Check *cx, const RtParam *p, c
       memcpy(w, cx->saved, (size_t)p->numel * sizeof(float));
       return false;
     }
-    tr->model->forward(&tr->st);
+    forward(tr);
     rep[s] = rt_report_reduce(tr, &tr->st, &cx->hash0);
   }
   memcpy(w, cx->saved, (size_t)p->numel * sizeof(float));
-  if (tr->ranks.world > 1)
-    rt_allreduce_f64(tr->comm, RT_GROUP_WORLD, &proj, 1);
+  sum_all(tr, &proj, 1);
   *an = proj / (2 * t);
   *fd = (rep[0].loss_exact - rep[1].loss_exact) / (2 * t);
   *routed = rep[0].route_changed || rep[1].route_changed;
@@ -264,15 +289,14 @@ static bool unit_direction(RtTrainer *tr, const Check *cx, const RtParam *p, boo
   int64_t off[4];
   rt_shard_offsets(p, r, off);
   uint64_t key = rt_key(rt_hash_name(p->name), RT_STREAM_NOISE);
-  bool owner = rt_shard_owner(p, r);
+  bool owner = rt_shard_owner(p, r) && cx->counts;
   double sq = 0;
   for (int64_t j = 0; j < p->numel; j++) {
     double d = random ? rt_normal(key, (uint64_t)rt_shard_global_index(p, off, j)) : cx->grad[p->offset + j];
     u[j] = (float)d;
     sq += owner ? d * d : 0;
   }
-  if (r->world > 1)
-    rt_allreduce_f64(tr->comm, RT_GROUP_WORLD, &sq, 1);
+  sum_all(tr, &sq, 1);
   for (int64_t j = 0; j < p->numel && sq > 0; j++)
     u[j] = (float)(u[j] / sqrt(sq));
   return sq > 0;
@@ -299,7 +323,7 @@ static bool check_entries(RtTrainer *tr, Check *cx, const RtParam *p, double uni
   double max_g = 0;
   for (int64_t j = 0; j < p->numel; j++)
     max_g = fmax(max_g, fabs(g[j]));
-  rt_world_max(tr->comm, &max_g, 1);
+  max_all(tr, &max_g, 1);
   double atol_grad = CHECK_ATOL_GRAD * max_g;
   int64_t numel = rt_param_global_numel(p);
   int64_t count = numel < CHECK_ENTRIES ? numel : CHECK_ENTRIES;
@@ -311,12 +335,11 @@ static bool check_entries(RtTrainer *tr, Check *cx, const RtParam *p, double uni
     int owner = locate_entry(p, r, gi, &j);
     // The owner's value and gradient, known to every rank.
     double entry[2] = {0, 0};
-    if (r->rank == owner) {
+    if (r->rank == owner && j >= 0 && cx->counts) {
       entry[0] = w[j];
       entry[1] = g[j];
     }
-    if (r->world > 1)
-      rt_allreduce_f64(tr->comm, RT_GROUP_WORLD, entry, 2);
+    sum_all(tr, entry, 2);
     float orig = (float)entry[0];
     double grad_j = entry[1], tol = atol_grad + CHECK_RTOL * fabs(grad_j);
     double eps = CHECK_EPS * fmax(unit, fabs(orig)), fd, noise;
@@ -380,7 +403,7 @@ static bool check_param(RtTrainer *tr, Check *cx, const RtParam *p) {
   for (int64_t j = 0; j < p->numel; j++)
     sq += (double)tr->st.params[p->offset + j] * tr->st.params[p->offset + j];
   double unit = p->numel > 0 ? sqrt(sq / (double)p->numel) : 0;
-  rt_world_max(tr->comm, &unit, 1);
+  max_all(tr, &unit, 1);
   unit = tr->model->vocab > 0 ? fmax(unit, 1e-2) : 1.0;
   double t = CHECK_DIR_STEP * unit * sqrt((double)rt_param_global_numel(p));
   Directional dir[2] = {{DIR_ZERO, 0}, {DIR_ZERO, 0}};
@@ -422,10 +445,27 @@ static bool check_param(RtTrainer *tr, Check *cx, const RtParam *p) {
   return true;
 }
 
+// The index of the parameter named name in m, or -1.
+static int param_index(const RtModel *m, const char *name) {
+  for (int i = 0; i < m->nparams; i++)
+    if (strcmp(m->params[i].name, name) == 0) return i;
+  return -1;
+}
+
 static void print_check_header(const RtTrainer *tr, double loss0, int width) {
   const RtModel *m = tr->model;
+  int nparams = m->nparams;
+  for (int s = 0; tr->ranks.stages > 1 && s < tr->ranks.stages; s++) {   // every stage's, a tied one once
+    nparams = s == 0 ? 0 : nparams;
+    for (int i = 0; i < tr->stages[s]->nparams; i++) {
+      bool earlier = false;
+      for (int e = 0; e < s && !earlier; e++) earlier = param_index(tr->stages[e], tr->stages[s]->params[i].name) >= 0;
+      nparams += !earlier;
+    }
+  }
   printf("# gradient check of %s at step 1: loss %.6f (the objective: %s + the aux and z losses times their "
-         "coefficients), %d parameters\n", m->name, loss0, m->vocab > 0 ? "cross-entropy" : "mse", m->nparams);
+         "coefficients), %d parameters%s\n", m->name, loss0, m->vocab > 0 ? "cross-entropy" : "mse", nparams,
+         tr->ranks.stages > 1 ? " (of every pipeline stage; a tied one once)" : "");
   printf("# differences of the loss before its rounding to float; each measured again at a step 2^-7 longer,\n"
          "#   %.0f times the change bounds its rounding noise\n", CHECK_NOISE_SAFETY);
   printf("# checked: central differences on up to %d entries per parameter, eps = %.0e * max(%s, |p|); pass:\n"
@@ -447,7 +487,7 @@ static void print_check_header(const RtTrainer *tr, double loss0, int width) {
 
 // MOERT_CHECK_GRAD_PLANT (tests only): "1" makes the last parameter's gradient 20 % too large,
 // NAME makes that parameter's 10 % too large: a planted bug the check must report.
-static void plant_error(const RtModel *m, float *grad) {
+static void plant_error(const RtModel *m, float *grad, bool stages) {
   const char *plant = getenv("MOERT_CHECK_GRAD_PLANT");
   if (!plant || !*plant || m->nparams == 0)
     return;
@@ -459,8 +499,10 @@ static void plant_error(const RtModel *m, float *grad) {
     for (int i = 0; i < m->nparams && !p; i++)
       if (strcmp(m->params[i].name, plant) == 0)
         p = &m->params[i];
-    if (!p)
+    if (!p && !stages)   // (with stages: another stage's parameter)
       rt_fail("MOERT_CHECK_GRAD_PLANT: the model has no parameter '%s'", plant);
+    if (!p)
+      return;
   }
   for (int64_t j = 0; j < p->numel; j++)
     grad[p->offset + j] *= factor;
@@ -479,15 +521,72 @@ static bool selected(const char *only, const char *name) {
   return false;
 }
 
+
+// Pipeline stages: what this rank checks of q (stage s's parameter): its own copy when its stage
+// holds it, else an empty view (no element here; its entries' owners are on stage s).
+static const RtParam *view_of(const RtTrainer *tr, const RtParam *q, RtParam *view) {
+  int i = param_index(tr->model, q->name);
+  if (i >= 0) return &tr->model->params[i];
+  *view = *q;
+  for (int d = 0; d < 4; d++) view->dims[d] = 0;
+  view->numel = 0, view->offset = 0;
+  view->shard_ep = view->shard_esp = view->shard_mp = -1;
+  return view;
+}
+
+// The gradients and figures of the step's first microbatch: st->grads, *rep0, the routing's hash.
+static void first_step(RtTrainer *tr, RtReport *rep0, uint64_t *hash0) {
+  RtStep *st = &tr->st;
+  rt_fill_step_data(tr, 1);
+  if (tr->ranks.stages > 1) {
+    RtStep fwd;
+    rt_pipe_step1(tr, &fwd);
+    *rep0 = rt_report_reduce(tr, &fwd, NULL);
+    *hash0 = fwd.route_hash;
+    return;
+  }
+  tr->model->forward(st);
+  *rep0 = rt_report_reduce(tr, st, NULL);
+  *hash0 = st->route_hash;
+  tr->model->backward(st);
+}
+
+// Every parameter of every stage in order (a tied table once, at its first stage), each checked
+// collectively: nchecked, nbalance. False when an upload failed.
+static bool check_all(RtTrainer *tr, Check *cx, int *nchecked, int *nbalance) {
+  int stages = tr->ranks.stages > 1 ? tr->ranks.stages : 1;
+  bool root = rt_is_root(tr);
+  for (int s = 0; s < stages; s++) {
+    const RtModel *sm = stages > 1 ? tr->stages[s] : tr->model;
+    for (int i = 0; i < sm->nparams; i++) {
+      const RtParam *q = &sm->params[i];
+      bool earlier = false;
+      for (int e = 0; e < s && !earlier; e++) earlier = param_index(tr->stages[e], q->name) >= 0;
+      if (earlier) continue;
+      RtParam view;
+      const RtParam *p = stages > 1 ? view_of(tr, q, &view) : q;
+      cx->counts = stages == 1 || s == tr->ranks.stage;
+      if (q->balance && selected(tr->opt.check_grad_only, q->name)) {
+        // its "gradient" is the load imbalance (opt.balance), not a derivative of the loss
+        if (root)
+          printf("%-*s  not trained by its gradient (balance bias): not checked\n", cx->width, q->name);
+        (*nbalance)++;
+      } else if (selected(tr->opt.check_grad_only, q->name)) {
+        if (!check_param(tr, cx, p)) return false;
+        (*nchecked)++;
+      }
+    }
+  }
+  return true;
+}
+
 int rt_check_grad(RtTrainer *tr) {
   const RtModel *m = tr->model;
   RtStep *st = &tr->st;
   bool root = rt_is_root(tr);
-  rt_fill_step_data(tr, 1);
-  m->forward(st);
-  RtReport rep0 = rt_report_reduce(tr, st, NULL);
-  Check cx = {.hash0 = st->route_hash, .width = 9};
-  m->backward(st);
+  RtReport rep0;
+  Check cx = {.width = 9};
+  first_step(tr, &rep0, &cx.hash0);
   float *grad = rt_alloc(m->param_floats * sizeof(float), "the gradients of --check-grad");
   if (rt_device_get(tr, RT_DEVICE_GRADS) != 0) {
     free(grad);
@@ -495,9 +594,10 @@ int rt_check_grad(RtTrainer *tr) {
   }
   memcpy(grad, st->grads, m->param_floats * sizeof(float));
   rt_shard_gather_grads(tr->comm, m, grad);
-  plant_error(m, grad);
+  plant_error(m, grad, tr->ranks.stages > 1);
   cx.grad = grad;
-  // The scale "zero" is measured against: the largest gradient entry, the largest norm.
+  // The scale "zero" is measured against: the largest gradient entry, the largest norm (of every
+  // stage's parameters).
   int64_t largest = 1;
   double *norms = rt_alloc((size_t)(m->nparams + 1) * sizeof(double), "the gradient norms of --check-grad");
   double max_g = 0;
@@ -510,40 +610,35 @@ int rt_check_grad(RtTrainer *tr) {
       max_g = fmax(max_g, fabs(g));
       norms[i] += owner ? g * g : 0;
     }
-    if ((int)strlen(p->name) > cx.width)
-      cx.width = (int)strlen(p->name);
     largest = p->numel > largest ? p->numel : largest;
+  }
+  for (int s = 0; s < (tr->ranks.stages > 1 ? tr->ranks.stages : 1); s++) {
+    const RtModel *sm = tr->ranks.stages > 1 ? tr->stages[s] : m;
+    for (int i = 0; i < sm->nparams; i++)
+      if ((int)strlen(sm->params[i].name) > cx.width) cx.width = (int)strlen(sm->params[i].name);
   }
   if (tr->ranks.world > 1)
     rt_allreduce_f64(tr->comm, RT_GROUP_WORLD, norms, m->nparams);
-  rt_world_max(tr->comm, &max_g, 1);
+  max_all(tr, &max_g, 1);
   double max_norm = 0;
   for (int i = 0; i < m->nparams; i++)
     max_norm = fmax(max_norm, sqrt(norms[i]));
+  max_all(tr, &max_norm, 1);
   free(norms);
   cx.zero_entry = CHECK_ZERO * max_g;
   cx.zero_dir = CHECK_ZERO * max_norm;
   cx.saved = rt_alloc((size_t)largest * sizeof(float), "the saved parameter of --check-grad");
   if (root)
     print_check_header(tr, rep0.loss, cx.width);
-  bool device_failed = false;   // an upload of the perturbed parameters failed (all ranks agree)
   int nchecked = 0, nbalance = 0;
-  for (int i = 0; i < m->nparams && !device_failed; i++)
-    if (m->params[i].balance && selected(tr->opt.check_grad_only, m->params[i].name)) {
-      // its "gradient" is the load imbalance (opt.balance), not a derivative of the loss
-      if (root)
-        printf("%-*s  not trained by its gradient (balance bias): not checked\n", cx.width, m->params[i].name);
-      nbalance++;
-    } else if (selected(tr->opt.check_grad_only, m->params[i].name)) {
-      device_failed = !check_param(tr, &cx, &m->params[i]);
-      nchecked++;
-    }
+  // an upload of the perturbed parameters failed (all ranks agree)
+  bool device_failed = !check_all(tr, &cx, &nchecked, &nbalance);
   free(grad);
   free(cx.saved);
   // Leave the step's state as the unperturbed forward left it.
   if (device_failed || rt_device_put(tr, RT_DEVICE_PARAMS) != 0)
     return -1;
-  m->forward(st);
+  forward(tr);
   int resolved = nchecked - cx.params_failed - cx.params_unresolved - cx.params_zero - cx.params_skipped;
   bool ok = cx.params_failed == 0 && resolved > 0;
   if (root) {

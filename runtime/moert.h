@@ -254,10 +254,27 @@ typedef struct RtDevice {
   int (*upload)(RtStep *st, unsigned what);     // host -> device; what: RtDeviceData bits
   int (*download)(RtStep *st, unsigned what);   // device -> host
   void (*destroy)(RtStep *st);                  // after a successful create
+  // Microbatches and pipeline stages (runtime/pipeline.c); set by a program that has either, NULL
+  // otherwise. Like the step functions they end the job on a failure (rt_comm_abort).
+  // use_slot: the step functions that follow run microbatch slot `slot` (0 .. rt_pipe_slots - 1):
+  // its activations, input and target in device memory of its own, filled from st->input and
+  // st->target (host memory, the slot's) as in a step of one microbatch.
+  void (*use_slot)(RtStep *st, int slot);
+  // accumulate: the gradients of `micros` microbatches summed on the device, as pipeline.c sums
+  // them on the host: called before (after = false) and after the backward of microbatch `micro`
+  // (0 .. micros - 1), and with micro = micros after the step's last backward (and after
+  // grads_part's exchange of the parameters two stages hold) for the division by micros.
+  void (*accumulate)(RtStep *st, int micro, int micros, bool after);
+  // grads_part: st->grads[offset, offset + n) from the device (to_device false) or to it.
+  void (*grads_part)(RtStep *st, size_t offset, int64_t n, bool to_device);
 } RtDevice;
 // The forward reads st->input and st->target (host memory) itself, and leaves the step's
 // statistics (mse, aux, z, aux_total, dropped, routed, loads, route_hash) in st as the CPU
-// target's does. A failure inside a step function ends the job (rt_comm_abort).
+// target's does. A pipeline stage's messages go through host memory there too: the forward of a
+// stage before the last leaves st->output (its activations) in host memory of the slot's, the
+// backward of a stage after the first st->input_grad, and the backward of a stage before the last
+// reads its target (the gradient the next stage sent) from st->target again. A failure inside a
+// step function ends the job (rt_comm_abort).
 
 // ---- the model description the generated program fills in ----
 typedef enum RtInit { RT_INIT_ZEROS, RT_INIT_ONES, RT_INIT_NORMAL, RT_INIT_CONST } RtInit;

@@ -277,12 +277,6 @@ int rt_options_check(const RtModel *m, const RtOptions *o) {
       {"--dump", o->dump, true},  {"--record", o->record, false}};
   for (size_t i = 0; i < sizeof out / sizeof out[0]; i++)
     if (out[i].path && check_writable(out[i].opt, out[i].path, out[i].dir) != 0) return -1;
-  if (m->pp > 1) {   // what reads or writes the whole model at once is not split into stages yet
-    const char *whole = o->check_grad ? "--check-grad" : NULL;
-    if (whole)
-      return rt_fail("%s is not built for pipeline stages yet (model '%s' has pp %d): build it with pp 1 (the same "
-                     "microbatches give the same training) for %s", whole, m->name, m->pp, whole);
-  }
   if (o->export_hf && !m->hf_config)
     return rt_fail("--export-hf: model '%s' cannot be written as a Hugging Face checkpoint: %s", m->name,
                    m->hf_refusal ? m->hf_refusal : "it was built by a moec that does not know the families");

@@ -307,3 +307,23 @@ void rt_pipe_forward(RtTrainer *tr) {
     rt_pp_wait(&tr->sends[0]);
   }
 }
+
+// The first microbatch of the data in slot 0 through every stage, forward and backward (--check-grad):
+// st->grads its gradients (a tied table's parts added), *fwd the forward's figures.
+void rt_pipe_step1(RtTrainer *tr, RtStep *fwd) {
+  const RtModel *m = tr->model;
+  RtStep *st = &tr->st;
+  int P = stage_count(m), s = m->pp > 1 ? m->stage : 0;
+  use_slot(tr, 0);
+  rt_pipe_forward(tr);
+  *fwd = *st;
+  if (s < P - 1)
+    rt_pp_recv(tr->comm, s + 1, tr->targets[0], boundary_floats(m), 1);
+  m->backward(st);
+  if (s > 0) {
+    rt_pp_send(tr->comm, s - 1, st->input_grad, boundary_floats(m), 1, &tr->sends[1]);
+    rt_pp_wait(&tr->sends[1]);
+  }
+  if (P > 1)
+    share_grads(tr);
+}

@@ -134,6 +134,9 @@ void rt_pipe_destroy(RtTrainer *tr);
 int rt_pipe_step(RtTrainer *tr, int64_t t, RtStep *fwd);
 // One forward through the stages of the data in slot 0 (validation).
 void rt_pipe_forward(RtTrainer *tr);
+// One microbatch (the data in slot 0) forward and backward through the stages (--check-grad): its
+// gradients in st.grads, the forward's figures in *fwd.
+void rt_pipe_step1(RtTrainer *tr, RtStep *fwd);
 
 // ---- the report: a step's figures, reduced over the ranks (main.c) ----
 

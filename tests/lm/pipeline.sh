@@ -21,8 +21,9 @@
 #   - the memory plan per stage and schedule against each stage's measured peak (1.00-1.10x), 1F1B's
 #     below GPipe's at 8 microbatches;
 #   - --sample and --export-hf through the stages: the same tokens and checkpoint bytes as one rank;
-#   - refusals: what is not built for stages (--check-grad), the CUDA target, `aux pooled` over
-#     stages, and the wrong number of ranks.
+#   - --check-grad through the stages (the same entries and results as pp 1, a planted error in the
+#     last stage fails, pp 2 x dp 2 x ep 2 passes);
+#   - refusals: the CUDA target, `aux pooled` over stages, and the wrong number of ranks.
 . "$(dirname "$0")/../lib.sh"
 . "$(dirname "$0")/../mpi/common.sh"
 work lm-pipeline
@@ -221,7 +222,38 @@ refuse() {   # refuse LABEL PATTERN CMD...: CMD fails and says PATTERN
   if grep -q -- "$pattern" "$WORK/r.out"; then ok "$label: refused ($(grep -m1 -- "$pattern" "$WORK/r.out" | cut -c1-150))"
   else bad "$label: the message" "$(cat "$WORK/r.out")"; fi
 }
-refuse "--check-grad with pp 2" "not built for pipeline stages yet" $MPIRUN -np 2 "$WORK/lm_pp2/bin" --check-grad
+# ---- --check-grad through the stages ----
+# pp 2 checks the same entries with the same results as pp 1 (the differences are of the whole
+# pipeline's loss; the tied table perturbed on both stages that hold it); a 10 % error planted in a
+# parameter of the last stage fails it; pp 2 x dp 2 x ep 2 passes.
+check_grad() {
+  local d="$WORK/cg"
+  mkdir -p "$d"
+  (cd "$d" && "$WORK/lm_m4/bin" --check-grad >one.out 2>&1; $MPIRUN -np 2 "$WORK/lm_pp2/bin" --check-grad >two.out 2>&1
+   MOERT_CHECK_GRAD_PLANT=dense0.mlp.w2 $MPIRUN -x MOERT_CHECK_GRAD_PLANT -np 2 "$WORK/lm_pp2/bin" --check-grad >plant.out 2>&1
+   $MPIRUN -np 4 "$WORK/pp_dpep/bin" --check-grad >four.out 2>&1)
+  local one two
+  one=$(grep '^# [0-9]* entries checked\|^# [0-9]* parameters:' "$d/one.out")
+  two=$(grep '^# [0-9]* entries checked\|^# [0-9]* parameters:' "$d/two.out")
+  if [ "$(tail -n 1 "$d/two.out")" = OK ] && [ -n "$one" ] && [ "$one" = "$two" ] && grep -q 'embed.wte .* OK$' "$d/two.out"; then
+    ok "--check-grad on pp 2: OK, the entries and results of pp 1 ($(echo "$two" | tail -n 1 | cut -c3-80))"
+  else
+    bad "--check-grad on pp 2" "$(tail -n 3 "$d/one.out" "$d/two.out")"
+  fi
+  if grep -q '^FAILED$' "$d/plant.out" && grep -q '^dense0.mlp.w2 .*FAILED$' "$d/plant.out" &&
+     [ "$(grep -c ' FAILED$' "$d/plant.out")" -eq 1 ]; then
+    ok "--check-grad on pp 2: a 10 % error planted in the last stage's dense0.mlp.w2 fails it"
+  else
+    bad "--check-grad on pp 2 with a planted error" "$(tail -n 3 "$d/plant.out")"
+  fi
+  if [ "$(tail -n 1 "$d/four.out")" = OK ]; then
+    ok "--check-grad on pp 2 x dp 2 x ep 2: OK ($(grep '^# [0-9]* parameters:' "$d/four.out" | cut -c3-80))"
+  else
+    bad "--check-grad on pp 2 x dp 2 x ep 2" "$(tail -n 5 "$d/four.out")"
+  fi
+}
+check_grad
+
 refuse "pp 2 on 1 rank" "needs pp 2 x dp 1 x mp 1 = 2 ranks but 1 is running" "$WORK/lm_pp2/bin" --steps 1
 refuse "pp 2 for the CUDA target" "runs on the CPU target only" "$MOEC" build "$WORK/lm_pp2.moe" --target cuda -o "$WORK/x"
 sed 's/gate gshard { k 2;/gate gshard { aux pooled; k 2;/' "$WORK/lm_pp2.moe" >"$WORK/pooled.moe"
