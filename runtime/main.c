@@ -142,11 +142,14 @@ static int trainer_create(RtTrainer *tr, const RtModel *model, const RtOptions *
   // step (a run that trains none, a conversion or --sample, faults in what it uses).
   st->input = tr->input;
   st->target = tr->target;
+  int all_layers = nstages > 1 ? 0 : model->nlayers;   // with stages, every stage's (the log holds them all)
+  for (int s = 0; nstages > 1 && s < nstages; s++) all_layers += stages[s]->nlayers;
   if (tr->opt.log && model->nlayers > 0) {   // every rank keeps them: --log reduces them over the world
     st->max_layer_stats = model->nlayers;
     st->layer_stats = rt_calloc((size_t)model->nlayers, sizeof *st->layer_stats, "the layers' statistics");
-    tr->log_layers = rt_calloc((size_t)model->nlayers, sizeof *tr->log_layers, "the layers' statistics");
   }
+  if (tr->opt.log && all_layers > 0)
+    tr->log_layers = rt_calloc((size_t)all_layers, sizeof *tr->log_layers, "the layers' statistics");
   if (tr->opt.log && tr->ranks.rank == 0 && tr->ranks.stage == 0 && !(tr->log = rt_log_open(tr->opt.log, model->name, tr->opt.resume)))
     return -1;
   if (model->device) {
@@ -321,10 +324,20 @@ static int log_step(RtTrainer *tr, const RtStep *fwd, const RtReport *rep, int64
                     double tokens_per_s) {
   if (!tr->opt.log)
     return 0;
-  int n = fwd->layer_stats ? fwd->nlayer_stats : 0;
+  int mine = fwd->layer_stats ? fwd->nlayer_stats : 0, n = mine, first = 0;
+  if (tr->ranks.stages > 1) {   // every stage's routed layers, in order: this stage's from `first`
+    int P = tr->ranks.stages;
+    double *count = rt_calloc((size_t)P, sizeof *count, "the layers' statistics");
+    count[tr->ranks.stage] = mine;
+    rt_pp_sum_f64(tr->comm, count, P);
+    n = 0;
+    for (int s = 0; s < P; s++) first += s < tr->ranks.stage ? (int)count[s] : 0, n += (int)count[s];
+    free(count);
+  }
   double *sums = rt_calloc((size_t)(6 * n + 1), sizeof *sums, "the layers' statistics"), *maxes = sums + 4 * n;
-  for (int i = 0; i < n; i++) {
-    const RtLayerStats *l = &fwd->layer_stats[i];
+  for (int i = 0; i < 2 * n; i++) maxes[i] = -INFINITY;
+  for (int i = first; i < first + mine; i++) {
+    const RtLayerStats *l = &fwd->layer_stats[i - first];
     sums[4 * i] = l->load_sum;
     sums[4 * i + 1] = (double)l->load_count;
     sums[4 * i + 2] = (double)l->dropped;
@@ -335,6 +348,10 @@ static int log_step(RtTrainer *tr, const RtStep *fwd, const RtReport *rep, int64
   if (tr->ranks.world > 1 && n > 0) {
     rt_allreduce_f64(tr->comm, RT_GROUP_WORLD, sums, 4 * n);
     rt_world_max(tr->comm, maxes, 2 * n);
+  }
+  if (tr->ranks.stages > 1 && n > 0) {
+    rt_pp_sum_f64(tr->comm, sums, 4 * n);
+    rt_pp_max_f64(tr->comm, maxes, 2 * n);
   }
   for (int i = 0; i < n; i++)
     tr->log_layers[i] = (RtLogLayer){.load_min = sums[4 * i + 1] > 0 ? -maxes[2 * i] : 0,
