@@ -376,8 +376,9 @@ static int write_shard(const RtComm *c, const char *file, const RtModel *m, cons
   snprintf(step_text, sizeof step_text, "%lld", (long long)step);
   snprintf(world_text, sizeof world_text, "%d", rt_all_size(c));
   snprintf(rank_text, sizeof rank_text, "%d", rt_all_rank(c));
-  snprintf(layout_text, sizeof layout_text, "pp=%d dp=%d mp=%d ep=%d esp=%d", r->stages, r->dp, r->mp, r->ep,
-           r->esp);
+  // "pp=P " with pipeline stages only (one stage's shards as before)
+  int at = r->stages > 1 ? snprintf(layout_text, sizeof layout_text, "pp=%d ", r->stages) : 0;
+  snprintf(layout_text + at, sizeof layout_text - (size_t)at, "dp=%d mp=%d ep=%d esp=%d", r->dp, r->mp, r->ep, r->esp);
   const char *fixed[2 * FIXED_META] = {"format", checkpoint_v2, "model", m->name,
                                        "optimizer", optimizer_of(m), "step", step_text,
                                        "world", world_text, "rank", rank_text,
@@ -438,11 +439,13 @@ char *rt_json_quote(const char *s, const char *what) {
 // Every rank of every pipeline stage writes a shard: world is the whole job's.
 static char *index_text(const char *path, const RtModel *m, const RtRanks *r, int world, int64_t step) {
   char *model = rt_json_quote(m->name, "the index of a checkpoint");
+  char pp_json[32] = "";   // "pp" with pipeline stages only (the index of one stage as before)
+  if (r->stages > 1) snprintf(pp_json, sizeof pp_json, "\"pp\": %d, ", r->stages);
   char *text = str_printf("{\n  \"format\": \"%s\",\n  \"model\": %s,\n  "
                           "\"optimizer\": \"%s\",\n  \"step\": %lld,\n  \"world\": %d,\n  "
-                          "\"layout\": {\"pp\": %d, \"dp\": %d, \"mp\": %d, \"ep\": %d, \"esp\": %d},\n  "
+                          "\"layout\": {%s\"dp\": %d, \"mp\": %d, \"ep\": %d, \"esp\": %d},\n  "
                           "\"shards\": [",
-                          checkpoint_v2, model, optimizer_of(m), (long long)step, world, r->stages, r->dp,
+                          checkpoint_v2, model, optimizer_of(m), (long long)step, world, pp_json, r->dp,
                           r->mp, r->ep, r->esp);
   free(model);
   for (int k = 0; k < world; k++) {
