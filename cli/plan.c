@@ -47,6 +47,7 @@ void cli_cluster_from_fe(const FeCluster *f, SchedCluster *c) {
                       .overlap_compute = f->overlap_compute, .overlap_comm = f->overlap_comm,
                       .alltoall_intra = {f->alltoall_intra.alpha, f->alltoall_intra.beta},
                       .allreduce_intra = {f->allreduce_intra.alpha, f->allreduce_intra.beta},
+                      .p2p = {f->p2p.alpha, f->p2p.beta}, .p2p_intra = {f->p2p_intra.alpha, f->p2p_intra.beta},
                       .memory = (double)f->memory};
   for (int i = 0; i < f->ngemm_at && i < SCHED_MAX_GEMM_AT; i++)
     c->gemm_at[c->ngemm_at++] = (SchedGemmAt){f->gemm_at[i][0], f->gemm_at[i][1], f->gemm_at[i][2], f->gemm_at[i][3]};

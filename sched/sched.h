@@ -50,6 +50,8 @@ typedef struct SchedCluster {
   double overlap_compute, overlap_comm;   // relative slowdowns of computation and communication
                                           // that run at once (0: none; a CPU rank's are not)
   SchedCoef alltoall_intra, allreduce_intra;   // inside one node (0, 0: not in the profile)
+  SchedCoef p2p, p2p_intra;   // a point-to-point message across nodes / inside one, n = its floats
+                              // (0, 0: not in the profile; sched_p2p_fit derives one)
   double memory;          // bytes a rank may use (0: not in the profile)
   SchedGemmAt gemm_at[SCHED_MAX_GEMM_AT];   // GEMM times by shape (none: `gemm` prices by size)
   int ngemm_at;
@@ -258,6 +260,8 @@ typedef struct SchedStack {
                                     // plan with their GEMMs and collectives that much slower
   int r_fix[2];                 // > 0: every layer runs this degree in that phase (a model's
                                 // explicit `pipeline { forward N; backward M; }`), only priced
+  bool quick;                   // fsmoe's gradient partition without step 2's global optimiser (the
+                                // layout search's estimates of pipeline stages: hundreds of stacks)
 } SchedStack;
 
 // fsmoe's degree for one layer and phase with grad_elems of AllReduce inside the MoE (lang/manual.md §8):
@@ -347,6 +351,67 @@ double sched_sim_moe(IrPolicy pol, const SchedLayerCost *c, int phase, int r, do
 // Resource lower bound of any schedule of the stack: the busiest resource's total work at
 // r = 1 with all gradients in one AllReduce. busiest: index of that resource.
 double sched_lower_bound(const SchedStack *st, SchedResource *busiest, double total[SCHED_NRES]);
+
+// ---- pipeline stages (sched/sched_pipe.c, lang/manual.md §6) ----
+// The fit of one point-to-point message of n floats between neighbouring stages, every rank of a
+// node sending at once: across nodes (the profile's `p2p`) or inside one (`p2p_intra`); where the
+// profile has none, derived from its AlltoAll of the same reach (one peer's share of it). *how
+// says which ("p2p", "p2p_intra" or "derived from ...").
+SchedCoef sched_p2p_fit(const SchedCluster *c, bool across, const char **how);
+// The messages from stage s to stage s + 1 of a pipeline of `ranks` ranks a stage (world rank =
+// stage * ranks + its place; gpus_per_node consecutive ranks a node): the fit, *across when some
+// cross a node's link (their beta scaled by the share of the node's ranks that send across it).
+SchedCoef sched_p2p_boundary(const SchedCluster *c, int ranks, int s, bool *across, const char **how);
+// The microbatches in flight on stage s of `stages` (runtime/pipeline.c): micro with GPipe,
+// min(stages - s, micro) with 1F1B; 1 without stages.
+int sched_pipe_slots(int stages, int s, int micro, bool gpipe);
+
+typedef struct SchedPipe {
+  int stages, micro;
+  // [stages] one microbatch's forward and backward on each stage (ms): a microbatch before the last
+  // sums its gradients locally (t_micro), the last one reduces the step's (t_last; NULL: t_micro)
+  // (runtime/pipeline.c, comm.c's gradient hook).
+  const double *t_micro, *t_last;
+  const double *t_update;   // [stages] each stage's update, once a step (ms); NULL: none
+  const double *t_msg;      // [stages - 1] one message from stage b to b + 1 (ms)
+} SchedPipe;
+typedef struct SchedPipePlan {
+  double t_step;     // t_pipe + t_reduce + t_msgs + t_update
+  double t_pipe;     // (micro + stages - 1) x the slowest stage's microbatch
+  double t_reduce;   // what the last microbatch adds on a stage for reducing the gradients (the most)
+  double t_msgs;     // the messages on the critical path: 2 per boundary
+  double t_update;   // the longest update
+  double bubble;     // (stages - 1) / (micro + stages - 1)
+  int slowest;       // the stage whose microbatch is the slowest
+} SchedPipePlan;
+// The planned step of a pipeline of stages (GPipe and 1F1B alike): fill and drain at the slowest
+// stage's pace, the last microbatch's reductions, the messages on the critical path, the update.
+void sched_pipe_step(const SchedPipe *p, SchedPipePlan *out);
+// Each layer's share of a planned stack's simulated step (t_layer[n], ms): its forward's and
+// backward's spans on the compute stream, and of what is all-reduced after the backward its
+// gradients' share. They add up to the simulated step. False on an internal error.
+bool sched_layer_times(const SchedStack *st, const SchedPlan *plan, double *t_layer);
+
+// A model's n layer instances, in order, to be split over stages.
+typedef struct SchedSplit {
+  int n, stages, micro;
+  bool gpipe;               // the in-flight microbatches of each stage (sched_pipe_slots)
+  const double *t;          // [n] each instance's time per microbatch (ms)
+  double t_first, t_last;   // the embedding's (the first stage), the head's and loss's (the last)
+  // The memory: bytes a stage holds once (parameters, gradients, optimizer state) and bytes of
+  // activations per microbatch in flight; NULL: no limit is checked.
+  const double *bytes, *act;
+  double bytes_first, act_first, bytes_last, act_last;
+  double memory;            // bytes a rank may use (0: no limit)
+} SchedSplit;
+// The estimated peak of stage s holding instances [first, first + count).
+double sched_split_peak(const SchedSplit *sp, int s, int first, int count);
+// The slowest stage's time of the split counts[stages].
+double sched_split_slowest(const SchedSplit *sp, const int64_t *counts);
+// The split (counts[stages], each >= 1, adding up to n) whose slowest stage is the fastest among
+// those whose stages' estimated peaks fit the memory (*within; when none does, among all); the
+// split `equal` (may be NULL) where it is as fast. False when n < stages.
+bool sched_pipe_split(const SchedSplit *sp, const int64_t *equal, int64_t *counts, bool *within);
 
 // ---- output (sched/sched_trace.c) ----
 // Chrome trace JSON (chrome://tracing, Perfetto): one thread per stream, times in us.

@@ -384,7 +384,7 @@ static bool plan_partitioned(const SchedStack *st, SchedPlan *plan) {
   double best_t = INFINITY, best_fwd = 0, best_tail = 0;
   const char *best_mode = NULL;
   bool ok = true;
-  for (int m = 0; m < 4 && ok; m++) {
+  for (int m = st->quick ? 1 : 0; m < 4 && ok; m++) {
     SchedGradPart gp = {0};
     if (!sched_gradpart(st, iio ? fsmoe_fmoe : noiio_fmoe, olp, modes[m], &gp)) {
       ok = false;
