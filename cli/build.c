@@ -8,6 +8,7 @@
 
 #include "cli/cli.h"
 #include "cli/options.h"
+#include "cli/plan.h"
 #include "codegen/cg.h"
 #include "frontend/fe.h"
 #include "ir/ir.h"
@@ -74,6 +75,7 @@ typedef struct Options {
   const char *input, *output, *after, *emit, *keep_c, *cluster, *target, *gpu_arch, *layout, *stage_arg;
   bool all, verbose, no_fuse;
   int stage;   // the pipeline stage lowered (--stage N for dump-ir and --emit c; the build: each)
+  const int64_t *pp_split;   // the stages' layers the first front end chose (build_stages); NULL: choose
 } Options;
 
 static bool ends_with(const char *s, const char *suffix) {
@@ -154,6 +156,9 @@ typedef struct Cluster {
   char layout_spec[64];    // the layout parallel auto chose, as --layout takes it ("" otherwise)
   int64_t memory;          // the profile's `memory`: bytes a rank may use (0: no limit known)
   int stages;              // the model's pipeline stages (1: none)
+  int64_t pp_split[FE_MAX_STAGES];   // with stages: the layer instances of each (written or chosen)
+  char split_note[512];    // how they were chosen ("" when pp_layers writes them)
+  char stage_layers[256];  // the stage lowered's layers (cli_stage_layers)
 } Cluster;
 
 // Front end: read, parse, check, load the cluster profile, lower (with the refusals of target).
@@ -186,6 +191,23 @@ static IrModule *front_end(IrDiag *d, const Options *o, const FeTargetCaps *targ
   }
   p->stage = o->stage;
   cl->stages = p->parallel.pp > 1 ? (int)p->parallel.pp : 1;
+  // The stages' layers: pp_layers as written, the split the first stage's front end chose, or the
+  // cost model's (cli/stages.c).
+  if (ok && cl->stages > 1 && p->parallel.npp_layers != p->parallel.pp) {
+    if (o->pp_split) {
+      memcpy(p->parallel.pp_layers, o->pp_split, (size_t)cl->stages * sizeof *o->pp_split);
+      p->parallel.npp_layers = cl->stages;
+    } else {
+      ok = cli_stage_split(d, p, have_cluster ? &cluster : NULL, cl->split_note, sizeof cl->split_note);
+    }
+  }
+  if (ok && cl->stages > 1) {
+    for (int s = 0; s < cl->stages; s++) {
+      int64_t first;
+      fe_stage_layers(p, s, &first, &cl->pp_split[s]);
+    }
+    cli_stage_layers(p, o->stage, cl->stage_layers, sizeof cl->stage_layers);
+  }
   IrModule *m = ok ? fe_lower(d, p, target) : NULL;
   if (ok && !have_cluster && p->schedule.pipeline_auto) {
     ir_error_at(d, p->schedule.pipeline_loc,
@@ -522,27 +544,58 @@ static bool fit_memory(IrDiag *d, const Options *o, const FeTargetCaps *caps, Cl
   return false;
 }
 
+// What stage s's build reports (cli_pipe_report): its layers, planned times and peak with its
+// microbatches in flight, each of which keeps an arena of its own (runtime/pipeline.c). False (an
+// error) when that peak is over the profile's memory: fit_memory fitted one microbatch's.
+static bool stage_built(IrDiag *d, const IrModule *m, const PassCtx *ctx, const Cluster *cl, int s, int stages,
+                        CliStageBuilt *b) {
+  int micro = (int)ir_mod_int(m, "microbatches", 1);
+  bool gpipe = strcmp(ir_mod_str(m, "pp_schedule", "1f1b"), "gpipe") == 0;
+  b->slots = sched_pipe_slots(stages, s, micro, gpipe);
+  b->peak = pass_mem_peak(ctx->memplan) + (int64_t)(b->slots - 1) * ctx->memplan->arena_bytes;
+  snprintf(b->layers, sizeof b->layers, "%s", cl->stage_layers);
+  cli_module_times(m, &b->t_iter, &b->t_update, &b->t_local);
+  if (!cl->have || cl->memory <= 0 || b->peak <= cl->memory) return true;
+  char a[32], c[32], e[32];
+  return ir_error(d,
+                  "stage %d does not fit: with %d microbatches in flight (%s) its peak is %s per rank, over the memory "
+                  "of cluster '%s' (%s), each microbatch keeping %s of activations; fewer microbatches, 'pp_schedule "
+                  "1f1b' (at most %d in flight on this stage) or more stages would lower it", s, b->slots,
+                  gpipe ? "gpipe" : "1f1b", ir_bytes(a, sizeof a, (double)b->peak), cl->name,
+                  ir_bytes(c, sizeof c, (double)cl->memory), ir_bytes(e, sizeof e, (double)ctx->memplan->arena_bytes),
+                  stages - s);
+}
+
 // A model of several pipeline stages: each stage's program built like a whole model's (front end,
 // passes, the memory it needs) into a C file of its own, and the main that runs a rank's stage.
+// Every stage takes the layout and the split of its layers that the first front end chose (first:
+// no second layout search, the same split); -v reports the stages, the bubble and the planned
+// step (cli_pipe_report).
 static int build_stages(IrDiag *d, const Options *o, const FeTargetCaps *caps, const CgTarget *target,
-                        const char *arch, int stages) {
+                        const char *arch, const Cluster *first) {
+  int stages = first->stages;
   char paths[FE_MAX_STAGES + 1][64];
   const char *sources[FE_MAX_STAGES + 1] = {NULL};
-  int made = 0, status = 1;
-  double worst = 0;
-  int64_t worst_peak = 0;
-  int64_t micro = 1;
+  CliStageBuilt built[FE_MAX_STAGES];
+  int made = 0, status = 1, micro = 1, ranks = 1;
+  bool gpipe = false;
+  double floats = 0;
   char *output = NULL;
+  if (o->verbose && first->split_note[0]) fprintf(stderr, "# stages: %s\n", first->split_note);
   for (int s = 0; s < stages; s++) {
     Options os = *o;
     os.stage = s;
+    os.pp_split = first->pp_split;
+    if (first->layout_spec[0]) os.layout = first->layout_spec;
     IrSource *src = NULL;
     Cluster cl;
     if (o->verbose) fprintf(stderr, "# stage %d of %d\n", s, stages);
     IrModule *m = front_end(d, &os, caps, &src, &cl);
+    snprintf(cl.layout_note, sizeof cl.layout_note, "%s", first->layout_note);
     PassCtx ctx = {.d = d, .verbose = o->verbose, .log = stderr, .cluster = cl.have ? &cl.sc : NULL,
                    .fuse = !o->no_fuse, .fuse_cpu = true};
-    ctx.plan_step = cl.have && cl.memory > 0;
+    ctx.plan_step = cl.have;   // every stage's planned microbatch, for the pipeline's step
+    ctx.after_pass = cli_local_hook, ctx.after_arg = cl.have ? &cl.sc : NULL;
     bool ok = m && pass_run_pipeline(m, &ctx) && fit_memory(d, &os, caps, &cl, &m, &ctx, &src);
     FILE *c = NULL;
     if (ok) {
@@ -554,39 +607,19 @@ static int build_stages(IrDiag *d, const Options *o, const FeTargetCaps *caps, c
     if (ok) {
       ok = emit_program(d, c, m, ctx.memplan, &os, target, arch, &cl, paths[s]);
       if (fclose(c) != 0) ok = ir_error(d, "cannot write '%s'", paths[s]);
-      micro = ir_mod_int(m, "microbatches", 1);
-      int64_t peak = pass_mem_peak(ctx.memplan), slots;
-      // the microbatches in flight on this stage keep an arena each (runtime/pipeline.c)
-      bool gpipe = strcmp(ir_mod_str(m, "pp_schedule", "1f1b"), "gpipe") == 0;
-      slots = gpipe ? micro : (stages - s < micro ? stages - s : micro);
-      peak += (slots - 1) * ctx.memplan->arena_bytes;
-      double t = ir_mod_float(m, "t_iter_pred", 0);
-      char a[32];
-      if (o->verbose) {
-        int64_t first = 0, n = 0;
-        for (int i = 0; i < m->nfuncs; i++) n += m->funcs[i]->role == IR_ROLE_LAYER_FWD;
-        (void)first;
-        fprintf(stderr, "# stage %d: %lld layer function%s, %lld microbatch%s in flight, peak %s per rank", s,
-                (long long)n, n == 1 ? "" : "s", (long long)slots, slots == 1 ? "" : "es", ir_bytes(a, sizeof a, (double)peak));
-        if (t > 0) fprintf(stderr, ", planned %.3f ms per microbatch", t);
-        fprintf(stderr, "\n");
-      }
-      if (t > worst) worst = t;
-      if (peak > worst_peak) worst_peak = peak;
+      ok = ok && stage_built(d, m, &ctx, &cl, s, stages, &built[s]);
+      micro = (int)ir_mod_int(m, "microbatches", 1);
+      gpipe = strcmp(ir_mod_str(m, "pp_schedule", "1f1b"), "gpipe") == 0;
+      ranks = (int)(ir_mod_int(m, "dp", 1) * ir_mod_int(m, "mp", 1));
+      floats = (double)ir_mod_int(m, "batch", 1) * (double)ir_mod_int(m, "seqlen", 1) * (double)ir_mod_int(m, "embed", 1);
     }
+    if (ok && o->verbose && s == stages - 1)
+      cli_pipe_report(stderr, cl.have ? &cl.sc : NULL, built, stages, micro, gpipe, ranks, floats);
     fe_hf_export_free(&cl.hf);
     pass_ctx_free(&ctx);
     ir_module_free(m);
     ir_source_free(src);
     if (!ok) goto done;
-  }
-  if (o->verbose) {
-    char a[32];
-    double bubble = (double)(stages - 1) / (double)(micro + stages - 1);
-    fprintf(stderr, "# pipeline: %d stages, %lld microbatch%s, bubble %.1f %% of the step, peak %s per rank (the largest stage's)",
-            stages, (long long)micro, micro == 1 ? "" : "es", 100 * bubble, ir_bytes(a, sizeof a, (double)worst_peak));
-    if (worst > 0) fprintf(stderr, ", planned step %.3f ms ((M + P - 1) x the slowest stage's microbatch)", (micro + stages - 1) * worst);
-    fprintf(stderr, "\n");
   }
   {
     char main_c[] = "/tmp/moec-XXXXXX.c";
@@ -643,7 +676,7 @@ static int cmd_build(IrDiag *d, const Options *o) {
   if (m && o->no_fuse) ir_attrs_set_int(m->attrs, &m->nattrs, "no_fuse", 1);   // cg_cuda_lowering reads it
   ctx.plan_step = cl.have && cl.memory > 0;   // fit_memory compares planned steps
   if (m && cl.stages > 1 && !o->emit) {   // one program per stage (--emit c writes --stage N's)
-    status = build_stages(d, o, &caps, target, arch, cl.stages);
+    status = build_stages(d, o, &caps, target, arch, &cl);
     goto done;
   }
   if (!m || !pass_run_pipeline(m, &ctx) || !fit_memory(d, o, &caps, &cl, &m, &ctx, &src)) goto done;
