@@ -29,6 +29,8 @@ void cli_cluster_from_fe(const FeCluster *f, SchedCluster *c);
 // ---- the layout search of `parallel auto;` (cli/layout.c, lang/manual.md §6) ----
 typedef struct CliLayout {
   int dp, mp, ep, esp;
+  int pp, microbatches;  // pipeline stages of dp*mp ranks each, microbatches a step (0: as the model writes)
+  char split[96];        // pp > 1: the layers of each stage the cost model chose ("19 14")
   const char *algo;      // the EP AlltoAll: "nccl" | "1dh" | "2dh"; NULL: as each layer names it
   bool legal;            // the compiler builds it (else why says what refuses it)
   bool fits;             // legal and its peak within the cluster's memory
@@ -58,22 +60,22 @@ bool cli_layout_search(IrDiag *d, FeProgram *p, const FeCluster *fc, CliLayouts 
 void cli_layouts_free(CliLayouts *ls);
 // The samples of a step every layout keeps: `batch` under `parallel auto;`, else batch * dp.
 int64_t cli_global_batch(const FeProgram *p);
-// Sets l's degrees on p, its batch per DP rank (global / dp), and its algorithm on every MoE
-// layer that does not name its own.
+// Sets l's degrees on p (pp and microbatches where l names them), its batch per DP rank (global /
+// dp), and its algorithm on every MoE layer that does not name its own.
 void cli_layout_apply(FeProgram *p, const CliLayout *l, int64_t global);
 // The ranked table (moec plan --layouts, moec build -v).
 void cli_layouts_print(FILE *out, const CliLayouts *ls, const char *cluster);
-// {"layouts": [{dp, mp, ep, esp, algo, policy, step_ms, peak_bytes, fits, shard, recompute (a level or null), vocab_parallel, why}...], "chosen": {...}}
+// {"layouts": [{dp, mp, ep, esp, pp, microbatches, algo, policy, step_ms, peak_bytes, fits, shard, recompute (a level or null), vocab_parallel, why}...], "chosen": {...}}
 bool cli_layouts_json(const char *path, const CliLayouts *ls);
 // Reports, at p's `parallel auto;`, that no layout fits (the smallest peak and what would help). False.
 bool cli_layout_nothing_fits(IrDiag *d, const FeProgram *p, const CliLayouts *ls);
-// The layout p is built with: --layout DP,MP,EP,ESP[,ALGO] (forced, checked against the model's
+// The layout p is built with: --layout DP,MP,EP,ESP[,ALGO][,pp=P][,microbatches=M] (forced, checked against the model's
 // rules), else for `parallel auto;` the search's choice for cluster fc (-v: the table on stderr;
 // one line says what was chosen and why, also into note; the choice as --layout takes it into spec,
 // "" otherwise). note and spec may be NULL. False on an error (reported).
 bool cli_resolve_layout(IrDiag *d, FeProgram *p, const FeCluster *fc, const char *forced, bool verbose, char *note,
                         size_t nnote, char *spec, size_t nspec);
-// "dp 2, mp 1, ep 2, esp 1, alltoall nccl"
+// "dp 2, mp 1, ep 2, esp 1, alltoall nccl" (and ", pp 2, microbatches 4" with stages or microbatches)
 const char *cli_layout_name(char *buf, size_t n, const CliLayout *l);
 // bytes as "1.50 GiB"
 char *cli_bytes(char *buf, size_t n, double bytes);

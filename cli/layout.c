@@ -30,6 +30,7 @@
 #include <time.h>
 
 #include "cli/cli.h"
+#include "cli/plan.h"
 #include "ir/ir.h"
 #include "passes/pass.h"
 
@@ -163,10 +164,31 @@ typedef struct Search {
   IrPolicy policy;
   int r_fix[2];
   bool algo_fixed;   // some layer names its dispatch algorithm: the search keeps every layer's
+  double best_fit;   // the fastest step of a layout that fits so far (the stages' candidates come after)
 } Search;
+
+// A candidate of several stages or microbatches (its layout set on the program): its pipeline as
+// cli_pipe_estimate prices it from one lowering of the whole model (cli/stages.c): the split of
+// the layers, the slowest stage's microbatch times M + P - 1, the messages, the update; the peak
+// the largest stage's, with its microbatches in flight.
+static void price_pipeline(Search *s, CliLayout *l) {
+  CliPipeEstimate e;
+  if (!cli_pipe_estimate(s->p, s->fc, &s->sc, &e, l->why, sizeof l->why)) return;
+  l->step_ms = e.plan.t_step;
+  l->peak_bytes = (int64_t)llround(e.peak);
+  l->act_bytes = (int64_t)llround(e.act);
+  size_t u = 0;
+  l->split[0] = '\0';
+  for (int k = 0; l->pp > 1 && k < l->pp && u < sizeof l->split; k++)
+    u += (size_t)snprintf(l->split + u, sizeof l->split - u, "%s%lld", k ? " " : "", (long long)e.counts[k]);
+}
 
 // Prices the candidate l (its layout set on the program): step_ms and peak_bytes, or why not.
 static void price(Search *s, CliLayout *l) {
+  if (l->pp > 1 || l->microbatches > 1) {
+    price_pipeline(s, l);
+    return;
+  }
   FeProgram *p = s->p;
   int n = p->nlayers;
   int64_t *repeat = malloc((size_t)n * sizeof *repeat);
@@ -242,6 +264,9 @@ int64_t cli_global_batch(const FeProgram *p) { return p->model.batch * (p->paral
 
 void cli_layout_apply(FeProgram *p, const CliLayout *l, int64_t global) {
   p->parallel.dp = l->dp, p->parallel.mp = l->mp, p->parallel.ep = l->ep, p->parallel.esp = l->esp;
+  if (l->pp > 0) p->parallel.pp = l->pp, p->parallel.npp_layers = 0;
+  if (l->microbatches > 0) p->parallel.microbatches = l->microbatches;
+  if (!p->parallel.pp_schedule) p->parallel.pp_schedule = "1f1b";
   p->model.batch = global / l->dp;
   for (int i = 0; i < p->nlayers && l->algo; i++) {
     FeMoe *moe = &p->layers[i].moe;
@@ -343,6 +368,8 @@ static int by_rank(const void *a, const void *b) {
   if (fabs(x->step_ms - y->step_ms) > tol) return x->step_ms < y->step_ms ? -1 : 1;
   if (collectives(x) != collectives(y)) return collectives(x) - collectives(y);
   if (algo_rank(x->algo) != algo_rank(y->algo)) return algo_rank(x->algo) - algo_rank(y->algo);
+  if (x->pp != y->pp) return x->pp - y->pp;   // then the fewer stages and microbatches
+  if (x->microbatches != y->microbatches) return x->microbatches - y->microbatches;
   return x->order - y->order;
 }
 
@@ -358,10 +385,157 @@ static int push(CliLayouts *out, int *cap, CliLayout l) {
   return 0;
 }
 
+// What moec build would do to fit the memory (cli/build.c), priced on candidate c (its layout set on
+// the program): the sharded optimizer, then recomputation (norms, then layers: all of them, where
+// the build recomputes the fewest that fit), then the vocabulary split over MP.
+static void fit_choices(Search *s, CliLayout *c) {
+  FeProgram *p = s->p;
+  int64_t memory = s->fc->memory;
+  if (shardable(p)) price_with(s, c, true, NULL, false);
+  c->fits = c->peak_bytes <= memory;
+  for (const char *r; !c->fits && (r = next_recompute(p->model.recompute, c->recompute));) {
+    const char *had = c->recompute;
+    price_with(s, c, false, r, false);
+    c->fits = c->peak_bytes <= memory;
+    if (c->recompute == had) break;   // not priced
+  }
+  if (!c->fits && vocab_splittable(p, c)) price_with(s, c, false, NULL, true);
+  c->fits = c->peak_bytes <= memory;
+}
+
+// Why legal candidate c does not fit (more: what was not tried, "" when everything was).
+static void over_memory(const Search *s, CliLayout *c, const char *more) {
+  char need[32], have[32];
+  snprintf(c->why, sizeof c->why, "peak %s per rank is more than the cluster's memory %s%s",
+           cli_bytes(need, sizeof need, (double)c->peak_bytes), cli_bytes(have, sizeof have, (double)s->fc->memory), more);
+}
+
+// Candidate c (its layout not refused) priced, with the memory choices where it does not fit and
+// `choices` (the candidates of several stages get them afterwards, stage_choices). *plain: its step
+// without them (-1: not priced).
+static void consider(Search *s, CliLayout *c, int64_t global, const char **algos, bool choices, double *plain) {
+  FeProgram *p = s->p;
+  cli_layout_apply(p, c, global);
+  price(s, c);
+  *plain = c->step_ms;
+  c->legal = c->step_ms >= 0;
+  c->fits = c->legal && (s->fc->memory <= 0 || c->peak_bytes <= s->fc->memory);
+  if (choices && c->legal && !c->fits) fit_choices(s, c);
+  for (int i = 0; i < p->nlayers; i++) p->layers[i].moe.algo = algos[i];
+  if (c->fits && c->step_ms < s->best_fit) s->best_fit = c->step_ms;
+  if (c->legal && !c->fits) over_memory(s, c, choices ? "" : " (not priced with the memory choices)");
+}
+
+// The memory choices for the candidates of several stages [from, n) that do not fit: they only slow
+// a step down, so they are priced for the STAGE_CHOICES fastest of them only, and not for one already
+// slower than a layout that fits (the search of a 2,048-rank model would otherwise price hundreds of
+// candidates several times each).
+enum { STAGE_CHOICES = 2 };
+static void stage_choices(Search *s, CliLayouts *out, int from, int64_t global, const char **algos) {
+  for (int done = 0; done < STAGE_CHOICES; done++) {
+    CliLayout *c = NULL;
+    for (int k = from; k < out->n; k++) {
+      CliLayout *x = &out->all[k];
+      if (x->legal && !x->fits && !x->shard && !x->recompute && !x->vocab_parallel && strstr(x->why, "not priced") &&
+          x->step_ms < s->best_fit && (!c || x->step_ms < c->step_ms))
+        c = x;
+    }
+    if (!c) return;
+    cli_layout_apply(s->p, c, global);
+    fit_choices(s, c);
+    for (int i = 0; i < s->p->nlayers; i++) s->p->layers[i].moe.algo = algos[i];
+    if (c->fits && c->step_ms < s->best_fit) s->best_fit = c->step_ms;
+    if (c->fits) c->why[0] = '\0';
+    else over_memory(s, c, "");
+  }
+}
+
+// Whether layout l (its stages and microbatches) breaks a rule of the model: the layout's rules at
+// a microbatch's batch (per_dp / microbatches samples), and `aux pooled` on one stage only.
+static bool refusal(FeProgram *p, const CliLayout *l, int64_t per_dp, char *why, size_t n) {
+  FeParallel par = {.dp = l->dp, .mp = l->mp, .ep = l->ep, .esp = l->esp};
+  int64_t batch = p->model.batch;
+  p->model.batch = per_dp / l->microbatches;
+  bool refused = fe_layout_refusal(p, &par, why, n);
+  p->model.batch = batch;
+  for (int i = 0; !refused && l->pp > 1 && i < p->nlayers; i++) {
+    const char *form = p->layers[i].has_moe ? p->layers[i].moe.gate.aux_form : NULL;
+    if (form && strcmp(form, "pooled") == 0)
+      refused = true, snprintf(why, n, "layer %s: 'aux pooled' sums every layer's routing at once: pp 1 only", p->layers[i].name);
+  }
+  return refused;
+}
+
+// Candidate l with microbatches M (or its refusal, listed for M = 1 only) and AlltoAll algorithm a
+// pushed; *plain its step without memory choices (-1: refused or not priced). False when out of memory.
+static bool one_candidate(Search *s, CliLayouts *out, int *cap, CliLayout l, int64_t M, int a, int64_t per_dp,
+                          int64_t global, const char **algos, CliLayout *got, double *plain) {
+  l.microbatches = (int)M;
+  l.algo = s->algo_fixed ? NULL : sched_a2a_name[a];
+  *plain = -1;
+  bool refused = refusal(s->p, &l, per_dp, l.why, sizeof l.why);
+  if (refused && M > 1) return *got = l, true;   // the table lists a layout's refusal once
+  if (!refused) consider(s, &l, global, algos, l.pp <= 1, plain);
+  *got = l;
+  return push(out, cap, l) == 0;
+}
+
+// The candidates of pp stages of `ranks` ranks with mp and esp, times the AlltoAll algorithms where
+// they differ (nccl, 1dh, 2dh: only when an EP group has several ranks on each of several nodes;
+// layers that name their own keep it) and microbatch counts M that divide a DP rank's samples. On one
+// stage M ascends only as far as it takes to fit (more microbatches only add their fixed costs, and
+// do nothing where the parameters alone are over the memory). On several the M that shape the bubble,
+// P, 2P and 4P (or, where none divides, one microbatch per sample), on the flat AlltoAll until the
+// step grows again (the bubble shrinks with M, each microbatch's fixed costs add up), the other
+// algorithms at the fastest M. False when out of memory.
+static bool candidates(Search *s, CliLayouts *out, int *cap, int pp, int ranks, int mp, int esp, int64_t global,
+                       const char **algos) {
+  CliLayout l = {.dp = ranks / mp, .mp = mp, .ep = ranks / esp, .esp = esp, .pp = pp, .microbatches = 1,
+                 .step_ms = -1, .peak_bytes = -1}, c;
+  if (global % l.dp != 0) {   // the global batch is the model's in every layout
+    snprintf(l.why, sizeof l.why, "dp %d does not divide the global batch of %lld samples", l.dp, (long long)global);
+    return push(out, cap, l) == 0;
+  }
+  int64_t per_dp = global / l.dp;
+  SchedGroup ep = sched_group_of(l.ep, esp, (int)s->fc->gpus_per_node);
+  int nalgo = !s->algo_fixed && ep.nodes > 1 && ep.per_node > 1 ? 3 : 1;
+  double plain;
+  if (pp == 1) {
+    for (int64_t M = 1; M <= per_dp; M++) {
+      if (per_dp % M != 0) continue;
+      bool fits = false, legal = false, params_over = false;
+      for (int a = 0; a < nalgo; a++) {
+        if (!one_candidate(s, out, cap, l, M, a, per_dp, global, algos, &c, &plain)) return false;
+        fits |= c.fits, legal |= c.legal;
+        params_over |= c.legal && s->fc->memory > 0 && c.peak_bytes - c.act_bytes > s->fc->memory;
+      }
+      if (fits || !legal || params_over) break;
+    }
+    return true;
+  }
+  // (M = 1 leaves P - 1 of every P stage-times idle; it is tried only where no M of those divides.)
+  int64_t tries[4] = {pp, 2 * (int64_t)pp, 4 * (int64_t)pp, per_dp}, best_m = 0;
+  bool any = false;
+  for (int k = 0; k < 3; k++) any |= tries[k] <= per_dp && per_dp % tries[k] == 0;
+  double best = INFINITY, before = INFINITY;
+  for (int k = any ? 0 : 3; k < 4; k++) {
+    int64_t M = tries[k];
+    if (M > per_dp || per_dp % M != 0 || (k == 3 && any)) continue;
+    if (!one_candidate(s, out, cap, l, M, 0, per_dp, global, algos, &c, &plain)) return false;
+    if (plain < 0) break;   // refused or not priced: so is every M
+    if (plain < best) best = plain, best_m = M;
+    if (plain > before) break;
+    before = plain;
+  }
+  for (int a = 1; a < nalgo && best_m > 0; a++)
+    if (!one_candidate(s, out, cap, l, best_m, a, per_dp, global, algos, &c, &plain)) return false;
+  return true;
+}
+
 bool cli_layout_search(IrDiag *d, FeProgram *p, const FeCluster *fc, CliLayouts *out) {
   *out = (CliLayouts){.chosen = -1, .memory = fc->memory};
   double t0 = now_s();
-  Search s = {.p = p, .fc = fc};
+  Search s = {.p = p, .fc = fc, .best_fit = INFINITY};
   cli_cluster_from_fe(fc, &s.sc);
   if (!ir_policy_parse(p->schedule.policy ? p->schedule.policy : "sequential", &s.policy))
     return ir_error(d, "unknown policy '%s'", p->schedule.policy);
@@ -369,60 +543,23 @@ bool cli_layout_search(IrDiag *d, FeProgram *p, const FeCluster *fc, CliLayouts 
   if (!p->schedule.pipeline_auto) s.r_fix[0] = (int)p->schedule.pipeline_fwd, s.r_fix[1] = (int)p->schedule.pipeline_bwd;
   for (int i = 0; i < p->nlayers; i++) s.algo_fixed |= p->layers[i].has_moe && p->layers[i].moe.algo_loc.src;
   FeParallel saved = p->parallel;
-  int64_t global = cli_global_batch(p), batch = p->model.batch;
+  int64_t global = cli_global_batch(p), batch = p->model.batch, instances = 0;
   out->global_batch = global;
   const char **algos = calloc((size_t)(p->nlayers > 0 ? p->nlayers : 1), sizeof *algos);
   if (!algos) return ir_error(d, "out of memory");
-  for (int i = 0; i < p->nlayers; i++) algos[i] = p->layers[i].moe.algo;
+  for (int i = 0; i < p->nlayers; i++) algos[i] = p->layers[i].moe.algo, instances += p->layers[i].repeat;
   int G = (int)fc->gpus_per_node, P = (int)(fc->nodes * fc->gpus_per_node), cap = 0;
   bool ok = true;
-  for (int mp = 1; ok && mp <= G; mp++) {
-    if (G % mp != 0 || P % mp != 0) continue;
-    for (int esp = 1; ok && esp <= G; esp++) {
-      if (G % esp != 0 || P % esp != 0) continue;
-      CliLayout l = {.dp = P / mp, .mp = mp, .ep = P / esp, .esp = esp, .step_ms = -1, .peak_bytes = -1};
-      FeParallel par = {.dp = l.dp, .mp = mp, .ep = l.ep, .esp = esp};
-      // The global batch is the model's in every layout: each DP rank holds global/dp samples.
-      bool refused = global % l.dp != 0;
-      if (refused) snprintf(l.why, sizeof l.why, "dp %d does not divide the global batch of %lld samples", l.dp,
-                            (long long)global);
-      p->model.batch = refused ? batch : global / l.dp;
-      refused = refused || fe_layout_refusal(p, &par, l.why, sizeof l.why);
-      // The hierarchical AlltoAlls differ from the flat one where an EP group has several
-      // ranks on each of several nodes (runtime/comm.c runs them flat otherwise).
-      SchedGroup ep = sched_group_of(l.ep, esp, G);
-      int nalgo = !s.algo_fixed && ep.nodes > 1 && ep.per_node > 1 ? 3 : 1;
-      for (int a = 0; ok && a < nalgo; a++) {
-        CliLayout c = l;
-        c.algo = s.algo_fixed ? NULL : sched_a2a_name[a];
-        if (!refused) {
-          cli_layout_apply(p, &c, global);
-          price(&s, &c);
-          c.legal = c.step_ms >= 0;
-          c.fits = c.legal && (fc->memory <= 0 || c.peak_bytes <= fc->memory);
-          // What moec build would do to fit (cli/build.c): the sharded optimizer, then recomputation
-          // (norms, then layers: all of them, where the build recomputes the fewest that fit), then
-          // the vocabulary split over MP.
-          if (c.legal && !c.fits && shardable(p)) price_with(&s, &c, true, NULL, false);
-          c.fits = c.legal && (fc->memory <= 0 || c.peak_bytes <= fc->memory);
-          for (const char *r; c.legal && !c.fits && (r = next_recompute(p->model.recompute, c.recompute));) {
-            const char *had = c.recompute;
-            price_with(&s, &c, false, r, false);
-            c.fits = c.legal && (fc->memory <= 0 || c.peak_bytes <= fc->memory);
-            if (c.recompute == had) break;   // not priced
-          }
-          if (c.legal && !c.fits && vocab_splittable(p, &c)) price_with(&s, &c, false, NULL, true);
-          c.fits = c.legal && (fc->memory <= 0 || c.peak_bytes <= fc->memory);
-          for (int i = 0; i < p->nlayers; i++) p->layers[i].moe.algo = algos[i];
-          if (c.legal && !c.fits) {
-            char need[32], have[32];
-            snprintf(c.why, sizeof c.why, "peak %s per rank is more than the cluster's memory %s",
-                     cli_bytes(need, sizeof need, (double)c.peak_bytes), cli_bytes(have, sizeof have, (double)fc->memory));
-          }
-        }
-        ok = push(out, &cap, c) == 0;
-      }
-    }
+  // pp stages of P / pp ranks each (at least one layer a stage); in a stage, dp*mp = ep*esp with
+  // mp and esp dividing gpus_per_node.
+  for (int pp = 1; ok && pp <= P && pp <= instances && pp <= FE_MAX_STAGES; pp++) {
+    if (P % pp != 0) continue;
+    int R = P / pp;
+    int from = out->n;
+    for (int mp = 1; ok && mp <= G; mp++)
+      for (int esp = 1; ok && esp <= G && G % mp == 0 && R % mp == 0; esp++)
+        if (G % esp == 0 && R % esp == 0) ok = candidates(&s, out, &cap, pp, R, mp, esp, global, algos);
+    if (ok && pp > 1 && fc->memory > 0) stage_choices(&s, out, from, global, algos);
   }
   if (ok) qsort(out->all, (size_t)out->n, sizeof *out->all, by_rank);
   // The peak of a long stack grown from 3 and 4 copies is close to the whole program's, not
@@ -434,7 +571,7 @@ bool cli_layout_search(IrDiag *d, FeProgram *p, const FeCluster *fc, CliLayouts 
   for (int k = 0; ok && k < out->n && out->chosen < 0; k++) {
     CliLayout *c = &out->all[k];
     if (!c->fits) continue;
-    if (long_stack) {
+    if (long_stack && c->pp <= 1) {   // (several stages: the estimate is all there is before their builds)
       Eval whole = {0};
       cli_layout_apply(p, c, global);
       Written w = with_choices(p, c->shard, c->recompute, c->vocab_parallel);
@@ -469,8 +606,10 @@ void cli_layouts_free(CliLayouts *l) {
 char *cli_bytes(char *buf, size_t n, double bytes) { return ir_bytes(buf, n, bytes); }
 
 const char *cli_layout_name(char *buf, size_t n, const CliLayout *l) {
-  snprintf(buf, n, "dp %d, mp %d, ep %d, esp %d%s%s", l->dp, l->mp, l->ep, l->esp, l->algo ? ", alltoall " : "",
-           l->algo ? l->algo : "");
+  int u = snprintf(buf, n, "dp %d, mp %d, ep %d, esp %d%s%s", l->dp, l->mp, l->ep, l->esp, l->algo ? ", alltoall " : "",
+                   l->algo ? l->algo : "");
+  if ((l->pp > 1 || l->microbatches > 1) && u >= 0 && (size_t)u < n)
+    snprintf(buf + u, n - (size_t)u, ", pp %d, microbatches %d", l->pp > 1 ? l->pp : 1, l->microbatches > 1 ? l->microbatches : 1);
   return buf;
 }
 
@@ -479,21 +618,25 @@ void cli_layouts_print(FILE *out, const CliLayouts *ls, const char *cluster) {
   fprintf(out, "# layouts for cluster '%s', policy %s, %lld samples a step, memory per rank %s: %d candidates, "
           "searched in %.3f s\n", cluster, ls->policy, (long long)ls->global_batch,
           ls->memory > 0 ? cli_bytes(mem, sizeof mem, (double)ls->memory) : "not given", ls->n, ls->seconds);
-  fprintf(out, "%4s %5s %4s %5s %4s %5s %12s %12s  %s\n", "rank", "dp", "mp", "ep", "esp", "algo", "step ms",
-          "peak", "");
+  fprintf(out, "%4s %5s %4s %5s %4s %4s %4s %5s %12s %12s  %s\n", "rank", "dp", "mp", "ep", "esp", "pp", "mb", "algo",
+          "step ms", "peak", "");
   for (int i = 0; i < ls->n; i++) {
     const CliLayout *l = &ls->all[i];
     char step[32] = "-", peak[32] = "-";
     if (l->step_ms >= 0) snprintf(step, sizeof step, "%.3f", l->step_ms);
     if (l->peak_bytes >= 0) cli_bytes(peak, sizeof peak, (double)l->peak_bytes);
-    fprintf(out, "%4d %5d %4d %5d %4d %5s %12s %12s  %s%s%s\n", i + 1, l->dp, l->mp, l->ep, l->esp,
-            l->algo ? l->algo : "as-is", step, peak, i == ls->chosen ? "chosen" : l->fits ? "fits" : "",
-            l->fits && *choices_text(l) ? "," : "", l->fits ? choices_text(l) : l->why);
+    char stages[128] = "";
+    if (l->split[0]) snprintf(stages, sizeof stages, "%sstages of %s layers", l->fits ? ", " : "; ", l->split);
+    fprintf(out, "%4d %5d %4d %5d %4d %4d %4d %5s %12s %12s  %s%s%s%s\n", i + 1, l->dp, l->mp, l->ep, l->esp,
+            l->pp > 1 ? l->pp : 1, l->microbatches > 1 ? l->microbatches : 1, l->algo ? l->algo : "as-is", step, peak,
+            i == ls->chosen ? "chosen" : l->fits ? "fits" : "", l->fits && *choices_text(l) ? "," : "",
+            l->fits ? choices_text(l) : l->why, stages);
   }
 }
 
 static void json_layout(FILE *f, const CliLayout *l, const char *policy) {
-  fprintf(f, "{\"dp\": %d, \"mp\": %d, \"ep\": %d, \"esp\": %d, \"algo\": ", l->dp, l->mp, l->ep, l->esp);
+  fprintf(f, "{\"dp\": %d, \"mp\": %d, \"ep\": %d, \"esp\": %d, \"pp\": %d, \"microbatches\": %d, \"algo\": ", l->dp,
+          l->mp, l->ep, l->esp, l->pp > 1 ? l->pp : 1, l->microbatches > 1 ? l->microbatches : 1);
   if (l->algo) fprintf(f, "\"%s\"", l->algo);
   else fprintf(f, "null");
   fprintf(f, ", \"policy\": \"%s\", \"step_ms\": ", policy);
@@ -549,19 +692,39 @@ bool cli_layout_nothing_fits(IrDiag *d, const FeProgram *p, const CliLayouts *ls
   return false;
 }
 
-// "DP,MP,EP,ESP[,ALGO]" into l; false when malformed.
+// A whole number >= 1 (all of text), into *v.
+static bool whole(const char *text, int *v) {
+  char *end;
+  long x = strtol(text, &end, 10);
+  if (end == text || *end || x < 1 || x > 1 << 20) return false;
+  *v = (int)x;
+  return true;
+}
+
+// "DP,MP,EP,ESP[,ALGO][,pp=P][,microbatches=M]" into l (pp and microbatches 0 where not named);
+// false when malformed.
 static bool parse_layout(const char *text, CliLayout *l) {
-  int v[4], used = 0;
-  char algo[8] = "";
-  int got = sscanf(text, "%d,%d,%d,%d%n,%7s", &v[0], &v[1], &v[2], &v[3], &used, algo);
-  if (got < 4 || (got == 4 && text[used] != '\0')) return false;
-  for (int i = 0; i < 4; i++)
-    if (v[i] < 1) return false;
-  *l = (CliLayout){.dp = v[0], .mp = v[1], .ep = v[2], .esp = v[3]};
-  if (!algo[0]) return true;
-  for (int a = 0; a < 3; a++)
-    if (strcmp(algo, sched_a2a_name[a]) == 0) l->algo = sched_a2a_name[a];
-  return l->algo != NULL;
+  char buf[256];
+  if (strlen(text) >= sizeof buf) return false;
+  snprintf(buf, sizeof buf, "%s", text);
+  *l = (CliLayout){0};
+  int v[4], k = 0;
+  for (char *save = NULL, *tok = strtok_r(buf, ",", &save); tok; tok = strtok_r(NULL, ",", &save), k++) {
+    if (k < 4) {
+      if (!whole(tok, &v[k])) return false;
+    } else if (strncmp(tok, "pp=", 3) == 0) {
+      if (l->pp || !whole(tok + 3, &l->pp)) return false;
+    } else if (strncmp(tok, "microbatches=", 13) == 0) {
+      if (l->microbatches || !whole(tok + 13, &l->microbatches)) return false;
+    } else {
+      for (int a = 0; a < 3 && !l->algo && k == 4; a++)
+        if (strcmp(tok, sched_a2a_name[a]) == 0) l->algo = sched_a2a_name[a];
+      if (!l->algo || k != 4) return false;
+    }
+  }
+  if (k < 4) return false;
+  l->dp = v[0], l->mp = v[1], l->ep = v[2], l->esp = v[3];
+  return true;
 }
 
 bool cli_resolve_layout(IrDiag *d, FeProgram *p, const FeCluster *fc, const char *forced, bool verbose, char *note,
@@ -571,18 +734,24 @@ bool cli_resolve_layout(IrDiag *d, FeProgram *p, const FeCluster *fc, const char
   if (forced) {
     CliLayout l;
     if (!parse_layout(forced, &l))
-      return ir_error(d, "--layout takes DP,MP,EP,ESP or DP,MP,EP,ESP,ALGO (ALGO: nccl, 1dh or 2dh), not '%s'", forced);
-    FeParallel par = {.dp = l.dp, .mp = l.mp, .ep = l.ep, .esp = l.esp};
+      return ir_error(d, "--layout takes DP,MP,EP,ESP or DP,MP,EP,ESP,ALGO (ALGO: nccl, 1dh or 2dh), then optionally "
+                         ",pp=P and ,microbatches=M, not '%s'", forced);
     char why[240];
-    int64_t global = cli_global_batch(p);
+    int64_t global = cli_global_batch(p), instances = 0;
+    for (int i = 0; i < p->nlayers; i++) instances += p->layers[i].repeat;
     if (global % l.dp != 0)
       return ir_error(d, "--layout %s: dp %d does not divide the global batch of %lld samples", forced, l.dp,
                       (long long)global);
-    int64_t batch = p->model.batch;
-    p->model.batch = global / l.dp;
-    bool refused = fe_layout_refusal(p, &par, why, sizeof why);
-    p->model.batch = batch;
-    if (refused) return ir_error(d, "--layout %s: %s", forced, why);
+    CliLayout full = l;   // the model's stages and microbatches where --layout names none
+    if (!full.pp) full.pp = (int)(p->parallel.pp > 1 ? p->parallel.pp : 1);
+    if (!full.microbatches) full.microbatches = (int)(p->parallel.microbatches > 1 ? p->parallel.microbatches : 1);
+    if (full.pp > instances || full.pp > FE_MAX_STAGES)
+      return ir_error(d, "--layout %s: pp %d: every stage holds at least one of the model's %lld layers (at most %d "
+                         "stages)", forced, full.pp, (long long)instances, FE_MAX_STAGES);
+    if ((global / l.dp) % full.microbatches != 0)
+      return ir_error(d, "--layout %s: microbatches %d does not divide the %lld samples of a DP rank", forced,
+                      full.microbatches, (long long)(global / l.dp));
+    if (refusal(p, &full, global / l.dp, why, sizeof why)) return ir_error(d, "--layout %s: %s", forced, why);
     cli_layout_apply(p, &l, global);
     p->parallel.is_auto = false;
     if (note) snprintf(note, nnote, "set by --layout %s", forced);
@@ -614,7 +783,8 @@ bool cli_resolve_layout(IrDiag *d, FeProgram *p, const FeCluster *fc, const char
            choices_text(c));
   fprintf(stderr, "# %s\n", line);
   if (note) snprintf(note, nnote, "%s", line);
-  if (spec) snprintf(spec, nspec, "%d,%d,%d,%d%s%s", c->dp, c->mp, c->ep, c->esp, c->algo ? "," : "", c->algo ? c->algo : "");
+  if (spec) snprintf(spec, nspec, "%d,%d,%d,%d%s%s,pp=%d,microbatches=%d", c->dp, c->mp, c->ep, c->esp, c->algo ? "," : "",
+                     c->algo ? c->algo : "", c->pp > 1 ? c->pp : 1, c->microbatches > 1 ? c->microbatches : 1);
   cli_layout_apply(p, c, ls.global_batch);
   cli_layouts_free(&ls);
   return true;

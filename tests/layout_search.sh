@@ -4,7 +4,8 @@
 #              with mp 4 (heads 2) and esp 4 (hidden 18) are refused, each with its reason; the
 #              other four are priced, fit, and are ranked by their step.
 #   json       `moec plan --layouts --json F` has exactly the fields of the spec, chosen is the
-#              first and fastest fitting layout.
+#              first and fastest fitting layout. (The search also prices pipeline stages and
+#              microbatches, tests/pp_plan.sh; the checks here read its one-stage layouts.)
 #   memory     a `memory` one byte below the chosen peak moves the choice to a layout whose peak
 #              fits (or refuses with the sentence); a memory nothing fits in refuses the build
 #              with the smallest peak found and what would help.
@@ -31,6 +32,12 @@ bad() { echo "FAIL  layouts: $1"; [ -n "${2:-}" ] && printf '%s\n' "$2" | sed 's
 cluster() {
   sed "s/nodes 2; gpus_per_node 2;/nodes $1; gpus_per_node $2;${3:+ memory $3;}/" tests/models/overlap.cluster
 }
+# one_stage NODES GPUS: the same with a point-to-point link of 50 ms a message, so that the search
+# keeps one stage (its slow AllReduce makes stages the fastest otherwise): the parts that hold the
+# chosen layout against one rank and against `moec build --layout` of one stage.
+one_stage() {
+  cluster "$1" "$2" | sed 's/^}/  p2p { alpha 50; beta 0; }\n}/'
+}
 M=tests/models/grad_lm_gpt.moe
 auto_model() {   # the model with parallel auto and a schedule the planner plans
   sed "s/^layer block x 2/parallel auto;\nlayer block x ${1:-2}/; s/hidden 16;/hidden ${2:-16};/; s/batch 2;/batch 4;/" "$M"
@@ -49,13 +56,15 @@ else
   if why=$($PY - "$WORK/legal.json" <<'PY'
 import json, sys
 d = json.load(open(sys.argv[1]))
-keys = ["dp", "mp", "ep", "esp", "algo", "policy", "step_ms", "peak_bytes", "fits", "shard", "recompute", "vocab_parallel", "why"]
+keys = ["dp", "mp", "ep", "esp", "pp", "microbatches", "algo", "policy", "step_ms", "peak_bytes", "fits", "shard", "recompute", "vocab_parallel", "why"]
 bad = []
 if sorted(d) != sorted(["layouts", "chosen", "global_batch", "search_seconds"]): bad.append("top-level keys %s" % sorted(d))
 if d["global_batch"] != 4: bad.append("global batch %s, want the model's 4" % d["global_batch"])
-ls = d["layouts"]
-for l in ls + [d["chosen"]]:
+every = d["layouts"]
+for l in every + [d["chosen"]]:
     if list(l) != keys: bad.append("fields %s" % list(l))
+    if l["pp"] * l["dp"] * l["mp"] != 4: bad.append("not 4 ranks: %s" % l)
+ls = [l for l in every if l["pp"] == 1 and l["microbatches"] == 1]
 want = {}   # (mp, esp) -> reason fragment of the refused
 for mp in (1, 2, 4):
     for esp in (1, 2, 4):
@@ -70,10 +79,11 @@ for l in ls:
     elif not l["fits"] or l["why"] or not (l["step_ms"] > 0) or not (l["peak_bytes"] > 0):
         bad.append("mp %d esp %d should fit: %s" % (k[0], k[1], l))
 if len(seen) != 9 or len(ls) != 9: bad.append("%d layouts, %d distinct, want 9" % (len(ls), len(seen)))
-fit = [l for l in ls if l["fits"]]
+fit = [l for l in every if l["fits"]]
 if [l["step_ms"] for l in fit] != sorted(l["step_ms"] for l in fit): bad.append("fitting layouts not ranked by step")
-if ls[:len(fit)] != fit: bad.append("the fitting layouts do not come first")
+if every[:len(fit)] != fit: bad.append("the fitting layouts do not come first")
 if d["chosen"] != fit[0]: bad.append("chosen is not the first fitting layout")
+fit = [l for l in ls if l["fits"]]
 if bad: print("; ".join(bad[:6])); sys.exit(1)
 print("%d refused with their reasons, %d priced; chosen dp %d mp %d ep %d esp %d at %.3f ms" % (
     len(ls) - len(fit), len(fit), d["chosen"]["dp"], d["chosen"]["mp"], d["chosen"]["ep"], d["chosen"]["esp"], d["chosen"]["step_ms"]))
@@ -122,7 +132,7 @@ fi
 for shape in "2 1" "2 2"; do
   read -r nodes gpus <<<"$shape"
   np=$((nodes * gpus))
-  cluster "$nodes" "$gpus" >"$WORK/t.cluster"
+  one_stage "$nodes" "$gpus" >"$WORK/t.cluster"
   auto_model 2 16 >"$WORK/many.moe"
   if ! "$MOEC" build "$WORK/many.moe" --cluster "$WORK/t.cluster" -o "$WORK/many" >"$WORK/build.out" 2>&1; then
     bad "parallel auto on $nodes x $gpus: moec build" "$(cat "$WORK/build.out")"; continue
@@ -162,7 +172,7 @@ PY
 done
 
 # ---- repeats: the search's numbers are the build's ----
-cluster 2 2 >"$WORK/c22.cluster"
+one_stage 2 2 >"$WORK/c22.cluster"
 auto_model 6 16 >"$WORK/deep.moe"
 if "$MOEC" plan "$WORK/deep.moe" --cluster "$WORK/c22.cluster" --layouts --json "$WORK/deep.json" >"$WORK/out" 2>&1; then
   read -r lay step peak <<<"$($PY -c '
