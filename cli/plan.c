@@ -209,6 +209,8 @@ static bool plan_load(IrDiag *d, const PlanOptions *o, Plan *pl) {
   if (!fe_load_cluster(d, pl->cluster_path, o->cluster ? (SrcLoc){0} : p->cluster_loc, &fc)) return false;
   cli_cluster_from_fe(&fc, &pl->cluster);
   if (!cli_resolve_layout(d, p, &fc, o->layout, false, NULL, 0, NULL, 0)) return false;
+  // With pipeline stages the plan is the first stage's (its layers as moec build splits them).
+  if (p->parallel.pp > 1 && !cli_stage_split(d, p, &fc, NULL, 0)) return false;
   // A language model's attention is in its IR (passes/cost.c prices it): nothing is modelled.
   for (int i = 0; i < p->nlayers && !p->model.has_vocab; i++) {
     FeLayer *L = &p->layers[i];
@@ -436,6 +438,14 @@ static void print_header(const PlanOptions *o, const Plan *pl) {
          (long long)p->model.seqlen, (long long)p->model.embed, n, n == 1 ? "" : "s");
   printf("# parallel: dp %lld, mp %lld, ep %lld, esp %lld (P = %lld)\n", (long long)par->dp, (long long)par->mp,
          (long long)par->ep, (long long)par->esp, (long long)(par->dp * par->mp));
+  if (par->pp > 1 || par->microbatches > 1) {
+    char layers[256];
+    cli_stage_layers(p, 0, layers, sizeof layers);
+    printf("# pipeline: pp %lld, microbatches %lld: this is the plan of one microbatch (B / %lld)%s%s; moec build -v "
+           "plans every stage and the step (lang/manual.md section 6.2)\n", (long long)(par->pp > 1 ? par->pp : 1),
+           (long long)par->microbatches, (long long)par->microbatches, par->pp > 1 ? " on stage 0, " : "",
+           par->pp > 1 ? layers : "");
+  }
   printf("# cluster %s (%s): %d nodes x %d GPUs\n", pl->cluster.name, pl->cluster_path, pl->cluster.nodes,
          pl->cluster.gpus_per_node);
   if (p->model.has_vocab)
