@@ -114,6 +114,10 @@ typedef struct CgTarget {
   bool (*emit)(IrDiag *d, FILE *out, const IrModule *m, const PassMemPlan *plan, const CgEmitOptions *o);
   // Compiles and links the program at c_path into the executable out_path.
   bool (*link)(IrDiag *d, const char *c_path, const char *out_path, bool verbose);
+  // A model of several pipeline stages: the main at c_path (cg_emit_stages_main) and the stages'
+  // programs that emit wrote (sources, NULL-terminated) linked into out_path. NULL: nothing
+  // beyond libmoert (cg_link_program with the sources).
+  bool (*link_stages)(IrDiag *d, const char *c_path, const char *const *sources, const char *out_path, bool verbose);
 } CgTarget;
 
 // The CPU target (codegen/target_cpu.c): C kernels of libmoert, OpenBLAS, MPI.

@@ -179,6 +179,9 @@ void cg_cuda_kernels_used(const IrModule *m, const CgLaunches *ls, bool *used) {
       for (int c = 0; c < l->ncalls; c++) used[l->call[c].kernel] = true;
       if (bf16 && l->lib == CG_LIB_GEMM) used[CG_K_COMPRESS_BF16] = true;   // the operands' cast
     }
+  // Microbatches: their gradients summed and divided by their number on the GPU (emit_cuda_host.c,
+  // RtDevice.accumulate).
+  if (ir_mod_int(m, "microbatches", 1) > 1) used[CG_K_ADD] = used[CG_K_SCALE_ROWS] = true;
 }
 
 // The library the CUDA target uses for what the lowering leaves to one (the unit's plan comment).
@@ -374,13 +377,15 @@ bool cg_emit_cuda_fused_host(IrDiag *d, FILE *out, const IrModule *m, const CgLa
           m->name, ls->ngen, prelude_src);
   for (int g = 0; g < ls->ngen; g++)
     fprintf(out, "// ---- %s: %s ----\nMK_FUSED void %s%s\n", ls->gen[g].name, ls->gen[g].ops, ls->gen[g].name, ls->gen[g].source);
-  fprintf(out, "}  // namespace\n\nextern \"C\" const MkFusedKernel mk_fused_kernels[] = {\n");
+  fprintf(out, "\n// The table, registered with the fake device before main (every stage of a pipeline registers its\n"
+               "// own: the kernels' names tell them apart).\nconst MkFusedKernel fused_kernels[] = {\n");
   for (int g = 0; g < ls->ngen; g++) {
     const CgGenKernel *k = &ls->gen[g];
     fprintf(out, "    {\"%s\", %d, %s, [](void **a) { %s(", k->name, k->nparams, k->syncs ? "true" : "false", k->name);
     for (int p = 0; p < k->nparams; p++) fprintf(out, "%smk_ptr(a[%d])", p ? ", " : "", p);
     fprintf(out, "); }},\n");
   }
-  fprintf(out, "    {nullptr, 0, false, nullptr}};\nextern \"C\" const int mk_fused_count = %d;\n", ls->ngen);
+  fprintf(out, "    {nullptr, 0, false, nullptr}};\nconst bool registered = (mk_fused_register(fused_kernels, %d), true);\n"
+               "}  // namespace\n", ls->ngen);
   return true;
 }

@@ -102,6 +102,20 @@ typedef struct Host {
   // collectives or device copies, and the bytes they move (operands read once, results written once)
   int phase;                 // the step function being emitted (STEP_*)
   Counts count[STEP_COUNT];
+  // Microbatches and pipeline stages (runtime/pipeline.c, RtDevice.use_slot and .accumulate):
+  // pipe when the program has either; micro microbatches a step, slots of them in flight (each its
+  // input X, target T and arena A); link: a stage before the last (its forward's output and its
+  // backward's target cross to the host); input_grad: a later stage's gradient of its input (the
+  // device address, "" on the first stage), which crosses to the host after the backward.
+  bool pipe, link;
+  int64_t micro, slots;
+  char input_grad[96];
+  // The reductions of the gradient buffer in the backward that the microbatches before the last
+  // skip and the last one adds the sum of the earlier ones to first (pipeline.c's gradient hook):
+  // their ranges of G, in floats, for the sum's addition to the elements none of them reduces.
+  int64_t (*hooked)[2];
+  int nhooked, cap_hooked;
+  int w_slot, w_acc, w_part;   // the hooks' error sites (pipe_sites)
   bool ok;
 } Host;
 
@@ -310,6 +324,51 @@ static bool words(Host *h, const IrOp *op, const IrType *t, int64_t blocks, bool
   return true;
 }
 
+// Microbatches: whether op, a reduction in the backward, reduces elements [*off, *off + *n) of the
+// gradient buffer G (pipeline.c's gradient hook, runtime/comm.c: the reductions of the gradient
+// buffer, rt_allreduce's, are skipped by the microbatches before the last, and the last one's add
+// the earlier ones' sum first); the range is recorded for acc_finish.
+static bool hooked_range(Host *h, const IrOp *op, int64_t *off, int64_t *n) {
+  if (h->micro <= 1 || h->phase != STEP_BACKWARD || ir_op_int(op, "shard", 0) > 0) return false;
+  if (op->kind == IR_OP_COMM_ALLREDUCE_GRAD) {
+    *off = h->param_offset[op->args[0].param->index] + ir_op_int(op, "offset", 0);
+    *n = ir_op_int(op, "count", 0);
+  } else if (op->kind == IR_OP_COMM_ALLREDUCE) {
+    const PassMemSlot *slot = &h->plan->slot[op->result->func->index][op->result->id];
+    if (slot->kind != PASS_MEM_GRAD) return false;
+    *off = h->param_offset[slot->offset];
+    *n = ir_type_numel(&op->result->type);
+  } else {
+    return false;
+  }
+  if (h->nhooked == h->cap_hooked) {
+    int cap = 2 * h->cap_hooked + 16;
+    void *more = realloc(h->hooked, (size_t)cap * sizeof *h->hooked);
+    if (!more) return h->ok = ir_oom(h->d);
+    h->hooked = more, h->cap_hooked = cap;
+  }
+  h->hooked[h->nhooked][0] = *off, h->hooked[h->nhooked][1] = *n;
+  h->nhooked++;
+  return true;
+}
+
+// A reduction of G (hooked_range, elements [off, off + n)) as the microbatches run it (acc_phase,
+// RtDevice.accumulate): opens the branch of the first and middle ones, which skip the reduction;
+// emit_comm writes what they do instead (nothing, or the copy of the operand), then hook_last's
+// branch: the last one adds the earlier ones' sum W to the values (from src) first; the
+// reduction itself follows for the last microbatch and for a step of one alike.
+static void hook_skip(Host *h) {
+  fprintf(h->out, "  /* microbatches: reduced once, in the last one's backward, with the earlier ones' sum (pipeline.c) */\n"
+                  "  if (acc_phase == ACC_FIRST || acc_phase == ACC_MIDDLE) {\n");
+}
+
+static void hook_last(Host *h, const IrFunc *f, const IrOp *op, IrStream s, int64_t off, int64_t n, const char *src) {
+  int w = where(h, f, op, "kernel mk_add (the earlier microbatches' gradients) before %s", ir_op_info[op->kind].name);
+  fprintf(h->out, "  } else {\n    if (acc_phase == ACC_LAST)\n      launch(%d, %s, %s, %" PRId64 ", 0, (void *[]){PTR(%s), PTR(W + %"
+                  PRId64 "), PTR(G + %" PRId64 "), I64(%" PRId64 ")});\n",
+          w, cg_stream_enum(s), cg_cuda_kernel_name(h->ls, CG_K_ADD), cg_cuda_grid_elems(n), src, off, off, n);
+}
+
 // A collective (NCCL) or a slice copy (CG_LIB_COLLECTIVE, CG_LIB_SPLIT).
 static bool emit_comm(Host *h, const IrFunc *f, const IrOp *op, IrStream s) {
   char a[96] = "", r[96] = "";
@@ -330,15 +389,27 @@ static bool emit_comm(Host *h, const IrFunc *f, const IrOp *op, IrStream s) {
     fprintf(h->out, "  CK(rt_cuda_copy(cu, %s, %s, %s, %" PRId64 "), %d);\n", se, r, a, ir_type_bytes(rt), w);
     return true;
   }
+  int64_t hook_off = 0, hook_n = 0;
+  bool hooked = hooked_range(h, op, &hook_off, &hook_n);
+  if (!h->ok) return false;
   if (op->kind == IR_OP_COMM_ALLREDUCE_GRAD) {
     int64_t off = h->param_offset[op->args[0].param->index] + ir_op_int(op, "offset", 0);
-    if (size == 1) {
-      fprintf(h->out, "  /* comm.allreduce_grad of @%s on a group of one: nothing to do */\n", op->args[0].param->name);
-      return true;
+    char src[64];
+    snprintf(src, sizeof src, "G + %" PRId64, off);
+    if (hooked) {
+      hook_skip(h);
+      fprintf(h->out, "    /* this microbatch's gradient stays in G, unreduced */\n");
+      hook_last(h, f, op, s, off, hook_n, src);
     }
-    h->group_nccl[g] = true;
-    fprintf(h->out, "  CK(rt_cuda_allreduce(cu, nccl[%s], %s, G + %" PRId64 ", G + %" PRId64 ", %" PRId64 "), %d);\n",
-            cg_group_enums[g], se, off, off, ir_op_int(op, "count", 0), w);
+    const char *ind = hooked ? "    " : "  ";   // (inside the hook's branch)
+    if (size == 1) {
+      fprintf(h->out, "%s/* comm.allreduce_grad of @%s on a group of one: nothing to do */\n", ind, op->args[0].param->name);
+    } else {
+      h->group_nccl[g] = true;
+      fprintf(h->out, "%sCK(rt_cuda_allreduce(cu, nccl[%s], %s, G + %" PRId64 ", G + %" PRId64 ", %" PRId64 "), %d);\n",
+              ind, cg_group_enums[g], se, off, off, ir_op_int(op, "count", 0), w);
+    }
+    if (hooked) fprintf(h->out, "  }\n");
     return true;
   }
   const char *fn = op->kind == IR_OP_COMM_ALLGATHER       ? "rt_cuda_allgather"
@@ -352,14 +423,23 @@ static bool emit_comm(Host *h, const IrFunc *f, const IrOp *op, IrStream s) {
             : op->kind == IR_OP_COMM_ALLTOALL      ? words(h, op, rt, size, false, &count)
                                                    : words(h, op, rt, 1, reduce, &count);
   if (!ok) return false;
-  if (size == 1) {   // every collective on a group of one is a copy
-    fprintf(h->out, "  CK(rt_cuda_copy(cu, %s, %s, %s, %" PRId64 "), %d);  /* %s on a group of one */\n", se, r, a,
-            ir_type_bytes(rt), w, ir_op_info[op->kind].name);
-    return true;
+  char src[160];   // what the collective reads: with microbatches the last one's sum, already in place
+  snprintf(src, sizeof src, hooked ? "acc_phase == ACC_LAST ? %s : %s" : "%s%.0s", hooked ? r : a, a);
+  if (hooked) {    // (comm.allreduce into the gradient buffer)
+    hook_skip(h);
+    fprintf(h->out, "    CK(rt_cuda_copy(cu, %s, %s, %s, %" PRId64 "), %d);   /* unreduced */\n", se, r, a, ir_type_bytes(rt), w);
+    hook_last(h, f, op, s, hook_off, hook_n, a);
   }
-  h->group_nccl[g] = true;
-  fprintf(h->out, "  CK(%s(cu, nccl[%s], %s, (const float *)%s, (float *)%s, %" PRId64 "), %d);\n", fn, cg_group_enums[g], se,
-          a, r, count, w);
+  const char *ind = hooked ? "    " : "  ";
+  if (size == 1) {   // every collective on a group of one is a copy
+    fprintf(h->out, "%s%sCK(rt_cuda_copy(cu, %s, %s, %s, %" PRId64 "), %d);  /* %s on a group of one */\n", ind,
+            hooked ? "if (acc_phase != ACC_LAST) " : "", se, r, a, ir_type_bytes(rt), w, ir_op_info[op->kind].name);
+  } else {
+    h->group_nccl[g] = true;
+    fprintf(h->out, "%sCK(%s(cu, nccl[%s], %s, (const float *)(%s), (float *)%s, %" PRId64 "), %d);\n", ind, fn,
+            cg_group_enums[g], se, src, r, count, w);
+  }
+  if (hooked) fprintf(h->out, "  }\n");
   return true;
 }
 
@@ -719,7 +799,7 @@ static bool emit_function(Host *h, const IrFunc *f) {
 }
 
 // A step function: its IR functions in order, then a wait for every stream and the epilogue.
-static bool emit_step(Host *h, int step, const char *prologue, bool (*member)(const IrFunc *)) {
+static bool emit_step(Host *h, int step, const char *prologue, const char *after, bool (*member)(const IrFunc *)) {
   const char *name = step_names[step];
   char *epilogue = NULL;
   size_t size = 0;
@@ -758,7 +838,7 @@ static bool emit_step(Host *h, int step, const char *prologue, bool (*member)(co
               h->pooled_addr[i], h->pooled_off[i], h->pooled_bytes[i], wp);
     fprintf(h->out, "  CK(rt_cuda_sync(cu, RT_STREAM_COMPUTE), %d);\n", wp);
   }
-  fprintf(h->out, "}\n\n");
+  fprintf(h->out, "%s}\n\n", after);
   free(epilogue);
   return true;
 }
@@ -854,12 +934,13 @@ static void emit_launchers(FILE *out) {
           "   graph at its second and replayed from then on, one launch a step; MOERT_CUDA_GRAPH=0 keeps it op by\n"
           "   op. Before a replay the step's launches are issued again in GRAPH_SET mode: every call is skipped but\n"
           "   those of launch_step, whose arguments change from step to step (the step, the learning rate), which\n"
-          "   set their node's arguments instead. */\n"
+          "   set their node's arguments instead. With microbatches a step function has a graph per VARIANT (the\n"
+          "   slot, where the backward writes its gradients): its addresses are the graph's. */\n"
           "enum { GRAPH_RUN, GRAPH_SET };\n"
           "static bool use_graphs;\n"
           "static int graph_mode, graph_next;\n"
-          "static RtCudaGraph *graph_now, *graphs[%d];\n"
-          "static long long graph_calls[%d];\n\n"
+          "static RtCudaGraph *graph_now, *graphs[%d * VARIANTS];\n"
+          "static long long graph_calls[%d * VARIANTS];\n\n"
           "#define CK(call, site) do { if (graph_mode != GRAPH_SET && !(call)) op_failed(site); } while (0)\n\n"
           "/* Kernel arguments: the address of each parameter's value, with the kernel's parameter type. */\n"
           "#define PTR(x) &(void *){(void *)(x)}\n#define I32(x) &(int){x}\n#define I64(x) &(long long){x}\n"
@@ -876,8 +957,9 @@ static void emit_launchers(FILE *out) {
           "    CK(rt_cuda_launch_step(cu, s, kernels[kernel], grid, %d, shared_bytes, args), site);\n"
           "  }\n"
           "}\n\n"
-          "/* Step function g's launches (run): op by op, into a graph, or by replaying it. */\n"
-          "static void graph_run(int g, void (*run)(RtStep *), RtStep *st, int site) {\n"
+          "/* Step function step's launches (run): op by op, into a graph, or by replaying it. */\n"
+          "static void graph_run(int step, void (*run)(RtStep *), RtStep *st, int site) {\n"
+          "  int g = step * VARIANTS + VARIANT;\n"
           "  if (!use_graphs || graph_calls[g]++ == 0) {   /* the first call warms cuBLAS and NCCL up */\n"
           "    run(st);\n"
           "    return;\n"
@@ -896,6 +978,142 @@ static void emit_launchers(FILE *out) {
           "  CK(rt_cuda_graph_launch(cu, graphs[g], RT_STREAM_COMPUTE), site);\n"
           "}\n\n",
           STEP_COUNT, STEP_COUNT, CG_CUDA_BLOCK, CG_CUDA_BLOCK, CG_CUDA_BLOCK);
+}
+
+// ---- microbatches and pipeline stages ----
+
+// The device memory of microbatches and stages, after the rest of the block (from at): the slots
+// beyond the first (each an input, a target and an arena, which X, T and A point to while it
+// runs), W, where the first microbatch's gradients become the sum of the ones before the last,
+// and K, the constant 1/M; the state the hooks keep; the new end of the block.
+static int64_t emit_pipe_layout(const Host *h, FILE *out, int64_t at, int64_t elems) {
+  if (!h->pipe) {
+    fprintf(out, "#define VARIANTS 1   /* a graph of each step function */\n#define VARIANT 0\n");
+    return at;
+  }
+  int64_t data = align(elems * 4, 256), arena = align(h->plan->arena_bytes > 0 ? h->plan->arena_bytes : 1, 256);
+  int64_t slot_bytes = 2 * data + arena, off_w = at + (h->slots - 1) * slot_bytes;
+  int64_t off_k = off_w + (h->micro > 1 ? align(h->param_floats * 4, 256) : 0);
+  fprintf(out, "/* Microbatches and pipeline stages (runtime/pipeline.c, RtDevice.use_slot and .accumulate): %" PRId64
+               " microbatch%s a step,\n"
+               "   %" PRId64 " in flight at once, each in a slot of its own: slot 0 is X, T and A; slot i > 0 is the same three\n"
+               "   at OFF_SLOTS + (i - 1) * SLOT_BYTES, which X, T and A point to while it runs. W: the sum of the\n"
+               "   microbatches' gradients before the last (the first one's backward writes it), K: 1/MICRO. */\n"
+               "#define MICRO %" PRId64 "\n#define SLOTS %" PRId64 "\n#define OFF_SLOTS ((size_t)%" PRId64
+               ")\n#define SLOT_BYTES ((size_t)%" PRId64 ")\n#define SLOT_T ((size_t)%" PRId64 ")\n#define SLOT_A ((size_t)%" PRId64
+               ")\n#define OFF_W ((size_t)%" PRId64 ")\n#define OFF_K ((size_t)%" PRId64 ")\n",
+          h->micro, h->micro == 1 ? "" : "es", h->slots, h->micro, h->slots, at, slot_bytes, data, 2 * data, off_w, off_k);
+  fprintf(out, "/* The slot running (use_slot) and the microbatch's part in the sum of the gradients (accumulate):\n"
+               "   ACC_FIRST writes W, ACC_MIDDLE adds its gradients to W, ACC_LAST adds W to its own as it reduces\n"
+               "   them; ACC_NONE outside a backward of several microbatches. A graph per slot and part. */\n"
+               "enum { ACC_NONE, ACC_FIRST, ACC_MIDDLE, ACC_LAST };\n"
+               "static int slot_now, acc_phase;\n"
+               "#define VARIANTS (SLOTS * 4)\n#define VARIANT (slot_now * 4 + acc_phase)\n"
+               "static float *slot_x[SLOTS], *slot_t[SLOTS];\nstatic unsigned char *slot_a[SLOTS];\n"
+               "static float *G0, *W, *K;        /* the gradients' sum (the block's G), W and 1/MICRO */\n"
+               "/* The stage's messages in host memory, a slot's each (runtime/pipeline.c sends them as they are):\n"
+               "   the forward's output (a stage before the last), the gradient of the input (a later stage). */\n"
+               "static float *out_host[SLOTS], *grad_host[SLOTS];\n\n");
+  return off_k + 256;
+}
+
+// The error sites of the hooks (before the table of sites is printed).
+static void pipe_sites(Host *h) {
+  if (!h->pipe) return;
+  h->w_slot = where(h, NULL, NULL, "microbatches: a slot or a count of microbatches the program was not built for (an "
+                                   "internal error)");
+  h->w_acc = where(h, NULL, NULL, "microbatches: the sum of their gradients on the GPU");
+  h->w_part = where(h, NULL, NULL, "pipeline stages: copying a gradient that two stages hold between the GPU and the host");
+}
+
+static int by_start(const void *a, const void *b) {
+  int64_t x = ((const int64_t *)a)[0], y = ((const int64_t *)b)[0];
+  return x < y ? -1 : x > y;
+}
+
+// acc_finish: after the last microbatch's backward, W added to the elements of the sum that none of
+// its reductions saw (the ranges between the hooked ones, as rt_comm_grad_hook_finish adds them).
+static void emit_acc_finish(Host *h, FILE *out) {
+  qsort(h->hooked, (size_t)h->nhooked, sizeof *h->hooked, by_start);
+  fprintf(out, "/* After the last microbatch's backward: W added to the elements of the sum that none of its\n"
+               "   reductions saw (%d reductions of the gradients, which added it as they ran). */\n"
+               "static void acc_finish(void) {\n", h->nhooked);
+  int64_t at = 0;
+  for (int i = 0; i <= h->nhooked; i++) {
+    int64_t lo = i < h->nhooked ? h->hooked[i][0] : h->param_floats;
+    if (lo > at)
+      fprintf(out, "  launch(%d, RT_STREAM_COMPUTE, %s, %" PRId64 ", 0, (void *[]){PTR(G0 + %" PRId64 "), PTR(W + %" PRId64
+                   "), PTR(G0 + %" PRId64 "), I64(%" PRId64 ")});\n",
+              h->w_acc, cg_cuda_kernel_name(h->ls, CG_K_ADD), cg_cuda_grid_elems(lo - at), at, at, at, lo - at);
+    if (i < h->nhooked && h->hooked[i][0] + h->hooked[i][1] > at) at = h->hooked[i][0] + h->hooked[i][1];
+  }
+  fprintf(out, "}\n\n");
+}
+
+// RtDevice.accumulate: before a microbatch's backward its part (acc_phase) and where it writes its
+// gradients (G: W for the first, the block's G0 for the others); after it, what pipeline.c does on
+// the host: the first one's gradients are the sum W, a middle one's are added to W (rt_add's
+// order), the last one's reductions added W as they ran and acc_finish adds it to the rest. With
+// micro = MICRO: the sum times 1/MICRO (rt_scale; mk_scale_rows by K, pieces of at most 2^30).
+static void emit_accumulate(Host *h, FILE *out) {
+  emit_acc_finish(h, out);
+  fprintf(out, "static void device_accumulate(RtStep *st, int micro, int micros, bool after) {\n"
+               "  (void)st;\n"
+               "  if (micros != MICRO || micro < 0 || micro > micros)\n    op_failed(%d);\n"
+               "  if (micro == micros) {   /* the mean */\n", h->w_slot);
+  enum { PIECE = 1 << 30 };
+  for (int64_t at = 0; at < h->param_floats; at += PIECE) {
+    int64_t n = h->param_floats - at < PIECE ? h->param_floats - at : PIECE;
+    fprintf(out, "    launch(%d, RT_STREAM_COMPUTE, %s, %" PRId64 ", 0, (void *[]){PTR(G0 + %" PRId64 "), PTR(K), PTR(G0 + %" PRId64
+                 "), I32(1), I32(%" PRId64 ")});\n",
+            h->w_acc, cg_cuda_kernel_name(h->ls, CG_K_SCALE_ROWS), cg_cuda_grid_elems(n), at, at, n);
+  }
+  fprintf(out, "    return;\n  }\n"
+               "  if (!after) {\n"
+               "    acc_phase = micro == 0 ? ACC_FIRST : micro == micros - 1 ? ACC_LAST : ACC_MIDDLE;\n"
+               "    G = micro == 0 ? W : G0;\n"
+               "    return;\n  }\n"
+               "  if (acc_phase == ACC_FIRST)\n    G = G0;\n"
+               "  else if (acc_phase == ACC_MIDDLE)\n"
+               "    launch(%d, RT_STREAM_COMPUTE, %s, %" PRId64 ", 0, (void *[]){PTR(W), PTR(G0), PTR(W), I64(PARAM_FLOATS)});\n"
+               "  else\n    acc_finish();\n"
+               "  acc_phase = ACC_NONE;\n}\n\n",
+          h->w_acc, cg_cuda_kernel_name(h->ls, CG_K_ADD), cg_cuda_grid_elems(h->param_floats));
+}
+
+// The hooks of microbatches and stages (RtDevice.use_slot, .accumulate, .grads_part).
+static void emit_pipe_hooks(Host *h, FILE *out) {
+  fprintf(out, "/* ---- microbatches and pipeline stages (runtime/pipeline.c) ---- */\n\n"
+               "static void device_use_slot(RtStep *st, int slot) {\n"
+               "  if (slot < 0 || slot >= SLOTS)\n    op_failed(%d);\n"
+               "  slot_now = slot;\n"
+               "  X = slot_x[slot], T = slot_t[slot], A = slot_a[slot];\n"
+               "  rt_cuda_session_pin_data(session, st);   /* the slot's input and target, copied at every forward */\n"
+               "}\n\n"
+               "static void device_grads_part(RtStep *st, size_t offset, int64_t n, bool to_device) {\n"
+               "  if (rt_cuda_session_grads_part(session, st, offset, n, to_device) != 0)\n    op_failed(%d);\n"
+               "}\n\n",
+          h->w_slot, h->w_part);
+  if (h->micro > 1) emit_accumulate(h, out);
+}
+
+// device_create's part: the slots' addresses, W and K, the messages' host buffers.
+static void emit_pipe_create(const Host *h, FILE *out) {
+  fprintf(out, "  G0 = G;\n  K = (float *)(base + OFF_K);\n  W = MICRO > 1 ? (float *)(base + OFF_W) : NULL;\n");
+  if (h->micro > 1)
+    fprintf(out, "  static const float inv_micro = 1.0f / (float)MICRO;   /* pipeline.c's factor of the mean */\n"
+                 "  CK(rt_cuda_to_device(cu, RT_STREAM_COMPUTE, K, &inv_micro, sizeof inv_micro), %d);\n", h->w_acc);
+  fprintf(out, "  slot_now = 0, acc_phase = ACC_NONE;\n"
+               "  for (int i = 0; i < SLOTS; i++) {\n"
+               "    unsigned char *at = i > 0 ? base + OFF_SLOTS + (size_t)(i - 1) * SLOT_BYTES : NULL;\n"
+               "    slot_x[i] = at ? (float *)at : X;\n"
+               "    slot_t[i] = at ? (float *)(at + SLOT_T) : T;\n"
+               "    slot_a[i] = at ? at + SLOT_A : A;\n"
+               "    out_host[i] = %s;\n"
+               "    grad_host[i] = %s;\n"
+               "  }\n",
+          h->link ? "rt_cuda_session_host_buffer(session, ELEMS * sizeof(float))" : "NULL",
+          h->input_grad[0] ? "rt_cuda_session_host_buffer(session, ELEMS * sizeof(float))" : "NULL");
 }
 
 static void emit_header(Host *h, FILE *out, const char *source_name, const CgCudaImages *img) {
@@ -941,14 +1159,14 @@ static void emit_header(Host *h, FILE *out, const char *source_name, const CgCud
   int64_t b_bytes = b_inter + 2 * slot[IR_STREAM_INTER];
   int64_t off_p16 = off_b + (h->bf16 ? align(b_bytes > 0 ? b_bytes : 1, 256) : 0);   // dtype bf16: P16
   int64_t off_u = off_p16 + (h->bf16 ? align(h->param_floats * 2, 256) : 0);   // the update runs' tables
-  int64_t total = off_u + align(h->nranges > 0 ? h->nranges * RANGE_BYTES : 1, 256);
+  int64_t total = emit_pipe_layout(h, out, off_u + align(h->nranges > 0 ? h->nranges * RANGE_BYTES : 1, 256), elems);
   fprintf(out, "/* Device memory, one block: parameters P, gradients G%s (floats, as the CPU\n"
                "   program's), the step's input X and target T, the activation arena A of the memory plan, and\n"
                "   the staging area S of the statistics the host reads after a step function (into H). */\n",
           h->adamw ? ", AdamW moments M and V" : "");
   // The output: the last layer's [batch*seqlen, embed], or a language model's logits (a split vocabulary: the rank's)
   int64_t vocab = ir_mod_int(m, "vocab", 0) / (ir_mod_int(m, "vocab_parallel", 0) ? ir_mod_int(m, "mp", 1) : 1);
-  int64_t output_floats = vocab > 0 ? ir_mod_int(m, "batch", 1) * ir_mod_int(m, "seqlen", 1) * vocab : elems;
+  int64_t output_floats = vocab > 0 && !h->link ? ir_mod_int(m, "batch", 1) * ir_mod_int(m, "seqlen", 1) * vocab : elems;
   const char *names[] = {"PARAM_FLOATS", "ELEMS", "OFF_G", "OFF_M", "OFF_V", "OFF_X", "OFF_T", "OFF_A", "OFF_S",
                          "DEVICE_BYTES", "STAGE_BYTES", "OUTPUT_FLOATS"};
   int64_t values[] = {h->param_floats, elems, off_g, off_m, off_v, off_x, off_t, off_a, off_s, total, stage_bytes,
@@ -1045,6 +1263,7 @@ static void emit_hooks(Host *h, FILE *out) {
     fprintf(out, "  U = base + OFF_U;\n  CK(rt_cuda_to_device(cu, RT_STREAM_COMPUTE, U, update_ranges, sizeof update_ranges), %d);\n",
             h->w_ranges);
   if (h->output[0]) fprintf(out, "  session->device_output = %s;\n", h->output);
+  if (h->pipe) emit_pipe_create(h, out);
   fprintf(out, "  if ((use_graphs = rt_cuda_graphs_wanted())) {\n"
                "    size_t len = strlen(session->description);\n"
                "    snprintf(session->description + len, sizeof session->description - len, \"; steps as CUDA graphs\");\n"
@@ -1052,7 +1271,7 @@ static void emit_hooks(Host *h, FILE *out) {
   fprintf(out, "  return 0;\n}\n\n"
                "static void device_destroy(RtStep *st) {\n"
                "  (void)st;\n"
-               "  for (int g = 0; g < %d; g++) {\n"
+               "  for (int g = 0; g < %d * VARIANTS; g++) {\n"
                "    rt_cuda_graph_destroy(graphs[g]);\n"
                "    graphs[g] = NULL, graph_calls[g] = 0;\n"
                "  }\n"
@@ -1065,13 +1284,78 @@ static void emit_hooks(Host *h, FILE *out) {
                "%s"
                "  return rt_cuda_session_upload(session, st, what);\n"
                "}\n"
-               "static int device_download(RtStep *st, unsigned what) { return rt_cuda_session_download(session, st, what); }\n\n"
-               "static const RtDevice device = {\n"
-               "  .create = device_create, .connect = device_connect, .describe = device_describe,\n"
-               "  .upload = device_upload, .download = device_download, .destroy = device_destroy,\n"
-               "};\n\n",
+               "static int device_download(RtStep *st, unsigned what) { return rt_cuda_session_download(session, st, what); }\n\n",
           STEP_COUNT,
           h->bf16 ? "  if (what & RT_DEVICE_PARAMS) p16_fresh = false;   /* P16 is rounded again at the next forward */\n" : "");
+  if (h->pipe) emit_pipe_hooks(h, out);
+  fprintf(out, "static const RtDevice device = {\n"
+               "  .create = device_create, .connect = device_connect, .describe = device_describe,\n"
+               "  .upload = device_upload, .download = device_download, .destroy = device_destroy,\n%s%s"
+               "};\n\n",
+          h->pipe ? "  .use_slot = device_use_slot, .grads_part = device_grads_part,\n" : "",
+          h->micro > 1 ? "  .accumulate = device_accumulate,\n" : "");
+}
+
+// What the step functions of a pipeline stage add (pipe_setup): the backward's copy of its target
+// before it runs (a stage before the last), and the copies of the stage's messages to the host
+// after the forward and after the backward.
+typedef struct PipeSteps {
+  char bwd_pre[256], fwd_post[512], bwd_post[512];
+} PipeSteps;
+
+// Microbatches and stages: the program's slots (runtime/pipeline.c's rt_pipe_slots), its place
+// among the stages, the gradient of its input (a later stage's), and what its steps add (*ps).
+// A stage's messages to and from its neighbours go through host memory: the forward's output and
+// the backward's gradient of the input are copied to the host after the step, and the gradient
+// the next stage sends is copied to T before the backward (the forward's target, a stage before
+// the last has no use for). NCCL point-to-point between the GPUs would spare the copies; it is
+// not built: the fake device of the tests runs one stream after the other, so it could not show
+// that a stage's sends and receives on a stream of their own neither deadlock nor race.
+static void pipe_setup(Host *h, PipeSteps *ps) {
+  const IrModule *m = h->m;
+  int64_t pp = ir_mod_int(m, "pp", 1), stage = pp > 1 ? ir_mod_int(m, "stage", 0) : 0;
+  h->micro = ir_mod_int(m, "microbatches", 1);
+  h->pipe = h->micro > 1 || pp > 1;
+  h->link = stage < pp - 1;
+  bool gpipe = strcmp(ir_mod_str(m, "pp_schedule", "1f1b"), "gpipe") == 0;
+  h->slots = gpipe ? (pp > 1 ? h->micro : 1) : (pp - stage < h->micro ? pp - stage : h->micro);
+  const IrFunc *last_bwd = NULL;
+  for (int i = 0; i < m->nfuncs; i++)
+    if (m->funcs[i]->role == IR_ROLE_LAYER_BWD) last_bwd = m->funcs[i];
+  if (stage > 0 && last_bwd && last_bwd->nrets) cg_spell_value(&h->sp, last_bwd->rets[0], h->input_grad, sizeof h->input_grad);
+  ps->bwd_pre[0] = ps->fwd_post[0] = ps->bwd_post[0] = '\0';
+  if (h->link)
+    snprintf(ps->bwd_pre, sizeof ps->bwd_pre,
+             "  /* the gradient of the output the next stage sent (runtime/pipeline.c) */\n"
+             "  CK(rt_cuda_to_device(cu, RT_STREAM_COMPUTE, T, st->target, ELEMS * sizeof(float)), %d);\n",
+             where(h, NULL, NULL, "the copy of the gradient the next pipeline stage sent to the GPU"));
+  if (h->link && h->output[0])
+    snprintf(ps->fwd_post, sizeof ps->fwd_post,
+             "  /* the output, which runtime/pipeline.c sends to the next stage */\n"
+             "  CK(rt_cuda_to_host(cu, RT_STREAM_COMPUTE, out_host[slot_now], %s, ELEMS * sizeof(float)) &&\n"
+             "     rt_cuda_sync(cu, RT_STREAM_COMPUTE), %d);\n"
+             "  st->output = out_host[slot_now];\n",
+             h->output, where(h, NULL, NULL, "the copy of the pipeline stage's output to the host"));
+  if (h->input_grad[0])
+    snprintf(ps->bwd_post, sizeof ps->bwd_post,
+             "  /* the gradient of the input, which runtime/pipeline.c sends to the stage before */\n"
+             "  CK(rt_cuda_to_host(cu, RT_STREAM_COMPUTE, grad_host[slot_now], %s, ELEMS * sizeof(float)) &&\n"
+             "     rt_cuda_sync(cu, RT_STREAM_COMPUTE), %d);\n"
+             "  st->input_grad = grad_host[slot_now];\n",
+             h->input_grad, where(h, NULL, NULL, "the copy of the gradient of the stage's input to the host"));
+}
+
+// The forward's start: the input (and, but on a stage before the last, the target) to the GPU;
+// where the output is (the slot's, with microbatches).
+static void forward_prologue(Host *h, char *buf, size_t n) {
+  int w = where(h, NULL, NULL, "the copy of the step's input and target to the GPU");
+  int len = snprintf(buf, n, "  rt_step_begin_forward(st);\n"
+                             "  CK(rt_cuda_to_device(cu, RT_STREAM_COMPUTE, X, st->input, ELEMS * sizeof(float)), %d);\n", w);
+  if (!h->link)
+    len += snprintf(buf + len, n - (size_t)len, "  CK(rt_cuda_to_device(cu, RT_STREAM_COMPUTE, T, st->target, ELEMS * sizeof(float)), %d);\n", w);
+  if (h->pipe && h->output[0])
+    len += snprintf(buf + len, n - (size_t)len, "  session->device_output = %s;   /* the slot's */\n", h->output);
+  if (!h->link && h->output[0]) snprintf(buf + len, n - (size_t)len, "  st->output = output;\n");
 }
 
 bool cg_emit_cuda_host(IrDiag *d, FILE *out, const IrModule *m, const PassMemPlan *plan, const CgEmitOptions *o,
@@ -1115,13 +1399,10 @@ bool cg_emit_cuda_host(IrDiag *d, FILE *out, const IrModule *m, const PassMemPla
   if (loss && loss->nrets > 1) cg_spell_value(&h.sp, loss->rets[1], h.output, sizeof h.output);
   else if (last_fwd && last_fwd->nrets > 0) cg_spell_value(&h.sp, last_fwd->rets[0], h.output, sizeof h.output);
 
-  int w_input = where(&h, NULL, NULL, "the copy of the step's input and target to the GPU");
   char prologue[1024];
-  snprintf(prologue, sizeof prologue,
-           "  rt_step_begin_forward(st);\n"
-           "  CK(rt_cuda_to_device(cu, RT_STREAM_COMPUTE, X, st->input, ELEMS * sizeof(float)), %d);\n"
-           "  CK(rt_cuda_to_device(cu, RT_STREAM_COMPUTE, T, st->target, ELEMS * sizeof(float)), %d);\n%s",
-           w_input, w_input, h.output[0] ? "  st->output = output;\n" : "");
+  PipeSteps ps;
+  pipe_setup(&h, &ps);
+  forward_prologue(&h, prologue, sizeof prologue);
   const char *update_prologue = "";
   // When every launch of the update writes P16 as it updates P (a CG_ARG_PARAM16 argument:
   // mk_adamw_ranges, mk_adamw_bf16, ...), P16 stays fresh, and the forward rounds it only after
@@ -1147,9 +1428,11 @@ bool cg_emit_cuda_host(IrDiag *d, FILE *out, const IrModule *m, const PassMemPla
       h.count[STEP_FORWARD].kernel_bytes += 6.0 * (double)h.param_floats;
     }
   }
-  ok = emit_step(&h, STEP_FORWARD, prologue, is_forward) && emit_step(&h, STEP_BACKWARD, "", is_backward) &&
-       emit_step(&h, STEP_UPDATE, update_prologue, is_update) && h.ok;
+  ok = emit_step(&h, STEP_FORWARD, prologue, ps.fwd_post, is_forward) &&
+       emit_step(&h, STEP_BACKWARD, ps.bwd_pre, ps.bwd_post, is_backward) &&
+       emit_step(&h, STEP_UPDATE, update_prologue, "", is_update) && h.ok;
   if (h.nranges > 0) h.w_ranges = where(&h, NULL, NULL, "the copy of the update's table of ranges to the GPU");
+  pipe_sites(&h);
   if (fclose(h.out) != 0) ok = ir_oom(d);
   h.out = NULL;
   if (!ok) goto done;
@@ -1170,6 +1453,7 @@ done:
   free(h.pooled_bytes);
   free(h.kernel_slot);
   free(h.copied);
+  free(h.hooked);
   free(used);
   free(h.param_offset);
   return ok;

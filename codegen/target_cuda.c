@@ -13,6 +13,7 @@
 #include <unistd.h>
 
 #include "cg.h"
+#include "cg_internal.h"
 
 #ifdef MOEC_NVRTC
 static bool cuda_available(char *why, size_t size) {
@@ -76,10 +77,24 @@ static bool fake_fused(IrDiag *d, const IrModule *m, const CgLaunches *ls, const
   return ok;
 }
 
+// A pipeline stage's fused kernels get the stage in their names (mk_fuse_3 of stage 1: mk_s1_fuse_3):
+// a GPU looks them up in the stage's own module, but the fake device finds a program's fused
+// kernels by name among every table linked in, and the stages of a model are one program.
+static bool stage_names(IrDiag *d, const IrModule *m, CgLaunches *ls) {
+  if (ir_mod_int(m, "pp", 1) <= 1) return true;
+  for (int g = 0; g < ls->ngen; g++) {
+    char *name = ls->gen[g].name, renamed[64];
+    snprintf(renamed, sizeof renamed, "mk_s%d_%s", (int)ir_mod_int(m, "stage", 0), strncmp(name, "mk_", 3) == 0 ? name + 3 : name);
+    if (strlen(renamed) >= sizeof ls->gen[g].name) return ir_internal(d, "the fused kernel name '%s' is too long", renamed);
+    memcpy(name, renamed, strlen(renamed) + 1);
+  }
+  return true;
+}
+
 static bool cuda_emit(IrDiag *d, FILE *out, const IrModule *m, const PassMemPlan *plan, const CgEmitOptions *o) {
   CgCudaImages img = {0};
   CgLaunches *ls = cg_cuda_launches(d, m, plan);   // each op lowered once, for every emitter
-  bool ok = ls && fake_fused(d, m, ls, o) && cuda_images(d, m, ls, o->arch ? o->arch : "sm_90", &img);
+  bool ok = ls && stage_names(d, m, ls) && fake_fused(d, m, ls, o) && cuda_images(d, m, ls, o->arch ? o->arch : "sm_90", &img);
   if (ok && o->verbose)
     fprintf(stderr, "# nvrtc: CUBIN for %s %zu bytes, PTX %zu bytes%s, embedded in the program\n", img.arch,
             img.cubin_size, img.ptx_size, img.cached ? " (from the build cache)" : "");
@@ -91,8 +106,10 @@ static bool cuda_emit(IrDiag *d, FILE *out, const IrModule *m, const PassMemPlan
 }
 
 // libmoert_cuda (needs cuBLAS, NCCL and libdl; the driver itself is opened at run time,
-// runtime/cuda/rt_cuda.c), or the fake device of the tests.
-static bool cuda_link(IrDiag *d, const char *c_path, const char *out_path, bool verbose) {
+// runtime/cuda/rt_cuda.c), or the fake device of the tests with each program's fused kernels as
+// host C++ (fake_fused): the program at c_path and those of a model's other pipeline stages
+// (stages, NULL-terminated; NULL: none).
+static bool link_programs(IrDiag *d, const char *c_path, const char *const *stages, const char *out_path, bool verbose) {
   bool fake = use_fake();
   if (!*cg_cuda_cflags)
     return ir_error(d, "this moec was built where make found no CUDA toolkit, so it cannot link a CUDA program "
@@ -110,21 +127,46 @@ static bool cuda_link(IrDiag *d, const char *c_path, const char *out_path, bool 
       .libs = fake ? "-lstdc++" : cg_cuda_libs,
   };
   cg_build_file(fake ? "cuda/libfake_cuda.a" : "libmoert_cuda.a", extra.library, sizeof extra.library);
-  char src[4096], tests[4096], flags[8192];
-  fused_path(src, sizeof src, c_path, "cpp");
-  bool fused = fake && access(src, R_OK) == 0, ok = true;
-  if (fused) {   // the fused kernels for the fake device (fake_fused)
-    fused_path(extra.object, sizeof extra.object, c_path, "o");
-    cg_source_file("tests/cuda", tests, sizeof tests);
-    snprintf(flags, sizeof flags, "-std=c++20 -O1 -w -I%s", tests);
-    ok = cg_compile_cxx(d, src, extra.object, flags, verbose);
+  int n = 0;
+  while (stages && stages[n]) n++;
+  // The other programs' C files, then the fused kernels' objects, all before the library.
+  const char **files = calloc((size_t)(2 * n + 2), sizeof *files);
+  char (*objects)[4096] = calloc((size_t)n + 1, sizeof *objects);
+  if (!files || !objects) {
+    free(files), free(objects);
+    return ir_oom(d);
   }
-  ok = ok && cg_link_program(d, c_path, out_path, &extra, verbose);
-  if (fused) {
+  int nfiles = 0, nobjects = 0;
+  for (int i = 0; i < n; i++) files[nfiles++] = stages[i];
+  char tests[4096], flags[8192];
+  cg_source_file("tests/cuda", tests, sizeof tests);
+  snprintf(flags, sizeof flags, "-std=c++20 -O1 -w -I%s", tests);
+  bool ok = true;
+  for (int i = -1; ok && i < n; i++) {
+    char src[4096];
+    const char *program = i < 0 ? c_path : stages[i];
+    fused_path(src, sizeof src, program, "cpp");
+    if (!fake || access(src, R_OK) != 0) continue;
+    fused_path(objects[nobjects], sizeof objects[nobjects], program, "o");
+    ok = cg_compile_cxx(d, src, objects[nobjects], flags, verbose);
+    files[nfiles++] = objects[nobjects++];
     unlink(src);
-    unlink(extra.object);
   }
+  extra.sources = files;
+  ok = ok && cg_link_program(d, c_path, out_path, &extra, verbose);
+  for (int i = 0; i < nobjects; i++) unlink(objects[i]);
+  free(files);
+  free(objects);
   return ok;
+}
+
+static bool cuda_link(IrDiag *d, const char *c_path, const char *out_path, bool verbose) {
+  return link_programs(d, c_path, NULL, out_path, verbose);
+}
+
+static bool cuda_link_stages(IrDiag *d, const char *c_path, const char *const *sources, const char *out_path,
+                             bool verbose) {
+  return link_programs(d, c_path, sources, out_path, verbose);
 }
 
 const CgTarget cg_target_cuda = {
@@ -136,4 +178,5 @@ const CgTarget cg_target_cuda = {
     .available = cuda_available,
     .emit = cuda_emit,
     .link = cuda_link,
+    .link_stages = cuda_link_stages,
 };

@@ -159,11 +159,6 @@ static void refuse_unsupported(IrDiag *d, const FeProgram *p, const FeTargetCaps
                   l->name, (long long)l->moe.experts.count, pooled->name, (long long)pooled->moe.experts.count);
   }
   const FeParallel *par = &p->parallel;
-  if (target && strcmp(target->name, "cpu") != 0 && (par->pp > 1 || par->microbatches > 1))
-    ir_error_at(d, par->loc,
-                "%s runs on the CPU target only in this version (the %s target's steps keep one microbatch's "
-                "activations and gradients on the device); build with --target cpu",
-                par->pp > 1 ? "'pp' (pipeline stages)" : "'microbatches' (gradient accumulation)", target->name);
   for (int i = 0; i < p->nlayers; i++) {
     const FeLayer *l = &p->layers[i];
     if (par->dp * par->mp > 1 && l->has_moe && strcmp(l->moe.gate.name, "softmoe") == 0)

@@ -183,6 +183,7 @@ typedef struct RtCudaProgram {
 } RtCudaProgram;
 
 // What rt_cuda_session_create made; the program's step functions use these.
+enum { RT_CUDA_PINNED_MAX = 64 };
 typedef struct RtCudaSession {
   const RtCudaProgram *program;
   RtCuda *cu;
@@ -193,7 +194,13 @@ typedef struct RtCudaSession {
   const void *device_output;         // set by the program: where its forward leaves the output
   RtNccl *nccl[RT_GROUP_COUNT];      // made by rt_cuda_session_connect (NULL for other groups)
   char description[512];             // the GPU, which image of the kernels it runs, its memory
-  void *pinned[2];                   // the trainer's input and target, page-locked at the first upload
+  // Host memory page-locked for the copies of every step: the trainer's inputs and targets (each
+  // microbatch slot's), at their first upload or use, and the host buffers the session allocated
+  // (host_buffer: owned, freed at destroy).
+  void *pinned[RT_CUDA_PINNED_MAX];
+  int npinned;
+  void *owned[RT_CUDA_PINNED_MAX];
+  int nowned;
 } RtCudaSession;
 
 // RtDevice.create: claims the GPU (NULL with the reason recorded by rt_fail when there is none
@@ -206,5 +213,13 @@ int rt_cuda_session_connect(RtCudaSession *s, RtComm *comm);
 int rt_cuda_session_upload(RtCudaSession *s, const RtStep *st, unsigned what);
 int rt_cuda_session_download(RtCudaSession *s, RtStep *st, unsigned what);
 void rt_cuda_session_destroy(RtCudaSession *s);    // NULL: nothing
+// Microbatches and pipeline stages (RtDevice.use_slot, .grads_part): st->input and st->target
+// page-locked when they are not yet (a slot's; beyond RT_CUDA_PINNED_MAX they stay pageable); host
+// memory of bytes, page-locked where the driver lets it, that the session frees (a stage's
+// messages); st->grads[offset, offset + n) from the device or to it, waited for (0, or -1 with
+// the reason recorded).
+void rt_cuda_session_pin_data(RtCudaSession *s, const RtStep *st);
+float *rt_cuda_session_host_buffer(RtCudaSession *s, size_t bytes);
+int rt_cuda_session_grads_part(RtCudaSession *s, RtStep *st, size_t offset, int64_t n, bool to_device);
 
 #endif

@@ -83,11 +83,12 @@ void rt_cuda_session_destroy(RtCudaSession *s) {
     return;
   for (int g = 0; g < RT_GROUP_COUNT; g++)
     rt_cuda_nccl_destroy(s->nccl[g]);
-  for (int i = 0; i < 2; i++)
-    if (s->pinned[i])
-      rt_cuda_unpin(s->cu, s->pinned[i]);
+  for (int i = 0; i < s->npinned; i++)
+    rt_cuda_unpin(s->cu, s->pinned[i]);
   if (s->cu)
     rt_cuda_destroy(s->cu);
+  for (int i = 0; i < s->nowned; i++)
+    free(s->owned[i]);
   free(s->kernels);
   free(s->stage);
   free(s->output);
@@ -132,13 +133,50 @@ static bool move(RtCudaSession *s, const RtStep *st, unsigned what, bool to_devi
   return ok;
 }
 
+// Page-locks host (of bytes) unless it is already, while there is room in the list.
+static void pin(RtCudaSession *s, void *host, size_t bytes) {
+  if (!host || s->npinned == RT_CUDA_PINNED_MAX)
+    return;
+  for (int i = 0; i < s->npinned; i++)
+    if (s->pinned[i] == host)
+      return;
+  if (rt_cuda_pin(s->cu, host, bytes))
+    s->pinned[s->npinned++] = host;
+}
+
+// The input and target go to the GPU every step (128 MB at bench/gpu_predict.sh's largest shape):
+// page-locked, they copy at the bus's speed instead of through the driver's staging.
+void rt_cuda_session_pin_data(RtCudaSession *s, const RtStep *st) {
+  pin(s, (void *)st->input, s->program->input_bytes);
+  pin(s, (void *)st->target, s->program->input_bytes);
+}
+
+float *rt_cuda_session_host_buffer(RtCudaSession *s, size_t bytes) {
+  size_t whole = (bytes + 4095) & ~(size_t)4095;   // whole pages of its own (rt_cuda_pin)
+  if (s->nowned == RT_CUDA_PINNED_MAX)
+    rt_comm_abort("internal error: more than %d host buffers of the GPU session", RT_CUDA_PINNED_MAX);
+  void *p = aligned_alloc(4096, whole ? whole : 4096);
+  if (!p)
+    rt_out_of_memory(whole, "a pipeline stage's messages");
+  memset(p, 0, whole);
+  s->owned[s->nowned++] = p;
+  pin(s, p, whole);
+  return p;
+}
+
+int rt_cuda_session_grads_part(RtCudaSession *s, RtStep *st, size_t offset, int64_t n, bool to_device) {
+  float *host = st->grads + offset;
+  void *device = s->device + s->program->off_grads + offset * sizeof(float);
+  size_t bytes = (size_t)n * sizeof(float);
+  bool ok = (to_device ? rt_cuda_to_device(s->cu, RT_STREAM_COMPUTE, device, host, bytes)
+                       : rt_cuda_to_host(s->cu, RT_STREAM_COMPUTE, host, device, bytes)) &&
+            rt_cuda_sync(s->cu, RT_STREAM_COMPUTE);
+  return ok ? 0 : rt_fail("copying a part of the gradients %s the GPU failed (the CUDA error is above)",
+                          to_device ? "to" : "from");
+}
+
 int rt_cuda_session_upload(RtCudaSession *s, const RtStep *st, unsigned what) {
-  // The input and target go to the GPU every step (128 MB at bench/gpu_predict.sh's largest
-  // shape): page-locked, they copy at the bus's speed instead of through the driver's staging.
-  void *host[2] = {(void *)st->input, (void *)st->target};
-  for (int i = 0; i < 2; i++)
-    if (!s->pinned[i] && host[i] && rt_cuda_pin(s->cu, host[i], s->program->input_bytes))
-      s->pinned[i] = host[i];
+  rt_cuda_session_pin_data(s, st);
   bool ok = move(s, st, what, true) && rt_cuda_sync(s->cu, RT_STREAM_COMPUTE);
   return ok ? 0 : rt_fail("copying the parameters or optimizer state to the GPU failed (the CUDA "
                           "error is above)");

@@ -521,12 +521,16 @@ static const FakeKernel kernel_table[] = {
 #undef MK_KERNEL
 
 // A program's fused kernels (codegen/fused.c): generated per program and compiled into it as host
-// C++ (tests/cuda/fused_host.h), found by these weak symbols (absent, NULL, in a program without
-// any). Each takes pointers only, checked like a library kernel's.
-extern "C" {
-extern const MkFusedKernel mk_fused_kernels[] __attribute__((weak));
-extern const int mk_fused_count __attribute__((weak));
+// C++ (tests/cuda/fused_host.h), whose tables register here before main (one per pipeline stage
+// of a model of several; none in a program without any). Each takes pointers only, checked like a
+// library kernel's.
+static std::vector<std::pair<const MkFusedKernel *, int>> &fused_tables() {
+  static std::vector<std::pair<const MkFusedKernel *, int>> tables;   // whichever file's initialiser runs first
+  return tables;
 }
+
+extern "C" void mk_fused_register(const MkFusedKernel *table, int count) { fused_tables().push_back({table, count}); }
+
 static std::vector<FakeKernel> fused_table;
 
 static void fused_thread(void *self) {
@@ -555,10 +559,13 @@ static void fused_sizes(const FakeKernel &k, std::vector<size_t> &sizes) {
 }
 
 static const FakeKernel *fused_kernel(const char *name) {
-  if (fused_table.empty() && mk_fused_kernels && &mk_fused_count) {
-    fused_table.reserve((size_t)mk_fused_count);   // never grows after: its addresses are CUfunctions
-    for (int i = 0; i < mk_fused_count; i++)
-      fused_table.push_back({mk_fused_kernels[i].name, mk_fused_kernels[i].syncs, run_fused, fused_sizes, &mk_fused_kernels[i]});
+  if (fused_table.empty() && !fused_tables().empty()) {
+    size_t count = 0;
+    for (const auto &t : fused_tables()) count += (size_t)t.second;
+    fused_table.reserve(count);   // never grows after: its addresses are CUfunctions
+    for (const auto &t : fused_tables())
+      for (int i = 0; i < t.second; i++)
+        fused_table.push_back({t.first[i].name, t.first[i].syncs, run_fused, fused_sizes, &t.first[i]});
   }
   for (const FakeKernel &k : fused_table)
     if (strcmp(k.name, name) == 0) return &k;

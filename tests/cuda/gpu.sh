@@ -19,6 +19,10 @@
 #                    CPU binary's; gpt_moe_bytes_bf16 likewise over 100 steps (the language
 #                    model); tinyq_bf16 (tiny without gate noise, whose first step routes
 #                    alike in bf16 and fp32) --dump within 3e-2 of each tensor's largest element.
+#                    microbatches and pipeline stages (tests/cuda/pipeline_models.sh's
+#                    PIPELINE_GPU_MODELS: 3 microbatches of the MoE stack, 4 of the language
+#                    model, and the language model on pp 2 as 2 ranks on the GPU where mpirun is)
+#                    like the models above.
 #                    graphs: tiny and gpt_moe_bytes (fp32, bf16) 6 steps with their step
 #                    functions as CUDA graphs and op by op (MOERT_CUDA_GRAPH=0): the same losses,
 #                    and the two step times.
@@ -67,6 +71,11 @@ trap 'rm -rf "$WORK"' EXIT
 # every configuration of the CPU gradient check's matrix).
 MATRIX_MODELS=$(bash tests/cuda/matrix.sh "$WORK/matrix")
 . tests/cuda/common.sh
+# Microbatches and pipeline stages (tests/cuda/pipeline_models.sh): those one GPU runs, a pp 2
+# model as 2 ranks on it (with mpirun where the machine has one).
+. tests/cuda/pipeline_models.sh
+mkdir -p "$WORK/pipeline"
+pipeline_models "$WORK/pipeline"
 
 # The library path for binaries that the loader cannot satisfy through their rpath.
 fix_library_path() {
@@ -105,6 +114,7 @@ model() {
     moe=$WORK/matrix/$base.moe
   fi
   [ ! -f "$moe" ] && [ -f "tests/models/$base.moe" ] && moe=tests/models/$base.moe
+  [ ! -f "$moe" ] && [ -f "$WORK/pipeline/$base.moe" ] && moe=$WORK/pipeline/$base.moe
   if [ "$base" = tinyq ]; then
     moe=$WORK/tinyq.moe
     sed 's/noise 1\.0;/noise 0.0;/' lang/models/tiny.moe >"$moe"
@@ -159,12 +169,18 @@ bf16_checks() {
   fi
 }
 
-# compare NAME: both binaries 3 steps with --dump of the first, in WORK.
+# compare NAME: both binaries 3 steps with --dump of the first, in WORK (a pipeline model on its
+# ranks: pipeline_ranks).
 compare() {
-  local name=$1 why kind
+  local name=$1 why kind launch=() np=1
+  case " $PIPELINE_GPU_MODELS " in *" $name "*) np=$(pipeline_ranks "$name") ;; esac
+  if [ "$np" -gt 1 ]; then
+    command -v mpirun >/dev/null || { skip "gpu model $name" "it runs on $np ranks and this machine has no mpirun"; return; }
+    read -ra launch <<<"$MPIRUN -np $np"
+  fi
   if ! why=$(model "$name"); then bad "gpu model $name: binaries" "$why"; return; fi
   for kind in cpu cuda; do
-    if ! (cd "$WORK" && timeout 300 "$MODELS_DIR/$name.$kind" --steps 3 --dump "$name.$kind.dump" \
+    if ! (cd "$WORK" && timeout 300 "${launch[@]}" "$MODELS_DIR/$name.$kind" --steps 3 --dump "$name.$kind.dump" \
             >"$name.$kind.out" 2>&1 </dev/null); then
       bad "gpu model $name: the $kind binary failed" "$(tail -n 20 "$WORK/$name.$kind.out")"
       return
@@ -207,7 +223,7 @@ graphs() {
 }
 
 if [ "${1:-}" = --build-models ] || $FAKE; then   # make gpu-models: the binaries, to carry to a GPU machine
-  for name in $GPU_MODELS $MATRIX_MODELS tiny_sm80 tiny_bf16 tinyq_bf16 gpt_moe_bytes_bf16; do
+  for name in $GPU_MODELS $MATRIX_MODELS tiny_sm80 tiny_bf16 tinyq_bf16 gpt_moe_bytes_bf16 $PIPELINE_GPU_MODELS; do
     model "$name" || exit 1
     $FAKE || echo "# $MODELS_DIR/$name.cuda, $name.cpu"
   done
@@ -235,7 +251,7 @@ else
   fi
   if ! grep -q '^skip  gpu: no GPU' "$OUT"; then
     {
-      for name in $GPU_MODELS $MATRIX_MODELS tiny_sm80; do compare "$name"; done
+      for name in $GPU_MODELS $MATRIX_MODELS tiny_sm80 $PIPELINE_GPU_MODELS; do compare "$name"; done
       if grep -q 'kernels from the PTX' "$WORK/tiny_sm80.cuda.out" 2>/dev/null; then
         ok "gpu model tiny_sm80: the sm_80 binary runs the embedded PTX on this GPU"
       elif [ -f "$WORK/tiny_sm80.cuda.out" ]; then

@@ -15,8 +15,9 @@
 #
 #   env        nvidia-smi, the driver, the libraries the binaries resolve (env.log)
 #   test       make test-gpu's checks: tests/cuda/gpu.sh (gpu_check: kernels, cuBLAS, NCCL; the zoo
-#              and language models, the gate x order x expert matrix, sm_80 PTX, bf16 against the
-#              CPU binaries) (test-gpu.log)
+#              and language models, the gate x order x expert matrix, sm_80 PTX, bf16, microbatches
+#              and pipeline stages (pp 2 as 2 ranks on the GPU, where mpirun is) against the CPU
+#              binaries) (test-gpu.log)
 #   tune       moec tune --target cuda, fp32 and bf16, full sweeps (tune.log, tune_bf16.log, and
 #              the profiles gpu.cluster, gpu_bf16.cluster)
 #   predict    bench/gpu_predict.sh with those profiles: predicted against measured steps (predict.log)
