@@ -591,9 +591,10 @@ static int build_stages(IrDiag *d, const Options *o, const FeTargetCaps *caps, c
     Cluster cl;
     if (o->verbose) fprintf(stderr, "# stage %d of %d\n", s, stages);
     IrModule *m = front_end(d, &os, caps, &src, &cl);
+    if (m && o->no_fuse) ir_attrs_set_int(m->attrs, &m->nattrs, "no_fuse", 1);   // cg_cuda_lowering reads it
     snprintf(cl.layout_note, sizeof cl.layout_note, "%s", first->layout_note);
     PassCtx ctx = {.d = d, .verbose = o->verbose, .log = stderr, .cluster = cl.have ? &cl.sc : NULL,
-                   .fuse = !o->no_fuse, .fuse_cpu = true};
+                   .fuse = !o->no_fuse, .fuse_cpu = strcmp(target->name, "cuda") != 0};
     ctx.plan_step = cl.have;   // every stage's planned microbatch, for the pipeline's step
     ctx.after_pass = cli_local_hook, ctx.after_arg = cl.have ? &cl.sc : NULL;
     bool ok = m && pass_run_pipeline(m, &ctx) && fit_memory(d, &os, caps, &cl, &m, &ctx, &src);
@@ -634,7 +635,8 @@ static int build_stages(IrDiag *d, const Options *o, const FeTargetCaps *caps, c
     bool ok = fclose(c) == 0;
     output = o->output ? strdup(o->output) : default_output(o->input);
     CgLinkExtra extra = {.cflags = "", .libs = "", .sources = sources};
-    if (ok && output && cg_link_program(d, main_c, output, &extra, o->verbose)) {
+    if (ok && output && (target->link_stages ? target->link_stages(d, main_c, sources, output, o->verbose)
+                                             : cg_link_program(d, main_c, output, &extra, o->verbose))) {
       status = 0;
       if (o->verbose) fprintf(stderr, "# wrote %s\n", output);
     }
