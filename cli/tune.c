@@ -8,7 +8,7 @@
 // into nodes of G consecutive ranks (the runtime's layout with mp = esp = G), which gives the
 // two groups the FSMoE schedule runs collectives on: the intra-node group (the G ranks of a
 // node, the ESP group) and the inter-node group (the ranks with the same local index on every
-// node, the EP group). Seven fits (the .cluster field each one is written as in brackets):
+// node, the EP group). Nine fits (the .cluster field each one is written as in brackets):
 //
 //   gemm                  rt_matmul in the expert shapes, [m, K] x [K, N], n = m*K*N   [gemm]
 //   alltoall      intra   rt_alltoall (flat), n = floats each rank sends (and receives)  [alltoall_intra]
@@ -17,6 +17,10 @@
 //   allreduce     intra   rt_allreduce, n = the buffer                                  [allreduce_intra]
 //   alltoall      inter   the scheduler's t_a2a                                         [alltoall]
 //   allreduce     inter   rt_allreduce, n = the buffer                                  [allreduce]
+//   p2p           intra   MPI_Isend to the next rank of the node while one comes from the one
+//                         before, every rank at once, n = the message's floats          [p2p_intra]
+//   p2p           inter   the same to the rank of this local index on the next node: what
+//                         pipeline stages send each other (runtime/pipeline.c)          [p2p]
 //
 // Besides the fits, each engine times a grid of GEMM shapes (run_gemm_grid), written as the
 // profile's `gemm_at M K N MS` lines, from which the planner prices a model's GEMMs by shape
@@ -24,8 +28,8 @@
 // the `gemm` line measured at that model's own shapes prices it.
 //
 // With one rank per node there is no intra-node group: the intra-node series run on all ranks,
-// allgather and reducescatter (required fields) are written from them, alltoall_intra and
-// allreduce_intra are not (they would not describe a node). `memory` is what one rank may use:
+// allgather and reducescatter (required fields) are written from them, alltoall_intra,
+// allreduce_intra and p2p_intra are not (they would not describe a node). `memory` is what one rank may use:
 // on the CPU the smallest MemTotal (/proc/meminfo) of the ranks' hosts divided by the ranks per
 // node (gpus_per_node), on a GPU the smallest total memory of the ranks' GPUs (cuDeviceTotalMem).
 //
@@ -437,6 +441,16 @@ static int64_t comm_size(int j, const int *idx) {
   return j < SMALL_SIZES ? (int64_t)256 << (3 * j) : (int64_t)(idx[j - SMALL_SIZES] * COMM_UNIT);
 }
 
+// A point-to-point message's peers in s's group (a ring: the next member and the one before), as
+// world ranks: the intra-node group's members are consecutive ranks, the inter-node group's a
+// node's size apart (the ESP group's), all ranks' consecutive.
+static void ring_peers(RtComm *comm, const Series *s, Call *cl) {
+  int rank = rt_comm_rank(comm, RT_GROUP_WORLD), me = rt_comm_rank(comm, s->group), size = s->group_size;
+  int stride = s->group == RT_GROUP_EP ? rt_comm_size(comm, RT_GROUP_ESP) : 1;
+  cl->to = rank + ((me + 1) % size - me) * stride;
+  cl->from = rank + ((me + size - 1) % size - me) * stride;
+}
+
 static void run_comm(RtComm *comm, Series *s, float *send, float *recv, bool quick, Progress *pr) {
   int idx[COMM_SIZES], nsizes = SMALL_SIZES + sweep(COMM_SIZES, quick, idx);
   char label[40];
@@ -444,9 +458,11 @@ static void run_comm(RtComm *comm, Series *s, float *send, float *recv, bool qui
   for (int j = 0; j < nsizes; j++) {
     int64_t n = comm_size(j, idx);
     Call cl = {.op = s->op, .comm = comm, .group = s->group, .send = send, .recv = recv};
+    if (s->op == OP_P2P) ring_peers(comm, s, &cl);
     // n is what each rank sends/receives in all; per-member counts round down to whole floats.
-    cl.count = s->op == OP_ALLREDUCE ? n : n / s->group_size > 0 ? n / s->group_size : 1;
-    double elements = s->op == OP_ALLREDUCE ? (double)cl.count : (double)cl.count * s->group_size;
+    bool whole = s->op == OP_ALLREDUCE || s->op == OP_P2P;
+    cl.count = whole ? n : n / s->group_size > 0 ? n / s->group_size : 1;
+    double elements = whole ? (double)cl.count : (double)cl.count * s->group_size;
     s->x[s->points] = elements;
     s->t[s->points++] = measure(&cl);
     progress_step(pr, label, elements);
@@ -604,6 +620,12 @@ static void write_profile(FILE *f, const char *header, const char *name, int nod
   write_coef(f, "allreduce", &s[S_AR_INTER]);
   if (on_a_node(s, S_A2A_INTRA)) write_coef(f, "alltoall_intra", &s[S_A2A_INTRA]);
   if (on_a_node(s, S_AR_INTRA)) write_coef(f, "allreduce_intra", &s[S_AR_INTRA]);
+  // A pipeline's messages (lang/manual.md §10): where not measured, the planner derives them.
+  if (!s[S_P2P_INTER].skipped) write_coef(f, "p2p", &s[S_P2P_INTER]);
+  if (on_a_node(s, S_P2P_INTRA)) write_coef(f, "p2p_intra", &s[S_P2P_INTRA]);
+  if (s[S_P2P_INTER].skipped && T.p2p_note[0]) fprintf(f, "  # no p2p, p2p_intra: %s\n", T.p2p_note);
+  if (!s[S_P2P_INTER].skipped && !on_a_node(s, S_P2P_INTRA))
+    fprintf(f, "  # no p2p_intra: one rank per node, so no intra-node group\n");
   if (!on_a_node(s, S_A2A_INTRA) || !on_a_node(s, S_AR_INTRA))
     fprintf(f, "  # no alltoall_intra, allreduce_intra: %s\n",
             s[S_A2A_INTRA].skipped ? "one GPU runs no collectives"
@@ -694,6 +716,8 @@ static char *profile_header(const char *command, const char *date, const char *h
   for (int i = 0; i < NSERIES; i++)
     if (s[i].skipped && i >= S_ELEM)
       continue;
+    else if (s[i].skipped && (i == S_P2P_INTRA || i == S_P2P_INTER) && T.p2p_note[0])
+      u += snprintf(h + u, size - u, "#   %-13s %-10s %s\n", s[i].name, s[i].where, T.p2p_note);
     else if (s[i].skipped)
       u += snprintf(h + u, size - u, "#   %-13s %-10s not measured: one rank (one GPU) runs no collectives\n", s[i].name,
                     s[i].where);
@@ -719,6 +743,12 @@ static char *profile_header(const char *command, const char *date, const char *h
                "the AlltoAll fit was alpha %.6g, beta %.6g, the AllReduce fit alpha %.6g, beta %.6g).",
                inter, s[S_A2A_INTRA].fit.alpha, s[S_A2A_INTRA].fit.beta, s[S_AR_INTRA].fit.alpha, s[S_AR_INTRA].fit.beta);
     u = append_wrapped(h, u, size, text);
+    if (!s[S_P2P_INTER].skipped) {
+      snprintf(text, sizeof text, "`p2p` is the %s point-to-point fit (a message to the rank of the same place on the "
+               "next node, every rank at once: a pipeline's activations between stages)%s.", inter,
+               on_a_node(s, S_P2P_INTRA) ? ", `p2p_intra` the intra-node one (to the next rank of the node)" : "");
+      u = append_wrapped(h, u, size, text);
+    }
   }
   if (T.memory_bytes > 0 && T.memory_host_note[0]) u = append_wrapped(h, u, size, T.memory_host_note);
   return h;
@@ -809,6 +839,8 @@ static void init_series(RtComm *comm, Series *s) {
   s[S_AR_INTRA] = (Series){"allreduce", intra_where, OP_ALLREDUCE, intra, rt_comm_size(comm, intra)};
   s[S_A2A_INTER] = (Series){"alltoall", inter_where, OP_ALLTOALL, inter, rt_comm_size(comm, inter)};
   s[S_AR_INTER] = (Series){"allreduce", inter_where, OP_ALLREDUCE, inter, rt_comm_size(comm, inter)};
+  s[S_P2P_INTRA] = (Series){"p2p", intra_where, OP_P2P, intra, rt_comm_size(comm, intra)};
+  s[S_P2P_INTER] = (Series){"p2p", inter_where, OP_P2P, inter, rt_comm_size(comm, inter)};
   s[S_ELEM] = (Series){"elementwise", "each-rank", OP_ELEMENTWISE, RT_GROUP_WORLD, 1};
   s[S_ATTN] = (Series){"attention", "each-rank", OP_ATTENTION, RT_GROUP_WORLD, 1};
   s[S_ATTN_GRAD] = (Series){"attention_grad", "each-rank", OP_ATTENTION, RT_GROUP_WORLD, 1};
@@ -880,7 +912,8 @@ static double measure_all(RtComm *comm, Series *s, const GemmShape *shapes, int 
   if (collectives) {
     float *send, *recv;
     engine->comm_buffers((size_t)(COMM_SIZES * COMM_UNIT), &send, &recv);
-    for (int i = S_A2A_INTRA; i <= S_AR_INTER; i++) run_comm(comm, &s[i], send, recv, quick, &pr);
+    for (int i = S_A2A_INTRA; i <= S_P2P_INTER; i++)
+      if (!s[i].skipped) run_comm(comm, &s[i], send, recv, quick, &pr);
     engine->free_comm_buffers(send, recv);
   }
   progress_end(&pr);
@@ -924,10 +957,12 @@ static int fit_and_print(const TuneOptions *o, const TuneRun *r, Series *s) {
     const Series *x = &s[i];
     const char *use = i == S_A2A_INTRA   ? on_a_node(s, i) ? "yes (alltoall_intra)" : "no (one rank per node)"
                       : i == S_AR_INTRA ? on_a_node(s, i) ? "yes (allreduce_intra)" : "no (one rank per node)"
+                      : i == S_P2P_INTRA ? on_a_node(s, i) ? "yes (p2p_intra)" : "no (one rank per node)"
                                         : "yes";
     if (x->skipped) {
+      bool p2p = (i == S_P2P_INTRA || i == S_P2P_INTER) && T.p2p_note[0];
       printf("  %-13s %-10s %5d %6d %13s %13s %10s  %s\n", x->name, x->where, 1, 0, "-", "-", "-",
-             i >= S_ELEM ? T.kernels_note
+             i >= S_ELEM ? T.kernels_note : p2p ? T.p2p_note
                          : "not measured (one rank: no collectives); 0 in the profile");
       continue;
     }
@@ -958,7 +993,8 @@ static int fit_and_print(const TuneOptions *o, const TuneRun *r, Series *s) {
            grid_ms_per_mac(slow), (int)grid[slow][0], (int)grid[slow][1], (int)grid[slow][1], (int)grid[slow][2]);
   }
   for (int i = 0; i < NSERIES; i++)
-    if (s[i].ok && (s[i].fit.alpha < 0 || s[i].fit.beta < 0) && (on_a_node(s, i) || (i != S_A2A_INTRA && i != S_AR_INTRA)))
+    if (s[i].ok && (s[i].fit.alpha < 0 || s[i].fit.beta < 0) &&
+        (on_a_node(s, i) || (i != S_A2A_INTRA && i != S_AR_INTRA && i != S_P2P_INTRA)))
       printf("# warning: %s (%s): fitted %s < 0 (noise, or times the line does not follow near n = 0); "
              "the profile holds 0 instead and says so in a comment\n", s[i].name,
              s[i].where, s[i].fit.alpha < 0 && s[i].fit.beta < 0 ? "alpha and beta" : s[i].fit.alpha < 0 ? "alpha" : "beta");

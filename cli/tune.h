@@ -52,7 +52,7 @@ typedef struct GemmShape {
 } GemmShape;
 
 typedef enum BenchOp { OP_GEMM, OP_ALLTOALL, OP_ALLGATHER, OP_REDUCESCATTER, OP_ALLREDUCE, OP_ELEMENTWISE, OP_ATTENTION,
-                       OP_MATH, OP_ADAMW, OP_SGD } BenchOp;
+                       OP_MATH, OP_ADAMW, OP_SGD, OP_P2P } BenchOp;
 
 // One fitted model: its points and its line.
 typedef struct Series {
@@ -69,18 +69,20 @@ typedef struct Series {
   char err[200];
 } Series;
 
-// S_A2A_INTRA .. S_AR_INTER are the collectives (measure_all runs them in that order).
-// S_ELEM and after: kernels each rank times alone.
-enum { S_GEMM, S_A2A_INTRA, S_AG_INTRA, S_RS_INTRA, S_AR_INTRA, S_A2A_INTER, S_AR_INTER, S_ELEM, S_ATTN, S_ATTN_GRAD,
-       S_MATH, S_ADAMW, S_SGD, NSERIES };
-enum { NCOLLECTIVES = S_AR_INTER - S_A2A_INTRA + 1 };
+// S_A2A_INTRA .. S_P2P_INTER are the collectives and the point-to-point messages (measure_all runs
+// them in that order). S_ELEM and after: kernels each rank times alone.
+enum { S_GEMM, S_A2A_INTRA, S_AG_INTRA, S_RS_INTRA, S_AR_INTRA, S_A2A_INTER, S_AR_INTER, S_P2P_INTRA, S_P2P_INTER, S_ELEM,
+       S_ATTN, S_ATTN_GRAD, S_MATH, S_ADAMW, S_SGD, NSERIES };
+enum { NCOLLECTIVES = S_P2P_INTER - S_A2A_INTRA + 1 };
 
 // One timed call.
 typedef struct Call {
   BenchOp op;
   RtComm *comm;
   RtGroup group;
-  int64_t count;            // communication: floats per member (alltoall, allgather, reducescatter) or in all (allreduce)
+  int64_t count;            // communication: floats per member (alltoall, allgather, reducescatter) or in all
+                            // (allreduce, a point-to-point message)
+  int to, from;             // a point-to-point message: the world ranks it goes to and comes from
   int m, k, n;              // GEMM
   int ring;                 // GEMM: the operand sets at a, b, c a CPU call cycles through (0: GEMM_RING)
   const void *a, *b;        // fp32 (bf16 with --dtype bf16 on a GPU)
@@ -106,6 +108,7 @@ typedef struct Tune {
   // 1, 2, 4, 8 windows.
   int elem_shift, attn_shift;
   char kernels_note[240];      // why the element-wise, attention and update series are skipped ("" when timed)
+  char p2p_note[240];          // why the point-to-point series are skipped where the collectives are not ("" when timed)
 } Tune;
 
 // The GEMM grid's bounds (cli/tune.c, run_gemm_grid): a shape's multiply-accumulates and the

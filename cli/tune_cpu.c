@@ -1,5 +1,6 @@
 // `moec tune`'s CPU engine (cli/tune.h): the runtime's OpenBLAS GEMMs (rt_matmul), its MPI
-// collectives, its element-wise and attention kernels, and two probes only a CPU rank has: the
+// collectives and point-to-point messages (MPI_Isend and MPI_Irecv, as its pipeline stages send
+// them), its element-wise and attention kernels, and two probes only a CPU rank has: the
 // stream hand-off (runtime/streams.c's threads) and the overlap of GEMMs with an AlltoAll on the
 // same cores. `memory` is the smallest MemTotal (/proc/meminfo) of the ranks' hosts divided by
 // the ranks per node. cli_tune, the command, runs the sweep (cli/tune.c) with it, or for
@@ -53,6 +54,13 @@ static void call(const Call *c) {
     rt_adamw(c->c, c->send, c->attn_stats, c->attn_grad, c->count, 1e-3f, 0.9f, 0.999f, 1e-8f, 0.1f, 10, 1.0f, 1.0f);
     break;
   case OP_SGD: rt_sgd(c->c, c->send, c->count, 1e-3f, 0.1f, 1.0f, 1.0f); break;
+  case OP_P2P: {   // as runtime/pipeline.c sends activations: a nonblocking send while the peer's arrives
+    MPI_Request req[2];
+    MPI_Irecv(c->recv, (int)c->count, MPI_FLOAT, c->from, 62, MPI_COMM_WORLD, &req[0]);
+    MPI_Isend(c->send, (int)c->count, MPI_FLOAT, c->to, 62, MPI_COMM_WORLD, &req[1]);
+    MPI_Waitall(2, req, MPI_STATUSES_IGNORE);
+    break;
+  }
   case OP_ATTENTION: {   // q a, k b, v send, o c, dy recv; m rows; n 0 forward, 1 backward
     const AttnShape *s = c->attn;
     int qc = s->heads * s->d;

@@ -129,6 +129,7 @@ static void call(const Call *c) {
     case OP_MATH:
     case OP_ADAMW:
     case OP_SGD: ok = call_kernels(c); break;
+    case OP_P2P: ok = false; break;   // skipped (open_gpu): never called
     }
   }
   if (!ok || !rt_cuda_sync(gpu, RT_STREAM_COMPUTE)) rt_comm_abort("moec tune: a GPU call failed (the error is above)");
@@ -330,6 +331,13 @@ static bool open_gpu(Tune *t, const TuneOptions *o, RtComm *comm, Series *s, con
   gemm_type = o->dtype && strcmp(o->dtype, "bf16") == 0 ? RT_CUDA_BF16 : RT_CUDA_F32;
   if (world == 1)
     for (int i = S_A2A_INTRA; i <= S_AR_INTER; i++) s[i].skipped = true;
+  // The GPU runtime sends its stages' messages through host memory, with no NCCL send of its own
+  // yet: the profile has no p2p lines, and the planner derives them from the AlltoAll fits (manual
+  // §10).
+  s[S_P2P_INTRA].skipped = s[S_P2P_INTER].skipped = true;
+  if (world > 1)
+    snprintf(t->p2p_note, sizeof t->p2p_note, "the GPU engine does not time point-to-point messages yet (the GPU "
+             "runtime's stages send theirs through host memory); the planner derives them from the alltoall fits");
   gpu = rt_cuda_create(arena_bytes(shapes, nshapes, world > 1), 1);
   if (gpu) {   // the sizes for this device, then an arena that holds them
     bool fake = rt_cuda_device(gpu)->emulated;

@@ -1,13 +1,15 @@
 #!/usr/bin/env bash
 # `moec tune` end to end (issue 5). On 4 ranks (profiled as 2 nodes of 2):
 #   - `tune --quick -o T.cluster` finishes within 120 s (its duration is printed) and exits 0;
-#   - its table has the 7 fits (gemm; alltoall, allgather, reducescatter, allreduce intra-node;
-#     alltoall, allreduce inter-node), each with alpha, beta and an r^2, the elementwise,
+#   - its table has the 9 fits (gemm; alltoall, allgather, reducescatter, allreduce intra-node;
+#     alltoall, allreduce inter-node; p2p intra-node and inter-node), each with alpha, beta and an
+#     r^2, the elementwise,
 #     attention (forward and backward), element-wise math and update (AdamW, SGD) fits and the
 #     stream hand-off, and an OK footer;
 #   - every collective's alpha is a measurement (its smallest size's time, above 0), none clamped;
 #   - T.cluster holds the inter-node AlltoAll fit as `alltoall`, the intra-node AlltoAll and
-#     AllReduce fits as `alltoall_intra` and `allreduce_intra`, `memory` = this host's MemTotal / 2
+#     AllReduce fits as `alltoall_intra` and `allreduce_intra`, the point-to-point fits as `p2p` and
+#     `p2p_intra`, `memory` = this host's MemTotal / 2
 #     ranks per node (with a comment saying so), says how it was measured, and no temporary file is
 #     left beside it;
 #   - T.cluster holds the grid of GEMM shapes (`gemm_at M K N MS`, m 4..4096, k and n 64..4096);
@@ -67,6 +69,8 @@ reducescatter intra-node
 allreduce intra-node
 alltoall inter-node
 allreduce inter-node
+p2p intra-node
+p2p inter-node
 elementwise each-rank
 attention each-rank
 attention_grad each-rank
@@ -75,8 +79,8 @@ update_adamw each-rank
 update_sgd each-rank
 handoff each-rank"
 got=$(awk '{print $1, $2}' "$WORK/rows")
-if [ "$got" = "$want" ]; then ok "table has the 7 fits and the kernels' (element-wise, math, attention, its backward, the updates)"
-else bad "table has the 7 fits and the kernels'" "got:
+if [ "$got" = "$want" ]; then ok "table has the 9 fits and the kernels' (element-wise, math, attention, its backward, the updates)"
+else bad "table has the 9 fits and the kernels'" "got:
 $got
 output:
 $(cat "$WORK/out")"; fi
@@ -123,6 +127,17 @@ $(cat "$T")"; fi
          exit 0 }'; then ok "${f}_intra in the profile is the intra-node $f fit ($file)"
     else bad "${f}_intra in the profile is the intra-node $f fit" "table: $table, file: $file
 $(grep -v '^#' "$T")"; fi
+  done
+  # p2p and p2p_intra = the inter-node and intra-node point-to-point fits of the table.
+  for g in inter:p2p intra:p2p_intra; do
+    table=$(awk -v g="${g%%:*}-node" '$1 == "p2p" && $2 == g {a = $3 < 0 ? 0 : $3; b = $4 < 0 ? 0 : $4; print a, b}' "$WORK/rows")
+    file=$(sed -n "s/^ *${g#*:} *{ *alpha \([^;]*\); *beta \([^;]*\);.*/\1 \2/p" "$T")
+    if [ -n "$table" ] && [ -n "$file" ] && awk -v t="$table" -v f="$file" 'BEGIN {
+         split(t, x, " "); split(f, y, " ")
+         for (i = 1; i <= 2; i++) { d = x[i] - y[i]; if (d < 0) d = -d; m = x[i] < 0 ? -x[i] : x[i]
+           if (d > 1e-3 * m + 1e-300) exit 1 }
+         exit 0 }'; then ok "${g#*:} in the profile is the ${g%%:*}-node point-to-point fit ($file)"
+    else bad "${g#*:} in the profile is the ${g%%:*}-node point-to-point fit" "table: $table, file: $file"; fi
   done
   # memory = MemTotal of this host (every rank runs here) / 2 ranks per node, in bytes.
   memtotal=$(awk '$1 == "MemTotal:" {printf "%.0f", $2 * 1024}' /proc/meminfo)
