@@ -366,6 +366,8 @@ bench: deps all $(BUILD)/bench/gate_order $(BUILD)/bench/alltoall $(BUILD)/bench
 # 2 x 2, measured beside predicted (layouts.md); `make cluster-layouts` runs only that part
 # (CLUSTER_LAYOUTS_ARGS=--quick: one round). Then (issue 42, bench/predict.sh) one profile of each
 # cluster without --model and four models predicted beside measured (predict.md; --quick: 2 x 1).
+# Then (issue 62, bench/cluster/pipeline.sh) a language model at pp 2 with 4 and 8 microbatches
+# beside dp 2 on 2 x 1, predicted and measured steps and bubbles (pipeline.md).
 .PHONY: cluster-bench cluster-layouts
 cluster-bench: deps all
 	@BUILD=$(BUILD) bash bench/cluster/bench.sh $(CLUSTER_BENCH_ARGS)
@@ -373,6 +375,7 @@ cluster-bench: deps all
 	@rm -f $(BUILD)/cluster-bench/predict.md
 	@BUILD=$(BUILD) bash bench/predict.sh --cluster 2x1 --out $(BUILD)/cluster-bench
 	$(if $(findstring --quick,$(CLUSTER_BENCH_ARGS)),,@BUILD=$(BUILD) bash bench/predict.sh --cluster 2x2 --out $(BUILD)/cluster-bench)
+	@BUILD=$(BUILD) bash bench/cluster/pipeline.sh $(if $(findstring --quick,$(CLUSTER_BENCH_ARGS)),--rounds 1) --out $(BUILD)/cluster-bench
 cluster-layouts: deps all
 	@BUILD=$(BUILD) bash bench/cluster/layouts.sh $(CLUSTER_LAYOUTS_ARGS)
 
