@@ -554,7 +554,7 @@ static bool stage_built(IrDiag *d, const IrModule *m, const PassCtx *ctx, const 
   b->slots = sched_pipe_slots(stages, s, micro, gpipe);
   b->peak = pass_mem_peak(ctx->memplan) + (int64_t)(b->slots - 1) * ctx->memplan->arena_bytes;
   snprintf(b->layers, sizeof b->layers, "%s", cl->stage_layers);
-  cli_module_times(m, &b->t_iter, &b->t_update, &b->t_local);
+  cli_module_times(m, &b->t_iter, &b->t_update, &b->t_local, &b->t_fwd);
   if (!cl->have || cl->memory <= 0 || b->peak <= cl->memory) return true;
   char a[32], c[32], e[32];
   return ir_error(d,

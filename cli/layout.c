@@ -169,7 +169,7 @@ typedef struct Search {
 
 // A candidate of several stages or microbatches (its layout set on the program): its pipeline as
 // cli_pipe_estimate prices it from one lowering of the whole model (cli/stages.c): the split of
-// the layers, the slowest stage's microbatch times M + P - 1, the messages, the update; the peak
+// the layers, the stages' schedule simulated with their microbatches and messages, the update; the peak
 // the largest stage's, with its microbatches in flight.
 static void price_pipeline(Search *s, CliLayout *l) {
   CliPipeEstimate e;

@@ -82,6 +82,7 @@ typedef struct CliStageBuilt {
   double t_iter;         // its program's planned microbatch with the update (ms; 0: not priced)
   double t_update;       // its update
   double t_local;        // a microbatch before the last, which reduces no gradients (ms)
+  double t_fwd;          // its forward (ms; 0: not known)
   int64_t peak;          // its memory plan's peak with its microbatches in flight
   int slots;             // those microbatches
 } CliStageBuilt;
@@ -91,8 +92,9 @@ typedef struct CliStageBuilt {
 // as module attribute t_local_pred (ms).
 bool cli_local_hook(IrModule *m, const char *pass, void *arg);
 // A module's planned step (t_iter_pred, or where the planner had no stack its priced ops one after
-// another; 0 unpriced), its update's priced ops and its microbatch without the reductions.
-void cli_module_times(const IrModule *m, double *t_iter, double *t_update, double *t_local);
+// another; 0 unpriced), its update's priced ops, its microbatch without the reductions and its
+// planned forward (t_fwd_pred; 0 where none was planned).
+void cli_module_times(const IrModule *m, double *t_iter, double *t_update, double *t_local, double *t_fwd);
 // The stages, the bubble, the messages and the planned step (sc NULL: no times), as # lines.
 void cli_pipe_report(FILE *log, const SchedCluster *sc, const CliStageBuilt *st, int stages, int micro, bool gpipe,
                      int ranks, double floats);

@@ -542,7 +542,9 @@ bool cli_pipe_estimate(FeProgram *p, const FeCluster *fc, const SchedCluster *sc
     }
   }
   if (ok) {
-    SchedPipe pipe = {.stages = P, .micro = M, .t_micro = local, .t_last = t, .t_update = update, .t_msg = msg};
+    bool gpipe = p->parallel.pp_schedule && strcmp(p->parallel.pp_schedule, "gpipe") == 0;
+    SchedPipe pipe = {.stages = P, .micro = M, .gpipe = gpipe, .t_micro = local, .t_last = t, .t_update = update,
+                      .t_msg = msg};
     sched_pipe_step(&pipe, &out->plan);
     out->within = within;
   } else {
@@ -609,7 +611,7 @@ bool cli_local_hook(IrModule *m, const char *pass, void *arg) {
   return true;
 }
 
-void cli_module_times(const IrModule *m, double *t_iter, double *t_update, double *t_local) {
+void cli_module_times(const IrModule *m, double *t_iter, double *t_update, double *t_local, double *t_fwd) {
   double all = 0;
   bool priced = false;
   *t_update = 0;
@@ -625,6 +627,7 @@ void cli_module_times(const IrModule *m, double *t_iter, double *t_update, doubl
   *t_iter = ir_mod_float(m, "t_iter_pred", 0);
   if (*t_iter <= 0 && priced) *t_iter = all;
   *t_local = ir_mod_float(m, "t_local_pred", *t_iter - *t_update);
+  *t_fwd = ir_mod_float(m, "t_fwd_pred", 0);
 }
 
 // The messages of boundary s: their fit and one message's time; the p2p line (once, the first).
@@ -656,32 +659,45 @@ void cli_pipe_report(FILE *log, const SchedCluster *sc, const CliStageBuilt *st,
   for (int s = 0; s < stages; s++) {
     fprintf(log, "# stage %d: %s: ", s, st[s].layers);
     if (priced)
-      fprintf(log, "planned %.3f ms a microbatch (%.3f ms the last, which reduces the gradients; the update %.3f ms "
-              "once a step), ", st[s].t_local, st[s].t_iter - st[s].t_update, st[s].t_update);
+      fprintf(log, "planned %.3f ms a microbatch (%.3f ms the last, which reduces the gradients; the forward %.3f ms%s; the "
+              "update %.3f ms once a step), ", st[s].t_local, st[s].t_iter - st[s].t_update,
+              st[s].t_fwd > 0 ? st[s].t_fwd : st[s].t_local / 3, st[s].t_fwd > 0 ? "" : ", a third, not planned",
+              st[s].t_update);
     fprintf(log, "%d microbatch%s in flight, peak %s per rank\n", st[s].slots, st[s].slots == 1 ? "" : "es",
             ir_bytes(b, sizeof b, (double)st[s].peak));
   }
-  double bubble = (double)(stages - 1) / (micro + stages - 1);
-  fprintf(log, "# pipeline: %d stages, %d microbatch%s, %s: bubble %.1f %% of the step ((P - 1) / (M + P - 1)), peak %s "
-          "per rank (%lld bytes, stage %d's, the largest)\n", stages, micro, micro == 1 ? "" : "es", gpipe ? "gpipe" : "1f1b",
-          100 * bubble, ir_bytes(b, sizeof b, (double)st[largest].peak), (long long)st[largest].peak, largest);
-  if (!priced) return;
-  double t_micro[FE_MAX_STAGES], t_last[FE_MAX_STAGES], t_update[FE_MAX_STAGES], t_msg[FE_MAX_STAGES];
+  double t_micro[FE_MAX_STAGES], t_last[FE_MAX_STAGES], t_update[FE_MAX_STAGES], t_msg[FE_MAX_STAGES], t_fwd[FE_MAX_STAGES];
   bool said = false;
-  for (int s = 0; s < stages; s++) {
+  for (int s = 0; priced && s < stages; s++) {
     t_micro[s] = st[s].t_local, t_last[s] = st[s].t_iter - st[s].t_update, t_update[s] = st[s].t_update;
+    t_fwd[s] = st[s].t_fwd > 0 ? st[s].t_fwd : -1;
     if (s + 1 < stages) t_msg[s] = message_ms(log, sc, ranks, s, floats, &said);
   }
-  SchedPipe pipe = {.stages = stages, .micro = micro, .t_micro = t_micro, .t_last = t_last, .t_update = t_update,
-                    .t_msg = t_msg};
-  SchedPipePlan plan;
-  sched_pipe_step(&pipe, &plan);
+  SchedPipe pipe = {.stages = stages, .micro = micro, .gpipe = gpipe, .t_micro = t_micro, .t_last = t_last,
+                    .t_fwd = t_fwd, .t_update = t_update, .t_msg = t_msg};
+  SchedPipePlan plan = {0};
+  if (priced) sched_pipe_step(&pipe, &plan);
+  double bubble = (double)(stages - 1) / (micro + stages - 1);
+  fprintf(log, "# pipeline: %d stages, %d microbatch%s, %s: bubble ", stages, micro, micro == 1 ? "" : "es",
+          gpipe ? "gpipe" : "1f1b");
+  if (priced) {
+    fprintf(log, "%.1f %% of the step (the stages' mean wait for the others, simulated:", 100 * plan.bubble);
+    for (int s = 0; s < stages; s++) fprintf(log, " %s%d %.1f %%", s ? "" : "stage ", s, 100 * plan.wait[s] / plan.t_step);
+    fprintf(log, "; (P - 1) / (M + P - 1) = %.1f %% for equal stages)", 100 * bubble);
+  } else {
+    fprintf(log, "%.1f %% of the step ((P - 1) / (M + P - 1))", 100 * bubble);
+  }
+  fprintf(log, ", peak %s per rank (%lld bytes, stage %d's, the largest)\n", ir_bytes(b, sizeof b, (double)st[largest].peak),
+          (long long)st[largest].peak, largest);
+  if (!priced) return;
   int upd = 0;
   for (int s = 0; s < stages; s++) upd = t_update[s] > t_update[upd] ? s : upd;
-  fprintf(log, "# pipeline: planned step %.3f ms = (%d + %d - 1) x %.3f ms (stage %d's microbatch, the slowest) + %.3f "
-          "ms (the last microbatch's reductions) + %d messages on the critical path %.3f ms + the update %.3f ms (stage "
-          "%d's, the longest)\n", plan.t_step, micro, stages, t_micro[plan.slowest], plan.slowest, plan.t_reduce,
-          2 * (stages - 1), plan.t_msgs, plan.t_update, upd);
-  fprintf(log, "# pipeline-step %.9g pipe %.9g reduce %.9g messages %.9g update %.9g bubble %.6f slowest %d\n",
-          plan.t_step, plan.t_pipe, plan.t_reduce, plan.t_msgs, plan.t_update, plan.bubble, plan.slowest);
+  fprintf(log, "# pipeline: planned step %.3f ms: the %s order of %d microbatches simulated over the stages (a forward "
+          "and a backward a microbatch each, the last one's reductions %.3f ms at most, a message %.3f ms at most on its "
+          "way while the stages compute) ends at %.3f ms, then the updates (%.3f ms, stage %d's, the longest); equal "
+          "stages at the slowest's pace would take (%d + %d - 1) x %.3f ms (stage %d's microbatch) + %.3f ms = %.3f ms\n",
+          plan.t_step, gpipe ? "gpipe" : "1f1b", micro, plan.t_reduce, stages > 1 ? plan.t_msgs / (2 * (stages - 1)) : 0,
+          plan.t_pipe, plan.t_update, upd, micro, stages, t_micro[plan.slowest], plan.slowest, plan.t_reduce, plan.t_fill);
+  fprintf(log, "# pipeline-step %.9g pipe %.9g fill %.9g reduce %.9g messages %.9g update %.9g bubble %.6f slowest %d\n",
+          plan.t_step, plan.t_pipe, plan.t_fill, plan.t_reduce, plan.t_msgs, plan.t_update, plan.bubble, plan.slowest);
 }

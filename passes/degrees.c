@@ -42,6 +42,7 @@ static void price_explicit(IrModule *m, PassCtx *ctx, int64_t r_fwd, int64_t r_b
                    .slow_compute = ctx->cluster->overlap_compute, .slow_comm = ctx->cluster->overlap_comm,
                    .r_fix = {(int)r_fwd, (int)r_bwd}};
   if (s.n > 0 && sched_plan(&st, pol, &plan)) {
+    ir_attrs_set_float(m->attrs, &m->nattrs, "t_fwd_pred", plan.t_fwd);
     ir_attrs_set_float(m->attrs, &m->nattrs, "t_iter_pred", plan.t_iter);
     if (ctx->verbose) report(ctx->log ? ctx->log : stderr, s.layer, s.n, &plan, ctx->cluster, 0);
   }

@@ -1173,22 +1173,52 @@ _Static_assert(sizeof(MPI_Request) <= sizeof(long long), "RtPpSend stores MPI_Re
 int rt_comm_stage(const RtComm *c) { return c ? c->stage : 0; }
 int rt_comm_stages(const RtComm *c) { return c ? c->stages : 1; }
 
-// Floats to or from the same place in stage `stage`, in pieces that fit MPI's int counts; tag
-// tells the messages of a step apart. Sends are nonblocking (rt_pp_wait finishes them), so that a
-// stage computes while it sends; receives wait with the collectives' deadline.
-enum { PP_PIECE = 1 << 28 };
+// Point-to-point floats in pieces that fit MPI's int counts (at most `most` of them): each piece
+// started as a nonblocking send or receive of tag on comm; the number of pieces.
+enum { PIECE = 1 << 28 };
 
-void rt_pp_send(RtComm *c, int stage, const float *buf, int64_t n, int tag, RtPpSend *req) {
-  req->n = 0;
-  req->to = stage;
-  int64_t began = rt_mono_ns();
-  for (int64_t at = 0; at < n; at += PP_PIECE, req->n++) {
-    if (req->n == RT_PP_PIECES)
-      rt_comm_abort("internal error: a pipeline message of %lld floats is too large", (long long)n);
-    int count = (int)(n - at < PP_PIECE ? n - at : PP_PIECE);
-    MPI_CHECK(MPI_Isend(buf + at, count, MPI_FLOAT, stage, tag, c->pp, (MPI_Request *)&req->req[req->n]));
+static int start_pieces(MPI_Comm comm, int peer, float *buf, int64_t n, int tag, bool send, MPI_Request *req,
+                        int most) {
+  int k = 0;
+  for (int64_t at = 0; at < n; at += PIECE, k++) {
+    if (k == most) rt_comm_abort("internal error: a message of %lld floats is too large", (long long)n);
+    int count = (int)(n - at < PIECE ? n - at : PIECE);
+    if (send) MPI_CHECK(MPI_Isend(buf + at, count, MPI_FLOAT, peer, tag, comm, &req[k]));
+    else MPI_CHECK(MPI_Irecv(buf + at, count, MPI_FLOAT, peer, tag, comm, &req[k]));
   }
-  req->began = began;
+  return k;
+}
+
+// A whole message to or from one peer, with the collectives' deadline: what, e.g. "receive from
+// pipeline stage 1", names it in the sentence that ends a job whose peer is gone.
+static void transfer(MPI_Comm comm, int g, int peer, float *buf, int64_t n, int tag, bool send, const char *what) {
+  MPI_Request req[RT_PP_PIECES];
+  int64_t began = rt_mono_ns(), most = (int64_t)PIECE * RT_PP_PIECES;
+  for (int64_t at = 0; at < n; at += most) {   // any size: RT_PP_PIECES pieces at a time
+    int k = start_pieces(comm, peer, buf + at, n - at < most ? n - at : most, tag, send, req, RT_PP_PIECES);
+    for (int i = 0; i < k; i++) finish(&req[i], what, g, began, send ? "MPI_Isend" : "MPI_Irecv", __LINE__);
+  }
+}
+
+void rt_send_floats(RtComm *c, RtGroup g, int to, const float *buf, int64_t n) {
+  char what[64];
+  snprintf(what, sizeof what, "send to rank %d", to);
+  transfer(rt_comm_mpi(c, g), g, to, (float *)buf, n, 0, true, what);
+}
+
+void rt_recv_floats(RtComm *c, RtGroup g, int from, float *buf, int64_t n) {
+  char what[64];
+  snprintf(what, sizeof what, "receive from rank %d", from);
+  transfer(rt_comm_mpi(c, g), g, from, buf, n, 0, false, what);
+}
+
+// The pipeline's messages go to or come from the same place in stage `stage`; tag tells the
+// messages of a step apart. Sends are nonblocking (rt_pp_wait finishes them), so that a stage
+// computes while it sends.
+void rt_pp_send(RtComm *c, int stage, const float *buf, int64_t n, int tag, RtPpSend *req) {
+  req->to = stage;
+  req->began = rt_mono_ns();
+  req->n = start_pieces(c->pp, stage, (float *)buf, n, tag, true, (MPI_Request *)req->req, RT_PP_PIECES);
 }
 
 void rt_pp_wait(RtPpSend *req) {
@@ -1199,16 +1229,17 @@ void rt_pp_wait(RtPpSend *req) {
   req->n = 0;
 }
 
+int64_t rt_pp_tag_bound(const RtComm *c) {
+  int *ub = NULL, flag = 0;
+  if (!c || c->stages <= 1) return INT32_MAX;
+  MPI_CHECK(MPI_Comm_get_attr(c->pp, MPI_TAG_UB, &ub, &flag));
+  return flag && ub ? *ub : 32767;   // the standard's least bound
+}
+
 void rt_pp_recv(RtComm *c, int stage, float *buf, int64_t n, int tag) {
-  int64_t began = rt_mono_ns();
-  for (int64_t at = 0; at < n; at += PP_PIECE) {
-    int count = (int)(n - at < PP_PIECE ? n - at : PP_PIECE);
-    MPI_Request req;
-    MPI_CHECK(MPI_Irecv(buf + at, count, MPI_FLOAT, stage, tag, c->pp, &req));
-    char what[64];
-    snprintf(what, sizeof what, "receive from pipeline stage %d", stage);
-    finish(&req, what, PP_GROUP, began, "MPI_Irecv", __LINE__);
-  }
+  char what[64];
+  snprintf(what, sizeof what, "receive from pipeline stage %d", stage);
+  transfer(c->pp, PP_GROUP, stage, buf, n, tag, false, what);
 }
 
 void rt_pp_sum_f64(RtComm *c, double *buf, int n) {

@@ -43,6 +43,10 @@ int rt_pipe_slots(const RtModel *m) {
 int rt_pipe_create(RtTrainer *tr) {
   const RtModel *m = tr->model;
   int n = rt_pipe_slots(m);
+  if (stage_count(m) > 1 && 2 * (int64_t)micro_count(m) - 1 > rt_pp_tag_bound(tr->comm))
+    rt_comm_abort("%d microbatches need MPI tags up to %lld for the pipeline's messages, above this MPI's bound %lld: "
+                  "fewer microbatches", micro_count(m), 2 * (long long)micro_count(m) - 1,
+                  (long long)rt_pp_tag_bound(tr->comm));
   tr->slots = n;
   tr->arenas = rt_calloc((size_t)n, sizeof *tr->arenas, "the pipeline's slots");
   tr->inputs = rt_calloc((size_t)n, sizeof *tr->inputs, "the pipeline's slots");
@@ -79,6 +83,7 @@ void rt_pipe_destroy(RtTrainer *tr) {
   free(tr->arenas), free(tr->inputs), free(tr->targets), free(tr->sends);
   free(tr->layer_acc);
   free(tr->pp_peer);
+  free(tr->pp_tag);
   free(tr->pp_skip);
   if (tr->share_buf)
     rt_big_free(tr->share_buf, (size_t)tr->share_floats * sizeof(float));
@@ -201,24 +206,21 @@ static void backward(RtTrainer *tr, int i, int *done) {
 
 // Parameters two stages hold (a tied embedding: the first stage's table, the last's head): each
 // stage's gradient is its own part; both add the first stage's part and the last's, in that order,
-// so the two copies get the same sum and stay equal. Tags above the microbatches' (2 * M + 1).
+// so the two copies get the same sum and stay equal. Tags above the microbatches' (find_shared).
 static void share_grads(RtTrainer *tr) {
   const RtModel *m = tr->model;
-  int s = m->stage, tag = 2 * micro_count(m) + 2;
+  int s = m->stage;
   for (int i = 0; i < m->nparams; i++) {
     int peer = tr->pp_peer[i];
     if (peer < 0) continue;
     const RtParam *p = &m->params[i];
     float *g = tr->st.grads + p->offset, *other = (tr->grad_work ? tr->grad_work + p->offset : tr->share_buf);
-    // the message's tag: the parameter's index in the earlier stage's program (both know it)
-    const RtModel *low = tr->stages[s < peer ? s : peer];
-    int k = 0;
-    while (k < low->nparams && strcmp(low->params[k].name, p->name) != 0) k++;
+    int tag = tr->pp_tag[i];
     if (m->device)   // the device's gradient on the host for the exchange, and the sum back
       m->device->grads_part(&tr->st, p->offset, p->numel, false);
     RtPpSend send;
-    rt_pp_send(tr->comm, peer, g, p->numel, tag + k, &send);
-    rt_pp_recv(tr->comm, peer, other, p->numel, tag + k);
+    rt_pp_send(tr->comm, peer, g, p->numel, tag, &send);
+    rt_pp_recv(tr->comm, peer, other, p->numel, tag);
     rt_pp_wait(&send);
     if (s < peer) rt_add(g, other, g, p->numel);
     else rt_add(other, g, g, p->numel);
@@ -227,11 +229,15 @@ static void share_grads(RtTrainer *tr) {
   }
 }
 
-// Which parameters another stage holds too (same name): rt_pipe_create.
+// Which parameters another stage holds too (same name), and the tag of each one's exchange:
+// 2 M + 2 + its index in the earlier stage's program (both stages know it; the microbatches' tags
+// are 2 i and 2 i + 1), within MPI's tag bound: rt_pipe_create.
 static void find_shared(RtTrainer *tr) {
   const RtModel *m = tr->model;
   bool any = false;
+  int64_t base = 2 * (int64_t)micro_count(m) + 2, bound = rt_pp_tag_bound(tr->comm);
   tr->pp_peer = rt_calloc((size_t)(m->nparams ? m->nparams : 1), sizeof *tr->pp_peer, "the pipeline's parameters");
+  tr->pp_tag = rt_calloc((size_t)(m->nparams ? m->nparams : 1), sizeof *tr->pp_tag, "the pipeline's parameters");
   tr->pp_skip = rt_calloc((size_t)(m->nparams ? m->nparams : 1), sizeof *tr->pp_skip, "the pipeline's parameters");
   for (int i = 0; i < m->nparams; i++) {
     tr->pp_peer[i] = -1;
@@ -242,6 +248,12 @@ static void find_shared(RtTrainer *tr) {
         if (strcmp(o->params[j].name, m->params[i].name) == 0) {
           tr->pp_peer[i] = s;
           tr->pp_skip[i] = s < m->stage;
+          int64_t tag = base + (s < m->stage ? j : i);
+          if (tag > bound)
+            rt_comm_abort("the pipeline's messages need MPI tags up to %lld (%d microbatches, parameter '%s'), above "
+                          "this MPI's bound %lld: fewer microbatches", (long long)tag, micro_count(m),
+                          m->params[i].name, (long long)bound);
+          tr->pp_tag[i] = (int)tag;
           any = true;
         }
     }

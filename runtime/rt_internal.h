@@ -339,6 +339,10 @@ typedef struct RtPpSend {
 void rt_pp_send(RtComm *c, int stage, const float *buf, int64_t n, int tag, RtPpSend *req);
 void rt_pp_wait(RtPpSend *req);
 void rt_pp_recv(RtComm *c, int stage, float *buf, int64_t n, int tag);
+int64_t rt_pp_tag_bound(const RtComm *c);   // the largest tag these messages may carry (MPI_TAG_UB)
+// Blocking floats to or from rank `peer` of group g (tag 0), with the collectives' deadline.
+void rt_send_floats(RtComm *c, RtGroup g, int to, const float *buf, int64_t n);
+void rt_recv_floats(RtComm *c, RtGroup g, int from, float *buf, int64_t n);
 // Sum and maximum over the stages (the ranks of this rank's place in each), in place.
 void rt_pp_sum_f64(RtComm *c, double *buf, int n);
 void rt_pp_max_f64(RtComm *c, double *buf, int n);

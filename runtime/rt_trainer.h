@@ -89,6 +89,7 @@ typedef struct RtTrainer {
   // Per parameter of this stage: the stage before or after that holds it too (-1: none; a tied
   // embedding), and whether an earlier stage counts it in the gradient norm (pp_skip).
   int *pp_peer;
+  int *pp_tag;   // the tag of its exchange: above the microbatches', by its index in the earlier stage
   bool *pp_skip;
   float *share_buf;   // the peer's part of those gradients (without grad_work), share_floats large
   int64_t share_floats;

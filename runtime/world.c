@@ -39,24 +39,6 @@ void rt_world_max(RtComm *c, double *v, int n) {
     rt_allreduce_max_f64(c, RT_GROUP_WORLD, v, n);   // with the collectives' deadline (comm.c)
 }
 
-// Point-to-point in pieces that fit MPI's int counts.
-enum { PIECE = 1 << 28 };
-
-static void send_floats(RtComm *c, const float *buf, int64_t n, int to) {
-  for (int64_t at = 0; at < n; at += PIECE) {
-    int count = (int)(n - at < PIECE ? n - at : PIECE);
-    MPI_CHECK(MPI_Send(buf + at, count, MPI_FLOAT, to, 0, rt_comm_mpi(c, RT_GROUP_WORLD)));
-  }
-}
-
-static void recv_floats(RtComm *c, float *buf, int64_t n, int from) {
-  for (int64_t at = 0; at < n; at += PIECE) {
-    int count = (int)(n - at < PIECE ? n - at : PIECE);
-    MPI_CHECK(MPI_Recv(buf + at, count, MPI_FLOAT, from, 0, rt_comm_mpi(c, RT_GROUP_WORLD),
-                       MPI_STATUS_IGNORE));
-  }
-}
-
 // The coordinates of another rank of the same layout.
 static RtRanks peer_of(const RtRanks *r, int rank) {
   RtLayout l = {.dp = r->dp, .mp = r->mp, .ep = r->ep, .esp = r->esp, .gpus_per_node = 1};
@@ -68,7 +50,7 @@ void rt_gather_param(RtComm *c, const RtParam *p, const RtRanks *r, const float 
   int64_t zero[4] = {0}, off[4];
   if (r->rank != 0) {
     if (rt_shard_owner(p, r))
-      send_floats(c, shard, p->numel, 0);
+      rt_send_floats(c, RT_GROUP_WORLD, 0, shard, p->numel);
     return;
   }
   float *buf = NULL;
@@ -80,7 +62,7 @@ void rt_gather_param(RtComm *c, const RtParam *p, const RtRanks *r, const float 
       continue;
     const float *src = shard;
     if (k != 0) {
-      recv_floats(c, buf, p->numel, k);
+      rt_recv_floats(c, RT_GROUP_WORLD, k, buf, p->numel);
       src = buf;
     }
     rt_shard_offsets(p, &peer, off);
@@ -92,10 +74,10 @@ void rt_gather_param(RtComm *c, const RtParam *p, const RtRanks *r, const float 
 void rt_gather_dp(RtComm *c, const RtRanks *r, const float *mine, int64_t n, float *whole) {
   if (r->rank != 0) {
     if (r->mp_index == 0)
-      send_floats(c, mine, n, 0);
+      rt_send_floats(c, RT_GROUP_WORLD, 0, mine, n);
     return;
   }
   memcpy(whole, mine, (size_t)n * sizeof(float));
   for (int k = 1; k < r->dp; k++)
-    recv_floats(c, whole + k * n, n, k * r->mp);
+    rt_recv_floats(c, RT_GROUP_WORLD, k * r->mp, whole + k * n, n);
 }

@@ -366,26 +366,35 @@ SchedCoef sched_p2p_boundary(const SchedCluster *c, int ranks, int s, bool *acro
 // min(stages - s, micro) with 1F1B; 1 without stages.
 int sched_pipe_slots(int stages, int s, int micro, bool gpipe);
 
+#define SCHED_MAX_STAGES 64   // frontend/fe.h FE_MAX_STAGES
+
 typedef struct SchedPipe {
   int stages, micro;
+  bool gpipe;               // every forward, then every backward; else 1F1B (runtime/pipeline.c)
   // [stages] one microbatch's forward and backward on each stage (ms): a microbatch before the last
   // sums its gradients locally (t_micro), the last one reduces the step's (t_last; NULL: t_micro)
   // (runtime/pipeline.c, comm.c's gradient hook).
   const double *t_micro, *t_last;
+  const double *t_fwd;      // [stages] the forward's part of t_micro (ms); NULL: a third of it
   const double *t_update;   // [stages] each stage's update, once a step (ms); NULL: none
   const double *t_msg;      // [stages - 1] one message from stage b to b + 1 (ms)
 } SchedPipe;
 typedef struct SchedPipePlan {
-  double t_step;     // t_pipe + t_reduce + t_msgs + t_update
-  double t_pipe;     // (micro + stages - 1) x the slowest stage's microbatch
+  double t_step;     // the simulated step: the stages' last backwards and their updates
+  double t_pipe;     // where the last stage's work ends, the update before it (the simulated makespan)
+  double t_fill;     // (micro + stages - 1) x the slowest stage's microbatch + t_reduce (balanced stages)
   double t_reduce;   // what the last microbatch adds on a stage for reducing the gradients (the most)
-  double t_msgs;     // the messages on the critical path: 2 per boundary
+  double t_msgs;     // the messages of the fill and the drain: 2 per boundary
   double t_update;   // the longest update
-  double bubble;     // (stages - 1) / (micro + stages - 1)
+  double bubble;     // the stages' mean wait for a message they need, a share of the step (simulated)
+  double bubble_equal;   // (stages - 1) / (micro + stages - 1): the bubble of equal stages
+  double wait[SCHED_MAX_STAGES];   // each stage's wait for the others' messages (ms a step; not the
+                                   // time after its last backward until the step ends)
   int slowest;       // the stage whose microbatch is the slowest
 } SchedPipePlan;
-// The planned step of a pipeline of stages (GPipe and 1F1B alike): fill and drain at the slowest
-// stage's pace, the last microbatch's reductions, the messages on the critical path, the update.
+// The planned step of a pipeline of stages: the runtime's order of forwards and backwards on
+// every stage (GPipe or 1F1B) simulated with the stages' times and the messages between them
+// (a stage computes while its messages travel), then each stage's update.
 void sched_pipe_step(const SchedPipe *p, SchedPipePlan *out);
 // Each layer's share of a planned stack's simulated step (t_layer[n], ms): its forward's and
 // backward's spans on the compute stream, and of what is all-reduced after the backward its

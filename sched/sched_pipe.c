@@ -11,15 +11,19 @@
 // too: an AlltoAll of n elements on N members sends (N-1)/N of them to N-1 peers, so one peer's
 // message of n elements costs beta·N/(N-1) per element and alpha/(N-1).
 //
-// The step (the planned step of `moec build -v`): with P stages and M microbatches, GPipe and
-// 1F1B both take (M + P - 1) times the slowest stage's microbatch (Huang et al., Narayanan et al.:
-// fill and drain), plus the messages on the critical path, which do not overlap computation: the
-// first microbatch's activations through every boundary and the last one's gradients back, 2
-// (P - 1) of them, plus the update, once a step (the stages update at once: the longest). A
-// stage's microbatch is its forward and backward as its program runs them; the runtime reduces the
-// gradients once a step, in the last microbatch (the others sum theirs locally), so the microbatch
-// that paces the pipeline is the one without the reductions, and the last one adds what its
-// reductions cost where the plan put them (the most of any stage).
+// The step (the planned step of `moec build -v`): the runtime's order on every stage simulated
+// (GPipe: every forward, then the backwards; 1F1B: P - s - 1 forwards, then a forward and a
+// backward in turn; the backwards in the microbatches' order), each forward or backward starting
+// when its stage is free and its input is there: the previous stage's activations or the next
+// stage's gradient, a message's time after that stage sent it (sends are nonblocking, so a stage
+// computes while its messages travel). A stage's microbatch is its forward and backward as its
+// program runs them; the runtime reduces the gradients once a step, in the last microbatch (the
+// others sum theirs locally), so that backward carries the reductions' extra time, before its
+// gradient goes back. Then each stage updates; the step ends with the last update. Equal stages
+// take (M + P - 1) microbatches (Huang et al., Narayanan et al.: fill and drain), GPipe and 1F1B
+// alike; a faster stage adds only its own part of the fill and the drain. A stage's wait is its
+// idle time before a forward or backward whose input had not arrived, as runtime/pipeline.c
+// counts it for --profile.
 //
 // Layer times. A stack's simulated program runs its layers one after another on the compute
 // stream; layer i's forward ends where its last forward op ends, its backward where its last
@@ -82,18 +86,93 @@ SchedCoef sched_p2p_boundary(const SchedCluster *c, int ranks, int s, bool *acro
   return f;
 }
 
+// One stage's next forward or backward in the runtime's order: `warm` forwards (every one with
+// GPipe, P - s - 1 with 1F1B), then a forward (while any is left) and a backward in turn; the
+// backwards in the microbatches' order.
+typedef struct PipeCursor {
+  int warm, fwd, bwd;   // forwards before the first backward; the next forward and backward
+} PipeCursor;
+
+static bool next_is_forward(const PipeCursor *c, int M) {
+  if (c->fwd < c->warm) return true;
+  if (c->bwd >= M) return false;
+  // after the fill: forward k + warm goes right before backward k
+  return c->fwd < M && c->fwd - c->warm <= c->bwd;
+}
+
 void sched_pipe_step(const SchedPipe *p, SchedPipePlan *out) {
   *out = (SchedPipePlan){.slowest = 0};
   int P = p->stages > 1 ? p->stages : 1, M = p->micro > 1 ? p->micro : 1;
+  if (P > SCHED_MAX_STAGES) P = SCHED_MAX_STAGES;
+  double fwd[SCHED_MAX_STAGES], bwd[SCHED_MAX_STAGES], extra[SCHED_MAX_STAGES], update[SCHED_MAX_STAGES];
   for (int s = 0; s < P; s++) {
     if (p->t_micro[s] > p->t_micro[out->slowest]) out->slowest = s;
-    if (p->t_update && p->t_update[s] > out->t_update) out->t_update = p->t_update[s];
-    if (p->t_last && p->t_last[s] - p->t_micro[s] > out->t_reduce) out->t_reduce = p->t_last[s] - p->t_micro[s];
+    update[s] = p->t_update ? p->t_update[s] : 0;
+    extra[s] = p->t_last && p->t_last[s] > p->t_micro[s] ? p->t_last[s] - p->t_micro[s] : 0;
+    if (update[s] > out->t_update) out->t_update = update[s];
+    if (extra[s] > out->t_reduce) out->t_reduce = extra[s];
+    fwd[s] = p->t_fwd && p->t_fwd[s] >= 0 && p->t_fwd[s] <= p->t_micro[s] ? p->t_fwd[s] : p->t_micro[s] / 3;
+    bwd[s] = p->t_micro[s] - fwd[s];
   }
   for (int b = 0; b + 1 < P; b++) out->t_msgs += 2 * p->t_msg[b];
-  out->t_pipe = (M + P - 1) * p->t_micro[out->slowest];
-  out->bubble = (double)(P - 1) / (M + P - 1);
-  out->t_step = out->t_pipe + out->t_reduce + out->t_msgs + out->t_update;
+  out->t_fill = (M + P - 1) * p->t_micro[out->slowest] + out->t_reduce;
+  out->bubble_equal = (double)(P - 1) / (M + P - 1);
+
+  // The simulation: end_f[s * M + i], end_b[...]: when microbatch i's forward / backward ends on
+  // stage s (negative: not yet run). Each round runs every stage's next step whose input has
+  // arrived; the runtime's orders never deadlock, so every round runs at least one.
+  double *end_f = malloc((size_t)P * M * sizeof *end_f), *end_b = malloc((size_t)P * M * sizeof *end_b);
+  if (!end_f || !end_b) {   // out of memory: the balanced formula
+    free(end_f), free(end_b);
+    out->t_pipe = out->t_fill + out->t_msgs, out->bubble = out->bubble_equal;
+    out->t_step = out->t_pipe + out->t_update;
+    return;
+  }
+  for (int k = 0; k < P * M; k++) end_f[k] = end_b[k] = -1;
+  PipeCursor cur[SCHED_MAX_STAGES];
+  double free_at[SCHED_MAX_STAGES], gap[SCHED_MAX_STAGES];
+  for (int s = 0; s < P; s++) {
+    int warm = P == 1 ? 0 : p->gpipe ? M : (P - s - 1 < M ? P - s - 1 : M);
+    cur[s] = (PipeCursor){warm, 0, 0}, free_at[s] = 0, gap[s] = 0;
+  }
+  for (int left = 2 * P * M; left > 0;) {
+    int ran = 0;
+    for (int s = 0; s < P; s++) {
+      PipeCursor *c = &cur[s];
+      if (c->bwd >= M) continue;
+      double ready, t;
+      if (next_is_forward(c, M)) {
+        int i = c->fwd;
+        if (s > 0 && end_f[(s - 1) * M + i] < 0) continue;
+        ready = s > 0 ? end_f[(s - 1) * M + i] + p->t_msg[s - 1] : 0;
+        t = fwd[s];
+        gap[s] += fmax(ready - free_at[s], 0);
+        end_f[s * M + i] = fmax(free_at[s], ready) + t;
+        free_at[s] = end_f[s * M + i], c->fwd++;
+      } else {
+        int i = c->bwd;
+        if (s + 1 < P && end_b[(s + 1) * M + i] < 0) continue;
+        ready = s + 1 < P ? end_b[(s + 1) * M + i] + p->t_msg[s] : end_f[s * M + i];
+        t = bwd[s] + (i == M - 1 ? extra[s] : 0);
+        gap[s] += fmax(ready - free_at[s], 0);
+        end_b[s * M + i] = fmax(free_at[s], ready) + t;
+        free_at[s] = end_b[s * M + i], c->bwd++;
+      }
+      ran++, left--;
+    }
+    if (!ran) break;   // not reached: the orders above always progress
+  }
+  for (int s = 0; s < P; s++) {
+    double end = free_at[s] + update[s];
+    if (end > out->t_step) out->t_step = end;
+    if (free_at[s] > out->t_pipe) out->t_pipe = free_at[s];
+  }
+  for (int s = 0; s < P; s++) {   // as runtime/pipeline.c counts a stage's wait: for a message it needs
+    out->wait[s] = gap[s];
+    out->bubble += out->t_step > 0 ? gap[s] / out->t_step / P : 0;
+  }
+  free(end_f);
+  free(end_b);
 }
 
 bool sched_layer_times(const SchedStack *st, const SchedPlan *plan, double *t_layer) {

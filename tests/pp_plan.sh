@@ -1,11 +1,12 @@
 #!/usr/bin/env bash
 # The planning of pipeline stages (issue 62; lang/manual.md §6 and §10), one ok/FAIL line per check:
 #   report     `moec build -v` of a pp 2 language model prints each stage (its layers, planned time
-#              per microbatch, peak), the bubble (P - 1) / (M + P - 1) and the planned step, which
-#              is (M + P - 1) x the slowest stage's microbatch + what the last one's gradient
-#              reductions add + the messages + the update.
+#              per microbatch, its forward, peak), the bubble (the stages' simulated waits beside
+#              (P - 1) / (M + P - 1)) and the planned step, which is the 1F1B order of the two
+#              microbatches worked by hand from the printed times (messages, the last backward's
+#              reductions, the updates).
 #   1f1b       at M = 8 the planned peak of 1F1B (at most P - s microbatches in flight on stage s)
-#              is below GPipe's (all 8), and the planned step is the same.
+#              is below GPipe's (all 8), and its planned step is at most GPipe's.
 #   split      a model of three small dense layers and one large MoE layer: the cost model's split
 #              (3 1) differs from the equal one (2 2), and the stages' part of the step it printed
 #              is the built stages' (their planned microbatches); `pp_layers 2 2;` overrides it.
@@ -35,12 +36,21 @@ lm "pp 2; microbatches 2;" >"$WORK/lm.moe"
 if "$MOEC" build "$WORK/lm.moe" --cluster "$C" -v -o "$WORK/lm" >"$WORK/lm.out" 2>&1; then
   s0=$(grep -c '^# stage 0: layers 0-1 (block0 \.\. block1) + the embedding: planned [0-9.]* ms a microbatch ([0-9.]* ms the last' "$WORK/lm.out")
   s1=$(grep -c '^# stage 1: layer 2 (dense0) + the head and loss: planned [0-9.]* ms a microbatch ([0-9.]* ms the last' "$WORK/lm.out")
-  bubble=$(grep -c '^# pipeline: 2 stages, 2 microbatches, 1f1b: bubble 33.3 % of the step' "$WORK/lm.out")
-  step=$(num '^# pipeline: planned step' 's/.*planned step \([0-9.]*\) ms = (2 + 2 - 1) x \([0-9.]*\) ms.* + \([0-9.]*\) ms (the last microbatch.s reductions).*messages on the critical path \([0-9.]*\) ms + the update \([0-9.]*\) ms.*/\1 \2 \3 \4 \5/p' "$WORK/lm.out")
+  bubble=$(grep -c '^# pipeline: 2 stages, 2 microbatches, 1f1b: bubble [0-9.]* % of the step (the stages. mean wait for the others, simulated: stage 0 [0-9.]* % 1 [0-9.]* %; (P - 1) / (M + P - 1) = 33.3 % for equal stages)' "$WORK/lm.out")
+  step=$(num '^# pipeline-step' 's/^# pipeline-step \([0-9.e+-]*\) .*/\1/p' "$WORK/lm.out")
+  # the 1F1B order of 2 microbatches on 2 stages by hand, from the stages' printed times: stage 0
+  # F0 F1 B0 B1, stage 1 F0 B0 F1 B1, a message m between them, the last backward's reductions x
+  times=$(sed -n 's/^# stage [01]: .*planned \([0-9.]*\) ms a microbatch (\([0-9.]*\) ms the last.*the forward \([0-9.]*\) ms[^;]*; the update \([0-9.]*\) ms.*/\1 \2 \3 \4/p' "$WORK/lm.out" | paste -sd' ')
+  msg=$(num '^# pipeline: a message between stages 0 and 1' 's/.*: \([0-9.]*\) ms (p2p alpha.*/\1/p' "$WORK/lm.out")
+  hand=$(echo "$times $msg" | awk '{ t0 = $1; x0 = $2 - $1; f0 = $3; u0 = $4; t1 = $5; x1 = $6 - $5; f1 = $7; u1 = $8; m = $9
+    b0 = t0 - f0; b1 = t1 - f1; max = "max"
+    a = f0 + m + f1; c = a + b1; s = c > 2 * f0 + m ? c : 2 * f0 + m; d = s + f1; e = d + b1 + x1
+    s = 2 * f0 > c + m ? 2 * f0 : c + m; g = s + b0; s = g > e + m ? g : e + m; h = s + b0 + x0
+    printf "%.3f", (h + u0 > e + u1 ? h + u0 : e + u1) }')
   slowest=$(grep '^# stage [01]: ' "$WORK/lm.out" | sed -n 's/.*planned \([0-9.]*\) ms a microbatch.*/\1/p' | sort -g | tail -n 1)
-  if [ "$s0$s1$bubble" = 111 ] && [ -n "$step" ] && awk -v s="$step" -v w="$slowest" 'BEGIN {
-       split(s, x, " "); if (x[2] != w) exit 1; d = x[1] - (3 * x[2] + x[3] + x[4] + x[5]); exit !(d < 0.002 && d > -0.002) }'; then
-    ok "report: pp 2 of a language model: the stages' layers, times and peaks, bubble 33.3 %, planned step $(echo "$step" | cut -d' ' -f1) ms = 3 x the slowest stage's $slowest ms + the last microbatch's reductions + messages + update"
+  if [ "$s0$s1$bubble" = 111 ] && [ -n "$step" ] && [ -n "$hand" ] && awk -v s="$step" -v h="$hand" 'BEGIN {
+       d = s - h; if (d < 0) d = -d; exit !(d < 0.005 + 1e-3 * s) }'; then
+    ok "report: pp 2 of a language model: the stages' layers, times and peaks, the bubble, planned step $step ms = 1F1B's order of 2 microbatches by hand from the stages' printed times ($hand ms; the slowest microbatch $slowest ms)"
   else
     bad "report: the stages, bubble and planned step of pp 2" "$(grep -E '^# (stage|pipeline|stages)' "$WORK/lm.out")"
   fi
@@ -57,10 +67,10 @@ pg=$(num '^# pipeline: 2 stages' 's/.*per rank (\([0-9]*\) bytes.*/\1/p' "$WORK/
 p1=$(num '^# pipeline: 2 stages' 's/.*per rank (\([0-9]*\) bytes.*/\1/p' "$WORK/1f1b.out")
 tg=$(num '^# pipeline-step' 's/^# pipeline-step \([0-9.e+-]*\) .*/\1/p' "$WORK/gpipe.out")
 t1=$(num '^# pipeline-step' 's/^# pipeline-step \([0-9.e+-]*\) .*/\1/p' "$WORK/1f1b.out")
-if [ -n "$pg" ] && [ -n "$p1" ] && [ "$p1" -lt "$pg" ] && [ "$tg" = "$t1" ] &&
+if [ -n "$pg" ] && [ -n "$p1" ] && [ "$p1" -lt "$pg" ] && [ -n "$t1" ] && awk -v g="$tg" -v o="$t1" 'BEGIN { exit !(o <= g * (1 + 1e-9)) }' &&
    grep -q '^# stage 0: .* 8 microbatches in flight' "$WORK/gpipe.out" && grep -q '^# stage 0: .* 2 microbatches in flight' "$WORK/1f1b.out" &&
    grep -q '^# stage 1: .* 1 microbatch in flight' "$WORK/1f1b.out"; then
-  ok "1f1b: at M = 8 the planned peak of 1F1B, $p1 bytes (2 and 1 microbatches in flight), is below GPipe's, $pg (8); the same planned step $t1 ms"
+  ok "1f1b: at M = 8 the planned peak of 1F1B, $p1 bytes (2 and 1 microbatches in flight), is below GPipe's, $pg (8); planned steps 1F1B $t1 ms, GPipe $tg ms (1F1B's backwards start before the last forward)"
 else
   bad "1f1b: planned peaks at M = 8 (gpipe ${pg:-?}, 1f1b ${p1:-?}), steps ${tg:-?} / ${t1:-?}" "$(grep -E '^# (stage|pipeline)' "$WORK/gpipe.out" "$WORK/1f1b.out")"
 fi
@@ -81,7 +91,7 @@ if "$MOEC" build "$WORK/mix.moe" --cluster "$C" -v -o "$WORK/mix" >"$WORK/mix.ou
    "$MOEC" build "$WORK/mix22.moe" --cluster "$C" -v -o "$WORK/mix22" >"$WORK/mix22.out" 2>&1; then
   note=$(grep '^# stages: ' "$WORK/mix.out")
   split_t=$(echo "$note" | sed -n 's/.* = \([0-9.]*\) ms, each stage planned alone (the equal split 2 2: \([0-9.]*\) ms.*/\1 \2/p')
-  built=$(num '^# pipeline-step' 's/.* pipe \([0-9.e+-]*\) reduce \([0-9.e+-]*\) .*/\1 \2/p' "$WORK/mix.out" | awk '{printf "%.3f", $1 + $2}')
+  built=$(num '^# pipeline-step' 's/.* fill \([0-9.e+-]*\) reduce .*/\1/p' "$WORK/mix.out" | awk '{printf "%.3f", $1}')
   if echo "$note" | grep -q 'the cost model splits the 4 layers 3 1 over the stages' &&
      grep -q '^# stage 0: layers 0-2 (dense0 \.\. dense2) + the embedding' "$WORK/mix.out" &&
      grep -q '^# stage 1: layer 3 (big0) + the head and loss' "$WORK/mix.out" && [ -n "$split_t" ] &&
@@ -172,7 +182,7 @@ if "$MOEC" build "$F8" -v --cluster lang/clusters/testbed-a.cluster -o "$WORK/f8
   step=$(num '^# pipeline: planned step' 's/.*planned step \([0-9.]*\) ms.*/\1/p' "$WORK/f8.out")
   within=$(grep -c "^# memory: peak .* within the memory of cluster 'testbed_a' (46.00 GiB)" "$WORK/f8.out")
   if [ "$within" = 2 ] && [ -n "$peak" ] && [ "$peak" -le $((46 * 1024 * 1024 * 1024)) ] && [ -n "$step" ] &&
-     grep -q '^# pipeline: 2 stages, 2 microbatches, gpipe: bubble 33.3 %' "$WORK/f8.out"; then
+     grep -q '^# pipeline: 2 stages, 2 microbatches, gpipe: bubble [0-9.]* % .*(P - 1) / (M + P - 1) = 33.3 % for equal stages' "$WORK/f8.out"; then
     ok "fig8: Mixtral-8x22B on Testbed-A at pp 2 x dp 3 x mp 8 builds and fits: $(grep '^# stages: ' "$WORK/f8.out" | sed 's/^# stages: the cost model splits the 33 layers \([0-9 ]*\) over.*/split \1/'), largest stage's peak $peak bytes of 46 GiB with 2 microbatches in flight, planned step $step ms (fsmoe)"
   else
     bad "fig8: the stages fit and are planned" "$(grep -E '^# (stage|stages|pipeline|memory)' "$WORK/f8.out" | grep -v 'pipeline-plan\|policy')"

@@ -6,8 +6,8 @@
 #   1. `moec tune --quick --gpus-per-node 1` on the cluster writes its profile (GEMMs, collectives
 #      and the point-to-point messages between stages);
 #   2. each configuration is built with that profile: `moec build -v` prints its planned step
-#      (pp: "# pipeline: planned step", with the bubble (P - 1) / (M + P - 1); dp: the sequential
-#      policy's "# pipeline-plan sequential step");
+#      (pp: "# pipeline: planned step", the stages' schedule simulated, and the bubble, the
+#      stages' simulated mean wait; dp: the sequential policy's "# pipeline-plan sequential step");
 #   3. all of them run in turn, ROUNDS rounds of `--steps STEPS --profile`: a configuration's
 #      measured step is the median of its rounds' median steps; with stages, the measured bubble
 #      is the mean over the stages of the share of the step each waited for the others (the
@@ -70,7 +70,7 @@ median() { sort -g | awk '{a[n++] = $1} END {print n ? a[int((n - 1) / 2)] : ""}
 {
   echo "# pipeline stages on the emulated 2 x 1 cluster, links at $RATE: gpt_moe (4 blocks, vocab 2048, L 512, M 384) at a global batch of 8; $ROUNDS rounds of $STEPS steps, the median step"
   echo
-  echo "| configuration | predicted step (ms) | measured step (ms) | error | bubble predicted | bubble measured | waits per stage |"
+  echo "| configuration | predicted step (ms) | measured step (ms) | error | bubble predicted | bubble measured | waits per stage, % |"
   echo "| --- | ---: | ---: | ---: | ---: | ---: | --- |"
   worst=0
   for c in $CONFIGS; do
@@ -83,6 +83,9 @@ median() { sort -g | awk '{a[n++] = $1} END {print n ? a[int((n - 1) / 2)] : ""}
     fi
     meas=$(for r in $(seq "$ROUNDS"); do sed -n 's/.*median whole step \([0-9.]*\) ms.*/\1/p' "$WORK/$c.run$r"; done | median)
     waits=$(sed -n 's/^# profile: stage \([0-9]\): .* (\([0-9.]*\) %) waiting.*/\1:\2/p' "$WORK/$c.run$ROUNDS" | paste -sd' ')
+    planned=$(sed -n 's/^# pipeline: .* simulated: stage \([^;]*\);.*/\1/p' "$WORK/$c.build" | head -n 1 |
+              awk '{for (i = 1; i < NF; i += 3) printf "%s%s:%s", (i > 1 ? " " : ""), $i, $(i + 1)}')
+    [ -n "$waits" ] && waits="$waits (planned ${planned:-?})"
     bub_m=$(sed -n 's/^# profile: stage [0-9]: .* (\([0-9.]*\) %) waiting.*/\1/p' "$WORK/$c.run$ROUNDS" |
             awk '{s += $1; n++} END {if (n) printf "%.1f %%", s / n; else print "-"}')
     err=$(awk -v p="$pred" -v m="$meas" 'BEGIN { if (p > 0 && m > 0) printf "%+.1f %%", 100 * (p - m) / m; else print "-" }')

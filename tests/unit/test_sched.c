@@ -542,6 +542,44 @@ static void test_gemm_by_shape(void **state) {
   assert_true(k.alpha > 0);
 }
 
+// The pipeline's step (sched_pipe_step): the runtime's orders simulated. Equal stages take
+// (M + P - 1) microbatches, GPipe and 1F1B alike; a faster first stage only adds its own
+// microbatch to the last stage's M; each stage's wait is its idle time before a step that needed
+// a message.
+static void test_pipe_step(void **state) {
+  (void)state;
+  double t3[4] = {3, 3, 3, 3}, f1[4] = {1, 1, 1, 1}, zero[3] = {0, 0, 0};
+  for (int P = 1; P <= 4; P++)
+    for (int M = 1; M <= 8; M++)
+      for (int g = 0; g < 2; g++) {
+        SchedPipe p = {.stages = P, .micro = M, .gpipe = g, .t_micro = t3, .t_fwd = f1, .t_msg = zero};
+        SchedPipePlan out;
+        sched_pipe_step(&p, &out);
+        assert_true(fabs(out.t_step - (M + P - 1) * 3.0) < 1e-12);
+        assert_true(fabs(out.t_fill - out.t_step) < 1e-12);
+      }
+  // P 2, M 2, 1F1B by hand: stage 0 F0 [0,1] F1 [1,2] B0 [4,6] B1 [7,9]; stage 1 F0 [1,2] B0 [2,4]
+  // F1 [4,5] B1 [5,7]: stage 0 waits 2 + 1, stage 1 1; the last microbatch's reductions (+1 on
+  // stage 1) and the updates (0.5, 2) come after.
+  SchedPipe p = {.stages = 2, .micro = 2, .t_micro = t3, .t_fwd = f1, .t_msg = zero};
+  SchedPipePlan out;
+  sched_pipe_step(&p, &out);
+  assert_true(fabs(out.t_step - 9) < 1e-12 && fabs(out.wait[0] - 3) < 1e-12 && fabs(out.wait[1] - 1) < 1e-12);
+  assert_true(fabs(out.bubble - (3.0 / 9 + 1.0 / 9) / 2) < 1e-12);
+  double last[2] = {3, 4}, upd[2] = {0.5, 2};
+  p.t_last = last, p.t_update = upd;
+  sched_pipe_step(&p, &out);   // stage 1's B1 [5,8], stage 0's B1 [8,10] + 0.5; stage 1 8 + 2
+  assert_true(fabs(out.t_step - 10.5) < 1e-12 && fabs(out.t_pipe - 10) < 1e-12 && fabs(out.t_reduce - 1) < 1e-12);
+  // stage 0 (1 + 2) faster than stage 1 (2 + 4), M 4, messages 0.5: stage 1 computes without a
+  // break once F0 arrives (1 + 0.5), stage 0's last backward follows its last gradient (+0.5 + 2).
+  double t[2] = {3, 6}, f[2] = {1, 2}, msg[1] = {0.5};
+  SchedPipe q = {.stages = 2, .micro = 4, .t_micro = t, .t_fwd = f, .t_msg = msg};
+  sched_pipe_step(&q, &out);
+  assert_true(fabs(out.t_step - (1 + 0.5 + 4 * 6 + 0.5 + 2)) < 1e-12 && out.slowest == 1);
+  assert_true(fabs(out.wait[1] - 1.5) < 1e-12 && out.t_step < out.t_fill);
+  assert_true(fabs(out.bubble_equal - 1.0 / 5) < 1e-12);
+}
+
 int main(void) {
   const struct CMUnitTest tests[] = {
       cmocka_unit_test(test_degree_within_one_percent),
@@ -553,6 +591,7 @@ int main(void) {
       cmocka_unit_test(test_table4_fsmoe_fastest),
       cmocka_unit_test(test_shared_chunks),
       cmocka_unit_test(test_gemm_by_shape),
+      cmocka_unit_test(test_pipe_step),
   };
   return cmocka_run_group_tests(tests, NULL, NULL);
 }
