@@ -521,7 +521,7 @@ static bool fit_memory(IrDiag *d, const Options *o, const FeTargetCaps *caps, Cl
   }
   if (peak <= limit) return true;
   const PassMemPlan *p = ctx->memplan;
-  int64_t fixed = 2 * p->param_bytes + p->optimizer_bytes + p->param16_bytes;
+  int64_t fixed = p->param_bytes + p->grad_bytes + p->optimizer_bytes + p->param16_bytes;
   char f[32];
   int64_t batch = ir_mod_int(*m, "batch", 1);
   int64_t fits = p->arena_bytes > 0 ? (int64_t)((double)batch * (double)(limit - fixed) / (double)p->arena_bytes) : batch;
@@ -667,7 +667,8 @@ static int cmd_build(IrDiag *d, const Options *o) {
   bool cuda_unit = o->emit && strcmp(o->emit, "cuda") == 0;
   char arch[32] = "sm_90";
   const CgTarget *target = cuda_unit ? &cg_target_cuda : resolve_target(o, arch, sizeof arch);
-  FeTargetCaps caps = {.name = target->name, .bf16 = target->bf16, .shard_optimizer = target->shard_optimizer};
+  FeTargetCaps caps = {.name = target->name, .bf16 = target->bf16, .shard_optimizer = target->shard_optimizer,
+                       .lora = target->lora};
   IrModule *m = front_end(d, o, &caps, &src, &cl);
   int status = 1;
   PassCtx ctx = {.d = d, .verbose = o->verbose, .log = stderr, .cluster = cl.have ? &cl.sc : NULL,

@@ -103,6 +103,7 @@ typedef struct CgTarget {
   const char *name;          // --target NAME
   bool bf16;                 // trains `dtype bf16` (else the front end refuses it)
   bool shard_optimizer;      // `optimizer adamw { shard true; }` (else the front end refuses it)
+  bool lora;                 // `lora { ... }`: frozen parameters (else the front end refuses it)
   bool takes_arch;           // compiles kernels for a device architecture (--gpu-arch)
   // For --target auto: whether the target's device is visible here, with a description (or why
   // not) and its architecture ("" when unknown). NULL: the target has no device to look for.

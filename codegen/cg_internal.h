@@ -17,6 +17,8 @@
 // opt_m, opt_v), by parameter index; *total gets the floats of all of them. malloc'd; NULL
 // when out of memory.
 int64_t *cg_param_offsets(const IrModule *m, int64_t *total);
+// The floats of the parameters a gradient trains (all but the frozen ones; they come first).
+int64_t cg_grad_floats(const IrModule *m);
 // `static const RtParam params[N] = {...};`: names, shapes, init, offsets, sharding.
 void cg_emit_params(FILE *out, const IrModule *m, const int64_t *param_offset);
 // `static const RtModel model = {...};` and main(); device: the name of the program's RtDevice,

@@ -457,18 +457,32 @@ static const char *init_name(const IrParam *p) {
   if (strcmp(init, "normal") == 0) return "RT_INIT_NORMAL";
   if (strcmp(init, "ones") == 0) return "RT_INIT_ONES";
   if (strcmp(init, "const") == 0) return "RT_INIT_CONST";
+  if (strcmp(init, "uniform") == 0) return "RT_INIT_UNIFORM";
   return "RT_INIT_ZEROS";
 }
 
+static bool param_frozen(const IrParam *p) { return ir_attr_int(p->attrs, p->nattrs, "frozen", 0) != 0; }
+
+// The trained parameters first, then the frozen ones (a LoRA model's base weights): the gradients
+// and the optimizer's moments are the first cg_grad_floats floats only.
 int64_t *cg_param_offsets(const IrModule *m, int64_t *total) {
   int64_t *offset = calloc((size_t)m->nparams + 1, sizeof *offset);
   *total = 0;
   if (!offset) return NULL;
-  for (int i = 0; i < m->nparams; i++) {
-    offset[i] = *total;
-    *total += ir_type_numel(&m->params[i]->type);
-  }
+  for (int pass = 0; pass < 2; pass++)
+    for (int i = 0; i < m->nparams; i++) {
+      if (param_frozen(m->params[i]) != (pass == 1)) continue;
+      offset[i] = *total;
+      *total += ir_type_numel(&m->params[i]->type);
+    }
   return offset;
+}
+
+int64_t cg_grad_floats(const IrModule *m) {
+  int64_t n = 0;
+  for (int i = 0; i < m->nparams; i++)
+    if (!param_frozen(m->params[i])) n += ir_type_numel(&m->params[i]->type);
+  return n;
 }
 
 void cg_emit_params(FILE *out, const IrModule *m, const int64_t *param_offset) {
@@ -494,7 +508,9 @@ void cg_emit_params(FILE *out, const IrModule *m, const int64_t *param_offset) {
     // A sharded optimizer's group (autodiff): 1 + its RtGroup.
     const char *shard = ir_attr_str(p->attrs, p->nattrs, "shard", NULL);
     fprintf(out, "}, %d, %d, %d, %d", shard_ep, shard_esp, shard_mp, ir_attrs_get(p->attrs, p->nattrs, "balance") != NULL);
-    if (shard) fprintf(out, ", 1 + %s", cg_group_enums[cg_group_named(shard)]);
+    fprintf(out, ", %s", shard ? cg_group_enums[cg_group_named(shard)] : "0");
+    if (shard) fprintf(out, " + 1");
+    if (param_frozen(p)) fprintf(out, ", .frozen = 1");
     fprintf(out, "},\n");
   }
   fprintf(out, "};\n\n");
@@ -527,6 +543,7 @@ void cg_emit_model(FILE *out, const IrModule *m, const PassMemPlan *plan, int64_
           ir_mod_int(m, "gpus_per_node", 1), ir_mod_int(m, "nodes", 0));
   if (device) fprintf(out, "  .device = &%s,\n", device);
   if (plan->param16_bytes) fprintf(out, "  .param16_bytes = %" PRId64 ",\n", plan->param16_bytes);
+  if (cg_grad_floats(m) < param_floats) fprintf(out, "  .grad_floats = %" PRId64 ",\n", cg_grad_floats(m));
   // Which auxiliary losses are in the objective (a coefficient above 0), for the step lines.
   bool aux = false, z = false;
   for (int i = 0; i < m->nfuncs; i++)

@@ -19,6 +19,7 @@ const CgTarget cg_target_cpu = {
     .name = "cpu",
     .bf16 = false,
     .shard_optimizer = true,
+    .lora = true,
     .takes_arch = false,
     .probe = NULL,
     .available = cpu_available,

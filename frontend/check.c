@@ -104,6 +104,7 @@ struct Ctx {
   SrcLoc root_loc;                  // where a missing top-level statement is reported
   bool model_ok, parallel_ok;
   const FeNode *parallel_node;
+  const FeNode *lora_targets;       // the model's `lora { targets ...; }` statement, for its words' places
   const FeNode **layer_nodes;
   bool *layer_ok;
   int *layer_names;                 // hash set of layer indices + 1, by name (0: empty)
@@ -146,11 +147,13 @@ static void check_grad_partition(Ctx *c, const FeNode *parent, const FeNode *n, 
 static void check_parallel(Ctx *c, const FeNode *parent, const FeNode *n, char *dst);
 static void check_memory(Ctx *c, const FeNode *parent, const FeNode *n, char *dst);
 static void check_gemm_at(Ctx *c, const FeNode *parent, const FeNode *n, char *dst);
+static void check_lora_targets(Ctx *c, const FeNode *parent, const FeNode *n, char *dst);
 static bool size_value(Ctx *c, const FeValue *v, const char *what, const char *example, int64_t *out);
 static void finish_ffn(Ctx *c, const FeNode *n, const char *variant, char *dst);
 static void finish_shared(Ctx *c, const FeNode *n, const char *variant, char *dst);
 static void finish_gate(Ctx *c, const FeNode *n, const char *variant, char *dst);
 static void finish_attention(Ctx *c, const FeNode *n, const char *variant, char *dst);
+static void finish_lora(Ctx *c, const FeNode *n, const char *variant, char *dst);
 
 // ---- the .moe schema ----
 // optimizer = "optimizer" (sgd | adamw) "{" lr [beta1] [beta2] [eps] [weight_decay] [warmup]
@@ -205,9 +208,21 @@ static const Field data_fields[] = {
 };
 static const Block data_block = BLOCK("data", data_fields, NULL);
 
+// lora = "lora" "{" r [alpha] targets [dropout] "}"          (dropout: 0 only, finish_lora)
+// targets = "targets" (q | k | v | o | experts | shared | mlp)+ ";"    (check_lora_targets)
+static const char *const lora_target_words[] = {"q", "k", "v", "o", "experts", "shared", "mlp", NULL};
+#define LORA_TARGETS "q, k, v, o, experts, shared and mlp"
+static const Field lora_fields[] = {
+  {"r", F_REQUIRED, .vals = {{V_INT, R_POS, .off = AT(FeLora, r)}}},
+  {"alpha", 0, .vals = {{V_NUM, R_POS, .def = "8", .off = AT(FeLora, alpha)}}},
+  {"targets", F_REQUIRED, .loc = AT(FeLora, targets_loc), .custom = check_lora_targets},
+  {"dropout", 0, .vals = {{V_NUM, R_ANY, .def = "0", .off = AT(FeLora, dropout), .loc_off = AT(FeLora, dropout_loc)}}},
+};
+static const Block lora_block = BLOCK("lora", lora_fields, finish_lora);
+
 // model = "model" NAME "{" [dtype] batch seqlen embed [seed] optimizer
 //                          [vocab [position] [norm] [tie_embeddings] [vocab_parallel] [data]]
-//                          [recompute] "}"
+//                          [recompute] [lora] "}"
 static const Field model_fields[] = {
   {"dtype", 0, .vals = {{V_WORD, .what = "dtype", .words = dtypes, .def = "fp32",
                          .off = AT(FeModel, dtype), .loc_off = AT(FeModel, dtype_loc)}}},
@@ -233,6 +248,8 @@ static const Field model_fields[] = {
    .present = AT(FeModel, has_data)},
   {"recompute", 0, .vals = {{V_WORD, .what = "recomputation", .words = recomputes, .def = "none",
                              .off = AT(FeModel, recompute)}}},
+  {"lora", F_BLOCK, .block = &lora_block, .sub = AT(FeModel, lora), .loc = AT(FeModel, lora.loc),
+   .present = AT(FeModel, has_lora)},
 };
 static const Block model_block = BLOCK("model", model_fields, NULL);
 
@@ -421,7 +438,7 @@ static const Block *const moe_blocks[] = {
   &moe_file_block, &model_block, &optimizer_block, &position_block, &norm_block, &data_block,
   &parallel_block, &layer_block, &attention_block,
   &moe_block, &experts_block, &ffn_block, &gate_block, &dispatch_block, &schedule_block,
-  &pipeline_block, &shared_block, &mla_block, &yarn_block, NULL,
+  &pipeline_block, &shared_block, &mla_block, &yarn_block, &lora_block, NULL,
 };
 
 // ---- the .cluster schema ----
@@ -1208,6 +1225,58 @@ static void check_pp_layers(Ctx *c, const FeNode *parent, const FeNode *n, char 
   par->pp_layers_loc = n->loc;
 }
 
+// targets = "targets" (q | k | v | o | experts | shared | mlp)+ ";"   the weights lora adapts, each once
+static void check_lora_targets(Ctx *c, const FeNode *parent, const FeNode *n, char *dst) {
+  (void)parent;
+  FeLora *lo = (FeLora *)dst;
+  bool *flags[] = {&lo->q, &lo->k, &lo->v, &lo->o, &lo->experts, &lo->shared, &lo->mlp};
+  static const Field form = {"targets", 0};
+  char buf[96];
+  if (!check_block_form(c, n, &form))
+    return;
+  c->lora_targets = n;
+  if (n->nvals == 0) {
+    ir_error_at(c->d, stmt_loc(n), "expected the weights to adapt after 'targets', e.g. 'targets q v;': the targets "
+                "are " LORA_TARGETS);
+    return;
+  }
+  for (int i = 0; i < n->nvals; i++) {
+    const FeValue *x = &n->vals[i];
+    int w = x->kind == FE_VAL_IDENT ? word_index(lora_target_words, x->text) : -1;
+    if (w < 0) {
+      if (x->kind == FE_VAL_IDENT)
+        ir_error_at(c->d, x->loc, "unknown lora target '%s': the targets are " LORA_TARGETS, x->text);
+      else
+        ir_error_at(c->d, x->loc, "expected a lora target for 'targets', got %s: the targets are " LORA_TARGETS,
+                    shown(x, buf, sizeof buf));
+      const char *best = x->kind == FE_VAL_IDENT && strlen(x->text) > 1
+                             ? ir_closest(x->text, lora_target_words, nwords(lora_target_words)) : NULL;
+      if (best)
+        ir_note_at(c->d, x->loc, "did you mean '%s'?", best);
+      continue;
+    }
+    if (*flags[w]) {
+      ir_error_at(c->d, x->loc, "lora target '%s' given twice", x->text);
+      for (int j = 0; j < i; j++)
+        if (strcmp(n->vals[j].text, x->text) == 0) {
+          ir_note_at(c->d, n->vals[j].loc, "first given here");
+          break;
+        }
+      continue;
+    }
+    *flags[w] = true;
+  }
+}
+
+// The adapters have no dropout: `dropout 0` is the one value (PEFT refuses dropout on expert
+// parameters too).
+static void finish_lora(Ctx *c, const FeNode *n, const char *variant, char *dst) {
+  const FeLora *lo = (const FeLora *)dst;
+  if (lo->dropout != 0)
+    ir_error_at(c->d, lo->dropout_loc, "lora dropout %g: only dropout 0 is supported (moec's adapters have no "
+                "dropout; PEFT refuses dropout on expert parameters too)", lo->dropout);
+}
+
 // parallel = "parallel" ( "auto" ";" | "{" [pp] ... [dp] [mp] [ep] [esp] "}" )
 static void check_parallel(Ctx *c, const FeNode *parent, const FeNode *n, char *dst) {
   FeParallel *par = &((FeProgram *)dst)->parallel;
@@ -1543,6 +1612,73 @@ static void check_stages(Ctx *c, const FeProgram *p) {
       }
 }
 
+// Where the lora target `word` is written in `targets` (the statement when it is not there).
+static SrcLoc lora_target_at(const Ctx *c, const FeLora *lo, const char *word) {
+  const FeNode *n = c->lora_targets;
+  for (int i = 0; n && i < n->nvals; i++)
+    if (n->vals[i].kind == FE_VAL_IDENT && strcmp(n->vals[i].text, word) == 0)
+      return n->vals[i].loc;
+  return lo->targets_loc;
+}
+
+// LoRA (lang/manual.md §7.3): every target names weights the model has (q k v o: a language
+// model's attention; experts: a moe layer; shared: a shared expert; mlp: a dense layer), and the
+// layout is one the adapters run on: mp 1, pp 1, and esp 1 when the experts are adapted.
+static void check_lora(Ctx *c, const FeProgram *p) {
+  const FeModel *m = &p->model;
+  const FeLora *lo = &m->lora;
+  const FeParallel *par = &p->parallel;
+  const FeNode *pn = c->parallel_node;
+  bool layers_ok = true, moe = false, shared = false, mlp = false;
+  for (int i = 0; i < p->nlayers; i++) {
+    const FeLayer *l = &p->layers[i];
+    layers_ok &= c->layer_ok[i];
+    moe |= l->has_moe;
+    shared |= l->has_moe && l->moe.has_shared;
+    mlp |= l->has_mlp;
+  }
+  if (!m->has_vocab && (lo->q || lo->k || lo->v || lo->o)) {
+    // at the first attention target written
+    const FeNode *tn = c->lora_targets;
+    SrcLoc at = lo->targets_loc;
+    const char *word = lo->q ? "q" : lo->k ? "k" : lo->v ? "v" : "o";
+    for (int i = 0; tn && i < tn->nvals; i++)
+      if (tn->vals[i].kind == FE_VAL_IDENT && strlen(tn->vals[i].text) == 1 && strchr("qkvo", tn->vals[i].text[0])) {
+        at = tn->vals[i].loc;
+        word = tn->vals[i].text;
+        break;
+      }
+    ir_error_at(c->d, at, "lora target '%s' adapts the attention's projections, which only a language model has: "
+                "add 'vocab N;' to the model (without it a model is a stack of MoE layers)", word);
+  }
+  if (layers_ok && lo->experts && !moe)
+    ir_error_at(c->d, lora_target_at(c, lo, "experts"), "lora target 'experts' adapts the routed experts, but no "
+                "layer has a 'moe' block");
+  if (layers_ok && lo->shared && !shared)
+    ir_error_at(c->d, lora_target_at(c, lo, "shared"), "lora target 'shared' adapts the shared expert, but no layer's "
+                "'moe' has a 'shared' block");
+  if (layers_ok && lo->mlp && !mlp)
+    ir_error_at(c->d, lora_target_at(c, lo, "mlp"), "lora target 'mlp' adapts the dense layers' 'mlp', but no layer "
+                "has one");
+  if (!c->parallel_ok)
+    return;
+  if (par->mp > 1) {
+    ir_error_at(c->d, lo->loc, "lora with mp %lld: the adapters are not split over MP yet; use dp, ep and esp",
+                (long long)par->mp);
+    ir_note_at(c->d, kid_loc(pn, "mp", par->loc), "mp %lld given here", (long long)par->mp);
+  }
+  if (par->esp > 1 && lo->experts) {
+    ir_error_at(c->d, lora_target_at(c, lo, "experts"), "lora target 'experts' with esp %lld: the experts' adapters "
+                "are not split over ESP yet; use esp 1", (long long)par->esp);
+    ir_note_at(c->d, kid_loc(pn, "esp", par->loc), "esp %lld given here", (long long)par->esp);
+  }
+  if (par->pp > 1) {
+    ir_error_at(c->d, lo->loc, "lora with pp %lld: pipeline stages with lora are not supported yet; use pp 1",
+                (long long)par->pp);
+    ir_note_at(c->d, kid_loc(pn, "pp", par->loc), "pp %lld given here", (long long)par->pp);
+  }
+}
+
 // Each rule reads only statements that checked cleanly (model_ok, parallel_ok, layer_ok).
 static void check_semantics(Ctx *c, FeProgram *p) {
   const FeModel *m = &p->model;
@@ -1627,6 +1763,8 @@ static void check_semantics(Ctx *c, FeProgram *p) {
                     (long long)m->seqlen, (long long)par->mp);
     }
   }
+  if (c->model_ok && m->has_lora)
+    check_lora(c, p);
 }
 
 // The rules of check_semantics that read the layout, as one sentence for the first that a
@@ -1645,6 +1783,15 @@ bool fe_layout_refusal(const FeProgram *p, const FeParallel *par, char *why, siz
   if (m->vocab_parallel && m->vocab % par->mp != 0) {
     snprintf(why, n, "vocab_parallel: mp %lld does not divide the vocabulary of %lld tokens", (long long)par->mp,
              (long long)m->vocab);
+    return true;
+  }
+  if (m->has_lora && (par->mp > 1 || par->pp > 1)) {
+    snprintf(why, n, "lora with %s %lld: the adapters run on mp 1 and pp 1 only", par->mp > 1 ? "mp" : "pp",
+             (long long)(par->mp > 1 ? par->mp : par->pp));
+    return true;
+  }
+  if (m->has_lora && m->lora.experts && par->esp > 1) {
+    snprintf(why, n, "lora with esp %lld: the experts' adapters are not split over ESP yet", (long long)par->esp);
     return true;
   }
   for (int i = 0; i < p->nlayers; i++) {

@@ -69,6 +69,19 @@ typedef struct FeData {
   const char *format;        // "u16" | "bytes" | NULL (by extension)
 } FeData;
 
+// `lora { r R; alpha A; targets q k v o experts shared mlp; dropout 0; }` in the model block
+// (lang/manual.md §7.5): the base weights frozen, low-rank adapters trained on the targets.
+typedef struct FeLora {
+  SrcLoc loc;
+  int64_t r;                 // the adapters' rank
+  double alpha;              // the update's scale is alpha / r (PEFT's lora_alpha; default: r)
+  double dropout;            // only 0 (PEFT refuses dropout on expert parameters too)
+  SrcLoc dropout_loc, targets_loc;
+  // targets: the attention's projections (q k v o), the routed experts' tensors, the shared
+  // expert, the dense layers' MLPs
+  bool q, k, v, o, experts, shared, mlp;
+} FeLora;
+
 typedef struct FeModel {
   SrcLoc loc;
   const char *name;
@@ -109,6 +122,8 @@ typedef struct FeModel {
   bool has_vocab_parallel;
   FeData data;
   bool has_data;
+  FeLora lora;
+  bool has_lora;
 } FeModel;
 
 #define FE_MAX_STAGES 64
@@ -310,6 +325,7 @@ typedef struct FeTargetCaps {
   const char *name;   // the target's name
   bool bf16;          // trains dtype bf16 (bf16 GEMM inputs, fp32 master weights)
   bool shard_optimizer;   // `optimizer adamw { shard true; }`
+  bool lora;              // `lora { ... }`: frozen base weights, trained adapters
 } FeTargetCaps;
 // Refuses, with a diagnostic naming it, every construct that parses and checks but does not
 // run yet (on target); otherwise builds the forward IR module (params, @*.fwd, @loss.fwd).

@@ -88,6 +88,13 @@ IrValue *fe_op2(FeLower *L, IrOpKind kind, const char *name, IrOperand a, IrOper
 #define FE_I(k, v) ((IrAttr){.key = (k), .kind = IR_ATTR_INT, .i = (v)})
 #define FE_F(k, v) ((IrAttr){.key = (k), .kind = IR_ATTR_FLOAT, .f = (v)})
 IrParam *fe_param(FeLower *L, const char *suffix, IrType t, const char *init, double value);
+// LoRA (`lora { ... }` in the model block): whether the weight of suffix (attn.wq, mlp.w1, ...) is
+// one of the block's targets, and y + (alpha / r)·(x·A)·B with its adapters A [in, r] and B [r, out]
+// (parameters W.lora_A, W.lora_B; the scale a frozen parameter W.lora_scale [out] of alpha / r).
+bool fe_lora_target(const FeLower *L, const char *suffix);
+IrValue *fe_lora(FeLower *L, IrValue *x, IrValue *y, const IrParam *w, const char *name);
+// Every parameter not an adapter frozen (after the whole model is lowered).
+void fe_lora_freeze(FeLower *L);
 // An expert parameter: dimension 0 indexes experts (split over EP ranks), hidden_dim (or -1)
 // the expert's hidden units (split over ESP ranks).
 IrParam *fe_expert_param(FeLower *L, const char *suffix, IrType t, const char *init, double value,

@@ -64,6 +64,51 @@ IrParam *fe_param(FeLower *L, const char *suffix, IrType t, const char *init, do
   return p;
 }
 
+// ---- LoRA (lang/manual.md) ----
+// PEFT's LoraLayer: result = base(x) + lora_B(lora_A(x)) * (alpha / r); moec's weights are [in,
+// out] (x·W), so A [in, r] and B [r, out] are PEFT's lora_A.weight and lora_B.weight transposed. A
+// starts as PEFT's default (kaiming_uniform with a = sqrt(5): uniform within 1/sqrt(in)), B zeros.
+bool fe_lora_target(const FeLower *L, const char *suffix) {
+  const FeLora *lo = &L->p->model.lora;
+  if (!L->p->model.has_lora) return false;
+  if (strncmp(suffix, "attn.w", 6) == 0 && suffix[7] == '\0')
+    return (suffix[6] == 'q' && lo->q) || (suffix[6] == 'k' && lo->k) || (suffix[6] == 'v' && lo->v) ||
+           (suffix[6] == 'o' && lo->o);
+  return lo->mlp && strncmp(suffix, "mlp.w", 5) == 0;
+}
+
+IrValue *fe_lora(FeLower *L, IrValue *x, IrValue *y, const IrParam *w, const char *name) {
+  const FeLora *lo = &L->p->model.lora;
+  int64_t in = w->type.dim[0], out = w->type.dim[1], r = lo->r;
+  IrParam *a = ir_add_param(L->m, ir_strfmt(L->m, "%s.lora_A", w->name), ir_type2(IR_F32, in, r));
+  IrParam *b = ir_add_param(L->m, ir_strfmt(L->m, "%s.lora_B", w->name), ir_type2(IR_F32, r, out));
+  IrParam *s = ir_add_param(L->m, ir_strfmt(L->m, "%s.lora_scale", w->name), ir_type1(IR_F32, out));
+  ir_attrs_set_str(L->m, a->attrs, &a->nattrs, "init", "uniform");
+  ir_attrs_set_float(a->attrs, &a->nattrs, "std", 1.0 / sqrt((double)in));
+  ir_attrs_set_str(L->m, b->attrs, &b->nattrs, "init", "zeros");
+  ir_attrs_set_str(L->m, s->attrs, &s->nattrs, "init", "const");
+  ir_attrs_set_float(s->attrs, &s->nattrs, "value", lo->alpha / (double)r);
+  for (IrParam *p = a; p; p = p == a ? b : p == b ? s : NULL) {
+    ir_attrs_set_int(p->attrs, &p->nattrs, "lora", 1);
+    if (ir_attrs_get(w->attrs, w->nattrs, "dense")) ir_attrs_set_int(p->attrs, &p->nattrs, "dense", 1);
+  }
+  IrValue *t = fe_op2(L, IR_OP_MATMUL, ir_strfmt(L->m, "%s.lora_a", name), FE_V(x), FE_P(a));
+  IrValue *u = fe_op2(L, IR_OP_MATMUL, ir_strfmt(L->m, "%s.lora_b", name), FE_V(t), FE_P(b));
+  u = fe_op2(L, IR_OP_SCALE, ir_strfmt(L->m, "%s.lora", name), FE_V(u), FE_P(s));
+  return fe_op2(L, IR_OP_ADD, ir_strfmt(L->m, "%s.lora_y", name), FE_V(y), FE_V(u));
+}
+
+void fe_lora_freeze(FeLower *L) {
+  if (!L->p->model.has_lora) return;
+  for (int i = 0; i < L->m->nparams; i++) {
+    IrParam *p = L->m->params[i];
+    const char *n = p->name;
+    size_t len = strlen(n);
+    bool adapter = (len > 7 && (strcmp(n + len - 7, ".lora_A") == 0 || strcmp(n + len - 7, ".lora_B") == 0));
+    if (!adapter) ir_attrs_set_int(p->attrs, &p->nattrs, "frozen", 1);
+  }
+}
+
 int64_t fe_capacity(const FeLower *L, int64_t k) {
   const FeGate *g = &L->layer->moe.gate;
   int64_t tokens = L->S / L->G;
@@ -134,6 +179,14 @@ static void refuse_unsupported(IrDiag *d, const FeProgram *p, const FeTargetCaps
                 "dtype '%s' runs on the CUDA target only (bf16 GEMM inputs, fp32 master weights): the CPU "
                 "backend trains in fp32; build with --target cuda, or write 'dtype fp32;'",
                 p->model.dtype);
+  if (p->model.has_lora && target && !target->lora)
+    ir_error_at(d, p->model.lora.loc, "'lora' runs on the CPU target only for now: the %s target keeps a gradient and "
+                "optimizer state for every parameter", target->name);
+  if (p->model.has_lora && (p->model.lora.experts || p->model.lora.shared))
+    ir_error_at(d, p->model.lora.targets_loc, "lora targets 'experts' and 'shared' are not lowered yet: the adapters "
+                "of q k v o and mlp are");
+  if (p->model.has_lora && !p->model.has_vocab)
+    ir_error_at(d, p->model.lora.loc, "lora needs a language model (vocab): an MoE stack has no dense projections");
   if (target && !target->shard_optimizer && p->model.optimizer.shard)
     ir_error_at(d, p->model.optimizer.loc,
                 "'shard true' (the optimizer's moments sharded over each parameter's replicas) runs on the CPU "
@@ -419,6 +472,7 @@ IrModule *fe_lower(IrDiag *d, const FeProgram *p, const FeTargetCaps *caps) {
   L.M = p->model.embed;
   if (p->model.has_vocab) {
     fe_lower_lm(&L);
+    fe_lora_freeze(&L);
     return m;
   }
   for (int i = 0; i < p->nlayers; i++) {

@@ -365,7 +365,7 @@ static void report(const IrModule *m, PassCtx *ctx, const PassMemPlan *plan, int
           ir_bytes(a, sizeof a, (double)plan->arena_bytes), ir_bytes(u, sizeof u, (double)plan->unshared_bytes),
           plan->arena_bytes ? (double)plan->unshared_bytes / (double)plan->arena_bytes : 1.0);
   fprintf(log, "# memplan: parameters %s + gradients %s + optimizer state %s",
-          ir_bytes(p, sizeof p, (double)plan->param_bytes), ir_bytes(g, sizeof g, (double)plan->param_bytes),
+          ir_bytes(p, sizeof p, (double)plan->param_bytes), ir_bytes(g, sizeof g, (double)plan->grad_bytes),
           ir_bytes(o, sizeof o, (double)plan->optimizer_bytes));
   if (plan->param16_bytes) fprintf(log, " + the parameters' bf16 copy %s", ir_bytes(k, sizeof k, (double)plan->param16_bytes));
   if (plan->accum_bytes)
@@ -418,7 +418,7 @@ static void report_top(const IrModule *m, PassCtx *ctx, const Ranges *R, const P
 }
 
 int64_t pass_mem_peak(const PassMemPlan *p) {
-  return p->arena_bytes + 2 * p->param_bytes + p->optimizer_bytes + p->param16_bytes + p->accum_bytes;
+  return p->arena_bytes + p->param_bytes + p->grad_bytes + p->optimizer_bytes + p->param16_bytes + p->accum_bytes;
 }
 
 bool pass_memplan(IrModule *m, PassCtx *ctx) {
@@ -447,9 +447,13 @@ bool pass_memplan(IrModule *m, PassCtx *ctx) {
   ranges_free(&R);
   if (!ok) return false;
 
-  for (int i = 0; i < m->nparams; i++) plan->param_bytes += ir_type_bytes(&m->params[i]->type);
+  for (int i = 0; i < m->nparams; i++) {
+    plan->param_bytes += ir_type_bytes(&m->params[i]->type);
+    if (!ir_attr_int(m->params[i]->attrs, m->params[i]->nattrs, "frozen", 0))
+      plan->grad_bytes += ir_type_bytes(&m->params[i]->type);
+  }
   if (ir_mod_int(m, "microbatches", 1) > 1)
-    plan->accum_bytes = plan->param_bytes;
+    plan->accum_bytes = plan->grad_bytes;
   else
     for (int i = 0; i < m->nparams; i++)
       if (ir_attr_int(m->params[i]->attrs, m->params[i]->nattrs, "pp_tied", 0))

@@ -33,7 +33,8 @@ typedef struct PassMemPlan {
   PassMemSlot **copy;        // copy[func index][value id]: the value's bf16 copy (`bf16=1` on its maker), else NONE
   int64_t arena_bytes;       // peak of the activation arena
   int64_t unshared_bytes;    // what the activations would take without reuse
-  int64_t param_bytes;       // parameters (and as much again for gradients)
+  int64_t param_bytes;       // parameters
+  int64_t grad_bytes;        // gradients: of the parameters not frozen (all but a LoRA model's base)
   int64_t optimizer_bytes;   // optimizer state
   int64_t param16_bytes;     // dtype bf16 (the CUDA target): the parameters' bf16 copy (P16)
   // Microbatches: a second gradient buffer (the later microbatches' local gradients); pipeline

@@ -492,6 +492,7 @@ static void plant_error(const RtModel *m, float *grad, bool stages) {
   if (!plant || !*plant || m->nparams == 0)
     return;
   const RtParam *p = &m->params[m->nparams - 1];
+  for (int i = m->nparams - 1; i > 0 && p->frozen; i--) p = &m->params[i - 1];   // the last one trained
   float factor = 1.2f;
   if (strcmp(plant, "1") != 0) {
     p = NULL;
@@ -553,7 +554,7 @@ static void first_step(RtTrainer *tr, RtReport *rep0, uint64_t *hash0) {
 
 // Every parameter of every stage in order (a tied table once, at its first stage), each checked
 // collectively: nchecked, nbalance. False when an upload failed.
-static bool check_all(RtTrainer *tr, Check *cx, int *nchecked, int *nbalance) {
+static bool check_all(RtTrainer *tr, Check *cx, int *nchecked, int *nbalance, int *nfrozen) {
   int stages = tr->ranks.stages > 1 ? tr->ranks.stages : 1;
   bool root = rt_is_root(tr);
   for (int s = 0; s < stages; s++) {
@@ -566,7 +567,11 @@ static bool check_all(RtTrainer *tr, Check *cx, int *nchecked, int *nbalance) {
       RtParam view;
       const RtParam *p = stages > 1 ? view_of(tr, q, &view) : q;
       cx->counts = stages == 1 || s == tr->ranks.stage;
-      if (q->balance && selected(tr->opt.check_grad_only, q->name)) {
+      if (q->frozen && selected(tr->opt.check_grad_only, q->name)) {
+        if (root)
+          printf("%-*s  frozen (a base weight of the LoRA model: no gradient): not checked\n", cx->width, q->name);
+        (*nfrozen)++;
+      } else if (q->balance && selected(tr->opt.check_grad_only, q->name)) {
         // its "gradient" is the load imbalance (opt.balance), not a derivative of the loss
         if (root)
           printf("%-*s  not trained by its gradient (balance bias): not checked\n", cx->width, q->name);
@@ -587,12 +592,13 @@ int rt_check_grad(RtTrainer *tr) {
   RtReport rep0;
   Check cx = {.width = 9};
   first_step(tr, &rep0, &cx.hash0);
-  float *grad = rt_alloc(m->param_floats * sizeof(float), "the gradients of --check-grad");
+  size_t gfloats = rt_grad_floats(m) ? rt_grad_floats(m) : 1;
+  float *grad = rt_alloc(gfloats * sizeof(float), "the gradients of --check-grad");
   if (rt_device_get(tr, RT_DEVICE_GRADS) != 0) {
     free(grad);
     return -1;
   }
-  memcpy(grad, st->grads, m->param_floats * sizeof(float));
+  memcpy(grad, st->grads, rt_grad_floats(m) * sizeof(float));
   rt_shard_gather_grads(tr->comm, m, grad);
   plant_error(m, grad, tr->ranks.stages > 1);
   cx.grad = grad;
@@ -605,7 +611,7 @@ int rt_check_grad(RtTrainer *tr) {
     const RtParam *p = &m->params[i];
     bool owner = rt_shard_owner(p, &tr->ranks);
     norms[i] = 0;
-    for (int64_t j = 0; j < p->numel && !p->balance; j++) {
+    for (int64_t j = 0; j < p->numel && !p->balance && !p->frozen; j++) {
       double g = grad[p->offset + j];
       max_g = fmax(max_g, fabs(g));
       norms[i] += owner ? g * g : 0;
@@ -630,9 +636,9 @@ int rt_check_grad(RtTrainer *tr) {
   cx.saved = rt_alloc((size_t)largest * sizeof(float), "the saved parameter of --check-grad");
   if (root)
     print_check_header(tr, rep0.loss, cx.width);
-  int nchecked = 0, nbalance = 0;
+  int nchecked = 0, nbalance = 0, nfrozen = 0;
   // an upload of the perturbed parameters failed (all ranks agree)
-  bool device_failed = !check_all(tr, &cx, &nchecked, &nbalance);
+  bool device_failed = !check_all(tr, &cx, &nchecked, &nbalance, &nfrozen);
   free(grad);
   free(cx.saved);
   // Leave the step's state as the unperturbed forward left it.
@@ -642,8 +648,11 @@ int rt_check_grad(RtTrainer *tr) {
   int resolved = nchecked - cx.params_failed - cx.params_unresolved - cx.params_zero - cx.params_skipped;
   bool ok = cx.params_failed == 0 && resolved > 0;
   if (root) {
-    if (nchecked + nbalance == 0)
+    if (nchecked + nbalance + nfrozen == 0)
       printf("# --check-grad=%s names no parameter of %s\n", tr->opt.check_grad_only, m->name);
+    if (nfrozen > 0)
+      printf("# %d frozen parameter%s not checked (the base weights of a LoRA model take no gradient)\n", nfrozen,
+             nfrozen == 1 ? "" : "s");
     if (nbalance > 0)
       printf("# %d correction bias%s of aux-loss-free balancing not checked (moved by the sign of the load, not by a "
              "gradient)\n", nbalance, nbalance == 1 ? "" : "es");

@@ -137,8 +137,8 @@ int rt_dump_step(RtTrainer *tr, const RtReport *rep) {
   rt_shard_gather_grads(tr->comm, m, tr->st.grads);   // (the update reads its own rows only)
   for (int i = 0; i < m->nparams; i++) {
     const RtParam *p = &m->params[i];
-    if (tr->pp_skip && tr->pp_skip[i])   // the earlier stage that holds it too writes it
-      continue;
+    if ((tr->pp_skip && tr->pp_skip[i]) || p->frozen)   // the earlier stage that holds it too writes it;
+      continue;                                           // a frozen one has none
     rt_gather_param(tr->comm, p, r, tr->st.grads + p->offset, whole);
     if (root && status == 0) {
       snprintf(path, len, "%s/grad/%s.npy", dir, p->name);

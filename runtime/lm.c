@@ -106,7 +106,7 @@ double rt_grad_norm(const RtModel *m, const RtRanks *r, RtComm *c, const float *
     int64_t lo, n;
     rt_param_part(c, p, &lo, &n);
     part[i] = 0;
-    if (!p->balance && !(skip && skip[i]))   // a correction bias's "gradient" is its load imbalance
+    if (!p->balance && !p->frozen && !(skip && skip[i]))   // a correction bias's "gradient" is its load imbalance
       sum_squares(grads + p->offset + lo, n, &part[i]);
   }
   double sum = 0;

@@ -78,10 +78,11 @@ static void trainer_destroy(RtTrainer *tr) {
     fclose(tr->st.record);
   rt_streams_destroy(tr->st.streams);
   size_t bytes = (tr->model->param_floats ? tr->model->param_floats : 1) * sizeof(float);
+  size_t gbytes = (rt_grad_floats(tr->model) ? rt_grad_floats(tr->model) : 1) * sizeof(float);
   rt_big_free(tr->st.params, bytes);
-  rt_big_free(tr->st.grads, bytes);
-  rt_big_free(tr->st.opt_m, bytes);
-  rt_big_free(tr->st.opt_v, bytes);
+  rt_big_free(tr->st.grads, gbytes);
+  rt_big_free(tr->st.opt_m, gbytes);
+  rt_big_free(tr->st.opt_v, gbytes);
   if (tr->arenas)
     rt_pipe_destroy(tr);
   rt_big_free(tr->st.arena, tr->arena_bytes);
@@ -104,6 +105,7 @@ static int trainer_create(RtTrainer *tr, const RtModel *model, const RtOptions *
                   .fault = rt_fault_from_env(), .stages = stages, .nstages = nstages};
   tr->elems = model->batch * model->seqlen * model->embed;
   size_t floats = model->param_floats ? model->param_floats : 1;
+  size_t gfloats = rt_grad_floats(model) ? rt_grad_floats(model) : 1;   // the trained parameters'
   size_t arena = (model->arena_bytes + 63) / 64 * 64;
   RtStep *st = &tr->st;
   st->model = model;
@@ -117,9 +119,9 @@ static int trainer_create(RtTrainer *tr, const RtModel *model, const RtOptions *
   st->vocab0 = model->vocab_parallel ? ranks->mp_index * (model->vocab / ranks->mp) : 0;
   // Zeroed blocks of their own mappings (rt_big_alloc): the kernel zeroes them as they are first touched.
   st->params = rt_big_alloc(floats * sizeof(float), "the parameters");
-  st->grads = rt_big_alloc(floats * sizeof(float), "the gradients");
-  st->opt_m = rt_big_alloc(floats * sizeof(float), "the optimizer's first moments");
-  st->opt_v = rt_big_alloc(floats * sizeof(float), "the optimizer's second moments");
+  st->grads = rt_big_alloc(gfloats * sizeof(float), "the gradients");
+  st->opt_m = rt_big_alloc(gfloats * sizeof(float), "the optimizer's first moments");
+  st->opt_v = rt_big_alloc(gfloats * sizeof(float), "the optimizer's second moments");
   // The activations of a device model live on the device.
   tr->arena_bytes = arena ? arena : 64;
   if (!model->device)
@@ -434,6 +436,9 @@ static void print_header(const RtTrainer *tr, int64_t first, int64_t last) {
          "optimizer %s; seed %" PRIu64 "\n", m->name, m->nparams, m->param_floats,
          (long long)m->batch, (long long)m->seqlen, (long long)m->embed,
          optimizer_name(m->opt), m->seed);
+  if (rt_grad_floats(m) < m->param_floats)
+    printf("# trained: %zu floats (%.2f %%), the rest frozen (no gradient, no optimizer state)\n", rt_grad_floats(m),
+           100.0 * (double)rt_grad_floats(m) / (double)m->param_floats);
   if (m->device)
     printf("# device: %s\n", m->device->describe());
   else
@@ -681,10 +686,10 @@ static char *bytes_text(char *buf, size_t n, double bytes) {
 // microbatch in flight, the microbatches' second gradient buffer, the bf16 copy (bytes).
 static double planned_bytes(const RtTrainer *tr) {
   const RtModel *m = tr->model;
-  double param = (double)m->param_floats * sizeof(float);
-  double plan = (double)m->arena_bytes * (tr->slots > 1 ? tr->slots : 1) + param * 2 + (double)m->param16_bytes;
+  double param = (double)m->param_floats * sizeof(float), grad = (double)rt_grad_floats(m) * sizeof(float);
+  double plan = (double)m->arena_bytes * (tr->slots > 1 ? tr->slots : 1) + param + grad + (double)m->param16_bytes;
   if (tr->grad_work)
-    plan += param;
+    plan += grad;
   plan += (double)tr->share_floats * sizeof(float);
   if (m->opt == RT_OPT_ADAMW)
     plan += 2.0 * sizeof(float) * (double)rt_moment_floats(tr->comm, m);
@@ -764,7 +769,7 @@ static int train(RtTrainer *tr) {
   rt_prof_enable(prof.steps != NULL);
   run.progress = !tr->opt.quiet && root && tr->opt.watched;
   if (first <= last && !m->device) {   // what every step writes, first touched by every thread
-    size_t bytes = (m->param_floats ? m->param_floats : 1) * sizeof(float);
+    size_t bytes = (rt_grad_floats(m) ? rt_grad_floats(m) : 1) * sizeof(float);
     rt_big_touch(st->grads, bytes);
     if (st->arena)
       rt_big_touch(st->arena, tr->arena_bytes);

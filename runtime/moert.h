@@ -277,7 +277,7 @@ typedef struct RtDevice {
 // step function ends the job (rt_comm_abort).
 
 // ---- the model description the generated program fills in ----
-typedef enum RtInit { RT_INIT_ZEROS, RT_INIT_ONES, RT_INIT_NORMAL, RT_INIT_CONST } RtInit;
+typedef enum RtInit { RT_INIT_ZEROS, RT_INIT_ONES, RT_INIT_NORMAL, RT_INIT_CONST, RT_INIT_UNIFORM } RtInit;
 typedef enum RtOptKind { RT_OPT_SGD, RT_OPT_ADAMW } RtOptKind;
 typedef enum RtPpSchedule { RT_PP_1F1B, RT_PP_GPIPE } RtPpSchedule;
 
@@ -286,7 +286,8 @@ typedef struct RtParam {
   int rank;
   int64_t dims[4];
   RtInit init;
-  float std;               // RT_INIT_CONST: every element equals std. RT_INIT_NORMAL: N(0, std^2), element i of param p is
+  float std;               // RT_INIT_CONST: every element equals std. RT_INIT_UNIFORM: element i is
+                           // std * (2 rt_uniform(rt_key(k, i)) - 1), k as below. RT_INIT_NORMAL: N(0, std^2), element i of param p is
                            // std * rt_normal(rt_key(rt_key(seed, RT_STREAM_INIT), rt_hash_name(p)), i)
   size_t offset;           // in floats, into RtStep.params / grads / opt_m / opt_v
   int64_t numel;           // of this rank's shard (dims)
@@ -302,6 +303,8 @@ typedef struct RtParam {
   int balance;             // 1: a correction bias (`balance bias`), moved by opt.balance, not trained by a gradient
   int shard;               // 1 + the RtGroup over which its optimizer moments are sharded by rows
                            // of dims[0] (rt_shard_part); 0: every replica holds them whole
+  int frozen;              // 1: no gradient, no optimizer state (a LoRA model's base weights); the
+                           // frozen parameters' offsets follow every trained one's (RtModel.grad_floats)
 } RtParam;
 
 // The elements [*lo, *lo + *n) of parameter p whose moments this rank keeps and updates: its rows
@@ -315,6 +318,7 @@ struct RtModel {
   int nparams;
   const RtParam *params;
   size_t param_floats;            // total floats of all parameters
+  size_t grad_floats;             // the trained ones' (the first; gradients and moments); 0: all
   size_t arena_bytes;             // activation arena from the memory plan
   size_t param16_bytes;           // dtype bf16 (CUDA): the parameters' bf16 copy the plan counts (else 0)
   RtOptKind opt;
@@ -368,6 +372,9 @@ struct RtModel {
   // How moec build chose the layout (`parallel auto;`, --layout), printed at start; NULL: written.
   const char *layout_note;
 };
+// The floats of the gradients and of each optimizer moment: the trained parameters' (offsets
+// [0, grad_floats)); every parameter's when none is frozen.
+static inline size_t rt_grad_floats(const RtModel *m) { return m->grad_floats ? m->grad_floats : m->param_floats; }
 
 #define RT_POOL_MAX_LAYERS 256   // layers with `aux pooled` in one model
 

@@ -66,7 +66,7 @@ int rt_pipe_create(RtTrainer *tr) {
   if (tr->st.layer_stats && (micro_count(m) > 1 || stage_count(m) > 1))
     tr->layer_acc = rt_calloc((size_t)tr->st.max_layer_stats, sizeof *tr->layer_acc, "the layers' statistics");
   if (micro_count(m) > 1 && !m->device) {   // a device sums them in device memory (RtDevice.accumulate)
-    size_t bytes = (m->param_floats ? m->param_floats : 1) * sizeof(float);
+    size_t bytes = (rt_grad_floats(m) ? rt_grad_floats(m) : 1) * sizeof(float);
     tr->grad_work = rt_big_alloc(bytes, "the microbatches' gradients");
   }
   if (tr->nstages > 1)
@@ -88,7 +88,7 @@ void rt_pipe_destroy(RtTrainer *tr) {
   if (tr->share_buf)
     rt_big_free(tr->share_buf, (size_t)tr->share_floats * sizeof(float));
   if (tr->grad_work)
-    rt_big_free(tr->grad_work, (tr->model->param_floats ? tr->model->param_floats : 1) * sizeof(float));
+    rt_big_free(tr->grad_work, (rt_grad_floats(tr->model) ? rt_grad_floats(tr->model) : 1) * sizeof(float));
 }
 
 // Microbatch i's data of step t into the slot's input and target: the rank's samples
@@ -182,7 +182,7 @@ static void backward(RtTrainer *tr, int i, int *done) {
   // the elements no reduction saw get it after (comm.c, the gradient hook).
   // A device does the same with its own buffers (RtDevice.accumulate).
   int M = micro_count(m);
-  int64_t n = (int64_t)m->param_floats;
+  int64_t n = (int64_t)rt_grad_floats(m);
   if (M > 1 && m->device)
     m->device->accumulate(st, *done, M, false);
   else if (M > 1)
@@ -300,7 +300,7 @@ int rt_pipe_step(RtTrainer *tr, int64_t t, RtStep *fwd) {
   if (M > 1 && m->device)
     m->device->accumulate(st, M, M, true);
   else if (M > 1)
-    rt_scale(st->grads, (int64_t)m->param_floats, 1.0f / (float)M);
+    rt_scale(st->grads, (int64_t)rt_grad_floats(m), 1.0f / (float)M);
   return 0;
 }
 

@@ -75,8 +75,8 @@ int64_t rt_moment_floats(const RtComm *c, const RtModel *m) {
   int64_t floats = 0;
   for (int i = 0; i < m->nparams; i++) {
     const RtParam *p = &m->params[i];
-    int64_t kept = p->numel;
-    if (row_sharded(p)) {
+    int64_t kept = p->frozen ? 0 : p->numel;
+    if (kept && row_sharded(p)) {
       int64_t g = rt_comm_size(c, (RtGroup)(p->shard - 1));
       kept = (p->dims[0] + g - 1) / g * (p->numel / p->dims[0]);
     }
@@ -107,7 +107,7 @@ void rt_touch_moments(const RtComm *c, const RtModel *m, float *opt_m, float *op
   for (int i = 0; i < m->nparams; i++)
     sharded |= m->params[i].shard != 0;
   if (!sharded) {
-    size_t bytes = (m->param_floats ? m->param_floats : 1) * sizeof(float);
+    size_t bytes = (rt_grad_floats(m) ? rt_grad_floats(m) : 1) * sizeof(float);
     rt_big_touch(opt_m, bytes);
     rt_big_touch(opt_v, bytes);
     return;
@@ -115,6 +115,7 @@ void rt_touch_moments(const RtComm *c, const RtModel *m, float *opt_m, float *op
   for (int i = 0; i < m->nparams; i++) {
     const RtParam *p = &m->params[i];
     int64_t lo, n;
+    if (p->frozen) continue;
     rt_param_part(c, p, &lo, &n);
     rt_big_touch(opt_m + p->offset + lo, (size_t)n * sizeof(float));
     rt_big_touch(opt_v + p->offset + lo, (size_t)n * sizeof(float));
@@ -124,7 +125,7 @@ void rt_touch_moments(const RtComm *c, const RtModel *m, float *opt_m, float *op
 void rt_shard_gather_grads(RtComm *c, const RtModel *m, float *grads) {
   for (int i = 0; i < m->nparams; i++) {
     const RtParam *p = &m->params[i];
-    if (row_sharded(p))
+    if (row_sharded(p) && !p->frozen)
       rt_shard_gather(c, (RtGroup)(p->shard - 1), grads + p->offset, p->dims[0], p->numel / p->dims[0]);
   }
 }
@@ -165,6 +166,14 @@ void rt_shard_init(const RtParam *p, const RtRanks *r, uint64_t seed, float *w) 
     RT_PARALLEL_FOR_SIMD(p->numel >= RT_PAR_MIN)
     for (int64_t j = 0; j < p->numel; j++)
       w[j] = (float)(p->std * (double)w[j]);   // std * rt_normal(key, global index), rounded once
+    return;
+  }
+  if (p->init == RT_INIT_UNIFORM) {   // within +-std (a LoRA adapter's A: PEFT's kaiming_uniform)
+    RT_PARALLEL_FOR(p->numel >= RT_PAR_MIN / 8)
+    for (int64_t j = 0; j < p->numel; j++) {
+      double u = rt_uniform(rt_key(key, (uint64_t)rt_shard_global_index(p, off, j)));
+      w[j] = (float)((double)p->std * (2 * u - 1));
+    }
     return;
   }
   RT_PARALLEL_FOR(p->numel >= RT_PAR_MIN / 8)
@@ -392,7 +401,7 @@ static int write_shard(const RtComm *c, const char *file, const RtModel *m, cons
     bool owner = rt_shard_owner(p, r);
     if (skip && skip[i])   // an earlier pipeline stage writes it (a tied embedding)
       continue;
-    for (int k = 0; k < per; k++) {
+    for (int k = 0; k < (p->frozen ? 1 : per); k++) {   // a frozen parameter has no moments
       // The owner writes the shard; a sharded moment's rows come from each member that keeps them.
       bool rows = k > 0 && p->shard;
       int64_t off[4], lo, numel;
@@ -522,7 +531,7 @@ static int wants_make(Wants *ws, const RtComm *c, const RtModel *m, const RtRank
   const char *prefix[3] = {"", "opt.m.", "opt.v."};
   for (int i = 0; i < m->nparams; i++) {
     const RtParam *p = &m->params[i];
-    for (int k = 0; k < per; k++) {
+    for (int k = 0; k < (p->frozen ? 1 : per); k++) {   // a frozen parameter has no moments
       Wanted *w = &ws->w[ws->n++];
       int64_t lo;
       w->param = p;
