@@ -344,6 +344,8 @@ bench: deps all $(BUILD)/bench/gate_order $(BUILD)/bench/alltoall $(BUILD)/bench
 	@echo
 	@BUILD=$(BUILD) bash bench/memory.sh
 	@echo
+	@BUILD=$(BUILD) bash bench/lora.sh
+	@echo
 	@BUILD=$(BUILD) bash bench/predict.sh
 	@echo
 	$(BUILD)/bench/sched_bench .

@@ -453,7 +453,7 @@ static void stage_choices(Search *s, CliLayouts *out, int from, int64_t global, 
 // Whether layout l (its stages and microbatches) breaks a rule of the model: the layout's rules at
 // a microbatch's batch (per_dp / microbatches samples), and `aux pooled` on one stage only.
 static bool refusal(FeProgram *p, const CliLayout *l, int64_t per_dp, char *why, size_t n) {
-  FeParallel par = {.dp = l->dp, .mp = l->mp, .ep = l->ep, .esp = l->esp};
+  FeParallel par = {.dp = l->dp, .mp = l->mp, .ep = l->ep, .esp = l->esp, .pp = l->pp > 1 ? l->pp : 1};
   int64_t batch = p->model.batch;
   p->model.batch = per_dp / l->microbatches;
   bool refused = fe_layout_refusal(p, &par, why, n);

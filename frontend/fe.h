@@ -70,11 +70,11 @@ typedef struct FeData {
 } FeData;
 
 // `lora { r R; alpha A; targets q k v o experts shared mlp; dropout 0; }` in the model block
-// (lang/manual.md §7.5): the base weights frozen, low-rank adapters trained on the targets.
+// (lang/manual.md §7.3): the base weights frozen, low-rank adapters trained on the targets.
 typedef struct FeLora {
   SrcLoc loc;
   int64_t r;                 // the adapters' rank
-  double alpha;              // the update's scale is alpha / r (PEFT's lora_alpha; default: r)
+  double alpha;              // the update's scale is alpha / r (PEFT's lora_alpha; default 8, as PEFT's)
   double dropout;            // only 0 (PEFT refuses dropout on expert parameters too)
   SrcLoc dropout_loc, targets_loc;
   // targets: the attention's projections (q k v o), the routed experts' tensors, the shared

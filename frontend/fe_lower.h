@@ -90,9 +90,14 @@ IrValue *fe_op2(FeLower *L, IrOpKind kind, const char *name, IrOperand a, IrOper
 IrParam *fe_param(FeLower *L, const char *suffix, IrType t, const char *init, double value);
 // LoRA (`lora { ... }` in the model block): whether the weight of suffix (attn.wq, mlp.w1, ...) is
 // one of the block's targets, and y + (alpha / r)·(x·A)·B with its adapters A [in, r] and B [r, out]
-// (parameters W.lora_A, W.lora_B; the scale a frozen parameter W.lora_scale [out] of alpha / r).
+// (parameters W.lora_A, W.lora_B; the scale a frozen parameter W.lora_scale [r] of alpha / r,
+// applied to x·A).
 bool fe_lora_target(const FeLower *L, const char *suffix);
 IrValue *fe_lora(FeLower *L, IrValue *x, IrValue *y, const IrParam *w, const char *name);
+// x·W of the experts (expert.matmul) plus, with target `experts`, its per-expert adapters:
+// A [E, in, r], B [E, r, out] (W.lora_A, W.lora_B, split over EP as W is), (x·A)·B scaled by
+// alpha / r (expert.scale of x·A).
+IrValue *fe_expert_linear(FeLower *L, const char *name, IrValue *x, IrParam *w);
 // Every parameter not an adapter frozen (after the whole model is lowered).
 void fe_lora_freeze(FeLower *L);
 // An expert parameter: dimension 0 indexes experts (split over EP ranks), hidden_dim (or -1)

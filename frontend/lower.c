@@ -66,8 +66,13 @@ IrParam *fe_param(FeLower *L, const char *suffix, IrType t, const char *init, do
 
 // ---- LoRA (lang/manual.md) ----
 // PEFT's LoraLayer: result = base(x) + lora_B(lora_A(x)) * (alpha / r); moec's weights are [in,
-// out] (x·W), so A [in, r] and B [r, out] are PEFT's lora_A.weight and lora_B.weight transposed. A
+// out] (x·W), so A [in, r] and B [r, out] are PEFT's lora_A.weight and lora_B.weight transposed.
+// moec scales x·A (r columns) before B rather than the product's out columns: the same sum, a
+// pass over r columns instead of out. A
 // starts as PEFT's default (kaiming_uniform with a = sqrt(5): uniform within 1/sqrt(in)), B zeros.
+static void lora_params(FeLower *L, const IrParam *w, IrType ta, IrType tb, int64_t in, int64_t out, IrParam **a,
+                        IrParam **b, IrParam **s);
+
 bool fe_lora_target(const FeLower *L, const char *suffix) {
   const FeLora *lo = &L->p->model.lora;
   if (!L->p->model.has_lora) return false;
@@ -78,23 +83,45 @@ bool fe_lora_target(const FeLower *L, const char *suffix) {
 }
 
 IrValue *fe_lora(FeLower *L, IrValue *x, IrValue *y, const IrParam *w, const char *name) {
-  const FeLora *lo = &L->p->model.lora;
-  int64_t in = w->type.dim[0], out = w->type.dim[1], r = lo->r;
-  IrParam *a = ir_add_param(L->m, ir_strfmt(L->m, "%s.lora_A", w->name), ir_type2(IR_F32, in, r));
-  IrParam *b = ir_add_param(L->m, ir_strfmt(L->m, "%s.lora_B", w->name), ir_type2(IR_F32, r, out));
-  IrParam *s = ir_add_param(L->m, ir_strfmt(L->m, "%s.lora_scale", w->name), ir_type1(IR_F32, out));
-  ir_attrs_set_str(L->m, a->attrs, &a->nattrs, "init", "uniform");
-  ir_attrs_set_float(a->attrs, &a->nattrs, "std", 1.0 / sqrt((double)in));
-  ir_attrs_set_str(L->m, b->attrs, &b->nattrs, "init", "zeros");
-  ir_attrs_set_str(L->m, s->attrs, &s->nattrs, "init", "const");
-  ir_attrs_set_float(s->attrs, &s->nattrs, "value", lo->alpha / (double)r);
-  for (IrParam *p = a; p; p = p == a ? b : p == b ? s : NULL) {
-    ir_attrs_set_int(p->attrs, &p->nattrs, "lora", 1);
-    if (ir_attrs_get(w->attrs, w->nattrs, "dense")) ir_attrs_set_int(p->attrs, &p->nattrs, "dense", 1);
-  }
+  int64_t in = w->type.dim[0], out = w->type.dim[1], r = L->p->model.lora.r;
+  IrParam *a, *b, *s;
+  lora_params(L, w, ir_type2(IR_F32, in, r), ir_type2(IR_F32, r, out), in, out, &a, &b, &s);
   IrValue *t = fe_op2(L, IR_OP_MATMUL, ir_strfmt(L->m, "%s.lora_a", name), FE_V(x), FE_P(a));
-  IrValue *u = fe_op2(L, IR_OP_MATMUL, ir_strfmt(L->m, "%s.lora_b", name), FE_V(t), FE_P(b));
-  u = fe_op2(L, IR_OP_SCALE, ir_strfmt(L->m, "%s.lora", name), FE_V(u), FE_P(s));
+  t = fe_op2(L, IR_OP_SCALE, ir_strfmt(L->m, "%s.lora_s", name), FE_V(t), FE_P(s));
+  IrValue *u = fe_op2(L, IR_OP_MATMUL, ir_strfmt(L->m, "%s.lora", name), FE_V(t), FE_P(b));
+  return fe_op2(L, IR_OP_ADD, ir_strfmt(L->m, "%s.lora_y", name), FE_V(y), FE_V(u));
+}
+
+// The adapters' parameters of weight w: A (uniform), B (zeros), the frozen scale [out].
+static void lora_params(FeLower *L, const IrParam *w, IrType ta, IrType tb, int64_t in, int64_t out, IrParam **a,
+                        IrParam **b, IrParam **s) {
+  const FeLora *lo = &L->p->model.lora;
+  *a = ir_add_param(L->m, ir_strfmt(L->m, "%s.lora_A", w->name), ta);
+  *b = ir_add_param(L->m, ir_strfmt(L->m, "%s.lora_B", w->name), tb);
+  *s = ir_add_param(L->m, ir_strfmt(L->m, "%s.lora_scale", w->name), ir_type1(IR_F32, lo->r));
+  ir_attrs_set_str(L->m, (*a)->attrs, &(*a)->nattrs, "init", "uniform");
+  ir_attrs_set_float((*a)->attrs, &(*a)->nattrs, "std", 1.0 / sqrt((double)in));
+  ir_attrs_set_str(L->m, (*b)->attrs, &(*b)->nattrs, "init", "zeros");
+  ir_attrs_set_str(L->m, (*s)->attrs, &(*s)->nattrs, "init", "const");
+  ir_attrs_set_float((*s)->attrs, &(*s)->nattrs, "value", lo->alpha / (double)lo->r);
+  IrParam *all[3] = {*a, *b, *s};
+  for (int k = 0; k < 3; k++) {
+    ir_attrs_set_int(all[k]->attrs, &all[k]->nattrs, "lora", 1);
+    if (ir_attrs_get(w->attrs, w->nattrs, "dense")) ir_attrs_set_int(all[k]->attrs, &all[k]->nattrs, "dense", 1);
+    if (k < 2 && ir_attrs_get(w->attrs, w->nattrs, "shard_expert"))
+      ir_attrs_set_int(all[k]->attrs, &all[k]->nattrs, "shard_expert", 0);
+  }
+}
+
+IrValue *fe_expert_linear(FeLower *L, const char *name, IrValue *x, IrParam *w) {
+  IrValue *y = fe_op2(L, IR_OP_EXPERT_MATMUL, name, FE_V(x), FE_P(w));
+  if (!L->p->model.has_lora || !L->p->model.lora.experts) return y;
+  int64_t E = w->type.dim[0], in = w->type.dim[1], out = w->type.dim[2], r = L->p->model.lora.r;
+  IrParam *a, *b, *s;
+  lora_params(L, w, ir_type3(IR_F32, E, in, r), ir_type3(IR_F32, E, r, out), in, out, &a, &b, &s);
+  IrValue *t = fe_op2(L, IR_OP_EXPERT_MATMUL, ir_strfmt(L->m, "%s.lora_a", name), FE_V(x), FE_P(a));
+  t = fe_op2(L, IR_OP_EXPERT_SCALE, ir_strfmt(L->m, "%s.lora_s", name), FE_V(t), FE_P(s));
+  IrValue *u = fe_op2(L, IR_OP_EXPERT_MATMUL, ir_strfmt(L->m, "%s.lora", name), FE_V(t), FE_P(b));
   return fe_op2(L, IR_OP_ADD, ir_strfmt(L->m, "%s.lora_y", name), FE_V(y), FE_V(u));
 }
 
@@ -182,9 +209,10 @@ static void refuse_unsupported(IrDiag *d, const FeProgram *p, const FeTargetCaps
   if (p->model.has_lora && target && !target->lora)
     ir_error_at(d, p->model.lora.loc, "'lora' runs on the CPU target only for now: the %s target keeps a gradient and "
                 "optimizer state for every parameter", target->name);
-  if (p->model.has_lora && (p->model.lora.experts || p->model.lora.shared))
-    ir_error_at(d, p->model.lora.targets_loc, "lora targets 'experts' and 'shared' are not lowered yet: the adapters "
-                "of q k v o and mlp are");
+  for (int i = 0; p->model.has_lora && i < p->nlayers; i++)
+    if (p->layers[i].has_mla && (p->model.lora.q || p->model.lora.k || p->model.lora.v))
+      ir_error_at(d, p->model.lora.targets_loc, "lora targets q, k and v on layer '%s', whose attention is 'mla' "
+                  "(q and kv through low-rank projections): not lowered yet; 'o' and the experts are", p->layers[i].name);
   if (p->model.has_lora && !p->model.has_vocab)
     ir_error_at(d, p->model.lora.loc, "lora needs a language model (vocab): an MoE stack has no dense projections");
   if (target && !target->shard_optimizer && p->model.optimizer.shard)
@@ -287,11 +315,16 @@ static IrValue *shared_expert(FeLower *L, IrValue *x) {
   IrParam *w1 = fe_param(L, "moe.shared.w1", ir_type2(IR_F32, M, Hs), "normal", in_std);
   IrParam *w3 = fe_param(L, "moe.shared.w3", ir_type2(IR_F32, M, Hs), "normal", in_std);
   IrParam *w2 = fe_param(L, "moe.shared.w2", ir_type2(IR_F32, Hs, M), "normal", 1.0 / sqrt((double)Hs));
+  bool lora = L->p->model.has_lora && L->p->model.lora.shared;
   IrValue *h1 = fe_op2(L, IR_OP_MATMUL, "shared.h1", FE_V(x), FE_P(w1));
+  if (lora) h1 = fe_lora(L, x, h1, w1, "shared.h1");
   IrValue *h3 = fe_op2(L, IR_OP_MATMUL, "shared.h3", FE_V(x), FE_P(w3));
+  if (lora) h3 = fe_lora(L, x, h3, w3, "shared.h3");
   IrValue *a = fe_op1(L, IR_OP_ACT_SILU, "shared.act", FE_V(h1));
   IrValue *glu = fe_op2(L, IR_OP_MUL, "shared.glu", FE_V(a), FE_V(h3));
-  IrValue *y = fe_op2(L, IR_OP_MATMUL, moe->shared_gated ? "shared.y" : "shared", FE_V(glu), FE_P(w2));
+  const char *yname = moe->shared_gated ? "shared.y" : "shared";
+  IrValue *y = fe_op2(L, IR_OP_MATMUL, lora ? "shared.y0" : yname, FE_V(glu), FE_P(w2));
+  if (lora) y = fe_lora(L, glu, y, w2, yname);
   if (!moe->shared_gated) return y;
   IrParam *wg = fe_param(L, "moe.shared.gate", ir_type2(IR_F32, M, 1), "normal", in_std);
   IrValue *logit = fe_op2(L, IR_OP_MATMUL, "shared.logit", FE_V(x), FE_P(wg));

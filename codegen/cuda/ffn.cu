@@ -139,6 +139,11 @@ extern "C" __global__ void mk_expert_bias_grad(const float *dy, float *db, int e
   mk_column_sums(dy, NULL, db, e, rows, n);
 }
 
+// ---- mk_expert_scale ----
+extern "C" __global__ void mk_expert_scale(const float *x, const float *w, float *y, int e, int rows, int n) {
+  MK_FOR(i, (i64)e * rows * n) y[i] = x[i] * w[i % n];
+}
+
 // ---- mk_gelu ----
 // The tanh GELU as x * s, s = 1 / (1 + exp(-2u)) = 0.5 (1 + tanh(u)), as rt_gelu computes it
 // (cols, the row width, lets the CPU kernel copy repeated rows; every element is computed here).

@@ -491,6 +491,18 @@ void rt_expert_bias(const float *x, const float *b, float *y, int e, int rows, i
 
 void rt_expert_bias_grad(const float *dy, float *db, int e, int rows, int n) { column_sums(dy, db, e, rows, n); }
 
+// y = x w, w [n] along every row of every expert (a LoRA adapter's alpha / r).
+void rt_expert_scale(const float *x, const float *w, float *y, int e, int rows, int n) {
+  RT_PARALLEL_FOR((int64_t)e * rows * n >= RT_PAR_MIN)
+  for (int64_t r = 0; r < (int64_t)e * rows; r++) {
+    const float *xr = x + r * n;
+    float *yr = y + r * n;
+    RT_SIMD
+    for (int i = 0; i < n; i++)
+      yr[i] = xr[i] * w[i];
+  }
+}
+
 // ---- activations ----
 
 // gelu(x) = 0.5 x (1 + tanh(u)), u = sqrt(2/pi) (x + 0.044715 x^3), computed as the same function

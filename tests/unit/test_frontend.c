@@ -417,6 +417,63 @@ static void test_tree(void **state) {
 }
 
 // Error counts: each independent problem is one error; syntax errors stop at the first.
+// LoRA fine-tuning (lang/manual.md §7.3): `lora { r R; alpha A; targets ...; dropout 0; }` in the
+// model block; alpha defaults to 8 (PEFT's lora_alpha), dropout to 0, a target not written is false.
+static void test_lora(void **state) {
+  static const char *const texts[] = {
+    "model m { batch 2; seqlen 8; embed 16; vocab 32; optimizer adamw { lr 0.001; }\n"
+    "  lora { r 4; alpha 8; targets q v experts; } }\n"
+    "layer a x 2 { attention { heads 2; } moe { experts 4 { ffn gpt { hidden 8; } } gate gshard { k 2; } } }\n",
+    "model m { batch 2; seqlen 8; embed 16; vocab 32; optimizer adamw { lr 0.001; }\n"
+    "  lora { r 16; targets o k shared mlp; dropout 0; } }\n"
+    "layer a { attention { heads 2; } moe { experts 4 { ffn gpt { hidden 8; } } gate gshard;\n"
+    "  shared { ffn mixtral { hidden 8; } } } }\n"
+    "layer b { attention { heads 2; } mlp { ffn mixtral { hidden 8; } } }\n",
+  };
+  for (int t = 0; t < 2; t++) {
+    Capture c;
+    IrSource *src;
+    cap_open(&c);
+    FeProgram *p = load(&c, texts[t], &src);
+    assert_string_equal(cap_text(&c), "");
+    assert_non_null(p);
+    const FeLora *lo = &p->model.lora;
+    assert_true(p->model.has_lora);
+    assert_non_null(lo->loc.src);
+    assert_non_null(lo->targets_loc.src);
+    assert_true(lo->dropout == 0);
+    assert_true(lo->alpha == 8);   // written in the first, the default in the second
+    if (t == 0) {
+      assert_int_equal(lo->r, 4);
+      assert_true(lo->q && lo->v && lo->experts);
+      assert_false(lo->k || lo->o || lo->shared || lo->mlp);
+      assert_null(lo->dropout_loc.src);
+    } else {
+      assert_int_equal(lo->r, 16);
+      assert_true(lo->o && lo->k && lo->shared && lo->mlp);
+      assert_false(lo->q || lo->v || lo->experts);
+      assert_non_null(lo->dropout_loc.src);
+    }
+    fe_program_free(p);
+    ir_source_free(src);
+    cap_close(&c);
+  }
+  // without a lora block: has_lora false and no target
+  Capture c;
+  IrSource *src;
+  cap_open(&c);
+  FeProgram *p = load(&c,
+                      "model m { batch 1; seqlen 8; embed 4; optimizer sgd { lr 0.1; } }\n"
+                      "layer a { moe { experts 2 { ffn gpt { hidden 8; } } gate gshard; } }\n",
+                      &src);
+  assert_non_null(p);
+  assert_false(p->model.has_lora);
+  assert_false(p->model.lora.q || p->model.lora.experts);
+  fe_program_free(p);
+  ir_source_free(src);
+  cap_close(&c);
+}
+
 typedef struct ErrCase {
   const char *text;
   int errors;
@@ -442,6 +499,9 @@ static void test_errors(void **state) {
      "layer a { moe { experts 2 { ffn gpt { act gelu; } } gate gshard; } }\n",
      2, "missing 'hidden' in 'ffn gpt'"},
     {"layer a { moe { experts 2 { ffn gpt { hidden 8; } } gate gshard; } }\n", 1, "missing 'model' block"},
+    {"model m { batch 1; seqlen 8; embed 4; optimizer sgd { lr 0.1; } lora { r 0; alpha 4; dropout 0.1; } }\n"
+     "layer a { moe { experts 2 { ffn gpt { hidden 8; } } gate gshard; } }\n",
+     3, "only dropout 0 is supported"},
   };
   for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++) {
     Capture c;
@@ -482,6 +542,7 @@ int main(void) {
     cmocka_unit_test(test_shared_expert),
     cmocka_unit_test(test_oss_expert),
     cmocka_unit_test(test_tiny_model),
+    cmocka_unit_test(test_lora),
     cmocka_unit_test(test_cluster_files),
     cmocka_unit_test(test_tree),
     cmocka_unit_test(test_errors),

@@ -1,0 +1,180 @@
+#!/usr/bin/env bash
+# LoRA fine-tuning (`lora { r R; alpha A; targets ...; }` in the model block; lang/manual.md):
+# the base weights frozen, adapters trained. One ok/FAIL line per check:
+#   - base: with B = 0 at the start, step 1's loss is the model's without the block, bit for bit
+#     (the adapters add (x·A)·B·alpha/r = 0 exactly); the binary says what it trains and the
+#     memory plan counts gradients and optimizer state for the adapters only;
+#   - frozen: after 6 steps of adamw every frozen tensor of the checkpoint is step 1's, bit for
+#     bit, and every adapter B moved;
+#   - check-grad: on weights whose adapters are non-zero (a checkpoint of 30 steps) every adapter
+#     passes --check-grad and every other parameter is listed as frozen;
+#   - layouts: dp2·ep2 (and with the sharded optimizer) equal one rank on the same global batch
+#     (`groups dp` so the routing groups match): losses to 1e-5 over 8 steps;
+#   - resume: 4 steps, a checkpoint, 4 more equal 8 straight, bit for bit;
+#   - recompute: `recompute layers` with LoRA is the plain LoRA run, bit for bit;
+#   - shared: a shared expert's adapters (targets shared experts) train and pass --check-grad;
+#   - refusals: the CUDA target, a stack without vocab.
+. "$(dirname "$0")/../lib.sh"
+. "$(dirname "$0")/../mpi/common.sh"
+work lm-lora
+MPIRUN="mpirun --allow-run-as-root --oversubscribe"
+export OMP_NUM_THREADS=1
+ADAMW="optimizer adamw { lr 0.01; }"
+LORA="lora { r 4; alpha 8; targets q k v o mlp experts; }"
+
+# model NAME FIELDS PARALLEL BATCH GROUPS: tests/models/grad_lm_gpt.moe with adamw, FIELDS in the
+# model block, the parallel statement, the batch and the gate's routing groups.
+model() {
+  lm_variant gpt "$2" "$3" "" | sed "s/batch 2;/batch $4;/; s/z_loss 0.001; }/z_loss 0.001; groups $5; }/" >"$WORK/$1.moe"
+  "$MOEC" build "$WORK/$1.moe" -v -o "$WORK/$1" >"$WORK/$1.build" 2>&1
+}
+
+# st_tensors FILE: name and sha1 of every tensor of a safetensors file (one rank's checkpoint).
+st_tensors() {
+  /usr/bin/python3 - "$1" <<'PY'
+import hashlib, json, struct, sys
+data = open(sys.argv[1], "rb").read()
+n = struct.unpack("<Q", data[:8])[0]
+head = json.loads(data[8:8 + n])
+for name in sorted(k for k in head if k != "__metadata__"):
+    a, b = head[name]["data_offsets"]
+    print(name, hashlib.sha1(data[8 + n + a:8 + n + b]).hexdigest())
+PY
+}
+
+if model lora "$LORA" "" 2 2 && model base "" "" 2 2; then
+  "$WORK/lora" --steps 2 >"$WORK/lora.out" 2>&1
+  "$WORK/base" --steps 2 >"$WORK/base.out" 2>&1
+  l1=$(step_lines "$WORK/lora.out" | head -n 1 | awk '{print $4}')
+  b1=$(step_lines "$WORK/base.out" | head -n 1 | awk '{print $4}')
+  mem=$(grep '^# memplan: parameters' "$WORK/lora.build")
+  trained=$(grep '^# trained: ' "$WORK/lora.out")
+  # gradients and optimizer state of the adapters only: well under the parameters
+  if [ -n "$l1" ] && [ "$l1" = "$b1" ] && [ -n "$trained" ] &&
+     echo "$mem" | awk '{ for (i = 1; i <= NF; i++) { if ($i == "parameters") p = $(i + 1) * ($(i + 2) == "MiB" ? 1024 : 1)
+                                                      if ($i == "gradients") g = $(i + 1) * ($(i + 2) == "MiB" ? 1024 : 1) }
+                          exit !(g > 0 && g < p / 2) }'; then
+    ok "base: step 1's loss with the adapters (B = 0) is the base model's, $l1; ${trained#\# }; ${mem#\# memplan: }"
+  else
+    bad "base: LoRA at B = 0 against the base model (losses $l1 / $b1)" "$(grep -E '^# (trained|memplan: param)' "$WORK/lora.out" "$WORK/lora.build")"
+  fi
+else
+  bad "base: moec build of the LoRA model" "$(tail -n 5 "$WORK/lora.build" "$WORK/base.build")"
+fi
+
+# ---- frozen ----
+frozen() {
+  (cd "$WORK" && ./lora --steps 1 --save c1 >f1.out 2>&1 && ./lora --steps 6 --save c6 >f6.out 2>&1) ||
+    { bad "frozen: training with checkpoints" "$(tail -n 5 "$WORK/f6.out")"; return; }
+  st_tensors "$WORK/c1.rank0-of-1.safetensors" >"$WORK/t1"
+  st_tensors "$WORK/c6.rank0-of-1.safetensors" >"$WORK/t6"
+  local frozen_same adapters_moved nfrozen nb
+  nfrozen=$(grep -v -e '\.lora_[AB] ' -e '^opt\.' "$WORK/t1" | wc -l)
+  frozen_same=$(join "$WORK/t1" "$WORK/t6" | grep -v -e '\.lora_[AB] ' -e '^opt\.' | awk '$2 == $3' | wc -l)
+  nb=$(grep -v "^opt\." "$WORK/t1" | grep -c "\.lora_B ")
+  adapters_moved=$(join "$WORK/t1" "$WORK/t6" | grep -v "^opt\." | grep "\.lora_B " | awk '$2 != $3' | wc -l)
+  local moments
+  moments=$(grep '^opt\.m\.' "$WORK/t6" | grep -vc '\.lora_[AB] ')
+  if [ "$nfrozen" -gt 10 ] && [ "$frozen_same" = "$nfrozen" ] && [ "$nb" -gt 0 ] && [ "$adapters_moved" = "$nb" ] && [ "$moments" = 0 ]; then
+    ok "frozen: after 6 adamw steps the $nfrozen frozen tensors are step 1's bit for bit, all $nb adapters B moved, the checkpoint has moments of the adapters only"
+  else
+    bad "frozen: $frozen_same of $nfrozen frozen tensors unchanged, $adapters_moved of $nb B moved, $moments frozen moments" "$(head -n 5 "$WORK/t6")"
+  fi
+}
+
+# ---- check-grad on trained adapters ----
+checkgrad() {
+  (cd "$WORK" && ./lora --steps 30 --save c30 >c30.out 2>&1) || { bad "check-grad: 30 steps" "$(tail -n 5 "$WORK/c30.out")"; return; }
+  "$WORK/lora" --weights "$WORK/c30" --check-grad >"$WORK/cg.out" 2>&1
+  local nfr line
+  nfr=$(grep -c ' frozen (a base weight of the LoRA model' "$WORK/cg.out")
+  line=$(grep '^# [0-9]* parameters: ' "$WORK/cg.out")
+  if grep -q '^OK$' "$WORK/cg.out" && echo "$line" | grep -q ' 0 failed, 0 zero, ' && [ "$nfr" -gt 10 ]; then
+    ok "check-grad: trained adapters (30 steps) pass: ${line#\# }; $nfr frozen parameters listed as frozen"
+  else
+    bad "check-grad on trained adapters" "$(tail -n 6 "$WORK/cg.out")"
+  fi
+}
+
+# ---- layouts: dp2·ep2 against one rank ----
+layouts() {
+  model one "$LORA" "" 4 2 && model dp2 "$LORA" "parallel { dp 2; mp 1; ep 2; esp 1; }" 2 1 &&
+    model dp2s "$LORA" "parallel { dp 2; mp 1; ep 2; esp 1; }" 2 1 &&
+    sed -i 's/optimizer adamw { lr 0.01; }/optimizer adamw { lr 0.01; shard true; }/' "$WORK/dp2s.moe" &&
+    "$MOEC" build "$WORK/dp2s.moe" -o "$WORK/dp2s" >"$WORK/dp2s.build" 2>&1 ||
+    { bad "layouts: moec build" "$(tail -n 5 "$WORK"/one.build "$WORK"/dp2.build "$WORK"/dp2s.build)"; return; }
+  "$WORK/one" --steps 8 >"$WORK/one.out" 2>&1
+  $MPIRUN -np 2 "$WORK/dp2" --steps 8 >"$WORK/dp2.out" 2>&1
+  $MPIRUN -np 2 "$WORK/dp2s" --steps 8 >"$WORK/dp2s.out" 2>&1
+  if same_losses "$WORK/one.out" "$WORK/dp2.out" 1e-5 && same_losses "$WORK/one.out" "$WORK/dp2s.out" 1e-5 &&
+     [ "$(losses "$WORK/one.out" | wc -l)" = 8 ]; then
+    ok "layouts: dp2·ep2 and dp2·ep2 with the sharded optimizer equal one rank over 8 steps (losses to 1e-5; step 8: $(losses "$WORK/one.out" | tail -n 1))"
+  else
+    bad "layouts: dp2·ep2 against one rank" "$(paste <(losses "$WORK/one.out") <(losses "$WORK/dp2.out") <(losses "$WORK/dp2s.out"))"
+  fi
+}
+
+# ---- resume ----
+resume() {
+  (cd "$WORK" && ./lora --steps 8 >r8.out 2>&1 && ./lora --steps 4 --save r4 >r4.out 2>&1 &&
+    ./lora --steps 8 --resume r4 >r48.out 2>&1) || { bad "resume: runs" "$(tail -n 5 "$WORK/r48.out")"; return; }
+  if [ "$(step_lines "$WORK/r8.out" | tail -n 4)" = "$(step_lines "$WORK/r48.out")" ] && [ "$(step_lines "$WORK/r48.out" | wc -l)" = 4 ]; then
+    ok "resume: 4 steps, a checkpoint and 4 more equal 8 straight, bit for bit"
+  else
+    bad "resume: steps 5-8" "$(diff <(step_lines "$WORK/r8.out" | tail -n 4) <(step_lines "$WORK/r48.out"))"
+  fi
+}
+
+# ---- recompute ----
+recompute() {
+  model rc "$LORA recompute layers;" "" 2 2 || { bad "recompute: build" "$(tail -n 5 "$WORK/rc.build")"; return; }
+  "$WORK/rc" --steps 5 >"$WORK/rc.out" 2>&1
+  "$WORK/lora" --steps 5 >"$WORK/rl.out" 2>&1
+  if [ -n "$(step_lines "$WORK/rc.out")" ] && [ "$(step_lines "$WORK/rc.out")" = "$(step_lines "$WORK/rl.out")" ]; then
+    ok "recompute: 'recompute layers' with LoRA trains the plain LoRA run's bits over 5 steps"
+  else
+    bad "recompute: recompute layers with LoRA" "$(diff <(step_lines "$WORK/rl.out") <(step_lines "$WORK/rc.out"))"
+  fi
+}
+
+# ---- a shared expert's adapters ----
+shared() {
+  sed "s/optimizer sgd { lr 0.01; }/$ADAMW lora { r 2; alpha 4; targets q o shared experts; }/" \
+    tests/models/grad_lm_shared.moe >"$WORK/sh.moe"
+  "$MOEC" build "$WORK/sh.moe" -o "$WORK/sh" >"$WORK/sh.build" 2>&1 || { bad "shared: build" "$(tail -n 5 "$WORK/sh.build")"; return; }
+  (cd "$WORK" && ./sh --steps 20 --save s20 >s20.out 2>&1) && "$WORK/sh" --weights "$WORK/s20" --check-grad >"$WORK/scg.out" 2>&1
+  local line
+  line=$(grep '^# [0-9]* parameters: ' "$WORK/scg.out")
+  if grep -q '^OK$' "$WORK/scg.out" && grep -q 'shared\.w[123]\.lora_A ' "$WORK/scg.out" && echo "$line" | grep -q ' 0 failed, 0 zero, '; then
+    ok "shared: the shared expert's and the experts' adapters (targets q o shared experts) pass --check-grad after 20 steps: ${line#\# }"
+  else
+    bad "shared: the shared expert's adapters" "$(tail -n 8 "$WORK/scg.out")"
+  fi
+}
+
+# ---- refusals ----
+refusals() {
+  local e1 e2
+  lm_variant gpt "$LORA" "" "" >"$WORK/cu.moe"
+  "$MOEC" build "$WORK/cu.moe" --target cuda -o "$WORK/cu" >"$WORK/cu.err" 2>&1
+  e1=$(grep -o "'lora' runs on the CPU target only.*" "$WORK/cu.err" | head -n 1)
+  
+  sed "s/optimizer adamw { lr 0.003; }/optimizer adamw { lr 0.003; } lora { r 2; targets experts; }/" lang/models/tiny.moe >"$WORK/st.moe"
+  "$MOEC" build "$WORK/st.moe" -o "$WORK/st" >"$WORK/st.err" 2>&1
+  e2=$(grep -o "lora needs a language model.*" "$WORK/st.err" | head -n 1)
+  if [ -n "$e1" ] && [ -n "$e2" ] && [ ! -e "$WORK/cu" ] && [ ! -e "$WORK/st" ]; then
+    ok "refusals: the CUDA target ('$e1') and an MoE stack ('$e2')"
+  else
+    bad "refusals: LoRA on the CUDA target and on a stack" "$(cat "$WORK/cu.err" "$WORK/st.err" | head -n 12)"
+  fi
+}
+
+spawn frozen frozen
+spawn checkgrad checkgrad
+spawn layouts layouts
+spawn resume resume
+spawn recompute recompute
+spawn shared shared
+spawn refusals refusals
+collect frozen checkgrad layouts resume recompute shared refusals
+exit $failed
