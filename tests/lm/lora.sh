@@ -8,11 +8,13 @@
 #     bit, and every adapter B moved;
 #   - check-grad: on weights whose adapters are non-zero (a checkpoint of 30 steps) every adapter
 #     passes --check-grad and every other parameter is listed as frozen;
-#   - layouts: dp2·ep2 (and with the sharded optimizer) equal one rank on the same global batch
+#   - layouts: dp2·ep2 (and with the sharded optimizer), and 2 microbatches (gradient accumulation)
+#     equal one rank on the same global batch
 #     (`groups dp` so the routing groups match): losses to 1e-5 over 8 steps;
 #   - resume: 4 steps, a checkpoint, 4 more equal 8 straight, bit for bit;
 #   - recompute: `recompute layers` with LoRA is the plain LoRA run, bit for bit;
 #   - shared: a shared expert's adapters (targets shared experts) train and pass --check-grad;
+#   - auto: `parallel auto;` chooses a layout the adapters run on (mp 1, pp 1), the others refused;
 #   - refusals: the CUDA target, a stack without vocab.
 . "$(dirname "$0")/../lib.sh"
 . "$(dirname "$0")/../mpi/common.sh"
@@ -103,14 +105,16 @@ layouts() {
     sed -i 's/optimizer adamw { lr 0.01; }/optimizer adamw { lr 0.01; shard true; }/' "$WORK/dp2s.moe" &&
     "$MOEC" build "$WORK/dp2s.moe" -o "$WORK/dp2s" >"$WORK/dp2s.build" 2>&1 ||
     { bad "layouts: moec build" "$(tail -n 5 "$WORK"/one.build "$WORK"/dp2.build "$WORK"/dp2s.build)"; return; }
+  model m2 "$LORA" "parallel { microbatches 2; }" 4 1 || { bad "layouts: moec build (microbatches)" "$(tail -n 5 "$WORK/m2.build")"; return; }
   "$WORK/one" --steps 8 >"$WORK/one.out" 2>&1
+  "$WORK/m2" --steps 8 >"$WORK/m2.out" 2>&1
   $MPIRUN -np 2 "$WORK/dp2" --steps 8 >"$WORK/dp2.out" 2>&1
   $MPIRUN -np 2 "$WORK/dp2s" --steps 8 >"$WORK/dp2s.out" 2>&1
   if same_losses "$WORK/one.out" "$WORK/dp2.out" 1e-5 && same_losses "$WORK/one.out" "$WORK/dp2s.out" 1e-5 &&
-     [ "$(losses "$WORK/one.out" | wc -l)" = 8 ]; then
-    ok "layouts: dp2·ep2 and dp2·ep2 with the sharded optimizer equal one rank over 8 steps (losses to 1e-5; step 8: $(losses "$WORK/one.out" | tail -n 1))"
+     same_losses "$WORK/one.out" "$WORK/m2.out" 1e-5 && [ "$(losses "$WORK/one.out" | wc -l)" = 8 ]; then
+    ok "layouts: dp2·ep2, dp2·ep2 with the sharded optimizer and 2 microbatches on one rank equal one rank over 8 steps (losses to 1e-5; step 8: $(losses "$WORK/one.out" | tail -n 1))"
   else
-    bad "layouts: dp2·ep2 against one rank" "$(paste <(losses "$WORK/one.out") <(losses "$WORK/dp2.out") <(losses "$WORK/dp2s.out"))"
+    bad "layouts: dp2·ep2 and microbatches against one rank" "$(paste <(losses "$WORK/one.out") <(losses "$WORK/dp2.out") <(losses "$WORK/dp2s.out") <(losses "$WORK/m2.out"))"
   fi
 }
 
@@ -152,6 +156,20 @@ shared() {
   fi
 }
 
+# ---- parallel auto ----
+auto() {
+  lm_variant gpt "$LORA" "parallel auto;" "" | sed "s/batch 2;/batch 4;/" >"$WORK/auto.moe"
+  "$MOEC" plan "$WORK/auto.moe" --layouts --cluster lang/clusters/cpu-2core.cluster >"$WORK/auto.out" 2>&1
+  local chosen
+  chosen=$(awk '$NF == "chosen" {print "dp " $2 " mp " $3 " ep " $4 " esp " $5 " pp " $6}' "$WORK/auto.out")
+  if [ -n "$chosen" ] && echo "$chosen" | grep -q ' mp 1 .* pp 1$' &&
+     grep -q 'lora with mp 2: the adapters run on mp 1 and pp 1 only' "$WORK/auto.out"; then
+    ok "auto: parallel auto on 2 x 2 ranks chooses $chosen for a LoRA model, the mp 2 layouts refused with a sentence"
+  else
+    bad "auto: the layout search of a LoRA model" "$(head -n 12 "$WORK/auto.out")"
+  fi
+}
+
 # ---- refusals ----
 refusals() {
   local e1 e2
@@ -175,6 +193,7 @@ spawn layouts layouts
 spawn resume resume
 spawn recompute recompute
 spawn shared shared
+spawn auto auto
 spawn refusals refusals
-collect frozen checkgrad layouts resume recompute shared refusals
+collect frozen checkgrad layouts resume recompute shared auto refusals
 exit $failed
