@@ -1662,11 +1662,6 @@ static void check_lora(Ctx *c, const FeProgram *p) {
                 "has one");
   if (!c->parallel_ok)
     return;
-  if (par->mp > 1) {
-    ir_error_at(c->d, lo->loc, "lora with mp %lld: the adapters are not split over MP yet; use dp, ep and esp",
-                (long long)par->mp);
-    ir_note_at(c->d, kid_loc(pn, "mp", par->loc), "mp %lld given here", (long long)par->mp);
-  }
   if (par->esp > 1 && lo->experts) {
     ir_error_at(c->d, lora_target_at(c, lo, "experts"), "lora target 'experts' with esp %lld: the experts' adapters "
                 "are not split over ESP yet; use esp 1", (long long)par->esp);
@@ -1785,9 +1780,8 @@ bool fe_layout_refusal(const FeProgram *p, const FeParallel *par, char *why, siz
              (long long)m->vocab);
     return true;
   }
-  if (m->has_lora && (par->mp > 1 || par->pp > 1)) {
-    snprintf(why, n, "lora with %s %lld: the adapters run on mp 1 and pp 1 only", par->mp > 1 ? "mp" : "pp",
-             (long long)(par->mp > 1 ? par->mp : par->pp));
+  if (m->has_lora && par->pp > 1) {
+    snprintf(why, n, "lora with pp %lld: the adapters run on pp 1 only", (long long)par->pp);
     return true;
   }
   if (m->has_lora && m->lora.experts && par->esp > 1) {

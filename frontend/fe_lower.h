@@ -93,7 +93,10 @@ IrParam *fe_param(FeLower *L, const char *suffix, IrType t, const char *init, do
 // (parameters W.lora_A, W.lora_B; the scale a frozen parameter W.lora_scale [r] of alpha / r,
 // applied to x·A).
 bool fe_lora_target(const FeLower *L, const char *suffix);
-IrValue *fe_lora(FeLower *L, IrValue *x, IrValue *y, const IrParam *w, const char *name);
+// Under MP (split_a, split_b: the mp_split of A and B, -1 none): W split by rows gives A its rows
+// (x·A a partial sum that parallelize reduces before B), W split by columns gives B its columns
+// (B's input, x·A, read through comm.copy); every rank then adds its part of W's output.
+IrValue *fe_lora(FeLower *L, IrValue *x, IrValue *y, const IrParam *w, const char *name, int split_a, int split_b);
 // x·W of the experts (expert.matmul) plus, with target `experts`, its per-expert adapters:
 // A [E, in, r], B [E, r, out] (W.lora_A, W.lora_B, split over EP as W is), (x·A)·B scaled by
 // alpha / r (expert.scale of x·A).

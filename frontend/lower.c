@@ -82,10 +82,12 @@ bool fe_lora_target(const FeLower *L, const char *suffix) {
   return lo->mlp && strncmp(suffix, "mlp.w", 5) == 0;
 }
 
-IrValue *fe_lora(FeLower *L, IrValue *x, IrValue *y, const IrParam *w, const char *name) {
+IrValue *fe_lora(FeLower *L, IrValue *x, IrValue *y, const IrParam *w, const char *name, int split_a, int split_b) {
   int64_t in = w->type.dim[0], out = w->type.dim[1], r = L->p->model.lora.r;
   IrParam *a, *b, *s;
   lora_params(L, w, ir_type2(IR_F32, in, r), ir_type2(IR_F32, r, out), in, out, &a, &b, &s);
+  if (split_a >= 0) ir_attrs_set_int(a->attrs, &a->nattrs, "mp_split", split_a);
+  if (split_b >= 0) ir_attrs_set_int(b->attrs, &b->nattrs, "mp_split", split_b);
   IrValue *t = fe_op2(L, IR_OP_MATMUL, ir_strfmt(L->m, "%s.lora_a", name), FE_V(x), FE_P(a));
   t = fe_op2(L, IR_OP_SCALE, ir_strfmt(L->m, "%s.lora_s", name), FE_V(t), FE_P(s));
   IrValue *u = fe_op2(L, IR_OP_MATMUL, ir_strfmt(L->m, "%s.lora", name), FE_V(t), FE_P(b));
@@ -317,14 +319,14 @@ static IrValue *shared_expert(FeLower *L, IrValue *x) {
   IrParam *w2 = fe_param(L, "moe.shared.w2", ir_type2(IR_F32, Hs, M), "normal", 1.0 / sqrt((double)Hs));
   bool lora = L->p->model.has_lora && L->p->model.lora.shared;
   IrValue *h1 = fe_op2(L, IR_OP_MATMUL, "shared.h1", FE_V(x), FE_P(w1));
-  if (lora) h1 = fe_lora(L, x, h1, w1, "shared.h1");
+  if (lora) h1 = fe_lora(L, x, h1, w1, "shared.h1", -1, -1);
   IrValue *h3 = fe_op2(L, IR_OP_MATMUL, "shared.h3", FE_V(x), FE_P(w3));
-  if (lora) h3 = fe_lora(L, x, h3, w3, "shared.h3");
+  if (lora) h3 = fe_lora(L, x, h3, w3, "shared.h3", -1, -1);
   IrValue *a = fe_op1(L, IR_OP_ACT_SILU, "shared.act", FE_V(h1));
   IrValue *glu = fe_op2(L, IR_OP_MUL, "shared.glu", FE_V(a), FE_V(h3));
   const char *yname = moe->shared_gated ? "shared.y" : "shared";
   IrValue *y = fe_op2(L, IR_OP_MATMUL, lora ? "shared.y0" : yname, FE_V(glu), FE_P(w2));
-  if (lora) y = fe_lora(L, glu, y, w2, yname);
+  if (lora) y = fe_lora(L, glu, y, w2, yname, -1, -1);
   if (!moe->shared_gated) return y;
   IrParam *wg = fe_param(L, "moe.shared.gate", ir_type2(IR_F32, M, 1), "normal", in_std);
   IrValue *logit = fe_op2(L, IR_OP_MATMUL, "shared.logit", FE_V(x), FE_P(wg));

@@ -64,7 +64,10 @@ static IrValue *linear(FeLower *L, IrValue *x, const char *w, const char *b, int
     if (split == MP_COLUMNS && L->p->parallel.mp > 1) ir_attrs_set_int(pb->attrs, &pb->nattrs, "mp_split", 0);
     y = fe_op2(L, IR_OP_BIAS, ir_strfmt(L->m, "%s.b", name), FE_V(y), FE_P(pb));
   }
-  if (fe_lora_target(L, w)) y = fe_lora(L, x, y, pw, name);
+  if (fe_lora_target(L, w)) {   // under MP: A split as W's rows, B as W's columns (passes/parallelize.c)
+    bool mp = L->p->parallel.mp > 1;
+    y = fe_lora(L, x, y, pw, name, mp && split == MP_ROWS ? 0 : -1, mp && split == MP_COLUMNS ? 1 : -1);
+  }
   return y;
 }
 

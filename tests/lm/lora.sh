@@ -8,13 +8,13 @@
 #     bit, and every adapter B moved;
 #   - check-grad: on weights whose adapters are non-zero (a checkpoint of 30 steps) every adapter
 #     passes --check-grad and every other parameter is listed as frozen;
-#   - layouts: dp2·ep2 (and with the sharded optimizer), and 2 microbatches (gradient accumulation)
-#     equal one rank on the same global batch
+#   - layouts: dp2·ep2 (and with the sharded optimizer), 2 microbatches (gradient accumulation) and
+#     mp2·ep2 (A split as W's rows, B as W's columns) equal one rank on the same global batch
 #     (`groups dp` so the routing groups match): losses to 1e-5 over 8 steps;
 #   - resume: 4 steps, a checkpoint, 4 more equal 8 straight, bit for bit;
 #   - recompute: `recompute layers` with LoRA is the plain LoRA run, bit for bit;
 #   - shared: a shared expert's adapters (targets shared experts) train and pass --check-grad;
-#   - auto: `parallel auto;` chooses a layout the adapters run on (mp 1, pp 1), the others refused;
+#   - auto: `parallel auto;` chooses a layout the adapters run on (pp 1), esp 2 refused;
 #   - refusals: the CUDA target, a stack without vocab.
 . "$(dirname "$0")/../lib.sh"
 . "$(dirname "$0")/../mpi/common.sh"
@@ -105,16 +105,21 @@ layouts() {
     sed -i 's/optimizer adamw { lr 0.01; }/optimizer adamw { lr 0.01; shard true; }/' "$WORK/dp2s.moe" &&
     "$MOEC" build "$WORK/dp2s.moe" -o "$WORK/dp2s" >"$WORK/dp2s.build" 2>&1 ||
     { bad "layouts: moec build" "$(tail -n 5 "$WORK"/one.build "$WORK"/dp2.build "$WORK"/dp2s.build)"; return; }
-  model m2 "$LORA" "parallel { microbatches 2; }" 4 1 || { bad "layouts: moec build (microbatches)" "$(tail -n 5 "$WORK/m2.build")"; return; }
+  model m2 "$LORA" "parallel { microbatches 2; }" 4 1 && model mp2 "$LORA" "parallel { dp 1; mp 2; ep 2; esp 1; }" 2 1 ||
+    { bad "layouts: moec build (microbatches, mp)" "$(tail -n 5 "$WORK/m2.build" "$WORK/mp2.build")"; return; }
+  "$WORK/lora" --steps 8 >"$WORK/two.out" 2>&1   # batch 2, groups 2: mp2's global batch
+  $MPIRUN -np 2 "$WORK/mp2" --steps 8 >"$WORK/mp2.out" 2>&1
+  $MPIRUN -np 2 "$WORK/mp2" --steps 1 --check-grad >"$WORK/mp2cg.out" 2>&1
   "$WORK/one" --steps 8 >"$WORK/one.out" 2>&1
   "$WORK/m2" --steps 8 >"$WORK/m2.out" 2>&1
   $MPIRUN -np 2 "$WORK/dp2" --steps 8 >"$WORK/dp2.out" 2>&1
   $MPIRUN -np 2 "$WORK/dp2s" --steps 8 >"$WORK/dp2s.out" 2>&1
   if same_losses "$WORK/one.out" "$WORK/dp2.out" 1e-5 && same_losses "$WORK/one.out" "$WORK/dp2s.out" 1e-5 &&
-     same_losses "$WORK/one.out" "$WORK/m2.out" 1e-5 && [ "$(losses "$WORK/one.out" | wc -l)" = 8 ]; then
-    ok "layouts: dp2·ep2, dp2·ep2 with the sharded optimizer and 2 microbatches on one rank equal one rank over 8 steps (losses to 1e-5; step 8: $(losses "$WORK/one.out" | tail -n 1))"
+     same_losses "$WORK/one.out" "$WORK/m2.out" 1e-5 && [ "$(losses "$WORK/one.out" | wc -l)" = 8 ] &&
+     same_losses "$WORK/two.out" "$WORK/mp2.out" 1e-5 && grep -q '^OK$' "$WORK/mp2cg.out"; then
+    ok "layouts: dp2·ep2, dp2·ep2 with the sharded optimizer, 2 microbatches on one rank and mp2·ep2 (A split by W's rows, B by W's columns) equal one rank over 8 steps (losses to 1e-5; step 8: $(losses "$WORK/one.out" | tail -n 1)); --check-grad passes on mp2·ep2"
   else
-    bad "layouts: dp2·ep2 and microbatches against one rank" "$(paste <(losses "$WORK/one.out") <(losses "$WORK/dp2.out") <(losses "$WORK/dp2s.out") <(losses "$WORK/m2.out"))"
+    bad "layouts: dp2·ep2, microbatches and mp2·ep2 against one rank" "$(paste <(losses "$WORK/one.out") <(losses "$WORK/dp2.out") <(losses "$WORK/dp2s.out") <(losses "$WORK/m2.out") <(losses "$WORK/two.out") <(losses "$WORK/mp2.out"); tail -n 3 "$WORK/mp2cg.out")"
   fi
 }
 
@@ -162,9 +167,9 @@ auto() {
   "$MOEC" plan "$WORK/auto.moe" --layouts --cluster lang/clusters/cpu-2core.cluster >"$WORK/auto.out" 2>&1
   local chosen
   chosen=$(awk '$NF == "chosen" {print "dp " $2 " mp " $3 " ep " $4 " esp " $5 " pp " $6}' "$WORK/auto.out")
-  if [ -n "$chosen" ] && echo "$chosen" | grep -q ' mp 1 .* pp 1$' &&
-     grep -q 'lora with mp 2: the adapters run on mp 1 and pp 1 only' "$WORK/auto.out"; then
-    ok "auto: parallel auto on 2 x 2 ranks chooses $chosen for a LoRA model, the mp 2 layouts refused with a sentence"
+  if [ -n "$chosen" ] && echo "$chosen" | grep -q ' pp 1$' &&
+     grep -q "lora with esp 2: the experts' adapters are not split over ESP yet" "$WORK/auto.out"; then
+    ok "auto: parallel auto on 2 x 2 ranks chooses $chosen for a LoRA model, the esp 2 layouts refused with a sentence"
   else
     bad "auto: the layout search of a LoRA model" "$(head -n 12 "$WORK/auto.out")"
   fi
