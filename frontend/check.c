@@ -1662,11 +1662,6 @@ static void check_lora(Ctx *c, const FeProgram *p) {
                 "has one");
   if (!c->parallel_ok)
     return;
-  if (par->esp > 1 && lo->experts) {
-    ir_error_at(c->d, lora_target_at(c, lo, "experts"), "lora target 'experts' with esp %lld: the experts' adapters "
-                "are not split over ESP yet; use esp 1", (long long)par->esp);
-    ir_note_at(c->d, kid_loc(pn, "esp", par->loc), "esp %lld given here", (long long)par->esp);
-  }
   if (par->pp > 1) {
     ir_error_at(c->d, lo->loc, "lora with pp %lld: pipeline stages with lora are not supported yet; use pp 1",
                 (long long)par->pp);
@@ -1782,10 +1777,6 @@ bool fe_layout_refusal(const FeProgram *p, const FeParallel *par, char *why, siz
   }
   if (m->has_lora && par->pp > 1) {
     snprintf(why, n, "lora with pp %lld: the adapters run on pp 1 only", (long long)par->pp);
-    return true;
-  }
-  if (m->has_lora && m->lora.experts && par->esp > 1) {
-    snprintf(why, n, "lora with esp %lld: the experts' adapters are not split over ESP yet", (long long)par->esp);
     return true;
   }
   for (int i = 0; i < p->nlayers; i++) {

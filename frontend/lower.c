@@ -113,6 +113,29 @@ static void lora_params(FeLower *L, const IrParam *w, IrType ta, IrType tb, int6
     if (k < 2 && ir_attrs_get(w->attrs, w->nattrs, "shard_expert"))
       ir_attrs_set_int(all[k]->attrs, &all[k]->nattrs, "shard_expert", 0);
   }
+  // ESP splits an expert's hidden units: W's output columns (w1, w3) split B's, its input rows
+  // (w2) split A's; the other adapter is whole on every ESP rank, its gradient summed over ESP.
+  int64_t hidden = ir_attr_int(w->attrs, w->nattrs, "shard_hidden", -1);
+  if (hidden == 2) ir_attrs_set_int((*b)->attrs, &(*b)->nattrs, "shard_hidden", 2);
+  if (hidden == 1) ir_attrs_set_int((*a)->attrs, &(*a)->nattrs, "shard_hidden", 1);
+}
+
+// The experts' w3 (the up projection) shares w1's A and scale: transformers keeps the experts' gate
+// and up projections in one tensor (gate_up_proj) and PEFT's adapter of it has one A; w3 gets
+// its own B (W.lora_B, zeros). NULL: w is no w3 beside an adapted w1.
+static IrParam *shared_gate_a(FeLower *L, const IrParam *w, int64_t r, int64_t out, IrParam **b, IrParam **s) {
+  size_t len = strlen(w->name);
+  if (len < 3 || strcmp(w->name + len - 3, ".w3") != 0) return NULL;
+  IrParam *a = ir_find_param(L->m, ir_strfmt(L->m, "%.*s1.lora_A", (int)len - 1, w->name));
+  *s = ir_find_param(L->m, ir_strfmt(L->m, "%.*s1.lora_scale", (int)len - 1, w->name));
+  if (!a || !*s) return NULL;
+  *b = ir_add_param(L->m, ir_strfmt(L->m, "%s.lora_B", w->name), ir_type3(IR_F32, w->type.dim[0], r, out));
+  ir_attrs_set_str(L->m, (*b)->attrs, &(*b)->nattrs, "init", "zeros");
+  ir_attrs_set_int((*b)->attrs, &(*b)->nattrs, "lora", 1);
+  if (ir_attrs_get(w->attrs, w->nattrs, "shard_expert")) ir_attrs_set_int((*b)->attrs, &(*b)->nattrs, "shard_expert", 0);
+  if (ir_attr_int(w->attrs, w->nattrs, "shard_hidden", -1) == 2)   // ESP: as lora_params does w1's
+    ir_attrs_set_int((*b)->attrs, &(*b)->nattrs, "shard_hidden", 2);
+  return a;
 }
 
 IrValue *fe_expert_linear(FeLower *L, const char *name, IrValue *x, IrParam *w) {
@@ -120,11 +143,15 @@ IrValue *fe_expert_linear(FeLower *L, const char *name, IrValue *x, IrParam *w) 
   if (!L->p->model.has_lora || !L->p->model.lora.experts) return y;
   int64_t E = w->type.dim[0], in = w->type.dim[1], out = w->type.dim[2], r = L->p->model.lora.r;
   IrParam *a, *b, *s;
-  lora_params(L, w, ir_type3(IR_F32, E, in, r), ir_type3(IR_F32, E, r, out), in, out, &a, &b, &s);
+  if (!(a = shared_gate_a(L, w, r, out, &b, &s)))
+    lora_params(L, w, ir_type3(IR_F32, E, in, r), ir_type3(IR_F32, E, r, out), in, out, &a, &b, &s);
   IrValue *t = fe_op2(L, IR_OP_EXPERT_MATMUL, ir_strfmt(L->m, "%s.lora_a", name), FE_V(x), FE_P(a));
-  t = fe_op2(L, IR_OP_EXPERT_SCALE, ir_strfmt(L->m, "%s.lora_s", name), FE_V(t), FE_P(s));
+  t = fe_emit(L, IR_OP_EXPERT_SCALE, ir_strfmt(L->m, "%s.lora_s", name), 2, (IrOperand[]){FE_V(t), FE_P(s)}, 1,
+              (IrAttr[]){FE_I("expert_lora", 1)});
   IrValue *u = fe_op2(L, IR_OP_EXPERT_MATMUL, ir_strfmt(L->m, "%s.lora", name), FE_V(t), FE_P(b));
-  return fe_op2(L, IR_OP_ADD, ir_strfmt(L->m, "%s.lora_y", name), FE_V(y), FE_V(u));
+  // expert_lora: of the expert region (passes/parallelize.c, schedule.c), whose last op it can be
+  return fe_emit(L, IR_OP_ADD, ir_strfmt(L->m, "%s.lora_y", name), 2, (IrOperand[]){FE_V(y), FE_V(u)}, 1,
+                 (IrAttr[]){FE_I("expert_lora", 1)});
 }
 
 void fe_lora_freeze(FeLower *L) {

@@ -73,7 +73,10 @@ static bool is_expert_param(const IrParam *p) {
   return p && ir_attrs_get(p->attrs, p->nattrs, "shard_expert") != NULL;
 }
 
+// (An op of an expert's LoRA adapter, attribute expert_lora, belongs to the expert region too: the
+// adapter's sum with the expert's product can be the region's last op.)
 static bool uses_expert_param(const IrOp *op) {
+  if (ir_op_int(op, "expert_lora", 0)) return true;
   for (int a = 0; a < op->nargs; a++)
     if (is_expert_param(op->args[a].param)) return true;
   return false;

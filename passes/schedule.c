@@ -72,6 +72,7 @@ static bool is_expert_param(const IrParam *p) {
 
 static bool reads_expert_param(const IrOp *op) {
   if (op->kind == IR_OP_PARAM_GRAD) return false;
+  if (ir_op_int(op, "expert_lora", 0)) return true;   // an expert's LoRA adapter (parallelize.c)
   for (int a = 0; a < op->nargs; a++)
     if (is_expert_param(op->args[a].param)) return true;
   return false;

@@ -11,10 +11,12 @@
 #   - layouts: dp2·ep2 (and with the sharded optimizer), 2 microbatches (gradient accumulation) and
 #     mp2·ep2 (A split as W's rows, B as W's columns) equal one rank on the same global batch
 #     (`groups dp` so the routing groups match): losses to 1e-5 over 8 steps;
+#   - esp: a Llama-style model (mixtral experts) on dp2·esp2 and dp2·mp2·ep2·esp2 equals one rank
+#     (B split with W's hidden columns, A with W's hidden rows); --check-grad on 4 ranks;
 #   - resume: 4 steps, a checkpoint, 4 more equal 8 straight, bit for bit;
 #   - recompute: `recompute layers` with LoRA is the plain LoRA run, bit for bit;
 #   - shared: a shared expert's adapters (targets shared experts) train and pass --check-grad;
-#   - auto: `parallel auto;` chooses a layout the adapters run on (pp 1), esp 2 refused;
+#   - auto: `parallel auto;` chooses a layout the adapters run on (pp 1);
 #   - refusals: the CUDA target, a stack without vocab.
 . "$(dirname "$0")/../lib.sh"
 . "$(dirname "$0")/../mpi/common.sh"
@@ -123,6 +125,26 @@ layouts() {
   fi
 }
 
+# ---- ESP: the experts' adapters split with their hidden units (mixtral experts: w1 and w3 share A) ----
+esp() {
+  local L="lora { r 4; alpha 8; targets q v experts; }"
+  mkl() { lm_variant llama "$L" "$2" "" | sed "s/batch 2;/batch $3;/; s/aux_loss 0.01; }/aux_loss 0.01; groups $4; }/" >"$WORK/$1.moe"
+          "$MOEC" build "$WORK/$1.moe" -o "$WORK/$1" >"$WORK/$1.build" 2>&1; }
+  mkl l42 "" 4 2 && mkl l24 "" 2 4 && mkl lesp "parallel { dp 2; mp 1; ep 1; esp 2; }" 2 1 &&
+    mkl lall "parallel { dp 2; mp 2; ep 2; esp 2; }" 1 1 || { bad "esp: moec build" "$(tail -n 3 "$WORK"/l*.build)"; return; }
+  "$WORK/l42" --steps 6 >"$WORK/l42.out" 2>&1
+  "$WORK/l24" --steps 6 >"$WORK/l24.out" 2>&1
+  $MPIRUN -np 2 "$WORK/lesp" --steps 6 >"$WORK/lesp.out" 2>&1
+  $MPIRUN -np 4 "$WORK/lall" --steps 6 >"$WORK/lall.out" 2>&1
+  $MPIRUN -np 4 "$WORK/lall" --steps 1 --check-grad >"$WORK/lallcg.out" 2>&1
+  if same_losses "$WORK/l42.out" "$WORK/lesp.out" 1e-5 && same_losses "$WORK/l24.out" "$WORK/lall.out" 1e-5 &&
+     [ "$(losses "$WORK/lall.out" | wc -l)" = 6 ] && grep -q '^OK$' "$WORK/lallcg.out"; then
+    ok "esp: a Llama-style model's experts' adapters on dp2·esp2 and dp2·mp2·ep2·esp2 equal one rank over 6 steps (losses to 1e-5); --check-grad passes on 4 ranks"
+  else
+    bad "esp: the experts' adapters split over ESP" "$(paste <(losses "$WORK/l42.out") <(losses "$WORK/lesp.out") <(losses "$WORK/l24.out") <(losses "$WORK/lall.out"); tail -n 3 "$WORK/lallcg.out")"
+  fi
+}
+
 # ---- resume ----
 resume() {
   (cd "$WORK" && ./lora --steps 8 >r8.out 2>&1 && ./lora --steps 4 --save r4 >r4.out 2>&1 &&
@@ -167,9 +189,8 @@ auto() {
   "$MOEC" plan "$WORK/auto.moe" --layouts --cluster lang/clusters/cpu-2core.cluster >"$WORK/auto.out" 2>&1
   local chosen
   chosen=$(awk '$NF == "chosen" {print "dp " $2 " mp " $3 " ep " $4 " esp " $5 " pp " $6}' "$WORK/auto.out")
-  if [ -n "$chosen" ] && echo "$chosen" | grep -q ' pp 1$' &&
-     grep -q "lora with esp 2: the experts' adapters are not split over ESP yet" "$WORK/auto.out"; then
-    ok "auto: parallel auto on 2 x 2 ranks chooses $chosen for a LoRA model, the esp 2 layouts refused with a sentence"
+  if [ -n "$chosen" ] && echo "$chosen" | grep -q ' pp 1$' && ! grep -q 'lora with' "$WORK/auto.out"; then
+    ok "auto: parallel auto on 2 x 2 ranks chooses $chosen for a LoRA model, every layout of pp 1 a candidate"
   else
     bad "auto: the layout search of a LoRA model" "$(head -n 12 "$WORK/auto.out")"
   fi
@@ -195,10 +216,11 @@ refusals() {
 spawn frozen frozen
 spawn checkgrad checkgrad
 spawn layouts layouts
+spawn esp esp
 spawn resume resume
 spawn recompute recompute
 spawn shared shared
 spawn auto auto
 spawn refusals refusals
-collect frozen checkgrad layouts resume recompute shared auto refusals
+collect frozen checkgrad layouts esp resume recompute shared auto refusals
 exit $failed
