@@ -71,6 +71,7 @@ typedef struct Host {
   int64_t *param_offset;     // floats, by parameter index
   CgSpelling sp;             // the names of the device buffers (spelling)
   int64_t param_floats;
+  int64_t grad_floats;       // the trained parameters' (the first; a LoRA model's frozen ones follow)
   bool adamw;
   int *kernel_slot;          // the program's kernel table index, by library kernel id (-1 unused)
   char **where;              // what each error site was doing, for op_failed
@@ -993,7 +994,7 @@ static int64_t emit_pipe_layout(const Host *h, FILE *out, int64_t at, int64_t el
   }
   int64_t data = align(elems * 4, 256), arena = align(h->plan->arena_bytes > 0 ? h->plan->arena_bytes : 1, 256);
   int64_t slot_bytes = 2 * data + arena, off_w = at + (h->slots - 1) * slot_bytes;
-  int64_t off_k = off_w + (h->micro > 1 ? align(h->param_floats * 4, 256) : 0);
+  int64_t off_k = off_w + (h->micro > 1 ? align(h->grad_floats * 4, 256) : 0);
   fprintf(out, "/* Microbatches and pipeline stages (runtime/pipeline.c, RtDevice.use_slot and .accumulate): %" PRId64
                " microbatch%s a step,\n"
                "   %" PRId64 " in flight at once, each in a slot of its own: slot 0 is X, T and A; slot i > 0 is the same three\n"
@@ -1040,7 +1041,7 @@ static void emit_acc_finish(Host *h, FILE *out) {
                "static void acc_finish(void) {\n", h->nhooked);
   int64_t at = 0;
   for (int i = 0; i <= h->nhooked; i++) {
-    int64_t lo = i < h->nhooked ? h->hooked[i][0] : h->param_floats;
+    int64_t lo = i < h->nhooked ? h->hooked[i][0] : h->grad_floats;
     if (lo > at)
       fprintf(out, "  launch(%d, RT_STREAM_COMPUTE, %s, %" PRId64 ", 0, (void *[]){PTR(G0 + %" PRId64 "), PTR(W + %" PRId64
                    "), PTR(G0 + %" PRId64 "), I64(%" PRId64 ")});\n",
@@ -1062,8 +1063,8 @@ static void emit_accumulate(Host *h, FILE *out) {
                "  if (micros != MICRO || micro < 0 || micro > micros)\n    op_failed(%d);\n"
                "  if (micro == micros) {   /* the mean */\n", h->w_slot);
   enum { PIECE = 1 << 30 };
-  for (int64_t at = 0; at < h->param_floats; at += PIECE) {
-    int64_t n = h->param_floats - at < PIECE ? h->param_floats - at : PIECE;
+  for (int64_t at = 0; at < h->grad_floats; at += PIECE) {
+    int64_t n = h->grad_floats - at < PIECE ? h->grad_floats - at : PIECE;
     fprintf(out, "    launch(%d, RT_STREAM_COMPUTE, %s, %" PRId64 ", 0, (void *[]){PTR(G0 + %" PRId64 "), PTR(K), PTR(G0 + %" PRId64
                  "), I32(1), I32(%" PRId64 ")});\n",
             h->w_acc, cg_cuda_kernel_name(h->ls, CG_K_SCALE_ROWS), cg_cuda_grid_elems(n), at, at, n);
@@ -1075,10 +1076,10 @@ static void emit_accumulate(Host *h, FILE *out) {
                "    return;\n  }\n"
                "  if (acc_phase == ACC_FIRST)\n    G = G0;\n"
                "  else if (acc_phase == ACC_MIDDLE)\n"
-               "    launch(%d, RT_STREAM_COMPUTE, %s, %" PRId64 ", 0, (void *[]){PTR(W), PTR(G0), PTR(W), I64(PARAM_FLOATS)});\n"
+               "    launch(%d, RT_STREAM_COMPUTE, %s, %" PRId64 ", 0, (void *[]){PTR(W), PTR(G0), PTR(W), I64(GRAD_FLOATS)});\n"
                "  else\n    acc_finish();\n"
                "  acc_phase = ACC_NONE;\n}\n\n",
-          h->w_acc, cg_cuda_kernel_name(h->ls, CG_K_ADD), cg_cuda_grid_elems(h->param_floats));
+          h->w_acc, cg_cuda_kernel_name(h->ls, CG_K_ADD), cg_cuda_grid_elems(h->grad_floats));
 }
 
 // The hooks of microbatches and stages (RtDevice.use_slot, .accumulate, .grads_part).
@@ -1149,8 +1150,9 @@ static void emit_header(Host *h, FILE *out, const char *source_name, const CgCud
   // Device memory, in bytes: parameters, gradients, moments, input, target, activations, statistics.
   int64_t pbytes = align(h->param_floats * 4, 256), elems = ir_mod_int(m, "batch", 1) * ir_mod_int(m, "seqlen", 1) *
                                                                  ir_mod_int(m, "embed", 1);
-  int64_t off_g = pbytes, off_m = off_g + pbytes, off_v = off_m + (h->adamw ? pbytes : 0);
-  int64_t off_x = off_v + (h->adamw ? pbytes : 0), off_t = off_x + align(elems * 4, 256), off_a = off_t + align(elems * 4, 256);
+  int64_t gbytes = align((h->grad_floats > 0 ? h->grad_floats : 1) * 4, 256);   // gradients, each moment
+  int64_t off_g = pbytes, off_m = off_g + gbytes, off_v = off_m + (h->adamw ? gbytes : 0);
+  int64_t off_x = off_v + (h->adamw ? gbytes : 0), off_t = off_x + align(elems * 4, 256), off_a = off_t + align(elems * 4, 256);
   int64_t stage_bytes = h->stage_bytes > 0 ? h->stage_bytes : 8;
   int64_t off_s = off_a + align(h->plan->arena_bytes > 0 ? h->plan->arena_bytes : 1, 256);
   int64_t off_b = off_s + align(stage_bytes, 256);   // dtype bf16: the GEMM operands' scratch B
@@ -1167,9 +1169,9 @@ static void emit_header(Host *h, FILE *out, const char *source_name, const CgCud
   // The output: the last layer's [batch*seqlen, embed], or a language model's logits (a split vocabulary: the rank's)
   int64_t vocab = ir_mod_int(m, "vocab", 0) / (ir_mod_int(m, "vocab_parallel", 0) ? ir_mod_int(m, "mp", 1) : 1);
   int64_t output_floats = vocab > 0 && !h->link ? ir_mod_int(m, "batch", 1) * ir_mod_int(m, "seqlen", 1) * vocab : elems;
-  const char *names[] = {"PARAM_FLOATS", "ELEMS", "OFF_G", "OFF_M", "OFF_V", "OFF_X", "OFF_T", "OFF_A", "OFF_S",
+  const char *names[] = {"PARAM_FLOATS", "GRAD_FLOATS", "ELEMS", "OFF_G", "OFF_M", "OFF_V", "OFF_X", "OFF_T", "OFF_A", "OFF_S",
                          "DEVICE_BYTES", "STAGE_BYTES", "OUTPUT_FLOATS"};
-  int64_t values[] = {h->param_floats, elems, off_g, off_m, off_v, off_x, off_t, off_a, off_s, total, stage_bytes,
+  int64_t values[] = {h->param_floats, h->grad_floats, elems, off_g, off_m, off_v, off_x, off_t, off_a, off_s, total, stage_bytes,
                       output_floats};
   for (size_t i = 0; i < sizeof values / sizeof *values; i++)
     fprintf(out, "#define %s ((size_t)%" PRId64 ")\n", names[i], values[i]);
@@ -1239,7 +1241,7 @@ static void emit_hooks(Host *h, FILE *out) {
   fprintf(out, "/* ---- the device's hooks (RtDevice, moert.h): runtime/cuda/session.c does the work ---- */\n\n"
                "static const RtCudaProgram program = {\n"
                "  .cubin = cubin, .cubin_arch = CUBIN_ARCH, .ptx = ptx, .kernel_names = kernel_names, .nkernels = KERNEL_COUNT,\n"
-               "  .device_bytes = DEVICE_BYTES, .events = EVENTS, .param_floats = PARAM_FLOATS,\n"
+               "  .device_bytes = DEVICE_BYTES, .events = EVENTS, .param_floats = PARAM_FLOATS, .grad_floats = GRAD_FLOATS,\n"
                "  .off_grads = OFF_G, .off_m = OFF_M, .off_v = OFF_V, .moments = MOMENTS,\n"
                "  .stage_bytes = STAGE_BYTES, .output_floats = OUTPUT_FLOATS, .input_bytes = ELEMS * sizeof(float),\n  .nccl = {");
   int any = 0;
@@ -1364,6 +1366,7 @@ bool cg_emit_cuda_host(IrDiag *d, FILE *out, const IrModule *m, const PassMemPla
     return ir_internal(d, "the CUDA host program needs the kernels' images and their sm_NN architecture");
   Host h = {.d = d, .m = m, .plan = plan, .ok = true, .bf16 = cg_bf16_gemms(m)};
   h.param_offset = cg_param_offsets(m, &h.param_floats);
+  h.grad_floats = cg_grad_floats(m);
   h.sp = spelling(&h);
   h.adamw = strcmp(ir_mod_str(m, "optimizer", "sgd"), "adamw") == 0;
   int64_t dp = ir_mod_int(m, "dp", 1), mp = ir_mod_int(m, "mp", 1);

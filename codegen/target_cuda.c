@@ -173,6 +173,7 @@ const CgTarget cg_target_cuda = {
     .name = "cuda",
     .bf16 = true,
     .shard_optimizer = false,
+    .lora = true,
     .takes_arch = true,
     .probe = cg_gpu_probe,
     .available = cuda_available,

@@ -94,7 +94,7 @@ IrValue *fe_lora(FeLower *L, IrValue *x, IrValue *y, const IrParam *w, const cha
   return fe_op2(L, IR_OP_ADD, ir_strfmt(L->m, "%s.lora_y", name), FE_V(y), FE_V(u));
 }
 
-// The adapters' parameters of weight w: A (uniform), B (zeros), the frozen scale [out].
+// The adapters' parameters of weight w: A (uniform), B (zeros), the frozen scale [r] (alpha / r).
 static void lora_params(FeLower *L, const IrParam *w, IrType ta, IrType tb, int64_t in, int64_t out, IrParam **a,
                         IrParam **b, IrParam **s) {
   const FeLora *lo = &L->p->model.lora;
@@ -236,8 +236,7 @@ static void refuse_unsupported(IrDiag *d, const FeProgram *p, const FeTargetCaps
                 "backend trains in fp32; build with --target cuda, or write 'dtype fp32;'",
                 p->model.dtype);
   if (p->model.has_lora && target && !target->lora)
-    ir_error_at(d, p->model.lora.loc, "'lora' runs on the CPU target only for now: the %s target keeps a gradient and "
-                "optimizer state for every parameter", target->name);
+    ir_error_at(d, p->model.lora.loc, "'lora' does not run on the %s target", target->name);
   for (int i = 0; p->model.has_lora && i < p->nlayers; i++)
     if (p->layers[i].has_mla && (p->model.lora.q || p->model.lora.k || p->model.lora.v))
       ir_error_at(d, p->model.lora.targets_loc, "lora targets q, k and v on layer '%s', whose attention is 'mla' "

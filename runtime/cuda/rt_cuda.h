@@ -173,6 +173,7 @@ typedef struct RtCudaProgram {
   size_t device_bytes;               // the whole block
   int events;
   size_t param_floats;
+  size_t grad_floats;                // the gradients' and each moment's (the trained parameters')
   size_t off_grads, off_m, off_v;    // bytes; the moments only when moments is true
   bool moments;
   size_t stage_bytes;                // the host twin of the program's statistics staging area

@@ -125,11 +125,12 @@ static bool move(RtCudaSession *s, const RtStep *st, unsigned what, bool to_devi
     host[n] = st->opt_v;
     device[n++] = s->device + p->off_v;
   }
-  size_t bytes = p->param_floats * sizeof(float);
   bool ok = true;
-  for (int i = 0; ok && i < n; i++)
+  for (int i = 0; ok && i < n; i++) {
+    size_t bytes = (host[i] == st->params ? p->param_floats : p->grad_floats) * sizeof(float);
     ok = to_device ? rt_cuda_to_device(s->cu, RT_STREAM_COMPUTE, device[i], host[i], bytes)
                    : rt_cuda_to_host(s->cu, RT_STREAM_COMPUTE, host[i], device[i], bytes);
+  }
   return ok;
 }
 

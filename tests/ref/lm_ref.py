@@ -34,6 +34,20 @@ default M/heads):
     w sin, w cos + u sin); scores q.k^T/sqrt(d), causal (key j <= query i; with `window W` also
     j > i - W, transformers' sliding window), softmax, o = p.v, heads concatenated, y = o.Wo
     [H*d, M] (+bo with `bias true` only).
+  LoRA (the model's `lora { r R; alpha A; targets ...; }`, LMModel(lora=dict(r, alpha, targets));
+    frontend/lower.c fe_lora, fe_expert_linear, shared_expert, lower_lm.c linear): each adapted
+    weight W [in, out] (q k v o: attn.wq wk wv wo; mlp: a dense layer's mlp.w1 (w3) w2; shared:
+    moe.shared.w1 w3 w2) gets W.lora_A [in, r], W.lora_B [r, out] and the frozen W.lora_scale [r]
+    (every element alpha/r), and its output x.W (+ b) becomes x.W (+ b) + ((x.A) * s).B; the
+    routed experts' W [E, in, out] (experts: moe.experts.w1 (w3) w2) get A [E, in, r], B [E, r, out]
+    and one s [r], expert e adding ((x_e.A_e) * s).B_e to x_e.W_e (before its bias); the experts' w3
+    has no A and s of its own but w1's (one A for transformers' gate_up_proj, as PEFT adapts it;
+    lora(share_up=False): its own), with its own B. That is x.(W + (A * s).B): the forward uses
+    the merged weight, the backward turns its gradient dW into dA = (dW.B^T) * s (summed over the
+    weights that share A) and dB = (A * s)^T.dW. Only lora_A and lora_B are trained: every other
+    parameter is frozen and has no gradient (LMModel.trained). lora_init gives the binary's initial adapters
+    (A uniform within +-1/sqrt(in) from moert's RNG, B 0, s alpha/r). lora(scale="out") puts s
+    [out] on the product's columns instead (((x.A).B) * s), the same model.
 
     /usr/bin/python3 tests/ref/lm_ref.py --selftest
 """
@@ -47,6 +61,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import moe_ref  # noqa: E402
 
 NOISE_STEP = 1          # the dumped step: the gate noise of step 1
+LORA_TARGETS = ("q", "k", "v", "o", "experts", "shared", "mlp")
 
 
 # ---------------------------------------------------------------- model description
@@ -108,8 +123,25 @@ class LMModel:
     gpt|mixtral, hidden, act, bias)))] -> instances name0, name1, ... per statement."""
 
     def __init__(self, vocab, batch, seqlen, embed, items, position="learned", theta=10000.0,
-                 norm="layernorm", eps=1e-5, tie_embeddings=True, seed=0, interleave=False, yarn=None):
+                 norm="layernorm", eps=1e-5, tie_embeddings=True, seed=0, interleave=False, yarn=None,
+                 lora=None):
         assert position in ("learned", "rope") and norm in ("layernorm", "rmsnorm")
+        # the model's `lora { r R; alpha A; targets ...; }`: dict(r, alpha (default 8), targets,
+        # scale: where the frozen lora_scale (every element alpha/r) multiplies, "r" (default: x.A's
+        # r columns before B, lora_scale [r], as frontend/lower.c fe_lora now lowers it) or "out"
+        # (the product's out columns, lora_scale [out]); the same sum, other shapes and rounding;
+        # share_up: the routed experts' w3 (mixtral, oss) uses w1's lora_A and lora_scale with a
+        # lora_B of its own (default True, as fe_expert_linear lowers it: transformers keeps the
+        # experts' gate and up projections in one gate_up_proj, and PEFT's adapter of it has one A))
+        if lora is not None:
+            lora = dict(lora)
+            lora.setdefault("alpha", 8.0)
+            lora.setdefault("scale", "r")
+            lora.setdefault("share_up", True)
+            lora["targets"] = tuple(lora["targets"])
+            assert lora["r"] >= 1 and set(lora["targets"]) <= set(LORA_TARGETS), lora
+            assert lora["scale"] in ("r", "out"), lora
+        self.lora = lora
         self.V, self.B, self.L, self.M = vocab, batch, seqlen, embed
         self.position, self.theta, self.norm, self.eps = position, float(theta), norm, float(eps)
         # rope on adjacent pairs (DeepSeek); yarn: dict(factor, original, beta_fast, beta_slow,
@@ -131,6 +163,49 @@ class LMModel:
         return sh
 
     def param_shapes(self):
+        """Every parameter, the adapters' (lora_A, lora_B, lora_scale) after the base ones."""
+        sh = self.base_shapes()
+        if self.lora:
+            r = self.lora["r"]
+            for w, expert, owner in self.lora_weights():
+                dims = sh[w]
+                lead, (fan_in, fan_out) = dims[:-2], dims[-2:]
+                if owner == w:
+                    sh[w + ".lora_A"] = lead + (fan_in, r)
+                sh[w + ".lora_B"] = lead + (r, fan_out)
+                if owner == w:
+                    sh[w + ".lora_scale"] = (r,) if self.lora["scale"] == "r" else (fan_out,)
+        return sh
+
+    def lora_weights(self):
+        """[(W, expert, owner)]: the weights the adapters adapt (frontend/lower.c fe_lora_target,
+        fe_expert_linear, shared_expert): q k v o the attention's wq wk wv wo (what a layer
+        has of them; moec takes only o on an mla layer for now), mlp a dense layer's mlp.w1 (w3) w2,
+        shared the shared expert's moe.shared.w1 w3 w2, experts the routed experts'
+        moe.experts.w1 (w3) w2 [E, in, out] (expert True: one adapter per expert); owner: the
+        weight whose lora_A and lora_scale W uses: W, or w1 for the experts' w3 with share_up."""
+        if not self.lora:
+            return []
+        t, base, out = self.lora["targets"], self.base_shapes(), []
+        for ly in self.layers:
+            n = ly.name
+            names = ["%s.attn.w%s" % (n, w) for w in "qkvo" if w in t]
+            names += ["%s.mlp.w%d" % (n, i) for i in (1, 3, 2) if "mlp" in t]
+            names += ["%s.moe.shared.w%d" % (n, i) for i in (1, 3, 2) if "shared" in t]
+            out += [(w, False, w) for w in names if w in base]
+            for i in (1, 3, 2):
+                w = "%s.moe.experts.w%d" % (n, i)
+                if "experts" in t and w in base:
+                    out.append((w, True, w[:-1] + "1" if i == 3 and self.lora["share_up"] else w))
+        return out
+
+    def trained(self, name):
+        """Whether parameter `name` is trained (has a gradient): with lora only the adapters'
+        lora_A and lora_B (frontend/lower.c fe_lora_freeze), else every parameter."""
+        return not self.lora or name.endswith((".lora_A", ".lora_B"))
+
+    def base_shapes(self):
+        """The parameters of the model without its adapters."""
         V, L, M = self.V, self.L, self.M
         sh = {"embed.wte": (V, M)}
         if self.position == "learned":
@@ -499,7 +574,7 @@ def forward(model, params, tokens, want_grads=True, training=True, z_noisy=True,
     dtype float32 computes everything but the MoE layers (moe_ref: float64) in float32: an
     estimate of the rounding a float32 binary sees, not a reference.
     Returns dict(loss, ce, aux, z (unweighted sums over MoE layers), logits [B, L, V],
-    grads {name: array} (want_grads), routing [per MoE layer], stats [per MoE layer],
+    grads {name: array} (want_grads; the trained parameters only: with lora lora_A, lora_B), routing [per MoE layer], stats [per MoE layer],
     margin (moe_ref.cache_margin over the MoE layers: distance of the routing from a tie),
     caches [per layer: dict])."""
     B, L, M, V = model.B, model.L, model.M, model.V
@@ -511,6 +586,20 @@ def forward(model, params, tokens, want_grads=True, training=True, z_noisy=True,
     tgt = tokens[:, 1:].reshape(S)
     P = {n: np.asarray(v, dtype=dtype) for n, v in params.items()}
     ln = model.norm == "layernorm"
+    # LoRA: x.W (+ b) + ((x.A) * s).B = x.(W + (A * s).B) (+ b) for every row x (per expert: W_e,
+    # A_e, B_e; s the frozen lora_scale [r], alpha/r, column-wise; with scale "out": x.W +
+    # ((x.A).B) * s = x.(W + A.(B * s)), s [out]), so each adapted weight takes part as its merged
+    # W + (A * s_r).(B * s_out), the other factor 1; the base weight itself stays as written
+    adapted = model.lora_weights()
+
+    def lora_factors(w, owner):
+        sc = P[owner + ".lora_scale"]
+        a, b = P[owner + ".lora_A"], P[w + ".lora_B"]
+        return (a * sc, b, sc, 1.0) if model.lora["scale"] == "r" else (a, b * sc, 1.0, sc)
+
+    for w, _, owner in adapted:
+        a_s, b_s, _, _ = lora_factors(w, owner)
+        P[w] = P[w] + a_s @ b_s
 
     def norm(prefix, x):
         return norm_forward(model.norm, model.eps, x, P[prefix + ".weight"],
@@ -606,17 +695,51 @@ def forward(model, params, tokens, want_grads=True, training=True, z_noisy=True,
     G["embed.wte"] = dwte
     if model.position == "learned":
         G["embed.wpe"] = dh.reshape(B, L, M).sum(axis=0)
-    assert set(G) == set(model.param_shapes()), set(G) ^ set(model.param_shapes())
+    assert set(G) == set(model.base_shapes()), set(G) ^ set(model.base_shapes())
+    # the adapters from the merged weight's gradient dW = d loss / d(W + (A*s_r).(B*s_out)):
+    # dA = (dW.(B*s_out)^T) * s_r, dB = ((A*s_r)^T.dW) * s_out (per expert for [E, ...] tensors);
+    # a shared A (the experts' w1 and w3) sums both weights' terms
+    for w, _, owner in adapted:
+        a_s, b_s, s_r, s_out = lora_factors(w, owner)
+        G[owner + ".lora_A"] = G.get(owner + ".lora_A", 0.0) + (G[w] @ np.swapaxes(b_s, -1, -2)) * s_r
+        G[w + ".lora_B"] = (np.swapaxes(a_s, -1, -2) @ G[w]) * s_out
+    # frozen parameters (every one but lora_A and lora_B under lora) have no gradient
+    G = {n: g for n, g in G.items() if model.trained(n)}
+    want = {n for n in model.param_shapes() if model.trained(n)}
+    assert set(G) == want, set(G) ^ want
     res["grads"] = G
     return res
 
 
+def lora_init(model, name, shape):
+    """The binary's initial value (float32) of adapter tensor `name` (runtime/shard.c
+    rt_shard_init, frontend/lower.c lora_params): lora_A uniform within +-std, std =
+    (float)(1/sqrt(in)) (in: the adapted weight's input width, shape[-2]), element i (global
+    row-major index) (float)(std * (2 rt_uniform(rt_key(k, i)) - 1)) with k =
+    rt_key(rt_key(seed, RT_STREAM_INIT), rt_hash_name(name)); lora_B zeros; lora_scale
+    (float)(alpha / r)."""
+    if name.endswith(".lora_B"):
+        return np.zeros(shape, dtype=np.float32)
+    if name.endswith(".lora_scale"):
+        return np.full(shape, np.float32(model.lora["alpha"] / model.lora["r"]), dtype=np.float32)
+    assert name.endswith(".lora_A"), name
+    std = float(np.float32(1.0 / math.sqrt(shape[-2])))
+    key = moe_ref.rt_key(moe_ref.rt_key(model.seed, moe_ref.RT_STREAM_INIT), moe_ref.rt_hash_name(name))
+    i = np.arange(int(np.prod(shape)), dtype=np.uint64)
+    h = moe_ref._mix_np(np.uint64(key) ^ moe_ref._mix_np(i))                     # rt_key(key, i)
+    u = ((h >> np.uint64(40)).astype(np.float64) + 0.5) / 16777216.0          # rt_uniform
+    return (std * (2.0 * u - 1.0)).astype(np.float32).reshape(shape)
+
+
 def random_params(model, rng, scale=0.5):
     """Random weights for tests: norm weights around 1, everything else N(0, scale^2)
-    (xmoe's temperature positive)."""
+    (xmoe's temperature positive; lora_scale alpha/r; lora_A and lora_B both random, so that
+    every adapter has a gradient)."""
     out = {}
     for n, sh in model.param_shapes().items():
-        if n.endswith("norm.weight"):
+        if n.endswith(".lora_scale"):
+            out[n] = np.full(sh, model.lora["alpha"] / model.lora["r"])
+        elif n.endswith("norm.weight"):
             out[n] = 1.0 + 0.3 * rng.standard_normal(sh)
         elif n.endswith("gate.temperature"):
             out[n] = np.asarray(0.3 + 0.5 * rng.random())
@@ -684,12 +807,12 @@ def naive_attention(model, ly, p, x):
 
 def fd_check(model, params, tokens, eps=1e-6, rtol=1e-6, floor=1e-3, grads=None, names=None):
     """Central differences of the loss vs the analytic gradients (`grads`, default the
-    backward's) of the tensors `names` (default all). Per tensor: err = max|fd - an| / max(max|an|, floor) over the entries whose
+    backward's) of the tensors `names` (default all the trained ones). Per tensor: err = max|fd - an| / max(max|an|, floor) over the entries whose
     ±eps leaves every routing decision as it was. Returns (rows, worst, skipped, failed)."""
     base = forward(model, params, tokens)
     grads = grads or base["grads"]
     rows, worst, skipped, failed = [], 0.0, 0, []
-    for name in sorted(params) if names is None else names:
+    for name in sorted(n for n in params if model.trained(n)) if names is None else names:
         arr, an = params[name], grads[name]
         fd = np.zeros_like(arr)
         mask = np.ones(arr.shape, dtype=bool)
@@ -825,7 +948,103 @@ SELFTEST_CASES = [
       ("p1", 1, dict(attention=dict(heads=2, bias=False),
                      moe=dict(experts=4, hidden=6, k=1, capacity=1.0, ffn="mixtral",
                               renormalize=True, aux_loss=0.3, aux="pooled")))], "drops"),
+    # LoRA (issue 63; frontend/lower.c): only the adapters lora_A, lora_B are trained (the
+    # finite differences run over them alone), B random (non-zero) so that A has a gradient.
+    # GPT-style with q k v o mlp: the attention's four projections (with their biases: the
+    # adapter adds after the bias), a gpt mlp with biases and a mixtral mlp (w1 w3 w2); the MoE
+    # layer's experts are not adapted (frozen with the rest)
+    ("lora gpt: q k v o mlp, learned layernorm tied, moe + gpt mlp + mixtral mlp",
+     dict(vocab=9, batch=2, seqlen=4, embed=8, position="learned", norm="layernorm", eps=1e-5,
+          tie_embeddings=True, seed=41, lora=dict(r=2, alpha=3.0, targets=("q", "k", "v", "o", "mlp"))),
+     [("block", 1, dict(attention=dict(heads=2),
+                        moe=dict(experts=4, hidden=5, k=2, capacity=1.0, aux_loss=0.05, z_loss=0.01))),
+      ("dense", 1, dict(attention=dict(heads=2, kv_heads=1),
+                        mlp=dict(ffn="gpt", hidden=6, act="gelu", bias=True))),
+      ("tail", 1, dict(attention=dict(heads=2, bias=False), mlp=dict(ffn="mixtral", hidden=6)))], None),
+    # Mixtral-style with q v experts: per-expert adapters A [E, in, r], B [E, r, out] on the
+    # routed experts' w1 w3 w2 (mixtral, k 2 with drops and noise), and on gpt-oss's experts
+    # (before their biases b1 b3 b2)
+    ("lora mixtral: q v experts, rope rmsnorm gqa 4/2, mixtral k2 drops + oss k1",
+     dict(vocab=9, batch=2, seqlen=4, embed=8, position="rope", theta=100.0, norm="rmsnorm",
+          eps=1e-6, tie_embeddings=False, seed=43, lora=dict(r=3, alpha=4.0, targets=("q", "v", "experts"))),
+     [("mx", 1, dict(attention=dict(heads=4, kv_heads=2, bias=False),
+                     moe=dict(experts=4, hidden=5, k=2, capacity=0.5, ffn="mixtral", noise=1.0,
+                              aux_loss=0.05, z_loss=0.01))),
+      ("oss", 1, dict(attention=dict(heads=2, bias=True),
+                      moe=dict(experts=4, hidden=5, k=1, capacity=1.0, ffn="oss", aux_loss=0.05)))],
+     "drops"),
+    # shared experts: the gated shared expert (w1 w3 w2 adapted, then times sigmoid(x.wsg)) and an
+    # ungated one beside gpt experts with biases (experts adapted before b1, b2)
+    ("lora shared: shared experts, gated shared + ungated shared beside gpt bias experts",
+     dict(vocab=9, batch=2, seqlen=4, embed=8, position="rope", theta=100.0, norm="rmsnorm",
+          eps=1e-6, tie_embeddings=False, seed=47, lora=dict(r=2, alpha=5.0, targets=("shared", "experts"))),
+     [("sh", 1, dict(attention=dict(heads=2, bias="qkv"),
+                     moe=dict(experts=4, hidden=5, k=2, capacity=0.75, ffn="mixtral",
+                              renormalize=False, shared_hidden=6, shared_gate=True, noise=1.0,
+                              aux_loss=0.05, z_loss=0.01))),
+      ("gp", 1, dict(attention=dict(heads=2, bias=False),
+                     moe=dict(experts=4, hidden=5, k=1, capacity="*", act="relu", bias=True,
+                              shared_hidden=3, aux_loss=0.05)))], None),
 ]
+LORA_CASES = [i for i, c in enumerate(SELFTEST_CASES) if c[1].get("lora")]
+
+
+def lora_checks(rng):
+    """What the finite differences cannot see: (1) with B = 0 (the binary's start) the LoRA
+    model computes exactly what the base model does on the same base weights, A has a zero
+    gradient and B does not; (2) with B random the adapters move the logits; (3) the
+    gradients are the adapters' only; (4) the two places of the scale (scale "r" and "out")
+    agree; (5) lora_init's A lies within +-1/sqrt(in), spread."""
+    ok = True
+    for ci in LORA_CASES:
+        cname, mkw, items, _ = SELFTEST_CASES[ci]
+        model = LMModel(items=items, **mkw)
+        base_model = LMModel(items=items, **{k: v for k, v in mkw.items() if k != "lora"})
+        params = random_params(model, rng)
+        tokens = random_tokens(model, rng)
+        zero_b = {n: (np.zeros_like(v) if n.endswith(".lora_B") else v) for n, v in params.items()}
+        r0 = forward(model, zero_b, tokens)
+        rb = forward(base_model, {n: v for n, v in params.items() if ".lora_" not in n}, tokens)
+        same = float(np.abs(r0["logits"] - rb["logits"]).max()) + abs(r0["loss"] - rb["loss"])
+        ga = max(float(np.abs(g).max()) for n, g in r0["grads"].items() if n.endswith(".lora_A"))
+        gb = min(float(np.abs(g).max()) for n, g in r0["grads"].items() if n.endswith(".lora_B"))
+        moved = float(np.abs(forward(model, params, tokens, want_grads=False)["logits"]
+                             - rb["logits"]).max())
+        names = sorted(r0["grads"])
+        want = sorted(n for n in model.param_shapes() if n.endswith((".lora_A", ".lora_B")))
+        nw = len(model.lora_weights())
+        na = len({o for _, _, o in model.lora_weights()})
+        good = same <= 1e-12 and ga == 0.0 and gb > 1e-6 and moved > 1e-3 and names == want \
+            and len(want) == nw + na
+        # the scale on x.A's r columns (lora_scale [r]) and on the product's out columns ([out])
+        # is the same model while every element is alpha/r
+        other = "out" if model.lora["scale"] == "r" else "r"
+        omodel = LMModel(items=items, **dict(mkw, lora=dict(mkw["lora"], scale=other)))
+        osh = omodel.param_shapes()
+        oparams = {n: (np.full(osh[n], v.flat[0]) if n.endswith(".lora_scale") else v) for n, v in params.items()}
+        ra, ro = forward(model, params, tokens), forward(omodel, oparams, tokens)
+        forms = max([float(np.abs(ra["logits"] - ro["logits"]).max())]
+                    + [float(np.abs(ra["grads"][n] - ro["grads"][n]).max()) for n in ra["grads"]])
+        good = good and forms <= 1e-12
+        print("# %s: B = 0: logits and loss vs the base model %.1e, max|grad A| %.1e, min over B "
+              "of max|grad B| %.1e; B random moves the logits by %.2e; gradients: %d adapters of %d "
+              "adapted weights, nothing else; lora_scale [r] vs [out]: logits and gradients within "
+              "%.1e %s" % (cname, same, ga, gb, moved, len(names), nw, forms, "ok" if good else "<-- FAIL"))
+        ok = ok and good
+    cname, mkw, items, _ = SELFTEST_CASES[LORA_CASES[1]]
+    model = LMModel(items=items, **mkw)
+    worst = 0.0
+    for w, expert, owner in model.lora_weights():
+        if owner != w:
+            continue
+        shape = model.param_shapes()[w + ".lora_A"]
+        a = lora_init(model, w + ".lora_A", shape).astype(np.float64)
+        bound = 1.0 / math.sqrt(shape[-2])
+        worst = max(worst, float(np.abs(a).max()) / bound)
+        ok = ok and float(np.abs(a).max()) < bound and float(np.abs(a).max()) > 0.5 * bound \
+            and abs(float(a.mean())) < 0.5 * bound and len(np.unique(a)) == a.size
+    print("# lora_init: every A within +-1/sqrt(in) (max|A| %.3f of the bound), distinct values" % worst)
+    return ok
 
 
 def selftest():
@@ -948,6 +1167,7 @@ def selftest():
     print("# gradients without the aux/z terms are caught: %s (err %.2e on %s)"
           % (caught == [gname], rows[0][3], gname))
     ok = ok and caught == [gname]
+    ok = lora_checks(np.random.default_rng(53)) and ok
     print("# worst relative error %.3e (tolerance 1e-6)" % worst_all)
     print("OK" if ok else "FAILED")
     return 0 if ok else 1

@@ -18,6 +18,13 @@ is within 1e-4 of a tie, so float32 and float64 route the same way.
 float64), which checks this harness (names, shapes, files, tolerances) and estimates the rounding
 a float32 binary leaves; it is not a test of moec.
 
+Models with `lora` (LoRA, issue 63) compare the gradients of the trained adapters (lora_A,
+lora_B) only, fail on any grad/ file of a frozen parameter, check the header's `# trained: N
+floats` against the adapters' size, and run `BIN --steps 0 --save C`: the checkpoint's initial
+lora_A must equal lm_ref.lora_init (moert's uniform draw) bit for bit, lora_B be 0 and lora_scale
+alpha/r. The weights file gives lora_A and lora_B random values (both non-zero) and lora_scale
+alpha/r.
+
 Any failure (a build, a run, a tensor out of tolerance) exits 1. Exits 77 when build/moec is
 missing.
 
@@ -47,6 +54,7 @@ B, L, M, V, E, H, SEED = 2, 8, 16, 32, 4, 32, 7
 
 GPT_FFN = dict(experts=E, hidden=H, ffn="gpt", act="gelu")
 MIX_FFN = dict(experts=E, hidden=H, ffn="mixtral")
+OSS_FFN = dict(experts=E, hidden=H, ffn="oss")
 LOSSES = dict(aux_loss=0.01, z_loss=0.001)
 
 # (name, model fields (lm_ref.LMModel keywords; theta / eps only when written), layer items
@@ -179,6 +187,40 @@ CONFIGS = [
       ("full", 1, dict(attention=dict(heads=4, kv_heads=2, bias=True, sinks=True),
                        moe=dict(MIX_FFN, k=2, capacity=0.75, renormalize=True, **LOSSES)))],
      dict(expect="drops")),
+    # LoRA (issue 63): only the adapters lora_A [in, r] and lora_B [r, out] are trained, each
+    # adapted weight's output + ((x.A) * lora_scale).B; every other parameter frozen (no grad/
+    # file). GPT-style with targets q k v o mlp: the four attention projections (after their
+    # biases), a gpt mlp with biases and a mixtral mlp (w1 w3 w2); the MoE layers' experts stay
+    # frozen
+    ("n_lora_gpt", dict(position="learned", norm="layernorm", tie_embeddings=True,
+                        lora=dict(r=2, alpha=6.0, targets=("q", "k", "v", "o", "mlp"))),
+     [("block", 2, dict(attention=dict(heads=2),
+                        moe=dict(GPT_FFN, k=2, capacity=1.0, **LOSSES))),
+      ("dense", 1, dict(attention=dict(heads=2), mlp=dict(ffn="gpt", hidden=H, act="gelu"))),
+      ("tail", 1, dict(attention=dict(heads=4, kv_heads=2, bias=False), mlp=dict(ffn="mixtral", hidden=H)))],
+     {}),
+    # Mixtral-style with targets q v experts (r 3: alpha/r 4/3 is no power of two): per-expert
+    # adapters A [E, in, r], B [E, r, out] on w1 w3 w2 of the routed experts (w3 with w1's A and
+    # scale, its own B: PEFT's one adapter of gate_up_proj), GQA 4/2 without
+    # biases, k 2 with drops and gate noise
+    ("o_lora_mixtral", dict(position="rope", norm="rmsnorm", tie_embeddings=False,
+                            lora=dict(r=3, alpha=4.0, targets=("q", "v", "experts"))),
+     [("block", 2, dict(attention=dict(heads=4, kv_heads=2, bias=False),
+                        moe=dict(MIX_FFN, k=2, capacity=1.0, noise=1.0, **LOSSES)))],
+     dict(expect="drops")),
+    # targets shared experts: Qwen2-MoE's gated shared expert (its w1 w3 w2 adapted, then times
+    # sigmoid(x.wsg)) beside mixtral experts; an ungated shared expert beside gpt experts with
+    # biases (the adapters before b1, b2); gpt-oss's experts (before b1 b3 b2), no shared expert
+    ("p_lora_shared", dict(position="rope", norm="rmsnorm", eps=1e-6, tie_embeddings=False,
+                           lora=dict(r=4, alpha=10.0, targets=("shared", "experts"))),
+     [("qw", 1, dict(attention=dict(heads=4, kv_heads=2, bias="qkv"),
+                     moe=dict(MIX_FFN, k=2, capacity=0.75, renormalize=False, shared_hidden=24,
+                              shared_gate=True, noise=1.0, **LOSSES))),
+      ("ds", 1, dict(attention=dict(heads=2, bias=False),
+                     moe=dict(GPT_FFN, act="relu", k=1, capacity="*", shared_hidden=8, **LOSSES))),
+      ("oss", 1, dict(attention=dict(heads=2, bias=True),
+                      moe=dict(OSS_FFN, k=2, capacity="*", renormalize=True, **LOSSES)))],
+     dict(expect="drops")),
 ]
 
 
@@ -211,7 +253,11 @@ def lm_text(model_name, fields, items):
            "  dtype fp32;", "  batch %d;" % B, "  seqlen %d;" % L, "  embed %d;" % M,
            "  seed %d;" % SEED, "  vocab %d;" % V, "  position %s" % pos, "  norm %s" % norm,
            "  tie_embeddings %s;" % ("true" if fields.get("tie_embeddings", True) else "false"),
-           "  optimizer sgd { lr 0.01; }", "}", ""]
+           "  optimizer sgd { lr 0.01; }"]
+    lo = fields.get("lora")
+    if lo:
+        out.append("  lora { r %d; alpha %r; targets %s; }" % (lo["r"], float(lo["alpha"]), " ".join(lo["targets"])))
+    out += ["}", ""]
     for name, repeat, kw in items:
         at = kw["attention"]
         fields_at = ["heads %d;" % at["heads"]]
@@ -248,10 +294,13 @@ def lm_text(model_name, fields, items):
 
 
 def draw(model, rng):
-    """float32 weights of every parameter (norm weights near 1) and int32 tokens [B, L+1]."""
+    """float32 weights of every parameter (norm weights near 1; lora_A and lora_B random, both
+    non-zero, so that every adapter has a gradient; lora_scale alpha/r) and int32 tokens [B, L+1]."""
     params = {}
     for n, sh in model.param_shapes().items():
-        if n.endswith("norm.weight"):
+        if n.endswith(".lora_scale"):                       # the frozen alpha/r, every element
+            v = np.full(sh, model.lora["alpha"] / model.lora["r"])
+        elif n.endswith("norm.weight"):
             v = 1.0 + 0.2 * rng.standard_normal(sh)
         elif n.endswith("norm.bias"):
             v = 0.1 * rng.standard_normal(sh)
@@ -259,6 +308,8 @@ def draw(model, rng):
             v = np.asarray(0.5 + 0.3 * rng.random())
         elif n.startswith("embed."):
             v = 0.5 * rng.standard_normal(sh)
+        elif n.endswith((".lora_A", ".lora_B")):          # x.A.B*s about half of x.W
+            v = 0.2 * rng.standard_normal(sh)
         else:
             v = 0.3 * rng.standard_normal(sh)
         params[n] = np.asarray(v, dtype=np.float32)
@@ -349,6 +400,57 @@ def check_step_line(rep, cname, stdout, want):
                 rep.fail("%s: step line %s %s, reference %.8f" % (cname, label, m.group(1), ref_v))
 
 
+def check_trained_line(rep, cname, stdout, floats):
+    """The header's `# trained: N floats (P %), the rest frozen` line (runtime/main.c), when
+    printed: N must be the reference's count of lora_A and lora_B values."""
+    m = re.search(r"^# trained: (\d+) floats", stdout, re.M)
+    if m is None:
+        rep.note("%s: no `# trained: N floats` line in the binary's stdout" % cname)
+    elif int(m.group(1)) != floats:
+        rep.fail("%s: the binary trains %s floats, the reference's adapters have %d" % (cname, m.group(1), floats))
+    else:
+        print("  %s trained floats ok (%d, the adapters' lora_A and lora_B)" % (cname, floats))
+
+
+def check_lora_init(rep, cname, model, bin_path, d):
+    """`BIN --steps 0 --save C` writes the initial parameters (nothing trained): every lora_A
+    must equal lm_ref.lora_init's uniform formula bit for bit, every lora_B be 0 and every
+    lora_scale (float)(alpha/r)."""
+    ck = os.path.join(d, "init.ckpt")
+    r = run([bin_path, "--steps", "0", "--save", ck, "--quiet"], cwd=d)
+    shard = ck + ".rank0-of-1.safetensors"
+    if r.returncode != 0 or not os.path.exists(shard):
+        rep.fail("%s: `--steps 0 --save` exited %d, %s:\n%s%s" % (cname, r.returncode, shard, r.stdout, r.stderr))
+        return
+    got, _ = moe_ref.load_safetensors(shard)
+    shapes, counts = model.param_shapes(), {}
+    names = sorted(n for n in shapes if ".lora_" in n)
+    unknown = sorted(n for n in got if ".lora_" in n and n not in shapes)
+    if unknown:
+        rep.fail("%s: init: adapter tensors the reference does not have: %s" % (cname, ", ".join(unknown)))
+    for name in names:
+        part = name.rsplit(".", 1)[1]
+        want = lm_ref.lora_init(model, name, shapes[name])
+        g = got.get(name)
+        if g is None or g.dtype != np.float32 or g.shape != want.shape:
+            rep.fail("%s: init %s: %s, reference float32 %s" % (
+                cname, name, "missing" if g is None else "%s %s" % (g.dtype, g.shape), want.shape))
+            continue
+        differ = g.view(np.uint32) != want.view(np.uint32)
+        if differ.any():
+            i = int(np.argmax(differ.ravel()))
+            rep.fail("%s: init %s: %d of %d values differ (first at %d: %r, reference %r)" % (
+                cname, name, int(differ.sum()), want.size, i, float(g.ravel()[i]), float(want.ravel()[i])))
+            continue
+        counts[part] = counts.get(part, 0) + want.size
+        if part == "lora_A":
+            print("  %s init %s exact (%d values, within +-%.4f)" % (
+                cname, name, want.size, float(np.float32(1 / math.sqrt(shapes[name][-2])))))
+    print("  %s init lora_B zeros ok (%d values), lora_scale %r ok (%d values)" % (
+        cname, counts.get("lora_B", 0), float(np.float32(model.lora["alpha"] / model.lora["r"])),
+        counts.get("lora_scale", 0)))
+
+
 def build(moec, d, tag, src, first):
     moe = os.path.join(d, tag + ".moe")
     open(moe, "w").write(src)
@@ -418,6 +520,8 @@ def run_config(rep, moec, cname, fields, items, opts, tmp, first):
             rep.fail("%s: binary exited %d:\n%s%s" % (cname, r.returncode, r.stdout, r.stderr))
             return
         stdout = r.stdout
+        if model.lora:
+            check_lora_init(rep, cname, model, bin_path, d)
     got_t = load(dump, "tokens.npy")
     if got_t is None or got_t.shape != tokens.shape or not np.array_equal(got_t, tokens):
         rep.fail("%s: dumped tokens.npy %s differ from the input" % (
@@ -427,7 +531,8 @@ def run_config(rep, moec, cname, fields, items, opts, tmp, first):
     rep.row(cname, "logits", load(dump, "logits.npy"), want["logits"])
     rep.row(cname, "loss", load(dump, "loss.npy"), np.float64(want["loss"]))
     rep.row(cname, "ce", load(dump, "ce.npy"), np.float64(want["ce"]))
-    for name in sorted(shapes):
+    trained = {n for n in shapes if model.trained(n)}
+    for name in sorted(trained):
         floor = FLOOR
         qk_norm = any(ly.attn.qk_norm for ly in model.layers if name.startswith(ly.name + "."))
         if name.endswith(".attn.bk") and model.position == "learned" and not qk_norm:
@@ -435,10 +540,20 @@ def run_config(rep, moec, cname, fields, items, opts, tmp, first):
         rep.row(cname, name, load(dump, os.path.join("grad", name + ".npy")), want["grads"][name],
                 floor=floor)
     gdir = os.path.join(dump, "grad")
-    extra = sorted(f[:-4] for f in os.listdir(gdir) if f.endswith(".npy") and f[:-4] not in shapes) \
-        if os.path.isdir(gdir) else []
+    dumped = {f[:-4] for f in os.listdir(gdir) if f.endswith(".npy")} if os.path.isdir(gdir) else set()
+    extra = sorted(dumped - set(shapes))
     if extra:
         rep.fail("%s: unexpected gradient dumps %s" % (cname, extra))
+    frozen = set(shapes) - trained
+    if frozen:      # lora: a frozen parameter has no gradient, so no grad/NAME.npy
+        bad = sorted(dumped & frozen)
+        if bad:
+            rep.fail("%s: grad/ files of frozen parameters: %s" % (cname, ", ".join(bad)))
+        else:
+            print("  %s frozen ok (no grad/ file for any of the %d frozen parameters, %d values; "
+                  "%d trained, %d values)" % (cname, len(frozen), sum(int(np.prod(shapes[n])) for n in frozen),
+                                              len(trained), sum(int(np.prod(shapes[n])) for n in trained)))
+        check_trained_line(rep, cname, stdout, sum(int(np.prod(shapes[n])) for n in trained))
     check_step_line(rep, cname, stdout, want)
     got_loss = load(dump, "loss.npy")
     if got_loss is not None and abs(float(np.ravel(got_loss)[0]) - want["loss"]) > TOL * abs(want["loss"]):
