@@ -22,6 +22,9 @@ typedef struct FeLower {
   int64_t repeat;          // which repeat of its layer item the instance is (`layer x N`: 0..N-1)
   int64_t S, M, E, H, G;   // tokens, model dim, experts, expert hidden, routing groups
   int64_t stage_first, stage_end;   // the layer instances of the stage lowered: [first, end)
+  // The last expert adapter's scaled x·A, its x and A: w3 shares w1's A, so its x·A is w1's
+  IrValue *lora_x, *lora_t;
+  const IrParam *lora_a;
 } FeLower;
 
 // Whether the stage lowered holds the embedding (the first) / the loss (the last).

@@ -145,9 +145,13 @@ IrValue *fe_expert_linear(FeLower *L, const char *name, IrValue *x, IrParam *w) 
   IrParam *a, *b, *s;
   if (!(a = shared_gate_a(L, w, r, out, &b, &s)))
     lora_params(L, w, ir_type3(IR_F32, E, in, r), ir_type3(IR_F32, E, r, out), in, out, &a, &b, &s);
-  IrValue *t = fe_op2(L, IR_OP_EXPERT_MATMUL, ir_strfmt(L->m, "%s.lora_a", name), FE_V(x), FE_P(a));
-  t = fe_emit(L, IR_OP_EXPERT_SCALE, ir_strfmt(L->m, "%s.lora_s", name), 2, (IrOperand[]){FE_V(t), FE_P(s)}, 1,
-              (IrAttr[]){FE_I("expert_lora", 1)});
+  IrValue *t = L->lora_a == a && L->lora_x == x ? L->lora_t : NULL;
+  if (!t) {
+    t = fe_op2(L, IR_OP_EXPERT_MATMUL, ir_strfmt(L->m, "%s.lora_a", name), FE_V(x), FE_P(a));
+    t = fe_emit(L, IR_OP_EXPERT_SCALE, ir_strfmt(L->m, "%s.lora_s", name), 2, (IrOperand[]){FE_V(t), FE_P(s)}, 1,
+                (IrAttr[]){FE_I("expert_lora", 1)});
+    L->lora_x = x, L->lora_t = t, L->lora_a = a;
+  }
   IrValue *u = fe_op2(L, IR_OP_EXPERT_MATMUL, ir_strfmt(L->m, "%s.lora", name), FE_V(t), FE_P(b));
   // expert_lora: of the expert region (passes/parallelize.c, schedule.c), whose last op it can be
   return fe_emit(L, IR_OP_ADD, ir_strfmt(L->m, "%s.lora_y", name), 2, (IrOperand[]){FE_V(y), FE_V(u)}, 1,
