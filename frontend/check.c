@@ -1662,11 +1662,6 @@ static void check_lora(Ctx *c, const FeProgram *p) {
                 "has one");
   if (!c->parallel_ok)
     return;
-  if (par->pp > 1) {
-    ir_error_at(c->d, lo->loc, "lora with pp %lld: pipeline stages with lora are not supported yet; use pp 1",
-                (long long)par->pp);
-    ir_note_at(c->d, kid_loc(pn, "pp", par->loc), "pp %lld given here", (long long)par->pp);
-  }
 }
 
 // Each rule reads only statements that checked cleanly (model_ok, parallel_ok, layer_ok).
@@ -1773,10 +1768,6 @@ bool fe_layout_refusal(const FeProgram *p, const FeParallel *par, char *why, siz
   if (m->vocab_parallel && m->vocab % par->mp != 0) {
     snprintf(why, n, "vocab_parallel: mp %lld does not divide the vocabulary of %lld tokens", (long long)par->mp,
              (long long)m->vocab);
-    return true;
-  }
-  if (m->has_lora && par->pp > 1) {
-    snprintf(why, n, "lora with pp %lld: the adapters run on pp 1 only", (long long)par->pp);
     return true;
   }
   for (int i = 0; i < p->nlayers; i++) {

@@ -212,7 +212,7 @@ static void share_grads(RtTrainer *tr) {
   int s = m->stage;
   for (int i = 0; i < m->nparams; i++) {
     int peer = tr->pp_peer[i];
-    if (peer < 0) continue;
+    if (peer < 0 || m->params[i].frozen) continue;   // (a frozen table has no gradient)
     const RtParam *p = &m->params[i];
     float *g = tr->st.grads + p->offset, *other = (tr->grad_work ? tr->grad_work + p->offset : tr->share_buf);
     int tag = tr->pp_tag[i];
@@ -254,13 +254,13 @@ static void find_shared(RtTrainer *tr) {
                           "this MPI's bound %lld: fewer microbatches", (long long)tag, micro_count(m),
                           m->params[i].name, (long long)bound);
           tr->pp_tag[i] = (int)tag;
-          any = true;
+          any |= !m->params[i].frozen;
         }
     }
   }
   int64_t largest = 0;   // without grad_work, room for the largest one's other part
   for (int i = 0; i < m->nparams; i++)
-    if (tr->pp_peer[i] >= 0 && m->params[i].numel > largest) largest = m->params[i].numel;
+    if (tr->pp_peer[i] >= 0 && !m->params[i].frozen && m->params[i].numel > largest) largest = m->params[i].numel;
   if (any && !tr->grad_work) {
     tr->share_floats = largest;
     tr->share_buf = rt_big_alloc((size_t)largest * sizeof(float), "the shared parameters' gradients");

@@ -13,10 +13,12 @@
 #     (`groups dp` so the routing groups match): losses to 1e-5 over 8 steps;
 #   - esp: a Llama-style model (mixtral experts) on dp2·esp2 and dp2·mp2·ep2·esp2 equals one rank
 #     (B split with W's hidden columns, A with W's hidden rows); --check-grad on 4 ranks;
+#   - stages: pp 2 equals one rank, its checkpoint resumes on one rank, --check-grad through the
+#     stages (the tied embedding frozen on the first and the last);
 #   - resume: 4 steps, a checkpoint, 4 more equal 8 straight, bit for bit;
 #   - recompute: `recompute layers` with LoRA is the plain LoRA run, bit for bit;
 #   - shared: a shared expert's adapters (targets shared experts) train and pass --check-grad;
-#   - auto: `parallel auto;` chooses a layout the adapters run on (pp 1);
+#   - auto: `parallel auto;` chooses among every layout for a LoRA model and builds it;
 #   - cuda: the CUDA program on the fake device trains the CPU program's bits (gradients and
 #     moments of the adapters only on the device too), and with 2 microbatches;
 #   - refusals: q on multi-head latent attention, a stack without vocab.
@@ -147,6 +149,20 @@ esp() {
   fi
 }
 
+# ---- pipeline stages ----
+stages() {
+  model pp2 "$LORA" "parallel { pp 2; }" 2 2 || { bad "stages: moec build" "$(tail -n 5 "$WORK/pp2.build")"; return; }
+  (cd "$WORK" && ./lora --steps 6 >s1.out 2>&1; $MPIRUN -np 2 ./pp2 --steps 6 >s2.out 2>&1
+   $MPIRUN -np 2 ./pp2 --steps 3 --save spp >spp.out 2>&1 && ./lora --steps 6 --resume spp >sres.out 2>&1
+   ./lora --steps 20 --save s20 >s20.out 2>&1 && $MPIRUN -np 2 ./pp2 --weights s20 --check-grad >scg.out 2>&1)
+  if same_losses "$WORK/s1.out" "$WORK/s2.out" 1e-5 && [ "$(losses "$WORK/s2.out" | wc -l)" = 6 ] &&
+     [ "$(losses "$WORK/s1.out" | tail -n 3)" = "$(losses "$WORK/sres.out")" ] && grep -q '^OK$' "$WORK/scg.out"; then
+    ok "stages: pp 2 with LoRA equals one rank over 6 steps (1e-5), its checkpoint resumes on one rank exactly, --check-grad through the stages passes (the tied table frozen on both)"
+  else
+    bad "stages: pp 2 with LoRA" "$(paste <(losses "$WORK/s1.out") <(losses "$WORK/s2.out") <(losses "$WORK/sres.out")); tail -n 3 "$WORK/scg.out")"
+  fi
+}
+
 # ---- resume ----
 resume() {
   (cd "$WORK" && ./lora --steps 8 >r8.out 2>&1 && ./lora --steps 4 --save r4 >r4.out 2>&1 &&
@@ -189,12 +205,13 @@ shared() {
 auto() {
   lm_variant gpt "$LORA" "parallel auto;" "" | sed "s/batch 2;/batch 4;/" >"$WORK/auto.moe"
   "$MOEC" plan "$WORK/auto.moe" --layouts --cluster lang/clusters/cpu-2core.cluster >"$WORK/auto.out" 2>&1
+  "$MOEC" build "$WORK/auto.moe" --cluster lang/clusters/cpu-2core.cluster -o "$WORK/auto" >"$WORK/autob.out" 2>&1
   local chosen
-  chosen=$(awk '$NF == "chosen" {print "dp " $2 " mp " $3 " ep " $4 " esp " $5 " pp " $6}' "$WORK/auto.out")
-  if [ -n "$chosen" ] && echo "$chosen" | grep -q ' pp 1$' && ! grep -q 'lora with' "$WORK/auto.out"; then
-    ok "auto: parallel auto on 2 x 2 ranks chooses $chosen for a LoRA model, every layout of pp 1 a candidate"
+  chosen=$(awk '/ chosen/ {print "dp " $2 " mp " $3 " ep " $4 " esp " $5 " pp " $6 " microbatches " $7}' "$WORK/auto.out")
+  if [ -n "$chosen" ] && ! grep -q 'lora with' "$WORK/auto.out" && [ -x "$WORK/auto" ]; then
+    ok "auto: parallel auto on 2 x 2 ranks chooses $chosen for a LoRA model (every layout a candidate) and builds it"
   else
-    bad "auto: the layout search of a LoRA model" "$(head -n 12 "$WORK/auto.out")"
+    bad "auto: the layout search of a LoRA model" "$(head -n 12 "$WORK/auto.out"; tail -n 3 "$WORK/autob.out")"
   fi
 }
 
@@ -239,11 +256,12 @@ spawn frozen frozen
 spawn checkgrad checkgrad
 spawn layouts layouts
 spawn esp esp
+spawn stages stages
 spawn resume resume
 spawn recompute recompute
 spawn shared shared
 spawn auto auto
 spawn cuda cuda
 spawn refusals refusals
-collect frozen checkgrad layouts esp resume recompute shared auto cuda refusals
+collect frozen checkgrad layouts esp stages resume recompute shared auto cuda refusals
 exit $failed
