@@ -332,7 +332,7 @@ static bool emit_program(IrDiag *d, FILE *out, const IrModule *m, const PassMemP
                          const CgTarget *target, const char *arch, const Cluster *cl, const char *path) {
   CgEmitOptions eo = {.source_name = o->input, .arch = target->takes_arch ? arch : NULL, .verbose = o->verbose,
                       .hf_config = cl->hf.config, .hf_refusal = cl->hf.config ? NULL : cl->hf_why,
-                      .hf_generation = cl->hf.generation, .hf_changes = cl->hf.changes,
+                      .hf_generation = cl->hf.generation, .hf_changes = cl->hf.changes, .hf_adapter = cl->hf.adapter,
                       .layout_note = cl->layout_note[0] ? cl->layout_note : NULL, .program_path = path};
   return target->emit(d, out, m, plan, &eo);
 }

@@ -32,11 +32,17 @@ typedef struct Options {
   const char *dir, *prefix, *name, *optimizer;
   int64_t batch, seqlen;
   double lr;
+  int64_t lora;                // --lora R: the model's lora block of rank R (0: none)
+  double lora_alpha;           // --lora-alpha (default 8, PEFT's)
+  const char *lora_targets;    // --lora-targets LIST (NULL: the default)
+  bool alpha_given;
+  char lora_line[160];         // the block as written into the .moe ("" without --lora)
 } Options;
 
 void cli_import_hf_usage(FILE *out) {
   fprintf(out,
           "usage: moec import-hf DIR -o PREFIX [--name NAME] [--batch B] [--seqlen L] [--optimizer sgd|adamw] [--lr X]\n"
+          "                 [--lora R [--lora-alpha A] [--lora-targets LIST]]\n"
           "\n"
           "Reads the Hugging Face checkpoint in DIR (config.json; model.safetensors or model.safetensors.index.json\n"
           "with its shards; F32, BF16, F16 or F64 tensors) and writes PREFIX.moe (the architecture as a moec\n"
@@ -49,7 +55,12 @@ void cli_import_hf_usage(FILE *out) {
           "  --batch B         samples per data-parallel rank (default 4)\n"
           "  --seqlen L        tokens per sample (default min(128, max_position_embeddings))\n"
           "  --optimizer O     sgd or adamw (default adamw)\n"
-          "  --lr X            learning rate (default 1e-05)\n");
+          "  --lr X            learning rate (default 1e-05)\n"
+          "  --lora R          LoRA fine-tuning: the .moe gets 'lora { r R; alpha A; targets ...; }' (the\n"
+          "                    weights frozen, adapters trained); --export-hf then writes a PEFT adapter\n"
+          "  --lora-alpha A    the adapters' scale is A/r (default 8, PEFT's)\n"
+          "  --lora-targets L  what gets adapters, words of q k v o experts shared mlp with commas or\n"
+          "                    spaces (default: q,k,v,o,experts; with DeepSeek's latent attention o,experts)\n");
 }
 
 static int fail(const char *fmt, ...) __attribute__((format(printf, 1, 2)));
@@ -86,7 +97,7 @@ static bool opt_real(const CliArgs *a, const char *opt, const char *value, void 
 }
 
 static bool parse_options(int argc, char **argv, Options *o) {
-  *o = (Options){.optimizer = "adamw", .batch = 4, .lr = 1e-5};
+  *o = (Options){.optimizer = "adamw", .batch = 4, .lr = 1e-5, .lora_alpha = -1};
   const CliOpt opts[] = {
       {"-o", NULL, false, &o->prefix},
       {"--name", NULL, false, &o->name},
@@ -94,6 +105,9 @@ static bool parse_options(int argc, char **argv, Options *o) {
       {"--batch", NULL, false, &o->batch, opt_count},
       {"--seqlen", NULL, false, &o->seqlen, opt_count},
       {"--lr", NULL, false, &o->lr, opt_real},
+      {"--lora", NULL, false, &o->lora, opt_count},
+      {"--lora-alpha", NULL, false, &o->lora_alpha, opt_real},
+      {"--lora-targets", NULL, false, &o->lora_targets},
   };
   CliArgs args = {.prefix = "moec import-hf: error: ", .needs_value = "%s needs a value",
                   .positional = &o->dir, .second = "one checkpoint folder only", .opts = opts,
@@ -108,6 +122,13 @@ static bool parse_options(int argc, char **argv, Options *o) {
     fprintf(stderr, "moec import-hf: error: --optimizer takes sgd or adamw, not '%s'\n", o->optimizer);
     return false;
   }
+  o->alpha_given = o->lora_alpha > 0;
+  if (!o->lora && (o->alpha_given || o->lora_targets)) {
+    fprintf(stderr, "moec import-hf: error: %s needs --lora R (the adapters' rank)\n",
+            o->alpha_given ? "--lora-alpha" : "--lora-targets");
+    return false;
+  }
+  if (!o->alpha_given) o->lora_alpha = 8;
   return true;
 }
 
@@ -754,7 +775,10 @@ static int write_moe(const Options *o, const Config *c, int64_t seqlen, const ch
   }
   fprintf(f, " }\n  norm rmsnorm { eps %s; }\n  tie_embeddings %s;\n", fe_float_text(c->eps, b2, sizeof b2),
           c->tie ? "true" : "false");
-  fprintf(f, "  optimizer %s { lr %s; }\n}\n", o->optimizer, fe_float_text(o->lr, b1, sizeof b1));
+  fprintf(f, "  optimizer %s { lr %s; }\n", o->optimizer, fe_float_text(o->lr, b1, sizeof b1));
+  if (o->lora_line[0])
+    fprintf(f, "  # LoRA: the weights frozen, adapters trained; --export-hf writes them as a PEFT adapter\n  %s\n", o->lora_line);
+  fprintf(f, "}\n");
   const char *base = strrchr(o->prefix, '/');
   fprintf(f, "# The checkpoint's config.json (and generation_config.json): --export-hf keeps every key the\n"
              "# model does not set.\nhf_config \"%s.hf\";\n", base ? base + 1 : o->prefix);
@@ -792,9 +816,50 @@ static int write_moe(const Options *o, const Config *c, int64_t seqlen, const ch
   return rt_commit_file(f, !ferror(f), tmp, moe_path) == 0 ? 0 : fail("%s", rt_last_error());
 }
 
+// --lora R [--lora-alpha A] [--lora-targets LIST]: the model's `lora` block (lang/manual.md §7.3)
+// into o->lora_line. LIST: words of q k v o experts shared mlp, each once, between commas or
+// spaces; the default q k v o experts (o experts with DeepSeek's latent attention, whose q, k and
+// v projections moec does not adapt yet). A target the checkpoint has no weights for is refused.
+static int lora_line(Options *o, const Config *c) {
+  static const char *const words[] = {"q", "k", "v", "o", "experts", "shared", "mlp"};
+  const RtHfArch *a = &c->arch;
+  if (!o->lora) return 0;
+  const char *list = o->lora_targets ? o->lora_targets : a->mla ? "o experts" : "q k v o experts";
+  bool seen[7] = {false}, dense = false;
+  for (int64_t l = 0; a->dense && l < a->layers; l++) dense |= a->dense[l];
+  char word[64], targets[96] = "";
+  for (const char *s = list; *s;) {
+    size_t n = strcspn(s, ", ");
+    if (n == 0) {
+      s++;
+      continue;
+    }
+    snprintf(word, sizeof word, "%.*s", (int)(n < 63 ? n : 63), s);
+    s += n;
+    int k = 0;
+    while (k < 7 && strcmp(words[k], word) != 0) k++;
+    if (k == 7)
+      return fail("--lora-targets: unknown target '%s': the targets are q, k, v, o, experts, shared and mlp", word);
+    if (seen[k]) return fail("--lora-targets: target '%s' given twice", word);
+    if (k == 5 && a->shared_hidden == 0)
+      return fail("--lora-targets shared: %s (%s) has no shared expert", o->dir, rt_hf_family_name(a->family));
+    if (k == 6 && !dense)
+      return fail("--lora-targets mlp: %s (%s) has no dense layers", o->dir, rt_hf_family_name(a->family));
+    seen[k] = true;
+  }
+  for (int k = 0; k < 7; k++)
+    if (seen[k]) snprintf(targets + strlen(targets), sizeof targets - strlen(targets), " %s", words[k]);
+  if (!targets[0]) return fail("--lora-targets '%s' names no target: the targets are q, k, v, o, experts, shared and mlp", list);
+  char b1[40];
+  snprintf(o->lora_line, sizeof o->lora_line, "lora { r %lld; alpha %s; targets%s; }", (long long)o->lora,
+           fe_float_text(o->lora_alpha, b1, sizeof b1), targets);
+  return 0;
+}
+
 // PREFIX.hf/: the checkpoint's config.json and generation_config.json (where it has one) as they
 // are, which the .moe's `hf_config` names: --export-hf writes every key the model does not
-// determine from them.
+// determine from them; and adapter_config.json naming the checkpoint (base_model_name_or_path,
+// DIR as given), which a LoRA model's --export-hf writes with its adapter's keys.
 static int keep_configs(const Options *o, const char *dir) {
   if (rt_make_dirs(dir) != 0) return fail("%s", rt_last_error());
   static const char *const files[] = {"config.json", "generation_config.json"};
@@ -819,6 +884,21 @@ static int keep_configs(const Options *o, const char *dir) {
     free(text);
     if (rt_commit_file(f, ok, tmp, to) != 0) return fail("%s", rt_last_error());
   }
+  char to[4200], tmp[4300];
+  snprintf(to, sizeof to, "%s/adapter_config.json", dir);
+  snprintf(tmp, sizeof tmp, "%s.tmp", to);
+  cJSON *adapter = cJSON_CreateObject();
+  cJSON_AddStringToObject(adapter, "base_model_name_or_path", o->dir);
+  char *text = cJSON_Print(adapter);
+  cJSON_Delete(adapter);
+  FILE *f = text ? fopen(tmp, "w") : NULL;
+  if (!f) {
+    free(text);
+    return fail("cannot write '%s': %s", tmp, strerror(errno ? errno : ENOMEM));
+  }
+  bool ok = fputs(text, f) >= 0 && fputc('\n', f) != EOF;
+  free(text);
+  if (rt_commit_file(f, ok, tmp, to) != 0) return fail("%s", rt_last_error());
   return 0;
 }
 
@@ -833,6 +913,7 @@ int cli_import_hf(int argc, char **argv) {
   Config c = {0};
   int64_t seqlen = o.seqlen;
   int status = read_config(&o, &c, &seqlen);
+  if (status == 0) status = lora_line(&o, &c);
   RtStSet set = {0};
   if (status == 0 && rt_st_open(o.dir, &set) != 0) status = fail("%s", rt_last_error());
   char moe_path[4096], weights_path[4096];

@@ -91,6 +91,7 @@ struct CgEmitOptions {
   // Its generation_config.json (NULL: none) and the imported config's values the model replaced
   // (RtModel.hf_generation, .hf_changes; NULL: none).
   const char *hf_generation, *hf_changes;
+  const char *hf_adapter;   // a LoRA model's adapter_config.json (RtModel.hf_adapter; NULL: none)
   // How the layout was chosen (`parallel auto;`, --layout; RtModel.layout_note), NULL: written.
   const char *layout_note;
   // The path the program is written to (NULL: not a file of a build). The CUDA target's test hook

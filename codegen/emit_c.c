@@ -580,8 +580,9 @@ void cg_emit_model(FILE *out, const IrModule *m, const PassMemPlan *plan, int64_
     emit_string(out, o->hf_config ? o->hf_config : o->hf_refusal);
     fprintf(out, ",\n");
   }
-  const char *const hf_more[2][2] = {{"hf_generation", o ? o->hf_generation : NULL}, {"hf_changes", o ? o->hf_changes : NULL}};
-  for (int i = 0; i < 2; i++)
+  const char *const hf_more[3][2] = {{"hf_generation", o ? o->hf_generation : NULL}, {"hf_changes", o ? o->hf_changes : NULL},
+                                     {"hf_adapter", o ? o->hf_adapter : NULL}};
+  for (int i = 0; i < 3; i++)
     if (hf_more[i][1]) {
       fprintf(out, "  .%s = ", hf_more[i][0]);
       emit_string(out, hf_more[i][1]);

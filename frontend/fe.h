@@ -338,9 +338,10 @@ void fe_stage_layers(const FeProgram *p, int stage, int64_t *first, int64_t *cou
 // ---- Hugging Face families (frontend/hf.c, lang/manual.md §19) ----
 // What a binary's --export-hf writes (malloc'ed JSON texts): config.json; generation_config.json
 // (NULL: none); and changes, the values of the `hf_config` folder's config.json that the model
-// replaced ("key: old -> new", "; " between them; NULL: none).
+// replaced ("key: old -> new", "; " between them; NULL: none); a LoRA model's adapter_config.json
+// in PEFT's form (NULL: no lora block).
 typedef struct FeHfExport {
-  char *config, *generation, *changes;
+  char *config, *generation, *changes, *adapter;
 } FeHfExport;
 // p's export: its family's config.json — the keys the model determines from the model, every
 // other key of the `hf_config` folder's config.json as it is — and generation_config.json (the

@@ -612,6 +612,98 @@ static char *generation_of(const cJSON *config) {
   return text;
 }
 
+// ---- a LoRA model's adapter (PEFT's adapter_config.json) ----
+
+// The keys of adapter_config.json the model determines (as PEFT's LoraConfig writes them):
+// r, lora_alpha and the targets from the `lora` block; no dropout, no bias, plain scaling
+// alpha/r. The attention's projections are target_modules (nn.Linear modules, matched by their
+// names' ends); every other target is a target_parameters entry. The experts' stacked tensors
+// can only be those (gate and up in one, gate_up_proj, whose one A moec's w1 and w3 share); the
+// dense layers' and the shared expert's gate_proj, up_proj and down_proj could be modules, but
+// PEFT (0.21, with transformers 5) reads those names in target_modules as transformers 4's names
+// of the experts and turns them into the experts' tensors, so they are their weights
+// ("mlp.gate_proj.weight": a dense layer's, not the shared expert's), which PEFT adapts alike
+// (lora_A [r, in], lora_B [out, r], the same tensor names).
+static cJSON *adapter_keys(const FeProgram *p, Family f) {
+  const FeLora *lo = &p->model.lora;
+  cJSON *a = cJSON_CreateObject();
+  cJSON_AddItemToObject(a, "alpha_pattern", cJSON_CreateObject());
+  cJSON_AddStringToObject(a, "bias", "none");
+  cJSON_AddNullToObject(a, "exclude_modules");
+  cJSON_AddBoolToObject(a, "fan_in_fan_out", false);
+  cJSON_AddNullToObject(a, "layers_pattern");
+  cJSON_AddNullToObject(a, "layers_to_transform");
+  char buf[48];
+  fe_float_text(lo->alpha, buf, sizeof buf);   // 8 stays 8, as PEFT writes an int alpha
+  cJSON_AddRawToObject(a, "lora_alpha", buf);
+  cJSON_AddBoolToObject(a, "lora_bias", false);
+  add_float(a, "lora_dropout", 0);
+  cJSON_AddNullToObject(a, "modules_to_save");
+  cJSON_AddStringToObject(a, "peft_type", "LORA");
+  add_int(a, "r", lo->r);
+  cJSON_AddItemToObject(a, "rank_pattern", cJSON_CreateObject());
+  cJSON *mods = cJSON_AddArrayToObject(a, "target_modules");
+  static const char *const proj[4] = {"q_proj", "k_proj", "v_proj", "o_proj"};
+  const bool attn[4] = {lo->q, lo->k, lo->v, lo->o};
+  for (int k = 0; k < 4; k++)
+    if (attn[k]) cJSON_AddItemToArray(mods, cJSON_CreateString(proj[k]));
+  cJSON *params = cJSON_CreateArray();
+  if (lo->experts) {
+    cJSON_AddItemToArray(params, cJSON_CreateString("experts.gate_up_proj"));
+    cJSON_AddItemToArray(params, cJSON_CreateString("experts.down_proj"));
+  }
+  static const char *const mlp[3] = {"gate_proj", "up_proj", "down_proj"};
+  char name[64];
+  for (int k = 0; lo->mlp && k < 3; k++) {
+    snprintf(name, sizeof name, "mlp.%s.weight", mlp[k]);
+    cJSON_AddItemToArray(params, cJSON_CreateString(name));
+  }
+  for (int k = 0; lo->shared && k < 3; k++) {
+    snprintf(name, sizeof name, "%s.%s.weight", f == QWEN2_MOE ? "shared_expert" : "shared_experts", mlp[k]);
+    cJSON_AddItemToArray(params, cJSON_CreateString(name));
+  }
+  if (cJSON_GetArraySize(params) > 0) {
+    cJSON_AddItemToObject(a, "target_parameters", params);
+  } else {
+    cJSON_Delete(params);
+    cJSON_AddNullToObject(a, "target_parameters");
+  }
+  cJSON_AddStringToObject(a, "task_type", "CAUSAL_LM");
+  cJSON_AddBoolToObject(a, "use_dora", false);
+  cJSON_AddBoolToObject(a, "use_rslora", false);
+  return a;
+}
+
+// adapter_config.json of a LoRA model: the hf_config folder's adapter_config.json (moec import-hf
+// writes one naming the checkpoint: base_model_name_or_path), every key as it is, with the keys
+// the model determines replaced (in the folder's order; new ones at the end); without a folder
+// file base_model_name_or_path is null. NULL: not a LoRA model.
+static char *adapter_of(const FeProgram *p, Family f, cJSON *kept) {
+  if (!p->model.has_lora) return NULL;
+  cJSON *a = adapter_keys(p, f), *out = cJSON_CreateObject();
+  if (!cJSON_GetObjectItemCaseSensitive(kept, "base_model_name_or_path"))   // first, as in PEFT's sorted keys
+    cJSON_AddNullToObject(out, "base_model_name_or_path");
+  for (const cJSON *k = kept ? kept->child : NULL; k; k = k->next)
+    cJSON_AddItemToObject(out, k->string, cJSON_Duplicate(k, true));
+  for (const cJSON *k = a->child; k; k = k->next) {
+    if (cJSON_GetObjectItemCaseSensitive(out, k->string))
+      cJSON_ReplaceItemInObjectCaseSensitive(out, k->string, cJSON_Duplicate(k, true));
+    else
+      cJSON_AddItemToObject(out, k->string, cJSON_Duplicate(k, true));
+  }
+  char *text = cJSON_Print(out);
+  cJSON_Delete(a);
+  cJSON_Delete(out);
+  return text;
+}
+
+static Family family_of_type(const cJSON *config) {
+  const cJSON *t = cJSON_GetObjectItemCaseSensitive(config, "model_type");
+  for (int i = 0; cJSON_IsString(t) && i < (int)(sizeof family_types / sizeof *family_types); i++)
+    if (strcmp(t->valuestring, family_types[i]) == 0) return (Family)i;
+  return MIXTRAL;
+}
+
 bool fe_hf_export(IrDiag *d, const FeProgram *p, FeHfExport *out, char *why, size_t n) {
   memset(out, 0, sizeof *out);
   cJSON *soft = NULL, *c = model_config(p, &soft, why, n);
@@ -622,18 +714,21 @@ bool fe_hf_export(IrDiag *d, const FeProgram *p, FeHfExport *out, char *why, siz
     }
     return false;
   }
-  cJSON *config = NULL, *generation = NULL;
+  cJSON *config = NULL, *generation = NULL, *adapter = NULL;
   bool failed = false;
   if (p->hf_config_path) {
     char *beside = fe_path_beside(p->hf_config_path, p->hf_config_loc);
     const char *dir = beside ? beside : p->hf_config_path;
     config = read_json(d, p, dir, "config.json", true, &failed);
     if (!failed) generation = read_json(d, p, dir, "generation_config.json", false, &failed);
+    if (!failed && p->model.has_lora) adapter = read_json(d, p, dir, "adapter_config.json", false, &failed);
     free(beside);
   }
   if (failed) {
     cJSON_Delete(c);
     cJSON_Delete(soft);
+    cJSON_Delete(config);
+    cJSON_Delete(generation);
     why[0] = 0;
     return false;
   }
@@ -660,6 +755,8 @@ bool fe_hf_export(IrDiag *d, const FeProgram *p, FeHfExport *out, char *why, siz
       cJSON_AddItemToObject(config, k->string, cJSON_Duplicate(k, true));
   out->config = cJSON_Print(config);
   out->generation = generation ? cJSON_Print(generation) : generation_of(config);
+  out->adapter = adapter_of(p, family_of_type(c), adapter);
+  cJSON_Delete(adapter);
   cJSON_Delete(c);
   cJSON_Delete(soft);
   cJSON_Delete(config);
@@ -671,5 +768,6 @@ void fe_hf_export_free(FeHfExport *e) {
   free(e->config);
   free(e->generation);
   free(e->changes);
+  free(e->adapter);
   memset(e, 0, sizeof *e);
 }

@@ -196,8 +196,11 @@ static int dump_hf_stages(RtTrainer *tr, const char *dir) {
   if (root) {
     RtModel m = *tr->stages[0];
     m.params = all, m.nparams = n;
-    status = rt_hf_export(&m, whole, dir);
-    if (status == 0 && !tr->opt.quiet)
+    status = rt_hf_export(&m, whole, dir, tr->opt.merge);
+    if (status == 0 && !tr->opt.quiet && m.hf_adapter && !tr->opt.merge)
+      printf("# wrote %s/adapter_config.json and %s/adapter_model.safetensors (a PEFT LoRA adapter; the "
+             "parameters of %d stages)\n", dir, dir, r->stages);
+    else if (status == 0 && !tr->opt.quiet)
       printf("# wrote %s/config.json%s and %s/model.safetensors (Hugging Face; the parameters of %d stages)\n", dir,
              m.hf_generation ? ", generation_config.json" : "", dir, r->stages);
   }
@@ -220,8 +223,10 @@ int rt_dump_hf(RtTrainer *tr, const char *dir) {
     if (root) whole[i] = rt_alloc((size_t)rt_param_global_numel(p) * sizeof(float), "a parameter of a checkpoint");
     rt_gather_param(tr->comm, p, r, tr->st.params + p->offset, root ? whole[i] : NULL);
   }
-  int status = root ? rt_hf_export(m, whole, dir) : 0;
-  if (root && status == 0 && !tr->opt.quiet) {
+  int status = root ? rt_hf_export(m, whole, dir, tr->opt.merge) : 0;
+  if (root && status == 0 && !tr->opt.quiet && m->hf_adapter && !tr->opt.merge) {
+    printf("# wrote %s/adapter_config.json and %s/adapter_model.safetensors (a PEFT LoRA adapter)\n", dir, dir);
+  } else if (root && status == 0 && !tr->opt.quiet) {
     printf("# wrote %s/config.json%s and %s/model.safetensors (Hugging Face)\n", dir,
            m->hf_generation ? ", generation_config.json" : "", dir);
     if (m->hf_changes)   // the imported config's values this model replaced

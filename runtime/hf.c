@@ -407,10 +407,8 @@ static const RtParam *param_named(const RtModel *m, const char *name) {
   return NULL;
 }
 
-int rt_hf_export(const RtModel *m, float *const *whole, const char *dir) {
-  if (!m->hf_config)
-    return rt_fail("--export-hf: model '%s' cannot be written as a Hugging Face checkpoint: %s", m->name,
-                   m->hf_refusal ? m->hf_refusal : "moec does not know its family");
+// DIR/model.safetensors, config.json and generation_config.json from whole.
+static int write_checkpoint(const RtModel *m, float *const *whole, const char *dir) {
   RtHfArch a;
   if (rt_hf_arch_of_config(m->hf_config, &a) != 0) return -1;
   RtHfTensor *t = NULL;
@@ -456,5 +454,515 @@ int rt_hf_export(const RtModel *m, float *const *whole, const char *dir) {
   free(out);
   free(t);
   rt_hf_arch_free(&a);
+  return status;
+}
+
+// The family's table of model m (its config.json, its layers' instances): the entries' number, or
+// -1 (rt_fail); a->inst and *t to free (rt_hf_arch_free, free).
+static int table_of(const RtModel *m, RtHfArch *a, RtHfTensor **t) {
+  *t = NULL;
+  if (rt_hf_arch_of_config(m->hf_config, a) != 0) return -1;
+  if (instances_of(m, a) != 0) return -1;
+  return rt_hf_tensors(a, t);
+}
+
+// ---- LoRA adapters (PEFT) ----
+
+static bool ends_with(const char *s, const char *suffix) {
+  size_t n = strlen(s), k = strlen(suffix);
+  return n >= k && strcmp(s + n - k, suffix) == 0;
+}
+
+// The parameter NAME.SUFFIX of m (NULL: none).
+static const RtParam *param_of(const RtModel *m, const char *name, const char *suffix) {
+  char full[RT_HF_NAME + 16];
+  snprintf(full, sizeof full, "%s.%s", name, suffix);
+  return param_named(m, full);
+}
+
+// W's A: W.lora_A, or the experts' w3's: w1's (transformers' gate_up_proj has one adapter).
+static const RtParam *lora_a_of(const RtModel *m, const char *w) {
+  const RtParam *a = param_of(m, w, "lora_A");
+  if (a || !ends_with(w, ".experts.w3")) return a;
+  char w1[RT_HF_NAME];
+  snprintf(w1, sizeof w1, "%.*s1", (int)strlen(w) - 1, w);
+  return param_of(m, w1, "lora_A");
+}
+
+static void adapter_entry(RtHfAdapter *e, const char *module, const char *ab, bool b, bool experts, int fused,
+                          int64_t E, int64_t r, int64_t in, int64_t out, const char *moec0, const char *moec1) {
+  memset(e, 0, sizeof *e);
+  snprintf(e->peft, sizeof e->peft, "base_model.model.%s.%s.weight", module, ab);
+  snprintf(e->moec[0], sizeof e->moec[0], "%s", moec0);
+  if (moec1) snprintf(e->moec[1], sizeof e->moec[1], "%s", moec1);
+  e->b = b, e->experts = experts, e->fused = fused;
+  e->E = E, e->r = r, e->in = in, e->out = out;
+  e->dims[0] = b ? (fused ? 2 : 1) * out : E * r;   // A [r·E, in], B [out, r·E] (E = 1: dense)
+  e->dims[1] = b ? E * r : in;
+}
+
+// A dense weight's adapters: its table entry t (torch's [out, in]) names the module.
+static int dense_adapters(const RtModel *m, const RtHfTensor *t, RtHfAdapter *out) {
+  const RtParam *a = param_of(m, t->moec, "lora_A"), *b = param_of(m, t->moec, "lora_B");
+  if (!a || a->rank != 2 || b->rank != 2 || t->expert >= 0 || t->rank != 2 || !t->transpose)
+    return rt_fail("internal error: model '%s' has adapters of '%s' that are not a dense weight's", m->name, t->moec);
+  char module[RT_HF_NAME], A[RT_HF_NAME + 16], B[RT_HF_NAME + 16];
+  snprintf(module, sizeof module, "%.*s", (int)(strlen(t->hf) - strlen(".weight")), t->hf);
+  snprintf(A, sizeof A, "%s.lora_A", t->moec);
+  snprintf(B, sizeof B, "%s.lora_B", t->moec);
+  int64_t in = a->global_dims[0], r = a->global_dims[1], o = b->global_dims[1];
+  adapter_entry(&out[0], module, "lora_A", false, false, 0, 1, r, in, o, A, NULL);
+  adapter_entry(&out[1], module, "lora_B", true, false, 0, 1, r, in, o, B, NULL);
+  return 2;
+}
+
+// The experts' adapters of one MoE layer: gate_up_proj (moec's w1 and w3, one A) and down_proj
+// (w2), each a ParamWrapper of module model.layers.L.mlp.experts. PEFT nests the wrappers of one
+// module in the order the module registers its parameters (gate_up_proj first): with both
+// adapted, gate_up_proj's adapter is the inner one, `experts.base_layer.lora_A`.
+static int expert_adapters(const RtModel *m, const RtHfArch *arch, const RtHfTensor *t, RtHfAdapter *out) {
+  long long layer;
+  char base[RT_HF_NAME], module[RT_HF_NAME], w[4][RT_HF_NAME + 16];
+  size_t n = strlen(t->moec);
+  if (sscanf(t->hf, "model.layers.%lld.", &layer) != 1 || n < 3)
+    return rt_fail("internal error: the experts' tensor '%s' of no decoder layer", t->hf);
+  snprintf(base, sizeof base, "%.*s", (int)n - 3, t->moec);   // "moe0.moe.experts"
+  snprintf(module, sizeof module, "model.layers.%lld.mlp.experts", layer);
+  bool gate_up = ends_with(t->moec, ".w1");
+  const RtParam *b2 = param_of(m, base, "w2.lora_B");
+  if (gate_up) {
+    snprintf(w[0], sizeof w[0], "%s.w1.lora_A", base);
+    snprintf(w[1], sizeof w[1], "%s.w1.lora_B", base);
+    snprintf(w[2], sizeof w[2], "%s.w3.lora_B", base);
+    snprintf(w[3], sizeof w[3], "%s.w3.lora_A", base);
+    const RtParam *a = param_named(m, w[0]), *b1 = param_named(m, w[1]), *b3 = param_named(m, w[2]);
+    if (param_named(m, w[3]))
+      return rt_fail("model '%s' has adapters of its experts' w1 and w3 with an A each ('%s'); transformers keeps "
+                     "gate and up in one tensor (gate_up_proj) whose PEFT adapter has one A: this model cannot be "
+                     "written as a PEFT adapter", m->name, w[3]);
+    if (!a || !b1 || !b3 || a->rank != 3 || b1->rank != 3 || b3->rank != 3)
+      return rt_fail("internal error: model '%s' lacks the adapters of '%s.w1' and '.w3'", m->name, base);
+    char mod[RT_HF_NAME + 16];
+    snprintf(mod, sizeof mod, "%s%s", module, b2 ? ".base_layer" : "");
+    int64_t E = a->global_dims[0], in = a->global_dims[1], r = a->global_dims[2], o = b1->global_dims[2];
+    adapter_entry(&out[0], mod, "lora_A", false, true, 0, E, r, in, o, w[0], NULL);
+    adapter_entry(&out[1], mod, "lora_B", true, true, arch->family == RT_HF_GPT_OSS ? 2 : 1, E, r, in, o, w[1], w[2]);
+    return 2;
+  }
+  snprintf(w[0], sizeof w[0], "%s.w2.lora_A", base);
+  snprintf(w[1], sizeof w[1], "%s.w2.lora_B", base);
+  const RtParam *a = param_named(m, w[0]);
+  if (!a || !b2 || a->rank != 3 || b2->rank != 3)
+    return rt_fail("internal error: model '%s' lacks the adapters of '%s.w2'", m->name, base);
+  int64_t E = a->global_dims[0], in = a->global_dims[1], r = a->global_dims[2], o = b2->global_dims[2];
+  adapter_entry(&out[0], module, "lora_A", false, true, 0, E, r, in, o, w[0], NULL);
+  adapter_entry(&out[1], module, "lora_B", true, true, 0, E, r, in, o, w[1], NULL);
+  return 2;
+}
+
+int rt_hf_adapters(const RtModel *m, RtHfAdapter **out) {
+  *out = NULL;
+  if (!m->hf_config || !m->hf_adapter)
+    return rt_fail("model '%s' has no LoRA adapters of a Hugging Face family: %s", m->name,
+                   !m->hf_config ? (m->hf_refusal ? m->hf_refusal : "moec does not know its family") : "it has no lora block");
+  RtHfArch a;
+  RtHfTensor *t;
+  int n = table_of(m, &a, &t), k = 0;
+  RtHfAdapter *ad = n >= 0 ? rt_calloc((size_t)(2 * n + 1), sizeof *ad, "the adapters of a model") : NULL;
+  for (int i = 0; i < n && k >= 0; i++) {
+    if (!param_of(m, t[i].moec, "lora_B")) continue;
+    bool experts = t[i].expert >= 0 || t[i].rank == 3 || t[i].pick;
+    if (experts && (t[i].expert > 0 || ends_with(t[i].moec, ".w3"))) continue;   // once per tensor (w3's: w1's)
+    int got = experts ? expert_adapters(m, &a, &t[i], ad + k) : dense_adapters(m, &t[i], ad + k);
+    k = got < 0 ? -1 : k + got;
+  }
+  if (n < 0) k = -1;
+  for (int i = 0; k >= 0 && i < m->nparams; i++) {   // an adapter the family's names do not reach
+    const char *name = m->params[i].name;
+    bool seen = !ends_with(name, ".lora_A") && !ends_with(name, ".lora_B");
+    for (int j = 0; j < k && !seen; j++) seen = strcmp(ad[j].moec[0], name) == 0 || strcmp(ad[j].moec[1], name) == 0;
+    if (!seen) k = rt_fail("internal error: model '%s' has an adapter '%s' that no %s tensor holds", m->name, name,
+                           rt_hf_family_name(a.family));
+  }
+  free(t);
+  rt_hf_arch_free(&a);
+  if (k < 0) {
+    free(ad);
+    return -1;
+  }
+  *out = ad;
+  return k;
+}
+
+// PEFT's [r·E, in] (A) and [rows, r·E] (B) against moec's [E, in, r] and [E, r, out] (a dense
+// weight's: E = 1, moec's [in, r] and [r, out] transposed); a fused B's row of part k (gate 0, up 1).
+static void adapter_copy(const RtHfAdapter *t, float *const *moec, float *peft, bool to_moec) {
+  int64_t E = t->E, r = t->r, in = t->in, out = t->out;
+  if (!t->b) {
+    for (int64_t e = 0; e < E; e++)
+      for (int64_t j = 0; j < r; j++)
+        for (int64_t i = 0; i < in; i++) {
+          float *p = peft + (e * r + j) * in + i, *q = moec[0] + (e * in + i) * r + j;
+          if (to_moec) *q = *p;
+          else *p = *q;
+        }
+    return;
+  }
+  for (int k = 0; k < (t->fused ? 2 : 1); k++)
+    for (int64_t o = 0; o < out; o++) {
+      int64_t row = t->fused == 2 ? 2 * o + k : k * out + o;
+      for (int64_t e = 0; e < E; e++)
+        for (int64_t j = 0; j < r; j++) {
+          float *p = peft + row * (r * E) + j * E + e, *q = moec[k] + (e * r + j) * out + o;
+          if (to_moec) *q = *p;
+          else *p = *q;
+        }
+    }
+}
+
+void rt_hf_adapter_from_moec(const RtHfAdapter *t, const float *const *moec, float *peft) {
+  adapter_copy(t, (float *const *)moec, peft, false);
+}
+
+void rt_hf_adapter_to_moec(const RtHfAdapter *t, const float *peft, float *const *moec) {
+  adapter_copy(t, moec, (float *)peft, true);
+}
+
+// The shortest text of v that reads back as v ("8", "0.5").
+static const char *num_text(double v, char *buf, size_t n) {
+  for (int digits = 6; digits <= 17; digits++) {
+    snprintf(buf, n, "%.*g", digits, v);
+    if (strtod(buf, NULL) == v) break;
+  }
+  return buf;
+}
+
+// r and lora_alpha of an adapter_config.json text; false when it has none.
+static bool lora_sizes(const cJSON *c, int64_t *r, double *alpha) {
+  const cJSON *jr = cJSON_GetObjectItemCaseSensitive(c, "r"), *ja = cJSON_GetObjectItemCaseSensitive(c, "lora_alpha");
+  if (!cJSON_IsNumber(jr) || !cJSON_IsNumber(ja)) return false;
+  *r = (int64_t)jr->valuedouble;
+  *alpha = ja->valuedouble;
+  return true;
+}
+
+static int write_adapter(const RtModel *m, float *const *whole, const char *dir) {
+  RtHfAdapter *ad;
+  int n = rt_hf_adapters(m, &ad);
+  if (n < 0) return -1;
+  RtStTensor *out = rt_calloc((size_t)n + 1, sizeof *out, "the tensors of an adapter");
+  float **bufs = rt_calloc((size_t)n + 1, sizeof *bufs, "the tensors of an adapter");
+  int status = 0;
+  for (int i = 0; i < n && status == 0; i++) {
+    const float *src[2] = {NULL, NULL};
+    for (int k = 0; k < 2 && ad[i].moec[k][0]; k++) {
+      const RtParam *p = param_named(m, ad[i].moec[k]);
+      src[k] = p ? whole[p - m->params] : NULL;
+      if (!src[k]) status = rt_fail("internal error: model '%s' has no adapter '%s'", m->name, ad[i].moec[k]);
+    }
+    if (status != 0) break;
+    bufs[i] = rt_alloc((size_t)(ad[i].dims[0] * ad[i].dims[1]) * sizeof(float), "a tensor of an adapter");
+    rt_hf_adapter_from_moec(&ad[i], src, bufs[i]);
+    out[i] = (RtStTensor){.name = ad[i].peft, .rank = 2, .dims = ad[i].dims, .data = bufs[i]};
+  }
+  char path[4096];
+  if (status == 0) status = rt_make_dirs(dir);
+  if (status == 0) {
+    snprintf(path, sizeof path, "%s/adapter_model.safetensors", dir);
+    static const char *const meta[] = {"format", "pt"};
+    status = rt_st_write(path, n, out, 1, meta);
+  }
+  if (status == 0) {
+    snprintf(path, sizeof path, "%s/adapter_config.json", dir);
+    status = write_text(path, m->hf_adapter);
+  }
+  for (int i = 0; i < n; i++) free(bufs[i]);
+  free(bufs);
+  free(out);
+  free(ad);
+  return status;
+}
+
+// whole with every adapted weight W replaced by W + (alpha/r)·A·B (merged[i] malloc'ed, else NULL).
+static int merge_adapters(const RtModel *m, float *const *whole, float **merged) {
+  cJSON *c = cJSON_Parse(m->hf_adapter);
+  int64_t r = 0;
+  double alpha = 0;
+  bool ok = c && lora_sizes(c, &r, &alpha) && r > 0;
+  cJSON_Delete(c);
+  if (!ok) return rt_fail("internal error: model '%s' has an adapter config without r and lora_alpha", m->name);
+  double s = alpha / (double)r;
+  for (int i = 0; i < m->nparams; i++) {
+    const RtParam *w = &m->params[i], *a = lora_a_of(m, w->name), *b = param_of(m, w->name, "lora_B");
+    if (!b) continue;
+    bool experts = w->rank == 3;
+    int64_t E = experts ? w->global_dims[0] : 1, in = w->global_dims[experts], out = w->global_dims[experts + 1];
+    if (!a || a->rank != w->rank || a->global_dims[experts + 1] != b->global_dims[experts] ||
+        a->global_dims[experts] != in || b->global_dims[experts + 1] != out)
+      return rt_fail("internal error: model '%s' has adapters of '%s' that do not fit it", m->name, w->name);
+    int64_t rank = b->global_dims[experts];
+    const float *W = whole[i], *A = whole[a - m->params], *B = whole[b - m->params];
+    float *M = merged[i] = rt_alloc((size_t)(E * in * out) * sizeof(float), "a merged weight");
+    for (int64_t e = 0; e < E; e++)
+      for (int64_t x = 0; x < in; x++)
+        for (int64_t y = 0; y < out; y++) {
+          double sum = 0;
+          for (int64_t j = 0; j < rank; j++) sum += (double)A[(e * in + x) * rank + j] * (double)B[(e * rank + j) * out + y];
+          M[(e * in + x) * out + y] = (float)((double)W[(e * in + x) * out + y] + s * sum);
+        }
+  }
+  return 0;
+}
+
+int rt_hf_export(const RtModel *m, float *const *whole, const char *dir, bool merge) {
+  if (!m->hf_config)
+    return rt_fail("--export-hf: model '%s' cannot be written as a Hugging Face checkpoint: %s", m->name,
+                   m->hf_refusal ? m->hf_refusal : "moec does not know its family");
+  if (m->hf_adapter && !merge) return write_adapter(m, whole, dir);
+  float **merged = NULL;
+  float *const *from = whole;
+  if (m->hf_adapter) {   // --merge
+    merged = rt_calloc((size_t)m->nparams + 1, sizeof *merged, "the merged weights");
+    float **with = rt_calloc((size_t)m->nparams + 1, sizeof *with, "the merged weights");
+    int st = merge_adapters(m, whole, merged);
+    for (int i = 0; i < m->nparams; i++) with[i] = merged[i] ? merged[i] : whole[i];
+    if (st != 0) {
+      for (int i = 0; i < m->nparams; i++) free(merged[i]);
+      free(merged);
+      free(with);
+      return -1;
+    }
+    from = with;
+  }
+  int status = write_checkpoint(m, from, dir);
+  if (merged) {
+    for (int i = 0; i < m->nparams; i++) free(merged[i]);
+    free(merged);
+    free((void *)from);
+  }
+  return status;
+}
+
+// ---- --adapter DIR ----
+
+// A JSON array of strings as "a, b and c" (a string as it is; none: "none").
+static void list_text(const cJSON *v, char *buf, size_t n) {
+  buf[0] = '\0';
+  if (cJSON_IsString(v)) {
+    snprintf(buf, n, "'%s'", v->valuestring);
+    return;
+  }
+  int count = cJSON_IsArray(v) ? cJSON_GetArraySize(v) : 0, i = 0;
+  size_t len = 0;
+  for (const cJSON *e = count ? v->child : NULL; e && len + 1 < n; e = e->next, i++) {
+    const char *sep = i == 0 ? "" : i == count - 1 ? " and " : ", ";
+    len += (size_t)snprintf(buf + len, n - len, "%s%s", sep, cJSON_IsString(e) ? e->valuestring : "?");
+  }
+  if (!count) snprintf(buf, n, "none");
+}
+
+// What a config adapts: "target_modules q_proj and v_proj, target_parameters none".
+static void targets_text(const cJSON *c, char *buf, size_t n) {
+  char mods[512], params[256];
+  list_text(cJSON_GetObjectItemCaseSensitive(c, "target_modules"), mods, sizeof mods);
+  list_text(cJSON_GetObjectItemCaseSensitive(c, "target_parameters"), params, sizeof params);
+  snprintf(buf, n, "target_modules %s, target_parameters %s", mods, params);
+}
+
+// The moec words of the model's lora block, from its adapter config's targets.
+static void block_words(const cJSON *c, char *buf, size_t n) {
+  static const char *const words[] = {"q", "k", "v", "o", "experts", "shared", "mlp"};
+  bool have[7] = {false};
+  const cJSON *mods = cJSON_GetObjectItemCaseSensitive(c, "target_modules");
+  for (const cJSON *e = cJSON_IsArray(mods) ? mods->child : NULL; e; e = e->next) {
+    const char *s = cJSON_IsString(e) ? e->valuestring : "";
+    for (int k = 0; k < 4; k++) have[k] |= s[0] == "qkvo"[k] && strcmp(s + 1, "_proj") == 0;
+  }
+  const cJSON *params = cJSON_GetObjectItemCaseSensitive(c, "target_parameters");
+  for (const cJSON *e = cJSON_IsArray(params) ? params->child : NULL; e; e = e->next) {
+    const char *s = cJSON_IsString(e) ? e->valuestring : "";
+    have[4] |= strncmp(s, "experts.", 8) == 0;
+    have[5] |= strncmp(s, "shared_expert", 13) == 0;
+    have[6] |= strncmp(s, "mlp.", 4) == 0;
+  }
+  size_t len = 0;
+  buf[0] = '\0';
+  for (int k = 0; k < 7; k++)
+    if (have[k] && len + 1 < n) len += (size_t)snprintf(buf + len, n - len, "%s%s", len ? " " : "", words[k]);
+}
+
+static char *read_file_text(const char *path) {
+  FILE *f = fopen(path, "rb");
+  if (!f) return NULL;
+  size_t cap = 4096, len = 0;
+  char *text = rt_alloc(cap, "a JSON file");
+  for (size_t got; (got = fread(text + len, 1, cap - len - 1, f)) > 0;) {
+    len += got;
+    if (len + 1 == cap) {
+      char *more = realloc(text, cap *= 2);
+      if (!more) {
+        free(text);
+        fclose(f);
+        errno = ENOMEM;
+        return NULL;
+      }
+      text = more;
+    }
+  }
+  text[len] = '\0';
+  fclose(f);
+  return text;
+}
+
+// The adapter config's settings moec's adapters compute as: r, lora_alpha, no rank or alpha
+// patterns, plain scaling, no DoRA, no trained biases, torch's [out, in] weights.
+static int check_adapter_config(const char *dir, const RtModel *m, const cJSON *a, const cJSON *mine) {
+  const cJSON *type = cJSON_GetObjectItemCaseSensitive(a, "peft_type");
+  if (!cJSON_IsString(type) || strcmp(type->valuestring, "LORA") != 0)
+    return rt_fail("--adapter '%s': adapter_config.json has peft_type %s; moec reads LoRA adapters (\"LORA\")", dir,
+                   cJSON_IsString(type) ? type->valuestring : "none");
+  int64_t r, want_r;
+  double alpha, want_alpha;
+  if (!lora_sizes(a, &r, &alpha)) return rt_fail("--adapter '%s': adapter_config.json has no r and lora_alpha", dir);
+  lora_sizes(mine, &want_r, &want_alpha);
+  char b1[40], b2[40];
+  if (r != want_r || alpha != want_alpha)
+    return rt_fail("--adapter '%s' has r %lld and lora_alpha %s; model '%s' has r %lld and alpha %s (its lora block)", dir,
+                   (long long)r, num_text(alpha, b1, sizeof b1), m->name, (long long)want_r,
+                   num_text(want_alpha, b2, sizeof b2));
+  static const char *const patterns[] = {"rank_pattern", "alpha_pattern"};
+  for (int k = 0; k < 2; k++) {
+    const cJSON *p = cJSON_GetObjectItemCaseSensitive(a, patterns[k]);
+    if (p && !cJSON_IsNull(p) && cJSON_GetArraySize(p) > 0)
+      return rt_fail("--adapter '%s' has a %s (other %s for some modules); model '%s' has one r %lld and alpha %s", dir,
+                     patterns[k], k ? "alphas" : "ranks", m->name, (long long)want_r, num_text(want_alpha, b2, sizeof b2));
+  }
+  static const char *const flags[][2] = {
+      {"use_rslora", "scales by lora_alpha/sqrt(r) (use_rslora); moec's adapters by alpha/r"},
+      {"use_dora", "is a DoRA adapter (use_dora); moec's are plain LoRA"},
+      {"lora_bias", "has biases on lora_B (lora_bias); moec's adapters have none"},
+      {"fan_in_fan_out", "stores its weights [in, out] (fan_in_fan_out); moec reads torch's Linear layout"}};
+  for (int k = 0; k < 4; k++)
+    if (cJSON_IsTrue(cJSON_GetObjectItemCaseSensitive(a, flags[k][0])))
+      return rt_fail("--adapter '%s' %s", dir, flags[k][1]);
+  const cJSON *bias = cJSON_GetObjectItemCaseSensitive(a, "bias");
+  if (cJSON_IsString(bias) && strcmp(bias->valuestring, "none") != 0)
+    return rt_fail("--adapter '%s' trains the model's biases too (bias \"%s\"); moec's lora trains the adapters only "
+                   "(bias \"none\")", dir, bias->valuestring);
+  return 0;
+}
+
+// Every tensor the model's adapters need is in f, with their shapes, and f has no other.
+static int check_adapter_tensors(const char *dir, const RtModel *m, const cJSON *a, const cJSON *mine,
+                                 const RtStFile *f, const RtHfAdapter *ad, int n) {
+  const char *missing = NULL, *extra = NULL;
+  for (int i = 0; i < n && !missing; i++)
+    if (!rt_st_find(f, ad[i].peft)) missing = ad[i].peft;
+  for (int i = 0; i < f->ntensors && !missing && !extra; i++) {
+    bool known = false;
+    for (int j = 0; j < n && !known; j++) known = strcmp(ad[j].peft, f->tensors[i].name) == 0;
+    if (!known) extra = f->tensors[i].name;
+  }
+  if (missing || extra) {
+    char theirs[900], ours[900], words[64];
+    targets_text(a, theirs, sizeof theirs);
+    targets_text(mine, ours, sizeof ours);
+    block_words(mine, words, sizeof words);
+    return rt_fail("--adapter '%s' adapts other weights than model '%s': the adapter's %s; the model's %s (lora "
+                   "targets %s): %s '%s'", dir, m->name, theirs, ours, words,
+                   missing ? "the adapter has no tensor" : "the model has no adapter for the adapter's tensor",
+                   missing ? missing : extra);
+  }
+  for (int i = 0; i < n; i++) {
+    const RtStEntry *t = rt_st_find(f, ad[i].peft);
+    if (t->rank != 2 || t->dims[0] != ad[i].dims[0] || t->dims[1] != ad[i].dims[1]) {
+      char have[160], want[160];
+      return rt_fail("--adapter '%s': tensor '%s' is %s; model '%s' makes it %s", dir, ad[i].peft,
+                     rt_shape_str(have, sizeof have, t->rank, t->dims), m->name, rt_shape_str(want, sizeof want, 2, ad[i].dims));
+    }
+  }
+  return 0;
+}
+
+// The model of every stage's parameters (a tensor two stages hold once), *all malloc'ed; m itself
+// without stages.
+static RtModel all_stages(const RtModel *m, const RtModel *const *stages, int nstages, RtParam **all) {
+  *all = NULL;
+  if (!stages || nstages <= 1) return *m;
+  int total = 0, n = 0;
+  for (int s = 0; s < nstages; s++) total += stages[s]->nparams;
+  *all = rt_calloc((size_t)total + 1, sizeof **all, "the parameters of every stage");
+  for (int s = 0; s < nstages; s++)
+    for (int i = 0; i < stages[s]->nparams; i++)
+      if (!param_named(&(RtModel){.params = *all, .nparams = n}, stages[s]->params[i].name)) (*all)[n++] = stages[s]->params[i];
+  RtModel u = *m;
+  u.params = *all, u.nparams = n;
+  return u;
+}
+
+int rt_hf_adapter_load(const char *dir, const RtModel *stage, const RtModel *const *stages, int nstages,
+                       const struct RtRanks *ranks, float *params) {
+  RtParam *all;
+  RtModel whole_model = all_stages(stage, stages, nstages, &all);
+  const RtModel *m = &whole_model;
+  if (!m->hf_adapter) {
+    free(all);
+    return rt_fail("--adapter: model '%s' has no lora block to load an adapter into", m->name);
+  }
+  char path[4096];
+  snprintf(path, sizeof path, "%s/adapter_config.json", dir);
+  errno = 0;
+  char *text = read_file_text(path);
+  if (!text) {
+    free(all);
+    return rt_fail("--adapter: cannot read '%s': %s (a PEFT adapter folder holds adapter_config.json and "
+                   "adapter_model.safetensors)", path, strerror(errno ? errno : EIO));
+  }
+  cJSON *a = cJSON_Parse(text), *mine = cJSON_Parse(m->hf_adapter);
+  free(text);
+  int status = !a || !cJSON_IsObject(a) ? rt_fail("--adapter: '%s' is not a JSON object", path) : 0;
+  if (status == 0 && !mine) status = rt_fail("internal error: model '%s' has an adapter config that is not JSON", m->name);
+  if (status == 0) status = check_adapter_config(dir, m, a, mine);
+  RtHfAdapter *ad = NULL;
+  int n = status == 0 ? rt_hf_adapters(m, &ad) : -1;
+  if (n < 0) status = -1;
+  RtStFile f = {0};
+  if (status == 0) {
+    snprintf(path, sizeof path, "%s/adapter_model.safetensors", dir);
+    status = rt_st_read(path, &f);
+  }
+  if (status == 0) status = check_adapter_tensors(dir, m, a, mine, &f, ad, n);
+  // The whole moec adapters, then this rank's shard of each.
+  float **whole = status == 0 ? rt_calloc((size_t)m->nparams + 1, sizeof *whole, "the adapters") : NULL;
+  for (int i = 0; status == 0 && i < n; i++) {
+    float *dst[2] = {NULL, NULL};
+    for (int k = 0; k < 2 && ad[i].moec[k][0]; k++) {
+      const RtParam *p = param_named(m, ad[i].moec[k]);
+      float **w = &whole[p - m->params];
+      if (!*w) *w = rt_calloc((size_t)rt_param_global_numel(p), sizeof(float), "an adapter");
+      dst[k] = *w;
+    }
+    const RtStEntry *t = rt_st_find(&f, ad[i].peft);
+    float *src = rt_alloc((size_t)t->numel * sizeof(float), "a tensor of an adapter");
+    rt_st_copy(t, src);
+    rt_hf_adapter_to_moec(&ad[i], src, dst);
+    free(src);
+  }
+  int64_t zero[RT_MAX_RANK] = {0};
+  for (int i = 0; status == 0 && i < stage->nparams; i++) {   // this rank's program's shards
+    const RtParam *p = &stage->params[i], *q = param_named(m, p->name);
+    float *w = q ? whole[q - m->params] : NULL;
+    if (!w) continue;
+    int64_t off[4];
+    rt_shard_offsets(p, (const RtRanks *)ranks, off);
+    rt_box_copy(p->rank, zero, p->global_dims, w, off, p->dims, params + p->offset);
+  }
+  for (int i = 0; whole && i < m->nparams; i++) free(whole[i]);
+  free(whole);
+  rt_st_free(&f);
+  free(ad);
+  cJSON_Delete(a);
+  cJSON_Delete(mine);
+  free(all);
   return status;
 }

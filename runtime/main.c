@@ -33,6 +33,7 @@
 // --sample (sample.c). This file keeps rt_main, the trainer and the training loop.
 #include "moert.h"
 
+#include "rt_hf.h"
 #include "rt_trainer.h"
 
 #include <errno.h>
@@ -871,6 +872,8 @@ static int run(const RtModel *model, const RtOptions *opt, const RtRanks *ranks,
       status = rt_weights_load(opt->weights, model, ranks, tr.st.params);
     else
       init_params(&tr);
+    if (status == 0 && opt->adapter)   // a PEFT adapter over the weights' adapters (runtime/hf.c)
+      status = rt_hf_adapter_load(opt->adapter, model, stages, nstages, ranks, tr.st.params);
     if (status == 0)
       rt_fault_scale(model, rt_all_rank(comm), tr.st.params);
     status = rt_world_agree(comm, status);

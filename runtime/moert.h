@@ -369,6 +369,9 @@ struct RtModel {
   // Its generation_config.json (NULL: none), and the values of the imported config.json the
   // model replaced ("key: old -> new; ...", NULL: none), which --export-hf reports.
   const char *hf_generation, *hf_changes;
+  // A LoRA model's adapter_config.json in PEFT's form (r, lora_alpha, target_modules,
+  // target_parameters; NULL: no lora block): --export-hf writes the adapters, --adapter reads them.
+  const char *hf_adapter;
   // How moec build chose the layout (`parallel auto;`, --layout), printed at start; NULL: written.
   const char *layout_note;
 };

@@ -19,7 +19,7 @@ void rt_options_usage(FILE *out, const RtModel *model, const char *prog) {
           "usage: %s [--steps N] [--weights W.safetensors] [--save C] [--resume C]\n"
           "       %*s [--input x.npy] [--target t.npy] [--dump DIR] [--record FILE]\n"
           "       %*s [--check-grad] [--quiet] [--profile] [--comm-timeout S] [--log F.jsonl]\n"
-          "       %*s [--export-hf DIR]\n"
+          "       %*s [--export-hf DIR [--merge]] [--adapter DIR]\n"
           "Trains the MoE model '%s' (inputs [%lld, %lld, %lld] per data-parallel rank) and "
           "prints one line per step\n(on a terminal, one progress line that rewrites itself).\n"
           "  --steps N        train until step N, counting resumed steps (default 20); with "
@@ -38,7 +38,13 @@ void rt_options_usage(FILE *out, const RtModel *model, const char *prog) {
           "checkpoint:\n"
           "                   DIR/config.json and DIR/model.safetensors (F32, the family's names; "
           "--steps 0\n"
-          "                   --weights W converts W)\n"
+          "                   --weights W converts W); a LoRA model writes its adapters in PEFT's form:\n"
+          "                   DIR/adapter_config.json and DIR/adapter_model.safetensors\n"
+          "  --merge          with --export-hf, a LoRA model's weights with the adapters merged in\n"
+          "                   (W + alpha/r A B), as a Hugging Face checkpoint for transformers\n"
+          "  --adapter DIR    a LoRA model: load the PEFT adapter in DIR (adapter_config.json and\n"
+          "                   adapter_model.safetensors; r, lora_alpha and the targets the model's)\n"
+          "                   into the adapters, after the weights of --weights\n"
           "  --resume C       continue from checkpoint C, written by any layout: parameters, "
           "optimizer\n"
           "                   state, step\n"
@@ -115,6 +121,10 @@ int rt_options_parse(int argc, char **argv, RtOptions *o) {
       o->quiet = true;
       continue;
     }
+    if (strcmp(arg, "--merge") == 0) {
+      o->merge = true;
+      continue;
+    }
     if (strcmp(arg, "--profile") == 0) {
       o->profile = true;
       continue;
@@ -127,12 +137,12 @@ int rt_options_parse(int argc, char **argv, RtOptions *o) {
                                          "--input", "--target",  "--dump", "--record",
                                          "--data", "--val", "--prompt", "--eval-every",
                                          "--val-windows", "--sample", "--temperature",
-                                         "--comm-timeout", "--export-hf", "--log"};
+                                         "--comm-timeout", "--export-hf", "--log", "--adapter"};
     const char **slots[] = {NULL,       &o->weights, &o->save, &o->resume,
                             &o->input, &o->target,  &o->dump, &o->record,
                             &o->data,  &o->val,     &o->prompt, NULL,
                             NULL,      NULL,        NULL,
-                            NULL,      &o->export_hf, &o->log};
+                            NULL,      &o->export_hf, &o->log, &o->adapter};
     int64_t *counts[] = {&o->steps, &o->eval_every, &o->val_windows, &o->sample};
     enum { NVALUED = sizeof valued / sizeof *valued };
     int which = -1;
@@ -178,6 +188,10 @@ int rt_options_parse(int argc, char **argv, RtOptions *o) {
     return rt_fail("--target needs --input (the synthetic input changes every step)");
   if (o->export_hf && o->log && strcmp(o->export_hf, o->log) == 0)
     return rt_fail("--log and --export-hf name the same path '%s'", o->log);
+  if (o->merge && !o->export_hf)
+    return rt_fail("--merge needs --export-hf DIR (it says what a LoRA model's export writes)");
+  if (o->adapter && o->resume)
+    return rt_fail("--adapter and --resume cannot be combined (a checkpoint holds the adapters)");
   return 0;
 }
 
@@ -280,6 +294,10 @@ int rt_options_check(const RtModel *m, const RtOptions *o) {
   if (o->export_hf && !m->hf_config)
     return rt_fail("--export-hf: model '%s' cannot be written as a Hugging Face checkpoint: %s", m->name,
                    m->hf_refusal ? m->hf_refusal : "it was built by a moec that does not know the families");
+  if ((o->adapter || o->merge) && !m->hf_adapter)
+    return rt_fail("%s: model '%s' %s", o->adapter ? "--adapter" : "--merge", m->name,
+                   !m->hf_config ? "is no Hugging Face family whose adapters PEFT names"
+                                 : "has no lora block: it has no adapters (its export is the whole checkpoint)");
   if (m->vocab > 0 && o->target)
     return rt_fail("--target does not apply to language model '%s': the targets are the next tokens "
                    "of the --input windows", m->name);

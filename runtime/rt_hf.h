@@ -71,7 +71,42 @@ void rt_hf_arch_free(RtHfArch *a);   // frees inst[] and dense (NULL allowed)
 bool rt_hf_family_of(const char *model_type, RtHfFamily *f);
 // Writes DIR/config.json (m->hf_config), DIR/generation_config.json (m->hf_generation, where there
 // is one) and DIR/model.safetensors (F32, the family's names) from
-// whole[i], the whole tensor of parameter i of m. 0, or -1 (rt_fail) with a sentence.
-int rt_hf_export(const RtModel *m, float *const *whole, const char *dir);
+// whole[i], the whole tensor of parameter i of m. A LoRA model (m->hf_adapter) writes its
+// adapters in PEFT's form instead (DIR/adapter_config.json and DIR/adapter_model.safetensors),
+// or with merge the full checkpoint of its weights with the adapters merged in (W + (alpha/r)·A·B).
+// 0, or -1 (rt_fail) with a sentence.
+int rt_hf_export(const RtModel *m, float *const *whole, const char *dir, bool merge);
+
+// ---- LoRA adapters in PEFT's form (lang/manual.md §19) ----
+// One tensor of a PEFT adapter_model.safetensors: lora_A or lora_B of a dense weight (a module of
+// target_modules: lora_A.weight [r, in] and lora_B.weight [out, r] are moec's W.lora_A [in, r] and
+// W.lora_B [r, out] transposed) or of the experts' stacked tensor (target_parameters, PEFT's
+// ParamWrapper: lora_A [r·E, in] read as [E, r, in], lora_B [out, r·E] read as [out, r, E], the
+// expert index the fast one; moec's [E, in, r] and [E, r, out]). transformers keeps the experts'
+// gate and up projections in one tensor (gate_up_proj: the gate's rows first, or gpt-oss's
+// interleaved), whose one lora_A is moec's w1.lora_A (w3 shares it) and whose lora_B holds
+// w1.lora_B's and w3.lora_B's rows (moec[0] and moec[1]).
+typedef struct RtHfAdapter {
+  char peft[RT_HF_NAME + 64];   // base_model.model.<module>.lora_A.weight
+  char moec[2][RT_HF_NAME + 16];   // the moec parameter(s) (moec[1] empty but for a fused lora_B)
+  bool b;                       // lora_B (else lora_A)
+  bool experts;                 // of the experts' stacked tensor
+  int fused;                    // lora_B of gate_up_proj: 1 the rows by halves (gate, up), 2 interleaved
+  int64_t E, r, in, out;        // out: one moec B's columns (a fused lora_B has 2·out rows)
+  int64_t dims[2];              // its shape in the adapter
+} RtHfAdapter;
+
+// The adapters of LoRA model m (*out malloc'ed), in the family's order: their number, or -1 (rt_fail).
+int rt_hf_adapters(const RtModel *m, RtHfAdapter **out);
+// Entry t from the whole moec parameters moec[0] (and moec[1]), and back.
+void rt_hf_adapter_from_moec(const RtHfAdapter *t, const float *const *moec, float *peft);
+void rt_hf_adapter_to_moec(const RtHfAdapter *t, const float *peft, float *const *moec);
+// --adapter DIR: DIR/adapter_config.json (a LoRA adapter whose r, lora_alpha and targets are the
+// model's) and DIR/adapter_model.safetensors into this rank's shards of the adapters in params (of
+// m, this rank's program; with pipeline stages, stages[0 .. nstages) are the whole model's, else
+// NULL). 0, or -1 (rt_fail) with a sentence naming what differs.
+struct RtRanks;
+int rt_hf_adapter_load(const char *dir, const RtModel *m, const RtModel *const *stages, int nstages,
+                       const struct RtRanks *r, float *params);
 
 #endif

@@ -25,6 +25,8 @@ typedef struct RtOptions {
   int64_t steps;
   const char *weights, *save, *resume, *input, *target, *dump, *record;
   const char *export_hf;        // --export-hf DIR: the model as a Hugging Face checkpoint
+  bool merge;                   // --merge: a LoRA model's --export-hf writes its weights with the adapters merged
+  const char *adapter;          // --adapter DIR: a PEFT LoRA adapter into the model's adapters
   const char *log;              // --log F.jsonl: a JSON line per step and per evaluation
   bool steps_given;             // --steps was on the command line
   bool watched;                 // a person watches stdout: one progress line (rt_main, before MPI starts)

@@ -572,13 +572,22 @@ static int missing_tensor(const char *path, const RtStSet *set, const char *name
   return rt_fail("'%s' has no tensor '%s'", path, name);
 }
 
-// Copies what files of whole tensors (--weights, moec-checkpoint-1) hold of every wanted one.
+// A LoRA model's adapter or its scale (W.lora_A, W.lora_B, W.lora_scale).
+static bool lora_param(const char *name) {
+  const char *dot = strrchr(name, '.');
+  return dot && (strcmp(dot, ".lora_A") == 0 || strcmp(dot, ".lora_B") == 0 || strcmp(dot, ".lora_scale") == 0);
+}
+
+// Copies what files of whole tensors (--weights, moec-checkpoint-1) hold of every wanted one; a
+// LoRA adapter they lack keeps its initial value (the base model's weights, then --adapter).
 static int take_whole(const char *path, const RtStSet *set, Wants *ws) {
   int64_t zero[RT_MAX_RANK] = {0};
   for (int i = 0; i < ws->n; i++) {
     Wanted *w = &ws->w[i];
     const RtParam *p = w->param;
     const RtStEntry *t = rt_st_set_find(set, w->name);
+    if (!t && lora_param(w->name))
+      continue;
     if (!t)
       return missing_tensor(path, set, w->name);
     if (t->rank != p->rank || !same_dims(p->rank, t->dims, p->global_dims)) {
@@ -993,6 +1002,9 @@ int rt_weights_load(const char *path, const RtModel *m, const RtRanks *r, float 
       status = load_sharded(path, &ix, &ws, r);
   } else if (status == 0) {
     status = refuse_shards(&set);
+    for (int i = 0; status == 0 && i < m->nparams; i++)   // what the file lacks of them stays so
+      if (lora_param(m->params[i].name))
+        rt_shard_init(&m->params[i], r, m->seed, params + m->params[i].offset);
     if (status == 0)
       status = take_whole(path, &set, &ws);
   }

@@ -349,4 +349,5 @@ def main():
     sys.exit(1 if failed else 0)
 
 
-main()
+if __name__ == "__main__":   # tests/interop/lora.py imports the families and helpers
+    main()
