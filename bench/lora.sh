@@ -45,7 +45,7 @@ for r in $(seq "$ROUNDS"); do
 done
 step() { for r in $(seq "$ROUNDS"); do sed -n 's/.*median whole step \([0-9.]*\) ms.*/\1/p' "$WORK/$1.run$r"; done | median; }
 gemm() { for r in $(seq "$ROUNDS"); do sed -n 's/.*GEMM [0-9.]* % of the steps. time (\([0-9.]*\) ms per step).*/\1/p' "$WORK/$1.run$r"; done | median; }
-mem() { sed -n 's/^# memplan: parameters \(.*\)$/\1/p' "$1" | tail -n 1; }
+mem() { sed -n "s/^# memplan: \(parameters .*\)$/\1/p" "$1" | tail -n 1; }
 peak() { sed -n 's/^# memplan: peak \([0-9.]* [KMG]iB\).*/\1/p' "$1" | tail -n 1; }
 tf=$(step full) tl=$(step lora) gf=$(gemm full) gl=$(gemm lora)
 echo "# LoRA against full fine-tuning: bench/models/lm_mid.moe (B 4, L 256, M 512, 6 blocks of 8 GPT experts, vocab 8192), $ROUNDS rounds of $STEPS steps, $OMP_NUM_THREADS threads"
