@@ -389,6 +389,9 @@ template <class Launcher> void run_kernel_cases(Launcher &L, Checks &c) {
     rt_expert_bias(a.data(), ebias.data(), y_c.data(), 4, s / 4, m);
     LAUNCH(3, 64, mk_expert_bias, a, ebias, y_k, 4, s / 4, m);
     c.same("expert.bias", y_c, y_k);
+    rt_expert_scale(a.data(), bias.data(), y_c.data(), 4, s / 4, m);
+    LAUNCH(3, 64, mk_expert_scale, a, bias, y_k, 4, s / 4, m);
+    c.bits("expert.scale", y_c, y_k);
     rt_gelu(a.data(), y_c.data(), n, m);
     LAUNCH(3, 64, mk_gelu, a, y_k, n, (int64_t)m);
     c.same("act.gelu", y_c, y_k);
