@@ -23,7 +23,7 @@ void cli_sweep_usage(FILE *out);
 void cli_tune_usage(FILE *out);
 int cli_import_hf(int argc, char **argv);   // cli/import_hf.c: a Hugging Face checkpoint as a model
 void cli_import_hf_usage(FILE *out);
-// The cluster profile of the front end (a .cluster file) in the scheduling model's form (cli/plan.c).
+// The cluster profile of the front end (a .cluster file) in the scheduling model's form (cli/cluster.c).
 void cli_cluster_from_fe(const FeCluster *f, SchedCluster *c);
 
 // ---- the layout search of `parallel auto;` (cli/layout.c, lang/manual.md §6) ----

@@ -32,27 +32,6 @@
 #include "cli/cli.h"
 #include "cli/plan.h"
 
-void cli_cluster_from_fe(const FeCluster *f, SchedCluster *c) {
-  *c = (SchedCluster){.name = f->name, .nodes = (int)f->nodes, .gpus_per_node = (int)f->gpus_per_node,
-                      .gemm = {f->gemm.alpha, f->gemm.beta}, .alltoall = {f->alltoall.alpha, f->alltoall.beta},
-                      .allgather = {f->allgather.alpha, f->allgather.beta},
-                      .reducescatter = {f->reducescatter.alpha, f->reducescatter.beta},
-                      .allreduce = {f->allreduce.alpha, f->allreduce.beta},
-                      .elementwise = {f->elementwise.alpha, f->elementwise.beta},
-                      .attention = {f->attention.alpha, f->attention.beta}, .handoff = f->handoff,
-                      .attention_grad = {f->attention_grad.alpha, f->attention_grad.beta},
-                      .elementwise_math = {f->elementwise_math.alpha, f->elementwise_math.beta},
-                      .update_adamw = {f->update_adamw.alpha, f->update_adamw.beta},
-                      .update_sgd = {f->update_sgd.alpha, f->update_sgd.beta},
-                      .overlap_compute = f->overlap_compute, .overlap_comm = f->overlap_comm,
-                      .alltoall_intra = {f->alltoall_intra.alpha, f->alltoall_intra.beta},
-                      .allreduce_intra = {f->allreduce_intra.alpha, f->allreduce_intra.beta},
-                      .p2p = {f->p2p.alpha, f->p2p.beta}, .p2p_intra = {f->p2p_intra.alpha, f->p2p_intra.beta},
-                      .memory = (double)f->memory};
-  for (int i = 0; i < f->ngemm_at && i < SCHED_MAX_GEMM_AT; i++)
-    c->gemm_at[c->ngemm_at++] = (SchedGemmAt){f->gemm_at[i][0], f->gemm_at[i][1], f->gemm_at[i][2], f->gemm_at[i][3]};
-}
-
 double cli_now_s(void) {
   struct timespec ts;
   clock_gettime(CLOCK_MONOTONIC, &ts);

@@ -476,3 +476,17 @@ bool pass_memplan(IrModule *m, PassCtx *ctx) {
   if (ctx->verbose) report(m, ctx, plan, R.nstreamed);
   return true;
 }
+
+// What the memory plan left in the context (the plan of every function), freed.
+void pass_ctx_free(PassCtx *ctx) {
+  PassMemPlan *plan = ctx->memplan;
+  if (!plan) return;
+  for (int i = 0; i < plan->nfuncs; i++) {
+    free(plan->slot[i]);
+    if (plan->copy) free(plan->copy[i]);
+  }
+  free(plan->slot);
+  free(plan->copy);
+  free(plan);
+  ctx->memplan = NULL;
+}

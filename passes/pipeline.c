@@ -55,16 +55,3 @@ bool pass_run_pipeline(IrModule *m, PassCtx *ctx) {
   }
   return true;
 }
-
-void pass_ctx_free(PassCtx *ctx) {
-  PassMemPlan *plan = ctx->memplan;
-  if (!plan) return;
-  for (int i = 0; i < plan->nfuncs; i++) {
-    free(plan->slot[i]);
-    if (plan->copy) free(plan->copy[i]);
-  }
-  free(plan->slot);
-  free(plan->copy);
-  free(plan);
-  ctx->memplan = NULL;
-}

@@ -1,5 +1,5 @@
 // The runtime's errors, for the training driver (main.c and its rooms, rt_trainer.h) and the
-// file helpers (npy.c, safetensors.c, shard.c) alike.
+// file helpers (npy.c, safetensors.c, checkpoint.c) alike.
 //
 // An error on user input (a file, a flag, a checkpoint) never ends the process where it is
 // found: the failing function records one sentence with rt_fail and returns -1, its callers

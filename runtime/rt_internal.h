@@ -49,7 +49,7 @@ void rt_big_touch(void *p, size_t bytes);
 bool rt_plain_memory(void);
 int rt_make_dirs(const char *path);   // mkdir -p (runtime/dump.c); -1 with rt_fail's sentence
 // A JSON string literal of s (quoted and escaped by cJSON), malloc'ed; out of memory ends the job
-// (what: for the message). runtime/shard.c.
+// (what: for the message). runtime/checkpoint.c.
 char *rt_json_quote(const char *s, const char *what);
 
 // ---- fault injection, for tests only (fault.c) ----
@@ -304,6 +304,19 @@ void rt_shard_init(const RtParam *p, const RtRanks *r, uint64_t seed, float *w);
 // dimensions into dst (a large one by every thread). Returns the number of elements copied.
 int64_t rt_box_copy(int rank, const int64_t *src_off, const int64_t *src_dims, const void *src,
                     const int64_t *dst_off, const int64_t *dst_dims, float *dst);
+// This rank's box of parameter p: its shard (off, dims), or for a moment of a sharded optimizer
+// (moment true, p->shard) the rows of the shard it keeps; *lo: the box's first element in the
+// shard, *numel its elements.
+void rt_box_of(const RtComm *c, const RtParam *p, const RtRanks *r, bool moment, int64_t off[4], int64_t dims[4],
+               int64_t *lo, int64_t *numel);
+// Element j of the box of dims at off in p's whole tensor, as a global index.
+int64_t rt_box_global_index(const RtParam *p, const int64_t off[4], const int64_t dims[4], int64_t j);
+// Row-major strides of a box.
+void rt_box_strides(int rank, const int64_t *dims, int64_t *stride);
+// The intersection of two boxes of a tensor of `rank` dimensions, [lo, hi) in each; false when
+// it is empty.
+bool rt_box_meet(int rank, const int64_t *a_off, const int64_t *a_dims, const int64_t *b_off, const int64_t *b_dims,
+                 int64_t *lo, int64_t *hi);
 
 // ---- world-wide helpers (world.c) ----
 // Over the world group of c; plain local operations on a world of one (c NULL included).
@@ -358,7 +371,7 @@ void rt_gather_param(RtComm *c, const RtParam *p, const RtRanks *r, const float 
 // (dp * n floats); other ranks pass whole = NULL.
 void rt_gather_dp(RtComm *c, const RtRanks *r, const float *mine, int64_t n, float *whole);
 
-// ---- checkpoints (shard.c) ----
+// ---- checkpoints (checkpoint.c) ----
 // A checkpoint C is an index file (JSON: format "moec-checkpoint-2", model, optimizer, step,
 // world, layout, shards) and one safetensors file per rank, C.rank<R>-of-<P>.safetensors, that
 // holds the boxes this rank owns of every parameter and optimizer moment, each with its global
