@@ -186,49 +186,6 @@ static const cJSON *key(const Config *c, const char *k) { return cJSON_GetObject
 static bool is_zero(const cJSON *v) { return cJSON_IsNumber(v) && v->valuedouble == 0; }
 static bool is_family(const Config *c, RtHfFamily f) { return c->arch.family == f; }
 
-// Keys that describe something other than the computation (tokenizer, saving, generation), or
-// that the architecture reads (rt_hf_arch_of_config and read_arch check them).
-static bool harmless(const Config *c, const char *k) {
-  static const char *const any[] = {
-      "vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
-      "num_experts_per_tok", "max_position_embeddings", "rms_norm_eps", "tie_word_embeddings", "model_type",
-      "transformers_version", "dtype", "torch_dtype", "bos_token_id", "eos_token_id", "pad_token_id",
-      "initializer_range", "use_cache", "architectures", "router_aux_loss_coef", "return_dict",
-      "output_hidden_states", "output_attentions"};
-  static const char *const mixtral[] = {"num_local_experts", "intermediate_size"};
-  static const char *const qwen2[] = {"num_experts", "moe_intermediate_size", "intermediate_size",
-                                      "shared_expert_intermediate_size", "norm_topk_prob", "qkv_bias",
-                                      "decoder_sparse_step", "mlp_only_layers", "max_window_layers", NULL};
-  static const char *const qwen3[] = {"num_experts", "num_local_experts", "moe_intermediate_size", "intermediate_size",
-                                      "norm_topk_prob", "decoder_sparse_step", "mlp_only_layers", "max_window_layers",
-                                      "head_dim", "attention_bias", NULL};
-  static const char *const olmoe[] = {"num_experts", "intermediate_size", "norm_topk_prob", "attention_bias", NULL};
-  static const char *const glm4[] = {"n_routed_experts", "moe_intermediate_size", "intermediate_size", "n_shared_experts",
-                                     "first_k_dense_replace", "head_dim", "norm_topk_prob", "attention_bias",
-                                     "use_qk_norm", NULL};
-  for (size_t i = 0; i < sizeof any / sizeof *any; i++)
-    if (strcmp(k, any[i]) == 0) return true;
-  if (is_family(c, RT_HF_MIXTRAL)) return strcmp(k, mixtral[0]) == 0 || strcmp(k, mixtral[1]) == 0;
-  static const char *const oss[] = {"num_local_experts", "intermediate_size", "head_dim", "attention_bias", NULL};
-  if (is_family(c, RT_HF_GPT_OSS)) {
-    for (size_t i = 0; oss[i]; i++)
-      if (strcmp(k, oss[i]) == 0) return true;
-    return false;
-  }
-  static const char *const deepseek[] = {"n_routed_experts", "moe_intermediate_size", "intermediate_size",
-                                         "n_shared_experts", "first_k_dense_replace", "attention_bias", "kv_lora_rank",
-                                         "q_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim",
-                                         "norm_topk_prob", NULL};   // read_arch: V2's router never renormalises
-  const char *const *fam = is_family(c, RT_HF_QWEN2_MOE)   ? qwen2
-                           : is_family(c, RT_HF_QWEN3_MOE) ? qwen3
-                           : is_family(c, RT_HF_GLM4_MOE)  ? glm4
-                           : is_deepseek(c->arch.family)   ? deepseek
-                                                           : olmoe;
-  for (size_t i = 0; fam[i]; i++)
-    if (strcmp(k, fam[i]) == 0) return true;
-  return false;
-}
-
 // DeepSeek's and gpt-oss's rope_parameters with rope_type "yarn": theta, factor and the original
 // positions, and beta_fast, beta_slow (32, 1), mscale, mscale_all_dim, truncate where given;
 // nothing else (attention_factor given outright: refused).
@@ -262,121 +219,193 @@ static int read_yarn(Config *c, const cJSON *v) {
   return 0;
 }
 
-// One key of config.json: 0 when represented or harmless, 2 when read_arch checks it against the
-// architecture, else 1 with the sentence.
-static int check_key(Config *c, const cJSON *v) {
-  const char *k = v->string;
-  if (harmless(c, k)) return 0;
-  if (strcmp(k, "hidden_act") == 0)
-    return cJSON_IsString(v) && strcmp(v->valuestring, "silu") == 0 ? 0 : refuse(c, v, "moec's SwiGLU experts use silu");
-  if (strcmp(k, "attention_dropout") == 0) return is_zero(v) ? 0 : refuse(c, v, "moec trains without dropout");
-  if (strcmp(k, "router_jitter_noise") == 0 && is_family(c, RT_HF_MIXTRAL))
-    return is_zero(v) ? 0 : refuse(c, v, "moec's gates have no multiplicative jitter (only 'noise', a different one)");
-  if (strcmp(k, "output_router_logits") == 0) {  // true: the gates' `aux pooled`, read_arch
-    c->router_logits = cJSON_IsTrue(v);
-    return cJSON_IsBool(v) ? 0 : refuse(c, v, "it must be true or false");
-  }
-  if (strcmp(k, "head_dim") == 0) return cJSON_IsNull(v) ? 0 : 2;
-  if (is_family(c, RT_HF_GPT_OSS)) {   // 'ffn oss': the clamped SwiGLU of gpt-oss's constants
-    if (strcmp(k, "swiglu_alpha") == 0)
-      return cJSON_IsNumber(v) && v->valuedouble == 1.702 ? 0 : refuse(c, v, "moec's 'ffn oss' has alpha 1.702");
-    if (strcmp(k, "swiglu_limit") == 0)
-      return cJSON_IsNumber(v) && v->valuedouble == 7.0 ? 0 : refuse(c, v, "moec's 'ffn oss' clamps at 7");
-    if (strcmp(k, "layer_types") == 0) {
-      for (const cJSON *e = cJSON_IsArray(v) ? v->child : NULL; e; e = e->next)
-        if (!cJSON_IsString(e) || (strcmp(e->valuestring, "full_attention") != 0 &&
-                                   strcmp(e->valuestring, "sliding_attention") != 0))
-          return refuse(c, v, "moec's layers are \"sliding_attention\" (a window) or \"full_attention\"");
-      return cJSON_IsArray(v) ? 2 : refuse(c, v, "it must be a list of layer types");
-    }
-  }
-  if (is_deepseek(c->arch.family)) {
-    // transformers' derived values: the rotary heads' width (the rope part) and q's and k's heads
-    if (strcmp(k, "qk_head_dim") == 0) return 2;
-    if (strcmp(k, "pretraining_tp") == 0)
-      return cJSON_IsNull(v) || (cJSON_IsNumber(v) && v->valuedouble == 1) ? 0
-             : refuse(c, v, "transformers computes with one tensor-parallel slice (it only describes pretraining)");
-    if (strcmp(k, "mlp_bias") == 0 && is_family(c, RT_HF_DEEPSEEK_V2))
-      return cJSON_IsFalse(v) ? 0 : refuse(c, v, "moec's SwiGLU experts have no biases");
-    if (strcmp(k, "rope_interleave") == 0 && is_family(c, RT_HF_DEEPSEEK_V3)) {
-      c->interleave = cJSON_IsTrue(v);
-      return cJSON_IsBool(v) ? 0 : refuse(c, v, "it must be true or false");
-    }
-    if (strcmp(k, "topk_method") == 0 && is_family(c, RT_HF_DEEPSEEK_V2)) {
-      bool greedy = cJSON_IsString(v) && strcmp(v->valuestring, "greedy") == 0;
-      c->group_greedy = cJSON_IsString(v) && strcmp(v->valuestring, "group_limited_greedy") == 0;
-      return greedy || c->group_greedy ? 0 : refuse(c, v, "moec's DeepSeek-V2 router is \"greedy\" or \"group_limited_greedy\"");
-    }
-  }
-  if (is_glm_like(c->arch.family)) {
-    if (strcmp(k, "n_group") == 0 || strcmp(k, "topk_group") == 0) {
-      if (cJSON_IsNull(v)) return 0;   // DeepSeek-V2's greedy router has none
-      if (!cJSON_IsNumber(v) || v->valuedouble < 1 || v->valuedouble > 64 || v->valuedouble != floor(v->valuedouble))
-        return refuse(c, v, "moec's router takes a whole number of expert groups from 1 to 64");
-      *(k[0] == 'n' ? &c->n_group : &c->topk_group) = (int64_t)v->valuedouble;
-      return 0;
-    }
-    if (strcmp(k, "routed_scaling_factor") == 0) {
-      if (!cJSON_IsNumber(v) || !(v->valuedouble > 0)) return refuse(c, v, "it must be a positive number");
-      c->scale = v->valuedouble;
-      return 0;
-    }
-    // The multi-token-prediction layers after the last decoder layer: transformers does not build
-    // them (nor load their tensors), and neither does moec.
-    if (strcmp(k, "num_nextn_predict_layers") == 0)
-      return cJSON_IsNumber(v) && v->valuedouble >= 0 ? 0 : refuse(c, v, "it must be a number of layers");
-  }
+// ---- config.json's keys: one table (KEYS below) ----
+// Each key moec knows is a row: the families it applies to and what it takes. A row without a
+// handler is harmless: it describes something other than the computation (tokenizer, saving,
+// generation), or the architecture reads it (rt_hf_arch_of_config and read_arch check it). A
+// handler returns 0 when the value is represented, 2 when read_arch checks it against the
+// architecture, else refuse()'s 1 with the sentence. The first row that names the key for the
+// checkpoint's family decides; a key no row names is refused.
+#define FAM(f) (1u << (f))
+enum {
+  ALL = ~0u,
+  MIXTRAL = FAM(RT_HF_MIXTRAL), QWEN2 = FAM(RT_HF_QWEN2_MOE), QWEN3 = FAM(RT_HF_QWEN3_MOE), OLMOE = FAM(RT_HF_OLMOE),
+  GLM4 = FAM(RT_HF_GLM4_MOE), DS2 = FAM(RT_HF_DEEPSEEK_V2), DS3 = FAM(RT_HF_DEEPSEEK_V3), OSS = FAM(RT_HF_GPT_OSS),
+  QWEN = QWEN2 | QWEN3, DEEPSEEK = DS2 | DS3, GLM_LIKE = GLM4 | DEEPSEEK,
+};
+
+typedef int (*KeyFn)(Config *c, const cJSON *v);
+typedef struct Key {
+  const char *name;
+  unsigned families;
+  KeyFn take;   // NULL: harmless
+} Key;
+
+static int bool_or_refuse(Config *c, const cJSON *v, bool *out) {
+  if (out) *out = cJSON_IsTrue(v);
+  return cJSON_IsBool(v) ? 0 : refuse(c, v, "it must be true or false");
+}
+
+static int take_hidden_act(Config *c, const cJSON *v) {
+  return cJSON_IsString(v) && strcmp(v->valuestring, "silu") == 0 ? 0 : refuse(c, v, "moec's SwiGLU experts use silu");
+}
+static int take_attention_dropout(Config *c, const cJSON *v) {
+  return is_zero(v) ? 0 : refuse(c, v, "moec trains without dropout");
+}
+static int take_jitter(Config *c, const cJSON *v) {
+  return is_zero(v) ? 0 : refuse(c, v, "moec's gates have no multiplicative jitter (only 'noise', a different one)");
+}
+// true: the gates' `aux pooled` (read_arch)
+static int take_router_logits(Config *c, const cJSON *v) { return bool_or_refuse(c, v, &c->router_logits); }
+static int take_head_dim(Config *c, const cJSON *v) { return cJSON_IsNull(v) ? 0 : 2; }
+
+// gpt-oss: 'ffn oss', the clamped SwiGLU of gpt-oss's constants, and its layer types
+static int take_swiglu_alpha(Config *c, const cJSON *v) {
+  return cJSON_IsNumber(v) && v->valuedouble == 1.702 ? 0 : refuse(c, v, "moec's 'ffn oss' has alpha 1.702");
+}
+static int take_swiglu_limit(Config *c, const cJSON *v) {
+  return cJSON_IsNumber(v) && v->valuedouble == 7.0 ? 0 : refuse(c, v, "moec's 'ffn oss' clamps at 7");
+}
+static int take_oss_layer_types(Config *c, const cJSON *v) {
+  for (const cJSON *e = cJSON_IsArray(v) ? v->child : NULL; e; e = e->next)
+    if (!cJSON_IsString(e) || (strcmp(e->valuestring, "full_attention") != 0 &&
+                               strcmp(e->valuestring, "sliding_attention") != 0))
+      return refuse(c, v, "moec's layers are \"sliding_attention\" (a window) or \"full_attention\"");
+  return cJSON_IsArray(v) ? 2 : refuse(c, v, "it must be a list of layer types");
+}
+
+// DeepSeek: transformers' derived values (the rotary heads' width, q's and k's heads) and its options
+static int take_derived(Config *c, const cJSON *v) { return 2; }
+static int take_pretraining_tp(Config *c, const cJSON *v) {
+  return cJSON_IsNull(v) || (cJSON_IsNumber(v) && v->valuedouble == 1) ? 0
+         : refuse(c, v, "transformers computes with one tensor-parallel slice (it only describes pretraining)");
+}
+static int take_mlp_bias(Config *c, const cJSON *v) {
+  return cJSON_IsFalse(v) ? 0 : refuse(c, v, "moec's SwiGLU experts have no biases");
+}
+static int take_rope_interleave(Config *c, const cJSON *v) { return bool_or_refuse(c, v, &c->interleave); }
+static int take_topk_method(Config *c, const cJSON *v) {
+  bool greedy = cJSON_IsString(v) && strcmp(v->valuestring, "greedy") == 0;
+  c->group_greedy = cJSON_IsString(v) && strcmp(v->valuestring, "group_limited_greedy") == 0;
+  return greedy || c->group_greedy ? 0 : refuse(c, v, "moec's DeepSeek-V2 router is \"greedy\" or \"group_limited_greedy\"");
+}
+
+// GLM-4.5 and DeepSeek: the grouped router, its scale, and the multi-token-prediction layers after
+// the last decoder layer (transformers does not build them, nor load their tensors; nor does moec)
+static int take_groups(Config *c, const cJSON *v) {
+  if (cJSON_IsNull(v)) return 0;   // DeepSeek-V2's greedy router has none
+  if (!cJSON_IsNumber(v) || v->valuedouble < 1 || v->valuedouble > 64 || v->valuedouble != floor(v->valuedouble))
+    return refuse(c, v, "moec's router takes a whole number of expert groups from 1 to 64");
+  *(v->string[0] == 'n' ? &c->n_group : &c->topk_group) = (int64_t)v->valuedouble;
+  return 0;
+}
+static int take_routed_scale(Config *c, const cJSON *v) {
+  if (!cJSON_IsNumber(v) || !(v->valuedouble > 0)) return refuse(c, v, "it must be a positive number");
+  c->scale = v->valuedouble;
+  return 0;
+}
+static int take_nextn(Config *c, const cJSON *v) {
+  return cJSON_IsNumber(v) && v->valuedouble >= 0 ? 0 : refuse(c, v, "it must be a number of layers");
+}
+
+// The Qwen families' windows and layer types
+static int take_use_sliding_window(Config *c, const cJSON *v) {
+  return cJSON_IsFalse(v) ? 0
+         : refuse(c, v, "the Qwen families' windows apply from max_window_layers on, which moec does not represent");
+}
+static int take_qwen_layer_types(Config *c, const cJSON *v) {
+  for (const cJSON *e = cJSON_IsArray(v) ? v->child : NULL; e; e = e->next)
+    if (!cJSON_IsString(e) || strcmp(e->valuestring, "full_attention") != 0)
+      return refuse(c, v, "moec's attention sees the whole sequence in every layer (\"full_attention\")");
+  return cJSON_IsArray(v) ? 0 : refuse(c, v, "it must be a list of layer types");
+}
+static int take_sliding_window(Config *c, const cJSON *v) {
   bool qwen = is_family(c, RT_HF_QWEN2_MOE) || is_family(c, RT_HF_QWEN3_MOE);
-  if (strcmp(k, "use_sliding_window") == 0 && qwen)
-    return cJSON_IsFalse(v) ? 0 : refuse(c, v, "the Qwen families' windows apply from max_window_layers on, which moec does not represent");
-  if (strcmp(k, "sliding_window") == 0) {
-    if (qwen && !cJSON_IsTrue(key(c, "use_sliding_window"))) return 0;   // unused
-    if (cJSON_IsNull(v)) return 0;
-    if (!is_mixtral_like(c->arch.family))
-      return refuse(c, v, "only Mixtral's and gpt-oss's attention have a sliding window in moec");
-    return cJSON_IsNumber(v) && v->valuedouble >= 1 && v->valuedouble == floor(v->valuedouble)
-               ? 2 : refuse(c, v, "it must be null or a whole number of at least 1");
-  }
-  if (strcmp(k, "clip_qkv") == 0 && is_family(c, RT_HF_OLMOE))
-    return cJSON_IsNull(v) ? 0 : refuse(c, v, "moec does not clamp q, k and v");
-  if (strcmp(k, "layer_types") == 0 && qwen) {
-    for (const cJSON *e = cJSON_IsArray(v) ? v->child : NULL; e; e = e->next)
-      if (!cJSON_IsString(e) || strcmp(e->valuestring, "full_attention") != 0)
-        return refuse(c, v, "moec's attention sees the whole sequence in every layer (\"full_attention\")");
-    return cJSON_IsArray(v) ? 0 : refuse(c, v, "it must be a list of layer types");
-  }
-  if (strcmp(k, "rope_theta") == 0) {
-    if (!cJSON_IsNumber(v) || !(v->valuedouble > 0)) return refuse(c, v, "it must be a positive number");
-    c->theta = v->valuedouble;
-    return 0;
-  }
-  if (strcmp(k, "rope_scaling") == 0) return cJSON_IsNull(v) ? 0 : refuse(c, v, "moec's rotary positions are unscaled");
-  if (strcmp(k, "rope_parameters") == 0) {
-    const cJSON *type = cJSON_GetObjectItemCaseSensitive(v, "rope_type");
-    const cJSON *theta = cJSON_GetObjectItemCaseSensitive(v, "rope_theta");
-    const cJSON *partial = cJSON_GetObjectItemCaseSensitive(v, "partial_rotary_factor");
-    if ((is_deepseek(c->arch.family) || is_family(c, RT_HF_GPT_OSS)) && cJSON_IsString(type) &&
-        strcmp(type->valuestring, "yarn") == 0)
-      return read_yarn(c, v);
-    if (type && !(cJSON_IsString(type) && strcmp(type->valuestring, "default") == 0))
-      return refuse(c, v, is_deepseek(c->arch.family) || is_family(c, RT_HF_GPT_OSS)
-                              ? "moec's rotary positions are the default ones or yarn"
-                                                      : "moec's rotary positions are the default ones (rope_type \"default\")");
-    if (!cJSON_IsNumber(theta) || !(theta->valuedouble > 0)) return refuse(c, v, "it needs a positive rope_theta");
-    if (partial && !(cJSON_IsNumber(partial) && partial->valuedouble > 0 && partial->valuedouble <= 1))
-      return refuse(c, v, "its partial_rotary_factor must be a number in (0, 1]");
-    for (const cJSON *e = v->child; e; e = e->next)
-      if (strcmp(e->string, "rope_type") != 0 && strcmp(e->string, "rope_theta") != 0 &&
-          strcmp(e->string, "partial_rotary_factor") != 0)
-        return refuse(c, v, "moec's rotary positions have no parameters beyond rope_theta and partial_rotary_factor");
-    c->theta = theta->valuedouble;
-    if (partial) c->partial = partial->valuedouble;
-    return 0;
-  }
+  if (qwen && !cJSON_IsTrue(key(c, "use_sliding_window"))) return 0;   // unused
+  if (cJSON_IsNull(v)) return 0;
+  if (!is_mixtral_like(c->arch.family))
+    return refuse(c, v, "only Mixtral's and gpt-oss's attention have a sliding window in moec");
+  return cJSON_IsNumber(v) && v->valuedouble >= 1 && v->valuedouble == floor(v->valuedouble)
+             ? 2 : refuse(c, v, "it must be null or a whole number of at least 1");
+}
+static int take_clip_qkv(Config *c, const cJSON *v) {
+  return cJSON_IsNull(v) ? 0 : refuse(c, v, "moec does not clamp q, k and v");
+}
+
+static int take_rope_theta(Config *c, const cJSON *v) {
+  if (!cJSON_IsNumber(v) || !(v->valuedouble > 0)) return refuse(c, v, "it must be a positive number");
+  c->theta = v->valuedouble;
+  return 0;
+}
+static int take_rope_scaling(Config *c, const cJSON *v) {
+  return cJSON_IsNull(v) ? 0 : refuse(c, v, "moec's rotary positions are unscaled");
+}
+static int take_rope_parameters(Config *c, const cJSON *v) {
+  const cJSON *type = cJSON_GetObjectItemCaseSensitive(v, "rope_type");
+  const cJSON *theta = cJSON_GetObjectItemCaseSensitive(v, "rope_theta");
+  const cJSON *partial = cJSON_GetObjectItemCaseSensitive(v, "partial_rotary_factor");
+  bool yarn_family = is_deepseek(c->arch.family) || is_family(c, RT_HF_GPT_OSS);
+  if (yarn_family && cJSON_IsString(type) && strcmp(type->valuestring, "yarn") == 0) return read_yarn(c, v);
+  if (type && !(cJSON_IsString(type) && strcmp(type->valuestring, "default") == 0))
+    return refuse(c, v, yarn_family ? "moec's rotary positions are the default ones or yarn"
+                                    : "moec's rotary positions are the default ones (rope_type \"default\")");
+  if (!cJSON_IsNumber(theta) || !(theta->valuedouble > 0)) return refuse(c, v, "it needs a positive rope_theta");
+  if (partial && !(cJSON_IsNumber(partial) && partial->valuedouble > 0 && partial->valuedouble <= 1))
+    return refuse(c, v, "its partial_rotary_factor must be a number in (0, 1]");
+  for (const cJSON *e = v->child; e; e = e->next)
+    if (strcmp(e->string, "rope_type") != 0 && strcmp(e->string, "rope_theta") != 0 &&
+        strcmp(e->string, "partial_rotary_factor") != 0)
+      return refuse(c, v, "moec's rotary positions have no parameters beyond rope_theta and partial_rotary_factor");
+  c->theta = theta->valuedouble;
+  if (partial) c->partial = partial->valuedouble;
+  return 0;
+}
+
+static const Key KEYS[] = {
+    // harmless in every family
+    {"vocab_size", ALL}, {"hidden_size", ALL}, {"num_hidden_layers", ALL}, {"num_attention_heads", ALL},
+    {"num_key_value_heads", ALL}, {"num_experts_per_tok", ALL}, {"max_position_embeddings", ALL},
+    {"rms_norm_eps", ALL}, {"tie_word_embeddings", ALL}, {"model_type", ALL}, {"transformers_version", ALL},
+    {"dtype", ALL}, {"torch_dtype", ALL}, {"bos_token_id", ALL}, {"eos_token_id", ALL}, {"pad_token_id", ALL},
+    {"initializer_range", ALL}, {"use_cache", ALL}, {"architectures", ALL}, {"router_aux_loss_coef", ALL},
+    {"return_dict", ALL}, {"output_hidden_states", ALL}, {"output_attentions", ALL},
+    // harmless in some: the sizes and switches read_arch reads
+    {"num_local_experts", MIXTRAL | QWEN3 | OSS}, {"num_experts", QWEN | OLMOE},
+    {"n_routed_experts", GLM_LIKE}, {"n_shared_experts", GLM_LIKE}, {"first_k_dense_replace", GLM_LIKE},
+    {"intermediate_size", ALL}, {"moe_intermediate_size", QWEN | GLM_LIKE},
+    {"shared_expert_intermediate_size", QWEN2}, {"qkv_bias", QWEN2},
+    {"decoder_sparse_step", QWEN}, {"mlp_only_layers", QWEN}, {"max_window_layers", QWEN},
+    {"norm_topk_prob", QWEN | OLMOE | GLM_LIKE},   // read_arch: V2's router never renormalises
+    {"head_dim", QWEN3 | GLM4 | OSS}, {"attention_bias", QWEN3 | OLMOE | GLM_LIKE | OSS}, {"use_qk_norm", GLM4},
+    {"kv_lora_rank", DEEPSEEK}, {"q_lora_rank", DEEPSEEK}, {"qk_nope_head_dim", DEEPSEEK},
+    {"qk_rope_head_dim", DEEPSEEK}, {"v_head_dim", DEEPSEEK},
+    // what moec represents or refuses
+    {"hidden_act", ALL, take_hidden_act}, {"attention_dropout", ALL, take_attention_dropout},
+    {"router_jitter_noise", MIXTRAL, take_jitter}, {"output_router_logits", ALL, take_router_logits},
+    {"head_dim", ALL, take_head_dim},
+    {"swiglu_alpha", OSS, take_swiglu_alpha}, {"swiglu_limit", OSS, take_swiglu_limit},
+    {"layer_types", OSS, take_oss_layer_types}, {"layer_types", QWEN, take_qwen_layer_types},
+    {"qk_head_dim", DEEPSEEK, take_derived}, {"pretraining_tp", DEEPSEEK, take_pretraining_tp},
+    {"mlp_bias", DS2, take_mlp_bias}, {"rope_interleave", DS3, take_rope_interleave},
+    {"topk_method", DS2, take_topk_method},
+    {"n_group", GLM_LIKE, take_groups}, {"topk_group", GLM_LIKE, take_groups},
+    {"routed_scaling_factor", GLM_LIKE, take_routed_scale}, {"num_nextn_predict_layers", GLM_LIKE, take_nextn},
+    {"use_sliding_window", QWEN, take_use_sliding_window}, {"sliding_window", ALL, take_sliding_window},
+    {"clip_qkv", OLMOE, take_clip_qkv},
+    {"rope_theta", ALL, take_rope_theta}, {"rope_scaling", ALL, take_rope_scaling},
+    {"rope_parameters", ALL, take_rope_parameters},
+};
+
+// One key of config.json through KEYS: 0 when represented or harmless, 2 when read_arch checks it
+// against the architecture, else 1 with the sentence.
+static int check_key(Config *c, const cJSON *v) {
+  for (size_t i = 0; i < sizeof KEYS / sizeof *KEYS; i++)
+    if ((KEYS[i].families & FAM(c->arch.family)) && strcmp(KEYS[i].name, v->string) == 0)
+      return KEYS[i].take ? KEYS[i].take(c, v) : 0;
   char text[200];
   value_text(v, text, sizeof text);
-  return fail("%s: \"%s\": %s is a key moec does not know for %s; refusing rather than ignoring it", c->path, k, text,
-              rt_hf_family_name(c->arch.family));
+  return fail("%s: \"%s\": %s is a key moec does not know for %s; refusing rather than ignoring it", c->path, v->string,
+              text, rt_hf_family_name(c->arch.family));
 }
 
 static int need_count(const Config *c, const char *k) {
