@@ -3,6 +3,7 @@
 //   moec check F.moe                 parse and check only
 //   moec dump-ir F.moe [--after=PASS | --all]
 //   moec dump-ir F.ir                read IR text back, verify it, print it
+//   moec dump-ir F.moe|F.ir --dot [--func NAME]   the IR as a Graphviz graph (ir/ir_dot.c)
 //   moec build F.moe [-o BIN] [-v] [--emit c|cuda] [--keep-c F.c] [--cluster C] [--target T]
 //                    [--gpu-arch sm_NN]
 //   moec plan | sweep                the FSMoE schedule model (cli/plan.c, cli/sweep.c)
@@ -32,6 +33,7 @@ static void usage(FILE *out) {
           "  dump-ir F.moe             print the IR after all passes\n"
           "      --after=PASS          ... after one pass (lower = before any pass; see 'moec passes')\n"
           "      --all                 ... after every pass\n"
+          "      --dot [--func NAME]   ... as a Graphviz graph (dot -Tsvg), of every function or one\n"
           "  dump-ir F.ir              read IR text, verify it and print it again\n"
           "  build F.moe               compile a model into a training binary\n"
           "      -o BIN                output (default: the model file's name without .moe)\n"

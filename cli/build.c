@@ -34,13 +34,17 @@ void cli_check_usage(FILE *out) {
 
 void cli_dump_ir_usage(FILE *out) {
   fprintf(out,
-          "usage: moec dump-ir F.moe [--after=PASS | --all] [--cluster C] [--stage N] [-v]\n"
-          "       moec dump-ir F.ir\n"
+          "usage: moec dump-ir F.moe [--after=PASS | --all] [--dot [--func NAME]] [--cluster C] [--stage N] [-v]\n"
+          "       moec dump-ir F.ir [--dot [--func NAME]]\n"
           "\n"
           "Prints the IR of a model after all passes, or reads IR text back, verifies it and prints it.\n"
           "\n"
           "  --after=PASS      after one pass (lower: before any pass; 'moec passes' lists them)\n"
           "  --all             after every pass, each headed by its name\n"
+          "  --dot             a Graphviz graph instead of text (dot -Tsvg draws it): ops coloured by\n"
+          "                    stream, collectives as hexagons, events dashed, fused groups boxed;\n"
+          "                    every function, each in a box of its own\n"
+          "  --func NAME       with --dot: only function NAME (block0.fwd, loss.fwd, optimizer, ...)\n"
           "  --cluster C       cluster profile (overrides the model's 'cluster' statement)\n"
           "  --stage N         the program of pipeline stage N (a model with 'pp'; default 0)\n"
           "  -v                also report what the passes decided\n");
@@ -72,8 +76,8 @@ void cli_build_usage(FILE *out) {
 }
 
 typedef struct Options {
-  const char *input, *output, *after, *emit, *keep_c, *cluster, *target, *gpu_arch, *layout, *stage_arg;
-  bool all, verbose, no_fuse;
+  const char *input, *output, *after, *emit, *keep_c, *cluster, *target, *gpu_arch, *layout, *stage_arg, *func;
+  bool all, verbose, no_fuse, dot;
   int stage;   // the pipeline stage lowered (--stage N for dump-ir and --emit c; the build: each)
   const int64_t *pp_split;   // the stages' layers the first front end chose (build_stages); NULL: choose
 } Options;
@@ -93,7 +97,8 @@ static bool parse_options(int argc, char **argv, Options *o) {
       {"--after=", NULL, false, &o->after},     {"--target=", NULL, false, &o->target},
       {"--emit=", NULL, false, &o->emit},       {"--all", NULL, true, &o->all},
       {"-v", "--verbose", true, &o->verbose},   {"--no-fuse", NULL, true, &o->no_fuse},
-      {"--stage", NULL, false, &o->stage_arg},
+      {"--stage", NULL, false, &o->stage_arg},  {"--dot", NULL, true, &o->dot},
+      {"--func", NULL, false, &o->func},        {"--func=", NULL, false, &o->func},
   };
   char for_what[64], help[64];
   snprintf(for_what, sizeof for_what, "'moec %s'", argv[1]);
@@ -113,6 +118,14 @@ static bool parse_options(int argc, char **argv, Options *o) {
       return false;
     }
     o->stage = (int)v;
+  }
+  if (o->func && !o->dot) {
+    fprintf(stderr, "moec: error: --func picks the function of a --dot graph; add --dot\n");
+    return false;
+  }
+  if (o->dot && o->all) {
+    fprintf(stderr, "moec: error: --dot draws the IR after one pass; use --after=PASS, not --all\n");
+    return false;
   }
   if (o->after && !pass_known(o->after)) {
     fprintf(stderr, "moec: error: unknown pass '%s' for --after (see 'moec passes')\n", o->after);
@@ -243,6 +256,32 @@ static int cmd_check(IrDiag *d, const Options *o) {
   return ok && d->errors == 0 ? 0 : 1;
 }
 
+// The module as text, or with --dot as a Graphviz graph of every function or of --func's (an
+// unknown name is an error that lists the module's functions). after: the pass it is after.
+static int print_ir(const IrModule *m, const Options *o, const char *after) {
+  if (!o->dot) {
+    ir_print(stdout, m);
+    return 0;
+  }
+  const IrFunc *only = NULL;
+  if (o->func) {
+    only = ir_find_func(m, o->func[0] == '@' ? o->func + 1 : o->func);
+    if (!only) {
+      fprintf(stderr, "moec: error: --func '%s': module '%s' has no such function; it has", o->func, m->name);
+      for (int i = 0; i < m->nfuncs; i++) fprintf(stderr, "%s @%s", i ? "," : "", m->funcs[i]->name);
+      fputc('\n', stderr);
+      return 1;
+    }
+  }
+  char note[96];
+  snprintf(note, sizeof note, "%s%s", after ? "after " : "", after ? after : "as read");
+  if (!ir_print_dot(stdout, m, only, note)) {
+    fprintf(stderr, "moec: error: could not write the graph\n");
+    return 1;
+  }
+  return 0;
+}
+
 static int cmd_dump_ir(IrDiag *d, const Options *o) {
   IrSource *src = NULL;
   int status = 1;
@@ -253,10 +292,7 @@ static int cmd_dump_ir(IrDiag *d, const Options *o) {
     }
     src = ir_source_read(d, o->input);
     IrModule *m = src ? ir_parse(d, src) : NULL;
-    if (m && ir_verify(d, m)) {
-      ir_print(stdout, m);
-      status = 0;
-    }
+    if (m && ir_verify(d, m)) status = print_ir(m, o, NULL);
     ir_module_free(m);
     ir_source_free(src);
     return status;
@@ -267,9 +303,10 @@ static int cmd_dump_ir(IrDiag *d, const Options *o) {
     PassCtx ctx = {.d = d, .verbose = o->verbose, .log = stderr, .dump_out = stdout, .dump_all = o->all,
                    .cluster = cl.have ? &cl.sc : NULL,
                    .fuse = !o->no_fuse, .fuse_cpu = !o->target || strcmp(o->target, "cuda") != 0};
-    ctx.dump_after = o->all ? NULL : (o->after ? o->after : pass_list[pass_count - 1].name);
-    ctx.stop_after = o->all ? NULL : ctx.dump_after;
-    if (pass_run_pipeline(m, &ctx)) status = 0;
+    const char *after = o->all ? NULL : (o->after ? o->after : pass_list[pass_count - 1].name);
+    ctx.dump_after = o->dot ? NULL : after;   // --dot: the graph of the module where the pipeline stops
+    ctx.stop_after = after;
+    if (pass_run_pipeline(m, &ctx)) status = o->dot ? print_ir(m, o, after) : 0;
     pass_ctx_free(&ctx);
   }
   fe_hf_export_free(&cl.hf);

@@ -287,6 +287,13 @@ char *ir_print_to_string(const IrModule *m);   // malloc'd
 // Parses IR text; on error reports through d (file:line:col + caret) and returns NULL.
 IrModule *ir_parse(IrDiag *d, const IrSource *src);
 
+// ---- Graphviz (ir/ir_dot.c) ----
+// m as a Graphviz digraph (`moec dump-ir --dot`, for `dot -Tsvg`): ops as nodes coloured by
+// stream, values as edges, events dashed, fused groups as `cluster_fuse_G` boxes, each function
+// a `cluster_func_N`; only the function `only` when non-NULL. note (e.g. "after fuse") joins the
+// graph's title. False when out failed.
+bool ir_print_dot(FILE *out, const IrModule *m, const IrFunc *only, const char *note);
+
 // ---- verifier and shape inference (ir/verify.c, ir/shapes.c) ----
 // Checks structure: arity, required attributes, operand resolution, names unique, dtypes,
 // and that every op's result type equals the inferred one. Reports each problem through d.
