@@ -25,7 +25,7 @@ ROOT    := $(abspath .)
 CUDA    ?= /usr/local/cuda
 
 DEB_PACKAGES := flex bison libnlopt-dev libopenmpi-dev openmpi-bin libopenblas-dev libopenblas-openmp-dev libcjson-dev \
-                libcmocka-dev python3-numpy clang libclang-rt-14-dev iproute2 util-linux
+                libcmocka-dev python3-numpy clang libclang-rt-14-dev iproute2 util-linux graphviz
 
 # ---- configuration: packages first, then the flags of this machine, then anything compiled ----
 # build/config.mk (mk/configure.sh: MPI, cJSON, OpenBLAS, CUDA, NCCL flags) is included below;
