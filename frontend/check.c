@@ -1622,13 +1622,11 @@ static SrcLoc lora_target_at(const Ctx *c, const FeLora *lo, const char *word) {
 }
 
 // LoRA (lang/manual.md §7.3): every target names weights the model has (q k v o: a language
-// model's attention; experts: a moe layer; shared: a shared expert; mlp: a dense layer), and the
-// layout is one the adapters run on: mp 1, pp 1, and esp 1 when the experts are adapted.
+// model's attention; experts: a moe layer; shared: a shared expert; mlp: a dense layer). Every
+// layout runs the adapters (MP, EP and ESP split them as their base weights, lower.c).
 static void check_lora(Ctx *c, const FeProgram *p) {
   const FeModel *m = &p->model;
   const FeLora *lo = &m->lora;
-  const FeParallel *par = &p->parallel;
-  const FeNode *pn = c->parallel_node;
   bool layers_ok = true, moe = false, shared = false, mlp = false;
   for (int i = 0; i < p->nlayers; i++) {
     const FeLayer *l = &p->layers[i];
@@ -1660,8 +1658,6 @@ static void check_lora(Ctx *c, const FeProgram *p) {
   if (layers_ok && lo->mlp && !mlp)
     ir_error_at(c->d, lora_target_at(c, lo, "mlp"), "lora target 'mlp' adapts the dense layers' 'mlp', but no layer "
                 "has one");
-  if (!c->parallel_ok)
-    return;
 }
 
 // Each rule reads only statements that checked cleanly (model_ok, parallel_ok, layer_ok).
