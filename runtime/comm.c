@@ -46,7 +46,7 @@
 // communicator's limit so that tests exercise the slicing with small buffers.
 //
 // Errors: every communicator (MPI_COMM_WORLD too) returns errors (MPI_ERRORS_RETURN) and
-// MPI_CHECK turns one into rt_comm_abort with the MPI error string, the rank, host and
+// MPI_CHECK turns one into rt_comm_abort (fatal.c) with the MPI error string, the rank, host and
 // file:line: a failed collective ends the whole job (MPI_Abort), never just one rank; one that
 // does not complete within the deadline (finish below) too. A rank that dies outright is mpirun's
 // business: Open MPI kills the job when a process exits abnormally.
@@ -128,56 +128,6 @@ static struct {
 // (and the pipeline's point-to-point messages, between the ranks of one place in every stage)
 enum { PP_GROUP = RT_GROUP_COUNT };
 static const char *const group_names[RT_GROUP_COUNT + 1] = {"world", "dp", "mp", "ep", "esp", "pp"};
-
-// ---- errors ----
-
-void rt_mpi_vreport(const char *prefix, const char *fmt, va_list ap) {
-  char msg[4096];
-  vsnprintf(msg, sizeof msg, fmt, ap);
-  int initialized = 0, finalized = 0, rank = 0;
-  MPI_Initialized(&initialized);
-  MPI_Finalized(&finalized);
-  if (initialized && !finalized)
-    MPI_Comm_rank(MPI_COMM_WORLD, &rank);
-  char host[256] = "?";
-  gethostname(host, sizeof host);
-  host[sizeof host - 1] = '\0';
-  fprintf(stderr, "moert: error: rank %d on %s: %s%s\n", rank, host, prefix, msg);
-  fflush(stderr);
-}
-
-_Noreturn void rt_comm_abort(const char *fmt, ...) {
-  va_list ap;
-  va_start(ap, fmt);
-  rt_mpi_vreport("", fmt, ap);
-  va_end(ap);
-  fflush(stdout);
-
-  int initialized = 0, finalized = 0, size = 1;
-  MPI_Initialized(&initialized);
-  MPI_Finalized(&finalized);
-  bool mpi_up = initialized && !finalized;
-  if (mpi_up)
-    MPI_Comm_size(MPI_COMM_WORLD, &size);
-  if (mpi_up && size > 1) {
-    // MPI_Abort asks mpirun to end the job; should mpirun be out of reach (a cut link), the
-    // alarm ends this process anyway.
-    alarm(10);
-    MPI_Abort(MPI_COMM_WORLD, 1);
-  }
-  exit(1);
-}
-
-void rt_mpi_check(int err, const char *call, const char *file, int line) {
-  if (err == MPI_SUCCESS)
-    return;
-  char text[MPI_MAX_ERROR_STRING];
-  int len = 0;
-  if (MPI_Error_string(err, text, &len) != MPI_SUCCESS)
-    snprintf(text, sizeof text, "MPI error code %d", err);
-  int name_len = (int)strcspn(call, "(");
-  rt_comm_abort("%.*s failed at %s:%d: %s", name_len, call, file, line, text);
-}
 
 // ---- waiting ----
 //

@@ -47,7 +47,7 @@ void rt_big_free(void *p, size_t bytes);
 void rt_big_touch(void *p, size_t bytes);
 // MOERT_PLAIN_MEMORY=1: none of this (calloc, files read into memory): bench/memory.sh's baseline.
 bool rt_plain_memory(void);
-int rt_make_dirs(const char *path);   // mkdir -p (runtime/dump.c); -1 with rt_fail's sentence
+int rt_make_dirs(const char *path);   // mkdir -p (runtime/files.c); -1 with rt_fail's sentence
 // A JSON string literal of s (quoted and escaped by cJSON), malloc'ed; out of memory ends the job
 // (what: for the message). runtime/checkpoint.c.
 char *rt_json_quote(const char *s, const char *what);

@@ -113,6 +113,8 @@ static inline bool rt_is_root(const RtTrainer *tr) {
 // columns gathered over the MP group. Collective over MP; NULL when out of memory (reported).
 const float *rt_lm_logits(RtTrainer *tr);
 
+// ---- the step's data, the device's copies, the report (step_data.c) ----
+
 // Host -> device (rt_device_put) and device -> host (rt_device_get) of what (RtDeviceData bits),
 // on every rank, agreed over the world. 0 without a device: the host buffers are the only ones.
 int rt_device_put(RtTrainer *tr, unsigned what);
@@ -124,6 +126,9 @@ void rt_fill_step_data(RtTrainer *tr, int64_t step);
 // The data of samples first .. first + batch - 1 of step `step` (microbatch `micro` of the
 // rank's) into input and target.
 void rt_fill_data(RtTrainer *tr, int64_t step, int64_t first, int micro, float *input, float *target);
+// --input (and --target): with microbatches every one of them in fixed_in and fixed_target, else
+// the step's input and target themselves; -1 with rt_fail's sentence.
+int rt_load_data(RtTrainer *tr);
 
 // ---- microbatches and pipeline stages (pipeline.c) ----
 // How many microbatches are in flight at once on this stage (its slots).
@@ -141,7 +146,7 @@ void rt_pipe_forward(RtTrainer *tr);
 // gradients in st.grads, the forward's figures in *fwd.
 void rt_pipe_step1(RtTrainer *tr, RtStep *fwd);
 
-// ---- the report: a step's figures, reduced over the ranks (main.c) ----
+// ---- the report: a step's figures, reduced over the ranks (step_data.c) ----
 
 typedef struct RtReport {
   double loss, mse, aux, z, aux_total;
