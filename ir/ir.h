@@ -275,6 +275,9 @@ const char *ir_attr_str(const IrAttr *attrs, int n, const char *key, const char 
 #define ir_mod_int(m, k, d) ir_attr_int((m)->attrs, (m)->nattrs, k, d)
 #define ir_mod_float(m, k, d) ir_attr_float((m)->attrs, (m)->nattrs, k, d)
 #define ir_mod_str(m, k, d) ir_attr_str((m)->attrs, (m)->nattrs, k, d)
+// A frozen parameter (attribute frozen: a LoRA model's base weights, lang/manual.md §7.3) takes no
+// gradient, no optimizer state and no update.
+#define ir_param_frozen(p) (ir_attr_int((p)->attrs, (p)->nattrs, "frozen", 0) != 0)
 
 static inline IrType ir_type0(IrDtype dt) { return (IrType){.dtype = dt, .rank = 0}; }
 static inline IrType ir_type1(IrDtype dt, int64_t a) { return (IrType){.dtype = dt, .rank = 1, .dim = {a}}; }

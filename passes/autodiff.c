@@ -27,12 +27,10 @@ typedef struct Grad {
 // (class ROUTE in ops.def).
 static bool blocks_gradient(IrOpKind k) { return ir_op_class(k) == IR_CLASS_ROUTE; }
 
-// A frozen parameter (attribute frozen: a LoRA model's base weights, lang/manual.md) takes no
-// gradient: the backward computes only what flows through it to the activations.
-static bool frozen(const IrParam *p) { return ir_attr_int(p->attrs, p->nattrs, "frozen", 0) != 0; }
-
+// A frozen parameter (ir_param_frozen) takes no gradient: the backward computes only what flows
+// through it to the activations.
 static bool operand_needs(const Grad *g, const IrOperand *a) {
-  return a->param ? !frozen(a->param) : g->needs[a->value->id];
+  return a->param ? !ir_param_frozen(a->param) : g->needs[a->value->id];
 }
 
 static void mark_needs(Grad *g) {
@@ -361,7 +359,7 @@ static bool backward_op(Grad *g, const IrOp *op) {
   case IR_OP_HOOK_RECORD:
     return true;  // observes only
   case IR_OP_GATE_TOPK_BIAS: {  // the correction bias's "gradient" is the load imbalance (opt.balance)
-    if (a[1].param && frozen(a[1].param)) return true;
+    if (a[1].param && ir_param_frozen(a[1].param)) return true;
     IrOp *load = new_op(g, IR_OP_GATE_BALANCE_LOAD, dname(g, &a[1]));
     load->args[load->nargs++] = V(op->result);
     ir_op_set_int(load, "experts", a[1].param ? a[1].param->type.dim[0] : 1);
@@ -617,7 +615,7 @@ bool pass_autodiff(IrModule *m, PassCtx *ctx) {
   const char *kind = ir_mod_str(m, "optimizer", "sgd");
   bool adamw = strcmp(kind, "adamw") == 0;
   for (int i = 0; i < m->nparams; i++) {
-    if (ir_attrs_get(m->params[i]->attrs, m->params[i]->nattrs, "balance") || frozen(m->params[i])) continue;
+    if (ir_attrs_get(m->params[i]->attrs, m->params[i]->nattrs, "balance") || ir_param_frozen(m->params[i])) continue;
     IrOp *u = ir_add_op(opt, m, adamw ? IR_OP_OPT_ADAMW : IR_OP_OPT_SGD, NULL, (IrType){0});
     ir_op_param(u, m->params[i]);
     ir_op_set_float(u, "lr", ir_mod_float(m, "lr", 0.01));
@@ -635,7 +633,7 @@ bool pass_autodiff(IrModule *m, PassCtx *ctx) {
   // the other updates (their launches stay one run on CUDA).
   for (int i = 0; i < m->nparams; i++) {
     const IrAttr *rate = ir_attrs_get(m->params[i]->attrs, m->params[i]->nattrs, "balance");
-    if (!rate || frozen(m->params[i])) continue;
+    if (!rate || ir_param_frozen(m->params[i])) continue;
     IrOp *u = ir_add_op(opt, m, IR_OP_OPT_BALANCE, NULL, (IrType){0});
     ir_op_param(u, m->params[i]);
     ir_op_set_float(u, "rate", rate->kind == IR_ATTR_INT ? (double)rate->i : rate->f);

@@ -449,7 +449,7 @@ bool pass_memplan(IrModule *m, PassCtx *ctx) {
 
   for (int i = 0; i < m->nparams; i++) {
     plan->param_bytes += ir_type_bytes(&m->params[i]->type);
-    if (!ir_attr_int(m->params[i]->attrs, m->params[i]->nattrs, "frozen", 0))
+    if (!ir_param_frozen(m->params[i]))
       plan->grad_bytes += ir_type_bytes(&m->params[i]->type);
   }
   if (ir_mod_int(m, "microbatches", 1) > 1)
