@@ -1658,6 +1658,18 @@ static void check_lora(Ctx *c, const FeProgram *p) {
   if (layers_ok && lo->mlp && !mlp)
     ir_error_at(c->d, lora_target_at(c, lo, "mlp"), "lora target 'mlp' adapts the dense layers' 'mlp', but no layer "
                 "has one");
+  // DeepSeek's latent attention makes keys and values with the same projections (kv_a_proj_with_mqa,
+  // kv_b_proj): their adapters are k's and v's at once (frontend/lower.c fe_lora_target), as a
+  // PEFT adapter of them is; one of the two alone would mean both, so it is refused.
+  for (int i = 0; m->has_vocab && lo->k != lo->v && i < p->nlayers; i++)
+    if (c->layer_ok[i] && p->layers[i].has_mla) {
+      const char *word = lo->k ? "k" : "v", *other = lo->k ? "v" : "k";
+      ir_error_at(c->d, lora_target_at(c, lo, word), "lora target '%s' without '%s': layer '%s' has 'mla' attention, "
+                  "whose keys and values come from the same projections (attn.wkv_a and attn.wkv_b, DeepSeek's "
+                  "kv_a_proj_with_mqa and kv_b_proj), which k and v adapt together; write both k and v, or neither",
+                  word, other, p->layers[i].name);
+      break;
+    }
 }
 
 // Each rule reads only statements that checked cleanly (model_ok, parallel_ok, layer_ok).

@@ -73,12 +73,18 @@ IrParam *fe_param(FeLower *L, const char *suffix, IrType t, const char *init, do
 static void lora_params(FeLower *L, const IrParam *w, IrType ta, IrType tb, int64_t in, int64_t out, IrParam **a,
                         IrParam **b, IrParam **s);
 
+// Multi-head latent attention's projections (lower_lm.c mla_attention) are PEFT's modules of
+// DeepSeek's attention: q's bottleneck wq_a and wq_b (q_a_proj, q_b_proj) are target q's; wkv_a
+// (kv_a_proj_with_mqa) and wkv_b (kv_b_proj) make the keys and the values alike, so they are
+// targets k's and v's, which frontend/check.c has come together on an mla layer.
 bool fe_lora_target(const FeLower *L, const char *suffix) {
   const FeLora *lo = &L->p->model.lora;
   if (!L->p->model.has_lora) return false;
-  if (strncmp(suffix, "attn.w", 6) == 0 && suffix[7] == '\0')
+  if (strncmp(suffix, "attn.w", 6) == 0 && suffix[6] && suffix[7] == '\0')
     return (suffix[6] == 'q' && lo->q) || (suffix[6] == 'k' && lo->k) || (suffix[6] == 'v' && lo->v) ||
            (suffix[6] == 'o' && lo->o);
+  if (strcmp(suffix, "attn.wq_a") == 0 || strcmp(suffix, "attn.wq_b") == 0) return lo->q;
+  if (strcmp(suffix, "attn.wkv_a") == 0 || strcmp(suffix, "attn.wkv_b") == 0) return lo->k || lo->v;
   return lo->mlp && strncmp(suffix, "mlp.w", 5) == 0;
 }
 
@@ -241,10 +247,6 @@ static void refuse_unsupported(IrDiag *d, const FeProgram *p, const FeTargetCaps
                 p->model.dtype);
   if (p->model.has_lora && target && !target->lora)
     ir_error_at(d, p->model.lora.loc, "'lora' does not run on the %s target", target->name);
-  for (int i = 0; p->model.has_lora && i < p->nlayers; i++)
-    if (p->layers[i].has_mla && (p->model.lora.q || p->model.lora.k || p->model.lora.v))
-      ir_error_at(d, p->model.lora.targets_loc, "lora targets q, k and v on layer '%s', whose attention is 'mla' "
-                  "(q and kv through low-rank projections): not lowered yet; 'o' and the experts are", p->layers[i].name);
   if (p->model.has_lora && !p->model.has_vocab)
     ir_error_at(d, p->model.lora.loc, "lora needs a language model (vocab): an MoE stack has no dense projections");
   if (target && !target->shard_optimizer && p->model.optimizer.shard)

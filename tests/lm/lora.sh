@@ -21,7 +21,12 @@
 #   - auto: `parallel auto;` chooses among every layout for a LoRA model and builds it;
 #   - cuda: the CUDA program on the fake device trains the CPU program's bits (gradients and
 #     moments of the adapters only on the device too), and with 2 microbatches;
-#   - refusals: q on multi-head latent attention, a stack without vocab.
+#   - mla: DeepSeek's latent attention (tests/models/grad_lm_mla.moe, q through q_lora's wq_a and
+#     wq_b in one layer and one wq in the others; k and v through wkv_a and wkv_b) with targets q
+#     k v o experts: B = 0 is the base model, trained adapters pass --check-grad, mp2·ep2 and
+#     dp2·mp2·ep4 equal one rank (the down projections' adapters whole, wq_b's and wkv_b's B by
+#     columns), --check-grad on mp2;
+#   - refusals: k without v on multi-head latent attention, a stack without vocab.
 . "$(dirname "$0")/../lib.sh"
 . "$(dirname "$0")/../mpi/common.sh"
 work lm-lora
@@ -236,19 +241,49 @@ cuda() {
   fi
 }
 
+# ---- multi-head latent attention: q's wq_a, wq_b (or wq), k's and v's wkv_a and wkv_b ----
+mla() {
+  local L="optimizer adamw { lr 0.01; } lora { r 2; alpha 4; targets q k v o experts; }"
+  sed "s/optimizer sgd { lr 0.01; }/$L/" tests/models/grad_lm_mla.moe >"$WORK/ml.moe"
+  sed "s/optimizer sgd { lr 0.01; }/$ADAMW/" tests/models/grad_lm_mla.moe >"$WORK/mlb.moe"
+  { cat "$WORK/ml.moe"; echo "parallel { dp 1; mp 2; ep 2; esp 1; }"; } >"$WORK/mlmp.moe"
+  { sed 's/batch 2;/batch 1;/' "$WORK/ml.moe"; echo "parallel { dp 2; mp 2; ep 4; esp 1; }"; } >"$WORK/mldm.moe"
+  local n
+  for n in ml mlb mlmp mldm; do
+    "$MOEC" build "$WORK/$n.moe" -o "$WORK/$n" >"$WORK/$n.build" 2>&1 || { bad "mla: moec build $n" "$(tail -n 5 "$WORK/$n.build")"; return; }
+  done
+  (cd "$WORK" && ./ml --steps 1 >ml1.out 2>&1; ./mlb --steps 1 >mlb1.out 2>&1; ./ml --steps 8 >ml8.out 2>&1
+   ./ml --steps 20 --save ml20 >ml20.out 2>&1 && ./ml --weights ml20 --check-grad >mlcg.out 2>&1
+   $MPIRUN -np 2 ./mlmp --steps 8 >mlmp.out 2>&1; $MPIRUN -np 4 ./mldm --steps 8 >mldm.out 2>&1
+   $MPIRUN -np 2 ./mlmp --weights ml20 --check-grad >mlmpcg.out 2>&1)
+  local l1 b1 line nad
+  l1=$(losses "$WORK/ml1.out")
+  b1=$(losses "$WORK/mlb1.out")
+  line=$(grep '^# [0-9]* parameters: ' "$WORK/mlcg.out")
+  # dense0's wq_a, wq_b, wkv_a, wkv_b and block0's, block1's wq, wkv_a, wkv_b: 10 weights, 20 adapters
+  nad=$(grep -cE '^[a-z0-9]+\.attn\.w(q|q_a|q_b|kv_a|kv_b)\.lora_[AB] ' "$WORK/mlcg.out")
+  if [ -n "$l1" ] && [ "$l1" = "$b1" ] && grep -q '^OK$' "$WORK/mlcg.out" && echo "$line" | grep -q ' 0 failed, 0 zero, ' &&
+     [ "$nad" = 20 ] && same_losses "$WORK/ml8.out" "$WORK/mlmp.out" 1e-5 && same_losses "$WORK/ml8.out" "$WORK/mldm.out" 1e-5 &&
+     [ "$(losses "$WORK/mldm.out" | wc -l)" = 8 ] && grep -q '^OK$' "$WORK/mlmpcg.out"; then
+    ok "mla: latent attention with targets q k v o experts: B = 0 is the base model ($l1); trained adapters (20 steps) pass --check-grad, the 20 of wq_a, wq_b, wq, wkv_a and wkv_b listed (${line#\# }); mp2·ep2 and dp2·mp2·ep4 equal one rank over 8 steps (1e-5); --check-grad passes on mp2"
+  else
+    bad "mla: LoRA on latent attention (losses $l1 / $b1, $nad q/kv adapters checked)" "$(tail -n 3 "$WORK/mlcg.out" "$WORK/mlmpcg.out"; paste <(losses "$WORK/ml8.out") <(losses "$WORK/mlmp.out") <(losses "$WORK/mldm.out"))"
+  fi
+}
+
 # ---- refusals ----
 refusals() {
   local e1 e2
-  sed 's/optimizer sgd { lr 0.01; }/optimizer sgd { lr 0.01; } lora { r 2; targets q experts; }/' tests/models/grad_lm_mla.moe >"$WORK/mla.moe"
+  sed 's/optimizer sgd { lr 0.01; }/optimizer sgd { lr 0.01; } lora { r 2; targets q k experts; }/' tests/models/grad_lm_mla.moe >"$WORK/mla.moe"
   "$MOEC" build "$WORK/mla.moe" -o "$WORK/mla" >"$WORK/mla.err" 2>&1
-  e1=$(grep -o "lora targets q, k and v on layer .*" "$WORK/mla.err" | head -n 1)
+  e1=$(grep -o "lora target 'k' without 'v'.*" "$WORK/mla.err" | head -n 1)
   sed "s/optimizer adamw { lr 0.003; }/optimizer adamw { lr 0.003; } lora { r 2; targets experts; }/" lang/models/tiny.moe >"$WORK/st.moe"
   "$MOEC" build "$WORK/st.moe" -o "$WORK/st" >"$WORK/st.err" 2>&1
   e2=$(grep -o "lora needs a language model.*" "$WORK/st.err" | head -n 1)
   if [ -n "$e1" ] && [ -n "$e2" ] && [ ! -e "$WORK/mla" ] && [ ! -e "$WORK/st" ]; then
-    ok "refusals: q on multi-head latent attention ('$e1') and an MoE stack ('$e2')"
+    ok "refusals: k without v on multi-head latent attention ('$e1') and an MoE stack ('$e2')"
   else
-    bad "refusals: LoRA on MLA's q and on a stack" "$(cat "$WORK/mla.err" "$WORK/st.err" | head -n 12)"
+    bad "refusals: LoRA on MLA's k alone and on a stack" "$(cat "$WORK/mla.err" "$WORK/st.err" | head -n 12)"
   fi
 }
 
@@ -262,6 +297,7 @@ spawn recompute recompute
 spawn shared shared
 spawn auto auto
 spawn cuda cuda
+spawn mla mla
 spawn refusals refusals
-collect frozen checkgrad layouts esp stages resume recompute shared auto cuda refusals
+collect frozen checkgrad layouts esp stages resume recompute shared auto cuda mla refusals
 exit $failed

@@ -180,7 +180,8 @@ class LMModel:
     def lora_weights(self):
         """[(W, expert, owner)]: the weights the adapters adapt (frontend/lower.c fe_lora_target,
         fe_expert_linear, shared_expert): q k v o the attention's wq wk wv wo (what a layer
-        has of them; moec takes only o on an mla layer for now), mlp a dense layer's mlp.w1 (w3) w2,
+        has of them; on an mla layer q its wq_a and wq_b, or wq, and k and v, which come
+        together there, wkv_a and wkv_b), mlp a dense layer's mlp.w1 (w3) w2,
         shared the shared expert's moe.shared.w1 w3 w2, experts the routed experts'
         moe.experts.w1 (w3) w2 [E, in, out] (expert True: one adapter per expert); owner: the
         weight whose lora_A and lora_scale W uses: W, or w1 for the experts' w3 with share_up."""
@@ -189,7 +190,10 @@ class LMModel:
         t, base, out = self.lora["targets"], self.base_shapes(), []
         for ly in self.layers:
             n = ly.name
-            names = ["%s.attn.w%s" % (n, w) for w in "qkvo" if w in t]
+            names = ["%s.attn.w%s" % (n, w) for w in ("q", "q_a", "q_b") if "q" in t]
+            names += ["%s.attn.w%s" % (n, w) for w in ("k", "v") if w in t]
+            names += ["%s.attn.w%s" % (n, w) for w in ("kv_a", "kv_b") if "k" in t or "v" in t]
+            names += ["%s.attn.wo" % n] if "o" in t else []
             names += ["%s.mlp.w%d" % (n, i) for i in (1, 3, 2) if "mlp" in t]
             names += ["%s.moe.shared.w%d" % (n, i) for i in (1, 3, 2) if "shared" in t]
             out += [(w, False, w) for w in names if w in base]

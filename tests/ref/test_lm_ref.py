@@ -221,6 +221,18 @@ CONFIGS = [
       ("oss", 1, dict(attention=dict(heads=2, bias=True),
                       moe=dict(OSS_FFN, k=2, capacity="*", renormalize=True, **LOSSES)))],
      dict(expect="drops")),
+    # targets q k v o experts on DeepSeek's latent attention: q's wq_a and wq_b (q_lora) or wq, the
+    # latent's wkv_a and wkv_b (k and v together), wo, and the routed experts; m_deepseek_mla's
+    # layers (biases on the down projections before their adapters, yarn, rope on adjacent pairs)
+    ("q_lora_mla", dict(position="rope", norm="rmsnorm", eps=1e-6, tie_embeddings=False, interleave=True,
+                        yarn=dict(factor=4.0, original=4, beta_fast=32.0, beta_slow=1.0, mscale=0.8,
+                                  mscale_all_dim=0.6, truncate=False),
+                        lora=dict(r=2, alpha=4.0, targets=("q", "k", "v", "o", "experts"))),
+     [("ql", 1, dict(attention=dict(heads=4, bias=True, mla=dict(q_lora=6, kv_lora=5, nope=4, rope=4, v=6)),
+                     moe=dict(MIX_FFN, k=2, capacity="*", renormalize=True, **LOSSES))),
+      ("kv", 1, dict(attention=dict(heads=2, bias=False, mla=dict(q_lora=0, kv_lora=4, nope=6, rope=2, v=4)),
+                     moe=dict(MIX_FFN, k=2, capacity=0.75, **LOSSES)))],
+     dict(expect="drops")),
 ]
 
 
