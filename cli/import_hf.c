@@ -60,7 +60,8 @@ void cli_import_hf_usage(FILE *out) {
           "                    weights frozen, adapters trained); --export-hf then writes a PEFT adapter\n"
           "  --lora-alpha A    the adapters' scale is A/r (default 8, PEFT's)\n"
           "  --lora-targets L  what gets adapters, words of q k v o experts shared mlp with commas or\n"
-          "                    spaces (default: q,k,v,o,experts; with DeepSeek's latent attention o,experts)\n");
+          "                    spaces (default: q,k,v,o,experts; with DeepSeek's latent attention k and v\n"
+          "                    both or neither: they adapt kv_a_proj_with_mqa and kv_b_proj together)\n");
 }
 
 static int fail(const char *fmt, ...) __attribute__((format(printf, 1, 2)));
@@ -847,13 +848,14 @@ static int write_moe(const Options *o, const Config *c, int64_t seqlen, const ch
 
 // --lora R [--lora-alpha A] [--lora-targets LIST]: the model's `lora` block (lang/manual.md §7.3)
 // into o->lora_line. LIST: words of q k v o experts shared mlp, each once, between commas or
-// spaces; the default q k v o experts (o experts with DeepSeek's latent attention, whose q, k and
-// v projections moec does not adapt yet). A target the checkpoint has no weights for is refused.
+// spaces; the default q k v o experts. A target the checkpoint has no weights for is refused, and
+// so is k or v alone with DeepSeek's latent attention, whose kv_a_proj_with_mqa and kv_b_proj
+// make both (frontend/check.c refuses the block so).
 static int lora_line(Options *o, const Config *c) {
   static const char *const words[] = {"q", "k", "v", "o", "experts", "shared", "mlp"};
   const RtHfArch *a = &c->arch;
   if (!o->lora) return 0;
-  const char *list = o->lora_targets ? o->lora_targets : a->mla ? "o experts" : "q k v o experts";
+  const char *list = o->lora_targets ? o->lora_targets : "q k v o experts";
   bool seen[7] = {false}, dense = false;
   for (int64_t l = 0; a->dense && l < a->layers; l++) dense |= a->dense[l];
   char word[64], targets[96] = "";
@@ -876,6 +878,10 @@ static int lora_line(Options *o, const Config *c) {
       return fail("--lora-targets mlp: %s (%s) has no dense layers", o->dir, rt_hf_family_name(a->family));
     seen[k] = true;
   }
+  if (a->mla && seen[1] != seen[2])
+    return fail("--lora-targets %s without %s: %s (%s) has latent attention, whose kv_a_proj_with_mqa and kv_b_proj "
+                "make the keys and the values alike; k and v adapt them together: give both, or neither",
+                seen[1] ? "k" : "v", seen[1] ? "v" : "k", o->dir, rt_hf_family_name(a->family));
   for (int k = 0; k < 7; k++)
     if (seen[k]) snprintf(targets + strlen(targets), sizeof targets - strlen(targets), " %s", words[k]);
   if (!targets[0]) return fail("--lora-targets '%s' names no target: the targets are q, k, v, o, experts, shared and mlp", list);

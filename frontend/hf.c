@@ -617,7 +617,8 @@ static char *generation_of(const cJSON *config) {
 // The keys of adapter_config.json the model determines (as PEFT's LoraConfig writes them):
 // r, lora_alpha and the targets from the `lora` block; no dropout, no bias, plain scaling
 // alpha/r. The attention's projections are target_modules (nn.Linear modules, matched by their
-// names' ends); every other target is a target_parameters entry. The experts' stacked tensors
+// names' ends; DeepSeek's: q_a_proj and q_b_proj, or q_proj, for q, kv_a_proj_with_mqa and
+// kv_b_proj for k and v, which come together there); every other target is a target_parameters entry. The experts' stacked tensors
 // can only be those (gate and up in one, gate_up_proj, whose one A moec's w1 and w3 share); the
 // dense layers' and the shared expert's gate_proj, up_proj and down_proj could be modules, but
 // PEFT (0.21, with transformers 5) reads those names in target_modules as transformers 4's names
@@ -644,9 +645,19 @@ static cJSON *adapter_keys(const FeProgram *p, Family f) {
   cJSON_AddItemToObject(a, "rank_pattern", cJSON_CreateObject());
   cJSON *mods = cJSON_AddArrayToObject(a, "target_modules");
   static const char *const proj[4] = {"q_proj", "k_proj", "v_proj", "o_proj"};
+  static const char *const latent[4] = {"q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "kv_b_proj"};
   const bool attn[4] = {lo->q, lo->k, lo->v, lo->o};
-  for (int k = 0; k < 4; k++)
-    if (attn[k]) cJSON_AddItemToArray(mods, cJSON_CreateString(proj[k]));
+  if (deepseek(f)) {   // every layer's attention is the same latent one (is_glm4_moe)
+    bool q_lora = p->nlayers > 0 && p->layers[0].mla_q_lora > 0;
+    const bool use[4] = {lo->q && q_lora, lo->q && q_lora, lo->k || lo->v, lo->k || lo->v};
+    if (lo->q && !q_lora) cJSON_AddItemToArray(mods, cJSON_CreateString("q_proj"));
+    for (int k = 0; k < 4; k++)
+      if (use[k]) cJSON_AddItemToArray(mods, cJSON_CreateString(latent[k]));
+    if (lo->o) cJSON_AddItemToArray(mods, cJSON_CreateString("o_proj"));
+  } else {
+    for (int k = 0; k < 4; k++)
+      if (attn[k]) cJSON_AddItemToArray(mods, cJSON_CreateString(proj[k]));
+  }
   cJSON *params = cJSON_CreateArray();
   if (lo->experts) {
     cJSON_AddItemToArray(params, cJSON_CreateString("experts.gate_up_proj"));

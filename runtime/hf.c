@@ -769,14 +769,20 @@ static void targets_text(const cJSON *c, char *buf, size_t n) {
   snprintf(buf, n, "target_modules %s, target_parameters %s", mods, params);
 }
 
-// The moec words of the model's lora block, from its adapter config's targets.
+// The moec words of the model's lora block, from its adapter config's targets (DeepSeek's latent
+// attention: q_a_proj and q_b_proj are q's, kv_a_proj_with_mqa and kv_b_proj k's and v's).
 static void block_words(const cJSON *c, char *buf, size_t n) {
   static const char *const words[] = {"q", "k", "v", "o", "experts", "shared", "mlp"};
+  static const struct { const char *module, *words; } proj[] = {
+      {"q_proj", "q"}, {"k_proj", "k"}, {"v_proj", "v"}, {"o_proj", "o"}, {"q_a_proj", "q"}, {"q_b_proj", "q"},
+      {"kv_a_proj_with_mqa", "kv"}, {"kv_b_proj", "kv"}};
   bool have[7] = {false};
   const cJSON *mods = cJSON_GetObjectItemCaseSensitive(c, "target_modules");
   for (const cJSON *e = cJSON_IsArray(mods) ? mods->child : NULL; e; e = e->next) {
     const char *s = cJSON_IsString(e) ? e->valuestring : "";
-    for (int k = 0; k < 4; k++) have[k] |= s[0] == "qkvo"[k] && strcmp(s + 1, "_proj") == 0;
+    for (size_t j = 0; j < sizeof proj / sizeof proj[0]; j++)
+      if (strcmp(s, proj[j].module) == 0)
+        for (int k = 0; k < 4; k++) have[k] |= strchr(proj[j].words, "qkvo"[k]) != NULL;
   }
   const cJSON *params = cJSON_GetObjectItemCaseSensitive(c, "target_parameters");
   for (const cJSON *e = cJSON_IsArray(params) ? params->child : NULL; e; e = e->next) {

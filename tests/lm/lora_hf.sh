@@ -10,6 +10,11 @@
 #   - --adapter reads an exported adapter back bit for bit, on one rank, dp2·ep2, dp2·mp2·ep2·esp2 and pp 2;
 #   - --export-hf --merge writes W + (alpha/r)·A·B in the full checkpoint's names (the checkpoint
 #     itself, bit for bit, while B is zero);
+#   - DeepSeek-V3's latent attention (a checkpoint exported from a variant of
+#     tests/models/grad_lm_mla.moe, with and without q_lora): targets q k v o name q_a_proj and
+#     q_b_proj (or q_proj), kv_a_proj_with_mqa, kv_b_proj and o_proj, each tensor the trained moec
+#     adapter transposed; --adapter reads it back bit for bit on one rank and on dp2·mp2·ep4;
+#     --merge adds (alpha/r)·B·A to those weights;
 #   - mismatched adapters (r, alpha, targets) and misused options are refused with a sentence.
 # Prints ok/FAIL lines; exits 1 on any failure.
 set -u
@@ -203,6 +208,69 @@ else
   bad "Qwen2-MoE's adapter with every target" "$(cat "$WORK/qimp.out" "$WORK/err" "$WORK/q.out" "$WORK/qcheck.out" 2>/dev/null | tail -n 8)"
 fi
 
+# DeepSeek-V3 (latent attention): the projections' PEFT names, --adapter on one rank and dp2·mp2·ep4, --merge.
+mla_case() {   # ID MLA-BLOCK MODULES: the checkpoint of grad_lm_mla.moe with every layer's attention MLA-BLOCK
+  local id=$1 block=$2 modules=$3 first
+  sed "s/mla { kv_lora 10; nope 6; rope 4; v 8; }/$block/; s/mla { q_lora 12; kv_lora 10; nope 6; rope 4; v 6; }/$block/" \
+    tests/models/grad_lm_mla.moe >"$WORK/$id.moe"
+  if ! { "$MOEC" build "$WORK/$id.moe" -o "$WORK/$id" 2>"$WORK/err" &&
+         (cd "$WORK" && ./$id --steps 0 --export-hf ${id}hf --quiet >$id.out 2>&1 &&
+          "$MOEC" import-hf ${id}hf -o ${id}l --batch 2 --seqlen 8 --optimizer sgd --lr 0.05 --lora 2 >>$id.out 2>&1) &&
+         grep -q '^  lora { r 2; alpha 8; targets q k v o experts; }$' "$WORK/${id}l.moe" &&
+         "$MOEC" build "$WORK/${id}l.moe" -o "$WORK/${id}l" 2>"$WORK/err" &&
+         first=$(grep -n '^layer ' "$WORK/${id}l.moe" | head -n 1 | cut -d: -f1) &&
+         { head -n $((first - 1)) "$WORK/${id}l.moe" | sed 's/batch 2;/batch 1;/'; echo "parallel { dp 2; mp 2; ep 4; }"
+           tail -n +"$first" "$WORK/${id}l.moe"; } >"$WORK/${id}p.moe" &&
+         "$MOEC" build "$WORK/${id}p.moe" -o "$WORK/${id}p" 2>"$WORK/err" &&
+         (cd "$WORK" && ./${id}l --steps 2 --weights ${id}l.safetensors --export-hf ${id}ad --save ${id}ck --quiet >>$id.out 2>&1 &&
+          ./${id}l --steps 0 --weights ${id}l.safetensors --adapter ${id}ad --export-hf ${id}ad1 --quiet >>$id.out 2>&1 &&
+          $MPIRUN -np 4 ./${id}p --steps 0 --weights ${id}l.safetensors --adapter ${id}ad --export-hf ${id}ad4 --quiet >>$id.out 2>&1 &&
+          ./${id}l --steps 0 --weights ${id}l.safetensors --adapter ${id}ad --export-hf ${id}m --merge --quiet >>$id.out 2>&1); }; then
+    bad "DeepSeek-V3 $id: import-hf --lora, build, --export-hf, --adapter, --merge" "$(cat "$WORK/err" "$WORK/$id.out" 2>/dev/null | tail -n 8)"
+    return
+  fi
+  if cmp -s "$WORK/${id}ad/adapter_model.safetensors" "$WORK/${id}ad1/adapter_model.safetensors" &&
+     cmp -s "$WORK/${id}ad/adapter_model.safetensors" "$WORK/${id}ad4/adapter_model.safetensors" &&
+     $PY - "$WORK" "$id" "$modules" >"$WORK/${id}check.out" 2>&1 <<'EOF'
+import glob, json, os, sys
+import numpy as np
+work, id, modules = sys.argv[1], sys.argv[2], sys.argv[3].split()
+sys.path.insert(0, work)
+from st import read_st
+cfg = json.load(open(os.path.join(work, id + "ad/adapter_config.json")))
+assert cfg["target_modules"] == modules, cfg["target_modules"]
+assert cfg["target_parameters"] == ["experts.gate_up_proj", "experts.down_proj"], cfg["target_parameters"]
+peft = read_st(os.path.join(work, id + "ad/adapter_model.safetensors"))
+moec = {}
+for f in glob.glob(os.path.join(work, id + "ck.rank*.safetensors")):
+    moec.update(read_st(f))
+base, merged = read_st(os.path.join(work, id + "hf/model.safetensors")), read_st(os.path.join(work, id + "m/model.safetensors"))
+moec_w = {"q_proj": "wq", "q_a_proj": "wq_a", "q_b_proj": "wq_b", "kv_a_proj_with_mqa": "wkv_a", "kv_b_proj": "wkv_b",
+          "o_proj": "wo"}
+pre, n, worst = "base_model.model.model.layers.%d.self_attn.%s.lora_%s.weight", 0, 0.0
+for l, layer in enumerate(["dense0", "moe0", "moe1"]):
+    for mod in modules:
+        a, b = peft[pre % (l, mod, "A")], peft[pre % (l, mod, "B")]
+        w = "%s.attn.%s" % (layer, moec_w[mod])
+        assert np.array_equal(a, moec[w + ".lora_A"].T) and np.array_equal(b, moec[w + ".lora_B"].T), w
+        assert np.abs(b).max() > 0, w   # trained
+        name = "model.layers.%d.self_attn.%s.weight" % (l, mod)
+        want = base[name].astype(np.float64) + 8 / 2 * b.astype(np.float64) @ a.astype(np.float64)
+        worst = max(worst, float(np.abs(merged[name] - want).max() / np.abs(want).max()))
+        n += 2
+assert not [k for k in peft if "self_attn" in k and k.split(".")[-3] not in modules]
+assert worst < 1e-6, worst
+print(f"{n} attention tensors of {len(peft)}, merged within {worst:.1e}")
+EOF
+  then
+    ok "DeepSeek-V3 $id: targets q k v o experts as target_modules $modules; $(cat "$WORK/${id}check.out") of W + (alpha/r)·B·A; --adapter on one rank and dp2·mp2·ep4 then --export-hf: the adapter back bit for bit"
+  else
+    bad "DeepSeek-V3 $id: the adapter of the latent attention" "$(cat "$WORK/${id}check.out" "$WORK/$id.out" 2>/dev/null | tail -n 8)"
+  fi
+}
+mla_case dsq "mla { q_lora 12; kv_lora 10; nope 6; rope 4; v 6; }" "q_a_proj q_b_proj kv_a_proj_with_mqa kv_b_proj o_proj"
+mla_case ds "mla { kv_lora 10; nope 6; rope 4; v 8; }" "q_proj kv_a_proj_with_mqa kv_b_proj o_proj"
+
 # Refusals, each a sentence naming both sides.
 refused() {   # WHAT PATTERN CMD...: CMD fails and its output has PATTERN
   local what=$1 pattern=$2
@@ -241,4 +309,6 @@ refused "import-hf --lora-targets shared on Mixtral" "--lora-targets shared: mx 
 refused "import-hf --lora-targets with an unknown word" "unknown target 'gate_proj': the targets are q, k, v, o, experts, shared and mlp" \
   "$MOEC" import-hf mx -o x --lora 4 --lora-targets q,gate_proj
 refused "import-hf --lora-alpha without --lora" "--lora-alpha needs --lora R" "$MOEC" import-hf mx -o x --lora-alpha 16
+refused "import-hf --lora-targets k without v on DeepSeek-V3" "--lora-targets k without v: dsqhf (deepseek_v3) has latent attention" \
+  "$MOEC" import-hf dsqhf -o x --lora 2 --lora-targets q,k,o
 exit $failed
