@@ -3,7 +3,8 @@
 Run by tests/interop/run.sh with the virtual environment's python (torch, transformers, peft),
 after hf.py, whose tiny random checkpoints it reuses. For each family: a random PEFT adapter (A
 and B both non-zero) on the attention's projections and the experts' stacked tensors
-(target_parameters), saved by PEFT; `moec import-hf --lora`, `moec build`, and the binary run with
+(target_parameters; DeepSeek's latent attention: q_a_proj, q_b_proj or q_proj, kv_a_proj_with_mqa,
+kv_b_proj), saved by PEFT; `moec import-hf --lora`, `moec build`, and the binary run with
 --weights and --adapter on fixed tokens. Checks:
   - moec's logits and loss equal transformers + PEFT's in float64;
   - the adapter moec exports after one SGD step equals torch's SGD step of PEFT's adapter, and
@@ -32,15 +33,19 @@ R, ALPHA, LR = 4, 8, 0.05
 EXPERTS = ["experts.gate_up_proj", "experts.down_proj"]
 MLP = ["gate_proj.weight", "up_proj.weight", "down_proj.weight"]
 # What each family's adapter targets: moec's lora block words, PEFT's target_modules and
-# target_parameters. DeepSeek's latent attention: moec adapts its o projection (q, k and v are not
-# lowered on `mla`). The dense layers' and shared experts' projections are target_parameters (their
-# weights): PEFT 0.21 reads gate_proj, up_proj and down_proj in target_modules as transformers 4's
-# names of the experts (its v4-to-v5 conversion) for every family here but Qwen2-MoE.
+# target_parameters. DeepSeek's latent attention: q is q_a_proj and q_b_proj (q_proj without
+# q_lora_rank), k and v together kv_a_proj_with_mqa and kv_b_proj. The dense layers' and shared
+# experts' projections are target_parameters (their weights): PEFT 0.21 reads gate_proj, up_proj
+# and down_proj in target_modules as transformers 4's names of the experts (its v4-to-v5
+# conversion) for every family here but Qwen2-MoE.
+MLA = ["q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "kv_b_proj", "o_proj"]
 CASES = {
     "mixtral": ("q,k,v,o,experts", ["q_proj", "k_proj", "v_proj", "o_proj"], EXPERTS),
     "qwen3_moe": ("q,k,v,o,experts", ["q_proj", "k_proj", "v_proj", "o_proj"], EXPERTS),
     "olmoe": ("q,k,v,o,experts", ["q_proj", "k_proj", "v_proj", "o_proj"], EXPERTS),
-    "deepseek_v3": ("o,experts", ["o_proj"], EXPERTS),
+    "deepseek_v3": ("q,k,v,o,experts", MLA, EXPERTS),
+    "deepseek_v3_noq": ("q,k,v,o,experts", ["q_proj"] + MLA[2:], EXPERTS),
+    "deepseek_v2": ("q,k,v,o,experts", ["q_proj"] + MLA[2:], EXPERTS),
     # beyond the four: the shared expert and a dense layer's MLP (Qwen2-MoE, GLM-4.5, DeepSeek-V3),
     # gate and up interleaved in gate_up_proj [E, in, 2I] (gpt-oss)
     "qwen2_moe": ("q,v,experts,shared,mlp", ["q_proj", "v_proj"],
@@ -51,14 +56,27 @@ CASES = {
     "deepseek_v3_shared": ("o,experts,shared,mlp", ["o_proj"],
                            EXPERTS + ["shared_experts." + w for w in MLP] + ["mlp." + w for w in MLP]),
 }
+# The cases on a variant of a family's checkpoint: the family and tiny()'s config overrides
+# (DeepSeek-V3 with one q projection, q_lora_rank None); any other case is a family's name.
+VARIANTS = {"deepseek_v3_noq": ("deepseek_v3", dict(q_lora_rank=None)), "deepseek_v3_shared": ("deepseek_v3", {})}
 
 
-def peft_adapter(family, modules, params, adir):
-    """A random adapter on tiny(family, 0), saved by PEFT: A and B drawn from N(0, 0.1^2)."""
+def family_of(case):
+    return VARIANTS.get(case, (case, {}))[0]
+
+
+def base_model(case):
+    """The tiny checkpoint of a case: its family's (hf.tiny, seed 0) with the case's overrides."""
+    family, over = VARIANTS.get(case, (case, {}))
+    return tiny(family, 0, **over)
+
+
+def peft_adapter(case, modules, params, adir):
+    """A random adapter on the case's checkpoint, saved by PEFT: A and B drawn from N(0, 0.1^2)."""
     from peft import LoraConfig, get_peft_model
     cfg = LoraConfig(r=R, lora_alpha=ALPHA, lora_dropout=0.0, target_modules=modules, target_parameters=params,
                      task_type="CAUSAL_LM")
-    pm = get_peft_model(tiny(family, 0), cfg)
+    pm = get_peft_model(base_model(case), cfg)
     g = torch.Generator().manual_seed(7)
     with torch.no_grad():
         for name, p in pm.named_parameters():
@@ -75,9 +93,9 @@ def ce64(model, ids):
     return out, torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), ids[:, 1:].reshape(-1))
 
 
-def peft_model(family, adir, trainable=False):
+def peft_model(case, adir, trainable=False):
     from peft import PeftModel
-    return PeftModel.from_pretrained(tiny(family, 0), adir, is_trainable=trainable).to(torch.float64)
+    return PeftModel.from_pretrained(base_model(case), adir, is_trainable=trainable).to(torch.float64)
 
 
 def peft_name(param_name):
@@ -87,11 +105,11 @@ def peft_name(param_name):
 
 def lora_checks(case):
     words, modules, params = CASES[case]
-    family = case.replace("_shared", "")
+    family = family_of(case)
     src = os.path.join(WORK, case + "_lora_base")
-    tiny(family, 0).save_pretrained(src)
+    base_model(case).save_pretrained(src)
     adir = os.path.join(WORK, case + "_peft")
-    peft_adapter(family, modules, params, adir)
+    peft_adapter(case, modules, params, adir)
     with open(os.path.join(adir, "adapter_config.json")) as f:
         saved = json.load(f)
     if saved.get("rank_pattern") or set(saved["target_modules"]) != set(modules):   # PEFT's own conversion
@@ -113,7 +131,7 @@ def lora_checks(case):
 
     # The forward: moec's step-1 logits and loss against transformers + PEFT in float64.
     ids = torch.from_numpy(toks.astype(np.int64))
-    ref = peft_model(family, adir).eval()
+    ref = peft_model(case, adir).eval()
     with torch.no_grad():
         ref_out, ref_loss = ce64(ref, ids)
     ref_logits = ref_out.logits[:, :16].numpy()
@@ -130,7 +148,7 @@ def lora_checks(case):
             f"A and B non-zero: {nonzero}")
 
     # One SGD step: torch's on PEFT's adapter against the adapter moec exported.
-    trained = peft_model(family, adir, trainable=True).train()
+    trained = peft_model(case, adir, trainable=True).train()
     ce64(trained, ids)[1].backward()
     exported = tensors_of(out)
     cfg = json.load(open(os.path.join(out, "adapter_config.json")))
@@ -159,7 +177,7 @@ def lora_checks(case):
         bad(f"{case} LoRA one SGD step: {worst:.2e} from torch's (the update's scale {upd:.2e}); missing {missing[:3]}, "
             f"extra {extra[:3]}; config {'ok' if cfg_ok else json.dumps(cfg)[:400]}")
     # PEFT loads the export unchanged: every adapter weight as the file holds it.
-    loaded = peft_model(family, out)
+    loaded = peft_model(case, out)
     got = {peft_name(n): p for n, p in loaded.named_parameters() if "lora_" in n}
     same = set(got) == set(exported) and all(torch.equal(got[k], exported[k].to(torch.float64)) for k in got)
     if same:
@@ -215,7 +233,7 @@ def main():
     os.makedirs(WORK, exist_ok=True)
     only = [f for f in os.environ.get("INTEROP_ONLY", "").split(",") if f]
     for case in CASES:
-        if only and case not in only and case.replace("_shared", "") not in only:
+        if only and case not in only and family_of(case) not in only:
             continue
         try:
             lora_checks(case)
