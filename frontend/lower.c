@@ -70,8 +70,8 @@ IrParam *fe_param(FeLower *L, const char *suffix, IrType t, const char *init, do
 // moec scales x·A (r columns) before B rather than the product's out columns: the same sum, a
 // pass over r columns instead of out. A
 // starts as PEFT's default (kaiming_uniform with a = sqrt(5): uniform within 1/sqrt(in)), B zeros.
-static void lora_params(FeLower *L, const IrParam *w, IrType ta, IrType tb, int64_t in, int64_t out, IrParam **a,
-                        IrParam **b, IrParam **s);
+static void lora_params(FeLower *L, const IrParam *w, IrType ta, IrType tb, int64_t in, IrParam **a, IrParam **b,
+                        IrParam **s);
 
 // Multi-head latent attention's projections (lower_lm.c mla_attention) are PEFT's modules of
 // DeepSeek's attention: q's bottleneck wq_a and wq_b (q_a_proj, q_b_proj) are target q's; wkv_a
@@ -80,7 +80,7 @@ static void lora_params(FeLower *L, const IrParam *w, IrType ta, IrType tb, int6
 bool fe_lora_target(const FeLower *L, const char *suffix) {
   const FeLora *lo = &L->p->model.lora;
   if (!L->p->model.has_lora) return false;
-  if (strncmp(suffix, "attn.w", 6) == 0 && suffix[6] && suffix[7] == '\0')
+  if (strncmp(suffix, "attn.w", 6) == 0 && strlen(suffix) == 7)   // attn.wq, .wk, .wv, .wo
     return (suffix[6] == 'q' && lo->q) || (suffix[6] == 'k' && lo->k) || (suffix[6] == 'v' && lo->v) ||
            (suffix[6] == 'o' && lo->o);
   if (strcmp(suffix, "attn.wq_a") == 0 || strcmp(suffix, "attn.wq_b") == 0) return lo->q;
@@ -91,7 +91,7 @@ bool fe_lora_target(const FeLower *L, const char *suffix) {
 IrValue *fe_lora(FeLower *L, IrValue *x, IrValue *y, const IrParam *w, const char *name, int split_a, int split_b) {
   int64_t in = w->type.dim[0], out = w->type.dim[1], r = L->p->model.lora.r;
   IrParam *a, *b, *s;
-  lora_params(L, w, ir_type2(IR_F32, in, r), ir_type2(IR_F32, r, out), in, out, &a, &b, &s);
+  lora_params(L, w, ir_type2(IR_F32, in, r), ir_type2(IR_F32, r, out), in, &a, &b, &s);
   if (split_a >= 0) ir_attrs_set_int(a->attrs, &a->nattrs, "mp_split", split_a);
   if (split_b >= 0) ir_attrs_set_int(b->attrs, &b->nattrs, "mp_split", split_b);
   IrValue *t = fe_op2(L, IR_OP_MATMUL, ir_strfmt(L->m, "%s.lora_a", name), FE_V(x), FE_P(a));
@@ -101,8 +101,8 @@ IrValue *fe_lora(FeLower *L, IrValue *x, IrValue *y, const IrParam *w, const cha
 }
 
 // The adapters' parameters of weight w: A (uniform), B (zeros), the frozen scale [r] (alpha / r).
-static void lora_params(FeLower *L, const IrParam *w, IrType ta, IrType tb, int64_t in, int64_t out, IrParam **a,
-                        IrParam **b, IrParam **s) {
+static void lora_params(FeLower *L, const IrParam *w, IrType ta, IrType tb, int64_t in, IrParam **a, IrParam **b,
+                        IrParam **s) {
   const FeLora *lo = &L->p->model.lora;
   *a = ir_add_param(L->m, ir_strfmt(L->m, "%s.lora_A", w->name), ta);
   *b = ir_add_param(L->m, ir_strfmt(L->m, "%s.lora_B", w->name), tb);
@@ -150,7 +150,7 @@ IrValue *fe_expert_linear(FeLower *L, const char *name, IrValue *x, IrParam *w) 
   int64_t E = w->type.dim[0], in = w->type.dim[1], out = w->type.dim[2], r = L->p->model.lora.r;
   IrParam *a, *b, *s;
   if (!(a = shared_gate_a(L, w, r, out, &b, &s)))
-    lora_params(L, w, ir_type3(IR_F32, E, in, r), ir_type3(IR_F32, E, r, out), in, out, &a, &b, &s);
+    lora_params(L, w, ir_type3(IR_F32, E, in, r), ir_type3(IR_F32, E, r, out), in, &a, &b, &s);
   IrValue *t = L->lora_a == a && L->lora_x == x ? L->lora_t : NULL;
   if (!t) {
     t = fe_op2(L, IR_OP_EXPERT_MATMUL, ir_strfmt(L->m, "%s.lora_a", name), FE_V(x), FE_P(a));
