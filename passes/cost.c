@@ -268,8 +268,12 @@ int pass_price(IrModule *m, const SchedCluster *c) {
 
 // ---- the layer view ----
 
-static bool reads_expert_param(const IrOp *op) {
+// The expert parameters (attribute shard_expert, passes/parallelize.c), and with them an expert's
+// LoRA adapter's ops (attribute expert_lora, frontend/lower.c: the adapter's sum with the expert's
+// product can be the region's last op).
+bool pass_op_of_experts(const IrOp *op) {
   if (op->kind == IR_OP_PARAM_GRAD) return false;
+  if (ir_op_int(op, "expert_lora", 0)) return true;
   for (int a = 0; a < op->nargs; a++) {
     const IrParam *p = op->args[a].param;
     if (p && ir_attrs_get(p->attrs, p->nattrs, "shard_expert")) return true;
@@ -298,7 +302,7 @@ static IrOp *only_user(const IrFunc *f, const IrValue *v) {
 bool pass_expert_region(const IrFunc *f, IrValue **entry, IrValue **exit) {
   int first = -1, last = -1;
   for (int i = 0; i < f->nops; i++)
-    if (reads_expert_param(f->ops[i])) {
+    if (pass_op_of_experts(f->ops[i])) {
       if (first < 0) first = i;
       last = i;
     }

@@ -73,15 +73,6 @@ static bool is_expert_param(const IrParam *p) {
   return p && ir_attrs_get(p->attrs, p->nattrs, "shard_expert") != NULL;
 }
 
-// (An op of an expert's LoRA adapter, attribute expert_lora, belongs to the expert region too: the
-// adapter's sum with the expert's product can be the region's last op.)
-static bool uses_expert_param(const IrOp *op) {
-  if (ir_op_int(op, "expert_lora", 0)) return true;
-  for (int a = 0; a < op->nargs; a++)
-    if (is_expert_param(op->args[a].param)) return true;
-  return false;
-}
-
 // MP: this rank's tokens in, the whole DP shard's outputs back before the residual.
 static bool split_tokens(Par *P) {
   IrFunc *f = P->f;
@@ -248,7 +239,7 @@ static bool shard_experts(Par *P, const char *algo) {
   IrFunc *f = P->f;
   int first = -1, last = -1;
   for (int i = 0; i < f->nops; i++)
-    if (uses_expert_param(f->ops[i])) {
+    if (pass_op_of_experts(f->ops[i])) {
       if (first < 0) first = i;
       last = i;
     }
@@ -400,7 +391,7 @@ bool pass_parallelize(IrModule *m, PassCtx *ctx) {
     if (vp && !vocab_split(&P)) return false;
     bool heads = P.mp > 1 && split_heads(&P);
     bool moe = false;   // a language model's embedding and mlp layers have no MoE
-    for (int j = 0; j < f->nops; j++) moe |= uses_expert_param(f->ops[j]);
+    for (int j = 0; j < f->nops; j++) moe |= pass_op_of_experts(f->ops[j]);
     if (!moe) {
       if (heads && !retype(&P)) return false;
       continue;

@@ -115,6 +115,9 @@ typedef struct PassLayer {
 
 // The MoE layers of m in forward order (*out malloc'd, free it); -1 when out of memory.
 int pass_find_layers(IrModule *m, PassLayer **out);
+// Whether op is of the experts: it reads an expert parameter (shard_expert) or is an op of an
+// expert's LoRA adapter (expert_lora); a param.grad is not (it only copies a gradient out).
+bool pass_op_of_experts(const IrOp *op);
 // The expert region of f (lang/manual.md §8: dispatch AlltoAll ... experts ... combine AlltoAll): its entry
 // value ([E, C, M] tokens the order packed, or their gradient) and its exit value; false if none.
 bool pass_expert_region(const IrFunc *f, IrValue **entry, IrValue **exit);

@@ -66,17 +66,6 @@ typedef struct Sched {
 } Sched;
 
 
-static bool is_expert_param(const IrParam *p) {
-  return p && ir_attrs_get(p->attrs, p->nattrs, "shard_expert") != NULL;
-}
-
-static bool reads_expert_param(const IrOp *op) {
-  if (op->kind == IR_OP_PARAM_GRAD) return false;
-  if (ir_op_int(op, "expert_lora", 0)) return true;   // an expert's LoRA adapter (parallelize.c)
-  for (int a = 0; a < op->nargs; a++)
-    if (is_expert_param(op->args[a].param)) return true;
-  return false;
-}
 
 // By value id of f: the value is read outside the region [lo, hi] of f, by a later or earlier op
 // of f, f's results or another function's op (a backward reading a saved activation). One pass
@@ -495,7 +484,7 @@ static bool join_chunks(Sched *S, Region *R, OpList *out) {
 static bool chunk_func(Sched *S, IrFunc *f, int64_t r_want) {
   IrModule *m = S->m;
   bool experts = false;
-  for (int i = 0; i < f->nops; i++) experts |= reads_expert_param(f->ops[i]);
+  for (int i = 0; i < f->nops; i++) experts |= pass_op_of_experts(f->ops[i]);
   if (!experts || r_want <= 1) return true;
   Region R = {.f = f, .n0 = f->nvalues};
   if (!pass_expert_region(f, &R.entry, &R.exit)) {

@@ -17,6 +17,8 @@
 #     stages (the tied embedding frozen on the first and the last);
 #   - resume: 4 steps, a checkpoint, 4 more equal 8 straight, bit for bit;
 #   - recompute: `recompute layers` with LoRA is the plain LoRA run, bit for bit;
+#   - chunks: the expert regions (the adapters' ops of them: pass_op_of_experts) in 2 chunks
+#     forward and backward train the unchunked run's bits;
 #   - shared: a shared expert's adapters (targets shared experts) train and pass --check-grad;
 #   - auto: `parallel auto;` chooses among every layout for a LoRA model and builds it;
 #   - cuda: the CUDA program on the fake device trains the CPU program's bits (gradients and
@@ -188,6 +190,16 @@ recompute() {
     ok "recompute: 'recompute layers' with LoRA trains the plain LoRA run's bits over 5 steps"
   else
     bad "recompute: recompute layers with LoRA" "$(diff <(step_lines "$WORK/rl.out") <(step_lines "$WORK/rc.out"))"
+  fi
+  model ck "$LORA" "schedule { policy fsmoe; pipeline { forward 2; backward 2; } }" 2 2 ||
+    { bad "chunks: build" "$(tail -n 5 "$WORK/ck.build")"; return; }
+  "$WORK/ck" --steps 5 >"$WORK/ck.out" 2>&1
+  local n
+  n=$(grep -c 'expert region %[a-z.0-9]* -> %[a-z.0-9]* in 2 chunks' "$WORK/ck.build")
+  if [ "$n" -eq 4 ] && [ -n "$(step_lines "$WORK/ck.out")" ] && [ "$(step_lines "$WORK/ck.out")" = "$(step_lines "$WORK/rl.out")" ]; then
+    ok "chunks: LoRA's expert regions in 2 chunks (4 regions) train the unchunked bits over 5 steps"
+  else
+    bad "chunks: LoRA's expert regions in 2 chunks ($n regions chunked)" "$(diff <(step_lines "$WORK/rl.out") <(step_lines "$WORK/ck.out"))"
   fi
 }
 
