@@ -121,7 +121,7 @@ static const char *const optimizers[] = {"sgd", "adamw", NULL};
 // gates and ffn kinds come from the registry (frontend/registry.c)
 #define gates ((const char *const *)fe_gate_words)
 #define ffns ((const char *const *)fe_expert_words)
-static const char *const acts[] = {"gelu", "relu", NULL};
+#define acts ir_act_words   // the activations of ir/activations.def that `act` offers
 static const char *const orders[] = {"tutel", "gshard", NULL};
 static const char *const algos[] = {"nccl", "1dh", "2dh", NULL};
 static const char *const aux_forms[] = {"group", "pooled", "sequence", NULL};

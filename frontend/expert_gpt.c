@@ -1,7 +1,6 @@
-// experts ffn gpt: FFN(x) = act(x·W1 + b1)·W2 + b2, act gelu (tanh form) or relu, biases
-// optional; batched over the experts.
+// experts ffn gpt: FFN(x) = act(x·W1 + b1)·W2 + b2, act one of ir/activations.def (gelu, the tanh
+// form, by default), biases optional; batched over the experts.
 #include <math.h>
-#include <string.h>
 
 #include "fe_lower.h"
 
@@ -13,7 +12,7 @@ IrValue *fe_expert_gpt(FeLower *L, IrValue *disp) {
   IrParam *b2 = x->bias ? fe_expert_param(L, "moe.experts.b2", ir_type2(IR_F32, L->E, L->M), "zeros", 0, -1) : NULL;
   IrValue *h = fe_expert_linear(L, "h", disp, w1);
   if (b1) h = fe_op2(L, IR_OP_EXPERT_BIAS, "hb", FE_V(h), FE_P(b1));
-  h = fe_op1(L, strcmp(x->act, "relu") == 0 ? IR_OP_ACT_RELU : IR_OP_ACT_GELU, "act", FE_V(h));
+  h = fe_act(L, x->act, "act", h);
   IrValue *y = fe_expert_linear(L, "y", h, w2);
   if (b2) y = fe_op2(L, IR_OP_EXPERT_BIAS, "yb", FE_V(y), FE_P(b2));
   return y;

@@ -184,7 +184,7 @@ typedef struct FeExperts {
   const char *kind;     // "gpt" | "mixtral" | "oss" (written `ffn gpt { ... }`)
   SrcLoc kind_loc;
   int64_t hidden;
-  const char *act;      // "gelu" | "relu" (gpt; default gelu)
+  const char *act;      // an activation `act` offers (ir/activations.def; gpt; default gelu)
   SrcLoc act_loc;
   bool bias;            // gpt; default true (oss: always, mixtral: never)
 } FeExperts;

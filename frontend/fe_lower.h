@@ -87,6 +87,8 @@ IrValue *fe_emit(FeLower *L, IrOpKind kind, const char *name, int nargs, const I
 // Common shapes of fe_emit.
 IrValue *fe_op1(FeLower *L, IrOpKind kind, const char *name, IrOperand a);
 IrValue *fe_op2(FeLower *L, IrOpKind kind, const char *name, IrOperand a, IrOperand b);
+// The activation `act word` of x (the op of word's row in ir/activations.def), named name.
+IrValue *fe_act(FeLower *L, const char *word, const char *name, IrValue *x);
 // Integer and float attributes for fe_emit.
 #define FE_I(k, v) ((IrAttr){.key = (k), .kind = IR_ATTR_INT, .i = (v)})
 #define FE_F(k, v) ((IrAttr){.key = (k), .kind = IR_ATTR_FLOAT, .f = (v)})

@@ -48,6 +48,18 @@ IrValue *fe_op2(FeLower *L, IrOpKind kind, const char *name, IrOperand a, IrOper
   return fe_emit(L, kind, name, 2, (IrOperand[]){a, b}, 0, NULL);
 }
 
+IrValue *fe_act(FeLower *L, const char *word, const char *name, IrValue *x) {
+  const IrActInfo *act = ir_act_named(word);
+  // The checker takes `act`'s words from the same table, so a word without a row is a bug; it
+  // stops here rather than becoming some other activation.
+  if (!act) {
+    ir_internal_at(L->d, L->layer ? L->layer->loc : (SrcLoc){0}, "activation '%s' has no row in ir/activations.def",
+                   word ? word : "(none)");
+    UNREACHABLE();
+  }
+  return fe_op1(L, act->op, name, FE_V(x));
+}
+
 IrParam *fe_expert_param(FeLower *L, const char *suffix, IrType t, const char *init, double value,
                          int hidden_dim) {
   IrParam *p = fe_param(L, suffix, t, init, value);

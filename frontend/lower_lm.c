@@ -247,7 +247,7 @@ static IrValue *mlp(FeLower *L, IrValue *x, double out_std) {
     return linear(L, h, "mlp.w2", NULL, H, M, out_std, MP_ROWS, "mlp");
   }
   IrValue *h = linear(L, x, "mlp.w1", e->bias ? "mlp.b1" : NULL, M, H, STD, MP_COLUMNS, "h");
-  h = fe_op1(L, strcmp(e->act, "relu") == 0 ? IR_OP_ACT_RELU : IR_OP_ACT_GELU, "act", FE_V(h));
+  h = fe_act(L, e->act, "act", h);
   return linear(L, h, "mlp.w2", e->bias ? "mlp.b2" : NULL, H, M, out_std, MP_ROWS, "mlp");
 }
 

@@ -94,6 +94,22 @@ int ir_op_colsum(IrOpKind k);
 // IR_OP_COUNT when name is not an op.
 IrOpKind ir_op_by_name(const char *name);
 
+// An activation (a row of ir/activations.def): its name (the word of `act NAME`), its forward op
+// and the op of its gradient (dy, x), whether `act` offers it, whether it evaluates exp or tanh
+// per element, and the recompute level of its forward op.
+typedef struct IrActInfo {
+  const char *name;
+  IrOpKind op, grad;
+  bool act, math;
+  int recompute;
+} IrActInfo;
+// The activation of `act name`, or NULL when `act` offers none of that name.
+const IrActInfo *ir_act_named(const char *name);
+// The activation whose forward or gradient op k is, or NULL.
+const IrActInfo *ir_act_of(IrOpKind k);
+// The names `act` offers, in the table's order, NULL-terminated (the checker's words).
+extern const char *const ir_act_words[];
+
 typedef enum IrDtype { IR_F32, IR_BF16, IR_F16, IR_I32, IR_I8, IR_DTYPE_COUNT } IrDtype;
 const char *ir_dtype_name(IrDtype t);       // "f32", "bf16", "f16", "i32", "i8"
 bool ir_dtype_by_name(const char *name, IrDtype *out);

@@ -63,6 +63,37 @@ static const int op_colsum[IR_OP_COUNT] = {
 
 int ir_op_colsum(IrOpKind k) { return k >= 0 && k < IR_OP_COUNT ? op_colsum[k] - 1 : -1; }
 
+// The activations of ir/activations.def.
+static const IrActInfo acts[] = {
+#define IR_ACT(E, NAME, ACT, MATH, RECOMPUTE, DOC, FORWARD, GRADIENT, ARGS, PARAMS) \
+  {#NAME, IR_OP_ACT_##E, IR_OP_ACT_##E##_GRAD, ACT_OFFERED_##ACT, MATH, RECOMPUTE},
+#define ACT_OFFERED_yes true
+#define ACT_OFFERED_no false
+#include "activations.def"
+#undef IR_ACT
+};
+
+// The words of the rows with ACT yes: a row whose ACT is no leaves nothing in the list.
+const char *const ir_act_words[] = {
+#define IR_ACT(E, NAME, ACT, MATH, RECOMPUTE, DOC, FORWARD, GRADIENT, ARGS, PARAMS) ACT_WORD_##ACT(#NAME)
+#define ACT_WORD_yes(w) w,
+#define ACT_WORD_no(w)
+#include "activations.def"
+#undef IR_ACT
+    NULL};
+
+const IrActInfo *ir_act_named(const char *name) {
+  for (size_t i = 0; name && i < sizeof acts / sizeof *acts; i++)
+    if (acts[i].act && strcmp(acts[i].name, name) == 0) return &acts[i];
+  return NULL;
+}
+
+const IrActInfo *ir_act_of(IrOpKind k) {
+  for (size_t i = 0; i < sizeof acts / sizeof *acts; i++)
+    if (acts[i].op == k || acts[i].grad == k) return &acts[i];
+  return NULL;
+}
+
 int64_t ir_capacity_slots(int64_t k, double f, int64_t tokens, int64_t experts) {
   int64_t t = (int64_t)ceil((double)k * f * (double)tokens / (double)experts - 1e-9);
   return t < 1 ? 1 : t;

@@ -139,11 +139,9 @@ static bool has(SchedCoef f) { return f.alpha > 0 || f.beta > 0; }
 // profile's elementwise_math prices them per element): the activations with a curve, the gates'
 // softmax and sigmoid, the noise's normals, the cross-entropy over the logits.
 static bool evaluates_math(IrOpKind k) {
+  const IrActInfo *act = ir_act_of(k);   // the activations of ir/activations.def: their MATH
+  if (act) return act->math;
   switch (k) {
-  case IR_OP_ACT_GELU:
-  case IR_OP_ACT_GELU_GRAD:
-  case IR_OP_ACT_SILU:
-  case IR_OP_ACT_SILU_GRAD:
   case IR_OP_ACT_OSS:
   case IR_OP_ACT_OSS_GRAD_GATE:
   case IR_OP_ACT_OSS_GRAD_UP:

@@ -1,8 +1,9 @@
 // The `recompute` pass (lang/manual.md §12, "Memory"): activations a backward function reads
 // from its forward are computed again in the backward instead of kept from one to the other, so
 // the memory plan frees them inside the forward. Module attribute `recompute`, the level:
-//   1  activations: act.gelu / relu / silu / oss, mul (a SwiGLU's product): the largest saved
-//      values of an MoE layer ([E, C, H] per expert GEMM), cheapest to make again;
+//   1  activations: act.gelu / relu / silu / ... (each row's RECOMPUTE in ir/activations.def), act.oss,
+//      mul (a SwiGLU's product): the largest saved values of an MoE layer ([E, C, H] per expert
+//      GEMM), cheapest to make again;
 //   2  and the norms' outputs: norm.layer, norm.rms, scale, bias, add (the input of the
 //      attention's and the gate's GEMMs, their weights' gradients read them);
 //   3  layers: every op of the forward but the collectives and the routing decisions (GEMMs,
@@ -22,10 +23,9 @@
 static int level_of(IrOpKind k) {
   IrOpClass cls = ir_op_class(k);
   if (ir_op_info[k].nres != 1 || (cls != IR_CLASS_COMPUTE && cls != IR_CLASS_GEMM)) return 0;
+  const IrActInfo *act = ir_act_of(k);
+  if (act && k == act->op) return act->recompute;   // (its gradient op is the backward's own)
   switch (k) {
-  case IR_OP_ACT_GELU:
-  case IR_OP_ACT_RELU:
-  case IR_OP_ACT_SILU:
   case IR_OP_ACT_OSS:
   case IR_OP_MUL: return 1;
   case IR_OP_NORM_LAYER:
