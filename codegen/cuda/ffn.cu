@@ -1,5 +1,6 @@
 // The feed-forward CUDA kernels beside cuBLAS's GEMMs: biases (dense and per expert) and the
-// activations GELU, ReLU, SiLU and gpt-oss's clamped SwiGLU; the siblings of runtime/kernels/ffn.c.
+// activations GELU, ReLU, SiLU, squared ReLU and gpt-oss's clamped SwiGLU; the siblings of
+// runtime/kernels/ffn.c.
 // See prelude.cu for the conventions and for how the build embeds this file.
 
 // ---- prelude: GELU ----
@@ -174,6 +175,18 @@ extern "C" __global__ void mk_silu(const float *x, float *y, i64 n) {
 // ---- mk_silu_grad ----
 extern "C" __global__ void mk_silu_grad(const float *dy, const float *x, float *dx, i64 n) {
   MK_FOR(i, n) dx[i] = mk_f_silu_grad(dy[i], x[i]);
+}
+
+// ---- mk_relu2 ----
+// Squared ReLU, relu2's row in ir/activations.def as rt_relu2 computes it: x x where x > 0, else +0.
+extern "C" __global__ void mk_relu2(const float *x, float *y, i64 n) {
+  MK_FOR(i, n) y[i] = x[i] > 0.0f ? x[i] * x[i] : 0.0f;
+}
+
+// ---- mk_relu2_grad ----
+// dy (2 x) where x > 0, else +0, as rt_relu2_grad.
+extern "C" __global__ void mk_relu2_grad(const float *dy, const float *x, float *dx, i64 n) {
+  MK_FOR(i, n) dx[i] = x[i] > 0.0f ? dy[i] * (2.0f * x[i]) : 0.0f;
 }
 
 // ---- mk_oss ----

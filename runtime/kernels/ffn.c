@@ -1,6 +1,6 @@
 // The feed-forward kernels of libmoert, dense layers and experts alike: GEMMs through OpenBLAS
 // (rt_matmul; rt_expert_matmul over an expert's filled slots only), biases and their gradients,
-// and the activations GELU, ReLU, SiLU and gpt-oss's clamped SwiGLU. The siblings of codegen/cuda/ffn.cu (whose GEMMs go to
+// and the activations GELU, ReLU, SiLU, squared ReLU and gpt-oss's clamped SwiGLU. The siblings of codegen/cuda/ffn.cu (whose GEMMs go to
 // cuBLAS). Conventions of every CPU kernel: runtime/kernels.def.
 #include <cblas.h>
 #include <math.h>
@@ -604,6 +604,22 @@ void rt_relu_grad(const float *dy, const float *x, float *dx, int64_t n) {
   RT_PARALLEL_FOR_SIMD(n >= RT_PAR_MIN)
   for (int64_t i = 0; i < n; i++)
     dx[i] = x[i] > 0.0f ? dy[i] : 0.0f;
+}
+
+// ---- squared ReLU (Primer) ----
+// The float operations of relu2's row in ir/activations.def, which the fused loops compute: y = x x
+// where x > 0, else +0 (NaN too); dx = dy (2 x) where x > 0, else +0. mk_relu2 and mk_relu2_grad
+// are the same.
+void rt_relu2(const float *x, float *y, int64_t n) {
+  RT_PARALLEL_FOR_SIMD(n >= RT_PAR_MIN)
+  for (int64_t i = 0; i < n; i++)
+    y[i] = x[i] > 0.0f ? x[i] * x[i] : 0.0f;
+}
+
+void rt_relu2_grad(const float *dy, const float *x, float *dx, int64_t n) {
+  RT_PARALLEL_FOR_SIMD(n >= RT_PAR_MIN)
+  for (int64_t i = 0; i < n; i++)
+    dx[i] = x[i] > 0.0f ? dy[i] * (2.0f * x[i]) : 0.0f;
 }
 
 // ---- SiLU (SwiGLU experts) ----

@@ -485,6 +485,35 @@ else
   bad "cuda host: gpt_moe_bytes bf16 fused" "$(grep -E 'per step|copy|casts' "$WORK/bf.err" "$WORK/bn.err" "$WORK/gf.err"; tail -n 5 "$WORK/bf.err" "$WORK/gmb16f.cuda.out" 2>/dev/null)"
 fi
 
+# An activation's row (ir/activations.def) and its kernel twins agree: squared ReLU (act relu2) in a
+# language model's gpt experts and its dense mlp trains to the same bits on the CPU and the fake
+# device, each fused (expert.bias + act.relu2 from the row's expression) and op by op (rt_relu2,
+# mk_relu2 and their gradients); in bf16 with fp32 saved activations the gradient's expression runs
+# fused too (act.relu2.grad writing its bf16 copy) and equals the --no-fuse build.
+relu2_run() {  # NAME MODEL [MOEC-BUILD-ARGS...]: WORK/NAME, 3 steps with --dump NAME.dump
+  local name=$1 model=$2
+  shift 2
+  "$MOEC" build "$model" -o "$WORK/$name" "$@" 2>"$WORK/$name.err" && rm -rf "$WORK/$name.dump" &&
+    (cd "$WORK" && timeout "$TIMEOUT" "./$name" --steps 3 --dump "$name.dump" >"$name.out" 2>&1 </dev/null)
+}
+sed 's/^model grad_lm_relu2 { /model grad_lm_relu2 { dtype bf16; /' tests/models/grad_lm_relu2.moe >"$WORK/relu2_16.moe"
+r2=tests/models/grad_lm_relu2.moe
+if relu2_run r2cpu "$r2" && relu2_run r2cpun "$r2" --no-fuse &&
+   MOEC_CUDA_FAKE=1 relu2_run r2cuda "$r2" --target cuda && MOEC_CUDA_FAKE=1 relu2_run r2cudan "$r2" --target cuda --no-fuse &&
+   "$MOEC" build "$r2" --target cuda --emit cuda -o "$WORK/r2.cu" 2>/dev/null && grep -q '^// ---- mk_fuse_[0-9]*: .*act\.relu2 ----$' "$WORK/r2.cu" &&
+   same_losses "$WORK/r2cpu.out" "$WORK/r2cpun.out" 0 && same_losses "$WORK/r2cpu.out" "$WORK/r2cuda.out" 0 &&
+   same_losses "$WORK/r2cpu.out" "$WORK/r2cudan.out" 0 && w1=$(compare_dumps "$WORK/r2cpu.dump" "$WORK/r2cpun.dump" 0) &&
+   w2=$(compare_dumps "$WORK/r2cpu.dump" "$WORK/r2cuda.dump" 0) && w3=$(compare_dumps "$WORK/r2cpu.dump" "$WORK/r2cudan.dump" 0) &&
+   MOEC_BF16_SAVED=0 MOEC_CUDA_FAKE=1 relu2_run r2f16 "$WORK/relu2_16.moe" --target cuda &&
+   MOEC_CUDA_FAKE=1 relu2_run r2n16 "$WORK/relu2_16.moe" --target cuda --no-fuse &&
+   MOEC_BF16_SAVED=0 "$MOEC" build "$WORK/relu2_16.moe" --target cuda --emit cuda -o "$WORK/r2_16.cu" 2>/dev/null &&
+   grep -q '^// ---- mk_fuse_[0-9]*: act\.relu2\.grad ----$' "$WORK/r2_16.cu" &&
+   same_losses "$WORK/r2f16.out" "$WORK/r2n16.out" 0 && w4=$(compare_dumps "$WORK/r2f16.dump" "$WORK/r2n16.dump" 0); then
+  ok "cuda host: act relu2 (grad_lm_relu2) bit for bit: CPU fused = CPU --no-fuse = fake device fused ($w2) = --no-fuse; bf16 with the gradient fused = --no-fuse ($w4)"
+else
+  bad "cuda host: act relu2 (grad_lm_relu2)" "$(tail -n 3 "$WORK"/r2*.err "$WORK"/r2*.out 2>/dev/null | head -c 3000)"
+fi
+
 # Saved activations in bf16 (issue 39, the default): the backward's elementwise kernels read the
 # forward values they need (the experts' pre-activation for GELU's gradient) from bf16 copies the
 # forward's kernels write, so those fp32 values die with the forward. The memory plan counts it:

@@ -417,6 +417,12 @@ template <class Launcher> void run_kernel_cases(Launcher &L, Checks &c) {
     rt_silu_grad(b.data(), a.data(), y_c.data(), n);
     LAUNCH(3, 64, mk_silu_grad, b, a, y_k, n);
     c.same("act.silu.grad", y_c, y_k);
+    rt_relu2(a.data(), y_c.data(), n);
+    LAUNCH(3, 64, mk_relu2, a, y_k, n);
+    c.bits("act.relu2", y_c, y_k);
+    rt_relu2_grad(b.data(), a.data(), y_c.data(), n);
+    LAUNCH(3, 64, mk_relu2_grad, b, a, y_k, n);
+    c.bits("act.relu2.grad", y_c, y_k);
     {  // gpt-oss's clamped SwiGLU on gate and up values past both sides of the clamps (|x| up to
        // about 20 where 7 clamps), with gradients of zero (+0 and -0: an expert's empty slots)
       auto g = randn(n, 5.0f), u = randn(n, 5.0f), dy = randn(n);

@@ -989,6 +989,15 @@ SELFTEST_CASES = [
       ("gp", 1, dict(attention=dict(heads=2, bias=False),
                      moe=dict(experts=4, hidden=5, k=1, capacity="*", act="relu", bias=True,
                               shared_hidden=3, aux_loss=0.05)))], None),
+    # squared ReLU (act relu2) in gpt experts with drops and in a dense mlp
+    ("relu2: gpt experts k2 drops + dense relu2 mlp, rope rmsnorm",
+     dict(vocab=9, batch=2, seqlen=4, embed=8, position="rope", theta=100.0, norm="rmsnorm",
+          eps=1e-6, tie_embeddings=True, seed=53),
+     [("r", 1, dict(attention=dict(heads=2, bias=False),
+                    moe=dict(experts=4, hidden=5, k=2, capacity=0.75, act="relu2", bias=True,
+                             noise=1.0, aux_loss=0.05, z_loss=0.01))),
+      ("d", 1, dict(attention=dict(heads=2, bias=False),
+                    mlp=dict(ffn="gpt", hidden=6, act="relu2", bias=False)))], None),
 ]
 LORA_CASES = [i for i, c in enumerate(SELFTEST_CASES) if c[1].get("lora")]
 

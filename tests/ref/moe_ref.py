@@ -1,7 +1,7 @@
 #!/usr/bin/python3
 """Independent numpy reference of the MoE layer stacks moec compiles: every gate (gshard any k,
 sigmoid, xmoe, expert_choice, softmoe), both orders (tutel, gshard: the same math), every expert
-(ffn gpt gelu/relu with or without bias, ffn mixtral, ffn oss), capacity factors and dropless, hooks
+(ffn gpt gelu/relu/relu2 with or without bias, ffn mixtral, ffn oss), capacity factors and dropless, hooks
 (record; compress fp16 | bf16 | int8 at before_dispatch / before_combine).
 
 Written from lang/manual.md §11 ("Exact semantics"), runtime/moert.h's kernel comments and the gate /
@@ -40,7 +40,7 @@ per MoE layer instance, in order:
   gshard order's einsum, and the tutel order's encode/decode computes the same numbers.
   disp -> hook(before_dispatch) -> experts -> hook(before_combine) -> combine; a compress hook
   is the float32 round trip of runtime/kernels/hook.c forward and the identity backward
-  experts: gpt y = act(disp.W1 + b1).W2 + b2;  mixtral y = (silu(disp.W1) * (disp.W3)).W2;
+  experts: gpt y = act(disp.W1 + b1).W2 + b2 (act: ACTS);  mixtral y = (silu(disp.W1) * (disp.W3)).W2;
     oss (gpt-oss) y = ((clip(u, -7, 7) + 1) * g' * sigmoid(1.702 g')).W2 + b2 with g = disp.W1 + b1,
     g' = min(g, 7), u = disp.W3 + b3; the clamps' gradients pass where -7 <= u <= 7 and g <= 7
     (torch.clamp's, bounds included)
@@ -315,12 +315,21 @@ def gelu_grad(x):
     return 0.5 * (1.0 + t) + 0.5 * x * (1.0 - t * t) * _C * (1.0 + 3 * 0.044715 * x * x)
 
 
+# `act NAME` of ffn gpt (ir/activations.def's rows that `act` offers): the function and its derivative.
+ACTS = {
+    "gelu": (gelu, gelu_grad),
+    "relu": (lambda x: np.maximum(x, 0.0), lambda x: (x > 0).astype(x.dtype)),
+    # Primer's squared ReLU: max(x, 0)^2, derivative 2 max(x, 0)
+    "relu2": (lambda x: np.maximum(x, 0.0) ** 2, lambda x: 2.0 * np.maximum(x, 0.0)),
+}
+
+
 def act_fwd(name, h):
-    return gelu(h) if name == "gelu" else np.maximum(h, 0.0)
+    return ACTS[name][0](h)
 
 
 def act_grad(name, h):
-    return gelu_grad(h) if name == "gelu" else (h > 0).astype(h.dtype)
+    return ACTS[name][1](h)
 
 
 def sigmoid(x):
@@ -1230,6 +1239,9 @@ def selftest():
         ("k2 drops g2 relu nobias", [("a", 1, dict(k=2, capacity=0.5, groups=2, act="relu",
                                                   bias=False, noise=0.5, aux_loss=0.05,
                                                   z_loss=0.02))]),
+        ("k2 drops relu2 + nobias", [("a", 1, dict(k=2, capacity=0.5, act="relu2", **noisy)),
+                                     ("b", 1, dict(k=1, capacity=1.0, groups=2, act="relu2",
+                                                   bias=False))]),
         ("stack a + b x2", [("a", 1, dict(k=2, capacity=0.75, **noisy)),
                             ("b", 2, dict(k=1, capacity=1.0, groups=3, act="relu", bias=False,
                                           aux_loss=0.02))]),

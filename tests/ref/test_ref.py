@@ -218,6 +218,10 @@ CONFIGS = [
     ("oss_stack", [("a", 1, dict(gate="sigmoid", k=1, capacity="*", ffn="oss")),
                    ("b", 1, dict(k=1, capacity=1.0, groups=2, order="gshard", ffn="oss", aux_loss=0.05))],
      dict(xscale=3.0)),
+    # squared ReLU experts (act relu2), with biases and drops, then without biases in the gshard order
+    ("relu2_stack", [("a", 1, dict(k=2, capacity=0.5, act="relu2", **NOISY)),
+                     ("b", 1, dict(k=1, capacity=1.0, groups=2, order="gshard", act="relu2", bias=False))],
+     dict(expect="drops")),
 ]
 
 

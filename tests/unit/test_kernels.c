@@ -207,13 +207,15 @@ static void test_fd_z_loss(void **state) {
 typedef struct {
   float *x, *y, *w;
   int64_t n;
-  bool relu;
+  enum { ACT_GELU, ACT_RELU, ACT_RELU2 } act;
 } ActCtx;
 
 static double act_obj(void *p) {
   ActCtx *c = p;
-  if (c->relu)
+  if (c->act == ACT_RELU)
     rt_relu(c->x, c->y, c->n);
+  else if (c->act == ACT_RELU2)
+    rt_relu2(c->x, c->y, c->n);
   else
     rt_gelu(c->x, c->y, c->n, c->n);
   return dot(c->w, c->y, c->n);
@@ -224,7 +226,7 @@ static void test_fd_gelu(void **state) {
   float x[N], y[N], w[N], dx[N];
   fill(x, N, -3, 3);
   fill(w, N, -1, 1);
-  ActCtx c = {x, y, w, N, false};
+  ActCtx c = {x, y, w, N, ACT_GELU};
   rt_gelu_grad(w, x, dx, N);
   check_fd("act.gelu", act_obj, &c, x, N, dx, FD_EPS);
 }
@@ -234,9 +236,21 @@ static void test_fd_relu(void **state) {
   float x[N], y[N], w[N], dx[N];
   fill_away_from_zero(x, N);
   fill(w, N, -1, 1);
-  ActCtx c = {x, y, w, N, true};
+  ActCtx c = {x, y, w, N, ACT_RELU};
   rt_relu_grad(w, x, dx, N);
   check_fd("act.relu", act_obj, &c, x, N, dx, FD_EPS);
+}
+
+// Squared ReLU is smooth but at 0 (its derivative 2 max(x, 0) continuous there): points away from
+// it as for ReLU, whose second derivative jumps at 0.
+static void test_fd_relu2(void **state) {
+  enum { N = 64 };
+  float x[N], y[N], w[N], dx[N];
+  fill_away_from_zero(x, N);
+  fill(w, N, -1, 1);
+  ActCtx c = {x, y, w, N, ACT_RELU2};
+  rt_relu2_grad(w, x, dx, N);
+  check_fd("act.relu2", act_obj, &c, x, N, dx, FD_EPS);
 }
 
 typedef struct {
@@ -494,6 +508,15 @@ static void test_activation_values(void **state) {
   assert_true(dx[0] == 0.0f && dx[1] == 1.0f && dx[2] == 0.0f && dx[3] == 1.0f);
   rt_gelu_grad(dy, x, dx, 1);
   assert_float_equal(dx[0], 0.5, 1e-7);
+  // squared ReLU: x^2 and 2x where x > 0, +0 elsewhere (NaN and -0 too); 2.5^2 and 2 * 2.5 exact
+  float x2[6] = {0.0f, 1.0f, -1.0f, 2.5f, -0.0f, NAN}, y2[6], dy2[6] = {1, 1, 1, 3, 1, 1}, dx2[6];
+  rt_relu2(x2, y2, 6);
+  rt_relu2_grad(dy2, x2, dx2, 6);
+  float want_y[6] = {0, 1, 0, 6.25f, 0, 0}, want_dx[6] = {0, 2, 0, 15, 0, 0};
+  for (int i = 0; i < 6; i++) {
+    assert_true(y2[i] == want_y[i] && !signbit(y2[i]));
+    assert_true(dx2[i] == want_dx[i] && !signbit(dx2[i]));
+  }
 }
 
 // rt_exp, GELU's exp: within 1.5 ulp of exp on a dense grid of [-87, 88], clamped outside (never
@@ -1006,6 +1029,7 @@ int main(void) {
       cmocka_unit_test(test_fd_z_loss),
       cmocka_unit_test(test_fd_gelu),
       cmocka_unit_test(test_fd_relu),
+      cmocka_unit_test(test_fd_relu2),
       cmocka_unit_test(test_fd_bias),
       cmocka_unit_test(test_fd_matmul),
       cmocka_unit_test(test_fd_expert_matmul),
