@@ -232,6 +232,7 @@ CONFIGS = [
                      moe=dict(MIX_FFN, k=2, capacity="*", renormalize=True, **LOSSES))),
       ("kv", 1, dict(attention=dict(heads=2, bias=False, mla=dict(q_lora=0, kv_lora=4, nope=6, rope=2, v=4)),
                      moe=dict(MIX_FFN, k=2, capacity=0.75, **LOSSES)))],
+     dict(expect="drops")),
     # squared ReLU (act relu2): gpt experts with drops, then a dense mlp without biases
     ("q_relu2", dict(position="rope", norm="rmsnorm", tie_embeddings=True),
      [("block", 2, dict(attention=dict(heads=2),
