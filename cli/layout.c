@@ -64,7 +64,7 @@ static void eval_free(Eval *e) {
 }
 
 // The layer item of p and the repeat that forward function f lowers (its attributes `item` and
-// `repeat`, frontend/lower.c fe_layer_func).
+// `repeat`, frontend/lower_ops.c fe_layer_func).
 static bool layer_of(const FeProgram *p, const IrFunc *f, int *group, int *instance) {
   int64_t item = ir_func_int(f, "item", -1), repeat = ir_func_int(f, "repeat", -1);
   if (item < 0 || item >= p->nlayers || repeat < 0 || repeat >= p->layers[item].repeat) return false;

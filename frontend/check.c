@@ -1623,7 +1623,7 @@ static SrcLoc lora_target_at(const Ctx *c, const FeLora *lo, const char *word) {
 
 // LoRA (lang/manual.md §7.3): every target names weights the model has (q k v o: a language
 // model's attention; experts: a moe layer; shared: a shared expert; mlp: a dense layer). Every
-// layout runs the adapters (MP, EP and ESP split them as their base weights, lower.c).
+// layout runs the adapters (MP, EP and ESP split them as their base weights, lower_ops.c).
 static void check_lora(Ctx *c, const FeProgram *p) {
   const FeModel *m = &p->model;
   const FeLora *lo = &m->lora;
@@ -1659,7 +1659,7 @@ static void check_lora(Ctx *c, const FeProgram *p) {
     ir_error_at(c->d, lora_target_at(c, lo, "mlp"), "lora target 'mlp' adapts the dense layers' 'mlp', but no layer "
                 "has one");
   // DeepSeek's latent attention makes keys and values with the same projections (kv_a_proj_with_mqa,
-  // kv_b_proj): their adapters are k's and v's at once (frontend/lower.c fe_lora_target), as a
+  // kv_b_proj): their adapters are k's and v's at once (frontend/lower_ops.c fe_lora_target), as a
   // PEFT adapter of them is; one of the two alone would mean both, so it is refused.
   for (int i = 0; m->has_vocab && lo->k != lo->v && i < p->nlayers; i++)
     if (c->layer_ok[i] && p->layers[i].has_mla) {

@@ -76,7 +76,7 @@ extern const char *fe_gate_words[FE_MAX_REGISTERED + 1];
 extern const char *fe_expert_words[FE_MAX_REGISTERED + 1];
 void fe_registry_init(void);
 
-// ---- helpers (lower.c) ----
+// ---- helpers (lower_ops.c) ----
 #define FE_GATE_FIELD(f) (1u << (f))
 // Appends op `kind` with operands (values or parameters) and attributes; the result (named
 // `name`, NULL for none) gets the type shape inference gives it.
@@ -123,7 +123,7 @@ IrValue *fe_router_logits(FeLower *L, IrValue *x);
 // Per-group capacity T of token choice with k choices per token.
 int64_t fe_capacity(const FeLower *L, int64_t k);
 
-// The MoE of the current layer on x [S, M] without its residual: the combined expert outputs
+// (lower_moe.c) The MoE of the current layer on x [S, M] without its residual: the combined expert outputs
 // [S, M]; *aux and *z get the gate's auxiliary losses (NULL when it has none).
 IrValue *fe_lower_moe(FeLower *L, IrValue *x, IrValue **aux, IrValue **z);
 // A language model (lang/manual.md §7.2; frontend/lower_lm.c): @embed.fwd, one forward per layer

@@ -4,7 +4,7 @@
 // s = b*seqlen + i), and its target the next tokens, i32 [S]. The functions, in order:
 //   @embed.fwd(%tokens) -> %h          h = wte[t] (+ wpe[i] with learned positions)
 //   @INST.fwd(%x) -> %out (, aux, z)   a = x + Attn(Norm_attn(x)); out = a + F(Norm_ffn(a)),
-//                                      F the layer's moe (frontend/lower.c, without its
+//                                      F the layer's moe (frontend/lower_moe.c, without its
 //                                      residual) or its mlp (one dense FFN)
 //   @loss.fwd(%out, %target) -> %loss, %logits
 //                                      logits = Norm_final(out)·wteᵀ (tied) or ·head.w;

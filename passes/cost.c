@@ -267,7 +267,7 @@ int pass_price(IrModule *m, const SchedCluster *c) {
 // ---- the layer view ----
 
 // The expert parameters (attribute shard_expert, passes/parallelize.c), and with them an expert's
-// LoRA adapter's ops (attribute expert_lora, frontend/lower.c: the adapter's sum with the expert's
+// LoRA adapter's ops (attribute expert_lora, frontend/lower_ops.c: the adapter's sum with the expert's
 // product can be the region's last op).
 bool pass_op_of_experts(const IrOp *op) {
   if (op->kind == IR_OP_PARAM_GRAD) return false;
