@@ -98,14 +98,14 @@ $(BUILD)/gen/lexer.c $(BUILD)/gen/lexer.h: lang/lexer.l $(BUILD)/gen/parser.h
 	@mkdir -p $(BUILD)/gen
 	flex --header-file=$(BUILD)/gen/lexer.h -o $(BUILD)/gen/lexer.c $<
 
-# The CUDA kernels' sources as C strings for codegen/emit_cuda.c: the prelude, then one file per
+# The CUDA kernels' sources as C strings for codegen/kernels.c: the prelude, then one file per
 # kernel family in this fixed order (each the sibling of runtime/kernels/FAMILY.c).
 CUDA_KERNEL_FAMILIES := elementwise ffn norm embed attn loss gate gate_loss order hook layout optim
 CUDA_KERNEL_SRC      := codegen/cuda/prelude.cu $(CUDA_KERNEL_FAMILIES:%=codegen/cuda/%.cu)
 $(BUILD)/gen/cuda_kernels.inc: $(CUDA_KERNEL_SRC) mk/embed_cuda.awk
 	@mkdir -p $(BUILD)/gen
 	awk -f mk/embed_cuda.awk $(CUDA_KERNEL_SRC) >$@.tmp && mv $@.tmp $@
-$(BUILD)/obj/codegen/emit_cuda.o: $(BUILD)/gen/cuda_kernels.inc
+$(BUILD)/obj/codegen/kernels.o: $(BUILD)/gen/cuda_kernels.inc
 
 $(BUILD)/obj/gen/%.o: $(BUILD)/gen/%.c $(BUILD)/gen/parser.h $(BUILD)/gen/lexer.h $(CONFIG)
 	@mkdir -p $(dir $@)

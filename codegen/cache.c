@@ -1,3 +1,5 @@
+// The toolchain of codegen/ (beside layer 1): it calls nothing else in codegen/.
+//
 // The build cache of `moec build` (cg.h): results that are slow to compute and depend only on their
 // inputs (NVRTC's images of a model's kernels: a second of compilation a build), kept as files named
 // by a hash of those inputs. The directory: MOEC_CACHE when set ("off" or "0": no cache), else

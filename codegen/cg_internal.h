@@ -1,7 +1,18 @@
-// Codegen internals shared by the three emitters: the CPU program (emit_c.c), the CUDA kernel
-// unit (emit_cuda.c) and the CUDA target's host program (emit_cuda_host.c). Both host programs
-// describe the same model to rt_main and follow the same stream schedule; the kernel unit and
-// the CUDA host program agree on which kernels each op launches with which arguments.
+// Codegen internals, in layers: each file of codegen/ calls only the layers below its own (its
+// first comment says which layer it is; tests/codegen_layers.py checks that no two files call
+// each other, directly or around a circle):
+//   1 facts.c       the module's facts: scheduled functions, events, parameter offsets, groups,
+//                   streams, operand types, bf16 GEMMs, the CUDA lowering's flags, GEMM shapes
+//   2 kernels.c     the kernel table (runtime/kernels.def), the embedded CUDA sources, grids
+//   3 lower.c       single-op lowering (ops.def's KERNEL rules and the ops written in C)
+//   4 fused.c       fused-group lowering (a generated kernel or C function per group)
+//   5 launch.c      the launch list of a module: every op and group lowered once
+//   6 spell.c, host.c  the shared host parts: buffer names, kernel arguments, parameter table, model
+//   7 emit_c.c, emit_cuda.c, emit_cuda_host.c  the emitters, all reading the one launch list
+//   8 target_cpu.c, target_cuda.c  the targets (emitters + link.c, nvrtc.c, cache.c)
+// Both host programs describe the same model to rt_main and follow the same stream schedule; the
+// kernel unit and the CUDA host program agree on which kernels each op launches with which
+// arguments because both print the one launch list.
 #ifndef CG_INTERNAL_H
 #define CG_INTERNAL_H
 
@@ -19,6 +30,9 @@
 int64_t *cg_param_offsets(const IrModule *m, int64_t *total);
 // The floats of the parameters a gradient trains (all but the frozen ones; they come first).
 int64_t cg_grad_floats(const IrModule *m);
+bool cg_param_frozen(const IrParam *p);   // a LoRA model's base weight (attr frozen): no gradient
+// Whether an op of kind (with attr set, unless attr is NULL) is in m.
+bool cg_module_has(const IrModule *m, IrOpKind kind, const char *attr);
 // `static const RtParam params[N] = {...};`: names, shapes, init, offsets, sharding.
 void cg_emit_params(FILE *out, const IrModule *m, const int64_t *param_offset);
 // `static const RtModel model = {...};` and main(); device: the name of the program's RtDevice,
@@ -133,6 +147,7 @@ typedef struct CgLaunch {
   int ncalls;
   int nops;                // ops of the function the launch stands for: 3 for a fused gate, else 1
   int64_t scratch_bytes;   // CUDA: device bytes its CG_ARG_SCRATCH arguments point to (0 none)
+  int alone_calls;         // the kernels its ops launch each lowered alone (cg_lower_module; --no-fuse's count)
   char note[96];           // for the launch plan comment ("" none)
 } CgLaunch;
 
@@ -141,8 +156,13 @@ typedef struct CgLaunch {
 // which also splits the whole-tensor losses into a grid of partial sums and updates runs of
 // parameters in one launch; CG_LOWER_BF16, its dtype bf16, has the update round the parameters
 // into P16 too). False when the op has no lowering (every op of ops.def has one).
-enum { CG_LOWER_FUSE = 1, CG_LOWER_BF16 = 2 };
+// CG_LOWER_CPU (cg_lower_module only): the CPU program's lowering, each op alone and each fused
+// group a C function (cg_lower_fused with cpu).
+enum { CG_LOWER_FUSE = 1, CG_LOWER_BF16 = 2, CG_LOWER_CPU = 4 };
 bool cg_lower(const PassMemPlan *plan, const IrFunc *f, int i, unsigned how, CgLaunch *l);
+// The same from op i's lowering alone (cg_lower_op's, NULL: it has none), which it does not lower
+// again: what cg_lower_module calls with each op lowered once.
+bool cg_lower_from(const PassMemPlan *plan, const IrFunc *f, int i, unsigned how, const CgLaunch *alone, CgLaunch *l);
 // The elements of a block of an update run's launch (each parameter's range starts a block).
 enum { CG_UPDATE_CHUNK = 4096 };
 // How the CUDA target lowers the ops of m (CG_LOWER_FUSE, and CG_LOWER_BF16 with dtype bf16).
@@ -173,6 +193,8 @@ struct CgLaunches {   // (cg.h: CgLaunches)
 // NULL (reported on d) when an op has no lowering or memory runs out. With CG_LOWER_FUSE a fused
 // group (passes/fuse.c) is one launch of a generated kernel (cg_lower_fused).
 CgLaunches *cg_lower_module(IrDiag *d, const IrModule *m, const PassMemPlan *plan, unsigned how);
+// The index of the launch of fl that starts at op i, or -1 (op i is inside a launch, not its first).
+int cg_launch_at(const CgFuncLaunches *fl, int i);
 // The lowering of one op alone (never fused).
 bool cg_lower_op(const IrOp *op, CgLaunch *l);
 // Whether rule is a well-formed KERNEL rule of ops.def for an op of nargs operands (has_result:
@@ -187,7 +209,9 @@ int cg_fused_members(const IrFunc *f, int i);
 // identical one is there. False (reported) when out of memory. cpu: the CPU program's function
 // (the group's elementwise ops over rows; its source is a C function named FUSED_NAME, to be
 // renamed by the program as gen's name, fuse_N) instead of a CUDA kernel.
-bool cg_lower_fused(IrDiag *d, CgLaunches *ls, const IrFunc *f, int i, bool cpu, CgLaunch *l);
+// first: the lowering of op i alone (cg_lower_op's; NULL: none), which a group that starts with an
+// op of a storing function (IR_STORE) calls with a storer.
+bool cg_lower_fused(IrDiag *d, CgLaunches *ls, const IrFunc *f, int i, bool cpu, const CgLaunch *first, CgLaunch *l);
 // Whether the group at op i of f reads value v, and every member that does by rows: as its element
 // (a scalar expression's xK), or a norm's rows, never another row's element.
 bool cg_fused_reads_rows(const IrFunc *f, int i, const IrValue *v);
@@ -201,6 +225,8 @@ bool cg_scalar_c_form(const char *expr);
 bool cg_scalar_check(const char *expr, int nargs, char *why, size_t size);
 // The CUDA kernels' prelude (codegen/cuda/prelude.cu and every family's prelude sections).
 const char *cg_cuda_prelude(void);
+// The source of library kernel k (codegen/cuda/FAMILY.cu), `extern "C" __global__ void mk_NAME...`.
+const char *cg_cuda_kernel_source(int k);
 
 // The kernels a module's launches can name: the library's (runtime/kernels.def), then ls's
 // generated ones.

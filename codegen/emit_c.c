@@ -1,3 +1,6 @@
+// Layer 7 of codegen/ (an emitter: the CPU program); it may call layers 1-6 (facts.c, kernels.c,
+// lower.c, fused.c, launch.c, spell.c, host.c), no other emitter.
+//
 // The CPU target's emitter: one C statement per IR op, in program order (a fused group of
 // elementwise ops, passes/fuse.c, is one call of a function generated for it: codegen/fused.c);
 // functions whose ops the schedule put on several streams become task tables run by
@@ -22,13 +25,8 @@ typedef struct Emit {
   const PassMemPlan *plan;
   int64_t *param_offset;   // floats, by param index
   CgSpelling sp;           // the names of the buffers (spelling)
-  CgLaunches gen;          // the fused groups' functions (gen.gen), each once
-  struct Fused {           // the call of each fused group, by its first op
-    int func, op;
-    CgLaunch launch;
-    bool in_gemm;          // runs in the pieces of the GEMM before it (in_gemm)
-  } *fused;
-  int nfused;
+  CgLaunches *ls;          // the launch list (cg_lower_module, CG_LOWER_CPU): every op and group lowered once
+  bool **in_gemm;          // by function and launch: a fused group that runs in the pieces of the GEMM before it
 } Emit;
 
 // The CPU program's names of its buffers: the arena A, the step's buffers in st.
@@ -132,30 +130,29 @@ static bool emit_library_op(Emit *e, const IrOp *op) {
   return false;
 }
 
-// The call of fused group g's function (fuse_N(args)), or with piece its table for the GEMM
-// epilogue (fuse_N_piece, (const void *const[]){args}).
-static void fused_call(Emit *e, const struct Fused *g, bool piece) {
-  const IrFunc *f = e->m->funcs[g->func];
-  const CgKernelCall *call = &g->launch.call[0];
+// Whether launch l is a fused group's (one call of its generated function).
+static bool is_group(const CgLaunch *l) { return l->ncalls == 1 && l->call[0].kernel >= CG_K_COUNT; }
+
+// The generated function of group launch l.
+static const CgGenKernel *group_kernel(const Emit *e, const CgLaunch *l) { return &e->ls->gen[l->call[0].kernel - CG_K_COUNT]; }
+
+// The call of the fused group of launch l at op i of f (fuse_N(args)), or with piece its table for
+// the GEMM epilogue (fuse_N_piece, (const void *const[]){args}).
+static void fused_call(Emit *e, const IrFunc *f, int i, const CgLaunch *l, bool piece) {
+  const CgKernelCall *call = &l->call[0];
   char buf[96];
-  fprintf(e->out, piece ? "%s_piece, (const void *const[]){" : "%s(", e->gen.gen[call->kernel - CG_K_COUNT].name);
+  fprintf(e->out, piece ? "%s_piece, (const void *const[]){" : "%s(", group_kernel(e, l)->name);
   for (int k = 0; k < call->nargs; k++) {
-    call_arg(e, buf, sizeof buf, f, g->op, &call->args[k]);
+    call_arg(e, buf, sizeof buf, f, i, &call->args[k]);
     fprintf(e->out, "%s%s", k ? ", " : "", buf);
   }
   fprintf(e->out, piece ? "}" : ")");
 }
 
-static const struct Fused *fused_at(const Emit *e, const IrFunc *f, int i) {
-  for (int g = 0; g < e->nfused; g++)
-    if (e->fused[g].func == f->index && e->fused[g].op == i) return &e->fused[g];
-  return NULL;
-}
-
 // GEMM op i of f, whose product the fused group after it takes row by row as the GEMM's pieces
 // finish (in_gemm): rt_matmul_rows, and the group over the whole product when the GEMM ran in one
 // piece.
-static void emit_gemm_rows(Emit *e, const IrFunc *f, int i, const struct Fused *g) {
+static void emit_gemm_rows(Emit *e, const IrFunc *f, int i, const CgLaunch *g) {
   const IrOp *op = f->ops[i];
   char a[2][96], r[96];
   for (int k = 0; k < 2; k++) cg_spell_operand(&e->sp, &op->args[k], a[k], sizeof a[k]);
@@ -168,10 +165,10 @@ static void emit_gemm_rows(Emit *e, const IrFunc *f, int i, const struct Fused *
   else
     fprintf(e->out, "  if (!rt_matmul_rows(%s, %s, %s, %" PRId64 ", %" PRId64 ", %" PRId64 ", %d, %d, ", a[0], a[1], r,
             rt->dim[0], rt->dim[1], ta ? t0->dim[0] : t0->dim[1], ta, tb);
-  fused_call(e, g, true);
+  fused_call(e, f, i + 1, g, true);
   fprintf(e->out, "))\n    ");
-  fused_call(e, g, false);
-  fprintf(e->out, ";   /* %s, in the GEMM's pieces */\n", e->gen.gen[g->launch.call[0].kernel - CG_K_COUNT].ops);
+  fused_call(e, f, i + 1, g, false);
+  fprintf(e->out, ";   /* %s, in the GEMM's pieces */\n", group_kernel(e, g)->ops);
 }
 
 // Op i of f: the kernel calls of its lowering (cg_lower, never fused on the CPU), each as
@@ -180,26 +177,23 @@ static void emit_gemm_rows(Emit *e, const IrFunc *f, int i, const struct Fused *
 // kernel cannot gather itself (a record hook's line, an expert choice's loads) follow it.
 static bool emit_op(Emit *e, const IrFunc *f, int i) {
   const IrOp *op = f->ops[i];
-  CgLaunch l;
-  if (ir_op_int(op, "fuse", -1) >= 0) {   // a group's first op calls its function, the others nothing
-    const struct Fused *g = fused_at(e, f, i);
-    if (g && !g->in_gemm) {
+  const CgFuncLaunches *fl = &e->ls->fn[f->index];
+  int at = cg_launch_at(fl, i);
+  if (at < 0) return true;   // a fused group's op after its first: the group's call stands for it
+  const CgLaunch *lp = &fl->launch[at];
+  if (is_group(lp)) {   // a group's first op calls its function (unless it ran in the GEMM's pieces)
+    if (!e->in_gemm[f->index][at]) {
       fprintf(e->out, "  ");
-      fused_call(e, g, false);
-      fprintf(e->out, ";   /* %s */\n", e->gen.gen[g->launch.call[0].kernel - CG_K_COUNT].ops);
+      fused_call(e, f, i, lp, false);
+      fprintf(e->out, ";   /* %s */\n", group_kernel(e, lp)->ops);
     }
     return true;
   }
-  const struct Fused *after = i + 1 < f->nops ? fused_at(e, f, i + 1) : NULL;
-  if (after && after->in_gemm) {
-    emit_gemm_rows(e, f, i, after);
+  if (at + 1 < fl->n && fl->at[at + 1] == i + 1 && e->in_gemm[f->index][at + 1]) {
+    emit_gemm_rows(e, f, i, &fl->launch[at + 1]);
     return true;
   }
-  if (!cg_lower(e->plan, f, i, 0, &l)) {
-    ir_error_at(e->d, op->loc, "the CPU target cannot emit op '%s'", ir_op_info[op->kind].name);
-    return false;
-  }
-  if (l.lib) return emit_library_op(e, op);
+  if (lp->lib) return emit_library_op(e, op);
   char buf[CG_MAX_KERNEL_ARGS][96];
   if (op->kind == IR_OP_HOOK_RECORD) {   // computes and writes the record line at once
     cg_spell_operand(&e->sp, &op->args[0], buf[0], sizeof buf[0]);
@@ -217,12 +211,12 @@ static bool emit_op(Emit *e, const IrFunc *f, int i) {
   // A sharded optimizer's update (autodiff: group) takes the rows the rank owns: its four
   // pointers (parameter, gradient, moments) moved by lo, its count n (the KERNEL rule's order).
   bool part = op->kind == IR_OP_OPT_ADAMW && ir_op_str(op, "group", NULL);
-  if (part && (l.ncalls != 1 || strcmp(cg_kernel_name(l.call[0].kernel), "adamw") != 0 || l.call[0].nargs < 5))
+  if (part && (lp->ncalls != 1 || lp->call[0].kernel != CG_K_ADAMW || lp->call[0].nargs < 5))
     return ir_internal(e->d, "a sharded opt.adamw lowers to one adamw(param, grad, m, v, n, ...) call");
   if (part)
     fprintf(e->out, "  {\n    int64_t lo, n;\n    rt_param_part(st->comm, &params[%d], &lo, &n);\n  ", op->args[0].param->index);
-  for (int c = 0; c < l.ncalls; c++) {
-    const CgKernelCall *call = &l.call[c];
+  for (int c = 0; c < lp->ncalls; c++) {
+    const CgKernelCall *call = &lp->call[c];
     fprintf(e->out, "  rt_%s(", cg_kernel_name(call->kernel));
     for (int k = 0; k < call->nargs; k++) {
       call_arg(e, buf[k], sizeof buf[k], f, i, &call->args[k]);
@@ -232,86 +226,21 @@ static bool emit_op(Emit *e, const IrFunc *f, int i) {
     fprintf(e->out, ");\n");
   }
   if (part) fprintf(e->out, "  }\n");
-  if (op->kind == IR_OP_GATE_EXPERT_CHOICE)   // loc, s, e, g, cap of the call
-    fprintf(e->out, "  rt_expert_choice_stats(st, %s, %s, %s, %s, %s);\n", buf[1], buf[2], buf[3], buf[4], buf[5]);
+  if (op->kind == IR_OP_GATE_EXPERT_CHOICE) {   // the loads of the choice (what its rule passes the kernel)
+    const IrType *t = cg_operand_type(&op->args[0]);
+    cg_spell_value(&e->sp, op->result, buf[0], sizeof buf[0]);
+    fprintf(e->out, "  rt_expert_choice_stats(st, %s, %" PRId64 ", %" PRId64 ", %" PRId64 ", %" PRId64 ");\n", buf[0],
+            t->dim[0], t->dim[1], ir_op_int(op, "groups", 0), ir_op_int(op, "capacity", 0));
+  }
   return true;
 }
 
 // ---- scheduled functions: a task table for rt_run_streams (runtime/streams.c) ----
-// A function with ops on the intra or inter stream is emitted as tasks: runs of consecutive
-// ops on one stream, cut before an op that waits and after an op that records an event, one
-// static function each, and a table {stream, fn, waits, event} in program order; the step
+// A function with ops on the intra or inter stream (cg_func_scheduled) is emitted as tasks: runs of
+// consecutive ops on one stream, cut before an op that waits and after an op that records an event,
+// one static function each, and a table {stream, fn, waits, event} in program order; the step
 // calls rt_run_streams on it. Events are cg_events' (renumbered per function, a collective
-// waiting for the previous one on its group). MOEC_STREAMS=0 in the environment emits
-// scheduled functions straight-line as before.
-bool cg_func_scheduled(const IrFunc *f) {
-  const char *env = getenv("MOEC_STREAMS");
-  if (env && strcmp(env, "0") == 0) return false;
-  for (int i = 0; i < f->nops; i++)
-    if (f->ops[i]->stream == IR_STREAM_INTRA || f->ops[i]->stream == IR_STREAM_INTER) return true;
-  return false;
-}
-
-
-const char *cg_stream_enum(IrStream s) {
-  return s == IR_STREAM_INTRA ? "RT_STREAM_INTRA" : s == IR_STREAM_INTER ? "RT_STREAM_INTER" : "RT_STREAM_COMPUTE";
-}
-
-
-bool cg_events(IrDiag *d, const IrFunc *f, CgEvents *ev) {
-  int n = f->nops;
-  ev->dep = malloc(((size_t)n + 1) * sizeof *ev->dep);
-  ev->local = malloc(((size_t)n + 1) * sizeof *ev->local);
-  ev->rec = calloc((size_t)n + 1, sizeof *ev->rec);
-  ev->count = 0;
-  if (!ev->dep || !ev->local || !ev->rec) {
-    cg_events_free(ev);
-    return ir_oom(d);
-  }
-  for (int i = 0; i < n; i++) {
-    const IrOp *op = f->ops[i];
-    ev->dep[i] = -1;
-    ev->local[i] = -1;
-    if (op->event >= 0) ev->rec[i] = true;
-    if (!ir_op_is_collective(op->kind)) continue;
-    for (int j = i - 1; j >= 0; j--) {
-      const IrOp *p = f->ops[j];
-      if (!ir_op_is_collective(p->kind) || cg_group_index(p) != cg_group_index(op)) continue;
-      if (p->stream != op->stream) {
-        ev->dep[i] = j;
-        ev->rec[j] = true;
-      }
-      break;
-    }
-  }
-  for (int i = 0; i < n; i++)
-    if (ev->rec[i]) ev->local[i] = ev->count++;
-  return true;
-}
-
-void cg_events_free(CgEvents *ev) {
-  free(ev->dep);
-  free(ev->local);
-  free(ev->rec);
-  ev->dep = ev->local = NULL;
-  ev->rec = NULL;
-}
-
-int cg_op_waits(const IrFunc *f, const CgEvents *ev, int i, int *waits, int max) {
-  const IrOp *op = f->ops[i];
-  int nw = 0;
-  for (int w = 0; w < op->nwaits; w++) {
-    int e = -1;
-    for (int j = 0; j < i; j++)
-      if (f->ops[j]->event == op->waits[w]) e = ev->local[j];
-    bool seen = false;
-    for (int k = 0; k < nw; k++) seen |= waits[k] == e;
-    if (e >= 0 && !seen && nw < max) waits[nw++] = e;
-  }
-  if (ev->dep[i] >= 0 && nw < max) waits[nw++] = ev->local[ev->dep[i]];
-  return nw;
-}
-
+// waiting for the previous one on its group).
 #define TASK_WAITS 16  // RT_TASK_MAX_WAITS
 
 // The task functions and table of scheduled function f (index fi): `tasks_<fi>`, with the task
@@ -443,178 +372,6 @@ static void emit_layer_stats(Emit *e, const IrFunc *f) {
   }
 }
 
-static bool module_has(const IrModule *m, IrOpKind kind, const char *attr) {
-  for (int i = 0; i < m->nfuncs; i++)
-    for (int j = 0; j < m->funcs[i]->nops; j++) {
-      const IrOp *op = m->funcs[i]->ops[j];
-      if (op->kind == kind && (!attr || ir_op_int(op, attr, 0))) return true;
-    }
-  return false;
-}
-
-static const char *init_name(const IrParam *p) {
-  const char *init = ir_attr_str(p->attrs, p->nattrs, "init", "zeros");
-  if (strcmp(init, "normal") == 0) return "RT_INIT_NORMAL";
-  if (strcmp(init, "ones") == 0) return "RT_INIT_ONES";
-  if (strcmp(init, "const") == 0) return "RT_INIT_CONST";
-  if (strcmp(init, "uniform") == 0) return "RT_INIT_UNIFORM";
-  return "RT_INIT_ZEROS";
-}
-
-static bool param_frozen(const IrParam *p) { return ir_attr_int(p->attrs, p->nattrs, "frozen", 0) != 0; }
-
-// The trained parameters first, then the frozen ones (a LoRA model's base weights): the gradients
-// and the optimizer's moments are the first cg_grad_floats floats only.
-int64_t *cg_param_offsets(const IrModule *m, int64_t *total) {
-  int64_t *offset = calloc((size_t)m->nparams + 1, sizeof *offset);
-  *total = 0;
-  if (!offset) return NULL;
-  for (int pass = 0; pass < 2; pass++)
-    for (int i = 0; i < m->nparams; i++) {
-      if (param_frozen(m->params[i]) != (pass == 1)) continue;
-      offset[i] = *total;
-      *total += ir_type_numel(&m->params[i]->type);
-    }
-  return offset;
-}
-
-int64_t cg_grad_floats(const IrModule *m) {
-  int64_t n = 0;
-  for (int i = 0; i < m->nparams; i++)
-    if (!param_frozen(m->params[i])) n += ir_type_numel(&m->params[i]->type);
-  return n;
-}
-
-void cg_emit_params(FILE *out, const IrModule *m, const int64_t *param_offset) {
-  fprintf(out, "static const RtParam params[%d] = {\n", m->nparams > 0 ? m->nparams : 1);
-  for (int i = 0; i < m->nparams; i++) {
-    const IrParam *p = m->params[i];
-    fprintf(out, "  {\"%s\", %d, {", p->name, p->type.rank);
-    for (int k = 0; k < p->type.rank; k++) fprintf(out, "%s%" PRId64, k ? ", " : "", p->type.dim[k]);
-    fprintf(out, "}, %s, (float)%.17g, %" PRId64 ", %" PRId64 ", {", init_name(p),
-            ir_attr_float(p->attrs, p->nattrs, strcmp(init_name(p), "RT_INIT_CONST") == 0 ? "value" : "std", 0),
-            param_offset[i], ir_type_numel(&p->type));
-    // Sharded dimensions (parallelize): the whole tensor is the shard times the group size.
-    int shard_ep = (int)ir_attr_int(p->attrs, p->nattrs, "shard_ep", -1);
-    int shard_esp = (int)ir_attr_int(p->attrs, p->nattrs, "shard_esp", -1);
-    int shard_mp = (int)ir_attr_int(p->attrs, p->nattrs, "shard_mp", -1);
-    for (int k = 0; k < p->type.rank; k++) {
-      int64_t g = p->type.dim[k];
-      if (k == shard_ep) g *= ir_mod_int(m, "ep", 1);
-      if (k == shard_esp) g *= ir_mod_int(m, "esp", 1);
-      if (k == shard_mp) g *= ir_mod_int(m, "mp", 1);
-      fprintf(out, "%s%" PRId64, k ? ", " : "", g);
-    }
-    // A sharded optimizer's group (autodiff): 1 + its RtGroup.
-    const char *shard = ir_attr_str(p->attrs, p->nattrs, "shard", NULL);
-    fprintf(out, "}, %d, %d, %d, %d", shard_ep, shard_esp, shard_mp, ir_attrs_get(p->attrs, p->nattrs, "balance") != NULL);
-    fprintf(out, ", %s", shard ? cg_group_enums[cg_group_named(shard)] : "0");
-    if (shard) fprintf(out, " + 1");
-    if (param_frozen(p)) fprintf(out, ", .frozen = 1");
-    fprintf(out, "},\n");
-  }
-  fprintf(out, "};\n\n");
-}
-
-// A C string literal of s.
-static void emit_string(FILE *out, const char *s) {
-  fputc('"', out);
-  for (const char *c = s; *c; c++) fprintf(out, *c == '"' || *c == '\\' ? "\\%c" : (unsigned char)*c < 32 ? "\\%03o" : "%c", *c);
-  fputc('"', out);
-}
-
-void cg_emit_model(FILE *out, const IrModule *m, const PassMemPlan *plan, int64_t param_floats, const char *device,
-                   const CgEmitOptions *o) {
-  int nlayers = 0;
-  for (int i = 0; i < m->nfuncs; i++)
-    nlayers += m->funcs[i]->role == IR_ROLE_LAYER_FWD;
-  bool adamw = strcmp(ir_mod_str(m, "optimizer", "sgd"), "adamw") == 0;
-  fprintf(out,
-          "static const RtModel model = {\n"
-          "  .name = \"%s\",\n  .batch = %" PRId64 ", .seqlen = %" PRId64 ", .embed = %" PRId64 ",\n"
-          "  .seed = %" PRId64 "u,\n  .nparams = %d, .params = params, .param_floats = %" PRId64 ",\n"
-          "  .arena_bytes = %" PRId64 ",\n  .opt = %s,\n  .nlayers = %d,\n  .records = %d, .dropless = %d,\n"
-          "  .layout = {%" PRId64 ", %" PRId64 ", %" PRId64 ", %" PRId64 ", %" PRId64 "}, .nodes = %" PRId64 ",\n"
-          "  .forward = step_forward, .backward = step_backward, .update = step_update,\n",
-          m->name, ir_mod_int(m, "batch", 1), ir_mod_int(m, "seqlen", 1), ir_mod_int(m, "embed", 1),
-          ir_mod_int(m, "seed", 0), m->nparams, param_floats, plan->arena_bytes, adamw ? "RT_OPT_ADAMW" : "RT_OPT_SGD",
-          nlayers, module_has(m, IR_OP_HOOK_RECORD, NULL), module_has(m, IR_OP_GATE_LOCATIONS, "dropless"),
-          ir_mod_int(m, "dp", 1), ir_mod_int(m, "mp", 1), ir_mod_int(m, "ep", 1), ir_mod_int(m, "esp", 1),
-          ir_mod_int(m, "gpus_per_node", 1), ir_mod_int(m, "nodes", 0));
-  if (device) fprintf(out, "  .device = &%s,\n", device);
-  if (plan->param16_bytes) fprintf(out, "  .param16_bytes = %" PRId64 ",\n", plan->param16_bytes);
-  if (cg_grad_floats(m) < param_floats) fprintf(out, "  .grad_floats = %" PRId64 ",\n", cg_grad_floats(m));
-  // Which auxiliary losses are in the objective (a coefficient above 0), for the step lines.
-  bool aux = false, z = false;
-  for (int i = 0; i < m->nfuncs; i++)
-    for (int j = 0; j < m->funcs[i]->nops; j++) {
-      const IrOp *op = m->funcs[i]->ops[j];
-      bool in = ir_op_float(op, "coef", 0) > 0;
-      aux |= in && (op->kind == IR_OP_GATE_AUX_LOSS || op->kind == IR_OP_GATE_AUX_POOLED);
-      z |= in && op->kind == IR_OP_GATE_Z_LOSS;
-    }
-  fprintf(out, "  .aux_in_loss = %d, .z_in_loss = %d,\n", aux, z);
-  // The step's floating-point operations on a rank: 2 per multiply-accumulate of its GEMMs (the
-  // experts' over every capacity slot) and attention, forward and backward.
-  double flops = 0;
-  for (int i = 0; i < m->nfuncs; i++)
-    for (int j = 0; j < m->funcs[i]->nops; j++) flops += 2 * pass_op_macs(m->funcs[i]->ops[j]);
-  fprintf(out, "  .step_flops = %.17g,\n", flops);
-  fprintf(out, "  .lr = %.17g, .min_lr = %.17g, .clip = %.17g, .warmup = %" PRId64 ", .decay_steps = %" PRId64 ",\n",
-          ir_mod_float(m, "lr", 0), ir_mod_float(m, "min_lr", 0), ir_mod_float(m, "clip", 0), ir_mod_int(m, "warmup", 0),
-          ir_mod_int(m, "decay_steps", 0));
-  if (ir_mod_int(m, "vocab", 0) > 0) {
-    fprintf(out, "  .vocab = %" PRId64 ", .vocab_parallel = %s,\n", ir_mod_int(m, "vocab", 0),
-            ir_mod_int(m, "vocab_parallel", 0) ? "true" : "false");
-    static const char *const data[] = {"data_train", "data_val", "data_format"};
-    for (int i = 0; i < 3; i++) {
-      const char *v = ir_mod_str(m, data[i], NULL);
-      if (!v) continue;
-      fprintf(out, "  .%s = ", data[i]);
-      emit_string(out, v);
-      fprintf(out, ",\n");
-    }
-  }
-  if (o && (o->hf_config || o->hf_refusal)) {
-    fprintf(out, o->hf_config ? "  .hf_config = " : "  .hf_refusal = ");
-    emit_string(out, o->hf_config ? o->hf_config : o->hf_refusal);
-    fprintf(out, ",\n");
-  }
-  const char *const hf_more[3][2] = {{"hf_generation", o ? o->hf_generation : NULL}, {"hf_changes", o ? o->hf_changes : NULL},
-                                     {"hf_adapter", o ? o->hf_adapter : NULL}};
-  for (int i = 0; i < 3; i++)
-    if (hf_more[i][1]) {
-      fprintf(out, "  .%s = ", hf_more[i][0]);
-      emit_string(out, hf_more[i][1]);
-      fprintf(out, ",\n");
-    }
-  if (o && o->layout_note) {
-    fprintf(out, "  .layout_note = ");
-    emit_string(out, o->layout_note);
-    fprintf(out, ",\n");
-  }
-  int64_t pp = ir_mod_int(m, "pp", 1), micro = ir_mod_int(m, "microbatches", 1);
-  if (micro > 1) fprintf(out, "  .microbatches = %" PRId64 ",\n", micro);
-  if (pp > 1) {
-    fprintf(out, "  .pp = %" PRId64 ", .stage = %" PRId64 ", .pp_schedule = %s,\n", pp, ir_mod_int(m, "stage", 0),
-            strcmp(ir_mod_str(m, "pp_schedule", "1f1b"), "gpipe") == 0 ? "RT_PP_GPIPE" : "RT_PP_1F1B");
-    // One stage of several: the program's main is the stages' (cg_emit_stages_main).
-    fprintf(out, "};\n\nconst RtModel *const moec_stage_%" PRId64 " = &model;\n", ir_mod_int(m, "stage", 0));
-    return;
-  }
-  fprintf(out, "};\n\nint main(int argc, char **argv) { return rt_main(&model, argc, argv); }\n");
-}
-
-void cg_emit_stages_main(FILE *out, const char *model_name, int stages) {
-  fprintf(out, "/* Generated by moec: the main of model '%s', whose %d pipeline stages are programs of their own\n"
-               "   (each its own C file); rt_main_stages runs a rank's. Do not edit. */\n#include \"moert.h\"\n\n",
-          model_name, stages);
-  for (int s = 0; s < stages; s++) fprintf(out, "extern const RtModel *const moec_stage_%d;\n", s);
-  fprintf(out, "\nint main(int argc, char **argv) {\n  const RtModel *stages[%d];\n", stages);
-  for (int s = 0; s < stages; s++) fprintf(out, "  stages[%d] = moec_stage_%d;\n", s, s);
-  fprintf(out, "  return rt_main_stages(stages, %d, argc, argv);\n}\n", stages);
-}
-
 // Whether slots s and t share bytes.
 static bool slots_overlap(const PassMemSlot *s, const PassMemSlot *t) {
   if (s->kind != t->kind) return false;
@@ -622,7 +379,7 @@ static bool slots_overlap(const PassMemSlot *s, const PassMemSlot *t) {
   return s->offset < t->offset + t->bytes && t->offset < s->offset + s->bytes;
 }
 
-// Whether fused group g (at op g->op of f) can run in the pieces of the GEMM right before it, each
+// Whether the fused group of launch g (at op i of f) can run in the pieces of the GEMM right before it, each
 // piece's thread over the rows it computed (rt_matmul_rows, rt_expert_matmul_rows): a group of
 // elementwise ops and norms over rows as long as the product's, that reads the product, only row by
 // row (cg_fused_reads_rows; its other operands are complete before the GEMM starts), with no event
@@ -632,8 +389,7 @@ static bool slots_overlap(const PassMemSlot *s, const PassMemSlot *t) {
 // slots copy other rows of the product after the pieces). An expert GEMM's only with ta = 0 (its
 // rows are the slots).
 // MOEC_GEMM_ROWS=0 in the environment runs every group after its GEMM instead (for comparison).
-static bool in_gemm(const Emit *e, const IrFunc *f, const struct Fused *g) {
-  int i = g->op;
+static bool in_gemm(const Emit *e, const IrFunc *f, int i, const CgLaunch *g) {
   const char *env = getenv("MOEC_GEMM_ROWS");
   if ((env && strcmp(env, "0") == 0) || i == 0 || ir_op_colsum(f->ops[i]->kind) >= 0 || ir_op_store(f->ops[i]->kind))
     return false;
@@ -648,8 +404,8 @@ static bool in_gemm(const Emit *e, const IrFunc *f, const struct Fused *g) {
     return false;
   if (!cg_fused_reads_rows(f, i, gemm->result)) return false;
   const PassMemSlot *made = &e->plan->slot[f->index][gemm->result->id];
-  for (int k = 0; k < g->launch.call[0].nargs; k++) {
-    const CgArg *a = &g->launch.call[0].args[k];
+  for (int k = 0; k < g->call[0].nargs; k++) {
+    const CgArg *a = &g->call[0].args[k];
     if (a->kind != CG_ARG_RESULT) continue;
     const IrValue *v = f->ops[i + a->index]->result;
     const PassMemSlot *s = &e->plan->slot[f->index][v->id];
@@ -664,35 +420,28 @@ static bool in_gemm(const Emit *e, const IrFunc *f, const struct Fused *g) {
   return true;
 }
 
-// The functions of the fused groups (each distinct one once, fuse_N), and the call of every group.
+// The launch list (each op and group lowered once, cg_lower_module), which groups run in the
+// pieces of the GEMM before them (in_gemm), and the functions of the fused groups (each distinct
+// one once, fuse_N).
 static bool emit_fused(Emit *e) {
+  if (!(e->ls = cg_lower_module(e->d, e->m, e->plan, CG_LOWER_CPU))) return false;
+  if (!(e->in_gemm = calloc((size_t)(e->m->nfuncs > 0 ? e->m->nfuncs : 1), sizeof *e->in_gemm))) return ir_oom(e->d);
   for (int fi = 0; fi < e->m->nfuncs; fi++) {
-    const IrFunc *f = e->m->funcs[fi];
-    for (int i = 0; i < f->nops;) {
-      int n = cg_fused_members(f, i);
-      if (n == 0) {
-        i++;
-        continue;
-      }
-      struct Fused *grown = realloc(e->fused, (size_t)(e->nfused + 1) * sizeof *grown);
-      if (!grown) return ir_oom(e->d);
-      e->fused = grown;
-      struct Fused *g = &e->fused[e->nfused++];
-      g->func = f->index, g->op = i;
-      if (!cg_lower_fused(e->d, &e->gen, f, i, true, &g->launch)) return false;
-      g->in_gemm = in_gemm(e, f, g);
-      i += n;
-    }
+    const CgFuncLaunches *fl = &e->ls->fn[fi];
+    if (!(e->in_gemm[fi] = calloc((size_t)(fl->n > 0 ? fl->n : 1), sizeof **e->in_gemm))) return ir_oom(e->d);
+    for (int k = 0; k < fl->n; k++)
+      e->in_gemm[fi][k] = is_group(&fl->launch[k]) && in_gemm(e, e->m->funcs[fi], fl->at[k], &fl->launch[k]);
   }
-  for (int k = 0; k < e->gen.ngen; k++) {   // the source with its name
-    fprintf(e->out, "/* %s: %s */\n", e->gen.gen[k].name, e->gen.gen[k].ops);
-    for (const char *s = e->gen.gen[k].source; *s;) {
+  for (int k = 0; k < e->ls->ngen; k++) {   // the source with its name
+    const CgGenKernel *g = &e->ls->gen[k];
+    fprintf(e->out, "/* %s: %s */\n", g->name, g->ops);
+    for (const char *s = g->source; *s;) {
       const char *at = strstr(s, "FUSED_NAME");
       if (!at) {
         fputs(s, e->out);
         break;
       }
-      fprintf(e->out, "%.*s%s", (int)(at - s), s, e->gen.gen[k].name);
+      fprintf(e->out, "%.*s%s", (int)(at - s), s, g->name);
       s = at + strlen("FUSED_NAME");
     }
     fputc('\n', e->out);
@@ -701,9 +450,9 @@ static bool emit_fused(Emit *e) {
 }
 
 static void free_fused(Emit *e) {
-  for (int k = 0; k < e->gen.ngen; k++) free(e->gen.gen[k].source);
-  free(e->gen.gen);
-  free(e->fused);
+  for (int fi = 0; e->in_gemm && fi < e->m->nfuncs; fi++) free(e->in_gemm[fi]);
+  free(e->in_gemm);
+  cg_launches_free(e->ls);
 }
 
 bool cg_emit_c(IrDiag *d, FILE *out, const IrModule *m, const PassMemPlan *plan, const CgEmitOptions *o) {
@@ -721,6 +470,7 @@ bool cg_emit_c(IrDiag *d, FILE *out, const IrModule *m, const PassMemPlan *plan,
   cg_emit_params(out, m, e.param_offset);
   if (!emit_fused(&e)) {
     free(e.param_offset);
+    free_fused(&e);
     return false;
   }
 
@@ -752,7 +502,7 @@ bool cg_emit_c(IrDiag *d, FILE *out, const IrModule *m, const PassMemPlan *plan,
       last_fwd = f;
     }
   }
-  if (module_has(m, IR_OP_GATE_AUX_POOLED, NULL)) fprintf(out, "  rt_pool_finish(st);\n");
+  if (cg_module_has(m, IR_OP_GATE_AUX_POOLED, NULL)) fprintf(out, "  rt_pool_finish(st);\n");
   fprintf(out, "}\n\nstatic void step_backward(RtStep *st) {\n  unsigned char *A = st->arena;\n  (void)A;\n");
   const IrFunc *last_bwd = NULL;
   for (int i = 0; ok && i < m->nfuncs; i++)

@@ -1,3 +1,6 @@
+// Layer 7 of codegen/ (an emitter: the CUDA host program); it may call layers 1-6 (facts.c,
+// kernels.c, launch.c, spell.c, host.c), no other emitter.
+//
 // The CUDA target's host program: the scheduled, memory-planned module as a C program that
 // trains on one GPU per rank through runtime/cuda (rt_cuda.h), driven by rt_main.
 //
@@ -877,7 +880,7 @@ static int64_t slot_casts(const Host *h, double *bytes) {
 // --no-fuse), less theirs: the gate chain, the split reductions, the update runs, the fused
 // groups, and with dtype bf16 the casts of GEMM operands their bf16 copies save.
 static int64_t unfused_extra(const Host *h, int64_t op_by_op_casts) {
-  unsigned how = cg_cuda_lowering(h->m), alone = how & ~(unsigned)CG_LOWER_FUSE;
+  unsigned how = cg_cuda_lowering(h->m);
   int64_t extra = 0;
   for (int fi = 0; fi < h->m->nfuncs && (how & CG_LOWER_FUSE); fi++) {
     const IrFunc *f = h->m->funcs[fi];
@@ -885,10 +888,7 @@ static int64_t unfused_extra(const Host *h, int64_t op_by_op_casts) {
     for (int k = 0; k < h->ls->fn[fi].n; k++) {
       const CgLaunch *l = &h->ls->fn[fi].launch[k];
       if (l->lib != CG_LIB_NONE || (l->nops == 1 && l->ncalls == 1)) continue;   // as it would be alone
-      CgLaunch u;
-      extra -= l->ncalls;
-      for (int j = h->ls->fn[fi].at[k]; j < h->ls->fn[fi].at[k] + l->nops; j++)
-        extra += cg_lower(h->plan, f, j, alone, &u) ? u.ncalls : 0;
+      extra += l->alone_calls - l->ncalls;   // its ops lowered alone (once, by launch.c)
     }
   }
   if (h->bf16 && (how & CG_LOWER_FUSE)) extra += op_by_op_casts - h->operand_casts;

@@ -1,3 +1,5 @@
+// Layer 4 of codegen/ (fused-group lowering); it may call facts.c, kernels.c and lower.c (layers 1-3).
+//
 // The kernels of fused groups (passes/fuse.c), generated from the members' scalar expressions
 // (ir/scalar.def).
 //
@@ -264,13 +266,13 @@ static Grid colsums(FILE *out, const IrFunc *f, int i, int n, const IrOperand *c
 }
 
 // The body of a group that starts with an op of a storing function: that function with the
-// arguments of the op's own kernel (cg_lower_op), a storer in place of the result that computes
+// arguments of the op's own kernel (first: cg_lower_op's, lowered once by launch.c), a storer in place of the result that computes
 // the other members per element, on the op's own grid.
-static Grid stored(FILE *out, const IrFunc *f, int i, int n, const IrOperand *const *in, int nin, const Stores *st) {
+static Grid stored(FILE *out, const IrFunc *f, int i, int n, const IrOperand *const *in, int nin, const Stores *st,
+                   const CgLaunch *first) {
   const IrOp *op = f->ops[i];
-  CgLaunch l;
-  if (!cg_lower_op(op, &l) || l.ncalls != 1) UNREACHABLE();   // tests/unit checks the IR_STORE rows
-  const CgKernelCall *c = &l.call[0];
+  if (!first || first->ncalls != 1) UNREACHABLE();   // tests/unit checks the IR_STORE rows
+  const CgKernelCall *c = &first->call[0];
   fprintf(out, "  mk_%s_store(", ir_op_store(op->kind));
   for (int a = 0; a < c->nargs; a++) {
     const CgArg *x = &c->args[a];
@@ -532,7 +534,7 @@ static void c_colsums(FILE *out, const IrFunc *f, int i, int n, const IrOperand 
   fprintf(out, "  }\n}\n");
 }
 
-bool cg_lower_fused(IrDiag *d, CgLaunches *ls, const IrFunc *f, int i, bool cpu, CgLaunch *l) {
+bool cg_lower_fused(IrDiag *d, CgLaunches *ls, const IrFunc *f, int i, bool cpu, const CgLaunch *first, CgLaunch *l) {
   int n = cg_fused_members(f, i);
   memset(l, 0, sizeof *l);
   l->nops = n;
@@ -577,7 +579,7 @@ bool cg_lower_fused(IrDiag *d, CgLaunches *ls, const IrFunc *f, int i, bool cpu,
   if (!cpu) {
     fprintf(t.f, ") {\n");
     if (colsum) grid = colsums(t.f, f, i, n, in, nin);
-    else if (ir_op_store(f->ops[i]->kind)) grid = stored(t.f, f, i, n, in, nin, &st);
+    else if (ir_op_store(f->ops[i]->kind)) grid = stored(t.f, f, i, n, in, nin, &st, first);
     else grid = elements(t.f, f, i, n, in, nin, &st);
     fprintf(t.f, "}\n");
   }

@@ -1,3 +1,5 @@
+// The toolchain of codegen/ (beside layer 1): it calls nothing else in codegen/; the targets call it.
+//
 // Linking: the system C compiler turns the emitted host program and the runtime into the model
 // binary. The runtime's headers and libraries are found under MOEC_ROOT (the source tree moec
 // was built from, or $MOEC_ROOT when set); the flags of the libraries around them (MPI, and

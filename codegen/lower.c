@@ -1,3 +1,5 @@
+// Layer 3 of codegen/ (single-op lowering); it may call facts.c and kernels.c (layers 1-2).
+//
 // The op lowering, written once for both targets: which kernels an op runs, in order, each with
 // one typed argument per kernel parameter (the op's operands and result, a parameter's gradient
 // and moments, literal shapes and attributes, the step's seed, step and token0, a statistics
@@ -12,38 +14,6 @@
 
 #include "cg_internal.h"
 
-// The kernel table, its parameter types spelled as letters.
-#define K_F32 'p'
-#define K_F32_OUT 'p'
-#define K_I32 'p'
-#define K_I32_OUT 'p'
-#define K_U16 'p'
-#define K_U16_OUT 'p'
-#define K_I8 'p'
-#define K_I8_OUT 'p'
-#define K_BYTES 'p'
-#define K_BYTES_OUT 'p'
-#define K_PTR_OUT 'p'
-#define K_INT 'i'
-#define K_I64 'l'
-#define K_U64 'u'
-#define K_FLOAT 'f'
-#define SIG(...) {__VA_ARGS__, 0}
-#define ON_CPU_BOTH true
-#define ON_CPU_CUDA false
-const CgKernelInfo cg_kernel_info[CG_K_COUNT] = {
-#define RT_KERNEL(ID, NAME, WHERE, PARAMS) [CG_K_##ID] = {#NAME, ON_CPU_##WHERE, SIG PARAMS},
-#include "../runtime/kernels.def"
-#undef RT_KERNEL
-};
-
-const char *cg_kernel_name(int k) { return k >= 0 && k < CG_K_COUNT ? cg_kernel_info[k].name : "?"; }
-
-int cg_kernel_by_name(const char *name) {
-  for (int k = 0; k < CG_K_COUNT; k++)
-    if (strcmp(cg_kernel_info[k].name, name) == 0) return k;
-  return -1;
-}
 
 // ---- which kernels an op launches, with every argument ----
 // Every CUDA kernel runs CG_CUDA_BLOCK (= MK_BLOCK) threads per block; the grid is the one the
@@ -51,9 +21,6 @@ int cg_kernel_by_name(const char *name) {
 // (MK_FOR_BLOCKS), or a single block for the whole-tensor reductions. The CPU ignores grids.
 
 
-static int64_t clamp_grid(int64_t g) { return g < 1 ? 1 : g > 65535 ? 65535 : g; }
-static int64_t grid_elems(int64_t n) { return clamp_grid((n + CG_CUDA_BLOCK - 1) / CG_CUDA_BLOCK); }
-static int64_t grid_blocks(int64_t n) { return clamp_grid(n); }
 
 // Starts the next kernel call of l.
 static CgKernelCall *call(CgLaunch *l, CgKernel k, int64_t grid) {
@@ -285,7 +252,7 @@ static bool rule_call(Rule *r, CgLaunch *l) {
   }
   if (strcmp(grid, "threads") && strcmp(grid, "blocks")) return rule_fail(r, "threads, blocks, columns or one is expected");
   if (!rule_int(r, &items)) return false;
-  c->grid = grid[0] == 't' ? grid_elems(items) : grid_blocks(items);
+  c->grid = grid[0] == 't' ? cg_cuda_grid_elems(items) : cg_cuda_grid_blocks(items);
   return true;
 }
 
@@ -322,7 +289,7 @@ static bool lower_in_c(const IrOp *op, const Shapes *sh, CgLaunch *l) {
   CgKernelCall *c;
   switch (op->kind) {
   case IR_OP_GATE_LOCATIONS:  // dropless: capacity 0 to the kernel, as on the CPU
-    c = call(l, CG_K_GATE_LOCATIONS, grid_blocks(ir_op_int(op, "groups", 1) * ir_op_int(op, "experts", 1)));
+    c = call(l, CG_K_GATE_LOCATIONS, cg_cuda_grid_blocks(ir_op_int(op, "groups", 1) * ir_op_int(op, "experts", 1)));
     operands(c, 1, true);
     arg(c, CG_ARG_STATS, 0);
     INTS(c, t0->dim[0], t0->dim[1], ir_op_int(op, "experts", 0), ir_op_int(op, "groups", 1),
@@ -332,7 +299,7 @@ static bool lower_in_c(const IrOp *op, const Shapes *sh, CgLaunch *l) {
   case IR_OP_GATE_AUX_LOSS_GRAD: {   // `aux sequence` (attr sequence): DeepSeek-V3's form, its own kernels
     bool grad = op->kind == IR_OP_GATE_AUX_LOSS_GRAD, seq = ir_op_int(op, "sequence", 0);
     c = simple(l, op, seq ? (grad ? CG_K_AUX_SEQ_GRAD : CG_K_AUX_SEQ) : grad ? CG_K_AUX_LOSS_GRAD : CG_K_AUX_LOSS,
-               grad ? grid_blocks(ir_op_int(op, "groups", 1)) : 1);
+               grad ? cg_cuda_grid_blocks(ir_op_int(op, "groups", 1)) : 1);
     if (grad || seq) c->shared_bytes = (unsigned)(t0->dim[1] * (int64_t)sizeof(double) * (grad ? 1 : 2));
     INTS(c, t0->dim[0], t0->dim[1], cg_operand_type(&op->args[1])->dim[1], ir_op_int(op, "groups", 1));
     flt(c, grad ? ir_op_float(op, "coef", 0) / (double)ir_op_int(op, "share", 1) : (double)ir_op_int(op, "share", 1));
@@ -341,16 +308,16 @@ static bool lower_in_c(const IrOp *op, const Shapes *sh, CgLaunch *l) {
   case IR_OP_GATE_Z_LOSS:
   case IR_OP_GATE_Z_LOSS_GRAD: {
     bool grad = op->kind == IR_OP_GATE_Z_LOSS_GRAD;
-    c = simple(l, op, grad ? CG_K_Z_LOSS_GRAD : CG_K_Z_LOSS, grad ? grid_elems(t0->dim[0]) : 1);
+    c = simple(l, op, grad ? CG_K_Z_LOSS_GRAD : CG_K_Z_LOSS, grad ? cg_cuda_grid_elems(t0->dim[0]) : 1);
     INTS(c, t0->dim[0], t0->dim[1], ir_op_int(op, "groups", 1));
     flt(c, grad ? ir_op_float(op, "coef", 0) / (double)ir_op_int(op, "share", 1) : (double)ir_op_int(op, "share", 1));
     return true;
   }
   case IR_OP_HOOK_COMPRESS:
-    INTS(simple(l, op, rt->dtype == IR_BF16 ? CG_K_COMPRESS_BF16 : CG_K_COMPRESS_F16, grid_elems(n)), n);
+    INTS(simple(l, op, rt->dtype == IR_BF16 ? CG_K_COMPRESS_BF16 : CG_K_COMPRESS_F16, cg_cuda_grid_elems(n)), n);
     return true;
   case IR_OP_HOOK_DECOMPRESS:
-    INTS(simple(l, op, t0->dtype == IR_BF16 ? CG_K_DECOMPRESS_BF16 : CG_K_DECOMPRESS_F16, grid_elems(n)), n);
+    INTS(simple(l, op, t0->dtype == IR_BF16 ? CG_K_DECOMPRESS_BF16 : CG_K_DECOMPRESS_F16, cg_cuda_grid_elems(n)), n);
     return true;
   case IR_OP_HOOK_RECORD:  // statistics on the device; the host writes the record line
     c = call(l, CG_K_RECORD_STATS, 1);
@@ -364,10 +331,10 @@ static bool lower_in_c(const IrOp *op, const Shapes *sh, CgLaunch *l) {
     int64_t blocks = ir_op_int(op, "blocks", 1);
     int64_t inner = ir_type_bytes(rt) / (rt->dim[0] * rt->dim[1]);
     if (op->kind == IR_OP_LAYOUT_CHUNK) {
-      c = simple(l, op, CG_K_LAYOUT_CHUNK, grid_elems(ir_type_bytes(rt)));
+      c = simple(l, op, CG_K_LAYOUT_CHUNK, cg_cuda_grid_elems(ir_type_bytes(rt)));
       INTS(c, t0->dim[0], blocks, t0->dim[1] / blocks, inner, ir_op_int(op, "chunks", 1), ir_op_int(op, "index", 0));
     } else {
-      c = simple(l, op, CG_K_LAYOUT_CONCAT, grid_elems(ir_type_bytes(rt)));
+      c = simple(l, op, CG_K_LAYOUT_CONCAT, cg_cuda_grid_elems(ir_type_bytes(rt)));
       INTS(c, t0->dim[0], blocks, t0->dim[1] / blocks, cg_operand_type(&op->args[1])->dim[1] / blocks, inner);
     }
     return true;
@@ -375,14 +342,14 @@ static bool lower_in_c(const IrOp *op, const Shapes *sh, CgLaunch *l) {
   case IR_OP_PARAM_GRAD: {  // value -> the parameter's gradient; the host skips it when computed in place
     int64_t count = ir_type_numel(&op->args[0].param->type);
     if (ir_op_int(op, "accumulate", 0)) {  // grad += value (a parameter used by two functions)
-      c = call(l, CG_K_ADD, grid_elems(count));
+      c = call(l, CG_K_ADD, cg_cuda_grid_elems(count));
       arg(c, CG_ARG_GRAD, 0);
       arg(c, CG_ARG_OPERAND, 1);
       arg(c, CG_ARG_GRAD, 0);
       INTS(c, count);
       return true;
     }
-    c = call(l, CG_K_COPY, grid_elems(count));
+    c = call(l, CG_K_COPY, cg_cuda_grid_elems(count));
     arg(c, CG_ARG_OPERAND, 1);
     arg(c, CG_ARG_GRAD, 0);
     INTS(c, count);
@@ -460,35 +427,31 @@ static bool fused_gate_at(const PassMemPlan *plan, const IrFunc *f, int i) {
 
 static int64_t parts_for(int64_t items) { return items < 1 ? 1 : items > CG_MAX_PARTS ? CG_MAX_PARTS : items; }
 
-// The one-block launch in l (of op) as a grid of partial sums and mk_sum_parts, where it is one.
-static void split_reduction(CgLaunch *l) {
-  if (l->lib || l->ncalls != 1) return;
-  CgKernelCall one = l->call[0];
-  int64_t n, div, parts;
-  CgKernelCall *c;
-  if (one.kernel != CG_K_MSE && one.kernel != CG_K_XENT) return;
+// The one-block launch in l of op (loss.mse or loss.xent) as a grid of partial sums and
+// mk_sum_parts, built from the op as its KERNEL rule is (ops.def: mse(x0, x1, y, n0, @scale=1),
+// xent(x0, x1, y, x0.0, x0.1, @scale=1)): the same shapes, result and scale, named, not taken from
+// the one-block call's argument positions.
+static void split_reduction(const IrOp *op, CgLaunch *l) {
+  if (l->lib || l->ncalls != 1 || (op->kind != IR_OP_LOSS_MSE && op->kind != IR_OP_LOSS_XENT)) return;
+  const IrType *x = cg_operand_type(&op->args[0]);
+  double scale = ir_op_float(op, "scale", 1);
+  bool mse = op->kind == IR_OP_LOSS_MSE;
+  int64_t rows = x->dim[0], cols = x->rank > 1 ? x->dim[1] : 1, n = ir_type_numel(x);
+  int64_t div = mse ? 2 * n : rows;
+  // mse: >= 8 elements a thread; xent: a block a row
+  int64_t parts = parts_for(mse ? (n + 8 * CG_CUDA_BLOCK - 1) / (8 * CG_CUDA_BLOCK) : rows);
   memset(l->call, 0, sizeof l->call);   // two fresh calls (call() sets only kernel and grid)
   l->ncalls = 0;
-  if (one.kernel == CG_K_MSE) {   // (x0, x1, y, n, scale)
-    n = one.args[3].i, div = 2 * n;
-    parts = parts_for((n + 8 * CG_CUDA_BLOCK - 1) / (8 * CG_CUDA_BLOCK));   // >= 8 elements a thread
-    c = call(l, CG_K_MSE_PART, parts);
-    c->args[0] = one.args[0], c->args[1] = one.args[1], c->nargs = 2;
-    arg(c, CG_ARG_SCRATCH, 0);
-    INTS(c, n);
-  } else {   // loss.xent: (logits, targets, y, t, v, scale)
-    n = one.args[3].i, div = n;
-    parts = parts_for(n);
-    c = call(l, CG_K_XENT_PART, parts);
-    c->args[0] = one.args[0], c->args[1] = one.args[1], c->nargs = 2;
-    arg(c, CG_ARG_SCRATCH, 0);
-    INTS(c, one.args[3].i, one.args[4].i);
-  }
+  CgKernelCall *c = call(l, mse ? CG_K_MSE_PART : CG_K_XENT_PART, parts);
+  operands(c, 2, false);
+  arg(c, CG_ARG_SCRATCH, 0);
+  if (mse) INTS(c, n);
+  else INTS(c, rows, cols);
   c = call(l, CG_K_SUM_PARTS, 1);
   arg(c, CG_ARG_SCRATCH, 0);
-  c->args[c->nargs++] = one.args[2];
+  arg(c, CG_ARG_RESULT, 0);
   INTS(c, parts, div);
-  c->args[c->nargs++] = one.args[one.nargs - 1];
+  flt(c, scale);
   l->scratch_bytes = parts * (int64_t)sizeof(double);
 }
 
@@ -527,7 +490,7 @@ static void lower_update_run(const IrFunc *f, int i, int run, CgLaunch *l) {
   bool adamw = a->kind == IR_OP_OPT_ADAMW;
   memset(l, 0, sizeof *l);
   int64_t blocks = update_blocks(f, i, run + 1);
-  CgKernelCall *c = call(l, adamw ? CG_K_ADAMW_RANGES : CG_K_SGD_RANGES, grid_blocks(blocks));
+  CgKernelCall *c = call(l, adamw ? CG_K_ADAMW_RANGES : CG_K_SGD_RANGES, cg_cuda_grid_blocks(blocks));
   arg(c, CG_ARG_OPERAND, 0);
   arg(c, CG_ARG_GRAD, 0);
   if (adamw) arg(c, CG_ARG_MOMENT_M, 0), arg(c, CG_ARG_MOMENT_V, 0);
@@ -555,7 +518,7 @@ static void update_bf16(CgLaunch *l) {
   arg(c, CG_ARG_PARAM16, 0);
 }
 
-bool cg_lower(const PassMemPlan *plan, const IrFunc *f, int i, unsigned how, CgLaunch *l) {
+bool cg_lower_from(const PassMemPlan *plan, const IrFunc *f, int i, unsigned how, const CgLaunch *alone, CgLaunch *l) {
   bool fuse = how & CG_LOWER_FUSE;
   int run = fuse ? update_run(f, i) : -1;
   if (run >= 0) {
@@ -563,8 +526,9 @@ bool cg_lower(const PassMemPlan *plan, const IrFunc *f, int i, unsigned how, CgL
     return true;
   }
   if (!fuse || !fused_gate_at(plan, f, i)) {
-    if (!cg_lower_op(f->ops[i], l)) return false;
-    if (fuse) split_reduction(l);
+    if (!alone) return false;
+    *l = *alone;
+    if (fuse) split_reduction(f->ops[i], l);
     if (how & CG_LOWER_BF16) update_bf16(l);
     return true;
   }
@@ -573,7 +537,7 @@ bool cg_lower(const PassMemPlan *plan, const IrFunc *f, int i, unsigned how, CgL
   const IrOp *a = f->ops[i], *g = f->ops[i + 2];
   const IrType *st = &a->result->type;
   CgKernelCall *c = call(l, a->kind == IR_OP_GATE_SOFTMAX ? CG_K_GATE_SOFTMAX_TOPK_GATHER : CG_K_GATE_SIGMOID_TOPK_GATHER,
-                         grid_elems(st->dim[0]));
+                         cg_cuda_grid_elems(st->dim[0]));
   arg(c, CG_ARG_OPERAND, 0);
   for (int r = 0; r < 3; r++) arg(c, CG_ARG_RESULT, r);
   INTS(c, st->dim[0], st->dim[1], g->result->type.dim[1], ir_op_int(g, "renorm", 0));
@@ -581,57 +545,11 @@ bool cg_lower(const PassMemPlan *plan, const IrFunc *f, int i, unsigned how, CgL
   return true;
 }
 
-CgLaunches *cg_lower_module(IrDiag *d, const IrModule *m, const PassMemPlan *plan, unsigned how) {
-  CgLaunches *ls = calloc(1, sizeof *ls);
-  if (!ls || !(ls->fn = calloc((size_t)(m->nfuncs > 0 ? m->nfuncs : 1), sizeof *ls->fn))) {
-    free(ls);
-    ir_oom(d);
-    return NULL;
-  }
-  ls->nfuncs = m->nfuncs;
-  bool ok = true;
-  for (int fi = 0; ok && fi < m->nfuncs; fi++) {
-    const IrFunc *f = m->funcs[fi];
-    CgFuncLaunches *fl = &ls->fn[fi];
-    fl->launch = malloc((size_t)(f->nops > 0 ? f->nops : 1) * sizeof *fl->launch);
-    fl->at = malloc((size_t)(f->nops > 0 ? f->nops : 1) * sizeof *fl->at);
-    if (!fl->launch || !fl->at) ok = ir_oom(d);
-    for (int i = 0; ok && i < f->nops; i += fl->launch[fl->n++].nops) {
-      fl->at[fl->n] = i;
-      if ((how & CG_LOWER_FUSE) && cg_fused_members(f, i) > 0) {
-        if (!(ok = cg_lower_fused(d, ls, f, i, false, &fl->launch[fl->n]))) break;
-      } else if (!cg_lower(plan, f, i, how, &fl->launch[fl->n]) || fl->launch[fl->n].nops < 1) {
-        const IrOp *op = f->ops[i];
-        ok = ir_error_at(d, op->loc, "the CUDA target cannot emit op '%s'",
-                         op->kind < IR_OP_COUNT ? ir_op_info[op->kind].name : "?");
-      }
-    }
-  }
-  if (!ok) {
-    cg_launches_free(ls);
-    return NULL;
-  }
-  return ls;
+bool cg_lower(const PassMemPlan *plan, const IrFunc *f, int i, unsigned how, CgLaunch *l) {
+  CgLaunch alone;
+  bool ok = cg_lower_op(f->ops[i], &alone);
+  return cg_lower_from(plan, f, i, how, ok ? &alone : NULL, l);
 }
 
-void cg_launches_free(CgLaunches *ls) {
-  if (!ls) return;
-  for (int fi = 0; fi < ls->nfuncs; fi++) {
-    free(ls->fn[fi].launch);
-    free(ls->fn[fi].at);
-  }
-  free(ls->fn);
-  for (int g = 0; g < ls->ngen; g++) free(ls->gen[g].source);
-  free(ls->gen);
-  free(ls);
-}
 
 #undef INTS
-
-int64_t cg_cuda_grid_elems(int64_t n) { return grid_elems(n); }
-int64_t cg_cuda_grid_blocks(int64_t n) { return grid_blocks(n); }
-
-int64_t cg_cuda_column_tiles(int64_t blocks, int64_t cols) {
-  int64_t wide = blocks * ((cols + 31) / 32);
-  return grid_blocks(wide >= 1024 ? wide : blocks * ((cols + 7) / 8));
-}

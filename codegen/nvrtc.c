@@ -1,3 +1,5 @@
+// The toolchain of codegen/ (beside layer 1): it calls only cache.c; the CUDA target calls it.
+//
 // NVRTC driver of the CUDA target: CUDA C (codegen/emit_cuda.c) -> CUBIN for one architecture,
 // and PTX of the matching virtual architecture for GPUs newer than the ones compiled for.
 // Built only where the CUDA toolkit is found (the Makefile leaves it out otherwise); links

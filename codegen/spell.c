@@ -1,3 +1,5 @@
+// Layer 6 of codegen/ (the shared host parts: buffer names); it may call facts.c and kernels.c.
+//
 // How a target's host program names the program's buffers: the one place that turns a value
 // (by its memory plan slot), an operand or a pointer argument of the lowering into a pointer
 // expression. The CPU program and the CUDA host program differ only in the names they give
@@ -6,23 +8,6 @@
 #include <string.h>
 
 #include "cg_internal.h"
-
-const char *const cg_group_names[5] = {"world", "dp", "mp", "ep", "esp"};
-const char *const cg_group_enums[5] = {"RT_GROUP_WORLD", "RT_GROUP_DP", "RT_GROUP_MP", "RT_GROUP_EP", "RT_GROUP_ESP"};
-
-int cg_group_named(const char *g) {
-  for (int i = 1; i < 5; i++)
-    if (strcmp(g, cg_group_names[i]) == 0) return i;
-  return 0;
-}
-
-int cg_group_index(const IrOp *op) { return cg_group_named(ir_op_str(op, "group", "world")); }
-
-const char *cg_group_enum(const IrOp *op) { return cg_group_enums[cg_group_index(op)]; }
-
-IrStream cg_op_stream(const IrOp *op) { return op->stream == IR_STREAM_NONE ? IR_STREAM_COMPUTE : op->stream; }
-
-const IrType *cg_operand_type(const IrOperand *a) { return a->param ? &a->param->type : &a->value->type; }
 
 static const char *c_type(const IrType *t) {
   return t->dtype == IR_I32 ? "int32_t" : t->dtype == IR_I8 ? "int8_t"

@@ -1,3 +1,5 @@
+// Layer 8 of codegen/ (a target, the top): it may call the emitters and link.c.
+//
 // The CPU target: the host program calls libmoert's C kernels, OpenBLAS for GEMMs and MPI for
 // collectives (codegen/emit_c.c); it builds wherever moec does and needs no device.
 #include "cg.h"

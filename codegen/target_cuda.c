@@ -1,3 +1,5 @@
+// Layer 8 of codegen/ (a target, the top): it may call the emitters, launch.c, link.c and nvrtc.c.
+//
 // The CUDA target: one GPU per rank. The model's kernels (codegen/emit_cuda.c) are compiled by
 // NVRTC at build time for the requested architecture and embedded, as CUBIN and PTX, in the host
 // program (codegen/emit_cuda_host.c), which launches them and runs cuBLAS GEMMs and NCCL

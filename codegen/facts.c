@@ -1,0 +1,147 @@
+// Layer 1 of codegen/ (the bottom): facts about a scheduled, memory-planned module that every
+// layer above reads: which functions run on several streams (cg_func_scheduled) and their events
+// (cg_events, cg_op_waits), each parameter's float offset (cg_param_offsets, cg_grad_floats),
+// the parallel groups and streams of ops, operand types, whether the GEMMs read bf16
+// (cg_bf16_gemms) and how the CUDA target lowers (cg_cuda_lowering), a GEMM's shape (cg_gemm).
+// It calls nothing in codegen/ (only ir/ and passes/).
+#include <inttypes.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "cg_internal.h"
+
+// ---- scheduled functions and their events ----
+// A function with ops on the intra or inter stream runs them on several streams (the CPU program
+// as task tables for rt_run_streams, the CUDA host program on CUDA streams). Events are renumbered
+// per function, a collective waiting for the previous one on its group. MOEC_STREAMS=0 in the
+// environment runs scheduled functions straight-line as before.
+bool cg_func_scheduled(const IrFunc *f) {
+  const char *env = getenv("MOEC_STREAMS");
+  if (env && strcmp(env, "0") == 0) return false;
+  for (int i = 0; i < f->nops; i++)
+    if (f->ops[i]->stream == IR_STREAM_INTRA || f->ops[i]->stream == IR_STREAM_INTER) return true;
+  return false;
+}
+
+
+const char *cg_stream_enum(IrStream s) {
+  return s == IR_STREAM_INTRA ? "RT_STREAM_INTRA" : s == IR_STREAM_INTER ? "RT_STREAM_INTER" : "RT_STREAM_COMPUTE";
+}
+
+
+bool cg_events(IrDiag *d, const IrFunc *f, CgEvents *ev) {
+  int n = f->nops;
+  ev->dep = malloc(((size_t)n + 1) * sizeof *ev->dep);
+  ev->local = malloc(((size_t)n + 1) * sizeof *ev->local);
+  ev->rec = calloc((size_t)n + 1, sizeof *ev->rec);
+  ev->count = 0;
+  if (!ev->dep || !ev->local || !ev->rec) {
+    cg_events_free(ev);
+    return ir_oom(d);
+  }
+  for (int i = 0; i < n; i++) {
+    const IrOp *op = f->ops[i];
+    ev->dep[i] = -1;
+    ev->local[i] = -1;
+    if (op->event >= 0) ev->rec[i] = true;
+    if (!ir_op_is_collective(op->kind)) continue;
+    for (int j = i - 1; j >= 0; j--) {
+      const IrOp *p = f->ops[j];
+      if (!ir_op_is_collective(p->kind) || cg_group_index(p) != cg_group_index(op)) continue;
+      if (p->stream != op->stream) {
+        ev->dep[i] = j;
+        ev->rec[j] = true;
+      }
+      break;
+    }
+  }
+  for (int i = 0; i < n; i++)
+    if (ev->rec[i]) ev->local[i] = ev->count++;
+  return true;
+}
+
+void cg_events_free(CgEvents *ev) {
+  free(ev->dep);
+  free(ev->local);
+  free(ev->rec);
+  ev->dep = ev->local = NULL;
+  ev->rec = NULL;
+}
+
+int cg_op_waits(const IrFunc *f, const CgEvents *ev, int i, int *waits, int max) {
+  const IrOp *op = f->ops[i];
+  int nw = 0;
+  for (int w = 0; w < op->nwaits; w++) {
+    int e = -1;
+    for (int j = 0; j < i; j++)
+      if (f->ops[j]->event == op->waits[w]) e = ev->local[j];
+    bool seen = false;
+    for (int k = 0; k < nw; k++) seen |= waits[k] == e;
+    if (e >= 0 && !seen && nw < max) waits[nw++] = e;
+  }
+  if (ev->dep[i] >= 0 && nw < max) waits[nw++] = ev->local[ev->dep[i]];
+  return nw;
+}
+
+// ---- parameters ----
+
+bool cg_param_frozen(const IrParam *p) { return ir_attr_int(p->attrs, p->nattrs, "frozen", 0) != 0; }
+
+// The trained parameters first, then the frozen ones (a LoRA model's base weights): the gradients
+// and the optimizer's moments are the first cg_grad_floats floats only.
+int64_t *cg_param_offsets(const IrModule *m, int64_t *total) {
+  int64_t *offset = calloc((size_t)m->nparams + 1, sizeof *offset);
+  *total = 0;
+  if (!offset) return NULL;
+  for (int pass = 0; pass < 2; pass++)
+    for (int i = 0; i < m->nparams; i++) {
+      if (cg_param_frozen(m->params[i]) != (pass == 1)) continue;
+      offset[i] = *total;
+      *total += ir_type_numel(&m->params[i]->type);
+    }
+  return offset;
+}
+
+int64_t cg_grad_floats(const IrModule *m) {
+  int64_t n = 0;
+  for (int i = 0; i < m->nparams; i++)
+    if (!cg_param_frozen(m->params[i])) n += ir_type_numel(&m->params[i]->type);
+  return n;
+}
+
+bool cg_module_has(const IrModule *m, IrOpKind kind, const char *attr) {
+  for (int i = 0; i < m->nfuncs; i++)
+    for (int j = 0; j < m->funcs[i]->nops; j++) {
+      const IrOp *op = m->funcs[i]->ops[j];
+      if (op->kind == kind && (!attr || ir_op_int(op, attr, 0))) return true;
+    }
+  return false;
+}
+
+// ---- ops: groups, streams, operands ----
+
+const char *const cg_group_names[5] = {"world", "dp", "mp", "ep", "esp"};
+const char *const cg_group_enums[5] = {"RT_GROUP_WORLD", "RT_GROUP_DP", "RT_GROUP_MP", "RT_GROUP_EP", "RT_GROUP_ESP"};
+
+int cg_group_named(const char *g) {
+  for (int i = 1; i < 5; i++)
+    if (strcmp(g, cg_group_names[i]) == 0) return i;
+  return 0;
+}
+
+int cg_group_index(const IrOp *op) { return cg_group_named(ir_op_str(op, "group", "world")); }
+
+const char *cg_group_enum(const IrOp *op) { return cg_group_enums[cg_group_index(op)]; }
+
+IrStream cg_op_stream(const IrOp *op) { return op->stream == IR_STREAM_NONE ? IR_STREAM_COMPUTE : op->stream; }
+
+const IrType *cg_operand_type(const IrOperand *a) { return a->param ? &a->param->type : &a->value->type; }
+
+// ---- the CUDA target's lowering ----
+
+bool cg_bf16_gemms(const IrModule *m) { return strcmp(ir_mod_str(m, "dtype", "fp32"), "bf16") == 0; }
+
+unsigned cg_cuda_lowering(const IrModule *m) {
+  return (ir_mod_int(m, "no_fuse", 0) ? 0 : CG_LOWER_FUSE) | (cg_bf16_gemms(m) ? CG_LOWER_BF16 : 0);
+}
+

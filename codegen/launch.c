@@ -1,0 +1,100 @@
+// Layer 5 of codegen/: the launch list of a module, each op lowered once. cg_lower_module walks
+// every function in program order and lowers each op (lower.c) or fused group (fused.c) into one
+// CgLaunch; the CUDA emitters (emit_cuda.c, emit_cuda_host.c) and the CPU emitter (emit_c.c) all
+// read that one list. Also which kernels a list names (cg_cuda_kernels_used).
+// It may call layers 1-4 (facts.c, kernels.c, lower.c, fused.c); no emitter.
+#include <stdlib.h>
+#include <string.h>
+
+#include "cg_internal.h"
+
+// The launches of f into fl (ls: where fused groups' kernels go), each op lowered alone once
+// (cg_lower_op) and every launch made from those: a fused group's (cg_lower_fused, which takes its
+// first op's), or op i's with the target's fusions (cg_lower_from). alone_calls: what the ops of a
+// launch launch alone.
+static bool lower_func(IrDiag *d, CgLaunches *ls, const IrFunc *f, const PassMemPlan *plan, unsigned how,
+                       CgFuncLaunches *fl) {
+  size_t n = (size_t)(f->nops > 0 ? f->nops : 1);
+  bool cpu = how & CG_LOWER_CPU, groups = cpu || (how & CG_LOWER_FUSE);
+  CgLaunch *alone = malloc(n * sizeof *alone);
+  bool *has = malloc(n * sizeof *has);
+  fl->launch = malloc(n * sizeof *fl->launch);
+  fl->at = malloc(n * sizeof *fl->at);
+  bool ok = alone && has && fl->launch && fl->at ? true : ir_oom(d);
+  for (int i = 0; ok && i < f->nops; i++) has[i] = cg_lower_op(f->ops[i], &alone[i]);
+  for (int i = 0; ok && i < f->nops; i += fl->launch[fl->n++].nops) {
+    CgLaunch *l = &fl->launch[fl->n];
+    fl->at[fl->n] = i;
+    if (groups && cg_fused_members(f, i) > 0) {
+      ok = cg_lower_fused(d, ls, f, i, cpu, has[i] ? &alone[i] : NULL, l);
+    } else if (!cg_lower_from(plan, f, i, cpu ? 0 : how, has[i] ? &alone[i] : NULL, l) || l->nops < 1) {
+      const IrOp *op = f->ops[i];
+      ok = ir_error_at(d, op->loc, "the %s target cannot emit op '%s'", cpu ? "CPU" : "CUDA",
+                       op->kind < IR_OP_COUNT ? ir_op_info[op->kind].name : "?");
+    }
+    for (int j = i; ok && j < i + l->nops; j++) l->alone_calls += has[j] ? alone[j].ncalls : 0;
+  }
+  free(alone);
+  free(has);
+  return ok;
+}
+
+CgLaunches *cg_lower_module(IrDiag *d, const IrModule *m, const PassMemPlan *plan, unsigned how) {
+  CgLaunches *ls = calloc(1, sizeof *ls);
+  if (!ls || !(ls->fn = calloc((size_t)(m->nfuncs > 0 ? m->nfuncs : 1), sizeof *ls->fn))) {
+    free(ls);
+    ir_oom(d);
+    return NULL;
+  }
+  ls->nfuncs = m->nfuncs;
+  bool ok = true;
+  for (int fi = 0; ok && fi < m->nfuncs; fi++) ok = lower_func(d, ls, m->funcs[fi], plan, how, &ls->fn[fi]);
+  if (!ok) {
+    cg_launches_free(ls);
+    return NULL;
+  }
+  return ls;
+}
+
+int cg_launch_at(const CgFuncLaunches *fl, int i) {
+  int lo = 0, hi = fl->n - 1;
+  while (lo <= hi) {
+    int mid = (lo + hi) / 2;
+    if (fl->at[mid] == i) return mid;
+    if (fl->at[mid] < i) lo = mid + 1;
+    else hi = mid - 1;
+  }
+  return -1;
+}
+
+void cg_launches_free(CgLaunches *ls) {
+  if (!ls) return;
+  for (int fi = 0; fi < ls->nfuncs; fi++) {
+    free(ls->fn[fi].launch);
+    free(ls->fn[fi].at);
+  }
+  free(ls->fn);
+  for (int g = 0; g < ls->ngen; g++) free(ls->gen[g].source);
+  free(ls->gen);
+  free(ls);
+}
+
+CgLaunches *cg_cuda_launches(IrDiag *d, const IrModule *m, const PassMemPlan *plan) {
+  return cg_lower_module(d, m, plan, cg_cuda_lowering(m));
+}
+
+int cg_cuda_generated_kernels(const CgLaunches *ls) { return ls->ngen; }
+
+void cg_cuda_kernels_used(const IrModule *m, const CgLaunches *ls, bool *used) {
+  memset(used, 0, (size_t)cg_cuda_kernel_count(ls) * sizeof *used);
+  bool bf16 = cg_bf16_gemms(m);
+  for (int fi = 0; fi < ls->nfuncs; fi++)
+    for (int k = 0; k < ls->fn[fi].n; k++) {
+      const CgLaunch *l = &ls->fn[fi].launch[k];
+      for (int c = 0; c < l->ncalls; c++) used[l->call[c].kernel] = true;
+      if (bf16 && l->lib == CG_LIB_GEMM) used[CG_K_COMPRESS_BF16] = true;   // the operands' cast
+    }
+  // Microbatches: their gradients summed and divided by their number on the GPU (emit_cuda_host.c,
+  // RtDevice.accumulate).
+  if (ir_mod_int(m, "microbatches", 1) > 1) used[CG_K_ADD] = used[CG_K_SCALE_ROWS] = true;
+}
