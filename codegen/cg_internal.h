@@ -31,6 +31,13 @@ int64_t *cg_param_offsets(const IrModule *m, int64_t *total);
 // The floats of the parameters a gradient trains (all but the frozen ones; they come first).
 int64_t cg_grad_floats(const IrModule *m);
 bool cg_param_frozen(const IrParam *p);   // a LoRA model's base weight (attr frozen): no gradient
+// The shape of GEMM op (matmul: [m, n] = [m, k] x [k, n], operands transposed by ta, tb;
+// expert.matmul: e of them, [e, m, n]).
+typedef struct CgGemm {
+  bool expert, ta, tb;
+  int64_t e, m, n, k;
+} CgGemm;
+CgGemm cg_gemm(const IrOp *op);
 // Whether an op of kind (with attr set, unless attr is NULL) is in m.
 bool cg_module_has(const IrModule *m, IrOpKind kind, const char *attr);
 // `static const RtParam params[N] = {...};`: names, shapes, init, offsets, sharding.
@@ -80,6 +87,9 @@ typedef enum CgKernel {
 } CgKernel;
 
 enum { CG_MAX_KERNEL_ARGS = 32 };
+
+// A kernel parameter's type (runtime/kernels.def: pointers, int, i64, u64, float).
+typedef enum CgParamType { CG_PARAM_POINTER, CG_PARAM_INT, CG_PARAM_I64, CG_PARAM_U64, CG_PARAM_FLOAT } CgParamType;
 
 // A row of runtime/kernels.def: the name ("gelu": the CPU target calls rt_NAME, the CUDA target
 // mk_NAME), whether the CPU has it (WHERE = BOTH) and the parameters as letters: p a pointer, i
@@ -233,7 +243,6 @@ const char *cg_cuda_kernel_source(int k);
 int cg_cuda_kernel_count(const CgLaunches *ls);
 const char *cg_cuda_kernel_name(const CgLaunches *ls, int k);
 
-typedef enum CgParamType { CG_PARAM_POINTER, CG_PARAM_INT, CG_PARAM_I64, CG_PARAM_U64, CG_PARAM_FLOAT } CgParamType;
 // Kernel k's parameter types, from its row of runtime/kernels.def (int, i64, u64, float,
 // pointers); their number, or -1 when there are more than max.
 int cg_cuda_kernel_params(const CgLaunches *ls, int k, CgParamType *types, int max);
@@ -263,6 +272,19 @@ void cg_spell_operand(const CgSpelling *sp, const IrOperand *a, char *buf, size_
 // The bf16 copy of value v (PassMemPlan.copy); false when it has none.
 bool cg_spell_copy(const CgSpelling *sp, const IrValue *v, char *buf, size_t n);
 bool cg_spell_pointer(const CgSpelling *sp, const IrFunc *f, int i, const CgArg *a, char *buf, size_t n);
+// What an argument kind is, the one table the three emitters read (each spells it its own way):
+// a pointer (cg_spell_pointer's, or the statistics, scratch or ranges a host program places), a
+// literal (int, float), or a field of the step being run (RtStep.NAME: seed, step, ...) of type
+// `type`; name: how the launch plan prints it.
+typedef struct CgArgInfo {
+  const char *name;
+  bool pointer, literal;
+  const char *step_field;   // RtStep's field (NULL: none)
+  CgParamType type;         // a step field's, a literal's (CG_PARAM_INT: any integer), a pointer's
+} CgArgInfo;
+const CgArgInfo *cg_arg_info(CgArgKind kind);
+// Whether an argument of kind fits a kernel parameter of type t.
+bool cg_arg_fits(CgArgKind kind, CgParamType t);
 
 // ---- bf16 GEMM inputs (model dtype bf16, the CUDA target) ----
 // Whether m's GEMMs take bf16 inputs: the module's dtype attribute is "bf16". Then every

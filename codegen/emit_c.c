@@ -40,21 +40,14 @@ static CgSpelling spelling(const Emit *e) {
 
 // One argument of a kernel call of the lowering (cg_lower) as a C expression of the CPU program.
 static void call_arg(Emit *e, char *buf, size_t n, const IrFunc *f, int i, const CgArg *a) {
+  const CgArgInfo *info = cg_arg_info(a->kind);
   if (cg_spell_pointer(&e->sp, f, i, a, buf, n)) return;
-  switch (a->kind) {
-  case CG_ARG_STATS: snprintf(buf, n, "st"); return;   // the CPU kernels add their statistics to the step
-  case CG_ARG_SCRATCH: snprintf(buf, n, "NULL"); return;   // CUDA only (the CPU lowering has none)
-  case CG_ARG_INT: snprintf(buf, n, "%" PRId64, a->i); return;
-  case CG_ARG_FLOAT: snprintf(buf, n, "(float)%.17g", a->f); return;
-  case CG_ARG_SEED: snprintf(buf, n, "st->seed"); return;
-  case CG_ARG_STEP: snprintf(buf, n, "st->step"); return;
-  case CG_ARG_TOKEN0: snprintf(buf, n, "st->token0"); return;
-  case CG_ARG_VOCAB0: snprintf(buf, n, "st->vocab0"); return;
-  case CG_ARG_LR_SCALE: snprintf(buf, n, "st->lr_scale"); return;
-  case CG_ARG_GRAD_SCALE: snprintf(buf, n, "st->grad_scale"); return;
-  default: break;
-  }
-  UNREACHABLE();
+  if (info->step_field) snprintf(buf, n, "st->%s", info->step_field);
+  else if (a->kind == CG_ARG_STATS) snprintf(buf, n, "st");     // the CPU kernels add their statistics to the step
+  else if (a->kind == CG_ARG_SCRATCH) snprintf(buf, n, "NULL"); // CUDA only (the CPU lowering has none)
+  else if (a->kind == CG_ARG_INT) snprintf(buf, n, "%" PRId64, a->i);
+  else if (a->kind == CG_ARG_FLOAT) snprintf(buf, n, "(float)%.17g", a->f);
+  else UNREACHABLE();
 }
 
 // The ops the lowering leaves to the target's libraries: GEMMs (OpenBLAS) and collectives (MPI).
@@ -69,17 +62,15 @@ static bool emit_library_op(Emit *e, const IrOp *op) {
   fprintf(out, "  ");
   switch (op->kind) {
   case IR_OP_MATMUL: {
-    bool ta = ir_op_int(op, "ta", 0), tb = ir_op_int(op, "tb", 0);
-    int64_t k = ta ? t0->dim[0] : t0->dim[1];
-    fprintf(out, "rt_matmul(%s, %s, %s, %" PRId64 ", %" PRId64 ", %" PRId64 ", %d, %d, false);\n", a[0], a[1], r,
-            rt->dim[0], rt->dim[1], k, ta, tb);
+    CgGemm g = cg_gemm(op);
+    fprintf(out, "rt_matmul(%s, %s, %s, %" PRId64 ", %" PRId64 ", %" PRId64 ", %d, %d, false);\n", a[0], a[1], r, g.m,
+            g.n, g.k, g.ta, g.tb);
     return true;
   }
   case IR_OP_EXPERT_MATMUL: {
-    bool ta = ir_op_int(op, "ta", 0), tb = ir_op_int(op, "tb", 0);
-    int64_t k = ta ? t0->dim[1] : t0->dim[2];
+    CgGemm g = cg_gemm(op);
     fprintf(out, "rt_expert_matmul(%s, %s, %s, %" PRId64 ", %" PRId64 ", %" PRId64 ", %" PRId64 ", %d, %d);\n", a[0],
-            a[1], r, rt->dim[0], rt->dim[1], rt->dim[2], k, ta, tb);
+            a[1], r, g.e, g.m, g.n, g.k, g.ta, g.tb);
     return true;
   }
   case IR_OP_COMM_SPLIT:
@@ -157,14 +148,13 @@ static void emit_gemm_rows(Emit *e, const IrFunc *f, int i, const CgLaunch *g) {
   char a[2][96], r[96];
   for (int k = 0; k < 2; k++) cg_spell_operand(&e->sp, &op->args[k], a[k], sizeof a[k]);
   cg_spell_value(&e->sp, op->result, r, sizeof r);
-  bool ta = ir_op_int(op, "ta", 0), tb = ir_op_int(op, "tb", 0);
-  const IrType *t0 = cg_operand_type(&op->args[0]), *rt = &op->result->type;
-  if (op->kind == IR_OP_EXPERT_MATMUL)   // ta = 0 (in_gemm)
+  CgGemm s = cg_gemm(op);
+  if (s.expert)   // ta = 0 (in_gemm)
     fprintf(e->out, "  if (!rt_expert_matmul_rows(%s, %s, %s, %" PRId64 ", %" PRId64 ", %" PRId64 ", %" PRId64 ", %d, ",
-            a[0], a[1], r, rt->dim[0], rt->dim[1], rt->dim[2], t0->dim[2], tb);
+            a[0], a[1], r, s.e, s.m, s.n, s.k, s.tb);
   else
     fprintf(e->out, "  if (!rt_matmul_rows(%s, %s, %s, %" PRId64 ", %" PRId64 ", %" PRId64 ", %d, %d, ", a[0], a[1], r,
-            rt->dim[0], rt->dim[1], ta ? t0->dim[0] : t0->dim[1], ta, tb);
+            s.m, s.n, s.k, s.ta, s.tb);
   fused_call(e, f, i + 1, g, true);
   fprintf(e->out, "))\n    ");
   fused_call(e, f, i + 1, g, false);

@@ -116,19 +116,15 @@ static void plan_arg(char *buf, size_t n, const IrFunc *f, int i, const CgArg *a
   case CG_ARG_MOMENT_M: snprintf(buf, n, "m(@%s)", op->args[0].param->name); return;
   case CG_ARG_MOMENT_V: snprintf(buf, n, "v(@%s)", op->args[0].param->name); return;
   case CG_ARG_PARAM16: snprintf(buf, n, "bf16(@%s)", op->args[0].param->name); return;
-  case CG_ARG_RANGES: snprintf(buf, n, "ranges"); return;
-  case CG_ARG_STATS: snprintf(buf, n, "stats"); return;
-  case CG_ARG_SCRATCH: snprintf(buf, n, "scratch"); return;
+  case CG_ARG_RANGES:
+  case CG_ARG_STATS:
+  case CG_ARG_SCRATCH: snprintf(buf, n, "%s", cg_arg_info(a->kind)->name); return;
   case CG_ARG_INT: snprintf(buf, n, "%" PRId64, a->i); return;
   case CG_ARG_FLOAT: snprintf(buf, n, "%.9g", a->f); return;
-  case CG_ARG_SEED: snprintf(buf, n, "seed"); return;
-  case CG_ARG_STEP: snprintf(buf, n, "step"); return;
-  case CG_ARG_TOKEN0: snprintf(buf, n, "token0"); return;
-  case CG_ARG_VOCAB0: snprintf(buf, n, "vocab0"); return;
-  case CG_ARG_LR_SCALE: snprintf(buf, n, "lr_scale"); return;
-  case CG_ARG_GRAD_SCALE: snprintf(buf, n, "grad_scale"); return;
+  default: break;
   }
-  UNREACHABLE();
+  if (!cg_arg_info(a->kind)->step_field) UNREACHABLE();
+  snprintf(buf, n, "%s", cg_arg_info(a->kind)->step_field);   // seed, step, token0, ...
 }
 
 // The pointer arguments of a library op (cuBLAS, NCCL, copy): operands, then the result.

@@ -243,16 +243,13 @@ static void stage_op(Host *h, const IrFunc *f, const IrOp *op, IrStream s) {
 static bool kernel_arg(Host *h, const IrFunc *f, int i, const CgArg *a, CgParamType t, int64_t stats,
                        int64_t scratch, char *buf, size_t n) {
   const IrOp *op = f->ops[i];
+  const CgArgInfo *info = cg_arg_info(a->kind);
   char addr[96];
-  bool pointer = a->kind == CG_ARG_OPERAND || a->kind == CG_ARG_OPERAND16 || a->kind == CG_ARG_RESULT ||
-                 a->kind == CG_ARG_COPY || a->kind == CG_ARG_GRAD ||
-                 a->kind == CG_ARG_MOMENT_M || a->kind == CG_ARG_MOMENT_V || a->kind == CG_ARG_STATS ||
-                 a->kind == CG_ARG_SCRATCH || a->kind == CG_ARG_PARAM16 || a->kind == CG_ARG_RANGES;
-  bool real = a->kind == CG_ARG_FLOAT || a->kind == CG_ARG_LR_SCALE || a->kind == CG_ARG_GRAD_SCALE;
-  if (pointer != (t == CG_PARAM_POINTER) || real != (t == CG_PARAM_FLOAT) ||
-      (a->kind == CG_ARG_SEED) != (t == CG_PARAM_U64) ||
-      ((a->kind == CG_ARG_STEP || a->kind == CG_ARG_TOKEN0 || a->kind == CG_ARG_VOCAB0) && t != CG_PARAM_I64))
-    return false;
+  if (!cg_arg_fits(a->kind, t)) return false;
+  if (info->step_field) {   // the step's value: U64(st->seed), I64(st->step), F32(st->lr_scale), ...
+    snprintf(buf, n, "%s(st->%s)", t == CG_PARAM_U64 ? "U64" : t == CG_PARAM_I64 ? "I64" : "F32", info->step_field);
+    return true;
+  }
   if (!cg_spell_pointer(&h->sp, f, i, a, addr, sizeof addr)) {
     switch (a->kind) {
     case CG_ARG_STATS:   // gate.locations: NULL (the host counts from idx and loc); hook.record: its doubles
@@ -272,12 +269,6 @@ static bool kernel_arg(Host *h, const IrFunc *f, int i, const CgArg *a, CgParamT
       snprintf(buf, n, "%s(%" PRId64 ")", t == CG_PARAM_INT ? "I32" : t == CG_PARAM_I64 ? "I64" : "U64", a->i);
       return true;
     case CG_ARG_FLOAT: snprintf(buf, n, "F32((float)%.17g)", a->f); return true;
-    case CG_ARG_SEED: snprintf(buf, n, "U64(st->seed)"); return true;
-    case CG_ARG_STEP: snprintf(buf, n, "I64(st->step)"); return true;
-    case CG_ARG_TOKEN0: snprintf(buf, n, "I64(st->token0)"); return true;
-    case CG_ARG_VOCAB0: snprintf(buf, n, "I64(st->vocab0)"); return true;
-    case CG_ARG_LR_SCALE: snprintf(buf, n, "F32(st->lr_scale)"); return true;
-    case CG_ARG_GRAD_SCALE: snprintf(buf, n, "F32(st->grad_scale)"); return true;
     default: return false;
     }
   }
@@ -297,11 +288,7 @@ static bool emit_kernel(Host *h, const IrFunc *f, int i, const CgKernelCall *c, 
   int site = where(h, f, op, "kernel %s of %s", name, ir_op_info[op->kind].name);
   h->count[h->phase].kernels++;
   bool per_step = false;   // an argument that changes from step to step: its graph node is set before each replay
-  for (int a = 0; a < c->nargs; a++) {
-    CgArgKind k = c->args[a].kind;
-    per_step |= k == CG_ARG_SEED || k == CG_ARG_STEP || k == CG_ARG_TOKEN0 || k == CG_ARG_VOCAB0 ||
-                k == CG_ARG_LR_SCALE || k == CG_ARG_GRAD_SCALE;
-  }
+  for (int a = 0; a < c->nargs; a++) per_step |= cg_arg_info(c->args[a].kind)->step_field != NULL;
   fprintf(h->out, "  %s(%d, %s, %s, %" PRId64 ", %u, (void *[]){", per_step ? "launch_step" : "launch", site,
           cg_stream_enum(s), name, c->grid, c->shared_bytes);
   for (int a = 0; a < c->nargs; a++) {
@@ -572,7 +559,7 @@ static bool emit_gemm(Host *h, const IrFunc *f, const IrOp *op, IrStream s) {
   gemm_operand(h, &op->args[1], b, sizeof b);
   cg_spell_value(&h->sp, op->result, r, sizeof r);
   const IrType *t0 = cg_operand_type(&op->args[0]), *t1 = cg_operand_type(&op->args[1]), *rt = &op->result->type;
-  bool ta = ir_op_int(op, "ta", 0), tb = ir_op_int(op, "tb", 0);
+  CgGemm g = cg_gemm(op);
   if (t0->dtype != IR_F32 || t1->dtype != IR_F32)
     return ir_error_at(h->d, op->loc, "the CUDA target multiplies fp32 only");
   const char *in = "RT_CUDA_F32";
@@ -590,11 +577,11 @@ static bool emit_gemm(Host *h, const IrFunc *f, const IrOp *op, IrStream s) {
   if (op->kind == IR_OP_MATMUL)
     fprintf(h->out, "  CK(rt_cuda_gemm(cu, %s, %s, %s, %s, (float *)%s, %" PRId64 ", %" PRId64 ", %" PRId64
                     ", %d, %d, false), %d);\n",
-            cg_stream_enum(s), in, a, b, r, rt->dim[0], rt->dim[1], ta ? t0->dim[0] : t0->dim[1], ta, tb, w);
+            cg_stream_enum(s), in, a, b, r, g.m, g.n, g.k, g.ta, g.tb, w);
   else
     fprintf(h->out, "  CK(rt_cuda_expert_gemm(cu, %s, %s, %s, %s, (float *)%s, %" PRId64 ", %" PRId64 ", %" PRId64
                     ", %" PRId64 ", %d, %d), %d);\n",
-            cg_stream_enum(s), in, a, b, r, rt->dim[0], rt->dim[1], rt->dim[2], ta ? t0->dim[1] : t0->dim[2], ta, tb, w);
+            cg_stream_enum(s), in, a, b, r, g.e, g.m, g.n, g.k, g.ta, g.tb, w);
   return true;
 }
 
@@ -983,18 +970,58 @@ static void emit_launchers(FILE *out) {
 
 // ---- microbatches and pipeline stages ----
 
-// The device memory of microbatches and stages, after the rest of the block (from at): the slots
-// beyond the first (each an input, a target and an arena, which X, T and A point to while it
-// runs), W, where the first microbatch's gradients become the sum of the ones before the last,
-// and K, the constant 1/M; the state the hooks keep; the new end of the block.
-static int64_t emit_pipe_layout(const Host *h, FILE *out, int64_t at, int64_t elems) {
+// The device layout (device_layout computes it, emit_header prints it): the byte offsets of one
+// block of device memory: parameters, gradients and moments, the step's input and target, the
+// activation arena, the staging area, with dtype bf16 the GEMM operands' scratch B and P16, the
+// update runs' tables U, then with microbatches or stages the other slots, W and K.
+typedef struct DeviceLayout {
+  int64_t elems;                               // floats of the step's input (batch x seqlen x embed)
+  int64_t off_g, off_m, off_v, off_x, off_t, off_a, off_s, off_b, off_p16, off_u;
+  int64_t stage_bytes;                         // the staging area (at least 8)
+  int64_t b_intra, b_inter;                    // the intra and inter streams' parts of B
+  int64_t pipe_at, slot_bytes, data, off_w, off_k;   // microbatches and stages: the slots from pipe_at, W, K
+  int64_t total;                               // the block's bytes
+  int64_t output_floats;                       // the model's output (a split vocabulary: the rank's logits)
+} DeviceLayout;
+
+static DeviceLayout device_layout(const Host *h) {
+  const IrModule *m = h->m;
+  DeviceLayout l = {.elems = ir_mod_int(m, "batch", 1) * ir_mod_int(m, "seqlen", 1) * ir_mod_int(m, "embed", 1)};
+  int64_t pbytes = align(h->param_floats * 4, 256);
+  int64_t gbytes = align((h->grad_floats > 0 ? h->grad_floats : 1) * 4, 256);   // gradients, each moment
+  l.off_g = pbytes, l.off_m = l.off_g + gbytes, l.off_v = l.off_m + (h->adamw ? gbytes : 0);
+  l.off_x = l.off_v + (h->adamw ? gbytes : 0), l.off_t = l.off_x + align(l.elems * 4, 256);
+  l.off_a = l.off_t + align(l.elems * 4, 256);
+  l.stage_bytes = h->stage_bytes > 0 ? h->stage_bytes : 8;
+  l.off_s = l.off_a + align(h->plan->arena_bytes > 0 ? h->plan->arena_bytes : 1, 256);
+  l.off_b = l.off_s + align(l.stage_bytes, 256);   // dtype bf16: the GEMM operands' scratch B
+  const int64_t *slot = h->bf16_slot;   // two slots per stream
+  l.b_intra = 2 * slot[IR_STREAM_COMPUTE], l.b_inter = l.b_intra + 2 * slot[IR_STREAM_INTRA];
+  int64_t b_bytes = l.b_inter + 2 * slot[IR_STREAM_INTER];
+  l.off_p16 = l.off_b + (h->bf16 ? align(b_bytes > 0 ? b_bytes : 1, 256) : 0);   // dtype bf16: P16
+  l.off_u = l.off_p16 + (h->bf16 ? align(h->param_floats * 2, 256) : 0);       // the update runs' tables
+  l.pipe_at = l.total = l.off_u + align(h->nranges > 0 ? h->nranges * RANGE_BYTES : 1, 256);
+  if (h->pipe) {   // the slots beyond the first (each an input, a target and an arena), W and K
+    l.data = align(l.elems * 4, 256);
+    l.slot_bytes = 2 * l.data + align(h->plan->arena_bytes > 0 ? h->plan->arena_bytes : 1, 256);
+    l.off_w = l.pipe_at + (h->slots - 1) * l.slot_bytes;
+    l.off_k = l.off_w + (h->micro > 1 ? align(h->grad_floats * 4, 256) : 0);
+    l.total = l.off_k + 256;
+  }
+  int64_t vocab = ir_mod_int(m, "vocab", 0) / (ir_mod_int(m, "vocab_parallel", 0) ? ir_mod_int(m, "mp", 1) : 1);
+  l.output_floats = vocab > 0 && !h->link ? ir_mod_int(m, "batch", 1) * ir_mod_int(m, "seqlen", 1) * vocab : l.elems;
+  return l;
+}
+
+// The device memory of microbatches and stages (device_layout's, after the rest of the block): the
+// slots beyond the first (each an input, a target and an arena, which X, T and A point to while it
+// runs), W, where the first microbatch's gradients become the sum of the ones before the last, and
+// K, the constant 1/M; the state the hooks keep.
+static void emit_pipe_layout(const Host *h, FILE *out, const DeviceLayout *l) {
   if (!h->pipe) {
     fprintf(out, "#define VARIANTS 1   /* a graph of each step function */\n#define VARIANT 0\n");
-    return at;
+    return;
   }
-  int64_t data = align(elems * 4, 256), arena = align(h->plan->arena_bytes > 0 ? h->plan->arena_bytes : 1, 256);
-  int64_t slot_bytes = 2 * data + arena, off_w = at + (h->slots - 1) * slot_bytes;
-  int64_t off_k = off_w + (h->micro > 1 ? align(h->grad_floats * 4, 256) : 0);
   fprintf(out, "/* Microbatches and pipeline stages (runtime/pipeline.c, RtDevice.use_slot and .accumulate): %" PRId64
                " microbatch%s a step,\n"
                "   %" PRId64 " in flight at once, each in a slot of its own: slot 0 is X, T and A; slot i > 0 is the same three\n"
@@ -1003,7 +1030,8 @@ static int64_t emit_pipe_layout(const Host *h, FILE *out, int64_t at, int64_t el
                "#define MICRO %" PRId64 "\n#define SLOTS %" PRId64 "\n#define OFF_SLOTS ((size_t)%" PRId64
                ")\n#define SLOT_BYTES ((size_t)%" PRId64 ")\n#define SLOT_T ((size_t)%" PRId64 ")\n#define SLOT_A ((size_t)%" PRId64
                ")\n#define OFF_W ((size_t)%" PRId64 ")\n#define OFF_K ((size_t)%" PRId64 ")\n",
-          h->micro, h->micro == 1 ? "" : "es", h->slots, h->micro, h->slots, at, slot_bytes, data, 2 * data, off_w, off_k);
+          h->micro, h->micro == 1 ? "" : "es", h->slots, h->micro, h->slots, l->pipe_at, l->slot_bytes, l->data, 2 * l->data,
+          l->off_w, l->off_k);
   fprintf(out, "/* The slot running (use_slot) and the microbatch's part in the sum of the gradients (accumulate):\n"
                "   ACC_FIRST writes W, ACC_MIDDLE adds its gradients to W, ACC_LAST adds W to its own as it reduces\n"
                "   them; ACC_NONE outside a backward of several microbatches. A graph per slot and part. */\n"
@@ -1015,7 +1043,6 @@ static int64_t emit_pipe_layout(const Host *h, FILE *out, int64_t at, int64_t el
                "/* The stage's messages in host memory, a slot's each (runtime/pipeline.c sends them as they are):\n"
                "   the forward's output (a stage before the last), the gradient of the input (a later stage). */\n"
                "static float *out_host[SLOTS], *grad_host[SLOTS];\n\n");
-  return off_k + 256;
 }
 
 // The error sites of the hooks (before the table of sites is printed).
@@ -1147,34 +1174,20 @@ static void emit_header(Host *h, FILE *out, const char *source_name, const CgCud
     if (h->kernel_slot[k] >= 0) fprintf(out, "\"%s\", ", cg_cuda_kernel_name(h->ls, k));
   fprintf(out, "NULL};\n\n");
 
-  // Device memory, in bytes: parameters, gradients, moments, input, target, activations, statistics.
-  int64_t pbytes = align(h->param_floats * 4, 256), elems = ir_mod_int(m, "batch", 1) * ir_mod_int(m, "seqlen", 1) *
-                                                                 ir_mod_int(m, "embed", 1);
-  int64_t gbytes = align((h->grad_floats > 0 ? h->grad_floats : 1) * 4, 256);   // gradients, each moment
-  int64_t off_g = pbytes, off_m = off_g + gbytes, off_v = off_m + (h->adamw ? gbytes : 0);
-  int64_t off_x = off_v + (h->adamw ? gbytes : 0), off_t = off_x + align(elems * 4, 256), off_a = off_t + align(elems * 4, 256);
-  int64_t stage_bytes = h->stage_bytes > 0 ? h->stage_bytes : 8;
-  int64_t off_s = off_a + align(h->plan->arena_bytes > 0 ? h->plan->arena_bytes : 1, 256);
-  int64_t off_b = off_s + align(stage_bytes, 256);   // dtype bf16: the GEMM operands' scratch B
-  const int64_t *slot = h->bf16_slot;   // two slots per stream
-  int64_t b_intra = 2 * slot[IR_STREAM_COMPUTE], b_inter = b_intra + 2 * slot[IR_STREAM_INTRA];
-  int64_t b_bytes = b_inter + 2 * slot[IR_STREAM_INTER];
-  int64_t off_p16 = off_b + (h->bf16 ? align(b_bytes > 0 ? b_bytes : 1, 256) : 0);   // dtype bf16: P16
-  int64_t off_u = off_p16 + (h->bf16 ? align(h->param_floats * 2, 256) : 0);   // the update runs' tables
-  int64_t total = emit_pipe_layout(h, out, off_u + align(h->nranges > 0 ? h->nranges * RANGE_BYTES : 1, 256), elems);
+  DeviceLayout dl = device_layout(h);
+  emit_pipe_layout(h, out, &dl);
   fprintf(out, "/* Device memory, one block: parameters P, gradients G%s (floats, as the CPU\n"
                "   program's), the step's input X and target T, the activation arena A of the memory plan, and\n"
                "   the staging area S of the statistics the host reads after a step function (into H). */\n",
           h->adamw ? ", AdamW moments M and V" : "");
-  // The output: the last layer's [batch*seqlen, embed], or a language model's logits (a split vocabulary: the rank's)
-  int64_t vocab = ir_mod_int(m, "vocab", 0) / (ir_mod_int(m, "vocab_parallel", 0) ? ir_mod_int(m, "mp", 1) : 1);
-  int64_t output_floats = vocab > 0 && !h->link ? ir_mod_int(m, "batch", 1) * ir_mod_int(m, "seqlen", 1) * vocab : elems;
   const char *names[] = {"PARAM_FLOATS", "GRAD_FLOATS", "ELEMS", "OFF_G", "OFF_M", "OFF_V", "OFF_X", "OFF_T", "OFF_A", "OFF_S",
                          "DEVICE_BYTES", "STAGE_BYTES", "OUTPUT_FLOATS"};
-  int64_t values[] = {h->param_floats, h->grad_floats, elems, off_g, off_m, off_v, off_x, off_t, off_a, off_s, total, stage_bytes,
-                      output_floats};
+  int64_t values[] = {h->param_floats, h->grad_floats, dl.elems, dl.off_g, dl.off_m, dl.off_v, dl.off_x, dl.off_t, dl.off_a,
+                      dl.off_s, dl.total, dl.stage_bytes, dl.output_floats};
   for (size_t i = 0; i < sizeof values / sizeof *values; i++)
     fprintf(out, "#define %s ((size_t)%" PRId64 ")\n", names[i], values[i]);
+  const int64_t *slot = h->bf16_slot;   // two slots per stream
+  int64_t off_b = dl.off_b, b_intra = dl.b_intra, b_inter = dl.b_inter, off_p16 = dl.off_p16, off_u = dl.off_u;
   if (h->bf16)
     fprintf(out, "/* dtype bf16: every GEMM takes bf16 copies of its two fp32 operands, rounded to nearest even by\n"
                  "   mk_compress_bf16. A parameter's copy is P16's, the whole parameter vector rounded once after\n"

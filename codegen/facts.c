@@ -109,6 +109,15 @@ int64_t cg_grad_floats(const IrModule *m) {
   return n;
 }
 
+CgGemm cg_gemm(const IrOp *op) {
+  const IrType *t0 = cg_operand_type(&op->args[0]), *rt = &op->result->type;
+  CgGemm g = {.expert = op->kind == IR_OP_EXPERT_MATMUL, .ta = ir_op_int(op, "ta", 0), .tb = ir_op_int(op, "tb", 0), .e = 1};
+  int lead = g.expert ? 1 : 0;   // an expert GEMM's dims after the expert's
+  if (g.expert) g.e = rt->dim[0];
+  g.m = rt->dim[lead], g.n = rt->dim[lead + 1], g.k = g.ta ? t0->dim[lead] : t0->dim[lead + 1];
+  return g;
+}
+
 bool cg_module_has(const IrModule *m, IrOpKind kind, const char *attr) {
   for (int i = 0; i < m->nfuncs; i++)
     for (int j = 0; j < m->funcs[i]->nops; j++) {

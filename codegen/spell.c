@@ -66,3 +66,34 @@ bool cg_spell_pointer(const CgSpelling *sp, const IrFunc *f, int i, const CgArg 
   default: return false;
   }
 }
+
+// ---- the kinds of kernel arguments ----
+
+static const CgArgInfo arg_info[] = {
+    [CG_ARG_OPERAND] = {"operand", .pointer = true},     [CG_ARG_OPERAND16] = {"operand16", .pointer = true},
+    [CG_ARG_RESULT] = {"result", .pointer = true},       [CG_ARG_COPY] = {"copy", .pointer = true},
+    [CG_ARG_GRAD] = {"grad", .pointer = true},           [CG_ARG_MOMENT_M] = {"m", .pointer = true},
+    [CG_ARG_MOMENT_V] = {"v", .pointer = true},          [CG_ARG_PARAM16] = {"param16", .pointer = true},
+    [CG_ARG_RANGES] = {"ranges", .pointer = true},       [CG_ARG_STATS] = {"stats", .pointer = true},
+    [CG_ARG_SCRATCH] = {"scratch", .pointer = true},
+    [CG_ARG_INT] = {"int", .literal = true, .type = CG_PARAM_INT},
+    [CG_ARG_FLOAT] = {"float", .literal = true, .type = CG_PARAM_FLOAT},
+    [CG_ARG_SEED] = {"seed", .step_field = "seed", .type = CG_PARAM_U64},
+    [CG_ARG_STEP] = {"step", .step_field = "step", .type = CG_PARAM_I64},
+    [CG_ARG_TOKEN0] = {"token0", .step_field = "token0", .type = CG_PARAM_I64},
+    [CG_ARG_VOCAB0] = {"vocab0", .step_field = "vocab0", .type = CG_PARAM_I64},
+    [CG_ARG_LR_SCALE] = {"lr_scale", .step_field = "lr_scale", .type = CG_PARAM_FLOAT},
+    [CG_ARG_GRAD_SCALE] = {"grad_scale", .step_field = "grad_scale", .type = CG_PARAM_FLOAT},
+};
+
+const CgArgInfo *cg_arg_info(CgArgKind kind) {
+  if ((size_t)kind >= sizeof arg_info / sizeof *arg_info || !arg_info[kind].name) UNREACHABLE();
+  return &arg_info[kind];
+}
+
+bool cg_arg_fits(CgArgKind kind, CgParamType t) {
+  const CgArgInfo *a = cg_arg_info(kind);
+  if (a->pointer) return t == CG_PARAM_POINTER;
+  if (kind == CG_ARG_INT) return t == CG_PARAM_INT || t == CG_PARAM_I64;
+  return t == a->type;
+}
