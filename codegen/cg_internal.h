@@ -1,5 +1,5 @@
 // Codegen internals, in layers: each file of codegen/ calls only the layers below its own (its
-// first comment says which layer it is; tests/codegen_layers.py checks that no two files call
+// first comment says which layer it is; tests/circles.py (suite layers) checks that no two files call
 // each other, directly or around a circle):
 //   1 facts.c       the module's facts: scheduled functions, events, parameter offsets, groups,
 //                   streams, operand types, bf16 GEMMs, the CUDA lowering's flags, GEMM shapes

@@ -8,8 +8,5 @@ for t in "$BUILD"/tests/test_*; do
   name=$(basename "$t")
   if out=$("$t" 2>&1); then ok "$name"; else bad "$name" "$out"; fi
 done
-# codegen/ in layers (codegen/cg_internal.h): no circle among its files' calls (nm of the objects).
-if out=$("$PY" tests/codegen_layers.py --obj "$BUILD/obj" 2>&1); then ok "codegen layers: no circle among codegen/'s files"
-else bad "codegen layers: a circle among codegen/'s files (tests/codegen_layers.py)" "$out"; fi
 [ $n -gt 0 ] || bad "unit tests" "no $BUILD/tests/test_* programs (make check T=unit builds them)"
 exit $failed
