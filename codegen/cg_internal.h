@@ -30,7 +30,6 @@
 int64_t *cg_param_offsets(const IrModule *m, int64_t *total);
 // The floats of the parameters a gradient trains (all but the frozen ones; they come first).
 int64_t cg_grad_floats(const IrModule *m);
-bool cg_param_frozen(const IrParam *p);   // a LoRA model's base weight (attr frozen): no gradient
 // The shape of GEMM op (matmul: [m, n] = [m, k] x [k, n], operands transposed by ta, tb;
 // expert.matmul: e of them, [e, m, n]).
 typedef struct CgGemm {

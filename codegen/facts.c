@@ -85,7 +85,6 @@ int cg_op_waits(const IrFunc *f, const CgEvents *ev, int i, int *waits, int max)
 
 // ---- parameters ----
 
-bool cg_param_frozen(const IrParam *p) { return ir_attr_int(p->attrs, p->nattrs, "frozen", 0) != 0; }
 
 // The trained parameters first, then the frozen ones (a LoRA model's base weights): the gradients
 // and the optimizer's moments are the first cg_grad_floats floats only.
@@ -95,7 +94,7 @@ int64_t *cg_param_offsets(const IrModule *m, int64_t *total) {
   if (!offset) return NULL;
   for (int pass = 0; pass < 2; pass++)
     for (int i = 0; i < m->nparams; i++) {
-      if (cg_param_frozen(m->params[i]) != (pass == 1)) continue;
+      if (ir_param_frozen(m->params[i]) != (pass == 1)) continue;
       offset[i] = *total;
       *total += ir_type_numel(&m->params[i]->type);
     }
@@ -105,7 +104,7 @@ int64_t *cg_param_offsets(const IrModule *m, int64_t *total) {
 int64_t cg_grad_floats(const IrModule *m) {
   int64_t n = 0;
   for (int i = 0; i < m->nparams; i++)
-    if (!cg_param_frozen(m->params[i])) n += ir_type_numel(&m->params[i]->type);
+    if (!ir_param_frozen(m->params[i])) n += ir_type_numel(&m->params[i]->type);
   return n;
 }
 

@@ -41,7 +41,7 @@ void cg_emit_params(FILE *out, const IrModule *m, const int64_t *param_offset) {
     fprintf(out, "}, %d, %d, %d, %d", shard_ep, shard_esp, shard_mp, ir_attrs_get(p->attrs, p->nattrs, "balance") != NULL);
     fprintf(out, ", %s", shard ? cg_group_enums[cg_group_named(shard)] : "0");
     if (shard) fprintf(out, " + 1");
-    if (cg_param_frozen(p)) fprintf(out, ", .frozen = 1");
+    if (ir_param_frozen(p)) fprintf(out, ", .frozen = 1");
     fprintf(out, "},\n");
   }
   fprintf(out, "};\n\n");
