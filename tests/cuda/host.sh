@@ -574,12 +574,13 @@ fi
 # bench/gpu_compiled.sh, make bench-gpu's compiled layer: its --quick layer built in fp32 and bf16
 # and trained on the fake device with --profile, whose device lines (the median forward and
 # backward, the update: each step function ends waiting for the GPU) it reads; the forward and
-# backward with the update make the whole step less the data's upload, within 5 % or 1 ms.
+# backward with the update make the whole step less the data's upload, within 10 % or 1 ms (each
+# a median of steps 2..8 taken apart: a loaded host moves the sum of medians from the median sum).
 if MOEC_CUDA_FAKE=1 COMPILED_DIR=$WORK/layers bash bench/gpu_compiled.sh --build --quick >"$WORK/clb.out" 2>&1 &&
-   MOEC_CUDA_FAKE=1 COMPILED_DIR=$WORK/layers bash bench/gpu_compiled.sh --quick --steps 4 >"$WORK/clr.out" 2>&1 &&
-   MOEC_CUDA_FAKE=1 COMPILED_DIR=$WORK/layers bash bench/gpu_compiled.sh --quick --steps 4 --dtype bf16 >>"$WORK/clr.out" 2>&1 &&
+   MOEC_CUDA_FAKE=1 COMPILED_DIR=$WORK/layers bash bench/gpu_compiled.sh --quick --steps 8 >"$WORK/clr.out" 2>&1 &&
+   MOEC_CUDA_FAKE=1 COMPILED_DIR=$WORK/layers bash bench/gpu_compiled.sh --quick --steps 8 --dtype bf16 >>"$WORK/clr.out" 2>&1 &&
    [ "$(grep -cE '^gpt +1x32x32x2 +(fp32|bf16)( +[0-9.]+){3} +[0-9]+ +[0-9]+ +[0-9.]+$' "$WORK/clr.out")" -eq 2 ] &&
-   awk '$1 == "gpt" { d = $6 - $4 - $5; if (d < -1 || d > 1 + 0.05 * $6) bad = 1 } END { exit bad }' "$WORK/clr.out" &&
+   awk '$1 == "gpt" { d = $6 - $4 - $5; if (d < -1 - 0.1 * $6 || d > 1 + 0.1 * $6) bad = 1 } END { exit bad }' "$WORK/clr.out" &&
    [ "$(grep -c '^OK$' "$WORK/clr.out")" -eq 2 ]; then
   ok "bench/gpu_compiled.sh --quick on the fake device: the compiled layer's forward and backward, update and step (--profile's device lines), fp32 and bf16, with the compiler's counts"
 else
