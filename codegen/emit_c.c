@@ -161,6 +161,27 @@ static void emit_gemm_rows(Emit *e, const IrFunc *f, int i, const CgLaunch *g) {
   fprintf(e->out, ";   /* %s, in the GEMM's pieces */\n", group_kernel(e, g)->ops);
 }
 
+// What a sharded update does to an argument of its call, named by the op's own operand 0 (its
+// KERNEL rule's x0, grad, m, v, n0): the parameter's buffers (the parameter, its gradient, its
+// moments) start at the rank's first row, the parameter's element count becomes the rank's.
+typedef enum PartRole { PART_KEEP, PART_SHIFT, PART_COUNT } PartRole;
+static PartRole part_role(const IrOp *op, const CgArg *a) {
+  if ((a->kind == CG_ARG_OPERAND && a->index == 0 && a->i == 0) || a->kind == CG_ARG_GRAD || a->kind == CG_ARG_MOMENT_M ||
+      a->kind == CG_ARG_MOMENT_V)
+    return PART_SHIFT;
+  if (a->kind == CG_ARG_INT && a->i == ir_type_numel(cg_operand_type(&op->args[0]))) return PART_COUNT;
+  return PART_KEEP;
+}
+
+// Whether the lowering of sharded update op is one call with each of the parameter's four buffers
+// and its count once: what rt_param_part's rows can stand in for.
+static bool part_call(const IrOp *op, const CgLaunch *lp) {
+  if (lp->ncalls != 1 || !op->args[0].param) return false;
+  int roles[3] = {0};
+  for (int k = 0; k < lp->call[0].nargs; k++) roles[part_role(op, &lp->call[0].args[k])]++;
+  return roles[PART_SHIFT] == 4 && roles[PART_COUNT] == 1;
+}
+
 // Op i of f: the kernel calls of its lowering (cg_lower, never fused on the CPU), each as
 // rt_KERNEL(args) of libmoert, whose CPU kernels take the CUDA kernels' parameters in their
 // order (runtime/kernels.def); GEMMs and collectives go to emit_library_op. The statistics a
@@ -198,20 +219,21 @@ static bool emit_op(Emit *e, const IrFunc *f, int i) {
       return true;
     }
   }
-  // A sharded optimizer's update (autodiff: group) takes the rows the rank owns: its four
-  // pointers (parameter, gradient, moments) moved by lo, its count n (the KERNEL rule's order).
+  // A sharded optimizer's update (autodiff: group) takes the rows the rank owns: the parameter's
+  // buffers moved by lo, its count n (part_role).
   bool part = op->kind == IR_OP_OPT_ADAMW && ir_op_str(op, "group", NULL);
-  if (part && (lp->ncalls != 1 || lp->call[0].kernel != CG_K_ADAMW || lp->call[0].nargs < 5))
-    return ir_internal(e->d, "a sharded opt.adamw lowers to one adamw(param, grad, m, v, n, ...) call");
+  if (part && !part_call(op, lp))
+    return ir_internal(e->d, "a sharded opt.adamw lowers to one call with the parameter's four buffers and its count");
   if (part)
     fprintf(e->out, "  {\n    int64_t lo, n;\n    rt_param_part(st->comm, &params[%d], &lo, &n);\n  ", op->args[0].param->index);
   for (int c = 0; c < lp->ncalls; c++) {
     const CgKernelCall *call = &lp->call[c];
     fprintf(e->out, "  rt_%s(", cg_kernel_name(call->kernel));
     for (int k = 0; k < call->nargs; k++) {
+      PartRole role = part ? part_role(op, &call->args[k]) : PART_KEEP;
       call_arg(e, buf[k], sizeof buf[k], f, i, &call->args[k]);
-      if (part && k < 4) strncat(buf[k], " + lo", sizeof buf[k] - strlen(buf[k]) - 1);
-      fprintf(e->out, "%s%s", k ? ", " : "", part && k == 4 ? "n" : buf[k]);
+      if (role == PART_SHIFT) strncat(buf[k], " + lo", sizeof buf[k] - strlen(buf[k]) - 1);
+      fprintf(e->out, "%s%s", k ? ", " : "", role == PART_COUNT ? "n" : buf[k]);
     }
     fprintf(e->out, ");\n");
   }
