@@ -60,6 +60,15 @@ static void load(FILE *out, int p, const char *mode, const IrOp *op, int k) {
   else UNREACHABLE();   // tests/unit checks every row of ir/scalar.def
 }
 
+// A pointer a group's kernel takes from outside (aP): the operand, the member that reads it first
+// (its offset in the group) and which of its operands it is there, and whether the kernel reads the
+// value's bf16 copy (pass_reads_copy: a saved activation's).
+typedef struct In {
+  const IrOperand *operand;
+  int op, arg;
+  bool bf16;
+} In;
+
 // What a group's kernel stores: the results that leave it (member numbers out[0 .. nout - 1],
 // pointers oP) and the bf16 copies (dtype bf16: of GEMM operands, members copy[0 .. ncopy - 1],
 // pointers hP).
@@ -98,7 +107,7 @@ typedef struct Operands {
   const IrFunc *f;
   int i, n;
   const IrOp *op;
-  const IrOperand *const *in;
+  const In *in;
   int nin;
   const Stores *st;
   int m0, m1;
@@ -107,7 +116,7 @@ typedef struct Operands {
 
 static int outside_pointer(const Operands *o, int k) {
   int p = 0;
-  while (p < o->nin && !same_operand(o->in[p], &o->op->args[k])) p++;
+  while (p < o->nin && !same_operand(o->in[p].operand, &o->op->args[k])) p++;
   return p;
 }
 
@@ -128,7 +137,7 @@ static void cuda_operand(FILE *out, int k, const char *mode, void *ctx) {
 
 // The expression of member op in CUDA: operands become registers or loads, functions the
 // prelude's mk_f_NAME.
-static void expression(FILE *out, const IrFunc *f, int i, int n, const IrOp *op, const IrOperand *const *in, int nin) {
+static void expression(FILE *out, const IrFunc *f, int i, int n, const IrOp *op, const In *in, int nin) {
   Operands o = {.f = f, .i = i, .n = n, .op = op, .in = in, .nin = nin};
   write_expression(out, ir_op_scalar(op->kind), "mk_f_", cuda_operand, &o);
 }
@@ -214,7 +223,7 @@ static void store(FILE *out, const Stores *st, int j, const char *indent) {
 
 // Members lo .. hi - 1 of the group at op i: each element into a register, then its stores (st,
 // NULL: none).
-static void members(FILE *out, const IrFunc *f, int i, int n, int lo, int hi, const IrOperand *const *in, int nin,
+static void members(FILE *out, const IrFunc *f, int i, int n, int lo, int hi, const In *in, int nin,
                     const Stores *st, const char *indent) {
   for (int j = lo; j < hi; j++) {
     const IrOp *op = f->ops[i + j];
@@ -235,7 +244,7 @@ typedef struct Grid {
 // The body of a group of column sums: each member's tiles (mk_colsum_tile_of of codegen/cuda/ffn.cu,
 // with its own shape's tile width, as its own kernel would) one after the other in one tile space
 // that the blocks stride over.
-static Grid colsums(FILE *out, const IrFunc *f, int i, int n, const IrOperand *const *in, int nin) {
+static Grid colsums(FILE *out, const IrFunc *f, int i, int n, const In *in, int nin) {
   int64_t total = 0, e[CG_MAX_KERNEL_ARGS], rows[CG_MAX_KERNEL_ARGS], cols[CG_MAX_KERNEL_ARGS], tiles[CG_MAX_KERNEL_ARGS];
   for (int j = 0; j < n; j++) {
     const IrType *t0 = cg_operand_type(&f->ops[i + j]->args[0]);
@@ -251,8 +260,8 @@ static Grid colsums(FILE *out, const IrFunc *f, int i, int n, const IrOperand *c
     const IrOp *op = f->ops[i + j];
     bool with_x = ir_op_colsum(op->kind) == 1;
     int p0 = 0, p1 = 0;
-    while (p0 < nin && !same_operand(in[p0], &op->args[0])) p0++;
-    while (with_x && p1 < nin && !same_operand(in[p1], &op->args[1])) p1++;
+    while (p0 < nin && !same_operand(in[p0].operand, &op->args[0])) p0++;
+    while (with_x && p1 < nin && !same_operand(in[p1].operand, &op->args[1])) p1++;
     fprintf(out, "    %sif (t < %" PRId64 ") mk_colsum_tile_of([&](i64 i) { return a%d[i]; }, ", j ? "else " : "",
             first + tiles[j], p0);
     if (with_x) fprintf(out, "[&](i64 i) { return a%d[i]; }, true", p1);
@@ -268,7 +277,7 @@ static Grid colsums(FILE *out, const IrFunc *f, int i, int n, const IrOperand *c
 // The body of a group that starts with an op of a storing function: that function with the
 // arguments of the op's own kernel (first: cg_lower_op's, lowered once by launch.c), a storer in place of the result that computes
 // the other members per element, on the op's own grid.
-static Grid stored(FILE *out, const IrFunc *f, int i, int n, const IrOperand *const *in, int nin, const Stores *st,
+static Grid stored(FILE *out, const IrFunc *f, int i, int n, const In *in, int nin, const Stores *st,
                    const CgLaunch *first) {
   const IrOp *op = f->ops[i];
   if (!first || first->ncalls != 1) UNREACHABLE();   // tests/unit checks the IR_STORE rows
@@ -279,7 +288,7 @@ static Grid stored(FILE *out, const IrFunc *f, int i, int n, const IrOperand *co
     fprintf(out, "%s", !a ? "" : x->kind == CG_ARG_RESULT ? "," : ", ");
     if (x->kind == CG_ARG_OPERAND) {
       int p = 0;
-      while (p < nin && !same_operand(in[p], &op->args[x->index])) p++;
+      while (p < nin && !same_operand(in[p].operand, &op->args[x->index])) p++;
       fprintf(out, "a%d", p);
     } else if (x->kind == CG_ARG_RESULT) {
       fprintf(out, "\n      [&](i64 i, float v) {\n        const float v0 = v;   // %s\n", ir_op_info[op->kind].name);
@@ -299,7 +308,7 @@ static Grid stored(FILE *out, const IrFunc *f, int i, int n, const IrOperand *co
 // The body of an elementwise group (a thread an element), or of one with a row-wise op: a block
 // (or a thread) a row, the prologue computed in each of the row function's loaders, the epilogue
 // in its storer.
-static Grid elements(FILE *out, const IrFunc *f, int i, int n, const IrOperand *const *in, int nin, const Stores *st) {
+static Grid elements(FILE *out, const IrFunc *f, int i, int n, const In *in, int nin, const Stores *st) {
   int row = -1;   // the member that is a row-wise op
   for (int j = 0; j < n; j++)
     if (ir_op_row(f->ops[i + j]->kind)) row = j;
@@ -319,7 +328,7 @@ static Grid elements(FILE *out, const IrFunc *f, int i, int n, const IrOperand *
     fprintf(out, "\n        [&](int c) {\n          const i64 i = row * %" PRId64 " + c;\n", cols);
     members(out, f, i, n, 0, row, in, nin, NULL, "          ");
     int made = member_making(f, i, n, r->args[a].value), p = 0;
-    while (made < 0 && p < nin && !same_operand(in[p], &r->args[a])) p++;
+    while (made < 0 && p < nin && !same_operand(in[p].operand, &r->args[a])) p++;
     if (made >= 0) fprintf(out, "          return v%d;\n        },", made);
     else fprintf(out, "          return a%d[i];\n        },", p);
   }
@@ -408,7 +417,7 @@ static void c_operand(FILE *out, int k, const char *mode, void *ctx) {
 
 // The rows function NAME (compiled for each vector path) of the elementwise members [m0, m1):
 // each row of [lo, hi) in chunks, a loop per member. Whether one calls a function.
-static bool c_segment(FILE *out, const char *name, const IrFunc *f, int i, int n, int m0, int m1, const IrOperand *const *in,
+static bool c_segment(FILE *out, const char *name, const IrFunc *f, int i, int n, int m0, int m1, const In *in,
                       int nin, const Stores *st, const char *params, const char *args, int64_t cols) {
   fprintf(out, "RT_VECTOR_BODY void %s_body(%s, int64_t lo, int64_t hi) {\n", name, params);
   fprintf(out, "  float ");
@@ -428,7 +437,7 @@ static bool c_segment(FILE *out, const char *name, const IrFunc *f, int i, int n
       fprintf(out, "      rt_fv_%s(m, v%d", fn, j);
       for (int a = 0; a < na; a++) {
         int made = member_making(f, i, n, op->args[arg[a]].value), p = 0;
-        while (made < 0 && p < nin && !same_operand(in[p], &op->args[arg[a]])) p++;
+        while (made < 0 && p < nin && !same_operand(in[p].operand, &op->args[arg[a]])) p++;
         fprintf(out, ", ");
         if (made >= 0) c_member(out, st, made, m0, m1, true);
         else fprintf(out, "a%d + i0", p);
@@ -453,14 +462,14 @@ static bool c_segment(FILE *out, const char *name, const IrFunc *f, int i, int n
 // its prologue's and its epilogue's, each thread over its share of the rows: a thread reads only
 // rows it wrote, so no barrier is needed between them (the CPU's fuse pass gives memory to every
 // value that crosses from one to the next).
-static void c_function(FILE *out, const IrFunc *f, int i, int n, const IrOperand *const *in, int nin, const Stores *st) {
+static void c_function(FILE *out, const IrFunc *f, int i, int n, const In *in, int nin, const Stores *st) {
   const IrType *rt = &f->ops[i]->result->type;
   int64_t cols = rt->rank ? rt->dim[rt->rank - 1] : 1, rows = ir_type_numel(rt) / (cols ? cols : 1);
   char params[2048] = "", args[1024] = "";
   size_t pn = 0, an = 0;
   for (int p = 0; p < nin; p++) {
     pn += (size_t)snprintf(params + pn, sizeof params - pn, "%sconst %s *restrict a%d", p ? ", " : "",
-                           cg_operand_type(in[p])->dtype == IR_I32 ? "int32_t" : "float", p);
+                           cg_operand_type(in[p].operand)->dtype == IR_I32 ? "int32_t" : "float", p);
     an += (size_t)snprintf(args + an, sizeof args - an, "%sa%d", p ? ", " : "", p);
   }
   for (int p = 0; p < st->nout; p++) {   // (not restrict: a segment reads what another wrote)
@@ -483,7 +492,7 @@ static void c_function(FILE *out, const IrFunc *f, int i, int n, const IrOperand
     fprintf(out, "  rt_%s_rows(", ri->function);
     for (int a = 0; a < r->nargs; a++) {
       int made = member_making(f, i, n, r->args[a].value), p = 0;
-      while (made < 0 && p < nin && !same_operand(in[p], &r->args[a])) p++;
+      while (made < 0 && p < nin && !same_operand(in[p].operand, &r->args[a])) p++;
       if (made >= 0) fprintf(out, "o%d, ", out_of(st, made));
       else fprintf(out, "a%d, ", p);
     }
@@ -496,7 +505,7 @@ static void c_function(FILE *out, const IrFunc *f, int i, int n, const IrOperand
   fprintf(out, "static __attribute__((unused)) void FUSED_NAME_piece(const void *const *x, int64_t lo, int64_t hi) {\n"
                "  FUSED_NAME_rows(");
   for (int p = 0; p < nin; p++)
-    fprintf(out, "(const %s *)x[%d], ", cg_operand_type(in[p])->dtype == IR_I32 ? "int32_t" : "float", p);
+    fprintf(out, "(const %s *)x[%d], ", cg_operand_type(in[p].operand)->dtype == IR_I32 ? "int32_t" : "float", p);
   for (int p = 0; p < st->nout; p++) fprintf(out, "(float *)x[%d], ", nin + p);
   fprintf(out, "lo, hi);\n}\n");
   fprintf(out, "static void FUSED_NAME(%s) {\n", params);
@@ -508,7 +517,7 @@ static void c_function(FILE *out, const IrFunc *f, int i, int n, const IrOperand
 // The C function of a group of column sums: each member's share of its kernel's work items
 // (rt_column_sums_share, rt_scale_cols_grad_w_share of runtime/rt_fused.h), all in one parallel
 // region, each with its own kernel's order of additions.
-static void c_colsums(FILE *out, const IrFunc *f, int i, int n, const IrOperand *const *in, int nin) {
+static void c_colsums(FILE *out, const IrFunc *f, int i, int n, const In *in, int nin) {
   fprintf(out, "static void FUSED_NAME(");
   for (int p = 0; p < nin; p++) fprintf(out, "%sconst float *a%d", p ? ", " : "", p);
   for (int j = 0; j < n; j++) fprintf(out, ", float *o%d", j);
@@ -521,9 +530,9 @@ static void c_colsums(FILE *out, const IrFunc *f, int i, int n, const IrOperand 
     int64_t cols = t0->dim[t0->rank - 1], rows = t0->dim[t0->rank - 2], e = 1;
     for (int d = 0; d + 2 < t0->rank; d++) e *= t0->dim[d];
     int p0 = 0, p1 = 0;
-    while (p0 < nin && !same_operand(in[p0], &op->args[0])) p0++;
+    while (p0 < nin && !same_operand(in[p0].operand, &op->args[0])) p0++;
     if (ir_op_colsum(op->kind) == 1) {
-      while (p1 < nin && !same_operand(in[p1], &op->args[1])) p1++;
+      while (p1 < nin && !same_operand(in[p1].operand, &op->args[1])) p1++;
       fprintf(out, "    rt_scale_cols_grad_w_share(a%d, a%d, o%d, %" PRId64 ", %" PRId64 ");   // %s\n", p0, p1, j,
               e * rows, cols, ir_op_info[op->kind].name);
     } else {
@@ -539,9 +548,8 @@ bool cg_lower_fused(IrDiag *d, CgLaunches *ls, const IrFunc *f, int i, bool cpu,
   memset(l, 0, sizeof *l);
   l->nops = n;
   // The pointers: outside operands in first-read order, then the results that leave.
-  const IrOperand *in[CG_MAX_KERNEL_ARGS];
-  int nin = 0, in_op[CG_MAX_KERNEL_ARGS], in_arg[CG_MAX_KERNEL_ARGS];
-  bool in16[CG_MAX_KERNEL_ARGS];   // read from the value's bf16 copy (pass_reads_copy)
+  In in[CG_MAX_KERNEL_ARGS];
+  int nin = 0;
   Stores st = {.nout = 0};
   bool colsum = ir_op_colsum(f->ops[i]->kind) >= 0;
   for (int j = 0; j < n; j++) {
@@ -550,12 +558,12 @@ bool cg_lower_fused(IrDiag *d, CgLaunches *ls, const IrFunc *f, int i, bool cpu,
       if (member_making(f, i, n, op->args[a].value) >= 0) continue;
       int seen = -1;
       for (int p = 0; p < nin && seen < 0; p++)
-        if (same_operand(in[p], &op->args[a])) seen = p;
-      if (seen >= 0 && pass_reads_copy(op, a) != in16[seen])
+        if (same_operand(in[p].operand, &op->args[a])) seen = p;
+      if (seen >= 0 && pass_reads_copy(op, a) != in[seen].bf16)
         return ir_internal_at(d, op->loc, "a fused group reads a value both from its bf16 copy and in fp32");
       if (seen >= 0) continue;
       if (nin + st.nout >= CG_MAX_KERNEL_ARGS) return ir_internal_at(d, op->loc, "a fused group has more than %d pointers", CG_MAX_KERNEL_ARGS);
-      in_op[nin] = j, in_arg[nin] = a, in16[nin] = pass_reads_copy(op, a), in[nin++] = &op->args[a];
+      in[nin++] = (In){.operand = &op->args[a], .op = j, .arg = a, .bf16 = pass_reads_copy(op, a)};
     }
     if (!ir_op_int(op, "inner", 0)) st.out[st.nout++] = j;
     if (pass_writes_copy(op) && st.ncopy < CG_MAX_KERNEL_ARGS) st.copy[st.ncopy++] = j;
@@ -573,7 +581,7 @@ bool cg_lower_fused(IrDiag *d, CgLaunches *ls, const IrFunc *f, int i, bool cpu,
   else fprintf(t.f, "(");
   for (int p = 0; p < nin && !cpu; p++)
     fprintf(t.f, "%sconst %s *a%d", p ? ", " : "",
-            in16[p] ? "u16" : cg_operand_type(in[p])->dtype == IR_I32 ? "int" : "float", p);
+            in[p].bf16 ? "u16" : cg_operand_type(in[p].operand)->dtype == IR_I32 ? "int" : "float", p);
   for (int p = 0; p < st.nout && !cpu; p++) fprintf(t.f, "%sfloat *o%d", nin + p ? ", " : "", p);
   for (int p = 0; p < st.ncopy && !cpu; p++) fprintf(t.f, ", u16 *h%d", p);
   if (!cpu) {
@@ -612,7 +620,7 @@ bool cg_lower_fused(IrDiag *d, CgLaunches *ls, const IrFunc *f, int i, bool cpu,
   c->kernel = CG_K_COUNT + g;
   c->grid = grid.blocks ? cg_cuda_grid_blocks(grid.items) : cg_cuda_grid_elems(grid.items);
   for (int p = 0; p < nin; p++)
-    c->args[c->nargs++] = (CgArg){.kind = in16[p] ? CG_ARG_OPERAND16 : CG_ARG_OPERAND, .index = in_arg[p], .i = in_op[p]};
+    c->args[c->nargs++] = (CgArg){.kind = in[p].bf16 ? CG_ARG_OPERAND16 : CG_ARG_OPERAND, .index = in[p].arg, .i = in[p].op};
   for (int p = 0; p < st.nout; p++) c->args[c->nargs++] = (CgArg){.kind = CG_ARG_RESULT, .index = st.out[p]};
   for (int p = 0; p < st.ncopy; p++) c->args[c->nargs++] = (CgArg){.kind = CG_ARG_COPY, .index = st.copy[p]};
   snprintf(l->note, sizeof l->note, "%d ops fused", n);
