@@ -41,23 +41,126 @@ static int member_making(const IrFunc *f, int i, int n, const IrValue *v) {
 
 static bool same_operand(const IrOperand *a, const IrOperand *b) { return a->value == b->value && a->param == b->param; }
 
-// The load of external pointer p, operand k of member op, for operand mode `mode` ("", "c", "r",
-// "ec", "0", "slice").
-static void load(FILE *out, int p, const char *mode, const IrOp *op, int k) {
+// ---- the scalar expressions (ir/scalar.def), each parsed once into tokens ----
+// How an operand xK[mode] is read: at the element, its column, row, expert and column, element 0,
+// or a slice of a wider row.
+typedef enum Mode { MODE_ELEMENT, MODE_COL, MODE_ROW, MODE_EC, MODE_ZERO, MODE_SLICE, MODE_COUNT } Mode;
+static const char *const mode_names[MODE_COUNT] = {"", "c", "r", "ec", "0", "slice"};
+
+// A token of an expression: an operand xK[mode], a name (call: a function, followed by '('), or
+// a run of C arithmetic, kept as it is written.
+typedef enum TokenKind { TOKEN_TEXT, TOKEN_OPERAND, TOKEN_NAME } TokenKind;
+typedef struct Token {
+  TokenKind kind;
+  const char *s;   // TEXT, NAME: its text in the expression, len characters
+  int len;
+  int k;           // OPERAND
+  Mode mode;
+  bool call;       // NAME
+} Token;
+
+// An expression as tokens, and its function form when it has one: one call of plain operands,
+// "name(xA, xB, ...)" (form: the name is tok[0]; arg: the operand numbers), which the CPU
+// loops run as one rt_fv_NAME loop.
+enum { MAX_TOKENS = 48, FORM_ARGS = 3 };
+typedef struct Scalar {
+  Token tok[MAX_TOKENS];
+  int ntok;
+  bool form;
+  int arg[FORM_ARGS], nargs;
+} Scalar;
+
+// The token at e (an operand, a name or one character of arithmetic) into t; false (why says it)
+// when it is none of them.
+static bool next_token(const char *e, Token *t, char *why, size_t size) {
+  *t = (Token){.kind = TOKEN_TEXT, .s = e, .len = 1};
+  if (e[0] == 'x' && e[1] >= '0' && e[1] <= '9') {
+    char *end;
+    t->kind = TOKEN_OPERAND, t->k = (int)strtol(e + 1, &end, 10), t->len = (int)(end - e);
+    if (*end != '[') return true;
+    size_t len = strcspn(end + 1, "]");
+    int m = 1;
+    while (m < MODE_COUNT && !(strlen(mode_names[m]) == len && strncmp(mode_names[m], end + 1, len) == 0)) m++;
+    if (m == MODE_COUNT || end[1 + len] != ']')
+      return snprintf(why, size, "x%d[%.*s]: the index is c, r, ec, 0 or slice", t->k, (int)len, end + 1), false;
+    t->mode = (Mode)m, t->len += (int)len + 2;
+  } else if ((*e >= 'a' && *e <= 'z') || *e == '_') {
+    t->kind = TOKEN_NAME, t->len = (int)strspn(e, "abcdefghijklmnopqrstuvwxyz_0123456789"), t->call = e[t->len] == '(';
+    if (!t->call) return snprintf(why, size, "'%.*s': a name is an operand xK or a function call", t->len, e), false;
+  } else if (!strchr(" +-*/()?:<>=!.,0123456789", *e)) {
+    return snprintf(why, size, "'%c' is not C arithmetic", *e), false;
+  }
+  return true;
+}
+
+// Whether t is text of exactly the characters `what`, then any spaces (with spaces).
+static bool text_is(const Token *t, const char *what, bool spaces) {
+  size_t n = strlen(what);
+  return t->kind == TOKEN_TEXT && (size_t)t->len >= n && strncmp(t->s, what, n) == 0 &&
+         (spaces ? strspn(t->s + n, " ") >= (size_t)t->len - n : (size_t)t->len == n);
+}
+
+// The function form of s (Scalar.form, .arg), if it has one.
+static void function_form(Scalar *s) {
+  const Token *t = s->tok, *end = s->tok + s->ntok;
+  if (s->ntok < 4 || t[0].kind != TOKEN_NAME || !text_is(&t[1], "(", false) || !text_is(end - 1, ")", false)) return;
+  int n = 0;
+  for (t += 2; t < end - 1; t++) {
+    bool operand = (t - s->tok) % 2 == 0;   // operands at even tokens, ", " between them
+    if (operand ? t->kind != TOKEN_OPERAND || t->mode != MODE_ELEMENT || n == FORM_ARGS : !text_is(t, ",", true)) return;
+    if (operand) s->arg[n++] = t->k;
+  }
+  if ((end - 1 - s->tok) % 2 == 0) return;   // ends with ", "
+  s->form = true, s->nargs = n;
+}
+
+// expr as tokens into s (runs of arithmetic joined); false (why says it) when it is not a scalar
+// expression's text.
+static bool scalar_parse(const char *expr, Scalar *s, char *why, size_t size) {
+  memset(s, 0, sizeof *s);
+  why[0] = '\0';
+  for (const char *e = expr; *e;) {
+    Token t;
+    if (!next_token(e, &t, why, size)) return false;
+    Token *last = s->ntok ? &s->tok[s->ntok - 1] : NULL;
+    if (t.kind == TOKEN_TEXT && last && last->kind == TOKEN_TEXT) last->len++;
+    else if (s->ntok == MAX_TOKENS) return snprintf(why, size, "more than %d tokens", MAX_TOKENS), false;
+    else s->tok[s->ntok++] = t;
+    e += t.len;
+  }
+  function_form(s);
+  return true;
+}
+
+// The parsed expression of op kind (NULL: it has none), parsed the first time it is asked for.
+static const Scalar *scalar_of(IrOpKind kind) {
+  static Scalar parsed[IR_OP_COUNT];
+  static bool done[IR_OP_COUNT];
+  const char *expr = ir_op_scalar(kind);
+  char why[128];
+  if (!expr) return NULL;
+  if (!done[kind] && !scalar_parse(expr, &parsed[kind], why, sizeof why)) UNREACHABLE();   // tests/unit checks every row
+  done[kind] = true;
+  return &parsed[kind];
+}
+
+// The load of external pointer p, operand k of member op, read as mode says.
+static void load(FILE *out, int p, Mode mode, const IrOp *op, int k) {
   const IrType *rt = &op->result->type;
   int64_t cols = rt->rank ? rt->dim[rt->rank - 1] : 1, mid = rt->rank >= 2 ? rt->dim[rt->rank - 2] : 1;
-  if (!*mode) fprintf(out, "a%d[i]", p);
-  else if (strcmp(mode, "c") == 0) fprintf(out, "a%d[i %% %" PRId64 "]", p, cols);
-  else if (strcmp(mode, "r") == 0) fprintf(out, "a%d[i / %" PRId64 "]", p, cols);
-  else if (strcmp(mode, "0") == 0) fprintf(out, "a%d[0]", p);
-  else if (strcmp(mode, "slice") == 0) {
-    const IrType *t = cg_operand_type(&op->args[k]);
+  const IrType *t = cg_operand_type(&op->args[k]);
+  switch (mode) {
+  case MODE_ELEMENT: fprintf(out, "a%d[i]", p); break;
+  case MODE_COL: fprintf(out, "a%d[i %% %" PRId64 "]", p, cols); break;
+  case MODE_ROW: fprintf(out, "a%d[i / %" PRId64 "]", p, cols); break;
+  case MODE_ZERO: fprintf(out, "a%d[0]", p); break;
+  case MODE_SLICE:
     fprintf(out, "a%d[i / %" PRId64 " * %" PRId64 " + %" PRId64 " + i %% %" PRId64 "]", p, cols, t->dim[t->rank - 1],
             ir_op_int(op, "offset", 0), cols);
+    break;
+  case MODE_EC: fprintf(out, "a%d[i / %" PRId64 " * %" PRId64 " + i %% %" PRId64 "]", p, mid * cols, cols, cols); break;
+  default: UNREACHABLE();
   }
-  else if (strcmp(mode, "ec") == 0)
-    fprintf(out, "a%d[i / %" PRId64 " * %" PRId64 " + i %% %" PRId64 "]", p, mid * cols, cols, cols);
-  else UNREACHABLE();   // tests/unit checks every row of ir/scalar.def
 }
 
 // A pointer a group's kernel takes from outside (aP): the operand, the member that reads it first
@@ -77,27 +180,13 @@ typedef struct Stores {
   int copy[CG_MAX_KERNEL_ARGS], ncopy;
 } Stores;
 
-// Writes scalar expression e (ir/scalar.def) to out: each operand xK[mode] as operand(out, k,
-// mode, ctx) writes it, a function name with prefix before it, the rest as it is.
-typedef void OperandFn(FILE *out, int k, const char *mode, void *ctx);
-static void write_expression(FILE *out, const char *e, const char *prefix, OperandFn *operand, void *ctx) {
-  while (*e) {
-    if (e[0] == 'x' && e[1] >= '0' && e[1] <= '9') {
-      int k = (int)strtol(e + 1, (char **)&e, 10);
-      char mode[8] = "";
-      if (*e == '[') {
-        size_t len = strcspn(e + 1, "]");
-        snprintf(mode, sizeof mode, "%.*s", (int)len, e + 1);
-        e += len + 2;
-      }
-      operand(out, k, mode, ctx);
-    } else if ((*e >= 'a' && *e <= 'z') || *e == '_') {
-      size_t len = strspn(e, "abcdefghijklmnopqrstuvwxyz_0123456789");
-      fprintf(out, "%s%.*s", e[len] == '(' ? prefix : "", (int)len, e);
-      e += len;
-    } else {
-      fputc(*e++, out);
-    }
+// Writes scalar expression s to out: each operand xK[mode] as operand(out, k, mode, ctx) writes
+// it, a function name with prefix before it, the rest as it is.
+typedef void OperandFn(FILE *out, int k, Mode mode, void *ctx);
+static void write_expression(FILE *out, const Scalar *s, const char *prefix, OperandFn *operand, void *ctx) {
+  for (const Token *t = s->tok; t < s->tok + s->ntok; t++) {
+    if (t->kind == TOKEN_OPERAND) operand(out, t->k, t->mode, ctx);
+    else fprintf(out, "%s%.*s", t->call ? prefix : "", t->len, t->s);
   }
 }
 
@@ -122,7 +211,7 @@ static int outside_pointer(const Operands *o, int k) {
 
 // A CUDA operand: another member's register (its numel is the group's: every mode is the
 // element), or the load of a pointer from outside.
-static void cuda_operand(FILE *out, int k, const char *mode, void *ctx) {
+static void cuda_operand(FILE *out, int k, Mode mode, void *ctx) {
   const Operands *o = ctx;
   int made = member_making(o->f, o->i, o->n, o->op->args[k].value);
   bool copy = pass_reads_copy(o->op, k);   // a saved activation's bf16 copy (passes/fuse.c)
@@ -139,22 +228,13 @@ static void cuda_operand(FILE *out, int k, const char *mode, void *ctx) {
 // prelude's mk_f_NAME.
 static void expression(FILE *out, const IrFunc *f, int i, int n, const IrOp *op, const In *in, int nin) {
   Operands o = {.f = f, .i = i, .n = n, .op = op, .in = in, .nin = nin};
-  write_expression(out, ir_op_scalar(op->kind), "mk_f_", cuda_operand, &o);
+  write_expression(out, scalar_of(op->kind), "mk_f_", cuda_operand, &o);
 }
 
-// Whether scalar expression expr reads operand k only as the element (`xK`, no index).
-static bool reads_element_only(const char *expr, int k) {
-  for (const char *e = expr; *e;) {
-    bool ident = e > expr && ((e[-1] >= 'a' && e[-1] <= 'z') || e[-1] == '_' || (e[-1] >= '0' && e[-1] <= '9'));
-    if (e[0] == 'x' && e[1] >= '0' && e[1] <= '9' && !ident) {
-      char *end;
-      int at = (int)strtol(e + 1, &end, 10);
-      if (at == k && *end == '[') return false;
-      e = end;
-    } else {
-      e++;
-    }
-  }
+// Whether scalar expression s reads operand k only as the element (`xK`, no index).
+static bool reads_element_only(const Scalar *s, int k) {
+  for (int t = 0; t < s->ntok; t++)
+    if (s->tok[t].kind == TOKEN_OPERAND && s->tok[t].k == k && s->tok[t].mode != MODE_ELEMENT) return false;
   return true;
 }
 
@@ -167,7 +247,7 @@ bool cg_fused_reads_rows(const IrFunc *f, int i, const IrValue *v) {
       if (op->args[k].param || op->args[k].value != v) continue;
       reads = true;
       if (ir_op_row(op->kind)) continue;   // a norm reads its operand's rows
-      const char *expr = ir_op_scalar(op->kind);
+      const Scalar *expr = scalar_of(op->kind);
       if (!expr || !reads_element_only(expr, k) || ir_type_numel(&op->result->type) != ir_type_numel(&v->type))
         return false;
     }
@@ -176,35 +256,17 @@ bool cg_fused_reads_rows(const IrFunc *f, int i, const IrValue *v) {
 }
 
 bool cg_scalar_check(const char *expr, int nargs, char *why, size_t size) {
-  static const char *const modes[] = {"", "c", "r", "ec", "0", "slice"};
-  why[0] = '\0';
-  for (const char *e = expr; *e;) {
-    if (e[0] == 'x' && e[1] >= '0' && e[1] <= '9') {
-      int k = (int)strtol(e + 1, (char **)&e, 10);
-      if (k >= nargs) return snprintf(why, size, "x%d: the op has %d operands", k, nargs), false;
-      if (*e != '[') continue;
-      size_t len = strcspn(e + 1, "]");
-      bool known = false;
-      for (size_t m = 1; m < sizeof modes / sizeof *modes && !known; m++)
-        known = strlen(modes[m]) == len && strncmp(modes[m], e + 1, len) == 0;
-      if (!known || e[1 + len] != ']') return snprintf(why, size, "x%d[%.*s]: the index is c, r, ec, 0 or slice", k, (int)len, e + 1), false;
-      e += len + 2;
-    } else if ((*e >= 'a' && *e <= 'z') || *e == '_') {
-      size_t len = strspn(e, "abcdefghijklmnopqrstuvwxyz_0123456789");
-      char fn[64];
-      snprintf(fn, sizeof fn, "mk_f_%.*s(", (int)len, e);
-      if (e[len] != '(') return snprintf(why, size, "'%.*s': a name is an operand xK or a function call", (int)len, e), false;
-      if (!strstr(cg_cuda_prelude(), fn)) return snprintf(why, size, "%.*s(): the CUDA prelude has no mk_f_%.*s", (int)len, e, (int)len, e), false;
-      e += len;
-    } else if (strchr(" +-*/()?:<>=!.,0123456789", *e)) {
-      e++;
-    } else {
-      return snprintf(why, size, "'%c' is not C arithmetic", *e), false;
-    }
+  Scalar s;
+  if (!scalar_parse(expr, &s, why, size)) return false;
+  for (const Token *t = s.tok; t < s.tok + s.ntok; t++) {
+    char fn[64];
+    snprintf(fn, sizeof fn, "mk_f_%.*s(", t->len, t->s);
+    if (t->kind == TOKEN_OPERAND && t->k >= nargs) return snprintf(why, size, "x%d: the op has %d operands", t->k, nargs), false;
+    if (t->kind == TOKEN_NAME && !strstr(cg_cuda_prelude(), fn))
+      return snprintf(why, size, "%.*s(): the CUDA prelude has no mk_f_%.*s", t->len, t->s, t->len, t->s), false;
   }
   return true;
 }
-
 
 // The pointer of member j's result (o%d), -1 when it stays in the kernel.
 static int out_of(const Stores *st, int j) {
@@ -359,28 +421,12 @@ static Grid elements(FILE *out, const IrFunc *f, int i, int n, const In *in, int
 // which the CPU kernels run too), then copied where it leaves the kernel. The body is compiled
 // for each vector path (RT_VECTOR_PATHS) and named FUSED_NAME until the program numbers it.
 
-// Whether expr is one function call of plain operands, "name(xA, xB, ...)": the name and the
-// operand numbers (at most FORM_ARGS) into name and arg.
-enum { FORM_ARGS = 3 };
-static bool function_form(const char *expr, char *name, size_t size, int arg[FORM_ARGS], int *nargs) {
-  size_t len = strspn(expr, "abcdefghijklmnopqrstuvwxyz_0123456789");
-  if (!len || expr[len] != '(' || len >= size) return false;
-  snprintf(name, size, "%.*s", (int)len, expr);
-  const char *e = expr + len + 1;
-  *nargs = 0;
-  while (*e == 'x' && e[1] >= '0' && e[1] <= '9' && *nargs < FORM_ARGS) {
-    arg[(*nargs)++] = (int)strtol(e + 1, (char **)&e, 10);
-    if (*e == ',') e += strspn(e + 1, " ") + 1;
-  }
-  return *e == ')' && !e[1] && *nargs > 0;
-}
-
 bool cg_scalar_c_form(const char *expr) {
-  char name[32];
-  int arg[FORM_ARGS], n;
-  if (function_form(expr, name, sizeof name, arg, &n)) return true;
-  for (const char *e = expr; *e; e++)   // else no name( anywhere
-    if (*e == '(' && e > expr && ((e[-1] >= 'a' && e[-1] <= 'z') || e[-1] == '_')) return false;
+  Scalar s;
+  char why[128];
+  if (!scalar_parse(expr, &s, why, sizeof why)) return false;
+  for (int t = 0; t < s.ntok && !s.form; t++)   // else no function anywhere
+    if (s.tok[t].call) return false;
   return true;
 }
 
@@ -392,7 +438,7 @@ static void c_member(FILE *out, const Stores *st, int made, int m0, int m1, bool
 }
 
 // Operand k of a CPU loop's member as a C expression at row r, column c0 + c (element i0 + c).
-static void c_operand(FILE *out, int k, const char *mode, void *ctx) {
+static void c_operand(FILE *out, int k, Mode mode, void *ctx) {
   const Operands *o = ctx;
   int made = member_making(o->f, o->i, o->n, o->op->args[k].value);
   if (made >= 0) {
@@ -402,16 +448,18 @@ static void c_operand(FILE *out, int k, const char *mode, void *ctx) {
   int p = outside_pointer(o, k);
   const IrType *rt = &o->op->result->type;
   int64_t mid = rt->rank >= 2 ? rt->dim[rt->rank - 2] : 1, cols = o->cols;
-  if (!*mode) fprintf(out, "a%d[i0 + c]", p);
-  else if (strcmp(mode, "c") == 0) fprintf(out, "a%d[c0 + c]", p);
-  else if (strcmp(mode, "r") == 0) fprintf(out, "a%d[r]", p);
-  else if (strcmp(mode, "0") == 0) fprintf(out, "a%d[0]", p);
-  else if (strcmp(mode, "ec") == 0) fprintf(out, "a%d[r / %" PRId64 " * %" PRId64 " + c0 + c]", p, mid, cols);
-  else if (strcmp(mode, "slice") == 0) {
+  switch (mode) {
+  case MODE_ELEMENT: fprintf(out, "a%d[i0 + c]", p); break;
+  case MODE_COL: fprintf(out, "a%d[c0 + c]", p); break;
+  case MODE_ROW: fprintf(out, "a%d[r]", p); break;
+  case MODE_ZERO: fprintf(out, "a%d[0]", p); break;
+  case MODE_EC: fprintf(out, "a%d[r / %" PRId64 " * %" PRId64 " + c0 + c]", p, mid, cols); break;
+  case MODE_SLICE: {
     const IrType *t = cg_operand_type(&o->op->args[k]);
     fprintf(out, "a%d[r * %" PRId64 " + %" PRId64 " + c0 + c]", p, t->dim[t->rank - 1], ir_op_int(o->op, "offset", 0));
-  } else {
-    UNREACHABLE();   // tests/unit checks every row of ir/scalar.def
+    break;
+  }
+  default: UNREACHABLE();
   }
 }
 
@@ -429,15 +477,13 @@ static bool c_segment(FILE *out, const char *name, const IrFunc *f, int i, int n
   bool calls = false;
   for (int j = m0; j < m1; j++) {
     const IrOp *op = f->ops[i + j];
-    const char *e = ir_op_scalar(op->kind);
-    char fn[32];
-    int arg[FORM_ARGS], na;
-    if (function_form(e, fn, sizeof fn, arg, &na)) {
+    const Scalar *e = scalar_of(op->kind);
+    if (e->form) {
       calls = true;
-      fprintf(out, "      rt_fv_%s(m, v%d", fn, j);
-      for (int a = 0; a < na; a++) {
-        int made = member_making(f, i, n, op->args[arg[a]].value), p = 0;
-        while (made < 0 && p < nin && !same_operand(in[p].operand, &op->args[arg[a]])) p++;
+      fprintf(out, "      rt_fv_%.*s(m, v%d", e->tok[0].len, e->tok[0].s, j);
+      for (int a = 0; a < e->nargs; a++) {
+        int made = member_making(f, i, n, op->args[e->arg[a]].value), p = 0;
+        while (made < 0 && p < nin && !same_operand(in[p].operand, &op->args[e->arg[a]])) p++;
         fprintf(out, ", ");
         if (made >= 0) c_member(out, st, made, m0, m1, true);
         else fprintf(out, "a%d + i0", p);
