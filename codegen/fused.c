@@ -172,6 +172,13 @@ typedef struct In {
   bool bf16;
 } In;
 
+// The outside pointer (its number P of aP) that is operand a; nin when none is.
+static int pointer_of(const In *in, int nin, const IrOperand *a) {
+  int p = 0;
+  while (p < nin && !same_operand(in[p].operand, a)) p++;
+  return p;
+}
+
 // What a group's kernel stores: the results that leave it (member numbers out[0 .. nout - 1],
 // pointers oP) and the bf16 copies (dtype bf16: of GEMM operands, members copy[0 .. ncopy - 1],
 // pointers hP).
@@ -203,11 +210,7 @@ typedef struct Operands {
   int64_t cols;
 } Operands;
 
-static int outside_pointer(const Operands *o, int k) {
-  int p = 0;
-  while (p < o->nin && !same_operand(o->in[p].operand, &o->op->args[k])) p++;
-  return p;
-}
+static int outside_pointer(const Operands *o, int k) { return pointer_of(o->in, o->nin, &o->op->args[k]); }
 
 // A CUDA operand: another member's register (its numel is the group's: every mode is the
 // element), or the load of a pointer from outside.
@@ -321,9 +324,7 @@ static Grid colsums(FILE *out, const IrFunc *f, int i, int n, const In *in, int 
   for (int j = 0; j < n; j++) {
     const IrOp *op = f->ops[i + j];
     bool with_x = ir_op_colsum(op->kind) == 1;
-    int p0 = 0, p1 = 0;
-    while (p0 < nin && !same_operand(in[p0].operand, &op->args[0])) p0++;
-    while (with_x && p1 < nin && !same_operand(in[p1].operand, &op->args[1])) p1++;
+    int p0 = pointer_of(in, nin, &op->args[0]), p1 = with_x ? pointer_of(in, nin, &op->args[1]) : 0;
     fprintf(out, "    %sif (t < %" PRId64 ") mk_colsum_tile_of([&](i64 i) { return a%d[i]; }, ", j ? "else " : "",
             first + tiles[j], p0);
     if (with_x) fprintf(out, "[&](i64 i) { return a%d[i]; }, true", p1);
@@ -349,9 +350,7 @@ static Grid stored(FILE *out, const IrFunc *f, int i, int n, const In *in, int n
     const CgArg *x = &c->args[a];
     fprintf(out, "%s", !a ? "" : x->kind == CG_ARG_RESULT ? "," : ", ");
     if (x->kind == CG_ARG_OPERAND) {
-      int p = 0;
-      while (p < nin && !same_operand(in[p].operand, &op->args[x->index])) p++;
-      fprintf(out, "a%d", p);
+      fprintf(out, "a%d", pointer_of(in, nin, &op->args[x->index]));
     } else if (x->kind == CG_ARG_RESULT) {
       fprintf(out, "\n      [&](i64 i, float v) {\n        const float v0 = v;   // %s\n", ir_op_info[op->kind].name);
       store(out, st, 0, "        ");
@@ -389,8 +388,7 @@ static Grid elements(FILE *out, const IrFunc *f, int i, int n, const In *in, int
   for (int a = 0; a < r->nargs; a++) {
     fprintf(out, "\n        [&](int c) {\n          const i64 i = row * %" PRId64 " + c;\n", cols);
     members(out, f, i, n, 0, row, in, nin, NULL, "          ");
-    int made = member_making(f, i, n, r->args[a].value), p = 0;
-    while (made < 0 && p < nin && !same_operand(in[p].operand, &r->args[a])) p++;
+    int made = member_making(f, i, n, r->args[a].value), p = pointer_of(in, nin, &r->args[a]);
     if (made >= 0) fprintf(out, "          return v%d;\n        },", made);
     else fprintf(out, "          return a%d[i];\n        },", p);
   }
@@ -482,8 +480,7 @@ static bool c_segment(FILE *out, const char *name, const IrFunc *f, int i, int n
       calls = true;
       fprintf(out, "      rt_fv_%.*s(m, v%d", e->tok[0].len, e->tok[0].s, j);
       for (int a = 0; a < e->nargs; a++) {
-        int made = member_making(f, i, n, op->args[e->arg[a]].value), p = 0;
-        while (made < 0 && p < nin && !same_operand(in[p].operand, &op->args[e->arg[a]])) p++;
+        int made = member_making(f, i, n, op->args[e->arg[a]].value), p = pointer_of(in, nin, &op->args[e->arg[a]]);
         fprintf(out, ", ");
         if (made >= 0) c_member(out, st, made, m0, m1, true);
         else fprintf(out, "a%d + i0", p);
@@ -537,8 +534,7 @@ static void c_function(FILE *out, const IrFunc *f, int i, int n, const In *in, i
     const IrRowInfo *ri = ir_op_row(r->kind);
     fprintf(out, "  rt_%s_rows(", ri->function);
     for (int a = 0; a < r->nargs; a++) {
-      int made = member_making(f, i, n, r->args[a].value), p = 0;
-      while (made < 0 && p < nin && !same_operand(in[p].operand, &r->args[a])) p++;
+      int made = member_making(f, i, n, r->args[a].value), p = pointer_of(in, nin, &r->args[a]);
       if (made >= 0) fprintf(out, "o%d, ", out_of(st, made));
       else fprintf(out, "a%d, ", p);
     }
@@ -575,10 +571,9 @@ static void c_colsums(FILE *out, const IrFunc *f, int i, int n, const In *in, in
     const IrType *t0 = cg_operand_type(&op->args[0]);
     int64_t cols = t0->dim[t0->rank - 1], rows = t0->dim[t0->rank - 2], e = 1;
     for (int d = 0; d + 2 < t0->rank; d++) e *= t0->dim[d];
-    int p0 = 0, p1 = 0;
-    while (p0 < nin && !same_operand(in[p0].operand, &op->args[0])) p0++;
+    int p0 = pointer_of(in, nin, &op->args[0]);
     if (ir_op_colsum(op->kind) == 1) {
-      while (p1 < nin && !same_operand(in[p1].operand, &op->args[1])) p1++;
+      int p1 = pointer_of(in, nin, &op->args[1]);
       fprintf(out, "    rt_scale_cols_grad_w_share(a%d, a%d, o%d, %" PRId64 ", %" PRId64 ");   // %s\n", p0, p1, j,
               e * rows, cols, ir_op_info[op->kind].name);
     } else {
@@ -602,12 +597,10 @@ bool cg_lower_fused(IrDiag *d, CgLaunches *ls, const IrFunc *f, int i, bool cpu,
     const IrOp *op = f->ops[i + j];
     for (int a = 0; a < op->nargs; a++) {
       if (member_making(f, i, n, op->args[a].value) >= 0) continue;
-      int seen = -1;
-      for (int p = 0; p < nin && seen < 0; p++)
-        if (same_operand(in[p].operand, &op->args[a])) seen = p;
-      if (seen >= 0 && pass_reads_copy(op, a) != in[seen].bf16)
+      int seen = pointer_of(in, nin, &op->args[a]);
+      if (seen < nin && pass_reads_copy(op, a) != in[seen].bf16)
         return ir_internal_at(d, op->loc, "a fused group reads a value both from its bf16 copy and in fp32");
-      if (seen >= 0) continue;
+      if (seen < nin) continue;
       if (nin + st.nout >= CG_MAX_KERNEL_ARGS) return ir_internal_at(d, op->loc, "a fused group has more than %d pointers", CG_MAX_KERNEL_ARGS);
       in[nin++] = (In){.operand = &op->args[a], .op = j, .arg = a, .bf16 = pass_reads_copy(op, a)};
     }
