@@ -201,7 +201,8 @@ static bool plan_load(IrDiag *d, const PlanOptions *o, Plan *pl) {
     ir_attrs_set_int(pl->m->attrs, &pl->m->nattrs, "gpus_per_node", fc.gpus_per_node);
     ir_attrs_set_int(pl->m->attrs, &pl->m->nattrs, "nodes", fc.nodes);
   }
-  PassCtx ctx = {.d = d, .log = stderr, .stop_after = "cost", .cluster = &pl->cluster};
+  // Priced as the CPU build runs it: its fused kernels one launch each (as moec layout does).
+  PassCtx ctx = {.d = d, .log = stderr, .stop_after = "cost", .cluster = &pl->cluster, .fuse = true, .fuse_cpu = true};
   bool ok = pass_run_pipeline(pl->m, &ctx);
   pass_ctx_free(&ctx);
   return ok;

@@ -14,9 +14,25 @@
 //                             attention fit, else gemm; one kernel); with a sliding window W < L,
 //                             S·(heads·d)·(W(W+1) + 2(L−W)W)/L
 //   attn.causal.grad          twice the forward's: dp, dv, dq and dk (the same fit)
-//   every other op (element-wise kernels, layouts, the gate, the optimizer)
+//   opt.adamw, opt.sgd        n = the parameters it updates (update_adamw, update_sgd, when the
+//                             profile has them); a sharded AdamW adds the AllGather of its rows
+//   exp/tanh/erf ops          n = the most elements it reads or writes (elementwise_math, when
+//                             the profile has it: evaluates_math below)
+//   every other op (element-wise kernels, layouts, the gate)
 //                             n = floats it reads and writes (elementwise), only when the profile
 //                             has an `elementwise` fit; without one they carry no cost
+// The program that runs is priced, not its ops one by one (with ctx->fuse and an elementwise fit):
+//   - the groups the fuse pass will make (pass_fuse_plan, the target's rule: ctx->fuse_cpu) are
+//     one kernel each: elementwise alpha + beta * the floats the kernel moves (its operands from
+//     outside the group and its results read outside it), plus what each exp/tanh/erf member
+//     costs beyond its own floats, on the group's last member (cost_n the kernel's floats); the
+//     other members cost 0; every member gets cost_fused=G (G numbers the planned kernels), so
+//     dump-ir shows why. Streams and events are not assigned at cost time: every op groups as if
+//     on the compute stream, and nothing moves (the fuse pass's sinking of column sums is not
+//     priced). The schedule pass re-prices its chunks the same way.
+//   - CUDA (fuse without fuse_cpu): the optimizer ops of one run share one launch
+//     (codegen/lower.c's update_run): every op after a run's first pays no alpha.
+// moec build --no-fuse (ctx->fuse false) prices every op on its own.
 // Without a profile the pass does nothing (and -v says so).
 //
 // The layer view: one entry per MoE layer, its forward and backward functions, and per phase
@@ -236,31 +252,113 @@ bool pass_cost(IrModule *m, PassCtx *ctx) {
     if (ctx->verbose) fprintf(ctx->log ? ctx->log : stderr, "# cost: no cluster profile, ops are not priced\n");
     return true;
   }
-  int priced = pass_price(m, c);
+  int priced = pass_price(m, c, ctx);
+  if (priced < 0) return ir_oom(ctx->d);
   if (ctx->verbose) fprintf(ctx->log ? ctx->log : stderr, "# cost: %d ops priced with cluster '%s'\n", priced, c->name);
   return true;
 }
 
-int pass_price(IrModule *m, const SchedCluster *c) {
-  int priced = 0;
-  Groups gs = groups_of(m);
-  for (int i = 0; i < m->nfuncs; i++)
-    for (int j = 0; j < m->funcs[i]->nops; j++) {
-      IrOp *op = m->funcs[i]->ops[j];
-      SchedCoef coef;
-      double n = 0, t = 0;
-      bool priced_op = price(m, op, c, &gs, &coef, &n);
-      if (priced_op) t = coef.alpha + coef.beta * n;
-      if (op->kind == IR_OP_OPT_ADAMW && ir_op_str(op, "group", NULL)) {   // then the members' rows gathered
-        SchedCoef ag = group_fit(op, c, &gs, SCHED_ALLGATHER);
-        t += ag.alpha + ag.beta * (double)ir_type_numel(&op->args[0].param->type);
-        priced_op = true;
-      }
-      if (!priced_op) continue;
-      ir_op_set_float(op, "cost_n", n);
-      ir_op_set_float(op, "cost_t", t);
-      priced++;
+// Op's size and time on its own (without its launch's alpha when it shares the launch of the op
+// before it: shared); false when the model does not price it.
+static bool price_op(const IrModule *m, const IrOp *op, const SchedCluster *c, const Groups *gs, bool shared, double *n,
+                     double *t) {
+  SchedCoef coef;
+  *n = 0, *t = 0;
+  bool priced_op = price(m, op, c, gs, &coef, n);
+  if (priced_op) *t = (shared ? 0 : coef.alpha) + coef.beta * *n;
+  if (op->kind == IR_OP_OPT_ADAMW && ir_op_str(op, "group", NULL)) {   // then the members' rows gathered
+    SchedCoef ag = group_fit(op, c, gs, SCHED_ALLGATHER);
+    *t += ag.alpha + ag.beta * (double)ir_type_numel(&op->args[0].param->type);
+    priced_op = true;
+  }
+  return priced_op;
+}
+
+// Whether optimizer op j of f continues the run of the one before it, which the CUDA program
+// updates in the same launch (codegen/lower.c's update_run: the same kind and settings, in a
+// function with no op on another stream): then it pays no launch of its own.
+static bool continues_update(const IrFunc *f, int j) {
+  static const char *const settings[] = {"beta1", "beta2", "eps"};
+  const IrOp *a = j > 0 ? f->ops[j - 1] : NULL, *b = f->ops[j];
+  if (!a || (b->kind != IR_OP_OPT_ADAMW && b->kind != IR_OP_OPT_SGD) || a->kind != b->kind || !a->args[0].param || !b->args[0].param)
+    return false;
+  for (int k = 0; b->kind == IR_OP_OPT_ADAMW && k < 3; k++)
+    if (ir_op_float(a, settings[k], 0) != ir_op_float(b, settings[k], 0)) return false;
+  for (int i = 0; i < f->nops; i++)
+    if (f->ops[i]->stream == IR_STREAM_INTRA || f->ops[i]->stream == IR_STREAM_INTER) return false;
+  return true;
+}
+
+// What a member evaluating exp, tanh or erf adds to its kernel beyond moving its floats: its
+// price per element less the elementwise price of its own floats (the kernel's floats are
+// priced once for the group).
+static double math_beyond_memory(const IrOp *op, const SchedCluster *c) {
+  if (!evaluates_math(op->kind) || !has(c->elementwise_math)) return 0;
+  double own = op->result ? (double)ir_type_numel(&op->result->type) : 0;
+  for (int a = 0; a < op->nargs; a++) own += (double)numel_of(&op->args[a]);
+  double extra = c->elementwise_math.beta * elements_of(op) - c->elementwise.beta * own;
+  return extra > 0 ? extra : 0;
+}
+
+// Drops attribute key from op: a re-pricing (the schedule pass's chunks) leaves no stale mark.
+static void drop_attr(IrOp *op, const char *key) {
+  for (int a = 0; a < op->nattrs; a++)
+    if (strcmp(op->attrs[a].key, key) == 0) {
+      memmove(&op->attrs[a], &op->attrs[a + 1], (size_t)(op->nattrs - a - 1) * sizeof op->attrs[0]);
+      op->nattrs--;
+      return;
     }
+}
+
+// The ops of f priced, the groups the fuse pass will make (plan, group_of) as one kernel each:
+// one elementwise alpha and the floats the kernel moves (its operands from outside the group and
+// its results read outside it), on the group's last member; the others cost 0. Every member gets
+// cost_fused=G (G numbers the module's planned kernels from *next_group). Returns the ops priced.
+static int price_func(IrModule *m, IrFunc *f, const SchedCluster *c, const Groups *gs, const int *group_of,
+                      const double *floats, bool cuda, int *next_group) {
+  int priced = 0, base = *next_group;
+  double *extra = calloc((size_t)(f->nops > 0 ? f->nops : 1), sizeof *extra);   // a group's math
+  if (!extra) return -1;
+  for (int j = 0; j < f->nops; j++) {
+    IrOp *op = f->ops[j];
+    double n, t;   // on CUDA a run of updates is one launch: its first op's
+    if (!price_op(m, op, c, gs, cuda && continues_update(f, j), &n, &t)) continue;
+    int g = group_of ? group_of[j] : -1;
+    drop_attr(op, "cost_fused");
+    if (g >= 0) {
+      extra[g] += math_beyond_memory(op, c);
+      bool last = true;
+      for (int k = j + 1; k < f->nops && last; k++) last = group_of[k] != g;
+      n = last ? floats[g] : n;
+      t = last ? c->elementwise.alpha + c->elementwise.beta * floats[g] + extra[g] : 0;
+      ir_op_set_int(op, "cost_fused", base + g);
+      if (base + g + 1 > *next_group) *next_group = base + g + 1;
+    }
+    ir_op_set_float(op, "cost_n", n);
+    ir_op_set_float(op, "cost_t", t);
+    priced++;
+  }
+  free(extra);
+  return priced;
+}
+
+int pass_price(IrModule *m, const SchedCluster *c, const PassCtx *ctx) {
+  int priced = 0, next_group = 0;
+  Groups gs = groups_of(m);
+  // The fuse pass's groups, as it will make them (streams and events are not known yet at cost
+  // time: every op counts as on the compute stream), when it runs and elementwise work is priced.
+  bool fuse = ctx && ctx->fuse && has(c->elementwise), cuda = ctx && ctx->fuse && !ctx->fuse_cpu;
+  for (int i = 0; i < m->nfuncs; i++) {
+    IrFunc *f = m->funcs[i];
+    int *group_of = fuse ? malloc((size_t)(f->nops > 0 ? f->nops : 1) * sizeof *group_of) : NULL;
+    double *floats = fuse ? malloc((size_t)(f->nops > 0 ? f->nops : 1) * sizeof *floats) : NULL;
+    int n = fuse && group_of && floats ? pass_fuse_plan(m, f, ctx->fuse_cpu, group_of, floats) : 0;
+    if (fuse && (!group_of || !floats || n < 0)) n = -1;
+    int p = n < 0 ? -1 : price_func(m, f, c, &gs, fuse ? group_of : NULL, floats, cuda, &next_group);
+    free(group_of), free(floats);
+    if (p < 0) return -1;
+    priced += p;
+  }
   return priced;
 }
 

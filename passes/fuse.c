@@ -227,17 +227,10 @@ static void sink_colsums(IrFunc *f) {
   }
 }
 
-static bool fuse_func(IrModule *m, IrFunc *f, PassCtx *ctx, int *next_id, int *nfused, int *ninner) {
-  if (f->nops < 2) return true;
-  bool cpu = ctx->fuse_cpu;
-  sink_colsums(f);
-  Group *groups = calloc((size_t)f->nops, sizeof *groups);
-  int *group_of = malloc((size_t)f->nops * sizeof *group_of);
-  IrOp **order = malloc((size_t)f->nops * sizeof *order);
-  if (!groups || !group_of || !order) {
-    free(groups), free(group_of), free(order);
-    return ir_oom(ctx->d);
-  }
+// The grouping of f's candidates as the file comment says (groups[0 .. the result), group_of[op]
+// the op's group or -1); it changes nothing, so the cost pass can price the kernels before the
+// pass runs (pass_fuse_plan).
+static int plan_groups(const IrModule *m, const IrFunc *f, bool cpu, Group *groups, int *group_of) {
   int ngroups = 0;
   for (int b = 0; b < f->nops; b++) group_of[b] = -1;
   // Elementwise, row-wise and storing ops first, then the column sums (they join the groups made
@@ -264,6 +257,61 @@ static bool fuse_func(IrModule *m, IrFunc *f, PassCtx *ctx, int *next_id, int *n
     groups[join].member[groups[join].n++] = b;
     group_of[b] = join;
   }
+  return ngroups;
+}
+
+// The floats a group's kernel moves: its distinct operands from outside the group and the
+// members' results read outside it (the values that stay in registers cost nothing).
+static double kernel_floats(const IrModule *m, const IrFunc *f, const Group *g) {
+  const IrOperand *outside[MAX_MEMBERS * IR_MAX_ARGS];
+  int nout = 0;
+  double n = 0;
+  for (int k = 0; k < g->n; k++) {
+    const IrOp *op = f->ops[g->member[k]];
+    if (read_outside(m, f, g, op->result)) n += (double)ir_type_numel(&op->result->type);
+    for (int a = 0; a < op->nargs; a++) {
+      const IrOperand *x = &op->args[a];
+      if (reads_member(f, g, x)) continue;
+      bool seen = false;
+      for (int j = 0; j < nout && !seen; j++) seen = outside[j]->value == x->value && outside[j]->param == x->param;
+      if (seen) continue;
+      outside[nout++] = x;
+      n += (double)ir_type_numel(x->param ? &x->param->type : &x->value->type);
+    }
+  }
+  return n;
+}
+
+int pass_fuse_plan(const IrModule *m, const IrFunc *f, bool cpu, int *group_of, double *floats) {
+  Group *groups = calloc((size_t)(f->nops > 0 ? f->nops : 1), sizeof *groups);
+  if (!groups) return -1;
+  int ngroups = f->nops < 2 ? 0 : plan_groups(m, f, cpu, groups, group_of), nplan = 0;
+  if (f->nops < 2)
+    for (int b = 0; b < f->nops; b++) group_of[b] = -1;
+  for (int g = 0; g < ngroups; g++) {   // the groups of two or more, numbered from 0
+    if (groups[g].n < 2) {
+      for (int k = 0; k < groups[g].n; k++) group_of[groups[g].member[k]] = -1;
+      continue;
+    }
+    for (int k = 0; k < groups[g].n; k++) group_of[groups[g].member[k]] = nplan;
+    floats[nplan++] = kernel_floats(m, f, &groups[g]);
+  }
+  free(groups);
+  return nplan;
+}
+
+static bool fuse_func(IrModule *m, IrFunc *f, PassCtx *ctx, int *next_id, int *nfused, int *ninner) {
+  if (f->nops < 2) return true;
+  bool cpu = ctx->fuse_cpu;
+  sink_colsums(f);
+  Group *groups = calloc((size_t)f->nops, sizeof *groups);
+  int *group_of = malloc((size_t)f->nops * sizeof *group_of);
+  IrOp **order = malloc((size_t)f->nops * sizeof *order);
+  if (!groups || !group_of || !order) {
+    free(groups), free(group_of), free(order);
+    return ir_oom(ctx->d);
+  }
+  int ngroups = plan_groups(m, f, cpu, groups, group_of);
   // Attributes, then the new order: a member of a group of two or more waits for its last.
   for (int g = 0; g < ngroups; g++) {
     Group *gr = &groups[g];

@@ -103,8 +103,15 @@ bool pass_reads_copy(const IrOp *op, int a);
 int64_t pass_mem_peak(const PassMemPlan *p);
 
 // Sets cost_n and cost_t on every op the scheduling model prices (passes/cost.c); the number
-// priced. The schedule pass re-prices its chunks with it.
-int pass_price(IrModule *m, const SchedCluster *c);
+// priced. The schedule pass re-prices its chunks with it. With ctx->fuse the groups the fuse pass
+// will make are priced as one kernel each (ctx NULL: every op on its own).
+int pass_price(IrModule *m, const SchedCluster *c, const PassCtx *ctx);
+
+// The groups the fuse pass would make in f for the CPU target (cpu) or CUDA, changing nothing:
+// group_of[op] the op's group (numbered from 0) or -1 when it stays alone, floats[g] the floats
+// group g's kernel reads and writes (its operands from outside, its results read outside). Both
+// arrays hold f->nops entries. Returns the number of groups, -1 when out of memory.
+int pass_fuse_plan(const IrModule *m, const IrFunc *f, bool cpu, int *group_of, double *floats);
 
 // One MoE layer as the planner sees it (passes/cost.c): its functions, in forward order.
 typedef struct PassLayer {

@@ -699,7 +699,7 @@ bool pass_schedule(IrModule *m, PassCtx *ctx) {
       fprintf(S.log, "# schedule: %d slices of saved activations read the forward's chunks in place; %d concats "
                      "of their assembly dropped\n", S.nreused, dropped);
   }
-  if (ctx->cluster) pass_price(m, ctx->cluster);   // the chunks' own sizes
+  if (ctx->cluster) pass_price(m, ctx->cluster, ctx);   // the chunks' own sizes
   int next_event = 0;
   for (int i = 0; i < m->nfuncs; i++) {
     IrFunc *f = m->funcs[i];
