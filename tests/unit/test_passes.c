@@ -2,7 +2,8 @@
 // gradient and the functions their execution order; memplan never lets two buffers that are
 // alive at the same time share a byte, keeps saved activations alive into the backward pass,
 // and reuses memory; the pipeline stops and dumps where asked; the planner's stack (pass_stack),
-// priced from the IR, equals lang/manual.md §8's workloads (sched_layer_cost) in the paper's setting.
+// priced from the IR, equals lang/manual.md §8's workloads (sched_layer_cost) in the paper's setting;
+// the cost pass prices fused kernels and CUDA's update run one launch each.
 #include <setjmp.h>
 #include <stdarg.h>
 #include <stddef.h>
@@ -525,6 +526,56 @@ static void test_stack_prices_design_workloads(void **state) {
   (void)state;
 }
 
+// The cost pass prices the program that runs (passes/cost.c): each group the fuse pass makes is
+// one launch over the floats its kernel moves, on its last member (the others 0), and on CUDA the
+// optimizer's one run of AdamW ops is one launch; --no-fuse prices every op on its own, dearer.
+static double priced_total(const char *text, const SchedCluster *c, bool fuse, int *groups, int *alphas) {
+  IrDiag d;
+  ir_diag_init(&d, stderr);
+  IrSource *src = ir_source_from_buffer("test.moe", text, strlen(text));
+  FeProgram *p = fe_load(&d, src);
+  assert_non_null(p);
+  IrModule *m = fe_lower(&d, p, NULL);
+  fe_program_free(p);
+  assert_non_null(m);
+  PassCtx ctx = {.d = &d, .cluster = c, .fuse = fuse, .fuse_cpu = false};
+  assert_true(pass_run_pipeline(m, &ctx));
+  double total = 0;
+  *groups = 0, *alphas = 0;
+  for (int i = 0; i < m->nfuncs; i++)
+    for (int j = 0; j < m->funcs[i]->nops; j++) {
+      const IrOp *op = m->funcs[i]->ops[j];
+      double t = ir_op_float(op, "cost_t", 0), n = ir_op_float(op, "cost_n", 0);
+      total += t;
+      int64_t g = ir_op_int(op, "cost_fused", -1);
+      if (g >= 0 && t > 0) {   // a group's last member: one launch over the kernel's floats
+        assert_float_equal(t, c->elementwise.alpha + c->elementwise.beta * n, 1e-12);
+        (*groups)++;
+      }
+      if (op->kind == IR_OP_OPT_ADAMW && t >= c->update_adamw.alpha) (*alphas)++;
+    }
+  pass_ctx_free(&ctx);
+  ir_module_free(m);
+  ir_source_free(src);
+  return total;
+}
+
+static void test_cost_prices_fused_kernels(void **state) {
+  const SchedCluster c = {.name = "t", .nodes = 1, .gpus_per_node = 1, .gemm = {2e-3, 3e-6}, .alltoall = {1e-2, 2e-4},
+                          .allgather = {3e-3, 5e-5}, .reducescatter = {4e-3, 6e-5}, .allreduce = {5e-3, 7e-4},
+                          .elementwise = {1e-2, 1e-6}, .update_adamw = {3e-2, 2e-6}};
+  const char *text = model_text(2, 1.0, 2, 1);
+  int groups, alphas, none, op_alphas;
+  double fused = priced_total(text, &c, true, &groups, &alphas);
+  double alone = priced_total(text, &c, false, &none, &op_alphas);
+  assert_true(groups > 0);
+  assert_int_equal(none, 0);
+  assert_int_equal(alphas, 1);           // the update: one run, one launch
+  assert_int_equal(op_alphas, 2 * 5);    // op by op: every parameter's
+  assert_true(fused < alone);
+  (void)state;
+}
+
 int main(void) {
   const struct CMUnitTest tests[] = {
       cmocka_unit_test(test_autodiff_one_grad_per_param),
@@ -536,6 +587,7 @@ int main(void) {
       cmocka_unit_test(test_lower_bf16_by_target),
       cmocka_unit_test(test_capacity_whole_stays_whole),
       cmocka_unit_test(test_stack_prices_design_workloads),
+      cmocka_unit_test(test_cost_prices_fused_kernels),
   };
   return cmocka_run_group_tests(tests, NULL, NULL);
 }
