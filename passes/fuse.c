@@ -34,6 +34,8 @@
 // where the groups before it run: an op between that reads a member is fine when its own group
 // runs after, a param.grad of another sum's group in the way): an op goes into the group that produced one of its operands if it can, else into
 // the latest group it can join, else it starts one. Groups of one op are left as they were.
+// The cost pass asks for the same grouping before this pass runs (pass_fuse_plan: nothing moves,
+// the column sums are not sunk, streams not yet assigned) to price each group as one launch.
 //
 // What the pass changes: the members of a group move to just before its last member, keeping
 // their order (nothing between read them, so the program computes the same values), and each
