@@ -22,7 +22,8 @@
 #   - shared: a shared expert's adapters (targets shared experts) train and pass --check-grad;
 #   - auto: `parallel auto;` chooses among every layout for a LoRA model and builds it;
 #   - cuda: the CUDA program on the fake device trains the CPU program's bits (gradients and
-#     moments of the adapters only on the device too), and with 2 microbatches;
+#     moments of the adapters only on the device too), and with 2 microbatches; pp 2 on the fake
+#     device trains the CPU's pp 2 bits;
 #   - mla: DeepSeek's latent attention (tests/models/grad_lm_mla.moe, q through q_lora's wq_a and
 #     wq_b in one layer and one wq in the others; k and v through wkv_a and wkv_b) with targets q
 #     k v o experts: B = 0 is the base model, trained adapters pass --check-grad, mp2·ep2 and
@@ -250,6 +251,17 @@ cuda() {
     ok "cuda: the CUDA program on the fake device trains the CPU program's bits over 8 steps (loss, gradient norm), 2 microbatches equal it (1e-5)"
   else
     bad "cuda: the fake device against the CPU" "$(paste <(losses "$WORK/cpu8.out") <(losses "$WORK/cu.out") <(losses "$WORK/cum.out"))"
+  fi
+  # pipeline stages: pp 2 on the fake device (a frozen tied table on both stages) against pp 2 on the CPU
+  lm_variant gpt "$LORA" "parallel { pp 2; }" "" | sed "s/z_loss 0.001; }/z_loss 0.001; groups 2; }/" >"$WORK/cupp.moe"
+  "$MOEC" build "$WORK/cupp.moe" -o "$WORK/cupp_cpu" >"$WORK/cupp.build" 2>&1 &&
+    MOEC_CUDA_FAKE=1 "$MOEC" build "$WORK/cupp.moe" --target cuda -o "$WORK/cupp" >>"$WORK/cupp.build" 2>&1 ||
+    { bad "cuda: moec build --target cuda of a LoRA model with pp 2" "$(tail -n 5 "$WORK/cupp.build")"; return; }
+  (cd "$WORK" && $MPIRUN -np 2 ./cupp_cpu --steps 6 >cupp_cpu.out 2>&1; $MPIRUN -np 2 ./cupp --steps 6 >cupp.out 2>&1)
+  if [ "$(step_lines "$WORK/cupp.out" | wc -l)" = 6 ] && [ "$(step_lines "$WORK/cupp.out")" = "$(step_lines "$WORK/cupp_cpu.out")" ]; then
+    ok "cuda: pp 2 with LoRA on the fake device trains the CPU's pp 2 bits over 6 steps"
+  else
+    bad "cuda: pp 2 with LoRA on the fake device against the CPU" "$(diff <(step_lines "$WORK/cupp_cpu.out") <(step_lines "$WORK/cupp.out"))"
   fi
 }
 
