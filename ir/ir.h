@@ -167,6 +167,8 @@ typedef struct IrOperand {
 } IrOperand;
 
 typedef enum IrStream { IR_STREAM_NONE, IR_STREAM_COMPUTE, IR_STREAM_INTRA, IR_STREAM_INTER } IrStream;
+// The stream's word in the IR text (ir/print.c): compute, intra, inter; none for IR_STREAM_NONE.
+const char *ir_stream_name(IrStream s);
 typedef enum IrPhase { IR_PHASE_NONE, IR_PHASE_FWD, IR_PHASE_BWD, IR_PHASE_OPT } IrPhase;
 
 // What a function is in the training step. Set where the function is made (lowering, autodiff);

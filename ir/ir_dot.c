@@ -61,15 +61,6 @@ static void put_escaped(FILE *out, const char *s) {
   }
 }
 
-static const char *stream_name(IrStream s) {
-  switch (s) {
-    case IR_STREAM_COMPUTE: return "compute";
-    case IR_STREAM_INTRA: return "intra";
-    case IR_STREAM_INTER: return "inter";
-    default: return "none";
-  }
-}
-
 static const char *stream_colour(IrStream s) {
   switch (s) {
     case IR_STREAM_COMPUTE: return "#cfe2f3";
@@ -207,8 +198,8 @@ static void legend(const Dot *g) {
   fputs("  subgraph cluster_legend {\n    label=\"legend\"; style=rounded; color=\"#999999\";\n", out);
   const IrStream streams[] = {IR_STREAM_NONE, IR_STREAM_COMPUTE, IR_STREAM_INTRA, IR_STREAM_INTER};
   for (int s = 0; s < 4; s++)
-    fprintf(out, "    legend_%s [label=\"stream: %s\", fillcolor=\"%s\"];\n", stream_name(streams[s]),
-            s == 0 ? "none (unscheduled)" : stream_name(streams[s]), stream_colour(streams[s]));
+    fprintf(out, "    legend_%s [label=\"stream: %s\", fillcolor=\"%s\"];\n", ir_stream_name(streams[s]),
+            s == 0 ? "none (unscheduled)" : ir_stream_name(streams[s]), stream_colour(streams[s]));
   fputs("    legend_collective [label=\"collective\", shape=hexagon, penwidth=2.5];\n"
         "    legend_param [label=\"@parameter\", shape=cylinder, fillcolor=\"#fff2cc\"];\n"
         "    legend_arg [label=\"%argument\", shape=invhouse, fillcolor=\"#eeeeee\"];\n"

@@ -115,12 +115,12 @@ static void print_attrs(FILE *out, const IrAttr *attrs, int n) {
   fputc('}', out);
 }
 
-static const char *stream_name(IrStream s) {
+const char *ir_stream_name(IrStream s) {
   switch (s) {
   case IR_STREAM_COMPUTE: return "compute";
   case IR_STREAM_INTRA: return "intra";
   case IR_STREAM_INTER: return "inter";
-  default: return "?";
+  default: return "none";
   }
 }
 
@@ -136,7 +136,7 @@ static const char *phase_name(IrPhase p) {
 // ` !{stream=S, chunk=N, phase=P, wait=[...], event=E}`; phase, wait and event only when set.
 static void print_schedule(FILE *out, const IrOp *op) {
   if (op->stream == IR_STREAM_NONE) return;
-  fprintf(out, " !{stream=%s, chunk=%d", stream_name(op->stream), op->chunk);
+  fprintf(out, " !{stream=%s, chunk=%d", ir_stream_name(op->stream), op->chunk);
   if (op->phase != IR_PHASE_NONE) fprintf(out, ", phase=%s", phase_name(op->phase));
   if (op->nwaits > 0) {
     int n = op->nwaits > IR_MAX_WAITS ? IR_MAX_WAITS : op->nwaits;

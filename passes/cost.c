@@ -276,14 +276,19 @@ static bool price_op(const IrModule *m, const IrOp *op, const SchedCluster *c, c
 
 // Whether optimizer op j of f continues the run of the one before it, which the CUDA program
 // updates in the same launch (codegen/lower.c's update_run: the same kind and settings, in a
-// function with no op on another stream): then it pays no launch of its own.
-static bool continues_update(const IrFunc *f, int j) {
+// function with no op on another stream: one_stream).
+static bool continues_update(const IrFunc *f, int j, bool one_stream) {
   static const char *const settings[] = {"beta1", "beta2", "eps"};
   const IrOp *a = j > 0 ? f->ops[j - 1] : NULL, *b = f->ops[j];
-  if (!a || (b->kind != IR_OP_OPT_ADAMW && b->kind != IR_OP_OPT_SGD) || a->kind != b->kind || !a->args[0].param || !b->args[0].param)
+  if (!one_stream || !a || (b->kind != IR_OP_OPT_ADAMW && b->kind != IR_OP_OPT_SGD) || a->kind != b->kind ||
+      !a->args[0].param || !b->args[0].param)
     return false;
   for (int k = 0; b->kind == IR_OP_OPT_ADAMW && k < 3; k++)
     if (ir_op_float(a, settings[k], 0) != ir_op_float(b, settings[k], 0)) return false;
+  return true;
+}
+
+static bool on_one_stream(const IrFunc *f) {
   for (int i = 0; i < f->nops; i++)
     if (f->ops[i]->stream == IR_STREAM_INTRA || f->ops[i]->stream == IR_STREAM_INTER) return false;
   return true;
@@ -317,12 +322,13 @@ static void drop_attr(IrOp *op, const char *key) {
 static int price_func(IrModule *m, IrFunc *f, const SchedCluster *c, const Groups *gs, const int *group_of,
                       const double *floats, bool cuda, int *next_group) {
   int priced = 0, base = *next_group;
+  bool one_stream = cuda && on_one_stream(f);
   double *extra = calloc((size_t)(f->nops > 0 ? f->nops : 1), sizeof *extra);   // a group's math
   if (!extra) return -1;
   for (int j = 0; j < f->nops; j++) {
     IrOp *op = f->ops[j];
     double n, t;   // on CUDA a run of updates is one launch: its first op's
-    if (!price_op(m, op, c, gs, cuda && continues_update(f, j), &n, &t)) continue;
+    if (!price_op(m, op, c, gs, cuda && continues_update(f, j, one_stream), &n, &t)) continue;
     int g = group_of ? group_of[j] : -1;
     drop_attr(op, "cost_fused");
     if (g >= 0) {

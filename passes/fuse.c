@@ -124,6 +124,23 @@ static bool read_outside(const IrModule *m, const IrFunc *f, const Group *g, con
   return false;
 }
 
+// The distinct operands of g's members that no member makes (values or parameters), into outside;
+// returns how many.
+static int outside_operands(const IrFunc *f, const Group *g, const IrOperand **outside) {
+  int nout = 0;
+  for (int k = 0; k < g->n; k++) {
+    const IrOp *op = f->ops[g->member[k]];
+    for (int a = 0; a < op->nargs; a++) {
+      const IrOperand *x = &op->args[a];
+      if (reads_member(f, g, x)) continue;
+      bool seen = false;
+      for (int j = 0; j < nout && !seen; j++) seen = outside[j]->value == x->value && outside[j]->param == x->param;
+      if (!seen) outside[nout++] = x;
+    }
+  }
+  return nout;
+}
+
 // Whether g with op b added (b after every member) satisfies the rules of the file comment.
 static bool can_join(const IrModule *m, const IrFunc *f, const Group *groups, const int *group_of, const Group *g, int b,
                      bool cpu) {
@@ -160,17 +177,7 @@ static bool can_join(const IrModule *m, const IrFunc *f, const Group *groups, co
   }
   // The kernel's pointers: the members' results and their distinct operands from outside.
   const IrOperand *outside[MAX_MEMBERS * IR_MAX_ARGS];
-  int nout = 0;
-  for (int k = 0; k < t.n; k++) {
-    const IrOp *op = f->ops[t.member[k]];
-    for (int a = 0; a < op->nargs; a++) {
-      const IrOperand *x = &op->args[a];
-      if (reads_member(f, &t, x)) continue;
-      bool seen = false;
-      for (int j = 0; j < nout && !seen; j++) seen = outside[j]->value == x->value && outside[j]->param == x->param;
-      if (!seen) outside[nout++] = x;
-    }
-  }
+  int nout = outside_operands(f, &t, outside);
   int per = strcmp(ir_mod_str(m, "dtype", "fp32"), "bf16") == 0 ? 2 : 1;   // dtype bf16: room for the copies
   return t.n * per + nout <= MAX_POINTERS;
 }
@@ -266,20 +273,13 @@ static int plan_groups(const IrModule *m, const IrFunc *f, bool cpu, Group *grou
 // members' results read outside it (the values that stay in registers cost nothing).
 static double kernel_floats(const IrModule *m, const IrFunc *f, const Group *g) {
   const IrOperand *outside[MAX_MEMBERS * IR_MAX_ARGS];
-  int nout = 0;
+  int nout = outside_operands(f, g, outside);
   double n = 0;
+  for (int j = 0; j < nout; j++)
+    n += (double)ir_type_numel(outside[j]->param ? &outside[j]->param->type : &outside[j]->value->type);
   for (int k = 0; k < g->n; k++) {
     const IrOp *op = f->ops[g->member[k]];
     if (read_outside(m, f, g, op->result)) n += (double)ir_type_numel(&op->result->type);
-    for (int a = 0; a < op->nargs; a++) {
-      const IrOperand *x = &op->args[a];
-      if (reads_member(f, g, x)) continue;
-      bool seen = false;
-      for (int j = 0; j < nout && !seen; j++) seen = outside[j]->value == x->value && outside[j]->param == x->param;
-      if (seen) continue;
-      outside[nout++] = x;
-      n += (double)ir_type_numel(x->param ? &x->param->type : &x->value->type);
-    }
   }
   return n;
 }
