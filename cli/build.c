@@ -729,7 +729,7 @@ static int cmd_build(IrDiag *d, const Options *o) {
     }
     bool ok;
     if (cuda_unit) {
-      CgLaunches *ls = cg_cuda_launches(d, m, ctx.memplan);
+      CgLaunches *ls = cg_cuda_launches(d, m);
       ok = ls && cg_emit_cuda(d, c, m, ls);
       cg_launches_free(ls);
     } else {

@@ -21,7 +21,7 @@ void cg_emit_stages_main(FILE *out, const char *model_name, int stages);
 // groups' generated kernels. One per build, read by each CUDA emitter below. NULL (reported on d)
 // when an op cannot be emitted or memory runs out; cg_launches_free releases it.
 typedef struct CgLaunches CgLaunches;
-CgLaunches *cg_cuda_launches(IrDiag *d, const IrModule *m, const PassMemPlan *plan);
+CgLaunches *cg_cuda_launches(IrDiag *d, const IrModule *m);
 void cg_launches_free(CgLaunches *ls);
 // How many kernels the lowering generated for fused groups (passes/fuse.c, codegen/fused.c).
 int cg_cuda_generated_kernels(const CgLaunches *ls);

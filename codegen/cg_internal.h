@@ -154,24 +154,23 @@ typedef struct CgLaunch {
   CgLib lib;               // not a kernel (ncalls 0): the target's GEMM, collective or slice copy
   CgKernelCall call[2];    // kernels in launch order
   int ncalls;
-  int nops;                // ops of the function the launch stands for: 3 for a fused gate, else 1
+  int nops;                // ops of the function the launch stands for: a group's members, else 1
   int64_t scratch_bytes;   // CUDA: device bytes its CG_ARG_SCRATCH arguments point to (0 none)
   int alone_calls;         // the kernels its ops launch each lowered alone (cg_lower_module; --no-fuse's count)
   char note[96];           // for the launch plan comment ("" none)
 } CgLaunch;
 
-// The lowering of op i of f (or, with CG_LOWER_FUSE, of ops i..i+2 when they are a gate's softmax
-// or sigmoid, top-k and gather that one fused kernel can do: nops 3; fusing is the CUDA target's,
-// which also splits the whole-tensor losses into a grid of partial sums and updates runs of
-// parameters in one launch; CG_LOWER_BF16, its dtype bf16, has the update round the parameters
-// into P16 too). False when the op has no lowering (every op of ops.def has one).
+// The lowering of op i of f (or, with CG_LOWER_FUSE, of the group the fuse pass made at op i when
+// it is a gate's chain, softmax or sigmoid, top-k and gather: nops 3, or a run of updates: one
+// launch over a table of ranges; CG_LOWER_FUSE also splits the whole-tensor losses into a grid
+// of partial sums; CG_LOWER_BF16, its dtype bf16, has the update round the parameters into P16 too). False when the op has no lowering (every op of ops.def has one).
 // CG_LOWER_CPU (cg_lower_module only): the CPU program's lowering, each op alone and each fused
 // group a C function (cg_lower_fused with cpu).
 enum { CG_LOWER_FUSE = 1, CG_LOWER_BF16 = 2, CG_LOWER_CPU = 4 };
-bool cg_lower(const PassMemPlan *plan, const IrFunc *f, int i, unsigned how, CgLaunch *l);
+bool cg_lower(const IrFunc *f, int i, unsigned how, CgLaunch *l);
 // The same from op i's lowering alone (cg_lower_op's, NULL: it has none), which it does not lower
 // again: what cg_lower_module calls with each op lowered once.
-bool cg_lower_from(const PassMemPlan *plan, const IrFunc *f, int i, unsigned how, const CgLaunch *alone, CgLaunch *l);
+bool cg_lower_from(const IrFunc *f, int i, unsigned how, const CgLaunch *alone, CgLaunch *l);
 // The elements of a block of an update run's launch (each parameter's range starts a block).
 enum { CG_UPDATE_CHUNK = 4096 };
 // How the CUDA target lowers the ops of m (CG_LOWER_FUSE, and CG_LOWER_BF16 with dtype bf16).
@@ -201,7 +200,7 @@ struct CgLaunches {   // (cg.h: CgLaunches)
 };
 // NULL (reported on d) when an op has no lowering or memory runs out. With CG_LOWER_FUSE a fused
 // group (passes/fuse.c) is one launch of a generated kernel (cg_lower_fused).
-CgLaunches *cg_lower_module(IrDiag *d, const IrModule *m, const PassMemPlan *plan, unsigned how);
+CgLaunches *cg_lower_module(IrDiag *d, const IrModule *m, unsigned how);
 // The index of the launch of fl that starts at op i, or -1 (op i is inside a launch, not its first).
 int cg_launch_at(const CgFuncLaunches *fl, int i);
 // The lowering of one op alone (never fused).
@@ -211,8 +210,8 @@ bool cg_lower_op(const IrOp *op, CgLaunch *l);
 // right kind per parameter, naming only operands the op has; why says what is wrong.
 bool cg_lower_rule_check(const char *rule, int nargs, bool has_result, char *why, size_t size);
 // ---- fused groups (fused.c) ----
-// The number of ops of the fused group that starts at op i of f (consecutive ops with its `fuse`
-// attribute), or 0 when op i is in none.
+// The number of ops of the fused group (passes/fuse.c, ir.h's IrGroup) of a generated kernel
+// (elementwise, rows, store, colsums) that starts at op i of f, or 0 when op i starts none.
 int cg_fused_members(const IrFunc *f, int i);
 // The launch of the group at op i: one call of its generated kernel, added to ls->gen unless an
 // identical one is there. False (reported) when out of memory. cpu: the CPU program's function
@@ -221,9 +220,6 @@ int cg_fused_members(const IrFunc *f, int i);
 // first: the lowering of op i alone (cg_lower_op's; NULL: none), which a group that starts with an
 // op of a storing function (IR_STORE) calls with a storer.
 bool cg_lower_fused(IrDiag *d, CgLaunches *ls, const IrFunc *f, int i, bool cpu, const CgLaunch *first, CgLaunch *l);
-// Whether the group at op i of f reads value v, and every member that does by rows: as its element
-// (a scalar expression's xK), or a norm's rows, never another row's element.
-bool cg_fused_reads_rows(const IrFunc *f, int i, const IrValue *v);
 // Whether scalar expression expr is a form the CPU loops take: one function call of plain
 // operands (rt_fv_NAME of runtime/rt_fused.h), or arithmetic without functions.
 bool cg_scalar_c_form(const char *expr);

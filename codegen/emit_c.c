@@ -391,30 +391,12 @@ static bool slots_overlap(const PassMemSlot *s, const PassMemSlot *t) {
   return s->offset < t->offset + t->bytes && t->offset < s->offset + s->bytes;
 }
 
-// Whether the fused group of launch g (at op i of f) can run in the pieces of the GEMM right before it, each
-// piece's thread over the rows it computed (rt_matmul_rows, rt_expert_matmul_rows): a group of
-// elementwise ops and norms over rows as long as the product's, that reads the product, only row by
-// row (cg_fused_reads_rows; its other operands are complete before the GEMM starts), with no event
-// or stream between the two (the product is read by nothing else before the group), and whose
-// results overwrite neither the GEMM's operands (another piece may still read them) nor the
-// product, except in place (and not at all after an expert GEMM, whose rows outside the filled
-// slots copy other rows of the product after the pieces). An expert GEMM's only with ta = 0 (its
-// rows are the slots).
-// MOEC_GEMM_ROWS=0 in the environment runs every group after its GEMM instead (for comparison).
-static bool in_gemm(const Emit *e, const IrFunc *f, int i, const CgLaunch *g) {
-  const char *env = getenv("MOEC_GEMM_ROWS");
-  if ((env && strcmp(env, "0") == 0) || i == 0 || ir_op_colsum(f->ops[i]->kind) >= 0 || ir_op_store(f->ops[i]->kind))
-    return false;
-  const IrOp *gemm = f->ops[i - 1], *first = f->ops[i];
-  bool expert = gemm->kind == IR_OP_EXPERT_MATMUL;
-  if ((gemm->kind != IR_OP_MATMUL && !(expert && !ir_op_int(gemm, "ta", 0))) || ir_op_int(gemm, "fuse", -1) >= 0 ||
-      gemm->event >= 0 || first->nwaits > 0 || gemm->stream != first->stream || ir_op_is_collective(first->kind))
-    return false;
-  const IrType *pt = &gemm->result->type, *rt = &first->result->type;
-  if (pt->rank != (expert ? 3 : 2) || rt->rank < 1 || rt->dim[rt->rank - 1] != pt->dim[pt->rank - 1] ||
-      ir_type_numel(rt) != ir_type_numel(pt))
-    return false;
-  if (!cg_fused_reads_rows(f, i, gemm->result)) return false;
+// Whether the results of group launch g (at op i of f), which the fuse pass runs in the pieces of
+// the GEMM before it (IrGroup.in_gemm), share no bytes with the GEMM's operands or product, which
+// other pieces still read: memplan keeps them apart (its fused_span); checked here, as the
+// program would compute garbage otherwise.
+static bool apart_from_gemm(const Emit *e, const IrFunc *f, int i, const CgLaunch *g) {
+  const IrOp *gemm = f->ops[i - 1];
   const PassMemSlot *made = &e->plan->slot[f->index][gemm->result->id];
   for (int k = 0; k < g->call[0].nargs; k++) {
     const CgArg *a = &g->call[0].args[k];
@@ -425,24 +407,28 @@ static bool in_gemm(const Emit *e, const IrFunc *f, int i, const CgLaunch *g) {
       const IrValue *in = gemm->args[o].value;
       if (!gemm->args[o].param && slots_overlap(s, &e->plan->slot[in->func->index][in->id])) return false;
     }
-    if (slots_overlap(s, made) &&
-        (expert || s->kind != made->kind || s->offset != made->offset || s->bytes != made->bytes))
-      return false;
+    if (slots_overlap(s, made)) return false;
   }
   return true;
 }
 
 // The launch list (each op and group lowered once, cg_lower_module), which groups run in the
-// pieces of the GEMM before them (in_gemm), and the functions of the fused groups (each distinct
+// pieces of the GEMM before them (the fuse pass's in_gemm), and the functions of the fused groups (each distinct
 // one once, fuse_N).
 static bool emit_fused(Emit *e) {
-  if (!(e->ls = cg_lower_module(e->d, e->m, e->plan, CG_LOWER_CPU))) return false;
+  if (!(e->ls = cg_lower_module(e->d, e->m, CG_LOWER_CPU))) return false;
   if (!(e->in_gemm = calloc((size_t)(e->m->nfuncs > 0 ? e->m->nfuncs : 1), sizeof *e->in_gemm))) return ir_oom(e->d);
   for (int fi = 0; fi < e->m->nfuncs; fi++) {
     const CgFuncLaunches *fl = &e->ls->fn[fi];
     if (!(e->in_gemm[fi] = calloc((size_t)(fl->n > 0 ? fl->n : 1), sizeof **e->in_gemm))) return ir_oom(e->d);
-    for (int k = 0; k < fl->n; k++)
-      e->in_gemm[fi][k] = is_group(&fl->launch[k]) && in_gemm(e, e->m->funcs[fi], fl->at[k], &fl->launch[k]);
+    const IrFunc *f = e->m->funcs[fi];
+    for (int k = 0; k < fl->n; k++) {
+      const IrGroup *g = ir_group_at(f, fl->at[k]);
+      e->in_gemm[fi][k] = is_group(&fl->launch[k]) && g && g->in_gemm;
+      if (e->in_gemm[fi][k] && !apart_from_gemm(e, f, fl->at[k], &fl->launch[k]))
+        return ir_internal(e->d, "fused group %d of @%s runs in the GEMM's pieces but shares bytes with its operands", g->id,
+                           f->name);
+    }
   }
   for (int k = 0; k < e->ls->ngen; k++) {   // the source with its name
     const CgGenKernel *g = &e->ls->gen[k];

@@ -3,7 +3,8 @@
 // The kernels of fused groups (passes/fuse.c), generated from the members' scalar expressions
 // (ir/scalar.def).
 //
-// A group is a run of consecutive ops with one `fuse` attribute. Its kernel takes pointers only:
+// A group is the IR's (IrGroup, of the kinds elementwise, rows, store, colsums; the gate's chain
+// and the updates are lowered by lower.c). Its kernel takes pointers only:
 // first the distinct operands the members read from outside the group (values and parameters,
 // in the order the members first read them), then the result of each member that leaves the
 // kernel (members without `inner=1`), then with dtype bf16 the bf16 copies of the members with
@@ -24,12 +25,9 @@
 #include "cg_internal.h"
 
 int cg_fused_members(const IrFunc *f, int i) {
-  const IrOp *op = f->ops[i];
-  int64_t id = ir_op_int(op, "fuse", -1);
-  if (id < 0) return 0;
-  int n = 1;
-  while (i + n < f->nops && ir_op_int(f->ops[i + n], "fuse", -1) == id) n++;
-  return n;
+  const IrGroup *g = ir_group_at(f, i);
+  if (!g || g->first != i || g->kind == IR_GROUP_GATE || g->kind == IR_GROUP_UPDATE) return 0;
+  return g->n;
 }
 
 // The member (offset from the group's first op) that makes value v, or -1.
@@ -232,30 +230,6 @@ static void cuda_operand(FILE *out, int k, Mode mode, void *ctx) {
 static void expression(FILE *out, const IrFunc *f, int i, int n, const IrOp *op, const In *in, int nin) {
   Operands o = {.f = f, .i = i, .n = n, .op = op, .in = in, .nin = nin};
   write_expression(out, scalar_of(op->kind), "mk_f_", cuda_operand, &o);
-}
-
-// Whether scalar expression s reads operand k only as the element (`xK`, no index).
-static bool reads_element_only(const Scalar *s, int k) {
-  for (int t = 0; t < s->ntok; t++)
-    if (s->tok[t].kind == TOKEN_OPERAND && s->tok[t].k == k && s->tok[t].mode != MODE_ELEMENT) return false;
-  return true;
-}
-
-bool cg_fused_reads_rows(const IrFunc *f, int i, const IrValue *v) {
-  int n = cg_fused_members(f, i);
-  bool reads = false;
-  for (int j = 0; j < n; j++) {
-    const IrOp *op = f->ops[i + j];
-    for (int k = 0; k < op->nargs; k++) {
-      if (op->args[k].param || op->args[k].value != v) continue;
-      reads = true;
-      if (ir_op_row(op->kind)) continue;   // a norm reads its operand's rows
-      const Scalar *expr = scalar_of(op->kind);
-      if (!expr || !reads_element_only(expr, k) || ir_type_numel(&op->result->type) != ir_type_numel(&v->type))
-        return false;
-    }
-  }
-  return reads;
 }
 
 bool cg_scalar_check(const char *expr, int nargs, char *why, size_t size) {

@@ -12,8 +12,7 @@
 // (cg_lower_op) and every launch made from those: a fused group's (cg_lower_fused, which takes its
 // first op's), or op i's with the target's fusions (cg_lower_from). alone_calls: what the ops of a
 // launch launch alone.
-static bool lower_func(IrDiag *d, CgLaunches *ls, const IrFunc *f, const PassMemPlan *plan, unsigned how,
-                       CgFuncLaunches *fl) {
+static bool lower_func(IrDiag *d, CgLaunches *ls, const IrFunc *f, unsigned how, CgFuncLaunches *fl) {
   size_t n = (size_t)(f->nops > 0 ? f->nops : 1);
   bool cpu = how & CG_LOWER_CPU, groups = cpu || (how & CG_LOWER_FUSE);
   CgLaunch *alone = malloc(n * sizeof *alone);
@@ -27,7 +26,7 @@ static bool lower_func(IrDiag *d, CgLaunches *ls, const IrFunc *f, const PassMem
     fl->at[fl->n] = i;
     if (groups && cg_fused_members(f, i) > 0) {
       ok = cg_lower_fused(d, ls, f, i, cpu, has[i] ? &alone[i] : NULL, l);
-    } else if (!cg_lower_from(plan, f, i, cpu ? 0 : how, has[i] ? &alone[i] : NULL, l) || l->nops < 1) {
+    } else if (!cg_lower_from(f, i, cpu ? 0 : how, has[i] ? &alone[i] : NULL, l) || l->nops < 1) {
       const IrOp *op = f->ops[i];
       ok = ir_error_at(d, op->loc, "the %s target cannot emit op '%s'", cpu ? "CPU" : "CUDA",
                        op->kind < IR_OP_COUNT ? ir_op_info[op->kind].name : "?");
@@ -39,7 +38,7 @@ static bool lower_func(IrDiag *d, CgLaunches *ls, const IrFunc *f, const PassMem
   return ok;
 }
 
-CgLaunches *cg_lower_module(IrDiag *d, const IrModule *m, const PassMemPlan *plan, unsigned how) {
+CgLaunches *cg_lower_module(IrDiag *d, const IrModule *m, unsigned how) {
   CgLaunches *ls = calloc(1, sizeof *ls);
   if (!ls || !(ls->fn = calloc((size_t)(m->nfuncs > 0 ? m->nfuncs : 1), sizeof *ls->fn))) {
     free(ls);
@@ -48,7 +47,7 @@ CgLaunches *cg_lower_module(IrDiag *d, const IrModule *m, const PassMemPlan *pla
   }
   ls->nfuncs = m->nfuncs;
   bool ok = true;
-  for (int fi = 0; ok && fi < m->nfuncs; fi++) ok = lower_func(d, ls, m->funcs[fi], plan, how, &ls->fn[fi]);
+  for (int fi = 0; ok && fi < m->nfuncs; fi++) ok = lower_func(d, ls, m->funcs[fi], how, &ls->fn[fi]);
   if (!ok) {
     cg_launches_free(ls);
     return NULL;
@@ -79,8 +78,8 @@ void cg_launches_free(CgLaunches *ls) {
   free(ls);
 }
 
-CgLaunches *cg_cuda_launches(IrDiag *d, const IrModule *m, const PassMemPlan *plan) {
-  return cg_lower_module(d, m, plan, cg_cuda_lowering(m));
+CgLaunches *cg_cuda_launches(IrDiag *d, const IrModule *m) {
+  return cg_lower_module(d, m, cg_cuda_lowering(m));
 }
 
 int cg_cuda_generated_kernels(const CgLaunches *ls) { return ls->ngen; }

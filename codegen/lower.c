@@ -375,48 +375,6 @@ bool cg_lower_op(const IrOp *op, CgLaunch *l) {
   return lower_in_c(op, &sh, l);
 }
 
-// ---- fused gates ----
-
-// Arena byte range of value v, or false when it is not in the arena.
-static bool arena_range(const PassMemPlan *plan, const IrValue *v, int64_t *lo, int64_t *hi) {
-  const PassMemSlot *s = &plan->slot[v->func->index][v->id];
-  if (s->kind != PASS_MEM_ARENA) return false;
-  *lo = s->offset;
-  *hi = s->offset + ir_type_bytes(&v->type);
-  return true;
-}
-
-static bool overlap(const PassMemPlan *plan, const IrValue *a, const IrValue *b) {
-  int64_t a0, a1, b0, b1;
-  if (!arena_range(plan, a, &a0, &a1) || !arena_range(plan, b, &b0, &b1)) return false;
-  return a0 < b1 && b0 < a1;
-}
-
-// Ops i, i+1, i+2 of f are `scores = gate.softmax|gate.sigmoid x`, `idx = gate.topk scores`,
-// `gates = gate.gather scores, idx` with no buffer of the four shared (one thread writes a
-// token's scores, idx and gates while others read logits), on one stream with no event
-// recorded or waited for between them: one fused kernel does them.
-static bool fused_gate_at(const PassMemPlan *plan, const IrFunc *f, int i) {
-  if (i + 2 >= f->nops) return false;
-  const IrOp *a = f->ops[i], *b = f->ops[i + 1], *c = f->ops[i + 2];
-  if ((a->kind != IR_OP_GATE_SOFTMAX && a->kind != IR_OP_GATE_SIGMOID) || b->kind != IR_OP_GATE_TOPK ||
-      c->kind != IR_OP_GATE_GATHER)
-    return false;
-  if (!a->args[0].value || b->args[0].value != a->result || c->args[0].value != a->result ||
-      c->args[1].value != b->result)
-    return false;
-  if (a->result->type.rank != 2 || a->result->type.dtype != IR_F32) return false;
-  if (ir_op_int(b, "expert_groups", 1) > 1 || ir_op_float(c, "scale", 1) != 1) return false;   // the plain chain only
-  if (b->stream != a->stream || c->stream != a->stream || a->event >= 0 || b->event >= 0 || b->nwaits > 0 ||
-      c->nwaits > 0)
-    return false;
-  const IrValue *v[4] = {a->args[0].value, a->result, b->result, c->result};
-  for (int p = 0; p < 4; p++)
-    for (int q = p + 1; q < 4; q++)
-      if (overlap(plan, v[p], v[q])) return false;
-  return true;
-}
-
 // ---- whole-tensor reductions on CUDA ----
 // loss.mse and loss.xent reduce a whole tensor into one float; their kernel is one block (the
 // CPU's order of the sums, row by row), which on a GPU reads at the speed of one multiprocessor.
@@ -455,26 +413,6 @@ static void split_reduction(const IrOp *op, CgLaunch *l) {
   l->scratch_bytes = parts * (int64_t)sizeof(double);
 }
 
-// The updates that follow op i of f and share its launch (CUDA): the ops right after it with the
-// same optimizer (AdamW: the same beta1, beta2 and eps; each keeps its lr and weight decay, as a
-// range of the launch's table), in a function on one stream (no event wait falls between them).
-// -1 when op i is no update or its function is scheduled (then each op is a launch of its own).
-static int update_run(const IrFunc *f, int i) {
-  static const char *const settings[] = {"beta1", "beta2", "eps"};
-  const IrOp *a = f->ops[i];
-  if ((a->kind != IR_OP_OPT_SGD && a->kind != IR_OP_OPT_ADAMW) || cg_func_scheduled(f)) return -1;
-  int n = 0;
-  for (int j = i + 1; j < f->nops; j++) {
-    const IrOp *b = f->ops[j];
-    bool same = b->kind == a->kind && b->args[0].param;
-    for (int k = 0; same && a->kind == IR_OP_OPT_ADAMW && k < 3; k++)
-      same = ir_op_float(b, settings[k], 0) == ir_op_float(a, settings[k], 0);
-    if (!same) break;
-    n++;
-  }
-  return n;
-}
-
 static int64_t update_blocks(const IrFunc *f, int i, int nops) {
   int64_t blocks = 0;
   for (int j = i; j < i + nops; j++)
@@ -482,7 +420,7 @@ static int64_t update_blocks(const IrFunc *f, int i, int nops) {
   return blocks;
 }
 
-// The launch of ops i .. i + run of f (update_run): mk_adamw_ranges or mk_sgd_ranges from op i's
+// The launch of ops i .. i + run of f (an update group of the fuse pass): mk_adamw_ranges or mk_sgd_ranges from op i's
 // parameter on, over the table of ranges CG_ARG_RANGES (the host program writes it), with the bf16
 // copy P16 where the program has one (CG_ARG_PARAM16 is NULL otherwise).
 static void lower_update_run(const IrFunc *f, int i, int run, CgLaunch *l) {
@@ -518,22 +456,10 @@ static void update_bf16(CgLaunch *l) {
   arg(c, CG_ARG_PARAM16, 0);
 }
 
-bool cg_lower_from(const PassMemPlan *plan, const IrFunc *f, int i, unsigned how, const CgLaunch *alone, CgLaunch *l) {
-  bool fuse = how & CG_LOWER_FUSE;
-  int run = fuse ? update_run(f, i) : -1;
-  if (run >= 0) {
-    lower_update_run(f, i, run, l);
-    return true;
-  }
-  if (!fuse || !fused_gate_at(plan, f, i)) {
-    if (!alone) return false;
-    *l = *alone;
-    if (fuse) split_reduction(f->ops[i], l);
-    if (how & CG_LOWER_BF16) update_bf16(l);
-    return true;
-  }
+// The gate group at op i of f: one kernel, a thread a token; the logits (op i's operand), then
+// the scores, idx and gates (the results of ops i, i+1, i+2).
+static void lower_gate(const IrFunc *f, int i, CgLaunch *l) {
   memset(l, 0, sizeof *l);
-  // logits (op i's operand), then scores, idx and gates (the results of ops i, i+1, i+2).
   const IrOp *a = f->ops[i], *g = f->ops[i + 2];
   const IrType *st = &a->result->type;
   CgKernelCall *c = call(l, a->kind == IR_OP_GATE_SOFTMAX ? CG_K_GATE_SOFTMAX_TOPK_GATHER : CG_K_GATE_SIGMOID_TOPK_GATHER,
@@ -542,13 +468,30 @@ bool cg_lower_from(const PassMemPlan *plan, const IrFunc *f, int i, unsigned how
   for (int r = 0; r < 3; r++) arg(c, CG_ARG_RESULT, r);
   INTS(c, st->dim[0], st->dim[1], g->result->type.dim[1], ir_op_int(g, "renorm", 0));
   l->nops = 3;
+}
+
+bool cg_lower_from(const IrFunc *f, int i, unsigned how, const CgLaunch *alone, CgLaunch *l) {
+  bool fuse = how & CG_LOWER_FUSE;
+  const IrGroup *g = fuse ? ir_group_at(f, i) : NULL;
+  if (g && g->first == i && g->kind == IR_GROUP_UPDATE) {
+    lower_update_run(f, i, g->n - 1, l);
+    return true;
+  }
+  if (g && g->first == i && g->kind == IR_GROUP_GATE) {
+    lower_gate(f, i, l);
+    return true;
+  }
+  if (!alone) return false;
+  *l = *alone;
+  if (fuse) split_reduction(f->ops[i], l);
+  if (how & CG_LOWER_BF16) update_bf16(l);
   return true;
 }
 
-bool cg_lower(const PassMemPlan *plan, const IrFunc *f, int i, unsigned how, CgLaunch *l) {
+bool cg_lower(const IrFunc *f, int i, unsigned how, CgLaunch *l) {
   CgLaunch alone;
   bool ok = cg_lower_op(f->ops[i], &alone);
-  return cg_lower_from(plan, f, i, how, ok ? &alone : NULL, l);
+  return cg_lower_from(f, i, how, ok ? &alone : NULL, l);
 }
 
 

@@ -95,7 +95,7 @@ static bool stage_names(IrDiag *d, const IrModule *m, CgLaunches *ls) {
 
 static bool cuda_emit(IrDiag *d, FILE *out, const IrModule *m, const PassMemPlan *plan, const CgEmitOptions *o) {
   CgCudaImages img = {0};
-  CgLaunches *ls = cg_cuda_launches(d, m, plan);   // each op lowered once, for every emitter
+  CgLaunches *ls = cg_cuda_launches(d, m);   // each op lowered once, for every emitter
   bool ok = ls && stage_names(d, m, ls) && fake_fused(d, m, ls, o) && cuda_images(d, m, ls, o->arch ? o->arch : "sm_90", &img);
   if (ok && o->verbose)
     fprintf(stderr, "# nvrtc: CUBIN for %s %zu bytes, PTX %zu bytes%s, embedded in the program\n", img.arch,

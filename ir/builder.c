@@ -209,7 +209,14 @@ void ir_op_arg(IrOp *op, IrValue *v) {
 }
 
 void ir_remove_op(IrFunc *f, IrOp *op) {
-  int k = 0;
+  int k = 0, g = 0;
+  for (int j = 0; j < f->ngroups; j++) {   // a group loses the op, or moves up one op; an empty one goes
+    IrGroup *gr = &f->groups[j];
+    if (op->index < gr->first) gr->first--;
+    else if (op->index < gr->first + gr->n) gr->n--;
+    if (gr->n > 0) f->groups[g++] = *gr;
+  }
+  f->ngroups = g;
   for (int i = 0; i < f->nops; i++)
     if (f->ops[i] != op) f->ops[k++] = f->ops[i];
   f->nops = k;

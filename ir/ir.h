@@ -75,6 +75,9 @@ int64_t ir_capacity_slots(int64_t k, double f, int64_t tokens, int64_t experts);
 // The element of op k's result as a scalar expression (ir/scalar.def: the elementwise ops the
 // fuse pass groups and the CUDA target generates kernels for), or NULL.
 const char *ir_op_scalar(IrOpKind k);
+// Whether op k's scalar expression reads its operand `operand` only at the element (`xK`, never
+// `xK[...]`); false when k has no scalar expression.
+bool ir_scalar_reads_element(IrOpKind k, int operand);
 // A row-wise op a fused kernel can hold (ir/scalar.def's IR_ROW): its one-row device function
 // ("layernorm" for mk_layernorm_row), whether one thread does a row (else a block), whether the
 // function takes the op's eps. NULL for other ops.
@@ -202,6 +205,37 @@ extern const char *const ir_policy_name[IR_NPOLICIES + 1];
 // Parses a policy name; false if unknown.
 bool ir_policy_parse(const char *name, IrPolicy *out);
 
+// A fused group (passes/fuse.c): a run of consecutive ops of one function that the target runs
+// as one launch. The IR text prints it as a region around its members (ir/print.c), with what
+// its kernel reads and writes:
+//   fused 3 rows (%x, @block0.norm.w) -> (%y) {
+//     %h: f32[64, 32] = add %x, %a {inner=1}
+//     %y: f32[64, 32] = rmsnorm %h, @block0.norm.w
+//   }
+// The reads are the distinct operands its members take from outside the group, in the order the
+// members first read them; the writes the members' results that leave it (those without
+// inner=1; a member with bf16=1 writes its bf16 copy as well). The parser checks both lists
+// against the members (ir_group_io) and the verifier checks the kind against them.
+typedef enum IrGroupKind {
+  IR_GROUP_ELEMENTWISE,   // ops of ir/scalar.def (IR_SCALAR): one element a thread
+  IR_GROUP_ROWS,          // with one row-wise op (IR_ROW, a norm) and elementwise ops before and after it
+  IR_GROUP_STORE,         // a storing op (IR_STORE: the combine, order.decode) first, elementwise ops where it stores
+  IR_GROUP_COLSUMS,       // column sums (IR_COLSUM) of any shapes: one launch of all their tiles
+  IR_GROUP_GATE,          // gate.softmax or gate.sigmoid, gate.topk, gate.gather: one thread a token (CUDA)
+  IR_GROUP_UPDATE,        // optimizer updates of one kind and settings: one launch over a table of ranges (CUDA)
+  IR_GROUP_KINDS
+} IrGroupKind;
+// The kinds' words in the IR text, by IrGroupKind.
+extern const char *const ir_group_kind_name[IR_GROUP_KINDS];
+
+typedef struct IrGroup {
+  int id;                 // numbers the module's groups (unique in the module)
+  IrGroupKind kind;
+  int first, n;           // its members: f->ops[first .. first + n)
+  bool in_gemm;           // the CPU: it runs row by row in the pieces of the GEMM at first - 1
+                          // (printed `fused G KIND in_gemm ...`)
+} IrGroup;
+
 struct IrOp {
   IrOpKind kind;
   IrValue *result;      // NULL when the op has none
@@ -235,6 +269,8 @@ struct IrFunc {
   IrFuncRole role;
   IrAttr attrs[IR_MAX_ATTRS];  // the planner's decisions: r, case, t_model, grad_moe, ... (passes/degrees.c)
   int nattrs;
+  IrGroup *groups;      // the fused groups, by first member (passes/fuse.c; none before it)
+  int ngroups, cap_groups;
   SrcLoc loc;
   int index;
 };
@@ -271,6 +307,19 @@ void ir_op_arg(IrOp *op, IrValue *v);
 void ir_op_param(IrOp *op, IrParam *p);
 // Removes op from f (its result, if any, must be unused) and renumbers the ops and values.
 void ir_remove_op(IrFunc *f, IrOp *op);
+// ---- fused groups (ir/group.c) ----
+// Adds a group of ops first .. first + n - 1 of f (none of them in a group yet); NULL when they
+// are not ops of f or one already is in a group.
+IrGroup *ir_add_group(IrFunc *f, IrModule *m, int id, IrGroupKind kind, int first, int n);
+// The group that holds op i of f, or NULL.
+const IrGroup *ir_group_at(const IrFunc *f, int i);
+static inline const IrGroup *ir_group_of(const IrOp *op) { return op->func ? ir_group_at(op->func, op->index) : NULL; }
+// The kernel's reads and writes of g (the comment at IrGroup): up to cap of each; returns false
+// when there are more.
+bool ir_group_io(const IrFunc *f, const IrGroup *g, IrOperand *reads, int *nreads, const IrValue **writes, int *nwrites,
+                 int cap);
+// Whether g's members fit its kind (the comment at IrGroupKind); why says how they do not.
+bool ir_group_fits(const IrFunc *f, const IrGroup *g, char *why, size_t size);
 // Finds a value by name in f, then in f->saves.
 IrValue *ir_find_value(const IrFunc *f, const char *name);
 void ir_add_ret(IrFunc *f, IrModule *m, IrValue *v);

@@ -13,8 +13,8 @@
 //     would tie every function to the optimizer and knot the layout.
 //   - An event (the schedule pass's record/wait between streams) is a dashed edge from the op
 //     that records it to each op that waits for it.
-//   - A fused group (passes/fuse.c: consecutive ops with one `fuse=G`, as codegen/fused.c reads
-//     them) is a box `subgraph cluster_fuse_G`, and each function a `subgraph cluster_func_N`; the
+//   - A fused group (passes/fuse.c, IrGroup: consecutive ops the target runs as one launch) is a
+//     box `subgraph cluster_fuse_G` labelled with its kind, and each function a `subgraph cluster_func_N`; the
 //     legend is `cluster_legend`. The prefixes differ so that a test can count the groups.
 //
 // Names go into quoted strings only, never into node ids (those are made up: f3_o12) and never
@@ -142,22 +142,21 @@ static void input_nodes(const Dot *g, const IrFunc *f) {
   free(saved_seen);
 }
 
-// f's ops, each run of one `fuse=G` inside a cluster of its own.
+// f's ops, each fused group's inside a cluster of its own.
 static void op_nodes(const Dot *g, const IrFunc *f) {
   FILE *out = g->out;
   for (int i = 0; i < f->nops; i++) {
-    int64_t group = ir_op_int(f->ops[i], "fuse", -1);
-    if (group < 0) {
+    const IrGroup *group = ir_group_at(f, i);
+    if (!group) {
       op_node(g, f, f->ops[i]);
       continue;
     }
-    int n = 1;
-    while (i + n < f->nops && ir_op_int(f->ops[i + n], "fuse", -1) == group) n++;
-    fprintf(out, "    subgraph cluster_fuse_%lld {\n      label=\"fused %lld (%d ops)\"; style=\"rounded,dashed\"; "
-            "color=\"#7f6000\"; fontcolor=\"#7f6000\";\n", (long long)group, (long long)group, n);
-    for (int k = 0; k < n; k++) op_node(g, f, f->ops[i + k]);
+    fprintf(out, "    subgraph cluster_fuse_%d {\n      label=\"fused %d: %s%s (%d ops)\"; style=\"rounded,dashed\"; "
+            "color=\"#7f6000\"; fontcolor=\"#7f6000\";\n", group->id, group->id, ir_group_kind_name[group->kind],
+            group->in_gemm ? ", in the GEMM's pieces" : "", group->n);
+    for (int k = 0; k < group->n; k++) op_node(g, f, f->ops[i + k]);
     fputs("    }\n", out);
-    i += n - 1;
+    i += group->n - 1;
   }
   if (f->nrets > 0) fprintf(out, "    f%d_r [shape=house, fillcolor=\"#eeeeee\", label=\"return\"];\n", f->index);
 }

@@ -1,6 +1,8 @@
 // The op table and the small type helpers. ir_op_info is generated from ir/ops.def with the
 // same X-macro that makes the IrOpKind enum, so a row added there shows up in the enum, the
 // printer, the parser and the verifier at once.
+#include <ctype.h>
+#include <stdlib.h>
 #include <math.h>
 #include <string.h>
 
@@ -21,6 +23,19 @@ static const char *const op_scalar[IR_OP_COUNT] = {
 };
 
 const char *ir_op_scalar(IrOpKind k) { return k >= 0 && k < IR_OP_COUNT ? op_scalar[k] : NULL; }
+
+bool ir_scalar_reads_element(IrOpKind k, int operand) {
+  const char *e = ir_op_scalar(k);
+  if (!e) return false;
+  for (const char *p = e; *p; p++) {
+    bool word = p > e && (isalnum((unsigned char)p[-1]) || p[-1] == '_');
+    if (*p != 'x' || word || !isdigit((unsigned char)p[1])) continue;
+    char *end;
+    long k2 = strtol(p + 1, &end, 10);
+    if (k2 == operand && *end == '[') return false;
+  }
+  return true;
+}
 
 // The row-wise ops of ir/scalar.def a fused kernel can hold: their one-row function.
 static const IrRowInfo op_row[IR_OP_COUNT] = {

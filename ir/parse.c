@@ -749,7 +749,133 @@ static bool at_top_keyword(const Parser *P) {
   return P->tok.bol && (is_keyword(P, "func") || is_keyword(P, "param") || is_keyword(P, "module"));
 }
 
-// body = "{" NL (stmt NL)* (return NL)? "}"
+// A list of names as written or as computed ("%a, @w"), to compare a group's header with its
+// members.
+typedef struct Names {
+  char *s;
+  size_t len, cap;
+} Names;
+
+static void names_add(Names *l, char sigil, const char *name) {
+  size_t need = l->len + strlen(name) + 4;
+  if (need > l->cap) {
+    l->cap = need * 2;
+    l->s = xrealloc(l->s, l->cap);
+  }
+  l->len += (size_t)sprintf(l->s + l->len, "%s%c%s", l->len ? ", " : "", sigil, name);
+}
+
+static const char *names_text(const Names *l) { return l->len ? l->s : "nothing"; }
+
+// "(" (operand ("," operand)*)? ")" after the word what, into l.
+static bool parse_names(Parser *P, Names *l, const char *what) {
+  if (!is_keyword(P, what) || !on_line(P)) return err_after(P, "expected '%s (...)' in the fused group's header", what);
+  next(P);
+  if (!is_punct(P, '(') || !on_line(P)) return err_after(P, "expected '(' after '%s'", what);
+  next(P);
+  while (!is_punct(P, ')')) {
+    if ((P->tok.kind != T_LOCAL && P->tok.kind != T_GLOBAL) || !on_line(P))
+      return err_after(P, "expected a %%value or @param in the group's '%s' list, or ')'", what);
+    names_add(l, P->tok.kind == T_LOCAL ? '%' : '@', P->tok.str);
+    next(P);
+    if (is_punct(P, ',') && on_line(P)) next(P);
+    else if (!is_punct(P, ')')) return err_after(P, "expected ',' or ')' in the group's '%s' list", what);
+  }
+  next(P);
+  return true;
+}
+
+// Whether group g's reads and writes (ir_group_io) are the lists its header wrote.
+static bool check_group_io(Parser *P, SrcLoc loc, const IrGroup *g, const Names *reads, const Names *writes) {
+  int cap = g->n * IR_MAX_ARGS, nr = 0, nw = 0;
+  IrOperand *r = xrealloc(NULL, sizeof *r * (size_t)cap);
+  const IrValue **w = xrealloc(NULL, sizeof *w * (size_t)cap);
+  ir_group_io(P->f, g, r, &nr, w, &nw, cap);
+  Names have[2] = {{0}, {0}};
+  for (int j = 0; j < nr; j++) names_add(&have[0], r[j].param ? '@' : '%', r[j].param ? r[j].param->name : r[j].value->name);
+  for (int j = 0; j < nw; j++) names_add(&have[1], '%', w[j]->name);
+  bool ok = true;
+  if (strcmp(names_text(&have[0]), names_text(reads)))
+    ok = err_at(P, loc, "fused group %d reads %.300s from outside it (its members' operands), not %.300s as written",
+                g->id, names_text(&have[0]), names_text(reads));
+  else if (strcmp(names_text(&have[1]), names_text(writes)))
+    ok = err_at(P, loc, "fused group %d writes %.300s (its members' results without inner=1), not %.300s as written",
+                g->id, names_text(&have[1]), names_text(writes));
+  free(r), free(w), free(have[0].s), free(have[1].s);
+  return ok;
+}
+
+// The group's members, up to its '}'; false when one failed (each reported).
+static bool parse_members(Parser *P, int id) {
+  bool ok = true;
+  for (;;) {
+    if (P->d->errors > (P->d->max_errors > 0 ? P->d->max_errors : 20)) return false;
+    if (is_punct(P, '}')) {
+      next(P);
+      return expect_eol(P, "'}'") && ok;
+    }
+    if (P->tok.kind == T_EOF || at_top_keyword(P)) return err_after(P, "expected '}' to close fused group %d", id);
+    long start = P->ntok;
+    bool one;
+    if (is_keyword(P, "fused")) one = err_tok(P, "fused groups do not nest: close group %d with '}' first", id);
+    else if (is_keyword(P, "return")) one = err_tok(P, "'return' cannot be inside fused group %d", id);
+    else one = parse_op(P);
+    if (!one) sync_line(P, start), ok = false;
+  }
+}
+
+// A group's header: its number, kind, in_gemm, reads and writes, up to the end of its '{' line.
+static bool parse_group_header(Parser *P, int *id, int *kind, bool *in_gemm, Names *reads, Names *writes) {
+  if (P->tok.kind != T_INT || !on_line(P) || P->tok.i < 0 || P->tok.i > INT32_MAX)
+    return err_after(P, "expected the group's number (0 or more) after 'fused'");
+  *id = (int)P->tok.i;
+  next(P);
+  *kind = 0;
+  while (*kind < IR_GROUP_KINDS && !(P->tok.kind == T_IDENT && strcmp(P->tok.str, ir_group_kind_name[*kind]) == 0)) (*kind)++;
+  if (*kind == IR_GROUP_KINDS || !on_line(P)) {
+    const char *best = P->tok.kind == T_IDENT ? ir_closest(P->tok.str, ir_group_kind_name, IR_GROUP_KINDS) : NULL;
+    char hint[64] = "";
+    if (best) snprintf(hint, sizeof hint, "; did you mean '%s'?", best);
+    return err_after(P, "expected the group's kind (elementwise, rows, store, colsums, gate, update) after its number%s", hint);
+  }
+  next(P);
+  *in_gemm = is_keyword(P, "in_gemm") && on_line(P);
+  if (*in_gemm) next(P);
+  return parse_names(P, reads, "reads") && parse_names(P, writes, "writes") && expect(P, '{', "to open the fused group") &&
+         (P->tok.bol || err_tok(P, "expected end of line after '{'"));
+}
+
+// group = "fused" INT KIND "in_gemm"? "reads" "(" names ")" "writes" "(" names ")" "{" NL (stmt NL)+ "}"
+static bool parse_group(Parser *P) {
+  SrcLoc loc = P->tok.loc;
+  next(P);   // 'fused'
+  int id = 0, kind = 0;
+  bool in_gemm = false;
+  Names reads = {0}, writes = {0};
+  bool ok = parse_group_header(P, &id, &kind, &in_gemm, &reads, &writes);
+  if (!ok) {   // past the group's members: to its '}' line (no member's line starts with '}'); the
+               // values they define stay quiet when used later
+    while (P->tok.kind != T_EOF && !(P->tok.bol && (is_punct(P, '}') || at_top_keyword(P)))) {
+      if (P->tok.bol && P->tok.kind == T_LOCAL) poison(P, dup_tok(P));
+      next(P);
+    }
+    if (is_punct(P, '}')) next(P);
+  }
+  int first = P->f->nops;
+  ok = ok && parse_members(P, id);
+  IrGroup *g = NULL;
+  char why[160];
+  if (ok && P->f->nops == first) ok = err_at(P, loc, "fused group %d holds no op", id);
+  if (ok && !(g = ir_add_group(P->f, P->m, id, (IrGroupKind)kind, first, P->f->nops - first)))
+    ok = err_at(P, loc, "fused group %d: its ops are in another group", id);
+  if (ok) g->in_gemm = in_gemm;
+  if (ok && !ir_group_fits(P->f, g, why, sizeof why)) ok = err_at(P, loc, "fused group %d (%s): %s", id, ir_group_kind_name[kind], why);
+  if (ok) ok = check_group_io(P, loc, g, &reads, &writes);
+  free(reads.s), free(writes.s);
+  return ok;
+}
+
+// body = "{" NL ((stmt | group) NL)* (return NL)? "}"
 static bool parse_body(Parser *P) {
   if (!expect(P, '{', "to open the function body")) return false;
   if (!P->tok.bol) return err_tok(P, "expected end of line after '{'");
@@ -768,6 +894,8 @@ static bool parse_body(Parser *P) {
       ok = err_tok(P, "'return' must be the last statement of @%s", P->f->name);
     else if (is_keyword(P, "return"))
       returned = true, ok = parse_return(P);
+    else if (is_keyword(P, "fused"))
+      ok = parse_group(P);
     else
       ok = parse_op(P);
     if (!ok) sync_line(P, start);

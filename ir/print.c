@@ -150,8 +150,15 @@ static void print_schedule(FILE *out, const IrOp *op) {
 
 static void print_value_ref(FILE *out, const IrValue *v) { print_name(out, '%', v ? v->name : NULL); }
 
-static void print_op(FILE *out, const IrOp *op) {
-  fputs("  ", out);
+static void print_operand(FILE *out, const IrOperand *x) {
+  if (x->param)
+    print_name(out, '@', x->param->name);
+  else
+    print_value_ref(out, x->value);
+}
+
+static void print_op(FILE *out, const IrOp *op, bool in_group) {
+  fputs(in_group ? "    " : "  ", out);
   if (op->result) {
     print_value_ref(out, op->result);
     fputs(": ", out);
@@ -162,18 +169,39 @@ static void print_op(FILE *out, const IrOp *op) {
   int n = op->nargs < 0 ? 0 : op->nargs > IR_MAX_ARGS ? IR_MAX_ARGS : op->nargs;
   for (int i = 0; i < n; i++) {
     fputs(i ? ", " : " ", out);
-    if (op->args[i].param)
-      print_name(out, '@', op->args[i].param->name);
-    else
-      print_value_ref(out, op->args[i].value);
+    print_operand(out, &op->args[i]);
   }
   print_attrs(out, op->attrs, op->nattrs);
   print_schedule(out, op);
   fputc('\n', out);
 }
 
+// group = "fused" ID KIND "in_gemm"? "reads" "(" (operand ("," operand)*)? ")" "writes" "(" (%value ("," ...)*)? ")"
+//         "{" op+ "}": its reads and writes (ir_group_io), its members indented two more.
+static void print_group_open(FILE *out, const IrFunc *f, const IrGroup *g) {
+  int cap = g->n * IR_MAX_ARGS, nreads = 0, nwrites = 0;
+  IrOperand *reads = malloc(sizeof *reads * (size_t)cap);
+  const IrValue **writes = malloc(sizeof *writes * (size_t)cap);
+  if (!reads || !writes) ir_oom_exit();
+  ir_group_io(f, g, reads, &nreads, writes, &nwrites, cap);   // (room for every operand and result)
+  fprintf(out, "  fused %d %s%s reads (", g->id, (unsigned)g->kind < IR_GROUP_KINDS ? ir_group_kind_name[g->kind] : "?",
+          g->in_gemm ? " in_gemm" : "");
+  for (int j = 0; j < nreads; j++) {
+    if (j) fputs(", ", out);
+    print_operand(out, &reads[j]);
+  }
+  fputs(") writes (", out);
+  for (int j = 0; j < nwrites; j++) {
+    if (j) fputs(", ", out);
+    print_value_ref(out, writes[j]);
+  }
+  fputs(") {\n", out);
+  free(reads);
+  free(writes);
+}
+
 // func = "func" @name "(" (%arg ":" type ("," ...)*)? ")" ("saves" @name)? ("attributes" attrs)?
-//        "{" op* return "}"
+//        "{" (op | group)* return "}"
 static void print_func(FILE *out, const IrFunc *f) {
   fputs("func ", out);
   print_name(out, '@', f->name);
@@ -194,7 +222,17 @@ static void print_func(FILE *out, const IrFunc *f) {
     print_attrs(out, f->attrs, f->nattrs);
   }
   fputs(" {\n", out);
-  for (int i = 0; i < f->nops; i++) print_op(out, f->ops[i]);
+  int k = 0;   // the next group
+  for (int i = 0; i < f->nops; i++) {
+    const IrGroup *g = k < f->ngroups && f->groups[k].first == i ? &f->groups[k] : NULL;
+    if (g) print_group_open(out, f, g);
+    bool in_group = k < f->ngroups && i >= f->groups[k].first;
+    print_op(out, f->ops[i], in_group);
+    if (in_group && i == f->groups[k].first + f->groups[k].n - 1) {
+      fputs("  }\n", out);
+      k++;
+    }
+  }
   fputs("  return", out);
   for (int i = 0; i < f->nrets; i++) {
     fputs(i ? ", " : " ", out);

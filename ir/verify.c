@@ -7,6 +7,8 @@
 // function defined before the op, or of the function it saves; a parameter of this module),
 // sane scheduling fields, and finally the result type equal to what ir_infer_type derives.
 // An op that fails a structural check is not shape-checked, so one mistake gives one message.
+// Fused groups (ir.h's IrGroup): in order, inside the function, apart, their ids unique in the
+// module, their members fitting their kind (ir_group_fits).
 #include <stdarg.h>
 #include <stdlib.h>
 #include <string.h>
@@ -231,6 +233,29 @@ static void check_func(Verifier *V, const IrFunc *f) {
   }
 }
 
+// f's fused groups; ids[] collects the module's ids (counted in *nids) to find one used twice.
+static void check_groups(Verifier *V, const IrFunc *f, int *ids, int *nids) {
+  for (int k = 0; k < f->ngroups; k++) {
+    const IrGroup *g = &f->groups[k];
+    const IrOp *op = g->first >= 0 && g->first < f->nops ? f->ops[g->first] : NULL;
+    char why[160];
+    if (g->n < 1 || g->first < 0 || g->first + g->n > f->nops) {
+      func_error(V, f, "fused group %d of @%s is not a run of its ops", g->id, str_or(f->name));
+      continue;
+    }
+    if (k > 0 && f->groups[k - 1].first + f->groups[k - 1].n > g->first)
+      op_error(V, f, g->first, op, "fused groups %d and %d overlap", f->groups[k - 1].id, g->id);
+    else if (!ir_group_fits(f, g, why, sizeof why))
+      op_error(V, f, g->first, op, "fused group %d (%s): %s", g->id, ir_group_kind_name[g->kind], why);
+    for (int j = 0; j < *nids; j++)
+      if (ids[j] == g->id) {
+        op_error(V, f, g->first, op, "fused group %d is numbered twice in the module", g->id);
+        break;
+      }
+    ids[(*nids)++] = g->id;
+  }
+}
+
 static void check_param(Verifier *V, int index, const IrParam *p) {
   char where[160];
   if (!p) {
@@ -275,5 +300,12 @@ bool ir_verify(IrDiag *d, const IrModule *m) {
       }
     check_func(&V, f);
   }
+  int ngroups = 0, nids = 0;
+  for (int i = 0; i < m->nfuncs; i++) ngroups += m->funcs[i] ? m->funcs[i]->ngroups : 0;
+  int *ids = malloc(sizeof *ids * (size_t)(ngroups + 1));
+  if (!ids) return ir_oom(d);
+  for (int i = 0; i < m->nfuncs; i++)
+    if (m->funcs[i]) check_groups(&V, m->funcs[i], ids, &nids);
+  free(ids);
   return d->errors == before;
 }

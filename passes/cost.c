@@ -31,7 +31,7 @@
 //     on the compute stream, and nothing moves (the fuse pass's sinking of column sums is not
 //     priced). The schedule pass re-prices its chunks the same way.
 //   - CUDA (fuse without fuse_cpu): the optimizer ops of one run share one launch
-//     (codegen/lower.c's update_run): every op after a run's first pays no alpha.
+//     (passes/fuse.c's update groups): every op after a run's first pays no alpha.
 // moec build --no-fuse (ctx->fuse false) prices every op on its own.
 // Without a profile the pass does nothing (and -v says so).
 //
@@ -274,20 +274,9 @@ static bool price_op(const IrModule *m, const IrOp *op, const SchedCluster *c, c
   return priced_op;
 }
 
-// Whether optimizer op j of f continues the run of the one before it, which the CUDA program
-// updates in the same launch (codegen/lower.c's update_run: the same kind and settings, in a
-// function with no op on another stream: one_stream).
-static bool continues_update(const IrFunc *f, int j, bool one_stream) {
-  static const char *const settings[] = {"beta1", "beta2", "eps"};
-  const IrOp *a = j > 0 ? f->ops[j - 1] : NULL, *b = f->ops[j];
-  if (!one_stream || !a || (b->kind != IR_OP_OPT_ADAMW && b->kind != IR_OP_OPT_SGD) || a->kind != b->kind ||
-      !a->args[0].param || !b->args[0].param)
-    return false;
-  for (int k = 0; b->kind == IR_OP_OPT_ADAMW && k < 3; k++)
-    if (ir_op_float(a, settings[k], 0) != ir_op_float(b, settings[k], 0)) return false;
-  return true;
-}
-
+// Whether f runs on one stream (no op on the intra or inter stream): then the CUDA program
+// updates a run of optimizer ops in one launch (passes/fuse.c's update groups, pass_update_joins),
+// and each op of the run after its first costs no launch.
 static bool on_one_stream(const IrFunc *f) {
   for (int i = 0; i < f->nops; i++)
     if (f->ops[i]->stream == IR_STREAM_INTRA || f->ops[i]->stream == IR_STREAM_INTER) return false;
@@ -328,7 +317,7 @@ static int price_func(IrModule *m, IrFunc *f, const SchedCluster *c, const Group
   for (int j = 0; j < f->nops; j++) {
     IrOp *op = f->ops[j];
     double n, t;   // on CUDA a run of updates is one launch: its first op's
-    if (!price_op(m, op, c, gs, cuda && continues_update(f, j, one_stream), &n, &t)) continue;
+    if (!price_op(m, op, c, gs, cuda && one_stream && j > 0 && pass_update_joins(f->ops[j - 1], f->ops[j]), &n, &t)) continue;
     int g = group_of ? group_of[j] : -1;
     drop_attr(op, "cost_fused");
     if (g >= 0) {

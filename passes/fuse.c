@@ -38,8 +38,9 @@
 // the column sums are not sunk, streams not yet assigned) to price each group as one launch.
 //
 // What the pass changes: the members of a group move to just before its last member, keeping
-// their order (nothing between read them, so the program computes the same values), and each
-// member gets the attribute `fuse=G` (G numbers the module's groups from 0). A member whose
+// their order (nothing between read them, so the program computes the same values), and become a
+// group of the IR (ir.h's IrGroup, `fused G KIND reads (...) writes (...) { ... }` in the text; G
+// numbers the module's groups from 0), which memplan and codegen read. A member whose
 // result is read by no op outside its group (of any function: a backward reads saved forward
 // values) and is not returned also gets `inner=1`: the value lives only in the fused kernel's
 // registers, and memplan gives it no memory. With dtype bf16 a GEMM operand's maker also gets
@@ -48,6 +49,11 @@
 // from the members' scalar expressions, in their order, so every element gets the float
 // operations of the ops' own kernels: fused and `moec build --no-fuse` (which skips this pass)
 // compute the same bits.
+//
+// The groups of other kernels are decided here too (other_groups): on CUDA a gate's softmax or
+// sigmoid, top-k and gather (kind gate) and each run of optimizer updates that share a launch
+// (kind update); on the CPU which groups run in the pieces of the GEMM before them (in_gemm).
+// No fusion is found again below the passes.
 #include <stdlib.h>
 #include <string.h>
 
@@ -302,6 +308,17 @@ int pass_fuse_plan(const IrModule *m, const IrFunc *f, bool cpu, int *group_of, 
   return nplan;
 }
 
+// The kind of group g (IrGroupKind).
+static IrGroupKind kind_of(const Group *g) {
+  return g->colsum ? IR_GROUP_COLSUMS : g->store ? IR_GROUP_STORE : g->row >= 0 ? IR_GROUP_ROWS : IR_GROUP_ELEMENTWISE;
+}
+
+// A group of op alone (dtype bf16: a kernel generated to write its value and its copy).
+static void group_alone(IrModule *m, IrOp *op, int *next_id) {
+  IrGroupKind kind = ir_op_row(op->kind) ? IR_GROUP_ROWS : ir_op_store(op->kind) ? IR_GROUP_STORE : IR_GROUP_ELEMENTWISE;
+  if (!ir_add_group(op->func, m, (*next_id)++, kind, op->index, 1)) UNREACHABLE();
+}
+
 static bool fuse_func(IrModule *m, IrFunc *f, PassCtx *ctx, int *next_id, int *nfused, int *ninner) {
   if (f->nops < 2) return true;
   bool cpu = ctx->fuse_cpu;
@@ -314,15 +331,22 @@ static bool fuse_func(IrModule *m, IrFunc *f, PassCtx *ctx, int *next_id, int *n
     return ir_oom(ctx->d);
   }
   int ngroups = plan_groups(m, f, cpu, groups, group_of);
-  // Attributes, then the new order: a member of a group of two or more waits for its last.
+  // Numbers and inner=1, then the new order: a member of a group of two or more waits for its
+  // last; then the groups into the IR, where their members now are.
+  int *ids = malloc((size_t)f->nops * sizeof *ids);
+  IrOp **firsts = malloc((size_t)f->nops * sizeof *firsts);
+  if (!ids || !firsts) {
+    free(groups), free(group_of), free(order), free(ids), free(firsts);
+    return ir_oom(ctx->d);
+  }
   for (int g = 0; g < ngroups; g++) {
     Group *gr = &groups[g];
     if (gr->n < 2) continue;
-    int id = (*next_id)++;
+    ids[g] = (*next_id)++;
+    firsts[g] = f->ops[gr->member[0]];
     (*nfused) += gr->n;
     for (int k = 0; k < gr->n; k++) {
       IrOp *op = f->ops[gr->member[k]];
-      ir_op_set_int(op, "fuse", id);
       if (!read_outside(m, f, gr, op->result) && !(ctx->fuse_cpu && crosses_norm(f, gr, k))) {
         ir_op_set_int(op, "inner", 1);
         (*ninner)++;
@@ -359,7 +383,10 @@ static bool fuse_func(IrModule *m, IrFunc *f, PassCtx *ctx, int *next_id, int *n
     f->ops[i] = order[i];
     f->ops[i]->index = i;
   }
-  free(groups), free(group_of), free(order);
+  for (int g = 0; g < ngroups; g++)
+    if (groups[g].n >= 2 && !ir_add_group(f, m, ids[g], kind_of(&groups[g]), firsts[g]->index, groups[g].n))
+      UNREACHABLE();   // (the members are consecutive and in no other group)
+  free(groups), free(group_of), free(order), free(ids), free(firsts);
   return true;
 }
 
@@ -389,21 +416,21 @@ static int saved_copies(IrModule *m, int *next_id) {
     IrFunc *h = m->funcs[fi];
     for (int i = 0; h->saves && i < h->nops; i++) {
       IrOp *op = h->ops[i];
-      int64_t group = ir_op_int(op, "fuse", -1);
-      if (group < 0 || !reads_element(op)) continue;
+      const IrGroup *group = ir_group_at(h, i);
+      if (!group || !reads_element(op)) continue;
       for (int a = 0; a < op->nargs; a++) {
         IrValue *v = op->args[a].value;
         if (!v || v->func != h->saves || !v->def || v->type.dtype != IR_F32 || ir_op_colsum(v->def->kind) >= 0) continue;
-        if (ir_op_int(v->def, "fuse", -1) < 0 && !candidate(v->func, v->def, false)) continue;
+        if (!ir_group_of(v->def) && !candidate(v->func, v->def, false)) continue;
         bool all = true;   // every member of op's group that reads v reads elements
-        for (int j = 0; j < h->nops && all; j++)
+        for (int j = group->first; j < group->first + group->n && all; j++)
           for (int b = 0; b < h->ops[j]->nargs && all; b++)
-            if (h->ops[j]->args[b].value == v && ir_op_int(h->ops[j], "fuse", -1) == group) all = reads_element(h->ops[j]);
+            if (h->ops[j]->args[b].value == v) all = reads_element(h->ops[j]);
         if (!all) continue;
         ir_op_set_int(op, "bf16_reads", ir_op_int(op, "bf16_reads", 0) | (1 << a));
         if (!ir_op_int(v->def, "bf16", 0)) n++;
         ir_op_set_int(v->def, "bf16", 1);
-        if (ir_op_int(v->def, "fuse", -1) < 0) ir_op_set_int(v->def, "fuse", (*next_id)++);
+        if (!ir_group_of(v->def)) group_alone(m, v->def, next_id);   // (in h->saves: h's groups stay put)
       }
     }
   }
@@ -417,7 +444,7 @@ static int saved_copies(IrModule *m, int *next_id) {
 // read the copy either way, so this changes no bit.
 static bool only_copies_read(const IrModule *m, const IrValue *v) {
   const IrFunc *f = v->func;
-  int64_t group = ir_op_int(v->def, "fuse", -1);
+  const IrGroup *group = ir_group_of(v->def);
   for (int r = 0; r < f->nrets; r++)
     if (f->rets[r] == v) return false;
   for (int fi = 0; fi < m->nfuncs; fi++) {
@@ -426,7 +453,7 @@ static bool only_copies_read(const IrModule *m, const IrValue *v) {
     for (int i = 0; i < h->nops; i++) {
       const IrOp *op = h->ops[i];
       for (int a = 0; a < op->nargs; a++)
-        if (op->args[a].value == v && !pass_reads_copy(op, a) && !(h == f && ir_op_int(op, "fuse", -1) == group))
+        if (op->args[a].value == v && !pass_reads_copy(op, a) && !(h == f && ir_group_at(h, i) == group))
           return false;
     }
   }
@@ -434,7 +461,7 @@ static bool only_copies_read(const IrModule *m, const IrValue *v) {
 }
 
 bool pass_writes_copy(const IrOp *op) {
-  return ir_op_int(op, "bf16", 0) && ir_op_int(op, "fuse", -1) >= 0 && ir_op_colsum(op->kind) < 0;
+  return ir_op_int(op, "bf16", 0) && ir_group_of(op) && ir_op_colsum(op->kind) < 0;
 }
 
 bool pass_reads_copy(const IrOp *op, int a) {
@@ -457,8 +484,8 @@ static int bf16_copies(IrModule *m, int *next_id, int *saved, int *only) {
         IrOp *maker = v->def;
         ir_op_set_int(maker, "bf16", 1);
         n++;
-        if (ir_op_int(maker, "fuse", -1) < 0 && ir_op_colsum(maker->kind) < 0 && candidate(v->func, maker, false))
-          ir_op_set_int(maker, "fuse", (*next_id)++);
+        if (!ir_group_of(maker) && ir_op_colsum(maker->kind) < 0 && candidate(v->func, maker, false))
+          group_alone(m, maker, next_id);
       }
     }
   }
@@ -474,9 +501,109 @@ static int bf16_copies(IrModule *m, int *next_id, int *saved, int *only) {
   return n;
 }
 
+// ---- the groups of other kernels ----
+
+// CUDA: ops i, i+1, i+2 of f are `scores = gate.softmax|gate.sigmoid x`, `idx = gate.topk scores`,
+// `gates = gate.gather scores, idx` (one expert group, scale 1; f32 scores of rank 2) on one stream
+// with no event recorded or waited for between them: one kernel does the three, a thread a token
+// (codegen/lower.c). A thread writes its token's scores, idx and gates while others read the
+// logits: memplan keeps the four tensors apart, as it does the inputs and results of any group.
+static bool gate_chain_at(const IrFunc *f, int i) {
+  if (i + 2 >= f->nops || ir_group_at(f, i) || ir_group_at(f, i + 1) || ir_group_at(f, i + 2)) return false;
+  const IrOp *a = f->ops[i], *b = f->ops[i + 1], *c = f->ops[i + 2];
+  if ((a->kind != IR_OP_GATE_SOFTMAX && a->kind != IR_OP_GATE_SIGMOID) || b->kind != IR_OP_GATE_TOPK ||
+      c->kind != IR_OP_GATE_GATHER)
+    return false;
+  if (!a->args[0].value || b->args[0].value != a->result || c->args[0].value != a->result || c->args[1].value != b->result)
+    return false;
+  if (a->result->type.rank != 2 || a->result->type.dtype != IR_F32) return false;
+  if (ir_op_int(b, "expert_groups", 1) > 1 || ir_op_float(c, "scale", 1) != 1) return false;   // the plain chain only
+  return b->stream == a->stream && c->stream == a->stream && a->event < 0 && b->event < 0 && b->nwaits == 0 &&
+         c->nwaits == 0;
+}
+
+bool pass_update_joins(const IrOp *a, const IrOp *b) {
+  static const char *const settings[] = {"beta1", "beta2", "eps"};
+  if ((a->kind != IR_OP_OPT_SGD && a->kind != IR_OP_OPT_ADAMW) || b->kind != a->kind || !b->args[0].param) return false;
+  for (int k = 0; a->kind == IR_OP_OPT_ADAMW && k < 3; k++)
+    if (ir_op_float(b, settings[k], 0) != ir_op_float(a, settings[k], 0)) return false;
+  return true;
+}
+
+// Whether f runs on one stream: no op on the intra or inter stream (or MOEC_STREAMS=0 in the
+// environment, which runs such a function straight-line: codegen/facts.c).
+static bool one_stream(const IrFunc *f) {
+  const char *env = getenv("MOEC_STREAMS");
+  if (env && strcmp(env, "0") == 0) return true;
+  for (int i = 0; i < f->nops; i++)
+    if (f->ops[i]->stream == IR_STREAM_INTRA || f->ops[i]->stream == IR_STREAM_INTER) return false;
+  return true;
+}
+
+// The CPU: whether group g of f runs row by row in the pieces of the GEMM just before it, as each
+// piece's thread finishes its rows (rt_matmul_rows, rt_expert_matmul_rows): a group of elementwise
+// ops and norms over rows as long as the product's that reads the product only row by row (a
+// norm's rows, an elementwise op's element; its other operands are complete before the GEMM
+// starts), with no event or stream between the two. An expert GEMM's only with ta = 0 (its rows
+// are the slots). memplan keeps the group's results apart from the GEMM's operands and product,
+// which other pieces still read. MOEC_GEMM_ROWS=0 in the environment runs every group after its
+// GEMM instead (for comparison).
+static bool runs_in_gemm(const IrFunc *f, const IrGroup *g) {
+  const char *env = getenv("MOEC_GEMM_ROWS");
+  if ((env && strcmp(env, "0") == 0) || g->first == 0 || (g->kind != IR_GROUP_ELEMENTWISE && g->kind != IR_GROUP_ROWS))
+    return false;
+  const IrOp *gemm = f->ops[g->first - 1], *first = f->ops[g->first];
+  bool expert = gemm->kind == IR_OP_EXPERT_MATMUL;
+  if ((gemm->kind != IR_OP_MATMUL && !(expert && !ir_op_int(gemm, "ta", 0))) || ir_group_at(f, g->first - 1) ||
+      gemm->event >= 0 || first->nwaits > 0 || gemm->stream != first->stream)
+    return false;
+  const IrValue *product = gemm->result;
+  const IrType *pt = &product->type, *rt = &first->result->type;
+  if (pt->rank != (expert ? 3 : 2) || rt->rank < 1 || rt->dim[rt->rank - 1] != pt->dim[pt->rank - 1] ||
+      ir_type_numel(rt) != ir_type_numel(pt))
+    return false;
+  bool reads = false;
+  for (int i = g->first; i < g->first + g->n; i++) {
+    const IrOp *op = f->ops[i];
+    for (int k = 0; k < op->nargs; k++) {
+      if (op->args[k].param || op->args[k].value != product) continue;
+      reads = true;
+      if (ir_op_row(op->kind)) continue;   // a norm reads its operand's rows
+      if (!ir_scalar_reads_element(op->kind, k) || ir_type_numel(&op->result->type) != ir_type_numel(pt)) return false;
+    }
+  }
+  return reads;
+}
+
+// The groups of f that are not the element-by-element kernels above: on CUDA the gate's chain and
+// each run of updates that can share a launch (a function on one stream: the run's table of
+// ranges, codegen/lower.c), on the CPU which groups run in a GEMM's pieces.
+static void other_groups(IrModule *m, IrFunc *f, bool cpu, int *next_id, int *ngate, int *nupdate, int *ngemm) {
+  if (cpu) {
+    for (int k = 0; k < f->ngroups; k++)
+      if ((f->groups[k].in_gemm = runs_in_gemm(f, &f->groups[k]))) (*ngemm)++;
+    return;
+  }
+  bool updates = one_stream(f);
+  for (int i = 0; i < f->nops; i++) {
+    const IrOp *a = f->ops[i];
+    if (gate_chain_at(f, i)) {
+      ir_add_group(f, m, (*next_id)++, IR_GROUP_GATE, i, 3);
+      (*ngate)++;
+      i += 2;
+    } else if (updates && (a->kind == IR_OP_OPT_SGD || a->kind == IR_OP_OPT_ADAMW) && !ir_group_at(f, i)) {
+      int n = 1;
+      while (i + n < f->nops && !ir_group_at(f, i + n) && pass_update_joins(a, f->ops[i + n])) n++;
+      ir_add_group(f, m, (*next_id)++, IR_GROUP_UPDATE, i, n);
+      (*nupdate)++;
+      i += n - 1;
+    }
+  }
+}
+
 bool pass_fuse(IrModule *m, PassCtx *ctx) {
   if (!ctx->fuse) return true;
-  int next_id = 0, nfused = 0, ninner = 0;
+  int next_id = 0, nfused = 0, ninner = 0, ngate = 0, nupdate = 0, ngemm = 0;
   for (int fi = 0; fi < m->nfuncs; fi++)
     if (!fuse_func(m, m->funcs[fi], ctx, &next_id, &nfused, &ninner)) return false;
   int only = 0, saved = 0;
@@ -485,9 +612,16 @@ bool pass_fuse(IrModule *m, PassCtx *ctx) {
     fprintf(ctx->log ? ctx->log : stderr,
             "# fuse: dtype bf16: %d GEMM operands and %d more saved activations with a bf16 copy beside them, %d "
             "values stored in bf16 only (only their copies are read)\n", copies, saved, only);
+  int nelement = next_id;
+  for (int fi = 0; fi < m->nfuncs; fi++) other_groups(m, m->funcs[fi], ctx->fuse_cpu, &next_id, &ngate, &nupdate, &ngemm);
+  FILE *log = ctx->log ? ctx->log : stderr;
   if (ctx->verbose)
-    fprintf(ctx->log ? ctx->log : stderr,
-            "# fuse: %d ops in %d fused kernels; %d of their results never leave the kernel\n", nfused,
-            next_id, ninner);
+    fprintf(log, "# fuse: %d ops in %d fused kernels; %d of their results never leave the kernel\n", nfused, nelement,
+            ninner);
+  if (ctx->verbose && ctx->fuse_cpu)
+    fprintf(log, "# fuse: %d of those run in the pieces of the GEMM before them\n", ngemm);
+  else if (ctx->verbose)
+    fprintf(log, "# fuse: %d gate chains (softmax or sigmoid, top-k, gather) and %d runs of updates, one launch each\n",
+            ngate, nupdate);
   return true;
 }

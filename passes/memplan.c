@@ -238,15 +238,19 @@ static void step_ends(IrModule *m, Ranges *R) {
   }
 }
 
-// The members of a fused group (passes/fuse.c: consecutive ops with one `fuse` attribute) run
-// as one kernel, whose threads read every input and write every result over the whole group:
-// op oi's span [*first, *last] (global positions, *first and *last its own position on entry)
-// becomes its group's, so that no result shares bytes with an input of the same kernel.
+// The members of a fused group (passes/fuse.c, the IR's IrGroup) run as one kernel, whose threads
+// read every input and write every result over the whole group: op oi's span [*first, *last]
+// (global positions, *first and *last its own position on entry) becomes its group's, so that no
+// result shares bytes with an input of the same kernel. A group that runs in the pieces of the
+// GEMM before it (in_gemm) spans the GEMM too, and so does the GEMM: other pieces still read its
+// operands and product while a piece's rows go through the group.
 static void fused_span(const IrFunc *f, int oi, int64_t *first, int64_t *last) {
-  int64_t id = ir_op_int(f->ops[oi], "fuse", -1);
-  if (id < 0) return;
-  for (int i = oi - 1; i >= 0 && ir_op_int(f->ops[i], "fuse", -1) == id; i--) (*first)--;
-  for (int i = oi + 1; i < f->nops && ir_op_int(f->ops[i], "fuse", -1) == id; i++) (*last)++;
+  const IrGroup *g = ir_group_at(f, oi);
+  if (!g && oi + 1 < f->nops && (g = ir_group_at(f, oi + 1)) && !(g->first == oi + 1 && g->in_gemm)) g = NULL;
+  if (!g) return;
+  int lo = g->first - (g->in_gemm ? 1 : 0), hi = g->first + g->n - 1;
+  *first -= oi - lo;
+  *last += hi - oi;
 }
 
 // Pass 1: resolve arguments, give results a slot with their definition position, extend each

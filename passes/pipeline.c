@@ -1,6 +1,7 @@
 // The pass pipeline, in order (lang/manual.md §14). One readable loop: run a pass, verify the module,
-// dump it if asked. `fuse` groups the elementwise ops of both targets (on CUDA the gate's softmax,
-// top-k and gather are still fused by codegen/lower.c).
+// dump it if asked. `fuse` decides every fusion of both targets (IrGroup: elementwise chains,
+// norms, column sums; on CUDA the gate's chain and the update runs; on the CPU the groups in a
+// GEMM's pieces).
 #include <stdlib.h>
 #include <string.h>
 
@@ -16,7 +17,7 @@ const PassInfo pass_list[] = {
     {"pipeline", pass_pipeline, "per MoE layer and phase the pipeline degree r (Algorithm 1 and the simulator, or the model's explicit degrees)"},
     {"gradpart", pass_gradpart, "place the dense gradients' AllReduces in the overlap slots of later backward layers"},
     {"schedule", pass_schedule, "split expert regions into r chunks along the capacity, assign streams and events per policy"},
-    {"fuse", pass_fuse, "group elementwise ops, norms, column sums into fused kernels (fuse=G, inner=1; the CPU: loops and column sums)"},
+    {"fuse", pass_fuse, "fused groups (fused G KIND {...}, inner=1): elementwise chains, norms, column sums; CUDA: gate chains, update runs; CPU: groups in GEMM pieces"},
     {"memplan", pass_memplan, "buffer lifetimes over the whole step, arena offsets with reuse, peak bytes"},
 };
 const int pass_count = sizeof pass_list / sizeof pass_list[0];

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # moec dump-ir --dot (ir/ir_dot.c): the graph of several models draws with Graphviz (`dot -Tsvg`
 # exits 0 with an SVG); a fused group is one `subgraph cluster_fuse_G` (as many as the text dump's
-# `fuse=G` numbers); every collective a hexagon, every event wait a dashed edge; --func draws one
+# `fused G KIND ... {` regions); every collective a hexagon, every event wait a dashed edge; --func draws one
 # function, --after the module after that pass, an .ir file as read; odd names (quotes,
 # backslashes, angle brackets, a newline) draw; a wrong --func or option is a clear error.
 . "$(dirname "$0")/../lib.sh"
@@ -34,7 +34,7 @@ for spec in "plain:tests/golden/small.moe" "lm:lang/models/llama_moe.moe" "fused
   name=${spec%%:*} model=${spec#*:}
   draw "$name" "$model" || continue
   "$MOEC" dump-ir "$model" >"$WORK/$name.ir"
-  groups=$(grep -o 'fuse=[0-9]*' "$WORK/$name.ir" | sort -u | wc -l)
+  groups=$(grep -cE '^  fused [0-9]+ ' "$WORK/$name.ir")
   clusters=$(count 'subgraph cluster_fuse_' "$WORK/$name.dot")
   colls=$(grep -cE ' comm\.(allgather|reducescatter|alltoall|allreduce)' "$WORK/$name.ir")   # not split, copy: local
   hexagons=$(count 'shape=hexagon' "$WORK/$name.dot")
@@ -47,7 +47,7 @@ for spec in "plain:tests/golden/small.moe" "lm:lang/models/llama_moe.moe" "fused
   fi
 done
 for name in fused streams mp-ep; do   # what the models above must have, so that the counts test something
-  case $name in fused) want='fuse=' ;; streams) want='wait=' ;; mp-ep) want='comm.alltoall' ;; esac
+  case $name in fused) want='  fused ' ;; streams) want='wait=' ;; mp-ep) want='comm.alltoall' ;; esac
   grep -q "$want" "$WORK/$name.ir" 2>/dev/null || bad "the $name model has no '$want' any more: pick another"
 done
 

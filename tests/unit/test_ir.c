@@ -385,6 +385,34 @@ static const ParseCase parse_cases[] = {
      "test.ir:4:26: error: expected an operand (%value or @param) after ','", 1},
     {"module t\n$\n", "test.ir:2:1: error: unexpected character '$'", 1},
     {"module t\nparam @w: f32[4] {a=1}} \n", "test.ir:2:23: error: expected end of line after the parameter, found '}'", 1},
+    // Fused groups (ir.h's IrGroup): the header's reads and writes are the members', the kind fits them.
+    {HEAD "  fused 0 elementwise reads (%x, @w) writes (%z) {\n    %y: f32[8, 4] = act.relu %x {inner=1}\n"
+          "    %z: f32[8, 4] = add %y, %x\n  }\n  return %z\n}\n",
+     "test.ir:4:3: error: fused group 0 reads %x from outside it (its members' operands), not %x, @w as written", 1},
+    {HEAD "  fused 0 elementwise reads (%x) writes (%y, %z) {\n    %y: f32[8, 4] = act.relu %x {inner=1}\n"
+          "    %z: f32[8, 4] = add %y, %x\n  }\n  return %z\n}\n",
+     "test.ir:4:3: error: fused group 0 writes %z (its members' results without inner=1), not %y, %z as written", 1},
+    {HEAD "  fused 0 elementwize reads (%x) writes (%z) {\n    %z: f32[8, 4] = act.relu %x\n  }\n  return %z\n}\n",
+     "test.ir:4:11: error: expected the group's kind (elementwise, rows, store, colsums, gate, update) after its number; "
+     "did you mean 'elementwise'?", 1},
+    {HEAD "  fused 0 gate reads (%x) writes (%z) {\n    %z: f32[8, 4] = act.relu %x\n  }\n  return %z\n}\n",
+     "test.ir:4:3: error: fused group 0 (gate): a gate group is 3 ops (softmax or sigmoid, topk, gather), not 1", 1},
+    {HEAD "  fused 0 elementwise reads (%x) writes (%z) {\n    %z: f32[8, 4] = matmul %x, @w\n  }\n  return %z\n}\n",
+     "test.ir:4:3: error: fused group 0 (elementwise): 'matmul' is not elementwise (ir/scalar.def)", 1},
+    {HEAD "  fused 0 elementwise in_gemm reads (%x) writes (%z) {\n    %z: f32[8, 4] = act.relu %x\n  }\n  return %z\n}\n",
+     "test.ir:4:3: error: fused group 0 (elementwise): an in_gemm group follows a matmul or expert_matmul", 1},
+    {HEAD "  fused 0 elementwise reads (%x) writes (%z) {\n    fused 1 elementwise reads (%x) writes (%z) {\n"
+          "    %z: f32[8, 4] = act.relu %x\n  }\n  return %z\n}\n",
+     "test.ir:5:5: error: fused groups do not nest: close group 0 with '}' first", 1},
+    {HEAD "  fused 0 elementwise reads () writes () {\n  }\n  return\n}\n", "test.ir:4:3: error: fused group 0 holds no op", 1},
+    {HEAD "  fused 0 elementwise reads (%x) writes (%z) {\n    %z: f32[8, 4] = act.relu %x\n    return %z\n  }\n}\n",
+     "test.ir:6:5: error: 'return' cannot be inside fused group 0", 1},
+    {HEAD "  fused 0 elementwise reads (%x) writes (%z) {\n    %z: f32[8, 4] = act.relu %x\n",
+     "test.ir:5:32: error: expected '}' to close fused group 0", 2},   // and @f
+    {HEAD "  fused 0 elementwise reads %x writes (%z) {\n    %z: f32[8, 4] = act.relu %x\n  }\n  return %z\n}\n",
+     "test.ir:4:29: error: expected '(' after 'reads'", 1},
+    {HEAD "  fused -1 elementwise reads (%x) writes (%z) {\n    %z: f32[8, 4] = act.relu %x\n  }\n  return %z\n}\n",
+     "test.ir:4:9: error: expected the group's number (0 or more) after 'fused'", 1},
     // Errors on several lines are all reported; uses of a value whose definition failed stay quiet.
     {HEAD "  %y: f32[8, 4] = act.relu %nope\n  %z: f32[8, 4] = act.relu %y\n  %w: f32[8, 4] = actt.relu %z\n  return %w\n}\n",
      "test.ir:6:19: error: unknown op 'actt.relu'; did you mean 'act.relu'?", 2},
@@ -406,6 +434,67 @@ static void test_parse_errors(void **state) {
     parsed_free(&p);
     cap_close(&c);
   }
+}
+
+// Fused groups read back as they print: members, kinds, in_gemm; a verifier that finds two
+// groups with one number says so at the second.
+static void test_fused_groups_round_trip(void **state) {
+  (void)state;
+  const char *text = "module t\n\nparam @w: f32[4, 4]\nparam @b: f32[4]\n\n"
+                     "func @f(%x: f32[8, 4]) {\n"
+                     "  %h: f32[8, 4] = matmul %x, @w\n"
+                     "  fused 3 elementwise in_gemm reads (%h, @b) writes (%a) {\n"
+                     "    %hb: f32[8, 4] = bias %h, @b {inner=1}\n"
+                     "    %a: f32[8, 4] = act.gelu %hb\n"
+                     "  }\n"
+                     "  %s: f32[8, 4] = gate.softmax %a\n"
+                     "  fused 7 gate reads (%s) writes (%s2, %i, %g) {\n"
+                     "    %s2: f32[8, 4] = gate.softmax %a\n"
+                     "    %i: i32[8, 2] = gate.topk %s2 {k=2}\n"
+                     "    %g: f32[8, 2] = gate.gather %s2, %i {renorm=1}\n"
+                     "  }\n"
+                     "  return %g\n"
+                     "}\n";
+  Capture c;
+  cap_open(&c);
+  Parsed p = parse_text(&c.d, text);
+  assert_null(p.m);   // the gate group reads %a, not %s
+  assert_contains(cap_text(&c), "fused group 7 reads %a from outside it (its members' operands), not %s as written");
+  cap_close(&c);
+  parsed_free(&p);
+
+  char fixed[2048];
+  snprintf(fixed, sizeof fixed, "%s", text);
+  char *at = strstr(fixed, "reads (%s)");
+  memcpy(at, "reads (%a)", 10);
+  cap_open(&c);
+  p = parse_text(&c.d, fixed);
+  assert_non_null(p.m);
+  if (!ir_verify(&c.d, p.m)) print_error("%s", cap_text(&c));
+  assert_string_equal(cap_text(&c), "");
+  const IrFunc *f = p.m->funcs[0];
+  assert_int_equal(f->ngroups, 2);
+  assert_int_equal(f->groups[0].id, 3);
+  assert_int_equal(f->groups[0].kind, IR_GROUP_ELEMENTWISE);
+  assert_true(f->groups[0].in_gemm);
+  assert_int_equal(f->groups[0].first, 1);
+  assert_int_equal(f->groups[0].n, 2);
+  assert_int_equal(f->groups[1].kind, IR_GROUP_GATE);
+  assert_ptr_equal(ir_group_at(f, 5), &f->groups[1]);
+  assert_null(ir_group_at(f, 3));
+  char *printed = ir_print_to_string(p.m);
+  assert_string_equal(printed, fixed);
+  free(printed);
+  // Two groups numbered alike: the verifier says so.
+  f->groups[1].id = 3;
+  assert_false(ir_verify(&c.d, p.m));
+  assert_contains(cap_text(&c), "fused group 3 is numbered twice in the module");
+  // Removing a member shrinks its group; removing the last one removes the group.
+  f->groups[1].id = 7;
+  ir_remove_op(p.m->funcs[0], f->ops[3]);   // %s, before the gate group: it moves up
+  assert_int_equal(f->groups[1].first, 3);
+  cap_close(&c);
+  parsed_free(&p);
 }
 
 // The whole diagnostic: location, message, the source line and the caret under the op name.
@@ -929,6 +1018,7 @@ int main(void) {
       cmocka_unit_test(test_odd_names_round_trip),
       cmocka_unit_test(test_parse_errors),
       cmocka_unit_test(test_parse_error_snippet),
+      cmocka_unit_test(test_fused_groups_round_trip),
       cmocka_unit_test(test_parse_comments_and_spacing),
       cmocka_unit_test(test_parse_garbage),
       cmocka_unit_test(test_verify_errors),

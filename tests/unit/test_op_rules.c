@@ -267,11 +267,11 @@ static const char *const xent_module =
 
 static void expect_split(const IrFunc *f, int kernel, int part_kernel, int64_t parts, int64_t div) {
   CgLaunch l;
-  assert_true(cg_lower(NULL, f, 0, false, &l));   // the CPU: one call, no scratch
+  assert_true(cg_lower(f, 0, false, &l));   // the CPU: one call, no scratch
   assert_int_equal(l.ncalls, 1);
   assert_int_equal(l.call[0].kernel, kernel);
   assert_int_equal(l.scratch_bytes, 0);
-  assert_true(cg_lower(NULL, f, 0, true, &l));    // CUDA: partial sums, then their sum
+  assert_true(cg_lower(f, 0, true, &l));    // CUDA: partial sums, then their sum
   assert_int_equal(l.ncalls, 2);
   assert_int_equal(l.call[0].kernel, part_kernel);
   assert_int_equal(l.call[0].grid, parts);

@@ -3,7 +3,8 @@
 // alive at the same time share a byte, keeps saved activations alive into the backward pass,
 // and reuses memory; the pipeline stops and dumps where asked; the planner's stack (pass_stack),
 // priced from the IR, equals lang/manual.md §8's workloads (sched_layer_cost) in the paper's setting;
-// the cost pass prices fused kernels and CUDA's update run one launch each.
+// the cost pass prices fused kernels and CUDA's update run one launch each; the fuse pass's groups
+// of other kernels (the gate's chain, the updates, the groups in a GEMM's pieces).
 #include <setjmp.h>
 #include <stdarg.h>
 #include <stddef.h>
@@ -55,6 +56,13 @@ static void release(Built *b) {
   pass_ctx_free(&b->ctx);
   ir_module_free(b->m);
   ir_source_free(b->src);
+}
+
+// The number of op's fused group when it is a generated kernel's (elementwise, rows, store,
+// colsums), else -1 (none, or the gate's chain or a run of updates).
+static int64_t gid(const IrOp *op) {
+  const IrGroup *g = ir_group_of(op);
+  return g && g->kind != IR_GROUP_GATE && g->kind != IR_GROUP_UPDATE ? g->id : -1;
 }
 
 static void test_autodiff_one_grad_per_param(void **state) {
@@ -124,13 +132,85 @@ static void check_plan(const Built *b) {
         const PassMemSlot *s = copy ? &plan->copy[v->func->index][v->id] : &plan->slot[v->func->index][v->id];
         if (s->kind == PASS_MEM_NONE) {
           assert_false(copy);
-          assert_true(v->func == b->m->funcs[i] && ir_op_int(op, "fuse", -1) >= 0 &&
-                      ir_op_int(op, "fuse", -1) == ir_op_int(v->def, "fuse", -2));
+          assert_true(v->func == b->m->funcs[i] && gid(op) >= 0 &&
+                      gid(op) == gid(v->def));
         } else if (s->kind == PASS_MEM_ARENA) {
           assert_true(s->first <= pos && pos <= s->last);
         }
       }
     }
+}
+
+// Whether values a and b of the memory plan share bytes of the arena.
+static bool share_bytes(const PassMemPlan *plan, const IrValue *a, const IrValue *b) {
+  const PassMemSlot *x = &plan->slot[a->func->index][a->id], *y = &plan->slot[b->func->index][b->id];
+  return x->kind == PASS_MEM_ARENA && y->kind == PASS_MEM_ARENA && x->offset < y->offset + y->bytes &&
+         y->offset < x->offset + x->bytes;
+}
+
+// The fuse pass decides the other kernels' groups too. CUDA: each forward's gate softmax, top-k
+// and gather are one `gate` group whose four tensors (the logits, scores, idx, gates) memplan keeps
+// apart, and the optimizer's updates one `update` group (AdamW, one setting). The CPU: no such
+// groups, but groups that run in the pieces of the GEMM before them (in_gemm), whose results
+// share no bytes with the GEMM's operands or product. Without the pass, no group at all.
+static void test_fuse_groups_of_other_kernels(void **state) {
+  (void)state;
+  Built b;
+  build_fused(&b, model_text(2, 1.0, 2, 1), true);
+  int gates = 0, updates = 0;
+  for (int fi = 0; fi < b.m->nfuncs; fi++) {
+    const IrFunc *f = b.m->funcs[fi];
+    for (int k = 0; k < f->ngroups; k++) {
+      const IrGroup *g = &f->groups[k];
+      assert_false(g->in_gemm);
+      if (g->kind == IR_GROUP_GATE) {
+        gates++;
+        assert_int_equal(g->n, 3);
+        const IrValue *v[4] = {f->ops[g->first]->args[0].value, f->ops[g->first]->result, f->ops[g->first + 1]->result,
+                               f->ops[g->first + 2]->result};
+        for (int p = 0; p < 4; p++)
+          for (int q = p + 1; q < 4; q++) assert_false(share_bytes(b.ctx.memplan, v[p], v[q]));
+      } else if (g->kind == IR_GROUP_UPDATE) {
+        updates++;
+        assert_int_equal(f->role, IR_ROLE_OPTIMIZER);
+        assert_int_equal(g->first, 0);
+        int opts = 0;
+        for (int i = 0; i < f->nops; i++) opts += f->ops[i]->kind == IR_OP_OPT_ADAMW;
+        assert_int_equal(g->n, opts);
+      }
+    }
+  }
+  assert_int_equal(gates, 2);   // a layer each
+  assert_int_equal(updates, 1);
+  release(&b);
+
+  build_target(&b, model_text(2, 1.0, 2, 1), true, true);
+  int in_gemm = 0;
+  for (int fi = 0; fi < b.m->nfuncs; fi++) {
+    const IrFunc *f = b.m->funcs[fi];
+    for (int k = 0; k < f->ngroups; k++) {
+      const IrGroup *g = &f->groups[k];
+      assert_true(g->kind != IR_GROUP_GATE && g->kind != IR_GROUP_UPDATE);
+      if (!g->in_gemm) continue;
+      in_gemm++;
+      const IrOp *gemm = f->ops[g->first - 1];
+      assert_true(gemm->kind == IR_OP_MATMUL || gemm->kind == IR_OP_EXPERT_MATMUL);
+      for (int i = g->first; i < g->first + g->n; i++) {
+        const IrValue *r = f->ops[i]->result;
+        if (ir_op_int(f->ops[i], "inner", 0)) continue;
+        assert_false(share_bytes(b.ctx.memplan, r, gemm->result));
+        for (int a = 0; a < 2; a++)
+          if (gemm->args[a].value) assert_false(share_bytes(b.ctx.memplan, r, gemm->args[a].value));
+      }
+    }
+  }
+  assert_true(in_gemm >= 2);   // each layer's expert bias and GELU, in the first expert GEMM's pieces
+  printf("# fuse cpu: %d groups in the GEMMs' pieces\n", in_gemm);
+  release(&b);
+
+  build_fused(&b, model_text(2, 1.0, 2, 1), false);
+  for (int fi = 0; fi < b.m->nfuncs; fi++) assert_int_equal(b.m->funcs[fi]->ngroups, 0);
+  release(&b);
 }
 
 static void test_memplan_no_overlap(void **state) {
@@ -182,15 +262,15 @@ static void test_fuse_groups_elementwise_chains(void **state) {
     const IrFunc *f = b.m->funcs[fi];
     for (int i = 0; i < f->nops; i++) {
       const IrOp *op = f->ops[i];
-      int64_t id = ir_op_int(op, "fuse", -1);
+      int64_t id = gid(op);
       if (id < 0) continue;
       assert_true(ir_op_scalar(op->kind) || ir_op_row(op->kind) || ir_op_colsum(op->kind) >= 0 || ir_op_store(op->kind));
       if (ir_op_colsum(op->kind) >= 0) colsums++;
-      if (i == 0 || ir_op_int(f->ops[i - 1], "fuse", -1) != id) {   // a group's first op
+      if (i == 0 || gid(f->ops[i - 1]) != id) {   // a group's first op
         groups++;
-        assert_true(i + 1 < f->nops && ir_op_int(f->ops[i + 1], "fuse", -1) == id);   // two ops at least
+        assert_true(i + 1 < f->nops && gid(f->ops[i + 1]) == id);   // two ops at least
         for (int j = i + 2; j < f->nops; j++)   // members are consecutive: the id does not come back
-          if (ir_op_int(f->ops[j - 1], "fuse", -1) != id) assert_int_not_equal(ir_op_int(f->ops[j], "fuse", -1), id);
+          if (gid(f->ops[j - 1]) != id) assert_int_not_equal(gid(f->ops[j]), id);
       }
       if (ir_op_int(op, "inner", 0)) {
         inner++;
@@ -207,8 +287,8 @@ static void test_fuse_groups_elementwise_chains(void **state) {
   assert_non_null(hb);
   assert_non_null(act);
   assert_int_equal(act->def->index, hb->def->index + 1);
-  assert_int_not_equal(ir_op_int(hb->def, "fuse", -1), -1);
-  assert_int_equal(ir_op_int(hb->def, "fuse", -1), ir_op_int(act->def, "fuse", -2));
+  assert_int_not_equal(gid(hb->def), -1);
+  assert_int_equal(gid(hb->def), gid(act->def));
   assert_int_equal(ir_op_int(hb->def, "inner", 0), 0);   // the backward reads it
   assert_int_equal(b.ctx.memplan->slot[fwd->index][hb->id].kind, PASS_MEM_ARENA);
   assert_true(groups >= 2);
@@ -218,7 +298,7 @@ static void test_fuse_groups_elementwise_chains(void **state) {
 
   build_fused(&b, model_text(2, 1.0, 2, 1), false);
   for (int fi = 0; fi < b.m->nfuncs; fi++)
-    for (int i = 0; i < b.m->funcs[fi]->nops; i++) assert_int_equal(ir_op_int(b.m->funcs[fi]->ops[i], "fuse", -1), -1);
+    for (int i = 0; i < b.m->funcs[fi]->nops; i++) assert_int_equal(gid(b.m->funcs[fi]->ops[i]), -1);
   release(&b);
 
   // dtype bf16: every GEMM operand the step makes has a bf16 copy (2 bytes an element) that lives
@@ -300,14 +380,14 @@ static void test_fuse_prologues_and_column_sums(void **state) {
           const IrValue *v = op->args[a].value;
           if (v && v->def && v->func == f) assert_true(v->def->index < i);
         }
-        int64_t id = ir_op_int(op, "fuse", -1);
+        int64_t id = gid(op);
         if (op->kind == IR_OP_ORDER_ENCODE && bf16) {
           assert_true(id >= 0 && ir_op_int(op, "bf16", 0) == 1);
           encode_copy++;
         }
-        if (id < 0 || (i > 0 && ir_op_int(f->ops[i - 1], "fuse", -1) == id)) continue;
+        if (id < 0 || (i > 0 && gid(f->ops[i - 1]) == id)) continue;
         int n = 1;   // a group's first op: its members
-        while (i + n < f->nops && ir_op_int(f->ops[i + n], "fuse", -1) == id) n++;
+        while (i + n < f->nops && gid(f->ops[i + n]) == id) n++;
         for (int j = 0; j < n; j++) {
           const IrOp *mj = f->ops[i + j];
           if (ir_op_row(mj->kind))   // a prologue member before it that leaves the kernel
@@ -339,7 +419,7 @@ static void test_fuse_prologues_and_column_sums(void **state) {
     const IrFunc *f = b.m->funcs[fi];
     for (int i = 0; i < f->nops; i++) {
       const IrOp *op = f->ops[i];
-      int64_t id = ir_op_int(op, "fuse", -1);
+      int64_t id = gid(op);
       if (id < 0) continue;
       assert_true(ir_op_scalar(op->kind) || ir_op_colsum(op->kind) >= 0 || ir_op_row(op->kind));
       assert_int_equal(ir_op_int(op, "bf16", 0), 0);
@@ -348,11 +428,11 @@ static void test_fuse_prologues_and_column_sums(void **state) {
         assert_int_equal(ir_op_int(op, "inner", 0), 0);
         assert_int_equal(b.ctx.memplan->slot[fi][op->result->id].kind, PASS_MEM_ARENA);
         for (int a = 0; a < op->nargs; a++)   // what it reads from a member has memory too
-          if (op->args[a].value && op->args[a].value->def && ir_op_int(op->args[a].value->def, "fuse", -1) == id)
+          if (op->args[a].value && op->args[a].value->def && gid(op->args[a].value->def) == id)
             assert_int_equal(ir_op_int(op->args[a].value->def, "inner", 0), 0);
       }
       const IrOp *first = op;
-      for (int j = i; j >= 0 && ir_op_int(f->ops[j], "fuse", -1) == id; j--) first = f->ops[j];
+      for (int j = i; j >= 0 && gid(f->ops[j]) == id; j--) first = f->ops[j];
       assert_int_equal(ir_op_colsum(op->kind) >= 0, ir_op_colsum(first->kind) >= 0);
       if (ir_op_colsum(op->kind) >= 0) {
         sums++;
@@ -584,6 +664,7 @@ int main(void) {
       cmocka_unit_test(test_pipeline_stop_after),
       cmocka_unit_test(test_fuse_groups_elementwise_chains),
       cmocka_unit_test(test_fuse_prologues_and_column_sums),
+      cmocka_unit_test(test_fuse_groups_of_other_kernels),
       cmocka_unit_test(test_lower_bf16_by_target),
       cmocka_unit_test(test_capacity_whole_stays_whole),
       cmocka_unit_test(test_stack_prices_design_workloads),
