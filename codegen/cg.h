@@ -27,7 +27,7 @@ void cg_launches_free(CgLaunches *ls);
 int cg_cuda_generated_kernels(const CgLaunches *ls);
 // Writes the CUDA C translation unit of module m's device kernels (codegen/emit_cuda.c): one
 // extern "C" __global__ kernel `mk_<op>` per op kind the module uses other than GEMMs (cuBLAS)
-// and collectives (NCCL), fused gate kernels where the gate's ops allow, the fused groups'
+// and collectives (NCCL), fused gate kernels for the fuse pass's gate groups, the fused groups'
 // generated kernels, no host code and no #include, ready for NVRTC.
 bool cg_emit_cuda(IrDiag *d, FILE *out, const IrModule *m, const CgLaunches *ls);
 // The fused groups' kernels of m as host C++ for the fake device of the tests
