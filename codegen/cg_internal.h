@@ -171,6 +171,9 @@ bool cg_lower(const IrFunc *f, int i, unsigned how, CgLaunch *l);
 // The same from op i's lowering alone (cg_lower_op's, NULL: it has none), which it does not lower
 // again: what cg_lower_module calls with each op lowered once.
 bool cg_lower_from(const IrFunc *f, int i, unsigned how, const CgLaunch *alone, CgLaunch *l);
+// CUDA's whole-tensor loss op (loss.mse, loss.xent) as a grid of partial sums (CG_LOWER_FUSE):
+// their number, the divisor of their sum and the scale of mk_sum_parts; false for other ops.
+bool cg_split_reduction(const IrOp *op, int64_t *parts, int64_t *div, double *scale);
 // The elements of a block of an update run's launch (each parameter's range starts a block).
 enum { CG_UPDATE_CHUNK = 4096 };
 // How the CUDA target lowers the ops of m (CG_LOWER_FUSE, and CG_LOWER_BF16 with dtype bf16).

@@ -84,6 +84,8 @@ typedef struct Host {
   int64_t group_size[5];     // RtGroup order: world, dp, mp, ep, esp
   bool group_nccl[5];        // a collective on a group of more than one rank
   int64_t *staged;           // host offset of a value of the current function, by id (-1 none)
+  const IrOp *loss_op;       // the loss op whose launch sums partial sums (cg_split_reduction), or NULL
+  int64_t loss_parts;        // and where they are in the staging area
   char output[96];           // the device address of the model's output ("" none)
   // `aux pooled` (rt_pool_finish): each pooled layer's statistics [2, E], their device address
   // and staging offset, written back to the device after the forward's epilogue pools them
@@ -674,6 +676,7 @@ static bool emit_op(Host *h, const IrFunc *f, int i, const CgLaunch *lp, IrStrea
   if (l.ncalls > 0 && has_arg(&l.call[0], CG_ARG_RANGES) && !update_ranges(h, f, i, l.nops)) return false;
   for (int k = 0; k < l.ncalls; k++)
     if (!emit_kernel(h, f, i, &l.call[k], s, stats, scratch)) return false;
+  if (scratch >= 0 && l.ncalls == 2 && l.call[1].kernel == CG_K_SUM_PARTS) h->loss_op = op, h->loss_parts = scratch;
   if (op->kind == IR_OP_HOOK_RECORD) {
     int64_t off = stats;
     fprintf(h->epi, "  rt_record_stats(st, \"");
@@ -710,6 +713,13 @@ static void function_epilogue(Host *h, const IrFunc *f) {
     int64_t off = h->staged[v->id];
     if (f->role == IR_ROLE_LOSS_FWD && r == 0) {
       fprintf(h->epi, "  st->mse = *(const float *)(H + %" PRId64 ");\n", off);
+      int64_t parts, div;
+      double scale;
+      // --check-grad differences the loss before its rounding to float: the partial sums the
+      // step read back, added in double (rt_loss_exact, runtime/kernels/loss.c)
+      if (v->def == h->loss_op && cg_split_reduction(v->def, &parts, &div, &scale))
+        fprintf(h->epi, "  rt_loss_exact_parts((const double *)(H + %" PRId64 "), %" PRId64 ", %" PRId64 ", %.17g);\n",
+                h->loss_parts, parts, div, scale);
     } else if (layer && v->def->kind == IR_OP_GATE_AUX_POOLED) {  // pooled on the host, then back (emit_step)
       const IrType *scores = &v->def->args[0].value->type;
       fprintf(h->epi, "  rt_pool_layer(st, (float *)(H + %" PRId64 "), %" PRId64 ", %" PRId64 ", %.17g);\n", off,

@@ -385,19 +385,29 @@ bool cg_lower_op(const IrOp *op, CgLaunch *l) {
 
 static int64_t parts_for(int64_t items) { return items < 1 ? 1 : items > CG_MAX_PARTS ? CG_MAX_PARTS : items; }
 
+bool cg_split_reduction(const IrOp *op, int64_t *parts, int64_t *div, double *scale) {
+  if (op->kind != IR_OP_LOSS_MSE && op->kind != IR_OP_LOSS_XENT) return false;
+  const IrType *x = cg_operand_type(&op->args[0]);
+  bool mse = op->kind == IR_OP_LOSS_MSE;
+  int64_t rows = x->dim[0], n = ir_type_numel(x);
+  *div = mse ? 2 * n : rows;
+  // mse: >= 8 elements a thread; xent: a block a row
+  *parts = parts_for(mse ? (n + 8 * CG_CUDA_BLOCK - 1) / (8 * CG_CUDA_BLOCK) : rows);
+  *scale = ir_op_float(op, "scale", 1);
+  return true;
+}
+
 // The one-block launch in l of op (loss.mse or loss.xent) as a grid of partial sums and
 // mk_sum_parts, built from the op as its KERNEL rule is (ops.def: mse(x0, x1, y, n0, @scale=1),
 // xent(x0, x1, y, x0.0, x0.1, @scale=1)): the same shapes, result and scale, named, not taken from
 // the one-block call's argument positions.
 static void split_reduction(const IrOp *op, CgLaunch *l) {
-  if (l->lib || l->ncalls != 1 || (op->kind != IR_OP_LOSS_MSE && op->kind != IR_OP_LOSS_XENT)) return;
+  int64_t parts, div;
+  double scale;
+  if (l->lib || l->ncalls != 1 || !cg_split_reduction(op, &parts, &div, &scale)) return;
   const IrType *x = cg_operand_type(&op->args[0]);
-  double scale = ir_op_float(op, "scale", 1);
   bool mse = op->kind == IR_OP_LOSS_MSE;
   int64_t rows = x->dim[0], cols = x->rank > 1 ? x->dim[1] : 1, n = ir_type_numel(x);
-  int64_t div = mse ? 2 * n : rows;
-  // mse: >= 8 elements a thread; xent: a block a row
-  int64_t parts = parts_for(mse ? (n + 8 * CG_CUDA_BLOCK - 1) / (8 * CG_CUDA_BLOCK) : rows);
   memset(l->call, 0, sizeof l->call);   // two fresh calls (call() sets only kernel and grid)
   l->ncalls = 0;
   CgKernelCall *c = call(l, mse ? CG_K_MSE_PART : CG_K_XENT_PART, parts);

@@ -149,6 +149,10 @@ float rt_mse_value(const float *out, const float *target, int64_t n);   // sum (
 // The last rt_mse's or rt_xent's loss in double when value is that loss rounded to float (within
 // 4 ulps), else value: the step's loss before rounding, for --check-grad (kernels/loss.c).
 double rt_loss_exact(double value);
+// The CUDA program's loss from the partial sums of its split reduction (codegen/lower.c's
+// cg_split_reduction), read back after the step: scale * (their sum in double) / div, what
+// rt_loss_exact gives next.
+void rt_loss_exact_parts(const double *part, int64_t n, int64_t div, double scale);
 // The record hook: writes one JSON line {"step", "layer", "point", "numel", "mean", "max_abs",
 // "dropped"} to st->record (nothing when NULL); dropped is the layer's dropped fraction so far.
 void rt_record(RtStep *st, const char *point, int layer, const float *x, int64_t n);

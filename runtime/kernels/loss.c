@@ -15,6 +15,12 @@ double rt_loss_exact(double value) {
   return fabs(last_exact - value) <= 4 * 0x1p-23 * fabs(value) ? last_exact : value;
 }
 
+void rt_loss_exact_parts(const double *part, int64_t n, int64_t div, double scale) {
+  double acc = 0.0;
+  for (int64_t i = 0; i < n; i++) acc += part[i];
+  last_exact = div > 0 ? scale * acc / (double)div : 0.0;
+}
+
 // ---- mean squared error ----
 
 static double mse_sum(const float *out, const float *target, int64_t n) {
