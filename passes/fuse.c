@@ -35,7 +35,8 @@
 // runs after, a param.grad of another sum's group in the way): an op goes into the group that produced one of its operands if it can, else into
 // the latest group it can join, else it starts one. Groups of one op are left as they were.
 // The cost pass asks for the same grouping before this pass runs (pass_fuse_plan: nothing moves,
-// the column sums are not sunk, streams not yet assigned) to price each group as one launch.
+// the column sums are not sunk, streams not yet assigned; on CUDA the gate's chains too) to price
+// each group as one launch.
 //
 // What the pass changes: the members of a group move to just before its last member, keeping
 // their order (nothing between read them, so the program computes the same values), and become a
@@ -290,12 +291,21 @@ static double kernel_floats(const IrModule *m, const IrFunc *f, const Group *g) 
   return n;
 }
 
+static bool gate_chain_at(const IrFunc *f, int i);
+
 int pass_fuse_plan(const IrModule *m, const IrFunc *f, bool cpu, int *group_of, double *floats) {
   Group *groups = calloc((size_t)(f->nops > 0 ? f->nops : 1), sizeof *groups);
   if (!groups) return -1;
   int ngroups = f->nops < 2 ? 0 : plan_groups(m, f, cpu, groups, group_of), nplan = 0;
   if (f->nops < 2)
     for (int b = 0; b < f->nops; b++) group_of[b] = -1;
+  for (int i = 0; !cpu && i + 2 < f->nops; i++)   // CUDA: the gate's chains, one kernel each
+    if (gate_chain_at(f, i) && group_of[i] < 0 && group_of[i + 1] < 0 && group_of[i + 2] < 0) {
+      groups[ngroups] = (Group){.member = {i, i + 1, i + 2}, .n = 3, .row = -1};
+      for (int k = 0; k < 3; k++) group_of[i + k] = ngroups;
+      ngroups++;
+      i += 2;
+    }
   for (int g = 0; g < ngroups; g++) {   // the groups of two or more, numbered from 0
     if (groups[g].n < 2) {
       for (int k = 0; k < groups[g].n; k++) group_of[groups[g].member[k]] = -1;

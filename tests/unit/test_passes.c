@@ -608,7 +608,8 @@ static void test_stack_prices_design_workloads(void **state) {
 
 // The cost pass prices the program that runs (passes/cost.c): each group the fuse pass makes is
 // one launch over the floats its kernel moves, on its last member (the others 0), and on CUDA the
-// optimizer's one run of AdamW ops is one launch; --no-fuse prices every op on its own, dearer.
+// optimizer's one run of AdamW ops is one launch and a gate's softmax, top-k and gather one kernel;
+// --no-fuse prices every op on its own, dearer.
 static double priced_total(const char *text, const SchedCluster *c, bool fuse, int *groups, int *alphas) {
   IrDiag d;
   ir_diag_init(&d, stderr);
@@ -633,6 +634,8 @@ static double priced_total(const char *text, const SchedCluster *c, bool fuse, i
         (*groups)++;
       }
       if (op->kind == IR_OP_OPT_ADAMW && t >= c->update_adamw.alpha) (*alphas)++;
+      if (op->kind == IR_OP_GATE_TOPK) assert_true(fuse ? t == 0 && g >= 0 : t > 0);   // inside the gate's kernel
+      if (op->kind == IR_OP_GATE_GATHER && fuse) assert_true(g >= 0 && t > 0);       // which it carries
     }
   pass_ctx_free(&ctx);
   ir_module_free(m);
