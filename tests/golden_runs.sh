@@ -6,14 +6,18 @@
 # is built for the CPU and for the CUDA target on the fake device (MOEC_CUDA_FAKE=1), trained 3
 # steps with --dump on the ranks its layout needs, and its losses and dump files (first step:
 # input, target, output, loss, every whole gradient) must be bit-identical to
-# tests/golden/runs.txt.
+# tests/golden/runs.txt. And the two targets' runs of each model are bit-identical to each other
+# (losses and every dump file): the CUDA program on the fake device computes the CPU program's
+# bits, whatever was recorded. tests/cuda/host.sh leaves these models' CPU = fake device
+# comparisons to this suite (the very programs and runs it would build and make again).
 #
-#   tests/golden_runs.sh            compare (one ok/FAIL line per model and target)
+#   tests/golden_runs.sh            compare (one ok/FAIL line per model and target, and one per
+#                                   model: its two targets against each other)
 #   tests/golden_runs.sh --record   rewrite tests/golden/runs.txt (only when a change is meant
 #                                   to change the numbers; say so in the commit)
 #
 # OpenBLAS runs on one thread with the Haswell kernels (OPENBLAS_CORETYPE), so that the bits do
-# not depend on which x86-64 CPU runs the test; without AVX2 the comparison is skipped.
+# not depend on which x86-64 CPU runs the test; without AVX2 the comparisons are skipped.
 set -u
 cd "$(dirname "$0")/.."
 BUILD=${BUILD:-build}
@@ -83,6 +87,17 @@ while read -r name target np sha losses; do
   elif [ "$want" = "$name $target $np $sha $losses" ]; then echo "ok    golden run $name $target ($np): losses and dumps bit-identical to the recorded run"
   else echo "FAIL  golden run $name $target: got $np $sha $losses, recorded $(echo "$want" | cut -d' ' -f3-)"; fi
 done <"$WORK/runs"
+# The fake device against the CPU: each model's CUDA run has the CPU run's ranks, losses and sha
+# of the dump files (a model whose CPU run failed has its FAIL line above).
+if [ "$targets" = "cpu cuda" ]; then
+  while read -r name target np sha losses; do
+    [ "$target" = cpu ] || continue
+    cuda=$(awk -v n="$name" '$1 == n && $2 == "cuda"' "$WORK/runs")
+    if [ -z "$cuda" ]; then continue   # its cuda run failed: a FAIL line above
+    elif [ "$cuda" = "$name cuda $np $sha $losses" ]; then echo "ok    golden run $name: the fake device's run ($np) is bit-identical to the CPU program's (losses and dumps)"
+    else echo "FAIL  golden run $name: the fake device's run differs from the CPU program's: cuda $(echo "$cuda" | cut -d' ' -f3-), cpu $np $sha $losses"; fi
+  done <"$WORK/runs"
+fi
 # A recorded run this one did not make (a model removed or renamed): the goldens are stale.
 while read -r name target _; do
   case "$name" in \#*) continue ;; esac
