@@ -205,11 +205,15 @@ graph_same sched 4
 graph_same lm_mp 4
 graph_same tiny_bf16 1
 
+# tiny op by op (--no-fuse) on the fake device, with -v: the planted faults below take its link
+# line, the --no-fuse check further below its launch count and the program itself.
+MOEC_CUDA_FAKE=1 "$MOEC" build lang/models/tiny.moe --target cuda --no-fuse -v -o "$WORK/tiny_nofuse.cuda" 2>"$WORK/nf.err"
+
 # The checks can fail: tiny's program (op by op, no fused kernels to compile) with the gate noise
 # launched as a plain launch replays the second step's noise at the third, and with a read-back in
 # its forward it is refused at the capture.
-if "$MOEC" build lang/models/tiny.moe --target cuda --no-fuse --emit c -o "$WORK/gm.c" 2>"$WORK/gm.err" &&
-   link=$(MOEC_CUDA_FAKE=1 "$MOEC" build lang/models/tiny.moe --target cuda --no-fuse -v -o "$WORK/gm0" 2>&1 | sed -n 's/^# link: //p') &&
+if [ -x "$WORK/tiny_nofuse.cuda" ] && "$MOEC" build lang/models/tiny.moe --target cuda --no-fuse --emit c -o "$WORK/gm.c" 2>"$WORK/gm.err" &&
+   link=$(sed -n 's/^# link: //p' "$WORK/nf.err") &&
    [ -n "$link" ] && c_file=$(echo "$link" | tr ' ' '\n' | grep -m1 '\.c$') && [ -n "$c_file" ] &&
    sed 's/launch_step(\([0-9]*\), RT_STREAM_COMPUTE, mk_gate_noise,/launch(\1, RT_STREAM_COMPUTE, mk_gate_noise,/' "$WORK/gm.c" >"$WORK/gm_stale.c" &&
    awk '{print} /^static void f0\(RtStep \*st\) \{/ {print "  CK(rt_cuda_sync(cu, RT_STREAM_COMPUTE), 0);"}' "$WORK/gm.c" >"$WORK/gm_sync.c" &&
@@ -225,7 +229,7 @@ if "$MOEC" build lang/models/tiny.moe --target cuda --no-fuse --emit c -o "$WORK
     bad "cuda host graphs: the planted faults were not caught" "$(grep -h '^step' "$WORK/gm_stale.cuda.out" "$WORK/tiny.cpu.out"; tail -n 3 "$WORK/gm_sync.cuda.out")"
   fi
 else
-  bad "cuda host graphs: building the planted programs" "$(tail -n 5 "$WORK/gm.err")"
+  bad "cuda host graphs: building the planted programs" "$(tail -n 5 "$WORK/nf.err" "$WORK/gm.err")"
 fi
 
 # The shared expert's programs bit for bit too (scale_rows and its gradient sum in the CPU's order).
@@ -400,10 +404,10 @@ fi
 
 # --no-fuse (issue 39): the CUDA program op by op (the gate chain unfused, each loss reduced by one
 # block, an update launch per tensor) trains as the fused one does, bit for bit on the fake device,
-# and the fused program's "unfused" count (moec build -v) is what the --no-fuse build launches.
-if MOEC_CUDA_FAKE=1 "$MOEC" build lang/models/tiny.moe --target cuda --no-fuse -v -o "$WORK/tiny_nofuse.cuda" 2>"$WORK/nf.err" &&
-   "$MOEC" build lang/models/tiny.moe --target cuda -v --emit c -o "$WORK/tiny_f.c" 2>"$WORK/f.err" &&
-   unf=$(sed -n 's/^# launches: \([0-9]*\) kernels, .* per step (unfused: \([0-9]*\) kernels)$/\1 \2/p' "$WORK/f.err") &&
+# and the fused program's "unfused" count (moec build -v) is what the --no-fuse build launches
+# (the programs: tiny_nofuse.cuda, built above, and the fused one's -v of the update's check).
+if [ -x "$WORK/tiny_nofuse.cuda" ] &&
+   unf=$(sed -n 's/^# launches: \([0-9]*\) kernels, .* per step (unfused: \([0-9]*\) kernels)$/\1 \2/p' "$WORK/u.err") &&
    nf=$(sed -n 's/^# launches: \([0-9]*\) kernels, .* per step (--no-fuse: each op alone)$/\1/p' "$WORK/nf.err") &&
    [ -n "$nf" ] && [ "${unf#* }" = "$nf" ] && [ "${unf% *}" -lt "$nf" ] &&
    run tiny_nofuse cuda 1 --steps 3 --dump tiny_nofuse.dump && run tiny cuda 1 --steps 3 --dump tiny_fused.dump &&
@@ -411,7 +415,7 @@ if MOEC_CUDA_FAKE=1 "$MOEC" build lang/models/tiny.moe --target cuda --no-fuse -
    why=$(compare_dumps "$WORK/tiny_fused.dump" "$WORK/tiny_nofuse.dump" 0); then
   ok "cuda host: tiny --no-fuse ($nf kernels a step, fused ${unf% *}) trains as the fused program: losses and --dump equal ($why)"
 else
-  bad "cuda host: --no-fuse" "$(grep 'per step' "$WORK/f.err" "$WORK/nf.err"; tail -n 5 "$WORK/nf.err" "$WORK/tiny_nofuse.cuda.out" 2>/dev/null)"
+  bad "cuda host: --no-fuse" "$(grep 'per step' "$WORK/u.err" "$WORK/nf.err"; tail -n 5 "$WORK/nf.err" "$WORK/tiny_nofuse.cuda.out" 2>/dev/null)"
 fi
 
 # The fuse pass (issue 39): gpt_moe_bytes's elementwise chains (a norm's scale and bias, the q, k
