@@ -21,7 +21,8 @@
 # and not on others) fails there on any machine. threads and golden-runs are not in it: they set
 # OPENBLAS_CORETYPE and MOERT_VECTOR themselves (threads runs every vector path with its kernels;
 # golden-runs pins Haswell's, so that its recorded bytes hold on every AVX2 CPU). A suite sees
-# TESTS_SECOND_PASS=1 there (mpi-twin runs its layouts nearest their tolerance only).
+# TESTS_SECOND_PASS=1 there (mpi-twin runs its layouts nearest their tolerance only; lm-recompute,
+# lm-shard and lm-vocab their claims of equal bits only, not --check-grad, plans and refusals).
 #
 # Every suite is a script that prints one line per check (`ok    WHAT`, `FAIL  WHAT`, or
 # `skip  WHAT: WHY`) and exits non-zero on a failure; a suite that reports nothing, or exits
