@@ -56,10 +56,6 @@ const char *cg_group_enum(const IrOp *op);
 IrStream cg_op_stream(const IrOp *op);
 const IrType *cg_operand_type(const IrOperand *a);
 const char *cg_stream_enum(IrStream s);   // "RT_STREAM_INTRA"; none and compute are compute
-// Whether f's ops run on several streams (ops on the intra or inter stream; MOEC_STREAMS=0 in
-// the environment turns this off, and such functions run in program order on one stream).
-bool cg_func_scheduled(const IrFunc *f);
-
 // The events of scheduled function f, renumbered 0, 1, ... in program order: rec[i] when op i
 // records one (local[i] its number, else -1). Collectives on one group must not overlap and
 // must be issued in the same order on every rank, so a collective also waits for the previous

@@ -248,7 +248,7 @@ static bool emit_op(Emit *e, const IrFunc *f, int i) {
 }
 
 // ---- scheduled functions: a task table for rt_run_streams (runtime/streams.c) ----
-// A function with ops on the intra or inter stream (cg_func_scheduled) is emitted as tasks: runs of
+// A function with ops on the intra or inter stream (ir_func_concurrent) is emitted as tasks: runs of
 // consecutive ops on one stream, cut before an op that waits and after an op that records an event,
 // one static function each, and a table {stream, fn, waits, event} in program order; the step
 // calls rt_run_streams on it. Events are cg_events' (renumbered per function, a collective
@@ -307,7 +307,7 @@ out:
 
 static bool emit_func(Emit *e, const IrFunc *f) {
   fprintf(e->out, "  /* @%s */\n", f->name);
-  if (cg_func_scheduled(f)) {
+  if (ir_func_concurrent(f)) {
     fprintf(e->out, "  rt_run_streams(st->streams, st, tasks_%d, (int)(sizeof tasks_%d / sizeof tasks_%d[0]), tasks_%d_events);\n",
             f->index, f->index, f->index, f->index);
     return true;
@@ -326,7 +326,7 @@ static bool team_update(const IrModule *m) {
   for (int i = 0; i < m->nfuncs; i++) {
     const IrFunc *f = m->funcs[i];
     if (f->role != IR_ROLE_OPTIMIZER) continue;
-    if (cg_func_scheduled(f)) return false;
+    if (ir_func_concurrent(f)) return false;
     for (int j = 0; j < f->nops; j++)
       if (f->ops[j]->kind != IR_OP_OPT_SGD && f->ops[j]->kind != IR_OP_OPT_ADAMW) return false;
   }
@@ -475,7 +475,7 @@ bool cg_emit_c(IrDiag *d, FILE *out, const IrModule *m, const PassMemPlan *plan,
   bool ok = true;
   for (int i = 0; ok && i < m->nfuncs; i++) {
     int nt = 0, nev = 0;
-    if (!cg_func_scheduled(m->funcs[i])) continue;
+    if (!ir_func_concurrent(m->funcs[i])) continue;
     fprintf(out, "/* @%s: tasks for rt_run_streams */\n", m->funcs[i]->name);
     ok = emit_tasks(&e, m->funcs[i], i, &nt, &nev);
     fprintf(out, "enum { tasks_%d_events = %d };\n\n", i, nev);

@@ -475,7 +475,7 @@ static int value_copy(Host *h, const IrFunc *f, const IrOp *op, int k, const cha
   if (!v || !v->def || !cg_spell_copy(&h->sp, v, dst, n)) return 0;
   const IrOp *maker = v->def;
   if (pass_writes_copy(maker)) return 1;   // its fused kernel writes it (else rounded here, once)
-  if (cg_func_scheduled(f) || cg_func_scheduled(v->func)) return 0;
+  if (ir_func_concurrent(f) || ir_func_concurrent(v->func)) return 0;
   for (int j = 0; j < h->ncopied; j++)
     if (h->copied[j] == v) return 1;
   if (h->ncopied == h->cap_copied) {
@@ -745,7 +745,7 @@ static void function_epilogue(Host *h, const IrFunc *f) {
 }
 
 static bool emit_function(Host *h, const IrFunc *f) {
-  bool scheduled = cg_func_scheduled(f);
+  bool scheduled = ir_func_concurrent(f);
   CgEvents ev = {0};
   if (scheduled && !cg_events(h->d, f, &ev)) return false;
   if (scheduled && EV_BASE + ev.count > h->max_events) h->max_events = EV_BASE + ev.count;
@@ -859,7 +859,7 @@ static int64_t slot_casts(const Host *h, double *bytes) {
   for (int fi = 0; fi < h->m->nfuncs; fi++) {
     const IrFunc *f = h->m->funcs[fi];
     const IrValue *in_slot[IR_STREAM_INTER + 1][2] = {{NULL}};   // forgotten at each function's start
-    bool scheduled = cg_func_scheduled(f);
+    bool scheduled = ir_func_concurrent(f);
     for (int i = 0; i < f->nops; i++) {
       const IrOp *op = f->ops[i];
       if (op->kind != IR_OP_MATMUL && op->kind != IR_OP_EXPERT_MATMUL) continue;

@@ -1,5 +1,5 @@
 // Layer 1 of codegen/ (the bottom): facts about a scheduled, memory-planned module that every
-// layer above reads: which functions run on several streams (cg_func_scheduled) and their events
+// layer above reads: the events of functions on several streams
 // (cg_events, cg_op_waits), each parameter's float offset (cg_param_offsets, cg_grad_floats),
 // the parallel groups and streams of ops, operand types, whether the GEMMs read bf16
 // (cg_bf16_gemms) and how the CUDA target lowers (cg_cuda_lowering), a GEMM's shape (cg_gemm).
@@ -11,19 +11,9 @@
 #include "cg_internal.h"
 
 // ---- scheduled functions and their events ----
-// A function with ops on the intra or inter stream runs them on several streams (the CPU program
-// as task tables for rt_run_streams, the CUDA host program on CUDA streams). Events are renumbered
-// per function, a collective waiting for the previous one on its group. MOEC_STREAMS=0 in the
-// environment runs scheduled functions straight-line as before.
-bool cg_func_scheduled(const IrFunc *f) {
-  const char *env = getenv("MOEC_STREAMS");
-  if (env && strcmp(env, "0") == 0) return false;
-  for (int i = 0; i < f->nops; i++)
-    if (f->ops[i]->stream == IR_STREAM_INTRA || f->ops[i]->stream == IR_STREAM_INTER) return true;
-  return false;
-}
-
-
+// A function whose ops run on several streams (ir_func_concurrent) is emitted as task tables for
+// rt_run_streams (the CPU program) or on CUDA streams (the CUDA host program). Events are
+// renumbered per function, a collective waiting for the previous one on its group.
 const char *cg_stream_enum(IrStream s) {
   return s == IR_STREAM_INTRA ? "RT_STREAM_INTRA" : s == IR_STREAM_INTER ? "RT_STREAM_INTER" : "RT_STREAM_COMPUTE";
 }

@@ -85,17 +85,24 @@ static bool gate_fits(const IrFunc *f, const IrGroup *g, char *why, size_t size)
   return true;
 }
 
-// Optimizer updates of one kind (AdamW's with one beta1, beta2 and eps), each of a parameter.
-static bool update_fits(const IrFunc *f, const IrGroup *g, char *why, size_t size) {
+bool ir_update_joins(const IrOp *a, const IrOp *b) {
   static const char *const settings[] = {"beta1", "beta2", "eps"};
+  if ((a->kind != IR_OP_OPT_SGD && a->kind != IR_OP_OPT_ADAMW) || b->kind != a->kind) return false;
+  if (!a->nargs || !a->args[0].param || !b->nargs || !b->args[0].param) return false;
+  for (int k = 0; a->kind == IR_OP_OPT_ADAMW && k < 3; k++)
+    if (ir_op_float(b, settings[k], 0) != ir_op_float(a, settings[k], 0)) return false;
+  return true;
+}
+
+// Optimizer updates that each join the first (ir_update_joins).
+static bool update_fits(const IrFunc *f, const IrGroup *g, char *why, size_t size) {
   const IrOp *a = f->ops[g->first];
   for (int i = g->first; i < g->first + g->n; i++) {
     const IrOp *b = f->ops[i];
-    if ((b->kind != IR_OP_OPT_SGD && b->kind != IR_OP_OPT_ADAMW) || b->kind != a->kind || !b->nargs || !b->args[0].param)
-      return why_not(why, size, b, "is not an update of the group's kind");
-    for (int k = 0; b->kind == IR_OP_OPT_ADAMW && k < 3; k++)
-      if (ir_op_float(b, settings[k], 0) != ir_op_float(a, settings[k], 0))
-        return snprintf(why, size, "the updates differ in %s", settings[k]), false;
+    if (ir_update_joins(a, b)) continue;
+    if (b->kind == a->kind && (a->kind == IR_OP_OPT_SGD || a->kind == IR_OP_OPT_ADAMW) && b->nargs && b->args[0].param)
+      return snprintf(why, size, "the updates differ in beta1, beta2 or eps"), false;
+    return why_not(why, size, b, "is not an update of a parameter of the group's kind");
   }
   return true;
 }

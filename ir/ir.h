@@ -320,6 +320,14 @@ bool ir_group_io(const IrFunc *f, const IrGroup *g, IrOperand *reads, int *nread
                  int cap);
 // Whether g's members fit its kind (the comment at IrGroupKind); why says how they do not.
 bool ir_group_fits(const IrFunc *f, const IrGroup *g, char *why, size_t size);
+// Whether optimizer update b can share the launch of update a (an update group, IR_GROUP_UPDATE):
+// both updates of a parameter, of one kind, AdamW's with the same beta1, beta2 and eps.
+bool ir_update_joins(const IrOp *a, const IrOp *b);
+// Whether f's ops run on several streams: some op on the intra or inter stream (passes/schedule.c),
+// unless MOEC_STREAMS=0 in the environment, which runs every function straight-line on one
+// stream (lang/manual.md). Codegen emits such a function as streams and events, memplan reuses
+// no memory inside it, the fuse pass joins no updates in it.
+bool ir_func_concurrent(const IrFunc *f);
 // Finds a value by name in f, then in f->saves.
 IrValue *ir_find_value(const IrFunc *f, const char *name);
 void ir_add_ret(IrFunc *f, IrModule *m, IrValue *v);

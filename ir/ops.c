@@ -179,3 +179,11 @@ void ir_type_str(const IrType *t, char *buf, size_t cap) {
     n += snprintf(buf + n, cap - (size_t)n, "%s%lld", i ? ", " : "", (long long)t->dim[i]);
   if (n > 0 && (size_t)n < cap) snprintf(buf + n, cap - (size_t)n, "]");
 }
+
+bool ir_func_concurrent(const IrFunc *f) {
+  const char *env = getenv("MOEC_STREAMS");
+  if (env && strcmp(env, "0") == 0) return false;
+  for (int i = 0; i < f->nops; i++)
+    if (f->ops[i]->stream == IR_STREAM_INTRA || f->ops[i]->stream == IR_STREAM_INTER) return true;
+  return false;
+}

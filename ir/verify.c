@@ -233,8 +233,21 @@ static void check_func(Verifier *V, const IrFunc *f) {
   }
 }
 
-// f's fused groups; ids[] collects the module's ids (counted in *nids) to find one used twice.
-static void check_groups(Verifier *V, const IrFunc *f, int *ids, int *nids) {
+// A fused group of the module, for the check that no id is used twice.
+typedef struct GroupId {
+  int id, func, k;   // its id, its function's index, its place among the function's groups
+} GroupId;
+
+static int by_id(const void *a, const void *b) {
+  const GroupId *x = a, *y = b;
+  if (x->id != y->id) return x->id < y->id ? -1 : 1;
+  if (x->func != y->func) return x->func < y->func ? -1 : 1;
+  return x->k < y->k ? -1 : x->k > y->k;
+}
+
+// f's fused groups (f is the module's function fi); ids[] collects the module's (counted in
+// *nids) for check_group_ids.
+static void check_groups(Verifier *V, const IrFunc *f, int fi, GroupId *ids, int *nids) {
   for (int k = 0; k < f->ngroups; k++) {
     const IrGroup *g = &f->groups[k];
     const IrOp *op = g->first >= 0 && g->first < f->nops ? f->ops[g->first] : NULL;
@@ -247,12 +260,18 @@ static void check_groups(Verifier *V, const IrFunc *f, int *ids, int *nids) {
       op_error(V, f, g->first, op, "fused groups %d and %d overlap", f->groups[k - 1].id, g->id);
     else if (!ir_group_fits(f, g, why, sizeof why))
       op_error(V, f, g->first, op, "fused group %d (%s): %s", g->id, ir_group_kind_name[g->kind], why);
-    for (int j = 0; j < *nids; j++)
-      if (ids[j] == g->id) {
-        op_error(V, f, g->first, op, "fused group %d is numbered twice in the module", g->id);
-        break;
-      }
-    ids[(*nids)++] = g->id;
+    ids[(*nids)++] = (GroupId){g->id, fi, k};
+  }
+}
+
+// Every group id once in the module: sorted, a repeated id is reported where it comes again.
+static void check_group_ids(Verifier *V, GroupId *ids, int nids) {
+  qsort(ids, (size_t)nids, sizeof *ids, by_id);
+  for (int i = 1; i < nids; i++) {
+    if (ids[i].id != ids[i - 1].id) continue;
+    const IrFunc *f = V->m->funcs[ids[i].func];
+    const IrGroup *g = &f->groups[ids[i].k];
+    op_error(V, f, g->first, f->ops[g->first], "fused group %d is numbered twice in the module", g->id);
   }
 }
 
@@ -302,10 +321,11 @@ bool ir_verify(IrDiag *d, const IrModule *m) {
   }
   int ngroups = 0, nids = 0;
   for (int i = 0; i < m->nfuncs; i++) ngroups += m->funcs[i] ? m->funcs[i]->ngroups : 0;
-  int *ids = malloc(sizeof *ids * (size_t)(ngroups + 1));
+  GroupId *ids = malloc(sizeof *ids * (size_t)(ngroups + 1));
   if (!ids) return ir_oom(d);
   for (int i = 0; i < m->nfuncs; i++)
-    if (m->funcs[i]) check_groups(&V, m->funcs[i], ids, &nids);
+    if (m->funcs[i]) check_groups(&V, m->funcs[i], i, ids, &nids);
+  check_group_ids(&V, ids, nids);
   free(ids);
   return d->errors == before;
 }

@@ -274,15 +274,6 @@ static bool price_op(const IrModule *m, const IrOp *op, const SchedCluster *c, c
   return priced_op;
 }
 
-// Whether f runs on one stream (no op on the intra or inter stream): then the CUDA program
-// updates a run of optimizer ops in one launch (passes/fuse.c's update groups, pass_update_joins),
-// and each op of the run after its first costs no launch.
-static bool on_one_stream(const IrFunc *f) {
-  for (int i = 0; i < f->nops; i++)
-    if (f->ops[i]->stream == IR_STREAM_INTRA || f->ops[i]->stream == IR_STREAM_INTER) return false;
-  return true;
-}
-
 // What a member evaluating exp, tanh or erf adds to its kernel beyond moving its floats: its
 // price per element less the elementwise price of its own floats (the kernel's floats are
 // priced once for the group).
@@ -311,13 +302,15 @@ static void drop_attr(IrOp *op, const char *key) {
 static int price_func(IrModule *m, IrFunc *f, const SchedCluster *c, const Groups *gs, const int *group_of,
                       const double *floats, bool cuda, int *next_group) {
   int priced = 0, base = *next_group;
-  bool one_stream = cuda && on_one_stream(f);
+  // on one stream the CUDA program updates a run of optimizer ops in one launch (the fuse pass's
+  // update groups, ir_update_joins): each op of the run after its first costs no launch
+  bool one_stream = cuda && !ir_func_concurrent(f);
   double *extra = calloc((size_t)(f->nops > 0 ? f->nops : 1), sizeof *extra);   // a group's math
   if (!extra) return -1;
   for (int j = 0; j < f->nops; j++) {
     IrOp *op = f->ops[j];
     double n, t;   // on CUDA a run of updates is one launch: its first op's
-    if (!price_op(m, op, c, gs, cuda && one_stream && j > 0 && pass_update_joins(f->ops[j - 1], f->ops[j]), &n, &t)) continue;
+    if (!price_op(m, op, c, gs, cuda && one_stream && j > 0 && ir_update_joins(f->ops[j - 1], f->ops[j]), &n, &t)) continue;
     int g = group_of ? group_of[j] : -1;
     drop_attr(op, "cost_fused");
     if (g >= 0) {

@@ -318,14 +318,17 @@ int pass_fuse_plan(const IrModule *m, const IrFunc *f, bool cpu, int *group_of, 
   return nplan;
 }
 
-// The kind of group g (IrGroupKind).
-static IrGroupKind kind_of(const Group *g) {
-  return g->colsum ? IR_GROUP_COLSUMS : g->store ? IR_GROUP_STORE : g->row >= 0 ? IR_GROUP_ROWS : IR_GROUP_ELEMENTWISE;
+// The kind (IrGroupKind) of a group with a column sum, a storing op or a row-wise op among its
+// members (the fuse pass makes no group of two of them).
+static IrGroupKind kind_with(bool colsum, bool store, bool row) {
+  return colsum ? IR_GROUP_COLSUMS : store ? IR_GROUP_STORE : row ? IR_GROUP_ROWS : IR_GROUP_ELEMENTWISE;
 }
+
+static IrGroupKind kind_of(const Group *g) { return kind_with(g->colsum, g->store, g->row >= 0); }
 
 // A group of op alone (dtype bf16: a kernel generated to write its value and its copy).
 static void group_alone(IrModule *m, IrOp *op, int *next_id) {
-  IrGroupKind kind = ir_op_row(op->kind) ? IR_GROUP_ROWS : ir_op_store(op->kind) ? IR_GROUP_STORE : IR_GROUP_ELEMENTWISE;
+  IrGroupKind kind = kind_with(ir_op_colsum(op->kind) >= 0, ir_op_store(op->kind) != NULL, ir_op_row(op->kind) != NULL);
   if (!ir_add_group(op->func, m, (*next_id)++, kind, op->index, 1)) UNREACHABLE();
 }
 
@@ -532,24 +535,6 @@ static bool gate_chain_at(const IrFunc *f, int i) {
          c->nwaits == 0;
 }
 
-bool pass_update_joins(const IrOp *a, const IrOp *b) {
-  static const char *const settings[] = {"beta1", "beta2", "eps"};
-  if ((a->kind != IR_OP_OPT_SGD && a->kind != IR_OP_OPT_ADAMW) || b->kind != a->kind || !b->args[0].param) return false;
-  for (int k = 0; a->kind == IR_OP_OPT_ADAMW && k < 3; k++)
-    if (ir_op_float(b, settings[k], 0) != ir_op_float(a, settings[k], 0)) return false;
-  return true;
-}
-
-// Whether f runs on one stream: no op on the intra or inter stream (or MOEC_STREAMS=0 in the
-// environment, which runs such a function straight-line: codegen/facts.c).
-static bool one_stream(const IrFunc *f) {
-  const char *env = getenv("MOEC_STREAMS");
-  if (env && strcmp(env, "0") == 0) return true;
-  for (int i = 0; i < f->nops; i++)
-    if (f->ops[i]->stream == IR_STREAM_INTRA || f->ops[i]->stream == IR_STREAM_INTER) return false;
-  return true;
-}
-
 // The CPU: whether group g of f runs row by row in the pieces of the GEMM just before it, as each
 // piece's thread finishes its rows (rt_matmul_rows, rt_expert_matmul_rows): a group of elementwise
 // ops and norms over rows as long as the product's that reads the product only row by row (a
@@ -594,7 +579,7 @@ static void other_groups(IrModule *m, IrFunc *f, bool cpu, int *next_id, int *ng
       if ((f->groups[k].in_gemm = runs_in_gemm(f, &f->groups[k]))) (*ngemm)++;
     return;
   }
-  bool updates = one_stream(f);
+  bool updates = !ir_func_concurrent(f);
   for (int i = 0; i < f->nops; i++) {
     const IrOp *a = f->ops[i];
     if (gate_chain_at(f, i)) {
@@ -603,7 +588,7 @@ static void other_groups(IrModule *m, IrFunc *f, bool cpu, int *next_id, int *ng
       i += 2;
     } else if (updates && (a->kind == IR_OP_OPT_SGD || a->kind == IR_OP_OPT_ADAMW) && !ir_group_at(f, i)) {
       int n = 1;
-      while (i + n < f->nops && !ir_group_at(f, i + n) && pass_update_joins(a, f->ops[i + n])) n++;
+      while (i + n < f->nops && !ir_group_at(f, i + n) && ir_update_joins(a, f->ops[i + n])) n++;
       ir_add_group(f, m, (*next_id)++, IR_GROUP_UPDATE, i, n);
       (*nupdate)++;
       i += n - 1;

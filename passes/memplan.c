@@ -43,13 +43,6 @@ static int by_first(const void *a, const void *b) {
   return x->order < y->order ? -1 : x->order > y->order;
 }
 
-// Ops on more than one stream (passes/schedule.c): the function runs them concurrently.
-static bool streamed(const IrFunc *f) {
-  for (int i = 0; i < f->nops; i++)
-    if (f->ops[i]->stream == IR_STREAM_INTRA || f->ops[i]->stream == IR_STREAM_INTER) return true;
-  return false;
-}
-
 // The live ranges of every value of the step (pass 1), which pack (pass 2) places in the arena.
 // Arguments share their source's slot, so resolution goes through pointers: where[fi][v] is the
 // slot of value v of function fi (one of storage[], or input or target).
@@ -192,7 +185,7 @@ static bool streamed_ranges(IrModule *m, Ranges *R, int fi, int64_t fstart, int6
 
 static bool extend_streamed(IrModule *m, PassCtx *ctx, Ranges *R, const int64_t *fstart, const int64_t *fend) {
   for (int fi = 0; fi < m->nfuncs; fi++) {
-    if (!streamed(m->funcs[fi])) continue;
+    if (!ir_func_concurrent(m->funcs[fi])) continue;
     R->nstreamed++;
     if (!streamed_ranges(m, R, fi, fstart[fi], fend[fi])) return ir_oom(ctx->d);
   }

@@ -112,9 +112,6 @@ int pass_price(IrModule *m, const SchedCluster *c, const PassCtx *ctx);
 // group g's kernel reads and writes (its operands from outside, its results read outside). Both
 // arrays hold f->nops entries. Returns the number of groups, -1 when out of memory.
 int pass_fuse_plan(const IrModule *m, const IrFunc *f, bool cpu, int *group_of, double *floats);
-// Whether optimizer update b can share the launch of update a, just before it (CUDA, a function
-// on one stream: passes/fuse.c's update groups): the same kind, AdamW's beta1, beta2 and eps.
-bool pass_update_joins(const IrOp *a, const IrOp *b);
 
 // One MoE layer as the planner sees it (passes/cost.c): its functions, in forward order.
 typedef struct PassLayer {

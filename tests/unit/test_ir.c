@@ -413,6 +413,14 @@ static const ParseCase parse_cases[] = {
      "test.ir:4:29: error: expected '(' after 'reads'", 1},
     {HEAD "  fused -1 elementwise reads (%x) writes (%z) {\n    %z: f32[8, 4] = act.relu %x\n  }\n  return %z\n}\n",
      "test.ir:4:9: error: expected the group's number (0 or more) after 'fused'", 1},
+    // An update group: updates of parameters that join the first (ir_update_joins).
+    {"module t\nparam @w: f32[4, 4]\nparam @v: f32[4]\nfunc @f() {\n  fused 0 update reads (@w, @v) writes () {\n"
+     "    opt.adamw @w {beta1=0.9, beta2=0.999, eps=1e-08, lr=0.003}\n"
+     "    opt.adamw @v {beta1=0.8, beta2=0.999, eps=1e-08, lr=0.003}\n  }\n  return\n}\n",
+     "test.ir:5:3: error: fused group 0 (update): the updates differ in beta1, beta2 or eps", 1},
+    {"module t\nparam @w: f32[4, 4]\nparam @v: f32[4]\nfunc @f() {\n  fused 0 update reads (@w, @v) writes () {\n"
+     "    opt.adamw @w {beta1=0.9, beta2=0.999, eps=1e-08, lr=0.003}\n    opt.sgd @v {lr=0.003}\n  }\n  return\n}\n",
+     "test.ir:5:3: error: fused group 0 (update): 'opt.sgd' is not an update of a parameter of the group's kind", 1},
     // Errors on several lines are all reported; uses of a value whose definition failed stay quiet.
     {HEAD "  %y: f32[8, 4] = act.relu %nope\n  %z: f32[8, 4] = act.relu %y\n  %w: f32[8, 4] = actt.relu %z\n  return %w\n}\n",
      "test.ir:6:19: error: unknown op 'actt.relu'; did you mean 'act.relu'?", 2},
@@ -495,6 +503,29 @@ static void test_fused_groups_round_trip(void **state) {
   assert_int_equal(f->groups[1].first, 3);
   cap_close(&c);
   parsed_free(&p);
+}
+
+// A function with an op on the intra or inter stream runs concurrently, unless MOEC_STREAMS=0.
+static void test_func_concurrent(void **state) {
+  (void)state;
+  const char *head = HEAD "  %y: f32[8, 4] = act.relu %x !{stream=compute}\n  %z: f32[8, 4] = act.relu %y !{stream=";
+  const char *streams[] = {"compute", "intra", "inter"};
+  for (int i = 0; i < 3; i++) {
+    char buf[512];
+    snprintf(buf, sizeof buf, "%s%s}\n  return %%z\n}\n", head, streams[i]);
+    Capture c;
+    cap_open(&c);
+    Parsed p = parse_text(&c.d, buf);
+    if (!p.m) print_error("%s", cap_text(&c));
+    assert_non_null(p.m);
+    unsetenv("MOEC_STREAMS");
+    assert_int_equal(ir_func_concurrent(p.m->funcs[0]), i > 0);
+    setenv("MOEC_STREAMS", "0", 1);
+    assert_false(ir_func_concurrent(p.m->funcs[0]));
+    unsetenv("MOEC_STREAMS");
+    cap_close(&c);
+    parsed_free(&p);
+  }
 }
 
 // The whole diagnostic: location, message, the source line and the caret under the op name.
@@ -1019,6 +1050,7 @@ int main(void) {
       cmocka_unit_test(test_parse_errors),
       cmocka_unit_test(test_parse_error_snippet),
       cmocka_unit_test(test_fused_groups_round_trip),
+      cmocka_unit_test(test_func_concurrent),
       cmocka_unit_test(test_parse_comments_and_spacing),
       cmocka_unit_test(test_parse_garbage),
       cmocka_unit_test(test_verify_errors),
