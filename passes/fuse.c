@@ -598,6 +598,11 @@ static void other_groups(IrModule *m, IrFunc *f, bool cpu, int *next_id, int *ng
 
 bool pass_fuse(IrModule *m, PassCtx *ctx) {
   if (!ctx->fuse) return true;
+  for (int fi = 0; fi < m->nfuncs; fi++)   // IR read back with its groups: fused already, as it says
+    if (m->funcs[fi]->ngroups > 0) {
+      if (ctx->verbose) fprintf(ctx->log ? ctx->log : stderr, "# fuse: the module holds fused groups already; left as it is\n");
+      return true;
+    }
   int next_id = 0, nfused = 0, ninner = 0, ngate = 0, nupdate = 0, ngemm = 0;
   for (int fi = 0; fi < m->nfuncs; fi++)
     if (!fuse_func(m, m->funcs[fi], ctx, &next_id, &nfused, &ninner)) return false;
