@@ -66,8 +66,9 @@ lm_variant() {
 # step_lines OUT: a run's step lines without their times (what two runs of the same bits share).
 step_lines() { grep '^step' "$1" | sed 's/  time.*//'; }
 # plan_peak F.moe: the memory plan's peak per rank in bytes, as `moec build -v` prints it ("" when
-# the build fails).
-plan_peak() { "$MOEC" build "$1" -v -o "$WORK/plan_peak.bin" 2>&1 | sed -n 's/^# memplan: peak .*(\([0-9]*\) bytes)$/\1/p' | tail -n 1; }
+# moec fails). With --emit c: the passes that plan the memory run, the C compiler does not (the
+# program itself is not needed for its plan).
+plan_peak() { "$MOEC" build "$1" -v --emit c -o "$WORK/plan_peak.c" 2>&1 | sed -n 's/^# memplan: peak .*(\([0-9]*\) bytes)$/\1/p' | tail -n 1; }
 # ir_roundtrip F.moe PASS PATTERN...: dump-ir of F after PASS ($WORK/a.ir) reads back the same and
 # holds a line matching each grep pattern; false otherwise ($WORK/err and a diff of $WORK/b.ir say why).
 ir_roundtrip() {

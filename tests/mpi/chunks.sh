@@ -29,35 +29,43 @@ model() {  # schedule-line
 model "" >"$WORK/ref.moe"
 if ! msg=$(run_model ref); then bad "reference (sequential, r = 1)" "$msg"; exit 1; fi
 
-# Every schedule line must have chunked what it asked for (the pass says so with -v).
+# Every schedule line must have chunked what it asked for (the pass says so with -v). Each case's
+# program is built once, with -v (WORK/c_POLICY_RF_RB, its lines in .v), and run REPEAT times; the
+# streams' check below runs four of them again.
 cases=""
 for policy in sequential fsmoe fsmoe-no-iio tutel tutel-improved pipemoe-lina; do
   for r in 1 2 3 4; do cases="$cases $policy:$r:$r"; done
 done
 cases="$cases fsmoe:2:4 fsmoe:4:3 tutel:3:2 fsmoe:5:7 tutel-improved:7:5 pipemoe-lina:13:16"
+# build_case POLICY RF RB: WORK/c_POLICY_RF_RB.moe and its program (name in $name); false when
+# moec build fails (its stderr in WORK/$name.v).
+build_case() {
+  name=c_$1_$2_$3
+  model "schedule { policy $1; pipeline { forward $2; backward $3; } }" >"$WORK/$name.moe"
+  "$MOEC" build "$WORK/$name.moe" -v -o "$WORK/$name" 2>"$WORK/$name.v"
+}
 for c in $cases; do
   IFS=: read -r policy rf rb <<<"$c"
   label="$policy forward $rf backward $rb"
-  model "schedule { policy $policy; pipeline { forward $rf; backward $rb; } }" >"$WORK/chunk.moe"
+  if ! build_case "$policy" "$rf" "$rb"; then bad "$label: moec build" "$(cat "$WORK/$name.v")"; continue; fi
   if [ "$policy" != sequential ]; then
     want=0; [ "$rf" -gt 1 ] && want=$((want + 2)); [ "$rb" -gt 1 ] && want=$((want + 2))
     ef=$((rf < 12 ? rf : 12)) eb=$((rb < 12 ? rb : 12))  # r above the capacity is cut to it
-    v=$("$MOEC" build "$WORK/chunk.moe" -o /dev/null -v 2>&1)
-    got=$(($(grep -c "^# schedule: @[^ ]*\.fwd: .* in $ef chunks" <<<"$v") + $(grep -c "^# schedule: @[^ ]*\.bwd: .* in $eb chunks" <<<"$v")))
+    got=$(($(grep -c "^# schedule: @[^ ]*\.fwd: .* in $ef chunks" "$WORK/$name.v") + $(grep -c "^# schedule: @[^ ]*\.bwd: .* in $eb chunks" "$WORK/$name.v")))
     if [ "$got" != "$want" ]; then
-      bad "$label: expected $want chunked regions ($ef forward, $eb backward chunks), got $got" "$(grep '^# schedule' <<<"$v")"; continue
+      bad "$label: expected $want chunked regions ($ef forward, $eb backward chunks), got $got" "$(grep '^# schedule' "$WORK/$name.v")"; continue
     fi
-    if ! "$MOEC" build "$WORK/chunk.moe" --emit c -o "$WORK/chunk.c" 2>/dev/null || ! grep -q rt_run_streams "$WORK/chunk.c"; then
+    if ! "$MOEC" build "$WORK/$name.moe" --emit c -o "$WORK/chunk.c" 2>/dev/null || ! grep -q rt_run_streams "$WORK/chunk.c"; then
       bad "$label: the generated program does not run the stream executor"; continue
     fi
   fi
   for rep in $(seq "$REPEAT"); do
     tag=$label; [ "$REPEAT" -gt 1 ] && tag="$label (run $rep)"
-    if ! msg=$(run_model chunk); then bad "$tag" "$msg"; continue; fi
-    if ! same_losses "$WORK/ref.out" "$WORK/chunk.out"; then
-      bad "$tag: losses differ from the unchunked run" "$(paste <(losses "$WORK/ref.out") <(losses "$WORK/chunk.out"))"; continue
+    if ! msg=$(run_built "$name"); then bad "$tag" "$msg"; continue; fi
+    if ! same_losses "$WORK/ref.out" "$WORK/$name.out"; then
+      bad "$tag: losses differ from the unchunked run" "$(paste <(losses "$WORK/ref.out") <(losses "$WORK/$name.out"))"; continue
     fi
-    if result=$(compare_dumps "$WORK/ref.dump" "$WORK/chunk.dump"); then
+    if result=$(compare_dumps "$WORK/ref.dump" "$WORK/$name.dump"); then
       ok "$tag: losses and dump equal the unchunked run: $result"
     else
       bad "$tag: dump differs from the unchunked run" "$result"
@@ -69,22 +77,24 @@ done
 # MOERT_STREAMS=0 (one thread, table order) compute the same ops on the same bytes, so a
 # difference is a race: a buffer whose bytes the memory plan gave another value before every
 # user of it had finished (passes/memplan.c reuses buffers inside streamed functions only after
-# what happens before them), or an op that ran before its maker. Two threaded runs per case.
+# what happens before them), or an op that ran before its maker. Two threaded runs per case, of
+# the program built above (fsmoe-no-iio 5:7 is built here).
 for c in fsmoe:3:3 fsmoe:2:4 tutel:4:4 fsmoe-no-iio:5:7 pipemoe-lina:13:16; do
   IFS=: read -r policy rf rb <<<"$c"
   label="$policy forward $rf backward $rb"
-  model "schedule { policy $policy; pipeline { forward $rf; backward $rb; } }" >"$WORK/stream.moe"
-  if ! msg=$( (export MOERT_STREAMS=0; run_model stream) ); then bad "$label, program order" "$msg"; continue; fi
-  mv "$WORK/stream.out" "$WORK/order.out"; rm -rf "$WORK/order.dump"; mv "$WORK/stream.dump" "$WORK/order.dump"
+  name=c_${policy}_${rf}_${rb}
+  if [ ! -x "$WORK/$name" ] && ! build_case "$policy" "$rf" "$rb"; then bad "$label, program order: moec build" "$(cat "$WORK/$name.v")"; continue; fi
+  if ! msg=$(MOERT_STREAMS=0 run_built "$name"); then bad "$label, program order" "$msg"; continue; fi
+  mv "$WORK/$name.out" "$WORK/order.out"; rm -rf "$WORK/order.dump"; mv "$WORK/$name.dump" "$WORK/order.dump"
   for rep in 1 2; do
-    if ! msg=$(run_model stream); then bad "$label, streams (run $rep)" "$msg"; continue; fi
+    if ! msg=$(run_built "$name"); then bad "$label, streams (run $rep)" "$msg"; continue; fi
     if diff <(grep '^step' "$WORK/order.out" | awk '{print $1, $2, $3, $4}') \
-            <(grep '^step' "$WORK/stream.out" | awk '{print $1, $2, $3, $4}') >/dev/null &&
-       diff -r "$WORK/order.dump" "$WORK/stream.dump" >/dev/null; then
+            <(grep '^step' "$WORK/$name.out" | awk '{print $1, $2, $3, $4}') >/dev/null &&
+       diff -r "$WORK/order.dump" "$WORK/$name.dump" >/dev/null; then
       ok "$label: streams = program order, bit for bit (losses and dump, run $rep)"
     else
       bad "$label: streams differ from program order (run $rep): a race" \
-          "$(diff <(grep '^step' "$WORK/order.out") <(grep '^step' "$WORK/stream.out") | head -n 6; diff -rq "$WORK/order.dump" "$WORK/stream.dump" | head -n 6)"
+          "$(diff <(grep '^step' "$WORK/order.out") <(grep '^step' "$WORK/$name.out") | head -n 6; diff -rq "$WORK/order.dump" "$WORK/$name.dump" | head -n 6)"
     fi
   done
 done

@@ -83,13 +83,18 @@ same_losses() {
     awk -v tol="${3:-1e-5}" 'NF != 2 {bad = 1} { d = $1 - $2; if (d < 0) d = -d; s = $1 < 0 ? -$1 : $1; if (d > tol * s + 2e-6) bad = 1; n++ } END { exit bad || n == 0 }'
 }
 
-# run_model NAME [BUILD-ARGS...]: builds WORK/NAME.moe (moec build ARGS) into WORK/NAME and runs
-# it on P ranks for 3 steps with --dump: WORK/NAME.out, WORK/NAME.dump. Needs MOEC, WORK, P and
-# TIMEOUT; on failure prints why and returns 1.
+# run_model NAME [BUILD-ARGS...]: builds WORK/NAME.moe (moec build ARGS; its stderr in WORK/err)
+# into WORK/NAME and runs it on P ranks for 3 steps with --dump: WORK/NAME.out, WORK/NAME.dump.
+# Needs MOEC, WORK, P and TIMEOUT; on failure prints why and returns 1. run_built NAME: the run
+# alone, of the WORK/NAME built before.
 run_model() {
   local name=$1
   shift
   "$MOEC" build "$WORK/$name.moe" "$@" -o "$WORK/$name" 2>"$WORK/err" || { echo "build: $(cat "$WORK/err")"; return 1; }
+  run_built "$name"
+}
+run_built() {
+  local name=$1
   rm -rf "$WORK/$name.dump"
   (cd "$WORK" && timeout "$TIMEOUT" $MPIRUN -np "$P" "./$name" --steps 3 --dump "$name.dump" >"$name.out" 2>&1 </dev/null) ||
     { echo "mpirun -np $P: $(tail -n 20 "$WORK/$name.out")"; return 1; }

@@ -46,12 +46,17 @@ for k in $ks; do
     nodes=$((P / gpn))
     printf 'cluster c { nodes %d; gpus_per_node %d;\n gemm { alpha 1e-2; beta 1e-11; } alltoall { alpha 1e-1; beta 1e-7; }\n allgather { alpha 1e-1; beta 1e-7; } reducescatter { alpha 1e-1; beta 1e-7; } allreduce { alpha 1e-1; beta 1e-7; } }\n' \
       "$nodes" "$gpn" >"$WORK/c.cluster"
-    model twin $((2 * dp)) $((dp * mp)) "$k" "" "" | sed 's/ALGO/nccl/' >"$WORK/twin.moe"
-    if ! "$MOEC" build "$WORK/twin.moe" -o "$WORK/twin" 2>"$WORK/err"; then bad "$name k=$k: twin build" "$(cat "$WORK/err")"; continue; fi
-    rm -rf "$WORK/twin.dump"
-    if ! (cd "$WORK" && timeout "$TIMEOUT" ./twin --steps 3 --dump twin.dump >twin.out 2>&1 </dev/null); then
-      bad "$name k=$k: twin run" "$(tail -n 20 "$WORK/twin.out")"; continue
+    # The twin depends on k, dp and mp only: P4-ep2-esp2 and P4-ep4 share one build and run.
+    tw=twin.$k.$dp.$mp
+    if [ ! -f "$WORK/$tw.out" ]; then
+      model twin $((2 * dp)) $((dp * mp)) "$k" "" "" | sed 's/ALGO/nccl/' >"$WORK/$tw.moe"
+      if ! "$MOEC" build "$WORK/$tw.moe" -o "$WORK/$tw" 2>"$WORK/err"; then bad "$name k=$k: twin build" "$(cat "$WORK/err")"; continue; fi
+      if ! (cd "$WORK" && timeout "$TIMEOUT" "./$tw" --steps 3 --dump "$tw.dump" >"$tw.run" 2>&1 </dev/null); then
+        bad "$name k=$k: twin run" "$(tail -n 20 "$WORK/$tw.run")"; rm -rf "$WORK/$tw.dump"; continue
+      fi
+      mv "$WORK/$tw.run" "$WORK/$tw.out"
     fi
+    rm -rf "$WORK/twin.dump"; ln -s "$tw.dump" "$WORK/twin.dump"; cp "$WORK/$tw.out" "$WORK/twin.out"
     for algo in nccl 1dh 2dh; do
       label="$name k=$k $algo"
       model par 2 1 "$k" "parallel { dp $dp; mp $mp; ep $ep; esp $esp; }" "cluster \"$WORK/c.cluster\";" |
@@ -112,23 +117,30 @@ layer blk x 4 {
 EOF
 }
 # twin_layouts WHAT MODEL-FUNCTION [LAYOUTS [ENV]]: each layout (default: all above), nccl, against
-# its single-rank twin; ENV (VAR=VALUE) set for the layout's ranks only.
+# its single-rank twin; ENV (VAR=VALUE) set for the layout's ranks only. A twin depends on the
+# model, dp and mp only, and is built and run once for the layouts that share them (P4-ep2-esp2 and
+# P4-ep4); a layout's program is built once per model (the planted runs reuse the unplanted's).
 twin_layouts() {
-  local what=$1 fn=$2 label name P dp mp ep esp gpn result
+  local what=$1 fn=$2 label name P dp mp ep esp gpn result tw pb
   while IFS=: read -r name P dp mp ep esp gpn; do
     label="$name $what"
-    printf 'cluster c { nodes %d; gpus_per_node %d;\n gemm { alpha 1e-2; beta 1e-11; } alltoall { alpha 1e-1; beta 1e-7; }\n allgather { alpha 1e-1; beta 1e-7; } reducescatter { alpha 1e-1; beta 1e-7; } allreduce { alpha 1e-1; beta 1e-7; } }\n' \
-      "$((P / gpn))" "$gpn" >"$WORK/c.cluster"
-    "$fn" twin $((2 * dp)) $((dp * mp)) "" "" >"$WORK/twin.moe"
-    "$fn" par 2 1 "parallel { dp $dp; mp $mp; ep $ep; esp $esp; }" "cluster \"$WORK/c.cluster\";" >"$WORK/par.moe"
-    if ! "$MOEC" build "$WORK/twin.moe" -o "$WORK/twin" 2>"$WORK/err" || ! "$MOEC" build "$WORK/par.moe" -o "$WORK/par" 2>>"$WORK/err"; then
-      bad "$label: build" "$(cat "$WORK/err")"; continue
+    tw=twin.$fn.$dp.$mp pb=par.$fn.$name
+    if [ ! -f "$WORK/$tw.out" ]; then
+      "$fn" twin $((2 * dp)) $((dp * mp)) "" "" >"$WORK/$tw.moe"
+      if ! "$MOEC" build "$WORK/$tw.moe" -o "$WORK/$tw" 2>"$WORK/err"; then bad "$label: build" "$(cat "$WORK/err")"; continue; fi
+      if ! (cd "$WORK" && timeout "$TIMEOUT" "./$tw" --steps 3 --dump "$tw.dump" >"$tw.run" 2>&1 </dev/null); then
+        bad "$label: twin run" "$(tail -n 20 "$WORK/$tw.run")"; rm -rf "$WORK/$tw.dump"; continue
+      fi
+      mv "$WORK/$tw.run" "$WORK/$tw.out"
     fi
-    rm -rf "$WORK/twin.dump" "$WORK/par.dump"
-    if ! (cd "$WORK" && timeout "$TIMEOUT" ./twin --steps 3 --dump twin.dump >twin.out 2>&1 </dev/null); then
-      bad "$label: twin run" "$(tail -n 20 "$WORK/twin.out")"; continue
+    if [ ! -x "$WORK/$pb" ]; then
+      printf 'cluster c { nodes %d; gpus_per_node %d;\n gemm { alpha 1e-2; beta 1e-11; } alltoall { alpha 1e-1; beta 1e-7; }\n allgather { alpha 1e-1; beta 1e-7; } reducescatter { alpha 1e-1; beta 1e-7; } allreduce { alpha 1e-1; beta 1e-7; } }\n' \
+        "$((P / gpn))" "$gpn" >"$WORK/c.cluster"
+      "$fn" par 2 1 "parallel { dp $dp; mp $mp; ep $ep; esp $esp; }" "cluster \"$WORK/c.cluster\";" >"$WORK/par.moe"
+      if ! "$MOEC" build "$WORK/par.moe" -o "$WORK/$pb" 2>"$WORK/err"; then bad "$label: build" "$(cat "$WORK/err")"; continue; fi
     fi
-    if ! (cd "$WORK" && env ${4:-} timeout "$TIMEOUT" $MPIRUN -np "$P" ./par --steps 3 --dump par.dump >par.out 2>&1 </dev/null); then
+    rm -rf "$WORK/twin.dump" "$WORK/par.dump"; ln -s "$tw.dump" "$WORK/twin.dump"; cp "$WORK/$tw.out" "$WORK/twin.out"
+    if ! (cd "$WORK" && env ${4:-} timeout "$TIMEOUT" $MPIRUN -np "$P" "./$pb" --steps 3 --dump par.dump >par.out 2>&1 </dev/null); then
       bad "$label: mpirun -np $P" "$(tail -n 20 "$WORK/par.out")"; continue
     fi
     if [ -n "${4:-}" ]; then   # a planted error: the comparison must fail
