@@ -4,6 +4,7 @@
 #define CG_H
 
 #include <stdbool.h>
+#include <stdint.h>
 #include <stdio.h>
 
 #include "../ir/ir.h"
@@ -161,8 +162,18 @@ typedef struct CgCacheKey {
   char hex[33];
 } CgCacheKey;
 CgCacheKey cg_cache_key(int n, const char *const *parts, const size_t *sizes);
+// The same key made piece by piece (a part's length and bytes a call).
+typedef struct CgCacheHash {
+  uint64_t h[2];
+} CgCacheHash;
+CgCacheHash cg_cache_hash_begin(void);
+void cg_cache_hash_add(CgCacheHash *h, const void *data, size_t size);
+CgCacheKey cg_cache_hash_end(const CgCacheHash *h);
 bool cg_cache_get(const CgCacheKey *k, const char *ext, void **data, size_t *size);
 void cg_cache_put(const CgCacheKey *k, const char *ext, const void *data, size_t size);
+// Removes the least recently used entries of kind ext (read or written last longest ago) while
+// they take more than three quarters of most bytes, once they take more than most.
+void cg_cache_prune(const char *ext, size_t most);
 void cg_source_file(const char *name, char *path, size_t size);
 // The flags make found (empty where it found no CUDA toolkit, or no cuBLAS or NCCL).
 extern const char *const cg_cuda_cflags, *const cg_cuda_libs, *const cg_mpi_cflags;

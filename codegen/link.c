@@ -9,8 +9,11 @@
 //
 // A target adds what it needs (CgLinkExtra: codegen/target_cuda.c adds libmoert_cuda, the
 // toolkit's headers, cuBLAS and NCCL).
+#include <dirent.h>
 #include <dlfcn.h>
 #include <errno.h>
+#include <fcntl.h>
+#include <sys/stat.h>
 #include <stdlib.h>
 #include <string.h>
 #include <sys/wait.h>
@@ -121,6 +124,119 @@ void cg_build_file(const char *name, char *path, size_t size) {
   else snprintf(path, size, "%s/%s", MOEC_BUILD, name);
 }
 
+// ---- the build cache's programs (and objects) ----
+// A linked program (or a compiled object: cg_compile_cxx) depends on the command that links it and on the files the command reads: the
+// C program, the other sources and objects and the libraries named by path (their bytes), and
+// the headers of the -I folders of moec's own tree (runtime/, runtime/cuda, tests/cuda). The
+// system's headers and the shared libraries (-l) are the machine's and stay out; a program built
+// after they change is relinked only when moec or libmoert changed too.
+enum { PROGRAMS_MB = 2048 };   // the cache keeps programs up to this size (MOEC_CACHE_PROGRAMS_MB)
+
+static bool hash_file(CgCacheHash *h, const char *path) {
+  int fd = open(path, O_RDONLY);
+  if (fd < 0) return false;
+  char buf[65536];
+  ssize_t n;
+  while ((n = read(fd, buf, sizeof buf)) > 0) cg_cache_hash_add(h, buf, (size_t)n);
+  close(fd);
+  return n == 0;
+}
+
+static int by_name(const void *a, const void *b) { return strcmp(*(char *const *)a, *(char *const *)b); }
+
+// The *.h files of folder dir, in name order.
+static bool hash_headers(CgCacheHash *h, const char *dir) {
+  DIR *dp = opendir(dir);
+  if (!dp) return false;
+  char *names[256];
+  int n = 0;
+  for (struct dirent *de; (de = readdir(dp)) && n < 256;) {
+    size_t len = strlen(de->d_name);
+    if (len > 2 && strcmp(de->d_name + len - 2, ".h") == 0 && (names[n] = strdup(de->d_name))) n++;
+  }
+  closedir(dp);
+  qsort(names, (size_t)n, sizeof *names, by_name);
+  bool ok = true;
+  for (int i = 0; i < n; i++) {
+    char path[4400];
+    snprintf(path, sizeof path, "%s/%s", dir, names[i]);
+    cg_cache_hash_add(h, names[i], strlen(names[i]));
+    ok = hash_file(h, path) && ok;
+    free(names[i]);
+  }
+  return ok;
+}
+
+// The key of the program c links: its words but -o and the program's path, with each file it
+// reads by its bytes; false when an input cannot be read (no caching then).
+static bool program_key(const Command *c, CgCacheKey *key) {
+  const char *root = getenv("MOEC_ROOT");
+  if (!root || !*root) root = MOEC_ROOT;
+  size_t rlen = strlen(root);
+  CgCacheHash h = cg_cache_hash_begin();
+  cg_cache_hash_add(&h, "moec program 1", 14);
+  for (int i = 0; i < c->argc; i++) {
+    const char *a = c->argv[i];
+    if (strcmp(a, "-o") == 0) {
+      i++;
+      continue;
+    }
+    size_t len = strlen(a);
+    bool file = a[0] != '-' && len > 2 && (strcmp(a + len - 2, ".c") == 0 || strcmp(a + len - 2, ".o") == 0 ||
+                                           strcmp(a + len - 2, ".a") == 0 || (len > 4 && strcmp(a + len - 4, ".cpp") == 0));
+    if (!file) cg_cache_hash_add(&h, a, len);
+    else if (!hash_file(&h, a)) return false;   // its bytes, not its name (the C program's is temporary)
+    if (strncmp(a, "-I", 2) == 0 && strncmp(a + 2, root, rlen) == 0 && !hash_headers(&h, a + 2)) return false;
+  }
+  *key = cg_cache_hash_end(&h);
+  return true;
+}
+
+// Writes the cached program of key to path; false when there is none.
+static bool program_from_cache(const CgCacheKey *key, const char *path) {
+  void *data = NULL;
+  size_t size = 0;
+  if (!cg_cache_get(key, "bin", &data, &size)) return false;
+  unlink(path);
+  int fd = open(path, O_WRONLY | O_CREAT | O_TRUNC, 0755);
+  bool ok = fd >= 0 && write(fd, data, size) == (ssize_t)size;
+  if (fd >= 0 && close(fd) != 0) ok = false;
+  free(data);
+  if (!ok) unlink(path);
+  return ok;
+}
+
+static void program_to_cache(const CgCacheKey *key, const char *path) {
+  int fd = open(path, O_RDONLY);
+  struct stat st;
+  if (fd < 0) return;
+  char *data = fstat(fd, &st) == 0 && st.st_size > 0 ? malloc((size_t)st.st_size) : NULL;
+  if (data && read(fd, data, (size_t)st.st_size) == st.st_size) cg_cache_put(key, "bin", data, (size_t)st.st_size);
+  free(data);
+  close(fd);
+  const char *env = getenv("MOEC_CACHE_PROGRAMS_MB");
+  long mb = env && *env ? strtol(env, NULL, 10) : PROGRAMS_MB;
+  cg_cache_prune("bin", (size_t)(mb > 0 ? mb : 0) << 20);
+}
+
+// Runs c, or takes its output (the program, or cg_compile_cxx's object) from the build cache: the
+// same command on the same inputs made it before. -v prints the command either way, and says where the program came from.
+static bool run_cached(IrDiag *d, Command *c, const char *c_path, const char *out_path, bool verbose) {
+  CgCacheKey key;
+  bool keyed = !c->overflow && program_key(c, &key);
+  if (keyed && program_from_cache(&key, out_path)) {
+    if (verbose) {
+      fprintf(stderr, "# link:");
+      for (int i = 0; i < c->argc; i++) fprintf(stderr, " %s", c->argv[i]);
+      fprintf(stderr, "\n# build cache: what this command made before, on the same inputs\n");
+    }
+    return true;
+  }
+  if (!run(d, c, c_path, verbose)) return false;
+  if (keyed) program_to_cache(&key, out_path);
+  return true;
+}
+
 bool cg_link_program(IrDiag *d, const char *c_path, const char *out_path, const CgLinkExtra *extra, bool verbose) {
   const char *root = getenv("MOEC_ROOT");
   char include[4096], lib[4096];
@@ -148,7 +264,7 @@ bool cg_link_program(IrDiag *d, const char *c_path, const char *out_path, const 
   if (extra) add_words(&c, extra->libs);
   add_words(&c, "-lm -o");
   add(&c, out_path);
-  return run(d, &c, c_path, verbose);
+  return run_cached(d, &c, c_path, out_path, verbose);
 }
 
 bool cg_compile_cxx(IrDiag *d, const char *src, const char *obj, const char *flags, bool verbose) {
@@ -160,7 +276,7 @@ bool cg_compile_cxx(IrDiag *d, const char *src, const char *obj, const char *fla
   add(&c, src);
   add(&c, "-o");
   add(&c, obj);
-  return run(d, &c, src, verbose);
+  return run_cached(d, &c, src, obj, verbose);
 }
 
 // The driver's two calls, by their unversioned names, typed without cuda.h (moec is built

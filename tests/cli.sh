@@ -54,3 +54,22 @@ if [ -z "$mismatch" ]; then
 else
   echo "FAIL  moec was built with another configuration than this machine's (rebuild: make):$mismatch"
 fi
+
+# The build cache keeps linked programs (lang/manual.md §14): the same model built again comes
+# from it, byte for byte, and trains alike; a changed model misses it; MOEC_CACHE=off links every
+# time; past MOEC_CACHE_PROGRAMS_MB the least recently used programs go.
+bc=$(mktemp -d)
+sed 's/seed 42;/seed 43;/' lang/models/tiny.moe >"$bc/tiny43.moe"
+sed 's/seed 42;/seed 44;/' lang/models/tiny.moe >"$bc/tiny44.moe"
+b() { MOEC_CACHE=$bc/cache "$MOEC" build -v "$@" 2>&1 >/dev/null | grep -c '^# build cache:'; }
+h1=$(b lang/models/tiny.moe -o "$bc/t1"); h2=$(b lang/models/tiny.moe -o "$bc/t2"); h3=$(b "$bc/tiny43.moe" -o "$bc/t3")
+h4=$(MOEC_CACHE=off "$MOEC" build -v lang/models/tiny.moe -o "$bc/t4" 2>&1 >/dev/null | grep -c '^# build cache:')
+h5=$(MOEC_CACHE_PROGRAMS_MB=1 b "$bc/tiny44.moe" -o "$bc/t5"); left=$(ls "$bc/cache" | grep -c '\.bin$')
+h6=$(b lang/models/tiny.moe -o "$bc/t6")
+l1=$("$bc/t1" --steps 3 | awk '/^step/ {print $4}'); l2=$("$bc/t2" --steps 3 | awk '/^step/ {print $4}')
+if [ "$h1$h2$h3$h4$h5$h6" = 010000 ] && cmp -s "$bc/t1" "$bc/t2" && [ "$left" = 0 ] && [ -n "$l1" ] && [ "$l1" = "$l2" ]; then
+  echo "ok    the build cache: a second build of tiny.moe takes the linked program from it (the same bytes, the same losses); another seed and MOEC_CACHE=off link again, and a link past MOEC_CACHE_PROGRAMS_MB=1 drops the cached programs (tiny.moe links again after it)"
+else
+  echo "FAIL  the build cache of programs: cache lines per build $h1 $h2 $h3 $h4 $h5 $h6 (want 0 1 0 0 0 0), $left programs left after pruning to 1 MiB"
+fi
+rm -rf "$bc"
