@@ -75,6 +75,8 @@ bool cg_nvrtc_images(IrDiag *d, const char *src, const char *arch, void **cubin,
 // and options, the architecture and the source; *cached: the images came from it.
 bool cg_nvrtc_images_cached(IrDiag *d, const char *src, const char *arch, void **cubin, size_t *cubin_size, char **ptx,
                             size_t *ptx_size, bool *cached);
+// The PTX alone through the build cache (MOEC_CUDA_IMAGES=ptx), from an entry of either.
+bool cg_nvrtc_ptx_cached(IrDiag *d, const char *src, const char *arch, char **ptx, size_t *ptx_size, bool *cached);
 
 // ---- targets ----
 // A target is a struct of what a build needs from it, chosen by --target NAME (moec's table in

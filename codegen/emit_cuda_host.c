@@ -1168,9 +1168,15 @@ static void emit_header(Host *h, FILE *out, const char *source_name, const CgCud
   fprintf(out, "/* The kernels (codegen/emit_cuda.c), compiled by NVRTC when moec built this program: the CUBIN\n"
                "   for %s, and the PTX of compute_%d that the driver compiles for newer GPUs. */\n"
                "#define CUBIN_ARCH %d\n", img->arch, arch, arch);
-  fprintf(out, "static _Alignas(64) const unsigned char cubin[] =");
-  put_bytes(out, img->cubin, img->cubin_size);
-  fprintf(out, ";\nstatic const char ptx[] =");
+  if (img->cubin_size > 0) {
+    fprintf(out, "static _Alignas(64) const unsigned char cubin[] =");
+    put_bytes(out, img->cubin, img->cubin_size);
+    fprintf(out, ";\n#define CUBIN cubin\n");
+  } else {   // MOEC_CUDA_IMAGES=ptx
+    fprintf(out, "/* No CUBIN (MOEC_CUDA_IMAGES=ptx): the driver compiles the PTX on sm_%d and newer. */\n"
+                 "#define CUBIN NULL\n", arch);
+  }
+  fprintf(out, "static const char ptx[] =");
   put_bytes(out, (const unsigned char *)img->ptx, strnlen(img->ptx, img->ptx_size));   // the size may count the NUL
   fprintf(out, ";\n\n");
   cg_emit_params(out, m, h->param_offset);
@@ -1263,7 +1269,7 @@ static void emit_header(Host *h, FILE *out, const char *source_name, const CgCud
 static void emit_hooks(Host *h, FILE *out) {
   fprintf(out, "/* ---- the device's hooks (RtDevice, moert.h): runtime/cuda/session.c does the work ---- */\n\n"
                "static const RtCudaProgram program = {\n"
-               "  .cubin = cubin, .cubin_arch = CUBIN_ARCH, .ptx = ptx, .kernel_names = kernel_names, .nkernels = KERNEL_COUNT,\n"
+               "  .cubin = CUBIN, .cubin_arch = CUBIN_ARCH, .ptx = ptx, .kernel_names = kernel_names, .nkernels = KERNEL_COUNT,\n"
                "  .device_bytes = DEVICE_BYTES, .events = EVENTS, .param_floats = PARAM_FLOATS, .grad_floats = GRAD_FLOATS,\n"
                "  .off_grads = OFF_G, .off_m = OFF_M, .off_v = OFF_V, .moments = MOMENTS,\n"
                "  .stage_bytes = STAGE_BYTES, .output_floats = OUTPUT_FLOATS, .input_bytes = ELEMS * sizeof(float),\n  .nccl = {");

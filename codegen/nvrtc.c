@@ -164,3 +164,30 @@ bool cg_nvrtc_images_cached(IrDiag *d, const char *src, const char *arch, void *
   cg_cache_put(&key, "ptx", *ptx, *ptx_size);
   return true;
 }
+
+bool cg_nvrtc_ptx_cached(IrDiag *d, const char *src, const char *arch, char **ptx, size_t *ptx_size, bool *cached) {
+  char sig[512];
+  signature(sig, sizeof sig);
+  // The PTX of a compilation for both images is the one compute_NN gives (cg_nvrtc_images): either
+  // entry serves.
+  const char *both[] = {"moec nvrtc images 1", sig, arch, src}, *alone[] = {"moec nvrtc ptx 1", sig, arch, src};
+  size_t sizes[] = {strlen(both[0]), strlen(sig), strlen(arch), strlen(src)};
+  CgCacheKey key_both = cg_cache_key(4, both, sizes);
+  sizes[0] = strlen(alone[0]);
+  CgCacheKey key = cg_cache_key(4, alone, sizes);
+  void *p = NULL;
+  size_t np = 0;
+  *cached = (cg_cache_get(&key_both, "ptx", &p, &np) || cg_cache_get(&key, "ptx", &p, &np)) && np > 0 &&
+            ((const char *)p)[np - 1] == '\0';
+  if (*cached) {
+    *ptx = p, *ptx_size = np;
+    return true;
+  }
+  free(p);
+  char *text = NULL;
+  size_t n = 0;
+  if (!cg_nvrtc_ptx(d, src, arch, &text, &n)) return false;
+  cg_cache_put(&key, "ptx", text, n);
+  *ptx = text, *ptx_size = n;
+  return true;
+}

@@ -34,7 +34,14 @@ static bool cuda_images(IrDiag *d, const IrModule *m, const CgLaunches *ls, cons
   if (fclose(f) != 0) ok = ir_oom(d);
   void *cubin = NULL;
   char *ptx = NULL;
-  ok = ok && cg_nvrtc_images_cached(d, src, arch, &cubin, &img->cubin_size, &ptx, &img->ptx_size, &img->cached);
+  const char *images = getenv("MOEC_CUDA_IMAGES");
+  if (images && *images && strcmp(images, "ptx") != 0 && strcmp(images, "both") != 0)
+    ok = ok && ir_error(d, "MOEC_CUDA_IMAGES is '%s': 'both' (the CUBIN and the PTX, the default) or 'ptx' (the PTX "
+                           "alone, which the driver compiles when the program starts)", images);
+  if (images && strcmp(images, "ptx") == 0)
+    ok = ok && cg_nvrtc_ptx_cached(d, src, arch, &ptx, &img->ptx_size, &img->cached);
+  else
+    ok = ok && cg_nvrtc_images_cached(d, src, arch, &cubin, &img->cubin_size, &ptx, &img->ptx_size, &img->cached);
   free(src);
   img->arch = arch;
   img->cubin = cubin;
@@ -97,9 +104,15 @@ static bool cuda_emit(IrDiag *d, FILE *out, const IrModule *m, const PassMemPlan
   CgCudaImages img = {0};
   CgLaunches *ls = cg_cuda_launches(d, m);   // each op lowered once, for every emitter
   bool ok = ls && stage_names(d, m, ls) && fake_fused(d, m, ls, o) && cuda_images(d, m, ls, o->arch ? o->arch : "sm_90", &img);
-  if (ok && o->verbose)
-    fprintf(stderr, "# nvrtc: CUBIN for %s %zu bytes, PTX %zu bytes%s, embedded in the program\n", img.arch,
-            img.cubin_size, img.ptx_size, img.cached ? " (from the build cache)" : "");
+  if (ok && o->verbose) {
+    const char *from = img.cached ? " (from the build cache)" : "";
+    if (img.cubin_size)
+      fprintf(stderr, "# nvrtc: CUBIN for %s %zu bytes, PTX %zu bytes%s, embedded in the program\n", img.arch,
+              img.cubin_size, img.ptx_size, from);
+    else
+      fprintf(stderr, "# nvrtc: PTX of %s %zu bytes%s, embedded in the program (no CUBIN: MOEC_CUDA_IMAGES=ptx)\n",
+              img.arch, img.ptx_size, from);
+  }
   ok = ok && cg_emit_cuda_host(d, out, m, plan, o, &img, ls);
   cg_launches_free(ls);
   free((void *)img.cubin);

@@ -165,7 +165,7 @@ bool rt_cuda_alltoall(RtCuda *cu, RtNccl *nc, RtStream s, const float *send, flo
 // (param_floats floats), gradients and AdamW moments at their byte offsets; the program carves
 // the rest itself.
 typedef struct RtCudaProgram {
-  const unsigned char *cubin;        // NVRTC's CUBIN for sm_<cubin_arch>
+  const unsigned char *cubin;        // NVRTC's CUBIN for sm_<cubin_arch> (NULL: none, MOEC_CUDA_IMAGES=ptx)
   int cubin_arch;                    // 90 for sm_90
   const char *ptx;                   // the PTX of compute_<cubin_arch>, which newer GPUs compile
   const char *const *kernel_names;   // the kernels the steps launch, in the program's order

@@ -25,11 +25,12 @@ bool rt_cuda_graphs_wanted(void) {
 }
 
 // The module to load on device d: the CUBIN on its own architecture (same major version, at
-// least its minor), the PTX on a newer one, none on an older one.
+// least its minor), the PTX on a newer one (or on its own, in a program without a CUBIN:
+// MOEC_CUDA_IMAGES=ptx), none on an older one.
 static const void *choose_image(const RtCudaProgram *p, const RtCudaDevice *d) {
-  if (d->arch / 10 == p->cubin_arch / 10 && d->arch >= p->cubin_arch)
+  if (p->cubin && d->arch / 10 == p->cubin_arch / 10 && d->arch >= p->cubin_arch)
     return p->cubin;
-  if (d->arch > p->cubin_arch)
+  if (d->arch > p->cubin_arch || (!p->cubin && d->arch == p->cubin_arch))
     return p->ptx;
   return NULL;
 }

@@ -37,6 +37,9 @@ BUILD=${BUILD:-build}
 MOEC=${MOEC:-$BUILD/moec}
 CUDA=${CUDA:-/usr/local/cuda}
 . tests/cuda/common.sh
+# The fake device loads either image, so these programs embed NVRTC's PTX alone (MOEC_CUDA_IMAGES=ptx,
+# a third of NVRTC's time: no CUBIN); golden-runs' programs carry both and run the CUBIN.
+export MOEC_CUDA_IMAGES=${MOEC_CUDA_IMAGES:-ptx}
 if [ ! -f "$CUDA/include/nvrtc.h" ]; then
   skip "cuda host" "no CUDA toolkit (nothing at $CUDA/include/nvrtc.h)"
   exit 0
@@ -273,6 +276,13 @@ if [ -x "$WORK/tiny.cuda" ]; then
     bad "cuda host tiny: --check-grad" "$(tail -n 15 "$WORK/tiny.cuda.out")"
   fi
   run tiny cpu 1 --steps 4 && cp "$WORK/tiny.cpu.out" "$WORK/tiny4.out"
+  if [ "$MOEC_CUDA_IMAGES" = ptx ]; then
+    if run tiny cuda 1 --steps 1 && grep -q "(sm_90), kernels from the PTX, compiled by the driver" "$WORK/tiny.cuda.out"; then
+      ok "cuda host tiny: a program of MOEC_CUDA_IMAGES=ptx (no CUBIN) loads its PTX on the sm_90 device it was built for"
+    else
+      bad "cuda host tiny: MOEC_CUDA_IMAGES=ptx" "$(grep '^# device' "$WORK/tiny.cuda.out")"
+    fi
+  fi
   if run tiny cuda 1 --steps 2 --save ck && run tiny cuda 1 --steps 4 --resume ck &&
      same_losses <(grep -E '^step [34] ' "$WORK/tiny4.out") "$WORK/tiny.cuda.out" "$TOL"; then
     ok "cuda host tiny: saved after step 2 and resumed, steps 3-4 equal the CPU program's 4-step run"
@@ -579,13 +589,16 @@ fi
 
 # The build cache (codegen/cache.c): a second build of a model takes NVRTC's images from it and
 # writes the same program; MOEC_CACHE=off compiles again.
-if MOEC_CACHE=$WORK/cache "$MOEC" build lang/models/tiny.moe --target cuda --emit c -v -o "$WORK/bc1.c" 2>"$WORK/bc1.err" &&
-   MOEC_CACHE=$WORK/cache "$MOEC" build lang/models/tiny.moe --target cuda --emit c -v -o "$WORK/bc2.c" 2>"$WORK/bc2.err" &&
-   MOEC_CACHE=off "$MOEC" build lang/models/tiny.moe --target cuda --emit c -v -o "$WORK/bc3.c" 2>"$WORK/bc3.err" &&
+if MOEC_CUDA_IMAGES=both MOEC_CACHE=$WORK/cache "$MOEC" build lang/models/tiny.moe --target cuda --emit c -v -o "$WORK/bc1.c" 2>"$WORK/bc1.err" &&
+   MOEC_CUDA_IMAGES=both MOEC_CACHE=$WORK/cache "$MOEC" build lang/models/tiny.moe --target cuda --emit c -v -o "$WORK/bc2.c" 2>"$WORK/bc2.err" &&
+   MOEC_CUDA_IMAGES=both MOEC_CACHE=off "$MOEC" build lang/models/tiny.moe --target cuda --emit c -v -o "$WORK/bc3.c" 2>"$WORK/bc3.err" &&
    ! grep -q 'from the build cache' "$WORK/bc1.err" && grep -q '^# nvrtc: .*(from the build cache)' "$WORK/bc2.err" &&
    ! grep -q 'from the build cache' "$WORK/bc3.err" && cmp -s "$WORK/bc1.c" "$WORK/bc2.c" && cmp -s "$WORK/bc1.c" "$WORK/bc3.c" &&
-   [ "$(ls "$WORK/cache" | wc -l)" -eq 2 ]; then
-  ok "cuda host: the build cache gives NVRTC's images to a second build (the same program; MOEC_CACHE=off compiles)"
+   [ "$(ls "$WORK/cache" | wc -l)" -eq 2 ] &&
+   MOEC_CUDA_IMAGES=ptx MOEC_CACHE=$WORK/cache "$MOEC" build lang/models/tiny.moe --target cuda --emit c -v -o "$WORK/bc4.c" 2>"$WORK/bc4.err" &&
+   grep -q '^# nvrtc: PTX of sm_90 .*(from the build cache)' "$WORK/bc4.err" && [ "$(ls "$WORK/cache" | wc -l)" -eq 2 ] &&
+   grep -q '^#define CUBIN NULL' "$WORK/bc4.c"; then
+  ok "cuda host: the build cache gives NVRTC's images to a second build (the same program; MOEC_CACHE=off compiles), and their PTX to a build of MOEC_CUDA_IMAGES=ptx"
 else
   bad "cuda host: the build cache" "$(grep -h nvrtc "$WORK"/bc*.err; ls "$WORK/cache" 2>&1)"
 fi
