@@ -125,11 +125,12 @@ void cg_build_file(const char *name, char *path, size_t size) {
 }
 
 // ---- the build cache's programs (and objects) ----
-// A linked program (or a compiled object: cg_compile_cxx) depends on the command that links it and on the files the command reads: the
-// C program, the other sources and objects and the libraries named by path (their bytes), and
-// the headers of the -I folders of moec's own tree (runtime/, runtime/cuda, tests/cuda). The
-// system's headers and the shared libraries (-l) are the machine's and stay out; a program built
-// after they change is relinked only when moec or libmoert changed too.
+// A linked program (or a compiled object: cg_compile_cxx) depends on the command that makes it
+// and on the files the command reads: the C program, the other sources and objects and the
+// libraries named by path (their bytes), and the headers of the -I folders of moec's own tree
+// (runtime/, runtime/cuda, tests/cuda). The system's headers and compiler and the shared
+// libraries (-l) stay out; a program built after they change is relinked only when moec or
+// libmoert changed too.
 enum { PROGRAMS_MB = 2048 };   // the cache keeps programs up to this size (MOEC_CACHE_PROGRAMS_MB)
 
 static bool hash_file(CgCacheHash *h, const char *path) {
@@ -144,19 +145,22 @@ static bool hash_file(CgCacheHash *h, const char *path) {
 
 static int by_name(const void *a, const void *b) { return strcmp(*(char *const *)a, *(char *const *)b); }
 
-// The *.h files of folder dir, in name order.
+// The *.h files of folder dir, in name order; false when they cannot all be read (or there are
+// more than 256: no key then, rather than one that misses a header).
 static bool hash_headers(CgCacheHash *h, const char *dir) {
   DIR *dp = opendir(dir);
   if (!dp) return false;
   char *names[256];
   int n = 0;
-  for (struct dirent *de; (de = readdir(dp)) && n < 256;) {
+  bool ok = true;
+  for (struct dirent *de; ok && (de = readdir(dp));) {
     size_t len = strlen(de->d_name);
-    if (len > 2 && strcmp(de->d_name + len - 2, ".h") == 0 && (names[n] = strdup(de->d_name))) n++;
+    if (len <= 2 || strcmp(de->d_name + len - 2, ".h") != 0) continue;
+    if (n == 256 || !(names[n] = strdup(de->d_name))) ok = false;
+    else n++;
   }
   closedir(dp);
   qsort(names, (size_t)n, sizeof *names, by_name);
-  bool ok = true;
   for (int i = 0; i < n; i++) {
     char path[4400];
     snprintf(path, sizeof path, "%s/%s", dir, names[i]);
@@ -220,7 +224,8 @@ static void program_to_cache(const CgCacheKey *key, const char *path) {
 }
 
 // Runs c, or takes its output (the program, or cg_compile_cxx's object) from the build cache: the
-// same command on the same inputs made it before. -v prints the command either way, and says where the program came from.
+// same command on the same inputs made it before. -v prints the command either way, and says
+// where the output came from.
 static bool run_cached(IrDiag *d, Command *c, const char *c_path, const char *out_path, bool verbose) {
   CgCacheKey key;
   bool keyed = !c->overflow && program_key(c, &key);

@@ -141,24 +141,38 @@ fail:
   return false;
 }
 
-bool cg_nvrtc_images_cached(IrDiag *d, const char *src, const char *arch, void **cubin, size_t *cubin_size, char **ptx,
-                            size_t *ptx_size, bool *cached) {
+// The build cache's key of src's images for arch, of one kind (tag), with NVRTC's version and options.
+static CgCacheKey images_key(const char *tag, const char *arch, const char *src) {
   char sig[512];
   signature(sig, sizeof sig);
-  const char *parts[] = {"moec nvrtc images 1", sig, arch, src};
-  size_t sizes[] = {strlen(parts[0]), strlen(sig), strlen(arch), strlen(src)};
-  CgCacheKey key = cg_cache_key(4, parts, sizes);
-  void *c = NULL, *p = NULL;
-  size_t nc = 0, np = 0;
-  *cached = cg_cache_get(&key, "cubin", &c, &nc) && cg_cache_get(&key, "ptx", &p, &np) && np > 0 &&
-            ((const char *)p)[np - 1] == '\0';   // the PTX is NUL-terminated text
+  const char *parts[] = {tag, sig, arch, src};
+  size_t sizes[] = {strlen(tag), strlen(sig), strlen(arch), strlen(src)};
+  return cg_cache_key(4, parts, sizes);
+}
+
+// The PTX of key from the cache: NUL-terminated text, else none (false).
+static bool cached_ptx(const CgCacheKey *key, char **ptx, size_t *size) {
+  void *p = NULL;
+  size_t n = 0;
+  if (cg_cache_get(key, "ptx", &p, &n) && n > 0 && ((const char *)p)[n - 1] == '\0') {
+    *ptx = p, *size = n;
+    return true;
+  }
+  free(p);
+  return false;
+}
+
+bool cg_nvrtc_images_cached(IrDiag *d, const char *src, const char *arch, void **cubin, size_t *cubin_size, char **ptx,
+                            size_t *ptx_size, bool *cached) {
+  CgCacheKey key = images_key("moec nvrtc images 1", arch, src);
+  void *c = NULL;
+  size_t nc = 0;
+  *cached = cg_cache_get(&key, "cubin", &c, &nc) && cached_ptx(&key, ptx, ptx_size);
   if (*cached) {
-    *cubin = c, *ptx = p;
-    *cubin_size = nc, *ptx_size = np;
+    *cubin = c, *cubin_size = nc;
     return true;
   }
   free(c);
-  free(p);
   if (!cg_nvrtc_images(d, src, arch, cubin, cubin_size, ptx, ptx_size)) return false;
   cg_cache_put(&key, "cubin", *cubin, *cubin_size);
   cg_cache_put(&key, "ptx", *ptx, *ptx_size);
@@ -166,28 +180,12 @@ bool cg_nvrtc_images_cached(IrDiag *d, const char *src, const char *arch, void *
 }
 
 bool cg_nvrtc_ptx_cached(IrDiag *d, const char *src, const char *arch, char **ptx, size_t *ptx_size, bool *cached) {
-  char sig[512];
-  signature(sig, sizeof sig);
   // The PTX of a compilation for both images is the one compute_NN gives (cg_nvrtc_images): either
   // entry serves.
-  const char *both[] = {"moec nvrtc images 1", sig, arch, src}, *alone[] = {"moec nvrtc ptx 1", sig, arch, src};
-  size_t sizes[] = {strlen(both[0]), strlen(sig), strlen(arch), strlen(src)};
-  CgCacheKey key_both = cg_cache_key(4, both, sizes);
-  sizes[0] = strlen(alone[0]);
-  CgCacheKey key = cg_cache_key(4, alone, sizes);
-  void *p = NULL;
-  size_t np = 0;
-  *cached = (cg_cache_get(&key_both, "ptx", &p, &np) || cg_cache_get(&key, "ptx", &p, &np)) && np > 0 &&
-            ((const char *)p)[np - 1] == '\0';
-  if (*cached) {
-    *ptx = p, *ptx_size = np;
-    return true;
-  }
-  free(p);
-  char *text = NULL;
-  size_t n = 0;
-  if (!cg_nvrtc_ptx(d, src, arch, &text, &n)) return false;
-  cg_cache_put(&key, "ptx", text, n);
-  *ptx = text, *ptx_size = n;
+  CgCacheKey both = images_key("moec nvrtc images 1", arch, src), alone = images_key("moec nvrtc ptx 1", arch, src);
+  *cached = cached_ptx(&both, ptx, ptx_size) || cached_ptx(&alone, ptx, ptx_size);
+  if (*cached) return true;
+  if (!cg_nvrtc_ptx(d, src, arch, ptx, ptx_size)) return false;
+  cg_cache_put(&alone, "ptx", *ptx, *ptx_size);
   return true;
 }
