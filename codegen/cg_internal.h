@@ -37,6 +37,15 @@ typedef struct CgGemm {
   int64_t e, m, n, k;
 } CgGemm;
 CgGemm cg_gemm(const IrOp *op);
+// An expert GEMM over its filled rows only (the CUDA target, CG_LOWER_ROWS): operand `operand`
+// (A for ta 0, B or A for ta 1), seen as [groups, rows, width] (groups = experts x blocks of
+// `rows` slots), is counted by mk_expert_counts, and rt_cuda_expert_gemm_rows multiplies what the
+// counts say is filled. False for a GEMM whose operands are not likely zero-padded slot buffers.
+typedef struct CgRows {
+  int operand;
+  int64_t groups, rows, width, blocks;
+} CgRows;
+bool cg_expert_rows(const IrOp *op, CgRows *r);
 // Whether an op of kind (with attr set, unless attr is NULL) is in m.
 bool cg_module_has(const IrModule *m, IrOpKind kind, const char *attr);
 // `static const RtParam params[N] = {...};`: names, shapes, init, offsets, sharding.
@@ -154,16 +163,23 @@ typedef struct CgLaunch {
   int64_t scratch_bytes;   // CUDA: device bytes its CG_ARG_SCRATCH arguments point to (0 none)
   int alone_calls;         // the kernels its ops launch each lowered alone (cg_lower_module; --no-fuse's count)
   char note[96];           // for the launch plan comment ("" none)
+  int rows_from;           // an expert GEMM over its filled rows: 1 + the launch of its function whose
+                           // mk_expert_counts counted them (the same value on the same stream); 0: its own
 } CgLaunch;
 
 // The lowering of op i of f (or, with CG_LOWER_FUSE, of the group the fuse pass made at op i when
 // it is a gate's chain, softmax or sigmoid, top-k and gather: nops 3, or a run of updates: one
 // launch over a table of ranges; CG_LOWER_FUSE also splits the whole-tensor losses into a grid
 // of partial sums; CG_LOWER_BF16, its dtype bf16, has the update round the parameters into P16 too). False when the op has no lowering (every op of ops.def has one).
+// CG_LOWER_ROWS: an expert GEMM whose operand is a zero-padded slot buffer (cg_expert_rows) first
+// counts its filled rows (mk_expert_counts into the launch's scratch) and multiplies only those
+// (the CUDA target unless MOEC_EXPERT_ROWS=all).
 // CG_LOWER_CPU (cg_lower_module only): the CPU program's lowering, each op alone and each fused
 // group a C function (cg_lower_fused with cpu).
-enum { CG_LOWER_FUSE = 1, CG_LOWER_BF16 = 2, CG_LOWER_CPU = 4 };
+enum { CG_LOWER_FUSE = 1, CG_LOWER_BF16 = 2, CG_LOWER_CPU = 4, CG_LOWER_ROWS = 8 };
 bool cg_lower(const IrFunc *f, int i, unsigned how, CgLaunch *l);
+// Whether launch l is an expert GEMM that counts its filled rows first (CG_LOWER_ROWS).
+bool cg_counts_rows(const CgLaunch *l);
 // The same from op i's lowering alone (cg_lower_op's, NULL: it has none), which it does not lower
 // again: what cg_lower_module calls with each op lowered once.
 bool cg_lower_from(const IrFunc *f, int i, unsigned how, const CgLaunch *alone, CgLaunch *l);

@@ -200,10 +200,10 @@ bool cg_emit_cuda(IrDiag *d, FILE *out, const IrModule *m, const CgLaunches *ls)
         char ptrs[512];
         pointer_list(ptrs, sizeof ptrs, op);
         bool cast = bf16 && l->lib == CG_LIB_GEMM;
-        fprintf(out, " %s -> %s%s\n", ptrs, cast ? "mk_compress_bf16 of each operand, " : "", lib_name(l->lib));
-        continue;
+        fprintf(out, " %s ->%s", ptrs, cast ? " mk_compress_bf16 of each operand," : "");
+      } else {
+        fprintf(out, " ->");
       }
-      fprintf(out, " ->");
       for (int c = 0; c < l->ncalls; c++) {
         const CgKernelCall *call = &l->call[c];
         fprintf(out, "%s %s<<<%" PRId64 ">>>(", c ? "," : "", cg_cuda_kernel_name(ls, call->kernel), call->grid);
@@ -214,6 +214,7 @@ bool cg_emit_cuda(IrDiag *d, FILE *out, const IrModule *m, const CgLaunches *ls)
         }
         fprintf(out, ")");
       }
+      if (l->lib) fprintf(out, "%s %s", l->ncalls ? "," : "", lib_name(l->lib));
       fprintf(out, "%s%s\n", l->note[0] ? "  -- " : "", l->note);
     }
   }

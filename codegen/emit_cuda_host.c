@@ -53,6 +53,8 @@ static const char *const step_names[STEP_COUNT] = {"forward", "backward", "updat
 // What a step function launches (Host.count).
 typedef struct Counts {
   int64_t kernels, casts, gemms, comms;
+  int64_t row_counts;      // the kernels that count expert GEMMs' filled rows (mk_expert_counts)
+  int64_t expert_gemms, row_gemms;   // expert GEMMs, and those over their filled rows
   double kernel_bytes, gemm_bytes;
   double unfused_bytes;   // what the fused groups' ops would move op by op, less what their kernels move
 } Counts;
@@ -84,6 +86,7 @@ typedef struct Host {
   int64_t group_size[5];     // RtGroup order: world, dp, mp, ep, esp
   bool group_nccl[5];        // a collective on a group of more than one rank
   int64_t *staged;           // host offset of a value of the current function, by id (-1 none)
+  int64_t *rows_at;          // the staging offset of each launch's filled-row counts in the current function
   const IrOp *loss_op;       // the loss op whose launch sums partial sums (cg_split_reduction), or NULL
   int64_t loss_parts;        // and where they are in the staging area
   char output[96];           // the device address of the model's output ("" none)
@@ -555,7 +558,9 @@ static void gemm_operand(const Host *h, const IrOperand *x, char *buf, size_t n)
   else cg_spell_operand(&h->sp, x, buf, n);
 }
 
-static bool emit_gemm(Host *h, const IrFunc *f, const IrOp *op, IrStream s) {
+// rows: the launch's scratch holding the filled rows mk_expert_counts counted (-1: none, every
+// slot), in blocks blocks an expert.
+static bool emit_gemm(Host *h, const IrFunc *f, const IrOp *op, IrStream s, int64_t rows, int64_t blocks) {
   char a[96], b[96], r[96];
   gemm_operand(h, &op->args[0], a, sizeof a);
   gemm_operand(h, &op->args[1], b, sizeof b);
@@ -576,14 +581,20 @@ static bool emit_gemm(Host *h, const IrFunc *f, const IrOp *op, IrStream s) {
   h->count[h->phase].gemms++;
   h->count[h->phase].gemm_bytes += (double)(h->bf16 ? 2 : 4) * (double)(ir_type_numel(t0) + ir_type_numel(t1)) +
                                     (double)ir_type_bytes(rt);
+  h->count[h->phase].expert_gemms += op->kind == IR_OP_EXPERT_MATMUL;
+  h->count[h->phase].row_gemms += op->kind == IR_OP_EXPERT_MATMUL && rows >= 0;
   if (op->kind == IR_OP_MATMUL)
     fprintf(h->out, "  CK(rt_cuda_gemm(cu, %s, %s, %s, %s, (float *)%s, %" PRId64 ", %" PRId64 ", %" PRId64
                     ", %d, %d, false), %d);\n",
             cg_stream_enum(s), in, a, b, r, g.m, g.n, g.k, g.ta, g.tb, w);
-  else
+  else if (rows < 0)
     fprintf(h->out, "  CK(rt_cuda_expert_gemm(cu, %s, %s, %s, %s, (float *)%s, %" PRId64 ", %" PRId64 ", %" PRId64
                     ", %" PRId64 ", %d, %d), %d);\n",
             cg_stream_enum(s), in, a, b, r, g.e, g.m, g.n, g.k, g.ta, g.tb, w);
+  else
+    fprintf(h->out, "  CK(rt_cuda_expert_gemm_rows(cu, %s, %s, %s, %s, (float *)%s, %" PRId64 ", %" PRId64 ", %" PRId64
+                    ", %" PRId64 ", %d, %d, (const int *)(S + %" PRId64 "), %" PRId64 "), %d);\n",
+            cg_stream_enum(s), in, a, b, r, g.e, g.m, g.n, g.k, g.ta, g.tb, rows, blocks, w);
   return true;
 }
 
@@ -660,7 +671,25 @@ static bool emit_op(Host *h, const IrFunc *f, int i, const CgLaunch *lp, IrStrea
       return true;
     }
   }
-  if (l.lib == CG_LIB_GEMM) return emit_gemm(h, f, op, s);
+  if (l.lib == CG_LIB_GEMM) {   // an expert GEMM over its filled rows counts them first (CG_LOWER_ROWS)
+    const CgFuncLaunches *fl = &h->ls->fn[f->index];
+    int k = (int)(lp - fl->launch);
+    const CgLaunch *by = l.rows_from > 0 ? &fl->launch[l.rows_from - 1] : &l;   // the launch that counts
+    h->rows_at[k] = -1;
+    if (!cg_counts_rows(by)) return emit_gemm(h, f, op, s, -1, 1);
+    if (l.rows_from > 0) {   // that launch's counts (-1: it multiplied every slot)
+      int64_t at = h->rows_at[l.rows_from - 1];
+      return emit_gemm(h, f, op, s, at, at < 0 ? 1 : by->call[0].args[3].i / cg_gemm(op).e);
+    }
+    const CgArg *x = &l.call[0].args[0];
+    if (x->kind == CG_ARG_OPERAND && bf16_only(h, &op->args[x->index]))
+      return ir_internal_at(h->d, op->loc, "the rows of a GEMM operand stored in bf16 only are counted in fp32");
+    int64_t rows = stage_place(h, l.scratch_bytes);
+    if (!emit_kernel(h, f, i, &l.call[0], s, -1, rows)) return false;
+    h->count[h->phase].row_counts++;
+    h->rows_at[k] = rows;
+    return emit_gemm(h, f, op, s, rows, l.call[0].args[3].i / cg_gemm(op).e);
+  }
   if (l.lib) return emit_comm(h, f, op, s);
   // The record hook's kernel writes its statistics into the staging area.
   int64_t stats = op->kind == IR_OP_HOOK_RECORD ? stage_place(h, 3 * (int64_t)sizeof(double)) : -1;
@@ -895,7 +924,7 @@ static int64_t unfused_extra(const Host *h, int64_t op_by_op_casts) {
 // What a step launches and moves (moec build -v; the program's header): one line per step
 // function, then the whole step and the op-by-op count, each between `pre` and `post`.
 static void print_counts(const Host *h, FILE *out, const char *pre, const char *post) {
-  int64_t kernels = 0, gemms = 0, comms = 0;
+  int64_t kernels = 0, gemms = 0, comms = 0, row_counts = 0, expert_gemms = 0, row_gemms = 0;
   double bytes = 0.0, gemm_bytes = 0.0, unfused_bytes = 0.0;
   for (int p = 0; p < STEP_COUNT; p++) {
     const Counts *c = &h->count[p];
@@ -904,6 +933,7 @@ static void print_counts(const Host *h, FILE *out, const char *pre, const char *
             pre, step_names[p], c->kernels, c->casts, c->gemms, c->comms, c->kernel_bytes / 1e6, c->gemm_bytes / 1e6, post);
     kernels += c->kernels, gemms += c->gemms, comms += c->comms, bytes += c->kernel_bytes, gemm_bytes += c->gemm_bytes;
     unfused_bytes += c->unfused_bytes;
+    row_counts += c->row_counts, expert_gemms += c->expert_gemms, row_gemms += c->row_gemms;
   }
   double slot_bytes = 0.0;   // dtype bf16: the op-by-op program's casts instead of the copies' casts
   int64_t op_by_op_casts = 0;
@@ -922,6 +952,11 @@ static void print_counts(const Host *h, FILE *out, const char *pre, const char *
   else
     fprintf(out, "%slaunches: %" PRId64 " kernels, %" PRId64 " GEMMs per step (--no-fuse: each op alone)%s", pre, kernels, gemms,
             post);
+  if (expert_gemms > 0)
+    fprintf(out, "%sexpert GEMMs: %" PRId64 " of %" PRId64 " a step over their filled rows only, which %" PRId64
+                 " of the kernels count%s%s",
+            pre, row_gemms, expert_gemms, row_counts,
+            cg_cuda_lowering(h->m) & CG_LOWER_ROWS ? "" : " (MOEC_EXPERT_ROWS=all: every slot)", post);
 }
 
 // The program's launchers: the error check, the kernel arguments' spelling, launch, launch_step and
@@ -1278,6 +1313,9 @@ static void emit_hooks(Host *h, FILE *out) {
     if (h->group_nccl[g]) fprintf(out, "%s[%s] = true", any++ ? ", " : "", cg_group_enums[g]);
   fprintf(out, "%s},%s\n", any ? "" : "false", any ? "" : "  /* every collective is on a group of one */");
   if (h->bf16) fprintf(out, "  .note = \"; bf16 GEMM inputs, fp32 accumulation and master weights\",\n");
+  int64_t rows = 0;
+  for (int p = 0; p < STEP_COUNT; p++) rows += h->count[p].row_gemms;
+  if (rows) fprintf(out, "  .row_gemms = %" PRId64 ",\n", rows);
   fprintf(out, "};\n\n"
                "/* Claims the GPU, loads the kernels and clears the device memory (the session), then carves the block. */\n"
                "static int device_create(RtStep *st) {\n"
@@ -1410,10 +1448,14 @@ bool cg_emit_cuda_host(IrDiag *d, FILE *out, const IrModule *m, const PassMemPla
   for (int i = 0; i < m->nfuncs; i++)
     if (m->funcs[i]->nvalues > max_values) max_values = m->funcs[i]->nvalues;
   h.staged = malloc((size_t)max_values * sizeof *h.staged);
+  int max_launches = 1;
+  for (int i = 0; i < ls->nfuncs; i++)
+    if (ls->fn[i].n > max_launches) max_launches = ls->fn[i].n;
+  h.rows_at = malloc((size_t)max_launches * sizeof *h.rows_at);
   char *body = NULL;
   size_t body_size = 0;
   h.out = open_memstream(&body, &body_size);
-  bool ok = h.param_offset && used && h.kernel_slot && h.staged && h.out;
+  bool ok = h.param_offset && used && h.kernel_slot && h.staged && h.rows_at && h.out;
   if (!ok) {
     ok = ir_oom(d);
     goto done;
@@ -1479,6 +1521,7 @@ done:
   for (int i = 0; i < h.nwhere; i++) free(h.where[i]);
   free(h.where);
   free(h.staged);
+  free(h.rows_at);
   free(h.ranges);
   free(h.pooled_addr);
   free(h.pooled_off);

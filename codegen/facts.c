@@ -140,6 +140,59 @@ const IrType *cg_operand_type(const IrOperand *a) { return a->param ? &a->param-
 bool cg_bf16_gemms(const IrModule *m) { return strcmp(ir_mod_str(m, "dtype", "fp32"), "bf16") == 0; }
 
 unsigned cg_cuda_lowering(const IrModule *m) {
-  return (ir_mod_int(m, "no_fuse", 0) ? 0 : CG_LOWER_FUSE) | (cg_bf16_gemms(m) ? CG_LOWER_BF16 : 0);
+  const char *rows = getenv("MOEC_EXPERT_ROWS");   // "all": every expert GEMM over all its slots
+  return (ir_mod_int(m, "no_fuse", 0) ? 0 : CG_LOWER_FUSE) | (cg_bf16_gemms(m) ? CG_LOWER_BF16 : 0) |
+         (rows && strcmp(rows, "all") == 0 ? 0 : CG_LOWER_ROWS);
 }
 
+
+// ---- the expert GEMMs over their filled rows (CG_LOWER_ROWS) ----
+
+// Whether value v's slot rows are likely zero past each block's filled ones, and the blocks of
+// its slot dimension (*blocks): order.encode's dispatched tokens and order.decode.grad_y's
+// gradient (zeroed before their routed rows are written; a block per routing group), an
+// all-to-all or expert_major layout of such a value (a block per source rank too), and what keeps
+// zero rows zero: an expert GEMM over it (ta 0), a product with it, an activation's gradient of
+// it. Only a guess that saves work: the counts are the data's (mk_expert_counts), right whatever
+// the guess.
+static bool slot_padded(const IrValue *v, int64_t *blocks, int depth) {
+  const IrOp *op = v ? v->def : NULL;
+  if (!op || depth > 8) return false;
+  const char *name = ir_op_info[op->kind].name;
+  const IrValue *x = op->nargs > 0 ? op->args[0].value : NULL;
+  switch (op->kind) {
+  case IR_OP_ORDER_ENCODE:
+  case IR_OP_ORDER_DECODE_GRAD_Y:
+    *blocks = ir_op_int(op, "groups", 1);
+    return ir_op_int(op, "capacity", 0) > 0;
+  case IR_OP_COMM_ALLTOALL: return slot_padded(x, blocks, depth + 1);
+  case IR_OP_LAYOUT_EXPERT_MAJOR:
+    if (!slot_padded(x, blocks, depth + 1)) return false;
+    *blocks *= ir_op_int(op, "blocks", 1);
+    return true;
+  case IR_OP_EXPERT_MATMUL: return !ir_op_int(op, "ta", 0) && slot_padded(x, blocks, depth + 1);
+  case IR_OP_MUL:
+    return slot_padded(x, blocks, depth + 1) || (op->args[1].value && slot_padded(op->args[1].value, blocks, depth + 1));
+  default: return strncmp(name, "act.", 4) == 0 && strstr(name, ".grad") && slot_padded(x, blocks, depth + 1);
+  }
+}
+
+bool cg_expert_rows(const IrOp *op, CgRows *r) {
+  if (op->kind != IR_OP_EXPERT_MATMUL || !op->result) return false;
+  bool ta = ir_op_int(op, "ta", 0), tb = ir_op_int(op, "tb", 0);
+  if (ta && tb) return false;
+  // ta 0: the rows of A (and of C); ta 1: the slots the weight gradient sums over, B's rows first
+  int order[2] = {ta ? 1 : 0, ta ? 0 : -1};
+  for (int j = 0; j < 2 && order[j] >= 0; j++) {
+    const IrOperand *x = &op->args[order[j]];
+    int64_t blocks = 1;
+    if (x->param || !slot_padded(x->value, &blocks, 0)) continue;
+    const IrType *t = &x->value->type;
+    if (t->rank != 3 || t->dim[1] <= 0 || blocks < 1 || t->dim[1] % blocks) blocks = 1;
+    if (t->rank != 3) continue;
+    *r = (CgRows){.operand = order[j], .groups = t->dim[0] * blocks, .rows = t->dim[1] / blocks, .width = t->dim[2],
+                  .blocks = blocks};
+    return true;
+  }
+  return false;
+}

@@ -8,6 +8,33 @@
 
 #include "cg_internal.h"
 
+// A weight gradient over the filled rows of a value that an earlier GEMM of f counted on the same
+// stream (the backward's dY W^T and X^T dY both count dY) reads that count instead of its own (a
+// GEMM with ta 0 counts itself: its count kernel zeroes its result's rows past the counts).
+static void share_counts(const IrFunc *f, CgFuncLaunches *fl) {
+  for (int k = 0; k < fl->n; k++) {
+    CgLaunch *l = &fl->launch[k];
+    if (!cg_counts_rows(l)) continue;
+    const IrOp *op = f->ops[fl->at[k]];
+    if (!ir_op_int(op, "ta", 0)) continue;   // its own count zeroes its rows past the counts
+    const IrOperand *x = &op->args[l->call[0].args[0].index];
+    for (int j = 0; j < k; j++) {
+      const CgLaunch *p = &fl->launch[j];
+      if (!cg_counts_rows(p)) continue;
+      const IrOp *q = f->ops[fl->at[j]];
+      const IrOperand *y = &q->args[p->call[0].args[0].index];
+      bool same = y->value == x->value && cg_op_stream(q) == cg_op_stream(op);
+      for (int a = 3; same && a < 6; a++) same = p->call[0].args[a].i == l->call[0].args[a].i;   // groups rows width
+      if (!same) continue;
+      l->ncalls = 0;
+      l->scratch_bytes = 0;
+      l->rows_from = j + 1;
+      snprintf(l->note, sizeof l->note, "over the filled rows of %%%s that launch %d counted", x->value->name, j);
+      break;
+    }
+  }
+}
+
 // The launches of f into fl (ls: where fused groups' kernels go), each op lowered alone once
 // (cg_lower_op) and every launch made from those: a fused group's (cg_lower_fused, which takes its
 // first op's), or op i's with the target's fusions (cg_lower_from). alone_calls: what the ops of a
@@ -35,6 +62,7 @@ static bool lower_func(IrDiag *d, CgLaunches *ls, const IrFunc *f, unsigned how,
   }
   free(alone);
   free(has);
+  if (ok && !cpu) share_counts(f, fl);
   return ok;
 }
 

@@ -145,6 +145,56 @@ extern "C" __global__ void mk_expert_scale(const float *x, const float *w, float
   MK_FOR(i, (i64)e * rows * n) y[i] = x[i] * w[i % n];
 }
 
+// ---- prelude: the filled rows of an expert GEMM's operand ----
+// mk_expert_counts's body, for fp32 operands and for the bf16 copies a dtype bf16 GEMM reads: the
+// element is not zero (NaN counts; -0 is zero).
+__device__ __forceinline__ bool mk_not_zero(const float *x, i64 j) { return !(x[j] == 0.0f); }
+__device__ __forceinline__ bool mk_not_zero(const u16 *x, i64 j) { return (x[j] & 0x7fffu) != 0u; }
+template <class T>
+__device__ void mk_counts(const T *x, int *counts, float *c, int groups, int rows, int width, int cwidth) {
+  i64 chunk = width >= 4 * MK_BLOCK ? 1 : (4 * MK_BLOCK + width - 1) / width;
+  MK_FOR_BLOCKS(g, groups) {
+    const T *xg = x + g * rows * width;
+    float last = -1.0f;   // a row number (exact in a float below 2^24 rows)
+    for (i64 top = rows; top > 0 && last < 0.0f; top -= chunk) {
+      i64 lo = top > chunk ? top - chunk : 0;
+      float mine = -1.0f;
+      for (i64 j = lo * width + threadIdx.x; j < top * width; j += blockDim.x)
+        if (mk_not_zero(xg, j)) mine = (float)(j / width);
+      last = mk_block_max(mine);   // the same on every thread: the loop ends together
+    }
+    int count = (int)last + 1;
+    if (threadIdx.x == 0) {
+      counts[g] = count;
+      counts[groups + g] = count > 0 ? count : 1;
+    }
+    float *cg = c + g * rows * cwidth;
+    for (i64 j = (i64)count * cwidth + threadIdx.x; j < (i64)rows * cwidth; j += blockDim.x) cg[j] = 0.0f;
+  }
+}
+
+// ---- mk_expert_counts ----
+// The filled rows of each block of slots of an expert GEMM's operand x [groups, rows, width]:
+// counts[g] = 1 + the last row of block g holding an element that is not zero, 0 when none does,
+// so every row of a block at or past its count is zero; counts[groups + g] = max(counts[g], 1),
+// the sums a weight gradient over the filled slots takes (one zero row for an expert nobody was
+// routed to: a sum of zero products, not an empty one). Then the rows of c [groups, rows, cwidth]
+// at and past the count are zeroed: the rows a GEMM over the filled rows leaves alone (cwidth 0:
+// none). One block of MK_BLOCK threads per group reads its rows from the last one back, a chunk of
+// rows at a time (at least MK_BLOCK * 4 elements), and stops at the first chunk holding such an
+// element: the empty slots and one chunk are read, not the whole buffer.
+extern "C" __global__ void mk_expert_counts(const float *x, int *counts, float *c, int groups, int rows, int width,
+                                            int cwidth) {
+  mk_counts(x, counts, c, groups, rows, width, cwidth);
+}
+
+// ---- mk_expert_counts_bf16 ----
+// The same from the bf16 copy of the operand (dtype bf16: what the GEMM reads).
+extern "C" __global__ void mk_expert_counts_bf16(const u16 *x, int *counts, float *c, int groups, int rows, int width,
+                                                 int cwidth) {
+  mk_counts(x, counts, c, groups, rows, width, cwidth);
+}
+
 // ---- mk_gelu ----
 // The tanh GELU as x * s, s = 1 / (1 + exp(-2u)) = 0.5 (1 + tanh(u)), as rt_gelu computes it
 // (cols, the row width, lets the CPU kernel copy repeated rows; every element is computed here).

@@ -15,6 +15,7 @@
 #include "rt_internal.h"
 #include "rt_mpi.h"
 
+#include <cublasLt.h>
 #include <cublas_v2.h>
 #include <dlfcn.h>
 #include <nccl.h>
@@ -149,6 +150,13 @@ struct RtCuda {
   size_t arena_bytes, arena_used;
   CUdeviceptr workspace;             // cuBLAS's, WORKSPACE_BYTES per stream (no allocation while capturing)
   RtCudaGraph *capture;              // the graph being captured, or NULL
+  // The expert GEMMs over their filled rows (rt_cuda_expert_gemm_rows): whether cuBLASLt's
+  // grouped GEMM runs them (0 not asked yet, 1 yes, -1 no: why), and each call site's setup.
+  int grouped;
+  char grouped_why[200];
+  cublasLtHandle_t lt;
+  struct Grouped *sites;
+  int nsites, cap_sites;
 };
 
 // cuBLAS's workspace per stream: NVIDIA's advice for Hopper (32 MiB). A handle's own workspace
@@ -243,6 +251,8 @@ RtCuda *rt_cuda_create(size_t arena_bytes, int nevents) {
   return cu;
 }
 
+static bool grouped_destroy(RtCuda *cu);
+
 bool rt_cuda_destroy(RtCuda *cu) {
   if (!cu)
     return true;
@@ -254,6 +264,8 @@ bool rt_cuda_destroy(RtCuda *cu) {
   if (cu->workspace && !CUDA_CHECK(drv.cuMemFree(cu->workspace)))
     ok = false;
   if (cu->blas && !CUBLAS_CHECK(cublasDestroy(cu->blas)))
+    ok = false;
+  if (!grouped_destroy(cu))
     ok = false;
   for (int i = 0; i < cu->nevents; i++)
     if (cu->events[i] && !CUDA_CHECK(drv.cuEventDestroy(cu->events[i])))
@@ -495,6 +507,241 @@ bool rt_cuda_expert_gemm(RtCuda *cu, RtStream s, RtCudaType in, const void *a, c
                          int e, int m, int n, int k, bool ta, bool tb) {
   return gemm(cu, s, in, a, b, c, e, m, n, k, ta, tb, 0.0f);
 }
+
+// ---- expert GEMMs over their filled rows: cuBLASLt's grouped GEMM ----
+// cuBLASLt 13.4 and newer multiply groups of matrices of different sizes in one call whose sizes
+// it reads from device memory (CUBLASLT_BATCH_MODE_GROUPED, experimental): each group's A, B and D
+// come from device arrays of pointers, and its rows, columns and leading dimension from device
+// arrays of int32 (the layout's ROWS, COLS and LD arrays). The counts mk_expert_counts writes are
+// such an array, so the GEMM multiplies the filled rows with no synchronisation, inside a CUDA
+// graph too. The toolkit this file is built with may be older (cuBLAS 13.1 has none of it): the
+// values below are cublasLt.h's of cuBLAS 13.10, and the layout's constructor is looked up in the
+// cuBLASLt loaded at run time. Where it is missing, on GPUs other than compute capability 9.0,
+// 10.x and 11.0 (what the mode supports), with MOERT_CUDA_GROUPED=0, or for a call the heuristic
+// finds no algorithm for, the padded GEMM runs: the same values, the rows past the counts being
+// zero rows.
+enum {
+  LT_BATCH_MODE_GROUPED = 2,                                           // cublasLtBatchMode_t
+  LT_LAYOUT_ROWS_ARRAY = 9, LT_LAYOUT_COLS_ARRAY = 10, LT_LAYOUT_LD_ARRAY = 11,   // cublasLtMatrixLayoutAttribute_t
+  LT_PREF_AVERAGE_K = 13, LT_PREF_AVERAGE_ROWS = 14, LT_PREF_AVERAGE_COLS = 15,  // cublasLtMatmulPreferenceAttributes_t
+};
+typedef cublasStatus_t GroupedLayoutCreate(cublasLtMatrixLayout_t *layout, cudaDataType type, int groups,
+                                           const void *rows, const void *cols, const void *ld);
+static GroupedLayoutCreate *grouped_layout_create;
+
+// One call site of rt_cuda_expert_gemm_rows (a program calls each with the same operands at
+// every step): its descriptors, algorithm, workspace and device table, made at its first call.
+typedef struct Grouped {
+  RtStream s;
+  RtCudaType in;
+  const void *a, *b;
+  float *c;
+  const int *rows;
+  int e, m, n, k, blocks;
+  bool ta, tb;
+  bool usable;                       // false: no algorithm (or no alignment); the padded GEMM runs
+  int groups;
+  cublasLtMatmulDesc_t op;
+  cublasLtMatrixLayout_t la, lb, ld;   // cuBLAS's A (our b), B (our a) and D = C (our c)
+  cublasLtMatmulAlgo_t algo;
+  CUdeviceptr table;                 // the groups' pointers (A, B, D), then the sizes that do not change
+  CUdeviceptr work;                  // the call's own workspace (cuBLAS 13's advice for grouped calls)
+  size_t work_bytes;
+} Grouped;
+
+bool rt_cuda_grouped_gemms(RtCuda *cu, char *why, size_t why_size) {
+  if (cu->grouped == 0) {
+    const char *env = getenv("MOERT_CUDA_GROUPED");
+    int arch = cu->device.arch;
+    cu->grouped = -1;
+    if (env && strcmp(env, "0") == 0)
+      snprintf(cu->grouped_why, sizeof cu->grouped_why, "MOERT_CUDA_GROUPED=0");
+    else if (arch != 90 && arch / 10 != 10 && arch != 110)
+      snprintf(cu->grouped_why, sizeof cu->grouped_why, "cuBLASLt's grouped GEMM runs on compute capability 9.0, "
+               "10.x and 11.0, not on sm_%d", arch);
+    else if (!(grouped_layout_create = (GroupedLayoutCreate *)dlsym(RTLD_DEFAULT, "cublasLtGroupedMatrixLayoutCreate")))
+      snprintf(cu->grouped_why, sizeof cu->grouped_why, "the cuBLASLt loaded (version %zu) has no grouped GEMM "
+               "(cuBLAS 13.4 and newer have)", cublasLtGetVersion());
+    else if (cublasLtCreate(&cu->lt) != CUBLAS_STATUS_SUCCESS)
+      snprintf(cu->grouped_why, sizeof cu->grouped_why, "cublasLtCreate failed");
+    else
+      cu->grouped = 1;
+  }
+  if (why && why_size)
+    snprintf(why, why_size, "%s", cu->grouped > 0 ? "" : cu->grouped_why);
+  return cu->grouped > 0;
+}
+
+static bool grouped_destroy(RtCuda *cu) {
+  bool ok = true;
+  for (int i = 0; i < cu->nsites; i++) {
+    Grouped *g = &cu->sites[i];
+    if (g->op) cublasLtMatmulDescDestroy(g->op);
+    if (g->la) cublasLtMatrixLayoutDestroy(g->la);
+    if (g->lb) cublasLtMatrixLayoutDestroy(g->lb);
+    if (g->ld) cublasLtMatrixLayoutDestroy(g->ld);
+    if (g->table && !CUDA_CHECK(drv.cuMemFree(g->table)))
+      ok = false;
+    if (g->work && !CUDA_CHECK(drv.cuMemFree(g->work)))
+      ok = false;
+  }
+  free(cu->sites);
+  if (cu->lt && cublasLtDestroy(cu->lt) != CUBLAS_STATUS_SUCCESS)
+    ok = false;
+  return ok;
+}
+
+static bool lt_set(cublasLtMatmulDesc_t op, cublasLtMatmulDescAttributes_t attr, int32_t v) {
+  return CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(op, attr, &v, sizeof v));
+}
+
+// The descriptors, table, algorithm and workspace of site g (its call fields set); false when a
+// CUDA or cuBLAS call failed (reported). g->usable says whether a grouped call can run.
+static bool grouped_setup(RtCuda *cu, Grouped *g) {
+  int G = g->groups, per = (g->ta ? g->k : g->m) / g->blocks, m = g->m, n = g->n, k = g->k;
+  size_t elem = g->in == RT_CUDA_BF16 ? 2 : 4;
+  // Host copies: the pointers of A, B and D, then int32 sizes: A rows, cols, ld, B rows, ld, D rows, ld, cols
+  size_t ptr_bytes = 3 * (size_t)G * sizeof(uint64_t), bytes = ptr_bytes + 8 * (size_t)G * sizeof(int32_t);
+  unsigned char *host = rt_calloc(1, bytes, "a grouped GEMM's table");
+  uint64_t *pa = (uint64_t *)host, *pb = pa + G, *pd = pb + G;
+  int32_t *size = (int32_t *)(host + ptr_bytes);
+  int32_t *a_rows = size, *a_cols = size + G, *a_ld = size + 2 * G, *b_rows = size + 3 * G, *b_ld = size + 4 * G;
+  int32_t *d_rows = size + 5 * G, *d_ld = size + 6 * G, *d_cols = size + 7 * G;
+  bool aligned = true;
+  for (int x = 0; x < G; x++) {
+    int i = g->ta ? x : x / g->blocks;   // the expert
+    if (!g->ta) {   // D [n, count] = op(b) [n, k] x a [k, count], each group a block of an expert's slots
+      pa[x] = (uint64_t)(uintptr_t)g->b + (uint64_t)i * k * n * elem;
+      a_rows[x] = g->tb ? k : n, a_cols[x] = g->tb ? n : k, a_ld[x] = g->tb ? k : n;
+      pb[x] = (uint64_t)(uintptr_t)g->a + (uint64_t)x * per * k * elem;
+      b_rows[x] = k, b_ld[x] = k;
+      pd[x] = (uint64_t)(uintptr_t)g->c + (uint64_t)x * per * n * sizeof(float);
+      d_rows[x] = n, d_ld[x] = n;
+    } else {        // D [n, m] = b [n, K] x a^T [K, m], K the expert's filled slots
+      pa[x] = (uint64_t)(uintptr_t)g->b + (uint64_t)i * k * n * elem;
+      a_rows[x] = n, a_ld[x] = n;
+      pb[x] = (uint64_t)(uintptr_t)g->a + (uint64_t)i * k * m * elem;
+      b_rows[x] = m, b_ld[x] = m;
+      pd[x] = (uint64_t)(uintptr_t)g->c + (uint64_t)i * m * n * sizeof(float);
+      d_rows[x] = n, d_ld[x] = n, d_cols[x] = m;
+    }
+    aligned = aligned && pa[x] % 16 == 0 && pb[x] % 16 == 0 && pd[x] % 16 == 0 && a_ld[x] * elem % 16 == 0 &&
+              b_ld[x] * elem % 16 == 0 && d_ld[x] * sizeof(float) % 16 == 0;
+  }
+  g->usable = false;
+  bool ok = CUDA_CHECK(drv.cuMemAlloc(&g->table, bytes)) &&
+            CUDA_CHECK(drv.cuMemcpyHtoDAsync(g->table, host, bytes, cu->stream[g->s])) &&
+            CUDA_CHECK(drv.cuStreamSynchronize(cu->stream[g->s]));
+  // The counts (written on this stream before this call): their mean sizes the heuristic's choice.
+  int32_t *counts = rt_alloc((size_t)G * sizeof *counts, "a grouped GEMM's counts");
+  const int *count = g->ta ? g->rows + G : g->rows;   // ta: the clamped counts (mk_expert_counts)
+  ok = ok && CUDA_CHECK(drv.cuMemcpyDtoHAsync(counts, (CUdeviceptr)(uintptr_t)count, (size_t)G * sizeof *counts,
+                                              cu->stream[g->s])) &&
+       CUDA_CHECK(drv.cuStreamSynchronize(cu->stream[g->s]));
+  double mean = 0.0;
+  for (int x = 0; ok && x < G; x++) mean += counts[x] / (double)G;
+  free(counts);
+  free(host);
+  if (!ok || !aligned)
+    return ok;
+  CUdeviceptr t = g->table + ptr_bytes;
+  const void *dev_size[8];
+  for (int j = 0; j < 8; j++) dev_size[j] = (const void *)(uintptr_t)(t + (size_t)j * G * sizeof(int32_t));
+  const void *cnt = (const void *)count;
+  cudaDataType type = g->in == RT_CUDA_BF16 ? CUDA_R_16BF : CUDA_R_32F;
+  // !ta: B's and D's columns are the counts; ta: A's and B's columns (the K of each group)
+  const void *a_cols_dev = g->ta ? cnt : dev_size[1], *b_cols_dev = cnt, *d_cols_dev = g->ta ? dev_size[7] : cnt;
+  cublasStatus_t st = grouped_layout_create(&g->la, type, G, dev_size[0], a_cols_dev, dev_size[2]);
+  if (st == CUBLAS_STATUS_SUCCESS) st = grouped_layout_create(&g->lb, type, G, dev_size[3], b_cols_dev, dev_size[4]);
+  if (st == CUBLAS_STATUS_SUCCESS) st = grouped_layout_create(&g->ld, CUDA_R_32F, G, dev_size[5], d_cols_dev, dev_size[6]);
+  if (st != CUBLAS_STATUS_SUCCESS)
+    return CUBLAS_CHECK(st);
+  cublasLtMatmulPreference_t pref = NULL;
+  uint64_t max_work = WORKSPACE_BYTES;
+  uint32_t avg_k = (uint32_t)(g->ta ? mean + 0.5 : k), avg_rows = (uint32_t)n, avg_cols = (uint32_t)(g->ta ? m : mean + 0.5);
+  cublasLtMatmulHeuristicResult_t result;
+  int found = 0;
+  ok = CUBLAS_CHECK(cublasLtMatmulDescCreate(&g->op, CUBLAS_COMPUTE_32F, CUDA_R_32F)) &&
+       lt_set(g->op, CUBLASLT_MATMUL_DESC_TRANSA, g->tb ? CUBLAS_OP_T : CUBLAS_OP_N) &&
+       lt_set(g->op, CUBLASLT_MATMUL_DESC_TRANSB, g->ta ? CUBLAS_OP_T : CUBLAS_OP_N) &&
+       CUBLAS_CHECK(cublasLtMatmulPreferenceCreate(&pref)) &&
+       CUBLAS_CHECK(cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES, &max_work,
+                                                         sizeof max_work));
+  // The averages: hints only (a library that does not know them keeps its defaults)
+  if (ok) {
+    cublasLtMatmulPreferenceSetAttribute(pref, (cublasLtMatmulPreferenceAttributes_t)LT_PREF_AVERAGE_K, &avg_k, sizeof avg_k);
+    cublasLtMatmulPreferenceSetAttribute(pref, (cublasLtMatmulPreferenceAttributes_t)LT_PREF_AVERAGE_ROWS, &avg_rows,
+                                         sizeof avg_rows);
+    cublasLtMatmulPreferenceSetAttribute(pref, (cublasLtMatmulPreferenceAttributes_t)LT_PREF_AVERAGE_COLS, &avg_cols,
+                                         sizeof avg_cols);
+  }
+  if (ok && cublasLtMatmulAlgoGetHeuristic(cu->lt, g->op, g->la, g->lb, g->ld, g->ld, pref, 1, &result, &found) ==
+                CUBLAS_STATUS_SUCCESS && found > 0) {
+    g->algo = result.algo;
+    g->work_bytes = result.workspaceSize;
+    g->usable = g->work_bytes == 0 || CUDA_CHECK(drv.cuMemAlloc(&g->work, g->work_bytes));
+    ok = g->work_bytes == 0 || g->work;
+  }
+  if (pref) cublasLtMatmulPreferenceDestroy(pref);
+  return ok;
+}
+
+// The site of this call: found, or made (NULL: none, a first call while capturing; or failed, reported).
+static Grouped *grouped_site(RtCuda *cu, const Grouped *call, bool *failed) {
+  for (int i = 0; i < cu->nsites; i++) {
+    Grouped *g = &cu->sites[i];
+    if (g->s == call->s && g->in == call->in && g->a == call->a && g->b == call->b && g->c == call->c &&
+        g->rows == call->rows && g->e == call->e && g->m == call->m && g->n == call->n && g->k == call->k &&
+        g->blocks == call->blocks && g->ta == call->ta && g->tb == call->tb)
+      return g;
+  }
+  if (cu->capture)   // no heuristic and no allocation inside a capture: this call runs padded
+    return NULL;
+  if (cu->nsites == cu->cap_sites) {
+    int cap = cu->cap_sites ? 2 * cu->cap_sites : 16;
+    Grouped *more = realloc(cu->sites, (size_t)cap * sizeof *more);
+    if (!more)
+      rt_out_of_memory((size_t)cap * sizeof *more, "the grouped GEMMs' call sites");
+    cu->sites = more, cu->cap_sites = cap;
+  }
+  Grouped *g = &cu->sites[cu->nsites++];
+  *g = *call;
+  if (grouped_setup(cu, g))
+    return g;
+  *failed = true;
+  return NULL;
+}
+
+bool rt_cuda_expert_gemm_rows(RtCuda *cu, RtStream s, RtCudaType in, const void *a, const void *b, float *c,
+                              int e, int m, int n, int k, bool ta, bool tb, const int *rows, int blocks) {
+  int slots = ta ? k : m;
+  if (e <= 0 || m <= 0 || n <= 0 || k <= 0 || blocks < 1 || slots % blocks || (ta && (tb || blocks != 1)) ||
+      !rt_cuda_grouped_gemms(cu, NULL, 0))
+    return gemm(cu, s, in, a, b, c, e, m, n, k, ta, tb, 0.0f);
+  Grouped call = {.s = s, .in = in, .a = a, .b = b, .c = c, .rows = rows, .e = e, .m = m, .n = n, .k = k,
+                  .blocks = blocks, .ta = ta, .tb = tb, .groups = ta ? e : e * blocks};
+  bool failed = false;
+  Grouped *g = grouped_site(cu, &call, &failed);
+  if (failed)
+    return false;
+  if (!g || !g->usable)
+    return gemm(cu, s, in, a, b, c, e, m, n, k, ta, tb, 0.0f);
+  float alpha = 1.0f, beta = 0.0f;
+  int G = g->groups;
+  const void *pa = (const void *)(uintptr_t)g->table, *pb = (const void *)(uintptr_t)(g->table + (size_t)G * 8),
+             *pd = (const void *)(uintptr_t)(g->table + 2 * (size_t)G * 8);
+  return CUBLAS_CHECK(cublasLtMatmul(cu->lt, g->op, &alpha, pa, g->la, pb, g->lb, &beta, pd, g->ld, (void *)pd, g->ld,
+                                     &g->algo, (void *)(uintptr_t)g->work, g->work_bytes, cu->stream[s]));
+}
+
+int rt_cuda_grouped_sites(const RtCuda *cu, int *padded) {
+  int n = 0, p = 0;
+  for (int i = 0; i < cu->nsites; i++) cu->sites[i].usable ? n++ : p++;
+  if (padded)
+    *padded = p;
+  return n;
+}
+
 
 // ---- collectives ----
 

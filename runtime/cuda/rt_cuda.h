@@ -139,6 +139,23 @@ bool rt_cuda_gemm(RtCuda *cu, RtStream s, RtCudaType in, const void *a, const vo
 // of k*n, c [e, m, n]; c is overwritten.
 bool rt_cuda_expert_gemm(RtCuda *cu, RtStream s, RtCudaType in, const void *a, const void *b, float *c,
                          int e, int m, int n, int k, bool ta, bool tb);
+// The same over the filled slots only. The slot dimension (m, the rows of a and c, when !ta; k,
+// the rows of a and b, when ta: a weight gradient) holds `blocks` blocks of slots an expert, and
+// rows (device memory, mk_expert_counts's: e * blocks counts, then e * blocks counts of at least 1)
+// says how many of each block's first slots are filled: with !ta only those rows of c are written
+// (the caller has zeroed the others: mk_expert_counts does); with ta only they are summed (blocks
+// 1). Equal to rt_cuda_expert_gemm where the rows past the counts of the operand they were counted
+// from are zero. It runs cuBLASLt's grouped GEMM (sizes in device memory, no synchronisation)
+// where the cuBLASLt loaded has it (rt_cuda_grouped_gemms), else rt_cuda_expert_gemm; a site's
+// first call must not be inside a graph capture to run grouped (it queries the heuristic).
+bool rt_cuda_expert_gemm_rows(RtCuda *cu, RtStream s, RtCudaType in, const void *a, const void *b, float *c,
+                              int e, int m, int n, int k, bool ta, bool tb, const int *rows, int blocks);
+// Whether cuBLASLt's grouped GEMM runs rt_cuda_expert_gemm_rows on this GPU; why not into why (a
+// sentence; "" when it does).
+bool rt_cuda_grouped_gemms(RtCuda *cu, char *why, size_t why_size);
+// The call sites of rt_cuda_expert_gemm_rows met so far that run grouped; *padded: those that run
+// the padded GEMM (the heuristic found no algorithm for them, or their operands are not 16-byte aligned).
+int rt_cuda_grouped_sites(const RtCuda *cu, int *padded);
 
 // ---- collectives (NCCL), fp32 ----
 // A communicator over the ranks of comm, collectively: rank 0 makes the unique id, MPI_Bcast
@@ -181,6 +198,7 @@ typedef struct RtCudaProgram {
   size_t input_bytes;                // the step's input (and its target), copied to the GPU every step
   bool nccl[RT_GROUP_COUNT];         // groups whose collectives cross ranks: a communicator each
   const char *note;                  // ends the device's description (NULL: nothing)
+  int row_gemms;                     // expert GEMMs over their filled rows a step (rt_cuda_expert_gemm_rows)
 } RtCudaProgram;
 
 // What rt_cuda_session_create made; the program's step functions use these.

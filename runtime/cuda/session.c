@@ -53,6 +53,13 @@ static int setup(RtCudaSession *s) {
   snprintf(s->description, sizeof s->description, "%s (sm_%d), kernels from the %s, %.1f MiB of device memory in one "
            "block%s", d->name, d->arch, image == p->cubin ? "CUBIN" : "PTX, compiled by the driver",
            (double)p->device_bytes / (1 << 20), p->note ? p->note : "");
+  if (p->row_gemms > 0) {   // which GEMM multiplies the expert GEMMs' filled rows
+    char why[256];
+    size_t len = strlen(s->description);
+    bool grouped = rt_cuda_grouped_gemms(s->cu, why, sizeof why);
+    snprintf(s->description + len, sizeof s->description - len, "; %d expert GEMMs a step over their filled rows%s%s%s",
+             p->row_gemms, grouped ? " (cuBLASLt's grouped GEMM)" : " padded (", grouped ? "" : why, grouped ? "" : ")");
+  }
   if (!rt_cuda_load_module(s->cu, image))
     return rt_fail("the kernels could not be loaded on %s (the CUDA error is above)", d->name);
   for (int k = 0; k < p->nkernels; k++)

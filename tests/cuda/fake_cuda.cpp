@@ -766,6 +766,60 @@ bool rt_cuda_expert_gemm(RtCuda *cu, RtStream s, RtCudaType in, const void *a, c
   });
 }
 
+// The filled rows: each block's count read from the arena, checked, and every slot row past it
+// zeroed in the operands that hold slot rows (a when !ta; a and b when ta), so that the padded
+// GEMM then multiplies what a GEMM over the counted rows multiplies. MOERT_FAKE_SHORT_ROWS=1 takes
+// one row off the first count that is not 0: the tests' proof that a count too small shows.
+bool rt_cuda_expert_gemm_rows(RtCuda *cu, RtStream s, RtCudaType in, const void *a, const void *b, float *c, int e,
+                              int m, int n, int k, bool ta, bool tb, const int *rows, int blocks) {
+  const char *call = "rt_cuda_expert_gemm_rows";
+  if (!stream_ok(s, call) || !gemm_ranges(cu, in, a, b, c, e > 0 ? (size_t)e : 0, m, n, k)) return false;
+  int slots = ta ? k : m;
+  if (blocks < 1 || slots % blocks) return report("%s: %d slots in %d blocks", call, slots, blocks);
+  if (ta && tb) return report("%s: no slot rows in a GEMM with ta and tb", call);
+  if (!device_range(cu, call, "rows", rows, (size_t)(e > 0 ? e : 0) * blocks * sizeof *rows)) return false;
+  const char *short_rows = getenv("MOERT_FAKE_SHORT_ROWS");
+  bool shorten = short_rows && strcmp(short_rows, "1") == 0;
+  return issue(cu, s, call, [=] {
+    if (e <= 0 || m <= 0 || n <= 0) return true;
+    int per = slots / blocks;
+    std::vector<int> count(rows, rows + (size_t)e * blocks);
+    for (size_t g = 0; g < count.size(); g++)
+      if (count[g] < 0 || count[g] > per) return report("%s: block %zu counts %d filled rows of %d", call, g, count[g], per);
+    for (size_t g = 0; shorten && g < count.size(); g++)
+      if (count[g] > 0) {
+        count[g]--;
+        break;
+      }
+    std::vector<float> wa, wb;
+    const float *fa = as_f32(in, a, (size_t)e * m * k, wa), *fb = as_f32(in, b, (size_t)e * k * n, wb);
+    // The slot rows of an operand ([e, slots, width]) with the rows past the counts zeroed.
+    auto masked = [&](const float *x, int width, std::vector<float> &store) {
+      store.assign(x, x + (size_t)e * slots * width);
+      for (int g = 0; g < e * blocks; g++)
+        for (int r = count[(size_t)g]; r < per; r++)
+          std::fill_n(store.begin() + ((size_t)g * per + r) * width, width, 0.0f);
+      return (const float *)store.data();
+    };
+    std::vector<float> ma, mb;
+    fa = masked(fa, ta ? m : k, ma);
+    if (ta) fb = masked(fb, n, mb);
+    rt_expert_matmul(fa, fb, c, e, m, n, k, ta, tb);
+    return true;
+  });
+}
+
+// The fake device runs every rt_cuda_expert_gemm_rows over the counted rows (above).
+bool rt_cuda_grouped_gemms(RtCuda *, char *why, size_t why_size) {
+  if (why && why_size) why[0] = '\0';
+  return true;
+}
+
+int rt_cuda_grouped_sites(const RtCuda *, int *padded) {
+  if (padded) *padded = 0;
+  return 0;
+}
+
 // ---- NCCL: the runtime's MPI collectives on the same group ----
 
 struct RtNccl {

@@ -230,6 +230,64 @@ static void cublas_checks(RtCuda *cu, Checks &c, bool have_kernels) {
   }
 }
 
+// The expert GEMMs over their filled rows (rt_cuda_expert_gemm_rows): cuBLASLt's grouped GEMM
+// where this GPU's cuBLASLt has it, else the padded GEMM, against libmoert's padded GEMM on the
+// same zero-padded operands: groups of 48 slots (an expert's, or a block of 2 an expert), filled
+// 0, 48, 17, 5, 1, ... rows; C's rows past the counts zeroed first, as mk_expert_counts does. Then
+// the weight gradient's form (ta: the sum over an expert's filled slots, one expert with none).
+static void grouped_checks(RtCuda *cu, Checks &c, bool have_kernels) {
+  char why[256];
+  bool grouped = rt_cuda_grouped_gemms(cu, why, sizeof why);
+  printf("# expert GEMMs over their filled rows: %s%s\n", grouped ? "cuBLASLt's grouped GEMM" : "the padded GEMM: ", why);
+  const int e = 4, per = 48, m = 40, n = 40, k = 32;
+  const int fill[] = {0, per, 17, 5, 1, 33, 48, 2};
+  for (RtCudaType type : {RT_CUDA_F32, RT_CUDA_BF16}) {
+    if (type == RT_CUDA_BF16 && !have_kernels) {
+      c.fail("grouped expert gemm bf16: needs the library's mk_compress_bf16, which did not load");
+      continue;
+    }
+    for (int form = 0; form < 4; form++) {   // 0: blocks 1, 1: blocks 2, 2: blocks 1 tb, 3: ta (a weight gradient)
+      bool ta = form == 3, tb = form == 2;
+      int blocks = form == 1 ? 2 : 1, groups = e * blocks, slots = per * blocks;
+      int rows_m = ta ? m : slots, kk = ta ? slots : k;   // [e, rows_m, n] = op(a) [e, rows_m, kk] x op(b) [e, kk, n]
+      std::vector<int> counts(2 * (size_t)groups);
+      for (int g = 0; g < groups; g++) counts[(size_t)g] = fill[g % 8], counts[(size_t)(groups + g)] = std::max(fill[g % 8], 1);
+      auto a = randn((size_t)e * rows_m * kk), b = randn((size_t)e * kk * n);
+      // the counted operand's rows past the counts zero: a's slot rows (!ta), b's (ta)
+      std::vector<float> &x = ta ? b : a;
+      int width = ta ? n : k;
+      for (int g = 0; g < groups; g++)
+        std::fill(x.begin() + ((size_t)g * per + counts[(size_t)g]) * width, x.begin() + (size_t)(g + 1) * per * width, 0.0f);
+      auto a_in = type == RT_CUDA_BF16 ? bf16_rounded(a) : a, b_in = type == RT_CUDA_BF16 ? bf16_rounded(b) : b;
+      std::string name = std::string("grouped expert gemm ") + (type == RT_CUDA_BF16 ? "bf16" : "fp32") +
+                         (ta ? " weight gradient (ta)" : tb ? " tb" : "") + ", " + std::to_string(groups) + " groups";
+      std::vector<float> want((size_t)e * rows_m * n), ref(want.size()), got(want.size());
+      rt_expert_matmul(a_in.data(), b_in.data(), want.data(), e, rows_m, n, kk, ta, tb);
+      rt_expert_matmul(absolute(a_in).data(), absolute(b_in).data(), ref.data(), e, rows_m, n, kk, ta, tb);
+      const void *da = type == RT_CUDA_BF16 ? bf16_on_device(cu, a) : to_device(cu, RT_STREAM_COMPUTE, a);
+      const void *db = type == RT_CUDA_BF16 ? bf16_on_device(cu, b) : to_device(cu, RT_STREAM_COMPUTE, b);
+      const int *dn = to_device(cu, RT_STREAM_COMPUTE, counts);
+      float *dc = to_device(cu, RT_STREAM_COMPUTE, std::vector<float>(got.size(), 0.0f));
+      bool ok = da && db && dn && dc &&
+                rt_cuda_expert_gemm_rows(cu, RT_STREAM_COMPUTE, type, da, db, dc, e, rows_m, n, kk, ta, tb, dn, blocks) &&
+                to_host(cu, RT_STREAM_COMPUTE, got, dc) && rt_cuda_sync(cu, RT_STREAM_COMPUTE);
+      if (ok) {   // the second call: the site's setup made, the grouped call alone
+        std::fill(got.begin(), got.end(), 0.0f);
+        ok = rt_cuda_zero(cu, RT_STREAM_COMPUTE, dc, got.size() * sizeof(float)) &&
+             rt_cuda_expert_gemm_rows(cu, RT_STREAM_COMPUTE, type, da, db, dc, e, rows_m, n, kk, ta, tb, dn, blocks) &&
+             to_host(cu, RT_STREAM_COMPUTE, got, dc) && rt_cuda_sync(cu, RT_STREAM_COMPUTE);
+      }
+      rt_cuda_arena_reset(cu);
+      if (ok)
+        gemm_same(c, name, want, got, ref);
+      else
+        c.fail("%s: a CUDA or cuBLAS call failed (reported above)", name.c_str());
+    }
+  }
+  int padded = 0, sites = rt_cuda_grouped_sites(cu, &padded);
+  printf("# grouped expert gemm: %d call sites ran grouped, %d padded (no algorithm or alignment)\n", sites, padded);
+}
+
 // ---- 4. NCCL ----
 
 static void identical(Checks &c, const char *name, const std::vector<float> &want, const std::vector<float> &got) {
@@ -317,6 +375,7 @@ int main() {
     check_coverage(kernel_checks, src, launcher.launched);
   }
   cublas_checks(cu, checks, have_kernels);
+  grouped_checks(cu, checks, have_kernels);
   nccl_checks(cu, checks, have_kernels);
   if (!rt_cuda_destroy(cu)) checks.fail("runtime released (reported above)");
   int total = checks.checks + kernel_checks.checks, failed = checks.failures + kernel_checks.failures;

@@ -392,6 +392,35 @@ template <class Launcher> void run_kernel_cases(Launcher &L, Checks &c) {
     rt_expert_scale(a.data(), bias.data(), y_c.data(), 4, s / 4, m);
     LAUNCH(3, 64, mk_expert_scale, a, bias, y_k, 4, s / 4, m);
     c.bits("expert.scale", y_c, y_k);
+    {  // the filled rows of 6 blocks of 37 slots: empty, full, one row, a zero row inside, NaN, -0
+      const int groups = 6, slots = 37, width = 301;
+      auto x = zeros<float>((size_t)groups * slots * width);
+      const int filled[groups] = {0, slots, 1, 20, 9, 5};
+      std::vector<int> want(2 * groups), got(2 * groups, -7);
+      for (int g = 0; g < groups; g++) {
+        for (int r = 0; r < filled[g]; r++)
+          for (int j = 0; j < width; j++) x[((size_t)g * slots + r) * width + j] = (float)((r + j) % 5) - 2.0f;
+        want[g] = filled[g];
+      }
+      for (int j = 0; j < width; j++) x[((size_t)3 * slots + 10) * width + j] = 0.0f;   // a zero row below the last
+      x[((size_t)4 * slots + 30) * width + 300] = NAN;   // NaN counts
+      want[4] = 31;
+      x[((size_t)5 * slots + 36) * width + 7] = -0.0f;   // -0 is zero
+      for (int g = 0; g < groups; g++) want[groups + g] = std::max(want[g], 1);
+      const int cwidth = 13;   // the GEMM's result: its rows past the counts zeroed, the others left
+      auto out = randn((size_t)groups * slots * cwidth), out_want = out;
+      for (int g = 0; g < groups; g++)
+        std::fill(out_want.begin() + ((size_t)g * slots + want[g]) * cwidth, out_want.begin() + (size_t)(g + 1) * slots * cwidth, 0.0f);
+      LAUNCH(4, MK_BLOCK, mk_expert_counts, x, got, out, groups, slots, width, cwidth);
+      c.same("expert GEMM filled rows (mk_expert_counts)", want, got);
+      c.bits("expert GEMM filled rows: the result's rows past them zeroed", out_want, out);
+      std::vector<uint16_t> x16(x.size());   // the bf16 copy (-0 stays -0, NaN stays NaN)
+      rt_compress_bf16(x.data(), x16.data(), (int64_t)x.size());
+      auto got16 = std::vector<int>(2 * groups, -7);
+      auto out16 = randn((size_t)groups * slots * cwidth);
+      LAUNCH(4, MK_BLOCK, mk_expert_counts_bf16, x16, got16, out16, groups, slots, width, 0);
+      c.same("expert GEMM filled rows of a bf16 copy (mk_expert_counts_bf16)", want, got16);
+    }
     rt_gelu(a.data(), y_c.data(), n, m);
     LAUNCH(3, 64, mk_gelu, a, y_k, n, (int64_t)m);
     c.same("act.gelu", y_c, y_k);

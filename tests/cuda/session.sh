@@ -63,6 +63,19 @@ fi
 # the venv; Open MPI's singleton ----
 extra=$(cd "$BUILD" && pwd)/lib
 nccl=$(python3 -c 'import nvidia.nccl; print(nvidia.nccl.__path__[0])' 2>/dev/null) && extra=$extra:$nccl/lib
+# cuBLAS from the venv too (its libcublasLt may have the grouped GEMM, cuBLAS 13.4 and newer:
+# gpu_check's '# expert GEMMs over their filled rows' line says which ran)
+cublas=$(python3 -c '
+import importlib, os
+for name in ("nvidia.cublas", "nvidia.cu13"):
+    try:
+        paths = importlib.import_module(name).__path__
+    except Exception:
+        continue
+    for p in paths:
+        if os.path.exists(os.path.join(p, "lib", "libcublasLt.so.13")):
+            print(os.path.join(p, "lib"))
+            raise SystemExit' 2>/dev/null) && [ -n "$cublas" ] && extra=$extra:$cublas
 [ -d "$BUILD/lib" ] && export LD_LIBRARY_PATH=$extra${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
 if [ -d "$BUILD/ompi" ]; then
   export OPAL_PREFIX=$(cd "$BUILD/ompi" && pwd) OMPI_MCA_ess_singleton_isolated=1 OMPI_MCA_mca_base_component_show_load_errors=0
