@@ -23,7 +23,7 @@ MOEC=${MOEC:-$BUILD/moec}
 CUDA=${CUDA:-/usr/local/cuda}
 . tests/cuda/common.sh
 # The fake device loads either image, so these programs embed NVRTC's PTX alone (MOEC_CUDA_IMAGES=ptx,
-# a third of NVRTC's time: no CUBIN); golden-runs' programs carry both and run the CUBIN.
+# a third of NVRTC's time: no CUBIN), as golden-runs' do but tiny's, which carries both and runs the CUBIN.
 export MOEC_CUDA_IMAGES=${MOEC_CUDA_IMAGES:-ptx}
 if [ ! -f "$CUDA/include/nvrtc.h" ]; then
   skip "cuda pipeline" "no CUDA toolkit (nothing at $CUDA/include/nvrtc.h)"
