@@ -53,7 +53,7 @@ void cli_dump_ir_usage(FILE *out) {
 void cli_build_usage(FILE *out) {
   fprintf(out,
           "usage: moec build F.moe [-o BIN] [-v] [--target cpu|cuda|auto] [--gpu-arch sm_NN]\n"
-          "                  [--cluster C] [--layout D,M,E,S[,ALGO]] [--emit c|cuda] [--keep-c F.c]\n"
+          "                  [--cluster C] [--layout D,M,E,S[,ALGO][,pp=P][,microbatches=M]] [--emit c|cuda] [--keep-c F.c]\n"
           "                  [--no-fuse] [--stage N]\n"
           "\n"
           "Compiles a model into a training binary (BIN --help says what the binary can do).\n"
@@ -65,8 +65,9 @@ void cli_build_usage(FILE *out) {
           "                    (NVRTC kernels, cuBLAS, NCCL); auto: cuda where a GPU is visible\n"
           "  --gpu-arch sm_NN  architecture of the CUDA kernels (default sm_90; PTX rides along)\n"
           "  --cluster C       cluster profile for the planner (overrides the model's 'cluster')\n"
-          "  --layout D,M,E,S[,ALGO]  build this parallel layout (dp, mp, ep, esp and the EP AlltoAll\n"
-          "                    nccl, 1dh or 2dh) instead of the model's 'parallel'\n"
+          "  --layout D,M,E,S[,ALGO][,pp=P][,microbatches=M]  build this parallel layout (dp, mp, ep, esp,\n"
+          "                    the EP AlltoAll nccl, 1dh or 2dh, the stages and microbatches) instead\n"
+          "                    of the model's 'parallel'\n"
           "  --emit c          write the generated C program (of the target) to -o or stdout\n"
           "  --emit cuda       write the generated CUDA kernels (for NVRTC) to -o or stdout\n"
           "  --keep-c F.c      also keep the generated C program as F.c\n"

@@ -110,7 +110,7 @@ static int parse_plan_options(int argc, char **argv, PlanOptions *o) {
 void cli_plan_usage(FILE *out) {
   fprintf(out,
           "usage: moec plan F.moe [--cluster C] [--policy NAME|all] [--heads N] [--degree RULE]\n"
-          "                 [--svg F.svg] [--trace F.json] [--json F.json] [--layouts] [--layout D,M,E,S] [-v]\n"
+          "                 [--svg F.svg] [--trace F.json] [--json F.json] [--layouts] [--layout D,M,E,S[,...]] [-v]\n"
           "\n"
           "Plans the model's MoE stack with the FSMoE scheduling model (lang/manual.md section 8): for each\n"
           "policy the pipeline degree r per layer and phase, the partition of the dense gradients and\n"
@@ -130,7 +130,8 @@ void cli_plan_usage(FILE *out) {
           "  --json F.json     the whole plan as JSON (with --layouts: the layouts)\n"
           "  --layouts         every parallel layout of the cluster's ranks, priced and ranked\n"
           "                    (manual 6); the model's 'parallel auto;' picks the first that fits\n"
-          "  --layout D,M,E,S[,ALGO]  plan this layout (dp, mp, ep, esp, EP AlltoAll algorithm)\n"
+          "  --layout D,M,E,S[,ALGO][,pp=P][,microbatches=M]  plan this layout (dp, mp, ep, esp, EP\n"
+          "                    AlltoAll algorithm, stages, microbatches)\n"
           "  -v, --verbose     the sequential step per class of work (GEMM, attention, update, each\n"
           "                    collective, the rest), as the binary's --profile measures them\n");
 }

@@ -125,19 +125,19 @@ measure() {
   fi
   "$MOEC" plan "$W/model.moe" --cluster "$W/c.cluster" --layouts --json "$W/plan.json" >"$W/plan.out" 2>&1 ||
     { say "layouts: moec plan --layouts failed: $(tail -n 3 "$W/plan.out")"; return 1; }
-  # The fitting layouts in the search's order: index dp mp ep esp algo predicted
+  # The fitting layouts in the search's order: index dp mp ep esp algo predicted pp microbatches
   "$PY" - "$W/plan.json" >"$W/fitting.txt" <<'EOF'
 import json, sys
 j = json.load(open(sys.argv[1]))
 for i, l in enumerate(x for x in j["layouts"] if x["fits"]):
-    print(i, l["dp"], l["mp"], l["ep"], l["esp"], l["algo"], repr(l["step_ms"]))
+    print(i, l["dp"], l["mp"], l["ep"], l["esp"], l["algo"], repr(l["step_ms"]), l.get("pp", 1), l.get("microbatches", 1))
 EOF
   local n
   n=$(wc -l <"$W/fitting.txt")
   echo "the search: $n fitting layouts ($(head -n 1 "$W/plan.out"))"
   [ "$n" -ge 1 ] || { say "layouts: no layout fits"; return 1; }
-  while read -r i dp mp ep esp algo pred; do
-    if ! "$MOEC" build "$W/model.moe" --cluster "$W/c.cluster" --layout "$dp,$mp,$ep,$esp,$algo" \
+  while read -r i dp mp ep esp algo pred pp mb; do
+    if ! "$MOEC" build "$W/model.moe" --cluster "$W/c.cluster" --layout "$dp,$mp,$ep,$esp,$algo,pp=$pp,microbatches=$mb" \
          -o "$W/L$i" -v >"$W/L$i.build" 2>&1; then
       say "layouts: build of $dp,$mp,$ep,$esp,$algo failed: $(tail -n 3 "$W/L$i.build")"; return 1
     fi
@@ -148,7 +148,7 @@ EOF
     for ((k = 0; k < n; k++)); do
       i=$(((k + round) % n))
       local lay
-      lay=$(awk -v i="$i" '$1 == i { printf "%s,%s,%s,%s,%s", $2, $3, $4, $5, $6 }' "$W/fitting.txt")
+      lay=$(awk -v i="$i" '$1 == i { printf "%s,%s,%s,%s,%s,pp=%s,microbatches=%s", $2, $3, $4, $5, $6, $8, $9 }' "$W/fitting.txt")
       if crun_retry "$RUN_LIMIT" "$W/L$i.run$round" "median whole step" "$W/L$i" --steps "$STEPS" --profile --quiet; then
         echo "  round $((round + 1)) $lay: $(grep -o 'median whole step [0-9.]* ms' "$W/L$i.run$round")"
       else
@@ -165,11 +165,14 @@ batch = int(re.search(r"batch (\d+);", base).group(1))
 seqlen = int(re.search(r"seqlen (\d+);", base).group(1))
 fit = [l for l in plan["layouts"] if l["fits"]]
 chosen = plan.get("chosen")
-name = lambda l: "dp%d mp%d ep%d esp%d %s" % (l["dp"], l["mp"], l["ep"], l["esp"], l["algo"])
+name = lambda l: "dp%d mp%d ep%d esp%d %s%s" % (l["dp"], l["mp"], l["ep"], l["esp"], l["algo"],
+                                               " pp%d x%d" % (l["pp"], l["microbatches"]) if l.get("pp", 1) > 1 or l.get("microbatches", 1) > 1 else "")
 rows = []
 for i, l in enumerate(fit):
     build = open(os.path.join(W, "L%d.build" % i)).read()
     m = re.findall(r"^# pipeline-plan %s step \S+ \S+ (\S+)" % re.escape(l["policy"]), build, re.M)
+    if l.get("pp", 1) > 1:   # stages: the pipelined step (each stage's own plan lines are a microbatch's)
+        m = re.findall(r"^# stages: .* = ([0-9.]+) ms", build, re.M)
     bpred = float(m[-1]) if m else float("nan")
     steps_ms, comm = [], []
     for f in sorted(glob.glob(os.path.join(W, "L%d.run[0-9]*" % i))):
@@ -185,7 +188,7 @@ for i, l in enumerate(fit):
     meas = statistics.median(steps_ms) if steps_ms else float("nan")
     rows.append(dict(l=l, name=name(l), pred=l["step_ms"], bpred=bpred, meas=meas, runs=steps_ms,
                      comm=statistics.median(comm) if comm else float("nan"),
-                     gb=plan.get("global_batch", l["dp"] * batch), chosen=chosen is not None and all(l[k] == chosen[k] for k in ("dp", "mp", "ep", "esp", "algo"))))
+                     gb=plan.get("global_batch", l["dp"] * batch), chosen=chosen is not None and all(l.get(k) == chosen.get(k) for k in ("dp", "mp", "ep", "esp", "algo", "pp", "microbatches"))))
 
 def ranks(v):   # average ranks (1 = smallest), ties shared
     order = sorted(range(len(v)), key=lambda i: v[i])
@@ -297,7 +300,8 @@ model, cluster, nodes, t0, t1, gpn = sys.argv[2], sys.argv[3], int(sys.argv[4]),
 L = j["layouts"]
 fit = [l for l in L if l["fits"]]
 c = j.get("chosen")
-name = lambda l: "dp%d mp%d ep%d esp%d %s" % (l["dp"], l["mp"], l["ep"], l["esp"], l["algo"])
+name = lambda l: "dp%d mp%d ep%d esp%d %s%s" % (l["dp"], l["mp"], l["ep"], l["esp"], l["algo"],
+                                               " pp%d x%d" % (l["pp"], l["microbatches"]) if l.get("pp", 1) > 1 or l.get("microbatches", 1) > 1 else "")
 print("search at scale: moec plan --layouts %s on %s with nodes %d (%d ranks): %d candidates, %d priced and fit, "
       "chosen %s (predicted %.0f ms); search_seconds %.3f s, wall time of the command %.3f s"
       % (model, cluster, nodes, nodes * gpn, len(L), len(fit), name(c) if c else "none",
