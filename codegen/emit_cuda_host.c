@@ -558,8 +558,8 @@ static void gemm_operand(const Host *h, const IrOperand *x, char *buf, size_t n)
   else cg_spell_operand(&h->sp, x, buf, n);
 }
 
-// rows: the launch's scratch holding the filled rows mk_expert_counts counted (-1: none, every
-// slot), in blocks blocks an expert.
+// rows: the staging offset of the filled rows mk_expert_counts counted (-1: none, every slot), in
+// blocks blocks an expert.
 static bool emit_gemm(Host *h, const IrFunc *f, const IrOp *op, IrStream s, int64_t rows, int64_t blocks) {
   char a[96], b[96], r[96];
   gemm_operand(h, &op->args[0], a, sizeof a);
@@ -677,18 +677,15 @@ static bool emit_op(Host *h, const IrFunc *f, int i, const CgLaunch *lp, IrStrea
     const CgLaunch *by = l.rows_from > 0 ? &fl->launch[l.rows_from - 1] : &l;   // the launch that counts
     h->rows_at[k] = -1;
     if (!cg_counts_rows(by)) return emit_gemm(h, f, op, s, -1, 1);
-    if (l.rows_from > 0) {   // that launch's counts (-1: it multiplied every slot)
-      int64_t at = h->rows_at[l.rows_from - 1];
-      return emit_gemm(h, f, op, s, at, at < 0 ? 1 : by->call[0].args[3].i / cg_gemm(op).e);
-    }
+    int64_t blocks = by->call[0].args[3].i / cg_gemm(op).e;   // its groups over the experts
+    if (l.rows_from > 0) return emit_gemm(h, f, op, s, h->rows_at[l.rows_from - 1], blocks);   // that launch's counts
     const CgArg *x = &l.call[0].args[0];
     if (x->kind == CG_ARG_OPERAND && bf16_only(h, &op->args[x->index]))
       return ir_internal_at(h->d, op->loc, "the rows of a GEMM operand stored in bf16 only are counted in fp32");
-    int64_t rows = stage_place(h, l.scratch_bytes);
-    if (!emit_kernel(h, f, i, &l.call[0], s, -1, rows)) return false;
+    h->rows_at[k] = stage_place(h, l.scratch_bytes);
+    if (!emit_kernel(h, f, i, &l.call[0], s, -1, h->rows_at[k])) return false;
     h->count[h->phase].row_counts++;
-    h->rows_at[k] = rows;
-    return emit_gemm(h, f, op, s, rows, l.call[0].args[3].i / cg_gemm(op).e);
+    return emit_gemm(h, f, op, s, h->rows_at[k], blocks);
   }
   if (l.lib) return emit_comm(h, f, op, s);
   // The record hook's kernel writes its statistics into the staging area.

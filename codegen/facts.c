@@ -145,7 +145,6 @@ unsigned cg_cuda_lowering(const IrModule *m) {
          (rows && strcmp(rows, "all") == 0 ? 0 : CG_LOWER_ROWS);
 }
 
-
 // ---- the expert GEMMs over their filled rows (CG_LOWER_ROWS) ----
 
 // Whether value v's slot rows are likely zero past each block's filled ones, and the blocks of
@@ -188,8 +187,8 @@ bool cg_expert_rows(const IrOp *op, CgRows *r) {
     int64_t blocks = 1;
     if (x->param || !slot_padded(x->value, &blocks, 0)) continue;
     const IrType *t = &x->value->type;
-    if (t->rank != 3 || t->dim[1] <= 0 || blocks < 1 || t->dim[1] % blocks) blocks = 1;
     if (t->rank != 3) continue;
+    if (t->dim[1] <= 0 || blocks < 1 || t->dim[1] % blocks) blocks = 1;
     *r = (CgRows){.operand = order[j], .groups = t->dim[0] * blocks, .rows = t->dim[1] / blocks, .width = t->dim[2],
                   .blocks = blocks};
     return true;

@@ -150,8 +150,9 @@ bool rt_cuda_expert_gemm(RtCuda *cu, RtStream s, RtCudaType in, const void *a, c
 // first call must not be inside a graph capture to run grouped (it queries the heuristic).
 bool rt_cuda_expert_gemm_rows(RtCuda *cu, RtStream s, RtCudaType in, const void *a, const void *b, float *c,
                               int e, int m, int n, int k, bool ta, bool tb, const int *rows, int blocks);
-// Whether cuBLASLt's grouped GEMM runs rt_cuda_expert_gemm_rows on this GPU; why not into why (a
-// sentence; "" when it does).
+// Whether rt_cuda_expert_gemm_rows multiplies the counted rows alone on this device (cuBLASLt's
+// grouped GEMM) or runs the padded GEMM; into why, why not (a sentence), or when it does, what
+// does it when that is not cuBLASLt's grouped GEMM ("" when it is).
 bool rt_cuda_grouped_gemms(RtCuda *cu, char *why, size_t why_size);
 // The call sites of rt_cuda_expert_gemm_rows met so far that run grouped; *padded: those that run
 // the padded GEMM (the heuristic found no algorithm for them, or their operands are not 16-byte aligned).

@@ -57,8 +57,8 @@ static int setup(RtCudaSession *s) {
     char why[256];
     size_t len = strlen(s->description);
     bool grouped = rt_cuda_grouped_gemms(s->cu, why, sizeof why);
-    snprintf(s->description + len, sizeof s->description - len, "; %d expert GEMMs a step over their filled rows%s%s%s",
-             p->row_gemms, grouped ? " (cuBLASLt's grouped GEMM)" : " padded (", grouped ? "" : why, grouped ? "" : ")");
+    snprintf(s->description + len, sizeof s->description - len, "; %d expert GEMMs a step over their filled rows %s(%s)",
+             p->row_gemms, grouped ? "" : "padded ", grouped && !why[0] ? "cuBLASLt's grouped GEMM" : why);
   }
   if (!rt_cuda_load_module(s->cu, image))
     return rt_fail("the kernels could not be loaded on %s (the CUDA error is above)", d->name);

@@ -766,10 +766,12 @@ bool rt_cuda_expert_gemm(RtCuda *cu, RtStream s, RtCudaType in, const void *a, c
   });
 }
 
-// The filled rows: each block's count read from the arena, checked, and every slot row past it
-// zeroed in the operands that hold slot rows (a when !ta; a and b when ta), so that the padded
-// GEMM then multiplies what a GEMM over the counted rows multiplies. MOERT_FAKE_SHORT_ROWS=1 takes
-// one row off the first count that is not 0: the tests' proof that a count too small shows.
+// The filled rows, as cuBLASLt's grouped GEMM takes them: each block's count read from the arena
+// and checked (and the clamped counts after them, a weight gradient's K), every slot row past it
+// zeroed in the operands that hold slot rows (a when !ta; a and b when ta), the padded GEMM run on
+// those, and with !ta only the counted rows of c written: the others keep what the program left
+// there (its mk_expert_counts zeroed them), as on a GPU. MOERT_FAKE_SHORT_ROWS=1 takes one row off
+// the first count that is not 0: the tests' proof that a count too small shows.
 bool rt_cuda_expert_gemm_rows(RtCuda *cu, RtStream s, RtCudaType in, const void *a, const void *b, float *c, int e,
                               int m, int n, int k, bool ta, bool tb, const int *rows, int blocks) {
   const char *call = "rt_cuda_expert_gemm_rows";
@@ -777,18 +779,20 @@ bool rt_cuda_expert_gemm_rows(RtCuda *cu, RtStream s, RtCudaType in, const void 
   int slots = ta ? k : m;
   if (blocks < 1 || slots % blocks) return report("%s: %d slots in %d blocks", call, slots, blocks);
   if (ta && tb) return report("%s: no slot rows in a GEMM with ta and tb", call);
-  if (!device_range(cu, call, "rows", rows, (size_t)(e > 0 ? e : 0) * blocks * sizeof *rows)) return false;
+  if (!device_range(cu, call, "rows", rows, 2 * (size_t)(e > 0 ? e : 0) * blocks * sizeof *rows)) return false;
   const char *short_rows = getenv("MOERT_FAKE_SHORT_ROWS");
   bool shorten = short_rows && strcmp(short_rows, "1") == 0;
   return issue(cu, s, call, [=] {
     if (e <= 0 || m <= 0 || n <= 0) return true;
-    int per = slots / blocks;
-    std::vector<int> count(rows, rows + (size_t)e * blocks);
-    for (size_t g = 0; g < count.size(); g++)
-      if (count[g] < 0 || count[g] > per) return report("%s: block %zu counts %d filled rows of %d", call, g, count[g], per);
-    for (size_t g = 0; shorten && g < count.size(); g++)
-      if (count[g] > 0) {
-        count[g]--;
+    int per = slots / blocks, groups = e * blocks;
+    std::vector<int> count(rows, rows + groups);
+    for (int g = 0; g < groups; g++)
+      if (count[(size_t)g] < 0 || count[(size_t)g] > per || rows[groups + g] != std::max(count[(size_t)g], 1))
+        return report("%s: block %d counts %d filled rows of %d (clamped: %d)", call, g, count[(size_t)g], per,
+                      rows[groups + g]);
+    for (int g = 0; shorten && g < groups; g++)
+      if (count[(size_t)g] > 0) {
+        count[(size_t)g]--;
         break;
       }
     std::vector<float> wa, wb;
@@ -796,22 +800,30 @@ bool rt_cuda_expert_gemm_rows(RtCuda *cu, RtStream s, RtCudaType in, const void 
     // The slot rows of an operand ([e, slots, width]) with the rows past the counts zeroed.
     auto masked = [&](const float *x, int width, std::vector<float> &store) {
       store.assign(x, x + (size_t)e * slots * width);
-      for (int g = 0; g < e * blocks; g++)
+      for (int g = 0; g < groups; g++)
         for (int r = count[(size_t)g]; r < per; r++)
           std::fill_n(store.begin() + ((size_t)g * per + r) * width, width, 0.0f);
       return (const float *)store.data();
     };
     std::vector<float> ma, mb;
     fa = masked(fa, ta ? m : k, ma);
-    if (ta) fb = masked(fb, n, mb);
-    rt_expert_matmul(fa, fb, c, e, m, n, k, ta, tb);
+    if (ta) {   // the whole weight gradient, a sum over the counted slots
+      fb = masked(fb, n, mb);
+      rt_expert_matmul(fa, fb, c, e, m, n, k, ta, tb);
+      return true;
+    }
+    std::vector<float> out((size_t)e * m * n);
+    rt_expert_matmul(fa, fb, out.data(), e, m, n, k, ta, tb);
+    for (int g = 0; g < groups; g++)
+      std::copy_n(out.begin() + (size_t)g * per * n, (size_t)count[(size_t)g] * n, c + (size_t)g * per * n);
     return true;
   });
 }
 
-// The fake device runs every rt_cuda_expert_gemm_rows over the counted rows (above).
+// The fake device runs every rt_cuda_expert_gemm_rows over the counted rows (above), with
+// libmoert's GEMM.
 bool rt_cuda_grouped_gemms(RtCuda *, char *why, size_t why_size) {
-  if (why && why_size) why[0] = '\0';
+  if (why && why_size) snprintf(why, why_size, "the fake device's GEMM over the counted rows");
   return true;
 }
 
