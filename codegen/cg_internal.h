@@ -176,7 +176,11 @@ typedef struct CgLaunch {
 // (the CUDA target unless MOEC_EXPERT_ROWS=all).
 // CG_LOWER_CPU (cg_lower_module only): the CPU program's lowering, each op alone and each fused
 // group a C function (cg_lower_fused with cpu).
-enum { CG_LOWER_FUSE = 1, CG_LOWER_BF16 = 2, CG_LOWER_CPU = 4, CG_LOWER_ROWS = 8 };
+// CG_LOWER_ATTN_TC: attention on tensor cores (mk_attn_tc_*) where the heads are a multiple of 16
+// and at most 128 wide (the CUDA target with dtype bf16, unless MOEC_ATTN_TC=0).
+enum { CG_LOWER_FUSE = 1, CG_LOWER_BF16 = 2, CG_LOWER_CPU = 4, CG_LOWER_ROWS = 8, CG_LOWER_ATTN_TC = 16 };
+// Whether launch l runs attention on tensor cores (CG_LOWER_ATTN_TC).
+bool cg_attn_tc(const CgLaunch *l);
 bool cg_lower(const IrFunc *f, int i, unsigned how, CgLaunch *l);
 // Whether launch l is an expert GEMM that counts its filled rows first (CG_LOWER_ROWS).
 bool cg_counts_rows(const CgLaunch *l);

@@ -55,6 +55,7 @@ typedef struct Counts {
   int64_t kernels, casts, gemms, comms;
   int64_t row_counts;      // the kernels that count expert GEMMs' filled rows (mk_expert_counts)
   int64_t expert_gemms, row_gemms;   // expert GEMMs, and those over their filled rows
+  int64_t attn_ops, attn_tc;          // attention ops (forward, statistics, backward), and those on tensor cores
   double kernel_bytes, gemm_bytes;
   double unfused_bytes;   // what the fused groups' ops would move op by op, less what their kernels move
 } Counts;
@@ -688,6 +689,11 @@ static bool emit_op(Host *h, const IrFunc *f, int i, const CgLaunch *lp, IrStrea
     return emit_gemm(h, f, op, s, h->rows_at[k], blocks);
   }
   if (l.lib) return emit_comm(h, f, op, s);
+  if (op->kind == IR_OP_ATTN_CAUSAL || op->kind == IR_OP_ATTN_SINK || op->kind == IR_OP_ATTN_CAUSAL_STATS ||
+      op->kind == IR_OP_ATTN_SINK_STATS || op->kind == IR_OP_ATTN_CAUSAL_GRAD) {
+    h->count[h->phase].attn_ops++;
+    h->count[h->phase].attn_tc += cg_attn_tc(&l);
+  }
   // The record hook's kernel writes its statistics into the staging area.
   int64_t stats = op->kind == IR_OP_HOOK_RECORD ? stage_place(h, 3 * (int64_t)sizeof(double)) : -1;
   // A split reduction's partial sums: a place of their own (ops on other streams may run beside).
@@ -921,7 +927,7 @@ static int64_t unfused_extra(const Host *h, int64_t op_by_op_casts) {
 // What a step launches and moves (moec build -v; the program's header): one line per step
 // function, then the whole step and the op-by-op count, each between `pre` and `post`.
 static void print_counts(const Host *h, FILE *out, const char *pre, const char *post) {
-  int64_t kernels = 0, gemms = 0, comms = 0, row_counts = 0, expert_gemms = 0, row_gemms = 0;
+  int64_t kernels = 0, gemms = 0, comms = 0, row_counts = 0, expert_gemms = 0, row_gemms = 0, attn_ops = 0, attn_tc = 0;
   double bytes = 0.0, gemm_bytes = 0.0, unfused_bytes = 0.0;
   for (int p = 0; p < STEP_COUNT; p++) {
     const Counts *c = &h->count[p];
@@ -931,6 +937,7 @@ static void print_counts(const Host *h, FILE *out, const char *pre, const char *
     kernels += c->kernels, gemms += c->gemms, comms += c->comms, bytes += c->kernel_bytes, gemm_bytes += c->gemm_bytes;
     unfused_bytes += c->unfused_bytes;
     row_counts += c->row_counts, expert_gemms += c->expert_gemms, row_gemms += c->row_gemms;
+    attn_ops += c->attn_ops, attn_tc += c->attn_tc;
   }
   double slot_bytes = 0.0;   // dtype bf16: the op-by-op program's casts instead of the copies' casts
   int64_t op_by_op_casts = 0;
@@ -954,6 +961,14 @@ static void print_counts(const Host *h, FILE *out, const char *pre, const char *
                  " of the kernels count%s%s",
             pre, row_gemms, expert_gemms, row_counts,
             cg_cuda_lowering(h->m) & CG_LOWER_ROWS ? "" : " (MOEC_EXPERT_ROWS=all: every slot)", post);
+  if (attn_ops > 0)
+    fprintf(out, "%sattention: %" PRId64 " of %" PRId64 " ops a step on tensor cores (bf16 operands, fp32 sums)%s%s", pre,
+            attn_tc, attn_ops,
+            !h->bf16                                         ? "; dtype fp32 keeps the CUDA cores"
+            : !(cg_cuda_lowering(h->m) & CG_LOWER_ATTN_TC)   ? " (MOEC_ATTN_TC=0)"
+            : attn_tc < attn_ops                             ? "; the others' heads are not a multiple of 16 up to 128"
+                                                             : "",
+            post);
 }
 
 // The program's launchers: the error check, the kernel arguments' spelling, launch, launch_step and

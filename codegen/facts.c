@@ -141,8 +141,11 @@ bool cg_bf16_gemms(const IrModule *m) { return strcmp(ir_mod_str(m, "dtype", "fp
 
 unsigned cg_cuda_lowering(const IrModule *m) {
   const char *rows = getenv("MOEC_EXPERT_ROWS");   // "all": every expert GEMM over all its slots
-  return (ir_mod_int(m, "no_fuse", 0) ? 0 : CG_LOWER_FUSE) | (cg_bf16_gemms(m) ? CG_LOWER_BF16 : 0) |
-         (rows && strcmp(rows, "all") == 0 ? 0 : CG_LOWER_ROWS);
+  const char *tc = getenv("MOEC_ATTN_TC");          // "0": dtype bf16's attention on the CUDA cores
+  bool bf16 = cg_bf16_gemms(m);
+  return (ir_mod_int(m, "no_fuse", 0) ? 0 : CG_LOWER_FUSE) | (bf16 ? CG_LOWER_BF16 : 0) |
+         (rows && strcmp(rows, "all") == 0 ? 0 : CG_LOWER_ROWS) |
+         (bf16 && !(tc && strcmp(tc, "0") == 0) ? CG_LOWER_ATTN_TC : 0);
 }
 
 // ---- the expert GEMMs over their filled rows (CG_LOWER_ROWS) ----

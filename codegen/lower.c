@@ -480,6 +480,42 @@ static void lower_gate(const IrFunc *f, int i, CgLaunch *l) {
   l->nops = 3;
 }
 
+// ---- attention on tensor cores (CG_LOWER_ATTN_TC) ----
+// The tensor-core twin of each attention kernel (codegen/cuda/attn.cu, "attention on tensor
+// cores"): a block of CG_CUDA_BLOCK threads takes CG_CUDA_BLOCK / 2 rows (16 a warp) of one
+// sample and head (kv head for dk, dv); heads of a multiple of 16 columns, at most 128.
+static const struct {
+  CgKernel from, to;
+} attn_tc_kernels[] = {
+    {CG_K_ATTN_FWD, CG_K_ATTN_TC_FWD},         {CG_K_ATTN_SINK_FWD, CG_K_ATTN_TC_SINK_FWD},
+    {CG_K_ATTN_STATS, CG_K_ATTN_TC_STATS},     {CG_K_ATTN_SINK_STATS, CG_K_ATTN_TC_SINK_STATS},
+    {CG_K_ATTN_GRAD_Q, CG_K_ATTN_TC_GRAD_Q},   {CG_K_ATTN_GRAD_KV, CG_K_ATTN_TC_GRAD_KV},
+};
+
+static void attn_tc(CgLaunch *l) {
+  for (int c = 0; c < l->ncalls; c++) {
+    CgKernelCall *k = &l->call[c];
+    int to = -1, p = 0;
+    for (size_t t = 0; t < sizeof attn_tc_kernels / sizeof attn_tc_kernels[0]; t++)
+      if (k->kernel == (int)attn_tc_kernels[t].from) to = attn_tc_kernels[t].to;
+    if (to < 0) continue;
+    while (p < k->nargs && k->args[p].kind != CG_ARG_INT) p++;   // rows, seq, heads, kv, qcols
+    if (p + 4 >= k->nargs) UNREACHABLE();
+    int64_t rows = k->args[p].i, seq = k->args[p + 1].i, heads = k->args[p + 2].i, kv = k->args[p + 3].i,
+            d = k->args[p + 4].i / heads, per = CG_CUDA_BLOCK / 2;
+    if (d % 16 != 0 || d > 128) return;   // every call of the op or none
+    k->kernel = to;
+    k->grid = cg_cuda_grid_blocks(rows / seq * (to == CG_K_ATTN_TC_GRAD_KV ? kv : heads) * ((seq + per - 1) / per));
+  }
+}
+
+bool cg_attn_tc(const CgLaunch *l) {
+  for (int c = 0; c < l->ncalls; c++)
+    for (size_t t = 0; t < sizeof attn_tc_kernels / sizeof attn_tc_kernels[0]; t++)
+      if (l->call[c].kernel == (int)attn_tc_kernels[t].to) return true;
+  return false;
+}
+
 bool cg_lower_from(const IrFunc *f, int i, unsigned how, const CgLaunch *alone, CgLaunch *l) {
   bool fuse = how & CG_LOWER_FUSE;
   const IrGroup *g = fuse ? ir_group_at(f, i) : NULL;
@@ -508,6 +544,7 @@ bool cg_lower_from(const IrFunc *f, int i, unsigned how, const CgLaunch *alone, 
   }
   if (fuse) split_reduction(f->ops[i], l);
   if (how & CG_LOWER_BF16) update_bf16(l);
+  if ((how & CG_LOWER_ATTN_TC) && !(how & CG_LOWER_CPU)) attn_tc(l);
   return true;
 }
 

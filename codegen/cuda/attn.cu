@@ -295,6 +295,258 @@ static __device__ void mk_attn_stats_body(MkAttnShared *sh, const float *dy, con
   }
 }
 
+// ---- prelude: attention on tensor cores (dtype bf16) ----
+// The attention of a dtype bf16 program whose heads are a multiple of 16 and at most MK_TC_D wide
+// (codegen/lower.c's attn_tc): the products on tensor cores, bf16 operands with fp32 sums (PTX's
+// mma.sync m16n8k16), the softmax online (one pass over the keys, rescaling the row's sums when
+// its maximum grows). They compute what the kernels above compute, to bf16's precision rather
+// than to the CPU's bits: q, k, v, dy are rounded to bf16 (nearest even) as they are staged, and
+// so are the weights p and dS before their products; the row statistics (m, l, lse, D) and every
+// sum stay fp32.
+//   - A block of W warps takes 16 W rows of its own (queries of one sample and head, or keys of
+//     one kv head), 16 a warp. A warp keeps its rows' operand fragments in registers (q and dy,
+//     or k and v: 4 registers of two bf16 per 16 columns) and its output rows' sums (the m16n8
+//     accumulators: 4 floats a lane per 8 columns).
+//   - It steps over the other side (keys: MK_TC_X a step; queries for dk and dv: MK_TC_XQ),
+//     staging the step's rows as bf16 in shared memory (rows MK_TC_LD apart: a warp's reads of a
+//     fragment touch 32 banks), and multiplies: s = q k^T, then o += p v (the forward); dq += dS k;
+//     dv += p^T dy and dk += dS^T q. The weights go from the accumulators of s straight into the
+//     A fragments of the next product (the layouts agree), never through memory.
+// The lanes of a fragment (PTX ISA, "matrix fragments for mma.m16n8k16"): lane = 4 g + t; A
+// (16 x 16, row major) register e holds row g + 8 (e & 1), columns 2t, 2t + 1 (+ 8 when e >= 2);
+// B (16 x 8) register e rows 2t, 2t + 1 (+ 8 e), column g; C (16 x 8) element e row g + 8 (e >> 1),
+// column 2t + (e & 1). A row's statistics live in the 4 lanes t of its g; they are combined by
+// shuffles. The host builds of the library (the fake device, the emulation) run the same code
+// with mk_tc_mma and mk_tc_xor emulated through shared memory and barriers (every thread of the
+// block calls them the same number of times), their fp32 sums in k order; so the fake device
+// checks the fragment layouts, not the tensor cores' roundings.
+#define MK_TC_D 128               // the widest head (a multiple of 16)
+#define MK_TC_LD (MK_TC_D + 8)    // a staged bf16 row
+#define MK_TC_X 32                // keys a step (forward, statistics, dq)
+#define MK_TC_XQ 16               // queries a step (dk, dv)
+
+typedef struct MK_ATTN_ALIGN MkAttnTcShared {
+  u16 a[MK_TC_X * MK_TC_LD], b[MK_TC_X * MK_TC_LD];   // a step's k and v (dk, dv: q and dy)
+  float lse[MK_TC_XQ], dd[MK_TC_XQ];                  // dk, dv: the step's queries' statistics
+} MkAttnTcShared;
+
+#ifdef __CUDACC__
+// d += a b on the tensor cores (a 16 x 16 bf16, b 16 x 8 bf16, d 16 x 8 fp32).
+static __device__ __forceinline__ void mk_tc_mma(float d[4], const u32 a[4], const u32 b[2]) {
+  asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};"
+               : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+               : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
+}
+// v of lane ^ m of this warp.
+static __device__ __forceinline__ float mk_tc_xor(float v, int m) { return __shfl_xor_sync(0xffffffffu, v, m); }
+// lo and hi rounded to bf16 (nearest even), lo in the low half.
+static __device__ __forceinline__ u32 mk_tc_pack(float lo, float hi) {
+  u32 r;
+  asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));
+  return r;
+}
+static __device__ __forceinline__ u32 mk_tc_ld32(const u16 *p) { return *(const u32 *)p; }
+#define MK_TC_EXP(x) __expf(x)
+#define MK_TC_SKIP(c) (c)         // a warp skips a step none of its rows takes (the host builds do not)
+#else
+static __device__ void mk_tc_mma(float d[4], const u32 a[4], const u32 b[2]) {
+  __shared__ u32 xa[MK_BLOCK][4], xb[MK_BLOCK][2];
+  int x = threadIdx.x, base = x & ~31, g = (x & 31) >> 2, t = x & 3;
+  for (int e = 0; e < 4; e++) xa[x][e] = a[e];
+  xb[x][0] = b[0], xb[x][1] = b[1];
+  __syncthreads();
+  for (int e = 0; e < 4; e++) {
+    int row = g + 8 * (e >> 1), col = 2 * t + (e & 1);
+    float s = d[e];
+    for (int k = 0; k < 16; k++) {
+      u32 aw = xa[base + (row & 7) * 4 + (k & 7) / 2][(row >> 3) + 2 * (k >> 3)];
+      u32 bw = xb[base + col * 4 + (k & 7) / 2][k >> 3];
+      s += __uint_as_float((k & 1 ? aw >> 16 : aw & 0xffffu) << 16) * __uint_as_float((k & 1 ? bw >> 16 : bw & 0xffffu) << 16);
+    }
+    d[e] = s;
+  }
+  __syncthreads();
+}
+static __device__ float mk_tc_xor(float v, int m) {
+  __shared__ float xv[MK_BLOCK];
+  xv[threadIdx.x] = v;
+  __syncthreads();
+  float r = xv[threadIdx.x ^ m];
+  __syncthreads();
+  return r;
+}
+static __device__ u32 mk_tc_bf16(float f) {
+  u32 u = __float_as_uint(f);
+  if ((u & 0x7fffffffu) > 0x7f800000u) return (u >> 16) | 0x40u;   // NaN stays NaN
+  return (u + 0x7fffu + ((u >> 16) & 1u)) >> 16;
+}
+static __device__ u32 mk_tc_pack(float lo, float hi) { return mk_tc_bf16(lo) | mk_tc_bf16(hi) << 16; }
+static __device__ u32 mk_tc_ld32(const u16 *p) { return p[0] | (u32)p[1] << 16; }
+#define MK_TC_EXP(x) mk_exp(x)
+#define MK_TC_SKIP(c) false
+#endif
+
+// This lane's A fragments of 16 rows (n of them from x, stride xs; zeros past them), d columns.
+static __device__ void mk_tc_load_a(u32 a[MK_TC_D / 16][4], const float *x, i64 xs, int n, int d) {
+  int g = (threadIdx.x & 31) >> 2, t = threadIdx.x & 3;
+MK_UNROLL
+  for (int ks = 0; ks < MK_TC_D / 16; ks++)
+MK_UNROLL
+    for (int e = 0; e < 4; e++) {
+      int row = g + 8 * (e & 1), col = 16 * ks + 2 * t + 8 * (e >> 1);
+      bool in = row < n && col < d;
+      a[ks][e] = mk_tc_pack(in ? x[row * xs + col] : 0.0f, in ? x[row * xs + col + 1] : 0.0f);
+    }
+}
+
+// B fragment of columns n0 .. n0 + 7, rows k0 .. k0 + 15 of the product from a staged tile that
+// holds B transposed ([n][k]: k to multiply q k^T, the rows are the keys) or as it is ([k][n]: v in
+// p v, the rows are the keys again).
+static __device__ __forceinline__ void mk_tc_b_nk(u32 b[2], const u16 *tile, int n0, int k0) {
+  const u16 *p = tile + (n0 + ((threadIdx.x & 31) >> 2)) * MK_TC_LD + k0 + 2 * (threadIdx.x & 3);
+  b[0] = mk_tc_ld32(p), b[1] = mk_tc_ld32(p + 8);
+}
+static __device__ __forceinline__ void mk_tc_b_kn(u32 b[2], const u16 *tile, int k0, int n0) {
+  const u16 *p = tile + (k0 + 2 * (threadIdx.x & 3)) * MK_TC_LD + n0 + ((threadIdx.x & 31) >> 2);
+  b[0] = p[0] | (u32)p[MK_TC_LD] << 16, b[1] = p[8 * MK_TC_LD] | (u32)p[9 * MK_TC_LD] << 16;
+}
+
+// rows x d of x (stride xs) into a tile as bf16, n of them (zeros past n). Every thread calls it.
+static __device__ void mk_tc_stage(u16 *tile, const float *x, i64 xs, int n, int rows, int d) {
+  int pairs = d / 2;
+  for (int e = threadIdx.x; e < rows * pairs; e += blockDim.x) {
+    int r = e / pairs, c = 2 * (e % pairs);
+    u32 w = r < n ? mk_tc_pack(x[r * xs + c], x[r * xs + c + 1]) : 0u;
+    tile[r * MK_TC_LD + c] = (u16)(w & 0xffffu), tile[r * MK_TC_LD + c + 1] = (u16)(w >> 16);
+  }
+}
+
+// s[nb] = a b^T for 8 nb .. 8 nb + 7 of the tile's rows (MK_TC_X / 8 blocks when nblocks says so).
+static __device__ __forceinline__ void mk_tc_scores(float s[][4], int nblocks, const u32 a[MK_TC_D / 16][4],
+                                                    const u16 *tile, int d) {
+MK_UNROLL
+  for (int nb = 0; nb < nblocks; nb++) {
+    s[nb][0] = s[nb][1] = s[nb][2] = s[nb][3] = 0.0f;
+MK_UNROLL
+    for (int ks = 0; ks < MK_TC_D / 16; ks++) {
+      if (16 * ks >= d) break;
+      u32 b[2];
+      mk_tc_b_nk(b, tile, 8 * nb, 16 * ks);
+      mk_tc_mma(s[nb], a[ks], b);
+    }
+  }
+}
+
+// acc += w x for the 16 x (16 ksteps) weights w (accumulator layout, 8 columns a block) and the
+// tile's rows x (16 ksteps of them, [k][n]), d columns.
+static __device__ __forceinline__ void mk_tc_weighted(float acc[MK_TC_D / 8][4], const float w[][4], int ksteps,
+                                                      const u16 *tile, int d) {
+MK_UNROLL
+  for (int kk = 0; kk < ksteps; kk++) {
+    u32 a[4] = {mk_tc_pack(w[2 * kk][0], w[2 * kk][1]), mk_tc_pack(w[2 * kk][2], w[2 * kk][3]),
+                mk_tc_pack(w[2 * kk + 1][0], w[2 * kk + 1][1]), mk_tc_pack(w[2 * kk + 1][2], w[2 * kk + 1][3])};
+MK_UNROLL
+    for (int nb = 0; nb < MK_TC_D / 8; nb++) {
+      if (8 * nb >= d) break;
+      u32 b[2];
+      mk_tc_b_kn(b, tile, 16 * kk, 8 * nb);
+      mk_tc_mma(acc[nb], a, b);
+    }
+  }
+}
+
+static __device__ __forceinline__ void mk_tc_zero(float acc[MK_TC_D / 8][4]) {
+MK_UNROLL
+  for (int nb = 0; nb < MK_TC_D / 8; nb++) acc[nb][0] = acc[nb][1] = acc[nb][2] = acc[nb][3] = 0.0f;
+}
+
+// out row r (rows g, g + 8 of the warp's, those below n) = acc * f[r] at columns d.
+static __device__ void mk_tc_store(float *out, i64 os, int n, const float acc[MK_TC_D / 8][4], const float f[2], int d) {
+  int g = (threadIdx.x & 31) >> 2, t = threadIdx.x & 3;
+MK_UNROLL
+  for (int nb = 0; nb < MK_TC_D / 8; nb++)
+MK_UNROLL
+    for (int e = 0; e < 4; e++) {
+      int row = g + 8 * (e >> 1), col = 8 * nb + 2 * t + (e & 1);
+      if (row < n && col < d) out[row * os + col] = acc[nb][e] * f[e >> 1];
+    }
+}
+
+// The forward (o != NULL) or the statistics (stats: lse, and D = dy . o from o, dy) of the blocks'
+// query tiles, the softmax online. With sinks, m starts at the head's sink and l ends with
+// exp(sink - m).
+static __device__ void mk_attn_tc_fwd_body(MkAttnTcShared *sh, const float *q, const float *k, const float *v,
+                                           const float *sinks, float *o, const float *dy, const float *oin, float *stats,
+                                           int rows, int seq, int heads, int kv, int qcols, int window, float qk_scale) {
+  int d = qcols / heads, group = heads / kv, kcols = kv * d, R = blockDim.x / 2;   // 16 rows a warp
+  int g = (threadIdx.x & 31) >> 2, t = threadIdx.x & 3, wq = (threadIdx.x >> 5) * 16, tiles = (seq + R - 1) / R;
+  float scale = qk_scale > 0 ? qk_scale : 1.0f / sqrtf((float)d);
+  MK_FOR_BLOCKS(w, (i64)(rows / seq) * heads * tiles) {
+    int i0 = (int)(w % tiles) * R, h = (int)(w / tiles % heads), b = (int)(w / tiles / heads), j = h / group;
+    int last = (i0 + R < seq ? i0 + R : seq) - 1, first = mk_attn_first(i0, window), qa = i0 + wq;
+    i64 r0 = (i64)b * seq;
+    u32 qf[MK_TC_D / 16][4];
+    mk_tc_load_a(qf, q + (r0 + qa) * qcols + (i64)h * d, qcols, seq - qa, d);
+    float acc[MK_TC_D / 8][4], m[2], l[2] = {0.0f, 0.0f};
+    mk_tc_zero(acc);
+    m[0] = m[1] = sinks ? sinks[h] : -3.40282347e38f;   // below every finite score
+    const float *kh = k + r0 * kcols + (i64)j * d, *vh = v + r0 * kcols + (i64)j * d;
+    for (int t0 = first; t0 <= last; t0 += MK_TC_X) {
+      int nt = last + 1 - t0 < MK_TC_X ? last + 1 - t0 : MK_TC_X;
+      __syncthreads();
+      mk_tc_stage(sh->a, kh + (i64)t0 * kcols, kcols, nt, MK_TC_X, d);
+      if (o) mk_tc_stage(sh->b, vh + (i64)t0 * kcols, kcols, nt, MK_TC_X, d);
+      __syncthreads();
+      if (MK_TC_SKIP(t0 > qa + 15 || (window > 0 && t0 + MK_TC_X <= qa - window + 1))) continue;
+      float s[MK_TC_X / 8][4], mx[2] = {m[0], m[1]};
+      mk_tc_scores(s, MK_TC_X / 8, qf, sh->a, d);
+MK_UNROLL
+      for (int nb = 0; nb < MK_TC_X / 8; nb++)
+MK_UNROLL
+        for (int e = 0; e < 4; e++) {
+          int i = qa + g + 8 * (e >> 1), key = t0 + 8 * nb + 2 * t + (e & 1);
+          bool on = key < t0 + nt && key <= i && key >= mk_attn_first(i, window);
+          s[nb][e] = on ? s[nb][e] * scale : -MK_INF;
+          mx[e >> 1] = s[nb][e] > mx[e >> 1] ? s[nb][e] : mx[e >> 1];
+        }
+      for (int r = 0; r < 2; r++) {
+        mx[r] = fmaxf(mx[r], mk_tc_xor(mx[r], 1));
+        mx[r] = fmaxf(mx[r], mk_tc_xor(mx[r], 2));
+      }
+      float alpha[2] = {MK_TC_EXP(m[0] - mx[0]), MK_TC_EXP(m[1] - mx[1])};
+      m[0] = mx[0], m[1] = mx[1], l[0] *= alpha[0], l[1] *= alpha[1];
+MK_UNROLL
+      for (int nb = 0; nb < MK_TC_D / 8; nb++)
+MK_UNROLL
+        for (int e = 0; e < 4; e++) acc[nb][e] *= alpha[e >> 1];
+MK_UNROLL
+      for (int nb = 0; nb < MK_TC_X / 8; nb++)
+MK_UNROLL
+        for (int e = 0; e < 4; e++) {
+          float p = s[nb][e] == -MK_INF ? 0.0f : MK_TC_EXP(s[nb][e] - m[e >> 1]);
+          s[nb][e] = p;
+          l[e >> 1] += p;
+        }
+      if (o) mk_tc_weighted(acc, s, MK_TC_X / 16, sh->b, d);
+    }
+    for (int r = 0; r < 2; r++) {
+      l[r] += mk_tc_xor(l[r], 1);
+      l[r] += mk_tc_xor(l[r], 2);
+      if (sinks) l[r] += MK_TC_EXP(sinks[h] - m[r]);
+    }
+    if (o) {
+      float f[2] = {1.0f / l[0], 1.0f / l[1]};
+      mk_tc_store(o + (r0 + qa) * qcols + (i64)h * d, qcols, seq - qa, acc, f, d);
+    } else if (t < 2 && qa + g + 8 * t < seq) {   // lane t = 0 row g, t = 1 row g + 8
+      i64 r = r0 + qa + g + 8 * t, at = r * qcols + (i64)h * d;
+      float D = 0.0f;
+      for (int c = 0; c < d; c++) D += dy[at + c] * oin[at + c];
+      stats[r * 2 * heads + h] = (t ? m[1] : m[0]) + logf(t ? l[1] : l[0]);
+      stats[r * 2 * heads + heads + h] = D;
+    }
+  }
+}
+
 // ---- mk_attn_fwd ----
 extern "C" __global__ void mk_attn_fwd(const float *q, const float *k, const float *v, float *o, int rows, int seq,
                                        int heads, int kv, int qcols, int window, float qk_scale) {
@@ -428,6 +680,149 @@ extern "C" __global__ void mk_attn_grad_kv(const float *dy, const float *q, cons
         mk_attn_store(dqkv + r * width + qcols + kcols + (i64)j * d, av, &T, col0, d, 0, 0.0f);
       }
     }
+  }
+}
+
+// ---- mk_attn_tc_fwd ----
+// attn.causal on tensor cores (dtype bf16): see the prelude's "attention on tensor cores".
+extern "C" __global__ void mk_attn_tc_fwd(const float *q, const float *k, const float *v, float *o, int rows, int seq,
+                                          int heads, int kv, int qcols, int window, float qk_scale) {
+  __shared__ MkAttnTcShared sh;
+  mk_attn_tc_fwd_body(&sh, q, k, v, 0, o, 0, 0, 0, rows, seq, heads, kv, qcols, window, qk_scale);
+}
+
+// ---- mk_attn_tc_sink_fwd ----
+extern "C" __global__ void mk_attn_tc_sink_fwd(const float *q, const float *k, const float *v, const float *sinks,
+                                               float *o, int rows, int seq, int heads, int kv, int qcols, int window,
+                                               float qk_scale) {
+  __shared__ MkAttnTcShared sh;
+  mk_attn_tc_fwd_body(&sh, q, k, v, sinks, o, 0, 0, 0, rows, seq, heads, kv, qcols, window, qk_scale);
+}
+
+// ---- mk_attn_tc_stats ----
+extern "C" __global__ void mk_attn_tc_stats(const float *dy, const float *q, const float *k, const float *o,
+                                            float *stats, int rows, int seq, int heads, int kv, int qcols, int window,
+                                            float qk_scale) {
+  __shared__ MkAttnTcShared sh;
+  mk_attn_tc_fwd_body(&sh, q, k, 0, 0, 0, dy, o, stats, rows, seq, heads, kv, qcols, window, qk_scale);
+}
+
+// ---- mk_attn_tc_sink_stats ----
+extern "C" __global__ void mk_attn_tc_sink_stats(const float *dy, const float *q, const float *k, const float *o,
+                                                 const float *sinks, float *stats, int rows, int seq, int heads, int kv,
+                                                 int qcols, int window, float qk_scale) {
+  __shared__ MkAttnTcShared sh;
+  mk_attn_tc_fwd_body(&sh, q, k, 0, sinks, 0, dy, o, stats, rows, seq, heads, kv, qcols, window, qk_scale);
+}
+
+// ---- mk_attn_tc_grad_q ----
+// dq on tensor cores: a warp's 16 query rows against steps of MK_TC_X keys: s = q k^T, u = dy v^T,
+// dS = exp(s * scale - lse) (u - D), dq += dS k; dq * scale at the end.
+extern "C" __global__ void mk_attn_tc_grad_q(const float *dy, const float *q, const float *k, const float *v,
+                                             const float *stats, float *dqkv, int rows, int seq, int heads, int kv,
+                                             int qcols, int window, float qk_scale) {
+  int d = qcols / heads, group = heads / kv, kcols = kv * d, width = qcols + 2 * kcols, R = blockDim.x / 2;
+  int g = (threadIdx.x & 31) >> 2, t = threadIdx.x & 3, wq = (threadIdx.x >> 5) * 16, tiles = (seq + R - 1) / R;
+  float scale = qk_scale > 0 ? qk_scale : 1.0f / sqrtf((float)d);
+  __shared__ MkAttnTcShared sh;
+  MK_FOR_BLOCKS(w, (i64)(rows / seq) * heads * tiles) {
+    int i0 = (int)(w % tiles) * R, h = (int)(w / tiles % heads), b = (int)(w / tiles / heads), j = h / group;
+    int last = (i0 + R < seq ? i0 + R : seq) - 1, first = mk_attn_first(i0, window), qa = i0 + wq;
+    i64 r0 = (i64)b * seq;
+    float lse[2], D[2];
+    for (int r = 0; r < 2; r++) {
+      int i = qa + g + 8 * r;
+      lse[r] = i < seq ? stats[(r0 + i) * 2 * heads + h] : 0.0f;
+      D[r] = i < seq ? stats[(r0 + i) * 2 * heads + heads + h] : 0.0f;
+    }
+    u32 qf[MK_TC_D / 16][4], yf[MK_TC_D / 16][4];
+    mk_tc_load_a(qf, q + (r0 + qa) * qcols + (i64)h * d, qcols, seq - qa, d);
+    mk_tc_load_a(yf, dy + (r0 + qa) * qcols + (i64)h * d, qcols, seq - qa, d);
+    float acc[MK_TC_D / 8][4];
+    mk_tc_zero(acc);
+    const float *kh = k + r0 * kcols + (i64)j * d, *vh = v + r0 * kcols + (i64)j * d;
+    for (int t0 = first; t0 <= last; t0 += MK_TC_X) {
+      int nt = last + 1 - t0 < MK_TC_X ? last + 1 - t0 : MK_TC_X;
+      __syncthreads();
+      mk_tc_stage(sh.a, kh + (i64)t0 * kcols, kcols, nt, MK_TC_X, d);
+      mk_tc_stage(sh.b, vh + (i64)t0 * kcols, kcols, nt, MK_TC_X, d);
+      __syncthreads();
+      if (MK_TC_SKIP(t0 > qa + 15 || (window > 0 && t0 + MK_TC_X <= qa - window + 1))) continue;
+      float s[MK_TC_X / 8][4], u[MK_TC_X / 8][4];
+      mk_tc_scores(s, MK_TC_X / 8, qf, sh.a, d);
+      mk_tc_scores(u, MK_TC_X / 8, yf, sh.b, d);
+MK_UNROLL
+      for (int nb = 0; nb < MK_TC_X / 8; nb++)
+MK_UNROLL
+        for (int e = 0; e < 4; e++) {
+          int r = e >> 1, i = qa + g + 8 * r, key = t0 + 8 * nb + 2 * t + (e & 1);
+          bool on = key < t0 + nt && key <= i && key >= mk_attn_first(i, window);
+          s[nb][e] = on ? MK_TC_EXP(s[nb][e] * scale - lse[r]) * (u[nb][e] - D[r]) : 0.0f;
+        }
+      mk_tc_weighted(acc, s, MK_TC_X / 16, sh.a, d);
+    }
+    float f[2] = {scale, scale};
+    mk_tc_store(dqkv + (r0 + qa) * width + (i64)h * d, width, seq - qa, acc, f, d);
+  }
+}
+
+// ---- mk_attn_tc_grad_kv ----
+// dk and dv on tensor cores: a warp's 16 keys of one kv head, for each head of the group in order,
+// against steps of MK_TC_XQ queries i >= the block's first key (under a window W, below its last
+// key + W): s^T = k q^T, u^T = v dy^T, p = exp(s * scale - lse_i), dS = p (u - D_i); dv += p^T dy,
+// dk += dS^T q; dk * scale at the end.
+extern "C" __global__ void mk_attn_tc_grad_kv(const float *dy, const float *q, const float *k, const float *v,
+                                              const float *stats, float *dqkv, int rows, int seq, int heads, int kv,
+                                              int qcols, int window, float qk_scale) {
+  int d = qcols / heads, group = heads / kv, kcols = kv * d, width = qcols + 2 * kcols, R = blockDim.x / 2;
+  int g = (threadIdx.x & 31) >> 2, t = threadIdx.x & 3, wk = (threadIdx.x >> 5) * 16, tiles = (seq + R - 1) / R;
+  float scale = qk_scale > 0 ? qk_scale : 1.0f / sqrtf((float)d);
+  __shared__ MkAttnTcShared sh;
+  MK_FOR_BLOCKS(w, (i64)(rows / seq) * kv * tiles) {
+    int i0 = (int)(w % tiles) * R, j = (int)(w / tiles % kv), b = (int)(w / tiles / kv), ka = i0 + wk;
+    int last = (i0 + R < seq ? i0 + R : seq) - 1;
+    int end = window > 0 && last + window < seq ? last + window : seq;   // the block's queries end before
+    i64 r0 = (i64)b * seq;
+    u32 kf[MK_TC_D / 16][4], vf[MK_TC_D / 16][4];
+    mk_tc_load_a(kf, k + (r0 + ka) * kcols + (i64)j * d, kcols, seq - ka, d);
+    mk_tc_load_a(vf, v + (r0 + ka) * kcols + (i64)j * d, kcols, seq - ka, d);
+    float dk[MK_TC_D / 8][4], dv[MK_TC_D / 8][4];
+    mk_tc_zero(dk);
+    mk_tc_zero(dv);
+    for (int h = j * group; h < (j + 1) * group; h++) {
+      const float *qh = q + r0 * qcols + (i64)h * d, *yh = dy + r0 * qcols + (i64)h * d;
+      for (int q0 = i0; q0 < end; q0 += MK_TC_XQ) {
+        int nq = end - q0 < MK_TC_XQ ? end - q0 : MK_TC_XQ;
+        __syncthreads();
+        mk_tc_stage(sh.a, qh + (i64)q0 * qcols, qcols, nq, MK_TC_XQ, d);
+        mk_tc_stage(sh.b, yh + (i64)q0 * qcols, qcols, nq, MK_TC_XQ, d);
+        if (threadIdx.x < MK_TC_XQ) {
+          i64 ri = r0 + q0 + threadIdx.x;
+          sh.lse[threadIdx.x] = (int)threadIdx.x < nq ? stats[ri * 2 * heads + h] : 0.0f;
+          sh.dd[threadIdx.x] = (int)threadIdx.x < nq ? stats[ri * 2 * heads + heads + h] : 0.0f;
+        }
+        __syncthreads();
+        if (MK_TC_SKIP(q0 + MK_TC_XQ <= ka || (window > 0 && q0 >= ka + 15 + window))) continue;
+        float s[MK_TC_XQ / 8][4], u[MK_TC_XQ / 8][4];
+        mk_tc_scores(s, MK_TC_XQ / 8, kf, sh.a, d);
+        mk_tc_scores(u, MK_TC_XQ / 8, vf, sh.b, d);
+MK_UNROLL
+        for (int nb = 0; nb < MK_TC_XQ / 8; nb++)
+MK_UNROLL
+          for (int e = 0; e < 4; e++) {
+            int key = ka + g + 8 * (e >> 1), x = 8 * nb + 2 * t + (e & 1), i = q0 + x;
+            bool on = x < nq && key < seq && i >= key && (window <= 0 || i < key + window);
+            float p = on ? MK_TC_EXP(s[nb][e] * scale - sh.lse[x]) : 0.0f;
+            s[nb][e] = p * (u[nb][e] - sh.dd[x]);
+            u[nb][e] = p;
+          }
+        mk_tc_weighted(dv, u, MK_TC_XQ / 16, sh.b, d);
+        mk_tc_weighted(dk, s, MK_TC_XQ / 16, sh.a, d);
+      }
+    }
+    float fk[2] = {scale, scale}, fv[2] = {1.0f, 1.0f};
+    mk_tc_store(dqkv + (r0 + ka) * width + qcols + (i64)j * d, width, seq - ka, dk, fk, d);
+    mk_tc_store(dqkv + (r0 + ka) * width + qcols + kcols + (i64)j * d, width, seq - ka, dv, fv, d);
   }
 }
 

@@ -18,7 +18,9 @@
 #                    steps, the last loss below 0.9 x the first, the first within 1e-2 of the
 #                    CPU binary's; gpt_moe_bytes_bf16 likewise over 100 steps (the language
 #                    model); tinyq_bf16 (tiny without gate noise, whose first step routes
-#                    alike in bf16 and fp32) --dump within 3e-2 of each tensor's largest element.
+#                    alike in bf16 and fp32) --dump within 3e-2 of each tensor's largest element;
+#                    lm_tc_bf16 (tests/cuda/lm_tc.moe: attention on tensor cores) 100 steps and
+#                    step 1's --dump (lm_dumps: logits 3e-2, gradients 5e-2).
 #                    microbatches and pipeline stages (tests/cuda/pipeline_models.sh's
 #                    PIPELINE_GPU_MODELS: 3 microbatches of the MoE stack, 4 of the language
 #                    model, and the language model on pp 2 as 2 ranks on the GPU where mpirun is)
@@ -114,6 +116,7 @@ model() {
     moe=$WORK/matrix/$base.moe
   fi
   [ ! -f "$moe" ] && [ -f "tests/models/$base.moe" ] && moe=tests/models/$base.moe
+  [ ! -f "$moe" ] && [ -f "tests/cuda/$base.moe" ] && moe=tests/cuda/$base.moe
   [ ! -f "$moe" ] && [ -f "$WORK/pipeline/$base.moe" ] && moe=$WORK/pipeline/$base.moe
   if [ "$base" = tinyq ]; then
     moe=$WORK/tinyq.moe
@@ -166,6 +169,21 @@ bf16_checks() {
     ok "gpu model tinyq_bf16: --dump output and whole gradients within 3e-2 of the fp32 CPU binary's ($why)"
   else
     bad "gpu model tinyq_bf16: --dump against the fp32 CPU binary's" "$why"
+  fi
+  # Attention on tensor cores (tests/cuda/lm_tc.moe, heads of 32: mma.sync itself, not the fake
+  # device's emulation of it): 100 steps, and step 1's --dump within lm_dumps' bounds.
+  bf16_train lm_tc_bf16 100
+  for kind in cpu cuda; do
+    if ! (cd "$WORK" && timeout 300 "$MODELS_DIR/lm_tc_bf16.$kind" --steps 1 --dump "lm_tc_bf16.$kind.dump" \
+            >"lm_tc_bf16.$kind.out" 2>&1 </dev/null); then
+      bad "gpu model lm_tc_bf16: the $kind binary failed" "$(tail -n 20 "$WORK/lm_tc_bf16.$kind.out")"
+      return
+    fi
+  done
+  if why=$(lm_dumps "$WORK/lm_tc_bf16.cpu.dump" "$WORK/lm_tc_bf16.cuda.dump"); then
+    ok "gpu model lm_tc_bf16 (attention on tensor cores): step 1's logits within 3e-2, every gradient within 5e-2 of the fp32 CPU binary's ($why)"
+  else
+    bad "gpu model lm_tc_bf16 (attention on tensor cores): --dump against the fp32 CPU binary's" "$why"
   fi
 }
 
@@ -223,7 +241,7 @@ graphs() {
 }
 
 if [ "${1:-}" = --build-models ] || $FAKE; then   # make gpu-models: the binaries, to carry to a GPU machine
-  for name in $GPU_MODELS $MATRIX_MODELS tiny_sm80 tiny_bf16 tinyq_bf16 gpt_moe_bytes_bf16 $PIPELINE_GPU_MODELS; do
+  for name in $GPU_MODELS $MATRIX_MODELS tiny_sm80 tiny_bf16 tinyq_bf16 gpt_moe_bytes_bf16 lm_tc_bf16 $PIPELINE_GPU_MODELS; do
     model "$name" || exit 1
     $FAKE || echo "# $MODELS_DIR/$name.cuda, $name.cpu"
   done

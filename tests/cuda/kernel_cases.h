@@ -107,6 +107,25 @@ struct Checks {
     ok("%s (%zu elements)", name, want.size());
   }
 
+  // Within tol of the largest |want| (every element; NaN nowhere): the kernels that compute to a
+  // narrower precision than the CPU's (attention on tensor cores, bf16 operands). Returns the worst
+  // error over that largest, so a case can also say how far it was.
+  double near(const char *name, const std::vector<float> &want, const std::vector<float> &got, double tol) {
+    double big = 0.0, worst = 0.0;
+    for (float w : want) big = fmax(big, fabs((double)w));
+    for (size_t i = 0; i < want.size(); i++) {
+      double e = fabs((double)want[i] - (double)got[i]) / (big > 0 ? big : 1.0);
+      if (!(e <= tol)) {   // NaN fails too
+        fail("%s: element %zu: reference %.9g, kernel %.9g (%.2e of the largest %.3g, over %.0e)", name, i, want[i],
+             got[i], e, big, tol);
+        return e;
+      }
+      worst = fmax(worst, e);
+    }
+    ok("%s (%zu elements, worst %.1e of the largest)", name, want.size(), worst);
+    return worst;
+  }
+
   // Bit for bit (the kernels whose float operations are the CPU kernel's, in its order, with mk_exp
   // for rt_exp: the fake device's fused kernels must give the CPU program's bits).
   void bits(const char *name, const std::vector<float> &want, const std::vector<float> &got) {
@@ -646,6 +665,66 @@ template <class Launcher> void run_kernel_cases(Launcher &L, Checks &c) {
             big0 = fmaxf(big0, fabsf(o_c[(size_t)r * qc + e])), big1 = fmaxf(big1, fabsf(o_c[(size_t)r * qc + d + e]));
         if (big1 < 1e-6f && big0 > 1e-2f) c.ok("attn.sink: a sink of 30 leaves its head's outputs at most %.2g", big1);
         else c.fail("attn.sink: a sink of 30 leaves its head's outputs at %.3g (head 0: %.3g)", big1, big0);
+      }
+    }
+    // Attention on tensor cores (dtype bf16: bf16 operands, fp32 sums, the softmax online), against
+    // the CPU kernels on the inputs rounded to bf16 as the kernels round them: within 2e-2 of each
+    // result's largest element (the weights p and dS are rounded to bf16 too: about 4e-3 is seen; a
+    // fragment in the wrong lane or a wrong mask is off by the size of the values). Shapes: blocks
+    // of 2 warps (32 rows) and of 8 (128), a sample in several row tiles with a partial last one,
+    // several steps of keys (32) and queries (16), heads of 16, 32 and 64 columns, GQA and MQA,
+    // windows within a step and across several, the scale of yarn, sinks (one far above the
+    // scores). The grad kernels take the CPU's statistics, so each kernel is checked alone.
+    for (auto [seq, H, KV, d, block, window, sinked] :
+         {std::array<int, 7>{37, 4, 2, 16, 64, 0, 0}, std::array<int, 7>{70, 2, 1, 32, 64, 11, 1},
+          std::array<int, 7>{70, 2, 2, 16, 256, 40, 0}, std::array<int, 7>{19, 2, 1, 64, 64, 0, 1},
+          std::array<int, 7>{150, 1, 1, 16, 256, 0, 0}}) {
+      const int rows = 2 * seq, qc = H * d, kc = KV * d, w = qc + 2 * kc;
+      auto q = randn((size_t)rows * qc), kk = randn((size_t)rows * kc), vv = randn((size_t)rows * kc);
+      auto dy = randn((size_t)rows * qc), sinks = randn((size_t)H);
+      if (sinked && H > 1) sinks[1] = 30.0f;
+      auto round = [](std::vector<float> x) {   // to bf16 and back, as the kernels stage their operands
+        std::vector<uint16_t> h(x.size());
+        rt_compress_bf16(x.data(), h.data(), (int64_t)x.size());
+        rt_decompress_bf16(h.data(), x.data(), (int64_t)x.size());
+        return x;
+      };
+      auto qr = round(q), kr = round(kk), vr = round(vv), yr = round(dy);
+      auto o_c = zeros<float>(rows * qc), o_k = zeros<float>(rows * qc);
+      auto st_c = zeros<float>(rows * 2 * H), st_k = zeros<float>(rows * 2 * H);
+      auto g_c = zeros<float>(rows * w), g_k = zeros<float>(rows * w);
+      float sc = d == 32 ? 0.37f : 0.0f;
+      if (sinked) {
+        rt_attn_sink_fwd(qr.data(), kr.data(), vr.data(), sinks.data(), o_c.data(), rows, seq, H, KV, qc, window, sc);
+        rt_attn_sink_stats(dy.data(), qr.data(), kr.data(), o_c.data(), sinks.data(), st_c.data(), rows, seq, H, KV, qc, window, sc);
+        LAUNCH(3, block, mk_attn_tc_sink_fwd, q, kk, vv, sinks, o_k, rows, seq, H, KV, qc, window, sc);
+        LAUNCH(2, block, mk_attn_tc_sink_stats, dy, q, kk, o_c, sinks, st_k, rows, seq, H, KV, qc, window, sc);
+      } else {
+        rt_attn_fwd(qr.data(), kr.data(), vr.data(), o_c.data(), rows, seq, H, KV, qc, window, sc);
+        rt_attn_stats(dy.data(), qr.data(), kr.data(), o_c.data(), st_c.data(), rows, seq, H, KV, qc, window, sc);
+        LAUNCH(3, block, mk_attn_tc_fwd, q, kk, vv, o_k, rows, seq, H, KV, qc, window, sc);
+        LAUNCH(2, block, mk_attn_tc_stats, dy, q, kk, o_c, st_k, rows, seq, H, KV, qc, window, sc);
+      }
+      rt_attn_grad_q(yr.data(), qr.data(), kr.data(), vr.data(), st_c.data(), g_c.data(), rows, seq, H, KV, qc, window, sc);
+      rt_attn_grad_kv(yr.data(), qr.data(), kr.data(), vr.data(), st_c.data(), g_c.data(), rows, seq, H, KV, qc, window, sc);
+      LAUNCH(3, block, mk_attn_tc_grad_q, dy, q, kk, vv, st_c, g_k, rows, seq, H, KV, qc, window, sc);
+      LAUNCH(2, block, mk_attn_tc_grad_kv, dy, q, kk, vv, st_c, g_k, rows, seq, H, KV, qc, window, sc);
+      std::string shape = " (seq " + std::to_string(seq) + ", " + std::to_string(H) + " heads over " + std::to_string(KV) +
+                          ", d " + std::to_string(d) + ", block " + std::to_string(block) + ", window " +
+                          std::to_string(window) + (sc > 0 ? ", scale 0.37" : "") + (sinked ? ", sinks" : "") + ")";
+      c.near(("attn on tensor cores" + shape).c_str(), o_c, o_k, 2e-2);
+      std::vector<float> lse_c, lse_k, dd_c, dd_k;   // the logsumexps, and D (dy . o, from the same o: fp32 alike)
+      for (int r = 0; r < rows; r++)
+        for (int h = 0; h < 2 * H; h++)
+          (h < H ? lse_c : dd_c).push_back(st_c[(size_t)r * 2 * H + h]), (h < H ? lse_k : dd_k).push_back(st_k[(size_t)r * 2 * H + h]);
+      c.near(("attn on tensor cores, statistics' logsumexp" + shape).c_str(), lse_c, lse_k, 1e-2);
+      c.same(("attn on tensor cores, statistics' dy . o" + shape).c_str(), dd_c, dd_k);
+      for (int part = 0; part < 3; part++) {   // dq, dk, dv: each within 2e-2 of its own largest
+        int off = part == 0 ? 0 : part == 1 ? qc : qc + kc, width = part == 0 ? qc : kc;
+        std::vector<float> a, b;
+        for (int r = 0; r < rows; r++)
+          for (int e = 0; e < width; e++) a.push_back(g_c[(size_t)r * w + off + e]), b.push_back(g_k[(size_t)r * w + off + e]);
+        c.near(("attn on tensor cores, " + std::string(part == 0 ? "dq" : part == 1 ? "dk" : "dv") + shape).c_str(), a, b, 2e-2);
       }
     }
     {  // YaRN's frequencies and scaled cos and sin (the theta must make the ramp fall inside the pairs)
