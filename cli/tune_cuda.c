@@ -16,8 +16,9 @@
 // GELU (`elementwise_math`), AdamW and SGD (with --dtype bf16 the kernels that also write the
 // parameters' bf16 copy, as a bf16 program's update does) over 2^19 .. 2^26 floats (the CPU's
 // sizes times 8: below, a GPU's kernels are launch-bound), and the causal attention's forward and
-// backward over 8, 16, 32, 64 windows. On the fake device, whose kernels run emulated on the host,
-// the sizes are 2^9 .. 2^16 floats and the attention 2 heads of 8 over windows of 16 tokens.
+// backward over 8, 16, 32, 64 windows (with --dtype bf16 and heads a multiple of 16 up to 128, the
+// tensor-core kernels mk_attn_tc_*, as a bf16 program runs them). On the fake device, whose kernels run emulated on the host,
+// the sizes are 2^9 .. 2^16 floats and the attention 2 heads of 8 (bf16: 16) over windows of 16 tokens.
 // `memory` is the smallest total memory of the ranks' GPUs (cuDeviceTotalMem).
 //
 // Built only into the CUDA programs (the Makefile): build/cuda/moec-tune-cuda, linked with the
@@ -60,6 +61,7 @@ enum { K_COPY, K_ADD, K_GELU, K_ADAMW, K_SGD, K_ATTN_FWD, K_ATTN_STATS, K_ATTN_G
 static CUfunction kernel[NKERNELS];
 static uint16_t *param16;
 static void *module_image;   // the loaded CUBIN (the fake device reads it while the module lives)
+static bool attn_tc;         // --dtype bf16 with heads a multiple of 16 up to 128: mk_attn_tc_* (as a bf16 program)
 static char kernels_line[400];   // what the kernel sweeps launch, for rank 0's preamble
 
 static bool launch(int k, int64_t threads, void **args) {
@@ -93,6 +95,10 @@ static bool call_kernels(const Call *c) {
     const AttnShape *s = c->attn;
     int rows = c->m, qc = s->heads * s->d;
     int64_t threads = (int64_t)rows * s->heads * 8, kv_threads = (int64_t)rows * s->kv * 8;
+    if (attn_tc) {   // a block per 128 rows of a sample and head (codegen/lower.c's attn_tc)
+      int64_t tiles = (int64_t)(rows / s->seq) * ((s->seq + KERNEL_BLOCK / 2 - 1) / (KERNEL_BLOCK / 2));
+      threads = tiles * s->heads * KERNEL_BLOCK, kv_threads = tiles * s->kv * KERNEL_BLOCK;
+    }
     if (!c->n)
       return launch(K_ATTN_FWD, threads, (void *[]){PTR(c->a), PTR(c->b), PTR(c->send), PTR(c->c), I32(rows),
                                                      I32(s->seq), I32(s->heads), I32(s->kv), I32(qc), I32(0), F32(0.0f)});
@@ -244,10 +250,13 @@ static bool load_kernels(Tune *t) {
             rt_cuda_load_module(gpu, cubin);
   free(src), free(ptx);
   module_image = cubin;
+  // A bf16 program's attention runs on tensor cores where its heads allow (codegen/lower.c's attn_tc).
+  attn_tc = gemm_type == RT_CUDA_BF16 && t->attn.d % 16 == 0 && t->attn.d <= 128;
   for (int k = 0; k < NKERNELS && ok; k++) {
     bool bf16_update = gemm_type == RT_CUDA_BF16 && (k == K_ADAMW || k == K_SGD);
-    char name[32];
-    snprintf(name, sizeof name, "%s%s", names[k], bf16_update ? "_bf16" : "");
+    char name[40];
+    if (attn_tc && k >= K_ATTN_FWD) snprintf(name, sizeof name, "mk_attn_tc_%s", names[k] + strlen("mk_attn_"));
+    else snprintf(name, sizeof name, "%s%s", names[k], bf16_update ? "_bf16" : "");
     ok = (kernel[k] = rt_cuda_kernel(gpu, name)) != NULL;
   }
   if (!ok) {
@@ -255,12 +264,13 @@ static bool load_kernels(Tune *t) {
              "not measured: the kernel library did not compile or load for %s (the error is above); no line", arch);
     return false;
   }
-  const char *u = gemm_type == RT_CUDA_BF16 ? "_bf16" : "";
+  const char *u = gemm_type == RT_CUDA_BF16 ? "_bf16" : "", *a = attn_tc ? "_tc" : "";
   snprintf(kernels_line, sizeof kernels_line,
            "# kernels: the CUDA programs' library, NVRTC for %s%s: elementwise mk_copy + mk_add, elementwise_math mk_gelu, "
-           "update_adamw mk_adamw%s, update_sgd mk_sgd%s, attention mk_attn_fwd, attention_grad mk_attn_stats + "
-           "mk_attn_grad_q + mk_attn_grad_kv (%d heads, %d kv heads of %d, windows of %d tokens)",
-           arch, cached ? " (from the build cache)" : "", u, u, t->attn.heads, t->attn.kv, t->attn.d, t->attn.seq);
+           "update_adamw mk_adamw%s, update_sgd mk_sgd%s, attention mk_attn%s_fwd, attention_grad mk_attn%s_stats + "
+           "mk_attn%s_grad_q + mk_attn%s_grad_kv (%d heads, %d kv heads of %d, windows of %d tokens%s)",
+           arch, cached ? " (from the build cache)" : "", u, u, a, a, a, a, t->attn.heads, t->attn.kv, t->attn.d,
+           t->attn.seq, attn_tc ? "; on tensor cores, as a bf16 program's" : "");
   return true;
 }
 
@@ -346,7 +356,7 @@ static bool open_gpu(Tune *t, const TuneOptions *o, RtComm *comm, Series *s, con
       unit_text = gemm_type == RT_CUDA_BF16 ? "2^32" : "2^30";
     } else {       // emulated kernels: small sizes (their times say nothing)
       t->grid_macs = GRID_MACS_FAKE;
-      t->attn = (AttnShape){2, 1, 8, 16};
+      t->attn = (AttnShape){2, 1, gemm_type == RT_CUDA_BF16 ? 16 : 8, 16};   // bf16: heads of 16, on tensor cores
     }
     t->elem_shift = elem_shift = fake ? FAKE_ELEM_SHIFT : GPU_ELEM_SHIFT;
     t->attn_shift = fake ? 0 : GPU_ATTN_SHIFT;

@@ -27,7 +27,7 @@
 #     update) and writes a 1 x 1 profile (collectives 0, saying why; `memory` the device's; no
 #     intra-node fits) that plans tiny.moe and refuses a 4-rank layout; 2 ranks with --dtype bf16
 #     fit the GEMMs, the 6 collectives (alltoall_intra, allreduce_intra in the profile) and the
-#     kernels (the bf16 updates);
+#     kernels (the bf16 updates; attention on tensor cores, heads of 16);
 #     the real program without a GPU exits 1 and says so; bench/gpu_predict.sh --quick (tune,
 #     plan, run: predicted, the fused program's prediction and measured) runs on the fake device.
 # Prints `ok    ...` / `FAIL  ...` lines; exits 1 on any failure.
@@ -255,11 +255,11 @@ else
   if [ $status -eq 0 ] && [ "$(tail -n 1 "$WORK/g2.out")" = OK ] && grep -q '^# gemm: cuBLAS (rt_cuda_gemm: bf16 inputs' "$WORK/g2.out" &&
      [ "$(awk '/^# model +group/ {t = 1; next} t && /^  [a-z]/ && $4 == 7' "$WORK/g2.out" | wc -l)" -eq 6 ] &&
      ! grep -q 'not measured' "$WORK/G2.cluster" && grep -Eq '^  memory [0-9]+;  # the GPU.s total memory' "$WORK/G2.cluster" &&
-     grep -q '^# kernels: .*update_adamw mk_adamw_bf16, update_sgd mk_sgd_bf16' "$WORK/g2.out" &&
+     grep -q '^# kernels: .*update_adamw mk_adamw_bf16, update_sgd mk_sgd_bf16, attention mk_attn_tc_fwd, attention_grad mk_attn_tc_stats' "$WORK/g2.out" &&
      [ "$(grep -cE '^  (elementwise|attention|attention_grad|elementwise_math|update_adamw|update_sgd) +\{' "$WORK/G2.cluster")" -eq 6 ] &&
      grep -Eq '^  alltoall_intra +\{ alpha [0-9.e+-]+; beta [0-9.e+-]+; \}' "$WORK/G2.cluster" &&
      grep -Eq '^  allreduce_intra +\{ alpha [0-9.e+-]+; beta [0-9.e+-]+; \}' "$WORK/G2.cluster"; then
-    ok "tune --target cuda --dtype bf16 on 2 ranks (fake device): bf16 GEMMs, the 6 collective fits over NCCL's calls, alltoall_intra, allreduce_intra, memory and the kernel fits (the bf16 updates) in the profile"
+    ok "tune --target cuda --dtype bf16 on 2 ranks (fake device): bf16 GEMMs, the 6 collective fits over NCCL's calls, alltoall_intra, allreduce_intra, memory and the kernel fits (the bf16 updates, attention on tensor cores) in the profile"
   else bad "tune --target cuda --dtype bf16 on 2 ranks (fake device), exit $status" "$(tail -n 30 "$WORK/g2.out")"; fi
   # bench/gpu_predict.sh, which a GPU session runs: its --quick models on the fake device, predicted
   # and measured side by side (the fake device's times say nothing; the script's path is checked).
