@@ -16,7 +16,8 @@
 # the compiler's launch counts of the program (moec build -v); bench/torch_lm.py times
 # the same model (fp32 with TF32 off, and bf16 under autocast with fp32 parameters, as moec's
 # dtype bf16), median of N steps after 2 warm-up steps. One row per dtype: moec ms, PyTorch ms,
-# PyTorch / moec (> 1: moec is faster). DIR is LM_DIR (default $BUILD/cuda/lm, packed by make
+# PyTorch / moec (> 1: moec is faster); a third, bf16_cc, is the bf16 program with its attention on
+# the CUDA cores (MOEC_ATTN_TC=0) against PyTorch's bf16 step. DIR is LM_DIR (default $BUILD/cuda/lm, packed by make
 # gpu-pack). Exit status 1 when something failed; the footer says OK or FAILED.
 set -u
 cd "$(dirname "$0")/.." || exit 1
@@ -60,13 +61,18 @@ layer block x $layers {
 EOF
 }
 
+# The programs: fp32, bf16 (its attention on tensor cores where the heads allow: lang/manual.md
+# §14.1), and bf16_cc, the bf16 program with its attention on the CUDA cores (MOEC_ATTN_TC=0), so
+# that one run measures what the tensor cores give.
+VARIANTS="fp32 bf16 bf16_cc"
 if $build; then
   mkdir -p "$DIR"
-  for dtype in fp32 bf16; do
-    model "$dtype" >"$DIR/${name}_$dtype.moe"
-    "$MOEC" build "$DIR/${name}_$dtype.moe" --target cuda -v -o "$DIR/${name}_$dtype.cuda" >"$DIR/${name}_$dtype.build" 2>&1 ||
-      { echo "FAILED: moec build $DIR/${name}_$dtype.moe --target cuda: $(tail -n 3 "$DIR/${name}_$dtype.build")"; exit 1; }
-    echo "# $DIR/${name}_$dtype.cuda"
+  for v in $VARIANTS; do
+    model "${v%_cc}" >"$DIR/${name}_$v.moe"
+    tc=1; [ "$v" != "${v%_cc}" ] && tc=0
+    MOEC_ATTN_TC=$tc "$MOEC" build "$DIR/${name}_$v.moe" --target cuda -v -o "$DIR/${name}_$v.cuda" >"$DIR/${name}_$v.build" 2>&1 ||
+      { echo "FAILED: moec build $DIR/${name}_$v.moe --target cuda: $(tail -n 3 "$DIR/${name}_$v.build")"; exit 1; }
+    echo "# $DIR/${name}_$v.cuda"
   done
   exit 0
 fi
@@ -80,12 +86,14 @@ echo "# a language model's training step on $(hostname): moec ($DIR) beside benc
      "(vocab $vocab, B $batch, L $seqlen, M $embed, $layers blocks, 8 experts of hidden $hidden, top-2)"
 median() { sort -g | awk '{a[NR] = $1} END { if (NR) print a[int((NR + 1) / 2)] }'; }
 rows=()
-for dtype in fp32 bf16; do
+declare -A torch_ms
+for v in $VARIANTS; do
+  dtype=$v
   bin=$DIR/${name}_$dtype.cuda
   if [ ! -x "$bin" ]; then
     echo "# $dtype: $bin is missing (bash bench/gpu_lm.sh --build on the build machine)"; status=1; continue
   fi
-  grep -h '^# launches' "$DIR/${name}_$dtype.build" 2>/dev/null | sed "s/^# /# moec $dtype /"
+  grep -h '^# launches\|^# attention' "$DIR/${name}_$dtype.build" 2>/dev/null | sed "s/^# /# moec $dtype /"
   if ! (cd "$WORK" && timeout 300 "$bin" --steps "$steps" >"$WORK/run.$dtype" 2>&1 </dev/null); then
     echo "# moec $dtype: the binary failed: $(tail -n 5 "$WORK/run.$dtype")"; status=1; continue
   fi
@@ -99,7 +107,9 @@ for dtype in fp32 bf16; do
   loss=$(awk '$1 == "step" { for (i = 1; i < NF; i++) if ($i == "loss") l = $(i + 1) } END { print l }' "$WORK/run.$dtype")
   echo "# moec $dtype: steps 1..$steps, loss $(awk '$1 == "step" && $2 == 1 { for (i = 1; i < NF; i++) if ($i == "loss") print $(i + 1) }' "$WORK/run.$dtype") -> $loss"
   tms="-"
-  if [ -n "$python" ]; then
+  if [ "$v" != "${v%_cc}" ]; then   # the same model as bf16: PyTorch's bf16 time
+    tms=${torch_ms[${v%_cc}]:--}
+  elif [ -n "$python" ]; then
     if "$python" bench/torch_lm.py --device cuda --dtype "$dtype" --size "$size" --steps "$steps" --warmup 2 >"$WORK/torch.$dtype" 2>&1; then
       tms=$(awk '$1 == "lm" { print $3 }' "$WORK/torch.$dtype")
       grep -q '^skip' "$WORK/torch.$dtype" && { tms="-"; sed 's/^/# /' "$WORK/torch.$dtype"; }
@@ -109,12 +119,14 @@ for dtype in fp32 bf16; do
   else
     echo "# no python here imports torch: PyTorch's side is not run"
   fi
-  rows+=("$(printf '%-6s %12.2f %14s %12s %10s' "$dtype" "$ms" "$ems" "$tms" \
+  torch_ms[$v]=$tms
+  rows+=("$(printf '%-7s %12.2f %14s %12s %10s' "$dtype" "$ms" "$ems" "$tms" \
            "$(awk -v a="$ms" -v b="$tms" 'BEGIN { if (b + 0 > 0 && a > 0) printf "%.2fx", b / a; else print "-" }')")")
 done
-printf '%-6s %12s %14s %12s %10s\n' dtype "moec ms" "op by op ms" "PyTorch ms" "speedup"
+printf '%-7s %12s %14s %12s %10s\n' dtype "moec ms" "op by op ms" "PyTorch ms" "speedup"
 for r in "${rows[@]}"; do echo "$r"; done
 echo "# ms: one whole training step (forward, backward, clip, AdamW), median; moec's step functions replayed as CUDA"
-echo "# graphs, and op by op (MOERT_CUDA_GRAPH=0) beside; speedup = PyTorch / moec (graphs)"
+echo "# graphs, and op by op (MOERT_CUDA_GRAPH=0) beside; speedup = PyTorch / moec (graphs); bf16_cc: the bf16"
+echo "# program with its attention on the CUDA cores (MOEC_ATTN_TC=0), against PyTorch's bf16 step"
 [ $status -eq 0 ] && echo OK || echo FAILED
 exit $status

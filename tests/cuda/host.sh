@@ -595,13 +595,15 @@ else
 fi
 
 # bench/gpu_lm.sh, which a GPU session runs (a language model's step beside PyTorch's): its --quick
-# model in fp32 and bf16 on the fake device, with CUDA graphs and op by op (the times say nothing;
-# the script's path is checked).
+# model in fp32, bf16 (attention on tensor cores: heads of 16) and bf16_cc (on the CUDA cores) on
+# the fake device, with CUDA graphs and op by op (the times say nothing; the script's path is checked).
 if MOEC_CUDA_FAKE=1 LM_DIR=$WORK/lm bash bench/gpu_lm.sh --build --quick >"$WORK/lmb.out" 2>&1 &&
    MOEC_CUDA_FAKE=1 LM_DIR=$WORK/lm TORCH_PYTHON=false bash bench/gpu_lm.sh --quick --steps 3 >"$WORK/lmr.out" 2>&1 &&
-   [ "$(grep -cE '^(fp32|bf16) +[0-9.]+ +[0-9.]+ +- +-$' "$WORK/lmr.out")" -eq 2 ] && [ "$(tail -n 1 "$WORK/lmr.out")" = OK ] &&
-   [ "$(grep -c '^# moec bf16 launches: ' "$WORK/lmr.out")" -eq 5 ] && grep -q '^# moec bf16 launches: [0-9]* kernels, [0-9]* GEMMs per step (unfused: ' "$WORK/lmr.out"; then
-  ok "bench/gpu_lm.sh --quick on the fake device: fp32 and bf16 steps with the compiler's launch counts"
+   [ "$(grep -cE '^(fp32|bf16|bf16_cc) +[0-9.]+ +[0-9.]+ +- +-$' "$WORK/lmr.out")" -eq 3 ] && [ "$(tail -n 1 "$WORK/lmr.out")" = OK ] &&
+   [ "$(grep -c '^# moec bf16 launches: ' "$WORK/lmr.out")" -eq 5 ] && grep -q '^# moec bf16 launches: [0-9]* kernels, [0-9]* GEMMs per step (unfused: ' "$WORK/lmr.out" &&
+   grep -q '^# moec bf16 attention: 6 of 6 ops a step on tensor cores' "$WORK/lmr.out" &&
+   grep -q '^# moec bf16_cc attention: 0 of 6 ops a step on tensor cores .* (MOEC_ATTN_TC=0)' "$WORK/lmr.out"; then
+  ok "bench/gpu_lm.sh --quick on the fake device: fp32, bf16 (attention on tensor cores) and bf16_cc steps with the compiler's launch counts"
 else
   bad "bench/gpu_lm.sh --quick on the fake device" "$(cat "$WORK/lmb.out" "$WORK/lmr.out" 2>/dev/null | tail -n 20)"
 fi
