@@ -165,6 +165,8 @@ typedef struct CgLaunch {
   char note[96];           // for the launch plan comment ("" none)
   int rows_from;           // an expert GEMM over its filled rows: 1 + the launch of its function whose
                            // mk_expert_counts counted them (the same value on the same stream); 0: its own
+  bool rows_plus;          // with rows_from: over act(h + b1) of that launch's GEMM h, the counts plus
+                           // one, then call[0] (mk_expert_rows_fill) copies the last row into the rest
 } CgLaunch;
 
 // The lowering of op i of f (or, with CG_LOWER_FUSE, of the group the fuse pass made at op i when

@@ -53,7 +53,7 @@ static const char *const step_names[STEP_COUNT] = {"forward", "backward", "updat
 // What a step function launches (Host.count).
 typedef struct Counts {
   int64_t kernels, casts, gemms, comms;
-  int64_t row_counts;      // the kernels that count expert GEMMs' filled rows (mk_expert_counts)
+  int64_t row_counts;      // the kernels that count expert GEMMs' filled rows (mk_expert_counts) or fill past them
   int64_t expert_gemms, row_gemms;   // expert GEMMs, and those over their filled rows
   int64_t attn_ops, attn_tc;          // attention ops (forward, statistics, backward), and those on tensor cores
   double kernel_bytes, gemm_bytes;
@@ -679,6 +679,12 @@ static bool emit_op(Host *h, const IrFunc *f, int i, const CgLaunch *lp, IrStrea
     h->rows_at[k] = -1;
     if (!cg_counts_rows(by)) return emit_gemm(h, f, op, s, -1, 1);
     int64_t blocks = by->call[0].args[3].i / cg_gemm(op).e;   // its groups over the experts
+    if (l.rows_plus) {   // over act(h + b1): that launch's counts plus one, then the rows past them filled
+      int64_t plus = h->rows_at[l.rows_from - 1] + 2 * by->call[0].args[3].i * (int64_t)sizeof(int32_t);
+      if (!emit_gemm(h, f, op, s, plus, blocks) || !emit_kernel(h, f, i, &l.call[0], s, -1, plus)) return false;
+      h->count[h->phase].row_counts++;
+      return true;
+    }
     if (l.rows_from > 0) return emit_gemm(h, f, op, s, h->rows_at[l.rows_from - 1], blocks);   // that launch's counts
     const CgArg *x = &l.call[0].args[0];
     if (x->kind == CG_ARG_OPERAND && bf16_only(h, &op->args[x->index]))
@@ -958,7 +964,7 @@ static void print_counts(const Host *h, FILE *out, const char *pre, const char *
             post);
   if (expert_gemms > 0)
     fprintf(out, "%sexpert GEMMs: %" PRId64 " of %" PRId64 " a step over their filled rows only, which %" PRId64
-                 " of the kernels count%s%s",
+                 " of the kernels count (or fill past the counts)%s%s",
             pre, row_gemms, expert_gemms, row_counts,
             cg_cuda_lowering(h->m) & CG_LOWER_ROWS ? "" : " (MOEC_EXPERT_ROWS=all: every slot)", post);
   if (attn_ops > 0)

@@ -3,10 +3,58 @@
 // CgLaunch; the CUDA emitters (emit_cuda.c, emit_cuda_host.c) and the CPU emitter (emit_c.c) all
 // read that one list. Also which kernels a list names (cg_cuda_kernels_used).
 // It may call layers 1-4 (facts.c, kernels.c, lower.c, fused.c); no emitter.
+#include <inttypes.h>
 #include <stdlib.h>
 #include <string.h>
 
 #include "cg_internal.h"
+
+// The launch of f (before launch k) whose mk_expert_counts counted the rows of the expert GEMM
+// behind operand x of op: x = act(h + b1) or act(h) (an activation of one operand, after
+// expert.bias or not) with h the result of an expert GEMM (ta 0) that counts its own rows, on op's
+// stream; -1 when there is none. Its empty rows all hold act(b1) (its count kernel zeroed h's).
+static int counted_before_act(const IrFunc *f, const CgFuncLaunches *fl, int k, const IrOp *op, const IrOperand *x) {
+  const IrOp *a = x->value ? x->value->def : NULL;
+  if (!a || a->nargs != 1 || strncmp(ir_op_info[a->kind].name, "act.", 4) != 0 || strstr(ir_op_info[a->kind].name, ".grad"))
+    return -1;
+  const IrValue *h = a->args[0].value;
+  if (h && h->def && h->def->kind == IR_OP_EXPERT_BIAS) h = h->def->args[0].value;
+  if (!h || !h->def || h->def->kind != IR_OP_EXPERT_MATMUL) return -1;
+  for (int j = 0; j < k; j++)
+    if (fl->at[j] == h->def->index && cg_counts_rows(&fl->launch[j]) && cg_op_stream(h->def) == cg_op_stream(op))
+      return j;
+  return -1;
+}
+
+// The forward's second expert GEMM, over act(h + b1) (not zero in the empty slots), multiplies the
+// rows the first one's count kernel counted plus one (the first empty row: act(b1)), and
+// mk_expert_rows_fill copies that row's product into the other empty rows, which is what the CPU
+// program's GEMM gives them (it copies a repeated row's product: runtime/kernels/ffn.c).
+static void share_counts_act(const IrFunc *f, CgFuncLaunches *fl) {
+  for (int k = 0; k < fl->n; k++) {
+    CgLaunch *l = &fl->launch[k];
+    const IrOp *op = f->ops[fl->at[k]];
+    if (l->lib != CG_LIB_GEMM || l->ncalls || l->rows_from || op->kind != IR_OP_EXPERT_MATMUL || ir_op_int(op, "ta", 0) ||
+        ir_op_int(op, "tb", 0) || op->args[0].param)
+      continue;
+    int j = counted_before_act(f, fl, k, op, &op->args[0]);
+    if (j < 0) continue;
+    const CgKernelCall *counts = &fl->launch[j].call[0];   // x, scratch, c, groups, rows, width, cwidth
+    int64_t groups = counts->args[3].i, rows = counts->args[4].i;
+    if (groups * rows != cg_gemm(op).e * cg_gemm(op).m) continue;
+    CgKernelCall *c = &l->call[0];
+    *c = (CgKernelCall){.kernel = CG_K_EXPERT_ROWS_FILL, .grid = cg_cuda_grid_elems(groups * rows * cg_gemm(op).n)};
+    c->args[c->nargs++] = (CgArg){.kind = CG_ARG_SCRATCH};
+    c->args[c->nargs++] = (CgArg){.kind = CG_ARG_RESULT};
+    c->args[c->nargs++] = (CgArg){.kind = CG_ARG_INT, .i = groups};
+    c->args[c->nargs++] = (CgArg){.kind = CG_ARG_INT, .i = rows};
+    c->args[c->nargs++] = (CgArg){.kind = CG_ARG_INT, .i = cg_gemm(op).n};
+    l->ncalls = 1;
+    l->rows_from = j + 1;
+    l->rows_plus = true;
+    snprintf(l->note, sizeof l->note, "over the rows launch %d counted, plus one", j);
+  }
+}
 
 // A weight gradient over the filled rows of a value that an earlier GEMM of f counted on the same
 // stream (the backward's dY W^T and X^T dY both count dY) reads that count instead of its own (a
@@ -62,7 +110,7 @@ static bool lower_func(IrDiag *d, CgLaunches *ls, const IrFunc *f, unsigned how,
   }
   free(alone);
   free(has);
-  if (ok && !cpu) share_counts(f, fl);
+  if (ok && !cpu) share_counts(f, fl), share_counts_act(f, fl);
   return ok;
 }
 

@@ -538,7 +538,7 @@ bool cg_lower_from(const IrFunc *f, int i, unsigned how, const CgLaunch *alone, 
     arg(c, CG_ARG_SCRATCH, 0);
     arg(c, CG_ARG_RESULT, 0);   // its rows past the counts zeroed (ta: none, cwidth 0)
     INTS(c, r.groups, r.rows, r.width, ir_op_int(f->ops[i], "ta", 0) ? 0 : f->ops[i]->result->type.dim[2]);
-    l->scratch_bytes = 2 * r.groups * (int64_t)sizeof(int32_t);
+    l->scratch_bytes = 4 * r.groups * (int64_t)sizeof(int32_t);   // the counts, clamped, plus one (twice)
     snprintf(l->note, sizeof l->note, "over the filled rows of operand %d (%" PRId64 " blocks an expert)", r.operand,
              r.blocks);
   }

@@ -163,10 +163,11 @@ __device__ void mk_counts(const T *x, int *counts, float *c, int groups, int row
         if (mk_not_zero(xg, j)) mine = (float)(j / width);
       last = mk_block_max(mine);   // the same on every thread: the loop ends together
     }
-    int count = (int)last + 1;
+    int count = (int)last + 1, plus = count < rows ? count + 1 : rows;
     if (threadIdx.x == 0) {
       counts[g] = count;
       counts[groups + g] = count > 0 ? count : 1;
+      counts[2 * groups + g] = counts[3 * groups + g] = plus;
     }
     float *cg = c + g * rows * cwidth;
     for (i64 j = (i64)count * cwidth + threadIdx.x; j < (i64)rows * cwidth; j += blockDim.x) cg[j] = 0.0f;
@@ -178,7 +179,10 @@ __device__ void mk_counts(const T *x, int *counts, float *c, int groups, int row
 // counts[g] = 1 + the last row of block g holding an element that is not zero, 0 when none does,
 // so every row of a block at or past its count is zero; counts[groups + g] = max(counts[g], 1),
 // the sums a weight gradient over the filled slots takes (one zero row for an expert nobody was
-// routed to: a sum of zero products, not an empty one). Then the rows of c [groups, rows, cwidth]
+// routed to: a sum of zero products, not an empty one); counts[2 groups + g] and counts[3 groups +
+// g] = min(counts[g] + 1, rows), the rows of a GEMM over act(h + b1) (the forward's second GEMM,
+// codegen/launch.c's share_counts: the filled rows and the first empty one, act(b1), whose
+// product mk_expert_rows_fill then copies into the rest). Then the rows of c [groups, rows, cwidth]
 // at and past the count are zeroed: the rows a GEMM over the filled rows leaves alone (cwidth 0:
 // none). One block of MK_BLOCK threads per group reads its rows from the last one back, a chunk of
 // rows at a time (at least MK_BLOCK * 4 elements), and stops at the first chunk holding such an
@@ -193,6 +197,18 @@ extern "C" __global__ void mk_expert_counts(const float *x, int *counts, float *
 extern "C" __global__ void mk_expert_counts_bf16(const u16 *x, int *counts, float *c, int groups, int rows, int width,
                                                  int cwidth) {
   mk_counts(x, counts, c, groups, rows, width, cwidth);
+}
+
+// ---- mk_expert_rows_fill ----
+// After a GEMM over the rows plus[g] of each block of c [groups, rows, cwidth] (mk_expert_counts'
+// counts plus one: the filled rows and the first empty one), each block's rows past them become
+// copies of its row plus[g] - 1: the product of act(b1), which every empty slot holds, as the CPU
+// program's GEMM over the segments copies a repeated row's product (runtime/kernels/ffn.c).
+extern "C" __global__ void mk_expert_rows_fill(const int *plus, float *c, int groups, int rows, int cwidth) {
+  MK_FOR(j, (i64)groups * rows * cwidth) {
+    i64 g = j / ((i64)rows * cwidth), r = j / cwidth % rows, n = plus[g];
+    if (r >= n) c[j] = c[(g * rows + n - 1) * cwidth + j % cwidth];
+  }
 }
 
 // ---- mk_gelu ----

@@ -415,7 +415,7 @@ template <class Launcher> void run_kernel_cases(Launcher &L, Checks &c) {
       const int groups = 6, slots = 37, width = 301;
       auto x = zeros<float>((size_t)groups * slots * width);
       const int filled[groups] = {0, slots, 1, 20, 9, 5};
-      std::vector<int> want(2 * groups), got(2 * groups, -7);
+      std::vector<int> want(4 * groups), got(4 * groups, -7);
       for (int g = 0; g < groups; g++) {
         for (int r = 0; r < filled[g]; r++)
           for (int j = 0; j < width; j++) x[((size_t)g * slots + r) * width + j] = (float)((r + j) % 5) - 2.0f;
@@ -425,7 +425,10 @@ template <class Launcher> void run_kernel_cases(Launcher &L, Checks &c) {
       x[((size_t)4 * slots + 30) * width + 300] = NAN;   // NaN counts
       want[4] = 31;
       x[((size_t)5 * slots + 36) * width + 7] = -0.0f;   // -0 is zero
-      for (int g = 0; g < groups; g++) want[groups + g] = std::max(want[g], 1);
+      for (int g = 0; g < groups; g++) {
+        want[groups + g] = std::max(want[g], 1);
+        want[2 * groups + g] = want[3 * groups + g] = std::min(want[g] + 1, slots);   // plus one (a full block: all)
+      }
       const int cwidth = 13;   // the GEMM's result: its rows past the counts zeroed, the others left
       auto out = randn((size_t)groups * slots * cwidth), out_want = out;
       for (int g = 0; g < groups; g++)
@@ -435,10 +438,19 @@ template <class Launcher> void run_kernel_cases(Launcher &L, Checks &c) {
       c.bits("expert GEMM filled rows: the result's rows past them zeroed", out_want, out);
       std::vector<uint16_t> x16(x.size());   // the bf16 copy (-0 stays -0, NaN stays NaN)
       rt_compress_bf16(x.data(), x16.data(), (int64_t)x.size());
-      auto got16 = std::vector<int>(2 * groups, -7);
+      auto got16 = std::vector<int>(4 * groups, -7);
       auto out16 = randn((size_t)groups * slots * cwidth);
       LAUNCH(4, MK_BLOCK, mk_expert_counts_bf16, x16, got16, out16, groups, slots, width, 0);
       c.same("expert GEMM filled rows of a bf16 copy (mk_expert_counts_bf16)", want, got16);
+      // After the GEMM over the counts plus one: each block's rows past them copy its last one.
+      auto past = randn((size_t)groups * slots * cwidth), fill_want = past;
+      std::vector<int> plus(want.begin() + 2 * groups, want.begin() + 3 * groups);
+      for (int g = 0; g < groups; g++)
+        for (int r = plus[g]; r < slots; r++)
+          std::copy_n(fill_want.begin() + ((size_t)g * slots + plus[g] - 1) * cwidth, cwidth,
+                      fill_want.begin() + ((size_t)g * slots + r) * cwidth);
+      LAUNCH(3, 64, mk_expert_rows_fill, plus, past, groups, slots, cwidth);
+      c.bits("expert GEMM over act(h + b1): the rows past the counts plus one copy the last (mk_expert_rows_fill)", fill_want, past);
     }
     rt_gelu(a.data(), y_c.data(), n, m);
     LAUNCH(3, 64, mk_gelu, a, y_k, n, (int64_t)m);
