@@ -167,6 +167,8 @@ typedef struct CgLaunch {
                            // mk_expert_counts counted them (the same value on the same stream); 0: its own
   bool rows_plus;          // with rows_from: over act(h + b1) of that launch's GEMM h, the counts plus
                            // one, then call[0] (mk_expert_rows_fill) copies the last row into the rest
+  bool rows_zero;          // with rows_from, ta 0: over the same operand as that launch's GEMM (SwiGLU's
+                           // x W3 after x W1), then call[0] (mk_expert_rows_zero) zeroes the rows past
 } CgLaunch;
 
 // The lowering of op i of f (or, with CG_LOWER_FUSE, of the group the fuse pass made at op i when

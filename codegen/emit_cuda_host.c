@@ -679,9 +679,9 @@ static bool emit_op(Host *h, const IrFunc *f, int i, const CgLaunch *lp, IrStrea
     h->rows_at[k] = -1;
     if (!cg_counts_rows(by)) return emit_gemm(h, f, op, s, -1, 1);
     int64_t blocks = by->call[0].args[3].i / cg_gemm(op).e;   // its groups over the experts
-    if (l.rows_plus) {   // over act(h + b1): that launch's counts plus one, then the rows past them filled
-      int64_t plus = h->rows_at[l.rows_from - 1] + 2 * by->call[0].args[3].i * (int64_t)sizeof(int32_t);
-      if (!emit_gemm(h, f, op, s, plus, blocks) || !emit_kernel(h, f, i, &l.call[0], s, -1, plus)) return false;
+    if (l.rows_plus || l.rows_zero) {   // then the rows past the counts: filled (act(h + b1)'s, plus one), zeroed
+      int64_t at = h->rows_at[l.rows_from - 1] + (l.rows_plus ? 2 * by->call[0].args[3].i * (int64_t)sizeof(int32_t) : 0);
+      if (!emit_gemm(h, f, op, s, at, blocks) || !emit_kernel(h, f, i, &l.call[0], s, -1, at)) return false;
       h->count[h->phase].row_counts++;
       return true;
     }
@@ -964,7 +964,7 @@ static void print_counts(const Host *h, FILE *out, const char *pre, const char *
             post);
   if (expert_gemms > 0)
     fprintf(out, "%sexpert GEMMs: %" PRId64 " of %" PRId64 " a step over their filled rows only, which %" PRId64
-                 " of the kernels count (or fill past the counts)%s%s",
+                 " of the kernels count (or set the rows past the counts)%s%s",
             pre, row_gemms, expert_gemms, row_counts,
             cg_cuda_lowering(h->m) & CG_LOWER_ROWS ? "" : " (MOEC_EXPERT_ROWS=all: every slot)", post);
   if (attn_ops > 0)

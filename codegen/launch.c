@@ -59,12 +59,14 @@ static void share_counts_act(const IrFunc *f, CgFuncLaunches *fl) {
 // A weight gradient over the filled rows of a value that an earlier GEMM of f counted on the same
 // stream (the backward's dY W^T and X^T dY both count dY) reads that count instead of its own (a
 // GEMM with ta 0 counts itself: its count kernel zeroes its result's rows past the counts).
+// A GEMM with ta 0 over a value an earlier one counted (SwiGLU's x W3 after x W1) reads that count
+// too, and mk_expert_rows_zero zeroes its result's rows past it (what its own count kernel did).
 static void share_counts(const IrFunc *f, CgFuncLaunches *fl) {
   for (int k = 0; k < fl->n; k++) {
     CgLaunch *l = &fl->launch[k];
     if (!cg_counts_rows(l)) continue;
     const IrOp *op = f->ops[fl->at[k]];
-    if (!ir_op_int(op, "ta", 0)) continue;   // its own count zeroes its rows past the counts
+    bool ta = ir_op_int(op, "ta", 0);
     const IrOperand *x = &op->args[l->call[0].args[0].index];
     for (int j = 0; j < k; j++) {
       const CgLaunch *p = &fl->launch[j];
@@ -74,10 +76,22 @@ static void share_counts(const IrFunc *f, CgFuncLaunches *fl) {
       bool same = y->value == x->value && cg_op_stream(q) == cg_op_stream(op);
       for (int a = 3; same && a < 6; a++) same = p->call[0].args[a].i == l->call[0].args[a].i;   // groups rows width
       if (!same) continue;
+      int64_t groups = l->call[0].args[3].i, rows = l->call[0].args[4].i, cwidth = l->call[0].args[6].i;
       l->ncalls = 0;
       l->scratch_bytes = 0;
       l->rows_from = j + 1;
       snprintf(l->note, sizeof l->note, "over the filled rows of %%%s that launch %d counted", x->value->name, j);
+      if (!ta) {   // its rows past the counts zeroed after the GEMM
+        CgKernelCall *c = &l->call[0];
+        *c = (CgKernelCall){.kernel = CG_K_EXPERT_ROWS_ZERO, .grid = cg_cuda_grid_elems(groups * rows * cwidth)};
+        c->args[c->nargs++] = (CgArg){.kind = CG_ARG_SCRATCH};
+        c->args[c->nargs++] = (CgArg){.kind = CG_ARG_RESULT};
+        c->args[c->nargs++] = (CgArg){.kind = CG_ARG_INT, .i = groups};
+        c->args[c->nargs++] = (CgArg){.kind = CG_ARG_INT, .i = rows};
+        c->args[c->nargs++] = (CgArg){.kind = CG_ARG_INT, .i = cwidth};
+        l->ncalls = 1;
+        l->rows_zero = true;
+      }
       break;
     }
   }

@@ -211,6 +211,16 @@ extern "C" __global__ void mk_expert_rows_fill(const int *plus, float *c, int gr
   }
 }
 
+// ---- mk_expert_rows_zero ----
+// After a GEMM over the rows counts[g] of each block of c [groups, rows, cwidth] that another
+// GEMM's mk_expert_counts counted (the same operand: SwiGLU's x W1 and x W3), the rows past them
+// zeroed, as that count kernel zeroes its own GEMM's.
+extern "C" __global__ void mk_expert_rows_zero(const int *counts, float *c, int groups, int rows, int cwidth) {
+  MK_FOR(j, (i64)groups * rows * cwidth) {
+    if (j / cwidth % rows >= counts[j / ((i64)rows * cwidth)]) c[j] = 0.0f;
+  }
+}
+
 // ---- mk_gelu ----
 // The tanh GELU as x * s, s = 1 / (1 + exp(-2u)) = 0.5 (1 + tanh(u)), as rt_gelu computes it
 // (cols, the row width, lets the CPU kernel copy repeated rows; every element is computed here).

@@ -484,7 +484,7 @@ if MOEC_CUDA_FAKE=1 "$MOEC" build lang/models/gpt_moe_bytes.moe --target cuda -v
    nk=$(sed -n 's/^# launches: \([0-9]*\) kernels, .* per step (--no-fuse: each op alone)$/\1/p' "$WORK/gn.err") &&
    mb=$(sed -n 's/^# kernel traffic: \([0-9.]*\) MB per step (unfused: \([0-9.]*\) MB)$/\1 \2/p' "$WORK/gf.err") &&
    groups=$(sed -n 's/^# fuse: \([0-9]*\) ops in \([0-9]*\) fused kernels.*/\2/p' "$WORK/gf.err") &&
-   counts=$(sed -n 's/^# expert GEMMs: .*, which \([0-9]*\) of the kernels count (or fill past the counts)$/\1/p' "$WORK/gf.err") &&
+   counts=$(sed -n 's/^# expert GEMMs: .*, which \([0-9]*\) of the kernels count (or set the rows past the counts)$/\1/p' "$WORK/gf.err") &&
    [ -n "$nk" ] && [ -n "$counts" ] && [ "${fk#* }" = "$nk" ] && [ "${fk% *}" -lt "$nk" ] && [ $((${fk% *} - counts)) -le 91 ] &&
    [ -n "$groups" ] && [ "$groups" -gt 10 ] &&
    awk -v a="${mb% *}" -v b="${mb#* }" 'BEGIN { exit !(a < b) }' &&

@@ -451,6 +451,12 @@ template <class Launcher> void run_kernel_cases(Launcher &L, Checks &c) {
                       fill_want.begin() + ((size_t)g * slots + r) * cwidth);
       LAUNCH(3, 64, mk_expert_rows_fill, plus, past, groups, slots, cwidth);
       c.bits("expert GEMM over act(h + b1): the rows past the counts plus one copy the last (mk_expert_rows_fill)", fill_want, past);
+      // SwiGLU's x W3 over x W1's counts: its rows past them zeroed, the others left.
+      auto zeroed = randn((size_t)groups * slots * cwidth), zero_want = zeroed;
+      for (int g = 0; g < groups; g++)
+        std::fill(zero_want.begin() + ((size_t)g * slots + want[g]) * cwidth, zero_want.begin() + (size_t)(g + 1) * slots * cwidth, 0.0f);
+      LAUNCH(3, 64, mk_expert_rows_zero, want, zeroed, groups, slots, cwidth);
+      c.bits("expert GEMM over another's counts: the rows past them zeroed (mk_expert_rows_zero)", zero_want, zeroed);
     }
     rt_gelu(a.data(), y_c.data(), n, m);
     LAUNCH(3, 64, mk_gelu, a, y_k, n, (int64_t)m);
