@@ -15,8 +15,11 @@
 # median over steps 2..N of the forward and backward step functions, each ending when the GPU is
 # done (the data's upload and the update are not in it; PyTorch's side, bench/torch_ref.py, times
 # the layer's forward and backward the same way); the update and the whole step are printed too.
-# Shapes built: gpt and mixtral at 4x2048x4096x4 (Table 4's largest) and 2x2048x2048x4;
-# --quick: gpt 1x32x32x2 (the tests run it on the fake device, where the times say nothing);
+# Shapes built: gpt and mixtral at 4x2048x4096x4 (Table 4's largest) and 2x2048x2048x4, and the
+# largest dropless (FFN_dropless: capacity *, its buffers every token for every expert, its expert
+# GEMMs over the routed rows: a line after the table gives its time over the capacity layer's, which
+# routes the same tokens); --quick: gpt and gpt_dropless 1x32x32x2 (the tests run them on the fake
+# device, where the times say nothing);
 # --shapes: those (a shape asked for that was not built is said and skipped).
 # DIR is COMPILED_DIR (default $BUILD/cuda/layers, carried to the GPU machine by make gpu-pack).
 #
@@ -43,8 +46,9 @@ while [ $# -gt 0 ]; do
 done
 case $dtype in fp32 | bf16) ;; *) echo "bench/gpu_compiled.sh: --dtype fp32 or bf16, not '$dtype'" >&2; exit 2 ;; esac
 
-SHAPES="gpt:4x2048x4096x4 mixtral:4x2048x4096x4 gpt:2x2048x2048x4 mixtral:2x2048x2048x4"
-$quick && SHAPES="gpt:1x32x32x2"
+SHAPES="gpt:4x2048x4096x4 mixtral:4x2048x4096x4 gpt_dropless:4x2048x4096x4 mixtral_dropless:4x2048x4096x4
+        gpt:2x2048x2048x4 mixtral:2x2048x2048x4"
+$quick && SHAPES="gpt:1x32x32x2 gpt_dropless:1x32x32x2"
 [ -n "$spec" ] && SHAPES=$(echo "$spec" | tr ',' ' ')
 
 name_of() { echo "layer_$1_$2_$3"; }   # FFN SHAPE DTYPE
@@ -71,7 +75,8 @@ status=0
 WORK=$(mktemp -d "${TMPDIR:-/tmp}/moec-compiled.XXXXXX")
 trap 'rm -rf "$WORK"' EXIT
 echo "# the compiled layer (moec build --target cuda, $dtype): forward and backward, update and whole step, medians of steps 2..$steps"
-printf '%-8s %-15s %6s %11s %10s %9s %8s %6s %10s\n' ffn shape dtype "fwdbwd ms" "update ms" "step ms" kernels gemms "traffic MB"
+printf '%-16s %-15s %6s %11s %10s %9s %8s %6s %10s\n' ffn shape dtype "fwdbwd ms" "update ms" "step ms" kernels gemms "traffic MB"
+declare -A fwdbwd
 for entry in $SHAPES; do
   IFS=: read -r ffn shape <<<"$entry"
   name=$(name_of "$ffn" "$shape" "$dtype")
@@ -91,8 +96,15 @@ for entry in $SHAPES; do
   if [ -z "${fb:-}" ] || [ -z "${up:-}" ] || [ -z "$whole" ]; then
     echo "# $ffn $shape: no --profile lines: $(tail -n 3 "$WORK/run")"; status=1; continue
   fi
-  printf '%-8s %-15s %6s %11.3f %10.3f %9.3f %8s %6s %10s\n' "$ffn" "$shape" "$dtype" "$fb" "$up" "$whole" \
+  printf '%-16s %-15s %6s %11.3f %10.3f %9.3f %8s %6s %10s\n' "$ffn" "$shape" "$dtype" "$fb" "$up" "$whole" \
     "${kernels:--}" "${gemms:--}" "${traffic:--}"
+  fwdbwd[$ffn:$shape]=$fb
+done
+for key in "${!fwdbwd[@]}"; do   # a dropless layer against the capacity layer of the same shape
+  ffn=${key%%:*} shape=${key#*:}
+  [ "$ffn" != "${ffn%_dropless}" ] && [ -n "${fwdbwd[${ffn%_dropless}:$shape]:-}" ] || continue
+  awk -v d="${fwdbwd[$key]}" -v c="${fwdbwd[${ffn%_dropless}:$shape]}" -v f="$ffn" -v s="$shape" -v t="$dtype" \
+    'BEGIN { if (c > 0) printf "# %s %s %s: forward and backward %.3f ms, %.2fx the capacity layer'"'"'s %.3f (the same routed tokens)\n", f, s, t, d, d / c, c }'
 done
 [ $status -eq 0 ] && echo OK || echo FAILED
 exit $status

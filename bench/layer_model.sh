@@ -6,10 +6,12 @@
 # prints model NAME (batch B, seqlen L, embed M, AdamW) with one layer of 8 experts (ffn gpt with
 # hidden H = HSCALE*M, bias and GELU, or ffn mixtral), gate gshard top-2 at capacity 1.2 with aux
 # loss 0.01 and order tutel, and the SCHEDULE statement when one is given; 1 for an unknown FFN.
+# FFN_dropless (gpt_dropless, mixtral_dropless): the same layer without dropping (capacity *).
 layer_model() {
-  local b l m h ffn
+  local b l m h ffn capacity=1.2
   IFS=x read -r b l m h <<<"$4"
-  case $3 in
+  case $3 in *_dropless) capacity="*" ;; esac
+  case ${3%_dropless} in
     gpt) ffn="ffn gpt { hidden $((m * h)); act gelu; bias true; }" ;;
     mixtral) ffn="ffn mixtral { hidden $((m * h)); }" ;;
     *) echo "$1: unknown ffn '$3' (gpt or mixtral)" >&2; return 1 ;;
@@ -21,7 +23,7 @@ layer_model() {
 layer block {
   moe {
     experts 8 { $ffn }
-    gate gshard { k 2; capacity 1.2; aux_loss 0.01; }
+    gate gshard { k 2; capacity $capacity; aux_loss 0.01; }
     order tutel;
   }
 }

@@ -610,7 +610,8 @@ else
   bad "bench/gpu_lm.sh --quick on the fake device" "$(cat "$WORK/lmb.out" "$WORK/lmr.out" 2>/dev/null | tail -n 20)"
 fi
 
-# bench/gpu_compiled.sh, make bench-gpu's compiled layer: its --quick layer built in fp32 and bf16
+# bench/gpu_compiled.sh, make bench-gpu's compiled layer: its --quick layer and its dropless twin
+# (capacity *, with the line that sets its time against the capacity layer's) built in fp32 and bf16
 # and trained on the fake device with --profile, whose device lines (the median forward and
 # backward, the update: each step function ends waiting for the GPU) it reads; the forward and
 # backward with the update make the whole step less the data's upload, within 10 % or 1 ms (each
@@ -621,12 +622,14 @@ compiled_runs() {
   MOEC_CUDA_FAKE=1 COMPILED_DIR=$WORK/layers bash bench/gpu_compiled.sh --quick --steps 8 >"$WORK/clr.out" 2>&1 &&
     MOEC_CUDA_FAKE=1 COMPILED_DIR=$WORK/layers bash bench/gpu_compiled.sh --quick --steps 8 --dtype bf16 >>"$WORK/clr.out" 2>&1 &&
     [ "$(grep -cE '^gpt +1x32x32x2 +(fp32|bf16)( +[0-9.]+){3} +[0-9]+ +[0-9]+ +[0-9.]+$' "$WORK/clr.out")" -eq 2 ] &&
+    [ "$(grep -cE '^gpt_dropless +1x32x32x2 +(fp32|bf16)( +[0-9.]+){3} +[0-9]+ +[0-9]+ +[0-9.]+$' "$WORK/clr.out")" -eq 2 ] &&
+    [ "$(grep -cE '^# gpt_dropless 1x32x32x2 (fp32|bf16): forward and backward [0-9.]+ ms, [0-9.]+x the capacity layer' "$WORK/clr.out")" -eq 2 ] &&
     [ "$(grep -c '^OK$' "$WORK/clr.out")" -eq 2 ]
 }
 parts_make_step() { awk '$1 == "gpt" { d = $6 - $4 - $5; if (d < -1 - 0.1 * $6 || d > 1 + 0.1 * $6) bad = 1 } END { exit bad }' "$WORK/clr.out"; }
 if MOEC_CUDA_FAKE=1 COMPILED_DIR=$WORK/layers bash bench/gpu_compiled.sh --build --quick >"$WORK/clb.out" 2>&1 &&
    compiled_runs && { parts_make_step || { compiled_runs && parts_make_step; }; }; then
-  ok "bench/gpu_compiled.sh --quick on the fake device: the compiled layer's forward and backward, update and step (--profile's device lines), fp32 and bf16, with the compiler's counts"
+  ok "bench/gpu_compiled.sh --quick on the fake device: the compiled layer and its dropless twin, forward and backward, update and step (--profile's device lines), fp32 and bf16, with the compiler's counts"
 else
   bad "bench/gpu_compiled.sh --quick on the fake device" "$(cat "$WORK/clb.out" "$WORK/clr.out" 2>/dev/null | tail -n 20)"
 fi
