@@ -346,6 +346,7 @@ static __device__ __forceinline__ u32 mk_tc_pack(float lo, float hi) {
   return r;
 }
 static __device__ __forceinline__ u32 mk_tc_ld32(const u16 *p) { return *(const u32 *)p; }
+static __device__ __forceinline__ void mk_tc_st32(u16 *p, u32 w) { *(u32 *)p = w; }
 #define MK_TC_EXP(x) __expf(x)
 #define MK_TC_SKIP(c) (c)         // a warp skips a step none of its rows takes (the host builds do not)
 #else
@@ -382,6 +383,7 @@ static __device__ u32 mk_tc_bf16(float f) {
 }
 static __device__ u32 mk_tc_pack(float lo, float hi) { return mk_tc_bf16(lo) | mk_tc_bf16(hi) << 16; }
 static __device__ u32 mk_tc_ld32(const u16 *p) { return p[0] | (u32)p[1] << 16; }
+static __device__ void mk_tc_st32(u16 *p, u32 w) { p[0] = (u16)(w & 0xffffu), p[1] = (u16)(w >> 16); }
 #define MK_TC_EXP(x) mk_exp(x)
 #define MK_TC_SKIP(c) false
 #endif
@@ -416,8 +418,7 @@ static __device__ void mk_tc_stage(u16 *tile, const float *x, i64 xs, int n, int
   int pairs = d / 2;
   for (int e = threadIdx.x; e < rows * pairs; e += blockDim.x) {
     int r = e / pairs, c = 2 * (e % pairs);
-    u32 w = r < n ? mk_tc_pack(x[r * xs + c], x[r * xs + c + 1]) : 0u;
-    tile[r * MK_TC_LD + c] = (u16)(w & 0xffffu), tile[r * MK_TC_LD + c + 1] = (u16)(w >> 16);
+    mk_tc_st32(tile + r * MK_TC_LD + c, r < n ? mk_tc_pack(x[r * xs + c], x[r * xs + c + 1]) : 0u);
   }
 }
 
