@@ -90,11 +90,14 @@ all: $(BUILD)/moec $(BUILD)/libmoert.a $(CUDA_TARGETS)
 deps:
 	@if [ -d $(CUDA) ]; then echo "# CUDA found at $(CUDA)"; else echo "# no CUDA toolkit at $(CUDA): CUDA parts are skipped"; fi
 
-$(BUILD)/gen/parser.c $(BUILD)/gen/parser.h: lang/parser.y
+# Grouped targets (&:): one bison or flex run makes both files. With plain targets a parallel make
+# could run the generator once per file, the second rewriting lexer.c while the first's reader
+# compiled it (clang died of SIGBUS on a fresh clone's make test).
+$(BUILD)/gen/parser.c $(BUILD)/gen/parser.h &: lang/parser.y
 	@mkdir -p $(BUILD)/gen
 	bison -Wall -Werror --defines=$(BUILD)/gen/parser.h -o $(BUILD)/gen/parser.c $<
 
-$(BUILD)/gen/lexer.c $(BUILD)/gen/lexer.h: lang/lexer.l $(BUILD)/gen/parser.h
+$(BUILD)/gen/lexer.c $(BUILD)/gen/lexer.h &: lang/lexer.l $(BUILD)/gen/parser.h
 	@mkdir -p $(BUILD)/gen
 	flex --header-file=$(BUILD)/gen/lexer.h -o $(BUILD)/gen/lexer.c $<
 

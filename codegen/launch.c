@@ -3,11 +3,21 @@
 // CgLaunch; the CUDA emitters (emit_cuda.c, emit_cuda_host.c) and the CPU emitter (emit_c.c) all
 // read that one list. Also which kernels a list names (cg_cuda_kernels_used).
 // It may call layers 1-4 (facts.c, kernels.c, lower.c, fused.c); no emitter.
-#include <inttypes.h>
 #include <stdlib.h>
 #include <string.h>
 
 #include "cg_internal.h"
+
+// c: kernel (mk_expert_rows_fill or _zero) over the launch's counts and its result, a block of rows
+// rows of cwidth columns per group.
+static void rows_kernel(CgKernelCall *c, CgKernel kernel, int64_t groups, int64_t rows, int64_t cwidth) {
+  *c = (CgKernelCall){.kernel = kernel, .grid = cg_cuda_grid_elems(groups * rows * cwidth), .nargs = 5};
+  c->args[0] = (CgArg){.kind = CG_ARG_SCRATCH};
+  c->args[1] = (CgArg){.kind = CG_ARG_RESULT};
+  c->args[2] = (CgArg){.kind = CG_ARG_INT, .i = groups};
+  c->args[3] = (CgArg){.kind = CG_ARG_INT, .i = rows};
+  c->args[4] = (CgArg){.kind = CG_ARG_INT, .i = cwidth};
+}
 
 // The launch of f (before launch k) whose mk_expert_counts counted the rows of the expert GEMM
 // behind operand x of op: x = act(h + b1) or act(h) (an activation of one operand, after
@@ -42,13 +52,7 @@ static void share_counts_act(const IrFunc *f, CgFuncLaunches *fl) {
     const CgKernelCall *counts = &fl->launch[j].call[0];   // x, scratch, c, groups, rows, width, cwidth
     int64_t groups = counts->args[3].i, rows = counts->args[4].i;
     if (groups * rows != cg_gemm(op).e * cg_gemm(op).m) continue;
-    CgKernelCall *c = &l->call[0];
-    *c = (CgKernelCall){.kernel = CG_K_EXPERT_ROWS_FILL, .grid = cg_cuda_grid_elems(groups * rows * cg_gemm(op).n)};
-    c->args[c->nargs++] = (CgArg){.kind = CG_ARG_SCRATCH};
-    c->args[c->nargs++] = (CgArg){.kind = CG_ARG_RESULT};
-    c->args[c->nargs++] = (CgArg){.kind = CG_ARG_INT, .i = groups};
-    c->args[c->nargs++] = (CgArg){.kind = CG_ARG_INT, .i = rows};
-    c->args[c->nargs++] = (CgArg){.kind = CG_ARG_INT, .i = cg_gemm(op).n};
+    rows_kernel(&l->call[0], CG_K_EXPERT_ROWS_FILL, groups, rows, cg_gemm(op).n);
     l->ncalls = 1;
     l->rows_from = j + 1;
     l->rows_plus = true;
@@ -82,13 +86,7 @@ static void share_counts(const IrFunc *f, CgFuncLaunches *fl) {
       l->rows_from = j + 1;
       snprintf(l->note, sizeof l->note, "over the filled rows of %%%s that launch %d counted", x->value->name, j);
       if (!ta) {   // its rows past the counts zeroed after the GEMM
-        CgKernelCall *c = &l->call[0];
-        *c = (CgKernelCall){.kernel = CG_K_EXPERT_ROWS_ZERO, .grid = cg_cuda_grid_elems(groups * rows * cwidth)};
-        c->args[c->nargs++] = (CgArg){.kind = CG_ARG_SCRATCH};
-        c->args[c->nargs++] = (CgArg){.kind = CG_ARG_RESULT};
-        c->args[c->nargs++] = (CgArg){.kind = CG_ARG_INT, .i = groups};
-        c->args[c->nargs++] = (CgArg){.kind = CG_ARG_INT, .i = rows};
-        c->args[c->nargs++] = (CgArg){.kind = CG_ARG_INT, .i = cwidth};
+        rows_kernel(&l->call[0], CG_K_EXPERT_ROWS_ZERO, groups, rows, cwidth);
         l->ncalls = 1;
         l->rows_zero = true;
       }
