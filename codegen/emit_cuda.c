@@ -72,8 +72,9 @@ static bool calls_syncthreads(const char *text, const char *const *syncing, int 
 
 void cg_emit_cuda_kernel_list(FILE *out) {
   // The prelude's __device__ functions that synchronise: their names, found in source order.
-  const char *syncing[32];
-  char names[32][64];
+  enum { MOST = 128 };   // prelude functions that synchronise (a host and a GPU definition count twice)
+  const char *syncing[MOST];
+  char names[MOST][64];
   int nsyncing = 0;
   const char *mark = "__device__ ";
   for (const char *p = strstr(cg_cuda_prelude(), mark); p; p = strstr(p + 1, mark)) {
@@ -87,7 +88,8 @@ void cg_emit_cuda_kernel_list(FILE *out) {
     while (name > p && name[-1] != ' ' && name[-1] != '*') name--;
     char *text = strndup(body, (size_t)(end - body));
     if (!text) UNREACHABLE();
-    if (nsyncing < 32 && calls_syncthreads(text, syncing, nsyncing)) {
+    if (calls_syncthreads(text, syncing, nsyncing)) {
+      if (nsyncing == MOST) UNREACHABLE();   // raise MOST
       snprintf(names[nsyncing], sizeof names[nsyncing], "%.*s", (int)(open - name), name);
       syncing[nsyncing] = names[nsyncing];
       nsyncing++;

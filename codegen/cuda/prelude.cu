@@ -52,7 +52,37 @@ __device__ __forceinline__ i64 mk_slot(const int *idx, const int *loc, i64 c, in
 }
 
 // Block-wide reductions for kernels launched with MK_BLOCK threads: a fixed tree, so the
-// result does not depend on timing (deterministic run to run).
+// result does not depend on timing (deterministic run to run). The host builds of the library
+// (the fake device, the emulation) add the same tree in the same order on thread 0 between two
+// barriers instead of one barrier per level: the same bits, 3 barriers instead of 10 (each a
+// switch of every fiber on the fake device).
+#ifndef __CUDACC__
+__device__ double mk_block_sum(double v) {
+  __shared__ double sh[MK_BLOCK];
+  sh[threadIdx.x] = v;
+  __syncthreads();
+  if (threadIdx.x == 0)
+    for (int w = MK_BLOCK / 2; w > 0; w >>= 1)
+      for (int i = 0; i < w; i++) sh[i] += sh[i + w];
+  __syncthreads();
+  double r = sh[0];
+  __syncthreads();
+  return r;
+}
+
+__device__ float mk_block_max(float v) {
+  __shared__ float sh[MK_BLOCK];
+  sh[threadIdx.x] = v;
+  __syncthreads();
+  if (threadIdx.x == 0)
+    for (int w = MK_BLOCK / 2; w > 0; w >>= 1)
+      for (int i = 0; i < w; i++) sh[i] = fmaxf(sh[i], sh[i + w]);
+  __syncthreads();
+  float r = sh[0];
+  __syncthreads();
+  return r;
+}
+#else
 __device__ double mk_block_sum(double v) {
   __shared__ double sh[MK_BLOCK];
   sh[threadIdx.x] = v;
@@ -78,6 +108,7 @@ __device__ float mk_block_max(float v) {
   __syncthreads();
   return r;
 }
+#endif
 
 // ---- counter-based randomness, bit for bit runtime/rng.c ----
 __device__ u64 mk_mix(u64 z) {
