@@ -592,10 +592,11 @@ static bool emit_gemm(Host *h, const IrFunc *f, const IrOp *op, IrStream s, int6
     fprintf(h->out, "  CK(rt_cuda_expert_gemm(cu, %s, %s, %s, %s, (float *)%s, %" PRId64 ", %" PRId64 ", %" PRId64
                     ", %" PRId64 ", %d, %d), %d);\n",
             cg_stream_enum(s), in, a, b, r, g.e, g.m, g.n, g.k, g.ta, g.tb, w);
-  else
+  else   // a dtype bf16 program hands over moec's grouped GEMM (rt_cuda_rows_gemm says when it runs)
     fprintf(h->out, "  CK(rt_cuda_expert_gemm_rows(cu, %s, %s, %s, %s, (float *)%s, %" PRId64 ", %" PRId64 ", %" PRId64
-                    ", %" PRId64 ", %d, %d, (const int *)(S + %" PRId64 "), %" PRId64 "), %d);\n",
-            cg_stream_enum(s), in, a, b, r, g.e, g.m, g.n, g.k, g.ta, g.tb, rows, blocks, w);
+                    ", %" PRId64 ", %d, %d, (const int *)(S + %" PRId64 "), %" PRId64 ", %s), %d);\n",
+            cg_stream_enum(s), in, a, b, r, g.e, g.m, g.n, g.k, g.ta, g.tb, rows, blocks,
+            h->kernel_slot[CG_K_EXPERT_GEMM_TC] >= 0 ? "kernels[mk_expert_gemm_tc]" : "NULL", w);
   return true;
 }
 

@@ -181,6 +181,8 @@ void cg_cuda_kernels_used(const IrModule *m, const CgLaunches *ls, bool *used) {
       for (int c = 0; c < l->ncalls; c++) used[l->call[c].kernel] = true;
       if (bf16 && l->lib == CG_LIB_GEMM) used[CG_K_COMPRESS_BF16] = true;   // the operands' cast
     }
+  // An expert GEMM over its filled rows in bf16 may run moec's grouped GEMM (rt_cuda_expert_gemm_rows).
+  if (bf16 && (used[CG_K_EXPERT_COUNTS_BF16] || used[CG_K_EXPERT_COUNTS])) used[CG_K_EXPERT_GEMM_TC] = true;
   // Microbatches: their gradients summed and divided by their number on the GPU (emit_cuda_host.c,
   // RtDevice.accumulate).
   if (ir_mod_int(m, "microbatches", 1) > 1) used[CG_K_ADD] = used[CG_K_SCALE_ROWS] = true;

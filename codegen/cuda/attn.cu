@@ -330,60 +330,12 @@ typedef struct MK_ATTN_ALIGN MkAttnTcShared {
   float lse[MK_TC_XQ], dd[MK_TC_XQ];                  // dk, dv: the step's queries' statistics
 } MkAttnTcShared;
 
+// The tensor cores' primitives (mk_tc_mma, mk_tc_xor, mk_tc_pack, ...) are the prelude's
+// (codegen/cuda/prelude.cu, "tensor cores").
 #ifdef __CUDACC__
-// d += a b on the tensor cores (a 16 x 16 bf16, b 16 x 8 bf16, d 16 x 8 fp32).
-static __device__ __forceinline__ void mk_tc_mma(float d[4], const u32 a[4], const u32 b[2]) {
-  asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};"
-               : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
-               : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
-}
-// v of lane ^ m of this warp.
-static __device__ __forceinline__ float mk_tc_xor(float v, int m) { return __shfl_xor_sync(0xffffffffu, v, m); }
-// lo and hi rounded to bf16 (nearest even), lo in the low half.
-static __device__ __forceinline__ u32 mk_tc_pack(float lo, float hi) {
-  u32 r;
-  asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));
-  return r;
-}
-static __device__ __forceinline__ u32 mk_tc_ld32(const u16 *p) { return *(const u32 *)p; }
-static __device__ __forceinline__ void mk_tc_st32(u16 *p, u32 w) { *(u32 *)p = w; }
 #define MK_TC_EXP(x) __expf(x)
 #define MK_TC_SKIP(c) (c)         // a warp skips a step none of its rows takes (the host builds do not)
 #else
-static __device__ void mk_tc_mma(float d[4], const u32 a[4], const u32 b[2]) {
-  __shared__ u32 xa[MK_BLOCK][4], xb[MK_BLOCK][2];
-  int x = threadIdx.x, base = x & ~31, g = (x & 31) >> 2, t = x & 3;
-  for (int e = 0; e < 4; e++) xa[x][e] = a[e];
-  xb[x][0] = b[0], xb[x][1] = b[1];
-  __syncthreads();
-  for (int e = 0; e < 4; e++) {
-    int row = g + 8 * (e >> 1), col = 2 * t + (e & 1);
-    float s = d[e];
-    for (int k = 0; k < 16; k++) {
-      u32 aw = xa[base + (row & 7) * 4 + (k & 7) / 2][(row >> 3) + 2 * (k >> 3)];
-      u32 bw = xb[base + col * 4 + (k & 7) / 2][k >> 3];
-      s += __uint_as_float((k & 1 ? aw >> 16 : aw & 0xffffu) << 16) * __uint_as_float((k & 1 ? bw >> 16 : bw & 0xffffu) << 16);
-    }
-    d[e] = s;
-  }
-  __syncthreads();
-}
-static __device__ float mk_tc_xor(float v, int m) {
-  __shared__ float xv[MK_BLOCK];
-  xv[threadIdx.x] = v;
-  __syncthreads();
-  float r = xv[threadIdx.x ^ m];
-  __syncthreads();
-  return r;
-}
-static __device__ u32 mk_tc_bf16(float f) {
-  u32 u = __float_as_uint(f);
-  if ((u & 0x7fffffffu) > 0x7f800000u) return (u >> 16) | 0x40u;   // NaN stays NaN
-  return (u + 0x7fffu + ((u >> 16) & 1u)) >> 16;
-}
-static __device__ u32 mk_tc_pack(float lo, float hi) { return mk_tc_bf16(lo) | mk_tc_bf16(hi) << 16; }
-static __device__ u32 mk_tc_ld32(const u16 *p) { return p[0] | (u32)p[1] << 16; }
-static __device__ void mk_tc_st32(u16 *p, u32 w) { p[0] = (u16)(w & 0xffffu), p[1] = (u16)(w >> 16); }
 #define MK_TC_EXP(x) mk_exp(x)
 #define MK_TC_SKIP(c) false
 #endif

@@ -221,6 +221,142 @@ extern "C" __global__ void mk_expert_rows_zero(const int *counts, float *c, int 
   }
 }
 
+// ---- mk_expert_gemm_tc ----
+// rt_cuda_expert_gemm_rows on the tensor cores (moec's grouped GEMM: runtime/cuda/rt_cuda.c runs it
+// for a dtype bf16 program where the cuBLASLt loaded has no grouped GEMM): c [e, m, n] = op(a)
+// [e, m, k] op(b) [e, k, n] with a and b the GEMM's bf16 copies and fp32 sums (ta: a is stored
+// [e, k, m]; tb: b [e, n, k]), over the rows mk_expert_counts counted, which it reads here: no
+// synchronisation with the host, the same launch inside a CUDA graph. !ta: an expert's m rows are
+// `blocks` blocks of slots, and of block g (of e * blocks) only the first rows[g] are multiplied
+// and written (mk_expert_counts zeroed the others). ta (a weight gradient: blocks 1, !tb): expert
+// x's sum over its first rows[x] slots (its k), every element of c written (zeros for an expert
+// with none).
+//   - A block of 128 threads takes a 128 x 128 tile of c, one warp 64 x 64 of it (4 x 8 mma.sync
+//     m16n8k16 a k step of 16), and steps over k 32 at a time: both operands' 128 x 32 pieces go
+//     to shared memory by cp.async, two stages (the next step's copies in flight while this one
+//     multiplies), and into fragments by ldmatrix (transposed where the operand's tile rows are
+//     its contiguous dimension: a when ta, b when !tb; rows 8 bf16 apart in padding, so that a
+//     fragment's 8 rows fall on distinct banks).
+//   - Tiles past their block's count return at once (the grid covers every slot; the tiles of the
+//     empty slots cost a read of the count); what is copied past the count or the edges is zeros.
+//   - The launch (rt_cuda.c) asks 16-byte aligned a and b and each operand's contiguous dimension a
+//     multiple of 8 (k for a when !ta, m when ta; n for b when !tb, k when tb): a 16-byte copy is
+//     then in or out whole.
+#define MK_GT 128                         // a tile's rows and columns
+#define MK_GT_K 32                        // k a step
+#define MK_GT_LD (MK_GT_K + 8)            // a staged tile row whose k is contiguous
+#define MK_GT_LDT (MK_GT + 8)             // a staged k row (the tile's rows contiguous)
+#define MK_GT_STAGE (MK_GT * MK_GT_LD)    // bf16 an operand a stage (>= MK_GT_K * MK_GT_LDT)
+
+// One operand's tile at x (its element (row 0, k 0)), rows r < rows and k < ks of it, as bf16
+// into s: [row][k] (rows MK_GT_LD apart) when its k is contiguous in memory (row r at x + r ld),
+// else [k][row] (MK_GT_LDT apart; k row j at x + j ld). Zeros elsewhere. Every thread calls it.
+static __device__ __forceinline__ void mk_gt_stage(u16 *s, const u16 *x, i64 ld, bool kcont, int rows, int ks) {
+MK_UNROLL
+  for (int i = 0; i < MK_GT * MK_GT_K / 8 / 128; i++) {
+    int c = (int)threadIdx.x + 128 * i;
+    if (kcont) {
+      int r = c >> 2, j = (c & 3) * 8;
+      bool in = r < rows && j < ks;
+      mk_cp16(s + r * MK_GT_LD + j, in ? x + r * ld + j : x, in);
+    } else {
+      int j = c >> 4, r = (c & 15) * 8;
+      bool in = j < ks && r < rows;
+      mk_cp16(s + j * MK_GT_LDT + r, in ? x + j * ld + r : x, in);
+    }
+  }
+}
+
+extern "C" __global__ void mk_expert_gemm_tc(const u16 *a, const u16 *b, float *c, const int *rows, int e, int m,
+                                             int n, int k, int ta, int tb, int blocks) {
+  __shared__ MK_ALIGN16 u16 sa[2][MK_GT_STAGE];
+  __shared__ MK_ALIGN16 u16 sb[2][MK_GT_STAGE];
+  int groups = ta ? e : e * blocks, per = ta ? m : m / blocks;   // per: the rows of c of a group
+  int mt = (per + MK_GT - 1) / MK_GT, nt = (n + MK_GT - 1) / MK_GT;
+  int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3, warp = threadIdx.x >> 5;
+  int wm = (warp & 1) * 64, wn = (warp >> 1) * 64;
+  int li = lane & 7, l1 = (lane >> 3) & 1, l2 = lane >> 4;   // ldmatrix: a lane's row of matrix 2 l2 + l1
+  int bm = (ta ? 1 : blocks) * mt;   // an expert's row tiles
+  for (i64 tile = blockIdx.x; tile < (i64)groups * mt * nt; tile += gridDim.x) {
+    // An expert's row tiles next to each other, then its column tiles: the blocks running together
+    // share b's columns (an expert's weights, the larger operand, read from memory about once).
+    int rt = (int)(tile % bm), n0 = (int)(tile / bm % nt) * MK_GT, x = (int)(tile / ((i64)bm * nt));
+    int grp = ta ? x : x * blocks + rt / mt, r0 = rt % mt * MK_GT, count = rows[grp];
+    int rlim = ta ? m : count < per ? count : per;   // c's rows to compute
+    int klim = ta ? (count < k ? count : k) : k;     // and the k to sum over
+    if (r0 >= rlim) continue;                        // the same on every thread
+    // The tiles at k 0: a's rows r0.. (of the group), b's columns n0...
+    const u16 *pa = ta ? a + ((i64)x * k) * m + r0 : a + ((i64)grp * per + r0) * k;
+    const u16 *pb = tb ? b + ((i64)x * n + n0) * k : b + ((i64)x * k) * n + n0;
+    i64 lda = ta ? m : k, ldb = tb ? k : n;
+    float acc[4][8][4];
+MK_UNROLL
+    for (int i = 0; i < 4; i++)
+MK_UNROLL
+      for (int j = 0; j < 8; j++) acc[i][j][0] = acc[i][j][1] = acc[i][j][2] = acc[i][j][3] = 0.0f;
+    int steps = (klim + MK_GT_K - 1) / MK_GT_K;
+    if (steps > 0) {
+      mk_gt_stage(sa[0], pa, lda, !ta, rlim - r0, klim);
+      mk_gt_stage(sb[0], pb, ldb, tb, n - n0, klim);
+    }
+    mk_cp_commit();
+    for (int st = 0; st < steps; st++) {
+      if (st + 1 < steps) {   // the next step's copies
+        int k0 = (st + 1) * MK_GT_K;
+        mk_gt_stage(sa[(st + 1) & 1], pa + (ta ? k0 * lda : k0), lda, !ta, rlim - r0, klim - k0);
+        mk_gt_stage(sb[(st + 1) & 1], pb + (tb ? k0 : k0 * ldb), ldb, tb, n - n0, klim - k0);
+      }
+      mk_cp_commit();
+      mk_cp_wait<1>();   // this step's copies are in
+      __syncthreads();
+      const u16 *xa = sa[st & 1], *xb = sb[st & 1];
+MK_UNROLL
+      for (int kk = 0; kk < MK_GT_K; kk += 16) {
+        u32 fa[4][4], fb[8][2];
+MK_UNROLL
+        for (int i = 0; i < 4; i++) {
+          int r = wm + 16 * i;
+          if (!ta) mk_tc_ldsm4(fa[i], xa + (r + li + 8 * l1) * MK_GT_LD + kk + 8 * l2);
+          else mk_tc_ldsm4_t(fa[i], xa + (kk + li + 8 * l2) * MK_GT_LDT + r + 8 * l1);
+        }
+MK_UNROLL
+        for (int j = 0; j < 4; j++) {   // columns wn + 16 j .. + 15: two n8 blocks
+          int q = wn + 16 * j;
+          u32 f[4];
+          if (tb) mk_tc_ldsm4(f, xb + (q + li + 8 * l2) * MK_GT_LD + kk + 8 * l1);
+          else mk_tc_ldsm4_t(f, xb + (kk + li + 8 * l1) * MK_GT_LDT + q + 8 * l2);
+          fb[2 * j][0] = f[0], fb[2 * j][1] = f[1], fb[2 * j + 1][0] = f[2], fb[2 * j + 1][1] = f[3];
+        }
+MK_UNROLL
+        for (int i = 0; i < 4; i++)
+MK_UNROLL
+          for (int j = 0; j < 8; j++) mk_tc_mma(acc[i][j], fa[i], fb[j]);
+      }
+      __syncthreads();   // before the next copies overwrite this stage
+    }
+    float *cg = c + ((i64)grp * per + r0) * n;
+MK_UNROLL
+    for (int i = 0; i < 4; i++)
+MK_UNROLL
+      for (int h = 0; h < 2; h++) {
+        int r = wm + 16 * i + g + 8 * h;
+        if (r0 + r >= rlim) continue;
+MK_UNROLL
+        for (int j = 0; j < 8; j++) {
+          int col = n0 + wn + 8 * j + 2 * t;
+          float v0 = acc[i][j][2 * h], v1 = acc[i][j][2 * h + 1];
+          float *p = cg + (i64)r * n + col;
+          if (!(n & 1) && col + 1 < n) {
+            mk_st2(p, v0, v1);
+          } else {
+            if (col < n) p[0] = v0;
+            if (col + 1 < n) p[1] = v1;
+          }
+        }
+      }
+  }
+}
+
 // ---- mk_gelu ----
 // The tanh GELU as x * s, s = 1 / (1 + exp(-2u)) = 0.5 (1 + tanh(u)), as rt_gelu computes it
 // (cols, the row width, lets the CPU kernel copy repeated rows; every element is computed here).

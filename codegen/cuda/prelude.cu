@@ -170,3 +170,118 @@ __device__ float mk_sigmoid1(float v) {
 // the fused kernels (ir/scalar.def) compute.
 __device__ __forceinline__ float mk_f_sigmoid(float v) { return mk_sigmoid1(v); }
 __device__ __forceinline__ float mk_f_sigmoid_grad(float dy, float y) { return dy * y * (1.0f - y); }
+
+// ---- prelude: tensor cores (mma.sync, ldmatrix, cp.async) ----
+// The primitives of the kernels on tensor cores (attention and the grouped expert GEMM of a dtype
+// bf16 program): PTX's mma.sync m16n8k16 (bf16 operands, fp32 sums), ldmatrix (a warp's fragments
+// from shared memory, transposed or not) and cp.async (global to shared memory without registers).
+// The lanes of a fragment (PTX ISA, "matrix fragments for mma.m16n8k16"): lane = 4 g + t; A (16 x 16,
+// row major) register e holds row g + 8 (e & 1), columns 2t, 2t + 1 (+ 8 when e >= 2); B (16 x 8)
+// register e rows 2t, 2t + 1 (+ 8 e), column g; C (16 x 8) element e row g + 8 (e >> 1), column
+// 2t + (e & 1); the lower column (or row) of a pair in the register's low half. The host builds of
+// the library (the fake device, the emulation) run the same callers with mma.sync, the shuffles and
+// ldmatrix emulated through shared memory and barriers (every thread of the block calls them the
+// same number of times: the fake device's fibers switch there), each lane taking from its warp's
+// others what the instruction would give it: the lanes' addresses and fragments are checked, not
+// the tensor cores' roundings (the emulation's sums are fp32 in k order). cp.async is a plain copy
+// there.
+#ifdef __CUDACC__
+#define MK_ALIGN16 __align__(16)
+// d += a b on the tensor cores (a 16 x 16 bf16, b 16 x 8 bf16, d 16 x 8 fp32).
+static __device__ __forceinline__ void mk_tc_mma(float d[4], const u32 a[4], const u32 b[2]) {
+  asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};"
+               : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+               : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
+}
+// v of lane ^ m of this warp.
+static __device__ __forceinline__ float mk_tc_xor(float v, int m) { return __shfl_xor_sync(0xffffffffu, v, m); }
+// lo and hi rounded to bf16 (nearest even), lo in the low half.
+static __device__ __forceinline__ u32 mk_tc_pack(float lo, float hi) {
+  u32 r;
+  asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));
+  return r;
+}
+static __device__ __forceinline__ u32 mk_tc_ld32(const u16 *p) { return *(const u32 *)p; }
+static __device__ __forceinline__ void mk_tc_st32(u16 *p, u32 w) { *(u32 *)p = w; }
+static __device__ __forceinline__ u32 mk_tc_smem(const void *p) {
+  u32 s;
+  asm("{ .reg .u64 a; cvta.to.shared.u64 a, %1; cvt.u32.u64 %0, a; }" : "=r"(s) : "l"(p));
+  return s;
+}
+// ldmatrix .x4: lanes 8j .. 8j + 7 give the rows (8 bf16, 16 bytes each) of matrix j at row (this
+// lane's); r[j] gets this lane's pair of matrix j: row g, columns 2t, 2t + 1 (_t: transposed, rows 2t
+// and 2t + 1 of column g).
+static __device__ __forceinline__ void mk_tc_ldsm4(u32 r[4], const u16 *row) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(mk_tc_smem(row)));
+}
+static __device__ __forceinline__ void mk_tc_ldsm4_t(u32 r[4], const u16 *row) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(mk_tc_smem(row)));
+}
+// 16 bytes from src to dst (shared memory), asynchronously; zeros when !in (src is not read).
+static __device__ __forceinline__ void mk_cp16(u16 *dst, const u16 *src, bool in) {
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(mk_tc_smem(dst)), "l"(src), "r"(in ? 16 : 0));
+}
+static __device__ __forceinline__ void mk_cp_commit() { asm volatile("cp.async.commit_group;"); }
+// Waits until at most n of this thread's committed groups are in flight.
+template <int n> static __device__ __forceinline__ void mk_cp_wait() { asm volatile("cp.async.wait_group %0;" ::"n"(n)); }
+// Two floats to p (8-byte aligned) in one store.
+static __device__ __forceinline__ void mk_st2(float *p, float a, float b) { *(float2 *)p = make_float2(a, b); }
+#else
+#define MK_ALIGN16
+static __device__ void mk_tc_mma(float d[4], const u32 a[4], const u32 b[2]) {
+  __shared__ u32 xa[MK_BLOCK][4], xb[MK_BLOCK][2];
+  int x = threadIdx.x, base = x & ~31, g = (x & 31) >> 2, t = x & 3;
+  for (int e = 0; e < 4; e++) xa[x][e] = a[e];
+  xb[x][0] = b[0], xb[x][1] = b[1];
+  __syncthreads();
+  for (int e = 0; e < 4; e++) {
+    int row = g + 8 * (e >> 1), col = 2 * t + (e & 1);
+    float s = d[e];
+    for (int k = 0; k < 16; k++) {
+      u32 aw = xa[base + (row & 7) * 4 + (k & 7) / 2][(row >> 3) + 2 * (k >> 3)];
+      u32 bw = xb[base + col * 4 + (k & 7) / 2][k >> 3];
+      s += __uint_as_float((k & 1 ? aw >> 16 : aw & 0xffffu) << 16) * __uint_as_float((k & 1 ? bw >> 16 : bw & 0xffffu) << 16);
+    }
+    d[e] = s;
+  }
+  __syncthreads();
+}
+static __device__ float mk_tc_xor(float v, int m) {
+  __shared__ float xv[MK_BLOCK];
+  xv[threadIdx.x] = v;
+  __syncthreads();
+  float r = xv[threadIdx.x ^ m];
+  __syncthreads();
+  return r;
+}
+static __device__ u32 mk_tc_bf16(float f) {
+  u32 u = __float_as_uint(f);
+  if ((u & 0x7fffffffu) > 0x7f800000u) return (u >> 16) | 0x40u;   // NaN stays NaN
+  return (u + 0x7fffu + ((u >> 16) & 1u)) >> 16;
+}
+static __device__ u32 mk_tc_pack(float lo, float hi) { return mk_tc_bf16(lo) | mk_tc_bf16(hi) << 16; }
+static __device__ u32 mk_tc_ld32(const u16 *p) { return p[0] | (u32)p[1] << 16; }
+static __device__ void mk_tc_st32(u16 *p, u32 w) { p[0] = (u16)(w & 0xffffu), p[1] = (u16)(w >> 16); }
+// ldmatrix: every lane's row pointer posted, then each lane takes its pairs from the rows its
+// warp's lanes posted.
+static __device__ void mk_tc_ldsm(u32 r[4], const u16 *row, bool trans) {
+  __shared__ const u16 *xr[MK_BLOCK];
+  int x = threadIdx.x, base = x & ~31, g = (x & 31) >> 2, t = x & 3;
+  xr[x] = row;
+  __syncthreads();
+  for (int j = 0; j < 4; j++)
+    if (trans) r[j] = xr[base + 8 * j + 2 * t][g] | (u32)xr[base + 8 * j + 2 * t + 1][g] << 16;
+    else r[j] = xr[base + 8 * j + g][2 * t] | (u32)xr[base + 8 * j + g][2 * t + 1] << 16;
+  __syncthreads();
+}
+static __device__ void mk_tc_ldsm4(u32 r[4], const u16 *row) { mk_tc_ldsm(r, row, false); }
+static __device__ void mk_tc_ldsm4_t(u32 r[4], const u16 *row) { mk_tc_ldsm(r, row, true); }
+static __device__ void mk_cp16(u16 *dst, const u16 *src, bool in) {
+  for (int i = 0; i < 8; i++) dst[i] = in ? src[i] : (u16)0;
+}
+static __device__ void mk_cp_commit() {}
+template <int n> static __device__ void mk_cp_wait() {}
+static __device__ void mk_st2(float *p, float a, float b) { p[0] = a, p[1] = b; }
+#endif

@@ -157,6 +157,8 @@ struct RtCuda {
   cublasLtHandle_t lt;
   struct Grouped *sites;
   int nsites, cap_sites;
+  const float *moec_sites[256];   // the results of the calls that ran moec's grouped GEMM (distinct)
+  int nmoec;
 };
 
 // cuBLAS's workspace per stream: NVIDIA's advice for Hopper (32 MiB). A handle's own workspace
@@ -517,9 +519,10 @@ bool rt_cuda_expert_gemm(RtCuda *cu, RtStream s, RtCudaType in, const void *a, c
 // graph too. The toolkit this file is built with may be older (cuBLAS 13.1 has none of it): the
 // values below are cublasLt.h's of cuBLAS 13.10, and the layout's constructor is looked up in the
 // cuBLASLt loaded at run time. Where it is missing, on GPUs other than compute capability 9.0,
-// 10.x and 11.0 (what the mode supports), with MOERT_CUDA_GROUPED=0, or for a call the heuristic
-// finds no algorithm for, the padded GEMM runs: the same values, the rows past the counts being
-// zero rows.
+// 10.x and 11.0 (what the mode supports), or with MOERT_CUDA_GROUPED=0, a call of bf16 operands
+// runs moec's own grouped GEMM on tensor cores (mk_expert_gemm_tc, codegen/cuda/ffn.cu: the
+// program hands its kernel over), and any other call, or one the heuristic finds no algorithm
+// for, the padded GEMM: the same values, the rows past the counts being zero rows.
 enum {
   LT_BATCH_MODE_GROUPED = 2,                                           // cublasLtBatchMode_t
   LT_LAYOUT_ROWS_ARRAY = 9, LT_LAYOUT_COLS_ARRAY = 10, LT_LAYOUT_LD_ARRAY = 11,   // cublasLtMatrixLayoutAttribute_t
@@ -712,11 +715,52 @@ static Grouped *grouped_site(RtCuda *cu, const Grouped *call, bool *failed) {
   return NULL;
 }
 
+RtRowsGemm rt_cuda_rows_gemm(RtCuda *cu, bool tc, char *why, size_t why_size) {
+  const char *env = getenv("MOERT_CUDA_GROUPED");
+  bool lt = rt_cuda_grouped_gemms(cu, why, why_size);   // false with MOERT_CUDA_GROUPED=0
+  if (env && strcmp(env, "0") == 0)
+    return RT_ROWS_PADDED;
+  if (tc && env && strcmp(env, "moec") == 0) {
+    if (lt && why && why_size)
+      snprintf(why, why_size, "MOERT_CUDA_GROUPED=moec");
+    return RT_ROWS_MOEC;
+  }
+  if (lt)
+    return RT_ROWS_CUBLASLT;
+  return tc && !(env && strcmp(env, "cublaslt") == 0) ? RT_ROWS_MOEC : RT_ROWS_PADDED;
+}
+
+// Whether moec's grouped GEMM (mk_expert_gemm_tc) takes these operands: bf16, 16-byte aligned, the
+// contiguous dimension of each a multiple of 8 (a 16-byte copy is then in its tile or out whole).
+static bool tc_fits(RtCudaType in, const void *a, const void *b, int m, int n, int k, bool ta, bool tb) {
+  return in == RT_CUDA_BF16 && (uintptr_t)a % 16 == 0 && (uintptr_t)b % 16 == 0 && (ta ? m : k) % 8 == 0 &&
+         (tb ? k : n) % 8 == 0;
+}
+
+// mk_expert_gemm_tc's launch: a block of 128 threads per 128 x 128 tile of c of every group (its
+// tiles past the group's count return at once).
+static bool tc_gemm(RtCuda *cu, RtStream s, CUfunction tc, const void *a, const void *b, float *c, int e, int m,
+                    int n, int k, bool ta, bool tb, const int *rows, int blocks) {
+  int groups = ta ? e : e * blocks, per = ta ? m : m / blocks;
+  int64_t tiles = (int64_t)groups * ((per + 127) / 128) * ((n + 127) / 128);
+  int ta_i = ta, tb_i = tb;
+  void *args[] = {&a, &b, &c, &rows, &e, &m, &n, &k, &ta_i, &tb_i, &blocks};
+  bool seen = false;
+  for (int i = 0; i < cu->nmoec && !seen; i++) seen = cu->moec_sites[i] == c;
+  if (!seen && cu->nmoec < (int)(sizeof cu->moec_sites / sizeof *cu->moec_sites))
+    cu->moec_sites[cu->nmoec++] = c;
+  return rt_cuda_launch(cu, s, tc, tiles < 65535 ? (int)tiles : 65535, 128, 0, args);
+}
+
 bool rt_cuda_expert_gemm_rows(RtCuda *cu, RtStream s, RtCudaType in, const void *a, const void *b, float *c,
-                              int e, int m, int n, int k, bool ta, bool tb, const int *rows, int blocks) {
+                              int e, int m, int n, int k, bool ta, bool tb, const int *rows, int blocks, CUfunction tc) {
   int slots = ta ? k : m;
-  if (e <= 0 || m <= 0 || n <= 0 || k <= 0 || blocks < 1 || slots % blocks || (ta && (tb || blocks != 1)) ||
-      !rt_cuda_grouped_gemms(cu, NULL, 0))
+  if (e <= 0 || m <= 0 || n <= 0 || k <= 0 || blocks < 1 || slots % blocks || (ta && (tb || blocks != 1)))
+    return gemm(cu, s, in, a, b, c, e, m, n, k, ta, tb, 0.0f);
+  RtRowsGemm path = rt_cuda_rows_gemm(cu, tc && in == RT_CUDA_BF16, NULL, 0);
+  if (path == RT_ROWS_MOEC && tc_fits(in, a, b, m, n, k, ta, tb))
+    return tc_gemm(cu, s, tc, a, b, c, e, m, n, k, ta, tb, rows, blocks);
+  if (path == RT_ROWS_PADDED || !rt_cuda_grouped_gemms(cu, NULL, 0))
     return gemm(cu, s, in, a, b, c, e, m, n, k, ta, tb, 0.0f);
   Grouped call = {.s = s, .in = in, .a = a, .b = b, .c = c, .rows = rows, .e = e, .m = m, .n = n, .k = k,
                   .blocks = blocks, .ta = ta, .tb = tb, .groups = ta ? e : e * blocks};
@@ -734,11 +778,13 @@ bool rt_cuda_expert_gemm_rows(RtCuda *cu, RtStream s, RtCudaType in, const void 
                                      &g->algo, (void *)(uintptr_t)g->work, g->work_bytes, cu->stream[s]));
 }
 
-int rt_cuda_grouped_sites(const RtCuda *cu, int *padded) {
+int rt_cuda_grouped_sites(const RtCuda *cu, int *padded, int *moec) {
   int n = 0, p = 0;
   for (int i = 0; i < cu->nsites; i++) cu->sites[i].usable ? n++ : p++;
   if (padded)
     *padded = p;
+  if (moec)
+    *moec = cu->nmoec;
   return n;
 }
 

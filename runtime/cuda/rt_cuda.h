@@ -145,18 +145,31 @@ bool rt_cuda_expert_gemm(RtCuda *cu, RtStream s, RtCudaType in, const void *a, c
 // says how many of each block's first slots are filled: with !ta only those rows of c are written
 // (the caller has zeroed the others: mk_expert_counts does); with ta only they are summed (blocks
 // 1). Equal to rt_cuda_expert_gemm where the rows past the counts of the operand they were counted
-// from are zero. It runs cuBLASLt's grouped GEMM (sizes in device memory, no synchronisation)
-// where the cuBLASLt loaded has it (rt_cuda_grouped_gemms), else rt_cuda_expert_gemm; a site's
-// first call must not be inside a graph capture to run grouped (it queries the heuristic).
+// from are zero. No synchronisation with the host: the counts are read on the device. Which GEMM
+// runs (rt_cuda_rows_gemm): cuBLASLt's grouped GEMM where the cuBLASLt loaded has it; else, for
+// bf16 operands, moec's own on tensor cores, tc (the program's mk_expert_gemm_tc; NULL: none),
+// where the operands are 16-byte aligned and their contiguous dimensions multiples of 8; else
+// rt_cuda_expert_gemm. A site's first call must not be inside a graph capture to run cuBLASLt's
+// (it queries the heuristic).
 bool rt_cuda_expert_gemm_rows(RtCuda *cu, RtStream s, RtCudaType in, const void *a, const void *b, float *c,
-                              int e, int m, int n, int k, bool ta, bool tb, const int *rows, int blocks);
-// Whether rt_cuda_expert_gemm_rows multiplies the counted rows alone on this device (cuBLASLt's
-// grouped GEMM) or runs the padded GEMM; into why, why not (a sentence), or when it does, what
-// does it when that is not cuBLASLt's grouped GEMM ("" when it is).
+                              int e, int m, int n, int k, bool ta, bool tb, const int *rows, int blocks, CUfunction tc);
+// The GEMMs rt_cuda_expert_gemm_rows runs, by MOERT_CUDA_GROUPED (unset: the first that this device
+// has of cuBLASLt's grouped GEMM, then moec's for bf16; 0: the padded GEMM; cublaslt: never moec's;
+// moec: moec's for bf16, before cuBLASLt's).
+typedef enum {
+  RT_ROWS_PADDED,     // rt_cuda_expert_gemm over every slot (the rows past the counts are zero rows)
+  RT_ROWS_CUBLASLT,   // cuBLASLt's grouped GEMM
+  RT_ROWS_MOEC,       // moec's grouped GEMM on tensor cores (mk_expert_gemm_tc)
+} RtRowsGemm;
+// Which of them runs a call of bf16 operands with moec's kernel (tc true) or any other (tc false);
+// into why: why not cuBLASLt's, when it is not (a sentence), else "".
+RtRowsGemm rt_cuda_rows_gemm(RtCuda *cu, bool tc, char *why, size_t why_size);
+// Whether cuBLASLt's grouped GEMM is there (and not turned off); into why, why not.
 bool rt_cuda_grouped_gemms(RtCuda *cu, char *why, size_t why_size);
-// The call sites of rt_cuda_expert_gemm_rows met so far that run grouped; *padded: those that run
-// the padded GEMM (the heuristic found no algorithm for them, or their operands are not 16-byte aligned).
-int rt_cuda_grouped_sites(const RtCuda *cu, int *padded);
+// The call sites of rt_cuda_expert_gemm_rows met so far that run cuBLASLt's grouped GEMM; *padded: those
+// that run the padded GEMM (the heuristic found no algorithm for them, or their operands are not
+// 16-byte aligned); *moec: those that run moec's (NULL: not asked).
+int rt_cuda_grouped_sites(const RtCuda *cu, int *padded, int *moec);
 
 // ---- collectives (NCCL), fp32 ----
 // A communicator over the ranks of comm, collectively: rank 0 makes the unique id, MPI_Bcast

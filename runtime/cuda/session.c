@@ -56,9 +56,16 @@ static int setup(RtCudaSession *s) {
   if (p->row_gemms > 0) {   // which GEMM multiplies the expert GEMMs' filled rows
     char why[256];
     size_t len = strlen(s->description);
-    bool grouped = rt_cuda_grouped_gemms(s->cu, why, sizeof why);
-    snprintf(s->description + len, sizeof s->description - len, "; %d expert GEMMs a step over their filled rows %s(%s)",
-             p->row_gemms, grouped ? "" : "padded ", grouped && !why[0] ? "cuBLASLt's grouped GEMM" : why);
+    bool tc = false;   // a dtype bf16 program hands rt_cuda_expert_gemm_rows moec's grouped GEMM
+    for (int k = 0; k < p->nkernels; k++) tc = tc || strcmp(p->kernel_names[k], "mk_expert_gemm_tc") == 0;
+    RtRowsGemm path = rt_cuda_rows_gemm(s->cu, tc, why, sizeof why);
+    if (path == RT_ROWS_CUBLASLT)
+      snprintf(s->description + len, sizeof s->description - len, "; %d expert GEMMs a step over their filled rows (%s)",
+               p->row_gemms, why[0] ? why : "cuBLASLt's grouped GEMM");
+    else
+      snprintf(s->description + len, sizeof s->description - len, "; %d expert GEMMs a step over their filled rows %s(%s%s)",
+               p->row_gemms, path == RT_ROWS_MOEC ? "" : "padded ",
+               path == RT_ROWS_MOEC ? "moec's grouped GEMM on tensor cores; not cuBLASLt's: " : "", why);
   }
   if (!rt_cuda_load_module(s->cu, image))
     return rt_fail("the kernels could not be loaded on %s (the CUDA error is above)", d->name);

@@ -47,6 +47,7 @@
 #include <cstdlib>
 #include <algorithm>
 #include <array>
+#include <set>
 #include <cstring>
 #include <functional>
 #include <memory>
@@ -99,6 +100,7 @@ struct RtCuda {
   uint64_t captures;                   // the id of the last capture begun
   bool in_capture[RT_STREAM_COUNT];
   Seen seen[RT_STREAM_COUNT];          // per stream, during a capture
+  std::set<const float *> moec_sites;  // the results of the calls that ran moec's grouped GEMM
 };
 
 bool rt_cuda_probe(char *why, size_t why_size) {
@@ -773,13 +775,24 @@ bool rt_cuda_expert_gemm(RtCuda *cu, RtStream s, RtCudaType in, const void *a, c
 // there (its mk_expert_counts zeroed them), as on a GPU. MOERT_FAKE_SHORT_ROWS=1 takes one row off
 // the first count that is not 0: the tests' proof that a count too small shows.
 bool rt_cuda_expert_gemm_rows(RtCuda *cu, RtStream s, RtCudaType in, const void *a, const void *b, float *c, int e,
-                              int m, int n, int k, bool ta, bool tb, const int *rows, int blocks) {
+                              int m, int n, int k, bool ta, bool tb, const int *rows, int blocks, CUfunction tc) {
   const char *call = "rt_cuda_expert_gemm_rows";
   if (!stream_ok(s, call) || !gemm_ranges(cu, in, a, b, c, e > 0 ? (size_t)e : 0, m, n, k)) return false;
   int slots = ta ? k : m;
   if (blocks < 1 || slots % blocks) return report("%s: %d slots in %d blocks", call, slots, blocks);
   if (ta && tb) return report("%s: no slot rows in a GEMM with ta and tb", call);
   if (!device_range(cu, call, "rows", rows, 2 * (size_t)(e > 0 ? e : 0) * blocks * sizeof *rows)) return false;
+  // moec's grouped GEMM, as rt_cuda.c launches it (operands it takes: bf16, 16-byte aligned, the
+  // contiguous dimensions multiples of 8), when MOERT_CUDA_GROUPED=moec asks for it.
+  if (e > 0 && rt_cuda_rows_gemm(cu, tc && in == RT_CUDA_BF16, nullptr, 0) == RT_ROWS_MOEC &&
+      (uintptr_t)a % 16 == 0 && (uintptr_t)b % 16 == 0 && (ta ? m : k) % 8 == 0 && (tb ? k : n) % 8 == 0) {
+    int groups = ta ? e : e * blocks, per = ta ? m : m / blocks;
+    int64_t tiles = (int64_t)groups * ((per + 127) / 128) * ((n + 127) / 128);
+    int ta_i = ta, tb_i = tb;
+    void *args[] = {&a, &b, &c, &rows, &e, &m, &n, &k, &ta_i, &tb_i, &blocks};
+    cu->moec_sites.insert(c);
+    return rt_cuda_launch(cu, s, tc, tiles < 65535 ? (int)tiles : 65535, 128, 0, args);
+  }
   const char *short_rows = getenv("MOERT_FAKE_SHORT_ROWS");
   bool shorten = short_rows && strcmp(short_rows, "1") == 0;
   return issue(cu, s, call, [=] {
@@ -821,14 +834,25 @@ bool rt_cuda_expert_gemm_rows(RtCuda *cu, RtStream s, RtCudaType in, const void 
 }
 
 // The fake device runs every rt_cuda_expert_gemm_rows over the counted rows (above), with
-// libmoert's GEMM.
+// libmoert's GEMM in place of cuBLASLt's grouped one, or with moec's (MOERT_CUDA_GROUPED=moec).
 bool rt_cuda_grouped_gemms(RtCuda *, char *why, size_t why_size) {
   if (why && why_size) snprintf(why, why_size, "the fake device's GEMM over the counted rows");
   return true;
 }
 
-int rt_cuda_grouped_sites(const RtCuda *, int *padded) {
+RtRowsGemm rt_cuda_rows_gemm(RtCuda *cu, bool tc, char *why, size_t why_size) {
+  const char *env = getenv("MOERT_CUDA_GROUPED");
+  rt_cuda_grouped_gemms(cu, why, why_size);
+  if (tc && env && strcmp(env, "moec") == 0) {
+    if (why && why_size) snprintf(why, why_size, "MOERT_CUDA_GROUPED=moec");
+    return RT_ROWS_MOEC;
+  }
+  return RT_ROWS_CUBLASLT;
+}
+
+int rt_cuda_grouped_sites(const RtCuda *cu, int *padded, int *moec) {
   if (padded) *padded = 0;
+  if (moec) *moec = (int)cu->moec_sites.size();
   return 0;
 }
 

@@ -185,6 +185,24 @@ bf16_checks() {
   else
     bad "gpu model lm_tc_bf16 (attention on tensor cores): --dump against the fp32 CPU binary's" "$why"
   fi
+  # moec's grouped GEMM on tensor cores (MOERT_CUDA_GROUPED=moec: before cuBLASLt's, where this GPU
+  # has that), in tinyq_bf16 and lm_tc_bf16: step 1 within the bounds above, and 20 steps of tinyq.
+  local name dump
+  for name in tinyq_bf16 lm_tc_bf16; do
+    if ! (cd "$WORK" && MOERT_CUDA_GROUPED=moec timeout 300 "$MODELS_DIR/$name.cuda" --steps 1 --dump "$name.moec.dump" \
+            >"$name.moec.out" 2>&1 </dev/null) || ! grep -q "moec's grouped GEMM on tensor cores" "$WORK/$name.moec.out"; then
+      bad "gpu model $name on moec's grouped GEMM: the binary failed or ran another GEMM" "$(grep -h 'device\|rror' "$WORK/$name.moec.out" | head -n 5)"
+      continue
+    fi
+    if [ "$name" = tinyq_bf16 ]; then why=$(compare_dumps "$WORK/$name.cpu.dump" "$WORK/$name.moec.dump" 3e-2)
+    else why=$(lm_dumps "$WORK/$name.cpu.dump" "$WORK/$name.moec.dump"); fi && dump=ok || dump=
+    if [ -n "$dump" ] && (cd "$WORK" && MOERT_CUDA_GROUPED=moec timeout 300 "$MODELS_DIR/$name.cuda" --steps 20 \
+                           >"$name.moec20.out" 2>&1 </dev/null); then
+      ok "gpu model $name on moec's grouped GEMM: step 1 within the bounds of the fp32 CPU binary's ($why); 20 steps ran"
+    else
+      bad "gpu model $name on moec's grouped GEMM: step 1 against the fp32 CPU binary's, or 20 steps" "${why:-$(tail -n 5 "$WORK/$name.moec20.out")}"
+    fi
+  done
 }
 
 # compare NAME: both binaries 3 steps with --dump of the first, in WORK (a pipeline model on its

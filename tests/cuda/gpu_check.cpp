@@ -19,6 +19,9 @@
 // compiled as host C++ (host_kernels.h), so a scalar reaches the GPU with the width the kernel
 // declares (the literal 42 passed to a u64 seed is 8 bytes, not 4).
 #include <array>
+#include <functional>
+#include <algorithm>
+#include <random>
 #include <string>
 #include <tuple>
 #include <utility>
@@ -235,17 +238,27 @@ static void cublas_checks(RtCuda *cu, Checks &c, bool have_kernels) {
 // same zero-padded operands: groups of 48 slots (an expert's, or a block of 2 an expert), filled
 // 0, 48, 17, 5, 1, ... rows; C's rows past the counts zeroed first, as mk_expert_counts does. Then
 // the weight gradient's form (ta: the sum over an expert's filled slots, one expert with none).
+// bf16 once more with moec's grouped GEMM on tensor cores (mk_expert_gemm_tc,
+// MOERT_CUDA_GROUPED=moec: before cuBLASLt's).
 static void grouped_checks(RtCuda *cu, Checks &c, bool have_kernels) {
   char why[256];
   bool grouped = rt_cuda_grouped_gemms(cu, why, sizeof why);
   printf("# expert GEMMs over their filled rows: %s%s\n", grouped ? "cuBLASLt's grouped GEMM" : "the padded GEMM: ", why);
   const int e = 4, per = 48, m = 40, n = 40, k = 32;
   const int fill[] = {0, per, 17, 5, 1, 33, 48, 2};
-  for (RtCudaType type : {RT_CUDA_F32, RT_CUDA_BF16}) {
+  CUfunction tc = have_kernels ? rt_cuda_kernel(cu, "mk_expert_gemm_tc") : nullptr;
+  for (int run = 0; run < 3; run++) {   // fp32, bf16, bf16 on moec's kernel
+    RtCudaType type = run ? RT_CUDA_BF16 : RT_CUDA_F32;
+    bool moec = run == 2;
     if (type == RT_CUDA_BF16 && !have_kernels) {
-      c.fail("grouped expert gemm bf16: needs the library's mk_compress_bf16, which did not load");
+      c.fail("grouped expert gemm bf16%s: needs the library's mk_compress_bf16, which did not load", moec ? " (moec's)" : "");
       continue;
     }
+    if (moec && !tc) {
+      c.fail("grouped expert gemm on moec's kernel: the library has no mk_expert_gemm_tc");
+      continue;
+    }
+    if (moec) setenv("MOERT_CUDA_GROUPED", "moec", 1);
     for (int form = 0; form < 4; form++) {   // 0: blocks 1, 1: blocks 2, 2: blocks 1 tb, 3: ta (a weight gradient)
       bool ta = form == 3, tb = form == 2;
       int blocks = form == 1 ? 2 : 1, groups = e * blocks, slots = per * blocks;
@@ -260,7 +273,8 @@ static void grouped_checks(RtCuda *cu, Checks &c, bool have_kernels) {
         std::fill(x.begin() + ((size_t)g * per + counts[(size_t)g]) * width, x.begin() + (size_t)(g + 1) * per * width, 0.0f);
       auto a_in = type == RT_CUDA_BF16 ? bf16_rounded(a) : a, b_in = type == RT_CUDA_BF16 ? bf16_rounded(b) : b;
       std::string name = std::string("grouped expert gemm ") + (type == RT_CUDA_BF16 ? "bf16" : "fp32") +
-                         (ta ? " weight gradient (ta)" : tb ? " tb" : "") + ", " + std::to_string(groups) + " groups";
+                         (ta ? " weight gradient (ta)" : tb ? " tb" : "") + ", " + std::to_string(groups) + " groups" +
+                         (moec ? ", moec's kernel on tensor cores" : "");
       std::vector<float> want((size_t)e * rows_m * n), ref(want.size()), got(want.size());
       rt_expert_matmul(a_in.data(), b_in.data(), want.data(), e, rows_m, n, kk, ta, tb);
       rt_expert_matmul(absolute(a_in).data(), absolute(b_in).data(), ref.data(), e, rows_m, n, kk, ta, tb);
@@ -268,13 +282,14 @@ static void grouped_checks(RtCuda *cu, Checks &c, bool have_kernels) {
       const void *db = type == RT_CUDA_BF16 ? bf16_on_device(cu, b) : to_device(cu, RT_STREAM_COMPUTE, b);
       const int *dn = to_device(cu, RT_STREAM_COMPUTE, counts);
       float *dc = to_device(cu, RT_STREAM_COMPUTE, std::vector<float>(got.size(), 0.0f));
+      CUfunction f = moec ? tc : nullptr;
       bool ok = da && db && dn && dc &&
-                rt_cuda_expert_gemm_rows(cu, RT_STREAM_COMPUTE, type, da, db, dc, e, rows_m, n, kk, ta, tb, dn, blocks) &&
+                rt_cuda_expert_gemm_rows(cu, RT_STREAM_COMPUTE, type, da, db, dc, e, rows_m, n, kk, ta, tb, dn, blocks, f) &&
                 to_host(cu, RT_STREAM_COMPUTE, got, dc) && rt_cuda_sync(cu, RT_STREAM_COMPUTE);
       if (ok) {   // the second call: the site's setup made, the grouped call alone
         std::fill(got.begin(), got.end(), 0.0f);
         ok = rt_cuda_zero(cu, RT_STREAM_COMPUTE, dc, got.size() * sizeof(float)) &&
-             rt_cuda_expert_gemm_rows(cu, RT_STREAM_COMPUTE, type, da, db, dc, e, rows_m, n, kk, ta, tb, dn, blocks) &&
+             rt_cuda_expert_gemm_rows(cu, RT_STREAM_COMPUTE, type, da, db, dc, e, rows_m, n, kk, ta, tb, dn, blocks, f) &&
              to_host(cu, RT_STREAM_COMPUTE, got, dc) && rt_cuda_sync(cu, RT_STREAM_COMPUTE);
       }
       rt_cuda_arena_reset(cu);
@@ -283,9 +298,87 @@ static void grouped_checks(RtCuda *cu, Checks &c, bool have_kernels) {
       else
         c.fail("%s: a CUDA or cuBLAS call failed (reported above)", name.c_str());
     }
+    if (moec) unsetenv("MOERT_CUDA_GROUPED");
   }
-  int padded = 0, sites = rt_cuda_grouped_sites(cu, &padded);
-  printf("# grouped expert gemm: %d call sites ran grouped, %d padded (no algorithm or alignment)\n", sites, padded);
+  int padded = 0, moec = 0, sites = rt_cuda_grouped_sites(cu, &padded, &moec);
+  printf("# grouped expert gemm: %d call sites ran cuBLASLt's grouped GEMM, %d padded (no algorithm or alignment), "
+         "%d moec's\n", sites, padded, moec);
+}
+
+// The three GEMMs of the expert rows timed on one shape of a large layer (8 experts of 640 slots,
+// k = n = 2048, bf16, filled 400 to 640 rows: 83 % on average, a capacity factor of 1.2): the
+// padded GEMM (cuBLAS, every slot), moec's grouped GEMM and, where the GPU's cuBLASLt has it,
+// cuBLASLt's; the forward's form and the weight gradient's (ta). One '#' line each, milliseconds
+// a call (the median of 5 runs of 10 calls) and TFLOP/s over the filled rows: what the next GPU
+// session reads first (docs/gpu.md).
+static double ms_per_call(RtCuda *cu, const std::function<bool()> &call) {
+  std::vector<double> runs;
+  for (int r = 0; r < 6; r++) {
+    if (!rt_cuda_sync(cu, RT_STREAM_COMPUTE)) return -1.0;
+    struct timespec t0, t1;
+    clock_gettime(CLOCK_MONOTONIC, &t0);
+    for (int i = 0; i < 10; i++)
+      if (!call()) return -1.0;
+    if (!rt_cuda_sync(cu, RT_STREAM_COMPUTE)) return -1.0;
+    clock_gettime(CLOCK_MONOTONIC, &t1);
+    if (r > 0) runs.push_back(((double)(t1.tv_sec - t0.tv_sec) * 1e3 + (double)(t1.tv_nsec - t0.tv_nsec) / 1e6) / 10.0);
+  }
+  std::sort(runs.begin(), runs.end());
+  return runs[runs.size() / 2];
+}
+
+static void grouped_timing(RtCuda *cu, bool have_kernels) {
+  CUfunction tc = have_kernels ? rt_cuda_kernel(cu, "mk_expert_gemm_tc") : nullptr;
+  if (!tc) {
+    printf("# grouped expert gemm timing: skipped (the library's mk_expert_gemm_tc did not load)\n");
+    return;
+  }
+  const int e = 8, per = 640, k = 2048, n = 2048;
+  std::vector<int> counts(2 * e);
+  double filled = 0.0;
+  for (int x = 0; x < e; x++) {
+    counts[(size_t)x] = 400 + (x * 97) % 241;   // 400 .. 640
+    counts[(size_t)(e + x)] = counts[(size_t)x];
+    filled += counts[(size_t)x];
+  }
+  std::vector<uint16_t> a((size_t)e * per * k), b((size_t)e * k * n);
+  std::mt19937 gen(3);
+  for (auto *v : {&a, &b})
+    for (auto &q : *v) q = (uint16_t)(0x3c00u + gen() % 0x0400u);   // bf16 in [2^-7, 2^-6)
+  for (int x = 0; x < e; x++)   // the slots past the counts zero (a's rows, the forward's operand)
+    std::fill(a.begin() + ((size_t)x * per + counts[(size_t)x]) * k, a.begin() + (size_t)(x + 1) * per * k, (uint16_t)0);
+  const uint16_t *da = to_device(cu, RT_STREAM_COMPUTE, a), *db = to_device(cu, RT_STREAM_COMPUTE, b);
+  const int *dn = to_device(cu, RT_STREAM_COMPUTE, counts);
+  float *dc = (float *)rt_cuda_alloc(cu, (size_t)e * std::max(per, k) * n * sizeof(float));
+  if (!da || !db || !dn || !dc) {
+    printf("# grouped expert gemm timing: skipped (device memory)\n");
+    rt_cuda_arena_reset(cu);
+    return;
+  }
+  char why[256];
+  bool lt = rt_cuda_grouped_gemms(cu, why, sizeof why);
+  for (int form = 0; form < 2; form++) {   // 0: c [e, per, n] = a [e, per, k] b [e, k, n]; 1: c [e, k, n] = a^T b (ta, slots summed)
+    bool ta = form == 1;
+    int m = ta ? k : per, kk = ta ? per : k;
+    double flop = 2.0 * filled * k * n;
+    auto rows = [&](CUfunction f) {
+      return [&, f] { return rt_cuda_expert_gemm_rows(cu, RT_STREAM_COMPUTE, RT_CUDA_BF16, da, db, dc, e, m, n, kk, ta, false, dn, 1, f); };
+    };
+    auto pad = [&] { return rt_cuda_expert_gemm(cu, RT_STREAM_COMPUTE, RT_CUDA_BF16, da, db, dc, e, m, n, kk, ta, false); };
+    double t_pad = ms_per_call(cu, pad);
+    setenv("MOERT_CUDA_GROUPED", "moec", 1);
+    double t_moec = ms_per_call(cu, rows(tc));
+    unsetenv("MOERT_CUDA_GROUPED");
+    double t_lt = lt ? ms_per_call(cu, rows(nullptr)) : -1.0;
+    char lt_text[96] = "cuBLASLt's grouped GEMM: none here";
+    if (lt)
+      snprintf(lt_text, sizeof lt_text, "cuBLASLt's grouped GEMM %.3f ms (%.0f TFLOP/s)", t_lt, flop / t_lt / 1e9);
+    printf("# grouped expert gemm timing, %s [8 x 640 slots, %.0f %% filled] x [2048, 2048] bf16: padded cuBLAS %.3f ms "
+           "(%.0f TFLOP/s over the filled rows), moec's %.3f ms (%.0f TFLOP/s, %.2fx the padded), %s\n",
+           ta ? "weight gradient (ta)" : "forward", 100.0 * filled / (e * per), t_pad, flop / t_pad / 1e9, t_moec,
+           flop / t_moec / 1e9, t_pad / t_moec, lt_text);
+  }
+  rt_cuda_arena_reset(cu);
 }
 
 // ---- 4. NCCL ----
@@ -376,6 +469,7 @@ int main() {
   }
   cublas_checks(cu, checks, have_kernels);
   grouped_checks(cu, checks, have_kernels);
+  grouped_timing(cu, have_kernels);
   nccl_checks(cu, checks, have_kernels);
   if (!rt_cuda_destroy(cu)) checks.fail("runtime released (reported above)");
   int total = checks.checks + kernel_checks.checks, failed = checks.failures + kernel_checks.failures;

@@ -375,6 +375,34 @@ if bf16_built lm_tc_bf16; then
   fi
 fi
 
+# moec's grouped GEMM on tensor cores (mk_expert_gemm_tc, its mma.sync and ldmatrix emulated on the
+# fake device), which a bf16 program runs where the GPU's cuBLASLt has no grouped GEMM
+# (MOERT_CUDA_GROUPED=moec: here, in place of the fake's own GEMM over the counted rows): the device
+# line names it; tinyq's 3 steps (the second captured, the third replayed from a graph) give the
+# losses of the fake's GEMM, and step 1's --dump is within 1e-3 of the fake GEMM's (the sums' order
+# differs; where that moves a value across a bf16 rounding, 2^-9 of it) and within 3e-2 of the fp32
+# CPU program's; the language model with heads of 32 (lm_tc) within lm_dumps' bounds of the CPU's.
+if bf16_built tinyq_bf16 && bf16_built lm_tc_bf16; then
+  if MOERT_CUDA_GROUPED=moec run tinyq_bf16 cuda 1 --steps 3 && cp "$WORK/tinyq_bf16.cuda.out" "$WORK/tq_moec.out" &&
+     grep -q '12 expert GEMMs a step over their filled rows (moec.s grouped GEMM on tensor cores' "$WORK/tq_moec.out" &&
+     run tinyq_bf16 cuda 1 --steps 3 && same_losses "$WORK/tinyq_bf16.cuda.out" "$WORK/tq_moec.out" 1e-5 &&
+     MOERT_CUDA_GROUPED=moec run tinyq_bf16 cuda 1 --steps 1 --dump tq_moec.dump &&
+     why=$(compare_dumps "$WORK/tinyq.cuda.dump" "$WORK/tq_moec.dump" 1e-3) &&
+     why_cpu=$(compare_dumps "$WORK/tinyq.cpu.dump" "$WORK/tq_moec.dump" 3e-2); then
+    ok "cuda host tinyq bf16 on moec's grouped GEMM: 12 expert GEMMs a step on it, 3 steps' losses as the fake GEMM's (1e-5), --dump within 1e-3 of the fake GEMM's ($why) and 3e-2 of the fp32 CPU program's"
+  else
+    bad "cuda host tinyq bf16 on moec's grouped GEMM (MOERT_CUDA_GROUPED=moec)" \
+      "${why:-$(grep -h 'device\|^step\|rror' "$WORK/tq_moec.out" "$WORK/tinyq_bf16.cuda.out" 2>/dev/null | head -n 12)}"
+  fi
+  if MOERT_CUDA_GROUPED=moec run lm_tc_bf16 cuda 1 --steps 1 --dump tc_moec.dump &&
+     grep -q 'expert GEMMs a step over their filled rows (moec.s grouped GEMM' "$WORK/lm_tc_bf16.cuda.out" &&
+     why=$(lm_dumps "$WORK/tc.cpu.dump" "$WORK/tc_moec.dump"); then
+    ok "cuda host lm bf16 on moec's grouped GEMM (and attention on tensor cores): step 1 within lm_dumps' bounds of the fp32 CPU program's ($why)"
+  else
+    bad "cuda host lm bf16 on moec's grouped GEMM: step 1 against the fp32 CPU program" "${why:-$(tail -n 20 "$WORK/lm_tc_bf16.cuda.out")}"
+  fi
+fi
+
 # bf16 operands made once: the parameters' bf16 copy P16 (written by the update's kernel,
 # mk_adamw_ranges / mk_sgd_ranges, as it updates them; rounded at the first forward after an upload)
 # is what the GEMMs read for a weight. Op by op (--no-fuse) a value rounded for one GEMM is read

@@ -458,6 +458,52 @@ template <class Launcher> void run_kernel_cases(Launcher &L, Checks &c) {
       LAUNCH(3, 64, mk_expert_rows_zero, want, zeroed, groups, slots, cwidth);
       c.bits("expert GEMM over another's counts: the rows past them zeroed (mk_expert_rows_zero)", zero_want, zeroed);
     }
+    // moec's grouped GEMM on tensor cores (mk_expert_gemm_tc: bf16 operands, fp32 sums) over the
+    // counted rows, against sums in double of the same bf16 values: within 1e-3 of the largest
+    // element (the sums' order differs). Forms: blocks 1 with 2 row tiles and 2 column tiles, a
+    // partial k step and a full expert; blocks 2 with tb, an odd n and an empty block; a weight
+    // gradient (ta) over 3 k steps, one expert with no rows. c starts at 7: the rows past a
+    // count must stay (!ta); the slots past a count hold NaN in both operands of the weight
+    // gradient (summing one shows). The grid (3 blocks) is smaller than the tiles.
+    for (int form = 0; form < 3; form++) {
+      const bool ta = form == 2, tb = form == 1;
+      const int e = 2, blocks = form == 1 ? 2 : 1;
+      const int m = form == 0 ? 136 : form == 1 ? 48 : 24, n = form == 0 ? 136 : form == 1 ? 21 : 40,
+                k = form == 0 ? 40 : form == 1 ? 24 : 72;
+      const std::vector<int> counts = form == 0 ? std::vector<int>{136, 3} : form == 1 ? std::vector<int>{0, 24, 17, 5}
+                                                                                    : std::vector<int>{70, 0};
+      const int per = ta ? k : m / blocks;   // slots a group
+      auto af = randn((size_t)e * m * k), bf = randn((size_t)e * k * n);
+      if (ta)   // NaN in the slots past the counts: a [e, k, m] and b [e, k, n]
+        for (int x = 0; x < e; x++)
+          for (int r = counts[(size_t)x]; r < per; r++) {
+            std::fill_n(af.begin() + ((size_t)x * k + r) * m, m, NAN);
+            std::fill_n(bf.begin() + ((size_t)x * k + r) * n, n, NAN);
+          }
+      std::vector<uint16_t> a16(af.size()), b16(bf.size());
+      rt_compress_bf16(af.data(), a16.data(), (int64_t)af.size());
+      rt_compress_bf16(bf.data(), b16.data(), (int64_t)bf.size());
+      rt_decompress_bf16(a16.data(), af.data(), (int64_t)af.size());
+      rt_decompress_bf16(b16.data(), bf.data(), (int64_t)bf.size());
+      std::vector<float> want((size_t)e * m * n, 7.0f), got(want.size(), 7.0f);
+      for (int x = 0; x < e; x++)
+        for (int r = 0; r < m; r++) {
+          int grp = ta ? x : x * blocks + r / per, count = counts[(size_t)grp];
+          if (!ta && r % per >= count) continue;
+          for (int j = 0; j < n; j++) {
+            double sum = 0.0;
+            for (int q = 0; q < (ta ? count : k); q++)
+              sum += (double)(ta ? af[((size_t)x * k + q) * m + r] : af[((size_t)x * m + r) * k + q]) *
+                     (double)(tb ? bf[((size_t)x * n + j) * k + q] : bf[((size_t)x * k + q) * n + j]);
+            want[((size_t)x * m + r) * n + j] = (float)sum;
+          }
+        }
+      LAUNCH(3, 128, mk_expert_gemm_tc, a16, b16, got, counts, e, m, n, k, (int)ta, (int)tb, blocks);
+      c.near(form == 0   ? "expert GEMM on tensor cores over the counted rows (mk_expert_gemm_tc: 2 x 2 tiles, 2 k steps)"
+             : form == 1 ? "expert GEMM on tensor cores, tb, blocks 2 (an empty one), n 21"
+                         : "expert GEMM on tensor cores, a weight gradient (ta) over the counted slots, an expert of none",
+             want, got, 1e-3);
+    }
     rt_gelu(a.data(), y_c.data(), n, m);
     LAUNCH(3, 64, mk_gelu, a, y_k, n, (int64_t)m);
     c.same("act.gelu", y_c, y_k);
