@@ -19,21 +19,36 @@ static void rows_kernel(CgKernelCall *c, CgKernel kernel, int64_t groups, int64_
   c->args[4] = (CgArg){.kind = CG_ARG_INT, .i = cwidth};
 }
 
-// The launch of f (before launch k) whose mk_expert_counts counted the rows of the expert GEMM
-// behind operand x of op: x = act(h + b1) or act(h) (an activation of one operand, after
-// expert.bias or not) with h the result of an expert GEMM (ta 0) that counts its own rows, on op's
-// stream; -1 when there is none. Its empty rows all hold act(b1) (its count kernel zeroed h's).
-static int counted_before_act(const IrFunc *f, const CgFuncLaunches *fl, int k, const IrOp *op, const IrOperand *x) {
-  const IrOp *a = x->value ? x->value->def : NULL;
-  if (!a || a->nargs != 1 || strncmp(ir_op_info[a->kind].name, "act.", 4) != 0 || strstr(ir_op_info[a->kind].name, ".grad"))
-    return -1;
-  const IrValue *h = a->args[0].value;
+// The launch (before launch k) that counted the rows of expert GEMM result h (ta 0, on stream
+// s): h's own (its mk_expert_counts), or, for one that reads another's counts (SwiGLU's x W3 after
+// x W1: rows_from, its rows past them zeroed), that one's; -1 when there is none.
+static int counted_gemm(const CgFuncLaunches *fl, int k, const IrValue *h, int s) {
   if (h && h->def && h->def->kind == IR_OP_EXPERT_BIAS) h = h->def->args[0].value;
-  if (!h || !h->def || h->def->kind != IR_OP_EXPERT_MATMUL) return -1;
-  for (int j = 0; j < k; j++)
-    if (fl->at[j] == h->def->index && cg_counts_rows(&fl->launch[j]) && cg_op_stream(h->def) == cg_op_stream(op))
-      return j;
+  if (!h || !h->def || h->def->kind != IR_OP_EXPERT_MATMUL || cg_op_stream(h->def) != s) return -1;
+  for (int j = 0; j < k; j++) {
+    const CgLaunch *l = &fl->launch[j];
+    if (fl->at[j] != h->def->index) continue;
+    if (cg_counts_rows(l)) return j;
+    if (l->rows_zero && l->rows_from > 0 && cg_counts_rows(&fl->launch[l->rows_from - 1])) return l->rows_from - 1;
+  }
   return -1;
+}
+
+// The launch (before launch k) whose mk_expert_counts counted the rows of the expert GEMMs
+// behind operand x of op: x = act(h + b1) or act(h) (an activation of one operand, after
+// expert.bias or not) with h the result of an expert GEMM (ta 0) whose rows a launch counted, on
+// op's stream; or x = act.oss(h1 + b1, h3 + b3) (gpt-oss's experts) with both counted by the same
+// launch. -1 when there is none. Its empty rows all hold the activation of the biases (the count
+// kernel zeroed h's rows past the counts, mk_expert_rows_zero h3's).
+static int counted_before_act(const CgFuncLaunches *fl, int k, const IrOp *op, const IrOperand *x) {
+  const IrOp *a = x->value ? x->value->def : NULL;
+  if (!a || strncmp(ir_op_info[a->kind].name, "act.", 4) != 0 || strstr(ir_op_info[a->kind].name, ".grad"))
+    return -1;
+  int s = cg_op_stream(op);
+  if (a->nargs == 1) return counted_gemm(fl, k, a->args[0].value, s);
+  if (strcmp(ir_op_info[a->kind].name, "act.oss") != 0 || a->nargs != 2) return -1;
+  int j1 = counted_gemm(fl, k, a->args[0].value, s), j3 = counted_gemm(fl, k, a->args[1].value, s);
+  return j1 >= 0 && j1 == j3 ? j1 : -1;
 }
 
 // The forward's second expert GEMM, over act(h + b1) (not zero in the empty slots), multiplies the
@@ -47,7 +62,7 @@ static void share_counts_act(const IrFunc *f, CgFuncLaunches *fl) {
     if (l->lib != CG_LIB_GEMM || l->ncalls || l->rows_from || op->kind != IR_OP_EXPERT_MATMUL || ir_op_int(op, "ta", 0) ||
         ir_op_int(op, "tb", 0) || op->args[0].param)
       continue;
-    int j = counted_before_act(f, fl, k, op, &op->args[0]);
+    int j = counted_before_act(fl, k, op, &op->args[0]);
     if (j < 0) continue;
     const CgKernelCall *counts = &fl->launch[j].call[0];   // x, scratch, c, groups, rows, width, cwidth
     int64_t groups = counts->args[3].i, rows = counts->args[4].i;

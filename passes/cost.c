@@ -486,8 +486,9 @@ static void assembly_of(const IrFunc *f, const IrFunc *reader, int lo, int hi, c
 // The share of a layer's expert slots that tokens fill when the gate balances them: k choices of
 // S tokens over E experts x capacity x groups slots (at most 1). The CPU runtime computes the
 // expert GEMMs over the filled slots only (runtime/kernels/ffn.c), and so does the CUDA program
-// where cuBLASLt's grouped GEMM runs (rt_cuda_expert_gemm_rows; its forward's second GEMM one row
-// more per block of slots; not on a cuBLAS without it), so the plan prices that share of them. A dropless layer (`capacity *`) fills exactly S·k of its slots, however the gate spreads
+// where cuBLASLt's grouped GEMM or, in bf16, moec's own runs (rt_cuda_expert_gemm_rows; its
+// forward's second GEMM one row more per block of slots; an fp32 program on a cuBLAS without the
+// grouped mode runs padded), so the plan prices that share of them. A dropless layer (`capacity *`) fills exactly S·k of its slots, however the gate spreads
 // the tokens: its buffers hold every token for every expert, its GEMMs compute the k·S routed
 // ones. 1 for the other gates (expert choice fills every slot).
 static double slot_fill(const IrFunc *fwd) {

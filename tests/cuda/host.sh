@@ -465,7 +465,9 @@ fi
 # act(h + b1), multiplies the first one's counts plus one and mk_expert_rows_fill copies the last
 # row's product into the rest, as the CPU's GEMM copies a repeated row's. Each program trains to the bits of
 # its MOEC_EXPERT_ROWS=all build (every slot): tiny (capacity 1.25), mixtral (dropless, SwiGLU: the
-# gradient through products) and tiny on dp2 x ep2 (a block of slots a source rank, 2 ranks). One
+# gradient through products), tiny on dp2 x ep2 (a block of slots a source rank, 2 ranks) and
+# gpt-oss's experts (grad_lm_oss: act.oss(h1 + b1, h3 + b3), the second GEMM over both first
+# GEMMs' counts plus one). One
 # row taken off a count (MOERT_FAKE_SHORT_ROWS=1) changes the gradients: a count too small shows.
 sed 's/^layer block x 2/parallel { dp 2; ep 2; }\nlayer block x 2/' lang/models/tiny.moe >"$WORK/rows_ep.moe"
 rows_check() {   # rows_check NAME MODEL P WANT: WANT the -v line's "R of E" (GEMMs over their rows of the expert GEMMs)
@@ -495,6 +497,7 @@ rows_check() {   # rows_check NAME MODEL P WANT: WANT the -v line's "R of E" (GE
 rows_check rows_tiny lang/models/tiny.moe 1 "12 of 12"
 rows_check rows_mixtral lang/models/mixtral.moe 1 "27 of 27"
 rows_check rows_ep "$WORK/rows_ep.moe" 2 "12 of 12"
+rows_check rows_oss tests/models/grad_lm_oss.moe 1 "27 of 27"
 
 # The fuse pass (issue 39): gpt_moe_bytes's elementwise chains (a norm's scale and bias, the q, k
 # and v biases, bias + residual, expert bias + GELU, the gradient sums) run as generated kernels

@@ -177,7 +177,10 @@ for s in $stages; do
   case $s in *:*) limit=${s#*:}; s=${s%%:*} ;; esac
   case $s in
     env) stage env env.log env_info ;;
-    test) TAIL=60 stage "make test-gpu (tests/cuda/gpu.sh)" test-gpu.log env BUILD="$BUILD" bash tests/cuda/gpu.sh ;;
+    test)
+      TAIL=60 stage "make test-gpu (tests/cuda/gpu.sh)" test-gpu.log env BUILD="$BUILD" bash tests/cuda/gpu.sh
+      # the expert GEMMs' lines of gpu_check, wherever they fell in the log (which GEMM, its times)
+      grep -h 'expert GEMMs over their filled rows:\|# grouped expert gemm' "$OUT/test-gpu.log" | sed 's/^ */   /' | tee -a "$SUMMARY" ;;
     tune)
       stage "moec tune --target cuda (fp32)" tune.log tune fp32 gpu.cluster
       stage "moec tune --target cuda --dtype bf16" tune_bf16.log tune bf16 gpu_bf16.cluster ;;
