@@ -20,7 +20,9 @@
 # GEMMs over the routed rows: a line after the table gives its time over the capacity layer's, which
 # routes the same tokens); --quick: gpt and gpt_dropless 1x32x32x2 (the tests run them on the fake
 # device, where the times say nothing);
-# --shapes: those (a shape asked for that was not built is said and skipped).
+# --shapes: those (a shape asked for that was not built is said and skipped). With --dtype bf16 a
+# line after the table gives each capacity layer's time with its expert GEMMs padded
+# (MOERT_CUDA_GROUPED=0) over its time over the filled rows (the GEMM its device line names).
 # DIR is COMPILED_DIR (default $BUILD/cuda/layers, carried to the GPU machine by make gpu-pack).
 #
 # Rows: ffn shape dtype, forward and backward ms, update ms, whole step ms, and the program's
@@ -76,7 +78,7 @@ WORK=$(mktemp -d "${TMPDIR:-/tmp}/moec-compiled.XXXXXX")
 trap 'rm -rf "$WORK"' EXIT
 echo "# the compiled layer (moec build --target cuda, $dtype): forward and backward, update and whole step, medians of steps 2..$steps"
 printf '%-16s %-15s %6s %11s %10s %9s %8s %6s %10s\n' ffn shape dtype "fwdbwd ms" "update ms" "step ms" kernels gemms "traffic MB"
-declare -A fwdbwd
+declare -A fwdbwd gemm
 for entry in $SHAPES; do
   IFS=: read -r ffn shape <<<"$entry"
   name=$(name_of "$ffn" "$shape" "$dtype")
@@ -99,6 +101,21 @@ for entry in $SHAPES; do
   printf '%-16s %-15s %6s %11.3f %10.3f %9.3f %8s %6s %10s\n' "$ffn" "$shape" "$dtype" "$fb" "$up" "$whole" \
     "${kernels:--}" "${gemms:--}" "${traffic:--}"
   fwdbwd[$ffn:$shape]=$fb
+  gemm[$ffn:$shape]=$(sed -n 's/.*expert GEMMs a step over their filled rows (\([^;)]*\).*/\1/p' "$WORK/run" | head -n 1)
+done
+# bf16, a capacity layer: the same binary with its expert GEMMs padded (MOERT_CUDA_GROUPED=0, every
+# slot, as before issue 65) against the GEMM over the filled rows its device line names.
+for key in "${!fwdbwd[@]}"; do
+  ffn=${key%%:*} shape=${key#*:}
+  [ "$dtype" = bf16 ] && [ "$ffn" = "${ffn%_dropless}" ] && [ -n "${gemm[$key]:-}" ] || continue
+  name=$(name_of "$ffn" "$shape" "$dtype")
+  if (cd "$WORK" && MOERT_CUDA_GROUPED=0 timeout 300 "$DIR/$name.cuda" --steps "$steps" --profile >"$WORK/run0" 2>&1 </dev/null) &&
+     fb0=$(awk '/^# profile: median forward and backward/ {print $7}' "$WORK/run0") && [ -n "$fb0" ]; then
+    awk -v p="$fb0" -v r="${fwdbwd[$key]}" -v f="$ffn" -v s="$shape" -v g="${gemm[$key]}" \
+      'BEGIN { if (r > 0) printf "# %s %s bf16: forward and backward %.3f ms with the expert GEMMs padded (MOERT_CUDA_GROUPED=0), %.3f over the filled rows (%s): %.2fx\n", f, s, p, r, g, p / r }'
+  else
+    echo "# $ffn $shape: the binary failed with MOERT_CUDA_GROUPED=0: $(tail -n 3 "$WORK/run0")"; status=1
+  fi
 done
 for key in "${!fwdbwd[@]}"; do   # a dropless layer against the capacity layer of the same shape
   ffn=${key%%:*} shape=${key#*:}

@@ -193,8 +193,8 @@ for s in $stages; do
     profile-lm) TAIL=40 stage "where the language model's bf16 step goes (ncu)" profile-lm.log profile_lm ;;
     profile-layer) TAIL=40 stage "where the compiled layer's bf16 step goes (ncu)" profile-layer.log profile_layer ;;
     compiled)
-      TAIL=14 stage "the compiled layer, fp32 (bench/gpu_compiled.sh)" compiled.log env BUILD="$BUILD" bash bench/gpu_compiled.sh
-      TAIL=14 stage "the compiled layer, bf16 (bench/gpu_compiled.sh --dtype bf16)" compiled-bf16.log env BUILD="$BUILD" bash bench/gpu_compiled.sh --dtype bf16 ;;
+      TAIL=18 stage "the compiled layer, fp32 (bench/gpu_compiled.sh)" compiled.log env BUILD="$BUILD" bash bench/gpu_compiled.sh
+      TAIL=18 stage "the compiled layer, bf16 (bench/gpu_compiled.sh --dtype bf16)" compiled-bf16.log env BUILD="$BUILD" bash bench/gpu_compiled.sh --dtype bf16 ;;
     profile) TAIL=80 stage "where the predict models' steps go (--profile, ncu)" profile.log profile_models ;;
     # shellcheck disable=SC2086
     bench) TAIL=40 stage "make bench-gpu (bench/gpu.sh)" bench-gpu.log env BUILD="$BUILD" bash bench/gpu.sh ${BENCH_ARGS:-} ;;
