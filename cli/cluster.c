@@ -13,6 +13,7 @@ void cli_cluster_from_fe(const FeCluster *f, SchedCluster *c) {
                       .allreduce = {f->allreduce.alpha, f->allreduce.beta},
                       .elementwise = {f->elementwise.alpha, f->elementwise.beta},
                       .attention = {f->attention.alpha, f->attention.beta}, .handoff = f->handoff,
+                      .expert_gemm_scale = f->expert_gemm_scale,
                       .attention_grad = {f->attention_grad.alpha, f->attention_grad.beta},
                       .elementwise_math = {f->elementwise_math.alpha, f->elementwise_math.beta},
                       .update_adamw = {f->update_adamw.alpha, f->update_adamw.beta},

@@ -81,7 +81,7 @@ typedef struct Progress {
 // the GEMMs, "rt_matmul (OpenBLAS)" unless the engine's open says otherwise).
 static const TuneEngine *engine;
 static Tune T = {.attn = {8, 8, 64, 256}, .gemm_engine = "rt_matmul (OpenBLAS)", .handoff_ms = -1, .slow_compute = -1,
-                 .slow_comm = -1};
+                 .slow_comm = -1, .expert_scale = -1};
 
 // Printed by rank 0 only (every rank reaches the same errors, since all parse the same argv).
 static void say(FILE *f, const char *fmt, ...) __attribute__((format(printf, 2, 3)));
@@ -635,6 +635,7 @@ static void write_profile(FILE *f, const char *header, const char *name, int nod
   for (int i = S_ATTN; i < NSERIES; i++)
     if (!s[i].skipped) write_coef(f, s[i].name, &s[i]);
   if (T.handoff_ms >= 0) fprintf(f, "  handoff %.6g;\n", T.handoff_ms);
+  if (T.expert_scale > 0) fprintf(f, "  expert_gemm_scale %.4f;  # %s\n", T.expert_scale, T.expert_note);
   if (T.slow_compute >= 0) fprintf(f, "  overlap { compute %.4f; comm %.4f; }\n", T.slow_compute, T.slow_comm);
   if (ngrid > 0)
     fprintf(f, "  # GEMMs by shape: gemm_at M K N MS, [M, K] x [K, N] in MS ms; the planner prices a model's GEMMs\n"
@@ -1001,6 +1002,36 @@ static int fit_and_print(const TuneOptions *o, const TuneRun *r, Series *s) {
   return failed;
 }
 
+// Rank 0, an engine whose programs run the expert GEMMs over their filled rows with a GEMM of their
+// own (engine->expert_gemm: the CUDA programs' rt_cuda_expert_gemm_rows): that GEMM timed against
+// what the profile's GEMM fits (the grid where there is one, else `gemm`) give for the same filled
+// rows, the ratio of the sums over the shapes into T.expert_scale (the profile's expert_gemm_scale,
+// by which the planner multiplies the expert GEMMs); its sizes: tune_expert_rows.
+static void measure_expert_scale(const Series *s, const GemmShape *shapes, int nshapes) {
+  if (!engine->expert_gemm || !s[S_GEMM].ok) return;
+  static SchedCluster c;
+  c = (SchedCluster){.gemm = {s[S_GEMM].fit.alpha, s[S_GEMM].fit.beta}};
+  for (int i = 0; i < ngrid && i < SCHED_MAX_GEMM_AT; i++)
+    c.gemm_at[c.ngemm_at++] = (SchedGemmAt){grid[i][0], grid[i][1], grid[i][2], grid[i][3]};
+  const int experts = TUNE_EXPERTS;
+  double measured = 0, fitted = 0;
+  char what[200] = "", sizes[120] = "";
+  size_t u = 0;
+  for (int j = 0; j < nshapes; j++) {
+    int filled, slots;
+    tune_expert_rows(engine->tokens_for(&shapes[j], GEMM_SIZES / 2), &filled, &slots);
+    measured += engine->expert_gemm(experts, slots, filled, shapes[j].k, shapes[j].n, what, sizeof what);
+    fitted += experts * sched_gemm_ms(&c, filled, shapes[j].k, shapes[j].n);
+    if (u < sizeof sizes) u += (size_t)snprintf(sizes + u, sizeof sizes - u, "%s%d of %d", j ? ", " : "", filled, slots);
+  }
+  if (!(measured > 0) || !(fitted > 0)) return;
+  T.expert_scale = measured / fitted;
+  snprintf(T.expert_note, sizeof T.expert_note, "%s: %.4g ms for %d experts x %d shapes (rows filled: %s), the GEMM fits "
+           "%.4g ms", what, measured, experts, nshapes, sizes, fitted);
+  printf("# expert GEMMs over their filled rows (%s): expert_gemm_scale %.4f (in the profile)\n", T.expert_note,
+         T.expert_scale);
+}
+
 // Rank 0: writes the profile to -o (or shows it); false if it could not be written (reported).
 static bool write_or_show(const TuneOptions *o, const TuneRun *r, const Series *s, const GemmShape *shapes,
                           int nshapes, const char *gemm_desc) {
@@ -1080,6 +1111,7 @@ int tune_main(const TuneEngine *e, int argc, char **argv) {
   int failed = 0;
   if (T.rank == 0) {
     failed = fit_and_print(&o, &r, s);
+    if (!failed) measure_expert_scale(s, shapes, nshapes);
     printf("# measured in %.1f s\n", seconds);
     if (failed) printf("# %d fit%s failed: no profile written\n", failed, failed == 1 ? "" : "s");
     else if (!write_or_show(&o, &r, s, shapes, nshapes, gemm_desc)) failed = 1;

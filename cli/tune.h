@@ -109,6 +109,8 @@ typedef struct Tune {
   int elem_shift, attn_shift;
   char kernels_note[240];      // why the element-wise, attention and update series are skipped ("" when timed)
   char p2p_note[240];          // why the point-to-point series are skipped where the collectives are not ("" when timed)
+  double expert_scale;         // `expert_gemm_scale` (engine->expert_gemm against the GEMM fits); -1: not measured
+  char expert_note[400];       // what it measured
 } Tune;
 
 // The GEMM grid's bounds (cli/tune.c, run_gemm_grid): a shape's multiply-accumulates and the
@@ -159,6 +161,11 @@ typedef struct TuneEngine {
   void (*probes)(Tune *t, RtComm *comm, const Series *s, const GemmShape *shapes);
   // `memory` (t->memory_*), on every rank.
   void (*memory)(Tune *t, const TuneRun *r);
+  // The ms of one expert GEMM over its filled rows as the engine's programs run it (the CUDA
+  // programs' rt_cuda_expert_gemm_rows): [experts, slots, k] x [experts, k, n], the first `filled`
+  // slots of each expert filled, the rest zero; into what, which GEMM ran. NULL: none (the CPU
+  // programs' expert GEMMs are its GEMMs over the filled rows, as the fits price them).
+  double (*expert_gemm)(int experts, int slots, int filled, int k, int n, char *what, size_t what_size);
   // Rank 0's '#' line about its device after the MPI line; NULL: none.
   void (*print_device)(void);
   // The sizes: the preamble's '# sizes:' line, and the profile header's '# Sizes:' lines
@@ -166,6 +173,15 @@ typedef struct TuneEngine {
   void (*print_sizes)(bool quick);
   size_t (*header_sizes)(char *h, size_t u, size_t size, bool quick);
 } TuneEngine;
+
+// The expert GEMM over its filled rows timed for expert_gemm_scale (cli/tune.c), for a shape whose
+// GEMM of size GEMM_SIZES / 2 (its mid size) takes m tokens: TUNE_EXPERTS experts, each with an
+// eighth of them filled, in slots for capacity 1.2 (rounded up to 8).
+enum { TUNE_EXPERTS = 8 };
+static inline void tune_expert_rows(int m, int *filled, int *slots) {
+  *filled = m / TUNE_EXPERTS > 0 ? m / TUNE_EXPERTS : 1;
+  *slots = (*filled + (*filled + 4) / 5 + 7) / 8 * 8;   // at least 1.2 x filled
+}
 
 extern const TuneEngine tune_cpu_engine;    // cli/tune_cpu.c
 extern const TuneEngine tune_cuda_engine;   // cli/tune_cuda.c (the CUDA programs only)

@@ -62,6 +62,7 @@ static CUfunction kernel[NKERNELS];
 static uint16_t *param16;
 static void *module_image;   // the loaded CUBIN (the fake device reads it while the module lives)
 static bool attn_tc;         // --dtype bf16 with heads a multiple of 16 up to 128: mk_attn_tc_* (as a bf16 program)
+static CUfunction gemm_tc;   // --dtype bf16: moec's grouped GEMM (mk_expert_gemm_tc), as a bf16 program hands it over
 static char kernels_line[400];   // what the kernel sweeps launch, for rank 0's preamble
 
 static bool launch(int k, int64_t threads, void **args) {
@@ -213,6 +214,50 @@ static void kernel_buffers(float *const *host, const size_t *n, int count, float
     rt_comm_abort("moec tune: the GPU arena cannot hold the bf16 copy of %zu parameters", most);
 }
 
+// One expert GEMM over its filled rows as a program runs it (rt_cuda_expert_gemm_rows: cuBLASLt's
+// grouped GEMM, moec's on tensor cores for bf16, or the padded GEMM; rt_cuda_rows_gemm says which):
+// the median of RUNS runs of GPU_REPS calls (1 on the fake device), after one call that sets the
+// site up (cuBLASLt's).
+static double expert_gemm(int experts, int slots, int filled, int k, int n, char *what, size_t what_size) {
+  rt_cuda_arena_reset(gpu);
+  size_t na = (size_t)experts * slots * k, nb = (size_t)experts * k * n;
+  float *ha = tune_xmalloc(na * sizeof *ha), *hb = tune_xmalloc(nb * sizeof *hb);
+  uint64_t x = 88172645463325252ull;   // xorshift: values in (-1, 1), the slots past `filled` zero
+  for (size_t i = 0; i < na; i++) {
+    x ^= x << 13, x ^= x >> 7, x ^= x << 17;
+    ha[i] = (int)(i / k % slots) < filled ? (float)((double)(x >> 11) / 4503599627370496.0 - 1.0) : 0.0f;
+  }
+  for (size_t i = 0; i < nb; i++) x ^= x << 13, x ^= x >> 7, x ^= x << 17, hb[i] = (float)((double)(x >> 11) / 4503599627370496.0 - 1.0);
+  const void *a = operand(ha, na), *b = operand(hb, nb);
+  free(ha), free(hb);
+  float *c = device_floats((size_t)experts * slots * n);
+  int *counts = rt_cuda_alloc(gpu, 2 * (size_t)experts * sizeof *counts), *host = tune_xmalloc(2 * (size_t)experts * sizeof *host);
+  for (int e = 0; e < 2 * experts; e++) host[e] = filled;
+  if (!counts || !rt_cuda_to_device(gpu, RT_STREAM_COMPUTE, counts, host, 2 * (size_t)experts * sizeof *host))
+    rt_comm_abort("moec tune: the expert GEMM's counts could not be had on the GPU (the error is above)");
+  free(host);
+  CUfunction tc = gemm_type == RT_CUDA_BF16 ? gemm_tc : NULL;
+  char why[256];
+  RtRowsGemm path = rt_cuda_rows_gemm(gpu, tc != NULL, why, sizeof why);
+  snprintf(what, what_size, "%s", path == RT_ROWS_CUBLASLT ? (why[0] ? why : "cuBLASLt's grouped GEMM")
+                                  : path == RT_ROWS_MOEC   ? "moec's grouped GEMM on tensor cores"
+                                                           : "the padded GEMM");
+  double runs[RUNS];
+  int reps = rt_cuda_device(gpu)->emulated ? 1 : GPU_REPS;   // the fake device's times say nothing
+  for (int r = -1; r < RUNS; r++) {
+    double t0 = MPI_Wtime();
+    for (int i = 0; i < (r < 0 ? 1 : reps); i++)
+      if (!rt_cuda_expert_gemm_rows(gpu, RT_STREAM_COMPUTE, gemm_type, a, b, c, experts, slots, n, k, false, false,
+                                    counts, 1, tc))
+        rt_comm_abort("moec tune: an expert GEMM over its filled rows failed (the error is above)");
+    if (!rt_cuda_sync(gpu, RT_STREAM_COMPUTE)) rt_comm_abort("moec tune: a GPU call failed (the error is above)");
+    if (r >= 0) runs[r] = (MPI_Wtime() - t0) * 1e3 / reps;
+  }
+  qsort(runs, RUNS, sizeof *runs, tune_compare_doubles);
+  rt_cuda_arena_reset(gpu);
+  return runs[RUNS / 2];
+}
+
 // Device memory the kernel sweeps take at most (kernel_buffers): the update sweep's 4 buffers or
 // the attention's 7, each sweep with the bf16 copy as long as its longest buffer (the update's 2^k
 // floats, the attention's dq, dk, dv), whichever is larger (with the arena's alignment).
@@ -264,6 +309,7 @@ static bool load_kernels(Tune *t) {
              "not measured: the kernel library did not compile or load for %s (the error is above); no line", arch);
     return false;
   }
+  if (gemm_type == RT_CUDA_BF16 && !(gemm_tc = rt_cuda_kernel(gpu, "mk_expert_gemm_tc"))) return false;
   const char *u = gemm_type == RT_CUDA_BF16 ? "_bf16" : "", *a = attn_tc ? "_tc" : "";
   snprintf(kernels_line, sizeof kernels_line,
            "# kernels: the CUDA programs' library, NVRTC for %s%s: elementwise mk_copy + mk_add, elementwise_math mk_gelu, "
@@ -319,6 +365,11 @@ static size_t arena_bytes(const GemmShape *shapes, int nshapes, bool collectives
   for (int i = 0; i < nshapes; i++) {
     size_t m = (size_t)tokens_for(&shapes[i], GEMM_SIZES), k = (size_t)shapes[i].k, n = (size_t)shapes[i].n;
     size_t bytes = (m * k + k * n) * w + m * n * 4 + 3 * 256;
+    if (bytes > most) most = bytes;
+    int filled, slots;   // the expert GEMM of expert_gemm_scale (cli/tune.c)
+    tune_expert_rows(tokens_for(&shapes[i], GEMM_SIZES / 2), &filled, &slots);
+    size_t e = TUNE_EXPERTS, rows = e * (size_t)slots;
+    bytes = (rows * k + e * k * n) * w + rows * n * 4 + 2 * e * sizeof(int) + 4 * 256;
     if (bytes > most) most = bytes;
   }
   size_t grid = (size_t)TUNE_GRID_FLOATS * (2 * w + 4) + 3 * 256;   // the grid's operands (run_gemm_grid)
@@ -399,7 +450,7 @@ const TuneEngine tune_cuda_engine = {
     .quick_gemm_sizes = QUICK_SIZES, .gemm_grid = true, .min_ranks = 1,
     .tokens_for = tokens_for, .call = call, .open = open_gpu, .close = close_gpu, .gemm_operands = gemm_operands,
     .kernel_buffers = kernel_buffers, .comm_buffers = comm_buffers, .free_comm_buffers = free_comm_buffers,
-    .probes = NULL, .memory = memory,
+    .probes = NULL, .memory = memory, .expert_gemm = expert_gemm,
     .print_device = print_device, .print_sizes = print_sizes, .header_sizes = header_sizes,
 };
 

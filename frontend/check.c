@@ -451,7 +451,7 @@ static const Block coef_block = BLOCK("gemm", coef_fields, NULL);
 
 // cluster = "cluster" NAME "{" nodes gpus_per_node gemm alltoall allgather reducescatter allreduce
 //           [elementwise] [attention] [attention_grad] [elementwise_math] [update_adamw] [update_sgd]
-//           [handoff] [overlap] [alltoall_intra] [allreduce_intra] [p2p] [p2p_intra]
+//           [handoff] [expert_gemm_scale] [overlap] [alltoall_intra] [allreduce_intra] [p2p] [p2p_intra]
 //           [memory SIZE] "}"
 // overlap = "overlap" "{" compute comm "}"    relative slowdowns when both run at once
 static const Field overlap_fields[] = {
@@ -474,6 +474,7 @@ static const Field cluster_fields[] = {
   {"update_adamw", F_BLOCK, .block = &coef_block, .sub = AT(FeCluster, update_adamw)},
   {"update_sgd", F_BLOCK, .block = &coef_block, .sub = AT(FeCluster, update_sgd)},
   {"handoff", 0, .vals = {{V_NUM, R_NONNEG, .def = "0", .off = AT(FeCluster, handoff)}}},
+  {"expert_gemm_scale", 0, .vals = {{V_NUM, R_POS, .def = "1", .off = AT(FeCluster, expert_gemm_scale)}}},
   {"overlap", F_BLOCK, .block = &overlap_block, .sub = SAME},
   {"alltoall_intra", F_BLOCK, .block = &coef_block, .sub = AT(FeCluster, alltoall_intra)},
   {"allreduce_intra", F_BLOCK, .block = &coef_block, .sub = AT(FeCluster, allreduce_intra)},

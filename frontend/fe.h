@@ -270,6 +270,9 @@ typedef struct FeCluster {
   // or erf per element, and the optimizers' update per parameter (sched.h says how each prices).
   FeCollective attention_grad, elementwise_math, update_adamw, update_sgd;
   double handoff;             // optional (0 when absent)
+  // Optional `expert_gemm_scale X;`: the expert GEMMs over their filled rows take X times what the
+  // GEMM fits give for those rows (moec tune measures the GEMM the programs run; 0 when absent: 1).
+  double expert_gemm_scale;
   double overlap_compute, overlap_comm;   // optional `overlap { compute X; comm Y; }` (0 when absent)
   // Optional fits of the collectives inside one node (0, 0 when absent: the layout search
   // then prices them from allgather and reducescatter, sched/sched_layout.c).

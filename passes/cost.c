@@ -412,12 +412,14 @@ int64_t pass_region_capacity(const IrFunc *f) {
 static double attr_n(const IrOp *op) { return ir_op_float(op, "cost_n", 0); }
 
 // An expert.matmul over the filled share `fill` of its slots (the CPU computes those), as the
-// scheduling model takes it: the line through its whole and chunked times (sched_gemm_chunks);
-// *t its time at r = 1.
+// scheduling model takes it: the line through its whole and chunked times (sched_gemm_chunks),
+// times the profile's expert_gemm_scale (what the GEMM the programs run over the filled rows takes
+// against the GEMM fits: moec tune --target cuda measures it); *t its time at r = 1.
 static SchedCoef expert_gemm(const IrOp *op, double fill, const SchedCluster *c, double *t) {
   double count, m, k, n;
   gemm_shape(op, &count, &m, &k, &n);
   SchedCoef e = sched_gemm_chunks(c, count, fill * m, k, n);
+  e.alpha *= sched_expert_scale(c), e.beta *= sched_expert_scale(c);
   *t = e.alpha + e.beta * fill * attr_n(op);
   return e;
 }
@@ -566,7 +568,8 @@ static void phase_of(const IrFunc *f, const IrFunc *reader, double fill, const S
   if (n_a2a > 0) p->a2a = group_fit(a2a, c, gs, SCHED_ALLTOALL), p->n_a2a /= n_a2a;
   if (n_ag > 0) p->ag = group_fit(ag, c, gs, SCHED_ALLGATHER);
   if (n_rs > 0) p->rs = group_fit(rs, c, gs, SCHED_REDUCESCATTER);
-  if (n_exp > 0 && c->ngemm_at <= 0) p->exp = (SchedCoef){c->gemm.alpha * n_exp, c->gemm.beta};
+  if (n_exp > 0 && c->ngemm_at <= 0)
+    p->exp = (SchedCoef){c->gemm.alpha * n_exp * sched_expert_scale(c), c->gemm.beta * sched_expert_scale(c)};
   else if (n_exp > 0 && p->n_exp > 0) p->exp = (SchedCoef){exp_alpha, (exp_t - exp_alpha) / p->n_exp};
   if (n_exp > 0 && p->n_exp > 0 && elem_t > 0) {
     p->exp.alpha += elem_alpha;

@@ -47,6 +47,8 @@ typedef struct SchedCluster {
                                 // softmaxes, losses), n = elements (0, 0: priced as elementwise)
   SchedCoef update_adamw, update_sgd;   // the optimizer, n = parameters (0, 0: as elementwise)
   double handoff;         // ms a chunked collective pays for its two stream hand-offs (0: none)
+  double expert_gemm_scale;   // the expert GEMMs over their filled rows take this times the GEMM
+                              // fits' time for those rows (0: 1)
   double overlap_compute, overlap_comm;   // relative slowdowns of computation and communication
                                           // that run at once (0: none; a CPU rank's are not)
   SchedCoef alltoall_intra, allreduce_intra;   // inside one node (0, 0: not in the profile)
@@ -56,6 +58,11 @@ typedef struct SchedCluster {
   SchedGemmAt gemm_at[SCHED_MAX_GEMM_AT];   // GEMM times by shape (none: `gemm` prices by size)
   int ngemm_at;
 } SchedCluster;
+
+// The factor of the expert GEMMs over their filled rows (the profile's expert_gemm_scale; 1 when absent).
+static inline double sched_expert_scale(const SchedCluster *c) {
+  return c->expert_gemm_scale > 0 ? c->expert_gemm_scale : 1.0;
+}
 
 // ---- GEMMs by shape (sched/sched_gemm.c) ----
 // The time in ms of one GEMM [m, k] x [k, n]: with the profile's `gemm_at` grid, its time per

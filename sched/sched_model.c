@@ -52,7 +52,7 @@ void sched_layer_cost(const SchedLayerSpec *s, const SchedCluster *c, SchedLayer
   fwd.n_exp = gemms * tokens * s->embed * s->hidden / esp;
   // Each chunk runs `gemms` GEMM launches: alpha scales with their number; beta applies to the
   // multiply-accumulates of all of them (n_exp already counts them).
-  fwd.exp = (SchedCoef){gemms * c->gemm.alpha, c->gemm.beta};
+  fwd.exp = (SchedCoef){gemms * c->gemm.alpha * sched_expert_scale(c), c->gemm.beta * sched_expert_scale(c)};
   double attention_grad;
   sched_attention(s, c, &fwd.t_att, &attention_grad);
   SchedPhase bwd = fwd;   // gradients w.r.t. inputs and weights: twice the GEMM work

@@ -243,6 +243,20 @@ else
      awk '$1 == "gemm_at" {sub(";", "", $5); if ($2 * $3 * $4 > 1048576 || !($5 > 0)) exit 1}' "$WORK/G1.cluster"; then
     ok "tune --target cuda times the grid of GEMM shapes ($ggrid gemm_at lines on the fake device, each at most 2^20 multiply-accumulates)"
   else bad "tune --target cuda times the grid of GEMM shapes" "$(grep 'gemm grid' "$WORK/g1.out"; grep -c gemm_at "$WORK/G1.cluster" 2>/dev/null) lines"; fi
+  # The expert GEMMs over their filled rows as the programs run them (rt_cuda_expert_gemm_rows; here
+  # the fake device's GEMM) against the GEMM fits: the profile's expert_gemm_scale, which the planner
+  # multiplies the expert GEMMs by (tiny's layer planned with the line at 3 and without it).
+  scale=$(awk '$1 == "expert_gemm_scale" {sub(";", "", $2); print $2}' "$WORK/G1.cluster" 2>/dev/null)
+  t_model() { "$MOEC" build lang/models/tiny.moe --cluster "$1" -v -o "$WORK/tiny_s" 2>&1 | awk '$2 == "pipeline-plan" && $5 == "block0" && $9 == "t_model" {print $10 + $11; exit}'; }
+  sed 's/^  expert_gemm_scale .*/  expert_gemm_scale 3;/' "$WORK/G1.cluster" >"$WORK/G1s3.cluster" 2>/dev/null
+  grep -v '^  expert_gemm_scale' "$WORK/G1.cluster" >"$WORK/G1s1.cluster" 2>/dev/null
+  t3=$(t_model "$WORK/G1s3.cluster") t1=$(t_model "$WORK/G1s1.cluster")
+  if [ -n "$scale" ] && awk -v s="$scale" 'BEGIN { exit !(s > 0) }' &&
+     grep -q "^  expert_gemm_scale $scale;  # the fake device's GEMM over the counted rows: [0-9.]* ms for 8 experts x 2 shapes" "$WORK/G1.cluster" &&
+     grep -q "^# expert GEMMs over their filled rows (.*): expert_gemm_scale $scale (in the profile)" "$WORK/g1.out" &&
+     [ -n "$t3" ] && [ -n "$t1" ] && awk -v a="$t3" -v b="$t1" 'BEGIN { exit !(a > b) }'; then
+    ok "tune --target cuda times the expert GEMMs over their filled rows against the GEMM fits: expert_gemm_scale $scale (fake device); the planner prices by it (tiny's layer at 3: $t3 ms, without: $t1 ms)"
+  else bad "tune --target cuda: expert_gemm_scale in the profile and in the plan" "$(grep -h expert_gemm "$WORK/g1.out" "$WORK/G1.cluster" 2>/dev/null; echo "t3 '$t3' t1 '$t1'")"; fi
   if [ -f "$WORK/G1.cluster" ] && "$MOEC" build lang/models/tiny.moe --cluster "$WORK/G1.cluster" -o "$WORK/tiny1" >"$WORK/b1.out" 2>&1 &&
      ! "$MOEC" build tests/golden/parallel.moe --cluster "$WORK/G1.cluster" -o "$WORK/par1" >"$WORK/b4.out" 2>&1 &&
      grep -q 'the layout needs 4 ranks but the cluster has 1' "$WORK/b4.out"; then
