@@ -249,12 +249,18 @@ bool cg_link_program(IrDiag *d, const char *c_path, const char *out_path, const 
   cg_build_file("libmoert.a", lib, sizeof lib);
   if (!readable(d, lib, "build it with 'make', or set MOEC_ROOT")) return false;
   if (extra && extra->library[0] && !readable(d, extra->library, extra->how)) return false;
-  const char *cc = getenv("CC");
+  const char *cc = getenv("CC"), *opt = getenv("MOEC_OPT");
+  if (opt && *opt && strcmp(opt, "-O0") != 0 && strcmp(opt, "-O1") != 0 && strcmp(opt, "-O2") != 0 &&
+      strcmp(opt, "-O3") != 0)
+    return ir_error(d, "MOEC_OPT is '%s'; it takes -O0, -O1, -O2 or -O3 (the C compiler's optimisation of the "
+                       "program, -O2 when unset)", opt);
   Command c = {.argc = 0};
   add(&c, cc && *cc ? cc : "cc");
   // the runtime's math flags (the Makefile's RT_CFLAGS): the fused loops' clamps and divisions
-  // vectorise as the kernels' do (no errno, no trap to keep), with the same bits
-  add_words(&c, "-std=c11 -O2 -w -fno-math-errno -fno-trapping-math");
+  // vectorise as the kernels' do (no errno, no trap to keep), with the same bits (no contraction
+  // into FMAs under -std=c11, no reassociation: every -O level gives the same bits)
+  add_words(&c, "-std=c11 -w -fno-math-errno -fno-trapping-math");
+  add(&c, opt && *opt ? opt : "-O2");
   add(&c, include);
   if (extra) add_words(&c, extra->cflags);
   add(&c, c_path);
