@@ -72,4 +72,15 @@ if [ "$h1$h2$h3$h4$h5$h6" = 010000 ] && cmp -s "$bc/t1" "$bc/t2" && [ "$left" = 
 else
   echo "FAIL  the build cache of programs: cache lines per build $h1 $h2 $h3 $h4 $h5 $h6 (want 0 1 0 0 0 0), $left programs left after pruning to 1 MiB"
 fi
+# MOEC_OPT: the program at -O0 trains to the bits of the -O2 one (the same losses); a level it does
+# not take is refused, saying which it takes.
+o0=$(MOEC_CACHE=off MOEC_OPT=-O0 "$MOEC" build -v lang/models/tiny.moe -o "$bc/t0" 2>&1 >/dev/null | grep -c '^# link: .* -O0 ')
+l0=$("$bc/t0" --steps 3 2>/dev/null | awk '/^step/ {print $4}')
+if [ "$o0" = 1 ] && [ -n "$l0" ] && [ "$l0" = "$l1" ] &&
+   ! MOEC_OPT=-Ofast "$MOEC" build lang/models/tiny.moe -o "$bc/tf" 2>"$bc/err" &&
+   grep -q "MOEC_OPT is '-Ofast'; it takes -O0, -O1, -O2 or -O3" "$bc/err"; then
+  echo "ok    MOEC_OPT=-O0 builds tiny.moe at -O0 and it trains to the -O2 program's losses; MOEC_OPT=-Ofast is refused: $(head -n 1 "$bc/err" | cut -c1-90)"
+else
+  echo "FAIL  MOEC_OPT: -O0 link lines $o0 (want 1), losses '$l0' against '$l1'; -Ofast: $(cat "$bc/err" 2>/dev/null | head -n 2)"
+fi
 rm -rf "$bc"
