@@ -142,17 +142,20 @@ trap 'rm -rf "$OUT"' EXIT
 # $OUT/$PASS_ID.K, each started with the environment words of PASS_ENV and its lines marked
 # PASS_MARK.
 # The suites of QUICK_C build their programs with MOEC_OPT=-O0 (codegen/link.c; unless the caller
-# set MOEC_OPT): they build many small programs and run each for a step or a few, and compare
+# set MOEC_OPT), those of QUICK_C1 with -O1: they build many small programs and run each for a
+# step or a few (gradcheck: many passes, where -O1 is the quicker of the two), and compare
 # programs of one build with each other, where the C compiler's -O2 took most of a suite's time
 # (-O0: 1.2 s less a build). Every -O level gives the same bits (no FMA contraction under
-# -std=c11, no reassociation): golden-runs, tiny, zoo, threads, the README's and the CUDA suites
-# keep -O2, the users' default, and hold its bits (golden-runs' recorded ones); so do the suites
-# that time the programs (tune, the plans against measured steps, the emulated cluster).
+# -std=c11, no reassociation): golden-runs, tiny, zoo, threads, the README's suite and the CUDA
+# kernels' keep -O2, the users' default, and hold its bits (golden-runs' recorded ones); so do the
+# suites that time the programs (tune, the plans against measured steps, the emulated cluster).
 QUICK_C=" lm-layout lm-checkpoint lm-shard lm-recompute lm-vocab lm-hf lm-inputs lm-gradpart lm-pipeline lm-lora "
-QUICK_C+="lm-lora-hf mpi-rt-main mpi-reshard mpi-twin mpi-chunks mpi-gradpart balance gradcheck "
+QUICK_C+="lm-lora-hf mpi-rt-main mpi-reshard mpi-twin mpi-chunks mpi-gradpart balance cuda-host cuda-pipeline "
+QUICK_C1=" gradcheck "
 start_suite() {   # K: suite pass[K], in the background, its output to $OUT/ID.K.out, its seconds to ID.K.time
   local i=${pass[$1]} o=$OUT/$PASS_ID.$1 opt=${MOEC_OPT:-}
   case "$QUICK_C" in *" ${names[$i]} "*) opt=${MOEC_OPT:--O0} ;; esac
+  case "$QUICK_C1" in *" ${names[$i]} "*) opt=${MOEC_OPT:--O1} ;; esac
   ( s0=$SECONDS
     env $PASS_ENV BUILD=$BUILD MOEC=$MOEC ${opt:+MOEC_OPT=$opt} bash "${scripts[$i]}" >"$o.part" 2>&1 </dev/null
     echo "exit status $?" >>"$o.part"
