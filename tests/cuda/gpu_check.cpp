@@ -306,7 +306,8 @@ static void grouped_checks(RtCuda *cu, Checks &c, bool have_kernels) {
 }
 
 // The three GEMMs of the expert rows timed on one shape of a large layer (8 experts of 640 slots,
-// k = n = 2048, bf16, filled 400 to 640 rows: 83 % on average, a capacity factor of 1.2): the
+// k = n = 2048, bf16, filled 400 to 640 rows: 83 % on average, a capacity factor of 1.2; then a
+// quarter of that, as a dropless layer's slots of top-2 of 8 experts are filled): the
 // padded GEMM (cuBLAS, every slot), moec's grouped GEMM and, where the GPU's cuBLASLt has it,
 // cuBLASLt's; the forward's form and the weight gradient's (ta). One '#' line each, milliseconds
 // a call (the median of 5 runs of 10 calls) and TFLOP/s over the filled rows: what the next GPU
@@ -327,7 +328,7 @@ static double ms_per_call(RtCuda *cu, const std::function<bool()> &call) {
   return runs[runs.size() / 2];
 }
 
-static void grouped_timing(RtCuda *cu, bool have_kernels) {
+static void grouped_timing(RtCuda *cu, bool have_kernels, int div) {
   CUfunction tc = have_kernels ? rt_cuda_kernel(cu, "mk_expert_gemm_tc") : nullptr;
   if (!tc) {
     printf("# grouped expert gemm timing: skipped (the library's mk_expert_gemm_tc did not load)\n");
@@ -337,7 +338,7 @@ static void grouped_timing(RtCuda *cu, bool have_kernels) {
   std::vector<int> counts(2 * e);
   double filled = 0.0;
   for (int x = 0; x < e; x++) {
-    counts[(size_t)x] = 400 + (x * 97) % 241;   // 400 .. 640
+    counts[(size_t)x] = (400 + (x * 97) % 241) / div;   // 400 .. 640 (div 4: 100 .. 160)
     counts[(size_t)(e + x)] = counts[(size_t)x];
     filled += counts[(size_t)x];
   }
@@ -373,9 +374,10 @@ static void grouped_timing(RtCuda *cu, bool have_kernels) {
     char lt_text[96] = "cuBLASLt's grouped GEMM: none here";
     if (lt)
       snprintf(lt_text, sizeof lt_text, "cuBLASLt's grouped GEMM %.3f ms (%.0f TFLOP/s)", t_lt, flop / t_lt / 1e9);
-    printf("# grouped expert gemm timing, %s [8 x 640 slots, %.0f %% filled] x [2048, 2048] bf16: padded cuBLAS %.3f ms "
+    printf("# grouped expert gemm timing, %s [8 x 640 slots, %.0f %% filled%s] x [2048, 2048] bf16: padded cuBLAS %.3f ms "
            "(%.0f TFLOP/s over the filled rows), moec's %.3f ms (%.0f TFLOP/s, %.2fx the padded), %s\n",
-           ta ? "weight gradient (ta)" : "forward", 100.0 * filled / (e * per), t_pad, flop / t_pad / 1e9, t_moec,
+           ta ? "weight gradient (ta)" : "forward", 100.0 * filled / (e * per), div > 1 ? ", as in a dropless layer" : "",
+           t_pad, flop / t_pad / 1e9, t_moec,
            flop / t_moec / 1e9, t_pad / t_moec, lt_text);
   }
   rt_cuda_arena_reset(cu);
@@ -469,7 +471,8 @@ int main() {
   }
   cublas_checks(cu, checks, have_kernels);
   grouped_checks(cu, checks, have_kernels);
-  grouped_timing(cu, have_kernels);
+  grouped_timing(cu, have_kernels, 1);   // capacity 1.2
+  grouped_timing(cu, have_kernels, 4);   // a quarter of that: top-2 of 8 experts, dropless (every token's slot in each)
   nccl_checks(cu, checks, have_kernels);
   if (!rt_cuda_destroy(cu)) checks.fail("runtime released (reported above)");
   int total = checks.checks + kernel_checks.checks, failed = checks.failures + kernel_checks.failures;
