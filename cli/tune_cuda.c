@@ -222,12 +222,9 @@ static double expert_gemm(int experts, int slots, int filled, int k, int n, char
   rt_cuda_arena_reset(gpu);
   size_t na = (size_t)experts * slots * k, nb = (size_t)experts * k * n;
   float *ha = tune_xmalloc(na * sizeof *ha), *hb = tune_xmalloc(nb * sizeof *hb);
-  uint64_t x = 88172645463325252ull;   // xorshift: values in (-1, 1), the slots past `filled` zero
-  for (size_t i = 0; i < na; i++) {
-    x ^= x << 13, x ^= x >> 7, x ^= x << 17;
-    ha[i] = (int)(i / k % slots) < filled ? (float)((double)(x >> 11) / 4503599627370496.0 - 1.0) : 0.0f;
-  }
-  for (size_t i = 0; i < nb; i++) x ^= x << 13, x ^= x >> 7, x ^= x << 17, hb[i] = (float)((double)(x >> 11) / 4503599627370496.0 - 1.0);
+  // the values of the GEMM sweeps' operands (cli/tune.c), the slots past `filled` zero
+  for (size_t i = 0; i < na; i++) ha[i] = (int)(i / k % slots) < filled ? (float)((int)(i % 17) - 8) / 64 : 0.0f;
+  for (size_t i = 0; i < nb; i++) hb[i] = (float)((int)(i % 13) - 6) / 64;
   const void *a = operand(ha, na), *b = operand(hb, nb);
   free(ha), free(hb);
   float *c = device_floats((size_t)experts * slots * n);

@@ -730,26 +730,16 @@ RtRowsGemm rt_cuda_rows_gemm(RtCuda *cu, bool tc, char *why, size_t why_size) {
   return tc && !(env && strcmp(env, "cublaslt") == 0) ? RT_ROWS_MOEC : RT_ROWS_PADDED;
 }
 
-// Whether moec's grouped GEMM (mk_expert_gemm_tc) takes these operands: bf16, 16-byte aligned, the
-// contiguous dimension of each a multiple of 8 (a 16-byte copy is then in its tile or out whole).
-static bool tc_fits(RtCudaType in, const void *a, const void *b, int m, int n, int k, bool ta, bool tb) {
-  return in == RT_CUDA_BF16 && (uintptr_t)a % 16 == 0 && (uintptr_t)b % 16 == 0 && (ta ? m : k) % 8 == 0 &&
-         (tb ? k : n) % 8 == 0;
-}
-
-// mk_expert_gemm_tc's launch: a block of 128 threads per 128 x 128 tile of c of every group (its
-// tiles past the group's count return at once).
+// mk_expert_gemm_tc's launch (rt_cuda_tc_grid; its tiles past a group's count return at once).
 static bool tc_gemm(RtCuda *cu, RtStream s, CUfunction tc, const void *a, const void *b, float *c, int e, int m,
                     int n, int k, bool ta, bool tb, const int *rows, int blocks) {
-  int groups = ta ? e : e * blocks, per = ta ? m : m / blocks;
-  int64_t tiles = (int64_t)groups * ((per + 127) / 128) * ((n + 127) / 128);
   int ta_i = ta, tb_i = tb;
   void *args[] = {&a, &b, &c, &rows, &e, &m, &n, &k, &ta_i, &tb_i, &blocks};
   bool seen = false;
   for (int i = 0; i < cu->nmoec && !seen; i++) seen = cu->moec_sites[i] == c;
   if (!seen && cu->nmoec < (int)(sizeof cu->moec_sites / sizeof *cu->moec_sites))
     cu->moec_sites[cu->nmoec++] = c;
-  return rt_cuda_launch(cu, s, tc, tiles < 65535 ? (int)tiles : 65535, 128, 0, args);
+  return rt_cuda_launch(cu, s, tc, rt_cuda_tc_grid(e, m, n, ta, blocks), 128, 0, args);
 }
 
 bool rt_cuda_expert_gemm_rows(RtCuda *cu, RtStream s, RtCudaType in, const void *a, const void *b, float *c,
@@ -758,7 +748,7 @@ bool rt_cuda_expert_gemm_rows(RtCuda *cu, RtStream s, RtCudaType in, const void 
   if (e <= 0 || m <= 0 || n <= 0 || k <= 0 || blocks < 1 || slots % blocks || (ta && (tb || blocks != 1)))
     return gemm(cu, s, in, a, b, c, e, m, n, k, ta, tb, 0.0f);
   RtRowsGemm path = rt_cuda_rows_gemm(cu, tc && in == RT_CUDA_BF16, NULL, 0);
-  if (path == RT_ROWS_MOEC && tc_fits(in, a, b, m, n, k, ta, tb))
+  if (path == RT_ROWS_MOEC && rt_cuda_tc_fits(in, a, b, m, n, k, ta, tb))
     return tc_gemm(cu, s, tc, a, b, c, e, m, n, k, ta, tb, rows, blocks);
   if (path == RT_ROWS_PADDED || !rt_cuda_grouped_gemms(cu, NULL, 0))
     return gemm(cu, s, in, a, b, c, e, m, n, k, ta, tb, 0.0f);

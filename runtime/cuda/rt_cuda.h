@@ -164,6 +164,20 @@ typedef enum {
 // Which of them runs a call of bf16 operands with moec's kernel (tc true) or any other (tc false);
 // into why: why not cuBLASLt's, when it is not (a sentence), else "".
 RtRowsGemm rt_cuda_rows_gemm(RtCuda *cu, bool tc, char *why, size_t why_size);
+// moec's grouped GEMM (mk_expert_gemm_tc), as rt_cuda_expert_gemm_rows launches it (the fake device
+// too): whether it takes these operands (bf16, a and b 16-byte aligned, each one's contiguous
+// dimension a multiple of 8: a 16-byte copy is then in its tile or out whole), and its grid of
+// 128-thread blocks, one per 128 x 128 tile of c of every group (at most 65535: it strides over
+// the rest).
+static inline bool rt_cuda_tc_fits(RtCudaType in, const void *a, const void *b, int m, int n, int k, bool ta, bool tb) {
+  return in == RT_CUDA_BF16 && (uintptr_t)a % 16 == 0 && (uintptr_t)b % 16 == 0 && (ta ? m : k) % 8 == 0 &&
+         (tb ? k : n) % 8 == 0;
+}
+static inline int rt_cuda_tc_grid(int e, int m, int n, bool ta, int blocks) {
+  int64_t groups = ta ? e : (int64_t)e * blocks, per = ta ? m : m / blocks;
+  int64_t tiles = groups * ((per + 127) / 128) * ((n + 127) / 128);
+  return tiles < 65535 ? (int)tiles : 65535;
+}
 // Whether cuBLASLt's grouped GEMM is there (and not turned off); into why, why not.
 bool rt_cuda_grouped_gemms(RtCuda *cu, char *why, size_t why_size);
 // The call sites of rt_cuda_expert_gemm_rows met so far that run cuBLASLt's grouped GEMM; *padded: those

@@ -782,16 +782,14 @@ bool rt_cuda_expert_gemm_rows(RtCuda *cu, RtStream s, RtCudaType in, const void 
   if (blocks < 1 || slots % blocks) return report("%s: %d slots in %d blocks", call, slots, blocks);
   if (ta && tb) return report("%s: no slot rows in a GEMM with ta and tb", call);
   if (!device_range(cu, call, "rows", rows, 2 * (size_t)(e > 0 ? e : 0) * blocks * sizeof *rows)) return false;
-  // moec's grouped GEMM, as rt_cuda.c launches it (operands it takes: bf16, 16-byte aligned, the
-  // contiguous dimensions multiples of 8), when MOERT_CUDA_GROUPED=moec asks for it.
+  // moec's grouped GEMM, as rt_cuda.c launches it (on the operands it takes: rt_cuda_tc_fits), when
+  // MOERT_CUDA_GROUPED=moec asks for it.
   if (e > 0 && rt_cuda_rows_gemm(cu, tc && in == RT_CUDA_BF16, nullptr, 0) == RT_ROWS_MOEC &&
-      (uintptr_t)a % 16 == 0 && (uintptr_t)b % 16 == 0 && (ta ? m : k) % 8 == 0 && (tb ? k : n) % 8 == 0) {
-    int groups = ta ? e : e * blocks, per = ta ? m : m / blocks;
-    int64_t tiles = (int64_t)groups * ((per + 127) / 128) * ((n + 127) / 128);
+      rt_cuda_tc_fits(in, a, b, m, n, k, ta, tb)) {
     int ta_i = ta, tb_i = tb;
     void *args[] = {&a, &b, &c, &rows, &e, &m, &n, &k, &ta_i, &tb_i, &blocks};
     cu->moec_sites.insert(c);
-    return rt_cuda_launch(cu, s, tc, tiles < 65535 ? (int)tiles : 65535, 128, 0, args);
+    return rt_cuda_launch(cu, s, tc, rt_cuda_tc_grid(e, m, n, ta, blocks), 128, 0, args);
   }
   const char *short_rows = getenv("MOERT_FAKE_SHORT_ROWS");
   bool shorten = short_rows && strcmp(short_rows, "1") == 0;
