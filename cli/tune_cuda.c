@@ -63,6 +63,7 @@ static uint16_t *param16;
 static void *module_image;   // the loaded CUBIN (the fake device reads it while the module lives)
 static bool attn_tc;         // --dtype bf16 with heads a multiple of 16 up to 128: mk_attn_tc_* (as a bf16 program)
 static CUfunction gemm_tc;   // --dtype bf16: moec's grouped GEMM (mk_expert_gemm_tc), as a bf16 program hands it over
+static CUfunction gemm_counts;   // mk_expert_counts (_bf16 for --dtype bf16): what counts the rows before it
 static char kernels_line[400];   // what the kernel sweeps launch, for rank 0's preamble
 
 static bool launch(int k, int64_t threads, void **args) {
@@ -214,9 +215,10 @@ static void kernel_buffers(float *const *host, const size_t *n, int count, float
     rt_comm_abort("moec tune: the GPU arena cannot hold the bf16 copy of %zu parameters", most);
 }
 
-// One expert GEMM over its filled rows as a program runs it (rt_cuda_expert_gemm_rows: cuBLASLt's
-// grouped GEMM, moec's on tensor cores for bf16, or the padded GEMM; rt_cuda_rows_gemm says which):
-// the median of RUNS runs of GPU_REPS calls (1 on the fake device), after one call that sets the
+// One expert GEMM over its filled rows as a program runs it: mk_expert_counts counts the filled
+// rows of its operand and zeroes the result's rows past them, then rt_cuda_expert_gemm_rows
+// (cuBLASLt's grouped GEMM, moec's on tensor cores for bf16, or the padded GEMM; rt_cuda_rows_gemm
+// says which) multiplies them: the median of RUNS runs of GPU_REPS calls (1 on the fake device), after one call that sets the
 // site up (cuBLASLt's).
 static double expert_gemm(int experts, int slots, int filled, int k, int n, char *what, size_t what_size) {
   rt_cuda_arena_reset(gpu);
@@ -228,11 +230,13 @@ static double expert_gemm(int experts, int slots, int filled, int k, int n, char
   const void *a = operand(ha, na), *b = operand(hb, nb);
   free(ha), free(hb);
   float *c = device_floats((size_t)experts * slots * n);
-  int *counts = rt_cuda_alloc(gpu, 2 * (size_t)experts * sizeof *counts), *host = tune_xmalloc(2 * (size_t)experts * sizeof *host);
-  for (int e = 0; e < 2 * experts; e++) host[e] = filled;
-  if (!counts || !rt_cuda_to_device(gpu, RT_STREAM_COMPUTE, counts, host, 2 * (size_t)experts * sizeof *host))
+  // mk_expert_counts' counts (6 an expert; its own last two zeros between launches)
+  int *counts = rt_cuda_alloc(gpu, 6 * (size_t)experts * sizeof *counts);
+  if (!counts || !rt_cuda_zero(gpu, RT_STREAM_COMPUTE, counts, 6 * (size_t)experts * sizeof *counts))
     rt_comm_abort("moec tune: the expert GEMM's counts could not be had on the GPU (the error is above)");
-  free(host);
+  int part = (int)cg_rows_part(k), grid = (int)(experts * (((int64_t)slots + part - 1) / part));
+  int cwidth = n;
+  void *count_args[] = {(void *)&a, &counts, &c, &experts, &slots, &k, &cwidth, &part};
   CUfunction tc = gemm_type == RT_CUDA_BF16 ? gemm_tc : NULL;
   char why[256];
   RtRowsGemm path = rt_cuda_rows_gemm(gpu, tc != NULL, why, sizeof why);
@@ -244,7 +248,8 @@ static double expert_gemm(int experts, int slots, int filled, int k, int n, char
   for (int r = -1; r < RUNS; r++) {
     double t0 = MPI_Wtime();
     for (int i = 0; i < (r < 0 ? 1 : reps); i++)
-      if (!rt_cuda_expert_gemm_rows(gpu, RT_STREAM_COMPUTE, gemm_type, a, b, c, experts, slots, n, k, false, false,
+      if (!rt_cuda_launch(gpu, RT_STREAM_COMPUTE, gemm_counts, grid < 65535 ? grid : 65535, KERNEL_BLOCK, 0, count_args) ||
+          !rt_cuda_expert_gemm_rows(gpu, RT_STREAM_COMPUTE, gemm_type, a, b, c, experts, slots, n, k, false, false,
                                     counts, 1, tc))
         rt_comm_abort("moec tune: an expert GEMM over its filled rows failed (the error is above)");
     if (!rt_cuda_sync(gpu, RT_STREAM_COMPUTE)) rt_comm_abort("moec tune: a GPU call failed (the error is above)");
@@ -307,6 +312,8 @@ static bool load_kernels(Tune *t) {
     return false;
   }
   if (gemm_type == RT_CUDA_BF16 && !(gemm_tc = rt_cuda_kernel(gpu, "mk_expert_gemm_tc"))) return false;
+  if (!(gemm_counts = rt_cuda_kernel(gpu, gemm_type == RT_CUDA_BF16 ? "mk_expert_counts_bf16" : "mk_expert_counts")))
+    return false;
   const char *u = gemm_type == RT_CUDA_BF16 ? "_bf16" : "", *a = attn_tc ? "_tc" : "";
   snprintf(kernels_line, sizeof kernels_line,
            "# kernels: the CUDA programs' library, NVRTC for %s%s: elementwise mk_copy + mk_add, elementwise_math mk_gelu, "
@@ -366,7 +373,7 @@ static size_t arena_bytes(const GemmShape *shapes, int nshapes, bool collectives
     int filled, slots;   // the expert GEMM of expert_gemm_scale (cli/tune.c)
     tune_expert_rows(tokens_for(&shapes[i], GEMM_SIZES / 2), &filled, &slots);
     size_t e = TUNE_EXPERTS, rows = e * (size_t)slots;
-    bytes = (rows * k + e * k * n) * w + rows * n * 4 + 2 * e * sizeof(int) + 4 * 256;
+    bytes = (rows * k + e * k * n) * w + rows * n * 4 + 6 * e * sizeof(int) + 4 * 256;
     if (bytes > most) most = bytes;
   }
   size_t grid = (size_t)TUNE_GRID_FLOATS * (2 * w + 4) + 3 * 256;   // the grid's operands (run_gemm_grid)

@@ -44,6 +44,9 @@ void cg_emit_cuda_kernel_list(FILE *out);
 // one block per tile of columns of each of `blocks` blocks of rows `cols` wide, the tiles 32
 // columns wide when there are at least 1024 of them, else 8 (the kernels' mk_colsum_width).
 int64_t cg_cuda_column_tiles(int64_t blocks, int64_t cols);
+// mk_expert_counts' parts (its last argument): the rows of a block of slots `width` elements wide
+// that one block of the grid reads, about 32768 elements (at least a row).
+int64_t cg_rows_part(int64_t width);
 
 // The kernels of cg_emit_cuda compiled by NVRTC, for the CUDA host program to embed.
 typedef struct CgCudaImages {

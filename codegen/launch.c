@@ -11,7 +11,7 @@
 // c: kernel (mk_expert_rows_fill or _zero) over the launch's counts and its result, a block of rows
 // rows of cwidth columns per group.
 static void rows_kernel(CgKernelCall *c, CgKernel kernel, int64_t groups, int64_t rows, int64_t cwidth) {
-  *c = (CgKernelCall){.kernel = kernel, .grid = cg_cuda_grid_elems(groups * rows * cwidth), .nargs = 5};
+  *c = (CgKernelCall){.kernel = kernel, .grid = cg_cuda_grid_blocks(groups * rows), .nargs = 5};   // a block a row
   c->args[0] = (CgArg){.kind = CG_ARG_SCRATCH};
   c->args[1] = (CgArg){.kind = CG_ARG_RESULT};
   c->args[2] = (CgArg){.kind = CG_ARG_INT, .i = groups};

@@ -533,12 +533,14 @@ bool cg_lower_from(const IrFunc *f, int i, unsigned how, const CgLaunch *alone, 
   if ((how & CG_LOWER_ROWS) && l->lib == CG_LIB_GEMM && cg_expert_rows(f->ops[i], &r)) {
     // dtype bf16: from the copy the GEMM reads when its maker wrote one (the value may be stored so only)
     bool copy = (how & CG_LOWER_BF16) && pass_reads_copy(f->ops[i], r.operand);
-    CgKernelCall *c = call(l, copy ? CG_K_EXPERT_COUNTS_BF16 : CG_K_EXPERT_COUNTS, cg_cuda_grid_blocks(r.groups));
+    int64_t part = cg_rows_part(r.width), parts = (r.rows + part - 1) / part;
+    CgKernelCall *c = call(l, copy ? CG_K_EXPERT_COUNTS_BF16 : CG_K_EXPERT_COUNTS, cg_cuda_grid_blocks(r.groups * parts));
     arg(c, copy ? CG_ARG_OPERAND16 : CG_ARG_OPERAND, r.operand);
     arg(c, CG_ARG_SCRATCH, 0);
     arg(c, CG_ARG_RESULT, 0);   // its rows past the counts zeroed (ta: none, cwidth 0)
-    INTS(c, r.groups, r.rows, r.width, ir_op_int(f->ops[i], "ta", 0) ? 0 : f->ops[i]->result->type.dim[2]);
-    l->scratch_bytes = 4 * r.groups * (int64_t)sizeof(int32_t);   // the counts, clamped, plus one (twice)
+    INTS(c, r.groups, r.rows, r.width, ir_op_int(f->ops[i], "ta", 0) ? 0 : f->ops[i]->result->type.dim[2], part);
+    // the counts, clamped, plus one (twice), then the kernel's maxima and arrivals (zeros between launches)
+    l->scratch_bytes = 6 * r.groups * (int64_t)sizeof(int32_t);
     snprintf(l->note, sizeof l->note, "over the filled rows of operand %d (%" PRId64 " blocks an expert)", r.operand,
              r.blocks);
   }
@@ -547,6 +549,8 @@ bool cg_lower_from(const IrFunc *f, int i, unsigned how, const CgLaunch *alone, 
   if ((how & CG_LOWER_ATTN_TC) && !(how & CG_LOWER_CPU)) attn_tc(l);
   return true;
 }
+
+int64_t cg_rows_part(int64_t width) { return width >= 32768 ? 1 : 32768 / (width > 0 ? width : 1); }
 
 bool cg_counts_rows(const CgLaunch *l) {
   return l->lib == CG_LIB_GEMM && l->ncalls == 1 &&

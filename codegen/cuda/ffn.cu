@@ -151,26 +151,37 @@ extern "C" __global__ void mk_expert_scale(const float *x, const float *w, float
 __device__ __forceinline__ bool mk_not_zero(const float *x, i64 j) { return !(x[j] == 0.0f); }
 __device__ __forceinline__ bool mk_not_zero(const u16 *x, i64 j) { return (x[j] & 0x7fffu) != 0u; }
 template <class T>
-__device__ void mk_counts(const T *x, int *counts, float *c, int groups, int rows, int width, int cwidth) {
-  i64 chunk = width >= 4 * MK_BLOCK ? 1 : (4 * MK_BLOCK + width - 1) / width;
-  MK_FOR_BLOCKS(g, groups) {
-    const T *xg = x + g * rows * width;
+__device__ void mk_counts(const T *x, int *counts, float *c, int groups, int rows, int width, int cwidth, int part) {
+  int parts = (rows + part - 1) / part;
+  int *top = counts + 4 * groups, *done = counts + 5 * groups;   // zeros between launches
+  i64 chunk = width >= 4 * MK_BLOCK ? 1 : (4 * MK_BLOCK + width - 1) / width;   // rows a read
+  MK_FOR_BLOCKS(w, (i64)groups * parts) {
+    int g = (int)(w / parts);
+    i64 lo = w % parts * part, hi = lo + part < rows ? lo + part : rows;
+    const T *xg = x + g * (i64)rows * width;
     float last = -1.0f;   // a row number (exact in a float below 2^24 rows)
-    for (i64 top = rows; top > 0 && last < 0.0f; top -= chunk) {
-      i64 lo = top > chunk ? top - chunk : 0;
+    for (i64 top_row = hi; top_row > lo && last < 0.0f; top_row -= chunk) {
+      i64 from = top_row - chunk > lo ? top_row - chunk : lo;
       float mine = -1.0f;
-      for (i64 j = lo * width + threadIdx.x; j < top * width; j += blockDim.x)
+      for (i64 j = from * width + threadIdx.x; j < top_row * width; j += blockDim.x)
         if (mk_not_zero(xg, j)) mine = (float)(j / width);
       last = mk_block_max(mine);   // the same on every thread: the loop ends together
     }
-    int count = (int)last + 1, plus = count < rows ? count + 1 : rows;
+    float *cg = c + g * (i64)rows * cwidth;
+    for (i64 j = ((i64)last + 1 > lo ? (i64)last + 1 : lo) * cwidth + threadIdx.x; j < hi * cwidth; j += blockDim.x)
+      cg[j] = 0.0f;
     if (threadIdx.x == 0) {
-      counts[g] = count;
-      counts[groups + g] = count > 0 ? count : 1;
-      counts[2 * groups + g] = counts[3 * groups + g] = plus;
+      atomicMax(&top[g], (int)last + 1);
+      __threadfence();
+      if (atomicAdd(&done[g], 1) == parts - 1) {   // the group's last part: every part's maximum is in
+        __threadfence();
+        int count = atomicExch(&top[g], 0), plus = count < rows ? count + 1 : rows;
+        atomicExch(&done[g], 0);
+        counts[g] = count;
+        counts[groups + g] = count > 0 ? count : 1;
+        counts[2 * groups + g] = counts[3 * groups + g] = plus;
+      }
     }
-    float *cg = c + g * rows * cwidth;
-    for (i64 j = (i64)count * cwidth + threadIdx.x; j < (i64)rows * cwidth; j += blockDim.x) cg[j] = 0.0f;
   }
 }
 
@@ -182,42 +193,56 @@ __device__ void mk_counts(const T *x, int *counts, float *c, int groups, int row
 // routed to: a sum of zero products, not an empty one); counts[2 groups + g] and counts[3 groups +
 // g] = min(counts[g] + 1, rows), the rows of a GEMM over act(h + b1) (the forward's second GEMM,
 // codegen/launch.c's share_counts: the filled rows and the first empty one, act(b1), whose
-// product mk_expert_rows_fill then copies into the rest). Then the rows of c [groups, rows, cwidth]
-// at and past the count are zeroed: the rows a GEMM over the filled rows leaves alone (cwidth 0:
-// none). One block of MK_BLOCK threads per group reads its rows from the last one back, a chunk of
-// rows at a time (at least MK_BLOCK * 4 elements), and stops at the first chunk holding such an
-// element: the empty slots and one chunk are read, not the whole buffer.
+// product mk_expert_rows_fill then copies into the rest). counts[4 groups ..] and [5 groups ..]
+// are the kernel's own: zeros before a launch (the device memory is zeroed at the start) and
+// after it.
+//   - The blocks take the parts of `part` rows of every block of slots (one block a part, over
+//     the grid): a block reads its part from the last row back, a chunk of rows at a time (at
+//     least MK_BLOCK * 4 elements), and stops at the first chunk holding an element that is not
+//     zero. So the whole GPU reads, the empty slots and a chunk a part (not the whole buffer).
+//   - The rows of c [groups, rows, cwidth] past its part's last such row a block zeroes (cwidth
+//     0: none): every row at or past the count, and the zero rows of x below it that end a part,
+//     which the GEMM over the filled rows then writes (it writes every row below the count).
+//   - A block's part's last row goes to the block of slots' maximum (atomicMax, an order-free
+//     maximum: the same counts whatever the blocks' order), and the last of its parts to arrive
+//     writes the counts from it and sets the maximum and the arrivals back to zero.
 extern "C" __global__ void mk_expert_counts(const float *x, int *counts, float *c, int groups, int rows, int width,
-                                            int cwidth) {
-  mk_counts(x, counts, c, groups, rows, width, cwidth);
+                                            int cwidth, int part) {
+  mk_counts(x, counts, c, groups, rows, width, cwidth, part);
 }
 
 // ---- mk_expert_counts_bf16 ----
 // The same from the bf16 copy of the operand (dtype bf16: what the GEMM reads).
 extern "C" __global__ void mk_expert_counts_bf16(const u16 *x, int *counts, float *c, int groups, int rows, int width,
-                                                 int cwidth) {
-  mk_counts(x, counts, c, groups, rows, width, cwidth);
+                                                 int cwidth, int part) {
+  mk_counts(x, counts, c, groups, rows, width, cwidth, part);
 }
 
 // ---- mk_expert_rows_fill ----
 // After a GEMM over the rows plus[g] of each block of c [groups, rows, cwidth] (mk_expert_counts'
 // counts plus one: the filled rows and the first empty one), each block's rows past them become
 // copies of its row plus[g] - 1: the product of act(b1), which every empty slot holds, as the CPU
-// program's GEMM over the segments copies a repeated row's product (runtime/kernels/ffn.c).
+// program's GEMM over the segments copies a repeated row's product (runtime/kernels/ffn.c). A
+// block of threads a row (over the grid): the rows below the count cost a read of it.
 extern "C" __global__ void mk_expert_rows_fill(const int *plus, float *c, int groups, int rows, int cwidth) {
-  MK_FOR(j, (i64)groups * rows * cwidth) {
-    i64 g = j / ((i64)rows * cwidth), r = j / cwidth % rows, n = plus[g];
-    if (r >= n) c[j] = c[(g * rows + n - 1) * cwidth + j % cwidth];
+  MK_FOR_BLOCKS(w, (i64)groups * rows) {
+    i64 g = w / rows;
+    int n = plus[g];
+    if (w % rows < n) continue;
+    const float *src = c + (g * rows + n - 1) * cwidth;
+    for (int j = threadIdx.x; j < cwidth; j += blockDim.x) c[w * cwidth + j] = src[j];
   }
 }
 
 // ---- mk_expert_rows_zero ----
 // After a GEMM over the rows counts[g] of each block of c [groups, rows, cwidth] that another
 // GEMM's mk_expert_counts counted (the same operand: SwiGLU's x W1 and x W3), the rows past them
-// zeroed, as that count kernel zeroes its own GEMM's.
+// zeroed, as that count kernel zeroes its own GEMM's. A block of threads a row, as
+// mk_expert_rows_fill.
 extern "C" __global__ void mk_expert_rows_zero(const int *counts, float *c, int groups, int rows, int cwidth) {
-  MK_FOR(j, (i64)groups * rows * cwidth) {
-    if (j / cwidth % rows >= counts[j / ((i64)rows * cwidth)]) c[j] = 0.0f;
+  MK_FOR_BLOCKS(w, (i64)groups * rows) {
+    if (w % rows < counts[w / rows]) continue;
+    for (int j = threadIdx.x; j < cwidth; j += blockDim.x) c[w * cwidth + j] = 0.0f;
   }
 }
 

@@ -154,6 +154,7 @@ struct RtCuda {
   // grouped GEMM runs them (0 not asked yet, 1 yes, -1 no: why), and each call site's setup.
   int grouped;
   char grouped_why[200];
+  char rows_env;                     // MOERT_CUDA_GROUPED: 0 unread, 'd' unset, '0', 'm' moec, 'l' cublaslt
   cublasLtHandle_t lt;
   struct Grouped *sites;
   int nsites, cap_sites;
@@ -716,18 +717,26 @@ static Grouped *grouped_site(RtCuda *cu, const Grouped *call, bool *failed) {
 }
 
 RtRowsGemm rt_cuda_rows_gemm(RtCuda *cu, bool tc, char *why, size_t why_size) {
-  const char *env = getenv("MOERT_CUDA_GROUPED");
+  if (!cu->rows_env) {   // MOERT_CUDA_GROUPED, read at the first call (every expert GEMM asks)
+    const char *env = getenv("MOERT_CUDA_GROUPED");
+    cu->rows_env = !env || !*env ? 'd' : strcmp(env, "0") == 0 ? '0' : strcmp(env, "moec") == 0 ? 'm'
+                 : strcmp(env, "cublaslt") == 0 ? 'l' : '?';
+    if (cu->rows_env == '?') {
+      fprintf(stderr, "moert: MOERT_CUDA_GROUPED=%s is none of 0, moec, cublaslt: the default order runs\n", env);
+      cu->rows_env = 'd';
+    }
+  }
   bool lt = rt_cuda_grouped_gemms(cu, why, why_size);   // false with MOERT_CUDA_GROUPED=0
-  if (env && strcmp(env, "0") == 0)
+  if (cu->rows_env == '0')
     return RT_ROWS_PADDED;
-  if (tc && env && strcmp(env, "moec") == 0) {
+  if (tc && cu->rows_env == 'm') {
     if (lt && why && why_size)
       snprintf(why, why_size, "MOERT_CUDA_GROUPED=moec");
     return RT_ROWS_MOEC;
   }
   if (lt)
     return RT_ROWS_CUBLASLT;
-  return tc && !(env && strcmp(env, "cublaslt") == 0) ? RT_ROWS_MOEC : RT_ROWS_PADDED;
+  return tc && cu->rows_env != 'l' ? RT_ROWS_MOEC : RT_ROWS_PADDED;
 }
 
 // mk_expert_gemm_tc's launch (rt_cuda_tc_grid; its tiles past a group's count return at once).

@@ -9,6 +9,7 @@
 #ifndef HOST_KERNELS_H
 #define HOST_KERNELS_H
 
+#include <atomic>
 #include <barrier>
 #include <cmath>
 #include <cstring>
@@ -34,6 +35,17 @@ static inline void __syncthreads() {
   else
     emu_barrier->arrive_and_wait();
 }
+// The device-wide atomics and fence (mk_expert_counts). The blocks run one after another here and
+// only thread 0 calls them, but emu_check's threads are threads: atomic all the same.
+static inline int atomicAdd(int *p, int v) { return std::atomic_ref<int>(*p).fetch_add(v); }
+static inline int atomicExch(int *p, int v) { return std::atomic_ref<int>(*p).exchange(v); }
+static inline int atomicMax(int *p, int v) {
+  std::atomic_ref<int> a(*p);
+  int old = a.load();
+  while (old < v && !a.compare_exchange_weak(old, v)) {}
+  return old;
+}
+static inline void __threadfence() { std::atomic_thread_fence(std::memory_order_seq_cst); }
 static inline float __int_as_float(int i) { float f; memcpy(&f, &i, 4); return f; }
 static inline float __uint_as_float(unsigned i) { float f; memcpy(&f, &i, 4); return f; }
 static inline unsigned __float_as_uint(float f) { unsigned i; memcpy(&i, &f, 4); return i; }

@@ -412,16 +412,20 @@ template <class Launcher> void run_kernel_cases(Launcher &L, Checks &c) {
     LAUNCH(3, 64, mk_expert_scale, a, bias, y_k, 4, s / 4, m);
     c.bits("expert.scale", y_c, y_k);
     {  // the filled rows of 6 blocks of 37 slots: empty, full, one row, a zero row inside, NaN, -0
-      const int groups = 6, slots = 37, width = 301;
+      const int groups = 6, slots = 37, width = 301, part = 8;   // parts of 8 rows: 5 a block, the last 5 rows
       auto x = zeros<float>((size_t)groups * slots * width);
       const int filled[groups] = {0, slots, 1, 20, 9, 5};
-      std::vector<int> want(4 * groups), got(4 * groups, -7);
+      std::vector<int> want(4 * groups), got(6 * groups, 0);
+      got[0] = -7;
       for (int g = 0; g < groups; g++) {
         for (int r = 0; r < filled[g]; r++)
           for (int j = 0; j < width; j++) x[((size_t)g * slots + r) * width + j] = (float)((r + j) % 5) - 2.0f;
         want[g] = filled[g];
       }
       for (int j = 0; j < width; j++) x[((size_t)3 * slots + 10) * width + j] = 0.0f;   // a zero row below the last
+      for (int r = 8; r < 16; r++)   // and a part of zero rows below it
+        for (int j = 0; j < width; j++) x[((size_t)1 * slots + r) * width + j] = 0.0f;
+      for (int j = 0; j < width; j++) x[((size_t)3 * slots + 15) * width + j] = 0.0f;   // a part's last row
       x[((size_t)4 * slots + 30) * width + 300] = NAN;   // NaN counts
       want[4] = 31;
       x[((size_t)5 * slots + 36) * width + 7] = -0.0f;   // -0 is zero
@@ -429,18 +433,37 @@ template <class Launcher> void run_kernel_cases(Launcher &L, Checks &c) {
         want[groups + g] = std::max(want[g], 1);
         want[2 * groups + g] = want[3 * groups + g] = std::min(want[g] + 1, slots);   // plus one (a full block: all)
       }
-      const int cwidth = 13;   // the GEMM's result: its rows past the counts zeroed, the others left
+      // The GEMM's result: its rows past each part's last row that is not zero zeroed (every row past
+      // the count, and the zero rows of x that end a part below it: the GEMM writes those), the others left.
+      const int cwidth = 13;
       auto out = randn((size_t)groups * slots * cwidth), out_want = out;
       for (int g = 0; g < groups; g++)
-        std::fill(out_want.begin() + ((size_t)g * slots + want[g]) * cwidth, out_want.begin() + (size_t)(g + 1) * slots * cwidth, 0.0f);
-      LAUNCH(4, MK_BLOCK, mk_expert_counts, x, got, out, groups, slots, width, cwidth);
-      c.same("expert GEMM filled rows (mk_expert_counts)", want, got);
+        for (int lo = 0; lo < slots; lo += part) {
+          int hi = std::min(lo + part, slots), last = lo - 1;
+          for (int r = lo; r < hi; r++)
+            for (int j = 0; j < width; j++)
+              if (!(x[((size_t)g * slots + r) * width + j] == 0.0f)) last = r;
+          std::fill(out_want.begin() + ((size_t)g * slots + last + 1) * cwidth, out_want.begin() + ((size_t)g * slots + hi) * cwidth, 0.0f);
+        }
+      // The grid smaller than the 30 parts (a block takes several), then again on the same counts:
+      // the kernel's maxima and arrivals are zeros after a launch.
+      LAUNCH(4, MK_BLOCK, mk_expert_counts, x, got, out, groups, slots, width, cwidth, part);
+      std::vector<int> head(got.begin(), got.begin() + 4 * groups), tail(got.begin() + 4 * groups, got.end());
+      c.same("expert GEMM filled rows (mk_expert_counts: parts of 8 rows)", want, head);
+      c.same("expert GEMM filled rows: the kernel's maxima and arrivals back to zero", std::vector<int>(2 * groups, 0), tail);
       c.bits("expert GEMM filled rows: the result's rows past them zeroed", out_want, out);
+      for (int j = 0; j < width; j++) x[((size_t)2 * slots + 33) * width + j] = 1.0f;   // another count the next step
+      want[2] = 34, want[groups + 2] = 34, want[2 * groups + 2] = want[3 * groups + 2] = 35;
+      std::fill(got.begin(), got.begin() + 4 * groups, -7);
+      LAUNCH(64, MK_BLOCK, mk_expert_counts, x, got, out, groups, slots, width, 0, 1);   // a part a row, no result
+      head.assign(got.begin(), got.begin() + 4 * groups);
+      c.same("expert GEMM filled rows, launched again (parts of a row, more blocks than parts of a group)", want, head);
       std::vector<uint16_t> x16(x.size());   // the bf16 copy (-0 stays -0, NaN stays NaN)
       rt_compress_bf16(x.data(), x16.data(), (int64_t)x.size());
-      auto got16 = std::vector<int>(4 * groups, -7);
+      auto got16 = std::vector<int>(6 * groups, 0);
       auto out16 = randn((size_t)groups * slots * cwidth);
-      LAUNCH(4, MK_BLOCK, mk_expert_counts_bf16, x16, got16, out16, groups, slots, width, 0);
+      LAUNCH(4, MK_BLOCK, mk_expert_counts_bf16, x16, got16, out16, groups, slots, width, 0, 37);
+      got16.resize(4 * groups);
       c.same("expert GEMM filled rows of a bf16 copy (mk_expert_counts_bf16)", want, got16);
       // After the GEMM over the counts plus one: each block's rows past them copy its last one.
       auto past = randn((size_t)groups * slots * cwidth), fill_want = past;
