@@ -202,7 +202,7 @@ $(BUILD)/cuda/libfake_cuda.a: $(BUILD)/obj/cuda/fake_cuda.o $(BUILD)/obj/runtime
 # `moec tune --target cuda` (cli/tune.c with the engine of cli/tune_cuda.c, which moec does not
 # link): cuBLAS GEMMs and NCCL collectives, in a program of its own so that moec does not load
 # cuBLAS at every start; moec runs it in its place. moec-tune-fake is the same program on the
-# fake device (MOEC_CUDA_FAKE=1, tests/tune.sh). Both compile the kernel library with NVRTC.
+# fake device (MOEC_CUDA_FAKE=1, tests/tune_cuda.sh). Both compile the kernel library with NVRTC.
 TUNE_CUDA_OBJ := $(BUILD)/obj/cuda/tune_cuda.o $(BUILD)/obj/cli/tune.o $(BUILD)/obj/cli/options.o $(BUILD)/obj/cuda/nvrtc.o
 $(BUILD)/obj/cuda/tune_cuda.o: cli/tune_cuda.c cli/tune.h runtime/cuda/rt_cuda.h runtime/moert.h $(CONFIG)
 	@mkdir -p $(dir $@)

@@ -130,17 +130,20 @@ count_suite() {
 }
 
 # Suites run SUITE_JOBS at a time (default 2: most suites keep one core busy, so two at a time
-# take the 2-core machine's both), their reports printed whole and in the table's order as soon
-# as they and the ones before them are done. The suites that time themselves or the network
-# (a build under 1 s, tune's bounded time, the emulated cluster's links and timeouts, MPI's
-# failure detection) run alone.
+# take the 2-core machine's both), their reports printed whole and in the table's order (the
+# first pass's, then the second's) as soon as they and the ones before them are done. The suites
+# that time themselves or the network (a build under 1 s, tune's bounded time, the emulated
+# cluster's links and timeouts, MPI's failure detection) run alone, first. Then the others, the
+# long ones first (LONG, in about the order of their times on a 2-core machine), so that the
+# last to finish are short and no core waits long for another at the end; a suite of the second
+# pass starts when its first-pass run is done (a script never runs twice at once).
 SOLO=" plan-build tune cluster-link cluster-smoke cluster-faults mpi-comm mpi-failures "
+LONG=" cuda-host cuda-kernels gradcheck golden-runs lm-layout ref lm-recompute tune-cuda mpi-twin mpi-chunks lm-pipeline lm-lora lm-hf "
 JOBS=${SUITE_JOBS:-2}
 OUT=$(mktemp -d "${TMPDIR:-/tmp}/moec-run.XXXXXX")
 trap 'rm -rf "$OUT"' EXIT
-# One pass: the suites of the array `pass` (indices into the table), their output under
-# $OUT/$PASS_ID.K, each started with the environment words of PASS_ENV and its lines marked
-# PASS_MARK.
+# The runs: item K is suite index[K] of pass passof[K] (1, or 2: the second pass), its output
+# $OUT/K.out, its seconds $OUT/K.time.
 # The suites of QUICK_C build their programs with MOEC_OPT=-O0 (codegen/link.c; unless the caller
 # set MOEC_OPT), those of QUICK_C1 with -O1: they build many small programs and run each for a
 # step or a few (gradcheck: many passes, where -O1 is the quicker of the two), and compare
@@ -152,37 +155,62 @@ trap 'rm -rf "$OUT"' EXIT
 QUICK_C=" lm-layout lm-checkpoint lm-shard lm-recompute lm-vocab lm-hf lm-inputs lm-gradpart lm-pipeline lm-lora "
 QUICK_C+="lm-lora-hf mpi-rt-main mpi-reshard mpi-twin mpi-chunks mpi-gradpart balance cuda-host cuda-pipeline "
 QUICK_C1=" gradcheck "
-start_suite() {   # K: suite pass[K], in the background, its output to $OUT/ID.K.out, its seconds to ID.K.time
-  local i=${pass[$1]} o=$OUT/$PASS_ID.$1 opt=${MOEC_OPT:-}
+SECOND_ENV="" SECOND_MARK=""   # the second pass's environment words and mark (set below)
+mark_of() { [ "${passof[$1]}" = 2 ] && echo "$SECOND_MARK"; }
+start_suite() {   # K: item K, in the background
+  local i=${index[$1]} o=$OUT/$1 opt=${MOEC_OPT:-} penv=""
+  [ "${passof[$1]}" = 2 ] && penv=$SECOND_ENV
   case "$QUICK_C" in *" ${names[$i]} "*) opt=${MOEC_OPT:--O0} ;; esac
   case "$QUICK_C1" in *" ${names[$i]} "*) opt=${MOEC_OPT:--O1} ;; esac
   ( s0=$SECONDS
-    env $PASS_ENV BUILD=$BUILD MOEC=$MOEC ${opt:+MOEC_OPT=$opt} bash "${scripts[$i]}" >"$o.part" 2>&1 </dev/null
+    env $penv BUILD=$BUILD MOEC=$MOEC ${opt:+MOEC_OPT=$opt} bash "${scripts[$i]}" >"$o.part" 2>&1 </dev/null
     echo "exit status $?" >>"$o.part"
     echo $((SECONDS - s0)) >"$o.time"
     mv "$o.part" "$o.out" ) &
 }
 times=()
-show_done() {   # prints the finished suites whose predecessors are all printed
-  while [ "$shown" -lt "${#pass[@]}" ] && [ -f "$OUT/$PASS_ID.$shown.out" ]; do
-    local i=${pass[$shown]}
-    printf '\n# %s%s (%s: %s)\n' "${PASS_MARK:+$PASS_MARK }" "${titles[$i]}" "${names[$i]}" "${scripts[$i]}"
-    count_suite "${names[$i]}" "$OUT/$PASS_ID.$shown.out" "$i" "$PASS_MARK"
-    times+=("${PASS_MARK:+$PASS_MARK }${names[$i]} $(cat "$OUT/$PASS_ID.$shown.time")s")
+show_done() {   # prints the finished items whose predecessors are all printed
+  while [ "$shown" -lt "${#index[@]}" ] && [ -f "$OUT/$shown.out" ]; do
+    local i=${index[$shown]} m
+    m=$(mark_of "$shown")
+    if [ "${passof[$shown]}" = 2 ] && { [ "$shown" -eq 0 ] || [ "${passof[$((shown - 1))]}" = 1 ]; }; then
+      printf '\n# the second pass: the suites that claim exact bits, with OpenBLAS'"'"'s %s kernels (this run'"'"'s: %s) and the %s vector path (this run'"'"'s: %s)\n' \
+        "$other_core" "$own_core" "$other_path" "$own_path"
+    fi
+    printf '\n# %s%s (%s: %s)\n' "${m:+$m }" "${titles[$i]}" "${names[$i]}" "${scripts[$i]}"
+    count_suite "${names[$i]}" "$OUT/$shown.out" "$i" "$m"
+    times+=("${m:+$m }${names[$i]} $(cat "$OUT/$shown.time")s")
     shown=$((shown + 1))
   done
 }
-run_pass() {
-  local k
+is_in() { case "$1" in *" $2 "*) return 0 ;; esac; return 1; }
+run_items() {
+  local k j order=() w
+  # The order they start in: the solo suites, the long ones, the rest (each in the items' order).
+  for k in "${!index[@]}"; do is_in "$SOLO" "${names[${index[$k]}]}" && [ "${passof[$k]}" = 1 ] && order+=("$k"); done
+  for w in $LONG; do
+    for k in "${!index[@]}"; do [ "${names[${index[$k]}]}" = "$w" ] && [ "${passof[$k]}" = 1 ] && order+=("$k"); done
+  done
+  for k in "${!index[@]}"; do
+    is_in "$SOLO" "${names[${index[$k]}]}" && [ "${passof[$k]}" = 1 ] && continue
+    is_in "$LONG" "${names[${index[$k]}]}" && [ "${passof[$k]}" = 1 ] && continue
+    order+=("$k")
+  done
   shown=0
-  for k in "${!pass[@]}"; do
-    if [ "${SOLO/ ${names[${pass[$k]}]} /}" != "$SOLO" ] || [ "$JOBS" -le 1 ]; then
+  for k in "${order[@]}"; do
+    if is_in "$SOLO" "${names[${index[$k]}]}" || [ "$JOBS" -le 1 ]; then
       wait
       show_done
       start_suite "$k"
       wait
     else
       while [ "$(jobs -rp | wc -l)" -ge "$JOBS" ]; do wait -n; show_done; done
+      if [ "${passof[$k]}" = 2 ]; then   # after its first-pass run
+        for j in "${!index[@]}"; do
+          [ "${passof[$j]}" = 1 ] && [ "${index[$j]}" = "${index[$k]}" ] || continue
+          while [ ! -f "$OUT/$j.out" ]; do wait -n; show_done; done
+        done
+      fi
       start_suite "$k"
     fi
     show_done
@@ -191,18 +219,18 @@ run_pass() {
   show_done
 }
 t0=$SECONDS
-pass=("${run[@]}") PASS_ID=1 PASS_ENV="" PASS_MARK=""
-[ ${#pass[@]} -eq 0 ] || run_pass
+index=() passof=()
+for i in "${run[@]}"; do index+=("$i") passof+=(1); done
 if [ ${#second[@]} -gt 0 ]; then
   if [ -z "$other_core" ]; then
     skip "second pass (${BITS// /, })" "this CPU runs no OpenBLAS kernels but its own ($own_core: no AVX2)"
   else
-    printf '\n# the second pass: the suites that claim exact bits, with OpenBLAS'"'"'s %s kernels (this run'"'"'s: %s) and the %s vector path (this run'"'"'s: %s)\n' \
-      "$other_core" "$own_core" "$other_path" "$own_path"
-    pass=("${second[@]}") PASS_ID=2 PASS_ENV="OPENBLAS_CORETYPE=$other_core MOERT_VECTOR=$other_path TESTS_SECOND_PASS=1" PASS_MARK="[$other_core, $other_path]"
-    run_pass
+    SECOND_ENV="OPENBLAS_CORETYPE=$other_core MOERT_VECTOR=$other_path TESTS_SECOND_PASS=1"
+    SECOND_MARK="[$other_core, $other_path]"
+    for i in "${second[@]}"; do index+=("$i") passof+=(2); done
   fi
 fi
+[ ${#index[@]} -eq 0 ] || run_items
 
 echo
 [ ${#times[@]} -gt 1 ] && echo "time per suite: $(printf '%s, ' "${times[@]}" | sed 's/, $//'); $((SECONDS - t0)) s in all"
