@@ -3,9 +3,9 @@
 # (all of them, or the ones named) and ends with the totals: "N passed, N failed, N skipped".
 # Exit status 1 if anything failed.
 #
-#   tests/run.sh             every suite, in the table's order (SUITE_JOBS at a time, default 2:
-#                            the reports in order; SUITE_JOBS=1 one after another), then the
-#                            suites that claim exact bits again on other kernels (below)
+#   tests/run.sh             every suite (SUITE_JOBS at a time, default 2; SUITE_JOBS=1 one after
+#                            another; the order below), and the suites that claim exact bits
+#                            again on other kernels (below)
 #   tests/run.sh NAME...     these suites (builds nothing: `make check T="NAME..."` builds what they need)
 #   tests/run.sh --other-kernels [NAME...]
 #                            only the second pass: these suites (default: the bits suites below)
@@ -130,8 +130,7 @@ count_suite() {
 }
 
 # Suites run SUITE_JOBS at a time (default 2: most suites keep one core busy, so two at a time
-# take the 2-core machine's both), their reports printed whole and in the table's order (the
-# first pass's, then the second's) as soon as they and the ones before them are done. The suites
+# take the 2-core machine's both), each one's report printed whole as soon as it is done. The suites
 # that time themselves or the network (a build under 1 s, tune's bounded time, the emulated
 # cluster's links and timeouts, MPI's failure detection) run alone, first. Then the others, the
 # long ones first (LONG, in about the order of their times on a 2-core machine), so that the
@@ -168,19 +167,23 @@ start_suite() {   # K: item K, in the background
     echo $((SECONDS - s0)) >"$o.time"
     mv "$o.part" "$o.out" ) &
 }
-times=()
-show_done() {   # prints the finished items whose predecessors are all printed
-  while [ "$shown" -lt "${#index[@]}" ] && [ -f "$OUT/$shown.out" ]; do
-    local i=${index[$shown]} m
-    m=$(mark_of "$shown")
-    if [ "${passof[$shown]}" = 2 ] && { [ "$shown" -eq 0 ] || [ "${passof[$((shown - 1))]}" = 1 ]; }; then
+times=() printed=()
+second_header=false
+show_done() {   # prints the reports of the finished items not printed yet (in the items' order)
+  local k i m
+  for k in "${!index[@]}"; do
+    [ -z "${printed[$k]:-}" ] && [ -f "$OUT/$k.out" ] || continue
+    printed[$k]=1
+    i=${index[$k]}
+    m=$(mark_of "$k")
+    if [ "${passof[$k]}" = 2 ] && ! $second_header; then
+      second_header=true
       printf '\n# the second pass: the suites that claim exact bits, with OpenBLAS'"'"'s %s kernels (this run'"'"'s: %s) and the %s vector path (this run'"'"'s: %s)\n' \
         "$other_core" "$own_core" "$other_path" "$own_path"
     fi
     printf '\n# %s%s (%s: %s)\n' "${m:+$m }" "${titles[$i]}" "${names[$i]}" "${scripts[$i]}"
-    count_suite "${names[$i]}" "$OUT/$shown.out" "$i" "$m"
-    times+=("${m:+$m }${names[$i]} $(cat "$OUT/$shown.time")s")
-    shown=$((shown + 1))
+    count_suite "${names[$i]}" "$OUT/$k.out" "$i" "$m"
+    times+=("${m:+$m }${names[$i]} $(cat "$OUT/$k.time")s")
   done
 }
 is_in() { case "$1" in *" $2 "*) return 0 ;; esac; return 1; }
@@ -196,7 +199,6 @@ run_items() {
     is_in "$LONG" "${names[${index[$k]}]}" && [ "${passof[$k]}" = 1 ] && continue
     order+=("$k")
   done
-  shown=0
   for k in "${order[@]}"; do
     if is_in "$SOLO" "${names[${index[$k]}]}" || [ "$JOBS" -le 1 ]; then
       wait
