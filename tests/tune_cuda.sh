@@ -12,20 +12,12 @@
 #   - bench/gpu_predict.sh --quick (tune, plan, run: predicted, the fused program's prediction and
 #     measured) runs on the fake device.
 # Prints `ok    ...` / `FAIL  ...` lines; exits 1 on any failure.
-set -u
-cd "$(dirname "$0")/.."
-BUILD=${BUILD:-build}
-MOEC=${MOEC:-$BUILD/moec}
-WORK=$(mktemp -d "${TMPDIR:-/tmp}/moec-tune-cuda.XXXXXX")
-trap 'rm -rf "$WORK"' EXIT
+. "$(dirname "$0")/lib.sh"
+work tune-cuda
 export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1
 MPIRUN="mpirun --allow-run-as-root --oversubscribe"
 # A bound on each run (it ends a hang; the fake device's runs take a few seconds to a minute).
 TIMEOUT=${TUNE_TIMEOUT:-300}
-failed=0
-
-ok() { printf 'ok    %s\n' "$1"; }
-bad() { failed=1; printf 'FAIL  %s\n' "$1"; [ -n "${2:-}" ] && printf '%s\n' "$2" | head -n 40 | sed 's/^/      /'; }
 
 # ---- --target cuda (build/cuda/moec-tune-cuda; on the fake device moec-tune-fake) ----
 FAKE=$BUILD/cuda/moec-tune-fake
