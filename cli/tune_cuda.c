@@ -291,6 +291,7 @@ static bool load_kernels(Tune *t) {
   cg_emit_cuda_library(f);
   fclose(f);
   snprintf(arch, sizeof arch, "sm_%d", rt_cuda_device(gpu)->arch);
+  cg_nvrtc_fast(rt_cuda_device(gpu)->emulated);   // the fake device never runs the images
   IrDiag diag;
   ir_diag_init(&diag, stderr);
   bool ok = cg_nvrtc_images_cached(&diag, src, arch, &cubin, &cubin_size, &ptx, &ptx_size, &cached) &&

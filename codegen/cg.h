@@ -71,6 +71,10 @@ bool cg_emit_cuda_host(IrDiag *d, FILE *out, const IrModule *m, const PassMemPla
 // JIT-compile. Results are malloc'd; false with a diagnostic holding NVRTC's program log.
 bool cg_nvrtc_compile(IrDiag *d, const char *src, const char *arch, void **cubin, size_t *size);
 bool cg_nvrtc_ptx(IrDiag *d, const char *src, const char *arch, char **ptx, size_t *size);
+// The test hook's builds (MOEC_CUDA_FAKE=1: the fake device runs the kernels as host C++, never
+// these images) compile with NVRTC's --Ofast-compile=max where NVRTC has it (12.8 and newer): the
+// same checks of the source, a fraction of the time; the build cache keeps them apart.
+void cg_nvrtc_fast(bool on);
 // Both from one compilation (what moec build embeds): the CUBIN for arch and its PTX.
 bool cg_nvrtc_images(IrDiag *d, const char *src, const char *arch, void **cubin, size_t *cubin_size, char **ptx,
                      size_t *ptx_size);

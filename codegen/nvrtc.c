@@ -46,12 +46,23 @@ static int arch_number(const char *arch) {
 static const char *const options[] = {"-std=c++17", "-default-device", "--fmad=false", "--ftz=false", "--prec-div=true",
                                       "--prec-sqrt=true"};
 
+// cg_nvrtc_fast: NVRTC's --Ofast-compile=max (NVRTC 12.8 and newer) after them.
+static bool fast_compile;
+static const char *const fast_option = "--Ofast-compile=max";
+
+void cg_nvrtc_fast(bool on) {
+  int major = 0, minor = 0;
+  nvrtcVersion(&major, &minor);
+  fast_compile = on && (major > 12 || (major == 12 && minor >= 8));
+}
+
 static void signature(char *buf, size_t size) {
   int major = 0, minor = 0;
   nvrtcVersion(&major, &minor);
   size_t u = (size_t)snprintf(buf, size, "nvrtc %d.%d", major, minor);
   for (size_t i = 0; i < sizeof options / sizeof options[0] && u < size; i++)
     u += (size_t)snprintf(buf + u, size - u, " %s", options[i]);
+  if (fast_compile && u < size) snprintf(buf + u, size - u, " %s", fast_option);
 }
 
 // Compiles src for -arch=<virtual ? compute_NN : sm_NN>; returns the program (NULL on error).
@@ -63,11 +74,13 @@ static nvrtcProgram compile(IrDiag *d, const char *src, const char *arch, bool v
   }
   char opt_arch[32];
   snprintf(opt_arch, sizeof opt_arch, "-arch=%s_%d", virtual_arch ? "compute" : "sm", num);
-  const char *opts[1 + sizeof options / sizeof options[0]] = {opt_arch};
+  const char *opts[2 + sizeof options / sizeof options[0]] = {opt_arch};
   memcpy(opts + 1, options, sizeof options);
+  int nopts = 1 + (int)(sizeof options / sizeof options[0]);
+  if (fast_compile) opts[nopts++] = fast_option;
   nvrtcProgram prog = NULL;
   NVRTC_CHECK(d, NULL, nvrtcCreateProgram(&prog, src, "moec_kernels.cu", 0, NULL, NULL));
-  NVRTC_CHECK(d, prog, nvrtcCompileProgram(prog, (int)(sizeof opts / sizeof opts[0]), opts));
+  NVRTC_CHECK(d, prog, nvrtcCompileProgram(prog, nopts, opts));
   return prog;
 fail:
   if (prog) nvrtcDestroyProgram(&prog);

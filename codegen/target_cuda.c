@@ -25,7 +25,10 @@ static bool cuda_available(char *why, size_t size) {
 
 // The model's kernels compiled by NVRTC: the CUBIN for arch and the PTX of its virtual
 // architecture, malloc'd.
+static bool use_fake(void);
+
 static bool cuda_images(IrDiag *d, const IrModule *m, const CgLaunches *ls, const char *arch, CgCudaImages *img) {
+  cg_nvrtc_fast(use_fake());   // the fake device never runs the images
   char *src = NULL;
   size_t n = 0;
   FILE *f = open_memstream(&src, &n);
