@@ -154,7 +154,7 @@ struct RtCuda {
   // grouped GEMM runs them (0 not asked yet, 1 yes, -1 no: why), and each call site's setup.
   int grouped;
   char grouped_why[200];
-  char rows_env;                     // MOERT_CUDA_GROUPED: 0 unread, 'd' unset, '0', 'm' moec, 'l' cublaslt
+  char rows_env;                     // MOERT_CUDA_GROUPED as rows_env reads it (0: not yet)
   cublasLtHandle_t lt;
   struct Grouped *sites;
   int nsites, cap_sites;
@@ -553,12 +553,26 @@ typedef struct Grouped {
   size_t work_bytes;
 } Grouped;
 
+// MOERT_CUDA_GROUPED, read once: 'd' unset (or an unknown value, said on stderr), '0', 'm' moec,
+// 'l' cublaslt.
+static char rows_env(RtCuda *cu) {
+  if (!cu->rows_env) {
+    const char *env = getenv("MOERT_CUDA_GROUPED");
+    cu->rows_env = !env || !*env ? 'd' : strcmp(env, "0") == 0 ? '0' : strcmp(env, "moec") == 0 ? 'm'
+                 : strcmp(env, "cublaslt") == 0 ? 'l' : '?';
+    if (cu->rows_env == '?') {
+      fprintf(stderr, "moert: MOERT_CUDA_GROUPED=%s is none of 0, moec, cublaslt: the default order runs\n", env);
+      cu->rows_env = 'd';
+    }
+  }
+  return cu->rows_env;
+}
+
 bool rt_cuda_grouped_gemms(RtCuda *cu, char *why, size_t why_size) {
   if (cu->grouped == 0) {
-    const char *env = getenv("MOERT_CUDA_GROUPED");
     int arch = cu->device.arch;
     cu->grouped = -1;
-    if (env && strcmp(env, "0") == 0)
+    if (rows_env(cu) == '0')
       snprintf(cu->grouped_why, sizeof cu->grouped_why, "MOERT_CUDA_GROUPED=0");
     else if (arch != 90 && arch / 10 != 10 && arch != 110)
       snprintf(cu->grouped_why, sizeof cu->grouped_why, "cuBLASLt's grouped GEMM runs on compute capability 9.0, "
@@ -717,26 +731,18 @@ static Grouped *grouped_site(RtCuda *cu, const Grouped *call, bool *failed) {
 }
 
 RtRowsGemm rt_cuda_rows_gemm(RtCuda *cu, bool tc, char *why, size_t why_size) {
-  if (!cu->rows_env) {   // MOERT_CUDA_GROUPED, read at the first call (every expert GEMM asks)
-    const char *env = getenv("MOERT_CUDA_GROUPED");
-    cu->rows_env = !env || !*env ? 'd' : strcmp(env, "0") == 0 ? '0' : strcmp(env, "moec") == 0 ? 'm'
-                 : strcmp(env, "cublaslt") == 0 ? 'l' : '?';
-    if (cu->rows_env == '?') {
-      fprintf(stderr, "moert: MOERT_CUDA_GROUPED=%s is none of 0, moec, cublaslt: the default order runs\n", env);
-      cu->rows_env = 'd';
-    }
-  }
+  char env = rows_env(cu);
   bool lt = rt_cuda_grouped_gemms(cu, why, why_size);   // false with MOERT_CUDA_GROUPED=0
-  if (cu->rows_env == '0')
+  if (env == '0')
     return RT_ROWS_PADDED;
-  if (tc && cu->rows_env == 'm') {
+  if (tc && env == 'm') {
     if (lt && why && why_size)
       snprintf(why, why_size, "MOERT_CUDA_GROUPED=moec");
     return RT_ROWS_MOEC;
   }
   if (lt)
     return RT_ROWS_CUBLASLT;
-  return tc && cu->rows_env != 'l' ? RT_ROWS_MOEC : RT_ROWS_PADDED;
+  return tc && env != 'l' ? RT_ROWS_MOEC : RT_ROWS_PADDED;
 }
 
 // mk_expert_gemm_tc's launch (rt_cuda_tc_grid; its tiles past a group's count return at once).
