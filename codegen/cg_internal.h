@@ -169,6 +169,15 @@ typedef struct CgLaunch {
                            // one, then call[0] (mk_expert_rows_fill) copies the last row into the rest
   bool rows_zero;          // with rows_from, ta 0: over the same operand as that launch's GEMM (SwiGLU's
                            // x W3 after x W1), then call[0] (mk_expert_rows_zero) zeroes the rows past
+  // The kernels over expert slots (launch.c's filled_rows, CG_LOWER_ROWS):
+  bool rows_guard;         // a fused group over the slots of the counts of launch rows_from - 1 (its kernel's
+                           // last argument): its operands zero past them are read as zeros there
+  bool rows_skip;          // with rows_guard: nothing reads its results' rows past the counts, so it skips
+                           // them (all but each block's row 0, which a weight gradient of an empty block reads)
+  double rows_bytes;       // with rows_guard: the bytes of its traffic (each pointer argument once) over
+                           // rows it reads or writes only below the counts (an empty slot's: none)
+  bool rows_lazy;          // an expert GEMM (ta 0) over its filled rows whose result's rows past the counts
+                           // nothing reads: its count kernel does not zero them (mk_expert_rows_zero not run)
 } CgLaunch;
 
 // The lowering of op i of f (or, with CG_LOWER_FUSE, of the group the fuse pass made at op i when
@@ -242,7 +251,27 @@ int cg_fused_members(const IrFunc *f, int i);
 // renamed by the program as gen's name, fuse_N) instead of a CUDA kernel.
 // first: the lowering of op i alone (cg_lower_op's; NULL: none), which a group that starts with an
 // op of a storing function (IR_STORE) calls with a storer.
-bool cg_lower_fused(IrDiag *d, CgLaunches *ls, const IrFunc *f, int i, bool cpu, const CgLaunch *first, CgLaunch *l);
+// A fused group's kernel over the rows of expert slots, [groups * rows, width] (an expert's blocks
+// of slots, as mk_expert_counts counts them into counts[groups]): the operands zero[] are zero at
+// and past each block's count, so the kernel reads them as 0.0f there (it does not load them);
+// with skip it does not compute those rows at all (nothing reads the results there) but for each
+// block's row 0. A group of column sums adds only the rows below the counts of the sums whose
+// summed operand (or its factor) is zero past them.
+typedef struct CgGuard {
+  int64_t groups, rows;
+  const IrValue *zero[8];
+  int nzero;
+  bool skip;
+} CgGuard;
+// Whether the group at op i of f (or op i alone, as a group of one: an elementwise op with a scalar
+// expression, or a column sum) can take guard g: an elementwise group (no row-wise op) whose
+// results are [E, S, W] with E S = groups rows, or column sums over such operands, that reads each
+// operand of zero[] at the element (a group of column sums: as a summed operand).
+bool cg_fused_guardable(const IrFunc *f, int i, const CgGuard *g);
+// guard (NULL: none; the CUDA kernel only): the group over expert slots (cg_fused_guardable), which
+// may be an op alone.
+bool cg_lower_fused(IrDiag *d, CgLaunches *ls, const IrFunc *f, int i, bool cpu, const CgLaunch *first,
+                    const CgGuard *guard, CgLaunch *l);
 // Whether scalar expression expr is a form the CPU loops take: one function call of plain
 // operands (rt_fv_NAME of runtime/rt_fused.h), or arithmetic without functions.
 bool cg_scalar_c_form(const char *expr);

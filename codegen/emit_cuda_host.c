@@ -56,7 +56,10 @@ typedef struct Counts {
   int64_t row_counts;      // the kernels that count expert GEMMs' filled rows (mk_expert_counts) or fill past them
   int64_t expert_gemms, row_gemms;   // expert GEMMs, and those over their filled rows
   int64_t attn_ops, attn_tc;          // attention ops (forward, statistics, backward), and those on tensor cores
+  int64_t row_guards, row_skips;      // fused groups that read expert GEMMs' counts, and those that skip the rows past them
+  int64_t row_lazy;                   // expert GEMMs whose results' rows past the counts are left unwritten
   double kernel_bytes, gemm_bytes;
+  double rows_bytes;                  // of kernel_bytes, what the row_guards move only below the counts
   double unfused_bytes;   // what the fused groups' ops would move op by op, less what their kernels move
 } Counts;
 
@@ -679,6 +682,7 @@ static bool emit_op(Host *h, const IrFunc *f, int i, const CgLaunch *lp, IrStrea
     const CgLaunch *by = l.rows_from > 0 ? &fl->launch[l.rows_from - 1] : &l;   // the launch that counts
     h->rows_at[k] = -1;
     if (!cg_counts_rows(by)) return emit_gemm(h, f, op, s, -1, 1);
+    h->count[h->phase].row_lazy += l.rows_lazy;
     int64_t blocks = by->call[0].args[3].i / cg_gemm(op).e;   // its groups over the experts
     if (l.rows_plus || l.rows_zero) {   // then the rows past the counts: filled (act(h + b1)'s, plus one), zeroed
       int64_t at = h->rows_at[l.rows_from - 1] + (l.rows_plus ? 2 * by->call[0].args[3].i * (int64_t)sizeof(int32_t) : 0);
@@ -705,6 +709,13 @@ static bool emit_op(Host *h, const IrFunc *f, int i, const CgLaunch *lp, IrStrea
   int64_t stats = op->kind == IR_OP_HOOK_RECORD ? stage_place(h, 3 * (int64_t)sizeof(double)) : -1;
   // A split reduction's partial sums: a place of their own (ops on other streams may run beside).
   int64_t scratch = l.scratch_bytes > 0 ? stage_place(h, l.scratch_bytes) : -1;
+  if (l.rows_guard) {   // a fused group over expert slots: the counts of launch rows_from - 1
+    scratch = h->rows_at[l.rows_from - 1];
+    if (scratch < 0) return ir_internal_at(h->d, op->loc, "a fused group reads the counts of a launch that has none");
+    h->count[h->phase].row_guards++;
+    h->count[h->phase].row_skips += l.rows_skip;
+    h->count[h->phase].rows_bytes += l.rows_bytes;
+  }
   if (l.ncalls == 1 && l.call[0].kernel >= CG_K_COUNT) {   // a fused group
     double fused = fused_bytes(f, i, &l.call[0]);
     h->count[h->phase].kernel_bytes += fused;
@@ -935,6 +946,8 @@ static int64_t unfused_extra(const Host *h, int64_t op_by_op_casts) {
 // function, then the whole step and the op-by-op count, each between `pre` and `post`.
 static void print_counts(const Host *h, FILE *out, const char *pre, const char *post) {
   int64_t kernels = 0, gemms = 0, comms = 0, row_counts = 0, expert_gemms = 0, row_gemms = 0, attn_ops = 0, attn_tc = 0;
+  int64_t row_guards = 0, row_skips = 0, row_lazy = 0;
+  double rows_bytes = 0.0;
   double bytes = 0.0, gemm_bytes = 0.0, unfused_bytes = 0.0;
   for (int p = 0; p < STEP_COUNT; p++) {
     const Counts *c = &h->count[p];
@@ -945,6 +958,7 @@ static void print_counts(const Host *h, FILE *out, const char *pre, const char *
     unfused_bytes += c->unfused_bytes;
     row_counts += c->row_counts, expert_gemms += c->expert_gemms, row_gemms += c->row_gemms;
     attn_ops += c->attn_ops, attn_tc += c->attn_tc;
+    row_guards += c->row_guards, row_skips += c->row_skips, row_lazy += c->row_lazy, rows_bytes += c->rows_bytes;
   }
   double slot_bytes = 0.0;   // dtype bf16: the op-by-op program's casts instead of the copies' casts
   int64_t op_by_op_casts = 0;
@@ -968,6 +982,11 @@ static void print_counts(const Host *h, FILE *out, const char *pre, const char *
                  " of the kernels count (or set the rows past the counts)%s%s",
             pre, row_gemms, expert_gemms, row_counts,
             cg_cuda_lowering(h->m) & CG_LOWER_ROWS ? "" : " (MOEC_EXPERT_ROWS=all: every slot)", post);
+  if (row_guards + row_lazy > 0)
+    fprintf(out, "%sexpert slots: %" PRId64 " fused kernels a step read the counts (%" PRId64 " of them skip the rows past "
+                 "them), %" PRId64 " expert GEMMs' results are not zeroed past them (nothing reads those rows); "
+                 "%.1f MB of the kernel traffic is over the slots' filled rows only%s",
+            pre, row_guards, row_skips, row_lazy, rows_bytes / 1e6, post);
   if (attn_ops > 0)
     fprintf(out, "%sattention: %" PRId64 " of %" PRId64 " ops a step on tensor cores (bf16 operands, fp32 sums)%s%s", pre,
             attn_tc, attn_ops,

@@ -203,12 +203,20 @@ typedef struct Operands {
   const IrOp *op;
   const In *in;
   int nin;
+  const CgGuard *guard;   // CUDA: a group over expert slots (NULL: none)
   const Stores *st;
   int m0, m1;
   int64_t cols;
 } Operands;
 
 static int outside_pointer(const Operands *o, int k) { return pointer_of(o->in, o->nin, &o->op->args[k]); }
+
+// Whether operand a is one that guard g reads as zero past the counts.
+static bool guard_zero(const CgGuard *g, const IrOperand *a) {
+  for (int z = 0; g && a->value && z < g->nzero; z++)
+    if (g->zero[z] == a->value) return true;
+  return false;
+}
 
 // A CUDA operand: another member's register (its numel is the group's: every mode is the
 // element), or the load of a pointer from outside.
@@ -220,15 +228,17 @@ static void cuda_operand(FILE *out, int k, Mode mode, void *ctx) {
     fprintf(out, "v%d", made);
     return;
   }
-  fprintf(out, "%s", copy ? "mk_float_from_bf16(" : "");
+  bool zero = guard_zero(o->guard, &o->op->args[k]);   // 0 in the rows past the counts (not loaded)
+  fprintf(out, "%s%s", zero ? "(filled ? " : "", copy ? "mk_float_from_bf16(" : "");
   load(out, outside_pointer(o, k), mode, o->op, k);
-  fprintf(out, "%s", copy ? ")" : "");
+  fprintf(out, "%s%s", copy ? ")" : "", zero ? " : 0.0f)" : "");
 }
 
 // The expression of member op in CUDA: operands become registers or loads, functions the
 // prelude's mk_f_NAME.
-static void expression(FILE *out, const IrFunc *f, int i, int n, const IrOp *op, const In *in, int nin) {
-  Operands o = {.f = f, .i = i, .n = n, .op = op, .in = in, .nin = nin};
+static void expression(FILE *out, const IrFunc *f, int i, int n, const IrOp *op, const In *in, int nin,
+                       const CgGuard *guard) {
+  Operands o = {.f = f, .i = i, .n = n, .op = op, .in = in, .nin = nin, .guard = guard};
   write_expression(out, scalar_of(op->kind), "mk_f_", cuda_operand, &o);
 }
 
@@ -261,13 +271,13 @@ static void store(FILE *out, const Stores *st, int j, const char *indent) {
 }
 
 // Members lo .. hi - 1 of the group at op i: each element into a register, then its stores (st,
-// NULL: none).
+// NULL: none); guard: a group over expert slots (NULL: none).
 static void members(FILE *out, const IrFunc *f, int i, int n, int lo, int hi, const In *in, int nin,
-                    const Stores *st, const char *indent) {
+                    const Stores *st, const char *indent, const CgGuard *guard) {
   for (int j = lo; j < hi; j++) {
     const IrOp *op = f->ops[i + j];
     fprintf(out, "%sconst float v%d = ", indent, j);
-    expression(out, f, i, n, op, in, nin);
+    expression(out, f, i, n, op, in, nin, guard);
     fprintf(out, ";   // %s\n", ir_op_info[op->kind].name);
     if (st) store(out, st, j, indent);
   }
@@ -283,7 +293,9 @@ typedef struct Grid {
 // The body of a group of column sums: each member's tiles (mk_colsum_tile_of of codegen/cuda/ffn.cu,
 // with its own shape's tile width, as its own kernel would) one after the other in one tile space
 // that the blocks stride over.
-static Grid colsums(FILE *out, const IrFunc *f, int i, int n, const In *in, int nin) {
+// guard: the sums whose summed operand (or its factor) is zero past the counts add only the rows
+// below them (a term of zero adds nothing to a sum that starts at +0: the same sums).
+static Grid colsums(FILE *out, const IrFunc *f, int i, int n, const In *in, int nin, const CgGuard *guard) {
   int64_t total = 0, e[CG_MAX_KERNEL_ARGS], rows[CG_MAX_KERNEL_ARGS], cols[CG_MAX_KERNEL_ARGS], tiles[CG_MAX_KERNEL_ARGS];
   for (int j = 0; j < n; j++) {
     const IrType *t0 = cg_operand_type(&f->ops[i + j]->args[0]);
@@ -301,8 +313,13 @@ static Grid colsums(FILE *out, const IrFunc *f, int i, int n, const In *in, int 
     int p0 = pointer_of(in, nin, &op->args[0]), p1 = with_x ? pointer_of(in, nin, &op->args[1]) : 0;
     fprintf(out, "    %sif (t < %" PRId64 ") mk_colsum_tile_of([&](i64 i) { return a%d[i]; }, ", j ? "else " : "",
             first + tiles[j], p0);
-    if (with_x) fprintf(out, "[&](i64 i) { return a%d[i]; }, true", p1);
-    else fprintf(out, "[&](i64 i) { return 0.0f; }, false");
+    if (with_x) fprintf(out, "[&](i64 i) { return a%d[i]; }, ", p1);
+    else fprintf(out, "[&](i64 i) { return 0.0f; }, ");
+    if (guard && (guard_zero(guard, &op->args[0]) || (with_x && guard_zero(guard, &op->args[1]))))
+      fprintf(out, "[&](i64 r) { return r %% %" PRId64 " < cnt[r / %" PRId64 "]; }, ", guard->rows, guard->rows);
+    else
+      fprintf(out, "[&](i64) { return true; }, ");
+    fprintf(out, "%s", with_x ? "true" : "false");
     fprintf(out, ", o%d, %" PRId64 ", %" PRId64 ", %" PRId64 ", t - %" PRId64 ");   // %s\n", j, e[j], rows[j], cols[j],
             first, ir_op_info[op->kind].name);
     first += tiles[j];
@@ -328,7 +345,7 @@ static Grid stored(FILE *out, const IrFunc *f, int i, int n, const In *in, int n
     } else if (x->kind == CG_ARG_RESULT) {
       fprintf(out, "\n      [&](i64 i, float v) {\n        const float v0 = v;   // %s\n", ir_op_info[op->kind].name);
       store(out, st, 0, "        ");
-      members(out, f, i, n, 1, n, in, nin, st, "        ");
+      members(out, f, i, n, 1, n, in, nin, st, "        ", NULL);
       fprintf(out, "      }");
     } else if (x->kind == CG_ARG_INT) {
       fprintf(out, "%" PRId64, x->i);
@@ -343,14 +360,36 @@ static Grid stored(FILE *out, const IrFunc *f, int i, int n, const In *in, int n
 // The body of an elementwise group (a thread an element), or of one with a row-wise op: a block
 // (or a thread) a row, the prologue computed in each of the row function's loaders, the epilogue
 // in its storer.
-static Grid elements(FILE *out, const IrFunc *f, int i, int n, const In *in, int nin, const Stores *st) {
+// guard (an elementwise group over expert slots, CgGuard): a block a row of the slots, each row's
+// `filled` (below its block's count) read once; with skip the rows past the counts but row 0 are
+// left (the host builds, MK_POISON, write NaN there: a read of them shows in the tests).
+static Grid elements(FILE *out, const IrFunc *f, int i, int n, const In *in, int nin, const Stores *st,
+                     const CgGuard *guard) {
   int row = -1;   // the member that is a row-wise op
   for (int j = 0; j < n; j++)
     if (ir_op_row(f->ops[i + j]->kind)) row = j;
   int64_t numel = ir_type_numel(&f->ops[i]->result->type);
+  if (guard) {   // (cg_fused_guardable: no row-wise op)
+    int64_t rows = guard->groups * guard->rows, cols = numel / rows, per = guard->rows;
+    fprintf(out, "  MK_FOR_BLOCKS(row, %" PRId64 ") {   // a block a row of the expert slots\n", rows);
+    fprintf(out, "    const bool filled = row %% %" PRId64 " < cnt[row / %" PRId64 "];\n", per, per);
+    if (guard->skip) {
+      fprintf(out, "    if (!filled && row %% %" PRId64 " != 0) {   // nothing reads it\n      if (MK_POISON)\n", per);
+      fprintf(out, "        for (i64 i = row * %" PRId64 " + threadIdx.x; i < (row + 1) * %" PRId64 "; i += blockDim.x) {\n",
+              cols, cols);
+      for (int p = 0; p < st->nout; p++) fprintf(out, "          o%d[i] = MK_NAN;\n", p);
+      for (int p = 0; p < st->ncopy; p++) fprintf(out, "          h%d[i] = MK_NAN_BF16;\n", p);
+      fprintf(out, "        }\n      continue;\n    }\n");
+    }
+    fprintf(out, "    for (i64 i = row * %" PRId64 " + threadIdx.x; i < (row + 1) * %" PRId64 "; i += blockDim.x) {\n", cols,
+            cols);
+    members(out, f, i, n, 0, n, in, nin, st, "      ", guard);
+    fprintf(out, "    }\n  }\n");
+    return (Grid){.items = rows, .blocks = true};
+  }
   if (row < 0) {
     fprintf(out, "  MK_FOR(i, %" PRId64 ") {\n", numel);
-    members(out, f, i, n, 0, n, in, nin, st, "    ");
+    members(out, f, i, n, 0, n, in, nin, st, "    ", NULL);
     fprintf(out, "  }\n");
     return (Grid){.items = numel};
   }
@@ -361,7 +400,7 @@ static Grid elements(FILE *out, const IrFunc *f, int i, int n, const In *in, int
   fprintf(out, "  %s(row, %" PRId64 ") {\n    mk_%s_row(", ri->per_thread ? "MK_FOR" : "MK_FOR_BLOCKS", rows, ri->function);
   for (int a = 0; a < r->nargs; a++) {
     fprintf(out, "\n        [&](int c) {\n          const i64 i = row * %" PRId64 " + c;\n", cols);
-    members(out, f, i, n, 0, row, in, nin, NULL, "          ");
+    members(out, f, i, n, 0, row, in, nin, NULL, "          ", NULL);
     int made = member_making(f, i, n, r->args[a].value), p = pointer_of(in, nin, &r->args[a]);
     if (made >= 0) fprintf(out, "          return v%d;\n        },", made);
     else fprintf(out, "          return a%d[i];\n        },", p);
@@ -375,10 +414,10 @@ static Grid elements(FILE *out, const IrFunc *f, int i, int n, const In *in, int
     for (int e = row + 1; e < n && !again; e++)
       for (int a = 0; a < f->ops[i + e]->nargs; a++) again |= member_making(f, i, n, f->ops[i + e]->args[a].value) == j;
   }
-  if (again) members(out, f, i, n, 0, row, in, nin, st, "          ");
+  if (again) members(out, f, i, n, 0, row, in, nin, st, "          ", NULL);
   fprintf(out, "          const float v%d = v;   // %s\n", row, ir_op_info[r->kind].name);
   store(out, st, row, "          ");
-  members(out, f, i, n, row + 1, n, in, nin, st, "          ");
+  members(out, f, i, n, row + 1, n, in, nin, st, "          ", NULL);
   fprintf(out, "        },\n        %" PRId64, cols);
   if (ri->eps) fprintf(out, ", (float)%.17g", ir_op_float(r, "eps", 0));
   fprintf(out, ");\n  }\n");
@@ -558,8 +597,50 @@ static void c_colsums(FILE *out, const IrFunc *f, int i, int n, const In *in, in
   fprintf(out, "  }\n}\n");
 }
 
-bool cg_lower_fused(IrDiag *d, CgLaunches *ls, const IrFunc *f, int i, bool cpu, const CgLaunch *first, CgLaunch *l) {
+// The ops of the group at op i, or 1 for an op alone that a kernel can take as a group of one: an
+// elementwise op with a scalar expression, or a column sum (the guarded kernels of an op the fuse
+// pass left alone).
+static int members_or_alone(const IrFunc *f, int i) {
   int n = cg_fused_members(f, i);
+  if (n > 0 || ir_group_at(f, i)) return n;
+  const IrOp *op = f->ops[i];
+  bool alone = op->result && (ir_op_colsum(op->kind) >= 0 ||
+                              (ir_op_scalar(op->kind) && !ir_op_row(op->kind) && !ir_op_store(op->kind)));
+  return alone ? 1 : 0;
+}
+
+bool cg_fused_guardable(const IrFunc *f, int i, const CgGuard *g) {
+  int n = members_or_alone(f, i);
+  if (n <= 0 || g->groups < 1 || g->rows < 1 || g->nzero < 1) return false;
+  int64_t slots = g->groups * g->rows;
+  bool colsum = ir_op_colsum(f->ops[i]->kind) >= 0, any = false;
+  if (!colsum && ir_op_store(f->ops[i]->kind)) return false;
+  const IrType *rt = &f->ops[i]->result->type;
+  if (!colsum && (rt->rank != 3 || rt->dim[0] * rt->dim[1] != slots)) return false;
+  for (int j = 0; j < n; j++) {
+    const IrOp *op = f->ops[i + j];
+    if (!colsum && ir_op_row(op->kind)) return false;
+    for (int a = 0; a < op->nargs; a++) {
+      if (!guard_zero(g, &op->args[a])) continue;
+      const IrType *t = cg_operand_type(&op->args[a]);
+      if (t->rank != 3 || t->dim[0] * t->dim[1] != slots) return false;
+      if (colsum && a > (ir_op_colsum(op->kind) == 1 ? 1 : 0)) return false;
+      if (!colsum) {   // read at the element only, a value the size of the results
+        const Scalar *e = scalar_of(op->kind);
+        if (!e || ir_type_numel(t) != ir_type_numel(rt)) return false;
+        for (int k = 0; k < e->ntok; k++)
+          if (e->tok[k].kind == TOKEN_OPERAND && e->tok[k].k == a && e->tok[k].mode != MODE_ELEMENT) return false;
+      }
+      any = true;
+    }
+  }
+  return any;
+}
+
+bool cg_lower_fused(IrDiag *d, CgLaunches *ls, const IrFunc *f, int i, bool cpu, const CgLaunch *first,
+                    const CgGuard *guard, CgLaunch *l) {
+  if (cpu) guard = NULL;
+  int n = guard ? members_or_alone(f, i) : cg_fused_members(f, i);
   memset(l, 0, sizeof *l);
   l->nops = n;
   // The pointers: outside operands in first-read order, then the results that leave.
@@ -597,11 +678,12 @@ bool cg_lower_fused(IrDiag *d, CgLaunches *ls, const IrFunc *f, int i, bool cpu,
             in[p].bf16 ? "u16" : cg_operand_type(in[p].operand)->dtype == IR_I32 ? "int" : "float", p);
   for (int p = 0; p < st.nout && !cpu; p++) fprintf(t.f, "%sfloat *o%d", nin + p ? ", " : "", p);
   for (int p = 0; p < st.ncopy && !cpu; p++) fprintf(t.f, ", u16 *h%d", p);
+  if (guard) fprintf(t.f, ", const int *cnt");   // the counts (mk_expert_counts) of the blocks of slots
   if (!cpu) {
     fprintf(t.f, ") {\n");
-    if (colsum) grid = colsums(t.f, f, i, n, in, nin);
+    if (colsum) grid = colsums(t.f, f, i, n, in, nin, guard);
     else if (ir_op_store(f->ops[i]->kind)) grid = stored(t.f, f, i, n, in, nin, &st, first);
-    else grid = elements(t.f, f, i, n, in, nin, &st);
+    else grid = elements(t.f, f, i, n, in, nin, &st, guard);
     fprintf(t.f, "}\n");
   }
   if (fclose(t.f) != 0) {
@@ -623,7 +705,7 @@ bool cg_lower_fused(IrDiag *d, CgLaunches *ls, const IrFunc *f, int i, bool cpu,
     memset(k, 0, sizeof *k);
     snprintf(k->name, sizeof k->name, cpu ? "fuse_%d" : "mk_fuse_%d", g);
     k->source = t.s;
-    k->nparams = nin + st.nout + st.ncopy;
+    k->nparams = nin + st.nout + st.ncopy + (guard ? 1 : 0);
     k->syncs = grid.syncs;
     size_t used = 0;
     for (int j = 0; j < n && used < sizeof k->ops; j++)
@@ -636,6 +718,9 @@ bool cg_lower_fused(IrDiag *d, CgLaunches *ls, const IrFunc *f, int i, bool cpu,
     c->args[c->nargs++] = (CgArg){.kind = in[p].bf16 ? CG_ARG_OPERAND16 : CG_ARG_OPERAND, .index = in[p].arg, .i = in[p].op};
   for (int p = 0; p < st.nout; p++) c->args[c->nargs++] = (CgArg){.kind = CG_ARG_RESULT, .index = st.out[p]};
   for (int p = 0; p < st.ncopy; p++) c->args[c->nargs++] = (CgArg){.kind = CG_ARG_COPY, .index = st.copy[p]};
-  snprintf(l->note, sizeof l->note, "%d ops fused", n);
+  if (guard) c->args[c->nargs++] = (CgArg){.kind = CG_ARG_SCRATCH};   // the counts' launch: CgLaunch.rows_from
+  l->rows_guard = guard != NULL, l->rows_skip = guard && guard->skip;
+  snprintf(l->note, sizeof l->note, "%d ops fused%s", n,
+           !guard ? "" : guard->skip ? ", over the filled rows only" : ", the rows past the counts from zeros");
   return true;
 }

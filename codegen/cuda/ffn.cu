@@ -86,8 +86,10 @@ static __device__ int mk_colsum_width(int e, int n, int block) {
 // rows, n], each element loaded once; with_x: the sum of dy * x, else of dy.
 // The fused kernels (codegen/fused.c) run several column sums' tiles, each with its own shape's
 // width, in one launch.
-template <class D, class X>
-static __device__ void mk_colsum_tile_of(D dy, X x, bool with_x, float *db, int e, int rows, int n, i64 t) {
+// keep(r): whether row r of the e x rows rows is summed (a row it leaves out holds zeros: a fused
+// group over expert slots adds only the rows below the counts, codegen/fused.c).
+template <class D, class X, class K>
+static __device__ void mk_colsum_tile_of(D dy, X x, K keep, bool with_x, float *db, int e, int rows, int n, i64 t) {
   __shared__ double mk_colsum[MK_BLOCK];
   const int cols = mk_colsum_width(e, n, blockDim.x), lanes = blockDim.x / cols;
   const int cl = threadIdx.x % cols, rl = threadIdx.x / cols;
@@ -100,9 +102,13 @@ static __device__ void mk_colsum_tile_of(D dy, X x, bool with_x, float *db, int 
     double a[4] = {0.0, 0.0, 0.0, 0.0};
     int u = 0;
     if (with_x)
-      for (int r = rl; r < rows; r += lanes, u = (u + 1) & 3) a[u] += (double)dy(base + (i64)r * n) * x(base + (i64)r * n);
+      for (int r = rl; r < rows; r += lanes, u = (u + 1) & 3) {
+        if (keep(ex * rows + r)) a[u] += (double)dy(base + (i64)r * n) * x(base + (i64)r * n);
+      }
     else
-      for (int r = rl; r < rows; r += lanes, u = (u + 1) & 3) a[u] += dy(base + (i64)r * n);
+      for (int r = rl; r < rows; r += lanes, u = (u + 1) & 3) {
+        if (keep(ex * rows + r)) a[u] += dy(base + (i64)r * n);
+      }
     acc = (a[0] + a[1]) + (a[2] + a[3]);
   }
   mk_colsum[threadIdx.x] = acc;
@@ -115,7 +121,8 @@ static __device__ void mk_colsum_tile_of(D dy, X x, bool with_x, float *db, int 
   __syncthreads();
 }
 static __device__ void mk_colsum_tile(const float *dy, const float *x, float *db, int e, int rows, int n, i64 t) {
-  mk_colsum_tile_of([&](i64 i) { return dy[i]; }, [&](i64 i) { return x ? x[i] : 0.0f; }, x != NULL, db, e, rows, n, t);
+  mk_colsum_tile_of([&](i64 i) { return dy[i]; }, [&](i64 i) { return x ? x[i] : 0.0f; }, [&](i64) { return true; },
+                    x != NULL, db, e, rows, n, t);
 }
 static __device__ void mk_column_sums(const float *dy, const float *x, float *db, int e, int rows, int n) {
   const int cols = mk_colsum_width(e, n, blockDim.x);
@@ -167,9 +174,11 @@ __device__ void mk_counts(const T *x, int *counts, float *c, int groups, int row
         if (mk_not_zero(xg, j)) mine = (float)(j / width);
       last = mk_block_max(mine);   // the same on every thread: the loop ends together
     }
-    float *cg = c + g * (i64)rows * cwidth;
-    for (i64 j = ((i64)last + 1 > lo ? (i64)last + 1 : lo) * cwidth + threadIdx.x; j < hi * cwidth; j += blockDim.x)
-      cg[j] = 0.0f;
+    // cwidth < 0: nothing reads those rows of c (-cwidth wide): left as they are (NaN on the host builds)
+    int cw = cwidth < 0 ? -cwidth : cwidth;
+    float *cg = c + g * (i64)rows * cw, past = cwidth < 0 ? MK_NAN : 0.0f;
+    if (cwidth > 0 || MK_POISON)
+      for (i64 j = ((i64)last + 1 > lo ? (i64)last + 1 : lo) * cw + threadIdx.x; j < hi * cw; j += blockDim.x) cg[j] = past;
     if (threadIdx.x == 0) {
       atomicMax(&top[g], (int)last + 1);
       __threadfence();
@@ -203,6 +212,9 @@ __device__ void mk_counts(const T *x, int *counts, float *c, int groups, int row
 //   - The rows of c [groups, rows, cwidth] past its part's last such row a block zeroes (cwidth
 //     0: none): every row at or past the count, and the zero rows of x below it that end a part,
 //     which the GEMM over the filled rows then writes (it writes every row below the count).
+//     cwidth < 0 (c is -cwidth wide): nothing reads c's rows past the counts (codegen/launch.c's
+//     filled rows: its readers take the counts too), so they are left as they are (MK_POISON:
+//     NaN on the host builds).
 //   - A block's part's last row goes to the block of slots' maximum (atomicMax, an order-free
 //     maximum: the same counts whatever the blocks' order), and the last of its parts to arrive
 //     writes the counts from it and sets the maximum and the arrivals back to zero.

@@ -29,6 +29,16 @@ typedef signed char i8;
 #else
 #define MK_UNROLL                     // the host C++ builds of the library (fake device, emulation)
 #endif
+// Rows of an expert GEMM's result or a fused kernel's that nothing reads (codegen/launch.c's
+// filled rows): the GPU leaves them as they are; the host builds write NaN there (MK_POISON), so
+// that a read of one shows in the tests.
+#ifdef __CUDACC__
+#define MK_POISON 0
+#else
+#define MK_POISON 1
+#endif
+#define MK_NAN __int_as_float(0x7fc00000)
+#define MK_NAN_BF16 ((u16)0x7fc0)
 #ifndef MK_DYN_SHARED
 #define MK_DYN_SHARED(T, name) extern __shared__ T name[]
 #endif

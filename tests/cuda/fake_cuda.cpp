@@ -772,7 +772,8 @@ bool rt_cuda_expert_gemm(RtCuda *cu, RtStream s, RtCudaType in, const void *a, c
 // and checked (and the clamped counts after them, a weight gradient's K), every slot row past it
 // zeroed in the operands that hold slot rows (a when !ta; a and b when ta), the padded GEMM run on
 // those, and with !ta only the counted rows of c written: the others keep what the program left
-// there (its mk_expert_counts zeroed them), as on a GPU. MOERT_FAKE_SHORT_ROWS=1 takes one row off
+// there (its mk_expert_counts zeroed them), as on a GPU, but for rows holding anything but zeros,
+// which become NaN (below). MOERT_FAKE_SHORT_ROWS=1 takes one row off
 // the first count that is not 0: the tests' proof that a count too small shows.
 bool rt_cuda_expert_gemm_rows(RtCuda *cu, RtStream s, RtCudaType in, const void *a, const void *b, float *c, int e,
                               int m, int n, int k, bool ta, bool tb, const int *rows, int blocks, CUfunction tc) {
@@ -808,11 +809,13 @@ bool rt_cuda_expert_gemm_rows(RtCuda *cu, RtStream s, RtCudaType in, const void 
       }
     std::vector<float> wa, wb;
     const float *fa = as_f32(in, a, (size_t)e * m * k, wa), *fb = as_f32(in, b, (size_t)e * k * n, wb);
-    // The slot rows of an operand ([e, slots, width]) with the rows past the counts zeroed.
+    // The slot rows of an operand ([e, slots, width]) with the rows past the counts zeroed; a weight
+    // gradient's past the clamped counts, as the GPU's GEMMs read them (an empty block's row 0, which
+    // the program keeps: codegen/launch.c's filled rows).
     auto masked = [&](const float *x, int width, std::vector<float> &store) {
       store.assign(x, x + (size_t)e * slots * width);
       for (int g = 0; g < groups; g++)
-        for (int r = count[(size_t)g]; r < per; r++)
+        for (int r = ta ? std::max(count[(size_t)g], 1) : count[(size_t)g]; r < per; r++)
           std::fill_n(store.begin() + ((size_t)g * per + r) * width, width, 0.0f);
       return (const float *)store.data();
     };
@@ -825,8 +828,16 @@ bool rt_cuda_expert_gemm_rows(RtCuda *cu, RtStream s, RtCudaType in, const void 
     }
     std::vector<float> out((size_t)e * m * n);
     rt_expert_matmul(fa, fb, out.data(), e, m, n, k, ta, tb);
-    for (int g = 0; g < groups; g++)
+    for (int g = 0; g < groups; g++) {
       std::copy_n(out.begin() + (size_t)g * per * n, (size_t)count[(size_t)g] * n, c + (size_t)g * per * n);
+      // A row past the count that the program did not zero (its count kernel zeroes them before,
+      // mk_expert_rows_zero or _fill after) becomes NaN: what a GPU leaves there is whatever was
+      // there, so a program that reads it without writing it first shows (codegen/launch.c).
+      for (int r = count[(size_t)g]; r < per; r++) {
+        float *row = c + ((size_t)g * per + r) * n;
+        if (std::any_of(row, row + n, [](float v) { return v != 0.0f; })) std::fill_n(row, n, NAN);
+      }
+    }
     return true;
   });
 }

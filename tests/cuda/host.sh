@@ -487,9 +487,13 @@ rows_check() {   # rows_check NAME MODEL P WANT: WANT the -v line's "R of E" (GE
     bad "cuda host rows $name: over the filled rows differs from every slot" "$(grep -h '^step' "$WORK/$name.cuda.out" "$WORK/${name}_all.cuda.out"; echo "$why")"; return
   fi
   ok "cuda host rows $name: $got expert GEMMs over their filled rows train to the bits of every slot (3 steps, $why)"
+  # (The row the GEMM then leaves may hold what was there, which the fake device makes NaN: a loss
+  # of NaN shows it too.)
   if (cd "$WORK" && MOERT_FAKE_SHORT_ROWS=1 timeout "$TIMEOUT" $([ "$np" = 1 ] || echo "$MPIRUN -np $np") "./$name.cuda" --steps 1 --dump "$name.short.dump" >"$name.short.out" 2>&1 </dev/null) &&
      ! compare_dumps "$WORK/$name.rows.dump" "$WORK/$name.short.dump" 0 >/dev/null; then
     ok "cuda host rows $name: a count one row short changes the step's gradients"
+  elif grep -q '^step 1 .*loss nan' "$WORK/$name.short.out"; then
+    ok "cuda host rows $name: a count one row short makes the step's loss NaN"
   else
     bad "cuda host rows $name: a count one row short went unseen" "$(tail -n 5 "$WORK/$name.short.out")"
   fi
@@ -498,6 +502,56 @@ rows_check rows_tiny lang/models/tiny.moe 1 "12 of 12"
 rows_check rows_mixtral lang/models/mixtral.moe 1 "27 of 27"
 rows_check rows_ep "$WORK/rows_ep.moe" 2 "12 of 12"
 rows_check rows_oss tests/models/grad_lm_oss.moe 1 "27 of 27"
+
+# The kernels over the expert slots (issue 65, codegen/launch.c's filled rows): a GEMM's counts
+# bound its result and what keeps its zero rows zero, so a fused kernel over such a value reads
+# the counts and takes the value as zeros past them without loading it, one whose results nothing
+# reads past the counts skips those rows, and an expert GEMM whose result nothing reads past them
+# is not zeroed there. The fake device writes NaN where a GPU leaves rows unwritten (MK_POISON in
+# the kernels; its GEMM over the counted rows on rows past them the program did not zero), so a
+# reader of them shows. The dropless layers of bench/gpu_compiled.sh (GPT's experts with biases
+# and GELU, Mixtral's SwiGLU) and tiny (capacity 1.25) train to the bits of every slot, also with
+# tokens of zeros (the batch's last three and its sixth: routed, their rows past the counts of
+# the dispatched tokens, which the order's gathers still read). tiny --no-fuse built with
+# MOEC_ROWS_UNREAD=all (a test hook: every such value taken as unread past the counts, though its
+# bias kernel reads them) trains into NaN: a wrong decision shows.
+. bench/layer_model.sh
+layer_model bench/gpu_compiled.sh layer gpt_dropless 1x32x32x2 fp32 >"$WORK/slots_gpt.moe"
+layer_model bench/gpu_compiled.sh layer mixtral_dropless 1x32x32x2 fp32 >"$WORK/slots_mixtral.moe"
+cp lang/models/tiny.moe "$WORK/slots_tiny.moe"
+slots_check() {   # slots_check NAME WANT: WANT the -v line's "G (S), L": kernels reading the counts, skipping, GEMMs not zeroed
+  local name=$1 want=$2 got why
+  if ! MOEC_CUDA_FAKE=1 "$MOEC" build "$WORK/$name.moe" --target cuda -v -o "$WORK/$name.cuda" 2>"$WORK/$name.err" ||
+     ! MOEC_EXPERT_ROWS=all MOEC_CUDA_FAKE=1 "$MOEC" build "$WORK/$name.moe" --target cuda -o "$WORK/${name}_all.cuda" 2>"$WORK/$name.all.err"; then
+    bad "cuda host slots $name: build" "$(tail -n 5 "$WORK/$name.err" "$WORK/$name.all.err")"; return
+  fi
+  got=$(sed -n "s/^# expert slots: \([0-9]*\) fused kernels a step read the counts (\([0-9]*\) of them skip the rows past them), \([0-9]*\) expert GEMMs' results are not zeroed past them.*/\1 (\2), \3/p" "$WORK/$name.err")
+  if [ "$got" != "$want" ]; then
+    bad "cuda host slots $name: '$got' kernels over the slots, $want expected" "$(grep -h '^# expert' "$WORK/$name.err")"; return
+  fi
+  if ! run "$name" cuda 1 --steps 3 --dump "$name.dump" || ! run "${name}_all" cuda 1 --steps 3 --dump "$name.all.dump"; then
+    bad "cuda host slots $name: a program failed" "$(tail -n 5 "$WORK/$name.cuda.out" "$WORK/${name}_all.cuda.out")"; return
+  fi
+  if ! same_losses "$WORK/$name.cuda.out" "$WORK/${name}_all.cuda.out" 0 || ! why=$(compare_dumps "$WORK/$name.dump" "$WORK/$name.all.dump" 0); then
+    bad "cuda host slots $name: differs from every slot" "$(grep -h '^step' "$WORK/$name.cuda.out" "$WORK/${name}_all.cuda.out"; echo "$why")"; return
+  fi
+  "$PY" -c 'import numpy as np, sys
+x = np.load(sys.argv[1]); x[:, -3:, :] = 0; x[:, 5, :] = 0; np.save(sys.argv[2], x)' "$WORK/$name.dump/input.npy" "$WORK/$name.zeros.npy" &&
+  run "$name" cuda 1 --steps 3 --input "$name.zeros.npy" --dump "$name.z.dump" &&
+  run "${name}_all" cuda 1 --steps 3 --input "$name.zeros.npy" --dump "$name.z.all.dump" &&
+  same_losses "$WORK/$name.cuda.out" "$WORK/${name}_all.cuda.out" 0 && why=$(compare_dumps "$WORK/$name.z.dump" "$WORK/$name.z.all.dump" 0) ||
+    { bad "cuda host slots $name: with tokens of zeros, differs from every slot" "$(grep -h '^step' "$WORK/$name.cuda.out" "$WORK/${name}_all.cuda.out"; echo "${why:-}")"; return; }
+  ok "cuda host slots $name: $got (kernels reading the counts (skipping), GEMMs not zeroed) train to the bits of every slot, tokens of zeros too (3 steps, $why)"
+}
+slots_check slots_gpt "3 (2), 2"
+slots_check slots_mixtral "3 (1), 3"
+slots_check slots_tiny "6 (4), 4"
+if MOEC_ROWS_UNREAD=all MOEC_CUDA_FAKE=1 "$MOEC" build lang/models/tiny.moe --target cuda --no-fuse -o "$WORK/slots_unread.cuda" 2>"$WORK/slots_unread.err" &&
+   ! run slots_unread cuda 1 --steps 3 && grep -q '^step 2 .*loss nan' "$WORK/slots_unread.cuda.out"; then
+  ok "cuda host slots: MOEC_ROWS_UNREAD=all (the rows a bias kernel reads taken as unread) trains into NaN on the fake device"
+else
+  bad "cuda host slots: a wrong 'unread' went unseen" "$(tail -n 5 "$WORK/slots_unread.err" "$WORK/slots_unread.cuda.out" 2>/dev/null)"
+fi
 
 # The fuse pass (issue 39): gpt_moe_bytes's elementwise chains (a norm's scale and bias, the q, k
 # and v biases, bias + residual, expert bias + GELU, the gradient sums) run as generated kernels

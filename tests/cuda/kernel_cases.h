@@ -452,6 +452,22 @@ template <class Launcher> void run_kernel_cases(Launcher &L, Checks &c) {
       c.same("expert GEMM filled rows (mk_expert_counts: parts of 8 rows)", want, head);
       c.same("expert GEMM filled rows: the kernel's maxima and arrivals back to zero", std::vector<int>(2 * groups, 0), tail);
       c.bits("expert GEMM filled rows: the result's rows past them zeroed", out_want, out);
+      {   // cwidth < 0: nothing reads the result's rows past them (codegen/launch.c): left as they are
+          // on a GPU, NaN on the host builds (MK_POISON), never zeroed; the other rows left.
+        auto lazy = randn((size_t)groups * slots * cwidth), lazy_in = lazy;
+        std::vector<int> counts(6 * groups, 0);
+        LAUNCH(4, MK_BLOCK, mk_expert_counts, x, counts, lazy, groups, slots, width, -cwidth, part);
+        counts.resize(4 * groups);
+        c.same("expert GEMM filled rows, its result's rows past them unread (cwidth < 0)", want, counts);
+        size_t bad = lazy.size();
+        for (size_t i = 0; i < lazy.size() && bad == lazy.size(); i++) {
+          bool past = out_want[i] == 0.0f && out[i] == 0.0f && lazy_in[i] != 0.0f;   // a row the first launch zeroed
+          bool kept = memcmp(&lazy[i], &lazy_in[i], sizeof lazy[i]) == 0;
+          if (past ? !(kept || lazy[i] != lazy[i]) : !kept) bad = i;
+        }
+        if (bad == lazy.size()) c.ok("expert GEMM filled rows (cwidth < 0): the rows past them not zeroed (NaN where MK_POISON), the others left");
+        else c.fail("expert GEMM filled rows (cwidth < 0): element %zu is %.9g, was %.9g", bad, lazy[bad], lazy_in[bad]);
+      }
       for (int j = 0; j < width; j++) x[((size_t)2 * slots + 33) * width + j] = 1.0f;   // another count the next step
       want[2] = 34, want[groups + 2] = 34, want[2 * groups + 2] = want[3 * groups + 2] = 35;
       std::fill(got.begin(), got.begin() + 4 * groups, -7);
