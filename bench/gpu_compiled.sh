@@ -22,7 +22,10 @@
 # device, where the times say nothing);
 # --shapes: those (a shape asked for that was not built is said and skipped). With --dtype bf16 a
 # line after the table gives each capacity layer's time with its expert GEMMs padded
-# (MOERT_CUDA_GROUPED=0) over its time over the filled rows (the GEMM its device line names).
+# (MOERT_CUDA_GROUPED=0) over its time over the filled rows (the GEMM its device line names), and
+# each dropless layer's time with its kernels over every slot (a twin built with
+# MOEC_EXPERT_ROWS=gemm: its expert GEMMs over the filled rows, its other kernels as before the
+# kernels over the slots read the counts) over its own.
 # DIR is COMPILED_DIR (default $BUILD/cuda/layers, carried to the GPU machine by make gpu-pack).
 #
 # Rows: ffn shape dtype, forward and backward ms, update ms, whole step ms, and the program's
@@ -68,6 +71,11 @@ if $build; then
       "$MOEC" build "$DIR/$name.moe" --target cuda -v -o "$DIR/$name.cuda" 2>"$DIR/$name.build" ||
         { cat "$DIR/$name.build"; echo "FAILED: moec build $DIR/$name.moe --target cuda"; exit 1; }
       echo "# $DIR/$name.cuda"
+      if [ "$dt" = bf16 ] && [ "$ffn" != "${ffn%_dropless}" ]; then   # the twin with its kernels over every slot
+        MOEC_EXPERT_ROWS=gemm "$MOEC" build "$DIR/$name.moe" --target cuda -v -o "$DIR/${name}_gemm.cuda" 2>"$DIR/${name}_gemm.build" ||
+          { cat "$DIR/${name}_gemm.build"; echo "FAILED: MOEC_EXPERT_ROWS=gemm moec build $DIR/$name.moe --target cuda"; exit 1; }
+        echo "# $DIR/${name}_gemm.cuda"
+      fi
     done
   done
   exit 0
@@ -115,6 +123,18 @@ for key in "${!fwdbwd[@]}"; do
       'BEGIN { if (r > 0) printf "# %s %s bf16: forward and backward %.3f ms with the expert GEMMs padded (MOERT_CUDA_GROUPED=0), %.3f over the filled rows (%s): %.2fx\n", f, s, p, r, g, p / r }'
   else
     echo "# $ffn $shape: the binary failed with MOERT_CUDA_GROUPED=0: $(tail -n 3 "$WORK/run0")"; status=1
+  fi
+done
+for key in "${!fwdbwd[@]}"; do   # bf16, a dropless layer: its twin with the kernels over every slot
+  ffn=${key%%:*} shape=${key#*:}
+  name=$(name_of "$ffn" "$shape" "$dtype")
+  [ "$dtype" = bf16 ] && [ "$ffn" != "${ffn%_dropless}" ] && [ -x "$DIR/${name}_gemm.cuda" ] || continue
+  if (cd "$WORK" && timeout 300 "$DIR/${name}_gemm.cuda" --steps "$steps" --profile >"$WORK/run0" 2>&1 </dev/null) &&
+     fb0=$(awk '/^# profile: median forward and backward/ {print $7}' "$WORK/run0") && [ -n "$fb0" ]; then
+    awk -v p="$fb0" -v r="${fwdbwd[$key]}" -v f="$ffn" -v s="$shape" \
+      'BEGIN { if (r > 0) printf "# %s %s bf16: forward and backward %.3f ms with the kernels over every slot (MOEC_EXPERT_ROWS=gemm), %.3f over the filled rows: %.2fx\n", f, s, p, r, p / r }'
+  else
+    echo "# $ffn $shape: the twin with its kernels over every slot failed: $(tail -n 3 "$WORK/run0")"; status=1
   fi
 done
 for key in "${!fwdbwd[@]}"; do   # a dropless layer against the capacity layer of the same shape

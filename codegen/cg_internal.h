@@ -191,7 +191,9 @@ typedef struct CgLaunch {
 // group a C function (cg_lower_fused with cpu).
 // CG_LOWER_ATTN_TC: attention on tensor cores (mk_attn_tc_*) where the heads are a multiple of 16
 // and at most 128 wide (the CUDA target with dtype bf16, unless MOEC_ATTN_TC=0).
-enum { CG_LOWER_FUSE = 1, CG_LOWER_BF16 = 2, CG_LOWER_CPU = 4, CG_LOWER_ROWS = 8, CG_LOWER_ATTN_TC = 16 };
+// CG_LOWER_SLOTS (with CG_LOWER_ROWS): the kernels over expert slots read the counts too
+// (launch.c's filled rows; unless MOEC_EXPERT_ROWS=gemm or all).
+enum { CG_LOWER_FUSE = 1, CG_LOWER_BF16 = 2, CG_LOWER_CPU = 4, CG_LOWER_ROWS = 8, CG_LOWER_ATTN_TC = 16, CG_LOWER_SLOTS = 32 };
 // Whether launch l runs attention on tensor cores (CG_LOWER_ATTN_TC).
 bool cg_attn_tc(const CgLaunch *l);
 bool cg_lower(const IrFunc *f, int i, unsigned how, CgLaunch *l);

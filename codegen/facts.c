@@ -140,11 +140,13 @@ const IrType *cg_operand_type(const IrOperand *a) { return a->param ? &a->param-
 bool cg_bf16_gemms(const IrModule *m) { return strcmp(ir_mod_str(m, "dtype", "fp32"), "bf16") == 0; }
 
 unsigned cg_cuda_lowering(const IrModule *m) {
-  const char *rows = getenv("MOEC_EXPERT_ROWS");   // "all": every expert GEMM over all its slots
+  const char *rows = getenv("MOEC_EXPERT_ROWS");   // "all": every expert GEMM over all its slots;
   const char *tc = getenv("MOEC_ATTN_TC");          // "0": dtype bf16's attention on the CUDA cores
   bool bf16 = cg_bf16_gemms(m);
+  // "gemm": the expert GEMMs over their filled rows, the other kernels over every slot (no CG_LOWER_SLOTS)
   return (ir_mod_int(m, "no_fuse", 0) ? 0 : CG_LOWER_FUSE) | (bf16 ? CG_LOWER_BF16 : 0) |
          (rows && strcmp(rows, "all") == 0 ? 0 : CG_LOWER_ROWS) |
+         (rows && (strcmp(rows, "all") == 0 || strcmp(rows, "gemm") == 0) ? 0 : CG_LOWER_SLOTS) |
          (bf16 && !(tc && strcmp(tc, "0") == 0) ? CG_LOWER_ATTN_TC : 0);
 }
 

@@ -142,11 +142,24 @@ static const Scalar *scalar_of(IrOpKind kind) {
   return &parsed[kind];
 }
 
-// The load of external pointer p, operand k of member op, read as mode says.
-static void load(FILE *out, int p, Mode mode, const IrOp *op, int k) {
+// The load of external pointer p, operand k of member op, read as mode says. rows: in a loop over
+// rows of the op's columns (a group over expert slots: `row` and the column `c` in scope), where
+// the column, row and expert come without a division an element.
+static void load(FILE *out, int p, Mode mode, const IrOp *op, int k, bool rows) {
   const IrType *rt = &op->result->type;
   int64_t cols = rt->rank ? rt->dim[rt->rank - 1] : 1, mid = rt->rank >= 2 ? rt->dim[rt->rank - 2] : 1;
   const IrType *t = cg_operand_type(&op->args[k]);
+  if (rows) {
+    switch (mode) {
+    case MODE_COL: fprintf(out, "a%d[c]", p); return;
+    case MODE_ROW: fprintf(out, "a%d[row]", p); return;
+    case MODE_SLICE:
+      fprintf(out, "a%d[row * %" PRId64 " + %" PRId64 " + c]", p, t->dim[t->rank - 1], ir_op_int(op, "offset", 0));
+      return;
+    case MODE_EC: fprintf(out, "a%d[row / %" PRId64 " * %" PRId64 " + c]", p, mid, cols); return;
+    default: break;
+    }
+  }
   switch (mode) {
   case MODE_ELEMENT: fprintf(out, "a%d[i]", p); break;
   case MODE_COL: fprintf(out, "a%d[i %% %" PRId64 "]", p, cols); break;
@@ -230,7 +243,9 @@ static void cuda_operand(FILE *out, int k, Mode mode, void *ctx) {
   }
   bool zero = guard_zero(o->guard, &o->op->args[k]);   // 0 in the rows past the counts (not loaded)
   fprintf(out, "%s%s", zero ? "(filled ? " : "", copy ? "mk_float_from_bf16(" : "");
-  load(out, outside_pointer(o, k), mode, o->op, k);
+  const IrType *rt = &o->op->result->type;   // a group over expert slots loops over rows of these columns
+  bool rows = o->guard && rt->rank == 3 && rt->dim[0] * rt->dim[1] == o->guard->groups * o->guard->rows;
+  load(out, outside_pointer(o, k), mode, o->op, k, rows);
   fprintf(out, "%s%s", copy ? ")" : "", zero ? " : 0.0f)" : "");
 }
 
@@ -376,13 +391,13 @@ static Grid elements(FILE *out, const IrFunc *f, int i, int n, const In *in, int
     if (guard->skip) {
       fprintf(out, "    if (!filled && row %% %" PRId64 " != 0) {   // nothing reads it\n      if (MK_POISON)\n", per);
       fprintf(out, "        for (i64 i = row * %" PRId64 " + threadIdx.x; i < (row + 1) * %" PRId64 "; i += blockDim.x) {\n",
-              cols, cols);
+              cols, cols);   // (a column and row of their own: none read)
       for (int p = 0; p < st->nout; p++) fprintf(out, "          o%d[i] = MK_NAN;\n", p);
       for (int p = 0; p < st->ncopy; p++) fprintf(out, "          h%d[i] = MK_NAN_BF16;\n", p);
       fprintf(out, "        }\n      continue;\n    }\n");
     }
-    fprintf(out, "    for (i64 i = row * %" PRId64 " + threadIdx.x; i < (row + 1) * %" PRId64 "; i += blockDim.x) {\n", cols,
-            cols);
+    fprintf(out, "    for (i64 c = threadIdx.x; c < %" PRId64 "; c += blockDim.x) {\n      const i64 i = row * %" PRId64 " + c;\n",
+            cols, cols);
     members(out, f, i, n, 0, n, in, nin, st, "      ", guard);
     fprintf(out, "    }\n  }\n");
     return (Grid){.items = rows, .blocks = true};

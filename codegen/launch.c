@@ -437,7 +437,7 @@ static bool lower_func(IrDiag *d, CgLaunches *ls, const IrModule *m, const IrFun
   free(alone);
   free(has);
   if (ok && !cpu) share_counts(f, fl), share_counts_act(f, fl);
-  if (ok && !cpu && (how & CG_LOWER_ROWS)) ok = filled_rows(d, ls, m, f, fl, how, changed);
+  if (ok && !cpu && (how & CG_LOWER_ROWS) && (how & CG_LOWER_SLOTS)) ok = filled_rows(d, ls, m, f, fl, how, changed);
   return ok;
 }
 

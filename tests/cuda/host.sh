@@ -710,12 +710,13 @@ compiled_runs() {
     [ "$(grep -cE '^gpt_dropless +1x32x32x2 +(fp32|bf16)( +[0-9.]+){3} +[0-9]+ +[0-9]+ +[0-9.]+$' "$WORK/clr.out")" -eq 2 ] &&
     [ "$(grep -cE '^# gpt_dropless 1x32x32x2 (fp32|bf16): forward and backward [0-9.]+ ms, [0-9.]+x the capacity layer' "$WORK/clr.out")" -eq 2 ] &&
     grep -qE '^# gpt 1x32x32x2 bf16: forward and backward [0-9.]+ ms with the expert GEMMs padded \(MOERT_CUDA_GROUPED=0\), [0-9.]+ over the filled rows \(the fake device.s GEMM over the counted rows\): [0-9.]+x$' "$WORK/clr.out" &&
+    grep -qE '^# gpt_dropless 1x32x32x2 bf16: forward and backward [0-9.]+ ms with the kernels over every slot \(MOEC_EXPERT_ROWS=gemm\), [0-9.]+ over the filled rows: [0-9.]+x$' "$WORK/clr.out" &&
     [ "$(grep -c '^OK$' "$WORK/clr.out")" -eq 2 ]
 }
 parts_make_step() { awk '$1 == "gpt" { d = $6 - $4 - $5; if (d < -1 - 0.1 * $6 || d > 1 + 0.1 * $6) bad = 1 } END { exit bad }' "$WORK/clr.out"; }
 if MOEC_CUDA_FAKE=1 COMPILED_DIR=$WORK/layers bash bench/gpu_compiled.sh --build --quick >"$WORK/clb.out" 2>&1 &&
    compiled_runs && { parts_make_step || { compiled_runs && parts_make_step; }; }; then
-  ok "bench/gpu_compiled.sh --quick on the fake device: the compiled layer and its dropless twin, forward and backward, update and step (--profile's device lines), fp32 and bf16, with the compiler's counts; bf16 with its expert GEMMs padded"
+  ok "bench/gpu_compiled.sh --quick on the fake device: the compiled layer and its dropless twin, forward and backward, update and step (--profile's device lines), fp32 and bf16, with the compiler's counts; bf16 with its expert GEMMs padded, the dropless layer with its kernels over every slot"
 else
   bad "bench/gpu_compiled.sh --quick on the fake device" "$(cat "$WORK/clb.out" "$WORK/clr.out" 2>/dev/null | tail -n 20)"
 fi
