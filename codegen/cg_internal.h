@@ -270,6 +270,8 @@ typedef struct CgGuard {
 // results are [E, S, W] with E S = groups rows, or column sums over such operands, that reads each
 // operand of zero[] at the element (a group of column sums: as a summed operand).
 bool cg_fused_guardable(const IrFunc *f, int i, const CgGuard *g);
+// Whether value v is one of g's zero[] (NULL g or v: false).
+bool cg_guard_zero(const CgGuard *g, const IrValue *v);
 // guard (NULL: none; the CUDA kernel only): the group over expert slots (cg_fused_guardable), which
 // may be an op alone.
 bool cg_lower_fused(IrDiag *d, CgLaunches *ls, const IrFunc *f, int i, bool cpu, const CgLaunch *first,

@@ -224,12 +224,13 @@ typedef struct Operands {
 
 static int outside_pointer(const Operands *o, int k) { return pointer_of(o->in, o->nin, &o->op->args[k]); }
 
-// Whether operand a is one that guard g reads as zero past the counts.
-static bool guard_zero(const CgGuard *g, const IrOperand *a) {
-  for (int z = 0; g && a->value && z < g->nzero; z++)
-    if (g->zero[z] == a->value) return true;
+bool cg_guard_zero(const CgGuard *g, const IrValue *v) {
+  for (int z = 0; g && v && z < g->nzero; z++)
+    if (g->zero[z] == v) return true;
   return false;
 }
+
+static bool guard_zero(const CgGuard *g, const IrOperand *a) { return cg_guard_zero(g, a->value); }
 
 // A CUDA operand: another member's register (its numel is the group's: every mode is the
 // element), or the load of a pointer from outside.

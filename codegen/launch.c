@@ -250,9 +250,7 @@ static void guards(Filled *F) {
         const IrOperand *x = &f->ops[m]->args[a];
         int z = zp_of(F, x);
         if (z < 0 || z >= k || (x->value->def && x->value->def->index >= i) || (j >= 0 && z != j)) continue;
-        bool seen = false;
-        for (int e = 0; e < g->nzero; e++) seen |= g->zero[e] == x->value;
-        if (seen || g->nzero == (int)(sizeof g->zero / sizeof g->zero[0])) continue;
+        if (cg_guard_zero(g, x->value) || g->nzero == (int)(sizeof g->zero / sizeof g->zero[0])) continue;
         j = z;
         g->zero[g->nzero++] = x->value;
       }
@@ -264,13 +262,6 @@ static void guards(Filled *F) {
     if (!cg_fused_guardable(f, i, g)) g->nzero = 0;
     else F->fl->launch[k].rows_from = j + 1;   // (kept only with the guard: filled_rows)
   }
-}
-
-static bool guarded_reads(const Filled *F, int k, const IrValue *v) {
-  const CgGuard *g = &F->guard[k];
-  for (int e = 0; e < g->nzero; e++)
-    if (g->zero[e] == v) return true;
-  return false;
 }
 
 // Whether every reader of value v (zero past launch j's counts) reads only the rows below them.
@@ -286,7 +277,7 @@ static bool unread_past(const Filled *F, const IrValue *v, int j) {
         if (g != F->f) return false;
         int k = F->launch_of[i];
         const CgLaunch *l = &F->fl->launch[k];
-        if (F->guard[k].nzero > 0 && F->fl->launch[k].rows_from == j + 1 && guarded_reads(F, k, v)) continue;
+        if (F->guard[k].nzero > 0 && F->fl->launch[k].rows_from == j + 1 && cg_guard_zero(&F->guard[k], v)) continue;
         if (l->lib != CG_LIB_GEMM || op->kind != IR_OP_EXPERT_MATMUL || count_source(F->fl, k) != j || j == k ||
             l->rows_plus)
           return false;
@@ -311,9 +302,7 @@ static double guarded_bytes(const IrFunc *f, int i, const CgKernelCall *c, const
     else if (x->kind == CG_ARG_RESULT || x->kind == CG_ARG_COPY) v = f->ops[i + x->index]->result;
     if (!v) continue;
     if (x->kind == CG_ARG_OPERAND16 || x->kind == CG_ARG_COPY) scale = 0.5;
-    bool zero = false;
-    for (int e = 0; e < g->nzero; e++) zero |= g->zero[e] == v;
-    bool slots = v->type.rank == 3 && v->type.dim[0] * v->type.dim[1] == g->groups * g->rows;
+    bool zero = cg_guard_zero(g, v), slots = v->type.rank == 3 && v->type.dim[0] * v->type.dim[1] == g->groups * g->rows;
     if (zero || (g->skip && slots)) bytes += scale * (double)ir_type_bytes(&v->type);
   }
   return bytes;
