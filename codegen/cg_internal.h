@@ -41,9 +41,12 @@ CgGemm cg_gemm(const IrOp *op);
 // (A for ta 0, B or A for ta 1), seen as [groups, rows, width] (groups = experts x blocks of
 // `rows` slots), is counted by mk_expert_counts, and rt_cuda_expert_gemm_rows multiplies what the
 // counts say is filled. False for a GEMM whose operands are not likely zero-padded slot buffers.
+// route: the order op (order.encode, order.decode.grad_y) whose result the operand is and whose
+// idx and loc can give the counts (mk_expert_counts_route, CG_LOWER_ROUTE: no scan), or NULL.
 typedef struct CgRows {
   int operand;
   int64_t groups, rows, width, blocks;
+  const IrOp *route;
 } CgRows;
 bool cg_expert_rows(const IrOp *op, CgRows *r);
 // Whether an op of kind (with attr set, unless attr is NULL) is in m.
@@ -178,6 +181,7 @@ typedef struct CgLaunch {
                            // rows it reads or writes only below the counts (an empty slot's: none)
   bool rows_lazy;          // an expert GEMM (ta 0) over its filled rows whose result's rows past the counts
                            // nothing reads: its count kernel does not zero them (mk_expert_rows_zero not run)
+  int rows_operand;        // with a count kernel (cg_counts_rows): the GEMM's operand it counts the rows of
 } CgLaunch;
 
 // The lowering of op i of f (or, with CG_LOWER_FUSE, of the group the fuse pass made at op i when
@@ -193,7 +197,17 @@ typedef struct CgLaunch {
 // and at most 128 wide (the CUDA target with dtype bf16, unless MOEC_ATTN_TC=0).
 // CG_LOWER_SLOTS (with CG_LOWER_ROWS): the kernels over expert slots read the counts too
 // (launch.c's filled rows; unless MOEC_EXPERT_ROWS=gemm or all).
-enum { CG_LOWER_FUSE = 1, CG_LOWER_BF16 = 2, CG_LOWER_CPU = 4, CG_LOWER_ROWS = 8, CG_LOWER_ATTN_TC = 16, CG_LOWER_SLOTS = 32 };
+// CG_LOWER_ROUTE (with CG_LOWER_ROWS): the counts of an order's result come from its routing
+// (mk_expert_counts_route) instead of a scan of the data (MOEC_EXPERT_ROWS=scan: from the data).
+enum {
+  CG_LOWER_FUSE = 1,
+  CG_LOWER_BF16 = 2,
+  CG_LOWER_CPU = 4,
+  CG_LOWER_ROWS = 8,
+  CG_LOWER_ATTN_TC = 16,
+  CG_LOWER_SLOTS = 32,
+  CG_LOWER_ROUTE = 64
+};
 // Whether launch l runs attention on tensor cores (CG_LOWER_ATTN_TC).
 bool cg_attn_tc(const CgLaunch *l);
 bool cg_lower(const IrFunc *f, int i, unsigned how, CgLaunch *l);
@@ -264,6 +278,8 @@ typedef struct CgGuard {
   const IrValue *zero[8];
   int nzero;
   bool skip;
+  bool route;   // none of zero[]: routing counts' (launch.c), a guard only to skip
+  bool plus;    // with skip: computes the rows below the counts plus one (a GEMM over them reads them)
 } CgGuard;
 // Whether the group at op i of f (or op i alone, as a group of one: an elementwise op with a scalar
 // expression, or a column sum) can take guard g: an elementwise group (no row-wise op) whose

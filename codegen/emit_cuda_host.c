@@ -686,13 +686,13 @@ static bool emit_op(Host *h, const IrFunc *f, int i, const CgLaunch *lp, IrStrea
     int64_t blocks = by->call[0].args[3].i / cg_gemm(op).e;   // its groups over the experts
     if (l.rows_plus || l.rows_zero) {   // then the rows past the counts: filled (act(h + b1)'s, plus one), zeroed
       int64_t at = h->rows_at[l.rows_from - 1] + (l.rows_plus ? 2 * by->call[0].args[3].i * (int64_t)sizeof(int32_t) : 0);
-      if (!emit_gemm(h, f, op, s, at, blocks) || !emit_kernel(h, f, i, &l.call[0], s, -1, at)) return false;
-      h->count[h->phase].row_counts++;
+      if (!emit_gemm(h, f, op, s, at, blocks) || (l.ncalls > 0 && !emit_kernel(h, f, i, &l.call[0], s, -1, at))) return false;
+      h->count[h->phase].row_counts += l.ncalls;
       return true;
     }
     if (l.rows_from > 0) return emit_gemm(h, f, op, s, h->rows_at[l.rows_from - 1], blocks);   // that launch's counts
     const CgArg *x = &l.call[0].args[0];
-    if (x->kind == CG_ARG_OPERAND && bf16_only(h, &op->args[x->index]))
+    if (x->kind == CG_ARG_OPERAND && l.call[0].kernel != CG_K_EXPERT_COUNTS_ROUTE && bf16_only(h, &op->args[x->index]))
       return ir_internal_at(h->d, op->loc, "the rows of a GEMM operand stored in bf16 only are counted in fp32");
     h->rows_at[k] = stage_place(h, l.scratch_bytes);
     if (!emit_kernel(h, f, i, &l.call[0], s, -1, h->rows_at[k])) return false;
@@ -925,19 +925,25 @@ static int64_t slot_casts(const Host *h, double *bytes) {
 
 // The kernels a step's fused launches stand for when each op is lowered alone (moec build
 // --no-fuse), less theirs: the gate chain, the split reductions, the update runs, the fused
-// groups, and with dtype bf16 the casts of GEMM operands their bf16 copies save.
+// groups, the expert GEMMs' row kernels (mk_expert_rows_fill, which the groups over the slots
+// can spare: the --no-fuse lowering's, launch.c), and with dtype bf16 the casts of GEMM operands
+// their bf16 copies save.
 static int64_t unfused_extra(const Host *h, int64_t op_by_op_casts) {
   unsigned how = cg_cuda_lowering(h->m);
   int64_t extra = 0;
+  CgLaunches *alone = (how & CG_LOWER_FUSE) ? cg_lower_module(h->d, h->m, how & ~(unsigned)CG_LOWER_FUSE) : NULL;
   for (int fi = 0; fi < h->m->nfuncs && (how & CG_LOWER_FUSE); fi++) {
     const IrFunc *f = h->m->funcs[fi];
     if (!is_forward(f) && !is_backward(f) && !is_update(f)) continue;
     for (int k = 0; k < h->ls->fn[fi].n; k++) {
       const CgLaunch *l = &h->ls->fn[fi].launch[k];
+      int a = alone && l->lib == CG_LIB_GEMM ? cg_launch_at(&alone->fn[fi], h->ls->fn[fi].at[k]) : -1;
+      if (a >= 0) extra += alone->fn[fi].launch[a].ncalls - l->ncalls;
       if (l->lib != CG_LIB_NONE || (l->nops == 1 && l->ncalls == 1)) continue;   // as it would be alone
       extra += l->alone_calls - l->ncalls;   // its ops lowered alone (once, by launch.c)
     }
   }
+  cg_launches_free(alone);
   if (h->bf16 && (how & CG_LOWER_FUSE)) extra += op_by_op_casts - h->operand_casts;
   return extra;
 }

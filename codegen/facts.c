@@ -144,8 +144,10 @@ unsigned cg_cuda_lowering(const IrModule *m) {
   const char *tc = getenv("MOEC_ATTN_TC");          // "0": dtype bf16's attention on the CUDA cores
   bool bf16 = cg_bf16_gemms(m);
   // "gemm": the expert GEMMs over their filled rows, the other kernels over every slot (no CG_LOWER_SLOTS)
+  // "scan": every count from the data (no CG_LOWER_ROUTE)
   return (ir_mod_int(m, "no_fuse", 0) ? 0 : CG_LOWER_FUSE) | (bf16 ? CG_LOWER_BF16 : 0) |
          (rows && strcmp(rows, "all") == 0 ? 0 : CG_LOWER_ROWS) |
+         (rows && (strcmp(rows, "all") == 0 || strcmp(rows, "scan") == 0) ? 0 : CG_LOWER_ROUTE) |
          (rows && (strcmp(rows, "all") == 0 || strcmp(rows, "gemm") == 0) ? 0 : CG_LOWER_SLOTS) |
          (bf16 && !(tc && strcmp(tc, "0") == 0) ? CG_LOWER_ATTN_TC : 0);
 }
@@ -181,6 +183,28 @@ static bool slot_padded(const IrValue *v, int64_t *blocks, int depth) {
   }
 }
 
+// Whether an op of f at index i or later reads v (so v is alive at op i).
+static bool read_from(const IrFunc *f, int i, const IrValue *v) {
+  for (; i < f->nops; i++)
+    for (int a = 0; a < f->ops[i]->nargs; a++)
+      if (f->ops[i]->args[a].value == v) return true;
+  return false;
+}
+
+// The order op (of op's function, before it) whose idx and loc give the counts of GEMM op's
+// operand x from the routing (mk_expert_counts_route): x is its result, a block per routing group,
+// and idx and loc stay alive to op. NULL: the data's counts.
+static const IrOp *route_of(const IrOp *op, const IrOperand *x, int64_t blocks) {
+  const IrOp *o = x->value ? x->value->def : NULL;
+  const IrFunc *f = op->result->func;
+  if (!o || (o->kind != IR_OP_ORDER_ENCODE && o->kind != IR_OP_ORDER_DECODE_GRAD_Y) || x->value->func != f ||
+      o->index >= op->index || blocks != ir_op_int(o, "groups", 1) || !o->args[1].value || !o->args[2].value)
+    return NULL;
+  const IrType *idx = &o->args[1].value->type;
+  if (idx->rank != 2 || o->args[2].value->type.rank != 2) return NULL;
+  return read_from(f, op->index, o->args[1].value) && read_from(f, op->index, o->args[2].value) ? o : NULL;
+}
+
 bool cg_expert_rows(const IrOp *op, CgRows *r) {
   if (op->kind != IR_OP_EXPERT_MATMUL || !op->result) return false;
   bool ta = ir_op_int(op, "ta", 0), tb = ir_op_int(op, "tb", 0);
@@ -195,7 +219,7 @@ bool cg_expert_rows(const IrOp *op, CgRows *r) {
     if (t->rank != 3) continue;
     if (t->dim[1] <= 0 || blocks < 1 || t->dim[1] % blocks) blocks = 1;
     *r = (CgRows){.operand = order[j], .groups = t->dim[0] * blocks, .rows = t->dim[1] / blocks, .width = t->dim[2],
-                  .blocks = blocks};
+                  .blocks = blocks, .route = route_of(op, x, blocks)};
     return true;
   }
   return false;

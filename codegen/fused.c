@@ -389,8 +389,14 @@ static Grid elements(FILE *out, const IrFunc *f, int i, int n, const In *in, int
     int64_t rows = guard->groups * guard->rows, cols = numel / rows, per = guard->rows;
     fprintf(out, "  MK_FOR_BLOCKS(row, %" PRId64 ") {   // a block a row of the expert slots\n", rows);
     fprintf(out, "    const bool filled = row %% %" PRId64 " < cnt[row / %" PRId64 "];\n", per, per);
-    if (guard->skip) {
+    if (guard->skip && guard->plus) {   // the counts plus one: cnt[2 groups ..] (mk_expert_counts)
+      fprintf(out, "    if (row %% %" PRId64 " >= cnt[%" PRId64 " + row / %" PRId64 "] && row %% %" PRId64
+                   " != 0) {   // nothing reads it\n      if (MK_POISON)\n",
+              per, 2 * guard->groups, per, per);
+    } else if (guard->skip) {
       fprintf(out, "    if (!filled && row %% %" PRId64 " != 0) {   // nothing reads it\n      if (MK_POISON)\n", per);
+    }
+    if (guard->skip) {
       fprintf(out, "        for (i64 i = row * %" PRId64 " + threadIdx.x; i < (row + 1) * %" PRId64 "; i += blockDim.x) {\n",
               cols, cols);   // (a column and row of their own: none read)
       for (int p = 0; p < st->nout; p++) fprintf(out, "          o%d[i] = MK_NAN;\n", p);
@@ -629,18 +635,21 @@ static int members_or_alone(const IrFunc *f, int i) {
 
 bool cg_fused_guardable(const IrFunc *f, int i, const CgGuard *g) {
   int n = members_or_alone(f, i);
-  if (n <= 0 || g->groups < 1 || g->rows < 1 || g->nzero < 1) return false;
+  if (n <= 0 || g->groups < 1 || g->rows < 1 || (g->nzero < 1 && !g->route)) return false;
   int64_t slots = g->groups * g->rows;
   bool colsum = ir_op_colsum(f->ops[i]->kind) >= 0, any = false;
   if (!colsum && ir_op_store(f->ops[i]->kind)) return false;
+  if (colsum && g->nzero < 1) return false;   // a routing guard skips rows: of elementwise groups only
   const IrType *rt = &f->ops[i]->result->type;
   if (!colsum && (rt->rank != 3 || rt->dim[0] * rt->dim[1] != slots)) return false;
   for (int j = 0; j < n; j++) {
     const IrOp *op = f->ops[i + j];
     if (!colsum && ir_op_row(op->kind)) return false;
     for (int a = 0; a < op->nargs; a++) {
-      if (!guard_zero(g, &op->args[a])) continue;
       const IrType *t = cg_operand_type(&op->args[a]);
+      // a routing guard's group skips rows: each operand over the slots read at the element (its row)
+      bool row = g->nzero < 1 && !colsum && t->rank == 3 && t->dim[0] * t->dim[1] == slots;
+      if (!guard_zero(g, &op->args[a]) && !row) continue;
       if (t->rank != 3 || t->dim[0] * t->dim[1] != slots) return false;
       if (colsum && a > (ir_op_colsum(op->kind) == 1 ? 1 : 0)) return false;
       if (!colsum) {   // read at the element only, a value the size of the results

@@ -86,12 +86,12 @@ static void share_counts(const IrFunc *f, CgFuncLaunches *fl) {
     if (!cg_counts_rows(l)) continue;
     const IrOp *op = f->ops[fl->at[k]];
     bool ta = ir_op_int(op, "ta", 0);
-    const IrOperand *x = &op->args[l->call[0].args[0].index];
+    const IrOperand *x = &op->args[l->rows_operand];
     for (int j = 0; j < k; j++) {
       const CgLaunch *p = &fl->launch[j];
       if (!cg_counts_rows(p)) continue;
       const IrOp *q = f->ops[fl->at[j]];
-      const IrOperand *y = &q->args[p->call[0].args[0].index];
+      const IrOperand *y = &q->args[p->rows_operand];
       bool same = y->value == x->value && cg_op_stream(q) == cg_op_stream(op);
       for (int a = 3; same && a < 6; a++) same = p->call[0].args[a].i == l->call[0].args[a].i;   // groups rows width
       if (!same) continue;
@@ -111,23 +111,32 @@ static void share_counts(const IrFunc *f, CgFuncLaunches *fl) {
 }
 
 // ---- the kernels over expert slots: the rows past the counts (CG_LOWER_ROWS) ----
-// The counts a GEMM's mk_expert_counts writes bound more than its operand: its result (ta 0) is
-// zero at and past them, and so is an elementwise op that keeps zero rows zero of such a value (a
+// The counts a GEMM's count kernel writes bound more than its operand: its result (ta 0) is zero
+// at and past them, and so is an elementwise op that keeps zero rows zero of such a value (a
 // product with it, an activation's gradient of it, an activation that is 0 at 0 of it, a sum of
-// two). filled_rows finds those values (zero past launch j's counts: zp[v] = j) in program order,
-// and then:
-//   - a GEMM that would count such a value again reads launch j's counts instead (no second scan);
-//   - a fused group reading such values takes the counts (CgGuard: rows_guard) and reads them as
-//     0.0f past the counts, without loading them;
-//   - a value whose every reader takes the same counts (those groups, the GEMMs over the counted
-//     rows, a weight gradient only of a group's result: it reads row 0 of an empty block) is never
-//     read past them, so it is not written there: its count kernel does not zero the GEMM's rows
-//     (rows_lazy), a group all of whose results are such values skips those rows (rows_skip).
-// Values read by another function (the backward's of the forward's), returned, or read by any
-// other op (a hook, a collective, the order's gathers at the routed rows) keep every row.
+// two). Counts from the routing (mk_expert_counts_route) bound every slot row an order reads: the
+// rows past them are empty slots, whatever they hold. filled_rows finds, per function in program
+// order, the values zero past launch j's counts (zp[v] = j) and the values over the slots of
+// routing counts j (over[v] = j: a GEMM's result over them, an elementwise op of such values), and:
+//   - a GEMM that would count a zero-past value again reads launch j's counts instead (no second scan);
+//   - a fused group reading such values takes the counts (CgGuard: rows_guard) and reads the zero
+//     ones as 0.0f past the counts, without loading them (a group over routing counts' values
+//     alone takes a guard only to skip: CgGuard.route);
+//   - a value whose every reader reads only the rows below the same counts is not written past
+//     them (the module's fixed point below): its count kernel does not zero the GEMM's rows
+//     (cwidth < 0), mk_expert_rows_zero zeroes none, mk_expert_rows_fill is not run (the forward's
+//     second GEMM still multiplies the counts plus one: the CPU program's GEMM multiplies the row
+//     act(b1), so the fake device's equals it), a group all of whose results are such values skips
+//     those rows (rows_skip; past the counts plus one where such a GEMM reads them: CgGuard.plus). The readers that read only below the counts: such groups (a zero operand, or any
+//     operand of a group that skips), a GEMM over the counted rows (A of ta 0; a weight gradient
+//     when row 0 of every block holds the padded program's value: an empty block's K is 1), the
+//     order ops over the same routing (they read the routed rows). A GEMM result left past the
+//     counts has row 0 of an empty block zeroed all the same (by its count kernel, or
+//     mk_expert_rows_zero of a block of threads a block of slots). Counts are the same across
+//     functions (the backward's of the forward's values) only when both come from the same routing.
 
-// The launch whose counts bound GEMM launch k's rows (its own mk_expert_counts, or the one it
-// reads), -1 when it runs over every slot.
+// The launch whose counts bound GEMM launch k's rows (its own count kernel, or the one it reads),
+// -1 when it runs over every slot.
 static int count_source(const CgFuncLaunches *fl, int k) {
   const CgLaunch *l = &fl->launch[k];
   if (l->lib != CG_LIB_GEMM) return -1;
@@ -140,14 +149,20 @@ typedef struct Filled {
   const IrFunc *f;
   CgFuncLaunches *fl;
   int *zp;          // by value id of f: the launch whose counts it is zero at and past, -1 none
+  int *over;        // by value id of f: the routing counts' launch whose slots it is over, -1 none
+  bool *clean;      // by value id of f: row 0 of each block holds the padded program's value
   int *launch_of;   // by op index of f: the launch that runs it
-  CgGuard *guard;   // by launch: the guard its fused group takes (nzero 0: none)
+  CgGuard *guard;   // by launch: the guard its fused group takes (nzero 0 and !route: none)
+  int *from;        // by launch: the count launch of its guard
+  bool *lazy;       // by launch: a GEMM's result or a guarded group's results not written past the counts
   bool alone;       // an op alone may take a guard too (CG_LOWER_FUSE: a generated kernel of one op)
+  struct Filled *all;   // every function's, by function index
 } Filled;
 
 static int64_t count_groups(const Filled *F, int j) { return F->fl->launch[j].call[0].args[3].i; }
 static int64_t count_rows(const Filled *F, int j) { return F->fl->launch[j].call[0].args[4].i; }
 static IrStream launch_stream(const Filled *F, int k) { return cg_op_stream(F->f->ops[F->fl->at[k]]); }
+static bool guarded(const CgGuard *g) { return g->nzero > 0 || g->route; }
 
 // Whether value v is [E, S, ...] with E S the blocks of slots launch j counts.
 static bool fits(const Filled *F, const IrValue *v, int j) {
@@ -155,8 +170,40 @@ static bool fits(const Filled *F, const IrValue *v, int j) {
   return t->rank == 3 && t->dim[0] * t->dim[1] == count_groups(F, j) * count_rows(F, j);
 }
 
+// The routing (idx and loc values) of count launch j when its counts come from it.
+static bool route_values(const Filled *F, int j, const IrValue **idx, const IrValue **loc) {
+  const CgLaunch *l = &F->fl->launch[j];
+  if (!cg_counts_rows(l) || l->call[0].kernel != CG_K_EXPERT_COUNTS_ROUTE) return false;
+  const CgArg *a = &l->call[0].args[0], *b = &l->call[0].args[8];
+  *idx = F->f->ops[F->fl->at[j] + a->i]->args[a->index].value;
+  *loc = F->f->ops[F->fl->at[j] + b->i]->args[b->index].value;
+  return true;
+}
+static bool routed(const Filled *F, int j) {
+  const IrValue *idx, *loc;
+  return j >= 0 && route_values(F, j, &idx, &loc);
+}
+
+// Whether count launch j of F and j2 of G give the same counts: the same launch, or both from the
+// same routing over blocks of the same slots.
+static bool same_counts(const Filled *F, int j, const Filled *G, int j2) {
+  if (j < 0 || j2 < 0) return false;
+  if (F == G && j == j2) return true;
+  const IrValue *i1, *l1, *i2, *l2;
+  return route_values(F, j, &i1, &l1) && route_values(G, j2, &i2, &l2) && i1 == i2 && l1 == l2 &&
+         count_groups(F, j) == count_groups(G, j2) && count_rows(F, j) == count_rows(G, j2);
+}
+
 static int zp_of(const Filled *F, const IrOperand *a) {
   return a->value && a->value->func == F->f ? F->zp[a->value->id] : -1;
+}
+static int over_of(const Filled *F, const IrOperand *a) {
+  return a->value && a->value->func == F->f ? F->over[a->value->id] : -1;
+}
+static bool clean_of(const Filled *F, const IrOperand *a) {
+  if (!a->value) return true;
+  const Filled *V = &F->all[a->value->func->index];
+  return V->clean[a->value->id];
 }
 
 // The launch whose counts op's result is zero past (its operands' and the op's math), -1 none.
@@ -178,6 +225,24 @@ static int op_zero_rows(const Filled *F, const IrOp *op) {
   if (j < 0 || !fits(F, op->result, j) || cg_op_stream(op) != launch_stream(F, j)) return -1;
   for (int a = 0; a < op->nargs; a++)   // elementwise, no broadcast
     if (zp_of(F, &op->args[a]) == j && ir_type_numel(cg_operand_type(&op->args[a])) != ir_type_numel(&op->result->type))
+      return -1;
+  return j;
+}
+
+// The routing counts' launch whose slots elementwise op's result is over (an operand over them or
+// zero past them, each such operand the result's size), -1 none.
+static int op_over(const Filled *F, const IrOp *op) {
+  if (!op->result || !ir_op_scalar(op->kind) || ir_op_row(op->kind) || ir_op_store(op->kind)) return -1;
+  int j = -1;
+  for (int a = 0; a < op->nargs && j < 0; a++) {
+    int z = over_of(F, &op->args[a]);
+    if (z < 0 && routed(F, zp_of(F, &op->args[a]))) z = zp_of(F, &op->args[a]);
+    j = z;
+  }
+  if (j < 0 || !fits(F, op->result, j) || cg_op_stream(op) != launch_stream(F, j)) return -1;
+  for (int a = 0; a < op->nargs; a++)
+    if ((over_of(F, &op->args[a]) == j || zp_of(F, &op->args[a]) == j) &&
+        ir_type_numel(cg_operand_type(&op->args[a])) != ir_type_numel(&op->result->type))
       return -1;
   return j;
 }
@@ -206,8 +271,8 @@ static void share_zero_counts(Filled *F, int k, int j) {
   }
 }
 
-// The values zero past counts (F->zp), in program order, and the GEMMs that count them again
-// reading those counts instead.
+// The values zero past counts (F->zp) and over routing counts' slots (F->over), in program order,
+// and the GEMMs that count them again reading those counts instead.
 static void zero_rows(Filled *F) {
   const IrFunc *f = F->f;
   for (int k = 0; k < F->fl->n; k++) {
@@ -216,7 +281,7 @@ static void zero_rows(Filled *F) {
     if (l->lib == CG_LIB_GEMM && op->kind == IR_OP_EXPERT_MATMUL) {
       int j = count_source(F->fl, k);
       if (j == k) {   // its own count kernel, over operand x
-        const IrOperand *x = &op->args[l->call[0].args[0].index];
+        const IrOperand *x = &op->args[l->rows_operand];
         int z = zp_of(F, x);
         if (z >= 0 && z != k && count_groups(F, z) == count_groups(F, k) && count_rows(F, z) == count_rows(F, k) &&
             launch_stream(F, z) == launch_stream(F, k)) {
@@ -226,17 +291,23 @@ static void zero_rows(Filled *F) {
           F->zp[x->value->id] = k;   // the value it counts (from here on)
         }
       }
-      if (j >= 0 && op->result && !ir_op_int(op, "ta", 0) && !l->rows_plus && fits(F, op->result, j))
-        F->zp[op->result->id] = j;
+      if (j >= 0 && op->result && !ir_op_int(op, "ta", 0) && fits(F, op->result, j)) {
+        if (!l->rows_plus) F->zp[op->result->id] = j;
+        if (routed(F, j)) F->over[op->result->id] = j;
+      }
       continue;
     }
     for (int i = F->fl->at[k]; i < F->fl->at[k] + l->nops; i++)
-      if (f->ops[i]->result) F->zp[f->ops[i]->result->id] = op_zero_rows(F, f->ops[i]);
+      if (f->ops[i]->result) {
+        F->zp[f->ops[i]->result->id] = op_zero_rows(F, f->ops[i]);
+        F->over[f->ops[i]->result->id] = op_over(F, f->ops[i]);
+      }
   }
 }
 
 // The guard each fused group can take: the counts of the first operand from outside that is zero
-// past counts an earlier launch made, and every such operand of the same counts.
+// past counts an earlier launch made, and every such operand of the same counts; else, to skip,
+// the routing counts of the first operand from outside over their slots.
 static void guards(Filled *F) {
   const IrFunc *f = F->f;
   for (int k = 0; k < F->fl->n; k++) {
@@ -244,46 +315,66 @@ static void guards(Filled *F) {
     int i = F->fl->at[k], n = cg_fused_members(f, i);
     if (n == 0 && F->alone && l->lib == CG_LIB_NONE && l->nops == 1 && l->ncalls == 1) n = 1;   // (cg_fused_guardable says)
     CgGuard *g = &F->guard[k];
-    int j = -1;
+    int j = -1, route = -1;
     for (int m = i; m < i + n; m++)
       for (int a = 0; a < f->ops[m]->nargs; a++) {
         const IrOperand *x = &f->ops[m]->args[a];
-        int z = zp_of(F, x);
-        if (z < 0 || z >= k || (x->value->def && x->value->def->index >= i) || (j >= 0 && z != j)) continue;
+        if (!x->value || (x->value->def && x->value->def->index >= i)) continue;   // from inside
+        int o = over_of(F, x), z = zp_of(F, x);
+        if (route < 0 && o >= 0 && o < k) route = o;
+        if (z < 0 || z >= k || (j >= 0 && z != j)) continue;
         if (cg_guard_zero(g, x->value) || g->nzero == (int)(sizeof g->zero / sizeof g->zero[0])) continue;
         j = z;
         g->zero[g->nzero++] = x->value;
       }
+    if (j < 0 && route >= 0) j = route, g->route = true;
     if (j < 0 || launch_stream(F, j) != cg_op_stream(f->ops[i])) {
-      g->nzero = 0;
+      *g = (CgGuard){0};
       continue;
     }
     g->groups = count_groups(F, j), g->rows = count_rows(F, j);
-    if (!cg_fused_guardable(f, i, g)) g->nzero = 0;
-    else F->fl->launch[k].rows_from = j + 1;   // (kept only with the guard: filled_rows)
+    if (!cg_fused_guardable(f, i, g)) *g = (CgGuard){0};
+    else F->from[k] = j;
   }
 }
 
-// Whether every reader of value v (zero past launch j's counts) reads only the rows below them.
+// Whether every reader of value v (of F's function, over launch j's slots) reads only the rows
+// below j's counts, with the lazy flags as they stand.
 static bool unread_past(const Filled *F, const IrValue *v, int j) {
+  if (!fits(F, v, j)) return false;
   for (int r = 0; r < F->f->nrets; r++)
     if (F->f->rets[r] == v) return false;
+  int made = v->def ? F->launch_of[v->def->index] : -1;
+  const IrValue *idx = NULL, *loc = NULL;
+  route_values(F, j, &idx, &loc);
   for (int fi = 0; fi < F->m->nfuncs; fi++) {
-    const IrFunc *g = F->m->funcs[fi];
+    const Filled *G = &F->all[fi];
+    const IrFunc *g = G->f;
     for (int i = 0; i < g->nops; i++) {
       const IrOp *op = g->ops[i];
       for (int a = 0; a < op->nargs; a++) {
         if (op->args[a].value != v) continue;
-        if (g != F->f) return false;
-        int k = F->launch_of[i];
-        const CgLaunch *l = &F->fl->launch[k];
-        if (F->guard[k].nzero > 0 && F->fl->launch[k].rows_from == j + 1 && cg_guard_zero(&F->guard[k], v)) continue;
-        if (l->lib != CG_LIB_GEMM || op->kind != IR_OP_EXPERT_MATMUL || count_source(F->fl, k) != j || j == k ||
-            l->rows_plus)
+        int k = G->launch_of[i];
+        const CgLaunch *l = &G->fl->launch[k];
+        if (G == F && k == made) continue;   // inside the group that makes it: at the rows it computes
+        // The orders over the same routing read the routed rows (their slot operand: y, dy, ddisp).
+        bool order = (op->kind == IR_OP_ORDER_DECODE && a == 0) || (op->kind == IR_OP_ORDER_ENCODE_GRAD && a == 0);
+        if (idx && order && op->args[1].value == idx && op->args[2].value == loc) continue;
+        if (idx && op->kind == IR_OP_ORDER_DECODE_GRAD_G && a == 1 && op->args[2].value == idx &&
+            op->args[3].value == loc)
+          continue;
+        if (guarded(&G->guard[k]) && same_counts(F, j, G, G->from[k]) &&
+            (cg_guard_zero(&G->guard[k], v) || G->lazy[k]))
+          continue;
+        int src = count_source(G->fl, k);
+        if (l->lib != CG_LIB_GEMM || op->kind != IR_OP_EXPERT_MATMUL || !same_counts(F, j, G, src) ||
+            (G == F && src == k && !routed(F, j)))
           return false;
+        // over the counts plus one (act(h + b1)): of a group that computes those rows
+        if (l->rows_plus && !(G == F && made >= 0 && guarded(&F->guard[made]) && F->guard[made].plus)) return false;
         if (!ir_op_int(op, "ta", 0) && a != 0) return false;   // B of a GEMM: read whole
-        // A weight gradient of an empty block sums one row, row 0: a group's result keeps it.
-        if (ir_op_int(op, "ta", 0) && !(v->def && F->guard[F->launch_of[v->def->index]].nzero > 0)) return false;
+        // A weight gradient of an empty block sums one row, row 0.
+        if (ir_op_int(op, "ta", 0) && !clean_of(G, &op->args[a])) return false;
       }
     }
   }
@@ -308,62 +399,155 @@ static double guarded_bytes(const IrFunc *f, int i, const CgKernelCall *c, const
   return bytes;
 }
 
-// MOEC_ROWS_UNREAD=all, a test hook: every value zero past counts taken as unread past them (wrong
+// MOEC_ROWS_UNREAD=all, a test hook: every candidate value taken as unread past the counts (wrong
 // where a reader reads them; the fake device's NaN there shows it: tests/cuda/host.sh).
 static bool lazy(const Filled *F, const IrValue *v, int j) {
   const char *hook = getenv("MOEC_ROWS_UNREAD");
-  return v && F->zp[v->id] == j && ((hook && strcmp(hook, "all") == 0) || unread_past(F, v, j));
+  return v && ((hook && strcmp(hook, "all") == 0 && fits(F, v, j)) || unread_past(F, v, j));
 }
 
-// The filled-rows facts of f's launches (above); false when out of memory (reported).
-static bool filled_rows(IrDiag *d, CgLaunches *ls, const IrModule *m, const IrFunc *f, CgFuncLaunches *fl, unsigned how,
-                        bool *changed) {
-  Filled F = {.m = m, .f = f, .fl = fl, .alone = how & CG_LOWER_FUSE};
-  F.zp = malloc((size_t)(f->nvalues > 0 ? f->nvalues : 1) * sizeof *F.zp);
-  F.launch_of = malloc((size_t)(f->nops > 0 ? f->nops : 1) * sizeof *F.launch_of);
-  F.guard = calloc((size_t)(fl->n > 0 ? fl->n : 1), sizeof *F.guard);
-  bool ok = F.zp && F.launch_of && F.guard ? true : ir_oom(d);
-  for (int v = 0; ok && v < f->nvalues; v++) F.zp[v] = -1;
-  for (int k = 0; ok && k < fl->n; k++)
-    for (int i = fl->at[k]; i < fl->at[k] + fl->launch[k].nops; i++) F.launch_of[i] = k;
-  if (ok) zero_rows(&F), guards(&F);
-  // The GEMM results nothing reads past the counts: not zeroed there.
-  for (int k = 0; ok && k < fl->n; k++) {
-    CgLaunch *l = &fl->launch[k];
-    const IrOp *op = f->ops[fl->at[k]];
-    int j = count_source(fl, k);
-    if (j < 0 || l->rows_plus || op->kind != IR_OP_EXPERT_MATMUL || ir_op_int(op, "ta", 0) || !lazy(&F, op->result, j))
+// The GEMM launches whose result may be left past the counts: an expert GEMM (ta 0) over counted
+// rows (the forward's second one, over act(h + b1) and its counts plus one, only over routing
+// counts: it still multiplies the row past them, act(b1)'s, as the CPU program's GEMM does, and
+// mk_expert_rows_fill is not run).
+static bool lazy_gemm(const Filled *F, int k) {
+  const CgLaunch *l = &F->fl->launch[k];
+  const IrOp *op = F->f->ops[F->fl->at[k]];
+  int j = count_source(F->fl, k);
+  return j >= 0 && op->kind == IR_OP_EXPERT_MATMUL && op->result && !ir_op_int(op, "ta", 0) &&
+         (!l->rows_plus || routed(F, j));
+}
+
+// The results of group launch k that skipping it would leave past the counts.
+static bool group_result(const IrOp *op) {
+  return op->result && ir_op_colsum(op->kind) < 0 && (!ir_op_int(op, "inner", 0) || pass_writes_copy(op));
+}
+
+// Row 0 of each block of f's values, with the lazy flags as they stand (program order).
+static void clean_rows(Filled *F) {
+  const IrFunc *f = F->f;
+  for (int v = 0; v < f->nvalues; v++) F->clean[v] = true;
+  for (int k = 0; k < F->fl->n; k++) {
+    const CgLaunch *l = &F->fl->launch[k];
+    int i = F->fl->at[k];
+    const IrOp *op = f->ops[i];
+    if (l->lib == CG_LIB_GEMM) {   // zeroed or filled past the counts, unless left; filled: act(b1)'s product
+      // (a result left past the counts still has an empty block's row 0 zeroed)
+      if (op->result && lazy_gemm(F, k) && l->rows_plus) F->clean[op->result->id] = clean_of(F, &op->args[0]);
       continue;
-    if (j == k) l->call[0].args[6].i = -l->call[0].args[6].i;   // mk_expert_counts: cwidth < 0
-    else l->ncalls = 0, l->rows_zero = false;                     // no mk_expert_rows_zero
+    }
+    if (l->lib) continue;
+    bool c = true;   // each row of an elementwise kernel's results from the same rows of its operands
+    for (int m = i; m < i + l->nops; m++)
+      for (int a = 0; a < f->ops[m]->nargs; a++) {
+        const IrOperand *x = &f->ops[m]->args[a];
+        if (!x->value || (x->value->func == f && x->value->def && x->value->def->index >= i)) continue;
+        if (!(guarded(&F->guard[k]) && cg_guard_zero(&F->guard[k], x->value))) c = c && clean_of(F, x);
+      }
+    bool rowwise = true;
+    for (int m = i; m < i + l->nops; m++) rowwise = rowwise && ir_op_scalar(f->ops[m]->kind) && !ir_op_row(f->ops[m]->kind);
+    for (int m = i; m < i + l->nops; m++)
+      if (f->ops[m]->result) F->clean[f->ops[m]->result->id] = rowwise ? c : true;
+  }
+}
+
+// The lazy flags of every function: the greatest set in which each flagged value's readers read
+// only below its counts (every flag set, then cleared where a reader reads past, until none is).
+static void fixed_point(Filled *all, int nfuncs) {
+  for (int fi = 0; fi < nfuncs; fi++) {
+    Filled *F = &all[fi];
+    for (int k = 0; k < F->fl->n; k++) {
+      F->lazy[k] = lazy_gemm(F, k) || guarded(&F->guard[k]);
+      const IrOp *op = F->f->ops[F->fl->at[k]];   // a group a GEMM over the counts plus one reads: plus
+      const IrValue *x = op->nargs > 0 ? op->args[0].value : NULL;
+      if (F->fl->launch[k].rows_plus && x && x->func == F->f && x->def && guarded(&F->guard[F->launch_of[x->def->index]]))
+        F->guard[F->launch_of[x->def->index]].plus = true;
+    }
+  }
+  for (bool again = true; again;) {
+    again = false;
+    for (int fi = 0; fi < nfuncs; fi++) clean_rows(&all[fi]);
+    for (int fi = 0; fi < nfuncs; fi++) {
+      Filled *F = &all[fi];
+      for (int k = 0; k < F->fl->n; k++) {
+        if (!F->lazy[k]) continue;
+        const IrOp *op = F->f->ops[F->fl->at[k]];
+        bool ok = true;
+        if (F->fl->launch[k].lib == CG_LIB_GEMM) ok = lazy(F, op->result, count_source(F->fl, k));
+        else
+          for (int m = F->fl->at[k]; ok && m < F->fl->at[k] + F->fl->launch[k].nops; m++)
+            if (group_result(F->f->ops[m])) ok = lazy(F, F->f->ops[m]->result, F->from[k]);
+        if (!ok) F->lazy[k] = false, again = true;
+      }
+    }
+  }
+}
+
+// The GEMMs and groups of F as the fixed point left them.
+static bool apply_rows(IrDiag *d, CgLaunches *ls, Filled *F, bool *changed) {
+  const IrFunc *f = F->f;
+  CgFuncLaunches *fl = F->fl;
+  for (int k = 0; k < fl->n; k++) {
+    CgLaunch *l = &fl->launch[k];
+    if (!lazy_gemm(F, k) || !F->lazy[k]) continue;
+    int j = count_source(fl, k);
+    if (j == k) {   // the count kernel: cwidth < 0
+      l->call[0].args[6].i = -l->call[0].args[6].i;
+    } else if (l->rows_zero) {   // mk_expert_rows_zero: an empty block's row 0 only
+      l->call[0].args[4].i = -l->call[0].args[4].i;
+      l->call[0].grid = cg_cuda_grid_blocks(l->call[0].args[2].i);
+    } else {   // no mk_expert_rows_fill
+      l->ncalls = 0;
+    }
     l->rows_lazy = true;
     size_t used = strlen(l->note);
     snprintf(l->note + used, sizeof l->note - used, "; rows past them unread");
   }
-  // The groups over the slots, again with their guards.
-  for (int k = 0; ok && k < fl->n; k++) {
-    CgGuard *g = &F.guard[k];
-    if (g->nzero == 0) continue;
-    int i = fl->at[k], n = fl->launch[k].nops, j = fl->launch[k].rows_from - 1;
-    g->skip = true;
-    for (int e = i; e < i + n && g->skip; e++) {
-      const IrOp *op = f->ops[e];
-      if (op->result && ir_op_colsum(op->kind) < 0 && (!ir_op_int(op, "inner", 0) || pass_writes_copy(op)))
-        g->skip = lazy(&F, op->result, j);
-    }
+  for (int k = 0; k < fl->n; k++) {
+    CgGuard *g = &F->guard[k];
+    if (!guarded(g) || (g->nzero == 0 && !F->lazy[k])) continue;   // a routing guard only skips
+    int i = fl->at[k], j = F->from[k];
+    g->skip = F->lazy[k];
     CgLaunch again;
-    ok = cg_lower_fused(d, ls, f, i, false, NULL, g, &again);
-    if (ok) {
-      again.alone_calls = fl->launch[k].alone_calls;
-      again.rows_from = j + 1;
-      again.rows_bytes = guarded_bytes(f, i, &again.call[0], g);
-      fl->launch[k] = again;
-      *changed = true;
-    }
+    if (!cg_lower_fused(d, ls, f, i, false, NULL, g, &again)) return false;
+    again.alone_calls = fl->launch[k].alone_calls;
+    again.rows_from = j + 1;
+    again.rows_bytes = guarded_bytes(f, i, &again.call[0], g);
+    fl->launch[k] = again;
+    *changed = true;
   }
-  free(F.zp);
-  free(F.launch_of);
-  free(F.guard);
+  return true;
+}
+
+// The filled-rows facts of every function's launches (above); false when out of memory (reported).
+static bool filled_rows(IrDiag *d, CgLaunches *ls, const IrModule *m, unsigned how, bool *changed) {
+  Filled *all = calloc((size_t)(m->nfuncs > 0 ? m->nfuncs : 1), sizeof *all);
+  bool ok = all ? true : ir_oom(d);
+  for (int fi = 0; ok && fi < m->nfuncs; fi++) {
+    const IrFunc *f = m->funcs[fi];
+    CgFuncLaunches *fl = &ls->fn[fi];
+    Filled *F = &all[fi];
+    size_t nv = (size_t)(f->nvalues > 0 ? f->nvalues : 1), no = (size_t)(f->nops > 0 ? f->nops : 1),
+           nl = (size_t)(fl->n > 0 ? fl->n : 1);
+    *F = (Filled){.m = m, .f = f, .fl = fl, .alone = how & CG_LOWER_FUSE, .all = all};
+    F->zp = malloc(nv * sizeof *F->zp), F->over = malloc(nv * sizeof *F->over), F->clean = malloc(nv * sizeof *F->clean);
+    F->launch_of = malloc(no * sizeof *F->launch_of);
+    F->guard = calloc(nl, sizeof *F->guard), F->from = malloc(nl * sizeof *F->from), F->lazy = calloc(nl, sizeof *F->lazy);
+    ok = F->zp && F->over && F->clean && F->launch_of && F->guard && F->from && F->lazy ? true : ir_oom(d);
+    for (int v = 0; ok && v < f->nvalues; v++) F->zp[v] = F->over[v] = -1, F->clean[v] = true;
+    for (int k = 0; ok && k < fl->n; k++) {
+      F->from[k] = -1;
+      for (int i = fl->at[k]; i < fl->at[k] + fl->launch[k].nops; i++) F->launch_of[i] = k;
+    }
+    if (ok) zero_rows(F), guards(F);
+  }
+  if (ok) fixed_point(all, m->nfuncs);
+  for (int fi = 0; ok && fi < m->nfuncs; fi++) ok = apply_rows(d, ls, &all[fi], changed);
+  for (int fi = 0; all && fi < m->nfuncs; fi++) {
+    Filled *F = &all[fi];
+    free(F->zp), free(F->over), free(F->clean), free(F->launch_of), free(F->guard), free(F->from), free(F->lazy);
+  }
+  free(all);
   return ok;
 }
 
@@ -401,8 +585,7 @@ static void drop_unused_kernels(CgLaunches *ls) {
 // (cg_lower_op) and every launch made from those: a fused group's (cg_lower_fused, which takes its
 // first op's), or op i's with the target's fusions (cg_lower_from). alone_calls: what the ops of a
 // launch launch alone.
-static bool lower_func(IrDiag *d, CgLaunches *ls, const IrModule *m, const IrFunc *f, unsigned how, CgFuncLaunches *fl,
-                       bool *changed) {
+static bool lower_func(IrDiag *d, CgLaunches *ls, const IrFunc *f, unsigned how, CgFuncLaunches *fl) {
   size_t n = (size_t)(f->nops > 0 ? f->nops : 1);
   bool cpu = how & CG_LOWER_CPU, groups = cpu || (how & CG_LOWER_FUSE);
   CgLaunch *alone = malloc(n * sizeof *alone);
@@ -426,7 +609,6 @@ static bool lower_func(IrDiag *d, CgLaunches *ls, const IrModule *m, const IrFun
   free(alone);
   free(has);
   if (ok && !cpu) share_counts(f, fl), share_counts_act(f, fl);
-  if (ok && !cpu && (how & CG_LOWER_ROWS) && (how & CG_LOWER_SLOTS)) ok = filled_rows(d, ls, m, f, fl, how, changed);
   return ok;
 }
 
@@ -439,7 +621,8 @@ CgLaunches *cg_lower_module(IrDiag *d, const IrModule *m, unsigned how) {
   }
   ls->nfuncs = m->nfuncs;
   bool ok = true, changed = false;
-  for (int fi = 0; ok && fi < m->nfuncs; fi++) ok = lower_func(d, ls, m, m->funcs[fi], how, &ls->fn[fi], &changed);
+  for (int fi = 0; ok && fi < m->nfuncs; fi++) ok = lower_func(d, ls, m->funcs[fi], how, &ls->fn[fi]);
+  if (ok && !(how & CG_LOWER_CPU) && (how & CG_LOWER_ROWS) && (how & CG_LOWER_SLOTS)) ok = filled_rows(d, ls, m, how, &changed);
   if (ok && changed) drop_unused_kernels(ls);
   if (!ok) {
     cg_launches_free(ls);
@@ -487,7 +670,8 @@ void cg_cuda_kernels_used(const IrModule *m, const CgLaunches *ls, bool *used) {
       if (bf16 && l->lib == CG_LIB_GEMM) used[CG_K_COMPRESS_BF16] = true;   // the operands' cast
     }
   // An expert GEMM over its filled rows in bf16 may run moec's grouped GEMM (rt_cuda_expert_gemm_rows).
-  if (bf16 && (used[CG_K_EXPERT_COUNTS_BF16] || used[CG_K_EXPERT_COUNTS])) used[CG_K_EXPERT_GEMM_TC] = true;
+  if (bf16 && (used[CG_K_EXPERT_COUNTS_BF16] || used[CG_K_EXPERT_COUNTS] || used[CG_K_EXPERT_COUNTS_ROUTE]))
+    used[CG_K_EXPERT_GEMM_TC] = true;
   // Microbatches: their gradients summed and divided by their number on the GPU (emit_cuda_host.c,
   // RtDevice.accumulate).
   if (ir_mod_int(m, "microbatches", 1) > 1) used[CG_K_ADD] = used[CG_K_SCALE_ROWS] = true;

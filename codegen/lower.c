@@ -533,16 +533,37 @@ bool cg_lower_from(const IrFunc *f, int i, unsigned how, const CgLaunch *alone, 
   if ((how & CG_LOWER_ROWS) && l->lib == CG_LIB_GEMM && cg_expert_rows(f->ops[i], &r)) {
     // dtype bf16: from the copy the GEMM reads when its maker wrote one (the value may be stored so only)
     bool copy = (how & CG_LOWER_BF16) && pass_reads_copy(f->ops[i], r.operand);
-    int64_t part = cg_rows_part(r.width), parts = (r.rows + part - 1) / part;
-    CgKernelCall *c = call(l, copy ? CG_K_EXPERT_COUNTS_BF16 : CG_K_EXPERT_COUNTS, cg_cuda_grid_blocks(r.groups * parts));
-    arg(c, copy ? CG_ARG_OPERAND16 : CG_ARG_OPERAND, r.operand);
-    arg(c, CG_ARG_SCRATCH, 0);
-    arg(c, CG_ARG_RESULT, 0);   // its rows past the counts zeroed (ta: none, cwidth 0)
-    INTS(c, r.groups, r.rows, r.width, ir_op_int(f->ops[i], "ta", 0) ? 0 : f->ops[i]->result->type.dim[2], part);
-    // the counts, clamped, plus one (twice), then the kernel's maxima and arrivals (zeros between launches)
-    l->scratch_bytes = 6 * r.groups * (int64_t)sizeof(int32_t);
-    snprintf(l->note, sizeof l->note, "over the filled rows of operand %d (%" PRId64 " blocks an expert)", r.operand,
-             r.blocks);
+    int64_t cwidth = ir_op_int(f->ops[i], "ta", 0) ? 0 : f->ops[i]->result->type.dim[2];   // its rows past the counts zeroed
+    l->rows_operand = r.operand;
+    if (r.route && (how & CG_LOWER_ROUTE)) {   // from the routing: idx and loc of the order op
+      const IrOp *o = r.route;
+      // about 16 parts a block of slots (each reads its routing group's choices), at most a row's
+      int64_t part = (r.rows + 15) / 16, parts;
+      if (part < cg_rows_part(cwidth > 0 ? cwidth : r.width)) part = cg_rows_part(cwidth > 0 ? cwidth : r.width);
+      if (cwidth == 0 || part > r.rows) part = r.rows;
+      parts = (r.rows + part - 1) / part;
+      CgKernelCall *c = call(l, CG_K_EXPERT_COUNTS_ROUTE, cg_cuda_grid_blocks(r.groups * parts));
+      c->args[c->nargs++] = (CgArg){.kind = CG_ARG_OPERAND, .i = o->index - i, .index = 1};   // idx
+      arg(c, CG_ARG_SCRATCH, 0);
+      arg(c, CG_ARG_RESULT, 0);
+      INTS(c, r.groups, r.rows, o->args[1].value->type.dim[0], cwidth, part);
+      c->args[c->nargs++] = (CgArg){.kind = CG_ARG_OPERAND, .i = o->index - i, .index = 2};   // loc
+      INTS(c, o->args[1].value->type.dim[1], ir_op_int(o, "groups", 1));
+      l->scratch_bytes = 4 * r.groups * (int64_t)sizeof(int32_t);   // the counts, clamped, plus one (twice)
+      snprintf(l->note, sizeof l->note, "over the routed rows of operand %d (%" PRId64 " blocks an expert; %%%s's routing)",
+               r.operand, r.blocks, o->args[2].value->name);
+    } else {
+      int64_t part = cg_rows_part(r.width), parts = (r.rows + part - 1) / part;
+      CgKernelCall *c = call(l, copy ? CG_K_EXPERT_COUNTS_BF16 : CG_K_EXPERT_COUNTS, cg_cuda_grid_blocks(r.groups * parts));
+      arg(c, copy ? CG_ARG_OPERAND16 : CG_ARG_OPERAND, r.operand);
+      arg(c, CG_ARG_SCRATCH, 0);
+      arg(c, CG_ARG_RESULT, 0);   // (ta: none, cwidth 0)
+      INTS(c, r.groups, r.rows, r.width, cwidth, part);
+      // the counts, clamped, plus one (twice), then the kernel's maxima and arrivals (zeros between launches)
+      l->scratch_bytes = 6 * r.groups * (int64_t)sizeof(int32_t);
+      snprintf(l->note, sizeof l->note, "over the filled rows of operand %d (%" PRId64 " blocks an expert)", r.operand,
+               r.blocks);
+    }
   }
   if (fuse) split_reduction(f->ops[i], l);
   if (how & CG_LOWER_BF16) update_bf16(l);
@@ -554,7 +575,8 @@ int64_t cg_rows_part(int64_t width) { return width >= 32768 ? 1 : 32768 / (width
 
 bool cg_counts_rows(const CgLaunch *l) {
   return l->lib == CG_LIB_GEMM && l->ncalls == 1 &&
-         (l->call[0].kernel == CG_K_EXPERT_COUNTS || l->call[0].kernel == CG_K_EXPERT_COUNTS_BF16);
+         (l->call[0].kernel == CG_K_EXPERT_COUNTS || l->call[0].kernel == CG_K_EXPERT_COUNTS_BF16 ||
+          l->call[0].kernel == CG_K_EXPERT_COUNTS_ROUTE);
 }
 
 bool cg_lower(const IrFunc *f, int i, unsigned how, CgLaunch *l) {

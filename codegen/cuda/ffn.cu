@@ -179,6 +179,8 @@ __device__ void mk_counts(const T *x, int *counts, float *c, int groups, int row
     float *cg = c + g * (i64)rows * cw, past = cwidth < 0 ? MK_NAN : 0.0f;
     if (cwidth > 0 || MK_POISON)
       for (i64 j = ((i64)last + 1 > lo ? (i64)last + 1 : lo) * cw + threadIdx.x; j < hi * cw; j += blockDim.x) cg[j] = past;
+    if (cwidth < 0 && lo == 0 && last < 0)   // row 0 zeroed all the same (the GEMM writes it when the block is not empty)
+      for (i64 j = threadIdx.x; j < cw; j += blockDim.x) cg[j] = 0.0f;
     if (threadIdx.x == 0) {
       atomicMax(&top[g], (int)last + 1);
       __threadfence();
@@ -214,7 +216,8 @@ __device__ void mk_counts(const T *x, int *counts, float *c, int groups, int row
 //     which the GEMM over the filled rows then writes (it writes every row below the count).
 //     cwidth < 0 (c is -cwidth wide): nothing reads c's rows past the counts (codegen/launch.c's
 //     filled rows: its readers take the counts too), so they are left as they are (MK_POISON:
-//     NaN on the host builds).
+//     NaN on the host builds), but for row 0 of an empty block, zeroed: a weight gradient of an
+//     empty block sums that row (its K is 1), so it holds what the padded program has there.
 //   - A block's part's last row goes to the block of slots' maximum (atomicMax, an order-free
 //     maximum: the same counts whatever the blocks' order), and the last of its parts to arrive
 //     writes the counts from it and sets the maximum and the arrivals back to zero.
@@ -228,6 +231,44 @@ extern "C" __global__ void mk_expert_counts(const float *x, int *counts, float *
 extern "C" __global__ void mk_expert_counts_bf16(const u16 *x, int *counts, float *c, int groups, int rows, int width,
                                                  int cwidth, int part) {
   mk_counts(x, counts, c, groups, rows, width, cwidth, part);
+}
+
+// ---- mk_expert_counts_route ----
+// The same counts from the routing instead of the data (codegen/facts.c, cg_expert_rows: the
+// operand is order.encode's or order.decode.grad_y's result over these idx and loc): counts[G] of
+// block G = (expert e, routing group gi), G = e*g + gi, is 1 + the largest location of a kept
+// choice (idx e, 0 <= loc < rows) of a token of group gi, 0 when none; every row at or past it is
+// an empty slot, which the order zeroed, so these counts bound the data's (they pass them where a
+// routed token's row is zero). counts[groups + G] .. counts[3 groups + G] as mk_expert_counts.
+// The blocks take the parts of `part` rows of every block of slots (one block a part, over the
+// grid); each reads its routing group's choices (a few thousand ints, from the cache) for the count,
+// zeroes its part's rows of c [groups, rows, cwidth] at or past it (cwidth 0: none; cwidth < 0:
+// none, NaN where MK_POISON, but an empty block's row 0), and the first part's block writes the
+// counts: no atomics, nothing kept between launches.
+extern "C" __global__ void mk_expert_counts_route(const int *idx, int *counts, float *c, int groups, int rows, int s,
+                                                  int cwidth, int part, const int *loc, int k, int g) {
+  if (g < 1) g = 1;
+  int parts = (rows + part - 1) / part;
+  MK_FOR_BLOCKS(w, (i64)groups * parts) {
+    int G = (int)(w / parts), e = G / g, gi = G % g;
+    i64 lo = w % parts * part, hi = lo + part < rows ? lo + part : rows;
+    i64 c0 = (i64)mk_group_begin(s, g, gi) * k, c1 = (i64)mk_group_begin(s, g, gi + 1) * k;
+    float mine = -1.0f;   // a location (exact in a float below 2^24 rows)
+    for (i64 ch = c0 + threadIdx.x; ch < c1; ch += blockDim.x)
+      if (idx[ch] == e && loc[ch] >= 0 && loc[ch] < rows && (float)loc[ch] > mine) mine = (float)loc[ch];
+    int count = (int)mk_block_max(mine) + 1;
+    int cw = cwidth < 0 ? -cwidth : cwidth;
+    float *cg = c + (i64)G * rows * cw, past = cwidth < 0 ? MK_NAN : 0.0f;
+    if (cwidth > 0 || MK_POISON)
+      for (i64 j = (count > lo ? count : lo) * (i64)cw + threadIdx.x; j < hi * cw; j += blockDim.x) cg[j] = past;
+    if (cwidth < 0 && lo == 0 && count == 0)   // an empty block's row 0 zeroed all the same (mk_expert_counts)
+      for (i64 j = threadIdx.x; j < cw; j += blockDim.x) cg[j] = 0.0f;
+    if (lo == 0 && threadIdx.x == 0) {
+      counts[G] = count;
+      counts[groups + G] = count > 0 ? count : 1;
+      counts[2 * groups + G] = counts[3 * groups + G] = count < rows ? count + 1 : rows;
+    }
+  }
 }
 
 // ---- mk_expert_rows_fill ----
@@ -250,8 +291,16 @@ extern "C" __global__ void mk_expert_rows_fill(const int *plus, float *c, int gr
 // After a GEMM over the rows counts[g] of each block of c [groups, rows, cwidth] that another
 // GEMM's mk_expert_counts counted (the same operand: SwiGLU's x W1 and x W3), the rows past them
 // zeroed, as that count kernel zeroes its own GEMM's. A block of threads a row, as
-// mk_expert_rows_fill.
+// mk_expert_rows_fill. cwidth < 0 (c is -cwidth wide; a block of threads a block of slots): nothing
+// reads the rows past the counts (codegen/launch.c), so only an empty block's row 0 is zeroed (a
+// weight gradient of an empty block sums that row), as mk_expert_counts does.
 extern "C" __global__ void mk_expert_rows_zero(const int *counts, float *c, int groups, int rows, int cwidth) {
+  if (cwidth < 0) {
+    MK_FOR_BLOCKS(g, groups)
+    if (counts[g] == 0)
+      for (int j = threadIdx.x; j < -cwidth; j += blockDim.x) c[g * rows * (i64)-cwidth + j] = 0.0f;
+    return;
+  }
   MK_FOR_BLOCKS(w, (i64)groups * rows) {
     if (w % rows < counts[w / rows]) continue;
     for (int j = threadIdx.x; j < cwidth; j += blockDim.x) c[w * cwidth + j] = 0.0f;

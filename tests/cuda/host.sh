@@ -543,9 +543,23 @@ x = np.load(sys.argv[1]); x[:, -3:, :] = 0; x[:, 5, :] = 0; np.save(sys.argv[2],
     { bad "cuda host slots $name: with tokens of zeros, differs from every slot" "$(grep -h '^step' "$WORK/$name.cuda.out" "$WORK/${name}_all.cuda.out"; echo "${why:-}")"; return; }
   ok "cuda host slots $name: $got (kernels reading the counts (skipping), GEMMs not zeroed) train to the bits of every slot, tokens of zeros too (3 steps, $why)"
 }
-slots_check slots_gpt "3 (2), 2"
-slots_check slots_mixtral "3 (1), 3"
-slots_check slots_tiny "6 (4), 4"
+slots_check slots_gpt "4 (4), 4"
+slots_check slots_mixtral "3 (3), 6"
+slots_check slots_tiny "8 (8), 8"
+# The counts from the routing (mk_expert_counts_route: the order's idx and loc, no scan of the
+# data): the backward's counts are the forward's, so the forward's saved h + b1 and act, its second
+# GEMM's result and bias, and the gradient of the dispatched tokens are written only below them.
+# MOEC_EXPERT_ROWS=scan (every count from the data) keeps them over every slot, and trains to the
+# same bits.
+MOEC_EXPERT_ROWS=scan MOEC_CUDA_FAKE=1 "$MOEC" build "$WORK/slots_gpt.moe" --target cuda -v -o "$WORK/slots_scan.cuda" 2>"$WORK/slots_scan.err"
+if grep -q "^# expert slots: 3 fused kernels a step read the counts (2 of them skip the rows past them), 2 expert GEMMs' results" "$WORK/slots_scan.err" &&
+   run slots_scan cuda 1 --steps 3 --input slots_gpt.zeros.npy --dump slots_scan.dump &&
+   same_losses "$WORK/slots_scan.cuda.out" "$WORK/slots_gpt_all.cuda.out" 0 &&
+   why=$(compare_dumps "$WORK/slots_scan.dump" "$WORK/slots_gpt.z.all.dump" 0); then
+  ok "cuda host slots: the dropless GPT layer's counts from the routing (4 kernels skipping, 4 GEMMs not zeroed) against from the data (MOEC_EXPERT_ROWS=scan: 2 and 2), tokens of zeros: the same bits ($why)"
+else
+  bad "cuda host slots: counts from the routing against from the data" "$(grep -h '^# expert' "$WORK/slots_scan.err" "$WORK/slots_gpt.err"; tail -n 3 "$WORK/slots_scan.cuda.out")"
+fi
 if MOEC_ROWS_UNREAD=all MOEC_CUDA_FAKE=1 "$MOEC" build lang/models/tiny.moe --target cuda --no-fuse -o "$WORK/slots_unread.cuda" 2>"$WORK/slots_unread.err" &&
    ! run slots_unread cuda 1 --steps 3 && grep -q '^step 2 .*loss nan' "$WORK/slots_unread.cuda.out"; then
   ok "cuda host slots: MOEC_ROWS_UNREAD=all (the rows a bias kernel reads taken as unread) trains into NaN on the fake device"

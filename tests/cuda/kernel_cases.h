@@ -453,7 +453,8 @@ template <class Launcher> void run_kernel_cases(Launcher &L, Checks &c) {
       c.same("expert GEMM filled rows: the kernel's maxima and arrivals back to zero", std::vector<int>(2 * groups, 0), tail);
       c.bits("expert GEMM filled rows: the result's rows past them zeroed", out_want, out);
       {   // cwidth < 0: nothing reads the result's rows past them (codegen/launch.c): left as they are
-          // on a GPU, NaN on the host builds (MK_POISON), never zeroed; the other rows left.
+          // on a GPU, NaN on the host builds (MK_POISON), never zeroed but an empty block's row 0
+          // (a weight gradient sums it); the other rows left.
         auto lazy = randn((size_t)groups * slots * cwidth), lazy_in = lazy;
         std::vector<int> counts(6 * groups, 0);
         LAUNCH(4, MK_BLOCK, mk_expert_counts, x, counts, lazy, groups, slots, width, -cwidth, part);
@@ -463,9 +464,10 @@ template <class Launcher> void run_kernel_cases(Launcher &L, Checks &c) {
         for (size_t i = 0; i < lazy.size() && bad == lazy.size(); i++) {
           bool past = out_want[i] == 0.0f && out[i] == 0.0f && lazy_in[i] != 0.0f;   // a row the first launch zeroed
           bool kept = memcmp(&lazy[i], &lazy_in[i], sizeof lazy[i]) == 0;
-          if (past ? !(kept || lazy[i] != lazy[i]) : !kept) bad = i;
+          bool row0 = want[i / cwidth / slots] == 0 && (i / cwidth) % slots == 0;   // an empty block's row 0
+          if (row0 ? lazy[i] != 0.0f : past ? !(kept || lazy[i] != lazy[i]) : !kept) bad = i;
         }
-        if (bad == lazy.size()) c.ok("expert GEMM filled rows (cwidth < 0): the rows past them not zeroed (NaN where MK_POISON), the others left");
+        if (bad == lazy.size()) c.ok("expert GEMM filled rows (cwidth < 0): the rows past them not zeroed (NaN where MK_POISON) but an empty block's row 0, the others left");
         else c.fail("expert GEMM filled rows (cwidth < 0): element %zu is %.9g, was %.9g", bad, lazy[bad], lazy_in[bad]);
       }
       for (int j = 0; j < width; j++) x[((size_t)2 * slots + 33) * width + j] = 1.0f;   // another count the next step
@@ -496,6 +498,61 @@ template <class Launcher> void run_kernel_cases(Launcher &L, Checks &c) {
         std::fill(zero_want.begin() + ((size_t)g * slots + want[g]) * cwidth, zero_want.begin() + (size_t)(g + 1) * slots * cwidth, 0.0f);
       LAUNCH(3, 64, mk_expert_rows_zero, want, zeroed, groups, slots, cwidth);
       c.bits("expert GEMM over another's counts: the rows past them zeroed (mk_expert_rows_zero)", zero_want, zeroed);
+      // cwidth < 0 (nothing reads the rows past them): only an empty block's row 0 zeroed.
+      auto row0 = randn((size_t)groups * slots * cwidth), row0_want = row0;
+      for (int g = 0; g < groups; g++)
+        if (want[g] == 0) std::fill_n(row0_want.begin() + (size_t)g * slots * cwidth, cwidth, 0.0f);
+      LAUNCH(2, 64, mk_expert_rows_zero, want, row0, groups, slots, -cwidth);
+      c.bits("expert GEMM over another's counts, rows past them unread (cwidth < 0): an empty block's row 0 zeroed, the rest left", row0_want, row0);
+    }
+    {  // The counts from the routing (mk_expert_counts_route): 3 experts, 2 routing groups of 25 and 26
+       // tokens, 2 choices a token, 11 slots an expert a group: an expert with no choice in group 1,
+       // dropped choices (-1), a full block, a hole (a location nobody holds below the last).
+      const int s = 51, k = 2, e = 3, g = 2, rows = 11, groups = e * g, cwidth = 7;
+      std::vector<int> idx((size_t)s * k), loc((size_t)s * k, -1), want(4 * groups, 0);
+      for (int t = 0; t < s; t++)
+        for (int j = 0; j < k; j++) idx[(size_t)t * k + j] = t >= 25 ? (j == 1 && t % 5 == 0 ? 0 : 1) : (t * 7 + j * 5) % 3;   // group 1: experts 0, 1
+      for (int gi = 0; gi < g; gi++)
+        for (int x = 0; x < e; x++) {   // numbered in token order, dropped past the capacity
+          int next = 0, t0 = gi == 0 ? 0 : 25, t1 = gi == 0 ? 25 : s;
+          for (int t = t0; t < t1; t++)
+            for (int j = 0; j < k; j++)
+              if (idx[(size_t)t * k + j] == x) {
+                loc[(size_t)t * k + j] = next < rows ? next : -1;
+                next++;
+              }
+          want[x * g + gi] = std::min(next, rows);
+        }
+      for (int c0 = 0; c0 < s * k; c0++)   // a hole: expert 0's location 3 of group 0 dropped
+        if (idx[c0] == 0 && loc[c0] == 3 && c0 < 25 * k) loc[c0] = -1;
+      for (int G = 0; G < groups; G++) {
+        want[groups + G] = std::max(want[G], 1);
+        want[2 * groups + G] = want[3 * groups + G] = std::min(want[G] + 1, rows);
+      }
+      if (want[2 * g + 1] != 0 || want[0] != rows || want[1] == rows) c.fail("mk_expert_counts_route's case lacks an empty, a full or a partial block");
+      auto out = randn((size_t)groups * rows * cwidth), out_want = out, out_in = out;
+      for (int G = 0; G < groups; G++)
+        std::fill(out_want.begin() + ((size_t)G * rows + want[G]) * cwidth, out_want.begin() + (size_t)(G + 1) * rows * cwidth, 0.0f);
+      std::vector<int> got(4 * groups, -7);
+      LAUNCH(5, MK_BLOCK, mk_expert_counts_route, idx, got, out, groups, rows, s, cwidth, 3, loc, k, g);   // parts of 3 rows
+      c.same("expert GEMM routed rows (mk_expert_counts_route: 2 routing groups, parts of 3 rows)", want, got);
+      c.bits("expert GEMM routed rows: the result's rows past them zeroed, the others left", out_want, out);
+      std::fill(got.begin(), got.end(), -7);
+      auto lazy = out_in;
+      LAUNCH(64, MK_BLOCK, mk_expert_counts_route, idx, got, lazy, groups, rows, s, -cwidth, 1, loc, k, g);   // a part a row
+      c.same("expert GEMM routed rows, a part a row (cwidth < 0)", want, got);
+      size_t bad = lazy.size();
+      for (size_t i = 0; i < lazy.size() && bad == lazy.size(); i++) {
+        bool past = (int64_t)(i / cwidth) % rows >= want[i / cwidth / rows];
+        bool kept = memcmp(&lazy[i], &out_in[i], sizeof lazy[i]) == 0;
+        bool row0 = want[i / cwidth / rows] == 0 && (i / cwidth) % rows == 0;   // an empty block's row 0
+        if (row0 ? lazy[i] != 0.0f : past ? !(kept || lazy[i] != lazy[i]) : !kept) bad = i;
+      }
+      if (bad == lazy.size()) c.ok("expert GEMM routed rows (cwidth < 0): the rows past them not zeroed (NaN where MK_POISON) but an empty block's row 0, the others left");
+      else c.fail("expert GEMM routed rows (cwidth < 0): element %zu is %.9g, was %.9g", bad, lazy[bad], out_in[bad]);
+      std::fill(got.begin(), got.end(), -7);
+      LAUNCH(2, MK_BLOCK, mk_expert_counts_route, idx, got, out_in, groups, rows, s, 0, rows, loc, k, g);   // ta: no result
+      c.same("expert GEMM routed rows of a weight gradient (cwidth 0, a part a block)", want, got);
     }
     // moec's grouped GEMM on tensor cores (mk_expert_gemm_tc: bf16 operands, fp32 sums) over the
     // counted rows, against sums in double of the same bf16 values: within 1e-3 of the largest
