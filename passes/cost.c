@@ -261,11 +261,12 @@ bool pass_cost(IrModule *m, PassCtx *ctx) {
 // Op's size and time on its own (without its launch's alpha when it shares the launch of the op
 // before it: shared); false when the model does not price it.
 static bool price_op(const IrModule *m, const IrOp *op, const SchedCluster *c, const Groups *gs, bool shared, double *n,
-                     double *t) {
-  SchedCoef coef;
+                     double *t, double *beta) {
+  SchedCoef coef = {0};
   *n = 0, *t = 0;
   bool priced_op = price(m, op, c, gs, &coef, n);
   if (priced_op) *t = (shared ? 0 : coef.alpha) + coef.beta * *n;
+  *beta = priced_op ? coef.beta : 0;
   if (op->kind == IR_OP_OPT_ADAMW && ir_op_str(op, "group", NULL)) {   // then the members' rows gathered
     SchedCoef ag = group_fit(op, c, gs, SCHED_ALLGATHER);
     *t += ag.alpha + ag.beta * (double)ir_type_numel(&op->args[0].param->type);
@@ -295,6 +296,27 @@ static void drop_attr(IrOp *op, const char *key) {
     }
 }
 
+static double fill_of(const IrFunc *f);
+
+// The CUDA program's kernels over a layer's expert slots read only the filled rows (codegen/
+// launch.c, the kernels over the slots: the counts, from the routing where the order makes the
+// operand): of op's floats (*all), those over the slots (*over, [E, S, ...] with E S = slots) move
+// at the layer's fill. The order's own results (order.encode's tokens, order.decode.grad_y's
+// gradient) are written over every slot; a GEMM or a collective is priced by its own fit.
+static void slot_floats(const IrOp *op, int64_t slots, double *over, double *all) {
+  *over = *all = 0;
+  if (ir_op_class(op->kind) == IR_CLASS_GEMM || ir_op_is_collective(op->kind)) return;
+  for (int a = -1; a < op->nargs; a++) {
+    const IrOperand *x = a < 0 ? NULL : &op->args[a];
+    const IrType *t = !x ? (op->result ? &op->result->type : NULL) : x->param ? &x->param->type : &x->value->type;
+    if (!t) continue;
+    double n = (double)ir_type_numel(t);
+    *all += n;
+    bool order = a < 0 && (op->kind == IR_OP_ORDER_ENCODE || op->kind == IR_OP_ORDER_DECODE_GRAD_Y);
+    if (!order && t->rank == 3 && t->dim[0] * t->dim[1] == slots) *over += n;
+  }
+}
+
 // The ops of f priced, the groups the fuse pass will make (plan, group_of) as one kernel each:
 // one elementwise alpha and the floats the kernel moves (its operands from outside the group and
 // its results read outside it), on the group's last member; the others cost 0. Every member gets
@@ -305,20 +327,36 @@ static int price_func(IrModule *m, IrFunc *f, const SchedCluster *c, const Group
   // on one stream the CUDA program updates a run of optimizer ops in one launch (the fuse pass's
   // update groups, ir_update_joins): each op of the run after its first costs no launch
   bool one_stream = cuda && !ir_func_concurrent(f);
-  double *extra = calloc((size_t)(f->nops > 0 ? f->nops : 1), sizeof *extra);   // a group's math
-  if (!extra) return -1;
+  size_t nops = (size_t)(f->nops > 0 ? f->nops : 1);
+  double *extra = calloc(nops, sizeof *extra);   // a group's math
+  double *over = calloc(nops, sizeof *over), *all = calloc(nops, sizeof *all);   // a group's floats over the slots
+  if (!extra || !over || !all) {
+    free(extra), free(over), free(all);
+    return -1;
+  }
+  // CUDA: the kernels over the expert slots at the layer's fill (slot_floats)
+  double fill = cuda ? fill_of(f) : 1;
+  int64_t slots = 0;
+  IrValue *entry, *exit;
+  if (fill < 1 && pass_expert_region(f, &entry, &exit)) slots = entry->type.dim[0] * entry->type.dim[1];
   for (int j = 0; j < f->nops; j++) {
     IrOp *op = f->ops[j];
-    double n, t;   // on CUDA a run of updates is one launch: its first op's
-    if (!price_op(m, op, c, gs, cuda && one_stream && j > 0 && ir_update_joins(f->ops[j - 1], f->ops[j]), &n, &t)) continue;
+    double n, t, beta, o = 0, a = 0;   // on CUDA a run of updates is one launch: its first op's
+    if (!price_op(m, op, c, gs, cuda && one_stream && j > 0 && ir_update_joins(f->ops[j - 1], f->ops[j]), &n, &t, &beta))
+      continue;
+    if (slots > 0) slot_floats(op, slots, &o, &a);
+    double share = a > 0 ? 1 - (1 - fill) * o / a : 1;   // of its floats, what it moves
     int g = group_of ? group_of[j] : -1;
     drop_attr(op, "cost_fused");
+    if (g < 0 && share < 1) t -= beta * n * (1 - share), n *= share;
     if (g >= 0) {
       extra[g] += math_beyond_memory(op, c);
+      over[g] += o, all[g] += a;
       bool last = true;
       for (int k = j + 1; k < f->nops && last; k++) last = group_of[k] != g;
-      n = last ? floats[g] : n;
-      t = last ? c->elementwise.alpha + c->elementwise.beta * floats[g] + extra[g] : 0;
+      double gs_share = all[g] > 0 ? 1 - (1 - fill) * over[g] / all[g] : 1;
+      n = last ? floats[g] * gs_share : n;
+      t = last ? c->elementwise.alpha + (c->elementwise.beta * floats[g] + extra[g]) * gs_share : 0;
       ir_op_set_int(op, "cost_fused", base + g);
       if (base + g + 1 > *next_group) *next_group = base + g + 1;
     }
@@ -326,7 +364,7 @@ static int price_func(IrModule *m, IrFunc *f, const SchedCluster *c, const Group
     ir_op_set_float(op, "cost_t", t);
     priced++;
   }
-  free(extra);
+  free(extra), free(over), free(all);
   return priced;
 }
 
