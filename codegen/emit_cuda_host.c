@@ -54,6 +54,7 @@ static const char *const step_names[STEP_COUNT] = {"forward", "backward", "updat
 typedef struct Counts {
   int64_t kernels, casts, gemms, comms;
   int64_t row_counts;      // the kernels that count expert GEMMs' filled rows (mk_expert_counts) or fill past them
+  int64_t row_routed;      // the expert GEMMs over counts from the routing (mk_expert_counts_route)
   int64_t expert_gemms, row_gemms;   // expert GEMMs, and those over their filled rows
   int64_t attn_ops, attn_tc;          // attention ops (forward, statistics, backward), and those on tensor cores
   int64_t row_guards, row_skips;      // fused groups that read expert GEMMs' counts, and those that skip the rows past them
@@ -683,6 +684,7 @@ static bool emit_op(Host *h, const IrFunc *f, int i, const CgLaunch *lp, IrStrea
     h->rows_at[k] = -1;
     if (!cg_counts_rows(by)) return emit_gemm(h, f, op, s, -1, 1);
     h->count[h->phase].row_lazy += l.rows_lazy;
+    h->count[h->phase].row_routed += by->call[0].kernel == CG_K_EXPERT_COUNTS_ROUTE;
     int64_t blocks = by->call[0].args[3].i / cg_gemm(op).e;   // its groups over the experts
     if (l.rows_plus || l.rows_zero) {   // then the rows past the counts: filled (act(h + b1)'s, plus one), zeroed
       int64_t at = h->rows_at[l.rows_from - 1] + (l.rows_plus ? 2 * by->call[0].args[3].i * (int64_t)sizeof(int32_t) : 0);
@@ -952,6 +954,7 @@ static int64_t unfused_extra(const Host *h, int64_t op_by_op_casts) {
 // function, then the whole step and the op-by-op count, each between `pre` and `post`.
 static void print_counts(const Host *h, FILE *out, const char *pre, const char *post) {
   int64_t kernels = 0, gemms = 0, comms = 0, row_counts = 0, expert_gemms = 0, row_gemms = 0, attn_ops = 0, attn_tc = 0;
+  int64_t row_routed = 0;
   int64_t row_guards = 0, row_skips = 0, row_lazy = 0;
   double rows_bytes = 0.0;
   double bytes = 0.0, gemm_bytes = 0.0, unfused_bytes = 0.0;
@@ -962,7 +965,7 @@ static void print_counts(const Host *h, FILE *out, const char *pre, const char *
             pre, step_names[p], c->kernels, c->casts, c->gemms, c->comms, c->kernel_bytes / 1e6, c->gemm_bytes / 1e6, post);
     kernels += c->kernels, gemms += c->gemms, comms += c->comms, bytes += c->kernel_bytes, gemm_bytes += c->gemm_bytes;
     unfused_bytes += c->unfused_bytes;
-    row_counts += c->row_counts, expert_gemms += c->expert_gemms, row_gemms += c->row_gemms;
+    row_counts += c->row_counts, expert_gemms += c->expert_gemms, row_gemms += c->row_gemms, row_routed += c->row_routed;
     attn_ops += c->attn_ops, attn_tc += c->attn_tc;
     row_guards += c->row_guards, row_skips += c->row_skips, row_lazy += c->row_lazy, rows_bytes += c->rows_bytes;
   }
@@ -984,9 +987,10 @@ static void print_counts(const Host *h, FILE *out, const char *pre, const char *
     fprintf(out, "%slaunches: %" PRId64 " kernels, %" PRId64 " GEMMs per step (--no-fuse: each op alone)%s", pre, kernels, gemms,
             post);
   if (expert_gemms > 0)
-    fprintf(out, "%sexpert GEMMs: %" PRId64 " of %" PRId64 " a step over their filled rows only, which %" PRId64
+    fprintf(out, "%sexpert GEMMs: %" PRId64 " of %" PRId64 " a step over their filled rows only (%" PRId64
+                 " of them over counts from the routing), which %" PRId64
                  " of the kernels count (or set the rows past the counts)%s%s",
-            pre, row_gemms, expert_gemms, row_counts,
+            pre, row_gemms, expert_gemms, row_routed, row_counts,
             cg_cuda_lowering(h->m) & CG_LOWER_ROWS ? "" : " (MOEC_EXPERT_ROWS=all: every slot)", post);
   if (row_guards + row_lazy > 0)
     fprintf(out, "%sexpert slots: %" PRId64 " fused kernels a step read the counts (%" PRId64 " of them skip the rows past "
