@@ -182,6 +182,8 @@ typedef struct CgLaunch {
   bool rows_lazy;          // an expert GEMM (ta 0) over its filled rows whose result's rows past the counts
                            // nothing reads: its count kernel does not zero them (mk_expert_rows_zero not run)
   int rows_operand;        // with a count kernel (cg_counts_rows): the GEMM's operand it counts the rows of
+  bool rows_order;         // an order's kernel writing no row past the counts from the routing (rows_bytes: its
+                           // result's bytes over the slots)
 } CgLaunch;
 
 // The lowering of op i of f (or, with CG_LOWER_FUSE, of the group the fuse pass made at op i when

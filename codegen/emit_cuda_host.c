@@ -55,6 +55,7 @@ typedef struct Counts {
   int64_t kernels, casts, gemms, comms;
   int64_t row_counts;      // the kernels that count expert GEMMs' filled rows (mk_expert_counts) or fill past them
   int64_t row_routed;      // the expert GEMMs over counts from the routing (mk_expert_counts_route)
+  int64_t row_orders;      // the orders' kernels writing below those counts only
   int64_t expert_gemms, row_gemms;   // expert GEMMs, and those over their filled rows
   int64_t attn_ops, attn_tc;          // attention ops (forward, statistics, backward), and those on tensor cores
   int64_t row_guards, row_skips;      // fused groups that read expert GEMMs' counts, and those that skip the rows past them
@@ -711,6 +712,16 @@ static bool emit_op(Host *h, const IrFunc *f, int i, const CgLaunch *lp, IrStrea
   int64_t stats = op->kind == IR_OP_HOOK_RECORD ? stage_place(h, 3 * (int64_t)sizeof(double)) : -1;
   // A split reduction's partial sums: a place of their own (ops on other streams may run beside).
   int64_t scratch = l.scratch_bytes > 0 ? stage_place(h, l.scratch_bytes) : -1;
+  if (l.rows_order) {   // an order's kernel writing below the counts from the routing only
+    h->count[h->phase].row_orders++;
+    h->count[h->phase].rows_bytes += l.rows_bytes;
+  }
+  for (int j = i; j < i + l.nops && l.ncalls > 0; j++) {   // the orders' gathers read routed (filled) rows only
+    const IrOp *g = f->ops[j];
+    int a = g->kind == IR_OP_ORDER_DECODE || g->kind == IR_OP_ORDER_ENCODE_GRAD ? 0 : g->kind == IR_OP_ORDER_DECODE_GRAD_G ? 1 : -1;
+    if (a >= 0 && g->args[a].value)
+      h->count[h->phase].rows_bytes += (pass_reads_copy(g, a) ? 0.5 : 1.0) * (double)ir_type_bytes(&g->args[a].value->type);
+  }
   if (l.rows_guard) {   // a fused group over expert slots: the counts of launch rows_from - 1
     scratch = h->rows_at[l.rows_from - 1];
     if (scratch < 0) return ir_internal_at(h->d, op->loc, "a fused group reads the counts of a launch that has none");
@@ -954,7 +965,7 @@ static int64_t unfused_extra(const Host *h, int64_t op_by_op_casts) {
 // function, then the whole step and the op-by-op count, each between `pre` and `post`.
 static void print_counts(const Host *h, FILE *out, const char *pre, const char *post) {
   int64_t kernels = 0, gemms = 0, comms = 0, row_counts = 0, expert_gemms = 0, row_gemms = 0, attn_ops = 0, attn_tc = 0;
-  int64_t row_routed = 0;
+  int64_t row_routed = 0, row_orders = 0;
   int64_t row_guards = 0, row_skips = 0, row_lazy = 0;
   double rows_bytes = 0.0;
   double bytes = 0.0, gemm_bytes = 0.0, unfused_bytes = 0.0;
@@ -965,7 +976,7 @@ static void print_counts(const Host *h, FILE *out, const char *pre, const char *
             pre, step_names[p], c->kernels, c->casts, c->gemms, c->comms, c->kernel_bytes / 1e6, c->gemm_bytes / 1e6, post);
     kernels += c->kernels, gemms += c->gemms, comms += c->comms, bytes += c->kernel_bytes, gemm_bytes += c->gemm_bytes;
     unfused_bytes += c->unfused_bytes;
-    row_counts += c->row_counts, expert_gemms += c->expert_gemms, row_gemms += c->row_gemms, row_routed += c->row_routed;
+    row_counts += c->row_counts, expert_gemms += c->expert_gemms, row_gemms += c->row_gemms, row_routed += c->row_routed, row_orders += c->row_orders;
     attn_ops += c->attn_ops, attn_tc += c->attn_tc;
     row_guards += c->row_guards, row_skips += c->row_skips, row_lazy += c->row_lazy, rows_bytes += c->rows_bytes;
   }
@@ -992,11 +1003,12 @@ static void print_counts(const Host *h, FILE *out, const char *pre, const char *
                  " of the kernels count (or set the rows past the counts)%s%s",
             pre, row_gemms, expert_gemms, row_routed, row_counts,
             cg_cuda_lowering(h->m) & CG_LOWER_ROWS ? "" : " (MOEC_EXPERT_ROWS=all: every slot)", post);
-  if (row_guards + row_lazy > 0)
+  if (row_guards + row_lazy + row_orders > 0)
     fprintf(out, "%sexpert slots: %" PRId64 " fused kernels a step read the counts (%" PRId64 " of them skip the rows past "
-                 "them), %" PRId64 " expert GEMMs' results are not zeroed past them (nothing reads those rows); "
+                 "them), %" PRId64 " expert GEMMs' results are not zeroed past them (nothing reads those rows), %" PRId64
+                 " of the orders' kernels write none past the counts from the routing; "
                  "%.1f MB of the kernel traffic is over the slots' filled rows only%s",
-            pre, row_guards, row_skips, row_lazy, rows_bytes / 1e6, post);
+            pre, row_guards, row_skips, row_lazy, row_orders, rows_bytes / 1e6, post);
   if (attn_ops > 0)
     fprintf(out, "%sattention: %" PRId64 " of %" PRId64 " ops a step on tensor cores (bf16 operands, fp32 sums)%s%s", pre,
             attn_tc, attn_ops,

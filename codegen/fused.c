@@ -348,7 +348,7 @@ static Grid colsums(FILE *out, const IrFunc *f, int i, int n, const In *in, int 
 // arguments of the op's own kernel (first: cg_lower_op's, lowered once by launch.c), a storer in place of the result that computes
 // the other members per element, on the op's own grid.
 static Grid stored(FILE *out, const IrFunc *f, int i, int n, const In *in, int nin, const Stores *st,
-                   const CgLaunch *first) {
+                   const CgLaunch *first, bool routed) {
   const IrOp *op = f->ops[i];
   if (!first || first->ncalls != 1) UNREACHABLE();   // tests/unit checks the IR_STORE rows
   const CgKernelCall *c = &first->call[0];
@@ -369,7 +369,8 @@ static Grid stored(FILE *out, const IrFunc *f, int i, int n, const In *in, int n
       UNREACHABLE();   // the IR_STORE ops' kernels take pointers and integers
     }
   }
-  fprintf(out, ");\n");
+  // routed: an order's result written only below the counts from the routing (codegen/cuda/order.cu)
+  fprintf(out, "%s);\n", routed ? ", false" : "");
   return (Grid){.items = c->grid, .blocks = true, .syncs = ir_op_store_syncs(op->kind)};
 }
 
@@ -705,11 +706,13 @@ bool cg_lower_fused(IrDiag *d, CgLaunches *ls, const IrFunc *f, int i, bool cpu,
             in[p].bf16 ? "u16" : cg_operand_type(in[p].operand)->dtype == IR_I32 ? "int" : "float", p);
   for (int p = 0; p < st.nout && !cpu; p++) fprintf(t.f, "%sfloat *o%d", nin + p ? ", " : "", p);
   for (int p = 0; p < st.ncopy && !cpu; p++) fprintf(t.f, ", u16 *h%d", p);
-  if (guard) fprintf(t.f, ", const int *cnt");   // the counts (mk_expert_counts) of the blocks of slots
+  // a group that starts with an order's store takes a guard only to skip (CgGuard.route): no counts
+  bool store = ir_op_store(f->ops[i]->kind), counted = guard && !store;
+  if (counted) fprintf(t.f, ", const int *cnt");   // the counts (mk_expert_counts) of the blocks of slots
   if (!cpu) {
     fprintf(t.f, ") {\n");
     if (colsum) grid = colsums(t.f, f, i, n, in, nin, guard);
-    else if (ir_op_store(f->ops[i]->kind)) grid = stored(t.f, f, i, n, in, nin, &st, first);
+    else if (store) grid = stored(t.f, f, i, n, in, nin, &st, first, guard && guard->skip);
     else grid = elements(t.f, f, i, n, in, nin, &st, guard);
     fprintf(t.f, "}\n");
   }
@@ -732,7 +735,7 @@ bool cg_lower_fused(IrDiag *d, CgLaunches *ls, const IrFunc *f, int i, bool cpu,
     memset(k, 0, sizeof *k);
     snprintf(k->name, sizeof k->name, cpu ? "fuse_%d" : "mk_fuse_%d", g);
     k->source = t.s;
-    k->nparams = nin + st.nout + st.ncopy + (guard ? 1 : 0);
+    k->nparams = nin + st.nout + st.ncopy + (counted ? 1 : 0);
     k->syncs = grid.syncs;
     size_t used = 0;
     for (int j = 0; j < n && used < sizeof k->ops; j++)
@@ -745,8 +748,8 @@ bool cg_lower_fused(IrDiag *d, CgLaunches *ls, const IrFunc *f, int i, bool cpu,
     c->args[c->nargs++] = (CgArg){.kind = in[p].bf16 ? CG_ARG_OPERAND16 : CG_ARG_OPERAND, .index = in[p].arg, .i = in[p].op};
   for (int p = 0; p < st.nout; p++) c->args[c->nargs++] = (CgArg){.kind = CG_ARG_RESULT, .index = st.out[p]};
   for (int p = 0; p < st.ncopy; p++) c->args[c->nargs++] = (CgArg){.kind = CG_ARG_COPY, .index = st.copy[p]};
-  if (guard) c->args[c->nargs++] = (CgArg){.kind = CG_ARG_SCRATCH};   // the counts' launch: CgLaunch.rows_from
-  l->rows_guard = guard != NULL, l->rows_skip = guard && guard->skip;
+  if (counted) c->args[c->nargs++] = (CgArg){.kind = CG_ARG_SCRATCH};   // the counts' launch: CgLaunch.rows_from
+  l->rows_guard = counted, l->rows_skip = guard && guard->skip;
   snprintf(l->note, sizeof l->note, "%d ops fused%s", n,
            !guard ? "" : guard->skip ? ", over the filled rows only" : ", the rows past the counts from zeros");
   return true;

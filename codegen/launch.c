@@ -418,6 +418,24 @@ static bool lazy_gemm(const Filled *F, int k) {
          (!l->rows_plus || routed(F, j));
 }
 
+// The routing counts' launch (*j) of launch k when it is an order's (order.encode or
+// order.decode.grad_y alone, or as a group of one writing its bf16 copy) whose result (*v) a GEMM
+// counts from the same routing: a launch that may write no row past those counts.
+static bool order_rows(const Filled *F, int k, const IrValue **v, int *j) {
+  const CgLaunch *l = &F->fl->launch[k];
+  const IrOp *op = F->f->ops[F->fl->at[k]];
+  if ((op->kind != IR_OP_ORDER_ENCODE && op->kind != IR_OP_ORDER_DECODE_GRAD_Y) || l->lib != CG_LIB_NONE ||
+      l->nops != 1 || l->ncalls != 1 || !op->result)
+    return false;
+  bool library = l->call[0].kernel == CG_K_ORDER_ENCODE || l->call[0].kernel == CG_K_ORDER_DECODE_GRAD_Y;
+  if (!library && !(l->call[0].kernel >= CG_K_COUNT && F->alone)) return false;
+  const IrValue *idx, *loc;
+  int z = F->zp[op->result->id];
+  if (z < 0 || !route_values(F, z, &idx, &loc) || idx != op->args[1].value || loc != op->args[2].value) return false;
+  *v = op->result, *j = z;
+  return true;
+}
+
 // The results of group launch k that skipping it would leave past the counts.
 static bool group_result(const IrOp *op) {
   return op->result && ir_op_colsum(op->kind) < 0 && (!ir_op_int(op, "inner", 0) || pass_writes_copy(op));
@@ -457,7 +475,10 @@ static void fixed_point(Filled *all, int nfuncs) {
   for (int fi = 0; fi < nfuncs; fi++) {
     Filled *F = &all[fi];
     for (int k = 0; k < F->fl->n; k++) {
+      const IrValue *v;
+      int j;
       F->lazy[k] = lazy_gemm(F, k) || guarded(&F->guard[k]);
+      if (order_rows(F, k, &v, &j)) F->lazy[k] = true, F->from[k] = j;
       const IrOp *op = F->f->ops[F->fl->at[k]];   // a group a GEMM over the counts plus one reads: plus
       const IrValue *x = op->nargs > 0 ? op->args[0].value : NULL;
       if (F->fl->launch[k].rows_plus && x && x->func == F->f && x->def && guarded(&F->guard[F->launch_of[x->def->index]]))
@@ -473,7 +494,10 @@ static void fixed_point(Filled *all, int nfuncs) {
         if (!F->lazy[k]) continue;
         const IrOp *op = F->f->ops[F->fl->at[k]];
         bool ok = true;
+        const IrValue *v;
+        int j;
         if (F->fl->launch[k].lib == CG_LIB_GEMM) ok = lazy(F, op->result, count_source(F->fl, k));
+        else if (order_rows(F, k, &v, &j)) ok = lazy(F, v, j);
         else
           for (int m = F->fl->at[k]; ok && m < F->fl->at[k] + F->fl->launch[k].nops; m++)
             if (group_result(F->f->ops[m])) ok = lazy(F, F->f->ops[m]->result, F->from[k]);
@@ -502,6 +526,30 @@ static bool apply_rows(IrDiag *d, CgLaunches *ls, Filled *F, bool *changed) {
     l->rows_lazy = true;
     size_t used = strlen(l->note);
     snprintf(l->note + used, sizeof l->note - used, "; rows past them unread");
+  }
+  for (int k = 0; k < fl->n; k++) {   // the orders' results written below the counts only
+    const IrValue *v;
+    int j;
+    CgLaunch *l = &fl->launch[k];
+    if (!order_rows(F, k, &v, &j) || !F->lazy[k]) continue;
+    if (l->call[0].kernel < CG_K_COUNT) {   // the library's kernel: its twin
+      l->call[0].kernel = l->call[0].kernel == CG_K_ORDER_ENCODE ? CG_K_ORDER_ENCODE_ROUTED : CG_K_ORDER_DECODE_GRAD_Y_ROUTED;
+    } else {   // the group of one again, its store told so (a guard only to skip)
+      CgLaunch alone, again;
+      CgGuard g = {.groups = count_groups(F, j), .rows = count_rows(F, j), .route = true, .skip = true};
+      if (!cg_lower_op(v->def, &alone) || !cg_lower_fused(d, ls, f, fl->at[k], false, &alone, &g, &again))
+        return ir_internal_at(d, v->def->loc, "the order's kernel over the routed rows could not be made");
+      again.alone_calls = l->alone_calls;
+      *l = again;
+      *changed = true;
+    }
+    l->rows_order = true, l->rows_bytes = 0;   // what it writes of its result: fp32, its bf16 copy or both
+    for (int a = 0; a < l->call[0].nargs; a++)
+      if (l->call[0].args[a].kind == CG_ARG_RESULT || l->call[0].args[a].kind == CG_ARG_COPY)
+        l->rows_bytes += (l->call[0].args[a].kind == CG_ARG_COPY ? 0.5 : 1.0) * (double)ir_type_bytes(&v->type);
+    size_t used = strlen(l->note);
+    snprintf(l->note + used, sizeof l->note - used, "%sno row past the counts launch %d takes from the routing",
+             used ? "; " : "", j);
   }
   for (int k = 0; k < fl->n; k++) {
     CgGuard *g = &F->guard[k];

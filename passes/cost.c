@@ -298,11 +298,12 @@ static void drop_attr(IrOp *op, const char *key) {
 
 static double fill_of(const IrFunc *f);
 
-// The CUDA program's kernels over a layer's expert slots read only the filled rows (codegen/
-// launch.c, the kernels over the slots: the counts, from the routing where the order makes the
-// operand): of op's floats (*all), those over the slots (*over, [E, S, ...] with E S = slots) move
-// at the layer's fill. The order's own results (order.encode's tokens, order.decode.grad_y's
-// gradient) are written over every slot; a GEMM or a collective is priced by its own fit.
+// The CUDA program's kernels over a layer's expert slots read and write only the filled rows
+// (codegen/launch.c, the kernels over the slots: the counts, from the routing where the order makes
+// the operand; the order's own results below those counts, its gathers the routed rows): of op's
+// floats (*all), those over the slots (*over, [E, S, ...] with E S = slots) move at the layer's
+// fill. (Under `ep` the order's results cross the AlltoAll whole and the counts behind it are the
+// data's: the price is the single-rank one.) A GEMM or a collective is priced by its own fit.
 static void slot_floats(const IrOp *op, int64_t slots, double *over, double *all) {
   *over = *all = 0;
   if (ir_op_class(op->kind) == IR_CLASS_GEMM || ir_op_is_collective(op->kind)) return;
@@ -312,8 +313,7 @@ static void slot_floats(const IrOp *op, int64_t slots, double *over, double *all
     if (!t) continue;
     double n = (double)ir_type_numel(t);
     *all += n;
-    bool order = a < 0 && (op->kind == IR_OP_ORDER_ENCODE || op->kind == IR_OP_ORDER_DECODE_GRAD_Y);
-    if (!order && t->rank == 3 && t->dim[0] * t->dim[1] == slots) *over += n;
+    if (t->rank == 3 && t->dim[0] * t->dim[1] == slots) *over += n;
   }
 }
 

@@ -28,50 +28,70 @@ __device__ void mk_scatter_choices(const int *idx, const int *loc, const float *
 // order.encode and order.decode.grad_y write every row of their [e, g*cap, m] result, empty slots
 // zero (no separate zeroing): one block per MK_SLOT_ROWS rows (the rule's grid: blocks y.0*y.1/16).
 // The block finds which kept choice fills each of its rows (from[r], -1: none) by a pass over the
-// choices, then writes its rows whole.
+// choices, then writes its rows whole. With top (two ints), the same pass also finds the last kept
+// location of the blocks of slots (expert and routing group, cap rows each) that its first and its
+// last row fall in: the counts from the routing (mk_expert_counts_route) less one.
 #define MK_SLOT_ROWS 16
-__device__ void mk_slot_choices(const int *idx, const int *loc, int *from, i64 r0, int s, int k, int g, int cap) {
+__device__ void mk_slot_choices(const int *idx, const int *loc, int *from, i64 r0, int s, int k, int g, int cap,
+                                int *top = nullptr) {
   for (int r = threadIdx.x; r < MK_SLOT_ROWS; r += blockDim.x) from[r] = -1;
+  if (top && threadIdx.x < 2) top[threadIdx.x] = -1;
   __syncthreads();
+  i64 g0 = r0 / cap, g1 = (r0 + MK_SLOT_ROWS - 1) / cap;
   for (i64 c = threadIdx.x; c < (i64)s * k; c += blockDim.x) {
     if (!mk_kept(loc, c, cap)) continue;
-    i64 r = mk_slot(idx, loc, c, mk_group_of(s, g, (int)(c / k)), cap, g) - r0;
+    i64 slot = mk_slot(idx, loc, c, mk_group_of(s, g, (int)(c / k)), cap, g), r = slot - r0;
     if (r >= 0 && r < MK_SLOT_ROWS) from[r] = (int)c;   // kept choices have distinct slots
+    if (top && slot / cap == g0) atomicMax(&top[0], loc[c]);
+    if (top && slot / cap == g1) atomicMax(&top[1], loc[c]);
   }
   __syncthreads();
 }
 
 // Every row of [e, g*cap, m] through out(i, v) (a fused kernel writes the bf16 copy there too):
-// the element of a slot that choice c fills is fill(c, col), an empty slot's zero.
+// the element of a slot that choice c fills is fill(c, col), an empty slot's zero. Without past,
+// the rows past their block of slots' last kept location are not written (nothing reads them:
+// codegen/launch.c; NaN where MK_POISON), but each block of slots' row 0 (a weight gradient of an
+// expert nobody was routed to sums it) and the rows of the blocks of slots between the first and
+// the last one of the block's rows (cap below MK_SLOT_ROWS).
 template <class S, class F> __device__ void mk_slot_rows_store(const int *idx, const int *loc, S out, F fill, int s,
-                                                               int m, int k, int e, int g, int cap) {
-  __shared__ int from[MK_SLOT_ROWS];
+                                                               int m, int k, int e, int g, int cap, bool past = true) {
+  __shared__ int from[MK_SLOT_ROWS], top[2];
   if (g < 1) g = 1;
   i64 rows = (i64)e * g * cap;
   MK_FOR_BLOCKS(b, (rows + MK_SLOT_ROWS - 1) / MK_SLOT_ROWS) {
-    i64 r0 = b * MK_SLOT_ROWS;
-    mk_slot_choices(idx, loc, from, r0, s, k, g, cap);
+    i64 r0 = b * MK_SLOT_ROWS, g0 = r0 / cap, g1 = (r0 + MK_SLOT_ROWS - 1) / cap;
+    mk_slot_choices(idx, loc, from, r0, s, k, g, cap, past ? nullptr : top);
     for (i64 i = threadIdx.x; i < (i64)MK_SLOT_ROWS * m; i += blockDim.x) {
-      i64 r = i / m, col = i % m;
-      if (r0 + r >= rows) break;
+      i64 r = i / m, col = i % m, at = r0 + r, l = at % cap;
+      if (at >= rows) break;
       int c = from[r];
-      out((r0 + r) * m + col, c < 0 ? 0.0f : fill(c, col));
+      bool unread = !past && l != 0 && ((at / cap == g0 && l > top[0]) || (at / cap == g1 && l > top[1]));
+      if (!unread) out(at * m + col, c < 0 ? 0.0f : fill(c, col));
+      else if (MK_POISON) out(at * m + col, MK_NAN);
     }
-    __syncthreads();   // from[] serves the block's next rows
+    __syncthreads();   // from[] and top[] serve the block's next rows
   }
 }
 
 // ---- prelude: encode over a storer ----
 // The token's row of each kept choice in its slot, the empty slots zero.
 template <class S> __device__ void mk_order_encode_store(const float *x, const int *idx, const int *loc, S out, int s,
-                                                         int m, int k, int e, int g, int cap) {
-  mk_slot_rows_store(idx, loc, out, [&](int c, i64 col) { return x[(i64)(c / k) * m + col]; }, s, m, k, e, g, cap);
+                                                         int m, int k, int e, int g, int cap, bool past = true) {
+  mk_slot_rows_store(idx, loc, out, [&](int c, i64 col) { return x[(i64)(c / k) * m + col]; }, s, m, k, e, g, cap, past);
 }
 
 // ---- mk_order_encode ----
 extern "C" __global__ void mk_order_encode(const float *x, const int *idx, const int *loc, float *disp, int s, int m,
                                            int k, int e, int g, int cap) {
   mk_order_encode_store(x, idx, loc, [&](i64 i, float v) { disp[i] = v; }, s, m, k, e, g, cap);
+}
+
+// ---- mk_order_encode_routed ----
+// The same, no row written past the counts from the routing but each block of slots' row 0.
+extern "C" __global__ void mk_order_encode_routed(const float *x, const int *idx, const int *loc, float *disp, int s,
+                                                  int m, int k, int e, int g, int cap) {
+  mk_order_encode_store(x, idx, loc, [&](i64 i, float v) { disp[i] = v; }, s, m, k, e, g, cap, false);
 }
 
 // ---- prelude: the combine's rows, over a storer ----
@@ -129,9 +149,9 @@ extern "C" __global__ void mk_order_decode(const float *y, const int *idx, const
 // empty slots zero.
 template <class S> __device__ void mk_order_decode_grad_y_store(const float *dout, const int *idx, const int *loc,
                                                                 const float *gates, S out, int s, int m, int k, int e,
-                                                                int g, int cap) {
+                                                                int g, int cap, bool past = true) {
   mk_slot_rows_store(idx, loc, out, [&](int c, i64 col) { return 0.0f + gates[c] * dout[(i64)(c / k) * m + col]; }, s, m,
-                     k, e, g, cap);
+                     k, e, g, cap, past);
 }
 
 // ---- mk_order_decode_grad_y ----
@@ -139,6 +159,14 @@ extern "C" __global__ void mk_order_decode_grad_y(const float *dout, const int *
                                                   const float *gates, float *dy, int s, int m, int k, int e, int g,
                                                   int cap) {
   mk_order_decode_grad_y_store(dout, idx, loc, gates, [&](i64 i, float v) { dy[i] = v; }, s, m, k, e, g, cap);
+}
+
+// ---- mk_order_decode_grad_y_routed ----
+// The same, no row written past the counts from the routing but each block of slots' row 0.
+extern "C" __global__ void mk_order_decode_grad_y_routed(const float *dout, const int *idx, const int *loc,
+                                                         const float *gates, float *dy, int s, int m, int k, int e,
+                                                         int g, int cap) {
+  mk_order_decode_grad_y_store(dout, idx, loc, gates, [&](i64 i, float v) { dy[i] = v; }, s, m, k, e, g, cap, false);
 }
 
 // ---- mk_order_decode_grad_gates ----

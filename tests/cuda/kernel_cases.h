@@ -372,6 +372,48 @@ template <class Launcher> void run_kernel_cases(Launcher &L, Checks &c) {
     rt_order_decode_grad_y(x.data(), idx_c.data(), loc.data(), gates_c.data(), d_c.data(), s, m, k, e, g, cap);
     LAUNCH(5, 16, mk_order_decode_grad_y, x, idx_c, loc, gates_c, d_k, s, m, k, e, g, cap);
     c.same("order.decode.grad_y", d_c, d_k);
+    {   // written only below the counts from the routing, each block of slots' row 0 too; the rest
+        // left (NaN on the host builds: MK_POISON), with cap below and above the kernel's 16 rows
+      for (int rcap : {cap, 3, 20}) {
+        std::vector<int32_t> rloc(loc.size());
+        std::vector<int> count((size_t)e * g, 0), next((size_t)e * g, 0);
+        for (int t = 0; t < s; t++)
+          for (int j = 0; j < k; j++) {   // numbered in token order per block of slots, dropped past rcap
+            int gi = (int)((int64_t)t * g / s), G = idx_c[(size_t)t * k + j] * g + gi;
+            while (gi + 1 < g && (int64_t)s * (gi + 1) / g <= t) gi++, G++;
+            int l = next[(size_t)G]++;
+            rloc[(size_t)t * k + j] = l < rcap && l != 1 ? l : -1;   // location 1 dropped: a hole below the count
+            if (rloc[(size_t)t * k + j] >= 0) count[(size_t)G] = std::max(count[(size_t)G], l + 1);
+          }
+        size_t rslots = (size_t)e * g * rcap;
+        auto want = randn(rslots * m), got = randn(rslots * m), in = got;
+        rt_order_encode(x.data(), idx_c.data(), rloc.data(), want.data(), s, m, k, e, g, rcap);
+        LAUNCH(5, 16, mk_order_encode_routed, x, idx_c, rloc, got, s, m, k, e, g, rcap);
+        auto want_y = randn(rslots * m), got_y = randn(rslots * m), in_y = got_y;
+        rt_order_decode_grad_y(x.data(), idx_c.data(), rloc.data(), gates_c.data(), want_y.data(), s, m, k, e, g, rcap);
+        LAUNCH(5, 64, mk_order_decode_grad_y_routed, x, idx_c, rloc, gates_c, got_y, s, m, k, e, g, rcap);
+        size_t bad = rslots * m, left = 0;
+        for (size_t i = 0; i < rslots * m && bad == rslots * m; i++) {
+          size_t row = i / m, G = row / rcap, l = row % rcap;
+          bool written = l == 0 || (int)l < count[G];
+          for (auto [w, gt, was] : {std::tuple{&want, &got, &in}, std::tuple{&want_y, &got_y, &in_y}}) {
+            float v = (*gt)[i];
+            bool same = memcmp(&v, &(*w)[i], sizeof v) == 0;   // (a row past the count of a block of slots
+            // between a kernel block's first and last ones, cap below 16, is written all the same)
+            bool kept = v != v || memcmp(&v, &(*was)[i], sizeof v) == 0;
+            if (written ? !same : !(same || kept)) bad = i;
+            left += !written && !same;
+          }
+        }
+        if (bad == rslots * m && rcap >= 16 && left == 0) {
+          c.fail("order.encode / .decode.grad_y over the routed rows (cap %d): every row past the counts written", rcap);
+        } else if (bad == rslots * m)
+          c.ok("order.encode and .decode.grad_y over the routed rows (cap %d): the rows below the counts and each block's row 0 as written whole", rcap);
+        else
+          c.fail("order.encode / .decode.grad_y over the routed rows (cap %d): element %zu is %.9g / %.9g, want %.9g / %.9g",
+                 rcap, bad, got[bad], got_y[bad], want[bad], want_y[bad]);
+      }
+    }
     auto gg_c = zeros<float>(s * k), gg_k = zeros<float>(s * k);
     rt_order_decode_grad_gates(x.data(), y.data(), idx_c.data(), loc.data(), gg_c.data(), s, m, k, e, g, cap);
     LAUNCH(7, MK_BLOCK, mk_order_decode_grad_gates, x, y, idx_c, loc, gg_k, s, m, k, e, g, cap);
