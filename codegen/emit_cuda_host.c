@@ -107,6 +107,7 @@ typedef struct Host {
   const IrValue **copied;         // the values rounded into their bf16 copy so far (value_copy)
   int ncopied, cap_copied;
   int64_t operand_casts;          // the GEMM operands' casts a step (mk_compress_bf16 launches)
+  int64_t row_spared;             // the expert GEMMs' row kernels the fused launches spare (unfused_extra)
   double operand_cast_bytes;      // and the bytes they move
   // The tables of the update runs (CG_ARG_RANGES): every run's ranges, one after the other, copied
   // to the device (U) when it is created; ranges_at: the current launch's first range
@@ -941,22 +942,37 @@ static int64_t slot_casts(const Host *h, double *bytes) {
 // groups, the expert GEMMs' row kernels (mk_expert_rows_fill, which the groups over the slots
 // can spare: the --no-fuse lowering's, launch.c), and with dtype bf16 the casts of GEMM operands
 // their bf16 copies save.
+// The expert GEMMs' row kernels that the step's launches spare against the --no-fuse lowering's
+// (launch.c: the groups over the slots let mk_expert_rows_fill go); once per build (Host.row_spared).
+static int64_t row_kernels_spared(const Host *h) {
+  unsigned how = cg_cuda_lowering(h->m);
+  CgLaunches *alone = (how & CG_LOWER_FUSE) ? cg_lower_module(h->d, h->m, how & ~(unsigned)CG_LOWER_FUSE) : NULL;
+  int64_t spared = 0;
+  for (int fi = 0; alone && fi < h->m->nfuncs; fi++) {
+    const IrFunc *f = h->m->funcs[fi];
+    if (!is_forward(f) && !is_backward(f) && !is_update(f)) continue;
+    for (int k = 0; k < h->ls->fn[fi].n; k++) {
+      const CgLaunch *l = &h->ls->fn[fi].launch[k];
+      int a = l->lib == CG_LIB_GEMM ? cg_launch_at(&alone->fn[fi], h->ls->fn[fi].at[k]) : -1;
+      if (a >= 0) spared += alone->fn[fi].launch[a].ncalls - l->ncalls;
+    }
+  }
+  cg_launches_free(alone);
+  return spared;
+}
+
 static int64_t unfused_extra(const Host *h, int64_t op_by_op_casts) {
   unsigned how = cg_cuda_lowering(h->m);
-  int64_t extra = 0;
-  CgLaunches *alone = (how & CG_LOWER_FUSE) ? cg_lower_module(h->d, h->m, how & ~(unsigned)CG_LOWER_FUSE) : NULL;
+  int64_t extra = h->row_spared;
   for (int fi = 0; fi < h->m->nfuncs && (how & CG_LOWER_FUSE); fi++) {
     const IrFunc *f = h->m->funcs[fi];
     if (!is_forward(f) && !is_backward(f) && !is_update(f)) continue;
     for (int k = 0; k < h->ls->fn[fi].n; k++) {
       const CgLaunch *l = &h->ls->fn[fi].launch[k];
-      int a = alone && l->lib == CG_LIB_GEMM ? cg_launch_at(&alone->fn[fi], h->ls->fn[fi].at[k]) : -1;
-      if (a >= 0) extra += alone->fn[fi].launch[a].ncalls - l->ncalls;
       if (l->lib != CG_LIB_NONE || (l->nops == 1 && l->ncalls == 1)) continue;   // as it would be alone
       extra += l->alone_calls - l->ncalls;   // its ops lowered alone (once, by launch.c)
     }
   }
-  cg_launches_free(alone);
   if (h->bf16 && (how & CG_LOWER_FUSE)) extra += op_by_op_casts - h->operand_casts;
   return extra;
 }
@@ -1570,6 +1586,7 @@ bool cg_emit_cuda_host(IrDiag *d, FILE *out, const IrModule *m, const PassMemPla
   if (fclose(h.out) != 0) ok = ir_oom(d);
   h.out = NULL;
   if (!ok) goto done;
+  h.row_spared = row_kernels_spared(&h);
   if (o->verbose) print_counts(&h, stderr, "# ", "\n");
   emit_header(&h, out, o->source_name, images);
   fwrite(body, 1, body_size, out);

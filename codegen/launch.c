@@ -363,8 +363,10 @@ static bool unread_past(const Filled *F, const IrValue *v, int j) {
         if (idx && op->kind == IR_OP_ORDER_DECODE_GRAD_G && a == 1 && op->args[2].value == idx &&
             op->args[3].value == loc)
           continue;
+        // a guarded group: v read as zeros past the counts, or a group that skips (reads the rows it
+        // computes: not past the counts, unless they are plus one)
         if (guarded(&G->guard[k]) && same_counts(F, j, G, G->from[k]) &&
-            (cg_guard_zero(&G->guard[k], v) || G->lazy[k]))
+            (cg_guard_zero(&G->guard[k], v) || (G->lazy[k] && !G->guard[k].plus)))
           continue;
         int src = count_source(G->fl, k);
         if (l->lib != CG_LIB_GEMM || op->kind != IR_OP_EXPERT_MATMUL || !same_counts(F, j, G, src) ||
