@@ -63,6 +63,7 @@ static uint16_t *param16;
 static void *module_image;   // the loaded CUBIN (the fake device reads it while the module lives)
 static bool attn_tc;         // --dtype bf16 with heads a multiple of 16 up to 128: mk_attn_tc_* (as a bf16 program)
 static CUfunction gemm_tc;   // --dtype bf16: moec's grouped GEMM (mk_expert_gemm_tc), as a bf16 program hands it over
+static CUfunction gemm_wg;   // on sm_90: mk_expert_gemm_wg, run in gemm_tc's place (NULL: none)
 static CUfunction gemm_counts;   // mk_expert_counts (_bf16 for --dtype bf16): what counts the rows before it
 static char kernels_line[400];   // what the kernel sweeps launch, for rank 0's preamble
 
@@ -241,7 +242,8 @@ static double expert_gemm(int experts, int slots, int filled, int k, int n, char
   char why[256];
   RtRowsGemm path = rt_cuda_rows_gemm(gpu, tc != NULL, why, sizeof why);
   snprintf(what, what_size, "%s", path == RT_ROWS_CUBLASLT ? (why[0] ? why : "cuBLASLt's grouped GEMM")
-                                  : path == RT_ROWS_MOEC   ? "moec's grouped GEMM on tensor cores"
+                                  : path == RT_ROWS_MOEC   ? (gemm_wg ? "moec's grouped GEMM on tensor cores, wgmma"
+                                                                      : "moec's grouped GEMM on tensor cores")
                                                            : "the padded GEMM");
   double runs[RUNS];
   int reps = rt_cuda_device(gpu)->emulated ? 1 : GPU_REPS;   // the fake device's times say nothing
@@ -313,6 +315,23 @@ static bool load_kernels(Tune *t) {
     return false;
   }
   if (gemm_type == RT_CUDA_BF16 && !(gemm_tc = rt_cuda_kernel(gpu, "mk_expert_gemm_tc"))) return false;
+  // On sm_90 a bf16 program runs moec's grouped GEMM on wgmma (runtime/cuda/session.c, after its
+  // check at the start): so do the sweeps, unless MOERT_CUDA_WGMMA=0.
+  const char *wg_env = getenv("MOERT_CUDA_WGMMA");
+  if (gemm_type == RT_CUDA_BF16 && rt_cuda_device(gpu)->arch == 90 && !(wg_env && strcmp(wg_env, "0") == 0)) {
+    char *wsrc = NULL, *wptx = NULL;
+    size_t wn = 0, wcubin_size = 0, wptx_size = 0;
+    void *wcubin = NULL;
+    bool wcached = false;
+    FILE *w = open_memstream(&wsrc, &wn);
+    if (w) {
+      cg_emit_cuda_wg(w);
+      fclose(w);
+    }
+    if (wsrc && cg_nvrtc_images_cached(&diag, wsrc, "sm_90a", &wcubin, &wcubin_size, &wptx, &wptx_size, &wcached))
+      rt_cuda_use_wg(gpu, gemm_wg = rt_cuda_load_wg(gpu, wcubin));
+    free(wsrc), free(wptx), free(wcubin);
+  }
   if (!(gemm_counts = rt_cuda_kernel(gpu, gemm_type == RT_CUDA_BF16 ? "mk_expert_counts_bf16" : "mk_expert_counts")))
     return false;
   const char *u = gemm_type == RT_CUDA_BF16 ? "_bf16" : "", *a = attn_tc ? "_tc" : "";

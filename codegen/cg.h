@@ -36,6 +36,9 @@ bool cg_emit_cuda(IrDiag *d, FILE *out, const IrModule *m, const CgLaunches *ls)
 bool cg_emit_cuda_fused_host(IrDiag *d, FILE *out, const IrModule *m, const CgLaunches *ls);
 // The same prelude with every kernel the CUDA target has (the test of the whole library).
 void cg_emit_cuda_library(FILE *out);
+// The unit of mk_expert_gemm_wg alone (the prelude and that kernel), the same for every program:
+// compiled for sm_90a apart from a program's other kernels (wgmma has no portable form).
+void cg_emit_cuda_wg(FILE *out);
 // One line per kernel of the library, `MK_KERNEL(name, syncs)`: syncs is 1 when the kernel
 // calls __syncthreads (directly or through a prelude function), for the host emulation of the
 // fake device (tests/cuda/fake_cuda.cpp), which runs the threads of other kernels one by one.
@@ -56,6 +59,8 @@ typedef struct CgCudaImages {
   const char *ptx;           // NUL-terminated text
   size_t ptx_size;
   bool cached;               // both read from the build cache (codegen/cache.c), not compiled
+  const void *wg_cubin;      // mk_expert_gemm_wg's unit (cg_emit_cuda_wg) for sm_90a; NULL: none
+  size_t wg_cubin_size;
 } CgCudaImages;
 
 // Writes the CUDA target's host program of module m (codegen/emit_cuda_host.c): the training

@@ -1289,7 +1289,17 @@ static void emit_header(Host *h, FILE *out, const char *source_name, const CgCud
   }
   fprintf(out, "static const char ptx[] =");
   put_bytes(out, (const unsigned char *)img->ptx, strnlen(img->ptx, img->ptx_size));   // the size may count the NUL
-  fprintf(out, ";\n\n");
+  fprintf(out, ";\n");
+  if (img->wg_cubin_size > 0) {
+    fprintf(out, "/* moec's grouped GEMM on wgmma (mk_expert_gemm_wg) for sm_90a, which the program runs in\n"
+                 "   mk_expert_gemm_tc's place on an sm_90 GPU once the two agreed (runtime/cuda/session.c). */\n"
+                 "static _Alignas(64) const unsigned char wg_cubin[] =");
+    put_bytes(out, img->wg_cubin, img->wg_cubin_size);
+    fprintf(out, ";\n#define WG_CUBIN wg_cubin\n");
+  } else {
+    fprintf(out, "#define WG_CUBIN NULL\n");
+  }
+  fprintf(out, "\n");
   cg_emit_params(out, m, h->param_offset);
 
   int nk = cg_cuda_kernel_count(h->ls), used = 0;
@@ -1380,7 +1390,8 @@ static void emit_header(Host *h, FILE *out, const char *source_name, const CgCud
 static void emit_hooks(Host *h, FILE *out) {
   fprintf(out, "/* ---- the device's hooks (RtDevice, moert.h): runtime/cuda/session.c does the work ---- */\n\n"
                "static const RtCudaProgram program = {\n"
-               "  .cubin = CUBIN, .cubin_arch = CUBIN_ARCH, .ptx = ptx, .kernel_names = kernel_names, .nkernels = KERNEL_COUNT,\n"
+               "  .cubin = CUBIN, .cubin_arch = CUBIN_ARCH, .ptx = ptx, .wg_cubin = WG_CUBIN, .kernel_names = kernel_names,\n"
+               "  .nkernels = KERNEL_COUNT,\n"
                "  .device_bytes = DEVICE_BYTES, .events = EVENTS, .param_floats = PARAM_FLOATS, .grad_floats = GRAD_FLOATS,\n"
                "  .off_grads = OFF_G, .off_m = OFF_M, .off_v = OFF_V, .moments = MOMENTS,\n"
                "  .stage_bytes = STAGE_BYTES, .output_floats = OUTPUT_FLOATS, .input_bytes = ELEMS * sizeof(float),\n  .nccl = {");

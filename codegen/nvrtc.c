@@ -34,11 +34,14 @@ static void nvrtc_fail(IrDiag *d, nvrtcProgram prog, nvrtcResult rc, const char 
   free(log);
 }
 
-// "sm_80" -> 80; 0 when arch is not sm_NN.
-static int arch_number(const char *arch) {
+// "sm_80" -> 80; 0 when arch is not sm_NN or sm_NNa (the architecture-specific target of sm_NN:
+// its own instructions, wgmma on sm_90a; *specific set then).
+static int arch_number(const char *arch, bool *specific) {
+  *specific = false;
   if (!arch || strncmp(arch, "sm_", 3) != 0 || !arch[3]) return 0;
   char *end;
   long v = strtol(arch + 3, &end, 10);
+  if (*end == 'a' && !end[1]) *specific = true, end++;
   return *end || v < 10 || v > 999 ? 0 : (int)v;
 }
 
@@ -67,13 +70,14 @@ static void signature(char *buf, size_t size) {
 
 // Compiles src for -arch=<virtual ? compute_NN : sm_NN>; returns the program (NULL on error).
 static nvrtcProgram compile(IrDiag *d, const char *src, const char *arch, bool virtual_arch) {
-  int num = arch_number(arch);
+  bool specific;
+  int num = arch_number(arch, &specific);
   if (!num) {
     ir_error(d, "unknown GPU architecture '%s' (expected sm_80, sm_90, ...)", arch ? arch : "(null)");
     return NULL;
   }
   char opt_arch[32];
-  snprintf(opt_arch, sizeof opt_arch, "-arch=%s_%d", virtual_arch ? "compute" : "sm", num);
+  snprintf(opt_arch, sizeof opt_arch, "-arch=%s_%d%s", virtual_arch ? "compute" : "sm", num, specific ? "a" : "");
   const char *opts[2 + sizeof options / sizeof options[0]] = {opt_arch};
   memcpy(opts + 1, options, sizeof options);
   int nopts = 1 + (int)(sizeof options / sizeof options[0]);

@@ -27,6 +27,12 @@ static bool cuda_available(char *why, size_t size) {
 // architecture, malloc'd.
 static bool use_fake(void);
 
+// MOEC_WGMMA=0 at build time: no mk_expert_gemm_wg in the program (moec's grouped GEMM stays on mma.sync).
+static bool wg_off(void) {
+  const char *v = getenv("MOEC_WGMMA");
+  return v && strcmp(v, "0") == 0;
+}
+
 static bool cuda_images(IrDiag *d, const IrModule *m, const CgLaunches *ls, const char *arch, CgCudaImages *img) {
   cg_nvrtc_fast(use_fake());   // the fake device never runs the images
   char *src = NULL;
@@ -49,6 +55,28 @@ static bool cuda_images(IrDiag *d, const IrModule *m, const CgLaunches *ls, cons
   img->arch = arch;
   img->cubin = cubin;
   img->ptx = ptx;
+  // moec's grouped GEMM on wgmma beside them, where the program carries mk_expert_gemm_tc and its
+  // kernels are for sm_90 (the kernel runs there only; a CUBIN for sm_90a even beside PTX alone):
+  // the same unit for every program, so the build cache compiles it once.
+  bool *used = calloc((size_t)cg_cuda_kernel_count(ls), sizeof *used);
+  if (!used) return ir_oom(d);
+  cg_cuda_kernels_used(m, ls, used);
+  bool wg = ok && used[CG_K_EXPERT_GEMM_TC] && strcmp(arch, "sm_90") == 0 && !wg_off();
+  free(used);
+  if (wg) {
+    char *wsrc = NULL, *wptx = NULL;
+    size_t wn = 0, wptx_size = 0;
+    void *wcubin = NULL;
+    bool wcached = false;
+    FILE *w = open_memstream(&wsrc, &wn);
+    if (!w) return ir_oom(d);
+    cg_emit_cuda_wg(w);
+    if (fclose(w) != 0) return ir_oom(d);
+    ok = cg_nvrtc_images_cached(d, wsrc, "sm_90a", &wcubin, &img->wg_cubin_size, &wptx, &wptx_size, &wcached);
+    free(wsrc);
+    free(wptx);
+    img->wg_cubin = wcubin;
+  }
   return ok;
 }
 #else
@@ -115,11 +143,15 @@ static bool cuda_emit(IrDiag *d, FILE *out, const IrModule *m, const PassMemPlan
     else
       fprintf(stderr, "# nvrtc: PTX of %s %zu bytes%s, embedded in the program (no CUBIN: MOEC_CUDA_IMAGES=ptx)\n",
               img.arch, img.ptx_size, from);
+    if (img.wg_cubin_size)
+      fprintf(stderr, "# nvrtc: moec's grouped GEMM on wgmma (mk_expert_gemm_wg) for sm_90a %zu bytes, embedded beside it\n",
+              img.wg_cubin_size);
   }
   ok = ok && cg_emit_cuda_host(d, out, m, plan, o, &img, ls);
   cg_launches_free(ls);
   free((void *)img.cubin);
   free((void *)img.ptx);
+  free((void *)img.wg_cubin);
   return ok;
 }
 

@@ -443,6 +443,244 @@ MK_UNROLL
   }
 }
 
+// ---- mk_expert_gemm_wg ----
+// mk_expert_gemm_tc's GEMM (the same parameters, forms and rows; see there) on Hopper's warpgroup
+// MMA: wgmma.mma_async m64n128k16 (bf16 operands from shared memory, fp32 sums in registers), for
+// compute capability 9.0 only. It is compiled apart from a program's other kernels, for sm_90a
+// (the architecture-specific target wgmma needs: codegen/target_cuda.c), and the runtime runs it
+// in mk_expert_gemm_tc's place where it loaded and agreed with it at the program's start
+// (runtime/cuda/rt_cuda.c, rt_cuda_wg_check). Elsewhere (sm_80, sm_90's portable module) its body
+// is empty and nothing launches it.
+//   - A block of 256 threads (two warpgroups) takes a 128 x 128 tile of c, a warpgroup 64 rows of
+//     it; k goes 64 a step through MK_WG_STAGES buffers of shared memory, filled by cp.async two
+//     steps ahead while the tensor cores multiply the step before (each buffer is rewritten only
+//     after every warpgroup's MMAs on it completed: the barrier of the step after).
+//   - Shared memory holds each operand in the tensor cores' 128-byte swizzled layouts (PTX ISA,
+//     "shared memory matrix layout"), described to them by a 64-bit matrix descriptor: an operand
+//     whose k is contiguous in memory (a when !ta, b when tb) K-major, row r's 16-byte chunk j at
+//     byte 128 r + 16 (j ^ (r & 7)) of the tile; the others (a when ta, b when !tb) MN-major,
+//     blocks of 64 rows (an atom, 8192 bytes apart: the descriptor's leading offset) by 8 k (1024
+//     bytes apart: its stride offset), k row j's chunk x at byte 128 j + 16 (x ^ j) of the block.
+//     The buffers start on 1024-byte boundaries (the swizzle's period), so the descriptors' base
+//     offset is 0; a k step of 16 moves a K-major descriptor 32 bytes, an MN-major one 2048.
+//   - cp.async writes shared memory through the generic proxy and wgmma reads it through the async
+//     proxy: fence.proxy.async between them, before the barrier.
+//   - The host builds (fake device, emulation) run the same code with the MMA computed at once by
+//     each thread for its own accumulators, reading shared memory through the descriptors it is
+//     given with the layouts above (address, strides, swizzle), so the descriptors and the copies'
+//     swizzle are checked there; the MMAs' asynchrony and the tensor cores' roundings are not.
+#define MK_WG_MN 128                                  // a tile's rows and columns (mk_expert_gemm_tc's)
+#define MK_WG_K 64                                    // k a step
+#define MK_WG_STAGES 4                                // buffers (copies two steps ahead)
+#define MK_WG_TILE (MK_WG_MN * MK_WG_K * 2)              // bytes of an operand's buffer (16384)
+#define MK_WG_SHARED (MK_WG_STAGES * 2 * MK_WG_TILE + 1024)   // the launch's dynamic shared memory
+
+// The matrix descriptor of shared memory at byte addr (of the shared window): 128-byte swizzle,
+// leading and stride byte offsets lbo, sbo.
+static __device__ __forceinline__ u64 mk_wg_desc(u32 addr, u32 lbo, u32 sbo) {
+  return (u64)((addr & 0x3ffff) >> 4) | (u64)((lbo & 0x3ffff) >> 4) << 16 | (u64)((sbo & 0x3ffff) >> 4) << 32 |
+         (u64)1 << 62;
+}
+
+#if defined(__CUDACC__) && defined(__CUDA_ARCH_FEAT_SM90_ALL)
+#define MK_WG 1
+// d (this thread's 64 accumulators of the warpgroup's 64 x 128) += a b over k 16, a and b
+// described by da, db; TA, TB: a (b) MN-major. sm: unused here (the host builds' shared memory).
+template <int TA, int TB>
+static __device__ __forceinline__ void mk_wg_mma(float d[64], u64 da, u64 db, const unsigned char *sm) {
+  (void)sm;
+  asm volatile(
+      "{ .reg .pred p; setp.ne.b32 p, %68, 0; "
+      "wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16 {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}, %64, %65, p, 1, 1, %66, %67; }"
+      :
+      "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
+      "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),
+      "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),
+      "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]),
+      "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]),
+      "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]),
+      "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]),
+      "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63])
+      : "l"(da), "l"(db), "n"(TA), "n"(TB), "r"(1));
+}
+static __device__ __forceinline__ void mk_wg_fence() { asm volatile("wgmma.fence.sync.aligned;" ::: "memory"); }
+static __device__ __forceinline__ void mk_wg_commit() { asm volatile("wgmma.commit_group.sync.aligned;" ::: "memory"); }
+template <int n> static __device__ __forceinline__ void mk_wg_wait() {
+  asm volatile("wgmma.wait_group.sync.aligned %0;" ::"n"(n) : "memory");
+}
+static __device__ __forceinline__ void mk_wg_proxy_fence() { asm volatile("fence.proxy.async.shared::cta;" ::: "memory"); }
+// Keeps the compiler from moving the accumulators' reads and writes across the MMAs in flight.
+static __device__ __forceinline__ void mk_wg_pin(float d[64]) {
+MK_UNROLL
+  for (int i = 0; i < 64; i++) asm volatile("" : "+f"(d[i])::"memory");
+}
+#elif !defined(__CUDACC__)
+#define MK_WG 1
+// The host builds: element (r, q) of an operand (r its row of the MMA's m or n, q its k, 0..15)
+// read through descriptor desc from shared memory sm (addresses relative to it), MN-major when
+// mn: the canonical layouts' addresses, then the 128-byte swizzle on the address's bits 4-6
+// (xor bits 7-9).
+static float mk_wg_elem(u64 desc, bool mn, int r, int q, const unsigned char *sm) {
+  u32 start = (u32)(desc & 0x3fff) << 4, lbo = (u32)(desc >> 16 & 0x3fff) << 4, sbo = (u32)(desc >> 32 & 0x3fff) << 4;
+  u32 off = mn ? start + (u32)(r % 64) * 2 + (u32)(r / 64) * lbo + (u32)(q % 8) * 128 + (u32)(q / 8) * sbo
+               : start + (u32)(r % 8) * 128 + (u32)(r / 8) * sbo + (u32)q * 2;
+  off ^= (off >> 7 & 7) << 4;
+  u16 v;
+  memcpy(&v, sm + off, 2);
+  return __uint_as_float((u32)v << 16);
+}
+template <int TA, int TB>
+static __device__ void mk_wg_mma(float d[64], u64 da, u64 db, const unsigned char *sm) {
+  int x = threadIdx.x & 127, warp = x >> 5, g = (x & 31) >> 2, t = x & 3;
+  for (int i = 0; i < 64; i++) {
+    int row = 16 * warp + g + 8 * ((i >> 1) & 1), col = 8 * (i >> 2) + 2 * t + (i & 1);
+    float s = d[i];
+    for (int q = 0; q < 16; q++) s += mk_wg_elem(da, TA, row, q, sm) * mk_wg_elem(db, TB, col, q, sm);
+    d[i] = s;
+  }
+}
+static __device__ void mk_wg_fence() {}
+static __device__ void mk_wg_commit() {}
+template <int n> static __device__ void mk_wg_wait() {}
+static __device__ void mk_wg_proxy_fence() {}
+static __device__ void mk_wg_pin(float d[64]) { (void)d; }
+#endif
+
+#ifdef MK_WG
+// One operand's 128 x MK_WG_K piece at x (its element (row 0, k 0); rows < rows, k < ks of it, zeros
+// elsewhere) into the buffer s in its layout: K-major when its k is contiguous in memory (row r at
+// x + r ld), else MN-major (k row j at x + j ld). Every thread calls it.
+static __device__ __forceinline__ void mk_wg_stage(unsigned char *s, const u16 *x, i64 ld, bool kcont, int rows, int ks) {
+MK_UNROLL
+  for (int i = 0; i < MK_WG_MN * MK_WG_K / 8 / 256; i++) {
+    int c = (int)threadIdx.x + 256 * i;
+    if (kcont) {
+      int r = c >> 3, j = c & 7;
+      bool in = r < rows && 8 * j < ks;
+      mk_cp16((u16 *)(s + r * 128 + ((j ^ (r & 7)) << 4)), in ? x + r * ld + 8 * j : x, in);
+    } else {
+      int j = c >> 4, xc = c & 15;   // k row j, 16-byte chunk xc of it (rows 8 xc ..)
+      bool in = j < ks && 8 * xc < rows;
+      mk_cp16((u16 *)(s + (xc >> 3) * 8192 + (j >> 3) * 1024 + (j & 7) * 128 + (((xc & 7) ^ (j & 7)) << 4)),
+              in ? x + j * ld + 8 * xc : x, in);
+    }
+  }
+}
+
+// The MMAs of one k step of MK_WG_K: this warpgroup's rows of a's buffer sa, b's sb (shared-window
+// addresses ua, ub), 4 k steps of 16.
+template <int TA, int TB>
+static __device__ __forceinline__ void mk_wg_step(float d[64], u32 ua, u32 ub, int wg, const unsigned char *sm) {
+MK_UNROLL
+  for (int kk = 0; kk < MK_WG_K / 16; kk++) {
+    u64 da = TA ? mk_wg_desc(ua + wg * 8192 + kk * 2048, 8192, 1024) : mk_wg_desc(ua + wg * 8192 + kk * 32, 16, 1024);
+    u64 db = TB ? mk_wg_desc(ub + kk * 2048, 8192, 1024) : mk_wg_desc(ub + kk * 32, 16, 1024);
+    mk_wg_mma<TA, TB>(d, da, db, sm);
+  }
+}
+#endif
+
+#ifdef MK_WG
+// The kernel's tiles with ta = TA, tb = !TB || TA (TA, TB: a, b MN-major in shared memory), base
+// the shared-window address of sm.
+template <int TA, int TB>
+static __device__ __forceinline__ void mk_wg_tiles(const u16 *a, const u16 *b, float *c, const int *rows, int e, int m,
+                                                   int n, int k, int blocks, unsigned char *sm, u32 base) {
+  const bool ta = TA, tb = !TB;
+  int groups = ta ? e : e * blocks, per = ta ? m : m / blocks;
+  int mt = (per + MK_WG_MN - 1) / MK_WG_MN, nt = (n + MK_WG_MN - 1) / MK_WG_MN;
+  int wg = threadIdx.x >> 7, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3, warp = (threadIdx.x >> 5) & 3;
+  int bm = (ta ? 1 : blocks) * mt;
+  for (i64 tile = blockIdx.x; tile < (i64)groups * mt * nt; tile += gridDim.x) {
+    int rt = (int)(tile % bm), n0 = (int)(tile / bm % nt) * MK_WG_MN, x = (int)(tile / ((i64)bm * nt));
+    int grp = ta ? x : x * blocks + rt / mt, r0 = rt % mt * MK_WG_MN, count = rows[grp];
+    int rlim = ta ? m : count < per ? count : per;
+    int klim = ta ? (count < k ? count : k) : k;
+    if (r0 >= rlim) continue;   // the same on every thread
+    const u16 *pa = ta ? a + ((i64)x * k) * m + r0 : a + ((i64)grp * per + r0) * k;
+    const u16 *pb = tb ? b + ((i64)x * n + n0) * k : b + ((i64)x * k) * n + n0;
+    i64 lda = ta ? m : k, ldb = tb ? k : n;
+    float d[64];
+MK_UNROLL
+    for (int i = 0; i < 64; i++) d[i] = 0.0f;
+    int steps = (klim + MK_WG_K - 1) / MK_WG_K;
+    // Copies of steps 0 .. MK_WG_STAGES - 3 (one group each, empty past the last step).
+MK_UNROLL
+    for (int s = 0; s < MK_WG_STAGES - 2; s++) {
+      if (s < steps) {
+        int k0 = s * MK_WG_K;
+        mk_wg_stage(sm + s * MK_WG_TILE, pa + (ta ? k0 * lda : k0), lda, !ta, rlim - r0, klim - k0);
+        mk_wg_stage(sm + (MK_WG_STAGES + s) * MK_WG_TILE, pb + (tb ? k0 : k0 * ldb), ldb, tb, n - n0, klim - k0);
+      }
+      mk_cp_commit();
+    }
+    for (int st = 0; st < steps; st++) {
+      mk_cp_wait<MK_WG_STAGES - 3>();   // this thread's copies of step st are in
+      mk_wg_proxy_fence();             // ... visible to the tensor cores
+      __syncthreads();                 // every thread's; and every warpgroup's MMAs of step st - 2 done
+      int nx = st + MK_WG_STAGES - 2;  // the copies of step nx go to the buffer step st - 2 used
+      if (nx < steps) {
+        int k0 = nx * MK_WG_K, sb = nx % MK_WG_STAGES;
+        mk_wg_stage(sm + sb * MK_WG_TILE, pa + (ta ? k0 * lda : k0), lda, !ta, rlim - r0, klim - k0);
+        mk_wg_stage(sm + (MK_WG_STAGES + sb) * MK_WG_TILE, pb + (tb ? k0 : k0 * ldb), ldb, tb, n - n0, klim - k0);
+      }
+      mk_cp_commit();
+      int sb = st % MK_WG_STAGES;
+      mk_wg_pin(d);
+      mk_wg_fence();
+      mk_wg_step<TA, TB>(d, base + sb * MK_WG_TILE, base + (MK_WG_STAGES + sb) * MK_WG_TILE, wg, sm);
+      mk_wg_commit();
+      mk_wg_wait<1>();                 // step st - 1's MMAs are done (st's may run on)
+      mk_wg_pin(d);
+    }
+    mk_wg_wait<0>();
+    mk_wg_pin(d);
+    // This warpgroup's 64 rows: register i of lane 4 g + t of warp w holds row 16 w + g + 8 (i >> 1 & 1),
+    // column 8 (i >> 2) + 2 t + (i & 1).
+    float *cg = c + ((i64)grp * per + r0 + 64 * wg) * n;
+MK_UNROLL
+    for (int h = 0; h < 2; h++) {
+      int r = 16 * warp + g + 8 * h;
+      if (r0 + 64 * wg + r >= rlim) continue;
+MK_UNROLL
+      for (int j = 0; j < 16; j++) {
+        int col = n0 + 8 * j + 2 * t;
+        float v0 = d[4 * j + 2 * h], v1 = d[4 * j + 2 * h + 1];
+        float *p = cg + (i64)r * n + col;
+        if (!(n & 1) && col + 1 < n) {
+          mk_st2(p, v0, v1);
+        } else {
+          if (col < n) p[0] = v0;
+          if (col + 1 < n) p[1] = v1;
+        }
+      }
+    }
+    __syncthreads();   // every warpgroup's MMAs done before the next tile's copies
+  }
+}
+#endif
+
+extern "C" __global__ void mk_expert_gemm_wg(const u16 *a, const u16 *b, float *c, const int *rows, int e, int m,
+                                             int n, int k, int ta, int tb, int blocks) {
+#ifdef MK_WG
+  MK_DYN_SHARED(unsigned char, mk_wg_dyn);
+  // The buffers from the first 1024-byte boundary of the shared window on: a's MK_WG_STAGES, then b's.
+#ifdef __CUDACC__
+  u32 base = mk_tc_smem(mk_wg_dyn), pad = (1024 - (base & 1023)) & 1023;
+  unsigned char *sm = mk_wg_dyn + pad;
+  base += pad;
+#else
+  unsigned char *sm = (unsigned char *)(((uintptr_t)mk_wg_dyn + 1023) & ~(uintptr_t)1023);
+  u32 base = 0;   // the emulation's addresses are relative to sm
+#endif
+  if (ta) mk_wg_tiles<1, 1>(a, b, c, rows, e, m, n, k, blocks, sm, base);
+  else if (tb) mk_wg_tiles<0, 0>(a, b, c, rows, e, m, n, k, blocks, sm, base);
+  else mk_wg_tiles<0, 1>(a, b, c, rows, e, m, n, k, blocks, sm, base);
+#else
+  (void)a, (void)b, (void)c, (void)rows, (void)e, (void)m, (void)n, (void)k, (void)ta, (void)tb, (void)blocks;
+#endif
+}
+
 // ---- mk_gelu ----
 // The tanh GELU as x * s, s = 1 / (1 + exp(-2u)) = 0.5 (1 + tanh(u)), as rt_gelu computes it
 // (cols, the row width, lets the CPU kernel copy repeated rows; every element is computed here).

@@ -37,7 +37,7 @@
   X(cuStreamCreate) X(cuStreamDestroy) X(cuStreamSynchronize) X(cuStreamWaitEvent) X(cuEventCreate)  \
   X(cuEventDestroy) X(cuEventRecord) X(cuMemAlloc) X(cuMemFree) X(cuMemcpyHtoDAsync)                  \
   X(cuMemcpyDtoHAsync) X(cuMemcpyDtoDAsync) X(cuMemsetD8Async) X(cuModuleLoadDataEx) X(cuModuleUnload)                     \
-  X(cuModuleGetFunction) X(cuLaunchKernel) X(cuMemHostRegister) X(cuMemHostUnregister)                \
+  X(cuModuleGetFunction) X(cuFuncSetAttribute) X(cuLaunchKernel) X(cuMemHostRegister) X(cuMemHostUnregister)                \
   X(cuStreamBeginCapture) X(cuStreamEndCapture) X(cuStreamGetCaptureInfo) X(cuGraphInstantiate)      \
   X(cuGraphLaunch) X(cuGraphExecKernelNodeSetParams) X(cuGraphDestroy) X(cuGraphExecDestroy)
 
@@ -146,6 +146,8 @@ struct RtCuda {
   int nevents;
   cublasHandle_t blas;
   CUmodule module;                   // NULL until rt_cuda_load_module
+  CUmodule wg_module;                // rt_cuda_load_wg's (NULL: none)
+  CUfunction wg;                     // rt_cuda_use_wg's: launched in mk_expert_gemm_tc's place (NULL: tc)
   CUdeviceptr arena;
   size_t arena_bytes, arena_used;
   CUdeviceptr workspace;             // cuBLAS's, WORKSPACE_BYTES per stream (no allocation while capturing)
@@ -262,6 +264,8 @@ bool rt_cuda_destroy(RtCuda *cu) {
   bool ok = !cu->ctx || CUDA_CHECK(drv.cuCtxSynchronize());
   if (cu->module && !CUDA_CHECK(drv.cuModuleUnload(cu->module)))
     ok = false;
+  if (cu->wg_module && !CUDA_CHECK(drv.cuModuleUnload(cu->wg_module)))
+    ok = false;
   if (cu->arena && !CUDA_CHECK(drv.cuMemFree(cu->arena)))
     ok = false;
   if (cu->workspace && !CUDA_CHECK(drv.cuMemFree(cu->workspace)))
@@ -367,6 +371,29 @@ bool rt_cuda_load_module(RtCuda *cu, const void *image) {
     report("the driver's JIT log:\n%s", log);
   return false;
 }
+
+CUfunction rt_cuda_load_wg(RtCuda *cu, const void *image) {
+  if (cu->wg_module)
+    return cu->wg;
+  char log[8192] = "";
+  CUjit_option options[] = {CU_JIT_ERROR_LOG_BUFFER, CU_JIT_ERROR_LOG_BUFFER_SIZE_BYTES};
+  void *values[] = {log, (void *)(uintptr_t)sizeof log};
+  CUresult rc = drv.cuModuleLoadDataEx(&cu->wg_module, image, 2, options, values);
+  if (rc != CUDA_SUCCESS) {
+    cu->wg_module = NULL;
+    cuda_ok(rc, "cuModuleLoadDataEx (mk_expert_gemm_wg's module)", __FILE__, __LINE__);
+    if (log[0])
+      report("the JIT log: %s", log);
+    return NULL;
+  }
+  CUfunction f = NULL;
+  if (!CUDA_CHECK(drv.cuModuleGetFunction(&f, cu->wg_module, "mk_expert_gemm_wg")) ||
+      !CUDA_CHECK(drv.cuFuncSetAttribute(f, CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, RT_CUDA_WG_SHARED)))
+    return NULL;
+  return f;
+}
+
+void rt_cuda_use_wg(RtCuda *cu, CUfunction wg) { cu->wg = wg; }
 
 CUfunction rt_cuda_kernel(RtCuda *cu, const char *name) {
   if (!cu->module) {
@@ -745,7 +772,8 @@ RtRowsGemm rt_cuda_rows_gemm(RtCuda *cu, bool tc, char *why, size_t why_size) {
   return tc && env != 'l' ? RT_ROWS_MOEC : RT_ROWS_PADDED;
 }
 
-// mk_expert_gemm_tc's launch (rt_cuda_tc_grid; its tiles past a group's count return at once).
+// mk_expert_gemm_tc's launch (rt_cuda_tc_grid; its tiles past a group's count return at once), or
+// mk_expert_gemm_wg's in its place (rt_cuda_use_wg).
 static bool tc_gemm(RtCuda *cu, RtStream s, CUfunction tc, const void *a, const void *b, float *c, int e, int m,
                     int n, int k, bool ta, bool tb, const int *rows, int blocks) {
   int ta_i = ta, tb_i = tb;
@@ -754,7 +782,9 @@ static bool tc_gemm(RtCuda *cu, RtStream s, CUfunction tc, const void *a, const 
   for (int i = 0; i < cu->nmoec && !seen; i++) seen = cu->moec_sites[i] == c;
   if (!seen && cu->nmoec < (int)(sizeof cu->moec_sites / sizeof *cu->moec_sites))
     cu->moec_sites[cu->nmoec++] = c;
-  return rt_cuda_launch(cu, s, tc, rt_cuda_tc_grid(e, m, n, ta, blocks), 128, 0, args);
+  int grid = rt_cuda_tc_grid(e, m, n, ta, blocks);
+  return cu->wg ? rt_cuda_launch(cu, s, cu->wg, grid, 256, RT_CUDA_WG_SHARED, args)
+                : rt_cuda_launch(cu, s, tc, grid, 128, 0, args);
 }
 
 bool rt_cuda_expert_gemm_rows(RtCuda *cu, RtStream s, RtCudaType in, const void *a, const void *b, float *c,

@@ -178,6 +178,16 @@ static inline int rt_cuda_tc_grid(int e, int m, int n, bool ta, int blocks) {
   int64_t tiles = groups * ((per + 127) / 128) * ((n + 127) / 128);
   return tiles < 65535 ? (int)tiles : 65535;
 }
+// moec's grouped GEMM on Hopper's warpgroup MMA (mk_expert_gemm_wg, codegen/cuda/ffn.cu): the same
+// parameters, operands and grid as mk_expert_gemm_tc, 256 threads and RT_CUDA_WG_SHARED bytes of
+// dynamic shared memory (its MK_WG_SHARED: four steps' buffers of both operands and 1024 bytes to
+// align them). rt_cuda_load_wg loads image (a CUBIN for sm_90a that holds it) as a second module
+// and lets the kernel take that much shared memory: its function, or NULL (reported). Once
+// rt_cuda_use_wg has set it, rt_cuda_expert_gemm_rows launches it wherever it would launch tc
+// (NULL: tc again). The session (session.c) sets it only after it agreed with tc.
+#define RT_CUDA_WG_SHARED (4 * 2 * 16384 + 1024)
+CUfunction rt_cuda_load_wg(RtCuda *cu, const void *image);
+void rt_cuda_use_wg(RtCuda *cu, CUfunction wg);
 // Whether cuBLASLt's grouped GEMM is there (and not turned off); into why, why not.
 bool rt_cuda_grouped_gemms(RtCuda *cu, char *why, size_t why_size);
 // The call sites of rt_cuda_expert_gemm_rows met so far that run cuBLASLt's grouped GEMM; *padded: those
@@ -227,6 +237,7 @@ typedef struct RtCudaProgram {
   bool nccl[RT_GROUP_COUNT];         // groups whose collectives cross ranks: a communicator each
   const char *note;                  // ends the device's description (NULL: nothing)
   int row_gemms;                     // expert GEMMs over their filled rows a step (rt_cuda_expert_gemm_rows)
+  const unsigned char *wg_cubin;     // mk_expert_gemm_wg compiled for sm_90a (NULL: none; runs on sm_90 only)
 } RtCudaProgram;
 
 // What rt_cuda_session_create made; the program's step functions use these.
@@ -240,7 +251,7 @@ typedef struct RtCudaSession {
   float *output;                     // host memory, program->output_floats
   const void *device_output;         // set by the program: where its forward leaves the output
   RtNccl *nccl[RT_GROUP_COUNT];      // made by rt_cuda_session_connect (NULL for other groups)
-  char description[512];             // the GPU, which image of the kernels it runs, its memory
+  char description[1024];            // the GPU, which image of the kernels it runs, its memory
   // Host memory page-locked for the copies of every step: the trainer's inputs and targets (each
   // microbatch slot's), at their first upload or use, and the host buffers the session allocated
   // (host_buffer: owned, freed at destroy).

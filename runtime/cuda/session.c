@@ -12,6 +12,7 @@
 // Only rt_cuda.h's functions are called, so this file runs over the real GPU runtime and over
 // the tests' fake device (tests/cuda/fake_cuda.cpp) alike. Errors are the driver's way: a
 // sentence recorded with rt_fail and -1 (NULL), the CUDA error itself already on stderr.
+#include <math.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -35,13 +36,106 @@ static const void *choose_image(const RtCudaProgram *p, const RtCudaDevice *d) {
   return NULL;
 }
 
+// ---- moec's grouped GEMM on wgmma: checked against mk_expert_gemm_tc at the start ----
+// mk_expert_gemm_wg reads shared memory through the tensor cores' descriptors and swizzled
+// layouts, which the host builds emulate from the PTX ISA's description; a GPU is the first to
+// run the real ones. So before a program hands its expert GEMMs to it, both kernels multiply the
+// same operands in the three forms the programs use (blocks 1 over two row tiles and four k steps
+// of 64; blocks 2 with tb, an empty block and an odd n; a weight gradient over three k steps, an
+// expert of none), and it is used only where every element agrees with mk_expert_gemm_tc's to
+// 1e-3 of the largest (the sums' order differs; a wrong layout is off by the elements' size).
+enum { WG_CHECK_BYTES = 1 << 20 };   // the device memory the check borrows, past the program's block
+
+static bool wg_agrees(RtCudaSession *s, CUfunction tc, CUfunction wg, char *why, size_t why_size) {
+  RtCuda *cu = s->cu;
+  static const int shape[3][6] = {{136, 72, 200, 1, 136, 3}, {48, 24, 136, 2, 0, 24}, {24, 40, 200, 1, 150, 0}};
+  static const int more[2] = {17, 5};   // form 1's last two blocks
+  uint32_t seed = 12345u;
+  for (int form = 0; form < 3; form++) {
+    const int *sh = shape[form];
+    int e = 2, m = sh[0], n = sh[1], k = sh[2], blocks = sh[3], ta = form == 2, tb = form == 1;
+    int groups = ta ? e : e * blocks, counts[4] = {sh[4], sh[5], more[0], more[1]};
+    size_t na = (size_t)e * m * k, nb = (size_t)e * k * n, nc = (size_t)e * m * n;
+    size_t bytes = (na + nb) * 2 + 2 * nc * sizeof(float) + 2 * (size_t)groups * sizeof(int) + 4 * 64;
+    uint16_t *h = malloc((na + nb) * 2);
+    float *ct = malloc(nc * sizeof(float)), *cw = malloc(nc * sizeof(float));
+    if (!h || !ct || !cw || bytes > WG_CHECK_BYTES) {
+      free(h), free(ct), free(cw);
+      snprintf(why, why_size, "its check at the start could not be set up");
+      return false;
+    }
+    for (size_t i = 0; i < na + nb; i++) {   // bf16 of uniform values in [-1, 1): sign, exponent 126, 7 bits
+      seed = seed * 1664525u + 1013904223u;
+      h[i] = (uint16_t)(((seed >> 31) << 15) | (126u << 7) | ((seed >> 8) & 0x7fu));
+    }
+    int cnt[8];
+    for (int x = 0; x < groups; x++) cnt[x] = counts[x], cnt[groups + x] = counts[x] > 0 ? counts[x] : 1;
+    rt_cuda_arena_reset(cu);
+    (void)rt_cuda_alloc(cu, s->program->device_bytes);   // the program's block stays where it was
+    unsigned char *da = rt_cuda_alloc(cu, na * 2), *db = rt_cuda_alloc(cu, nb * 2);
+    float *dt = rt_cuda_alloc(cu, nc * sizeof(float)), *dw = rt_cuda_alloc(cu, nc * sizeof(float));
+    int *dr = rt_cuda_alloc(cu, 2 * (size_t)groups * sizeof(int));
+    int grid = rt_cuda_tc_grid(e, m, n, ta, blocks);
+    void *args_t[] = {&da, &db, &dt, &dr, &e, &m, &n, &k, &ta, &tb, &blocks};
+    void *args_w[] = {&da, &db, &dw, &dr, &e, &m, &n, &k, &ta, &tb, &blocks};
+    bool ok = da && db && dt && dw && dr && rt_cuda_to_device(cu, RT_STREAM_COMPUTE, da, h, na * 2) &&
+              rt_cuda_to_device(cu, RT_STREAM_COMPUTE, db, h + na, nb * 2) &&
+              rt_cuda_to_device(cu, RT_STREAM_COMPUTE, dr, cnt, 2 * (size_t)groups * sizeof(int)) &&
+              rt_cuda_zero(cu, RT_STREAM_COMPUTE, dt, nc * sizeof(float)) &&
+              rt_cuda_zero(cu, RT_STREAM_COMPUTE, dw, nc * sizeof(float)) &&
+              rt_cuda_launch(cu, RT_STREAM_COMPUTE, tc, grid, 128, 0, args_t) &&
+              rt_cuda_launch(cu, RT_STREAM_COMPUTE, wg, grid, 256, RT_CUDA_WG_SHARED, args_w) &&
+              rt_cuda_to_host(cu, RT_STREAM_COMPUTE, ct, dt, nc * sizeof(float)) &&
+              rt_cuda_to_host(cu, RT_STREAM_COMPUTE, cw, dw, nc * sizeof(float)) && rt_cuda_sync(cu, RT_STREAM_COMPUTE);
+    rt_cuda_arena_reset(cu);
+    (void)rt_cuda_alloc(cu, s->program->device_bytes);
+    double big = 0.0;
+    size_t bad = nc;
+    for (size_t i = 0; ok && i < nc; i++) big = fabs(ct[i]) > big ? fabs(ct[i]) : big;
+    for (size_t i = 0; ok && i < nc && bad == nc; i++)
+      if (!(fabs((double)cw[i] - ct[i]) <= 1e-3 * big)) bad = i;
+    if (!ok)
+      snprintf(why, why_size, "its check at the start failed to run (the CUDA error is above)");
+    else if (bad < nc)
+      snprintf(why, why_size, "it differed from mk_expert_gemm_tc at the start: form %d, element %zu is %.6g, not %.6g",
+               form, bad, cw[bad], ct[bad]);
+    free(h), free(ct), free(cw);
+    if (!ok || bad < nc)
+      return false;
+  }
+  return true;
+}
+
+// Where moec's grouped GEMM runs (tc: the program's mk_expert_gemm_tc): on wgmma when the program
+// carries mk_expert_gemm_wg's module, the GPU is sm_90, MOERT_CUDA_WGMMA is not 0, it loads and it
+// agrees with tc; into why, the reason it does not.
+static bool use_wg(RtCudaSession *s, CUfunction tc, char *why, size_t why_size) {
+  const RtCudaProgram *p = s->program;
+  const char *env = getenv("MOERT_CUDA_WGMMA");
+  int arch = rt_cuda_device(s->cu)->arch;
+  CUfunction wg = NULL;
+  if (!p->wg_cubin)
+    snprintf(why, why_size, "the program has no wgmma kernel (built for sm_%d)", p->cubin_arch);
+  else if (arch != 90)
+    snprintf(why, why_size, "wgmma runs on sm_90, not sm_%d", arch);
+  else if (env && strcmp(env, "0") == 0)
+    snprintf(why, why_size, "MOERT_CUDA_WGMMA=0");
+  else if (!(wg = rt_cuda_load_wg(s->cu, p->wg_cubin)))
+    snprintf(why, why_size, "its module did not load (the CUDA error is above)");
+  else if (wg_agrees(s, tc, wg, why, why_size))
+    rt_cuda_use_wg(s->cu, wg);
+  else
+    wg = NULL;
+  return wg != NULL;
+}
+
 static int setup(RtCudaSession *s) {
   const RtCudaProgram *p = s->program;
   char why[512];
   if (!rt_cuda_probe(why, sizeof why))
     return rt_fail("no GPU: %s. This binary was built by 'moec build --target cuda'; build the "
                    "model with --target cpu to train on the CPU", why);
-  if (!(s->cu = rt_cuda_create(p->device_bytes, p->events)))
+  if (!(s->cu = rt_cuda_create(p->device_bytes + (p->wg_cubin ? WG_CHECK_BYTES : 0), p->events)))
     return rt_fail("the GPU could not be set up with %zu bytes of device memory (the CUDA error "
                    "is above)", p->device_bytes);
   const RtCudaDevice *d = rt_cuda_device(s->cu);
@@ -53,20 +147,6 @@ static int setup(RtCudaSession *s) {
   snprintf(s->description, sizeof s->description, "%s (sm_%d), kernels from the %s, %.1f MiB of device memory in one "
            "block%s", d->name, d->arch, image == p->cubin ? "CUBIN" : "PTX, compiled by the driver",
            (double)p->device_bytes / (1 << 20), p->note ? p->note : "");
-  if (p->row_gemms > 0) {   // which GEMM multiplies the expert GEMMs' filled rows
-    char why[256];
-    size_t len = strlen(s->description);
-    bool tc = false;   // a dtype bf16 program hands rt_cuda_expert_gemm_rows moec's grouped GEMM
-    for (int k = 0; k < p->nkernels; k++) tc = tc || strcmp(p->kernel_names[k], "mk_expert_gemm_tc") == 0;
-    RtRowsGemm path = rt_cuda_rows_gemm(s->cu, tc, why, sizeof why);
-    if (path == RT_ROWS_CUBLASLT)
-      snprintf(s->description + len, sizeof s->description - len, "; %d expert GEMMs a step over their filled rows (%s)",
-               p->row_gemms, why[0] ? why : "cuBLASLt's grouped GEMM");
-    else
-      snprintf(s->description + len, sizeof s->description - len, "; %d expert GEMMs a step over their filled rows %s(%s%s)",
-               p->row_gemms, path == RT_ROWS_MOEC ? "" : "padded ",
-               path == RT_ROWS_MOEC ? "moec's grouped GEMM on tensor cores; not cuBLASLt's: " : "", why);
-  }
   if (!rt_cuda_load_module(s->cu, image))
     return rt_fail("the kernels could not be loaded on %s (the CUDA error is above)", d->name);
   for (int k = 0; k < p->nkernels; k++)
@@ -74,6 +154,25 @@ static int setup(RtCudaSession *s) {
       return rt_fail("the kernel module has no kernel '%s' (reported above)", p->kernel_names[k]);
   if (!(s->device = rt_cuda_alloc(s->cu, p->device_bytes)))
     return rt_fail("the device memory could not be carved (reported above)");
+  if (p->row_gemms > 0) {   // which GEMM multiplies the expert GEMMs' filled rows
+    char why[256], wg_why[256] = "";
+    size_t len = strlen(s->description);
+    CUfunction tc = NULL;   // a dtype bf16 program hands rt_cuda_expert_gemm_rows moec's grouped GEMM
+    for (int k = 0; k < p->nkernels; k++)
+      if (strcmp(p->kernel_names[k], "mk_expert_gemm_tc") == 0) tc = s->kernels[k];
+    RtRowsGemm path = rt_cuda_rows_gemm(s->cu, tc != NULL, why, sizeof why);
+    bool wg = path == RT_ROWS_MOEC && use_wg(s, tc, wg_why, sizeof wg_why);
+    if (path == RT_ROWS_CUBLASLT)
+      snprintf(s->description + len, sizeof s->description - len, "; %d expert GEMMs a step over their filled rows (%s)",
+               p->row_gemms, why[0] ? why : "cuBLASLt's grouped GEMM");
+    else if (path == RT_ROWS_MOEC)
+      snprintf(s->description + len, sizeof s->description - len, "; %d expert GEMMs a step over their filled rows "
+               "(moec's grouped GEMM on tensor cores, %s%s%s; not cuBLASLt's: %s)", p->row_gemms,
+               wg ? "wgmma" : "mma.sync", wg ? "" : ", not wgmma: ", wg_why, why);
+    else
+      snprintf(s->description + len, sizeof s->description - len, "; %d expert GEMMs a step over their filled rows "
+               "padded (%s)", p->row_gemms, why);
+  }
   // Gradients and activations start at zero, as the CPU program's do.
   if (!rt_cuda_zero(s->cu, RT_STREAM_COMPUTE, s->device, p->device_bytes) ||
       !rt_cuda_sync(s->cu, RT_STREAM_COMPUTE))

@@ -603,13 +603,19 @@ template <class Launcher> void run_kernel_cases(Launcher &L, Checks &c) {
     // gradient (ta) over 3 k steps, one expert with no rows. c starts at 7: the rows past a
     // count must stay (!ta); the slots past a count hold NaN in both operands of the weight
     // gradient (summing one shows). The grid (3 blocks) is smaller than the tiles.
-    for (int form = 0; form < 3; form++) {
-      const bool ta = form == 2, tb = form == 1;
-      const int e = 2, blocks = form == 1 ? 2 : 1;
-      const int m = form == 0 ? 136 : form == 1 ? 48 : 24, n = form == 0 ? 136 : form == 1 ? 21 : 40,
-                k = form == 0 ? 40 : form == 1 ? 24 : 72;
-      const std::vector<int> counts = form == 0 ? std::vector<int>{136, 3} : form == 1 ? std::vector<int>{0, 24, 17, 5}
-                                                                                    : std::vector<int>{70, 0};
+    // The same forms on Hopper's warpgroup MMA (mk_expert_gemm_wg: 256 threads, its dynamic shared
+    // memory) where the launcher has it (L.wg: the emulation always, a GPU of compute capability
+    // 9.0), with k over several of its steps of 64 (4, 3 and 3: the copies two steps ahead, a
+    // partial last step).
+    for (int form = 0; form < (L.wg ? 6 : 3); form++) {
+      const bool wg = form >= 3;
+      const int f = form % 3;
+      const bool ta = f == 2, tb = f == 1;
+      const int e = 2, blocks = f == 1 ? 2 : 1;
+      const int m = f == 0 ? 136 : f == 1 ? 48 : 24, n = f == 0 ? 136 : f == 1 ? 21 : 40,
+                k = f == 0 ? (wg ? 200 : 40) : f == 1 ? (wg ? 136 : 24) : (wg ? 200 : 72);
+      const std::vector<int> counts = f == 0 ? std::vector<int>{136, 3} : f == 1 ? std::vector<int>{0, 24, 17, 5}
+                                                                              : std::vector<int>{wg ? 150 : 70, 0};
       const int per = ta ? k : m / blocks;   // slots a group
       auto af = randn((size_t)e * m * k), bf = randn((size_t)e * k * n);
       if (ta)   // NaN in the slots past the counts: a [e, k, m] and b [e, k, n]
@@ -636,10 +642,18 @@ template <class Launcher> void run_kernel_cases(Launcher &L, Checks &c) {
             want[((size_t)x * m + r) * n + j] = (float)sum;
           }
         }
+      if (wg) {
+        LAUNCH_SHARED(3, 256, MK_WG_SHARED, mk_expert_gemm_wg, a16, b16, got, counts, e, m, n, k, (int)ta, (int)tb, blocks);
+        c.near(f == 0   ? "expert GEMM on wgmma over the counted rows (mk_expert_gemm_wg: 2 x 2 tiles, 4 k steps)"
+               : f == 1 ? "expert GEMM on wgmma, tb, blocks 2 (an empty one), n 21, 3 k steps"
+                        : "expert GEMM on wgmma, a weight gradient (ta) over the counted slots (3 k steps), an expert of none",
+               want, got, 1e-3);
+        continue;
+      }
       LAUNCH(3, 128, mk_expert_gemm_tc, a16, b16, got, counts, e, m, n, k, (int)ta, (int)tb, blocks);
-      c.near(form == 0   ? "expert GEMM on tensor cores over the counted rows (mk_expert_gemm_tc: 2 x 2 tiles, 2 k steps)"
-             : form == 1 ? "expert GEMM on tensor cores, tb, blocks 2 (an empty one), n 21"
-                         : "expert GEMM on tensor cores, a weight gradient (ta) over the counted slots, an expert of none",
+      c.near(f == 0   ? "expert GEMM on tensor cores over the counted rows (mk_expert_gemm_tc: 2 x 2 tiles, 2 k steps)"
+             : f == 1 ? "expert GEMM on tensor cores, tb, blocks 2 (an empty one), n 21"
+                      : "expert GEMM on tensor cores, a weight gradient (ta) over the counted slots, an expert of none",
              want, got, 1e-3);
     }
     rt_gelu(a.data(), y_c.data(), n, m);

@@ -41,7 +41,7 @@ static int count_entries(const char *ptx) {
 
 int main(int argc, char **argv) {
   if (argc < 2) {
-    fprintf(stderr, "usage: nvrtc_check F.cu|--library [sm_80 sm_90 ...]\n");
+    fprintf(stderr, "usage: nvrtc_check F.cu|--library|--wg [sm_80 sm_90 sm_90a ...]\n");
     return 2;
   }
   if (strcmp(argv[1], "--print-library") == 0) {  // the source, for tests/cuda/emu_check.cpp
@@ -58,11 +58,16 @@ int main(int argc, char **argv) {
     return 0;
   }
   char *src = NULL;
-  if (strcmp(argv[1], "--library") == 0) {
+  if (strcmp(argv[1], "--print-wg") == 0) {   // mk_expert_gemm_wg's unit (ptxas's report: tests/cuda/run.sh)
+    cg_emit_cuda_wg(stdout);
+    return 0;
+  }
+  if (strcmp(argv[1], "--library") == 0 || strcmp(argv[1], "--wg") == 0) {
     size_t n = 0;
     FILE *mem = open_memstream(&src, &n);
     if (mem) {
-      cg_emit_cuda_library(mem);
+      if (strcmp(argv[1], "--wg") == 0) cg_emit_cuda_wg(mem);
+      else cg_emit_cuda_library(mem);
       fclose(mem);
     }
   } else {
