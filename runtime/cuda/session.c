@@ -41,7 +41,7 @@ static const void *choose_image(const RtCudaProgram *p, const RtCudaDevice *d) {
 // layouts, which the host builds emulate from the PTX ISA's description; a GPU is the first to
 // run the real ones. So before a program hands its expert GEMMs to it, both kernels multiply the
 // same operands in the three forms the programs use (blocks 1 over two row tiles and four k steps
-// of 64; blocks 2 with tb, an empty block and an odd n; a weight gradient over three k steps, an
+// of 64; blocks 2 with tb, an empty block and n 24; a weight gradient over three k steps, an
 // expert of none), and it is used only where every element agrees with mk_expert_gemm_tc's to
 // 1e-3 of the largest (the sums' order differs; a wrong layout is off by the elements' size).
 enum { WG_CHECK_BYTES = 1 << 20 };   // the device memory the check borrows, past the program's block
@@ -56,7 +56,7 @@ static bool wg_agrees(RtCudaSession *s, CUfunction tc, CUfunction wg, char *why,
     int e = 2, m = sh[0], n = sh[1], k = sh[2], blocks = sh[3], ta = form == 2, tb = form == 1;
     int groups = ta ? e : e * blocks, counts[4] = {sh[4], sh[5], more[0], more[1]};
     size_t na = (size_t)e * m * k, nb = (size_t)e * k * n, nc = (size_t)e * m * n;
-    size_t bytes = (na + nb) * 2 + 2 * nc * sizeof(float) + 2 * (size_t)groups * sizeof(int) + 4 * 64;
+    size_t bytes = (na + nb) * 2 + 2 * nc * sizeof(float) + 2 * (size_t)groups * sizeof(int) + 6 * 256;   // + alignment
     uint16_t *h = malloc((na + nb) * 2);
     float *ct = malloc(nc * sizeof(float)), *cw = malloc(nc * sizeof(float));
     if (!h || !ct || !cw || bytes > WG_CHECK_BYTES) {

@@ -414,6 +414,18 @@ if bf16_built tinyq_bf16 && bf16_built lm_tc_bf16; then
     bad "cuda host tinyq bf16 on moec's grouped GEMM on wgmma" \
       "${why:-$(grep -h 'device\|^step\|rror' "$WORK/tq_moec.out" "$WORK/tq_mma.out" "$WORK/tinyq_bf16.cuda.out" 2>/dev/null | head -n 12)}"
   fi
+  # What a program embeds: the wgmma kernel's CUBIN for sm_90a beside a bf16 sm_90 program's kernels
+  # (moec build -v says so), none with MOEC_WGMMA=0 at build time.
+  if MOEC_CUDA_FAKE=1 "$MOEC" build "$WORK/tinyq_bf16.moe" --target cuda --emit c -v -o "$WORK/tq_wg.c" 2>"$WORK/wg.err" &&
+     MOEC_WGMMA=0 MOEC_CUDA_FAKE=1 "$MOEC" build "$WORK/tinyq_bf16.moe" --target cuda --emit c -v -o "$WORK/tq_nowg.c" 2>"$WORK/nowg.err" &&
+     grep -q "moec's grouped GEMM on wgmma (mk_expert_gemm_wg) for sm_90a" "$WORK/wg.err" &&
+     grep -q '^#define WG_CUBIN wg_cubin' "$WORK/tq_wg.c" && ! grep -q 'mk_expert_gemm_wg' "$WORK/nowg.err" &&
+     grep -q '^#define WG_CUBIN NULL' "$WORK/tq_nowg.c"; then
+    ok "cuda host tinyq bf16: the program embeds moec's grouped GEMM on wgmma for sm_90a ($(grep -o '[0-9]* bytes, embedded beside' "$WORK/wg.err")), none with MOEC_WGMMA=0"
+  else
+    bad "cuda host tinyq bf16: the wgmma kernel embedded, or left out with MOEC_WGMMA=0" \
+      "$(grep -h 'nvrtc\|rror' "$WORK/wg.err" "$WORK/nowg.err" 2>/dev/null | head -n 8)"
+  fi
   if MOERT_CUDA_GROUPED=moec run lm_tc_bf16 cuda 1 --steps 1 --dump tc_moec.dump &&
      grep -q 'expert GEMMs a step over their filled rows (moec.s grouped GEMM' "$WORK/lm_tc_bf16.cuda.out" &&
      why=$(lm_dumps "$WORK/tc.cpu.dump" "$WORK/tc_moec.dump"); then
