@@ -329,7 +329,7 @@ static bool load_kernels(Tune *t) {
       fclose(w);
     }
     if (wsrc && cg_nvrtc_images_cached(&diag, wsrc, "sm_90a", &wcubin, &wcubin_size, &wptx, &wptx_size, &wcached))
-      rt_cuda_use_wg(gpu, gemm_wg = rt_cuda_load_wg(gpu, wcubin));
+      rt_cuda_use_wg(gpu, gemm_wg = rt_cuda_load_wg(gpu, wcubin, rt_cuda_wg_width()), rt_cuda_wg_width());
     free(wsrc), free(wptx), free(wcubin);
   }
   if (!(gemm_counts = rt_cuda_kernel(gpu, gemm_type == RT_CUDA_BF16 ? "mk_expert_counts_bf16" : "mk_expert_counts")))

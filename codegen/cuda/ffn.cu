@@ -430,31 +430,26 @@ MK_UNROLL
 MK_UNROLL
         for (int j = 0; j < 8; j++) {
           int col = n0 + wn + 8 * j + 2 * t;
-          float v0 = acc[i][j][2 * h], v1 = acc[i][j][2 * h + 1];
-          float *p = cg + (i64)r * n + col;
-          if (!(n & 1) && col + 1 < n) {
-            mk_st2(p, v0, v1);
-          } else {
-            if (col < n) p[0] = v0;
-            if (col + 1 < n) p[1] = v1;
-          }
+          mk_st_pair(cg + (i64)r * n + col, col, n, acc[i][j][2 * h], acc[i][j][2 * h + 1]);
         }
       }
   }
 }
 
-// ---- mk_expert_gemm_wg ----
+// ---- prelude: moec's grouped GEMM on wgmma ----
 // mk_expert_gemm_tc's GEMM (the same parameters, forms and rows; see there) on Hopper's warpgroup
-// MMA: wgmma.mma_async m64n128k16 (bf16 operands from shared memory, fp32 sums in registers), for
-// compute capability 9.0 only. It is compiled apart from a program's other kernels, for sm_90a
-// (the architecture-specific target wgmma needs: codegen/target_cuda.c), and the runtime runs it
-// in mk_expert_gemm_tc's place where it loaded and agreed with it at the program's start
-// (runtime/cuda/rt_cuda.c, rt_cuda_wg_check). Elsewhere (sm_80, sm_90's portable module) its body
-// is empty and nothing launches it.
-//   - A block of 256 threads (two warpgroups) takes a 128 x 128 tile of c, a warpgroup 64 rows of
-//     it; k goes 64 a step through MK_WG_STAGES buffers of shared memory, filled by cp.async two
-//     steps ahead while the tensor cores multiply the step before (each buffer is rewritten only
-//     after every warpgroup's MMAs on it completed: the barrier of the step after).
+// MMA, in mk_expert_gemm_wg (tiles of 128 x 128) and mk_expert_gemm_wg256 (128 x 256): wgmma.mma_async
+// m64nNk16 (bf16 operands from shared memory, fp32 sums in registers), compute capability 9.0
+// only. They are compiled apart from a program's other kernels, for sm_90a (the architecture-
+// specific target wgmma needs: codegen/target_cuda.c), and the runtime runs one in
+// mk_expert_gemm_tc's place where it loaded and agreed with it at the program's start
+// (runtime/cuda/session.c, use_wg). Elsewhere (sm_80, sm_90's portable module) what follows is
+// compiled out, their bodies are empty and nothing launches them.
+//   - A block of 256 threads (two warpgroups) takes a 128 x N tile of c, a warpgroup 64 rows of
+//     it (N / 2 accumulators a thread); k goes 64 a step through MK_WG_STAGES buffers of shared
+//     memory, filled by cp.async two steps ahead while the tensor cores multiply the step before
+//     (each buffer is rewritten only after every warpgroup's MMAs on it completed: the barrier of
+//     the step after).
 //   - Shared memory holds each operand in the tensor cores' 128-byte swizzled layouts (PTX ISA,
 //     "shared memory matrix layout"), described to them by a 64-bit matrix descriptor: an operand
 //     whose k is contiguous in memory (a when !ta, b when tb) K-major, row r's 16-byte chunk j at
@@ -469,11 +464,12 @@ MK_UNROLL
 //     each thread for its own accumulators, reading shared memory through the descriptors it is
 //     given with the layouts above (address, strides, swizzle), so the descriptors and the copies'
 //     swizzle are checked there; the MMAs' asynchrony and the tensor cores' roundings are not.
-#define MK_WG_MN 128                                  // a tile's rows and columns (mk_expert_gemm_tc's)
+#define MK_WG_M 128                                   // a tile's rows (mk_expert_gemm_tc's)
 #define MK_WG_K 64                                    // k a step
 #define MK_WG_STAGES 4                                // buffers (copies two steps ahead)
-#define MK_WG_TILE (MK_WG_MN * MK_WG_K * 2)              // bytes of an operand's buffer (16384)
-#define MK_WG_SHARED (MK_WG_STAGES * 2 * MK_WG_TILE + 1024)   // the launch's dynamic shared memory
+#define MK_WG_ABYTES (MK_WG_M * MK_WG_K * 2)          // bytes of a's buffer (16384); b's: N / 128 of that
+// The launch's dynamic shared memory for tiles N wide (128: mk_expert_gemm_wg, 256: _wg256).
+#define MK_WG_SHARED(N) (MK_WG_STAGES * (MK_WG_ABYTES + (N) * MK_WG_K * 2) + 1024)
 
 // The matrix descriptor of shared memory at byte addr (of the shared window): 128-byte swizzle,
 // leading and stride byte offsets lbo, sbo.
@@ -484,14 +480,19 @@ static __device__ __forceinline__ u64 mk_wg_desc(u32 addr, u32 lbo, u32 sbo) {
 
 #if defined(__CUDACC__) && defined(__CUDA_ARCH_FEAT_SM90_ALL)
 #define MK_WG 1
-// d (this thread's 64 accumulators of the warpgroup's 64 x 128) += a b over k 16, a and b
+// d (this thread's N / 2 accumulators of the warpgroup's 64 x N) += a b over k 16, a and b
 // described by da, db; TA, TB: a (b) MN-major. sm: unused here (the host builds' shared memory).
-template <int TA, int TB>
-static __device__ __forceinline__ void mk_wg_mma(float d[64], u64 da, u64 db, const unsigned char *sm) {
-  (void)sm;
-  asm volatile(
+template <int TA, int TB, int N> struct MkWgMma;
+template <int TA, int TB> struct MkWgMma<TA, TB, 128> {
+  static __device__ __forceinline__ void run(float *d, u64 da, u64 db) {
+    asm volatile(
       "{ .reg .pred p; setp.ne.b32 p, %68, 0; "
-      "wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16 {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}, %64, %65, p, 1, 1, %66, %67; }"
+      "wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16 {"
+      "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "
+      "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, "
+      "%32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, "
+      "%48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}, "
+      "%64, %65, p, 1, 1, %66, %67; }"
       :
       "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
       "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),
@@ -502,6 +503,46 @@ static __device__ __forceinline__ void mk_wg_mma(float d[64], u64 da, u64 db, co
       "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]),
       "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63])
       : "l"(da), "l"(db), "n"(TA), "n"(TB), "r"(1));
+  }
+};
+template <int TA, int TB> struct MkWgMma<TA, TB, 256> {
+  static __device__ __forceinline__ void run(float *d, u64 da, u64 db) {
+    asm volatile(
+      "{ .reg .pred p; setp.ne.b32 p, %132, 0; "
+      "wgmma.mma_async.sync.aligned.m64n256k16.f32.bf16.bf16 {"
+      "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "
+      "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, "
+      "%32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, "
+      "%48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63, "
+      "%64, %65, %66, %67, %68, %69, %70, %71, %72, %73, %74, %75, %76, %77, %78, %79, "
+      "%80, %81, %82, %83, %84, %85, %86, %87, %88, %89, %90, %91, %92, %93, %94, %95, "
+      "%96, %97, %98, %99, %100, %101, %102, %103, %104, %105, %106, %107, %108, %109, %110, %111, "
+      "%112, %113, %114, %115, %116, %117, %118, %119, %120, %121, %122, %123, %124, %125, %126, %127}, "
+      "%128, %129, p, 1, 1, %130, %131; }"
+      :
+      "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
+      "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),
+      "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),
+      "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]),
+      "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]),
+      "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]),
+      "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]),
+      "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63]),
+      "+f"(d[64]), "+f"(d[65]), "+f"(d[66]), "+f"(d[67]), "+f"(d[68]), "+f"(d[69]), "+f"(d[70]), "+f"(d[71]),
+      "+f"(d[72]), "+f"(d[73]), "+f"(d[74]), "+f"(d[75]), "+f"(d[76]), "+f"(d[77]), "+f"(d[78]), "+f"(d[79]),
+      "+f"(d[80]), "+f"(d[81]), "+f"(d[82]), "+f"(d[83]), "+f"(d[84]), "+f"(d[85]), "+f"(d[86]), "+f"(d[87]),
+      "+f"(d[88]), "+f"(d[89]), "+f"(d[90]), "+f"(d[91]), "+f"(d[92]), "+f"(d[93]), "+f"(d[94]), "+f"(d[95]),
+      "+f"(d[96]), "+f"(d[97]), "+f"(d[98]), "+f"(d[99]), "+f"(d[100]), "+f"(d[101]), "+f"(d[102]), "+f"(d[103]),
+      "+f"(d[104]), "+f"(d[105]), "+f"(d[106]), "+f"(d[107]), "+f"(d[108]), "+f"(d[109]), "+f"(d[110]), "+f"(d[111]),
+      "+f"(d[112]), "+f"(d[113]), "+f"(d[114]), "+f"(d[115]), "+f"(d[116]), "+f"(d[117]), "+f"(d[118]), "+f"(d[119]),
+      "+f"(d[120]), "+f"(d[121]), "+f"(d[122]), "+f"(d[123]), "+f"(d[124]), "+f"(d[125]), "+f"(d[126]), "+f"(d[127])
+      : "l"(da), "l"(db), "n"(TA), "n"(TB), "r"(1));
+  }
+};
+template <int TA, int TB, int N>
+static __device__ __forceinline__ void mk_wg_mma(float *d, u64 da, u64 db, const unsigned char *sm) {
+  (void)sm;
+  MkWgMma<TA, TB, N>::run(d, da, db);
 }
 static __device__ __forceinline__ void mk_wg_fence() { asm volatile("wgmma.fence.sync.aligned;" ::: "memory"); }
 static __device__ __forceinline__ void mk_wg_commit() { asm volatile("wgmma.commit_group.sync.aligned;" ::: "memory"); }
@@ -510,9 +551,9 @@ template <int n> static __device__ __forceinline__ void mk_wg_wait() {
 }
 static __device__ __forceinline__ void mk_wg_proxy_fence() { asm volatile("fence.proxy.async.shared::cta;" ::: "memory"); }
 // Keeps the compiler from moving the accumulators' reads and writes across the MMAs in flight.
-static __device__ __forceinline__ void mk_wg_pin(float d[64]) {
+template <int N> static __device__ __forceinline__ void mk_wg_pin(float *d) {
 MK_UNROLL
-  for (int i = 0; i < 64; i++) asm volatile("" : "+f"(d[i])::"memory");
+  for (int i = 0; i < N / 2; i++) asm volatile("" : "+f"(d[i])::"memory");
 }
 #elif !defined(__CUDACC__)
 #define MK_WG 1
@@ -529,10 +570,10 @@ static float mk_wg_elem(u64 desc, bool mn, int r, int q, const unsigned char *sm
   memcpy(&v, sm + off, 2);
   return __uint_as_float((u32)v << 16);
 }
-template <int TA, int TB>
-static __device__ void mk_wg_mma(float d[64], u64 da, u64 db, const unsigned char *sm) {
+template <int TA, int TB, int N>
+static __device__ void mk_wg_mma(float *d, u64 da, u64 db, const unsigned char *sm) {
   int x = threadIdx.x & 127, warp = x >> 5, g = (x & 31) >> 2, t = x & 3;
-  for (int i = 0; i < 64; i++) {
+  for (int i = 0; i < N / 2; i++) {
     int row = 16 * warp + g + 8 * ((i >> 1) & 1), col = 8 * (i >> 2) + 2 * t + (i & 1);
     float s = d[i];
     for (int q = 0; q < 16; q++) s += mk_wg_elem(da, TA, row, q, sm) * mk_wg_elem(db, TB, col, q, sm);
@@ -543,23 +584,24 @@ static __device__ void mk_wg_fence() {}
 static __device__ void mk_wg_commit() {}
 template <int n> static __device__ void mk_wg_wait() {}
 static __device__ void mk_wg_proxy_fence() {}
-static __device__ void mk_wg_pin(float d[64]) { (void)d; }
+template <int N> static __device__ void mk_wg_pin(float *d) { (void)d; }
 #endif
 
 #ifdef MK_WG
-// One operand's 128 x MK_WG_K piece at x (its element (row 0, k 0); rows < rows, k < ks of it, zeros
+// One operand's R x MK_WG_K piece at x (its element (row 0, k 0); rows < rows, k < ks of it, zeros
 // elsewhere) into the buffer s in its layout: K-major when its k is contiguous in memory (row r at
 // x + r ld), else MN-major (k row j at x + j ld). Every thread calls it.
+template <int R>
 static __device__ __forceinline__ void mk_wg_stage(unsigned char *s, const u16 *x, i64 ld, bool kcont, int rows, int ks) {
 MK_UNROLL
-  for (int i = 0; i < MK_WG_MN * MK_WG_K / 8 / 256; i++) {
+  for (int i = 0; i < R * MK_WG_K / 8 / 256; i++) {
     int c = (int)threadIdx.x + 256 * i;
     if (kcont) {
       int r = c >> 3, j = c & 7;
       bool in = r < rows && 8 * j < ks;
       mk_cp16((u16 *)(s + r * 128 + ((j ^ (r & 7)) << 4)), in ? x + r * ld + 8 * j : x, in);
     } else {
-      int j = c >> 4, xc = c & 15;   // k row j, 16-byte chunk xc of it (rows 8 xc ..)
+      int j = c / (R / 8), xc = c % (R / 8);   // k row j, 16-byte chunk xc of it (rows 8 xc ..)
       bool in = j < ks && 8 * xc < rows;
       mk_cp16((u16 *)(s + (xc >> 3) * 8192 + (j >> 3) * 1024 + (j & 7) * 128 + (((xc & 7) ^ (j & 7)) << 4)),
               in ? x + j * ld + 8 * xc : x, in);
@@ -569,48 +611,49 @@ MK_UNROLL
 
 // The MMAs of one k step of MK_WG_K: this warpgroup's rows of a's buffer sa, b's sb (shared-window
 // addresses ua, ub), 4 k steps of 16.
-template <int TA, int TB>
-static __device__ __forceinline__ void mk_wg_step(float d[64], u32 ua, u32 ub, int wg, const unsigned char *sm) {
+template <int TA, int TB, int N>
+static __device__ __forceinline__ void mk_wg_step(float *d, u32 ua, u32 ub, int wg, const unsigned char *sm) {
 MK_UNROLL
   for (int kk = 0; kk < MK_WG_K / 16; kk++) {
     u64 da = TA ? mk_wg_desc(ua + wg * 8192 + kk * 2048, 8192, 1024) : mk_wg_desc(ua + wg * 8192 + kk * 32, 16, 1024);
     u64 db = TB ? mk_wg_desc(ub + kk * 2048, 8192, 1024) : mk_wg_desc(ub + kk * 32, 16, 1024);
-    mk_wg_mma<TA, TB>(d, da, db, sm);
+    mk_wg_mma<TA, TB, N>(d, da, db, sm);
   }
 }
 #endif
 
 #ifdef MK_WG
-// The kernel's tiles with ta = TA, tb = !TB || TA (TA, TB: a, b MN-major in shared memory), base
-// the shared-window address of sm.
-template <int TA, int TB>
+// The kernel's tiles (128 x N) with ta = TA, tb = !TB || TA (TA, TB: a, b MN-major in shared
+// memory); sm: the buffers (a's MK_WG_STAGES, then b's), base its shared-window address.
+template <int TA, int TB, int N>
 static __device__ __forceinline__ void mk_wg_tiles(const u16 *a, const u16 *b, float *c, const int *rows, int e, int m,
                                                    int n, int k, int blocks, unsigned char *sm, u32 base) {
   const bool ta = TA, tb = !TB;
+  const int bbytes = N * MK_WG_K * 2, boff = MK_WG_STAGES * MK_WG_ABYTES;
   int groups = ta ? e : e * blocks, per = ta ? m : m / blocks;
-  int mt = (per + MK_WG_MN - 1) / MK_WG_MN, nt = (n + MK_WG_MN - 1) / MK_WG_MN;
+  int mt = (per + MK_WG_M - 1) / MK_WG_M, nt = (n + N - 1) / N;
   int wg = threadIdx.x >> 7, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3, warp = (threadIdx.x >> 5) & 3;
   int bm = (ta ? 1 : blocks) * mt;
   for (i64 tile = blockIdx.x; tile < (i64)groups * mt * nt; tile += gridDim.x) {
-    int rt = (int)(tile % bm), n0 = (int)(tile / bm % nt) * MK_WG_MN, x = (int)(tile / ((i64)bm * nt));
-    int grp = ta ? x : x * blocks + rt / mt, r0 = rt % mt * MK_WG_MN, count = rows[grp];
+    int rt = (int)(tile % bm), n0 = (int)(tile / bm % nt) * N, x = (int)(tile / ((i64)bm * nt));
+    int grp = ta ? x : x * blocks + rt / mt, r0 = rt % mt * MK_WG_M, count = rows[grp];
     int rlim = ta ? m : count < per ? count : per;
     int klim = ta ? (count < k ? count : k) : k;
     if (r0 >= rlim) continue;   // the same on every thread
     const u16 *pa = ta ? a + ((i64)x * k) * m + r0 : a + ((i64)grp * per + r0) * k;
     const u16 *pb = tb ? b + ((i64)x * n + n0) * k : b + ((i64)x * k) * n + n0;
     i64 lda = ta ? m : k, ldb = tb ? k : n;
-    float d[64];
+    float d[N / 2];
 MK_UNROLL
-    for (int i = 0; i < 64; i++) d[i] = 0.0f;
+    for (int i = 0; i < N / 2; i++) d[i] = 0.0f;
     int steps = (klim + MK_WG_K - 1) / MK_WG_K;
     // Copies of steps 0 .. MK_WG_STAGES - 3 (one group each, empty past the last step).
 MK_UNROLL
     for (int s = 0; s < MK_WG_STAGES - 2; s++) {
       if (s < steps) {
         int k0 = s * MK_WG_K;
-        mk_wg_stage(sm + s * MK_WG_TILE, pa + (ta ? k0 * lda : k0), lda, !ta, rlim - r0, klim - k0);
-        mk_wg_stage(sm + (MK_WG_STAGES + s) * MK_WG_TILE, pb + (tb ? k0 : k0 * ldb), ldb, tb, n - n0, klim - k0);
+        mk_wg_stage<MK_WG_M>(sm + s * MK_WG_ABYTES, pa + (ta ? k0 * lda : k0), lda, !ta, rlim - r0, klim - k0);
+        mk_wg_stage<N>(sm + boff + s * bbytes, pb + (tb ? k0 : k0 * ldb), ldb, tb, n - n0, klim - k0);
       }
       mk_cp_commit();
     }
@@ -621,20 +664,20 @@ MK_UNROLL
       int nx = st + MK_WG_STAGES - 2;  // the copies of step nx go to the buffer step st - 2 used
       if (nx < steps) {
         int k0 = nx * MK_WG_K, sb = nx % MK_WG_STAGES;
-        mk_wg_stage(sm + sb * MK_WG_TILE, pa + (ta ? k0 * lda : k0), lda, !ta, rlim - r0, klim - k0);
-        mk_wg_stage(sm + (MK_WG_STAGES + sb) * MK_WG_TILE, pb + (tb ? k0 : k0 * ldb), ldb, tb, n - n0, klim - k0);
+        mk_wg_stage<MK_WG_M>(sm + sb * MK_WG_ABYTES, pa + (ta ? k0 * lda : k0), lda, !ta, rlim - r0, klim - k0);
+        mk_wg_stage<N>(sm + boff + sb * bbytes, pb + (tb ? k0 : k0 * ldb), ldb, tb, n - n0, klim - k0);
       }
       mk_cp_commit();
       int sb = st % MK_WG_STAGES;
-      mk_wg_pin(d);
+      mk_wg_pin<N>(d);
       mk_wg_fence();
-      mk_wg_step<TA, TB>(d, base + sb * MK_WG_TILE, base + (MK_WG_STAGES + sb) * MK_WG_TILE, wg, sm);
+      mk_wg_step<TA, TB, N>(d, base + sb * MK_WG_ABYTES, base + boff + sb * bbytes, wg, sm);
       mk_wg_commit();
       mk_wg_wait<1>();                 // step st - 1's MMAs are done (st's may run on)
-      mk_wg_pin(d);
+      mk_wg_pin<N>(d);
     }
     mk_wg_wait<0>();
-    mk_wg_pin(d);
+    mk_wg_pin<N>(d);
     // This warpgroup's 64 rows: register i of lane 4 g + t of warp w holds row 16 w + g + 8 (i >> 1 & 1),
     // column 8 (i >> 2) + 2 t + (i & 1).
     float *cg = c + ((i64)grp * per + r0 + 64 * wg) * n;
@@ -643,28 +686,20 @@ MK_UNROLL
       int r = 16 * warp + g + 8 * h;
       if (r0 + 64 * wg + r >= rlim) continue;
 MK_UNROLL
-      for (int j = 0; j < 16; j++) {
+      for (int j = 0; j < N / 8; j++) {
         int col = n0 + 8 * j + 2 * t;
-        float v0 = d[4 * j + 2 * h], v1 = d[4 * j + 2 * h + 1];
-        float *p = cg + (i64)r * n + col;
-        if (!(n & 1) && col + 1 < n) {
-          mk_st2(p, v0, v1);
-        } else {
-          if (col < n) p[0] = v0;
-          if (col + 1 < n) p[1] = v1;
-        }
+        mk_st_pair(cg + (i64)r * n + col, col, n, d[4 * j + 2 * h], d[4 * j + 2 * h + 1]);
       }
     }
     __syncthreads();   // every warpgroup's MMAs done before the next tile's copies
   }
 }
-#endif
 
-extern "C" __global__ void mk_expert_gemm_wg(const u16 *a, const u16 *b, float *c, const int *rows, int e, int m,
-                                             int n, int k, int ta, int tb, int blocks) {
-#ifdef MK_WG
+// The kernel of tiles N wide: the buffers from the first 1024-byte boundary of the shared window on.
+template <int N>
+static __device__ __forceinline__ void mk_wg_gemm(const u16 *a, const u16 *b, float *c, const int *rows, int e, int m,
+                                                  int n, int k, int ta, int tb, int blocks) {
   MK_DYN_SHARED(unsigned char, mk_wg_dyn);
-  // The buffers from the first 1024-byte boundary of the shared window on: a's MK_WG_STAGES, then b's.
 #ifdef __CUDACC__
   u32 base = mk_tc_smem(mk_wg_dyn), pad = (1024 - (base & 1023)) & 1023;
   unsigned char *sm = mk_wg_dyn + pad;
@@ -673,9 +708,32 @@ extern "C" __global__ void mk_expert_gemm_wg(const u16 *a, const u16 *b, float *
   unsigned char *sm = (unsigned char *)(((uintptr_t)mk_wg_dyn + 1023) & ~(uintptr_t)1023);
   u32 base = 0;   // the emulation's addresses are relative to sm
 #endif
-  if (ta) mk_wg_tiles<1, 1>(a, b, c, rows, e, m, n, k, blocks, sm, base);
-  else if (tb) mk_wg_tiles<0, 0>(a, b, c, rows, e, m, n, k, blocks, sm, base);
-  else mk_wg_tiles<0, 1>(a, b, c, rows, e, m, n, k, blocks, sm, base);
+  if (ta) mk_wg_tiles<1, 1, N>(a, b, c, rows, e, m, n, k, blocks, sm, base);
+  else if (tb) mk_wg_tiles<0, 0, N>(a, b, c, rows, e, m, n, k, blocks, sm, base);
+  else mk_wg_tiles<0, 1, N>(a, b, c, rows, e, m, n, k, blocks, sm, base);
+}
+#endif
+
+// ---- mk_expert_gemm_wg ----
+// The grouped GEMM on wgmma over tiles of 128 x 128 (the prelude's "moec's grouped GEMM on wgmma").
+extern "C" __global__ void mk_expert_gemm_wg(const u16 *a, const u16 *b, float *c, const int *rows, int e, int m,
+                                             int n, int k, int ta, int tb, int blocks) {
+#ifdef MK_WG
+  mk_wg_gemm<128>(a, b, c, rows, e, m, n, k, ta, tb, blocks);
+#else
+  (void)a, (void)b, (void)c, (void)rows, (void)e, (void)m, (void)n, (void)k, (void)ta, (void)tb, (void)blocks;
+#endif
+}
+
+// ---- mk_expert_gemm_wg256 ----
+// mk_expert_gemm_wg on tiles of 128 x 256 (each warpgroup's MMAs m64n256k16, 128 accumulators a
+// thread; b's buffers twice as large: MK_WG_SHARED(256) of shared memory): b's tile read from memory
+// once for twice the rows of c, which a GPU session's timing lines set against the 128-wide tiles
+// (tests/cuda/gpu_check.cpp; MOERT_CUDA_WG_N=256 runs it in programs).
+extern "C" __global__ void mk_expert_gemm_wg256(const u16 *a, const u16 *b, float *c, const int *rows, int e, int m,
+                                                int n, int k, int ta, int tb, int blocks) {
+#ifdef MK_WG
+  mk_wg_gemm<256>(a, b, c, rows, e, m, n, k, ta, tb, blocks);
 #else
   (void)a, (void)b, (void)c, (void)rows, (void)e, (void)m, (void)n, (void)k, (void)ta, (void)tb, (void)blocks;
 #endif

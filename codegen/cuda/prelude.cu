@@ -295,3 +295,13 @@ static __device__ void mk_cp_commit() {}
 template <int n> static __device__ void mk_cp_wait() {}
 static __device__ void mk_st2(float *p, float a, float b) { p[0] = a, p[1] = b; }
 #endif
+// Columns col and col + 1 of a row n wide (p at col) from an accumulator's pair: one store where
+// both are in and 8-byte aligned (n even), else those in.
+static __device__ __forceinline__ void mk_st_pair(float *p, int col, int n, float v0, float v1) {
+  if (!(n & 1) && col + 1 < n) {
+    mk_st2(p, v0, v1);
+  } else {
+    if (col < n) p[0] = v0;
+    if (col + 1 < n) p[1] = v1;
+  }
+}

@@ -148,6 +148,7 @@ struct RtCuda {
   CUmodule module;                   // NULL until rt_cuda_load_module
   CUmodule wg_module;                // rt_cuda_load_wg's (NULL: none)
   CUfunction wg;                     // rt_cuda_use_wg's: launched in mk_expert_gemm_tc's place (NULL: tc)
+  int wg_n;                          // its tiles' width
   CUdeviceptr arena;
   size_t arena_bytes, arena_used;
   CUdeviceptr workspace;             // cuBLAS's, WORKSPACE_BYTES per stream (no allocation while capturing)
@@ -372,28 +373,32 @@ bool rt_cuda_load_module(RtCuda *cu, const void *image) {
   return false;
 }
 
-CUfunction rt_cuda_load_wg(RtCuda *cu, const void *image) {
-  if (cu->wg_module)
-    return cu->wg;
-  char log[8192] = "";
-  CUjit_option options[] = {CU_JIT_ERROR_LOG_BUFFER, CU_JIT_ERROR_LOG_BUFFER_SIZE_BYTES};
-  void *values[] = {log, (void *)(uintptr_t)sizeof log};
-  CUresult rc = drv.cuModuleLoadDataEx(&cu->wg_module, image, 2, options, values);
-  if (rc != CUDA_SUCCESS) {
-    cu->wg_module = NULL;
-    cuda_ok(rc, "cuModuleLoadDataEx (mk_expert_gemm_wg's module)", __FILE__, __LINE__);
-    if (log[0])
-      report("the JIT log: %s", log);
+CUfunction rt_cuda_load_wg(RtCuda *cu, const void *image, int n) {
+  if (n != 128 && n != 256) {
+    report("rt_cuda_load_wg: no wgmma kernel of tiles %d wide (128 or 256)", n);
     return NULL;
   }
+  if (!cu->wg_module) {
+    char log[8192] = "";
+    CUjit_option options[] = {CU_JIT_ERROR_LOG_BUFFER, CU_JIT_ERROR_LOG_BUFFER_SIZE_BYTES};
+    void *values[] = {log, (void *)(uintptr_t)sizeof log};
+    CUresult rc = drv.cuModuleLoadDataEx(&cu->wg_module, image, 2, options, values);
+    if (rc != CUDA_SUCCESS) {
+      cu->wg_module = NULL;
+      cuda_ok(rc, "cuModuleLoadDataEx (mk_expert_gemm_wg's module)", __FILE__, __LINE__);
+      if (log[0])
+        report("the JIT log: %s", log);
+      return NULL;
+    }
+  }
   CUfunction f = NULL;
-  if (!CUDA_CHECK(drv.cuModuleGetFunction(&f, cu->wg_module, "mk_expert_gemm_wg")) ||
-      !CUDA_CHECK(drv.cuFuncSetAttribute(f, CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, RT_CUDA_WG_SHARED)))
+  if (!CUDA_CHECK(drv.cuModuleGetFunction(&f, cu->wg_module, n == 256 ? "mk_expert_gemm_wg256" : "mk_expert_gemm_wg")) ||
+      !CUDA_CHECK(drv.cuFuncSetAttribute(f, CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, RT_CUDA_WG_SHARED(n))))
     return NULL;
   return f;
 }
 
-void rt_cuda_use_wg(RtCuda *cu, CUfunction wg) { cu->wg = wg; }
+void rt_cuda_use_wg(RtCuda *cu, CUfunction wg, int n) { cu->wg = wg, cu->wg_n = n; }
 
 CUfunction rt_cuda_kernel(RtCuda *cu, const char *name) {
   if (!cu->module) {
@@ -783,7 +788,7 @@ static bool tc_gemm(RtCuda *cu, RtStream s, CUfunction tc, const void *a, const 
   if (!seen && cu->nmoec < (int)(sizeof cu->moec_sites / sizeof *cu->moec_sites))
     cu->moec_sites[cu->nmoec++] = c;
   int grid = rt_cuda_tc_grid(e, m, n, ta, blocks);
-  return cu->wg ? rt_cuda_launch(cu, s, cu->wg, grid, 256, RT_CUDA_WG_SHARED, args)
+  return cu->wg ? rt_cuda_launch(cu, s, cu->wg, grid, 256, RT_CUDA_WG_SHARED(cu->wg_n), args)
                 : rt_cuda_launch(cu, s, tc, grid, 128, 0, args);
 }
 

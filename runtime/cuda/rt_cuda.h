@@ -178,16 +178,19 @@ static inline int rt_cuda_tc_grid(int e, int m, int n, bool ta, int blocks) {
   int64_t tiles = groups * ((per + 127) / 128) * ((n + 127) / 128);
   return tiles < 65535 ? (int)tiles : 65535;
 }
-// moec's grouped GEMM on Hopper's warpgroup MMA (mk_expert_gemm_wg, codegen/cuda/ffn.cu): the same
-// parameters, operands and grid as mk_expert_gemm_tc, 256 threads and RT_CUDA_WG_SHARED bytes of
-// dynamic shared memory (its MK_WG_SHARED: four steps' buffers of both operands and 1024 bytes to
-// align them). rt_cuda_load_wg loads image (a CUBIN for sm_90a that holds it) as a second module
-// and lets the kernel take that much shared memory: its function, or NULL (reported). Once
-// rt_cuda_use_wg has set it, rt_cuda_expert_gemm_rows launches it wherever it would launch tc
-// (NULL: tc again). The session (session.c) sets it only after it agreed with tc.
-#define RT_CUDA_WG_SHARED (4 * 2 * 16384 + 1024)
-CUfunction rt_cuda_load_wg(RtCuda *cu, const void *image);
-void rt_cuda_use_wg(RtCuda *cu, CUfunction wg);
+// moec's grouped GEMM on Hopper's warpgroup MMA (mk_expert_gemm_wg on tiles of 128 x 128,
+// mk_expert_gemm_wg256 on 128 x 256: codegen/cuda/ffn.cu): the same parameters, operands and grid
+// as mk_expert_gemm_tc, 256 threads and RT_CUDA_WG_SHARED(n) bytes of dynamic shared memory for
+// tiles n wide (ffn.cu's MK_WG_SHARED: four steps' buffers of both operands and 1024 bytes to
+// align them). rt_cuda_load_wg loads image (a CUBIN for sm_90a that holds them) as a second module
+// (once) and returns the kernel of tiles n wide, allowed that much shared memory, or NULL
+// (reported). Once rt_cuda_use_wg has set it, rt_cuda_expert_gemm_rows launches it wherever it
+// would launch tc (NULL: tc again). The session (session.c) sets it only after it agreed with tc.
+#define RT_CUDA_WG_SHARED(n) (4 * (16384 + (n) * 128) + 1024)
+CUfunction rt_cuda_load_wg(RtCuda *cu, const void *image, int n);
+void rt_cuda_use_wg(RtCuda *cu, CUfunction wg, int n);
+// MOERT_CUDA_WG_N: which of them a program (session.c) and moec tune run: 128 (unset) or 256.
+int rt_cuda_wg_width(void);
 // Whether cuBLASLt's grouped GEMM is there (and not turned off); into why, why not.
 bool rt_cuda_grouped_gemms(RtCuda *cu, char *why, size_t why_size);
 // The call sites of rt_cuda_expert_gemm_rows met so far that run cuBLASLt's grouped GEMM; *padded: those

@@ -46,7 +46,7 @@ static const void *choose_image(const RtCudaProgram *p, const RtCudaDevice *d) {
 // 1e-3 of the largest (the sums' order differs; a wrong layout is off by the elements' size).
 enum { WG_CHECK_BYTES = 1 << 20 };   // the device memory the check borrows, past the program's block
 
-static bool wg_agrees(RtCudaSession *s, CUfunction tc, CUfunction wg, char *why, size_t why_size) {
+static bool wg_agrees(RtCudaSession *s, CUfunction tc, CUfunction wg, int wn, char *why, size_t why_size) {
   RtCuda *cu = s->cu;
   static const int shape[3][6] = {{136, 72, 200, 1, 136, 3}, {48, 24, 136, 2, 0, 24}, {24, 40, 200, 1, 150, 0}};
   static const int more[2] = {17, 5};   // form 1's last two blocks
@@ -84,7 +84,7 @@ static bool wg_agrees(RtCudaSession *s, CUfunction tc, CUfunction wg, char *why,
               rt_cuda_zero(cu, RT_STREAM_COMPUTE, dt, nc * sizeof(float)) &&
               rt_cuda_zero(cu, RT_STREAM_COMPUTE, dw, nc * sizeof(float)) &&
               rt_cuda_launch(cu, RT_STREAM_COMPUTE, tc, grid, 128, 0, args_t) &&
-              rt_cuda_launch(cu, RT_STREAM_COMPUTE, wg, grid, 256, RT_CUDA_WG_SHARED, args_w) &&
+              rt_cuda_launch(cu, RT_STREAM_COMPUTE, wg, grid, 256, RT_CUDA_WG_SHARED(wn), args_w) &&
               rt_cuda_to_host(cu, RT_STREAM_COMPUTE, ct, dt, nc * sizeof(float)) &&
               rt_cuda_to_host(cu, RT_STREAM_COMPUTE, cw, dw, nc * sizeof(float)) && rt_cuda_sync(cu, RT_STREAM_COMPUTE);
     rt_cuda_arena_reset(cu);
@@ -106,24 +106,38 @@ static bool wg_agrees(RtCudaSession *s, CUfunction tc, CUfunction wg, char *why,
   return true;
 }
 
+// MOERT_CUDA_WG_N: the wgmma kernel's tile width, 128 (mk_expert_gemm_wg, unset) or 256
+// (mk_expert_gemm_wg256); anything else is said on stderr and 128 runs.
+int rt_cuda_wg_width(void) {
+  const char *v = getenv("MOERT_CUDA_WG_N");
+  if (!v || !*v || strcmp(v, "128") == 0)
+    return 128;
+  if (strcmp(v, "256") == 0)
+    return 256;
+  fprintf(stderr, "moert: MOERT_CUDA_WG_N=%s is neither 128 nor 256: 128 runs\n", v);
+  return 128;
+}
+
 // Where moec's grouped GEMM runs (tc: the program's mk_expert_gemm_tc): on wgmma when the program
-// carries mk_expert_gemm_wg's module, the GPU is sm_90, MOERT_CUDA_WGMMA is not 0, it loads and it
-// agrees with tc; into why, the reason it does not.
-static bool use_wg(RtCudaSession *s, CUfunction tc, char *why, size_t why_size) {
+// carries the wgmma kernels' module, the GPU is sm_90, MOERT_CUDA_WGMMA is not 0, the kernel of
+// rt_cuda_wg_width's tiles loads and it agrees with tc (*wn: that width); into why, the reason it
+// does not.
+static bool use_wg(RtCudaSession *s, CUfunction tc, int *wn, char *why, size_t why_size) {
   const RtCudaProgram *p = s->program;
   const char *env = getenv("MOERT_CUDA_WGMMA");
   int arch = rt_cuda_device(s->cu)->arch;
   CUfunction wg = NULL;
+  *wn = rt_cuda_wg_width();
   if (!p->wg_cubin)
     snprintf(why, why_size, "the program has no wgmma kernel (built for sm_%d)", p->cubin_arch);
   else if (arch != 90)
     snprintf(why, why_size, "wgmma runs on sm_90, not sm_%d", arch);
   else if (env && strcmp(env, "0") == 0)
     snprintf(why, why_size, "MOERT_CUDA_WGMMA=0");
-  else if (!(wg = rt_cuda_load_wg(s->cu, p->wg_cubin)))
+  else if (!(wg = rt_cuda_load_wg(s->cu, p->wg_cubin, *wn)))
     snprintf(why, why_size, "its module did not load (the CUDA error is above)");
-  else if (wg_agrees(s, tc, wg, why, why_size))
-    rt_cuda_use_wg(s->cu, wg);
+  else if (wg_agrees(s, tc, wg, *wn, why, why_size))
+    rt_cuda_use_wg(s->cu, wg, *wn);
   else
     wg = NULL;
   return wg != NULL;
@@ -161,14 +175,15 @@ static int setup(RtCudaSession *s) {
     for (int k = 0; k < p->nkernels; k++)
       if (strcmp(p->kernel_names[k], "mk_expert_gemm_tc") == 0) tc = s->kernels[k];
     RtRowsGemm path = rt_cuda_rows_gemm(s->cu, tc != NULL, why, sizeof why);
-    bool wg = path == RT_ROWS_MOEC && use_wg(s, tc, wg_why, sizeof wg_why);
+    int wn = 128;
+    bool wg = path == RT_ROWS_MOEC && use_wg(s, tc, &wn, wg_why, sizeof wg_why);
     if (path == RT_ROWS_CUBLASLT)
       snprintf(s->description + len, sizeof s->description - len, "; %d expert GEMMs a step over their filled rows (%s)",
                p->row_gemms, why[0] ? why : "cuBLASLt's grouped GEMM");
     else if (path == RT_ROWS_MOEC)
       snprintf(s->description + len, sizeof s->description - len, "; %d expert GEMMs a step over their filled rows "
                "(moec's grouped GEMM on tensor cores, %s%s%s; not cuBLASLt's: %s)", p->row_gemms,
-               wg ? "wgmma" : "mma.sync", wg ? "" : ", not wgmma: ", wg_why, why);
+               !wg ? "mma.sync" : wn == 256 ? "wgmma on 128 x 256 tiles" : "wgmma", wg ? "" : ", not wgmma: ", wg_why, why);
     else
       snprintf(s->description + len, sizeof s->description - len, "; %d expert GEMMs a step over their filled rows "
                "padded (%s)", p->row_gemms, why);

@@ -17,7 +17,7 @@
 
 struct EmuLauncher {
   std::set<std::string> launched;
-  bool wg = true;   // mk_expert_gemm_wg runs here (its emulation)
+  bool wg = true;   // mk_expert_gemm_wg and _wg256 run here (their emulation)
 
   // Runs kernel on grid blocks of block threads, one block after the other. The dynamic shared
   // memory is host_kernels.h's static buffer, whatever shared_bytes says.

@@ -69,6 +69,8 @@ extern "C" {
 #include "rt_mpi.h"
 }
 #undef _Noreturn
+static_assert(MK_WG_SHARED(128) == RT_CUDA_WG_SHARED(128) && MK_WG_SHARED(256) == RT_CUDA_WG_SHARED(256),
+              "rt_cuda.h's RT_CUDA_WG_SHARED is not codegen/cuda/ffn.cu's MK_WG_SHARED");
 
 // ---- errors ----
 
@@ -101,8 +103,9 @@ struct RtCuda {
   bool in_capture[RT_STREAM_COUNT];
   Seen seen[RT_STREAM_COUNT];          // per stream, during a capture
   std::set<const float *> moec_sites;  // the results of the calls that ran moec's grouped GEMM
-  CUfunction wg_loaded = nullptr;      // rt_cuda_load_wg's: the one kernel allowed more than 48 KiB of shared memory
+  std::set<CUfunction> wg_loaded;      // rt_cuda_load_wg's: the kernels allowed more than 48 KiB of shared memory
   CUfunction wg = nullptr;             // rt_cuda_use_wg's
+  int wg_n = 0;
 };
 
 bool rt_cuda_probe(char *why, size_t why_size) {
@@ -585,21 +588,26 @@ static bool is_kernel(const FakeKernel *k) {
   return !fused_table.empty() && k >= fused_table.data() && k < fused_table.data() + fused_table.size();
 }
 
-// mk_expert_gemm_wg of the library the fake device was built with (the image, a CUBIN for
-// sm_90a, is not read), allowed RT_CUDA_WG_SHARED bytes of shared memory as the GPU's runtime
-// allows it: launches of more than 48 KiB fail for every other kernel, as on a GPU.
-CUfunction rt_cuda_load_wg(RtCuda *cu, const void *image) {
-  if (!image) {
-    report("rt_cuda_load_wg: no image");
+// mk_expert_gemm_wg (n 128) or _wg256 of the library the fake device was built with (the image, a
+// CUBIN for sm_90a, is not read), allowed RT_CUDA_WG_SHARED(n) bytes of shared memory as the GPU's
+// runtime allows it: launches of more than 48 KiB fail for every other kernel, as on a GPU.
+CUfunction rt_cuda_load_wg(RtCuda *cu, const void *image, int n) {
+  if (!image || (n != 128 && n != 256)) {
+    report("rt_cuda_load_wg: no image, or no kernel of tiles %d wide", n);
     return nullptr;
   }
+  const char *name = n == 256 ? "mk_expert_gemm_wg256" : "mk_expert_gemm_wg";
   for (const FakeKernel &k : kernel_table)
-    if (strcmp(k.name, "mk_expert_gemm_wg") == 0) return cu->wg_loaded = (CUfunction)(uintptr_t)&k;
-  report("rt_cuda_load_wg: the library the fake device was built with has no mk_expert_gemm_wg");
+    if (strcmp(k.name, name) == 0) {
+      CUfunction f = (CUfunction)(uintptr_t)&k;
+      cu->wg_loaded.insert(f);
+      return f;
+    }
+  report("rt_cuda_load_wg: the library the fake device was built with has no %s", name);
   return nullptr;
 }
 
-void rt_cuda_use_wg(RtCuda *cu, CUfunction wg) { cu->wg = wg; }
+void rt_cuda_use_wg(RtCuda *cu, CUfunction wg, int n) { cu->wg = wg, cu->wg_n = n; }
 
 CUfunction rt_cuda_kernel(RtCuda *cu, const char *name) {
   if (!cu->image) {
@@ -666,15 +674,15 @@ static bool launch(RtCuda *cu, RtStream s, CUfunction f, int grid, int block, un
                    bool step) {
   if (!stream_ok(s, "rt_cuda_launch")) return false;
   const FakeKernel *k = launch_check(f, grid, block, shared_bytes);
-  if (k && shared_bytes > 48 * 1024 && f != cu->wg_loaded)
+  if (k && shared_bytes > 48 * 1024 && !cu->wg_loaded.count(f))
     return report("kernel %s: %u bytes of dynamic shared memory, more than 48 KiB, and its function was never "
-                  "allowed them (cuFuncSetAttribute: only rt_cuda_load_wg's kernel is)", k->name, shared_bytes);
+                  "allowed them (cuFuncSetAttribute: only rt_cuda_load_wg's kernels are)", k->name, shared_bytes);
   if (!k) return false;
-  // MOERT_FAKE_WG_WRONG=1: every launch of rt_cuda_load_wg's kernel outside a capture adds 1 to the
+  // MOERT_FAKE_WG_WRONG=1: every launch of rt_cuda_load_wg's kernels outside a capture adds 1 to the
   // first element of its result, as a kernel would that reads one wrong value (the tests' proof that
   // the session's check at the start turns it down).
   const char *wrong = getenv("MOERT_FAKE_WG_WRONG");
-  if (f == cu->wg_loaded && !cu->capture && wrong && strcmp(wrong, "1") == 0) {
+  if (cu->wg_loaded.count(f) && !cu->capture && wrong && strcmp(wrong, "1") == 0) {
     if (!k->run(cu, *k, args, grid, block)) return false;
     float *c = *(float **)args[2];
     c[0] += 1.0f;
@@ -822,7 +830,7 @@ bool rt_cuda_expert_gemm_rows(RtCuda *cu, RtStream s, RtCudaType in, const void 
     void *args[] = {&a, &b, &c, &rows, &e, &m, &n, &k, &ta_i, &tb_i, &blocks};
     cu->moec_sites.insert(c);
     int grid = rt_cuda_tc_grid(e, m, n, ta, blocks);
-    return cu->wg ? rt_cuda_launch(cu, s, cu->wg, grid, 256, RT_CUDA_WG_SHARED, args)
+    return cu->wg ? rt_cuda_launch(cu, s, cu->wg, grid, 256, RT_CUDA_WG_SHARED(cu->wg_n), args)
                   : rt_cuda_launch(cu, s, tc, grid, 128, 0, args);
   }
   const char *short_rows = getenv("MOERT_FAKE_SHORT_ROWS");

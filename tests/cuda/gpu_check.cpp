@@ -58,7 +58,7 @@ struct GpuLauncher {
   RtCuda *cu;
   Checks &checks;
   std::set<std::string> launched;
-  CUfunction wg = nullptr;   // mk_expert_gemm_wg of the sm_90a module (rt_cuda_load_wg), where it loaded
+  CUfunction wg = nullptr, wg256 = nullptr;   // the wgmma kernels of the sm_90a module (rt_cuda_load_wg), where it loaded
 
   struct Buffer {   // a vector argument and its copy on the GPU
     void *host, *device;
@@ -75,7 +75,10 @@ struct GpuLauncher {
     bool ok = true;
     std::tuple<P...> values{parameter<P>(args, buffers, ok)...};   // braces: evaluated in order
     auto pointers = addresses(values, std::index_sequence_for<P...>{});
-    CUfunction f = !ok ? nullptr : strcmp(name, "mk_expert_gemm_wg") == 0 ? wg : rt_cuda_kernel(cu, name);
+    CUfunction f = !ok                                        ? nullptr
+                   : strcmp(name, "mk_expert_gemm_wg") == 0    ? wg
+                   : strcmp(name, "mk_expert_gemm_wg256") == 0 ? wg256
+                                                               : rt_cuda_kernel(cu, name);
     ok = f && rt_cuda_launch(cu, RT_STREAM_COMPUTE, f, grid, block, shared_bytes, pointers.data());
     for (const Buffer &b : buffers)
       ok = ok && rt_cuda_to_host(cu, RT_STREAM_COMPUTE, b.host, b.device, b.bytes);
@@ -144,8 +147,10 @@ static bool load_library(RtCuda *cu, Checks &c, const std::string &src) {
 }
 
 // On sm_90: moec's grouped GEMM on wgmma, its unit (cg_emit_cuda_wg) compiled for sm_90a and loaded
-// as a program loads it (rt_cuda_load_wg). Its function, or NULL (elsewhere, or failed).
-static CUfunction load_wg(RtCuda *cu, Checks &c) {
+// as a program loads it (rt_cuda_load_wg): the kernel of 128-wide tiles, and in *wg256 that of
+// 256-wide ones. NULL (elsewhere, or failed).
+static CUfunction load_wg(RtCuda *cu, Checks &c, CUfunction *wg256) {
+  *wg256 = nullptr;
   if (rt_cuda_device(cu)->arch != 90) {
     printf("# mk_expert_gemm_wg: skipped (wgmma runs on sm_90, this GPU is sm_%d)\n", rt_cuda_device(cu)->arch);
     return nullptr;
@@ -161,10 +166,11 @@ static CUfunction load_wg(RtCuda *cu, Checks &c) {
   ir_diag_init(&diag, stderr);
   void *cubin = nullptr;
   size_t cubin_size = 0;
-  CUfunction wg = src && cg_nvrtc_compile(&diag, src, "sm_90a", &cubin, &cubin_size) ? rt_cuda_load_wg(cu, cubin) : nullptr;
-  if (wg)
-    c.ok("nvrtc mk_expert_gemm_wg as CUBIN for sm_90a (%zu bytes), %d bytes of shared memory allowed", cubin_size,
-         RT_CUDA_WG_SHARED);
+  CUfunction wg = src && cg_nvrtc_compile(&diag, src, "sm_90a", &cubin, &cubin_size) ? rt_cuda_load_wg(cu, cubin, 128) : nullptr;
+  if (wg) *wg256 = rt_cuda_load_wg(cu, cubin, 256);
+  if (wg && *wg256)
+    c.ok("nvrtc mk_expert_gemm_wg and _wg256 as CUBIN for sm_90a (%zu bytes), %d and %d bytes of shared memory allowed",
+         cubin_size, RT_CUDA_WG_SHARED(128), RT_CUDA_WG_SHARED(256));
   else
     c.fail("nvrtc mk_expert_gemm_wg for sm_90a (reported above)");
   free(cubin);
@@ -270,17 +276,17 @@ static void cublas_checks(RtCuda *cu, Checks &c, bool have_kernels) {
 // the weight gradient's form (ta: the sum over an expert's filled slots, one expert with none).
 // bf16 once more with moec's grouped GEMM on tensor cores (mk_expert_gemm_tc,
 // MOERT_CUDA_GROUPED=moec: before cuBLASLt's), and on sm_90 with mk_expert_gemm_wg in its place.
-static void grouped_checks(RtCuda *cu, Checks &c, bool have_kernels, CUfunction wg) {
+static void grouped_checks(RtCuda *cu, Checks &c, bool have_kernels, CUfunction wg, CUfunction wg256) {
   char why[256];
   bool grouped = rt_cuda_grouped_gemms(cu, why, sizeof why);
   printf("# expert GEMMs over their filled rows: %s%s\n", grouped ? "cuBLASLt's grouped GEMM" : "the padded GEMM: ", why);
   const int e = 4, per = 48, m = 40, n = 40, k = 32;
   const int fill[] = {0, per, 17, 5, 1, 33, 48, 2};
   CUfunction tc = have_kernels ? rt_cuda_kernel(cu, "mk_expert_gemm_tc") : nullptr;
-  for (int run = 0; run < (wg ? 4 : 3); run++) {   // fp32, bf16, bf16 on moec's kernel, on wgmma
+  for (int run = 0; run < (wg ? 5 : 3); run++) {   // fp32, bf16, bf16 on moec's kernel, on wgmma (128, 256 wide)
     RtCudaType type = run ? RT_CUDA_BF16 : RT_CUDA_F32;
     bool moec = run >= 2;
-    rt_cuda_use_wg(cu, run == 3 ? wg : nullptr);
+    rt_cuda_use_wg(cu, run == 3 ? wg : run == 4 ? wg256 : nullptr, run == 4 ? 256 : 128);
     if (type == RT_CUDA_BF16 && !have_kernels) {
       c.fail("grouped expert gemm bf16%s: needs the library's mk_compress_bf16, which did not load", moec ? " (moec's)" : "");
       continue;
@@ -305,7 +311,8 @@ static void grouped_checks(RtCuda *cu, Checks &c, bool have_kernels, CUfunction 
       auto a_in = type == RT_CUDA_BF16 ? bf16_rounded(a) : a, b_in = type == RT_CUDA_BF16 ? bf16_rounded(b) : b;
       std::string name = std::string("grouped expert gemm ") + (type == RT_CUDA_BF16 ? "bf16" : "fp32") +
                          (ta ? " weight gradient (ta)" : tb ? " tb" : "") + ", " + std::to_string(groups) + " groups" +
-                         (run == 3 ? ", moec's kernel on wgmma" : moec ? ", moec's kernel on tensor cores" : "");
+                         (run == 4 ? ", moec's kernel on wgmma (128 x 256 tiles)" : run == 3 ? ", moec's kernel on wgmma"
+                          : moec ? ", moec's kernel on tensor cores" : "");
       std::vector<float> want((size_t)e * rows_m * n), ref(want.size()), got(want.size());
       rt_expert_matmul(a_in.data(), b_in.data(), want.data(), e, rows_m, n, kk, ta, tb);
       rt_expert_matmul(absolute(a_in).data(), absolute(b_in).data(), ref.data(), e, rows_m, n, kk, ta, tb);
@@ -331,7 +338,7 @@ static void grouped_checks(RtCuda *cu, Checks &c, bool have_kernels, CUfunction 
     }
     if (moec) unsetenv("MOERT_CUDA_GROUPED");
   }
-  rt_cuda_use_wg(cu, nullptr);
+  rt_cuda_use_wg(cu, nullptr, 0);
   int padded = 0, moec = 0, sites = rt_cuda_grouped_sites(cu, &padded, &moec);
   printf("# grouped expert gemm: %d call sites ran cuBLASLt's grouped GEMM, %d padded (no algorithm or alignment), "
          "%d moec's\n", sites, padded, moec);
@@ -360,7 +367,7 @@ static double ms_per_call(RtCuda *cu, const std::function<bool()> &call) {
   return runs[runs.size() / 2];
 }
 
-static void grouped_timing(RtCuda *cu, bool have_kernels, CUfunction wg, int div) {
+static void grouped_timing(RtCuda *cu, bool have_kernels, CUfunction wg, CUfunction wg256, int div) {
   CUfunction tc = have_kernels ? rt_cuda_kernel(cu, "mk_expert_gemm_tc") : nullptr;
   if (!tc) {
     printf("# grouped expert gemm timing: skipped (the library's mk_expert_gemm_tc did not load)\n");
@@ -401,17 +408,20 @@ static void grouped_timing(RtCuda *cu, bool have_kernels, CUfunction wg, int div
     double t_pad = ms_per_call(cu, pad);
     setenv("MOERT_CUDA_GROUPED", "moec", 1);
     double t_moec = ms_per_call(cu, rows(tc));
-    double t_wg = -1.0;
-    if (wg) {   // the same calls with mk_expert_gemm_wg in mk_expert_gemm_tc's place
-      rt_cuda_use_wg(cu, wg);
+    double t_wg = -1.0, t_wg256 = -1.0;
+    if (wg) {   // the same calls with the wgmma kernels in mk_expert_gemm_tc's place
+      rt_cuda_use_wg(cu, wg, 128);
       t_wg = ms_per_call(cu, rows(tc));
-      rt_cuda_use_wg(cu, nullptr);
+      rt_cuda_use_wg(cu, wg256, 256);
+      t_wg256 = ms_per_call(cu, rows(tc));
+      rt_cuda_use_wg(cu, nullptr, 0);
     }
     unsetenv("MOERT_CUDA_GROUPED");
-    char wg_text[96] = "wgmma: none here";
+    char wg_text[192] = "wgmma: none here";
     if (wg)
-      snprintf(wg_text, sizeof wg_text, "on wgmma %.3f ms (%.0f TFLOP/s, %.2fx the padded)", t_wg, flop / t_wg / 1e9,
-               t_pad / t_wg);
+      snprintf(wg_text, sizeof wg_text, "on wgmma %.3f ms (%.0f TFLOP/s, %.2fx the padded), on wgmma 128 x 256 tiles "
+               "%.3f ms (%.0f TFLOP/s, %.2fx)", t_wg, flop / t_wg / 1e9, t_pad / t_wg, t_wg256, flop / t_wg256 / 1e9,
+               t_pad / t_wg256);
     double t_lt = lt ? ms_per_call(cu, rows(nullptr)) : -1.0;
     char lt_text[96] = "cuBLASLt's grouped GEMM: none here";
     if (lt)
@@ -506,17 +516,18 @@ int main() {
          d->memory_bytes / 1073741824.0, d->driver_version / 1000, d->driver_version % 1000 / 10);
   std::string src = library_source();
   bool have_kernels = load_library(cu, checks, src);
-  CUfunction wg = have_kernels ? load_wg(cu, checks) : nullptr;
+  CUfunction wg256 = nullptr, wg = have_kernels ? load_wg(cu, checks, &wg256) : nullptr;
+  if (!wg256) wg = nullptr;
   if (have_kernels) {
-    GpuLauncher launcher{cu, kernel_checks, {}, wg};
-    if (!wg) launcher.launched.insert("mk_expert_gemm_wg");   // no case runs it here (said above)
+    GpuLauncher launcher{cu, kernel_checks, {}, wg, wg256};
+    if (!wg) launcher.launched.insert({"mk_expert_gemm_wg", "mk_expert_gemm_wg256"});   // no case runs them here (said above)
     run_kernel_cases(launcher, kernel_checks);
     check_coverage(kernel_checks, src, launcher.launched);
   }
   cublas_checks(cu, checks, have_kernels);
-  grouped_checks(cu, checks, have_kernels, wg);
-  grouped_timing(cu, have_kernels, wg, 1);   // capacity 1.2
-  grouped_timing(cu, have_kernels, wg, 4);   // a quarter of that: top-2 of 8 experts, dropless (every token's slot in each)
+  grouped_checks(cu, checks, have_kernels, wg, wg256);
+  grouped_timing(cu, have_kernels, wg, wg256, 1);   // capacity 1.2
+  grouped_timing(cu, have_kernels, wg, wg256, 4);   // a quarter of that: top-2 of 8 experts, dropless (every token's slot in each)
   nccl_checks(cu, checks, have_kernels);
   if (!rt_cuda_destroy(cu)) checks.fail("runtime released (reported above)");
   int total = checks.checks + kernel_checks.checks, failed = checks.failures + kernel_checks.failures;

@@ -397,7 +397,8 @@ if bf16_built tinyq_bf16 && bf16_built lm_tc_bf16; then
   # The same GEMM on Hopper's warpgroup MMA (mk_expert_gemm_wg, its wgmma emulated through the
   # descriptors): the program carries it (built for sm_90) and, the fake device being sm_90, runs
   # it once the session's check at the start found it equal to mk_expert_gemm_tc; with
-  # MOERT_CUDA_WGMMA=0 the mma.sync kernel runs (the same losses, --dump within 1e-3), and a wgmma
+  # MOERT_CUDA_WGMMA=0 the mma.sync kernel runs (the same losses, --dump within 1e-3), with
+  # MOERT_CUDA_WG_N=256 the kernel of 128 x 256 tiles (the same losses), and a wgmma
   # kernel one element off at the check (MOERT_FAKE_WG_WRONG=1) is turned down, the device line
   # says why, and the program trains on mma.sync to the same losses.
   if grep -q 'tensor cores, wgmma; not cuBLASLt' "$WORK/tq_moec.out" &&
@@ -406,10 +407,13 @@ if bf16_built tinyq_bf16 && bf16_built lm_tc_bf16; then
      same_losses "$WORK/tq_mma.out" "$WORK/tq_moec.out" 1e-5 &&
      MOERT_CUDA_WGMMA=0 MOERT_CUDA_GROUPED=moec run tinyq_bf16 cuda 1 --steps 1 --dump tq_mma.dump &&
      why=$(compare_dumps "$WORK/tq_mma.dump" "$WORK/tq_moec.dump" 1e-3) &&
+     MOERT_CUDA_WG_N=256 MOERT_CUDA_GROUPED=moec run tinyq_bf16 cuda 1 --steps 3 &&
+     grep -q 'tensor cores, wgmma on 128 x 256 tiles; not cuBLASLt' "$WORK/tinyq_bf16.cuda.out" &&
+     same_losses "$WORK/tinyq_bf16.cuda.out" "$WORK/tq_moec.out" 1e-5 &&
      MOERT_FAKE_WG_WRONG=1 MOERT_CUDA_GROUPED=moec run tinyq_bf16 cuda 1 --steps 3 &&
      grep -q 'mma.sync, not wgmma: it differed from mk_expert_gemm_tc at the start' "$WORK/tinyq_bf16.cuda.out" &&
      same_losses "$WORK/tinyq_bf16.cuda.out" "$WORK/tq_moec.out" 1e-5; then
-    ok "cuda host tinyq bf16 on moec's grouped GEMM on wgmma: used after the check at the start, the mma.sync kernel's losses (1e-5) and --dump ($why); a wgmma kernel one element off is turned down at the start"
+    ok "cuda host tinyq bf16 on moec's grouped GEMM on wgmma: used after the check at the start, the mma.sync kernel's losses (1e-5) and --dump ($why), on 128 x 256 tiles too (MOERT_CUDA_WG_N=256); a wgmma kernel one element off is turned down at the start"
   else
     bad "cuda host tinyq bf16 on moec's grouped GEMM on wgmma" \
       "${why:-$(grep -h 'device\|^step\|rror' "$WORK/tq_moec.out" "$WORK/tq_mma.out" "$WORK/tinyq_bf16.cuda.out" 2>/dev/null | head -n 12)}"

@@ -603,12 +603,12 @@ template <class Launcher> void run_kernel_cases(Launcher &L, Checks &c) {
     // gradient (ta) over 3 k steps, one expert with no rows. c starts at 7: the rows past a
     // count must stay (!ta); the slots past a count hold NaN in both operands of the weight
     // gradient (summing one shows). The grid (3 blocks) is smaller than the tiles.
-    // The same forms on Hopper's warpgroup MMA (mk_expert_gemm_wg: 256 threads, its dynamic shared
-    // memory) where the launcher has it (L.wg: the emulation always, a GPU of compute capability
-    // 9.0), with k over several of its steps of 64 (4, 3 and 3: the copies two steps ahead, a
-    // partial last step).
-    for (int form = 0; form < (L.wg ? 6 : 3); form++) {
-      const bool wg = form >= 3;
+    // The same forms on Hopper's warpgroup MMA (mk_expert_gemm_wg, then _wg256: 256 threads, their
+    // dynamic shared memory) where the launcher has them (L.wg: the emulation always, a GPU of
+    // compute capability 9.0), with k over several of their steps of 64 (4, 3 and 3: the copies two
+    // steps ahead, a partial last step).
+    for (int form = 0; form < (L.wg ? 9 : 3); form++) {
+      const bool wg = form >= 3, wide = form >= 6;
       const int f = form % 3;
       const bool ta = f == 2, tb = f == 1;
       const int e = 2, blocks = f == 1 ? 2 : 1;
@@ -643,11 +643,15 @@ template <class Launcher> void run_kernel_cases(Launcher &L, Checks &c) {
           }
         }
       if (wg) {
-        LAUNCH_SHARED(3, 256, MK_WG_SHARED, mk_expert_gemm_wg, a16, b16, got, counts, e, m, n, k, (int)ta, (int)tb, blocks);
-        c.near(f == 0   ? "expert GEMM on wgmma over the counted rows (mk_expert_gemm_wg: 2 x 2 tiles, 4 k steps)"
-               : f == 1 ? "expert GEMM on wgmma, tb, blocks 2 (an empty one), n 21, 3 k steps"
-                        : "expert GEMM on wgmma, a weight gradient (ta) over the counted slots (3 k steps), an expert of none",
-               want, got, 1e-3);
+        if (wide)
+          LAUNCH_SHARED(3, 256, MK_WG_SHARED(256), mk_expert_gemm_wg256, a16, b16, got, counts, e, m, n, k, (int)ta, (int)tb, blocks);
+        else
+          LAUNCH_SHARED(3, 256, MK_WG_SHARED(128), mk_expert_gemm_wg, a16, b16, got, counts, e, m, n, k, (int)ta, (int)tb, blocks);
+        std::string name = std::string("expert GEMM on wgmma") + (wide ? " (128 x 256 tiles)" : "") +
+                           (f == 0   ? " over the counted rows (2 row tiles, 4 k steps)"
+                            : f == 1 ? ", tb, blocks 2 (an empty one), n 21, 3 k steps"
+                                     : ", a weight gradient (ta) over the counted slots (3 k steps), an expert of none");
+        c.near(name.c_str(), want, got, 1e-3);
         continue;
       }
       LAUNCH(3, 128, mk_expert_gemm_tc, a16, b16, got, counts, e, m, n, k, (int)ta, (int)tb, blocks);

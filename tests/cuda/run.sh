@@ -95,16 +95,18 @@ check "library (every kernel)" --library "" sm_80 sm_90
 # moec's grouped GEMM on wgmma, the unit of its own a program for sm_90 embeds, for sm_90a; and
 # ptxas's report of it (nvcc, where the toolkit has it): no spills, no MMA the compiler had to
 # serialise (a "wgmma serialization" remark: its accumulators touched between the MMAs in flight).
-check "mk_expert_gemm_wg (wgmma)" --wg 1 sm_90a
+check "mk_expert_gemm_wg, _wg256 (wgmma)" --wg 2 sm_90a
 if [ -x "$CUDA/bin/nvcc" ]; then
   "$CHECK" --print-wg >"$WORK/wg.cu"
   if "$CUDA/bin/nvcc" -arch=sm_90a -cubin -std=c++17 --fmad=false -Xptxas -v -w -o "$WORK/wg.cubin" "$WORK/wg.cu" \
        >"$WORK/ptxas" 2>&1; then
-    regs=$(sed -n 's/.*Used \([0-9]*\) registers.*/\1/p' "$WORK/ptxas" | head -n 1)
-    if grep -q ' 0 bytes spill stores, 0 bytes spill loads' "$WORK/ptxas" && ! grep -qi 'serializ\|C75[0-9][0-9]' "$WORK/ptxas"; then
-      echo "ok    cuda kernels mk_expert_gemm_wg sm_90a: ptxas $regs registers, no spills, no serialised MMA"
+    regs=$(sed -n 's/.*Used \([0-9]*\) registers.*/\1/p' "$WORK/ptxas" | paste -sd/)
+    kernels=$(grep -c 'spill stores' "$WORK/ptxas")
+    if [ "$kernels" = 2 ] && [ "$(grep -c ' 0 bytes spill stores, 0 bytes spill loads' "$WORK/ptxas")" = 2 ] &&
+       ! grep -qi 'serializ\|C75[0-9][0-9]' "$WORK/ptxas"; then
+      echo "ok    cuda kernels mk_expert_gemm_wg, _wg256 sm_90a: ptxas $regs registers, no spills, no serialised MMA"
     else
-      echo "FAIL  cuda kernels mk_expert_gemm_wg sm_90a: ptxas reports spills or serialised MMAs"
+      echo "FAIL  cuda kernels mk_expert_gemm_wg, _wg256 sm_90a: ptxas reports spills or serialised MMAs ($kernels kernels)"
       grep -i 'spill\|serializ\|C75\|registers' "$WORK/ptxas" | sed 's/^/      /' | head -n 12
       status=1
     fi
