@@ -7,8 +7,10 @@
 # sources; one blank line ending a kernel, and one ending the prelude, is dropped (the emitter
 # prints a blank line after each). Used by the Makefile:
 #   awk -f mk/embed_cuda.awk codegen/cuda/prelude.cu codegen/cuda/FAMILY.cu... > build/gen/cuda_kernels.inc
+# A line as the inside of a C string literal. A backslash becomes two: "\\\\\\\\" is the replacement text
+# \\\\, which gsub turns into two backslashes in gawk and mawk alike ("\\\\" would give one).
 function quote(s) {
-  gsub(/\\/, "\\\\", s)
+  gsub(/\\/, "\\\\\\\\", s)
   gsub(/"/, "\\\"", s)
   return s
 }
