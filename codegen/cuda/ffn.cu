@@ -694,8 +694,8 @@ extern "C" __global__ void mk_expert_gemm_wg(const u16 *a, const u16 *b, float *
 
 // ---- mk_expert_gemm_wg256 ----
 // mk_expert_gemm_wg on tiles of 128 x 256 (each warpgroup's MMAs m64n256k16, 128 accumulators a
-// thread; b's buffers twice as large: MK_WG_SHARED(256) of shared memory): b's tile read from memory
-// once for twice the rows of c, which a GPU session's timing lines set against the 128-wide tiles
+// thread; b's buffers twice as large: MK_WG_SHARED(256) of shared memory): a's tile read from L2
+// once for twice the columns of c, which a GPU session's timing lines set against the 128-wide tiles
 // (tests/cuda/gpu_check.cpp; MOERT_CUDA_WG_N=256 runs it in programs).
 extern "C" __global__ void mk_expert_gemm_wg256(const u16 *a, const u16 *b, float *c, const int *rows, int e, int m,
                                                 int n, int k, int ta, int tb, int blocks) {
