@@ -63,7 +63,8 @@ static uint16_t *param16;
 static void *module_image;   // the loaded CUBIN (the fake device reads it while the module lives)
 static bool attn_tc;         // --dtype bf16 with heads a multiple of 16 up to 128: mk_attn_tc_* (as a bf16 program)
 static CUfunction gemm_tc;   // --dtype bf16: moec's grouped GEMM (mk_expert_gemm_tc), as a bf16 program hands it over
-static CUfunction gemm_wg;   // on sm_90: mk_expert_gemm_wg, run in gemm_tc's place (NULL: none)
+static bool gemm_wg;           // on sm_90: the wgmma kernel runs in gemm_tc's place (rt_cuda_wg_start)
+static char gemm_wg_why[256];  // gemm_wg: which kernel; else why not
 static CUfunction gemm_counts;   // mk_expert_counts (_bf16 for --dtype bf16): what counts the rows before it
 static char kernels_line[400];   // what the kernel sweeps launch, for rank 0's preamble
 
@@ -241,10 +242,11 @@ static double expert_gemm(int experts, int slots, int filled, int k, int n, char
   CUfunction tc = gemm_type == RT_CUDA_BF16 ? gemm_tc : NULL;
   char why[256];
   RtRowsGemm path = rt_cuda_rows_gemm(gpu, tc != NULL, why, sizeof why);
+  char moec_what[400];
+  snprintf(moec_what, sizeof moec_what, "moec's grouped GEMM on tensor cores, %s%s", gemm_wg ? "" : "mma.sync, not wgmma: ",
+           gemm_wg_why);
   snprintf(what, what_size, "%s", path == RT_ROWS_CUBLASLT ? (why[0] ? why : "cuBLASLt's grouped GEMM")
-                                  : path == RT_ROWS_MOEC   ? (gemm_wg ? "moec's grouped GEMM on tensor cores, wgmma"
-                                                                      : "moec's grouped GEMM on tensor cores")
-                                                           : "the padded GEMM");
+                                  : path == RT_ROWS_MOEC   ? moec_what : "the padded GEMM");
   double runs[RUNS];
   int reps = rt_cuda_device(gpu)->emulated ? 1 : GPU_REPS;   // the fake device's times say nothing
   for (int r = -1; r < RUNS; r++) {
@@ -315,22 +317,20 @@ static bool load_kernels(Tune *t) {
     return false;
   }
   if (gemm_type == RT_CUDA_BF16 && !(gemm_tc = rt_cuda_kernel(gpu, "mk_expert_gemm_tc"))) return false;
-  // On sm_90 a bf16 program runs moec's grouped GEMM on wgmma (runtime/cuda/session.c, after its
-  // check at the start): so do the sweeps, unless MOERT_CUDA_WGMMA=0.
-  const char *wg_env = getenv("MOERT_CUDA_WGMMA");
-  if (gemm_type == RT_CUDA_BF16 && rt_cuda_device(gpu)->arch == 90 && !(wg_env && strcmp(wg_env, "0") == 0)) {
-    char *wsrc = NULL, *wptx = NULL;
-    size_t wn = 0, wcubin_size = 0, wptx_size = 0;
+  // On sm_90 a bf16 program runs moec's grouped GEMM on wgmma once it agreed with gemm_tc
+  // (runtime/cuda/session.c's rt_cuda_wg_start): so do the sweeps, after the same check.
+  if (gemm_type == RT_CUDA_BF16) {
     void *wcubin = NULL;
+    size_t wcubin_size = 0;
     bool wcached = false;
-    FILE *w = open_memstream(&wsrc, &wn);
-    if (w) {
-      cg_emit_cuda_wg(w);
-      fclose(w);
-    }
-    if (wsrc && cg_nvrtc_images_cached(&diag, wsrc, "sm_90a", &wcubin, &wcubin_size, &wptx, &wptx_size, &wcached))
-      rt_cuda_use_wg(gpu, gemm_wg = rt_cuda_load_wg(gpu, wcubin, rt_cuda_wg_width()), rt_cuda_wg_width());
-    free(wsrc), free(wptx), free(wcubin);
+    int wn = 0;
+    if (rt_cuda_device(gpu)->arch != 90)   // rt_cuda_wg_start's reason, without compiling the unit
+      snprintf(gemm_wg_why, sizeof gemm_wg_why, "wgmma runs on sm_90, not sm_%d", rt_cuda_device(gpu)->arch);
+    else if (!cg_nvrtc_wg_cubin(&diag, true, &wcubin, &wcubin_size, &wcached))
+      snprintf(gemm_wg_why, sizeof gemm_wg_why, "its unit did not compile for sm_90a (the error is above)");
+    else if ((gemm_wg = rt_cuda_wg_start(gpu, wcubin, gemm_tc, 0, &wn, gemm_wg_why, sizeof gemm_wg_why)))
+      snprintf(gemm_wg_why, sizeof gemm_wg_why, "%s", wn == 256 ? "wgmma on 128 x 256 tiles" : "wgmma");
+    free(wcubin);   // the module loaded from it keeps its own copy
   }
   if (!(gemm_counts = rt_cuda_kernel(gpu, gemm_type == RT_CUDA_BF16 ? "mk_expert_counts_bf16" : "mk_expert_counts")))
     return false;
@@ -438,7 +438,8 @@ static bool open_gpu(Tune *t, const TuneOptions *o, RtComm *comm, Series *s, con
     while (t->attn_shift > 0 && ((int64_t)t->attn.seq << (ATTN_SIZES - 1 + t->attn_shift)) > ATTN_ROWS_MOST) t->attn_shift--;
     size_t gemm = arena_bytes(shapes, nshapes, world > 1), kernels = kernel_bytes(t);
     rt_cuda_destroy(gpu);
-    gpu = rt_cuda_create(gemm > kernels ? gemm : kernels, 1);
+    size_t most = gemm > kernels ? gemm : kernels;   // and the wgmma kernel's check (load_kernels)
+    gpu = rt_cuda_create(most > RT_CUDA_WG_CHECK_BYTES ? most : RT_CUDA_WG_CHECK_BYTES, 1);
   }
   ok = gpu != NULL;
   MPI_Allreduce(&ok, &all, 1, MPI_INT, MPI_MIN, MPI_COMM_WORLD);

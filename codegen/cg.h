@@ -36,8 +36,9 @@ bool cg_emit_cuda(IrDiag *d, FILE *out, const IrModule *m, const CgLaunches *ls)
 bool cg_emit_cuda_fused_host(IrDiag *d, FILE *out, const IrModule *m, const CgLaunches *ls);
 // The same prelude with every kernel the CUDA target has (the test of the whole library).
 void cg_emit_cuda_library(FILE *out);
-// The unit of mk_expert_gemm_wg alone (the prelude and that kernel), the same for every program:
-// compiled for sm_90a apart from a program's other kernels (wgmma has no portable form).
+// The unit of the wgmma kernels alone (the prelude, mk_expert_gemm_wg and _wg256), the same for
+// every program: compiled for sm_90a apart from a program's other kernels (wgmma has no portable
+// form; cg_nvrtc_wg_cubin).
 void cg_emit_cuda_wg(FILE *out);
 // One line per kernel of the library, `MK_KERNEL(name, syncs)`: syncs is 1 when the kernel
 // calls __syncthreads (directly or through a prelude function), for the host emulation of the
@@ -89,6 +90,10 @@ bool cg_nvrtc_images_cached(IrDiag *d, const char *src, const char *arch, void *
                             size_t *ptx_size, bool *cached);
 // The PTX alone through the build cache (MOEC_CUDA_IMAGES=ptx), from an entry of either.
 bool cg_nvrtc_ptx_cached(IrDiag *d, const char *src, const char *arch, char **ptx, size_t *ptx_size, bool *cached);
+// moec's grouped GEMM on wgmma (cg_emit_cuda_wg's unit) as a CUBIN for sm_90a (malloc'd): through
+// the build cache where cache is set (*cached: from it), else compiled anew (the GPU checks, which
+// test NVRTC itself). What a program embeds and moec tune --target cuda loads.
+bool cg_nvrtc_wg_cubin(IrDiag *d, bool cache, void **cubin, size_t *size, bool *cached);
 
 // ---- targets ----
 // A target is a struct of what a build needs from it, chosen by --target NAME (moec's table in

@@ -5,6 +5,7 @@
 // Built only where the CUDA toolkit is found (the Makefile leaves it out otherwise); links
 // libnvrtc. Options: exact IEEE float (no fast math), so that the kernels match the CPU ones.
 #include <nvrtc.h>
+#include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 
@@ -205,4 +206,22 @@ bool cg_nvrtc_ptx_cached(IrDiag *d, const char *src, const char *arch, char **pt
   if (!cg_nvrtc_ptx(d, src, arch, ptx, ptx_size)) return false;
   cg_cache_put(&alone, "ptx", *ptx, *ptx_size);
   return true;
+}
+
+bool cg_nvrtc_wg_cubin(IrDiag *d, bool cache, void **cubin, size_t *size, bool *cached) {
+  char *src = NULL, *ptx = NULL;
+  size_t n = 0, ptx_size = 0;
+  FILE *f = open_memstream(&src, &n);
+  if (!f) return ir_oom(d);
+  cg_emit_cuda_wg(f);
+  if (fclose(f) != 0) {
+    free(src);
+    return ir_oom(d);
+  }
+  *cached = false;
+  bool ok = cache ? cg_nvrtc_images_cached(d, src, "sm_90a", cubin, size, &ptx, &ptx_size, cached)
+                  : cg_nvrtc_compile(d, src, "sm_90a", cubin, size);
+  free(src);
+  free(ptx);   // compute_90a's PTX, which no GPU but an sm_90 runs: the CUBIN serves it
+  return ok;
 }

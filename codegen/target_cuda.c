@@ -64,17 +64,9 @@ static bool cuda_images(IrDiag *d, const IrModule *m, const CgLaunches *ls, cons
   bool wg = ok && used[CG_K_EXPERT_GEMM_TC] && strcmp(arch, "sm_90") == 0 && !wg_off();
   free(used);
   if (wg) {
-    char *wsrc = NULL, *wptx = NULL;
-    size_t wn = 0, wptx_size = 0;
     void *wcubin = NULL;
     bool wcached = false;
-    FILE *w = open_memstream(&wsrc, &wn);
-    if (!w) return ir_oom(d);
-    cg_emit_cuda_wg(w);
-    if (fclose(w) != 0) return ir_oom(d);
-    ok = cg_nvrtc_images_cached(d, wsrc, "sm_90a", &wcubin, &img->wg_cubin_size, &wptx, &wptx_size, &wcached);
-    free(wsrc);
-    free(wptx);
+    ok = cg_nvrtc_wg_cubin(d, true, &wcubin, &img->wg_cubin_size, &wcached);
     img->wg_cubin = wcubin;
   }
   return ok;

@@ -781,15 +781,12 @@ RtRowsGemm rt_cuda_rows_gemm(RtCuda *cu, bool tc, char *why, size_t why_size) {
 // mk_expert_gemm_wg's in its place (rt_cuda_use_wg).
 static bool tc_gemm(RtCuda *cu, RtStream s, CUfunction tc, const void *a, const void *b, float *c, int e, int m,
                     int n, int k, bool ta, bool tb, const int *rows, int blocks) {
-  int ta_i = ta, tb_i = tb;
-  void *args[] = {&a, &b, &c, &rows, &e, &m, &n, &k, &ta_i, &tb_i, &blocks};
   bool seen = false;
   for (int i = 0; i < cu->nmoec && !seen; i++) seen = cu->moec_sites[i] == c;
   if (!seen && cu->nmoec < (int)(sizeof cu->moec_sites / sizeof *cu->moec_sites))
     cu->moec_sites[cu->nmoec++] = c;
-  int grid = rt_cuda_tc_grid(e, m, n, ta, blocks);
-  return cu->wg ? rt_cuda_launch(cu, s, cu->wg, grid, 256, RT_CUDA_WG_SHARED(cu->wg_n), args)
-                : rt_cuda_launch(cu, s, tc, grid, 128, 0, args);
+  return rt_cuda_launch_grouped(cu, s, cu->wg ? cu->wg : tc, cu->wg ? cu->wg_n : 0, a, b, c, rows, e, m, n, k, ta,
+                                tb, blocks);
 }
 
 bool rt_cuda_expert_gemm_rows(RtCuda *cu, RtStream s, RtCudaType in, const void *a, const void *b, float *c,

@@ -189,8 +189,26 @@ static inline int rt_cuda_tc_grid(int e, int m, int n, bool ta, int blocks) {
 #define RT_CUDA_WG_SHARED(n) (4 * (16384 + (n) * 128) + 1024)
 CUfunction rt_cuda_load_wg(RtCuda *cu, const void *image, int n);
 void rt_cuda_use_wg(RtCuda *cu, CUfunction wg, int n);
-// MOERT_CUDA_WG_N: which of them a program (session.c) and moec tune run: 128 (unset) or 256.
-int rt_cuda_wg_width(void);
+// One launch of moec's grouped GEMM f on s with mk_expert_gemm_tc's parameters: wn 0 for tc
+// itself (128 threads), else the wgmma kernel of tiles wn wide (256 threads, its shared memory).
+// The one place that knows the kernels' launch geometry (rt_cuda.c, the fake device, session.c).
+static inline bool rt_cuda_launch_grouped(RtCuda *cu, RtStream s, CUfunction f, int wn, const void *a, const void *b,
+                                          float *c, const int *rows, int e, int m, int n, int k, bool ta, bool tb,
+                                          int blocks) {
+  int ta_i = ta, tb_i = tb;
+  void *args[] = {&a, &b, &c, &rows, &e, &m, &n, &k, &ta_i, &tb_i, &blocks};
+  return rt_cuda_launch(cu, s, f, rt_cuda_tc_grid(e, m, n, ta, blocks), wn ? 256 : 128,
+                        wn ? RT_CUDA_WG_SHARED(wn) : 0, args);
+}
+// Where moec's grouped GEMM runs (runtime/cuda/session.c): the wgmma kernel of image (a CUBIN of
+// cg_nvrtc_wg_cubin) in tc's place, when the GPU is sm_90, MOERT_CUDA_WGMMA is not 0, the kernel of
+// MOERT_CUDA_WG_N's tiles (128, unset, or 256) loads and it agrees with tc on random operands in
+// the three forms the programs use: rt_cuda_use_wg'd, *wn its width. Else false and tc stays, with
+// the reason in why. The check borrows RT_CUDA_WG_CHECK_BYTES of the arena past its first `keep`
+// bytes (a program's block), which it leaves where they were; the rest of the arena is reset.
+// A program and moec tune --target cuda call it alike, so tune times the kernel programs run.
+enum { RT_CUDA_WG_CHECK_BYTES = 1 << 20 };
+bool rt_cuda_wg_start(RtCuda *cu, const void *image, CUfunction tc, size_t keep, int *wn, char *why, size_t why_size);
 // Whether cuBLASLt's grouped GEMM is there (and not turned off); into why, why not.
 bool rt_cuda_grouped_gemms(RtCuda *cu, char *why, size_t why_size);
 // The call sites of rt_cuda_expert_gemm_rows met so far that run cuBLASLt's grouped GEMM; *padded: those

@@ -44,10 +44,7 @@ static const void *choose_image(const RtCudaProgram *p, const RtCudaDevice *d) {
 // of 64; blocks 2 with tb, an empty block and n 24; a weight gradient over three k steps, an
 // expert of none), and it is used only where every element agrees with mk_expert_gemm_tc's to
 // 1e-3 of the largest (the sums' order differs; a wrong layout is off by the elements' size).
-enum { WG_CHECK_BYTES = 1 << 20 };   // the device memory the check borrows, past the program's block
-
-static bool wg_agrees(RtCudaSession *s, CUfunction tc, CUfunction wg, int wn, char *why, size_t why_size) {
-  RtCuda *cu = s->cu;
+static bool wg_agrees(RtCuda *cu, size_t keep, CUfunction tc, CUfunction wg, int wn, char *why, size_t why_size) {
   static const int shape[3][6] = {{136, 72, 200, 1, 136, 3}, {48, 24, 136, 2, 0, 24}, {24, 40, 200, 1, 150, 0}};
   static const int more[2] = {17, 5};   // form 1's last two blocks
   uint32_t seed = 12345u;
@@ -59,7 +56,7 @@ static bool wg_agrees(RtCudaSession *s, CUfunction tc, CUfunction wg, int wn, ch
     size_t bytes = (na + nb) * 2 + 2 * nc * sizeof(float) + 2 * (size_t)groups * sizeof(int) + 6 * 256;   // + alignment
     uint16_t *h = malloc((na + nb) * 2);
     float *ct = malloc(nc * sizeof(float)), *cw = malloc(nc * sizeof(float));
-    if (!h || !ct || !cw || bytes > WG_CHECK_BYTES) {
+    if (!h || !ct || !cw || bytes > RT_CUDA_WG_CHECK_BYTES) {
       free(h), free(ct), free(cw);
       snprintf(why, why_size, "its check at the start could not be set up");
       return false;
@@ -71,24 +68,21 @@ static bool wg_agrees(RtCudaSession *s, CUfunction tc, CUfunction wg, int wn, ch
     int cnt[8];
     for (int x = 0; x < groups; x++) cnt[x] = counts[x], cnt[groups + x] = counts[x] > 0 ? counts[x] : 1;
     rt_cuda_arena_reset(cu);
-    (void)rt_cuda_alloc(cu, s->program->device_bytes);   // the program's block stays where it was
+    (void)rt_cuda_alloc(cu, keep);   // the program's block stays where it was
     unsigned char *da = rt_cuda_alloc(cu, na * 2), *db = rt_cuda_alloc(cu, nb * 2);
     float *dt = rt_cuda_alloc(cu, nc * sizeof(float)), *dw = rt_cuda_alloc(cu, nc * sizeof(float));
     int *dr = rt_cuda_alloc(cu, 2 * (size_t)groups * sizeof(int));
-    int grid = rt_cuda_tc_grid(e, m, n, ta, blocks);
-    void *args_t[] = {&da, &db, &dt, &dr, &e, &m, &n, &k, &ta, &tb, &blocks};
-    void *args_w[] = {&da, &db, &dw, &dr, &e, &m, &n, &k, &ta, &tb, &blocks};
-    bool ok = da && db && dt && dw && dr && rt_cuda_to_device(cu, RT_STREAM_COMPUTE, da, h, na * 2) &&
-              rt_cuda_to_device(cu, RT_STREAM_COMPUTE, db, h + na, nb * 2) &&
-              rt_cuda_to_device(cu, RT_STREAM_COMPUTE, dr, cnt, 2 * (size_t)groups * sizeof(int)) &&
-              rt_cuda_zero(cu, RT_STREAM_COMPUTE, dt, nc * sizeof(float)) &&
-              rt_cuda_zero(cu, RT_STREAM_COMPUTE, dw, nc * sizeof(float)) &&
-              rt_cuda_launch(cu, RT_STREAM_COMPUTE, tc, grid, 128, 0, args_t) &&
-              rt_cuda_launch(cu, RT_STREAM_COMPUTE, wg, grid, 256, RT_CUDA_WG_SHARED(wn), args_w) &&
-              rt_cuda_to_host(cu, RT_STREAM_COMPUTE, ct, dt, nc * sizeof(float)) &&
-              rt_cuda_to_host(cu, RT_STREAM_COMPUTE, cw, dw, nc * sizeof(float)) && rt_cuda_sync(cu, RT_STREAM_COMPUTE);
+    RtStream c = RT_STREAM_COMPUTE;
+    bool ok = da && db && dt && dw && dr && rt_cuda_to_device(cu, c, da, h, na * 2) &&
+              rt_cuda_to_device(cu, c, db, h + na, nb * 2) &&
+              rt_cuda_to_device(cu, c, dr, cnt, 2 * (size_t)groups * sizeof(int)) &&
+              rt_cuda_zero(cu, c, dt, nc * sizeof(float)) && rt_cuda_zero(cu, c, dw, nc * sizeof(float)) &&
+              rt_cuda_launch_grouped(cu, c, tc, 0, da, db, dt, dr, e, m, n, k, ta, tb, blocks) &&
+              rt_cuda_launch_grouped(cu, c, wg, wn, da, db, dw, dr, e, m, n, k, ta, tb, blocks) &&
+              rt_cuda_to_host(cu, c, ct, dt, nc * sizeof(float)) && rt_cuda_to_host(cu, c, cw, dw, nc * sizeof(float)) &&
+              rt_cuda_sync(cu, c);
     rt_cuda_arena_reset(cu);
-    (void)rt_cuda_alloc(cu, s->program->device_bytes);
+    (void)rt_cuda_alloc(cu, keep);
     double big = 0.0;
     size_t bad = nc;
     for (size_t i = 0; ok && i < nc; i++) big = fabs(ct[i]) > big ? fabs(ct[i]) : big;
@@ -107,8 +101,9 @@ static bool wg_agrees(RtCudaSession *s, CUfunction tc, CUfunction wg, int wn, ch
 }
 
 // MOERT_CUDA_WG_N: the wgmma kernel's tile width, 128 (mk_expert_gemm_wg, unset) or 256
-// (mk_expert_gemm_wg256); anything else is said on stderr and 128 runs.
-int rt_cuda_wg_width(void) {
+// (mk_expert_gemm_wg256); anything else is said on stderr (once: rt_cuda_wg_start reads it once
+// per session) and 128 runs.
+static int wg_width(void) {
   const char *v = getenv("MOERT_CUDA_WG_N");
   if (!v || !*v || strcmp(v, "128") == 0)
     return 128;
@@ -118,28 +113,22 @@ int rt_cuda_wg_width(void) {
   return 128;
 }
 
-// Where moec's grouped GEMM runs (tc: the program's mk_expert_gemm_tc): on wgmma when the program
-// carries the wgmma kernels' module, the GPU is sm_90, MOERT_CUDA_WGMMA is not 0, the kernel of
-// rt_cuda_wg_width's tiles loads and it agrees with tc (*wn: that width); into why, the reason it
-// does not.
-static bool use_wg(RtCudaSession *s, CUfunction tc, int *wn, char *why, size_t why_size) {
-  const RtCudaProgram *p = s->program;
+bool rt_cuda_wg_start(RtCuda *cu, const void *image, CUfunction tc, size_t keep, int *wn, char *why, size_t why_size) {
   const char *env = getenv("MOERT_CUDA_WGMMA");
-  int arch = rt_cuda_device(s->cu)->arch;
+  int arch = rt_cuda_device(cu)->arch;
   CUfunction wg = NULL;
-  *wn = rt_cuda_wg_width();
-  if (!p->wg_cubin)
-    snprintf(why, why_size, "the program has no wgmma kernel (built for sm_%d)", p->cubin_arch);
+  *wn = 0;
+  if (!image || !tc)
+    snprintf(why, why_size, "no wgmma kernel or no mk_expert_gemm_tc to check it against");
   else if (arch != 90)
     snprintf(why, why_size, "wgmma runs on sm_90, not sm_%d", arch);
   else if (env && strcmp(env, "0") == 0)
     snprintf(why, why_size, "MOERT_CUDA_WGMMA=0");
-  else if (!(wg = rt_cuda_load_wg(s->cu, p->wg_cubin, *wn)))
+  else if (!(wg = rt_cuda_load_wg(cu, image, *wn = wg_width())))
     snprintf(why, why_size, "its module did not load (the CUDA error is above)");
-  else if (wg_agrees(s, tc, wg, *wn, why, why_size))
-    rt_cuda_use_wg(s->cu, wg, *wn);
-  else
+  else if (!wg_agrees(cu, keep, tc, wg, *wn, why, why_size))
     wg = NULL;
+  rt_cuda_use_wg(cu, wg, wg ? *wn : 0);
   return wg != NULL;
 }
 
@@ -149,7 +138,7 @@ static int setup(RtCudaSession *s) {
   if (!rt_cuda_probe(why, sizeof why))
     return rt_fail("no GPU: %s. This binary was built by 'moec build --target cuda'; build the "
                    "model with --target cpu to train on the CPU", why);
-  if (!(s->cu = rt_cuda_create(p->device_bytes + (p->wg_cubin ? WG_CHECK_BYTES : 0), p->events)))
+  if (!(s->cu = rt_cuda_create(p->device_bytes + (p->wg_cubin ? RT_CUDA_WG_CHECK_BYTES : 0), p->events)))
     return rt_fail("the GPU could not be set up with %zu bytes of device memory (the CUDA error "
                    "is above)", p->device_bytes);
   const RtCudaDevice *d = rt_cuda_device(s->cu);
@@ -175,8 +164,12 @@ static int setup(RtCudaSession *s) {
     for (int k = 0; k < p->nkernels; k++)
       if (strcmp(p->kernel_names[k], "mk_expert_gemm_tc") == 0) tc = s->kernels[k];
     RtRowsGemm path = rt_cuda_rows_gemm(s->cu, tc != NULL, why, sizeof why);
-    int wn = 128;
-    bool wg = path == RT_ROWS_MOEC && use_wg(s, tc, &wn, wg_why, sizeof wg_why);
+    int wn = 0;
+    bool wg = false;
+    if (path == RT_ROWS_MOEC && !p->wg_cubin)
+      snprintf(wg_why, sizeof wg_why, "the program has no wgmma kernel (built for sm_%d)", p->cubin_arch);
+    else if (path == RT_ROWS_MOEC)
+      wg = rt_cuda_wg_start(s->cu, p->wg_cubin, tc, p->device_bytes, &wn, wg_why, sizeof wg_why);
     if (path == RT_ROWS_CUBLASLT)
       snprintf(s->description + len, sizeof s->description - len, "; %d expert GEMMs a step over their filled rows (%s)",
                p->row_gemms, why[0] ? why : "cuBLASLt's grouped GEMM");

@@ -105,6 +105,7 @@ struct RtCuda {
   std::set<const float *> moec_sites;  // the results of the calls that ran moec's grouped GEMM
   std::set<CUfunction> wg_loaded;      // rt_cuda_load_wg's: the kernels allowed more than 48 KiB of shared memory
   CUfunction wg = nullptr;             // rt_cuda_use_wg's
+  bool wg_wrong = false;               // MOERT_FAKE_WG_WRONG=1 (read at rt_cuda_create): see launch
   int wg_n = 0;
 };
 
@@ -121,6 +122,8 @@ RtCuda *rt_cuda_create(size_t arena_bytes, int nevents) {
   cu->device.driver_version = CUDA_VERSION;
   cu->device.multiprocessors = 1;
   cu->device.emulated = true;
+  const char *wrong = getenv("MOERT_FAKE_WG_WRONG");
+  cu->wg_wrong = wrong && strcmp(wrong, "1") == 0;
   cu->device.memory_bytes = arena_bytes;
   cu->arena_bytes = arena_bytes;
   cu->recorded.assign(nevents > 0 ? (size_t)nevents : 0, false);
@@ -681,8 +684,7 @@ static bool launch(RtCuda *cu, RtStream s, CUfunction f, int grid, int block, un
   // MOERT_FAKE_WG_WRONG=1: every launch of rt_cuda_load_wg's kernels outside a capture adds 1 to the
   // first element of its result, as a kernel would that reads one wrong value (the tests' proof that
   // the session's check at the start turns it down).
-  const char *wrong = getenv("MOERT_FAKE_WG_WRONG");
-  if (cu->wg_loaded.count(f) && !cu->capture && wrong && strcmp(wrong, "1") == 0) {
+  if (cu->wg_wrong && cu->wg_loaded.count(f) && !cu->capture) {
     if (!k->run(cu, *k, args, grid, block)) return false;
     float *c = *(float **)args[2];
     c[0] += 1.0f;
@@ -826,12 +828,9 @@ bool rt_cuda_expert_gemm_rows(RtCuda *cu, RtStream s, RtCudaType in, const void 
   // MOERT_CUDA_GROUPED=moec asks for it.
   if (e > 0 && rt_cuda_rows_gemm(cu, tc && in == RT_CUDA_BF16, nullptr, 0) == RT_ROWS_MOEC &&
       rt_cuda_tc_fits(in, a, b, m, n, k, ta, tb)) {
-    int ta_i = ta, tb_i = tb;
-    void *args[] = {&a, &b, &c, &rows, &e, &m, &n, &k, &ta_i, &tb_i, &blocks};
     cu->moec_sites.insert(c);
-    int grid = rt_cuda_tc_grid(e, m, n, ta, blocks);
-    return cu->wg ? rt_cuda_launch(cu, s, cu->wg, grid, 256, RT_CUDA_WG_SHARED(cu->wg_n), args)
-                  : rt_cuda_launch(cu, s, tc, grid, 128, 0, args);
+    return rt_cuda_launch_grouped(cu, s, cu->wg ? cu->wg : tc, cu->wg ? cu->wg_n : 0, a, b, c, rows, e, m, n, k, ta,
+                                  tb, blocks);
   }
   const char *short_rows = getenv("MOERT_FAKE_SHORT_ROWS");
   bool shorten = short_rows && strcmp(short_rows, "1") == 0;

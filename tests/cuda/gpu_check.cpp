@@ -155,18 +155,12 @@ static CUfunction load_wg(RtCuda *cu, Checks &c, CUfunction *wg256) {
     printf("# mk_expert_gemm_wg: skipped (wgmma runs on sm_90, this GPU is sm_%d)\n", rt_cuda_device(cu)->arch);
     return nullptr;
   }
-  char *src = nullptr;
-  size_t n = 0;
-  FILE *f = open_memstream(&src, &n);
-  if (f) {
-    cg_emit_cuda_wg(f);
-    fclose(f);
-  }
   IrDiag diag;
   ir_diag_init(&diag, stderr);
   void *cubin = nullptr;
   size_t cubin_size = 0;
-  CUfunction wg = src && cg_nvrtc_compile(&diag, src, "sm_90a", &cubin, &cubin_size) ? rt_cuda_load_wg(cu, cubin, 128) : nullptr;
+  bool cached = false;   // compiled anew: NVRTC itself is under test
+  CUfunction wg = cg_nvrtc_wg_cubin(&diag, false, &cubin, &cubin_size, &cached) ? rt_cuda_load_wg(cu, cubin, 128) : nullptr;
   if (wg) *wg256 = rt_cuda_load_wg(cu, cubin, 256);
   if (wg && *wg256)
     c.ok("nvrtc mk_expert_gemm_wg and _wg256 as CUBIN for sm_90a (%zu bytes), %d and %d bytes of shared memory allowed",
@@ -174,7 +168,6 @@ static CUfunction load_wg(RtCuda *cu, Checks &c, CUfunction *wg256) {
   else
     c.fail("nvrtc mk_expert_gemm_wg for sm_90a (reported above)");
   free(cubin);
-  free(src);
   return wg;
 }
 
