@@ -201,6 +201,11 @@ typedef struct CgLaunch {
 // (launch.c's filled rows; unless MOEC_EXPERT_ROWS=gemm or all).
 // CG_LOWER_ROUTE (with CG_LOWER_ROWS): the counts of an order's result come from its routing
 // (mk_expert_counts_route) instead of a scan of the data (MOEC_EXPERT_ROWS=scan: from the data).
+// CG_LOWER_MAP: the orders over slot rows (order.encode, order.decode.grad_y, alone or starting a
+// group) read the slot map of their routing, which their launch's first kernel writes
+// (mk_slot_map: cg_slot_map), instead of a pass over every choice for each 16 rows (the CUDA
+// target unless MOEC_SLOT_MAP=0). An order writes no row past the counts from the routing
+// (CG_LOWER_ROUTE's) only with the map.
 enum {
   CG_LOWER_FUSE = 1,
   CG_LOWER_BF16 = 2,
@@ -208,8 +213,16 @@ enum {
   CG_LOWER_ROWS = 8,
   CG_LOWER_ATTN_TC = 16,
   CG_LOWER_SLOTS = 32,
-  CG_LOWER_ROUTE = 64
+  CG_LOWER_ROUTE = 64,
+  CG_LOWER_MAP = 128
 };
+// Whether op is an order over slot rows (CG_LOWER_MAP's).
+bool cg_slot_map_op(const IrOp *op);
+// Launch l of such an op, its one call the op's kernel alone (`alone`: cg_lower_op's) or a
+// generated kernel of the group the op starts, whose last argument is the map: mk_slot_map into
+// the launch's scratch first (the map of the slot rows, then a witness a chunk of 16 rows), then
+// that call (the library's kernel becomes its _map twin: the map before the result, past 1 last).
+void cg_slot_map(CgLaunch *l, const CgKernelCall *alone);
 // Whether launch l runs attention on tensor cores (CG_LOWER_ATTN_TC).
 bool cg_attn_tc(const CgLaunch *l);
 bool cg_lower(const IrFunc *f, int i, unsigned how, CgLaunch *l);
@@ -247,6 +260,7 @@ struct CgLaunches {   // (cg.h: CgLaunches)
   int nfuncs;
   CgGenKernel *gen;   // the fused groups' kernels, each once
   int ngen;
+  bool slot_map;      // CUDA with CG_LOWER_MAP: a group an order over slot rows starts reads the map
 };
 // NULL (reported on d) when an op has no lowering or memory runs out. With CG_LOWER_FUSE a fused
 // group (passes/fuse.c) is one launch of a generated kernel (cg_lower_fused).

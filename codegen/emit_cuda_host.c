@@ -38,6 +38,7 @@
 // (rt_route_stats, rt_expert_choice_stats, rt_record_stats), so the report means what the
 // CPU's means. A CUDA call that fails inside a step ends the job, naming the op (rt_comm_abort).
 #include <inttypes.h>
+#include <math.h>
 #include <stdarg.h>
 #include <stdlib.h>
 #include <string.h>
@@ -56,6 +57,10 @@ typedef struct Counts {
   int64_t row_counts;      // the kernels that count expert GEMMs' filled rows (mk_expert_counts) or fill past them
   int64_t row_routed;      // the expert GEMMs over counts from the routing (mk_expert_counts_route)
   int64_t row_orders;      // the orders' kernels writing below those counts only
+  int64_t slot_maps;       // the orders' slot maps (mk_slot_map: CG_LOWER_MAP), and the orders over slot rows
+  int64_t slot_orders;
+  double map_bytes;        // about what those orders and their maps read and write to find their choices
+  double scan_bytes;       // what a pass over every choice for each 16 slot rows reads instead (without maps)
   int64_t expert_gemms, row_gemms;   // expert GEMMs, and those over their filled rows
   int64_t attn_ops, attn_tc;          // attention ops (forward, statistics, backward), and those on tensor cores
   int64_t row_guards, row_skips;      // fused groups that read expert GEMMs' counts, and those that skip the rows past them
@@ -713,6 +718,17 @@ static bool emit_op(Host *h, const IrFunc *f, int i, const CgLaunch *lp, IrStrea
   int64_t stats = op->kind == IR_OP_HOOK_RECORD ? stage_place(h, 3 * (int64_t)sizeof(double)) : -1;
   // A split reduction's partial sums: a place of their own (ops on other streams may run beside).
   int64_t scratch = l.scratch_bytes > 0 ? stage_place(h, l.scratch_bytes) : -1;
+  if (cg_slot_map_op(op) && l.ncalls > 0) {   // an order over slot rows: its choices from a map or a pass over all
+    const IrType *rt = &op->result->type;
+    double rows = (double)rt->dim[0] * (double)rt->dim[1], choices = (double)ir_type_numel(&op->args[1].value->type);
+    bool map = l.call[0].kernel == CG_K_SLOT_MAP;
+    Counts *c = &h->count[h->phase];
+    c->slot_maps += map, c->slot_orders++;
+    c->scan_bytes += ceil(rows / 16) * choices * 8;   // idx and loc, each block
+    // the map: idx and loc read, two entries a kept choice written; each row's entry and its
+    // choice's idx and loc read, each chunk's witness and its choice's (the routed kernels)
+    if (map) c->map_bytes += choices * 16 + rows * 12 + ceil(rows / 16) * 12;
+  }
   if (l.rows_order) {   // an order's kernel writing below the counts from the routing only
     h->count[h->phase].row_orders++;
     h->count[h->phase].rows_bytes += l.rows_bytes;
@@ -730,8 +746,9 @@ static bool emit_op(Host *h, const IrFunc *f, int i, const CgLaunch *lp, IrStrea
     h->count[h->phase].row_skips += l.rows_skip;
     h->count[h->phase].rows_bytes += l.rows_bytes;
   }
-  if (l.ncalls == 1 && l.call[0].kernel >= CG_K_COUNT) {   // a fused group
-    double fused = fused_bytes(f, i, &l.call[0]);
+  int last = l.ncalls - 1;   // a fused group's kernel (after its slot map where it has one: cg_slot_map)
+  if (last >= 0 && l.call[last].kernel >= CG_K_COUNT && (last == 0 || l.call[0].kernel == CG_K_SLOT_MAP)) {
+    double fused = fused_bytes(f, i, &l.call[last]);
     h->count[h->phase].kernel_bytes += fused;
     h->count[h->phase].unfused_bytes += op_bytes(f, i, l.nops, h->bf16) - fused;
   } else if (l.ncalls > 0) {
@@ -981,9 +998,9 @@ static int64_t unfused_extra(const Host *h, int64_t op_by_op_casts) {
 // function, then the whole step and the op-by-op count, each between `pre` and `post`.
 static void print_counts(const Host *h, FILE *out, const char *pre, const char *post) {
   int64_t kernels = 0, gemms = 0, comms = 0, row_counts = 0, expert_gemms = 0, row_gemms = 0, attn_ops = 0, attn_tc = 0;
-  int64_t row_routed = 0, row_orders = 0;
+  int64_t row_routed = 0, row_orders = 0, slot_maps = 0, slot_orders = 0;
   int64_t row_guards = 0, row_skips = 0, row_lazy = 0;
-  double rows_bytes = 0.0;
+  double rows_bytes = 0.0, map_bytes = 0.0, scan_bytes = 0.0;
   double bytes = 0.0, gemm_bytes = 0.0, unfused_bytes = 0.0;
   for (int p = 0; p < STEP_COUNT; p++) {
     const Counts *c = &h->count[p];
@@ -995,6 +1012,7 @@ static void print_counts(const Host *h, FILE *out, const char *pre, const char *
     row_counts += c->row_counts, expert_gemms += c->expert_gemms, row_gemms += c->row_gemms, row_routed += c->row_routed, row_orders += c->row_orders;
     attn_ops += c->attn_ops, attn_tc += c->attn_tc;
     row_guards += c->row_guards, row_skips += c->row_skips, row_lazy += c->row_lazy, rows_bytes += c->rows_bytes;
+    slot_maps += c->slot_maps, slot_orders += c->slot_orders, map_bytes += c->map_bytes, scan_bytes += c->scan_bytes;
   }
   double slot_bytes = 0.0;   // dtype bf16: the op-by-op program's casts instead of the copies' casts
   int64_t op_by_op_casts = 0;
@@ -1025,6 +1043,14 @@ static void print_counts(const Host *h, FILE *out, const char *pre, const char *
                  " of the orders' kernels write none past the counts from the routing; "
                  "%.1f MB of the kernel traffic is over the slots' filled rows only%s",
             pre, row_guards, row_skips, row_lazy, row_orders, rows_bytes / 1e6, post);
+  if (slot_maps > 0)
+    fprintf(out, "%sslot maps: %" PRId64 " kernels a step (mk_slot_map) let %" PRId64 " orders over slot rows find their "
+                 "choices in about %.3g MB of reads and writes, not the %.3g MB of a pass over every choice for each 16 "
+                 "rows%s", pre, slot_maps, slot_orders, map_bytes / 1e6, scan_bytes / 1e6, post);
+  else if (slot_orders > 0)
+    fprintf(out, "%sslot maps: none (%s): %" PRId64 " orders over slot rows read %.3g MB of the routing, a pass over every "
+                 "choice for each 16 rows%s", pre, cg_cuda_lowering(h->m) & CG_LOWER_MAP ? "none built" : "MOEC_SLOT_MAP=0",
+            slot_orders, scan_bytes / 1e6, post);
   if (attn_ops > 0)
     fprintf(out, "%sattention: %" PRId64 " of %" PRId64 " ops a step on tensor cores (bf16 operands, fp32 sums)%s%s", pre,
             attn_tc, attn_ops,

@@ -142,6 +142,7 @@ bool cg_bf16_gemms(const IrModule *m) { return strcmp(ir_mod_str(m, "dtype", "fp
 unsigned cg_cuda_lowering(const IrModule *m) {
   const char *rows = getenv("MOEC_EXPERT_ROWS");   // "all": every expert GEMM over all its slots;
   const char *tc = getenv("MOEC_ATTN_TC");          // "0": dtype bf16's attention on the CUDA cores
+  const char *map = getenv("MOEC_SLOT_MAP");        // "0": the orders pass over every choice (no CG_LOWER_MAP)
   bool bf16 = cg_bf16_gemms(m);
   // "gemm": the expert GEMMs over their filled rows, the other kernels over every slot (no CG_LOWER_SLOTS)
   // "scan": every count from the data (no CG_LOWER_ROUTE)
@@ -149,7 +150,7 @@ unsigned cg_cuda_lowering(const IrModule *m) {
          (rows && strcmp(rows, "all") == 0 ? 0 : CG_LOWER_ROWS) |
          (rows && (strcmp(rows, "all") == 0 || strcmp(rows, "scan") == 0) ? 0 : CG_LOWER_ROUTE) |
          (rows && (strcmp(rows, "all") == 0 || strcmp(rows, "gemm") == 0) ? 0 : CG_LOWER_SLOTS) |
-         (bf16 && !(tc && strcmp(tc, "0") == 0) ? CG_LOWER_ATTN_TC : 0);
+         (bf16 && !(tc && strcmp(tc, "0") == 0) ? CG_LOWER_ATTN_TC : 0) | (map && strcmp(map, "0") == 0 ? 0 : CG_LOWER_MAP);
 }
 
 // ---- the expert GEMMs over their filled rows (CG_LOWER_ROWS) ----

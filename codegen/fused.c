@@ -347,12 +347,14 @@ static Grid colsums(FILE *out, const IrFunc *f, int i, int n, const In *in, int 
 // The body of a group that starts with an op of a storing function: that function with the
 // arguments of the op's own kernel (first: cg_lower_op's, lowered once by launch.c), a storer in place of the result that computes
 // the other members per element, on the op's own grid.
+// map: the op reads its launch's slot map (the kernel's parameter `map`, CgLaunches.slot_map);
+// an order over slot rows without it passes none (its pass over every choice).
 static Grid stored(FILE *out, const IrFunc *f, int i, int n, const In *in, int nin, const Stores *st,
-                   const CgLaunch *first, bool routed) {
+                   const CgLaunch *first, bool routed, bool map) {
   const IrOp *op = f->ops[i];
   if (!first || first->ncalls != 1) UNREACHABLE();   // tests/unit checks the IR_STORE rows
   const CgKernelCall *c = &first->call[0];
-  fprintf(out, "  mk_%s_store(", ir_op_store(op->kind));
+  fprintf(out, "  mk_%s_store(%s", ir_op_store(op->kind), map ? "map, " : cg_slot_map_op(op) ? "nullptr, " : "");
   for (int a = 0; a < c->nargs; a++) {
     const CgArg *x = &c->args[a];
     fprintf(out, "%s", !a ? "" : x->kind == CG_ARG_RESULT ? "," : ", ");
@@ -708,11 +710,13 @@ bool cg_lower_fused(IrDiag *d, CgLaunches *ls, const IrFunc *f, int i, bool cpu,
   for (int p = 0; p < st.ncopy && !cpu; p++) fprintf(t.f, ", u16 *h%d", p);
   // a group that starts with an order's store takes a guard only to skip (CgGuard.route): no counts
   bool store = ir_op_store(f->ops[i]->kind), counted = guard && !store;
+  bool map = !cpu && store && ls->slot_map && cg_slot_map_op(f->ops[i]);
   if (counted) fprintf(t.f, ", const int *cnt");   // the counts (mk_expert_counts) of the blocks of slots
+  if (map) fprintf(t.f, ", const int *map");       // the launch's slot map (mk_slot_map)
   if (!cpu) {
     fprintf(t.f, ") {\n");
     if (colsum) grid = colsums(t.f, f, i, n, in, nin, guard);
-    else if (store) grid = stored(t.f, f, i, n, in, nin, &st, first, guard && guard->skip);
+    else if (store) grid = stored(t.f, f, i, n, in, nin, &st, first, guard && guard->skip, map);
     else grid = elements(t.f, f, i, n, in, nin, &st, guard);
     fprintf(t.f, "}\n");
   }
@@ -735,7 +739,7 @@ bool cg_lower_fused(IrDiag *d, CgLaunches *ls, const IrFunc *f, int i, bool cpu,
     memset(k, 0, sizeof *k);
     snprintf(k->name, sizeof k->name, cpu ? "fuse_%d" : "mk_fuse_%d", g);
     k->source = t.s;
-    k->nparams = nin + st.nout + st.ncopy + (counted ? 1 : 0);
+    k->nparams = nin + st.nout + st.ncopy + (counted ? 1 : 0) + (map ? 1 : 0);
     k->syncs = grid.syncs;
     size_t used = 0;
     for (int j = 0; j < n && used < sizeof k->ops; j++)
@@ -749,8 +753,10 @@ bool cg_lower_fused(IrDiag *d, CgLaunches *ls, const IrFunc *f, int i, bool cpu,
   for (int p = 0; p < st.nout; p++) c->args[c->nargs++] = (CgArg){.kind = CG_ARG_RESULT, .index = st.out[p]};
   for (int p = 0; p < st.ncopy; p++) c->args[c->nargs++] = (CgArg){.kind = CG_ARG_COPY, .index = st.copy[p]};
   if (counted) c->args[c->nargs++] = (CgArg){.kind = CG_ARG_SCRATCH};   // the counts' launch: CgLaunch.rows_from
+  if (map) c->args[c->nargs++] = (CgArg){.kind = CG_ARG_SCRATCH};   // the map, written first (cg_slot_map)
   l->rows_guard = counted, l->rows_skip = guard && guard->skip;
   snprintf(l->note, sizeof l->note, "%d ops fused%s", n,
            !guard ? "" : guard->skip ? ", over the filled rows only" : ", the rows past the counts from zeros");
+  if (map) cg_slot_map(l, &first->call[0]);
   return true;
 }

@@ -421,16 +421,17 @@ static bool lazy_gemm(const Filled *F, int k) {
 }
 
 // The routing counts' launch (*j) of launch k when it is an order's (order.encode or
-// order.decode.grad_y alone, or as a group of one writing its bf16 copy) whose result (*v) a GEMM
-// counts from the same routing: a launch that may write no row past those counts.
+// order.decode.grad_y alone, or as a group of one writing its bf16 copy) after its slot map
+// (CG_LOWER_MAP: only the map tells a block whether its rows are past the counts) whose result
+// (*v) a GEMM counts from the same routing: a launch that may write no row past those counts.
 static bool order_rows(const Filled *F, int k, const IrValue **v, int *j) {
   const CgLaunch *l = &F->fl->launch[k];
   const IrOp *op = F->f->ops[F->fl->at[k]];
-  if ((op->kind != IR_OP_ORDER_ENCODE && op->kind != IR_OP_ORDER_DECODE_GRAD_Y) || l->lib != CG_LIB_NONE ||
-      l->nops != 1 || l->ncalls != 1 || !op->result)
+  if (!cg_slot_map_op(op) || l->lib != CG_LIB_NONE || l->nops != 1 || l->ncalls != 2 ||
+      l->call[0].kernel != CG_K_SLOT_MAP || !op->result)
     return false;
-  bool library = l->call[0].kernel == CG_K_ORDER_ENCODE || l->call[0].kernel == CG_K_ORDER_DECODE_GRAD_Y;
-  if (!library && !(l->call[0].kernel >= CG_K_COUNT && F->alone)) return false;
+  bool library = l->call[1].kernel == CG_K_ORDER_ENCODE_MAP || l->call[1].kernel == CG_K_ORDER_DECODE_GRAD_Y_MAP;
+  if (!library && !(l->call[1].kernel >= CG_K_COUNT && F->alone)) return false;
   const IrValue *idx, *loc;
   int z = F->zp[op->result->id];
   if (z < 0 || !route_values(F, z, &idx, &loc) || idx != op->args[1].value || loc != op->args[2].value) return false;
@@ -534,8 +535,8 @@ static bool apply_rows(IrDiag *d, CgLaunches *ls, Filled *F, bool *changed) {
     int j;
     CgLaunch *l = &fl->launch[k];
     if (!order_rows(F, k, &v, &j) || !F->lazy[k]) continue;
-    if (l->call[0].kernel < CG_K_COUNT) {   // the library's kernel: its twin
-      l->call[0].kernel = l->call[0].kernel == CG_K_ORDER_ENCODE ? CG_K_ORDER_ENCODE_ROUTED : CG_K_ORDER_DECODE_GRAD_Y_ROUTED;
+    if (l->call[1].kernel < CG_K_COUNT) {   // the library's kernel: past 0
+      l->call[1].args[l->call[1].nargs - 1].i = 0;
     } else {   // the group of one again, its store told so (a guard only to skip)
       CgLaunch alone, again;
       CgGuard g = {.groups = count_groups(F, j), .rows = count_rows(F, j), .route = true, .skip = true};
@@ -546,9 +547,10 @@ static bool apply_rows(IrDiag *d, CgLaunches *ls, Filled *F, bool *changed) {
       *changed = true;
     }
     l->rows_order = true, l->rows_bytes = 0;   // what it writes of its result: fp32, its bf16 copy or both
-    for (int a = 0; a < l->call[0].nargs; a++)
-      if (l->call[0].args[a].kind == CG_ARG_RESULT || l->call[0].args[a].kind == CG_ARG_COPY)
-        l->rows_bytes += (l->call[0].args[a].kind == CG_ARG_COPY ? 0.5 : 1.0) * (double)ir_type_bytes(&v->type);
+    const CgKernelCall *row = &l->call[l->ncalls - 1];
+    for (int a = 0; a < row->nargs; a++)
+      if (row->args[a].kind == CG_ARG_RESULT || row->args[a].kind == CG_ARG_COPY)
+        l->rows_bytes += (row->args[a].kind == CG_ARG_COPY ? 0.5 : 1.0) * (double)ir_type_bytes(&v->type);
     size_t used = strlen(l->note);
     snprintf(l->note + used, sizeof l->note - used, "%sno row past the counts launch %d takes from the routing",
              used ? "; " : "", j);
@@ -654,7 +656,8 @@ static bool lower_func(IrDiag *d, CgLaunches *ls, const IrFunc *f, unsigned how,
       ok = ir_error_at(d, op->loc, "the %s target cannot emit op '%s'", cpu ? "CPU" : "CUDA",
                        op->kind < IR_OP_COUNT ? ir_op_info[op->kind].name : "?");
     }
-    for (int j = i; ok && j < i + l->nops; j++) l->alone_calls += has[j] ? alone[j].ncalls : 0;
+    for (int j = i; ok && j < i + l->nops; j++)   // (an order's alone: after its slot map)
+      l->alone_calls += has[j] ? alone[j].ncalls + (ls->slot_map && cg_slot_map_op(f->ops[j]) && alone[j].ncalls == 1) : 0;
   }
   free(alone);
   free(has);
@@ -670,6 +673,7 @@ CgLaunches *cg_lower_module(IrDiag *d, const IrModule *m, unsigned how) {
     return NULL;
   }
   ls->nfuncs = m->nfuncs;
+  ls->slot_map = !(how & CG_LOWER_CPU) && (how & CG_LOWER_MAP);
   bool ok = true, changed = false;
   for (int fi = 0; ok && fi < m->nfuncs; fi++) ok = lower_func(d, ls, m->funcs[fi], how, &ls->fn[fi]);
   if (ok && !(how & CG_LOWER_CPU) && (how & CG_LOWER_ROWS) && (how & CG_LOWER_SLOTS)) ok = filled_rows(d, ls, m, how, &changed);

@@ -565,10 +565,41 @@ bool cg_lower_from(const IrFunc *f, int i, unsigned how, const CgLaunch *alone, 
                r.blocks);
     }
   }
+  if ((how & CG_LOWER_MAP) && !(how & CG_LOWER_CPU) && cg_slot_map_op(f->ops[i]) && l->ncalls == 1 &&
+      (l->call[0].kernel == CG_K_ORDER_ENCODE || l->call[0].kernel == CG_K_ORDER_DECODE_GRAD_Y))
+    cg_slot_map(l, &alone->call[0]);
   if (fuse) split_reduction(f->ops[i], l);
   if (how & CG_LOWER_BF16) update_bf16(l);
   if ((how & CG_LOWER_ATTN_TC) && !(how & CG_LOWER_CPU)) attn_tc(l);
   return true;
+}
+
+bool cg_slot_map_op(const IrOp *op) { return op->kind == IR_OP_ORDER_ENCODE || op->kind == IR_OP_ORDER_DECODE_GRAD_Y; }
+
+void cg_slot_map(CgLaunch *l, const CgKernelCall *alone) {
+  CgKernelCall row = l->call[0];
+  int n = alone->nargs;   // ..., s m k e g cap
+  int64_t s = alone->args[n - 6].i, k = alone->args[n - 4].i, e = alone->args[n - 3].i, g = alone->args[n - 2].i,
+          cap = alone->args[n - 1].i, rows = e * (g > 1 ? g : 1) * cap;
+  if (row.kernel == CG_K_ORDER_ENCODE || row.kernel == CG_K_ORDER_DECODE_GRAD_Y) {
+    CgKernelCall twin = {.kernel = row.kernel == CG_K_ORDER_ENCODE ? CG_K_ORDER_ENCODE_MAP : CG_K_ORDER_DECODE_GRAD_Y_MAP,
+                         .grid = row.grid};
+    for (int a = 0; a < row.nargs; a++) {
+      if (row.args[a].kind == CG_ARG_RESULT) arg(&twin, CG_ARG_SCRATCH, 0);
+      twin.args[twin.nargs++] = row.args[a];
+    }
+    INTS(&twin, 1);   // past: every row
+    row = twin;
+  }
+  memset(l->call, 0, sizeof l->call);
+  l->ncalls = 0;
+  CgKernelCall *c = call(l, CG_K_SLOT_MAP, cg_cuda_grid_elems(s * k));
+  arg(c, CG_ARG_OPERAND, 1);   // idx, loc (of the op itself, a group's first member)
+  arg(c, CG_ARG_OPERAND, 2);
+  arg(c, CG_ARG_SCRATCH, 0);
+  INTS(c, s, k, e, g, cap);
+  l->call[l->ncalls++] = row;
+  l->scratch_bytes = (rows + (rows + 15) / 16) * (int64_t)sizeof(int32_t);
 }
 
 int64_t cg_rows_part(int64_t width) { return width >= 32768 ? 1 : 32768 / (width > 0 ? width : 1); }

@@ -27,24 +27,76 @@ __device__ void mk_scatter_choices(const int *idx, const int *loc, const float *
 // ---- prelude: the slot rows and the choices that fill them ----
 // order.encode and order.decode.grad_y write every row of their [e, g*cap, m] result, empty slots
 // zero (no separate zeroing): one block per MK_SLOT_ROWS rows (the rule's grid: blocks y.0*y.1/16).
-// The block finds which kept choice fills each of its rows (from[r], -1: none) by a pass over the
-// choices, then writes its rows whole. With top (two ints), the same pass also finds the last kept
-// location of the blocks of slots (expert and routing group, cap rows each) that its first and its
-// last row fall in: the counts from the routing (mk_expert_counts_route) less one.
+// The block finds which kept choice fills each of its rows (from[r], -1: none), then writes its
+// rows whole. It finds them in the slot map of the routing (mk_slot_map, written by the launch's
+// first kernel: codegen/lower.c's slot_map), or, without one (map NULL: MOEC_SLOT_MAP=0, and the
+// library's mk_order_encode and _decode_grad_y), by a pass over every choice, which costs each
+// block s k reads: (s k)^2 / 16 in all, where the map costs s k + the slots.
 #define MK_SLOT_ROWS 16
-__device__ void mk_slot_choices(const int *idx, const int *loc, int *from, i64 r0, int s, int k, int g, int cap,
-                                int *top = nullptr) {
+
+// The kept choice that fills slot row `slot` by the map, -1: none. An entry counts only when the
+// choice it names is kept and fills that very slot, so the map needs no clearing: an entry this
+// routing did not write (an earlier step's, or never written) names no such choice (kept choices
+// have distinct slots).
+__device__ __forceinline__ int mk_map_choice(const int *map, i64 slot, const int *idx, const int *loc, int s, int k,
+                                             int g, int cap) {
+  int c = map[slot];
+  if (c < 0 || (i64)c >= (i64)s * k || !mk_kept(loc, c, cap)) return -1;
+  return mk_slot(idx, loc, c, mk_group_of(s, g, c / k), cap, g) == slot ? c : -1;
+}
+
+// Whether a kept choice fills one of the MK_SLOT_ROWS slot rows of chunk q, by the map's witness
+// of the chunk (after its `rows` entries: any kept choice of the chunk, checked as above).
+__device__ __forceinline__ bool mk_map_chunk(const int *map, i64 rows, i64 q, const int *idx, const int *loc, int s,
+                                             int k, int g, int cap) {
+  int c = map[rows + q];
+  if (c < 0 || (i64)c >= (i64)s * k || !mk_kept(loc, c, cap)) return false;
+  return mk_slot(idx, loc, c, mk_group_of(s, g, c / k), cap, g) / MK_SLOT_ROWS == q;
+}
+
+// from[r]: the kept choice that fills slot row r0 + r (-1: none). With top (two ints): the last
+// kept location of the blocks of slots (expert and routing group, cap rows each) that the rows'
+// first and last fall in, or INT_MAX where a kept choice lies past the rows in that block of
+// slots (what a kernel writing no row past the counts from the routing needs: whether a row is at
+// or below that last location). With the map, the chunks past the rows' own answer whether one
+// does (the last of them, which may hold the next block's rows too, row by row); without it,
+// one pass over every choice.
+__device__ void mk_slot_choices(const int *map, const int *idx, const int *loc, int *from, i64 r0, i64 rows, int s,
+                                int k, int g, int cap, int *top = nullptr) {
+  __shared__ int past_rows[2];
+  i64 b[2] = {r0 / cap, (r0 + MK_SLOT_ROWS - 1) / cap};
   for (int r = threadIdx.x; r < MK_SLOT_ROWS; r += blockDim.x) from[r] = -1;
-  if (top && threadIdx.x < 2) top[threadIdx.x] = -1;
-  __syncthreads();
-  i64 g0 = r0 / cap, g1 = (r0 + MK_SLOT_ROWS - 1) / cap;
-  for (i64 c = threadIdx.x; c < (i64)s * k; c += blockDim.x) {
-    if (!mk_kept(loc, c, cap)) continue;
-    i64 slot = mk_slot(idx, loc, c, mk_group_of(s, g, (int)(c / k)), cap, g), r = slot - r0;
-    if (r >= 0 && r < MK_SLOT_ROWS) from[r] = (int)c;   // kept choices have distinct slots
-    if (top && slot / cap == g0) atomicMax(&top[0], loc[c]);
-    if (top && slot / cap == g1) atomicMax(&top[1], loc[c]);
+  if (threadIdx.x < 2) {
+    past_rows[threadIdx.x] = 0;
+    if (top) top[threadIdx.x] = -1;
   }
+  __syncthreads();
+  if (map) {
+    for (int r = threadIdx.x; r < MK_SLOT_ROWS; r += blockDim.x)
+      if (r0 + r < rows) from[r] = mk_map_choice(map, r0 + r, idx, loc, s, k, g, cap);
+    for (int x = 0; top && x < 2; x++) {
+      i64 end = (b[x] + 1) * cap, q0 = r0 / MK_SLOT_ROWS + 1, q1 = (end - 1) / MK_SLOT_ROWS;   // q1: may hold more
+      for (i64 q = q0 + threadIdx.x; q < q1; q += blockDim.x)
+        if (mk_map_chunk(map, rows, q, idx, loc, s, k, g, cap)) past_rows[x] = 1;
+      for (i64 r = q1 * MK_SLOT_ROWS + threadIdx.x; q1 >= q0 && r < end; r += blockDim.x)
+        if (mk_map_choice(map, r, idx, loc, s, k, g, cap) >= 0) past_rows[x] = 1;
+    }
+  } else {
+    for (i64 c = threadIdx.x; c < (i64)s * k; c += blockDim.x) {
+      if (!mk_kept(loc, c, cap)) continue;
+      i64 slot = mk_slot(idx, loc, c, mk_group_of(s, g, (int)(c / k)), cap, g), r = slot - r0;
+      if (r >= 0 && r < MK_SLOT_ROWS) from[r] = (int)c;   // kept choices have distinct slots
+      if (top && slot / cap == b[0]) atomicMax(&top[0], loc[c]);
+      if (top && slot / cap == b[1]) atomicMax(&top[1], loc[c]);
+    }
+  }
+  __syncthreads();
+  if (map && top && threadIdx.x == 0)
+    for (int x = 0; x < 2; x++) {
+      if (past_rows[x]) top[x] = 0x7fffffff;
+      for (int r = 0; !past_rows[x] && r < MK_SLOT_ROWS; r++)
+        if (from[r] >= 0 && (r0 + r) / cap == b[x] && loc[from[r]] > top[x]) top[x] = loc[from[r]];
+    }
   __syncthreads();
 }
 
@@ -54,14 +106,15 @@ __device__ void mk_slot_choices(const int *idx, const int *loc, int *from, i64 r
 // codegen/launch.c; NaN where MK_POISON), but each block of slots' row 0 (a weight gradient of an
 // expert nobody was routed to sums it) and the rows of the blocks of slots between the first and
 // the last one of the block's rows (cap below MK_SLOT_ROWS).
-template <class S, class F> __device__ void mk_slot_rows_store(const int *idx, const int *loc, S out, F fill, int s,
-                                                               int m, int k, int e, int g, int cap, bool past = true) {
+template <class S, class F> __device__ void mk_slot_rows_store(const int *map, const int *idx, const int *loc, S out,
+                                                               F fill, int s, int m, int k, int e, int g, int cap,
+                                                               bool past = true) {
   __shared__ int from[MK_SLOT_ROWS], top[2];
   if (g < 1) g = 1;
   i64 rows = (i64)e * g * cap;
   MK_FOR_BLOCKS(b, (rows + MK_SLOT_ROWS - 1) / MK_SLOT_ROWS) {
     i64 r0 = b * MK_SLOT_ROWS, g0 = r0 / cap, g1 = (r0 + MK_SLOT_ROWS - 1) / cap;
-    mk_slot_choices(idx, loc, from, r0, s, k, g, cap, past ? nullptr : top);
+    mk_slot_choices(map, idx, loc, from, r0, rows, s, k, g, cap, past ? nullptr : top);
     for (i64 i = threadIdx.x; i < (i64)MK_SLOT_ROWS * m; i += blockDim.x) {
       i64 r = i / m, col = i % m, at = r0 + r, l = at % cap;
       if (at >= rows) break;
@@ -74,24 +127,43 @@ template <class S, class F> __device__ void mk_slot_rows_store(const int *idx, c
   }
 }
 
+// ---- mk_slot_map ----
+// The slot map of a routing, for the kernels over slot rows of the same launch: map[slot] = the
+// kept choice that fills slot row `slot` of [e, g*cap], and after those rows map[rows + q] = one
+// of the kept choices in chunk q (rows MK_SLOT_ROWS q ..), written by whichever of them stores
+// last. Entries of empty slots and chunks are left as they are (mk_map_choice, mk_map_chunk).
+extern "C" __global__ void mk_slot_map(const int *idx, const int *loc, int *map, int s, int k, int e, int g, int cap) {
+  if (g < 1) g = 1;
+  i64 rows = (i64)e * g * cap;
+  MK_FOR(c, (i64)s * k) {
+    if (!mk_kept(loc, c, cap)) continue;
+    i64 slot = mk_slot(idx, loc, c, mk_group_of(s, g, (int)(c / k)), cap, g);
+    map[slot] = (int)c;
+    map[rows + slot / MK_SLOT_ROWS] = (int)c;
+  }
+}
+
 // ---- prelude: encode over a storer ----
-// The token's row of each kept choice in its slot, the empty slots zero.
-template <class S> __device__ void mk_order_encode_store(const float *x, const int *idx, const int *loc, S out, int s,
-                                                         int m, int k, int e, int g, int cap, bool past = true) {
-  mk_slot_rows_store(idx, loc, out, [&](int c, i64 col) { return x[(i64)(c / k) * m + col]; }, s, m, k, e, g, cap, past);
+// The token's row of each kept choice in its slot, the empty slots zero (map: mk_slot_rows_store's).
+template <class S> __device__ void mk_order_encode_store(const int *map, const float *x, const int *idx, const int *loc,
+                                                         S out, int s, int m, int k, int e, int g, int cap,
+                                                         bool past = true) {
+  mk_slot_rows_store(map, idx, loc, out, [&](int c, i64 col) { return x[(i64)(c / k) * m + col]; }, s, m, k, e, g, cap,
+                     past);
 }
 
 // ---- mk_order_encode ----
 extern "C" __global__ void mk_order_encode(const float *x, const int *idx, const int *loc, float *disp, int s, int m,
                                            int k, int e, int g, int cap) {
-  mk_order_encode_store(x, idx, loc, [&](i64 i, float v) { disp[i] = v; }, s, m, k, e, g, cap);
+  mk_order_encode_store(nullptr, x, idx, loc, [&](i64 i, float v) { disp[i] = v; }, s, m, k, e, g, cap);
 }
 
-// ---- mk_order_encode_routed ----
-// The same, no row written past the counts from the routing but each block of slots' row 0.
-extern "C" __global__ void mk_order_encode_routed(const float *x, const int *idx, const int *loc, float *disp, int s,
-                                                  int m, int k, int e, int g, int cap) {
-  mk_order_encode_store(x, idx, loc, [&](i64 i, float v) { disp[i] = v; }, s, m, k, e, g, cap, false);
+// ---- mk_order_encode_map ----
+// The same from the launch's slot map (mk_slot_map); past 0: no row written past the counts from
+// the routing but each block of slots' row 0.
+extern "C" __global__ void mk_order_encode_map(const float *x, const int *idx, const int *loc, const int *map,
+                                               float *disp, int s, int m, int k, int e, int g, int cap, int past) {
+  mk_order_encode_store(map, x, idx, loc, [&](i64 i, float v) { disp[i] = v; }, s, m, k, e, g, cap, past != 0);
 }
 
 // ---- prelude: the combine's rows, over a storer ----
@@ -146,27 +218,29 @@ extern "C" __global__ void mk_order_decode(const float *y, const int *idx, const
 
 // ---- prelude: decode_grad_y over a storer ----
 // Each kept choice's slot gets gate * dout row (0 + gate * dout, as rt_order_decode_grad_y), the
-// empty slots zero.
-template <class S> __device__ void mk_order_decode_grad_y_store(const float *dout, const int *idx, const int *loc,
-                                                                const float *gates, S out, int s, int m, int k, int e,
-                                                                int g, int cap, bool past = true) {
-  mk_slot_rows_store(idx, loc, out, [&](int c, i64 col) { return 0.0f + gates[c] * dout[(i64)(c / k) * m + col]; }, s, m,
-                     k, e, g, cap, past);
+// empty slots zero (map: mk_slot_rows_store's).
+template <class S> __device__ void mk_order_decode_grad_y_store(const int *map, const float *dout, const int *idx,
+                                                                const int *loc, const float *gates, S out, int s, int m,
+                                                                int k, int e, int g, int cap, bool past = true) {
+  mk_slot_rows_store(map, idx, loc, out, [&](int c, i64 col) { return 0.0f + gates[c] * dout[(i64)(c / k) * m + col]; },
+                     s, m, k, e, g, cap, past);
 }
 
 // ---- mk_order_decode_grad_y ----
 extern "C" __global__ void mk_order_decode_grad_y(const float *dout, const int *idx, const int *loc,
                                                   const float *gates, float *dy, int s, int m, int k, int e, int g,
                                                   int cap) {
-  mk_order_decode_grad_y_store(dout, idx, loc, gates, [&](i64 i, float v) { dy[i] = v; }, s, m, k, e, g, cap);
+  mk_order_decode_grad_y_store(nullptr, dout, idx, loc, gates, [&](i64 i, float v) { dy[i] = v; }, s, m, k, e, g, cap);
 }
 
-// ---- mk_order_decode_grad_y_routed ----
-// The same, no row written past the counts from the routing but each block of slots' row 0.
-extern "C" __global__ void mk_order_decode_grad_y_routed(const float *dout, const int *idx, const int *loc,
-                                                         const float *gates, float *dy, int s, int m, int k, int e,
-                                                         int g, int cap) {
-  mk_order_decode_grad_y_store(dout, idx, loc, gates, [&](i64 i, float v) { dy[i] = v; }, s, m, k, e, g, cap, false);
+// ---- mk_order_decode_grad_y_map ----
+// The same from the launch's slot map (mk_slot_map); past 0: no row written past the counts from
+// the routing but each block of slots' row 0.
+extern "C" __global__ void mk_order_decode_grad_y_map(const float *dout, const int *idx, const int *loc,
+                                                      const float *gates, const int *map, float *dy, int s, int m,
+                                                      int k, int e, int g, int cap, int past) {
+  mk_order_decode_grad_y_store(map, dout, idx, loc, gates, [&](i64 i, float v) { dy[i] = v; }, s, m, k, e, g, cap,
+                               past != 0);
 }
 
 // ---- mk_order_decode_grad_gates ----

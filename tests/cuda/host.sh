@@ -587,14 +587,30 @@ slots_check slots_tiny "8 (8), 8"
 # GEMM's result and bias, and the gradient of the dispatched tokens are written only below them.
 # MOEC_EXPERT_ROWS=scan (every count from the data) keeps them over every slot, and trains to the
 # same bits.
+slots_twin() {   # slots_twin NAME: $WORK/NAME.cuda, a build of slots_gpt, on the batch with tokens of zeros
+  run "$1" cuda 1 --steps 3 --input slots_gpt.zeros.npy --dump "$1.dump" &&   # against every slot's build
+    same_losses "$WORK/$1.cuda.out" "$WORK/slots_gpt_all.cuda.out" 0 && compare_dumps "$WORK/$1.dump" "$WORK/slots_gpt.z.all.dump" 0
+}
 MOEC_EXPERT_ROWS=scan MOEC_CUDA_FAKE=1 "$MOEC" build "$WORK/slots_gpt.moe" --target cuda -v -o "$WORK/slots_scan.cuda" 2>"$WORK/slots_scan.err"
 if grep -q "^# expert slots: 3 fused kernels a step read the counts (2 of them skip the rows past them), 2 expert GEMMs' results" "$WORK/slots_scan.err" &&
-   run slots_scan cuda 1 --steps 3 --input slots_gpt.zeros.npy --dump slots_scan.dump &&
-   same_losses "$WORK/slots_scan.cuda.out" "$WORK/slots_gpt_all.cuda.out" 0 &&
-   why=$(compare_dumps "$WORK/slots_scan.dump" "$WORK/slots_gpt.z.all.dump" 0); then
+   why=$(slots_twin slots_scan); then
   ok "cuda host slots: the dropless GPT layer's counts from the routing (4 kernels skipping, 4 GEMMs not zeroed) against from the data (MOEC_EXPERT_ROWS=scan: 2 and 2), tokens of zeros: the same bits ($why)"
 else
   bad "cuda host slots: counts from the routing against from the data" "$(grep -h '^# expert' "$WORK/slots_scan.err" "$WORK/slots_gpt.err"; tail -n 3 "$WORK/slots_scan.cuda.out")"
+fi
+# The orders' slot maps (CG_LOWER_MAP): order.encode and order.decode.grad_y find the choice that
+# fills each slot row in a map their launch writes first (mk_slot_map), not by a pass over every
+# choice for each 16 rows. Built with MOEC_SLOT_MAP=0 (that pass, and no order skipping rows past
+# the counts: the map is what tells a block so), the dropless GPT layer trains to the same bits,
+# tokens of zeros too; -v says what each finds its choices in.
+MOEC_SLOT_MAP=0 MOEC_CUDA_FAKE=1 "$MOEC" build "$WORK/slots_gpt.moe" --target cuda -v -o "$WORK/slots_nomap.cuda" 2>"$WORK/slots_nomap.err"
+maps=$(sed -n 's/^# slot maps: 2 kernels a step (mk_slot_map) let 2 orders over slot rows find their choices in about \([0-9.e+-]*\) MB of reads and writes, not the \([0-9.e+-]*\) MB of a pass .*/\1 \2/p' "$WORK/slots_gpt.err")
+if [ -n "$maps" ] && awk -v a="${maps% *}" -v b="${maps#* }" 'BEGIN { exit !(a < b) }' &&
+   grep -q "^# slot maps: none (MOEC_SLOT_MAP=0): 2 orders over slot rows read ${maps#* } MB of the routing" "$WORK/slots_nomap.err" &&
+   grep -q "0 of the orders' kernels write none past the counts" "$WORK/slots_nomap.err" && why=$(slots_twin slots_nomap); then
+  ok "cuda host slots: the dropless GPT layer's orders from their slot maps (${maps% *} MB) against a pass over every choice (MOEC_SLOT_MAP=0: ${maps#* } MB), tokens of zeros: the same bits ($why)"
+else
+  bad "cuda host slots: the orders' slot maps against a pass over every choice" "$(grep -h '^# \(slot\|expert\)' "$WORK/slots_nomap.err" "$WORK/slots_gpt.err"; tail -n 3 "$WORK/slots_nomap.cuda.out")"
 fi
 if MOEC_ROWS_UNREAD=all MOEC_CUDA_FAKE=1 "$MOEC" build lang/models/tiny.moe --target cuda --no-fuse -o "$WORK/slots_unread.cuda" 2>"$WORK/slots_unread.err" &&
    ! run slots_unread cuda 1 --steps 3 && grep -q '^step 2 .*loss nan' "$WORK/slots_unread.cuda.out"; then
@@ -608,9 +624,9 @@ fi
 # (codegen/fused.c; on the fake device compiled into the program as host C++); the program trains
 # to the bits of its --no-fuse build (losses and every --dump tensor), launches fewer kernels and
 # moves fewer bytes than op by op (its "unfused" numbers are the --no-fuse build's), launches at
-# most 91 kernels a step besides the ones that count expert GEMMs' filled rows (issue 39: 40 % of
-# the 228 its op-by-op program launched when the issue was filed), and its kernel unit has the
-# generated kernels.
+# most 91 kernels a step besides the ones that count expert GEMMs' filled rows and write the
+# orders' slot maps (issue 39: 40 % of the 228 its op-by-op program launched when the issue was
+# filed, before either existed), and its kernel unit has the generated kernels.
 if MOEC_CUDA_FAKE=1 "$MOEC" build lang/models/gpt_moe_bytes.moe --target cuda -v -o "$WORK/gmbf.cuda" 2>"$WORK/gf.err" &&
    MOEC_CUDA_FAKE=1 "$MOEC" build lang/models/gpt_moe_bytes.moe --target cuda --no-fuse -v -o "$WORK/gmbn.cuda" 2>"$WORK/gn.err" &&
    "$MOEC" build lang/models/gpt_moe_bytes.moe --target cuda --emit cuda -o "$WORK/gmbf.cu" 2>/dev/null &&
@@ -620,14 +636,16 @@ if MOEC_CUDA_FAKE=1 "$MOEC" build lang/models/gpt_moe_bytes.moe --target cuda -v
    mb=$(sed -n 's/^# kernel traffic: \([0-9.]*\) MB per step (unfused: \([0-9.]*\) MB)$/\1 \2/p' "$WORK/gf.err") &&
    groups=$(sed -n 's/^# fuse: \([0-9]*\) ops in \([0-9]*\) fused kernels.*/\2/p' "$WORK/gf.err") &&
    counts=$(sed -n 's/^# expert GEMMs: .*, which \([0-9]*\) of the kernels count (or set the rows past the counts)$/\1/p' "$WORK/gf.err") &&
-   [ -n "$nk" ] && [ -n "$counts" ] && [ "${fk#* }" = "$nk" ] && [ "${fk% *}" -lt "$nk" ] && [ $((${fk% *} - counts)) -le 91 ] &&
+   maps=$(sed -n 's/^# slot maps: \([0-9]*\) kernels a step (mk_slot_map).*/\1/p' "$WORK/gf.err") &&
+   [ -n "$nk" ] && [ -n "$counts" ] && [ -n "$maps" ] && [ "${fk#* }" = "$nk" ] && [ "${fk% *}" -lt "$nk" ] &&
+   [ $((${fk% *} - counts - maps)) -le 91 ] &&
    [ -n "$groups" ] && [ "$groups" -gt 10 ] &&
    awk -v a="${mb% *}" -v b="${mb#* }" 'BEGIN { exit !(a < b) }' &&
    grep -q "^# launches: a step .* kernels move ${mb#* } MB" "$WORK/gn.err" &&
    run gmbf cuda 1 --steps 2 --dump gmbf.dump && run gmbn cuda 1 --steps 2 --dump gmbn.dump &&
    same_losses "$WORK/gmbf.cuda.out" "$WORK/gmbn.cuda.out" 0 &&
    why=$(compare_dumps "$WORK/gmbf.dump" "$WORK/gmbn.dump" 0); then
-  ok "cuda host: gpt_moe_bytes fused ($groups groups: ${fk% *} kernels a step, $counts of them counting rows, ${mb% *} MB) trains as --no-fuse ($nk kernels, ${mb#* } MB): losses and --dump equal ($why)"
+  ok "cuda host: gpt_moe_bytes fused ($groups groups: ${fk% *} kernels a step, $counts of them counting rows, $maps slot maps, ${mb% *} MB) trains as --no-fuse ($nk kernels, ${mb#* } MB): losses and --dump equal ($why)"
 else
   bad "cuda host: gpt_moe_bytes fused against --no-fuse" "$(grep -E 'per step|traffic|fuse' "$WORK/gf.err" "$WORK/gn.err"; tail -n 5 "$WORK/gf.err" "$WORK/gmbf.cuda.out" "$WORK/gmbn.cuda.out" 2>/dev/null)"
 fi
