@@ -54,13 +54,13 @@ __device__ __forceinline__ bool mk_map_chunk(const int *map, i64 rows, i64 q, co
   return mk_slot(idx, loc, c, mk_group_of(s, g, c / k), cap, g) / MK_SLOT_ROWS == q;
 }
 
-// from[r]: the kept choice that fills slot row r0 + r (-1: none). With top (two ints): the last
-// kept location of the blocks of slots (expert and routing group, cap rows each) that the rows'
-// first and last fall in, or INT_MAX where a kept choice lies past the rows in that block of
-// slots (what a kernel writing no row past the counts from the routing needs: whether a row is at
-// or below that last location). With the map, the chunks past the rows' own answer whether one
-// does (the last of them, which may hold the next block's rows too, row by row); without it,
-// one pass over every choice.
+// from[r]: the kept choice that fills slot row r0 + r (-1: none): from the map, or without one a
+// pass over every choice. With top (two ints; the map's only): the last kept location of the
+// blocks of slots (expert and routing group, cap rows each) that the rows' first and last fall
+// in, or INT_MAX where a kept choice lies past the rows in that block of slots (what a kernel
+// writing no row past the counts from the routing needs: whether a row is at or below that last
+// location); the chunks past the rows' own answer whether one does (the last of them, which may
+// hold the next block's rows too, row by row).
 __device__ void mk_slot_choices(const int *map, const int *idx, const int *loc, int *from, i64 r0, i64 rows, int s,
                                 int k, int g, int cap, int *top = nullptr) {
   __shared__ int past_rows[2];
@@ -86,12 +86,10 @@ __device__ void mk_slot_choices(const int *map, const int *idx, const int *loc, 
       if (!mk_kept(loc, c, cap)) continue;
       i64 slot = mk_slot(idx, loc, c, mk_group_of(s, g, (int)(c / k)), cap, g), r = slot - r0;
       if (r >= 0 && r < MK_SLOT_ROWS) from[r] = (int)c;   // kept choices have distinct slots
-      if (top && slot / cap == b[0]) atomicMax(&top[0], loc[c]);
-      if (top && slot / cap == b[1]) atomicMax(&top[1], loc[c]);
     }
   }
   __syncthreads();
-  if (map && top && threadIdx.x == 0)
+  if (top && threadIdx.x == 0)
     for (int x = 0; x < 2; x++) {
       if (past_rows[x]) top[x] = 0x7fffffff;
       for (int r = 0; !past_rows[x] && r < MK_SLOT_ROWS; r++)
@@ -101,8 +99,8 @@ __device__ void mk_slot_choices(const int *map, const int *idx, const int *loc, 
 }
 
 // Every row of [e, g*cap, m] through out(i, v) (a fused kernel writes the bf16 copy there too):
-// the element of a slot that choice c fills is fill(c, col), an empty slot's zero. Without past,
-// the rows past their block of slots' last kept location are not written (nothing reads them:
+// the element of a slot that choice c fills is fill(c, col), an empty slot's zero. Without past
+// (and with the map), the rows past their block of slots' last kept location are not written (nothing reads them:
 // codegen/launch.c; NaN where MK_POISON), but each block of slots' row 0 (a weight gradient of an
 // expert nobody was routed to sums it) and the rows of the blocks of slots between the first and
 // the last one of the block's rows (cap below MK_SLOT_ROWS).
@@ -111,6 +109,7 @@ template <class S, class F> __device__ void mk_slot_rows_store(const int *map, c
                                                                bool past = true) {
   __shared__ int from[MK_SLOT_ROWS], top[2];
   if (g < 1) g = 1;
+  if (!map) past = true;   // only the map tells a block that no kept choice lies past its rows
   i64 rows = (i64)e * g * cap;
   MK_FOR_BLOCKS(b, (rows + MK_SLOT_ROWS - 1) / MK_SLOT_ROWS) {
     i64 r0 = b * MK_SLOT_ROWS, g0 = r0 / cap, g1 = (r0 + MK_SLOT_ROWS - 1) / cap;
