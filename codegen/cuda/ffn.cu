@@ -443,8 +443,8 @@ MK_UNROLL
 // only. They are compiled apart from a program's other kernels, for sm_90a (the architecture-
 // specific target wgmma needs: codegen/target_cuda.c), and the runtime runs one in
 // mk_expert_gemm_tc's place where it loaded and agreed with it at the program's start
-// (runtime/cuda/session.c, use_wg). Elsewhere (sm_80, sm_90's portable module) what follows is
-// compiled out, their bodies are empty and nothing launches them.
+// (runtime/cuda/session.c, rt_cuda_wg_start). Elsewhere (sm_80, sm_90's portable module) what
+// follows is compiled out, their bodies are empty and nothing launches them.
 //   - A block of 256 threads (two warpgroups) takes a 128 x N tile of c, a warpgroup 64 rows of
 //     it (N / 2 accumulators a thread); k goes 64 a step through MK_WG_STAGES buffers of shared
 //     memory, filled by cp.async two steps ahead while the tensor cores multiply the step before
